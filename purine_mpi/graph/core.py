@@ -1,0 +1,348 @@
+"""The bi-graph: blobs (tensors) and ops (operators) joined by edges.
+
+A blob is written by at most one op per iteration (single assignment), except
+when every writer declares ``accumulate`` (then the blob is zeroed before the
+iteration and writers add into it). State that persists across iterations
+(weights, momentum) is updated through *alias* blobs: ``conv1/weight@new``
+aliases the storage of ``conv1/weight``; its writer runs only after every
+other reader of the storage has finished (a write-after-read edge), so a
+graph stays acyclic and the dispatcher never races a reader with an update.
+"""
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..errors import GraphError, ShapeError
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a node lives: an MPI rank (or host ``ip``) and a device (-1 = CPU)."""
+
+    rank: int = 0
+    device: int = -1
+    ip: Optional[str] = None
+
+    def to_dict(self):
+        d = {"rank": self.rank, "device": self.device}
+        if self.ip is not None:
+            d["ip"] = self.ip
+        return d
+
+
+CPU = Location()
+
+
+@dataclass
+class Blob:
+    """A tensor node. ``alias_of`` names the blob whose storage this one shares
+    (``offset`` elements in); ``kind`` is one of data/param/grad/state/lr/iter."""
+
+    name: str
+    shape: Optional[tuple] = None
+    dtype: str = "float32"
+    location: Location = CPU
+    kind: str = "data"
+    alias_of: Optional[str] = None
+    offset: int = 0
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape)) if self.shape is not None else None
+
+    @property
+    def nbytes(self):
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class Op:
+    """An operator node: reads ``inputs`` and writes ``outputs`` (blob names)."""
+
+    name: str
+    op_type: str
+    inputs: list
+    outputs: list
+    attrs: dict = field(default_factory=dict)
+    location: Location = CPU
+    thread: object = 0
+    accumulate: bool = False
+    #: extra predecessor ops (by name) beyond the data edges
+    control_inputs: list = field(default_factory=list)
+
+
+class Graph:
+    """Blobs and ops with the adjacency the dispatcher and passes need."""
+
+    def __init__(self, name="net"):
+        self.name = name
+        self.blobs = {}
+        self.ops = {}  # insertion-ordered: the order ops were emitted
+
+    # ------------------------------------------------------------ building
+    def add_blob(self, name, shape=None, dtype="float32", location=None, kind="data",
+                 exist_ok=False, **kw):
+        if name in self.blobs:
+            if exist_ok:
+                return self.blobs[name]
+            raise GraphError(f"blob '{name}' is defined twice")
+        blob = Blob(name, tuple(shape) if shape is not None else None, str(dtype),
+                    location or CPU, kind, **kw)
+        self.blobs[name] = blob
+        return blob
+
+    def add_op(self, name, op_type, inputs, outputs, attrs=None, location=None,
+               thread=0, accumulate=False, control_inputs=()):
+        if name in self.ops:
+            raise GraphError(f"op '{name}' is defined twice")
+        op = Op(name, op_type, list(inputs), list(outputs), dict(attrs or {}),
+                location or CPU, thread, accumulate, list(control_inputs))
+        for b in op.inputs + op.outputs:
+            if b not in self.blobs:
+                self.add_blob(b, location=op.location)
+        self.ops[name] = op
+        return op
+
+    def remove_op(self, name):
+        del self.ops[name]
+
+    def copy(self):
+        import copy
+        return copy.deepcopy(self)
+
+    # ----------------------------------------------------------- adjacency
+    def producers(self):
+        """blob name -> list of ops that write it."""
+        prod = defaultdict(list)
+        for op in self.ops.values():
+            for b in op.outputs:
+                prod[b].append(op)
+        return prod
+
+    def consumers(self):
+        """blob name -> list of ops that read it."""
+        cons = defaultdict(list)
+        for op in self.ops.values():
+            for b in op.inputs:
+                cons[b].append(op)
+        return cons
+
+    def storage_root(self, name):
+        """The blob that owns ``name``'s memory (follows alias chains)."""
+        seen = set()
+        while self.blobs[name].alias_of is not None:
+            if name in seen:
+                raise GraphError(f"alias cycle through blob '{name}'")
+            seen.add(name)
+            name = self.blobs[name].alias_of
+        return name
+
+    def dependencies(self):
+        """op name -> set of predecessor op names: data edges (read after
+        write), write-after-read edges for alias writers, control inputs."""
+        prod, cons = self.producers(), self.consumers()
+        deps = {name: set(op.control_inputs) for name, op in self.ops.items()}
+        for op in self.ops.values():
+            for b in op.inputs:
+                for p in prod.get(b, ()):
+                    if p.name != op.name:
+                        deps[op.name].add(p.name)
+        # write-after-read: a writer into shared storage waits for every reader
+        # of an overlapping blob on that storage, unless the reader is itself
+        # downstream of the writer (it reads what the writer produced).
+        by_root = defaultdict(list)
+        for b in self.blobs:
+            by_root[self.storage_root(b)].append(b)
+        succ = defaultdict(set)
+        for n, d in deps.items():
+            for p in d:
+                succ[p].add(n)
+        war = defaultdict(set)
+        for op in self.ops.values():
+            downstream = None
+            for out in op.outputs:
+                if self.blobs[out].alias_of is None:
+                    continue
+                for other in by_root[self.storage_root(out)]:
+                    if other == out or self._overlap(other, out) is False:
+                        continue
+                    for reader in cons.get(other, ()):
+                        if reader.name == op.name:
+                            continue
+                        if downstream is None:
+                            downstream = _reachable(op.name, succ)
+                        if reader.name not in downstream:
+                            war[op.name].add(reader.name)
+        for n, extra in war.items():
+            deps[n] |= extra
+        return deps
+
+    def _overlap(self, a, b):
+        ba, bb = self.blobs[a], self.blobs[b]
+        if ba.shape is None or bb.shape is None:
+            return None
+        oa, ob = self._abs_offset(a), self._abs_offset(b)
+        return oa < ob + bb.size and ob < oa + ba.size
+
+    def _abs_offset(self, name):
+        off = 0
+        while self.blobs[name].alias_of is not None:
+            off += self.blobs[name].offset
+            name = self.blobs[name].alias_of
+        return off
+
+    def topo_order(self, deps=None):
+        """Ops in a dependency-respecting order (emission order breaks ties).
+        Raises GraphError naming the ops on a cycle."""
+        deps = deps or self.dependencies()
+        indeg = {n: len(d) for n, d in deps.items()}
+        succ = defaultdict(list)
+        for n, d in deps.items():
+            for p in d:
+                if p not in self.ops:
+                    raise GraphError(f"op '{n}' depends on unknown op '{p}'")
+                succ[p].append(n)
+        index = {n: i for i, n in enumerate(self.ops)}
+        import heapq
+        ready = [(index[n], n) for n, k in indeg.items() if k == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, n = heapq.heappop(ready)
+            order.append(self.ops[n])
+            for s in succ[n]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(ready, (index[s], s))
+        if len(order) != len(self.ops):
+            stuck = sorted(n for n, k in indeg.items() if k > 0)
+            raise GraphError("the graph has a cycle through ops: " + ", ".join(stuck[:10]))
+        return order
+
+    # ---------------------------------------------------------- validation
+    def validate(self, registry=None):
+        """Check op types, dangling inputs, double writers and cycles."""
+        from ..ops.registry import get_kernel_class
+        prod = self.producers()
+        for op in self.ops.values():
+            get_kernel_class(op.op_type, op.name)  # raises for an unknown type
+        for b, writers in prod.items():
+            if len(writers) > 1 and not all(w.accumulate for w in writers):
+                raise GraphError(
+                    f"blob '{b}' is written by {len(writers)} ops "
+                    f"({', '.join(w.name for w in writers)}) that do not declare accumulate: true")
+        for op in self.ops.values():
+            for b in op.inputs:
+                blob = self.blobs[b]
+                if b not in prod and blob.shape is None and blob.alias_of is None:
+                    raise GraphError(
+                        f"op '{op.name}' reads blob '{b}', which no op produces and "
+                        "which has no declared size (a dangling input)")
+        self.topo_order()
+        return self
+
+    def infer_shapes(self):
+        """Fill in blob shapes from source blobs through every kernel's
+        ``infer``; a declared shape that disagrees is a ShapeError."""
+        from ..ops.registry import get_kernel_class
+        for op in self.topo_order():
+            ins = []
+            for b in op.inputs:
+                blob = self.blobs[b]
+                if blob.shape is None:
+                    raise ShapeError(f"op '{op.name}' ({op.op_type}): input blob '{b}' has no "
+                                     "known shape (no producer and no size)")
+                ins.append((blob.shape, blob.dtype))
+            cls = get_kernel_class(op.op_type, op.name)
+            try:
+                outs = cls.infer(op.attrs, ins)
+            except ShapeError as e:
+                raise ShapeError(f"op '{op.name}' ({op.op_type}) with inputs "
+                                 f"{_fmt_ins(op, ins)}: {e}") from None
+            except (ValueError, IndexError, KeyError, TypeError) as e:
+                raise ShapeError(f"op '{op.name}' ({op.op_type}) with inputs "
+                                 f"{_fmt_ins(op, ins)}: {e}") from None
+            if len(outs) != len(op.outputs):
+                raise ShapeError(f"op '{op.name}' ({op.op_type}) has {len(op.outputs)} outputs, "
+                                 f"its kernel produces {len(outs)}")
+            for b, (shape, dtype) in zip(op.outputs, outs):
+                blob = self.blobs[b]
+                shape = tuple(int(s) for s in shape)
+                if blob.shape is not None and tuple(blob.shape) != shape:
+                    raise ShapeError(f"op '{op.name}' ({op.op_type}) produces blob '{b}' of shape "
+                                     f"{list(shape)}, but the blob is declared {list(blob.shape)}")
+                blob.shape, blob.dtype = shape, str(np.dtype(dtype))
+        return self
+
+    # -------------------------------------------------------------- pruning
+    def prune(self, sinks):
+        """Keep only the ops some sink blob (or sink op name) needs."""
+        prod = self.producers()
+        deps = self.dependencies()
+        keep_ops, stack = set(), []
+        for s in sinks:
+            if s in self.ops:
+                stack.append(s)
+            elif s in self.blobs:
+                stack.extend(o.name for o in prod.get(s, ()))
+            else:
+                raise GraphError(f"sink '{s}' is neither a blob nor an op of the graph")
+        while stack:
+            n = stack.pop()
+            if n in keep_ops:
+                continue
+            keep_ops.add(n)
+            stack.extend(deps[n] - keep_ops)
+        pruned = Graph(self.name)
+        for n, op in self.ops.items():
+            if n in keep_ops:
+                op = Op(op.name, op.op_type, list(op.inputs), list(op.outputs), dict(op.attrs),
+                        op.location, op.thread, op.accumulate,
+                        [c for c in op.control_inputs if c in keep_ops])
+                pruned.ops[n] = op
+        used = {b for op in pruned.ops.values() for b in op.inputs + op.outputs}
+        used |= {s for s in sinks if s in self.blobs}
+        frontier = list(used)
+        while frontier:  # keep alias roots of used blobs
+            b = frontier.pop()
+            a = self.blobs[b].alias_of
+            if a is not None and a not in used:
+                used.add(a)
+                frontier.append(a)
+        for b, blob in self.blobs.items():
+            if b in used:
+                pruned.blobs[b] = blob
+        return pruned
+
+    # ---------------------------------------------------------- inspection
+    def params(self):
+        return [b for b in self.blobs.values() if b.kind == "param"]
+
+    def summary(self):
+        """Human-readable listing (``graph --format text``)."""
+        lines = [f"graph {self.name}: {len(self.blobs)} blobs, {len(self.ops)} ops"]
+        for op in self.topo_order():
+            ins = ", ".join(op.inputs)
+            outs = ", ".join(op.outputs)
+            loc = f"rank {op.location.rank}" + (f" gpu {op.location.device}"
+                                               if op.location.device >= 0 else "")
+            lines.append(f"  {op.name:<32} {op.op_type:<22} [{ins}] -> [{outs}]  "
+                         f"({loc}, thread {op.thread})")
+        return "\n".join(lines)
+
+
+def _reachable(start, succ):
+    seen, stack = set(), [start]
+    while stack:
+        for s in succ[stack.pop()]:
+            if s not in seen:
+                seen.add(s)
+                stack.append(s)
+    return seen
+
+
+def _fmt_ins(op, ins):
+    return ", ".join(f"'{b}' {list(s)}" for b, (s, _) in zip(op.inputs, ins))

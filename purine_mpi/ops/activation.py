@@ -1,0 +1,142 @@
+"""Element-wise activations: Relu (leaky), Sigmoid, Tanh, and their gradients.
+
+The backward ops read what the formula needs most cheaply: ReLU's gradient
+needs the sign of its input ``x``; sigmoid's and tanh's are functions of
+their output ``y``, so those read ``y`` (and ``x`` can be freed early).
+"""
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+
+def _same_shape(op_type, ins):
+    shapes = [tuple(s) for s, _ in ins]
+    if len(set(shapes)) != 1:
+        raise ShapeError(f"{op_type} needs inputs of one shape, got {shapes}")
+    return [ins[0]]
+
+
+@register
+class Relu(OpKernel):
+    """y = max(x, 0) + negative_slope * min(x, 0)  (Caffe's leaky ReLU;
+    attr ``negative_slope``, default 0).
+    Gradient: dx = dy * (1 if x > 0 else negative_slope)."""
+
+    op_type = "Relu"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        x, slope = ins[0], float(self.attrs.get("negative_slope", 0.0))
+        if slope == 0.0:
+            xp.maximum(x, 0, out=outs[0])
+        else:
+            outs[0][...] = xp.where(x > 0, x, x * slope)
+
+
+@register
+class ReluGrad(OpKernel):
+    """[dy, x] -> [dx]: dx = dy * (1 if x > 0 else negative_slope)."""
+
+    op_type = "ReluGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return _same_shape(cls.op_type, ins)
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        dy, x, slope = ins[0], ins[1], float(self.attrs.get("negative_slope", 0.0))
+        if slope == 0.0:
+            xp.multiply(dy, x > 0, out=outs[0])
+        else:
+            outs[0][...] = xp.where(x > 0, dy, dy * slope)
+
+
+@gradient("Relu")
+def _relu_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is not None and g.needs_grad(op.inputs[0]):
+        g.emit("ReluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])],
+               {"negative_slope": op.attrs.get("negative_slope", 0.0)})
+
+
+@register
+class Sigmoid(OpKernel):
+    """y = 1 / (1 + exp(-x)).  Gradient: dx = dy * y * (1 - y)."""
+
+    op_type = "Sigmoid"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        # the tanh form never overflows (exp(-x) does for very negative x)
+        y = outs[0]
+        xp.multiply(ins[0], 0.5, out=y)
+        xp.tanh(y, out=y)
+        y += 1
+        y *= 0.5
+
+
+@register
+class SigmoidGrad(OpKernel):
+    """[dy, y] -> [dx]: dx = dy * y * (1 - y)."""
+
+    op_type = "SigmoidGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return _same_shape(cls.op_type, ins)
+
+    def run(self, ins, outs):
+        dy, y = ins
+        outs[0][...] = dy * y * (1 - y)
+
+
+@gradient("Sigmoid")
+def _sigmoid_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is not None and g.needs_grad(op.inputs[0]):
+        g.emit("SigmoidGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])
+
+
+@register
+class Tanh(OpKernel):
+    """y = tanh(x).  Gradient: dx = dy * (1 - y^2)."""
+
+    op_type = "Tanh"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        get_xp(ins[0]).tanh(ins[0], out=outs[0])
+
+
+@register
+class TanhGrad(OpKernel):
+    """[dy, y] -> [dx]: dx = dy * (1 - y^2)."""
+
+    op_type = "TanhGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return _same_shape(cls.op_type, ins)
+
+    def run(self, ins, outs):
+        dy, y = ins
+        outs[0][...] = dy * (1 - y * y)
+
+
+@gradient("Tanh")
+def _tanh_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is not None and g.needs_grad(op.inputs[0]):
+        g.emit("TanhGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])

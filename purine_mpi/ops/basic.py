@@ -1,0 +1,123 @@
+"""Basic tensor ops used by the graph builders themselves."""
+import numpy as np
+
+from ..backend import get_xp
+from .registry import OpKernel, gradient, register
+
+
+@register
+class Constant(OpKernel):
+    """y = value (a source op; attrs ``shape``, ``value``, ``dtype``)."""
+
+    op_type = "Constant"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [(tuple(attrs["shape"]), attrs.get("dtype", "float32"))]
+
+    def run(self, ins, outs):
+        outs[0].fill(self.attrs["value"])
+
+
+@register
+class Sum(OpKernel):
+    """y = x_0 + x_1 + ... (same shapes).  Gradient: dx_i = dy."""
+
+    op_type = "Sum"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        shapes = {tuple(s) for s, _ in ins}
+        if len(shapes) != 1:
+            from ..errors import ShapeError
+            raise ShapeError(f"Sum needs inputs of one shape, got {sorted(shapes)}")
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        xp = get_xp(outs[0])
+        xp.add(ins[0], ins[1], out=outs[0]) if len(ins) > 1 else outs[0].__setitem__(..., ins[0])
+        for x in ins[2:]:
+            outs[0] += x
+
+
+@gradient("Sum")
+def _sum_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    for x in op.inputs:
+        if g.needs_grad(x):
+            g.emit("Copy", [dy], [g.grad_blob(x)])
+
+
+@register
+class Copy(OpKernel):
+    """y = x (a copy into y's own storage).  Gradient: dx = dy."""
+
+    op_type = "Copy"
+    category = "copy"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        outs[0][...] = ins[0]
+
+
+@gradient("Copy")
+def _copy_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if g.needs_grad(op.inputs[0]):
+        g.emit("Copy", [dy], [g.grad_blob(op.inputs[0])])
+
+
+@register
+class Noop(OpKernel):
+    """Does nothing; used in tests and as a synchronisation point."""
+
+    op_type = "Noop"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [(tuple(s), np.dtype(d).name) for s, d in
+                [(attrs["shape"], attrs.get("dtype", "float32"))] * attrs.get("n_outputs", 0)]
+
+    def run(self, ins, outs):
+        pass
+
+
+@register
+class WeightedSum(OpKernel):
+    """loss = sum(x * w) (a 0-d scalar).  Gradient: dx = dloss * w.  Used as a
+    probe loss by tests and gradient checks."""
+
+    op_type = "WeightedSum"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [((), ins[0][1])]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        outs[0][...] = xp.sum(ins[0] * ins[1])
+
+
+@register
+class Scaled(OpKernel):
+    """y = s * w with s a 0-d blob (ins = [s, w]).  Backward helper."""
+
+    op_type = "Scaled"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[1]]
+
+    def run(self, ins, outs):
+        get_xp(outs[0]).multiply(ins[1], ins[0], out=outs[0])
+
+
+@gradient("WeightedSum")
+def _weighted_sum_grad(g, op):
+    dloss = g.grad_of(op.outputs[0])
+    x, w = op.inputs
+    if g.needs_grad(x):
+        g.emit("Scaled", [dloss, w], [g.grad_blob(x)])

@@ -1,0 +1,236 @@
+"""2-D convolution (NCHW), computed as Caffe does: im2col + GEMM.
+
+Forward ("Conv", inputs [x, w] or [x, w, b], output [y])::
+
+    y[n, o, i, j] = b[o] + sum_{c, p, q} w[o, c, p, q] *
+                    xpad[n, g(o)*C/G + c, i*sh + p*dh, j*sw + q*dw]
+
+with ``xpad`` the input zero-padded by ``pad``, ``G = group`` and ``g(o)`` the
+group of output channel ``o``; ``w`` has shape (O, C/G, kh, kw). Attrs:
+``stride``, ``pad``, ``dilation`` (int or [h, w]; defaults 1, 0, 1), ``group``
+(default 1). Output size: ``OH = (H + 2*ph - (dh*(kh-1) + 1)) // sh + 1``.
+
+Gradients (col = im2col(x), one row per (c, p, q), one column per (n, i, j)):
+
+    dw = dy @ col^T          ("ConvGradWeight", [dy, x] -> [dw])
+    dx = col2im(w^T @ dy)    ("ConvGradData",   [dy, w] -> [dx], attr x_shape)
+    db = sum_{n,i,j} dy      ("ConvGradBias",   [dy] -> [db])
+
+im2col is one strided view of the padded input copied out; col2im loops over
+the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
+processed in chunks so the column buffer stays bounded on large inputs.
+"""
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+#: upper bound on the im2col buffer of one chunk of the batch
+COL_CHUNK_BYTES = 64 << 20
+
+
+def pair(value, name):
+    """An int or a [h, w] pair -> (h, w) ints (Caffe's kernel/stride/pad)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ShapeError(f"attr '{name}' must be an int or a [h, w] pair, got {value!r}")
+        return int(value[0]), int(value[1])
+    return int(value), int(value)
+
+
+def _geometry(attrs, x_shape, w_shape):
+    """Checked conv geometry: dict of stride/pad/dilation pairs, group, output size."""
+    if len(x_shape) != 4:
+        raise ShapeError(f"Conv needs a 4-D NCHW input, got shape {list(x_shape)}")
+    if len(w_shape) != 4:
+        raise ShapeError(f"Conv weight must be 4-D (out, in/group, kh, kw), got {list(w_shape)}")
+    N, C, H, W = x_shape
+    O, Cg, kh, kw = w_shape
+    sh, sw = pair(attrs.get("stride", 1), "stride")
+    ph, pw = pair(attrs.get("pad", 0), "pad")
+    dh, dw = pair(attrs.get("dilation", 1), "dilation")
+    group = int(attrs.get("group", 1))
+    if min(sh, sw, dh, dw, group) < 1 or min(ph, pw) < 0:
+        raise ShapeError("Conv needs stride, dilation, group >= 1 and pad >= 0, got "
+                         f"stride={[sh, sw]} dilation={[dh, dw]} group={group} pad={[ph, pw]}")
+    if C % group or O % group:
+        raise ShapeError(f"Conv group={group} must divide the input channels ({C}) and the "
+                         f"output channels ({O})")
+    if Cg * group != C:
+        raise ShapeError(f"Conv weight {list(w_shape)} expects {Cg * group} input channels "
+                         f"(in/group={Cg}, group={group}); the input has {C}")
+    OH = (H + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    OW = (W + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    if OH < 1 or OW < 1:
+        raise ShapeError(f"Conv kernel {[kh, kw]} (dilation {[dh, dw]}) does not fit the padded "
+                         f"input {[H + 2 * ph, W + 2 * pw]}")
+    return dict(N=N, C=C, H=H, W=W, O=O, kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw,
+                dh=dh, dw=dw, G=group, OH=OH, OW=OW)
+
+
+def _chunks(geo, itemsize):
+    """Batch slices whose column buffers stay under COL_CHUNK_BYTES."""
+    per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * itemsize
+    step = max(1, COL_CHUNK_BYTES // max(per_sample, 1))
+    return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
+
+
+def _pad(xp, x, geo):
+    if geo["ph"] == 0 and geo["pw"] == 0:
+        return x
+    ph, pw = geo["ph"], geo["pw"]
+    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+
+
+def im2col(xp, xpad, geo):
+    """Columns of a padded chunk: shape (n, G, C/G*kh*kw, OH*OW), contiguous."""
+    n, C = xpad.shape[:2]
+    s = xpad.strides
+    view = xp.lib.stride_tricks.as_strided(
+        xpad, shape=(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"]),
+        strides=(s[0], s[1], s[2] * geo["dh"], s[3] * geo["dw"], s[2] * geo["sh"], s[3] * geo["sw"]))
+    col = xp.ascontiguousarray(view)
+    return col.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
+
+
+def col2im(xp, col, geo, dxpad):
+    """Adds columns (n, C, kh, kw, OH, OW) back into the padded gradient ``dxpad``."""
+    OH, OW = geo["OH"], geo["OW"]
+    sh, sw, dh, dw = geo["sh"], geo["sw"], geo["dh"], geo["dw"]
+    for p in range(geo["kh"]):
+        for q in range(geo["kw"]):
+            dxpad[:, :, p * dh:p * dh + sh * (OH - 1) + 1:sh,
+                  q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
+
+
+@register
+class Conv(OpKernel):
+    """y = conv2d(x, w) + b; see the module docstring."""
+
+    op_type = "Conv"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) not in (2, 3):
+            raise ShapeError(f"Conv takes [x, w] or [x, w, b], got {len(ins)} inputs")
+        geo = _geometry(attrs, ins[0][0], ins[1][0])
+        if len(ins) == 3 and tuple(ins[2][0]) != (geo["O"],):
+            raise ShapeError(f"Conv bias must have shape [{geo['O']}], got {list(ins[2][0])}")
+        return [((geo["N"], geo["O"], geo["OH"], geo["OW"]), ins[0][1])]
+
+    def run(self, ins, outs):
+        x, w = ins[0], ins[1]
+        xp = get_xp(x)
+        geo = _geometry(self.attrs, x.shape, w.shape)
+        G, O = geo["G"], geo["O"]
+        wmat = w.reshape(G, O // G, -1)
+        xpad = _pad(xp, x, geo)
+        y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
+        for sl in _chunks(geo, x.itemsize):
+            # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
+            xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
+        if len(ins) == 3:
+            outs[0] += ins[2].reshape(1, O, 1, 1)
+
+
+@register
+class ConvGradData(OpKernel):
+    """dx = col2im(w^T @ dy).  Inputs [dy, w]; attr ``x_shape`` plus Conv's attrs."""
+
+    op_type = "ConvGradData"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        x_shape = tuple(attrs["x_shape"])
+        geo = _geometry(attrs, x_shape, ins[1][0])
+        if tuple(ins[0][0]) != (geo["N"], geo["O"], geo["OH"], geo["OW"]):
+            raise ShapeError(f"ConvGradData: dy shape {list(ins[0][0])} does not match the "
+                             f"output shape {[geo['N'], geo['O'], geo['OH'], geo['OW']]}")
+        return [(x_shape, ins[0][1])]
+
+    def run(self, ins, outs):
+        dy, w = ins
+        xp = get_xp(dy)
+        geo = _geometry(self.attrs, outs[0].shape, w.shape)
+        G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
+        H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
+        # contiguous w^T: BLAS on a transposed view is several times slower in numpy
+        wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
+        dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
+        padded = ph or pw
+        for sl in _chunks(geo, dy.itemsize):
+            dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
+            dcol = dcol.reshape(dcol.shape[0], C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
+            dxpad = xp.zeros((dcol.shape[0], C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype) \
+                if padded else outs[0][sl]
+            if not padded:
+                dxpad.fill(0)
+            col2im(xp, dcol, geo, dxpad)
+            if padded:
+                outs[0][sl] = dxpad[:, :, ph:ph + H, pw:pw + W]
+
+
+@register
+class ConvGradWeight(OpKernel):
+    """dw = sum_n dy[n] @ im2col(x)[n]^T.  Inputs [dy, x]; Conv's attrs."""
+
+    op_type = "ConvGradWeight"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        w_shape = tuple(attrs["w_shape"])
+        geo = _geometry(attrs, ins[1][0], w_shape)
+        if tuple(ins[0][0]) != (geo["N"], geo["O"], geo["OH"], geo["OW"]):
+            raise ShapeError(f"ConvGradWeight: dy shape {list(ins[0][0])} does not match the "
+                             f"output shape {[geo['N'], geo['O'], geo['OH'], geo['OW']]}")
+        return [(w_shape, ins[0][1])]
+
+    def run(self, ins, outs):
+        dy, x = ins
+        xp = get_xp(dy)
+        geo = _geometry(self.attrs, x.shape, outs[0].shape)
+        G, O, N = geo["G"], geo["O"], geo["N"]
+        dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
+        dw = outs[0].reshape(G, O // G, -1)
+        dw.fill(0)
+        xpad = _pad(xp, x, geo)
+        for sl in _chunks(geo, x.itemsize):
+            col = im2col(xp, xpad[sl], geo)  # (n, G, K, L)
+            # one small GEMM per sample, then a sum over the chunk: cheaper than
+            # transposing dy and col into one big GEMM
+            dw += xp.matmul(dyg[sl], col.transpose(0, 1, 3, 2)).sum(axis=0)
+
+
+@register
+class ConvGradBias(OpKernel):
+    """db[o] = sum_{n,i,j} dy[n, o, i, j].  Inputs [dy]."""
+
+    op_type = "ConvGradBias"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [((ins[0][0][1],), ins[0][1])]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        dy = ins[0]
+        xp.sum(dy.reshape(dy.shape[0], dy.shape[1], -1), axis=(0, 2), out=outs[0])
+
+
+_GEOMETRY_ATTRS = ("stride", "pad", "dilation", "group")
+
+
+@gradient("Conv")
+def _conv_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    x, w = op.inputs[0], op.inputs[1]
+    attrs = {k: op.attrs[k] for k in _GEOMETRY_ATTRS if k in op.attrs}
+    if g.needs_grad(x):
+        g.emit("ConvGradData", [dy, w], [g.grad_blob(x)],
+               dict(attrs, x_shape=list(g.graph.blobs[x].shape)))
+    if g.needs_grad(w):
+        g.emit("ConvGradWeight", [dy, x], [g.grad_blob(w)],
+               dict(attrs, w_shape=list(g.graph.blobs[w].shape)))
+    if len(op.inputs) == 3 and g.needs_grad(op.inputs[2]):
+        g.emit("ConvGradBias", [dy], [g.grad_blob(op.inputs[2])])

@@ -1,0 +1,125 @@
+"""Op kernels, registered by their ``op_type``, and gradient rules.
+
+A kernel class::
+
+    @register
+    class Relu(OpKernel):
+        '''y = max(x, 0).  Gradient: dx = dy * (x > 0).'''
+        op_type = "Relu"
+
+        @classmethod
+        def infer(cls, attrs, ins):            # ins: [(shape, dtype), ...]
+            return [ins[0]]                     # -> [(shape, dtype), ...]
+
+        def run(self, ins, outs):               # arrays, preallocated
+            xp = get_xp(ins[0])
+            xp.maximum(ins[0], 0, out=outs[0])
+
+``run`` writes its outputs in place (never rebinds them): output arrays can be
+views into shared buffers (gradient buckets). It returns None when the work is
+done, or a ``Pending`` for asynchronous ops (communication), which the
+dispatcher's progress loop completes.
+
+A gradient rule (one table, ``GRADIENTS``) emits the backward sub-graph of one
+forward op through a ``GradContext`` (see ``purine_mpi.graph.grad``)::
+
+    @gradient("Relu")
+    def _relu_grad(g, op):
+        dy = g.grad_of(op.outputs[0])
+        if dy is not None and g.needs_grad(op.inputs[0]):
+            g.emit("ReluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])])
+"""
+from ..errors import GraphError
+
+KERNELS = {}
+GRADIENTS = {}
+
+
+class Pending:
+    """An asynchronous op in flight. ``requests`` are MPI requests the progress
+    loop tests together (``Testsome``); ``test()`` is used when there are none.
+    ``finish()`` runs once, on completion, in the progress thread."""
+
+    requests = ()
+
+    def test(self):
+        return True
+
+    def finish(self):
+        pass
+
+    def describe(self):
+        return ""
+
+
+class OpKernel:
+    """Base class of every op kernel. Subclasses set ``op_type``, implement
+    ``infer`` (shape/dtype inference at build time) and ``run``."""
+
+    op_type = None
+    #: trace category: compute, comm, copy, io, update
+    category = "compute"
+    #: kernels that draw random numbers get ``self.rng`` (a numpy Generator,
+    #: seeded per op; its state is saved in checkpoints)
+    needs_rng = False
+    #: kernels that keep state across iterations (besides blobs) implement
+    #: ``state_dict()`` / ``load_state_dict(d)`` (e.g. a data reader's position)
+    stateful = False
+
+    def __init__(self, op):
+        self.op = op
+        self.attrs = op.attrs
+        self.rng = None
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        raise NotImplementedError
+
+    def setup(self, ins, outs):
+        """Called once after memory is allocated, before the first run."""
+
+    def run(self, ins, outs):
+        raise NotImplementedError
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def register(cls):
+    """Class decorator: register a kernel under its ``op_type``."""
+    if not cls.op_type:
+        raise TypeError(f"{cls.__name__} has no op_type")
+    if cls.op_type in KERNELS and KERNELS[cls.op_type] is not cls:
+        raise TypeError(f"op_type {cls.op_type!r} registered twice")
+    KERNELS[cls.op_type] = cls
+    return cls
+
+
+def gradient(op_type):
+    """Decorator: register ``fn(g, op)``, the gradient rule of ``op_type``."""
+    def deco(fn):
+        GRADIENTS[op_type] = fn
+        return fn
+    return deco
+
+
+def get_kernel_class(op_type, op_name=None):
+    _load_all()
+    try:
+        return KERNELS[op_type]
+    except KeyError:
+        where = f"op '{op_name}': " if op_name else ""
+        known = ", ".join(sorted(KERNELS))
+        raise GraphError(f"{where}unknown op_type '{op_type}' (known: {known})") from None
+
+
+def make_kernel(op):
+    return get_kernel_class(op.op_type, op.name)(op)
+
+
+def _load_all():
+    if not KERNELS:
+        from . import _all  # noqa: F401  (imports every op family)

@@ -1,0 +1,215 @@
+"""Softmax, the softmax cross-entropy loss, and top-k accuracy.
+
+All three work over ``axis`` (default 1, the channel axis): an input of shape
+``(N, C)`` or ``(N, C, H, W)`` is viewed as ``(outer, C, inner)`` and every
+one of the ``outer * inner`` positions is one prediction, as in Caffe.
+Labels are integers of shape ``(N,)`` or ``(N, H, W)`` (any shape with one
+entry per position); float labels holding integers are truncated to int.
+"""
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+
+def _axis(attrs, ndim):
+    axis = int(attrs.get("axis", 1))
+    if not -ndim <= axis < ndim:
+        raise ShapeError(f"axis {axis} is out of range for a {ndim}-d input")
+    return axis % ndim
+
+
+def _split_dims(shape, axis):
+    """(outer, C, inner) of ``shape`` around ``axis``."""
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    return outer, int(shape[axis]), inner
+
+
+def _check_label(attrs, x_shape, label_shape, op_type):
+    if len(x_shape) < 2:
+        raise ShapeError(f"{op_type} needs predictions of at least 2 dims (N, C, ...), "
+                         f"got shape {list(x_shape)}")
+    axis = _axis(attrs, len(x_shape))
+    outer, _, inner = _split_dims(x_shape, axis)
+    size = int(np.prod(label_shape, dtype=np.int64))
+    if size != outer * inner or (len(label_shape) and label_shape[0] != x_shape[0]):
+        expect = list(x_shape[:axis]) + list(x_shape[axis + 1:])
+        raise ShapeError(f"{op_type}: the label has shape {list(label_shape)} but the predictions "
+                         f"{list(x_shape)} need one label per position, i.e. shape {expect}")
+    return axis
+
+
+def _labels(attrs, label, outer, channels, inner):
+    """Labels as int64 (outer, inner), the mask of counted positions, and
+    the count (at least 1, as Caffe's normalizer, so an all-ignored batch
+    gives loss 0 rather than NaN)."""
+    xp = get_xp(label)
+    lab = label.reshape(outer, inner).astype(np.int64)
+    ignore = attrs.get("ignore_label")
+    valid = lab != int(ignore) if ignore is not None else xp.ones(lab.shape, dtype=bool)
+    lab = xp.where(valid, lab, 0)
+    if bool(((lab < 0) | (lab >= channels)).any()):
+        bad = int(lab[(lab < 0) | (lab >= channels)][0])
+        raise ValueError(f"label value {bad} is outside [0, {channels}) for {channels} classes"
+                         + ("" if ignore is None else f" (and is not ignore_label {ignore})"))
+    count = max(int(valid.sum()), 1)
+    return lab, valid, count
+
+
+@register
+class Softmax(OpKernel):
+    """y = exp(x) / sum_axis(exp(x))  (attr ``axis``, default 1).
+    Gradient: dx = y * (dy - sum_axis(dy * y))."""
+
+    op_type = "Softmax"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _axis(attrs, len(ins[0][0]))
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        x, y = ins[0], outs[0]
+        axis = _axis(self.attrs, x.ndim)
+        xp.subtract(x, x.max(axis=axis, keepdims=True), out=y)  # no overflow in exp
+        xp.exp(y, out=y)
+        y /= y.sum(axis=axis, keepdims=True)
+
+
+@register
+class SoftmaxGrad(OpKernel):
+    """[dy, y] -> [dx]: dx = y * (dy - sum_axis(dy * y))."""
+
+    op_type = "SoftmaxGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if tuple(ins[0][0]) != tuple(ins[1][0]):
+            raise ShapeError(f"SoftmaxGrad: dy {list(ins[0][0])} and y {list(ins[1][0])} differ")
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        dy, y = ins
+        axis = _axis(self.attrs, y.ndim)
+        dot = (dy * y).sum(axis=axis, keepdims=True)
+        xp.subtract(dy, dot, out=outs[0])
+        outs[0] *= y
+
+
+@gradient("Softmax")
+def _softmax_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is not None and g.needs_grad(op.inputs[0]):
+        g.emit("SoftmaxGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])],
+               {"axis": op.attrs.get("axis", 1)})
+
+
+@register
+class SoftmaxLoss(OpKernel):
+    """[x, label] -> [loss, prob]:  prob = softmax(x) over ``axis``;
+    loss = -sum_{counted positions} log prob[label] / count, a 0-d scalar
+    (the batch mean over N*H*W positions, Caffe's VALID normalization;
+    positions whose label equals attr ``ignore_label`` are not counted).
+    Gradient (x only, never label): dx = dloss * (prob - onehot(label)) / count,
+    0 at ignored positions (plus the softmax gradient of d prob, if any)."""
+
+    op_type = "SoftmaxLoss"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (xs, xd), (ls, _) = ins
+        _check_label(attrs, xs, ls, cls.op_type)
+        return [((), xd), (tuple(xs), xd)]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[0])
+        x, label = ins
+        loss, prob = outs
+        axis = _axis(self.attrs, x.ndim)
+        outer, channels, inner = _split_dims(x.shape, axis)
+        lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
+        x3 = x.reshape(outer, channels, inner)
+        shifted = x3 - x3.max(axis=1, keepdims=True)
+        sumexp = xp.exp(shifted).sum(axis=1, keepdims=True)
+        picked = xp.take_along_axis(shifted, lab[:, None, :], axis=1)[:, 0, :]
+        nll = xp.log(sumexp[:, 0, :]) - picked  # -log softmax at the label
+        loss[...] = (nll * valid).sum() / count
+        p3 = prob.reshape(outer, channels, inner)
+        xp.exp(shifted, out=p3)
+        p3 /= sumexp
+
+
+@register
+class SoftmaxLossGrad(OpKernel):
+    """[dloss, prob, label] -> [dx]: dx = dloss * (prob - onehot(label)) / count
+    (attrs ``axis``, ``ignore_label`` as the forward op)."""
+
+    op_type = "SoftmaxLossGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _, (ps, pd), (ls, _) = ins
+        _check_label(attrs, ps, ls, cls.op_type)
+        return [(tuple(ps), pd)]
+
+    def run(self, ins, outs):
+        xp = get_xp(ins[1])
+        dloss, prob, label = ins
+        axis = _axis(self.attrs, prob.ndim)
+        outer, channels, inner = _split_dims(prob.shape, axis)
+        lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
+        classes = xp.arange(channels, dtype=np.int64)[None, :, None]
+        onehot = classes == lab[:, None, :]
+        dx = outs[0].reshape(outer, channels, inner)
+        xp.subtract(prob.reshape(outer, channels, inner), onehot, out=dx)
+        dx *= valid[:, None, :]
+        dx *= dloss / count
+
+
+@gradient("SoftmaxLoss")
+def _softmax_loss_grad(g, op):
+    x, label = op.inputs
+    dloss, dprob = g.grad_of(op.outputs[0]), g.grad_of(op.outputs[1])
+    if not g.needs_grad(x):
+        return
+    if dloss is not None:
+        attrs = {k: op.attrs[k] for k in ("axis", "ignore_label") if k in op.attrs}
+        g.emit("SoftmaxLossGrad", [dloss, op.outputs[1], label], [g.grad_blob(x)], attrs)
+    if dprob is not None:  # rare: the probabilities feed another loss
+        g.emit("SoftmaxGrad", [dprob, op.outputs[1]], [g.grad_blob(x)],
+               {"axis": op.attrs.get("axis", 1)})
+
+
+@register
+class Accuracy(OpKernel):
+    """[x, label] -> [acc]: the fraction of counted positions whose label is
+    among the ``top_k`` (default 1) highest scores of ``x`` over ``axis``,
+    a 0-d scalar. As Caffe, a tie with the true class counts against it.
+    A test-time metric: no gradient."""
+
+    op_type = "Accuracy"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (xs, xd), (ls, _) = ins
+        _check_label(attrs, xs, ls, cls.op_type)
+        if int(attrs.get("top_k", 1)) < 1:
+            raise ShapeError(f"Accuracy: top_k must be >= 1, got {attrs.get('top_k')}")
+        dtype = xd if np.dtype(xd).kind == "f" else "float32"
+        return [((), dtype)]
+
+    def run(self, ins, outs):
+        x, label = ins
+        axis = _axis(self.attrs, x.ndim)
+        outer, channels, inner = _split_dims(x.shape, axis)
+        lab, valid, _ = _labels(self.attrs, label, outer, channels, inner)
+        x3 = x.reshape(outer, channels, inner)
+        true_score = get_xp(x).take_along_axis(x3, lab[:, None, :], axis=1)
+        better = (x3 >= true_score).sum(axis=1) - 1  # the true class itself counts once
+        correct = (better < int(self.attrs.get("top_k", 1))) & valid
+        n_valid = int(valid.sum())
+        outs[0][...] = correct.sum() / n_valid if n_valid else 0.0

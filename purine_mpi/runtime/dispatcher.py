@@ -1,0 +1,317 @@
+"""Dispatchers: run one iteration of a graph from its sources to its sinks.
+
+``EventDispatcher`` is Purine's event-driven engine: an op fires as soon as
+every op it depends on has finished. Compute ops run on worker threads named
+by their ``thread`` attribute (NumPy and BLAS release the GIL, so independent
+branches really run at once). Communication ops (kernel category ``comm``)
+are posted by the calling thread -- the *progress thread* -- which is the one
+place that calls MPI: it posts them strictly in their ``seq`` order (assigned
+at graph build time, the same on every rank) and polls their requests while
+the workers compute, so transfers overlap the backward pass.
+
+``SerialDispatcher`` runs the same graph one op at a time in a fixed
+topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
+Both give bit-identical results, since every blob has one writer.
+"""
+import os
+import threading
+import time
+import zlib
+from collections import defaultdict, deque
+
+import numpy as np
+
+from ..errors import OpError, StallError
+from ..ops.registry import make_kernel
+from .workspace import Workspace
+
+
+class Profiler:
+    """Collects Chrome trace events (DESIGN.md §8)."""
+
+    def __init__(self, rank=0):
+        self.rank = rank
+        self.events = []
+        self.t0 = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def record(self, op, category, t_start, t_end, iteration, tid):
+        ev = {"name": op.name, "cat": category, "ph": "X",
+              "ts": (t_start - self.t0) * 1e6, "dur": (t_end - t_start) * 1e6,
+              "pid": self.rank, "tid": str(tid),
+              "args": {"iter": iteration, "op_type": op.op_type}}
+        with self._lock:
+            self.events.append(ev)
+
+
+class _Base:
+    def __init__(self, graph, workspace=None, rank=0, profiler=None, stall_timeout=300.0,
+                 poll_interval=2e-4, seed=0):
+        self.graph = graph
+        self.workspace = workspace or Workspace(graph)
+        self.rank = rank
+        self.profiler = profiler
+        self.stall_timeout = stall_timeout
+        self.poll_interval = poll_interval
+        self.iteration = 0
+        self.order = graph.topo_order()
+        self.kernels = {}
+        ws = self.workspace
+        for op in self.order:
+            k = make_kernel(op)
+            k.workspace = ws
+            k.ins = [ws[b] for b in op.inputs]
+            k.outs = [ws[b] for b in op.outputs]
+            if k.needs_rng:
+                # per-op stream: independent of scheduling order and thread
+                k.rng = np.random.default_rng([seed, zlib.crc32(op.name.encode())])
+            self.kernels[op.name] = k
+        self._accum = self._accumulated_blobs()
+        for op in self.order:
+            k = self.kernels[op.name]
+            k.setup(k.ins, k.outs)
+
+    def _accumulated_blobs(self):
+        return sorted({b for op in self.order if op.accumulate for b in op.outputs})
+
+    def _zero_accumulators(self):
+        for b in self._accum:
+            self.workspace[b].fill(0)
+
+    def _execute(self, op, tid):
+        """Run one op's kernel; returns its Pending (async) or None."""
+        k = self.kernels[op.name]
+        t0 = time.perf_counter()
+        try:
+            if op.accumulate:
+                tmp = [o.copy() for o in k.outs]
+                for t in tmp:
+                    t.fill(0)
+                result = k.run(k.ins, tmp)
+                with self._accum_lock:
+                    for o, t in zip(k.outs, tmp):
+                        o += t
+            else:
+                result = k.run(k.ins, k.outs)
+        except Exception as exc:
+            raise OpError(op, exc, self.rank) from exc
+        if result is None and self.profiler is not None:
+            self.profiler.record(op, k.category, t0, time.perf_counter(), self.iteration, tid)
+        return result, t0
+
+    _accum_lock = threading.Lock()
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SerialDispatcher(_Base):
+    """Runs ops one by one in topological order on the calling thread."""
+
+    def run(self, iteration=None):
+        if iteration is not None:
+            self.iteration = iteration
+        self._zero_accumulators()
+        for op in self.order:
+            pending, t0 = self._execute(op, "main")
+            if pending is not None:
+                self._wait(op, pending, t0)
+        self.iteration += 1
+
+    def _wait(self, op, pending, t0):
+        start = time.monotonic()
+        while not pending.test():
+            if time.monotonic() - start > self.stall_timeout:
+                raise StallError(_stall_message(self.rank, [(op, pending)], self.stall_timeout))
+            time.sleep(self.poll_interval)
+        pending.finish()
+        if self.profiler is not None:
+            self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
+                                 self.iteration, "comm")
+
+
+class EventDispatcher(_Base):
+    """Event-driven: ops fire when their predecessors finish; one worker
+    thread per ``thread`` value; comm ops posted and progressed by the caller."""
+
+    def __init__(self, graph, **kw):
+        super().__init__(graph, **kw)
+        deps = graph.dependencies()
+        self._ops = {op.name: op for op in self.order}
+        self._ndeps = {n: len(d) for n, d in deps.items()}
+        succ = defaultdict(list)
+        for n, d in deps.items():
+            for p in d:
+                succ[p].append(n)
+        self._succ = {n: tuple(succ[n]) for n in self._ops}
+        self._sources = [op.name for op in self.order if self._ndeps[op.name] == 0]
+        self._is_comm = {n: self.kernels[n].category == "comm" for n in self._ops}
+        comm = [op for op in self.order if self._is_comm[op.name]]
+        self._comm_order = [op.name for op in sorted(
+            comm, key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))]
+        threads = sorted({str(op.thread) for op in self.order if not self._is_comm[op.name]})
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queues = {t: deque() for t in threads}
+        self._worker_cv = {t: threading.Condition(self._lock) for t in threads}
+        self._stop = False
+        self._workers = [threading.Thread(target=self._worker, args=(t,), daemon=True,
+                                          name=f"purine-worker-{t}") for t in threads]
+        for w in self._workers:
+            w.start()
+
+    # ------------------------------------------------------------- workers
+    def _worker(self, tid):
+        q, cv = self._queues[tid], self._worker_cv[tid]
+        while True:
+            with cv:
+                while not q and not self._stop:
+                    cv.wait()
+                if self._stop:
+                    return
+                name = q.popleft()
+            # run this op and, without re-queueing, any successor that becomes
+            # ready on this same thread (keeps per-op overhead low)
+            while name is not None:
+                op = self._ops[name]
+                try:
+                    self._execute(op, tid)
+                except BaseException as exc:  # surfaced by run() on the caller
+                    with self._lock:
+                        self._error = exc
+                        self._cv.notify()
+                    break
+                name = self._complete(name, tid)
+
+    def _complete(self, name, tid=None):
+        """Mark ``name`` done; dispatch ready successors. Returns one ready op
+        on thread ``tid`` for the caller to run inline, if any."""
+        inline = None
+        with self._lock:
+            self._done += 1
+            self._last_progress = time.monotonic()
+            for s in self._succ[name]:
+                self._left[s] -= 1
+                if self._left[s] == 0:
+                    if self._is_comm[s]:
+                        self._comm_ready.add(s)
+                        self._cv.notify()
+                        continue
+                    t = str(self._ops[s].thread)
+                    if t == tid and inline is None:
+                        inline = s
+                    else:
+                        self._queues[t].append(s)
+                        self._worker_cv[t].notify()
+            if self._done == self._total:
+                self._cv.notify()
+        return inline
+
+    # ------------------------------------------------------- progress loop
+    def run(self, iteration=None):
+        """Run every op once. Blocks until done; raises the first op error."""
+        if iteration is not None:
+            self.iteration = iteration
+        self._zero_accumulators()
+        self._left = dict(self._ndeps)
+        self._done, self._total = 0, len(self._ops)
+        self._error = None
+        self._comm_ready = set()
+        self._last_progress = time.monotonic()
+        next_comm = 0
+        pending = []  # (op, Pending, t_post)
+        with self._lock:
+            for n in self._sources:
+                if self._is_comm[n]:
+                    self._comm_ready.add(n)
+                else:
+                    t = str(self._ops[n].thread)
+                    self._queues[t].append(n)
+                    self._worker_cv[t].notify()
+        while True:
+            with self._lock:
+                if self._error is None and self._done < self._total and not pending and \
+                        not (next_comm < len(self._comm_order)
+                             and self._comm_order[next_comm] in self._comm_ready):
+                    self._cv.wait(timeout=1.0)
+                if self._error is not None:
+                    raise self._error
+                if self._done == self._total:
+                    break
+                stalled_for = time.monotonic() - self._last_progress
+            # post comm ops strictly in seq order (the same on every rank)
+            while next_comm < len(self._comm_order) and \
+                    self._comm_order[next_comm] in self._comm_ready:
+                name = self._comm_order[next_comm]
+                next_comm += 1
+                op = self._ops[name]
+                result, t0 = self._execute(op, "comm")
+                if result is None:
+                    self._complete(name)
+                else:
+                    pending.append((op, result, t0))
+            if pending:
+                still = []
+                for op, p, t0 in pending:
+                    try:
+                        done = p.test()
+                        if done:
+                            p.finish()
+                    except Exception as exc:
+                        raise OpError(op, exc, self.rank) from exc
+                    if done:
+                        if self.profiler is not None:
+                            self.profiler.record(op, "comm", t0, time.perf_counter(),
+                                                 self.iteration, "comm")
+                        self._complete(op.name)
+                    else:
+                        still.append((op, p, t0))
+                pending = still
+                if pending:
+                    if time.monotonic() - min(t for _, _, t in pending) > self.stall_timeout \
+                            and stalled_for > self.stall_timeout:
+                        raise StallError(_stall_message(
+                            self.rank, [(o, p) for o, p, _ in pending], self.stall_timeout))
+                    time.sleep(self.poll_interval)
+            elif stalled_for > self.stall_timeout:
+                raise StallError(f"rank {self.rank}: no op completed for "
+                                 f"{self.stall_timeout:.0f} s; waiting: " +
+                                 ", ".join(self._waiting_ops()[:10]))
+        self.iteration += 1
+
+    def _waiting_ops(self):
+        return [n for n, k in self._left.items() if k > 0]
+
+    def close(self):
+        with self._lock:
+            self._stop = True
+            for cv in self._worker_cv.values():
+                cv.notify_all()
+        for w in self._workers:
+            w.join(timeout=5)
+
+
+def _stall_message(rank, pending, timeout):
+    parts = []
+    for op, p in pending:
+        desc = p.describe() if hasattr(p, "describe") else ""
+        parts.append(f"op '{op.name}' ({op.op_type}{', ' + desc if desc else ''})")
+    return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
+            f"still waiting on: " + "; ".join(parts))
+
+
+def make_dispatcher(graph, kind=None, **kw):
+    """``kind`` is 'event' (default) or 'serial'; env PURINE_DISPATCHER overrides."""
+    kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
+    if kind == "serial":
+        return SerialDispatcher(graph, **kw)
+    if kind == "event":
+        return EventDispatcher(graph, **kw)
+    from ..errors import UserError
+    raise UserError(f"PURINE_DISPATCHER must be 'event' or 'serial', got '{kind}'")
