@@ -319,7 +319,8 @@ class Graph:
 
     # ---------------------------------------------------------- inspection
     def params(self):
-        return [b for b in self.blobs.values() if b.kind == "param"]
+        """Parameter blobs that own their storage (not their ``@new`` aliases)."""
+        return [b for b in self.blobs.values() if b.kind == "param" and b.alias_of is None]
 
     def summary(self):
         """Human-readable listing (``graph --format text``)."""

@@ -26,8 +26,11 @@ from ..backend import get_xp
 from ..errors import ShapeError
 from .registry import OpKernel, gradient, register
 
-#: upper bound on the im2col buffer of one chunk of the batch
-COL_CHUNK_BYTES = 64 << 20
+#: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
+#: chunk that stays in cache is faster than one big GEMM (measured: ~1.5x on a
+#: CIFAR conv); on a GPU fewer, larger launches win.
+COL_CHUNK_BYTES = 512 << 10
+COL_CHUNK_BYTES_GPU = 256 << 20
 
 
 def pair(value, name):
@@ -69,10 +72,11 @@ def _geometry(attrs, x_shape, w_shape):
                 dh=dh, dw=dw, G=group, OH=OH, OW=OW)
 
 
-def _chunks(geo, itemsize):
-    """Batch slices whose column buffers stay under COL_CHUNK_BYTES."""
+def _chunks(xp, geo, itemsize):
+    """Batch slices whose column buffers stay under the chunk size."""
     per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * itemsize
-    step = max(1, COL_CHUNK_BYTES // max(per_sample, 1))
+    limit = COL_CHUNK_BYTES if xp is np else COL_CHUNK_BYTES_GPU
+    step = max(1, limit // max(per_sample, 1))
     return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
 
 
@@ -127,7 +131,7 @@ class Conv(OpKernel):
         wmat = w.reshape(G, O // G, -1)
         xpad = _pad(xp, x, geo)
         y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
-        for sl in _chunks(geo, x.itemsize):
+        for sl in _chunks(xp, geo, x.itemsize):
             # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
             xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
         if len(ins) == 3:
@@ -159,7 +163,7 @@ class ConvGradData(OpKernel):
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         padded = ph or pw
-        for sl in _chunks(geo, dy.itemsize):
+        for sl in _chunks(xp, geo, dy.itemsize):
             dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
             dcol = dcol.reshape(dcol.shape[0], C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
             dxpad = xp.zeros((dcol.shape[0], C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype) \
@@ -195,7 +199,7 @@ class ConvGradWeight(OpKernel):
         dw = outs[0].reshape(G, O // G, -1)
         dw.fill(0)
         xpad = _pad(xp, x, geo)
-        for sl in _chunks(geo, x.itemsize):
+        for sl in _chunks(xp, geo, x.itemsize):
             col = im2col(xp, xpad[sl], geo)  # (n, G, K, L)
             # one small GEMM per sample, then a sum over the chunk: cheaper than
             # transposing dy and col into one big GEMM

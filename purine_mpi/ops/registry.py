@@ -120,6 +120,12 @@ def make_kernel(op):
     return get_kernel_class(op.op_type, op.name)(op)
 
 
+_LOADED = []
+
+
 def _load_all():
-    if not KERNELS:
-        from . import _all  # noqa: F401  (imports every op family)
+    # importing one op module registers only its kernels: load every family
+    # (and the communication kernels) once, whatever was imported first
+    if not _LOADED:
+        _LOADED.append(True)
+        from . import _all  # noqa: F401

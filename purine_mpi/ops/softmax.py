@@ -133,14 +133,14 @@ class SoftmaxLoss(OpKernel):
         outer, channels, inner = _split_dims(x.shape, axis)
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
-        shifted = x3 - x3.max(axis=1, keepdims=True)
-        sumexp = xp.exp(shifted).sum(axis=1, keepdims=True)
+        shifted = x3 - x3.max(axis=1, keepdims=True)  # no overflow in exp
+        p3 = prob.reshape(outer, channels, inner)
+        xp.exp(shifted, out=p3)
+        sumexp = p3.sum(axis=1, keepdims=True)
+        p3 /= sumexp
         picked = xp.take_along_axis(shifted, lab[:, None, :], axis=1)[:, 0, :]
         nll = xp.log(sumexp[:, 0, :]) - picked  # -log softmax at the label
         loss[...] = (nll * valid).sum() / count
-        p3 = prob.reshape(outer, channels, inner)
-        xp.exp(shifted, out=p3)
-        p3 /= sumexp
 
 
 @register

@@ -11,9 +11,11 @@ from ..errors import GraphError
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, shared=None):
+        """``shared`` maps blob names to arrays owned elsewhere (the test
+        graph reads the train graph's parameters without copying them)."""
         self.graph = graph
-        self.arrays = {}
+        self.arrays = dict(shared or {})
         self._flat = {}
         self.allocated_bytes = 0
         for name in graph.blobs:

@@ -1,0 +1,116 @@
+"""``bench``: time training iterations of a config (DESIGN.md §9).
+
+Runs warm-up iterations, then times each iteration (with a barrier between
+iterations when several ranks run, so every rank measures the same thing),
+profiling the timed ones to compute ``comm_overlap``: the share of this
+rank's communication time during which compute ops were also running."""
+import copy
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from .backend import cupy_available
+from .errors import UserError
+
+
+def synthetic_config(config):
+    """The config with its train data replaced by synthetic data of the same shapes."""
+    cfg = copy.deepcopy(config)
+    spec = cfg["data"]["train"]
+    if spec.get("source") != "synthetic":
+        from .ops.data import source_info
+        try:
+            n, sample_shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
+        except UserError as exc:
+            raise UserError(f"bench needs the shapes of data.train: {exc}") from None
+        classes = int(spec.get("classes", 10))
+        cfg["data"]["train"] = {"source": "synthetic", "shape": list(sample_shape),
+                                "classes": classes, "batch_size": spec["batch_size"],
+                                "num_samples": max(n, spec["batch_size"] * 4)}
+    cfg["data"].pop("test", None)
+    return cfg
+
+
+def merge_intervals(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def comm_overlap(events):
+    """Share of communication time covered by compute (0..1), or None
+    when there was no communication."""
+    compute = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in events
+                               if e["cat"] in ("compute", "update", "copy")])
+    comm = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "comm"])
+    total = sum(e - s for s, e in comm)
+    if total <= 0:
+        return None
+    covered = 0.0
+    j = 0
+    for s, e in comm:
+        while j < len(compute) and compute[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < e:
+            covered += min(e, compute[k][1]) - max(s, compute[k][0])
+            k += 1
+    return covered / total
+
+
+def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
+    from .comm.world import get_world, install_abort_handler
+    from .runtime.dispatcher import Profiler
+    from .trainer import Trainer, world_mean
+    world = get_world()
+    install_abort_handler(world)
+    cfg = config if real_data else synthetic_config(config)
+    cfg = copy.deepcopy(cfg)
+    cfg["solver"]["max_iter"] = warmup + iters
+    trainer = Trainer(cfg, out_dir="/nonexistent-bench-output", world=world, profile=False,
+                      dispatcher=dispatcher, log=lambda m: None)
+    d = trainer.train
+    times = []
+    try:
+        for it in range(warmup + iters):
+            if it == warmup:
+                d.profiler = Profiler(world.rank)
+            if world.size > 1:
+                world.comm.Barrier()
+            trainer.ws["iter"][...] = it
+            t0 = time.perf_counter()
+            d.run(it)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+        events = d.profiler.events
+    finally:
+        trainer.close()
+    overlap = comm_overlap(events)
+    med = world_mean(world, statistics.median(times))
+    batch = cfg["data"]["train"]["batch_size"]
+    comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
+    compute_ms = sum(e["dur"] for e in events if e["cat"] != "comm") / 1000.0 / iters
+    result = {
+        "config": cfg.get("name"),
+        "world_size": world.size,
+        "iters": iters,
+        "batch_per_rank": batch,
+        "images_per_s": round(batch * world.size / med, 2),
+        "iter_ms_median": round(med * 1000, 3),
+        "iter_ms_mean": round(world_mean(world, float(np.mean(times))) * 1000, 3),
+        "compute_ms_per_iter": round(compute_ms, 3),
+        "comm_ms_per_iter": round(comm_ms, 3),
+        "comm_overlap": None if overlap is None else round(overlap, 4),
+        "peak_mem_bytes": int(trainer.ws.allocated_bytes),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "backend": "cupy" if cupy_available() and any(
+            b.location.device >= 0 for b in trainer.graph.blobs.values()) else "numpy",
+        "dispatcher": type(d).__name__,
+    }
+    return result if world.rank == 0 else None

@@ -1,0 +1,181 @@
+"""Command line (DESIGN.md §4). Every command runs the same under
+``mpiexec -n N`` / ``srun`` and without a launcher.
+
+    python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
+                                           [--resume CKPT.h5|auto] [--init W.h5]
+                                           [--seed S] [--profile]
+    python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
+    python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
+    python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
+    python -m purine_mpi data digits --out PATH.h5
+    python -m purine_mpi data cifar10 --from DIR --out PATH.h5
+    python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
+
+Exit status: 0 success, 2 user error (message names the file/key/node, no
+traceback), 1 any other failure -- on every rank.
+"""
+import argparse
+import json
+import os
+import sys
+
+from .errors import UserError
+
+
+def _common_config_args(p):
+    p.add_argument("config", help="job YAML (DESIGN.md §6)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key by dotted path, e.g. solver.base_lr=0.05")
+    p.add_argument("--seed", type=int, default=None, help="random seed (overrides config seed)")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m purine_mpi",
+        description="purine_mpi: bi-graph deep learning on MPI clusters. Run any command under "
+                    "mpiexec -n N (or srun) for N ranks.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("train", help="train a network from a job YAML")
+    _common_config_args(p)
+    p.add_argument("--out", help="output folder (default runs/<name>)")
+    p.add_argument("--iters", type=int, help="override solver.max_iter")
+    p.add_argument("--resume", metavar="CKPT.h5|auto",
+                   help="continue from a checkpoint (auto: OUT/latest.h5 if present)")
+    p.add_argument("--init", metavar="WEIGHTS.h5", help="initialise parameters from a file")
+    p.add_argument("--profile", action="store_true",
+                   help="write a Chrome trace per rank (trace.rank<R>.json)")
+    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
+                   help="event-driven (default) or serial reference dispatcher")
+
+    p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
+    _common_config_args(p)
+    p.add_argument("--weights", required=True, metavar="CKPT.h5")
+    p.add_argument("--out", help="output folder (default runs/<name>)")
+
+    p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
+    _common_config_args(p)
+    p.add_argument("--np", type=int, default=None, help="number of ranks to compose for")
+    p.add_argument("--rank", type=int, default=0, help="which rank's slice to print")
+    p.add_argument("--format", choices=["text", "yaml", "dot"], default="text")
+    p.add_argument("--phase", choices=["train", "test"], default="train")
+
+    p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
+    p.add_argument("checkpoint")
+    p.add_argument("--diff", metavar="OTHER.h5", help="compare with another checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("data", help="prepare a data set as HDF5")
+    p.add_argument("dataset", choices=["digits", "cifar10"])
+    p.add_argument("--out", required=True, metavar="PATH.h5")
+    p.add_argument("--from", dest="source", metavar="DIR",
+                   help="cifar10: folder with the python-pickle batches")
+
+    p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
+    _common_config_args(p)
+    p.add_argument("--iters", type=int, default=20, help="timed iterations (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--real-data", action="store_true",
+                   help="use the config's data instead of synthetic data of the same shapes")
+    p.add_argument("--dispatcher", choices=["event", "serial"], default=None)
+    return parser
+
+
+def _load(args, check_files=True):
+    from .io.config import load_config
+    cfg = load_config(args.config, args.overrides, getattr(args, "iters", None),
+                      check_files=check_files)
+    if args.seed is not None:
+        cfg["seed"] = args.seed
+    return cfg
+
+
+def _out_dir(args, cfg):
+    return args.out or os.path.join("runs", cfg.get("name", "net"))
+
+
+def cmd_train(args):
+    from .trainer import run_training
+    cfg = _load(args)
+    return run_training(cfg, _out_dir(args, cfg), resume=args.resume, init=args.init,
+                        profile=args.profile, dispatcher=args.dispatcher)
+
+
+def cmd_test(args):
+    from .trainer import Trainer
+    from .io.checkpoint import load_params
+    cfg = _load(args)
+    load_params(args.weights)  # a bad file fails here, before any graph is built
+    t = Trainer(cfg, _out_dir(args, cfg), init=args.weights)
+    try:
+        res = t.evaluate()
+    finally:
+        t.close()
+    if not res:
+        raise UserError(f"{args.config}: key 'data.test': nothing to evaluate (no test data or "
+                        "no loss/accuracy layer in the test phase)")
+    if t.rank == 0:
+        print(json.dumps(res))
+    return 0
+
+
+def cmd_graph(args):
+    from .graph.inspect import render_graph
+    cfg = _load(args, check_files=False)
+    print(render_graph(cfg, args.np, args.rank, args.format, args.phase))
+    return 0
+
+
+def cmd_inspect(args):
+    from .io.checkpoint import inspect_checkpoint
+    print(inspect_checkpoint(args.checkpoint, diff=args.diff, as_json=args.json))
+    return 0
+
+
+def cmd_data(args):
+    from .io import datasets
+    if args.dataset == "digits":
+        datasets.write_digits(args.out)
+    else:
+        if not args.source:
+            raise UserError("data cifar10 needs --from DIR (the folder holding data_batch_1..5 "
+                            "and test_batch from the CIFAR-10 python version)")
+        datasets.write_cifar10(args.source, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_bench(args):
+    from .bench import run_bench
+    cfg = _load(args, check_files=args.real_data)
+    res = run_bench(cfg, args.iters, args.warmup, real_data=args.real_data,
+                    dispatcher=args.dispatcher)
+    if res is not None:
+        print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
+            "data": cmd_data, "bench": cmd_bench}
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args) or 0
+    except UserError as exc:
+        _report_user_error(exc)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _report_user_error(exc):
+    """One paragraph on stderr. Under MPI every rank hits the same error (they
+    read the same config); only rank 0 prints it."""
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)

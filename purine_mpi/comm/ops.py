@@ -1,0 +1,208 @@
+"""Communication ops: ordinary graph kernels that post non-blocking MPI.
+
+Every comm op carries ``seq`` (int), assigned at graph build time in the same
+order on every rank. The dispatcher calls ``run`` only from its progress
+thread, in ascending ``seq``, as soon as the op's inputs are ready; ``run``
+posts the request(s) and returns a ``Pending`` that the progress loop polls
+(``test()``) and completes (``finish()``). Comm ops have no gradient: they
+are inserted after the backward pass.
+
+Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average)
+    s_i = sum over ranks of g_i  (or the mean, with ``average: true``).
+    When the outputs are alias blobs of one flat bucket (data_parallel), the
+    whole bucket is reduced in place: one Iallreduce, no packing copy.
+Send        ins [x]  outs []      attrs seq, peer, tag
+    posts Isend(x) to rank ``peer``; done when MPI may reuse x.
+Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
+    posts Irecv(y) from rank ``peer`` with tag ``tag``.
+"""
+import numpy as np
+
+from ..errors import ShapeError
+# Load every op family first: the registry imports them all only while it is
+# empty, so registering these kernels before that would hide the others.
+from ..ops import _all as _all_op_families  # noqa: F401
+from ..ops.registry import OpKernel, Pending, register
+from .device import HostStage
+from .world import get_world
+
+_COLLECTIVES = {"Allreduce"}
+_POINT_TO_POINT = {"Send", "Recv"}
+
+
+def is_comm_op(op):
+    """True for the op types this module defines (graph passes use it)."""
+    return op.op_type in _COLLECTIVES or op.op_type in _POINT_TO_POINT
+
+
+def is_collective(op):
+    return op.op_type in _COLLECTIVES
+
+
+class MPIPending(Pending):
+    """MPI requests in flight for one op; ``finish`` runs the op's epilogue
+    (copy back from a host stage, scale for a mean)."""
+
+    def __init__(self, requests, description, on_finish=None):
+        self.requests = list(requests)
+        self.description = description
+        self._on_finish = on_finish
+
+    def test(self):
+        from mpi4py import MPI
+        return MPI.Request.Testall(self.requests)
+
+    def finish(self):
+        if self._on_finish is not None:
+            self._on_finish()
+
+    def describe(self):
+        return self.description
+
+
+class CommKernel(OpKernel):
+    category = "comm"
+    #: set by the runtime before setup(); gives flat storage of bucket blobs
+    workspace = None
+
+    def __init__(self, op):
+        super().__init__(op)
+        self.world = None
+
+    def comm(self):
+        if self.world is None:
+            self.world = get_world()
+        return self.world.comm
+
+    def _what(self):
+        return f"seq {self.attrs.get('seq', '?')} (op {self.op.name})"
+
+
+def _mb(nbytes):
+    return f"{nbytes / 2 ** 20:.1f} MB"
+
+
+def _flat(array):
+    if not array.flags.c_contiguous:
+        raise ValueError("a communication buffer must be contiguous")
+    return array.reshape(-1)
+
+
+@register
+class Allreduce(CommKernel):
+    """s_i = sum over ranks of g_i (mean with ``average``). Shapes pass through."""
+
+    op_type = "Allreduce"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return list(ins)
+
+    def setup(self, ins, outs):
+        if len(ins) != len(outs):
+            raise ShapeError(f"Allreduce '{self.op.name}' needs one output per input")
+        self.buffers = None
+        storage = getattr(self.workspace, "storage", None)
+        if storage is not None and outs:
+            flat = storage(self.op.outputs[0])
+            if all(_shares(flat, a) for a in list(ins) + list(outs)):
+                self.buffers = [flat]  # the bucket: reduce it whole, in place
+        self.in_place = [_shares(i, o) for i, o in zip(ins, outs)]
+        if self.buffers is None:
+            self.buffers = [_flat(o) for o in outs]
+        self.stages = [HostStage(b) for b in self.buffers]
+        self.nbytes = sum(b.nbytes for b in self.buffers)
+
+    def run(self, ins, outs):
+        if not hasattr(self, "buffers"):
+            self.setup(ins, outs)
+        from mpi4py import MPI
+        for i, o, same in zip(ins, outs, self.in_place):
+            if not same:
+                o[...] = i
+        comm = self.comm()
+        if comm.Get_size() == 1 and not self.attrs.get("always_post", False):
+            return None
+        requests = [comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
+                    for st in self.stages]
+        bucket = self.attrs.get("bucket", self.op.name)
+        return MPIPending(requests, f"Iallreduce {bucket} {_mb(self.nbytes)} {self._what()}",
+                          self._finish)
+
+    def _finish(self):
+        for st in self.stages:
+            st.copy_back()
+        if self.attrs.get("average", False):
+            size = self.comm().Get_size()
+            for b in self.buffers:
+                b *= 1.0 / size
+
+
+def _shares(a, b):
+    """Cheap same-storage test for views of one buffer (bounds overlap)."""
+    try:
+        return np.may_share_memory(a, b) if isinstance(a, np.ndarray) else _dev_overlap(a, b)
+    except Exception:
+        return False
+
+
+def _dev_overlap(a, b):
+    a0, b0 = a.data.ptr, b.data.ptr
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+@register
+class Send(CommKernel):
+    """Isend(x) to rank ``peer`` with ``tag``. A sink: no outputs."""
+
+    op_type = "Send"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) != 1:
+            raise ShapeError("Send takes exactly one input blob")
+        return []
+
+    def setup(self, ins, outs):
+        self.stage = HostStage(ins[0])
+        self._check_tag()
+
+    def _check_tag(self):
+        ub = getattr(get_world(), "tag_ub", 32767)
+        if not 0 <= int(self.attrs["tag"]) <= ub:
+            raise ValueError(f"tag {self.attrs['tag']} outside MPI's range 0..{ub}")
+
+    def run(self, ins, outs):
+        if not hasattr(self, "stage"):
+            self.setup(ins, outs)
+        peer, tag = int(self.attrs["peer"]), int(self.attrs["tag"])
+        buf = _flat(self.stage.buffer(copy_in=True))
+        req = self.comm().Isend(buf, dest=peer, tag=tag)
+        return MPIPending([req], f"Isend {self.op.inputs[0]} {_mb(buf.nbytes)} to rank "
+                                 f"{peer} tag {tag} {self._what()}")
+
+
+@register
+class Recv(CommKernel):
+    """Irecv(y) from rank ``peer`` with ``tag``; y's shape/dtype come from attrs."""
+
+    op_type = "Recv"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if ins:
+            raise ShapeError("Recv takes no input blobs")
+        return [(tuple(attrs["shape"]), str(np.dtype(attrs.get("dtype", "float32"))))]
+
+    def setup(self, ins, outs):
+        self.stage = HostStage(outs[0])
+        Send._check_tag(self)
+
+    def run(self, ins, outs):
+        if not hasattr(self, "stage"):
+            self.setup(ins, outs)
+        peer, tag = int(self.attrs["peer"]), int(self.attrs["tag"])
+        buf = _flat(self.stage.buffer(copy_in=False))
+        req = self.comm().Irecv(buf, source=peer, tag=tag)
+        return MPIPending([req], f"Irecv {self.op.outputs[0]} {_mb(buf.nbytes)} from rank "
+                                 f"{peer} tag {tag} {self._what()}", self.stage.copy_back)

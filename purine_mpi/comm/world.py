@@ -1,0 +1,274 @@
+"""The MPI world: who we are, where every rank lives, and how failures end
+the job on every rank.
+
+``get_world()`` returns the process-wide ``World`` (mpi4py is imported on first
+use, so a program that never communicates never initialises MPI). Without a
+launcher the world is one rank (MPI's singleton start).
+
+Locations map to ranks through the host table gathered at start-up::
+
+    {rank: R}                  -> rank R
+    {ip: A, device: d >= 0}    -> the d-th rank (in rank order) on the host
+                                  that owns address A (one rank per device)
+    {ip: A, device: -1}        -> the first rank on that host
+
+A host is identified by its hostname together with its non-loopback
+addresses, so two network namespaces on one machine count as two hosts.
+"""
+import hashlib
+import os
+import socket
+import sys
+import threading
+import traceback
+
+from ..errors import UserError
+
+_WORLD = None
+_LOCK = threading.Lock()
+
+
+def get_world():
+    """The process-wide World (created, and MPI initialised, on first call)."""
+    global _WORLD
+    with _LOCK:
+        if _WORLD is None:
+            _WORLD = World()
+        return _WORLD
+
+
+def set_world(world):
+    """Install ``world`` as the process-wide World (tests, sub-communicators)."""
+    global _WORLD
+    _WORLD = world
+    return world
+
+
+class World:
+    """An MPI communicator plus the host table of its ranks.
+
+    ``comm`` is a private duplicate of COMM_WORLD used by graph communication
+    ops, so their messages never match a user's or a library's."""
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI  # lazily: importing initialises MPI
+        self.MPI = MPI
+        base = comm if comm is not None else MPI.COMM_WORLD
+        self.world_comm = base
+        self.comm = base.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.hosts = HostTable(self.comm.allgather(local_host_info()))
+        self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
+
+    # ---------------------------------------------------------- locations
+    def rank_of(self, location, what="a node"):
+        """The rank that runs ``location`` (a graph Location or a dict)."""
+        return self.hosts.rank_of(location, what, size=self.size)
+
+    @property
+    def local_rank(self):
+        """This rank's index among the ranks on its host (its GPU, if any)."""
+        return self.hosts.local_rank(self.rank)
+
+    # ---------------------------------------------------------- checks
+    def check_consistent(self, text, what="configuration"):
+        """Raise UserError on every rank when ``text`` differs between ranks.
+
+        Every rank must build the same graph from the same config; a rank that
+        read another file or got other ``--set`` overrides would otherwise
+        deadlock in mismatched communication."""
+        digest = hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+        digests = self.comm.allgather(digest)
+        groups = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        if len(groups) > 1:
+            # the largest group is "the" version; name the others
+            ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+            majority = ordered[0][1]
+            odd = [r for _, rs in ordered[1:] for r in rs]
+            parts = "; ".join(f"ranks {_fmt_ranks(rs)}: sha256 {d[:12]}" for d, rs in ordered)
+            raise UserError(
+                f"the {what} differs between ranks (rank(s) {_fmt_ranks(odd)} disagree with "
+                f"rank(s) {_fmt_ranks(majority)}; {parts}). Every rank must load the same "
+                "files with the same --set overrides.")
+        return digest
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def abort(self, code=1):
+        """End the whole job: every rank exits with a non-zero status."""
+        _flush()
+        if self.size > 1:
+            self.world_comm.Abort(code)
+        os._exit(code)
+
+
+def _fmt_ranks(ranks):
+    return ",".join(str(r) for r in ranks)
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------ host table
+def local_host_info():
+    """This process's hostname and IPv4 addresses (loopback included)."""
+    hostname = socket.gethostname()
+    return {"hostname": hostname, "addresses": sorted(_local_addresses(hostname))}
+
+
+def _local_addresses(hostname):
+    addrs = {"127.0.0.1"}
+    try:  # every configured interface (Linux ioctl; no extra package)
+        import fcntl
+        import struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:
+                    req = struct.pack("256s", name[:15].encode())
+                    res = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR
+                    addrs.add(socket.inet_ntoa(res[20:24]))
+                except OSError:
+                    pass  # interface without an IPv4 address
+        finally:
+            s.close()
+    except Exception:
+        pass
+    try:
+        addrs.update(socket.gethostbyname_ex(hostname)[2])
+    except OSError:
+        pass
+    return addrs
+
+
+def _is_loopback(ip):
+    return ip.startswith("127.") or ip == "localhost"
+
+
+class HostTable:
+    """Ranks grouped by host; maps {ip, device} locations to ranks.
+
+    ``infos`` is one ``{"hostname", "addresses"}`` dict per rank."""
+
+    def __init__(self, infos):
+        self.infos = list(infos)
+        self.host_of = []          # rank -> host index
+        self.host_ranks = []       # host index -> ranks on it, ascending
+        self.host_names = []
+        keys = {}
+        for r, info in enumerate(self.infos):
+            key = (info["hostname"],
+                   tuple(a for a in info["addresses"] if not _is_loopback(a)))
+            if key not in keys:
+                keys[key] = len(self.host_ranks)
+                self.host_ranks.append([])
+                self.host_names.append(info["hostname"])
+            self.host_of.append(keys[key])
+            self.host_ranks[keys[key]].append(r)
+        self.by_address = {}
+        for h, ranks in enumerate(self.host_ranks):
+            for a in self.infos[ranks[0]]["addresses"]:
+                self.by_address.setdefault(a, set()).add(h)
+
+    @classmethod
+    def planned(cls, locations, size):
+        """A host table for an offline view (``graph --np N``): each distinct
+        ip among ``locations``, in order of first appearance, is a host with
+        one rank per device it uses; leftover ranks go on a host of their own."""
+        hosts = {}
+        for loc in locations:
+            ip = _get(loc, "ip")
+            if ip is None:
+                continue
+            dev = _get(loc, "device", -1)
+            hosts[ip] = max(hosts.get(ip, 1), (dev if dev is not None else -1) + 1)
+        infos = []
+        for i, (ip, n) in enumerate(hosts.items()):
+            infos += [{"hostname": f"host{i}", "addresses": [ip]}] * n
+        while len(infos) < size:
+            infos.append({"hostname": "unplanned", "addresses": []})
+        if len(infos) > size:
+            raise UserError(f"the graph's locations need {len(infos)} ranks "
+                            f"({', '.join(f'{ip}: {n}' for ip, n in hosts.items())}), "
+                            f"but --np is {size}")
+        return cls(infos)
+
+    def local_rank(self, rank):
+        return self.host_ranks[self.host_of[rank]].index(rank)
+
+    def rank_of(self, location, what="a node", size=None):
+        size = len(self.infos) if size is None else size
+        ip = _get(location, "ip")
+        if ip is None:
+            rank = _get(location, "rank", 0) or 0
+            if not 0 <= rank < size:
+                raise UserError(f"{what} is placed on rank {rank}, but the job has "
+                                f"{size} rank(s) (ranks 0..{size - 1}); start more ranks "
+                                "with mpiexec -n or change the location")
+            return rank
+        hosts = self.by_address.get(ip, set())
+        if not hosts and ip in ("localhost",):
+            hosts = self.by_address.get("127.0.0.1", set())
+        if not hosts:
+            known = ", ".join(f"{self.host_names[h]} ({' '.join(self.infos[rs[0]]['addresses'])})"
+                              for h, rs in enumerate(self.host_ranks))
+            raise UserError(f"{what} is placed on ip {ip}, which is no address of any rank's "
+                            f"host (hosts: {known}); use an address of a host in the job, "
+                            "or {rank: R} locations")
+        if len(hosts) > 1:
+            raise UserError(f"{what} is placed on ip {ip}, which names several hosts of the "
+                            f"job ({', '.join(self.host_names[h] for h in sorted(hosts))}); "
+                            "use a non-loopback address or {rank: R} locations")
+        ranks = self.host_ranks[next(iter(hosts))]
+        device = _get(location, "device", -1)
+        index = max(device if device is not None else -1, 0)
+        if index >= len(ranks):
+            raise UserError(f"{what} is placed on ip {ip} device {device}, but that host runs "
+                            f"only {len(ranks)} rank(s) (one rank per device); start more ranks "
+                            "on it")
+        return ranks[index]
+
+
+def _get(loc, key, default=None):
+    if isinstance(loc, dict):
+        return loc.get(key, default)
+    return getattr(loc, key, default)
+
+
+# ------------------------------------------------------------------ abort
+def describe_exception(exc, rank):
+    """One line: ``rank R: <what failed>`` (no double prefix for OpError)."""
+    text = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
+    if text.startswith(f"rank {rank}:") or str(exc).startswith(f"rank {rank}:"):
+        return str(exc)
+    return f"rank {rank}: {text}"
+
+
+def install_abort_handler(world=None):
+    """Make an uncaught exception on any rank (main or worker thread) end the
+    whole job promptly: print ``rank R: <op/exception>`` and call
+    ``MPI.COMM_WORLD.Abort`` (exit code 2 for a UserError, else 1), so no rank
+    hangs in communication waiting for a dead peer."""
+    world = world or get_world()
+
+    def handle(exc_type, exc, tb):
+        if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
+            return sys.__excepthook__(exc_type, exc, tb)
+        if not isinstance(exc, UserError):
+            traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
+        print(describe_exception(exc, world.rank), file=sys.stderr)
+        world.abort(getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1)
+
+    sys.excepthook = handle
+    threading.excepthook = lambda args: handle(args.exc_type, args.exc_value,
+                                               args.exc_traceback)
+    return handle

@@ -1,0 +1,160 @@
+"""Raw CUDA kernels for the GPU backend, loaded from ``cuda/<name>.cu``.
+
+Most ops run the same ``xp`` code on NumPy and CuPy; the few that CuPy has no
+efficient equivalent for (im2col/col2im, pooling, LRN, fused softmax-loss,
+fused SGD update, dropout mask) call the wrappers in
+:mod:`purine_mpi.gpu.kernels`, which launch the kernels compiled here.
+
+Each ``.cu`` file is one op family. It defines templates and one
+``extern "C"`` entry point per dtype -- ``<func>_f32`` and ``<func>_f64`` --
+so the Python side picks a kernel by name without C++ name mangling::
+
+    module = load_kernel("pooling")                      # cupy.RawModule
+    kernel = get_function(module, "maxpool_forward", x.dtype)
+    kernel((blocks,), (256,), args)                      # on the current stream
+
+The source is compiled by NVRTC (through CuPy) on first use and cached per
+(name, device, options); CuPy also keeps the binary in its on-disk kernel
+cache, so later processes skip the compile. A ``#line 1 "<file>"`` directive
+is prepended so compile errors name the real file and line.
+
+Nothing here imports CuPy at import time: the package loads on CPU machines.
+The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
+``cuda/`` folder at the repository root.
+"""
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+CUDA_DIR = Path(os.environ.get("PURINE_CUDA_DIR")
+                or Path(__file__).resolve().parents[2] / "cuda")
+
+_DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+_lock = threading.Lock()       # the dispatcher loads kernels from many threads
+_modules = {}                  # (name, device, options) -> cupy.RawModule
+_functions = {}                # (name, func, suffix, device, options) -> RawKernel
+
+
+def import_cupy():
+    """CuPy, or a UserError that says how to get it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        from ..errors import UserError
+        raise UserError("GPU kernels need CuPy: install purine_mpi[gpu] (or the "
+                        "cupy-cudaXXx wheel matching your CUDA), or run on "
+                        f"device: -1 ({exc})") from exc
+    return cupy
+
+
+def dtype_suffix(dtype):
+    """Entry-point suffix for an array dtype: 'f32' or 'f64'."""
+    try:
+        return _DTYPE_SUFFIX[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"CUDA kernels exist for float32 and float64 only, "
+                        f"not {np.dtype(dtype)}") from None
+
+
+def source_path(name):
+    """Path of ``cuda/<name>.cu``; a clear error when it is missing."""
+    path = CUDA_DIR / f"{name}.cu"
+    if not path.is_file():
+        from ..errors import UserError
+        raise UserError(f"CUDA source {path} not found; set PURINE_CUDA_DIR to "
+                        "the folder holding purine_mpi's cuda/*.cu files")
+    return path
+
+
+def kernel_source(name):
+    """The text compiled for ``name``: a ``#line`` directive, then the file."""
+    path = source_path(name).resolve()
+    escaped = str(path).replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line 1 "{escaped}"\n' + path.read_text()
+
+
+def _current_device(cupy):
+    return cupy.cuda.runtime.getDevice()
+
+
+def load_kernel(name, options=()):
+    """The ``cupy.RawModule`` for ``cuda/<name>.cu`` on the current device."""
+    cupy = import_cupy()
+    options = tuple(options)
+    key = (name, _current_device(cupy), options)
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            module = cupy.RawModule(code=kernel_source(name), options=options)
+            _modules[key] = module
+        return module
+
+
+def get_function(module, func_name, dtype, options=()):
+    """The kernel ``<func_name>_<f32|f64>`` for ``dtype`` from ``module``.
+
+    ``module`` is a source name (``"pooling"``, loaded with ``load_kernel``) or
+    a RawModule. Kernels fetched by name are cached, so this is cheap to call
+    on every launch."""
+    suffix = dtype_suffix(dtype)
+    if not isinstance(module, str):
+        return module.get_function(f"{func_name}_{suffix}")
+    cupy = import_cupy()
+    options = tuple(options)
+    key = (module, func_name, suffix, _current_device(cupy), options)
+    kernel = _functions.get(key)
+    if kernel is None:
+        raw_module = load_kernel(module, options)
+        with _lock:
+            kernel = _functions.get(key)
+            if kernel is None:
+                kernel = raw_module.get_function(f"{func_name}_{suffix}")
+                _functions[key] = kernel
+    return kernel
+
+
+def clear_kernel_cache():
+    """Forget compiled modules (after editing a .cu file in a live session)."""
+    with _lock:
+        _modules.clear()
+        _functions.clear()
+
+
+def set_tf32(enabled=True):
+    """Allow (or forbid) TensorFloat-32 in CuPy's float32 matrix products.
+
+    TF32 runs cuBLAS float32 GEMMs (fc layers, the im2col convolution GEMM) on
+    tensor cores of Ampere and newer GPUs with a 10-bit mantissa: much faster,
+    less exact (~1e-3 relative). It is off by default, as in CuPy, so GPU
+    results match the CPU ones to float32 tolerance. The raw kernels here are
+    unaffected.
+
+    CuPy reads ``CUPY_TF32`` when it first needs a float32 compute type, so the
+    variable is set for that case; a process that already ran a float32
+    matmul is switched through ``cupy._core._routines_linalg.set_compute_type``
+    (CuPy's own switch, in a private module, hence the fallback)."""
+    os.environ["CUPY_TF32"] = "1" if enabled else "0"
+    try:
+        import cupy  # noqa: F401
+        from cupy._core import _routines_linalg as linalg
+    except ImportError:
+        return
+    compute_type = (linalg.COMPUTE_TYPE_TF32 if enabled
+                    else linalg.COMPUTE_TYPE_DEFAULT)
+    try:
+        # TF32 asks the current device's compute capability (< 8.0: CuPy warns
+        # and keeps the default).
+        linalg.set_compute_type(np.float32, compute_type)
+    except (AttributeError, RuntimeError):
+        pass  # no device or CuPy internals moved: the variable still applies
+
+
+def tf32_enabled():
+    """Whether float32 matmuls may use TF32 (as last set or from CUPY_TF32)."""
+    try:
+        return int(os.environ.get("CUPY_TF32", "0")) > 0
+    except ValueError:
+        return False

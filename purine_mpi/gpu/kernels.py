@@ -1,0 +1,408 @@
+"""NumPy-like wrappers around the raw CUDA kernels in ``cuda/*.cu``.
+
+Ops call these when ``get_xp(x) is cupy``; the CPU path stays in NumPy.
+Inputs are CuPy arrays of float32 or float64 (the output dtype follows the
+input). Each wrapper allocates its outputs, or writes into ``out=`` (an array,
+or a tuple for several outputs, ``None`` entries allocated) so a kernel can
+fill a preallocated blob in place; a non-contiguous ``out`` is filled through
+a temporary. Kernels launch on CuPy's current stream, so the dispatcher's
+``with stream:`` decides where they run. Formulas and Caffe references are in
+each ``.cu`` file's header; tests/gpu_reference.py has a NumPy version of each.
+
+Short names follow the issue and Caffe: kh/kw kernel height/width, sh/sw
+stride, ph/pw zero padding, dh/dw dilation.
+
+CuPy is imported on first call; importing this module needs only NumPy.
+"""
+import numpy as np
+
+from . import dtype_suffix, get_function, import_cupy
+
+#: the extern "C" entry points of each cuda/<file>.cu (each exists as
+#: <name>_f32 and <name>_f64); tests/test_cuda_compile.py checks them.
+ENTRY_POINTS = {
+    "im2col": ("im2col", "col2im"),
+    "pooling": ("maxpool_forward", "maxpool_backward",
+                "avepool_forward", "avepool_backward"),
+    "lrn": ("lrn_forward", "lrn_backward"),
+    "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward"),
+    "sgd": ("sgd_momentum",),
+    "dropout": ("dropout_mask",),
+}
+
+_BLOCK = 256
+_MAX_BLOCKS = 65535   # kernels use grid-stride loops, so any grid covers all
+
+
+# ----------------------------------------------------------------- sizes ---
+
+def conv_output_size(size, kernel, stride=1, pad=0, dilation=1):
+    """Output length of a convolution / im2col along one axis (floor)."""
+    extent = dilation * (kernel - 1) + 1
+    return (size + 2 * pad - extent) // stride + 1
+
+
+def pool_output_size(size, kernel, stride=1, pad=0, ceil_mode=False):
+    """Output length of pooling along one axis.
+
+    floor((size + 2 pad - kernel) / stride) + 1, or with ``ceil_mode`` the
+    ceiling (Caffe's rounding), dropping a last window that would start in
+    the padding (as Caffe and PyTorch do; PyTorch's rule, which also applies
+    with pad 0, is used so no window is ever empty)."""
+    span = size + 2 * pad - kernel
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+# --------------------------------------------------------------- helpers ---
+
+def _input(cupy, array, what, ndim=None):
+    """A C-contiguous float32/float64 CuPy array (dtype checked early)."""
+    if not isinstance(array, cupy.ndarray):
+        raise TypeError(f"{what}: expected a CuPy array, got {type(array).__name__}")
+    dtype_suffix(array.dtype)
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {array.shape}")
+    return cupy.ascontiguousarray(array)
+
+
+def _output(cupy, out, shape, dtype, what):
+    """(buffer the kernel writes, array to copy it into afterwards or None)."""
+    shape = tuple(int(s) for s in shape)
+    if out is None:
+        return cupy.empty(shape, dtype=dtype), None
+    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(dtype):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)} and dtype "
+                         f"{out.dtype}, expected {shape} and {np.dtype(dtype)}")
+    if out.flags.c_contiguous:
+        return out, None
+    return cupy.empty(shape, dtype=dtype), out
+
+
+def _finish(buffer, target):
+    if target is None:
+        return buffer
+    target[...] = buffer
+    return target
+
+
+def _outs(out, count):
+    if out is None:
+        return (None,) * count
+    out = tuple(out)
+    if len(out) != count:
+        raise ValueError(f"out must hold {count} arrays (None to allocate), got {len(out)}")
+    return out
+
+
+def _launch(source, func, dtype, total, args):
+    """Run kernel <func>_<dtype> of cuda/<source>.cu over ``total`` items."""
+    if total <= 0:
+        return
+    kernel = get_function(source, func, dtype)
+    blocks = min((total + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS)
+    kernel((blocks,), (_BLOCK,), (np.int64(total),) + tuple(args))
+
+
+def _int(value):
+    return np.int32(int(value))
+
+
+def _scalar_or_device(cupy, value, dtype, dummy, what):
+    """(host factor, device pointer, flag) for a scalar that may live on the
+    device: a Python number gives (value, dummy, 0); a one-element CuPy array
+    gives (1, array, 1) and the kernel reads it, with no host round trip."""
+    if isinstance(value, cupy.ndarray):
+        if value.size != 1:
+            raise ValueError(f"{what} must be a scalar or a one-element array, "
+                             f"got shape {tuple(value.shape)}")
+        array = cupy.ascontiguousarray(value.astype(dtype, copy=False).reshape(1))
+        return dtype.type(1), array, _int(1)
+    return dtype.type(value), dummy, _int(0)
+
+
+def _check_pool_args(what, kh, kw, sh, sw, ph, pw):
+    if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0:
+        raise ValueError(f"{what}: kernel and stride must be >= 1 and padding >= 0, "
+                         f"got kernel ({kh}, {kw}), stride ({sh}, {sw}), pad ({ph}, {pw})")
+    if ph >= kh or pw >= kw:
+        raise ValueError(f"{what}: padding ({ph}, {pw}) must be smaller than the "
+                         f"kernel ({kh}, {kw}) (as in Caffe)")
+
+
+# ---------------------------------------------------------------- im2col ---
+
+def im2col(x, kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, out=None):
+    """Unfold ``x`` (N, C, H, W) into columns (N, C*kh*kw, OH*OW).
+
+    Row ``c*kh*kw + i*kw + j`` holds ``x[n, c, oh*sh - ph + i*dh, ow*sw - pw + j*dw]``
+    (0 in the padding), as ``torch.nn.functional.unfold``."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "im2col: x", ndim=4)
+    n, c, h, w = x.shape
+    oh = conv_output_size(h, kh, sh, ph, dh)
+    ow = conv_output_size(w, kw, sw, pw, dw)
+    if oh < 1 or ow < 1:
+        raise ValueError(f"im2col: a ({kh}, {kw}) kernel with dilation ({dh}, {dw}) "
+                         f"does not fit the padded {h}x{w} input")
+    cols, target = _output(cupy, out, (n, c * kh * kw, oh * ow), x.dtype, "im2col")
+    _launch("im2col", "im2col", x.dtype, n * c * oh * ow,
+            (x, _int(h), _int(w), _int(kh), _int(kw), _int(sh), _int(sw),
+             _int(ph), _int(pw), _int(dh), _int(dw), _int(oh), _int(ow), cols))
+    return _finish(cols, target)
+
+
+def col2im(cols, x_shape, kh, kw, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, out=None):
+    """Adjoint of :func:`im2col`: sum columns (N, C*kh*kw, OH*OW) back into an
+    image of shape ``x_shape`` (N, C, H, W), as ``torch.nn.functional.fold``."""
+    cupy = import_cupy()
+    n, c, h, w = (int(s) for s in x_shape)
+    oh = conv_output_size(h, kh, sh, ph, dh)
+    ow = conv_output_size(w, kw, sw, pw, dw)
+    cols = _input(cupy, cols, "col2im: cols")
+    if tuple(cols.shape) != (n, c * kh * kw, oh * ow):
+        raise ValueError(f"col2im: cols has shape {tuple(cols.shape)}, expected "
+                         f"{(n, c * kh * kw, oh * ow)} for image shape {tuple(x_shape)}")
+    x, target = _output(cupy, out, (n, c, h, w), cols.dtype, "col2im")
+    _launch("im2col", "col2im", cols.dtype, n * c * h * w,
+            (cols, _int(h), _int(w), _int(kh), _int(kw), _int(sh), _int(sw),
+             _int(ph), _int(pw), _int(dh), _int(dw), _int(oh), _int(ow), x))
+    return _finish(x, target)
+
+
+# --------------------------------------------------------------- pooling ---
+
+def _pool_forward(func, x, kh, kw, sh, sw, ph, pw, ceil_mode, outs):
+    cupy = import_cupy()
+    _check_pool_args(func, kh, kw, sh, sw, ph, pw)
+    x = _input(cupy, x, f"{func}: x", ndim=4)
+    n, c, h, w = x.shape
+    oh = pool_output_size(h, kh, sh, ph, ceil_mode)
+    ow = pool_output_size(w, kw, sw, pw, ceil_mode)
+    if oh < 1 or ow < 1:
+        raise ValueError(f"{func}: a ({kh}, {kw}) window does not fit the padded "
+                         f"{h}x{w} input")
+    shape = (n, c, oh, ow)
+    y, y_target = _output(cupy, outs[0], shape, x.dtype, f"{func} (y)")
+    args = [x, _int(h), _int(w), _int(oh), _int(ow), _int(kh), _int(kw),
+            _int(sh), _int(sw), _int(ph), _int(pw), y]
+    if func == "maxpool_forward":
+        mask, mask_target = _output(cupy, outs[1], shape, np.int32, f"{func} (mask)")
+        args.append(mask)
+    _launch("pooling", func, x.dtype, n * c * oh * ow, args)
+    if func == "maxpool_forward":
+        return _finish(y, y_target), _finish(mask, mask_target)
+    return _finish(y, y_target)
+
+
+def maxpool_forward(x, kh, kw, sh=1, sw=1, ph=0, pw=0, ceil_mode=False, out=None):
+    """Max pooling of ``x`` (N, C, H, W) -> ``(y, mask)``.
+
+    ``mask`` (int32, shape of y) is the argmax as a flat index ``h*W + w``
+    within the (n, c) plane (the first maximum; as PyTorch's
+    ``return_indices``); pass it to :func:`maxpool_backward`."""
+    return _pool_forward("maxpool_forward", x, kh, kw, sh, sw, ph, pw, ceil_mode,
+                         _outs(out, 2))
+
+
+def maxpool_backward(dy, mask, x_shape, kh, kw, sh=1, sw=1, ph=0, pw=0, out=None):
+    """Gradient of max pooling: dx (``x_shape``) gets each ``dy`` at its argmax."""
+    cupy = import_cupy()
+    _check_pool_args("maxpool_backward", kh, kw, sh, sw, ph, pw)
+    dy = _input(cupy, dy, "maxpool_backward: dy", ndim=4)
+    if not isinstance(mask, cupy.ndarray) or tuple(mask.shape) != tuple(dy.shape):
+        raise ValueError(f"maxpool_backward: mask must be a CuPy array of dy's shape "
+                         f"{tuple(dy.shape)}")
+    mask = cupy.ascontiguousarray(mask.astype(np.int32, copy=False))
+    n, c, h, w = (int(s) for s in x_shape)
+    oh, ow = dy.shape[2], dy.shape[3]
+    dx, target = _output(cupy, out, (n, c, h, w), dy.dtype, "maxpool_backward")
+    _launch("pooling", "maxpool_backward", dy.dtype, n * c * h * w,
+            (dy, mask, _int(h), _int(w), _int(oh), _int(ow), _int(kh), _int(kw),
+             _int(sh), _int(sw), _int(ph), _int(pw), dx))
+    return _finish(dx, target)
+
+
+def avepool_forward(x, kh, kw, sh=1, sw=1, ph=0, pw=0, ceil_mode=False, out=None):
+    """Average pooling of ``x`` (N, C, H, W); each window's sum is divided by
+    its size clipped to the padded input (Caffe; PyTorch count_include_pad)."""
+    return _pool_forward("avepool_forward", x, kh, kw, sh, sw, ph, pw, ceil_mode,
+                         (out,))
+
+
+def avepool_backward(dy, x_shape, kh, kw, sh=1, sw=1, ph=0, pw=0, out=None):
+    """Gradient of average pooling: each ``dy`` spread over its window / size."""
+    cupy = import_cupy()
+    _check_pool_args("avepool_backward", kh, kw, sh, sw, ph, pw)
+    dy = _input(cupy, dy, "avepool_backward: dy", ndim=4)
+    n, c, h, w = (int(s) for s in x_shape)
+    oh, ow = dy.shape[2], dy.shape[3]
+    dx, target = _output(cupy, out, (n, c, h, w), dy.dtype, "avepool_backward")
+    _launch("pooling", "avepool_backward", dy.dtype, n * c * h * w,
+            (dy, _int(h), _int(w), _int(oh), _int(ow), _int(kh), _int(kw),
+             _int(sh), _int(sw), _int(ph), _int(pw), dx))
+    return _finish(dx, target)
+
+
+# ------------------------------------------------------------------- LRN ---
+
+def _lrn_geometry(x, local_size, what):
+    if x.ndim < 2:
+        raise ValueError(f"{what}: expected (N, C, ...) input, got shape {tuple(x.shape)}")
+    if local_size < 1 or local_size % 2 != 1:
+        raise ValueError(f"{what}: local_size must be odd (as in Caffe), got {local_size}")
+    channels = x.shape[1]
+    spatial = int(np.prod(x.shape[2:], dtype=np.int64))
+    return channels, spatial, (local_size - 1) // 2
+
+
+def lrn_forward(x, local_size=5, alpha=1e-4, beta=0.75, k=1.0, out=None):
+    """LRN across channels -> ``(y, scale)``.
+
+    scale = k + alpha/local_size * (sum of x^2 over the local_size channels
+    centred on c); y = x * scale^-beta. ``scale`` feeds :func:`lrn_backward`."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "lrn_forward: x")
+    channels, spatial, pre_pad = _lrn_geometry(x, local_size, "lrn_forward")
+    y_out, scale_out = _outs(out, 2)
+    y, y_target = _output(cupy, y_out, x.shape, x.dtype, "lrn_forward (y)")
+    scale, scale_target = _output(cupy, scale_out, x.shape, x.dtype, "lrn_forward (scale)")
+    t = x.dtype.type
+    _launch("lrn", "lrn_forward", x.dtype, x.size,
+            (x, _int(channels), _int(spatial), _int(pre_pad), t(alpha / local_size),
+             t(k), t(-beta), scale, y))
+    return _finish(y, y_target), _finish(scale, scale_target)
+
+
+def lrn_backward(x, y, scale, dy, local_size=5, alpha=1e-4, beta=0.75, out=None):
+    """Gradient of :func:`lrn_forward` (Caffe's formula):
+    dx = dy * scale^-beta - 2 alpha beta / local_size * x * sum_window(dy * y / scale)."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "lrn_backward: x")
+    y = _input(cupy, y, "lrn_backward: y")
+    scale = _input(cupy, scale, "lrn_backward: scale")
+    dy = _input(cupy, dy, "lrn_backward: dy")
+    for name, array in (("y", y), ("scale", scale), ("dy", dy)):
+        if array.shape != x.shape or array.dtype != x.dtype:
+            raise ValueError(f"lrn_backward: {name} has shape {tuple(array.shape)} "
+                             f"{array.dtype}, expected x's {tuple(x.shape)} {x.dtype}")
+    channels, spatial, pre_pad = _lrn_geometry(x, local_size, "lrn_backward")
+    dx, target = _output(cupy, out, x.shape, x.dtype, "lrn_backward")
+    t = x.dtype.type
+    _launch("lrn", "lrn_backward", x.dtype, x.size,
+            (x, y, scale, dy, _int(channels), _int(spatial), _int(pre_pad), t(-beta),
+             t(2.0 * alpha * beta / local_size), dx))
+    return _finish(dx, target)
+
+
+# ---------------------------------------------------------- softmax loss ---
+
+def _labels(cupy, labels, positions, what):
+    if not isinstance(labels, cupy.ndarray) or labels.size != positions:
+        shape = getattr(labels, "shape", None)
+        raise ValueError(f"{what}: labels must be a CuPy array with one label per "
+                         f"position ({positions}), got shape {shape}")
+    # Caffe stores labels as floats; an integer cast (truncation) as Caffe does.
+    return cupy.ascontiguousarray(labels.astype(np.int32, copy=False))
+
+
+def _ignore(ignore_label):
+    if ignore_label is None:
+        return _int(0), _int(0)
+    return _int(ignore_label), _int(1)
+
+
+def softmax_loss_forward(x, labels, ignore_label=None, out=None):
+    """Fused softmax over axis 1 and cross-entropy -> ``(prob, loss, valid)``.
+
+    ``x`` is (N, C, ...), ``labels`` holds one class per position (N, ...).
+    prob has x's shape; loss and valid have shape (N, ...) (x without axis 1):
+    loss = -log(max(prob[label], FLT_MIN)), valid = 1, both 0 where
+    label == ignore_label. The batch-mean loss is sum(loss) / sum(valid)."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "softmax_loss_forward: x")
+    if x.ndim < 2:
+        raise ValueError(f"softmax_loss_forward: expected (N, C, ...) logits, got "
+                         f"shape {tuple(x.shape)}")
+    n, channels = x.shape[0], x.shape[1]
+    inner = int(np.prod(x.shape[2:], dtype=np.int64))
+    labels = _labels(cupy, labels, n * inner, "softmax_loss_forward")
+    prob_out, loss_out, valid_out = _outs(out, 3)
+    pos_shape = (n,) + tuple(x.shape[2:])
+    prob, prob_t = _output(cupy, prob_out, x.shape, x.dtype, "softmax_loss_forward (prob)")
+    loss, loss_t = _output(cupy, loss_out, pos_shape, x.dtype, "softmax_loss_forward (loss)")
+    valid, valid_t = _output(cupy, valid_out, pos_shape, x.dtype,
+                             "softmax_loss_forward (valid)")
+    ignore_value, has_ignore = _ignore(ignore_label)
+    _launch("softmax_loss", "softmax_loss_forward", x.dtype, n * inner,
+            (x, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+             prob, loss, valid))
+    return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
+
+
+def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None):
+    """Gradient of the summed loss times ``scale``: dx = scale * (prob - onehot),
+    0 at ignored positions. ``scale`` is a number or a one-element CuPy array
+    (e.g. top gradient / number of valid positions, kept on the device)."""
+    cupy = import_cupy()
+    prob = _input(cupy, prob, "softmax_loss_backward: prob")
+    if prob.ndim < 2:
+        raise ValueError(f"softmax_loss_backward: expected (N, C, ...) prob, got "
+                         f"shape {tuple(prob.shape)}")
+    n, channels = prob.shape[0], prob.shape[1]
+    inner = int(np.prod(prob.shape[2:], dtype=np.int64))
+    labels = _labels(cupy, labels, n * inner, "softmax_loss_backward")
+    dx, target = _output(cupy, out, prob.shape, prob.dtype, "softmax_loss_backward")
+    scale_value, scale_ptr, has_scale_ptr = _scalar_or_device(
+        cupy, scale, prob.dtype, prob, "softmax_loss_backward: scale")
+    ignore_value, has_ignore = _ignore(ignore_label)
+    _launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size,
+            (prob, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+             scale_value, scale_ptr, has_scale_ptr, dx))
+    return _finish(dx, target)
+
+
+# ------------------------------------------------------------ SGD update ---
+
+def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=1.0):
+    """In place: v = momentum*v + lr*(grad_scale*g + weight_decay*w); w -= v.
+
+    ``w`` and ``v`` must be C-contiguous (they are updated where they are);
+    ``lr`` is a number or a one-element CuPy array (a learning-rate blob)."""
+    cupy = import_cupy()
+    for name, array in (("w", w), ("v", v)):
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
+            raise ValueError(f"sgd_momentum_update: {name} must be a C-contiguous "
+                             "CuPy array (it is updated in place)")
+    dtype_suffix(w.dtype)
+    g = _input(cupy, g, "sgd_momentum_update: g")
+    for name, array in (("g", g), ("v", v)):
+        if array.shape != w.shape or array.dtype != w.dtype:
+            raise ValueError(f"sgd_momentum_update: {name} has shape {tuple(array.shape)} "
+                             f"{array.dtype}, expected w's {tuple(w.shape)} {w.dtype}")
+    t = w.dtype.type
+    lr_value, lr_ptr, has_lr_ptr = _scalar_or_device(cupy, lr, w.dtype, w,
+                                                     "sgd_momentum_update: lr")
+    _launch("sgd", "sgd_momentum", w.dtype, w.size,
+            (w, g, v, lr_value, lr_ptr, has_lr_ptr, t(momentum), t(weight_decay),
+             t(grad_scale)))
+
+
+# --------------------------------------------------------------- dropout ---
+
+def dropout_mask(uniform, ratio, out=None):
+    """Inverted-dropout mask from ``uniform`` ~ U[0, 1) (e.g.
+    ``cupy.random.random(shape, dtype)``): (u >= ratio) / (1 - ratio)."""
+    cupy = import_cupy()
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"dropout_mask: ratio must be in [0, 1), got {ratio}")
+    uniform = _input(cupy, uniform, "dropout_mask: uniform")
+    mask, target = _output(cupy, out, uniform.shape, uniform.dtype, "dropout_mask")
+    t = uniform.dtype.type
+    _launch("dropout", "dropout_mask", uniform.dtype, uniform.size,
+            (uniform, t(ratio), t(1.0 / (1.0 - ratio)), mask))
+    return _finish(mask, target)

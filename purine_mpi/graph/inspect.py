@@ -1,0 +1,74 @@
+"""``graph`` command: a rank's slice of the composed graph as text, the
+seed's YAML, or Graphviz DOT."""
+import yaml
+
+from ..ops.registry import get_kernel_class
+from . import seed_yaml
+
+
+def compose_for(config, world_size, rank, phase="train"):
+    """The graph ``rank`` of ``world_size`` would run, built without MPI."""
+    from ..model import build_test_graph, build_train_graph
+    if phase == "test":
+        return build_test_graph(config, rank, world_size)
+    graph, grads = build_train_graph(config, rank, world_size)
+    par = config.get("parallel", {})
+    if world_size > 1 and par.get("scheme", "data") != "none":
+        mode = par.get("mode", "sync")
+        if mode == "sync":
+            from ..parallel.data_parallel import compose_data_parallel
+            compose_data_parallel(graph, grads, world_size, rank,
+                                  bucket_mb=par.get("bucket_mb", 4),
+                                  first_bucket_mb=par.get("first_bucket_mb", 1))
+        else:
+            from ..parallel.param_server import compose_for_rank
+            graph = compose_for_rank(graph, grads, config, world_size, rank)
+        graph.infer_shapes().validate()
+    if any(op.location.rank != rank for op in graph.ops.values()):
+        from .partition import partition
+        graph = partition(graph, rank)
+    return graph
+
+
+NL = "\\n"  # a DOT line break inside a label
+
+
+def to_dot(graph):
+    """Graphviz DOT: blobs are ellipses, ops are boxes, ranks are clusters."""
+    def q(s):
+        return '"' + str(s).replace('"', r'\"') + '"'
+    lines = [f"digraph {q(graph.name)} {{", "  rankdir=TB;", "  node [fontsize=10];"]
+    for b in graph.blobs.values():
+        shape = list(b.shape) if b.shape is not None else "?"
+        style = ', style=filled, fillcolor="#ffe9a8"' if b.kind == "param" else ""
+        label = q(f"{b.name}{NL}{shape}")
+        lines.append(f"  {q('b:' + b.name)} [label={label}, shape=ellipse{style}];")
+    for op in graph.ops.values():
+        category = get_kernel_class(op.op_type, op.name).category
+        color = {"comm": "#a8d8ff", "update": "#c8f0c8", "io": "#f0d0f0"}.get(category, "#eeeeee")
+        label = q(op.name + NL + op.op_type)
+        lines.append(f"  {q('o:' + op.name)} [label={label}, "
+                     f"shape=box, style=filled, fillcolor={q(color)}];")
+        for b in op.inputs:
+            lines.append(f"  {q('b:' + b)} -> {q('o:' + op.name)};")
+        for b in op.outputs:
+            lines.append(f"  {q('o:' + op.name)} -> {q('b:' + b)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
+    world_size = world_size or 1
+    if not 0 <= rank < world_size:
+        from ..errors import UserError
+        raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
+    graph = compose_for(config, world_size, rank, phase)
+    if graph is None:
+        from ..errors import UserError
+        raise UserError(f"the config has no {phase} graph")
+    if fmt == "yaml":
+        return yaml.safe_dump({"name": config.get("name"), "graph": seed_yaml.dump(graph)},
+                              sort_keys=False, default_flow_style=None, width=100)
+    if fmt == "dot":
+        return to_dot(graph)
+    return graph.summary()

@@ -1,0 +1,101 @@
+"""The seed's low-level YAML: one entry per node (DESIGN.md §1).
+
+``dump(graph)`` writes every blob and op with everything needed to rebuild
+the graph exactly; ``load(entries, path)`` rebuilds it, with errors naming
+the entry and key at fault."""
+from ..errors import ConfigError
+from .core import Graph, Location
+
+BLOB_KEYS = {"type", "name", "size", "dtype", "location", "kind", "alias_of", "offset", "attrs"}
+OP_KEYS = {"type", "name", "op_type", "inputs", "outputs", "attrs", "location", "thread",
+           "accumulate", "control_inputs"}
+
+
+def dump(graph):
+    entries = []
+    for b in graph.blobs.values():
+        e = {"type": "blob", "name": b.name, "size": list(b.shape) if b.shape is not None else None,
+             "dtype": b.dtype, "location": b.location.to_dict(), "kind": b.kind}
+        if b.alias_of is not None:
+            e["alias_of"], e["offset"] = b.alias_of, b.offset
+        if b.attrs:
+            e["attrs"] = b.attrs
+        entries.append(e)
+    for op in graph.ops.values():
+        e = {"type": "op", "op_type": op.op_type, "name": op.name, "inputs": op.inputs,
+             "outputs": op.outputs, "location": op.location.to_dict(), "thread": op.thread}
+        if op.attrs:
+            e["attrs"] = op.attrs
+        if op.accumulate:
+            e["accumulate"] = True
+        if op.control_inputs:
+            e["control_inputs"] = op.control_inputs
+        entries.append(e)
+    return entries
+
+
+def _location(v, path, key, hosts=None):
+    if v is None:
+        return Location()
+    if not isinstance(v, dict):
+        raise ConfigError(path, key, f"expected a mapping {{rank: R, device: D}} or "
+                                     f"{{ip: A, device: D}}, got {v!r}")
+    unknown = set(v) - {"rank", "ip", "device"}
+    if unknown:
+        raise ConfigError(path, key, f"unknown location field(s) {sorted(unknown)}")
+    rank = v.get("rank")
+    ip = v.get("ip")
+    if rank is None:
+        rank = (hosts or {}).get(ip, 0) if ip is not None else 0
+    if not isinstance(rank, int) or rank < 0:
+        raise ConfigError(path, key + ".rank", f"expected a non-negative integer, got {rank!r}")
+    device = v.get("device", -1)
+    if not isinstance(device, int):
+        raise ConfigError(path, key + ".device", f"expected an integer (-1 = CPU), got {device!r}")
+    return Location(rank, device, ip)
+
+
+def load(entries, path, name="graph", hosts=None):
+    """Build a Graph from seed-format entries. ``hosts`` maps ip -> rank."""
+    if not isinstance(entries, list):
+        raise ConfigError(path, "graph", "expected a list of blob/op entries")
+    g = Graph(name)
+    ops = []
+    for i, e in enumerate(entries):
+        key = f"graph[{i}]"
+        if not isinstance(e, dict) or e.get("type") not in ("blob", "op"):
+            raise ConfigError(path, key, f"expected a mapping with type: blob or type: op, got {e!r}")
+        allowed = BLOB_KEYS if e["type"] == "blob" else OP_KEYS
+        unknown = set(e) - allowed
+        if unknown:
+            raise ConfigError(path, f"{key}.{sorted(unknown)[0]}",
+                              f"unknown field for a {e['type']} entry (allowed: {sorted(allowed)})")
+        if not isinstance(e.get("name"), str):
+            raise ConfigError(path, f"{key}.name", "every entry needs a name")
+        loc = _location(e.get("location"), path, f"{key}.location", hosts)
+        if e["type"] == "blob":
+            size = e.get("size")
+            if size is not None and not (isinstance(size, list) and
+                                         all(isinstance(s, int) and s >= 0 for s in size)):
+                raise ConfigError(path, f"{key}.size", f"expected a list of non-negative "
+                                                       f"integers, got {size!r}")
+            if e["name"] in g.blobs:
+                raise ConfigError(path, f"{key}.name", f"blob '{e['name']}' is defined twice")
+            g.add_blob(e["name"], size, e.get("dtype", "float32"), loc, e.get("kind", "data"),
+                       alias_of=e.get("alias_of"), offset=e.get("offset", 0),
+                       attrs=dict(e.get("attrs") or {}))
+        else:
+            ops.append((key, e, loc))
+    for key, e, loc in ops:
+        for k in ("op_type", "inputs", "outputs"):
+            if k not in e:
+                raise ConfigError(path, f"{key}.{k}", f"op '{e['name']}' needs '{k}'")
+        for k in ("inputs", "outputs"):
+            if not isinstance(e[k], list) or not all(isinstance(b, str) for b in e[k]):
+                raise ConfigError(path, f"{key}.{k}", "expected a list of blob names")
+        if e["name"] in g.ops:
+            raise ConfigError(path, f"{key}.name", f"op '{e['name']}' is defined twice")
+        g.add_op(e["name"], e["op_type"], e["inputs"], e["outputs"], e.get("attrs") or {}, loc,
+                 e.get("thread", 0), bool(e.get("accumulate", False)),
+                 e.get("control_inputs", ()))
+    return g

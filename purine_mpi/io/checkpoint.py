@@ -1,0 +1,475 @@
+"""HDF5 checkpoints (DESIGN.md section 7).
+
+    /                 attrs: format = "purine_mpi.checkpoint", version = 1,
+                      iteration, world_size, seed, config (YAML text)
+    /params/<name>    every learnable blob (``conv1/weight`` -> /params/conv1/weight)
+    /solver/<name>/…  solver state per parameter (e.g. ``momentum``)
+    /state/…          RNG states, data positions: whatever a resumed run needs
+
+Values round-trip exactly: arrays keep their dtype and bits, nested dicts
+their structure. How a value is stored (the ``purine_kind`` attribute says
+which, so files stay readable with ``h5ls -r`` / ``h5dump``):
+
+    numpy array                -> dataset (no attribute: any plain dataset reads as an array)
+    numpy scalar               -> 0-d dataset, kind "scalar"
+    dict holding numpy values  -> group, kind "dict" (a '/' in a key nests groups)
+    anything JSON can hold     -> string dataset of JSON text, kind "json"
+                                  (ints of any size, e.g. RNG states; tuples come back as lists)
+
+Every write goes to ``<path>.tmp.<pid>``, is flushed and fsynced, then
+renamed over ``path``, so a crash never leaves a partial checkpoint under the
+final name.
+"""
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..errors import UserError
+
+FORMAT = "purine_mpi.checkpoint"
+VERSION = 1
+KIND = "purine_kind"
+LATEST = "latest.h5"
+_CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: ``params`` {name: array}, ``solver`` {name: {key:
+    array}}, ``state`` (nested), ``attrs`` (root attributes as Python values)."""
+
+    path: str
+    params: dict = field(default_factory=dict)
+    solver: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def iteration(self):
+        return int(self.attrs.get("iteration", 0))
+
+
+# -------------------------------------------------------------------- write
+def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
+                    config_text=""):
+    """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
+    import h5py
+    path = str(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w", track_order=True) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["version"] = VERSION
+            f.attrs["iteration"] = int(iteration)
+            f.attrs["world_size"] = int(world_size)
+            f.attrs["seed"] = int(seed)
+            f.attrs["config"] = str(config_text or "")
+            for section, values in (("params", params), ("solver", solver), ("state", state)):
+                _write_dict(f.create_group(section, track_order=True), values or {}, section)
+            f.flush()
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+        _fsync_path(directory)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def _write_dict(group, values, where):
+    if not isinstance(values, dict):
+        raise TypeError(f"checkpoint: {where} must be a dict, got {type(values).__name__}")
+    for key, value in values.items():
+        _write_value(group, key, value, f"{where}/{key}")
+
+
+def _write_value(group, key, value, where):
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/") \
+            or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"checkpoint: cannot store key {key!r} at {where}: keys must be "
+                         "non-empty strings of '/'-separated names")
+    parent, _, name = key.rpartition("/")
+    if parent:  # a '/' in a key nests plain groups (read back as part of the key)
+        for part in parent.split("/"):
+            group = group[part] if part in group else group.create_group(part, track_order=True)
+    if hasattr(value, "__cuda_array_interface__"):
+        value = to_numpy(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.kind in "UM":
+            raise TypeError(f"checkpoint: {where} has dtype {value.dtype}, which HDF5 cannot "
+                            "hold; store numbers, or a list of strings (JSON)")
+        group.create_dataset(name, data=value)
+    elif isinstance(value, np.generic):
+        group.create_dataset(name, data=np.asarray(value)).attrs[KIND] = "scalar"
+    elif isinstance(value, dict) and not _json_pure(value):
+        sub = group.create_group(name, track_order=True)
+        sub.attrs[KIND] = "dict"
+        _write_dict(sub, value, where)
+    elif _json_pure(value):
+        import h5py
+        text = json.dumps(value)
+        group.create_dataset(name, data=text, dtype=h5py.string_dtype()).attrs[KIND] = "json"
+    else:
+        raise TypeError(f"checkpoint: cannot store {where} of type {type(value).__name__}; "
+                        "use numpy arrays, numbers, strings, lists and dicts")
+
+
+def _json_pure(value):
+    """True when JSON holds ``value`` exactly (numpy values excluded: they
+    keep their dtype as datasets)."""
+    if isinstance(value, np.generic):
+        return False
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_pure(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_pure(v) for k, v in value.items())
+    return False
+
+
+def _fsync_path(path):
+    """fsync a file or a directory (so a rename is durable); best effort
+    where the platform cannot open directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------- read
+def _open(path, what="checkpoint"):
+    """Open an HDF5 file for reading, or raise a UserError that says why not."""
+    import h5py
+    path = str(path)
+    if not os.path.exists(path):
+        raise UserError(f"{what} '{path}' not found")
+    if os.path.isdir(path):
+        raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        if not h5py.is_hdf5(path):
+            raise UserError(f"{what} '{path}' is not an HDF5 file") from None
+        raise UserError(f"{what} '{path}' is truncated or corrupt and cannot be opened "
+                        f"({e})") from None
+
+
+def load_checkpoint(path):
+    """Read a whole checkpoint. Raises UserError (naming the file and what is
+    wrong) for a missing, non-HDF5, truncated or foreign file."""
+    with _open(path) as f:
+        attrs = _read_attrs(f)
+        if attrs.get("format") != FORMAT:
+            raise UserError(f"'{path}' is not a purine_mpi checkpoint: its root attribute "
+                            f"'format' is {attrs.get('format')!r}, expected {FORMAT!r}")
+        version = attrs.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
+                            f"purine_mpi reads version {VERSION} and older")
+        sections = {}
+        for section in ("params", "solver", "state"):
+            sections[section] = _read_section(f, section, path) if section in f else {}
+    return Checkpoint(str(path), attrs=attrs, **sections)
+
+
+def load_params(path):
+    """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
+    {name: array}; other groups and attributes are optional."""
+    with _open(path, "weights file") as f:
+        if "params" not in f or not hasattr(f["params"], "keys"):
+            raise UserError(f"weights file '{path}' has no /params group; expected the "
+                            "checkpoint layout (/params/<layer>/weight, ...)")
+        return _read_section(f, "params", path)
+
+
+def _read_section(f, section, path):
+    where = [section]
+    try:
+        return _read_group(f[section], where)
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"checkpoint '{path}' is corrupt: reading '/{where[-1]}' failed "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def _read_group(group, where, prefix=""):
+    import h5py
+    out = {}
+    for name in group:
+        where.append(f"{group.name.lstrip('/')}/{name}")
+        obj = group[name]
+        kind = _str(obj.attrs.get(KIND))
+        if isinstance(obj, h5py.Group):
+            if kind == "dict":
+                out[prefix + name] = _read_group(obj, where)
+            else:  # a plain group: a '/' inside the names of the values below
+                out.update(_read_group(obj, where, f"{prefix}{name}/"))
+        else:
+            out[prefix + name] = _read_dataset(obj, kind)
+        where.pop()
+    return out
+
+
+def _read_dataset(dset, kind):
+    if kind == "json":
+        return json.loads(dset.asstr()[()])
+    if kind == "scalar":
+        return dset[()]
+    if dset.dtype.kind in "SO":  # a plain string dataset written by another tool
+        value = dset.asstr()[()]
+        return value if isinstance(value, str) else np.asarray(value)
+    return np.asarray(dset[...])
+
+
+def _read_attrs(obj):
+    return {k: _plain(v) for k, v in obj.attrs.items()}
+
+
+def _plain(value):
+    """Attribute values as plain Python (numpy scalars -> int/float, bytes -> str)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _str(value):
+    return _plain(value) if value is not None else None
+
+
+# --------------------------------------------------------------- run files
+def save_run_checkpoint(out_dir, iteration, keep=3, **kw):
+    """Write ``out_dir/ckpt_<iteration>.h5`` (atomically), point
+    ``latest.h5`` at it (atomically) and delete checkpoints beyond the
+    ``keep`` newest. ``kw`` are ``save_checkpoint``'s other arguments."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{int(iteration)}.h5")
+    save_checkpoint(path, iteration=iteration, **kw)
+    write_latest(out_dir, path)
+    rotate_checkpoints(out_dir, keep)
+    return path
+
+
+def write_latest(out_dir, ckpt_path):
+    """Make ``out_dir/latest.h5`` a complete copy of ``ckpt_path``: a hard
+    link (or a copy where links fail) under a temp name, renamed over it."""
+    latest = os.path.join(out_dir, LATEST)
+    tmp = f"{latest}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        try:
+            os.link(ckpt_path, tmp)
+        except OSError:  # file systems without hard links
+            shutil.copyfile(ckpt_path, tmp)
+            _fsync_path(tmp)
+        os.replace(tmp, latest)
+        _fsync_path(out_dir)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    return latest
+
+
+def list_checkpoints(out_dir):
+    """[(iteration, path)] of ``ckpt_<iter>.h5`` in ``out_dir``, oldest first."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(out_dir, name))
+             for name in os.listdir(out_dir) for m in [_CKPT_RE.match(name)] if m]
+    return sorted(found)
+
+
+def rotate_checkpoints(out_dir, keep):
+    """Delete ``ckpt_<iter>.h5`` files beyond the ``keep`` newest (keep <= 0:
+    keep all). ``latest.h5`` is never deleted. Returns the deleted paths."""
+    if keep is None or keep <= 0:
+        return []
+    doomed = [path for _, path in list_checkpoints(out_dir)[:-keep]]
+    for path in doomed:
+        os.remove(path)
+    return doomed
+
+
+def find_latest(out_dir):
+    """The checkpoint ``--resume auto`` continues from: ``latest.h5``, else
+    the newest ``ckpt_<iter>.h5``, else None."""
+    latest = os.path.join(out_dir, LATEST)
+    if os.path.isfile(latest):
+        return latest
+    ckpts = list_checkpoints(out_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+# ------------------------------------------------------------------ inspect
+def inspect_checkpoint(path, diff=None, as_json=False):
+    """Every dataset of ``path`` with shape, dtype and statistics (min, max,
+    mean, std, L2 norm) and the root attributes; with ``diff`` (another file)
+    per common dataset the max abs difference and the relative L2 difference
+    ``||a - b|| / max(||a||, ||b||)``, and the datasets only one file has.
+    Returns text, or a JSON string with the same content when ``as_json``."""
+    report = _describe(path)
+    if diff is not None:
+        report["diff"] = _diff(path, diff)
+    if as_json:
+        return json.dumps(_jsonable(report))
+    return _format_text(report)
+
+
+def _walk(path):
+    """{dataset name: numpy value} and root attrs of any HDF5 file."""
+    import h5py
+    with _open(path, "file") as f:
+        values = {}
+
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                kind = _str(obj.attrs.get(KIND))
+                values["/" + name] = (obj.asstr()[()] if kind == "json" or obj.dtype.kind in "SO"
+                                      else np.asarray(obj[...]))
+        try:
+            f.visititems(visit)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            raise UserError(f"'{path}' is corrupt: {type(e).__name__}: {e}") from None
+        return values, _read_attrs(f)
+
+
+def _numeric(value):
+    return isinstance(value, np.ndarray) and value.dtype.kind in "biuf"
+
+
+def _describe(path):
+    values, attrs = _walk(path)
+    datasets = []
+    for name, value in values.items():
+        entry = {"name": name}
+        if _numeric(value):
+            entry.update(shape=list(value.shape), dtype=str(value.dtype))
+            if value.size:
+                x = value.astype(np.float64)
+                entry.update(min=x.min(), max=x.max(), mean=x.mean(), std=x.std(),
+                             l2=math.sqrt(float(np.sum(x * x))))
+        elif isinstance(value, np.ndarray):
+            entry.update(shape=list(value.shape), dtype=str(value.dtype))
+        else:
+            entry.update(shape=[], dtype="string", value=str(value))
+        datasets.append(entry)
+    return {"path": str(path), "attrs": attrs, "datasets": datasets}
+
+
+def _diff(path, other):
+    a_values, a_attrs = _walk(path)
+    b_values, b_attrs = _walk(other)
+    rows = []
+    for name in a_values:
+        if name not in b_values:
+            continue
+        a, b = a_values[name], b_values[name]
+        row = {"name": name}
+        if _numeric(a) and _numeric(b):
+            if a.shape != b.shape:
+                row["shapes"] = [list(a.shape), list(b.shape)]
+            elif a.size:
+                x, y = a.astype(np.float64), b.astype(np.float64)
+                d = x - y
+                norm = max(math.sqrt(float(np.sum(x * x))), math.sqrt(float(np.sum(y * y))))
+                dist = math.sqrt(float(np.sum(d * d)))
+                row.update(max_abs_diff=float(np.max(np.abs(d))),
+                           rel_l2_diff=dist / norm if norm else 0.0)
+            else:
+                row.update(max_abs_diff=0.0, rel_l2_diff=0.0)
+        else:
+            row["equal"] = bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
+        rows.append(row)
+    attrs = {k: [a_attrs.get(k), b_attrs.get(k)] for k in list(a_attrs) + [
+        k for k in b_attrs if k not in a_attrs] if not _same(a_attrs.get(k), b_attrs.get(k))}
+    return {"other": str(other), "datasets": rows,
+            "only_in_first": [n for n in a_values if n not in b_values],
+            "only_in_second": [n for n in b_values if n not in a_values],
+            "attrs": attrs}
+
+
+def _same(a, b):
+    try:
+        return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else a == b
+    except Exception:
+        return False
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return _jsonable(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # strict JSON has no NaN / Infinity
+    return value
+
+
+def _fmt(value):
+    return f"{value:.6g}" if isinstance(value, (float, np.floating)) else str(value)
+
+
+def _format_text(report):
+    lines = [f"file {report['path']}"]
+    for key, value in report["attrs"].items():
+        if isinstance(value, str) and "\n" in value:
+            value = f"<{len(value.splitlines())} lines of text>"
+        lines.append(f"  @{key} = {_fmt(value)}")
+    width = max([len(d["name"]) for d in report["datasets"]] + [7])
+    lines.append(f"{'dataset':<{width}}  {'shape':<16} {'dtype':<8} {'min':>11} {'max':>11} "
+                 f"{'mean':>11} {'std':>11} {'l2':>11}")
+    for d in report["datasets"]:
+        shape = "x".join(str(s) for s in d["shape"]) or "scalar"
+        line = f"{d['name']:<{width}}  {shape:<16} {d['dtype']:<8}"
+        if "min" in d:
+            line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
+        elif "value" in d:
+            text = d["value"]
+            line += " " + (text if len(text) <= 60 else text[:57] + "...")
+        lines.append(line)
+    diff = report.get("diff")
+    if diff:
+        lines.append(f"diff against {diff['other']}")
+        lines.append(f"{'dataset':<{width}}  {'max_abs_diff':>13} {'rel_l2_diff':>13}")
+        for row in diff["datasets"]:
+            if "max_abs_diff" in row:
+                tail = f"{_fmt(row['max_abs_diff']):>13} {_fmt(row['rel_l2_diff']):>13}"
+            elif "shapes" in row:
+                tail = f"shapes differ: {row['shapes'][0]} vs {row['shapes'][1]}"
+            else:
+                tail = "equal" if row["equal"] else "differs"
+            lines.append(f"{row['name']:<{width}}  {tail}")
+        for label, names in (("only in first", diff["only_in_first"]),
+                             ("only in second", diff["only_in_second"])):
+            if names:
+                lines.append(f"{label}: {', '.join(names)}")
+        for key, (a, b) in diff["attrs"].items():
+            if isinstance(a, str) and "\n" in a or isinstance(b, str) and "\n" in b:
+                lines.append(f"attribute @{key} differs")
+            else:
+                lines.append(f"attribute @{key}: {_fmt(a)} vs {_fmt(b)}")
+    return "\n".join(lines)

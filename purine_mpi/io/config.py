@@ -1,0 +1,444 @@
+"""Config YAML: loading, ``--set`` overrides, validation and defaults.
+
+``load_config(path)`` returns the *resolved* config: every section present,
+every default filled in, data paths resolved, plus ``config["_path"]`` (the
+file it came from). Every problem is a ``ConfigError(path, key, message)``
+naming the file, the dotted key and what was expected, e.g.::
+
+    jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
+
+Sections and defaults (DESIGN.md section 6)::
+
+    name        file stem               seed        0
+    data        {train: SPEC, test: SPEC}   (each optional)
+    net         list of layer mappings (type, name; the layer builder checks the rest)
+    graph       optional low-level list of {type: blob|op, ...} entries
+    solver      SOLVER_DEFAULTS         parallel    PARALLEL_DEFAULTS
+    checkpoint  {interval: 0, keep: 3}  device      -1 (CPU); backend optional
+
+To add a key, add its default to the section's defaults table and a checker
+to the section's validator table; unknown keys are errors (with a "did you
+mean" suggestion) so that typos never pass silently.
+"""
+import copy
+import difflib
+import os
+
+import yaml
+
+from ..errors import ConfigError
+
+TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
+            "backend", "device")
+LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
+SOLVER_TYPES = ("sgd",)
+PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
+PARALLEL_MODES = ("sync", "async", "sync_ps")
+BACKENDS = ("auto", "numpy", "cupy")
+DATA_SOURCES = ("hdf5", "synthetic")
+
+SOLVER_DEFAULTS = {
+    "type": "sgd", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0,
+    "lr_policy": "fixed", "gamma": 0.1, "stepsize": None, "stepvalues": [],
+    "power": 1.0, "max_iter": 1000, "test_interval": 0, "test_iter": None,
+    "display": 20, "warmup_iters": 0, "clip_gradients": None,
+}
+PARALLEL_DEFAULTS = {
+    "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1,
+    "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
+}
+CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
+DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "shape", "classes",
+             "num_samples", "seed")
+SYNTHETIC_NUM_SAMPLES = 1024
+
+
+# ------------------------------------------------------------------ loading
+def load_config(path, overrides=(), iters=None, check_files=True):
+    """Read, override, validate and resolve the config at ``path``.
+
+    ``overrides``: ``"dotted.key=value"`` strings (``--set``); the value is
+    parsed as YAML (``0.05``, ``true``, ``[1, 8, 8]``); integer parts index
+    lists (``net.0.num_output=8``). ``iters`` overrides ``solver.max_iter``.
+    ``check_files``: check at load time that HDF5 data files exist.
+    """
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(path, None, "config file not found") from None
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = " ".join(str(s) for s in (e.context, e.problem) if s)
+        raise ConfigError(path, None, f"malformed YAML at {where}{what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, None, f"malformed YAML: {e}") from None
+    if raw is None:
+        raise ConfigError(path, None, "the config file is empty")
+    return resolve_config(raw, path, overrides, iters, check_files)
+
+
+def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
+    """``load_config`` for an already-parsed mapping (tests, benchmarks)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(path, None, "expected a mapping of top-level keys "
+                                      f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
+    config = copy.deepcopy(raw)
+    for text in overrides or ():
+        apply_override(config, text, path)
+    if iters is not None:
+        config.setdefault("solver", {})
+        if not isinstance(config["solver"], dict):
+            raise ConfigError(path, "solver", f"expected a mapping, got {_kind(config['solver'])}")
+        config["solver"]["max_iter"] = _check_int("--iters", iters, path, minimum=0)
+    return validate_config(config, path, check_files)
+
+
+def apply_override(config, text, path="<config>"):
+    """Apply one ``KEY=VALUE`` override in place (creating missing mappings)."""
+    key, sep, value_text = str(text).partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not p.strip() for p in parts):
+        raise ConfigError(path, None, f"bad --set override {text!r}: expected KEY=VALUE with a "
+                                      "dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(path, key, f"bad --set override {text!r}: the value is not valid "
+                                     f"YAML ({str(e).splitlines()[0]})") from None
+    node = config
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        here = ".".join(parts[:depth]) or "the top level"
+        if isinstance(node, list):
+            if not part.lstrip("-").isdigit():
+                raise ConfigError(path, key, f"bad --set override {text!r}: {here} is a list, "
+                                             f"index it with an integer, not {part!r}")
+            index = int(part)
+            if not -len(node) <= index < len(node):
+                raise ConfigError(path, key, f"bad --set override {text!r}: index {index} is "
+                                             f"out of range ({here} has {len(node)} entries)")
+            if last:
+                node[index] = value
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(path, key, f"bad --set override {text!r}: {here} is "
+                                         f"{_kind(node)}, it has no key {part!r}")
+    return config
+
+
+def dump_config(config):
+    """YAML text of a resolved config, without private (``_``-prefixed) keys."""
+    public = {k: v for k, v in config.items() if not str(k).startswith("_")}
+    return yaml.safe_dump(public, sort_keys=False, default_flow_style=None, width=100)
+
+
+# --------------------------------------------------------------- validation
+def validate_config(config, path="<config>", check_files=True):
+    """Check every section of a parsed config and fill in defaults."""
+    _check_keys("", config, TOP_KEYS, path, allow_private=True)
+    out = {k: v for k, v in config.items() if str(k).startswith("_")}
+    stem = os.path.splitext(os.path.basename(path))[0] if path else "net"
+    out["name"] = _check_name(config.get("name", stem), path)
+    out["seed"] = _check_int("seed", config.get("seed", 0), path, minimum=0)
+    out["data"] = _check_data(config.get("data"), path, check_files)
+    if config.get("net") is None and config.get("graph") is None:
+        raise ConfigError(path, "net", "the config defines no network: give 'net' "
+                                       "(a list of layers) or 'graph' (a list of blobs and ops)")
+    if config.get("net") is not None:
+        out["net"] = _check_net(config["net"], path)
+    if config.get("graph") is not None:
+        out["graph"] = _check_graph(config["graph"], path)
+    out["solver"] = _check_solver(config.get("solver"), path)
+    out["parallel"] = _check_parallel(config.get("parallel"), path)
+    out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
+                                       CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
+    if config.get("backend") is not None:
+        out["backend"] = _check_choice("backend", config["backend"], BACKENDS, path)
+    out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
+    out["_path"] = config.get("_path", path)
+    return out
+
+
+def _check_name(name, path):
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(path, "name", "expected a non-empty name without '/' (it names the "
+                                        f"output directory runs/<name>), got {name!r}")
+    return name
+
+
+def _check_net(net, path):
+    if not isinstance(net, list):
+        raise ConfigError(path, "net", f"expected a list of layers, got {_kind(net)}")
+    seen = {}
+    for i, layer in enumerate(net):
+        key = f"net.{i}"
+        if not isinstance(layer, dict):
+            raise ConfigError(path, key, f"expected a layer mapping with 'type' and 'name', "
+                                         f"got {_kind(layer)}")
+        for field in ("type", "name"):
+            if not isinstance(layer.get(field), str) or not layer[field]:
+                raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' "
+                                                          f"string, got {layer.get(field)!r}")
+        if layer["name"] in seen:
+            raise ConfigError(path, f"{key}.name", f"duplicate layer name {layer['name']!r} "
+                                                   f"(also net.{seen[layer['name']]})")
+        seen[layer["name"]] = i
+    return copy.deepcopy(net)
+
+
+def _check_graph(graph, path):
+    if not isinstance(graph, list):
+        raise ConfigError(path, "graph", f"expected a list of blob/op entries, got {_kind(graph)}")
+    for i, entry in enumerate(graph):
+        key = f"graph.{i}"
+        if not isinstance(entry, dict):
+            raise ConfigError(path, key, f"expected a mapping with 'type: blob' or 'type: op', "
+                                         f"got {_kind(entry)}")
+        if entry.get("type") not in ("blob", "op"):
+            raise ConfigError(path, f"{key}.type", f"expected 'blob' or 'op', "
+                                                   f"got {entry.get('type')!r}")
+        if not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ConfigError(path, f"{key}.name", f"every {entry['type']} needs a 'name' "
+                                                   f"string, got {entry.get('name')!r}")
+    return copy.deepcopy(graph)
+
+
+# ---------------------------------------------------------------- data specs
+def _check_data(data, path, check_files):
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, "data", f"expected a mapping with 'train' and/or 'test', "
+                                        f"got {_kind(data)}")
+    _check_keys("data", data, ("train", "test"), path)
+    return {split: _check_data_spec(split, spec, path, check_files)
+            for split, spec in data.items() if spec is not None}
+
+
+def _check_data_spec(phase, spec, path, check_files):
+    key = f"data.{phase}"
+    if not isinstance(spec, dict):
+        raise ConfigError(path, key, f"expected a mapping (source, path, split, batch_size, ...), "
+                                     f"got {_kind(spec)}")
+    _check_keys(key, spec, DATA_KEYS, path)
+    source = spec.get("source")
+    if source is None:  # infer the obvious case, so a path alone is enough
+        source = "hdf5" if "path" in spec else "synthetic" if "shape" in spec else None
+    if source is None:
+        raise ConfigError(path, f"{key}.source", "expected 'hdf5' (with a path) or 'synthetic' "
+                                                 "(with shape and classes)")
+    out = {"source": _check_choice(f"{key}.source", source, DATA_SOURCES, path)}
+    if "batch_size" not in spec:
+        raise ConfigError(path, f"{key}.batch_size", "missing; expected a positive integer "
+                                                     "(the per-rank batch size)")
+    out["batch_size"] = _check_int(f"{key}.batch_size", spec["batch_size"], path, minimum=1)
+    out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
+    if spec.get("seed") is not None:
+        out["seed"] = _check_int(f"{key}.seed", spec["seed"], path, minimum=0)
+    if source == "hdf5":
+        if not isinstance(spec.get("path"), str) or not spec["path"]:
+            raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
+                                                   f"{spec.get('path')!r}")
+        out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
+        split = spec.get("split")
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ConfigError(path, f"{key}.split", f"expected a group name such as 'train', "
+                                                    f"or null for top-level data/label, got {split!r}")
+        out["split"] = split
+    else:
+        shape = spec.get("shape")
+        if (not isinstance(shape, list) or not shape
+                or not all(_is_int(s) and s > 0 for s in shape)):
+            raise ConfigError(path, f"{key}.shape", "expected a list of positive integers "
+                                                    f"[C, H, W] (one sample), got {shape!r}")
+        out["shape"] = [int(s) for s in shape]
+        if "classes" not in spec:
+            raise ConfigError(path, f"{key}.classes", "missing; synthetic data needs the "
+                                                      "number of classes (a positive integer)")
+        out["classes"] = _check_int(f"{key}.classes", spec["classes"], path, minimum=1)
+        out["num_samples"] = _check_int(f"{key}.num_samples",
+                                        spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
+                                        minimum=1)
+        out["split"] = spec.get("split", phase)
+    return out
+
+
+def _resolve_data_path(data_path, config_path, key, check_files):
+    """The data file relative to the working directory first, then to the
+    config file's directory (so a config works from the repo root and from
+    its own folder). Returns an absolute path when the file was found."""
+    candidates = [data_path]
+    if not os.path.isabs(data_path) and config_path and not config_path.startswith("<"):
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_path)), data_path))
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    if check_files:
+        tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
+        raise ConfigError(config_path, key, f"data file {data_path!r} not found (looked for "
+                                            f"{tried}); create it first, e.g. "
+                                            "'python -m purine_mpi data digits --out PATH.h5'")
+    return data_path
+
+
+# ------------------------------------------------------- solver / parallel
+def _check_solver(solver, path):
+    out = _check_section("solver", solver, SOLVER_DEFAULTS, _SOLVER_CHECKS, path)
+    policy = out["lr_policy"]
+    if policy == "step" and out["stepsize"] is None:
+        raise ConfigError(path, "solver.stepsize", "lr_policy 'step' needs a stepsize "
+                                                   "(a positive integer number of iterations)")
+    if policy == "multistep" and not out["stepvalues"]:
+        raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
+                                                     "(an increasing list of iterations)")
+    return out
+
+
+def _check_parallel(parallel, path):
+    return _check_section("parallel", parallel, PARALLEL_DEFAULTS, _PARALLEL_CHECKS, path)
+
+
+def _check_section(section, value, defaults, checks, path):
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(path, section, f"expected a mapping, got {_kind(value)}")
+    _check_keys(section, value, tuple(defaults), path)
+    out = {}
+    for name, default in defaults.items():
+        if name in value:
+            out[name] = checks[name](f"{section}.{name}", value[name], path)
+        else:
+            out[name] = copy.deepcopy(default)
+    return out
+
+
+def _stepvalues(key, value, path):
+    if (not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value)
+            or any(b <= a for a, b in zip(value, value[1:]))):
+        raise ConfigError(path, key, f"expected an increasing list of positive integers "
+                                     f"(iterations), got {value!r}")
+    return [int(v) for v in value]
+
+
+def _optional(check):
+    return lambda key, value, path: None if value is None else check(key, value, path)
+
+
+def _int(minimum):
+    return lambda key, value, path: _check_int(key, value, path, minimum=minimum)
+
+
+def _num(minimum=None, maximum=None, strict=False, below=None):
+    return lambda key, value, path: _check_number(key, value, path, minimum, maximum,
+                                                  strict, below)
+
+
+def _choice(choices):
+    return lambda key, value, path: _check_choice(key, value, choices, path)
+
+
+_SOLVER_CHECKS = {
+    "type": _choice(SOLVER_TYPES), "base_lr": _num(0), "momentum": _num(0, below=1),
+    "weight_decay": _num(0), "lr_policy": _choice(LR_POLICIES), "gamma": _num(0, strict=True),
+    "stepsize": _optional(_int(1)), "stepvalues": _stepvalues, "power": _num(0),
+    "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
+    "display": _int(0), "warmup_iters": _int(0),
+    "clip_gradients": _optional(_num(0, strict=True)),
+}
+_PARALLEL_CHECKS = {
+    "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
+    "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
+    "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
+    "check_collectives": lambda key, value, path: _check_bool(key, value, path),
+}
+_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
+
+
+# ------------------------------------------------------------ scalar checks
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(key, value, path, minimum=None):
+    ok = _is_int(value) or (isinstance(value, float) and value.is_integer())
+    if ok and (minimum is None or value >= minimum):
+        return int(value)
+    want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+        minimum, f"an integer >= {minimum}")
+    raise ConfigError(path, key, f"expected {want}, got {value!r}")
+
+
+def _check_number(key, value, path, minimum=None, maximum=None, strict=False, below=None):
+    number = value
+    if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number:
+        number = None
+    ok = number is not None
+    if ok and minimum is not None:
+        ok = number > minimum if strict else number >= minimum
+    if ok and below is not None:
+        ok = number < below
+    if ok:
+        return number
+    if minimum == 0 and below is not None:
+        want = f"a number in [0, {below})"
+    elif minimum == 0:
+        want = "a positive number" if strict else "a non-negative number"
+    else:
+        want = "a number"
+    raise ConfigError(path, key, f"expected {want}, got {value!r}")
+
+
+def _check_bool(key, value, path):
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(path, key, f"expected true or false, got {value!r}")
+
+
+def _check_choice(key, value, choices, path):
+    if value in choices:
+        return value
+    hint = _suggest(value, choices)
+    raise ConfigError(path, key, f"expected one of {', '.join(choices)}, got {value!r}{hint}")
+
+
+def _check_keys(section, mapping, allowed, path, allow_private=False):
+    for k in mapping:
+        if allow_private and isinstance(k, str) and k.startswith("_"):
+            continue
+        if k not in allowed:
+            key = f"{section}.{k}" if section else str(k)
+            where = f"in '{section}'" if section else "at the top level"
+            raise ConfigError(path, key, f"unknown key {k!r} {where}{_suggest(k, allowed)} "
+                                         f"(valid keys: {', '.join(allowed)})")
+
+
+def _suggest(value, choices):
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _kind(value):
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"

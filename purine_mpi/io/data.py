@@ -1,0 +1,221 @@
+"""Data sources and the data-parallel batching rule.
+
+A source holds ``n_samples`` samples of one ``sample_shape`` (float32) with
+int64 labels and returns any of them by index (``gather``). The order in
+which samples are read is fixed by ``batch_indices`` (DESIGN.md section 6):
+
+    with N ranks and per-rank batch B, iteration t reads the global sample
+    positions [t*N*B, (t+1)*N*B) of the epoch order, and rank r takes
+    [r*B, (r+1)*B) of that window. Position p is sample ``order(epoch)[p % n]``
+    of epoch ``p // n``, where ``order`` is a permutation that depends only on
+    (seed, epoch) when shuffling and the identity otherwise.
+
+So N ranks x B read exactly the samples of 1 rank x N*B, and a run's data
+order does not depend on how it is split over ranks.
+"""
+import os
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import UserError
+
+#: synthetic sources hold at most this many bytes of distinct samples and
+#: repeat them beyond (benchmarks with ImageNet-sized shapes stay small)
+SYNTHETIC_POOL_BYTES = 64 << 20
+
+
+# ------------------------------------------------------------------ sources
+class DataSource:
+    """Base class: ``n_samples``, ``sample_shape``, ``gather(indices)``."""
+
+    n_samples = 0
+    sample_shape = ()
+
+    def gather(self, indices):
+        """(data float32 (len, *sample_shape), labels int64 (len,)) of ``indices``."""
+        raise NotImplementedError
+
+
+def hdf5_info(path, split=None):
+    """(n_samples, sample_shape) of an HDF5 data file's split, reading only
+    metadata. Raises UserError naming the file and dataset when the file is
+    missing, not HDF5, or the layout is wrong (data must be N x C x H x W
+    float, label 1-D integer of the same N)."""
+    import h5py
+    if not os.path.isfile(path):
+        raise UserError(f"data file '{path}' not found")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"data file '{path}' cannot be opened as HDF5 ({e})") from None
+    with f:
+        group, where = _split_group(f, path, split)
+        data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
+        if data.ndim != 4 or data.dtype.kind != "f":
+            raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float "
+                            f"(N x C x H x W), got shape {list(data.shape)} dtype {data.dtype}")
+        if label.ndim != 1 or label.dtype.kind not in "iu":
+            raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
+                            f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
+        if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+            raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
+                            f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+        return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
+
+
+def _split_group(f, path, split):
+    if split is None:
+        groups = sorted(k for k in f if hasattr(f[k], "keys"))
+        if "data" not in f and groups:
+            raise UserError(f"data file '{path}' has no top-level 'data' dataset; it has the "
+                            f"groups {', '.join(groups)}: set the data spec's 'split' to one")
+        return f, "/"
+    if split not in f or not hasattr(f[split], "keys"):
+        groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
+        raise UserError(f"data file '{path}' has no group '/{split}' (groups: {groups}); "
+                        "check the data spec's 'split'")
+    return f[split], f"/{split}/"
+
+
+def _dataset(group, name, path, where):
+    if name not in group or not hasattr(group[name], "shape"):
+        raise UserError(f"data file '{path}' has no dataset '{where}{name}'")
+    return group[name]
+
+
+class HDF5Source(DataSource):
+    """A split of an HDF5 data file (``/split/data``, ``/split/label``, or the
+    top-level ``data``/``label`` when ``split`` is None).
+
+    The split is loaded into memory (as float32 / int64) once per process and
+    shared between readers of the same file; the data sets used here are
+    small. A larger-than-memory set would instead read the rows of each batch
+    by index (``h5py`` fancy indexing over sorted indices) in ``gather``,
+    which the prefetch thread already overlaps with compute."""
+
+    _cache = {}
+    _cache_lock = threading.Lock()
+
+    def __init__(self, path, split=None):
+        self.path, self.split = path, split
+        self.n_samples, self.sample_shape = hdf5_info(path, split)
+        stat = os.stat(path)
+        key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size)
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._cache[key] = self._load()
+        self.data, self.labels = cached
+
+    def _load(self):
+        import h5py
+        try:
+            with h5py.File(self.path, "r") as f:
+                group = f if self.split is None else f[self.split]
+                data = np.ascontiguousarray(group["data"][...], dtype=np.float32)
+                labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+        except (OSError, KeyError) as e:
+            raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
+                            f"({e}); the file may be truncated") from None
+        data.setflags(write=False)  # shared between readers: nobody may change it
+        labels.setflags(write=False)
+        return data, labels
+
+    def gather(self, indices):
+        return self.data[indices], self.labels[indices]
+
+
+class SyntheticSource(DataSource):
+    """Deterministic random data: sample i is ``center[label_i] + noise_i``
+    (so a net can learn it), float32, labels uniform in [0, classes).
+
+    The class centers depend only on ``seed``; the samples also on ``split``,
+    so a train and a test source with one seed share their classes but not
+    their samples. At most SYNTHETIC_POOL_BYTES of distinct samples are made;
+    beyond that sample i repeats sample i % pool (benchmarks only need the
+    shapes)."""
+
+    def __init__(self, shape, classes, num_samples=1024, seed=0, split=None):
+        self.sample_shape = tuple(int(s) for s in shape)
+        self.n_samples, self.classes = int(num_samples), int(classes)
+        sample_bytes = 4 * int(np.prod(self.sample_shape))
+        pool = max(1, min(self.n_samples, SYNTHETIC_POOL_BYTES // max(sample_bytes, 1)))
+        centers = np.random.default_rng([seed, 0x5EED]).standard_normal(
+            (self.classes,) + self.sample_shape, dtype=np.float32)
+        split_tag = int.from_bytes(str(split).encode()[:8].ljust(8, b"\0"), "little")
+        rng = np.random.default_rng([seed, 0xDA7A, split_tag])
+        self.labels = rng.integers(0, self.classes, size=self.n_samples, dtype=np.int64)
+        noise = rng.standard_normal((pool,) + self.sample_shape, dtype=np.float32)
+        self.pool = noise
+        self.pool += centers[self.labels[:pool]]
+        self.pool_size = pool
+        if pool < self.n_samples:  # repeated samples keep their pool sample's label
+            self.labels = self.labels[np.arange(self.n_samples) % pool]
+
+    def gather(self, indices):
+        indices = np.asarray(indices)
+        return self.pool[indices % self.pool_size], self.labels[indices]
+
+
+def make_source(spec, seed=0):
+    """A source from a data spec as in the config (``source: hdf5|synthetic``).
+    ``seed`` is used for synthetic data when the spec gives no ``seed``."""
+    kind = spec.get("source", "hdf5")
+    if kind == "hdf5":
+        return HDF5Source(spec["path"], spec.get("split"))
+    if kind == "synthetic":
+        s = spec.get("seed")
+        return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
+                               seed if s is None else s, spec.get("split"))
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5' or 'synthetic'")
+
+
+def source_info(spec):
+    """(n_samples, sample_shape) of a data spec without loading the data."""
+    kind = spec.get("source", "hdf5")
+    if kind == "hdf5":
+        return hdf5_info(spec["path"], spec.get("split"))
+    if kind == "synthetic":
+        return int(spec.get("num_samples", 1024)), tuple(int(s) for s in spec["shape"])
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5' or 'synthetic'")
+
+
+# ----------------------------------------------------------------- batching
+class EpochOrder:
+    """The permutation of each epoch: depends only on (seed, epoch) when
+    ``shuffle``, the identity otherwise. Keeps the last few epochs' orders."""
+
+    def __init__(self, n_samples, shuffle, seed=0, cache=2):
+        self.n, self.shuffle, self.seed = int(n_samples), bool(shuffle), int(seed)
+        self._cache, self._cache_size = OrderedDict(), cache
+
+    def __call__(self, epoch):
+        if not self.shuffle:
+            return None
+        order = self._cache.get(epoch)
+        if order is None:
+            order = np.random.default_rng([self.seed, int(epoch), 0x0DE5]).permutation(self.n)
+            self._cache[epoch] = order
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return order
+
+    def indices(self, start, count):
+        """Sample indices at global positions [start, start + count)."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.n)
+        if not self.shuffle:
+            return offsets
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = self(int(epoch))[offsets[sel]]
+        return out
+
+
+def batch_indices(iteration, rank, world_size, batch_size, order):
+    """Sample indices rank ``rank`` reads at ``iteration`` (the rule above)."""
+    start = (int(iteration) * world_size + rank) * batch_size
+    return order.indices(start, batch_size)

@@ -1,0 +1,131 @@
+"""Converters from public data sets to the HDF5 data layout of DESIGN.md
+section 6: groups ``/train`` and ``/test``, each with ``data`` (N x C x H x W
+float32) and ``label`` (N, int64).
+
+    write_digits(out_path)            scikit-learn's bundled 8x8 digits (no download)
+    write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches
+
+Files are written to a temporary name and renamed, so an interrupted
+conversion never leaves a file that looks complete.
+"""
+import os
+import pickle
+
+import numpy as np
+
+from ..errors import UserError
+
+CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR_TEST_BATCH = "test_batch"
+
+
+def write_digits(out_path, test_size=360, seed=0):
+    """Write the 1,797 digits of ``sklearn.datasets.load_digits`` (1 x 8 x 8,
+    pixel values 0..16 divided by 16 into [0, 1]) with a stratified split,
+    fixed by ``seed``: 1,437 train / 360 test. Returns a summary dict."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise UserError("the digits data set needs scikit-learn: pip install "
+                        "'purine_mpi[examples]' (or pip install scikit-learn)") from None
+    digits = load_digits()
+    data = (digits.images.astype(np.float32) / np.float32(16.0))[:, None, :, :]
+    labels = digits.target.astype(np.int64)
+    train_x, test_x, train_y, test_y = train_test_split(
+        data, labels, test_size=test_size, stratify=labels, random_state=seed)
+    splits = {"train": (train_x, train_y), "test": (test_x, test_y)}
+    attrs = {"source": "sklearn.datasets.load_digits (UCI optical digits, 8x8)",
+             "scale": "pixel / 16", "classes": 10, "split_seed": seed}
+    _write_splits(out_path, splits, attrs)
+    return {"path": out_path, "train": len(train_y), "test": len(test_y),
+            "shape": list(data.shape[1:]), "classes": 10}
+
+
+def write_cifar10(src_dir, out_path):
+    """Write CIFAR-10 from its python batches (``data_batch_1..5``,
+    ``test_batch`` in ``src_dir`` or ``src_dir/cifar-10-batches-py``):
+    3 x 32 x 32 float32, pixel / 255 minus the per-channel mean of the
+    training images (stored as the root attribute ``mean``). Returns a
+    summary dict."""
+    if os.path.isdir(os.path.join(src_dir, "cifar-10-batches-py")):
+        src_dir = os.path.join(src_dir, "cifar-10-batches-py")
+    if not os.path.isdir(src_dir):
+        raise UserError(f"CIFAR-10 source directory '{src_dir}' not found; download and unpack "
+                        "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
+    train = [_read_cifar_batch(src_dir, name) for name in CIFAR_TRAIN_BATCHES]
+    test = _read_cifar_batch(src_dir, CIFAR_TEST_BATCH)
+    # the mean over every training pixel of each channel, accumulated exactly
+    # from the uint8 values so it does not depend on float summation order
+    totals = sum(images.sum(axis=(0, 2, 3), dtype=np.int64) for images, _ in train)
+    count = sum(images.shape[0] for images, _ in train) * 32 * 32
+    mean = (totals / count / 255.0).astype(np.float32)
+
+    def scaled(images):
+        out = images.astype(np.float32) / np.float32(255.0)
+        out -= mean[None, :, None, None]
+        return out
+
+    splits = {"train": ([x for x, _ in train], [y for _, y in train]),
+              "test": ([test[0]], [test[1]])}
+    attrs = {"source": "CIFAR-10 python batches", "scale": "pixel / 255 - mean",
+             "mean": mean, "classes": 10}
+    _write_splits(out_path, splits, attrs, transform=scaled)
+    return {"path": out_path, "train": sum(len(y) for y in splits["train"][1]),
+            "test": len(test[1]), "shape": [3, 32, 32], "classes": 10,
+            "mean": [float(m) for m in mean]}
+
+
+def _read_cifar_batch(src_dir, name):
+    path = os.path.join(src_dir, name)
+    if not os.path.isfile(path):
+        raise UserError(f"CIFAR-10 batch '{path}' not found; '{src_dir}' must hold "
+                        f"{', '.join(CIFAR_TRAIN_BATCHES)} and {CIFAR_TEST_BATCH}")
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"] if b"data" in batch else batch["data"])
+        labels = batch.get(b"labels", batch.get("labels"))
+        labels = np.asarray(labels, dtype=np.int64)
+    except Exception as e:  # unpickling errors come in many types
+        raise UserError(f"CIFAR-10 batch '{path}' is not a CIFAR-10 python pickle "
+                        f"({type(e).__name__}: {e})") from None
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.dtype != np.uint8 \
+            or labels.shape != (data.shape[0],):
+        raise UserError(f"CIFAR-10 batch '{path}': expected 'data' uint8 (N, 3072) and N "
+                        f"'labels', got data {data.dtype} {list(data.shape)} and "
+                        f"{labels.shape[0] if labels.ndim else 0} labels")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise UserError(f"CIFAR-10 batch '{path}': labels must be in 0..9")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _write_splits(out_path, splits, attrs, transform=None):
+    """Write {split: (data or list of chunks, labels or list)} atomically;
+    ``transform`` maps each data chunk to float32 as it is written (so the
+    600 MB of CIFAR's float training set never sit in memory at once)."""
+    import h5py
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for split, (data, labels) in splits.items():
+                chunks = data if isinstance(data, list) else [data]
+                label_chunks = labels if isinstance(labels, list) else [labels]
+                n = sum(len(c) for c in chunks)
+                group = f.create_group(split)
+                dset = group.create_dataset("data", shape=(n,) + chunks[0].shape[1:],
+                                            dtype=np.float32)
+                start = 0
+                for chunk in chunks:
+                    dset[start:start + len(chunk)] = transform(chunk) if transform else chunk
+                    start += len(chunk)
+                group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

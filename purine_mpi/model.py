@@ -1,0 +1,102 @@
+"""From a resolved config to the graphs one rank runs.
+
+Train graph = data op + forward (layers) + generated backward + solver ops,
+then the parallel composition (data-parallel buckets and allreduce, or the
+parameter-server variant) rewrites it for this rank. The test graph is the
+forward net of the ``test`` phase; it shares the train graph's parameter
+arrays."""
+from .errors import ConfigError
+from .graph import Graph, seed_yaml
+from .graph.grad import build_backward
+from .graph.solver import add_solver
+from .layers import build_net
+
+DATA_THREAD = "io"
+
+
+def data_attrs(spec, rank, world_size, seed):
+    """Attributes of the DataReader op for one data split spec."""
+    return {"source": {k: v for k, v in spec.items() if k != "batch_size"},
+            "batch_size": spec["batch_size"], "rank": rank, "world_size": world_size,
+            "seed": seed}
+
+
+def _forward(config, phase, spec, rank, world_size):
+    g = Graph(config.get("name", "net"))
+    g.add_op("data", "DataReader", [], ["data", "label"],
+             data_attrs(spec, rank, world_size, config.get("seed", 0)), thread=DATA_THREAD)
+    g.infer_shapes()
+    build_net(config, phase, (g, config.get("_path")))
+    g.infer_shapes()
+    return g
+
+
+def loss_blobs(graph):
+    return {b.name: b.attrs["loss_weight"] for b in graph.blobs.values()
+            if "loss_weight" in b.attrs}
+
+
+def metric_blobs(graph):
+    return [b.name for b in graph.blobs.values() if b.attrs.get("metric")]
+
+
+def build_train_graph(config, rank=0, world_size=1):
+    """The single-replica training graph for ``rank`` of ``world_size``
+    (data sharded per DESIGN.md §6), before any parallel composition.
+    Returns (graph, grads) where grads maps param -> gradient blob."""
+    path = config.get("_path")
+    if config.get("graph") is not None:
+        return graph_from_seed(config, rank, world_size)
+    if not config.get("data", {}).get("train"):
+        raise ConfigError(path, "data.train", "training needs a data.train section")
+    g = _forward(config, "train", config["data"]["train"], rank, world_size)
+    losses = loss_blobs(g)
+    if not losses:
+        raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
+                                       "in the train phase")
+    grads = build_backward(g, losses)
+    if not grads:
+        raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss")
+    sinks = add_solver(g, grads, config["solver"])
+    g = g.prune(sinks + list(losses) + metric_blobs(g))
+    g.infer_shapes().validate()
+    return g, grads
+
+
+def graph_from_seed(config, rank=0, world_size=1):
+    """A training graph given in the seed's low-level format. A complete one
+    (with SGDUpdate ops, e.g. from ``graph --format yaml``) runs as is; a
+    forward-only one gets backward and solver ops generated."""
+    path = config.get("_path")
+    g = seed_yaml.load(config["graph"], path, config.get("name", "graph"))
+    for op in g.ops.values():
+        if op.op_type == "DataReader":
+            op.attrs["rank"], op.attrs["world_size"] = rank, world_size
+    g.infer_shapes()
+    if any(op.op_type == "SGDUpdate" for op in g.ops.values()):
+        grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values() if op.op_type == "SGDUpdate"}
+        g.validate()
+        return g, grads
+    losses = loss_blobs(g) or {b: 1.0 for b in config.get("losses", [])}
+    if not losses:
+        raise ConfigError(path, "graph", "a forward-only graph needs a loss blob: mark one "
+                                         "with attrs: {loss_weight: 1.0}")
+    grads = build_backward(g, losses)
+    sinks = add_solver(g, grads, config["solver"])
+    g = g.prune(sinks + list(losses) + metric_blobs(g))
+    g.infer_shapes().validate()
+    return g, grads
+
+
+def build_test_graph(config, rank=0, world_size=1):
+    """The evaluation graph (test phase), or None when no test data is set."""
+    spec = config.get("data", {}).get("test")
+    if not spec or config.get("graph") is not None:
+        return None
+    g = _forward(config, "test", spec, rank, world_size)
+    sinks = list(loss_blobs(g)) + metric_blobs(g)
+    if not sinks:
+        return None
+    g = g.prune(sinks)
+    g.infer_shapes().validate()
+    return g

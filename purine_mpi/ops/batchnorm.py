@@ -1,0 +1,158 @@
+"""Batch normalisation over the batch and spatial axes, per channel (axis 1);
+for (N, C) and (N, C, H, W) inputs alike.
+
+Forward ("BatchNorm", inputs [x, gamma, beta, running_mean, running_var]).
+Attrs ``eps`` (1e-5), ``momentum`` (0.1), ``phase`` ("train" | "test").
+
+Train, outputs [y, saved_mean, saved_invstd, running_mean@new, running_var@new]::
+
+    mean = E[x],  var = E[(x - mean)^2]      (over the M = N*H*W values of a channel)
+    invstd = 1 / sqrt(var + eps),  xhat = (x - mean) * invstd
+    y = gamma * xhat + beta
+    running_mean@new = (1 - momentum) * running_mean + momentum * mean
+    running_var@new  = (1 - momentum) * running_var  + momentum * var * M / (M - 1)
+
+(torch's convention; the last two outputs alias the running stats' storage).
+
+Test, outputs [y]: y = gamma * (x - running_mean) / sqrt(running_var + eps) + beta.
+
+Gradient ("BatchNormGrad", inputs [dy, x, gamma, mean, invstd] where mean and
+invstd are the saved batch statistics in train phase, the running mean and
+running var in test phase; outputs: the gradients named by attr ``grads``, a
+subset of ["x", "gamma", "beta"] in that order)::
+
+    dbeta = sum dy,  dgamma = sum dy * xhat
+    train: dx = gamma * invstd / M * (M * dy - dbeta - xhat * dgamma)
+    test:  dx = gamma * invstd * dy
+
+The running statistics get no gradient.
+"""
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+_GRAD_NAMES = ("x", "gamma", "beta")
+
+
+def _phase(attrs):
+    phase = str(attrs.get("phase", "train")).lower()
+    if phase not in ("train", "test"):
+        raise ShapeError(f"BatchNorm attr 'phase' must be 'train' or 'test', got {phase!r}")
+    return phase
+
+
+def _axes(x):
+    """Reduction axes and the broadcast shape of a per-channel vector."""
+    return (0,) + tuple(range(2, x.ndim)), (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+@register
+class BatchNorm(OpKernel):
+    """y = gamma * normalised x + beta; see the module docstring."""
+
+    op_type = "BatchNorm"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) != 5:
+            raise ShapeError("BatchNorm takes inputs [x, gamma, beta, running_mean, running_var], "
+                             f"got {len(ins)}")
+        x_shape, dtype = tuple(ins[0][0]), ins[0][1]
+        if len(x_shape) < 2:
+            raise ShapeError(f"BatchNorm needs an (N, C, ...) input, got {list(x_shape)}")
+        C = x_shape[1]
+        for (shape, _), name in zip(ins[1:], ("gamma", "beta", "running_mean", "running_var")):
+            if tuple(shape) != (C,):
+                raise ShapeError(f"BatchNorm {name} must have shape [{C}] (the channels of "
+                                 f"{list(x_shape)}), got {list(shape)}")
+        if _phase(attrs) == "test":
+            return [(x_shape, dtype)]
+        return [(x_shape, dtype), ((C,), dtype), ((C,), dtype), ins[3], ins[4]]
+
+    def run(self, ins, outs):
+        x, gamma, beta, running_mean, running_var = ins
+        xp = get_xp(x)
+        eps = float(self.attrs.get("eps", 1e-5))
+        axes, bshape = _axes(x)
+        y = outs[0]
+        if _phase(self.attrs) == "test":
+            invstd = 1.0 / xp.sqrt(running_var + eps)
+            xp.subtract(x, running_mean.reshape(bshape), out=y)
+            y *= (invstd * gamma).reshape(bshape)
+            y += beta.reshape(bshape)
+            return
+        m = float(self.attrs.get("momentum", 0.1))
+        count = x.size // x.shape[1]
+        mean = x.mean(axis=axes)
+        xp.subtract(x, mean.reshape(bshape), out=y)
+        var = (y * y).mean(axis=axes)
+        invstd = 1.0 / xp.sqrt(var + eps)
+        y *= (invstd * gamma).reshape(bshape)
+        y += beta.reshape(bshape)
+        outs[1][...] = mean
+        outs[2][...] = invstd
+        unbiased = var * (count / max(count - 1, 1))
+        # outs[3], outs[4] share storage with ins[3], ins[4]: each right-hand
+        # side is computed in full before it is written
+        outs[3][...] = (1.0 - m) * running_mean + m * mean
+        outs[4][...] = (1.0 - m) * running_var + m * unbiased
+
+
+@register
+class BatchNormGrad(OpKernel):
+    """Gradients of BatchNorm.  Inputs [dy, x, gamma, mean, invstd-or-var];
+    attrs phase, eps, grads."""
+
+    op_type = "BatchNormGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        grads = attrs.get("grads", list(_GRAD_NAMES))
+        if not grads or any(n not in _GRAD_NAMES for n in grads):
+            raise ShapeError(f"BatchNormGrad attr 'grads' must name some of {list(_GRAD_NAMES)}, "
+                             f"got {grads!r}")
+        shapes = {"x": ins[1], "gamma": ins[2], "beta": ins[2]}
+        return [shapes[n] for n in _GRAD_NAMES if n in grads]
+
+    def run(self, ins, outs):
+        dy, x, gamma, mean, stat = ins
+        xp = get_xp(dy)
+        axes, bshape = _axes(x)
+        grads = self.attrs.get("grads", list(_GRAD_NAMES))
+        out = dict(zip([n for n in _GRAD_NAMES if n in grads], outs))
+        if _phase(self.attrs) == "test":
+            invstd = 1.0 / xp.sqrt(stat + float(self.attrs.get("eps", 1e-5)))
+        else:
+            invstd = stat
+        xhat = (x - mean.reshape(bshape)) * invstd.reshape(bshape)
+        dbeta = dy.sum(axis=axes)
+        dgamma = (dy * xhat).sum(axis=axes)
+        if "beta" in out:
+            out["beta"][...] = dbeta
+        if "gamma" in out:
+            out["gamma"][...] = dgamma
+        if "x" in out:
+            dx = out["x"]
+            if _phase(self.attrs) == "test":
+                xp.multiply(dy, (gamma * invstd).reshape(bshape), out=dx)
+                return
+            count = x.size // x.shape[1]
+            xhat *= (dgamma / count).reshape(bshape)
+            xp.subtract(dy, xhat, out=dx)
+            dx -= (dbeta / count).reshape(bshape)
+            dx *= (gamma * invstd).reshape(bshape)
+
+
+@gradient("BatchNorm")
+def _batchnorm_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is None:
+        return
+    x, gamma, beta, running_mean, running_var = op.inputs
+    wanted = [(n, b) for n, b in zip(_GRAD_NAMES, (x, gamma, beta)) if g.needs_grad(b)]
+    if not wanted:
+        return
+    phase = _phase(op.attrs)
+    stats = [op.outputs[1], op.outputs[2]] if phase == "train" else [running_mean, running_var]
+    attrs = {"phase": phase, "eps": op.attrs.get("eps", 1e-5), "grads": [n for n, _ in wanted]}
+    g.emit("BatchNormGrad", [dy, x, gamma] + stats, [g.grad_blob(b) for _, b in wanted], attrs)

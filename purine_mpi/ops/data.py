@@ -1,0 +1,134 @@
+"""The data op: reads the next batch of a data source, with prefetch.
+
+``DataReader`` is a source op (no inputs) with outputs ``[data, label]``:
+data ``(batch_size, *sample_shape)`` float32 (or attrs ``dtype``) and label
+``(batch_size,)`` int64. The label is always produced, also for nets that do
+not use it (pruning drops its consumers, not the blob). Which samples a call
+reads is the data-parallel rule of ``purine_mpi.io.data.batch_indices``, so a
+run reads the same samples whatever its number of ranks.
+
+Attrs:
+    source      the data spec as in the config: {source: hdf5|synthetic, path,
+                split, shape, classes, num_samples, shuffle, seed}
+    batch_size  per-rank batch size B
+    rank, world_size   this replica's index among the data-parallel replicas
+    seed        run seed: the shuffle order (and synthetic data, unless the
+                spec gives its own ``seed``) derive from it
+    dtype       data dtype (default float32)
+
+The kernel keeps the iteration index of the next batch (``position``); it is
+saved in checkpoints through ``state_dict``. A daemon thread gathers batch
+t+1 while batch t is in use; an exception there is raised by the next
+``run``. There is no gradient: data is never differentiated.
+"""
+import threading
+
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import ShapeError
+from ..io.data import EpochOrder, batch_indices, make_source, source_info
+from .registry import OpKernel, register
+
+
+@register
+class DataReader(OpKernel):
+    """outputs: data (B, *shape), label (B,) int64 -- the next batch of a source."""
+
+    op_type = "DataReader"
+    category = "io"
+    stateful = True
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if ins:
+            raise ShapeError(f"DataReader takes no inputs, got {len(ins)}")
+        batch = int(attrs["batch_size"])
+        rank, world = int(attrs.get("rank", 0)), int(attrs.get("world_size", 1))
+        if batch < 1 or not 0 <= rank < world:
+            raise ShapeError(f"DataReader needs batch_size >= 1 and 0 <= rank < world_size, "
+                             f"got batch_size {batch}, rank {rank}, world_size {world}")
+        _, sample_shape = source_info(attrs["source"])  # metadata only
+        dtype = np.dtype(attrs.get("dtype", "float32")).name
+        return [((batch,) + tuple(sample_shape), dtype), ((batch,), "int64")]
+
+    def __init__(self, op):
+        super().__init__(op)
+        self.batch_size = int(self.attrs["batch_size"])
+        self.rank = int(self.attrs.get("rank", 0))
+        self.world_size = int(self.attrs.get("world_size", 1))
+        self.seed = int(self.attrs.get("seed", 0))
+        self.position = 0  # iteration index of the next batch run() delivers
+        self._source = self._order = None
+        self._pending = None  # (iteration, thread, result slot)
+
+    # ------------------------------------------------------------- batches
+    def _ensure_source(self):
+        if self._source is None:
+            spec = self.attrs["source"]
+            self._source = make_source(spec, self.seed)
+            self._order = EpochOrder(self._source.n_samples, spec.get("shuffle", False),
+                                     self.seed)
+
+    def prepare(self, iteration):
+        """(data, labels) NumPy arrays of batch ``iteration`` (no prefetch)."""
+        self._ensure_source()
+        indices = batch_indices(iteration, self.rank, self.world_size, self.batch_size,
+                                self._order)
+        data, labels = self._source.gather(indices)
+        return np.ascontiguousarray(data), np.ascontiguousarray(labels)
+
+    def _work(self, iteration, slot):
+        try:
+            slot["batch"] = self.prepare(iteration)
+        except BaseException as e:  # handed to run(), which raises it in the caller
+            slot["error"] = e
+
+    def _start(self, iteration):
+        self._ensure_source()  # load the file here, so its errors surface in the caller
+        slot = {}
+        thread = threading.Thread(target=self._work, args=(iteration, slot), daemon=True,
+                                  name=f"prefetch:{self.op.name}:{iteration}")
+        thread.start()
+        self._pending = (iteration, thread, slot)
+
+    def _take(self, iteration):
+        if self._pending is not None and self._pending[0] != iteration:
+            self._pending[1].join()  # a stale prefetch (position was reset)
+            self._pending = None
+        if self._pending is None:
+            self._start(iteration)
+        _, thread, slot = self._pending
+        thread.join()
+        self._pending = None
+        if "error" in slot:
+            raise slot["error"]
+        return slot["batch"]
+
+    def setup(self, ins, outs):
+        self._start(self.position)
+
+    def run(self, ins, outs):
+        data, labels = self._take(self.position)
+        outs[0][...] = get_xp(outs[0]).asarray(data)
+        outs[1][...] = get_xp(outs[1]).asarray(labels)
+        self.position += 1
+        self._start(self.position)
+
+    # ----------------------------------------------------------------- state
+    def reset_position(self, position=0):
+        """Make the next run() deliver batch ``position`` (e.g. 0 before each
+        evaluation pass over the test split)."""
+        self.position = int(position)
+
+    def state_dict(self):
+        return {"position": int(self.position),
+                "global_batch": self.batch_size * self.world_size, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        """Continue where a saved run stopped. A run resumed with another
+        global batch (ranks x batch_size) continues at the same sample count,
+        rounded down to a whole batch."""
+        position = int(state["position"])
+        saved_batch = int(state.get("global_batch", self.batch_size * self.world_size))
+        self.reset_position(position * saved_batch // (self.batch_size * self.world_size))

@@ -1,0 +1,124 @@
+"""Fully connected layer (Caffe's InnerProduct).
+
+Forward ("InnerProduct", inputs [x, w] or [x, w, b], output [y])::
+
+    X = x.reshape(M, K)      M = prod(x.shape[:axis]), K = prod(x.shape[axis:])
+    y = X @ w^T + b          w: (O, K), b: (O,), y: x.shape[:axis] + (O,)
+
+Attr ``axis`` (default 1, Caffe's): the first axis flattened into K.
+
+Gradients::
+
+    dX = dy @ w,  reshaped to x's shape   ("InnerProductGradData",   [dy, w] -> [dx], attr x_shape)
+    dw = dy^T @ X                          ("InnerProductGradWeight", [dy, x] -> [dw])
+    db = sum over rows of dy               ("InnerProductGradBias",   [dy] -> [db])
+"""
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+
+def _split(shape, axis):
+    """(M, K) of an input of ``shape`` flattened from ``axis``."""
+    if not 0 < axis <= len(shape):
+        raise ShapeError(f"InnerProduct axis {axis} is out of range for an input of shape "
+                         f"{list(shape)}")
+    return int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis:], dtype=np.int64))
+
+
+@register
+class InnerProduct(OpKernel):
+    """y = x.reshape(M, K) @ w^T + b; see the module docstring."""
+
+    op_type = "InnerProduct"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) not in (2, 3):
+            raise ShapeError(f"InnerProduct takes [x, w] or [x, w, b], got {len(ins)} inputs")
+        x_shape, w_shape = tuple(ins[0][0]), tuple(ins[1][0])
+        axis = int(attrs.get("axis", 1))
+        _, K = _split(x_shape, axis)
+        if len(w_shape) != 2 or w_shape[1] != K:
+            raise ShapeError(f"InnerProduct weight must be (num_output, {K}) for an input of shape "
+                             f"{list(x_shape)} flattened from axis {axis}; got {list(w_shape)}")
+        if len(ins) == 3 and tuple(ins[2][0]) != (w_shape[0],):
+            raise ShapeError(f"InnerProduct bias must have shape [{w_shape[0]}], got "
+                             f"{list(ins[2][0])}")
+        return [(x_shape[:axis] + (w_shape[0],), ins[0][1])]
+
+    def run(self, ins, outs):
+        x, w = ins[0], ins[1]
+        xp = get_xp(x)
+        M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
+        y = outs[0].reshape(M, -1)
+        xp.matmul(x.reshape(M, K), w.T, out=y)
+        if len(ins) == 3:
+            y += ins[2]
+
+
+@register
+class InnerProductGradData(OpKernel):
+    """dx = (dy @ w).reshape(x_shape).  Inputs [dy, w]; attrs x_shape, axis."""
+
+    op_type = "InnerProductGradData"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [(tuple(attrs["x_shape"]), ins[0][1])]
+
+    def run(self, ins, outs):
+        dy, w = ins
+        xp = get_xp(dy)
+        M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        xp.matmul(dy.reshape(M, -1), w, out=outs[0].reshape(M, K))
+
+
+@register
+class InnerProductGradWeight(OpKernel):
+    """dw = dy^T @ x.reshape(M, K).  Inputs [dy, x]; attr axis."""
+
+    op_type = "InnerProductGradWeight"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        M, K = _split(tuple(ins[1][0]), int(attrs.get("axis", 1)))
+        return [((ins[0][0][-1], K), ins[0][1])]
+
+    def run(self, ins, outs):
+        dy, x = ins
+        xp = get_xp(dy)
+        M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
+        xp.matmul(dy.reshape(M, -1).T, x.reshape(M, K), out=outs[0])
+
+
+@register
+class InnerProductGradBias(OpKernel):
+    """db = dy summed over every axis but the last.  Inputs [dy]."""
+
+    op_type = "InnerProductGradBias"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [((ins[0][0][-1],), ins[0][1])]
+
+    def run(self, ins, outs):
+        dy = ins[0]
+        xp = get_xp(dy)
+        xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
+
+
+@gradient("InnerProduct")
+def _inner_product_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    x, w = op.inputs[0], op.inputs[1]
+    axis = {"axis": op.attrs["axis"]} if "axis" in op.attrs else {}
+    if g.needs_grad(x):
+        g.emit("InnerProductGradData", [dy, w], [g.grad_blob(x)],
+               dict(axis, x_shape=list(g.graph.blobs[x].shape)))
+    if g.needs_grad(w):
+        g.emit("InnerProductGradWeight", [dy, x], [g.grad_blob(w)], axis)
+    if len(op.inputs) == 3 and g.needs_grad(op.inputs[2]):
+        g.emit("InnerProductGradBias", [dy], [g.grad_blob(op.inputs[2])])

@@ -1,0 +1,97 @@
+"""Local response normalisation across channels (Caffe's ACROSS_CHANNELS LRN;
+equal to torch.nn.LocalResponseNorm).
+
+Forward ("LRN", input [x], outputs [y, scale])::
+
+    scale[n,c,...] = k + alpha/n_size * sum_{c' = c-r .. c+r} x[n,c',...]^2
+    y = x * scale^(-beta)                          r = (local_size - 1) / 2
+
+Attrs: ``local_size`` (odd, default 5), ``alpha`` (1e-4), ``beta`` (0.75),
+``k`` (1.0). Channels past the edges count as zeros. ``scale`` is an output
+so the backward op need not recompute it.
+
+Gradient ("LRNGrad", inputs [dy, x, y, scale] -> [dx])::
+
+    dx = dy * scale^(-beta)
+         - 2*alpha*beta/n_size * x * sum_{c' = c-r .. c+r} dy[c'] * y[c'] / scale[c']
+"""
+from ..backend import get_xp
+from ..errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+
+def _params(attrs):
+    size = int(attrs.get("local_size", 5))
+    if size < 1 or size % 2 == 0:
+        raise ShapeError(f"LRN local_size must be a positive odd number (as in Caffe), got {size}")
+    region = str(attrs.get("norm_region", "across_channels")).lower()
+    if region != "across_channels":
+        raise ShapeError(f"LRN norm_region {attrs['norm_region']!r} is not supported; only "
+                         "across_channels is")
+    return size, float(attrs.get("alpha", 1e-4)), float(attrs.get("beta", 0.75)), \
+        float(attrs.get("k", 1.0))
+
+
+def _window_sum(xp, a, size, out):
+    """out[:, c] = sum of a[:, c'] for |c' - c| <= size // 2 (zeros past the edges)."""
+    r = size // 2
+    C = a.shape[1]
+    padded = xp.zeros((a.shape[0], C + 2 * r) + a.shape[2:], dtype=a.dtype)
+    padded[:, r:r + C] = a
+    out[...] = padded[:, 0:C]
+    for i in range(1, size):
+        out += padded[:, i:i + C]
+
+
+@register
+class LRN(OpKernel):
+    """y = x * (k + alpha/n * window sum of x^2)^(-beta); see the module docstring."""
+
+    op_type = "LRN"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _params(attrs)
+        if len(ins[0][0]) < 2:
+            raise ShapeError(f"LRN needs an input with a channel axis (N, C, ...), got "
+                             f"{list(ins[0][0])}")
+        return [ins[0], ins[0]]
+
+    def run(self, ins, outs):
+        x = ins[0]
+        xp = get_xp(x)
+        size, alpha, beta, k = _params(self.attrs)
+        y, scale = outs
+        _window_sum(xp, x * x, size, scale)
+        scale *= alpha / size
+        scale += k
+        xp.power(scale, -beta, out=y)
+        y *= x
+
+
+@register
+class LRNGrad(OpKernel):
+    """dx of LRN.  Inputs [dy, x, y, scale]; LRN's attrs."""
+
+    op_type = "LRNGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[1]]
+
+    def run(self, ins, outs):
+        dy, x, y, scale = ins
+        xp = get_xp(dy)
+        size, alpha, beta, _ = _params(self.attrs)
+        dx = outs[0]
+        _window_sum(xp, dy * y / scale, size, dx)
+        dx *= x * (-2.0 * alpha * beta / size)
+        dx += dy * xp.power(scale, -beta)
+
+
+@gradient("LRN")
+def _lrn_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    x = op.inputs[0]
+    if dy is not None and g.needs_grad(x):
+        g.emit("LRNGrad", [dy, x, op.outputs[0], op.outputs[1]], [g.grad_blob(x)], dict(op.attrs))

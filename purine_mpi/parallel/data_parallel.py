@@ -1,0 +1,159 @@
+"""Synchronous data parallelism as a graph rewrite (Purine §4, bucketed as in
+the RDMA paper): every rank runs the same single-replica training graph on
+its own shard of the batch, and the gradients are summed across ranks by
+Allreduce ops placed in the graph, so a top layer's gradient is reduced while
+the lower layers still back-propagate.
+
+``compose_data_parallel(graph, grads, world_size, rank)`` rewrites in place:
+
+- gradient blobs become views (``alias_of`` + ``offset``) into flat bucket
+  blobs (kind ``bucket``): the backward ops write straight into the buffer
+  MPI reduces, so there is no packing copy;
+- buckets are filled in the order the gradients become ready in backward
+  (top layer first); the first bucket is small (``first_bucket_mb``) so
+  communication starts early, the rest hold up to ``bucket_mb``;
+- one ``Allreduce`` op per bucket, ``seq`` numbers in bucket order (the same
+  on every rank, since every rank builds the same graph), outputs
+  ``<grad>.sum`` aliasing the same bucket ranges (in-place reduction);
+- each ``SGDUpdate`` reads ``<grad>.sum`` with ``grad_scale`` divided by the
+  world size (the sum becomes the mean gradient);
+- ``DataReader`` ops get ``rank`` / ``world_size`` (DESIGN.md §6 sharding).
+
+With ``check_collectives=True`` the composed graph's sequence of
+collectives is compared across ranks (``purine_mpi.comm.verify``).
+"""
+import numpy as np
+
+from ..comm.ops import is_comm_op
+
+MB = 2 ** 20
+
+
+def next_seq(graph):
+    """The first free comm sequence number of ``graph``."""
+    seqs = [int(op.attrs["seq"]) for op in graph.ops.values()
+            if is_comm_op(op) and "seq" in op.attrs]
+    return max(seqs) + 1 if seqs else 0
+
+
+def gradient_ready_order(graph, grads):
+    """Params ordered by when backward produces their gradient (top layer
+    first): the position of each gradient's producer in topological order."""
+    position = {op.name: i for i, op in enumerate(graph.topo_order())}
+    producers = graph.producers()
+
+    def when(param):
+        ops = producers.get(grads[param], ())
+        return max((position[o.name] for o in ops), default=-1)
+
+    return sorted(grads, key=lambda p: (when(p), list(grads).index(p)))
+
+
+def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1):
+    """Group gradients into buckets: a list of {"dtype", "location", "params"}
+    in ready order. A bucket closes when the next gradient would pass its cap
+    (the first bucket's cap is ``first_bucket_mb``); a gradient larger than
+    the cap gets a bucket of its own. Gradients of another dtype or location
+    go to buckets of their own kind."""
+    buckets, open_by_kind = [], {}
+    for p in gradient_ready_order(graph, grads):
+        g = graph.blobs[grads[p]]
+        kind = (g.dtype, g.location)
+        cap = (first_bucket_mb if not buckets else bucket_mb) * MB
+        b = open_by_kind.get(kind)
+        if b is not None and b["bytes"] + g.nbytes > b["cap"]:
+            b = None
+        if b is None:
+            b = {"dtype": g.dtype, "location": g.location, "params": [], "bytes": 0, "cap": cap}
+            buckets.append(b)
+            open_by_kind[kind] = b
+        b["params"].append(p)
+        b["bytes"] += g.nbytes
+    return buckets
+
+
+def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
+                          check_collectives=False, world=None, thread="comm"):
+    """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
+    synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
+    param -> gradient blob (``build_backward``'s result). Returns the bucket
+    plan: a list of {"name", "op", "seq", "params", "grads", "bytes"}."""
+    for op in graph.ops.values():
+        if op.op_type == "DataReader":
+            op.attrs["rank"], op.attrs["world_size"] = int(rank), int(world_size)
+    grads = {p: g for p, g in grads.items() if g in graph.blobs}
+    producers = graph.producers()
+    seq = next_seq(graph)
+    plan = []
+    for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb)):
+        name = _free_name(graph, f"grad_bucket{i}")
+        total = sum(graph.blobs[grads[p]].size for p in b["params"])
+        graph.add_blob(name, (total,), b["dtype"], b["location"], kind="bucket")
+        offset, ins, outs = 0, [], []
+        for p in b["params"]:
+            g = graph.blobs[grads[p]]
+            view = grads[p]
+            if g.alias_of is not None:
+                # already a view of other storage (an in-place op wrote it):
+                # copy it into the bucket, the one packing copy we cannot avoid
+                view = _free_name(graph, f"{grads[p]}.bucketed")
+                graph.add_blob(view, g.shape, g.dtype, g.location, kind="grad")
+                owner = producers.get(grads[p], [None])[0]
+                graph.add_op(f"{view}.copy", "Copy", [grads[p]], [view],
+                             location=g.location,
+                             thread=owner.thread if owner is not None else 0)
+            blob = graph.blobs[view]
+            blob.alias_of, blob.offset = name, offset
+            total_name = _free_name(graph, f"{grads[p]}.sum")
+            graph.add_blob(total_name, g.shape, g.dtype, g.location, kind="grad",
+                           alias_of=name, offset=offset)
+            ins.append(view)
+            outs.append(total_name)
+            offset += g.size
+        op = graph.add_op(f"{name}.allreduce", "Allreduce", ins, outs,
+                          {"seq": seq, "bucket": name}, location=b["location"], thread=thread)
+        _rewire_updates(graph, dict(zip(ins, outs)), {grads[p]: v for p, v in
+                                                     zip(b["params"], ins)}, world_size)
+        plan.append({"name": name, "op": op.name, "seq": seq, "params": list(b["params"]),
+                     "grads": ins, "bytes": int(total * np.dtype(b["dtype"]).itemsize)})
+        seq += 1
+    if check_collectives:
+        from ..comm.verify import check_collectives as _check
+        _check(graph, world)
+    return plan
+
+
+def _rewire_updates(graph, summed, renamed, world_size):
+    """SGDUpdate ops read the reduced gradient, scaled by 1/world_size."""
+    for op in graph.ops.values():
+        if op.op_type != "SGDUpdate":
+            continue
+        g = renamed.get(op.inputs[1], op.inputs[1])
+        if g in summed:
+            op.inputs[1] = summed[g]
+            op.attrs["grad_scale"] = float(op.attrs.get("grad_scale", 1.0)) / world_size
+
+
+def _free_name(graph, base):
+    name, k = base, 1
+    while name in graph.blobs or name in graph.ops:
+        name = f"{base}#{k}"
+        k += 1
+    return name
+
+
+def broadcast_params(arrays, world=None, root=0):
+    """Copy every array of ``arrays`` ({name: array}) from ``root`` to all
+    ranks, in sorted name order (blocking; call on every rank at the same
+    point). Guarantees identical starting weights whatever each rank's
+    initialiser did."""
+    from ..comm.device import HostStage
+    from ..comm.world import get_world
+    world = world or get_world()
+    if world.size == 1:
+        return
+    for name in sorted(arrays):
+        st = HostStage(arrays[name])
+        buf = st.buffer(copy_in=True)
+        world.comm.Bcast(buf.reshape(-1) if buf.flags.c_contiguous else buf, root=root)
+        st.copy_back()

@@ -1,0 +1,336 @@
+"""Training and evaluation loops around the dispatcher.
+
+Every rank runs the same loop over its own slice of the composed graph. The
+only collectives outside the graph are the scalar reductions for logging and
+evaluation, made by every rank at the same iterations, so their order is the
+same everywhere. Only rank 0 writes files.
+"""
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from .backend import to_numpy
+from .errors import UserError
+from .graph.solver import momentum_name
+from .io.checkpoint import load_checkpoint, load_params, save_run_checkpoint
+from .io.config import dump_config
+from .io.data import source_info
+from .layers.fillers import fill
+from .model import build_test_graph, build_train_graph, loss_blobs, metric_blobs
+from .runtime.dispatcher import Profiler, make_dispatcher
+from .runtime.workspace import Workspace
+
+
+def get_world():
+    """The MPI world (rank, size, comm); works without a launcher too."""
+    from .comm.world import get_world as _get
+    return _get()
+
+
+def world_gather(world, obj):
+    """Gather picklable ``obj`` from every rank to rank 0 (None elsewhere)."""
+    return world.comm.gather(obj, root=0) if world.size > 1 else [obj]
+
+
+def world_mean(world, values):
+    """Mean over ranks of a float or a float array (blocking, same order on all ranks)."""
+    arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
+    if world.size > 1:
+        out = np.empty_like(arr)
+        world.comm.Allreduce(arr, out)
+        arr = out / world.size
+    return float(arr[0]) if np.ndim(values) == 0 else arr
+
+
+def compose(graph, grads, config, world):
+    """Apply the config's parallel scheme to this rank's training graph."""
+    par = config.get("parallel", {})
+    if world.size == 1 or par.get("scheme", "data") == "none":
+        return graph
+    if par.get("mode", "sync") == "sync":
+        from .parallel.data_parallel import compose_data_parallel
+        compose_data_parallel(graph, grads, world.size, world.rank,
+                              bucket_mb=par.get("bucket_mb", 4),
+                              first_bucket_mb=par.get("first_bucket_mb", 1))
+        graph.infer_shapes().validate()
+        return graph
+    raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
+                    f"'{par.get('mode')}' runs through the parameter-server trainer")
+
+
+class Trainer:
+    """Builds this rank's graphs, initialises or restores state, runs."""
+
+    def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
+                 log=None, dispatcher=None):
+        self.config = config
+        self.out_dir = out_dir
+        self.world = world or get_world()
+        self.rank, self.size = self.world.rank, self.world.size
+        self.seed = int(config.get("seed", 0))
+        self.solver = config["solver"]
+        self.log = log or (lambda msg: print(msg, flush=True))
+        par = config.get("parallel", {})
+        graph, self.grads = build_train_graph(config, self.rank, self.size)
+        self.graph = compose(graph, self.grads, config, self.world)
+        self.params = [b.name for b in self.graph.params()]
+        self.profiler = Profiler(self.rank) if profile else None
+        self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
+                                     profiler=self.profiler,
+                                     stall_timeout=float(par.get("stall_timeout", 300)),
+                                     seed=self._op_seed())
+        self.ws = self.train.workspace
+        self.losses = list(loss_blobs(self.graph))
+        self.test_graph = build_test_graph(config, self.rank, self.size)
+        self.test = None
+        if self.test_graph is not None:
+            shared = {p: self.ws[p] for p in self.test_graph.blobs if p in self.ws.arrays
+                      and self.graph.blobs[p].kind == "param"}
+            self.test = make_dispatcher(self.test_graph, dispatcher, rank=self.rank,
+                                        workspace=Workspace(self.test_graph, shared=shared),
+                                        seed=self._op_seed())
+        self.start_iter = 0
+        self._init_params(init)
+        if resume:
+            self._resume(resume)
+
+    def _op_seed(self):
+        return self.seed * 1000003 + self.rank
+
+    # ------------------------------------------------------------- state
+    def _init_params(self, init):
+        for p in self.params:
+            self.ws.set(p, fill(self.graph.blobs[p], self.seed))
+        if init:
+            params = load_params(init)
+            for p in self.params:
+                if p in params:
+                    self.ws.set(p, params[p])
+
+    def state_dict(self):
+        """Everything beyond params and momenta that a resume needs: each
+        stateful kernel's state and each random stream, per rank."""
+        local = {}
+        for name, k in self.train.kernels.items():
+            s = {}
+            if k.stateful:
+                s["state"] = k.state_dict()
+            if k.rng is not None:
+                s["rng"] = k.rng.bit_generator.state
+            if s:
+                local[name] = s
+        states = world_gather(self.world, local)
+        return {"ranks": {str(r): s for r, s in enumerate(states)}} if states else None
+
+    def load_state_dict(self, state):
+        ranks = state.get("ranks", {})
+        mine = ranks.get(str(self.rank))
+        if mine is None:
+            raise UserError(f"the checkpoint holds state for {len(ranks)} rank(s), "
+                            f"this run has {self.size}; resume with the same number of ranks")
+        for name, s in mine.items():
+            k = self.train.kernels.get(name)
+            if k is None:
+                continue
+            if "state" in s:
+                k.load_state_dict(s["state"])
+            if "rng" in s and k.rng is not None:
+                k.rng.bit_generator.state = _plain(s["rng"])
+
+    def _resume(self, path):
+        if path == "auto":
+            path = os.path.join(self.out_dir, "latest.h5")
+            if not os.path.exists(path):
+                self.log(f"no checkpoint at {path}; starting from scratch")
+                return
+        ck = load_checkpoint(path)
+        missing = [p for p in self.params if p not in ck.params]
+        if missing:
+            raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
+                            "of this net")
+        for p in self.params:
+            self.ws.set(p, ck.params[p])
+            m = momentum_name(p)
+            if m in self.ws.arrays and p in ck.solver and "momentum" in ck.solver[p]:
+                self.ws.set(m, ck.solver[p]["momentum"])
+        if ck.state:
+            self.load_state_dict(ck.state)
+        self.start_iter = int(ck.attrs["iteration"])
+
+    def save(self, iteration):
+        state = self.state_dict()
+        if self.rank != 0:
+            return
+        params = {p: to_numpy(self.ws[p]) for p in self.params}
+        solver = {p: {"momentum": to_numpy(self.ws[momentum_name(p)])} for p in self.params
+                  if momentum_name(p) in self.ws.arrays}
+        save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
+                            params=params, solver=solver, state=state,
+                            world_size=self.size, seed=self.seed,
+                            config_text=dump_config(self.config))
+
+    # -------------------------------------------------------------- loops
+    def run(self):
+        max_iter = int(self.solver["max_iter"])
+        display = int(self.solver.get("display") or 0)
+        test_interval = int(self.solver.get("test_interval") or 0)
+        ck_interval = int(self.config["checkpoint"].get("interval") or 0)
+        batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
+            else 0
+        metrics = self._open_metrics()
+        last = {"loss": []}
+        t_start = t_window = time.perf_counter()
+        it0 = self.start_iter
+        window_start = it0
+        result = {}
+        try:
+            for it in range(self.start_iter, max_iter):
+                self.ws["iter"][...] = it
+                self.train.run(it)
+                last["loss"].append(sum(float(self.ws[b]) for b in self.losses))
+                done = it + 1
+                if display and (done % display == 0 or done == max_iter):
+                    now = time.perf_counter()
+                    loss = world_mean(self.world, float(np.mean(last["loss"])))
+                    ips = (done - window_start) * batch * self.size / max(now - t_window, 1e-9)
+                    lr = float(self.ws["lr"])
+                    rec = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
+                           "images_per_s": round(ips, 1), "time": round(now - t_start, 3)}
+                    self._write(metrics, rec)
+                    eta = (max_iter - done) * (now - t_start) / max(done - it0, 1)
+                    self._say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
+                              f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {_hms(now - t_start)}  "
+                              f"eta {_hms(eta)}")
+                    last["loss"], t_window, window_start = [], now, done
+                if test_interval and done % test_interval == 0 and done != max_iter:
+                    self._evaluate(done, metrics)
+                if ck_interval and done % ck_interval == 0 and done != max_iter:
+                    self.save(done)
+            if self.start_iter < max_iter or not os.path.exists(
+                    os.path.join(self.out_dir, "latest.h5")):
+                result = self._evaluate(max_iter, metrics) or {}
+                self.save(max_iter)
+        finally:
+            if metrics:
+                metrics.close()
+            self.write_trace()
+        return result
+
+    def evaluate(self, test_iter=None):
+        """Mean loss and metrics over the test split (sharded over ranks)."""
+        if self.test is None:
+            return {}
+        reader = next(k for k in self.test.kernels.values() if k.op.op_type == "DataReader")
+        reader.reset_position(0)
+        spec = self.config["data"]["test"]
+        n_samples, _ = source_info(reader.attrs["source"])
+        n = test_iter or self.solver.get("test_iter") or max(
+            1, math.ceil(n_samples / (spec["batch_size"] * self.size)))
+        names = list(loss_blobs(self.test_graph)) + metric_blobs(self.test_graph)
+        sums = np.zeros(len(names))
+        for i in range(n):
+            self.test.run(i)
+            sums += [float(self.test.workspace[b]) for b in names]
+        means = world_mean(self.world, sums / n)
+        out = {}
+        for name, v in zip(names, means):
+            key = "loss" if name in loss_blobs(self.test_graph) else name
+            out[key] = float(v) if key not in out else out[key] + float(v)
+        out["samples"] = int(n * spec["batch_size"] * self.size)
+        return out
+
+    def _evaluate(self, iteration, metrics):
+        res = self.evaluate()
+        if not res:
+            return res
+        rec = {"phase": "test", "iter": iteration}
+        rec.update({k: round(v, 6) if isinstance(v, float) else v for k, v in res.items()})
+        self._write(metrics, rec)
+        extra = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples"))
+        self._say(f"test @ iter {iteration}: loss {res['loss']:.4f}  {extra}  "
+                  f"({res['samples']} samples)")
+        return res
+
+    # ------------------------------------------------------------ output
+    def _open_metrics(self):
+        if self.rank != 0:
+            return None
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+            f.write(dump_config(self.config))
+        mode = "a" if self.start_iter else "w"
+        return open(os.path.join(self.out_dir, "metrics.jsonl"), mode)
+
+    @staticmethod
+    def _write(f, rec):
+        if f is not None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+    def _say(self, msg):
+        if self.rank == 0:
+            self.log(msg)
+
+    def write_trace(self):
+        if self.profiler is None:
+            return None
+        os.makedirs(self.out_dir, exist_ok=True)
+        path = os.path.join(self.out_dir, f"trace.rank{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.profiler.events, "displayTimeUnit": "ms"}, f)
+        return path
+
+    def close(self):
+        self.train.close()
+        if self.test is not None:
+            self.test.close()
+
+
+def _plain(obj):
+    """Checkpointed RNG states come back with numpy scalars; make them ints."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, np.ndarray) and obj.ndim == 0:
+        return obj.item()
+    return obj
+
+
+def _hms(seconds):
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def log_to_stderr(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None):
+    """Entry point of ``train``: set up the world, check that every rank has
+    the same config, and run the scheme the config asks for."""
+    from .comm.world import install_abort_handler
+    world = get_world()
+    install_abort_handler(world)
+    world.check_consistent(dump_config(config), "resolved configuration")
+    mode = config.get("parallel", {}).get("mode", "sync")
+    if world.size > 1 and mode in ("async", "sync_ps"):
+        from .parallel.param_server import run_param_server
+        return run_param_server(config, out_dir, world, resume=resume, init=init,
+                                profile=profile)
+    trainer = Trainer(config, out_dir, world, resume=resume, init=init, profile=profile,
+                      dispatcher=dispatcher)
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    if world.rank == 0 and result:
+        print("final " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
+                                     for k, v in result.items()}), flush=True)
+    return 0

@@ -1,0 +1,166 @@
+"""Conv and Pool against PyTorch (values and gradients, edge cases of stride,
+pad, group, dilation and ceil_mode), plus float64 finite-difference checks."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from purine_mpi.errors import ShapeError
+from purine_mpi.ops import conv as conv_module
+from tests.opcheck import numeric_grad, run_op
+
+RNG = np.random.default_rng(2)
+
+
+def randn(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def close(a, b, rtol=1e-4, atol=1e-5):
+    b = np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
+
+
+def torch_grads(fn, arrays, weight):
+    """fn(*tensors) and the gradients of sum(fn(...) * weight) wrt each array."""
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    y = fn(*ts)
+    if isinstance(weight, list):  # run_op gives one weight per output when there are several
+        weight = weight[0]
+    (y * torch.tensor(weight)).sum().backward()
+    return y.detach().numpy(), [t.grad.numpy() for t in ts]
+
+
+# ------------------------------------------------------------------- conv
+CONV_CASES = [
+    # x shape, w shape, attrs, bias
+    ((2, 3, 7, 8), (4, 3, 3, 3), {"pad": 1}, True),
+    ((2, 3, 9, 7), (5, 3, 3, 2), {"stride": [2, 1], "pad": [1, 0]}, False),
+    ((2, 4, 9, 9), (6, 2, 3, 3), {"group": 2, "dilation": 2, "pad": 2}, True),
+    ((3, 6, 5, 5), (6, 1, 1, 1), {"group": 6}, True),               # depthwise 1x1
+    ((1, 2, 8, 6), (3, 2, 3, 3), {"stride": 3, "pad": 2, "dilation": [1, 2]}, True),
+    ((2, 3, 5, 5), (2, 3, 5, 5), {}, True),                          # kernel = input
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,bias", CONV_CASES)
+def test_conv_matches_torch(x_shape, w_shape, attrs, bias):
+    x, w, b = randn(*x_shape), randn(*w_shape), randn(w_shape[0])
+    inputs = {"x": x, "w": w, "b": b} if bias else {"x": x, "w": w}
+    outs, grads = run_op("Conv", attrs, inputs, wrt=list(inputs))
+
+    def fn(xt, wt, *bt):
+        return F.conv2d(xt, wt, bt[0] if bt else None, stride=attrs.get("stride", 1),
+                        padding=attrs.get("pad", 0), dilation=attrs.get("dilation", 1),
+                        groups=attrs.get("group", 1))
+    y, expect = torch_grads(fn, list(inputs.values()), outs["_loss_weights"])
+    close(outs[0], y)
+    for name, g in zip(inputs, expect):
+        close(grads[name], g)
+
+
+def test_conv_chunked_batch_matches_one_chunk(monkeypatch):
+    x, w, b = randn(3, 2, 6, 6), randn(4, 2, 3, 3), randn(4)
+    inputs = {"x": x, "w": w, "b": b}
+    whole, whole_grads = run_op("Conv", {"pad": 1, "stride": 2}, inputs, wrt=["x", "w"])
+    monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", 1)  # one sample per chunk
+    chunked, chunked_grads = run_op("Conv", {"pad": 1, "stride": 2}, inputs, wrt=["x", "w"])
+    close(chunked[0], whole[0])
+    for name in ("x", "w"):
+        close(chunked_grads[name], whole_grads[name])
+
+
+def test_conv_numeric_grad():
+    inputs = {"x": randn(2, 2, 5, 4, dtype=np.float64), "w": randn(4, 1, 3, 2, dtype=np.float64),
+              "b": randn(4, dtype=np.float64)}
+    attrs = {"group": 2, "stride": [2, 1], "pad": 1, "dilation": [1, 2]}
+    weight = randn(2, 4, 3, 4, dtype=np.float64)
+    _, grads = run_op("Conv", attrs, inputs, wrt=list(inputs), loss_weights=[weight])
+    for name in inputs:
+        close(grads[name], numeric_grad("Conv", attrs, inputs, name, weight),
+              rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,match", [
+    ((1, 3, 5, 5), (4, 2, 3, 3), {"group": 2}, "group"),
+    ((1, 4, 5, 5), (4, 3, 3, 3), {}, "input channels"),
+    ((1, 3, 2, 2), (4, 3, 3, 3), {}, "does not fit"),
+    ((3, 5, 5), (4, 3, 3, 3), {}, "4-D"),
+])
+def test_conv_shape_errors(x_shape, w_shape, attrs, match):
+    with pytest.raises(ShapeError, match=match):
+        run_op("Conv", attrs, {"x": randn(*x_shape), "w": randn(*w_shape)})
+
+
+# ------------------------------------------------------------------- pool
+POOL_CASES = [
+    # x shape, kernel, stride, pad, ceil_mode
+    ((2, 3, 7, 8), 3, 2, 1, False),
+    ((2, 3, 7, 8), 3, 2, 1, True),
+    ((2, 2, 6, 6), 3, 2, 1, True),        # last window clipped at H + pad
+    ((2, 2, 5, 5), 2, 2, 0, True),        # last window clipped at H, no pad
+    ((2, 2, 6, 6), 2, 2, 0, False),
+    ((1, 2, 9, 7), [3, 2], [2, 3], [1, 1], True),
+    ((2, 2, 6, 5), 3, 1, 1, False),       # overlapping windows
+    ((1, 2, 10, 10), 3, 3, 1, True),
+]
+
+
+def torch_pool(kind, kernel, stride, pad, ceil_mode):
+    if kind == "max":
+        return lambda t: F.max_pool2d(t, kernel, stride, pad, ceil_mode=ceil_mode)
+    return lambda t: F.avg_pool2d(t, kernel, stride, pad, ceil_mode=ceil_mode,
+                                  count_include_pad=True)
+
+
+@pytest.mark.parametrize("kind", ["max", "ave"])
+@pytest.mark.parametrize("x_shape,kernel,stride,pad,ceil_mode", POOL_CASES)
+def test_pool_matches_torch(kind, x_shape, kernel, stride, pad, ceil_mode):
+    x = randn(*x_shape)
+    attrs = {"pool": kind, "kernel": kernel, "stride": stride, "pad": pad, "ceil_mode": ceil_mode}
+    outs, grads = run_op("Pool", attrs, {"x": x}, wrt=["x"])
+    y, (dx,) = torch_grads(torch_pool(kind, kernel, stride, pad, ceil_mode), [x],
+                           outs["_loss_weights"])
+    assert outs[0].shape == y.shape
+    close(outs[0], y)
+    close(grads["x"], dx)
+    if kind == "max":
+        assert outs[1].dtype == np.int32 and len([k for k in outs if k != "_loss_weights"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["max", "ave"])
+def test_global_pool_matches_torch(kind):
+    x = randn(2, 3, 5, 4)
+    outs, grads = run_op("Pool", {"pool": kind, "global": True}, {"x": x}, wrt=["x"])
+    y, (dx,) = torch_grads(torch_pool(kind, (5, 4), 1, 0, False), [x], outs["_loss_weights"])
+    close(outs[0], y)
+    close(grads["x"], dx)
+
+
+def test_max_pool_ties_go_to_the_first_maximum():
+    x = np.ones((1, 1, 4, 4), np.float32)
+    outs, grads = run_op("Pool", {"pool": "max", "kernel": 2, "stride": 1}, {"x": x}, wrt=["x"],
+                         loss_weights=[np.ones((1, 1, 3, 3), np.float32), None])
+    assert not outs[1].any()  # offset 0 of every window
+    _, (dx,) = torch_grads(torch_pool("max", 2, 1, 0, False), [x], np.ones((1, 1, 3, 3)))
+    close(grads["x"], dx)
+
+
+@pytest.mark.parametrize("kind", ["max", "ave"])
+def test_pool_numeric_grad(kind):
+    x = RNG.permutation(2 * 2 * 5 * 5).reshape(2, 2, 5, 5) / 10.0  # distinct: no max ties
+    attrs = {"pool": kind, "kernel": 3, "stride": 2, "pad": 1, "ceil_mode": True}
+    weight = randn(2, 2, 3, 3, dtype=np.float64)
+    lw = [weight, None] if kind == "max" else [weight]
+    _, grads = run_op("Pool", attrs, {"x": x}, wrt=["x"], loss_weights=lw)
+    close(grads["x"], numeric_grad("Pool", attrs, {"x": x}, "x", lw), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ({"pool": "max", "kernel": 2, "pad": 2}, "pad < kernel"),
+    ({"pool": "stochastic", "kernel": 2}, "'max' or 'ave'"),
+    ({"pool": "max"}, "kernel"),
+])
+def test_pool_bad_attrs(attrs, match):
+    with pytest.raises(ShapeError, match=match):
+        run_op("Pool", attrs, {"x": randn(1, 1, 4, 4)})
