@@ -75,7 +75,12 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        what = " ".join(str(s) for s in (e.context, e.problem) if s)
+        what = e.problem or ""
+        if e.context:
+            start = e.context_mark
+            started = (f" (started at line {start.line + 1}, column {start.column + 1})"
+                       if start is not None and start is not mark else "")
+            what = f"{e.context}{started}: {what}"
         raise ConfigError(path, None, f"malformed YAML at {where}{what}") from None
     except yaml.YAMLError as e:
         raise ConfigError(path, None, f"malformed YAML: {e}") from None
@@ -150,7 +155,8 @@ def validate_config(config, path="<config>", check_files=True):
     """Check every section of a parsed config and fill in defaults."""
     _check_keys("", config, TOP_KEYS, path, allow_private=True)
     out = {k: v for k, v in config.items() if str(k).startswith("_")}
-    stem = os.path.splitext(os.path.basename(path))[0] if path else "net"
+    from_file = path and not str(path).startswith("<")
+    stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
     out["name"] = _check_name(config.get("name", stem), path)
     out["seed"] = _check_int("seed", config.get("seed", 0), path, minimum=0)
     out["data"] = _check_data(config.get("data"), path, check_files)

@@ -1,0 +1,1 @@
+"""Programs the MPI tests launch with ``mpiexec -n K`` (see launch.py)."""

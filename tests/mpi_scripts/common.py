@@ -1,0 +1,80 @@
+"""Shared pieces of the MPI test programs: small configs and a graph runner.
+
+Each program checks its own closed-form expectations on every rank and ends
+with ``ok(name)`` (prints "OK <name> rank R"); any failure raises, and the
+abort handler ends the whole job non-zero."""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import purine_mpi.comm.ops  # noqa: E402,F401  (registers Allreduce/Send/Recv)
+from purine_mpi.comm.world import get_world, install_abort_handler  # noqa: E402
+from purine_mpi.io.config import resolve_config  # noqa: E402
+from purine_mpi.layers.fillers import fill  # noqa: E402
+from purine_mpi.runtime.dispatcher import make_dispatcher  # noqa: E402
+
+
+def world():
+    w = get_world()
+    install_abort_handler(w)
+    return w
+
+
+def ok(name):
+    w = get_world()
+    print(f"OK {name} rank {w.rank}", flush=True)
+
+
+def mlp_config(batch=4, hidden=(6, 5), classes=3, shape=(1, 2, 4), solver=None, parallel=None,
+               seed=3):
+    """A small MLP on synthetic data (fc/relu layers, softmax loss)."""
+    net, bottom = [], "data"
+    for i, h in enumerate(hidden):
+        net.append({"type": "fc", "name": f"fc{i + 1}", "bottom": bottom, "top": f"fc{i + 1}",
+                    "num_output": h})
+        net.append({"type": "relu", "name": f"relu{i + 1}", "bottom": f"fc{i + 1}",
+                    "top": f"fc{i + 1}"})
+        bottom = f"fc{i + 1}"
+    net.append({"type": "fc", "name": "out", "bottom": bottom, "top": "out",
+                "num_output": classes})
+    net.append({"type": "softmax_loss", "name": "loss", "bottom": ["out", "label"],
+                "top": "loss"})
+    raw = {"name": "mlp", "seed": seed,
+           "data": {"train": {"source": "synthetic", "shape": list(shape), "classes": classes,
+                              "num_samples": 96, "batch_size": batch, "shuffle": True}},
+           "net": net,
+           "solver": dict({"base_lr": 0.1, "momentum": 0.9, "weight_decay": 0.001,
+                           "lr_policy": "step", "gamma": 0.5, "stepsize": 2, "max_iter": 4,
+                           "test_interval": 0, "display": 0}, **(solver or {})),
+           "parallel": dict({"scheme": "data", "mode": "sync"}, **(parallel or {}))}
+    return resolve_config(raw, "<test>", check_files=False)
+
+
+def init_params(graph, workspace, seed):
+    for b in graph.blobs.values():
+        if b.kind == "param" and b.alias_of is None:
+            workspace.set(b.name, fill(b, seed))
+
+
+def run(graph, iters, seed=3, kind="event", start=0, stall_timeout=60.0, init=True,
+        rank=0):
+    """Run ``graph`` for ``iters`` iterations; returns the dispatcher (its
+    workspace holds the results). Params are initialised from their fillers."""
+    d = make_dispatcher(graph, kind, rank=rank, stall_timeout=stall_timeout, seed=seed)
+    if init:
+        init_params(graph, d.workspace, seed)
+    for it in range(start, start + iters):
+        if "iter" in d.workspace.arrays:
+            d.workspace["iter"][...] = it
+        d.run(it)
+    return d
+
+
+def assert_close(a, b, what, rtol=1e-5, atol=1e-6):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
+        diff = np.max(np.abs(a - b)) if a.shape == b.shape else "shape"
+        raise AssertionError(f"{what}: mismatch (max abs diff {diff})\n{a}\n{b}")

@@ -1,0 +1,178 @@
+"""HDF5 checkpoints: exact round trip, atomic writes, clear errors, inspect."""
+import json
+import os
+import shutil
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.io.checkpoint import (FORMAT, find_latest, inspect_checkpoint, load_checkpoint,
+                                      load_params, save_checkpoint, save_run_checkpoint)
+
+
+def example(seed=0):
+    rng = np.random.default_rng(seed)
+    weird = np.array([np.nan, -0.0, np.inf, 1e-45], np.float32)
+    weird.view(np.uint32)[0] |= 0x12345  # a NaN payload must survive too
+    params = {"conv1/weight": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+              "conv1/bias": weird,
+              "fc1/weight": rng.standard_normal((3, 5)),  # float64
+              "bn/running": rng.standard_normal(2).astype(np.float16)}
+    solver = {name: {"momentum": np.full_like(value, 0.5)} for name, value in params.items()}
+    state = {
+        "rng": {"dropout1": np.random.default_rng(9).bit_generator.state},  # 128-bit ints
+        "data": {"train": {"position": 12, "global_batch": 8, "seed": 0}},
+        "ops": {"drop": {"mask_seed": np.uint64(2 ** 63 + 5), "hist": np.arange(6).reshape(2, 3)}},
+        "lr": 0.012345678901234567, "phase": "train", "flag": True, "nothing": None,
+        "bools": np.array([True, False]), "zero_d": np.array(3.5), "empty": np.zeros((0, 4)),
+        "list": [1, 2.5, "x"],
+    }
+    return params, solver, state
+
+
+def assert_same(a, b, where="."):
+    assert type(a) is type(b), f"{where}: {type(a)} vs {type(b)}"
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (np.ndarray, np.generic)):
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), where
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{where}: bits differ"
+    else:
+        assert a == b, where
+
+
+def test_round_trip_is_bitwise(tmp_path):
+    params, solver, state = example()
+    path = str(tmp_path / "c.h5")
+    save_checkpoint(path, params, solver, state, iteration=42, world_size=4, seed=7,
+                    config_text="name: x\nsolver: {base_lr: 0.1}\n")
+    ckpt = load_checkpoint(path)
+    assert_same(ckpt.params, params)
+    assert_same(ckpt.solver, solver)
+    assert_same(ckpt.state, state)
+    assert ckpt.iteration == 42
+    assert ckpt.attrs == {"format": FORMAT, "version": 1, "iteration": 42, "world_size": 4,
+                          "seed": 7, "config": "name: x\nsolver: {base_lr: 0.1}\n"}
+    # the restored generator continues the same stream
+    gen = np.random.default_rng()
+    gen.bit_generator.state = ckpt.state["rng"]["dropout1"]
+    np.testing.assert_array_equal(gen.random(3), np.random.default_rng(9).random(3))
+    assert_same(load_params(path), params)
+
+
+def test_layout_is_plain_hdf5(tmp_path):
+    params, solver, state = example()
+    path = str(tmp_path / "c.h5")
+    save_checkpoint(path, params, solver, state)
+    names = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: names.append(name)
+                     if isinstance(obj, h5py.Dataset) else None)
+        np.testing.assert_array_equal(f["params/conv1/weight"][...], params["conv1/weight"])
+        np.testing.assert_array_equal(f["solver/fc1/weight/momentum"][...], 0.5)
+    assert "params/conv1/bias" in names and "state/rng" in names
+    if shutil.which("h5ls"):
+        listing = subprocess.run(["h5ls", "-r", path], capture_output=True, text=True,
+                                 check=True).stdout
+        assert "/params/conv1/weight" in listing and "Dataset {4, 1, 3, 3}" in listing
+
+
+def test_atomic_write_leaves_no_temp(tmp_path):
+    params, solver, state = example()
+    path = tmp_path / "c.h5"
+    save_checkpoint(str(path), params, solver, state, iteration=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match="state/bad"):
+        save_checkpoint(str(path), params, solver, {"bad": object()}, iteration=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
+    assert path.read_bytes() == before  # a failed save leaves the old file whole
+
+
+def test_run_checkpoints_latest_and_rotation(tmp_path):
+    params, solver, state = example()
+    out = str(tmp_path / "run")
+    assert find_latest(out) is None
+    for it in (5, 10, 15, 20):
+        params["conv1/weight"][0, 0, 0, 0] = it
+        save_run_checkpoint(out, it, keep=2, params=params, solver=solver, state=state)
+    assert sorted(os.listdir(out)) == ["ckpt_15.h5", "ckpt_20.h5", "latest.h5"]
+    latest = load_checkpoint(find_latest(out))
+    assert latest.iteration == 20 and latest.params["conv1/weight"][0, 0, 0, 0] == 20
+    save_run_checkpoint(out, 25, keep=0, params=params)  # keep 0: keep all
+    assert len(os.listdir(out)) == 4
+
+
+def test_bad_files_are_user_errors(tmp_path):
+    params, solver, state = example()
+    good = tmp_path / "good.h5"
+    save_checkpoint(str(good), params, solver, state)
+    cases = {"missing.h5": None, "text.h5": b"hello, not hdf5" * 10,
+             "truncated.h5": good.read_bytes()[:len(good.read_bytes()) // 3]}
+    for name, content in cases.items():
+        if content is not None:
+            (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError) as info:
+            load_checkpoint(str(tmp_path / name))
+        assert name in str(info.value)
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        load_checkpoint(str(tmp_path / "truncated.h5"))
+    with pytest.raises(UserError, match="not an HDF5 file"):
+        inspect_checkpoint(str(tmp_path / "text.h5"))
+    foreign = str(tmp_path / "foreign.h5")
+    with h5py.File(foreign, "w") as f:
+        f["params/conv1/weight"] = np.ones((2, 2), np.float32)
+    with pytest.raises(UserError, match="not a purine_mpi checkpoint"):
+        load_checkpoint(foreign)
+    # --init accepts any file with /params
+    assert list(load_params(foreign)) == ["conv1/weight"]
+    with h5py.File(foreign, "w") as f:
+        f["weights"] = np.ones(2)
+    with pytest.raises(UserError, match="no /params group"):
+        load_params(foreign)
+
+
+def test_corrupt_dataset_is_a_user_error(tmp_path):
+    path = tmp_path / "c.h5"
+    values = np.arange(100000, dtype=np.float64)
+    save_checkpoint(str(path), {"w": values})
+    raw = bytearray(path.read_bytes())
+    at = raw.find(values[1000:1002].tobytes())
+    raw[at] ^= 0xFF  # one flipped bit pattern inside the data: the checksum catches it
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="c.h5' is corrupt: reading '/params/w'"):
+        load_checkpoint(str(path))
+
+
+def test_inspect_and_diff(tmp_path):
+    params, solver, state = example()
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    save_checkpoint(a, params, solver, state, iteration=3)
+    other = dict(params, **{"conv1/weight": params["conv1/weight"] * 2, "extra": np.ones(2)})
+    del other["bn/running"]
+    save_checkpoint(b, other, iteration=4)
+    text = inspect_checkpoint(a)
+    assert "/params/conv1/weight" in text and "4x1x3x3" in text and "float32" in text
+    assert "@iteration = 3" in text
+    report = json.loads(inspect_checkpoint(a, as_json=True))
+    entry = {d["name"]: d for d in report["datasets"]}["/params/fc1/weight"]
+    w = params["fc1/weight"]
+    assert entry["shape"] == [3, 5] and entry["dtype"] == "float64"
+    np.testing.assert_allclose([entry[k] for k in ("min", "max", "mean", "std", "l2")],
+                               [w.min(), w.max(), w.mean(), w.std(), np.linalg.norm(w)])
+    diff = json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]
+    rows = {r["name"]: r for r in diff["datasets"]}
+    cw = params["conv1/weight"]
+    assert rows["/params/conv1/weight"]["max_abs_diff"] == pytest.approx(np.abs(cw).max())
+    assert rows["/params/conv1/weight"]["rel_l2_diff"] == pytest.approx(0.5)
+    assert rows["/params/fc1/weight"]["max_abs_diff"] == 0
+    assert "/params/bn/running" in diff["only_in_first"]
+    assert diff["only_in_second"] == ["/params/extra"]
+    assert diff["attrs"]["iteration"] == [3, 4]
+    text = inspect_checkpoint(a, diff=b)
+    assert "only in second: /params/extra" in text and "diff against" in text

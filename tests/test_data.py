@@ -1,0 +1,215 @@
+"""Data sources, the data-parallel batching rule, the DataReader op and the
+data set converters."""
+import pickle
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.graph.core import Op
+from purine_mpi.io.data import EpochOrder, HDF5Source, SyntheticSource, hdf5_info
+from purine_mpi.io.datasets import write_cifar10, write_digits
+from purine_mpi.ops.data import DataReader
+
+N_TRAIN = 10
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    """/train: sample i is filled with the value i (so a batch names its samples)."""
+    path = str(tmp_path / "d.h5")
+    with h5py.File(path, "w") as f:
+        for split, n in (("train", N_TRAIN), ("test", 3)):
+            values = np.arange(n, dtype=np.float32)
+            f.create_dataset(f"{split}/data", data=np.broadcast_to(
+                values[:, None, None, None], (n, 2, 3, 3)).copy())
+            f.create_dataset(f"{split}/label", data=np.arange(n, dtype=np.int64) % 4)
+    return path
+
+
+def reader(spec, batch, rank=0, world=1, seed=0, name="data"):
+    attrs = {"source": spec, "batch_size": batch, "rank": rank, "world_size": world,
+             "seed": seed}
+    return DataReader(Op(name, "DataReader", [], ["data", "label"], attrs))
+
+
+def run_batches(kernel, count):
+    """The next ``count`` batches of a kernel, through run() as the dispatcher calls it."""
+    shapes = DataReader.infer(kernel.attrs, [])
+    out = []
+    for _ in range(count):
+        outs = [np.empty(s, d) for s, d in shapes]
+        kernel.run([], outs)
+        out.append(outs)
+    return out
+
+
+def spec_of(path, shuffle=True):
+    return {"source": "hdf5", "path": path, "split": "train", "shuffle": shuffle}
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_together_read_the_single_rank_batch(data_file, shuffle, world):
+    batch, iters = 2, 6  # 6 iterations x up to 6 samples cross several epochs of 10
+    spec = spec_of(data_file, shuffle)
+    single = run_batches(reader(spec, world * batch, seed=7), iters)
+    per_rank = [run_batches(reader(spec, batch, r, world, seed=7), iters) for r in range(world)]
+    for t in range(iters):
+        for k in (0, 1):  # data and label
+            joined = np.concatenate([per_rank[r][t][k] for r in range(world)])
+            np.testing.assert_array_equal(joined, single[t][k])
+
+
+def test_epochs_are_permutations_and_seeded(data_file):
+    order = EpochOrder(N_TRAIN, shuffle=True, seed=3)
+    first = order.indices(0, 3 * N_TRAIN)
+    for e in range(3):
+        assert sorted(first[e * N_TRAIN:(e + 1) * N_TRAIN]) == list(range(N_TRAIN))
+    assert not np.array_equal(first[:N_TRAIN], first[N_TRAIN:2 * N_TRAIN])
+    np.testing.assert_array_equal(first, EpochOrder(N_TRAIN, True, seed=3).indices(0, 30))
+    assert not np.array_equal(first, EpochOrder(N_TRAIN, True, seed=4).indices(0, 30))
+    # file order without shuffle
+    np.testing.assert_array_equal(EpochOrder(N_TRAIN, False).indices(8, 4), [8, 9, 0, 1])
+    # the reader delivers those samples (data value == sample index)
+    batches = run_batches(reader(spec_of(data_file), 5, seed=3), 6)
+    seen = np.concatenate([b[0][:, 0, 0, 0] for b in batches]).astype(np.int64)
+    np.testing.assert_array_equal(seen, first)
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), first % 4)
+
+
+def test_state_round_trip_and_reset(data_file):
+    spec = spec_of(data_file)
+    straight = run_batches(reader(spec, 3, seed=1), 7)
+    first = reader(spec, 3, seed=1)
+    run_batches(first, 4)  # leaves batch 4 prefetched
+    state = first.state_dict()
+    assert state["position"] == 4
+    resumed = reader(spec, 3, seed=1)
+    resumed.load_state_dict(state)
+    for got, want in zip(run_batches(resumed, 3), straight[4:]):
+        np.testing.assert_array_equal(got[0], want[0])
+    first.reset_position(1)
+    np.testing.assert_array_equal(run_batches(first, 1)[0][0], straight[1][0])
+    # a run resumed on 3 ranks x 1 continues at the same sample count
+    ranks = [reader(spec, 1, r, 3, seed=1) for r in range(3)]
+    for k in ranks:
+        k.load_state_dict(state)
+    joined = np.concatenate([run_batches(k, 1)[0][0] for k in ranks])
+    np.testing.assert_array_equal(joined, straight[4][0])
+
+
+def test_prefetch_error_surfaces_in_run(data_file):
+    kernel = reader(spec_of(data_file), 2)
+    outs = [np.empty(s, d) for s, d in DataReader.infer(kernel.attrs, [])]
+    kernel.run([], outs)  # loads the source; batch 1 is being prefetched
+
+    def broken(indices):
+        raise RuntimeError("disk on fire")
+    kernel._source.gather = broken
+    kernel.reset_position(5)  # drops the good prefetch, so the next one fails
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        kernel.run([], outs)
+    assert all(t.daemon for t in __import__("threading").enumerate()
+               if t.name.startswith("prefetch:"))
+
+
+def test_infer_reads_metadata_and_checks_files(data_file, tmp_path):
+    attrs = {"source": spec_of(data_file), "batch_size": 4}
+    assert DataReader.infer(attrs, []) == [((4, 2, 3, 3), "float32"), ((4,), "int64")]
+    synthetic = {"source": {"source": "synthetic", "shape": [3, 5, 5], "classes": 2},
+                 "batch_size": 2}
+    assert DataReader.infer(synthetic, [])[0] == ((2, 3, 5, 5), "float32")
+    with pytest.raises(UserError, match="not found"):
+        DataReader.infer({"source": spec_of(str(tmp_path / "no.h5")), "batch_size": 1}, [])
+    with pytest.raises(UserError, match="no group '/val'"):
+        hdf5_info(data_file, "val")
+    with pytest.raises(UserError, match="set the data spec's 'split'"):
+        hdf5_info(data_file, None)
+
+
+@pytest.mark.parametrize("data, label, match", [
+    (np.zeros((4, 8), np.float32), np.zeros(4, np.int64), "must be 4-D float"),
+    (np.zeros((4, 1, 2, 2), np.int32), np.zeros(4, np.int64), "must be 4-D float"),
+    (np.zeros((4, 1, 2, 2), np.float32), np.zeros((4, 1), np.int64), "must be 1-D integer"),
+    (np.zeros((4, 1, 2, 2), np.float32), np.zeros(3, np.int64), "has 4 samples"),
+])
+def test_bad_layouts_name_the_dataset(tmp_path, data, label, match):
+    path = str(tmp_path / "bad.h5")
+    with h5py.File(path, "w") as f:  # top-level layout: split None
+        f["data"], f["label"] = data, label
+    with pytest.raises(UserError, match=match) as info:
+        HDF5Source(path)
+    assert path in str(info.value)
+    (tmp_path / "junk.h5").write_text("not hdf5")
+    with pytest.raises(UserError, match="cannot be opened as HDF5"):
+        HDF5Source(str(tmp_path / "junk.h5"))
+
+
+def test_synthetic_is_deterministic_and_learnable():
+    a = SyntheticSource([2, 3, 3], classes=3, num_samples=50, seed=5, split="train")
+    b = SyntheticSource([2, 3, 3], classes=3, num_samples=50, seed=5, split="train")
+    test = SyntheticSource([2, 3, 3], classes=3, num_samples=50, seed=5, split="test")
+    idx = np.arange(50)
+    np.testing.assert_array_equal(a.gather(idx)[0], b.gather(idx)[0])
+    assert not np.array_equal(a.gather(idx)[0], test.gather(idx)[0])
+    x, y = a.gather(idx)
+    assert x.dtype == np.float32 and y.dtype == np.int64 and y.max() < 3
+    # samples of a class sit around a shared center: nearest-center classifies well
+    centers = np.stack([x[y == k].mean(0) for k in range(3)])
+    xt, yt = test.gather(idx)
+    guess = np.argmin(((xt[:, None] - centers[None]) ** 2).sum(axis=(2, 3, 4)), axis=1)
+    assert (guess == yt).mean() > 0.8
+
+
+def test_write_digits(tmp_path):
+    path = str(tmp_path / "digits.h5")
+    summary = write_digits(path)
+    assert summary["train"] + summary["test"] == 1797 and summary["test"] == 360
+    with h5py.File(path, "r") as f:
+        assert f["train/data"].shape == (1437, 1, 8, 8) and f["train/data"].dtype == np.float32
+        assert f["test/label"].shape == (360,) and f["test/label"].dtype == np.int64
+        data = f["train/data"][...]
+        assert 0.0 <= data.min() and data.max() <= 1.0
+        assert sorted(set(f["test/label"][...])) == list(range(10))
+    assert not [p for p in tmp_path.iterdir() if ".tmp." in p.name]
+    assert HDF5Source(path, "test").n_samples == 360
+
+
+def fake_cifar(directory, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": list(rng.integers(0, 10, n)), b"batch_label": name.encode()}
+        with open(directory / name, "wb") as f:
+            pickle.dump(batch, f)
+        batches[name] = batch
+    return batches
+
+
+def test_write_cifar10(tmp_path):
+    src = tmp_path / "cifar-10-batches-py"
+    src.mkdir()
+    batches = fake_cifar(src)
+    out = str(tmp_path / "cifar.h5")
+    summary = write_cifar10(str(tmp_path), out)  # finds the cifar-10-batches-py folder
+    train_u8 = np.concatenate([batches[f"data_batch_{i}"][b"data"] for i in range(1, 6)])
+    train_u8 = train_u8.reshape(-1, 3, 32, 32)
+    mean = train_u8.astype(np.float64).mean(axis=(0, 2, 3)) / 255
+    with h5py.File(out, "r") as f:
+        assert f["train/data"].shape == (20, 3, 32, 32) and f["test/data"].shape == (4, 3, 32, 32)
+        np.testing.assert_allclose(f.attrs["mean"], mean, rtol=1e-6)
+        np.testing.assert_allclose(f["train/data"][...],
+                                   train_u8 / 255 - mean[None, :, None, None], atol=1e-6)
+        np.testing.assert_array_equal(f["test/label"][...], batches["test_batch"][b"labels"])
+    assert summary["train"] == 20
+    (src / "data_batch_3").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="data_batch_3"):
+        write_cifar10(str(src), str(tmp_path / "again.h5"))
+    fake_cifar(src)
+    (src / "test_batch").unlink()
+    with pytest.raises(UserError, match="test_batch"):
+        write_cifar10(str(src), str(tmp_path / "again.h5"))
+    assert not (tmp_path / "again.h5").exists()
