@@ -231,6 +231,10 @@ class Trainer:
         n = test_iter or self.solver.get("test_iter") or max(
             1, math.ceil(n_samples / (spec["batch_size"] * self.size)))
         names = list(loss_blobs(self.test_graph)) + metric_blobs(self.test_graph)
+        # DESIGN.md section 5 names the accuracy "accuracy", whatever the
+        # layer's top is called; further metrics keep their blob names
+        acc = [b for b in names if any(op.op_type == "Accuracy" and b in op.outputs
+                                       for op in self.test_graph.ops.values())]
         sums = np.zeros(len(names))
         for i in range(n):
             self.test.run(i)
@@ -238,7 +242,8 @@ class Trainer:
         means = world_mean(self.world, sums / n)
         out = {}
         for name, v in zip(names, means):
-            key = "loss" if name in loss_blobs(self.test_graph) else name
+            key = "loss" if name in loss_blobs(self.test_graph) else \
+                "accuracy" if acc == [name] else name
             out[key] = float(v) if key not in out else out[key] + float(v)
         out["samples"] = int(n * spec["batch_size"] * self.size)
         return out

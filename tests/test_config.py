@@ -111,7 +111,8 @@ def test_unknown_nested_key_suggests(cfg_dir):
 
 
 @pytest.mark.parametrize("override, key, expected", [
-    ("data.train.batch_size=abc", "data.train.batch_size", "expected a positive integer, got 'abc'"),
+    ("data.train.batch_size=abc", "data.train.batch_size",
+     "expected a positive integer, got 'abc'"),
     ("data.train.batch_size=0", "data.train.batch_size", "positive integer"),
     ("solver.base_lr=fast", "solver.base_lr", "non-negative number"),
     ("solver.momentum=1.5", "solver.momentum", "[0, 1)"),

@@ -124,8 +124,11 @@ def test_pool_matches_torch(kind, x_shape, kernel, stride, pad, ceil_mode):
     assert outs[0].shape == y.shape
     close(outs[0], y)
     close(grads["x"], dx)
-    if kind == "max":
+    if kind == "max":  # the mask is torch's return_indices: h*W + w in the plane
         assert outs[1].dtype == np.int32 and len([k for k in outs if k != "_loss_weights"]) == 2
+        _, indices = F.max_pool2d(torch.tensor(x), kernel, stride, pad, ceil_mode=ceil_mode,
+                                  return_indices=True)
+        np.testing.assert_array_equal(outs[1], indices.numpy())
 
 
 @pytest.mark.parametrize("kind", ["max", "ave"])
@@ -135,13 +138,15 @@ def test_global_pool_matches_torch(kind):
     y, (dx,) = torch_grads(torch_pool(kind, (5, 4), 1, 0, False), [x], outs["_loss_weights"])
     close(outs[0], y)
     close(grads["x"], dx)
+    if kind == "max":
+        np.testing.assert_array_equal(outs[1], x.reshape(2, 3, 20).argmax(2)[..., None, None])
 
 
 def test_max_pool_ties_go_to_the_first_maximum():
     x = np.ones((1, 1, 4, 4), np.float32)
     outs, grads = run_op("Pool", {"pool": "max", "kernel": 2, "stride": 1}, {"x": x}, wrt=["x"],
                          loss_weights=[np.ones((1, 1, 3, 3), np.float32), None])
-    assert not outs[1].any()  # offset 0 of every window
+    np.testing.assert_array_equal(outs[1][0, 0], [[0, 1, 2], [4, 5, 6], [8, 9, 10]])
     _, (dx,) = torch_grads(torch_pool("max", 2, 1, 0, False), [x], np.ones((1, 1, 3, 3)))
     close(grads["x"], dx)
 

@@ -75,10 +75,12 @@ class CommKernel(OpKernel):
         return self.world.comm
 
     def _what(self):
-        return f"seq {self.attrs.get('seq', '?')} (op {self.op.name})"
+        return f"seq {self.attrs.get('seq', '?')}"
 
 
 def _mb(nbytes):
+    if nbytes < 2 ** 17:
+        return f"{nbytes / 2 ** 10:.1f} KB"
     return f"{nbytes / 2 ** 20:.1f} MB"
 
 

@@ -218,8 +218,17 @@ class Graph:
                 if indeg[s] == 0:
                     heapq.heappush(ready, (index[s], s))
         if len(order) != len(self.ops):
-            stuck = sorted(n for n, k in indeg.items() if k > 0)
-            raise GraphError("the graph has a cycle through ops: " + ", ".join(stuck[:10]))
+            # ops downstream of a cycle are stuck too: peel off those with no
+            # stuck successor so the message names the cycle, not its fallout
+            stuck = {n for n, k in indeg.items() if k > 0}
+            leaves = [n for n in stuck if not any(s in stuck for s in succ[n])]
+            while leaves:
+                n = leaves.pop()
+                stuck.discard(n)
+                leaves.extend(p for p in deps[n] if p in stuck and p not in leaves
+                              and not any(s in stuck for s in succ[p]))
+            raise GraphError("the graph has a cycle through ops: " +
+                             ", ".join(sorted(stuck)[:10]))
         return order
 
     # ---------------------------------------------------------- validation

@@ -183,20 +183,44 @@ def _slice(graph, rank, op_rank, blob_rank, transfers):
             local.blobs[name] = dataclasses.replace(
                 copy.deepcopy(blob), location=_consumer_location(graph, name, local_ops, rank),
                 kind="data", alias_of=None, offset=0, attrs=attrs)
-    for t in recvs:
-        b = graph.blobs[t["blob"]]
-        local.add_op(f"{t['blob']}.recv", "Recv", [], [t["blob"]],
-                     {"seq": t["seq"], "peer": t["src"], "tag": t["tag"],
-                      "shape": list(b.shape), "dtype": b.dtype},
-                     location=local.blobs[t["blob"]].location, thread=COMM_THREAD)
+    # Emit in the global order (a Recv just before its first reader, a Send
+    # just after its producer) so a serial, topological run posts them in a
+    # natural order too.
+    recv_of = {t["blob"]: t for t in recvs}
+    sends_of = {}
+    for t in sends:
+        sends_of.setdefault(t["blob"], []).append(t)
+    prod = graph.producers()
+    for t in sends:
+        if not prod.get(t["blob"]):
+            _add_send(local, t)
     for op in local_ops:
+        for b in op.inputs:
+            t = recv_of.pop(b, None)
+            if t is not None:
+                _add_recv(local, graph, t)
         local.ops[op.name] = dataclasses.replace(copy.deepcopy(op),
                                                  location=_at(op.location, rank))
-    for t in sends:
-        local.add_op(f"{t['blob']}.send@r{t['dst']}", "Send", [t["blob"]], [],
-                     {"seq": t["seq"], "peer": t["dst"], "tag": t["tag"]},
-                     location=local.blobs[t["blob"]].location, thread=COMM_THREAD)
+        for b in op.outputs:
+            for t in sends_of.get(b, ()):
+                _add_send(local, t)
+    for t in recv_of.values():  # received but read by nobody here (cannot happen)
+        _add_recv(local, graph, t)
     return local
+
+
+def _add_recv(local, graph, t):
+    b = graph.blobs[t["blob"]]
+    local.add_op(f"{t['blob']}.recv", "Recv", [], [t["blob"]],
+                 {"seq": t["seq"], "peer": t["src"], "tag": t["tag"],
+                  "shape": list(b.shape), "dtype": b.dtype},
+                 location=local.blobs[t["blob"]].location, thread=COMM_THREAD)
+
+
+def _add_send(local, t):
+    local.add_op(f"{t['blob']}.send@r{t['dst']}", "Send", [t["blob"]], [],
+                 {"seq": t["seq"], "peer": t["dst"], "tag": t["tag"]},
+                 location=local.blobs[t["blob"]].location, thread=COMM_THREAD)
 
 
 def _at(loc, rank):

@@ -261,8 +261,9 @@ def _check_data_spec(phase, spec, path, check_files):
         out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
         split = spec.get("split")
         if split is not None and (not isinstance(split, str) or not split):
-            raise ConfigError(path, f"{key}.split", f"expected a group name such as 'train', "
-                                                    f"or null for top-level data/label, got {split!r}")
+            raise ConfigError(path, f"{key}.split",
+                              f"expected a group name such as 'train', or null for top-level "
+                              f"data/label, got {split!r}")
         out["split"] = split
     else:
         shape = spec.get("shape")
@@ -348,9 +349,8 @@ def _int(minimum):
     return lambda key, value, path: _check_int(key, value, path, minimum=minimum)
 
 
-def _num(minimum=None, maximum=None, strict=False, below=None):
-    return lambda key, value, path: _check_number(key, value, path, minimum, maximum,
-                                                  strict, below)
+def _num(minimum=None, strict=False, below=None):
+    return lambda key, value, path: _check_number(key, value, path, minimum, strict, below)
 
 
 def _choice(choices):
@@ -388,7 +388,7 @@ def _check_int(key, value, path, minimum=None):
     raise ConfigError(path, key, f"expected {want}, got {value!r}")
 
 
-def _check_number(key, value, path, minimum=None, maximum=None, strict=False, below=None):
+def _check_number(key, value, path, minimum=None, strict=False, below=None):
     number = value
     if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
         try:

@@ -6,7 +6,8 @@ Attrs: ``pool`` ("max" | "ave"), ``kernel``, ``stride`` (default 1), ``pad``
 (kernel = the whole plane). Windows start at ``i*s - pad``::
 
     max:  y[n,c,i,j] = max over the window of x (padding never wins);
-          mask[n,c,i,j] = p*kw + q, the argmax's offset inside its window
+          mask[n,c,i,j] = h*W + w, the argmax's flat index in its (n, c)
+          plane (int32; as torch's return_indices and the CUDA kernels)
     ave:  y[n,c,i,j] = sum over the window of x / size, where size counts
           padding but not what lies past H + pad (Caffe's AVE; torch's
           count_include_pad=True)
@@ -87,6 +88,16 @@ def _window(buf, geo, p, q):
                q:q + geo["sw"] * (geo["OW"] - 1) + 1:geo["sw"]]
 
 
+def _window_origins(xp, geo, split=False):
+    """Flat plane index h*W + w of each window's top-left corner, shape (OH, OW)
+    (or its row and column parts, broadcastable, with ``split``)."""
+    h = np.arange(geo["OH"]).reshape(-1, 1) * geo["sh"] - geo["ph"]
+    w = np.arange(geo["OW"]).reshape(1, -1) * geo["sw"] - geo["pw"]
+    if split:
+        return xp.asarray(h.astype(np.int32)), xp.asarray(w.astype(np.int32))
+    return xp.asarray((h * geo["W"] + w).astype(np.int32))
+
+
 def _divisor(xp, geo, dtype):
     """Caffe's AVE window sizes: padding counts, the part past H + pad does not."""
     def sizes(out, k, s, p, size):
@@ -135,7 +146,8 @@ class Pool(OpKernel):
             mask.fill(0)
             for k in range(geo["kh"] * geo["kw"] - 1, -1, -1):
                 p, q = divmod(k, geo["kw"])
-                xp.copyto(mask, k, where=_window(buf, geo, p, q) == y)
+                xp.copyto(mask, p * geo["W"] + q, where=_window(buf, geo, p, q) == y)
+            mask += _window_origins(xp, geo)
         else:
             buf = _padded(xp, x, geo, 0)
             y.fill(0)
@@ -182,7 +194,10 @@ class PoolGrad(OpKernel):
         buf = dx if direct else xp.zeros((N, C, eh, ew), dtype=dx.dtype)
         buf.fill(0)
         if geo["kind"] == "max":
-            mask, routed = ins[1], xp.empty_like(dy)
+            # back from flat plane indices to offsets inside each window
+            origin_h, origin_w = _window_origins(xp, geo, split=True)
+            mask = (ins[1] // geo["W"] - origin_h) * geo["kw"] + (ins[1] % geo["W"] - origin_w)
+            routed = xp.empty_like(dy)
             for p in range(geo["kh"]):
                 for q in range(geo["kw"]):
                     xp.multiply(mask == p * geo["kw"] + q, dy, out=routed)

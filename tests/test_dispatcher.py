@@ -1,0 +1,366 @@
+"""Dispatchers: the event-driven engine against the serial reference on random
+graphs (after MXNet's engine test), error propagation, and real concurrency."""
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from purine_mpi.errors import OpError
+from purine_mpi.graph import Graph
+from purine_mpi.ops.registry import OpKernel, register
+from purine_mpi.runtime.dispatcher import EventDispatcher, Profiler, SerialDispatcher
+
+SHAPE = (3, 5)
+
+
+# ------------------------------------------------------ test-only kernels
+@register
+class _SleepOp(OpKernel):
+    """y = x + 1 after sleeping ``seconds`` (time.sleep releases the GIL)."""
+
+    op_type = "TestDispatcherSleep"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        time.sleep(self.attrs.get("seconds", 0.05))
+        outs[0][...] = ins[0] + 1
+
+
+@register
+class _RaiseOp(OpKernel):
+    """Raises when run (after an optional sleep)."""
+
+    op_type = "TestDispatcherRaise"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        time.sleep(self.attrs.get("seconds", 0.0))
+        raise ValueError("kaboom from a test kernel")
+
+
+# -------------------------------------------------------- random graphs
+def _reference(op, ins):
+    """Independent NumPy semantics of the ops the random graphs use."""
+    t, a = op.op_type, op.attrs
+    if t == "Sum":
+        out = ins[0].copy()
+        for x in ins[1:]:
+            out = out + x
+        return out
+    if t == "Copy":
+        return ins[0].copy()
+    if t == "Scale":
+        return ins[0] * np.float32(a["scale"])
+    if t == "Relu":
+        return np.maximum(ins[0], 0)
+    if t == "Tanh":
+        return np.tanh(ins[0])
+    if t == "Eltwise":
+        if a["operation"] == "sum":
+            out = np.zeros_like(ins[0])
+            for x, c in zip(ins, a["coeff"]):
+                out = out + x * np.float32(c)
+            return out
+        if a["operation"] == "prod":
+            out = ins[0].copy()
+            for x in ins[1:]:
+                out = out * x
+            return out
+        return np.maximum.reduce(ins)
+    raise AssertionError(t)
+
+
+def _pick(rng, avail):
+    # half the time one of the newest blobs: deep graphs as well as wide ones
+    return rng.choice(avail[-4:] if rng.random() < 0.5 else avail)
+
+
+def random_graph(rng, n_ops):
+    """A random DAG of element-wise ops with random threads, fan-in and
+    fan-out, accumulating writers (two per blob, so the sum is exact in any
+    order) and state blobs updated in place through ``@new`` aliases."""
+    g = Graph("random")
+    avail = []
+    for i in range(rng.randint(1, 3)):
+        g.add_blob(f"in{i}", SHAPE)
+        avail.append(f"in{i}")
+    states = []
+    for i in range(rng.randint(1, 2)):
+        g.add_blob(f"state{i}", SHAPE, kind="state")
+        g.add_blob(f"state{i}@new", SHAPE, kind="state", alias_of=f"state{i}")
+        avail.append(f"state{i}")
+        states.append(f"state{i}")
+    for i in range(n_ops):
+        kind = rng.choice(["Sum", "Copy", "Scale", "Relu", "Tanh", "Eltwise", "Eltwise",
+                           "acc"])
+        thread = rng.randint(0, 3)
+        out = f"b{i}"
+        if kind == "acc":  # two writers accumulate into one blob
+            for j in range(2):
+                src = _pick(rng, avail)
+                g.add_op(f"op{i}.acc{j}", "Scale", [src], [out],
+                         {"scale": rng.choice([0.5, -1.0, 1.5])},
+                         thread=rng.randint(0, 3), accumulate=True)
+            avail.append(out)
+            continue
+        attrs = {}
+        if kind in ("Sum", "Eltwise"):
+            ins = [_pick(rng, avail) for _ in range(rng.randint(2, 4))]  # repeats allowed
+            if kind == "Eltwise":
+                attrs["operation"] = rng.choice(["sum", "prod", "max"])
+                if attrs["operation"] == "sum":
+                    attrs["coeff"] = [rng.choice([0.5, 1.0, -2.0]) for _ in ins]
+        else:
+            ins = [_pick(rng, avail)]
+            if kind == "Scale":
+                attrs["scale"] = rng.choice([0.5, -0.75, 1.25])
+        g.add_op(f"op{i}", kind, ins, [out], attrs, thread=thread)
+        avail.append(out)
+    for k, s in enumerate(states):
+        src = rng.choice([b for b in avail if b not in states])
+        g.add_op(f"update{k}", "Eltwise", [s, src], [f"{s}@new"],
+                 {"operation": "sum", "coeff": [0.5, 0.25]}, thread=rng.randint(0, 3))
+    g.infer_shapes().validate()
+    return g
+
+
+def reference_run(g, values, iters):
+    """Evaluate the graph with plain NumPy in emission order (our generator
+    emits every op after its inputs' writers)."""
+    vals = {k: v.copy() for k, v in values.items()}
+    for _ in range(iters):
+        cur = dict(vals)
+        acc = {}
+        updates = []
+        for op in g.ops.values():
+            ins = [cur[b] for b in op.inputs]
+            y = _reference(op, ins)
+            out = op.outputs[0]
+            if op.accumulate:
+                acc[out] = acc.get(out, np.zeros_like(y)) + y
+                cur[out] = acc[out]
+            elif g.blobs[out].alias_of is not None:
+                updates.append((g.blobs[out].alias_of, y))
+            else:
+                cur[out] = y
+        for root, y in updates:
+            cur[root] = y
+        vals = cur
+    return vals
+
+
+def _init_values(g, rng):
+    nrng = np.random.default_rng(rng.randint(0, 1 << 30))
+    return {b.name: nrng.uniform(-1.5, 1.5, b.shape).astype(np.float32)
+            for b in g.blobs.values() if b.name.startswith(("in", "state"))
+            and b.alias_of is None}
+
+
+def _run(cls, g, init, iters):
+    d = cls(g)
+    try:
+        for name, v in init.items():
+            d.workspace.set(name, v)
+        for _ in range(iters):
+            d.run()
+        return {name: d.workspace[name].copy() for name in g.blobs}
+    finally:
+        d.close()
+
+
+def test_random_graphs_event_matches_serial_bit_for_bit():
+    rng = random.Random(1234)
+    n_graphs, iters = 50, 3
+    for trial in range(n_graphs):
+        g = random_graph(rng, rng.randint(5, 30))
+        init = _init_values(g, rng)
+        serial = _run(SerialDispatcher, g, init, iters)
+        event = _run(EventDispatcher, g, init, iters)
+        ref = reference_run(g, init, iters)
+        for name in g.blobs:
+            a, b = serial[name], event[name]
+            assert a.tobytes() == b.tobytes(), f"graph {trial}: blob {name} differs"
+            if g.blobs[name].alias_of is None:
+                np.testing.assert_allclose(a, ref[name], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"graph {trial}: blob {name}")
+
+
+def test_event_dispatcher_is_deterministic_across_repeats():
+    rng = random.Random(99)
+    g = random_graph(rng, 40)
+    init = _init_values(g, rng)
+    first = _run(EventDispatcher, g, init, 5)
+    for _ in range(3):
+        again = _run(EventDispatcher, g, init, 5)
+        for name in g.blobs:
+            assert first[name].tobytes() == again[name].tobytes(), name
+
+
+def test_many_accumulating_writers_sum_exactly():
+    g = Graph()
+    n = 7
+    for i in range(n):
+        g.add_blob(f"x{i}", SHAPE)
+        g.add_op(f"w{i}", "Copy", [f"x{i}"], ["acc"], thread=i % 4, accumulate=True)
+    g.add_op("reader", "Copy", ["acc"], ["out"], thread=2)
+    g.infer_shapes().validate()
+    vals = {f"x{i}": np.full(SHAPE, float(i + 1), np.float32) for i in range(n)}
+    for cls in (SerialDispatcher, EventDispatcher):
+        d = cls(g)
+        try:
+            for k, v in vals.items():
+                d.workspace.set(k, v)
+            for _ in range(4):  # accumulators are zeroed each iteration
+                d.run()
+                assert np.all(d.workspace["out"] == n * (n + 1) / 2)
+        finally:
+            d.close()
+
+
+def test_repeated_runs_advance_state():
+    # state@new = 0.5*state + 0.25*(state + x): a reader of the old value
+    # (op 'mix') must finish before the update overwrites the storage
+    g = Graph()
+    g.add_blob("state", SHAPE)
+    g.add_blob("state@new", SHAPE, alias_of="state")
+    g.add_blob("x", SHAPE)
+    g.add_op("mix", "Sum", ["state", "x"], ["m"], thread=1)
+    g.add_op("slow_reader", "TestDispatcherSleep", ["state"], ["seen"], {"seconds": 0.01},
+             thread=2)
+    g.add_op("upd", "Eltwise", ["state", "m"], ["state@new"],
+             {"operation": "sum", "coeff": [0.5, 0.25]}, thread=3)
+    g.infer_shapes().validate()
+    x = np.linspace(-1, 1, 15, dtype=np.float32).reshape(SHAPE)
+    s = np.ones(SHAPE, np.float32)
+    d = EventDispatcher(g)
+    try:
+        d.workspace.set("state", s)
+        d.workspace.set("x", x)
+        for it in range(6):
+            d.run()
+            assert np.array_equal(d.workspace["seen"], s + 1), f"iteration {it}: read after update"
+            s = (s * np.float32(0.5) + (s + x) * np.float32(0.25)).astype(np.float32)
+            np.testing.assert_allclose(d.workspace["state"], s, rtol=1e-6)
+        assert d.iteration == 6
+    finally:
+        d.close()
+
+
+# ----------------------------------------------------------------- errors
+def _error_graph(slow_sibling):
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("ok", "Relu", ["x"], ["a"], thread=0)
+    if slow_sibling:
+        g.add_op("slow", "TestDispatcherSleep", ["x"], ["s"], {"seconds": 0.2}, thread=1)
+    g.add_op("bad_op", "TestDispatcherRaise", ["a"], ["b"], thread=2)
+    g.add_op("after", "Relu", ["b"], ["c"], thread=0)
+    return g.infer_shapes().validate()
+
+
+def _run_with_timeout(fn, timeout=20):
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the dispatcher hung"
+    return box
+
+
+@pytest.mark.parametrize("cls", [SerialDispatcher, EventDispatcher])
+@pytest.mark.parametrize("slow_sibling", [False, True])
+def test_op_error_names_the_op_and_does_not_hang(cls, slow_sibling):
+    g = _error_graph(slow_sibling)
+    d = cls(g)
+    try:
+        box = _run_with_timeout(d.run)
+        err = box.get("error")
+        assert isinstance(err, OpError), box
+        assert err.op.name == "bad_op"
+        assert "bad_op" in str(err) and "kaboom" in str(err)
+        assert isinstance(err.cause, ValueError)
+    finally:
+        _run_with_timeout(d.close)
+    if cls is EventDispatcher:
+        assert not any(w.is_alive() for w in d._workers)
+
+
+def test_op_error_on_first_op_of_a_thread_chain():
+    # the raising op runs inline after another op on the same worker thread
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("first", "Relu", ["x"], ["a"], thread=0)
+    g.add_op("second", "TestDispatcherRaise", ["a"], ["b"], thread=0)
+    g.add_op("third", "Relu", ["b"], ["c"], thread=0)
+    g.infer_shapes()
+    d = EventDispatcher(g)
+    try:
+        for _ in range(2):  # it fails the same way each time, without hanging
+            box = _run_with_timeout(d.run)
+            assert isinstance(box.get("error"), OpError)
+            assert box["error"].op.name == "second"
+    finally:
+        _run_with_timeout(d.close)
+
+
+# ------------------------------------------------------------- concurrency
+def test_independent_branches_on_different_threads_overlap():
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    n, secs = 3, 0.05
+    for branch, thread in (("a", 0), ("b", 1)):
+        prev = "x"
+        for i in range(n):
+            out = f"{branch}{i}"
+            g.add_op(f"{branch}.sleep{i}", "TestDispatcherSleep", [prev], [out],
+                     {"seconds": secs}, thread=thread)
+            prev = out
+    g.add_op("join", "Sum", ["a2", "b2"], ["y"], thread=0)
+    g.infer_shapes().validate()
+    prof = Profiler()
+    d = EventDispatcher(g, profiler=prof)
+    try:
+        d.run()  # warm-up (threads started)
+        prof.events.clear()
+        t0 = time.perf_counter()
+        d.run()
+        wall = time.perf_counter() - t0
+        assert np.all(d.workspace["y"] == 2 * n)
+    finally:
+        d.close()
+    total = 2 * n * secs
+    assert wall < 0.8 * total, f"no overlap: {wall:.3f} s for {total:.3f} s of sleeps"
+    spans = {}
+    for ev in prof.events:
+        if ev["name"].startswith(("a.", "b.")):
+            spans.setdefault(ev["tid"], []).append((ev["ts"], ev["ts"] + ev["dur"]))
+    assert set(spans) == {"0", "1"}
+    overlap = max(min(e1, e2) - max(s1, s2)
+                  for s1, e1 in spans["0"] for s2, e2 in spans["1"])
+    assert overlap > 0.5 * secs * 1e6  # microseconds
+
+
+def test_serial_dispatcher_runs_one_op_at_a_time():
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("a", "TestDispatcherSleep", ["x"], ["y1"], {"seconds": 0.03}, thread=0)
+    g.add_op("b", "TestDispatcherSleep", ["x"], ["y2"], {"seconds": 0.03}, thread=1)
+    g.infer_shapes()
+    d = SerialDispatcher(g)
+    t0 = time.perf_counter()
+    d.run()
+    assert time.perf_counter() - t0 >= 0.06

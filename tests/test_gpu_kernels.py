@@ -1,0 +1,554 @@
+"""CUDA kernel wrappers (purine_mpi.gpu.kernels) against NumPy references.
+
+Three layers, each needing less hardware than the last:
+1. tests/gpu_reference.py against PyTorch (CPU): the references are right.
+2. the wrappers against the references on two backends:
+   - "cupy": real CuPy on a GPU (skipped without CuPy and a CUDA device);
+   - "host": the same .cu sources compiled as host C++ with g++ and a few
+     stand-ins for CUDA built-ins, launched through a NumPy-backed stand-in
+     for CuPy. Each launch runs as a serial loop over a small (block, thread)
+     grid, and every argument is checked against the kernel's C signature,
+     so wrong argument order, count or scalar type fails here as it would
+     corrupt memory on a GPU. This checks the kernels' arithmetic and the
+     wrappers' launch code on any machine with g++.
+3. GPU-only helpers (streams, events, pinned memory), skipped without a GPU.
+"""
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import purine_mpi.gpu as gpu
+from purine_mpi.gpu import kernels
+from tests import gpu_reference as ref
+
+IM2COL_CASES = [  # N, C, H, W, kh, kw, sh, sw, ph, pw, dh, dw
+    (2, 3, 7, 6, 3, 3, 1, 1, 1, 1, 1, 1),
+    (1, 2, 8, 9, 3, 2, 2, 3, 1, 0, 1, 1),
+    (2, 2, 9, 8, 3, 3, 2, 1, 2, 1, 2, 3),
+    (1, 1, 5, 5, 1, 1, 1, 1, 0, 0, 1, 1),
+]
+POOL_CASES = [  # N, C, H, W, kh, kw, sh, sw, ph, pw, ceil_mode
+    (2, 3, 7, 7, 3, 3, 2, 2, 1, 1, True),
+    (2, 3, 7, 7, 3, 3, 2, 2, 1, 1, False),
+    (1, 2, 6, 8, 2, 2, 2, 2, 0, 0, False),
+    (1, 2, 8, 7, 3, 2, 3, 2, 1, 0, True),
+    (1, 1, 5, 6, 1, 1, 3, 3, 0, 0, True),  # stride > kernel: ceil clip at pad 0
+]
+LRN_CASES = [  # shape, local_size, alpha, beta, k
+    ((2, 7, 3, 4), 5, 0.5, 0.75, 2.0),
+    ((1, 4, 2, 2), 3, 1e-4, 0.75, 1.0),
+    ((2, 3, 1, 1), 7, 0.3, 0.6, 1.5),    # window wider than the channels
+]
+SOFTMAX_CASES = [  # logits shape, ignore_label
+    ((4, 5), None),
+    ((6, 5), 2),
+    ((2, 3, 2, 3), None),
+    ((2, 4, 3, 2), -1),
+]
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _labels(rng, shape, classes, ignore_label):
+    labels = rng.integers(0, classes, size=shape)
+    if ignore_label is not None:
+        labels.reshape(-1)[::3] = ignore_label  # every third position ignored
+    return labels
+
+
+def _t(array, grad=False):
+    return torch.tensor(array, requires_grad=grad)
+
+
+# ------------------------------------------- 1. references against torch ---
+
+@pytest.mark.parametrize("case", IM2COL_CASES)
+def test_reference_im2col_col2im_match_torch(case):
+    n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw = case
+    x = _rng().standard_normal((n, c, h, w))
+    geometry = dict(kernel_size=(kh, kw), dilation=(dh, dw), padding=(ph, pw), stride=(sh, sw))
+    cols = ref.im2col(x, kh, kw, sh, sw, ph, pw, dh, dw)
+    np.testing.assert_allclose(cols, F.unfold(_t(x), **geometry).numpy(), rtol=0, atol=0)
+    image = ref.col2im(cols, x.shape, kh, kw, sh, sw, ph, pw, dh, dw)
+    expected = F.fold(_t(cols), output_size=(h, w), **geometry).numpy()
+    np.testing.assert_allclose(image, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_reference_pooling_matches_torch(case):
+    n, c, h, w, kh, kw, sh, sw, ph, pw, ceil_mode = case
+    x = _rng().standard_normal((n, c, h, w))
+    args = (kh, kw, sh, sw, ph, pw)
+    geometry = dict(kernel_size=(kh, kw), stride=(sh, sw), padding=(ph, pw), ceil_mode=ceil_mode)
+
+    xt = _t(x, grad=True)
+    yt, indices = F.max_pool2d(xt, return_indices=True, **geometry)
+    dy = _rng(1).standard_normal(yt.shape)
+    yt.backward(_t(dy))
+    y, mask = ref.maxpool_forward(x, *args, ceil_mode=ceil_mode)
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(mask, indices.numpy())
+    assert mask.dtype == np.int32
+    np.testing.assert_allclose(ref.maxpool_backward(dy, mask, x.shape), xt.grad.numpy(),
+                               rtol=1e-12, atol=1e-12)
+
+    xt = _t(x, grad=True)
+    yt = F.avg_pool2d(xt, count_include_pad=True, **geometry)
+    yt.backward(_t(dy))
+    np.testing.assert_allclose(ref.avepool_forward(x, *args, ceil_mode=ceil_mode),
+                               yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ref.avepool_backward(dy, x.shape, *args), xt.grad.numpy(),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_pool_output_size_matches_torch():
+    x = torch.zeros(1, 1, 12, 1, dtype=torch.float64)
+    for size in range(1, 13):
+        for kernel in range(1, 5):
+            for stride in range(1, 5):
+                for pad in range(kernel // 2 + 1):
+                    for ceil_mode in (False, True):
+                        expected = ref.pool_out_size(size, kernel, stride, pad, ceil_mode)
+                        got = kernels.pool_output_size(size, kernel, stride, pad, ceil_mode)
+                        assert got == expected
+                        if expected < 1:
+                            continue
+                        y = F.max_pool2d(x[:, :, :size], (kernel, 1), (stride, 1), (pad, 0),
+                                         ceil_mode=ceil_mode)
+                        assert y.shape[2] == expected, (size, kernel, stride, pad, ceil_mode)
+
+
+@pytest.mark.parametrize("case", LRN_CASES)
+def test_reference_lrn_matches_torch(case):
+    shape, size, alpha, beta, k = case
+    x = _rng().standard_normal(shape)
+    xt = _t(x, grad=True)
+    yt = F.local_response_norm(xt, size, alpha=alpha, beta=beta, k=k)
+    dy = _rng(1).standard_normal(shape)
+    yt.backward(_t(dy))
+    y, scale = ref.lrn_forward(x, size, alpha, beta, k)
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(x * scale ** -beta, y, rtol=1e-12)
+    dx = ref.lrn_backward(x, y, scale, dy, size, alpha, beta)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES)
+def test_reference_softmax_loss_matches_torch(case):
+    shape, ignore_label = case
+    rng = _rng()
+    x = 3 * rng.standard_normal(shape)
+    labels = _labels(rng, (shape[0],) + shape[2:], shape[1], ignore_label)
+    ignore_index = -100 if ignore_label is None else ignore_label
+    xt = _t(x, grad=True)
+    per_position = F.cross_entropy(xt, torch.tensor(labels), reduction="none",
+                                   ignore_index=ignore_index)
+    F.cross_entropy(xt, torch.tensor(labels), ignore_index=ignore_index).backward()
+
+    prob, loss, valid = ref.softmax_loss_forward(x, labels, ignore_label)
+    np.testing.assert_allclose(prob, F.softmax(_t(x), dim=1).numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(loss, per_position.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(valid, (labels != ignore_index).astype(float))
+    # Batch mean over valid positions (Caffe's VALID normalization).
+    dx = ref.softmax_loss_backward(prob, labels, 1.0 / valid.sum(), ignore_label)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_reference_sgd_momentum_matches_torch():
+    rng = _rng()
+    w = rng.standard_normal((4, 3))
+    grads = [rng.standard_normal((4, 3)) for _ in range(3)]
+    wt = _t(w.copy(), grad=True)
+    optimizer = torch.optim.SGD([wt], lr=0.1, momentum=0.9, weight_decay=0.01)
+    v = np.zeros_like(w)
+    for g in grads:
+        wt.grad = _t(g)
+        optimizer.step()
+        ref.sgd_momentum_update(w, g, v, lr=0.1, momentum=0.9, weight_decay=0.01)
+    # With a constant lr, Caffe's v equals lr times torch's momentum buffer.
+    np.testing.assert_allclose(w, wt.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_dropout_mask():
+    uniform = _rng().random(10000)
+    mask = ref.dropout_mask(uniform, 0.25)
+    assert set(np.unique(mask)) == {0.0, 1.0 / 0.75}
+    assert abs(mask.mean() - 1.0) < 0.03  # inverted dropout keeps the mean
+    np.testing.assert_array_equal(ref.dropout_mask(uniform, 0.0), np.ones_like(uniform))
+
+
+# --------------------------- 2a. host emulation of the kernels (g++ + ctypes) ---
+
+_HOST_PRELUDE = r"""
+// Stand-ins for the CUDA built-ins used by cuda/*.cu, so they compile as host
+// C++. A launch runs serially over (block, thread), set by purine_emu_set.
+#include <math.h>
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct purine_dim3 { unsigned int x, y, z; };
+static purine_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
+static purine_dim3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+extern "C" void purine_emu_set(unsigned int block, unsigned int thread,
+                               unsigned int blocks, unsigned int threads) {
+  blockIdx.x = block; threadIdx.x = thread; gridDim.x = blocks; blockDim.x = threads;
+}
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, sizeof f); return f; }
+static inline double __longlong_as_double(long long i) {
+  double d; memcpy(&d, &i, sizeof d); return d;
+}
+"""
+_EMU_BLOCKS, _EMU_THREADS = 2, 3   # small grid: exercises the grid-stride loops
+_C_SCALARS = {"long long": (np.int64, ctypes.c_longlong), "int": (np.int32, ctypes.c_int),
+              "float": (np.float32, ctypes.c_float), "double": (np.float64, ctypes.c_double)}
+_C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32}
+_SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
+
+
+class _HostKernel:
+    """One extern "C" entry point; checks arguments like a strict CuPy."""
+
+    def __init__(self, library, name, params):
+        self.name, self.params = name, params
+        self._func = getattr(library, name)
+        self._func.restype = None
+        self._set = library.purine_emu_set
+
+    def _convert(self, index, arg, param):
+        kind, ctype_name = param
+        where = f"{self.name} argument {index} ({ctype_name})"
+        if kind == "pointer":
+            if not isinstance(arg, np.ndarray):
+                raise TypeError(f"{where}: expected an array, got {type(arg).__name__}")
+            if arg.dtype != _C_POINTEES[ctype_name] or not arg.flags.c_contiguous:
+                raise TypeError(f"{where}: got a {arg.dtype} array, contiguous="
+                                f"{arg.flags.c_contiguous}")
+            return ctypes.c_void_p(arg.ctypes.data)
+        numpy_type, ctype = _C_SCALARS[ctype_name]
+        if type(arg) is not numpy_type:
+            raise TypeError(f"{where}: expected {numpy_type.__name__}, got {type(arg).__name__}")
+        return ctype(arg)
+
+    def __call__(self, grid, block, args, **kwargs):
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
+        c_args = [self._convert(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
+        for b in range(_EMU_BLOCKS):
+            for t in range(_EMU_THREADS):
+                self._set(b, t, _EMU_BLOCKS, _EMU_THREADS)
+                self._func(*c_args)
+
+
+def _parse_params(text):
+    params = []
+    for declaration in text.split(","):
+        ctype_name = declaration.strip().rsplit(None, 1)[0]   # drop the name
+        pointer = "*" in ctype_name
+        ctype_name = ctype_name.replace("const", "").replace("*", "").strip()
+        params.append(("pointer" if pointer else "scalar", ctype_name))
+    return params
+
+
+def _host_cupy(build_dir):
+    """A module standing in for cupy: NumPy arrays, RawModule built by g++."""
+
+    class RawModule:
+        def __init__(self, code, options=()):
+            digest = hashlib.sha1(code.encode()).hexdigest()[:16]
+            source = build_dir / f"{digest}.cu"
+            library_path = build_dir / f"{digest}.so"
+            prelude = build_dir / "prelude.h"
+            prelude.write_text(_HOST_PRELUDE)
+            source.write_text(code)
+            base = ["g++", "-std=c++14", "-include", str(prelude), "-x", "c++", str(source)]
+            if not library_path.exists():
+                subprocess.run(base + ["-O1", "-fPIC", "-shared", "-o", str(library_path)],
+                               check=True, capture_output=True, text=True)
+            expanded = subprocess.run(base + ["-E", "-P"], check=True, capture_output=True,
+                                      text=True).stdout
+            self._signatures = {name: _parse_params(params)
+                                for name, params in _SIGNATURE.findall(expanded)}
+            self._library = ctypes.CDLL(str(library_path))
+
+        def get_function(self, name):
+            if name not in self._signatures:
+                raise AttributeError(f"no extern \"C\" kernel {name}")
+            return _HostKernel(self._library, name, self._signatures[name])
+
+    fake = types.ModuleType("cupy")
+    fake.ndarray = np.ndarray
+    fake.empty = np.empty
+    fake.ascontiguousarray = np.ascontiguousarray
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    return fake
+
+
+class _Backend:
+    def __init__(self, name, to_device, to_host):
+        self.name, self.to_device, self.to_host = name, to_device, to_host
+
+
+def _gpu_cupy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        count = 0
+    if count < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(scope="session")
+def host_build_dir(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found (needed to run the kernels on the host)")
+    return tmp_path_factory.mktemp("host_kernels")
+
+
+@pytest.fixture(params=["host", pytest.param("cupy", marks=pytest.mark.gpu)])
+def backend(request, monkeypatch):
+    gpu.clear_kernel_cache()
+    if request.param == "cupy":
+        cupy = _gpu_cupy()
+        yield _Backend("cupy", cupy.asarray, cupy.asnumpy)
+    else:
+        build_dir = request.getfixturevalue("host_build_dir")
+        monkeypatch.setitem(sys.modules, "cupy", _host_cupy(build_dir))
+        yield _Backend("host", np.array, np.asarray)
+    gpu.clear_kernel_cache()
+
+
+# ---------------------------------------- 2b. wrappers against references ---
+
+DTYPES = [np.float32, np.float64]
+
+
+def _close(got, expected, dtype):
+    tight = dtype == np.float64
+    np.testing.assert_allclose(got, expected, rtol=1e-12 if tight else 2e-5,
+                               atol=1e-12 if tight else 2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", IM2COL_CASES)
+def test_im2col_col2im(backend, case, dtype):
+    n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw = case
+    geometry = (kh, kw, sh, sw, ph, pw, dh, dw)
+    x = _rng().standard_normal((n, c, h, w)).astype(dtype)
+    cols = kernels.im2col(backend.to_device(x), *geometry)
+    expected = ref.im2col(x, *geometry)
+    assert cols.dtype == dtype
+    _close(backend.to_host(cols), expected, dtype)
+    image = kernels.col2im(backend.to_device(expected), x.shape, *geometry)
+    _close(backend.to_host(image), ref.col2im(expected, x.shape, *geometry), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pooling(backend, case, dtype):
+    n, c, h, w, kh, kw, sh, sw, ph, pw, ceil_mode = case
+    args = (kh, kw, sh, sw, ph, pw)
+    x = _rng().standard_normal((n, c, h, w)).astype(dtype)
+    y, mask = kernels.maxpool_forward(backend.to_device(x), *args, ceil_mode=ceil_mode)
+    y_ref, mask_ref = ref.maxpool_forward(x, *args, ceil_mode=ceil_mode)
+    np.testing.assert_array_equal(backend.to_host(y), y_ref)
+    np.testing.assert_array_equal(backend.to_host(mask), mask_ref)
+    assert mask.dtype == np.int32
+    dy = _rng(1).standard_normal(y_ref.shape).astype(dtype)
+    dx = kernels.maxpool_backward(backend.to_device(dy), mask, x.shape, *args)
+    _close(backend.to_host(dx), ref.maxpool_backward(dy, mask_ref, x.shape), dtype)
+
+    y = kernels.avepool_forward(backend.to_device(x), *args, ceil_mode=ceil_mode)
+    _close(backend.to_host(y), ref.avepool_forward(x, *args, ceil_mode=ceil_mode), dtype)
+    dx = kernels.avepool_backward(backend.to_device(dy), x.shape, *args)
+    _close(backend.to_host(dx), ref.avepool_backward(dy, x.shape, *args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", LRN_CASES)
+def test_lrn(backend, case, dtype):
+    shape, size, alpha, beta, k = case
+    x = _rng().standard_normal(shape).astype(dtype)
+    dy = _rng(1).standard_normal(shape).astype(dtype)
+    y, scale = kernels.lrn_forward(backend.to_device(x), size, alpha, beta, k)
+    y_ref, scale_ref = ref.lrn_forward(x, size, alpha, beta, k)
+    _close(backend.to_host(y), y_ref, dtype)
+    _close(backend.to_host(scale), scale_ref, dtype)
+    dx = kernels.lrn_backward(*(backend.to_device(a) for a in (x, y_ref, scale_ref, dy)),
+                              size, alpha, beta)
+    _close(backend.to_host(dx), ref.lrn_backward(x, y_ref, scale_ref, dy, size, alpha, beta),
+           dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SOFTMAX_CASES)
+def test_softmax_loss(backend, case, dtype):
+    shape, ignore_label = case
+    rng = _rng()
+    x = (3 * rng.standard_normal(shape)).astype(dtype)
+    labels = _labels(rng, (shape[0],) + shape[2:], shape[1], ignore_label)
+    prob, loss, valid = kernels.softmax_loss_forward(
+        backend.to_device(x), backend.to_device(labels), ignore_label)
+    expected = ref.softmax_loss_forward(x, labels, ignore_label)
+    for got, want in zip((prob, loss, valid), expected):
+        assert got.shape == want.shape and got.dtype == dtype
+        _close(backend.to_host(got), want, dtype)
+    scale = 1.0 / expected[2].sum()
+    dx_ref = ref.softmax_loss_backward(expected[0], labels, scale, ignore_label)
+    for scale_arg in (scale, backend.to_device(np.array([scale], dtype))):
+        dx = kernels.softmax_loss_backward(backend.to_device(expected[0]),
+                                           backend.to_device(labels), scale_arg, ignore_label)
+        _close(backend.to_host(dx), dx_ref, dtype)
+
+
+def test_softmax_loss_bad_label_gives_nan(backend):
+    x = np.zeros((2, 3))
+    _, loss, _ = kernels.softmax_loss_forward(backend.to_device(x),
+                                              backend.to_device(np.array([1, 7])))
+    loss = backend.to_host(loss)
+    assert np.isfinite(loss[0]) and np.isnan(loss[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sgd_momentum_update_in_place(backend, dtype):
+    rng = _rng()
+    w = rng.standard_normal((5, 7)).astype(dtype)
+    v = np.zeros_like(w)
+    w_dev, v_dev = backend.to_device(w), backend.to_device(v)
+    lr_blob = backend.to_device(np.array([0.05], dtype))
+    for step in range(3):
+        g = rng.standard_normal(w.shape).astype(dtype)
+        lr = 0.05 if step % 2 else lr_blob  # a number, or a learning-rate blob
+        kernels.sgd_momentum_update(w_dev, backend.to_device(g), v_dev, lr, momentum=0.9,
+                                    weight_decay=5e-4, grad_scale=0.5)
+        ref.sgd_momentum_update(w, g, v, 0.05, momentum=0.9, weight_decay=5e-4,
+                                grad_scale=0.5)
+    _close(backend.to_host(w_dev), w, dtype)
+    _close(backend.to_host(v_dev), v, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_mask(backend, dtype):
+    uniform = _rng().random((3, 4, 5)).astype(dtype)
+    mask = kernels.dropout_mask(backend.to_device(uniform), 0.3)
+    np.testing.assert_array_equal(backend.to_host(mask), ref.dropout_mask(uniform, 0.3))
+
+
+def test_out_arguments(backend):
+    x = _rng().standard_normal((1, 2, 4, 4))
+    y = backend.to_device(np.empty((1, 2, 2, 2)))
+    mask = backend.to_device(np.empty((1, 2, 2, 2), np.int32))
+    got_y, got_mask = kernels.maxpool_forward(backend.to_device(x), 2, 2, 2, 2, out=(y, mask))
+    assert got_y is y and got_mask is mask                 # filled in place
+    y_ref, _ = ref.maxpool_forward(x, 2, 2, 2, 2)
+    np.testing.assert_array_equal(backend.to_host(y), y_ref)
+    # A non-contiguous out (a view into a bigger buffer) is filled too.
+    buffer = backend.to_device(np.zeros((1, 2, 2, 4)))
+    view = buffer[:, :, :, ::2]
+    kernels.avepool_forward(backend.to_device(x), 2, 2, 2, 2, out=view)
+    np.testing.assert_allclose(backend.to_host(buffer)[:, :, :, ::2],
+                               ref.avepool_forward(x, 2, 2, 2, 2))
+    assert not backend.to_host(buffer)[:, :, :, 1::2].any()
+    # Non-contiguous inputs are fine.
+    x_transposed = backend.to_device(np.ascontiguousarray(x.transpose(0, 1, 3, 2)))
+    y = kernels.avepool_forward(x_transposed.transpose(0, 1, 3, 2), 2, 2, 2, 2)
+    np.testing.assert_allclose(backend.to_host(y), ref.avepool_forward(x, 2, 2, 2, 2))
+
+
+def test_errors_a_user_can_act_on(backend):
+    x = backend.to_device(np.zeros((1, 2, 4, 4)))
+    with pytest.raises(TypeError, match="float32 and float64"):
+        kernels.im2col(backend.to_device(np.zeros((1, 1, 3, 3), np.float16)), 3, 3)
+    with pytest.raises(ValueError, match="local_size must be odd"):
+        kernels.lrn_forward(x, 4)
+    with pytest.raises(ValueError, match="smaller than the kernel"):
+        kernels.maxpool_forward(x, 2, 2, 2, 2, 2, 2)
+    with pytest.raises(ValueError, match="expected"):
+        kernels.im2col(x, 3, 3, out=backend.to_device(np.zeros((1, 1, 1))))
+    with pytest.raises(ValueError, match="ratio"):
+        kernels.dropout_mask(x, 1.0)
+    with pytest.raises(ValueError, match="one label per position"):
+        kernels.softmax_loss_forward(backend.to_device(np.zeros((2, 3))),
+                                     backend.to_device(np.zeros(3, np.int32)))
+
+
+# ------------------------------------------------ loader and misc (any CPU) ---
+
+def test_kernel_source_points_errors_at_the_file():
+    text = gpu.kernel_source("pooling")
+    first = text.splitlines()[0]
+    assert first == f'#line 1 "{(gpu.CUDA_DIR / "pooling.cu").resolve()}"'
+    assert text.endswith((gpu.CUDA_DIR / "pooling.cu").read_text())
+    with pytest.raises(Exception, match="PURINE_CUDA_DIR"):
+        gpu.kernel_source("no_such_kernel")
+
+
+def test_set_tf32_sets_cupy_variable(monkeypatch):
+    monkeypatch.delenv("CUPY_TF32", raising=False)
+    gpu.set_tf32(True)
+    assert gpu.tf32_enabled()
+    gpu.set_tf32(False)
+    assert not gpu.tf32_enabled()
+
+
+def test_streams_import_without_cupy():
+    from purine_mpi.gpu import streams
+    pool = streams.StreamPool()
+    assert len(pool) == 0
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        from purine_mpi.errors import UserError
+        with pytest.raises(UserError, match="CuPy"):
+            pool.get(0)
+
+
+# ------------------------------------------------------- 3. GPU-only helpers ---
+
+@pytest.mark.gpu
+def test_streams_events_and_pinned_memory_on_gpu():
+    cupy = _gpu_cupy()
+    from purine_mpi.gpu import streams
+    pool = streams.StreamPool()
+    first, second = pool.get(0, "compute"), pool.get(0, "comm")
+    assert pool.get(0, "compute") is first and first is not second
+    staging = streams.pinned_empty((4, 3), np.float32)
+    assert staging.shape == (4, 3) and staging.dtype == np.float32
+    staging[...] = np.arange(12).reshape(4, 3)
+    with first:
+        a = cupy.asarray(staging) * 2
+    done = streams.record_event(first)
+    streams.wait_event(second, done)
+    with second:
+        b = a + 1
+    second.synchronize()
+    assert streams.event_done(done)
+    np.testing.assert_array_equal(cupy.asnumpy(b), np.arange(12).reshape(4, 3) * 2 + 1)
+    pool.synchronize()
+
+
+@pytest.mark.gpu
+def test_tf32_matmul_on_gpu():
+    cupy = _gpu_cupy()
+    a = cupy.asarray(_rng().standard_normal((64, 64)).astype(np.float32))
+    exact = cupy.asnumpy(a).astype(np.float64) @ cupy.asnumpy(a).astype(np.float64)
+    try:
+        gpu.set_tf32(True)
+        np.testing.assert_allclose(cupy.asnumpy(a @ a), exact, rtol=0, atol=0.1)
+    finally:
+        gpu.set_tf32(False)
+    np.testing.assert_allclose(cupy.asnumpy(a @ a), exact, rtol=0, atol=1e-3)

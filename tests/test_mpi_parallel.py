@@ -1,0 +1,140 @@
+"""Data-parallel composition and graph partitioning: unit checks of the
+rewrites (one process) and equivalence runs on several ranks."""
+import numpy as np
+import pytest
+
+from purine_mpi.comm.verify import comm_signature, compare_signatures
+from purine_mpi.comm.world import HostTable
+from purine_mpi.errors import GraphError, UserError
+from purine_mpi.graph import Graph, Location
+from purine_mpi.graph.partition import partition_all
+from purine_mpi.parallel.data_parallel import compose_data_parallel, plan_buckets
+from tests.mpi_scripts.launch import run_mpi
+
+
+def _grad_graph(sizes, dtype="float32"):
+    g = Graph("g")
+    grads = {}
+    for i, size in enumerate(sizes):
+        g.add_op(f"bwd{i}", "Constant", [], [f"g{i}"],
+                 {"value": 1.0, "shape": [size], "dtype": dtype})
+        grads[f"p{i}"] = f"g{i}"
+    g.infer_shapes()
+    return g, grads
+
+
+# ------------------------------------------------------------ one process
+def test_buckets_follow_ready_order_first_bucket_small():
+    mb = 2 ** 20 // 4  # float32 elements per MB
+    g, grads = _grad_graph([mb // 8, mb // 8, mb // 2, mb // 2, mb, 10])
+    plan = plan_buckets(g, grads, bucket_mb=1, first_bucket_mb=0.25)
+    assert [b["params"] for b in plan] == [["p0", "p1"], ["p2", "p3"], ["p4"], ["p5"]]
+    out = compose_data_parallel(g, grads, 4, 1, bucket_mb=1, first_bucket_mb=0.25)
+    assert [b["seq"] for b in out] == [0, 1, 2, 3]
+    g.infer_shapes().validate()
+    b1 = g.blobs["g3"]
+    assert (b1.alias_of, b1.offset) == ("grad_bucket1", mb // 2)
+    assert g.blobs["g3.sum"].alias_of == "grad_bucket1" and g.blobs["g3.sum"].offset == mb // 2
+    assert g.blobs["grad_bucket1"].kind == "bucket" and g.blobs["grad_bucket1"].shape == (mb,)
+    ar = g.ops["grad_bucket1.allreduce"]
+    assert ar.inputs == ["g2", "g3"] and ar.outputs == ["g2.sum", "g3.sum"]
+
+
+def test_sgd_updates_read_sum_and_scale(tmp_path):
+    import sys
+    sys.path.insert(0, "tests/mpi_scripts")
+    from tests.mpi_scripts.common import mlp_config
+    from purine_mpi.model import build_train_graph
+    g, grads = build_train_graph(mlp_config(), 1, 4)
+    compose_data_parallel(g, grads, 4, 1)
+    g.infer_shapes().validate()
+    updates = [op for op in g.ops.values() if op.op_type == "SGDUpdate"]
+    assert updates and all(op.inputs[1].endswith(".grad.sum") for op in updates)
+    assert all(op.attrs["grad_scale"] == 0.25 for op in updates)
+    reader = g.ops["data"]
+    assert (reader.attrs["rank"], reader.attrs["world_size"]) == (1, 4)
+    # the first bucket holds the top layer's gradients
+    first = min((op for op in g.ops.values() if op.op_type == "Allreduce"),
+                key=lambda op: op.attrs["seq"])
+    assert first.inputs[0].startswith("out/")
+
+
+def test_compare_signatures_names_first_difference():
+    g, grads = _grad_graph([10, 20, 30])
+    compose_data_parallel(g, grads, 2, 0, bucket_mb=1e-4, first_bucket_mb=1e-5)
+    h, hgrads = _grad_graph([10, 20, 30])
+    compose_data_parallel(h, hgrads, 2, 1, bucket_mb=1, first_bucket_mb=1e-5)
+    assert compare_signatures([comm_signature(g), comm_signature(g)]) == []
+    problems = compare_signatures([comm_signature(g), comm_signature(h)])
+    assert problems and problems[0].startswith("collective #1 differs: rank 0 posts "
+                                               "Allreduce of 20 float32")
+
+
+def _pipeline_graph(locs):
+    g = Graph("pipe")
+    g.add_blob("w", (3,), location=locs[1])
+    g.add_op("a", "Constant", [], ["x"], {"value": 2.0, "shape": [3]}, location=locs[0])
+    g.add_op("b", "Sum", ["x", "w"], ["y"], location=locs[1])
+    g.add_op("c", "Copy", ["y"], ["z"], location=locs[2])
+    g.add_op("d", "Sum", ["x", "z"], ["out"], location=locs[2])
+    return g.infer_shapes()
+
+
+def test_partition_pairs_match_and_are_deterministic():
+    g = _pipeline_graph([Location(0), Location(1), Location(2)])
+    slices = partition_all(g)
+    again = partition_all(g.copy())
+    sigs = [comm_signature(s) for s in slices]
+    assert sigs == [comm_signature(s) for s in again]
+    assert compare_signatures(sigs) == []
+    sends = {(r, e["peer"], e["tag"]) for r, s in enumerate(sigs) for e in s
+             if e["kind"] == "Send"}
+    assert sends == {(0, 1, 0), (0, 2, 1), (1, 2, 2)}  # x to 1 and 2, then y
+    assert set(slices[2].ops) == {"x.recv", "y.recv", "c", "d"}
+    assert slices[2].blobs["x"].kind == "data" and slices[2].blobs["x"].alias_of is None
+    for s in slices:
+        s.validate()
+
+
+def test_partition_by_ip_and_device():
+    hosts = HostTable([{"hostname": "a", "addresses": ["127.0.0.1", "10.0.0.1"]},
+                       {"hostname": "a", "addresses": ["127.0.0.1", "10.0.0.1"]},
+                       {"hostname": "b", "addresses": ["127.0.0.1", "10.0.0.2"]}])
+    assert hosts.rank_of({"ip": "10.0.0.1", "device": 1}) == 1
+    assert hosts.rank_of({"ip": "10.0.0.2", "device": -1}) == 2
+    with pytest.raises(UserError, match="several hosts"):
+        hosts.rank_of({"ip": "127.0.0.1", "device": 0})
+    with pytest.raises(UserError, match="no address of any rank"):
+        hosts.rank_of({"ip": "10.9.9.9", "device": 0})
+    with pytest.raises(UserError, match="runs only 1 rank"):
+        hosts.rank_of({"ip": "10.0.0.2", "device": 1})
+    g = _pipeline_graph([Location(0, -1, "10.0.0.1"), Location(0, 1, "10.0.0.1"),
+                         Location(0, -1, "10.0.0.2")])
+    slices = partition_all(g, hosts=hosts)
+    assert set(slices[1].ops) == {"x.recv", "b", "y.send@r2"}
+    planned = HostTable.planned([{"ip": "10.0.0.1", "device": 1}, {"ip": "10.0.0.2"}], 3)
+    assert planned.rank_of({"ip": "10.0.0.2", "device": -1}) == 2
+
+
+def test_partition_rejects_split_alias():
+    g = Graph("bad")
+    g.add_blob("w", (2,), location=Location(0))
+    g.add_blob("w@new", (2,), location=Location(1), alias_of="w")
+    g.add_op("u", "Copy", ["w"], ["w@new"], location=Location(1))
+    with pytest.raises(GraphError, match="must be written on the rank that holds"):
+        partition_all(g.infer_shapes())
+
+
+# ------------------------------------------------------------ several ranks
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,args", [(2, ["0.0002", "check"]), (3, [])])
+def test_data_parallel_equals_one_rank_with_n_times_batch(n, args):
+    proc, _ = run_mpi("dp_equiv.py", n, *args)
+    assert proc.stdout.count("OK dp_equiv") == n
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,kind", [(2, "serial"), (3, "event")])
+def test_partitioned_pipeline_equals_unpartitioned(n, kind):
+    proc, _ = run_mpi("partition_equiv.py", n, kind)
+    assert proc.stdout.count("OK partition") == n
