@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from .backend import to_numpy
-from .errors import UserError
+from .errors import GraphError, UserError
 from .graph.solver import momentum_name
 from .io.checkpoint import load_checkpoint, load_params, save_run_checkpoint
 from .io.config import dump_config
@@ -109,7 +109,13 @@ class Trainer:
             params = load_params(init)
             for p in self.params:
                 if p in params:
-                    self.ws.set(p, params[p])
+                    self._load_blob(p, params[p], init)
+
+    def _load_blob(self, name, value, path):
+        try:
+            self.ws.set(name, value)
+        except GraphError as e:  # a file from another net: name the file too
+            raise UserError(f"{path}: {e}") from None
 
     def state_dict(self):
         """Everything beyond params and momenta that a resume needs: each
@@ -153,10 +159,10 @@ class Trainer:
             raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
                             "of this net")
         for p in self.params:
-            self.ws.set(p, ck.params[p])
+            self._load_blob(p, ck.params[p], path)
             m = momentum_name(p)
             if m in self.ws.arrays and p in ck.solver and "momentum" in ck.solver[p]:
-                self.ws.set(m, ck.solver[p]["momentum"])
+                self._load_blob(m, ck.solver[p]["momentum"], path)
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])

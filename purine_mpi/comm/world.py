@@ -101,8 +101,8 @@ class World:
     def abort(self, code=1):
         """End the whole job: every rank exits with a non-zero status."""
         _flush()
-        if self.size > 1:
-            self.world_comm.Abort(code)
+        if self.MPI.COMM_WORLD.Get_size() > 1:
+            self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
         os._exit(code)
 
 

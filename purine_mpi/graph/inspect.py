@@ -30,6 +30,15 @@ def compose_for(config, world_size, rank, phase="train"):
     return graph
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a dict shared by several nodes (e.g. a filler) out in full at
+    each place: no ``&id001`` anchors, so editing one entry never silently
+    edits another."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 NL = "\\n"  # a DOT line break inside a label
 
 
@@ -67,8 +76,9 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
         from ..errors import UserError
         raise UserError(f"the config has no {phase} graph")
     if fmt == "yaml":
-        return yaml.safe_dump({"name": config.get("name"), "graph": seed_yaml.dump(graph)},
-                              sort_keys=False, default_flow_style=None, width=100)
+        return yaml.dump({"name": config.get("name"), "graph": seed_yaml.dump(graph)},
+                         Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
+                         width=100)
     if fmt == "dot":
         return to_dot(graph)
     return graph.summary()

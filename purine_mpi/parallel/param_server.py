@@ -1,0 +1,446 @@
+"""Parameter servers (Purine §4 / DistBelief): K ranks hold the parameters,
+the other ranks (workers) compute gradients on their shard of the data.
+
+Config: ``parallel: {scheme: data, mode: async | sync_ps, ps_ranks: K,
+max_staleness: s}``. With N ranks, the *last* K are servers and ranks
+0..N-K-1 are workers, so rank 0 (metrics, checkpoints) is a worker. Worker
+i reads data shard i of N-K (DESIGN.md §6 with world_size N-K).
+
+Parameters are sharded over the servers (largest first, each to the least
+loaded server). Every worker runs its training graph with the SGDUpdate ops
+replaced by communication ops, per parameter p in gradient-ready order (top
+layer first, so pushes overlap the rest of the backward pass):
+
+    p.push   Send [p.grad] -> server(p)         tag 2i      (seq 2k)
+    p.pull   Recv  -> [p@new] from server(p)    tag 2i + 1  (seq 2k + 1)
+
+``p@new`` aliases ``p``, so the pull waits for every reader of ``p`` in the
+iteration and then writes the fresh weights in place.
+
+mode sync_ps (synchronous, equal to data-parallel allreduce): each server
+runs a graph too -- per owned p, one Recv per worker, a Sum, the SGDUpdate
+(grad_scale / W) and one Send of ``p@new`` per worker -- once per iteration.
+
+mode async: each server runs ``AsyncServer.serve()``, an MPI loop: a push of
+p from worker w is applied at once as one SGD step with the gradient and the
+weight decay divided by W (W pushes ~ one synchronous step) at the learning
+rate of w's iteration; the reply (fresh weights) goes back when w is at most
+``max_staleness`` pushes of p ahead of the slowest worker. Staleness 0 makes
+every worker wait for all W gradients of the round: all workers then get
+the same weights, after all W updates.
+
+Interface for the trainer (every function takes the *global* World; a
+worker's Trainer runs on the workers-only World from ``worker_world``):
+
+    layout = ps_layout(world_size, ps_ranks)   # {"workers": [...], "servers": [...]}
+    plan = plan_param_server(graph, grads, layout)
+    compose_param_server(graph, grads, config, world) -> graph     # a worker's graph
+    build_server_graph(graph, grads, plan, server_rank) -> graph   # sync_ps server
+    worker_world(world) -> World over the workers (collectives for metrics)
+    run_server(config, world, resume=None, init=None, log=None) -> dict
+        # on a server rank: builds the single-replica graph, initialises the
+        # owned parameters like the trainer does (fillers / --init / --resume),
+        # runs sync_ps iterations or the async loop until solver.max_iter.
+Server state (params and momenta of its shard) comes back from run_server;
+worker checkpoints hold the parameters the worker last pulled.
+"""
+import time
+
+import numpy as np
+
+from ..comm.ops import MPIPending  # noqa: F401  (also registers Send/Recv)
+from ..errors import UserError
+from ..graph.core import Graph, Op
+from ..graph.solver import momentum_name
+from .data_parallel import gradient_ready_order, next_seq
+
+
+# ----------------------------------------------------------------- layout
+def ps_layout(world_size, ps_ranks):
+    """Ranks of the workers and the servers (the last ``ps_ranks``)."""
+    ps_ranks = int(ps_ranks)
+    if ps_ranks < 1 or ps_ranks >= world_size:
+        raise UserError(f"parallel.ps_ranks is {ps_ranks}, but a parameter-server run needs "
+                        f"at least one server and one worker: start at least {ps_ranks + 1} "
+                        f"ranks (this job has {world_size})")
+    return {"workers": list(range(world_size - ps_ranks)),
+            "servers": list(range(world_size - ps_ranks, world_size))}
+
+
+def served_params(graph):
+    """{param: SGDUpdate op} for every param the solver updates."""
+    return {op.inputs[0]: op for op in graph.ops.values() if op.op_type == "SGDUpdate"}
+
+
+def plan_param_server(graph, grads, layout):
+    """Which server owns each updated param, the push/pull tags, and the
+    gradient-ready order. Deterministic: every rank computes the same plan."""
+    updates = served_params(graph)
+    order = gradient_ready_order(graph, {p: grads[p] for p in updates if p in grads})
+    load = {s: 0 for s in layout["servers"]}
+    owner = {}
+    for p in sorted(order, key=lambda p: (-graph.blobs[p].nbytes, order.index(p))):
+        s = min(load, key=lambda s: (load[s], s))
+        owner[p] = s
+        load[s] += graph.blobs[p].nbytes
+    tags = {p: (2 * i, 2 * i + 1) for i, p in enumerate(order)}
+    return {"order": order, "owner": owner, "tags": tags, "grads": {p: grads[p] for p in order},
+            "workers": list(layout["workers"]), "servers": list(layout["servers"])}
+
+
+# ----------------------------------------------------------------- worker
+def build_worker_graph(graph, plan, thread="comm"):
+    """Replace the SGDUpdate ops of ``graph`` by push/pull comm ops (in place)."""
+    updates = served_params(graph)
+    seq = next_seq(graph)
+    for p in plan["order"]:
+        op = updates[p]
+        graph.remove_op(op.name)
+        for b in (momentum_name(p), f"{momentum_name(p)}@new"):
+            graph.blobs.pop(b, None)
+    for p in plan["order"]:
+        blob = graph.blobs[p]
+        new = f"{p}@new"
+        if new not in graph.blobs:
+            graph.add_blob(new, blob.shape, blob.dtype, blob.location, kind="param", alias_of=p)
+        push, pull = plan["tags"][p]
+        server = plan["owner"][p]
+        graph.add_op(f"{p}.push", "Send", [plan["grads"][p]], [],
+                     {"seq": seq, "peer": server, "tag": push}, location=blob.location,
+                     thread=thread)
+        graph.add_op(f"{p}.pull", "Recv", [], [new],
+                     {"seq": seq + 1, "peer": server, "tag": pull, "shape": list(blob.shape),
+                      "dtype": blob.dtype}, location=blob.location, thread=thread)
+        seq += 2
+    return graph
+
+
+def compose_param_server(graph, grads, config, world=None):
+    """A worker's training graph for ``parallel.mode`` async or sync_ps.
+    ``graph`` is the single-replica graph built for (worker index, number of
+    workers); ``world`` is the global World (default: get_world())."""
+    world = _global_world(world)
+    par = config.get("parallel", {})
+    layout = ps_layout(world.size, par.get("ps_ranks", 1))
+    if world.rank not in layout["workers"]:
+        raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
+                        "not a training graph")
+    plan = plan_param_server(graph, grads, layout)
+    build_worker_graph(graph, plan)
+    graph.infer_shapes().validate()
+    return graph
+
+
+def worker_world(world=None, ps_ranks=1):
+    """A World over the worker ranks only, for the trainer's collectives
+    (metrics, evaluation). Collective: every rank calls it; servers get None.
+    Worker i of the result is global rank i."""
+    from ..comm.world import World
+    world = _global_world(world)
+    layout = ps_layout(world.size, ps_ranks)
+    color = 1 if world.rank in layout["servers"] else 0
+    sub = world.world_comm.Split(color, world.rank)
+    if color == 1:
+        sub.Free()
+        return None
+    return World(sub)
+
+
+def _global_world(world):
+    if world is None:
+        from ..comm.world import get_world
+        world = get_world()
+    return world
+
+
+# ----------------------------------------------------------- sync_ps server
+def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
+    """The per-iteration graph of server ``server_rank`` for mode sync_ps:
+    receive every worker's gradient of each owned param, sum, update, send
+    the new weights back. ``graph`` is the single-replica training graph."""
+    updates = served_params(graph)
+    owned = [p for p in plan["order"] if plan["owner"][p] == server_rank]
+    workers = plan["workers"]
+    g = Graph(f"{graph.name}.server{server_rank}")
+    keep = {"iter", "lr"}
+    for p in owned:
+        op = updates[p]
+        keep.update(op.inputs + op.outputs)
+        keep.discard(op.inputs[1])
+    for name in graph.blobs:
+        if name in keep:
+            g.blobs[name] = _copy_blob(graph.blobs[name])
+    lr_ops = [op for op in graph.ops.values() if "lr" in op.outputs]
+    for op in lr_ops:
+        g.add_op(op.name, op.op_type, op.inputs, op.outputs, op.attrs, op.location, op.thread)
+    seq = 0
+    received = {}
+    for p in owned:
+        gblob = graph.blobs[plan["grads"][p]]
+        received[p] = []
+        for w in workers:
+            name = f"{plan['grads'][p]}@w{w}"
+            g.add_blob(name, gblob.shape, gblob.dtype, gblob.location, kind="grad")
+            g.add_op(f"{name}.recv", "Recv", [], [name],
+                     {"seq": seq, "peer": w, "tag": plan["tags"][p][0],
+                      "shape": list(gblob.shape), "dtype": gblob.dtype},
+                     location=gblob.location, thread=thread)
+            received[p].append(name)
+            seq += 1
+    for p in owned:
+        op = updates[p]
+        total = received[p][0]
+        if len(workers) > 1:
+            total = f"{plan['grads'][p]}.sum"
+            gblob = graph.blobs[plan["grads"][p]]
+            g.add_blob(total, gblob.shape, gblob.dtype, gblob.location, kind="grad")
+            g.add_op(f"{total}.reduce", "Sum", received[p], [total], location=op.location,
+                     thread=op.thread)
+        attrs = dict(op.attrs)
+        attrs["grad_scale"] = float(attrs.get("grad_scale", 1.0)) / len(workers)
+        g.add_op(op.name, "SGDUpdate", [op.inputs[0], total] + op.inputs[2:], op.outputs,
+                 attrs, op.location, op.thread)
+    for p in owned:
+        for w in workers:
+            g.add_op(f"{p}.send@r{w}", "Send", [f"{p}@new"],
+                     [], {"seq": seq, "peer": w, "tag": plan["tags"][p][1]},
+                     location=graph.blobs[p].location, thread=thread)
+            seq += 1
+    return g.infer_shapes().validate()
+
+
+def _copy_blob(blob):
+    import copy
+    return copy.deepcopy(blob)
+
+
+# ------------------------------------------------------------ async server
+class AsyncServer:
+    """The asynchronous server loop of one server rank.
+
+    ``params`` / ``momenta``: {param: array} of the owned shard (updated in
+    place); ``updates``: {param: SGDUpdate op} (attrs: momentum, weight
+    decay, multipliers); ``lr_attrs``: the LearningRate op's attrs;
+    ``iters``: pushes each worker makes per param (max_iter - start)."""
+
+    def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
+                 start_iter, iters, poll_interval=2e-4):
+        from ..ops.registry import make_kernel
+        self.world, self.plan = world, plan
+        self.params, self.momenta = params, momenta
+        self.lr_attrs = dict(lr_attrs)
+        self.staleness = int(max_staleness)
+        self.start, self.iters = int(start_iter), int(iters)
+        self.workers = list(plan["workers"])
+        self.owned = [p for p in plan["order"] if p in params]
+        self.poll = poll_interval
+        nw = len(self.workers)
+        self.kernels = {}
+        for p in self.owned:
+            attrs = dict(updates[p].attrs)
+            attrs["grad_scale"] = float(attrs.get("grad_scale", 1.0)) / nw
+            attrs["decay_mult"] = float(attrs.get("decay_mult", 1.0)) / nw
+            self.kernels[p] = make_kernel(Op(f"{p}.update", "SGDUpdate", [], [], attrs))
+        self.count = {(w, p): 0 for w in self.workers for p in self.owned}
+        self.stats = {"pushes": 0, "max_lead": 0}
+
+    def serve(self):
+        """Run until every worker pushed every owned param ``iters`` times
+        and every reply has been delivered. Returns stats."""
+        from mpi4py import MPI
+        from ..ops.solver import learning_rate
+        comm = self.world.comm
+        if not self.owned or self.iters <= 0:
+            return self.stats
+        grad_buf = {(w, p): np.empty_like(self.params[p]) for w in self.workers
+                    for p in self.owned}
+        keys = list(grad_buf)
+        recv = [comm.Irecv(grad_buf[k], source=k[0], tag=self.plan["tags"][k[1]][0])
+                for k in keys]
+        waiting = []   # (w, p) pushes whose reply is held back by the staleness bound
+        sends = []     # (request, buffer) in flight
+        lr = np.zeros((), np.float32)
+        done_pushes = 0
+        total = len(keys) * self.iters
+        while done_pushes < total or waiting or sends:
+            idx = MPI.Request.Testsome(recv) if done_pushes < total else None
+            progressed = False
+            for i in idx or ():
+                w, p = keys[i]
+                it = self.start + self.count[(w, p)]
+                lr.fill(learning_rate(self.lr_attrs, it))
+                arr, mom = self.params[p], self.momenta[p]
+                self.kernels[p].run([arr, grad_buf[(w, p)], mom, lr], [arr, mom])
+                self.count[(w, p)] += 1
+                done_pushes += 1
+                self.stats["pushes"] += 1
+                waiting.append((w, p))
+                if self.count[(w, p)] < self.iters:
+                    recv[i] = comm.Irecv(grad_buf[(w, p)], source=w,
+                                         tag=self.plan["tags"][p][0])
+                progressed = True
+            still = []
+            for w, p in waiting:
+                slowest = min(self.count[(v, p)] for v in self.workers)
+                lead = self.count[(w, p)] - slowest
+                if lead <= self.staleness:
+                    self.stats["max_lead"] = max(self.stats["max_lead"], lead)
+                    buf = self.params[p].copy()  # a snapshot: later pushes change p
+                    sends.append((comm.Isend(buf, dest=w, tag=self.plan["tags"][p][1]), buf))
+                    progressed = True
+                else:
+                    still.append((w, p))
+            waiting = still
+            sends = [(r, b) for r, b in sends if not r.Test()]
+            if not progressed:
+                time.sleep(self.poll)
+        return self.stats
+
+
+# ------------------------------------------------------------- server rank
+def run_server(config, world=None, resume=None, init=None, log=None):
+    """Everything a server rank does in a parameter-server run. Returns
+    {"params": {p: array}, "momenta": {p: array}, "stats": {...}}."""
+    from ..layers.fillers import fill
+    from ..model import build_train_graph
+    world = _global_world(world)
+    par = config.get("parallel", {})
+    layout = ps_layout(world.size, par.get("ps_ranks", 1))
+    nw = len(layout["workers"])
+    graph, grads = build_train_graph(config, 0, nw)
+    plan = plan_param_server(graph, grads, layout)
+    seed = int(config.get("seed", 0))
+    owned = [p for p in plan["order"] if plan["owner"][p] == world.rank]
+    values = {p: fill(graph.blobs[p], seed) for p in owned}
+    momenta = {p: np.zeros(graph.blobs[p].shape, graph.blobs[p].dtype) for p in owned}
+    start = 0
+    if init:
+        from ..io.checkpoint import load_params
+        loaded = load_params(init)
+        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in owned
+                       if p in loaded})
+    if resume:
+        from ..io.checkpoint import load_checkpoint
+        ck = load_checkpoint(resume)
+        start = int(ck.attrs["iteration"])
+        for p in owned:
+            values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
+            m = (ck.solver or {}).get(p, {}).get("momentum")
+            if m is not None:
+                momenta[p] = np.asarray(m, graph.blobs[p].dtype)
+    max_iter = int(config["solver"]["max_iter"])
+    mode = par.get("mode", "async")
+    if mode == "sync_ps":
+        from ..runtime.dispatcher import make_dispatcher
+        sg = build_server_graph(graph, grads, plan, world.rank)
+        d = make_dispatcher(sg, "event", rank=world.rank,
+                            stall_timeout=float(par.get("stall_timeout", 300)))
+        try:
+            for p in owned:
+                d.workspace.set(p, values[p])
+                d.workspace.set(momentum_name(p), momenta[p])
+            for it in range(start, max_iter):
+                d.workspace["iter"][...] = it
+                d.run(it)
+                if _state_transfer_due(config, it + 1, start, final_only=False):
+                    _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
+            values = {p: d.workspace[p].copy() for p in owned}
+            momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
+        finally:
+            d.close()
+        stats = {"iterations": max_iter - start}
+    else:
+        lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
+        server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
+                             par.get("max_staleness", 0), start, max_iter - start)
+        stats = server.serve()
+        if _state_transfer_due(config, max_iter, start, final_only=True):
+            _send_state(world, momenta)
+    if log:
+        log(f"server rank {world.rank}: {len(owned)} params, {stats}")
+    return {"params": values, "momenta": momenta, "stats": stats, "plan": plan}
+
+
+# ------------------------------------------------- checkpoints and the run
+STATE_TAG = 1 << 20  # above every push/pull tag
+
+
+def _state_transfer_due(config, done, start, final_only):
+    """Whether servers send their momenta to rank 0 after iteration ``done``:
+    at the trainer's checkpoint iterations (sync_ps) and after the last one.
+    Both sides evaluate this same rule, so a transfer is never left unmatched."""
+    max_iter = int(config["solver"]["max_iter"])
+    if done == max_iter:
+        return start < max_iter
+    interval = int((config.get("checkpoint") or {}).get("interval") or 0)
+    return not final_only and interval > 0 and done % interval == 0
+
+
+def _send_state(world, momenta):
+    from ..backend import to_numpy
+    world.comm.send({p: to_numpy(m) for p, m in momenta.items()}, dest=0, tag=STATE_TAG)
+
+
+def _recv_state(world, servers):
+    out = {}
+    for s in servers:
+        out.update(world.comm.recv(source=s, tag=STATE_TAG))
+    return out
+
+
+def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
+    """A Trainer over the workers' World whose training graph is the PS
+    worker graph, and whose checkpoints carry the servers' momenta."""
+    from .. import trainer as trainer_module
+    layout = ps_layout(world.size, config["parallel"].get("ps_ranks", 1))
+    mode = config["parallel"].get("mode")
+
+    class PSWorkerTrainer(trainer_module.Trainer):
+        def save(self, iteration):
+            due = _state_transfer_due(config, iteration, self.start_iter,
+                                      final_only=(mode == "async"))
+            if due and world.rank == 0:
+                # the servers hold the momenta: put them where save() looks
+                for p, m in _recv_state(world, layout["servers"]).items():
+                    self.ws.arrays[momentum_name(p)] = m
+            return super().save(iteration)
+
+    # The Trainer composes through trainer.compose(); swap in the PS worker
+    # composition while this one Trainer is built (single-threaded here).
+    def compose(graph, grads, cfg, _world):
+        return compose_param_server(graph, grads, cfg, world)
+
+    original = trainer_module.compose
+    trainer_module.compose = compose
+    try:
+        return PSWorkerTrainer(config, out_dir, world=sub_world, **kw)
+    finally:
+        trainer_module.compose = original
+
+
+def run_param_server(config, out_dir, world=None, resume=None, init=None, profile=False,
+                     dispatcher=None, log=None):
+    """``train`` on every rank of a parameter-server run: servers serve,
+    workers train (metrics and checkpoints from rank 0, a worker). Returns 0."""
+    import json
+    import os
+    world = _global_world(world)
+    par = config.get("parallel", {})
+    sub = worker_world(world, par.get("ps_ranks", 1))
+    if sub is None:
+        path = resume
+        if resume == "auto":
+            path = os.path.join(out_dir, "latest.h5")
+            path = path if os.path.exists(path) else None
+        run_server(config, world, resume=path, init=init)
+        return 0
+    t = _make_worker_trainer(config, out_dir, sub, world, resume=resume, init=init,
+                             profile=profile, log=log, dispatcher=dispatcher)
+    try:
+        result = t.run()
+    finally:
+        t.close()
+    if world.rank == 0 and result:
+        print("final " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
+                                     for k, v in result.items()}), flush=True)
+    return 0
