@@ -82,3 +82,21 @@ def numeric_grad(op_type, attrs, inputs, wrt_name, loss_weights, eps=1e-6, rng_s
         x[i] = old
         grad[i] = (up - down) / (2 * eps)
     return grad
+
+
+def close(a, b, rtol=1e-4, atol=1e-5):
+    """float32 comparison; the absolute tolerance scales with b's magnitude."""
+    b = np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
+
+
+def torch_grads(fn, arrays, weight):
+    """fn(*tensors) with PyTorch, and the gradients of sum(fn(...) * weight)
+    w.r.t. each array (``weight`` may be run_op's list: its first is used)."""
+    import torch
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    y = fn(*ts)
+    if isinstance(weight, list):
+        weight = weight[0]
+    (y * torch.tensor(weight)).sum().backward()
+    return y.detach().numpy(), [t.grad.numpy() for t in ts]

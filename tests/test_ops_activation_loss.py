@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from purine_mpi.graph import Graph
 from purine_mpi.graph.grad import build_backward
 from purine_mpi.errors import ShapeError
-from tests.opcheck import numeric_grad, run_op
+from tests.opcheck import close, numeric_grad, run_op
 
 RNG = np.random.default_rng(1)
 
@@ -16,10 +16,6 @@ RNG = np.random.default_rng(1)
 def randn(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
 
-
-def close(a, b, rtol=1e-4, atol=1e-5):
-    b = np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
 
 
 def torch_value_and_grad(fn, x, weight):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from purine_mpi.errors import ShapeError
 from purine_mpi.ops import conv as conv_module
-from tests.opcheck import numeric_grad, run_op
+from tests.opcheck import close, numeric_grad, run_op, torch_grads
 
 RNG = np.random.default_rng(2)
 
@@ -16,19 +16,6 @@ def randn(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
 
 
-def close(a, b, rtol=1e-4, atol=1e-5):
-    b = np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
-
-
-def torch_grads(fn, arrays, weight):
-    """fn(*tensors) and the gradients of sum(fn(...) * weight) wrt each array."""
-    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-    y = fn(*ts)
-    if isinstance(weight, list):  # run_op gives one weight per output when there are several
-        weight = weight[0]
-    (y * torch.tensor(weight)).sum().backward()
-    return y.detach().numpy(), [t.grad.numpy() for t in ts]
 
 
 # ------------------------------------------------------------------- conv

@@ -9,7 +9,7 @@ from purine_mpi.errors import ShapeError
 from purine_mpi.graph import Graph
 from purine_mpi.graph.grad import build_backward
 from purine_mpi.ops.batchnorm import BatchNorm
-from tests.opcheck import numeric_grad, run_op
+from tests.opcheck import close, numeric_grad, run_op, torch_grads
 
 RNG = np.random.default_rng(3)
 
@@ -18,17 +18,6 @@ def randn(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
 
 
-def close(a, b, rtol=1e-4, atol=1e-5):
-    b = np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
-
-
-def torch_grads(fn, arrays, weight):
-    """fn(*tensors) and the gradients of sum(fn(...) * weight) wrt each array."""
-    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
-    y = fn(*ts)
-    (y * torch.tensor(weight)).sum().backward()
-    return y.detach().numpy(), [t.grad.numpy() for t in ts]
 
 
 # ----------------------------------------------------------- inner product

@@ -12,7 +12,7 @@ from purine_mpi.graph import Graph
 import purine_mpi.ops._all  # noqa: F401  (register every kernel before any one module)
 from purine_mpi.ops.solver import learning_rate
 from purine_mpi.runtime.dispatcher import SerialDispatcher
-from tests.opcheck import numeric_grad, run_op
+from tests.opcheck import close, numeric_grad, run_op, torch_grads
 
 RNG = np.random.default_rng(2)
 
@@ -21,17 +21,6 @@ def randn(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
 
 
-def close(a, b, rtol=1e-4, atol=1e-5):
-    b = np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())))
-
-
-def torch_grads(fn, inputs, weight):
-    """fn(*inputs) and the gradients of sum(fn(...) * weight) w.r.t. each input."""
-    ts = [torch.tensor(x, requires_grad=True) for x in inputs]
-    y = fn(*ts)
-    (y * torch.tensor(weight)).sum().backward()
-    return y.detach().numpy(), [t.grad.numpy() for t in ts]
 
 
 # ------------------------------------------------------- Concat / Slice / Split
