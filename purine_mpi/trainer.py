@@ -16,7 +16,7 @@ import numpy as np
 from .backend import to_numpy
 from .errors import GraphError, UserError
 from .graph.solver import momentum_name
-from .io.checkpoint import load_checkpoint, load_params, save_run_checkpoint
+from .io.checkpoint import find_latest, load_checkpoint, load_params, save_run_checkpoint
 from .io.config import dump_config
 from .io.data import source_info
 from .layers.fillers import fill
@@ -148,10 +148,10 @@ class Trainer:
                 k.rng.bit_generator.state = _plain(s["rng"])
 
     def _resume(self, path):
-        if path == "auto":
-            path = os.path.join(self.out_dir, "latest.h5")
-            if not os.path.exists(path):
-                self.log(f"no checkpoint at {path}; starting from scratch")
+        if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5
+            path = find_latest(self.out_dir)
+            if path is None:
+                self.log(f"no checkpoint in {self.out_dir}; starting from scratch")
                 return
         ck = load_checkpoint(path)
         missing = [p for p in self.params if p not in ck.params]
@@ -273,8 +273,23 @@ class Trainer:
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(self.config))
-        mode = "a" if self.start_iter else "w"
-        return open(os.path.join(self.out_dir, "metrics.jsonl"), mode)
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if not self.start_iter:
+            return open(path, "w")
+        # resuming: drop what a killed run logged after its checkpoint (it is
+        # logged again), so each (phase, iter) appears once
+        keep = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        if int(json.loads(line)["iter"]) <= self.start_iter:
+                            keep.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        pass  # a line cut short by the kill
+        with open(path, "w") as f:
+            f.writelines(keep)
+        return open(path, "a")
 
     @staticmethod
     def _write(f, rec):

@@ -344,3 +344,25 @@ def test_sgd_update_runs_after_every_reader_of_its_param():
             assert order.index(r) < order.index(upd.name)
             checked += 1
     assert checked >= 8
+
+
+# ------------------------------------------------------------ seed format
+def test_seed_yaml_round_trip_is_exact():
+    import yaml
+
+    from purine_mpi.graph import seed_yaml
+    from purine_mpi.graph.core import Location
+    g = _alias_graph(reader_downstream=True)
+    g.add_op("acc1", "Copy", ["x"], ["sum"], accumulate=True, thread="io",
+             location=Location(rank=1, device=0))
+    g.add_op("acc2", "Copy", ["y2"], ["sum"], accumulate=True, control_inputs=["read1"])
+    g.blobs["w"].attrs["filler"] = {"type": "gaussian", "std": 0.5}
+    g.infer_shapes().validate()
+    text = yaml.safe_dump(seed_yaml.dump(g))
+    back = seed_yaml.load(yaml.safe_load(text), "<test>", g.name)
+    assert list(back.blobs) == list(g.blobs) and list(back.ops) == list(g.ops)
+    for name, blob in g.blobs.items():
+        assert back.blobs[name] == blob, name
+    for name, op in g.ops.items():
+        assert back.ops[name] == op, name
+    assert back.dependencies() == g.dependencies()

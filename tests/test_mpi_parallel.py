@@ -1,6 +1,5 @@
 """Data-parallel composition and graph partitioning: unit checks of the
 rewrites (one process) and equivalence runs on several ranks."""
-import numpy as np
 import pytest
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
@@ -8,7 +7,9 @@ from purine_mpi.comm.world import HostTable
 from purine_mpi.errors import GraphError, UserError
 from purine_mpi.graph import Graph, Location
 from purine_mpi.graph.partition import partition_all
+from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel, plan_buckets
+from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_mpi
 
 
@@ -40,11 +41,7 @@ def test_buckets_follow_ready_order_first_bucket_small():
     assert ar.inputs == ["g2", "g3"] and ar.outputs == ["g2.sum", "g3.sum"]
 
 
-def test_sgd_updates_read_sum_and_scale(tmp_path):
-    import sys
-    sys.path.insert(0, "tests/mpi_scripts")
-    from tests.mpi_scripts.common import mlp_config
-    from purine_mpi.model import build_train_graph
+def test_sgd_updates_read_sum_and_scale():
     g, grads = build_train_graph(mlp_config(), 1, 4)
     compose_data_parallel(g, grads, 4, 1)
     g.infer_shapes().validate()
@@ -114,6 +111,23 @@ def test_partition_by_ip_and_device():
     assert set(slices[1].ops) == {"x.recv", "b", "y.send@r2"}
     planned = HostTable.planned([{"ip": "10.0.0.1", "device": 1}, {"ip": "10.0.0.2"}], 3)
     assert planned.rank_of({"ip": "10.0.0.2", "device": -1}) == 2
+
+
+def test_data_parallel_refuses_a_placed_graph():
+    g = _pipeline_graph([Location(0), Location(1), Location(2)])
+    with pytest.raises(UserError, match="scheme: pipeline"):
+        compose_data_parallel(g, {"w": "y"}, 2, 0)
+
+
+def test_place_layers_keeps_weights_and_updates_together():
+    from purine_mpi.parallel.model_parallel import place_layers
+    g, _ = build_train_graph(mlp_config(hidden=(6,)))
+    place_layers(g, {"fc1": 1, "relu1": 1, "out": 2, "loss": 2})
+    slices = partition_all(g)
+    assert set(slices[1].ops) >= {"fc1.fwd", "fc1/weight.update"}
+    assert slices[1].blobs["fc1/weight.momentum"].kind == "state"
+    assert slices[2].blobs["label"].attrs["received_from"] == 0
+    assert "data" in slices[0].ops and "solver.lr" in slices[0].ops
 
 
 def test_partition_rejects_split_alias():

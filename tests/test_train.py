@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -295,10 +296,23 @@ def test_init_loads_params(resume_runs, tmp_path):
     assert result["loss"] == pytest.approx(final["loss"], rel=1e-5)
 
 
+def test_resume_auto_without_latest_uses_newest_ckpt(resume_runs, tmp_path):
+    out = tmp_path / "no_latest"
+    out.mkdir()
+    shutil.copy(resume_runs["split"] / "ckpt_100.h5", out / "ckpt_100.h5")
+    train_cli(resume_runs["cfg"], "--out", out, "--resume", "auto")
+    # it resumed (a fresh start would also end at the same weights)
+    assert [r["iter"] for r in read_metrics(out) if r["phase"] == "train"] == \
+        list(range(110, 201, 10))
+    got, want = h5_arrays(out / "latest.h5"), h5_arrays(resume_runs["straight"] / "latest.h5")
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
 # ------------------------------------------------------------- killed run
 def test_sigkill_never_leaves_a_partial_latest(digits_h5, tmp_path):
     cfg = copy.deepcopy(resume_config(digits_h5))
-    cfg["solver"].update(max_iter=1000000, display=0)
+    cfg["solver"].update(max_iter=1000000, display=1)
     cfg["checkpoint"] = {"interval": 2, "keep": 2}
     path = write_config_file(tmp_path, cfg)
     out = tmp_path / "run"
@@ -334,5 +348,17 @@ def test_sigkill_never_leaves_a_partial_latest(digits_h5, tmp_path):
             if name.startswith("ckpt_") and name.endswith(".h5"):
                 assert load_checkpoint(out / name).iteration == int(name[5:-3])
         seen_iters.append(ck.iteration)
+        # a resumed run drops what the killed one logged after its checkpoint:
+        # every logged iteration appears once, in order
+        with open(out / "metrics.jsonl") as f:
+            lines = f.read().splitlines()
+        recs = []
+        for i, line in enumerate(lines):
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                assert i == len(lines) - 1, "only the last line may be cut short"
+        iters = [r["iter"] for r in recs if r["phase"] == "train"]
+        assert iters == list(range(1, len(iters) + 1))
     # each run resumed from the previous one's latest and got further
     assert seen_iters == sorted(seen_iters) and seen_iters[0] < seen_iters[-1]

@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from ..errors import UserError
@@ -102,6 +103,9 @@ class World:
         """End the whole job: every rank exits with a non-zero status."""
         _flush()
         if self.MPI.COMM_WORLD.Get_size() > 1:
+            # the launcher forwards our output through a pipe and stops doing
+            # so once the job aborts: give it a moment to pass the message on
+            time.sleep(0.3)
             self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
         os._exit(code)
 
@@ -180,7 +184,7 @@ class HostTable:
                 self.by_address.setdefault(a, set()).add(h)
 
     @classmethod
-    def planned(cls, locations, size):
+    def planned(cls, locations, size=None):
         """A host table for an offline view (``graph --np N``): each distinct
         ip among ``locations``, in order of first appearance, is a host with
         one rank per device it uses; leftover ranks go on a host of their own."""
@@ -194,9 +198,9 @@ class HostTable:
         infos = []
         for i, (ip, n) in enumerate(hosts.items()):
             infos += [{"hostname": f"host{i}", "addresses": [ip]}] * n
-        while len(infos) < size:
+        while size is not None and len(infos) < size:
             infos.append({"hostname": "unplanned", "addresses": []})
-        if len(infos) > size:
+        if size is not None and len(infos) > size:
             raise UserError(f"the graph's locations need {len(infos)} ranks "
                             f"({', '.join(f'{ip}: {n}' for ip, n in hosts.items())}), "
                             f"but --np is {size}")

@@ -48,7 +48,13 @@ def resolve_ranks(graph, hosts=None, size=None):
     ``hosts`` (a World or HostTable) resolves ``{ip, device}`` locations;
     without it, a location's ``rank`` is used. ``size`` bounds the ranks."""
     table = getattr(hosts, "hosts", hosts)  # a World carries its HostTable
-    if size is None and hosts is not None:
+    if table is None and any(x.location.ip is not None for x in
+                             list(graph.ops.values()) + list(graph.blobs.values())):
+        # offline (``graph --np N``): plan one rank per device of each ip
+        from ..comm.world import HostTable
+        locs = [x.location for x in list(graph.ops.values()) + list(graph.blobs.values())]
+        table = HostTable.planned(locs, size)
+    if size is None and table is not None:
         size = getattr(hosts, "size", None) or len(table.infos)
 
     def rank_of(loc, what):

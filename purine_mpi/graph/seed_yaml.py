@@ -3,6 +3,8 @@
 ``dump(graph)`` writes every blob and op with everything needed to rebuild
 the graph exactly; ``load(entries, path)`` rebuilds it, with errors naming
 the entry and key at fault."""
+import numpy as np
+
 from ..errors import ConfigError
 from .core import Graph, Location
 
@@ -55,12 +57,20 @@ def _location(v, path, key, hosts=None):
     return Location(rank, device, ip)
 
 
+def _mapping(v, path, key):
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(path, key, f"expected a mapping, got {v!r}")
+    return dict(v)
+
+
 def load(entries, path, name="graph", hosts=None):
     """Build a Graph from seed-format entries. ``hosts`` maps ip -> rank."""
     if not isinstance(entries, list):
         raise ConfigError(path, "graph", "expected a list of blob/op entries")
     g = Graph(name)
-    ops = []
+    ops, aliases = [], []
     for i, e in enumerate(entries):
         key = f"graph[{i}]"
         if not isinstance(e, dict) or e.get("type") not in ("blob", "op"):
@@ -81,11 +91,26 @@ def load(entries, path, name="graph", hosts=None):
                                                        f"integers, got {size!r}")
             if e["name"] in g.blobs:
                 raise ConfigError(path, f"{key}.name", f"blob '{e['name']}' is defined twice")
-            g.add_blob(e["name"], size, e.get("dtype", "float32"), loc, e.get("kind", "data"),
-                       alias_of=e.get("alias_of"), offset=e.get("offset", 0),
-                       attrs=dict(e.get("attrs") or {}))
+            try:
+                dtype = np.dtype(e.get("dtype", "float32")).name
+            except TypeError:
+                raise ConfigError(path, f"{key}.dtype", f"blob '{e['name']}': unknown dtype "
+                                  f"{e.get('dtype')!r} (e.g. float32, float64, int64)") from None
+            offset = e.get("offset", 0)
+            if not isinstance(offset, int) or offset < 0:
+                raise ConfigError(path, f"{key}.offset", f"expected a non-negative integer, "
+                                                         f"got {offset!r}")
+            g.add_blob(e["name"], size, dtype, loc, e.get("kind", "data"),
+                       alias_of=e.get("alias_of"), offset=offset,
+                       attrs=_mapping(e.get("attrs"), path, f"{key}.attrs"))
+            aliases.append((key, e))
         else:
             ops.append((key, e, loc))
+    for key, e in aliases:  # checked once every blob is known (any order works)
+        if e.get("alias_of") is not None and e["alias_of"] not in g.blobs:
+            raise ConfigError(path, f"{key}.alias_of", f"blob '{e['name']}' aliases "
+                                                       f"'{e['alias_of']}', which is not a blob "
+                                                       "of the graph")
     for key, e, loc in ops:
         for k in ("op_type", "inputs", "outputs"):
             if k not in e:
@@ -95,7 +120,14 @@ def load(entries, path, name="graph", hosts=None):
                 raise ConfigError(path, f"{key}.{k}", "expected a list of blob names")
         if e["name"] in g.ops:
             raise ConfigError(path, f"{key}.name", f"op '{e['name']}' is defined twice")
-        g.add_op(e["name"], e["op_type"], e["inputs"], e["outputs"], e.get("attrs") or {}, loc,
-                 e.get("thread", 0), bool(e.get("accumulate", False)),
-                 e.get("control_inputs", ()))
+        thread = e.get("thread", 0)
+        if not isinstance(thread, (int, str)) or isinstance(thread, bool):
+            raise ConfigError(path, f"{key}.thread", f"expected a thread number or name, "
+                                                     f"got {thread!r}")
+        control = e.get("control_inputs", [])
+        if not isinstance(control, list) or not all(isinstance(c, str) for c in control):
+            raise ConfigError(path, f"{key}.control_inputs", "expected a list of op names")
+        g.add_op(e["name"], e["op_type"], e["inputs"], e["outputs"],
+                 _mapping(e.get("attrs"), path, f"{key}.attrs"), loc, thread,
+                 bool(e.get("accumulate", False)), control)
     return g

@@ -15,6 +15,7 @@ Sections and defaults (DESIGN.md section 6)::
     graph       optional low-level list of {type: blob|op, ...} entries
     solver      SOLVER_DEFAULTS         parallel    PARALLEL_DEFAULTS
     checkpoint  {interval: 0, keep: 3}  device      -1 (CPU); backend optional
+    tf32        false (GPU float32 GEMMs may use TensorFloat-32)
 
 To add a key, add its default to the section's defaults table and a checker
 to the section's validator table; unknown keys are errors (with a "did you
@@ -29,7 +30,7 @@ import yaml
 from ..errors import ConfigError
 
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
-            "backend", "device")
+            "backend", "device", "tf32")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd",)
 PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
@@ -174,6 +175,7 @@ def validate_config(config, path="<config>", check_files=True):
     if config.get("backend") is not None:
         out["backend"] = _check_choice("backend", config["backend"], BACKENDS, path)
     out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
+    out["tf32"] = _check_bool("tf32", config.get("tf32", False), path)
     out["_path"] = config.get("_path", path)
     return out
 

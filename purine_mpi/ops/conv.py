@@ -19,11 +19,17 @@ Gradients (col = im2col(x), one row per (c, p, q), one column per (n, i, j)):
 im2col is one strided view of the padded input copied out; col2im loops over
 the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
 processed in chunks so the column buffer stays bounded on large inputs.
+
+On a GPU (CuPy arrays) im2col/col2im are the raw kernels of cuda/im2col.cu
+(no padded copy of the input, no kh*kw slice-add launches) and the GEMMs are
+cuBLAS through ``cupy.matmul``; a 1x1 stride-1 unpadded conv (NIN's cccp
+layers) needs no im2col at all there: its columns are the input itself.
 """
 import numpy as np
 
 from ..backend import get_xp
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
@@ -109,6 +115,23 @@ def col2im(xp, col, geo, dxpad):
                   q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
 
 
+def _pointwise(geo):
+    """A 1x1 conv with stride 1, no padding and no dilation: col = x."""
+    return (geo["kh"] == geo["kw"] == 1 and geo["sh"] == geo["sw"] == 1
+            and geo["ph"] == geo["pw"] == 0)
+
+
+def _gpu_cols(k, x, geo):
+    """GPU columns of a chunk ``x`` (n, C, H, W): shape (n, G, C/G*kh*kw, OH*OW)."""
+    n = x.shape[0]
+    if _pointwise(geo):
+        cols = x
+    else:
+        cols = k.im2col(x, geo["kh"], geo["kw"], geo["sh"], geo["sw"], geo["ph"], geo["pw"],
+                        geo["dh"], geo["dw"])
+    return cols.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
+
+
 @register
 class Conv(OpKernel):
     """y = conv2d(x, w) + b; see the module docstring."""
@@ -130,11 +153,16 @@ class Conv(OpKernel):
         geo = _geometry(self.attrs, x.shape, w.shape)
         G, O = geo["G"], geo["O"]
         wmat = w.reshape(G, O // G, -1)
-        xpad = _pad(xp, x, geo)
         y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
-        for sl in _chunks(xp, geo, x.itemsize):
-            # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
-            xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
+        k = raw_kernels(xp, x, w)
+        if k is not None:  # GPU: raw im2col kernel, cuBLAS GEMM
+            for sl in _chunks(xp, geo, x.itemsize):
+                xp.matmul(wmat, _gpu_cols(k, x[sl], geo), out=y[sl])
+        else:
+            xpad = _pad(xp, x, geo)
+            for sl in _chunks(xp, geo, x.itemsize):
+                # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
+                xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
         if len(ins) == 3:
             outs[0] += ins[2].reshape(1, O, 1, 1)
 
@@ -163,6 +191,18 @@ class ConvGradData(OpKernel):
         # contiguous w^T: BLAS on a transposed view is several times slower in numpy
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
+        k = raw_kernels(xp, dy, w)
+        if k is not None:  # GPU: cuBLAS GEMM, then the raw col2im kernel
+            for sl in _chunks(xp, geo, dy.itemsize):
+                dx = outs[0][sl]
+                n = dx.shape[0]
+                if _pointwise(geo):  # the columns are dx itself
+                    xp.matmul(wT, dyg[sl], out=dx.reshape(n, G, C // G, H * W))
+                    continue
+                dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
+                k.col2im(dcol.reshape(n, -1, geo["OH"] * geo["OW"]), dx.shape, geo["kh"],
+                         geo["kw"], geo["sh"], geo["sw"], ph, pw, geo["dh"], geo["dw"], out=dx)
+            return
         for sl in _chunks(xp, geo, dy.itemsize):
             dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
             n = dcol.shape[0]
@@ -199,6 +239,12 @@ class ConvGradWeight(OpKernel):
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         dw = outs[0].reshape(G, O // G, -1)
         dw.fill(0)
+        k = raw_kernels(xp, dy, x)
+        if k is not None:  # GPU: raw im2col kernel, batched cuBLAS GEMM, sum over the chunk
+            for sl in _chunks(xp, geo, x.itemsize):
+                col = _gpu_cols(k, x[sl], geo)  # (n, G, K, L)
+                dw += xp.matmul(dyg[sl], col.transpose(0, 1, 3, 2)).sum(axis=0)
+            return
         xpad = _pad(xp, x, geo)
         for sl in _chunks(xp, geo, x.itemsize):
             col = im2col(xp, xpad[sl], geo)  # (n, G, K, L)

@@ -20,11 +20,15 @@ Gradient ("PoolGrad", inputs [dy, mask] for max, [dy] for average, attr
 ``x_shape``): max routes dy to the argmax of each window; average spreads
 dy / size over the window. Overlapping windows add up; both loop over the
 kh*kw kernel offsets with strided slice-adds (no scatter).
+
+On a GPU (CuPy arrays of float32/float64) forward and backward are one raw
+kernel each (cuda/pooling.cu), with the same mask convention and divisor.
 """
 import numpy as np
 
 from ..backend import get_xp
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .conv import pair
 from .registry import OpKernel, gradient, register
 
@@ -108,6 +112,15 @@ def _divisor(xp, geo, dtype):
     return xp.asarray(div.astype(dtype))
 
 
+def _kernel_args(geo):
+    """(kh, kw, sh, sw, ph, pw) of the raw pooling kernels."""
+    return geo["kh"], geo["kw"], geo["sh"], geo["sw"], geo["ph"], geo["pw"]
+
+
+def _ceil(attrs):
+    return bool(attrs.get("ceil_mode", False))
+
+
 @register
 class Pool(OpKernel):
     """Max or average pooling; see the module docstring."""
@@ -125,6 +138,14 @@ class Pool(OpKernel):
         xp = get_xp(x)
         geo = _geometry(self.attrs, x.shape)
         y = outs[0]
+        k = raw_kernels(xp, x)
+        if k is not None:  # GPU: one raw kernel writes y (and the argmax mask)
+            if geo["kind"] == "max":
+                k.maxpool_forward(x, *_kernel_args(geo), ceil_mode=_ceil(self.attrs),
+                                  out=(y, outs[1]))
+            else:
+                k.avepool_forward(x, *_kernel_args(geo), ceil_mode=_ceil(self.attrs), out=y)
+            return
         if geo["whole"]:
             flat = x.reshape(geo["N"], geo["C"], -1)
             if geo["kind"] == "max":
@@ -181,6 +202,13 @@ class PoolGrad(OpKernel):
         dx = outs[0]
         geo = _geometry(self.attrs, dx.shape)
         N, C = geo["N"], geo["C"]
+        k = raw_kernels(xp, dy)
+        if k is not None:  # GPU: one raw kernel gathers each dx from its windows
+            if geo["kind"] == "max":
+                k.maxpool_backward(dy, ins[1], dx.shape, *_kernel_args(geo), out=dx)
+            else:
+                k.avepool_backward(dy, dx.shape, *_kernel_args(geo), out=dx)
+            return
         if geo["whole"]:
             flat = dx.reshape(N, C, -1)
             if geo["kind"] == "max":

@@ -5,11 +5,18 @@ All three work over ``axis`` (default 1, the channel axis): an input of shape
 one of the ``outer * inner`` positions is one prediction, as in Caffe.
 Labels are integers of shape ``(N,)`` or ``(N, H, W)`` (any shape with one
 entry per position); float labels holding integers are truncated to int.
+
+On a GPU (CuPy arrays of float32/float64, ``axis`` 1) the softmax loss and
+its gradient are the fused raw kernels of cuda/softmax_loss.cu, and nothing
+is read back to the host: the batch mean and the gradient scale stay on the
+device. There a label outside [0, C) gives a NaN loss instead of the
+ValueError the CPU raises (checking would cost a device-to-host sync).
 """
 import numpy as np
 
 from ..backend import get_xp
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 
@@ -56,6 +63,14 @@ def _labels(attrs, label, outer, channels, inner):
                          + ("" if ignore is None else f" (and is not ignore_label {ignore})"))
     count = max(int(valid.sum()), 1)
     return lab, valid, count
+
+
+def _gpu_count(xp, valid, ignore, positions):
+    """The loss normaliser (counted positions, at least 1) without a host
+    sync: a Python int when nothing is ignored, else a device scalar."""
+    if ignore is None:
+        return positions
+    return xp.maximum(valid.sum(), 1)
 
 
 @register
@@ -131,6 +146,12 @@ class SoftmaxLoss(OpKernel):
         loss, prob = outs
         axis = _axis(self.attrs, x.ndim)
         outer, channels, inner = _split_dims(x.shape, axis)
+        k = raw_kernels(xp, x)
+        if k is not None and axis == 1:  # GPU: fused kernel, mean taken on the device
+            ignore = self.attrs.get("ignore_label")
+            _, nll, valid = k.softmax_loss_forward(x, label, ignore, out=(prob, None, None))
+            loss[...] = nll.sum() / _gpu_count(xp, valid, ignore, outer * inner)
+            return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
         shifted = x3 - x3.max(axis=1, keepdims=True)  # no overflow in exp
@@ -161,6 +182,15 @@ class SoftmaxLossGrad(OpKernel):
         dloss, prob, label = ins
         axis = _axis(self.attrs, prob.ndim)
         outer, channels, inner = _split_dims(prob.shape, axis)
+        k = raw_kernels(xp, prob)
+        if k is not None and axis == 1:  # GPU: fused kernel, scale kept on the device
+            ignore = self.attrs.get("ignore_label")
+            valid = None if ignore is None else \
+                (label.reshape(-1).astype(np.int64) != int(ignore))
+            count = _gpu_count(xp, valid, ignore, outer * inner)
+            scale = xp.asarray(dloss, dtype=prob.dtype) / count
+            k.softmax_loss_backward(prob, label, scale, ignore, out=outs[0])
+            return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         classes = xp.arange(channels, dtype=np.int64)[None, :, None]
         onehot = classes == lab[:, None, :]

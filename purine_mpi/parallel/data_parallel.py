@@ -22,9 +22,12 @@ the lower layers still back-propagate.
 With ``check_collectives=True`` the composed graph's sequence of
 collectives is compared across ranks (``purine_mpi.comm.verify``).
 """
+import dataclasses
+
 import numpy as np
 
 from ..comm.ops import is_comm_op
+from ..errors import UserError
 
 MB = 2 ** 20
 
@@ -78,9 +81,17 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
     param -> gradient blob (``build_backward``'s result). Returns the bucket
     plan: a list of {"name", "op", "seq", "params", "grads", "bytes"}."""
+    ranks = sorted({op.location.rank for op in graph.ops.values()})
+    ips = sorted({op.location.ip for op in graph.ops.values()} - {None})
+    spread = ranks if len(ranks) > 1 else ips
+    if len(spread) > 1:
+        raise UserError(f"data-parallel composition needs one replica's graph, but this graph "
+                        f"places ops on several locations ({', '.join(map(str, spread))}); "
+                        "for a graph with locations use parallel.scheme: pipeline")
     for op in graph.ops.values():
         if op.op_type == "DataReader":
             op.attrs["rank"], op.attrs["world_size"] = int(rank), int(world_size)
+    place_on_rank(graph, rank)
     grads = {p: g for p, g in grads.items() if g in graph.blobs}
     producers = graph.producers()
     seq = next_seq(graph)
@@ -121,6 +132,14 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         from ..comm.verify import check_collectives as _check
         _check(graph, world)
     return plan
+
+
+def place_on_rank(graph, rank):
+    """Give every op and blob of a replica the location rank ``rank`` (the
+    device stays): the replica is what that rank runs."""
+    for x in list(graph.ops.values()) + list(graph.blobs.values()):
+        if x.location.rank != rank:
+            x.location = dataclasses.replace(x.location, rank=int(rank))
 
 
 def _rewire_updates(graph, summed, renamed, world_size):

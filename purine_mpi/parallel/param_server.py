@@ -48,11 +48,11 @@ import time
 
 import numpy as np
 
-from ..comm.ops import MPIPending  # noqa: F401  (also registers Send/Recv)
+from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..errors import UserError
 from ..graph.core import Graph, Op
 from ..graph.solver import momentum_name
-from .data_parallel import gradient_ready_order, next_seq
+from .data_parallel import gradient_ready_order, next_seq, place_on_rank
 
 
 # ----------------------------------------------------------------- layout
@@ -127,8 +127,35 @@ def compose_param_server(graph, grads, config, world=None):
                         "not a training graph")
     plan = plan_param_server(graph, grads, layout)
     build_worker_graph(graph, plan)
+    place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
     return graph
+
+
+def compose_for_rank(graph, grads, config, world_size, rank):
+    """The graph global ``rank`` of ``world_size`` runs, built without MPI
+    (``graph`` CLI). ``graph`` is a single-replica training graph; its data
+    shard is re-set to this worker's. A sync_ps server gets its server graph;
+    an async server runs a loop, not a graph, and gets an empty graph that
+    says so in its name."""
+    par = config.get("parallel", {})
+    layout = ps_layout(world_size, par.get("ps_ranks", 1))
+    nw = len(layout["workers"])
+    plan = plan_param_server(graph, grads, layout)
+    if rank in layout["workers"]:
+        for op in graph.ops.values():
+            if op.op_type == "DataReader":
+                op.attrs["rank"], op.attrs["world_size"] = rank, nw
+        build_worker_graph(graph, plan)
+        place_on_rank(graph, rank)
+        return graph.infer_shapes().validate()
+    if par.get("mode") == "sync_ps":
+        server = build_server_graph(graph, grads, plan, rank)
+        place_on_rank(server, rank)
+        return server
+    owned = [p for p in plan["order"] if plan["owner"][p] == rank]
+    return Graph(f"{graph.name}.async_server{rank} (AsyncServer loop over "
+                 f"{len(owned)} params: {', '.join(owned)})")
 
 
 def worker_world(world=None, ps_ranks=1):
@@ -333,6 +360,7 @@ def run_server(config, world=None, resume=None, init=None, log=None):
     if mode == "sync_ps":
         from ..runtime.dispatcher import make_dispatcher
         sg = build_server_graph(graph, grads, plan, world.rank)
+        place_on_rank(sg, world.rank)
         d = make_dispatcher(sg, "event", rank=world.rank,
                             stall_timeout=float(par.get("stall_timeout", 300)))
         try:

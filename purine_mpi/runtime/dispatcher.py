@@ -307,11 +307,21 @@ def _stall_message(rank, pending, timeout):
 
 
 def make_dispatcher(graph, kind=None, **kw):
-    """``kind`` is 'event' (default) or 'serial'; env PURINE_DISPATCHER overrides."""
+    """``kind`` is 'event' (default), 'serial' or 'stream'; env PURINE_DISPATCHER
+    overrides. 'event' on a graph with GPU ops (location device >= 0) is the
+    CUDA-stream dispatcher (runtime/streams_dispatcher.py)."""
     kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
     if kind == "serial":
         return SerialDispatcher(graph, **kw)
+    if kind == "stream" or (kind == "event" and _on_gpu(graph)):
+        from .streams_dispatcher import StreamDispatcher
+        return StreamDispatcher(graph, **kw)
     if kind == "event":
         return EventDispatcher(graph, **kw)
     from ..errors import UserError
-    raise UserError(f"PURINE_DISPATCHER must be 'event' or 'serial', got '{kind}'")
+    raise UserError(f"PURINE_DISPATCHER must be 'event', 'serial' or 'stream', got '{kind}'")
+
+
+def _on_gpu(graph):
+    return any(n.location.device >= 0 for n in list(graph.ops.values()) +
+               list(graph.blobs.values()))

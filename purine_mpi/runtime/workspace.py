@@ -1,11 +1,46 @@
 """Static memory for a graph: every blob gets its array once, before the first
 iteration, and keeps it. Alias blobs are views into their storage root, so a
 gradient bucket is one flat allocation whose per-parameter views the gradient
-ops write in place (no packing copy for communication)."""
+ops write in place (no packing copy for communication).
+
+On a GPU the memory is planned from the graph: the storage roots of each
+device are laid out (256-byte aligned) in one arena, allocated once from
+CuPy's memory pool (``plan_device_memory``), so blobs never fragment the pool
+and the footprint is known before the first iteration. What kernels allocate
+for themselves (im2col columns, GEMM outputs) comes from the same pool, which
+keeps memory per stream, so reuse never races the asynchronous streams; CuPy's
+``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
+copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
+those copies run asynchronously. A graph without GPU blobs is allocated as
+before, blob by blob, with NumPy.
+"""
 import numpy as np
 
-from ..backend import xp_for_device
+from ..backend import cupy_available, get_xp, xp_for_device
 from ..errors import GraphError
+
+#: alignment of blob offsets in a device arena (cudaMalloc's own guarantee)
+ARENA_ALIGN = 256
+
+
+def plan_device_memory(graph, skip=()):
+    """{device: (total_bytes, {root blob: byte offset})} for the storage roots
+    of every GPU device (blobs named in ``skip`` are owned elsewhere)."""
+    plans = {}
+    for name, blob in graph.blobs.items():
+        if blob.alias_of is not None or name in skip or blob.location.device < 0:
+            continue
+        if blob.shape is None:
+            raise GraphError(f"blob '{name}' has no shape; run shape inference first")
+        total, offsets = plans.setdefault(blob.location.device, [0, {}])
+        nbytes = _elements(blob) * np.dtype(blob.dtype).itemsize
+        offsets[name] = total
+        plans[blob.location.device][0] = total + -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    return {d: (total, offsets) for d, (total, offsets) in plans.items()}
+
+
+def _elements(blob):
+    return max(blob.size, 1) if blob.shape else 1
 
 
 class Workspace:
@@ -18,8 +53,23 @@ class Workspace:
         self.arrays = dict(shared or {})
         self._flat = {}
         self.allocated_bytes = 0
+        #: bytes of each GPU device's arena
+        self.device_bytes = {}
+        self._arena = {}
+        self._offsets = {}
+        plans = plan_device_memory(graph, skip=self.arrays)
+        for device, (total, offsets) in sorted(plans.items()):
+            self._allocate_arena(device, total, offsets)
         for name in graph.blobs:
             self._ensure(name)
+
+    def _allocate_arena(self, device, total, offsets):
+        cupy = xp_for_device(device)  # a UserError when there is no GPU
+        with cupy.cuda.Device(device):
+            self._arena[device] = cupy.zeros(max(total, 1), dtype=np.uint8)
+        self._offsets.update(offsets)
+        self.device_bytes[device] = total
+        self.allocated_bytes += total
 
     def _ensure(self, name):
         if name in self.arrays:
@@ -28,10 +78,15 @@ class Workspace:
         if blob.shape is None:
             raise GraphError(f"blob '{name}' has no shape; run shape inference first")
         if blob.alias_of is None:
-            xp = xp_for_device(blob.location.device)
-            flat = xp.zeros(max(blob.size, 1) if blob.shape else 1, dtype=blob.dtype)
+            if blob.location.device >= 0:
+                flat = self._from_arena(name, blob)
+            elif blob.attrs.get("pinned") and cupy_available():
+                flat = self._pinned(blob)
+            else:
+                xp = xp_for_device(blob.location.device)
+                flat = xp.zeros(max(blob.size, 1) if blob.shape else 1, dtype=blob.dtype)
+                self.allocated_bytes += flat.nbytes
             self._flat[name] = flat
-            self.allocated_bytes += flat.nbytes
             arr = flat[:blob.size].reshape(blob.shape)
         else:
             root = self.graph.storage_root(name)
@@ -47,6 +102,22 @@ class Workspace:
         self.arrays[name] = arr
         return arr
 
+    def _from_arena(self, name, blob):
+        """The flat array of a GPU storage root: its slice of the arena."""
+        count = _elements(blob)
+        dtype = np.dtype(blob.dtype)
+        start = self._offsets[name]
+        raw = self._arena[blob.location.device][start:start + count * dtype.itemsize]
+        return raw.view(dtype)
+
+    def _pinned(self, blob):
+        """A zeroed page-locked host array (the source of an async copy)."""
+        from ..gpu.streams import pinned_empty
+        flat = pinned_empty((_elements(blob),), blob.dtype)
+        flat[...] = 0
+        self.allocated_bytes += flat.nbytes
+        return flat
+
     def __getitem__(self, name):
         return self.arrays[name]
 
@@ -61,4 +132,9 @@ class Workspace:
         if tuple(value.shape) != tuple(arr.shape):
             raise GraphError(f"cannot load blob '{name}': shape {list(value.shape)} given, "
                              f"the graph has {list(arr.shape)}")
+        xp = get_xp(arr)
+        if xp is not np and not hasattr(value, "__cuda_array_interface__"):
+            # CuPy cannot assign a host array element-wise: copy it over first
+            with arr.device:
+                value = xp.asarray(value, dtype=arr.dtype)
         arr[...] = value

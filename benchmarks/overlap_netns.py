@@ -1,0 +1,248 @@
+"""Does communication hide behind computation? Two ranks on two emulated
+hosts (network namespaces joined by a veth pair, each end shaped to
+1 Gbit/s with tbf), synchronous data parallelism with bucketed Allreduce.
+
+    sudo .venv/bin/python benchmarks/overlap_netns.py [--config CONFIG.yaml]
+        [--iters 5] [--warmup 2] [--rate 1gbit] [--bucket-mb 4]
+
+Needs root (ip netns, tc) and MPICH with UCX (the PyPI ``mpich`` wheel). It
+creates namespaces ``pmbenchA<pid>`` / ``pmbenchB<pid>`` (10.251.<k>.1/.2),
+launches one rank in each through hydra with benchmarks/nsexec.sh as the
+"ssh", forces TCP (UCX_TLS=tcp,self, else MPICH would use shared memory),
+and deletes the namespaces afterwards. Per iteration (median over
+``--iters`` after ``--warmup``), both ranks running at once:
+
+    compute_ms   the single-replica training graph, no communication
+    comm_ms      only the Allreduce ops of the composed graph's buckets
+    real_ms      the composed graph: gradients reduced during backward
+    hidden_ms    compute_ms + comm_ms - real_ms (communication that overlapped)
+
+and ``comm_overlap``: the share of communication time during which compute
+ops ran (from the dispatcher's trace, as ``bench --json``). Prints one JSON
+object. The default net (conv layers below a 25 MB fully connected layer)
+makes compute and communication comparable at 1 Gbit/s.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+DEFAULT_NET = {
+    "name": "overlap_net", "seed": 0,
+    "data": {"train": {"source": "synthetic", "shape": [3, 32, 32], "classes": 10,
+                       "num_samples": 256, "batch_size": 32}},
+    "net": [
+        {"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1", "num_output": 32,
+         "kernel": 5, "pad": 2},
+        {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+        {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1", "pool": "max",
+         "kernel": 2, "stride": 2},
+        {"type": "conv", "name": "conv2", "bottom": "pool1", "top": "conv2", "num_output": 64,
+         "kernel": 5, "pad": 2},
+        {"type": "relu", "name": "relu2", "bottom": "conv2", "top": "conv2"},
+        {"type": "pool", "name": "pool2", "bottom": "conv2", "top": "pool2", "pool": "max",
+         "kernel": 2, "stride": 2},
+        {"type": "fc", "name": "fc1", "bottom": "pool2", "top": "fc1", "num_output": 1536},
+        {"type": "relu", "name": "relu3", "bottom": "fc1", "top": "fc1"},
+        {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 10},
+        {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"},
+    ],
+    "solver": {"base_lr": 0.001, "momentum": 0.9, "lr_policy": "fixed", "max_iter": 100,
+               "display": 0, "test_interval": 0},
+    "parallel": {"scheme": "data", "mode": "sync"},
+}
+
+
+# ------------------------------------------------------------------ driver
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def setup_netns(a, b, subnet, rate):
+    sh("ip", "netns", "add", a)
+    sh("ip", "netns", "add", b)
+    # both ends get one name, so one UCX_NET_DEVICES value serves both ranks
+    sh("ip", "link", "add", "pmtmpA", "netns", a, "type", "veth", "peer", "name", "pmtmpB",
+       "netns", b)
+    for ns, old, host in ((a, "pmtmpA", 1), (b, "pmtmpB", 2)):
+        sh("ip", "-n", ns, "link", "set", old, "name", "pmveth")
+        sh("ip", "-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", "pmveth")
+        sh("ip", "-n", ns, "link", "set", "pmveth", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate:
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "pmveth", "root", "tbf",
+               "rate", rate, "burst", "256kb", "latency", "100ms")
+    # UCX ignores a link without carrier: wait until both ends report UP
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = [sh("ip", "-n", ns, "-o", "link", "show", "pmveth").stdout for ns in (a, b)]
+        if all("state UP" in s and "NO-CARRIER" not in s for s in states):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the veth link between the namespaces did not come up")
+
+
+def teardown_netns(*names):
+    for ns in names:
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def driver(args):
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        sys.exit("overlap_netns.py needs root with the ip and tc tools (network namespaces)")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec") or sys.exit("mpiexec not found (pip install mpich)")
+    pid = os.getpid()
+    a, b = f"pmbenchA{pid}", f"pmbenchB{pid}"
+    subnet = f"10.251.{pid % 250 + 1}"
+    env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self",
+               UCX_NET_DEVICES="pmveth", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = ["ip", "netns", "exec", a, mpiexec, "-launcher", "ssh", "-launcher-exec",
+           os.path.join(HERE, "nsexec.sh"), "-hosts", f"{subnet}.1,{subnet}.2", "-n", "2",
+           sys.executable, os.path.abspath(__file__), "--worker"] + args.forward
+    try:
+        setup_netns(a, b, subnet, args.rate)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        sys.exit(f"the benchmark did not finish in {args.timeout} s:\n{e.stdout}\n{e.stderr}")
+    finally:
+        teardown_netns(a, b)
+    if proc.returncode != 0:
+        sys.exit(f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["rate"] = args.rate or "unlimited"
+    print(json.dumps(result))
+
+
+# ------------------------------------------------------------------ ranks
+def timed(world, dispatcher, iters, warmup, profile_from=None):
+    from purine_mpi.runtime.dispatcher import Profiler
+    times = []
+    ws = dispatcher.workspace
+    for it in range(warmup + iters):
+        if profile_from is not None and it == warmup:
+            dispatcher.profiler = Profiler(world.rank)
+        world.comm.Barrier()
+        if "iter" in ws.arrays:
+            ws["iter"][...] = it
+        t0 = time.perf_counter()
+        dispatcher.run(it)
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(opts):
+    import numpy as np
+    import yaml
+
+    from purine_mpi.bench import comm_overlap
+    from purine_mpi.comm.world import get_world, install_abort_handler
+    from purine_mpi.graph import Graph
+    from purine_mpi.io.config import resolve_config
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.model import build_train_graph
+    from purine_mpi.parallel.data_parallel import compose_data_parallel
+    from purine_mpi.runtime.dispatcher import make_dispatcher
+
+    world = get_world()
+    install_abort_handler(world)
+    if opts.config:
+        with open(opts.config) as f:
+            raw = yaml.safe_load(f)
+        raw.setdefault("data", {}).pop("test", None)
+    else:
+        raw = DEFAULT_NET
+    cfg = resolve_config(raw, opts.config or "<overlap_netns>", check_files=False)
+    if cfg["data"]["train"].get("source") != "synthetic":
+        from purine_mpi.bench import synthetic_config
+        cfg = synthetic_config(cfg)
+
+    def make(graph):
+        d = make_dispatcher(graph, "event", rank=world.rank, stall_timeout=600)
+        for blob in graph.params():
+            d.workspace.set(blob.name, fill(blob, 0))
+        return d
+
+    def median_ms(times):
+        return 1000 * world.comm.allreduce(statistics.median(times)) / world.size
+
+    graph, grads = build_train_graph(cfg, world.rank, world.size)
+    d = make(graph)
+    compute = median_ms(timed(world, d, opts.iters, opts.warmup))
+    d.close()
+
+    graph, grads = build_train_graph(cfg, world.rank, world.size)
+    plan = compose_data_parallel(graph, grads, world.size, world.rank,
+                                 bucket_mb=opts.bucket_mb, first_bucket_mb=opts.first_bucket_mb)
+    graph.infer_shapes().validate()
+    comm_graph = Graph("allreduce_only")
+    for b in plan:
+        n = graph.blobs[b["name"]].shape[0]
+        comm_graph.add_blob(b["name"], (n,), kind="bucket")
+        comm_graph.add_blob(b["name"] + ".sum", (n,), kind="grad", alias_of=b["name"])
+        comm_graph.add_op(b["op"], "Allreduce", [b["name"]], [b["name"] + ".sum"],
+                          {"seq": b["seq"], "bucket": b["name"]}, thread="comm")
+    d = make(comm_graph.infer_shapes())
+    comm = median_ms(timed(world, d, opts.iters, opts.warmup))
+    d.close()
+
+    d = make(graph)
+    real_times = timed(world, d, opts.iters, opts.warmup, profile_from=opts.warmup)
+    real = median_ms(real_times)
+    overlap = comm_overlap(d.profiler.events)
+    if opts.trace:
+        with open(os.path.join(opts.trace, f"overlap_trace.rank{world.rank}.json"), "w") as f:
+            json.dump({"traceEvents": d.profiler.events}, f)
+    overlap = world.comm.allreduce(overlap or 0.0) / world.size
+    d.close()
+    grad_bytes = sum(b["bytes"] for b in plan)
+    if world.rank == 0:
+        print(json.dumps({
+            "config": cfg.get("name"), "world_size": world.size, "iters": opts.iters,
+            "batch_per_rank": cfg["data"]["train"]["batch_size"],
+            "grad_mb": round(grad_bytes / 2 ** 20, 2), "buckets": len(plan),
+            "compute_ms": round(compute, 1), "comm_ms": round(comm, 1),
+            "real_ms": round(real, 1), "sum_ms": round(compute + comm, 1),
+            "hidden_ms": round(compute + comm - real, 1),
+            "hidden_share_of_comm": round((compute + comm - real) / comm, 3) if comm else None,
+            "comm_overlap": round(float(overlap), 3),
+            "numpy": np.__version__}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="job YAML (default: a built-in conv + 25 MB fc net)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--first-bucket-mb", type=float, default=1.0)
+    p.add_argument("--rate", default="1gbit", help="tbf rate per link end ('' = unlimited)")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--trace", metavar="DIR", help="write the real run's Chrome traces there")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    args.forward = [f"--iters={args.iters}", f"--warmup={args.warmup}",
+                    f"--bucket-mb={args.bucket_mb}", f"--first-bucket-mb={args.first_bucket_mb}"]
+    if args.config:
+        args.forward.append(f"--config={os.path.abspath(args.config)}")
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        args.forward.append(f"--trace={os.path.abspath(args.trace)}")
+    return driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Data-parallel scaling on one machine: purine_mpi (bucketed Allreduce in
+the graph) against PyTorch DistributedDataParallel (gloo), same net, same
+per-rank batch, one BLAS/OpenMP thread per process.
+
+    .venv/bin/python benchmarks/scaling_ddp.py [--config jobs/cifar10_quick.yaml]
+        [--iters 20] [--warmup 3] [--ranks 2]
+
+purine_mpi runs ``python -m purine_mpi bench CONFIG --json`` on 1 rank and
+under ``mpiexec -n RANKS``; PyTorch runs the equivalent network (built from
+the config's conv / pool / relu / fc / softmax_loss layers) in 1 process and
+in RANKS DDP processes. Prints one JSON object: images/s and median
+iteration time for each, and the per-process efficiency
+``(images/s at N) / (N * images/s at 1)``. For purine_mpi it also runs RANKS
+independent one-rank processes at once (no communication):
+``efficiency_vs_independent`` is the share of that throughput the
+data-parallel run keeps, i.e. the cost of the communication alone, apart
+from what the cores and memory bandwidth allow N processes.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def one_thread_env():
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PURINE_THREADS"):
+        env[var] = "1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def purine(config, ranks, iters, warmup):
+    cmd = [sys.executable, "-m", "purine_mpi", "bench", config, "--iters", str(iters),
+           "--warmup", str(warmup), "--json"]
+    if ranks > 1:
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        cmd = [mpiexec, "-n", str(ranks)] + cmd
+    out = subprocess.run(cmd, env=one_thread_env(), capture_output=True, text=True, cwd=ROOT,
+                         timeout=1800)
+    if out.returncode != 0:
+        sys.exit(f"purine_mpi bench failed:\n{out.stdout}\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def purine_independent(config, ranks, iters, warmup):
+    """``ranks`` one-rank bench processes at once, no communication between
+    them: what the machine itself allows (cores, memory bandwidth)."""
+    cmd = [sys.executable, "-m", "purine_mpi", "bench", config, "--iters", str(iters),
+           "--warmup", str(warmup), "--json"]
+    procs = [subprocess.Popen(cmd, env=one_thread_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for _ in range(ranks)]
+    outs = [p.communicate(timeout=1800) for p in procs]
+    if any(p.returncode for p in procs):
+        sys.exit("purine_mpi bench failed:\n" + "\n".join(o + e for o, e in outs))
+    res = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    med = statistics.mean(r["iter_ms_median"] for r in res)
+    return {"iter_ms_median": round(med, 3),
+            "images_per_s": round(sum(r["images_per_s"] for r in res), 2)}
+
+
+# ------------------------------------------------------------------ torch
+def torch_net(config):
+    """The config's net as a torch.nn.Sequential (the layer types the
+    CIFAR-style configs use)."""
+    import torch.nn as nn
+    layers, channels, size = [], None, None
+    spec = config["data"]["train"]
+    channels, size = spec["shape"][0], spec["shape"][1:]
+    flat = None
+    for layer in config["net"]:
+        kind = layer["type"]
+        if layer.get("phase") == "test":
+            continue
+        if kind == "conv":
+            k, p, s = layer["kernel"], layer.get("pad", 0), layer.get("stride", 1)
+            layers.append(nn.Conv2d(channels, layer["num_output"], k, s, p))
+            channels = layer["num_output"]
+            size = [(x + 2 * p - k) // s + 1 for x in size]
+        elif kind == "pool":
+            k, s = layer["kernel"], layer.get("stride", 1)
+            ceil = layer.get("ceil_mode", False)
+            pool = nn.MaxPool2d if layer.get("pool", "max") == "max" else nn.AvgPool2d
+            layers.append(pool(k, s, ceil_mode=ceil))
+            rnd = (lambda v: -(-v // s)) if ceil else (lambda v: v // s)
+            size = [rnd(x - k) + 1 for x in size]
+        elif kind == "relu":
+            layers.append(nn.ReLU())
+        elif kind == "fc":
+            if flat is None:
+                layers.append(nn.Flatten())
+                flat = channels * size[0] * size[1]
+            layers.append(nn.Linear(flat, layer["num_output"]))
+            flat = layer["num_output"]
+        elif kind in ("softmax_loss", "accuracy"):
+            continue
+        else:
+            raise SystemExit(f"scaling_ddp.py: no torch equivalent for layer type {kind!r}")
+    return nn.Sequential(*layers)
+
+
+def torch_worker(rank, world, config, iters, warmup, port, queue):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch_net(config)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    solver = config["solver"]
+    opt = torch.optim.SGD(model.parameters(), lr=solver.get("base_lr", 0.01),
+                          momentum=solver.get("momentum", 0.9),
+                          weight_decay=solver.get("weight_decay", 0.0))
+    spec = config["data"]["train"]
+    batch = spec["batch_size"]
+    x = torch.randn(batch, *spec["shape"])
+    y = torch.randint(0, spec["classes"], (batch,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for it in range(warmup + iters):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+    queue.put((rank, statistics.median(times)))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def pytorch(config, ranks, iters, warmup):
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    os.environ.update({k: v for k, v in one_thread_env().items() if k.endswith("THREADS")})
+    procs = [ctx.Process(target=torch_worker, args=(r, ranks, config, iters, warmup, port,
+                                                    queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    medians = [queue.get(timeout=1800)[1] for _ in procs]
+    for p in procs:
+        p.join()
+    med = statistics.mean(medians)
+    batch = config["data"]["train"]["batch_size"]
+    return {"world_size": ranks, "iter_ms_median": round(1000 * med, 3),
+            "images_per_s": round(batch * ranks / med, 2)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(ROOT, "jobs", "cifar10_quick.yaml"))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--skip-torch", action="store_true")
+    args = p.parse_args()
+    sys.path.insert(0, ROOT)
+    from purine_mpi.io.config import load_config
+    config = load_config(args.config, check_files=False)
+
+    result = {"config": os.path.relpath(args.config, ROOT), "ranks": args.ranks,
+              "iters": args.iters, "batch_per_rank": config["data"]["train"]["batch_size"],
+              "threads_per_process": 1, "cpu_count": os.cpu_count()}
+    for name, fn in (("purine_mpi", purine), ("pytorch_ddp_gloo", pytorch)):
+        if name.startswith("pytorch") and args.skip_torch:
+            continue
+        one = fn(args.config if fn is purine else config, 1, args.iters, args.warmup)
+        many = fn(args.config if fn is purine else config, args.ranks, args.iters, args.warmup)
+        keep = ("images_per_s", "iter_ms_median", "comm_overlap")
+        result[name] = {
+            "1": {k: one[k] for k in keep if k in one},
+            str(args.ranks): {k: many[k] for k in keep if k in many},
+            "efficiency": round(many["images_per_s"] / (args.ranks * one["images_per_s"]), 3),
+        }
+        if fn is purine:
+            # the same number of processes with no communication at all:
+            # separates the cost of data parallelism from the machine's limits
+            alone = purine_independent(args.config, args.ranks, args.iters, args.warmup)
+            result[name][f"{args.ranks}_independent"] = alone
+            result[name]["efficiency_vs_independent"] = round(
+                many["images_per_s"] / alone["images_per_s"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

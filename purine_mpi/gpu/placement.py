@@ -1,0 +1,174 @@
+"""Put a graph on a GPU: set every op's and blob's location device.
+
+``place_on_device(graph, device)`` rewrites a (rank-local, composed) graph in
+place so that it runs on GPU ``device``:
+
+- every op and blob moves to the device, except the host-side pieces:
+  the data reader (``DataReader``: file reads and shuffling are host work),
+  the learning-rate op (``LearningRate``) and the ``iter``/``lr`` scalar
+  blobs (the trainer writes ``iter`` and reads ``lr`` every iteration, so
+  they stay host arrays and cost no device round trip);
+- an edge from a host blob to a device op becomes a ``Copy`` op on the copy
+  thread ``"h2d"`` (its own CUDA stream) into a device twin ``<blob>@gpu<d>``,
+  and the host blob is marked ``pinned`` so the workspace page-locks it and
+  the copy runs asynchronously; a device blob read by a host op gets a
+  ``"d2h"`` copy the same way. The exception is the learning rate read by
+  ``SGDUpdate``: a host scalar that the update takes as a kernel argument.
+
+The workspace then allocates the device blobs as CuPy arrays and
+``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
+does all of it from a resolved config (keys ``device``, ``backend``,
+``tf32``), for the trainer::
+
+    device = configure_device(config, train_graph)        # -1: CPU, nothing changed
+    ...
+    place_on_device(test_graph, device)                   # same GPU for evaluation
+"""
+import dataclasses
+import os
+
+from ..errors import ConfigError, UserError
+
+#: op types that run on the host whatever the device
+HOST_OP_TYPES = ("DataReader", "LearningRate")
+#: blob kinds that stay host scalars (the trainer writes/reads them directly)
+HOST_BLOB_KINDS = ("iter", "lr")
+#: (op type, input index) pairs that read a host scalar blob directly
+HOST_SCALAR_INPUTS = {("SGDUpdate", 3)}
+#: threads (streams) of the inserted copies
+H2D_THREAD, D2H_THREAD = "h2d", "d2h"
+
+#: environment variables that hold a process's rank on its node
+LOCAL_RANK_VARS = ("PURINE_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                   "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def _on(location, device):
+    return dataclasses.replace(location, device=int(device))
+
+
+def place_on_device(graph, device, copy_thread=H2D_THREAD):
+    """Place ``graph`` on GPU ``device`` in place (see the module docstring)
+    and return it; ``device < 0`` leaves it unchanged. Returns the graph."""
+    device = int(device)
+    if device < 0:
+        return graph
+    host_ops = {n for n, op in graph.ops.items() if op.op_type in HOST_OP_TYPES}
+    host_blobs = {b for n in host_ops for b in graph.ops[n].outputs}
+    host_blobs |= {n for n, b in graph.blobs.items() if b.kind in HOST_BLOB_KINDS}
+    # a host op's inputs that nothing produces (e.g. ``iter``) stay with it
+    producers = graph.producers()
+    host_blobs |= {b for n in host_ops for b in graph.ops[n].inputs if not producers.get(b)}
+    for name, op in graph.ops.items():
+        if name not in host_ops:
+            op.location = _on(op.location, device)
+    for name, blob in graph.blobs.items():
+        if name not in host_blobs:
+            blob.location = _on(blob.location, device)
+    # an alias lives where its storage lives
+    for name, blob in graph.blobs.items():
+        if blob.alias_of is not None:
+            blob.location = graph.blobs[graph.storage_root(name)].location
+
+    copies = {}  # (blob, direction) -> twin blob name
+    for name in list(graph.ops):
+        op = graph.ops[name]
+        op_dev = op.location.device
+        for i, b in enumerate(op.inputs):
+            blob_dev = graph.blobs[b].location.device
+            if (blob_dev >= 0) == (op_dev >= 0):
+                continue
+            if op_dev >= 0 and (op.op_type, i) in HOST_SCALAR_INPUTS:
+                continue
+            if op_dev >= 0:  # host blob -> device op
+                op.inputs[i] = _twin(graph, copies, b, device, "h2d", copy_thread)
+            else:  # device blob -> host op
+                op.inputs[i] = _twin(graph, copies, b, device, "d2h", D2H_THREAD)
+    graph.infer_shapes()
+    return graph
+
+
+def _twin(graph, copies, name, device, direction, thread):
+    """The copy of blob ``name`` on the other side, made once per blob."""
+    key = (name, direction)
+    if key in copies:
+        return copies[key]
+    src = graph.blobs[name]
+    suffix = f"@gpu{device}" if direction == "h2d" else "@host"
+    twin = _free_name(graph, name + suffix)
+    location = _on(src.location, device if direction == "h2d" else -1)
+    graph.add_blob(twin, src.shape, src.dtype, location, kind="data",
+                   attrs={"copy_of": name})
+    # the host side of a copy is page-locked, so the copy is asynchronous
+    (src if direction == "h2d" else graph.blobs[twin]).attrs["pinned"] = True
+    graph.add_op(_free_name(graph, f"{name}.{direction}"), "Copy", [name], [twin],
+                 location=_on(src.location, device), thread=thread)
+    copies[key] = twin
+    return twin
+
+
+def _free_name(graph, base):
+    name, k = base, 1
+    while name in graph.blobs or name in graph.ops:
+        name = f"{base}#{k}"
+        k += 1
+    return name
+
+
+def graph_devices(graph):
+    """The GPU devices a graph's ops and blobs are placed on (sorted)."""
+    devices = {op.location.device for op in graph.ops.values()}
+    devices |= {b.location.device for b in graph.blobs.values()}
+    return sorted(d for d in devices if d is not None and d >= 0)
+
+
+def local_rank():
+    """This process's rank among the ranks of its node (0 when unknown)."""
+    for var in LOCAL_RANK_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def select_device(config, rank_on_node=None):
+    """The GPU this rank uses from a resolved config, or -1 for the CPU.
+
+    ``device: D`` (>= 0) asks for GPUs; a rank uses ``D + its rank on the
+    node``, modulo the node's GPU count, so several ranks per node spread
+    over the GPUs. ``backend: cupy`` without a device means device 0;
+    ``backend: numpy`` with a device is a contradiction."""
+    path = config.get("_path")
+    device = int(config.get("device", -1))
+    backend = config.get("backend") or "auto"
+    if backend == "numpy":
+        if device >= 0:
+            raise ConfigError(path, "device", f"device {device} asks for a GPU but "
+                              "'backend: numpy' runs on the CPU; set device: -1 or backend: cupy")
+        return -1
+    if backend == "cupy" and device < 0:
+        device = 0
+    if device < 0:
+        return -1
+    from ..backend import cupy_available
+    if not cupy_available():
+        raise UserError(f"{path}: key 'device': device {device} asks for a GPU, but CuPy with "
+                        "a CUDA device is not available here; install purine_mpi[gpu] (a "
+                        "cupy-cudaXXx wheel matching the driver) or set device: -1")
+    import cupy
+    count = cupy.cuda.runtime.getDeviceCount()
+    rank_on_node = local_rank() if rank_on_node is None else int(rank_on_node)
+    return (device + rank_on_node) % count
+
+
+def configure_device(config, graph, rank_on_node=None):
+    """Select this rank's GPU from ``config``, apply ``tf32``, and place
+    ``graph`` there. Returns the device (-1: the CPU, graph unchanged)."""
+    device = select_device(config, rank_on_node)
+    if device >= 0:
+        from . import set_tf32
+        set_tf32(bool(config.get("tf32", False)))
+        import cupy
+        cupy.cuda.Device(device).use()  # CuPy's default device for this process
+        place_on_device(graph, device)
+    return device

@@ -1,0 +1,48 @@
+"""When an op kernel takes its GPU branch.
+
+Op kernels keep one ``xp`` code path for NumPy and CuPy, and switch to the
+raw CUDA kernels of :mod:`purine_mpi.gpu.kernels` only where CuPy has no
+efficient equivalent (im2col/col2im, pooling, LRN, fused softmax-loss, fused
+SGD update)::
+
+    xp = get_xp(x)
+    k = raw_kernels(xp, x, w)
+    if k is not None:            # CuPy arrays of float32/float64
+        k.im2col(x, ...)
+    else:                        # the NumPy (and generic xp) path, unchanged
+        ...
+
+Importing this module needs only NumPy.
+"""
+import numpy as np
+
+#: dtypes the ``cuda/*.cu`` entry points exist for (``<func>_f32``, ``<func>_f64``)
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def raw_kernels(xp, *arrays):
+    """:mod:`purine_mpi.gpu.kernels` when ``xp`` is not NumPy (the arrays live
+    on a GPU) and every array is float32 or float64; else None, and the
+    caller runs its generic ``xp`` code (e.g. float16 on a GPU)."""
+    if xp is np:
+        return None
+    if any(np.dtype(a.dtype) not in KERNEL_DTYPES for a in arrays):
+        return None
+    from . import kernels
+    return kernels
+
+
+def data_ptr(array):
+    """Address of an array's first element (NumPy or CuPy), to tell whether
+    two arrays are the same buffer (e.g. an update's ``w`` and ``w@new``)."""
+    ptr = getattr(getattr(array, "data", None), "ptr", None)
+    if ptr is None:
+        ptr = array.__array_interface__["data"][0]
+    return int(ptr)
+
+
+def same_buffer(a, b):
+    """True when ``a`` and ``b`` view exactly the same elements."""
+    return (a is b or (tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)
+                       and np.dtype(a.dtype) == np.dtype(b.dtype)
+                       and data_ptr(a) == data_ptr(b)))

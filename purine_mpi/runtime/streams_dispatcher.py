@@ -1,0 +1,438 @@
+"""The CUDA-stream dispatcher: Purine's event-driven engine on GPUs.
+
+Each (device, thread) pair of a GPU op is a CUDA stream. An op on a GPU is
+*launched* asynchronously on its stream by a host worker thread (one per
+stream, as the CPU dispatcher has one per thread); its successors may be
+launched as soon as it is, because the dependencies are kept on the device:
+
+- same stream: nothing to do, a stream runs its work in launch order;
+- another stream: the consumer's stream waits on a CUDA event recorded
+  after the producer (``stream.wait_event``), the host never blocks;
+- a host op (CPU compute) after GPU work: the worker synchronises on the
+  producer's event first, since the host reads the memory itself;
+- a communication op after GPU work: the progress thread polls the
+  producers' events (it never blocks, so the transfers in flight keep
+  moving) and posts the MPI call only when its input is complete on the
+  device; ops are still posted in ``seq`` order. Its host-side device work
+  (pinned staging, copy back, the 1/N scale) runs on its device's ``comm``
+  stream, and GPU consumers wait on an event recorded after it finishes.
+
+The host synchronises with the devices only where it must: before a comm or
+host op reads device memory, at the start of an iteration (host writes made
+outside the dispatcher -- the iteration counter, a loaded checkpoint -- went
+to CuPy's default stream, which these non-blocking streams do not wait for)
+and at its end (the caller reads the sinks: the loss, the weights).
+
+Host<->device ``Copy`` ops (inserted by ``purine_mpi.gpu.placement``) run on
+their own ``h2d``/``d2h`` streams, from page-locked host blobs, as
+asynchronous ``cudaMemcpyAsync``.
+
+With ``--profile`` a GPU op's trace event spans its execution on the device
+(CUDA timing events, read after the iteration's final synchronisation), not
+the microseconds the host took to launch it.
+
+All CUDA calls go through a ``runtime`` object (``CudaRuntime``), so the
+event bookkeeping is tested on machines without a GPU against a simulated
+device (tests/test_gpu_backend.py).
+"""
+import dataclasses
+import time
+from collections import deque
+
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import GraphError, OpError
+from ..graph.core import Graph
+from ..ops.registry import OpKernel, Pending, get_kernel_class
+from .dispatcher import EventDispatcher
+
+#: the stream a device's communication ops queue their device work on
+COMM_STREAM = "comm"
+#: the stream the per-iteration timing origin is recorded on (profiling)
+ORIGIN_STREAM = "origin"
+
+
+class CudaRuntime:
+    """The CUDA calls the stream dispatcher makes, on top of CuPy.
+
+    ``launch``/``call`` run ``fn`` on the host with ``stream`` as CuPy's
+    current stream (so the CuPy work in it is queued there); ``launch`` is
+    for op kernels, ``call`` for host work that may queue device work (comm
+    ops). Events record the work queued so far on a stream."""
+
+    def __init__(self, pool=None):
+        from ..gpu.streams import StreamPool
+        self.pool = pool or StreamPool()
+        self._cupy = None
+
+    @property
+    def cupy(self):
+        if self._cupy is None:
+            from ..gpu import import_cupy
+            self._cupy = import_cupy()
+        return self._cupy
+
+    def stream(self, device, thread):
+        return self.pool.get(device, thread)
+
+    def launch(self, device, stream, fn):
+        with self.cupy.cuda.Device(device), stream:
+            return fn()
+
+    call = launch
+
+    def record(self, device, stream, timing=False):
+        cuda = self.cupy.cuda
+        with cuda.Device(device):
+            event = cuda.Event(disable_timing=not timing)
+            event.record(stream)
+        return event
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def query(self, event):
+        return bool(event.done)
+
+    def sync_event(self, event):
+        event.synchronize()
+
+    def sync_devices(self, devices):
+        for d in devices:
+            self.cupy.cuda.Device(d).synchronize()
+
+    def sync_streams(self):
+        self.pool.synchronize()
+
+    def elapsed_ms(self, start, end):
+        return self.cupy.cuda.get_elapsed_time(start, end)
+
+    def swaps_copies(self):
+        """Host<->device Copy ops use the asynchronous pinned-memory path."""
+        return True
+
+
+def op_device(graph, op):
+    """The GPU an op runs on: its location's device, else the device its
+    blobs live on (-1: a host op). An op touching two GPUs is an error."""
+    if op.location.device is not None and op.location.device >= 0:
+        return op.location.device
+    devices = {graph.blobs[graph.storage_root(b)].location.device for b in op.inputs + op.outputs}
+    devices = sorted(d for d in devices if d is not None and d >= 0)
+    if len(devices) > 1:
+        raise GraphError(f"op '{op.name}' ({op.op_type}) reads or writes blobs on GPUs "
+                         f"{devices}; an op runs on one device: insert a Copy between them")
+    return devices[0] if devices else -1
+
+
+def stream_thread_name(device, thread):
+    """The worker-thread (and trace ``tid``) name of a GPU stream."""
+    return f"gpu{device}:{thread}"
+
+
+class StreamDispatcher(EventDispatcher):
+    """Event-driven dispatcher whose GPU ops run on CUDA streams (see the
+    module docstring). Ops on the CPU behave as in ``EventDispatcher``; a
+    graph without GPU ops runs exactly as there."""
+
+    def __init__(self, graph, runtime=None, **kw):
+        keys = {}
+        for op in graph.ops.values():
+            device = op_device(graph, op)
+            if device < 0:
+                keys[op.name] = None
+            elif get_kernel_class(op.op_type, op.name).category == "comm":
+                keys[op.name] = (device, COMM_STREAM)
+            else:
+                keys[op.name] = (device, op.thread)
+        self.source_graph = graph
+        super().__init__(_with_stream_threads(graph, keys), **kw)
+        self._key = keys
+        self._devices = sorted({k[0] for k in keys.values() if k is not None})
+        self.runtime = runtime if runtime is not None else \
+            (CudaRuntime() if self._devices else None)
+        deps = self.graph.dependencies()
+        succ = {n: [] for n in deps}
+        for n, d in deps.items():
+            for p in d:
+                succ[p].append(n)
+        on_gpu = {n for n, k in keys.items() if k is not None}
+        #: GPU op -> GPU predecessors on other streams (device-side waits)
+        self._waits = {}
+        #: host compute op -> GPU predecessors (host synchronisation)
+        self._host_waits = {}
+        #: comm op -> GPU predecessors on other streams (polled before posting)
+        self._gates = {}
+        for n, d in deps.items():
+            gpu_preds = sorted(p for p in d if p in on_gpu)
+            other = [p for p in gpu_preds if keys[p] != keys[n]]
+            if self._is_comm[n]:
+                self._gates[n] = other
+            elif keys[n] is None:
+                self._host_waits[n] = gpu_preds
+            else:
+                self._waits[n] = other
+        #: ops whose completion someone outside their stream waits for
+        self._needs_event = {n: keys[n] is not None and any(keys[s] != keys[n] for s in succ[n])
+                             for n in deps}
+        self._accum_roots = {op.name: sorted({self.graph.storage_root(b) for b in op.outputs})
+                             for op in self.order if op.accumulate}
+        self._events = {}
+        self._acc_events = {}
+        self._deferred = deque()
+        self._timed = []
+        self._origin = {}
+        if self.runtime is not None and self.runtime.swaps_copies():
+            self._swap_copy_kernels()
+
+    # ------------------------------------------------------------ set-up
+    def _swap_copy_kernels(self):
+        """Copy ops between host and device memory: asynchronous copies."""
+        for op in self.order:
+            k = self.kernels[op.name]
+            if op.op_type != "Copy" or op.accumulate or len(k.ins) != 1:
+                continue
+            src_dev = get_xp(k.ins[0]) is not np
+            dst_dev = get_xp(k.outs[0]) is not np
+            if src_dev != dst_dev:
+                swapped = HostDeviceCopy(op)
+                swapped.workspace, swapped.ins, swapped.outs = k.workspace, k.ins, k.outs
+                self.kernels[op.name] = swapped
+
+    def _stream(self, key):
+        return self.runtime.stream(key[0], key[1])
+
+    # ------------------------------------------------------- iterations
+    def _zero_accumulators(self):
+        """Start of an iteration (called first by ``run``): zero the
+        accumulated blobs, then let the host's own device writes land."""
+        super()._zero_accumulators()
+        self._events = {}
+        self._acc_events = {}
+        self._deferred = deque()
+        self._timed = []
+        self._origin = {}
+        if self.runtime is None or not self._devices:
+            return
+        self.runtime.sync_devices(self._devices)
+        if self.profiler is not None:
+            for d in self._devices:
+                event = self.runtime.record(d, self.runtime.stream(d, ORIGIN_STREAM), timing=True)
+                self.runtime.sync_event(event)
+                self._origin[d] = (event, time.perf_counter())
+
+    def run(self, iteration=None):
+        """Launch every op once, then wait for the devices: when this
+        returns, every blob holds its value of this iteration."""
+        it = self.iteration if iteration is None else iteration
+        super().run(iteration)
+        if self.runtime is not None and self._devices:
+            self.runtime.sync_streams()
+            self._trace_device_times(it)
+
+    def _trace_device_times(self, iteration):
+        if self.profiler is None or not self._origin:
+            return
+        for op, category, tid, device, start, end in self._timed:
+            origin, t_host = self._origin[device]
+            t0 = t_host + self.runtime.elapsed_ms(origin, start) / 1e3
+            t1 = t_host + self.runtime.elapsed_ms(origin, end) / 1e3
+            self.profiler.record(op, category, t0, t1, iteration, tid)
+
+    # --------------------------------------------------------------- ops
+    def _execute(self, op, tid):
+        name = op.name
+        if self._is_comm[name]:
+            return self._execute_comm(op)
+        key = self._key[name]
+        if key is None:
+            for p in self._host_waits[name]:
+                self.runtime.sync_event(self._events[p])
+            return super()._execute(op, tid)
+        return self._execute_gpu(op, key, tid)
+
+    def _execute_gpu(self, op, key, tid):
+        name, device = op.name, key[0]
+        rt = self.runtime
+        stream = self._stream(key)
+        for p in self._waits[name]:
+            rt.wait(stream, self._events[p])
+        k = self.kernels[name]
+        t0 = time.perf_counter()
+        start = rt.record(device, stream, timing=True) if self.profiler is not None else None
+        try:
+            if op.accumulate:
+                self._accumulate(op, k, key, stream)
+            else:
+                rt.launch(device, stream, lambda: k.run(k.ins, k.outs))
+        except Exception as exc:
+            raise OpError(op, exc, self.rank) from exc
+        if start is not None:
+            end = rt.record(device, stream, timing=True)
+            self._timed.append((op, k.category, tid, device, start, end))
+        if self._needs_event[name]:
+            self._events[name] = rt.record(device, stream)
+        return None, t0
+
+    def _accumulate(self, op, k, key, stream):
+        """Writers adding into one blob from several streams: each computes
+        into temporaries on its stream, then the adds are chained across
+        streams by events, in the order the host reaches them."""
+        device, rt = key[0], self.runtime
+        tmp = []
+
+        def compute():
+            tmp.extend(get_xp(o).zeros_like(o) for o in k.outs)
+            k.run(k.ins, tmp)
+
+        def add():
+            for o, t in zip(k.outs, tmp):
+                o += t
+
+        rt.launch(device, stream, compute)
+        with self._accum_lock:
+            roots = self._accum_roots[op.name]
+            for r in roots:
+                prev = self._acc_events.get(r)
+                if prev is not None and prev[0] != key:
+                    rt.wait(stream, prev[1])
+            rt.launch(device, stream, add)
+            event = rt.record(device, stream)
+            for r in roots:
+                self._acc_events[r] = (key, event)
+
+    # ------------------------------------------------------- comm ops
+    def _execute_comm(self, op):
+        """Post a comm op (progress thread). Until the GPU work it reads is
+        complete -- or while an earlier comm op still waits for its own --
+        it is held back in a ``_GatedPending``, so MPI sees the posts in seq
+        order and the progress loop keeps polling the transfers in flight."""
+        t0 = time.perf_counter()
+        gate = [self._events[p] for p in self._gates[op.name]]
+        if not self._deferred and all(self.runtime.query(e) for e in gate):
+            try:
+                result = self._post_comm(op)
+            except Exception as exc:
+                raise OpError(op, exc, self.rank) from exc
+            if result is None and self.profiler is not None:
+                self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
+                                     self.iteration, "comm")
+            return result, t0
+        held = _GatedPending(self, op, gate)
+        self._deferred.append(held)
+        return held, t0
+
+    def _post_comm(self, op):
+        """Run the comm kernel (posting MPI); its Pending, or None when done."""
+        k = self.kernels[op.name]
+        key = self._key[op.name]
+        if key is None:
+            return k.run(k.ins, k.outs)
+        result = self.runtime.call(key[0], self._stream(key), lambda: k.run(k.ins, k.outs))
+        if result is None:
+            self._comm_done(op)
+            return None
+        return _StreamPending(self, op, result)
+
+    def _comm_done(self, op):
+        key = self._key[op.name]
+        if key is not None and self._needs_event[op.name]:
+            self._events[op.name] = self.runtime.record(key[0], self._stream(key))
+
+
+class _StreamPending(Pending):
+    """A comm op's Pending whose epilogue runs on its device's comm stream;
+    GPU consumers wait on the event recorded after it."""
+
+    def __init__(self, dispatcher, op, inner):
+        self.dispatcher, self.op, self.inner = dispatcher, op, inner
+        self.requests = getattr(inner, "requests", ())
+
+    def test(self):
+        return self.inner.test()
+
+    def finish(self):
+        d = self.dispatcher
+        key = d._key[self.op.name]
+        d.runtime.call(key[0], d._stream(key), self.inner.finish)
+        d._comm_done(self.op)
+
+    def describe(self):
+        return self.inner.describe() if hasattr(self.inner, "describe") else ""
+
+
+class _GatedPending(Pending):
+    """A comm op waiting for the GPU work it reads (polled, never blocking)
+    and for the comm ops before it; then posted like any other."""
+
+    def __init__(self, dispatcher, op, gate):
+        self.dispatcher, self.op, self.gate = dispatcher, op, gate
+        self.inner = None
+        self.posted = False
+
+    def test(self):
+        d = self.dispatcher
+        if not self.posted:
+            if d._deferred[0] is not self:  # MPI posts stay in seq order
+                return False
+            if not all(d.runtime.query(e) for e in self.gate):
+                return False
+            d._deferred.popleft()
+            self.posted = True
+            self.inner = d._post_comm(self.op)
+            if self.inner is None:
+                return True
+        return self.inner.test()
+
+    def finish(self):
+        if self.inner is not None:
+            self.inner.finish()
+
+    def describe(self):
+        if not self.posted:
+            return "not posted yet: waiting for the GPU work it reads"
+        return self.inner.describe() if hasattr(self.inner, "describe") else ""
+
+
+class HostDeviceCopy(OpKernel):
+    """``Copy`` between host and device memory as one asynchronous
+    ``cudaMemcpyAsync`` on the current stream (pinned host memory makes it
+    truly asynchronous; pageable memory still works, staged by the driver).
+    Swapped in by the stream dispatcher for Copy ops that cross sides."""
+
+    op_type = "Copy"
+    category = "copy"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        from ..gpu import import_cupy
+        cupy = import_cupy()
+        src, dst = ins[0], outs[0]
+        stream = cupy.cuda.get_current_stream()
+        direct = src.flags.c_contiguous and dst.flags.c_contiguous and src.dtype == dst.dtype
+        if isinstance(dst, cupy.ndarray):  # host -> device
+            if direct:
+                dst.set(src, stream=stream)
+            else:
+                dst[...] = cupy.asarray(np.asarray(src, dtype=dst.dtype))
+        elif direct:  # device -> host: the host reads it next, so blocking
+            src.get(stream=stream, out=dst)
+        else:
+            dst[...] = cupy.asnumpy(src, stream=stream)
+
+
+def _with_stream_threads(graph, keys):
+    """A view of ``graph`` whose GPU compute ops carry their stream's name
+    as ``thread`` (one host worker per stream); blobs are shared."""
+    g = Graph(graph.name)
+    g.blobs = graph.blobs
+    for name, op in graph.ops.items():
+        key = keys[name]
+        if key is not None and key[1] != COMM_STREAM:
+            op = dataclasses.replace(op, thread=stream_thread_name(*key))
+        g.ops[name] = op
+    return g

@@ -1,0 +1,935 @@
+"""The GPU backend: op GPU branches, device placement, memory planning and the
+CUDA-stream dispatcher.
+
+What runs without a GPU (and so on every machine):
+1. Every op's GPU branch against its NumPy path on an *emulated device*: a
+   NumPy subclass stands for CuPy arrays (so ``get_xp`` picks the GPU branch)
+   and the raw kernels are the real cuda/*.cu sources compiled for the host
+   with g++ (tests/test_gpu_kernels.py's stand-in, which checks every launch
+   argument against the kernel's C signature).
+2. The stream dispatcher's event bookkeeping against a *simulated device*:
+   streams are queues run in a random interleaving that respects only the
+   recorded events and waits, so a missing ``wait_event`` or host sync shows
+   as an op running before its producer (checked against the graph's
+   dependencies) and as results that differ from the serial dispatcher.
+3. Placement, memory planning, config and dispatcher selection.
+
+What needs CuPy and a CUDA device (marked ``gpu``, skipped otherwise): the
+same op tests on real CuPy, every op's outputs and gradients through a placed
+graph against the NumPy backend, and cifar10_quick trained on the GPU against
+the CPU.
+"""
+import copy
+import random
+import sys
+import threading
+import time
+import types
+from collections import deque
+
+import numpy as np
+import pytest
+
+import purine_mpi.backend as backend
+import purine_mpi.gpu as gpu
+from purine_mpi.errors import ConfigError, UserError
+from purine_mpi.graph import Graph
+from purine_mpi.graph.core import Location, Op
+from purine_mpi.gpu import kernels
+from purine_mpi.gpu.placement import place_on_device, select_device
+from purine_mpi.io.config import validate_config
+from purine_mpi.layers.fillers import fill
+from purine_mpi.model import build_train_graph
+from purine_mpi.ops.registry import OpKernel, Pending, get_kernel_class, register
+from purine_mpi.runtime.dispatcher import (EventDispatcher, Profiler, SerialDispatcher,
+                                           make_dispatcher)
+from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
+
+
+def _gpu_cupy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        count = 0
+    if count < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+# =====================================================================
+# 1. op GPU branches: emulated device (g++) and real CuPy
+# =====================================================================
+
+class DeviceArray(np.ndarray):
+    """A NumPy array standing for a CuPy array on the emulated device."""
+
+
+def _emulated_cupy(build_dir):
+    """A stand-in for the cupy module: host-compiled raw kernels, NumPy
+    arithmetic on DeviceArray (any other attribute is NumPy's)."""
+    from tests.test_gpu_kernels import _host_cupy
+    fake = _host_cupy(build_dir)
+
+    def on_device(array):
+        return np.asarray(array).view(DeviceArray)
+
+    fake.ndarray = DeviceArray
+    fake.empty = lambda shape, dtype=float: on_device(np.empty(shape, dtype))
+    fake.zeros = lambda shape, dtype=float: on_device(np.zeros(shape, dtype))
+    fake.ascontiguousarray = lambda a, dtype=None: on_device(np.ascontiguousarray(a, dtype))
+    fake.asarray = lambda a, dtype=None: on_device(np.asarray(a, dtype))
+    fake.asnumpy = lambda a: np.asarray(a)
+    fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
+    return fake
+
+
+class _Device:
+    def __init__(self, name, to_device, to_host):
+        self.name, self.to_device, self.to_host = name, to_device, to_host
+
+
+@pytest.fixture(scope="module")
+def host_build_dir(tmp_path_factory):
+    import shutil
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found (needed to run the CUDA kernels on the host)")
+    return tmp_path_factory.mktemp("gpu_backend_kernels")
+
+
+@pytest.fixture(params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    """Where the op's GPU branch runs; records the raw kernels launched."""
+    gpu.clear_kernel_cache()
+    launched = []
+    real_launch = kernels._launch
+
+    def spy(source, func, dtype, total, args):
+        launched.append(func)
+        return real_launch(source, func, dtype, total, args)
+
+    monkeypatch.setattr(kernels, "_launch", spy)
+    if request.param == "cupy":
+        cupy = _gpu_cupy()
+        dev = _Device("cupy", cupy.asarray, cupy.asnumpy)
+    else:
+        fake = _emulated_cupy(request.getfixturevalue("host_build_dir"))
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        monkeypatch.setattr(backend, "_cupy", fake)
+        dev = _Device("emulated", lambda a: np.array(a).view(DeviceArray), np.asarray)
+    dev.launched = launched
+    yield dev
+    gpu.clear_kernel_cache()
+
+
+def _run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
+    """Run one kernel on ``inputs`` (converted with ``convert``, except the
+    indices in ``host_inputs``); returns its outputs as NumPy arrays."""
+    cls = get_kernel_class(op_type)
+    specs = cls.infer(attrs, [(a.shape, str(a.dtype)) for a in inputs])
+    kernel = cls(Op("probe", op_type, [], [], dict(attrs)))
+    convert = convert or (lambda a: a)
+    ins = [a if i in host_inputs else convert(a) for i, a in enumerate(inputs)]
+    outs = [convert(np.full(shape, np.nan if np.dtype(d).kind == "f" else -7, dtype=d))
+            for shape, d in specs]
+    kernel.run(ins, outs)
+    return [np.array(backend.to_numpy(o)) for o in outs]
+
+
+def _compare(dev, op_type, attrs, inputs, expect_kernels, dtype, host_inputs=()):
+    cpu = _run_kernel(op_type, attrs, inputs)
+    dev.launched.clear()
+    got = _run_kernel(op_type, attrs, inputs, dev.to_device, host_inputs)
+    assert set(expect_kernels) <= set(dev.launched), \
+        f"{op_type}: the GPU branch launched {dev.launched}, expected {expect_kernels}"
+    tight = dtype == np.float64
+    for c, g in zip(cpu, got):
+        assert c.shape == g.shape and c.dtype == g.dtype
+        if c.dtype.kind == "f":
+            np.testing.assert_allclose(g, c, rtol=1e-10 if tight else 2e-5,
+                                       atol=1e-10 if tight else 2e-5)
+        else:
+            np.testing.assert_array_equal(g, c)
+    return cpu, got
+
+
+def _rand(shape, dtype, seed=0, scale=1.0):
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(dtype)
+
+
+CONV_CASES = [  # x shape, (out, kh, kw), attrs
+    ((2, 4, 7, 6), (6, 3, 3), {"stride": 2, "pad": 1, "group": 2}),
+    ((2, 3, 6, 7), (5, 3, 2), {"stride": [1, 2], "pad": [2, 0], "dilation": 2}),
+    ((2, 6, 5, 4), (4, 1, 1), {}),                       # 1x1: no im2col on the GPU
+    ((3, 2, 5, 5), (3, 5, 5), {"pad": 2}),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_gpu_branch(device, case, dtype):
+    x_shape, (o, kh, kw), attrs = case
+    group = attrs.get("group", 1)
+    x = _rand(x_shape, dtype)
+    w = _rand((o, x_shape[1] // group, kh, kw), dtype, 1)
+    b = _rand((o,), dtype, 2)
+    pointwise = kh == kw == 1
+    (y,), _ = _compare(device, "Conv", attrs, [x, w, b], [] if pointwise else ["im2col"], dtype)
+    dy = _rand(y.shape, dtype, 3)
+    _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w],
+             [] if pointwise else ["col2im"], dtype)
+    _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
+             [] if pointwise else ["im2col"], dtype)
+
+
+POOL_CASES = [
+    {"pool": "max", "kernel": 3, "stride": 2, "pad": 1, "ceil_mode": True},
+    {"pool": "max", "kernel": [2, 3], "stride": [2, 1]},
+    {"pool": "ave", "kernel": 3, "stride": 2, "ceil_mode": True},
+    {"pool": "ave", "kernel": 3, "stride": 2, "pad": 1},
+    {"pool": "ave", "global": True},
+    {"pool": "max", "global": True},
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("attrs", POOL_CASES)
+def test_pool_gpu_branch(device, attrs, dtype):
+    x = _rand((2, 3, 7, 6), dtype)
+    kind = "maxpool" if attrs["pool"] == "max" else "avepool"
+    outs, _ = _compare(device, "Pool", attrs, [x], [f"{kind}_forward"], dtype)
+    dy = _rand(outs[0].shape, dtype, 1)
+    grad_in = [dy, outs[1]] if kind == "maxpool" else [dy]
+    _compare(device, "PoolGrad", dict(attrs, x_shape=list(x.shape)), grad_in,
+             [f"{kind}_backward"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_lrn_gpu_branch(device, dtype):
+    attrs = {"local_size": 5, "alpha": 0.3, "beta": 0.75, "k": 2.0}
+    x = _rand((2, 7, 3, 4), dtype)
+    (y, scale), _ = _compare(device, "LRN", attrs, [x], ["lrn_forward"], dtype)
+    dy = _rand(x.shape, dtype, 1)
+    _compare(device, "LRNGrad", attrs, [dy, x, y, scale], ["lrn_backward"], dtype)
+
+
+SOFTMAX_CASES = [  # logits shape, ignore_label
+    ((6, 5), None),
+    ((6, 5), 2),
+    ((2, 4, 3, 2), None),
+    ((2, 4, 3, 2), 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", SOFTMAX_CASES)
+def test_softmax_loss_gpu_branch(device, case, dtype):
+    shape, ignore = case
+    rng = np.random.default_rng(0)
+    x = _rand(shape, dtype, scale=3.0)
+    label = rng.integers(0, shape[1], size=(shape[0],) + shape[2:]).astype(np.int64)
+    attrs = {} if ignore is None else {"ignore_label": ignore}
+    (loss, prob), _ = _compare(device, "SoftmaxLoss", attrs, [x, label],
+                               ["softmax_loss_forward"], dtype)
+    assert loss.shape == ()
+    dloss = np.asarray(0.7, dtype=dtype)
+    _compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
+             ["softmax_loss_backward"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("lr_on_host", [True, False])
+def test_sgd_update_gpu_branch(device, dtype, lr_on_host):
+    attrs = {"momentum": 0.9, "weight_decay": 5e-4, "lr_mult": 2.0, "decay_mult": 0.5,
+             "grad_scale": 0.25}
+    w, g, v = _rand((5, 7), dtype), _rand((5, 7), dtype, 1), _rand((5, 7), dtype, 2)
+    lr = np.asarray(0.05, dtype=np.float32)
+    _compare(device, "SGDUpdate", attrs, [w, g, v, lr], ["sgd_momentum"], dtype,
+             host_inputs=(3,) if lr_on_host else ())
+
+
+def test_sgd_update_gpu_branch_in_place(device):
+    """As in a graph: w@new and v@new are w and v (the kernel's in-place case)."""
+    attrs = {"momentum": 0.9, "weight_decay": 1e-3}
+    w, g, v = _rand((4, 3), np.float64), _rand((4, 3), np.float64, 1), np.zeros((4, 3))
+    lr = np.asarray(0.1, np.float32)
+    kernel = get_kernel_class("SGDUpdate")(Op("u", "SGDUpdate", [], [], attrs))
+    dw, dv = device.to_device(w), device.to_device(v)
+    kernel.run([dw, device.to_device(g), dv, lr], [dw, dv])
+    v_ref = float(lr) * (g + 1e-3 * w)
+    np.testing.assert_allclose(device.to_host(dv), v_ref, rtol=1e-12)
+    np.testing.assert_allclose(device.to_host(dw), w - v_ref, rtol=1e-12)
+    assert device.launched == ["sgd_momentum"]
+
+
+def test_float16_on_a_gpu_takes_the_generic_path():
+    from purine_mpi.gpu.raw import raw_kernels
+    fake_xp = types.SimpleNamespace()
+    assert raw_kernels(np, np.zeros(2, np.float32)) is None
+    assert raw_kernels(fake_xp, np.zeros(2, np.float16)) is None
+    assert raw_kernels(fake_xp, np.zeros(2, np.float32)) is kernels
+
+
+# =====================================================================
+# 2. the stream dispatcher on a simulated device
+# =====================================================================
+
+class SimEvent:
+    def __init__(self, stream):
+        self.stream, self.done, self.time = stream, False, None
+
+
+class SimStream:
+    def __init__(self, key):
+        self.key, self.queue = key, deque()
+
+
+class SimulatedRuntime:
+    """A device with asynchronous streams, for the stream dispatcher.
+
+    ``launch`` queues work on a stream; nothing runs until the host
+    synchronises (``sync_event``, ``sync_streams``, ``sync_devices``) or polls
+    (``query``, which runs a few random steps). Each step runs the head of a
+    randomly chosen stream whose head is not a wait on an unrecorded event,
+    so streams interleave in any order the events allow. ``calls`` logs what
+    the dispatcher asked for."""
+
+    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0):
+        self.rng = random.Random(seed)
+        self.poll_steps = poll_steps
+        self.stalled_polls = stalled_polls  # the first polls see no progress
+        self.lock = threading.RLock()
+        self.streams = {}
+        self.calls = []
+        self.log = []  # ("device"|"host", op name) in execution order
+
+    def stream(self, device, thread):
+        with self.lock:
+            return self.streams.setdefault((device, thread), SimStream((device, thread)))
+
+    def launch(self, device, stream, fn):
+        with self.lock:
+            stream.queue.append(("run", fn))
+            self.calls.append(("launch", stream.key))
+
+    def call(self, device, stream, fn):
+        with self.lock:
+            self.calls.append(("call", stream.key))
+        return fn()  # host work: now
+
+    def record(self, device, stream, timing=False):
+        event = SimEvent(stream)
+        with self.lock:
+            stream.queue.append(("record", event))
+            self.calls.append(("record", stream.key, event))
+        return event
+
+    def wait(self, stream, event):
+        with self.lock:
+            stream.queue.append(("wait", event))
+            self.calls.append(("wait", stream.key, event))
+
+    def query(self, event):
+        steps = self.rng.randint(*self.poll_steps)
+        with self.lock:
+            if self.stalled_polls > 0:
+                self.stalled_polls -= 1
+                steps = 0
+        for _ in range(steps):
+            if not self._step(strict=False):
+                break
+        with self.lock:
+            self.calls.append(("query", event, event.done))
+        return event.done
+
+    def sync_event(self, event):
+        with self.lock:
+            self.calls.append(("sync_event", event))
+        while not event.done:
+            self._step()
+
+    def sync_devices(self, devices):
+        self._drain()
+
+    def sync_streams(self):
+        self._drain()
+
+    def elapsed_ms(self, start, end):
+        return (end.time - start.time) * 1e3
+
+    def swaps_copies(self):
+        return False
+
+    def _step(self, strict=True):
+        with self.lock:
+            ready = [s for s in self.streams.values() if s.queue and
+                     (s.queue[0][0] != "wait" or s.queue[0][1].done)]
+            if not ready:
+                if strict and any(s.queue for s in self.streams.values()):
+                    raise RuntimeError("simulated device deadlock: every stream waits")
+                return False
+            s = self.rng.choice(sorted(ready, key=lambda s: str(s.key)))
+            kind, item = s.queue.popleft()
+            if kind == "run":
+                item()
+            elif kind == "record":
+                item.done, item.time = True, time.perf_counter()
+            return True
+
+    def _drain(self):
+        while self._step():
+            pass
+
+
+def _log_kernels(dispatcher, runtime):
+    """Make every kernel append its op name to ``runtime.log`` when it runs."""
+    for name, k in dispatcher.kernels.items():
+        def logged(ins, outs, _run=k.run, _name=name):
+            runtime.log.append(_name)
+            return _run(ins, outs)
+        k.run = logged
+
+
+def _check_order(log, graph, skip=()):
+    """Every op ran once, after every op it depends on."""
+    deps = graph.dependencies()
+    pos = {}
+    for i, name in enumerate(log):
+        assert name not in pos, f"op {name} ran twice in one iteration"
+        pos[name] = i
+    assert set(pos) == set(graph.ops) - set(skip)
+    for n, preds in deps.items():
+        for p in preds:
+            assert pos[p] < pos[n], f"op {n} ran before its producer {p}"
+
+
+def _cpu_workspace(graph, **kw):
+    """A workspace of host arrays for a graph placed on a (simulated) GPU."""
+    cpu = copy.deepcopy(graph)
+    for b in cpu.blobs.values():
+        b.location = Location(b.location.rank, -1, b.location.ip)
+    return Workspace(cpu, **kw)
+
+
+@register
+class _SimComm(OpKernel):
+    """A communication op: ``y = x`` delivered after a few polls (in finish)."""
+
+    op_type = "TestGpuFakeComm"
+    category = "comm"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        x, y = ins[0], outs[0]
+        sent = np.array(x, copy=True)  # what a send would read now
+
+        class _P(Pending):
+            polls = int(self.attrs.get("polls", 2))
+
+            def test(self):
+                self.polls -= 1
+                return self.polls <= 0
+
+            def finish(self):
+                y[...] = sent
+        return _P()
+
+
+def _chain_graph(locations):
+    """x -> op0 -> b0 -> op1 -> b1 ... with ops at the given (device, thread,
+    op type[, device of the output]) places; a Sum adds the host blob 'one'."""
+    g = Graph("chain")
+    g.add_blob("x", (3,), location=Location(0, -1))
+    g.add_blob("one", (3,), location=Location(0, -1))
+    prev = "x"
+    for i, (dev, thread, op_type, *out_dev) in enumerate(locations):
+        out = f"b{i}"
+        g.add_blob(out, (3,), location=Location(0, out_dev[0] if out_dev else dev))
+        ins = [prev] if op_type in ("Copy", "TestGpuFakeComm") else [prev, "one"]
+        attrs = {"seq": i} if op_type == "TestGpuFakeComm" else {}
+        g.add_op(f"op{i}", op_type, ins, [out], attrs, location=Location(0, dev), thread=thread)
+        prev = out
+    g.infer_shapes().validate()
+    return g
+
+
+def _dispatcher(graph, runtime, **kw):
+    ws = _cpu_workspace(graph)
+    d = make_dispatcher(graph, runtime=runtime, workspace=ws, **kw)
+    assert isinstance(d, StreamDispatcher)
+    _log_kernels(d, runtime)
+    return d, ws
+
+
+def test_cross_stream_edge_waits_same_stream_edge_does_not():
+    # op2 copies its result to host memory, which the host op op3 reads
+    g = _chain_graph([(0, 0, "Sum"), (0, 0, "Sum"), (0, 1, "Copy", -1), (-1, 0, "Sum")])
+    rt = SimulatedRuntime()
+    d, ws = _dispatcher(g, rt)
+    try:
+        ws.set("x", np.arange(3.0))
+        ws.set("one", np.ones(3))
+        d.run()
+        np.testing.assert_array_equal(ws["b3"], np.arange(3.0) + 3)
+        ev = d._events
+        # op0 -> op1 share stream (0, 0): no event; op1 -> op2 crosses to (0, 1);
+        # op2 -> op3 goes to the host
+        assert set(ev) == {"op1", "op2"}
+        waits = [(c[1], c[2]) for c in rt.calls if c[0] == "wait"]
+        assert waits == [((0, 1), ev["op1"])]
+        syncs = [c[1] for c in rt.calls if c[0] == "sync_event"]
+        assert syncs == [ev["op2"]]
+        _check_order(rt.log, g)
+        # the host op ran only after its producer ran on the device
+        assert rt.log.index("op2") < rt.log.index("op3")
+        assert [k for k in d._key.values()] == [(0, 0), (0, 0), (0, 1), None]
+    finally:
+        d.close()
+
+
+def test_host_sync_before_comm_op_and_event_after_it():
+    """GPU -> comm -> GPU: the comm op is posted only once its input is
+    complete on the device (polled, not a blocking sync), and its GPU
+    consumer waits on an event recorded after the comm op finished."""
+    g = _chain_graph([(0, 0, "Sum"), (0, 0, "Sum"), (0, 0, "TestGpuFakeComm"), (0, 0, "Sum")])
+    rt = SimulatedRuntime(poll_steps=(0, 1))
+    d, ws = _dispatcher(g, rt)
+    try:
+        ws.set("x", np.arange(3.0))
+        ws.set("one", np.ones(3))
+        d.run()
+        np.testing.assert_array_equal(ws["b3"], np.arange(3.0) + 3)
+        _check_order(rt.log, g)
+        assert d._key["op2"] == (0, "comm")
+        ev = d._events
+        # polled op1's event (never a blocking sync) before the comm op ran
+        polls = [i for i, c in enumerate(rt.calls) if c[0] == "query" and c[1] is ev["op1"]]
+        comm_call = next(i for i, c in enumerate(rt.calls) if c[0] == "call")
+        assert polls and rt.calls[polls[-1]][2] is True and polls[-1] < comm_call
+        assert not [c for c in rt.calls if c[0] == "sync_event"]
+        # the GPU consumer waits on the comm op's event, recorded on the comm stream
+        waits = [(c[1], c[2]) for c in rt.calls if c[0] == "wait"]
+        assert waits == [((0, 0), ev["op2"])] and ev["op2"].stream.key == (0, "comm")
+    finally:
+        d.close()
+
+
+def test_comm_ops_held_back_keep_their_seq_order():
+    """A comm op whose GPU input is late must not be overtaken by the next one."""
+    g = Graph("two_comms")
+    for b in ("x", "one"):
+        g.add_blob(b, (3,), location=Location(0, -1))
+    g.add_blob("a", (3,), location=Location(0, 0))
+    g.add_op("gpu", "Sum", ["x", "one"], ["a"], location=Location(0, 0))
+    g.add_op("late", "TestGpuFakeComm", ["a"], ["a_sent"], {"seq": 0}, location=Location(0, 0))
+    g.add_op("early", "TestGpuFakeComm", ["x"], ["x_sent"], {"seq": 1}, location=Location(0, -1))
+    g.infer_shapes().validate()
+    rt = SimulatedRuntime(stalled_polls=30)  # the GPU work completes late
+    d, ws = _dispatcher(g, rt)
+    try:
+        ws.set("x", np.arange(3.0))
+        ws.set("one", np.ones(3))
+        d.run()
+        assert rt.log.index("late") < rt.log.index("early")
+        np.testing.assert_array_equal(ws["a_sent"], np.arange(3.0) + 1)
+    finally:
+        d.close()
+
+
+def test_accumulating_writers_on_two_streams_chain_their_adds():
+    g = Graph("acc")
+    for b in ("x", "y"):
+        g.add_blob(b, (4,), location=Location(0, -1))
+    g.add_blob("acc", (4,), location=Location(0, 0))
+    g.add_blob("out", (4,), location=Location(0, 0))
+    g.add_op("w1", "Copy", ["x"], ["acc"], location=Location(0, 0), thread=1, accumulate=True)
+    g.add_op("w2", "Copy", ["y"], ["acc"], location=Location(0, 0), thread=2, accumulate=True)
+    g.add_op("read", "Copy", ["acc"], ["out"], location=Location(0, 0), thread=3)
+    g.infer_shapes().validate()
+    for seed in range(5):
+        rt = SimulatedRuntime(seed)
+        d, ws = _dispatcher(g, rt)
+        try:
+            ws.set("x", np.arange(4.0))
+            ws.set("y", 10 * np.ones(4))
+            for _ in range(2):  # zeroed again every iteration
+                rt.log.clear()
+                d.run()
+                np.testing.assert_array_equal(ws["out"], np.arange(4.0) + 10)
+                _check_order(rt.log, g)
+        finally:
+            d.close()
+
+
+def _tiny_config(**overrides):
+    return validate_config(_tiny_raw(**overrides), check_files=False)
+
+
+def _tiny_raw(**overrides):
+    cfg = {
+        "name": "gpu-tiny", "seed": 5,
+        "data": {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 5,
+                           "num_samples": 64, "batch_size": 8, "shuffle": True}},
+        "net": [
+            {"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
+             "num_output": 4, "kernel": 3, "pad": 1,
+             "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+            {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1",
+             "pool": "max", "kernel": 3, "stride": 2, "ceil_mode": True},
+            {"type": "lrn", "name": "norm1", "bottom": "pool1", "top": "norm1",
+             "local_size": 3, "alpha": 0.01, "beta": 0.75},
+            {"type": "conv", "name": "conv2", "bottom": "norm1", "top": "conv2",
+             "num_output": 6, "kernel": 1, "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "pool", "name": "pool2", "bottom": "conv2", "top": "pool2",
+             "pool": "ave", "kernel": 2, "stride": 2},
+            {"type": "dropout", "name": "drop", "bottom": "pool2", "top": "pool2",
+             "ratio": 0.3},
+            {"type": "fc", "name": "fc1", "bottom": "pool2", "top": "fc1", "num_output": 5,
+             "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss"},
+        ],
+        "solver": {"base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
+                   "lr_policy": "step", "gamma": 0.5, "stepsize": 2, "max_iter": 10},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _init(ws, graph, seed):
+    for p in graph.params():
+        ws.set(p.name, fill(p, seed))
+
+
+def _with_fake_allreduce(graph, grads):
+    """Route one gradient through a comm op (as data parallelism would)."""
+    param = sorted(grads)[0]
+    grad = grads[param]
+    update = next(op for op in graph.ops.values()
+                  if op.op_type == "SGDUpdate" and op.inputs[0] == param)
+    graph.add_op(f"{grad}.allreduce", "TestGpuFakeComm", [grad], [f"{grad}.sum"],
+                 {"seq": 0, "polls": 3}, location=update.location)
+    update.inputs[1] = f"{grad}.sum"
+    graph.infer_shapes().validate()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
+    """A placed training graph, ops spread over three streams at random:
+    every op runs after its producers and the results are bitwise those of
+    the serial dispatcher on the CPU graph."""
+    config = _tiny_config()
+    graph, grads = build_train_graph(config)
+    _with_fake_allreduce(graph, grads)
+    reference = copy.deepcopy(graph)
+    place_on_device(graph, 0)
+    rng = random.Random(seed)
+    for op in graph.ops.values():
+        if op.location.device >= 0 and op.op_type != "Copy":
+            op.thread = rng.choice([0, 1, 2])
+    rt = SimulatedRuntime(seed)
+    d, ws = _dispatcher(graph, rt, seed=7)
+    d.profiler = Profiler()
+    ref = SerialDispatcher(reference, seed=7)
+    _init(ws, graph, 5)
+    _init(ref.workspace, reference, 5)
+    try:
+        for it in range(3):
+            rt.log.clear()
+            ws["iter"][...] = it
+            ref.workspace["iter"][...] = it
+            d.run(it)
+            ref.run(it)
+            _check_order(rt.log, d.graph)
+            np.testing.assert_array_equal(ws["loss"], ref.workspace["loss"])
+        for p in reference.params():
+            np.testing.assert_array_equal(ws[p.name], ref.workspace[p.name])
+        # distinct streams were really used, with device-side waits between them
+        assert len({k for k in d._key.values() if k is not None}) >= 4
+        assert any(c[0] == "wait" for c in rt.calls)
+        # GPU ops are traced on their streams, with device times
+        tids = {e["tid"] for e in d.profiler.events}
+        assert {"gpu0:0", "gpu0:1", "gpu0:2", "gpu0:h2d", "comm"} <= tids
+        assert all(e["dur"] >= 0 for e in d.profiler.events)
+    finally:
+        d.close()
+
+
+def test_cpu_graph_still_gets_the_event_dispatcher():
+    config = _tiny_config()
+    graph, _ = build_train_graph(config)
+    d = make_dispatcher(graph)
+    try:
+        assert type(d) is EventDispatcher
+    finally:
+        d.close()
+    # 'stream' on a CPU graph: the event dispatcher's behaviour, no CUDA at all
+    d = make_dispatcher(graph, "stream")
+    try:
+        assert isinstance(d, StreamDispatcher) and d.runtime is None
+        _init(d.workspace, graph, 5)
+        d.workspace["iter"][...] = 0
+        d.run(0)
+        assert np.isfinite(float(d.workspace["loss"]))
+    finally:
+        d.close()
+
+
+# =====================================================================
+# 3. placement, memory planning, configuration
+# =====================================================================
+
+def test_place_on_device():
+    config = _tiny_config()
+    graph, _ = build_train_graph(config)
+    n_ops = len(graph.ops)
+    place_on_device(graph, 1)
+    ops = graph.ops
+    assert ops["data"].location.device == -1 and ops["solver.lr"].location.device == -1
+    for name in ("iter", "lr", "data", "label"):
+        assert graph.blobs[name].location.device == -1
+    assert graph.blobs["data"].attrs["pinned"] and graph.blobs["label"].attrs["pinned"]
+    copies = {n: op for n, op in ops.items() if op.op_type == "Copy" and op.thread == "h2d"}
+    assert sorted(op.inputs[0] for op in copies.values()) == ["data", "label"]
+    assert len(ops) == n_ops + 2
+    for op in ops.values():
+        if op.op_type in ("DataReader", "LearningRate"):
+            continue
+        assert op.location.device == 1, op.name
+        for i, b in enumerate(op.inputs):
+            on_host = graph.blobs[b].location.device < 0
+            # the learning rate is the one host blob a device op reads
+            assert not on_host or (op.op_type == "SGDUpdate" and i == 3), (op.name, b)
+    for name, blob in graph.blobs.items():
+        if blob.alias_of is not None:
+            assert blob.location == graph.blobs[graph.storage_root(name)].location
+    graph.validate()
+    assert place_on_device(copy.deepcopy(graph), -1).ops.keys() == graph.ops.keys()
+
+
+def test_plan_device_memory_is_aligned_and_disjoint():
+    config = _tiny_config()
+    graph, _ = build_train_graph(config)
+    place_on_device(graph, 0)
+    plans = plan_device_memory(graph)
+    assert list(plans) == [0]
+    total, offsets = plans[0]
+    roots = [n for n, b in graph.blobs.items() if b.alias_of is None and b.location.device == 0]
+    assert sorted(offsets) == sorted(roots)
+    spans = sorted((off, off + max(graph.blobs[n].nbytes, 1)) for n, off in offsets.items())
+    assert all(off % ARENA_ALIGN == 0 for off, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= total < spans[-1][1] + ARENA_ALIGN
+    # parameters shared from another workspace are not planned again
+    shared = {p.name for p in graph.params()}
+    assert not set(plan_device_memory(graph, skip=shared)[0][1]) & shared
+
+
+def test_cpu_workspace_unchanged():
+    config = _tiny_config()
+    graph, _ = build_train_graph(config)
+    ws = Workspace(graph)
+    assert ws.device_bytes == {} and plan_device_memory(graph) == {}
+    roots = [b for b in graph.blobs.values() if b.alias_of is None]
+    assert ws.allocated_bytes == sum(max(b.size, 1) * np.dtype(b.dtype).itemsize for b in roots)
+    assert all(type(ws[b]) is np.ndarray for b in graph.blobs)
+
+
+def test_a_gpu_graph_without_cupy_is_a_user_error():
+    if backend.cupy_available():
+        pytest.skip("a GPU is available here")
+    config = _tiny_config()
+    graph, _ = build_train_graph(config)
+    place_on_device(graph, 0)
+    with pytest.raises(UserError, match="CuPy"):
+        Workspace(graph)
+
+
+def test_select_device_and_tf32_key():
+    config = _tiny_config()
+    assert config["tf32"] is False and select_device(config) == -1
+    with pytest.raises(ConfigError, match="tf32"):
+        _tiny_config(tf32="yes")
+    with pytest.raises(ConfigError, match="backend: numpy"):
+        select_device(dict(config, device=0, backend="numpy"))
+    if not backend.cupy_available():
+        with pytest.raises(UserError, match="CuPy"):
+            select_device(dict(config, device=0))
+        with pytest.raises(UserError, match="CuPy"):
+            select_device(dict(config, backend="cupy"))
+
+
+# =====================================================================
+# 4. on a real GPU (skipped without CuPy and a CUDA device)
+# =====================================================================
+
+GRAPH_OP_CASES = [  # op type, attrs, input shapes (first is x), wrt
+    ("Conv", {"stride": 2, "pad": 1, "group": 2}, [(2, 4, 7, 6), (6, 2, 3, 3), (6,)],
+     ("x", "in1", "in2")),
+    ("Conv", {}, [(2, 6, 5, 4), (4, 6, 1, 1)], ("x", "in1")),
+    ("Pool", {"pool": "max", "kernel": 3, "stride": 2, "ceil_mode": True}, [(2, 3, 7, 6)],
+     ("x",)),
+    ("Pool", {"pool": "ave", "kernel": 3, "stride": 2, "pad": 1}, [(2, 3, 7, 6)], ("x",)),
+    ("LRN", {"local_size": 5, "alpha": 0.3, "beta": 0.75, "k": 2.0}, [(2, 7, 3, 4)], ("x",)),
+    ("InnerProduct", {}, [(4, 3, 2, 2), (5, 12), (5,)], ("x", "in1", "in2")),
+    ("Relu", {}, [(3, 4)], ("x",)),
+    ("Softmax", {}, [(3, 5)], ("x",)),
+    ("Dropout", {"ratio": 0.3}, [(6, 8)], ("x",)),
+]
+
+
+def _run_graph_on_gpu(op_type, attrs, inputs, wrt):
+    """tests/opcheck.run_op, but with the graph placed on GPU 0 and run by
+    the stream dispatcher."""
+    from tests.opcheck import _build
+    g, outs, loss_terms, grads, _ = _build(op_type, attrs, inputs, wrt, None, 0)
+    place_on_device(g, 0)
+    d = make_dispatcher(g, seed=0)
+    assert isinstance(d, StreamDispatcher)
+    try:
+        for name, value in inputs.items():
+            d.workspace.set(name, value)
+        for k, _, w in loss_terms:
+            d.workspace.set(f"lw{k}", w)
+        d.run()
+        result = {k: backend.to_numpy(d.workspace[o]) for k, o in enumerate(outs)}
+        return result, {p: backend.to_numpy(d.workspace[gname]) for p, gname in grads.items()}
+    finally:
+        d.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRAPH_OP_CASES,
+                         ids=[f"{c[0]}{i}" for i, c in enumerate(GRAPH_OP_CASES)])
+def test_every_op_on_gpu_matches_numpy(case):
+    _gpu_cupy()
+    from tests.opcheck import run_op
+    op_type, attrs, shapes, wrt = case
+    names = ["x"] + [f"in{i}" for i in range(1, len(shapes))]
+    inputs = {n: _rand(s, np.float32, i) for i, (n, s) in enumerate(zip(names, shapes))}
+    outs_cpu, grads_cpu = run_op(op_type, attrs, inputs, wrt)
+    outs_gpu, grads_gpu = _run_graph_on_gpu(op_type, attrs, inputs, wrt)
+    for k, v in outs_cpu.items():
+        if k == "_loss_weights":
+            continue
+        np.testing.assert_allclose(outs_gpu[k], v, rtol=1e-4, atol=1e-5)
+    for p, v in grads_cpu.items():
+        np.testing.assert_allclose(grads_gpu[p], v, rtol=1e-4, atol=1e-5 * max(1, np.abs(v).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ignore", [None, 2])
+def test_softmax_loss_on_gpu_matches_numpy(ignore):
+    _gpu_cupy()
+    from tests.opcheck import run_op
+    rng = np.random.default_rng(0)
+    inputs = {"x": _rand((6, 5), np.float32, scale=3.0),
+              "label": rng.integers(0, 5, size=6).astype(np.int64)}
+    attrs = {} if ignore is None else {"ignore_label": ignore}
+    weights = [np.asarray(1.0, np.float32), None]
+    outs_cpu, grads_cpu = run_op("SoftmaxLoss", attrs, inputs, ("x",), loss_weights=weights)
+    outs_gpu, grads_gpu = _run_graph_on_gpu_weights("SoftmaxLoss", attrs, inputs, ("x",), weights)
+    np.testing.assert_allclose(outs_gpu[0], outs_cpu[0], rtol=1e-5)
+    np.testing.assert_allclose(outs_gpu[1], outs_cpu[1], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads_gpu["x"], grads_cpu["x"], rtol=1e-5, atol=1e-7)
+
+
+def _run_graph_on_gpu_weights(op_type, attrs, inputs, wrt, weights):
+    from tests.opcheck import _build
+    g, outs, loss_terms, grads, _ = _build(op_type, attrs, inputs, wrt, weights, 0)
+    place_on_device(g, 0)
+    d = make_dispatcher(g)
+    try:
+        for name, value in inputs.items():
+            d.workspace.set(name, value)
+        for k, _, w in loss_terms:
+            d.workspace.set(f"lw{k}", w)
+        d.run()
+        return ({k: backend.to_numpy(d.workspace[o]) for k, o in enumerate(outs)},
+                {p: backend.to_numpy(d.workspace[n]) for p, n in grads.items()})
+    finally:
+        d.close()
+
+
+@pytest.mark.gpu
+def test_workspace_arena_on_gpu():
+    cupy = _gpu_cupy()
+    graph, _ = build_train_graph(_tiny_config())
+    place_on_device(graph, 0)
+    ws = Workspace(graph)
+    arena = ws._arena[0]
+    for name, blob in graph.blobs.items():
+        arr = ws[name]
+        if blob.location.device < 0:
+            assert isinstance(arr, np.ndarray)
+            continue
+        assert isinstance(arr, cupy.ndarray) and arr.device.id == 0
+        assert arena.data.ptr <= arr.data.ptr < arena.data.ptr + arena.nbytes
+    ws.set("conv1/weight", np.ones(graph.blobs["conv1/weight"].shape, np.float32))
+    assert float(ws["conv1/weight"].sum()) == graph.blobs["conv1/weight"].size
+
+
+def _train(config, device, iters, seed=0):
+    """Losses of ``iters`` iterations of ``config`` on ``device`` (-1: CPU)."""
+    graph, _ = build_train_graph(config)
+    place_on_device(graph, device)
+    d = make_dispatcher(graph, seed=seed)
+    try:
+        _init(d.workspace, graph, config["seed"])
+        losses = []
+        for it in range(iters):
+            d.workspace["iter"][...] = it
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        return losses, {p.name: backend.to_numpy(d.workspace[p.name]) for p in graph.params()}
+    finally:
+        d.close()
+
+
+@pytest.mark.gpu
+def test_tiny_net_on_gpu_matches_cpu():
+    _gpu_cupy()
+    config = _tiny_config()
+    cpu, cpu_params = _train(config, -1, 4)
+    dev, dev_params = _train(config, 0, 4)
+    np.testing.assert_allclose(dev, cpu, rtol=1e-4)
+    for name, value in cpu_params.items():
+        np.testing.assert_allclose(dev_params[name], value, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cifar10_quick_on_gpu_matches_cpu():
+    """A few iterations of jobs/cifar10_quick.yaml (batch 16): same losses."""
+    _gpu_cupy()
+    from purine_mpi.io.config import load_config
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "jobs", "cifar10_quick.yaml")
+    config = load_config(path, overrides=["data.train.batch_size=16",
+                                          "solver.base_lr=0.01"], check_files=False)
+    cpu, _ = _train(config, -1, 5)
+    dev, _ = _train(config, 0, 5)
+    np.testing.assert_allclose(dev, cpu, rtol=2e-4)
+
+
+@pytest.mark.gpu
+def test_stream_dispatcher_real_streams():
+    """The chain graph across two streams (and the h2d copies), on a real GPU."""
+    _gpu_cupy()
+    g = _chain_graph([(0, 0, "Sum"), (0, 0, "Sum"), (0, 1, "Sum"), (0, 2, "Copy", -1),
+                      (-1, 0, "Sum"), (0, 1, "Sum")])
+    place_on_device(g, 0)  # inserts the copies between host and device
+    d = make_dispatcher(g)
+    try:
+        d.workspace.set("x", np.arange(3.0, dtype=np.float32))
+        d.workspace.set("one", np.ones(3, np.float32))
+        for _ in range(3):
+            d.run()
+            np.testing.assert_array_equal(backend.to_numpy(d.workspace["b5"]),
+                                          np.arange(3.0) + 5)
+        assert len(d.runtime.pool) >= 3
+    finally:
+        d.close()

@@ -1,0 +1,65 @@
+"""Parameter servers (parallel.mode sync_ps / async): the last ps_ranks
+ranks serve, the others train."""
+import numpy as np
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.param_server import compose_for_rank, plan_param_server, ps_layout
+from tests.mpi_scripts.common import mlp_config
+from tests.mpi_scripts.launch import run_mpi, run_python
+
+
+def test_layout_and_sharding():
+    assert ps_layout(5, 2) == {"workers": [0, 1, 2], "servers": [3, 4]}
+    with pytest.raises(UserError, match="at least 3 ranks"):
+        ps_layout(2, 2)
+    cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 2})
+    g, grads = build_train_graph(cfg, 0, 2)
+    plan = plan_param_server(g, grads, ps_layout(4, 2))
+    assert plan["order"][0] == "out/weight"           # top layer pushed first
+    assert set(plan["owner"].values()) == {2, 3}
+    tags = [t for p in plan["order"] for t in plan["tags"][p]]
+    assert len(set(tags)) == len(tags)
+
+
+def test_worker_and_server_graphs_match():
+    """Every push has a receive on its server and every pull a send."""
+    from purine_mpi.comm.verify import comm_signature, compare_signatures
+    cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 1})
+    slices = []
+    for rank in range(3):
+        g, grads = build_train_graph(cfg, 0, 2)
+        slices.append(compose_for_rank(g, grads, cfg, 3, rank))
+    assert not any(op.op_type == "SGDUpdate" for op in slices[0].ops.values())
+    assert sum(op.op_type == "SGDUpdate" for op in slices[2].ops.values()) == 6
+    assert slices[1].ops["data"].attrs["rank"] == 1
+    assert compare_signatures([comm_signature(s) for s in slices]) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,args", [(4, ["sync_ps", 2]), (2, ["async", 1, 0]),
+                                    (3, ["async", 1, 0]), (4, ["async", 1, 1])])
+def test_param_server_runs(n, args):
+    proc, _ = run_mpi("param_server.py", n, *args)
+    assert proc.stdout.count("OK param_server") == n
+
+
+@pytest.mark.mpi
+def test_train_cli_sync_ps_equals_allreduce(tmp_path):
+    """``train`` end to end: 2 workers + 1 server give bitwise the weights of
+    2 ranks with allreduce, and the checkpoint carries the servers' momenta."""
+    import h5py
+    from purine_mpi.io.config import dump_config
+    cfg = mlp_config(solver={"max_iter": 6, "display": 3})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    out = {}
+    for mode, n in (("sync", 2), ("sync_ps", 3)):
+        run_python(n, ["-m", "purine_mpi", "train", str(path), "--out", str(tmp_path / mode),
+                       "--set", f"parallel.mode={mode}"])
+        with h5py.File(tmp_path / mode / "latest.h5", "r") as f:
+            out[mode] = {k: f[k][()] for k in ("params/out/weight", "params/fc1/bias",
+                                               "solver/fc1/weight/momentum")}
+    for k, v in out["sync"].items():
+        assert np.array_equal(v, out["sync_ps"][k]), k
