@@ -94,6 +94,7 @@ class Trainer:
                                         workspace=Workspace(self.test_graph, shared=shared),
                                         seed=self._op_seed())
         self.start_iter = 0
+        self.stop = StopSignal()
         self._init_params(init)
         if resume:
             self._resume(resume)
@@ -216,6 +217,11 @@ class Trainer:
                     self._evaluate(done, metrics)
                 if ck_interval and done % ck_interval == 0 and done != max_iter:
                     self.save(done)
+                if done != max_iter and self.stop.requested(self.world):
+                    self.save(done)
+                    self._say(f"stopping at iter {done} on {self.stop.name}: checkpoint "
+                              f"written; continue with --resume auto")
+                    return {"stopped_by": self.stop.name, "iter": done}
             if self.start_iter < max_iter or not os.path.exists(
                     os.path.join(self.out_dir, "latest.h5")):
                 result = self._evaluate(max_iter, metrics) or {}
@@ -338,6 +344,35 @@ def log_to_stderr(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+class StopSignal:
+    """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit) or
+    SIGTERM asks the run to stop: every rank finishes the iteration, they
+    agree on it (a MAX reduction, the same collective on every rank each
+    iteration), a checkpoint is written, and the job ends cleanly."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM")
+
+    def __init__(self):
+        self.name = None
+        import signal
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                signal.signal(getattr(signal, sig), self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+        self.name = signal.Signals(signum).name
+
+    def requested(self, world):
+        code = self.SIGNALS.index(self.name) + 1 if self.name else 0
+        if world.size > 1:
+            code = world.comm.allreduce(code, op=world.MPI.MAX)
+        if code and self.name is None:
+            self.name = self.SIGNALS[code - 1]
+        return bool(code)
+
+
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for."""
@@ -359,4 +394,6 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     if world.rank == 0 and result:
         print("final " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
                                      for k, v in result.items()}), flush=True)
-    return 0
+    # a stop on SIGTERM still ends non-zero (the scheduler asked us to die);
+    # SIGUSR1 is a request to checkpoint and finish, so it ends with 0
+    return 143 if result.get("stopped_by") == "SIGTERM" else 0

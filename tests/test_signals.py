@@ -1,0 +1,82 @@
+"""SIGUSR1 (SLURM's pre-time-limit warning) or SIGTERM to any one rank stops
+every rank at the same iteration with a checkpoint; the run resumes from it."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import pytest
+
+from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+def _rank_pids(marker):
+    """PIDs of the python ranks whose command line contains ``marker``."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in b" ".join(cmd) and b"purine_mpi" in b" ".join(cmd) \
+                and not os.path.basename(cmd[0]).startswith(b"mpiexec") \
+                and b"hydra" not in cmd[0]:
+            pids.append(int(pid))
+    return pids
+
+
+def _wait_for_metrics(out, deadline):
+    path = os.path.join(out, "metrics.jsonl")
+    while time.time() < deadline:
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("training never logged a line")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig,status", [(signal.SIGUSR1, 0), (signal.SIGTERM, 143)])
+def test_signal_to_one_rank_stops_all_with_checkpoint(tmp_path, digits_h5, sig, status):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / f"run-{sig.name}")
+    cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_metrics(out, time.time() + 60)
+        pids = _rank_pids(out)
+        assert len(pids) == 2, pids
+        os.kill(max(pids), sig)  # one rank only
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == status, stderr
+    assert "stopping at iter" in stdout
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        stopped_at = int(f.attrs["iteration"])
+        assert 0 < stopped_at < 100000
+        assert f.attrs["world_size"] == 2
+    # resume continues from there and finishes
+    res = subprocess.run(cmd + ["--resume", "auto", "--iters", str(stopped_at + 5)], cwd=REPO,
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) == stopped_at + 5
+    iters = [json.loads(line)["iter"] for line in open(os.path.join(out, "metrics.jsonl"))
+             if json.loads(line)["phase"] == "train"]
+    assert iters == sorted(set(iters))  # no iteration logged twice
