@@ -184,7 +184,8 @@ def worker(opts):
 
     graph, grads = build_train_graph(cfg, world.rank, world.size)
     plan = compose_data_parallel(graph, grads, world.size, world.rank,
-                                 bucket_mb=opts.bucket_mb, first_bucket_mb=opts.first_bucket_mb)
+                                 bucket_mb=opts.bucket_mb, first_bucket_mb=opts.first_bucket_mb,
+                                 grad_first=not opts.no_grad_first)
     graph.infer_shapes().validate()
     comm_graph = Graph("allreduce_only")
     for b in plan:
@@ -216,7 +217,7 @@ def worker(opts):
             "real_ms": round(real, 1), "sum_ms": round(compute + comm, 1),
             "hidden_ms": round(compute + comm - real, 1),
             "hidden_share_of_comm": round((compute + comm - real) / comm, 3) if comm else None,
-            "comm_overlap": round(float(overlap), 3),
+            "comm_overlap": round(float(overlap), 3), "grad_first": not opts.no_grad_first,
             "numpy": np.__version__}), flush=True)
 
 
@@ -229,6 +230,8 @@ def main():
     p.add_argument("--first-bucket-mb", type=float, default=1.0)
     p.add_argument("--rate", default="1gbit", help="tbf rate per link end ('' = unlimited)")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--no-grad-first", action="store_true",
+                   help="compose without the gradients_first scheduling hint")
     p.add_argument("--trace", metavar="DIR", help="write the real run's Chrome traces there")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -238,6 +241,8 @@ def main():
                     f"--bucket-mb={args.bucket_mb}", f"--first-bucket-mb={args.first_bucket_mb}"]
     if args.config:
         args.forward.append(f"--config={os.path.abspath(args.config)}")
+    if args.no_grad_first:
+        args.forward.append("--no-grad-first")
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         args.forward.append(f"--trace={os.path.abspath(args.trace)}")

@@ -15,6 +15,7 @@ import numpy as np
 
 from .backend import to_numpy
 from .errors import GraphError, UserError
+from .gpu.placement import configure_device, place_on_device
 from .graph.solver import momentum_name
 from .io.checkpoint import find_latest, load_checkpoint, load_params, save_run_checkpoint
 from .io.config import dump_config
@@ -77,6 +78,9 @@ class Trainer:
         par = config.get("parallel", {})
         graph, self.grads = build_train_graph(config, self.rank, self.size)
         self.graph = compose(graph, self.grads, config, self.world)
+        # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
+        # (the node-local rank picks among several) and the stream dispatcher runs it
+        self.device = configure_device(config, self.graph)
         self.params = [b.name for b in self.graph.params()]
         self.profiler = Profiler(self.rank) if profile else None
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
@@ -88,6 +92,7 @@ class Trainer:
         self.test_graph = build_test_graph(config, self.rank, self.size)
         self.test = None
         if self.test_graph is not None:
+            place_on_device(self.test_graph, self.device)
             shared = {p: self.ws[p] for p in self.test_graph.blobs if p in self.ws.arrays
                       and self.graph.blobs[p].kind == "param"}
             self.test = make_dispatcher(self.test_graph, dispatcher, rank=self.rank,

@@ -62,8 +62,30 @@ def _gpu_cupy():
 # 1. op GPU branches: emulated device (g++) and real CuPy
 # =====================================================================
 
+class _NoDevice:
+    """Stands for ``cupy.cuda.Device(...)``: a context manager doing nothing."""
+
+    id = 0
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def use(self):
+        pass
+
+
 class DeviceArray(np.ndarray):
     """A NumPy array standing for a CuPy array on the emulated device."""
+
+    @property
+    def device(self):
+        return _NoDevice()
 
 
 def _emulated_cupy(build_dir):
@@ -81,6 +103,10 @@ def _emulated_cupy(build_dir):
     fake.ascontiguousarray = lambda a, dtype=None: on_device(np.ascontiguousarray(a, dtype))
     fake.asarray = lambda a, dtype=None: on_device(np.asarray(a, dtype))
     fake.asnumpy = lambda a: np.asarray(a)
+    # what the workspace needs: a device context, a device count, pinned memory
+    fake.cuda.Device = _NoDevice
+    fake.cuda.runtime.getDeviceCount = lambda: 1
+    fake.cuda.alloc_pinned_memory = bytearray
     fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
     return fake
 
@@ -561,6 +587,12 @@ def test_accumulating_writers_on_two_streams_chain_their_adds():
                 d.run()
                 np.testing.assert_array_equal(ws["out"], np.arange(4.0) + 10)
                 _check_order(rt.log, g)
+            # the second add waits for the first one (a device-side race otherwise,
+            # which this simulation, running each launch atomically, cannot show)
+            writers = {(0, 1), (0, 2)}
+            chained = [c for c in rt.calls if c[0] == "wait" and c[1] in writers
+                       and c[2].stream.key in writers - {c[1]}]
+            assert len(chained) == 2  # one per iteration
         finally:
             d.close()
 
@@ -659,6 +691,64 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
         d.close()
 
 
+def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch):
+    """Everything at once, without a GPU: a placed training graph whose
+    workspace is a device arena of emulated CuPy arrays, ops taking their
+    GPU branches (the raw kernels compiled for the host), run by the stream
+    dispatcher on the simulated device. Losses and weights match the CPU."""
+    config = _tiny_config()
+    cpu_losses, cpu_params = _train_simulated(config, -1)
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(host_build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    launched = []
+    real_launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda source, func, *a: (
+        launched.append(func), real_launch(source, func, *a))[1])
+    try:
+        losses, params, ws = _train_simulated(config, 0)
+    finally:
+        gpu.clear_kernel_cache()
+    # (no col2im: conv1 needs no data gradient, conv2 is 1x1)
+    assert {"im2col", "maxpool_forward", "maxpool_backward", "avepool_forward",
+            "avepool_backward", "lrn_forward", "lrn_backward", "softmax_loss_forward",
+            "softmax_loss_backward", "sgd_momentum"} <= set(launched)
+    np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+    for name, value in cpu_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1e-6)
+    # the device blobs are views of one arena; the host side of the copies is pinned
+    arena = ws._arena[0]
+    for name, blob in ws.graph.blobs.items():
+        arr = ws[name]
+        if blob.location.device == 0:
+            assert isinstance(arr, DeviceArray) and np.shares_memory(arr, arena), name
+        else:
+            assert not isinstance(arr, DeviceArray), name
+    assert ws.device_bytes[0] == arena.nbytes
+
+
+def _train_simulated(config, device, iters=3):
+    graph, _ = build_train_graph(config)
+    place_on_device(graph, device)
+    if device < 0:
+        d = SerialDispatcher(graph, seed=3)
+    else:
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3)
+        assert isinstance(d, StreamDispatcher)
+    try:
+        _init(d.workspace, graph, 5)
+        losses = []
+        for it in range(iters):
+            d.workspace["iter"][...] = it
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        params = {p.name: np.array(d.workspace[p.name]) for p in graph.params()}
+        return (losses, params) if device < 0 else (losses, params, d.workspace)
+    finally:
+        d.close()
+
+
 def test_cpu_graph_still_gets_the_event_dispatcher():
     config = _tiny_config()
     graph, _ = build_train_graph(config)
@@ -702,8 +792,9 @@ def test_place_on_device():
         assert op.location.device == 1, op.name
         for i, b in enumerate(op.inputs):
             on_host = graph.blobs[b].location.device < 0
-            # the learning rate is the one host blob a device op reads
-            assert not on_host or (op.op_type == "SGDUpdate" and i == 3), (op.name, b)
+            # besides the copies, the learning rate is the one host blob a device op reads
+            assert not on_host or op in copies.values() or \
+                (op.op_type == "SGDUpdate" and i == 3), (op.name, b)
     for name, blob in graph.blobs.items():
         if blob.alias_of is not None:
             assert blob.location == graph.blobs[graph.storage_root(name)].location

@@ -56,6 +56,18 @@ def test_sgd_updates_read_sum_and_scale():
     assert first.inputs[0].startswith("out/")
 
 
+def test_gradients_first_orders_weight_grads_before_lower_layers():
+    g, grads = build_train_graph(mlp_config(hidden=(6, 5)))
+    compose_data_parallel(g, grads, 2, 0)
+    # relu1's backward reads fc2's data gradient: it now waits for fc2's
+    # weight and bias gradients, so fc2's bucket can be reduced first
+    assert set(g.ops["relu1.bwd.relu_grad"].control_inputs) == {
+        "fc2.bwd.inner_product_grad_weight", "fc2.bwd.inner_product_grad_bias"}
+    assert set(g.ops["relu2.bwd.relu_grad"].control_inputs) == {
+        "out.bwd.inner_product_grad_weight", "out.bwd.inner_product_grad_bias"}
+    g.validate()
+
+
 def test_compare_signatures_names_first_difference():
     g, grads = _grad_graph([10, 20, 30])
     compose_data_parallel(g, grads, 2, 0, bucket_mb=1e-4, first_bucket_mb=1e-5)

@@ -1,7 +1,7 @@
 """Basic tensor ops used by the graph builders themselves."""
 import numpy as np
 
-from ..backend import get_xp
+from ..backend import get_xp, to_numpy
 from .registry import OpKernel, gradient, register
 
 
@@ -60,7 +60,13 @@ class Copy(OpKernel):
         return [ins[0]]
 
     def run(self, ins, outs):
-        outs[0][...] = ins[0]
+        dst, src = outs[0], ins[0]
+        if get_xp(dst) is get_xp(src):
+            dst[...] = src
+        elif get_xp(dst) is np:  # device -> host
+            dst[...] = to_numpy(src)
+        else:  # host -> device
+            dst[...] = get_xp(dst).asarray(src)
 
 
 @gradient("Copy")

@@ -17,7 +17,12 @@ the lower layers still back-propagate.
   ``<grad>.sum`` aliasing the same bucket ranges (in-place reduction);
 - each ``SGDUpdate`` reads ``<grad>.sum`` with ``grad_scale`` divided by the
   world size (the sum becomes the mean gradient);
-- ``DataReader`` ops get ``rank`` / ``world_size`` (DESIGN.md §6 sharding).
+- ``DataReader`` ops get ``rank`` / ``world_size`` (DESIGN.md §6 sharding);
+- with ``grad_first`` (default) each layer's parameter gradients are
+  computed before the backward pass moves to the layer below
+  (``gradients_first``), so the buckets fill, and their Allreduce starts,
+  as early as possible (measured on benchmarks/overlap_netns.py: 502 ->
+  321 ms per iteration at 1 Gbit/s).
 
 With ``check_collectives=True`` the composed graph's sequence of
 collectives is compared across ranks (``purine_mpi.comm.verify``).
@@ -27,7 +32,7 @@ import dataclasses
 import numpy as np
 
 from ..comm.ops import is_comm_op
-from ..errors import UserError
+from ..errors import GraphError, UserError
 
 MB = 2 ** 20
 
@@ -76,7 +81,7 @@ def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1):
 
 
 def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
-                          check_collectives=False, world=None, thread="comm"):
+                          check_collectives=False, world=None, thread="comm", grad_first=True):
     """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
     param -> gradient blob (``build_backward``'s result). Returns the bucket
@@ -128,6 +133,8 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         plan.append({"name": name, "op": op.name, "seq": seq, "params": list(b["params"]),
                      "grads": ins, "bytes": int(total * np.dtype(b["dtype"]).itemsize)})
         seq += 1
+    if grad_first:
+        gradients_first(graph, grads)
     if check_collectives:
         from ..comm.verify import check_collectives as _check
         _check(graph, world)
@@ -140,6 +147,39 @@ def place_on_rank(graph, rank):
     for x in list(graph.ops.values()) + list(graph.blobs.values()):
         if x.location.rank != rank:
             x.location = dataclasses.replace(x.location, rank=int(rank))
+
+
+def gradients_first(graph, grads):
+    """Scheduling hint (opt-in): make the backward pass produce each layer's
+    parameter gradients before it continues to the layer below, so their
+    Allreduce can start early. For each op G writing a parameter gradient,
+    the ops that read the *data* gradient computed beside G (from the same
+    output gradient) get G as a control input. On one worker thread this
+    only reorders work; a dispatcher that already runs ready ops in
+    topological order does not need it. Returns the number of edges added."""
+    producers, consumers = graph.producers(), graph.consumers()
+    param_grad_ops = {op.name for g in grads.values() for op in producers.get(g, ())}
+    added = []
+    for g in grads.values():
+        for op in producers.get(g, ()):
+            for dy in op.inputs:
+                if graph.blobs[dy].kind != "grad":
+                    continue
+                for sibling in consumers.get(dy, ()):
+                    if sibling.name in param_grad_ops:
+                        continue
+                    for out in sibling.outputs:
+                        for reader in consumers.get(out, ()):
+                            if op.name not in reader.control_inputs and reader is not op:
+                                reader.control_inputs.append(op.name)
+                                added.append((reader, op.name))
+    try:
+        graph.topo_order()
+    except GraphError:  # an unusual graph where the hint would form a cycle: drop it
+        for reader, name in added:
+            reader.control_inputs.remove(name)
+        return 0
+    return len(added)
 
 
 def _rewire_updates(graph, summed, renamed, world_size):

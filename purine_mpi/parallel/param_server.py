@@ -29,30 +29,33 @@ rate of w's iteration; the reply (fresh weights) goes back when w is at most
 every worker wait for all W gradients of the round: all workers then get
 the same weights, after all W updates.
 
-Interface for the trainer (every function takes the *global* World; a
-worker's Trainer runs on the workers-only World from ``worker_world``):
+Interface (every function takes the *global* World unless it says so):
 
-    layout = ps_layout(world_size, ps_ranks)   # {"workers": [...], "servers": [...]}
-    plan = plan_param_server(graph, grads, layout)
-    compose_param_server(graph, grads, config, world) -> graph     # a worker's graph
-    build_server_graph(graph, grads, plan, server_rank) -> graph   # sync_ps server
-    worker_world(world) -> World over the workers (collectives for metrics)
-    run_server(config, world, resume=None, init=None, log=None) -> dict
-        # on a server rank: builds the single-replica graph, initialises the
-        # owned parameters like the trainer does (fillers / --init / --resume),
-        # runs sync_ps iterations or the async loop until solver.max_iter.
-Server state (params and momenta of its shard) comes back from run_server;
-worker checkpoints hold the parameters the worker last pulled.
+    run_param_server(config, out_dir, world, resume=None, init=None,
+                     profile=False, dispatcher=None, log=None) -> 0
+        # ``train`` on every rank of a PS run: splits the ranks (worker_world),
+        # servers call run_server, workers run a Trainer over the workers'
+        # World whose graph comes from compose_param_server. Checkpoints
+        # (rank 0, a worker) hold the weights it pulled last and the servers'
+        # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
+        # the end for async), so --resume continues exactly in sync_ps.
+    compose_param_server(graph, grads, config, world) -> a worker's graph
+    compose_for_rank(graph, grads, config, world_size, rank) -> graph
+        # any rank's graph without MPI (``graph --np N --rank R``)
+    run_server(config, world, resume=None, init=None, log=None)
+        -> {"params", "momenta", "stats", "plan"}   # one server rank's work
+    ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
+    build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
+    server_rank), worker_world(world, ps_ranks): the pieces.
 """
-import time
-
 import numpy as np
 
 from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..errors import UserError
-from ..graph.core import Graph, Op
+from ..graph.core import Graph
 from ..graph.solver import momentum_name
-from .data_parallel import gradient_ready_order, next_seq, place_on_rank
+from .async_server import AsyncServer
+from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
 
 # ----------------------------------------------------------------- layout
@@ -127,6 +130,7 @@ def compose_param_server(graph, grads, config, world=None):
                         "not a training graph")
     plan = plan_param_server(graph, grads, layout)
     build_worker_graph(graph, plan)
+    gradients_first(graph, plan["grads"])  # pushes start as early as possible
     place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
     return graph
@@ -147,6 +151,7 @@ def compose_for_rank(graph, grads, config, world_size, rank):
             if op.op_type == "DataReader":
                 op.attrs["rank"], op.attrs["world_size"] = rank, nw
         build_worker_graph(graph, plan)
+        gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
     if par.get("mode") == "sync_ps":
@@ -239,89 +244,6 @@ def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
 def _copy_blob(blob):
     import copy
     return copy.deepcopy(blob)
-
-
-# ------------------------------------------------------------ async server
-class AsyncServer:
-    """The asynchronous server loop of one server rank.
-
-    ``params`` / ``momenta``: {param: array} of the owned shard (updated in
-    place); ``updates``: {param: SGDUpdate op} (attrs: momentum, weight
-    decay, multipliers); ``lr_attrs``: the LearningRate op's attrs;
-    ``iters``: pushes each worker makes per param (max_iter - start)."""
-
-    def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
-                 start_iter, iters, poll_interval=2e-4):
-        from ..ops.registry import make_kernel
-        self.world, self.plan = world, plan
-        self.params, self.momenta = params, momenta
-        self.lr_attrs = dict(lr_attrs)
-        self.staleness = int(max_staleness)
-        self.start, self.iters = int(start_iter), int(iters)
-        self.workers = list(plan["workers"])
-        self.owned = [p for p in plan["order"] if p in params]
-        self.poll = poll_interval
-        nw = len(self.workers)
-        self.kernels = {}
-        for p in self.owned:
-            attrs = dict(updates[p].attrs)
-            attrs["grad_scale"] = float(attrs.get("grad_scale", 1.0)) / nw
-            attrs["decay_mult"] = float(attrs.get("decay_mult", 1.0)) / nw
-            self.kernels[p] = make_kernel(Op(f"{p}.update", "SGDUpdate", [], [], attrs))
-        self.count = {(w, p): 0 for w in self.workers for p in self.owned}
-        self.stats = {"pushes": 0, "max_lead": 0}
-
-    def serve(self):
-        """Run until every worker pushed every owned param ``iters`` times
-        and every reply has been delivered. Returns stats."""
-        from mpi4py import MPI
-        from ..ops.solver import learning_rate
-        comm = self.world.comm
-        if not self.owned or self.iters <= 0:
-            return self.stats
-        grad_buf = {(w, p): np.empty_like(self.params[p]) for w in self.workers
-                    for p in self.owned}
-        keys = list(grad_buf)
-        recv = [comm.Irecv(grad_buf[k], source=k[0], tag=self.plan["tags"][k[1]][0])
-                for k in keys]
-        waiting = []   # (w, p) pushes whose reply is held back by the staleness bound
-        sends = []     # (request, buffer) in flight
-        lr = np.zeros((), np.float32)
-        done_pushes = 0
-        total = len(keys) * self.iters
-        while done_pushes < total or waiting or sends:
-            idx = MPI.Request.Testsome(recv) if done_pushes < total else None
-            progressed = False
-            for i in idx or ():
-                w, p = keys[i]
-                it = self.start + self.count[(w, p)]
-                lr.fill(learning_rate(self.lr_attrs, it))
-                arr, mom = self.params[p], self.momenta[p]
-                self.kernels[p].run([arr, grad_buf[(w, p)], mom, lr], [arr, mom])
-                self.count[(w, p)] += 1
-                done_pushes += 1
-                self.stats["pushes"] += 1
-                waiting.append((w, p))
-                if self.count[(w, p)] < self.iters:
-                    recv[i] = comm.Irecv(grad_buf[(w, p)], source=w,
-                                         tag=self.plan["tags"][p][0])
-                progressed = True
-            still = []
-            for w, p in waiting:
-                slowest = min(self.count[(v, p)] for v in self.workers)
-                lead = self.count[(w, p)] - slowest
-                if lead <= self.staleness:
-                    self.stats["max_lead"] = max(self.stats["max_lead"], lead)
-                    buf = self.params[p].copy()  # a snapshot: later pushes change p
-                    sends.append((comm.Isend(buf, dest=w, tag=self.plan["tags"][p][1]), buf))
-                    progressed = True
-                else:
-                    still.append((w, p))
-            waiting = still
-            sends = [(r, b) for r, b in sends if not r.Test()]
-            if not progressed:
-                time.sleep(self.poll)
-        return self.stats
 
 
 # ------------------------------------------------------------- server rank
