@@ -25,7 +25,8 @@ def compose_for(config, world_size, rank, phase="train"):
             graph = compose_for_rank(graph, grads, config, world_size, rank)
         graph.infer_shapes().validate()
     from ..gpu.placement import place_on_device
-    place_on_device(graph, int(config.get("device", -1) or -1))  # no CuPy needed to show it
+    device = config.get("device")
+    place_on_device(graph, -1 if device is None else int(device))  # needs no CuPy
     if any(op.location.rank != rank for op in graph.ops.values()):
         from .partition import partition
         graph = partition(graph, rank)
