@@ -163,6 +163,9 @@ def worker(opts):
         raw.setdefault("data", {}).pop("test", None)
     else:
         raw = DEFAULT_NET
+    if opts.batch:
+        raw = dict(raw, data={"train": dict(raw["data"]["train"], batch_size=opts.batch,
+                                            num_samples=4 * opts.batch)})
     cfg = resolve_config(raw, opts.config or "<overlap_netns>", check_files=False)
     if cfg["data"]["train"].get("source") != "synthetic":
         from purine_mpi.bench import synthetic_config
@@ -233,12 +236,16 @@ def main():
     p.add_argument("--no-grad-first", action="store_true",
                    help="compose without the gradients_first scheduling hint")
     p.add_argument("--trace", metavar="DIR", help="write the real run's Chrome traces there")
+    p.add_argument("--batch", type=int, default=0,
+                   help="per-rank batch size (default: the config's; the built-in net has 32, "
+                        "where communication dominates; 96 makes compute dominate)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     args.forward = [f"--iters={args.iters}", f"--warmup={args.warmup}",
-                    f"--bucket-mb={args.bucket_mb}", f"--first-bucket-mb={args.first_bucket_mb}"]
+                    f"--bucket-mb={args.bucket_mb}", f"--first-bucket-mb={args.first_bucket_mb}",
+                    f"--batch={args.batch}"]
     if args.config:
         args.forward.append(f"--config={os.path.abspath(args.config)}")
     if args.no_grad_first:

@@ -177,8 +177,19 @@ def main(argv=None):
 
 
 def _report_user_error(exc):
-    """One paragraph on stderr. Under MPI every rank hits the same error (they
-    read the same config); only rank 0 prints it."""
+    """One paragraph on stderr, no traceback.
+
+    Before MPI starts (config and file errors) every rank finds the same
+    error and exits 2 on its own: rank 0 prints it. Once MPI runs, an error
+    may hit some ranks only (a file missing on one node); that rank prints it
+    and aborts the job with status 2, so the others never wait for it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.Get_size() > 1:
+        rank = mpi.COMM_WORLD.Get_rank()
+        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        mpi.COMM_WORLD.Abort(2)
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if rank == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -47,20 +47,53 @@ def world_mean(world, values):
     return float(arr[0]) if np.ndim(values) == 0 else arr
 
 
+def is_pipeline(config, world):
+    par = config.get("parallel", {})
+    return world.size > 1 and par.get("scheme") == "pipeline"
+
+
 def compose(graph, grads, config, world):
-    """Apply the config's parallel scheme to this rank's training graph."""
+    """Apply the config's parallel scheme to this rank's training graph:
+    data parallel (gradient buckets + allreduce) or pipeline/model parallel
+    (layers placed on ranks by ``parallel.stages``, cut into slices joined by
+    Send/Recv)."""
     par = config.get("parallel", {})
     if world.size == 1 or par.get("scheme", "data") == "none":
         return graph
+    if par.get("scheme") == "pipeline":
+        return compose_pipeline(graph, config, world)
     if par.get("mode", "sync") == "sync":
         from .parallel.data_parallel import compose_data_parallel
         compose_data_parallel(graph, grads, world.size, world.rank,
                               bucket_mb=par.get("bucket_mb", 4),
-                              first_bucket_mb=par.get("first_bucket_mb", 1))
+                              first_bucket_mb=par.get("first_bucket_mb", 1),
+                              check_collectives=par.get("check_collectives", False),
+                              world=world)
         graph.infer_shapes().validate()
         return graph
     raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
                     f"'{par.get('mode')}' runs through the parameter-server trainer")
+
+
+def compose_pipeline(graph, config, world):
+    """This rank's slice of a graph whose layers ``parallel.stages`` places
+    on ranks ({layer name: rank}); unlisted layers follow their input."""
+    from .parallel.model_parallel import compose_partitioned, layer_of, place_layers
+    stages = config["parallel"].get("stages") or {}
+    bad = {k: v for k, v in stages.items() if not 0 <= int(v) < world.size}
+    if not stages or bad:
+        raise UserError(f"{config.get('_path')}: key 'parallel.stages': scheme pipeline needs "
+                        f"a mapping layer -> rank in 0..{world.size - 1}"
+                        + (f"; out of range: {bad}" if bad else ""))
+    layers = {layer.get("name") for layer in config.get("net") or []}
+    unknown = sorted(set(stages) - layers)
+    if unknown:
+        raise UserError(f"{config.get('_path')}: key 'parallel.stages': no layer named "
+                        f"{', '.join(unknown)} in the net")
+    # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
+    present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
+    place_layers(graph, present)
+    return compose_partitioned(graph, world)
 
 
 class Trainer:
@@ -76,8 +109,12 @@ class Trainer:
         self.solver = config["solver"]
         self.log = log or (lambda msg: print(msg, flush=True))
         par = config.get("parallel", {})
-        graph, self.grads = build_train_graph(config, self.rank, self.size)
-        self.graph = compose(graph, self.grads, config, self.world)
+        # a pipeline has one data stream (read by the rank holding the data
+        # op); data parallelism shards the data over the ranks
+        self.pipeline = is_pipeline(config, self.world)
+        data_rank, data_size = (0, 1) if self.pipeline else (self.rank, self.size)
+        graph, self.grads = build_train_graph(config, data_rank, data_size)
+        self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
         self.device = configure_device(config, self.graph)
@@ -89,7 +126,21 @@ class Trainer:
                                      seed=self._op_seed())
         self.ws = self.train.workspace
         self.losses = list(loss_blobs(self.graph))
-        self.test_graph = build_test_graph(config, self.rank, self.size)
+        self.data_size = data_size
+        self.test_graph = build_test_graph(config, data_rank, data_size)
+        if self.test_graph is not None:
+            # names from the whole test graph: in a pipeline one rank holds
+            # them, yet every rank reduces the same vector
+            g = self.test_graph
+            self.test_losses = list(loss_blobs(g))
+            accuracy = [op.outputs[0] for op in g.ops.values() if op.op_type == "Accuracy"]
+            # DESIGN.md section 5 names the accuracy "accuracy", whatever the
+            # layer's top is called; further metrics keep their blob names
+            self.test_keys = ["loss"] * len(self.test_losses) + [
+                "accuracy" if accuracy == [b] else b for b in metric_blobs(g)]
+            self.test_names = self.test_losses + metric_blobs(g)
+        if self.test_graph is not None and self.pipeline:
+            self.test_graph = compose_pipeline(self.test_graph, config, self.world)
         self.test = None
         if self.test_graph is not None:
             place_on_device(self.test_graph, self.device)
@@ -103,6 +154,18 @@ class Trainer:
         self._init_params(init)
         if resume:
             self._resume(resume)
+
+    def compose(self, graph):
+        """This rank's training graph from the single-replica one (the
+        parameter-server trainer overrides this)."""
+        return compose(graph, self.grads, self.config, self.world)
+
+    def _reduce(self, values):
+        """Across ranks: the mean for data-parallel replicas (each holds its
+        own loss), the sum for pipeline slices (one rank holds the loss)."""
+        if self.pipeline:
+            return world_mean(self.world, values) * self.size
+        return world_mean(self.world, values)
 
     def _op_seed(self):
         return self.seed * 1000003 + self.rank
@@ -175,11 +238,17 @@ class Trainer:
 
     def save(self, iteration):
         state = self.state_dict()
-        if self.rank != 0:
-            return
         params = {p: to_numpy(self.ws[p]) for p in self.params}
         solver = {p: {"momentum": to_numpy(self.ws[momentum_name(p)])} for p in self.params
                   if momentum_name(p) in self.ws.arrays}
+        if self.pipeline:  # each stage holds its own layers' parameters
+            parts = world_gather(self.world, (params, solver))
+            if self.rank == 0:
+                for p_part, s_part in parts:
+                    params.update(p_part)
+                    solver.update(s_part)
+        if self.rank != 0:
+            return
         save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
                             params=params, solver=solver, state=state,
                             world_size=self.size, seed=self.seed,
@@ -207,7 +276,7 @@ class Trainer:
                 done = it + 1
                 if display and (done % display == 0 or done == max_iter):
                     now = time.perf_counter()
-                    loss = world_mean(self.world, float(np.mean(last["loss"])))
+                    loss = self._reduce(float(np.mean(last["loss"])) if last["loss"] else 0.0)
                     ips = (done - window_start) * batch * self.size / max(now - t_window, 1e-9)
                     lr = float(self.ws["lr"])
                     rec = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
@@ -241,28 +310,22 @@ class Trainer:
         """Mean loss and metrics over the test split (sharded over ranks)."""
         if self.test is None:
             return {}
-        reader = next(k for k in self.test.kernels.values() if k.op.op_type == "DataReader")
-        reader.reset_position(0)
+        for k in self.test.kernels.values():
+            if k.op.op_type == "DataReader":
+                k.reset_position(0)
         spec = self.config["data"]["test"]
-        n_samples, _ = source_info(reader.attrs["source"])
+        n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
         n = test_iter or self.solver.get("test_iter") or max(
-            1, math.ceil(n_samples / (spec["batch_size"] * self.size)))
-        names = list(loss_blobs(self.test_graph)) + metric_blobs(self.test_graph)
-        # DESIGN.md section 5 names the accuracy "accuracy", whatever the
-        # layer's top is called; further metrics keep their blob names
-        acc = [b for b in names if any(op.op_type == "Accuracy" and b in op.outputs
-                                       for op in self.test_graph.ops.values())]
-        sums = np.zeros(len(names))
+            1, math.ceil(n_samples / (spec["batch_size"] * self.data_size)))
+        ws = self.test.workspace
+        sums = np.zeros(len(self.test_names))
         for i in range(n):
             self.test.run(i)
-            sums += [float(self.test.workspace[b]) for b in names]
-        means = world_mean(self.world, sums / n)
+            sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in self.test_names]
         out = {}
-        for name, v in zip(names, means):
-            key = "loss" if name in loss_blobs(self.test_graph) else \
-                "accuracy" if acc == [name] else name
-            out[key] = float(v) if key not in out else out[key] + float(v)
-        out["samples"] = int(n * spec["batch_size"] * self.size)
+        for key, v in zip(self.test_keys, self._reduce(sums / n)):
+            out[key] = out.get(key, 0.0) + float(v)
+        out["samples"] = int(n * spec["batch_size"] * self.data_size)
         return out
 
     def _evaluate(self, iteration, metrics):

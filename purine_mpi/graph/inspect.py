@@ -11,8 +11,12 @@ def compose_for(config, world_size, rank, phase="train"):
     from ..model import build_test_graph, build_train_graph
     if phase == "test":
         return build_test_graph(config, rank, world_size)
-    graph, grads = build_train_graph(config, rank, world_size)
     par = config.get("parallel", {})
+    if world_size > 1 and par.get("scheme") == "pipeline":
+        from ..trainer import compose_pipeline
+        graph, _ = build_train_graph(config, 0, 1)
+        return compose_pipeline(graph, config, _OfflineWorld(rank, world_size))
+    graph, grads = build_train_graph(config, rank, world_size)
     if world_size > 1 and par.get("scheme", "data") != "none":
         mode = par.get("mode", "sync")
         if mode == "sync":
@@ -27,9 +31,9 @@ def compose_for(config, world_size, rank, phase="train"):
     from ..gpu.placement import place_on_device
     device = config.get("device")
     place_on_device(graph, -1 if device is None else int(device))  # needs no CuPy
-    if any(op.location.rank != rank for op in graph.ops.values()):
-        from .partition import partition
-        graph = partition(graph, rank)
+    from .partition import partition, ranks_used
+    if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
+        graph = partition(graph, rank, size=world_size)
     return graph
 
 
@@ -40,6 +44,13 @@ class _NoAliasDumper(yaml.SafeDumper):
 
     def ignore_aliases(self, data):
         return True
+
+
+class _OfflineWorld:
+    """Rank and size for composing a slice without starting MPI."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size, self.hosts = rank, size, None
 
 
 NL = "\\n"  # a DOT line break inside a label

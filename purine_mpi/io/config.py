@@ -33,7 +33,7 @@ TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", 
             "backend", "device", "tf32")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd",)
-PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
+PARALLEL_SCHEMES = ("data", "none", "pipeline")
 PARALLEL_MODES = ("sync", "async", "sync_ps")
 BACKENDS = ("auto", "numpy", "cupy")
 DATA_SOURCES = ("hdf5", "synthetic")
@@ -42,11 +42,12 @@ SOLVER_DEFAULTS = {
     "type": "sgd", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0,
     "lr_policy": "fixed", "gamma": 0.1, "stepsize": None, "stepvalues": [],
     "power": 1.0, "max_iter": 1000, "test_interval": 0, "test_iter": None,
-    "display": 20, "warmup_iters": 0, "clip_gradients": None,
+    "display": 20, "warmup_iters": 0,
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1,
     "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
+    "stages": {},
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "shape", "classes",
@@ -365,14 +366,23 @@ _SOLVER_CHECKS = {
     "stepsize": _optional(_int(1)), "stepvalues": _stepvalues, "power": _num(0),
     "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
     "display": _int(0), "warmup_iters": _int(0),
-    "clip_gradients": _optional(_num(0, strict=True)),
 }
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
     "check_collectives": lambda key, value, path: _check_bool(key, value, path),
+    "stages": lambda key, value, path: _check_stages(key, value, path),
 }
+
+
+def _check_stages(key, value, path):
+    """parallel.stages: {layer name: rank} for scheme pipeline."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
+        raise ConfigError(path, key, f"expected a mapping of layer name to rank, e.g. "
+                                     f"{{conv1: 0, fc1: 1}}, got {value!r}")
+    return value
 _CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
 
 

@@ -346,6 +346,9 @@ def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
     mode = config["parallel"].get("mode")
 
     class PSWorkerTrainer(trainer_module.Trainer):
+        def compose(self, graph):
+            return compose_param_server(graph, self.grads, self.config, world)
+
         def save(self, iteration):
             due = _state_transfer_due(config, iteration, self.start_iter,
                                       final_only=(mode == "async"))
@@ -355,17 +358,7 @@ def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
                     self.ws.arrays[momentum_name(p)] = m
             return super().save(iteration)
 
-    # The Trainer composes through trainer.compose(); swap in the PS worker
-    # composition while this one Trainer is built (single-threaded here).
-    def compose(graph, grads, cfg, _world):
-        return compose_param_server(graph, grads, cfg, world)
-
-    original = trainer_module.compose
-    trainer_module.compose = compose
-    try:
-        return PSWorkerTrainer(config, out_dir, world=sub_world, **kw)
-    finally:
-        trainer_module.compose = original
+    return PSWorkerTrainer(config, out_dir, world=sub_world, **kw)
 
 
 def run_param_server(config, out_dir, world=None, resume=None, init=None, profile=False,

@@ -14,10 +14,11 @@ topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
 Both give bit-identical results, since every blob has one writer.
 """
 import os
+import heapq
 import threading
 import time
 import zlib
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import numpy as np
 
@@ -112,16 +113,35 @@ class _Base:
 
 
 class SerialDispatcher(_Base):
-    """Runs ops one by one in topological order on the calling thread."""
+    """Runs ops one by one in a fixed topological order on the calling
+    thread. Communication ops are posted (non-blocking) in ``seq`` order,
+    like the event dispatcher does, and waited for only when an op needs
+    their result, so matched Send/Recv pairs and collectives never deadlock."""
+
+    def __init__(self, graph, **kw):
+        super().__init__(graph, **kw)
+        self._deps = graph.dependencies()
+        comm = sorted((op for op in self.order if self.kernels[op.name].category == "comm"),
+                      key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))
+        posting = {n: set(d) for n, d in self._deps.items()}
+        for before, after in zip(comm, comm[1:]):
+            posting[after.name].add(before.name)
+        self.order = graph.topo_order(posting)
 
     def run(self, iteration=None):
         if iteration is not None:
             self.iteration = iteration
         self._zero_accumulators()
+        pending = {}
         for op in self.order:
-            pending, t0 = self._execute(op, "main")
-            if pending is not None:
-                self._wait(op, pending, t0)
+            for dep in self._deps[op.name]:
+                if dep in pending:
+                    self._wait(*pending.pop(dep))
+            result, t0 = self._execute(op, "main")
+            if result is not None:
+                pending[op.name] = (op, result, t0)
+        for args in list(pending.values()):
+            self._wait(*args)
         self.iteration += 1
 
     def _wait(self, op, pending, t0):
@@ -156,9 +176,15 @@ class EventDispatcher(_Base):
         self._comm_order = [op.name for op in sorted(
             comm, key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))]
         threads = sorted({str(op.thread) for op in self.order if not self._is_comm[op.name]})
+        # Ready ops wait in one heap per thread, keyed by topological position:
+        # a thread always runs its earliest ready op, so in backward a layer's
+        # weight gradients are computed right after its data gradient and the
+        # gradient buckets fill (and their allreduce starts) as early as possible.
+        self._priority = {op.name: i for i, op in enumerate(self.order)}
+        self._thread_of = {op.name: str(op.thread) for op in self.order}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._queues = {t: deque() for t in threads}
+        self._ready = {t: [] for t in threads}
         self._worker_cv = {t: threading.Condition(self._lock) for t in threads}
         self._stop = False
         self._workers = [threading.Thread(target=self._worker, args=(t,), daemon=True,
@@ -168,16 +194,14 @@ class EventDispatcher(_Base):
 
     # ------------------------------------------------------------- workers
     def _worker(self, tid):
-        q, cv = self._queues[tid], self._worker_cv[tid]
+        heap, cv = self._ready[tid], self._worker_cv[tid]
         while True:
             with cv:
-                while not q and not self._stop:
+                while not heap and not self._stop:
                     cv.wait()
                 if self._stop:
                     return
-                name = q.popleft()
-            # run this op and, without re-queueing, any successor that becomes
-            # ready on this same thread (keeps per-op overhead low)
+                name = heapq.heappop(heap)[1]
             while name is not None:
                 op = self._ops[name]
                 try:
@@ -189,29 +213,31 @@ class EventDispatcher(_Base):
                     break
                 name = self._complete(name, tid)
 
+    def _push_ready(self, name):
+        """Queue a ready op (lock held)."""
+        if self._is_comm[name]:
+            self._comm_ready.add(name)
+            self._cv.notify()
+            return
+        t = self._thread_of[name]
+        heapq.heappush(self._ready[t], (self._priority[name], name))
+        self._worker_cv[t].notify()
+
     def _complete(self, name, tid=None):
-        """Mark ``name`` done; dispatch ready successors. Returns one ready op
-        on thread ``tid`` for the caller to run inline, if any."""
-        inline = None
+        """Mark ``name`` done and queue its ready successors; on a worker,
+        also take that thread's next op in the same critical section."""
         with self._lock:
             self._done += 1
             self._last_progress = time.monotonic()
             for s in self._succ[name]:
                 self._left[s] -= 1
                 if self._left[s] == 0:
-                    if self._is_comm[s]:
-                        self._comm_ready.add(s)
-                        self._cv.notify()
-                        continue
-                    t = str(self._ops[s].thread)
-                    if t == tid and inline is None:
-                        inline = s
-                    else:
-                        self._queues[t].append(s)
-                        self._worker_cv[t].notify()
+                    self._push_ready(s)
             if self._done == self._total:
                 self._cv.notify()
-        return inline
+            if tid is not None and self._ready[tid] and self._error is None:
+                return heapq.heappop(self._ready[tid])[1]
+        return None
 
     # ------------------------------------------------------- progress loop
     def run(self, iteration=None):
@@ -228,12 +254,7 @@ class EventDispatcher(_Base):
         pending = []  # (op, Pending, t_post)
         with self._lock:
             for n in self._sources:
-                if self._is_comm[n]:
-                    self._comm_ready.add(n)
-                else:
-                    t = str(self._ops[n].thread)
-                    self._queues[t].append(n)
-                    self._worker_cv[t].notify()
+                self._push_ready(n)
         while True:
             with self._lock:
                 if self._error is None and self._done < self._total and not pending and \
