@@ -49,7 +49,8 @@ def test_defaults_are_filled(cfg_dir):
     assert config["solver"]["test_iter"] is None and config["solver"]["display"] == 20
     assert config["parallel"] == {"scheme": "data", "mode": "sync", "bucket_mb": 4,
                                   "first_bucket_mb": 1, "ps_ranks": 1, "max_staleness": 0,
-                                  "stall_timeout": 300, "check_collectives": False}
+                                  "stall_timeout": 300, "check_collectives": False,
+                                  "stages": {}}
     assert config["checkpoint"] == {"interval": 0, "keep": 3}
     assert config["data"]["train"]["shuffle"] is True
     assert config["data"]["test"]["shuffle"] is False
