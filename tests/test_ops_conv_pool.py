@@ -156,3 +156,16 @@ def test_pool_numeric_grad(kind):
 def test_pool_bad_attrs(attrs, match):
     with pytest.raises(ShapeError, match=match):
         run_op("Pool", attrs, {"x": randn(1, 1, 4, 4)})
+
+
+@pytest.mark.parametrize("kernel,stride", [(3, 2), (4, 3), (2, 2)])
+def test_max_pool_ties_nan_and_large_windows_match_torch(kernel, stride):
+    # few distinct values: many ties (the first maximum wins, as in PyTorch);
+    # a NaN propagates and the mask points at it; kernel 4 takes the >15 path
+    x = RNG.integers(0, 3, (2, 3, 9, 9)).astype(np.float32)
+    x[0, 0, 1, 1] = np.nan
+    outs, grads = run_op("Pool", {"pool": "max", "kernel": kernel, "stride": stride},
+                         {"x": x}, wrt=["x"])
+    y_t, i_t = F.max_pool2d(torch.tensor(x), kernel, stride, return_indices=True)
+    np.testing.assert_array_equal(outs[0], y_t.numpy())  # NaN == NaN here
+    np.testing.assert_array_equal(outs[1], i_t.numpy())
