@@ -55,11 +55,13 @@ def test_train_cli_sync_ps_equals_allreduce(tmp_path):
     path = tmp_path / "mlp.yaml"
     path.write_text(dump_config(cfg))
     out = {}
-    for mode, n in (("sync", 2), ("sync_ps", 3)):
+    # async with max_staleness 0 is synchronous SGD too (the requirement)
+    for mode, n in (("sync", 2), ("sync_ps", 3), ("async", 3)):
         run_python(n, ["-m", "purine_mpi", "train", str(path), "--out", str(tmp_path / mode),
-                       "--set", f"parallel.mode={mode}"])
+                       "--set", f"parallel.mode={mode}", "--set", "parallel.max_staleness=0"])
         with h5py.File(tmp_path / mode / "latest.h5", "r") as f:
             out[mode] = {k: f[k][()] for k in ("params/out/weight", "params/fc1/bias",
                                                "solver/fc1/weight/momentum")}
-    for k, v in out["sync"].items():
-        assert np.array_equal(v, out["sync_ps"][k]), k
+    for other in ("sync_ps", "async"):
+        for k, v in out["sync"].items():
+            assert np.array_equal(v, out[other][k]), (other, k)

@@ -27,7 +27,9 @@ weight decay divided by W (W pushes ~ one synchronous step) at the learning
 rate of w's iteration; the reply (fresh weights) goes back when w is at most
 ``max_staleness`` pushes of p ahead of the slowest worker. Staleness 0 makes
 every worker wait for all W gradients of the round: all workers then get
-the same weights, after all W updates.
+the same weights, after all W updates. (The ``train`` command runs
+``max_staleness: 0`` as sync_ps -- one update of the summed round -- so that
+it is synchronous SGD; see ``synchronous_if_no_staleness``.)
 
 Interface (every function takes the *global* World unless it says so):
 
@@ -136,12 +138,25 @@ def compose_param_server(graph, grads, config, world=None):
     return graph
 
 
+def synchronous_if_no_staleness(config):
+    """``mode: async`` with ``max_staleness: 0`` lets no worker run ahead of
+    any other: every step waits for all W gradients. Applying them one push
+    at a time would still take W momentum steps per round, which is not
+    synchronous SGD; the server instead sums the round and makes one update
+    -- the synchronous protocol (mode sync_ps). Returns the config to run."""
+    par = config.get("parallel", {})
+    if par.get("mode") == "async" and int(par.get("max_staleness", 0)) == 0:
+        config = dict(config, parallel=dict(par, mode="sync_ps"))
+    return config
+
+
 def compose_for_rank(graph, grads, config, world_size, rank):
     """The graph global ``rank`` of ``world_size`` runs, built without MPI
     (``graph`` CLI). ``graph`` is a single-replica training graph; its data
     shard is re-set to this worker's. A sync_ps server gets its server graph;
     an async server runs a loop, not a graph, and gets an empty graph that
     says so in its name."""
+    config = synchronous_if_no_staleness(config)
     par = config.get("parallel", {})
     layout = ps_layout(world_size, par.get("ps_ranks", 1))
     nw = len(layout["workers"])
@@ -368,6 +383,7 @@ def run_param_server(config, out_dir, world=None, resume=None, init=None, profil
     import json
     import os
     world = _global_world(world)
+    config = synchronous_if_no_staleness(config)
     par = config.get("parallel", {})
     sub = worker_world(world, par.get("ps_ranks", 1))
     if sub is None:

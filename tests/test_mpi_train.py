@@ -1,0 +1,111 @@
+"""``train`` under mpiexec, end to end (issue: MPI acceptance criteria).
+
+- N ranks with per-rank batch B end where one rank with batch N*B ends
+  (same seed, no dropout, 50 iterations): parameters equal to float32
+  tolerance, for N = 2 and 3.
+- SIGKILL of one rank mid-iteration ends the whole job promptly (< 30 s)
+  with a non-zero status, and the last checkpoint is intact.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+
+pytestmark = pytest.mark.mpi
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+def _digits_config(tmp_path, digits_h5, batch, name, **solver):
+    with open(os.path.join(REPO, "jobs", "digits_lenet.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["data"]["train"].update(path=digits_h5, batch_size=batch)
+    cfg["data"].pop("test")
+    cfg["solver"].update(dict(max_iter=50, display=10, test_interval=0), **solver)
+    cfg["checkpoint"] = {"interval": 0, "keep": 1}
+    return write_config_file(tmp_path, cfg, name)
+
+
+def _mpi_train(n, *args, timeout=180):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", "train", *args],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _params(path):
+    with h5py.File(path, "r") as f:
+        return {k: f["params"][k][()] for k in _names(f["params"])}
+
+
+def _names(group, prefix=""):
+    out = []
+    for k, v in group.items():
+        out += _names(v, prefix + k + "/") if isinstance(v, h5py.Group) else [prefix + k]
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_n_ranks_of_batch_b_equal_one_rank_of_batch_nb(tmp_path, digits_h5, n):
+    B = 16
+    one = run_cli_args("train", _digits_config(tmp_path, digits_h5, n * B, "one.yaml"),
+                       "--out", tmp_path / "one", timeout=180)
+    assert one.returncode == 0, one.stderr
+    many = _mpi_train(n, _digits_config(tmp_path, digits_h5, B, "many.yaml"),
+                      "--out", tmp_path / "many")
+    assert many.returncode == 0, many.stderr
+    a, b = _params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5")
+    assert sorted(a) == sorted(b) and len(a) == 8
+    for k in a:
+        scale = max(1.0, float(np.abs(a[k]).max()))
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5 * scale, err_msg=k)
+    # and the parameters did move: the comparison is not between initial weights
+    with h5py.File(tmp_path / "one" / "latest.h5", "r") as f:
+        assert float(np.abs(f["solver/fc2/weight/momentum"][()]).max()) > 0
+
+
+def test_sigkill_of_one_rank_ends_the_job_with_checkpoint_intact(tmp_path, digits_h5):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = _digits_config(tmp_path, digits_h5, 16, "kill.yaml", max_iter=100000, display=5)
+    data = yaml.safe_load(open(cfg))
+    data["checkpoint"] = {"interval": 20, "keep": 2}
+    cfg = write_config_file(tmp_path, data, "kill.yaml")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", cfg,
+                             "--out", str(out)], cwd=REPO, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (out / "latest.h5").exists():
+            assert time.time() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        time.sleep(0.3)  # mid-run, between checkpoints or inside one
+        from tests.test_signals import _rank_pids
+        pids = _rank_pids(str(out))
+        assert len(pids) == 2, pids
+        killed_at = time.time()
+        os.kill(max(pids), signal.SIGKILL)
+        proc.communicate(timeout=30)
+        ended_after = time.time() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert ended_after < 30
+    assert not _rank_pids(str(out)), "a rank outlived the job"
+    with h5py.File(out / "latest.h5", "r") as f:  # complete and loadable
+        it = int(f.attrs["iteration"])
+        assert it % 20 == 0 and it > 0
+    from purine_mpi.io.checkpoint import load_checkpoint
+    ck = load_checkpoint(str(out / "latest.h5"))
+    assert len(ck.params) == 8
