@@ -100,3 +100,24 @@ def small_net_config(data_path, **overrides):
     for k, v in overrides.items():
         cfg[k] = v
     return cfg
+
+
+def cuda_cupy_or_skip():
+    """CuPy, when it imports and sees a CUDA device; skips the test otherwise."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy without a driver
+        count = 0
+    if count < 1:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(scope="session")
+def host_build_dir(tmp_path_factory):
+    """Where the CUDA kernels are compiled with g++ to run on the host."""
+    import shutil
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found (needed to run the CUDA kernels on the host)")
+    return tmp_path_factory.mktemp("host_kernels")

@@ -45,22 +45,8 @@ from purine_mpi.runtime.dispatcher import (EventDispatcher, Profiler, SerialDisp
                                            make_dispatcher)
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
+from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
 
-
-def _gpu_cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no driver
-        count = 0
-    if count < 1:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-# =====================================================================
-# 1. op GPU branches: emulated device (g++) and real CuPy
-# =====================================================================
 
 class _NoDevice:
     """Stands for ``cupy.cuda.Device(...)``: a context manager doing nothing."""
@@ -114,14 +100,6 @@ def _emulated_cupy(build_dir):
 class _Device:
     def __init__(self, name, to_device, to_host):
         self.name, self.to_device, self.to_host = name, to_device, to_host
-
-
-@pytest.fixture(scope="module")
-def host_build_dir(tmp_path_factory):
-    import shutil
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found (needed to run the CUDA kernels on the host)")
-    return tmp_path_factory.mktemp("gpu_backend_kernels")
 
 
 @pytest.fixture(params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])

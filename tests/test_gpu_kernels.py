@@ -16,7 +16,6 @@ Three layers, each needing less hardware than the last:
 import ctypes
 import hashlib
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu import kernels
 from tests import gpu_reference as ref
+from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
 
 IM2COL_CASES = [  # N, C, H, W, kh, kw, sh, sw, ph, pw, dh, dw
     (2, 3, 7, 6, 3, 3, 1, 1, 1, 1, 1, 1),
@@ -299,24 +299,6 @@ def _host_cupy(build_dir):
 class _Backend:
     def __init__(self, name, to_device, to_host):
         self.name, self.to_device, self.to_host = name, to_device, to_host
-
-
-def _gpu_cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no driver
-        count = 0
-    if count < 1:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="session")
-def host_build_dir(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found (needed to run the kernels on the host)")
-    return tmp_path_factory.mktemp("host_kernels")
 
 
 @pytest.fixture(params=["host", pytest.param("cupy", marks=pytest.mark.gpu)])

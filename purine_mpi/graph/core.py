@@ -8,7 +8,7 @@ aliases the storage of ``conv1/weight``; its writer runs only after every
 other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
 """
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -11,7 +11,6 @@ carrying their filler and lr/decay multipliers in ``attrs``.
 import difflib
 
 from ..errors import ConfigError
-from ..graph import Graph
 
 LAYERS = {}
 
