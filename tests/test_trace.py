@@ -1,0 +1,61 @@
+"""``--profile`` writes a Chrome trace per rank (DESIGN.md §8) and ``bench
+--json`` reports DESIGN.md §9's keys, comm_overlap included, under MPI."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, cli_env
+from tests.test_mpi_train import _digits_config
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+pytestmark = pytest.mark.mpi
+CATEGORIES = {"compute", "comm", "copy", "io", "update"}
+
+
+def _mpi(n, *args):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    res = subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", *map(str, args)],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_profile_writes_a_chrome_trace_per_rank(tmp_path, digits_h5):
+    cfg = _digits_config(tmp_path, digits_h5, 16, "t.yaml", max_iter=6)
+    _mpi(2, "train", cfg, "--out", tmp_path / "run", "--profile",
+         "--set", "parallel.bucket_mb=0.01", "--set", "parallel.first_bucket_mb=0.005")
+    for rank in (0, 1):
+        with open(tmp_path / "run" / f"trace.rank{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        assert events
+        for e in events:
+            assert e["ph"] == "X" and e["pid"] == rank and e["cat"] in CATEGORIES
+            assert e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["tid"], str)
+            assert set(e["args"]) >= {"iter", "op_type"}
+        iters = {e["args"]["iter"] for e in events}
+        assert iters == set(range(6))
+        comm = [e for e in events if e["cat"] == "comm"]
+        # several buckets, each reduced once per iteration, from post to completion
+        assert {e["args"]["op_type"] for e in comm} == {"Allreduce"}
+        assert len(comm) == 6 * len({e["name"] for e in comm}) and len({e["name"] for e in comm}) > 1
+        names = {e["name"] for e in events}
+        assert "conv1.fwd" in names and "data" in names
+        assert any(e["cat"] == "update" for e in events) and any(e["cat"] == "io" for e in events)
+
+
+def test_bench_json_under_two_ranks(tmp_path):
+    res = _mpi(2, "bench", os.path.join(REPO, "jobs", "cifar10_quick.yaml"), "--iters", "3",
+               "--warmup", "1", "--json", "--set", "data.train.batch_size=8",
+               "--set", "parallel.bucket_mb=0.05", "--set", "parallel.first_bucket_mb=0.02")
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 only
+    out = json.loads(lines[0])
+    assert {"config", "world_size", "iters", "images_per_s", "iter_ms_median", "comm_overlap",
+            "peak_mem_bytes", "backend"} <= set(out)
+    assert out["world_size"] == 2 and out["iters"] == 3 and out["backend"] == "numpy"
+    assert 0.0 <= out["comm_overlap"] <= 1.0 and out["images_per_s"] > 0
