@@ -176,11 +176,16 @@ class EventDispatcher(_Base):
         self._comm_order = [op.name for op in sorted(
             comm, key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))]
         threads = sorted({str(op.thread) for op in self.order if not self._is_comm[op.name]})
-        # Ready ops wait in one heap per thread, keyed by topological position:
-        # a thread always runs its earliest ready op, so in backward a layer's
-        # weight gradients are computed right after its data gradient and the
-        # gradient buckets fill (and their allreduce starts) as early as possible.
-        self._priority = {op.name: i for i, op in enumerate(self.order)}
+        # Ready ops wait in one heap per thread. Ops whose outputs feed a
+        # communication op come first (a layer's weight gradient before its
+        # data gradient), so a bucket's allreduce is posted as early as
+        # possible; then topological position, so backward proceeds layer by
+        # layer and the buckets fill in order.
+        consumers = graph.consumers()
+        feeds_comm = {op.name for op in self.order for b in op.outputs
+                      if any(self._is_comm[c.name] for c in consumers.get(b, ()))}
+        self._priority = {op.name: (op.name not in feeds_comm, i)
+                          for i, op in enumerate(self.order)}
         self._thread_of = {op.name: str(op.thread) for op in self.order}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
