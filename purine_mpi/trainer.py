@@ -203,17 +203,25 @@ class Trainer:
 
     def load_state_dict(self, state):
         ranks = state.get("ranks", {})
-        mine = ranks.get(str(self.rank))
+        same_world = len(ranks) == self.size
+        # With another number of ranks (a job requeued on other nodes) the
+        # data position carries over (readers convert it to the new global
+        # batch) but per-rank random streams cannot: they restart from the seed.
+        mine = ranks.get(str(self.rank) if same_world else "0")
         if mine is None:
-            raise UserError(f"the checkpoint holds state for {len(ranks)} rank(s), "
-                            f"this run has {self.size}; resume with the same number of ranks")
+            raise UserError("the checkpoint holds no per-rank state (ranks: "
+                            f"{sorted(ranks) or 'none'})")
+        if not same_world and self.rank == 0:
+            self.log(f"note: resuming a {len(ranks)}-rank checkpoint on {self.size} rank(s): "
+                     "the data order continues, random streams (dropout) restart from the "
+                     "seed, so the run is not bit-identical to an uninterrupted one")
         for name, s in mine.items():
             k = self.train.kernels.get(name)
             if k is None:
                 continue
             if "state" in s:
                 k.load_state_dict(s["state"])
-            if "rng" in s and k.rng is not None:
+            if same_world and "rng" in s and k.rng is not None:
                 k.rng.bit_generator.state = _plain(s["rng"])
 
     def _resume(self, path):
