@@ -190,6 +190,7 @@ def _report_user_error(exc):
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         mpi.COMM_WORLD.Abort(2)
+        os._exit(2)  # MPICH's Abort can return before the launcher ends us
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if rank == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -129,3 +129,20 @@ def test_resume_on_another_number_of_ranks_continues(tmp_path, digits_h5):
     # 20 iterations x 32 samples, then 10 x 16 on one rank, then 10 x 48:
     # each reader continues at the same sample count, rounded to its batch
     assert state["0"]["data"]["state"]["global_batch"] == 48
+
+
+def test_user_error_under_mpi_exits_2_on_every_rank_without_traceback(tmp_path):
+    """A shape error found after MPI started: exit status 2, the message once
+    per failing rank, no traceback, no hang."""
+    cfg = {"name": "bad", "data": {"train": {"source": "synthetic", "shape": [1, 8, 8],
+                                             "classes": 3, "batch_size": 4}},
+           "net": [{"type": "conv", "name": "c", "bottom": "data", "top": "c",
+                    "num_output": 4, "kernel": 3},
+                   {"type": "softmax_loss", "name": "l", "bottom": ["c", "label"],
+                    "top": "l"}]}
+    res = _mpi_train(2, write_config_file(tmp_path, cfg), "--out", tmp_path / "o", timeout=60)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert lines and all("'l.fwd'" in line and "label" in line for line in lines)
+    assert len(lines) <= 2  # at most once per rank
