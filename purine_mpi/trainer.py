@@ -325,6 +325,13 @@ class Trainer:
         n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
         n = test_iter or self.solver.get("test_iter") or max(
             1, math.ceil(n_samples / (spec["batch_size"] * self.data_size)))
+        extra = n * spec["batch_size"] * self.data_size - n_samples
+        if extra > 0 and not getattr(self, "_wrap_noted", False):
+            self._wrap_noted = True
+            self._say(f"note: the test split has {n_samples} samples, not a multiple of the "
+                      f"global test batch ({spec['batch_size']} x {self.data_size}); as in "
+                      f"Caffe the last batch wraps around and {extra} samples count twice "
+                      "(choose data.test.batch_size to divide the split for exact figures)")
         ws = self.test.workspace
         sums = np.zeros(len(self.test_names))
         for i in range(n):
