@@ -102,6 +102,7 @@ def test_sigkill_of_one_rank_ends_the_job_with_checkpoint_intact(tmp_path, digit
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
+    print(f"job ended {ended_after:.2f} s after SIGKILL")
     assert ended_after < 30
     assert not _rank_pids(str(out)), "a rank outlived the job"
     with h5py.File(out / "latest.h5", "r") as f:  # complete and loadable
