@@ -316,6 +316,17 @@ def _ignore(ignore_label):
     return _int(ignore_label), _int(1)
 
 
+def _class_layout(cupy, a, labels, func, arg, what):
+    """(a, labels, N, C, positions per sample) of an (N, C, ...) array and its
+    one-label-per-position labels, checked."""
+    a = _input(cupy, a, f"{func}: {arg}")
+    if a.ndim < 2:
+        raise ValueError(f"{func}: expected (N, C, ...) {what}, got shape {tuple(a.shape)}")
+    n, channels = a.shape[0], a.shape[1]
+    inner = int(np.prod(a.shape[2:], dtype=np.int64))
+    return a, _labels(cupy, labels, n * inner, func), n, channels, inner
+
+
 def softmax_loss_forward(x, labels, ignore_label=None, out=None):
     """Fused softmax over axis 1 and cross-entropy -> ``(prob, loss, valid)``.
 
@@ -324,13 +335,8 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None):
     loss = -log(max(prob[label], FLT_MIN)), valid = 1, both 0 where
     label == ignore_label. The batch-mean loss is sum(loss) / sum(valid)."""
     cupy = import_cupy()
-    x = _input(cupy, x, "softmax_loss_forward: x")
-    if x.ndim < 2:
-        raise ValueError(f"softmax_loss_forward: expected (N, C, ...) logits, got "
-                         f"shape {tuple(x.shape)}")
-    n, channels = x.shape[0], x.shape[1]
-    inner = int(np.prod(x.shape[2:], dtype=np.int64))
-    labels = _labels(cupy, labels, n * inner, "softmax_loss_forward")
+    x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
+                                                  "x", "logits")
     prob_out, loss_out, valid_out = _outs(out, 3)
     pos_shape = (n,) + tuple(x.shape[2:])
     prob, prob_t = _output(cupy, prob_out, x.shape, x.dtype, "softmax_loss_forward (prob)")
@@ -349,13 +355,8 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None):
     0 at ignored positions. ``scale`` is a number or a one-element CuPy array
     (e.g. top gradient / number of valid positions, kept on the device)."""
     cupy = import_cupy()
-    prob = _input(cupy, prob, "softmax_loss_backward: prob")
-    if prob.ndim < 2:
-        raise ValueError(f"softmax_loss_backward: expected (N, C, ...) prob, got "
-                         f"shape {tuple(prob.shape)}")
-    n, channels = prob.shape[0], prob.shape[1]
-    inner = int(np.prod(prob.shape[2:], dtype=np.int64))
-    labels = _labels(cupy, labels, n * inner, "softmax_loss_backward")
+    prob, labels, n, channels, inner = _class_layout(cupy, prob, labels,
+                                                     "softmax_loss_backward", "prob", "prob")
     dx, target = _output(cupy, out, prob.shape, prob.dtype, "softmax_loss_backward")
     scale_value, scale_ptr, has_scale_ptr = _scalar_or_device(
         cupy, scale, prob.dtype, prob, "softmax_loss_backward: scale")

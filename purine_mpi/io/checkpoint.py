@@ -22,6 +22,7 @@ final name.
 """
 import json
 import math
+import contextlib
 import os
 import re
 import shutil
@@ -56,15 +57,34 @@ class Checkpoint:
 
 
 # -------------------------------------------------------------------- write
+@contextlib.contextmanager
+def _replaced_atomically(path):
+    """Yield a temporary name beside ``path``; when the block succeeds, fsync
+    it, rename it over ``path`` and fsync the folder, so a crash leaves
+    either the old file or the complete new one. On failure the temporary
+    file is removed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        yield tmp
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+        _fsync_path(directory)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
                     config_text=""):
     """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
     import h5py
     path = str(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with _replaced_atomically(path) as tmp:
         with h5py.File(tmp, "w", track_order=True) as f:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
@@ -75,13 +95,6 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             for section, values in (("params", params), ("solver", solver), ("state", state)):
                 _write_dict(f.create_group(section, track_order=True), values or {}, section)
             f.flush()
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-        _fsync_path(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return path
 
 
@@ -274,21 +287,11 @@ def write_latest(out_dir, ckpt_path):
     """Make ``out_dir/latest.h5`` a complete copy of ``ckpt_path``: a hard
     link (or a copy where links fail) under a temp name, renamed over it."""
     latest = os.path.join(out_dir, LATEST)
-    tmp = f"{latest}.tmp.{os.getpid()}"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    try:
+    with _replaced_atomically(latest) as tmp:
         try:
             os.link(ckpt_path, tmp)
         except OSError:  # file systems without hard links
             shutil.copyfile(ckpt_path, tmp)
-            _fsync_path(tmp)
-        os.replace(tmp, latest)
-        _fsync_path(out_dir)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
     return latest
 
 
