@@ -468,8 +468,13 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
         from .parallel.param_server import run_param_server
         return run_param_server(config, out_dir, world, resume=resume, init=init,
                                 profile=profile)
-    trainer = Trainer(config, out_dir, world, resume=resume, init=init, profile=profile,
-                      dispatcher=dispatcher)
+    return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
+                                  profile=profile, dispatcher=dispatcher), world)
+
+
+def run_and_report(trainer, world):
+    """Run ``trainer`` to the end, print the final figures on global rank 0,
+    and return the exit status."""
     try:
         result = trainer.run()
     finally:

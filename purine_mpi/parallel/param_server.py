@@ -56,6 +56,7 @@ from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
+from ..io.checkpoint import find_latest
 from .async_server import AsyncServer
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
@@ -379,27 +380,18 @@ def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
 def run_param_server(config, out_dir, world=None, resume=None, init=None, profile=False,
                      dispatcher=None, log=None):
     """``train`` on every rank of a parameter-server run: servers serve,
-    workers train (metrics and checkpoints from rank 0, a worker). Returns 0."""
-    import json
-    import os
+    workers train (metrics and checkpoints from rank 0, a worker). Returns the
+    exit status (143 when stopped by SIGTERM, else 0)."""
     world = _global_world(world)
     config = synchronous_if_no_staleness(config)
     par = config.get("parallel", {})
     sub = worker_world(world, par.get("ps_ranks", 1))
     if sub is None:
-        path = resume
-        if resume == "auto":
-            path = os.path.join(out_dir, "latest.h5")
-            path = path if os.path.exists(path) else None
+        # the same checkpoint the workers' Trainer resumes from
+        path = find_latest(out_dir) if resume == "auto" else resume
         run_server(config, world, resume=path, init=init)
         return 0
-    t = _make_worker_trainer(config, out_dir, sub, world, resume=resume, init=init,
-                             profile=profile, log=log, dispatcher=dispatcher)
-    try:
-        result = t.run()
-    finally:
-        t.close()
-    if world.rank == 0 and result:
-        print("final " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
-                                     for k, v in result.items()}), flush=True)
-    return 0
+    from ..trainer import run_and_report
+    return run_and_report(_make_worker_trainer(config, out_dir, sub, world, resume=resume,
+                                               init=init, profile=profile, log=log,
+                                               dispatcher=dispatcher), world)
