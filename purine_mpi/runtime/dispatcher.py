@@ -68,9 +68,17 @@ class _Base:
                 k.rng = np.random.default_rng([seed, zlib.crc32(op.name.encode())])
             self.kernels[op.name] = k
         self._accum = self._accumulated_blobs()
+        self._accum_lock = threading.Lock()  # accumulating writers add under it
         for op in self.order:
             k = self.kernels[op.name]
             k.setup(k.ins, k.outs)
+
+    def _comm_in_posting_order(self):
+        """Comm ops in the order they are posted: by ``seq`` (fixed at graph
+        build time, the same on every rank), then topological position."""
+        position = {op.name: i for i, op in enumerate(self.order)}
+        comm = [op for op in self.order if self.kernels[op.name].category == "comm"]
+        return sorted(comm, key=lambda o: (o.attrs.get("seq", 1 << 30), position[o.name]))
 
     def _accumulated_blobs(self):
         return sorted({b for op in self.order if op.accumulate for b in op.outputs})
@@ -100,8 +108,6 @@ class _Base:
             self.profiler.record(op, k.category, t0, time.perf_counter(), self.iteration, tid)
         return result, t0
 
-    _accum_lock = threading.Lock()
-
     def close(self):
         pass
 
@@ -121,8 +127,7 @@ class SerialDispatcher(_Base):
     def __init__(self, graph, **kw):
         super().__init__(graph, **kw)
         self._deps = graph.dependencies()
-        comm = sorted((op for op in self.order if self.kernels[op.name].category == "comm"),
-                      key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))
+        comm = self._comm_in_posting_order()
         posting = {n: set(d) for n, d in self._deps.items()}
         for before, after in zip(comm, comm[1:]):
             posting[after.name].add(before.name)
@@ -172,9 +177,7 @@ class EventDispatcher(_Base):
         self._succ = {n: tuple(succ[n]) for n in self._ops}
         self._sources = [op.name for op in self.order if self._ndeps[op.name] == 0]
         self._is_comm = {n: self.kernels[n].category == "comm" for n in self._ops}
-        comm = [op for op in self.order if self._is_comm[op.name]]
-        self._comm_order = [op.name for op in sorted(
-            comm, key=lambda o: (o.attrs.get("seq", 1 << 30), self.order.index(o)))]
+        self._comm_order = [op.name for op in self._comm_in_posting_order()]
         threads = sorted({str(op.thread) for op in self.order if not self._is_comm[op.name]})
         # Ready ops wait in one heap per thread. Ops whose outputs feed a
         # communication op come first (a layer's weight gradient before its
