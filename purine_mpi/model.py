@@ -77,7 +77,7 @@ def graph_from_seed(config, rank=0, world_size=1):
         grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values() if op.op_type == "SGDUpdate"}
         g.validate()
         return g, grads
-    losses = loss_blobs(g) or {b: 1.0 for b in config.get("losses", [])}
+    losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "graph", "a forward-only graph needs a loss blob: mark one "
                                          "with attrs: {loss_weight: 1.0}")

@@ -8,7 +8,6 @@ same everywhere. Only rank 0 writes files.
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -422,9 +421,6 @@ def _hms(seconds):
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
-
-def log_to_stderr(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 class StopSignal:
