@@ -11,23 +11,19 @@ def compose_for(config, world_size, rank, phase="train"):
     from ..model import build_test_graph, build_train_graph
     if phase == "test":
         return build_test_graph(config, rank, world_size)
+    from ..trainer import compose, is_pipeline
+    world = _OfflineWorld(rank, world_size)
     par = config.get("parallel", {})
-    if world_size > 1 and par.get("scheme") == "pipeline":
-        from ..trainer import compose_pipeline
-        graph, _ = build_train_graph(config, 0, 1)
-        return compose_pipeline(graph, config, _OfflineWorld(rank, world_size))
-    graph, grads = build_train_graph(config, rank, world_size)
-    if world_size > 1 and par.get("scheme", "data") != "none":
-        mode = par.get("mode", "sync")
-        if mode == "sync":
-            from ..parallel.data_parallel import compose_data_parallel
-            compose_data_parallel(graph, grads, world_size, rank,
-                                  bucket_mb=par.get("bucket_mb", 4),
-                                  first_bucket_mb=par.get("first_bucket_mb", 1))
-        else:
-            from ..parallel.param_server import compose_for_rank
-            graph = compose_for_rank(graph, grads, config, world_size, rank)
-        graph.infer_shapes().validate()
+    pipeline = is_pipeline(config, world)
+    graph, grads = build_train_graph(config, *((0, 1) if pipeline else (rank, world_size)))
+    if world_size > 1 and not pipeline and par.get("scheme", "data") != "none" \
+            and par.get("mode", "sync") != "sync":
+        from ..parallel.param_server import compose_for_rank
+        graph = compose_for_rank(graph, grads, config, world_size, rank).infer_shapes()
+        graph.validate()
+    else:  # the trainer's own composition; the cross-rank check needs MPI: skip it
+        offline = dict(config, parallel=dict(par, check_collectives=False))
+        graph = compose(graph, grads, offline, world)
     from ..gpu.placement import place_on_device
     device = config.get("device")
     place_on_device(graph, -1 if device is None else int(device))  # needs no CuPy
