@@ -3,6 +3,7 @@
 
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
                                            [--resume CKPT.h5|auto] [--init W.h5]
+                                           [--init-skip LAYER ...]
                                            [--seed S] [--profile]
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
@@ -43,7 +44,12 @@ def build_parser():
     p.add_argument("--iters", type=int, help="override solver.max_iter")
     p.add_argument("--resume", metavar="CKPT.h5|auto",
                    help="continue from a checkpoint (auto: OUT/latest.h5 if present)")
-    p.add_argument("--init", metavar="WEIGHTS.h5", help="initialise parameters from a file")
+    p.add_argument("--init", metavar="WEIGHTS.h5",
+                   help="initialise parameters from a file; every parameter of the net must "
+                        "be in it, except those of the --init-skip layers")
+    p.add_argument("--init-skip", nargs="+", default=[], metavar="LAYER",
+                   help="with --init: layers that keep their fresh initialisation (fine-tuning "
+                        "a changed layer)")
     p.add_argument("--profile", action="store_true",
                    help="write a Chrome trace per rank (trace.rank<R>.json)")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
@@ -80,6 +86,10 @@ def build_parser():
     p.add_argument("--real-data", action="store_true",
                    help="use the config's data instead of synthetic data of the same shapes")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None)
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true",
+                       help="print the full Python traceback of a runtime failure (by default "
+                            "each failing rank prints one line)")
     return parser
 
 
@@ -99,8 +109,12 @@ def _out_dir(args, cfg):
 def cmd_train(args):
     from .trainer import run_training
     cfg = _load(args)
+    if args.init_skip and not args.init:
+        raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
+                        "give --init too")
     return run_training(cfg, _out_dir(args, cfg), resume=args.resume, init=args.init,
-                        profile=args.profile, dispatcher=args.dispatcher)
+                        profile=args.profile, dispatcher=args.dispatcher,
+                        init_skip=args.init_skip)
 
 
 def cmd_test(args):
@@ -163,6 +177,8 @@ COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect":
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.debug:
+        os.environ["PURINE_DEBUG"] = "1"
     try:
         return COMMANDS[args.command](args) or 0
     except UserError as exc:

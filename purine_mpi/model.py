@@ -31,6 +31,25 @@ def _forward(config, phase, spec, rank, world_size):
     return g
 
 
+def check_data_labels(graph):
+    """At load time, before any iteration: every label a loss or accuracy
+    op reads straight from the data op must lie in [0, C), C being the
+    class count of its predictions. The data file and dataset are named."""
+    from .io.data import check_labels
+    from .ops.softmax import _axis
+    producers = graph.producers()
+    for op in graph.ops.values():
+        if op.op_type not in ("SoftmaxLoss", "Accuracy") or len(op.inputs) < 2:
+            continue
+        readers = [p for p in producers.get(op.inputs[1], []) if p.op_type == "DataReader"]
+        x = graph.blobs[op.inputs[0]]
+        if not readers or x.shape is None:
+            continue
+        classes = int(x.shape[_axis(op.attrs, len(x.shape))])
+        check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
+                     layer=op.name)
+
+
 def loss_blobs(graph):
     return {b.name: b.attrs["loss_weight"] for b in graph.blobs.values()
             if "loss_weight" in b.attrs}

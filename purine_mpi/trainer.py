@@ -16,11 +16,13 @@ from .backend import to_numpy
 from .errors import GraphError, UserError
 from .gpu.placement import configure_device, place_on_device
 from .graph.solver import momentum_name
-from .io.checkpoint import find_latest, load_checkpoint, load_params, save_run_checkpoint
+from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
+                            remove_stale_temp_files, save_run_checkpoint)
 from .io.config import dump_config
 from .io.data import source_info
 from .layers.fillers import fill
-from .model import build_test_graph, build_train_graph, loss_blobs, metric_blobs
+from .model import (build_test_graph, build_train_graph, check_data_labels, loss_blobs,
+                    metric_blobs)
 from .runtime.dispatcher import Profiler, make_dispatcher
 from .runtime.workspace import Workspace
 
@@ -99,7 +101,7 @@ class Trainer:
     """Builds this rank's graphs, initialises or restores state, runs."""
 
     def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None):
+                 log=None, dispatcher=None, init_skip=()):
         self.config = config
         self.out_dir = out_dir
         self.world = world or get_world()
@@ -113,6 +115,7 @@ class Trainer:
         self.pipeline = is_pipeline(config, self.world)
         data_rank, data_size = (0, 1) if self.pipeline else (self.rank, self.size)
         graph, self.grads = build_train_graph(config, data_rank, data_size)
+        check_data_labels(graph)
         self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
@@ -127,6 +130,8 @@ class Trainer:
         self.losses = list(loss_blobs(self.graph))
         self.data_size = data_size
         self.test_graph = build_test_graph(config, data_rank, data_size)
+        if self.test_graph is not None:
+            check_data_labels(self.test_graph)
         if self.test_graph is not None:
             # names from the whole test graph: in a pipeline one rank holds
             # them, yet every rank reduces the same vector
@@ -150,7 +155,10 @@ class Trainer:
                                         seed=self._op_seed())
         self.start_iter = 0
         self.stop = StopSignal()
-        self._init_params(init)
+        if self.rank == 0:
+            for path in remove_stale_temp_files(out_dir):
+                self.log(f"removed {path}, left by a writer that was killed mid-write")
+        self._init_params(init, init_skip)
         if resume:
             self._resume(resume)
 
@@ -170,14 +178,13 @@ class Trainer:
         return self.seed * 1000003 + self.rank
 
     # ------------------------------------------------------------- state
-    def _init_params(self, init):
+    def _init_params(self, init, init_skip=()):
         for p in self.params:
             self.ws.set(p, fill(self.graph.blobs[p], self.seed))
         if init:
             params = load_params(init)
-            for p in self.params:
-                if p in params:
-                    self._load_blob(p, params[p], init)
+            for p in init_params(params, self.params, self.config, init, init_skip):
+                self._load_blob(p, params[p], init)
 
     def _load_blob(self, name, value, path):
         try:
@@ -224,12 +231,13 @@ class Trainer:
                 k.rng.bit_generator.state = _plain(s["rng"])
 
     def _resume(self, path):
-        if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5
-            path = find_latest(self.out_dir)
+        if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5 that loads
+            path, ck = find_resumable(self.out_dir, self._say)
             if path is None:
                 self.log(f"no checkpoint in {self.out_dir}; starting from scratch")
                 return
-        ck = load_checkpoint(path)
+        else:
+            ck = load_checkpoint(path)
         missing = [p for p in self.params if p not in ck.params]
         if missing:
             raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
@@ -381,8 +389,10 @@ class Trainer:
 
     @staticmethod
     def _write(f, rec):
-        if f is not None:
-            f.write(json.dumps(rec) + "\n")
+        if f is not None:  # strict JSON: a non-finite figure is written as null
+            rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in rec.items()}
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
             f.flush()
 
     def _say(self, msg):
@@ -402,6 +412,28 @@ class Trainer:
         self.train.close()
         if self.test is not None:
             self.test.close()
+
+
+def init_params(loaded, params, config, path, skip=()):
+    """The names of ``params`` to take from a weights file's ``loaded``
+    params (``--init`` / ``test --weights``): all of them, except those of
+    the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
+    its fresh initialisation). A parameter the file lacks is a user error
+    that lists what is missing, never a silent random weight."""
+    layers = {layer.get("name") for layer in config.get("net") or []}
+    unknown = sorted(set(skip) - layers)
+    if unknown:
+        raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "
+                        f"(layers: {', '.join(sorted(n for n in layers if n))})")
+    wanted = [p for p in params if p.split("/")[0] not in set(skip)]
+    missing = [p for p in wanted if p not in loaded]
+    if missing:
+        raise UserError(f"weights file '{path}' lacks {len(missing)} parameter(s) of this net: "
+                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} (the "
+                        f"file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
+                        f"{' ...' if len(loaded) > 8 else ''}); to leave a layer at its "
+                        "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+    return wanted
 
 
 def _plain(obj):
@@ -452,7 +484,8 @@ class StopSignal:
         return bool(code)
 
 
-def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None):
+def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
+                 init_skip=()):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for."""
     from .comm.world import install_abort_handler
@@ -463,9 +496,10 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     if world.size > 1 and mode in ("async", "sync_ps"):
         from .parallel.param_server import run_param_server
         return run_param_server(config, out_dir, world, resume=resume, init=init,
-                                profile=profile)
+                                profile=profile, init_skip=init_skip)
     return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
-                                  profile=profile, dispatcher=dispatcher), world)
+                                  profile=profile, dispatcher=dispatcher, init_skip=init_skip),
+                          world)
 
 
 def run_and_report(trainer, world):

@@ -1,6 +1,8 @@
 """Data sources, the data-parallel batching rule, the DataReader op and the
 data set converters."""
+import os
 import pickle
+import subprocess
 
 import h5py
 import numpy as np
@@ -11,6 +13,7 @@ from purine_mpi.graph.core import Op
 from purine_mpi.io.data import EpochOrder, HDF5Source, SyntheticSource, hdf5_info
 from purine_mpi.io.datasets import write_cifar10, write_digits
 from purine_mpi.ops.data import DataReader
+from tests.conftest import PYTHON, REPO, cli_env
 
 N_TRAIN = 10
 
@@ -213,3 +216,43 @@ def test_write_cifar10(tmp_path):
     with pytest.raises(UserError, match="test_batch"):
         write_cifar10(str(src), str(tmp_path / "again.h5"))
     assert not (tmp_path / "again.h5").exists()
+
+
+def test_cifar_pickle_runs_no_code(tmp_path):
+    """A crafted batch whose pickle calls a global (here: creates a file)
+    is refused with a UserError naming the file, and the call never happens."""
+    src = tmp_path / "cifar-10-batches-py"
+    src.mkdir()
+    fake_cifar(src)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    with open(src / "data_batch_2", "wb") as f:
+        pickle.dump({b"data": Evil(), b"labels": [0]}, f)
+    with pytest.raises(UserError, match="data_batch_2.*posix.mkdir|data_batch_2.*os.mkdir"):
+        write_cifar10(str(src), str(tmp_path / "out.h5"))
+    assert not marker.exists()
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_cifar_pickle_cli_exit_2(tmp_path):
+    src = tmp_path / "cifar-10-batches-py"
+    src.mkdir()
+    fake_cifar(src)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    with open(src / "test_batch", "wb") as f:
+        pickle.dump(Evil(), f)
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "data", "cifar10", "--from", str(src),
+                          "--out", str(tmp_path / "out.h5")], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "test_batch" in res.stderr and "Traceback" not in res.stderr
+    assert not marker.exists()

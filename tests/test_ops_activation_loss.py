@@ -154,6 +154,21 @@ def test_accuracy_spatial_with_ignore():
     assert outs[0] == pytest.approx(hit.mean())
 
 
+def test_accuracy_counts_non_finite_scores_as_wrong():
+    """A diverged net (NaN or inf scores) must not look perfect."""
+    x, label = randn(8, 4), np.arange(8) % 4
+    x[label == 0, 0] += 100.0  # rows with label 0 are right
+    x[0] = np.nan                      # label 0, all NaN
+    x[4, 0] = np.inf                   # label 0, true score inf
+    x[1, 3] = np.nan                   # label 1: one NaN score elsewhere
+    outs, _ = run_op("Accuracy", {}, {"x": x, "label": label})
+    finite = np.isfinite(x).all(axis=1)
+    expect = ((x.argmax(axis=1) == label) & finite).mean()
+    assert outs[0] == pytest.approx(expect)
+    outs, _ = run_op("Accuracy", {}, {"x": np.full((5, 3), np.nan), "label": np.zeros(5)})
+    assert outs[0] == 0.0
+
+
 # ---------------------------------------------------------------- dropout
 def test_dropout_train_matches_mask_and_torch_scaling():
     x = randn(50, 40)

@@ -261,13 +261,15 @@ def install_abort_handler(world=None):
     """Make an uncaught exception on any rank (main or worker thread) end the
     whole job promptly: print ``rank R: <op/exception>`` and call
     ``MPI.COMM_WORLD.Abort`` (exit code 2 for a UserError, else 1), so no rank
-    hangs in communication waiting for a dead peer."""
+    hangs in communication waiting for a dead peer. The traceback is printed
+    only with ``--debug`` (environment PURINE_DEBUG=1): one line per failing
+    rank otherwise."""
     world = world or get_world()
 
     def handle(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
             return sys.__excepthook__(exc_type, exc, tb)
-        if not isinstance(exc, UserError):
+        if not isinstance(exc, UserError) and os.environ.get("PURINE_DEBUG"):
             traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         print(describe_exception(exc, world.rank), file=sys.stderr)
         world.abort(getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1)

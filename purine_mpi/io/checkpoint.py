@@ -20,9 +20,10 @@ Every write goes to ``<path>.tmp.<pid>``, is flushed and fsynced, then
 renamed over ``path``, so a crash never leaves a partial checkpoint under the
 final name.
 """
+import contextlib
+import hashlib
 import json
 import math
-import contextlib
 import os
 import re
 import shutil
@@ -38,6 +39,8 @@ VERSION = 1
 KIND = "purine_kind"
 LATEST = "latest.h5"
 _CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
+_TMP_RE = re.compile(r"^.+\.h5\.tmp\.(\d+)$")
+CHECKSUM = "sha256"  # attribute of /state: its datasets have no Fletcher-32 of their own
 
 
 @dataclass
@@ -94,6 +97,9 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             f.attrs["config"] = str(config_text or "")
             for section, values in (("params", params), ("solver", solver), ("state", state)):
                 _write_dict(f.create_group(section, track_order=True), values or {}, section)
+            # the digest of what a reader gets back, so JSON-held values
+            # (positions, RNG states) are covered exactly as they will be read
+            f["state"].attrs[CHECKSUM] = state_digest(_read_group(f["state"], ["state"]))
             f.flush()
     return path
 
@@ -136,6 +142,28 @@ def _write_value(group, key, value, where):
     else:
         raise TypeError(f"checkpoint: cannot store {where} of type {type(value).__name__}; "
                         "use numpy arrays, numbers, strings, lists and dicts")
+
+
+def state_digest(values):
+    """SHA-256 (hex) of a nested dict as read back from a checkpoint: keys in
+    sorted order, arrays by dtype, shape and bytes, other values as JSON."""
+    h = hashlib.sha256()
+
+    def feed(value):
+        if isinstance(value, dict):
+            h.update(b"{")
+            for key in sorted(value):
+                h.update(json.dumps(key).encode() + b":")
+                feed(value[key])
+            h.update(b"}")
+        elif isinstance(value, (np.ndarray, np.generic)):
+            value = np.ascontiguousarray(value)
+            h.update(f"a{value.dtype.str}{list(value.shape)}".encode())
+            h.update(value.tobytes())
+        else:
+            h.update(b"j" + json.dumps(value, sort_keys=True).encode())
+    feed(values)
+    return h.hexdigest()
 
 
 def _json_pure(value):
@@ -190,6 +218,13 @@ def _open(path, what="checkpoint"):
 def load_checkpoint(path):
     """Read a whole checkpoint. Raises UserError (naming the file and what is
     wrong) for a missing, non-HDF5, truncated or foreign file."""
+    try:
+        return _load_checkpoint(path)
+    except (OSError, KeyError, RuntimeError) as e:  # damaged HDF5 structures (heaps, b-trees)
+        raise UserError(f"checkpoint '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _load_checkpoint(path):
     with _open(path) as f:
         attrs = _read_attrs(f)
         if attrs.get("format") != FORMAT:
@@ -202,6 +237,10 @@ def load_checkpoint(path):
         sections = {}
         for section in ("params", "solver", "state"):
             sections[section] = _read_section(f, section, path) if section in f else {}
+        expected = _str(f["state"].attrs.get(CHECKSUM)) if "state" in f else None
+    if expected is not None and state_digest(sections["state"]) != expected:
+        raise UserError(f"checkpoint '{path}' is corrupt: '/state' (data position, random "
+                        "streams) does not match its checksum; it was damaged or edited")
     return Checkpoint(str(path), attrs=attrs, **sections)
 
 
@@ -323,6 +362,57 @@ def find_latest(out_dir):
         return latest
     ckpts = list_checkpoints(out_dir)
     return ckpts[-1][1] if ckpts else None
+
+
+def find_resumable(out_dir, log=None):
+    """(path, Checkpoint) that ``--resume auto`` continues from: ``latest.h5``
+    if it loads, else the newest ``ckpt_<iter>.h5`` that loads (``log`` is
+    told which file was skipped and why), else (None, None). Every rank that
+    calls this on the same folder picks the same file."""
+    candidates = [os.path.join(out_dir, LATEST)] * os.path.isfile(os.path.join(out_dir, LATEST))
+    candidates += [path for _, path in reversed(list_checkpoints(out_dir))]
+    skipped = []
+    for path in candidates:
+        try:
+            ck = load_checkpoint(path)
+        except UserError as e:
+            skipped.append(str(e))
+            continue
+        if skipped and log:
+            log(f"warning: {'; '.join(skipped)}; resuming from '{path}' (iteration "
+                f"{ck.iteration}), the newest checkpoint that loads")
+        return path, ck
+    if skipped:
+        raise UserError(f"--resume auto: no checkpoint in '{out_dir}' loads: {'; '.join(skipped)}")
+    return None, None
+
+
+def remove_stale_temp_files(out_dir):
+    """Delete ``*.h5.tmp.<pid>`` files left in ``out_dir`` by writers that
+    were killed mid-write (their process is gone). Returns the removed paths."""
+    if not os.path.isdir(out_dir):
+        return []
+    removed = []
+    for name in os.listdir(out_dir):
+        m = _TMP_RE.match(name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(out_dir, name))
+            removed.append(os.path.join(out_dir, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ------------------------------------------------------------------ inspect

@@ -23,6 +23,7 @@ mean" suggestion) so that typos never pass silently.
 """
 import copy
 import difflib
+import math
 import os
 
 import yaml
@@ -70,6 +71,9 @@ def load_config(path, overrides=(), iters=None, check_files=True):
             text = f.read()
     except FileNotFoundError:
         raise ConfigError(path, None, "config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, None, f"not a YAML text file: byte {e.start} is not UTF-8 "
+                                      "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
     try:
@@ -407,7 +411,8 @@ def _check_number(key, value, path, minimum=None, strict=False, below=None):
             number = float(value)
         except ValueError:
             number = None
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number:
+    if isinstance(number, bool) or not isinstance(number, (int, float)) \
+            or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
         number = None
     ok = number is not None
     if ok and minimum is not None:
@@ -422,7 +427,7 @@ def _check_number(key, value, path, minimum=None, strict=False, below=None):
         want = "a positive number" if strict else "a non-negative number"
     else:
         want = "a number"
-    raise ConfigError(path, key, f"expected {want}, got {value!r}")
+    raise ConfigError(path, key, f"expected {want} (finite), got {value!r}")
 
 
 def _check_bool(key, value, path):

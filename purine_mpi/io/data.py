@@ -119,6 +119,13 @@ class HDF5Source(DataSource):
         except (OSError, KeyError) as e:
             raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
                             f"({e}); the file may be truncated") from None
+        where = "/" if self.split is None else f"/{self.split}/"
+        finite = np.isfinite(data.reshape(len(data), -1)).all(axis=1)
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            raise UserError(f"data file '{self.path}': dataset '{where}data' holds non-finite "
+                            f"values (NaN or inf) in {len(bad)} sample(s), the first at index "
+                            f"{int(bad[0])}; training on them would give a NaN loss")
         data.setflags(write=False)  # shared between readers: nobody may change it
         labels.setflags(write=False)
         return data, labels
@@ -170,6 +177,30 @@ def make_source(spec, seed=0):
         return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
                                seed if s is None else s, spec.get("split"))
     raise UserError(f"unknown data source {kind!r}; expected 'hdf5' or 'synthetic'")
+
+
+def check_labels(spec, classes, ignore_label=None, layer="?"):
+    """Raise a UserError naming the file and dataset when a label of the
+    data spec lies outside [0, ``classes``) (``ignore_label`` excepted):
+    ``classes`` is what the consuming ``layer`` (a loss or accuracy) sees.
+    Synthetic data draws its labels in range by construction."""
+    if spec.get("source", "hdf5") != "hdf5":
+        if int(spec.get("classes", classes)) > classes:
+            raise UserError(f"data: synthetic source has {spec.get('classes')} classes but "
+                            f"layer '{layer}' sees {classes} (check its input's num_output)")
+        return
+    source = HDF5Source(spec["path"], spec.get("split"))
+    labels = source.labels
+    bad = (labels < 0) | (labels >= classes)
+    if ignore_label is not None:
+        bad &= labels != int(ignore_label)
+    if bad.any():
+        first = int(np.argmax(bad))
+        where = "/" if spec.get("split") is None else f"/{spec['split']}/"
+        raise UserError(f"data file '{spec['path']}': dataset '{where}label' holds label "
+                        f"{int(labels[first])} (sample {first}; {int(bad.sum())} bad in all), "
+                        f"outside [0, {classes}): layer '{layer}' sees {classes} classes "
+                        "(check the num_output of the layer feeding it)")
 
 
 def source_info(spec):

@@ -76,6 +76,25 @@ def write_cifar10(src_dir, out_path):
             "mean": [float(m) for m in mean]}
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what a CIFAR-10 python batch holds: builtin containers,
+    numbers, strings and bytes (no globals needed) and NumPy arrays, dtypes
+    and scalars. Any other global (``os.system``, ``builtins.eval``...) is
+    refused before it is looked up, so a crafted file runs nothing."""
+
+    SAFE = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+            for name in ("_reconstruct", "scalar")} | {
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how Python 3 pickles bytes under protocol 2
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.SAFE:
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a "
+                                         "CIFAR-10 batch")
+        return super().find_class(module, name)
+
+
 def _read_cifar_batch(src_dir, name):
     path = os.path.join(src_dir, name)
     if not os.path.isfile(path):
@@ -83,7 +102,7 @@ def _read_cifar_batch(src_dir, name):
                         f"{', '.join(CIFAR_TRAIN_BATCHES)} and {CIFAR_TEST_BATCH}")
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+            batch = _CifarUnpickler(f, encoding="bytes").load()
         data = np.asarray(batch[b"data"] if b"data" in batch else batch["data"])
         labels = batch.get(b"labels", batch.get("labels"))
         labels = np.asarray(labels, dtype=np.int64)

@@ -219,6 +219,8 @@ class Accuracy(OpKernel):
     """[x, label] -> [acc]: the fraction of counted positions whose label is
     among the ``top_k`` (default 1) highest scores of ``x`` over ``axis``,
     a 0-d scalar. As Caffe, a tie with the true class counts against it.
+    A position with any non-finite score (NaN, +-inf: a diverged net) counts
+    as wrong, never as right.
     A test-time metric: no gradient."""
 
     op_type = "Accuracy"
@@ -240,6 +242,7 @@ class Accuracy(OpKernel):
         x3 = x.reshape(outer, channels, inner)
         true_score = get_xp(x).take_along_axis(x3, lab[:, None, :], axis=1)
         better = (x3 >= true_score).sum(axis=1) - 1  # the true class itself counts once
-        correct = (better < int(self.attrs.get("top_k", 1))) & valid
+        finite = get_xp(x).isfinite(x3).all(axis=1)
+        correct = (better < int(self.attrs.get("top_k", 1))) & valid & finite
         n_valid = int(valid.sum())
         outs[0][...] = correct.sum() / n_valid if n_valid else 0.0

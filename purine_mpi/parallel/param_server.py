@@ -56,7 +56,7 @@ from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
-from ..io.checkpoint import find_latest
+from ..io.checkpoint import find_resumable
 from .async_server import AsyncServer
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
@@ -263,7 +263,7 @@ def _copy_blob(blob):
 
 
 # ------------------------------------------------------------- server rank
-def run_server(config, world=None, resume=None, init=None, log=None):
+def run_server(config, world=None, resume=None, init=None, log=None, init_skip=()):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}}."""
     from ..layers.fillers import fill
@@ -281,9 +281,10 @@ def run_server(config, world=None, resume=None, init=None, log=None):
     start = 0
     if init:
         from ..io.checkpoint import load_params
+        from ..trainer import init_params
         loaded = load_params(init)
-        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in owned
-                       if p in loaded})
+        wanted = init_params(loaded, owned, config, init, init_skip)
+        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
     if resume:
         from ..io.checkpoint import load_checkpoint
         ck = load_checkpoint(resume)
@@ -378,7 +379,7 @@ def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
 
 
 def run_param_server(config, out_dir, world=None, resume=None, init=None, profile=False,
-                     dispatcher=None, log=None):
+                     dispatcher=None, log=None, init_skip=()):
     """``train`` on every rank of a parameter-server run: servers serve,
     workers train (metrics and checkpoints from rank 0, a worker). Returns the
     exit status (143 when stopped by SIGTERM, else 0)."""
@@ -388,10 +389,11 @@ def run_param_server(config, out_dir, world=None, resume=None, init=None, profil
     sub = worker_world(world, par.get("ps_ranks", 1))
     if sub is None:
         # the same checkpoint the workers' Trainer resumes from
-        path = find_latest(out_dir) if resume == "auto" else resume
-        run_server(config, world, resume=path, init=init)
+        path = find_resumable(out_dir)[0] if resume == "auto" else resume
+        run_server(config, world, resume=path, init=init, init_skip=init_skip)
         return 0
     from ..trainer import run_and_report
     return run_and_report(_make_worker_trainer(config, out_dir, sub, world, resume=resume,
                                                init=init, profile=profile, log=log,
-                                               dispatcher=dispatcher), world)
+                                               dispatcher=dispatcher, init_skip=init_skip),
+                          world)
