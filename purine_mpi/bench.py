@@ -20,9 +20,11 @@ def synthetic_config(config):
     cfg = copy.deepcopy(config)
     spec = cfg["data"]["train"]
     if spec.get("source") != "synthetic":
+        from .io.transform import output_shape
         from .ops.data import source_info
         try:
             n, sample_shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
+            sample_shape = output_shape(spec, sample_shape)  # what the net sees
         except UserError as exc:
             raise UserError(f"bench needs the shapes of data.train: {exc}") from None
         classes = int(spec.get("classes", 10))

@@ -14,17 +14,18 @@ from .layers import build_net
 DATA_THREAD = "io"
 
 
-def data_attrs(spec, rank, world_size, seed):
+def data_attrs(spec, rank, world_size, seed, phase="train"):
     """Attributes of the DataReader op for one data split spec."""
     return {"source": {k: v for k, v in spec.items() if k != "batch_size"},
             "batch_size": spec["batch_size"], "rank": rank, "world_size": world_size,
-            "seed": seed}
+            "seed": seed, "train": phase == "train"}
 
 
 def _forward(config, phase, spec, rank, world_size):
     g = Graph(config.get("name", "net"))
     g.add_op("data", "DataReader", [], ["data", "label"],
-             data_attrs(spec, rank, world_size, config.get("seed", 0)), thread=DATA_THREAD)
+             data_attrs(spec, rank, world_size, config.get("seed", 0), phase),
+             thread=DATA_THREAD)
     g.infer_shapes()
     build_net(config, phase, (g, config.get("_path")))
     g.infer_shapes()

@@ -29,6 +29,7 @@ import os
 import yaml
 
 from ..errors import ConfigError
+from .transform import TRANSFORM_KEYS
 
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
             "backend", "device", "tf32")
@@ -52,7 +53,7 @@ PARALLEL_DEFAULTS = {
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "shape", "classes",
-             "num_samples", "seed")
+             "num_samples", "seed") + TRANSFORM_KEYS
 SYNTHETIC_NUM_SAMPLES = 1024
 
 
@@ -261,6 +262,7 @@ def _check_data_spec(phase, spec, path, check_files):
     out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
     if spec.get("seed") is not None:
         out["seed"] = _check_int(f"{key}.seed", spec["seed"], path, minimum=0)
+    out.update(_check_transform(key, spec, path))
     if source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
@@ -287,6 +289,27 @@ def _check_data_spec(phase, spec, path, check_files):
                                         spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
                                         minimum=1)
         out["split"] = spec.get("split", phase)
+    return out
+
+
+def _check_transform(key, spec, path):
+    """The transform keys of a data spec (``purine_mpi.io.transform``); absent
+    keys stay absent. Whether they fit the samples (crop within H x W, one
+    mean per channel) is checked when the data op reads the file's shape."""
+    out = {}
+    if spec.get("scale") is not None:
+        out["scale"] = float(_check_number(f"{key}.scale", spec["scale"], path, 0, strict=True))
+    mean = spec.get("mean")
+    if mean is not None:
+        values = mean if isinstance(mean, list) else [mean]
+        if not values or not all(_is_number(v) for v in values):
+            raise ConfigError(path, f"{key}.mean", "expected a number or a list of numbers (one "
+                                                   f"per channel), got {mean!r}")
+        out["mean"] = [float(v) for v in values] if isinstance(mean, list) else float(mean)
+    if spec.get("mirror") is not None:
+        out["mirror"] = _check_bool(f"{key}.mirror", spec["mirror"], path)
+    if spec.get("crop_size") is not None:
+        out["crop_size"] = _check_int(f"{key}.crop_size", spec["crop_size"], path, minimum=1)
     return out
 
 
@@ -393,6 +416,10 @@ _CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
 # ------------------------------------------------------------ scalar checks
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _check_int(key, value, path, minimum=None):

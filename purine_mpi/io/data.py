@@ -246,7 +246,18 @@ class EpochOrder:
         return out
 
 
+def batch_start(iteration, rank, world_size, batch_size):
+    """Global position of the first sample rank ``rank`` reads at ``iteration``."""
+    return (int(iteration) * world_size + rank) * batch_size
+
+
+def batch_positions(iteration, rank, world_size, batch_size):
+    """Global positions (B,) rank ``rank`` reads at ``iteration``; the data
+    transform's random draws derive from them (``purine_mpi.io.transform``)."""
+    start = batch_start(iteration, rank, world_size, batch_size)
+    return np.arange(start, start + batch_size, dtype=np.int64)
+
+
 def batch_indices(iteration, rank, world_size, batch_size, order):
     """Sample indices rank ``rank`` reads at ``iteration`` (the rule above)."""
-    start = (int(iteration) * world_size + rank) * batch_size
-    return order.indices(start, batch_size)
+    return order.indices(batch_start(iteration, rank, world_size, batch_size), batch_size)

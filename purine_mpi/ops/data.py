@@ -15,6 +15,12 @@ Attrs:
     seed        run seed: the shuffle order (and synthetic data, unless the
                 spec gives its own ``seed``) derive from it
     dtype       data dtype (default float32)
+    train       training phase (default true): random crops and mirroring;
+                false gives center crops and no mirroring
+
+A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
+see ``purine_mpi.io.transform``) are applied here, in the prefetch thread;
+the data output has the transformed sample shape.
 
 The kernel keeps the iteration index of the next batch (``position``); it is
 saved in checkpoints through ``state_dict``. A daemon thread gathers batch
@@ -27,7 +33,8 @@ import numpy as np
 
 from ..backend import get_xp
 from ..errors import ShapeError
-from ..io.data import EpochOrder, batch_indices, make_source, source_info
+from ..io.data import EpochOrder, batch_indices, batch_positions, make_source, source_info
+from ..io.transform import apply_transform, output_shape
 from .registry import OpKernel, register
 
 
@@ -49,6 +56,7 @@ class DataReader(OpKernel):
             raise ShapeError(f"DataReader needs batch_size >= 1 and 0 <= rank < world_size, "
                              f"got batch_size {batch}, rank {rank}, world_size {world}")
         _, sample_shape = source_info(attrs["source"])  # metadata only
+        sample_shape = output_shape(attrs["source"], sample_shape)
         dtype = np.dtype(attrs.get("dtype", "float32")).name
         return [((batch,) + tuple(sample_shape), dtype), ((batch,), "int64")]
 
@@ -58,6 +66,7 @@ class DataReader(OpKernel):
         self.rank = int(self.attrs.get("rank", 0))
         self.world_size = int(self.attrs.get("world_size", 1))
         self.seed = int(self.attrs.get("seed", 0))
+        self.train = bool(self.attrs.get("train", True))
         self.position = 0  # iteration index of the next batch run() delivers
         self._source = self._order = None
         self._pending = None  # (iteration, thread, result slot)
@@ -76,6 +85,8 @@ class DataReader(OpKernel):
         indices = batch_indices(iteration, self.rank, self.world_size, self.batch_size,
                                 self._order)
         data, labels = self._source.gather(indices)
+        data = apply_transform(data, self.attrs["source"], batch_positions(
+            iteration, self.rank, self.world_size, self.batch_size), self.seed, self.train)
         return np.ascontiguousarray(data), np.ascontiguousarray(labels)
 
     def _work(self, iteration, slot):
