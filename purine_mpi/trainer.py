@@ -8,11 +8,12 @@ same everywhere. Only rank 0 writes files.
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
 
-from .backend import to_numpy
+from .backend import get_xp, to_numpy
 from .errors import GraphError, UserError
 from .gpu.placement import configure_device, place_on_device
 from .graph.solver import momentum_name
@@ -33,18 +34,18 @@ def get_world():
     return _get()
 
 
-def world_gather(world, obj):
-    """Gather picklable ``obj`` from every rank to rank 0 (None elsewhere)."""
-    return world.comm.gather(obj, root=0) if world.size > 1 else [obj]
+def world_gather(world, obj, what="a checkpoint gather"):
+    """Gather picklable ``obj`` from every rank to rank 0 (None elsewhere),
+    under the stall watchdog."""
+    return world.gather_object(obj, 0, what) if world.size > 1 else [obj]
 
 
-def world_mean(world, values):
-    """Mean over ranks of a float or a float array (blocking, same order on all ranks)."""
+def world_mean(world, values, what="a metric mean"):
+    """Mean over ranks of a float or a float array (same order on all ranks,
+    under the stall watchdog)."""
     arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
     if world.size > 1:
-        out = np.empty_like(arr)
-        world.comm.Allreduce(arr, out)
-        arr = out / world.size
+        arr = world.allreduce(arr, "sum", what) / world.size
     return float(arr[0]) if np.ndim(values) == 0 else arr
 
 
@@ -110,6 +111,8 @@ class Trainer:
         self.solver = config["solver"]
         self.log = log or (lambda msg: print(msg, flush=True))
         par = config.get("parallel", {})
+        # collectives outside the graph wait no longer than graph ops do
+        self.world.stall_timeout = float(par.get("stall_timeout", 300))
         # a pipeline has one data stream (read by the rank holding the data
         # op); data parallelism shards the data over the ranks
         self.pipeline = is_pipeline(config, self.world)
@@ -154,7 +157,8 @@ class Trainer:
                                         workspace=Workspace(self.test_graph, shared=shared),
                                         seed=self._op_seed())
         self.start_iter = 0
-        self.stop = StopSignal()
+        self._last_saved = None  # iteration of the newest checkpoint this run wrote
+        self.stop = StopSignal(self.world)
         if self.rank == 0:
             for path in remove_stale_temp_files(out_dir):
                 self.log(f"removed {path}, left by a writer that was killed mid-write")
@@ -250,8 +254,14 @@ class Trainer:
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])
+        self._last_saved = self.start_iter
+
+    def _params_finite(self):
+        xp_all = (bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
+        return all(xp_all)
 
     def save(self, iteration):
+        self._last_saved = iteration
         state = self.state_dict()
         params = {p: to_numpy(self.ws[p]) for p in self.params}
         solver = {p: {"momentum": to_numpy(self.ws[momentum_name(p)])} for p in self.params
@@ -278,7 +288,7 @@ class Trainer:
         batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
             else 0
         metrics = self._open_metrics()
-        last = {"loss": []}
+        window_loss, window_n = 0.0, 0  # running sum: nothing grows per iteration
         t_start = t_window = time.perf_counter()
         it0 = self.start_iter
         window_start = it0
@@ -287,11 +297,12 @@ class Trainer:
             for it in range(self.start_iter, max_iter):
                 self.ws["iter"][...] = it
                 self.train.run(it)
-                last["loss"].append(sum(float(self.ws[b]) for b in self.losses))
+                loss_now = sum(float(self.ws[b]) for b in self.losses)
+                window_loss, window_n = window_loss + loss_now, window_n + 1
                 done = it + 1
                 if display and (done % display == 0 or done == max_iter):
                     now = time.perf_counter()
-                    loss = self._reduce(float(np.mean(last["loss"])) if last["loss"] else 0.0)
+                    loss = self._reduce(window_loss / window_n if window_n else 0.0)
                     ips = (done - window_start) * batch * self.size / max(now - t_window, 1e-9)
                     lr = float(self.ws["lr"])
                     rec = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
@@ -301,12 +312,20 @@ class Trainer:
                     self._say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
                               f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {_hms(now - t_start)}  "
                               f"eta {_hms(eta)}")
-                    last["loss"], t_window, window_start = [], now, done
+                    window_loss, window_n, t_window, window_start = 0.0, 0, now, done
+                # a checkpoint is never written with non-finite weights: where
+                # one may follow, the parameters are checked too
+                save_due = done == max_iter or self.stop.name is not None or (
+                    ck_interval and done % ck_interval == 0)
+                diverged = not math.isfinite(loss_now) or (save_due and not self._params_finite())
+                code = self.stop.agree(self.world, diverged)
+                if code == StopSignal.DIVERGED:
+                    return {"diverged_at": done, "last_checkpoint": self._last_saved}
                 if test_interval and done % test_interval == 0 and done != max_iter:
                     self._evaluate(done, metrics)
                 if ck_interval and done % ck_interval == 0 and done != max_iter:
                     self.save(done)
-                if done != max_iter and self.stop.requested(self.world):
+                if done != max_iter and code:
                     self.save(done)
                     self._say(f"stopping at iter {done} on {self.stop.name}: checkpoint "
                               f"written; continue with --resume auto")
@@ -459,11 +478,14 @@ class StopSignal:
     """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit) or
     SIGTERM asks the run to stop: every rank finishes the iteration, they
     agree on it (a MAX reduction, the same collective on every rank each
-    iteration), a checkpoint is written, and the job ends cleanly."""
+    iteration, polled under the stall watchdog), a checkpoint is written, and
+    the job ends cleanly. The same agreement carries a non-finite loss or
+    weight seen on any rank (DIVERGED), which wins over a signal."""
 
     SIGNALS = ("SIGUSR1", "SIGTERM")
+    DIVERGED = len(SIGNALS) + 1
 
-    def __init__(self):
+    def __init__(self, world=None):
         self.name = None
         import signal
         import threading
@@ -475,13 +497,20 @@ class StopSignal:
         import signal
         self.name = signal.Signals(signum).name
 
-    def requested(self, world):
-        code = self.SIGNALS.index(self.name) + 1 if self.name else 0
+    def agree(self, world, diverged=False):
+        """The code every rank agrees on after an iteration: 0 (go on), 1
+        (SIGUSR1), 2 (SIGTERM) or DIVERGED. Collective on ``world``."""
+        code = self.DIVERGED if diverged else (
+            self.SIGNALS.index(self.name) + 1 if self.name else 0)
         if world.size > 1:
-            code = world.comm.allreduce(code, op=world.MPI.MAX)
-        if code and self.name is None:
+            code = int(world.allreduce(np.array([code], np.int64), "max",
+                                       "the stop agreement (allreduce)")[0])
+        if code and code != self.DIVERGED and self.name is None:
             self.name = self.SIGNALS[code - 1]
-        return bool(code)
+        return code
+
+    def requested(self, world):
+        return bool(self.agree(world))
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
@@ -491,6 +520,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     from .comm.world import install_abort_handler
     world = get_world()
     install_abort_handler(world)
+    world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
     world.check_consistent(dump_config(config), "resolved configuration")
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
@@ -509,8 +539,18 @@ def run_and_report(trainer, world):
         result = trainer.run()
     finally:
         trainer.close()
+    if "diverged_at" in result:
+        if world.rank == 0:
+            last = result.get("last_checkpoint")
+            kept = (f"latest.h5 stays the last finite checkpoint (iteration {last})"
+                    if last is not None else "no checkpoint was written")
+            print(f"error: the training diverged: a non-finite loss or weight (NaN or inf) at "
+                  f"iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or check "
+                  "the data.", file=sys.stderr, flush=True)
+        return 3
     if world.rank == 0 and result:
-        print("final " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
+        print("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
+                                     if isinstance(v, float) else v
                                      for k, v in result.items()}), flush=True)
     # a stop on SIGTERM still ends non-zero (the scheduler asked us to die);
     # SIGUSR1 is a request to checkpoint and finish, so it ends with 0

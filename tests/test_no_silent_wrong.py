@@ -5,6 +5,8 @@ killed writers, non-finite numbers in metrics and configs."""
 import json
 import math
 import os
+import re
+import subprocess
 
 import h5py
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from purine_mpi.io.checkpoint import remove_stale_temp_files
 from purine_mpi.trainer import Trainer
 
-from .conftest import run_cli_args, small_net_config, write_config_file
+from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
 from .test_cli import assert_user_error
 
 
@@ -173,3 +175,48 @@ def test_binary_config_and_non_finite_numbers(trained, tmp_path):
         assert_user_error(run_cli_args("graph", trained["path"], "--set",
                                        f"solver.base_lr={value}"),
                           "solver.base_lr", "finite")
+
+
+def _diverging(trained, tmp_path):
+    cfg = dict(trained["cfg"], solver=dict(trained["cfg"]["solver"], base_lr=1000.0,
+                                           max_iter=200, display=5),
+               checkpoint={"interval": 2, "keep": 100})
+    cfg["data"] = {"train": cfg["data"]["train"]}
+    return write_config_file(tmp_path, cfg, "diverge.yaml")
+
+
+def _check_diverged(res, out):
+    assert res.returncode == 3, (res.returncode, res.stderr)
+    m = re.search(r"non-finite .* at iteration (\d+); latest.h5 stays the last finite "
+                  r"checkpoint \(iteration (\d+)\)", res.stderr)
+    assert m, res.stderr
+    assert "Traceback" not in res.stderr and res.stderr.count("error:") == 1, res.stderr
+    at, kept = int(m.group(1)), int(m.group(2))
+    assert 0 < kept < at < 200
+    assert "final" not in res.stdout
+    with h5py.File(out / "latest.h5", "r") as f:
+        assert f.attrs["iteration"] == kept
+        for name, ds in f["params"].items():
+            for sub in ds.values():
+                assert np.isfinite(sub[...]).all(), name
+    assert not (out / f"ckpt_{kept + 2}.h5").exists()
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
+
+
+def test_diverged_run_exits_3_and_keeps_the_last_finite_checkpoint(trained, tmp_path):
+    out = tmp_path / "run"
+    res = run_cli_args("train", _diverging(trained, tmp_path), "--out", out)
+    _check_diverged(res, out)
+
+
+@pytest.mark.mpi
+def test_diverged_run_exits_3_on_two_ranks(trained, tmp_path):
+    from .test_signals import MPIEXEC
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    out = tmp_path / "run"
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train",
+                          _diverging(trained, tmp_path), "--out", str(out)], cwd=REPO,
+                         env=cli_env(), capture_output=True, text=True, timeout=120)
+    _check_diverged(res, out)

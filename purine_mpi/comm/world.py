@@ -23,7 +23,9 @@ import threading
 import time
 import traceback
 
-from ..errors import UserError
+import numpy as np
+
+from ..errors import StallError, UserError
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -59,6 +61,9 @@ class World:
         self.comm = base.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        #: seconds a collective outside the graph may wait for its peers
+        #: (the trainer sets it from parallel.stall_timeout)
+        self.stall_timeout = 300.0
         self.hosts = HostTable(self.comm.allgather(local_host_info()))
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
 
@@ -80,7 +85,10 @@ class World:
         read another file or got other ``--set`` overrides would otherwise
         deadlock in mismatched communication."""
         digest = hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
-        digests = self.comm.allgather(digest)
+        mine = np.frombuffer(bytes.fromhex(digest), dtype=np.uint8)
+        every = np.empty((self.size, mine.size), dtype=np.uint8)
+        self.wait(self.comm.Iallgather(mine, every), f"the {what} check (allgather)")
+        digests = [row.tobytes().hex() for row in every]
         groups = {}
         for r, d in enumerate(digests):
             groups.setdefault(d, []).append(r)
@@ -97,7 +105,51 @@ class World:
         return digest
 
     def barrier(self):
-        self.comm.Barrier()
+        self.wait(self.comm.Ibarrier(), "a barrier")
+
+    # ------------------------------------------- collectives under a watchdog
+    # Collectives outside the graph (the stop agreement, metric means,
+    # checkpoint gathers, the consistency check) are non-blocking requests
+    # polled here under the same stall timeout as graph communication: a
+    # stopped or dead peer ends the job within the timeout, never a hang.
+    def wait(self, request, what):
+        """Poll ``request`` until it completes; StallError naming ``what``
+        after ``stall_timeout`` seconds."""
+        start = time.monotonic()
+        pause = 20e-6
+        while not request.Test():
+            if time.monotonic() - start > self.stall_timeout:
+                raise StallError(f"rank {self.rank}: {what} stalled for more than "
+                                 f"{self.stall_timeout:g} s (parallel.stall_timeout): a peer "
+                                 "rank stopped responding")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def allreduce(self, values, op="sum", what="an allreduce"):
+        """Element-wise SUM or MAX over ranks of a numeric array (a copy)."""
+        send = np.ascontiguousarray(values)
+        out = np.empty_like(send)
+        self.wait(self.comm.Iallreduce(send, out, op={"sum": self.MPI.SUM,
+                                                       "max": self.MPI.MAX}[op]), what)
+        return out
+
+    def gather_object(self, obj, root=0, what="a gather"):
+        """``[obj of rank 0, obj of rank 1, ...]`` on ``root`` (None elsewhere),
+        for picklable objects: sizes, then bytes, both non-blocking."""
+        import pickle
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = self.allreduce(np.eye(self.size, dtype=np.int64)[self.rank] * data.size,
+                               what=f"{what} (sizes)")
+        out = np.empty(int(sizes.sum()) if self.rank == root else 0, dtype=np.uint8)
+        counts = [int(c) for c in sizes]
+        recv = [out, (counts, [sum(counts[:r]) for r in range(self.size)]), self.MPI.BYTE] \
+            if self.rank == root else None
+        self.wait(self.comm.Igatherv(data, recv, root=root), what)
+        if self.rank != root:
+            return None
+        offsets = np.cumsum([0] + counts)
+        return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes())
+                for r in range(self.size)]
 
     def abort(self, code=1):
         """End the whole job: every rank exits with a non-zero status."""
