@@ -107,6 +107,8 @@ def _out_dir(args, cfg):
 
 
 def cmd_train(args):
+    from .runtime.stop import StopSignal
+    StopSignal.install_early()  # before the slow imports and the graph build
     from .trainer import run_training
     cfg = _load(args)
     if args.init_skip and not args.init:

@@ -25,6 +25,7 @@ from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, loss_blobs,
                     metric_blobs)
 from .runtime.dispatcher import Profiler, make_dispatcher
+from .runtime.stop import StopSignal
 from .runtime.workspace import Workspace
 
 
@@ -158,7 +159,7 @@ class Trainer:
                                         seed=self._op_seed())
         self.start_iter = 0
         self._last_saved = None  # iteration of the newest checkpoint this run wrote
-        self.stop = StopSignal(self.world)
+        self.stop = StopSignal()
         if self.rank == 0:
             for path in remove_stale_temp_files(out_dir):
                 self.log(f"removed {path}, left by a writer that was killed mid-write")
@@ -238,7 +239,7 @@ class Trainer:
         if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5 that loads
             path, ck = find_resumable(self.out_dir, self._say)
             if path is None:
-                self.log(f"no checkpoint in {self.out_dir}; starting from scratch")
+                self._say(f"no checkpoint in {self.out_dir}; starting from scratch")
                 return
         else:
             ck = load_checkpoint(path)
@@ -472,45 +473,6 @@ def _hms(seconds):
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
-
-
-class StopSignal:
-    """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit) or
-    SIGTERM asks the run to stop: every rank finishes the iteration, they
-    agree on it (a MAX reduction, the same collective on every rank each
-    iteration, polled under the stall watchdog), a checkpoint is written, and
-    the job ends cleanly. The same agreement carries a non-finite loss or
-    weight seen on any rank (DIVERGED), which wins over a signal."""
-
-    SIGNALS = ("SIGUSR1", "SIGTERM")
-    DIVERGED = len(SIGNALS) + 1
-
-    def __init__(self, world=None):
-        self.name = None
-        import signal
-        import threading
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                signal.signal(getattr(signal, sig), self._handle)
-
-    def _handle(self, signum, frame):
-        import signal
-        self.name = signal.Signals(signum).name
-
-    def agree(self, world, diverged=False):
-        """The code every rank agrees on after an iteration: 0 (go on), 1
-        (SIGUSR1), 2 (SIGTERM) or DIVERGED. Collective on ``world``."""
-        code = self.DIVERGED if diverged else (
-            self.SIGNALS.index(self.name) + 1 if self.name else 0)
-        if world.size > 1:
-            code = int(world.allreduce(np.array([code], np.int64), "max",
-                                       "the stop agreement (allreduce)")[0])
-        if code and code != self.DIVERGED and self.name is None:
-            self.name = self.SIGNALS[code - 1]
-        return code
-
-    def requested(self, world):
-        return bool(self.agree(world))
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,

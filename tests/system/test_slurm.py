@@ -4,6 +4,7 @@ two ranks through ``srun --mpi=pmi2`` (the recipe in shared/recipes).
 Slow (starts slurmctld/slurmd); skipped when SLURM is not installed or we are
 not root. CI installs Debian's slurm-wlm in .ci/run."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -111,3 +112,83 @@ def test_sbatch_two_ranks_trains_digits(slurm_cluster, tmp_path):
     with h5py.File(ck, "r") as f:
         assert f.attrs["world_size"] == 2
         assert f.attrs["iteration"] == 300
+
+
+def _squeue_state(env, job_id):
+    q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                       text=True)
+    return q.stdout.strip()
+
+
+def test_preempted_job_requeues_and_matches_uninterrupted_run(slurm_cluster, tmp_path):
+    """A preemption notice mid-run (``scancel --signal=USR1 --batch``, what
+    ``--signal=B:USR1@90`` sends before the time limit): the ranks checkpoint
+    at a common iteration, the job requeues itself, the second start resumes
+    from the checkpoint and finishes at iteration N, and its final weights
+    equal an uninterrupted ``mpiexec -n 2`` run's bit for bit."""
+    import h5py
+    import numpy as np
+    env, d = slurm_cluster
+    work = tmp_path / "work"
+    (work / "jobs").mkdir(parents=True)
+    shutil.copy(REPO / "jobs" / "digits_lenet.yaml", work / "jobs")
+    shutil.copy(REPO / "jobs" / "digits_lenet.sbatch", work / "jobs")
+    env = dict(env, PURINE_PYTHON=sys.executable, PATH=os.path.dirname(sys.executable) + ":" +
+               env.get("PATH", ""))
+    iters = 600
+    args = ["--iters", str(iters), "--set", "solver.display=10", "--set", "solver.test_interval=0"]
+    job = subprocess.run(["sbatch", "--parsable", "--chdir", str(work), "jobs/digits_lenet.sbatch",
+                          *args], env=env, capture_output=True, text=True, check=True)
+    job_id = job.stdout.strip().split(";")[0]
+    out = work / "runs" / "digits_lenet_slurm"
+    log = work / f"purine-digits-{job_id}.out"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # preempt once it is well under way
+            lines = (out / "metrics.jsonl").read_text().splitlines() \
+                if (out / "metrics.jsonl").exists() else []
+            if lines and json.loads(lines[-1])["iter"] >= 50:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the job never got going: " + (log.read_text() if log.exists() else ""))
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+        deadline = time.time() + 400
+        released = False
+        while time.time() < deadline and _squeue_state(env, job_id):
+            if not released and _squeue_state(env, job_id) == "PENDING":
+                # SLURM holds a requeued job for a while (~3 min here); release it now
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                               env=env, capture_output=True)
+                released = True
+            time.sleep(0.5)
+        assert not _squeue_state(env, job_id), "the job did not finish in 400 s: " + log.read_text()
+    finally:
+        subprocess.run(["scancel", job_id], env=env)
+    text = log.read_text()
+    assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text, text
+    assert "SLURM_RESTART_COUNT=2" not in text, text  # the finished run did not requeue
+    stopped = [int(m) for m in re.findall(r"stopping at iter (\d+) on SIGUSR1", text)]
+    assert len(stopped) == 1 and 50 <= stopped[0] < iters, text
+    assert f"requeueing job {job_id}" in text
+    with h5py.File(out / "latest.h5", "r") as f:
+        assert f.attrs["iteration"] == iters
+        resumed = {k: f["params"][k][...] for k in _param_names(f)}
+    # the same run, uninterrupted
+    ref = tmp_path / "ref"
+    res = subprocess.run([shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or
+                          "mpiexec", "-n", "2", sys.executable, "-m", "purine_mpi", "train",
+                          "jobs/digits_lenet.yaml", "--out", str(ref), *args], cwd=work,
+                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(ref / "latest.h5", "r") as f:
+        assert sorted(_param_names(f)) == sorted(resumed)
+        for k in resumed:
+            np.testing.assert_array_equal(f["params"][k][...], resumed[k], err_msg=k)
+
+
+def _param_names(f):
+    names = []
+    f["params"].visititems(lambda n, o: names.append(n) if hasattr(o, "shape") else None)
+    return names
