@@ -132,6 +132,30 @@ def test_resume_on_another_number_of_ranks_continues(tmp_path, digits_h5):
     assert state["0"]["data"]["state"]["global_batch"] == 48
 
 
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks_matches_the_uninterrupted_run(tmp_path, digits_h5,
+                                                                          first, then):
+    """README "Resuming on another number of ranks": with the global batch
+    kept (ranks x batch_size), a run that changes its number of ranks at a
+    checkpoint ends where the uninterrupted run ends, to float32 summation
+    tolerance: weights and momenta carry over, the data order continues at
+    the same sample, the learning-rate schedule at the same iteration."""
+    global_batch = 32
+    cfg = _digits_config(tmp_path, digits_h5, global_batch // first, "rc.yaml", max_iter=40)
+    ref = tmp_path / "ref"
+    assert _mpi_train(first, cfg, "--out", ref).returncode == 0
+    out = tmp_path / "run"
+    assert _mpi_train(first, cfg, "--out", out, "--iters", "20").returncode == 0
+    res = _mpi_train(then, cfg, "--out", out, "--resume", "auto",
+                     "--set", f"data.train.batch_size={global_batch // then}")
+    assert res.returncode == 0, res.stderr
+    assert f"resuming a {first}-rank checkpoint on {then} rank" in res.stdout
+    a, b = _params(ref / "latest.h5"), _params(out / "latest.h5")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
 def test_user_error_under_mpi_exits_2_on_every_rank_without_traceback(tmp_path):
     """A shape error found after MPI started: exit status 2, the message once
     per failing rank, no traceback, no hang."""
