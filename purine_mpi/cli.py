@@ -11,6 +11,9 @@
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --from DIR --out PATH.h5
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
+    python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
+                                                    --out JOB.yaml
+    python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
 
 Exit status: 0 success, 2 user error (message names the file/key/node, no
 traceback), 1 any other failure -- on every rank.
@@ -86,6 +89,27 @@ def build_parser():
     p.add_argument("--real-data", action="store_true",
                    help="use the config's data instead of synthetic data of the same shapes")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None)
+    p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
+    p.add_argument("format", choices=["caffe"], help="the source format")
+    p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
+    p.add_argument("--solver", metavar="SOLVER.prototxt",
+                   help="Caffe solver (text format): becomes the solver and checkpoint sections")
+    p.add_argument("--data", metavar="DATA.h5",
+                   help="our HDF5 data file (groups train/test) that the net's data layers read")
+    p.add_argument("--out", required=True, metavar="JOB.yaml", help="the job YAML to write")
+
+    p = sub.add_parser("export", help="export a trained net's inference graph")
+    p.add_argument("format", choices=["onnx"], help="the target format")
+    p.add_argument("config", help="job YAML (its test phase is exported)")
+    p.add_argument("--weights", required=True, metavar="CKPT.h5",
+                   help="checkpoint or weights file (/params layout) with every parameter")
+    p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
+    p.add_argument("--batch", type=int, default=None,
+                   help="fixed batch size of the model input (default: a symbolic batch dim)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key by dotted path")
+    p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="print the full Python traceback of a runtime failure (by default "
@@ -173,8 +197,25 @@ def cmd_bench(args):
     return 0
 
 
+def cmd_convert(args):
+    from .interop.caffe_convert import write_config
+    notes = write_config(args.net, args.out, args.solver, args.data)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_export(args):
+    from .interop.onnx_export import export_onnx
+    cfg = _load(args)
+    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch)
+    print(f"wrote {args.out}: {summary}")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
-            "data": cmd_data, "bench": cmd_bench}
+            "data": cmd_data, "bench": cmd_bench, "convert": cmd_convert, "export": cmd_export}
 
 
 def main(argv=None):

@@ -140,8 +140,9 @@ def batch_norm(b):
     (x,) = b.bottoms(1)
     shape = b.shape(x)
     c = (shape[1],)
-    gamma = b.param("weight", c, {"type": "constant", "value": 1.0}, 0)
-    beta = b.param("bias", c, ZERO, 1)
+    gamma = b.param("weight", c, _filler(b, "weight_filler", {"type": "constant", "value": 1.0}),
+                    0)
+    beta = b.param("bias", c, _filler(b, "bias_filler", ZERO), 1)
     mean = b.state("running_mean", c, 0.0)
     var = b.state("running_var", c, 1.0)
     attrs = {"eps": float(b.get("eps", 1e-5, kind="number")),
@@ -164,6 +165,24 @@ def concat(b):
     xs = b.bottoms()
     (y,) = b.tops(1)
     b.op("Concat", xs, [y], {"axis": b.get("axis", 1, kind="nonneg")})
+
+
+@layer("slice")
+def slice_(b):
+    (x,) = b.bottoms(1)
+    attrs = {"axis": b.get("axis", 1, kind="nonneg")}
+    points = b.get("slice_point")
+    if points is not None:
+        if not isinstance(points, list) or not all(isinstance(p, int) and p > 0 for p in points) \
+                or any(q <= p for p, q in zip(points, points[1:])):
+            b.fail("slice_point", f"expected an increasing list of positive cut indices, "
+                                  f"got {points!r}")
+        attrs["slice_point"] = points
+    ys = b.tops()
+    if points is not None and len(ys) != len(points) + 1:
+        b.fail("top", f"{len(points)} slice_point(s) make {len(points) + 1} tops, got {len(ys)}")
+    attrs["n_outputs"] = len(ys)
+    b.op("Slice", [x], ys, attrs)
 
 
 @layer("eltwise")

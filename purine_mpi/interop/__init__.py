@@ -1,0 +1,8 @@
+"""Models in and out: Caffe prototxt / solver / .caffemodel import and ONNX export.
+
+    prototxt.py       protobuf text format: tokenizer + recursive-descent parser
+    caffe_schema.py   the caffe.proto subset read (text) and field numbers (wire)
+    caffe_convert.py  Caffe net + solver -> our job config
+    caffemodel.py     .caffemodel (protobuf wire format) -> our parameters
+    onnx_export.py    the test-phase graph -> an ONNX model
+"""
