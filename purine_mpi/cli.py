@@ -47,9 +47,10 @@ def build_parser():
     p.add_argument("--iters", type=int, help="override solver.max_iter")
     p.add_argument("--resume", metavar="CKPT.h5|auto",
                    help="continue from a checkpoint (auto: OUT/latest.h5 if present)")
-    p.add_argument("--init", metavar="WEIGHTS.h5",
+    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel",
                    help="initialise parameters from a file; every parameter of the net must "
-                        "be in it, except those of the --init-skip layers")
+                        "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
+                        "loads by layer name and reports which blobs matched")
     p.add_argument("--init-skip", nargs="+", default=[], metavar="LAYER",
                    help="with --init: layers that keep their fresh initialisation (fine-tuning "
                         "a changed layer)")
@@ -60,7 +61,8 @@ def build_parser():
 
     p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
     _common_config_args(p)
-    p.add_argument("--weights", required=True, metavar="CKPT.h5")
+    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel",
+                   help="checkpoint to evaluate, or a Caffe .caffemodel (loaded by layer name)")
     p.add_argument("--out", help="output folder (default runs/<name>)")
 
     p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
@@ -147,7 +149,8 @@ def cmd_test(args):
     from .trainer import Trainer
     from .io.checkpoint import load_params
     cfg = _load(args)
-    load_params(args.weights)  # a bad file fails here, before any graph is built
+    if not args.weights.endswith(".caffemodel"):
+        load_params(args.weights)  # a bad file fails here, before any graph is built
     t = Trainer(cfg, _out_dir(args, cfg), init=args.weights)
     try:
         res = t.evaluate()

@@ -21,7 +21,8 @@ def data_attrs(spec, rank, world_size, seed, phase="train"):
             "seed": seed, "train": phase == "train"}
 
 
-def _forward(config, phase, spec, rank, world_size):
+def forward_graph(config, phase, spec, rank=0, world_size=1):
+    """The data op and the net's forward ops for ``phase`` (no loss pruning)."""
     g = Graph(config.get("name", "net"))
     g.add_op("data", "DataReader", [], ["data", "label"],
              data_attrs(spec, rank, world_size, config.get("seed", 0), phase),
@@ -69,7 +70,7 @@ def build_train_graph(config, rank=0, world_size=1):
         return graph_from_seed(config, rank, world_size)
     if not config.get("data", {}).get("train"):
         raise ConfigError(path, "data.train", "training needs a data.train section")
-    g = _forward(config, "train", config["data"]["train"], rank, world_size)
+    g = forward_graph(config, "train", config["data"]["train"], rank, world_size)
     losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
@@ -113,7 +114,7 @@ def build_test_graph(config, rank=0, world_size=1):
     spec = config.get("data", {}).get("test")
     if not spec or config.get("graph") is not None:
         return None
-    g = _forward(config, "test", spec, rank, world_size)
+    g = forward_graph(config, "test", spec, rank, world_size)
     sinks = list(loss_blobs(g)) + metric_blobs(g)
     if not sinks:
         return None

@@ -186,7 +186,18 @@ class Trainer:
     def _init_params(self, init, init_skip=()):
         for p in self.params:
             self.ws.set(p, fill(self.graph.blobs[p], self.seed))
-        if init:
+        if init and str(init).endswith(".caffemodel"):
+            from .interop.caffemodel import caffe_params
+            init_params({}, [], self.config, init, init_skip)  # checks the --init-skip names
+            shapes = {p: self.graph.blobs[p].shape for p in self.params
+                      if p.split("/")[0] not in set(init_skip)}
+            values, report = caffe_params(init, shapes)
+            if self.rank == 0:
+                for line in report:
+                    self.log(f"{init}: {line}")
+            for p, value in values.items():
+                self._load_blob(p, value, init)
+        elif init:
             params = load_params(init)
             for p in init_params(params, self.params, self.config, init, init_skip):
                 self._load_blob(p, params[p], init)

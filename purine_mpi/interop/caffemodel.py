@@ -1,0 +1,208 @@
+"""Caffe's binary ``.caffemodel`` (a NetParameter in protobuf wire format)
+-> our parameters, by layer name (``train --init`` / ``test --weights``).
+
+A small wire-format reader: varints, fixed 32/64-bit and length-delimited
+fields, packed and unpacked repeated scalars. It reads only what weights
+need (layer name, type, bottoms, tops, blobs) from both ``layer`` (field
+100) and the old ``layers`` (field 2) entries.
+
+Blob mapping (Caffe layer L -> our blobs):
+    Convolution, InnerProduct   blobs[0] -> L/weight, blobs[1] -> L/bias
+    BatchNorm                   blobs[0] / blobs[2][0] -> L/running_mean,
+                                blobs[1] / blobs[2][0] -> L/running_var
+                                (Caffe stores sums and their scale factor)
+    Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
+"""
+import struct
+
+import numpy as np
+
+from ..errors import UserError
+from . import caffe_schema as S
+
+
+class CaffemodelError(UserError):
+    pass
+
+
+# ------------------------------------------------------------- wire format
+def _varint(buf, pos):
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def fields(buf):
+    """Yield (field number, wire type, value) of one message's bytes; the
+    value is an int (varint, fixed64 as raw bytes for 1/5) or a memoryview."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = bytes(buf[pos:pos + 8]), pos + 8
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            value, pos = buf[pos:pos + length], pos + length
+        elif wire == 5:
+            value, pos = bytes(buf[pos:pos + 4]), pos + 4
+        else:
+            raise ValueError(f"unsupported wire type {wire} (field {number})")
+        if pos > end:
+            raise ValueError(f"field {number} runs past the end of its message")
+        yield number, wire, value
+
+
+def _floats(wire, value, fmt):
+    size = struct.calcsize(fmt)
+    if wire == 2:  # packed
+        if len(value) % size:
+            raise ValueError("packed float data has a partial element")
+        return np.frombuffer(bytes(value), dtype=f"<{fmt}")
+    return np.frombuffer(value, dtype=f"<{fmt}")
+
+
+def _ints(wire, value):
+    if wire == 0:
+        return [value]
+    out, pos = [], 0
+    while pos < len(value):
+        v, pos = _varint(value, pos)
+        out.append(v)
+    return out
+
+
+def read_blob(buf):
+    """A BlobProto's values as float32 in its shape (legacy num/channels/height/width too)."""
+    data, dims, legacy = [], [], {}
+    for number, wire, value in fields(buf):
+        if number == S.BLOB_DATA:
+            data.append(_floats(wire, value, "f"))
+        elif number == S.BLOB_DOUBLE_DATA:
+            data.append(_floats(wire, value, "d"))
+        elif number == S.BLOB_SHAPE:
+            for n, w, v in fields(value):
+                if n == S.SHAPE_DIM:
+                    dims += _ints(w, v)
+        elif number in (S.BLOB_NUM, S.BLOB_CHANNELS, S.BLOB_HEIGHT, S.BLOB_WIDTH) and wire == 0:
+            legacy[number] = value
+    values = np.concatenate(data).astype(np.float32) if data else np.zeros(0, np.float32)
+    if not dims and legacy:
+        dims = [legacy.get(n, 1) for n in (S.BLOB_NUM, S.BLOB_CHANNELS, S.BLOB_HEIGHT,
+                                           S.BLOB_WIDTH)]
+    shape = tuple(int(d) for d in dims) if dims else (values.size,)
+    if int(np.prod(shape, dtype=np.int64)) != values.size:
+        raise ValueError(f"a blob of shape {list(shape)} holds {values.size} values")
+    return values.reshape(shape)
+
+
+def read_layers(path):
+    """[(name, type, bottoms, tops, [blob arrays])] of a .caffemodel, in file order."""
+    try:
+        with open(path, "rb") as f:
+            buf = memoryview(f.read())
+    except FileNotFoundError:
+        raise CaffemodelError(f"weights file '{path}' not found") from None
+    except OSError as e:
+        raise CaffemodelError(f"weights file '{path}' cannot be read ({e})") from None
+    layers = []
+    try:
+        for number, wire, value in fields(buf):
+            if wire != 2 or number not in (S.NET_LAYER, S.NET_LAYERS_V1):
+                continue
+            v1 = number == S.NET_LAYERS_V1
+            ids = ((S.V1_NAME, S.V1_TYPE, S.V1_BOTTOM, S.V1_TOP, S.V1_BLOBS) if v1 else
+                   (S.LAYER_NAME, S.LAYER_TYPE, S.LAYER_BOTTOM, S.LAYER_TOP, S.LAYER_BLOBS))
+            name, kind, bottoms, tops, blobs = "", "", [], [], []
+            for n, w, v in fields(value):
+                if n == ids[0] and w == 2:
+                    name = bytes(v).decode("utf-8")
+                elif n == ids[1]:
+                    kind = bytes(v).decode("utf-8") if w == 2 else _V1_BY_NUMBER.get(v, str(v))
+                elif n == ids[2] and w == 2:
+                    bottoms.append(bytes(v).decode("utf-8"))
+                elif n == ids[3] and w == 2:
+                    tops.append(bytes(v).decode("utf-8"))
+                elif n == ids[4] and w == 2:
+                    blobs.append(read_blob(v))
+            layers.append((name, kind, bottoms, tops, blobs))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CaffemodelError(f"weights file '{path}' is not a Caffe NetParameter in binary "
+                              f"protobuf format ({e})") from None
+    if not layers:
+        raise CaffemodelError(f"weights file '{path}' holds no layers; expected a binary "
+                              "Caffe .caffemodel")
+    return layers
+
+
+# V1LayerParameter.LayerType numbers of the layers that carry weights
+_V1_BY_NUMBER = {4: "Convolution", 14: "InnerProduct"}
+
+
+# ------------------------------------------------------------------ mapping
+def caffe_params(path, shapes):
+    """({our param name: array}, report lines) for the params in ``shapes``
+    ({name: shape}) that the .caffemodel at ``path`` holds. A blob whose
+    shape differs from ours is a CaffemodelError naming both."""
+    layers = read_layers(path)
+    values, report = {}, []
+    for i, (name, kind, bottoms, tops, blobs) in enumerate(layers):
+        if not blobs:
+            continue
+        owner, targets = name, _targets(kind, blobs)
+        if kind == "Scale":
+            bn = next((lay for lay in reversed(layers[:i]) if set(lay[3]) & set(bottoms)), None)
+            if bn is not None and bn[1] == "BatchNorm":
+                owner = bn[0]
+        matched = []
+        for suffix, value in targets:
+            ours = f"{owner}/{suffix}"
+            if ours not in shapes:
+                continue
+            value = _fit(value, tuple(shapes[ours]), ours, name, path)
+            values[ours] = value
+            matched.append(f"{suffix} {list(value.shape)}")
+        if matched:
+            via = f" -> {owner}" if owner != name else ""
+            report.append(f"matched {name} ({kind}){via}: {', '.join(matched)}")
+        else:
+            report.append(f"not used: {name} ({kind}, {len(blobs)} blob(s)): no such layer "
+                          "in the net")
+    missing = sorted(set(shapes) - set(values))
+    if missing:
+        report.append(f"kept their initialisation (not in the file): {', '.join(missing)}")
+    return values, report
+
+
+def _targets(kind, blobs):
+    if kind == "BatchNorm" and len(blobs) >= 3:
+        factor = float(blobs[2].reshape(-1)[0]) if blobs[2].size else 0.0
+        scale = 0.0 if factor == 0 else 1.0 / factor  # Caffe's own rule
+        return [("running_mean", blobs[0] * np.float32(scale)),
+                ("running_var", blobs[1] * np.float32(scale))]
+    return list(zip(("weight", "bias"), blobs))
+
+
+def _fit(value, shape, ours, layer, path):
+    """The blob in our shape: exact, or a legacy 4-D blob (1, 1, out, in)
+    with the same values once its leading ones are dropped."""
+    if value.shape == shape:
+        return value
+    squeeze = value.shape
+    while len(squeeze) > len(shape) and squeeze[0] == 1:
+        squeeze = squeeze[1:]
+    if squeeze == shape:
+        return value.reshape(shape)
+    raise CaffemodelError(f"weights file '{path}': layer '{layer}' blob for '{ours}' has shape "
+                          f"{list(value.shape)}, the net expects {list(shape)}")
