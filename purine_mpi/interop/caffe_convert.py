@@ -78,7 +78,7 @@ class Converter:
         layers = [layer for layer in layers if layer.phase != "never"]
         check_graph(layers, self.path)
         scale_of = self._batchnorm_scales(layers)
-        fused = set(scale_of.values())
+        fused = {id(scale) for scale in scale_of.values()}
         for layer in layers:
             if layer.type in DATA_TYPES:
                 self.data_layer(layer)

@@ -134,6 +134,7 @@ def _number(word, line, path):
 class _Parser:
     def __init__(self, tokens, schema, path):
         self.tokens, self.schema, self.path, self.pos = tokens, schema, path, 0
+        self.open = []  # (message type, line of its '{') of the enclosing messages
 
     def peek(self):
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -175,6 +176,11 @@ class _Parser:
                                                          f"{type_name}, found {tok.text!r}")
             self.take()
             if tok.text not in fields:
+                outer = [line for kind, line in self.open[:-1] if tok.text in self.schema[kind]]
+                if outer and opened is not None:  # most likely a missing '}'
+                    raise PrototxtError(self.path, opened, f"'{{' opened here is not closed "
+                                                           f"before '{tok.text}' on line "
+                                                           f"{tok.line} (a missing '}}')")
                 raise PrototxtError(self.path, tok.line, _unknown(tok.text, type_name, fields))
             kind = fields[tok.text]
             for value in self.value(tok, kind):
@@ -202,7 +208,10 @@ class _Parser:
                                                          f"{tok.text!r}")
             self.take()
             close = "}" if tok.text == "{" else ">"
-            return [self.message(kind, tok.line, close, tok.line)]
+            self.open.append((kind, tok.line))
+            msg = self.message(kind, tok.line, close, tok.line)
+            self.open.pop()
+            return [msg]
         if tok.kind == "punct" and tok.text == "[":
             self.take()
             values = []
@@ -258,6 +267,7 @@ def _unknown(name, type_name, fields):
 def parse(text, schema, root, path="<prototxt>"):
     """The ``root`` message parsed from ``text`` against ``schema``."""
     parser = _Parser(tokenize(text, path), schema, path)
+    parser.open.append((root, 1))
     return parser.message(root, 1)
 
 
