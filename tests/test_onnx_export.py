@@ -1,0 +1,86 @@
+"""export onnx: the exported test-phase graph run by onnxruntime equals our
+forward pass, for a net with every layer type and a GoogLeNet-style net."""
+import numpy as np
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.graph import Graph
+from purine_mpi.interop.caffe_convert import convert
+from purine_mpi.interop.onnx_export import build_model
+from purine_mpi.io.checkpoint import load_params
+from purine_mpi.io.config import load_config
+from purine_mpi.model import forward_graph
+from purine_mpi.runtime.dispatcher import SerialDispatcher
+
+from .conftest import run_cli_args, write_config_file
+from .test_caffe_convert import fixture, random_h5
+from .test_cli import assert_user_error
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+
+def our_forward(config, weights):
+    """Our test-phase forward pass on the first test batch: {blob: value}."""
+    graph = forward_graph(config, "test", config["data"]["test"])
+    d = SerialDispatcher(graph)
+    params = load_params(weights)
+    for blob in graph.params():
+        d.workspace.set(blob.name, params[blob.name])
+    d.run(0)
+    return {name: np.array(d.workspace[name]) for name in graph.blobs if name in d.workspace.arrays}
+
+
+@pytest.mark.parametrize("net,shape,classes,outputs", [
+    ("all_layers.prototxt", (3, 12, 12), 4, ["ip2", "prob"]),
+    ("googlenet_mini.prototxt", (3, 32, 32), 10, ["loss1/fc", "loss3/classifier"]),
+])
+def test_onnxruntime_equals_our_forward(tmp_path, net, shape, classes, outputs):
+    data = random_h5(tmp_path / "d.h5", shape, classes, n_train=8, n_test=4)
+    config, _ = convert(fixture(net), data_path=data)
+    config["solver"] = {"base_lr": 0.01, "max_iter": 3}
+    path = write_config_file(tmp_path, config)
+    # a few training steps move the weights and batch-norm statistics off their init
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    weights = tmp_path / "run" / "latest.h5"
+    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    onnx.checker.check_model(model)
+    assert [o.name for o in model.graph.output] == outputs
+    assert [i.name for i in model.graph.input] == ["data"]
+    ours = our_forward(load_config(path), str(weights))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    results = session.run(outputs, {"data": ours["data"]})
+    for name, value in zip(outputs, results):
+        np.testing.assert_allclose(value, ours[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_layer_onnx_cannot_express_is_a_user_error():
+    g = Graph("net")
+    g.add_op("data", "DataReader", [], ["data", "label"],
+             {"source": {"source": "synthetic", "shape": [2], "classes": 2},
+              "batch_size": 2})
+    g.add_blob("w", (2, 2))
+    g.add_op("mix.fwd", "WeightedSum", ["data", "w"], ["out"])
+    g.infer_shapes()
+    with pytest.raises(UserError, match=r"op 'mix.fwd' \(type WeightedSum\) of layer 'mix' "
+                                        "cannot be expressed in ONNX"):
+        build_model(g, {}, "net")
+
+
+def test_export_needs_test_data_and_all_weights(tmp_path, digits_h5):
+    config, _ = convert(fixture("lenet_digits.prototxt"), data_path=digits_h5)
+    path = write_config_file(tmp_path, config)
+    empty = tmp_path / "empty.h5"
+    import h5py
+    with h5py.File(empty, "w") as f:
+        f.create_group("params")
+    res = run_cli_args("export", "onnx", path, "--weights", empty, "--out", tmp_path / "m.onnx")
+    assert_user_error(res, "lacks", "conv1/weight")
+    del config["data"]["test"]
+    path = write_config_file(tmp_path, config, "no_test.yaml")
+    res = run_cli_args("export", "onnx", path, "--weights", empty, "--out", tmp_path / "m.onnx")
+    assert_user_error(res, "data.test")
+    assert not (tmp_path / "m.onnx").exists()
