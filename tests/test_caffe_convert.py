@@ -184,8 +184,10 @@ def test_caffe_ceil_pooling_with_padding_is_exact():
 def test_old_layers_syntax(small_h5):
     config, _ = convert(fixture("v1_layers.prototxt"), data_path=small_h5)
     net = {layer["name"]: layer for layer in config["net"]}
-    assert [layer["type"] for layer in config["net"]] == ["conv", "relu", "pool", "fc",
-                                                          "softmax_loss"]
+    assert [layer["type"] for layer in config["net"]] == [
+        "conv", "relu", "pool", "slice", "sigmoid", "concat", "fc", "softmax_loss"]
+    assert (net["halves"]["axis"], net["halves"]["slice_point"]) == (1, [2])
+    assert net["joined"]["axis"] == 1 and net["sig"]["phase"] == "train"  # exclude TEST
     assert net["conv1"]["param"] == [{"lr_mult": 1.0, "decay_mult": 1.0},
                                      {"lr_mult": 2.0, "decay_mult": 0.0}]
     assert net["pool1"]["pool"] == "ave" and config["data"]["train"]["batch_size"] == 4
@@ -220,7 +222,8 @@ def test_solver_policies(tmp_path, text, key, value):
 
 # ---------------------------------------------------------------- the CLI
 @pytest.mark.parametrize("name,line,needles", [
-    ("bad_unknown_field.prototxt", 6, ["unknown or unsupported field 'kernel_sise'",
+    ("bad_unknown_field.prototxt", 6, ["layer 'conv1' (type Convolution)",
+                                       "unknown or unsupported field 'kernel_sise'",
                                        "did you mean 'kernel_size'"]),
     ("bad_unclosed.prototxt", 2, ["not closed before 'layer' on line 4"]),
     ("bad_bottom.prototxt", 5, ["layer 'ip' (type InnerProduct)", "bottom 'relu9'"]),
@@ -251,6 +254,26 @@ def test_unsupported_semantics_name_layer_and_line(tmp_path, snippet, needle):
     with pytest.raises(PrototxtError) as info:
         convert(str(path), data_path="/x.h5")
     assert info.value.line == 3 and needle in str(info.value)
+
+
+IMAGE_DATA = """layer { name: "img" type: "ImageData" top: "data" top: "label"
+        image_data_param { source: "list.txt" batch_size: 5 shuffle: true }
+        transform_param { crop_size: 6 mirror: true mean_value: 104 mean_value: 117
+                          mean_value: 123 scale: 0.017 } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"
+        inner_product_param { num_output: 3 } }
+"""
+
+
+def test_image_data_layer(tmp_path):
+    path = tmp_path / "i.prototxt"
+    path.write_text(IMAGE_DATA)
+    config, _ = convert(str(path), data_path="/x.h5")
+    for phase in ("train", "test"):  # a data layer without include serves both
+        spec = config["data"][phase]
+        assert (spec["batch_size"], spec["shuffle"], spec["crop_size"], spec["split"]) == (
+            5, True, 6, phase)
+        assert spec["mean"] == [104.0, 117.0, 123.0] and spec["scale"] == pytest.approx(0.017)
 
 
 def test_data_layers_need_data_file(tmp_path):

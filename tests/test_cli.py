@@ -239,7 +239,8 @@ def test_missing_checkpoint_file(base):
 
 
 # -------------------------------------------------------------------- help
-@pytest.mark.parametrize("command", ["train", "test", "graph", "inspect", "data", "bench"])
+@pytest.mark.parametrize("command", ["train", "test", "graph", "inspect", "data", "bench",
+                                     "convert", "export"])
 def test_help_for_every_subcommand(command):
     res = run_cli_args(command, "--help")
     assert res.returncode == 0, res.stderr

@@ -135,6 +135,7 @@ class _Parser:
     def __init__(self, tokens, schema, path):
         self.tokens, self.schema, self.path, self.pos = tokens, schema, path, 0
         self.open = []  # (message type, line of its '{') of the enclosing messages
+        self.building = []  # the messages being parsed, outermost first
 
     def peek(self):
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -161,6 +162,14 @@ class _Parser:
 
     def message(self, type_name, line, close=None, opened=None):
         msg = Message(type_name, line)
+        self.building.append(msg)
+        try:
+            return self._fields(msg, close, opened)
+        finally:
+            self.building.pop()
+
+    def _fields(self, msg, close, opened):
+        type_name = msg.type_name
         fields = self.schema[type_name]
         while True:
             tok = self.peek()
@@ -181,13 +190,25 @@ class _Parser:
                     raise PrototxtError(self.path, opened, f"'{{' opened here is not closed "
                                                            f"before '{tok.text}' on line "
                                                            f"{tok.line} (a missing '}}')")
-                raise PrototxtError(self.path, tok.line, _unknown(tok.text, type_name, fields))
+                raise PrototxtError(self.path, tok.line, self.in_layer() +
+                                    _unknown(tok.text, type_name, fields))
             kind = fields[tok.text]
             for value in self.value(tok, kind):
                 msg.fields.append(Field(tok.text, value, tok.line))
             nxt = self.peek()
             if nxt is not None and nxt.kind == "punct" and nxt.text in ",;":
                 self.take()
+
+    def in_layer(self):
+        """"layer 'x' (type Y): " for errors inside a layer whose name and
+        type were read before the error, else ""."""
+        for msg in reversed(self.building):
+            if msg.type_name in ("LayerParameter", "V1LayerParameter"):
+                name, kind = msg.get("name"), msg.get("type")
+                if name is None and kind is None:
+                    return ""
+                return f"layer '{name or '?'}' (type {kind or '?'}): "
+        return ""
 
     def value(self, name_tok, kind):
         """The value(s) after a field name, checked against the field's kind."""
@@ -249,8 +270,8 @@ class _Parser:
         if isinstance(kind, tuple) and tok.kind == "number" and isinstance(tok.value, int) \
                 and 0 <= tok.value < len(kind):
             return Enum(kind[tok.value])  # enums may be written by number
-        raise PrototxtError(self.path, tok.line, f"field '{name_tok.text}': expected {want}, "
-                                                 f"found {tok.text!r}")
+        raise PrototxtError(self.path, tok.line, f"{self.in_layer()}field '{name_tok.text}': "
+                                                 f"expected {want}, found {tok.text!r}")
 
 
 _OPEN = {"}": "{", ">": "<", "]": "["}
