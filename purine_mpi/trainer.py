@@ -191,12 +191,16 @@ class Trainer:
             init_params({}, [], self.config, init, init_skip)  # checks the --init-skip names
             shapes = {p: self.graph.blobs[p].shape for p in self.params
                       if p.split("/")[0] not in set(init_skip)}
-            values, report = caffe_params(init, shapes)
+            values, report, factors = caffe_params(init, shapes)
             if self.rank == 0:
                 for line in report:
                     self.log(f"{init}: {line}")
             for p, value in values.items():
                 self._load_blob(p, value, init)
+            for k in self.train.kernels.values():  # Caffe's running averages go on
+                layer = k.op.inputs[3].split("/")[0] if k.op.op_type == "BatchNorm" else None
+                if layer in factors and getattr(k, "caffe_average", False):
+                    k.factor = factors[layer]
         elif init:
             params = load_params(init)
             for p in init_params(params, self.params, self.config, init, init_skip):

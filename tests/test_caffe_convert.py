@@ -123,7 +123,7 @@ def test_every_layer_type_and_spelling(all_layers, small_h5):
     assert "scale_a" not in net
     bn = net["bn_a"]
     assert (bn["type"], bn["top"], bn["eps"]) == ("batch_norm", "conv_a", 0.001)
-    assert bn["momentum"] == pytest.approx(0.1)
+    assert bn["moving_average_fraction"] == pytest.approx(0.9)
     assert bn["weight_filler"] == {"type": "constant", "value": 1.0}
     assert net["bn_b"]["param"] == [{"lr_mult": 0.0, "decay_mult": 0.0}] * 2
     assert any("one batch_norm layer 'bn_a'" in n for n in notes)
@@ -325,3 +325,36 @@ def test_googlenet_style_net_builds_its_training_graph(tmp_path):
     assert res.returncode == 0, res.stderr
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["name"] == \
         "GoogLeNetMini"
+
+
+def test_batchnorm_running_average_is_caffes():
+    """The converted BatchNorm's running statistics against a transcription of
+    Caffe's BatchNormLayer::Forward_cpu (sums and a scale factor), across a
+    save/restore of the kernel's step count."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.batchnorm import BatchNorm
+    maf, channels = 0.9, 3
+    attrs = {"eps": 1e-5, "momentum": 0.1, "phase": "train", "moving_average_fraction": maf}
+
+    def kernel():
+        return BatchNorm(Op("bn.fwd", "BatchNorm", list("xgbmv"), list("yabmv"), attrs))
+
+    rng = np.random.default_rng(3)
+    batches = [rng.standard_normal((4, channels, 2, 2)) * (i + 1) + i for i in range(5)]
+    sums, factor = np.zeros((2, channels)), 0.0
+    running = [np.zeros(channels), np.ones(channels)]
+    k = kernel()
+    for step, x in enumerate(batches):
+        if step == 2:  # a resumed run continues the count
+            state, k = k.state_dict(), kernel()
+            k.load_state_dict(state)
+            assert state == {"factor": pytest.approx(1 + maf)}
+        outs = [np.empty_like(x), np.empty(channels), np.empty(channels)] + running
+        k.run([x, np.ones(channels), np.zeros(channels)] + running, outs)
+        m = x.size // channels
+        mean = x.mean(axis=(0, 2, 3))
+        var = x.var(axis=(0, 2, 3)) * m / (m - 1)
+        factor = factor * maf + 1
+        sums = maf * sums + np.stack([mean, var])
+        np.testing.assert_allclose(running[0], sums[0] / factor, rtol=1e-12)
+        np.testing.assert_allclose(running[1], sums[1] / factor, rtol=1e-12)

@@ -131,6 +131,11 @@ def test_caffemodel_loads_exactly(net, capsys):
                   "bn_b/running_var": w["bn_b/var"]}
         for name, value in expect.items():
             np.testing.assert_array_equal(np.asarray(t.ws[name]), value, err_msg=name)
+        # Caffe's moving-average factor carries over: the next running mean is
+        # (maf * factor * mean + batch mean) / (maf * factor + 1), not the batch mean
+        bn = [k for k in t.train.kernels.values() if k.op.op_type == "BatchNorm"
+              and k.op.inputs[3] == "bn_a/running_mean"]
+        assert len(bn) == 1 and bn[0].factor == 4.0
     finally:
         t.close()
     text = "\n".join(logs)

@@ -11,9 +11,7 @@ Semantics kept exact:
 - ``BatchNorm`` followed by a ``Scale`` reading its top becomes one
   ``batch_norm`` layer (the Scale's gamma/beta are its weight/bias); a
   ``BatchNorm`` alone keeps gamma = 1, beta = 0 (learning rate 0). Its
-  running averages: momentum = 1 - moving_average_fraction (Caffe's early
-  iterations weight the average slightly differently; the converged
-  statistics agree).
+  running averages are Caffe's (``moving_average_fraction``).
 - Fillers are written out with Caffe's defaults (a missing filler is
   Caffe's ``constant`` 0).
 - Data layers (Data, HDF5Data, ImageData) become the HDF5 source at
@@ -388,7 +386,7 @@ def _batchnorm(c, layer, e, scale):
                                                      "Caffe's default (false in training, true "
                                                      "in testing)")
     e.update(type="batch_norm", eps=p.get("eps", 1e-5),
-             momentum=1.0 - p.get("moving_average_fraction", 0.999))
+             moving_average_fraction=p.get("moving_average_fraction", 0.999))
     if scale is None:  # Caffe's BatchNorm has no affine part
         e["param"] = [{"lr_mult": 0.0, "decay_mult": 0.0}] * 2
         c.notes.append(f"{layer.where()} (line {layer.line}) has no Scale layer after it: "

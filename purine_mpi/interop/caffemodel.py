@@ -10,7 +10,8 @@ Blob mapping (Caffe layer L -> our blobs):
     Convolution, InnerProduct   blobs[0] -> L/weight, blobs[1] -> L/bias
     BatchNorm                   blobs[0] / blobs[2][0] -> L/running_mean,
                                 blobs[1] / blobs[2][0] -> L/running_var
-                                (Caffe stores sums and their scale factor)
+                                (Caffe stores sums and their scale factor,
+                                which the BatchNorm kernel continues from)
     Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
 """
 import struct
@@ -152,11 +153,12 @@ _V1_BY_NUMBER = {4: "Convolution", 14: "InnerProduct"}
 
 # ------------------------------------------------------------------ mapping
 def caffe_params(path, shapes):
-    """({our param name: array}, report lines) for the params in ``shapes``
-    ({name: shape}) that the .caffemodel at ``path`` holds. A blob whose
-    shape differs from ours is a CaffemodelError naming both."""
+    """({our param name: array}, report lines, {BatchNorm layer: Caffe's
+    moving-average factor}) for the params in ``shapes`` ({name: shape})
+    that the .caffemodel at ``path`` holds. A blob whose shape differs from
+    ours is a CaffemodelError naming both."""
     layers = read_layers(path)
-    values, report = {}, []
+    values, report, factors = {}, [], {}
     for i, (name, kind, bottoms, tops, blobs) in enumerate(layers):
         if not blobs:
             continue
@@ -173,6 +175,8 @@ def caffe_params(path, shapes):
             value = _fit(value, tuple(shapes[ours]), ours, name, path)
             values[ours] = value
             matched.append(f"{suffix} {list(value.shape)}")
+        if matched and kind == "BatchNorm" and len(blobs) >= 3 and blobs[2].size:
+            factors[owner] = float(blobs[2].reshape(-1)[0])
         if matched:
             via = f" -> {owner}" if owner != name else ""
             report.append(f"matched {name} ({kind}){via}: {', '.join(matched)}")
@@ -182,7 +186,7 @@ def caffe_params(path, shapes):
     missing = sorted(set(shapes) - set(values))
     if missing:
         report.append(f"kept their initialisation (not in the file): {', '.join(missing)}")
-    return values, report
+    return values, report, factors
 
 
 def _targets(kind, blobs):

@@ -147,6 +147,11 @@ def batch_norm(b):
     var = b.state("running_var", c, 1.0)
     attrs = {"eps": float(b.get("eps", 1e-5, kind="number")),
              "momentum": float(b.get("momentum", 0.1, kind="number"))}
+    if "moving_average_fraction" in b.cfg:  # Caffe's running average (ops/batchnorm.py)
+        maf = float(b.get("moving_average_fraction", kind="number"))
+        if not 0.0 <= maf <= 1.0:
+            b.fail("moving_average_fraction", f"expected a number in [0, 1], got {maf}")
+        attrs["moving_average_fraction"] = maf
     (y,) = b.tops(1)
     name = b.cfg["name"]
     if b.phase == "train":

@@ -13,6 +13,13 @@ Train, outputs [y, saved_mean, saved_invstd, running_mean@new, running_var@new]:
     running_var@new  = (1 - momentum) * running_var  + momentum * var * M / (M - 1)
 
 (torch's convention; the last two outputs alias the running stats' storage).
+With attr ``moving_average_fraction`` (maf; Caffe's BatchNorm) the running
+statistics are instead Caffe's normalised sums: after t training steps they
+are sum_i maf^(t-i) * stat_i / sum_i maf^(t-i), i.e. the update above with
+momentum = 1 / factor, where the kernel's ``factor`` (Caffe's third blob,
+saved in checkpoints, set from a .caffemodel) grows as factor = maf *
+factor + 1 from 0. So the first step takes the batch statistics as they are,
+as Caffe does, instead of blending them with the initial 0 and 1.
 
 Test, outputs [y]: y = gamma * (x - running_mean) / sqrt(running_var + eps) + beta.
 
@@ -69,6 +76,24 @@ class BatchNorm(OpKernel):
             return [(x_shape, dtype)]
         return [(x_shape, dtype), ((C,), dtype), ((C,), dtype), ins[3], ins[4]]
 
+    def __init__(self, op):
+        super().__init__(op)
+        self.caffe_average = "moving_average_fraction" in self.attrs
+        self.stateful = self.caffe_average  # the factor is state
+        self.factor = 0.0
+
+    def _momentum(self):
+        if not self.caffe_average:
+            return float(self.attrs.get("momentum", 0.1))
+        self.factor = float(self.attrs["moving_average_fraction"]) * self.factor + 1.0
+        return 1.0 / self.factor
+
+    def state_dict(self):
+        return {"factor": float(self.factor)}
+
+    def load_state_dict(self, state):
+        self.factor = float(state["factor"])
+
     def run(self, ins, outs):
         x, gamma, beta, running_mean, running_var = ins
         xp = get_xp(x)
@@ -81,7 +106,7 @@ class BatchNorm(OpKernel):
             y *= (invstd * gamma).reshape(bshape)
             y += beta.reshape(bshape)
             return
-        m = float(self.attrs.get("momentum", 0.1))
+        m = self._momentum()
         count = x.size // x.shape[1]
         mean = x.mean(axis=axes)
         xp.subtract(x, mean.reshape(bshape), out=y)
