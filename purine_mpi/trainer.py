@@ -187,24 +187,35 @@ class Trainer:
         for p in self.params:
             self.ws.set(p, fill(self.graph.blobs[p], self.seed))
         if init and str(init).endswith(".caffemodel"):
-            from .interop.caffemodel import caffe_params
-            init_params({}, [], self.config, init, init_skip)  # checks the --init-skip names
-            shapes = {p: self.graph.blobs[p].shape for p in self.params
-                      if p.split("/")[0] not in set(init_skip)}
-            values, report, factors = caffe_params(init, shapes)
-            if self.rank == 0:
-                for line in report:
-                    self.log(f"{init}: {line}")
-            for p, value in values.items():
-                self._load_blob(p, value, init)
-            for k in self.train.kernels.values():  # Caffe's running averages go on
-                layer = k.op.inputs[3].split("/")[0] if k.op.op_type == "BatchNorm" else None
-                if layer in factors and getattr(k, "caffe_average", False):
-                    k.factor = factors[layer]
+            self._init_from_caffemodel(init, init_skip)
         elif init:
             params = load_params(init)
             for p in init_params(params, self.params, self.config, init, init_skip):
                 self._load_blob(p, params[p], init)
+
+    def _init_from_caffemodel(self, path, init_skip=()):
+        """Caffe weights by layer name. As with our own files every parameter
+        must be found, except those of the --init-skip layers and the
+        learnable ones the net keeps at a constant (lr_mult 0 and a constant
+        filler: the gamma and beta of a BatchNorm without a Scale, which
+        Caffe files do not hold)."""
+        from .interop.caffemodel import caffe_params
+        skip = set(init_skip)
+        shapes = {p: self.graph.blobs[p].shape for p in self.params
+                  if p.split("/")[0] not in skip}
+        values, report, factors = caffe_params(path, shapes)
+        if self.rank == 0:
+            for line in report:
+                self.log(f"{path}: {line}")
+        fixed = {p for p in self.params if _kept_constant(self.graph.blobs[p])}
+        for p in init_params(dict.fromkeys(set(values) | fixed), self.params, self.config, path,
+                             init_skip):
+            if p in values:
+                self._load_blob(p, values[p], path)
+        for k in self.train.kernels.values():  # Caffe's running averages go on
+            layer = k.op.inputs[3].split("/")[0] if k.op.op_type == "BatchNorm" else None
+            if layer in factors and getattr(k, "caffe_average", False):
+                k.factor = factors[layer]
 
     def _load_blob(self, name, value, path):
         try:
@@ -447,6 +458,14 @@ class Trainer:
         self.train.close()
         if self.test is not None:
             self.test.close()
+
+
+def _kept_constant(blob):
+    """A learnable parameter that never moves from its constant filler."""
+    attrs = blob.attrs
+    return (attrs.get("learnable", True) and attrs.get("lr_mult", 1.0) == 0
+            and attrs.get("decay_mult", 1.0) == 0
+            and attrs.get("filler", {}).get("type") == "constant")
 
 
 def init_params(loaded, params, config, path, skip=()):

@@ -241,6 +241,8 @@ def test_bad_prototxt_exits_2_with_the_line(tmp_path, small_h5, name, line, need
     ('layer { name: "s" type: "Scale" bottom: "data" top: "s" }', "only right after a BatchNorm"),
     ('layer { name: "p" type: "Pooling" bottom: "data" top: "p" pooling_param { pool: '
      'STOCHASTIC kernel_size: 2 } }', "STOCHASTIC pooling is not supported"),
+    ('layer { name: "r" type: "ReLU" bottom: "data" top: "x" }\n'
+     'layer { name: "r" type: "TanH" bottom: "x" top: "y" }', "also used on line 3"),
     ('layer { name: "n" type: "LRN" bottom: "data" top: "n" lrn_param { norm_region: '
      'WITHIN_CHANNEL } }', "ACROSS_CHANNELS"),
     ('layer { name: "c" type: "Convolution" bottom: "data" top: "c" convolution_param { '
@@ -253,7 +255,7 @@ def test_unsupported_semantics_name_layer_and_line(tmp_path, snippet, needle):
                     '        hdf5_data_param { source: "x" batch_size: 2 } }\n' + snippet + "\n")
     with pytest.raises(PrototxtError) as info:
         convert(str(path), data_path="/x.h5")
-    assert info.value.line == 3 and needle in str(info.value)
+    assert info.value.line == 3 + snippet.count("\n") and needle in str(info.value)
 
 
 IMAGE_DATA = """layer { name: "img" type: "ImageData" top: "data" top: "label"

@@ -44,9 +44,13 @@ def test_onnxruntime_equals_our_forward(tmp_path, net, shape, classes, outputs):
     res = run_cli_args("train", path, "--out", tmp_path / "run")
     assert res.returncode == 0, res.stderr
     weights = tmp_path / "run" / "latest.h5"
-    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx")
+    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx",
+                       "--batch", config["data"]["test"]["batch_size"])
     assert res.returncode == 0, res.stderr
     model = onnx.load(str(tmp_path / "m.onnx"))
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [config["data"]["test"]["batch_size"], shape[0], *(
+        (28, 28) if "googlenet" in net else shape[1:])]
     onnx.checker.check_model(model)
     assert [o.name for o in model.graph.output] == outputs
     assert [i.name for i in model.graph.input] == ["data"]

@@ -75,6 +75,15 @@ class Converter:
             raise PrototxtError(self.path, None, "the net has no 'layer { }' entries")
         layers = [layer for layer in layers if layer.phase != "never"]
         check_graph(layers, self.path)
+        seen = {}
+        for layer in layers:
+            if layer.type in DATA_TYPES:
+                continue
+            other = seen.get(layer.name)
+            if other is not None:
+                self.fail(layer.line, layer, f"the layer name is also used on line {other.line}; "
+                                             "layer names must be unique")
+            seen[layer.name] = layer
         scale_of = self._batchnorm_scales(layers)
         fused = {id(scale) for scale in scale_of.values()}
         for layer in layers:

@@ -183,9 +183,6 @@ def caffe_params(path, shapes):
         else:
             report.append(f"not used: {name} ({kind}, {len(blobs)} blob(s)): no such layer "
                           "in the net")
-    missing = sorted(set(shapes) - set(values))
-    if missing:
-        report.append(f"kept their initialisation (not in the file): {', '.join(missing)}")
     return values, report, factors
 
 
