@@ -283,6 +283,11 @@ class Trainer:
         self.start_iter = int(ck.attrs["iteration"])
         self._last_saved = self.start_iter
 
+    def agree_to_stop(self, done, diverged):
+        """The stop code every rank agrees on after iteration ``done``
+        (StopSignal.agree); the parameter-server trainer adds its servers."""
+        return self.stop.agree(self.world, diverged)
+
     def _params_finite(self):
         xp_all = (bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
         return all(xp_all)
@@ -345,15 +350,14 @@ class Trainer:
                 save_due = done == max_iter or self.stop.name is not None or (
                     ck_interval and done % ck_interval == 0)
                 diverged = not math.isfinite(loss_now) or (save_due and not self._params_finite())
-                code = self.stop.agree(self.world, diverged)
+                code = self.agree_to_stop(done, diverged)
                 if code == StopSignal.DIVERGED:
                     return {"diverged_at": done, "last_checkpoint": self._last_saved}
                 if test_interval and done % test_interval == 0 and done != max_iter:
                     self._evaluate(done, metrics)
-                if ck_interval and done % ck_interval == 0 and done != max_iter:
-                    self.save(done)
+                if done != max_iter and (code or ck_interval and done % ck_interval == 0):
+                    self.save(done)  # one checkpoint, also when a stop meets the interval
                 if done != max_iter and code:
-                    self.save(done)
                     self._say(f"stopping at iter {done} on {self.stop.name}: checkpoint "
                               f"written; continue with --resume auto")
                     return {"stopped_by": self.stop.name, "iter": done}

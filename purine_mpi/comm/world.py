@@ -133,6 +133,21 @@ class World:
                                                        "max": self.MPI.MAX}[op]), what)
         return out
 
+    def recv_object(self, source, tag, what="a receive"):
+        """A picklable object from ``source`` (probed, then received), under
+        the stall timeout."""
+        start = time.monotonic()
+        while not self.comm.Iprobe(source=source, tag=tag):
+            if time.monotonic() - start > self.stall_timeout:
+                raise StallError(f"rank {self.rank}: {what} from rank {source} stalled for "
+                                 f"more than {self.stall_timeout:g} s (parallel.stall_timeout)")
+            time.sleep(1e-3)
+        return self.comm.recv(source=source, tag=tag)
+
+    def send_object(self, obj, dest, tag, what="a send"):
+        """Send a picklable object to ``dest`` under the stall timeout."""
+        self.wait(self.comm.isend(obj, dest=dest, tag=tag), f"{what} to rank {dest}")
+
     def gather_object(self, obj, root=0, what="a gather"):
         """``[obj of rank 0, obj of rank 1, ...]`` on ``root`` (None elsewhere),
         for picklable objects: sizes, then bytes, both non-blocking."""

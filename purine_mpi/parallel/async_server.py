@@ -5,7 +5,11 @@ import time
 
 import numpy as np
 
+from ..errors import StallError
 from ..graph.core import Op
+
+STOP_TAG = (1 << 20) + 1  # rank 0 -> server: the workers' stop code
+STOP_REQUEST_TAG = (1 << 20) + 2  # server -> rank 0: a signal reached a server
 
 
 class AsyncServer:
@@ -14,10 +18,16 @@ class AsyncServer:
     ``params`` / ``momenta``: {param: array} of the owned shard (updated in
     place); ``updates``: {param: SGDUpdate op} (attrs: momentum, weight
     decay, multipliers); ``lr_attrs``: the LearningRate op's attrs;
-    ``iters``: pushes each worker makes per param (max_iter - start)."""
+    ``iters``: pushes each worker makes per param (max_iter - start).
+
+    Stops: a signal to this rank is sent to rank 0 (STOP_REQUEST_TAG), which
+    makes it part of the workers' stop agreement; the workers' decision comes
+    back (STOP_TAG) and ends the loop, ``stats["stop_code"]`` saying why. A
+    loop that gets no push and completes no reply for ``world.stall_timeout``
+    seconds raises StallError naming the workers it waits for."""
 
     def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
-                 start_iter, iters, poll_interval=2e-4):
+                 start_iter, iters, poll_interval=2e-4, stop=None):
         from ..ops.registry import make_kernel
         self.world, self.plan = world, plan
         self.params, self.momenta = params, momenta
@@ -27,6 +37,7 @@ class AsyncServer:
         self.workers = list(plan["workers"])
         self.owned = [p for p in plan["order"] if p in params]
         self.poll = poll_interval
+        self.stop = stop  # a StopSignal: a signal here is passed on to rank 0
         nw = len(self.workers)
         self.kernels = {}
         for p in self.owned:
@@ -55,7 +66,19 @@ class AsyncServer:
         lr = np.zeros((), np.float32)
         done_pushes = 0
         total = len(keys) * self.iters
+        requested = False
+        last_progress = time.monotonic()
+        timeout = float(getattr(self.world, "stall_timeout", 300.0))
         while done_pushes < total or waiting or sends:
+            if self.stop is not None and self.stop.name and not requested:
+                self.world.send_object(self.stop.name, 0, STOP_REQUEST_TAG, "a stop request")
+                requested = True
+            if comm.Iprobe(source=0, tag=STOP_TAG):  # the workers stopped: so do we
+                self.stats["stop_code"] = comm.recv(source=0, tag=STOP_TAG)
+                for r in recv:
+                    if r != MPI.REQUEST_NULL:
+                        r.Cancel()
+                return self.stats
             idx = MPI.Request.Testsome(recv) if done_pushes < total else None
             progressed = False
             for i in idx or ():
@@ -84,7 +107,15 @@ class AsyncServer:
                 else:
                     still.append((w, p))
             waiting = still
+            before = len(sends)
             sends = [(r, b) for r, b in sends if not r.Test()]
+            if progressed or len(sends) < before:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > timeout:
+                behind = sorted({w for (w, p), n in self.count.items() if n < self.iters})
+                raise StallError(f"rank {self.world.rank}: async parameter server: no push "
+                                 f"from worker rank(s) {behind} and no reply delivered for "
+                                 f"more than {timeout:g} s (parallel.stall_timeout)")
             if not progressed:
                 time.sleep(self.poll)
         return self.stats

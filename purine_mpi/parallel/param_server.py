@@ -57,7 +57,8 @@ from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
 from ..io.checkpoint import find_resumable
-from .async_server import AsyncServer
+from ..runtime.stop import StopSignal
+from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
 
@@ -296,6 +297,8 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
                 momenta[p] = np.asarray(m, graph.blobs[p].dtype)
     max_iter = int(config["solver"]["max_iter"])
     mode = par.get("mode", "async")
+    stop = StopSignal()
+    code = 0
     if mode == "sync_ps":
         from ..runtime.dispatcher import make_dispatcher
         sg = build_server_graph(graph, grads, plan, world.rank)
@@ -309,8 +312,16 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
             for it in range(start, max_iter):
                 d.workspace["iter"][...] = it
                 d.run(it)
-                if _state_transfer_due(config, it + 1, start, final_only=False):
+                # the servers take part in the workers' stop agreement
+                code = stop.agree(world)
+                if code == StopSignal.DIVERGED:
+                    break
+                stopping = bool(code) and it + 1 != max_iter
+                if stopping or _state_transfer_due(config, it + 1, start, final_only=False):
                     _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
+                if stopping:
+                    break
+                code = 0
             values = {p: d.workspace[p].copy() for p in owned}
             momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
         finally:
@@ -319,17 +330,22 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     else:
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
         server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.get("max_staleness", 0), start, max_iter - start)
+                             par.get("max_staleness", 0), start, max_iter - start, stop=stop)
         stats = server.serve()
-        if _state_transfer_due(config, max_iter, start, final_only=True):
+        code = stats.get("stop_code", 0)
+        if code != StopSignal.DIVERGED and (
+                code or _state_transfer_due(config, max_iter, start, final_only=True)):
             _send_state(world, momenta)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
-    return {"params": values, "momenta": momenta, "stats": stats, "plan": plan}
+    return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
+            "stop_code": code, "stopped_by": stop.name if code else None}
 
 
 # ------------------------------------------------- checkpoints and the run
 STATE_TAG = 1 << 20  # above every push/pull tag
+# async stops (async_server.py): rank 0 tells the servers the workers' stop
+# code (STOP_TAG); a server that got a signal asks rank 0 to stop (STOP_REQUEST_TAG)
 
 
 def _state_transfer_due(config, done, start, final_only):
@@ -345,13 +361,14 @@ def _state_transfer_due(config, done, start, final_only):
 
 def _send_state(world, momenta):
     from ..backend import to_numpy
-    world.comm.send({p: to_numpy(m) for p, m in momenta.items()}, dest=0, tag=STATE_TAG)
+    world.send_object({p: to_numpy(m) for p, m in momenta.items()}, 0, STATE_TAG,
+                      "sending the server state (momenta)")
 
 
 def _recv_state(world, servers):
     out = {}
     for s in servers:
-        out.update(world.comm.recv(source=s, tag=STATE_TAG))
+        out.update(world.recv_object(s, STATE_TAG, "the server state (momenta)"))
     return out
 
 
@@ -362,13 +379,40 @@ def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
     layout = ps_layout(world.size, config["parallel"].get("ps_ranks", 1))
     mode = config["parallel"].get("mode")
 
+    servers = layout["servers"]
+    max_iter = int(config["solver"]["max_iter"])
+
     class PSWorkerTrainer(trainer_module.Trainer):
+        _stopping = False
+
         def compose(self, graph):
             return compose_param_server(graph, self.grads, self.config, world)
 
+        def agree_to_stop(self, done, diverged):
+            """sync_ps: workers and servers agree (the servers run in
+            lockstep). async: the workers agree, rank 0 first taking any stop
+            request a server sent, then telling the servers the outcome."""
+            if mode == "sync_ps":
+                code = self.stop.agree(world, diverged)
+            else:
+                if world.rank == 0:
+                    for s in servers:
+                        if world.comm.Iprobe(source=s, tag=STOP_REQUEST_TAG):
+                            name = world.comm.recv(source=s, tag=STOP_REQUEST_TAG)
+                            self.stop.name = self.stop.name or name
+                code = self.stop.agree(self.world, diverged)
+                if code and world.rank == 0:
+                    if done != max_iter:
+                        for s in servers:
+                            world.send_object(code, s, STOP_TAG, "the stop decision")
+                    elif code == StopSignal.DIVERGED:  # the servers sent their final state
+                        _recv_state(world, servers)
+            self._stopping = bool(code) and code != StopSignal.DIVERGED and done != max_iter
+            return code
+
         def save(self, iteration):
-            due = _state_transfer_due(config, iteration, self.start_iter,
-                                      final_only=(mode == "async"))
+            due = self._stopping or _state_transfer_due(config, iteration, self.start_iter,
+                                                        final_only=(mode == "async"))
             if due and world.rank == 0:
                 # the servers hold the momenta: put them where save() looks
                 for p, m in _recv_state(world, layout["servers"]).items():
@@ -390,8 +434,11 @@ def run_param_server(config, out_dir, world=None, resume=None, init=None, profil
     if sub is None:
         # the same checkpoint the workers' Trainer resumes from
         path = find_resumable(out_dir)[0] if resume == "auto" else resume
-        run_server(config, world, resume=path, init=init, init_skip=init_skip)
-        return 0
+        res = run_server(config, world, resume=path, init=init, init_skip=init_skip)
+        # the same status as the workers (trainer.run_and_report)
+        if res["stop_code"] == StopSignal.DIVERGED:
+            return 3
+        return 143 if res["stopped_by"] == "SIGTERM" else 0
     from ..trainer import run_and_report
     return run_and_report(_make_worker_trainer(config, out_dir, sub, world, resume=resume,
                                                init=init, profile=profile, log=log,

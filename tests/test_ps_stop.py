@@ -1,0 +1,104 @@
+"""Parameter-server mode stops like data-parallel mode (issue 12). With 3
+ranks (workers 0 and 1, server 2) in ``async`` and ``sync_ps`` mode: SIGTERM
+or SIGUSR1 to a worker, to the server or to ``mpiexec`` stops every rank at
+one iteration with one checkpoint that holds the server's momenta, and the
+job exits 143 (TERM) or 0 (USR1); SIGKILL or SIGSTOP of a rank ends the job
+with a failure status within the stall timeout. Every case under 60 s."""
+import os
+import signal
+import subprocess
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
+from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+STALL_TIMEOUT = 5
+TARGETS = {"worker": 1, "server": 2, "launcher": None}
+EXPECT = {signal.SIGTERM: 143, signal.SIGUSR1: 0}
+
+
+def _rank_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK", b"-1")))
+
+
+def _start(tmp_path, digits_h5, mode, name):
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    cfg["parallel"] = {"scheme": "data", "mode": mode, "ps_ranks": 1, "max_staleness": 1,
+                       "stall_timeout": STALL_TIMEOUT}
+    path = write_config_file(tmp_path, cfg, f"{name}.yaml")
+    out = str(tmp_path / name)
+    cmd = [MPIEXEC, "-n", "3", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_metrics(out, time.time() + 50)
+    ranks = {_rank_of(pid): pid for pid in _rank_pids(out)}
+    assert sorted(ranks) == [0, 1, 2], ranks
+    return proc, out, ranks, cmd
+
+
+def _finish(proc, ranks, timeout):
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        for pid in ranks.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return stdout, stderr
+
+
+@pytest.mark.parametrize("mode", ["async", "sync_ps"])
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_signal_stops_every_rank_with_one_checkpoint(tmp_path, digits_h5, mode, target, sig):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc, out, ranks, cmd = _start(tmp_path, digits_h5, mode, "run")
+    os.kill(proc.pid if TARGETS[target] is None else ranks[TARGETS[target]], sig)
+    sent = time.monotonic()
+    stdout, stderr = _finish(proc, ranks, 30)
+    took = time.monotonic() - sent
+    print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode == EXPECT[sig], stderr[-3000:]
+    assert f"stopping at iter" in stdout and "Traceback" not in stderr, stderr[-3000:]
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        stopped_at = int(f.attrs["iteration"])
+        # the momenta live on the server: the checkpoint has them, and they moved
+        momenta = {k: f["solver"][k]["momentum"][...] for k in ("conv1/weight", "fc1/weight")}
+    assert all(np.abs(m).sum() > 0 for m in momenta.values())
+    if target == "worker" and sig == signal.SIGTERM:  # the stop resumes and finishes
+        res = subprocess.run(cmd + ["--resume", "auto", "--iters", str(stopped_at + 5)],
+                             cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr[-3000:]
+        with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+            assert int(f.attrs["iteration"]) == stopped_at + 5
+
+
+@pytest.mark.parametrize("mode", ["async", "sync_ps"])
+@pytest.mark.parametrize("target", ["worker", "server"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["KILL", "STOP"])
+def test_dead_or_frozen_rank_ends_the_job(tmp_path, digits_h5, mode, target, sig):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc, out, ranks, _ = _start(tmp_path, digits_h5, mode, "run")
+    os.kill(ranks[TARGETS[target]], sig)
+    sent = time.monotonic()
+    stdout, stderr = _finish(proc, ranks, STALL_TIMEOUT + 5)
+    took = time.monotonic() - sent
+    print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode not in (0, None)
+    if sig == signal.SIGSTOP:
+        assert "stalled" in stderr or "no push" in stderr, stderr[-3000:]

@@ -1,0 +1,71 @@
+"""A stopped peer never hangs the job (issue 12): one rank is frozen with
+SIGSTOP at a random moment -- inside graph communication, the stop
+agreement, a metric mean, an evaluation, a checkpoint gather -- and the job
+ends within ``parallel.stall_timeout`` + 5 s, 20 trials on 2 ranks and 20
+on 3."""
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
+from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics
+
+STALL_TIMEOUT = 3.0
+TRIALS = 20
+
+
+def _kill_all(proc, pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sigstop_of_one_rank_ends_the_job_within_the_stall_timeout(tmp_path, digits_h5, ranks):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    rng = random.Random(1200 + ranks)
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=3, test_interval=7)
+    cfg["checkpoint"] = {"interval": 5, "keep": 2}
+    cfg["parallel"] = {"stall_timeout": STALL_TIMEOUT}
+    path = write_config_file(tmp_path, cfg)
+    times = []
+    for trial in range(TRIALS):
+        out = str(tmp_path / f"t{trial}")
+        proc = subprocess.Popen([MPIEXEC, "-n", str(ranks), PYTHON, "-m", "purine_mpi", "train",
+                                 path, "--out", out], cwd=REPO, env=cli_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        pids = []
+        try:
+            _wait_for_metrics(out, time.time() + 60)
+            pids = sorted(_rank_pids(out))
+            assert len(pids) == ranks, pids
+            time.sleep(rng.uniform(0, 0.5))
+            victim = rng.choice(pids)
+            os.kill(victim, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                _, stderr = proc.communicate(timeout=STALL_TIMEOUT + 5)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"trial {trial}: rank pid {victim} stopped, the job still runs "
+                            f"after {STALL_TIMEOUT + 5} s")
+            took = time.monotonic() - stopped_at
+            times.append(took)
+            assert proc.returncode != 0, stderr
+            assert "stalled" in stderr, stderr[-2000:]
+        finally:
+            _kill_all(proc, pids)
+    print(f"{ranks} ranks: SIGSTOP -> exit in {min(times):.2f}..{max(times):.2f} s "
+          f"(stall_timeout {STALL_TIMEOUT} s, {TRIALS} trials)")
