@@ -264,9 +264,12 @@ def _copy_blob(blob):
 
 
 # ------------------------------------------------------------- server rank
-def run_server(config, world=None, resume=None, init=None, log=None, init_skip=()):
+def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
     """Everything a server rank does in a parameter-server run. Returns
-    {"params": {p: array}, "momenta": {p: array}, "stats": {...}}."""
+    {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
+    "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
+    agreement (the ``train`` command); None when workers that make no
+    agreement drive the server (tests)."""
     from ..layers.fillers import fill
     from ..model import build_train_graph
     world = _global_world(world)
@@ -297,7 +300,6 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
                 momenta[p] = np.asarray(m, graph.blobs[p].dtype)
     max_iter = int(config["solver"]["max_iter"])
     mode = par.get("mode", "async")
-    stop = StopSignal()
     code = 0
     if mode == "sync_ps":
         from ..runtime.dispatcher import make_dispatcher
@@ -313,7 +315,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
                 d.workspace["iter"][...] = it
                 d.run(it)
                 # the servers take part in the workers' stop agreement
-                code = stop.agree(world)
+                code = stop.agree(world) if stop is not None else 0
                 if code == StopSignal.DIVERGED:
                     break
                 stopping = bool(code) and it + 1 != max_iter
@@ -339,7 +341,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
     return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
-            "stop_code": code, "stopped_by": stop.name if code else None}
+            "stop_code": code, "stopped_by": stop.name if code and stop else None}
 
 
 # ------------------------------------------------- checkpoints and the run
@@ -434,7 +436,8 @@ def run_param_server(config, out_dir, world=None, resume=None, init=None, profil
     if sub is None:
         # the same checkpoint the workers' Trainer resumes from
         path = find_resumable(out_dir)[0] if resume == "auto" else resume
-        res = run_server(config, world, resume=path, init=init, init_skip=init_skip)
+        res = run_server(config, world, resume=path, init=init, init_skip=init_skip,
+                         stop=StopSignal())
         # the same status as the workers (trainer.run_and_report)
         if res["stop_code"] == StopSignal.DIVERGED:
             return 3
