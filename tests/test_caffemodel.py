@@ -40,13 +40,17 @@ def string(number, text):
 
 
 def blob(array, packed=True, legacy=False):
-    """BlobProto: shape {dim} (7) + data (5), or the legacy num/channels/height/width."""
+    """BlobProto: shape {dim} (7) + data (5), or the legacy num/channels/height/width;
+    ``packed`` writes the repeated fields packed (as Caffe does) or one by one."""
     array = np.asarray(array, dtype=np.float32)
     if legacy:
         dims = (1,) * (4 - array.ndim) + array.shape
         out = b"".join(key(n, 0) + varint(d) for n, d in zip((1, 2, 3, 4), dims))
     else:
-        shape = b"".join(key(1, 0) + varint(d) for d in array.shape)  # unpacked int64 dims
+        if packed:  # BlobShape.dim is [packed = true] in caffe.proto
+            shape = length_delimited(1, b"".join(varint(d) for d in array.shape))
+        else:
+            shape = b"".join(key(1, 0) + varint(d) for d in array.shape)
         out = length_delimited(7, shape)
     values = array.reshape(-1)
     if packed:

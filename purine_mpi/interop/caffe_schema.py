@@ -2,8 +2,8 @@
 the field numbers it decodes from ``.caffemodel`` files (wire format).
 
 A field kind is ``"string"``, ``"int"``, ``"float"``, ``"bool"``, a tuple of
-enum names (in enum-number order where numbers matter), or the name of a
-message type. Fields that Caffe has and the converter does not support are
+enum names in enum-number order (the text format may give an enum by its
+number), or the name of a message type. Fields that Caffe has and the converter does not support are
 left out on purpose: the parser then names them as unsupported."""
 
 PHASES = ("TRAIN", "TEST")
@@ -32,28 +32,34 @@ _LAYER_COMMON = dict({"name": "string", "bottom": "string", "top": "string",
                       "include": "NetStateRule", "exclude": "NetStateRule",
                       "loss_weight": "float"}, **_LAYER_PARAMS)
 
-#: old ``layers {}`` type enum (V1LayerParameter.LayerType) -> new type name
-V1_TYPES = {
-    "ACCURACY": "Accuracy", "BNLL": "BNLL", "CONCAT": "Concat", "CONVOLUTION": "Convolution",
-    "DATA": "Data", "DROPOUT": "Dropout", "ELTWISE": "Eltwise", "FLATTEN": "Flatten",
-    "HDF5_DATA": "HDF5Data", "HDF5_OUTPUT": "HDF5Output", "IMAGE_DATA": "ImageData",
-    "INNER_PRODUCT": "InnerProduct", "LRN": "LRN", "POOLING": "Pooling", "RELU": "ReLU",
-    "SIGMOID": "Sigmoid", "SOFTMAX": "Softmax", "SOFTMAX_LOSS": "SoftmaxWithLoss",
-    "SPLIT": "Split", "SLICE": "Slice", "TANH": "TanH", "EUCLIDEAN_LOSS": "EuclideanLoss",
-    "MEMORY_DATA": "MemoryData", "WINDOW_DATA": "WindowData", "POWER": "Power",
-    "NONE": "None", "ABSVAL": "AbsVal", "ARGMAX": "ArgMax", "IM2COL": "Im2col",
-    "INFOGAIN_LOSS": "InfogainLoss", "MULTINOMIAL_LOGISTIC_LOSS": "MultinomialLogisticLoss",
-    "SIGMOID_CROSS_ENTROPY_LOSS": "SigmoidCrossEntropyLoss", "THRESHOLD": "Threshold",
-    "HINGE_LOSS": "HingeLoss", "CONTRASTIVE_LOSS": "ContrastiveLoss",
-    "DECONVOLUTION": "Deconvolution", "EXP": "Exp", "MVN": "MVN", "SILENCE": "Silence",
-    "DUMMY_DATA": "DummyData",
-}
+#: old ``layers {}`` type enum (V1LayerParameter.LayerType), in enum-number
+#: order (0..39), with the new type name of each
+V1_ENUM = (
+    ("NONE", "None"), ("ACCURACY", "Accuracy"), ("BNLL", "BNLL"), ("CONCAT", "Concat"),
+    ("CONVOLUTION", "Convolution"), ("DATA", "Data"), ("DROPOUT", "Dropout"),
+    ("EUCLIDEAN_LOSS", "EuclideanLoss"), ("FLATTEN", "Flatten"), ("HDF5_DATA", "HDF5Data"),
+    ("HDF5_OUTPUT", "HDF5Output"), ("IM2COL", "Im2col"), ("IMAGE_DATA", "ImageData"),
+    ("INFOGAIN_LOSS", "InfogainLoss"), ("INNER_PRODUCT", "InnerProduct"), ("LRN", "LRN"),
+    ("MULTINOMIAL_LOGISTIC_LOSS", "MultinomialLogisticLoss"), ("POOLING", "Pooling"),
+    ("RELU", "ReLU"), ("SIGMOID", "Sigmoid"), ("SOFTMAX", "Softmax"),
+    ("SOFTMAX_LOSS", "SoftmaxWithLoss"), ("SPLIT", "Split"), ("TANH", "TanH"),
+    ("WINDOW_DATA", "WindowData"), ("ELTWISE", "Eltwise"), ("POWER", "Power"),
+    ("SIGMOID_CROSS_ENTROPY_LOSS", "SigmoidCrossEntropyLoss"), ("HINGE_LOSS", "HingeLoss"),
+    ("MEMORY_DATA", "MemoryData"), ("ARGMAX", "ArgMax"), ("THRESHOLD", "Threshold"),
+    ("DUMMY_DATA", "DummyData"), ("SLICE", "Slice"), ("MVN", "MVN"), ("ABSVAL", "AbsVal"),
+    ("SILENCE", "Silence"), ("CONTRASTIVE_LOSS", "ContrastiveLoss"), ("EXP", "Exp"),
+    ("DECONVOLUTION", "Deconvolution"),
+)
+V1_TYPES = dict(V1_ENUM)
+#: V1 enum number -> new type name (.caffemodel files store the number)
+V1_BY_NUMBER = {number: new for number, (_, new) in enumerate(V1_ENUM)}
 
 TEXT_SCHEMA = {
     "NetParameter": {"name": "string", "layer": "LayerParameter",
                      "layers": "V1LayerParameter", "force_backward": "bool"},
     "LayerParameter": dict(_LAYER_COMMON, type="string", param="ParamSpec", phase=PHASES),
-    "V1LayerParameter": dict(_LAYER_COMMON, type=tuple(V1_TYPES), blobs_lr="float",
+    "V1LayerParameter": dict(_LAYER_COMMON, type=tuple(name for name, _ in V1_ENUM),
+                             blobs_lr="float",
                              weight_decay="float"),
     "NetStateRule": {"phase": PHASES},
     "ParamSpec": {"lr_mult": "float", "decay_mult": "float"},

@@ -130,7 +130,7 @@ def read_layers(path):
                 if n == ids[0] and w == 2:
                     name = bytes(v).decode("utf-8")
                 elif n == ids[1]:
-                    kind = bytes(v).decode("utf-8") if w == 2 else _V1_BY_NUMBER.get(v, str(v))
+                    kind = bytes(v).decode("utf-8") if w == 2 else S.V1_BY_NUMBER.get(v, str(v))
                 elif n == ids[2] and w == 2:
                     bottoms.append(bytes(v).decode("utf-8"))
                 elif n == ids[3] and w == 2:
@@ -145,10 +145,6 @@ def read_layers(path):
         raise CaffemodelError(f"weights file '{path}' holds no layers; expected a binary "
                               "Caffe .caffemodel")
     return layers
-
-
-# V1LayerParameter.LayerType numbers of the layers that carry weights
-_V1_BY_NUMBER = {4: "Convolution", 14: "InnerProduct"}
 
 
 # ------------------------------------------------------------------ mapping
