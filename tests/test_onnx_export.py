@@ -52,6 +52,7 @@ def test_onnxruntime_equals_our_forward(tmp_path, net, shape, classes, outputs):
     assert [d.dim_value for d in dims] == [config["data"]["test"]["batch_size"], shape[0], *(
         (28, 28) if "googlenet" in net else shape[1:])]
     onnx.checker.check_model(model)
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)  # shapes agree with the spec
     assert [o.name for o in model.graph.output] == outputs
     assert [i.name for i in model.graph.input] == ["data"]
     ours = our_forward(load_config(path), str(weights))
@@ -88,3 +89,41 @@ def test_export_needs_test_data_and_all_weights(tmp_path, digits_h5):
     res = run_cli_args("export", "onnx", path, "--weights", empty, "--out", tmp_path / "m.onnx")
     assert_user_error(res, "data.test")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_ceil_mode_pooling_with_padding(tmp_path):
+    """Caffe's rounding where it matters: 5 x 5 inputs, pad 1, the last
+    window of the kernel-2 pool would start in the padding and is dropped."""
+    import h5py
+    config = {
+        "name": "pools",
+        "data": {"train": {"source": "synthetic", "shape": [2, 5, 5], "classes": 3,
+                           "batch_size": 3},
+                 "test": {"source": "synthetic", "shape": [2, 5, 5], "classes": 3,
+                          "batch_size": 3}},
+        "net": [
+            {"type": "conv", "name": "conv", "bottom": "data", "top": "conv", "num_output": 2,
+             "kernel": 1},
+            {"type": "pool", "name": "ave", "bottom": "conv", "top": "ave", "pool": "ave",
+             "kernel": 3, "stride": 2, "pad": 1, "ceil_mode": True},
+            {"type": "pool", "name": "max", "bottom": "conv", "top": "max", "pool": "max",
+             "kernel": 2, "stride": 2, "pad": 1, "ceil_mode": True},
+            {"type": "concat", "name": "cat", "bottom": ["ave", "max"], "top": "cat"},
+        ],
+    }
+    path = write_config_file(tmp_path, config)
+    weights = tmp_path / "w.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(weights, "w") as f:
+        f["params/conv/weight"] = rng.standard_normal((2, 2, 1, 1)).astype(np.float32)
+        f["params/conv/bias"] = rng.standard_normal(2).astype(np.float32)
+    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "m.onnx")),
+                                                 strict_mode=True)
+    dims = inferred.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims[1:]] == [4, 3, 3]
+    ours = our_forward(load_config(path), str(weights))
+    assert ours["cat"].shape == (3, 4, 3, 3)
+    (cat,) = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["cat"], {"data": ours["data"]})
+    np.testing.assert_allclose(cat, ours["cat"], rtol=1e-5, atol=1e-6)

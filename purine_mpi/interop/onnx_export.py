@@ -7,7 +7,7 @@ are left out. Parameters become initializers with their trained values.
 Ops are mapped one by one (opset 13):
 
     Conv -> Conv               InnerProduct -> Flatten + Gemm (transB)
-    Pool -> MaxPool / AveragePool (count_include_pad, ceil_mode) / Global*Pool
+    Pool -> MaxPool / AveragePool (+ Mul for Caffe's divisor) / Global*Pool
     Relu -> Relu / LeakyRelu   Sigmoid, Tanh, Softmax, LRN, Concat, Flatten
     BatchNorm (test) -> BatchNormalization   Dropout (test) -> Identity
     Slice -> Split             Split -> Identity per output
@@ -149,17 +149,36 @@ def _fc(op, graph, const, helper):
 
 
 def _pool(op, graph, const, helper):
+    """Caffe's windows with explicit pads and no ceil_mode: ONNX's ceil-mode
+    output size lacks Caffe's rule that drops a last window starting in the
+    padding, so the end pads are chosen to give our output size in floor mode.
+    Average pooling then divides by kh*kw everywhere; a constant factor per
+    output position turns that into Caffe's divisor (padding counted, but
+    nothing past H + pad)."""
     kind = "Max" if op.attrs.get("pool", "max") == "max" else "Average"
     x, y = op.inputs[0], op.outputs[0]
     if op.attrs.get("global"):
         return [helper.make_node(f"Global{kind}Pool", [x], [y], name=op.name)]
-    pad = _pair(op.attrs.get("pad", 0))
-    attrs = {"kernel_shape": _pair(op.attrs["kernel"]), "pads": pad + pad,
-             "strides": _pair(op.attrs.get("stride", 1)),
-             "ceil_mode": int(bool(op.attrs.get("ceil_mode", False)))}
-    if kind == "Average":
-        attrs["count_include_pad"] = 1  # Caffe's divisor counts the padding
-    return [helper.make_node(f"{kind}Pool", [x], [y], name=op.name, **attrs)]
+    (kh, kw), (sh, sw) = _pair(op.attrs["kernel"]), _pair(op.attrs.get("stride", 1))
+    ph, pw = _pair(op.attrs.get("pad", 0))
+    height, width = graph.blobs[x].shape[2:]
+    out_h, out_w = graph.blobs[y].shape[2:]
+    end_h = max((out_h - 1) * sh + kh - height - ph, 0)
+    end_w = max((out_w - 1) * sw + kw - width - pw, 0)
+    attrs = {"kernel_shape": [kh, kw], "strides": [sh, sw], "pads": [ph, pw, end_h, end_w]}
+    if kind == "Max":
+        return [helper.make_node("MaxPool", [x], [y], name=op.name, **attrs)]
+    sizes_h = [min(i * sh - ph + kh, height + ph) - (i * sh - ph) for i in range(out_h)]
+    sizes_w = [min(j * sw - pw + kw, width + pw) - (j * sw - pw) for j in range(out_w)]
+    factor = (kh * kw) / np.outer(sizes_h, sizes_w)
+    if np.all(factor == 1):
+        return [helper.make_node("AveragePool", [x], [y], name=op.name, count_include_pad=1,
+                                 **attrs)]
+    mean = f"{op.name}/mean_kxk"
+    return [helper.make_node("AveragePool", [x], [mean], name=op.name, count_include_pad=1,
+                             **attrs),
+            helper.make_node("Mul", [mean, const(factor.astype(np.float32)[None, None],
+                                                 op.name)], [y], name=f"{op.name}.divisor")]
 
 
 def _relu(op, graph, const, helper):
