@@ -49,7 +49,7 @@ def check_data_labels(graph):
             continue
         classes = int(x.shape[_axis(op.attrs, len(x.shape))])
         check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
-                     layer=op.name)
+                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
 
 
 def loss_blobs(graph):

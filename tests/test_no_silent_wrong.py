@@ -220,3 +220,56 @@ def test_diverged_run_exits_3_on_two_ranks(trained, tmp_path):
                           _diverging(trained, tmp_path), "--out", str(out)], cwd=REPO,
                          env=cli_env(), capture_output=True, text=True, timeout=120)
     _check_diverged(res, out)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_runtime_failure_is_one_line_per_rank_unless_debug(monkeypatch, capsys, debug):
+    """An op failing at run time: ``rank R: op 'name' (Type) failed: ...`` on
+    one line, the traceback only with --debug (PURINE_DEBUG=1)."""
+    import sys
+    from purine_mpi.comm.world import install_abort_handler
+    from purine_mpi.errors import OpError
+    from purine_mpi.graph.core import Op
+
+    class World:
+        rank, size, codes = 1, 2, []
+
+        def abort(self, code):
+            self.codes.append(code)
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr("threading.excepthook", __import__("threading").excepthook)
+    if debug:
+        monkeypatch.setenv("PURINE_DEBUG", "1")
+    else:
+        monkeypatch.delenv("PURINE_DEBUG", raising=False)
+    world = World()
+    handle = install_abort_handler(world)
+    try:
+        raise OpError(Op("conv1.fwd", "Conv", [], []), ValueError("boom"), rank=1)
+    except OpError as e:
+        handle(type(e), e, e.__traceback__)
+    err = capsys.readouterr().err
+    assert world.codes == [1]
+    assert "rank 1: op 'conv1.fwd' (Conv) failed: ValueError: boom" in err
+    assert ("Traceback" in err) == debug
+    if not debug:
+        assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.mpi
+def test_num_output_below_classes_under_two_ranks(digits_h5, tmp_path):
+    from .test_signals import MPIEXEC
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = small_net_config(digits_h5)
+    cfg["net"][3]["num_output"] = 5
+    path = write_config_file(tmp_path, cfg)
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
+                          "--out", str(tmp_path / "o")], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert 1 <= len(errors) <= 2, res.stderr  # at most one per rank
+    assert all("/train/label" in e and "[0, 5)" in e and "layer 'loss'" in e for e in errors)
