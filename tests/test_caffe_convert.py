@@ -278,6 +278,25 @@ def test_image_data_layer(tmp_path):
         assert spec["mean"] == [104.0, 117.0, 123.0] and spec["scale"] == pytest.approx(0.017)
 
 
+@pytest.mark.parametrize("snippet,line,needle", [
+    ('layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"\n'
+     '        convolution_param { num_output: 4 kernel_size: 3 group: 2 } }', 3,
+     "layer 'conv' (type Convolution): key 'net[0].group'"),
+    ('layer { name: "c1" type: "Convolution" bottom: "data" top: "c1"\n'
+     '        convolution_param { num_output: 4 kernel_size: 3 } }\n'
+     'layer { name: "sum" type: "Eltwise" bottom: "c1" bottom: "data" top: "sum" }', 5,
+     "layer 'sum' (type Eltwise): op 'sum.fwd' (Eltwise)"),
+])
+def test_what_our_layers_reject_names_the_prototxt_line(small_h5, tmp_path, snippet, line,
+                                                        needle):
+    path = tmp_path / "n.prototxt"
+    path.write_text('layer { name: "in" type: "HDF5Data" top: "data" top: "label"\n'
+                    '        hdf5_data_param { source: "x" batch_size: 2 } }\n' + snippet + "\n")
+    with pytest.raises(PrototxtError) as info:
+        convert(str(path), data_path=small_h5)
+    assert info.value.line == line and needle in str(info.value)
+
+
 def test_data_layers_need_data_file(tmp_path):
     res = run_cli_args("convert", "caffe", fixture("v1_layers.prototxt"),
                        "--out", tmp_path / "x.yaml")

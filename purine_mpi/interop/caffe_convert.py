@@ -62,6 +62,7 @@ class Converter:
         self.path, self.data_path = path, data_path
         self.notes, self.data, self.net = [], {}, []
         self.rename = {}
+        self.source = {}  # our layer name -> the Caffe layer it came from
 
     def fail(self, line, layer, message):
         where = f"{layer.where()}: " if layer is not None else ""
@@ -106,6 +107,7 @@ class Converter:
                     entry["phase"] = layer.phase
                 handler(self, layer, entry, scale_of.get(id(layer)))
                 self.net.append(entry)
+                self.source[layer.name] = layer
         if not self.net:
             raise PrototxtError(self.path, None, "the net has only data layers")
         return self.net
@@ -531,6 +533,34 @@ def convert_solver(msg, path, notes):
     return solver, checkpoint, (seed if seed >= 0 else None)
 
 
+# --------------------------------------------------------------- checking
+def check_builds(config, converter):
+    """Build the converted net's forward graph of each phase, so that what our
+    layers reject (a group that does not divide the channels, blobs of
+    different shapes joined by Concat or Eltwise) is reported against the
+    prototxt line of the Caffe layer at fault."""
+    from ..errors import ConfigError, UserError
+    from ..io.config import resolve_config
+    from ..model import forward_graph
+    try:
+        resolved = resolve_config(config, None)
+        for phase, spec in resolved["data"].items():
+            forward_graph(resolved, phase, spec)
+    except UserError as e:
+        layer = None
+        if isinstance(e, ConfigError) and str(e.key or "").startswith("net["):
+            index = int(e.key[4:e.key.index("]")])
+            layer = converter.source.get(config["net"][index]["name"])
+        else:  # a shape error names the op '<layer>.<tag>'
+            text = str(e)
+            hits = [lay for name, lay in converter.source.items() if f"'{name}." in text]
+            layer = max(hits, key=lambda lay: len(lay.name)) if hits else None
+        if layer is None:
+            raise PrototxtError(converter.path, None, f"the converted net does not build: {e}") \
+                from None
+        raise PrototxtError(converter.path, layer.line, f"{layer.where()}: {e}") from None
+
+
 # ------------------------------------------------------------------ entry
 def convert(net_path, solver_path=None, data_path=None):
     """(config, notes) from a Caffe net prototxt and optional solver."""
@@ -549,6 +579,8 @@ def convert(net_path, solver_path=None, data_path=None):
         config["solver"], config["checkpoint"] = solver, checkpoint
         if seed is not None:
             config["seed"] = seed
+    if conv.data and os.path.isfile(data_abs):
+        check_builds(config, conv)
     return config, conv.notes
 
 
