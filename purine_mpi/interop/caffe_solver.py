@@ -1,0 +1,49 @@
+"""Caffe's SolverParameter -> our solver and checkpoint sections."""
+from .prototxt import PrototxtError
+
+LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv")
+
+
+def convert_solver(msg, path, notes):
+    """(solver section, checkpoint section, seed or None) of a SolverParameter."""
+    def fail(field, message):
+        raise PrototxtError(path, msg.line_of(field), message)
+
+    kind = msg.get("type", msg.get("solver_type", "SGD"))
+    if str(kind).upper() != "SGD":
+        fail("type" if msg.has("type") else "solver_type",
+             f"solver type '{kind}' is not supported (SGD is)")
+    if not msg.has("base_lr"):
+        fail(None, "the solver needs base_lr")
+    if msg.get("iter_size", 1) != 1:
+        fail("iter_size", "iter_size other than 1 (gradient accumulation) is not supported")
+    if msg.get("regularization_type", "L2") != "L2":
+        fail("regularization_type", "only L2 regularization is supported")
+    policy = msg.get("lr_policy", "fixed")
+    if policy not in LR_POLICIES:
+        fail("lr_policy", f"lr_policy '{policy}' is not supported "
+                          f"(supported: {', '.join(LR_POLICIES)})")
+    solver = {"type": "sgd", "base_lr": msg.get("base_lr"), "lr_policy": policy,
+              "momentum": msg.get("momentum", 0.0), "weight_decay": msg.get("weight_decay", 0.0),
+              "max_iter": msg.get("max_iter", 0), "display": msg.get("display", 0),
+              "test_interval": msg.get("test_interval", 0)}
+    for key in ("gamma", "power", "stepsize"):
+        if msg.has(key):
+            solver[key] = msg.get(key)
+    if msg.all("stepvalue"):
+        solver["stepvalues"] = msg.all("stepvalue")
+    if msg.all("test_iter"):
+        solver["test_iter"] = msg.all("test_iter")[0]
+        if len(msg.all("test_iter")) > 1:
+            notes.append("solver: several test_iter values; the first is used (one test net)")
+    checkpoint = {"interval": msg.get("snapshot", 0)}
+    for field in ("solver_mode", "device_id", "snapshot_prefix", "net", "train_net", "test_net",
+                  "test_initialization", "average_loss", "debug_info", "snapshot_format",
+                  "snapshot_diff", "snapshot_after_train"):
+        if msg.has(field):
+            what = {"solver_mode": "the device is chosen by the config's 'device' key",
+                    "snapshot_prefix": "checkpoints go to the run's --out folder",
+                    "net": "the net is the NET.prototxt given"}.get(field, "no equivalent")
+            notes.append(f"solver: '{field}' (line {msg.line_of(field)}) is ignored: {what}")
+    seed = msg.get("random_seed", -1)
+    return solver, checkpoint, (seed if seed >= 0 else None)
