@@ -15,8 +15,11 @@
                                                     --out JOB.yaml
     python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
 
-Exit status: 0 success, 2 user error (message names the file/key/node, no
-traceback), 1 any other failure -- on every rank.
+Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
+error (message names the file/key/node, no traceback), 3 diverged (non-finite
+loss or weights), 143 stopped by SIGTERM with a checkpoint, 1 any other
+failure (one line per failing rank; the traceback with --debug) -- on every
+rank.
 """
 import argparse
 import json

@@ -64,7 +64,8 @@ class World:
         #: seconds a collective outside the graph may wait for its peers
         #: (the trainer sets it from parallel.stall_timeout)
         self.stall_timeout = 300.0
-        self.hosts = HostTable(self.comm.allgather(local_host_info()))
+        self.hosts = HostTable(self.allgather_object(local_host_info(), "the host table "
+                                                                         "exchange"))
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
 
     # ---------------------------------------------------------- locations
@@ -151,18 +152,28 @@ class World:
     def gather_object(self, obj, root=0, what="a gather"):
         """``[obj of rank 0, obj of rank 1, ...]`` on ``root`` (None elsewhere),
         for picklable objects: sizes, then bytes, both non-blocking."""
+        return self._gather_objects(obj, root, what)
+
+    def allgather_object(self, obj, what="an allgather"):
+        """``[obj of rank 0, obj of rank 1, ...]`` on every rank."""
+        return self._gather_objects(obj, None, what)
+
+    def _gather_objects(self, obj, root, what):
         import pickle
         data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         sizes = self.allreduce(np.eye(self.size, dtype=np.int64)[self.rank] * data.size,
                                what=f"{what} (sizes)")
-        out = np.empty(int(sizes.sum()) if self.rank == root else 0, dtype=np.uint8)
         counts = [int(c) for c in sizes]
-        recv = [out, (counts, [sum(counts[:r]) for r in range(self.size)]), self.MPI.BYTE] \
-            if self.rank == root else None
-        self.wait(self.comm.Igatherv(data, recv, root=root), what)
-        if self.rank != root:
-            return None
         offsets = np.cumsum([0] + counts)
+        receives = root is None or self.rank == root
+        out = np.empty(int(offsets[-1]) if receives else 0, dtype=np.uint8)
+        recv = [out, (counts, [int(o) for o in offsets[:-1]]), self.MPI.BYTE]
+        if root is None:
+            self.wait(self.comm.Iallgatherv(data, recv), what)
+        else:
+            self.wait(self.comm.Igatherv(data, recv if receives else None, root=root), what)
+        if not receives:
+            return None
         return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes())
                 for r in range(self.size)]
 
