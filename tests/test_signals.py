@@ -80,3 +80,63 @@ def test_signal_to_one_rank_stops_all_with_checkpoint(tmp_path, digits_h5, sig, 
     iters = [json.loads(line)["iter"] for line in open(os.path.join(out, "metrics.jsonl"))
              if json.loads(line)["phase"] == "train"]
     assert iters == sorted(set(iters))  # no iteration logged twice
+
+
+def _catches(pid, sig):
+    """Whether process ``pid`` has a handler installed for ``sig``."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_notice_during_start_up_stops_after_the_first_iteration(tmp_path, digits_h5):
+    """SLURM may send the preemption notice while a (requeued) step is still
+    starting: at the first moment ``train`` catches SIGUSR1, the notice stops
+    it cleanly after one iteration with a checkpoint."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=0, test_interval=0)
+    path = write_config_file(tmp_path, cfg)
+    out = str(tmp_path / "early")
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 30
+        while not _catches(proc.pid, signal.SIGUSR1):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "stopping at iter 1 on SIGUSR1" in stdout, stdout
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert int(f.attrs["iteration"]) == 1
+
+
+def test_train_catches_a_notice_before_the_trainer_exists(monkeypatch, tmp_path, digits_h5):
+    """``train`` installs its handlers before the slow imports and the graph
+    build: a notice that arrives then is kept for the trainer's agreement."""
+    import purine_mpi.trainer as trainer_module
+    from purine_mpi.cli import main
+    from purine_mpi.runtime.stop import StopSignal
+    seen = {}
+
+    def fake_run_training(config, out_dir, **kw):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        seen["early"] = StopSignal.early
+        return 0
+
+    monkeypatch.setattr(trainer_module, "run_training", fake_run_training)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    signal.signal(signal.SIGUSR1, lambda *a: seen.setdefault("not caught by train", True))
+    try:
+        path = write_config_file(tmp_path, small_net_config(digits_h5))
+        assert main(["train", path, "--out", str(tmp_path / "o")]) == 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        StopSignal.early = None
+    assert seen == {"early": "SIGUSR1"}
