@@ -2,8 +2,10 @@
 
 Every rank runs the same loop over its own slice of the composed graph. The
 only collectives outside the graph are the scalar reductions for logging and
-evaluation, made by every rank at the same iterations, so their order is the
-same everywhere. Only rank 0 writes files.
+evaluation, the stop agreement after each iteration and the checkpoint
+gathers, made by every rank at the same iterations, so their order is the
+same everywhere; each is a non-blocking request polled under the stall
+timeout (``World.wait``). Only rank 0 writes files.
 """
 import json
 import math
@@ -289,8 +291,8 @@ class Trainer:
         return self.stop.agree(self.world, diverged)
 
     def _params_finite(self):
-        xp_all = (bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
-        return all(xp_all)
+        """Whether every parameter of this rank is finite (no NaN or inf)."""
+        return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
 
     def save(self, iteration):
         self._last_saved = iteration

@@ -54,6 +54,3 @@ class StopSignal:
         if code and code != self.DIVERGED and self.name is None:
             self.name = self.SIGNALS[code - 1]
         return code
-
-    def requested(self, world):
-        return bool(self.agree(world))
