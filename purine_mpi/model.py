@@ -9,6 +9,7 @@ from .errors import ConfigError
 from .graph import Graph, seed_yaml
 from .graph.grad import build_backward
 from .graph.solver import add_solver
+from .ops.solver import UPDATE_OP_TYPES
 from .layers import build_net
 
 DATA_THREAD = "io"
@@ -94,8 +95,9 @@ def graph_from_seed(config, rank=0, world_size=1):
         if op.op_type == "DataReader":
             op.attrs["rank"], op.attrs["world_size"] = rank, world_size
     g.infer_shapes()
-    if any(op.op_type == "SGDUpdate" for op in g.ops.values()):
-        grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values() if op.op_type == "SGDUpdate"}
+    if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):
+        grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values()
+                 if op.op_type in UPDATE_OP_TYPES}
         g.validate()
         return g, grads
     losses = loss_blobs(g)

@@ -18,7 +18,7 @@ import numpy as np
 from .backend import get_xp, to_numpy
 from .errors import GraphError, UserError
 from .gpu.placement import configure_device, place_on_device
-from .graph.solver import momentum_name
+from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
 from .io.config import dump_config
@@ -275,11 +275,20 @@ class Trainer:
         if missing:
             raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
                             "of this net")
+        fresh = set()
         for p in self.params:
             self._load_blob(p, ck.params[p], path)
-            m = momentum_name(p)
-            if m in self.ws.arrays and p in ck.solver and "momentum" in ck.solver[p]:
-                self._load_blob(m, ck.solver[p]["momentum"], path)
+            for s in solver_states(self.solver.get("type")):
+                m = state_name(p, s)
+                if m not in self.ws.arrays:
+                    continue
+                if s in ck.solver.get(p, {}):
+                    self._load_blob(m, ck.solver[p][s], path)
+                else:
+                    fresh.add(s)
+        if fresh:
+            self._say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
+                      f"solver type {self.solver.get('type')!r}; that state starts from zero")
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])
@@ -298,8 +307,10 @@ class Trainer:
         self._last_saved = iteration
         state = self.state_dict()
         params = {p: to_numpy(self.ws[p]) for p in self.params}
-        solver = {p: {"momentum": to_numpy(self.ws[momentum_name(p)])} for p in self.params
-                  if momentum_name(p) in self.ws.arrays}
+        states = solver_states(self.solver.get("type"))
+        solver = {p: {s: to_numpy(self.ws[state_name(p, s)]) for s in states
+                      if state_name(p, s) in self.ws.arrays} for p in self.params}
+        solver = {p: s for p, s in solver.items() if s}
         if self.pipeline:  # each stage holds its own layers' parameters
             parts = world_gather(self.world, (params, solver))
             if self.rank == 0:

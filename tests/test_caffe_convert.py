@@ -211,6 +211,12 @@ def test_solver_fields():
     ('base_lr: 0.1 lr_policy: "poly" power: 2', "power", 2.0),
     ('base_lr: 0.1 lr_policy: "inv" gamma: 0.1 power: 0.75', "lr_policy", "inv"),
     ('base_lr: 0.1 lr_policy: "exp" gamma: 0.99', "gamma", 0.99),
+    ('base_lr: 0.001 type: "Adam" momentum: 0.9 momentum2: 0.99 delta: 1e-6', "type", "adam"),
+    ('base_lr: 0.001 solver_type: ADAM momentum2: 0.99', "momentum2", 0.99),
+    ('base_lr: 0.01 type: "RMSProp" rms_decay: 0.9', "rms_decay", 0.9),
+    ('base_lr: 1.0 solver_type: ADADELTA momentum: 0.95 delta: 1e-6', "delta", 1e-6),
+    ('base_lr: 0.01 type: "Nesterov" momentum: 0.9', "type", "nesterov"),
+    ('base_lr: 0.01 type: "AdaGrad"', "type", "adagrad"),
 ])
 def test_solver_policies(tmp_path, text, key, value):
     path = tmp_path / "s.prototxt"

@@ -1002,3 +1002,28 @@ def test_stream_dispatcher_real_streams():
         assert len(d.runtime.pool) >= 3
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("kind", ["nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw"])
+def test_solver_updates_run_in_place_on_the_device(device, kind):
+    """Every solver besides SGD is one xp code path: on device arrays it
+    updates the weight and its state in place (w@new is w) and matches the
+    same op on the CPU; the learning rate and iteration stay host scalars."""
+    from purine_mpi.ops.solver import SOLVER_UPDATES
+    op_type, states = SOLVER_UPDATES[kind]
+    attrs = {"momentum": 0.9, "momentum2": 0.99, "delta": 1e-6, "rms_decay": 0.9,
+             "weight_decay": 1e-2, "lr_mult": 1.5, "decay_mult": 0.5, "grad_scale": 0.5}
+    w, g = _rand((6, 5), np.float32), _rand((6, 5), np.float32, 1)
+    state = [np.abs(_rand((6, 5), np.float32, 2 + i)) for i in range(len(states))]
+    host = [np.asarray(0.05, np.float32)] + ([np.asarray(3, np.int64)]
+                                             if kind.startswith("adam") else [])
+    cls = get_kernel_class(op_type)
+    cpu = [a.copy() for a in [w] + state]
+    cls(Op("u", op_type, [], [], dict(attrs))).run([cpu[0], g] + cpu[1:] + host, cpu)
+    dev = [device.to_device(a) for a in [w] + state]
+    cls(Op("u", op_type, [], [], dict(attrs))).run([dev[0], device.to_device(g)] + dev[1:]
+                                                   + host, dev)
+    for ours, ref in zip(dev, cpu):
+        assert not isinstance(ours, np.ndarray) or isinstance(ours, DeviceArray)
+        np.testing.assert_allclose(device.to_host(ours), ref, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(cpu[0], w)

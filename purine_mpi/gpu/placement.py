@@ -13,7 +13,8 @@ place so that it runs on GPU ``device``:
   and the host blob is marked ``pinned`` so the workspace page-locks it and
   the copy runs asynchronously; a device blob read by a host op gets a
   ``"d2h"`` copy the same way. The exception is the learning rate read by
-  ``SGDUpdate``: a host scalar that the update takes as a kernel argument.
+  the update ops (and Adam's iteration): host scalars that the update takes
+  as kernel arguments.
 
 The workspace then allocates the device blobs as CuPy arrays and
 ``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
@@ -28,13 +29,12 @@ import dataclasses
 import os
 
 from ..errors import ConfigError, UserError
+from ..ops.solver import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
 HOST_OP_TYPES = ("DataReader", "LearningRate")
 #: blob kinds that stay host scalars (the trainer writes/reads them directly)
 HOST_BLOB_KINDS = ("iter", "lr")
-#: (op type, input index) pairs that read a host scalar blob directly
-HOST_SCALAR_INPUTS = {("SGDUpdate", 3)}
 #: threads (streams) of the inserted copies
 H2D_THREAD, D2H_THREAD = "h2d", "d2h"
 
@@ -78,7 +78,8 @@ def place_on_device(graph, device, copy_thread=H2D_THREAD):
             blob_dev = graph.blobs[b].location.device
             if (blob_dev >= 0) == (op_dev >= 0):
                 continue
-            if op_dev >= 0 and (op.op_type, i) in HOST_SCALAR_INPUTS:
+            if (op_dev >= 0 and op.op_type in UPDATE_OP_TYPES
+                    and graph.blobs[b].kind in HOST_BLOB_KINDS):
                 continue
             if op_dev >= 0:  # host blob -> device op
                 op.inputs[i] = _twin(graph, copies, b, device, "h2d", copy_thread)

@@ -112,7 +112,8 @@ TEXT_SCHEMA = {
         "solver_mode": ("CPU", "GPU"), "device_id": "int", "random_seed": "int",
         "type": "string", "solver_type": ("SGD", "NESTEROV", "ADAGRAD", "RMSPROP",
                                           "ADADELTA", "ADAM"),
-        "debug_info": "bool", "snapshot_after_train": "bool"},
+        "debug_info": "bool", "snapshot_after_train": "bool", "momentum2": "float",
+        "delta": "float", "rms_decay": "float"},
 }
 
 # ------------------------------------------------------------ wire format

@@ -2,6 +2,9 @@
 from .prototxt import PrototxtError
 
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv")
+#: Caffe's solver type (``type: "Adam"`` or ``solver_type: ADAM``) -> ours
+SOLVER_TYPES = {"SGD": "sgd", "NESTEROV": "nesterov", "ADAGRAD": "adagrad",
+                "RMSPROP": "rmsprop", "ADADELTA": "adadelta", "ADAM": "adam"}
 
 
 def convert_solver(msg, path, notes):
@@ -10,9 +13,10 @@ def convert_solver(msg, path, notes):
         raise PrototxtError(path, msg.line_of(field), message)
 
     kind = msg.get("type", msg.get("solver_type", "SGD"))
-    if str(kind).upper() != "SGD":
+    if str(kind).upper() not in SOLVER_TYPES:
         fail("type" if msg.has("type") else "solver_type",
-             f"solver type '{kind}' is not supported (SGD is)")
+             f"solver type '{kind}' is not supported (supported: SGD, Nesterov, AdaGrad, "
+             "RMSProp, AdaDelta, Adam)")
     if not msg.has("base_lr"):
         fail(None, "the solver needs base_lr")
     if msg.get("iter_size", 1) != 1:
@@ -23,11 +27,12 @@ def convert_solver(msg, path, notes):
     if policy not in LR_POLICIES:
         fail("lr_policy", f"lr_policy '{policy}' is not supported "
                           f"(supported: {', '.join(LR_POLICIES)})")
-    solver = {"type": "sgd", "base_lr": msg.get("base_lr"), "lr_policy": policy,
-              "momentum": msg.get("momentum", 0.0), "weight_decay": msg.get("weight_decay", 0.0),
+    solver = {"type": SOLVER_TYPES[str(kind).upper()], "base_lr": msg.get("base_lr"),
+              "lr_policy": policy, "momentum": msg.get("momentum", 0.0),
+              "weight_decay": msg.get("weight_decay", 0.0),
               "max_iter": msg.get("max_iter", 0), "display": msg.get("display", 0),
               "test_interval": msg.get("test_interval", 0)}
-    for key in ("gamma", "power", "stepsize"):
+    for key in ("gamma", "power", "stepsize", "momentum2", "delta", "rms_decay"):
         if msg.has(key):
             solver[key] = msg.get(key)
     if msg.all("stepvalue"):

@@ -34,7 +34,7 @@ from .transform import TRANSFORM_KEYS
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
             "backend", "device", "tf32")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
-SOLVER_TYPES = ("sgd",)
+SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 PARALLEL_SCHEMES = ("data", "none", "pipeline")
 PARALLEL_MODES = ("sync", "async", "sync_ps")
 BACKENDS = ("auto", "numpy", "cupy")
@@ -44,7 +44,7 @@ SOLVER_DEFAULTS = {
     "type": "sgd", "base_lr": 0.01, "momentum": 0.9, "weight_decay": 0.0,
     "lr_policy": "fixed", "gamma": 0.1, "stepsize": None, "stepvalues": [],
     "power": 1.0, "max_iter": 1000, "test_interval": 0, "test_iter": None,
-    "display": 20, "warmup_iters": 0,
+    "display": 20, "warmup_iters": 0, "momentum2": 0.999, "delta": 1e-8, "rms_decay": 0.99,
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1,
@@ -176,6 +176,10 @@ def validate_config(config, path="<config>", check_files=True):
         out["graph"] = _check_graph(config["graph"], path)
     out["solver"] = _check_solver(config.get("solver"), path)
     out["parallel"] = _check_parallel(config.get("parallel"), path)
+    if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
+        raise ConfigError(path, "solver.type", f"parallel.mode {out['parallel']['mode']!r} "
+                          f"(parameter servers) supports solver type 'sgd' only, got "
+                          f"{out['solver']['type']!r}; use parallel.mode: sync")
     out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
                                        CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
     if config.get("backend") is not None:
@@ -341,6 +345,10 @@ def _check_solver(solver, path):
     if policy == "multistep" and not out["stepvalues"]:
         raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
                                                      "(an increasing list of iterations)")
+    given = solver if isinstance(solver, dict) else {}
+    if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
+        raise ConfigError(path, "solver.momentum", f"solver type {out['type']!r} takes no "
+                          "momentum (as in Caffe); remove the key or set it to 0")
     return out
 
 
@@ -392,7 +400,8 @@ _SOLVER_CHECKS = {
     "weight_decay": _num(0), "lr_policy": _choice(LR_POLICIES), "gamma": _num(0, strict=True),
     "stepsize": _optional(_int(1)), "stepvalues": _stepvalues, "power": _num(0),
     "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
-    "display": _int(0), "warmup_iters": _int(0),
+    "display": _int(0), "warmup_iters": _int(0), "momentum2": _num(0, below=1),
+    "delta": _num(0, strict=True), "rms_decay": _num(0, below=1),
 }
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),

@@ -178,3 +178,194 @@ class SGDUpdate(OpKernel):
                               weight_decay=float(a.get("weight_decay", 0.0))
                               * float(a.get("decay_mult", 1.0)),
                               grad_scale=float(a.get("grad_scale", 1.0)))
+
+
+class _AdaptiveUpdate(OpKernel):
+    """Base of the solvers besides SGD: ``[w, grad, *states, lr(, iter)] ->
+    [w_new, *states_new]`` (aliases of w and the states), written in one xp
+    code path, so the same op runs on NumPy and CuPy arrays.
+
+    Every solver first forms Caffe's regularised gradient
+    ``g = grad_scale * grad + weight_decay * decay_mult * w`` (L2 added to the
+    gradient, as torch.optim does; AdamW decouples it instead) and the rate
+    ``lr * lr_mult``; ``step`` then updates ``w`` and the states in place.
+    Attrs: ``weight_decay``, ``lr_mult``, ``decay_mult``, ``grad_scale`` as
+    for SGDUpdate, plus the solver's own (``momentum``, ``momentum2``,
+    ``delta``, ``rms_decay``)."""
+
+    category = "update"
+    #: names of the per-parameter state blobs, in input order after grad
+    states = ()
+    #: reads the iteration blob after lr (Adam's bias correction)
+    needs_iter = False
+    #: weight decay applied to the weight, not added to the gradient (AdamW)
+    decoupled = False
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        n = len(cls.states)
+        if len(ins) != 3 + n + int(cls.needs_iter):
+            raise ShapeError(f"{cls.op_type} takes weight, gradient, {n} state blob(s), the "
+                             f"learning rate{' and the iteration' if cls.needs_iter else ''}; "
+                             f"got {len(ins)} inputs")
+        shapes = [tuple(s) for s, _ in ins[:2 + n]]
+        if len(set(shapes)) != 1:
+            raise ShapeError(f"{cls.op_type} needs weight, gradient and state of one shape, "
+                             f"got {', '.join(str(list(s)) for s in shapes)}")
+        for s, _ in ins[2 + n:]:
+            if int(np.prod(s, dtype=np.int64)) != 1:
+                raise ShapeError(f"{cls.op_type}'s learning rate and iteration must be "
+                                 f"scalars, got shape {list(s)}")
+        return [(shapes[0], ins[0][1])] + [(shapes[0], d) for _, d in ins[2:2 + n]]
+
+    def run(self, ins, outs):
+        n = len(self.states)
+        w, grad = ins[0], ins[1]
+        lr = ins[2 + n]
+        a = self.attrs
+        xp = get_xp(w)
+        for old, new in zip([w] + list(ins[2:2 + n]), outs):
+            if not same_buffer(old, new):
+                new[...] = old
+        w_new, states = outs[0], outs[1:]
+        rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
+        dtype = w_new.dtype.type
+        g = grad * dtype(a.get("grad_scale", 1.0))
+        if decay and not self.decoupled:
+            g += w_new * dtype(decay)
+        it = int(ins[3 + n].reshape(())) if self.needs_iter else None
+        self.step(xp, w_new, g, states, dtype, rate, decay, it)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        raise NotImplementedError
+
+
+@register
+class NesterovUpdate(_AdaptiveUpdate):
+    """Caffe's Nesterov momentum (NesterovSolver):
+    ``v' = momentum * v + rate * g; w -= (1 + momentum) * v' - momentum * v``,
+    equal to torch.optim.SGD(nesterov=True) at a constant rate."""
+
+    op_type = "NesterovUpdate"
+    states = ("momentum",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (v,) = states
+        mu = t(self.attrs.get("momentum", 0.0))
+        previous = v * mu
+        v *= mu
+        v += g * t(rate)
+        w -= v * (t(1) + mu) - previous
+
+
+@register
+class AdaGradUpdate(_AdaptiveUpdate):
+    """AdaGrad: ``h += g^2; w -= rate * g / (sqrt(h) + delta)`` (Caffe's
+    AdaGradSolver, torch.optim.Adagrad with lr_decay 0)."""
+
+    op_type = "AdaGradUpdate"
+    states = ("history",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (h,) = states
+        h += g * g
+        w -= t(rate) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+
+
+@register
+class RMSPropUpdate(_AdaptiveUpdate):
+    """RMSProp: ``h = rms_decay * h + (1 - rms_decay) * g^2;
+    w -= rate * g / (sqrt(h) + delta)`` (Caffe's RMSPropSolver,
+    torch.optim.RMSprop with alpha = rms_decay)."""
+
+    op_type = "RMSPropUpdate"
+    states = ("history",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (h,) = states
+        rho = t(self.attrs.get("rms_decay", 0.99))
+        h *= rho
+        h += (t(1) - rho) * g * g
+        w -= t(rate) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+
+
+@register
+class AdaDeltaUpdate(_AdaptiveUpdate):
+    """AdaDelta (Caffe's AdaDeltaSolver, torch.optim.Adadelta with
+    rho = momentum, eps = delta)::
+
+        h  = momentum * h + (1 - momentum) * g^2
+        u  = g * sqrt(h2 + delta) / sqrt(h + delta)
+        h2 = momentum * h2 + (1 - momentum) * u^2
+        w -= rate * u
+    """
+
+    op_type = "AdaDeltaUpdate"
+    states = ("history", "update_history")
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        h, h2 = states
+        rho, eps = t(self.attrs.get("momentum", 0.9)), t(self.attrs.get("delta", 1e-8))
+        h *= rho
+        h += (t(1) - rho) * g * g
+        u = xp.sqrt(h2 + eps) / xp.sqrt(h + eps) * g
+        h2 *= rho
+        h2 += (t(1) - rho) * u * u
+        w -= t(rate) * u
+
+
+@register
+class AdamUpdate(_AdaptiveUpdate):
+    """Adam (Kingma & Ba), step ``s = iter + 1``, with Caffe's key names
+    (momentum = beta1, momentum2 = beta2, delta = epsilon)::
+
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g^2
+        w -= rate / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + delta)
+
+    as torch.optim.Adam computes it (Caffe adds delta before the bias
+    correction of v instead, a difference of delta * sqrt(1 - b2^s)). The
+    weight decay is L2 added to the gradient, as in torch.optim.Adam."""
+
+    op_type = "AdamUpdate"
+    states = ("m", "v")
+    needs_iter = True
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        m, v = states
+        b1, b2 = float(self.attrs.get("momentum", 0.9)), float(self.attrs.get("momentum2", 0.999))
+        s = it + 1
+        m *= t(b1)
+        m += t(1 - b1) * g
+        v *= t(b2)
+        v += t(1 - b2) * g * g
+        denom = xp.sqrt(v) / t(math.sqrt(1 - b2 ** s)) + t(self.attrs.get("delta", 1e-8))
+        w -= t(rate / (1 - b1 ** s)) * m / denom
+
+
+@register
+class AdamWUpdate(AdamUpdate):
+    """AdamW (Loshchilov & Hutter): Adam with the weight decay decoupled from
+    the gradient, ``w *= 1 - rate * weight_decay * decay_mult`` before the
+    Adam step, as torch.optim.AdamW does."""
+
+    op_type = "AdamWUpdate"
+    decoupled = True
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        if decay:
+            w *= t(1 - rate * decay)
+        super().step(xp, w, g, states, t, rate, decay, it)
+
+
+#: update op type and state names of each ``solver.type``
+SOLVER_UPDATES = {"sgd": ("SGDUpdate", ("momentum",)),
+                  "nesterov": (NesterovUpdate.op_type, NesterovUpdate.states),
+                  "adagrad": (AdaGradUpdate.op_type, AdaGradUpdate.states),
+                  "rmsprop": (RMSPropUpdate.op_type, RMSPropUpdate.states),
+                  "adadelta": (AdaDeltaUpdate.op_type, AdaDeltaUpdate.states),
+                  "adam": (AdamUpdate.op_type, AdamUpdate.states),
+                  "adamw": (AdamWUpdate.op_type, AdamWUpdate.states)}
+#: every op type that updates a parameter (its inputs: w, grad, states...)
+UPDATE_OP_TYPES = frozenset(op for op, _ in SOLVER_UPDATES.values())

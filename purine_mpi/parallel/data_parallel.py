@@ -33,6 +33,7 @@ import numpy as np
 
 from ..comm.ops import is_comm_op
 from ..errors import GraphError, UserError
+from ..ops.solver import UPDATE_OP_TYPES
 
 MB = 2 ** 20
 
@@ -183,9 +184,9 @@ def gradients_first(graph, grads):
 
 
 def _rewire_updates(graph, summed, renamed, world_size):
-    """SGDUpdate ops read the reduced gradient, scaled by 1/world_size."""
+    """Update ops read the reduced gradient, scaled by 1/world_size."""
     for op in graph.ops.values():
-        if op.op_type != "SGDUpdate":
+        if op.op_type not in UPDATE_OP_TYPES:
             continue
         g = renamed.get(op.inputs[1], op.inputs[1])
         if g in summed:
