@@ -40,7 +40,8 @@ from purine_mpi.gpu.placement import place_on_device, select_device
 from purine_mpi.io.config import validate_config
 from purine_mpi.layers.fillers import fill
 from purine_mpi.model import build_train_graph
-from purine_mpi.ops.registry import OpKernel, Pending, get_kernel_class, register
+from purine_mpi.kernels import get_kernel_class
+from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.dispatcher import (EventDispatcher, Profiler, SerialDispatcher,
                                            make_dispatcher)
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher

@@ -19,9 +19,6 @@ Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
 import numpy as np
 
 from ..errors import ShapeError
-# Load every op family first: the registry imports them all only while it is
-# empty, so registering these kernels before that would hide the others.
-from ..ops import _all as _all_op_families  # noqa: F401
 from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
 from .world import get_world

@@ -234,7 +234,7 @@ class Graph:
     # ---------------------------------------------------------- validation
     def validate(self, registry=None):
         """Check op types, dangling inputs, double writers and cycles."""
-        from ..ops.registry import get_kernel_class
+        from ..kernels import get_kernel_class
         prod = self.producers()
         for op in self.ops.values():
             get_kernel_class(op.op_type, op.name)  # raises for an unknown type
@@ -256,7 +256,7 @@ class Graph:
     def infer_shapes(self):
         """Fill in blob shapes from source blobs through every kernel's
         ``infer``; a declared shape that disagrees is a ShapeError."""
-        from ..ops.registry import get_kernel_class
+        from ..kernels import get_kernel_class
         for op in self.topo_order():
             ins = []
             for b in op.inputs:

@@ -10,7 +10,7 @@ contribution is simply renamed ``x.grad``. The loss gradient is seeded by a
 from collections import defaultdict
 
 from ..errors import GraphError
-from ..ops.registry import GRADIENTS, get_kernel_class
+from ..kernels import GRADIENTS, get_kernel_class
 
 
 def grad_name(blob):

@@ -2,7 +2,7 @@
 seed's YAML, or Graphviz DOT."""
 import yaml
 
-from ..ops.registry import get_kernel_class
+from ..kernels import get_kernel_class
 from . import seed_yaml
 
 

@@ -20,6 +20,10 @@ views into shared buffers (gradient buckets). It returns None when the work is
 done, or a ``Pending`` for asynchronous ops (communication), which the
 dispatcher's progress loop completes.
 
+The registry imports no op family: each registers itself when its module
+is imported, and ``purine_mpi.kernels`` imports them all (the modules that
+look kernels up import that one).
+
 A gradient rule (one table, ``GRADIENTS``) emits the backward sub-graph of one
 forward op through a ``GradContext`` (see ``purine_mpi.graph.grad``)::
 
@@ -107,7 +111,6 @@ def gradient(op_type):
 
 
 def get_kernel_class(op_type, op_name=None):
-    _load_all()
     try:
         return KERNELS[op_type]
     except KeyError:
@@ -119,13 +122,3 @@ def get_kernel_class(op_type, op_name=None):
 def make_kernel(op):
     return get_kernel_class(op.op_type, op.name)(op)
 
-
-_LOADED = []
-
-
-def _load_all():
-    # importing one op module registers only its kernels: load every family
-    # (and the communication kernels) once, whatever was imported first
-    if not _LOADED:
-        _LOADED.append(True)
-        from . import _all  # noqa: F401

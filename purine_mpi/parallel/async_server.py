@@ -28,7 +28,7 @@ class AsyncServer:
 
     def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
                  start_iter, iters, poll_interval=2e-4, stop=None):
-        from ..ops.registry import make_kernel
+        from ..kernels import make_kernel
         self.world, self.plan = world, plan
         self.params, self.momenta = params, momenta
         self.lr_attrs = dict(lr_attrs)

@@ -23,7 +23,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..errors import OpError, StallError
-from ..ops.registry import make_kernel
+from ..kernels import make_kernel
 from .workspace import Workspace
 
 

@@ -44,7 +44,8 @@ import numpy as np
 from ..backend import get_xp
 from ..errors import GraphError, OpError
 from ..graph.core import Graph
-from ..ops.registry import OpKernel, Pending, get_kernel_class
+from ..kernels import get_kernel_class
+from ..ops.registry import OpKernel, Pending
 from .dispatcher import EventDispatcher
 
 #: the stream a device's communication ops queue their device work on
