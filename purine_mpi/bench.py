@@ -3,7 +3,12 @@
 Runs warm-up iterations, then times each iteration (with a barrier between
 iterations when several ranks run, so every rank measures the same thing),
 profiling the timed ones to compute ``comm_overlap``: the share of this
-rank's communication time during which compute ops were also running."""
+rank's communication time during which compute ops were also running, and
+``post_latency_ms``: for each comm op (a data-parallel bucket's allreduce),
+the median over the timed iterations of its post time minus the time its
+last input (the bucket's last gradient) was written, the worst rank's.
+``post_latency_ms_worst`` is the largest of them (the trace shows the same
+per event: ``args.post_latency_us`` and ``args.ready_ts``)."""
 import copy
 import resource
 import statistics
@@ -78,22 +83,28 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
     trainer = Trainer(cfg, out_dir="/nonexistent-bench-output", world=world, profile=False,
                       dispatcher=dispatcher, log=lambda m: None)
     d = trainer.train
-    times = []
+    times, latencies = [], {}
     try:
         for it in range(warmup + iters):
             if it == warmup:
                 d.profiler = Profiler(world.rank)
             if world.size > 1:
                 world.comm.Barrier()
-            trainer.ws["iter"][...] = it
             t0 = time.perf_counter()
-            d.run(it)
+            trainer.step(it)
             if it >= warmup:
                 times.append(time.perf_counter() - t0)
+                for name, seconds in getattr(d, "comm_post_latency", dict)().items():
+                    latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
     finally:
         trainer.close()
     overlap = comm_overlap(events)
+    names = sorted(latencies)
+    worst = world.allreduce(np.array([statistics.median(latencies[n]) for n in names] or [0.0]),
+                            "max", "the post latencies") if world.size > 1 else \
+        np.array([statistics.median(latencies[n]) for n in names] or [0.0])
+    post_latency = {n: round(float(v), 4) for n, v in zip(names, worst)}
     med = world_mean(world, statistics.median(times))
     batch = cfg["data"]["train"]["batch_size"]
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
@@ -109,6 +120,8 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "compute_ms_per_iter": round(compute_ms, 3),
         "comm_ms_per_iter": round(comm_ms, 3),
         "comm_overlap": None if overlap is None else round(overlap, 4),
+        "post_latency_ms": post_latency,
+        "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
         "peak_mem_bytes": int(trainer.ws.allocated_bytes),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "backend": "cupy" if cupy_available() and any(

@@ -69,11 +69,12 @@ def compose(graph, grads, config, world):
         return compose_pipeline(graph, config, world)
     if par.get("mode", "sync") == "sync":
         from .parallel.data_parallel import compose_data_parallel
-        compose_data_parallel(graph, grads, world.size, world.rank,
-                              bucket_mb=par.get("bucket_mb", 4),
-                              first_bucket_mb=par.get("first_bucket_mb", 1),
-                              check_collectives=par.get("check_collectives", False),
-                              world=world)
+        #: the bucket plan (``graph --np N`` prints it)
+        graph.bucket_plan = compose_data_parallel(
+            graph, grads, world.size, world.rank, bucket_mb=par.get("bucket_mb", 4),
+            first_bucket_mb=par.get("first_bucket_mb", 1),
+            min_buckets=par.get("min_buckets", 4),
+            check_collectives=par.get("check_collectives", False), world=world)
         graph.infer_shapes().validate()
         return graph
     raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
@@ -133,6 +134,7 @@ class Trainer:
                                      stall_timeout=float(par.get("stall_timeout", 300)),
                                      seed=self._op_seed())
         self.ws = self.train.workspace
+        self._order_adopted = False
         self.losses = list(loss_blobs(self.graph))
         self.data_size = data_size
         self.test_graph = build_test_graph(config, data_rank, data_size)
@@ -173,6 +175,17 @@ class Trainer:
         """This rank's training graph from the single-replica one (the
         parameter-server trainer overrides this)."""
         return compose(graph, self.grads, self.config, self.world)
+
+    def step(self, it):
+        """One training iteration. After this process's first one, the
+        buckets are posted in the observed gradient-ready order
+        (``adopt_ready_order``: decided on rank 0, the same on every rank)."""
+        self.ws["iter"][...] = it
+        self.train.run(it)
+        if not self._order_adopted:
+            self._order_adopted = True
+            from .parallel.data_parallel import adopt_ready_order
+            adopt_ready_order(self.train, self.world)
 
     def _reduce(self, values):
         """Across ranks: the mean for data-parallel replicas (each holds its
@@ -340,8 +353,7 @@ class Trainer:
         result = {}
         try:
             for it in range(self.start_iter, max_iter):
-                self.ws["iter"][...] = it
-                self.train.run(it)
+                self.step(it)
                 loss_now = sum(float(self.ws[b]) for b in self.losses)
                 window_loss, window_n = window_loss + loss_now, window_n + 1
                 done = it + 1

@@ -48,7 +48,8 @@ def test_defaults_are_filled(cfg_dir):
     assert config["solver"]["momentum"] == 0.9 and config["solver"]["type"] == "sgd"
     assert config["solver"]["test_iter"] is None and config["solver"]["display"] == 20
     assert config["parallel"] == {"scheme": "data", "mode": "sync", "bucket_mb": 4,
-                                  "first_bucket_mb": 1, "ps_ranks": 1, "max_staleness": 0,
+                                  "first_bucket_mb": 1, "min_buckets": 4, "ps_ranks": 1,
+                                  "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,
                                   "stages": {}}
     assert config["checkpoint"] == {"interval": 0, "keep": 3}
@@ -120,6 +121,7 @@ def test_unknown_nested_key_suggests(cfg_dir):
     ("solver.lr_policy=stepp", "solver.lr_policy", "did you mean 'step'"),
     ("parallel.mode=asynch", "parallel.mode", "sync, async, sync_ps"),
     ("parallel.check_collectives=3", "parallel.check_collectives", "true or false"),
+    ("parallel.min_buckets=0", "parallel.min_buckets", "positive integer"),
     ("seed=-1", "seed", "non-negative integer"),
     ("net=5", "net", "list of layers"),
     ("data.train.source=csv", "data.train.source", "hdf5, synthetic"),

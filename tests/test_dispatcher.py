@@ -9,7 +9,7 @@ import pytest
 
 from purine_mpi.errors import OpError
 from purine_mpi.graph import Graph
-from purine_mpi.ops.registry import OpKernel, register
+from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.dispatcher import EventDispatcher, Profiler, SerialDispatcher
 
 SHAPE = (3, 5)
@@ -44,6 +44,37 @@ class _RaiseOp(OpKernel):
     def run(self, ins, outs):
         time.sleep(self.attrs.get("seconds", 0.0))
         raise ValueError("kaboom from a test kernel")
+
+
+class _Countdown(Pending):
+    """Completes on its ``n``-th test (a transfer that needs progress)."""
+
+    def __init__(self, n):
+        self.left = n
+
+    def test(self):
+        self.left -= 1
+        return self.left <= 0
+
+
+@register
+class _CommOp(OpKernel):
+    """A communication op for the dispatcher tests: y = x, records who
+    posted it and when, and completes after three tests."""
+
+    op_type = "TestDispatcherComm"
+    category = "comm"
+    posts = []
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        _CommOp.posts.append((self.attrs["seq"], threading.current_thread().name,
+                              time.perf_counter()))
+        outs[0][...] = ins[0]
+        return _Countdown(3)
 
 
 # -------------------------------------------------------- random graphs
@@ -352,6 +383,49 @@ def test_independent_branches_on_different_threads_overlap():
     overlap = max(min(e1, e2) - max(s1, s2)
                   for s1, e1 in spans["0"] for s2, e2 in spans["1"])
     assert overlap > 0.5 * secs * 1e6  # microseconds
+
+
+def test_comm_op_posted_by_the_worker_that_readied_it_in_seq_order():
+    """A bucket's comm op is posted by the worker that wrote its input,
+    before that worker starts the next op (the layers below), and never
+    ahead of a lower seq: c2 is ready from the start but waits for c0, c1."""
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("w0", "TestDispatcherSleep", ["x"], ["g0"], {"seconds": 0.01})
+    g.add_op("w1", "TestDispatcherSleep", ["g0"], ["g1"], {"seconds": 0.01})
+    g.add_op("tail", "TestDispatcherSleep", ["g1"], ["y"], {"seconds": 0.05})
+    for i, src in enumerate(["g0", "g1", "x"]):
+        g.add_op(f"c{i}", "TestDispatcherComm", [src], [f"s{i}"], {"seq": i}, thread="comm")
+    g.infer_shapes().validate()
+    prof = Profiler()
+    d = EventDispatcher(g, profiler=prof)
+    try:
+        for _ in range(2):
+            _CommOp.posts.clear()
+            prof.events.clear()
+            d.workspace["x"][...] = 1.0
+            d.run()
+            assert [seq for seq, _, _ in _CommOp.posts] == [0, 1, 2]
+            for i, value in enumerate((2.0, 3.0, 1.0)):
+                assert np.all(d.workspace[f"s{i}"] == value)
+            assert np.all(d.workspace["y"] == 4.0)
+            tail = next(e for e in prof.events if e["name"] == "tail")
+            t_tail = prof.t0 + tail["ts"] / 1e6
+            for seq, thread, t_post in _CommOp.posts[:2]:
+                assert thread.startswith("purine-worker"), thread
+                assert t_post <= t_tail, f"c{seq} posted after the next op started"
+            comm = {e["name"]: e["args"] for e in prof.events if e["cat"] == "comm"}
+            assert set(comm) == {"c0", "c1", "c2"}
+            assert all(a["post_latency_us"] >= 0 and "ready_ts" in a for a in comm.values())
+            latency = d.comm_post_latency()
+            assert set(latency) == {"c0", "c1", "c2"} and latency["c2"] > latency["c0"]
+        assert d.comm_ready_order() == ["c2", "c0", "c1"]
+        d.set_comm_order(["c2", "c0", "c1"])
+        _CommOp.posts.clear()
+        d.run()
+        assert [seq for seq, _, _ in _CommOp.posts] == [2, 0, 1]
+    finally:
+        d.close()
 
 
 def test_serial_dispatcher_runs_one_op_at_a_time():

@@ -1,6 +1,7 @@
 """Data-parallel composition and graph partitioning: unit checks of the
 rewrites (one process) and equivalence runs on several ranks."""
 import pytest
+import yaml
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.comm.world import HostTable
@@ -28,10 +29,12 @@ def _grad_graph(sizes, dtype="float32"):
 def test_buckets_follow_ready_order_first_bucket_small():
     mb = 2 ** 20 // 4  # float32 elements per MB
     g, grads = _grad_graph([mb // 8, mb // 8, mb // 2, mb // 2, mb, 10])
-    plan = plan_buckets(g, grads, bucket_mb=1, first_bucket_mb=0.25)
-    assert [b["params"] for b in plan] == [["p0", "p1"], ["p2", "p3"], ["p4"], ["p5"]]
-    out = compose_data_parallel(g, grads, 4, 1, bucket_mb=1, first_bucket_mb=0.25)
-    assert [b["seq"] for b in out] == [0, 1, 2, 3]
+    plan = plan_buckets(g, grads, bucket_mb=1, first_bucket_mb=0.25, min_buckets=1)
+    # p5 (40 bytes) is tiny: it rides with p4 rather than costing a message
+    assert [b["params"] for b in plan] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]
+    out = compose_data_parallel(g, grads, 4, 1, bucket_mb=1, first_bucket_mb=0.25,
+                                min_buckets=1)
+    assert [b["seq"] for b in out] == [0, 1, 2]
     g.infer_shapes().validate()
     b1 = g.blobs["g3"]
     assert (b1.alias_of, b1.offset) == ("grad_bucket1", mb // 2)
@@ -39,6 +42,34 @@ def test_buckets_follow_ready_order_first_bucket_small():
     assert g.blobs["grad_bucket1"].kind == "bucket" and g.blobs["grad_bucket1"].shape == (mb,)
     ar = g.ops["grad_bucket1.allreduce"]
     assert ar.inputs == ["g2", "g3"] and ar.outputs == ["g2.sum", "g3.sum"]
+
+
+@pytest.mark.parametrize("sizes,min_buckets", [
+    ([1000] * 8, 4), ([100000, 10, 10, 10, 10], 4), ([5000, 300, 20000, 50, 7000, 7000], 5),
+    ([1000, 1000, 1000], 4)])
+def test_bucket_plan_follows_the_model(sizes, min_buckets):
+    """A small model still gets min_buckets buckets (when it has that many
+    gradients), in ready order, the first one small, none over bucket_mb."""
+    g, grads = _grad_graph(sizes)
+    plan = plan_buckets(g, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=min_buckets)
+    assert [p for b in plan for p in b["params"]] == list(grads)  # top layer first, all once
+    assert len(plan) >= min(min_buckets, len(sizes))
+    assert all(b["bytes"] == 4 * sum(sizes[int(p[1:])] for p in b["params"]) for b in plan)
+    if len(plan) > 1 and len(plan[0]["params"]) > 1:
+        assert plan[0]["bytes"] <= 4 * sum(sizes) / min_buckets / 2 + 4 * min(sizes)
+    # without a minimum, these small models fit one bucket: nothing to overlap
+    assert len(plan_buckets(g, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=1)) == 1
+
+
+def test_graph_command_prints_the_bucket_plan(tmp_path, capsys):
+    from purine_mpi.cli import main
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(mlp_config(hidden=(6, 5))))
+    assert main(["graph", str(cfg), "--np", "2"]) in (0, None)
+    out = capsys.readouterr().out
+    lines = out[out.index("bucket plan: "):].splitlines()
+    assert len(lines) - 1 >= 4 and lines[0].startswith(f"bucket plan: {len(lines) - 1} ")
+    assert lines[1].split()[:2] == ["seq", "0"] and "out/weight" in lines[1]
 
 
 def test_sgd_updates_read_sum_and_scale():
@@ -70,9 +101,9 @@ def test_gradients_first_orders_weight_grads_before_lower_layers():
 
 def test_compare_signatures_names_first_difference():
     g, grads = _grad_graph([10, 20, 30])
-    compose_data_parallel(g, grads, 2, 0, bucket_mb=1e-4, first_bucket_mb=1e-5)
+    compose_data_parallel(g, grads, 2, 0, bucket_mb=1e-4, first_bucket_mb=1e-5, min_buckets=1)
     h, hgrads = _grad_graph([10, 20, 30])
-    compose_data_parallel(h, hgrads, 2, 1, bucket_mb=1, first_bucket_mb=1e-5)
+    compose_data_parallel(h, hgrads, 2, 1, bucket_mb=1, first_bucket_mb=1e-5, min_buckets=1)
     assert compare_signatures([comm_signature(g), comm_signature(g)]) == []
     problems = compare_signatures([comm_signature(g), comm_signature(h)])
     assert problems and problems[0].startswith("collective #1 differs: rank 0 posts "
@@ -153,14 +184,20 @@ def test_partition_rejects_split_alias():
 
 # ------------------------------------------------------------ several ranks
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,args", [(2, ["0.0002", "check"]), (3, [])])
-def test_data_parallel_equals_one_rank_with_n_times_batch(n, args):
-    proc, _ = run_mpi("dp_equiv.py", n, *args)
+@pytest.mark.parametrize("n,args,delay", [(2, ["0.0002", "check"], ""), (3, [], ""),
+                                          (2, ["0.0002", "check"], "3:1"),
+                                          (3, ["0.0002", "check"], "3:2")])
+def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
+    """Also with seeded random delays in every comm op (PURINE_COMM_DELAY,
+    milliseconds:seed) and 3 ranks oversubscribing the cores: the posts move
+    around in time, the results and the collective sequence must not."""
+    proc, _ = run_mpi("dp_equiv.py", n, *args, env={"PURINE_COMM_DELAY": delay})
     assert proc.stdout.count("OK dp_equiv") == n
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,kind", [(2, "serial"), (3, "event")])
-def test_partitioned_pipeline_equals_unpartitioned(n, kind):
-    proc, _ = run_mpi("partition_equiv.py", n, kind)
+@pytest.mark.parametrize("n,kind,delay", [(2, "serial", ""), (3, "event", ""),
+                                          (3, "event", "3:3")])
+def test_partitioned_pipeline_equals_unpartitioned(n, kind, delay):
+    proc, _ = run_mpi("partition_equiv.py", n, kind, env={"PURINE_COMM_DELAY": delay})
     assert proc.stdout.count("OK partition") == n

@@ -38,10 +38,12 @@ def test_worker_and_server_graphs_match():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,args", [(4, ["sync_ps", 2]), (2, ["async", 1, 0]),
-                                    (3, ["async", 1, 0]), (4, ["async", 1, 1])])
-def test_param_server_runs(n, args):
-    proc, _ = run_mpi("param_server.py", n, *args)
+@pytest.mark.parametrize("n,args,delay", [(4, ["sync_ps", 2], ""), (2, ["async", 1, 0], ""),
+                                          (3, ["async", 1, 0], ""), (4, ["async", 1, 1], ""),
+                                          (3, ["sync_ps", 1], "3:4")])
+def test_param_server_runs(n, args, delay):
+    """(with PURINE_COMM_DELAY: seeded random delays in the push/pull ops)"""
+    proc, _ = run_mpi("param_server.py", n, *args, env={"PURINE_COMM_DELAY": delay})
     assert proc.stdout.count("OK param_server") == n
 
 

@@ -171,3 +171,22 @@ def test_user_error_under_mpi_exits_2_on_every_rank_without_traceback(tmp_path):
     lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert lines and all("'l.fwd'" in line and "label" in line for line in lines)
     assert len(lines) <= 2  # at most once per rank
+
+
+def test_mpi_below_serialized_thread_support_is_refused(tmp_path):
+    """Comm ops are posted from worker threads (one at a time, under one
+    lock), which needs MPI_THREAD_SERIALIZED: a lower grant is refused at
+    start with exit 2 and a message saying what to change."""
+    cfg = {"name": "t", "data": {"train": {"source": "synthetic", "shape": [1, 4, 4],
+                                           "classes": 3, "batch_size": 4}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 3},
+                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
+                    "top": "l"}],
+           "solver": {"max_iter": 1}}
+    env = dict(cli_env(), MPI4PY_RC_THREAD_LEVEL="funneled")
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train",
+                          write_config_file(tmp_path, cfg), "--out", tmp_path / "o"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "MPI_THREAD_FUNNELED" in res.stderr and "MPI_THREAD_SERIALIZED" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -15,7 +15,17 @@ Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
     posts Irecv(y) from rank ``peer`` with tag ``tag``.
+
+For developers: ``PURINE_COMM_DELAY=MAX_MS[:SEED]`` makes every comm op
+sleep a random 0..MAX_MS milliseconds before it posts and again before its
+epilogue, drawn from a generator seeded by (SEED, rank) -- a reproducible
+way to shake the timing of posts and completions (tests run with it: results
+and completion must not change).
 """
+import os
+import threading
+import time
+
 import numpy as np
 
 from ..errors import ShapeError
@@ -36,6 +46,42 @@ def is_collective(op):
     return op.op_type in _COLLECTIVES
 
 
+class _CommDelay:
+    """Seeded random sleeps in comm ops (``PURINE_COMM_DELAY``, see above)."""
+
+    def __init__(self, spec):
+        self.max_s = 0.0
+        self.spec = spec
+        self._rng = None
+        self._lock = threading.Lock()
+        if spec:
+            ms, _, seed = spec.partition(":")
+            try:
+                self.max_s, self.seed = float(ms) / 1000.0, int(seed or 0)
+            except ValueError:
+                raise ValueError(f"PURINE_COMM_DELAY must be MAX_MS[:SEED], got {spec!r}") from None
+
+    def __call__(self):
+        if self.max_s <= 0:
+            return
+        with self._lock:
+            if self._rng is None:
+                self._rng = np.random.default_rng([self.seed, get_world().rank])
+            pause = self._rng.uniform(0.0, self.max_s)
+        time.sleep(pause)
+
+
+def comm_delay():
+    """The process's comm-delay injector (read from the environment once)."""
+    global _DELAY
+    if _DELAY is None or _DELAY.spec != os.environ.get("PURINE_COMM_DELAY", ""):
+        _DELAY = _CommDelay(os.environ.get("PURINE_COMM_DELAY", ""))
+    return _DELAY
+
+
+_DELAY = None
+
+
 class MPIPending(Pending):
     """MPI requests in flight for one op; ``finish`` runs the op's epilogue
     (copy back from a host stage, scale for a mean)."""
@@ -50,6 +96,7 @@ class MPIPending(Pending):
         return MPI.Request.Testall(self.requests)
 
     def finish(self):
+        comm_delay()()
         if self._on_finish is not None:
             self._on_finish()
 
@@ -116,6 +163,7 @@ class Allreduce(CommKernel):
         if not hasattr(self, "buffers"):
             self.setup(ins, outs)
         from mpi4py import MPI
+        comm_delay()()
         for i, o, same in zip(ins, outs, self.in_place):
             if not same:
                 o[...] = i
@@ -174,6 +222,7 @@ class Send(CommKernel):
     def run(self, ins, outs):
         if not hasattr(self, "stage"):
             self.setup(ins, outs)
+        comm_delay()()
         peer, tag = int(self.attrs["peer"]), int(self.attrs["tag"])
         buf = _flat(self.stage.buffer(copy_in=True))
         req = self.comm().Isend(buf, dest=peer, tag=tag)
@@ -200,6 +249,7 @@ class Recv(CommKernel):
     def run(self, ins, outs):
         if not hasattr(self, "stage"):
             self.setup(ins, outs)
+        comm_delay()()
         peer, tag = int(self.attrs["peer"]), int(self.attrs["tag"])
         buf = _flat(self.stage.buffer(copy_in=False))
         req = self.comm().Irecv(buf, source=peer, tag=tag)

@@ -30,6 +30,14 @@ from ..errors import StallError, UserError
 _WORLD = None
 _LOCK = threading.Lock()
 
+#: Held around every MPI call the dispatchers make: comm ops are posted and
+#: tested by whichever thread gets there first (a worker that just wrote a
+#: bucket's last gradient, or the progress thread while the workers are
+#: idle), so under MPI_THREAD_SERIALIZED this lock is what keeps two threads
+#: out of MPI at once; under MPI_THREAD_MULTIPLE it still keeps the posts in
+#: ``seq`` order. Reentrant: completing an op may post the next one.
+MPI_LOCK = threading.RLock()
+
 
 def get_world():
     """The process-wide World (created, and MPI initialised, on first call)."""
@@ -67,6 +75,7 @@ class World:
         self.hosts = HostTable(self.allgather_object(local_host_info(), "the host table "
                                                                          "exchange"))
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
+        self.thread_level = check_thread_level(MPI)
 
     # ---------------------------------------------------------- locations
     def rank_of(self, location, what="a node"):
@@ -186,6 +195,22 @@ class World:
             time.sleep(0.3)
             self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
         os._exit(code)
+
+
+def check_thread_level(MPI):
+    """The thread support MPI granted, checked once at start: comm ops are
+    posted from worker threads as well as the progress thread, one at a time
+    under ``MPI_LOCK``, which needs at least MPI_THREAD_SERIALIZED."""
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED"}
+        raise UserError(
+            f"MPI granted {names.get(level, level)}, but purine_mpi calls MPI from several "
+            "threads (one at a time) and needs at least MPI_THREAD_SERIALIZED; use an MPI "
+            "library built with thread support and do not lower mpi4py's requested level "
+            "(MPI4PY_RC_THREAD_LEVEL / mpi4py.rc.thread_level must be 'serialized' or "
+            "'multiple')")
+    return level
 
 
 def _fmt_ranks(ranks):

@@ -91,4 +91,8 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
                          width=100)
     if fmt == "dot":
         return to_dot(graph)
+    plan = getattr(graph, "bucket_plan", None)
+    if plan:
+        from ..parallel.data_parallel import format_plan
+        return "\n".join([graph.summary()] + format_plan(plan))
     return graph.summary()

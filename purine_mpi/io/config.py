@@ -47,7 +47,7 @@ SOLVER_DEFAULTS = {
     "display": 20, "warmup_iters": 0, "momentum2": 0.999, "delta": 1e-8, "rms_decay": 0.99,
 }
 PARALLEL_DEFAULTS = {
-    "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1,
+    "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
     "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
     "stages": {},
 }
@@ -406,6 +406,7 @@ _SOLVER_CHECKS = {
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
+    "min_buckets": _int(1),
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
     "check_collectives": lambda key, value, path: _check_bool(key, value, path),
     "stages": lambda key, value, path: _check_stages(key, value, path),

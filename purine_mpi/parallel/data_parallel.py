@@ -10,8 +10,9 @@ the lower layers still back-propagate.
   blobs (kind ``bucket``): the backward ops write straight into the buffer
   MPI reduces, so there is no packing copy;
 - buckets are filled in the order the gradients become ready in backward
-  (top layer first); the first bucket is small (``first_bucket_mb``) so
-  communication starts early, the rest hold up to ``bucket_mb``;
+  (top layer first), sized to the model (``plan_buckets``): at least
+  ``min_buckets`` of them, none over ``bucket_mb``, the first one small so
+  communication starts early;
 - one ``Allreduce`` op per bucket, ``seq`` numbers in bucket order (the same
   on every rank, since every rank builds the same graph), outputs
   ``<grad>.sum`` aliasing the same bucket ranges (in-place reduction);
@@ -58,31 +59,67 @@ def gradient_ready_order(graph, grads):
     return sorted(grads, key=lambda p: (when(p), list(grads).index(p)))
 
 
-def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1):
-    """Group gradients into buckets: a list of {"dtype", "location", "params"}
-    in ready order. A bucket closes when the next gradient would pass its cap
-    (the first bucket's cap is ``first_bucket_mb``); a gradient larger than
-    the cap gets a bucket of its own. Gradients of another dtype or location
-    go to buckets of their own kind."""
+def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=4):
+    """Group gradients into buckets: a list of {"dtype", "location", "params",
+    "bytes"} in ready order (top layer first).
+
+    Buckets follow the model: the cap is ``bucket_mb`` or, when smaller, the
+    gradient bytes divided by ``min_buckets``, so a small model still gets at
+    least ``min_buckets`` buckets (when it has that many parameter blobs) and
+    communication can start before backward ends. The first bucket's cap is
+    half that (at most ``first_bucket_mb``), so the first transfer starts as
+    early as possible. A bucket closes when the next gradient would pass its
+    cap (unless that gradient is tiny, under 1/64 of the cap); a gradient larger than the cap gets a bucket of its own; then the
+    bucket with the most bytes that holds several gradients is split in two
+    (at the byte midpoint) until there are ``min_buckets``. Gradients of
+    another dtype or location go to buckets of their own kind."""
+    order = gradient_ready_order(graph, grads)
+    total = sum(graph.blobs[grads[p]].nbytes for p in order)
+    cap = bucket_mb * MB
+    if min_buckets > 1 and total:
+        cap = min(cap, total / min_buckets)
+    first_cap = min(first_bucket_mb * MB, cap / 2 if min_buckets > 1 else cap)
     buckets, open_by_kind = [], {}
-    for p in gradient_ready_order(graph, grads):
+    for p in order:
         g = graph.blobs[grads[p]]
         kind = (g.dtype, g.location)
-        cap = (first_bucket_mb if not buckets else bucket_mb) * MB
         b = open_by_kind.get(kind)
-        if b is not None and b["bytes"] + g.nbytes > b["cap"]:
+        # a tiny gradient (a bias) rides along rather than costing a message
+        if b is not None and b["bytes"] + g.nbytes > b["cap"] and g.nbytes * 64 > b["cap"]:
             b = None
         if b is None:
-            b = {"dtype": g.dtype, "location": g.location, "params": [], "bytes": 0, "cap": cap}
+            b = {"dtype": g.dtype, "location": g.location, "params": [], "bytes": 0,
+                 "cap": first_cap if not buckets else cap}
             buckets.append(b)
             open_by_kind[kind] = b
         b["params"].append(p)
         b["bytes"] += g.nbytes
+    while len(buckets) < min_buckets:
+        splittable = [b for b in buckets if len(b["params"]) > 1]
+        if not splittable:
+            break
+        b = max(splittable, key=lambda x: x["bytes"])
+        sizes = [graph.blobs[grads[p]].nbytes for p in b["params"]]
+        cut = min(range(1, len(sizes)), key=lambda i: abs(2 * sum(sizes[:i]) - b["bytes"]))
+        tail = dict(b, params=b["params"][cut:], bytes=sum(sizes[cut:]))
+        b["params"], b["bytes"] = b["params"][:cut], sum(sizes[:cut])
+        buckets.insert(buckets.index(b) + 1, tail)
     return buckets
 
 
+def format_plan(plan):
+    """The bucket plan as text lines (``graph --np N`` prints it): posting
+    order, size, and the gradients in each bucket."""
+    lines = [f"bucket plan: {len(plan)} allreduce(s), posted in seq order, top layer first"]
+    for b in plan:
+        size = f"{b['bytes'] / 2 ** 10:.1f} KB" if b["bytes"] < MB else f"{b['bytes'] / MB:.2f} MB"
+        lines.append(f"  seq {b['seq']:<3} {b['name']:<16} {size:>10}  {', '.join(b['params'])}")
+    return lines
+
+
 def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
-                          check_collectives=False, world=None, thread="comm", grad_first=True):
+                          check_collectives=False, world=None, thread="comm", grad_first=True,
+                          min_buckets=4):
     """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
     param -> gradient blob (``build_backward``'s result). Returns the bucket
@@ -102,7 +139,8 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
     producers = graph.producers()
     seq = next_seq(graph)
     plan = []
-    for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb)):
+    for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb,
+                                                min_buckets)):
         name = _free_name(graph, f"grad_bucket{i}")
         total = sum(graph.blobs[grads[p]].size for p in b["params"])
         graph.add_blob(name, (total,), b["dtype"], b["location"], kind="bucket")
@@ -140,6 +178,28 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         from ..comm.verify import check_collectives as _check
         _check(graph, world)
     return plan
+
+
+def adopt_ready_order(dispatcher, world):
+    """After an iteration, post the buckets' allreduces in the order their
+    gradients were observed to become ready (as DDP rebuilds its buckets
+    after the first iteration): rank 0's observation decides and is
+    broadcast, so every rank keeps one ``seq`` order. Only for graphs whose
+    comm ops are all Allreduce (data parallelism); returns the new order, or
+    None when there is nothing to reorder. Call on every rank at the same
+    point, between iterations."""
+    order = getattr(dispatcher, "comm_order", None)
+    if world.size == 1 or order is None:
+        return None
+    current = order()
+    if len(current) < 2 or any(dispatcher.graph.ops[n].op_type != "Allreduce" for n in current):
+        return None
+    observed = dispatcher.comm_ready_order()
+    index = np.array([current.index(n) for n in observed], dtype=np.int64)
+    world.wait(world.comm.Ibcast(index, root=0), "the broadcast of the bucket posting order")
+    new = [current[int(i)] for i in index]
+    dispatcher.set_comm_order(new)
+    return new
 
 
 def place_on_rank(graph, rank):

@@ -4,10 +4,12 @@
 every op it depends on has finished. Compute ops run on worker threads named
 by their ``thread`` attribute (NumPy and BLAS release the GIL, so independent
 branches really run at once). Communication ops (kernel category ``comm``)
-are posted by the calling thread -- the *progress thread* -- which is the one
-place that calls MPI: it posts them strictly in their ``seq`` order (assigned
-at graph build time, the same on every rank) and polls their requests while
-the workers compute, so transfers overlap the backward pass.
+are posted the moment their inputs exist, by the worker thread that wrote
+the last of them, strictly in their ``seq`` order (assigned at graph build
+time, the same on every rank); workers test the requests in flight between
+ops and the calling thread -- the *progress thread* -- only while every
+worker is idle (``runtime/comm_progress.py``, the one place that calls MPI),
+so a bucket's transfer starts while the layers below still back-propagate.
 
 ``SerialDispatcher`` runs the same graph one op at a time in a fixed
 topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
@@ -24,6 +26,7 @@ import numpy as np
 
 from ..errors import OpError, StallError
 from ..kernels import make_kernel
+from .comm_progress import CommPoster
 from .workspace import Workspace
 
 
@@ -36,11 +39,16 @@ class Profiler:
         self.t0 = time.perf_counter()
         self._lock = threading.Lock()
 
-    def record(self, op, category, t_start, t_end, iteration, tid):
+    def record(self, op, category, t_start, t_end, iteration, tid, extra=None):
+        args = {"iter": iteration, "op_type": op.op_type}
+        for key, value in (extra or {}).items():
+            if key == "ready_s":  # a perf_counter time: on the trace's clock
+                args["ready_ts"] = round((value - self.t0) * 1e6, 1)
+            else:
+                args[key] = value
         ev = {"name": op.name, "cat": category, "ph": "X",
               "ts": (t_start - self.t0) * 1e6, "dur": (t_end - t_start) * 1e6,
-              "pid": self.rank, "tid": str(tid),
-              "args": {"iter": iteration, "op_type": op.op_type}}
+              "pid": self.rank, "tid": str(tid), "args": args}
         with self._lock:
             self.events.append(ev)
 
@@ -163,7 +171,8 @@ class SerialDispatcher(_Base):
 
 class EventDispatcher(_Base):
     """Event-driven: ops fire when their predecessors finish; one worker
-    thread per ``thread`` value; comm ops posted and progressed by the caller."""
+    thread per ``thread`` value; comm ops posted as soon as they are ready
+    (in ``seq`` order) by whichever thread readied them (``CommPoster``)."""
 
     def __init__(self, graph, **kw):
         super().__init__(graph, **kw)
@@ -195,6 +204,9 @@ class EventDispatcher(_Base):
         self._ready = {t: [] for t in threads}
         self._worker_cv = {t: threading.Condition(self._lock) for t in threads}
         self._stop = False
+        self._busy = 0  # workers running an op (the progress thread polls only at 0)
+        self._comm = CommPoster(self._comm_order, self._post_by_name, self._complete,
+                                self._record_comm, rank=self.rank)
         self._workers = [threading.Thread(target=self._worker, args=(t,), daemon=True,
                                           name=f"purine-worker-{t}") for t in threads]
         for w in self._workers:
@@ -210,21 +222,33 @@ class EventDispatcher(_Base):
                 if self._stop:
                     return
                 name = heapq.heappop(heap)[1]
+                self._busy += 1
             while name is not None:
                 op = self._ops[name]
                 try:
                     self._execute(op, tid)
+                    name = self._complete(name, tid)
+                    # post what this op made ready, test what is in flight
+                    self._comm.progress(self._ops)
                 except BaseException as exc:  # surfaced by run() on the caller
                     with self._lock:
                         self._error = exc
+                        self._busy -= 1
                         self._cv.notify()
                     break
-                name = self._complete(name, tid)
+                if name is None:
+                    with self._lock:
+                        if self._ready[tid] and self._error is None:
+                            name = heapq.heappop(self._ready[tid])[1]
+                        else:
+                            self._busy -= 1
+                            if self._busy == 0:
+                                self._cv.notify()  # the progress thread may poll now
 
     def _push_ready(self, name):
         """Queue a ready op (lock held)."""
         if self._is_comm[name]:
-            self._comm_ready.add(name)
+            self._comm.mark_ready(name)
             self._cv.notify()
             return
         t = self._thread_of[name]
@@ -247,6 +271,40 @@ class EventDispatcher(_Base):
                 return heapq.heappop(self._ready[tid])[1]
         return None
 
+    # ------------------------------------------------------------ comm ops
+    def _post_by_name(self, name):
+        """Post one comm op (under MPI_LOCK): its Pending, or None when done."""
+        result, _ = self._execute(self._ops[name], "comm")
+        return result
+
+    def _record_comm(self, op, t_post, t_done, extra):
+        if self.profiler is not None:
+            self.profiler.record(op, "comm", t_post, t_done, self.iteration, "comm", extra)
+
+    def comm_order(self):
+        """The comm ops' posting order (build-time ``seq`` unless changed)."""
+        return list(self._comm.order)
+
+    def comm_ready_order(self):
+        """The comm ops of the last iteration, ordered by when their inputs
+        were ready (the observed gradient-ready order)."""
+        ready = self._comm.ready_at
+        return sorted(self._comm.order, key=lambda n: (ready.get(n, float("inf")),
+                                                         self._comm.order.index(n)))
+
+    def set_comm_order(self, order):
+        """Post the comm ops in ``order`` from the next iteration on (the same
+        order on every rank: decide it on one rank and broadcast it)."""
+        self._comm.set_order(order)
+        self._comm_order = list(order)
+
+    def comm_post_latency(self):
+        """{op name: seconds from its inputs being ready to its post} for
+        the last iteration."""
+        c = self._comm
+        return {n: c.posted_at[n] - c.ready_at[n] for n in c.order
+                if n in c.posted_at and n in c.ready_at}
+
     # ------------------------------------------------------- progress loop
     def run(self, iteration=None):
         """Run every op once. Blocks until done; raises the first op error."""
@@ -256,59 +314,36 @@ class EventDispatcher(_Base):
         self._left = dict(self._ndeps)
         self._done, self._total = 0, len(self._ops)
         self._error = None
-        self._comm_ready = set()
+        self._comm.reset()
         self._last_progress = time.monotonic()
-        next_comm = 0
-        pending = []  # (op, Pending, t_post)
         with self._lock:
             for n in self._sources:
                 self._push_ready(n)
         while True:
             with self._lock:
-                if self._error is None and self._done < self._total and not pending and \
-                        not (next_comm < len(self._comm_order)
-                             and self._comm_order[next_comm] in self._comm_ready):
+                if self._error is None and self._done < self._total and \
+                        (self._busy or not self._comm.has_work()):
                     self._cv.wait(timeout=1.0)
                 if self._error is not None:
                     raise self._error
                 if self._done == self._total:
                     break
                 stalled_for = time.monotonic() - self._last_progress
-            # post comm ops strictly in seq order (the same on every rank)
-            while next_comm < len(self._comm_order) and \
-                    self._comm_order[next_comm] in self._comm_ready:
-                name = self._comm_order[next_comm]
-                next_comm += 1
-                op = self._ops[name]
-                result, t0 = self._execute(op, "comm")
-                if result is None:
-                    self._complete(name)
-                else:
-                    pending.append((op, result, t0))
-            if pending:
-                still = []
-                for op, p, t0 in pending:
-                    try:
-                        done = p.test()
-                        if done:
-                            p.finish()
-                    except Exception as exc:
-                        raise OpError(op, exc, self.rank) from exc
-                    if done:
-                        if self.profiler is not None:
-                            self.profiler.record(op, "comm", t0, time.perf_counter(),
-                                                 self.iteration, "comm")
-                        self._complete(op.name)
-                    else:
-                        still.append((op, p, t0))
-                pending = still
-                if pending:
-                    if time.monotonic() - min(t for _, _, t in pending) > self.stall_timeout \
+                idle = self._busy == 0
+            if idle and self._comm.has_work():
+                # every worker waits: drive the transfers from here
+                self._comm.progress(self._ops)
+                oldest = self._comm.oldest_post()
+                if oldest is not None:
+                    if time.perf_counter() - oldest > self.stall_timeout \
                             and stalled_for > self.stall_timeout:
-                        raise StallError(_stall_message(
-                            self.rank, [(o, p) for o, p, _ in pending], self.stall_timeout))
+                        raise StallError(_stall_message(self.rank, self._comm.in_flight(),
+                                                        self.stall_timeout))
                     time.sleep(self.poll_interval)
             elif stalled_for > self.stall_timeout:
+                in_flight = self._comm.in_flight()
+                if in_flight:
+                    raise StallError(_stall_message(self.rank, in_flight, self.stall_timeout))
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
                                  ", ".join(self._waiting_ops()[:10]))

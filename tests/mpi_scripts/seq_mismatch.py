@@ -24,7 +24,8 @@ assert n >= 2, "run with at least 2 ranks"
 
 def composed(bucket_mb):
     g, grads = build_train_graph(mlp_config(), r, n)
-    compose_data_parallel(g, grads, n, r, bucket_mb=bucket_mb, first_bucket_mb=0.0001)
+    compose_data_parallel(g, grads, n, r, bucket_mb=bucket_mb, first_bucket_mb=0.0001,
+                          min_buckets=1)
     return g
 
 
