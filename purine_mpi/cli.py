@@ -58,7 +58,10 @@ def build_parser():
                    help="with --init: layers that keep their fresh initialisation (fine-tuning "
                         "a changed layer)")
     p.add_argument("--profile", action="store_true",
-                   help="write a Chrome trace per rank (trace.rank<R>.json)")
+                   help="write a Chrome trace per rank (OUT/trace.rank<R>.json, streamed as "
+                        "the run goes; open it in Perfetto)")
+    p.add_argument("--profile-iters", metavar="A:B",
+                   help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
                    help="event-driven (default) or serial reference dispatcher")
 
@@ -135,6 +138,14 @@ def _out_dir(args, cfg):
     return args.out or os.path.join("runs", cfg.get("name", "net"))
 
 
+def _profile(args):
+    """False, True (the whole run) or an iteration window (--profile-iters)."""
+    if args.profile_iters is not None:
+        from .runtime.trace import parse_window
+        return parse_window(args.profile_iters)
+    return bool(args.profile)
+
+
 def cmd_train(args):
     from .runtime.stop import StopSignal
     StopSignal.install_early()  # before the slow imports and the graph build
@@ -144,7 +155,7 @@ def cmd_train(args):
         raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
                         "give --init too")
     return run_training(cfg, _out_dir(args, cfg), resume=args.resume, init=args.init,
-                        profile=args.profile, dispatcher=args.dispatcher,
+                        profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip)
 
 

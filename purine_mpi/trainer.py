@@ -26,8 +26,9 @@ from .io.data import source_info
 from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, loss_blobs,
                     metric_blobs)
-from .runtime.dispatcher import Profiler, make_dispatcher
+from .runtime.dispatcher import make_dispatcher
 from .runtime.stop import StopSignal
+from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
 
 
@@ -128,7 +129,12 @@ class Trainer:
         # (the node-local rank picks among several) and the stream dispatcher runs it
         self.device = configure_device(config, self.graph)
         self.params = [b.name for b in self.graph.params()]
-        self.profiler = Profiler(self.rank) if profile else None
+        # --profile: a Chrome trace streamed to OUT/trace.rank<R>.json; a
+        # (start, stop) window (--profile-iters A:B) keeps those iterations
+        self.profiler = None
+        if profile:
+            self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{self.rank}.json"),
+                                      self.rank, profile if isinstance(profile, tuple) else None)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      profiler=self.profiler,
                                      stall_timeout=float(par.get("stall_timeout", 300)),
@@ -477,11 +483,7 @@ class Trainer:
     def write_trace(self):
         if self.profiler is None:
             return None
-        os.makedirs(self.out_dir, exist_ok=True)
-        path = os.path.join(self.out_dir, f"trace.rank{self.rank}.json")
-        with open(path, "w") as f:
-            json.dump({"traceEvents": self.profiler.events, "displayTimeUnit": "ms"}, f)
-        return path
+        return self.profiler.close()
 
     def close(self):
         self.train.close()

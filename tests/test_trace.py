@@ -32,7 +32,15 @@ def test_profile_writes_a_chrome_trace_per_rank(tmp_path, digits_h5):
     for rank in (0, 1):
         with open(tmp_path / "run" / f"trace.rank{rank}.json") as f:
             events = json.load(f)["traceEvents"]
+        meta = [e for e in events if e["ph"] == "M"]
+        events = [e for e in events if e["ph"] != "M"]
         assert events
+        # metadata names the rank's process and every thread that has events
+        assert any(e["name"] == "process_name" and e["pid"] == rank
+                   and e["args"]["name"].startswith(f"rank {rank} ") for e in meta)
+        named = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+        assert {e["tid"] for e in events} == set(named)
+        assert named["comm"].startswith("MPI progress") and named["0"] == "worker thread 0"
         for e in events:
             assert e["ph"] == "X" and e["pid"] == rank and e["cat"] in CATEGORIES
             assert e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["tid"], str)

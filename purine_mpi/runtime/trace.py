@@ -1,0 +1,118 @@
+"""Chrome traces streamed to a file (``train --profile``).
+
+``TraceFile`` is a ``Profiler`` that writes its events to
+``trace.rank<R>.json`` as they come, in chunks, instead of keeping every
+event of the run in memory; with a window (``--profile-iters A:B``) it keeps
+only iterations ``A <= iter < B``. The file is Chrome's JSON object format
+(``{"traceEvents": [...], "displayTimeUnit": "ms"}``), complete after
+``close()``; Perfetto and ``chrome://tracing`` open it. Metadata events name
+the process (``rank R``) and each thread the first time it appears: worker
+threads by number, ``comm`` (the MPI progress thread), CUDA streams
+(``gpu<d>:<thread>``) and the copy streams ``h2d``/``d2h``.
+"""
+import json
+import os
+import socket
+import threading
+
+from ..errors import UserError
+from .dispatcher import Profiler
+
+
+def parse_window(text):
+    """``"A:B"`` -> (A, B) with 0 <= A < B (iterations A..B-1); either side
+    may be left out (``":50"``, ``"100:"``). A UserError otherwise."""
+    parts = str(text).split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start = int(parts[0]) if parts[0].strip() else 0
+        stop = int(parts[1]) if parts[1].strip() else None
+    except ValueError:
+        raise UserError(f"--profile-iters: expected A:B (trace iterations A to B-1, e.g. "
+                        f"100:110), got {text!r}") from None
+    if start < 0 or (stop is not None and stop <= start):
+        raise UserError(f"--profile-iters: expected 0 <= A < B, got {text!r}")
+    return start, stop
+
+
+def thread_label(tid):
+    tid = str(tid)
+    if tid.isdigit():
+        return f"worker thread {tid}"
+    if tid == "comm":
+        return "MPI progress (comm)"
+    if tid in ("h2d", "d2h"):
+        return f"copy stream {tid}"
+    if tid.startswith("gpu"):
+        return f"CUDA stream {tid}"
+    return tid
+
+
+class TraceFile(Profiler):
+    """A Profiler that streams to ``path`` (see the module docstring).
+
+    ``window``: (start, stop) iterations to keep, stop None for no end;
+    None keeps all. ``chunk``: events buffered before a write."""
+
+    def __init__(self, path, rank=0, window=None, chunk=2048):
+        super().__init__(rank)
+        self.path, self.window, self.chunk = path, window, int(chunk)
+        self.written = 0
+        self._threads = set()
+        self._io_lock = threading.Lock()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._first = True
+        self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",
+                    "args": {"name": f"rank {rank} ({socket.gethostname()}, pid {os.getpid()})"}})
+        self._meta({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": "0",
+                    "args": {"sort_index": rank}})
+
+    def _meta(self, event):
+        self.events.append(event)
+
+    def wants(self, iteration):
+        if self.window is None:
+            return True
+        start, stop = self.window
+        return iteration >= start and (stop is None or iteration < stop)
+
+    def record(self, op, category, t_start, t_end, iteration, tid):
+        if not self.wants(iteration):
+            return
+        tid = str(tid)
+        if tid not in self._threads:
+            with self._lock:
+                if tid not in self._threads:
+                    self._threads.add(tid)
+                    self.events.append({"name": "thread_name", "ph": "M", "pid": self.rank,
+                                        "tid": tid, "args": {"name": thread_label(tid)}})
+        super().record(op, category, t_start, t_end, iteration, tid)
+        if len(self.events) >= self.chunk:
+            self.flush()
+
+    def flush(self):
+        with self._lock:
+            events, self.events = self.events, []
+        if not events:
+            return
+        with self._io_lock:
+            if self._file is None:
+                return
+            text = ",\n".join(json.dumps(e, allow_nan=False) for e in events)
+            self._file.write(text if self._first else ",\n" + text)
+            self._first = False
+            self.written += len(events)
+            self._file.flush()
+
+    def close(self):
+        """Write what is buffered and end the JSON; returns the path."""
+        self.flush()
+        with self._io_lock:
+            if self._file is not None:
+                self._file.write("\n]}\n")
+                self._file.close()
+                self._file = None
+        return self.path
