@@ -79,7 +79,7 @@ class TraceFile(Profiler):
         start, stop = self.window
         return iteration >= start and (stop is None or iteration < stop)
 
-    def record(self, op, category, t_start, t_end, iteration, tid):
+    def record(self, op, category, t_start, t_end, iteration, tid, *more, **kw):
         if not self.wants(iteration):
             return
         tid = str(tid)
@@ -89,7 +89,7 @@ class TraceFile(Profiler):
                     self._threads.add(tid)
                     self.events.append({"name": "thread_name", "ph": "M", "pid": self.rank,
                                         "tid": tid, "args": {"name": thread_label(tid)}})
-        super().record(op, category, t_start, t_end, iteration, tid)
+        super().record(op, category, t_start, t_end, iteration, tid, *more, **kw)
         if len(self.events) >= self.chunk:
             self.flush()
 
