@@ -12,7 +12,6 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.checkpoint import remove_stale_temp_files
 from purine_mpi.trainer import Trainer
 
 from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
@@ -127,6 +126,7 @@ def test_edited_state_fails_its_checksum(trained, tmp_path):
 
 
 def test_temp_files_of_killed_writers_are_removed(trained, tmp_path):
+    from purine_mpi.io.checkpoint import remove_stale_temp_files
     out = tmp_path / "litter"
     out.mkdir()
     dead = out / "ckpt_171.h5.tmp.999999999"
