@@ -5,7 +5,7 @@ then the parallel composition (data-parallel buckets and allreduce, or the
 parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
 arrays."""
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .graph import Graph, seed_yaml
 from .graph.grad import build_backward
 from .graph.solver import add_solver
@@ -123,3 +123,33 @@ def build_test_graph(config, rank=0, world_size=1):
     g = g.prune(sinks)
     g.infer_shapes().validate()
     return g
+
+
+def kept_constant(blob):
+    """A learnable parameter that never moves from its constant filler."""
+    attrs = blob.attrs
+    return (attrs.get("learnable", True) and attrs.get("lr_mult", 1.0) == 0
+            and attrs.get("decay_mult", 1.0) == 0
+            and attrs.get("filler", {}).get("type") == "constant")
+
+
+def init_params(loaded, params, config, path, skip=()):
+    """The names of ``params`` to take from a weights file's ``loaded``
+    params (``--init`` / ``test --weights``): all of them, except those of
+    the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
+    its fresh initialisation). A parameter the file lacks is a user error
+    that lists what is missing, never a silent random weight."""
+    layers = {layer.get("name") for layer in config.get("net") or []}
+    unknown = sorted(set(skip) - layers)
+    if unknown:
+        raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "
+                        f"(layers: {', '.join(sorted(n for n in layers if n))})")
+    wanted = [p for p in params if p.split("/")[0] not in set(skip)]
+    missing = [p for p in wanted if p not in loaded]
+    if missing:
+        raise UserError(f"weights file '{path}' lacks {len(missing)} parameter(s) of this net: "
+                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} (the "
+                        f"file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
+                        f"{' ...' if len(loaded) > 8 else ''}); to leave a layer at its "
+                        "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+    return wanted

@@ -24,8 +24,9 @@ from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
 from .io.config import dump_config
 from .io.data import source_info
 from .layers.fillers import fill
-from .model import (build_test_graph, build_train_graph, check_data_labels, loss_blobs,
-                    metric_blobs)
+from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
+                    kept_constant, loss_blobs, metric_blobs)
+from .parallel.compose import Scheme, compose_pipeline, is_pipeline
 from .runtime.dispatcher import make_dispatcher
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
@@ -53,62 +54,13 @@ def world_mean(world, values, what="a metric mean"):
     return float(arr[0]) if np.ndim(values) == 0 else arr
 
 
-def is_pipeline(config, world):
-    par = config.get("parallel", {})
-    return world.size > 1 and par.get("scheme") == "pipeline"
-
-
-def compose(graph, grads, config, world):
-    """Apply the config's parallel scheme to this rank's training graph:
-    data parallel (gradient buckets + allreduce) or pipeline/model parallel
-    (layers placed on ranks by ``parallel.stages``, cut into slices joined by
-    Send/Recv)."""
-    par = config.get("parallel", {})
-    if world.size == 1 or par.get("scheme", "data") == "none":
-        return graph
-    if par.get("scheme") == "pipeline":
-        return compose_pipeline(graph, config, world)
-    if par.get("mode", "sync") == "sync":
-        from .parallel.data_parallel import compose_data_parallel
-        #: the bucket plan (``graph --np N`` prints it)
-        graph.bucket_plan = compose_data_parallel(
-            graph, grads, world.size, world.rank, bucket_mb=par.get("bucket_mb", 4),
-            first_bucket_mb=par.get("first_bucket_mb", 1),
-            min_buckets=par.get("min_buckets", 4),
-            check_collectives=par.get("check_collectives", False), world=world)
-        graph.infer_shapes().validate()
-        return graph
-    raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
-                    f"'{par.get('mode')}' runs through the parameter-server trainer")
-
-
-def compose_pipeline(graph, config, world):
-    """This rank's slice of a graph whose layers ``parallel.stages`` places
-    on ranks ({layer name: rank}); unlisted layers follow their input."""
-    from .parallel.model_parallel import compose_partitioned, layer_of, place_layers
-    stages = config["parallel"].get("stages") or {}
-    bad = {k: v for k, v in stages.items() if not 0 <= int(v) < world.size}
-    if not stages or bad:
-        raise UserError(f"{config.get('_path')}: key 'parallel.stages': scheme pipeline needs "
-                        f"a mapping layer -> rank in 0..{world.size - 1}"
-                        + (f"; out of range: {bad}" if bad else ""))
-    layers = {layer.get("name") for layer in config.get("net") or []}
-    unknown = sorted(set(stages) - layers)
-    if unknown:
-        raise UserError(f"{config.get('_path')}: key 'parallel.stages': no layer named "
-                        f"{', '.join(unknown)} in the net")
-    # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
-    present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
-    place_layers(graph, present)
-    return compose_partitioned(graph, world)
-
-
 class Trainer:
     """Builds this rank's graphs, initialises or restores state, runs."""
 
     def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None, init_skip=()):
+                 log=None, dispatcher=None, init_skip=(), scheme=None):
         self.config = config
+        self.scheme = scheme or Scheme()
         self.out_dir = out_dir
         self.world = world or get_world()
         self.rank, self.size = self.world.rank, self.world.size
@@ -178,9 +130,8 @@ class Trainer:
             self._resume(resume)
 
     def compose(self, graph):
-        """This rank's training graph from the single-replica one (the
-        parameter-server trainer overrides this)."""
-        return compose(graph, self.grads, self.config, self.world)
+        """This rank's training graph from the single-replica one."""
+        return self.scheme.compose(graph, self.grads, self.config, self.world)
 
     def step(self, it):
         """One training iteration. After this process's first one, the
@@ -228,7 +179,7 @@ class Trainer:
         if self.rank == 0:
             for line in report:
                 self.log(f"{path}: {line}")
-        fixed = {p for p in self.params if _kept_constant(self.graph.blobs[p])}
+        fixed = {p for p in self.params if kept_constant(self.graph.blobs[p])}
         for p in init_params(dict.fromkeys(set(values) | fixed), self.params, self.config, path,
                              init_skip):
             if p in values:
@@ -315,14 +266,15 @@ class Trainer:
 
     def agree_to_stop(self, done, diverged):
         """The stop code every rank agrees on after iteration ``done``
-        (StopSignal.agree); the parameter-server trainer adds its servers."""
-        return self.stop.agree(self.world, diverged)
+        (StopSignal.agree); a parameter-server worker adds its servers."""
+        return self.scheme.agree_to_stop(self, done, diverged)
 
     def _params_finite(self):
         """Whether every parameter of this rank is finite (no NaN or inf)."""
         return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
 
     def save(self, iteration):
+        self.scheme.before_save(self, iteration)
         self._last_saved = iteration
         state = self.state_dict()
         params = {p: to_numpy(self.ws[p]) for p in self.params}
@@ -491,36 +443,6 @@ class Trainer:
             self.test.close()
 
 
-def _kept_constant(blob):
-    """A learnable parameter that never moves from its constant filler."""
-    attrs = blob.attrs
-    return (attrs.get("learnable", True) and attrs.get("lr_mult", 1.0) == 0
-            and attrs.get("decay_mult", 1.0) == 0
-            and attrs.get("filler", {}).get("type") == "constant")
-
-
-def init_params(loaded, params, config, path, skip=()):
-    """The names of ``params`` to take from a weights file's ``loaded``
-    params (``--init`` / ``test --weights``): all of them, except those of
-    the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
-    its fresh initialisation). A parameter the file lacks is a user error
-    that lists what is missing, never a silent random weight."""
-    layers = {layer.get("name") for layer in config.get("net") or []}
-    unknown = sorted(set(skip) - layers)
-    if unknown:
-        raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "
-                        f"(layers: {', '.join(sorted(n for n in layers if n))})")
-    wanted = [p for p in params if p.split("/")[0] not in set(skip)]
-    missing = [p for p in wanted if p not in loaded]
-    if missing:
-        raise UserError(f"weights file '{path}' lacks {len(missing)} parameter(s) of this net: "
-                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} (the "
-                        f"file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
-                        f"{' ...' if len(loaded) > 8 else ''}); to leave a layer at its "
-                        "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
-    return wanted
-
-
 def _plain(obj):
     """Checkpointed RNG states come back with numpy scalars; make them ints."""
     if isinstance(obj, dict):
@@ -551,11 +473,27 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.check_consistent(dump_config(config), "resolved configuration")
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
-        from .parallel.param_server import run_param_server
         return run_param_server(config, out_dir, world, resume=resume, init=init,
                                 profile=profile, init_skip=init_skip)
     return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip),
+                          world)
+
+
+def run_param_server(config, out_dir, world, resume=None, init=None, profile=False,
+                     dispatcher=None, log=None, init_skip=()):
+    """``train`` on every rank of a parameter-server run: servers serve
+    (parallel.param_server.run_server_rank), workers train a Trainer over the
+    workers' World (metrics and checkpoints from rank 0, a worker). Returns
+    the exit status."""
+    from .parallel.param_server import WorkerScheme, run_server_rank, split_workers
+    config, sub = split_workers(config, world)
+    if sub is None:
+        return run_server_rank(config, out_dir, world, resume=resume, init=init,
+                               init_skip=init_skip)
+    return run_and_report(Trainer(config, out_dir, world=sub, resume=resume, init=init,
+                                  profile=profile, log=log, dispatcher=dispatcher,
+                                  init_skip=init_skip, scheme=WorkerScheme(config, world)),
                           world)
 
 

@@ -11,7 +11,7 @@ def compose_for(config, world_size, rank, phase="train"):
     from ..model import build_test_graph, build_train_graph
     if phase == "test":
         return build_test_graph(config, rank, world_size)
-    from ..trainer import compose, is_pipeline
+    from ..parallel.compose import compose, is_pipeline
     world = _OfflineWorld(rank, world_size)
     par = config.get("parallel", {})
     pipeline = is_pipeline(config, world)

@@ -36,7 +36,7 @@ def export_onnx(config, weights_path, out_path, batch=None):
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
     from ..io.checkpoint import load_params
     from ..model import forward_graph
-    from ..trainer import init_params
+    from ..model import init_params
     if not config.get("data", {}).get("test"):
         raise UserError(f"{config.get('_path')}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "

@@ -33,11 +33,13 @@ it is synchronous SGD; see ``synchronous_if_no_staleness``.)
 
 Interface (every function takes the *global* World unless it says so):
 
-    run_param_server(config, out_dir, world, resume=None, init=None,
-                     profile=False, dispatcher=None, log=None) -> 0
-        # ``train`` on every rank of a PS run: splits the ranks (worker_world),
-        # servers call run_server, workers run a Trainer over the workers'
-        # World whose graph comes from compose_param_server. Checkpoints
+    split_workers(config, world) -> (config, the workers' World or None)
+    run_server_rank(config, out_dir, world, resume=None, init=None) -> status
+    WorkerScheme(config, world)
+        # ``train`` on every rank of a PS run (trainer.run_param_server):
+        # splits the ranks, servers call run_server_rank, workers run a
+        # Trainer over the workers' World with the WorkerScheme, whose graph
+        # comes from compose_param_server. Checkpoints
         # (rank 0, a worker) hold the weights it pulled last and the servers'
         # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
         # the end for async), so --resume continues exactly in sync_ps.
@@ -59,6 +61,7 @@ from ..graph.solver import momentum_name
 from ..io.checkpoint import find_resumable
 from ..runtime.stop import StopSignal
 from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer
+from .compose import Scheme
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
 
@@ -285,7 +288,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     start = 0
     if init:
         from ..io.checkpoint import load_params
-        from ..trainer import init_params
+        from ..model import init_params
         loaded = load_params(init)
         wanted = init_params(loaded, owned, config, init, init_skip)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
@@ -374,76 +377,68 @@ def _recv_state(world, servers):
     return out
 
 
-def _make_worker_trainer(config, out_dir, sub_world, world, **kw):
-    """A Trainer over the workers' World whose training graph is the PS
-    worker graph, and whose checkpoints carry the servers' momenta."""
-    from .. import trainer as trainer_module
-    layout = ps_layout(world.size, config["parallel"].get("ps_ranks", 1))
-    mode = config["parallel"].get("mode")
+class WorkerScheme(Scheme):
+    """A worker's part (the trainer runs it over the workers' World): the PS
+    worker graph, the stop agreement with the servers, and checkpoints that
+    carry the servers' momenta. ``world`` is the global World."""
 
-    servers = layout["servers"]
-    max_iter = int(config["solver"]["max_iter"])
+    def __init__(self, config, world):
+        self.world = world
+        self.config = config
+        self.layout = ps_layout(world.size, config["parallel"].get("ps_ranks", 1))
+        self.mode = config["parallel"].get("mode")
+        self.max_iter = int(config["solver"]["max_iter"])
+        self.stopping = False
 
-    class PSWorkerTrainer(trainer_module.Trainer):
-        _stopping = False
+    def compose(self, graph, grads, config, world):
+        return compose_param_server(graph, grads, config, self.world)
 
-        def compose(self, graph):
-            return compose_param_server(graph, self.grads, self.config, world)
-
-        def agree_to_stop(self, done, diverged):
-            """sync_ps: workers and servers agree (the servers run in
-            lockstep). async: the workers agree, rank 0 first taking any stop
-            request a server sent, then telling the servers the outcome."""
-            if mode == "sync_ps":
-                code = self.stop.agree(world, diverged)
-            else:
-                if world.rank == 0:
+    def agree_to_stop(self, trainer, done, diverged):
+        """sync_ps: workers and servers agree (the servers run in lockstep).
+        async: the workers agree, rank 0 first taking any stop request a
+        server sent, then telling the servers the outcome."""
+        world, servers, stop = self.world, self.layout["servers"], trainer.stop
+        if self.mode == "sync_ps":
+            code = stop.agree(world, diverged)
+        else:
+            if world.rank == 0:
+                for s in servers:
+                    if world.comm.Iprobe(source=s, tag=STOP_REQUEST_TAG):
+                        name = world.comm.recv(source=s, tag=STOP_REQUEST_TAG)
+                        stop.name = stop.name or name
+            code = stop.agree(trainer.world, diverged)
+            if code and world.rank == 0:
+                if done != self.max_iter:
                     for s in servers:
-                        if world.comm.Iprobe(source=s, tag=STOP_REQUEST_TAG):
-                            name = world.comm.recv(source=s, tag=STOP_REQUEST_TAG)
-                            self.stop.name = self.stop.name or name
-                code = self.stop.agree(self.world, diverged)
-                if code and world.rank == 0:
-                    if done != max_iter:
-                        for s in servers:
-                            world.send_object(code, s, STOP_TAG, "the stop decision")
-                    elif code == StopSignal.DIVERGED:  # the servers sent their final state
-                        _recv_state(world, servers)
-            self._stopping = bool(code) and code != StopSignal.DIVERGED and done != max_iter
-            return code
+                        world.send_object(code, s, STOP_TAG, "the stop decision")
+                elif code == StopSignal.DIVERGED:  # the servers sent their final state
+                    _recv_state(world, servers)
+        self.stopping = bool(code) and code != StopSignal.DIVERGED and done != self.max_iter
+        return code
 
-        def save(self, iteration):
-            due = self._stopping or _state_transfer_due(config, iteration, self.start_iter,
-                                                        final_only=(mode == "async"))
-            if due and world.rank == 0:
-                # the servers hold the momenta: put them where save() looks
-                for p, m in _recv_state(world, layout["servers"]).items():
-                    self.ws.arrays[momentum_name(p)] = m
-            return super().save(iteration)
-
-    return PSWorkerTrainer(config, out_dir, world=sub_world, **kw)
+    def before_save(self, trainer, iteration):
+        due = self.stopping or _state_transfer_due(self.config, iteration, trainer.start_iter,
+                                                   final_only=(self.mode == "async"))
+        if due and self.world.rank == 0:
+            # the servers hold the momenta: put them where save() looks
+            for p, m in _recv_state(self.world, self.layout["servers"]).items():
+                trainer.ws.arrays[momentum_name(p)] = m
 
 
-def run_param_server(config, out_dir, world=None, resume=None, init=None, profile=False,
-                     dispatcher=None, log=None, init_skip=()):
-    """``train`` on every rank of a parameter-server run: servers serve,
-    workers train (metrics and checkpoints from rank 0, a worker). Returns the
-    exit status (143 when stopped by SIGTERM, else 0)."""
-    world = _global_world(world)
+def split_workers(config, world):
+    """(the config a PS run trains with, the workers' World or None on a
+    server). Collective: every rank calls it."""
     config = synchronous_if_no_staleness(config)
-    par = config.get("parallel", {})
-    sub = worker_world(world, par.get("ps_ranks", 1))
-    if sub is None:
-        # the same checkpoint the workers' Trainer resumes from
-        path = find_resumable(out_dir)[0] if resume == "auto" else resume
-        res = run_server(config, world, resume=path, init=init, init_skip=init_skip,
-                         stop=StopSignal())
-        # the same status as the workers (trainer.run_and_report)
-        if res["stop_code"] == StopSignal.DIVERGED:
-            return 3
-        return 143 if res["stopped_by"] == "SIGTERM" else 0
-    from ..trainer import run_and_report
-    return run_and_report(_make_worker_trainer(config, out_dir, sub, world, resume=resume,
-                                               init=init, profile=profile, log=log,
-                                               dispatcher=dispatcher, init_skip=init_skip),
-                          world)
+    return config, worker_world(world, config.get("parallel", {}).get("ps_ranks", 1))
+
+
+def run_server_rank(config, out_dir, world, resume=None, init=None, init_skip=()):
+    """``train`` on a server rank: serve, take part in the stop agreement,
+    and return the same exit status as the workers (trainer.run_and_report)."""
+    # the same checkpoint the workers' Trainer resumes from
+    path = find_resumable(out_dir)[0] if resume == "auto" else resume
+    res = run_server(config, world, resume=path, init=init, init_skip=init_skip,
+                     stop=StopSignal())
+    if res["stop_code"] == StopSignal.DIVERGED:
+        return 3
+    return 143 if res["stopped_by"] == "SIGTERM" else 0
