@@ -71,13 +71,17 @@ class CommPoster:
                                       and self.order[self.next] in self.ready_at)
 
     def progress(self, ops):
-        """Test what is in flight, complete what finished, post what is ready
-        (in order). Returns the number of ops completed."""
+        """Post what is ready (in order), test what is in flight, complete
+        what finished. Returns the number of ops completed."""
         if not self.has_work():
             return 0
         with MPI_LOCK:
-            done = self._test(ops)
-            done += self._post_ready(ops)
+            # post first: testing a large transfer in flight may itself move
+            # data for a while (MPI progresses inside Test), and a ready
+            # bucket should not wait behind that
+            done = self._post_ready(ops)
+            done += self._test(ops)
+            done += self._post_ready(ops)  # what the completions made ready
         return done
 
     def _post_ready(self, ops):
