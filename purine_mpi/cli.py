@@ -73,7 +73,9 @@ def build_parser():
 
     p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
     _common_config_args(p)
-    p.add_argument("--np", type=int, default=None, help="number of ranks to compose for")
+    p.add_argument("--np", type=int, default=None,
+                   help="number of ranks to compose for (the text format then ends with "
+                        "the data-parallel bucket plan)")
     p.add_argument("--rank", type=int, default=0, help="which rank's slice to print")
     p.add_argument("--format", choices=["text", "yaml", "dot"], default="text")
     p.add_argument("--phase", choices=["train", "test"], default="train")

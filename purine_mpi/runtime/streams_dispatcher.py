@@ -10,8 +10,10 @@ launched as soon as it is, because the dependencies are kept on the device:
   after the producer (``stream.wait_event``), the host never blocks;
 - a host op (CPU compute) after GPU work: the worker synchronises on the
   producer's event first, since the host reads the memory itself;
-- a communication op after GPU work: the progress thread polls the
-  producers' events (it never blocks, so the transfers in flight keep
+- a communication op after GPU work: whichever thread drives the comm
+  ops (``runtime/comm_progress.CommPoster``: the worker that launched its
+  last producer, or the progress thread while the workers are idle) polls
+  the producers' events (never blocking, so the transfers in flight keep
   moving) and posts the MPI call only when its input is complete on the
   device; ops are still posted in ``seq`` order. Its host-side device work
   (pinned staging, copy back, the 1/N scale) runs on its device's ``comm``
