@@ -46,10 +46,15 @@ def build_parser():
 
     p = sub.add_parser("train", help="train a network from a job YAML")
     _common_config_args(p)
-    p.add_argument("--out", help="output folder (default runs/<name>)")
+    p.add_argument("--out", help="output folder (default: a new numbered folder "
+                                 "runs/<name>/<N> for each run)")
+    p.add_argument("--force", action="store_true",
+                   help="start afresh in an --out that holds another run's files (they are "
+                        "deleted)")
     p.add_argument("--iters", type=int, help="override solver.max_iter")
     p.add_argument("--resume", metavar="CKPT.h5|auto",
-                   help="continue from a checkpoint (auto: OUT/latest.h5 if present)")
+                   help="continue from a checkpoint (auto: latest.h5 of --out, or of the "
+                        "newest runs/<name>/<N>; a fresh run if there is none)")
     p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel",
                    help="initialise parameters from a file; every parameter of the net must "
                         "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
@@ -140,6 +145,14 @@ def _out_dir(args, cfg):
     return args.out or os.path.join("runs", cfg.get("name", "net"))
 
 
+def _run_dir(args, cfg):
+    """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
+    from .io.rundir import prepare_run_dir
+    from .trainer import get_world
+    return prepare_run_dir(get_world(), cfg.get("name", "net"), args.out, args.resume,
+                           args.force)
+
+
 def _profile(args):
     """False, True (the whole run) or an iteration window (--profile-iters)."""
     if args.profile_iters is not None:
@@ -156,7 +169,7 @@ def cmd_train(args):
     if args.init_skip and not args.init:
         raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
                         "give --init too")
-    return run_training(cfg, _out_dir(args, cfg), resume=args.resume, init=args.init,
+    return run_training(cfg, _run_dir(args, cfg), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip)
 

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 
 import numpy as np
 
@@ -120,6 +121,8 @@ class Trainer:
                                         workspace=Workspace(self.test_graph, shared=shared),
                                         seed=self._op_seed())
         self.start_iter = 0
+        # checkpoints carry it; rotation deletes only this run's (and its resumes')
+        self.run_id = uuid.uuid4().hex
         self._last_saved = None  # iteration of the newest checkpoint this run wrote
         self.stop = StopSignal()
         if self.rank == 0:
@@ -262,6 +265,7 @@ class Trainer:
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])
+        self.run_id = str(ck.attrs.get("run_id") or "") or self.run_id
         self._last_saved = self.start_iter
 
     def agree_to_stop(self, done, diverged):
@@ -293,7 +297,7 @@ class Trainer:
         save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
                             params=params, solver=solver, state=state,
                             world_size=self.size, seed=self.seed,
-                            config_text=dump_config(self.config))
+                            config_text=dump_config(self.config), run_id=self.run_id)
 
     # -------------------------------------------------------------- loops
     def run(self):

@@ -111,7 +111,7 @@ def test_init_skip_fine_tunes_a_changed_layer(trained):
             np.testing.assert_array_equal(a["params"][name][...], b["params"][name][...])
         assert "classifier/weight" in b["params"]
     assert_user_error(run_cli_args("train", other, "--init", ckpt, "--init-skip", "nope",
-                                   "--out", out), "--init-skip", "nope")
+                                   "--out", out, "--force"), "--init-skip", "nope")
 
 
 def test_edited_state_fails_its_checksum(trained, tmp_path):

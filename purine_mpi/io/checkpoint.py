@@ -82,7 +82,7 @@ def _replaced_atomically(path):
 
 
 def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
-                    config_text=""):
+                    config_text="", run_id=""):
     """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
     import h5py
     path = str(path)
@@ -95,6 +95,8 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             f.attrs["world_size"] = int(world_size)
             f.attrs["seed"] = int(seed)
             f.attrs["config"] = str(config_text or "")
+            if run_id:  # the run (and its resumes) that wrote it: rotation keeps to its own
+                f.attrs["run_id"] = str(run_id)
             for section, values in (("params", params), ("solver", solver), ("state", state)):
                 _write_dict(f.create_group(section, track_order=True), values or {}, section)
             # the digest of what a reader gets back, so JSON-held values
@@ -318,7 +320,7 @@ def save_run_checkpoint(out_dir, iteration, keep=3, **kw):
     path = os.path.join(out_dir, f"ckpt_{int(iteration)}.h5")
     save_checkpoint(path, iteration=iteration, **kw)
     write_latest(out_dir, path)
-    rotate_checkpoints(out_dir, keep)
+    rotate_checkpoints(out_dir, keep, kw.get("run_id"))
     return path
 
 
@@ -343,15 +345,30 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def rotate_checkpoints(out_dir, keep):
+def rotate_checkpoints(out_dir, keep, run_id=None):
     """Delete ``ckpt_<iter>.h5`` files beyond the ``keep`` newest (keep <= 0:
-    keep all). ``latest.h5`` is never deleted. Returns the deleted paths."""
+    keep all). ``latest.h5`` is never deleted. With ``run_id``, only that
+    run's checkpoints (attribute ``run_id``) count and are deleted: another
+    run's files in the folder are left alone. Returns the deleted paths."""
     if keep is None or keep <= 0:
         return []
-    doomed = [path for _, path in list_checkpoints(out_dir)[:-keep]]
+    ours = list_checkpoints(out_dir)
+    if run_id:
+        ours = [(it, path) for it, path in ours if checkpoint_run_id(path) == run_id]
+    doomed = [path for _, path in ours[:-keep]]
     for path in doomed:
         os.remove(path)
     return doomed
+
+
+def checkpoint_run_id(path):
+    """The ``run_id`` attribute of a checkpoint file ('' if none or unreadable)."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return str(f.attrs.get("run_id", ""))
+    except (OSError, KeyError):
+        return ""
 
 
 def find_latest(out_dir):
