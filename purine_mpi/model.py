@@ -65,13 +65,17 @@ def metric_blobs(graph):
 def build_train_graph(config, rank=0, world_size=1):
     """The single-replica training graph for ``rank`` of ``world_size``
     (data sharded per DESIGN.md §6), before any parallel composition.
-    Returns (graph, grads) where grads maps param -> gradient blob."""
+    Returns (graph, grads) where grads maps param -> gradient blob. With
+    ``parallel.micro_batches: M`` the graph is built for one micro-batch
+    (B/M samples); the composition copies it M times."""
     path = config.get("_path")
     if config.get("graph") is not None:
         return graph_from_seed(config, rank, world_size)
     if not config.get("data", {}).get("train"):
         raise ConfigError(path, "data.train", "training needs a data.train section")
-    g = forward_graph(config, "train", config["data"]["train"], rank, world_size)
+    spec = dict(config["data"]["train"])
+    spec["batch_size"] //= int((config.get("parallel") or {}).get("micro_batches", 1))
+    g = forward_graph(config, "train", spec, rank, world_size)
     losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "

@@ -95,6 +95,9 @@ class Trainer:
         self.ws = self.train.workspace
         self._order_adopted = False
         self.losses = list(loss_blobs(self.graph))
+        # with micro-batches each copy's loss is its micro-batch's mean
+        self.loss_shares = [self.graph.blobs[b].attrs.get("micro_batch_share", 1.0)
+                            for b in self.losses]
         self.data_size = data_size
         self.test_graph = build_test_graph(config, data_rank, data_size)
         if self.test_graph is not None:
@@ -316,7 +319,8 @@ class Trainer:
         try:
             for it in range(self.start_iter, max_iter):
                 self.step(it)
-                loss_now = sum(float(self.ws[b]) for b in self.losses)
+                loss_now = sum(float(self.ws[b]) * share
+                               for b, share in zip(self.losses, self.loss_shares))
                 window_loss, window_n = window_loss + loss_now, window_n + 1
                 done = it + 1
                 if display and (done % display == 0 or done == max_iter):

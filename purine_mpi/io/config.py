@@ -49,7 +49,7 @@ SOLVER_DEFAULTS = {
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
     "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
-    "stages": {},
+    "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "shape", "classes",
@@ -180,6 +180,7 @@ def validate_config(config, path="<config>", check_files=True):
         raise ConfigError(path, "solver.type", f"parallel.mode {out['parallel']['mode']!r} "
                           f"(parameter servers) supports solver type 'sgd' only, got "
                           f"{out['solver']['type']!r}; use parallel.mode: sync")
+    _check_pipeline(out, path)
     out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
                                        CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
     if config.get("backend") is not None:
@@ -410,6 +411,7 @@ _PARALLEL_CHECKS = {
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
     "check_collectives": lambda key, value, path: _check_bool(key, value, path),
     "stages": lambda key, value, path: _check_stages(key, value, path),
+    "micro_batches": _int(1), "schedule": _choice(("1f1b", "gpipe")),
 }
 
 
@@ -420,6 +422,40 @@ def _check_stages(key, value, path):
         raise ConfigError(path, key, f"expected a mapping of layer name to rank, e.g. "
                                      f"{{conv1: 0, fc1: 1}}, got {value!r}")
     return value
+def _check_pipeline(out, path):
+    """Cross-key rules of parallel.micro_batches and parallel.stages."""
+    par = out["parallel"]
+    micro = par["micro_batches"]
+    if micro > 1:
+        if par["mode"] in ("async", "sync_ps"):
+            raise ConfigError(path, "parallel.micro_batches", f"parameter-server mode "
+                              f"{par['mode']!r} takes no micro-batches; use mode: sync")
+        train = (out.get("data") or {}).get("train") or {}
+        batch = train.get("batch_size")
+        if batch is not None and batch % micro:
+            raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
+                              f"divide data.train.batch_size {batch}; choose a divisor")
+    if par["scheme"] != "pipeline" or out.get("net") is None:
+        return
+    if not par["stages"]:
+        raise ConfigError(path, "parallel.stages", "scheme pipeline needs a mapping layer -> "
+                          "stage for every layer, e.g. {conv1: 0, fc1: 1}")
+    names = [layer.get("name") for layer in out["net"]]
+    unknown = sorted(set(par["stages"]) - set(names))
+    if unknown:
+        raise ConfigError(path, "parallel.stages", f"no layer named {', '.join(unknown)} in "
+                          "the net")
+    missing = [n for n in names if n not in par["stages"]]
+    if missing:
+        raise ConfigError(path, "parallel.stages", f"layer(s) {', '.join(missing)} have no "
+                          "stage; give every layer of the net a stage")
+    count = max(par["stages"].values()) + 1
+    empty = [s for s in range(count) if s not in par["stages"].values()]
+    if empty:
+        raise ConfigError(path, "parallel.stages", f"stage(s) {', '.join(map(str, empty))} "
+                          f"have no layers; number the stages 0..{count - 1 - len(empty)}")
+
+
 _CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
 
 

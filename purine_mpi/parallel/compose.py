@@ -16,6 +16,7 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
 from ..errors import UserError
+from .micro_batch import add_schedule, replicate_micro_batches
 
 
 class Scheme:
@@ -45,10 +46,14 @@ def compose(graph, grads, config, world):
     (layers placed on ranks by ``parallel.stages``, cut into slices joined by
     Send/Recv)."""
     par = config.get("parallel", {})
+    micro = int(par.get("micro_batches", 1))
+    copies = replicate_micro_batches(graph, grads, micro) if micro > 1 else None
+    if world.size > 1 and par.get("scheme") == "pipeline":
+        return compose_pipeline(graph, config, world, copies)
+    if copies:  # one stage: gradient accumulation
+        add_schedule(graph, copies, micro, par.get("schedule", "1f1b"), lambda op: 0, 1)
     if world.size == 1 or par.get("scheme", "data") == "none":
-        return graph
-    if par.get("scheme") == "pipeline":
-        return compose_pipeline(graph, config, world)
+        return graph.validate()
     if par.get("mode", "sync") == "sync":
         from .data_parallel import compose_data_parallel
         #: the bucket plan (``graph --np N`` prints it)
@@ -63,16 +68,20 @@ def compose(graph, grads, config, world):
                     f"'{par.get('mode')}' runs through the parameter-server trainer")
 
 
-def compose_pipeline(graph, config, world):
+def compose_pipeline(graph, config, world, copies=None):
     """This rank's slice of a graph whose layers ``parallel.stages`` places
-    on ranks ({layer name: rank}); unlisted layers follow their input."""
+    on ranks ({layer name: rank}); unlisted layers follow their input.
+    ``copies``: the micro-batch copies (replicate_micro_batches), ordered on
+    each stage by ``parallel.schedule``."""
     from .model_parallel import compose_partitioned, layer_of, place_layers
     stages = config["parallel"].get("stages") or {}
-    bad = {k: v for k, v in stages.items() if not 0 <= int(v) < world.size}
-    if not stages or bad:
-        raise UserError(f"{config.get('_path')}: key 'parallel.stages': scheme pipeline needs "
-                        f"a mapping layer -> rank in 0..{world.size - 1}"
-                        + (f"; out of range: {bad}" if bad else ""))
+    count = max(map(int, stages.values())) + 1 if stages else 0
+    if not stages or world.size != count:
+        why = ("is more than" if count and world.size % count == 0 else
+               "is not a multiple of") + f" the {count} stage(s)"
+        raise UserError(f"{config.get('_path')}: key 'parallel.stages': scheme pipeline runs "
+                        f"one rank per stage, but the world size {world.size} {why}; start "
+                        f"{count} rank(s) (mpiexec -n {count}) or change the stages")
     layers = {layer.get("name") for layer in config.get("net") or []}
     unknown = sorted(set(stages) - layers)
     if unknown:
@@ -81,4 +90,8 @@ def compose_pipeline(graph, config, world):
     # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
     present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
     place_layers(graph, present)
+    if copies:
+        par = config["parallel"]
+        add_schedule(graph, copies, par["micro_batches"], par.get("schedule", "1f1b"),
+                     lambda op: op.location.rank, world.size)
     return compose_partitioned(graph, world)

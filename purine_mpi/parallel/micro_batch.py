@@ -1,0 +1,162 @@
+"""Micro-batches: one replica's training graph with its forward/backward
+sub-graph copied once per micro-batch over shared weights
+(``parallel.micro_batches: M``), and the schedule that orders the copies.
+
+    replicate_micro_batches(graph, grads, M)   # in place
+    add_schedule(graph, M, "1f1b", stage_of)   # control edges, per stage
+
+Copy k of every op between the data and the gradients is named
+``<op>@mb<k>`` and writes ``<blob>@mb<k>``; weights, ``iter`` and ``lr`` are
+shared. The graph comes built for one micro-batch (model.build_train_graph
+reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
+of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` under DESIGN.md §6, so the
+samples (and their transforms) are exactly those of the batch without
+micro-batches. Each parameter's M gradients meet in one ``Sum`` op
+(``<grad>.micro_sum``) that writes the gradient the update reads, and the
+update's ``grad_scale`` is divided by M once: every copy's loss is its
+micro-batch mean, so the update sees the mean over the whole batch. Each
+copy's loss blob keeps its ``loss_weight`` and gets ``micro_batch_share``
+1/M, which the trainer uses to report the batch's loss.
+
+Schedules are control edges on each stage (a stage is a rank of a
+pipeline; the whole graph for ``scheme: data``), so the same dispatcher
+runs them:
+
+- ``gpipe``: F0 F1 … F(M−1), then B0 B1 … B(M−1);
+- ``1f1b``: stage s of p first runs min(p−s−1, M) forwards (warm-up), then
+  alternates one forward and one backward, then the remaining backwards.
+  A stage then holds the activations of at most p−s micro-batches at once
+  (GPipe: M).
+
+F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
+other ops (the backward pass); every op of a group waits for the last ops
+of the group before it on the same stage.
+"""
+import copy
+
+from ..model import loss_blobs
+from ..ops.solver import UPDATE_OP_TYPES
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def micro_name(name, k):
+    return f"{name}@mb{k}"
+
+
+def per_sample_ops(graph, grads):
+    """Names of the ops one micro-batch repeats: every ancestor of a
+    gradient or a loss (data, forward, backward), in graph order."""
+    targets = set(grads.values()) | set(loss_blobs(graph))
+    prod = graph.producers()
+    keep, stack = set(), list(targets)
+    while stack:
+        for op in prod.get(stack.pop(), ()):
+            if op.name not in keep:
+                keep.add(op.name)
+                stack.extend(op.inputs)
+    return [n for n in graph.ops if n in keep]
+
+
+def replicate_micro_batches(graph, grads, micro_batches):
+    """Copy the per-sample sub-graph ``micro_batches`` times (in place);
+    returns {op name of copy: (k, original op name)}."""
+    m = int(micro_batches)
+    names = per_sample_ops(graph, grads)
+    ops = [graph.ops[n] for n in names]
+    made = {b for op in ops for b in op.outputs}
+    grad_blobs = set(grads.values())
+    losses = loss_blobs(graph)
+    old_blobs = {b: graph.blobs[b] for b in made}
+    thread_of = {b: op.thread for op in ops for b in op.outputs}
+    for n in names:
+        del graph.ops[n]
+    for b in made:
+        del graph.blobs[b]
+    copies = {}
+    for k in range(m):
+        for b, blob in old_blobs.items():
+            new = copy.deepcopy(blob)
+            new.name = micro_name(b, k)
+            if new.alias_of in made:
+                new.alias_of = micro_name(new.alias_of, k)
+            if b in losses:
+                new.attrs["micro_batch_share"] = 1.0 / m
+            graph.blobs[new.name] = new
+        for op in ops:
+            attrs = copy.deepcopy(op.attrs)
+            if op.op_type == "DataReader":
+                attrs["rank"] = int(attrs.get("rank", 0)) * m + k
+                attrs["world_size"] = int(attrs.get("world_size", 1)) * m
+            name = micro_name(op.name, k)
+            graph.add_op(name, op.op_type,
+                         [micro_name(b, k) if b in made else b for b in op.inputs],
+                         [micro_name(b, k) for b in op.outputs], attrs, op.location, op.thread,
+                         op.accumulate,
+                         [micro_name(c, k) for c in op.control_inputs if c in names])
+            copies[name] = (k, op.name)
+    for grad in sorted(grad_blobs):  # the gradient the update reads, summed over copies
+        blob = copy.deepcopy(old_blobs[grad])
+        graph.blobs[grad] = blob
+        graph.add_op(f"{grad}.micro_sum", "Sum", [micro_name(grad, k) for k in range(m)],
+                     [grad], location=blob.location, thread=thread_of[grad])
+    for op in graph.ops.values():  # scaled once, before the update
+        if op.op_type in UPDATE_OP_TYPES and op.inputs[1] in grad_blobs:
+            op.attrs["grad_scale"] = float(op.attrs.get("grad_scale", 1.0)) / m
+    _reorder(graph)
+    return copies
+
+
+def _reorder(graph):
+    """Graph order = a topological order (the dispatchers' priorities and
+    the transfers' ``seq`` follow it)."""
+    order = graph.topo_order()
+    graph.ops = {op.name: op for op in order}
+
+
+def add_schedule(graph, copies, micro_batches, schedule, stage_of, stages):
+    """Control edges that make each stage run its micro-batch copies in
+    ``schedule`` order. ``stage_of(op)`` -> stage index in 0..stages-1."""
+    m = int(micro_batches)
+    cons = graph.consumers()
+    prod = graph.producers()
+    losses = set(loss_blobs(graph))
+    # forward = ops of a copy from which a loss is reachable
+    forward = set()
+    stack = [b for b in losses]
+    while stack:
+        for op in prod.get(stack.pop(), ()):
+            if op.name in copies and op.name not in forward:
+                forward.add(op.name)
+                stack.extend(op.inputs)
+    groups = {}
+    for name, (k, _) in copies.items():
+        op = graph.ops[name]
+        key = (stage_of(op), "F" if name in forward else "B", k)
+        groups.setdefault(key, []).append(name)
+    for s in range(stages):
+        order = stage_order(s, stages, m, schedule)
+        chain = [groups[(s, kind, k)] for kind, k in order if (s, kind, k) in groups]
+        for before, after in zip(chain, chain[1:]):
+            inside = set(before)
+            last = [n for n in before
+                    if not any(c.name in inside for b in graph.ops[n].outputs
+                               for c in cons.get(b, ()))]
+            after_set = set(after)
+            for n in after:
+                op = graph.ops[n]
+                if not any(p.name in after_set for b in op.inputs for p in prod.get(b, ())):
+                    op.control_inputs = list(dict.fromkeys(op.control_inputs + last))
+    _reorder(graph)
+
+
+def stage_order(stage, stages, micro_batches, schedule):
+    """[("F" | "B", micro-batch)] in the order stage ``stage`` runs them."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(stages - stage - 1, m)
+    order = [("F", k) for k in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", k) for k in range(m - warm, m)]

@@ -1,0 +1,136 @@
+"""Micro-batches (parallel.micro_batches) and pipeline schedules: the same
+global batch trains like one rank without micro-batches (float32
+tolerance: only the summation order differs), the schedules order each
+stage's copies as documented, and bad pipeline configs exit 2 naming the key."""
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.io.config import resolve_config
+from purine_mpi.parallel.micro_batch import stage_order
+from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+STAGES = {"conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "relu3": 1, "fc2": 1, "loss": 1}
+
+
+def _config(**parallel):
+    """A dropout-free tiny net on synthetic data, cut in two stages."""
+    return {
+        "name": "micro", "seed": 2,
+        "data": {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
+                           "batch_size": 8}},
+        "net": [
+            {"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
+             "num_output": 4, "kernel": 3, "pad": 1},
+            {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+            {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1", "pool": "max",
+             "kernel": 2, "stride": 2},
+            {"type": "fc", "name": "fc1", "bottom": "pool1", "top": "fc1", "num_output": 16},
+            {"type": "relu", "name": "relu3", "bottom": "fc1", "top": "fc1"},
+            {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 10},
+            {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"},
+        ],
+        "solver": {"base_lr": 0.05, "momentum": 0.9, "weight_decay": 0.001, "max_iter": 6,
+                   "display": 3, "test_interval": 0},
+        "parallel": parallel,
+    }
+
+
+def _params(path):
+    with h5py.File(path, "r") as f:
+        out = {}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) and name.startswith(("params", "solver"))
+                     else None)
+        return out
+
+
+def _close(a, b):
+    assert sorted(a) == sorted(b) and a
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _train_in_process(parallel, iters=5):
+    from purine_mpi.trainer import Trainer
+    t = Trainer(resolve_config(_config(**parallel)), "/nonexistent-unused", log=lambda m: None)
+    try:
+        losses = []
+        for it in range(iters):
+            t.ws["iter"][...] = it
+            t.train.run(it)
+            losses.append(sum(float(t.ws[b]) * s for b, s in zip(t.losses, t.loss_shares)))
+        return {p: t.ws[p].copy() for p in t.params}, losses
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("micro,schedule", [(2, "1f1b"), (4, "gpipe")])
+def test_gradient_accumulation_equals_the_whole_batch(micro, schedule):
+    ref, ref_loss = _train_in_process({"scheme": "data"})
+    got, got_loss = _train_in_process({"scheme": "data", "micro_batches": micro,
+                                       "schedule": schedule})
+    _close(ref, got)
+    np.testing.assert_allclose(ref_loss, got_loss, rtol=1e-5)
+
+
+def test_schedule_orders():
+    assert stage_order(0, 2, 4, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
+                                           ("F", 3), ("B", 2), ("B", 3)]
+    assert stage_order(1, 2, 4, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                           ("B", 2), ("F", 3), ("B", 3)]
+    assert stage_order(0, 2, 2, "gpipe") == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stage_slice_runs_in_schedule_order(tmp_path, schedule):
+    """The serial order of stage 0's slice (control edges of the schedule)."""
+    from purine_mpi.graph.inspect import compose_for
+    cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4,
+                                 schedule=schedule))
+    g = compose_for(cfg, 2, 0)
+    seen = []
+    for op in g.topo_order():
+        if "@mb" in op.name and op.op_type not in ("Send", "Recv", "DataReader"):
+            step = ("B" if ".bwd." in op.name else "F", int(op.name.rsplit("@mb", 1)[1]))
+            if not seen or seen[-1] != step:
+                seen.append(step)
+    assert seen == stage_order(0, 2, 4, schedule)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_with_micro_batches_matches_one_rank(tmp_path, schedule):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    one = write_config_file(tmp_path, _config(scheme="data"), "one.yaml")
+    many = write_config_file(tmp_path, _config(scheme="pipeline", stages=STAGES,
+                                               micro_batches=4, schedule=schedule), "many.yaml")
+    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
+    assert r1.returncode == 0, r1.stderr
+    r2 = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", many,
+                         "--out", tmp_path / "many"], cwd=REPO, env=cli_env(),
+                        capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 0, r2.stderr
+    _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
+
+
+@pytest.mark.parametrize("parallel,np_,key,words", [
+    ({"scheme": "pipeline", "stages": {k: v for k, v in STAGES.items() if k != "fc2"}}, 2,
+     "parallel.stages", "fc2"),
+    ({"scheme": "pipeline", "stages": dict(STAGES, fc1=2, relu3=2, fc2=2, loss=2)}, 3,
+     "parallel.stages", "stage(s) 1 have no layers"),
+    ({"scheme": "pipeline", "stages": STAGES}, 3, "parallel.stages", "not a multiple"),
+    ({"scheme": "data", "micro_batches": 3}, 1, "parallel.micro_batches", "batch_size 8"),
+])
+def test_bad_pipeline_config_exits_2(tmp_path, parallel, np_, key, words):
+    cfg = write_config_file(tmp_path, _config(**parallel))
+    res = run_cli_args("graph", cfg, "--np", str(np_))
+    assert res.returncode == 2, res.stderr
+    assert f"'{key}'" in res.stderr and words in res.stderr and "Traceback" not in res.stderr
