@@ -51,7 +51,8 @@ def test_defaults_are_filled(cfg_dir):
                                   "first_bucket_mb": 1, "min_buckets": 4, "ps_ranks": 1,
                                   "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,
-                                  "stages": {}}
+                                  "stages": {}, "micro_batches": 1,
+                                  "schedule": "1f1b"}
     assert config["checkpoint"] == {"interval": 0, "keep": 3}
     assert config["data"]["train"]["shuffle"] is True
     assert config["data"]["test"]["shuffle"] is False
