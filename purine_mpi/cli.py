@@ -214,7 +214,8 @@ def cmd_data(args):
         if not args.source:
             raise UserError("data cifar10 needs --from DIR (the folder holding data_batch_1..5 "
                             "and test_batch from the CIFAR-10 python version)")
-        datasets.write_cifar10(args.source, args.out)
+        datasets.write_cifar10(args.source, args.out,
+                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(f"wrote {args.out}")
     return 0
 

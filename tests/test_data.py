@@ -197,16 +197,22 @@ def test_write_cifar10(tmp_path):
     src.mkdir()
     batches = fake_cifar(src)
     out = str(tmp_path / "cifar.h5")
-    summary = write_cifar10(str(tmp_path), out)  # finds the cifar-10-batches-py folder
+    lines = []
+    summary = write_cifar10(str(tmp_path), out, log=lines.append)  # finds the -py folder
     train_u8 = np.concatenate([batches[f"data_batch_{i}"][b"data"] for i in range(1, 6)])
     train_u8 = train_u8.reshape(-1, 3, 32, 32)
-    mean = train_u8.astype(np.float64).mean(axis=(0, 2, 3)) / 255
+    mean = train_u8.astype(np.float64).mean(axis=(0, 2, 3))
     with h5py.File(out, "r") as f:
         assert f["train/data"].shape == (20, 3, 32, 32) and f["test/data"].shape == (4, 3, 32, 32)
         np.testing.assert_allclose(f.attrs["mean"], mean, rtol=1e-6)
-        np.testing.assert_allclose(f["train/data"][...],
-                                   train_u8 / 255 - mean[None, :, None, None], atol=1e-6)
+        # the pixels as they are: uint8, chunked and compressed
+        data = f["train/data"]
+        assert data.dtype == np.uint8 and data.chunks is not None
+        assert data.compression == "gzip" and data.chunks[1:] == (3, 32, 32)
+        np.testing.assert_array_equal(data[...], train_u8)
         np.testing.assert_array_equal(f["test/label"][...], batches["test_batch"][b"labels"])
+    assert "read data_batch_5 (20 training images)" in lines
+    assert "wrote 20/20 train samples" in lines and "wrote 4/4 test samples" in lines
     assert summary["train"] == 20
     (src / "data_batch_3").write_bytes(b"garbage")
     with pytest.raises(UserError, match="data_batch_3"):

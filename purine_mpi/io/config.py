@@ -52,7 +52,7 @@ PARALLEL_DEFAULTS = {
     "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
-DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "shape", "classes",
+DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "shape", "classes",
              "num_samples", "seed") + TRANSFORM_KEYS
 SYNTHETIC_NUM_SAMPLES = 1024
 
@@ -273,6 +273,12 @@ def _check_data_spec(phase, spec, path, check_files):
             raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
                                                    f"{spec.get('path')!r}")
         out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
+        in_memory = spec.get("in_memory", "auto")
+        if in_memory not in ("auto", True, False):
+            raise ConfigError(path, f"{key}.in_memory", "expected auto (load the split when it "
+                              "fits in a quarter of the memory), true or false (read each "
+                              f"batch from the file), got {in_memory!r}")
+        out["in_memory"] = in_memory
         split = spec.get("split")
         if split is not None and (not isinstance(split, str) or not split):
             raise ConfigError(path, f"{key}.split",

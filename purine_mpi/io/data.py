@@ -1,7 +1,9 @@
 """Data sources and the data-parallel batching rule.
 
-A source holds ``n_samples`` samples of one ``sample_shape`` (float32) with
-int64 labels and returns any of them by index (``gather``). The order in
+A source holds ``n_samples`` samples of one ``sample_shape`` (float32, or
+uint8 for an HDF5 file stored as bytes) with int64 labels and returns any of
+them by index (``gather``). An HDF5 split that does not fit the memory budget
+is read batch by batch from its (chunked) datasets instead of being loaded. The order in
 which samples are read is fixed by ``batch_indices`` (DESIGN.md section 6):
 
     with N ranks and per-rank batch B, iteration t reads the global sample
@@ -14,6 +16,7 @@ So N ranks x B read exactly the samples of 1 rank x N*B, and a run's data
 order does not depend on how it is split over ranks.
 """
 import os
+import resource
 import threading
 from collections import OrderedDict
 
@@ -53,9 +56,10 @@ def hdf5_info(path, split=None):
     with f:
         group, where = _split_group(f, path, split)
         data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
-        if data.ndim != 4 or data.dtype.kind != "f":
-            raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float "
-                            f"(N x C x H x W), got shape {list(data.shape)} dtype {data.dtype}")
+        if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
+            raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
+                            f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
+                            f"{data.dtype}")
         if label.ndim != 1 or label.dtype.kind not in "iu":
             raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
                             f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
@@ -85,53 +89,105 @@ def _dataset(group, name, path, where):
     return group[name]
 
 
+def memory_budget():
+    """Bytes of decoded data an HDF5 split may occupy in memory: a quarter of
+    the physical memory, or of the address-space limit (``ulimit -v``) when
+    that is lower; ``PURINE_DATA_MEMORY_MB`` overrides it."""
+    if os.environ.get("PURINE_DATA_MEMORY_MB"):
+        return int(float(os.environ["PURINE_DATA_MEMORY_MB"]) * (1 << 20))
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        budget = min(budget, limit)
+    return budget // 4
+
+
 class HDF5Source(DataSource):
     """A split of an HDF5 data file (``/split/data``, ``/split/label``, or the
-    top-level ``data``/``label`` when ``split`` is None).
+    top-level ``data``/``label`` when ``split`` is None), float or uint8.
 
-    The split is loaded into memory (as float32 / int64) once per process and
-    shared between readers of the same file; the data sets used here are
-    small. A larger-than-memory set would instead read the rows of each batch
-    by index (``h5py`` fancy indexing over sorted indices) in ``gather``,
-    which the prefetch thread already overlaps with compute."""
+    ``in_memory`` (the data spec's key): ``auto`` (default) loads the split
+    into memory once per process, shared between readers of the same file,
+    when it fits ``memory_budget()``; otherwise (or with ``false``) every
+    ``gather`` reads just the rows of its batch from the file (sorted, unique
+    indices through h5py, with a chunk cache), in the prefetch thread, so a
+    split larger than memory trains. Either way the sample order is the one
+    of DESIGN §6 and uint8 stays uint8 until the transform step. Labels (N
+    integers) are always in memory."""
 
     _cache = {}
     _cache_lock = threading.Lock()
+    #: h5py's chunk cache per open file in the on-demand mode
+    CHUNK_CACHE_BYTES = 64 << 20
 
-    def __init__(self, path, split=None):
+    def __init__(self, path, split=None, in_memory="auto"):
         self.path, self.split = path, split
         self.n_samples, self.sample_shape = hdf5_info(path, split)
+        self.where = "/" if split is None else f"/{split}/"
+        decoded = self.n_samples * int(np.prod(self.sample_shape)) * 4
+        self.in_memory = in_memory is True or (in_memory in ("auto", None)
+                                               and decoded <= memory_budget())
         stat = os.stat(path)
-        key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size)
+        key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size, self.in_memory)
         with self._cache_lock:
             cached = self._cache.get(key)
             if cached is None:
                 cached = self._cache[key] = self._load()
         self.data, self.labels = cached
+        self._file = None
+        self._read_lock = threading.Lock()
 
     def _load(self):
         import h5py
         try:
             with h5py.File(self.path, "r") as f:
                 group = f if self.split is None else f[self.split]
-                data = np.ascontiguousarray(group["data"][...], dtype=np.float32)
                 labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                data = None
+                if self.in_memory:
+                    stored = group["data"]
+                    dtype = np.uint8 if stored.dtype == np.uint8 else np.float32
+                    data = np.ascontiguousarray(stored[...], dtype=dtype)
         except (OSError, KeyError) as e:
             raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
                             f"({e}); the file may be truncated") from None
-        where = "/" if self.split is None else f"/{self.split}/"
-        finite = np.isfinite(data.reshape(len(data), -1)).all(axis=1)
-        if not finite.all():
-            bad = np.flatnonzero(~finite)
-            raise UserError(f"data file '{self.path}': dataset '{where}data' holds non-finite "
-                            f"values (NaN or inf) in {len(bad)} sample(s), the first at index "
-                            f"{int(bad[0])}; training on them would give a NaN loss")
-        data.setflags(write=False)  # shared between readers: nobody may change it
+        if data is not None:
+            self._check_finite(data, 0)
+            data.setflags(write=False)  # shared between readers: nobody may change it
         labels.setflags(write=False)
         return data, labels
 
+    def _check_finite(self, data, first_index, indices=None):
+        if data.dtype.kind != "f":
+            return
+        finite = np.isfinite(data.reshape(len(data), -1)).all(axis=1)
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            at = int(bad[0]) + first_index if indices is None else int(indices[bad[0]])
+            raise UserError(f"data file '{self.path}': dataset '{self.where}data' holds "
+                            f"non-finite values (NaN or inf) in {len(bad)} sample(s), the "
+                            f"first at index {at}; training on them would give a NaN loss")
+
     def gather(self, indices):
-        return self.data[indices], self.labels[indices]
+        if self.data is not None:
+            return self.data[indices], self.labels[indices]
+        import h5py
+        indices = np.asarray(indices, dtype=np.int64)
+        unique, inverse = np.unique(indices, return_inverse=True)
+        with self._read_lock:
+            if self._file is None:
+                self._file = h5py.File(self.path, "r", rdcc_nbytes=self.CHUNK_CACHE_BYTES,
+                                       rdcc_nslots=10007)
+            dset = self._file["data"] if self.split is None else self._file[self.split]["data"]
+            try:
+                rows = dset[unique]
+            except (OSError, KeyError) as e:
+                raise UserError(f"data file '{self.path}': reading '{self.where}data' failed "
+                                f"({e}); the file may be truncated") from None
+        if rows.dtype != np.uint8:
+            rows = rows.astype(np.float32, copy=False)
+        self._check_finite(rows, 0, unique)
+        return rows[inverse.reshape(-1)], self.labels[indices]
 
 
 class SyntheticSource(DataSource):
@@ -171,7 +227,7 @@ def make_source(spec, seed=0):
     ``seed`` is used for synthetic data when the spec gives no ``seed``."""
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
-        return HDF5Source(spec["path"], spec.get("split"))
+        return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
     if kind == "synthetic":
         s = spec.get("seed")
         return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
@@ -189,7 +245,7 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
             raise UserError(f"data: synthetic source has {spec.get('classes')} classes but "
                             f"layer '{layer}' sees {classes} (check its input's num_output)")
         return
-    source = HDF5Source(spec["path"], spec.get("split"))
+    source = HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
     labels = source.labels
     bad = (labels < 0) | (labels >= classes)
     if ignore_label is not None:

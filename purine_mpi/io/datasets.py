@@ -42,35 +42,38 @@ def write_digits(out_path, test_size=360, seed=0):
             "shape": list(data.shape[1:]), "classes": 10}
 
 
-def write_cifar10(src_dir, out_path):
+def write_cifar10(src_dir, out_path, log=None):
     """Write CIFAR-10 from its python batches (``data_batch_1..5``,
-    ``test_batch`` in ``src_dir`` or ``src_dir/cifar-10-batches-py``):
-    3 x 32 x 32 float32, pixel / 255 minus the per-channel mean of the
-    training images (stored as the root attribute ``mean``). Returns a
+    ``test_batch`` in ``src_dir`` or ``src_dir/cifar-10-batches-py``): the
+    3 x 32 x 32 uint8 pixels as they are (a quarter of float32's size),
+    chunked and gzip-compressed, so the loader reads batches straight from
+    the file; the per-channel mean of the training pixels (0..255) is the
+    root attribute ``mean``, for the data spec's ``mean``/``scale`` keys
+    (jobs/cifar10_quick_hdf5.yaml). Progress lines go to ``log``. Returns a
     summary dict."""
     if os.path.isdir(os.path.join(src_dir, "cifar-10-batches-py")):
         src_dir = os.path.join(src_dir, "cifar-10-batches-py")
     if not os.path.isdir(src_dir):
         raise UserError(f"CIFAR-10 source directory '{src_dir}' not found; download and unpack "
                         "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
-    train = [_read_cifar_batch(src_dir, name) for name in CIFAR_TRAIN_BATCHES]
+    log = log or (lambda msg: None)
+    train = []
+    for name in CIFAR_TRAIN_BATCHES:
+        train.append(_read_cifar_batch(src_dir, name))
+        log(f"read {name} ({sum(len(y) for _, y in train)} training images)")
     test = _read_cifar_batch(src_dir, CIFAR_TEST_BATCH)
+    log(f"read {CIFAR_TEST_BATCH} ({len(test[1])} test images)")
     # the mean over every training pixel of each channel, accumulated exactly
     # from the uint8 values so it does not depend on float summation order
     totals = sum(images.sum(axis=(0, 2, 3), dtype=np.int64) for images, _ in train)
     count = sum(images.shape[0] for images, _ in train) * 32 * 32
-    mean = (totals / count / 255.0).astype(np.float32)
-
-    def scaled(images):
-        out = images.astype(np.float32) / np.float32(255.0)
-        out -= mean[None, :, None, None]
-        return out
+    mean = (totals / count).astype(np.float32)
 
     splits = {"train": ([x for x, _ in train], [y for _, y in train]),
               "test": ([test[0]], [test[1]])}
-    attrs = {"source": "CIFAR-10 python batches", "scale": "pixel / 255 - mean",
+    attrs = {"source": "CIFAR-10 python batches", "pixels": "uint8 0..255, not normalised",
              "mean": mean, "classes": 10}
-    _write_splits(out_path, splits, attrs, transform=scaled)
+    _write_splits(out_path, splits, attrs, log=log)
     return {"path": out_path, "train": sum(len(y) for y in splits["train"][1]),
             "test": len(test[1]), "shape": [3, 32, 32], "classes": 10,
             "mean": [float(m) for m in mean]}
@@ -119,10 +122,15 @@ def _read_cifar_batch(src_dir, name):
     return data.reshape(-1, 3, 32, 32), labels
 
 
-def _write_splits(out_path, splits, attrs, transform=None):
-    """Write {split: (data or list of chunks, labels or list)} atomically;
-    ``transform`` maps each data chunk to float32 as it is written (so the
-    600 MB of CIFAR's float training set never sit in memory at once)."""
+#: target bytes of one HDF5 chunk of the data sets we write
+CHUNK_BYTES = 64 << 10
+
+
+def _write_splits(out_path, splits, attrs, log=None):
+    """Write {split: (data or list of chunks, labels or list)} atomically.
+    Data keeps its dtype (uint8 pixels stay uint8, anything else is
+    float32), in chunks of whole samples of about CHUNK_BYTES, compressed
+    (shuffle + gzip), so a reader of a few samples decodes little."""
     import h5py
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
@@ -136,12 +144,19 @@ def _write_splits(out_path, splits, attrs, transform=None):
                 label_chunks = labels if isinstance(labels, list) else [labels]
                 n = sum(len(c) for c in chunks)
                 group = f.create_group(split)
-                dset = group.create_dataset("data", shape=(n,) + chunks[0].shape[1:],
-                                            dtype=np.float32)
+                dtype = np.uint8 if chunks[0].dtype == np.uint8 else np.float32
+                sample = chunks[0].shape[1:]
+                rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
+                                                      * int(np.prod(sample)))))
+                dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
+                                            chunks=(rows,) + sample, compression="gzip",
+                                            compression_opts=4, shuffle=True)
                 start = 0
                 for chunk in chunks:
-                    dset[start:start + len(chunk)] = transform(chunk) if transform else chunk
+                    dset[start:start + len(chunk)] = chunk
                     start += len(chunk)
+                    if log:
+                        log(f"wrote {start}/{n} {split} samples")
                 group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
         os.replace(tmp, out_path)
     except BaseException:
