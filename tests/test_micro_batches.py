@@ -121,6 +121,24 @@ def test_pipeline_with_micro_batches_matches_one_rank(tmp_path, schedule):
     _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
 
 
+@pytest.mark.mpi
+def test_data_parallel_with_micro_batches_matches_one_rank(tmp_path):
+    """2 ranks x batch 8 in 2 micro-batches == 1 rank x batch 16."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = _config(scheme="data")
+    cfg["data"]["train"]["batch_size"] = 16
+    one = write_config_file(tmp_path, cfg, "one.yaml")
+    many = write_config_file(tmp_path, _config(scheme="data", micro_batches=2), "many.yaml")
+    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
+    assert r1.returncode == 0, r1.stderr
+    r2 = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", many,
+                         "--out", tmp_path / "many"], cwd=REPO, env=cli_env(),
+                        capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 0, r2.stderr
+    _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
+
+
 @pytest.mark.parametrize("parallel,np_,key,words", [
     ({"scheme": "pipeline", "stages": {k: v for k, v in STAGES.items() if k != "fc2"}}, 2,
      "parallel.stages", "fc2"),

@@ -133,7 +133,9 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
                         "for a graph with locations use parallel.scheme: pipeline")
     for op in graph.ops.values():
         if op.op_type == "DataReader":
-            op.attrs["rank"], op.attrs["world_size"] = int(rank), int(world_size)
+            # micro-batch k of M (micro_batch.py) is replica rank·M + k of world_size·M
+            m, k = int(op.attrs.get("micro_batches", 1)), int(op.attrs.get("micro_batch", 0))
+            op.attrs["rank"], op.attrs["world_size"] = int(rank) * m + k, int(world_size) * m
     place_on_rank(graph, rank)
     grads = {p: g for p, g in grads.items() if g in graph.blobs}
     producers = graph.producers()

@@ -88,6 +88,7 @@ def replicate_micro_batches(graph, grads, micro_batches):
             if op.op_type == "DataReader":
                 attrs["rank"] = int(attrs.get("rank", 0)) * m + k
                 attrs["world_size"] = int(attrs.get("world_size", 1)) * m
+                attrs["micro_batch"], attrs["micro_batches"] = k, m
             name = micro_name(op.name, k)
             graph.add_op(name, op.op_type,
                          [micro_name(b, k) if b in made else b for b in op.inputs],
