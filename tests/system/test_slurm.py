@@ -92,15 +92,8 @@ def test_sbatch_two_ranks_trains_digits(slurm_cluster, tmp_path):
                           "--iters", "300", "--set", "solver.test_interval=0"],
                          env=env, capture_output=True, text=True, check=True)
     job_id = job.stdout.strip().split(";")[0]
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        q = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True)
-        if not q.stdout.strip():
-            break
-        time.sleep(0.5)
-    else:
-        subprocess.run(["scancel", job_id], env=env)
-        pytest.fail("the SLURM job did not finish in 240 s")
+    state = _wait_for_job(env, job_id, 240)
+    assert state == "COMPLETED", state
     log = (work / f"purine-digits-{job_id}.out").read_text()
     records = [json.loads(line) for line in
                (work / "runs" / "digits_lenet_slurm" / "metrics.jsonl").read_text().splitlines()]
@@ -114,10 +107,49 @@ def test_sbatch_two_ranks_trains_digits(slurm_cluster, tmp_path):
         assert f.attrs["iteration"] == 300
 
 
-def _squeue_state(env, job_id):
-    q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                       text=True)
-    return q.stdout.strip()
+_FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _job(env, job_id):
+    """The job's ``scontrol show job`` fields, or None once SLURM has forgotten it.
+    A transient failure of the controller (busy under load) is retried, never
+    mistaken for a finished job."""
+    for _ in range(20):
+        q = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
+                           capture_output=True, text=True)
+        if q.returncode == 0 and "JobState=" in q.stdout:
+            return dict(re.findall(r"(\w+)=(\S*)", q.stdout))
+        if "Invalid job id" in q.stderr:
+            return None
+        time.sleep(0.5)
+    raise AssertionError(f"scontrol show job {job_id} keeps failing: {q.stderr}")
+
+
+def _wait_for_job(env, job_id, timeout, min_restarts=0):
+    """Wait until the job reaches a final state and return it. A requeued job
+    waits in PENDING (reason BeginTime, about 2 min by default) before it may
+    start again; release it at once (the reason is set only a moment after the
+    requeue, so keep releasing while it shows). A final state counts only once
+    the job has been restarted ``min_restarts`` times."""
+    deadline = time.time() + timeout
+    state = None
+    try:
+        while time.time() < deadline:
+            job = _job(env, job_id)
+            if job is None:
+                return state
+            state = job["JobState"]
+            if state in _FINAL_STATES and int(job.get("Restarts", 0)) >= min_restarts:
+                return state
+            if state == "PENDING" and job.get("Reason") == "BeginTime":
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                               env=env, capture_output=True)
+            time.sleep(0.5)
+        pytest.fail(f"SLURM job {job_id} did not finish in {timeout} s (state {state})")
+    finally:
+        if state not in _FINAL_STATES:
+            subprocess.run(["scancel", job_id], env=env)
 
 
 def test_preempted_job_requeues_and_matches_uninterrupted_run(slurm_cluster, tmp_path):
@@ -153,18 +185,11 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(slurm_cluster, tmp
         else:
             pytest.fail("the job never got going: " + (log.read_text() if log.exists() else ""))
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-        deadline = time.time() + 400
-        released = False
-        while time.time() < deadline and _squeue_state(env, job_id):
-            if not released and _squeue_state(env, job_id) == "PENDING":
-                # SLURM holds a requeued job for a while (~3 min here); release it now
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                               env=env, capture_output=True)
-                released = True
-            time.sleep(0.5)
-        assert not _squeue_state(env, job_id), "the job did not finish in 400 s: " + log.read_text()
-    finally:
+    except BaseException:
         subprocess.run(["scancel", job_id], env=env)
+        raise
+    state = _wait_for_job(env, job_id, 400, min_restarts=1)
+    assert state == "COMPLETED", f"{state}: " + log.read_text()
     text = log.read_text()
     assert "SLURM_RESTART_COUNT=0" in text and "SLURM_RESTART_COUNT=1" in text, text
     assert "SLURM_RESTART_COUNT=2" not in text, text  # the finished run did not requeue
