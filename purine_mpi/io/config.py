@@ -29,6 +29,7 @@ import os
 import yaml
 
 from ..errors import ConfigError
+from ..layers import check_layer
 from .transform import TRANSFORM_KEYS
 
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
@@ -160,8 +161,8 @@ def dump_config(config):
 # --------------------------------------------------------------- validation
 def validate_config(config, path="<config>", check_files=True):
     """Check every section of a parsed config and fill in defaults."""
-    _check_keys("", config, TOP_KEYS, path, allow_private=True)
-    out = {k: v for k, v in config.items() if str(k).startswith("_")}
+    _check_keys("", config, TOP_KEYS, path)
+    out = {}
     from_file = path and not str(path).startswith("<")
     stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
     out["name"] = _check_name(config.get("name", stem), path)
@@ -187,7 +188,7 @@ def validate_config(config, path="<config>", check_files=True):
         out["backend"] = _check_choice("backend", config["backend"], BACKENDS, path)
     out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
     out["tf32"] = _check_bool("tf32", config.get("tf32", False), path)
-    out["_path"] = config.get("_path", path)
+    out["_path"] = path
     return out
 
 
@@ -215,6 +216,7 @@ def _check_net(net, path):
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {layer['name']!r} "
                                                    f"(also net.{seen[layer['name']]})")
         seen[layer["name"]] = i
+        check_layer(layer, i, path)  # known type, declared keys (purine_mpi/layers)
     return copy.deepcopy(net)
 
 
@@ -522,13 +524,16 @@ def _check_choice(key, value, choices, path):
     raise ConfigError(path, key, f"expected one of {', '.join(choices)}, got {value!r}{hint}")
 
 
-def _check_keys(section, mapping, allowed, path, allow_private=False):
+def _check_keys(section, mapping, allowed, path):
     for k in mapping:
-        if allow_private and isinstance(k, str) and k.startswith("_"):
-            continue
         if k not in allowed:
             key = f"{section}.{k}" if section else str(k)
             where = f"in '{section}'" if section else "at the top level"
+            if not section and str(k).startswith("_"):
+                raise ConfigError(path, key, f"unknown key {k!r} at the top level (keys "
+                                  "starting with '_' are not private: they are rejected like "
+                                  "any unknown key; to share a value, put a YAML anchor &name "
+                                  f"on its first use) (valid keys: {', '.join(allowed)})")
             raise ConfigError(path, key, f"unknown key {k!r} {where}{_suggest(k, allowed)} "
                                          f"(valid keys: {', '.join(allowed)})")
 

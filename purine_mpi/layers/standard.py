@@ -1,103 +1,149 @@
 """The standard layer set. Each function reads its config fields and emits
-the forward ops; backward comes from the gradient rules of those ops."""
-from . import layer
+the forward ops; backward comes from the gradient rules of those ops.
+
+Each ``@layer`` declares the keys its function reads (``Key(name, kind,
+default, meaning)``); ``b.get(name)`` takes the kind and default from there.
+docs/config.md is generated from these declarations: after changing keys
+run ``python -m purine_mpi.docgen --write``."""
+from . import REQUIRED, Key, Required, layer
+from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
 ZERO = {"type": "constant", "value": 0.0}
+ONE = {"type": "constant", "value": 1.0}
+
+
+def _param_key(what):
+    return Key("param", "params", [], f"lr_mult / decay_mult per parameter ({what}); "
+                                      "default 1.0 each")
+
+
+def _filler_keys(weight, bias, weight_what="weight", bias_what="bias"):
+    return (Key("weight_filler", "filler", weight, f"initialisation of the {weight_what}"),
+            Key("bias_filler", "filler", bias, f"initialisation of the {bias_what}"))
+
+
+BIAS_TERM = Key("bias_term", "bool", True, "learn a bias (<name>/bias)")
 
 
 def _pair(v):
     return [v, v] if isinstance(v, int) else list(v)
 
 
-def _filler(b, key, default):
-    f = b.get(key, default)
-    if not isinstance(f, dict) or f.get("type") not in ("constant", "xavier", "gaussian",
-                                                          "msra", "uniform"):
+def _filler(b, key):
+    f = b.get(key)
+    if not isinstance(f, dict) or f.get("type") not in FILLERS:
         b.fail(key, "expected a filler such as {type: xavier}, {type: gaussian, std: 0.01}, "
                     f"{{type: msra}}, {{type: uniform, min: -a, max: a}}, or {{type: constant, "
                     f"value: 0}}; got {f!r}")
     return f
 
 
-@layer("conv", "convolution")
+@layer("conv", "convolution", keys=(
+    Key("num_output", "posint", REQUIRED, "output channels"),
+    Key("kernel", "pair", REQUIRED, "kernel size"),
+    Key("stride", "pair", 1, "stride"),
+    Key("pad", "pair", 0, "zero padding on each side"),
+    Key("dilation", "pair", 1, "dilation of the kernel"),
+    Key("group", "posint", 1, "channel groups (divides the input channels and num_output)"),
+    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def conv(b):
+    """2-D convolution (N×C×H×W); weight <name>/weight is num_output × C/group × kh × kw."""
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
-    num_output = b.get("num_output", required=True, kind="posint")
-    kernel = _pair(b.get("kernel", required=True, kind="pair"))
-    group = b.get("group", 1, kind="posint")
-    attrs = {"stride": _pair(b.get("stride", 1, kind="pair")),
-             "pad": _pair(b.get("pad", 0, kind="pair")),
-             "dilation": _pair(b.get("dilation", 1, kind="pair")), "group": group}
+    num_output = b.get("num_output")
+    kernel = _pair(b.get("kernel"))
+    group = b.get("group")
+    attrs = {"stride": _pair(b.get("stride")), "pad": _pair(b.get("pad")),
+             "dilation": _pair(b.get("dilation")), "group": group}
     shape = b.shape(x)
     if len(shape) != 4:
         b.fail("bottom", f"conv needs a 4-D N×C×H×W input, '{x}' is {list(shape)}")
     if shape[1] % group or num_output % group:
         b.fail("group", f"group {group} must divide the input channels ({shape[1]}) and "
                         f"num_output ({num_output})")
-    w = b.param("weight", (num_output, shape[1] // group, *kernel),
-                _filler(b, "weight_filler", XAVIER), 0)
+    w = b.param("weight", (num_output, shape[1] // group, *kernel), _filler(b, "weight_filler"),
+                0)
     inputs = [x, w]
-    if b.get("bias_term", True, kind="bool"):
-        inputs.append(b.param("bias", (num_output,), _filler(b, "bias_filler", ZERO), 1))
+    bias_filler = _filler(b, "bias_filler")
+    if b.get("bias_term"):
+        inputs.append(b.param("bias", (num_output,), bias_filler, 1))
     b.op("Conv", inputs, [y], attrs)
 
 
-@layer("fc", "inner_product", "innerproduct")
+@layer("fc", "inner_product", "innerproduct", keys=(
+    Key("num_output", "posint", REQUIRED, "output features"),
+    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def fc(b):
+    """Fully connected (Caffe's InnerProduct): the input is flattened after axis 0."""
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
-    num_output = b.get("num_output", required=True, kind="posint")
+    num_output = b.get("num_output")
     shape = b.shape(x)
     fan_in = 1
     for s in shape[1:]:
         fan_in *= s
-    w = b.param("weight", (num_output, fan_in), _filler(b, "weight_filler", XAVIER), 0)
+    w = b.param("weight", (num_output, fan_in), _filler(b, "weight_filler"), 0)
     inputs = [x, w]
-    if b.get("bias_term", True, kind="bool"):
-        inputs.append(b.param("bias", (num_output,), _filler(b, "bias_filler", ZERO), 1))
+    bias_filler = _filler(b, "bias_filler")
+    if b.get("bias_term"):
+        inputs.append(b.param("bias", (num_output,), bias_filler, 1))
     b.op("InnerProduct", inputs, [y])
 
 
-def _simple(op_type, **fields):
+def _simple(op_type, doc, *keys):
+    @layer(op_type.lower(), keys=keys, doc=doc)
     def fn(b):
         (x,) = b.bottoms(1)
-        attrs = {k: b.get(k, d, kind=kind) for k, (d, kind) in fields.items()}
+        attrs = {k.name: b.get(k.name) for k in keys}
         (y,) = b.tops(1)
         b.op(op_type, [x], [y], attrs)
     return fn
 
 
-layer("relu")(_simple("Relu", negative_slope=(0.0, "number")))
-layer("sigmoid")(_simple("Sigmoid"))
-layer("tanh")(_simple("Tanh"))
-layer("softmax")(_simple("Softmax", axis=(1, "nonneg")))
-layer("flatten")(_simple("Flatten"))
+_simple("Relu", "Rectified linear unit; leaky with negative_slope.",
+        Key("negative_slope", "number", 0.0, "slope for x < 0 (leaky ReLU)"))
+_simple("Sigmoid", "Logistic sigmoid.")
+_simple("Tanh", "Hyperbolic tangent.")
+_simple("Softmax", "Softmax over an axis (probabilities; not a loss).",
+        Key("axis", "nonneg", 1, "the axis normalised"))
+_simple("Flatten", "Merge the axes from axis to the end into one.",
+        Key("axis", "int", 1, "first axis merged (negative counts from the end)"))
 
 
-@layer("reshape")
+@layer("reshape", keys=(
+    Key("shape", "ints", REQUIRED, "the new shape: 0 copies that input dim, -1 is inferred"),))
 def reshape(b):
+    """Reshape (Caffe's whole-shape form)."""
     (x,) = b.bottoms(1)
-    shape = b.get("shape", required=True)
+    shape = b.get("shape")
     if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
         b.fail("shape", f"expected a list of integers (0 copies a dim, -1 infers), got {shape!r}")
     (y,) = b.tops(1)
     b.op("Reshape", [x], [y], {"shape": shape})
 
 
-@layer("pool", "pooling")
+@layer("pool", "pooling", keys=(
+    Key("pool", ("max", "ave", "avg", "average"), "max", "max or average pooling"),
+    Key("kernel", "pair", Required("unless global"), "window size"),
+    Key("stride", "pair", 1, "stride"),
+    Key("pad", "pair", 0, "zero padding on each side"),
+    Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding)"),
+    Key("global", "bool", False, "pool each whole feature map to 1×1 (no kernel)"),
+    Key("global_pooling", "bool", False, "Caffe's name for global")))
 def pool(b):
+    """Max or average pooling (Caffe's): an average divides by the window size counting the
+    padding but not what lies past it."""
     (x,) = b.bottoms(1)
-    kind = b.get("pool", "max", kind=("max", "ave", "avg", "average"))
-    kind = "max" if kind == "max" else "ave"
-    is_global = b.get("global", False, kind="bool") or b.get("global_pooling", False, kind="bool")
+    kind = "max" if b.get("pool") == "max" else "ave"
+    is_global = b.get("global") or b.get("global_pooling")
     attrs = {"pool": kind, "global": is_global,
-             "stride": _pair(b.get("stride", 1, kind="pair")),
-             "pad": _pair(b.get("pad", 0, kind="pair")),
-             "ceil_mode": b.get("ceil_mode", False, kind="bool")}
+             "stride": _pair(b.get("stride")), "pad": _pair(b.get("pad")),
+             "ceil_mode": b.get("ceil_mode")}
     if not is_global:
-        attrs["kernel"] = _pair(b.get("kernel", required=True, kind="pair"))
+        attrs["kernel"] = _pair(b.get("kernel"))
+    elif "kernel" in b.cfg:
+        b.fail("kernel", "a global pool takes no kernel (it pools each whole feature map)")
     (y,) = b.tops(1)
     outs = [y, f"{b.cfg['name']}.mask"] if kind == "max" else [y]
     b.op("Pool", [x], outs, attrs)
@@ -105,27 +151,35 @@ def pool(b):
 
 @layer("global_pool", "global_ave_pool")
 def global_pool(b):
+    """Average over each whole feature map (N×C×1×1)."""
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
     b.op("Pool", [x], [y], {"pool": "ave", "global": True, "stride": [1, 1], "pad": [0, 0],
                             "ceil_mode": False})
 
 
-@layer("lrn")
+@layer("lrn", keys=(
+    Key("local_size", "posint", 5, "channels in the window"),
+    Key("alpha", "number", 1e-4, "scale α"),
+    Key("beta", "number", 0.75, "exponent β"),
+    Key("k", "number", 1.0, "offset k")))
 def lrn(b):
+    """Local response normalisation across channels (Caffe's ACROSS_CHANNELS):
+    y = x · (k + α/local_size · Σ x²)^(−β) over a window of channels."""
     (x,) = b.bottoms(1)
-    attrs = {"local_size": b.get("local_size", 5, kind="posint"),
-             "alpha": float(b.get("alpha", 1e-4, kind="number")),
-             "beta": float(b.get("beta", 0.75, kind="number")),
-             "k": float(b.get("k", 1.0, kind="number"))}
+    attrs = {"local_size": b.get("local_size"), "alpha": float(b.get("alpha")),
+             "beta": float(b.get("beta")), "k": float(b.get("k"))}
     (y,) = b.tops(1)
     b.op("LRN", [x], [y, f"{b.cfg['name']}.scale"], attrs)
 
 
-@layer("dropout")
+@layer("dropout", keys=(
+    Key("ratio", "number", 0.5, "probability of dropping a unit, in [0, 1)"),
+    Key("dropout_ratio", "number", None, "Caffe's name for ratio")))
 def dropout(b):
+    """Inverted dropout in training (kept units scaled by 1/(1−ratio)); identity in testing."""
     (x,) = b.bottoms(1)
-    ratio = float(b.get("ratio", b.get("dropout_ratio", 0.5), kind="number"))
+    ratio = float(b.get("ratio", b.get("dropout_ratio", 0.5)))
     if not 0.0 <= ratio < 1.0:
         b.fail("ratio", f"expected 0 <= ratio < 1, got {ratio}")
     (y,) = b.tops(1)
@@ -135,20 +189,27 @@ def dropout(b):
         b.op("Dropout", [x], [y], {"ratio": ratio, "phase": "test"})
 
 
-@layer("batch_norm", "batchnorm", "bn")
+@layer("batch_norm", "batchnorm", "bn", keys=(
+    Key("eps", "number", 1e-5, "added to the variance"),
+    Key("momentum", "number", 0.1, "running-statistics update: r = (1−momentum)·r + "
+                                   "momentum·batch (PyTorch's convention)"),
+    Key("moving_average_fraction", "number", None, "instead of momentum: Caffe's normalised "
+                                                   "moving sums with this factor, in [0, 1]"),
+    *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
 def batch_norm(b):
+    """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and
+    variance (<name>/running_mean, <name>/running_var) serve in testing."""
     (x,) = b.bottoms(1)
     shape = b.shape(x)
     c = (shape[1],)
-    gamma = b.param("weight", c, _filler(b, "weight_filler", {"type": "constant", "value": 1.0}),
-                    0)
-    beta = b.param("bias", c, _filler(b, "bias_filler", ZERO), 1)
+    gamma = b.param("weight", c, _filler(b, "weight_filler"), 0)
+    beta = b.param("bias", c, _filler(b, "bias_filler"), 1)
     mean = b.state("running_mean", c, 0.0)
     var = b.state("running_var", c, 1.0)
-    attrs = {"eps": float(b.get("eps", 1e-5, kind="number")),
-             "momentum": float(b.get("momentum", 0.1, kind="number"))}
-    if "moving_average_fraction" in b.cfg:  # Caffe's running average (ops/batchnorm.py)
-        maf = float(b.get("moving_average_fraction", kind="number"))
+    attrs = {"eps": float(b.get("eps")), "momentum": float(b.get("momentum"))}
+    maf = b.get("moving_average_fraction")
+    if maf is not None:  # Caffe's running average (ops/batchnorm.py)
+        maf = float(maf)
         if not 0.0 <= maf <= 1.0:
             b.fail("moving_average_fraction", f"expected a number in [0, 1], got {maf}")
         attrs["moving_average_fraction"] = maf
@@ -165,17 +226,22 @@ def batch_norm(b):
         b.op("BatchNorm", [x, gamma, beta, mean, var], [y], dict(attrs, phase="test"))
 
 
-@layer("concat")
+@layer("concat", keys=(Key("axis", "nonneg", 1, "the axis joined along"),))
 def concat(b):
+    """Join the bottoms along an axis (an inception block's branches)."""
     xs = b.bottoms()
     (y,) = b.tops(1)
-    b.op("Concat", xs, [y], {"axis": b.get("axis", 1, kind="nonneg")})
+    b.op("Concat", xs, [y], {"axis": b.get("axis")})
 
 
-@layer("slice")
+@layer("slice", keys=(
+    Key("axis", "nonneg", 1, "the axis cut"),
+    Key("slice_point", "ints", None, "increasing cut indices (default: equal parts, one per "
+                                     "top)")))
 def slice_(b):
+    """Cut the bottom along an axis into the tops."""
     (x,) = b.bottoms(1)
-    attrs = {"axis": b.get("axis", 1, kind="nonneg")}
+    attrs = {"axis": b.get("axis")}
     points = b.get("slice_point")
     if points is not None:
         if not isinstance(points, list) or not all(isinstance(p, int) and p > 0 for p in points) \
@@ -190,37 +256,50 @@ def slice_(b):
     b.op("Slice", [x], ys, attrs)
 
 
-@layer("eltwise")
+@layer("eltwise", keys=(
+    Key("operation", ("sum", "prod", "max"), "sum", "element-wise sum, product or maximum"),
+    Key("coeff", "numbers", None, "sum only: one coefficient per bottom (default all 1)")))
 def eltwise(b):
+    """Element-wise combination of bottoms of one shape (a residual sum)."""
     xs = b.bottoms()
-    attrs = {"operation": b.get("operation", "sum", kind=("sum", "prod", "max"))}
-    if "coeff" in b.cfg:
-        attrs["coeff"] = [float(c) for c in b.get("coeff")]
+    attrs = {"operation": b.get("operation")}
+    coeff = b.get("coeff")
+    if coeff is not None:
+        attrs["coeff"] = [float(c) for c in coeff]
     (y,) = b.tops(1)
     b.op("Eltwise", xs, [y], attrs)
 
 
 @layer("split")
 def split(b):
+    """Copy the bottom to several tops (their gradients are summed)."""
     (x,) = b.bottoms(1)
     ys = b.tops()
     b.op("Split", [x], ys, {"n_outputs": len(ys)})
 
 
-@layer("softmax_loss", "softmaxwithloss", "softmax_with_loss")
+@layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(
+    Key("ignore_label", "nonneg", None, "a label value that adds no loss (excluded from the "
+                                        "mean)"),
+    Key("loss_weight", "number", 1.0, "weight of this loss in the total")))
 def softmax_loss(b):
+    """Softmax cross-entropy; bottoms [scores, label]; the mean over the counted positions."""
     x, label = b.bottoms(2)
     (loss,) = b.tops(1)
     attrs = {}
-    if "ignore_label" in b.cfg:
-        attrs["ignore_label"] = b.get("ignore_label", kind="nonneg")
+    ignore = b.get("ignore_label")
+    if ignore is not None:
+        attrs["ignore_label"] = ignore
     b.op("SoftmaxLoss", [x, label], [loss, f"{b.cfg['name']}.prob"], attrs)
-    b.graph.blobs[loss].attrs["loss_weight"] = float(b.get("loss_weight", 1.0, kind="number"))
+    b.graph.blobs[loss].attrs["loss_weight"] = float(b.get("loss_weight"))
 
 
-@layer("accuracy")
+@layer("accuracy", keys=(
+    Key("top_k", "posint", 1, "a sample counts as right when its label is among the k best "
+                              "scores"),))
 def accuracy(b):
+    """Top-k accuracy; bottoms [scores, label]; a non-finite score counts as wrong."""
     x, label = b.bottoms(2)
     (acc,) = b.tops(1)
-    b.op("Accuracy", [x, label], [acc], {"top_k": b.get("top_k", 1, kind="posint")})
+    b.op("Accuracy", [x, label], [acc], {"top_k": b.get("top_k")})
     b.graph.blobs[acc].attrs["metric"] = True
