@@ -81,7 +81,7 @@ def bench_purine(config, device, iters, warmup, tf32):
     from purine_mpi.gpu.placement import place_on_device
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph, loss_blobs
-    from purine_mpi.runtime.dispatcher import make_dispatcher
+    from purine_mpi.runtime.factory import make_dispatcher
     from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 
     set_tf32(tf32)

@@ -153,7 +153,7 @@ def worker(opts):
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph
     from purine_mpi.parallel.data_parallel import compose_data_parallel
-    from purine_mpi.runtime.dispatcher import make_dispatcher
+    from purine_mpi.runtime.factory import make_dispatcher
 
     world = get_world()
     install_abort_handler(world)

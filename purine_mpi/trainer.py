@@ -28,7 +28,7 @@ from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
                     kept_constant, loss_blobs, metric_blobs)
 from .parallel.compose import Scheme, compose_pipeline, is_pipeline
-from .runtime.dispatcher import make_dispatcher
+from .runtime.factory import make_dispatcher
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace

@@ -438,3 +438,38 @@ def test_serial_dispatcher_runs_one_op_at_a_time():
     t0 = time.perf_counter()
     d.run()
     assert time.perf_counter() - t0 >= 0.06
+
+
+def test_runtime_modules_import_in_layers():
+    """runtime/: no two modules import each other (directly or through a
+    chain); the choice of dispatcher lives in factory.py, above them all."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "purine_mpi" / "runtime"
+    names = {p.stem for p in root.glob("*.py")}
+    imports = {}
+    for path in root.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # lazy imports count too
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    found.add(node.module.split(".")[0])
+                else:
+                    found.update(a.name for a in node.names)
+        imports[path.stem] = found & names
+    # a depth-first search for a cycle
+    state = {}
+
+    def visit(name, chain):
+        state[name] = "open"
+        for dep in sorted(imports[name]):
+            assert state.get(dep) != "open", "import circle: " + " -> ".join(chain + [dep])
+            if dep not in state:
+                visit(dep, chain + [dep])
+        state[name] = "done"
+
+    for name in sorted(imports):
+        if name not in state:
+            visit(name, [name])
+    assert "streams_dispatcher" not in imports["dispatcher"]
+    assert {"dispatcher", "streams_dispatcher"} <= imports["factory"]

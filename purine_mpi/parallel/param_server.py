@@ -305,7 +305,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     mode = par.get("mode", "async")
     code = 0
     if mode == "sync_ps":
-        from ..runtime.dispatcher import make_dispatcher
+        from ..runtime.factory import make_dispatcher
         sg = build_server_graph(graph, grads, plan, world.rank)
         place_on_rank(sg, world.rank)
         d = make_dispatcher(sg, "event", rank=world.rank,

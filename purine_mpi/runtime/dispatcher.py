@@ -14,8 +14,10 @@ so a bucket's transfer starts while the layers below still back-propagate.
 ``SerialDispatcher`` runs the same graph one op at a time in a fixed
 topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
 Both give bit-identical results, since every blob has one writer.
+
+Which dispatcher runs a graph is decided in ``runtime/factory.py``
+(``make_dispatcher``), above this module and the GPU dispatchers.
 """
-import os
 import heapq
 import threading
 import time
@@ -368,24 +370,3 @@ def _stall_message(rank, pending, timeout):
         parts.append(f"op '{op.name}' ({op.op_type}{', ' + desc if desc else ''})")
     return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
             f"still waiting on: " + "; ".join(parts))
-
-
-def make_dispatcher(graph, kind=None, **kw):
-    """``kind`` is 'event' (default), 'serial' or 'stream'; env PURINE_DISPATCHER
-    overrides. 'event' on a graph with GPU ops (location device >= 0) is the
-    CUDA-stream dispatcher (runtime/streams_dispatcher.py)."""
-    kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
-    if kind == "serial":
-        return SerialDispatcher(graph, **kw)
-    if kind == "stream" or (kind == "event" and _on_gpu(graph)):
-        from .streams_dispatcher import StreamDispatcher
-        return StreamDispatcher(graph, **kw)
-    if kind == "event":
-        return EventDispatcher(graph, **kw)
-    from ..errors import UserError
-    raise UserError(f"PURINE_DISPATCHER must be 'event', 'serial' or 'stream', got '{kind}'")
-
-
-def _on_gpu(graph):
-    return any(n.location.device >= 0 for n in list(graph.ops.values()) +
-               list(graph.blobs.values()))

@@ -14,7 +14,7 @@ import purine_mpi.comm.ops  # noqa: E402,F401  (registers Allreduce/Send/Recv)
 from purine_mpi.comm.world import get_world, install_abort_handler  # noqa: E402
 from purine_mpi.io.config import resolve_config  # noqa: E402
 from purine_mpi.layers.fillers import fill  # noqa: E402
-from purine_mpi.runtime.dispatcher import make_dispatcher  # noqa: E402
+from purine_mpi.runtime.factory import make_dispatcher  # noqa: E402
 
 
 def world():

@@ -13,7 +13,7 @@ from common import world
 
 from purine_mpi.graph import Graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
-from purine_mpi.runtime.dispatcher import make_dispatcher
+from purine_mpi.runtime.factory import make_dispatcher
 
 w = world()
 if w.rank != 0:
