@@ -27,7 +27,7 @@ from .io.data import source_info
 from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
                     kept_constant, loss_blobs, metric_blobs)
-from .parallel.compose import Scheme, compose_pipeline, is_pipeline
+from .parallel.compose import Layout, Scheme, compose_test, layout_of
 from .runtime.factory import make_dispatcher
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
@@ -71,10 +71,11 @@ class Trainer:
         par = config.get("parallel", {})
         # collectives outside the graph wait no longer than graph ops do
         self.world.stall_timeout = float(par.get("stall_timeout", 300))
-        # a pipeline has one data stream (read by the rank holding the data
-        # op); data parallelism shards the data over the ranks
-        self.pipeline = is_pipeline(config, self.world)
-        data_rank, data_size = (0, 1) if self.pipeline else (self.rank, self.size)
+        # replicas x stages (parallel/compose.py): the data is sharded over
+        # the replicas (a pipeline is one replica; its stage 0 reads the data)
+        self.layout = layout_of(config, self.world)
+        self.pipeline = self.layout.staged
+        data_rank, data_size = self.layout.replica, self.layout.replicas
         graph, self.grads = build_train_graph(config, data_rank, data_size)
         check_data_labels(graph)
         self.graph = self.compose(graph)
@@ -87,7 +88,8 @@ class Trainer:
         self.profiler = None
         if profile:
             self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{self.rank}.json"),
-                                      self.rank, profile if isinstance(profile, tuple) else None)
+                                      self.rank, profile if isinstance(profile, tuple) else None,
+                                      epoch=self._trace_epoch())
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      profiler=self.profiler,
                                      stall_timeout=float(par.get("stall_timeout", 300)),
@@ -113,8 +115,7 @@ class Trainer:
             self.test_keys = ["loss"] * len(self.test_losses) + [
                 "accuracy" if accuracy == [b] else b for b in metric_blobs(g)]
             self.test_names = self.test_losses + metric_blobs(g)
-        if self.test_graph is not None and self.pipeline:
-            self.test_graph = compose_pipeline(self.test_graph, config, self.world)
+        self.test_graph = compose_test(self.test_graph, config, self.world)
         self.test = None
         if self.test_graph is not None:
             place_on_device(self.test_graph, self.device)
@@ -135,6 +136,14 @@ class Trainer:
         if resume:
             self._resume(resume)
 
+    def _trace_epoch(self):
+        """Rank 0's clock at start (seconds since the Unix epoch), so every
+        rank's trace counts time from the same instant and the ranks' traces
+        line up (the stages of a pipeline are seen computing at once)."""
+        t = np.array([time.time() if self.rank == 0 else 0.0])
+        return float(self.world.allreduce(t, "sum", "the trace clock")[0]) \
+            if self.size > 1 else float(t[0])
+
     def compose(self, graph):
         """This rank's training graph from the single-replica one."""
         return self.scheme.compose(graph, self.grads, self.config, self.world)
@@ -145,17 +154,15 @@ class Trainer:
         (``adopt_ready_order``: decided on rank 0, the same on every rank)."""
         self.ws["iter"][...] = it
         self.train.run(it)
-        if not self._order_adopted:
+        if not self._order_adopted and not self.pipeline:
             self._order_adopted = True
             from .parallel.data_parallel import adopt_ready_order
             adopt_ready_order(self.train, self.world)
 
     def _reduce(self, values):
-        """Across ranks: the mean for data-parallel replicas (each holds its
-        own loss), the sum for pipeline slices (one rank holds the loss)."""
-        if self.pipeline:
-            return world_mean(self.world, values) * self.size
-        return world_mean(self.world, values)
+        """Across ranks: the sum over a replica's stages (the last stage
+        holds the loss), the mean over the replicas (each its own shard)."""
+        return world_mean(self.world, values) * self.layout.stages
 
     def _op_seed(self):
         return self.seed * 1000003 + self.rank
@@ -214,27 +221,45 @@ class Trainer:
             if s:
                 local[name] = s
         states = world_gather(self.world, local)
-        return {"ranks": {str(r): s for r, s in enumerate(states)}} if states else None
+        return {"ranks": {str(r): s for r, s in enumerate(states)},
+                "layout": self.layout.as_dict()} if states else None
 
     def load_state_dict(self, state):
+        """Per-rank state of a checkpoint. On the layout it was written on
+        (ranks, scheme, replicas x stages, micro-batches) each rank takes its
+        own, random streams included: the resume is bit-exact. On another
+        layout (a job requeued on other nodes, a hybrid run continued on one
+        rank) each kernel takes the state of the first kernel of the same
+        name, micro-batch copies ``<op>@mb<k>`` counting as ``<op>``: the
+        data position carries over (readers convert it to the new global
+        batch), but per-rank random streams cannot: they restart from the seed."""
         ranks = state.get("ranks", {})
-        same_world = len(ranks) == self.size
-        # With another number of ranks (a job requeued on other nodes) the
-        # data position carries over (readers convert it to the new global
-        # batch) but per-rank random streams cannot: they restart from the seed.
-        mine = ranks.get(str(self.rank) if same_world else "0")
-        if mine is None:
+        saved = state.get("layout")
+        same_world = len(ranks) == self.size and (saved is None or
+                                                  self.layout.same_shape(saved))
+        if not ranks or (same_world and str(self.rank) not in ranks):
             raise UserError("the checkpoint holds no per-rank state (ranks: "
                             f"{sorted(ranks) or 'none'})")
-        if not same_world and self.rank == 0:
-            self.log(f"note: resuming a {len(ranks)}-rank checkpoint on {self.size} rank(s): "
-                     "the data order continues, random streams (dropout) restart from the "
-                     "seed, so the run is not bit-identical to an uninterrupted one")
-        for name, s in mine.items():
-            k = self.train.kernels.get(name)
-            if k is None:
+        if same_world:
+            mine = ranks[str(self.rank)]
+        else:
+            mine = {}
+            for r in sorted(ranks, key=int):
+                for name, s in ranks[r].items():
+                    mine.setdefault(name.split("@mb")[0], s)
+            if self.rank == 0:
+                was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
+                self.log(f"note: resuming a {len(ranks)}-rank checkpoint on {self.size} "
+                         f"rank(s), layout {was} -> {self.layout.describe()}: the weights and "
+                         "solver state load by name, each stage taking its layers'; the data "
+                         "order continues at the same sample count; random streams (dropout) "
+                         "restart from the seed, so the run is not bit-identical to an "
+                         "uninterrupted one")
+        for name, k in self.train.kernels.items():
+            s = mine.get(name if same_world else name.split("@mb")[0])
+            if s is None:
                 continue
-            if "state" in s:
+            if "state" in s and k.stateful:
                 k.load_state_dict(s["state"])
             if same_world and "rng" in s and k.rng is not None:
                 k.rng.bit_generator.state = _plain(s["rng"])
@@ -291,10 +316,10 @@ class Trainer:
         solver = {p: s for p, s in solver.items() if s}
         if self.pipeline:  # each stage holds its own layers' parameters
             parts = world_gather(self.world, (params, solver))
-            if self.rank == 0:
-                for p_part, s_part in parts:
-                    params.update(p_part)
-                    solver.update(s_part)
+            if self.rank == 0:  # replica 0's stages (the replicas hold the same values)
+                for r in self.layout.replica_ranks(0):
+                    params.update(parts[r][0])
+                    solver.update(parts[r][1])
         if self.rank != 0:
             return
         save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
@@ -326,7 +351,8 @@ class Trainer:
                 if display and (done % display == 0 or done == max_iter):
                     now = time.perf_counter()
                     loss = self._reduce(window_loss / window_n if window_n else 0.0)
-                    ips = (done - window_start) * batch * self.size / max(now - t_window, 1e-9)
+                    ips = (done - window_start) * batch * self.data_size / max(
+                        now - t_window, 1e-9)
                     lr = float(self.ws["lr"])
                     rec = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
                            "images_per_s": round(ips, 1), "time": round(now - t_start, 3)}

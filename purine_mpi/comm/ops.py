@@ -7,8 +7,10 @@ posts the request(s) and returns a ``Pending`` that the progress loop polls
 (``test()``) and completes (``finish()``). Comm ops have no gradient: they
 are inserted after the backward pass.
 
-Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average)
-    s_i = sum over ranks of g_i  (or the mean, with ``average: true``).
+Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
+    s_i = sum over ranks of g_i  (or the mean, with ``average: true``);
+    with ``group`` (a list of ranks) over those ranks only, on the
+    sub-communicator made at start-up (``World.split_groups``).
     When the outputs are alias blobs of one flat bucket (data_parallel), the
     whole bucket is reduced in place: one Iallreduce, no packing copy.
 Send        ins [x]  outs []      attrs seq, peer, tag
@@ -114,8 +116,13 @@ class CommKernel(OpKernel):
         self.world = None
 
     def comm(self):
+        """The communicator: the world's, or for a collective with attr
+        ``group`` (a list of ranks) that group's sub-communicator."""
         if self.world is None:
             self.world = get_world()
+        group = self.attrs.get("group")
+        if group is not None:
+            return self.world.group_comm(group)
         return self.world.comm
 
     def _what(self):

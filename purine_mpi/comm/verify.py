@@ -5,9 +5,12 @@ MPI matches collectives by call order only: if rank 1's third Allreduce is
 another bucket than rank 0's, the job silently reduces mismatched buffers or
 hangs. So each rank lists its comm ops in ``seq`` order as (kind, element
 count, dtype), the lists are gathered, and the first position where they
-differ is reported, naming both ops. Point-to-point ops are checked in
-pairs: every Send must meet a Recv on its peer with the same tag, element
-count and dtype.
+differ is reported, naming both ops. A collective with a ``group`` (a
+hybrid run's stage: a sub-communicator of some ranks) is compared among the
+ranks of that group only, in ``seq`` order within the group, and every
+rank of the group must post it. Point-to-point ops are checked in pairs:
+every Send must meet a Recv on its peer with the same tag, element count
+and dtype.
 """
 import numpy as np
 
@@ -36,6 +39,8 @@ def comm_signature(graph):
              "dtype": ",".join(dtypes)}
         if not is_collective(op):
             e["peer"], e["tag"] = int(op.attrs["peer"]), int(op.attrs["tag"])
+        elif op.attrs.get("group") is not None:
+            e["group"] = sorted(int(r) for r in op.attrs["group"])
         entries.append(e)
     return sorted(entries, key=lambda e: e["seq"])
 
@@ -47,21 +52,38 @@ def _fmt(e):
 def compare_signatures(signatures):
     """Problems (strings) across ranks' signatures; empty when consistent."""
     problems = []
-    colls = [[e for e in sig if e["kind"] not in ("Send", "Recv")] for sig in signatures]
-    n = max((len(c) for c in colls), default=0)
-    for i in range(n):
-        row = [c[i] if i < len(c) else None for c in colls]
-        keys = {(e["kind"], e["count"], e["dtype"]) if e else None for e in row}
-        if len(keys) > 1:
-            ref = row[0]
-            for r, e in enumerate(row[1:], 1):
+    size = len(signatures)
+    everyone = tuple(range(size))
+    # collectives per communicator: the world's, or a group's (its ranks)
+    groups = {}
+    for r, sig in enumerate(signatures):
+        for e in sig:
+            if e["kind"] in ("Send", "Recv"):
+                continue
+            g = tuple(e.get("group") or everyone)
+            if r not in g:
+                problems.append(f"rank {r} posts {_fmt(e)} on the group of ranks {list(g)}, "
+                                f"which it is not part of")
+                continue
+            groups.setdefault(g, {}).setdefault(r, []).append(e)
+    for g in sorted(groups):
+        colls = [groups[g].get(r, []) for r in g]
+        where = "" if g == everyone else f" among ranks {list(g)}"
+        n = max(len(c) for c in colls)
+        for i in range(n):
+            row = [c[i] if i < len(c) else None for c in colls]
+            keys = {(e["kind"], e["count"], e["dtype"]) if e else None for e in row}
+            if len(keys) == 1:
+                continue
+            ref, r0 = row[0], g[0]
+            for j, e in enumerate(row[1:], 1):
                 if (e and (e["kind"], e["count"], e["dtype"])) != \
                         (ref and (ref["kind"], ref["count"], ref["dtype"])):
                     problems.append(
-                        f"collective #{i} differs: rank 0 posts "
+                        f"collective #{i}{where} differs: rank {r0} posts "
                         f"{_fmt(ref) if ref else 'nothing (it has only ' + str(len(colls[0])) + ')'}"
-                        f", rank {r} posts "
-                        f"{_fmt(e) if e else 'nothing (it has only ' + str(len(colls[r])) + ')'}")
+                        f", rank {g[j]} posts "
+                        f"{_fmt(e) if e else 'nothing (it has only ' + str(len(colls[j])) + ')'}")
                     break
             break  # the first difference is what matters; later ones follow from it
     sends, recvs = {}, {}

@@ -76,6 +76,43 @@ class World:
                                                                          "exchange"))
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB) or 32767)
         self.thread_level = check_thread_level(MPI)
+        #: sub-communicators by their ranks (``split_groups``), for collectives
+        #: among some ranks (a hybrid run's stage groups)
+        self.groups = {}
+        self._splits = set()
+
+    # ---------------------------------------------------- sub-communicators
+    def split_groups(self, groups):
+        """Make the sub-communicator of this rank's group, once: ``groups`` is
+        a list of disjoint rank lists that covers the world (e.g. one list per
+        pipeline stage). Collective (``Comm.Split``): every rank calls it with
+        the same ``groups`` at the same point; a repeated call is a no-op.
+        Ranks keep their world order inside a group."""
+        key = tuple(tuple(int(r) for r in g) for g in groups)
+        if key in self._splits:
+            return self.groups
+        members = sorted(r for g in key for r in g)
+        if members != list(range(self.size)):
+            raise ValueError(f"groups {key} do not cover the {self.size} ranks once each")
+        color = next(i for i, g in enumerate(key) if self.rank in g)
+        sub = self.comm.Split(color, self.rank)
+        self.groups[tuple(sorted(key[color]))] = sub
+        self._splits.add(key)
+        return self.groups
+
+    def group_comm(self, ranks):
+        """The communicator of the ranks ``ranks`` (this rank among them):
+        the world's own when they are all ranks, else one ``split_groups``
+        made."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if ranks == tuple(range(self.size)):
+            return self.comm
+        comm = self.groups.get(ranks)
+        if comm is None:
+            raise UserError(f"rank {self.rank}: no sub-communicator for ranks {list(ranks)} "
+                            "was made at start-up (World.split_groups); the graph was "
+                            "composed for another world")
+        return comm
 
     # ---------------------------------------------------------- locations
     def rank_of(self, location, what="a node"):

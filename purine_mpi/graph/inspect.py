@@ -9,14 +9,18 @@ from . import seed_yaml
 def compose_for(config, world_size, rank, phase="train"):
     """The graph ``rank`` of ``world_size`` would run, built without MPI."""
     from ..model import build_test_graph, build_train_graph
-    if phase == "test":
-        return build_test_graph(config, rank, world_size)
-    from ..parallel.compose import compose, is_pipeline
+    from ..parallel.compose import compose, compose_test, data_window, layout_of
     world = _OfflineWorld(rank, world_size)
     par = config.get("parallel", {})
-    pipeline = is_pipeline(config, world)
-    graph, grads = build_train_graph(config, *((0, 1) if pipeline else (rank, world_size)))
-    if world_size > 1 and not pipeline and par.get("scheme", "data") != "none" \
+    lay = layout_of(config, world)  # a world that does not fit the stages: exit 2 here
+    replica, replicas = data_window(config, world)
+    if phase == "test":
+        graph = compose_test(build_test_graph(config, replica, replicas), config, world)
+        if graph is not None:
+            graph.layout = lay
+        return graph
+    graph, grads = build_train_graph(config, replica, replicas)
+    if world_size > 1 and not lay.staged and par.get("scheme", "data") != "none" \
             and par.get("mode", "sync") != "sync":
         from ..parallel.param_server import compose_for_rank
         graph = compose_for_rank(graph, grads, config, world_size, rank).infer_shapes()
@@ -30,7 +34,20 @@ def compose_for(config, world_size, rank, phase="train"):
     from .partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = partition(graph, rank, size=world_size)
+    graph.layout = lay
     return graph
+
+
+def describe_layout(lay, rank):
+    """Where ``rank`` sits in a staged scheme (``graph`` text header)."""
+    if not lay.staged:
+        return None
+    text = (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
+            f"replica {lay.replica}, stage {lay.stage}; Send/Recv with ranks "
+            f"{lay.replica_ranks()} (this replica)")
+    if lay.scheme == "hybrid":
+        text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
+    return text
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -91,8 +108,12 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
                          width=100)
     if fmt == "dot":
         return to_dot(graph)
+    lines = [graph.summary()]
+    lay = getattr(graph, "layout", None)
+    if lay is not None and describe_layout(lay, rank):
+        lines.insert(0, describe_layout(lay, rank))
     plan = getattr(graph, "bucket_plan", None)
     if plan:
         from ..parallel.data_parallel import format_plan
-        return "\n".join([graph.summary()] + format_plan(plan))
-    return graph.summary()
+        lines += format_plan(plan)
+    return "\n".join(lines)

@@ -36,7 +36,7 @@ TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", 
             "backend", "device", "tf32")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
-PARALLEL_SCHEMES = ("data", "none", "pipeline")
+PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
 PARALLEL_MODES = ("sync", "async", "sync_ps")
 BACKENDS = ("auto", "numpy", "cupy")
 DATA_SOURCES = ("hdf5", "synthetic")
@@ -424,10 +424,10 @@ _PARALLEL_CHECKS = {
 
 
 def _check_stages(key, value, path):
-    """parallel.stages: {layer name: rank} for scheme pipeline."""
+    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid."""
     if not isinstance(value, dict) or not all(
             isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
-        raise ConfigError(path, key, f"expected a mapping of layer name to rank, e.g. "
+        raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
                                      f"{{conv1: 0, fc1: 1}}, got {value!r}")
     return value
 def _check_pipeline(out, path):
@@ -443,10 +443,16 @@ def _check_pipeline(out, path):
         if batch is not None and batch % micro:
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
                               f"divide data.train.batch_size {batch}; choose a divisor")
-    if par["scheme"] != "pipeline" or out.get("net") is None:
+    scheme = par["scheme"]
+    if scheme not in ("pipeline", "hybrid"):
+        return
+    if par["mode"] != "sync":
+        raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
+                          f"{par['mode']!r} (parameter servers serve data-parallel workers)")
+    if out.get("net") is None:
         return
     if not par["stages"]:
-        raise ConfigError(path, "parallel.stages", "scheme pipeline needs a mapping layer -> "
+        raise ConfigError(path, "parallel.stages", f"scheme {scheme} needs a mapping layer -> "
                           "stage for every layer, e.g. {conv1: 0, fc1: 1}")
     names = [layer.get("name") for layer in out["net"]]
     unknown = sorted(set(par["stages"]) - set(names))
@@ -462,6 +468,10 @@ def _check_pipeline(out, path):
     if empty:
         raise ConfigError(path, "parallel.stages", f"stage(s) {', '.join(map(str, empty))} "
                           f"have no layers; number the stages 0..{count - 1 - len(empty)}")
+    if scheme == "hybrid" and count < 2:
+        raise ConfigError(path, "parallel.stages", "scheme hybrid needs at least 2 stages "
+                          "(replicas x stages), but every layer is on stage 0; with one stage "
+                          "use scheme: data")
 
 
 _CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}

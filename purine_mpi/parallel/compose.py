@@ -4,19 +4,32 @@ The trainer builds one replica's training graph, hands it to a ``Scheme``
 and runs what comes back; everything scheme-specific lives here and in the
 modules this one calls (nothing in ``parallel/`` imports the trainer):
 
-    scheme = Scheme()                          # data parallel / pipeline / none
+    scheme = Scheme()                          # data / pipeline / hybrid / none
     local = scheme.compose(graph, grads, config, world)
     code = scheme.agree_to_stop(trainer, done, diverged)
     scheme.before_save(trainer, iteration)     # e.g. fetch the servers' momenta
 
-    is_pipeline(config, world)                 # one data stream, layers on ranks?
-    compose(graph, grads, config, world)       # the data-parallel or pipeline slice
-    compose_pipeline(graph, config, world)     # a pipeline's slice (train or test)
+    layout = layout_of(config, world)          # replicas x stages; this rank's place
+    compose(graph, grads, config, world)       # the data-parallel, pipeline or hybrid slice
+    compose_stages(graph, config, world)       # a staged scheme's slice (train or test)
+
+Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
+R replicas x p stages and
+
+    rank = replica * p + stage
+
+so a replica's stages are consecutive ranks (its Send/Recv stay among
+them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
+stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
+import dataclasses
+
 from ..errors import UserError
 from .micro_batch import add_schedule, replicate_micro_batches
+
+STAGED = ("pipeline", "hybrid")
 
 
 class Scheme:
@@ -35,21 +48,120 @@ class Scheme:
         """Called on every rank before a checkpoint is gathered."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a rank sits: ``replicas`` x ``stages`` ranks (see the module
+    docstring); the data is sharded over the replicas (DESIGN.md §6)."""
+
+    scheme: str
+    replicas: int
+    stages: int
+    replica: int
+    stage: int
+    micro_batches: int = 1
+
+    def rank(self, replica, stage):
+        return replica * self.stages + stage
+
+    def stage_ranks(self, stage=None):
+        """The ranks that hold stage ``stage`` (default: this rank's), one per replica."""
+        s = self.stage if stage is None else stage
+        return [self.rank(r, s) for r in range(self.replicas)]
+
+    def replica_ranks(self, replica=None):
+        """The ranks of one replica (default: this rank's), stage order."""
+        r = self.replica if replica is None else replica
+        return [self.rank(r, s) for s in range(self.stages)]
+
+    @property
+    def staged(self):
+        return self.stages > 1
+
+    def describe(self):
+        """E.g. ``[hybrid: 2 replicas x 2 stages, 4 micro-batches, 4 ranks]``."""
+        n = self.replicas * self.stages
+        parts = [f"{self.scheme}: {_count(self.replicas, 'replica')}"
+                 + (f" x {_count(self.stages, 'stage')}" if self.staged else "")]
+        if self.micro_batches > 1:
+            parts.append(_count(self.micro_batches, "micro-batch", "micro-batches"))
+        return "[" + ", ".join(parts + [_count(n, "rank")]) + "]"
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def same_shape(self, other):
+        """Same scheme, replicas, stages and micro-batches (positions aside)."""
+        keys = ("scheme", "replicas", "stages", "micro_batches")
+        return all(getattr(self, k) == other.get(k) for k in keys)
+
+
+def _count(n, one, many=None):
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def stage_count(config):
+    stages = (config.get("parallel") or {}).get("stages") or {}
+    return max(map(int, stages.values())) + 1 if stages else 0
+
+
+def layout_of(config, world):
+    """This rank's Layout; a UserError (exit 2) naming ``parallel.stages``
+    when the world does not fit the stages."""
+    par = config.get("parallel") or {}
+    scheme = par.get("scheme", "data")
+    micro = int(par.get("micro_batches", 1))
+    if world.size == 1 or scheme not in STAGED:
+        return Layout(scheme, world.size, 1, world.rank, 0, micro)
+    count = stage_count(config)
+    path = config.get("_path")
+    if scheme == "pipeline" and (not count or world.size != count):
+        why = ("is more than" if count and world.size % count == 0 else
+               "is not a multiple of") + f" the {count} stage(s)"
+        raise UserError(f"{path}: key 'parallel.stages': scheme pipeline runs "
+                        f"one rank per stage, but the world size {world.size} {why}; start "
+                        f"{count} rank(s) (mpiexec -n {count}), change the stages, or use "
+                        "scheme: hybrid for several replicas of the pipeline")
+    if scheme == "hybrid":
+        if count < 2:
+            raise UserError(f"{path}: key 'parallel.stages': scheme hybrid needs at least 2 "
+                            f"stages, got {count}; with one stage use scheme: data")
+        if world.size % count:
+            raise UserError(f"{path}: key 'parallel.stages': scheme hybrid runs replicas x "
+                            f"{count} stages, but the world size {world.size} is not a "
+                            f"multiple of the {count} stage(s); start a multiple of {count} "
+                            "ranks or change the stages")
+    return Layout(scheme, world.size // count, count, world.rank // count, world.rank % count,
+                  micro)
+
+
 def is_pipeline(config, world):
-    par = config.get("parallel", {})
-    return world.size > 1 and par.get("scheme") == "pipeline"
+    """Whether this run places layers on ranks (scheme pipeline or hybrid on
+    more than one rank)."""
+    return layout_of(config, world).staged
+
+
+def data_window(config, world):
+    """(replica, replicas): the data shard this rank's graph reads (DESIGN.md
+    §6); a pipeline's replica is the whole world."""
+    lay = layout_of(config, world)
+    return lay.replica, lay.replicas
 
 
 def compose(graph, grads, config, world):
     """Apply the config's parallel scheme to this rank's training graph:
-    data parallel (gradient buckets + allreduce) or pipeline/model parallel
-    (layers placed on ranks by ``parallel.stages``, cut into slices joined by
-    Send/Recv)."""
+    data parallel (gradient buckets + allreduce), pipeline (layers placed on
+    ranks by ``parallel.stages``, cut into slices joined by Send/Recv) or
+    hybrid (pipelines side by side, each stage's buckets allreduced across
+    the replicas)."""
     par = config.get("parallel", {})
     micro = int(par.get("micro_batches", 1))
     copies = replicate_micro_batches(graph, grads, micro) if micro > 1 else None
-    if world.size > 1 and par.get("scheme") == "pipeline":
-        return compose_pipeline(graph, config, world, copies)
+    lay = layout_of(config, world)
+    if lay.staged:
+        local = compose_stages(graph, config, world, copies)
+        if lay.scheme == "hybrid":
+            local = _allreduce_stage(local, grads, config, world, lay)
+        return local
     if copies:  # one stage: gradient accumulation
         add_schedule(graph, copies, micro, par.get("schedule", "1f1b"), lambda op: 0, 1)
     if world.size == 1 or par.get("scheme", "data") == "none":
@@ -68,20 +180,16 @@ def compose(graph, grads, config, world):
                     f"'{par.get('mode')}' runs through the parameter-server trainer")
 
 
-def compose_pipeline(graph, config, world, copies=None):
+def compose_stages(graph, config, world, copies=None):
     """This rank's slice of a graph whose layers ``parallel.stages`` places
-    on ranks ({layer name: rank}); unlisted layers follow their input.
+    on stages ({layer name: stage}); unlisted layers follow their input.
     ``copies``: the micro-batch copies (replicate_micro_batches), ordered on
-    each stage by ``parallel.schedule``."""
+    each stage by ``parallel.schedule``. The graph is cut by stage; its
+    Send/Recv go to the ranks of this rank's replica (``Layout``)."""
     from .model_parallel import compose_partitioned, layer_of, place_layers
+    from .data_parallel import place_on_rank
+    lay = layout_of(config, world)
     stages = config["parallel"].get("stages") or {}
-    count = max(map(int, stages.values())) + 1 if stages else 0
-    if not stages or world.size != count:
-        why = ("is more than" if count and world.size % count == 0 else
-               "is not a multiple of") + f" the {count} stage(s)"
-        raise UserError(f"{config.get('_path')}: key 'parallel.stages': scheme pipeline runs "
-                        f"one rank per stage, but the world size {world.size} {why}; start "
-                        f"{count} rank(s) (mpiexec -n {count}) or change the stages")
     layers = {layer.get("name") for layer in config.get("net") or []}
     unknown = sorted(set(stages) - layers)
     if unknown:
@@ -93,5 +201,64 @@ def compose_pipeline(graph, config, world, copies=None):
     if copies:
         par = config["parallel"]
         add_schedule(graph, copies, par["micro_batches"], par.get("schedule", "1f1b"),
-                     lambda op: op.location.rank, world.size)
-    return compose_partitioned(graph, world)
+                     lambda op: op.location.rank, lay.stages)
+    local = compose_partitioned(graph, size=lay.stages, rank=lay.stage)
+    # stage t of this replica is rank replica * p + t (a Send's name ends in
+    # its destination rank, ``<blob>.send@r<rank>``)
+    renamed = {}
+    for op in local.ops.values():
+        if op.op_type in ("Send", "Recv"):
+            op.attrs["peer"] = lay.rank(lay.replica, int(op.attrs["peer"]))
+        if op.op_type == "Send":
+            renamed[op.name] = f"{op.name.rsplit('@r', 1)[0]}@r{op.attrs['peer']}"
+            op.name = renamed[op.name]
+    if renamed:
+        local.ops = {op.name: op for op in local.ops.values()}
+        for op in local.ops.values():
+            op.control_inputs = [renamed.get(c, c) for c in op.control_inputs]
+    for blob in local.blobs.values():
+        if "received_from" in blob.attrs:
+            blob.attrs["received_from"] = lay.rank(lay.replica, blob.attrs["received_from"])
+    place_on_rank(local, world.rank)
+    local.layout = lay
+    return local
+
+
+# kept for callers of the pipeline-only name
+compose_pipeline = compose_stages
+
+
+def _allreduce_stage(local, grads, config, world, lay):
+    """Hybrid: sum this stage's gradient buckets over the replicas that hold
+    the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
+    start-up); ``seq`` numbers follow the slice's Send/Recv, the same on
+    every rank of the stage."""
+    from .data_parallel import compose_data_parallel, place_on_rank
+    par = config["parallel"]
+    group = lay.stage_ranks()
+    plan = compose_data_parallel(
+        local, grads, lay.replicas, lay.replica, bucket_mb=par.get("bucket_mb", 4),
+        first_bucket_mb=par.get("first_bucket_mb", 1), min_buckets=par.get("min_buckets", 4),
+        check_collectives=False)
+    place_on_rank(local, world.rank)
+    for b in plan:
+        local.ops[b["op"]].attrs["group"] = list(group)
+        b["group"] = list(group)
+    local.bucket_plan = plan
+    local.layout = lay
+    local.infer_shapes().validate()
+    split = getattr(world, "split_groups", None)
+    if split is not None:  # a live MPI world (graph --np composes offline)
+        split([lay.stage_ranks(s) for s in range(lay.stages)])
+    if par.get("check_collectives", False):
+        from ..comm.verify import check_collectives
+        check_collectives(local, world)
+    return local
+
+
+def compose_test(graph, config, world):
+    """The test graph of this rank: a staged scheme's slice, else as built
+    (each replica reads its own shard)."""
+    if graph is not None and layout_of(config, world).staged:
+        return compose_stages(graph, config, world)
+    return graph

@@ -110,7 +110,10 @@ def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=4):
 def format_plan(plan):
     """The bucket plan as text lines (``graph --np N`` prints it): posting
     order, size, and the gradients in each bucket."""
-    lines = [f"bucket plan: {len(plan)} allreduce(s), posted in seq order, top layer first"]
+    group = plan[0].get("group") if plan else None
+    over = f" over ranks {group} (this stage's replicas)" if group else ""
+    lines = [f"bucket plan: {len(plan)} allreduce(s){over}, posted in seq order, "
+             "top layer first"]
     for b in plan:
         size = f"{b['bytes'] / 2 ** 10:.1f} KB" if b["bytes"] < MB else f"{b['bytes'] / MB:.2f} MB"
         lines.append(f"  seq {b['seq']:<3} {b['name']:<16} {size:>10}  {', '.join(b['params'])}")

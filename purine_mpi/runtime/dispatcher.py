@@ -35,10 +35,15 @@ from .workspace import Workspace
 class Profiler:
     """Collects Chrome trace events (DESIGN.md §8)."""
 
-    def __init__(self, rank=0):
+    def __init__(self, rank=0, epoch=None):
+        """``epoch``: the instant (seconds since the Unix epoch) that trace
+        time 0 stands for; several ranks given the same one (the trainer
+        passes rank 0's start) get traces on one time axis. Default: now."""
         self.rank = rank
         self.events = []
         self.t0 = time.perf_counter()
+        if epoch is not None:
+            self.t0 -= time.time() - float(epoch)
         self._lock = threading.Lock()
 
     def record(self, op, category, t_start, t_end, iteration, tid, extra=None):

@@ -8,7 +8,10 @@ only iterations ``A <= iter < B``. The file is Chrome's JSON object format
 ``close()``; Perfetto and ``chrome://tracing`` open it. Metadata events name
 the process (``rank R``) and each thread the first time it appears: worker
 threads by number, ``comm`` (the MPI progress thread), CUDA streams
-(``gpu<d>:<thread>``) and the copy streams ``h2d``/``d2h``.
+(``gpu<d>:<thread>``) and the copy streams ``h2d``/``d2h``. The trainer
+gives every rank the same time origin (rank 0's start), so the ranks'
+files share one time axis: their ``traceEvents`` concatenated are one
+trace of the job (a pipeline's stages are seen computing at once).
 """
 import json
 import os
@@ -55,8 +58,8 @@ class TraceFile(Profiler):
     ``window``: (start, stop) iterations to keep, stop None for no end;
     None keeps all. ``chunk``: events buffered before a write."""
 
-    def __init__(self, path, rank=0, window=None, chunk=2048):
-        super().__init__(rank)
+    def __init__(self, path, rank=0, window=None, chunk=2048, epoch=None):
+        super().__init__(rank, epoch)
         self.path, self.window, self.chunk = path, window, int(chunk)
         self.written = 0
         self._threads = set()
