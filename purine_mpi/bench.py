@@ -1,4 +1,4 @@
-"""``bench``: time training iterations of a config (DESIGN.md §9).
+"""``bench``: time training iterations of a config (output: docs/formats.md, "bench --json").
 
 Runs warm-up iterations, then times each iteration (with a barrier between
 iterations when several ranks run, so every rank measures the same thing),

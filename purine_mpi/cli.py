@@ -1,5 +1,7 @@
-"""Command line (DESIGN.md §4). Every command runs the same under
-``mpiexec -n N`` / ``srun`` and without a launcher.
+"""Command line (``--help`` on every command; the job YAML in docs/config.md,
+outputs and exit statuses in docs/formats.md). Every command runs the same
+under ``mpiexec -n N`` / ``srun`` and without a launcher; the installed
+console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
 
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
                                            [--resume CKPT.h5|auto] [--init W.h5]
@@ -14,34 +16,45 @@
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
                                                     --out JOB.yaml
     python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
+    python -m purine_mpi --version
 
 Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
 error (message names the file/key/node, no traceback), 3 diverged (non-finite
 loss or weights), 143 stopped by SIGTERM with a checkpoint, 1 any other
-failure (one line per failing rank; the traceback with --debug) -- on every
-rank.
+failure (one line per failing rank; the traceback with --debug), 130
+interrupted -- on every rank.
 """
 import argparse
 import json
 import os
 import sys
 
+from . import __version__
 from .errors import UserError
 
 
 def _common_config_args(p):
-    p.add_argument("config", help="job YAML (DESIGN.md §6)")
+    p.add_argument("config", help="job YAML (docs/config.md)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key by dotted path, e.g. solver.base_lr=0.05")
-    p.add_argument("--seed", type=int, default=None, help="random seed (overrides config seed)")
+                   help="override a config key by dotted path, the value read as YAML, e.g. "
+                        "solver.base_lr=0.05 or net.0.num_output=8 (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config's "
+                                                          "seed)")
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m purine_mpi",
         description="purine_mpi: bi-graph deep learning on MPI clusters. Run any command under "
-                    "mpiexec -n N (or srun) for N ranks.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+                    "mpiexec -n N (or srun) for N ranks. The job YAML is described in "
+                    "docs/config.md, the files a run writes and the exit statuses in "
+                    "docs/formats.md.",
+        epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
+               "failure, 2 user error, 3 diverged, 143 stopped by SIGTERM with a checkpoint")
+    parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                help="run 'COMMAND --help' for its options")
     sub.required = True
 
     p = sub.add_parser("train", help="train a network from a job YAML")
@@ -68,42 +81,59 @@ def build_parser():
     p.add_argument("--profile-iters", metavar="A:B",
                    help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
-                   help="event-driven (default) or serial reference dispatcher")
+                   help="event-driven (default) or the serial reference dispatcher (runs every "
+                        "op one at a time in a fixed order; bit-identical results)")
 
     p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
     _common_config_args(p)
     p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel",
                    help="checkpoint to evaluate, or a Caffe .caffemodel (loaded by layer name)")
-    p.add_argument("--out", help="output folder (default runs/<name>)")
+    p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
+                                 "there: the result is printed as one JSON object")
 
     p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
     _common_config_args(p)
     p.add_argument("--np", type=int, default=None,
                    help="number of ranks to compose for (the text format then ends with "
                         "the data-parallel bucket plan)")
-    p.add_argument("--rank", type=int, default=0, help="which rank's slice to print")
-    p.add_argument("--format", choices=["text", "yaml", "dot"], default="text")
-    p.add_argument("--phase", choices=["train", "test"], default="train")
+    p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
+    p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
+                   help="text: one line per op (default); yaml: the graph: list of "
+                        "docs/config.md, loadable as a config; dot: Graphviz")
+    p.add_argument("--phase", choices=["train", "test"], default="train",
+                   help="the training graph with backward and solver ops (default), or the "
+                        "test graph")
 
     p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
-    p.add_argument("checkpoint")
-    p.add_argument("--diff", metavar="OTHER.h5", help="compare with another checkpoint")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("checkpoint", metavar="CKPT.h5",
+                   help="a checkpoint or any HDF5 file (layout: docs/formats.md)")
+    p.add_argument("--diff", metavar="OTHER.h5",
+                   help="compare with another file: max abs and relative L2 difference per "
+                        "dataset")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of a table (docs/formats.md)")
 
     p = sub.add_parser("data", help="prepare a data set as HDF5")
-    p.add_argument("dataset", choices=["digits", "cifar10"])
-    p.add_argument("--out", required=True, metavar="PATH.h5")
+    p.add_argument("dataset", choices=["digits", "cifar10"],
+                   help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
+                        "CIFAR-10 python batches given by --from")
+    p.add_argument("--out", required=True, metavar="PATH.h5",
+                   help="the HDF5 data file to write (groups train and test)")
     p.add_argument("--from", dest="source", metavar="DIR",
                    help="cifar10: folder with the python-pickle batches")
 
     p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
     _common_config_args(p)
-    p.add_argument("--iters", type=int, default=20, help="timed iterations (after warm-up)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed iterations, after the warm-up (default 20)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations first (default 3)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (keys: docs/formats.md)")
     p.add_argument("--real-data", action="store_true",
                    help="use the config's data instead of synthetic data of the same shapes")
-    p.add_argument("--dispatcher", choices=["event", "serial"], default=None)
+    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
+                   help="event-driven (default) or the serial reference dispatcher")
     p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
     p.add_argument("format", choices=["caffe"], help="the source format")
     p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
@@ -115,15 +145,15 @@ def build_parser():
 
     p = sub.add_parser("export", help="export a trained net's inference graph")
     p.add_argument("format", choices=["onnx"], help="the target format")
-    p.add_argument("config", help="job YAML (its test phase is exported)")
+    p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
     p.add_argument("--weights", required=True, metavar="CKPT.h5",
                    help="checkpoint or weights file (/params layout) with every parameter")
     p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
     p.add_argument("--batch", type=int, default=None,
                    help="fixed batch size of the model input (default: a symbolic batch dim)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key by dotted path")
-    p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+                   help="override a config key by dotted path, e.g. net.0.num_output=8")
+    p.set_defaults(seed=None)
 
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",

@@ -64,7 +64,7 @@ def metric_blobs(graph):
 
 def build_train_graph(config, rank=0, world_size=1):
     """The single-replica training graph for ``rank`` of ``world_size``
-    (data sharded per DESIGN.md §6), before any parallel composition.
+    (data sharded as in docs/config.md, "Sample order"), before any parallel composition.
     Returns (graph, grads) where grads maps param -> gradient blob. With
     ``parallel.micro_batches: M`` the graph is built for one micro-batch
     (B/M samples); the composition copies it M times."""

@@ -110,7 +110,7 @@ class Trainer:
             g = self.test_graph
             self.test_losses = list(loss_blobs(g))
             accuracy = [op.outputs[0] for op in g.ops.values() if op.op_type == "Accuracy"]
-            # DESIGN.md section 5 names the accuracy "accuracy", whatever the
+            # metrics.jsonl (docs/formats.md) names the accuracy "accuracy", whatever the
             # layer's top is called; further metrics keep their blob names
             self.test_keys = ["loss"] * len(self.test_losses) + [
                 "accuracy" if accuracy == [b] else b for b in metric_blobs(g)]

@@ -1,5 +1,6 @@
-"""``--profile`` writes a Chrome trace per rank (DESIGN.md §8) and ``bench
---json`` reports DESIGN.md §9's keys, comm_overlap included, under MPI."""
+"""``--profile`` writes a Chrome trace per rank (docs/formats.md, "Traces") and
+``bench --json`` reports the keys of docs/formats.md, comm_overlap included,
+under MPI."""
 import json
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""The seed's low-level YAML: one entry per node (DESIGN.md §1).
+"""The low-level graph YAML: one entry per node (docs/config.md, "graph").
 
 ``dump(graph)`` writes every blob and op with everything needed to rebuild
 the graph exactly; ``load(entries, path)`` rebuilds it, with errors naming
@@ -11,6 +11,32 @@ from .core import Graph, Location
 BLOB_KEYS = {"type", "name", "size", "dtype", "location", "kind", "alias_of", "offset", "attrs"}
 OP_KEYS = {"type", "name", "op_type", "inputs", "outputs", "attrs", "location", "thread",
            "accumulate", "control_inputs"}
+# Meanings of the keys above, for docs/config.md (after changing keys run
+# python -m purine_mpi.docgen --write).
+BLOB_DOC = {
+    "type": "`blob`",
+    "name": "unique blob name",
+    "size": "shape, a list of integers (null: inferred from the op that writes it)",
+    "dtype": "float32 (default), float64, int64, ...",
+    "location": "{rank: R, device: D} or {ip: A, device: D}; device -1 is the CPU",
+    "kind": "data (default), param, grad, state, iter, lr or bucket",
+    "alias_of": "another blob whose storage this one views",
+    "offset": "element offset of the view in alias_of",
+    "attrs": "mapping, e.g. filler, lr_mult, decay_mult of a param",
+}
+OP_DOC = {
+    "type": "`op`",
+    "name": "unique op name",
+    "op_type": "the kernel (Conv, InnerProduct, Relu, SGDUpdate, Allreduce, ...)",
+    "inputs": "list of blob names read",
+    "outputs": "list of blob names written",
+    "attrs": "mapping of the kernel's attributes",
+    "location": "as for a blob",
+    "thread": "worker thread number or name (a CUDA stream on a GPU)",
+    "accumulate": "add into the outputs: several writers of one blob must all accumulate "
+                  "(the blob is zeroed before each iteration)",
+    "control_inputs": "ops that must finish before this one (no data edge)",
+}
 
 
 def dump(graph):

@@ -1,4 +1,4 @@
-"""HDF5 checkpoints (DESIGN.md section 7).
+"""HDF5 checkpoints (docs/formats.md, "Checkpoints").
 
     /                 attrs: format = "purine_mpi.checkpoint", version = 1,
                       iteration, world_size, seed, config (YAML text)

@@ -7,19 +7,19 @@ naming the file, the dotted key and what was expected, e.g.::
 
     jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
 
-Sections and defaults (DESIGN.md section 6)::
+The schema lives in this module's tables: TOP_DOC (top-level keys), the
+sections' defaults (SOLVER_DEFAULTS, PARALLEL_DEFAULTS, CHECKPOINT_DEFAULTS)
+with their checkers and KEY_DOCS meanings, DATA_DOC (data specs), and the
+choices (SOLVER_TYPES, LR_POLICIES, PARALLEL_SCHEMES, PARALLEL_MODES, ...)
+with CHOICE_DOCS. The layers' keys are declared in purine_mpi/layers.
+docs/config.md is generated from all of these.
 
-    name        file stem               seed        0
-    data        {train: SPEC, test: SPEC}   (each optional)
-    net         list of layer mappings (type, name; the layer builder checks the rest)
-    graph       optional low-level list of {type: blob|op, ...} entries
-    solver      SOLVER_DEFAULTS         parallel    PARALLEL_DEFAULTS
-    checkpoint  {interval: 0, keep: 3}  device      -1 (CPU); backend optional
-    tf32        false (GPU float32 GEMMs may use TensorFloat-32)
-
-To add a key, add its default to the section's defaults table and a checker
-to the section's validator table; unknown keys are errors (with a "did you
-mean" suggestion) so that typos never pass silently.
+To add a key, add its default to the section's defaults table, a checker to
+the section's validator table and a one-line meaning to KEY_DOCS; unknown
+keys are errors (with a "did you mean" suggestion) so that typos never pass
+silently. AFTER CHANGING KEYS RUN ``python -m purine_mpi.docgen --write``
+(tests/test_docs.py fails while docs/config.md is stale or a key has no
+meaning).
 """
 import copy
 import difflib
@@ -32,12 +32,16 @@ from ..errors import ConfigError
 from ..layers import check_layer
 from .transform import TRANSFORM_KEYS
 
+# The schema. docs/config.md is generated from these tables (and from the
+# layer registry, purine_mpi/layers): after changing keys run
+#     python -m purine_mpi.docgen --write
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
             "backend", "device", "tf32")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
 PARALLEL_MODES = ("sync", "async", "sync_ps")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 BACKENDS = ("auto", "numpy", "cupy")
 DATA_SOURCES = ("hdf5", "synthetic")
 
@@ -56,6 +60,167 @@ CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "shape", "classes",
              "num_samples", "seed") + TRANSFORM_KEYS
 SYNTHETIC_NUM_SAMPLES = 1024
+
+#: top-level key -> (type, default, meaning)
+TOP_DOC = {
+    "name": ("string", "the file's stem", "names the run: its output goes to `runs/<name>/<N>`"),
+    "seed": ("integer >= 0", 0, "seeds the initial weights, the data order, the random crops "
+             "and flips, and dropout"),
+    "data": ("mapping", {}, "`train:` and `test:` data specs (see [data](#data))"),
+    "net": ("list", "—", "the layers, in order (see [net](#net)); give `net` or `graph`"),
+    "graph": ("list", "—", "instead of `net`: the low-level list of blob and op entries (see "
+              "[graph](#graph))"),
+    "solver": ("mapping", {}, "the optimiser and the learning-rate schedule (see "
+               "[solver](#solver))"),
+    "parallel": ("mapping", {}, "how the ranks share the work (see [parallel](#parallel))"),
+    "checkpoint": ("mapping", {}, "how often to write checkpoints and how many to keep (see "
+                   "[checkpoint](#checkpoint))"),
+    "device": ("integer >= -1", -1, "-1: the CPU; D >= 0: GPU D + the rank's index on its node "
+               "(modulo the node's GPUs); needs CuPy"),
+    "backend": ("one of auto, numpy, cupy", "`auto`", "the array library: `numpy` forbids a "
+                "device, `cupy` without a device means device 0"),
+    "tf32": ("true/false", False, "GPU float32 GEMMs may use TensorFloat-32 (faster, about "
+             "1e-3 relative error)"),
+}
+
+#: section -> {key: meaning}, for every key of the section's defaults table
+KEY_DOCS = {
+    "solver": {
+        "type": "the update rule (see [solver types](#solver-types))",
+        "base_lr": "the base learning rate",
+        "momentum": "momentum (sgd, nesterov); β₁ of adam/adamw; ρ of adadelta; adagrad and "
+                    "rmsprop take none (a nonzero value is an error)",
+        "weight_decay": "L2 regularisation, times each parameter's decay_mult (adamw: "
+                        "decoupled decay)",
+        "lr_policy": "the learning-rate schedule (see [lr policies](#lr-policies))",
+        "gamma": "factor of step, multistep, exp and inv",
+        "stepsize": "iterations per step (lr_policy step)",
+        "stepvalues": "increasing iterations at which multistep multiplies by gamma",
+        "power": "exponent of poly and inv",
+        "max_iter": "iterations to train (`--iters` overrides); also the horizon of poly "
+                    "and cosine",
+        "test_interval": "evaluate on data.test every this many iterations (0: only at the "
+                         "end)",
+        "test_iter": "test batches per evaluation (null: enough to cover the test split once)",
+        "display": "log the mean training loss every this many iterations (0: never)",
+        "warmup_iters": "multiply the rate by a linear ramp (it + 1) / W over the first W "
+                        "iterations",
+        "momentum2": "β₂ of adam and adamw",
+        "delta": "ε of adagrad, rmsprop, adadelta, adam and adamw",
+        "rms_decay": "decay of the squared-gradient average of rmsprop",
+    },
+    "parallel": {
+        "scheme": "the composition (see [schemes](#schemes))",
+        "mode": "with scheme data on several ranks: allreduce or parameter servers (see "
+                "[modes](#modes))",
+        "bucket_mb": "largest gradient bucket, in MiB (sync data parallelism)",
+        "first_bucket_mb": "largest first bucket, in MiB (it is also at most half the others)",
+        "min_buckets": "at least this many buckets when the model has that many parameter "
+                       "blobs, so a small model still overlaps",
+        "ps_ranks": "parameter-server modes: the last K ranks are servers",
+        "max_staleness": "mode async: how many updates a worker's weights may lag (0: "
+                         "synchronous SGD)",
+        "stall_timeout": "seconds a collective or transfer may wait before the job ends with "
+                         "a message naming it",
+        "check_collectives": "verify at start-up that every rank posts the same sequence of "
+                             "collectives",
+        "stages": "scheme pipeline: {layer name: stage}, every layer, stages 0..S-1, one rank "
+                  "each",
+        "micro_batches": "split each rank's batch into M micro-batches (divides "
+                         "data.train.batch_size); pipeline stages overlap them, scheme data "
+                         "accumulates gradients",
+        "schedule": "order of the micro-batches on a stage: 1f1b (one forward, one backward) "
+                    "or gpipe (all forwards, then all backwards)",
+    },
+    "checkpoint": {
+        "interval": "write `ckpt_<iter>.h5` every this many iterations (0: only at the end and "
+                    "on a stop)",
+        "keep": "keep the newest K checkpoints of this run (0: keep all); `latest.h5` is never "
+                "deleted",
+    },
+}
+
+#: data spec key -> (type, default, meaning); every key of DATA_KEYS
+DATA_DOC = {
+    "source": ("one of hdf5, synthetic", "hdf5 with a path, synthetic with a shape",
+               "where the samples come from"),
+    "path": ("string", "—", "hdf5: the data file, relative to the working directory or to the "
+             "config's folder"),
+    "split": ("string or null", "`null` (hdf5), the phase (synthetic)",
+              "hdf5: the group holding data and label (null: the file's top level)"),
+    "batch_size": ("integer > 0", "required", "samples per rank per iteration (the global "
+                   "batch is ranks × batch_size)"),
+    "shuffle": ("true/false", "`true` for train, `false` for test", "a new permutation each epoch, "
+                "from the seed and the epoch"),
+    "in_memory": ("auto, true or false", "`auto`", "hdf5: load the split (true), read each "
+                  "batch from the file (false), or load it when its float32 size fits a "
+                  "quarter of the memory (auto)"),
+    "shape": ("list of integers", "—", "synthetic: one sample's shape [C, H, W]"),
+    "classes": ("integer > 0", "—", "synthetic: the number of classes"),
+    "num_samples": ("integer > 0", SYNTHETIC_NUM_SAMPLES, "synthetic: samples in the split"),
+    "seed": ("integer >= 0", "the config's seed", "seed of the shuffle and of synthetic data"),
+    "scale": ("number > 0", "—", "transform: multiply, after the mean is subtracted"),
+    "mean": ("number or list", "—", "transform: subtract (one value, or one per channel)"),
+    "mirror": ("true/false", False, "transform: random horizontal flip, training only"),
+    "crop_size": ("integer > 0", "—", "transform: a square window, random in training, "
+                  "centred in testing"),
+}
+
+#: choice list -> {value: meaning}, for every value a key accepts
+CHOICE_DOCS = {
+    "lr_policy": {
+        "fixed": "base_lr",
+        "step": "base_lr · gamma ^ floor(iter / stepsize)",
+        "multistep": "base_lr · gamma ^ (number of stepvalues <= iter)",
+        "exp": "base_lr · gamma ^ iter",
+        "inv": "base_lr · (1 + gamma · iter) ^ (−power)",
+        "poly": "base_lr · (1 − iter / max_iter) ^ power",
+        "cosine": "base_lr · (1 + cos(π · iter / max_iter)) / 2",
+    },
+    "solver_type": {
+        "sgd": "v = momentum·v + rate·g; w −= v (Caffe's SGD)",
+        "nesterov": "v' = momentum·v + rate·g; w −= (1 + momentum)·v' − momentum·v",
+        "adagrad": "h += g²; w −= rate·g / (√h + delta)",
+        "rmsprop": "h = rms_decay·h + (1 − rms_decay)·g²; w −= rate·g / (√h + delta)",
+        "adadelta": "h = ρ·h + (1 − ρ)·g²; u = g·√(h₂ + delta) / √(h + delta); "
+                    "h₂ = ρ·h₂ + (1 − ρ)·u²; w −= rate·u (ρ = momentum)",
+        "adam": "m = β₁·m + (1 − β₁)·g; v = β₂·v + (1 − β₂)·g²; w −= rate / (1 − β₁ᵗ) · m / "
+                "(√v / √(1 − β₂ᵗ) + delta), t = iter + 1 (β₁ = momentum, β₂ = momentum2)",
+        "adamw": "w ×= 1 − rate·weight_decay·decay_mult, then adam without the decay in g",
+    },
+    "scheme": {
+        "data": "every rank runs a replica on its shard of the batch; gradients are summed "
+                "by allreduce ops in the graph (mode sync) or through parameter servers",
+        "none": "no composition: each rank trains its own replica on its shard of the data, "
+                "exchanging no gradients (tests, debugging)",
+        "pipeline": "layers are placed on ranks by `stages`; each edge between ranks becomes "
+                    "a Send/Recv pair",
+    },
+    "mode": {
+        "sync": "allreduce of gradient buckets, posted as soon as each is ready",
+        "async": "parameter servers; workers push gradients and pull weights without waiting, "
+                 "up to max_staleness",
+        "sync_ps": "parameter servers that average the workers' gradients each iteration "
+                   "(Purine's synchronous variant)",
+    },
+    "schedule": {
+        "1f1b": "after p−s−1 warm-up forwards on stage s of p, one forward then one backward",
+        "gpipe": "all forwards, then all backwards",
+    },
+    "source": {
+        "hdf5": "an HDF5 file holding data (N×C×H×W, float or uint8) and label (N integers)",
+        "synthetic": "random samples of `shape` with random labels below `classes` (benchmarks)",
+    },
+    "backend": {
+        "auto": "CuPy when device >= 0, else NumPy",
+        "numpy": "the CPU",
+        "cupy": "the GPU (device 0 unless device is given)",
+    },
+}
+#: the choices CHOICE_DOCS documents
+CHOICES = {"lr_policy": LR_POLICIES, "solver_type": SOLVER_TYPES, "scheme": PARALLEL_SCHEMES,
+           "mode": PARALLEL_MODES, "schedule": PIPELINE_SCHEDULES, "source": DATA_SOURCES,
+           "backend": BACKENDS}
 
 
 # ------------------------------------------------------------------ loading
@@ -388,21 +553,47 @@ def _stepvalues(key, value, path):
     return [int(v) for v in value]
 
 
+def _described(doc):
+    """Attach ``doc`` (the type column of docs/config.md) to a checker."""
+    def deco(check):
+        check.doc = doc
+        return check
+    return deco
+
+
 def _optional(check):
-    return lambda key, value, path: None if value is None else check(key, value, path)
+    return _described(f"{check.doc} or null")(
+        lambda key, value, path: None if value is None else check(key, value, path))
 
 
 def _int(minimum):
-    return lambda key, value, path: _check_int(key, value, path, minimum=minimum)
+    doc = {0: "integer >= 0", 1: "integer > 0"}.get(minimum, f"integer >= {minimum}")
+    return _described(doc)(lambda key, value, path: _check_int(key, value, path,
+                                                                minimum=minimum))
 
 
 def _num(minimum=None, strict=False, below=None):
-    return lambda key, value, path: _check_number(key, value, path, minimum, strict, below)
+    if minimum == 0 and below is not None:
+        doc = f"number in [0, {below})"
+    elif minimum == 0:
+        doc = "number > 0" if strict else "number >= 0"
+    else:
+        doc = "number"
+    return _described(doc)(
+        lambda key, value, path: _check_number(key, value, path, minimum, strict, below))
 
 
 def _choice(choices):
-    return lambda key, value, path: _check_choice(key, value, choices, path)
+    return _described(f"one of {', '.join(choices)}")(
+        lambda key, value, path: _check_choice(key, value, choices, path))
 
+
+@_described("true/false")
+def _bool(key, value, path):
+    return _check_bool(key, value, path)
+
+
+_stepvalues.doc = "list of integers"
 
 _SOLVER_CHECKS = {
     "type": _choice(SOLVER_TYPES), "base_lr": _num(0), "momentum": _num(0, below=1),
@@ -417,10 +608,11 @@ _PARALLEL_CHECKS = {
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
     "min_buckets": _int(1),
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
-    "check_collectives": lambda key, value, path: _check_bool(key, value, path),
+    "check_collectives": _bool,
     "stages": lambda key, value, path: _check_stages(key, value, path),
-    "micro_batches": _int(1), "schedule": _choice(("1f1b", "gpipe")),
+    "micro_batches": _int(1), "schedule": _choice(PIPELINE_SCHEDULES),
 }
+_PARALLEL_CHECKS["stages"].doc = "mapping layer → stage"
 
 
 def _check_stages(key, value, path):
@@ -430,6 +622,8 @@ def _check_stages(key, value, path):
         raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
                                      f"{{conv1: 0, fc1: 1}}, got {value!r}")
     return value
+
+
 def _check_pipeline(out, path):
     """Cross-key rules of parallel.micro_batches and parallel.stages."""
     par = out["parallel"]
@@ -475,6 +669,12 @@ def _check_pipeline(out, path):
 
 
 _CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
+
+#: the sections with a defaults table: name -> (defaults, checkers); docs/config.md
+#: lists their keys from here (KEY_DOCS gives the meanings)
+SECTIONS = {"solver": (SOLVER_DEFAULTS, _SOLVER_CHECKS),
+            "parallel": (PARALLEL_DEFAULTS, _PARALLEL_CHECKS),
+            "checkpoint": (CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS)}
 
 
 # ------------------------------------------------------------ scalar checks

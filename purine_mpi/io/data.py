@@ -4,7 +4,7 @@ A source holds ``n_samples`` samples of one ``sample_shape`` (float32, or
 uint8 for an HDF5 file stored as bytes) with int64 labels and returns any of
 them by index (``gather``). An HDF5 split that does not fit the memory budget
 is read batch by batch from its (chunked) datasets instead of being loaded. The order in
-which samples are read is fixed by ``batch_indices`` (DESIGN.md section 6):
+which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample order"):
 
     with N ranks and per-rank batch B, iteration t reads the global sample
     positions [t*N*B, (t+1)*N*B) of the epoch order, and rank r takes
@@ -112,7 +112,7 @@ class HDF5Source(DataSource):
     ``gather`` reads just the rows of its batch from the file (sorted, unique
     indices through h5py, with a chunk cache), in the prefetch thread, so a
     split larger than memory trains. Either way the sample order is the one
-    of DESIGN §6 and uint8 stays uint8 until the transform step. Labels (N
+    of docs/config.md ("Sample order") and uint8 stays uint8 until the transform step. Labels (N
     integers) are always in memory."""
 
     _cache = {}

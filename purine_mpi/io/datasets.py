@@ -1,6 +1,6 @@
-"""Converters from public data sets to the HDF5 data layout of DESIGN.md
-section 6: groups ``/train`` and ``/test``, each with ``data`` (N x C x H x W
-float32) and ``label`` (N, int64).
+"""Converters from public data sets to the HDF5 data layout of docs/formats.md
+("HDF5 data files"): groups ``/train`` and ``/test``, each with ``data``
+(N x C x H x W, float32 or uint8) and ``label`` (N, int64).
 
     write_digits(out_path)            scikit-learn's bundled 8x8 digits (no download)
     write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches

@@ -71,13 +71,14 @@ KIND_DOC = {
     "str": "string", "int": "integer", "posint": "integer > 0", "nonneg": "integer >= 0",
     "number": "number", "bool": "true/false", "pair": "int or [h, w]",
     "blobs": "blob name or list", "ints": "list of integers", "numbers": "list of numbers",
-    "filler": "filler", "thread": "integer >= 0 or a name", "params": "list of {lr_mult, decay_mult}",
+    "filler": "filler", "thread": "integer >= 0 or a name",
+    "params": "list of {lr_mult, decay_mult}",
 }
 
 COMMON_KEYS = (
     Key("type", "str", REQUIRED, "the layer type (or one of its aliases)"),
-    Key("name", "str", REQUIRED, "unique layer name; its parameters are <name>/weight, "
-                                 "<name>/bias"),
+    Key("name", "str", REQUIRED, "unique layer name; its parameters are `<name>/weight` "
+                                 "and `<name>/bias`"),
     Key("bottom", "blobs", REQUIRED, "input blob(s): data, label or an earlier layer's top"),
     Key("top", "blobs", "<name>", "output blob(s); the same name as bottom means in place"),
     Key("phase", ("train", "test"), None, "build the layer in this phase only (default both)"),

@@ -23,7 +23,7 @@ def _filler_keys(weight, bias, weight_what="weight", bias_what="bias"):
             Key("bias_filler", "filler", bias, f"initialisation of the {bias_what}"))
 
 
-BIAS_TERM = Key("bias_term", "bool", True, "learn a bias (<name>/bias)")
+BIAS_TERM = Key("bias_term", "bool", True, "learn a bias (`<name>/bias`)")
 
 
 def _pair(v):
@@ -48,7 +48,8 @@ def _filler(b, key):
     Key("group", "posint", 1, "channel groups (divides the input channels and num_output)"),
     BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def conv(b):
-    """2-D convolution (N×C×H×W); weight <name>/weight is num_output × C/group × kh × kw."""
+    """2-D convolution (N×C×H×W); the weight `<name>/weight` is num_output × C/group × kh ×
+    kw."""
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
     num_output = b.get("num_output")
@@ -198,7 +199,7 @@ def dropout(b):
     *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
 def batch_norm(b):
     """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and
-    variance (<name>/running_mean, <name>/running_var) serve in testing."""
+    variance (`<name>/running_mean`, `<name>/running_var`) serve in testing."""
     (x,) = b.bottoms(1)
     shape = b.shape(x)
     c = (shape[1],)

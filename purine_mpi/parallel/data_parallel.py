@@ -18,7 +18,7 @@ the lower layers still back-propagate.
   ``<grad>.sum`` aliasing the same bucket ranges (in-place reduction);
 - each ``SGDUpdate`` reads ``<grad>.sum`` with ``grad_scale`` divided by the
   world size (the sum becomes the mean gradient);
-- ``DataReader`` ops get ``rank`` / ``world_size`` (DESIGN.md §6 sharding);
+- ``DataReader`` ops get ``rank`` / ``world_size`` (the sharding of docs/config.md, "Sample order");
 - with ``grad_first`` (default) each layer's parameter gradients are
   computed before the backward pass moves to the layer below
   (``gradients_first``), so the buckets fill, and their Allreduce starts,

@@ -9,9 +9,9 @@ Copy k of every op between the data and the gradients is named
 ``<op>@mb<k>`` and writes ``<blob>@mb<k>``; weights, ``iter`` and ``lr`` are
 shared. The graph comes built for one micro-batch (model.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
-of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` under DESIGN.md §6, so the
-samples (and their transforms) are exactly those of the batch without
-micro-batches. Each parameter's M gradients meet in one ``Sum`` op
+of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
+order of docs/config.md, so the samples (and their transforms) are exactly
+those of the batch without micro-batches. Each parameter's M gradients meet in one ``Sum`` op
 (``<grad>.micro_sum``) that writes the gradient the update reads, and the
 update's ``grad_scale`` is divided by M once: every copy's loss is its
 micro-batch mean, so the update sees the mean over the whole batch. Each

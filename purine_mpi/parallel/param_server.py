@@ -4,7 +4,7 @@ the other ranks (workers) compute gradients on their shard of the data.
 Config: ``parallel: {scheme: data, mode: async | sync_ps, ps_ranks: K,
 max_staleness: s}``. With N ranks, the *last* K are servers and ranks
 0..N-K-1 are workers, so rank 0 (metrics, checkpoints) is a worker. Worker
-i reads data shard i of N-K (DESIGN.md §6 with world_size N-K).
+i reads data shard i of N-K (the sample order of docs/config.md with world_size N-K).
 
 Parameters are sharded over the servers (largest first, each to the least
 loaded server). Every worker runs its training graph with the SGDUpdate ops

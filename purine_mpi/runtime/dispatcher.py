@@ -33,7 +33,7 @@ from .workspace import Workspace
 
 
 class Profiler:
-    """Collects Chrome trace events (DESIGN.md §8)."""
+    """Collects Chrome trace events (docs/formats.md, "Traces")."""
 
     def __init__(self, rank=0, epoch=None):
         """``epoch``: the instant (seconds since the Unix epoch) that trace

@@ -1,5 +1,6 @@
 """Synchronous data parallelism: n ranks x batch B train exactly like one
-rank with batch n*B (DESIGN.md §6), up to float summation order.
+rank with batch n*B (the sample order of docs/config.md), up to float
+summation order.
 
     mpiexec -n K python tests/mpi_scripts/dp_equiv.py [bucket_mb] [check]
 

@@ -1,0 +1,340 @@
+"""The reference docs stay true: docs/config.md is what the generator makes
+from the code (and a stale or hand-edited copy is caught); a key or choice
+added without a meaning fails; the examples in it load; the tables of
+docs/formats.md name exactly what a run writes; links between the docs
+resolve; nothing points outside the repository; every CLI option has help
+text, and --version works."""
+import argparse
+import json
+import os
+import re
+import subprocess
+
+import h5py
+import pytest
+import yaml
+
+import purine_mpi
+from purine_mpi import docgen
+from purine_mpi.cli import build_parser
+from purine_mpi.io import config as config_mod
+from purine_mpi.io.config import resolve_config
+from purine_mpi.model import build_train_graph
+
+from .conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+
+CONFIG_MD = os.path.join(REPO, "docs", "config.md")
+FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
+
+
+# ------------------------------------------------------- docs/config.md
+def test_config_md_is_up_to_date():
+    diff = docgen.check(CONFIG_MD)
+    assert diff is None, f"docs/config.md is stale: run python -m purine_mpi.docgen --write\n{diff}"
+
+
+def test_stale_config_md_fails_the_check(tmp_path):
+    """The check fails for a modified copy -- a hand edit, or a key added to
+    the code but not regenerated -- and passes for a faithful one, both in
+    process and through ``python -m purine_mpi.docgen --check``."""
+    with open(CONFIG_MD, encoding="utf-8") as f:
+        text = f.read()
+    good = tmp_path / "good.md"
+    good.write_text(text, encoding="utf-8")
+    edited = tmp_path / "edited.md"
+    edited.write_text(text.replace("| `keep` |", "| `kept` |"), encoding="utf-8")
+    missing = tmp_path / "missing.md"
+    missing.write_text(text.replace("#### lrn", "#### lrn (gone)"), encoding="utf-8")
+    assert docgen.check(str(good)) is None
+    assert "kept" in docgen.check(str(edited))
+    assert docgen.check(str(missing)) is not None
+    assert "does not exist" in docgen.check(str(tmp_path / "absent.md"))
+
+    def run(path):
+        return subprocess.run([PYTHON, "-m", "purine_mpi.docgen", "--check", "--path", str(path)],
+                              cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                              timeout=60)
+    assert run(good).returncode == 0
+    res = run(edited)
+    assert res.returncode == 1 and "stale" in res.stderr and "docgen --write" in res.stderr
+
+
+def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
+    """A key added to a section's defaults (as `cuda_graph` will be) shows in
+    the generated docs with its type and default; without a meaning in
+    KEY_DOCS the generator refuses."""
+    monkeypatch.setitem(config_mod.PARALLEL_DEFAULTS, "cuda_graph", False)
+    with pytest.raises(docgen.SchemaDocError, match="cuda_graph"):
+        docgen.render()
+    monkeypatch.setitem(config_mod.KEY_DOCS["parallel"], "cuda_graph", "capture a CUDA graph")
+    assert "| `cuda_graph` | true/false | `false` | capture a CUDA graph |" in docgen.render()
+
+
+def test_a_new_choice_needs_a_meaning(monkeypatch):
+    """A value added to a choice list (as `scheme: hybrid` will be) must be
+    documented in CHOICE_DOCS."""
+    monkeypatch.setitem(config_mod.CHOICES, "scheme", config_mod.PARALLEL_SCHEMES + ("hybrid",))
+    with pytest.raises(docgen.SchemaDocError, match="hybrid"):
+        docgen.render()
+    monkeypatch.setitem(config_mod.CHOICE_DOCS, "scheme",
+                        dict(config_mod.CHOICE_DOCS["scheme"], hybrid="data within, pipeline "
+                                                                  "across nodes"))
+    assert "| `hybrid` | data within, pipeline across nodes |" in docgen.render()
+
+
+def test_every_schema_entry_is_in_the_docs():
+    from purine_mpi.layers import LAYER_SPECS
+    with open(CONFIG_MD, encoding="utf-8") as f:
+        text = f.read()
+    for key in config_mod.TOP_KEYS + config_mod.DATA_KEYS:
+        assert f"| `{key}` |" in text, key
+    for section, (defaults, _) in config_mod.SECTIONS.items():
+        assert f"## {section}" in text
+        for key in defaults:
+            assert f"| `{key}` |" in text, (section, key)
+    for values in config_mod.CHOICES.values():
+        for value in values:
+            assert f"| `{value}` |" in text, value
+    for ltype, spec in LAYER_SPECS.items():
+        assert f"#### {ltype}\n" in text
+        for key in spec.all_keys():
+            assert f"| `{key.name}` |" in text
+
+
+def test_config_md_examples_load_and_build():
+    """The examples the generator writes are configs that validate and
+    build (with synthetic data in place of the digits file)."""
+    example = yaml.safe_load(docgen.EXAMPLE)
+    resolve_config(example, path="example.yaml", check_files=False)
+    example["data"] = {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
+                                 "batch_size": 4}}
+    build_train_graph(resolve_config(example))
+    residual = yaml.safe_load(docgen.RESIDUAL_EXAMPLE)
+    residual["data"] = {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 10,
+                                  "batch_size": 4}}
+    residual["net"] += [{"type": "fc", "name": "fc", "bottom": "sum", "num_output": 10},
+                        {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]
+    build_train_graph(resolve_config(residual))
+
+
+def test_custom_layer_example_registers_and_checks_its_keys():
+    from purine_mpi import layers
+    namespace = {}
+    saved = dict(layers.LAYERS), dict(layers.LAYER_SPECS)
+    try:
+        exec(compile(docgen.CUSTOM_LAYER_EXAMPLE, "config.md", "exec"), namespace)
+        cfg = {"data": {"train": {"source": "synthetic", "shape": [2, 4, 4], "classes": 2,
+                                  "batch_size": 3}},
+               "net": [{"type": "scaled_relu", "name": "s", "bottom": "data", "scale": 2.0},
+                       {"type": "fc", "name": "fc", "bottom": "s", "num_output": 2},
+                       {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]}
+        graph, _ = build_train_graph(resolve_config(cfg))
+        assert graph.ops["s.fwd"].op_type == "Scale" and graph.ops["s.fwd"].attrs["scale"] == 2.0
+        cfg["net"][0]["scal"] = 1.0
+        with pytest.raises(Exception, match="did you mean 'scale'"):
+            resolve_config(cfg)
+    finally:
+        layers.LAYERS.clear(), layers.LAYERS.update(saved[0])
+        layers.LAYER_SPECS.clear(), layers.LAYER_SPECS.update(saved[1])
+
+
+# ------------------------------------------------------ docs/formats.md
+def _section(text, heading):
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def _tables(section):
+    """Each markdown table of a section as a list of first-column names
+    (every `code` span of the first cell)."""
+    tables, current = [], None
+    for line in section.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                tables.append(current)
+                continue  # the header row
+            first = line.split("|")[1]
+            if set(first.strip()) <= set("- "):
+                continue  # the separator row
+            current += re.findall(r"`([^`]+)`", first) or [first.strip()]
+        else:
+            current = None
+    return tables
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A short profiled run of a tiny synthetic net and a bench of it."""
+    d = tmp_path_factory.mktemp("formats")
+    cfg = {"name": "tiny",
+           "data": {"train": {"source": "synthetic", "shape": [1, 6, 6], "classes": 3,
+                              "batch_size": 4},
+                    "test": {"source": "synthetic", "shape": [1, 6, 6], "classes": 3,
+                             "batch_size": 4, "num_samples": 8}},
+           "net": [{"type": "conv", "name": "conv1", "bottom": "data", "num_output": 2,
+                    "kernel": 3},
+                   {"type": "dropout", "name": "drop", "bottom": "conv1"},
+                   {"type": "fc", "name": "fc", "bottom": "drop", "num_output": 3},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]},
+                   {"type": "accuracy", "name": "accuracy", "bottom": ["fc", "label"],
+                    "phase": "test"}],
+           "solver": {"max_iter": 4, "display": 2, "test_interval": 2},
+           "checkpoint": {"interval": 2}}
+    path = write_config_file(d, cfg, "tiny.yaml")
+    out = d / "run"
+    res = run_cli_args("train", path, "--out", out, "--profile")
+    assert res.returncode == 0, res.stderr
+    bench = run_cli_args("bench", path, "--iters", "2", "--warmup", "1", "--json")
+    assert bench.returncode == 0, bench.stderr
+    return {"out": out, "bench": json.loads(bench.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def formats_text():
+    with open(FORMATS_MD, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_formats_checkpoint_attributes(tiny_run, formats_text):
+    (attrs,) = [t for t in _tables(_section(formats_text, "Checkpoints")) if "format" in t]
+    with h5py.File(tiny_run["out"] / "latest.h5", "r") as f:
+        assert set(f.attrs) == set(attrs)
+        assert set(f) == {"params", "solver", "state"}
+        assert "sha256" in f["state"].attrs and f["params/conv1/weight"].fletcher32
+        assert f["state/ranks"].attrs["purine_kind"] == "json"
+        state = json.loads(f["state/ranks"].asstr()[()])
+    assert set(state["0"]["data"]["state"]) == {"position", "global_batch", "seed"}
+    assert "rng" in state["0"]["drop.fwd"]
+    files = set(os.listdir(tiny_run["out"]))
+    assert {".purine.lock", "config.yaml", "metrics.jsonl", "ckpt_2.h5", "ckpt_4.h5",
+            "latest.h5", "trace.rank0.json"} <= files
+    (documented,) = [t for t in _tables(_section(formats_text, "Run folders"))
+                     if ".purine.lock" in t]
+    patterns = [re.escape(n).replace(re.escape("<iter>"), r"\d+").replace(
+        re.escape("<R>"), r"\d+").replace(re.escape("<pid>"), r"\d+").replace(r"\*", ".*")
+        for n in documented]
+    for name in files:
+        assert any(re.fullmatch(p, name) for p in patterns), name
+
+
+def test_formats_metrics_rows(tiny_run, formats_text):
+    train_fields, test_fields = _tables(_section(formats_text, "metrics.jsonl"))
+    with open(tiny_run["out"] / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    kinds = {row["phase"] for row in rows}
+    assert kinds == {"train", "test"}
+    for row in rows:
+        assert set(row) == set(train_fields if row["phase"] == "train" else test_fields), row
+
+
+def test_formats_trace_events(tiny_run, formats_text):
+    section = _section(formats_text, "Traces")
+    (fields,) = [t for t in _tables(section) if "cat" in t]
+    with open(tiny_run["out"] / "trace.rank0.json") as f:
+        trace = json.load(f)
+    assert set(trace) == {"displayTimeUnit", "traceEvents"}
+    ops = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    meta = {e["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert ops and meta == {"process_name", "process_sort_index", "thread_name"}
+    for name in meta:
+        assert f"`{name}`" in section
+    documented = set(fields)
+    for e in ops:
+        assert set(e) - {"args"} <= documented, e
+        assert {f"args.{k}" for k in e["args"]} <= documented, e
+        assert f"`{e['cat']}`" in section
+
+
+def test_formats_bench_keys(tiny_run, formats_text):
+    (keys,) = _tables(_section(formats_text, "bench --json"))
+    assert set(tiny_run["bench"]) == set(keys)
+
+
+def test_formats_exit_statuses_match_the_cli_docstring(formats_text):
+    (codes,) = _tables(_section(formats_text, "Exit statuses"))
+    import purine_mpi.cli as cli
+    for code in codes:
+        assert re.search(rf"\b{code}\b", cli.__doc__), code
+
+
+# ------------------------------------------------------------------ links
+def _slug(heading):
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path):
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    return {_slug(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/config.md", "docs/formats.md"])
+def test_links_resolve(doc):
+    path = os.path.join(REPO, doc)
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        target_path = os.path.normpath(os.path.join(os.path.dirname(path), target)) \
+            if target else path
+        assert os.path.exists(target_path), (doc, link)
+        if anchor:
+            assert anchor in _anchors(target_path), (doc, link)
+
+
+def test_readme_links_both_docs_and_names_the_console_script():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "](docs/config.md)" in text and "](docs/formats.md)" in text
+    assert "purine-mpi" in text
+
+
+def test_nothing_points_outside_the_repository():
+    needles = ["../" + "shared", "DESIGN" + ".md", "DESIGN" + " §", "DESIGN" + " section"]
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    hits = []
+    for name in files:
+        path = os.path.join(REPO, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            continue
+        hits += [f"{name}: {n}" for n in needles if n in text]
+    assert hits == []
+
+
+# -------------------------------------------------------------------- CLI
+def _walk(parser, where="purine_mpi"):
+    for action in parser._actions:
+        yield where, action
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, f"{where} {name}")
+
+
+def test_every_cli_option_has_help():
+    missing = [f"{where}: {action.option_strings or action.dest}"
+               for where, action in _walk(build_parser())
+               if not action.help or action.help == argparse.SUPPRESS]
+    assert missing == []
+    configs = [(where, action.help) for where, action in _walk(build_parser())
+               if action.dest == "config"]
+    assert configs and all("docs/config.md" in h for _, h in configs), configs
+
+
+def test_version():
+    res = run_cli_args("--version")
+    assert res.returncode == 0
+    assert res.stdout.strip() == f"purine_mpi {purine_mpi.__version__}"
