@@ -112,7 +112,7 @@ KEY_DOCS = {
     "parallel": {
         "scheme": "the composition (see [schemes](#schemes))",
         "mode": "with scheme data on several ranks: allreduce or parameter servers (see "
-                "[modes](#modes))",
+                "[modes](#modes)); pipeline and hybrid run sync only",
         "bucket_mb": "largest gradient bucket, in MiB (sync data parallelism)",
         "first_bucket_mb": "largest first bucket, in MiB (it is also at most half the others)",
         "min_buckets": "at least this many buckets when the model has that many parameter "
@@ -124,8 +124,8 @@ KEY_DOCS = {
                          "a message naming it",
         "check_collectives": "verify at start-up that every rank posts the same sequence of "
                              "collectives",
-        "stages": "scheme pipeline: {layer name: stage}, every layer, stages 0..S-1, one rank "
-                  "each",
+        "stages": "schemes pipeline and hybrid: {layer name: stage}, every layer, stages "
+                  "0..S-1",
         "micro_batches": "split each rank's batch into M micro-batches (divides "
                          "data.train.batch_size); pipeline stages overlap them, scheme data "
                          "accumulates gradients",
@@ -193,8 +193,11 @@ CHOICE_DOCS = {
                 "by allreduce ops in the graph (mode sync) or through parameter servers",
         "none": "no composition: each rank trains its own replica on its shard of the data, "
                 "exchanging no gradients (tests, debugging)",
-        "pipeline": "layers are placed on ranks by `stages`; each edge between ranks becomes "
-                    "a Send/Recv pair",
+        "pipeline": "layers are placed on ranks by `stages` (one rank per stage); each edge "
+                    "between ranks becomes a Send/Recv pair",
+        "hybrid": "R replicas × p stages (rank = replica·p + stage): each replica is a "
+                  "pipeline on its shard of the batch, and each stage allreduces its "
+                  "gradients over the R replicas; the world size is a multiple of p >= 2",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",
