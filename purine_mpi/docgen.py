@@ -264,8 +264,9 @@ def _data():
         "`order` is a permutation drawn from (seed, epoch) when `shuffle` is true and the "
         "identity otherwise. So N ranks × batch B train like 1 rank × batch N·B, and the "
         "order does not depend on how the run is split over ranks. Parameter-server "
-        "workers shard the data over the workers only; pipeline stages all read the whole "
-        "batch. A resume on another number of ranks continues at the same global sample "
+        "workers shard the data over the workers only; the stages of a pipeline all read "
+        "the same batch, and with scheme hybrid the data is sharded over the replicas. "
+        "A resume on another number of ranks continues at the same global sample "
         "(rounded down to a whole batch).",
     ]
 

@@ -71,15 +71,15 @@ def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
 
 
 def test_a_new_choice_needs_a_meaning(monkeypatch):
-    """A value added to a choice list (as `scheme: hybrid` will be) must be
-    documented in CHOICE_DOCS."""
-    monkeypatch.setitem(config_mod.CHOICES, "scheme", config_mod.PARALLEL_SCHEMES + ("hybrid",))
-    with pytest.raises(docgen.SchemaDocError, match="hybrid"):
+    """A value added to a choice list (a new scheme, solver type or lr
+    policy) must be documented in CHOICE_DOCS, and then shows."""
+    assert "zigzag" not in config_mod.PARALLEL_SCHEMES
+    monkeypatch.setitem(config_mod.CHOICES, "scheme", config_mod.PARALLEL_SCHEMES + ("zigzag",))
+    with pytest.raises(docgen.SchemaDocError, match="zigzag"):
         docgen.render()
     monkeypatch.setitem(config_mod.CHOICE_DOCS, "scheme",
-                        dict(config_mod.CHOICE_DOCS["scheme"], hybrid="data within, pipeline "
-                                                                  "across nodes"))
-    assert "| `hybrid` | data within, pipeline across nodes |" in docgen.render()
+                        dict(config_mod.CHOICE_DOCS["scheme"], zigzag="stages in a zigzag"))
+    assert "| `zigzag` | stages in a zigzag |" in docgen.render()
 
 
 def test_every_schema_entry_is_in_the_docs():

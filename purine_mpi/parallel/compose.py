@@ -51,7 +51,7 @@ class Scheme:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where a rank sits: ``replicas`` x ``stages`` ranks (see the module
-    docstring); the data is sharded over the replicas (DESIGN.md §6)."""
+    docstring); the data is sharded over the replicas (docs/config.md, "Sample order")."""
 
     scheme: str
     replicas: int
@@ -141,8 +141,8 @@ def is_pipeline(config, world):
 
 
 def data_window(config, world):
-    """(replica, replicas): the data shard this rank's graph reads (DESIGN.md
-    §6); a pipeline's replica is the whole world."""
+    """(replica, replicas): the data shard this rank's graph reads (docs/config.md,
+    "Sample order"); a pipeline's replica is the whole world."""
     lay = layout_of(config, world)
     return lay.replica, lay.replicas
 
