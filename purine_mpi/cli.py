@@ -6,13 +6,14 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
                                            [--resume CKPT.h5|auto] [--init W.h5]
                                            [--init-skip LAYER ...]
-                                           [--seed S] [--profile]
+                                           [--seed S] [--profile] [--tensorboard]
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --from DIR --out PATH.h5
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
+    python -m purine_mpi plot RUN [RUN ...] [--out curves.png]
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
                                                     --out JOB.yaml
     python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
@@ -83,6 +84,9 @@ def build_parser():
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
                    help="event-driven (default) or the serial reference dispatcher (runs every "
                         "op one at a time in a fixed order; bit-identical results)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to OUT/tb (rank 0; needs pip "
+                        "install 'purine_mpi[tensorboard]')")
 
     p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
     _common_config_args(p)
@@ -134,6 +138,16 @@ def build_parser():
                    help="use the config's data instead of synthetic data of the same shapes")
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
                    help="event-driven (default) or the serial reference dispatcher")
+
+    p = sub.add_parser("plot", help="draw loss, accuracy, lr and images/s of runs into an "
+                                    "image (needs pip install 'purine_mpi[plot]')")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a run folder, its metrics.jsonl, or runs/<name> (its newest "
+                        "numbered run); several are overlaid")
+    p.add_argument("--out", default="curves.png", metavar="IMAGE",
+                   help="the image to write; the format follows the extension (.png, .pdf, "
+                        ".svg; default curves.png)")
+
     p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
     p.add_argument("format", choices=["caffe"], help="the source format")
     p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
@@ -199,9 +213,12 @@ def cmd_train(args):
     if args.init_skip and not args.init:
         raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
                         "give --init too")
+    if args.tensorboard:  # before the run folder and the graphs: exit 2 at once
+        from .io.tensorboard import require_tensorboard
+        require_tensorboard()
     return run_training(cfg, _run_dir(args, cfg), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
-                        init_skip=args.init_skip)
+                        init_skip=args.init_skip, tensorboard=args.tensorboard)
 
 
 def cmd_test(args):
@@ -260,6 +277,13 @@ def cmd_bench(args):
     return 0
 
 
+def cmd_plot(args):
+    from .plot import plot_runs
+    plot_runs(args.runs, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_convert(args):
     from .interop.caffe_convert import write_config
     notes = write_config(args.net, args.out, args.solver, args.data)
@@ -278,7 +302,8 @@ def cmd_export(args):
 
 
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
-            "data": cmd_data, "bench": cmd_bench, "convert": cmd_convert, "export": cmd_export}
+            "data": cmd_data, "bench": cmd_bench, "plot": cmd_plot, "convert": cmd_convert,
+            "export": cmd_export}
 
 
 def main(argv=None):

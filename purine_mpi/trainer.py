@@ -24,6 +24,7 @@ from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
 from .io.config import dump_config
 from .io.data import source_info
+from .io.metrics import MetricsLog
 from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
                     kept_constant, loss_blobs, metric_blobs)
@@ -59,8 +60,9 @@ class Trainer:
     """Builds this rank's graphs, initialises or restores state, runs."""
 
     def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None, init_skip=(), scheme=None):
+                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         self.config = config
+        self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
         self.scheme = scheme or Scheme()
         self.out_dir = out_dir
         self.world = world or get_world()
@@ -125,6 +127,9 @@ class Trainer:
                                         workspace=Workspace(self.test_graph, shared=shared),
                                         seed=self._op_seed())
         self.start_iter = 0
+        # training time (s) spent before this process: metrics' "time" goes on from it
+        self.elapsed0 = 0.0
+        self._t_start = None
         # checkpoints carry it; rotation deletes only this run's (and its resumes')
         self.run_id = uuid.uuid4().hex
         self._last_saved = None  # iteration of the newest checkpoint this run wrote
@@ -293,6 +298,7 @@ class Trainer:
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])
+        self.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         self.run_id = str(ck.attrs.get("run_id") or "") or self.run_id
         self._last_saved = self.start_iter
 
@@ -325,7 +331,8 @@ class Trainer:
         save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
                             params=params, solver=solver, state=state,
                             world_size=self.size, seed=self.seed,
-                            config_text=dump_config(self.config), run_id=self.run_id)
+                            config_text=dump_config(self.config), run_id=self.run_id,
+                            elapsed=self.elapsed())
 
     # -------------------------------------------------------------- loops
     def run(self):
@@ -337,7 +344,7 @@ class Trainer:
             else 0
         metrics = self._open_metrics()
         window_loss, window_n = 0.0, 0  # running sum: nothing grows per iteration
-        t_start = t_window = time.perf_counter()
+        t_start = t_window = self._t_start = time.perf_counter()
         it0 = self.start_iter
         window_start = it0
         result = {}
@@ -355,7 +362,7 @@ class Trainer:
                         now - t_window, 1e-9)
                     lr = float(self.ws["lr"])
                     rec = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
-                           "images_per_s": round(ips, 1), "time": round(now - t_start, 3)}
+                           "images_per_s": round(ips, 1), "time": round(self.elapsed(now), 3)}
                     self._write(metrics, rec)
                     eta = (max_iter - done) * (now - t_start) / max(done - it0, 1)
                     self._say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
@@ -422,7 +429,8 @@ class Trainer:
         if not res:
             return res
         rec = {"phase": "test", "iter": iteration}
-        rec.update({k: round(v, 6) if isinstance(v, float) else v for k, v in res.items()})
+        rec.update(res)
+        rec["time"] = round(self.elapsed(), 3)
         self._write(metrics, rec)
         extra = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples"))
         self._say(f"test @ iter {iteration}: loss {res['loss']:.4f}  {extra}  "
@@ -431,36 +439,27 @@ class Trainer:
 
     # ------------------------------------------------------------ output
     def _open_metrics(self):
+        """Rank 0: config.yaml, and the metrics log (io/metrics.py) that goes
+        on from the checkpoint's rows and time when resuming."""
         if self.rank != 0:
             return None
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(self.config))
-        path = os.path.join(self.out_dir, "metrics.jsonl")
-        if not self.start_iter:
-            return open(path, "w")
-        # resuming: drop what a killed run logged after its checkpoint (it is
-        # logged again), so each (phase, iter) appears once
-        keep = []
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        if int(json.loads(line)["iter"]) <= self.start_iter:
-                            keep.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        pass  # a line cut short by the kill
-        with open(path, "w") as f:
-            f.writelines(keep)
-        return open(path, "a")
+        log = MetricsLog(self.out_dir, self.start_iter, self.elapsed0, self.tensorboard)
+        self.elapsed0 = log.elapsed0  # never below a kept row's time
+        return log
+
+    def elapsed(self, now=None):
+        """Training time in seconds, over this run and those it resumed."""
+        if self._t_start is None:
+            return self.elapsed0
+        return self.elapsed0 + (time.perf_counter() if now is None else now) - self._t_start
 
     @staticmethod
-    def _write(f, rec):
-        if f is not None:  # strict JSON: a non-finite figure is written as null
-            rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                   for k, v in rec.items()}
-            f.write(json.dumps(rec, allow_nan=False) + "\n")
-            f.flush()
+    def _write(metrics, rec):
+        if metrics is not None:
+            metrics.write(rec)
 
     def _say(self, msg):
         if self.rank == 0:
@@ -497,7 +496,7 @@ def _hms(seconds):
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
-                 init_skip=()):
+                 init_skip=(), tensorboard=False):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for."""
     from .comm.world import install_abort_handler
@@ -508,14 +507,15 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
         return run_param_server(config, out_dir, world, resume=resume, init=init,
-                                profile=profile, init_skip=init_skip)
+                                profile=profile, init_skip=init_skip, tensorboard=tensorboard)
     return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
-                                  profile=profile, dispatcher=dispatcher, init_skip=init_skip),
+                                  profile=profile, dispatcher=dispatcher, init_skip=init_skip,
+                                  tensorboard=tensorboard),
                           world)
 
 
 def run_param_server(config, out_dir, world, resume=None, init=None, profile=False,
-                     dispatcher=None, log=None, init_skip=()):
+                     dispatcher=None, log=None, init_skip=(), tensorboard=False):
     """``train`` on every rank of a parameter-server run: servers serve
     (parallel.param_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker). Returns
@@ -527,7 +527,8 @@ def run_param_server(config, out_dir, world, resume=None, init=None, profile=Fal
                                init_skip=init_skip)
     return run_and_report(Trainer(config, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
-                                  init_skip=init_skip, scheme=WorkerScheme(config, world)),
+                                  init_skip=init_skip, scheme=WorkerScheme(config, world),
+                                  tensorboard=tensorboard),
                           world)
 
 

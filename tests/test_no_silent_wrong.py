@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.trainer import Trainer
+from purine_mpi.io.metrics import write_row
 
 from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
 from .test_cli import assert_user_error
@@ -71,8 +71,8 @@ def test_num_output_below_classes_is_one_message(digits_h5, tmp_path):
 def test_metrics_write_null_for_non_finite(tmp_path):
     path = tmp_path / "m.jsonl"
     with open(path, "w") as f:
-        Trainer._write(f, {"phase": "train", "iter": 3, "loss": math.nan, "lr": math.inf,
-                           "time": 1.5})
+        write_row(f, {"phase": "train", "iter": 3, "loss": math.nan, "lr": math.inf,
+                      "time": 1.5})
     rec = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c))
     assert rec == {"phase": "train", "iter": 3, "loss": None, "lr": None, "time": 1.5}
 

@@ -1,7 +1,8 @@
 """HDF5 checkpoints (docs/formats.md, "Checkpoints").
 
     /                 attrs: format = "purine_mpi.checkpoint", version = 1,
-                      iteration, world_size, seed, config (YAML text)
+                      iteration, world_size, seed, config (YAML text),
+                      run_id, elapsed (training seconds so far: metrics' "time")
     /params/<name>    every learnable blob (``conv1/weight`` -> /params/conv1/weight)
     /solver/<name>/…  solver state per parameter (e.g. ``momentum``)
     /state/…          RNG states, data positions: whatever a resumed run needs
@@ -82,7 +83,7 @@ def _replaced_atomically(path):
 
 
 def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
-                    config_text="", run_id=""):
+                    config_text="", run_id="", elapsed=None):
     """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
     import h5py
     path = str(path)
@@ -97,6 +98,8 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             f.attrs["config"] = str(config_text or "")
             if run_id:  # the run (and its resumes) that wrote it: rotation keeps to its own
                 f.attrs["run_id"] = str(run_id)
+            if elapsed is not None:  # metrics.jsonl's "time" continues from it on resume
+                f.attrs["elapsed"] = float(elapsed)
             for section, values in (("params", params), ("solver", solver), ("state", state)):
                 _write_dict(f.create_group(section, track_order=True), values or {}, section)
             # the digest of what a reader gets back, so JSON-held values

@@ -16,6 +16,7 @@ Rank 0 decides and every rank gets its answer, so all ranks of a job agree.
 import fcntl
 import os
 import re
+import shutil
 import socket
 import time
 
@@ -24,12 +25,13 @@ from .checkpoint import LATEST, list_checkpoints
 
 LOCK_FILE = ".purine.lock"
 _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
-                          r"config\.yaml|events\.out\.tfevents\..*)$")
+                          r"config\.yaml|events\.out\.tfevents\..*|tb)$")
 _held = []  # open lock files of this process (closing one would release its lock)
 
 
 def run_files(folder):
-    """The files of a run in ``folder`` (sorted names; [] if none)."""
+    """The files of a run in ``folder`` (sorted names; [] if none), with its
+    TensorBoard folder ``tb``."""
     if not os.path.isdir(folder):
         return []
     return sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
@@ -67,7 +69,11 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs"):
                             "deleted), or give another --out")
         if held and force and not resume:
             for n in held:
-                os.remove(os.path.join(out, n))
+                path = os.path.join(out, n)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)  # tb/
+                else:
+                    os.remove(path)
             os.makedirs(out, exist_ok=True)
             return out, f"--force: deleted the previous run's files in {out}"
         os.makedirs(out, exist_ok=True)

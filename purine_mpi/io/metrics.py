@@ -1,0 +1,119 @@
+"""``metrics.jsonl``: one JSON object per line, written by rank 0.
+
+    {"phase": "train", "iter": 100, "loss": 0.8192, "lr": 0.05,
+     "images_per_s": 6074.2, "time": 1.234, "timestamp": 1767225600.123}
+    {"phase": "test", "iter": 300, "loss": 0.0601, "accuracy": 0.9806,
+     "samples": 360, "time": 3.456, "timestamp": 1767225602.345}
+
+- ``time``: seconds of training (elapsed wall time of the training loop,
+  evaluations and checkpoints included, start-up excluded) when the row was
+  written. It is stored in each checkpoint (root attribute ``elapsed``) and
+  continues after ``--resume``, so it never goes back within a file.
+- ``timestamp``: the wall-clock time the row was written, Unix seconds (UTC,
+  millisecond resolution) -- what TensorBoard stores as ``wall_time``.
+- Figures computed from float32 blobs (loss, lr, accuracy, other metrics) are
+  written at float32 precision: the shortest decimal that reads back as the
+  same float32 (``lr`` 0.05 is ``0.05``, not ``0.05000000074505806``).
+  ``images_per_s`` is rounded to 0.1, ``time`` and ``timestamp`` to 1 ms.
+- A non-finite figure (NaN, inf) is written as ``null``: every line is
+  strict JSON.
+
+On resume the rows a killed run wrote after its checkpoint are dropped (they
+are written again), so each (phase, iter) appears once.
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+FILE = "metrics.jsonl"
+# written as they are computed (already rounded), not at float32 precision
+_NOT_FLOAT32 = ("time", "timestamp", "images_per_s")
+
+
+def float32_value(x):
+    """``x`` as the shortest decimal that reads back as float32(x), as a
+    Python float (so ``json.dumps`` writes that decimal): 0.05 -> 0.05."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def row_text(rec):
+    """One strict-JSON line (no newline): floats at float32 precision (except
+    ``_NOT_FLOAT32``), non-finite ones as null."""
+    out = {}
+    for k, v in rec.items():
+        if isinstance(v, (float, np.floating)):
+            v = float(v)
+            if not math.isfinite(v):
+                v = None
+            elif k not in _NOT_FLOAT32:
+                v = float32_value(v)
+        elif isinstance(v, np.integer):
+            v = int(v)
+        out[k] = v
+    return json.dumps(out, allow_nan=False)
+
+
+def write_row(f, rec):
+    """Append ``rec`` to the open file ``f`` as one line and flush."""
+    f.write(row_text(rec) + "\n")
+    f.flush()
+
+
+def keep_rows_up_to(path, iteration):
+    """Rewrite ``path`` keeping the rows with ``iter <= iteration`` (a line cut
+    short by a kill is dropped). Returns the kept rows (dicts)."""
+    kept, rows = [], []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    if int(rec["iter"]) <= iteration:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                        rows.append(rec)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line cut short by the kill
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return rows
+
+
+class MetricsLog:
+    """Rank 0's metrics output: ``metrics.jsonl`` in ``out_dir`` and, with
+    ``tensorboard``, TensorBoard event files in ``out_dir/tb``.
+
+    ``start_iter`` > 0 (a resume) keeps the rows up to it and appends;
+    ``elapsed`` is the training time already spent (the checkpoint's), from
+    which ``time`` continues -- never below the last kept row's time."""
+
+    def __init__(self, out_dir, start_iter=0, elapsed=0.0, tensorboard=False):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, FILE)
+        self.elapsed0 = float(elapsed or 0.0)
+        if start_iter:
+            rows = keep_rows_up_to(self.path, start_iter)
+            times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
+            self.elapsed0 = max([self.elapsed0] + times)
+            self.file = open(self.path, "a")
+        else:
+            self.file = open(self.path, "w")
+        self.tb = None
+        if tensorboard:
+            from .tensorboard import TensorBoardLog
+            self.tb = TensorBoardLog(os.path.join(out_dir, "tb"),
+                                     purge_step=start_iter + 1 if start_iter else None)
+
+    def write(self, rec):
+        """Write one row (``timestamp`` added) to every output."""
+        rec = dict(rec, timestamp=round(time.time(), 3))
+        write_row(self.file, rec)
+        if self.tb is not None:
+            self.tb.write(json.loads(row_text(rec)))  # the very figures of the JSON row
+
+    def close(self):
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
