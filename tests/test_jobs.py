@@ -18,7 +18,7 @@ JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.yaml")))
 def test_there_are_jobs():
     names = {os.path.basename(j) for j in JOBS}
     assert {"digits_lenet.yaml", "cifar10_quick.yaml", "nin_cifar10.yaml",
-            "googlenet.yaml", "digits_pipeline.yaml"} <= names
+            "googlenet.yaml", "digits_pipeline.yaml", "digits_hybrid.yaml"} <= names
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def _with_local_data(job, digits_h5, cifar_h5):
 @pytest.mark.parametrize("job", JOBS, ids=os.path.basename)
 def test_job_composes(job, digits_h5, cifar_shaped_h5):
     cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5))
-    ranks = 2 if cfg["parallel"]["scheme"] == "pipeline" else 1
+    ranks = {"pipeline": 2, "hybrid": 4}.get(cfg["parallel"]["scheme"], 1)
     for rank in range(ranks):
         graph = compose_for(cfg, ranks, rank)
         assert graph.ops and all(b.shape is not None for b in graph.blobs.values())

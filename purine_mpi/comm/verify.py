@@ -49,6 +49,10 @@ def _fmt(e):
     return f"{e['kind']} of {e['count']} {e['dtype']} (op '{e['op']}', seq {e['seq']})"
 
 
+def _fmt_or_none(e, posted):
+    return _fmt(e) if e else f"nothing (it has only {len(posted)})"
+
+
 def compare_signatures(signatures):
     """Problems (strings) across ranks' signatures; empty when consistent."""
     problems = []
@@ -79,11 +83,9 @@ def compare_signatures(signatures):
             for j, e in enumerate(row[1:], 1):
                 if (e and (e["kind"], e["count"], e["dtype"])) != \
                         (ref and (ref["kind"], ref["count"], ref["dtype"])):
-                    problems.append(
-                        f"collective #{i}{where} differs: rank {r0} posts "
-                        f"{_fmt(ref) if ref else 'nothing (it has only ' + str(len(colls[0])) + ')'}"
-                        f", rank {g[j]} posts "
-                        f"{_fmt(e) if e else 'nothing (it has only ' + str(len(colls[j])) + ')'}")
+                    problems.append(f"collective #{i}{where} differs: rank {r0} posts "
+                                    f"{_fmt_or_none(ref, colls[0])}, rank {g[j]} posts "
+                                    f"{_fmt_or_none(e, colls[j])}")
                     break
             break  # the first difference is what matters; later ones follow from it
     sends, recvs = {}, {}
