@@ -1,29 +1,85 @@
-// Inverted dropout mask from uniform random numbers:
-//   mask = (u >= ratio) / (1 - ratio)        u ~ U[0, 1), drawn by cupy.random
-// so y = x * mask keeps each unit with probability 1 - ratio and needs no
-// rescaling at test time; the backward is dx = dy * mask. The mask is an
-// explicit output blob (the forward's random draw must be reused backward).
+// Inverted dropout with masks drawn on the device by Philox4x32-10
+// (philox.cuh), keyed by (op id, seed) and counted by (block, seed high word,
+// iteration), the iteration read from a device blob (no host work, no
+// generator state). purine_mpi/philox.py documents the stream; the CPU draws
+// the same words, so both devices drop the same units:
 //
-// Compiled at run time by purine_mpi.gpu.load_kernel("dropout") (NVRTC, so no
-// #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
+//   word(i)  = philox4x32_10((i / 4, ctr1, iter lo, iter hi), (key0, key1))[i % 4]
+//   mask[i]  = word(i) >= threshold ? 1 : 0          threshold = floor(ratio 2^32)
+//   y[i]     = (x[i] * mask[i]) * scale               scale = 1 / (1 - ratio)
+//   dx[i]    = (dy[i] * mask[i]) * scale              (the backward)
+//
+// One thread per block of four elements (one Philox call each), grid-stride.
+// `philox_words` writes the raw words (tests compare them with NumPy's).
+//
+// Compiled at run time by purine_mpi.gpu.load_kernel("dropout"); one
+// extern "C" entry point per dtype: <name>_f32, <name>_f64.
+
+#include "philox.cuh"
 
 #define CUDA_KERNEL_LOOP(i, n)                                              \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
        i < (n); i += (long long)blockDim.x * gridDim.x)
 
+__device__ __forceinline__ long long purine_iteration(long long value,
+                                                      const long long* ptr, int has_ptr) {
+  return has_ptr ? ptr[0] : value;
+}
+
 template <typename T>
-__device__ void dropout_mask_impl(long long total, const T* uniform, T ratio,
-                                  T scale, T* mask) {
-  CUDA_KERNEL_LOOP(index, total) {
-    mask[index] = uniform[index] >= ratio ? scale : T(0);
+__device__ void dropout_forward_impl(long long blocks, long long total, const T* x,
+                                     long long iter_value, const long long* iter_ptr,
+                                     int has_iter_ptr, unsigned int key0, unsigned int key1,
+                                     unsigned int ctr1, unsigned int threshold, T scale,
+                                     T* y, T* mask) {
+  const unsigned long long it =
+      (unsigned long long)purine_iteration(iter_value, iter_ptr, has_iter_ptr);
+  CUDA_KERNEL_LOOP(b, blocks) {
+    unsigned int ctr[4] = {(unsigned int)b, ctr1, (unsigned int)it,
+                           (unsigned int)(it >> 32)};
+    purine_philox4x32(ctr, key0, key1, 10);
+    for (int j = 0; j < 4; ++j) {
+      const long long i = 4 * b + j;
+      if (i < total) {
+        const T m = ctr[j] >= threshold ? T(1) : T(0);
+        mask[i] = m;
+        y[i] = (x[i] * m) * scale;
+      }
+    }
   }
 }
 
-#define PURINE_DROPOUT_ENTRY(SUFFIX, T)                                         \
-  extern "C" __global__ void dropout_mask_##SUFFIX(                             \
-      long long total, const T* uniform, T ratio, T scale, T* mask) {           \
-    dropout_mask_impl<T>(total, uniform, ratio, scale, mask);                   \
+template <typename T>
+__device__ void dropout_backward_impl(long long total, const T* dy, const T* mask, T scale,
+                                      T* dx) {
+  CUDA_KERNEL_LOOP(i, total) { dx[i] = (dy[i] * mask[i]) * scale; }
+}
+
+#define PURINE_DROPOUT_ENTRY(SUFFIX, T)                                                  \
+  extern "C" __global__ void dropout_forward_##SUFFIX(                                   \
+      long long blocks, long long total, const T* x, long long iter_value,               \
+      const long long* iter_ptr, int has_iter_ptr, unsigned int key0, unsigned int key1, \
+      unsigned int ctr1, unsigned int threshold, T scale, T* y, T* mask) {               \
+    dropout_forward_impl<T>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,  \
+                            key1, ctr1, threshold, scale, y, mask);                      \
+  }                                                                                      \
+  extern "C" __global__ void dropout_backward_##SUFFIX(                                  \
+      long long total, const T* dy, const T* mask, T scale, T* dx) {                     \
+    dropout_backward_impl<T>(total, dy, mask, scale, dx);                                \
   }
 
 PURINE_DROPOUT_ENTRY(f32, float)
 PURINE_DROPOUT_ENTRY(f64, double)
+
+// The raw Philox words of counters (c0 + b, c1, c2, c3), b in [0, blocks):
+// out[4 b + j] = word j (`rounds` rounds). One entry point, no dtype suffix:
+// the words are uint32.
+extern "C" __global__ void philox_words(long long blocks, unsigned int c0, unsigned int c1,
+                                        unsigned int c2, unsigned int c3, unsigned int key0,
+                                        unsigned int key1, int rounds, unsigned int* out) {
+  CUDA_KERNEL_LOOP(b, blocks) {
+    unsigned int ctr[4] = {c0 + (unsigned int)b, c1, c2, c3};
+    purine_philox4x32(ctr, key0, key1, rounds);
+    for (int j = 0; j < 4; ++j) out[4 * b + j] = ctr[j];
+  }
+}

@@ -197,5 +197,7 @@ def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=
     w -= v
 
 
-def dropout_mask(uniform, ratio):
-    return np.where(uniform >= ratio, 1.0 / (1.0 - ratio), 0.0).astype(uniform.dtype)
+def dropout_forward(x, keep, ratio):
+    """Inverted dropout with a given boolean keep-mask -> (y, mask)."""
+    mask = keep.astype(x.dtype)
+    return (x * mask) * x.dtype.type(1.0 / (1.0 - ratio)), mask

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import purine_mpi.gpu as gpu
-from purine_mpi.gpu.kernels import ENTRY_POINTS
+from purine_mpi.gpu.kernels import ENTRY_POINTS, PLAIN_ENTRY_POINTS
 
 NVCC = shutil.which("nvcc")
 ARCHS = ("sm_80", "sm_90")
@@ -48,15 +48,19 @@ def compiled(tmp_path_factory):
 
 def test_every_source_is_wrapped():
     assert SOURCES, f"no .cu files in {gpu.CUDA_DIR}"
-    assert set(SOURCES) == set(ENTRY_POINTS), (
-        "cuda/*.cu and purine_mpi.gpu.kernels.ENTRY_POINTS disagree")
+    assert set(SOURCES) == set(ENTRY_POINTS) | set(PLAIN_ENTRY_POINTS), (
+        "cuda/*.cu and purine_mpi.gpu.kernels.(PLAIN_)ENTRY_POINTS disagree")
 
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_sources_have_no_includes(name):
-    # NVRTC (CuPy's compiler) has no standard library headers on its path.
+    # NVRTC (CuPy's compiler) has no standard library headers on its path:
+    # a source includes only cuda/*.cuh headers, which the loader inlines.
     text = (gpu.CUDA_DIR / f"{name}.cu").read_text()
-    assert not re.search(r"^\s*#\s*include", text, re.MULTILINE)
+    for header in re.findall(r'^\s*#\s*include\s*(\S+)', text, re.MULTILINE):
+        assert re.fullmatch(r'"\w+\.cuh"', header), f"cuda/{name}.cu includes {header}"
+        assert (gpu.CUDA_DIR / header.strip('"')).is_file(), header
+    assert not re.search(r"^\s*#\s*include", gpu.kernel_source(name), re.MULTILINE)
 
 
 @needs_nvcc
@@ -66,5 +70,7 @@ def test_compiles_and_exports_entry_points(compiled, name, arch):
     returncode, output, ptx = compiled[(name, arch)]
     assert returncode == 0, f"nvcc -arch={arch} failed on cuda/{name}.cu:\n{output}"
     entries = set(re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.MULTILINE))
-    expected = {f"{func}_{suffix}" for func in ENTRY_POINTS[name] for suffix in ("f32", "f64")}
+    expected = {f"{func}_{suffix}" for func in ENTRY_POINTS.get(name, ())
+                for suffix in ("f32", "f64")}
+    expected |= set(PLAIN_ENTRY_POINTS.get(name, ()))
     assert expected <= entries, f"missing entry points: {sorted(expected - entries)}"

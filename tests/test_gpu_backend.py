@@ -268,6 +268,23 @@ def test_sgd_update_gpu_branch_in_place(device):
     assert device.launched == ["sgd_momentum"]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("iter_on_host", [True, False])
+def test_dropout_gpu_branch_draws_the_cpu_mask(device, dtype, iter_on_host):
+    """Same seed, op and iteration: the device draws the CPU's mask, bit for bit."""
+    x = _rand((5, 7, 3), dtype)
+    it = np.asarray(12, np.int64)
+    cpu, got = _compare(device, "Dropout", {"ratio": 0.4}, [x, it], ["dropout_forward"], dtype,
+                        host_inputs=(1,) if iter_on_host else ())
+    for c, g in zip(cpu, got):
+        np.testing.assert_array_equal(g, c)
+    assert 0 < cpu[1].mean() < 1
+    dy = _rand(x.shape, dtype, 1)
+    cpu, got = _compare(device, "DropoutGrad", {"ratio": 0.4}, [dy, cpu[1]],
+                        ["dropout_backward"], dtype)
+    np.testing.assert_array_equal(got[0], cpu[0])
+
+
 def test_float16_on_a_gpu_takes_the_generic_path():
     from purine_mpi.gpu.raw import raw_kernels
     fake_xp = types.SimpleNamespace()
@@ -758,22 +775,24 @@ def test_place_on_device():
     n_ops = len(graph.ops)
     place_on_device(graph, 1)
     ops = graph.ops
-    assert ops["data"].location.device == -1 and ops["solver.lr"].location.device == -1
-    for name in ("iter", "lr", "data", "label"):
+    # the lr policy runs on the device, from the iteration copied there
+    assert ops["data"].location.device == -1 and ops["solver.lr"].location.device == 1
+    for name in ("iter", "data", "label"):
         assert graph.blobs[name].location.device == -1
-    assert graph.blobs["data"].attrs["pinned"] and graph.blobs["label"].attrs["pinned"]
+        assert graph.blobs[name].attrs["pinned"]
+    assert graph.blobs["lr"].location.device == 1
     copies = {n: op for n, op in ops.items() if op.op_type == "Copy" and op.thread == "h2d"}
-    assert sorted(op.inputs[0] for op in copies.values()) == ["data", "label"]
-    assert len(ops) == n_ops + 2
+    assert sorted(op.inputs[0] for op in copies.values()) == ["data", "iter", "label"]
+    assert ops["solver.lr"].inputs == ["iter@gpu1"] and ops["drop.fwd"].inputs[1] == "iter@gpu1"
+    assert len(ops) == n_ops + 3
     for op in ops.values():
-        if op.op_type in ("DataReader", "LearningRate"):
+        if op.op_type == "DataReader":
             continue
         assert op.location.device == 1, op.name
         for i, b in enumerate(op.inputs):
             on_host = graph.blobs[b].location.device < 0
-            # besides the copies, the learning rate is the one host blob a device op reads
-            assert not on_host or op in copies.values() or \
-                (op.op_type == "SGDUpdate" and i == 3), (op.name, b)
+            # besides the copies, no device op reads a host blob
+            assert not on_host or op in copies.values(), (op.name, b)
     for name, blob in graph.blobs.items():
         if blob.alias_of is not None:
             assert blob.location == graph.blobs[graph.storage_root(name)].location
@@ -848,7 +867,7 @@ GRAPH_OP_CASES = [  # op type, attrs, input shapes (first is x), wrt
     ("InnerProduct", {}, [(4, 3, 2, 2), (5, 12), (5,)], ("x", "in1", "in2")),
     ("Relu", {}, [(3, 4)], ("x",)),
     ("Softmax", {}, [(3, 5)], ("x",)),
-    ("Dropout", {"ratio": 0.3}, [(6, 8)], ("x",)),
+    ("Dropout", {"ratio": 0.3}, [(6, 8), ((), "int64")], ("x",)),
 ]
 
 
@@ -880,7 +899,8 @@ def test_every_op_on_gpu_matches_numpy(case):
     from tests.opcheck import run_op
     op_type, attrs, shapes, wrt = case
     names = ["x"] + [f"in{i}" for i in range(1, len(shapes))]
-    inputs = {n: _rand(s, np.float32, i) for i, (n, s) in enumerate(zip(names, shapes))}
+    inputs = {n: np.asarray(7, np.int64) if s == ((), "int64") else _rand(s, np.float32, i)
+              for i, (n, s) in enumerate(zip(names, shapes))}   # int64 (): the iteration
     outs_cpu, grads_cpu = run_op(op_type, attrs, inputs, wrt)
     outs_gpu, grads_gpu = _run_graph_on_gpu(op_type, attrs, inputs, wrt)
     for k, v in outs_cpu.items():

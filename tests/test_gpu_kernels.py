@@ -180,14 +180,6 @@ def test_reference_sgd_momentum_matches_torch():
     np.testing.assert_allclose(w, wt.detach().numpy(), rtol=1e-12, atol=1e-12)
 
 
-def test_reference_dropout_mask():
-    uniform = _rng().random(10000)
-    mask = ref.dropout_mask(uniform, 0.25)
-    assert set(np.unique(mask)) == {0.0, 1.0 / 0.75}
-    assert abs(mask.mean() - 1.0) < 0.03  # inverted dropout keeps the mean
-    np.testing.assert_array_equal(ref.dropout_mask(uniform, 0.0), np.ones_like(uniform))
-
-
 # --------------------------- 2a. host emulation of the kernels (g++ + ctypes) ---
 
 _HOST_PRELUDE = r"""
@@ -212,8 +204,11 @@ static inline double __longlong_as_double(long long i) {
 """
 _EMU_BLOCKS, _EMU_THREADS = 2, 3   # small grid: exercises the grid-stride loops
 _C_SCALARS = {"long long": (np.int64, ctypes.c_longlong), "int": (np.int32, ctypes.c_int),
+              "unsigned int": (np.uint32, ctypes.c_uint),
               "float": (np.float32, ctypes.c_float), "double": (np.float64, ctypes.c_double)}
-_C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32}
+_C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32,
+               "long long": np.int64, "unsigned int": np.uint32,
+               "unsigned long long": np.uint64}
 _SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
 
 
@@ -424,10 +419,21 @@ def test_sgd_momentum_update_in_place(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dropout_mask(backend, dtype):
-    uniform = _rng().random((3, 4, 5)).astype(dtype)
-    mask = kernels.dropout_mask(backend.to_device(uniform), 0.3)
-    np.testing.assert_array_equal(backend.to_host(mask), ref.dropout_mask(uniform, 0.3))
+def test_dropout_forward_backward(backend, dtype):
+    """The device draws the CPU's Philox mask (bit for bit), with the
+    iteration as a number or as a device blob."""
+    from purine_mpi.philox import keep_mask
+    x = _rng().standard_normal((3, 4, 5)).astype(dtype)   # 60: not a multiple of 4 blocks
+    for it in (0, 7, backend.to_device(np.array(7, np.int64))):
+        y, mask = kernels.dropout_forward(backend.to_device(x), it, 0.3, 11, 22, 33)
+        keep = keep_mask(x.shape, 0.3, 11, 22, 33, 7 if not isinstance(it, int) else it)
+        y_ref, mask_ref = ref.dropout_forward(x, keep, 0.3)
+        np.testing.assert_array_equal(backend.to_host(mask), mask_ref)
+        np.testing.assert_array_equal(backend.to_host(y), y_ref)
+        assert mask.dtype == dtype
+    dy = _rng(1).standard_normal(x.shape).astype(dtype)
+    dx = kernels.dropout_backward(backend.to_device(dy), mask, 0.3)
+    np.testing.assert_array_equal(backend.to_host(dx), ref.dropout_forward(dy, keep, 0.3)[0])
 
 
 def test_out_arguments(backend):
@@ -462,7 +468,7 @@ def test_errors_a_user_can_act_on(backend):
     with pytest.raises(ValueError, match="expected"):
         kernels.im2col(x, 3, 3, out=backend.to_device(np.zeros((1, 1, 1))))
     with pytest.raises(ValueError, match="ratio"):
-        kernels.dropout_mask(x, 1.0)
+        kernels.dropout_forward(x, 0, 1.0, 0, 0)
     with pytest.raises(ValueError, match="one label per position"):
         kernels.softmax_loss_forward(backend.to_device(np.zeros((2, 3))),
                                      backend.to_device(np.zeros(3, np.int32)))

@@ -170,17 +170,25 @@ def test_accuracy_counts_non_finite_scores_as_wrong():
 
 
 # ---------------------------------------------------------------- dropout
+def _it(value=0):
+    return np.asarray(value, np.int64)
+
+
 def test_dropout_train_matches_mask_and_torch_scaling():
     x = randn(50, 40)
-    outs, grads = run_op("Dropout", {"ratio": 0.3}, {"x": x}, wrt=["x"])
+    outs, grads = run_op("Dropout", {"ratio": 0.3}, {"x": x, "iter": _it()}, wrt=["x"])
     y, mask = outs[0], outs[1]
     assert set(np.unique(mask)) <= {0.0, 1.0}
     assert abs(mask.mean() - 0.7) < 0.05
     # the same mask fed to torch's formula (inverted dropout)
     close(y, (torch.tensor(x) * torch.tensor(mask) / 0.7).numpy())
     close(grads["x"], outs["_loss_weights"][0] * mask / 0.7)
-    again, _ = run_op("Dropout", {"ratio": 0.3}, {"x": x})
-    assert np.array_equal(again[1], mask)  # same seed, same mask
+    again, _ = run_op("Dropout", {"ratio": 0.3}, {"x": x, "iter": _it()})
+    assert np.array_equal(again[1], mask)  # same seed and iteration, same mask
+    later, _ = run_op("Dropout", {"ratio": 0.3}, {"x": x, "iter": _it(1)})
+    assert not np.array_equal(later[1], mask)  # the next iteration draws anew
+    other_seed, _ = run_op("Dropout", {"ratio": 0.3}, {"x": x, "iter": _it()}, rng_seed=1)
+    assert not np.array_equal(other_seed[1], mask)
 
 
 def test_dropout_test_phase_is_identity():
@@ -193,12 +201,13 @@ def test_dropout_test_phase_is_identity():
 
 def test_dropout_numeric_grad():
     x, w = randn(4, 6, dtype=np.float64), randn(4, 6, dtype=np.float64)
-    _, grads = run_op("Dropout", {"ratio": 0.5}, {"x": x}, wrt=["x"], loss_weights=[w, None])
-    # the mask depends only on the seed, so central differences see the same mask
-    num = numeric_grad("Dropout", {"ratio": 0.5}, {"x": x}, "x", [w, None])
+    inputs = {"x": x, "iter": _it(3)}
+    _, grads = run_op("Dropout", {"ratio": 0.5}, inputs, wrt=["x"], loss_weights=[w, None])
+    # the mask depends only on seed, op and iteration, so central differences see one mask
+    num = numeric_grad("Dropout", {"ratio": 0.5}, inputs, "x", [w, None])
     close(grads["x"], num, rtol=1e-6, atol=1e-8)
 
 
 def test_dropout_rejects_bad_ratio():
     with pytest.raises(ShapeError, match="ratio"):
-        run_op("Dropout", {"ratio": 1.0}, {"x": randn(2, 2)})
+        run_op("Dropout", {"ratio": 1.0}, {"x": randn(2, 2), "iter": _it()})

@@ -23,6 +23,7 @@ The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 ``cuda/`` folder at the repository root.
 """
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -69,11 +70,42 @@ def source_path(name):
     return path
 
 
-def kernel_source(name):
-    """The text compiled for ``name``: a ``#line`` directive, then the file."""
-    path = source_path(name).resolve()
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+\.cuh)"\s*$')
+
+
+def _line_directive(path, line=1):
     escaped = str(path).replace("\\", "\\\\").replace('"', '\\"')
-    return f'#line 1 "{escaped}"\n' + path.read_text()
+    return f'#line {line} "{escaped}"'
+
+
+def _expand(path, seen):
+    """``path``'s text with each ``#include "x.cuh"`` replaced by that header
+    (from the same folder, once per compile), ``#line`` directives keeping
+    compiler messages on the real file and line."""
+    lines = [_line_directive(path)]
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        match = _LOCAL_INCLUDE.match(line)
+        if match is None:
+            lines.append(line)
+            continue
+        header = (path.parent / match.group(1)).resolve()
+        if not header.is_file():
+            from ..errors import UserError
+            raise UserError(f"{path}:{number}: included header {header} not found")
+        if header not in seen:
+            seen.add(header)
+            lines.append(_expand(header, seen))
+        lines.append(_line_directive(path, number + 1))
+    return "\n".join(lines)
+
+
+def kernel_source(name):
+    """The text compiled for ``name``: a ``#line`` directive, then the file,
+    with the local headers it includes (``#include "philox.cuh"``) inlined,
+    since NVRTC has no include path for them."""
+    path = source_path(name).resolve()
+    text = _expand(path, set())
+    return text + "\n" if path.read_text().endswith("\n") else text
 
 
 def _current_device(cupy):
@@ -94,14 +126,17 @@ def load_kernel(name, options=()):
 
 
 def get_function(module, func_name, dtype, options=()):
-    """The kernel ``<func_name>_<f32|f64>`` for ``dtype`` from ``module``.
+    """The kernel ``<func_name>_<f32|f64>`` for ``dtype`` from ``module``
+    (``dtype=None``: the entry point ``<func_name>`` itself, for kernels that
+    exist once, e.g. ``philox_words``).
 
     ``module`` is a source name (``"pooling"``, loaded with ``load_kernel``) or
     a RawModule. Kernels fetched by name are cached, so this is cheap to call
     on every launch."""
-    suffix = dtype_suffix(dtype)
+    suffix = None if dtype is None else dtype_suffix(dtype)
+    full_name = func_name if suffix is None else f"{func_name}_{suffix}"
     if not isinstance(module, str):
-        return module.get_function(f"{func_name}_{suffix}")
+        return module.get_function(full_name)
     cupy = import_cupy()
     options = tuple(options)
     key = (module, func_name, suffix, _current_device(cupy), options)
@@ -111,7 +146,7 @@ def get_function(module, func_name, dtype, options=()):
         with _lock:
             kernel = _functions.get(key)
             if kernel is None:
-                kernel = raw_module.get_function(f"{func_name}_{suffix}")
+                kernel = raw_module.get_function(full_name)
                 _functions[key] = kernel
     return kernel
 

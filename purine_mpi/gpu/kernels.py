@@ -27,7 +27,12 @@ ENTRY_POINTS = {
     "lrn": ("lrn_forward", "lrn_backward"),
     "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward"),
     "sgd": ("sgd_momentum",),
-    "dropout": ("dropout_mask",),
+    "dropout": ("dropout_forward", "dropout_backward"),
+}
+#: entry points that exist once, without a dtype suffix
+PLAIN_ENTRY_POINTS = {
+    "dropout": ("philox_words",),
+    "lr_policy": ("learning_rate",),
 }
 
 _BLOCK = 256
@@ -395,15 +400,97 @@ def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=
 
 # --------------------------------------------------------------- dropout ---
 
-def dropout_mask(uniform, ratio, out=None):
-    """Inverted-dropout mask from ``uniform`` ~ U[0, 1) (e.g.
-    ``cupy.random.random(shape, dtype)``): (u >= ratio) / (1 - ratio)."""
+def _iteration(cupy, iteration):
+    """(value, device pointer, flag) of an iteration: a number, or a
+    one-element int64 CuPy array (the iteration blob on the device), which
+    the kernel reads itself (no host round trip)."""
+    if isinstance(iteration, cupy.ndarray):
+        if iteration.size != 1 or np.dtype(iteration.dtype) != np.dtype(np.int64):
+            raise ValueError(f"the iteration must be a one-element int64 array, got "
+                             f"{iteration.dtype} of shape {tuple(iteration.shape)}")
+        return np.int64(0), cupy.ascontiguousarray(iteration.reshape(1)), _int(1)
+    value = int(iteration)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"iteration {value} does not fit 64 bits")
+    return np.int64(value), cupy.empty((1,), dtype=np.int64), _int(0)  # unread
+
+
+def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+    """Inverted dropout with a Philox mask drawn on the device -> ``(y, mask)``.
+
+    Element i is kept iff Philox word i of the stream
+    ``((i // 4, ctr1, iter lo, iter hi), (key0, key1))`` is >= floor(ratio 2^32)
+    (:mod:`purine_mpi.philox`, which draws the same words on the CPU);
+    mask = 1 or 0 (x's dtype), y = (x * mask) / (1 - ratio). ``iteration`` is
+    a number or the one-element int64 iteration blob on the device."""
+    from ..philox import keep_threshold
     cupy = import_cupy()
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"dropout_mask: ratio must be in [0, 1), got {ratio}")
-    uniform = _input(cupy, uniform, "dropout_mask: uniform")
-    mask, target = _output(cupy, out, uniform.shape, uniform.dtype, "dropout_mask")
-    t = uniform.dtype.type
-    _launch("dropout", "dropout_mask", uniform.dtype, uniform.size,
-            (uniform, t(ratio), t(1.0 / (1.0 - ratio)), mask))
-    return _finish(mask, target)
+    threshold = keep_threshold(ratio)
+    x = _input(cupy, x, "dropout_forward: x")
+    y_out, mask_out = _outs(out, 2)
+    y, y_target = _output(cupy, y_out, x.shape, x.dtype, "dropout_forward (y)")
+    mask, mask_target = _output(cupy, mask_out, x.shape, x.dtype, "dropout_forward (mask)")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    t = x.dtype.type
+    u32 = np.uint32
+    _launch("dropout", "dropout_forward", x.dtype, -(-x.size // 4),
+            (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+             u32(int(ctr1) & 0xFFFFFFFF), u32(threshold), t(1.0 / (1.0 - float(ratio))), y,
+             mask))
+    return _finish(y, y_target), _finish(mask, mask_target)
+
+
+def dropout_backward(dy, mask, ratio, out=None):
+    """dx = (dy * mask) / (1 - ratio), one kernel."""
+    cupy = import_cupy()
+    if not 0.0 <= float(ratio) < 1.0:
+        raise ValueError(f"dropout_backward: ratio must be in [0, 1), got {ratio}")
+    dy = _input(cupy, dy, "dropout_backward: dy")
+    mask = _input(cupy, mask, "dropout_backward: mask")
+    if mask.shape != dy.shape or mask.dtype != dy.dtype:
+        raise ValueError(f"dropout_backward: mask has shape {tuple(mask.shape)} {mask.dtype}, "
+                         f"expected dy's {tuple(dy.shape)} {dy.dtype}")
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
+    _launch("dropout", "dropout_backward", dy.dtype, dy.size,
+            (dy, mask, dy.dtype.type(1.0 / (1.0 - float(ratio))), dx))
+    return _finish(dx, target)
+
+
+def philox_words(counter, key, blocks=1, rounds=10):
+    """Philox4x32-``rounds`` of the counters ``(counter[0] + b, counter[1],
+    counter[2], counter[3])``, b < ``blocks``, under ``key``: a uint32 CuPy
+    array of 4 * blocks words (block-major), as :func:`purine_mpi.philox.philox4x32`."""
+    cupy = import_cupy()
+    out = cupy.empty((4 * int(blocks),), dtype=np.uint32)
+    u32 = [np.uint32(int(c) & 0xFFFFFFFF) for c in tuple(counter) + tuple(key)]
+    if int(blocks) > 0:
+        kernel = get_function("dropout", "philox_words", None)
+        grid = min((int(blocks) + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS)
+        kernel((grid,), (_BLOCK,), (np.int64(blocks), *u32, _int(rounds), out))
+    return out
+
+
+# --------------------------------------------------------- learning rate ---
+
+def learning_rate(iteration, out, policy, base, gamma=0.0, power=0.0, stepsize=0.0,
+                  max_iter=0.0, min_lr=0.0, steps=None, warmup=0, warmup_start=0.0):
+    """Evaluate an lr policy on the device into ``out`` (a one-element
+    float32 CuPy array), one thread (cuda/lr_policy.cu). ``iteration`` is a
+    number or the one-element int64 iteration blob on the device; ``steps``
+    an int64 CuPy array of multistep values (or None). The arguments come
+    from :func:`purine_mpi.ops.solver.lr_policy_args`."""
+    cupy = import_cupy()
+    if not isinstance(out, cupy.ndarray) or out.size != 1 or \
+            np.dtype(out.dtype) != np.dtype(np.float32) or not out.flags.c_contiguous:
+        raise ValueError("learning_rate: out must be a one-element float32 CuPy array")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    if steps is None:
+        steps = cupy.asarray(np.zeros(1, np.int64))
+        n_steps = 0
+    else:
+        n_steps = int(steps.size)
+    f64 = np.float64
+    kernel = get_function("lr_policy", "learning_rate", None)
+    kernel((1,), (1,), (it_value, it_ptr, has_it_ptr, _int(policy), f64(base), f64(gamma),
+                        f64(power), f64(stepsize), f64(max_iter), f64(min_lr), steps,
+                        _int(n_steps), np.int64(warmup), f64(warmup_start), out))

@@ -4,17 +4,16 @@
 place so that it runs on GPU ``device``:
 
 - every op and blob moves to the device, except the host-side pieces:
-  the data reader (``DataReader``: file reads and shuffling are host work),
-  the learning-rate op (``LearningRate``) and the ``iter``/``lr`` scalar
-  blobs (the trainer writes ``iter`` and reads ``lr`` every iteration, so
-  they stay host arrays and cost no device round trip);
+  the data reader (``DataReader``: file reads and shuffling are host work)
+  and the ``iter`` scalar blob, which the trainer writes every iteration;
 - an edge from a host blob to a device op becomes a ``Copy`` op on the copy
   thread ``"h2d"`` (its own CUDA stream) into a device twin ``<blob>@gpu<d>``,
   and the host blob is marked ``pinned`` so the workspace page-locks it and
   the copy runs asynchronously; a device blob read by a host op gets a
-  ``"d2h"`` copy the same way. The exception is the learning rate read by
-  the update ops (and Adam's iteration): host scalars that the update takes
-  as kernel arguments.
+  ``"d2h"`` copy the same way. So the iteration reaches the device once per
+  iteration as ``iter@gpu<d>``, from which the learning-rate op evaluates
+  the lr policy and the dropout ops key their masks, on the device. The
+  exception is Adam's iteration, read by its update ops as a host scalar.
 
 The workspace then allocates the device blobs as CuPy arrays and
 ``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
@@ -32,9 +31,9 @@ from ..errors import ConfigError, UserError
 from ..ops.solver import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
-HOST_OP_TYPES = ("DataReader", "LearningRate")
-#: blob kinds that stay host scalars (the trainer writes/reads them directly)
-HOST_BLOB_KINDS = ("iter", "lr")
+HOST_OP_TYPES = ("DataReader",)
+#: blob kinds that stay host scalars (the trainer writes them directly)
+HOST_BLOB_KINDS = ("iter",)
 #: threads (streams) of the inserted copies
 H2D_THREAD, D2H_THREAD = "h2d", "d2h"
 

@@ -41,7 +41,7 @@ def solver_states(solver_type):
 def add_solver(graph, grads, solver, thread=0):
     """Emit the lr and update ops for ``grads`` ({param: grad blob}).
     Returns the list of sink blobs (updated params and momenta)."""
-    graph.add_blob("iter", (), "int64", kind="iter")
+    graph.add_blob("iter", (), "int64", kind="iter", exist_ok=True)  # dropout may add it
     graph.add_blob("lr", (), "float32", kind="lr")
     graph.add_op("solver.lr", "LearningRate", ["iter"], ["lr"],
                  {k: solver[k] for k in LR_KEYS if solver.get(k) is not None}, thread=thread)

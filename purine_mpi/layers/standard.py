@@ -9,6 +9,8 @@ from . import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
+#: the iteration counter blob (graph/solver.py writes the same name)
+ITER_BLOB = "iter"
 ZERO = {"type": "constant", "value": 0.0}
 ONE = {"type": "constant", "value": 1.0}
 
@@ -185,7 +187,10 @@ def dropout(b):
         b.fail("ratio", f"expected 0 <= ratio < 1, got {ratio}")
     (y,) = b.tops(1)
     if b.phase == "train":
-        b.op("Dropout", [x], [y, f"{b.cfg['name']}.mask"], {"ratio": ratio, "phase": "train"})
+        # the iteration keys the mask (ops/dropout.py); the solver writes it
+        b.graph.add_blob(ITER_BLOB, (), "int64", kind="iter", exist_ok=True)
+        b.op("Dropout", [x, ITER_BLOB], [y, f"{b.cfg['name']}.mask"],
+             {"ratio": ratio, "phase": "train"})
     else:
         b.op("Dropout", [x], [y], {"ratio": ratio, "phase": "test"})
 

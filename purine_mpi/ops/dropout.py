@@ -2,12 +2,29 @@
 test-time op is the identity (Caffe's and PyTorch's convention).
 
 The keep-mask is an explicit output blob of the forward op, read by the
-backward op, so no state hides in the kernel between the two.
+backward op, so no state hides in the kernel between the two. It is drawn
+from Philox4x32-10 (:mod:`purine_mpi.philox`), a counter-based generator
+keyed by (run seed, op) and counted by (element, iteration), the iteration
+read from the iteration blob (an input of the op). So the masks:
+
+- are the same on the CPU (NumPy) and on a GPU (``cuda/dropout.cu``), bit
+  for bit, and the GPU draws them on the device with no host work;
+- need no generator state: a resumed run redraws the masks of the
+  iterations it runs, so it stays bit-identical to an uninterrupted one.
+
+The run seed is the dispatcher's per-rank seed (``seed`` of the config and
+the rank), handed over through the runtime's per-op generator hook
+(``needs_rng``); the kernel keeps only the two 32-bit words it derives from
+it and drops the generator, so checkpoints hold no random state for it.
+Without a dispatcher (a kernel run by hand) the seed is the ``seed`` attr
+(default 0).
 """
 import numpy as np
 
-from ..backend import get_xp
+from ..backend import get_xp, to_numpy
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
+from ..philox import dropout_keys, keep_mask
 from .registry import OpKernel, gradient, register
 
 
@@ -25,40 +42,84 @@ def _train(attrs):
     return phase == "train"
 
 
+def _iteration_value(it):
+    """The iteration held by a host blob (a NumPy scalar array)."""
+    return int(np.asarray(it).reshape(()))
+
+
 @register
 class Dropout(OpKernel):
-    """Train phase: [x] -> [y, mask], mask_i ~ Bernoulli(1 - ratio) (0 or 1,
-    in x's dtype), y = x * mask / (1 - ratio).  Test phase: [x] -> [y], y = x.
-    Attrs ``ratio`` (default 0.5), ``phase`` (default "train").
-    Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test).
-
-    The mask is drawn on the host with ``self.rng`` (the runtime's per-op
-    seeded numpy Generator, saved in checkpoints) and copied to the device
-    for CuPy arrays, so a run is reproducible whatever the backend."""
+    """Train phase: [x, iter] -> [y, mask], mask_i = 1 when Philox word i of
+    the op's stream at iteration ``iter`` is >= floor(ratio 2^32), else 0 (in
+    x's dtype; P(1) = 1 - ratio), y = x * mask / (1 - ratio).
+    Test phase: [x] -> [y], y = x.
+    Attrs ``ratio`` (default 0.5), ``phase`` (default "train"), ``seed``
+    (used only when no dispatcher provides the run seed).
+    Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
 
     op_type = "Dropout"
+    #: the dispatcher's per-op generator hook carries the run seed (see the
+    #: module docstring); no generator is kept
     needs_rng = True
+
+    def __init__(self, op):
+        self._seed = int(op.attrs.get("seed", 0))
+        super().__init__(op)
+
+    @property
+    def rng(self):
+        """Always None: the masks need no generator state (nothing to save)."""
+        return None
+
+    @rng.setter
+    def rng(self, generator):
+        # The runtime seeds its per-op generators with [run seed, crc32(op)]:
+        # keep the run seed, the op id comes from the name (philox.op_id).
+        if generator is not None:
+            entropy = generator.bit_generator.seed_seq.entropy
+            self._seed = int(entropy[0] if isinstance(entropy, (list, tuple)) else entropy)
+
+    @property
+    def keys(self):
+        """(key0, key1, counter word 1) of this op's Philox stream."""
+        return dropout_keys(self._seed, self.op.name)
 
     @classmethod
     def infer(cls, attrs, ins):
         _ratio(attrs)
-        return [ins[0], ins[0]] if _train(attrs) else [ins[0]]
+        if not _train(attrs):
+            if len(ins) != 1:
+                raise ShapeError(f"Dropout (test phase) takes [x], got {len(ins)} inputs")
+            return [ins[0]]
+        if len(ins) != 2:
+            raise ShapeError("Dropout (train phase) takes [x, iter]: the iteration blob keys "
+                             f"its random mask; got {len(ins)} input(s)")
+        shape, dtype = ins[1]
+        if int(np.prod(shape, dtype=np.int64)) != 1 or np.dtype(dtype).kind not in "iu":
+            raise ShapeError(f"Dropout's second input is the iteration, a scalar integer blob; "
+                             f"got {dtype} of shape {list(shape)}")
+        return [ins[0], ins[0]]
 
     def run(self, ins, outs):
         x = ins[0]
+        xp = get_xp(x)
         if not _train(self.attrs):
             outs[0][...] = x
             return
-        if self.rng is None:
-            raise RuntimeError("Dropout needs a random generator: the runtime must set "
-                               "kernel.rng (needs_rng = True)")
         ratio = _ratio(self.attrs)
-        dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float32
-        keep = self.rng.random(x.shape, dtype=dtype) >= ratio
         y, mask = outs
-        mask[...] = get_xp(x).asarray(keep)
+        key0, key1, ctr1 = self.keys
+        it = ins[1]
+        k = raw_kernels(xp, x)
+        if k is not None:
+            if get_xp(it) is np:
+                it = _iteration_value(it)
+            k.dropout_forward(x, it, ratio, key0, key1, ctr1, out=(y, mask))
+            return
+        keep = keep_mask(x.shape, ratio, key0, key1, ctr1, _iteration_value(to_numpy(it)))
+        mask[...] = xp.asarray(keep)
         # x is read before y is written, so y may share x's storage
-        get_xp(x).multiply(x, mask, out=y)
+        xp.multiply(x, mask, out=y)
         y *= 1.0 / (1.0 - ratio)
 
 
@@ -77,8 +138,13 @@ class DropoutGrad(OpKernel):
 
     def run(self, ins, outs):
         dy, mask = ins
+        ratio = _ratio(self.attrs)
+        k = raw_kernels(get_xp(dy), dy, mask)
+        if k is not None:
+            k.dropout_backward(dy, mask, ratio, out=outs[0])
+            return
         get_xp(dy).multiply(dy, mask, out=outs[0])
-        outs[0] *= 1.0 / (1.0 - _ratio(self.attrs))
+        outs[0] *= 1.0 / (1.0 - ratio)
 
 
 @gradient("Dropout")

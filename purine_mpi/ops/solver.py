@@ -72,7 +72,10 @@ def learning_rate(attrs, iteration):
         rate = base * (1.0 + gamma * it) ** (-power)
     elif policy == "sigmoid":
         gamma, stepsize = _need(attrs, "gamma", policy), _need(attrs, "stepsize", policy)
-        rate = base / (1.0 + math.exp(-gamma * (it - stepsize)))
+        try:
+            rate = base / (1.0 + math.exp(-gamma * (it - stepsize)))
+        except OverflowError:  # exp beyond float range: the rate is 0 (as in C)
+            rate = base * 0.0
     elif policy in ("poly", "cosine"):
         max_iter = _need(attrs, "max_iter", policy)
         if max_iter <= 0:
@@ -93,10 +96,38 @@ def learning_rate(attrs, iteration):
     return rate
 
 
+def lr_policy_args(attrs):
+    """The arguments of the device kernel (cuda/lr_policy.cu) for the policy
+    in ``attrs``: a dict of policy code, base, gamma, power, stepsize,
+    max_iter, min_lr, steps (ints), warmup, warmup_start. Unused values are 0."""
+    learning_rate(attrs, 0)  # configuration errors, as on the host
+    policy = attrs.get("lr_policy", "fixed")
+
+    def num(key, default=0.0):
+        value = attrs.get(key)
+        return float(default if value is None else value)
+    return {"policy": LR_POLICY_CODES[policy], "base": num("base_lr"), "gamma": num("gamma"),
+            "power": num("power"), "stepsize": num("stepsize"), "max_iter": num("max_iter"),
+            "min_lr": num("min_lr"),
+            "steps": [int(v) for v in (attrs.get("stepvalues") or [])]
+            if policy == "multistep" else [],
+            "warmup": int(attrs.get("warmup_iters", 0) or 0),
+            "warmup_start": num("warmup_start_factor")}
+
+
+#: policy codes of cuda/lr_policy.cu
+LR_POLICY_CODES = {"fixed": 0, "step": 1, "multistep": 2, "exp": 3, "inv": 4, "sigmoid": 5,
+                   "poly": 6, "cosine": 7}
+
+
 @register
 class LearningRate(OpKernel):
     """[iter] -> [lr]: lr = learning_rate(attrs, iter) (see that function);
-    iter is a 0-d int64 blob, lr a 0-d float32 blob. No gradient."""
+    iter is a 0-d int64 blob, lr a 0-d float32 blob. No gradient.
+
+    On a GPU (lr a device blob) one single-thread kernel (cuda/lr_policy.cu)
+    evaluates the same formula from the iteration blob on the device: no
+    host work and no host round trip in the iteration."""
 
     op_type = "LearningRate"
     category = "update"
@@ -109,8 +140,22 @@ class LearningRate(OpKernel):
         learning_rate(attrs, 0)  # configuration errors surface at build time
         return [((), "float32")]
 
+    def setup(self, ins, outs):
+        self._device_args = None
+        if get_xp(outs[0]) is not np:  # the policy's constants go to the device once
+            args = lr_policy_args(self.attrs)
+            args["steps"] = get_xp(outs[0]).asarray(np.asarray(args["steps"] or [0], np.int64))
+            self._device_args = args
+
     def run(self, ins, outs):
-        outs[0].fill(learning_rate(self.attrs, int(ins[0].reshape(()))))
+        if get_xp(outs[0]) is not np:
+            from ..gpu import kernels
+            if getattr(self, "_device_args", None) is None:
+                self.setup(ins, outs)
+            it = ins[0] if get_xp(ins[0]) is not np else int(ins[0].reshape(()))
+            kernels.learning_rate(it, outs[0], **self._device_args)
+            return
+        outs[0].fill(learning_rate(self.attrs, int(np.asarray(ins[0]).reshape(()))))
 
 
 @register

@@ -1,0 +1,151 @@
+"""Philox4x32-10 and the dropout masks drawn from it.
+
+- the NumPy generator (purine_mpi/philox.py) and the CUDA one (cuda/philox.cuh,
+  run here compiled for the host, and on a real GPU when there is one)
+  against Random123's published known-answer vectors;
+- the CPU and (emulated) GPU Dropout ops draw the same masks, bit for bit;
+- the masks' statistics, and their dependence on seed, op, iteration only;
+- the dropout op keeps no generator state (nothing to checkpoint).
+"""
+import numpy as np
+import pytest
+
+from purine_mpi import philox
+from purine_mpi.graph.core import Op
+from purine_mpi.gpu import kernels
+from purine_mpi.kernels import get_kernel_class
+from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
+
+# Random123 tests/kat_vectors (github.com/DEShawResearch/random123): name,
+# rounds, counter (4 words), key (2 words), expected output (4 words).
+KAT = """
+philox4x32 7 00000000 00000000 00000000 00000000 00000000 00000000   5f6fb709 0d893f64 4f121f81 4f730a48
+philox4x32 7 ffffffff ffffffff ffffffff ffffffff ffffffff ffffffff   5207ddc2 45165e59 4d8ee751 8c52f662
+philox4x32 7 243f6a88 85a308d3 13198a2e 03707344 a4093822 299f31d0   4dfccaba 190a87f0 c47362ba b6b5242a
+philox4x32 10 00000000 00000000 00000000 00000000 00000000 00000000   6627e8d5 e169c58d bc57ac4c 9b00dbd8
+philox4x32 10 ffffffff ffffffff ffffffff ffffffff ffffffff ffffffff   408f276d 41c83b0e a20bc7c6 6d5451fd
+philox4x32 10 243f6a88 85a308d3 13198a2e 03707344 a4093822 299f31d0   d16cfe09 94fdcceb 5001e420 24126ea1
+"""
+
+
+def _kat():
+    for line in KAT.strip().splitlines():
+        words = line.split()
+        rounds = int(words[1])
+        values = [int(w, 16) for w in words[2:]]
+        yield rounds, values[:4], values[4:6], values[6:]
+
+
+KAT_CASES = list(_kat())
+
+
+@pytest.mark.parametrize("case", KAT_CASES, ids=[f"r{c[0]}-{i}" for i, c in enumerate(KAT_CASES)])
+def test_numpy_philox_known_answers(case):
+    rounds, counter, key, expected = case
+    got = philox.philox4x32(counter, key, rounds)
+    assert [int(v) for v in got] == expected
+
+
+@pytest.mark.parametrize("case", KAT_CASES, ids=[f"r{c[0]}-{i}" for i, c in enumerate(KAT_CASES)])
+def test_cuda_philox_known_answers(backend, case):  # noqa: F811
+    rounds, counter, key, expected = case
+    words = backend.to_host(kernels.philox_words(counter, key, 1, rounds))
+    assert [int(v) for v in words] == expected
+
+
+def test_cuda_philox_stream_matches_numpy(backend):  # noqa: F811
+    """Many consecutive counters (the grid-stride loop, a counter-word carry)."""
+    counter, key = (0xFFFFFFF0, 5, 6, 7), (0x12345678, 0x9ABCDEF0)
+    got = backend.to_host(kernels.philox_words(counter, key, 37))
+    blocks = (np.arange(37, dtype=np.uint64) + counter[0]).astype(np.uint32)
+    want = philox.philox4x32((blocks,) + counter[1:], key).T.reshape(-1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_vectorised_stream_equals_one_counter_at_a_time():
+    bits = philox.random_bits(10, 3, 4, 5, (1 << 40) + 9)
+    for i in range(10):
+        one = philox.philox4x32((i // 4, 5, 9, 1 << 8), (3, 4))
+        assert bits[i] == one[i % 4]
+
+
+def test_keep_threshold():
+    assert philox.keep_threshold(0.0) == 0
+    assert philox.keep_threshold(0.5) == 1 << 31
+    assert philox.keep_threshold(0.25) == 1 << 30
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="ratio"):
+            philox.keep_threshold(bad)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.8])
+def test_mask_statistics(ratio):
+    """Keep rate 1 - ratio within 5 sigma; neighbours (and words of one
+    block) uncorrelated; the words uniform (chi-square over 16 bins)."""
+    n = 200_000
+    keep = philox.keep_mask((n,), ratio, 1, 2, 3, 4).astype(np.float64)
+    p = 1.0 - ratio
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert abs(keep.mean() - p) < 5 * sigma
+    for lag in (1, 2, 4):
+        c = np.corrcoef(keep[:-lag], keep[lag:])[0, 1]
+        assert abs(c) < 5 / np.sqrt(n), (lag, c)
+    bits = philox.random_bits(n, 1, 2, 3, 4)
+    counts = np.bincount(bits >> np.uint32(28), minlength=16)
+    chi2 = float(((counts - n / 16) ** 2 / (n / 16)).sum())
+    assert chi2 < 50.0  # 15 degrees of freedom: P(chi2 > 50) ~ 1e-5
+    assert philox.keep_mask((1000,), 0.0, 1, 2, 3, 4).all()
+
+
+def test_masks_depend_on_seed_op_and_iteration_only():
+    base = philox.keep_mask((4096,), 0.5, *philox.dropout_keys(7, "drop.fwd"), 3)
+    again = philox.keep_mask((4096,), 0.5, *philox.dropout_keys(7, "drop.fwd"), 3)
+    np.testing.assert_array_equal(base, again)
+    for other in (philox.keep_mask((4096,), 0.5, *philox.dropout_keys(8, "drop.fwd"), 3),
+                  philox.keep_mask((4096,), 0.5, *philox.dropout_keys(7, "drop2.fwd"), 3),
+                  philox.keep_mask((4096,), 0.5, *philox.dropout_keys(7, "drop.fwd"), 4),
+                  philox.keep_mask((4096,), 0.5, *philox.dropout_keys(7 + (1 << 32),
+                                                                      "drop.fwd"), 3)):
+        agree = (other == base).mean()
+        assert 0.45 < agree < 0.55  # independent streams agree half the time
+    # a mask is a prefix of a longer one: the shape does not change the stream
+    longer = philox.keep_mask((5000,), 0.5, *philox.dropout_keys(7, "drop.fwd"), 3)
+    np.testing.assert_array_equal(longer[:4096], base)
+
+
+def _dropout_kernel(name="drop.fwd", ratio=0.3, seed=None):
+    attrs = {"ratio": ratio} if seed is None else {"ratio": ratio, "seed": seed}
+    return get_kernel_class("Dropout")(Op(name, "Dropout", [], [], attrs))
+
+
+def test_dropout_op_takes_the_runtime_seed_and_keeps_no_generator():
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    from purine_mpi.graph import Graph
+    g = Graph("drop")
+    g.add_blob("x", (6, 5))
+    g.add_blob("iter", (), "int64", kind="iter")
+    g.add_op("d", "Dropout", ["x", "iter"], ["y", "m"], {"ratio": 0.5})
+    g.infer_shapes()
+    d = SerialDispatcher(g, seed=1234)
+    k = d.kernels["d"]
+    assert k.rng is None  # nothing for a checkpoint to save
+    assert k.keys == philox.dropout_keys(1234, "d")
+    d.workspace.set("x", np.ones((6, 5), np.float32))
+    d.workspace["iter"][...] = 5
+    d.run(5)
+    keep = philox.keep_mask((6, 5), 0.5, *philox.dropout_keys(1234, "d"), 5)
+    np.testing.assert_array_equal(d.workspace["m"], keep.astype(np.float32))
+    np.testing.assert_array_equal(d.workspace["y"], keep * np.float32(2.0))
+    # without a runtime the seed attr is used
+    assert _dropout_kernel("d", seed=99).keys == philox.dropout_keys(99, "d")
+
+
+def test_dropout_needs_the_iteration_input():
+    from purine_mpi.errors import ShapeError
+    cls = get_kernel_class("Dropout")
+    with pytest.raises(ShapeError, match=r"\[x, iter\]"):
+        cls.infer({"ratio": 0.5}, [((3, 4), "float32")])
+    with pytest.raises(ShapeError, match="iteration"):
+        cls.infer({"ratio": 0.5}, [((3, 4), "float32"), ((2,), "int64")])
+    assert cls.infer({"ratio": 0.5, "phase": "test"}, [((3, 4), "float32")]) == \
+        [((3, 4), "float32")]
