@@ -180,7 +180,10 @@ def lrn(b):
     Key("ratio", "number", 0.5, "probability of dropping a unit, in [0, 1)"),
     Key("dropout_ratio", "number", None, "Caffe's name for ratio")))
 def dropout(b):
-    """Inverted dropout in training (kept units scaled by 1/(1−ratio)); identity in testing."""
+    """Inverted dropout in training (kept units scaled by 1/(1−ratio)); identity in testing.
+    The masks come from a counter-based generator (Philox4x32-10) keyed by `seed`, the
+    rank, the layer and the iteration: the CPU and a GPU draw the same masks, and a resume
+    draws the same masks as the uninterrupted run."""
     (x,) = b.bottoms(1)
     ratio = float(b.get("ratio", b.get("dropout_ratio", 0.5)))
     if not 0.0 <= ratio < 1.0:
