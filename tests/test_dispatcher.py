@@ -77,6 +77,45 @@ class _CommOp(OpKernel):
         return _Countdown(3)
 
 
+@register
+class _PointToPointOp(_CommOp):
+    """Like TestDispatcherComm, but matched by tag (Send/Recv): posted as
+    soon as it is ready, whatever the ops before it in seq wait for."""
+
+    op_type = "TestDispatcherP2P"
+    seq_ordered = False
+
+
+class _Transfer(Pending):
+    """Completes after ``n`` tests, recording which thread tested when."""
+
+    def __init__(self, n):
+        self.left, self.tests = n, []
+
+    def test(self):
+        self.tests.append((threading.current_thread().name, time.perf_counter()))
+        self.left -= 1
+        return self.left <= 0
+
+
+@register
+class _SlowTransferOp(OpKernel):
+    """A comm op that needs ``tests`` progress calls to complete."""
+
+    op_type = "TestDispatcherTransfer"
+    category = "comm"
+    last = None
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        outs[0][...] = ins[0]
+        _SlowTransferOp.last = _Transfer(int(self.attrs["tests"]))
+        return _SlowTransferOp.last
+
+
 # -------------------------------------------------------- random graphs
 def _reference(op, ins):
     """Independent NumPy semantics of the ops the random graphs use."""
@@ -426,6 +465,101 @@ def test_comm_op_posted_by_the_worker_that_readied_it_in_seq_order():
         assert [seq for seq, _, _ in _CommOp.posts] == [2, 0, 1]
     finally:
         d.close()
+
+
+def test_point_to_point_ops_are_posted_when_ready_collectives_in_seq_order():
+    """Send/Recv match by tag, so one is posted the moment it is ready
+    (p1, p3: ready at the start), not behind a collective of lower seq
+    that waits for its gradient (c0); collectives keep their seq order (c2
+    is ready at the start too but waits for c0)."""
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("w0", "TestDispatcherSleep", ["x"], ["g0"], {"seconds": 0.05})
+    g.add_op("c0", "TestDispatcherComm", ["g0"], ["s0"], {"seq": 0}, thread="comm")
+    g.add_op("p1", "TestDispatcherP2P", ["x"], ["s1"], {"seq": 1}, thread="comm")
+    g.add_op("c2", "TestDispatcherComm", ["x"], ["s2"], {"seq": 2}, thread="comm")
+    g.add_op("p3", "TestDispatcherP2P", ["g0"], ["s3"], {"seq": 3}, thread="comm")
+    g.add_op("p4", "TestDispatcherP2P", ["x"], ["s4"], {"seq": 4}, thread="comm")
+    g.infer_shapes().validate()
+    d = EventDispatcher(g)
+    try:
+        for _ in range(2):
+            _CommOp.posts.clear()
+            d.workspace["x"][...] = 1.0
+            d.run()
+            seqs = [seq for seq, _, _ in _CommOp.posts]
+            assert set(seqs[:2]) == {1, 4}, seqs  # before w0 finished
+            assert seqs.index(0) < seqs.index(2), seqs
+            t_w0_done = _CommOp.posts[seqs.index(0)][2]
+            assert all(t < t_w0_done for s, _, t in _CommOp.posts if s in (1, 4))
+            assert np.all(d.workspace["s0"] == 2.0) and np.all(d.workspace["s4"] == 1.0)
+    finally:
+        d.close()
+
+
+def test_progress_thread_tests_transfers_during_a_long_op():
+    """A transfer posted before a long op (one worker thread, busy for 0.3 s)
+    moves only inside MPI calls: the progress thread tests it every
+    ``busy_poll`` seconds meanwhile, so it completes before the op ends.
+    With busy_poll 0 nobody tests it until the op is over."""
+    g = Graph()
+    g.add_blob("x", SHAPE)
+    g.add_op("grad", "TestDispatcherSleep", ["x"], ["g"], {"seconds": 0.01})
+    g.add_op("c0", "TestDispatcherTransfer", ["g"], ["s"], {"seq": 0, "tests": 20},
+             thread="comm")
+    g.add_op("long", "TestDispatcherSleep", ["g"], ["y"], {"seconds": 0.3})
+    g.infer_shapes().validate()
+    for busy_poll, completes_during in ((2e-3, True), (0.0, False)):
+        prof = Profiler()
+        d = EventDispatcher(g, profiler=prof, busy_poll=busy_poll)
+        try:
+            d.run()
+            events = {e["name"]: e for e in prof.events}
+            long_end = events["long"]["ts"] + events["long"]["dur"]
+            comm_end = events["c0"]["ts"] + events["c0"]["dur"]
+            assert (comm_end < long_end) == completes_during, (busy_poll, comm_end, long_end)
+            start = prof.t0 + events["long"]["ts"] / 1e6
+            during = [name for name, t in _SlowTransferOp.last.tests
+                      if start < t < prof.t0 + long_end / 1e6]
+            assert (len(during) >= 10) == completes_during, during
+            assert set(during) <= {"MainThread"}
+        finally:
+            d.close()
+
+
+def test_comm_poster_gate_holds_an_op_until_its_device_work_is_done():
+    """The device hook: an op whose inputs are written on the host side
+    but whose device work has not finished (gate closed) is not posted; the
+    ordered ops after it wait too, an unordered one does not; once the gate
+    opens the op is posted at the next progress call, and its post latency
+    counts from when its inputs were ready."""
+    from purine_mpi.runtime.comm_progress import CommPoster
+    posted, completed = [], []
+    device_done = {"a": False, "b": True, "p": True}
+
+    class Op:
+        def __init__(self, name):
+            self.name, self.op_type = name, "X"
+
+    ops = {n: Op(n) for n in ("a", "b", "p")}
+    poster = CommPoster(["a", "b", "p"], post=lambda n: posted.append(n) or _Countdown(1),
+                        complete=completed.append, unordered=["p"],
+                        gate=lambda n: device_done[n])
+    for n in ("a", "b", "p"):
+        poster.mark_ready(n)
+    assert poster.progress(ops) == 1  # p: posted and tested
+    assert posted == ["p"] and completed == ["p"] and poster.has_work()
+    held = dict(poster.held())
+    assert "device work" in held["a"] and "seq order" in held["b"]
+    poster.progress(ops)
+    assert posted == ["p"]
+    time.sleep(0.01)
+    device_done["a"] = True
+    poster.progress(ops)
+    assert posted == ["p", "a", "b"] and completed == ["p", "a", "b"]
+    assert not poster.has_work()
+    assert poster.posted_at["a"] - poster.ready_at["a"] >= 0.01
+    assert poster.latency_args("a")["post_latency_us"] >= 1e4
 
 
 def test_serial_dispatcher_runs_one_op_at_a_time():

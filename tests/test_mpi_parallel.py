@@ -201,3 +201,16 @@ def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
 def test_partitioned_pipeline_equals_unpartitioned(n, kind, delay):
     proc, _ = run_mpi("partition_equiv.py", n, kind, env={"PURINE_COMM_DELAY": delay})
     assert proc.stdout.count("OK partition") == n
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("busy_poll,delay", [("0.001", "2:5"), ("0", "3:6"), ("0.0002", "1:7")])
+def test_three_ranks_on_two_cores_never_hang(busy_poll, delay):
+    """3 ranks oversubscribing the machine's cores, 60 iterations, the order
+    of the collectives re-decided (randomly, by rank 0) every iteration,
+    seeded random delays in every comm op, the progress thread testing
+    during long ops or not: every run completes (a stall would end it with
+    an error within 20 s) and equals one rank with the whole batch."""
+    proc, _ = run_mpi("no_hang.py", 3, 60, busy_poll, env={"PURINE_COMM_DELAY": delay},
+                      timeout=120)
+    assert proc.stdout.count("OK no_hang n=3 iters=60 posting orders seen=60") == 3

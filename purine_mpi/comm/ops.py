@@ -1,11 +1,13 @@
 """Communication ops: ordinary graph kernels that post non-blocking MPI.
 
 Every comm op carries ``seq`` (int), assigned at graph build time in the same
-order on every rank. The dispatcher calls ``run`` only from its progress
-thread, in ascending ``seq``, as soon as the op's inputs are ready; ``run``
-posts the request(s) and returns a ``Pending`` that the progress loop polls
-(``test()``) and completes (``finish()``). Comm ops have no gradient: they
-are inserted after the backward pass.
+order on every rank. The dispatcher (``runtime/comm_progress.CommPoster``)
+calls ``run`` as soon as the op's inputs are ready, from whichever thread
+readied them: collectives in ascending ``seq`` (MPI matches them by call
+order), point-to-point ops (``seq_ordered = False``, matched by peer and
+tag) at once. ``run`` posts the request(s) and returns a ``Pending`` that is
+polled (``test()``) and completed (``finish()``) between ops. Comm ops have
+no gradient: they are inserted after the backward pass.
 
 Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
     s_i = sum over ranks of g_i  (or the mean, with ``average: true``);
@@ -210,6 +212,7 @@ class Send(CommKernel):
     """Isend(x) to rank ``peer`` with ``tag``. A sink: no outputs."""
 
     op_type = "Send"
+    seq_ordered = False  # matched by (peer, tag): posted as soon as x is written
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -242,6 +245,7 @@ class Recv(CommKernel):
     """Irecv(y) from rank ``peer`` with ``tag``; y's shape/dtype come from attrs."""
 
     op_type = "Recv"
+    seq_ordered = False  # matched by (peer, tag): posted as soon as y may be written
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -69,6 +69,9 @@ class OpKernel:
     #: kernels that keep state across iterations (besides blobs) implement
     #: ``state_dict()`` / ``load_state_dict(d)`` (e.g. a data reader's position)
     stateful = False
+    #: comm kernels: posted in ``seq`` order (collectives, matched by call
+    #: order) or, when False, as soon as ready (point-to-point, matched by tag)
+    seq_ordered = True
 
     def __init__(self, op):
         self.op = op

@@ -1,30 +1,48 @@
 """Posting communication ops the moment their inputs exist, and driving
 their progress: the one place the dispatchers call MPI from.
 
-``CommPoster`` holds an iteration's comm ops in posting order (``seq``, fixed
-at graph build time and the same on every rank). Whichever thread makes an
-op ready -- the worker that wrote a bucket's last gradient, usually -- calls
-``progress()`` right away, which posts every op whose inputs are ready, in
-order, as long as every op before it has been posted; a ready op behind an
-unposted one waits for it, so every rank posts the same sequence. The same
-call tests the requests in flight (one ``Testall`` per op) and completes
-those that finished. Worker threads call it between ops; the dispatcher's
-progress thread calls it only while every worker is idle (on a busy core it
-would only take time from the compute that produces the next gradients).
+``CommPoster`` holds an iteration's comm ops. Whichever thread makes an op
+ready -- the worker that wrote a bucket's last gradient, usually -- calls
+``progress()`` right away, which posts what is ready and tests the requests
+in flight (one ``Testall`` per op), completing those that finished.
+
+Posting order:
+
+- *ordered* ops (collectives: a bucket's Allreduce) are posted in their
+  ``seq`` order, fixed at graph build time and the same on every rank (MPI
+  matches collectives by call order): a ready op behind an unposted one
+  waits for it;
+- *unordered* ops (point-to-point Send/Recv: a parameter server's push and
+  pull, a pipeline's activations and gradients) are matched by peer and
+  tag, so each is posted as soon as it is ready, whatever the ops before it
+  in ``seq`` wait for.
+
+Who drives progress: worker threads call ``progress()`` between ops; the
+dispatcher's progress thread calls it while every worker is idle and, while
+a worker runs a long op, whenever no thread has tested for ``busy_poll``
+seconds (a large transfer only moves inside an MPI call; without that, a
+24 MB allreduce posted before a 100 ms convolution would wait for its end).
 
 Every MPI call here runs under ``comm.world.MPI_LOCK``, so one thread at a
 time is in MPI (what MPI_THREAD_SERIALIZED asks for).
 
-The GPU dispatcher uses the same helper: its comm op's ``post`` returns a
-Pending that is posted for real once the device work (the CUDA-graph
-segment or stream work) that wrote its inputs has finished; the poster's
-order and timing bookkeeping stay the same.
+Device hook: ``gate(name) -> bool``, given at construction, says whether an
+op whose host-side inputs are all ready (``mark_ready``) may be posted *now*
+-- the GPU dispatcher answers it by querying (never waiting on) the CUDA
+events recorded after the device work that wrote the op's inputs (a stream's
+kernels or a CUDA-graph segment). A closed gate holds the op (and, for an
+ordered op, every ordered op after it) and is asked again at the next
+``progress()``; posting order and timing bookkeeping stay the same. A device
+that can tell when a segment finished may instead call ``mark_ready`` then
+(any thread; cheap, takes no MPI lock) and leave ``gate`` out.
 
-Timing: ``ready_at[name]`` is when the op's last input was written and
-``posted_at[name]`` when it was posted; their difference is the *post
-latency* that ``bench --json`` reports per bucket and the trace shows
-(``args.post_latency_us`` of the comm event).
+Timing: ``ready_at[name]`` is when the op's last input was written (host
+side) and ``posted_at[name]`` when it was posted; their difference is the
+*post latency* that ``bench --json`` reports per bucket and the trace shows
+(``args.post_latency_us`` of the comm event). ``last_test`` is when a thread
+last ran ``progress()`` (the progress thread's cue).
 """
+import collections
 import time
 
 from ..comm.world import MPI_LOCK
@@ -32,20 +50,25 @@ from ..errors import OpError
 
 
 class CommPoster:
-    """Posts ``order`` (comm op names, in posting order) as they become
+    """Posts ``order`` (comm op names, in ``seq`` order) as they become
     ready and completes them.
 
     ``post(name)`` posts one op and returns a Pending (or None when it
     finished at once); ``complete(name)`` tells the dispatcher an op is done
     (it may mark further ops ready); ``record(name, t_post, t_done, args)``
-    writes its trace event."""
+    writes its trace event. ``unordered``: names posted as soon as ready
+    (point-to-point); ``gate``: the device-readiness predicate (see the
+    module docstring)."""
 
-    def __init__(self, order, post, complete, record=None, rank=0):
-        self.order = list(order)
+    def __init__(self, order, post, complete, record=None, rank=0, unordered=(), gate=None):
+        self.unordered = frozenset(unordered)
         self._post = post
         self._complete = complete
         self._record = record
+        self._gate = gate
         self.rank = rank
+        self.order = []
+        self.set_order(order, check=False)
         self.reset()
 
     def reset(self):
@@ -54,21 +77,26 @@ class CommPoster:
         self.ready_at = {}
         self.posted_at = {}
         self.pending = []  # (name, op, Pending)
+        self._free = collections.deque()  # ready unordered ops not yet posted
+        self.last_test = time.perf_counter()
 
-    def set_order(self, order):
+    def set_order(self, order, check=True):
         """A new posting order (the same on every rank; between iterations)."""
-        if sorted(order) != sorted(self.order):
+        if check and sorted(order) != sorted(self.order):
             raise ValueError("a new posting order must hold the same comm ops")
         self.order = list(order)
+        self._chain = [n for n in self.order if n not in self.unordered]
 
     def mark_ready(self, name):
         """``name``'s inputs are all written (called under the dispatcher's lock)."""
         self.ready_at[name] = time.perf_counter()
+        if name in self.unordered:
+            self._free.append(name)
 
     def has_work(self):
         """Anything to post or to test (a cheap check without the lock)."""
-        return bool(self.pending) or (self.next < len(self.order)
-                                      and self.order[self.next] in self.ready_at)
+        return bool(self.pending) or bool(self._free) or (
+            self.next < len(self._chain) and self._chain[self.next] in self.ready_at)
 
     def progress(self, ops):
         """Post what is ready (in order), test what is in flight, complete
@@ -82,22 +110,41 @@ class CommPoster:
             done = self._post_ready(ops)
             done += self._test(ops)
             done += self._post_ready(ops)  # what the completions made ready
+            self.last_test = time.perf_counter()
         return done
+
+    def _open(self, name):
+        return self._gate is None or self._gate(name)
 
     def _post_ready(self, ops):
         done = 0
-        while self.next < len(self.order) and self.order[self.next] in self.ready_at:
-            name = self.order[self.next]
-            self.next += 1
-            t_post = time.perf_counter()
-            self.posted_at[name] = t_post
-            result = self._post(name)
-            if result is None:  # done at once (one rank): traced by the post itself
-                self._complete(name)
-                done += 1
+        for _ in range(len(self._free)):  # point-to-point: as soon as ready
+            name = self._free.popleft()
+            if self._open(name):
+                done += self._post_one(name, ops)
             else:
-                self.pending.append((name, ops[name], result))
+                self._free.append(name)
+        chain = self._chain
+        while self.next < len(chain) and chain[self.next] in self.ready_at \
+                and self._open(chain[self.next]):
+            name = chain[self.next]
+            self.next += 1
+            done += self._post_one(name, ops)
         return done
+
+    def _post_one(self, name, ops):
+        self.posted_at[name] = time.perf_counter()
+        try:
+            result = self._post(name)
+        except OpError:
+            raise
+        except Exception as exc:
+            raise OpError(ops[name], exc, self.rank) from exc
+        if result is None:  # done at once (one rank): traced by the post itself
+            self._complete(name)
+            return 1
+        self.pending.append((name, ops[name], result))
+        return 0
 
     def _test(self, ops):
         done, still = 0, []
@@ -134,3 +181,14 @@ class CommPoster:
 
     def in_flight(self):
         return [(op, p) for _, op, p in self.pending]
+
+    def held(self):
+        """Ready ops not posted yet, with why: (name, reason)."""
+        out = [(n, "its device work has not finished") for n in list(self._free)]
+        if self.next < len(self._chain):
+            head = self._chain[self.next]
+            if head in self.ready_at:
+                out.append((head, "its device work has not finished"))
+            out += [(n, f"posted after '{head}' (seq order)") for n in self._chain[self.next + 1:]
+                    if n in self.ready_at]
+        return out

@@ -5,11 +5,14 @@ every op it depends on has finished. Compute ops run on worker threads named
 by their ``thread`` attribute (NumPy and BLAS release the GIL, so independent
 branches really run at once). Communication ops (kernel category ``comm``)
 are posted the moment their inputs exist, by the worker thread that wrote
-the last of them, strictly in their ``seq`` order (assigned at graph build
-time, the same on every rank); workers test the requests in flight between
-ops and the calling thread -- the *progress thread* -- only while every
-worker is idle (``runtime/comm_progress.py``, the one place that calls MPI),
-so a bucket's transfer starts while the layers below still back-propagate.
+the last of them -- collectives strictly in their ``seq`` order (assigned at
+graph build time, the same on every rank), point-to-point ops at once;
+workers test the requests in flight between ops, and the calling thread --
+the *progress thread* -- while every worker is idle, or when a long op has
+kept every worker from testing for ``busy_poll`` seconds
+(``runtime/comm_progress.py``, the one place that calls MPI), so a bucket's
+transfer starts, and keeps moving, while the layers below still
+back-propagate.
 
 ``SerialDispatcher`` runs the same graph one op at a time in a fixed
 topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
@@ -62,13 +65,16 @@ class Profiler:
 
 class _Base:
     def __init__(self, graph, workspace=None, rank=0, profiler=None, stall_timeout=300.0,
-                 poll_interval=2e-4, seed=0):
+                 poll_interval=2e-4, seed=0, busy_poll=1e-3):
         self.graph = graph
         self.workspace = workspace or Workspace(graph)
         self.rank = rank
         self.profiler = profiler
         self.stall_timeout = stall_timeout
-        self.poll_interval = poll_interval
+        self.poll_interval = poll_interval  # progress-thread polls while workers idle
+        #: while a worker runs an op, the progress thread tests the transfers
+        #: in flight when no thread has for this long (seconds; 0: never)
+        self.busy_poll = busy_poll
         self.iteration = 0
         self.order = graph.topo_order()
         self.kernels = {}
@@ -211,9 +217,12 @@ class EventDispatcher(_Base):
         self._ready = {t: [] for t in threads}
         self._worker_cv = {t: threading.Condition(self._lock) for t in threads}
         self._stop = False
-        self._busy = 0  # workers running an op (the progress thread polls only at 0)
-        self._comm = CommPoster(self._comm_order, self._post_by_name, self._complete,
-                                self._record_comm, rank=self.rank)
+        self._busy = 0  # workers running an op
+        self._comm = CommPoster(
+            self._comm_order, self._post_by_name, self._complete, self._record_comm,
+            rank=self.rank, gate=self._comm_gate,
+            # point-to-point ops match by tag: posted as soon as ready
+            unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
         self._workers = [threading.Thread(target=self._worker, args=(t,), daemon=True,
                                           name=f"purine-worker-{t}") for t in threads]
         for w in self._workers:
@@ -279,6 +288,10 @@ class EventDispatcher(_Base):
         return None
 
     # ------------------------------------------------------------ comm ops
+    #: CommPoster's device hook: None, or name -> whether the device work
+    #: that wrote the op's inputs has finished (the stream dispatcher's)
+    _comm_gate = None
+
     def _post_by_name(self, name):
         """Post one comm op (under MPI_LOCK): its Pending, or None when done."""
         result, _ = self._execute(self._ops[name], "comm")
@@ -330,31 +343,44 @@ class EventDispatcher(_Base):
             with self._lock:
                 if self._error is None and self._done < self._total and \
                         (self._busy or not self._comm.has_work()):
-                    self._cv.wait(timeout=1.0)
+                    self._cv.wait(timeout=self._fallback_wait())
                 if self._error is not None:
                     raise self._error
                 if self._done == self._total:
                     break
                 stalled_for = time.monotonic() - self._last_progress
                 idle = self._busy == 0
-            if idle and self._comm.has_work():
-                # every worker waits: drive the transfers from here
-                self._comm.progress(self._ops)
-                oldest = self._comm.oldest_post()
-                if oldest is not None:
-                    if time.perf_counter() - oldest > self.stall_timeout \
-                            and stalled_for > self.stall_timeout:
-                        raise StallError(_stall_message(self.rank, self._comm.in_flight(),
-                                                        self.stall_timeout))
+            comm = self._comm
+            if (idle or self._fallback_due()) and comm.has_work():
+                # every worker waits, or none has tested for busy_poll
+                # seconds (a long op): drive the transfers from here
+                comm.progress(self._ops)
+                if idle and comm.has_work():
+                    oldest = comm.oldest_post()
+                    if stalled_for > self.stall_timeout and (
+                            oldest is None or time.perf_counter() - oldest > self.stall_timeout):
+                        raise StallError(_stall_message(self.rank, comm.in_flight(),
+                                                        self.stall_timeout, comm.held()))
                     time.sleep(self.poll_interval)
             elif stalled_for > self.stall_timeout:
-                in_flight = self._comm.in_flight()
-                if in_flight:
-                    raise StallError(_stall_message(self.rank, in_flight, self.stall_timeout))
+                if comm.in_flight() or comm.held():
+                    raise StallError(_stall_message(self.rank, comm.in_flight(),
+                                                    self.stall_timeout, comm.held()))
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
                                  ", ".join(self._waiting_ops()[:10]))
         self.iteration += 1
+
+    def _fallback_wait(self):
+        """How long the progress thread may sleep (lock held): until the
+        transfers in flight are due a test, when a worker is busy."""
+        if self._busy and self.busy_poll > 0 and self._comm.has_work():
+            return max(1e-5, self.busy_poll - (time.perf_counter() - self._comm.last_test))
+        return 1.0
+
+    def _fallback_due(self):
+        return self.busy_poll > 0 and self._comm.has_work() and \
+            time.perf_counter() - self._comm.last_test >= self.busy_poll
 
     def _waiting_ops(self):
         return [n for n, k in self._left.items() if k > 0]
@@ -368,10 +394,11 @@ class EventDispatcher(_Base):
             w.join(timeout=5)
 
 
-def _stall_message(rank, pending, timeout):
+def _stall_message(rank, pending, timeout, held=()):
     parts = []
     for op, p in pending:
         desc = p.describe() if hasattr(p, "describe") else ""
         parts.append(f"op '{op.name}' ({op.op_type}{', ' + desc if desc else ''})")
+    parts += [f"op '{name}' (not posted: {why})" for name, why in held]
     return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
             f"still waiting on: " + "; ".join(parts))

@@ -12,10 +12,11 @@ launched as soon as it is, because the dependencies are kept on the device:
   producer's event first, since the host reads the memory itself;
 - a communication op after GPU work: whichever thread drives the comm
   ops (``runtime/comm_progress.CommPoster``: the worker that launched its
-  last producer, or the progress thread while the workers are idle) polls
-  the producers' events (never blocking, so the transfers in flight keep
-  moving) and posts the MPI call only when its input is complete on the
-  device; ops are still posted in ``seq`` order. Its host-side device work
+  last producer, another worker between ops, or the progress thread) asks
+  the poster's device hook ``_comm_gate``, which queries the producers'
+  events (never blocking, so the transfers in flight keep moving); the MPI
+  call is posted only once its input is complete on the device, collectives
+  still in ``seq`` order. Its host-side device work
   (pinned staging, copy back, the 1/N scale) runs on its device's ``comm``
   stream, and GPU consumers wait on an event recorded after it finishes.
 
@@ -39,7 +40,6 @@ device (tests/test_gpu_backend.py).
 """
 import dataclasses
 import time
-from collections import deque
 
 import numpy as np
 
@@ -183,7 +183,6 @@ class StreamDispatcher(EventDispatcher):
                              for op in self.order if op.accumulate}
         self._events = {}
         self._acc_events = {}
-        self._deferred = deque()
         self._timed = []
         self._origin = {}
         if self.runtime is not None and self.runtime.swaps_copies():
@@ -213,7 +212,6 @@ class StreamDispatcher(EventDispatcher):
         super()._zero_accumulators()
         self._events = {}
         self._acc_events = {}
-        self._deferred = deque()
         self._timed = []
         self._origin = {}
         if self.runtime is None or not self._devices:
@@ -306,25 +304,25 @@ class StreamDispatcher(EventDispatcher):
                 self._acc_events[r] = (key, event)
 
     # ------------------------------------------------------- comm ops
+    def _comm_gate(self, name):
+        """CommPoster's device hook: whether the GPU work a comm op reads
+        has finished (its producers' events queried, never waited on). Until
+        it has, the poster holds the op -- and the ordered ops after it, so
+        MPI sees the posts in seq order -- and asks again at its next
+        progress call, while the transfers in flight keep moving."""
+        return all(self.runtime.query(self._events[p]) for p in self._gates[name])
+
     def _execute_comm(self, op):
-        """Post a comm op (progress thread). Until the GPU work it reads is
-        complete -- or while an earlier comm op still waits for its own --
-        it is held back in a ``_GatedPending``, so MPI sees the posts in seq
-        order and the progress loop keeps polling the transfers in flight."""
+        """Post a comm op (the poster calls it once ``_comm_gate`` is open)."""
         t0 = time.perf_counter()
-        gate = [self._events[p] for p in self._gates[op.name]]
-        if not self._deferred and all(self.runtime.query(e) for e in gate):
-            try:
-                result = self._post_comm(op)
-            except Exception as exc:
-                raise OpError(op, exc, self.rank) from exc
-            if result is None and self.profiler is not None:
-                self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
-                                     self.iteration, "comm")
-            return result, t0
-        held = _GatedPending(self, op, gate)
-        self._deferred.append(held)
-        return held, t0
+        try:
+            result = self._post_comm(op)
+        except Exception as exc:
+            raise OpError(op, exc, self.rank) from exc
+        if result is None and self.profiler is not None:
+            self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
+                                 self.iteration, "comm")
+        return result, t0
 
     def _post_comm(self, op):
         """Run the comm kernel (posting MPI); its Pending, or None when done."""
@@ -362,39 +360,6 @@ class _StreamPending(Pending):
         d._comm_done(self.op)
 
     def describe(self):
-        return self.inner.describe() if hasattr(self.inner, "describe") else ""
-
-
-class _GatedPending(Pending):
-    """A comm op waiting for the GPU work it reads (polled, never blocking)
-    and for the comm ops before it; then posted like any other."""
-
-    def __init__(self, dispatcher, op, gate):
-        self.dispatcher, self.op, self.gate = dispatcher, op, gate
-        self.inner = None
-        self.posted = False
-
-    def test(self):
-        d = self.dispatcher
-        if not self.posted:
-            if d._deferred[0] is not self:  # MPI posts stay in seq order
-                return False
-            if not all(d.runtime.query(e) for e in self.gate):
-                return False
-            d._deferred.popleft()
-            self.posted = True
-            self.inner = d._post_comm(self.op)
-            if self.inner is None:
-                return True
-        return self.inner.test()
-
-    def finish(self):
-        if self.inner is not None:
-            self.inner.finish()
-
-    def describe(self):
-        if not self.posted:
-            return "not posted yet: waiting for the GPU work it reads"
         return self.inner.describe() if hasattr(self.inner, "describe") else ""
 
 
