@@ -1,13 +1,13 @@
 """Data-parallel composition and graph partitioning: unit checks of the
 rewrites (one process) and equivalence runs on several ranks."""
 import pytest
-import yaml
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.comm.world import HostTable
 from purine_mpi.errors import GraphError, UserError
 from purine_mpi.graph import Graph, Location
 from purine_mpi.graph.partition import partition_all
+from purine_mpi.io.config import dump_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel, plan_buckets
 from tests.mpi_scripts.common import mlp_config
@@ -64,7 +64,7 @@ def test_bucket_plan_follows_the_model(sizes, min_buckets):
 def test_graph_command_prints_the_bucket_plan(tmp_path, capsys):
     from purine_mpi.cli import main
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(mlp_config(hidden=(6, 5))))
+    cfg.write_text(dump_config(mlp_config(hidden=(6, 5))))  # a resolved config, minus _path
     assert main(["graph", str(cfg), "--np", "2"]) in (0, None)
     out = capsys.readouterr().out
     lines = out[out.index("bucket plan: "):].splitlines()
