@@ -92,7 +92,11 @@ class Trainer:
             self.profiler = TraceFile(os.path.join(out_dir, f"trace.rank{self.rank}.json"),
                                       self.rank, profile if isinstance(profile, tuple) else None,
                                       epoch=self._trace_epoch())
+        # on a GPU, each iteration is replayed as captured CUDA graphs unless
+        # cuda_graph: false (eager stream dispatch); the notes go to rank 0's log
+        self.cuda_graph = bool(config.get("cuda_graph", True))
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
+                                     cuda_graph=self.cuda_graph, log=self._say,
                                      profiler=self.profiler,
                                      stall_timeout=float(par.get("stall_timeout", 300)),
                                      seed=self._op_seed())
@@ -124,6 +128,7 @@ class Trainer:
             shared = {p: self.ws[p] for p in self.test_graph.blobs if p in self.ws.arrays
                       and self.graph.blobs[p].kind == "param"}
             self.test = make_dispatcher(self.test_graph, dispatcher, rank=self.rank,
+                                        cuda_graph=self.cuda_graph, log=self._say,
                                         workspace=Workspace(self.test_graph, shared=shared),
                                         seed=self._op_seed())
         self.start_iter = 0

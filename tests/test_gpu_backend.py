@@ -300,11 +300,65 @@ def test_float16_on_a_gpu_takes_the_generic_path():
 class SimEvent:
     def __init__(self, stream):
         self.stream, self.done, self.time = stream, False, None
+        #: recorded on a capturing stream: the capture and the nodes before it
+        self.capture, self.nodes = None, frozenset()
 
 
 class SimStream:
-    def __init__(self, key):
-        self.key, self.queue = key, deque()
+    """A stream with CuPy's capture API (``begin_capture``, ``end_capture``,
+    ``is_capturing``)."""
+
+    def __init__(self, key, runtime=None):
+        self.key, self.queue, self.runtime = key, deque(), runtime
+        self.capture = None     # the SimCapture it belongs to, while capturing
+        self.frontier = set()   # capture nodes the next captured work follows
+
+    def begin_capture(self, mode=None):
+        self.runtime._begin_capture(self)
+
+    def end_capture(self):
+        return self.runtime._end_capture(self)
+
+    def is_capturing(self):
+        return self.capture is not None
+
+
+class SimCapture:
+    def __init__(self, origin):
+        self.origin, self.streams = origin, {origin}
+        self.nodes, self.deps = [], []  # (name, fn), set of node indices
+
+
+class SimGraph:
+    """A captured graph: nodes (kernel launches) and their dependencies;
+    ``launch(stream)`` queues one replay, whose nodes then run in any order
+    the dependencies allow (interleaved with the other streams)."""
+
+    def __init__(self, runtime, capture):
+        self.runtime = runtime
+        self.nodes = list(capture.nodes)
+        self.deps = [frozenset(d) for d in capture.deps]
+        self.launches = 0
+
+    def launch(self, stream=None):
+        self.runtime._launch_graph(self, stream)
+
+    def names(self):
+        return [n for n, _ in self.nodes]
+
+    def ancestors(self, i):
+        seen, todo = set(), list(self.deps[i])
+        while todo:
+            j = todo.pop()
+            if j not in seen:
+                seen.add(j)
+                todo.extend(self.deps[j])
+        return seen
+
+    def ordered(self, a, b):
+        """Whether the nodes named ``a`` and ``b`` are ordered (a path joins them)."""
+        ia, ib = self.names().index(a), self.names().index(b)
+        return ia in self.ancestors(ib) or ib in self.ancestors(ia)
 
 
 class SimulatedRuntime:
@@ -314,8 +368,17 @@ class SimulatedRuntime:
     synchronises (``sync_event``, ``sync_streams``, ``sync_devices``) or polls
     (``query``, which runs a few random steps). Each step runs the head of a
     randomly chosen stream whose head is not a wait on an unrecorded event,
-    so streams interleave in any order the events allow. ``calls`` logs what
-    the dispatcher asked for."""
+    or a ready node of a graph being replayed, so streams interleave in any
+    order the events allow. ``calls`` logs what the dispatcher asked for.
+
+    Stream capture as CUDA (and CuPy) has it: work queued on a capturing
+    stream is recorded, not run; an event recorded there marks a point of
+    the capture, and a stream that waits on it joins the capture; every
+    joined stream must be joined back into the origin before
+    ``end_capture``; a capturing stream cannot wait on an event recorded
+    outside the capture, and nobody may query or synchronise a captured
+    event or synchronise while a capture is open. ``SimGraph.launch``
+    replays the recorded launches (the kernels run again)."""
 
     def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0):
         self.rng = random.Random(seed)
@@ -325,34 +388,67 @@ class SimulatedRuntime:
         self.streams = {}
         self.calls = []
         self.log = []  # ("device"|"host", op name) in execution order
+        self.graphs = []  # every SimGraph captured
+        self._running = []  # [stream, graph, done node set] of replays in progress
 
     def stream(self, device, thread):
         with self.lock:
-            return self.streams.setdefault((device, thread), SimStream((device, thread)))
+            return self.streams.setdefault((device, thread),
+                                           SimStream((device, thread), self))
 
-    def launch(self, device, stream, fn):
+    def launch(self, device, stream, fn, name=None):
         with self.lock:
+            if stream.capture is not None:
+                cap = stream.capture
+                cap.nodes.append((name, fn))
+                cap.deps.append(set(stream.frontier))
+                stream.frontier = {len(cap.nodes) - 1}
+                self.calls.append(("capture_launch", stream.key, name))
+                return
             stream.queue.append(("run", fn))
             self.calls.append(("launch", stream.key))
 
     def call(self, device, stream, fn):
         with self.lock:
+            if stream.capture is not None:
+                raise RuntimeError("host work on a capturing stream")
             self.calls.append(("call", stream.key))
         return fn()  # host work: now
 
     def record(self, device, stream, timing=False):
         event = SimEvent(stream)
         with self.lock:
+            if stream.capture is not None:
+                if timing:
+                    raise RuntimeError("a timing event inside a capture")
+                event.capture, event.nodes = stream.capture, frozenset(stream.frontier)
+                self.calls.append(("capture_record", stream.key, event))
+                return event
             stream.queue.append(("record", event))
             self.calls.append(("record", stream.key, event))
         return event
 
     def wait(self, stream, event):
         with self.lock:
+            if event.capture is not None:
+                if stream.capture is None:  # joins the capture
+                    stream.capture = event.capture
+                    event.capture.streams.add(stream)
+                    stream.frontier = set(event.nodes)
+                elif stream.capture is event.capture:
+                    stream.frontier |= event.nodes
+                else:
+                    raise RuntimeError("waits on an event of another capture")
+                self.calls.append(("capture_wait", stream.key, event))
+                return
+            if stream.capture is not None:
+                raise RuntimeError("cudaErrorStreamCaptureIsolation: a capturing stream "
+                                   "waits on an event recorded outside the capture")
             stream.queue.append(("wait", event))
             self.calls.append(("wait", stream.key, event))
 
     def query(self, event):
+        self._not_captured(event)
         steps = self.rng.randint(*self.poll_steps)
         with self.lock:
             if self.stalled_polls > 0:
@@ -366,15 +462,18 @@ class SimulatedRuntime:
         return event.done
 
     def sync_event(self, event):
+        self._not_captured(event)
         with self.lock:
             self.calls.append(("sync_event", event))
         while not event.done:
             self._step()
 
     def sync_devices(self, devices):
+        self._no_capture_open()
         self._drain()
 
     def sync_streams(self):
+        self._no_capture_open()
         self._drain()
 
     def elapsed_ms(self, start, end):
@@ -383,16 +482,110 @@ class SimulatedRuntime:
     def swaps_copies(self):
         return False
 
+    # ----------------------------------------------------- stream capture
+    def begin_capture(self, device, stream):
+        stream.begin_capture()
+
+    def end_capture(self, device, stream):
+        return stream.end_capture()
+
+    def abort_capture(self, device, stream):
+        with self.lock:
+            cap = stream.capture
+            if cap is not None:
+                for s in cap.streams:
+                    s.capture, s.frontier = None, set()
+
+    def launch_graph(self, device, graph, stream):
+        graph.launch(stream)
+
+    def capture_memory(self, device):
+        import contextlib
+        return contextlib.nullcontext(), None
+
+    def _begin_capture(self, stream):
+        with self.lock:
+            if stream.capture is not None:
+                raise RuntimeError("the stream is capturing already")
+            stream.capture, stream.frontier = SimCapture(stream), set()
+            self.calls.append(("begin_capture", stream.key))
+
+    def _end_capture(self, stream):
+        with self.lock:
+            cap = stream.capture
+            if cap is None or cap.origin is not stream:
+                raise RuntimeError("end_capture on a stream that did not begin the capture")
+            probe = SimGraph(self, cap)
+            joined = set(stream.frontier)
+            for i in list(joined):
+                joined |= probe.ancestors(i)
+            for s in cap.streams:
+                if s is not stream and not s.frontier <= joined:
+                    raise RuntimeError(f"cudaErrorStreamCaptureUnjoined: stream {s.key} "
+                                       "was not joined back into the origin")
+            for s in cap.streams:
+                s.capture, s.frontier = None, set()
+            self.graphs.append(probe)
+            self.calls.append(("end_capture", stream.key, probe))
+            return probe
+
+    def _launch_graph(self, graph, stream):
+        with self.lock:
+            if stream.capture is not None:
+                raise RuntimeError("a graph launched into a capture")
+            stream.queue.append(("graph", graph))
+            graph.launches += 1
+            self.calls.append(("launch_graph", stream.key, graph))
+
+    def _not_captured(self, event):
+        if event.capture is not None:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: query or synchronize "
+                               "on an event recorded in a capture")
+
+    def _no_capture_open(self):
+        if any(s.capture is not None for s in self.streams.values()):
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: synchronize during a capture")
+
+    # -------------------------------------------------------- the device
     def _step(self, strict=True):
         with self.lock:
-            ready = [s for s in self.streams.values() if s.queue and
-                     (s.queue[0][0] != "wait" or s.queue[0][1].done)]
-            if not ready:
+            running = {id(r[0]) for r in self._running}
+            actions = []
+            for s in sorted(self.streams.values(), key=lambda s: str(s.key)):
+                if not s.queue or id(s) in running:
+                    continue
+                kind, item = s.queue[0]
+                if kind != "wait" or item.done:
+                    actions.append(("stream", s))
+            for r in self._running:
+                stream, graph, done, started = r
+                for i, d in enumerate(graph.deps):
+                    if i not in done and i not in started and d <= done:
+                        actions.append(("node", r, i))
+            if not actions:
                 if strict and any(s.queue for s in self.streams.values()):
                     raise RuntimeError("simulated device deadlock: every stream waits")
                 return False
-            s = self.rng.choice(sorted(ready, key=lambda s: str(s.key)))
-            kind, item = s.queue.popleft()
+            action = self.rng.choice(actions)
+            if action[0] == "node":
+                r, i = action[1], action[2]
+                r[3].add(i)
+                r[1].nodes[i][1]()
+                r[2].add(i)
+                if len(r[2]) == len(r[1].nodes):  # the replay is over
+                    self._running.remove(r)
+                    r[0].queue.popleft()
+                    self.calls.append(("graph_done", r[0].key, r[1]))
+                return True
+            s = action[1]
+            kind, item = s.queue[0]
+            if kind == "graph":
+                if item.nodes:
+                    self._running.append([s, item, set(), set()])
+                else:
+                    s.queue.popleft()
+                return True
+            s.queue.popleft()
             if kind == "run":
                 item()
             elif kind == "record":
@@ -479,9 +672,10 @@ def _chain_graph(locations):
     return g
 
 
-def _dispatcher(graph, runtime, **kw):
+def _dispatcher(graph, runtime, cuda_graph=False, **kw):
+    """The stream dispatcher on ``runtime`` (eager unless ``cuda_graph``)."""
     ws = _cpu_workspace(graph)
-    d = make_dispatcher(graph, runtime=runtime, workspace=ws, **kw)
+    d = make_dispatcher(graph, runtime=runtime, workspace=ws, cuda_graph=cuda_graph, **kw)
     assert isinstance(d, StreamDispatcher)
     _log_kernels(d, runtime)
     return d, ws
@@ -724,13 +918,13 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     assert ws.device_bytes[0] == arena.nbytes
 
 
-def _train_simulated(config, device, iters=3):
+def _train_simulated(config, device, iters=3, cuda_graph=False):
     graph, _ = build_train_graph(config)
     place_on_device(graph, device)
     if device < 0:
         d = SerialDispatcher(graph, seed=3)
     else:
-        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3)
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3, cuda_graph=cuda_graph)
         assert isinstance(d, StreamDispatcher)
     try:
         _init(d.workspace, graph, 5)

@@ -36,7 +36,7 @@ from .transform import TRANSFORM_KEYS
 # layer registry, purine_mpi/layers): after changing keys run
 #     python -m purine_mpi.docgen --write
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
-            "backend", "device", "tf32")
+            "backend", "device", "tf32", "cuda_graph")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
@@ -81,6 +81,10 @@ TOP_DOC = {
                 "device, `cupy` without a device means device 0"),
     "tf32": ("true/false", False, "GPU float32 GEMMs may use TensorFloat-32 (faster, about "
              "1e-3 relative error)"),
+    "cuda_graph": ("true/false", True, "on a GPU, replay each iteration as captured CUDA "
+                   "graphs (the runs of GPU ops between host and communication ops); `false`: "
+                   "eager stream dispatch, for debugging (per-op trace events); ignored on a "
+                   "CPU"),
 }
 
 #: section -> {key: meaning}, for every key of the section's defaults table
@@ -356,6 +360,7 @@ def validate_config(config, path="<config>", check_files=True):
         out["backend"] = _check_choice("backend", config["backend"], BACKENDS, path)
     out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
     out["tf32"] = _check_bool("tf32", config.get("tf32", False), path)
+    out["cuda_graph"] = _check_bool("cuda_graph", config.get("cuda_graph", True), path)
     out["_path"] = path
     return out
 

@@ -189,43 +189,61 @@ class EventDispatcher(_Base):
 
     def __init__(self, graph, **kw):
         super().__init__(graph, **kw)
-        deps = graph.dependencies()
-        self._ops = {op.name: op for op in self.order}
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._ready, self._worker_cv, self._workers = {}, {}, []
+        self._stop = False
+        self._busy = 0  # workers running an op
+        self._comm_order = [op.name for op in self._comm_in_posting_order()]
+        self._comm = CommPoster(
+            self._comm_order, self._post_by_name, self._complete, self._record_comm,
+            rank=self.rank, gate=self._comm_gate,
+            # point-to-point ops match by tag: posted as soon as ready
+            unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
+        self._build_schedule()
+
+    # ----------------------------------------------------------- schedule
+    def _schedule(self):
+        """The units the workers run, in a topological order, and their
+        dependencies ({name: set of predecessor names}): here the graph's
+        ops. A subclass may group ops into units of its own (each with a
+        ``name``, ``thread`` and ``outputs``, run by its ``_execute``)."""
+        return list(self.order), self.graph.dependencies()
+
+    def _build_schedule(self):
+        """(Re)build the scheduling tables from ``_schedule()``; between
+        iterations only. Starts a worker for each new thread."""
+        nodes, deps = self._schedule()
+        self._ops = {n.name: n for n in nodes}
+        self._deps = deps
         self._ndeps = {n: len(d) for n, d in deps.items()}
         succ = defaultdict(list)
         for n, d in deps.items():
             for p in d:
                 succ[p].append(n)
         self._succ = {n: tuple(succ[n]) for n in self._ops}
-        self._sources = [op.name for op in self.order if self._ndeps[op.name] == 0]
-        self._is_comm = {n: self.kernels[n].category == "comm" for n in self._ops}
-        self._comm_order = [op.name for op in self._comm_in_posting_order()]
-        threads = sorted({str(op.thread) for op in self.order if not self._is_comm[op.name]})
+        self._sources = [n.name for n in nodes if self._ndeps[n.name] == 0]
+        comm = set(self._comm_order)
+        self._is_comm = {n: n in comm for n in self._ops}
         # Ready ops wait in one heap per thread. Ops whose outputs feed a
         # communication op come first (a layer's weight gradient before its
         # data gradient), so a bucket's allreduce is posted as early as
         # possible; then topological position, so backward proceeds layer by
         # layer and the buckets fill in order.
-        consumers = graph.consumers()
-        feeds_comm = {op.name for op in self.order for b in op.outputs
-                      if any(self._is_comm[c.name] for c in consumers.get(b, ()))}
-        self._priority = {op.name: (op.name not in feeds_comm, i)
-                          for i, op in enumerate(self.order)}
-        self._thread_of = {op.name: str(op.thread) for op in self.order}
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._ready = {t: [] for t in threads}
-        self._worker_cv = {t: threading.Condition(self._lock) for t in threads}
-        self._stop = False
-        self._busy = 0  # workers running an op
-        self._comm = CommPoster(
-            self._comm_order, self._post_by_name, self._complete, self._record_comm,
-            rank=self.rank, gate=self._comm_gate,
-            # point-to-point ops match by tag: posted as soon as ready
-            unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
-        self._workers = [threading.Thread(target=self._worker, args=(t,), daemon=True,
-                                          name=f"purine-worker-{t}") for t in threads]
-        for w in self._workers:
+        consumers = self.graph.consumers()
+        feeds_comm = {n.name for n in nodes for b in n.outputs
+                      if any(c.name in comm for c in consumers.get(b, ()))}
+        self._priority = {n.name: (n.name not in feeds_comm, i) for i, n in enumerate(nodes)}
+        self._thread_of = {n.name: str(n.thread) for n in nodes}
+        threads = sorted({self._thread_of[n] for n in self._ops if not self._is_comm[n]})
+        for t in threads:
+            if t in self._ready:
+                continue
+            self._ready[t] = []
+            self._worker_cv[t] = threading.Condition(self._lock)
+            w = threading.Thread(target=self._worker, args=(t,), daemon=True,
+                                 name=f"purine-worker-{t}")
+            self._workers.append(w)
             w.start()
 
     # ------------------------------------------------------------- workers

@@ -3,6 +3,7 @@
 The dispatchers are layered, each module importing only those below it::
 
     factory.py             make_dispatcher: picks one of the below
+    cuda_graph.py          GraphDispatcher: segments captured as CUDA graphs
     streams_dispatcher.py  StreamDispatcher: GPU ops on CUDA streams
     dispatcher.py          EventDispatcher, SerialDispatcher, Profiler
 
@@ -11,6 +12,7 @@ so that nothing below this module needs to know which dispatchers exist.
 import os
 
 from ..errors import UserError
+from .cuda_graph import GraphDispatcher
 from .dispatcher import EventDispatcher, SerialDispatcher
 from .streams_dispatcher import StreamDispatcher
 
@@ -18,16 +20,22 @@ from .streams_dispatcher import StreamDispatcher
 KINDS = ("event", "serial", "stream")
 
 
-def make_dispatcher(graph, kind=None, **kw):
+def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
     """``kind`` is 'event' (default), 'serial' or 'stream'; env PURINE_DISPATCHER
     overrides. 'event' on a graph with GPU ops (location device >= 0) is the
-    CUDA-stream dispatcher (runtime/streams_dispatcher.py)."""
+    CUDA-stream dispatcher: with ``cuda_graph`` (the config key, default
+    true) the one that captures and replays CUDA graphs
+    (runtime/cuda_graph.py, its notes go to ``log``), else the eager one
+    (runtime/streams_dispatcher.py). ``cuda_graph`` means nothing on a CPU."""
     kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
     if kind not in KINDS:
         raise UserError(f"PURINE_DISPATCHER must be 'event', 'serial' or 'stream', got '{kind}'")
     if kind == "serial":
         return SerialDispatcher(graph, **kw)
-    if kind == "stream" or on_gpu(graph):
+    gpu = on_gpu(graph)
+    if gpu and cuda_graph:
+        return GraphDispatcher(graph, log=log, **kw)
+    if kind == "stream" or gpu:
         return StreamDispatcher(graph, **kw)
     return EventDispatcher(graph, **kw)
 

@@ -79,11 +79,15 @@ class CudaRuntime:
     def stream(self, device, thread):
         return self.pool.get(device, thread)
 
-    def launch(self, device, stream, fn):
+    def launch(self, device, stream, fn, name=None):
+        """Queue op ``name``'s kernels (``fn``) on ``stream``."""
         with self.cupy.cuda.Device(device), stream:
             return fn()
 
-    call = launch
+    def call(self, device, stream, fn):
+        """Run host work ``fn`` that may queue device work on ``stream``."""
+        with self.cupy.cuda.Device(device), stream:
+            return fn()
 
     def record(self, device, stream, timing=False):
         cuda = self.cupy.cuda
@@ -114,6 +118,45 @@ class CudaRuntime:
     def swaps_copies(self):
         """Host<->device Copy ops use the asynchronous pinned-memory path."""
         return True
+
+    # ------------------------------------------------ stream capture (CUDA graphs)
+    # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``
+    # (default relaxed mode, which lets the memory pool grow by cudaMalloc
+    # during a capture), ``Stream.end_capture() -> cupy.cuda.Graph`` (already
+    # instantiated), ``Graph.launch(stream)``. Another stream joins a capture by
+    # waiting on an event recorded on a capturing stream, and must be joined
+    # back into the origin stream before ``end_capture``.
+
+    def begin_capture(self, device, stream):
+        with self.cupy.cuda.Device(device):
+            stream.begin_capture()
+
+    def end_capture(self, device, stream):
+        with self.cupy.cuda.Device(device):
+            return stream.end_capture()
+
+    def abort_capture(self, device, stream):
+        """Leave capture mode after a failed capture (its graph is dropped)."""
+        try:
+            with self.cupy.cuda.Device(device):
+                if stream.is_capturing():
+                    stream.end_capture()
+        except Exception:  # an invalidated capture also raises here: it has ended
+            pass
+
+    def launch_graph(self, device, graph, stream):
+        with self.cupy.cuda.Device(device):
+            graph.launch(stream)
+
+    def capture_memory(self, device):
+        """A context manager under which CuPy allocates from a memory pool of
+        its own, and that pool: what kernels allocate while they are captured
+        (temporaries) stays reserved for the graph's replays, so no other work
+        ever reuses it; keep the pool as long as the graph."""
+        cuda = self.cupy.cuda
+        with cuda.Device(device):
+            pool = cuda.MemoryPool()
+        return cuda.using_allocator(pool.malloc), pool
 
 
 def op_device(graph, op):
@@ -150,18 +193,32 @@ class StreamDispatcher(EventDispatcher):
             else:
                 keys[op.name] = (device, op.thread)
         self.source_graph = graph
-        super().__init__(_with_stream_threads(graph, keys), **kw)
+        #: op (or scheduling unit) -> its stream (device, thread); None: the host
         self._key = keys
         self._devices = sorted({k[0] for k in keys.values() if k is not None})
         self.runtime = runtime if runtime is not None else \
             (CudaRuntime() if self._devices else None)
-        deps = self.graph.dependencies()
+        super().__init__(_with_stream_threads(graph, keys), **kw)
+        self._accum_roots = {op.name: sorted({self.graph.storage_root(b) for b in op.outputs})
+                             for op in self.order if op.accumulate}
+        self._events = {}
+        self._acc_events = {}
+        self._timed = []
+        self._origin = {}
+        self._plan_streams()
+        if self.runtime is not None and self.runtime.swaps_copies():
+            self._swap_copy_kernels()
+
+    def _plan_streams(self):
+        """The device-side waits, host synchronisations and comm gates
+        between the scheduling units (``_deps``, after ``_build_schedule``)."""
+        keys, deps = self._key, self._deps
         succ = {n: [] for n in deps}
         for n, d in deps.items():
             for p in d:
                 succ[p].append(n)
-        on_gpu = {n for n, k in keys.items() if k is not None}
-        #: GPU op -> GPU predecessors on other streams (device-side waits)
+        on_gpu = {n for n in deps if keys[n] is not None}
+        #: GPU unit -> GPU predecessors on other streams (device-side waits)
         self._waits = {}
         #: host compute op -> GPU predecessors (host synchronisation)
         self._host_waits = {}
@@ -176,17 +233,9 @@ class StreamDispatcher(EventDispatcher):
                 self._host_waits[n] = gpu_preds
             else:
                 self._waits[n] = other
-        #: ops whose completion someone outside their stream waits for
+        #: units whose completion someone outside their stream waits for
         self._needs_event = {n: keys[n] is not None and any(keys[s] != keys[n] for s in succ[n])
                              for n in deps}
-        self._accum_roots = {op.name: sorted({self.graph.storage_root(b) for b in op.outputs})
-                             for op in self.order if op.accumulate}
-        self._events = {}
-        self._acc_events = {}
-        self._timed = []
-        self._origin = {}
-        if self.runtime is not None and self.runtime.swaps_copies():
-            self._swap_copy_kernels()
 
     # ------------------------------------------------------------ set-up
     def _swap_copy_kernels(self):
@@ -235,11 +284,11 @@ class StreamDispatcher(EventDispatcher):
     def _trace_device_times(self, iteration):
         if self.profiler is None or not self._origin:
             return
-        for op, category, tid, device, start, end in self._timed:
+        for op, category, tid, device, start, end, extra in self._timed:
             origin, t_host = self._origin[device]
             t0 = t_host + self.runtime.elapsed_ms(origin, start) / 1e3
             t1 = t_host + self.runtime.elapsed_ms(origin, end) / 1e3
-            self.profiler.record(op, category, t0, t1, iteration, tid)
+            self.profiler.record(op, category, t0, t1, iteration, tid, extra)
 
     # --------------------------------------------------------------- ops
     def _execute(self, op, tid):
@@ -266,12 +315,12 @@ class StreamDispatcher(EventDispatcher):
             if op.accumulate:
                 self._accumulate(op, k, key, stream)
             else:
-                rt.launch(device, stream, lambda: k.run(k.ins, k.outs))
+                rt.launch(device, stream, lambda: k.run(k.ins, k.outs), name)
         except Exception as exc:
             raise OpError(op, exc, self.rank) from exc
         if start is not None:
             end = rt.record(device, stream, timing=True)
-            self._timed.append((op, k.category, tid, device, start, end))
+            self._timed.append((op, k.category, tid, device, start, end, None))
         if self._needs_event[name]:
             self._events[name] = rt.record(device, stream)
         return None, t0

@@ -8,7 +8,8 @@ only iterations ``A <= iter < B``. The file is Chrome's JSON object format
 ``close()``; Perfetto and ``chrome://tracing`` open it. Metadata events name
 the process (``rank R``) and each thread the first time it appears: worker
 threads by number, ``comm`` (the MPI progress thread), CUDA streams
-(``gpu<d>:<thread>``) and the copy streams ``h2d``/``d2h``. The trainer
+(``gpu<d>:<thread>``), the copy streams ``h2d``/``d2h`` and the replays of
+captured CUDA graphs (``gpu<d>:graph``, one event per segment). The trainer
 gives every rank the same time origin (rank 0's start), so the ranks'
 files share one time axis: their ``traceEvents`` concatenated are one
 trace of the job (a pipeline's stages are seen computing at once).
@@ -47,6 +48,8 @@ def thread_label(tid):
         return "MPI progress (comm)"
     if tid in ("h2d", "d2h"):
         return f"copy stream {tid}"
+    if tid.startswith("gpu") and tid.endswith(":graph"):
+        return f"CUDA graph replays {tid[:-6]}"
     if tid.startswith("gpu"):
         return f"CUDA stream {tid}"
     return tid

@@ -1,0 +1,435 @@
+"""CUDA graphs: the stream dispatcher, with each run of GPU-only ops
+captured once and replayed as one graph launch every later iteration.
+
+A static bi-graph runs the same ops on the same buffers with the same shapes
+every iteration, which is what a CUDA graph wants. What cannot go into a
+graph cuts the iteration into *segments*:
+
+- host ops (the data reader, the learning rate on the host) and ops that
+  cannot be captured: an op that draws random numbers on the host, keeps
+  host-side state, reads a host blob as a kernel argument (a replay would
+  keep the value it had when captured), accumulates into a shared blob, or
+  whose kernel says ``capturable = False``;
+- communication ops (allreduce buckets, parameter-server push/pull,
+  pipeline Send/Recv): MPI cannot be captured;
+- gradient buckets: a segment holds no op that only later buckets need, so
+  the segment that writes a bucket ends with it and the bucket's allreduce
+  is posted (by the ``CommPoster``, once the segment's CUDA event reports it
+  done) while the next segments keep the GPU busy.
+
+``plan_segments`` makes the cut (see its docstring); each segment is one
+scheduling unit of the event-driven engine, launched on a stream of its own
+(``gpu<d>:graph<i>``) by the host worker ``gpu<d>:graph``, with the usual
+device-side waits on the events of what it reads. Its ops keep their streams
+inside the graph: at capture a fork event on the segment's origin stream
+brings every stream the segment uses into the capture, cross-stream edges
+inside it become event waits, and every stream joins back into the origin
+before the capture ends -- so concurrent branches (the four of an inception
+block) stay concurrent branches of the graph.
+
+When: an iteration runs a segment eagerly (its ops launched one by one on
+their streams, in the same fork/join structure) until it has been captured
+for the arrays its ops see; the capture happens at the end of that iteration,
+once every stream is idle, on streams reserved for captures, under a memory
+pool of its own (what kernels allocate while captured stays the graph's).
+So the first iteration is an eager warm-up (kernels compiled, library handles
+created), every later one replays. Captures are keyed by the identity and
+shape of the segment's arrays: a graph with another shape (a dispatcher
+whose kernels were given other arrays) gets a capture of its own, up to
+``MAX_CAPTURES`` per segment, then runs eagerly. The test graph's dispatcher
+has its own segments and captures. A segment whose capture fails runs
+eagerly from then on, and the dispatcher says so once; so does it, when it
+is built, for the GPU ops that cannot be captured.
+
+With a profiler, each segment is one trace event (category ``cuda_graph``,
+on the trace row ``gpu<d>:graph``) spanning its device time, with its ops in
+``args.ops`` and ``args.mode`` (``replay`` or ``eager``).
+``cuda_graph: false`` in the config gives the plain stream dispatcher, with
+per-op events.
+
+All CUDA calls go through the dispatcher's ``runtime``
+(``streams_dispatcher.CudaRuntime``), so the capture logic is tested against
+a simulated device with a stream-capture API like CuPy's
+(tests/test_cuda_graph.py).
+"""
+import heapq
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..errors import OpError
+from .streams_dispatcher import StreamDispatcher, stream_thread_name
+
+#: captures kept per segment (one per distinct set of arrays); then eager
+MAX_CAPTURES = 4
+#: the stream name prefix of the streams captures are recorded on
+CAPTURE_STREAM = "capture"
+
+
+@dataclass(eq=False)
+class Segment:
+    """A maximal run of capturable GPU ops: one scheduling unit, one graph."""
+
+    name: str
+    device: int
+    members: list  # op names, in a topological order
+    outputs: list  # blobs its ops write
+    #: member -> members it depends on that run on another stream
+    inner_waits: dict = field(default_factory=dict)
+    #: member -> whether a member on another stream depends on it
+    inner_event: dict = field(default_factory=dict)
+    op_type: str = "CudaGraph"
+    accumulate: bool = False
+    #: signature of the arrays -> _Capture
+    captures: dict = field(default_factory=dict)
+    #: why it runs eagerly for good (a failed capture), or None
+    failed: object = None
+    #: the (k.ins, k.outs) lists of its kernels (their arrays: the signature)
+    arg_lists: list = field(default_factory=list)
+
+    @property
+    def key(self):
+        """The stream its graph is launched on."""
+        return (self.device, self.name)
+
+    @property
+    def thread(self):
+        """The host worker that launches it (and its trace row)."""
+        return stream_thread_name(self.device, "graph")
+
+    def describe(self):
+        first, last = self.members[0], self.members[-1]
+        span = f"'{first}'" if len(self.members) == 1 else f"'{first}' .. '{last}'"
+        return f"{self.name} ({len(self.members)} ops, {span})"
+
+
+@dataclass
+class _Capture:
+    graph: object
+    pool: object  # the memory pool of its temporaries
+    arrays: list  # the arrays it was captured on (kept alive: their ids key it)
+
+
+def capture_blocker(graph, op, kernel):
+    """Why GPU op ``op`` (with kernel instance ``kernel``) cannot be
+    captured into a CUDA graph, or None when it can."""
+    if op.accumulate:
+        return "adds into a blob that other ops write too"
+    if getattr(kernel, "rng", None) is not None:  # a generator kept on the host
+        return "draws random numbers on the host"
+    if getattr(kernel, "stateful", False):
+        return "keeps host-side state that changes every run"
+    if getattr(kernel, "capturable", True) is False:
+        return getattr(kernel, "capture_note", None) or "its kernel cannot be captured"
+
+    def on_host(b):
+        return graph.blobs[graph.storage_root(b)].location.device < 0
+
+    host_in = [b for b in op.inputs if on_host(b)]
+    host_out = [b for b in op.outputs if on_host(b)]
+    if op.op_type == "Copy":
+        if host_out:
+            return "copies to host memory (the host reads it at once)"
+        unpinned = [b for b in host_in
+                    if not graph.blobs[graph.storage_root(b)].attrs.get("pinned")]
+        if unpinned:
+            return f"copies from pageable host memory ('{unpinned[0]}')"
+        if any(graph.blobs[b].dtype != graph.blobs[o].dtype
+               for b, o in zip(op.inputs, op.outputs)):
+            return "converts the dtype on the host while copying"
+        return None
+    if host_in:
+        return (f"reads the host blob '{host_in[0]}' (a replay would keep the value it had "
+                "when captured)")
+    if host_out:
+        return f"writes the host blob '{host_out[0]}'"
+    return None
+
+
+def plan_segments(order, deps, keys, comm_order, blockers):
+    """Cut the capturable GPU ops into segments.
+
+    ``order``: op names in a topological order; ``deps``: {op: predecessor
+    ops}; ``keys``: {op: (device, stream thread), or None for a host op};
+    ``comm_order``: the comm ops in posting order; ``blockers``: {GPU op:
+    why it cannot be captured} for those that cannot.
+
+    Each capturable op gets ``(epoch, device, stage)``: *epoch* counts the
+    cuts on the longest path to it (an op that is not captured, or a change
+    of device); *stage* is the posting position of the first comm op that
+    depends on it (past the last one when none does). Both only grow along
+    a path, so ops with the same triple form a segment that no path leaves
+    and re-enters: contracted into single units, the graph stays acyclic.
+    A bucket's producers share the stage of its allreduce, and ops that only
+    later buckets need have a later stage: the segment ends where the
+    bucket is complete.
+
+    Returns ``(segments, unit)``: the segments as lists of op names (in
+    ``order``), in a topological order of the contracted graph, and
+    {op: index of its segment}."""
+    comm = set(comm_order)
+    capturable = {n: keys.get(n) is not None and n not in comm and n not in blockers
+                  for n in order}
+    succ = defaultdict(list)
+    for n in order:
+        for p in deps[n]:
+            succ[p].append(n)
+    epoch = {}
+    for n in order:
+        e = 0
+        for p in deps[n]:
+            cut = not capturable[p] or (capturable[n] and keys[p][0] != keys[n][0])
+            e = max(e, epoch[p] + cut)
+        epoch[n] = e
+    # an op that reads nothing (a constant, the loss gradient's seed) goes
+    # as late as its consumers allow: with them, not in a segment of its own
+    for n in order:
+        if capturable[n] and not deps[n] and succ[n]:
+            epoch[n] = max(0, min(epoch[s] - (capturable[s] and keys[s][0] != keys[n][0])
+                                  for s in succ[n]))
+    post = {c: i for i, c in enumerate(comm_order)}
+    last = len(comm_order)
+    stage = {}
+    for n in reversed(order):
+        s = post.get(n, last)
+        for t in succ[n]:
+            s = min(s, stage[t])
+        stage[n] = s
+    groups = {}
+    for n in order:
+        if capturable[n]:
+            groups.setdefault((epoch[n], keys[n][0], stage[n]), []).append(n)
+    members = list(groups.values())
+    unit = {n: i for i, ms in enumerate(members) for n in ms}
+    # a topological order of the contracted graph (ties: first member position)
+    position = {n: i for i, n in enumerate(order)}
+    node_of = {n: ("s", unit[n]) if n in unit else ("o", n) for n in order}
+    ndeps, nsucc = defaultdict(set), defaultdict(set)
+    for n in order:
+        for p in deps[n]:
+            a, b = node_of[p], node_of[n]
+            if a != b:
+                ndeps[b].add(a)
+                nsucc[a].add(b)
+    first = {}
+    for n in order:
+        first.setdefault(node_of[n], position[n])
+    left = {v: len(ndeps[v]) for v in first}
+    ready = [(first[v], v) for v, k in left.items() if k == 0]
+    heapq.heapify(ready)
+    seen = []
+    while ready:
+        _, v = heapq.heappop(ready)
+        if v[0] == "s":
+            seen.append(v[1])
+        for w in nsucc[v]:
+            left[w] -= 1
+            if left[w] == 0:
+                heapq.heappush(ready, (first[w], w))
+    if sum(left.values()):
+        raise AssertionError("plan_segments: the contracted graph has a cycle")
+    renumber = {old: new for new, old in enumerate(seen)}
+    return [members[i] for i in seen], {n: renumber[i] for n, i in unit.items()}
+
+
+class GraphDispatcher(StreamDispatcher):
+    """The stream dispatcher with CUDA-graph capture and replay (see the
+    module docstring). ``log``: where the one-time notes go (default:
+    standard error)."""
+
+    def __init__(self, graph, runtime=None, log=None, **kw):
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._segments = {}
+        self._mode = {}
+        self._pending_captures = []
+        self._said = set()
+        super().__init__(graph, runtime=runtime, **kw)
+        self._note_blocked()
+
+    # ------------------------------------------------------------ planning
+    def _blockers(self):
+        g = self.graph
+        comm = set(self._comm_order)
+        return {op.name: reason for op in self.order
+                if self._key.get(op.name) is not None and op.name not in comm
+                and (reason := capture_blocker(g, op, self.kernels[op.name])) is not None}
+
+    def _schedule(self):
+        """Segments replace their ops as scheduling units."""
+        ops, deps = super()._schedule()
+        for name in list(self._key):  # units of an earlier plan
+            if name not in self.graph.ops:
+                del self._key[name]
+        self._segments = {}
+        if self.runtime is None or not self._devices:
+            return ops, deps
+        order = [op.name for op in ops]
+        groups, unit = plan_segments(order, deps, self._key, self._comm_order,
+                                     self._blockers())
+        segs = []
+        for i, names in enumerate(groups):
+            device = self._key[names[0]][0]
+            inside = set(names)
+            seg = Segment(f"graph{i}", device, names,
+                          [b for n in names for b in self.graph.ops[n].outputs])
+            for n in names:
+                seg.inner_waits[n] = sorted(p for p in deps[n] if p in inside
+                                            and self._key[p] != self._key[n])
+            for n in names:
+                seg.inner_event[n] = False
+            for n in names:
+                for p in seg.inner_waits[n]:
+                    seg.inner_event[p] = True
+            seg.arg_lists = [lst for n in names for lst in (self.kernels[n].ins,
+                                                             self.kernels[n].outs)]
+            self._key[seg.name] = seg.key
+            self._segments[seg.name] = seg
+            segs.append(seg)
+        unit_name = {n: segs[i].name for n, i in unit.items()}
+        node_deps = defaultdict(set)
+        for n in order:
+            u = unit_name.get(n, n)
+            node_deps[u] |= {unit_name.get(p, p) for p in deps[n]} - {u}
+        nodes, placed = [], set()
+        for op in ops:  # first appearance; the engine needs no stricter order
+            u = unit_name.get(op.name)
+            if u is None:
+                nodes.append(op)
+            elif u not in placed:
+                placed.add(u)
+                nodes.append(self._segments[u])
+        return nodes, {n.name: node_deps[n.name] for n in nodes}
+
+    def _note_blocked(self):
+        blocked = self._blockers()
+        if not self._segments or not blocked:
+            return
+        parts = [f"'{n}' ({self.graph.ops[n].op_type}: {why})" for n, why in blocked.items()]
+        more = f", and {len(parts) - 6} more" if len(parts) > 6 else ""
+        self._say_once("blocked", f"cuda_graph: {len(blocked)} GPU op(s) run eagerly between "
+                                  f"the captured segments: {', '.join(parts[:6])}{more}")
+
+    def _say_once(self, key, message):
+        if key not in self._said:
+            self._said.add(key)
+            self._log(message)
+
+    def segments(self):
+        """The current segments: [(name, [op names])], in launch order."""
+        return [(s.name, list(s.members)) for s in self._segments.values()]
+
+    def set_comm_order(self, order):
+        """A new posting order changes the stages: plan (and capture) again."""
+        changed = list(order) != self.comm_order()
+        super().set_comm_order(order)
+        if changed and self._segments:
+            self._build_schedule()
+            self._plan_streams()
+
+    # ---------------------------------------------------------- iterations
+    def run(self, iteration=None):
+        """One iteration: replay the segments captured for their current
+        arrays, run the others eagerly and capture them at the end."""
+        self._pending_captures = []
+        self._mode = {}
+        for seg in self._segments.values():
+            if seg.failed is not None:
+                continue
+            sig = _signature(seg)
+            entry = seg.captures.get(sig)
+            if entry is not None:
+                self._mode[seg.name] = entry
+            elif len(seg.captures) < MAX_CAPTURES:
+                self._pending_captures.append((seg, sig))
+            else:
+                self._say_once(("many", seg.name),
+                               f"cuda_graph: {seg.describe()} met more than {MAX_CAPTURES} "
+                               "different sets of arrays; new ones run eagerly")
+        super().run(iteration)  # ends with every stream idle
+        for seg, sig in self._pending_captures:
+            self._capture(seg, sig)
+        self._pending_captures = []
+
+    def _capture(self, seg, sig):
+        rt, device = self.runtime, seg.device
+        origin = rt.stream(device, CAPTURE_STREAM)
+        allocator, pool = rt.capture_memory(device)
+        try:
+            with allocator:
+                rt.begin_capture(device, origin)
+                try:
+                    self._launch_members(seg, origin, capture=True)
+                    graph = rt.end_capture(device, origin)
+                except BaseException:
+                    rt.abort_capture(device, origin)
+                    raise
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, OpError) else exc
+            seg.failed = f"{type(cause).__name__}: {cause}"
+            self._say_once(("failed", seg.name),
+                           f"cuda_graph: could not capture {seg.describe()} ({seg.failed}); "
+                           "it runs eagerly")
+            return
+        arrays = [a for lst in seg.arg_lists for a in lst]
+        seg.captures[sig] = _Capture(graph, pool, arrays)
+
+    # ----------------------------------------------------------- launching
+    def _execute(self, op, tid):
+        seg = self._segments.get(op.name)
+        if seg is None:
+            return super()._execute(op, tid)
+        rt, device = self.runtime, seg.device
+        origin = self._stream(seg.key)
+        for p in self._waits[seg.name]:
+            rt.wait(origin, self._events[p])
+        t0 = time.perf_counter()
+        start = rt.record(device, origin, timing=True) if self.profiler is not None else None
+        entry = self._mode.get(seg.name)
+        if entry is not None:
+            try:
+                rt.launch_graph(device, entry.graph, origin)
+            except Exception as exc:
+                raise OpError(seg, exc, self.rank) from exc
+        else:
+            self._launch_members(seg, origin, capture=False)
+        if start is not None:
+            end = rt.record(device, origin, timing=True)
+            self._timed.append((seg, "cuda_graph", tid, device, start, end,
+                                {"ops": list(seg.members),
+                                 "mode": "replay" if entry is not None else "eager"}))
+        if self._needs_event[seg.name]:
+            self._events[seg.name] = rt.record(device, origin)
+        return None, t0
+
+    def _launch_members(self, seg, origin, capture):
+        """Launch the segment's ops on their streams, forked from ``origin``
+        and joined back into it (under capture: on the capture streams)."""
+        rt, device = self.runtime, seg.device
+        fork = rt.record(device, origin)
+        streams, events = {}, {}
+        for name in seg.members:
+            thread = self._key[name][1]
+            key = (device, f"{CAPTURE_STREAM}:{thread}") if capture else (device, thread)
+            stream = streams.get(key)
+            if stream is None:
+                stream = streams[key] = self._stream(key)
+                rt.wait(stream, fork)
+            for p in seg.inner_waits[name]:
+                rt.wait(stream, events[p])
+            k = self.kernels[name]
+            try:
+                rt.launch(device, stream, lambda k=k: k.run(k.ins, k.outs), name)
+            except Exception as exc:
+                raise OpError(self.graph.ops[name], exc, self.rank) from exc
+            if seg.inner_event[name]:
+                events[name] = rt.record(device, stream)
+        for stream in streams.values():
+            rt.wait(origin, rt.record(device, stream))
+
+
+def _signature(seg):
+    """What a capture is valid for: the identity and shape of every array
+    the segment's kernels read and write."""
+    arrays = [a for lst in seg.arg_lists for a in lst]
+    return tuple(map(id, arrays)), tuple(a.shape for a in arrays)
