@@ -13,7 +13,15 @@ each framework, then one JSON object on stdout::
 
     {"benchmark": "gpu_throughput", "device": "...", "batch": 128, ...,
      "results": [{"config": "cifar10_quick", "purine_images_per_s": ...,
+                  "purine_graph_images_per_s": ...,
                   "torch_images_per_s": ..., "purine_vs_torch": ..., ...}, ...]}
+
+purine_mpi runs in both of its modes (``--modes``): ``eager`` is the stream
+dispatcher launching op by op (``cuda_graph: false``; the ``purine_*`` keys),
+``graph`` replays the iteration as captured CUDA graphs (the default of
+``train``; the ``purine_graph_*`` keys, with the number of segments, the GPU
+ops left eager and any segment whose capture failed). The warm-up's first
+iteration is the one that captures, so the timed iterations replay.
 
 Float32 GEMMs use TF32 in both frameworks only with ``--tf32`` (PyTorch's
 convolutions use cuDNN, with ``cudnn.benchmark`` on: its best eager setting).
@@ -74,13 +82,16 @@ def load(path, batch):
 
 # ----------------------------------------------------------- purine_mpi ---
 
-def bench_purine(config, device, iters, warmup, tf32):
+def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False):
+    """Time ``iters`` iterations after ``warmup``; ``cuda_graph``: replay
+    captured CUDA graphs (else eager stream dispatch)."""
     import cupy
 
     from purine_mpi.gpu import set_tf32
     from purine_mpi.gpu.placement import place_on_device
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.runtime.cuda_graph import GraphDispatcher
     from purine_mpi.runtime.factory import make_dispatcher
     from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 
@@ -88,10 +99,14 @@ def bench_purine(config, device, iters, warmup, tf32):
     cupy.cuda.Device(device).use()
     graph, _ = build_train_graph(config)
     place_on_device(graph, device)
-    d = make_dispatcher(graph, seed=int(config.get("seed", 0)))
+    notes = []
+    d = make_dispatcher(graph, seed=int(config.get("seed", 0)), cuda_graph=cuda_graph,
+                        log=notes.append)
     try:
-        if not isinstance(d, StreamDispatcher):
-            fail(f"expected the CUDA-stream dispatcher, got {type(d).__name__}")
+        if not isinstance(d, StreamDispatcher) or \
+                isinstance(d, GraphDispatcher) != bool(cuda_graph):
+            fail(f"expected the CUDA-stream dispatcher (cuda_graph={cuda_graph}), "
+                 f"got {type(d).__name__}")
         ws = d.workspace
         params = graph.params()
         if not params or not all(isinstance(ws[p.name], cupy.ndarray) for p in params):
@@ -111,9 +126,13 @@ def bench_purine(config, device, iters, warmup, tf32):
             d.run(it)  # returns once every stream is done
         elapsed = time.perf_counter() - t0
         last_loss = sum(float(ws[b]) for b in losses)
-        return {"seconds": elapsed, "first_loss": first_loss, "last_loss": last_loss,
-                "device_arena_bytes": int(sum(ws.device_bytes.values())),
-                "streams": len(d.runtime.pool)}
+        out = {"seconds": elapsed, "first_loss": first_loss, "last_loss": last_loss,
+               "device_arena_bytes": int(sum(ws.device_bytes.values())),
+               "streams": len(d.runtime.pool)}
+        if cuda_graph:
+            out["capture"] = d.capture_report()
+            out["notes"] = notes
+        return out
     finally:
         d.close()
 
@@ -245,6 +264,8 @@ def main(argv=None):
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--tf32", action="store_true", help="allow TF32 float32 GEMMs in both")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"],
+                    help="purine_mpi's modes: eager stream dispatch, CUDA-graph replay")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.warmup < 1 or args.batch < 1:
         fail("--iters, --warmup and --batch must be >= 1")
@@ -255,21 +276,35 @@ def main(argv=None):
     for path in args.configs:
         config = load(path, args.batch)
         entry = {"config": config["name"], "path": os.path.relpath(path, REPO)}
-        p = bench_purine(config, args.device, args.iters, args.warmup, args.tf32)
-        entry.update({"purine_images_per_s": round(args.batch * args.iters / p["seconds"], 1),
-                      "purine_iter_ms": round(1e3 * p["seconds"] / args.iters, 3),
-                      "purine_first_loss": p["first_loss"], "purine_last_loss": p["last_loss"],
-                      "purine_device_arena_bytes": p["device_arena_bytes"],
-                      "purine_streams": p["streams"]})
-        if not np.isfinite(p["last_loss"]):
-            fail(f"{config['name']}: purine_mpi's loss is {p['last_loss']} on the GPU")
+        for mode in args.modes:
+            graph = mode == "graph"
+            p = bench_purine(config, args.device, args.iters, args.warmup, args.tf32,
+                             cuda_graph=graph)
+            key = "purine_graph" if graph else "purine"
+            entry.update({f"{key}_images_per_s": round(args.batch * args.iters / p["seconds"], 1),
+                          f"{key}_iter_ms": round(1e3 * p["seconds"] / args.iters, 3),
+                          f"{key}_first_loss": p["first_loss"],
+                          f"{key}_last_loss": p["last_loss"],
+                          f"{key}_device_arena_bytes": p["device_arena_bytes"],
+                          f"{key}_streams": p["streams"]})
+            if graph:
+                rep = p["capture"]
+                entry.update({"purine_graph_segments": rep["segments"],
+                              "purine_graph_captured_ops": rep["captured_ops"],
+                              "purine_graph_eager_gpu_ops": sorted(rep["eager_gpu_ops"]),
+                              "purine_graph_failed": rep["failed"]})
+            if not np.isfinite(p["last_loss"]):
+                fail(f"{config['name']}: purine_mpi's loss ({mode}) is {p['last_loss']} "
+                     "on the GPU")
         if not args.no_torch:
             t = bench_torch(config, args.device, args.iters, args.warmup, args.tf32)
             entry.update({"torch_images_per_s": round(args.batch * args.iters / t["seconds"], 1),
                           "torch_iter_ms": round(1e3 * t["seconds"] / args.iters, 3),
                           "torch_first_loss": t["first_loss"], "torch_last_loss": t["last_loss"]})
-            entry["purine_vs_torch"] = round(entry["purine_images_per_s"]
-                                             / entry["torch_images_per_s"], 3)
+            for key in ("purine", "purine_graph"):
+                if f"{key}_images_per_s" in entry:
+                    entry[f"{key}_vs_torch"] = round(entry[f"{key}_images_per_s"]
+                                                     / entry["torch_images_per_s"], 3)
         results.append(entry)
     versions = {"cupy": cupy.__version__, "numpy": np.__version__}
     if not args.no_torch:

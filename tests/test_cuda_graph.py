@@ -483,6 +483,9 @@ def test_an_op_that_cannot_be_captured_runs_eagerly_and_is_named_once():
         assert d.notes == ["cuda_graph: 2 GPU op(s) run eagerly between the captured segments: "
                            "'b' (TestGraphNotCapturable: its kernel cannot be captured), "
                            "'noise' (TestGraphHostRandom: draws random numbers on the host)"]
+        report = d.capture_report()
+        assert sorted(report["eager_gpu_ops"]) == ["b", "noise"]
+        assert report["segments"] == report["captured"] == 3 and report["failed"] == {}
     finally:
         d.close()
 
@@ -508,6 +511,8 @@ def test_a_failed_capture_falls_back_to_eager_and_says_so_once():
         assert not any(c[0] == "launch_graph" for c in rt.calls)
         assert len(d.notes) == 1 and "could not capture graph0 (4 ops" in d.notes[0]
         assert "it runs eagerly" in d.notes[0]
+        report = d.capture_report()
+        assert report["captured"] == 0 and list(report["failed"]) == ["graph0"]
     finally:
         d.close()
 
@@ -646,3 +651,43 @@ def test_replay_on_a_real_gpu_equals_eager():
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for name, value in p0.items():
         np.testing.assert_allclose(p1[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_gpu_benchmark_reports_both_modes(monkeypatch, capsys):
+    """benchmarks/gpu_throughput.py: one entry per config with purine_mpi's
+    eager and graph figures side by side (the measurement itself needs a
+    GPU; here the timed runs are stubbed to check what is reported)."""
+    import importlib.util
+    import json
+    import pathlib
+    import types
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_throughput.py"
+    spec = importlib.util.spec_from_file_location("gpu_throughput_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fake_cupy = types.SimpleNamespace(__version__="fake", cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda d: {"name": b"sim"})))
+    monkeypatch.setattr(bench, "require_gpu", lambda device, need_torch: fake_cupy)
+    calls = []
+
+    def fake_purine(config, device, iters, warmup, tf32, cuda_graph=False):
+        calls.append(cuda_graph)
+        out = {"seconds": 0.5 if cuda_graph else 1.0, "first_loss": 2.3, "last_loss": 2.2,
+               "device_arena_bytes": 1, "streams": 3}
+        if cuda_graph:
+            out["capture"] = {"segments": 2, "captured_ops": 40, "captured": 2, "failed": {},
+                              "eager_gpu_ops": {}}
+        return out
+
+    monkeypatch.setattr(bench, "bench_purine", fake_purine)
+    assert bench.main(["--no-torch", "--iters", "10", "--batch", "4", "--configs",
+                       str(path.parent.parent / "jobs" / "cifar10_quick.yaml")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (entry,) = report["results"]
+    assert calls == [False, True]
+    assert entry["purine_images_per_s"] == 40.0 and entry["purine_graph_images_per_s"] == 80.0
+    assert entry["purine_graph_segments"] == 2 and entry["purine_graph_failed"] == {}
+    assert bench.main(["--no-torch", "--iters", "10", "--batch", "4", "--modes", "graph",
+                       "--configs", str(path.parent.parent / "jobs" / "cifar10_quick.yaml")]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["results"]
+    assert "purine_images_per_s" not in entry and entry["purine_graph_iter_ms"] == 50.0

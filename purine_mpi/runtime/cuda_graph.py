@@ -319,6 +319,16 @@ class GraphDispatcher(StreamDispatcher):
         """The current segments: [(name, [op names])], in launch order."""
         return [(s.name, list(s.members)) for s in self._segments.values()]
 
+    def capture_report(self):
+        """What is captured: the number of segments and of their ops, the
+        segments captured so far, those whose capture failed ({name:
+        reason}) and the GPU ops that run eagerly ({name: reason})."""
+        segs = list(self._segments.values())
+        return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
+                "captured": sum(1 for s in segs if s.captures),
+                "failed": {s.name: s.failed for s in segs if s.failed is not None},
+                "eager_gpu_ops": self._blockers() if segs else {}}
+
     def set_comm_order(self, order):
         """A new posting order changes the stages: plan (and capture) again."""
         changed = list(order) != self.comm_order()
