@@ -18,7 +18,7 @@ import numpy as np
 
 from .backend import get_xp, to_numpy
 from .errors import GraphError, UserError
-from .gpu.placement import configure_device, place_on_device
+from .gpu.placement import configure_device, prepare_for_device
 from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
@@ -124,7 +124,7 @@ class Trainer:
         self.test_graph = compose_test(self.test_graph, config, self.world)
         self.test = None
         if self.test_graph is not None:
-            place_on_device(self.test_graph, self.device)
+            prepare_for_device(self.test_graph, self.device, train=False)
             shared = {p: self.ws[p] for p in self.test_graph.blobs if p in self.ws.arrays
                       and self.graph.blobs[p].kind == "param"}
             self.test = make_dispatcher(self.test_graph, dispatcher, rank=self.rank,

@@ -36,7 +36,7 @@ from purine_mpi.errors import ConfigError, UserError
 from purine_mpi.graph import Graph
 from purine_mpi.graph.core import Location, Op
 from purine_mpi.gpu import kernels
-from purine_mpi.gpu.placement import place_on_device, select_device
+from purine_mpi.gpu.placement import place_on_device, prepare_for_device, select_device
 from purine_mpi.io.config import validate_config
 from purine_mpi.layers.fillers import fill
 from purine_mpi.model import build_train_graph
@@ -115,6 +115,13 @@ def device(request, monkeypatch):
         return real_launch(source, func, dtype, total, args)
 
     monkeypatch.setattr(kernels, "_launch", spy)
+    real_blocks = kernels._launch_blocks
+
+    def spy_blocks(source, func, dtype, blocks, threads, args):
+        launched.append(func)
+        return real_blocks(source, func, dtype, blocks, threads, args)
+
+    monkeypatch.setattr(kernels, "_launch_blocks", spy_blocks)
     if request.param == "cupy":
         cupy = _gpu_cupy()
         dev = _Device("cupy", cupy.asarray, cupy.asnumpy)
@@ -283,6 +290,50 @@ def test_dropout_gpu_branch_draws_the_cpu_mask(device, dtype, iter_on_host):
     cpu, got = _compare(device, "DropoutGrad", {"ratio": 0.4}, [dy, cpu[1]],
                         ["dropout_backward"], dtype)
     np.testing.assert_array_equal(got[0], cpu[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_relu_gpu_branch_is_one_kernel_each_way(device, dtype, slope):
+    x = _rand((4, 3, 5), dtype)
+    x.reshape(-1)[:4] = [np.nan, -0.0, 0.0, np.inf]   # NaN propagates, as in NumPy
+    attrs = {"negative_slope": slope}
+    cpu, got = _compare(device, "Relu", attrs, [x], ["relu_forward"], dtype)
+    assert device.launched == ["relu_forward"]
+    np.testing.assert_array_equal(got[0], cpu[0])
+    assert np.isnan(got[0].reshape(-1)[0])
+    dy = _rand(x.shape, dtype, 1)
+    dy.reshape(-1)[5] = np.inf
+    cpu, got = _compare(device, "ReluGrad", attrs, [dy, x], ["relu_backward"], dtype)
+    assert device.launched == ["relu_backward"]
+    np.testing.assert_array_equal(got[0], cpu[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_bias_gradients_are_one_reduction_kernel(device, dtype):
+    dy = _rand((5, 6, 3, 4), dtype)
+    _compare(device, "ConvGradBias", {}, [dy], ["channel_sum"], dtype)
+    assert device.launched == ["channel_sum"]
+    _compare(device, "InnerProductGradBias", {}, [dy.reshape(5, 2, 36)], ["channel_sum"], dtype)
+    assert device.launched == ["channel_sum"]
+
+
+@pytest.mark.parametrize("op_type,shapes", [
+    ("Conv", [(2, 3, 6, 5), (4, 3, 3, 3), (4,)]),
+    ("InnerProduct", [(3, 2, 2, 2), (5, 8), (5,)]),
+])
+@pytest.mark.parametrize("slope", [0.0, 0.2])
+def test_relu_fused_into_its_producer(device, op_type, shapes, slope):
+    """attr relu: the producer's output is the ReLU of its unfused output, on
+    the CPU and on the device (there in the bias kernel: one launch)."""
+    x, w, b = (_rand(s, np.float32, i) for i, s in enumerate(shapes))
+    attrs = {"pad": 1} if op_type == "Conv" else {}
+    (plain,) = _run_kernel(op_type, attrs, [x, w, b])
+    (relu,) = _run_kernel("Relu", {"negative_slope": slope}, [plain])
+    fused = dict(attrs, relu=True, negative_slope=slope)
+    (cpu,), (got,) = _compare(device, op_type, fused, [x, w, b], ["bias_act"], np.float32)
+    np.testing.assert_array_equal(cpu, relu)
+    assert device.launched.count("bias_act") == 1
 
 
 def test_float16_on_a_gpu_takes_the_generic_path():
@@ -881,11 +932,13 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
         d.close()
 
 
-def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["placed", "placed+fused"])
+def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, fused):
     """Everything at once, without a GPU: a placed training graph whose
     workspace is a device arena of emulated CuPy arrays, ops taking their
     GPU branches (the raw kernels compiled for the host), run by the stream
-    dispatcher on the simulated device. Losses and weights match the CPU."""
+    dispatcher on the simulated device. Losses and weights match the CPU;
+    so they do after the device fusions (gpu/fuse.py), with the fused kernels."""
     config = _tiny_config()
     cpu_losses, cpu_params = _train_simulated(config, -1)
     gpu.clear_kernel_cache()
@@ -896,14 +949,24 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     real_launch = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda source, func, *a: (
         launched.append(func), real_launch(source, func, *a))[1])
+    real_blocks = kernels._launch_blocks
+    monkeypatch.setattr(kernels, "_launch_blocks", lambda source, func, *a: (
+        launched.append(func), real_blocks(source, func, *a))[1])
     try:
-        losses, params, ws = _train_simulated(config, 0)
+        losses, params, ws = _train_simulated(config, 0, fuse=fused)
     finally:
         gpu.clear_kernel_cache()
     # (no col2im: conv1 needs no data gradient, conv2 is 1x1)
     assert {"im2col", "maxpool_forward", "maxpool_backward", "avepool_forward",
             "avepool_backward", "lrn_forward", "lrn_backward", "softmax_loss_forward",
-            "softmax_loss_backward", "sgd_momentum"} <= set(launched)
+            "softmax_loss_backward", "relu_backward", "channel_sum", "dropout_forward",
+            "dropout_backward", "learning_rate"} <= set(launched)
+    if fused:
+        assert {"sgd_momentum_multi", "bias_act"} <= set(launched)
+        assert not {"sgd_momentum", "relu_forward"} & set(launched)
+        assert launched.count("sgd_momentum_multi") == 3  # one update per iteration
+    else:
+        assert {"sgd_momentum", "relu_forward"} <= set(launched)
     np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
     for name, value in cpu_params.items():
         np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1e-6)
@@ -918,9 +981,12 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     assert ws.device_bytes[0] == arena.nbytes
 
 
-def _train_simulated(config, device, iters=3, cuda_graph=False):
+def _train_simulated(config, device, iters=3, cuda_graph=False, fuse=False):
     graph, _ = build_train_graph(config)
-    place_on_device(graph, device)
+    if fuse:
+        prepare_for_device(graph, device)
+    else:
+        place_on_device(graph, device)
     if device < 0:
         d = SerialDispatcher(graph, seed=3)
     else:
@@ -1242,3 +1308,62 @@ def test_solver_updates_run_in_place_on_the_device(device, kind):
         assert not isinstance(ours, np.ndarray) or isinstance(ours, DeviceArray)
         np.testing.assert_allclose(device.to_host(ours), ref, rtol=1e-6, atol=1e-7)
     assert not np.allclose(cpu[0], w)
+
+
+def _emulated_trainer_env(monkeypatch, host_build_dir):
+    """The trainer's own GPU path on the emulated device: device selection,
+    placement and fusion, the device arena, the stream dispatcher on the
+    simulated runtime."""
+    import purine_mpi.runtime.streams_dispatcher as sd
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(host_build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    monkeypatch.setattr(sd, "CudaRuntime", lambda *a, **k: SimulatedRuntime(4))
+
+
+def _trainer_run(config, out, resume=None):
+    from purine_mpi.trainer import Trainer
+    from tests.conftest import FakeWorld
+    t = Trainer(config, str(out), world=FakeWorld(), resume=resume, log=lambda m: None)
+    t.run()
+    return t
+
+
+def test_trainer_on_an_emulated_gpu_resumes_bit_exactly_with_dropout(
+        host_build_dir, monkeypatch, tmp_path):
+    """`train` with device: 0 (emulated): the graph is placed and fused (one
+    multi-tensor SGD update, ReLU in the conv), dropout draws its masks on
+    the device from iter@gpu0 and the lr comes from the device. Stopping at
+    iteration 4 and resuming ends bit-identical to the uninterrupted run, and
+    close to the same run on the CPU."""
+    from purine_mpi.io.checkpoint import load_checkpoint
+    raw = _tiny_raw(device=0, checkpoint={"interval": 4, "keep": 5})
+    raw["solver"].update(max_iter=8, display=0, test_interval=0)
+    config = validate_config(raw, check_files=False)
+    cpu_config = validate_config(dict(raw, device=-1), check_files=False)
+    cpu = _trainer_run(cpu_config, tmp_path / "cpu")
+    _emulated_trainer_env(monkeypatch, host_build_dir)
+    try:
+        straight = _trainer_run(config, tmp_path / "straight")
+        assert straight.device == 0
+        ops = {op.op_type for op in straight.graph.ops.values()}
+        assert "MultiSGDUpdate" in ops and "SGDUpdate" not in ops and "Relu" not in ops
+        assert isinstance(straight.ws["conv1/weight"], DeviceArray)
+        split = tmp_path / "split"
+        cut = dict(config, solver=dict(config["solver"], max_iter=4))
+        _trainer_run(cut, split)
+        _trainer_run(config, split, resume=str(split / "ckpt_4.h5"))
+    finally:
+        gpu.clear_kernel_cache()
+    a = load_checkpoint(str(tmp_path / "straight" / "latest.h5"))
+    b = load_checkpoint(str(split / "latest.h5"))
+    c = load_checkpoint(str(tmp_path / "cpu" / "latest.h5"))
+    assert a.iteration == b.iteration == c.iteration == 8
+    assert sorted(a.params) == sorted(c.params) == sorted(p.name for p in cpu.graph.params())
+    for name in a.params:
+        assert a.params[name].tobytes() == b.params[name].tobytes(), name
+        assert a.solver[name]["momentum"].tobytes() == b.solver[name]["momentum"].tobytes()
+        np.testing.assert_allclose(a.params[name], c.params[name], rtol=1e-4, atol=1e-6)
+    assert not np.array_equal(a.params["fc1/weight"],
+                              load_checkpoint(str(split / "ckpt_4.h5")).params["fc1/weight"])

@@ -18,6 +18,7 @@ import hashlib
 import re
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -185,17 +186,38 @@ def test_reference_sgd_momentum_matches_torch():
 _HOST_PRELUDE = r"""
 // Stand-ins for the CUDA built-ins used by cuda/*.cu, so they compile as host
 // C++. A launch runs serially over (block, thread), set by purine_emu_set.
+// Kernels with __syncthreads run each block's threads as concurrent host
+// threads (__shared__ is a static shared by them; blocks run one by one).
 #include <math.h>
 #include <string.h>
+#include <condition_variable>
+#include <mutex>
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __shared__ static
 struct purine_dim3 { unsigned int x, y, z; };
-static purine_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
-static purine_dim3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+static thread_local purine_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
+static thread_local purine_dim3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
 extern "C" void purine_emu_set(unsigned int block, unsigned int thread,
                                unsigned int blocks, unsigned int threads) {
   blockIdx.x = block; threadIdx.x = thread; gridDim.x = blocks; blockDim.x = threads;
+}
+static std::mutex purine_emu_mutex;
+static std::condition_variable purine_emu_cv;
+static unsigned int purine_emu_waiting = 0, purine_emu_generation = 0, purine_emu_count = 1;
+extern "C" void purine_emu_barrier_init(unsigned int count) {
+  std::lock_guard<std::mutex> lock(purine_emu_mutex);
+  purine_emu_count = count; purine_emu_waiting = 0;
+}
+static inline void __syncthreads() {
+  std::unique_lock<std::mutex> lock(purine_emu_mutex);
+  const unsigned int generation = purine_emu_generation;
+  if (++purine_emu_waiting == purine_emu_count) {
+    purine_emu_waiting = 0; ++purine_emu_generation; purine_emu_cv.notify_all();
+  } else {
+    purine_emu_cv.wait(lock, [&] { return generation != purine_emu_generation; });
+  }
 }
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, sizeof f); return f; }
 static inline double __longlong_as_double(long long i) {
@@ -215,11 +237,12 @@ _SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
 class _HostKernel:
     """One extern "C" entry point; checks arguments like a strict CuPy."""
 
-    def __init__(self, library, name, params):
-        self.name, self.params = name, params
+    def __init__(self, library, name, params, threaded=False):
+        self.name, self.params, self.threaded = name, params, threaded
         self._func = getattr(library, name)
         self._func.restype = None
         self._set = library.purine_emu_set
+        self._barrier = library.purine_emu_barrier_init
 
     def _convert(self, index, arg, param):
         kind, ctype_name = param
@@ -240,10 +263,22 @@ class _HostKernel:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
         c_args = [self._convert(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
+
+        def run(b, t):
+            self._set(b, t, _EMU_BLOCKS, _EMU_THREADS)
+            self._func(*c_args)   # ctypes releases the GIL: the threads run at once
+
         for b in range(_EMU_BLOCKS):
-            for t in range(_EMU_THREADS):
-                self._set(b, t, _EMU_BLOCKS, _EMU_THREADS)
-                self._func(*c_args)
+            if not self.threaded:
+                for t in range(_EMU_THREADS):
+                    run(b, t)
+                continue
+            self._barrier(_EMU_THREADS)
+            threads = [threading.Thread(target=run, args=(b, t)) for t in range(_EMU_THREADS)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
 
 
 def _parse_params(text):
@@ -276,16 +311,18 @@ def _host_cupy(build_dir):
             self._signatures = {name: _parse_params(params)
                                 for name, params in _SIGNATURE.findall(expanded)}
             self._library = ctypes.CDLL(str(library_path))
+            self._threaded = "__syncthreads" in code
 
         def get_function(self, name):
             if name not in self._signatures:
                 raise AttributeError(f"no extern \"C\" kernel {name}")
-            return _HostKernel(self._library, name, self._signatures[name])
+            return _HostKernel(self._library, name, self._signatures[name], self._threaded)
 
     fake = types.ModuleType("cupy")
     fake.ndarray = np.ndarray
     fake.empty = np.empty
     fake.ascontiguousarray = np.ascontiguousarray
+    fake.asarray = np.asarray
     fake.RawModule = RawModule
     fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
     return fake

@@ -78,3 +78,137 @@ def test_lr_op_on_emulated_device_reads_the_iteration_blob(monkeypatch, host_bui
             assert float(lr) == np.float32(learning_rate(attrs, i))
     finally:
         gpu.clear_kernel_cache()
+
+
+# ------------------------------------------------------ multi-tensor SGD ---
+
+def _params(rng, shapes, dtype):
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_multi_tensor_sgd_equals_one_update_per_parameter(backend, dtype):  # noqa: F811
+    """One kernel over flat weight/momentum buffers (parameters at aligned
+    offsets, gradients anywhere) == sgd_momentum per parameter, bit for bit,
+    with per-parameter lr_mult and decay_mult and the lr on the device."""
+    rng = np.random.default_rng(0)
+    shapes = [(4, 3, 3, 3), (4,), (7, 5), (1,), (130,)]
+    lr_mults, decay_mults = [1.0, 2.0, 1.0, 0.5, 3.0], [1.0, 0.0, 1.0, 2.0, 0.25]
+    weights = _params(rng, shapes, dtype)
+    momenta = [np.abs(a) for a in _params(rng, shapes, dtype)]
+    offsets, total = [], 0
+    for w in weights:
+        offsets.append(total)
+        total += -(-w.size // 64) * 64
+    flat_w = np.zeros(total, dtype)
+    flat_v = np.zeros(total, dtype)
+    for w, v, off in zip(weights, momenta, offsets):
+        flat_w[off:off + w.size] = w.reshape(-1)
+        flat_v[off:off + v.size] = v.reshape(-1)
+    dev_w, dev_v = backend.to_device(flat_w), backend.to_device(flat_v)
+    singles = [(backend.to_device(w), backend.to_device(v)) for w, v in zip(weights, momenta)]
+    lr = backend.to_device(np.array(0.05, np.float32))
+    wd = 5e-3
+    for step in range(3):
+        grads = [backend.to_device(g) for g in _params(rng, shapes, dtype)]
+        table = kernels.MultiTensorTable(grads, offsets, lr_mults,
+                                         [wd * m for m in decay_mults], dtype)
+        kernels.sgd_momentum_multi(dev_w, dev_v, table, lr, momentum=0.9, grad_scale=0.5)
+        for (w, v), g, lm, dm in zip(singles, grads, lr_mults, decay_mults):
+            kernels.sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=wd * dm,
+                                        grad_scale=0.5, lr_mult=lm)
+    got_w, got_v = backend.to_host(dev_w), backend.to_host(dev_v)
+    for (w, v), off in zip(singles, offsets):
+        w, v = backend.to_host(w).reshape(-1), backend.to_host(v).reshape(-1)
+        np.testing.assert_array_equal(got_w[off:off + w.size], w)
+        np.testing.assert_array_equal(got_v[off:off + v.size], v)
+    padding = np.ones(total, bool)
+    for w, off in zip(weights, offsets):
+        padding[off:off + w.size] = False
+    assert not got_w[padding].any() and not got_v[padding].any()  # untouched
+
+
+def test_multi_sgd_op_on_the_cpu_equals_sgd_update_ops():
+    """MultiSGDUpdate's CPU path is SGDUpdate's arithmetic per parameter."""
+    rng = np.random.default_rng(1)
+    shapes, offsets = [(3, 4), (5,)], [0, 64]
+    lr = np.asarray(0.1, np.float32)
+    attrs = {"momentum": 0.9, "weight_decay": 1e-2, "grad_scale": 0.5,
+             "sizes": [12, 5], "offsets": offsets, "lr_mults": [1.0, 2.0],
+             "decay_mults": [1.0, 0.0], "params": ["a", "b"]}
+    flat_w = rng.standard_normal(128).astype(np.float32)
+    flat_v = rng.standard_normal(128).astype(np.float32)
+    grads = _params(rng, shapes, np.float32)
+    multi = get_kernel_class("MultiSGDUpdate")(Op("u", "MultiSGDUpdate", [], [], attrs))
+    w, v = flat_w.copy(), flat_v.copy()
+    multi.setup([w, v, lr] + grads, [w, v])
+    multi.run([w, v, lr] + grads, [w, v])
+    for k, (g, off) in enumerate(zip(grads, offsets)):
+        single = {"momentum": 0.9, "weight_decay": 1e-2, "grad_scale": 0.5,
+                  "lr_mult": attrs["lr_mults"][k], "decay_mult": attrs["decay_mults"][k]}
+        sw = flat_w[off:off + g.size].reshape(g.shape).copy()
+        sv = flat_v[off:off + g.size].reshape(g.shape).copy()
+        get_kernel_class("SGDUpdate")(Op("s", "SGDUpdate", [], [], single)).run(
+            [sw, g, sv, lr], [sw, sv])
+        np.testing.assert_array_equal(w[off:off + g.size], sw.reshape(-1))
+        np.testing.assert_array_equal(v[off:off + g.size], sv.reshape(-1))
+    np.testing.assert_array_equal(w[12:64], flat_w[12:64])
+
+
+# ------------------------------------------------------------- fusions ---
+
+def _relu_net(extra_reader=False, slope=0.0, producer="Conv"):
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.grad import build_backward
+    g = Graph("n")
+    g.add_blob("x", (2, 3, 5, 5))
+    g.add_blob("w", (4, 3, 3, 3), kind="param")
+    g.add_blob("b", (4,), kind="param")
+    if producer == "Conv":
+        g.add_op("conv.fwd", "Conv", ["x", "w", "b"], ["c"], {"pad": 1})
+    else:
+        g.add_op("conv.fwd", "Pool", ["x"], ["c", "c.mask"], {"pool": "max", "kernel": 1})
+    g.add_op("relu.fwd", "Relu", ["c"], ["r"], {"negative_slope": slope})
+    if extra_reader:
+        g.add_op("peek.fwd", "Scale", ["c"], ["peek"], {"scale": 2.0})
+    g.add_blob("lw", (2, 4 if producer == "Conv" else 3, 5, 5))
+    g.add_op("loss.fwd", "WeightedSum", ["r", "lw"], ["loss"])
+    g.infer_shapes()
+    build_backward(g, {"loss": 1.0}, params=["w", "b"] if producer == "Conv" else [])
+    return g.infer_shapes()
+
+
+def test_relu_fuses_only_where_exact():
+    from purine_mpi.gpu.fuse import fuse_relu
+    g = _relu_net()
+    assert fuse_relu(g) == ["relu.fwd"]
+    conv = g.ops["conv.fwd"]
+    assert conv.outputs == ["r"] and conv.attrs["relu"] is True and "c" not in g.blobs
+    (grad,) = [op for op in g.ops.values() if op.op_type == "ReluGrad"]
+    assert grad.inputs[1] == "r"
+    g.validate()
+    for kwargs in ({"extra_reader": True}, {"slope": -0.5}, {"producer": "Pool"}):
+        assert fuse_relu(_relu_net(**kwargs)) == [], kwargs
+    assert fuse_relu(_relu_net(slope=0.1)) == ["relu.fwd"]
+
+
+def test_fused_relu_graph_computes_the_same_on_the_cpu():
+    """A fused graph run on the CPU: same loss and gradients, bit for bit."""
+    from purine_mpi.gpu.fuse import fuse_relu
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    rng = np.random.default_rng(2)
+    values = {"x": rng.standard_normal((2, 3, 5, 5)), "w": rng.standard_normal((4, 3, 3, 3)),
+              "b": rng.standard_normal(4), "lw": rng.standard_normal((2, 4, 5, 5))}
+    results = []
+    for fuse in (False, True):
+        g = _relu_net(slope=0.1)
+        if fuse:
+            fuse_relu(g)
+        d = SerialDispatcher(g)
+        for k, v in values.items():
+            d.workspace.set(k, v.astype(np.float32))
+        d.run()
+        results.append({k: np.array(d.workspace[k]) for k in ("loss", "r", "w.grad", "b.grad",
+                                                             "x.grad") if k in d.workspace.arrays})
+    for k, v in results[0].items():
+        assert results[1][k].tobytes() == v.tobytes(), k

@@ -26,8 +26,10 @@ ENTRY_POINTS = {
                 "avepool_forward", "avepool_backward"),
     "lrn": ("lrn_forward", "lrn_backward"),
     "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward"),
-    "sgd": ("sgd_momentum",),
+    "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "dropout": ("dropout_forward", "dropout_backward"),
+    "activation": ("relu_forward", "relu_backward", "bias_act"),
+    "reduce": ("channel_sum",),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
@@ -37,6 +39,7 @@ PLAIN_ENTRY_POINTS = {
 
 _BLOCK = 256
 _MAX_BLOCKS = 65535   # kernels use grid-stride loops, so any grid covers all
+_REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu
 
 
 # ----------------------------------------------------------------- sizes ---
@@ -111,6 +114,13 @@ def _launch(source, func, dtype, total, args):
     kernel = get_function(source, func, dtype)
     blocks = min((total + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS)
     kernel((blocks,), (_BLOCK,), (np.int64(total),) + tuple(args))
+
+
+def _launch_blocks(source, func, dtype, blocks, threads, args):
+    """Run kernel <func>_<dtype> (or <func> for dtype None) of cuda/<source>.cu
+    on an explicit grid (kernels whose blocks cooperate, single-thread ones)."""
+    kernel = get_function(source, func, dtype)
+    kernel((int(blocks),), (int(threads),), tuple(args))
 
 
 def _int(value):
@@ -374,11 +384,14 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None):
 
 # ------------------------------------------------------------ SGD update ---
 
-def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=1.0):
-    """In place: v = momentum*v + lr*(grad_scale*g + weight_decay*w); w -= v.
+def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=1.0,
+                        lr_mult=1.0):
+    """In place: v = momentum*v + rate*(grad_scale*g + weight_decay*w); w -= v,
+    rate = lr * lr_mult.
 
     ``w`` and ``v`` must be C-contiguous (they are updated where they are);
-    ``lr`` is a number or a one-element CuPy array (a learning-rate blob)."""
+    ``lr`` is a number or a one-element CuPy array (a learning-rate blob, read
+    by the kernel and multiplied there by ``lr_mult``: no temporary)."""
     cupy = import_cupy()
     for name, array in (("w", w), ("v", v)):
         if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
@@ -391,11 +404,81 @@ def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=
             raise ValueError(f"sgd_momentum_update: {name} has shape {tuple(array.shape)} "
                              f"{array.dtype}, expected w's {tuple(w.shape)} {w.dtype}")
     t = w.dtype.type
-    lr_value, lr_ptr, has_lr_ptr = _scalar_or_device(cupy, lr, w.dtype, w,
-                                                     "sgd_momentum_update: lr")
+    lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, lr_mult, w, "sgd_momentum_update")
     _launch("sgd", "sgd_momentum", w.dtype, w.size,
             (w, g, v, lr_value, lr_ptr, has_lr_ptr, t(momentum), t(weight_decay),
              t(grad_scale)))
+
+
+def _lr_arg(cupy, lr, lr_mult, like, what):
+    """(value, pointer, flag) of a learning rate times ``lr_mult``: a device
+    blob is read by the kernel (value = lr_mult), a number is folded in."""
+    t = like.dtype.type
+    if isinstance(lr, cupy.ndarray):
+        if lr.size != 1:
+            raise ValueError(f"{what}: lr must be a scalar or a one-element array, "
+                             f"got shape {tuple(lr.shape)}")
+        if np.dtype(lr.dtype) != np.dtype(like.dtype):
+            lr = lr.astype(like.dtype)  # a float32 lr blob for float64 weights
+        return t(lr_mult), cupy.ascontiguousarray(lr.reshape(1)), _int(1)
+    return t(float(lr) * float(lr_mult)), like, _int(0)
+
+
+class MultiTensorTable:
+    """The device tables of :func:`sgd_momentum_multi` for a fixed set of
+    parameters: built once (e.g. in an op's setup), reused every iteration.
+
+    ``grads``: the gradient arrays (C-contiguous, any addresses, kept alive
+    here); ``offsets``: each parameter's element offset in the flat buffers;
+    ``lr_mults``/``decays``: per-parameter rate multiplier and weight decay
+    (weight_decay * decay_mult)."""
+
+    def __init__(self, grads, offsets, lr_mults, decays, dtype):
+        cupy = import_cupy()
+        from .raw import data_ptr
+        dtype = np.dtype(dtype)
+        dtype_suffix(dtype)
+        if not len(grads) == len(offsets) == len(lr_mults) == len(decays) or not grads:
+            raise ValueError("MultiTensorTable: one offset, lr_mult and decay per gradient")
+        for g in grads:
+            if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous or g.dtype != dtype:
+                raise ValueError(f"MultiTensorTable: every gradient must be a C-contiguous "
+                                 f"{dtype} CuPy array")
+        sizes = [int(g.size) for g in grads]
+        self.grads = list(grads)
+        self.sizes = sizes
+        self.total = int(sum(sizes))
+        self.segments = len(grads)
+        self.offsets_host = [int(o) for o in offsets]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.starts = cupy.asarray(starts)
+        self.offsets = cupy.asarray(np.asarray(self.offsets_host, np.int64))
+        self.pointers = cupy.asarray(np.asarray([data_ptr(g) for g in grads], np.uint64))
+        self.lr_mults = cupy.asarray(np.asarray(lr_mults, dtype))
+        self.decays = cupy.asarray(np.asarray(decays, dtype))
+        self.dtype = dtype
+
+
+def sgd_momentum_multi(w, v, table, lr, momentum=0.9, grad_scale=1.0):
+    """:func:`sgd_momentum_update` of every parameter in ``table`` (a
+    :class:`MultiTensorTable`) in one kernel, in place on the flat weight
+    and momentum buffers ``w`` and ``v`` (1-D, C-contiguous)."""
+    cupy = import_cupy()
+    for name, array in (("w", w), ("v", v)):
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous or \
+                array.dtype != table.dtype:
+            raise ValueError(f"sgd_momentum_multi: {name} must be a C-contiguous "
+                             f"{table.dtype} CuPy array (it is updated in place)")
+    end = max(o + n for o, n in zip(table.offsets_host, table.sizes))
+    if w.size < end or v.size < end:
+        raise ValueError(f"sgd_momentum_multi: the flat buffers hold {w.size} and {v.size} "
+                         f"elements, the parameters reach {end}")
+    t = w.dtype.type
+    lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, 1.0, w, "sgd_momentum_multi")
+    _launch("sgd", "sgd_momentum_multi", w.dtype, table.total,
+            (w, v, table.pointers, table.starts, table.offsets, table.lr_mults,
+             table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
+             t(momentum), t(grad_scale)))
 
 
 # --------------------------------------------------------------- dropout ---
@@ -490,7 +573,85 @@ def learning_rate(iteration, out, policy, base, gamma=0.0, power=0.0, stepsize=0
     else:
         n_steps = int(steps.size)
     f64 = np.float64
-    kernel = get_function("lr_policy", "learning_rate", None)
-    kernel((1,), (1,), (it_value, it_ptr, has_it_ptr, _int(policy), f64(base), f64(gamma),
-                        f64(power), f64(stepsize), f64(max_iter), f64(min_lr), steps,
-                        _int(n_steps), np.int64(warmup), f64(warmup_start), out))
+    _launch_blocks("lr_policy", "learning_rate", None, 1, 1,
+                   (it_value, it_ptr, has_it_ptr, _int(policy), f64(base), f64(gamma),
+                    f64(power), f64(stepsize), f64(max_iter), f64(min_lr), steps,
+                    _int(n_steps), np.int64(warmup), f64(warmup_start), out))
+
+
+# ----------------------------------------------------------- activations ---
+
+def _slope(dtype, negative_slope):
+    slope = float(negative_slope or 0.0)
+    return dtype.type(slope), _int(slope != 0.0)
+
+
+def relu_forward(x, negative_slope=0.0, out=None):
+    """y = x > 0 ? x : negative_slope * x (with slope 0: NumPy's maximum(x, 0),
+    NaN and -0 kept), one kernel; ``out`` may be ``x`` (in place)."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "relu_forward: x")
+    y, target = _output(cupy, out, x.shape, x.dtype, "relu_forward")
+    _launch("activation", "relu_forward", x.dtype, x.size,
+            (x, *_slope(x.dtype, negative_slope), y))
+    return _finish(y, target)
+
+
+def relu_backward(dy, x, negative_slope=0.0, out=None):
+    """dx = dy * (x > 0) (slope 0) or where(x > 0, dy, slope * dy), one kernel.
+    ``x`` is the ReLU's input, or its output (same sign test for slope >= 0)."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "relu_backward: dy")
+    x = _input(cupy, x, "relu_backward: x")
+    if x.shape != dy.shape or x.dtype != dy.dtype:
+        raise ValueError(f"relu_backward: x has shape {tuple(x.shape)} {x.dtype}, expected "
+                         f"dy's {tuple(dy.shape)} {dy.dtype}")
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "relu_backward")
+    _launch("activation", "relu_backward", dy.dtype, dy.size,
+            (dy, x, *_slope(dy.dtype, negative_slope), dx))
+    return _finish(dx, target)
+
+
+def bias_act(y, bias=None, relu=False, negative_slope=0.0):
+    """In place on ``y`` (N, C, ...), C-contiguous: y = act(y + bias[c]) with
+    act the identity or (``relu``) the leaky ReLU: a layer's epilogue in one
+    kernel. ``bias`` (C,) may be None (activation only)."""
+    cupy = import_cupy()
+    if not isinstance(y, cupy.ndarray) or not y.flags.c_contiguous or y.ndim < 2:
+        raise ValueError("bias_act: y must be a C-contiguous (N, C, ...) CuPy array "
+                         "(it is updated in place)")
+    dtype_suffix(y.dtype)
+    channels = int(y.shape[1])
+    inner = int(np.prod(y.shape[2:], dtype=np.int64))
+    if bias is None:
+        bias_arg, has_bias = y, _int(0)
+    else:
+        bias_arg = _input(cupy, bias, "bias_act: bias")
+        if bias_arg.size != channels or bias_arg.dtype != y.dtype:
+            raise ValueError(f"bias_act: bias has shape {tuple(bias_arg.shape)} "
+                             f"{bias_arg.dtype}, expected ({channels},) {y.dtype}")
+        has_bias = _int(1)
+    _launch("activation", "bias_act", y.dtype, y.size,
+            (y, bias_arg, has_bias, np.int64(channels), np.int64(inner), _int(bool(relu)),
+             *_slope(y.dtype, negative_slope)))
+    return y
+
+
+# ------------------------------------------------------------- reductions ---
+
+def channel_sum(dy, out=None):
+    """Sum of ``dy`` (N, C, ...) over every axis but 1 -> (C,): a bias
+    gradient in one deterministic kernel (cuda/reduce.cu: one block per
+    channel, a fixed-order tree, double accumulation)."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "channel_sum: dy")
+    if dy.ndim < 2:
+        raise ValueError(f"channel_sum: expected (N, C, ...), got shape {tuple(dy.shape)}")
+    n, channels = int(dy.shape[0]), int(dy.shape[1])
+    inner = int(np.prod(dy.shape[2:], dtype=np.int64))
+    db, target = _output(cupy, out, (channels,), dy.dtype, "channel_sum")
+    if channels > 0:
+        _launch_blocks("reduce", "channel_sum", dy.dtype, min(channels, _MAX_BLOCKS),
+                       _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
+                                         db))
+    return _finish(db, target)

@@ -162,13 +162,25 @@ def select_device(config, rank_on_node=None):
 
 
 def configure_device(config, graph, rank_on_node=None):
-    """Select this rank's GPU from ``config``, apply ``tf32``, and place
-    ``graph`` there. Returns the device (-1: the CPU, graph unchanged)."""
+    """Select this rank's GPU from ``config``, apply ``tf32``, place
+    ``graph`` there and fuse it for the device (``gpu/fuse.py``: ReLUs into
+    their producers, the SGD updates into one). Returns the device (-1: the
+    CPU, graph unchanged)."""
     device = select_device(config, rank_on_node)
     if device >= 0:
         from . import set_tf32
         set_tf32(bool(config.get("tf32", False)))
         import cupy
         cupy.cuda.Device(device).use()  # CuPy's default device for this process
-        place_on_device(graph, device)
+        prepare_for_device(graph, device, train=True)
     return device
+
+
+def prepare_for_device(graph, device, train=True):
+    """``place_on_device``, then (``device >= 0``) the fusions of
+    ``gpu/fuse.py`` (the SGD one for a training graph). Returns the graph."""
+    place_on_device(graph, device)
+    if int(device) >= 0:
+        from .fuse import fuse_for_device
+        fuse_for_device(graph, train=train)
+    return graph

@@ -28,9 +28,10 @@ def compose_for(config, world_size, rank, phase="train"):
     else:  # the trainer's own composition; the cross-rank check needs MPI: skip it
         offline = dict(config, parallel=dict(par, check_collectives=False))
         graph = compose(graph, grads, offline, world)
-    from ..gpu.placement import place_on_device
+    from ..gpu.placement import prepare_for_device
     device = config.get("device")
-    place_on_device(graph, -1 if device is None else int(device))  # needs no CuPy
+    # placed and fused as the trainer runs it (needs no CuPy)
+    prepare_for_device(graph, -1 if device is None else int(device))
     from .partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = partition(graph, rank, size=world_size)

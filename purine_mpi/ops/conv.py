@@ -132,9 +132,27 @@ def _gpu_cols(k, x, geo):
     return cols.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
 
 
+def _epilogue(xp, k, y, bias, attrs):
+    """y += bias (per channel, axis 1), then the ReLU fused into this layer
+    (attr ``relu``, set by gpu/fuse.py; ``negative_slope``): one kernel on a
+    GPU, the Relu op's own arithmetic on the CPU."""
+    fused = bool(attrs.get("relu", False))
+    slope = float(attrs.get("negative_slope", 0.0))
+    if k is not None and y.flags.c_contiguous:
+        if bias is not None or fused:
+            k.bias_act(y, bias, fused, slope)
+        return
+    if bias is not None:
+        y += bias.reshape((1, -1) + (1,) * (y.ndim - 2))
+    if fused:
+        from .activation import relu
+        relu(xp, y, slope, y)
+
+
 @register
 class Conv(OpKernel):
-    """y = conv2d(x, w) + b; see the module docstring."""
+    """y = conv2d(x, w) + b, then a fused ReLU when attr ``relu`` is true;
+    see the module docstring."""
 
     op_type = "Conv"
 
@@ -163,8 +181,7 @@ class Conv(OpKernel):
             for sl in _chunks(xp, geo, x.itemsize):
                 # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
                 xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
-        if len(ins) == 3:
-            outs[0] += ins[2].reshape(1, O, 1, 1)
+        _epilogue(xp, k, outs[0], ins[2] if len(ins) == 3 else None, self.attrs)
 
 
 @register
@@ -266,6 +283,10 @@ class ConvGradBias(OpKernel):
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         dy = ins[0]
+        k = raw_kernels(xp, dy)
+        if k is not None:  # one deterministic reduction kernel
+            k.channel_sum(dy, out=outs[0])
+            return
         xp.sum(dy.reshape(dy.shape[0], dy.shape[1], -1), axis=(0, 2), out=outs[0])
 
 

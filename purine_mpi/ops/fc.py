@@ -17,6 +17,7 @@ import numpy as np
 
 from ..backend import get_xp
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 
@@ -30,7 +31,8 @@ def _split(shape, axis):
 
 @register
 class InnerProduct(OpKernel):
-    """y = x.reshape(M, K) @ w^T + b; see the module docstring."""
+    """y = x.reshape(M, K) @ w^T + b, then a fused ReLU when attr ``relu`` is
+    true; see the module docstring."""
 
     op_type = "InnerProduct"
 
@@ -55,8 +57,8 @@ class InnerProduct(OpKernel):
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
         y = outs[0].reshape(M, -1)
         xp.matmul(x.reshape(M, K), w.T, out=y)
-        if len(ins) == 3:
-            y += ins[2]
+        from .conv import _epilogue
+        _epilogue(xp, raw_kernels(xp, x, w), y, ins[2] if len(ins) == 3 else None, self.attrs)
 
 
 @register
@@ -107,6 +109,10 @@ class InnerProductGradBias(OpKernel):
     def run(self, ins, outs):
         dy = ins[0]
         xp = get_xp(dy)
+        k = raw_kernels(xp, dy)
+        if k is not None:  # one deterministic reduction kernel
+            k.channel_sum(dy.reshape(-1, dy.shape[-1]), out=outs[0])
+            return
         xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
 
 

@@ -193,15 +193,7 @@ class SGDUpdate(OpKernel):
         if k is not None and w_new.flags.c_contiguous and v_new.flags.c_contiguous:
             self._run_gpu(k, xp, ins, outs)
             return
-        rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
-        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
-        # Element-wise ops with out= are safe when v_new is v and w_new is w
-        # (the alias case); w is read in full before w_new is written.
-        xp.multiply(v, float(a.get("momentum", 0.0)), out=v_new)
-        v_new += grad * (rate * float(a.get("grad_scale", 1.0)))
-        if decay:
-            v_new += w * (rate * decay)
-        xp.subtract(w, v_new, out=w_new)
+        _sgd_step(xp, w, grad, v, lr, a, w_new, v_new)
 
     def _run_gpu(self, k, xp, ins, outs):
         """The fused kernel updates in place, so it works on the outputs
@@ -210,11 +202,9 @@ class SGDUpdate(OpKernel):
         w, grad, v, lr = ins
         w_new, v_new = outs
         a = self.attrs
-        lr_mult = float(a.get("lr_mult", 1.0))
-        if get_xp(lr) is np:  # a host blob: a number, no sync
-            rate = float(lr.reshape(())) * lr_mult
-        else:  # a device blob: the kernel reads it, no host round trip
-            rate = lr.reshape(()) if lr_mult == 1.0 else lr.reshape(()) * lr_mult
+        # a host lr blob is read as a number (no sync); a device blob is read
+        # by the kernel, which applies lr_mult (no host round trip, no temporary)
+        rate = float(lr.reshape(())) if get_xp(lr) is np else lr
         for old, new in ((w, w_new), (v, v_new)):
             if not same_buffer(old, new):
                 new[...] = old
@@ -222,7 +212,96 @@ class SGDUpdate(OpKernel):
                               momentum=float(a.get("momentum", 0.0)),
                               weight_decay=float(a.get("weight_decay", 0.0))
                               * float(a.get("decay_mult", 1.0)),
-                              grad_scale=float(a.get("grad_scale", 1.0)))
+                              grad_scale=float(a.get("grad_scale", 1.0)),
+                              lr_mult=float(a.get("lr_mult", 1.0)))
+
+
+@register
+class MultiSGDUpdate(OpKernel):
+    """[w_flat, momentum_flat, lr, grad_0, ..., grad_{n-1}] -> [w_flat_new,
+    momentum_flat_new] (aliases of the flat buffers): SGDUpdate of n
+    parameters at once. Parameter k is the view of ``sizes[k]`` elements at
+    ``offsets[k]`` of both flat buffers (gpu/fuse.py lays the weights and
+    momenta out so), with its own ``lr_mults[k]`` and ``decay_mults[k]``;
+    ``momentum``, ``weight_decay`` and ``grad_scale`` are shared.
+
+    On a GPU one kernel updates everything (cuda/sgd.cu, sgd_momentum_multi:
+    the arithmetic of SGDUpdate's kernel, bit for bit), reading the gradients
+    where they are through a pointer table built once in ``setup``; on the
+    CPU each parameter is updated as SGDUpdate does. No gradient."""
+
+    op_type = "MultiSGDUpdate"
+    category = "update"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        sizes, offsets = list(attrs["sizes"]), list(attrs["offsets"])
+        n = len(sizes)
+        if len(ins) != 3 + n or not n == len(offsets) == len(attrs["lr_mults"]) == \
+                len(attrs["decay_mults"]):
+            raise ShapeError(f"MultiSGDUpdate takes the flat weights, the flat momenta, the lr "
+                             f"and one gradient per parameter ({n}), with one size, offset, "
+                             f"lr_mult and decay_mult each; got {len(ins)} inputs")
+        (ws, wd), (vs, vd), (ls, _) = ins[:3]
+        if tuple(ws) != tuple(vs) or len(ws) != 1:
+            raise ShapeError(f"MultiSGDUpdate needs flat weight and momentum buffers of one "
+                             f"length, got {list(ws)} and {list(vs)}")
+        if int(np.prod(ls, dtype=np.int64)) != 1:
+            raise ShapeError(f"MultiSGDUpdate's learning rate must be a scalar, got {list(ls)}")
+        for k, ((gs, _), size, off) in enumerate(zip(ins[3:], sizes, offsets)):
+            if int(np.prod(gs, dtype=np.int64)) != int(size) or off < 0 or \
+                    off + size > ws[0]:
+                raise ShapeError(f"MultiSGDUpdate: gradient {k} has shape {list(gs)}, its "
+                                 f"parameter {size} elements at offset {off} of {ws[0]}")
+        return [(tuple(ws), wd), (tuple(vs), vd)]
+
+    def setup(self, ins, outs):
+        self._table = None
+        w, v = outs
+        xp = get_xp(w)
+        k = raw_kernels(xp, w, v, *ins[3:])
+        if k is not None and w.flags.c_contiguous and v.flags.c_contiguous and \
+                all(g.flags.c_contiguous for g in ins[3:]):
+            a = self.attrs
+            wd = float(a.get("weight_decay", 0.0))
+            self._table = k.MultiTensorTable(
+                list(ins[3:]), a["offsets"], [float(m) for m in a["lr_mults"]],
+                [wd * float(m) for m in a["decay_mults"]], w.dtype)
+
+    def run(self, ins, outs):
+        w, v, lr = ins[:3]
+        w_new, v_new = outs
+        a = self.attrs
+        for old, new in ((w, w_new), (v, v_new)):
+            if not same_buffer(old, new):
+                new[...] = old
+        table = getattr(self, "_table", None)
+        if table is not None:
+            from ..gpu import kernels
+            kernels.sgd_momentum_multi(w_new, v_new, table,
+                                       float(lr.reshape(())) if get_xp(lr) is np else lr,
+                                       momentum=float(a.get("momentum", 0.0)),
+                                       grad_scale=float(a.get("grad_scale", 1.0)))
+            return
+        for grad, off, size, lr_mult, decay_mult in zip(
+                ins[3:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
+            view = slice(int(off), int(off) + int(size))
+            single = dict(a, lr_mult=lr_mult, decay_mult=decay_mult)
+            _sgd_step(get_xp(w_new), w_new[view], grad.reshape(-1), v_new[view], lr, single,
+                      w_new[view], v_new[view])
+
+
+def _sgd_step(xp, w, grad, v, lr, a, w_new, v_new):
+    """SGDUpdate's arithmetic in xp (the CPU path): see SGDUpdate."""
+    rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+    decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
+    # Element-wise ops with out= are safe when v_new is v and w_new is w
+    # (the alias case); w is read in full before w_new is written.
+    xp.multiply(v, float(a.get("momentum", 0.0)), out=v_new)
+    v_new += grad * (rate * float(a.get("grad_scale", 1.0)))
+    if decay:
+        v_new += w * (rate * decay)
+    xp.subtract(w, v_new, out=w_new)
 
 
 class _AdaptiveUpdate(OpKernel):

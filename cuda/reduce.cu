@@ -1,0 +1,49 @@
+// Channel sums in one kernel: the bias gradient of a convolution
+// (db[c] = sum over n and the spatial positions s of dy[n, c, s]) or of a
+// fully connected layer (inner = 1: db[c] = sum over rows n of dy[n, c]).
+//
+// One block per channel (grid-stride over channels): its threads add
+// strided slices of the channel in double, then a shared-memory tree adds the
+// per-thread partial sums in a fixed order -- no atomics, so the result is
+// the same on every run (a resume stays bit-exact). Launched with at most
+// PURINE_REDUCE_THREADS threads per block.
+//
+// Compiled at run time by purine_mpi.gpu.load_kernel("reduce"); one
+// extern "C" entry point per dtype: <name>_f32, <name>_f64.
+
+#define PURINE_REDUCE_THREADS 256
+
+template <typename T>
+__device__ void channel_sum_impl(long long channels, const T* dy, long long n,
+                                 long long inner, T* out) {
+  __shared__ double partial[PURINE_REDUCE_THREADS];
+  const unsigned int tid = threadIdx.x;
+  const long long per_channel = n * inner;
+  for (long long c = blockIdx.x; c < channels; c += gridDim.x) {
+    double sum = 0.0;
+    for (long long k = tid; k < per_channel; k += blockDim.x) {
+      const long long sample = k / inner, s = k - sample * inner;
+      sum += (double)dy[(sample * channels + c) * inner + s];
+    }
+    partial[tid] = sum;
+    __syncthreads();
+    for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
+      if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) {
+        partial[tid] += partial[tid + stride];
+      }
+      __syncthreads();
+    }
+    if (tid == 0) out[c] = (T)partial[0];
+    __syncthreads();  // partial is reused by the next channel
+  }
+}
+
+#define PURINE_REDUCE_ENTRY(SUFFIX, T)                                              \
+  extern "C" __global__ void channel_sum_##SUFFIX(long long channels, const T* dy,   \
+                                                  long long n, long long inner,     \
+                                                  T* out) {                         \
+    channel_sum_impl<T>(channels, dy, n, inner, out);                               \
+  }
+
+PURINE_REDUCE_ENTRY(f32, float)
+PURINE_REDUCE_ENTRY(f64, double)
