@@ -129,3 +129,37 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "dispatcher": type(d).__name__,
     }
     return result if world.rank == 0 else None
+
+
+def format_bench(res, warmup=None):
+    """``bench`` without ``--json``: the result in human units (images/s with
+    thousands separators, milliseconds, KiB/MiB), ``n/a`` where a figure
+    does not exist (no communication on one rank)."""
+    from .progress import human_bytes
+    ranks = res["world_size"]
+    head = (f"bench {res['config']}: {ranks} rank{'s' if ranks != 1 else ''}, batch "
+            f"{res['batch_per_rank']:,} per rank, {res['iters']:,} timed iterations"
+            + (f" after {warmup:,} warm-up" if warmup is not None else "")
+            + f", backend {res['backend']}, {res['dispatcher']}")
+
+    def ms(v):
+        return "n/a" if v is None else f"{v:,.2f} ms"
+
+    overlap = res.get("comm_overlap")
+    lat = res.get("post_latency_ms") or {}
+    rows = [
+        ("throughput", f"{res['images_per_s']:,.0f} images/s"),
+        ("iteration", f"{ms(res['iter_ms_median'])} median, {ms(res['iter_ms_mean'])} mean"),
+        ("compute", f"{ms(res['compute_ms_per_iter'])} per iteration (rank 0's ops, summed "
+                    "over its threads)"),
+        ("communication", "none" if overlap is None else
+                          f"{ms(res['comm_ms_per_iter'])} per iteration, {100 * overlap:.0f}% "
+                          "overlapped with compute"),
+        ("post latency", f"{ms(res.get('post_latency_ms_worst'))} worst over "
+                         f"{len(lat)} comm op{'s' if len(lat) != 1 else ''}" if lat else
+                         "n/a (no communication)"),
+        ("memory", f"{human_bytes(res['peak_mem_bytes'])} in blobs (rank 0), "
+                   f"{human_bytes(res['max_rss_bytes'])} peak resident"),
+    ]
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

@@ -227,7 +227,9 @@ def cmd_test(args):
     cfg = _load(args)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
-    t = Trainer(cfg, _out_dir(args, cfg), init=args.weights)
+    # stdout holds only the JSON result: notes and progress lines go to stderr
+    t = Trainer(cfg, _out_dir(args, cfg), init=args.weights,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         res = t.evaluate()
     finally:
@@ -268,12 +270,12 @@ def cmd_data(args):
 
 
 def cmd_bench(args):
-    from .bench import run_bench
+    from .bench import format_bench, run_bench
     cfg = _load(args, check_files=args.real_data)
     res = run_bench(cfg, args.iters, args.warmup, real_data=args.real_data,
                     dispatcher=args.dispatcher)
     if res is not None:
-        print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+        print(json.dumps(res) if args.json else format_bench(res, args.warmup))
     return 0
 
 

@@ -28,7 +28,9 @@ from .io.metrics import MetricsLog
 from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
                     kept_constant, loss_blobs, metric_blobs)
-from .parallel.compose import Layout, Scheme, compose_test, layout_of
+from .parallel.compose import (Layout, Scheme, compose_test, layout_of,
+                               settings_without_effect)
+from .progress import progress
 from .runtime.factory import make_dispatcher
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
@@ -61,6 +63,7 @@ class Trainer:
 
     def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
+        self._t_created = time.perf_counter()  # the start-up block reports the set-up time
         self.config = config
         self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
         self.scheme = scheme or Scheme()
@@ -80,6 +83,7 @@ class Trainer:
         data_rank, data_size = self.layout.replica, self.layout.replicas
         graph, self.grads = build_train_graph(config, data_rank, data_size)
         check_data_labels(graph)
+        self.param_summary = param_summary(graph)  # the whole net's, before any split
         self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
@@ -306,6 +310,7 @@ class Trainer:
         self.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         self.run_id = str(ck.attrs.get("run_id") or "") or self.run_id
         self._last_saved = self.start_iter
+        self._say(f"resumed from {path} at iteration {self.start_iter}")
 
     def agree_to_stop(self, done, diverged):
         """The stop code every rank agrees on after iteration ``done``
@@ -347,6 +352,15 @@ class Trainer:
         ck_interval = int(self.config["checkpoint"].get("interval") or 0)
         batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
             else 0
+        if self.start_iter >= max_iter and os.path.exists(
+                os.path.join(self.out_dir, "latest.h5")):
+            self._say(f"already finished at iteration {self.start_iter}: nothing to do"
+                      + (f" (solver.max_iter is {max_iter}; raise it, or give --iters, to "
+                         "train on)" if self.start_iter == max_iter else
+                         f" (past solver.max_iter {max_iter})"))
+            self.write_trace()
+            return {}
+        self.report_startup()
         metrics = self._open_metrics()
         window_loss, window_n = 0.0, 0  # running sum: nothing grows per iteration
         t_start = t_window = self._t_start = time.perf_counter()
@@ -356,6 +370,8 @@ class Trainer:
         try:
             for it in range(self.start_iter, max_iter):
                 self.step(it)
+                if it == it0:
+                    self._report_first_iteration(time.perf_counter() - t_start)
                 loss_now = sum(float(self.ws[b]) * share
                                for b, share in zip(self.losses, self.loss_shares))
                 window_loss, window_n = window_loss + loss_now, window_n + 1
@@ -420,9 +436,13 @@ class Trainer:
                       "(choose data.test.batch_size to divide the split for exact figures)")
         ws = self.test.workspace
         sums = np.zeros(len(self.test_names))
-        for i in range(n):
-            self.test.run(i)
-            sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in self.test_names]
+        per_batch = spec["batch_size"] * self.data_size
+        with progress(n * per_batch, "test", "samples", log=self.log,
+                      enabled=self.rank == 0) as bar:
+            for i in range(n):
+                self.test.run(i)
+                sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in self.test_names]
+                bar.update(per_batch)
         out = {}
         for key, v in zip(self.test_keys, self._reduce(sums / n)):
             out[key] = out.get(key, 0.0) + float(v)
@@ -443,6 +463,23 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------ output
+    def report_startup(self):
+        """The start-up block on rank 0 (runlog.py). Collective over the
+        trainer's world: every rank's host and device are gathered."""
+        from .runlog import rank_info, startup_lines
+        infos = world_gather(self.world, rank_info(self), "the start-up report")
+        if self.rank == 0:
+            for line in startup_lines(self, dict(enumerate(infos)),
+                                      time.perf_counter() - self._t_created):
+                self.log(line)
+
+    def _report_first_iteration(self, seconds):
+        """One line after this process's first iteration: it is slow, and
+        the first display line may be far away."""
+        gpu = ", CUDA kernel compilation" if self.device >= 0 else ""
+        self._say(f"first iteration done in {seconds:.2f} s (includes one-time start-up: "
+                  f"first memory allocations, the first data batch{gpu})")
+
     def _open_metrics(self):
         """Rank 0: config.yaml, and the metrics log (io/metrics.py) that goes
         on from the checkpoint's rows and time when resuming."""
@@ -492,6 +529,13 @@ def _plain(obj):
     return obj
 
 
+def param_summary(graph):
+    """(parameter count, bytes, parameter blobs, dtypes) of a graph."""
+    params = graph.params()
+    return (sum(int(np.prod(b.shape)) for b in params), sum(int(b.nbytes) for b in params),
+            len(params), sorted({str(np.dtype(b.dtype)) for b in params}))
+
+
 def _hms(seconds):
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
@@ -509,6 +553,9 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     install_abort_handler(world)
     world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
     world.check_consistent(dump_config(config), "resolved configuration")
+    if world.rank == 0:  # parallel settings that do nothing at this world size
+        for note in settings_without_effect(config, world.size):
+            print(note, flush=True)
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
         return run_param_server(config, out_dir, world, resume=resume, init=init,

@@ -211,8 +211,9 @@ def test_write_cifar10(tmp_path):
         assert data.compression == "gzip" and data.chunks[1:] == (3, 32, 32)
         np.testing.assert_array_equal(data[...], train_u8)
         np.testing.assert_array_equal(f["test/label"][...], batches["test_batch"][b"labels"])
-    assert "read data_batch_5 (20 training images)" in lines
-    assert "wrote 20/20 train samples" in lines and "wrote 4/4 test samples" in lines
+    assert f"read 20 training and 4 test images from {src}" in lines
+    assert "wrote 20 train samples (uint8, 3x32x32)" in lines
+    assert "wrote 4 test samples (uint8, 3x32x32)" in lines
     assert summary["train"] == 20
     (src / "data_batch_3").write_bytes(b"garbage")
     with pytest.raises(UserError, match="data_batch_3"):

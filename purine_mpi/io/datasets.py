@@ -14,6 +14,7 @@ import pickle
 import numpy as np
 
 from ..errors import UserError
+from ..progress import progress
 
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
@@ -49,8 +50,8 @@ def write_cifar10(src_dir, out_path, log=None):
     chunked and gzip-compressed, so the loader reads batches straight from
     the file; the per-channel mean of the training pixels (0..255) is the
     root attribute ``mean``, for the data spec's ``mean``/``scale`` keys
-    (jobs/cifar10_quick_hdf5.yaml). Progress lines go to ``log``. Returns a
-    summary dict."""
+    (jobs/cifar10_quick_hdf5.yaml). Progress (progress.py: a bar on a
+    terminal, else lines) and a summary go to ``log``. Returns a summary dict."""
     if os.path.isdir(os.path.join(src_dir, "cifar-10-batches-py")):
         src_dir = os.path.join(src_dir, "cifar-10-batches-py")
     if not os.path.isdir(src_dir):
@@ -58,11 +59,15 @@ def write_cifar10(src_dir, out_path, log=None):
                         "cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html")
     log = log or (lambda msg: None)
     train = []
-    for name in CIFAR_TRAIN_BATCHES:
-        train.append(_read_cifar_batch(src_dir, name))
-        log(f"read {name} ({sum(len(y) for _, y in train)} training images)")
-    test = _read_cifar_batch(src_dir, CIFAR_TEST_BATCH)
-    log(f"read {CIFAR_TEST_BATCH} ({len(test[1])} test images)")
+    names = CIFAR_TRAIN_BATCHES + (CIFAR_TEST_BATCH,)
+    with progress(len(names), "read", "files", log=log) as bar:
+        for name in CIFAR_TRAIN_BATCHES:
+            train.append(_read_cifar_batch(src_dir, name))
+            bar.update(1)
+        test = _read_cifar_batch(src_dir, CIFAR_TEST_BATCH)
+        bar.update(1)
+    log(f"read {sum(len(y) for _, y in train):,} training and {len(test[1]):,} test images "
+        f"from {src_dir}")
     # the mean over every training pixel of each channel, accumulated exactly
     # from the uint8 values so it does not depend on float summation order
     totals = sum(images.sum(axis=(0, 2, 3), dtype=np.int64) for images, _ in train)
@@ -152,11 +157,18 @@ def _write_splits(out_path, splits, attrs, log=None):
                                             chunks=(rows,) + sample, compression="gzip",
                                             compression_opts=4, shuffle=True)
                 start = 0
-                for chunk in chunks:
-                    dset[start:start + len(chunk)] = chunk
-                    start += len(chunk)
-                    if log:
-                        log(f"wrote {start}/{n} {split} samples")
+                step = rows * 64  # a few MB per write, so progress moves
+                with progress(n, f"write {split}", "samples", log=log,
+                              enabled=log is not None) as bar:
+                    for chunk in chunks:
+                        for i in range(0, len(chunk), step):
+                            piece = chunk[i:i + step]
+                            dset[start:start + len(piece)] = piece
+                            start += len(piece)
+                            bar.update(len(piece))
+                if log:
+                    log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
+                        f"{'x'.join(map(str, sample))})")
                 group.create_dataset("label", data=np.concatenate(label_chunks).astype(np.int64))
         os.replace(tmp, out_path)
     except BaseException:

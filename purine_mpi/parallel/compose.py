@@ -262,3 +262,76 @@ def compose_test(graph, config, world):
     if graph is not None and layout_of(config, world).staged:
         return compose_stages(graph, config, world)
     return graph
+
+
+#: keys that shape the allreduce of gradient buckets (scheme data, mode sync; hybrid)
+BUCKET_KEYS = ("bucket_mb", "first_bucket_mb", "min_buckets")
+
+
+def settings_without_effect(config, world_size):
+    """Notes (one line each) on the ``parallel`` settings that do nothing,
+    or something else than they say, in a run of ``world_size`` ranks, so
+    that none is ignored silently: a parameter-server mode or a staged
+    scheme on one rank, bucket keys where nothing is allreduced, keys of
+    another mode or scheme, ``mode: async`` with ``max_staleness: 0``. A key
+    counts as set when it differs from its default (docs/config.md)."""
+    from ..io.config import PARALLEL_DEFAULTS
+    par = {**PARALLEL_DEFAULTS, **(config.get("parallel") or {})}
+    scheme, mode = par["scheme"], par["mode"]
+    ps = mode in ("async", "sync_ps")  # the config allows these with scheme data only
+    changed = {k for k in PARALLEL_DEFAULTS if par[k] != PARALLEL_DEFAULTS[k]}
+    notes = []
+
+    def note(keys, one, many=None):
+        """A note on the keys that are set: ``one`` of one key, ``many`` of several."""
+        keys = [k for k in keys if k in changed]
+        if keys:
+            text = one if len(keys) == 1 or many is None else many
+            notes.append(f"note: parallel.{', parallel.'.join(keys)} {text}")
+            changed.difference_update(keys)
+
+    if world_size == 1:
+        if ps:
+            servers = int(par["ps_ranks"])
+            solver = (config.get("solver") or {}).get("type", "sgd")
+            note(["mode"], f"{mode} has no effect on 1 rank: parameter servers need at least "
+                 f"{servers + 1} ranks (ps_ranks {servers} and a worker), so this rank trains "
+                 f"alone with the plain {solver} solver (start mpiexec -n {servers + 1} or "
+                 "more for servers)")
+            changed.difference_update({"ps_ranks", "max_staleness"})
+        if scheme in STAGED:
+            count = stage_count(config)
+            ranks = f"{count}" if scheme == "pipeline" else f"a multiple of {count}"
+            note(["scheme"], f"{scheme} has no effect on 1 rank: the {count} stages of "
+                 f"parallel.stages need {ranks} ranks, so the net runs unsplit on this rank "
+                 f"(start mpiexec -n {count} to split it)")
+            changed.discard("stages")
+        if scheme != "none":
+            note(list(BUCKET_KEYS) + ["check_collectives"],
+                 "has no effect on 1 rank: there are no gradients to allreduce",
+                 "have no effect on 1 rank: there are no gradients to allreduce")
+    elif mode == "async" and int(par["max_staleness"]) == 0:
+        notes.append("note: parallel.mode async with max_staleness 0 lets no worker run "
+                     "ahead, so it runs as mode sync_ps (synchronous SGD: one update per "
+                     "round of gradients); set max_staleness >= 1 for asynchronous updates")
+    if scheme in ("pipeline", "none") or ps:
+        why = {"pipeline": "scheme pipeline has no allreduce",
+               "none": "scheme none exchanges no gradients"}.get(
+            scheme, f"mode {mode} sends gradients to parameter servers")
+        what = "allreduce buckets (scheme data with mode sync, or hybrid)"
+        note(list(BUCKET_KEYS), f"shapes {what}; {why}, so it has no effect",
+             f"shape {what}; {why}, so they have no effect")
+    if not ps:
+        what = f"parameter servers (mode async or sync_ps) only; mode {mode} has none"
+        note(["ps_ranks", "max_staleness"], f"applies to {what}, so it has no effect",
+             f"apply to {what}, so they have no effect")
+    elif mode == "sync_ps":
+        note(["max_staleness"], "applies to mode async only; mode sync_ps is synchronous, "
+             "so it has no effect")
+    if scheme not in STAGED:
+        note(["stages"], f"applies to schemes pipeline and hybrid only; scheme {scheme} "
+             "ignores it")
+    if int(par["micro_batches"]) == 1:
+        note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
+             "micro-batch it has no effect")
+    return notes

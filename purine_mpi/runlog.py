@@ -1,0 +1,207 @@
+"""The start-up block a training run prints on rank 0 before its first
+iteration: what runs, where, on what, and where it writes. Plain lines (no
+colours, no cursor control), so a batch log reads as well as a terminal::
+
+    purine_mpi 0.1.0: train digits_lenet (jobs/digits_lenet.yaml)
+      ranks       2 on 1 host
+      devices     node1: ranks 0-1 on the CPU
+      scheme      data parallel (mode sync): ranks 0-1 are workers, gradients allreduced in 4 buckets
+      batch       32 per rank x 2 ranks = 64 global; test 60 per rank
+      parameters  23,466 in 8 blobs (91.7 KiB, float32)
+      data        train 1,437 samples (data/digits.h5, split train), test 360 samples (...)
+      solver      sgd, base_lr 0.05, lr_policy step; iterations 0 -> 900
+      output      runs/digits_lenet/2
+      set-up      0.21 s (graphs, data, initial weights)
+
+``startup_lines(trainer, ranks)`` builds it from a Trainer and every rank's
+(hostname, device) of the trainer's world (gathered by the trainer).
+"""
+import socket
+
+from . import __version__
+from .io.data import source_info
+from .progress import human_bytes
+
+#: hosts listed one by one in the devices line; the rest are counted
+MAX_HOSTS = 8
+
+
+def rank_info(trainer):
+    """This rank's (hostname, device) for the devices line."""
+    hosts = getattr(trainer.world, "hosts", None)
+    name = hosts.host_names[hosts.host_of[trainer.rank]] if hosts is not None \
+        else socket.gethostname()
+    return name, int(trainer.device)
+
+
+def ranges(ranks):
+    """``0-3, 6, 8-9`` from a list of ranks."""
+    ranks = sorted(ranks)
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _ranks_word(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"
+
+
+def _count(n, one, many=None):
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def devices_line(infos, servers=()):
+    """``node1: ranks 0-1 on the CPU; node2: ranks 2-3 on GPUs 0, 1`` from
+    {rank: (host, device)}; ``servers``: {rank: host} of parameter-server
+    ranks (they hold the parameters in host memory)."""
+    by_host = {}
+    for r, (host, dev) in sorted(infos.items()):
+        by_host.setdefault(host, []).append((r, dev))
+    for r, host in sorted(dict(servers).items()):
+        by_host.setdefault(host, []).append((r, None))
+    parts = []
+    for host, members in list(by_host.items())[:MAX_HOSTS]:
+        words = []
+        workers = [(r, d) for r, d in members if d is not None]
+        cpu = [r for r, d in workers if d < 0]
+        gpu = [(r, d) for r, d in workers if d >= 0]
+        if cpu:
+            words.append(f"{_ranks_word(cpu)} on the CPU")
+        if gpu:
+            ids = ", ".join(str(d) for _, d in gpu)
+            words.append(f"{_ranks_word([r for r, _ in gpu])} on "
+                         f"{'GPU' if len(gpu) == 1 else 'GPUs'} {ids}")
+        served = [r for r, d in members if d is None]
+        if served:
+            words.append(f"{_ranks_word(served)} ({'server' if len(served) == 1 else 'servers'})"
+                         " on the CPU")
+        parts.append(f"{host}: {', '.join(words)}")
+    if len(by_host) > MAX_HOSTS:
+        parts.append(f"and {len(by_host) - MAX_HOSTS} more hosts")
+    return "; ".join(parts)
+
+
+def scheme_lines(trainer):
+    """[(label, text)] of the scheme: which ranks are workers, servers or
+    stages, and the micro-batches."""
+    config = trainer.config
+    par = config.get("parallel") or {}
+    lay = trainer.layout
+    ps = getattr(trainer.scheme, "layout", None)  # a parameter-server worker
+    size = trainer.world.size
+    out = []
+    if ps is not None:
+        workers, servers = ps["workers"], ps["servers"]
+        mode = par.get("mode")
+        how = (f"max_staleness {par.get('max_staleness', 0)}" if mode == "async" else
+               "the servers average each round")
+        out.append(("scheme", f"parameter servers (mode {mode}, {how}): "
+                    f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
+                    f"{_ranks_word(servers)} {'are servers' if len(servers) > 1 else 'is the server'} "
+                    "holding the parameters (sharded)"))
+    elif size == 1:
+        out.append(("scheme", "one rank, no parallel scheme"))
+    elif lay.staged:
+        stages = par.get("stages") or {}
+        layers = [layer.get("name") for layer in config.get("net") or []]
+        if lay.scheme == "pipeline":
+            out.append(("scheme", f"pipeline: {lay.stages} stages, rank s runs stage s; "
+                        "activations and gradients cross as Send/Recv"))
+        else:
+            out.append(("scheme", f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
+                        f"(rank = replica x {lay.stages} + stage); each stage's gradients "
+                        f"allreduced over its {lay.replicas} ranks"))
+        for s in range(lay.stages):
+            names = [n for n in layers if stages.get(n) == s]
+            shown = ", ".join(names) if len(names) <= 6 else \
+                f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
+            out.append((f"stage {s}", f"{_ranks_word(lay.stage_ranks(s))}: "
+                        f"{_count(len(names), 'layer')} ({shown})"))
+    elif lay.scheme == "none":
+        out.append(("scheme", f"none: ranks {ranges(range(size))} each train their own "
+                    "replica on their shard, exchanging no gradients"))
+    else:
+        plan = getattr(trainer.graph, "bucket_plan", None) or []
+        out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
+                    f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
+    micro = int(par.get("micro_batches", 1))
+    if micro > 1:
+        batch = int(config["data"]["train"]["batch_size"])
+        use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"
+        out.append(("micro-batches", f"{micro} of {batch // micro} samples, schedule "
+                    f"{par.get('schedule', '1f1b')} ({use})"))
+    return out
+
+
+def data_text(data):
+    """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``."""
+    parts, wheres = [], []
+    for phase, spec in data.items():
+        if not spec:
+            continue
+        n, shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
+        hdf5 = spec.get("source", "hdf5") == "hdf5"
+        parts.append((phase, n, "x".join(map(str, shape)),
+                      spec["path"] if hdf5 else "synthetic"))
+    if len({(shape, where) for _, _, shape, where in parts}) == 1:
+        _, _, shape, where = parts[0]
+        counts = " and ".join(f"{phase} {n:,}" for phase, n, _, _ in parts)
+        return f"{counts} samples of {shape} ({where})"
+    return ", ".join(f"{phase} {n:,} samples of {shape} ({where})"
+                     for phase, n, shape, where in parts)
+
+
+def startup_lines(trainer, infos, setup_seconds):
+    """The start-up block (see the module docstring). ``infos``: {rank:
+    (host, device)} of the trainer's world."""
+    config = trainer.config
+    replicas = trainer.data_size
+    ps = getattr(trainer.scheme, "layout", None)
+    size = trainer.world.size + (len(ps["servers"]) if ps else 0)
+    name = config.get("name", "net")
+    head = f"purine_mpi {__version__}: train {name}"
+    if config.get("_path"):
+        head += f" ({config['_path']})"
+    hosts = {h for h, _ in infos.values()}
+    servers = {}
+    if ps:
+        gw = trainer.scheme.world
+        gh = getattr(gw, "hosts", None)
+        servers = {r: gh.host_names[gh.host_of[r]] if gh is not None else "?"
+                   for r in ps["servers"]}
+        hosts |= set(servers.values())
+    rows = [("ranks", f"{size} on {_count(len(hosts), 'host')}"),
+            ("devices", devices_line(infos, servers))]
+    rows += scheme_lines(trainer)
+    data = config.get("data") or {}
+    if data.get("train"):
+        per = "worker" if ps else ("pipeline" if trainer.layout.staged else "rank")
+        b = int(data["train"]["batch_size"])
+        text = f"{b:,} per {per}"
+        if replicas > 1:
+            text += f" x {replicas} {per}s = {b * replicas:,} global"
+        if data.get("test"):
+            text += f"; test {int(data['test']['batch_size']):,} per {per}"
+        rows.append(("batch", text))
+    n_params, n_bytes, n_blobs, dtypes = trainer.param_summary
+    rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
+                 f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
+    if data:
+        rows.append(("data", data_text(data)))
+    sol = trainer.solver
+    rows.append(("solver", f"{sol.get('type', 'sgd')}, base_lr {sol.get('base_lr')}, "
+                 f"lr_policy {sol.get('lr_policy', 'fixed')}; iterations "
+                 f"{trainer.start_iter:,} -> {int(sol['max_iter']):,}"))
+    ck = config.get("checkpoint") or {}
+    every = int(ck.get("interval") or 0)
+    rows.append(("output", f"{trainer.out_dir} (checkpoints "
+                 + (f"every {every:,} iterations, " if every else "at the end, ")
+                 + (f"keep {ck['keep']})" if ck.get("keep") else "keep all)")))
+    rows.append(("set-up", f"{setup_seconds:.2f} s (graphs, data, initial weights)"))
+    width = max(len(k) for k, _ in rows) + 2
+    return [head] + [f"  {k:<{width}}{v}" for k, v in rows]
