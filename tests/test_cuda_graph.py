@@ -28,7 +28,8 @@ from purine_mpi.gpu.placement import place_on_device
 from purine_mpi.model import build_train_graph
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.parallel.data_parallel import compose_data_parallel
-from purine_mpi.runtime.cuda_graph import MAX_CAPTURES, GraphDispatcher, plan_segments
+from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_segments,
+                                           stage_order)
 from purine_mpi.runtime.dispatcher import Profiler
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
@@ -119,13 +120,16 @@ def _segment_of(d):
 
 # ---------------------------------------------------------------- planning
 
-def _plan(spec, comm_order=(), blockers=None):
-    """spec: [(name, key, preds)]; key None: host op, 'comm': comm op."""
+def _plan(spec, comm_order=(), blockers=None, unordered=()):
+    """spec: [(name, key, preds)]; key None: host op, 'comm': comm op;
+    ``comm_order``: the posting (seq) order of the comm ops (default: spec
+    order); ``unordered``: point-to-point ones."""
     order = [n for n, _, _ in spec]
     deps = {n: set(p) for n, _, p in spec}
     keys = {n: (None if k is None else (0, "comm") if k == "comm" else k) for n, k, _ in spec}
-    comm = [n for n, k, _ in spec if k == "comm"]
-    segs, _ = plan_segments(order, deps, keys, list(comm_order) or comm, blockers or {})
+    comm = list(comm_order) or [n for n, k, _ in spec if k == "comm"]
+    segs, _ = plan_segments(order, deps, keys, stage_order(order, deps, comm, unordered),
+                            blockers or {})
     return segs
 
 
@@ -163,6 +167,25 @@ def test_backward_segments_end_at_each_bucket():
     assert _plan(spec, comm_order=["ar2", "ar1", "ar0"]) == \
         [["fwd1", "fwd2", "fwd3", "loss_grad", "d3", "d2", "w1"], ["w3"], ["w2"],
          ["up3", "up2", "up1"]]
+
+
+def test_pipeline_send_recv_and_ps_push_pull_cut_segments_too():
+    """A pipeline stage (and a parameter-server worker alike): what arrives
+    by Recv (or a pull), the GPU work between, what leaves by Send (or a
+    push) -- every comm op ends the segment before it and starts the next."""
+    s = (0, 0)
+    spec = [("recv_x", "comm", []), ("fwd1", s, ["recv_x"]), ("fwd2", s, ["fwd1"]),
+            ("send_y", "comm", ["fwd2"]), ("recv_dy", "comm", ["send_y"]),
+            ("bwd2", s, ["recv_dy", "fwd1"]), ("bwd1", s, ["bwd2"]),
+            ("send_dx", "comm", ["bwd1"]), ("push_g", "comm", ["bwd2"]),
+            ("pull_w", "comm", ["push_g"]), ("update", s, ["pull_w"])]
+    p2p = ["recv_x", "send_y", "recv_dy", "send_dx", "push_g", "pull_w"]
+    # point-to-point: posted when ready, so the push (ready after bwd2)
+    # ends a segment before bwd1, although it comes later in seq order
+    assert _plan(spec, unordered=p2p) == [["fwd1", "fwd2"], ["bwd2"], ["bwd1"], ["update"]]
+    # were they collectives in this seq order, bwd1 would go with bwd2: the
+    # push could not be posted before send_dx anyway
+    assert _plan(spec) == [["fwd1", "fwd2"], ["bwd2", "bwd1"], ["update"]]
 
 
 def _bucketed_graph(min_buckets=3, seed=0):

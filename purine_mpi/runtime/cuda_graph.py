@@ -15,7 +15,10 @@ graph cuts the iteration into *segments*:
 - gradient buckets: a segment holds no op that only later buckets need, so
   the segment that writes a bucket ends with it and the bucket's allreduce
   is posted (by the ``CommPoster``, once the segment's CUDA event reports it
-  done) while the next segments keep the GPU busy.
+  done) while the next segments keep the GPU busy. The same holds for any
+  comm op, in the order they can be posted (``stage_order``): collectives
+  in ``seq`` order, point-to-point ops (pipeline Send/Recv, parameter-server
+  push/pull) as soon as their inputs are complete.
 
 ``plan_segments`` makes the cut (see its docstring); each segment is one
 scheduling unit of the event-driven engine, launched on a stream of its own
@@ -147,6 +150,26 @@ def capture_blocker(graph, op, kernel):
     return None
 
 
+def stage_order(order, deps, comm_order, unordered=()):
+    """The comm ops in the order they can be posted, for ``plan_segments``:
+    by when their inputs are complete (the topological position of their
+    last producer), except that an ordered one (a collective, posted in
+    ``seq`` order: ``comm_order``) is never before the ordered ones posted
+    before it; ``unordered`` ops (point-to-point) go as soon as ready."""
+    position = {n: i for i, n in enumerate(order)}
+    free = set(unordered)
+    when, latest = {}, -1
+    for c in comm_order:
+        ready = max((position[p] for p in deps[c]), default=-1)
+        if c in free:
+            when[c] = ready
+        else:
+            latest = max(latest, ready)
+            when[c] = latest
+    index = {c: i for i, c in enumerate(comm_order)}
+    return sorted(comm_order, key=lambda c: (when[c], index[c]))
+
+
 def plan_segments(order, deps, keys, comm_order, blockers):
     """Cut the capturable GPU ops into segments.
 
@@ -265,7 +288,10 @@ class GraphDispatcher(StreamDispatcher):
         if self.runtime is None or not self._devices:
             return ops, deps
         order = [op.name for op in ops]
-        groups, unit = plan_segments(order, deps, self._key, self._comm_order,
+        unordered = [c for c in self._comm_order
+                     if not getattr(self.kernels[c], "seq_ordered", True)]
+        groups, unit = plan_segments(order, deps, self._key,
+                                     stage_order(order, deps, self._comm_order, unordered),
                                      self._blockers())
         segs = []
         for i, names in enumerate(groups):
