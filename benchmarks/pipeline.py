@@ -1,7 +1,7 @@
 """Pipelining on a balanced 2-stage net: measured bubble against theory,
 throughput with micro-batches, and the activations each schedule keeps.
 
-    python benchmarks/pipeline.py [--iters 30] [--warmup 5] [--batch 128] [--width 512]
+    python benchmarks/pipeline.py [--iters 30] [--warmup 5] [--batch 512] [--width 512]
 
 Runs ``mpiexec -n 2`` of itself (``--worker``) once per setting: M = 1,
 M = 4 under ``1f1b``, M = 4 under ``gpipe``, on a net of fc layers cut in
@@ -18,6 +18,9 @@ How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
   union of its compute/update/copy op intervals in the trace) / the span,
   median over iterations; ``bubble.theory`` = (p-1)/(m+p-1), which assumes
   equal stages and free communication and leaves out the updates;
+- ``stage_cpu_ms_median``: the CPU time each rank's process got per
+  iteration (``time.process_time``, all threads): when it is well below the
+  stage's busy time, other processes took the cores during its ops;
 - ``images_per_s``: global batch / median span; ``speedup_m4_over_m1``
   compares M = 4 (1f1b) with M = 1;
 - ``peak_live_micro_batches``: per stage, the most micro-batches whose
@@ -84,12 +87,13 @@ def worker(args):
             if it == args.warmup:
                 d.profiler = Profiler(world.rank, epoch)
             world.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             trainer.step(it)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if it >= args.warmup:
                 t_origin = d.profiler.t0
-                spans.append((it, (t0 - t_origin) * 1e6, (t1 - t_origin) * 1e6))
+                spans.append((it, (t0 - t_origin) * 1e6, (t1 - t_origin) * 1e6,
+                              (c1 - c0) * 1e6))
         events = d.profiler.events
     finally:
         trainer.close()
@@ -113,12 +117,12 @@ def summarise(ranks, args):
     from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
                                                     live_micro_batches, theory_bubble)
     p = len(ranks)
-    iters = [it for it, _, _ in ranks[0]["spans"]]
+    iters = [s[0] for s in ranks[0]["spans"]]
     spans, bubbles, busy_ms = [], [], [[] for _ in ranks]
     peaks = [0] * p
     for it in iters:
-        start = min(s for r in ranks for i, s, _ in r["spans"] if i == it)
-        end = max(e for r in ranks for i, _, e in r["spans"] if i == it)
+        start = min(s[1] for r in ranks for s in r["spans"] if s[0] == it)
+        end = max(s[2] for r in ranks for s in r["spans"] if s[0] == it)
         busy = []
         for rank, r in enumerate(ranks):
             ev = [e for e in r["events"] if e.get("args", {}).get("iter") == it]
@@ -137,6 +141,10 @@ def summarise(ranks, args):
         "iter_ms_median": round(span / 1000, 3),
         "images_per_s": round(args.batch / (span / 1e6), 1),
         "stage_busy_ms_median": [round(statistics.median(b), 3) for b in busy_ms],
+        # CPU time the rank's process got (all its threads): far below its busy
+        # time when other processes share the cores
+        "stage_cpu_ms_median": [round(statistics.median(s[3] for s in r["spans"]) / 1000, 3)
+                                for r in ranks],
         "bubble": {"measured": round(statistics.median(bubbles), 4),
                    "theory": round(theory_bubble(p, args.micro), 4)},
         "peak_live_micro_batches": peaks,
@@ -174,7 +182,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=128, help="global batch (one pipeline)")
+    ap.add_argument("--batch", type=int, default=512, help="global batch (one pipeline)")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--micro", type=int, default=1, help=argparse.SUPPRESS)
@@ -187,8 +195,9 @@ def main(argv=None):
     result = {
         "benchmark": "pipeline", "stages": 2, "global_batch": args.batch, "width": args.width,
         "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "note": "2 ranks under mpiexec, one BLAS thread each, on a machine whose cores other "
-                "jobs may share: timings are indicative",
+                "jobs may share (see load_average_1min): timings are indicative",
         "bubble": {k: v["bubble"] for k, v in runs.items()},
         "images_per_s": {k: v["images_per_s"] for k, v in runs.items()},
         "speedup_m4_over_m1": round(runs["m4_1f1b"]["images_per_s"] /
