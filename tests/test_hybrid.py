@@ -121,6 +121,28 @@ def test_graph_cli_shows_every_hybrid_slice(tmp_path):
         assert (" Recv " in res.stdout) == (rank == 3) and (" Send " in res.stdout) == (rank == 2)
 
 
+def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):
+    """``graph --np N --rank R`` for the other schemes with micro-batches: a
+    pipeline's stage (layout line, its copies only) and a data-parallel
+    rank's micro-batch readers (shards r·M + k of N·M)."""
+    pipe = write_config_file(tmp_path, _config(scheme="pipeline", stages=dict(STAGES),
+                                               micro_batches=4, schedule="gpipe"), "p.yaml")
+    res = run_cli_args("graph", pipe, "--np", "2", "--rank", "1")
+    assert res.returncode == 0, res.stderr
+    assert "layout [pipeline: 1 replica x 2 stages, 4 micro-batches, 2 ranks]" in res.stdout
+    assert "fc1.fwd@mb3" in res.stdout and "conv1.fwd" not in res.stdout
+    assert "Allreduce" not in res.stdout
+    data = resolve_config(_config(scheme="data", micro_batches=2))
+    g = compose_for(data, 2, 1)
+    readers = sorted((op.attrs["rank"], op.attrs["world_size"]) for op in g.ops.values()
+                     if op.op_type == "DataReader")
+    assert readers == [(2, 4), (3, 4)]
+    cfg = write_config_file(tmp_path, _config(scheme="data", micro_batches=2), "d.yaml")
+    res = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    assert res.returncode == 0 and "data@mb1" in res.stdout and "bucket plan:" in res.stdout
+    assert not res.stdout.startswith("layout")
+
+
 @pytest.mark.parametrize("parallel,np_,key,words", [
     ({"scheme": "hybrid", "stages": STAGES}, 3, "parallel.stages", "not a multiple"),
     ({"scheme": "hybrid", "stages": STAGES}, 5, "parallel.stages", "not a multiple"),
