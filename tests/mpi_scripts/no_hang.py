@@ -20,7 +20,7 @@ from common import assert_close, init_params, mlp_config, ok, world
 
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import adopt_ready_order, compose_data_parallel
-from purine_mpi.runtime.dispatcher import make_dispatcher
+from purine_mpi.runtime.factory import make_dispatcher
 
 iters = int(sys.argv[1])
 busy_poll = float(sys.argv[2])
