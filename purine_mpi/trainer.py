@@ -352,8 +352,7 @@ class Trainer:
         ck_interval = int(self.config["checkpoint"].get("interval") or 0)
         batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
             else 0
-        if self.start_iter >= max_iter and os.path.exists(
-                os.path.join(self.out_dir, "latest.h5")):
+        if self.start_iter >= max_iter and self._finished():
             self._say(f"already finished at iteration {self.start_iter}: nothing to do"
                       + (f" (solver.max_iter is {max_iter}; raise it, or give --iters, to "
                          "train on)" if self.start_iter == max_iter else
@@ -406,10 +405,10 @@ class Trainer:
                     self._say(f"stopping at iter {done} on {self.stop.name}: checkpoint "
                               f"written; continue with --resume auto")
                     return {"stopped_by": self.stop.name, "iter": done}
-            if self.start_iter < max_iter or not os.path.exists(
-                    os.path.join(self.out_dir, "latest.h5")):
-                result = self._evaluate(max_iter, metrics) or {}
-                self.save(max_iter)
+            # the last evaluation and checkpoint (also after a resume past max_iter
+            # into a folder without that run's latest.h5)
+            result = self._evaluate(max_iter, metrics) or {}
+            self.save(max_iter)
         finally:
             if metrics:
                 metrics.close()
@@ -463,6 +462,13 @@ class Trainer:
         return res
 
     # ------------------------------------------------------------ output
+    def _finished(self):
+        """Whether the run folder holds the finished run (its latest.h5), as
+        rank 0 sees it (it writes the checkpoints), on every rank alike."""
+        done = os.path.exists(os.path.join(self.out_dir, "latest.h5"))
+        return self.world.allgather_object(done, "the finished-run check")[0] \
+            if self.size > 1 else done
+
     def report_startup(self):
         """The start-up block on rank 0 (runlog.py). Collective over the
         trainer's world: every rank's host and device are gathered."""

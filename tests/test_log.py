@@ -217,6 +217,19 @@ def test_the_jobs_say_nothing_at_their_world_size():
             assert settings_without_effect(cfg, size) == [], (job, size)
 
 
+def test_devices_line():
+    from purine_mpi.runlog import devices_line, ranges
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    infos = {0: ("a", 0), 1: ("a", 1), 2: ("b", 0), 3: ("b", 1), 4: ("b", -1)}
+    assert devices_line(infos) == ("a: ranks 0-1 on GPUs 0, 1; b: rank 4 on the CPU, "
+                                   "ranks 2-3 on GPUs 0, 1")
+    assert devices_line({0: ("a", -1)}, servers={1: "a", 2: "c"}) == (
+        "a: rank 0 on the CPU, rank 1 (server) on the CPU; c: rank 2 (server) on the CPU")
+    many = {r: (f"n{r:02d}", -1) for r in range(20)}
+    line = devices_line(many)
+    assert line.count(" on the CPU") == 8 and line.endswith("; and 12 more hosts")
+
+
 # ------------------------------------------------------------ progress
 def test_test_pass_progress_lines_in_a_batch_log(tmp_path, digits_h5):
     """Not a terminal: plain lines through the log, none when the pass is
@@ -423,6 +436,11 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
     assert rows["batch"] == "16 per rank x 2 ranks = 32 global; test 60 per rank"
     assert rows["parameters"].startswith(f"{TINY_PARAMS:,} in 4 blobs")
     assert "note:" not in res.stdout
+    # every rank agrees that the run is finished (rank 0's folder decides)
+    done = _mpi(2, "train", path, "--out", tmp_path / "data", "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("already finished at iteration 4: nothing "
+                                                   "to do")
 
     ps = dict(cfg, parallel={"mode": "async", "max_staleness": 1})
     res = _mpi(3, "train", _write(tmp_path, ps, "ps.yaml"), "--out", tmp_path / "ps")
