@@ -157,6 +157,11 @@ def test_cli_reports_matches_and_rejects_shape_mismatch(net):
     w = known_weights()
     good = write_caffemodel(d / "good.caffemodel", w)
     res = run_cli_args("test", cfg_path, "--weights", good, "--out", d / "t")
+    # test keeps stdout for its JSON result: the match report is logged on stderr,
+    # before the error
+    report, _, error = res.stderr.rpartition("error: ")
+    assert "matched conv_a (Convolution)" in report and res.stdout == ""
+    res.stderr = "error: " + error
     assert_user_error(res, "good.caffemodel", "lacks", "conv_c/weight")
     res = run_cli_args("train", cfg_path, "--init", good, "--init-skip", "conv_c", "conv_d",
                        "ip2", "--out", d / "t", "--iters", "1")

@@ -407,7 +407,7 @@ def test_bench_cli_prints_human_units(tmp_path, digits_h5):
     assert "None" not in res.stdout and "bytes" not in res.stdout
     assert re.search(r"^  throughput     \d{1,3}(,\d{3})* images/s$", res.stdout, re.M)
     assert re.search(r"^  iteration      [\d.]+ ms median, [\d.]+ ms mean$", res.stdout, re.M)
-    assert re.search(r"^  memory         [\d.,]+ KiB in blobs \(rank 0\), [\d.,]+ MiB peak "
+    assert re.search(r"^  memory         [\d.,]+ KiB in blobs \(rank 0\), [\d.,]+ [KMG]iB peak "
                      r"resident$", res.stdout, re.M)
 
 
