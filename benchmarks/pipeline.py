@@ -22,7 +22,8 @@ How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
   iteration (``time.process_time``, all threads): when it is well below the
   stage's busy time, other processes took the cores during its ops;
 - ``images_per_s``: global batch / median span; ``speedup_m4_over_m1``
-  compares M = 4 (1f1b) with M = 1;
+  compares M = 4 (1f1b) with M = 1, ``speedup_m4_gpipe_over_m1`` M = 4
+  (gpipe) with M = 1;
 - ``peak_live_micro_batches``: per stage, the most micro-batches whose
   activations are live at once (from the start of a micro-batch's first op
   on the stage to the end of its last backward op there), the worst
@@ -202,6 +203,8 @@ def main(argv=None):
         "images_per_s": {k: v["images_per_s"] for k, v in runs.items()},
         "speedup_m4_over_m1": round(runs["m4_1f1b"]["images_per_s"] /
                                     runs["m1"]["images_per_s"], 3),
+        "speedup_m4_gpipe_over_m1": round(runs["m4_gpipe"]["images_per_s"] /
+                                          runs["m1"]["images_per_s"], 3),
         "peak_live_micro_batches": {"1f1b": runs["m4_1f1b"]["peak_live_micro_batches"],
                                     "gpipe": runs["m4_gpipe"]["peak_live_micro_batches"],
                                     "theory": {"1f1b": [2, 1], "gpipe": [4, 4]}},
