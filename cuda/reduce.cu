@@ -47,3 +47,28 @@ __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
 
 PURINE_REDUCE_ENTRY(f32, float)
 PURINE_REDUCE_ENTRY(f64, double)
+
+// Column sums of a (rows, cols) matrix, one thread per column (coalesced
+// reads along each row), in double, in row order: out[j] = sum_i x[i, j],
+// plus out[j] itself when `accumulate`. A weight gradient from per-sample
+// partial products (the im2col convolution's batched GEMM).
+template <typename T>
+__device__ void sum_rows_impl(long long cols, const T* x, long long rows, int accumulate,
+                              T* out) {
+  for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < cols;
+       j += (long long)blockDim.x * gridDim.x) {
+    double sum = accumulate ? (double)out[j] : 0.0;
+    for (long long i = 0; i < rows; ++i) sum += (double)x[i * cols + j];
+    out[j] = (T)sum;
+  }
+}
+
+#define PURINE_SUM_ROWS_ENTRY(SUFFIX, T)                                             \
+  extern "C" __global__ void sum_rows_##SUFFIX(long long cols, const T* x,          \
+                                               long long rows, int accumulate,      \
+                                               T* out) {                            \
+    sum_rows_impl<T>(cols, x, rows, accumulate, out);                               \
+  }
+
+PURINE_SUM_ROWS_ENTRY(f32, float)
+PURINE_SUM_ROWS_ENTRY(f64, double)

@@ -1,17 +1,18 @@
 // Fused softmax + cross-entropy (Caffe's SoftmaxWithLoss), softmax over axis 1.
 //
 // x is viewed as (N, C, inner) with inner = prod(shape[2:]) (1 for (N, C));
-// labels as (N, inner), int32. For each position (n, s):
+// labels as (N, inner), int64 (the data reader's). For each position (n, s):
 //   prob[n, :, s] = exp(x - max) / sum(exp(x - max))
 //   loss[n, s]    = -log(max(prob[n, label, s], FLT_MIN))
 //   valid[n, s]   = 1
 // except where label == ignore_label (when has_ignore): loss = valid = 0.
 // A label outside [0, C) gives loss = NaN (valid = 1), so a bad label file
 // shows up in the loss instead of reading out of bounds.
-// The caller normalizes: loss = sum(loss) / sum(valid) for the batch mean.
-// Backward, per element: dx = scale * (prob - onehot(label)), 0 where ignored;
-// scale = scale_value * (*scale_ptr if has_scale_ptr) so a device-side scalar
-// (e.g. top gradient / valid count) needs no host round trip.
+// softmax_loss_mean then takes the batch mean, sum(loss) / max(sum(valid), 1),
+// on the device (one block). Backward, per element: dx = scale * (prob -
+// onehot(label)), 0 where ignored; scale = scale_value * (*scale_ptr if
+// has_scale_ptr) / (*count_ptr if has_count_ptr), so the top gradient and the
+// valid count (softmax_loss_count) stay on the device.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("softmax_loss") (NVRTC,
 // so no #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
@@ -39,7 +40,7 @@ template <> __device__ __forceinline__ double quiet_nan<double>() {
 // One thread per position (n, s); loops over the C classes (stride inner).
 template <typename T>
 __device__ void softmax_loss_forward_impl(long long total, const T* x,
-                                          const int* labels, int channels,
+                                          const long long* labels, int channels,
                                           int inner, int ignore_label,
                                           int has_ignore, T* prob, T* loss,
                                           T* valid) {
@@ -63,7 +64,7 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
     for (int c = 0; c < channels; ++c) {
       prob[base + (long long)c * inner] *= inv_sum;
     }
-    const int label = labels[index];
+    const long long label = labels[index];
     if (has_ignore && label == ignore_label) {
       loss[index] = T(0);
       valid[index] = T(0);
@@ -82,17 +83,19 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
 // One thread per element (n, c, s) of prob.
 template <typename T>
 __device__ void softmax_loss_backward_impl(long long total, const T* prob,
-                                           const int* labels, int channels,
+                                           const long long* labels, int channels,
                                            int inner, int ignore_label,
                                            int has_ignore, T scale_value,
                                            const T* scale_ptr,
-                                           int has_scale_ptr, T* dx) {
-  const T scale = has_scale_ptr ? scale_value * scale_ptr[0] : scale_value;
+                                           int has_scale_ptr, const T* count_ptr,
+                                           int has_count_ptr, T* dx) {
+  T scale = has_scale_ptr ? scale_value * scale_ptr[0] : scale_value;
+  if (has_count_ptr) scale = scale / count_ptr[0];
   CUDA_KERNEL_LOOP(index, total) {
     const int s = (int)(index % inner);
     const int c = (int)((index / inner) % channels);
     const long long n = index / ((long long)inner * channels);
-    const int label = labels[n * inner + s];
+    const long long label = labels[n * inner + s];
     if (has_ignore && label == ignore_label) {
       dx[index] = T(0);
     } else {
@@ -101,20 +104,92 @@ __device__ void softmax_loss_backward_impl(long long total, const T* prob,
   }
 }
 
+// The batch mean in one block (a fixed-order tree in double, no atomics):
+//   out_loss = sum(loss) / max(sum(valid), 1)
+// and, when has_count, out_count = max(sum(valid), 1). Launched with one
+// block of at most PURINE_SOFTMAX_THREADS threads.
+#define PURINE_SOFTMAX_THREADS 256
+
+__device__ __forceinline__ void purine_block_sum2(double* a, double* b) {
+  const unsigned int tid = threadIdx.x;
+  for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
+    if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) {
+      a[tid] += a[tid + stride];
+      b[tid] += b[tid + stride];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+__device__ void softmax_loss_mean_impl(long long total, const T* loss, const T* valid,
+                                       T* out_loss, T* out_count, int has_count) {
+  __shared__ double sum_loss[PURINE_SOFTMAX_THREADS];
+  __shared__ double sum_valid[PURINE_SOFTMAX_THREADS];
+  const unsigned int tid = threadIdx.x;
+  double a = 0.0, b = 0.0;
+  if (blockIdx.x == 0) {
+    for (long long i = tid; i < total; i += blockDim.x) {
+      a += (double)loss[i];
+      b += (double)valid[i];
+    }
+  }
+  sum_loss[tid] = a;
+  sum_valid[tid] = b;
+  __syncthreads();
+  purine_block_sum2(sum_loss, sum_valid);
+  if (blockIdx.x == 0 && tid == 0) {
+    const double count = sum_valid[0] > 1.0 ? sum_valid[0] : 1.0;
+    out_loss[0] = (T)(sum_loss[0] / count);
+    if (has_count) out_count[0] = (T)count;
+  }
+}
+
+// The loss normaliser alone, from the labels (the backward of a loss with an
+// ignore_label): out_count = max(number of labels != ignore_label, 1).
+template <typename T>
+__device__ void softmax_loss_count_impl(long long total, const long long* labels,
+                                        int ignore_label, T* out_count) {
+  __shared__ double counted[PURINE_SOFTMAX_THREADS];
+  __shared__ double unused[PURINE_SOFTMAX_THREADS];
+  const unsigned int tid = threadIdx.x;
+  double a = 0.0;
+  if (blockIdx.x == 0) {
+    for (long long i = tid; i < total; i += blockDim.x) a += labels[i] != ignore_label;
+  }
+  counted[tid] = a;
+  unused[tid] = 0.0;
+  __syncthreads();
+  purine_block_sum2(counted, unused);
+  if (blockIdx.x == 0 && tid == 0) out_count[0] = (T)(counted[0] > 1.0 ? counted[0] : 1.0);
+}
+
 #define PURINE_SOFTMAX_LOSS_ENTRY(SUFFIX, T)                                    \
   extern "C" __global__ void softmax_loss_forward_##SUFFIX(                     \
-      long long total, const T* x, const int* labels, int channels, int inner,  \
+      long long total, const T* x, const long long* labels, int channels, int inner,  \
       int ignore_label, int has_ignore, T* prob, T* loss, T* valid) {           \
     softmax_loss_forward_impl<T>(total, x, labels, channels, inner,             \
                                  ignore_label, has_ignore, prob, loss, valid);  \
   }                                                                             \
   extern "C" __global__ void softmax_loss_backward_##SUFFIX(                    \
-      long long total, const T* prob, const int* labels, int channels,          \
+      long long total, const T* prob, const long long* labels, int channels,          \
       int inner, int ignore_label, int has_ignore, T scale_value,               \
-      const T* scale_ptr, int has_scale_ptr, T* dx) {                           \
+      const T* scale_ptr, int has_scale_ptr, const T* count_ptr,                \
+      int has_count_ptr, T* dx) {                                               \
     softmax_loss_backward_impl<T>(total, prob, labels, channels, inner,         \
                                   ignore_label, has_ignore, scale_value,        \
-                                  scale_ptr, has_scale_ptr, dx);                \
+                                  scale_ptr, has_scale_ptr, count_ptr,          \
+                                  has_count_ptr, dx);                           \
+  }                                                                             \
+  extern "C" __global__ void softmax_loss_mean_##SUFFIX(                        \
+      long long total, const T* loss, const T* valid, T* out_loss,              \
+      T* out_count, int has_count) {                                            \
+    softmax_loss_mean_impl<T>(total, loss, valid, out_loss, out_count,          \
+                              has_count);                                       \
+  }                                                                             \
+  extern "C" __global__ void softmax_loss_count_##SUFFIX(                       \
+      long long total, const long long* labels, int ignore_label, T* out_count) {     \
+    softmax_loss_count_impl<T>(total, labels, ignore_label, out_count);         \
   }
 
 PURINE_SOFTMAX_LOSS_ENTRY(f32, float)

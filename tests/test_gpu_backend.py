@@ -67,12 +67,72 @@ class _NoDevice:
         pass
 
 
+class Allocations:
+    """Device allocations on the emulated device, logged while ``counting``:
+    every new DeviceArray that owns fresh memory -- a ufunc result without
+    ``out=`` (``x > 0``, ``a @ b``, ``x.sum()``), a copy (``astype``,
+    ``copy``, ``ascontiguousarray`` of a strided view), a NumPy function's
+    result that shares no memory with its inputs (``where``, ``pad``), and
+    the emulated cupy's ``empty``/``zeros``/``asarray``. What CuPy would
+    allocate on a GPU for the same calls (its own internals aside)."""
+
+    counting = False
+    log = []
+
+    @classmethod
+    def note(cls, what, array):
+        if cls.counting:
+            cls.log.append((what, tuple(np.shape(array)), str(getattr(array, "dtype", ""))))
+
+
+def _plain(x):
+    return np.asarray(x) if isinstance(x, DeviceArray) else x
+
+
 class DeviceArray(np.ndarray):
     """A NumPy array standing for a CuPy array on the emulated device."""
 
     @property
     def device(self):
         return _NoDevice()
+
+    def __array_finalize__(self, obj):
+        if self.base is None:  # owns its memory: copy(), astype(), empty_like() ...
+            Allocations.note("new array", self)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        if out is not None:
+            kwargs["out"] = tuple(_plain(o) for o in out)
+        result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        if method == "at":
+            return None
+        wrapped = []
+        for r in result if isinstance(result, tuple) else (result,):
+            Allocations.note(f"{ufunc.__name__}.{method}", r)
+            wrapped.append(np.asarray(r).view(DeviceArray))   # 0-d, as CuPy returns
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def __array_function__(self, func, types, args, kwargs):
+        result = super().__array_function__(func, types, args, kwargs)
+        inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
+        for r in result if isinstance(result, tuple) else (result,):
+            if isinstance(r, np.ndarray) and r.size and \
+                    not any(np.may_share_memory(r, a) for a in inputs):
+                Allocations.note(func.__name__, r)
+        return result
+
+    def set(self, array, stream=None):
+        """CuPy's host -> device copy into this array."""
+        self[...] = array
+
+    def get(self, stream=None, out=None):
+        """CuPy's device -> host copy."""
+        if out is None:
+            return np.array(self)
+        out[...] = self
+        return out
 
 
 def _emulated_cupy(build_dir):
@@ -84,11 +144,19 @@ def _emulated_cupy(build_dir):
     def on_device(array):
         return np.asarray(array).view(DeviceArray)
 
+    def allocated(what, array, source=None):
+        # a host array brought to the device is a new device array too
+        if source is None or not isinstance(source, DeviceArray) or \
+                not np.may_share_memory(array, _plain(source)):
+            Allocations.note(what, array)
+        return on_device(array)
+
     fake.ndarray = DeviceArray
-    fake.empty = lambda shape, dtype=float: on_device(np.empty(shape, dtype))
-    fake.zeros = lambda shape, dtype=float: on_device(np.zeros(shape, dtype))
-    fake.ascontiguousarray = lambda a, dtype=None: on_device(np.ascontiguousarray(a, dtype))
-    fake.asarray = lambda a, dtype=None: on_device(np.asarray(a, dtype))
+    fake.empty = lambda shape, dtype=float: allocated("empty", np.empty(shape, dtype))
+    fake.zeros = lambda shape, dtype=float: allocated("zeros", np.zeros(shape, dtype))
+    fake.ascontiguousarray = lambda a, dtype=None: allocated(
+        "ascontiguousarray", np.ascontiguousarray(_plain(a), dtype), a)
+    fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(_plain(a), dtype), a)
     fake.asnumpy = lambda a: np.asarray(a)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = _NoDevice
@@ -193,6 +261,40 @@ def test_conv_gpu_branch(device, case, dtype):
              [] if pointwise else ["col2im"], dtype)
     _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
              [] if pointwise else ["im2col"], dtype)
+
+
+@pytest.mark.parametrize("case", CONV_CASES[:3])
+def test_conv_gpu_branch_in_chunks(device, case, monkeypatch):
+    """A scratch bound that fits one sample: every direction runs per sample
+    (the weight gradient accumulates over the chunks)."""
+    from purine_mpi.gpu import conv as gpu_conv
+    monkeypatch.setattr(gpu_conv, "COL_CHUNK_BYTES_GPU", 1)
+    x_shape, (o, kh, kw), attrs = case
+    group = attrs.get("group", 1)
+    x = _rand(x_shape, np.float64)
+    w = _rand((o, x_shape[1] // group, kh, kw), np.float64, 1)
+    (y,), _ = _compare(device, "Conv", attrs, [x, w], [], np.float64)
+    dy = _rand(y.shape, np.float64, 3)
+    _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
+             np.float64)
+    _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
+             ["sum_rows"], np.float64)
+    assert device.launched.count("sum_rows") == x_shape[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("axis", [1, 2])
+def test_inner_product_gpu_branch(device, dtype, axis):
+    x = _rand((4, 3, 2, 5), dtype)
+    k = int(np.prod(x.shape[axis:]))
+    w, b = _rand((6, k), dtype, 1), _rand((6,), dtype, 2)
+    attrs = {"axis": axis}
+    (y,), _ = _compare(device, "InnerProduct", attrs, [x, w, b], ["bias_act"], dtype)
+    dy = _rand(y.shape, dtype, 3)
+    _compare(device, "InnerProductGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], [],
+             dtype)
+    _compare(device, "InnerProductGradWeight", attrs, [dy, x], [], dtype)
+    _compare(device, "InnerProductGradBias", attrs, [dy], ["channel_sum"], dtype)
 
 
 POOL_CASES = [

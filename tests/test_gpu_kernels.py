@@ -291,6 +291,57 @@ def _parse_params(text):
     return params
 
 
+class _HostCublas:
+    """cuBLAS's column-major GEMMs (CuPy's ``cupy.cuda.cublas`` signatures,
+    host pointer mode) on host memory addresses: operands are read where the
+    pointers, leading dimensions and batch strides say, so a wrong ld, stride
+    or transpose flag in purine_mpi/gpu/blas.py gives wrong numbers here, and
+    an ld cuBLAS would reject is an error."""
+
+    def _view(self, ptr, dtype, rows, cols, ld, stride, batch):
+        item = np.dtype(dtype).itemsize
+        span = (batch - 1) * stride + (cols - 1) * ld + rows
+        raw = (ctypes.c_char * (span * item)).from_address(ptr)
+        buf = np.frombuffer(raw, dtype=dtype)
+        return np.lib.stride_tricks.as_strided(buf, (batch, rows, cols),
+                                               (stride * item, item, ld * item))
+
+    def _scalar(self, ptr, dtype):
+        item = np.dtype(dtype).itemsize
+        return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
+
+    def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
+              ldc, sC, batch):
+        a_rows, b_rows = (m if transa == 0 else k), (k if transb == 0 else n)
+        for name, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
+            if ld < max(1, rows):
+                raise ValueError(f"cuBLAS would reject {name}={ld} < {max(1, rows)}")
+        a = self._view(A, dtype, a_rows, k if transa == 0 else m, lda, sA, batch)
+        b = self._view(B, dtype, b_rows, n if transb == 0 else k, ldb, sB, batch)
+        c = self._view(C, dtype, m, n, ldc, sC, batch)
+        op_a = a if transa == 0 else a.transpose(0, 2, 1)
+        op_b = b if transb == 0 else b.transpose(0, 2, 1)
+        product = np.matmul(op_a, op_b) * self._scalar(alpha, dtype)
+        beta = self._scalar(beta, dtype)
+        c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
+
+    def sgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+                            beta, C, ldc, sC, batch):
+        self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
+                   sC, batch)
+
+    def dgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+                            beta, C, ldc, sC, batch):
+        self._gemm(np.float64, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
+                   sC, batch)
+
+    def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1)
+
+    def dgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+        self._gemm(np.float64, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1)
+
+
 def _host_cupy(build_dir):
     """A module standing in for cupy: NumPy arrays, RawModule built by g++."""
 
@@ -324,7 +375,9 @@ def _host_cupy(build_dir):
     fake.ascontiguousarray = np.ascontiguousarray
     fake.asarray = np.asarray
     fake.RawModule = RawModule
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                      cublas=_HostCublas(),
+                                      device=types.SimpleNamespace(get_cublas_handle=lambda: 0))
     return fake
 
 
@@ -577,3 +630,56 @@ def test_tf32_matmul_on_gpu():
     finally:
         gpu.set_tf32(False)
     np.testing.assert_allclose(cupy.asnumpy(a @ a), exact, rtol=0, atol=1e-3)
+
+
+# ------------------------------------------------------------------ cuBLAS ---
+
+GEMM_CASES = [  # a shape, b shape, trans_a, trans_b, batch slicing
+    ((5, 7), (7, 3), False, False),
+    ((7, 5), (7, 3), True, False),
+    ((5, 7), (3, 7), False, True),
+    ((7, 5), (3, 7), True, True),
+    ((4, 5, 7), (4, 7, 3), False, False),
+    ((5, 7), (4, 7, 3), False, False),        # a broadcast over the batch (stride 0)
+    ((4, 7, 5), (3, 7), True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_gemm_matches_numpy(backend, case, dtype):
+    from purine_mpi.gpu.blas import gemm
+    a_shape, b_shape, ta, tb = case
+    rng = _rng()
+    a = rng.standard_normal(a_shape).astype(dtype)
+    b = rng.standard_normal(b_shape).astype(dtype)
+    op_a = np.swapaxes(a, -1, -2) if ta else a
+    op_b = np.swapaxes(b, -1, -2) if tb else b
+    want = np.matmul(op_a, op_b)
+    c0 = rng.standard_normal(want.shape).astype(dtype)
+    for alpha, beta in ((1.0, 0.0), (0.5, 2.0)):
+        c = backend.to_device(c0.copy())
+        gemm(backend.to_device(a), backend.to_device(b), c, ta, tb, alpha, beta)
+        _close(backend.to_host(c), alpha * want + beta * c0, dtype)
+
+
+def test_gemm_on_strided_slices(backend):
+    """Group slices of a grouped convolution: strided batches, row strides
+    wider than the rows, written in place into a slice of c."""
+    from purine_mpi.gpu.blas import gemm
+    rng = _rng()
+    w = rng.standard_normal((2, 3, 4))            # (G, O/G, K)
+    cols = rng.standard_normal((5, 2, 4, 6))      # (n, G, K, L)
+    y = np.zeros((5, 2, 3, 6))
+    dev_w, dev_cols, dev_y = (backend.to_device(v) for v in (w, cols, y))
+    for g in range(2):
+        gemm(dev_w[g], dev_cols[:, g], dev_y[:, g])
+    _close(backend.to_host(dev_y), np.einsum("gok,ngkl->ngol", w, cols), np.float64)
+    wide = backend.to_device(rng.standard_normal((3, 10)))   # row stride 10, 4 columns used
+    out = backend.to_device(np.zeros((3, 3)))
+    gemm(wide[:, 2:6], dev_w[0], out, trans_b=True)
+    _close(backend.to_host(out), backend.to_host(wide)[:, 2:6] @ w[0].T, np.float64)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm(dev_w[0][:, ::2], dev_cols[0, 0][:2], out)
+    with pytest.raises(ValueError, match="does not give"):
+        gemm(dev_w[0], dev_w[0], out)

@@ -25,11 +25,12 @@ ENTRY_POINTS = {
     "pooling": ("maxpool_forward", "maxpool_backward",
                 "avepool_forward", "avepool_backward"),
     "lrn": ("lrn_forward", "lrn_backward"),
-    "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward"),
+    "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward", "softmax_loss_mean",
+                     "softmax_loss_count"),
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
-    "reduce": ("channel_sum",),
+    "reduce": ("channel_sum", "sum_rows"),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
@@ -127,17 +128,18 @@ def _int(value):
     return np.int32(int(value))
 
 
-def _scalar_or_device(cupy, value, dtype, dummy, what):
-    """(host factor, device pointer, flag) for a scalar that may live on the
-    device: a Python number gives (value, dummy, 0); a one-element CuPy array
-    gives (1, array, 1) and the kernel reads it, with no host round trip."""
+def _scalar_or_device(cupy, value, dtype, dummy, what, factor=1.0):
+    """(host factor, device pointer, flag) for a scalar (times ``factor``)
+    that may live on the device: a Python number gives (value * factor,
+    dummy, 0); a one-element CuPy array gives (factor, array, 1) and the
+    kernel reads it, with no host round trip."""
     if isinstance(value, cupy.ndarray):
         if value.size != 1:
             raise ValueError(f"{what} must be a scalar or a one-element array, "
                              f"got shape {tuple(value.shape)}")
         array = cupy.ascontiguousarray(value.astype(dtype, copy=False).reshape(1))
-        return dtype.type(1), array, _int(1)
-    return dtype.type(value), dummy, _int(0)
+        return dtype.type(factor), array, _int(1)
+    return dtype.type(float(value) * float(factor)), dummy, _int(0)
 
 
 def _check_pool_args(what, kh, kw, sh, sw, ph, pw):
@@ -321,8 +323,9 @@ def _labels(cupy, labels, positions, what):
         shape = getattr(labels, "shape", None)
         raise ValueError(f"{what}: labels must be a CuPy array with one label per "
                          f"position ({positions}), got shape {shape}")
-    # Caffe stores labels as floats; an integer cast (truncation) as Caffe does.
-    return cupy.ascontiguousarray(labels.astype(np.int32, copy=False))
+    # int64 as the data reader makes them (no conversion); float labels (as
+    # Caffe stores them) are truncated, as Caffe does
+    return cupy.ascontiguousarray(labels.astype(np.int64, copy=False))
 
 
 def _ignore(ignore_label):
@@ -365,21 +368,59 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None):
     return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
 
 
-def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None):
-    """Gradient of the summed loss times ``scale``: dx = scale * (prob - onehot),
-    0 at ignored positions. ``scale`` is a number or a one-element CuPy array
-    (e.g. top gradient / number of valid positions, kept on the device)."""
+def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, count=None,
+                          scale_factor=1.0):
+    """Gradient of the summed loss times ``scale * scale_factor / count``:
+    dx = scale * scale_factor / count * (prob - onehot), 0 at ignored
+    positions. ``scale`` is a number or a one-element CuPy array (e.g. the
+    top gradient; ``scale_factor`` a number, e.g. 1 / positions), ``count``
+    None or a one-element CuPy array (the valid count of
+    :func:`softmax_loss_count`): both stay on the device."""
     cupy = import_cupy()
     prob, labels, n, channels, inner = _class_layout(cupy, prob, labels,
                                                      "softmax_loss_backward", "prob", "prob")
     dx, target = _output(cupy, out, prob.shape, prob.dtype, "softmax_loss_backward")
     scale_value, scale_ptr, has_scale_ptr = _scalar_or_device(
-        cupy, scale, prob.dtype, prob, "softmax_loss_backward: scale")
+        cupy, scale, prob.dtype, prob, "softmax_loss_backward: scale", scale_factor)
+    if count is None:
+        count_ptr, has_count = prob, _int(0)
+    else:
+        _, count_ptr, has_count = _scalar_or_device(cupy, count, prob.dtype, prob,
+                                                    "softmax_loss_backward: count")
     ignore_value, has_ignore = _ignore(ignore_label)
     _launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size,
             (prob, labels, _int(channels), _int(inner), ignore_value, has_ignore,
-             scale_value, scale_ptr, has_scale_ptr, dx))
+             scale_value, scale_ptr, has_scale_ptr, count_ptr, has_count, dx))
     return _finish(dx, target)
+
+
+def softmax_loss_mean(loss, valid, out, count=None):
+    """out = sum(loss) / max(sum(valid), 1) on the device, one block (and,
+    with ``count``, that normaliser too): one-element CuPy arrays."""
+    cupy = import_cupy()
+    loss = _input(cupy, loss, "softmax_loss_mean: loss")
+    valid = _input(cupy, valid, "softmax_loss_mean: valid")
+    for name, array in (("out", out), ("count", count)):
+        if array is not None and (not isinstance(array, cupy.ndarray) or array.size != 1
+                                  or array.dtype != loss.dtype):
+            raise ValueError(f"softmax_loss_mean: {name} must be a one-element {loss.dtype} "
+                             "CuPy array")
+    out_flat = out.reshape(1)
+    _launch_blocks("softmax_loss", "softmax_loss_mean", loss.dtype, 1, _REDUCE_THREADS,
+                   (np.int64(loss.size), loss, valid, out_flat,
+                    out_flat if count is None else count.reshape(1), _int(count is not None)))
+    return out
+
+
+def softmax_loss_count(labels, ignore_label, out):
+    """out = max(number of labels != ignore_label, 1), one block on the device."""
+    cupy = import_cupy()
+    labels = _labels(cupy, labels, labels.size, "softmax_loss_count")
+    if not isinstance(out, cupy.ndarray) or out.size != 1:
+        raise ValueError("softmax_loss_count: out must be a one-element CuPy array")
+    _launch_blocks("softmax_loss", "softmax_loss_count", out.dtype, 1, _REDUCE_THREADS,
+                   (np.int64(labels.size), labels, _int(ignore_label), out.reshape(1)))
+    return out
 
 
 # ------------------------------------------------------------ SGD update ---
@@ -655,3 +696,18 @@ def channel_sum(dy, out=None):
                        _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
                                          db))
     return _finish(db, target)
+
+
+def sum_rows(x, out, accumulate=False):
+    """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
+    into a C-contiguous ``out`` of cols elements, one deterministic kernel."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "sum_rows: x", ndim=2)
+    rows, cols = int(x.shape[0]), int(x.shape[1])
+    if not isinstance(out, cupy.ndarray) or out.size != cols or out.dtype != x.dtype \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"sum_rows: out must be a C-contiguous {x.dtype} CuPy array of "
+                         f"{cols} elements")
+    _launch("reduce", "sum_rows", x.dtype, cols,
+            (x, np.int64(rows), _int(bool(accumulate)), out))
+    return out

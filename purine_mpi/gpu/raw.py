@@ -46,3 +46,23 @@ def same_buffer(a, b):
     return (a is b or (tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)
                        and np.dtype(a.dtype) == np.dtype(b.dtype)
                        and data_ptr(a) == data_ptr(b)))
+
+
+def op_scratch(kernel, device):
+    """The scratch buffer (``runtime.workspace.Scratch``) of ``kernel``'s op
+    on GPU ``device``: shared through the dispatcher's workspace with the ops
+    the graph orders around it, or the kernel's own when it runs alone."""
+    ws = getattr(kernel, "workspace", None)
+    if ws is not None and hasattr(ws, "scratch_for"):
+        return ws.scratch_for(kernel.op.name, device)
+    own = getattr(kernel, "_own_scratch", None)
+    if own is None:
+        from ..runtime.workspace import Scratch
+        own = kernel._own_scratch = Scratch(device)
+    return own
+
+
+def array_device(array):
+    """The GPU id of a CuPy array (0 for an emulated one)."""
+    device = getattr(array, "device", None)
+    return int(getattr(device, "id", 0) or 0)

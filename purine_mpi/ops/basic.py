@@ -65,7 +65,11 @@ class Copy(OpKernel):
             dst[...] = src
         elif get_xp(dst) is np:  # device -> host
             dst[...] = to_numpy(src)
-        else:  # host -> device
+        elif dst.flags.c_contiguous and np.dtype(dst.dtype) == np.dtype(src.dtype) and \
+                tuple(dst.shape) == tuple(np.shape(src)):
+            # host -> device straight into the blob (CuPy's set: no device temporary)
+            dst.set(np.ascontiguousarray(src))
+        else:  # host -> device, converted on the way
             dst[...] = get_xp(dst).asarray(src)
 
 

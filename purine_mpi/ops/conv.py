@@ -20,10 +20,11 @@ im2col is one strided view of the padded input copied out; col2im loops over
 the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
 processed in chunks so the column buffer stays bounded on large inputs.
 
-On a GPU (CuPy arrays) im2col/col2im are the raw kernels of cuda/im2col.cu
-(no padded copy of the input, no kh*kw slice-add launches) and the GEMMs are
-cuBLAS through ``cupy.matmul``; a 1x1 stride-1 unpadded conv (NIN's cccp
-layers) needs no im2col at all there: its columns are the input itself.
+On a GPU (CuPy arrays) the op runs ``gpu/conv.py``: the raw im2col/col2im
+kernels of cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on
+strided views (no transposed copies, nothing allocated per iteration), the
+bias and a fused ReLU in one epilogue kernel, the bias gradient in one
+reduction kernel.
 """
 import numpy as np
 
@@ -34,9 +35,8 @@ from .registry import OpKernel, gradient, register
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
 #: chunk that stays in cache is faster than one big GEMM (measured: ~1.5x on a
-#: CIFAR conv); on a GPU fewer, larger launches win.
+#: CIFAR conv); on a GPU fewer, larger launches win (gpu/conv.py).
 COL_CHUNK_BYTES = 2 << 20
-COL_CHUNK_BYTES_GPU = 256 << 20
 
 
 def pair(value, name):
@@ -81,8 +81,7 @@ def _geometry(attrs, x_shape, w_shape):
 def _chunks(xp, geo, itemsize):
     """Batch slices whose column buffers stay under the chunk size."""
     per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * itemsize
-    limit = COL_CHUNK_BYTES if xp is np else COL_CHUNK_BYTES_GPU
-    step = max(1, limit // max(per_sample, 1))
+    step = max(1, COL_CHUNK_BYTES // max(per_sample, 1))
     return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
 
 
@@ -115,21 +114,15 @@ def col2im(xp, col, geo, dxpad):
                   q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
 
 
-def _pointwise(geo):
-    """A 1x1 conv with stride 1, no padding and no dilation: col = x."""
-    return (geo["kh"] == geo["kw"] == 1 and geo["sh"] == geo["sw"] == 1
-            and geo["ph"] == geo["pw"] == 0)
-
-
-def _gpu_cols(k, x, geo):
-    """GPU columns of a chunk ``x`` (n, C, H, W): shape (n, G, C/G*kh*kw, OH*OW)."""
-    n = x.shape[0]
-    if _pointwise(geo):
-        cols = x
-    else:
-        cols = k.im2col(x, geo["kh"], geo["kw"], geo["sh"], geo["sw"], geo["ph"], geo["pw"],
-                        geo["dh"], geo["dw"])
-    return cols.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
+def _gpu(kernel, *arrays):
+    """(gpu.conv module, scratch) when the arrays live on a GPU (float32/64),
+    else (None, None): the NumPy path."""
+    xp = get_xp(arrays[0])
+    if raw_kernels(xp, *arrays) is None:
+        return None, None
+    from ..gpu import conv as gpu_conv
+    from ..gpu.raw import array_device, op_scratch
+    return gpu_conv, op_scratch(kernel, array_device(arrays[0]))
 
 
 def _epilogue(xp, k, y, bias, attrs):
@@ -170,18 +163,24 @@ class Conv(OpKernel):
         xp = get_xp(x)
         geo = _geometry(self.attrs, x.shape, w.shape)
         G, O = geo["G"], geo["O"]
-        wmat = w.reshape(G, O // G, -1)
-        y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
-        k = raw_kernels(xp, x, w)
-        if k is not None:  # GPU: raw im2col kernel, cuBLAS GEMM
-            for sl in _chunks(xp, geo, x.itemsize):
-                xp.matmul(wmat, _gpu_cols(k, x[sl], geo), out=y[sl])
+        gpu, scratch = _gpu(self, x, w)
+        if gpu is not None:  # GPU: raw im2col kernel into scratch, cuBLAS GEMMs
+            gpu.forward(x, w, outs[0], geo, scratch)
         else:
+            wmat = w.reshape(G, O // G, -1)
+            y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
             xpad = _pad(xp, x, geo)
             for sl in _chunks(xp, geo, x.itemsize):
                 # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
                 xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
-        _epilogue(xp, k, outs[0], ins[2] if len(ins) == 3 else None, self.attrs)
+        _epilogue(xp, raw_kernels(xp, x, w), outs[0], ins[2] if len(ins) == 3 else None,
+                  self.attrs)
+
+    def setup(self, ins, outs):
+        x, w = ins[0], ins[1]
+        gpu, scratch = _gpu(self, x, w)
+        if gpu is not None:
+            gpu.reserve(scratch, _geometry(self.attrs, x.shape, w.shape), "forward", x.dtype)
 
 
 @register
@@ -189,6 +188,13 @@ class ConvGradData(OpKernel):
     """dx = col2im(w^T @ dy).  Inputs [dy, w]; attr ``x_shape`` plus Conv's attrs."""
 
     op_type = "ConvGradData"
+
+    def setup(self, ins, outs):
+        dy, w = ins
+        gpu, scratch = _gpu(self, dy, w)
+        if gpu is not None:
+            gpu.reserve(scratch, _geometry(self.attrs, outs[0].shape, w.shape), "data",
+                        dy.dtype)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -206,20 +212,12 @@ class ConvGradData(OpKernel):
         G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
         # contiguous w^T: BLAS on a transposed view is several times slower in numpy
+        gpu, scratch = _gpu(self, dy, w)
+        if gpu is not None:  # GPU: cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
+            gpu.backward_data(dy, w, outs[0], geo, scratch)
+            return
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
-        k = raw_kernels(xp, dy, w)
-        if k is not None:  # GPU: cuBLAS GEMM, then the raw col2im kernel
-            for sl in _chunks(xp, geo, dy.itemsize):
-                dx = outs[0][sl]
-                n = dx.shape[0]
-                if _pointwise(geo):  # the columns are dx itself
-                    xp.matmul(wT, dyg[sl], out=dx.reshape(n, G, C // G, H * W))
-                    continue
-                dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
-                k.col2im(dcol.reshape(n, -1, geo["OH"] * geo["OW"]), dx.shape, geo["kh"],
-                         geo["kw"], geo["sh"], geo["sw"], ph, pw, geo["dh"], geo["dw"], out=dx)
-            return
         for sl in _chunks(xp, geo, dy.itemsize):
             dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
             n = dcol.shape[0]
@@ -239,6 +237,13 @@ class ConvGradWeight(OpKernel):
 
     op_type = "ConvGradWeight"
 
+    def setup(self, ins, outs):
+        dy, x = ins
+        gpu, scratch = _gpu(self, dy, x)
+        if gpu is not None:
+            gpu.reserve(scratch, _geometry(self.attrs, x.shape, outs[0].shape), "weight",
+                        x.dtype)
+
     @classmethod
     def infer(cls, attrs, ins):
         w_shape = tuple(attrs["w_shape"])
@@ -253,15 +258,13 @@ class ConvGradWeight(OpKernel):
         xp = get_xp(dy)
         geo = _geometry(self.attrs, x.shape, outs[0].shape)
         G, O, N = geo["G"], geo["O"], geo["N"]
+        gpu, scratch = _gpu(self, dy, x)
+        if gpu is not None:  # GPU: im2col, batched cuBLAS GEMM, one column-sum kernel
+            gpu.backward_weight(dy, x, outs[0], geo, scratch)
+            return
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         dw = outs[0].reshape(G, O // G, -1)
         dw.fill(0)
-        k = raw_kernels(xp, dy, x)
-        if k is not None:  # GPU: raw im2col kernel, batched cuBLAS GEMM, sum over the chunk
-            for sl in _chunks(xp, geo, x.itemsize):
-                col = _gpu_cols(k, x[sl], geo)  # (n, G, K, L)
-                dw += xp.matmul(dyg[sl], col.transpose(0, 1, 3, 2)).sum(axis=0)
-            return
         xpad = _pad(xp, x, geo)
         for sl in _chunks(xp, geo, x.itemsize):
             col = im2col(xp, xpad[sl], geo)  # (n, G, K, L)

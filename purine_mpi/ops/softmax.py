@@ -8,8 +8,9 @@ entry per position); float labels holding integers are truncated to int.
 
 On a GPU (CuPy arrays of float32/float64, ``axis`` 1) the softmax loss and
 its gradient are the fused raw kernels of cuda/softmax_loss.cu, and nothing
-is read back to the host: the batch mean and the gradient scale stay on the
-device. There a label outside [0, C) gives a NaN loss instead of the
+is read back to the host: the batch mean (one block-reduction kernel) and
+the gradient scale stay on the device, the per-position losses live in the
+op's scratch memory (no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
 ValueError the CPU raises (checking would cost a device-to-host sync).
 """
 import numpy as np
@@ -65,12 +66,21 @@ def _labels(attrs, label, outer, channels, inner):
     return lab, valid, count
 
 
-def _gpu_count(xp, valid, ignore, positions):
-    """The loss normaliser (counted positions, at least 1) without a host
-    sync: a Python int when nothing is ignored, else a device scalar."""
-    if ignore is None:
-        return positions
-    return xp.maximum(valid.sum(), 1)
+def _loss_specs(x):
+    """Scratch of the GPU loss: per-position loss and valid flags."""
+    positions = int(np.prod((x.shape[0],) + tuple(x.shape[2:]), dtype=np.int64))
+    return [((positions,), x.dtype), ((positions,), x.dtype)]
+
+
+def _reserve(kernel, x, specs):
+    if raw_kernels(get_xp(x), x) is not None:
+        from ..gpu.raw import array_device, op_scratch
+        op_scratch(kernel, array_device(x)).reserve(*specs)
+
+
+def _scratch(kernel, x, specs):
+    from ..gpu.raw import array_device, op_scratch
+    return op_scratch(kernel, array_device(x)).take(*specs)
 
 
 @register
@@ -134,6 +144,9 @@ class SoftmaxLoss(OpKernel):
 
     op_type = "SoftmaxLoss"
 
+    def setup(self, ins, outs):
+        _reserve(self, ins[0], _loss_specs(ins[0]))
+
     @classmethod
     def infer(cls, attrs, ins):
         (xs, xd), (ls, _) = ins
@@ -149,8 +162,11 @@ class SoftmaxLoss(OpKernel):
         k = raw_kernels(xp, x)
         if k is not None and axis == 1:  # GPU: fused kernel, mean taken on the device
             ignore = self.attrs.get("ignore_label")
-            _, nll, valid = k.softmax_loss_forward(x, label, ignore, out=(prob, None, None))
-            loss[...] = nll.sum() / _gpu_count(xp, valid, ignore, outer * inner)
+            nll, valid = _scratch(self, x, _loss_specs(x))
+            pos_shape = (x.shape[0],) + tuple(x.shape[2:])
+            k.softmax_loss_forward(x, label, ignore,
+                                   out=(prob, nll.reshape(pos_shape), valid.reshape(pos_shape)))
+            k.softmax_loss_mean(nll, valid, loss)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
@@ -171,6 +187,9 @@ class SoftmaxLossGrad(OpKernel):
 
     op_type = "SoftmaxLossGrad"
 
+    def setup(self, ins, outs):
+        _reserve(self, ins[1], [((1,), ins[1].dtype)])
+
     @classmethod
     def infer(cls, attrs, ins):
         _, (ps, pd), (ls, _) = ins
@@ -185,11 +204,14 @@ class SoftmaxLossGrad(OpKernel):
         k = raw_kernels(xp, prob)
         if k is not None and axis == 1:  # GPU: fused kernel, scale kept on the device
             ignore = self.attrs.get("ignore_label")
-            valid = None if ignore is None else \
-                (label.reshape(-1).astype(np.int64) != int(ignore))
-            count = _gpu_count(xp, valid, ignore, outer * inner)
-            scale = xp.asarray(dloss, dtype=prob.dtype) / count
-            k.softmax_loss_backward(prob, label, scale, ignore, out=outs[0])
+            scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
+            if ignore is None:  # the normaliser is the number of positions
+                k.softmax_loss_backward(prob, label, scale, None, out=outs[0],
+                                        scale_factor=1.0 / (outer * inner))
+                return
+            (count,) = _scratch(self, prob, [((1,), prob.dtype)])
+            k.softmax_loss_count(label, int(ignore), count)
+            k.softmax_loss_backward(prob, label, scale, ignore, out=outs[0], count=count)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         classes = xp.arange(channels, dtype=np.int64)[None, :, None]

@@ -6,10 +6,12 @@ ops write in place (no packing copy for communication).
 On a GPU the memory is planned from the graph: the storage roots of each
 device are laid out (256-byte aligned) in one arena, allocated once from
 CuPy's memory pool (``plan_device_memory``), so blobs never fragment the pool
-and the footprint is known before the first iteration. What kernels allocate
-for themselves (im2col columns, GEMM outputs) comes from the same pool, which
-keeps memory per stream, so reuse never races the asynchronous streams; CuPy's
-``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
+and the footprint is known before the first iteration. What kernels need
+beyond their outputs (im2col columns, GEMM partials, a library's workspace)
+is *scratch* (``Workspace.scratch_for``): buffers shared by ops the graph
+orders, reserved in the kernels' ``setup`` and allocated in the first
+iteration, so a steady-state iteration allocates nothing on the device;
+CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
 those copies run asynchronously. A graph without GPU blobs is allocated as
 before, blob by blob, with NumPy.
@@ -43,6 +45,57 @@ def _elements(blob):
     return max(blob.size, 1) if blob.shape else 1
 
 
+class Scratch:
+    """Scratch memory of one stream on one device (im2col columns, GEMM
+    partials, library workspaces). The ops of a stream run one after the
+    other, so they share it; each op reserves what it needs in its
+    ``setup`` and ``take``s it when it runs. The buffer is allocated at the
+    first ``take`` (in the first iteration) at the largest reservation and
+    kept, so a steady-state iteration allocates nothing and a captured CUDA
+    graph's addresses stay valid (a request beyond the reservation gets a
+    new, larger buffer; the old one stays alive for what captured it)."""
+
+    def __init__(self, device):
+        self.device = int(device)
+        self.reserved = 0
+        self._buffers = []
+
+    @staticmethod
+    def _layout(specs):
+        offsets, total = [], 0
+        for shape, dtype in specs:
+            offsets.append(total)
+            count = int(np.prod(shape, dtype=np.int64))
+            nbytes = count * np.dtype(dtype).itemsize
+            total += -(-max(nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
+        return offsets, total
+
+    def reserve(self, *specs):
+        """Reserve room for arrays of the given (shape, dtype) at once."""
+        self.reserved = max(self.reserved, self._layout(specs)[1])
+
+    @property
+    def nbytes(self):
+        return self._buffers[-1].nbytes if self._buffers else 0
+
+    def take(self, *specs):
+        """C-contiguous device arrays of the given (shape, dtype), disjoint,
+        256-byte aligned, views of this stream's buffer (contents undefined)."""
+        offsets, total = self._layout(specs)
+        if not self._buffers or self._buffers[-1].nbytes < total:
+            cupy = xp_for_device(self.device)
+            with cupy.cuda.Device(self.device):
+                self._buffers.append(cupy.empty(max(total, self.reserved), dtype=np.uint8))
+        buf = self._buffers[-1]
+        arrays = []
+        for (shape, dtype), off in zip(specs, offsets):
+            dtype = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            raw = buf[off:off + count * dtype.itemsize]
+            arrays.append(raw.view(dtype).reshape(tuple(int(s) for s in shape)))
+        return arrays
+
+
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
@@ -57,6 +110,10 @@ class Workspace:
         self.device_bytes = {}
         self._arena = {}
         self._offsets = {}
+        self._scratch_slots = {}   # device -> [[Scratch, last op that took it], ...]
+        self._scratch_of = {}
+        self._deps = None
+        self._ancestor_cache = {}
         plans = plan_device_memory(graph, skip=self.arrays)
         for device, (total, offsets) in sorted(plans.items()):
             self._allocate_arena(device, total, offsets)
@@ -120,6 +177,57 @@ class Workspace:
 
     def __getitem__(self, name):
         return self.arrays[name]
+
+    def scratch_for(self, op_name, device):
+        """The :class:`Scratch` op ``op_name`` uses on GPU ``device``.
+
+        Ops share a scratch buffer only when the graph orders them: an op
+        gets the buffer of an earlier user that is one of its ancestors (a
+        path of data, write-after-read or control edges), so the dispatcher
+        -- on one stream or several, eager or replaying CUDA graphs -- never
+        runs two users of one buffer at once. Call in a topological order
+        (the dispatchers call ``setup`` so)."""
+        device = int(device)
+        if op_name in self._scratch_of:
+            return self._scratch_of[op_name]
+        if self._deps is None:
+            self._deps = self.graph.dependencies()
+        ancestors = self._ancestors(op_name)
+        for slot in self._scratch_slots.setdefault(device, []):
+            if slot[1] in ancestors:
+                slot[1] = op_name
+                scratch = slot[0]
+                break
+        else:
+            scratch = Scratch(device)
+            self._scratch_slots[device].append([scratch, op_name])
+        self._scratch_of[op_name] = scratch
+        return scratch
+
+    def _ancestors(self, name):
+        found = self._ancestor_cache.get(name)
+        if found is None:
+            found, stack = set(), list(self._deps.get(name, ()))
+            while stack:
+                p = stack.pop()
+                if p in found:
+                    continue
+                found.add(p)
+                cached = self._ancestor_cache.get(p)
+                if cached is not None:
+                    found |= cached
+                else:
+                    stack.extend(self._deps.get(p, ()))
+            self._ancestor_cache[name] = found
+        return found
+
+    @property
+    def scratch_bytes(self):
+        """{device: bytes} of the scratch buffers allocated so far."""
+        total = {}
+        for device, slots in self._scratch_slots.items():
+            total[device] = sum(s[0].nbytes for s in slots)
+        return total
 
     def storage(self, name):
         """The flat 1-D array that holds ``name``'s storage root."""

@@ -1,0 +1,163 @@
+"""No device allocation in a steady-state training iteration: every op
+writes into its planned outputs and its planned scratch (Workspace.scratch_for).
+
+- emulated device (any machine): the emulated CuPy arrays log every array
+  that gets fresh memory (tests/test_gpu_backend.py, ``Allocations``): a
+  ufunc result without ``out=``, a copy, a NumPy function's new array, an
+  ``empty``/``zeros``/``asarray``. Three nets (the tiny test net, and
+  jobs/cifar10_quick.yaml and jobs/nin_cifar10.yaml at batch 2) run placed
+  and fused on the simulated stream runtime; the third iteration allocates
+  nothing. This sees what our code allocates, not what CuPy does inside.
+- real GPU (marked ``gpu``): every allocation from CuPy's memory pool, on
+  every thread (a process-wide allocator that counts), during a steady-state
+  iteration of cifar10_quick and NIN at batch 16, with and without CUDA
+  graphs: zero.
+"""
+import sys
+
+import numpy as np
+import pytest
+
+import purine_mpi.backend as backend
+import purine_mpi.gpu as gpu
+from purine_mpi.gpu.placement import prepare_for_device
+from purine_mpi.io.config import load_config
+from purine_mpi.model import build_train_graph
+from purine_mpi.runtime.factory import make_dispatcher
+from tests.conftest import REPO, cuda_cupy_or_skip
+from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _emulated_cupy, _init,
+                                    _tiny_config)
+
+NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
+
+
+def _config(net, batch):
+    if net == "tiny":
+        return _tiny_config()
+    return load_config(f"{REPO}/jobs/{net}.yaml", overrides=[
+        f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
+        check_files=False)
+
+
+@pytest.fixture
+def emulated(host_build_dir, monkeypatch):
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(host_build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    yield fake
+    Allocations.counting = False
+    gpu.clear_kernel_cache()
+
+
+def _counted_iteration(d, iterations=3):
+    """Allocations logged during the last of ``iterations`` iterations."""
+    for it in range(iterations):
+        d.workspace["iter"][...] = it
+        Allocations.log = []
+        Allocations.counting = it == iterations - 1
+        try:
+            d.run(it)
+        finally:
+            Allocations.counting = False
+    return list(Allocations.log)
+
+
+@pytest.mark.parametrize("net", NETS)
+def test_steady_state_iteration_allocates_nothing_on_the_emulated_device(emulated, net):
+    graph, _ = build_train_graph(_config(net, 2))
+    prepare_for_device(graph, 0)
+    d = make_dispatcher(graph, runtime=SimulatedRuntime(2), seed=1, cuda_graph=False)
+    try:
+        _init(d.workspace, graph, 3)
+        log = _counted_iteration(d)
+        assert log == [], f"{net}: device allocations in a steady-state iteration: {log}"
+        assert np.isfinite(float(d.workspace["loss"]))
+        # the scratch (im2col columns, GEMM partials, loss terms) was planned
+        assert sum(d.workspace.scratch_bytes.values()) > 0
+    finally:
+        d.close()
+
+
+def test_the_emulated_count_sees_temporaries(emulated):
+    """The check can fail: an op that computes with temporaries (Softmax's
+    xp code path: max, sum, a subtraction) is caught."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.core import Location
+    g = Graph("softmax")
+    g.add_blob("x", (4, 5), location=Location(0, 0))
+    g.add_blob("iter", (), "int64", kind="iter")
+    g.add_op("sm", "Softmax", ["x"], ["y"], location=Location(0, 0))
+    g.infer_shapes()
+    d = make_dispatcher(g, runtime=SimulatedRuntime(0), cuda_graph=False)
+    try:
+        d.workspace.set("x", np.arange(20.0, dtype=np.float32).reshape(4, 5))
+        log = _counted_iteration(d)
+        assert log and {what for what, _, _ in log} >= {"maximum.reduce"}
+    finally:
+        d.close()
+
+
+def test_scratch_is_shared_only_by_ordered_ops():
+    """Workspace.scratch_for: an op reuses the buffer of an ancestor, never
+    that of an op it may run concurrently with."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.runtime.workspace import Workspace
+    g = Graph("branches")
+    g.add_blob("x", (3,))
+    g.add_op("a", "Scale", ["x"], ["a"], {"scale": 2.0})
+    g.add_op("b1", "Scale", ["a"], ["b1"], {"scale": 2.0})
+    g.add_op("b2", "Scale", ["a"], ["b2"], {"scale": 2.0})
+    g.add_op("c", "Sum", ["b1", "b2"], ["c"])
+    g.infer_shapes()
+    ws = Workspace(g)
+    sa = ws.scratch_for("a", 0)
+    sb1 = ws.scratch_for("b1", 0)
+    sb2 = ws.scratch_for("b2", 0)
+    sc = ws.scratch_for("c", 0)
+    assert sb1 is sa          # a runs before b1
+    assert sb2 is not sb1     # b1 and b2 may run at once
+    assert sc in (sb1, sb2)   # both run before c
+    assert ws.scratch_for("b1", 0) is sb1
+
+
+# ---------------------------------------------------------------- real GPU
+
+def _gpu_allocations(cupy, d, iterations=4):
+    """Pool allocations (any thread) during the last of ``iterations``."""
+    pool = cupy.get_default_memory_pool()
+    sizes = []
+
+    def counting(size):
+        sizes.append(size)
+        return pool.malloc(size)
+
+    for it in range(iterations):
+        d.workspace["iter"][...] = it
+        last = it == iterations - 1
+        if last:
+            cupy.cuda.Device().synchronize()
+            cupy.cuda.set_allocator(counting)
+        try:
+            d.run(it)
+        finally:
+            if last:
+                cupy.cuda.set_allocator(pool.malloc)
+    return sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("net", ["cifar10_quick", "nin_cifar10"])
+def test_steady_state_iteration_allocates_nothing_on_the_gpu(net, cuda_graph):
+    cupy = cuda_cupy_or_skip()
+    graph, _ = build_train_graph(_config(net, 16))
+    prepare_for_device(graph, 0)
+    d = make_dispatcher(graph, seed=1, cuda_graph=cuda_graph)
+    try:
+        _init(d.workspace, graph, 3)
+        sizes = _gpu_allocations(cupy, d)
+        assert sizes == [], f"{net}: {len(sizes)} device allocations ({sum(sizes)} bytes)"
+        assert np.isfinite(float(d.workspace["loss"]))
+    finally:
+        d.close()
