@@ -20,11 +20,14 @@ im2col is one strided view of the padded input copied out; col2im loops over
 the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
 processed in chunks so the column buffer stays bounded on large inputs.
 
-On a GPU (CuPy arrays) the op runs ``gpu/conv.py``: the raw im2col/col2im
-kernels of cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on
-strided views (no transposed copies, nothing allocated per iteration), the
-bias and a fused ReLU in one epilogue kernel, the bias gradient in one
-reduction kernel.
+On a GPU (CuPy arrays) each direction runs a cuDNN graph built once in the
+op's ``setup`` (``gpu/cudnn.py``: NVIDIA's cuDNN frontend, the bias and a
+fused ReLU in its epilogue where it offers that), or, without cuDNN or a
+plan for the shape, ``gpu/conv.py``: the raw im2col/col2im kernels of
+cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on strided
+views, the bias and a fused ReLU in one epilogue kernel. Either way nothing
+is copied or allocated per iteration; the bias gradient is one reduction
+kernel.
 """
 import numpy as np
 
@@ -125,6 +128,33 @@ def _gpu(kernel, *arrays):
     return gpu_conv, op_scratch(kernel, array_device(arrays[0]))
 
 
+def _gpu_setup(kernel, kind, geo, arrays, **fusion):
+    """Once per op on a GPU: the cuDNN plan of direction ``kind`` (or None:
+    the im2col path) and the op's scratch reserved for it. Returns the plan."""
+    gpu, scratch = _gpu(kernel, *arrays)
+    kernel._gpu_ready = True
+    kernel._plan = None
+    if gpu is None:
+        return None
+    from ..gpu import cudnn as gpu_cudnn
+    from ..gpu.raw import array_device
+    kernel._plan = gpu_cudnn.plan(kernel, kind, geo, arrays[0].dtype,
+                                  array_device(arrays[0]), **fusion)
+    if kernel._plan is not None:
+        scratch.reserve(((kernel._plan.workspace_bytes,), np.uint8))
+    else:
+        gpu.reserve(scratch, geo, {"fprop": "forward", "dgrad": "data",
+                                   "wgrad": "weight"}[kind], arrays[0].dtype)
+    return kernel._plan
+
+
+def _cudnn_run(kernel, scratch, arrays):
+    """Run the op's cuDNN plan on ``arrays``, its workspace from the scratch."""
+    plan = kernel._plan
+    (workspace,) = scratch.take(((plan.workspace_bytes,), np.uint8))
+    plan.execute(arrays, workspace)
+
+
 def _epilogue(xp, k, y, bias, attrs):
     """y += bias (per channel, axis 1), then the ReLU fused into this layer
     (attr ``relu``, set by gpu/fuse.py; ``negative_slope``): one kernel on a
@@ -164,8 +194,19 @@ class Conv(OpKernel):
         geo = _geometry(self.attrs, x.shape, w.shape)
         G, O = geo["G"], geo["O"]
         gpu, scratch = _gpu(self, x, w)
-        if gpu is not None:  # GPU: raw im2col kernel into scratch, cuBLAS GEMMs
-            gpu.forward(x, w, outs[0], geo, scratch)
+        if gpu is not None:
+            if not getattr(self, "_gpu_ready", False):
+                self.setup(ins, outs)
+            plan = self._plan
+            if plan is not None:  # cuDNN, with the bias and ReLU when it fuses them
+                arrays = {"x": x, "w": w, "y": outs[0]}
+                if "b" in plan.tensors:
+                    arrays["b"] = ins[2]
+                _cudnn_run(self, scratch, arrays)
+                if plan.fused:
+                    return
+            else:  # raw im2col kernel into scratch, cuBLAS GEMMs
+                gpu.forward(x, w, outs[0], geo, scratch)
         else:
             wmat = w.reshape(G, O // G, -1)
             y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
@@ -178,9 +219,9 @@ class Conv(OpKernel):
 
     def setup(self, ins, outs):
         x, w = ins[0], ins[1]
-        gpu, scratch = _gpu(self, x, w)
-        if gpu is not None:
-            gpu.reserve(scratch, _geometry(self.attrs, x.shape, w.shape), "forward", x.dtype)
+        _gpu_setup(self, "fprop", _geometry(self.attrs, x.shape, w.shape), (x, w),
+                   bias=len(ins) == 3, relu=bool(self.attrs.get("relu", False)),
+                   slope=float(self.attrs.get("negative_slope", 0.0)))
 
 
 @register
@@ -191,10 +232,7 @@ class ConvGradData(OpKernel):
 
     def setup(self, ins, outs):
         dy, w = ins
-        gpu, scratch = _gpu(self, dy, w)
-        if gpu is not None:
-            gpu.reserve(scratch, _geometry(self.attrs, outs[0].shape, w.shape), "data",
-                        dy.dtype)
+        _gpu_setup(self, "dgrad", _geometry(self.attrs, outs[0].shape, w.shape), (dy, w))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -213,8 +251,13 @@ class ConvGradData(OpKernel):
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
         # contiguous w^T: BLAS on a transposed view is several times slower in numpy
         gpu, scratch = _gpu(self, dy, w)
-        if gpu is not None:  # GPU: cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
-            gpu.backward_data(dy, w, outs[0], geo, scratch)
+        if gpu is not None:
+            if not getattr(self, "_gpu_ready", False):
+                self.setup(ins, outs)
+            if self._plan is not None:
+                _cudnn_run(self, scratch, {"dy": dy, "w": w, "dx": outs[0]})
+            else:  # cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
+                gpu.backward_data(dy, w, outs[0], geo, scratch)
             return
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
@@ -239,10 +282,7 @@ class ConvGradWeight(OpKernel):
 
     def setup(self, ins, outs):
         dy, x = ins
-        gpu, scratch = _gpu(self, dy, x)
-        if gpu is not None:
-            gpu.reserve(scratch, _geometry(self.attrs, x.shape, outs[0].shape), "weight",
-                        x.dtype)
+        _gpu_setup(self, "wgrad", _geometry(self.attrs, x.shape, outs[0].shape), (dy, x))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -259,8 +299,13 @@ class ConvGradWeight(OpKernel):
         geo = _geometry(self.attrs, x.shape, outs[0].shape)
         G, O, N = geo["G"], geo["O"], geo["N"]
         gpu, scratch = _gpu(self, dy, x)
-        if gpu is not None:  # GPU: im2col, batched cuBLAS GEMM, one column-sum kernel
-            gpu.backward_weight(dy, x, outs[0], geo, scratch)
+        if gpu is not None:
+            if not getattr(self, "_gpu_ready", False):
+                self.setup(ins, outs)
+            if self._plan is not None:
+                _cudnn_run(self, scratch, {"x": x, "dy": dy, "dw": outs[0]})
+            else:  # im2col, batched cuBLAS GEMM, one column-sum kernel
+                gpu.backward_weight(dy, x, outs[0], geo, scratch)
             return
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         dw = outs[0].reshape(G, O // G, -1)

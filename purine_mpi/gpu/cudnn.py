@@ -1,0 +1,234 @@
+"""Convolution through NVIDIA's cuDNN frontend (``nvidia-cudnn-frontend``,
+the ``cudnn`` Python module of the ``gpu`` extra), with automatic fallback.
+
+Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
+``setup`` (once per shape, before the first iteration), a cuDNN graph:
+
+    fprop   Y = conv_fprop(X, W) [-> bias(B) -> relu / leaky_relu]   (a fused
+            ReLU, gpu/fuse.py, and the bias go into cuDNN's epilogue when it
+            offers that fusion; else conv_fprop alone and our bias_act kernel)
+    dgrad   DX = conv_dgrad(DY, W)
+    wgrad   DW = conv_wgrad(X, DY)
+
+in NCHW float32 (``float64`` and grouped convolutions take the fallback),
+with plans from heuristics A then FALLBACK, keeping only deterministic plans
+(``numerical_note.NONDETERMINISTIC`` deselected: a resume stays bit-exact)
+and, unless ``tf32: true``, no tensor-core plans (``TENSOR_CORE``: float32
+stays float32, as on the CPU). The plan's workspace is part of the op's
+scratch (``Workspace.scratch_for``), reserved at setup. At run time the op
+binds the stream CuPy has current to a per-thread handle and executes the
+graph on raw device pointers (the frontend's ``{tensor: int}`` variant pack).
+
+When the ``cudnn`` module or the cuDNN library is missing, or a graph has no
+supported plan, the op keeps the im2col + cuBLAS path (gpu/conv.py). The
+first time, one line on standard error says so and why. ``PURINE_CONV``
+chooses: ``auto`` (default), ``im2col`` (never cuDNN), ``cudnn`` (cuDNN where
+it can; the same fallback otherwise, also said once).
+
+Nothing here imports ``cudnn`` or CuPy at import time.
+"""
+import os
+import sys
+import threading
+
+import numpy as np
+
+_lock = threading.Lock()
+_state = {"checked": False, "module": None, "reason": None}
+_said = set()
+_handles = {}   # (device, thread id) -> cudnn handle
+
+
+def _say_once(key, message):
+    with _lock:
+        if key in _said:
+            return
+        _said.add(key)
+    print(message, file=sys.stderr, flush=True)
+
+
+def mode():
+    """``PURINE_CONV``: auto, cudnn or im2col."""
+    value = os.environ.get("PURINE_CONV", "auto").strip().lower() or "auto"
+    return value if value in ("auto", "cudnn", "im2col") else "auto"
+
+
+def frontend():
+    """The ``cudnn`` frontend module when it and the cuDNN library load (and
+    ``PURINE_CONV`` allows it), else None; the reason is kept for the log."""
+    with _lock:
+        if _state["checked"]:
+            return _state["module"]
+        _state["checked"] = True
+    module, reason = None, None
+    if mode() == "im2col":
+        reason = "PURINE_CONV=im2col"
+    else:
+        try:
+            import cudnn as module  # nvidia-cudnn-frontend
+            probe = getattr(module, "backend_version", None) or \
+                getattr(module, "backend_version_string")
+            version = probe()  # loads libcudnn: fails without it
+            if not version:
+                raise RuntimeError("cuDNN reports no backend version")
+        except ImportError as exc:
+            module = None
+            reason = (f"no cuDNN frontend: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                      "it comes with pip install 'purine_mpi[gpu]' (nvidia-cudnn-frontend)")
+        except Exception as exc:  # OSError (no libcudnn), a broken install, ...
+            module = None
+            reason = f"cuDNN unusable: {type(exc).__name__}: {exc}".splitlines()[0]
+    with _lock:
+        _state["module"], _state["reason"] = module, reason
+    return module
+
+
+def fallback_reason():
+    """Why the cuDNN path is off ('' when it is on)."""
+    frontend()
+    return _state["reason"] or ""
+
+
+def note_fallback(what, reason):
+    """Say once per reason that convolutions use im2col + cuBLAS."""
+    _say_once(("fallback", reason), f"purine_mpi: {what} use im2col + cuBLAS, not cuDNN "
+                                    f"({reason})")
+
+
+def reset():
+    """Forget the availability check and the notes (tests)."""
+    with _lock:
+        _state.update(checked=False, module=None, reason=None)
+        _said.clear()
+        _handles.clear()
+
+
+def _handle(cudnn, device):
+    """This host thread's cuDNN handle on ``device`` (handles bind a stream:
+    one per thread, so two streams never share one)."""
+    key = (int(device), threading.get_ident())
+    handle = _handles.get(key)
+    if handle is None:
+        handle = cudnn.create_handle()
+        with _lock:
+            _handles[key] = handle
+    return handle
+
+
+def _strides(shape):
+    """NCHW (C-contiguous) strides of ``shape``, in elements."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= int(size)
+    return list(reversed(strides))
+
+
+class ConvPlan:
+    """One cuDNN graph of a convolution direction, built for fixed shapes.
+
+    ``kind``: "fprop" (inputs x, w[, b]; output y), "dgrad" (dy, w -> dx),
+    "wgrad" (x, dy -> dw). ``geo``: ops/conv.py's geometry. ``bias`` and
+    ``relu`` (fprop only) fuse the epilogue; ``fused`` tells whether they
+    are in the graph. Raises when the graph has no plan (the caller falls
+    back)."""
+
+    def __init__(self, cudnn, device, kind, geo, dtype, bias=False, relu=False, slope=0.0,
+                 tf32=False):
+        self.cudnn, self.device, self.kind = cudnn, int(device), kind
+        if np.dtype(dtype) != np.dtype(np.float32):
+            raise TypeError(f"cuDNN path: float32 only, got {np.dtype(dtype)}")
+        if geo["G"] != 1:
+            raise ValueError("cuDNN path: grouped convolutions take the im2col path")
+        x_shape = [geo["N"], geo["C"], geo["H"], geo["W"]]
+        w_shape = [geo["O"], geo["C"], geo["kh"], geo["kw"]]
+        y_shape = [geo["N"], geo["O"], geo["OH"], geo["OW"]]
+        conv = {"padding": [geo["ph"], geo["pw"]], "stride": [geo["sh"], geo["sw"]],
+                "dilation": [geo["dh"], geo["dw"]]}
+        f32 = cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32,
+                              compute_data_type=f32, handle=_handle(cudnn, device))
+
+        def tensor(name, shape):
+            return graph.tensor(name=name, dim=list(shape), stride=_strides(shape),
+                                data_type=f32)
+
+        self.tensors = {}
+        self.fused = False
+        if kind == "fprop":
+            X, W = tensor("X", x_shape), tensor("W", w_shape)
+            out = graph.conv_fprop(image=X, weight=W, **conv)
+            self.tensors.update(x=X, w=W)
+            if bias:
+                B = tensor("B", [1, geo["O"], 1, 1])
+                out = graph.bias(name="bias", input=out, bias=B)
+                self.tensors["b"] = B
+            if relu:
+                out = (graph.leaky_relu(name="relu", input=out, negative_slope=float(slope))
+                       if slope else graph.relu(name="relu", input=out))
+            self.fused = bool(bias or relu)
+            out.set_output(True).set_dim(y_shape).set_stride(_strides(y_shape)) \
+                .set_data_type(f32)
+            self.tensors["y"] = out
+        elif kind == "dgrad":
+            DY, W = tensor("DY", y_shape), tensor("W", w_shape)
+            out = graph.conv_dgrad(loss=DY, filter=W, **conv)
+            out.set_output(True).set_dim(x_shape).set_stride(_strides(x_shape)) \
+                .set_data_type(f32)
+            self.tensors.update(dy=DY, w=W, dx=out)
+        elif kind == "wgrad":
+            X, DY = tensor("X", x_shape), tensor("DY", y_shape)
+            out = graph.conv_wgrad(image=X, loss=DY, **conv)
+            out.set_output(True).set_dim(w_shape).set_stride(_strides(w_shape)) \
+                .set_data_type(f32)
+            self.tensors.update(x=X, dy=DY, dw=out)
+        else:
+            raise ValueError(f"unknown convolution direction {kind!r}")
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        notes = [cudnn.numerical_note.NONDETERMINISTIC]   # bit-exact resumes
+        if not tf32:
+            notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 math stays float32
+        graph.deselect_numeric_notes(notes)
+        graph.check_support()
+        graph.build_plans()
+        self.graph = graph
+        self.workspace_bytes = int(graph.get_workspace_size())
+
+    def execute(self, arrays, workspace):
+        """Run on ``arrays`` ({"x": ..., "w": ..., ...}: CuPy arrays, keys as
+        in ``tensors``) with ``workspace`` (a uint8 device array of at least
+        ``workspace_bytes``), on CuPy's current stream."""
+        from . import import_cupy
+        from .raw import data_ptr
+        cupy = import_cupy()
+        handle = _handle(self.cudnn, self.device)
+        self.cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
+        pack = {self.tensors[k]: data_ptr(a) for k, a in arrays.items()}
+        self.graph.execute(pack, data_ptr(workspace), handle=handle)
+
+
+def plan(kernel, kind, geo, dtype, device, **fusion):
+    """A :class:`ConvPlan` for ``kernel``'s op, or None (the im2col path):
+    cuDNN missing, the shape unsupported, or the op not float32/ungrouped.
+    The first miss of each kind is said once."""
+    cudnn = frontend()
+    if cudnn is None:
+        note_fallback("convolutions", fallback_reason())
+        return None
+    if np.dtype(dtype) != np.dtype(np.float32) or geo["G"] != 1:
+        return None
+    from . import tf32_enabled
+    try:
+        return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(), **fusion)
+    except Exception as exc:
+        if fusion.get("bias") or fusion.get("relu"):
+            try:  # no fused plan: the convolution alone, our epilogue kernel after it
+                return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled())
+            except Exception as plain_exc:
+                exc = plain_exc
+        note_fallback(f"some convolutions ({kind} of op '{kernel.op.name}')",
+                      f"no cuDNN plan: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                      if str(exc) else f"no cuDNN plan: {type(exc).__name__}")
+        return None

@@ -1,0 +1,328 @@
+"""The cuDNN frontend path of the convolution ops (purine_mpi/gpu/cudnn.py).
+
+Without a GPU the path is checked for its plumbing, against a stand-in for
+the ``cudnn`` frontend module that records the graph calls and executes
+them with NumPy on the (host) addresses of the variant pack: which array
+goes to which tensor, the fused bias/ReLU epilogue, the workspace taken from
+the op's scratch, the deterministic / no-TF32 plan filters, the fallback to
+im2col (said once) when a graph has no plan or the module is missing. The
+numbers cuDNN itself computes are checked on a real GPU (marked ``gpu``:
+every direction against the CPU, fused and not), when the frontend is
+installed.
+"""
+import ctypes
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import purine_mpi.backend as backend
+import purine_mpi.gpu as gpu
+from purine_mpi.gpu import cudnn as gpu_cudnn
+from purine_mpi.graph.core import Op
+from purine_mpi.kernels import get_kernel_class
+from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
+
+
+def _from_address(ptr, shape, dtype):
+    count = int(np.prod(shape))
+    raw = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+class FakeCudnn(types.ModuleType):
+    """Records graph building; executes on host addresses with NumPy."""
+
+    def __init__(self, unsupported=()):
+        super().__init__("cudnn")
+        self.data_type = types.SimpleNamespace(FLOAT="float32")
+        self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
+        self.numerical_note = types.SimpleNamespace(NONDETERMINISTIC="NONDETERMINISTIC",
+                                                    TENSOR_CORE="TENSOR_CORE")
+        self.unsupported = set(unsupported)   # op names whose graphs have no plan
+        self.graphs, self.streams, self.executed = [], [], []
+        outer = self
+
+        class Tensor:
+            def __init__(self, name, dim=None, stride=None, data_type=None, op=None):
+                self.name, self.dim, self.stride, self.op = name, dim, stride, op
+                self.output = False
+
+            def set_output(self, flag):
+                self.output = flag
+                return self
+
+            def set_dim(self, dim):
+                self.dim = list(dim)
+                return self
+
+            def set_stride(self, stride):
+                self.stride = list(stride)
+                return self
+
+            def set_data_type(self, data_type):
+                return self
+
+        class PyGraph:
+            def __init__(self, io_data_type, intermediate_data_type, compute_data_type, handle):
+                self.calls, self.ops, self.notes = [], [], []
+                outer.graphs.append(self)
+
+            def tensor(self, name, dim, stride, data_type):
+                return Tensor(name, dim, stride, data_type)
+
+            def _op(self, kind, **kw):
+                self.ops.append((kind, kw))
+                return Tensor(kind, op=(kind, kw))
+
+            def conv_fprop(self, image, weight, padding, stride, dilation):
+                return self._op("conv_fprop", x=image, w=weight, padding=padding, stride=stride,
+                                dilation=dilation)
+
+            def conv_dgrad(self, loss, filter, padding, stride, dilation):
+                return self._op("conv_dgrad", dy=loss, w=filter, padding=padding,
+                                stride=stride, dilation=dilation)
+
+            def conv_wgrad(self, image, loss, padding, stride, dilation):
+                return self._op("conv_wgrad", x=image, dy=loss, padding=padding,
+                                stride=stride, dilation=dilation)
+
+            def bias(self, name, input, bias):
+                return self._op("bias", input=input, bias=bias)
+
+            def relu(self, name, input):
+                return self._op("relu", input=input, slope=0.0)
+
+            def leaky_relu(self, name, input, negative_slope):
+                return self._op("relu", input=input, slope=negative_slope)
+
+            def validate(self):
+                self.calls.append("validate")
+
+            def build_operation_graph(self):
+                self.calls.append("build_operation_graph")
+
+            def create_execution_plans(self, modes):
+                self.calls.append(("create_execution_plans", tuple(modes)))
+
+            def deselect_numeric_notes(self, notes):
+                self.notes = list(notes)
+
+            def check_support(self):
+                self.calls.append("check_support")
+                kinds = {k for k, _ in self.ops}
+                if kinds & outer.unsupported:
+                    raise RuntimeError(f"no plan for {sorted(kinds & outer.unsupported)}")
+
+            def build_plans(self):
+                self.calls.append("build_plans")
+
+            def get_workspace_size(self):
+                return 4096
+
+            def execute(self, pack, workspace, handle):
+                assert isinstance(workspace, int) and all(isinstance(p, int)
+                                                          for p in pack.values())
+                outer.executed.append((self, workspace))
+                arrays = {t: _from_address(p, t.dim, np.float32) for t, p in pack.items()
+                          if t.op is None or t.output}
+                (out,) = [t for t in pack if t.output]
+                arrays[out][...] = self._value(out, arrays)
+
+            def _value(self, t, arrays):
+                if t.op is None:
+                    return arrays[t]
+                kind, kw = t.op
+                geo = {"pad": kw.get("padding"), "stride": kw.get("stride"),
+                       "dilation": kw.get("dilation")}
+                if kind == "conv_fprop":
+                    x, w = self._value(kw["x"], arrays), self._value(kw["w"], arrays)
+                    return _run_kernel("Conv", geo, [x, w])[0]
+                if kind == "conv_dgrad":
+                    dy, w = self._value(kw["dy"], arrays), self._value(kw["w"], arrays)
+                    return _run_kernel("ConvGradData", dict(geo, x_shape=t.dim), [dy, w])[0]
+                if kind == "conv_wgrad":
+                    x, dy = self._value(kw["x"], arrays), self._value(kw["dy"], arrays)
+                    return _run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
+                if kind == "bias":
+                    return self._value(kw["input"], arrays) + self._value(kw["bias"], arrays)
+                if kind == "relu":
+                    v = self._value(kw["input"], arrays)
+                    return np.where(v > 0, v, v * np.float32(kw["slope"])) if kw["slope"] \
+                        else np.maximum(v, 0)
+                raise AssertionError(kind)
+
+        self.pygraph = PyGraph
+
+    def backend_version(self):
+        return 91900
+
+    def create_handle(self):
+        return object()
+
+    def set_stream(self, handle, stream):
+        self.streams.append(stream)
+
+
+@pytest.fixture
+def device(host_build_dir, monkeypatch):
+    gpu.clear_kernel_cache()
+    gpu_cudnn.reset()
+    fake = _emulated_cupy(host_build_dir)
+    fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=1234)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    monkeypatch.delenv("PURINE_CONV", raising=False)
+    yield fake
+    gpu_cudnn.reset()
+    gpu.clear_kernel_cache()
+
+
+def _dev(a):
+    return np.array(a).view(DeviceArray)
+
+
+def _rand(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _conv_ops(attrs, x, w, b=None):
+    """Conv, ConvGradData, ConvGradWeight on the device -> (y, dx, dw), and
+    the same on the CPU."""
+    ins = [x, w] + ([b] if b is not None else [])
+    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    dy = _rand(y_cpu.shape, 9)
+    dx_cpu = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]
+    dw_cpu = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0]
+    y = _run_kernel("Conv", attrs, ins, _dev)[0]
+    dx = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], _dev)[0]
+    dw = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], _dev)[0]
+    return (y, dx, dw), (y_cpu, dx_cpu, dw_cpu)
+
+
+def _check(got, want):
+    for g, c in zip(got, want):
+        np.testing.assert_allclose(g, c, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_conv_ops_run_their_cudnn_graphs(device, monkeypatch, fused):
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w, b = _rand((2, 3, 7, 6), 0), _rand((4, 3, 3, 3), 1), _rand((4,), 2)
+    attrs = {"stride": 2, "pad": 1}
+    if fused:
+        attrs.update(relu=True, negative_slope=0.1)
+    got, want = _conv_ops(attrs, x, w, b)
+    _check(got, want)
+    kinds = [[k for k, _ in g.ops] for g in fake.graphs]
+    assert kinds == [["conv_fprop", "bias"] + (["relu"] if fused else []),
+                     ["conv_dgrad"], ["conv_wgrad"]]
+    for g in fake.graphs:
+        assert g.calls == ["validate", "build_operation_graph",
+                           ("create_execution_plans", ("A", "FALLBACK")), "check_support",
+                           "build_plans"]
+        assert g.notes == ["NONDETERMINISTIC", "TENSOR_CORE"]  # deterministic, no TF32
+    # one execution per direction (the CPU references ran without the device),
+    # on CuPy's current stream, with the workspace from the op's scratch
+    assert len(fake.executed) == 3 and set(fake.streams) == {1234}
+    conv = fake.graphs[0].ops[0][1]
+    assert conv["padding"] == [1, 1] and conv["stride"] == [2, 2]
+    assert conv["x"].dim == [2, 3, 7, 6] and conv["x"].stride == [126, 42, 6, 1]
+
+
+def test_unfused_plan_when_the_epilogue_has_none(device, monkeypatch, capsys):
+    """No plan with the bias and ReLU fused: cuDNN convolves, bias_act follows."""
+    fake = FakeCudnn(unsupported={"bias"})
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w, b = _rand((2, 3, 5, 5), 0), _rand((4, 3, 3, 3), 1), _rand((4,), 2)
+    got, want = _conv_ops({"pad": 1, "relu": True}, x, w, b)
+    _check(got, want)
+    assert [[k for k, _ in g.ops] for g in fake.graphs][:2] == [["conv_fprop", "bias", "relu"],
+                                                               ["conv_fprop"]]
+    assert capsys.readouterr().err == ""   # the plain plan worked: nothing to say
+
+
+def test_no_plan_falls_back_to_im2col_and_says_so_once(device, monkeypatch, capsys):
+    fake = FakeCudnn(unsupported={"conv_fprop", "conv_dgrad", "conv_wgrad"})
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 5, 5), 0), _rand((4, 3, 3, 3), 1)
+    for _ in range(2):
+        got, want = _conv_ops({"pad": 1}, x, w)
+        _check(got, want)
+    assert not fake.executed
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 3 and all("im2col + cuBLAS" in line and "no cuDNN plan" in line
+                                   for line in lines)
+
+
+def test_without_the_frontend_one_line_and_im2col(device, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cudnn", None)   # import cudnn -> ImportError
+    x, w = _rand((2, 3, 5, 5), 0), _rand((4, 3, 3, 3), 1)
+    got, want = _conv_ops({"pad": 1}, x, w)
+    _check(got, want)
+    got, want = _conv_ops({"pad": 1}, x, w)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "im2col + cuBLAS, not cuDNN (no cuDNN frontend" in err[0]
+    assert "nvidia-cudnn-frontend" in err[0]
+    assert "Traceback" not in err[0]
+
+
+def test_purine_conv_im2col_keeps_cudnn_off(device, monkeypatch, capsys):
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setenv("PURINE_CONV", "im2col")
+    x, w = _rand((2, 3, 5, 5), 0), _rand((4, 3, 3, 3), 1)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert not fake.graphs and "PURINE_CONV=im2col" in capsys.readouterr().err
+
+
+def test_grouped_and_double_convolutions_take_im2col(device, monkeypatch):
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 4, 5, 5), 0), _rand((4, 2, 3, 3), 1)
+    _check(*_conv_ops({"pad": 1, "group": 2}, x, w))
+    x64, w64 = x.astype(np.float64), _rand((4, 4, 3, 3), 1).astype(np.float64)
+    y = _run_kernel("Conv", {"pad": 1}, [x64, w64], _dev)[0]
+    np.testing.assert_allclose(y, _run_kernel("Conv", {"pad": 1}, [x64, w64])[0], rtol=1e-12)
+    assert not fake.graphs
+
+
+# ---------------------------------------------------------------- real GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attrs", [{"pad": 2}, {"stride": 2, "pad": 1, "relu": True},
+                                   {"kernel_1x1": True}])
+def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
+    from tests.conftest import cuda_cupy_or_skip
+    cupy = cuda_cupy_or_skip()
+    pytest.importorskip("cudnn")
+    gpu_cudnn.reset()
+    if gpu_cudnn.frontend() is None:
+        pytest.skip(f"cuDNN frontend unusable: {gpu_cudnn.fallback_reason()}")
+    attrs = dict(attrs)
+    k = 1 if attrs.pop("kernel_1x1", False) else 5
+    x, w, b = _rand((8, 16, 12, 12), 0), _rand((32, 16, k, k), 1), _rand((32,), 2)
+    ins = [x, w, b]
+    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], dict(attrs)))
+    dev = [cupy.asarray(a) for a in ins]
+    y = cupy.full(y_cpu.shape, np.nan, np.float32)
+    kernel.setup(dev, [y])
+    assert kernel._plan is not None, "no cuDNN plan for a plain float32 convolution"
+    kernel.run(dev, [y])
+    np.testing.assert_allclose(cupy.asnumpy(y), y_cpu, rtol=1e-4, atol=1e-4)
+    dy = _rand(y_cpu.shape, 3)
+    for op_type, extra, args in (("ConvGradData", {"x_shape": list(x.shape)}, [dy, w]),
+                                 ("ConvGradWeight", {"w_shape": list(w.shape)}, [dy, x])):
+        attrs_g = {key: v for key, v in attrs.items() if key != "relu"}
+        want = _run_kernel(op_type, dict(attrs_g, **extra), args)[0]
+        kern = get_kernel_class(op_type)(Op("g", op_type, [], [], dict(attrs_g, **extra)))
+        dargs = [cupy.asarray(a) for a in args]
+        out = cupy.full(want.shape, np.nan, np.float32)
+        kern.setup(dargs, [out])
+        assert kern._plan is not None
+        kern.run(dargs, [out])
+        np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=1e-4,
+                                   atol=1e-4 * max(1.0, float(np.abs(want).max())))
