@@ -1,32 +1,50 @@
 #!/usr/bin/env python
-"""Training throughput on one GPU: purine_mpi (CuPy + the CUDA-stream
-dispatcher) against the same net in PyTorch eager mode on the same GPU.
+"""Training throughput on one GPU: purine_mpi (CuPy, cuDNN, the CUDA-stream
+dispatcher) against the same net in PyTorch on the same GPU, three ways.
 
     python benchmarks/gpu_throughput.py \\
         [--configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml] \\
-        [--batch 128] [--iters 50] [--warmup 5] [--device 0] [--tf32]
+        [--batches 128 512] [--iters 50] [--warmup 5] [--device 0] [--tf32] \\
+        [--modes eager graph] [--no-torch] [--no-compile] [--profile-iters 5]
+    python benchmarks/gpu_throughput.py --dry-run      # CPU smoke run, no figures
 
-For each config: one run of ``--warmup`` untimed then ``--iters`` timed
+For each config and batch size: ``--warmup`` untimed then ``--iters`` timed
 training iterations (forward, backward, SGD-momentum update, synthetic data
-of the config's shape copied from pinned host memory every iteration) in
-each framework, then one JSON object on stdout::
+of the config's shape copied from pinned host memory every iteration) of
 
-    {"benchmark": "gpu_throughput", "device": "...", "batch": 128, ...,
-     "results": [{"config": "cifar10_quick", "purine_images_per_s": ...,
-                  "purine_graph_images_per_s": ...,
-                  "torch_images_per_s": ..., "purine_vs_torch": ..., ...}, ...]}
+- purine_mpi, placed and fused for the GPU as ``train`` runs it, in each of
+  its ``--modes``: ``eager`` (the stream dispatcher launching op by op) and
+  ``graph`` (the iteration replayed as captured CUDA graphs, ``train``'s
+  default; the warm-up's first iteration is the one that captures);
+- PyTorch eager (cuDNN, ``cudnn.benchmark`` on: its best eager setting);
+- PyTorch with the whole step (copy-in, forward, backward, optimizer step)
+  captured as one CUDA graph (``torch.cuda.graph``) and replayed;
+- ``torch.compile`` of the model (default mode; ``--no-compile`` skips it).
 
-purine_mpi runs in both of its modes (``--modes``): ``eager`` is the stream
-dispatcher launching op by op (``cuda_graph: false``; the ``purine_*`` keys),
-``graph`` replays the iteration as captured CUDA graphs (the default of
-``train``; the ``purine_graph_*`` keys, with the number of segments, the GPU
-ops left eager and any segment whose capture failed). The warm-up's first
-iteration is the one that captures, so the timed iterations replay.
+then one JSON object on stdout. Each entry of ``results`` has::
 
-Float32 GEMMs use TF32 in both frameworks only with ``--tf32`` (PyTorch's
-convolutions use cuDNN, with ``cudnn.benchmark`` on: its best eager setting).
-Without CuPy and a CUDA device, or without a CUDA build of PyTorch, the
-script stops with exit status 1 and says why: it never reports CPU numbers.
+    config, batch,
+    purine_images_per_s          purine_mpi in its default mode (graph when
+                                 measured, else eager; see purine_mode)
+    torch_eager_images_per_s, torch_graph_images_per_s, torch_compile_images_per_s,
+    purine_gpu_busy              GPU kernel time / wall time of an iteration
+    purine_kernels_per_iter      kernels the GPU ran per iteration
+
+plus each mode's own figures (``purine_eager_*``, ``purine_graph_*``: images/s,
+ms per iteration, first and last loss, the arena, the CUDA-graph segments),
+``purine_kernel_ms_per_iter`` and ``torch_eager_kernel_ms_per_iter``. Kernel
+counts and times come from CUPTI through PyTorch's profiler (it records every
+kernel of the process, CuPy's, cuBLAS's and cuDNN's included, also inside
+CUDA graphs) over ``--profile-iters`` further iterations; the busy fraction
+divides the union of the kernel intervals per iteration by the unprofiled
+wall time per iteration. Without PyTorch (``--no-torch``) those are null.
+
+Float32 math uses TF32 in both frameworks only with ``--tf32``. Without CuPy
+and a CUDA device, or without a CUDA build of PyTorch, the script stops with
+exit status 1 and says why: it never reports CPU numbers as GPU ones.
+``--dry-run`` builds every net of both frameworks and runs one iteration of
+each on the CPU, and prints the same JSON with every figure null and
+``"dry_run": true``: a smoke test of the script on any machine.
 """
 import argparse
 import json
@@ -82,13 +100,14 @@ def load(path, batch):
 
 # ----------------------------------------------------------- purine_mpi ---
 
-def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False):
+def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_iters=0):
     """Time ``iters`` iterations after ``warmup``; ``cuda_graph``: replay
-    captured CUDA graphs (else eager stream dispatch)."""
+    captured CUDA graphs (else eager stream dispatch). With ``profile_iters``,
+    that many more iterations run under the kernel profiler (``kernels``)."""
     import cupy
 
     from purine_mpi.gpu import set_tf32
-    from purine_mpi.gpu.placement import place_on_device
+    from purine_mpi.gpu.placement import prepare_for_device
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph, loss_blobs
     from purine_mpi.runtime.cuda_graph import GraphDispatcher
@@ -98,7 +117,7 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False):
     set_tf32(tf32)
     cupy.cuda.Device(device).use()
     graph, _ = build_train_graph(config)
-    place_on_device(graph, device)
+    prepare_for_device(graph, device)   # placed and fused, as train does
     notes = []
     d = make_dispatcher(graph, seed=int(config.get("seed", 0)), cuda_graph=cuda_graph,
                         log=notes.append)
@@ -128,7 +147,15 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False):
         last_loss = sum(float(ws[b]) for b in losses)
         out = {"seconds": elapsed, "first_loss": first_loss, "last_loss": last_loss,
                "device_arena_bytes": int(sum(ws.device_bytes.values())),
+               "scratch_bytes": int(sum(ws.scratch_bytes.values())),
                "streams": len(d.runtime.pool)}
+        if profile_iters:
+            start = warmup + iters
+
+            def step(i):
+                ws["iter"][...] = start + i
+                d.run(start + i)
+            out["kernels"] = kernel_stats(step, profile_iters)
         if cuda_graph:
             out["capture"] = d.capture_report()
             out["notes"] = notes
@@ -210,13 +237,13 @@ def _torch_layer(nn, layer, probe):
     fail(f"layer type '{kind}' (layer '{layer['name']}') has no PyTorch equivalent here")
 
 
-def bench_torch(config, device, iters, warmup, tf32):
+def _torch_setup(config, device, tf32):
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = True
-    dev = torch.device("cuda", device)
+    dev = torch.device("cuda", device) if device is not None else torch.device("cpu")
     torch.manual_seed(int(config.get("seed", 0)))
     model, criterion = torch_net(config)
     model = model.to(dev).train()
@@ -227,8 +254,37 @@ def bench_torch(config, device, iters, warmup, tf32):
     spec = config["data"]["train"]
     batch = int(spec["batch_size"])
     gen = torch.Generator().manual_seed(0)
-    x_host = torch.randn((batch,) + tuple(spec["shape"]), generator=gen).pin_memory()
-    y_host = torch.randint(0, int(spec.get("classes", 10)), (batch,), generator=gen).pin_memory()
+    x_host = torch.randn((batch,) + tuple(spec["shape"]), generator=gen)
+    y_host = torch.randint(0, int(spec.get("classes", 10)), (batch,), generator=gen)
+    if dev.type == "cuda":
+        x_host, y_host = x_host.pin_memory(), y_host.pin_memory()
+    return torch, dev, model, criterion, optimizer, x_host, y_host
+
+
+def _timed(torch, dev, step, iters, warmup, profile_iters=0):
+    """Run ``warmup`` then ``iters`` timed steps (and profiled ones)."""
+    first_loss = None
+    for _ in range(warmup):
+        loss = step()
+        if first_loss is None:
+            first_loss = float(loss.detach())
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        loss = step()
+    torch.cuda.synchronize(dev)
+    elapsed = time.perf_counter() - t0
+    out = {"seconds": elapsed, "first_loss": first_loss, "last_loss": float(loss.detach())}
+    if profile_iters:
+        out["kernels"] = kernel_stats(lambda i: step(), profile_iters)
+    return out
+
+
+def bench_torch(config, device, iters, warmup, tf32, compile_model=False, profile_iters=0):
+    """PyTorch eager (or ``torch.compile``d) training steps."""
+    torch, dev, model, criterion, optimizer, x_host, y_host = _torch_setup(config, device, tf32)
+    if compile_model:
+        model = torch.compile(model)
 
     def step():
         x = x_host.to(dev, non_blocking=True)
@@ -239,82 +295,234 @@ def bench_torch(config, device, iters, warmup, tf32):
         optimizer.step()
         return loss
 
-    first_loss = None
-    for _ in range(warmup):
-        loss = step()
-        if first_loss is None:
-            first_loss = float(loss)
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        loss = step()
-    torch.cuda.synchronize(dev)
-    elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "first_loss": first_loss, "last_loss": float(loss)}
+    return _timed(torch, dev, step, iters, warmup, profile_iters)
+
+
+def bench_torch_graph(config, device, iters, warmup, tf32):
+    """PyTorch with the whole step -- the copy from pinned host memory,
+    forward, backward, the optimizer step -- captured as one CUDA graph
+    (PyTorch's whole-network capture recipe) and replayed."""
+    torch, dev, model, criterion, optimizer, x_host, y_host = _torch_setup(config, device, tf32)
+    static_x = torch.empty(x_host.shape, dtype=x_host.dtype, device=dev)
+    static_y = torch.empty(y_host.shape, dtype=y_host.dtype, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up on a side stream, as the recipe says
+        for _ in range(3):
+            static_x.copy_(x_host, non_blocking=True)
+            static_y.copy_(y_host, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(static_x), static_y).backward()
+            optimizer.step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_x.copy_(x_host, non_blocking=True)
+        static_y.copy_(y_host, non_blocking=True)
+        static_loss = criterion(model(static_x), static_y)
+        static_loss.backward()
+        optimizer.step()
+
+    def step():
+        graph.replay()
+        return static_loss
+
+    return _timed(torch, dev, step, iters, warmup)
+
+
+def kernel_stats(step, iters):
+    """{kernels_per_iter, kernel_ms_per_iter} of ``iters`` calls of
+    ``step(i)``, from CUPTI through PyTorch's profiler: every kernel the
+    process runs (CuPy's, cuBLAS's, cuDNN's, inside CUDA graphs too);
+    kernel time is the union of the kernel intervals (overlaps once).
+    None without a CUDA build of PyTorch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    import tempfile
+    from purine_mpi.bench import merge_intervals
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            step(i)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    busy_us = sum(e - s for s, e in merge_intervals(
+        [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in kernels]))
+    return {"kernels_per_iter": round(len(kernels) / iters, 1),
+            "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4)}
 
 
 # ------------------------------------------------------------------ main ---
 
+def dry_run(configs, batches):
+    """Build every net of both frameworks and run one iteration of each on
+    the CPU; the JSON has the real keys and null figures."""
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.runtime.factory import make_dispatcher
+    results = []
+    for path in configs:
+        for batch in batches:
+            config = load(path, batch)
+            graph, _ = build_train_graph(config)
+            d = make_dispatcher(graph, seed=0)
+            try:
+                for p in graph.params():
+                    d.workspace.set(p.name, fill(p, 0))
+                d.workspace["iter"][...] = 0
+                d.run(0)
+                loss = sum(float(d.workspace[b]) for b in loss_blobs(graph))
+            finally:
+                d.close()
+            if not np.isfinite(loss):
+                fail(f"dry run: {config['name']} batch {batch}: purine_mpi's loss is {loss}")
+            torch_loss = None
+            try:
+                import torch  # noqa: F401
+                torch_, dev, model, criterion, optimizer, x, y = _torch_setup(config, None, False)
+                loss_t = criterion(model(x), y)
+                loss_t.backward()
+                optimizer.step()
+                torch_loss = float(loss_t.detach())
+            except ImportError:
+                pass
+            entry = {key: None for key in RESULT_KEYS}
+            entry.update(config=config["name"], batch=batch, dry_run_purine_loss=loss,
+                         dry_run_torch_loss=torch_loss)
+            results.append(entry)
+    return {"benchmark": "gpu_throughput", "dry_run": True, "device": "cpu (dry run: no "
+            "figures)", "batches": batches, "results": results}
+
+
+#: the keys every entry of ``results`` has
+RESULT_KEYS = ("config", "batch", "purine_images_per_s", "torch_eager_images_per_s",
+               "torch_graph_images_per_s", "torch_compile_images_per_s", "purine_gpu_busy",
+               "purine_kernels_per_iter")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--batch", type=int, default=None, help="one batch size (for --batches)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", type=int, default=0)
-    ap.add_argument("--tf32", action="store_true", help="allow TF32 float32 GEMMs in both")
-    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 float32 math in both")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines "
+                    "(and the kernel profile, which needs PyTorch's profiler)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--profile-iters", type=int, default=5,
+                    help="iterations profiled for kernel counts and times (0: none)")
     ap.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"],
                     help="purine_mpi's modes: eager stream dispatch, CUDA-graph replay")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke run: build and run one iteration of each net, no figures")
     args = ap.parse_args(argv)
-    if args.iters < 1 or args.warmup < 1 or args.batch < 1:
-        fail("--iters, --warmup and --batch must be >= 1")
+    batches = [args.batch] if args.batch is not None else args.batches
+    if args.iters < 1 or args.warmup < 1 or min(batches) < 1:
+        fail("--iters, --warmup and the batch sizes must be >= 1")
+    if args.dry_run:
+        print(json.dumps(dry_run(args.configs, batches), indent=1))
+        return 0
     cupy = require_gpu(args.device, not args.no_torch)
     props = cupy.cuda.runtime.getDeviceProperties(args.device)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    profile = 0 if args.no_torch else max(0, args.profile_iters)
     results = []
     for path in args.configs:
-        config = load(path, args.batch)
-        entry = {"config": config["name"], "path": os.path.relpath(path, REPO)}
-        for mode in args.modes:
-            graph = mode == "graph"
-            p = bench_purine(config, args.device, args.iters, args.warmup, args.tf32,
-                             cuda_graph=graph)
-            key = "purine_graph" if graph else "purine"
-            entry.update({f"{key}_images_per_s": round(args.batch * args.iters / p["seconds"], 1),
-                          f"{key}_iter_ms": round(1e3 * p["seconds"] / args.iters, 3),
-                          f"{key}_first_loss": p["first_loss"],
-                          f"{key}_last_loss": p["last_loss"],
-                          f"{key}_device_arena_bytes": p["device_arena_bytes"],
-                          f"{key}_streams": p["streams"]})
-            if graph:
-                rep = p["capture"]
-                entry.update({"purine_graph_segments": rep["segments"],
-                              "purine_graph_captured_ops": rep["captured_ops"],
-                              "purine_graph_eager_gpu_ops": sorted(rep["eager_gpu_ops"]),
-                              "purine_graph_failed": rep["failed"]})
-            if not np.isfinite(p["last_loss"]):
-                fail(f"{config['name']}: purine_mpi's loss ({mode}) is {p['last_loss']} "
-                     "on the GPU")
-        if not args.no_torch:
-            t = bench_torch(config, args.device, args.iters, args.warmup, args.tf32)
-            entry.update({"torch_images_per_s": round(args.batch * args.iters / t["seconds"], 1),
-                          "torch_iter_ms": round(1e3 * t["seconds"] / args.iters, 3),
-                          "torch_first_loss": t["first_loss"], "torch_last_loss": t["last_loss"]})
-            for key in ("purine", "purine_graph"):
-                if f"{key}_images_per_s" in entry:
-                    entry[f"{key}_vs_torch"] = round(entry[f"{key}_images_per_s"]
-                                                     / entry["torch_images_per_s"], 3)
-        results.append(entry)
+        for batch in batches:
+            results.append(_entry(args, path, batch, profile))
     versions = {"cupy": cupy.__version__, "numpy": np.__version__}
+    from purine_mpi.gpu import cudnn as gpu_cudnn
+    versions["purine_conv"] = "cudnn" if gpu_cudnn.frontend() is not None else \
+        f"im2col ({gpu_cudnn.fallback_reason()})"
     if not args.no_torch:
         import torch
         versions["torch"] = torch.__version__
         versions["cudnn"] = torch.backends.cudnn.version()
     print(json.dumps({"benchmark": "gpu_throughput", "device": name, "device_index": args.device,
-                      "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
+                      "batches": batches, "iters": args.iters, "warmup": args.warmup,
                       "tf32": args.tf32, "versions": versions, "results": results}, indent=1))
     return 0
+
+
+def _entry(args, path, batch, profile):
+    config = load(path, batch)
+    entry = {key: None for key in RESULT_KEYS}
+    entry.update(config=config["name"], batch=batch, path=os.path.relpath(path, REPO))
+    default = "graph" if "graph" in args.modes else "eager"
+    for mode in args.modes:
+        graph = mode == "graph"
+        kwargs = {"profile_iters": profile} if profile and mode == default else {}
+        p = bench_purine(config, args.device, args.iters, args.warmup, args.tf32,
+                         cuda_graph=graph, **kwargs)
+        key = f"purine_{mode}"
+        entry.update({f"{key}_images_per_s": round(batch * args.iters / p["seconds"], 1),
+                      f"{key}_iter_ms": round(1e3 * p["seconds"] / args.iters, 3),
+                      f"{key}_first_loss": p["first_loss"],
+                      f"{key}_last_loss": p["last_loss"],
+                      f"{key}_device_arena_bytes": p["device_arena_bytes"],
+                      f"{key}_scratch_bytes": p.get("scratch_bytes"),
+                      f"{key}_streams": p["streams"]})
+        if graph:
+            rep = p["capture"]
+            entry.update({"purine_graph_segments": rep["segments"],
+                          "purine_graph_captured_ops": rep["captured_ops"],
+                          "purine_graph_eager_gpu_ops": sorted(rep["eager_gpu_ops"]),
+                          "purine_graph_failed": rep["failed"]})
+        if mode == default:
+            entry["purine_mode"] = mode
+            entry["purine_images_per_s"] = entry[f"{key}_images_per_s"]
+            stats = p.get("kernels")
+            if stats:
+                iter_ms = 1e3 * p["seconds"] / args.iters
+                entry["purine_kernels_per_iter"] = stats["kernels_per_iter"]
+                entry["purine_kernel_ms_per_iter"] = stats["kernel_ms_per_iter"]
+                entry["purine_gpu_busy"] = round(min(1.0, stats["kernel_ms_per_iter"] / iter_ms),
+                                                 3)
+        if not np.isfinite(p["last_loss"]):
+            fail(f"{config['name']}: purine_mpi's loss ({mode}) is {p['last_loss']} on the GPU")
+    if not args.no_torch:
+        t = bench_torch(config, args.device, args.iters, args.warmup, args.tf32,
+                        profile_iters=profile)
+        entry.update({"torch_eager_images_per_s": round(batch * args.iters / t["seconds"], 1),
+                      "torch_eager_iter_ms": round(1e3 * t["seconds"] / args.iters, 3),
+                      "torch_eager_first_loss": t["first_loss"],
+                      "torch_eager_last_loss": t["last_loss"]})
+        if t.get("kernels"):
+            entry["torch_eager_kernels_per_iter"] = t["kernels"]["kernels_per_iter"]
+            entry["torch_eager_kernel_ms_per_iter"] = t["kernels"]["kernel_ms_per_iter"]
+        for kind, runner in (("graph", bench_torch_graph), ("compile", None)):
+            if kind == "compile" and args.no_compile:
+                continue
+            try:
+                if runner is None:
+                    r = bench_torch(config, args.device, args.iters, args.warmup, args.tf32,
+                                    compile_model=True)
+                else:
+                    r = runner(config, args.device, args.iters, args.warmup, args.tf32)
+            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+                entry[f"torch_{kind}_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                continue
+            entry[f"torch_{kind}_images_per_s"] = round(batch * args.iters / r["seconds"], 1)
+            entry[f"torch_{kind}_iter_ms"] = round(1e3 * r["seconds"] / args.iters, 3)
+        for kind in ("eager", "graph", "compile"):
+            theirs = entry.get(f"torch_{kind}_images_per_s")
+            if theirs and entry["purine_images_per_s"]:
+                entry[f"purine_vs_torch_{kind}"] = round(entry["purine_images_per_s"] / theirs, 3)
+    return entry
 
 
 if __name__ == "__main__":
