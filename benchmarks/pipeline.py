@@ -29,9 +29,14 @@ How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
   on the stage to the end of its last backward op there), the worst
   iteration; ``peak_activation_bytes`` = that times the bytes of one
   micro-batch's activations on the stage (its non-gradient blobs that own
-  storage). The workspace allocates every copy's blobs up front, so the
-  *allocated* bytes (``workspace_bytes``) do not depend on the schedule;
-  the schedule decides how many copies hold data that is still needed.
+  storage);
+- ``allocated_activation_bytes``: per stage, the bytes the workspace
+  really allocated for the micro-batch copies' activations and activation
+  gradients (``parallel/micro_memory.activation_bytes`` over the arrays it
+  holds). Copies never live at once share buffers (the memory plan), so
+  1F1B allocates ``activation_slots`` = min(p - s, M) copies on stage s,
+  GPipe all M; ``workspace_bytes`` is everything the workspace allocated
+  (weights, gradients and momenta included). M = 1 has no copies: null.
 """
 import argparse
 import json
@@ -72,6 +77,7 @@ def worker(args):
     import numpy as np
     from purine_mpi.comm.world import get_world, install_abort_handler
     from purine_mpi.io.config import resolve_config
+    from purine_mpi.parallel.micro_memory import activation_bytes
     from purine_mpi.parallel.pipeline_stats import micro_batch_of
     from purine_mpi.runtime.dispatcher import Profiler
     from purine_mpi.trainer import Trainer
@@ -107,8 +113,12 @@ def worker(args):
                 "iter", "lr") and "momentum" not in b.name else None
         if k is not None and b.kind != "grad" and b.alias_of is None:
             per_mb[k] = per_mb.get(k, 0) + b.nbytes
+    plan = trainer.memory_plan
     mine = {"events": events, "spans": spans, "activation_bytes_per_mb": max(per_mb.values()),
-            "workspace_bytes": int(trainer.ws.allocated_bytes)}
+            "workspace_bytes": int(trainer.ws.allocated_bytes),
+            "allocated_activation_bytes": (activation_bytes(g, trainer.ws)
+                                           if args.micro > 1 else None),
+            "activation_slots": plan["slots"] if plan else None}
     every = world.gather_object(mine, 0, "the benchmark results")
     if world.rank == 0:
         print(json.dumps(summarise(every, args)))
@@ -152,6 +162,8 @@ def summarise(ranks, args):
         "peak_activation_bytes": [n * r["activation_bytes_per_mb"]
                                   for n, r in zip(peaks, ranks)],
         "activation_bytes_per_micro_batch": [r["activation_bytes_per_mb"] for r in ranks],
+        "activation_slots": [r["activation_slots"] for r in ranks],
+        "allocated_activation_bytes": [r["allocated_activation_bytes"] for r in ranks],
         "workspace_bytes": [r["workspace_bytes"] for r in ranks],
     }
 
@@ -210,6 +222,12 @@ def main(argv=None):
                                     "theory": {"1f1b": [2, 1], "gpipe": [4, 4]}},
         "peak_activation_bytes": {"1f1b": runs["m4_1f1b"]["peak_activation_bytes"],
                                   "gpipe": runs["m4_gpipe"]["peak_activation_bytes"]},
+        "allocated_activation_bytes": {
+            "1f1b": runs["m4_1f1b"]["allocated_activation_bytes"],
+            "gpipe": runs["m4_gpipe"]["allocated_activation_bytes"],
+            "slots": {"1f1b": runs["m4_1f1b"]["activation_slots"],
+                      "gpipe": runs["m4_gpipe"]["activation_slots"]}},
+        "workspace_bytes": {k: v["workspace_bytes"] for k, v in runs.items()},
         "runs": runs,
     }
     print(json.dumps(result))

@@ -88,6 +88,9 @@ class Trainer:
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
         self.device = configure_device(config, self.graph)
+        # micro-batch copies never live at once share their activation
+        # buffers (after the device's fusions, which the plan must not block)
+        self.memory_plan = self.scheme.plan_memory(self.graph, config, self.world)
         self.params = [b.name for b in self.graph.params()]
         # --profile: a Chrome trace streamed to OUT/trace.rank<R>.json; a
         # (start, stop) window (--profile-iters A:B) keeps those iterations

@@ -114,4 +114,13 @@ def test_pipeline_benchmark_prints_one_json(tmp_path):
     assert out["peak_live_micro_batches"]["gpipe"] == [4, 4]
     one, gp = out["peak_activation_bytes"]["1f1b"], out["peak_activation_bytes"]["gpipe"]
     assert one[0] * 2 == gp[0] and one[1] * 4 == gp[1]
+    # real allocation: the memory plan keeps 2 copies on stage 0, 1 on stage 1
+    alloc = out["allocated_activation_bytes"]
+    assert alloc["slots"] == {"1f1b": [2, 1], "gpipe": [4, 4]}
+    one, gp = alloc["1f1b"], alloc["gpipe"]
+    assert one[0] * 2 == gp[0] and one[1] * 4 == gp[1] and one[1] > 0
+    ws = out["workspace_bytes"]
+    assert [g - o for g, o in zip(ws["m4_gpipe"], ws["m4_1f1b"])] == [g - o for g, o in
+                                                                     zip(gp, one)]
+    assert out["runs"]["m1"]["allocated_activation_bytes"] == [None, None]
     assert out["speedup_m4_over_m1"] > 0

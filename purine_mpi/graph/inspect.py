@@ -35,6 +35,9 @@ def compose_for(config, world_size, rank, phase="train"):
     from .partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = partition(graph, rank, size=world_size)
+    else:  # micro-batch copies share buffers as the trainer plans them
+        from ..parallel.compose import plan_memory
+        plan_memory(graph, config, world)
     graph.layout = lay
     return graph
 

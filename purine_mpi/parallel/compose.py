@@ -12,6 +12,7 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
     layout = layout_of(config, world)          # replicas x stages; this rank's place
     compose(graph, grads, config, world)       # the data-parallel, pipeline or hybrid slice
     compose_stages(graph, config, world)       # a staged scheme's slice (train or test)
+    plan_memory(graph, config, world)          # micro-batch copies share buffers (last)
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and
@@ -39,6 +40,11 @@ class Scheme:
 
     def compose(self, graph, grads, config, world):
         return compose(graph, grads, config, world)
+
+    def plan_memory(self, graph, config, world):
+        """Share the buffers of micro-batch copies never live at once
+        (parallel/micro_memory.py), on the graph as it will run."""
+        return plan_memory(graph, config, world)
 
     def agree_to_stop(self, trainer, done, diverged):
         """The stop code every rank agrees on after iteration ``done``."""
@@ -178,6 +184,15 @@ def compose(graph, grads, config, world):
         return graph
     raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
                     f"'{par.get('mode')}' runs through the parameter-server trainer")
+
+
+def plan_memory(graph, config, world):
+    """This rank's micro-batch memory plan (parallel/micro_memory.py): under
+    ``1f1b`` stage s of p keeps min(p - s, M) copies' activations, under
+    ``gpipe`` all M. Returns the plan, or None without micro-batches."""
+    from .micro_memory import plan_for_layout
+    par = config.get("parallel") or {}
+    return plan_for_layout(graph, layout_of(config, world), par.get("schedule", "1f1b"))
 
 
 def compose_stages(graph, config, world, copies=None):

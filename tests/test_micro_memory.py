@@ -1,0 +1,117 @@
+"""The micro-batch memory plan (parallel/micro_memory.py): under 1F1B stage
+s of p allocates the activations of min(p − s, M) micro-batches, not M
+(gradient accumulation on one stage: 1), the copies that share a buffer
+are ordered by control edges, a plan the schedule cannot honour is refused
+(a cycle, not a race), and training is bitwise the same as without it."""
+import pytest
+
+from purine_mpi.errors import GraphError
+from purine_mpi.graph.inspect import compose_for
+from purine_mpi.io.config import resolve_config
+from purine_mpi.parallel.micro_memory import (activation_bytes, copy_index, live_slots,
+                                              plan_micro_batch_memory, shareable_roots)
+from purine_mpi.runtime.workspace import Workspace
+from tests.mpi_scripts.launch import run_mpi
+from tests.test_micro_batches import STAGES, _config
+
+
+def _slice(np_, rank, **parallel):
+    return compose_for(resolve_config(_config(**parallel)), np_, rank)
+
+
+def _per_copy_bytes(graph):
+    """Bytes of one copy's shareable blobs (copy 0 always owns its buffers)."""
+    return sum(graph.blobs[n].nbytes for n in shareable_roots(graph)[0])
+
+
+def test_live_slots():
+    assert [live_slots("1f1b", 2, s, 4) for s in (0, 1)] == [2, 1]
+    assert [live_slots("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert live_slots("1f1b", 1, 0, 4) == 1  # gradient accumulation
+    assert live_slots("gpipe", 2, 0, 4) == 4
+
+
+@pytest.mark.parametrize("np_,parallel,slots", [
+    (2, {"scheme": "pipeline", "stages": STAGES}, [2, 1]),
+    (4, {"scheme": "hybrid", "stages": STAGES}, [2, 1, 2, 1]),
+    (1, {"scheme": "data"}, [1]),
+    (2, {"scheme": "data"}, [1, 1]),
+])
+def test_workspace_allocates_live_micro_batches_only(np_, parallel, slots):
+    """Real allocation: 1F1B's workspace is smaller than GPipe's by exactly
+    (M − L) copies of the activations, L = p − s (the trace's live peak)."""
+    m = 4
+    for rank in range(np_):
+        one = _slice(np_, rank, micro_batches=m, schedule="1f1b", **parallel)
+        gp = _slice(np_, rank, micro_batches=m, schedule="gpipe", **parallel)
+        per_copy = _per_copy_bytes(gp)
+        assert per_copy > 0 and _per_copy_bytes(one) == per_copy
+        assert activation_bytes(gp) == m * per_copy
+        assert activation_bytes(one) == slots[rank] * per_copy
+        assert one.memory_plan["saved_bytes"] == (m - slots[rank]) * per_copy
+        assert gp.memory_plan["shared"] == []
+        ws_one, ws_gp = Workspace(one), Workspace(gp)
+        assert ws_gp.allocated_bytes - ws_one.allocated_bytes == (m - slots[rank]) * per_copy
+        assert activation_bytes(one, ws_one) == activation_bytes(one)
+        assert activation_bytes(gp, ws_gp) == activation_bytes(gp)
+        # copy k's blobs view copy k mod L's buffers; weights are never shared
+        for name in one.memory_plan["shared"]:
+            k = copy_index(name)
+            root = one.storage_root(name)
+            assert k >= slots[rank] and copy_index(root) == k % slots[rank]
+            assert root in one.blobs and one.blobs[root].alias_of is None
+            assert ws_one.storage(name) is ws_one.storage(root)
+        assert not any(b.alias_of and copy_index(b.alias_of) is not None
+                       for b in one.blobs.values() if b.kind in ("param", "state"))
+
+
+def test_losses_and_weight_gradients_keep_their_own_buffers():
+    g = _slice(1, 0, scheme="data", micro_batches=4)
+    kept = [n for n in g.blobs if copy_index(n) is not None and n not in g.memory_plan["shared"]
+            and copy_index(n) > 0 and g.blobs[n].alias_of is None]
+    assert any(n.startswith("loss@") for n in kept)
+    assert any("weight" in n for n in kept)  # per-copy weight gradients, summed at the end
+    shared = g.memory_plan["shared"]
+    assert not any(n.startswith("loss@") or "weight" in n or "bias" in n for n in shared)
+
+
+def test_copy_waits_for_the_previous_copy_in_its_slot():
+    """Stage 1 (one slot): the Recv of copy k writes the buffer only after
+    every op of copy k − 1 that touches it (its backward) has finished."""
+    g = _slice(2, 1, scheme="pipeline", stages=STAGES, micro_batches=4, schedule="1f1b")
+    deps = g.dependencies()
+    recv = g.ops["pool1@mb2.recv"]
+    assert g.blobs["pool1@mb2"].alias_of == "pool1@mb0"  # the buffer of copy 2 mod 1
+    readers = [op.name for op in g.ops.values() if "pool1@mb1" in op.inputs]
+    assert readers and any(".bwd." in r for r in readers)
+    assert set(readers) <= set(recv.control_inputs)
+    assert set(readers) <= deps[recv.name]
+
+
+def test_a_plan_the_schedule_cannot_honour_is_refused():
+    """GPipe runs forward 1 before backward 0: sharing one buffer would make
+    the forward wait for the backward after it; the plan says so instead of
+    racing."""
+    g = _slice(1, 0, scheme="data", micro_batches=4, schedule="gpipe")
+    with pytest.raises(GraphError, match="wait on itself.*cycle"):
+        plan_micro_batch_memory(g, 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,scheme,micro,schedule", [
+    (1, "data", 4, "1f1b"),
+    (2, "pipeline", 4, "1f1b"),
+    (2, "pipeline", 4, "gpipe"),
+    (4, "hybrid", 4, "1f1b"),
+])
+def test_training_is_bitwise_the_same_without_the_plan(n, scheme, micro, schedule):
+    """Losses, weights and momenta after each of 4 iterations, with the plan
+    and without it (mpi_scripts/memory_plan_equiv.py)."""
+    proc, _ = run_mpi("memory_plan_equiv.py", n, scheme, micro, schedule, 4, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK memory_plan")]
+    assert len(lines) == n, proc.stdout + proc.stderr
+    shared = [int(ln.split()[3]) for ln in lines]
+    if schedule == "gpipe":
+        assert shared == [0] * n
+    else:
+        assert all(s > 0 for s in shared), lines
