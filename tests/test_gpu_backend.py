@@ -1387,11 +1387,17 @@ def test_stream_dispatcher_real_streams():
         d.close()
 
 
+def _no_readback(self):
+    raise AssertionError("a device value was read back to the host")
+
+
+@pytest.mark.parametrize("lr_on_device", [False, True])
 @pytest.mark.parametrize("kind", ["nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw"])
-def test_solver_updates_run_in_place_on_the_device(device, kind):
+def test_solver_updates_run_in_place_on_the_device(device, kind, lr_on_device, monkeypatch):
     """Every solver besides SGD is one xp code path: on device arrays it
     updates the weight and its state in place (w@new is w) and matches the
-    same op on the CPU; the learning rate and iteration stay host scalars."""
+    same op on the CPU, with the learning rate a host scalar or the device
+    blob (never read back); Adam's iteration is a host scalar."""
     from purine_mpi.ops.solver import SOLVER_UPDATES
     op_type, states = SOLVER_UPDATES[kind]
     attrs = {"momentum": 0.9, "momentum2": 0.99, "delta": 1e-6, "rms_decay": 0.9,
@@ -1404,8 +1410,13 @@ def test_solver_updates_run_in_place_on_the_device(device, kind):
     cpu = [a.copy() for a in [w] + state]
     cls(Op("u", op_type, [], [], dict(attrs))).run([cpu[0], g] + cpu[1:] + host, cpu)
     dev = [device.to_device(a) for a in [w] + state]
-    cls(Op("u", op_type, [], [], dict(attrs))).run([dev[0], device.to_device(g)] + dev[1:]
-                                                   + host, dev)
+    with monkeypatch.context() as patch:
+        if lr_on_device:  # the lr blob computed on the device (placement puts it there)
+            host = [device.to_device(host[0])] + host[1:]
+            if device.name == "emulated":   # and never read back to the host
+                patch.setattr(DeviceArray, "__float__", _no_readback, raising=False)
+        cls(Op("u", op_type, [], [], dict(attrs))).run([dev[0], device.to_device(g)] + dev[1:]
+                                                       + host, dev)
     for ours, ref in zip(dev, cpu):
         assert not isinstance(ours, np.ndarray) or isinstance(ours, DeviceArray)
         np.testing.assert_allclose(device.to_host(ours), ref, rtol=1e-6, atol=1e-7)

@@ -304,6 +304,12 @@ def _sgd_step(xp, w, grad, v, lr, a, w_new, v_new):
     xp.subtract(w, v_new, out=w_new)
 
 
+def _rate(rate, t):
+    """The rate as the update multiplies by it: a number of the weights'
+    dtype, or the 0-d device array of a learning-rate blob on the GPU."""
+    return t(rate) if isinstance(rate, float) else rate
+
+
 class _AdaptiveUpdate(OpKernel):
     """Base of the solvers besides SGD: ``[w, grad, *states, lr(, iter)] ->
     [w_new, *states_new]`` (aliases of w and the states), written in one xp
@@ -352,7 +358,10 @@ class _AdaptiveUpdate(OpKernel):
             if not same_buffer(old, new):
                 new[...] = old
         w_new, states = outs[0], outs[1:]
-        rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+        if get_xp(lr) is np:
+            rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+        else:  # the lr blob on the device: a 0-d device array, never read back
+            rate = lr.reshape(()).astype(w_new.dtype) * w_new.dtype.type(a.get("lr_mult", 1.0))
         decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
         dtype = w_new.dtype.type
         g = grad * dtype(a.get("grad_scale", 1.0))
@@ -379,7 +388,7 @@ class NesterovUpdate(_AdaptiveUpdate):
         mu = t(self.attrs.get("momentum", 0.0))
         previous = v * mu
         v *= mu
-        v += g * t(rate)
+        v += g * _rate(rate, t)
         w -= v * (t(1) + mu) - previous
 
 
@@ -394,7 +403,7 @@ class AdaGradUpdate(_AdaptiveUpdate):
     def step(self, xp, w, g, states, t, rate, decay, it):
         (h,) = states
         h += g * g
-        w -= t(rate) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+        w -= _rate(rate, t) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
 
 
 @register
@@ -411,7 +420,7 @@ class RMSPropUpdate(_AdaptiveUpdate):
         rho = t(self.attrs.get("rms_decay", 0.99))
         h *= rho
         h += (t(1) - rho) * g * g
-        w -= t(rate) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+        w -= _rate(rate, t) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
 
 
 @register
@@ -436,7 +445,7 @@ class AdaDeltaUpdate(_AdaptiveUpdate):
         u = xp.sqrt(h2 + eps) / xp.sqrt(h + eps) * g
         h2 *= rho
         h2 += (t(1) - rho) * u * u
-        w -= t(rate) * u
+        w -= _rate(rate, t) * u
 
 
 @register
@@ -465,7 +474,8 @@ class AdamUpdate(_AdaptiveUpdate):
         v *= t(b2)
         v += t(1 - b2) * g * g
         denom = xp.sqrt(v) / t(math.sqrt(1 - b2 ** s)) + t(self.attrs.get("delta", 1e-8))
-        w -= t(rate / (1 - b1 ** s)) * m / denom
+        step = t(rate / (1 - b1 ** s)) if isinstance(rate, float) else rate / t(1 - b1 ** s)
+        w -= step * m / denom
 
 
 @register
@@ -479,7 +489,7 @@ class AdamWUpdate(AdamUpdate):
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         if decay:
-            w *= t(1 - rate * decay)
+            w *= t(1 - rate * decay) if isinstance(rate, float) else 1 - rate * t(decay)
         super().step(xp, w, g, states, t, rate, decay, it)
 
 
