@@ -324,6 +324,75 @@ def test_replay_on_the_emulated_device_equals_eager(host_build_dir, monkeypatch)
         np.testing.assert_array_equal(replay[1][name], value)
 
 
+def _emulated_gpu(monkeypatch, build_dir):
+    """CuPy emulated on the host (tests/test_gpu_backend.py) and every
+    dispatcher's CUDA runtime simulated: a Trainer with ``device: 0``
+    trains on it."""
+    import sys
+
+    import purine_mpi.backend as backend
+    import purine_mpi.gpu as gpu
+    import purine_mpi.runtime.streams_dispatcher as streams
+    from tests.test_gpu_backend import _emulated_cupy
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
+    monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
+
+
+def _train_emulated(tmp_path, cuda_graph, max_iter, resume=None, out="run"):
+    import json
+
+    from purine_mpi.io.config import validate_config
+    from purine_mpi.trainer import Trainer
+    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
+    raw["solver"].update(max_iter=max_iter, test_interval=3, display=1)
+    config = validate_config(raw, check_files=False)
+    logs = []
+    trainer = Trainer(config, str(tmp_path / out), log=logs.append, resume=resume)
+    try:
+        trainer.run()
+        kinds = (type(trainer.train), type(trainer.test))
+        reports = [d.capture_report() for d in (trainer.train, trainer.test)
+                   if isinstance(d, GraphDispatcher)]
+        params = {p: np.array(trainer.ws[p]) for p in trainer.params}
+    finally:
+        trainer.close()
+    rows = []
+    for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.append({k: v for k, v in row.items()
+                     if k not in ("time", "timestamp", "images_per_s")})
+    return rows, params, kinds, reports, logs
+
+
+def test_trainer_with_cuda_graphs_on_the_emulated_gpu(tmp_path, monkeypatch, host_build_dir):
+    """train (device 0) on the emulated GPU: the train and the test graph
+    each get their captures; losses, test figures and weights equal those
+    of cuda_graph: false; a resumed run with capture on is bit-exact."""
+    _emulated_gpu(monkeypatch, host_build_dir)
+    eager = _train_emulated(tmp_path, False, 6, out="eager")
+    graph = _train_emulated(tmp_path, True, 6, out="graph")
+    assert eager[2] == (StreamDispatcher, StreamDispatcher)
+    assert graph[2] == (GraphDispatcher, GraphDispatcher)
+    train_rep, test_rep = graph[3]
+    for rep in (train_rep, test_rep):
+        assert rep["segments"] >= 1 and rep["captured"] == rep["segments"]
+        assert rep["failed"] == {} and rep["eager_gpu_ops"] == {}
+    assert graph[0] == eager[0] and any(r["phase"] == "test" for r in graph[0])
+    for name, value in eager[1].items():
+        np.testing.assert_array_equal(graph[1][name], value)
+    # resume: 3 iterations, then 3 more from the checkpoint, capture on
+    _train_emulated(tmp_path, True, 3, out="resumed")
+    resumed = _train_emulated(tmp_path, True, 6, resume="auto", out="resumed")
+    for name, value in graph[1].items():
+        np.testing.assert_array_equal(resumed[1][name], value)
+    assert resumed[0][-1] == graph[0][-1]
+
+
 # ---------------------------------------------------------- concurrency
 
 def _inception_graph(branches=4, depth=2):
