@@ -1325,10 +1325,14 @@ def test_workspace_arena_on_gpu():
     assert float(ws["conv1/weight"].sum()) == graph.blobs["conv1/weight"].size
 
 
-def _train(config, device, iters, seed=0):
-    """Losses of ``iters`` iterations of ``config`` on ``device`` (-1: CPU)."""
+def _train(config, device, iters, seed=0, fuse=False):
+    """Losses of ``iters`` iterations of ``config`` on ``device`` (-1: CPU);
+    ``fuse``: placed and fused as the trainer does."""
     graph, _ = build_train_graph(config)
-    place_on_device(graph, device)
+    if fuse:
+        prepare_for_device(graph, device)
+    else:
+        place_on_device(graph, device)
     d = make_dispatcher(graph, seed=seed)
     try:
         _init(d.workspace, graph, config["seed"])
@@ -1365,6 +1369,39 @@ def test_cifar10_quick_on_gpu_matches_cpu():
     cpu, _ = _train(config, -1, 5)
     dev, _ = _train(config, 0, 5)
     np.testing.assert_allclose(dev, cpu, rtol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("conv", ["auto", "im2col"])
+@pytest.mark.parametrize("net,rtol", [("cifar10_quick", 2e-4), ("nin_cifar10", 1e-3)])
+def test_nets_on_gpu_match_cpu_fused_with_dropout(net, rtol, conv, monkeypatch):
+    """cifar10_quick and NIN (dropout on: the same Philox masks on both
+    devices), placed and fused as train runs them, on cuDNN (when present)
+    and on the im2col fallback: the same losses as the CPU over 5 iterations."""
+    _gpu_cupy()
+    import os
+    from purine_mpi.gpu import cudnn as gpu_cudnn
+    from purine_mpi.io.config import load_config
+    monkeypatch.setenv("PURINE_CONV", conv)
+    gpu_cudnn.reset()
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "jobs", f"{net}.yaml")
+    config = load_config(path, overrides=["data.train.batch_size=16", "solver.base_lr=0.01"],
+                         check_files=False)
+    cpu, cpu_params = _train(config, -1, 5)
+    dev, dev_params = _train(config, 0, 5, fuse=True)
+    gpu_cudnn.reset()
+    np.testing.assert_allclose(dev, cpu, rtol=rtol)
+    for name, value in cpu_params.items():
+        np.testing.assert_allclose(dev_params[name], value, rtol=50 * rtol,
+                                   atol=1e-3 * max(1.0, float(np.abs(value).max())))
+
+
+@pytest.mark.gpu
+def test_trainer_on_gpu_resumes_bit_exactly_with_dropout(tmp_path):
+    """The emulated test below, on the real GPU (CUDA graphs on, cuDNN when
+    present): stop at 4, resume, end bit-identical to the straight run."""
+    _gpu_cupy()
+    _check_trainer_resume(tmp_path, emulated=False)
 
 
 @pytest.mark.gpu
@@ -1450,19 +1487,25 @@ def test_trainer_on_an_emulated_gpu_resumes_bit_exactly_with_dropout(
     the device from iter@gpu0 and the lr comes from the device. Stopping at
     iteration 4 and resuming ends bit-identical to the uninterrupted run, and
     close to the same run on the CPU."""
+    _emulated_trainer_env(monkeypatch, host_build_dir)
+    _check_trainer_resume(tmp_path, emulated=True)
+
+
+def _check_trainer_resume(tmp_path, emulated):
     from purine_mpi.io.checkpoint import load_checkpoint
     raw = _tiny_raw(device=0, checkpoint={"interval": 4, "keep": 5})
     raw["solver"].update(max_iter=8, display=0, test_interval=0)
     config = validate_config(raw, check_files=False)
     cpu_config = validate_config(dict(raw, device=-1), check_files=False)
     cpu = _trainer_run(cpu_config, tmp_path / "cpu")
-    _emulated_trainer_env(monkeypatch, host_build_dir)
     try:
         straight = _trainer_run(config, tmp_path / "straight")
         assert straight.device == 0
         ops = {op.op_type for op in straight.graph.ops.values()}
         assert "MultiSGDUpdate" in ops and "SGDUpdate" not in ops and "Relu" not in ops
-        assert isinstance(straight.ws["conv1/weight"], DeviceArray)
+        weight = straight.ws["conv1/weight"]
+        assert isinstance(weight, DeviceArray) if emulated else \
+            type(weight).__module__.startswith("cupy")
         split = tmp_path / "split"
         cut = dict(config, solver=dict(config["solver"], max_iter=4))
         _trainer_run(cut, split)
