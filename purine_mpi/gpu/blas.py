@@ -79,6 +79,9 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         return c
     cublas = cupy.cuda.cublas
     handle = cupy.cuda.device.get_cublas_handle()
+    host_mode = getattr(cublas, "CUBLAS_POINTER_MODE_HOST", None)
+    if host_mode is not None:  # alpha and beta are host values
+        cublas.setPointerMode(handle, host_mode)
     scalars = np.array([alpha, beta], dtype=dtype)   # host pointer mode
     alpha_ptr, beta_ptr = scalars.ctypes.data, scalars.ctypes.data + dtype.itemsize
     op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
