@@ -3,6 +3,8 @@ s of p allocates the activations of min(p − s, M) micro-batches, not M
 (gradient accumulation on one stage: 1), the copies that share a buffer
 are ordered by control edges, a plan the schedule cannot honour is refused
 (a cycle, not a race), and training is bitwise the same as without it."""
+import re
+
 import pytest
 
 from purine_mpi.errors import GraphError
@@ -88,6 +90,17 @@ def test_copy_waits_for_the_previous_copy_in_its_slot():
     assert set(readers) <= deps[recv.name]
 
 
+def test_graph_text_states_the_plan():
+    from purine_mpi.graph.inspect import render_graph
+    cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4))
+    text = render_graph(cfg, 2, 0)
+    g = _slice(2, 0, scheme="pipeline", stages=STAGES, micro_batches=4)
+    assert (f"memory plan: micro-batch activations in 2 slot(s), {len(g.memory_plan['shared'])} "
+            f"blob(s) reuse an earlier copy's buffer, {activation_bytes(g)} bytes allocated, "
+            f"{g.memory_plan['saved_bytes']} saved") in text
+    assert "memory plan" not in render_graph(resolve_config(_config(scheme="data")), 1, 0)
+
+
 def test_a_plan_the_schedule_cannot_honour_is_refused():
     """GPipe runs forward 1 before backward 0: sharing one buffer would make
     the forward wait for the backward after it; the plan says so instead of
@@ -102,15 +115,18 @@ def test_a_plan_the_schedule_cannot_honour_is_refused():
     (1, "data", 4, "1f1b"),
     (2, "pipeline", 4, "1f1b"),
     (2, "pipeline", 4, "gpipe"),
+    (3, "pipeline3", 4, "1f1b"),
     (4, "hybrid", 4, "1f1b"),
 ])
 def test_training_is_bitwise_the_same_without_the_plan(n, scheme, micro, schedule):
     """Losses, weights and momenta after each of 4 iterations, with the plan
     and without it (mpi_scripts/memory_plan_equiv.py)."""
     proc, _ = run_mpi("memory_plan_equiv.py", n, scheme, micro, schedule, 4, timeout=120)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK memory_plan")]
-    assert len(lines) == n, proc.stdout + proc.stderr
-    shared = [int(ln.split()[3]) for ln in lines]
+    # the ranks' lines may interleave on the shared stdout
+    lines = re.findall(r"OK memory_plan shared (\d+) act \d+/\d+ alloc \d+/\d+ rank (\d+)",
+                       proc.stdout)
+    assert sorted(int(r) for _, r in lines) == list(range(n)), proc.stdout + proc.stderr
+    shared = [int(s) for s, _ in lines]
     if schedule == "gpipe":
         assert shared == [0] * n
     else:

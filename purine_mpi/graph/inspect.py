@@ -120,4 +120,7 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
     if plan:
         from ..parallel.data_parallel import format_plan
         lines += format_plan(plan)
+    from ..parallel.micro_memory import describe_plan
+    if describe_plan(graph):
+        lines.append(describe_plan(graph))
     return "\n".join(lines)

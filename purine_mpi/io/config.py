@@ -133,8 +133,9 @@ KEY_DOCS = {
         "micro_batches": "split each rank's batch into M micro-batches (divides "
                          "data.train.batch_size); pipeline stages overlap them, scheme data "
                          "accumulates gradients",
-        "schedule": "order of the micro-batches on a stage: 1f1b (one forward, one backward) "
-                    "or gpipe (all forwards, then all backwards)",
+        "schedule": "order of the micro-batches on a stage: 1f1b (one forward, one backward; "
+                    "stage s of p allocates min(p-s, M) micro-batches' activations) or gpipe "
+                    "(all forwards, then all backwards; all M)",
     },
     "checkpoint": {
         "interval": "write `ckpt_<iter>.h5` every this many iterations (0: only at the end and "

@@ -26,7 +26,7 @@ runs them:
 - ``1f1b``: stage s of p first runs min(p−s−1, M) forwards (warm-up), then
   alternates one forward and one backward, then the remaining backwards.
   A stage then holds the activations of at most p−s micro-batches at once
-  (GPipe: M).
+  (GPipe: M), and allocates only that many (micro_memory.py).
 
 F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
 other ops (the backward pass); every op of a group waits for the last ops

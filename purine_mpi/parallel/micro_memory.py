@@ -176,6 +176,16 @@ def activation_bytes(graph, workspace=None):
     return sum(graph.blobs[n].nbytes for n in roots)
 
 
+def describe_plan(graph):
+    """One line for ``graph`` text output, or None without a plan."""
+    plan = getattr(graph, "memory_plan", None)
+    if plan is None:
+        return None
+    return (f"memory plan: micro-batch activations in {plan['slots']} slot(s), "
+            f"{len(plan['shared'])} blob(s) reuse an earlier copy's buffer, "
+            f"{activation_bytes(graph)} bytes allocated, {plan['saved_bytes']} saved")
+
+
 def plan_for_layout(graph, layout, schedule):
     """The plan of a rank at ``layout`` (parallel/compose.Layout) running
     ``schedule``; nothing without micro-batches."""

@@ -6,7 +6,8 @@ bitwise identical after every iteration.
 
     mpiexec -n K python tests/mpi_scripts/memory_plan_equiv.py SCHEME M SCHEDULE [ITERS]
 
-SCHEME is data, pipeline (2 stages) or hybrid (2 stages, K / 2 replicas),
+SCHEME is data, pipeline (2 stages), pipeline3 (3 stages) or hybrid (2
+stages, K / 2 replicas),
 on the dropout-free net of tests/test_micro_batches.py. Each rank prints
 ``OK memory_plan shared S act A/U alloc X/Y rank R``: S blobs planned,
 A / U activation bytes with / without the plan, X / Y all bytes the
@@ -34,7 +35,9 @@ scheme, micro, schedule = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 iters = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 w = world()
 par = {"scheme": scheme, "micro_batches": micro, "schedule": schedule}
-if scheme != "data":
+if scheme == "pipeline3":  # three stages: 1F1B keeps 3, 2, 1 micro-batches
+    par.update(scheme="pipeline", stages=dict(STAGES, pool1=1, fc1=1, relu3=1, fc2=2, loss=2))
+elif scheme != "data":
     par["stages"] = STAGES
 raw = _config(**par)
 raw["data"]["train"]["batch_size"] = 8
