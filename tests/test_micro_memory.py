@@ -5,6 +5,7 @@ are ordered by control edges, a plan the schedule cannot honour is refused
 (a cycle, not a race), and training is bitwise the same as without it."""
 import re
 
+import numpy as np
 import pytest
 
 from purine_mpi.errors import GraphError
@@ -131,3 +132,51 @@ def test_training_is_bitwise_the_same_without_the_plan(n, scheme, micro, schedul
         assert shared == [0] * n
     else:
         assert all(s > 0 for s in shared), lines
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, host_build_dir,
+                                                      cuda_graph):
+    """Gradient accumulation (M = 4, one slot) placed and fused on GPU 0
+    (emulated CuPy, simulated streams; tests/test_cuda_graph.py), dropout
+    and LRN included: the planned blobs live in the device arena and in the
+    pinned host blobs of the data copies, and the stream dispatcher (eager
+    or replaying captured graphs) trains bitwise like without the plan."""
+    import purine_mpi.parallel.compose as compose
+    from purine_mpi.io.config import validate_config
+    from purine_mpi.trainer import Trainer
+    from tests.test_cuda_graph import _emulated_gpu
+    from tests.test_gpu_backend import _tiny_raw
+    _emulated_gpu(monkeypatch, host_build_dir)
+    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    raw["parallel"] = {"scheme": "data", "micro_batches": 4, "schedule": "1f1b"}
+
+    def train():
+        t = Trainer(validate_config(raw, check_files=False), str(tmp_path / "unused"),
+                    log=lambda m: None)
+        try:
+            losses = []
+            for it in range(4):
+                t.step(it)
+                losses.append([float(t.ws[b]) for b in t.losses])
+            return (losses, {p: np.array(t.ws[p]) for p in t.params}, t.memory_plan,
+                    t.ws.allocated_bytes, t.graph)
+        finally:
+            t.close()
+
+    got = train()
+    monkeypatch.setattr(compose, "plan_memory", lambda *a, **k: None)
+    ref = train()
+    plan, graph = got[2], got[4]
+    assert ref[2] is None and plan["slots"] == 1 and plan["shared"]
+    assert any(graph.blobs[n].location.device == 0 for n in plan["shared"])
+    assert any(graph.blobs[n].location.device < 0 for n in plan["shared"])  # pinned data
+    # the device arena rounds each blob up to ARENA_ALIGN bytes
+    from purine_mpi.runtime.workspace import ARENA_ALIGN
+    saved = sum(-(-graph.blobs[n].nbytes // ARENA_ALIGN) * ARENA_ALIGN
+                if graph.blobs[n].location.device >= 0 else graph.blobs[n].nbytes
+                for n in plan["shared"])
+    assert ref[3] - got[3] == saved > 0
+    assert got[0] == ref[0]
+    for name, value in ref[1].items():
+        np.testing.assert_array_equal(got[1][name], value, err_msg=name)
