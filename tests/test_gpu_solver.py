@@ -212,3 +212,48 @@ def test_fused_relu_graph_computes_the_same_on_the_cpu():
                                                              "x.grad") if k in d.workspace.arrays})
     for k, v in results[0].items():
         assert results[1][k].tobytes() == v.tobytes(), k
+
+
+def test_constant_rate_and_constants_are_written_once_on_the_device(monkeypatch,
+                                                                     host_build_dir):
+    """A fixed lr without warm-up and a Constant (the loss gradient's seed)
+    are written in the first iteration only; a scheduled lr every time."""
+    import sys
+    import purine_mpi.backend as backend_module
+    import purine_mpi.gpu as gpu
+    from tests.test_gpu_backend import DeviceArray, _emulated_cupy
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(host_build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend_module, "_cupy", fake)
+    launched = []
+    real = kernels._launch_blocks
+    monkeypatch.setattr(kernels, "_launch_blocks",
+                        lambda s, f, *a: (launched.append(f), real(s, f, *a))[1])
+    it = np.zeros((), np.int64).view(DeviceArray)
+    try:
+        for attrs, expect in (({"base_lr": 0.1}, 1),
+                              ({"base_lr": 0.1, "warmup_iters": 3}, 4),
+                              ({"base_lr": 0.1, "lr_policy": "step", "gamma": 0.5,
+                                "stepsize": 2}, 4)):
+            launched.clear()
+            k = get_kernel_class("LearningRate")(Op("lr", "LearningRate", [], [], attrs))
+            lr = np.zeros((), np.float32).view(DeviceArray)
+            k.setup([it], [lr])
+            for i in range(4):
+                it[...] = i
+                k.run([it], [lr])
+                assert float(lr) == np.float32(learning_rate(attrs, i))
+            assert launched.count("learning_rate") == expect, attrs
+        const = get_kernel_class("Constant")(Op("c", "Constant", [], [],
+                                                {"shape": [], "value": 1.0}))
+        y = np.zeros((), np.float32).view(DeviceArray)
+        const.run([], [y])
+        y[...] = 5.0   # only the op writes it; a second run must not launch a fill
+        const.run([], [y])
+        assert float(y) == 5.0
+        host = np.zeros((), np.float32)
+        const.run([], [host])
+        assert float(host) == 1.0   # on the CPU: every time (a cheap store)
+    finally:
+        gpu.clear_kernel_cache()

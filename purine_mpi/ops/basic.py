@@ -7,7 +7,11 @@ from .registry import OpKernel, gradient, register
 
 @register
 class Constant(OpKernel):
-    """y = value (a source op; attrs ``shape``, ``value``, ``dtype``)."""
+    """y = value (a source op; attrs ``shape``, ``value``, ``dtype``).
+
+    On a GPU the blob is filled once: nothing else writes it (an op that
+    adds into it would make the op ``accumulate``, and then it fills every
+    iteration), so later iterations launch nothing for it."""
 
     op_type = "Constant"
 
@@ -16,7 +20,12 @@ class Constant(OpKernel):
         return [(tuple(attrs["shape"]), attrs.get("dtype", "float32"))]
 
     def run(self, ins, outs):
-        outs[0].fill(self.attrs["value"])
+        y = outs[0]
+        if get_xp(y) is not np and not self.op.accumulate:
+            if getattr(self, "_filled", None) is y:
+                return
+            self._filled = y
+        y.fill(self.attrs["value"])
 
 
 @register

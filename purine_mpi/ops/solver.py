@@ -127,7 +127,8 @@ class LearningRate(OpKernel):
 
     On a GPU (lr a device blob) one single-thread kernel (cuda/lr_policy.cu)
     evaluates the same formula from the iteration blob on the device: no
-    host work and no host round trip in the iteration."""
+    host work and no host round trip in the iteration (a ``fixed`` rate
+    without warm-up is written once)."""
 
     op_type = "LearningRate"
     category = "update"
@@ -152,8 +153,13 @@ class LearningRate(OpKernel):
             from ..gpu import kernels
             if getattr(self, "_device_args", None) is None:
                 self.setup(ins, outs)
+            args = self._device_args
+            constant = args["policy"] == LR_POLICY_CODES["fixed"] and args["warmup"] <= 0
+            if constant and getattr(self, "_written", None) is outs[0]:
+                return  # a fixed rate: written once, nothing to launch after that
             it = ins[0] if get_xp(ins[0]) is not np else int(ins[0].reshape(()))
-            kernels.learning_rate(it, outs[0], **self._device_args)
+            kernels.learning_rate(it, outs[0], **args)
+            self._written = outs[0]
             return
         outs[0].fill(learning_rate(self.attrs, int(np.asarray(ins[0]).reshape(()))))
 
