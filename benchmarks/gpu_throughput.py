@@ -345,7 +345,7 @@ def kernel_stats(step, iters):
     except ImportError:
         return None
     import tempfile
-    from purine_mpi.bench import merge_intervals
+    from purine_mpi.runtime.trace import merge_intervals
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(iters):

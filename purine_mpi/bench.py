@@ -18,6 +18,7 @@ import numpy as np
 
 from .backend import cupy_available
 from .errors import UserError
+from .runtime.trace import merge_intervals
 
 
 def synthetic_config(config):
@@ -38,16 +39,6 @@ def synthetic_config(config):
                                 "num_samples": max(n, spec["batch_size"] * 4)}
     cfg["data"].pop("test", None)
     return cfg
-
-
-def merge_intervals(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
 
 
 def comm_overlap(events):

@@ -13,6 +13,8 @@ stage does). A micro-batch copy's op is named ``<op>@mb<k>`` (micro_batch.py).
 """
 import re
 
+from ..runtime.trace import merge_intervals
+
 WORK = ("compute", "update", "copy")
 _MB = re.compile(r"@mb(\d+)(?:$|[.@])")
 
@@ -28,19 +30,9 @@ def _intervals(events, cats=WORK):
             and e.get("cat") in cats]
 
 
-def merge(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
 def busy_us(events):
     """Microseconds during which at least one compute op of these events ran."""
-    return sum(e - s for s, e in merge(_intervals(events)))
+    return sum(e - s for s, e in merge_intervals(_intervals(events)))
 
 
 def bubble_fraction(busy, span):
@@ -93,9 +85,9 @@ def cross_stage_overlap_us(a, b):
     for (side, j), ia in by_mb.items():
         if side != "a":
             continue
-        other = merge([iv for (s2, k), ivs in by_mb.items() if s2 == "b" and k != j
+        other = merge_intervals([iv for (s2, k), ivs in by_mb.items() if s2 == "b" and k != j
                        for iv in ivs])
-        for s, e in merge(ia):
+        for s, e in merge_intervals(ia):
             for s2, e2 in other:
                 total += max(0.0, min(e, e2) - max(s, s2))
     return total

@@ -122,3 +122,14 @@ class TraceFile(Profiler):
                 self._file.close()
                 self._file = None
         return self.path
+
+
+def merge_intervals(intervals):
+    """Union of (start, end) intervals, as sorted, disjoint [start, end] lists."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
