@@ -18,7 +18,7 @@ import numpy as np
 
 from .backend import get_xp, to_numpy
 from .errors import GraphError, UserError
-from .gpu.placement import configure_device, prepare_for_device
+from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
@@ -90,6 +90,15 @@ class Trainer:
         self.device = configure_device(config, self.graph)
         # micro-batch copies never live at once share their activation
         # buffers (after the device's fusions, which the plan must not block)
+        self.losses = list(loss_blobs(self.graph))
+        # with micro-batches each copy's loss is its micro-batch's mean
+        self.loss_shares = [self.graph.blobs[b].attrs.get("micro_batch_share", 1.0)
+                            for b in self.losses]
+        # on a GPU the loss stays on the device between the display, test and
+        # checkpoint intervals (ops/watch.py): the host reads it back only there
+        self.deferred = self.device >= 0 and getattr(self.scheme, "defer_loss_readback", True)
+        self.watch = add_loss_watch(self.graph, self.losses, self.loss_shares, self.device) \
+            if self.deferred and self.losses else None
         self.memory_plan = self.scheme.plan_memory(self.graph, config, self.world)
         self.params = [b.name for b in self.graph.params()]
         # --profile: a Chrome trace streamed to OUT/trace.rank<R>.json; a
@@ -109,10 +118,6 @@ class Trainer:
                                      seed=self._op_seed())
         self.ws = self.train.workspace
         self._order_adopted = False
-        self.losses = list(loss_blobs(self.graph))
-        # with micro-batches each copy's loss is its micro-batch's mean
-        self.loss_shares = [self.graph.blobs[b].attrs.get("micro_batch_share", 1.0)
-                            for b in self.losses]
         self.data_size = data_size
         self.test_graph = build_test_graph(config, data_rank, data_size)
         if self.test_graph is not None:
@@ -320,6 +325,25 @@ class Trainer:
         (StopSignal.agree); a parameter-server worker adds its servers."""
         return self.scheme.agree_to_stop(self, done, diverged)
 
+    def _read_losses(self):
+        """(sum of the losses since the last reset, first non-finite
+        iteration or None) from the device loss watch: one read-back; then
+        the first non-finite iteration of any rank (collective, at the same
+        iterations on every rank)."""
+        total, first = 0.0, 0
+        if self.watch is not None:
+            total, first = (float(v) for v in to_numpy(self.ws[self.watch]))
+        first = int(first) or None
+        if self.size > 1:  # the earliest over the ranks: MAX of the negated iteration
+            worst = self.world.allreduce(np.array([-(first or 2 ** 62)], np.int64), "max",
+                                         "the first diverged iteration (allreduce)")
+            first = None if -int(worst[0]) == 2 ** 62 else -int(worst[0])
+        return total, first
+
+    def _reset_loss_window(self):
+        if self.watch is not None:
+            self.ws[self.watch][0] = 0.0
+
     def _params_finite(self):
         """Whether every parameter of this rank is finite (no NaN or inf)."""
         return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
@@ -374,11 +398,25 @@ class Trainer:
                 self.step(it)
                 if it == it0:
                     self._report_first_iteration(time.perf_counter() - t_start)
-                loss_now = sum(float(self.ws[b]) * share
-                               for b, share in zip(self.losses, self.loss_shares))
-                window_loss, window_n = window_loss + loss_now, window_n + 1
                 done = it + 1
-                if display and (done % display == 0 or done == max_iter):
+                window_n += 1
+                display_due = bool(display) and (done % display == 0 or done == max_iter)
+                # on a GPU the loss is read back only where it is shown or a
+                # checkpoint may follow (the same iterations on every rank)
+                checked = not self.deferred or display_due or done == max_iter or bool(
+                    ck_interval and done % ck_interval == 0) or bool(
+                    test_interval and done % test_interval == 0)
+                first_bad = None  # the first iteration with a non-finite loss
+                if not self.deferred:
+                    loss_now = sum(float(self.ws[b]) * share
+                                   for b, share in zip(self.losses, self.loss_shares))
+                    window_loss += loss_now
+                    first_bad = None if math.isfinite(loss_now) else done
+                elif checked:
+                    window_loss, first_bad = self._read_losses()
+                # a window that diverged before this iteration is not shown:
+                # the run ended there (as it does when the loss is read every iteration)
+                if display_due and (first_bad is None or first_bad == done):
                     now = time.perf_counter()
                     loss = self._reduce(window_loss / window_n if window_n else 0.0)
                     ips = (done - window_start) * batch * self.data_size / max(
@@ -392,14 +430,26 @@ class Trainer:
                               f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {_hms(now - t_start)}  "
                               f"eta {_hms(eta)}")
                     window_loss, window_n, t_window, window_start = 0.0, 0, now, done
+                    self._reset_loss_window()
                 # a checkpoint is never written with non-finite weights: where
                 # one may follow, the parameters are checked too
                 save_due = done == max_iter or self.stop.name is not None or (
                     ck_interval and done % ck_interval == 0)
-                diverged = not math.isfinite(loss_now) or (save_due and not self._params_finite())
+                diverged = first_bad is not None or (save_due and not self._params_finite())
                 code = self.agree_to_stop(done, diverged)
+                if self.deferred and not checked and code and code != StopSignal.DIVERGED:
+                    # a signal asks for a checkpoint between the intervals: the
+                    # loss and the weights are checked first, on every rank
+                    _, first_bad = self._read_losses()
+                    diverged = first_bad is not None or not self._params_finite()
+                    if self.size > 1:
+                        diverged = bool(self.world.allreduce(
+                            np.array([int(diverged)], np.int64), "max",
+                            "the divergence check before a checkpoint (allreduce)")[0])
+                    code = StopSignal.DIVERGED if diverged else code
                 if code == StopSignal.DIVERGED:
-                    return {"diverged_at": done, "last_checkpoint": self._last_saved}
+                    return {"diverged_at": first_bad or done,
+                            "last_checkpoint": self._last_saved}
                 if test_interval and done % test_interval == 0 and done != max_iter:
                     self._evaluate(done, metrics)
                 if done != max_iter and (code or ck_interval and done % ck_interval == 0):

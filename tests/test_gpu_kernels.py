@@ -223,6 +223,8 @@ static inline float __int_as_float(int i) { float f; memcpy(&f, &i, sizeof f); r
 static inline double __longlong_as_double(long long i) {
   double d; memcpy(&d, &i, sizeof d); return d;
 }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
 """
 _EMU_BLOCKS, _EMU_THREADS = 2, 3   # small grid: exercises the grid-stride loops
 _C_SCALARS = {"long long": (np.int64, ctypes.c_longlong), "int": (np.int32, ctypes.c_int),

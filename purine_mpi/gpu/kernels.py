@@ -31,6 +31,7 @@ ENTRY_POINTS = {
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
     "reduce": ("channel_sum", "sum_rows"),
+    "loss_watch": ("loss_watch",),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
@@ -618,6 +619,49 @@ def learning_rate(iteration, out, policy, base, gamma=0.0, power=0.0, stepsize=0
                    (it_value, it_ptr, has_it_ptr, _int(policy), f64(base), f64(gamma),
                     f64(power), f64(stepsize), f64(max_iter), f64(min_lr), steps,
                     _int(n_steps), np.int64(warmup), f64(warmup_start), out))
+
+
+# ------------------------------------------------------------ loss watch ---
+
+class LossTable:
+    """The device table of :func:`loss_watch` for a fixed set of loss blobs
+    (one-element arrays of one dtype): their device pointers and each one's
+    share of the displayed loss. Built once (in the op's setup)."""
+
+    def __init__(self, losses, shares):
+        cupy = import_cupy()
+        from .raw import data_ptr
+        if not losses or len(losses) != len(shares):
+            raise ValueError("LossTable: one share per loss, at least one loss")
+        dtypes = {np.dtype(a.dtype) for a in losses}
+        if len(dtypes) != 1 or any(not isinstance(a, cupy.ndarray) or a.size != 1
+                                   for a in losses):
+            raise ValueError("LossTable: the losses must be one-element CuPy arrays of "
+                             f"one dtype, got dtypes {sorted(map(str, dtypes))}")
+        self.losses = list(losses)  # kept alive: the table holds their addresses
+        self.dtype = dtypes.pop()
+        dtype_suffix(self.dtype)
+        self.pointers = cupy.asarray(np.asarray([data_ptr(a) for a in losses], np.uint64))
+        self.shares = cupy.asarray(np.asarray(shares, np.float64))
+        self.count = len(losses)
+
+
+def loss_watch(table, iteration, out):
+    """One iteration of the loss watch (cuda/loss_watch.cu): add this
+    iteration's loss (the shares' weighted sum of ``table``'s losses, in
+    double) to ``out[0]`` and, when it is not finite and ``out[1]`` is 0,
+    set ``out[1]`` to the iteration + 1. ``iteration`` is the one-element
+    int64 iteration blob on the device; ``out`` two float64 on the device."""
+    cupy = import_cupy()
+    if not isinstance(out, cupy.ndarray) or out.size != 2 or \
+            np.dtype(out.dtype) != np.dtype(np.float64) or not out.flags.c_contiguous:
+        raise ValueError("loss_watch: out must be a two-element float64 CuPy array")
+    if not isinstance(iteration, cupy.ndarray) or iteration.size != 1 or \
+            np.dtype(iteration.dtype) != np.dtype(np.int64):
+        raise ValueError("loss_watch: the iteration must be the one-element int64 "
+                         "iteration blob on the device")
+    _launch_blocks("loss_watch", "loss_watch", table.dtype, 1, 1,
+                   (table.pointers, table.shares, _int(table.count), iteration, out))
 
 
 # ----------------------------------------------------------- activations ---

@@ -184,3 +184,29 @@ def prepare_for_device(graph, device, train=True):
         from .fuse import fuse_for_device
         fuse_for_device(graph, train=train)
     return graph
+
+
+#: the blob (and op) of the loss watch (ops/watch.py) in a GPU training graph
+LOSS_WATCH = "loss_watch"
+
+
+def add_loss_watch(graph, losses, shares, device):
+    """Add the ``LossWatch`` op (``purine_mpi/ops/watch.py``) to a training
+    graph placed on GPU ``device``: it reads ``losses`` (with their
+    ``shares``) and the device iteration blob and keeps the display window's
+    loss sum and the first non-finite iteration on the device, so the
+    trainer reads the loss back only at its intervals. It runs on the stream
+    of the first loss's producer. Returns the watch blob's name."""
+    iter_dev = next((n for n, b in graph.blobs.items() if b.attrs.get("copy_of") == "iter"
+                     and b.location.device == int(device)), None)
+    if iter_dev is None:
+        iter_dev = _twin(graph, {}, "iter", device, "h2d", H2D_THREAD)
+    producer = graph.producers().get(losses[0]) or []
+    thread = producer[0].thread if producer else 0
+    where = dataclasses.replace(graph.blobs[losses[0]].location, device=int(device))
+    name = _free_name(graph, LOSS_WATCH)
+    graph.add_blob(name, (2,), "float64", where, kind="state")
+    graph.add_op(name, "LossWatch", list(losses) + [iter_dev], [name],
+                 {"shares": [float(s) for s in shares]}, location=where, thread=thread)
+    graph.infer_shapes()
+    return name

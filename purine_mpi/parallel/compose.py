@@ -38,6 +38,10 @@ class Scheme:
     runs and the decisions it shares with other ranks. The trainer passes
     itself to the hooks (its ``world``, ``stop``, ``ws`` and ``start_iter``)."""
 
+    #: on a GPU, the trainer reads the loss back only at the display, test and
+    #: checkpoint intervals (and before a checkpoint a signal asks for)
+    defer_loss_readback = True
+
     def compose(self, graph, grads, config, world):
         return compose(graph, grads, config, world)
 

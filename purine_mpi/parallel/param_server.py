@@ -382,6 +382,10 @@ class WorkerScheme(Scheme):
     worker graph, the stop agreement with the servers, and checkpoints that
     carry the servers' momenta. ``world`` is the global World."""
 
+    #: the stop agreement tells the servers at once, so a worker checks its
+    #: loss every iteration (a divergence found later could not be taken back)
+    defer_loss_readback = False
+
     def __init__(self, config, world):
         self.world = world
         self.config = config
