@@ -172,7 +172,8 @@ def worker(opts):
         cfg = synthetic_config(cfg)
 
     def make(graph):
-        d = make_dispatcher(graph, "event", rank=world.rank, stall_timeout=600)
+        extra = {} if opts.busy_poll_ms is None else {"busy_poll": opts.busy_poll_ms / 1000}
+        d = make_dispatcher(graph, "event", rank=world.rank, stall_timeout=600, **extra)
         for blob in graph.params():
             d.workspace.set(blob.name, fill(blob, 0))
         return d
@@ -239,6 +240,10 @@ def main():
     p.add_argument("--batch", type=int, default=0,
                    help="per-rank batch size (default: the config's; the built-in net has 32, "
                         "where communication dominates; 96 makes compute dominate)")
+    p.add_argument("--busy-poll-ms", type=float, default=None,
+                   help="the dispatcher's busy_poll: while a worker runs a long op, the "
+                        "progress thread tests the transfers in flight every so often "
+                        "(default: the dispatcher's, 1 ms; 0: only between ops)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -250,6 +255,8 @@ def main():
         args.forward.append(f"--config={os.path.abspath(args.config)}")
     if args.no_grad_first:
         args.forward.append("--no-grad-first")
+    if args.busy_poll_ms is not None:
+        args.forward.append(f"--busy-poll-ms={args.busy_poll_ms}")
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         args.forward.append(f"--trace={os.path.abspath(args.trace)}")

@@ -84,6 +84,11 @@ def torch_net(config):
             layers.append(nn.Conv2d(channels, layer["num_output"], k, s, p))
             channels = layer["num_output"]
             size = [(x + 2 * p - k) // s + 1 for x in size]
+        elif kind == "pool" and layer.get("global"):
+            pool = nn.AdaptiveMaxPool2d if layer.get("pool", "max") == "max" else \
+                nn.AdaptiveAvgPool2d
+            layers.append(pool(1))
+            size = [1, 1]
         elif kind == "pool":
             k, s = layer["kernel"], layer.get("stride", 1)
             ceil = layer.get("ceil_mode", False)
@@ -93,6 +98,11 @@ def torch_net(config):
             size = [rnd(x - k) + 1 for x in size]
         elif kind == "relu":
             layers.append(nn.ReLU())
+        elif kind == "dropout":
+            layers.append(nn.Dropout(layer.get("ratio", 0.5)))
+        elif kind == "flatten":
+            layers.append(nn.Flatten())
+            flat = channels * size[0] * size[1]
         elif kind == "fc":
             if flat is None:
                 layers.append(nn.Flatten())

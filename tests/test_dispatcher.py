@@ -562,6 +562,64 @@ def test_comm_poster_gate_holds_an_op_until_its_device_work_is_done():
     assert poster.latency_args("a")["post_latency_us"] >= 1e4
 
 
+def test_comm_poster_never_looks_idle_while_it_posts():
+    """While one thread is inside a post (an MPI call that may take a
+    while), another thread asking has_work() must see work: the progress
+    thread would otherwise go to sleep for a second with a transfer in
+    flight that nobody tests during the next long op."""
+    from purine_mpi.runtime.comm_progress import CommPoster
+    seen = []
+
+    class Op:
+        def __init__(self, name):
+            self.name, self.op_type = name, "X"
+
+    def post(name):
+        seen.append((name, poster.has_work()))
+        return _Countdown(2)
+
+    ops = {n: Op(n) for n in ("c0", "p1")}
+    for name, unordered in (("c0", []), ("p1", ["p1"])):  # a collective, a Send/Recv
+        poster = CommPoster([name], post=post, complete=lambda n: None, unordered=unordered)
+        poster.mark_ready(name)
+        poster.progress(ops)
+        assert seen[-1] == (name, True)
+        assert poster.has_work() and len(poster.pending) == 1
+
+
+def test_comm_poster_never_waits_for_another_threads_mpi_call():
+    """A thread that finds another inside MPI goes back to its compute at
+    once; what it readied meanwhile is posted by the thread inside before
+    that one leaves (no post is lost)."""
+    from purine_mpi.runtime.comm_progress import CommPoster
+    inside, leave, posted = threading.Event(), threading.Event(), []
+
+    class Op:
+        def __init__(self, name):
+            self.name, self.op_type = name, "X"
+
+    def post(name):
+        posted.append((name, threading.current_thread().name))
+        if name == "c0":
+            inside.set()
+            assert leave.wait(5)
+        return _Countdown(100)
+
+    ops = {n: Op(n) for n in ("c0", "c1")}
+    poster = CommPoster(["c0", "c1"], post=post, complete=lambda n: None)
+    poster.mark_ready("c0")
+    t = threading.Thread(target=poster.progress, args=(ops,), name="inside")
+    t.start()
+    assert inside.wait(5)
+    poster.mark_ready("c1")
+    t0 = time.perf_counter()
+    assert poster.progress(ops) == 0  # returns at once: "inside" holds the MPI lock
+    assert time.perf_counter() - t0 < 0.05 and posted == [("c0", "inside")]
+    leave.set()
+    t.join(5)
+    assert posted == [("c0", "inside"), ("c1", "inside")]
+
+
 def test_serial_dispatcher_runs_one_op_at_a_time():
     g = Graph()
     g.add_blob("x", SHAPE)

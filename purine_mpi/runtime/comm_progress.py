@@ -24,7 +24,9 @@ seconds (a large transfer only moves inside an MPI call; without that, a
 24 MB allreduce posted before a 100 ms convolution would wait for its end).
 
 Every MPI call here runs under ``comm.world.MPI_LOCK``, so one thread at a
-time is in MPI (what MPI_THREAD_SERIALIZED asks for).
+time is in MPI (what MPI_THREAD_SERIALIZED asks for). A thread never waits
+for that lock: if another is in MPI, it goes back to its compute, and the
+one inside posts whatever became ready before it leaves.
 
 Device hook: ``gate(name) -> bool``, given at construction, says whether an
 op whose host-side inputs are all ready (``mark_ready``) may be posted *now*
@@ -43,6 +45,7 @@ side) and ``posted_at[name]`` when it was posted; their difference is the
 last ran ``progress()`` (the progress thread's cue).
 """
 import collections
+import itertools
 import time
 
 from ..comm.world import MPI_LOCK
@@ -78,6 +81,8 @@ class CommPoster:
         self.posted_at = {}
         self.pending = []  # (name, op, Pending)
         self._free = collections.deque()  # ready unordered ops not yet posted
+        self._marks = itertools.count(1)
+        self._last_mark = 0
         self.last_test = time.perf_counter()
 
     def set_order(self, order, check=True):
@@ -88,48 +93,69 @@ class CommPoster:
         self._chain = [n for n in self.order if n not in self.unordered]
 
     def mark_ready(self, name):
-        """``name``'s inputs are all written (called under the dispatcher's lock)."""
+        """``name``'s inputs are all written (any thread; takes no lock)."""
         self.ready_at[name] = time.perf_counter()
         if name in self.unordered:
             self._free.append(name)
+        self._last_mark = next(self._marks)  # atomic: progress() looks for news
 
     def has_work(self):
         """Anything to post or to test (a cheap check without the lock)."""
-        return bool(self.pending) or bool(self._free) or (
-            self.next < len(self._chain) and self._chain[self.next] in self.ready_at)
+        return bool(self.pending) or self._postable()
 
     def progress(self, ops):
         """Post what is ready (in order), test what is in flight, complete
-        what finished. Returns the number of ops completed."""
-        if not self.has_work():
-            return 0
-        with MPI_LOCK:
-            # post first: testing a large transfer in flight may itself move
-            # data for a while (MPI progresses inside Test), and a ready
-            # bucket should not wait behind that
-            done = self._post_ready(ops)
-            done += self._test(ops)
-            done += self._post_ready(ops)  # what the completions made ready
-            self.last_test = time.perf_counter()
+        what finished. Returns the number of ops completed.
+
+        Never waits for another thread's MPI call: when one is in MPI
+        already (a Test that moves a large transfer may take milliseconds),
+        this returns at once, and that thread posts what is ready before it
+        lets go -- including what became ready meanwhile (checked again after
+        the lock is released, so a post is never lost)."""
+        done = 0
+        while self.has_work():
+            if not MPI_LOCK.acquire(blocking=False):
+                return done
+            try:
+                # post first: testing a large transfer in flight may itself
+                # move data for a while (MPI progresses inside Test), and a
+                # ready bucket should not wait behind that
+                done += self._post_ready(ops)
+                done += self._test(ops)
+                seen = self._last_mark
+                done += self._post_ready(ops)  # what the completions made ready
+                self.last_test = time.perf_counter()
+            finally:
+                MPI_LOCK.release()
+            if self._last_mark == seen:  # nothing was readied since our last look
+                break
         return done
+
+    def _postable(self):
+        """A ready op waits to be posted (a cheap check without the lock)."""
+        return bool(self._free) or (self.next < len(self._chain)
+                                    and self._chain[self.next] in self.ready_at)
 
     def _open(self, name):
         return self._gate is None or self._gate(name)
 
     def _post_ready(self, ops):
+        # An op leaves the ready set only once it is in ``pending``: another
+        # thread's has_work() must never see it in neither (it would go to
+        # sleep while the transfer waits to be tested).
         done = 0
         for _ in range(len(self._free)):  # point-to-point: as soon as ready
-            name = self._free.popleft()
+            name = self._free[0]
             if self._open(name):
                 done += self._post_one(name, ops)
+                self._free.popleft()
             else:
-                self._free.append(name)
+                self._free.rotate(-1)
         chain = self._chain
         while self.next < len(chain) and chain[self.next] in self.ready_at \
                 and self._open(chain[self.next]):
-            name = chain[self.next]
+            done += self._post_one(chain[self.next], ops)
             self.next += 1
-            done += self._post_one(name, ops)
         return done
 
     def _post_one(self, name, ops):
