@@ -1138,18 +1138,19 @@ def test_place_on_device():
     place_on_device(graph, 1)
     ops = graph.ops
     # the lr policy runs on the device, from the iteration copied there
-    assert ops["data"].location.device == -1 and ops["solver.lr"].location.device == 1
-    for name in ("iter", "data", "label"):
-        assert graph.blobs[name].location.device == -1
-        assert graph.blobs[name].attrs["pinned"]
+    assert ops["solver.lr"].location.device == 1
+    # the data reader stages its batches itself and copies them on the h2d stream
+    assert ops["data"].location.device == 1 and ops["data"].thread == "h2d"
+    for name in ("data", "label"):
+        assert graph.blobs[name].location.device == 1
+        assert not graph.blobs[name].attrs.get("pinned")
+    assert graph.blobs["iter"].location.device == -1 and graph.blobs["iter"].attrs["pinned"]
     assert graph.blobs["lr"].location.device == 1
     copies = {n: op for n, op in ops.items() if op.op_type == "Copy" and op.thread == "h2d"}
-    assert sorted(op.inputs[0] for op in copies.values()) == ["data", "iter", "label"]
+    assert sorted(op.inputs[0] for op in copies.values()) == ["iter"]
     assert ops["solver.lr"].inputs == ["iter@gpu1"] and ops["drop.fwd"].inputs[1] == "iter@gpu1"
-    assert len(ops) == n_ops + 3
+    assert len(ops) == n_ops + 1
     for op in ops.values():
-        if op.op_type == "DataReader":
-            continue
         assert op.location.device == 1, op.name
         for i, b in enumerate(op.inputs):
             on_host = graph.blobs[b].location.device < 0

@@ -170,7 +170,6 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     plan, graph = got[2], got[4]
     assert ref[2] is None and plan["slots"] == 1 and plan["shared"]
     assert any(graph.blobs[n].location.device == 0 for n in plan["shared"])
-    assert any(graph.blobs[n].location.device < 0 for n in plan["shared"])  # pinned data
     # the device arena rounds each blob up to ARENA_ALIGN bytes
     from purine_mpi.runtime.workspace import ARENA_ALIGN
     saved = sum(-(-graph.blobs[n].nbytes // ARENA_ALIGN) * ARENA_ALIGN

@@ -3,9 +3,12 @@
 ``place_on_device(graph, device)`` rewrites a (rank-local, composed) graph in
 place so that it runs on GPU ``device``:
 
-- every op and blob moves to the device, except the host-side pieces:
-  the data reader (``DataReader``: file reads and shuffling are host work)
-  and the ``iter`` scalar blob, which the trainer writes every iteration;
+- every op and blob moves to the device, except the ``iter`` scalar blob,
+  which the trainer writes every iteration. The data reader (``DataReader``)
+  goes onto the device's copy thread ``"h2d"`` with device outputs: its
+  prefetch thread stages each batch in one of two page-locked buffers and
+  the op only queues the asynchronous copy from the ready one
+  (``ops/data.py``);
 - an edge from a host blob to a device op becomes a ``Copy`` op on the copy
   thread ``"h2d"`` (its own CUDA stream) into a device twin ``<blob>@gpu<d>``,
   and the host blob is marked ``pinned`` so the workspace page-locks it and
@@ -31,7 +34,9 @@ from ..errors import ConfigError, UserError
 from ..ops.solver import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
-HOST_OP_TYPES = ("DataReader",)
+HOST_OP_TYPES = ()
+#: op types that go onto the copy thread (they stage and copy host data themselves)
+STAGING_OP_TYPES = ("DataReader",)
 #: blob kinds that stay host scalars (the trainer writes them directly)
 HOST_BLOB_KINDS = ("iter",)
 #: threads (streams) of the inserted copies
@@ -61,6 +66,8 @@ def place_on_device(graph, device, copy_thread=H2D_THREAD):
     for name, op in graph.ops.items():
         if name not in host_ops:
             op.location = _on(op.location, device)
+            if op.op_type in STAGING_OP_TYPES:
+                op.thread = copy_thread
     for name, blob in graph.blobs.items():
         if name not in host_blobs:
             blob.location = _on(blob.location, device)

@@ -26,6 +26,20 @@ The kernel keeps the iteration index of the next batch (``position``); it is
 saved in checkpoints through ``state_dict``. A long-lived daemon thread
 gathers batch t+1 while batch t is in use; an exception there is raised by the next
 ``run``. There is no gradient: data is never differentiated.
+
+On a GPU (``gpu/placement.py`` puts the op on the device's ``h2d`` copy
+stream, with device outputs) the prefetch thread writes each batch into one
+of two page-locked staging pairs (data, label), alternately (double
+buffering). The stream dispatcher calls ``run_on_stream`` instead of ``run``,
+as host work: it queues one asynchronous host->device copy of the ready pair
+on the copy stream and records an event after it (GPU consumers on other
+streams wait on the dispatcher's event, as for any op); before the prefetch
+thread refills a pair, it waits (in its own thread, off the iteration) on
+the event of the copy that last read it. So no pinned buffer is overwritten
+while a copy still reads it, and the iteration makes no host copy of the
+batch. The op is stateful, so a CUDA graph never captures it: the copy is
+issued afresh every iteration from whichever pair is ready (a captured copy
+would keep reading the pair it was captured with).
 """
 import queue
 import threading
@@ -72,6 +86,10 @@ class DataReader(OpKernel):
         self.position = 0  # iteration index of the next batch run() delivers
         self._source = self._order = None
         self._pending = None  # (iteration, result slot)
+        #: on a GPU: two page-locked (data, label) staging pairs, the event of
+        #: the last copy out of each (None: none queued yet), the pair the next
+        #: request fills, and the runtime that synchronises those events
+        self._pinned, self._copied, self._fill_next, self._runtime = None, [None, None], 0, None
         self._requests, self._lock, self._worker = queue.SimpleQueue(), threading.Lock(), None
 
     # ------------------------------------------------------------- batches
@@ -108,15 +126,31 @@ class DataReader(OpKernel):
                         return
                 continue
             try:
-                slot["batch"] = self.prepare(iteration)
+                batch = self.prepare(iteration)
+                if "pair" in slot:
+                    batch = self._stage(slot["pair"], batch)
+                slot["batch"] = batch
             except BaseException as e:  # handed to run(), which raises it in the caller
                 slot["error"] = e
             finally:
                 slot["done"].set()
 
+    def _stage(self, pair, batch):
+        """Prefetch thread, on a GPU: write ``batch`` into staging pair
+        ``pair`` once the copy that last read that pair has finished."""
+        event = self._copied[pair]
+        if event is not None:
+            self._runtime.sync_event(event)
+            self._copied[pair] = None
+        for dst, src in zip(self._pinned[pair], batch):
+            np.copyto(dst, src, casting="unsafe")
+        return pair
+
     def _start(self, iteration):
         self._ensure_source()  # load the file here, so its errors surface in the caller
         slot = {"done": threading.Event()}
+        if self._pinned is not None:  # alternate the staging pairs
+            slot["pair"], self._fill_next = self._fill_next, 1 - self._fill_next
         with self._lock:
             self._requests.put((iteration, slot))
             if self._worker is None:
@@ -139,9 +173,41 @@ class DataReader(OpKernel):
         return slot["batch"]
 
     def setup(self, ins, outs):
+        if self._pinned is None and get_xp(outs[0]) is not np:
+            from ..gpu.streams import pinned_empty
+            self._pinned = [tuple(pinned_empty(o.shape, o.dtype) for o in outs)
+                            for _ in range(2)]
+        self._start(self.position)
+
+    def run_on_stream(self, runtime, device, stream):
+        """On a GPU, from the stream dispatcher (host work, ``stream`` the
+        copy stream): queue the copy of the ready staging pair into the
+        outputs and record the event the pair's next refill waits on."""
+        if self._pinned is None:  # host outputs (a simulated device): a plain run
+            runtime.launch(device, stream, lambda: self.run(self.ins, self.outs), self.op.name)
+            return
+        pair = self._take(self.position)
+        data, labels = self._pinned[pair]
+        outs = self.outs
+
+        def copy():
+            outs[0].set(data, stream=stream)
+            outs[1].set(labels, stream=stream)
+
+        self._runtime = runtime
+        runtime.launch(device, stream, copy, f"{self.op.name}.h2d")
+        self._copied[pair] = runtime.record(device, stream)
+        self.position += 1
         self._start(self.position)
 
     def run(self, ins, outs):
+        if self._pinned is not None:  # a GPU without a stream runtime: synchronous copies
+            data, labels = self._pinned[self._take(self.position)]
+            outs[0].set(data)
+            outs[1].set(labels)
+            self.position += 1
+            self._start(self.position)
+            return
         data, labels = self._take(self.position)
         outs[0][...] = get_xp(outs[0]).asarray(data)
         outs[1][...] = get_xp(outs[1]).asarray(labels)

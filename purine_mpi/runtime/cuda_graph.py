@@ -5,8 +5,11 @@ A static bi-graph runs the same ops on the same buffers with the same shapes
 every iteration, which is what a CUDA graph wants. What cannot go into a
 graph cuts the iteration into *segments*:
 
-- host ops (the data reader, the learning rate on the host) and ops that
-  cannot be captured: an op that draws random numbers on the host, keeps
+- host ops (the learning rate on the host), the data reader (on a GPU it
+  queues the copy of whichever of its two page-locked staging buffers holds
+  the batch, a different host address every other iteration: a captured copy
+  would keep reading the one it was captured with; see ``ops/data.py``), and
+  ops that cannot be captured: an op that draws random numbers on the host, keeps
   host-side state, reads a host blob as a kernel argument (a replay would
   keep the value it had when captured), accumulates into a shared blob, or
   whose kernel says ``capturable = False``;
@@ -271,11 +274,15 @@ class GraphDispatcher(StreamDispatcher):
         self._note_blocked()
 
     # ------------------------------------------------------------ planning
-    def _blockers(self):
+    def _blockers(self, reported=False):
+        """{GPU op: why it is not captured}; ``reported``: without the ops
+        that cut the segments by design (those that queue their own device
+        work, ``run_on_stream``: the data reader), as host ops do."""
         g = self.graph
         comm = set(self._comm_order)
         return {op.name: reason for op in self.order
                 if self._key.get(op.name) is not None and op.name not in comm
+                and not (reported and hasattr(self.kernels[op.name], "run_on_stream"))
                 and (reason := capture_blocker(g, op, self.kernels[op.name])) is not None}
 
     def _schedule(self):
@@ -328,7 +335,7 @@ class GraphDispatcher(StreamDispatcher):
         return nodes, {n.name: node_deps[n.name] for n in nodes}
 
     def _note_blocked(self):
-        blocked = self._blockers()
+        blocked = self._blockers(reported=True)
         if not self._segments or not blocked:
             return
         parts = [f"'{n}' ({self.graph.ops[n].op_type}: {why})" for n, why in blocked.items()]
@@ -353,7 +360,7 @@ class GraphDispatcher(StreamDispatcher):
         return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
                 "captured": sum(1 for s in segs if s.captures),
                 "failed": {s.name: s.failed for s in segs if s.failed is not None},
-                "eager_gpu_ops": self._blockers() if segs else {}}
+                "eager_gpu_ops": self._blockers(reported=True) if segs else {}}
 
     def set_comm_order(self, order):
         """A new posting order changes the stages: plan (and capture) again."""

@@ -29,6 +29,11 @@ and at its end (the caller reads the sinks: the loss, the weights).
 Host<->device ``Copy`` ops (inserted by ``purine_mpi.gpu.placement``) run on
 their own ``h2d``/``d2h`` streams, from page-locked host blobs, as
 asynchronous ``cudaMemcpyAsync``.
+A kernel with a ``run_on_stream(runtime, device, stream)`` method (the data
+reader, ``ops/data.py``) is called as host work and queues its device work
+itself through the runtime: the reader issues the copy of its ready
+page-locked staging buffer and records the event its prefetch thread waits
+on before refilling that buffer.
 
 With ``--profile`` a GPU op's trace event spans its execution on the device
 (CUDA timing events, read after the iteration's final synchronisation), not
@@ -314,6 +319,8 @@ class StreamDispatcher(EventDispatcher):
         try:
             if op.accumulate:
                 self._accumulate(op, k, key, stream)
+            elif hasattr(k, "run_on_stream"):  # queues its own device work (ops/data.py)
+                rt.call(device, stream, lambda: k.run_on_stream(rt, device, stream))
             else:
                 rt.launch(device, stream, lambda: k.run(k.ins, k.outs), name)
         except Exception as exc:
