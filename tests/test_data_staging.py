@@ -47,10 +47,18 @@ def _deliver(iters, wait=True):
     letting the device run in between (a slow copy stream: every copy stays
     queued until the prefetch thread or the final drain makes it run), each
     run into fresh outputs; returns them after the drain, and the staging
-    writes as (pair, whether the last copy out of that pair had run)."""
+    writes as (pair, thread)."""
     rt = SimulatedRuntime(0)
     stream = rt.stream(0, "h2d")
     k, outs = _reader()
+    writes = []
+    real_stage = k._stage
+
+    def stage(pair, batch):
+        result = real_stage(pair, batch)
+        writes.append((pair, threading.current_thread().name))
+        return result
+    k._stage = stage
     k.ins, k.outs = [], outs()
     k.setup(k.ins, k.outs)
     run_rt = rt
@@ -61,14 +69,6 @@ def _deliver(iters, wait=True):
             def sync_event(self, event):
                 pass
         run_rt = NoWait()
-    writes = []
-    real_stage = k._stage
-
-    def stage(pair, batch):
-        result = real_stage(pair, batch)
-        writes.append((pair, threading.current_thread().name))
-        return result
-    k._stage = stage
     delivered = []
     for _ in range(iters):
         k.outs = outs()
