@@ -42,11 +42,14 @@ init_params(graph, d.workspace, 3)
 if r == 0:
     rng = np.random.default_rng(7)
     d.comm_ready_order = lambda: list(rng.permutation(d.comm_order()))
-orders = set()
+orders = []
 for it in range(iters):
     d.workspace["iter"][...] = it
     d.run(it)
-    orders.add(tuple(adopt_ready_order(d, w)))
+    orders.append(tuple(adopt_ready_order(d, w)))
+    assert tuple(d.comm_order()) == orders[-1]
+# every rank posted one sequence of collectives, iteration by iteration
+assert all(o == orders for o in w.comm.allgather(orders)), "posting orders differ between ranks"
 params = sorted(b.name for b in graph.blobs.values() if b.kind == "param" and b.alias_of is None)
 mine = {p: d.workspace[p].copy() for p in params}
 d.close()
@@ -63,4 +66,4 @@ ref.close()
 for other in w.comm.allgather(mine):
     for p in params:
         assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
-ok(f"no_hang n={n} iters={iters} posting orders seen={len(orders)}")
+ok(f"no_hang n={n} iters={iters} posting orders seen={len(set(orders))}")
