@@ -93,6 +93,14 @@ def _output(cupy, out, shape, dtype, what):
     return cupy.empty(shape, dtype=dtype), out
 
 
+def _same_as(what, ref_name, ref, **arrays):
+    """Every array of ``arrays`` has ``ref``'s shape and dtype."""
+    for name, array in arrays.items():
+        if array.shape != ref.shape or array.dtype != ref.dtype:
+            raise ValueError(f"{what}: {name} has shape {tuple(array.shape)} {array.dtype}, "
+                             f"expected {ref_name}'s {tuple(ref.shape)} {ref.dtype}")
+
+
 def _finish(buffer, target):
     if target is None:
         return buffer
@@ -304,10 +312,7 @@ def lrn_backward(x, y, scale, dy, local_size=5, alpha=1e-4, beta=0.75, out=None)
     y = _input(cupy, y, "lrn_backward: y")
     scale = _input(cupy, scale, "lrn_backward: scale")
     dy = _input(cupy, dy, "lrn_backward: dy")
-    for name, array in (("y", y), ("scale", scale), ("dy", dy)):
-        if array.shape != x.shape or array.dtype != x.dtype:
-            raise ValueError(f"lrn_backward: {name} has shape {tuple(array.shape)} "
-                             f"{array.dtype}, expected x's {tuple(x.shape)} {x.dtype}")
+    _same_as("lrn_backward", "x", x, y=y, scale=scale, dy=dy)
     channels, spatial, pre_pad = _lrn_geometry(x, local_size, "lrn_backward")
     dx, target = _output(cupy, out, x.shape, x.dtype, "lrn_backward")
     t = x.dtype.type
@@ -441,10 +446,7 @@ def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=
                              "CuPy array (it is updated in place)")
     dtype_suffix(w.dtype)
     g = _input(cupy, g, "sgd_momentum_update: g")
-    for name, array in (("g", g), ("v", v)):
-        if array.shape != w.shape or array.dtype != w.dtype:
-            raise ValueError(f"sgd_momentum_update: {name} has shape {tuple(array.shape)} "
-                             f"{array.dtype}, expected w's {tuple(w.shape)} {w.dtype}")
+    _same_as("sgd_momentum_update", "w", w, g=g, v=v)
     t = w.dtype.type
     lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, lr_mult, w, "sgd_momentum_update")
     _launch("sgd", "sgd_momentum", w.dtype, w.size,
@@ -572,9 +574,7 @@ def dropout_backward(dy, mask, ratio, out=None):
         raise ValueError(f"dropout_backward: ratio must be in [0, 1), got {ratio}")
     dy = _input(cupy, dy, "dropout_backward: dy")
     mask = _input(cupy, mask, "dropout_backward: mask")
-    if mask.shape != dy.shape or mask.dtype != dy.dtype:
-        raise ValueError(f"dropout_backward: mask has shape {tuple(mask.shape)} {mask.dtype}, "
-                         f"expected dy's {tuple(dy.shape)} {dy.dtype}")
+    _same_as("dropout_backward", "dy", dy, mask=mask)
     dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
     _launch("dropout", "dropout_backward", dy.dtype, dy.size,
             (dy, mask, dy.dtype.type(1.0 / (1.0 - float(ratio))), dx))
@@ -688,9 +688,7 @@ def relu_backward(dy, x, negative_slope=0.0, out=None):
     cupy = import_cupy()
     dy = _input(cupy, dy, "relu_backward: dy")
     x = _input(cupy, x, "relu_backward: x")
-    if x.shape != dy.shape or x.dtype != dy.dtype:
-        raise ValueError(f"relu_backward: x has shape {tuple(x.shape)} {x.dtype}, expected "
-                         f"dy's {tuple(dy.shape)} {dy.dtype}")
+    _same_as("relu_backward", "dy", dy, x=x)
     dx, target = _output(cupy, out, dy.shape, dy.dtype, "relu_backward")
     _launch("activation", "relu_backward", dy.dtype, dy.size,
             (dy, x, *_slope(dy.dtype, negative_slope), dx))

@@ -581,14 +581,20 @@ def _int(minimum):
                                                                 minimum=minimum))
 
 
-def _num(minimum=None, strict=False, below=None):
+def _number_range(minimum, strict, below, doc):
+    """The allowed range of a number key, in the reference's terse words
+    (``doc``) or in an error message's."""
     if minimum == 0 and below is not None:
-        doc = f"number in [0, {below})"
-    elif minimum == 0:
-        doc = "number > 0" if strict else "number >= 0"
-    else:
-        doc = "number"
-    return _described(doc)(
+        return f"number in [0, {below})" if doc else f"a number in [0, {below})"
+    if minimum == 0:
+        if doc:
+            return "number > 0" if strict else "number >= 0"
+        return "a positive number" if strict else "a non-negative number"
+    return "number" if doc else "a number"
+
+
+def _num(minimum=None, strict=False, below=None):
+    return _described(_number_range(minimum, strict, below, doc=True))(
         lambda key, value, path: _check_number(key, value, path, minimum, strict, below))
 
 
@@ -721,12 +727,7 @@ def _check_number(key, value, path, minimum=None, strict=False, below=None):
         ok = number < below
     if ok:
         return number
-    if minimum == 0 and below is not None:
-        want = f"a number in [0, {below})"
-    elif minimum == 0:
-        want = "a positive number" if strict else "a non-negative number"
-    else:
-        want = "a number"
+    want = _number_range(minimum, strict, below, doc=False)
     raise ConfigError(path, key, f"expected {want} (finite), got {value!r}")
 
 
