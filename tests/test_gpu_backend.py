@@ -294,6 +294,8 @@ def test_inner_product_gpu_branch(device, dtype, axis):
     _compare(device, "InnerProductGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], [],
              dtype)
     _compare(device, "InnerProductGradWeight", attrs, [dy, x], [], dtype)
+    # rows 1..3 only (a chunk of a split weight): dy's columns as a strided view
+    _compare(device, "InnerProductGradWeight", dict(attrs, rows=[1, 4]), [dy, x], [], dtype)
     _compare(device, "InnerProductGradBias", attrs, [dy], ["channel_sum"], dtype)
 
 

@@ -53,7 +53,7 @@ SOLVER_DEFAULTS = {
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
-    "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
+    "split_params": True, "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
     "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
@@ -121,6 +121,10 @@ KEY_DOCS = {
         "first_bucket_mb": "largest first bucket, in MiB (it is also at most half the others)",
         "min_buckets": "at least this many buckets when the model has that many parameter "
                        "blobs, so a small model still overlaps",
+        "split_params": "split a fully connected weight whose gradient is over 1 MiB and "
+                        "over twice the bucket size into row chunks, each reduced and "
+                        "updated on its own, so its allreduce starts with its first rows "
+                        "(sync data parallelism; the same result up to float rounding)",
         "ps_ranks": "parameter-server modes: the last K ranks are servers",
         "max_staleness": "mode async: how many updates a worker's weights may lag (0: "
                          "synchronous SGD)",
@@ -621,7 +625,7 @@ _SOLVER_CHECKS = {
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
-    "min_buckets": _int(1),
+    "min_buckets": _int(1), "split_params": _bool,
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
     "check_collectives": _bool,
     "stages": lambda key, value, path: _check_stages(key, value, path),

@@ -101,23 +101,39 @@ class InnerProductGradData(OpKernel):
 
 @register
 class InnerProductGradWeight(OpKernel):
-    """dw = dy^T @ x.reshape(M, K).  Inputs [dy, x]; attr axis."""
+    """dw = dy^T @ x.reshape(M, K).  Inputs [dy, x]; attr axis.
+
+    Attr ``rows: [a, b]`` computes only rows a..b-1 of dw (output shape
+    (b - a, K)) from columns a..b-1 of dy: the data-parallel composition
+    splits a large weight's gradient this way, so the first rows' allreduce
+    starts before the last rows are computed (``parallel.split_params``)."""
 
     op_type = "InnerProductGradWeight"
 
     @classmethod
     def infer(cls, attrs, ins):
         M, K = _split(tuple(ins[1][0]), int(attrs.get("axis", 1)))
-        return [((ins[0][0][-1], K), ins[0][1])]
+        n = ins[0][0][-1]
+        if "rows" in attrs:
+            a, b = (int(r) for r in attrs["rows"])
+            if not 0 <= a < b <= n:
+                raise ShapeError(f"InnerProductGradWeight rows {[a, b]} are out of range for "
+                                 f"{n} outputs")
+            n = b - a
+        return [((n, K), ins[0][1])]
 
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(dy)
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
+        dy2 = dy.reshape(M, -1)
+        if "rows" in self.attrs:
+            a, b = (int(r) for r in self.attrs["rows"])
+            dy2 = dy2[:, a:b]
         if _on_gpu(xp, dy, x, outs[0]):  # dy^T transposed by cuBLAS, not copied
-            gemm(dy.reshape(M, -1), x.reshape(M, K), outs[0], trans_a=True)
+            gemm(dy2, x.reshape(M, K), outs[0], trans_a=True)
             return
-        xp.matmul(dy.reshape(M, -1).T, x.reshape(M, K), out=outs[0])
+        xp.matmul(dy2.T, x.reshape(M, K), out=outs[0])
 
 
 @register

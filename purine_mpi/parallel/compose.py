@@ -182,7 +182,7 @@ def compose(graph, grads, config, world):
         graph.bucket_plan = compose_data_parallel(
             graph, grads, world.size, world.rank, bucket_mb=par.get("bucket_mb", 4),
             first_bucket_mb=par.get("first_bucket_mb", 1),
-            min_buckets=par.get("min_buckets", 4),
+            min_buckets=par.get("min_buckets", 4), split_params=par.get("split_params", True),
             check_collectives=par.get("check_collectives", False), world=world)
         graph.infer_shapes().validate()
         return graph
@@ -258,7 +258,7 @@ def _allreduce_stage(local, grads, config, world, lay):
     plan = compose_data_parallel(
         local, grads, lay.replicas, lay.replica, bucket_mb=par.get("bucket_mb", 4),
         first_bucket_mb=par.get("first_bucket_mb", 1), min_buckets=par.get("min_buckets", 4),
-        check_collectives=False)
+        split_params=par.get("split_params", True), check_collectives=False)
     place_on_rank(local, world.rank)
     for b in plan:
         local.ops[b["op"]].attrs["group"] = list(group)

@@ -13,6 +13,11 @@ the lower layers still back-propagate.
   (top layer first), sized to the model (``plan_buckets``): at least
   ``min_buckets`` of them, none over ``bucket_mb``, the first one small so
   communication starts early;
+- a large fully connected weight is first split into row chunks
+  (``split_large_params``; ``parallel.split_params``), each chunk a
+  gradient, an allreduce and an update of its own, so the transfer of the
+  first rows starts before the last rows' gradient is computed, and only
+  the last chunk's update waits for the end of the transfer;
 - one ``Allreduce`` op per bucket, ``seq`` numbers in bucket order (the same
   on every rank, since every rank builds the same graph), outputs
   ``<grad>.sum`` aliasing the same bucket ranges (in-place reduction);
@@ -59,6 +64,119 @@ def gradient_ready_order(graph, grads):
     return sorted(grads, key=lambda p: (when(p), list(grads).index(p)))
 
 
+def bucket_cap(graph, grads, bucket_mb=4, min_buckets=4):
+    """The most bytes a bucket holds: ``bucket_mb`` or, when smaller, the
+    gradient bytes divided by ``min_buckets``."""
+    cap = bucket_mb * MB
+    total = sum(graph.blobs[g].nbytes for g in grads.values())
+    if min_buckets > 1 and total:
+        cap = min(cap, total / min_buckets)
+    return cap
+
+
+#: a weight gradient is split only above this size (smaller ones gain less
+#: than the extra ops and messages cost)
+SPLIT_MIN_BYTES = MB
+
+
+def split_large_params(graph, grads, cap, min_bytes=None):
+    """Split each large fully connected weight into row chunks of about
+    ``cap`` bytes, so its gradient can be reduced, and its update run, chunk
+    by chunk: the first chunk's allreduce starts when its rows of the
+    gradient exist, not when the whole gradient does, and only the last
+    chunk's update waits for the end of the transfer.
+
+    A parameter ``p`` with gradient ``g`` is split when ``g`` is over
+    ``min_bytes`` (default ``SPLIT_MIN_BYTES``) and over twice ``cap``, ``g`` is written by one
+    ``InnerProductGradWeight`` op and read only by ``p``'s update op, and
+    ``p`` and its solver state own their storage. Then, for rows a..b-1:
+
+    - ``g[a:b]``: a blob of its own, written by the gradient op with attr
+      ``rows: [a, b]`` (the bucket plan later makes it a view of a bucket);
+    - ``p[a:b]``, ``p[a:b]@new`` and the same for each state blob: views
+      (``alias_of`` + ``offset``) of ``p`` and the states, so checkpoints and
+      every other reader still see whole blobs;
+    - ``<update>[a:b]``: the update op on those views, same attrs.
+
+    The chunk ops take the place of the ops they replace in emission order.
+    Returns the new ``{param: grad}`` map (a chunk's key is ``p[a:b]``)."""
+    floor = SPLIT_MIN_BYTES if min_bytes is None else min_bytes
+    producers, consumers = graph.producers(), graph.consumers()
+    out = {}
+    for p, g in grads.items():
+        chunks = _split_rows(graph, p, g, cap, floor, producers, consumers)
+        out.update(chunks if chunks else {p: g})
+    return out
+
+
+def _split_rows(graph, p, g, cap, floor, producers, consumers):
+    gb, pb = graph.blobs[g], graph.blobs.get(p)
+    if gb.shape is None or gb.nbytes <= max(2 * cap, floor) or pb is None or \
+            pb.shape is None or pb.alias_of is not None or gb.alias_of is not None or \
+            len(pb.shape) != 2:
+        return None
+    makers, readers = producers.get(g, []), consumers.get(g, [])
+    if len(makers) != 1 or len(readers) != 1:
+        return None
+    gop, up = makers[0], readers[0]
+    if gop.op_type != "InnerProductGradWeight" or gop.accumulate or "rows" in gop.attrs or \
+            gop.outputs != [g] or up.op_type not in UPDATE_OP_TYPES or up.accumulate or \
+            up.inputs[:2] != [p, g]:
+        return None
+    states = up.inputs[2:1 + len(up.outputs)]
+    extra = up.inputs[1 + len(up.outputs):]
+    for src, new in zip([p] + states, up.outputs):
+        nb = graph.blobs[new]
+        if graph.blobs[src].alias_of is not None or nb.alias_of != src or nb.offset or \
+                consumers.get(new):
+            return None
+    rows, cols = pb.shape
+    k = min(rows, -(-gb.nbytes // int(cap)))
+    bounds = [rows * i // k for i in range(k + 1)]
+
+    def view(src, name, alias_of, a, b):
+        sb = graph.blobs[src]
+        graph.add_blob(name, (b - a, cols), sb.dtype, sb.location, kind=sb.kind,
+                       alias_of=alias_of, offset=a * cols)
+        return name
+
+    chunks, grad_ops, update_ops = {}, [], []
+    for a, b in zip(bounds, bounds[1:]):
+        tag = f"[{a}:{b}]"
+        graph.add_blob(g + tag, (b - a, cols), gb.dtype, gb.location, kind=gb.kind)
+        grad_ops.append(graph.add_op(
+            gop.name + tag, gop.op_type, gop.inputs, [g + tag], dict(gop.attrs, rows=[a, b]),
+            location=gop.location, thread=gop.thread, control_inputs=gop.control_inputs))
+        ins = [view(p, p + tag, p, a, b), g + tag] + \
+            [view(s, s + tag, s, a, b) for s in states] + list(extra)
+        outs = [view(new, src + tag + "@new", src, a, b)
+                for src, new in zip([p] + states, up.outputs)]
+        update_ops.append(graph.add_op(
+            up.name + tag, up.op_type, ins, outs, dict(up.attrs), location=up.location,
+            thread=up.thread, control_inputs=up.control_inputs))
+        chunks[p + tag] = g + tag
+    _replace_ops(graph, {gop.name: grad_ops, up.name: update_ops})
+    for name in [g] + list(up.outputs):
+        del graph.blobs[name]
+    return chunks
+
+
+def _replace_ops(graph, replacements):
+    """Put each op's replacements where it stood in emission order (the
+    dispatcher's tie-break), and point control edges at them."""
+    new_names = {op.name for ops in replacements.values() for op in ops}
+    items = [(n, op) for n, op in graph.ops.items() if n not in new_names]
+    graph.ops.clear()
+    for name, op in items:
+        for new in replacements.get(name, [op]):
+            graph.ops[new.name] = new
+    for op in graph.ops.values():
+        if any(c in replacements for c in op.control_inputs):
+            op.control_inputs = [n for c in op.control_inputs
+                                 for n in ([o.name for o in replacements[c]]
+                                           if c in replacements else [c])]
+
+
 def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=4):
     """Group gradients into buckets: a list of {"dtype", "location", "params",
     "bytes"} in ready order (top layer first).
@@ -74,10 +192,7 @@ def plan_buckets(graph, grads, bucket_mb=4, first_bucket_mb=1, min_buckets=4):
     (at the byte midpoint) until there are ``min_buckets``. Gradients of
     another dtype or location go to buckets of their own kind."""
     order = gradient_ready_order(graph, grads)
-    total = sum(graph.blobs[grads[p]].nbytes for p in order)
-    cap = bucket_mb * MB
-    if min_buckets > 1 and total:
-        cap = min(cap, total / min_buckets)
+    cap = bucket_cap(graph, grads, bucket_mb, min_buckets)
     first_cap = min(first_bucket_mb * MB, cap / 2 if min_buckets > 1 else cap)
     buckets, open_by_kind = [], {}
     for p in order:
@@ -122,7 +237,7 @@ def format_plan(plan):
 
 def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
                           check_collectives=False, world=None, thread="comm", grad_first=True,
-                          min_buckets=4):
+                          min_buckets=4, split_params=True, split_min_bytes=None):
     """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
     param -> gradient blob (``build_backward``'s result). Returns the bucket
@@ -141,6 +256,9 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
             op.attrs["rank"], op.attrs["world_size"] = int(rank) * m + k, int(world_size) * m
     place_on_rank(graph, rank)
     grads = {p: g for p, g in grads.items() if g in graph.blobs}
+    if split_params:
+        grads = split_large_params(graph, grads, bucket_cap(graph, grads, bucket_mb, min_buckets),
+                                   split_min_bytes)
     producers = graph.producers()
     seq = next_seq(graph)
     plan = []

@@ -2,7 +2,11 @@
 rank with batch n*B (the sample order of docs/config.md), up to float
 summation order.
 
-    mpiexec -n K python tests/mpi_scripts/dp_equiv.py [bucket_mb] [check]
+    mpiexec -n K python tests/mpi_scripts/dp_equiv.py [bucket_mb] [check] [split]
+
+With ``split`` the hidden layers are wider and every weight gradient over
+twice the bucket size is split into row chunks (``split_large_params``,
+whatever its size), each reduced and updated on its own.
 
 Every rank composes the same graph (gradients in buckets, one Allreduce per
 bucket, SGDUpdate with grad_scale 1/n), trains 3 iterations, and compares
@@ -20,23 +24,28 @@ from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 
 bucket_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0002
-check = len(sys.argv) > 2 and sys.argv[2] == "check"
+check = "check" in sys.argv[2:]
+split = "split" in sys.argv[2:]
+hidden = (16, 12) if split else (6, 5)
 w = world()
 n, r = w.size, w.rank
 B = 3
 
-cfg = mlp_config(batch=B)
+cfg = mlp_config(batch=B, hidden=hidden)
 graph, grads = build_train_graph(cfg, r, n)
 plan = compose_data_parallel(graph, grads, n, r, bucket_mb=bucket_mb,
-                             first_bucket_mb=bucket_mb / 4, check_collectives=check, world=w)
+                             first_bucket_mb=bucket_mb / 4, check_collectives=check, world=w,
+                             split_min_bytes=0 if split else None)
 graph.infer_shapes().validate()
 assert plan and plan[0]["params"][0].startswith("out/"), plan[0]  # top layer first
+chunks = [p for b in plan for p in b["params"] if "[" in p]
+assert bool(chunks) == split, chunks
 d = run(graph, 3)
 params = sorted(b.name for b in graph.blobs.values() if b.kind == "param" and b.alias_of is None)
 mine = {p: d.workspace[p].copy() for p in params}
 d.close()
 
-ref_cfg = mlp_config(batch=n * B)
+ref_cfg = mlp_config(batch=n * B, hidden=hidden)
 ref_graph, _ = build_train_graph(ref_cfg, 0, 1)
 ref = run(ref_graph, 3)
 for p in params:
@@ -46,4 +55,4 @@ everyone = w.comm.allgather(mine)
 for other in everyone:
     for p in params:
         assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
-ok(f"dp_equiv n={n} buckets={len(plan)}")
+ok(f"dp_equiv n={n} buckets={len(plan)} chunks={len(chunks)}")

@@ -1,0 +1,111 @@
+"""A large fully connected weight is reduced and updated in row chunks
+(parallel/data_parallel.split_large_params): the graph rewrite, the row
+slice of the weight-gradient op, the config key and the plan that
+``graph --np`` prints. That N ranks with chunks train like one rank with the
+whole batch is checked under mpiexec (tests/test_mpi_parallel.py,
+dp_equiv.py ... split)."""
+import numpy as np
+import pytest
+
+from purine_mpi.errors import ShapeError
+from purine_mpi.io.config import dump_config
+from purine_mpi.graph import Op
+from purine_mpi.kernels import get_kernel_class
+from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.data_parallel import compose_data_parallel
+from tests.mpi_scripts.common import mlp_config
+
+WIDE = dict(hidden=(640,), shape=(1, 32, 32), classes=10)  # fc1: 640 x 1024 floats = 2.5 MiB
+
+
+def _composed(split=True, solver=None, **kw):
+    cfg = mlp_config(batch=4, solver=solver, **dict(WIDE, **kw))
+    graph, grads = build_train_graph(cfg, 0, 2)
+    plan = compose_data_parallel(graph, grads, 2, 0, bucket_mb=1, first_bucket_mb=0.25,
+                                 split_params=split)
+    graph.infer_shapes().validate()
+    return graph, plan
+
+
+def test_grad_weight_rows_are_rows_of_the_full_gradient():
+    rng = np.random.default_rng(0)
+    dy = rng.standard_normal((6, 10)).astype(np.float32)
+    x = rng.standard_normal((6, 3, 2)).astype(np.float32)
+    full = dy.T @ x.reshape(6, 6)
+    cls = get_kernel_class("InnerProductGradWeight")
+    for a, b in ((0, 4), (4, 7), (7, 10)):
+        attrs = {"rows": [a, b]}
+        assert cls.infer(attrs, [((6, 10), "float32"), ((6, 3, 2), "float32")]) == \
+            [((b - a, 6), "float32")]
+        out = np.empty((b - a, 6), np.float32)
+        cls(Op("probe", "InnerProductGradWeight", [], [], attrs)).run([dy, x], [out])
+        np.testing.assert_allclose(out, full[a:b], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ShapeError, match="rows"):
+        cls.infer({"rows": [5, 11]}, [((6, 10), "float32"), ((6, 3, 2), "float32")])
+
+
+@pytest.mark.parametrize("solver", [None, {"type": "adam"}])
+def test_a_large_weight_is_reduced_and_updated_in_row_chunks(solver):
+    graph, plan = _composed(solver=solver)
+    chunks = [p for b in plan for p in b["params"] if p.startswith("fc1/weight[")]
+    # cap: min(1 MiB, 2.5 MiB of gradients / 4 buckets) -> 4 chunks, a bucket each, in order
+    assert chunks == ["fc1/weight[0:160]", "fc1/weight[160:320]", "fc1/weight[320:480]",
+                      "fc1/weight[480:640]"]
+    bounds = [(0, 160), (160, 320), (320, 480), (480, 640)]
+    assert all(sum(p.startswith("fc1/weight[") for p in b["params"]) <= 1 for b in plan)
+    # checkpoints and every other reader still see whole blobs
+    assert "fc1/weight" in [b.name for b in graph.params()]
+    assert not any(n.startswith("fc1/weight[") for n in (b.name for b in graph.params()))
+    assert "fc1/weight@new" not in graph.blobs
+    states = [s for s in graph.blobs if s.startswith("fc1/weight.") and "[" not in s
+              and not s.endswith("@new")]
+    assert states and all(graph.blobs[s].alias_of is None for s in states)
+    rows = []
+    for a, b in bounds:
+        op = graph.ops[f"fc1.bwd.inner_product_grad_weight[{a}:{b}]"]
+        assert op.attrs["rows"] == [a, b]
+        rows.append((a, b))
+        up = graph.ops[f"fc1/weight.update[{a}:{b}]"]
+        for name in [up.inputs[0]] + up.outputs + up.inputs[2:2 + len(states)]:
+            blob = graph.blobs[name]
+            assert blob.shape == (b - a, 1024) and blob.offset == a * 1024, name
+            assert graph.storage_root(name) in ["fc1/weight"] + states, name
+        assert up.inputs[1].endswith(".sum")  # the reduced chunk
+    assert "fc1.bwd.inner_product_grad_weight" not in graph.ops
+    assert "fc1/weight.update" not in graph.ops
+    # the chunk ops stand where the whole ones stood (the dispatcher's tie-break)
+    names = list(graph.ops)
+    first = names.index("fc1.bwd.inner_product_grad_weight[0:160]")
+    assert names[first:first + 4] == [f"fc1.bwd.inner_product_grad_weight[{a}:{b}]"
+                                      for a, b in rows]
+    # each chunk's update waits for every reader of the whole weight (the
+    # forward), not for the other chunks' updates
+    deps = graph.dependencies()
+    readers = {op.name for op in graph.consumers()["fc1/weight"]}
+    assert "fc1.fwd" in readers
+    assert all(readers <= deps[f"fc1/weight.update[{a}:{b}]"] for a, b in bounds)
+    assert "fc1/weight.update[160:320]" not in deps["fc1/weight.update[0:160]"]
+
+
+def test_small_weights_and_split_params_false_keep_whole_blobs():
+    graph, plan = _composed(split=False)
+    assert not any("[" in p for b in plan for p in b["params"])
+    assert "fc1/weight.update" in graph.ops
+    # under 1 MiB a weight stays whole whatever the bucket size
+    graph, plan = _composed(hidden=(200,))  # 200 x 1024 floats = 0.8 MiB
+    assert not any("[" in p for b in plan for p in b["params"])
+
+
+def test_graph_command_prints_the_chunks(tmp_path, capsys):
+    from purine_mpi.cli import main
+    cfg = mlp_config(batch=4, parallel={"bucket_mb": 1}, **WIDE)
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert main(["graph", str(path), "--np", "2"]) in (0, None)
+    out = capsys.readouterr().out
+    plan = out[out.index("bucket plan: "):]
+    assert "fc1/weight[0:160]" in plan and "fc1/weight[480:640]" in plan
+    path.write_text(dump_config(mlp_config(batch=4, parallel={"bucket_mb": 1,
+                                                              "split_params": False}, **WIDE)))
+    assert main(["graph", str(path), "--np", "2"]) in (0, None)
+    assert "fc1/weight[" not in capsys.readouterr().out
