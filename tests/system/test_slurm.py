@@ -22,6 +22,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
+AuthInfo=cred_expire=10
 CredType=cred/none
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
@@ -127,26 +128,31 @@ def _job(env, job_id):
 
 
 def _wait_for_job(env, job_id, timeout, min_restarts=0):
-    """Wait until the job reaches a final state and return it. A requeued job
-    waits in PENDING (reason BeginTime, about 2 min by default) before it may
-    start again; release it at once (the reason is set only a moment after the
-    requeue, so keep releasing while it shows). A final state counts only once
-    the job has been restarted ``min_restarts`` times."""
+    """Wait until the job reaches a final state and return it. A final state
+    counts only once the job has been restarted ``min_restarts`` times.
+
+    A requeued job waits in PENDING (reason BeginTime) for the credential
+    lifetime before it may start again. The test cluster sets that to 10 s
+    (``AuthInfo=cred_expire=10``; SLURM's default is 120 s). Releasing it
+    sooner (``scontrol update StartTime=now``) races the node, which still
+    holds the first start's revoked credential: "Killing non-startable batch
+    job: Job credential revoked", state FAILED."""
     deadline = time.time() + timeout
-    state = None
+    state, seen = None, []
     try:
         while time.time() < deadline:
             job = _job(env, job_id)
             if job is None:
                 return state
             state = job["JobState"]
+            step = (state, job.get("Reason"), job.get("Restarts"))
+            if not seen or seen[-1] != step:
+                seen.append(step)
             if state in _FINAL_STATES and int(job.get("Restarts", 0)) >= min_restarts:
                 return state
-            if state == "PENDING" and job.get("Reason") == "BeginTime":
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                               env=env, capture_output=True)
             time.sleep(0.5)
-        pytest.fail(f"SLURM job {job_id} did not finish in {timeout} s (state {state})")
+        pytest.fail(f"SLURM job {job_id} did not finish in {timeout} s (state {state}; "
+                    f"seen {seen})")
     finally:
         if state not in _FINAL_STATES:
             subprocess.run(["scancel", job_id], env=env)
