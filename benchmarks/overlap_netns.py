@@ -189,7 +189,8 @@ def worker(opts):
     graph, grads = build_train_graph(cfg, world.rank, world.size)
     plan = compose_data_parallel(graph, grads, world.size, world.rank,
                                  bucket_mb=opts.bucket_mb, first_bucket_mb=opts.first_bucket_mb,
-                                 grad_first=not opts.no_grad_first)
+                                 grad_first=not opts.no_grad_first,
+                                 split_params=not opts.no_split)
     graph.infer_shapes().validate()
     comm_graph = Graph("allreduce_only")
     for b in plan:
@@ -222,6 +223,7 @@ def worker(opts):
             "hidden_ms": round(compute + comm - real, 1),
             "hidden_share_of_comm": round((compute + comm - real) / comm, 3) if comm else None,
             "comm_overlap": round(float(overlap), 3), "grad_first": not opts.no_grad_first,
+            "split_params": not opts.no_split,
             "numpy": np.__version__}), flush=True)
 
 
@@ -236,6 +238,8 @@ def main():
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--no-grad-first", action="store_true",
                    help="compose without the gradients_first scheduling hint")
+    p.add_argument("--no-split", action="store_true",
+                   help="keep large weights whole (parallel.split_params: false)")
     p.add_argument("--trace", metavar="DIR", help="write the real run's Chrome traces there")
     p.add_argument("--batch", type=int, default=0,
                    help="per-rank batch size (default: the config's; the built-in net has 32, "
@@ -255,6 +259,8 @@ def main():
         args.forward.append(f"--config={os.path.abspath(args.config)}")
     if args.no_grad_first:
         args.forward.append("--no-grad-first")
+    if args.no_split:
+        args.forward.append("--no-split")
     if args.busy_poll_ms is not None:
         args.forward.append(f"--busy-poll-ms={args.busy_poll_ms}")
     if args.trace:
