@@ -5,11 +5,13 @@
 - ``write_config``: writes a config mapping (or YAML text) to a file in
   ``tmp_path`` and returns its path.
 - ``run_cli``: runs ``python -m purine_mpi ...`` as a subprocess from the repo
-  root and returns the CompletedProcess (text mode).
+  root and returns the CompletedProcess (text mode); ``run_mpi_cli`` the
+  same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's).
 - ``FakeWorld``: a one-rank world for in-process Trainer runs, so the pytest
   process never initialises MPI.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def cli_env():
@@ -33,6 +36,16 @@ def cli_env():
 def run_cli_args(*args, timeout=120, cwd=REPO):
     return subprocess.run([PYTHON, "-m", "purine_mpi", *map(str, args)], cwd=cwd,
                           env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_mpi_cli(n, *args, timeout=180):
+    """``mpiexec -n N python -m purine_mpi ARGS`` from the repo root; skips the
+    test when there is no mpiexec."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", *map(str, args)],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture

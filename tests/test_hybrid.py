@@ -5,10 +5,6 @@ bit-exact on the same layout, resume by name on another layout; the stage
 groups' collectives are checked per sub-communicator; ``graph --np N --rank R``
 shows every slice; bad layouts exit 2 naming the key."""
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -17,18 +13,8 @@ import pytest
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.graph.inspect import compose_for
 from purine_mpi.io.config import resolve_config
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
 from tests.test_micro_batches import STAGES, _close, _config, _params
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-
-
-def _mpi(n, *args, timeout=180):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    return subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", *map(str, args)],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _hybrid(**extra):
@@ -177,7 +163,7 @@ def test_hybrid_2x2_matches_one_rank_and_resumes_bit_exact(tmp_path):
                              "many.yaml")
     r1 = run_cli_args("train", one, "--out", tmp_path / "one")
     assert r1.returncode == 0, r1.stderr
-    r4 = _mpi(4, "train", many, "--out", tmp_path / "many")
+    r4 = run_mpi_cli(4, "train", many, "--out", tmp_path / "many")
     assert r4.returncode == 0, r4.stderr
     _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
     # the logged losses agree too (summed over stages, averaged over replicas)
@@ -186,9 +172,9 @@ def test_hybrid_2x2_matches_one_rank_and_resumes_bit_exact(tmp_path):
     assert [x["iter"] for x in log1] == [x["iter"] for x in log4]
     np.testing.assert_allclose([x["loss"] for x in log1], [x["loss"] for x in log4], rtol=1e-5)
     # resume on the same layout: 3 iterations, then 3 more from the checkpoint
-    half = _mpi(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
+    half = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
     assert half.returncode == 0, half.stderr
-    rest = _mpi(4, "train", many, "--out", tmp_path / "half", "--resume", "auto")
+    rest = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--resume", "auto")
     assert rest.returncode == 0, rest.stderr
     a = _all_params(tmp_path / "many" / "latest.h5")
     b = _all_params(tmp_path / "half" / "latest.h5")
@@ -209,7 +195,7 @@ def test_hybrid_checkpoint_resumes_on_one_rank(tmp_path):
     many = write_config_file(tmp_path, _hybrid(micro_batches=2), "many.yaml")
     r1 = run_cli_args("train", one, "--out", tmp_path / "one")
     assert r1.returncode == 0, r1.stderr
-    half = _mpi(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
+    half = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
     assert half.returncode == 0, half.stderr
     rest = run_cli_args("train", one, "--out", tmp_path / "half", "--resume", "auto")
     assert rest.returncode == 0, rest.stderr

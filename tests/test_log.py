@@ -17,14 +17,11 @@ counts from the layer shapes by hand, sample counts read with h5py,
 bucket counts from ``graph --np 2``.
 """
 import os
-import pickle
 import re
-import shutil
 import subprocess
 import sys
 
 import h5py
-import numpy as np
 import pytest
 import yaml
 
@@ -33,9 +30,8 @@ from purine_mpi.bench import format_bench
 from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.progress import Lines, human_bytes, progress
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config
+from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli, small_net_config
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 # the tiny net: conv1 4x1x3x3 + 4, fc1 10 x (4x4x4) + 10
 TINY_PARAMS = 4 * 1 * 3 * 3 + 4 + 10 * 64 + 10
 
@@ -51,14 +47,6 @@ def _run(*args, env=None, timeout=120):
     e.update(env or {})
     return subprocess.run([PYTHON, "-m", "purine_mpi", *map(str, args)], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _mpi(n, *args, timeout=180):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    return subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", *map(str, args)],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _block(stdout):
@@ -422,7 +410,7 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
     cfg = small_net_config(digits_h5)
     cfg["solver"]["max_iter"] = 4
     path = _write(tmp_path, cfg)
-    res = _mpi(2, "train", path, "--out", tmp_path / "data")
+    res = run_mpi_cli(2, "train", path, "--out", tmp_path / "data")
     assert res.returncode == 0, res.stderr
     rows, block = _block(res.stdout)
     assert res.stdout.count("purine_mpi ") == 1  # rank 0 only
@@ -437,13 +425,13 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
     assert rows["parameters"].startswith(f"{TINY_PARAMS:,} in 4 blobs")
     assert "note:" not in res.stdout
     # every rank agrees that the run is finished (rank 0's folder decides)
-    done = _mpi(2, "train", path, "--out", tmp_path / "data", "--resume", "auto")
+    done = run_mpi_cli(2, "train", path, "--out", tmp_path / "data", "--resume", "auto")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].startswith("already finished at iteration 4: nothing "
                                                    "to do")
 
     ps = dict(cfg, parallel={"mode": "async", "max_staleness": 1})
-    res = _mpi(3, "train", _write(tmp_path, ps, "ps.yaml"), "--out", tmp_path / "ps")
+    res = run_mpi_cli(3, "train", _write(tmp_path, ps, "ps.yaml"), "--out", tmp_path / "ps")
     assert res.returncode == 0, res.stderr
     rows, _ = _block(res.stdout)
     assert rows["ranks"] == "3 on 1 host"
@@ -455,7 +443,7 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
 
     pipe = dict(cfg, parallel={"scheme": "pipeline", "micro_batches": 2, "stages": {
         "conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "loss": 1, "acc": 1}})
-    res = _mpi(2, "train", _write(tmp_path, pipe, "pipe.yaml"), "--out", tmp_path / "pipe")
+    res = run_mpi_cli(2, "train", _write(tmp_path, pipe, "pipe.yaml"), "--out", tmp_path / "pipe")
     assert res.returncode == 0, res.stderr
     rows, _ = _block(res.stdout)
     assert rows["scheme"].startswith("pipeline: 2 stages, rank s runs stage s")

@@ -2,10 +2,7 @@
 global batch trains like one rank without micro-batches (float32
 tolerance: only the summation order differs), the schedules order each
 stage's copies as documented, and bad pipeline configs exit 2 naming the key."""
-import os
-import shutil
 import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -13,9 +10,8 @@ import pytest
 
 from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.micro_batch import stage_order
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, write_config_file
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 STAGES = {"conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "relu3": 1, "fc2": 1, "loss": 1}
 
 

@@ -8,10 +8,8 @@
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import h5py
@@ -19,10 +17,10 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
+                            write_config_file)
 
 pytestmark = pytest.mark.mpi
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def _digits_config(tmp_path, digits_h5, batch, name, **solver):
@@ -36,11 +34,7 @@ def _digits_config(tmp_path, digits_h5, batch, name, **solver):
 
 
 def _mpi_train(n, *args, timeout=180):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    return subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", "train", *args],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_mpi_cli(n, "train", *args, timeout=timeout)
 
 
 def _params(path):

@@ -1,18 +1,15 @@
 """Pipeline (model) parallelism: the digits net cut across ranks by layer
 trains bit-identically to one rank; ``graph --np`` shows each slice."""
 import os
-import shutil
 import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, write_config_file
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def _config(digits_h5, tmp_path, iters=60):

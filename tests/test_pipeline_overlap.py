@@ -5,7 +5,6 @@ micro-batches on stage s; GPipe: M), and benchmarks/pipeline.py reports it.
 The trace statistics themselves are checked on hand-made timelines."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,9 +14,8 @@ from purine_mpi.parallel.micro_batch import stage_order
 from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
                                                 cross_stage_overlap_us, live_micro_batches,
                                                 micro_batch_of, theory_bubble)
-from tests.conftest import PYTHON, REPO, cli_env, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 

@@ -2,18 +2,15 @@
 every rank at the same iteration with a checkpoint; the run resumes from it."""
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import h5py
 import pytest
 
-from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, small_net_config, write_config_file
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def _rank_pids(marker):

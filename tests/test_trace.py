@@ -3,25 +3,18 @@
 under MPI."""
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, cli_env
+from tests.conftest import REPO, run_mpi_cli
 from tests.test_mpi_train import _digits_config
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 pytestmark = pytest.mark.mpi
 CATEGORIES = {"compute", "comm", "copy", "io", "update"}
 
 
 def _mpi(n, *args):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
-    res = subprocess.run([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", *map(str, args)],
-                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180)
+    res = run_mpi_cli(n, *args)
     assert res.returncode == 0, res.stderr
     return res
 
