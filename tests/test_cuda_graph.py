@@ -305,16 +305,11 @@ def test_replay_equals_eager_bitwise_over_iterations(seed):
 def test_replay_on_the_emulated_device_equals_eager(host_build_dir, monkeypatch):
     """The ops' GPU branches (raw kernels compiled for the host, emulated
     CuPy arrays): replays give the losses and weights of eager dispatch."""
-    import sys
 
-    import purine_mpi.backend as backend
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import _emulated_cupy, _train_simulated
+    from tests.test_gpu_backend import use_emulated_cupy, _train_simulated
     config = _tiny_config()
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_cupy(monkeypatch, host_build_dir)
     try:
         eager = _train_simulated(config, 0, iters=4, cuda_graph=False)
         replay = _train_simulated(config, 0, iters=4, cuda_graph=True)
@@ -329,16 +324,11 @@ def _emulated_gpu(monkeypatch, build_dir):
     """CuPy emulated on the host (tests/test_gpu_backend.py) and every
     dispatcher's CUDA runtime simulated: a Trainer with ``device: 0``
     trains on it."""
-    import sys
 
-    import purine_mpi.backend as backend
     import purine_mpi.gpu as gpu
     import purine_mpi.runtime.streams_dispatcher as streams
-    from tests.test_gpu_backend import _emulated_cupy
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    from tests.test_gpu_backend import use_emulated_cupy
+    use_emulated_cupy(monkeypatch, build_dir)
     monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
     monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
 

@@ -4,18 +4,17 @@ ready one on the copy stream (ops/data.py). Tested on the emulated device
 (NumPy-backed CuPy) and the simulated stream runtime, whose queued work runs
 only when the host synchronises or polls -- a copy stays in flight as long
 as nothing waits for it."""
-import sys
 import threading
 
 import numpy as np
 import pytest
 
-from purine_mpi import backend, gpu
+from purine_mpi import gpu
 from purine_mpi.gpu import placement
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.data import DataReader
-from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _emulated_cupy,
-                                    _tiny_config, _train_simulated)
+from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _tiny_config,
+                                    _train_simulated, use_emulated_cupy)
 
 SOURCE = {"source": "synthetic", "shape": [2, 3, 3], "classes": 4, "num_samples": 10,
           "shuffle": True}
@@ -23,10 +22,7 @@ SOURCE = {"source": "synthetic", "shape": [2, 3, 3], "classes": 4, "num_samples"
 
 @pytest.fixture
 def emulated(monkeypatch, host_build_dir):
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    fake = use_emulated_cupy(monkeypatch, host_build_dir)
     yield fake
     gpu.clear_kernel_cache()
 

@@ -166,6 +166,16 @@ def _emulated_cupy(build_dir):
     return fake
 
 
+def use_emulated_cupy(monkeypatch, build_dir):
+    """Make ``_emulated_cupy(build_dir)`` the CuPy that purine_mpi imports (for
+    this test), with an empty raw-kernel cache; returns it."""
+    gpu.clear_kernel_cache()
+    fake = _emulated_cupy(build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    return fake
+
+
 class _Device:
     def __init__(self, name, to_device, to_host):
         self.name, self.to_device, self.to_host = name, to_device, to_host
@@ -1045,10 +1055,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     so they do after the device fusions (gpu/fuse.py), with the fused kernels."""
     config = _tiny_config()
     cpu_losses, cpu_params = _train_simulated(config, -1)
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
     real_launch = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda source, func, *a: (
@@ -1468,10 +1475,7 @@ def _emulated_trainer_env(monkeypatch, host_build_dir):
     placement and fusion, the device arena, the stream dispatcher on the
     simulated runtime."""
     import purine_mpi.runtime.streams_dispatcher as sd
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_cupy(monkeypatch, host_build_dir)
     monkeypatch.setattr(sd, "CudaRuntime", lambda *a, **k: SimulatedRuntime(4))
 
 

@@ -13,20 +13,18 @@ writes into its planned outputs and its planned scratch (Workspace.scratch_for).
   iteration of cifar10_quick and NIN at batch 16, with and without CUDA
   graphs: zero.
 """
-import sys
 
 import numpy as np
 import pytest
 
-import purine_mpi.backend as backend
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.io.config import load_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.conftest import REPO, cuda_cupy_or_skip
-from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _emulated_cupy, _init,
-                                    _tiny_config)
+from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _init, _tiny_config,
+                                    use_emulated_cupy)
 
 NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
 
@@ -41,10 +39,7 @@ def _config(net, batch):
 
 @pytest.fixture
 def emulated(host_build_dir, monkeypatch):
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    fake = use_emulated_cupy(monkeypatch, host_build_dir)
     yield fake
     Allocations.counting = False
     gpu.clear_kernel_cache()

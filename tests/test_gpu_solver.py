@@ -58,14 +58,9 @@ def test_lr_policy_on_the_device_matches_the_host_formula(backend, policy, warmu
 def test_lr_op_on_emulated_device_reads_the_iteration_blob(monkeypatch, host_build_dir):
     """The LearningRate op with device blobs: its setup uploads the policy's
     constants once; each run reads the iteration from the device blob."""
-    import sys
-    import purine_mpi.backend as backend_module
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import DeviceArray, _emulated_cupy
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend_module, "_cupy", fake)
+    from tests.test_gpu_backend import DeviceArray, use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
     attrs = {"base_lr": 0.1, "lr_policy": "multistep", "gamma": 0.1, "stepvalues": [2, 4]}
     k = get_kernel_class("LearningRate")(Op("lr", "LearningRate", [], [], attrs))
     it = np.zeros((), np.int64).view(DeviceArray)
@@ -218,14 +213,9 @@ def test_constant_rate_and_constants_are_written_once_on_the_device(monkeypatch,
                                                                      host_build_dir):
     """A fixed lr without warm-up and a Constant (the loss gradient's seed)
     are written in the first iteration only; a scheduled lr every time."""
-    import sys
-    import purine_mpi.backend as backend_module
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import DeviceArray, _emulated_cupy
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend_module, "_cupy", fake)
+    from tests.test_gpu_backend import DeviceArray, use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
     real = kernels._launch_blocks
     monkeypatch.setattr(kernels, "_launch_blocks",

@@ -8,7 +8,6 @@ loss every iteration; a divergence at iteration k is reported as k with exit
 3, and latest.h5 stays the last finite checkpoint."""
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -64,12 +63,9 @@ def test_the_watch_op_on_the_cpu_is_the_host_loop(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_watch_kernel_on_the_emulated_device_is_the_cpu_bit_for_bit(
         host_build_dir, monkeypatch, dtype):
-    from tests.test_gpu_backend import _emulated_cupy
+    from tests.test_gpu_backend import use_emulated_cupy
     import purine_mpi.gpu as gpu
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(host_build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_cupy(monkeypatch, host_build_dir)
     shares = [1 / 3, 0.7, 1e-3]
     history = _history(dtype, bad=(6, 3))
     history[2] = [dtype(1e30), dtype(-1e30), dtype(1e-30)]  # cancellations: order matters
