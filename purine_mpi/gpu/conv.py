@@ -55,6 +55,12 @@ def chunk(geo, which, itemsize):
     return max(1, min(geo["N"], COL_CHUNK_BYTES_GPU // per))
 
 
+def _batches(geo, which, itemsize):
+    """(start, stop) of each chunk of samples for ``which`` (see ``chunk``)."""
+    step = chunk(geo, which, itemsize)
+    return [(start, min(start + step, geo["N"])) for start in range(0, geo["N"], step)]
+
+
 def _specs(geo, which, dtype, n):
     cols, part = _per_sample(geo, which)
     specs = []
@@ -87,9 +93,7 @@ def forward(x, w, y, geo, scratch):
     G, og, kg, L = _sizes(geo)
     wmat = w.reshape(G, og, kg)
     y4 = y.reshape(geo["N"], G, og, L)
-    step = chunk(geo, "forward", x.itemsize)
-    for start in range(0, geo["N"], step):
-        stop = min(start + step, geo["N"])
+    for start, stop in _batches(geo, "forward", x.itemsize):
         buffers = scratch.take(*_specs(geo, "forward", x.dtype, stop - start))
         cols = _columns(x[start:stop], geo, buffers[0] if buffers else None)
         for g in range(G):
@@ -103,9 +107,7 @@ def backward_data(dy, w, dx, geo, scratch):
     wmat = w.reshape(G, og, kg)
     N = geo["N"]
     dy4 = dy.reshape(N, G, og, L)
-    step = chunk(geo, "data", dy.itemsize)
-    for start in range(0, N, step):
-        stop = min(start + step, N)
+    for start, stop in _batches(geo, "data", dy.itemsize):
         n = stop - start
         if pointwise(geo):
             dx4 = dx.reshape(N, G, kg, L)
@@ -127,9 +129,7 @@ def backward_weight(dy, x, dw, geo, scratch):
     G, og, kg, L = _sizes(geo)
     N = geo["N"]
     dy4 = dy.reshape(N, G, og, L)
-    step = chunk(geo, "weight", x.itemsize)
-    for start in range(0, N, step):
-        stop = min(start + step, N)
+    for start, stop in _batches(geo, "weight", x.itemsize):
         n = stop - start
         buffers = scratch.take(*_specs(geo, "weight", x.dtype, n))
         cols = _columns(x[start:stop], geo, buffers[0] if len(buffers) == 2 else None)
