@@ -153,6 +153,9 @@ class ConvPlan:
             return graph.tensor(name=name, dim=list(shape), stride=_strides(shape),
                                 data_type=f32)
 
+        def output(out, shape):
+            out.set_output(True).set_dim(shape).set_stride(_strides(shape)).set_data_type(f32)
+
         self.tensors = {}
         self.fused = False
         if kind == "fprop":
@@ -167,20 +170,17 @@ class ConvPlan:
                 out = (graph.leaky_relu(name="relu", input=out, negative_slope=float(slope))
                        if slope else graph.relu(name="relu", input=out))
             self.fused = bool(bias or relu)
-            out.set_output(True).set_dim(y_shape).set_stride(_strides(y_shape)) \
-                .set_data_type(f32)
+            output(out, y_shape)
             self.tensors["y"] = out
         elif kind == "dgrad":
             DY, W = tensor("DY", y_shape), tensor("W", w_shape)
             out = graph.conv_dgrad(loss=DY, filter=W, **conv)
-            out.set_output(True).set_dim(x_shape).set_stride(_strides(x_shape)) \
-                .set_data_type(f32)
+            output(out, x_shape)
             self.tensors.update(dy=DY, w=W, dx=out)
         elif kind == "wgrad":
             X, DY = tensor("X", x_shape), tensor("DY", y_shape)
             out = graph.conv_wgrad(image=X, loss=DY, **conv)
-            out.set_output(True).set_dim(w_shape).set_stride(_strides(w_shape)) \
-                .set_data_type(f32)
+            output(out, w_shape)
             self.tensors.update(x=X, dy=DY, dw=out)
         else:
             raise ValueError(f"unknown convolution direction {kind!r}")
