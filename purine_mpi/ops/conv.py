@@ -128,6 +128,15 @@ def _gpu(kernel, *arrays):
     return gpu_conv, op_scratch(kernel, array_device(arrays[0]))
 
 
+def _gpu_prepared(kernel, ins, outs, *arrays):
+    """``_gpu`` for ``run``: on a GPU, the op's ``setup`` (plan, scratch) runs
+    first when nothing has run it yet."""
+    gpu, scratch = _gpu(kernel, *arrays)
+    if gpu is not None and not getattr(kernel, "_gpu_ready", False):
+        kernel.setup(ins, outs)
+    return gpu, scratch
+
+
 def _gpu_setup(kernel, kind, geo, arrays, **fusion):
     """Once per op on a GPU: the cuDNN plan of direction ``kind`` (or None:
     the im2col path) and the op's scratch reserved for it. Returns the plan."""
@@ -193,10 +202,8 @@ class Conv(OpKernel):
         xp = get_xp(x)
         geo = _geometry(self.attrs, x.shape, w.shape)
         G, O = geo["G"], geo["O"]
-        gpu, scratch = _gpu(self, x, w)
+        gpu, scratch = _gpu_prepared(self, ins, outs, x, w)
         if gpu is not None:
-            if not getattr(self, "_gpu_ready", False):
-                self.setup(ins, outs)
             plan = self._plan
             if plan is not None:  # cuDNN, with the bias and ReLU when it fuses them
                 arrays = {"x": x, "w": w, "y": outs[0]}
@@ -250,10 +257,8 @@ class ConvGradData(OpKernel):
         G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
         # contiguous w^T: BLAS on a transposed view is several times slower in numpy
-        gpu, scratch = _gpu(self, dy, w)
+        gpu, scratch = _gpu_prepared(self, ins, outs, dy, w)
         if gpu is not None:
-            if not getattr(self, "_gpu_ready", False):
-                self.setup(ins, outs)
             if self._plan is not None:
                 _cudnn_run(self, scratch, {"dy": dy, "w": w, "dx": outs[0]})
             else:  # cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
@@ -298,10 +303,8 @@ class ConvGradWeight(OpKernel):
         xp = get_xp(dy)
         geo = _geometry(self.attrs, x.shape, outs[0].shape)
         G, O, N = geo["G"], geo["O"], geo["N"]
-        gpu, scratch = _gpu(self, dy, x)
+        gpu, scratch = _gpu_prepared(self, ins, outs, dy, x)
         if gpu is not None:
-            if not getattr(self, "_gpu_ready", False):
-                self.setup(ins, outs)
             if self._plan is not None:
                 _cudnn_run(self, scratch, {"x": x, "dy": dy, "dw": outs[0]})
             else:  # im2col, batched cuBLAS GEMM, one column-sum kernel
