@@ -79,7 +79,7 @@ def bucket_cap(graph, grads, bucket_mb=4, min_buckets=4):
 SPLIT_MIN_BYTES = MB
 
 
-def split_large_params(graph, grads, cap, min_bytes=None):
+def split_large_params(graph, grads, cap, min_bytes=SPLIT_MIN_BYTES):
     """Split each large fully connected weight into row chunks of about
     ``cap`` bytes, so its gradient can be reduced, and its update run, chunk
     by chunk: the first chunk's allreduce starts when its rows of the
@@ -87,7 +87,7 @@ def split_large_params(graph, grads, cap, min_bytes=None):
     chunk's update waits for the end of the transfer.
 
     A parameter ``p`` with gradient ``g`` is split when ``g`` is over
-    ``min_bytes`` (default ``SPLIT_MIN_BYTES``) and over twice ``cap``, ``g`` is written by one
+    ``min_bytes`` and over twice ``cap``, ``g`` is written by one
     ``InnerProductGradWeight`` op and read only by ``p``'s update op, and
     ``p`` and its solver state own their storage. Then, for rows a..b-1:
 
@@ -100,11 +100,10 @@ def split_large_params(graph, grads, cap, min_bytes=None):
 
     The chunk ops take the place of the ops they replace in emission order.
     Returns the new ``{param: grad}`` map (a chunk's key is ``p[a:b]``)."""
-    floor = SPLIT_MIN_BYTES if min_bytes is None else min_bytes
     producers, consumers = graph.producers(), graph.consumers()
     out = {}
     for p, g in grads.items():
-        chunks = _split_rows(graph, p, g, cap, floor, producers, consumers)
+        chunks = _split_rows(graph, p, g, cap, min_bytes, producers, consumers)
         out.update(chunks if chunks else {p: g})
     return out
 
@@ -237,7 +236,7 @@ def format_plan(plan):
 
 def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
                           check_collectives=False, world=None, thread="comm", grad_first=True,
-                          min_buckets=4, split_params=True, split_min_bytes=None):
+                          min_buckets=4, split_params=True, split_min_bytes=SPLIT_MIN_BYTES):
     """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
     param -> gradient blob (``build_backward``'s result). Returns the bucket

@@ -21,7 +21,7 @@ import numpy as np
 from common import assert_close, mlp_config, ok, run, world
 
 from purine_mpi.model import build_train_graph
-from purine_mpi.parallel.data_parallel import compose_data_parallel
+from purine_mpi.parallel.data_parallel import SPLIT_MIN_BYTES, compose_data_parallel
 
 bucket_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0002
 check = "check" in sys.argv[2:]
@@ -35,7 +35,7 @@ cfg = mlp_config(batch=B, hidden=hidden)
 graph, grads = build_train_graph(cfg, r, n)
 plan = compose_data_parallel(graph, grads, n, r, bucket_mb=bucket_mb,
                              first_bucket_mb=bucket_mb / 4, check_collectives=check, world=w,
-                             split_min_bytes=0 if split else None)
+                             split_min_bytes=0 if split else SPLIT_MIN_BYTES)
 graph.infer_shapes().validate()
 assert plan and plan[0]["params"][0].startswith("out/"), plan[0]  # top layer first
 chunks = [p for b in plan for p in b["params"] if "[" in p]
