@@ -10,12 +10,18 @@ creates namespaces ``pmbenchA<pid>`` / ``pmbenchB<pid>`` (10.251.<k>.1/.2),
 launches one rank in each through hydra with benchmarks/nsexec.sh as the
 "ssh", forces TCP (UCX_TLS=tcp,self, else MPICH would use shared memory),
 and deletes the namespaces afterwards. Per iteration (median over
-``--iters`` after ``--warmup``), both ranks running at once:
+``--iters`` after ``--warmup``, each iteration timed from the end of the one
+before), both ranks running at once:
 
     compute_ms   the single-replica training graph, no communication
     comm_ms      only the Allreduce ops of the composed graph's buckets
-    real_ms      the composed graph: gradients reduced during backward
+    real_ms      the composed graph: gradients reduced during backward, and
+                 (unless --no-defer) the last allreduces and updates
+                 finishing while the next iteration's forward runs
     hidden_ms    compute_ms + comm_ms - real_ms (communication that overlapped)
+    cpu_ms       CPU time of a rank's process (all threads, user + system)
+                 per iteration in each of the three runs: what the transfer
+                 itself costs the cores that also compute
 
 and ``comm_overlap``: the share of communication time during which compute
 ops ran (from the dispatcher's trace, as ``bench --json``). Prints one JSON
@@ -126,19 +132,31 @@ def driver(args):
 
 # ------------------------------------------------------------------ ranks
 def timed(world, dispatcher, iters, warmup, profile_from=None):
+    """Per-iteration seconds of the timed iterations, each from the end of
+    the one before (a barrier before the first): with a deferred tail an
+    iteration's allreduce and update overlap the next one, and the last
+    iteration waits for its own (as ``bench`` times them)."""
     from purine_mpi.runtime.dispatcher import Profiler
-    times = []
+    times, cpu = [], []
     ws = dispatcher.workspace
     for it in range(warmup + iters):
-        if profile_from is not None and it == warmup:
-            dispatcher.profiler = Profiler(world.rank)
-        world.comm.Barrier()
+        if it == warmup:
+            dispatcher.drain()
+            if profile_from is not None:
+                dispatcher.profiler = Profiler(world.rank)
+            world.barrier()
+            t_prev, c_prev = time.perf_counter(), time.process_time()
         if "iter" in ws.arrays:
             ws["iter"][...] = it
-        t0 = time.perf_counter()
         dispatcher.run(it)
         if it >= warmup:
-            times.append(time.perf_counter() - t0)
+            if it == warmup + iters - 1:
+                dispatcher.drain()
+            now, c_now = time.perf_counter(), time.process_time()
+            times.append(now - t_prev)
+            cpu.append(c_now - c_prev)
+            t_prev, c_prev = now, c_now
+    timed.cpu = cpu  # this process's CPU seconds (all threads) per iteration
     return times
 
 
@@ -171,9 +189,10 @@ def worker(opts):
         from purine_mpi.bench import synthetic_config
         cfg = synthetic_config(cfg)
 
-    def make(graph):
+    def make(graph, defer=False):
         extra = {} if opts.busy_poll_ms is None else {"busy_poll": opts.busy_poll_ms / 1000}
-        d = make_dispatcher(graph, "event", rank=world.rank, stall_timeout=600, **extra)
+        d = make_dispatcher(graph, "event", rank=world.rank, stall_timeout=600,
+                            defer_tail=defer, **extra)
         for blob in graph.params():
             d.workspace.set(blob.name, fill(blob, 0))
         return d
@@ -183,7 +202,12 @@ def worker(opts):
 
     graph, grads = build_train_graph(cfg, world.rank, world.size)
     d = make(graph)
-    compute = median_ms(timed(world, d, opts.iters, opts.warmup))
+    compute = median_ms(timed(world, d, opts.iters, opts.warmup,
+                              profile_from=opts.warmup if opts.trace else None))
+    compute_cpu = median_ms(timed.cpu)
+    if opts.trace:
+        with open(os.path.join(opts.trace, f"compute_trace.rank{world.rank}.json"), "w") as f:
+            json.dump({"traceEvents": d.profiler.events}, f)
     d.close()
 
     graph, grads = build_train_graph(cfg, world.rank, world.size)
@@ -201,11 +225,13 @@ def worker(opts):
                           {"seq": b["seq"], "bucket": b["name"]}, thread="comm")
     d = make(comm_graph.infer_shapes())
     comm = median_ms(timed(world, d, opts.iters, opts.warmup))
+    comm_cpu = median_ms(timed.cpu)
     d.close()
 
-    d = make(graph)
+    d = make(graph, defer=not opts.no_defer)
     real_times = timed(world, d, opts.iters, opts.warmup, profile_from=opts.warmup)
     real = median_ms(real_times)
+    real_cpu = median_ms(timed.cpu)
     overlap = comm_overlap(d.profiler.events)
     if opts.trace:
         with open(os.path.join(opts.trace, f"overlap_trace.rank{world.rank}.json"), "w") as f:
@@ -221,9 +247,11 @@ def worker(opts):
             "compute_ms": round(compute, 1), "comm_ms": round(comm, 1),
             "real_ms": round(real, 1), "sum_ms": round(compute + comm, 1),
             "hidden_ms": round(compute + comm - real, 1),
+            "cpu_ms": {"compute": round(compute_cpu, 1), "comm": round(comm_cpu, 1),
+                       "real": round(real_cpu, 1)},
             "hidden_share_of_comm": round((compute + comm - real) / comm, 3) if comm else None,
             "comm_overlap": round(float(overlap), 3), "grad_first": not opts.no_grad_first,
-            "split_params": not opts.no_split,
+            "split_params": not opts.no_split, "defer_update": not opts.no_defer,
             "numpy": np.__version__}), flush=True)
 
 
@@ -240,7 +268,11 @@ def main():
                    help="compose without the gradients_first scheduling hint")
     p.add_argument("--no-split", action="store_true",
                    help="keep large weights whole (parallel.split_params: false)")
-    p.add_argument("--trace", metavar="DIR", help="write the real run's Chrome traces there")
+    p.add_argument("--no-defer", action="store_true",
+                   help="end every iteration with its allreduces and updates done "
+                        "(parallel.defer_update: false)")
+    p.add_argument("--trace", metavar="DIR", help="write the Chrome traces of the compute-only "
+                   "and the real run there")
     p.add_argument("--batch", type=int, default=0,
                    help="per-rank batch size (default: the config's; the built-in net has 32, "
                         "where communication dominates; 96 makes compute dominate)")
@@ -261,6 +293,8 @@ def main():
         args.forward.append("--no-grad-first")
     if args.no_split:
         args.forward.append("--no-split")
+    if args.no_defer:
+        args.forward.append("--no-defer")
     if args.busy_poll_ms is not None:
         args.forward.append(f"--busy-poll-ms={args.busy_poll_ms}")
     if args.trace:

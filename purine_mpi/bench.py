@@ -1,7 +1,8 @@
 """``bench``: time training iterations of a config (output: docs/formats.md, "bench --json").
 
-Runs warm-up iterations, then times each iteration (with a barrier between
-iterations when several ranks run, so every rank measures the same thing),
+Runs warm-up iterations, then a barrier (several ranks), then times each
+iteration from the end of the one before (with ``parallel.defer_update`` an
+iteration's tail overlaps the next; the last iteration waits for its own),
 profiling the timed ones to compute ``comm_overlap``: the share of this
 rank's communication time during which compute ops were also running, and
 ``post_latency_ms``: for each comm op (a data-parallel bucket's allreduce),
@@ -76,15 +77,23 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
     d = trainer.train
     times, latencies = [], {}
     try:
+        # an iteration's time is from the end of the one before: with
+        # parallel.defer_update its tail overlaps the next one, and the last
+        # tail is waited for inside the last iteration
         for it in range(warmup + iters):
             if it == warmup:
+                d.drain()
                 d.profiler = Profiler(world.rank)
-            if world.size > 1:
-                world.comm.Barrier()
-            t0 = time.perf_counter()
+                if world.size > 1:
+                    world.barrier()
+                t_prev = time.perf_counter()
             trainer.step(it)
             if it >= warmup:
-                times.append(time.perf_counter() - t0)
+                if it == warmup + iters - 1:
+                    d.drain()
+                now = time.perf_counter()
+                times.append(now - t_prev)
+                t_prev = now
                 for name, seconds in getattr(d, "comm_post_latency", dict)().items():
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events

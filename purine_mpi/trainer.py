@@ -111,8 +111,14 @@ class Trainer:
         # on a GPU, each iteration is replayed as captured CUDA graphs unless
         # cuda_graph: false (eager stream dispatch); the notes go to rank 0's log
         self.cuda_graph = bool(config.get("cuda_graph", True))
+        # parallel.defer_update: the last buckets' allreduce and update finish
+        # while the next iteration's forward runs (runtime/tail.py; the CPU
+        # event dispatcher, synchronous data parallelism)
+        self.defer_update = bool(par.get("defer_update", True)) and self.size > 1 and \
+            not self.pipeline and getattr(self.scheme, "defers_update", True)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      cuda_graph=self.cuda_graph, log=self._say,
+                                     defer_tail=self.defer_update,
                                      profiler=self.profiler,
                                      stall_timeout=float(par.get("stall_timeout", 300)),
                                      seed=self._op_seed())
@@ -179,6 +185,7 @@ class Trainer:
         if not self._order_adopted and not self.pipeline:
             self._order_adopted = True
             from .parallel.data_parallel import adopt_ready_order
+            self.train.drain()
             adopt_ready_order(self.train, self.world)
 
     def _reduce(self, values):
@@ -233,6 +240,7 @@ class Trainer:
     def state_dict(self):
         """Everything beyond params and momenta that a resume needs: each
         stateful kernel's state and each random stream, per rank."""
+        self.train.drain()
         local = {}
         for name, k in self.train.kernels.items():
             s = {}
@@ -346,9 +354,11 @@ class Trainer:
 
     def _params_finite(self):
         """Whether every parameter of this rank is finite (no NaN or inf)."""
+        self.train.drain()
         return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
 
     def save(self, iteration):
+        self.train.drain()  # the weights of this iteration, updated
         self.scheme.before_save(self, iteration)
         self._last_saved = iteration
         state = self.state_dict()
@@ -448,6 +458,7 @@ class Trainer:
                             "the divergence check before a checkpoint (allreduce)")[0])
                     code = StopSignal.DIVERGED if diverged else code
                 if code == StopSignal.DIVERGED:
+                    self.train.drain()
                     return {"diverged_at": first_bad or done,
                             "last_checkpoint": self._last_saved}
                 if test_interval and done % test_interval == 0 and done != max_iter:
@@ -472,6 +483,7 @@ class Trainer:
         """Mean loss and metrics over the test split (sharded over ranks)."""
         if self.test is None:
             return {}
+        self.train.drain()  # the test graph reads the weights the train graph updates
         for k in self.test.kernels.values():
             if k.op.op_type == "DataReader":
                 k.reset_position(0)

@@ -188,12 +188,15 @@ def test_partition_rejects_split_alias():
                                           (2, ["0.0002", "check"], "3:1"),
                                           (3, ["0.0002", "check"], "3:2"),
                                           (2, ["0.0002", "check", "split"], ""),
-                                          (3, ["0.0002", "check", "split"], "3:4")])
+                                          (3, ["0.0002", "check", "split"], "3:4"),
+                                          (2, ["0.0002", "check", "defer"], "3:5"),
+                                          (3, ["0.0002", "check", "split", "defer"], "3:6")])
 def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
     """Also with seeded random delays in every comm op (PURINE_COMM_DELAY,
     milliseconds:seed) and 3 ranks oversubscribing the cores: the posts move
     around in time, the results and the collective sequence must not. With
-    ``split`` the weights are reduced and updated in row chunks."""
+    ``split`` the weights are reduced and updated in row chunks; with
+    ``defer`` each iteration's tail overlaps the next (bitwise the same)."""
     proc, _ = run_mpi("dp_equiv.py", n, *args, env={"PURINE_COMM_DELAY": delay})
     assert proc.stdout.count("OK dp_equiv") == n
 

@@ -68,6 +68,39 @@ def test_n_ranks_of_batch_b_equal_one_rank_of_batch_nb(tmp_path, digits_h5, n):
         assert float(np.abs(f["solver/fc2/weight/momentum"][()]).max()) > 0
 
 
+def test_deferred_updates_train_bit_identically(tmp_path, digits_h5):
+    """parallel.defer_update (the default) against false on 2 ranks, with
+    checkpoints, test passes and a resume between: the trainer waits for
+    the deferred tail wherever it reads the weights, so every checkpoint
+    and metric is the same, bit for bit."""
+    cfg = yaml.safe_load(open(_digits_config(tmp_path, digits_h5, 16, "d.yaml", max_iter=30)))
+    cfg["data"]["test"] = {"source": "hdf5", "path": digits_h5, "split": "test",
+                           "batch_size": 50}
+    cfg["solver"].update(test_interval=10, test_iter=2)
+    cfg["checkpoint"] = {"interval": 10, "keep": 5}
+    path = write_config_file(tmp_path, cfg, "d.yaml")
+    runs = {}
+    for defer in ("true", "false"):
+        out = tmp_path / f"defer_{defer}"
+        first = _mpi_train(2, path, "--out", out, "--iters", 20,
+                           "--set", f"parallel.defer_update={defer}")
+        assert first.returncode == 0, first.stderr
+        resumed = _mpi_train(2, path, "--out", out, "--resume", "auto",
+                             "--set", f"parallel.defer_update={defer}")
+        assert resumed.returncode == 0, resumed.stderr
+        with open(out / "metrics.jsonl") as f:
+            metrics = [json.loads(line) for line in f]
+        runs[defer] = (metrics, {it: _params(out / f"ckpt_{it}.h5") for it in (10, 20, 30)})
+    (m_on, ck_on), (m_off, ck_off) = runs["true"], runs["false"]
+    clock = ("time", "timestamp", "images_per_s")
+    assert [{k: v for k, v in r.items() if k not in clock} for r in m_on] == \
+        [{k: v for k, v in r.items() if k not in clock} for r in m_off]
+    assert any(r["phase"] == "test" for r in m_on)
+    for it in ck_on:
+        for k in ck_on[it]:
+            assert np.array_equal(ck_on[it][k], ck_off[it][k]), (it, k)
+
+
 def test_sigkill_of_one_rank_ends_the_job_with_checkpoint_intact(tmp_path, digits_h5):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")

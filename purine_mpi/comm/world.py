@@ -39,6 +39,14 @@ _LOCK = threading.Lock()
 MPI_LOCK = threading.RLock()
 
 
+def _call(fn, *args, **kw):
+    """One MPI call under MPI_LOCK: the collectives outside the graph (the
+    stop agreement, metric means) run between iterations while a deferred
+    tail's transfers may still be tested by a worker thread."""
+    with MPI_LOCK:
+        return fn(*args, **kw)
+
+
 def get_world():
     """The process-wide World (created, and MPI initialised, on first call)."""
     global _WORLD
@@ -134,7 +142,7 @@ class World:
         digest = hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
         mine = np.frombuffer(bytes.fromhex(digest), dtype=np.uint8)
         every = np.empty((self.size, mine.size), dtype=np.uint8)
-        self.wait(self.comm.Iallgather(mine, every), f"the {what} check (allgather)")
+        self.wait(_call(self.comm.Iallgather, mine, every), f"the {what} check (allgather)")
         digests = [row.tobytes().hex() for row in every]
         groups = {}
         for r, d in enumerate(digests):
@@ -152,7 +160,7 @@ class World:
         return digest
 
     def barrier(self):
-        self.wait(self.comm.Ibarrier(), "a barrier")
+        self.wait(_call(self.comm.Ibarrier), "a barrier")
 
     # ------------------------------------------- collectives under a watchdog
     # Collectives outside the graph (the stop agreement, metric means,
@@ -164,7 +172,7 @@ class World:
         after ``stall_timeout`` seconds."""
         start = time.monotonic()
         pause = 20e-6
-        while not request.Test():
+        while not _call(request.Test):
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} stalled for more than "
                                  f"{self.stall_timeout:g} s (parallel.stall_timeout): a peer "
@@ -176,24 +184,24 @@ class World:
         """Element-wise SUM or MAX over ranks of a numeric array (a copy)."""
         send = np.ascontiguousarray(values)
         out = np.empty_like(send)
-        self.wait(self.comm.Iallreduce(send, out, op={"sum": self.MPI.SUM,
-                                                       "max": self.MPI.MAX}[op]), what)
+        op = {"sum": self.MPI.SUM, "max": self.MPI.MAX}[op]
+        self.wait(_call(self.comm.Iallreduce, send, out, op=op), what)
         return out
 
     def recv_object(self, source, tag, what="a receive"):
         """A picklable object from ``source`` (probed, then received), under
         the stall timeout."""
         start = time.monotonic()
-        while not self.comm.Iprobe(source=source, tag=tag):
+        while not _call(self.comm.Iprobe, source=source, tag=tag):
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} from rank {source} stalled for "
                                  f"more than {self.stall_timeout:g} s (parallel.stall_timeout)")
             time.sleep(1e-3)
-        return self.comm.recv(source=source, tag=tag)
+        return _call(self.comm.recv, source=source, tag=tag)
 
     def send_object(self, obj, dest, tag, what="a send"):
         """Send a picklable object to ``dest`` under the stall timeout."""
-        self.wait(self.comm.isend(obj, dest=dest, tag=tag), f"{what} to rank {dest}")
+        self.wait(_call(self.comm.isend, obj, dest=dest, tag=tag), f"{what} to rank {dest}")
 
     def gather_object(self, obj, root=0, what="a gather"):
         """``[obj of rank 0, obj of rank 1, ...]`` on ``root`` (None elsewhere),
@@ -215,9 +223,9 @@ class World:
         out = np.empty(int(offsets[-1]) if receives else 0, dtype=np.uint8)
         recv = [out, (counts, [int(o) for o in offsets[:-1]]), self.MPI.BYTE]
         if root is None:
-            self.wait(self.comm.Iallgatherv(data, recv), what)
+            self.wait(_call(self.comm.Iallgatherv, data, recv), what)
         else:
-            self.wait(self.comm.Igatherv(data, recv if receives else None, root=root), what)
+            self.wait(_call(self.comm.Igatherv, data, recv if receives else None, root=root), what)
         if not receives:
             return None
         return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes())

@@ -53,7 +53,7 @@ SOLVER_DEFAULTS = {
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
-    "split_params": True, "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
+    "split_params": True, "defer_update": True, "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
     "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
@@ -125,6 +125,10 @@ KEY_DOCS = {
                         "over twice the bucket size into row chunks, each reduced and "
                         "updated on its own, so its allreduce starts with its first rows "
                         "(sync data parallelism; the same result up to float rounding)",
+        "defer_update": "let the last buckets' allreduce and the weight updates behind "
+                        "them finish while the next iteration's forward runs; each op of "
+                        "the next iteration waits only for the updates of what it reads "
+                        "(sync data parallelism on the CPU; the same result, bit for bit)",
         "ps_ranks": "parameter-server modes: the last K ranks are servers",
         "max_staleness": "mode async: how many updates a worker's weights may lag (0: "
                          "synchronous SGD)",
@@ -625,7 +629,7 @@ _SOLVER_CHECKS = {
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
-    "min_buckets": _int(1), "split_params": _bool,
+    "min_buckets": _int(1), "split_params": _bool, "defer_update": _bool,
     "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
     "check_collectives": _bool,
     "stages": lambda key, value, path: _check_stages(key, value, path),

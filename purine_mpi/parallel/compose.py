@@ -41,6 +41,9 @@ class Scheme:
     #: on a GPU, the trainer reads the loss back only at the display, test and
     #: checkpoint intervals (and before a checkpoint a signal asks for)
     defer_loss_readback = True
+    #: the CPU event dispatcher may finish the last allreduces and updates
+    #: while the next iteration starts (parallel.defer_update)
+    defers_update = True
 
     def compose(self, graph, grads, config, world):
         return compose(graph, grads, config, world)

@@ -385,6 +385,8 @@ class WorkerScheme(Scheme):
     #: the stop agreement tells the servers at once, so a worker checks its
     #: loss every iteration (a divergence found later could not be taken back)
     defer_loss_readback = False
+    #: a worker's pushes and pulls are point-to-point: no deferred tail
+    defers_update = False
 
     def __init__(self, config, world):
         self.world = world

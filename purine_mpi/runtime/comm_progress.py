@@ -75,15 +75,23 @@ class CommPoster:
         self.reset()
 
     def reset(self):
-        """Start an iteration: nothing ready, nothing posted."""
-        self.next = 0
-        self.ready_at = {}
-        self.posted_at = {}
-        self.pending = []  # (name, op, Pending)
-        self._free = collections.deque()  # ready unordered ops not yet posted
-        self._marks = itertools.count(1)
-        self._last_mark = 0
-        self.last_test = time.perf_counter()
+        """Start an iteration: nothing ready, nothing posted. Transfers still
+        in flight (a deferred tail's: every op of the last iteration was
+        posted) stay in ``pending`` and complete as before."""
+        with MPI_LOCK:
+            if not (getattr(self, "pending", None) and self.all_posted()):
+                self.pending = []  # (name, op, Pending, t_post, trace args)
+            self.next = 0
+            self.ready_at = {}
+            self.posted_at = {}
+            self._free = collections.deque()  # ready unordered ops not yet posted
+            self._marks = itertools.count(1)
+            self._last_mark = 0
+            self.last_test = time.perf_counter()
+
+    def all_posted(self):
+        """Every op of this iteration has been posted (a cheap check)."""
+        return self.next == len(self._chain) and not self._free
 
     def set_order(self, order, check=True):
         """A new posting order (the same on every rank; between iterations)."""
@@ -169,12 +177,14 @@ class CommPoster:
         if result is None:  # done at once (one rank): traced by the post itself
             self._complete(name)
             return 1
-        self.pending.append((name, ops[name], result))
+        self.pending.append((name, ops[name], result, self.posted_at[name],
+                             self.latency_args(name)))
         return 0
 
     def _test(self, ops):
         done, still = 0, []
-        for name, op, p in self.pending:
+        for entry in self.pending:
+            name, op, p, t_post, args = entry
             try:
                 finished = p.test()
                 if finished:
@@ -182,17 +192,14 @@ class CommPoster:
             except Exception as exc:
                 raise OpError(op, exc, self.rank) from exc
             if finished:
-                self._finished(name, op, self.posted_at[name])
+                if self._record is not None:
+                    self._record(op, t_post, time.perf_counter(), args)
+                self._complete(name)
                 done += 1
             else:
-                still.append((name, op, p))
+                still.append(entry)
         self.pending = still
         return done
-
-    def _finished(self, name, op, t_post):
-        if self._record is not None:
-            self._record(op, t_post, time.perf_counter(), self.latency_args(name))
-        self._complete(name)
 
     def latency_args(self, name):
         """Trace args of a comm event: when its inputs were ready, and how
@@ -203,10 +210,10 @@ class CommPoster:
         return {"ready_s": ready, "post_latency_us": round((self.posted_at[name] - ready) * 1e6, 1)}
 
     def oldest_post(self):
-        return min((self.posted_at[n] for n, _, _ in self.pending), default=None)
+        return min((e[3] for e in self.pending), default=None)
 
     def in_flight(self):
-        return [(op, p) for _, op, p in self.pending]
+        return [(e[1], e[2]) for e in self.pending]
 
     def held(self):
         """Ready ops not posted yet, with why: (name, reason)."""

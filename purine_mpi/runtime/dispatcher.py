@@ -32,6 +32,7 @@ import numpy as np
 from ..errors import OpError, StallError
 from ..kernels import make_kernel
 from .comm_progress import CommPoster
+from .tail import deferred_tail
 from .workspace import Workspace
 
 
@@ -126,8 +127,17 @@ class _Base:
         except Exception as exc:
             raise OpError(op, exc, self.rank) from exc
         if result is None and self.profiler is not None:
-            self.profiler.record(op, k.category, t0, time.perf_counter(), self.iteration, tid)
+            self.profiler.record(op, k.category, t0, time.perf_counter(),
+                                 self._label(op.name), tid)
         return result, t0
+
+    def _label(self, name):
+        """The iteration an op's trace event belongs to."""
+        return self.iteration
+
+    def drain(self):
+        """Wait for whatever of the last iteration still runs (nothing here:
+        ``run`` returns with every op done)."""
 
     def close(self):
         pass
@@ -185,10 +195,27 @@ class SerialDispatcher(_Base):
 class EventDispatcher(_Base):
     """Event-driven: ops fire when their predecessors finish; one worker
     thread per ``thread`` value; comm ops posted as soon as they are ready
-    (in ``seq`` order) by whichever thread readied them (``CommPoster``)."""
+    (in ``seq`` order) by whichever thread readied them (``CommPoster``).
 
-    def __init__(self, graph, **kw):
+    ``defer_tail``: ``run`` returns once this iteration's other ops are done
+    and its collectives are posted; the rest -- the tail of
+    ``runtime/tail.py``: the last allreduces and the updates behind them --
+    finishes while the next ``run`` starts, whose ops wait only for the
+    tail ops that touch what they touch. Call ``drain()`` before reading
+    or writing the parameters from outside (a checkpoint, a test pass)."""
+
+    def __init__(self, graph, defer_tail=False, **kw):
         super().__init__(graph, **kw)
+        if defer_tail:
+            self._tail, self._cross = deferred_tail(self.graph, self.kernels)
+        else:
+            self._tail, self._cross = frozenset(), {}
+        self._error = self._raised = None  # the first op error; the one run() raised
+        self._carry = set()     # the last iteration's tail ops still to finish
+        self._left_prev = {}    # their predecessor counts
+        self._tail_todo = set()  # this iteration's tail ops not finished yet
+        self._gen_iteration = self._carry_iteration = self.iteration
+        self._left = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._ready, self._worker_cv, self._workers = {}, {}, []
@@ -223,6 +250,7 @@ class EventDispatcher(_Base):
                 succ[p].append(n)
         self._succ = {n: tuple(succ[n]) for n in self._ops}
         self._sources = [n.name for n in nodes if self._ndeps[n.name] == 0]
+        self._head_total = sum(1 for n in self._ops if n not in self._tail)
         comm = set(self._comm_order)
         self._is_comm = {n: n in comm for n in self._ops}
         # Ready ops wait in one heap per thread. Ops whose outputs feed a
@@ -293,17 +321,41 @@ class EventDispatcher(_Base):
         """Mark ``name`` done and queue its ready successors; on a worker,
         also take that thread's next op in the same critical section."""
         with self._lock:
-            self._done += 1
             self._last_progress = time.monotonic()
-            for s in self._succ[name]:
-                self._left[s] -= 1
-                if self._left[s] == 0:
-                    self._push_ready(s)
-            if self._done == self._total:
-                self._cv.notify()
+            if name in self._carry:  # the last iteration's deferred tail
+                self._carry.discard(name)
+                left = self._left_prev
+                for s in self._succ[name]:
+                    left[s] -= 1
+                    if left[s] == 0:
+                        self._push_ready(s)
+                left = self._left
+                for s in self._cross[name]:  # this iteration's ops waiting for it
+                    left[s] -= 1
+                    if left[s] == 0:
+                        self._push_ready(s)
+                if not self._carry:
+                    self._cv.notify()
+            else:
+                if name in self._tail:
+                    self._tail_todo.discard(name)
+                    if not self._tail_todo:
+                        self._cv.notify()  # drain() waits for it
+                else:
+                    self._head_left -= 1
+                    if self._head_left == 0:
+                        self._cv.notify()
+                left = self._left
+                for s in self._succ[name]:
+                    left[s] -= 1
+                    if left[s] == 0:
+                        self._push_ready(s)
             if tid is not None and self._ready[tid] and self._error is None:
                 return heapq.heappop(self._ready[tid])[1]
         return None
+
+    def _label(self, name):
+        return self._carry_iteration if name in self._carry else self._gen_iteration
 
     # ------------------------------------------------------------ comm ops
     #: CommPoster's device hook: None, or name -> whether the device work
@@ -317,7 +369,7 @@ class EventDispatcher(_Base):
 
     def _record_comm(self, op, t_post, t_done, extra):
         if self.profiler is not None:
-            self.profiler.record(op, "comm", t_post, t_done, self.iteration, "comm", extra)
+            self.profiler.record(op, "comm", t_post, t_done, self._label(op.name), "comm", extra)
 
     def comm_order(self):
         """The comm ops' posting order (build-time ``seq`` unless changed)."""
@@ -345,26 +397,66 @@ class EventDispatcher(_Base):
 
     # ------------------------------------------------------- progress loop
     def run(self, iteration=None):
-        """Run every op once. Blocks until done; raises the first op error."""
+        """Run every op once. Blocks until done (with ``defer_tail``: until
+        every op but the tail is done and every collective is posted);
+        raises the first op error."""
         if iteration is not None:
             self.iteration = iteration
-        self._zero_accumulators()
-        self._left = dict(self._ndeps)
-        self._done, self._total = 0, len(self._ops)
+        if self._error is not None and self._error is not self._raised:
+            raise self._error  # a deferred tail op failed after the last run returned
         self._error = None
-        self._comm.reset()
-        self._last_progress = time.monotonic()
+        self._comm.reset()  # keeps the transfers of the last iteration's tail
+        self._zero_accumulators()  # a tail op never touches an accumulated blob
         with self._lock:
+            # what is left of the last iteration's tail runs on; this
+            # iteration's ops that touch what it touches wait for it
+            self._carry = carry = set(self._tail_todo)
+            self._left_prev = {n: self._left[n] for n in carry}
+            self._carry_iteration, self._gen_iteration = self._gen_iteration, self.iteration
+            left = dict(self._ndeps)
+            for t in carry:
+                for s in self._cross[t]:
+                    left[s] += 1
+            self._left = left
+            self._head_left = self._head_total
+            self._tail_todo = set(self._tail)
+            self._last_progress = time.monotonic()
             for n in self._sources:
-                self._push_ready(n)
+                if left[n] == 0:
+                    self._push_ready(n)
+        self._progress_until(self._run_done)
+        self.iteration += 1
+
+    def _run_done(self):
+        """(lock held) This iteration's non-tail ops are done, the last one's
+        tail too, and every collective of this one is posted."""
+        return self._head_left == 0 and not self._carry and self._comm.all_posted()
+
+    def _tail_done(self):
+        return not self._tail_todo
+
+    def drain(self):
+        """Wait until the deferred tail of the last ``run`` has finished:
+        then every blob holds its value of that iteration."""
+        if self._tail_todo:
+            self._progress_until(self._tail_done)
+        if self._error is not None and self._error is not self._raised:
+            self._raised = self._error
+            raise self._error
+
+    def _progress_until(self, finished):
+        """The progress thread: wait (driving the transfers while the workers
+        are idle or busy too long) until ``finished()`` (called with the lock
+        held), or raise the first op error or a stall."""
         while True:
             with self._lock:
-                if self._error is None and self._done < self._total and \
+                if self._error is None and not finished() and \
                         (self._busy or not self._comm.has_work()):
                     self._cv.wait(timeout=self._fallback_wait())
                 if self._error is not None:
+                    self._raised = self._error
                     raise self._error
-                if self._done == self._total:
+                if finished():
                     break
                 stalled_for = time.monotonic() - self._last_progress
                 idle = self._busy == 0
@@ -387,7 +479,6 @@ class EventDispatcher(_Base):
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
                                  ", ".join(self._waiting_ops()[:10]))
-        self.iteration += 1
 
     def _fallback_wait(self):
         """How long the progress thread may sleep (lock held): until the
@@ -401,7 +492,7 @@ class EventDispatcher(_Base):
             time.perf_counter() - self._comm.last_test >= self.busy_poll
 
     def _waiting_ops(self):
-        return [n for n, k in self._left.items() if k > 0]
+        return [n for n, k in list(self._left.items()) + list(self._left_prev.items()) if k > 0]
 
     def close(self):
         with self._lock:

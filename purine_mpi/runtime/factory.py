@@ -26,7 +26,10 @@ def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
     CUDA-stream dispatcher: with ``cuda_graph`` (the config key, default
     true) the one that captures and replays CUDA graphs
     (runtime/cuda_graph.py, its notes go to ``log``), else the eager one
-    (runtime/streams_dispatcher.py). ``cuda_graph`` means nothing on a CPU."""
+    (runtime/streams_dispatcher.py). ``cuda_graph`` means nothing on a CPU.
+    ``defer_tail`` (``parallel.defer_update``) is the CPU event dispatcher's:
+    the others end every iteration with every op done."""
+    defer_tail = kw.pop("defer_tail", False)  # the CPU event dispatcher's alone
     kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
     if kind not in KINDS:
         raise UserError(f"PURINE_DISPATCHER must be 'event', 'serial' or 'stream', got '{kind}'")
@@ -37,7 +40,7 @@ def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
         return GraphDispatcher(graph, log=log, **kw)
     if kind == "stream" or gpu:
         return StreamDispatcher(graph, **kw)
-    return EventDispatcher(graph, **kw)
+    return EventDispatcher(graph, defer_tail=defer_tail, **kw)
 
 
 def on_gpu(graph):

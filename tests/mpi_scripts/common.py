@@ -60,16 +60,23 @@ def init_params(graph, workspace, seed):
 
 
 def run(graph, iters, seed=3, kind="event", start=0, stall_timeout=60.0, init=True,
-        rank=0):
+        rank=0, defer=False, deferred=None):
     """Run ``graph`` for ``iters`` iterations; returns the dispatcher (its
-    workspace holds the results). Params are initialised from their fillers."""
-    d = make_dispatcher(graph, kind, rank=rank, stall_timeout=stall_timeout, seed=seed)
+    workspace holds the results). Params are initialised from their fillers.
+    ``defer``: with the deferred tail (parallel.defer_update), drained at the
+    end; ``deferred``, a list, gets for each iteration how many tail ops
+    were still unfinished when its run returned."""
+    d = make_dispatcher(graph, kind, rank=rank, stall_timeout=stall_timeout, seed=seed,
+                        defer_tail=defer)
     if init:
         init_params(graph, d.workspace, seed)
     for it in range(start, start + iters):
         if "iter" in d.workspace.arrays:
             d.workspace["iter"][...] = it
         d.run(it)
+        if deferred is not None:
+            deferred.append(len(getattr(d, "_tail_todo", ())))
+    d.drain()
     return d
 
 
