@@ -3,12 +3,13 @@ the graph) against PyTorch DistributedDataParallel (gloo), same net, same
 per-rank batch, one BLAS/OpenMP thread per process.
 
     .venv/bin/python benchmarks/scaling_ddp.py [--config jobs/cifar10_quick.yaml]
-        [--iters 20] [--warmup 3] [--ranks 2]
+        [--iters 20] [--warmup 3] [--ranks 2] [--set KEY=VALUE ...]
 
 purine_mpi runs ``python -m purine_mpi bench CONFIG --json`` on 1 rank and
 under ``mpiexec -n RANKS``; PyTorch runs the equivalent network (built from
 the config's conv / pool / relu / fc / softmax_loss layers) in 1 process and
-in RANKS DDP processes. Prints one JSON object: images/s and median
+in RANKS DDP processes (``--set`` overrides go to purine_mpi's runs, e.g.
+``--set parallel.defer_update=false``). Prints one JSON object: images/s and median
 iteration time for each, and the per-process efficiency
 ``(images/s at N) / (N * images/s at 1)``. For purine_mpi it also runs RANKS
 independent one-rank processes at once (no communication):
@@ -36,9 +37,16 @@ def one_thread_env():
     return env
 
 
-def purine(config, ranks, iters, warmup):
+def bench_cmd(config, iters, warmup, sets=()):
     cmd = [sys.executable, "-m", "purine_mpi", "bench", config, "--iters", str(iters),
            "--warmup", str(warmup), "--json"]
+    for kv in sets:
+        cmd += ["--set", kv]
+    return cmd
+
+
+def purine(config, ranks, iters, warmup, sets=()):
+    cmd = bench_cmd(config, iters, warmup, sets)
     if ranks > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         cmd = [mpiexec, "-n", str(ranks)] + cmd
@@ -49,11 +57,10 @@ def purine(config, ranks, iters, warmup):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def purine_independent(config, ranks, iters, warmup):
+def purine_independent(config, ranks, iters, warmup, sets=()):
     """``ranks`` one-rank bench processes at once, no communication between
     them: what the machine itself allows (cores, memory bandwidth)."""
-    cmd = [sys.executable, "-m", "purine_mpi", "bench", config, "--iters", str(iters),
-           "--warmup", str(warmup), "--json"]
+    cmd = bench_cmd(config, iters, warmup, sets)
     procs = [subprocess.Popen(cmd, env=one_thread_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for _ in range(ranks)]
@@ -183,6 +190,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for purine_mpi's runs (repeatable)")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
     from purine_mpi.io.config import load_config
@@ -190,12 +199,14 @@ def main():
 
     result = {"config": os.path.relpath(args.config, ROOT), "ranks": args.ranks,
               "iters": args.iters, "batch_per_rank": config["data"]["train"]["batch_size"],
-              "threads_per_process": 1, "cpu_count": os.cpu_count()}
+              "threads_per_process": 1, "cpu_count": os.cpu_count(), "set": args.set}
     for name, fn in (("purine_mpi", purine), ("pytorch_ddp_gloo", pytorch)):
         if name.startswith("pytorch") and args.skip_torch:
             continue
-        one = fn(args.config if fn is purine else config, 1, args.iters, args.warmup)
-        many = fn(args.config if fn is purine else config, args.ranks, args.iters, args.warmup)
+        extra = (args.set,) if fn is purine else ()
+        one = fn(args.config if fn is purine else config, 1, args.iters, args.warmup, *extra)
+        many = fn(args.config if fn is purine else config, args.ranks, args.iters, args.warmup,
+                  *extra)
         keep = ("images_per_s", "iter_ms_median", "comm_overlap")
         result[name] = {
             "1": {k: one[k] for k in keep if k in one},
@@ -205,7 +216,8 @@ def main():
         if fn is purine:
             # the same number of processes with no communication at all:
             # separates the cost of data parallelism from the machine's limits
-            alone = purine_independent(args.config, args.ranks, args.iters, args.warmup)
+            alone = purine_independent(args.config, args.ranks, args.iters, args.warmup,
+                                       args.set)
             result[name][f"{args.ranks}_independent"] = alone
             result[name]["efficiency_vs_independent"] = round(
                 many["images_per_s"] / alone["images_per_s"], 3)
