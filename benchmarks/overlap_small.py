@@ -21,8 +21,9 @@ Two runs, one BLAS/OpenMP thread per rank:
    ``graph --np RANKS --format yaml``; the same as the event's
    ``args.post_latency_us`` up to the microseconds between the end of the
    op and its completion) and the share of its communication time during
-   which compute ops ran (the same measure as ``bench``); the medians over
-   iterations, the worst rank's.
+   which compute ops ran (the same measure as ``bench``; compute of any
+   iteration counts, as a deferred tail runs on into the next); the medians
+   over iterations, the worst rank's.
 
 Prints one JSON object {"bench": ..., "trace": ..., "plan": ...}. Targets
 (issue 10): worst-bucket post latency <= 0.3 ms, comm_overlap >= 0.5.
@@ -112,8 +113,11 @@ def trace_stats(paths, producers, window):
             if window[0] <= e["args"]["iter"] < window[1]:
                 by_iter.setdefault(e["args"]["iter"], []).append(e)
         overlaps, latencies = [], {}
+        # an iteration's transfers may run on under the next one's compute
+        # (parallel.defer_update): any compute of the rank covers them
+        compute = [e for e in events if e["cat"] != "comm"]
         for it, evs in sorted(by_iter.items()):
-            ov = comm_overlap(evs)
+            ov = comm_overlap([e for e in evs if e["cat"] == "comm"] + compute)
             if ov is not None:
                 overlaps.append(ov)
             end = {e["name"]: e["ts"] + e["dur"] for e in evs}

@@ -39,6 +39,17 @@ _LOCK = threading.Lock()
 MPI_LOCK = threading.RLock()
 
 
+#: Called (no arguments) while a collective outside the graph waits
+#: (``World.wait``): a dispatcher whose last iteration's tail is still in
+#: flight (parallel.defer_update) registers one that tests those transfers,
+#: so they complete -- and the updates behind them run -- during the stop
+#: agreement and the other waits between iterations. A hook must not block;
+#: it returns whether transfers of its own are still in flight (the wait
+#: then polls without backing off: MPI moves data only inside MPI calls,
+#: and the collective waited for may be queued behind those transfers).
+WAIT_HOOKS = []
+
+
 def _call(fn, *args, **kw):
     """One MPI call under MPI_LOCK: the collectives outside the graph (the
     stop agreement, metric means) run between iterations while a deferred
@@ -173,12 +184,15 @@ class World:
         start = time.monotonic()
         pause = 20e-6
         while not _call(request.Test):
+            busy = False
+            for hook in WAIT_HOOKS:
+                busy = hook() or busy
             if time.monotonic() - start > self.stall_timeout:
                 raise StallError(f"rank {self.rank}: {what} stalled for more than "
                                  f"{self.stall_timeout:g} s (parallel.stall_timeout): a peer "
                                  "rank stopped responding")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = 20e-6 if busy else min(pause * 2, 1e-3)
 
     def allreduce(self, values, op="sum", what="an allreduce"):
         """Element-wise SUM or MAX over ranks of a numeric array (a copy)."""

@@ -14,6 +14,12 @@ kept every worker from testing for ``busy_poll`` seconds
 transfer starts, and keeps moving, while the layers below still
 back-propagate.
 
+With ``defer_tail`` (``parallel.defer_update``) an iteration's ``run``
+returns once its ops are done but for its *tail* -- the last allreduces and
+the updates behind them (``runtime/tail.py``) -- and its collectives are all
+posted; the tail finishes during the next ``run``, whose ops wait only for
+the tail ops that touch their memory; ``drain()`` waits for it.
+
 ``SerialDispatcher`` runs the same graph one op at a time in a fixed
 topological order: the debugging reference (``PURINE_DISPATCHER=serial``).
 Both give bit-identical results, since every blob has one writer.
@@ -29,6 +35,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..comm.world import WAIT_HOOKS
 from ..errors import OpError, StallError
 from ..kernels import make_kernel
 from .comm_progress import CommPoster
@@ -228,6 +235,21 @@ class EventDispatcher(_Base):
             # point-to-point ops match by tag: posted as soon as ready
             unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
         self._build_schedule()
+        if self._tail:
+            WAIT_HOOKS.append(self._between_runs)
+
+    def _between_runs(self):
+        """While a collective outside the graph waits between iterations:
+        test this dispatcher's tail transfers still in flight (their updates
+        then run on the workers); an error waits for the next run or drain.
+        Returns whether transfers are still in flight."""
+        if self._error is None and self._tail_todo and self._comm.pending:
+            try:
+                self._comm.progress(self._ops)
+            except BaseException as exc:
+                with self._lock:
+                    self._error = exc
+        return bool(self._comm.pending)
 
     # ----------------------------------------------------------- schedule
     def _schedule(self):
@@ -495,6 +517,8 @@ class EventDispatcher(_Base):
         return [n for n, k in list(self._left.items()) + list(self._left_prev.items()) if k > 0]
 
     def close(self):
+        if self._between_runs in WAIT_HOOKS:
+            WAIT_HOOKS.remove(self._between_runs)
         with self._lock:
             self._stop = True
             for cv in self._worker_cv.values():

@@ -203,6 +203,9 @@ class StreamDispatcher(EventDispatcher):
         self._devices = sorted({k[0] for k in keys.values() if k is not None})
         self.runtime = runtime if runtime is not None else \
             (CudaRuntime() if self._devices else None)
+        # every iteration ends with each stream idle: no tail runs on
+        # (parallel.defer_update is the CPU event dispatcher's)
+        kw["defer_tail"] = False
         super().__init__(_with_stream_threads(graph, keys), **kw)
         self._accum_roots = {op.name: sorted({self.graph.storage_root(b) for b in op.outputs})
                              for op in self.order if op.accumulate}
