@@ -99,7 +99,7 @@ def build_parser():
     _common_config_args(p)
     p.add_argument("--np", type=int, default=None,
                    help="number of ranks to compose for (the text format then ends with "
-                        "the data-parallel bucket plan)")
+                        "the data-parallel bucket plan and the deferred tail)")
     p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
     p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
                    help="text: one line per op (default); yaml: the graph: list of "

@@ -469,7 +469,7 @@ def _parallel():
         "",
         "Every scheme is a graph composition run by the same dispatcher: `python -m "
         "purine_mpi graph JOB.yaml --np N --rank R` prints rank R's slice (with `--np N`, "
-        "the data-parallel bucket plan too). Start N ranks with `mpiexec -n N` or `srun`; "
+        "the data-parallel bucket plan and deferred tail too). Start N ranks with `mpiexec -n N` or `srun`; "
         "on one rank every scheme trains plain single-process.",
         "",
         _section_rows("parallel"),

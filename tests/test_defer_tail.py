@@ -80,3 +80,20 @@ def test_defer_update_is_a_documented_config_key():
     from tests.conftest import REPO
     with open(os.path.join(REPO, "docs", "config.md")) as f:
         assert "| `defer_update` | true/false | `true` |" in f.read()
+
+
+@pytest.mark.parametrize("parallel,solver,shown", [
+    ({}, None, True),
+    ({"defer_update": False}, None, False),
+    ({}, {"type": "adam"}, False)])
+def test_graph_command_prints_the_tail(tmp_path, capsys, parallel, solver, shown):
+    from purine_mpi.cli import main
+    from purine_mpi.io.config import dump_config
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(mlp_config(batch=4, solver=solver, parallel=parallel)))
+    assert main(["graph", str(path), "--np", "2"]) in (0, None)
+    out = capsys.readouterr().out
+    assert ("deferred tail (parallel.defer_update):" in out) == shown
+    if shown:
+        line = next(x for x in out.splitlines() if x.startswith("deferred tail"))
+        assert "(first: fc1.fwd)" in line, line

@@ -120,6 +120,13 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
     if plan:
         from ..parallel.data_parallel import format_plan
         lines += format_plan(plan)
+        par = config.get("parallel") or {}
+        if par.get("defer_update", True) and int(config.get("device", -1)) < 0 and \
+                not (lay is not None and lay.staged):
+            from ..runtime.tail import describe_tail
+            line = describe_tail(graph)
+            if line:
+                lines.append(line)
     from ..parallel.micro_memory import describe_plan
     if describe_plan(graph):
         lines.append(describe_plan(graph))

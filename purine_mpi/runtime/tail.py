@@ -85,3 +85,20 @@ def deferred_tail(graph, kernels, deps=None):
                     waiters.add(other)
         cross[n] = tuple(sorted(waiters))
     return frozenset(tail), cross
+
+
+def describe_tail(graph):
+    """One line for ``graph --np N``: what of an iteration may run on into
+    the next one, and what of the next one waits for it; None when nothing."""
+    from ..kernels import make_kernel
+    kernels = {name: make_kernel(op) for name, op in graph.ops.items()}
+    tail, cross = deferred_tail(graph, kernels)
+    if not tail:
+        return None
+    comm = sum(1 for n in tail if kernels[n].category == "comm")
+    waiting = {w for t in tail for w in cross[t]} - tail
+    order = [op.name for op in graph.topo_order() if op.name in waiting]
+    first = f" (first: {order[0]})" if order else ""
+    return (f"deferred tail (parallel.defer_update): {comm} allreduce(s) and {len(tail) - comm} "
+            f"op(s) behind them may finish while the next iteration runs; {len(waiting)} op(s) "
+            f"of the next iteration wait for them{first}")
