@@ -28,7 +28,7 @@ from .io.metrics import MetricsLog
 from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
                     kept_constant, loss_blobs, metric_blobs)
-from .parallel.compose import (Layout, Scheme, compose_test, layout_of,
+from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
 from .progress import progress
 from .runtime.factory import make_dispatcher
@@ -114,8 +114,8 @@ class Trainer:
         # parallel.defer_update: the last buckets' allreduce and update finish
         # while the next iteration's forward runs (runtime/tail.py; the CPU
         # event dispatcher, synchronous data parallelism)
-        self.defer_update = bool(par.get("defer_update", True)) and self.size > 1 and \
-            not self.pipeline and getattr(self.scheme, "defers_update", True)
+        self.defer_update = getattr(self.scheme, "defers_update", True) and \
+            defer_update_applies(config, self.layout.replicas, self.pipeline)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      cuda_graph=self.cuda_graph, log=self._say,
                                      defer_tail=self.defer_update,
@@ -240,7 +240,6 @@ class Trainer:
     def state_dict(self):
         """Everything beyond params and momenta that a resume needs: each
         stateful kernel's state and each random stream, per rank."""
-        self.train.drain()
         local = {}
         for name, k in self.train.kernels.items():
             s = {}

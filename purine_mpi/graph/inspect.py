@@ -120,9 +120,8 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
     if plan:
         from ..parallel.data_parallel import format_plan
         lines += format_plan(plan)
-        par = config.get("parallel") or {}
-        if par.get("defer_update", True) and int(config.get("device", -1)) < 0 and \
-                not (lay is not None and lay.staged):
+        from ..parallel.compose import defer_update_applies
+        if defer_update_applies(config, world_size, lay is not None and lay.staged):
             from ..runtime.tail import describe_tail
             line = describe_tail(graph)
             if line:

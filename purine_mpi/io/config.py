@@ -53,7 +53,8 @@ SOLVER_DEFAULTS = {
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
-    "split_params": True, "defer_update": True, "ps_ranks": 1, "max_staleness": 0, "stall_timeout": 300, "check_collectives": False,
+    "split_params": True, "defer_update": True, "ps_ranks": 1, "max_staleness": 0,
+    "stall_timeout": 300, "check_collectives": False,
     "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}

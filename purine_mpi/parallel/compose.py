@@ -153,6 +153,16 @@ def is_pipeline(config, world):
     return layout_of(config, world).staged
 
 
+def defer_update_applies(config, replicas, staged):
+    """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
+    in the config, several replicas reducing gradients, no stages, on the CPU
+    (the GPU dispatchers end every iteration with every op done). The
+    trainer's scheme may still decline (``Scheme.defers_update``)."""
+    par = config.get("parallel") or {}
+    return bool(par.get("defer_update", True)) and replicas > 1 and not staged and \
+        int(config.get("device", -1)) < 0
+
+
 def data_window(config, world):
     """(replica, replicas): the data shard this rank's graph reads (docs/config.md,
     "Sample order"); a pipeline's replica is the whole world."""

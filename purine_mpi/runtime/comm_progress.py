@@ -72,6 +72,7 @@ class CommPoster:
         self.rank = rank
         self.order = []
         self.set_order(order, check=False)
+        self.pending = []  # (name, op, Pending, t_post, trace args)
         self.reset()
 
     def reset(self):
@@ -79,8 +80,8 @@ class CommPoster:
         in flight (a deferred tail's: every op of the last iteration was
         posted) stay in ``pending`` and complete as before."""
         with MPI_LOCK:
-            if not (getattr(self, "pending", None) and self.all_posted()):
-                self.pending = []  # (name, op, Pending, t_post, trace args)
+            if self.pending and not self.all_posted():  # an aborted iteration's
+                self.pending = []
             self.next = 0
             self.ready_at = {}
             self.posted_at = {}

@@ -213,10 +213,8 @@ class EventDispatcher(_Base):
 
     def __init__(self, graph, defer_tail=False, **kw):
         super().__init__(graph, **kw)
-        if defer_tail:
-            self._tail, self._cross = deferred_tail(self.graph, self.kernels)
-        else:
-            self._tail, self._cross = frozenset(), {}
+        self._defer_tail = defer_tail
+        self._tail, self._cross = frozenset(), {}  # set by _build_schedule
         self._error = self._raised = None  # the first op error; the one run() raised
         self._carry = set()     # the last iteration's tail ops still to finish
         self._left_prev = {}    # their predecessor counts
@@ -263,6 +261,8 @@ class EventDispatcher(_Base):
         """(Re)build the scheduling tables from ``_schedule()``; between
         iterations only. Starts a worker for each new thread."""
         nodes, deps = self._schedule()
+        if self._defer_tail:  # ops, not units: only the event dispatcher defers
+            self._tail, self._cross = deferred_tail(self.graph, self.kernels, deps)
         self._ops = {n.name: n for n in nodes}
         self._deps = deps
         self._ndeps = {n: len(d) for n, d in deps.items()}
@@ -346,16 +346,8 @@ class EventDispatcher(_Base):
             self._last_progress = time.monotonic()
             if name in self._carry:  # the last iteration's deferred tail
                 self._carry.discard(name)
-                left = self._left_prev
-                for s in self._succ[name]:
-                    left[s] -= 1
-                    if left[s] == 0:
-                        self._push_ready(s)
-                left = self._left
-                for s in self._cross[name]:  # this iteration's ops waiting for it
-                    left[s] -= 1
-                    if left[s] == 0:
-                        self._push_ready(s)
+                self._release(self._left_prev, self._succ[name])
+                self._release(self._left, self._cross[name])  # this iteration's, waiting
                 if not self._carry:
                     self._cv.notify()
             else:
@@ -367,14 +359,18 @@ class EventDispatcher(_Base):
                     self._head_left -= 1
                     if self._head_left == 0:
                         self._cv.notify()
-                left = self._left
-                for s in self._succ[name]:
-                    left[s] -= 1
-                    if left[s] == 0:
-                        self._push_ready(s)
+                self._release(self._left, self._succ[name])
             if tid is not None and self._ready[tid] and self._error is None:
                 return heapq.heappop(self._ready[tid])[1]
         return None
+
+    def _release(self, left, names):
+        """(lock held) One predecessor of each of ``names`` is done (counts in
+        ``left``); queue those with none left."""
+        for s in names:
+            left[s] -= 1
+            if left[s] == 0:
+                self._push_ready(s)
 
     def _label(self, name):
         return self._carry_iteration if name in self._carry else self._gen_iteration
@@ -424,8 +420,7 @@ class EventDispatcher(_Base):
         raises the first op error."""
         if iteration is not None:
             self.iteration = iteration
-        if self._error is not None and self._error is not self._raised:
-            raise self._error  # a deferred tail op failed after the last run returned
+        self._raise_unreported()  # a deferred tail op failed after the last run returned
         self._error = None
         self._comm.reset()  # keeps the transfers of the last iteration's tail
         self._zero_accumulators()  # a tail op never touches an accumulated blob
@@ -462,6 +457,10 @@ class EventDispatcher(_Base):
         then every blob holds its value of that iteration."""
         if self._tail_todo:
             self._progress_until(self._tail_done)
+        self._raise_unreported()
+
+    def _raise_unreported(self):
+        """Raise the first op error unless run() or drain() raised it already."""
         if self._error is not None and self._error is not self._raised:
             self._raised = self._error
             raise self._error
