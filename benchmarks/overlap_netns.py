@@ -132,10 +132,11 @@ def driver(args):
 
 # ------------------------------------------------------------------ ranks
 def timed(world, dispatcher, iters, warmup, profile_from=None):
-    """Per-iteration seconds of the timed iterations, each from the end of
-    the one before (a barrier before the first): with a deferred tail an
-    iteration's allreduce and update overlap the next one, and the last
-    iteration waits for its own (as ``bench`` times them)."""
+    """(wall seconds, this process's CPU seconds of all threads) per timed
+    iteration, each from the end of the one before (a barrier before the
+    first): with a deferred tail an iteration's allreduce and update overlap
+    the next one, and the last iteration waits for its own (as ``bench``
+    times them)."""
     from purine_mpi.runtime.dispatcher import Profiler
     times, cpu = [], []
     ws = dispatcher.workspace
@@ -156,8 +157,7 @@ def timed(world, dispatcher, iters, warmup, profile_from=None):
             times.append(now - t_prev)
             cpu.append(c_now - c_prev)
             t_prev, c_prev = now, c_now
-    timed.cpu = cpu  # this process's CPU seconds (all threads) per iteration
-    return times
+    return times, cpu
 
 
 def worker(opts):
@@ -200,14 +200,16 @@ def worker(opts):
     def median_ms(times):
         return 1000 * world.comm.allreduce(statistics.median(times)) / world.size
 
+    def write_trace(d, kind):
+        if opts.trace:
+            with open(os.path.join(opts.trace, f"{kind}_trace.rank{world.rank}.json"), "w") as f:
+                json.dump({"traceEvents": d.profiler.events}, f)
+
     graph, grads = build_train_graph(cfg, world.rank, world.size)
     d = make(graph)
-    compute = median_ms(timed(world, d, opts.iters, opts.warmup,
-                              profile_from=opts.warmup if opts.trace else None))
-    compute_cpu = median_ms(timed.cpu)
-    if opts.trace:
-        with open(os.path.join(opts.trace, f"compute_trace.rank{world.rank}.json"), "w") as f:
-            json.dump({"traceEvents": d.profiler.events}, f)
+    compute, compute_cpu = map(median_ms, timed(world, d, opts.iters, opts.warmup,
+                                               opts.warmup if opts.trace else None))
+    write_trace(d, "compute")
     d.close()
 
     graph, grads = build_train_graph(cfg, world.rank, world.size)
@@ -224,18 +226,13 @@ def worker(opts):
         comm_graph.add_op(b["op"], "Allreduce", [b["name"]], [b["name"] + ".sum"],
                           {"seq": b["seq"], "bucket": b["name"]}, thread="comm")
     d = make(comm_graph.infer_shapes())
-    comm = median_ms(timed(world, d, opts.iters, opts.warmup))
-    comm_cpu = median_ms(timed.cpu)
+    comm, comm_cpu = map(median_ms, timed(world, d, opts.iters, opts.warmup))
     d.close()
 
     d = make(graph, defer=not opts.no_defer)
-    real_times = timed(world, d, opts.iters, opts.warmup, profile_from=opts.warmup)
-    real = median_ms(real_times)
-    real_cpu = median_ms(timed.cpu)
+    real, real_cpu = map(median_ms, timed(world, d, opts.iters, opts.warmup, opts.warmup))
     overlap = comm_overlap(d.profiler.events)
-    if opts.trace:
-        with open(os.path.join(opts.trace, f"overlap_trace.rank{world.rank}.json"), "w") as f:
-            json.dump({"traceEvents": d.profiler.events}, f)
+    write_trace(d, "overlap")
     overlap = world.comm.allreduce(overlap or 0.0) / world.size
     d.close()
     grad_bytes = sum(b["bytes"] for b in plan)
