@@ -190,6 +190,7 @@ def test_partition_rejects_split_alias():
                                           (3, ["0.0002", "check"], "3:2"),
                                           (2, ["0.0002", "check", "split"], ""),
                                           (3, ["0.0002", "check", "split"], "3:4"),
+                                          (1, ["0.0002", "check", "defer"], "3:8"),
                                           (2, ["0.0002", "check", "defer"], "3:5"),
                                           (3, ["0.0002", "check", "split", "defer"], "3:6")])
 def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
