@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from purine_mpi.errors import ShapeError
 from purine_mpi.ops import conv as conv_module
+from purine_mpi.ops import pool as pool_module
 from tests.opcheck import close, numeric_grad, run_op, torch_grads
 
 RNG = np.random.default_rng(2)
@@ -27,6 +28,8 @@ CONV_CASES = [
     ((3, 6, 5, 5), (6, 1, 1, 1), {"group": 6}, True),               # depthwise 1x1
     ((1, 2, 8, 6), (3, 2, 3, 3), {"stride": 3, "pad": 2, "dilation": [1, 2]}, True),
     ((2, 3, 5, 5), (2, 3, 5, 5), {}, True),                          # kernel = input
+    ((2, 4, 7, 6), (6, 2, 3, 2), {"group": 2, "pad": [2, 0], "dilation": [2, 1]}, False),
+    ((2, 3, 6, 6), (4, 3, 1, 1), {"pad": 1}, True),   # pad past the kernel: col2im dx
 ]
 
 
@@ -55,6 +58,22 @@ def test_conv_chunked_batch_matches_one_chunk(monkeypatch):
     close(chunked[0], whole[0])
     for name in ("x", "w"):
         close(chunked_grads[name], whole_grads[name])
+
+
+@pytest.mark.parametrize("attrs,w_shape", [
+    ({"pad": 2}, (4, 3, 5, 5)),
+    ({"group": 3, "pad": [1, 0], "dilation": [2, 1]}, (6, 1, 3, 2)),
+])
+def test_conv_data_grad_as_conv_matches_col2im(monkeypatch, attrs, w_shape):
+    """The CPU's stride-1 input gradient (the forward conv of dy with the
+    flipped kernel) equals the col2im one, in float64 to rounding."""
+    inputs = {"x": randn(3, 3, 7, 6, dtype=np.float64), "w": randn(*w_shape, dtype=np.float64)}
+    geo = conv_module._geometry(attrs, inputs["x"].shape, w_shape)
+    assert conv_module._transposed_geometry(geo) is not None
+    _, fast = run_op("Conv", attrs, inputs, wrt=["x"])
+    monkeypatch.setattr(conv_module, "_transposed_geometry", lambda geo: None)
+    _, col2im = run_op("Conv", attrs, inputs, wrt=["x"])
+    np.testing.assert_allclose(fast["x"], col2im["x"], rtol=1e-12, atol=1e-12)
 
 
 def test_conv_numeric_grad():
@@ -136,6 +155,23 @@ def test_max_pool_ties_go_to_the_first_maximum():
     np.testing.assert_array_equal(outs[1][0, 0], [[0, 1, 2], [4, 5, 6], [8, 9, 10]])
     _, (dx,) = torch_grads(torch_pool("max", 2, 1, 0, False), [x], np.ones((1, 1, 3, 3)))
     close(grads["x"], dx)
+
+
+@pytest.mark.parametrize("kind", ["max", "ave"])
+@pytest.mark.parametrize("pad,ceil_mode", [(1, True), (0, True), (0, False)])
+def test_pool_chunks_give_the_same_bits(monkeypatch, kind, pad, ceil_mode):
+    """Forward and backward pooling a sample at a time (the smallest chunk,
+    each padded in the one reused buffer) and the whole batch at once agree
+    bit for bit, overlaps and ceil mode included."""
+    x = randn(5, 3, 11, 9)
+    attrs = {"pool": kind, "kernel": 3, "stride": 2, "pad": pad, "ceil_mode": ceil_mode}
+    results = []
+    for chunk in (1, 1 << 40):
+        monkeypatch.setattr(pool_module, "_CHUNK_BYTES", chunk)
+        outs, grads = run_op("Pool", attrs, {"x": x}, wrt=["x"])
+        results.append([outs[k] for k in outs if k != "_loss_weights"] + [grads["x"]])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["max", "ave"])

@@ -20,6 +20,14 @@ im2col is one strided view of the padded input copied out; col2im loops over
 the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
 processed in chunks so the column buffer stays bounded on large inputs.
 
+On the CPU a stride-1 ConvGradData is computed as the forward convolution it
+is equal to: dy, padded by ``d*(k-1) - pad``, correlated with the kernel
+flipped and its in/out channels swapped (per group). That is one im2col copy
+and a GEMM whose inner dimension is O*kh*kw, instead of a GEMM with inner
+dimension O writing a (C*kh*kw)-row column matrix and kh*kw strided
+read-modify-write passes over dx: about 1.8x faster on CIFAR's 5x5 convs.
+Strided convolutions, and pads past ``d*(k-1)``, keep the col2im path.
+
 On a GPU (CuPy arrays) each direction runs a cuDNN graph built once in the
 op's ``setup`` (``gpu/cudnn.py``: NVIDIA's cuDNN frontend, the bias and a
 fused ReLU in its epilogue where it offers that), or, without cuDNN or a
@@ -115,6 +123,37 @@ def col2im(xp, col, geo, dxpad):
         for q in range(geo["kw"]):
             dxpad[:, :, p * dh:p * dh + sh * (OH - 1) + 1:sh,
                   q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
+
+
+def _forward_cpu(xp, x, wmat, geo, y):
+    """y = conv(x) with the (G, O/G, C/G*kh*kw) weight matrix ``wmat``: im2col
+    of a chunk of the batch at a time, one batched GEMM each."""
+    G = geo["G"]
+    y = y.reshape(geo["N"], G, geo["O"] // G, geo["OH"] * geo["OW"])
+    xpad = _pad(xp, x, geo)
+    for sl in _chunks(xp, geo, x.itemsize):
+        # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
+        xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
+
+
+def _transposed_geometry(geo):
+    """The geometry of the forward convolution that computes a stride-1
+    conv's input gradient (see the module docstring), or None where there is
+    none: a stride above 1, or a pad past the dilated kernel's reach."""
+    qh = geo["dh"] * (geo["kh"] - 1) - geo["ph"]
+    qw = geo["dw"] * (geo["kw"] - 1) - geo["pw"]
+    if geo["sh"] != 1 or geo["sw"] != 1 or qh < 0 or qw < 0:
+        return None
+    return dict(geo, C=geo["O"], O=geo["C"], H=geo["OH"], W=geo["OW"],
+                OH=geo["H"], OW=geo["W"], ph=qh, pw=qw)
+
+
+def _data_grad_as_conv(xp, dy, w, geo, tgeo, dx):
+    """dx of a stride-1 conv as the forward conv of dy (geometry ``tgeo``)
+    with the flipped kernel: w (O, C/G, kh, kw) -> per group (C/G, O/G, kh, kw)."""
+    G, O, C, kh, kw = geo["G"], geo["O"], geo["C"], geo["kh"], geo["kw"]
+    flipped = w.reshape(G, O // G, C // G, kh, kw)[:, :, :, ::-1, ::-1].transpose(0, 2, 1, 3, 4)
+    _forward_cpu(xp, dy, xp.ascontiguousarray(flipped).reshape(G, C // G, -1), tgeo, dx)
 
 
 def _gpu(kernel, *arrays):
@@ -215,12 +254,7 @@ class Conv(OpKernel):
             else:  # raw im2col kernel into scratch, cuBLAS GEMMs
                 gpu.forward(x, w, outs[0], geo, scratch)
         else:
-            wmat = w.reshape(G, O // G, -1)
-            y = outs[0].reshape(geo["N"], G, O // G, geo["OH"] * geo["OW"])
-            xpad = _pad(xp, x, geo)
-            for sl in _chunks(xp, geo, x.itemsize):
-                # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
-                xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
+            _forward_cpu(xp, x, w.reshape(G, O // G, -1), geo, outs[0])
         _epilogue(xp, raw_kernels(xp, x, w), outs[0], ins[2] if len(ins) == 3 else None,
                   self.attrs)
 
@@ -233,7 +267,9 @@ class Conv(OpKernel):
 
 @register
 class ConvGradData(OpKernel):
-    """dx = col2im(w^T @ dy).  Inputs [dy, w]; attr ``x_shape`` plus Conv's attrs."""
+    """dx = col2im(w^T @ dy) (on the CPU at stride 1: the equal forward conv of
+    dy with the flipped kernel).  Inputs [dy, w]; attr ``x_shape`` plus Conv's
+    attrs."""
 
     op_type = "ConvGradData"
 
@@ -263,6 +299,10 @@ class ConvGradData(OpKernel):
                 _cudnn_run(self, scratch, {"dy": dy, "w": w, "dx": outs[0]})
             else:  # cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
                 gpu.backward_data(dy, w, outs[0], geo, scratch)
+            return
+        tgeo = _transposed_geometry(geo)
+        if tgeo is not None:
+            _data_grad_as_conv(xp, dy, w, geo, tgeo, outs[0])
             return
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])

@@ -18,8 +18,9 @@ Output size: ``OH = floor((H + 2*pad - k) / s) + 1``, or with ``ceil_mode``
 
 Gradient ("PoolGrad", inputs [dy, mask] for max, [dy] for average, attr
 ``x_shape``): max routes dy to the argmax of each window; average spreads
-dy / size over the window. Overlapping windows add up; both loop over the
-kh*kw kernel offsets with strided slice-adds (no scatter).
+dy / size over the window. Overlapping windows add up: max with one
+deterministic scatter-add (bincount) per chunk of samples, average with
+strided slice-adds over the kh*kw kernel offsets.
 
 On a GPU (CuPy arrays of float32/float64) forward and backward are one raw
 kernel each (cuda/pooling.cu), with the same mask convention and divisor.
@@ -77,13 +78,27 @@ def _extent(geo):
             max((geo["OW"] - 1) * geo["sw"] + geo["kw"], geo["W"] + geo["pw"]))
 
 
-def _padded(xp, x, geo, fill):
-    if geo["ph"] == geo["pw"] == 0 and _extent(geo) == (geo["H"], geo["W"]):
-        return x
-    eh, ew = _extent(geo)
-    buf = xp.full(x.shape[:2] + (eh, ew), fill, dtype=x.dtype)
-    buf[:, :, geo["ph"]:geo["ph"] + geo["H"], geo["pw"]:geo["pw"] + geo["W"]] = x
-    return buf
+def _padded_chunks(xp, x, geo, fill, step):
+    """(n, chunk) for each run of ``step`` samples from n: the chunk of ``x``
+    padded to the extent every window fits in, with ``fill`` around it. One
+    small buffer is reused for every chunk (its border is written once), so
+    the padded copy stays in cache instead of doubling the batch in memory."""
+    N, H, W, ph, pw = geo["N"], geo["H"], geo["W"], geo["ph"], geo["pw"]
+    if ph == pw == 0 and _extent(geo) == (H, W):
+        for n in range(0, N, step):
+            yield n, x[n:n + step]
+        return
+    buf = xp.full((min(step, N), x.shape[1]) + _extent(geo), fill, dtype=x.dtype)
+    for n in range(0, N, step):
+        part = x[n:n + step]
+        chunk = buf[:part.shape[0]]
+        chunk[:, :, ph:ph + H, pw:pw + W] = part
+        yield n, chunk
+
+
+def _step(per_sample_bytes):
+    """Samples per chunk: as many as fit in ``_CHUNK_BYTES`` (at least one)."""
+    return max(1, _CHUNK_BYTES // max(per_sample_bytes, 1))
 
 
 def _window(buf, geo, p, q):
@@ -138,15 +153,13 @@ def _max_pool_cpu(xp, x, geo, y, mask):
     N, C, OH, OW = geo["N"], geo["C"], geo["OH"], geo["OW"]
     kh, kw = geo["kh"], geo["kw"]
     K = kh * kw
-    buf = _padded(xp, x, geo, -xp.inf)
     origins = _window_origins(xp, geo)
-    step = max(1, _CHUNK_BYTES // max(C * OH * OW * K * x.itemsize, 1))
+    step = _step(C * OH * OW * K * x.itemsize)
     stack = xp.empty((K, min(step, N), C, OH, OW), dtype=x.dtype)
     if K <= 15:  # flat plane offset of the first maximum, looked up by bit code
         first = _FIRST_INDEX.setdefault(K, _first_index_table(K))
         offset = (first // kw) * geo["W"] + first % kw
-    for n in range(0, N, step):
-        part = buf[n:n + step]
+    for n, part in _padded_chunks(xp, x, geo, -xp.inf, step):
         st = stack[:, :part.shape[0]]
         for k in range(K):
             st[k] = _window(part, geo, *divmod(k, kw))
@@ -211,12 +224,15 @@ class Pool(OpKernel):
         if geo["kind"] == "max":
             _max_pool_cpu(xp, x, geo, y, outs[1])
         else:
-            buf = _padded(xp, x, geo, 0)
-            y.fill(0)
-            for p in range(geo["kh"]):
-                for q in range(geo["kw"]):
-                    y += _window(buf, geo, p, q)
-            y /= _divisor(xp, geo, y.dtype)
+            eh, ew = _extent(geo)
+            div = _divisor(xp, geo, y.dtype)
+            for n, part in _padded_chunks(xp, x, geo, 0, _step(geo["C"] * eh * ew * x.itemsize)):
+                top = y[n:n + part.shape[0]]
+                top.fill(0)
+                for p in range(geo["kh"]):
+                    for q in range(geo["kw"]):
+                        top += _window(part, geo, p, q)
+                top /= div
 
 
 @register
@@ -258,26 +274,38 @@ class PoolGrad(OpKernel):
             else:
                 flat[...] = dy.reshape(N, C, 1) / flat.shape[2]
             return
-        eh, ew = _extent(geo)
-        direct = geo["ph"] == geo["pw"] == 0 and (eh, ew) == (geo["H"], geo["W"])
-        buf = dx if direct else xp.zeros((N, C, eh, ew), dtype=dx.dtype)
-        buf.fill(0)
         if geo["kind"] == "max":
             # every dy goes to the input its argmax names: one scatter-add over
             # flat indices (bincount sums overlapping windows in float64, in a
-            # fixed order, so the result is deterministic)
-            planes = xp.arange(N * C, dtype=np.int64).reshape(N, C, 1, 1) * (geo["H"] * geo["W"])
-            sums = xp.bincount((ins[1] + planes).ravel(), weights=dy.ravel(),
-                               minlength=dx.size)
-            dx.reshape(-1)[...] = sums
+            # fixed order, so the result is deterministic), a chunk of samples
+            # at a time so its float64 sums stay in cache (2.4x faster on a
+            # CIFAR pool than one bincount over the batch; same bits)
+            plane = geo["H"] * geo["W"]
+            step = _step(C * plane * 8)
+            planes = xp.arange(min(step, N) * C, dtype=np.int64).reshape(-1, C, 1, 1) * plane
+            for n in range(0, N, step):
+                mask, part = ins[1][n:n + step], dx[n:n + step]
+                sums = xp.bincount((mask + planes[:mask.shape[0]]).ravel(),
+                                   weights=dy[n:n + step].ravel(), minlength=part.size)
+                part.reshape(-1)[...] = sums
             return
-        else:
-            share = dy / _divisor(xp, geo, dy.dtype)
+        # average: dy / size added into every window of a padded buffer, a
+        # chunk of samples at a time (one buffer, in cache), then cropped
+        eh, ew = _extent(geo)
+        H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
+        direct = ph == pw == 0 and (eh, ew) == (H, W)
+        step = _step(C * eh * ew * dx.itemsize)
+        div = _divisor(xp, geo, dy.dtype)
+        buf = None if direct else xp.empty((min(step, N), C, eh, ew), dtype=dx.dtype)
+        for n in range(0, N, step):
+            share = dy[n:n + step] / div
+            part = dx[n:n + step] if direct else buf[:share.shape[0]]
+            part.fill(0)
             for p in range(geo["kh"]):
                 for q in range(geo["kw"]):
-                    _window(buf, geo, p, q)[...] += share
-        if not direct:
-            dx[...] = buf[:, :, geo["ph"]:geo["ph"] + geo["H"], geo["pw"]:geo["pw"] + geo["W"]]
+                    _window(part, geo, p, q)[...] += share
+            if not direct:
+                dx[n:n + step] = part[:, :, ph:ph + H, pw:pw + W]
 
 
 _POOL_ATTRS = ("pool", "kernel", "stride", "pad", "ceil_mode", "global")
