@@ -292,7 +292,6 @@ class ConvGradData(OpKernel):
         geo = _geometry(self.attrs, outs[0].shape, w.shape)
         G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
-        # contiguous w^T: BLAS on a transposed view is several times slower in numpy
         gpu, scratch = _gpu_prepared(self, ins, outs, dy, w)
         if gpu is not None:
             if self._plan is not None:
@@ -304,6 +303,7 @@ class ConvGradData(OpKernel):
         if tgeo is not None:
             _data_grad_as_conv(xp, dy, w, geo, tgeo, outs[0])
             return
+        # contiguous w^T: BLAS on a transposed view is several times slower in numpy
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         for sl in _chunks(xp, geo, dy.itemsize):

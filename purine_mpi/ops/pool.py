@@ -78,13 +78,18 @@ def _extent(geo):
             max((geo["OW"] - 1) * geo["sw"] + geo["kw"], geo["W"] + geo["pw"]))
 
 
+def _unpadded(geo):
+    """Every window lies inside the input: no padding buffer is needed."""
+    return geo["ph"] == geo["pw"] == 0 and _extent(geo) == (geo["H"], geo["W"])
+
+
 def _padded_chunks(xp, x, geo, fill, step):
     """(n, chunk) for each run of ``step`` samples from n: the chunk of ``x``
     padded to the extent every window fits in, with ``fill`` around it. One
     small buffer is reused for every chunk (its border is written once), so
     the padded copy stays in cache instead of doubling the batch in memory."""
     N, H, W, ph, pw = geo["N"], geo["H"], geo["W"], geo["ph"], geo["pw"]
-    if ph == pw == 0 and _extent(geo) == (H, W):
+    if _unpadded(geo):
         for n in range(0, N, step):
             yield n, x[n:n + step]
         return
@@ -293,7 +298,7 @@ class PoolGrad(OpKernel):
         # chunk of samples at a time (one buffer, in cache), then cropped
         eh, ew = _extent(geo)
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
-        direct = ph == pw == 0 and (eh, ew) == (H, W)
+        direct = _unpadded(geo)
         step = _step(C * eh * ew * dx.itemsize)
         div = _divisor(xp, geo, dy.dtype)
         buf = None if direct else xp.empty((min(step, N), C, eh, ew), dtype=dx.dtype)

@@ -193,10 +193,9 @@ def compose(graph, grads, config, world):
         from .data_parallel import compose_data_parallel
         #: the bucket plan (``graph --np N`` prints it)
         graph.bucket_plan = compose_data_parallel(
-            graph, grads, world.size, world.rank, bucket_mb=par.get("bucket_mb", 4),
-            first_bucket_mb=par.get("first_bucket_mb", 1),
-            min_buckets=par.get("min_buckets", 4), split_params=par.get("split_params", True),
-            check_collectives=par.get("check_collectives", False), world=world)
+            graph, grads, world.size, world.rank,
+            check_collectives=par.get("check_collectives", False), world=world,
+            **_bucket_settings(par))
         graph.infer_shapes().validate()
         return graph
     raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
@@ -260,6 +259,14 @@ def compose_stages(graph, config, world, copies=None):
 compose_pipeline = compose_stages
 
 
+def _bucket_settings(par):
+    """compose_data_parallel's bucket-plan arguments from the ``parallel``
+    section (its defaults where a key is absent)."""
+    return {"bucket_mb": par.get("bucket_mb", 4), "first_bucket_mb": par.get("first_bucket_mb", 1),
+            "min_buckets": par.get("min_buckets", 4),
+            "split_params": par.get("split_params", True)}
+
+
 def _allreduce_stage(local, grads, config, world, lay):
     """Hybrid: sum this stage's gradient buckets over the replicas that hold
     the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
@@ -268,10 +275,8 @@ def _allreduce_stage(local, grads, config, world, lay):
     from .data_parallel import compose_data_parallel, place_on_rank
     par = config["parallel"]
     group = lay.stage_ranks()
-    plan = compose_data_parallel(
-        local, grads, lay.replicas, lay.replica, bucket_mb=par.get("bucket_mb", 4),
-        first_bucket_mb=par.get("first_bucket_mb", 1), min_buckets=par.get("min_buckets", 4),
-        split_params=par.get("split_params", True), check_collectives=False)
+    plan = compose_data_parallel(local, grads, lay.replicas, lay.replica,
+                                 check_collectives=False, **_bucket_settings(par))
     place_on_rank(local, world.rank)
     for b in plan:
         local.ops[b["op"]].attrs["group"] = list(group)
