@@ -1,0 +1,130 @@
+"""What a CUDA stream capture allows, on the simulated device.
+
+The simulated device of the tests (``tests/test_gpu_backend.py``: NumPy
+arrays standing for CuPy arrays, the ``cuda/*.cu`` kernels compiled for the
+host, streams run by ``SimulatedRuntime``) must refuse inside a capture
+exactly what real CuPy refuses, with the same exceptions and messages, or
+capture code passes here and fails on the first real GPU (it did: CuPy
+14.2 on an H100). Measured there, and read in CuPy's sources
+(``cupy/cuda/memory.pyx``, ``cupy/_core/core.pyx``,
+``cupy_backends/cuda/libs/cublas.pyx``):
+
+- every call of CuPy's own cuBLAS binding (``cupy.cuda.cublas.*``, which
+  calls ``setStream`` first) raises ``NotImplementedError`` (CUBLAS_REFUSED);
+- ``ndarray.set`` and every host-to-device copy through CuPy raise
+  ``RuntimeError`` (H2D_REFUSED), also from page-locked memory;
+- ``ndarray.get``, ``cupy.asnumpy``, ``float(x)``, ``x.item()`` (device to
+  host) raise ``RuntimeError`` (D2H_REFUSED);
+- synchronising a capturing stream, an event recorded in a capture, or the
+  device raises ``CUDARuntimeError`` (cudaErrorStreamCaptureUnsupported).
+
+And one rule of ours, stricter than CuPy (whose relaxed capture mode lets
+its memory pool grow): **no allocation during a capture**. A temporary
+allocated while captured is freed when the Python object dies, the pool
+hands it to the next allocation, and every replay of the graph keeps writing
+it; so the ops write only into their planned outputs and scratch, and the
+simulated device raises ALLOC_REFUSED for any allocation in a capture.
+
+What a capture does allow is recorded, not run: a raw kernel launch (its
+scalar arguments frozen at capture time, its arrays read at replay), an
+elementwise operation into an existing array, a device-to-device copy,
+cuBLAS through NVIDIA's own bindings (``nvmath.bindings.cublas``) on a
+handle with a workspace of its own, a cuDNN frontend graph, and a
+``cudaMemcpyAsync`` from page-locked host memory (which copies what the
+buffer holds at replay time).
+
+The simulated device calls ``device_work(fn, stream)`` for each piece of
+device work: on a capturing stream it is appended to the node being
+recorded (``SimulatedRuntime.launch`` runs the op's host code once, at
+capture, as CUDA does), elsewhere it runs at once.
+"""
+import contextlib
+import itertools
+import threading
+
+CUBLAS_REFUSED = "calling cuBLAS API during stream capture is currently unsupported"
+H2D_REFUSED = "the current stream is capturing, so H2D transfers are disallowed"
+D2H_REFUSED = "the current stream is capturing, so D2H transfers are disallowed"
+SYNC_REFUSED = ("cudaErrorStreamCaptureUnsupported: operation not permitted when stream "
+                "is capturing")
+ALLOC_REFUSED = ("allocation during a stream capture (the simulated device's rule: a "
+                 "temporary freed after the capture is reused while replays still write it)")
+PAGEABLE_REFUSED = ("cudaErrorStreamCaptureUnsupported: a cudaMemcpyAsync from pageable "
+                    "host memory cannot be captured")
+
+
+class CUDARuntimeError(RuntimeError):
+    """Stands for ``cupy_backends.cuda.api.runtime.CUDARuntimeError``."""
+
+
+_local = threading.local()
+_streams = {}                  # ptr -> stream
+_ptrs = itertools.count(0x1000)
+_lock = threading.Lock()
+
+
+def register_stream(stream):
+    """A fresh ``ptr`` (cudaStream_t) for a simulated stream."""
+    with _lock:
+        ptr = next(_ptrs)
+        _streams[ptr] = stream
+    return ptr
+
+
+def stream_of(ptr):
+    """The simulated stream whose ``ptr`` this is (None: the default stream)."""
+    return _streams.get(int(ptr))
+
+
+def current_stream():
+    """CuPy's current stream on this thread (None: the default stream)."""
+    return getattr(_local, "stream", None)
+
+
+@contextlib.contextmanager
+def current(stream):
+    """``with stream:`` -- make ``stream`` current on this thread."""
+    before = getattr(_local, "stream", None)
+    _local.stream = stream
+    try:
+        yield stream
+    finally:
+        _local.stream = before
+
+
+def is_capturing(stream=None):
+    """Whether ``stream`` (default: the current stream) is capturing."""
+    stream = current_stream() if stream is None else stream
+    return stream is not None and getattr(stream, "capture", None) is not None
+
+
+def any_capture_open():
+    """Whether any simulated stream is capturing (a device-wide sync is refused)."""
+    with _lock:
+        streams = list(_streams.values())
+    return any(getattr(s, "capture", None) is not None for s in streams)
+
+
+def refuse_if_capturing(exc_type, message, stream=None):
+    if is_capturing(stream):
+        raise exc_type(message)
+
+
+def refuse_allocation(what):
+    """An allocation on the current stream: refused while it captures."""
+    if is_capturing():
+        raise RuntimeError(f"{ALLOC_REFUSED}: {what}")
+
+
+def device_work(fn, stream=None):
+    """Run ``fn`` (device work queued on ``stream``, default the current
+    one) now, or record it into the node being captured on that stream."""
+    stream = current_stream() if stream is None else stream
+    if not is_capturing(stream):
+        fn()
+        return
+    recorder = getattr(stream, "recorder", None)
+    if recorder is None:
+        raise RuntimeError(f"device work queued on the capturing stream {stream.key} outside "
+                           "the launch being recorded there")
+    recorder.append(fn)
