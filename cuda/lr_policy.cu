@@ -57,3 +57,14 @@ extern "C" __global__ void learning_rate(long long iter_value, const long long* 
   }
   out[0] = (float)rate;
 }
+
+// The iteration counter on the device (purine_mpi/ops/iteration.py): the
+// iteration this run of the graph computes is the counter's value, and the
+// counter moves on by one. The host writes the counter only when the
+// trainer's iteration is not the one that follows (the first iteration, a
+// resume), so a captured CUDA graph replays every later iteration alone.
+extern "C" __global__ void iteration_next(long long* counter, long long* iteration) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  iteration[0] = counter[0];
+  counter[0] = counter[0] + 1;
+}

@@ -181,7 +181,14 @@ class Trainer:
         buckets are posted in the observed gradient-ready order
         (``adopt_ready_order``: decided on rank 0, the same on every rank)."""
         self.ws["iter"][...] = it
-        self.train.run(it)
+        if self.deferred and hasattr(self.train, "synchronize"):
+            # on a GPU the iteration returns once its device work is queued
+            # (one graph launch when captured); the host synchronises only
+            # where it reads back (_read_losses, drain: display, test,
+            # checkpoint, a stop signal)
+            self.train.run(it, sync=False)
+        else:
+            self.train.run(it)
         if not self._order_adopted and not self.pipeline:
             self._order_adopted = True
             from .parallel.data_parallel import adopt_ready_order
@@ -338,6 +345,7 @@ class Trainer:
         the first non-finite iteration of any rank (collective, at the same
         iterations on every rank)."""
         total, first = 0.0, 0
+        self.train.drain()  # the device work queued so far is done: the blobs hold it
         if self.watch is not None:
             total, first = (float(v) for v in to_numpy(self.ws[self.watch]))
         first = int(first) or None

@@ -34,9 +34,11 @@ handle with a workspace of its own, a cuDNN frontend graph, and a
 buffer holds at replay time).
 
 The simulated device calls ``device_work(fn, stream)`` for each piece of
-device work: on a capturing stream it is appended to the node being
-recorded (``SimulatedRuntime.launch`` runs the op's host code once, at
-capture, as CUDA does), elsewhere it runs at once.
+device work. ``SimulatedRuntime.launch`` runs an op's host code at once, as
+CUDA does, with the stream's ``recorder`` set: the device work is appended
+to it, and becomes the node of a capture, or the work the stream runs when
+the simulated device gets to it. So scalars are taken at launch (frozen in
+a graph) and memory is read when the work runs.
 """
 import contextlib
 import itertools
@@ -117,14 +119,21 @@ def refuse_allocation(what):
 
 
 def device_work(fn, stream=None):
-    """Run ``fn`` (device work queued on ``stream``, default the current
-    one) now, or record it into the node being captured on that stream."""
+    """Device work ``fn`` queued on ``stream`` (default: the current one):
+    recorded into the launch whose host code runs on that stream now (the
+    node of a capture, or work the stream runs later), else run at once."""
     stream = current_stream() if stream is None else stream
-    if not is_capturing(stream):
-        fn()
-        return
     recorder = getattr(stream, "recorder", None)
-    if recorder is None:
+    if recorder is not None:
+        recorder.append(fn)
+        return
+    if is_capturing(stream):
         raise RuntimeError(f"device work queued on the capturing stream {stream.key} outside "
                            "the launch being recorded there")
-    recorder.append(fn)
+    fn()
+
+
+def recording():
+    """Whether this thread runs an op's host code whose device work is
+    being recorded (the simulated runtime logs the op when that work runs)."""
+    return getattr(current_stream(), "recorder", None) is not None

@@ -1,15 +1,17 @@
 """The data reader on a GPU: the prefetch thread stages each batch in one of
-two page-locked buffers, the op only queues the host->device copy of the
-ready one on the copy stream (ops/data.py). Tested on the emulated device
-(NumPy-backed CuPy) and the simulated stream runtime, whose queued work runs
-only when the host synchronises or polls -- a copy stays in flight as long
-as nothing waits for it."""
+two page-locked buffers; the op's host work (``before_iteration``) takes the
+ready one, its device work (``run``) is the cudaMemcpyAsync of it on the copy
+stream, which a CUDA graph can capture (ops/data.py). Tested on the emulated
+device (NumPy-backed CuPy) and the simulated stream runtime, whose queued
+work runs only when the host synchronises or polls -- a copy stays in flight
+as long as nothing waits for it."""
 import threading
 
 import numpy as np
 import pytest
 
 from purine_mpi import gpu
+import purine_mpi.gpu.streams  # noqa: F401  (gpu.streams)
 from purine_mpi.gpu import placement
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.data import DataReader
@@ -66,10 +68,12 @@ def _deliver(iters, wait=True):
                 pass
         run_rt = NoWait()
     delivered = []
-    for _ in range(iters):
+    for t in range(iters):
         k.outs = outs()
         delivered.append(k.outs)
-        k.run_on_stream(run_rt, 0, stream)
+        assert k.before_iteration(t, None) == t % 2  # the pair: the capture's key
+        run_rt.launch(0, stream, lambda o=k.outs: k.run(k.ins, o), "data")
+        k.after_launch(run_rt.record(0, stream), run_rt)
     rt.sync_streams()
     k._take(k.position)  # let the last prefetch finish
     return k, delivered, writes, rt
@@ -119,8 +123,9 @@ def test_training_is_bitwise_what_it_was_and_no_host_copy_in_the_iteration(
         emulated, monkeypatch, cuda_graph):
     config = _tiny_config()
     iters = 5
-    set_calls, stage_threads, runs = [], [], []
+    set_calls, stage_threads, runs, copies = [], [], [], []
     real_set, real_stage, real_run = DeviceArray.set, DataReader._stage, DataReader.run
+    real_copy = gpu.streams.copy_to_device_async
 
     def spy_set(self, array, stream=None):
         set_calls.append((array, threading.current_thread().name))
@@ -131,23 +136,31 @@ def test_training_is_bitwise_what_it_was_and_no_host_copy_in_the_iteration(
         return real_stage(self, pair, batch)
 
     def spy_run(self, ins, outs):
-        runs.append(threading.current_thread().name)
+        runs.append(self._current)  # None: run() would take the batch itself
         return real_run(self, ins, outs)
+
+    def spy_copy(dst, src):
+        copies.append(src)
+        return real_copy(dst, src)
 
     monkeypatch.setattr(DeviceArray, "set", spy_set)
     monkeypatch.setattr(DataReader, "_stage", spy_stage)
     monkeypatch.setattr(DataReader, "run", spy_run)
+    monkeypatch.setattr(gpu.streams, "copy_to_device_async", spy_copy)
     new = _train_simulated(config, 0, iters=iters, cuda_graph=cuda_graph)
     ws = new[2]
-    # the batch went host -> device only as copies out of the staging pairs,
-    # written in the prefetch thread; the op's host-side run never ran
-    assert runs == [] and stage_threads and \
-        all(n.startswith("prefetch:") for n in stage_threads)
+    # the batch went host -> device only as cudaMemcpyAsync out of the
+    # staging pairs, written in the prefetch thread; no ndarray.set, no host
+    # copy in the iteration; run() only queued the copy of the pair taken
+    assert stage_threads and all(n.startswith("prefetch:") for n in stage_threads)
+    assert None not in runs and not [a for a, _ in set_calls if a.shape == ws["data"].shape]
     batch_shape = ws["data"].shape
-    data_sets = [a for a, _ in set_calls if a.shape == batch_shape]
-    assert len(data_sets) == iters
-    assert len({id(a) for a in data_sets}) == 2  # two alternating pinned buffers
-    assert not any(isinstance(a, DeviceArray) for a in data_sets)
+    data_copies = [a for a in copies if a.shape == batch_shape]
+    # eager: one copy per iteration; with CUDA graphs the two first iterations
+    # run eagerly and each pair's capture records its copy once, then replays
+    assert len(data_copies) == (iters if not cuda_graph else 4)
+    assert len({a.ctypes.data for a in data_copies}) == 2  # two alternating pinned buffers
+    assert not any(isinstance(a, DeviceArray) for a in data_copies)
 
     monkeypatch.setattr(DataReader, "run", real_run)
     _old_placement(monkeypatch)

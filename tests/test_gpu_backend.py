@@ -20,6 +20,7 @@ graph against the NumPy backend, and cifar10_quick trained on the GPU against
 the CPU.
 """
 import copy
+import ctypes
 import random
 import sys
 import threading
@@ -46,6 +47,7 @@ from purine_mpi.runtime.dispatcher import EventDispatcher, Profiler, SerialDispa
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
+from tests import sim_capture
 from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
 
 
@@ -89,8 +91,32 @@ def _plain(x):
     return np.asarray(x) if isinstance(x, DeviceArray) else x
 
 
+def _frozen(x):
+    """An operand of device work recorded in a capture: a device array is
+    read when the work runs (replay); a host value is taken now, as CuPy
+    passes host scalars to a kernel by value."""
+    if isinstance(x, DeviceArray):
+        return np.asarray(x)
+    if isinstance(x, np.ndarray):
+        return np.array(x, copy=True)
+    return x
+
+
+#: NumPy functions that return a view or a property, never new memory
+_VIEW_FUNCTIONS = {"reshape", "ravel", "transpose", "swapaxes", "moveaxis", "squeeze",
+                   "expand_dims", "broadcast_to", "atleast_1d", "atleast_2d", "atleast_3d",
+                   "shape", "ndim", "size", "may_share_memory", "shares_memory",
+                   "result_type", "iscomplexobj", "isrealobj"}
+
+
 class DeviceArray(np.ndarray):
-    """A NumPy array standing for a CuPy array on the emulated device."""
+    """A NumPy array standing for a CuPy array on the emulated device.
+
+    On a stream that captures (``tests/sim_capture.py``) it behaves as CuPy
+    does there: device work (an elementwise operation into an existing
+    array, a copy, a fill) is recorded into the graph, not run; a
+    host<->device copy, a read of a value on the host and any allocation
+    are refused, with CuPy's exceptions and messages."""
 
     @property
     def device(self):
@@ -101,6 +127,15 @@ class DeviceArray(np.ndarray):
             Allocations.note("new array", self)
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        capturing = sim_capture.is_capturing()
+        if capturing and (out is None or method == "at"):
+            sim_capture.refuse_allocation(f"{ufunc.__name__}.{method} without out=")
+        if sim_capture.recording() and out is not None:  # device work of a launch
+            args, outs = [_frozen(x) for x in inputs], tuple(_plain(o) for o in out)
+            frozen = {k: _frozen(v) for k, v in kwargs.items()}
+            sim_capture.device_work(
+                lambda: getattr(ufunc, method)(*args, out=outs, **frozen))
+            return out[0] if len(out) == 1 else out
         if out is not None:
             kwargs["out"] = tuple(_plain(o) for o in out)
         result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
@@ -112,34 +147,131 @@ class DeviceArray(np.ndarray):
         for r in result if isinstance(result, tuple) else (result,):
             Allocations.note(f"{ufunc.__name__}.{method}", r)
             wrapped.append(np.asarray(r).view(DeviceArray))   # 0-d, as CuPy returns
+        if sim_capture.recording():  # a new array, computed when the launch's work runs
+            args = [_frozen(x) for x in inputs]
+            targets = tuple(np.asarray(w) for w in wrapped)
+            sim_capture.device_work(lambda: _refill(
+                targets, getattr(ufunc, method)(*args, **kwargs)))
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def __array_function__(self, func, types, args, kwargs):
+        if func.__name__ not in _VIEW_FUNCTIONS and sim_capture.recording():
+            if func.__name__ == "copyto":
+                dst, src = args[0], args[1] if len(args) > 1 else kwargs["src"]
+                plain_dst, value = _plain(dst), _frozen(src)
+                sim_capture.device_work(lambda: np.copyto(plain_dst, value))
+                return None
+            if sim_capture.is_capturing():
+                sim_capture.refuse_allocation(f"numpy.{func.__name__} (not modelled as a "
+                                              "capturable operation by the simulated device)")
         result = super().__array_function__(func, types, args, kwargs)
         inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
+        fresh = []
         for r in result if isinstance(result, tuple) else (result,):
             if isinstance(r, np.ndarray) and r.size and \
                     not any(np.may_share_memory(r, a) for a in inputs):
                 Allocations.note(func.__name__, r)
+                fresh.append(r)
+        if fresh and sim_capture.recording():  # computed again when the work runs
+            plain_args = [_frozen(a) for a in args]
+            plain_kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+            targets = tuple(np.asarray(r) for r in fresh)
+            sim_capture.device_work(lambda: _refill(
+                targets, func(*plain_args, **plain_kwargs), fresh=True))
+        return result
+
+    def __setitem__(self, key, value):
+        if sim_capture.is_capturing() and isinstance(value, np.ndarray) and \
+                not isinstance(value, DeviceArray):
+            raise RuntimeError(sim_capture.H2D_REFUSED)  # CuPy brings it over with set()
+        if sim_capture.recording():
+            target, frozen = np.asarray(self), _frozen(value)
+            sim_capture.device_work(lambda: target.__setitem__(key, frozen))
+            return
+        super().__setitem__(key, value)
+
+    def fill(self, value):
+        self[...] = value
+
+    def copy(self, order="C"):
+        sim_capture.refuse_allocation("ndarray.copy")
+        return super().copy(order)
+
+    def astype(self, dtype, *args, **kwargs):
+        result = super().astype(dtype, *args, **kwargs)
+        if not np.may_share_memory(result, self):  # copy=False of the same dtype: self
+            sim_capture.refuse_allocation("ndarray.astype")
         return result
 
     def set(self, array, stream=None):
         """CuPy's host -> device copy into this array."""
-        self[...] = array
+        sim_capture.refuse_if_capturing(RuntimeError, sim_capture.H2D_REFUSED,
+                                        _sim_stream(stream))
+        np.asarray(self)[...] = array
 
     def get(self, stream=None, out=None):
-        """CuPy's device -> host copy."""
+        """CuPy's device -> host copy: after the stream's queued work."""
+        stream = _sim_stream(stream)
+        sim_capture.refuse_if_capturing(RuntimeError, sim_capture.D2H_REFUSED, stream)
+        stream = stream or sim_capture.current_stream()
+        if getattr(stream, "runtime", None) is not None and not sim_capture.recording():
+            stream.runtime.sync_stream(stream)
         if out is None:
             return np.array(self)
         out[...] = self
         return out
 
+    # a value read on the host is a device -> host copy (CuPy calls get())
+    def __float__(self):
+        return float(self.get())
+
+    def __int__(self):
+        return int(self.get())
+
+    def __bool__(self):
+        return bool(self.get())
+
+    def item(self, *args):
+        return self.get().item(*args)
+
+    def tolist(self):
+        return self.get().tolist()
+
+
+def _refill(targets, result, fresh=False):
+    """Write a recomputed result into the arrays handed out at launch."""
+    results = result if isinstance(result, tuple) else (result,)
+    if fresh:
+        results = [r for r in results if isinstance(r, np.ndarray) and r.size]
+    for target, value in zip(targets, results):
+        target[...] = np.asarray(value)
+
+
+def _sim_stream(stream):
+    """The simulated stream a CuPy ``stream=`` argument names (None: current)."""
+    if stream is None:
+        return None
+    return sim_capture.stream_of(stream.ptr) if hasattr(stream, "ptr") else stream
+
+
+class _DefaultStream:
+    """CuPy's default (legacy) stream on the emulated device: never captures."""
+
+    ptr = 0
+    capture = None
+    key = "default"
+
+    def synchronize(self):
+        pass
+
 
 def _emulated_cupy(build_dir):
     """A stand-in for the cupy module: host-compiled raw kernels, NumPy
-    arithmetic on DeviceArray (any other attribute is NumPy's)."""
+    arithmetic on DeviceArray (any other attribute is NumPy's), and CuPy's
+    rules inside a stream capture (``tests/sim_capture.py``)."""
     from tests.test_gpu_kernels import _host_cupy
     fake = _host_cupy(build_dir)
+    fake._emulated = True  # SimulatedRuntime records captures faithfully for it
 
     def on_device(array):
         return np.asarray(array).view(DeviceArray)
@@ -148,22 +280,69 @@ def _emulated_cupy(build_dir):
         # a host array brought to the device is a new device array too
         if source is None or not isinstance(source, DeviceArray) or \
                 not np.may_share_memory(array, _plain(source)):
+            sim_capture.refuse_allocation(what)
             Allocations.note(what, array)
         return on_device(array)
+
+    def asnumpy(a, stream=None, out=None):
+        if isinstance(a, DeviceArray):
+            return a.get(stream=stream, out=out)
+        return np.asarray(a) if out is None else np.copyto(out, a) or out
+
+    def memcpy_async(dst, src, size, kind, stream_ptr):
+        """cudaMemcpyAsync on raw addresses: in a capture, from page-locked
+        memory only; it copies what ``src`` holds when it runs."""
+        stream = sim_capture.stream_of(stream_ptr)
+        if kind == fake.cuda.runtime.memcpyHostToDevice and sim_capture.is_capturing(stream) \
+                and not _pinned_range(src, size):
+            raise sim_capture.CUDARuntimeError(sim_capture.PAGEABLE_REFUSED)
+        sim_capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
+
+    def device_synchronize():
+        if sim_capture.any_capture_open():
+            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
 
     fake.ndarray = DeviceArray
     fake.empty = lambda shape, dtype=float: allocated("empty", np.empty(shape, dtype))
     fake.zeros = lambda shape, dtype=float: allocated("zeros", np.zeros(shape, dtype))
+    fake.empty_like = lambda a, dtype=None: allocated("empty_like",
+                                                      np.empty_like(_plain(a), dtype))
+    fake.zeros_like = lambda a, dtype=None: allocated("zeros_like",
+                                                      np.zeros_like(_plain(a), dtype))
     fake.ascontiguousarray = lambda a, dtype=None: allocated(
         "ascontiguousarray", np.ascontiguousarray(_plain(a), dtype), a)
     fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(_plain(a), dtype), a)
-    fake.asnumpy = lambda a: np.asarray(a)
+    fake.asnumpy = asnumpy
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = _NoDevice
-    fake.cuda.runtime.getDeviceCount = lambda: 1
-    fake.cuda.alloc_pinned_memory = bytearray
+    runtime = fake.cuda.runtime
+    runtime.getDeviceCount = lambda: 1
+    runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
+    runtime.memcpyAsync = memcpy_async
+    runtime.deviceSynchronize = device_synchronize
+    runtime.streamIsCapturing = lambda ptr: sim_capture.is_capturing(
+        sim_capture.stream_of(ptr) or _DefaultStream)
+    runtime.CUDARuntimeError = sim_capture.CUDARuntimeError
+    fake.cuda.alloc_pinned_memory = _alloc_pinned
+    fake.cuda.get_current_stream = lambda: sim_capture.current_stream() or _DefaultStream()
     fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
     return fake
+
+
+_pinned_buffers = []  # (start, end) of the page-locked allocations
+
+
+def _alloc_pinned(nbytes):
+    """``cupy.cuda.alloc_pinned_memory``: a host buffer known to be page-locked."""
+    sim_capture.refuse_allocation("pinned host memory")
+    buffer = bytearray(max(int(nbytes), 1))
+    start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    _pinned_buffers.append((start, start + len(buffer), buffer))
+    return buffer
+
+
+def _pinned_range(address, size):
+    return any(lo <= address and address + size <= hi for lo, hi, _ in _pinned_buffers)
 
 
 def use_emulated_cupy(monkeypatch, build_dir):
@@ -477,6 +656,8 @@ class SimStream:
         self.key, self.queue, self.runtime = key, deque(), runtime
         self.capture = None     # the SimCapture it belongs to, while capturing
         self.frontier = set()   # capture nodes the next captured work follows
+        self.recorder = None    # the device work of the launch being captured
+        self.ptr = sim_capture.register_stream(self)  # cudaStream_t
 
     def begin_capture(self, mode=None):
         self.runtime._begin_capture(self)
@@ -545,8 +726,14 @@ class SimulatedRuntime:
     event or synchronise while a capture is open. ``SimGraph.launch``
     replays the recorded launches (the kernels run again)."""
 
-    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0):
+    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0, faithful=None):
         self.rng = random.Random(seed)
+        #: capture as CUDA does: an op's host code runs once, at capture, and
+        #: only its device work (tests/sim_capture.py) becomes the graph node;
+        #: on by default with the emulated CuPy, whose arrays record that work
+        #: (plain host arrays cannot: their kernels are recorded whole instead)
+        self.faithful = getattr(sys.modules.get("cupy"), "_emulated", False) \
+            if faithful is None else faithful
         self.poll_steps = poll_steps
         self.stalled_polls = stalled_polls  # the first polls see no progress
         self.lock = threading.RLock()
@@ -562,6 +749,15 @@ class SimulatedRuntime:
                                            SimStream((device, thread), self))
 
     def launch(self, device, stream, fn, name=None):
+        if self.faithful:  # the host code runs now; its device work runs later
+            stream.recorder = []
+            try:
+                with sim_capture.current(stream):
+                    fn()
+                work = stream.recorder
+            finally:
+                stream.recorder = None
+            fn = _replay_of(work, name, self.log)
         with self.lock:
             if stream.capture is not None:
                 cap = stream.capture
@@ -570,7 +766,7 @@ class SimulatedRuntime:
                 stream.frontier = {len(cap.nodes) - 1}
                 self.calls.append(("capture_launch", stream.key, name))
                 return
-            stream.queue.append(("run", fn))
+            stream.queue.append(("run", _on_stream(stream, fn)))
             self.calls.append(("launch", stream.key))
 
     def call(self, device, stream, fn):
@@ -578,7 +774,8 @@ class SimulatedRuntime:
             if stream.capture is not None:
                 raise RuntimeError("host work on a capturing stream")
             self.calls.append(("call", stream.key))
-        return fn()  # host work: now
+        with sim_capture.current(stream):
+            return fn()  # host work: now, with the stream current
 
     def record(self, device, stream, timing=False):
         event = SimEvent(stream)
@@ -637,6 +834,13 @@ class SimulatedRuntime:
         self._no_capture_open()
         self._drain()
 
+    def sync_stream(self, stream):
+        """``stream.synchronize()``: until its queued work has run."""
+        sim_capture.refuse_if_capturing(sim_capture.CUDARuntimeError,
+                                        sim_capture.SYNC_REFUSED, stream)
+        while stream.queue:
+            self._step()
+
     def sync_streams(self):
         self._no_capture_open()
         self._drain()
@@ -646,6 +850,20 @@ class SimulatedRuntime:
 
     def swaps_copies(self):
         return False
+
+    def host_write(self, devices, fn):
+        self._no_capture_open()
+        with self.lock:
+            self.calls.append(("host_write",))
+        self._drain()
+        fn()
+
+    def prepare_capture(self, device, streams):
+        if self.faithful:  # the emulated CuPy: what CudaRuntime does
+            from purine_mpi.gpu import blas
+            for stream in streams:
+                if hasattr(blas, "reserve"):
+                    blas.reserve(stream)
 
     # ----------------------------------------------------- stream capture
     def begin_capture(self, device, stream):
@@ -704,12 +922,11 @@ class SimulatedRuntime:
 
     def _not_captured(self, event):
         if event.capture is not None:
-            raise RuntimeError("cudaErrorStreamCaptureUnsupported: query or synchronize "
-                               "on an event recorded in a capture")
+            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
 
     def _no_capture_open(self):
         if any(s.capture is not None for s in self.streams.values()):
-            raise RuntimeError("cudaErrorStreamCaptureUnsupported: synchronize during a capture")
+            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
 
     # -------------------------------------------------------- the device
     def _step(self, strict=True):
@@ -762,11 +979,32 @@ class SimulatedRuntime:
             pass
 
 
+def _replay_of(work, name, log):
+    """The device work recorded for a launch (run by the stream, or by each
+    replay of the graph it was captured into); logs ``name`` when it runs."""
+    def replay():
+        if name is not None:
+            log.append(name)
+        for piece in work:
+            piece()
+    return replay
+
+
+def _on_stream(stream, fn):
+    """Queued work that runs with its stream current (as CuPy's ``with stream``)."""
+    def run():
+        with sim_capture.current(stream):
+            fn()
+    return run
+
+
 def _log_kernels(dispatcher, runtime):
-    """Make every kernel append its op name to ``runtime.log`` when it runs."""
+    """Make every kernel append its op name to ``runtime.log`` when it runs
+    (a faithful runtime logs a launch when its recorded device work runs)."""
     for name, k in dispatcher.kernels.items():
         def logged(ins, outs, _run=k.run, _name=name):
-            runtime.log.append(_name)
+            if not sim_capture.recording():
+                runtime.log.append(_name)
             return _run(ins, outs)
         k.run = logged
 
@@ -1040,7 +1278,7 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
         assert any(c[0] == "wait" for c in rt.calls)
         # GPU ops are traced on their streams, with device times
         tids = {e["tid"] for e in d.profiler.events}
-        assert {"gpu0:0", "gpu0:1", "gpu0:2", "gpu0:h2d", "comm"} <= tids
+        assert {"gpu0:0", "gpu0:1", "gpu0:2", "comm"} <= tids
         assert all(e["dur"] >= 0 for e in d.profiler.events)
     finally:
         d.close()
@@ -1146,17 +1384,23 @@ def test_place_on_device():
     n_ops = len(graph.ops)
     place_on_device(graph, 1)
     ops = graph.ops
-    # the lr policy runs on the device, from the iteration copied there
+    # the lr policy runs on the device, from the iteration counted there
     assert ops["solver.lr"].location.device == 1
     # the data reader stages its batches itself and copies them on the h2d stream
     assert ops["data"].location.device == 1 and ops["data"].thread == "h2d"
     for name in ("data", "label"):
         assert graph.blobs[name].location.device == 1
         assert not graph.blobs[name].attrs.get("pinned")
-    assert graph.blobs["iter"].location.device == -1 and graph.blobs["iter"].attrs["pinned"]
+    # the host iteration is not copied: a counter on the device writes its twin
+    assert graph.blobs["iter"].location.device == -1
+    assert not graph.blobs["iter"].attrs.get("pinned")
     assert graph.blobs["lr"].location.device == 1
-    copies = {n: op for n, op in ops.items() if op.op_type == "Copy" and op.thread == "h2d"}
-    assert sorted(op.inputs[0] for op in copies.values()) == ["iter"]
+    assert not [n for n, op in ops.items() if op.op_type == "Copy"]
+    counter = ops["iter.count"]
+    assert counter.op_type == "IterationCounter" and counter.inputs == []
+    assert counter.outputs == ["iter@gpu1", "iter.counter@gpu1"]
+    assert graph.blobs["iter.counter@gpu1"].kind == "state"
+    assert graph.blobs["iter@gpu1"].attrs["copy_of"] == "iter"
     assert ops["solver.lr"].inputs == ["iter@gpu1"] and ops["drop.fwd"].inputs[1] == "iter@gpu1"
     assert len(ops) == n_ops + 1
     for op in ops.values():

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu import kernels
 from tests import gpu_reference as ref
+from tests import sim_capture
 from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
 
 IM2COL_CASES = [  # N, C, H, W, kh, kw, sh, sw, ph, pw, dh, dw
@@ -264,23 +265,29 @@ class _HostKernel:
     def __call__(self, grid, block, args, **kwargs):
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
+        # converted now: scalars and pointers are fixed at launch (and so
+        # frozen into a captured graph), the memory is read when it runs
         c_args = [self._convert(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
 
         def run(b, t):
             self._set(b, t, _EMU_BLOCKS, _EMU_THREADS)
             self._func(*c_args)   # ctypes releases the GIL: the threads run at once
 
-        for b in range(_EMU_BLOCKS):
-            if not self.threaded:
-                for t in range(_EMU_THREADS):
-                    run(b, t)
-                continue
-            self._barrier(_EMU_THREADS)
-            threads = [threading.Thread(target=run, args=(b, t)) for t in range(_EMU_THREADS)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+        def grid():
+            for b in range(_EMU_BLOCKS):
+                if not self.threaded:
+                    for t in range(_EMU_THREADS):
+                        run(b, t)
+                    continue
+                self._barrier(_EMU_THREADS)
+                threads = [threading.Thread(target=run, args=(b, t))
+                           for t in range(_EMU_THREADS)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+
+        sim_capture.device_work(grid, kwargs.get("stream"))
 
 
 def _parse_params(text):
@@ -313,7 +320,7 @@ class _HostCublas:
         return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-              ldc, sC, batch):
+              ldc, sC, batch, stream=None):
         a_rows, b_rows = (m if transa == 0 else k), (k if transb == 0 else n)
         for name, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
             if ld < max(1, rows):
@@ -323,9 +330,14 @@ class _HostCublas:
         c = self._view(C, dtype, m, n, ldc, sC, batch)
         op_a = a if transa == 0 else a.transpose(0, 2, 1)
         op_b = b if transb == 0 else b.transpose(0, 2, 1)
-        product = np.matmul(op_a, op_b) * self._scalar(alpha, dtype)
-        beta = self._scalar(beta, dtype)
-        c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
+        # host pointer mode: the scalars are read at the call, the operands
+        # when the product runs on its stream
+        alpha, beta = self._scalar(alpha, dtype), self._scalar(beta, dtype)
+
+        def product():
+            p = np.matmul(op_a, op_b) * alpha
+            c[...] = p if beta == 0 else p + beta * c  # beta 0: C is not read
+        sim_capture.device_work(product, stream)
 
     def sgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                             beta, C, ldc, sC, batch):

@@ -621,6 +621,19 @@ def learning_rate(iteration, out, policy, base, gamma=0.0, power=0.0, stepsize=0
                     _int(n_steps), np.int64(warmup), f64(warmup_start), out))
 
 
+def iteration_next(counter, iteration):
+    """``iteration = counter; counter += 1`` on the device, one thread
+    (cuda/lr_policy.cu): the device iteration counter of
+    :class:`purine_mpi.ops.iteration.IterationCounter`. Both are one-element
+    int64 CuPy arrays."""
+    cupy = import_cupy()
+    for what, a in (("counter", counter), ("iteration", iteration)):
+        if not isinstance(a, cupy.ndarray) or a.size != 1 or \
+                np.dtype(a.dtype) != np.dtype(np.int64):
+            raise ValueError(f"iteration_next: {what} must be a one-element int64 CuPy array")
+    _launch_blocks("lr_policy", "iteration_next", None, 1, 1, (counter, iteration))
+
+
 # ------------------------------------------------------------ loss watch ---
 
 class LossTable:

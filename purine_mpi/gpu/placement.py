@@ -13,10 +13,15 @@ place so that it runs on GPU ``device``:
   thread ``"h2d"`` (its own CUDA stream) into a device twin ``<blob>@gpu<d>``,
   and the host blob is marked ``pinned`` so the workspace page-locks it and
   the copy runs asynchronously; a device blob read by a host op gets a
-  ``"d2h"`` copy the same way. So the iteration reaches the device once per
-  iteration as ``iter@gpu<d>``, from which the learning-rate op evaluates
-  the lr policy and the dropout ops key their masks, on the device. The
-  exception is Adam's iteration, read by its update ops as a host scalar.
+  ``"d2h"`` copy the same way;
+- the iteration is not copied: its device twin ``iter@gpu<d>`` is written by
+  an ``IterationCounter`` op (``ops/iteration.py``) from a counter that
+  stays on the device and moves on by one each iteration, so the iteration
+  holds no host-to-device copy (a CUDA graph cannot capture one through
+  CuPy). From it the learning-rate op evaluates the lr policy and the
+  dropout ops key their masks, on the device. The exception is the adaptive
+  solvers' (Adam's) iteration, read by their update ops as a host scalar:
+  those updates run eagerly, between the captured graphs.
 
 The workspace then allocates the device blobs as CuPy arrays and
 ``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
@@ -101,6 +106,9 @@ def _twin(graph, copies, name, device, direction, thread):
     if key in copies:
         return copies[key]
     src = graph.blobs[name]
+    if direction == "h2d" and src.kind in HOST_BLOB_KINDS:
+        copies[key] = _iteration_counter(graph, name, device, thread)
+        return copies[key]
     suffix = f"@gpu{device}" if direction == "h2d" else "@host"
     twin = _free_name(graph, name + suffix)
     location = _on(src.location, device if direction == "h2d" else -1)
@@ -111,6 +119,22 @@ def _twin(graph, copies, name, device, direction, thread):
     graph.add_op(_free_name(graph, f"{name}.{direction}"), "Copy", [name], [twin],
                  location=_on(src.location, device), thread=thread)
     copies[key] = twin
+    return twin
+
+
+def _iteration_counter(graph, name, device, thread):
+    """The device twin of the host iteration blob ``name``: written by an
+    ``IterationCounter`` op (ops/iteration.py) from a device counter, not
+    copied from the host every iteration. Returns the twin's name."""
+    src = graph.blobs[name]
+    twin = _free_name(graph, f"{name}@gpu{device}")
+    counter = _free_name(graph, f"{name}.counter@gpu{device}")
+    location = _on(src.location, device)
+    graph.add_blob(twin, src.shape, src.dtype, location, kind="data",
+                   attrs={"copy_of": name})
+    graph.add_blob(counter, src.shape, src.dtype, location, kind="state")
+    graph.add_op(_free_name(graph, f"{name}.count"), "IterationCounter", [], [twin, counter],
+                 location=location, thread=thread)
     return twin
 
 

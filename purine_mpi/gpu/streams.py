@@ -105,3 +105,21 @@ def pinned_empty(shape, dtype=np.float32):
         count = int(np.prod(shape, dtype=np.int64))
         memory = cupy.cuda.alloc_pinned_memory(count * dtype.itemsize)
         return np.frombuffer(memory, dtype, count).reshape(shape)
+
+
+def copy_to_device_async(dst, src):
+    """Queue ``dst[...] = src`` (``src`` a C-contiguous page-locked NumPy
+    array of ``dst``'s dtype and size) as one ``cudaMemcpyAsync`` on the
+    current stream. Unlike CuPy's ``ndarray.set`` it may be captured into a
+    CUDA graph; the captured copy reads what ``src`` holds when it runs."""
+    from . import import_cupy
+    from .raw import data_ptr
+    cupy = import_cupy()
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous) or \
+            np.dtype(dst.dtype) != np.dtype(src.dtype) or dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_to_device_async: a contiguous {src.dtype} buffer of "
+                         f"{src.nbytes} bytes into a contiguous {dst.dtype} array of "
+                         f"{dst.nbytes} bytes")
+    runtime = cupy.cuda.runtime
+    runtime.memcpyAsync(data_ptr(dst), src.ctypes.data, src.nbytes,
+                        runtime.memcpyHostToDevice, cupy.cuda.get_current_stream().ptr)

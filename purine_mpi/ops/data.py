@@ -30,16 +30,20 @@ gathers batch t+1 while batch t is in use; an exception there is raised by the n
 On a GPU (``gpu/placement.py`` puts the op on the device's ``h2d`` copy
 stream, with device outputs) the prefetch thread writes each batch into one
 of two page-locked staging pairs (data, label), alternately (double
-buffering). The stream dispatcher calls ``run_on_stream`` instead of ``run``,
-as host work: it queues one asynchronous host->device copy of the ready pair
-on the copy stream and records an event after it (GPU consumers on other
-streams wait on the dispatcher's event, as for any op); before the prefetch
-thread refills a pair, it waits (in its own thread, off the iteration) on
-the event of the copy that last read it. So no pinned buffer is overwritten
-while a copy still reads it, and the iteration makes no host copy of the
-batch. The op is stateful, so a CUDA graph never captures it: the copy is
-issued afresh every iteration from whichever pair is ready (a captured copy
-would keep reading the pair it was captured with).
+buffering). The host side of an iteration is ``before_iteration``, which
+the stream dispatcher calls every iteration, also when a CUDA graph
+replays the op: it takes the ready pair (waiting for the prefetch thread if
+it is behind) and starts the prefetch of the next batch. The device side,
+``run``, is two ``cudaMemcpyAsync`` from the pair's page-locked buffers
+into the outputs -- legal inside a stream capture, unlike CuPy's
+``ndarray.set``, and reading what the buffers hold when they run. So the
+copy is captured with the iteration; the pair is the capture's key (one
+graph per pair: a captured copy keeps the addresses it was captured with).
+Before the prefetch thread refills a pair it waits (in its own thread, off
+the iteration) on the event the dispatcher hands ``after_launch`` after the
+device work that read the pair (the graph holding the copy, when captured).
+So no pinned buffer is overwritten while a copy still reads it, and the
+iteration makes no host copy of the batch.
 """
 import queue
 import threading
@@ -90,6 +94,7 @@ class DataReader(OpKernel):
         #: the last copy out of each (None: none queued yet), the pair the next
         #: request fills, and the runtime that synchronises those events
         self._pinned, self._copied, self._fill_next, self._runtime = None, [None, None], 0, None
+        self._current = None  # the pair this iteration's copy reads (stream dispatcher)
         self._requests, self._lock, self._worker = queue.SimpleQueue(), threading.Lock(), None
 
     # ------------------------------------------------------------- batches
@@ -179,34 +184,45 @@ class DataReader(OpKernel):
                             for _ in range(2)]
         self._start(self.position)
 
-    def run_on_stream(self, runtime, device, stream):
-        """On a GPU, from the stream dispatcher (host work, ``stream`` the
-        copy stream): queue the copy of the ready staging pair into the
-        outputs and record the event the pair's next refill waits on."""
-        if self._pinned is None:  # host outputs (a simulated device): a plain run
-            runtime.launch(device, stream, lambda: self.run(self.ins, self.outs), self.op.name)
-            return
+    @property
+    def capturable(self):
+        """On a GPU (page-locked staging) the op's device work is the copy of
+        the pair ``before_iteration`` took: a CUDA graph may capture it."""
+        return self._pinned is not None
+
+    capture_note = "keeps host-side state that changes every run"
+
+    def before_iteration(self, iteration, host_write):
+        """On a GPU, from the stream dispatcher, every iteration: take the
+        staged pair of the next batch (the key of the capture that copies
+        it) and start the prefetch of the batch after it."""
+        if self._pinned is None:  # host outputs (a simulated device): run() reads
+            return None
         pair = self._take(self.position)
-        data, labels = self._pinned[pair]
-        outs = self.outs
-
-        def copy():
-            outs[0].set(data, stream=stream)
-            outs[1].set(labels, stream=stream)
-
-        self._runtime = runtime
-        runtime.launch(device, stream, copy, f"{self.op.name}.h2d")
-        self._copied[pair] = runtime.record(device, stream)
+        self._current = pair
         self.position += 1
         self._start(self.position)
+        return pair
+
+    def after_launch(self, event, runtime):
+        """The event after the device work that copied the current pair:
+        its next refill waits on it."""
+        if self._current is not None:
+            self._runtime = runtime
+            self._copied[self._current] = event
 
     def run(self, ins, outs):
-        if self._pinned is not None:  # a GPU without a stream runtime: synchronous copies
-            data, labels = self._pinned[self._take(self.position)]
-            outs[0].set(data)
-            outs[1].set(labels)
-            self.position += 1
-            self._start(self.position)
+        if self._pinned is not None:
+            if self._current is None:  # no stream dispatcher: take the batch here
+                data, labels = self._pinned[self._take(self.position)]
+                outs[0].set(data)
+                outs[1].set(labels)
+                self.position += 1
+                self._start(self.position)
+                return
+            from ..gpu.streams import copy_to_device_async
+            for dst, src in zip(outs, self._pinned[self._current]):
+                copy_to_device_async(dst, src)
             return
         data, labels = self._take(self.position)
         outs[0][...] = get_xp(outs[0]).asarray(data)

@@ -72,6 +72,18 @@ class OpKernel:
     #: comm kernels: posted in ``seq`` order (collectives, matched by call
     #: order) or, when False, as soon as ready (point-to-point, matched by tag)
     seq_ordered = True
+    #: host work of a GPU op that must happen every iteration, also when a
+    #: captured CUDA graph replays the op's device work (which runs none of
+    #: its Python): ``before_iteration(iteration, host_write)``, called by the
+    #: stream dispatcher before the iteration's device work is queued, returns
+    #: a key (hashable, or None) -- a capture is valid for one key, e.g. the
+    #: data reader's staging buffer -- and may write the op's device blobs
+    #: through ``host_write(fn)``, which runs ``fn`` with the device idle.
+    #: None: no such work (see ops/iteration.py and ops/data.py)
+    before_iteration = None
+    #: ``after_launch(event)``: the CUDA event recorded after the op's device
+    #: work of this iteration (after the graph holding it, when captured)
+    after_launch = None
 
     def __init__(self, op):
         self.op = op

@@ -119,15 +119,18 @@ class _Capture:
 
 def capture_blocker(graph, op, kernel):
     """Why GPU op ``op`` (with kernel instance ``kernel``) cannot be
-    captured into a CUDA graph, or None when it can."""
+    captured into a CUDA graph, or None when it can. A kernel says
+    ``capturable = True`` when its host state moves in ``before_iteration``
+    (run every iteration, also with a replay), not in ``run``."""
     if op.accumulate:
         return "adds into a blob that other ops write too"
     if getattr(kernel, "rng", None) is not None:  # a generator kept on the host
         return "draws random numbers on the host"
-    if getattr(kernel, "stateful", False):
-        return "keeps host-side state that changes every run"
-    if getattr(kernel, "capturable", True) is False:
+    capturable = getattr(kernel, "capturable", None)
+    if capturable is False:
         return getattr(kernel, "capture_note", None) or "its kernel cannot be captured"
+    if getattr(kernel, "stateful", False) and capturable is not True:
+        return "keeps host-side state that changes every run"
 
     def on_host(b):
         return graph.blobs[graph.storage_root(b)].location.device < 0
@@ -270,19 +273,21 @@ class GraphDispatcher(StreamDispatcher):
         self._mode = {}
         self._pending_captures = []
         self._said = set()
+        #: graph launches and GPU ops launched one by one, in the current and
+        #: in the last complete iteration
+        self._launches = self._eager_ops = 0
+        self._last_counts = (0, 0)
         super().__init__(graph, runtime=runtime, **kw)
         self._note_blocked()
 
     # ------------------------------------------------------------ planning
     def _blockers(self, reported=False):
-        """{GPU op: why it is not captured}; ``reported``: without the ops
-        that cut the segments by design (those that queue their own device
-        work, ``run_on_stream``: the data reader), as host ops do."""
+        """{GPU op: why it is not captured} (``reported``: the same, for the
+        notes and ``capture_report``)."""
         g = self.graph
         comm = set(self._comm_order)
         return {op.name: reason for op in self.order
                 if self._key.get(op.name) is not None and op.name not in comm
-                and not (reported and hasattr(self.kernels[op.name], "run_on_stream"))
                 and (reason := capture_blocker(g, op, self.kernels[op.name])) is not None}
 
     def _schedule(self):
@@ -357,10 +362,12 @@ class GraphDispatcher(StreamDispatcher):
         segments captured so far, those whose capture failed ({name:
         reason}) and the GPU ops that run eagerly ({name: reason})."""
         segs = list(self._segments.values())
+        launches, eager = self._last_counts
         return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
                 "captured": sum(1 for s in segs if s.captures),
                 "failed": {s.name: s.failed for s in segs if s.failed is not None},
-                "eager_gpu_ops": self._blockers(reported=True) if segs else {}}
+                "eager_gpu_ops": self._blockers(reported=True) if segs else {},
+                "launches_per_iter": launches, "eager_ops_per_iter": eager}
 
     def set_comm_order(self, order):
         """A new posting order changes the stages: plan (and capture) again."""
@@ -371,15 +378,30 @@ class GraphDispatcher(StreamDispatcher):
             self._plan_streams()
 
     # ---------------------------------------------------------- iterations
-    def run(self, iteration=None):
+    def run(self, iteration=None, sync=True):
         """One iteration: replay the segments captured for their current
-        arrays, run the others eagerly and capture them at the end."""
+        arrays (and the keys of their ops' ``before_iteration``), run the
+        others eagerly and capture them at the end (``sync`` as for the
+        stream dispatcher; an iteration followed by a capture ends synced)."""
+        super().run(iteration, sync=sync)
+        self._last_counts = (self._launches, self._eager_ops)
+        for seg, sig in self._pending_captures:  # every stream is idle
+            self._capture(seg, sig)
+        self._pending_captures = []
+
+    def _must_sync(self):
+        return bool(self._pending_captures)
+
+    def _start_iteration(self, iteration):
+        super()._start_iteration(iteration)  # the ops' before_iteration: their keys
         self._pending_captures = []
         self._mode = {}
+        self._launches = self._eager_ops = 0
+        keys = self._iteration_keys
         for seg in self._segments.values():
             if seg.failed is not None:
                 continue
-            sig = _signature(seg)
+            sig = _signature(seg) + (tuple(keys.get(m) for m in seg.members),)
             entry = seg.captures.get(sig)
             if entry is not None:
                 self._mode[seg.name] = entry
@@ -389,16 +411,16 @@ class GraphDispatcher(StreamDispatcher):
                 self._say_once(("many", seg.name),
                                f"cuda_graph: {seg.describe()} met more than {MAX_CAPTURES} "
                                "different sets of arrays; new ones run eagerly")
-        super().run(iteration)  # ends with every stream idle
-        for seg, sig in self._pending_captures:
-            self._capture(seg, sig)
-        self._pending_captures = []
 
     def _capture(self, seg, sig):
         rt, device = self.runtime, seg.device
         origin = rt.stream(device, CAPTURE_STREAM)
         allocator, pool = rt.capture_memory(device)
         try:
+            # cuBLAS handles and workspaces exist before the capture begins
+            rt.prepare_capture(device, [origin] + [
+                self._stream((device, f"{CAPTURE_STREAM}:{self._key[n][1]}"))
+                for n in seg.members])
             with allocator:
                 rt.begin_capture(device, origin)
                 try:
@@ -421,9 +443,12 @@ class GraphDispatcher(StreamDispatcher):
     def _execute(self, op, tid):
         seg = self._segments.get(op.name)
         if seg is None:
+            if self._key.get(op.name) is not None and not self._is_comm[op.name]:
+                self._eager_ops += 1
             return super()._execute(op, tid)
         rt, device = self.runtime, seg.device
         origin = self._stream(seg.key)
+        self._fence(seg.key, origin)
         for p in self._waits[seg.name]:
             rt.wait(origin, self._events[p])
         t0 = time.perf_counter()
@@ -434,8 +459,12 @@ class GraphDispatcher(StreamDispatcher):
                 rt.launch_graph(device, entry.graph, origin)
             except Exception as exc:
                 raise OpError(seg, exc, self.rank) from exc
+            self._launches += 1
+            for name in seg.members:  # its ops' device work is done with the graph's
+                self._launched(name, device, origin)
         else:
             self._launch_members(seg, origin, capture=False)
+            self._eager_ops += len(seg.members)
         if start is not None:
             end = rt.record(device, origin, timing=True)
             self._timed.append((seg, "cuda_graph", tid, device, start, end,
@@ -465,6 +494,8 @@ class GraphDispatcher(StreamDispatcher):
                 rt.launch(device, stream, lambda k=k: k.run(k.ins, k.outs), name)
             except Exception as exc:
                 raise OpError(self.graph.ops[name], exc, self.rank) from exc
+            if not capture:
+                self._launched(name, device, stream)
             if seg.inner_event[name]:
                 events[name] = rt.record(device, stream)
         for stream in streams.values():

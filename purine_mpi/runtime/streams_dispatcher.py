@@ -29,11 +29,22 @@ and at its end (the caller reads the sinks: the loss, the weights).
 Host<->device ``Copy`` ops (inserted by ``purine_mpi.gpu.placement``) run on
 their own ``h2d``/``d2h`` streams, from page-locked host blobs, as
 asynchronous ``cudaMemcpyAsync``.
-A kernel with a ``run_on_stream(runtime, device, stream)`` method (the data
-reader, ``ops/data.py``) is called as host work and queues its device work
-itself through the runtime: the reader issues the copy of its ready
-page-locked staging buffer and records the event its prefetch thread waits
-on before refilling that buffer.
+A kernel with host work of its own every iteration (``before_iteration``,
+``ops/registry.OpKernel``: the data reader picks its ready page-locked
+staging buffer, the device iteration counter is set where the trainer's
+iteration jumps) has it called at the start of ``run``, before any device
+work of the iteration is queued, also when a CUDA graph replays the op; its
+device work is an ordinary launch (the reader's ``cudaMemcpyAsync`` from
+the staging buffer), and ``after_launch`` hands it the event recorded after
+that work (the reader's prefetch thread waits on it before refilling the
+buffer).
+
+``run(iteration, sync=False)`` (the trainer's steps on a single GPU) ends
+without synchronising when the iteration is device work alone (no host or
+comm op): the next iteration's streams wait on the events recorded at the
+end of this one, on the device, and the host synchronises only where it
+reads something back (``synchronize``/``drain``: display, test,
+checkpoint, a stop signal).
 
 With ``--profile`` a GPU op's trace event spans its execution on the device
 (CUDA timing events, read after the iteration's final synchronisation), not
@@ -124,6 +135,24 @@ class CudaRuntime:
         """Host<->device Copy ops use the asynchronous pinned-memory path."""
         return True
 
+    def host_write(self, devices, fn):
+        """Run ``fn`` (host writes into device arrays, queued by CuPy on the
+        default stream) with ``devices`` idle before and after."""
+        self.sync_devices(devices)
+        fn()
+        self.sync_devices(devices)
+
+    def prepare_capture(self, device, streams):
+        """Before a capture on ``streams``: what the captured work needs that
+        must not be created inside it (a cuBLAS handle and workspace for
+        each stream, ``gpu/blas.reserve``)."""
+        from ..gpu import blas
+        reserve = getattr(blas, "reserve", None)
+        if reserve is not None:
+            with self.cupy.cuda.Device(device):
+                for stream in streams:
+                    reserve(stream)
+
     # ------------------------------------------------ stream capture (CUDA graphs)
     # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``
     # (default relaxed mode, which lets the memory pool grow by cudaMalloc
@@ -213,6 +242,19 @@ class StreamDispatcher(EventDispatcher):
         self._acc_events = {}
         self._timed = []
         self._origin = {}
+        #: (device, stream) -> event recorded at the end of an iteration that
+        #: returned unsynchronised; the next iteration's streams wait on them
+        self._tail_events = {}
+        self._fenced = set()  # streams that waited on them in this iteration
+        self._synced = True   # no device work queued since the host last waited
+        #: ops with host work every iteration (OpKernel.before_iteration)
+        self._iteration_hooks = [n for n in graph.ops if keys[n] is not None
+                                 and self.kernels[n].before_iteration is not None]
+        self._iteration_keys = {}
+        # host or comm ops read or write host memory the device may still use:
+        # an iteration with any ends synchronised
+        self._device_only = bool(self._devices) and not self._accum and all(
+            keys[n] is not None and self.kernels[n].category != "comm" for n in graph.ops)
         self._plan_streams()
         if self.runtime is not None and self.runtime.swaps_copies():
             self._swap_copy_kernels()
@@ -273,21 +315,86 @@ class StreamDispatcher(EventDispatcher):
         self._origin = {}
         if self.runtime is None or not self._devices:
             return
-        self.runtime.sync_devices(self._devices)
+        if self._synced or self.profiler is not None:
+            # host writes made outside the dispatcher (a loaded checkpoint, the
+            # loss window's reset) went to CuPy's default stream
+            self.runtime.sync_devices(self._devices)
+            self._tail_events = {}
         if self.profiler is not None:
             for d in self._devices:
                 event = self.runtime.record(d, self.runtime.stream(d, ORIGIN_STREAM), timing=True)
                 self.runtime.sync_event(event)
                 self._origin[d] = (event, time.perf_counter())
 
-    def run(self, iteration=None):
+    def run(self, iteration=None, sync=True):
         """Launch every op once, then wait for the devices: when this
-        returns, every blob holds its value of this iteration."""
+        returns, every blob holds its value of this iteration. With
+        ``sync=False`` an iteration of device work alone returns once it is
+        queued (call ``synchronize`` before reading a blob on the host)."""
         it = self.iteration if iteration is None else iteration
+        self._start_iteration(it)
         super().run(iteration)
-        if self.runtime is not None and self._devices:
+        if self.runtime is None or not self._devices:
+            return
+        if sync or not self._device_only or self.profiler is not None or self._must_sync():
             self.runtime.sync_streams()
+            self._synced, self._tail_events = True, {}
             self._trace_device_times(it)
+            return
+        self._synced = False
+        tail = dict(self._tail_events)
+        for key in self._fenced:
+            tail[key] = self.runtime.record(key[0], self._stream(key))
+        self._tail_events = tail
+
+    def synchronize(self):
+        """Wait until the device work queued so far has finished: then every
+        blob holds its value of the last iteration, and the host may write."""
+        if self.runtime is not None and self._devices and not self._synced:
+            self.runtime.sync_streams()
+        self._synced, self._tail_events = True, {}
+
+    def drain(self):
+        super().drain()
+        self.synchronize()
+
+    def _must_sync(self):
+        """Whether this iteration must end synchronised anyway."""
+        return False
+
+    def _start_iteration(self, iteration):
+        """Before any device work of ``iteration`` is queued."""
+        self._fenced = set()
+        self._before_iteration(iteration)
+
+    def _before_iteration(self, iteration):
+        """The ops' host work of this iteration (OpKernel.before_iteration)."""
+        keys = {}
+        for name in self._iteration_hooks:
+            keys[name] = self.kernels[name].before_iteration(iteration, self._host_write)
+        self._iteration_keys = keys
+
+    def _host_write(self, fn):
+        """Run ``fn`` (host writes into device blobs) with the devices idle."""
+        self.runtime.host_write(self._devices, fn)
+        self._synced, self._tail_events = True, {}
+
+    def _fence(self, key, stream):
+        """Before a stream's first work of an iteration that follows an
+        unsynchronised one: wait (on the device) for the work the other
+        streams queued in that one."""
+        if key in self._fenced:
+            return
+        self._fenced.add(key)
+        for other, event in self._tail_events.items():
+            if other != key:
+                self.runtime.wait(stream, event)
+
+    def _launched(self, name, device, stream):
+        """Hand an op with ``after_launch`` the event after its device work."""
+        k = self.kernels[name]
+        if k.after_launch is not None:
+            k.after_launch(self.runtime.record(device, stream), self.runtime)
 
     def _trace_device_times(self, iteration):
         if self.profiler is None or not self._origin:
@@ -314,6 +421,7 @@ class StreamDispatcher(EventDispatcher):
         name, device = op.name, key[0]
         rt = self.runtime
         stream = self._stream(key)
+        self._fence(key, stream)
         for p in self._waits[name]:
             rt.wait(stream, self._events[p])
         k = self.kernels[name]
@@ -322,12 +430,11 @@ class StreamDispatcher(EventDispatcher):
         try:
             if op.accumulate:
                 self._accumulate(op, k, key, stream)
-            elif hasattr(k, "run_on_stream"):  # queues its own device work (ops/data.py)
-                rt.call(device, stream, lambda: k.run_on_stream(rt, device, stream))
             else:
                 rt.launch(device, stream, lambda: k.run(k.ins, k.outs), name)
         except Exception as exc:
             raise OpError(op, exc, self.rank) from exc
+        self._launched(name, device, stream)
         if start is not None:
             end = rt.record(device, stream, timing=True)
             self._timed.append((op, k.category, tid, device, start, end, None))
