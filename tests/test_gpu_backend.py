@@ -166,13 +166,18 @@ def _emulated_cupy(build_dir):
     return fake
 
 
-def use_emulated_cupy(monkeypatch, build_dir):
+def use_emulated_cupy(monkeypatch, build_dir, nvmath=True):
     """Make ``_emulated_cupy(build_dir)`` the CuPy that purine_mpi imports (for
-    this test), with an empty raw-kernel cache; returns it."""
+    this test), with an empty raw-kernel cache; returns it. The matrix
+    products go through the emulated nvmath cuBLAS (capturable), or with
+    ``nvmath=False`` through the emulated CuPy cuBLAS (which refuses a
+    capture)."""
+    from tests.test_gpu_kernels import use_emulated_nvmath
     gpu.clear_kernel_cache()
     fake = _emulated_cupy(build_dir)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_nvmath(monkeypatch, enabled=nvmath)
     return fake
 
 
@@ -204,9 +209,7 @@ def device(request, monkeypatch):
         cupy = _gpu_cupy()
         dev = _Device("cupy", cupy.asarray, cupy.asnumpy)
     else:
-        fake = _emulated_cupy(request.getfixturevalue("host_build_dir"))
-        monkeypatch.setitem(sys.modules, "cupy", fake)
-        monkeypatch.setattr(backend, "_cupy", fake)
+        use_emulated_cupy(monkeypatch, request.getfixturevalue("host_build_dir"))
         dev = _Device("emulated", lambda a: np.array(a).view(DeviceArray), np.asarray)
     dev.launched = launched
     yield dev
