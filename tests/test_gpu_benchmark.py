@@ -120,3 +120,14 @@ def test_gpu_session_script_is_valid_bash_and_refuses_bad_modes(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     text = script.read_text()
     assert "pytest -m gpu" in text and "benchmarks/gpu_throughput.py" in text
+    # it fetches (and so carries) nvmath-python with what it needs, and MPI
+    fetched = text.split("FETCH_WHEELS=", 1)[1].split("\n\n", 1)[0]
+    fetched = fetched.replace('"', " ").replace("\\", " ").split()
+    for name in ("nvmath-python", "cuda-bindings", "cuda-core", "cuda-pathfinder",
+                 "nvidia-cudnn-frontend", "mpich", "mpi4py"):
+        assert name in fetched, name
+    # installed into the interpreter's own site-packages: with --target mpi4py
+    # does not find mpich's libmpi and every rank runs alone
+    install = [line for line in text.splitlines() if "pip install" in line and
+               not line.lstrip().startswith("#")]
+    assert install and not any("--target" in line for line in install)
