@@ -1011,3 +1011,71 @@ def test_blas_imports_neither_cupy_nor_nvmath():
     code = ("import sys; import purine_mpi.gpu.blas as b; "
             "assert 'cupy' not in sys.modules and 'nvmath' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nvmath_without_a_loadable_cublas_falls_back_to_cupy(host_device, monkeypatch, capsys):
+    """nvmath-python imports but its first handle fails (no libcublas it can
+    load): the products take CuPy's cuBLAS, and the line says why."""
+    from purine_mpi.gpu import blas
+    cublas = use_emulated_nvmath(monkeypatch)
+
+    def no_library():
+        raise RuntimeError("libcublas.so not found")
+
+    monkeypatch.setattr(cublas, "create", no_library)
+    a, b, c, want = _gemm_operands(GEMM_CASES[4], np.float32)
+    blas.gemm(a, b, c)
+    _close(c, want, np.float32)
+    assert blas.blas_backend() == "cupy" and "libcublas.so not found" in blas.blas_note()
+    assert blas.reserve(_Stream("s")) is None
+    assert capsys.readouterr().err.count("refuses CUDA-graph capture") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_captures_and_replays_on_a_gpu(dtype):
+    """On a real GPU with nvmath-python: a product (one, and a batch with a
+    broadcast operand) captured on a reserved stream replays with the
+    operands of each replay; without reserve the capture is refused with
+    our error; CuPy's own cuBLAS refuses any capture (what the emulation
+    assumes)."""
+    cupy = _gpu_cupy()
+    from purine_mpi.gpu import blas
+    if blas.blas_backend() != "nvmath":
+        pytest.skip(blas.blas_note())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    assert blas.reserve(stream) is not None
+    for case in (GEMM_CASES[1], GEMM_CASES[5]):
+        a0, b0, c0, _ = _gemm_operands(case, dtype)
+        with stream:
+            a, b, c = cupy.asarray(a0), cupy.asarray(b0), cupy.asarray(c0)
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                blas.gemm(a, b, c, case[2], case[3], alpha=0.5, beta=2.0)
+            finally:
+                graph = stream.end_capture()
+            np.testing.assert_array_equal(cupy.asnumpy(c), c0)   # captured, not run
+            for seed in (1, 2):
+                new_a, new_b, new_c, want = _gemm_operands(case, dtype, seed)
+                a[...], b[...], c[...] = (cupy.asarray(v) for v in (new_a, new_b, new_c))
+                graph.launch(stream)
+                stream.synchronize()
+                _close(cupy.asnumpy(c), 0.5 * want + 2.0 * new_c, dtype)
+    fresh = cupy.cuda.Stream(non_blocking=True)
+    with fresh:
+        a, b = cupy.ones((4, 4), dtype), cupy.ones((4, 4), dtype)
+        c = cupy.zeros((4, 4), dtype)
+        handle = cupy.cuda.device.get_cublas_handle()   # made before the capture
+        one = np.ones(1, dtype)
+        call = cupy.cuda.cublas.sgemm if dtype == np.float32 else cupy.cuda.cublas.dgemm
+        fresh.synchronize()
+        fresh.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match=r"blas.reserve\(stream\)"):
+                blas.gemm(a, b, c)
+            with pytest.raises(NotImplementedError, match=sim_capture.CUBLAS_REFUSED):
+                call(handle, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 4, b.data.ptr, 4,
+                     one.ctypes.data, c.data.ptr, 4)
+        finally:
+            fresh.end_capture()

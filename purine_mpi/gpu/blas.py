@@ -150,14 +150,25 @@ def _math_mode(cublas, tf32):
     return cublas.Math.TF32_TENSOR_OP_MATH if tf32 else cublas.Math.DEFAULT_MATH
 
 
+class _NoCublas(Exception):
+    """nvmath-python imports but cannot make a first cuBLAS handle (no
+    libcublas it can load): the products take CuPy's cuBLAS."""
+
+
 def _create(cublas, cupy, device, stream_ptr):
     """A handle bound to ``stream_ptr`` with a workspace of its own. The
     order matters: ``cublasSetStream`` resets a handle's workspace to
     cuBLAS's default pool, so the stream is set first, the workspace after."""
-    nbytes = workspace_bytes()
-    workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
-    handle = cublas.create()
     try:
+        handle = cublas.create()
+    except Exception as exc:
+        if _handles:
+            raise
+        raise _NoCublas(f"nvmath-python cannot create a cuBLAS handle: {type(exc).__name__}: "
+                        f"{exc}".splitlines()[0]) from exc
+    try:
+        nbytes = workspace_bytes()
+        workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
         cublas.set_stream(handle, stream_ptr)
         cublas.set_workspace(handle, data_ptr(workspace) if nbytes else 0, nbytes)
         cublas.set_pointer_mode(handle, cublas.PointerMode.HOST)
@@ -183,9 +194,11 @@ def reserve(stream, device=None):
     cupy = import_cupy()
     ptr = int(stream.ptr)
     if device is None:
-        return _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr).handle
-    with cupy.cuda.Device(device):
-        return _handle(cublas, cupy, int(device), stream, ptr).handle
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr)
+    else:
+        with cupy.cuda.Device(device):
+            entry = _handle(cublas, cupy, int(device), stream, ptr)
+    return None if entry is None else entry.handle
 
 
 def _handle(cublas, cupy, device, stream, ptr):
@@ -196,13 +209,19 @@ def _handle(cublas, cupy, device, stream, ptr):
         entry = _handles.get((device, ptr))
         if entry is not None:
             return entry
+        if _state["cublas"] is None:   # the first handle failed meanwhile
+            return None
         if _is_capturing(stream):
             raise RuntimeError(
                 f"gemm: stream {ptr:#x} of device {device} is capturing a CUDA graph and has "
                 "no cuBLAS handle yet; making one now would allocate its workspace inside "
                 "the capture. Call purine_mpi.gpu.blas.reserve(stream) for every stream of "
                 "a capture before begin_capture")
-        return _create(cublas, cupy, device, ptr)
+        try:
+            return _create(cublas, cupy, device, ptr)
+        except _NoCublas as exc:   # from now on CuPy's cuBLAS, said once
+            _state.update(cublas=None, reason=str(exc))
+            return None
 
 
 def _note_cupy_once():
@@ -265,11 +284,12 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
     single = dtype == np.dtype(np.float32)
     pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
-    cublas = _nvmath()
-    if cublas is not None:   # nvmath: this stream's own handle (capturable)
+    cublas, entry = _nvmath(), None
+    if cublas is not None:
         stream = cupy.cuda.get_current_stream()
-        ptr = int(stream.ptr)
-        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr)
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream,
+                        int(stream.ptr))
+    if entry is not None:   # nvmath: this stream's own handle (capturable)
         handle = entry.handle
         if single:
             tf32 = _tf32()
