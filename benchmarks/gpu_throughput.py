@@ -29,6 +29,11 @@ then one JSON object on stdout. Each entry of ``results`` has::
     torch_eager_images_per_s, torch_graph_images_per_s, torch_compile_images_per_s,
     purine_gpu_busy              GPU kernel time / wall time of an iteration
     purine_kernels_per_iter      kernels the GPU ran per iteration
+    blas                         the cuBLAS binding of the matrix products:
+                                 "nvmath" (capturable) or "cupy" (not)
+    cuda_graph                   the graph mode's capture report, whole
+                                 (segments, captured, failed segments and
+                                 eager GPU ops with their reasons, ...)
 
 plus each mode's own figures (``purine_eager_*``, ``purine_graph_*``: images/s,
 ms per iteration, first and last loss, the arena, the CUDA-graph segments),
@@ -156,6 +161,8 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
                 ws["iter"][...] = start + i
                 d.run(start + i)
             out["kernels"] = kernel_stats(step, profile_iters)
+        from purine_mpi.gpu.blas import blas_backend
+        out["blas"] = blas_backend()
         if cuda_graph:
             out["capture"] = d.capture_report()
             out["notes"] = notes
@@ -408,7 +415,7 @@ def dry_run(configs, batches):
 #: the keys every entry of ``results`` has
 RESULT_KEYS = ("config", "batch", "purine_images_per_s", "torch_eager_images_per_s",
                "torch_graph_images_per_s", "torch_compile_images_per_s", "purine_gpu_busy",
-               "purine_kernels_per_iter")
+               "purine_kernels_per_iter", "blas", "cuda_graph")
 
 
 def main(argv=None):
@@ -448,6 +455,11 @@ def main(argv=None):
     from purine_mpi.gpu import cudnn as gpu_cudnn
     versions["purine_conv"] = "cudnn" if gpu_cudnn.frontend() is not None else \
         f"im2col ({gpu_cudnn.fallback_reason()})"
+    from purine_mpi.gpu import blas
+    versions["purine_blas"] = blas.blas_backend()
+    note = blas.blas_note()
+    if note:
+        print(note, file=sys.stderr, flush=True)
     if not args.no_torch:
         import torch
         versions["torch"] = torch.__version__
@@ -459,6 +471,7 @@ def main(argv=None):
 
 
 def _entry(args, path, batch, profile):
+    from purine_mpi.bench import json_safe
     config = load(path, batch)
     entry = {key: None for key in RESULT_KEYS}
     entry.update(config=config["name"], batch=batch, path=os.path.relpath(path, REPO))
@@ -476,8 +489,11 @@ def _entry(args, path, batch, profile):
                       f"{key}_device_arena_bytes": p["device_arena_bytes"],
                       f"{key}_scratch_bytes": p.get("scratch_bytes"),
                       f"{key}_streams": p["streams"]})
+        if p.get("blas"):
+            entry["blas"] = p["blas"]
         if graph:
             rep = p["capture"]
+            entry["cuda_graph"] = json_safe(rep)
             entry.update({"purine_graph_segments": rep["segments"],
                           "purine_graph_captured_ops": rep["captured_ops"],
                           "purine_graph_eager_gpu_ops": sorted(rep["eager_gpu_ops"]),

@@ -97,6 +97,7 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
                 for name, seconds in getattr(d, "comm_post_latency", dict)().items():
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
+        report = d.capture_report() if hasattr(d, "capture_report") else None
     finally:
         trainer.close()
     overlap = comm_overlap(events)
@@ -109,6 +110,8 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
     batch = cfg["data"]["train"]["batch_size"]
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
     compute_ms = sum(e["dur"] for e in events if e["cat"] != "comm") / 1000.0 / iters
+    on_gpu = cupy_available() and any(b.location.device >= 0
+                                      for b in trainer.graph.blobs.values())
     result = {
         "config": cfg.get("name"),
         "world_size": world.size,
@@ -124,11 +127,33 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
         "peak_mem_bytes": int(trainer.ws.allocated_bytes),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "backend": "cupy" if cupy_available() and any(
-            b.location.device >= 0 for b in trainer.graph.blobs.values()) else "numpy",
+        "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
+        "blas": _blas_backend() if on_gpu else None,
+        "cuda_graph": None if report is None else json_safe(report),
     }
     return result if world.rank == 0 else None
+
+
+def _blas_backend():
+    """The cuBLAS binding of the matrix products: "nvmath" or "cupy"."""
+    from .gpu.blas import blas_backend
+    return blas_backend()
+
+
+def json_safe(value):
+    """``value`` with every dict key a string, tuples and sets as lists, NumPy
+    scalars as Python numbers and anything else JSON cannot hold as its str."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [json_safe(v) for v in items]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 def format_bench(res, warmup=None):
@@ -161,5 +186,14 @@ def format_bench(res, warmup=None):
         ("memory", f"{human_bytes(res['peak_mem_bytes'])} in blobs (rank 0), "
                    f"{human_bytes(res['max_rss_bytes'])} peak resident"),
     ]
+    if res.get("blas"):
+        rows.append(("matrix products", f"cuBLAS through {res['blas']}"))
+    graphs = res.get("cuda_graph")
+    if graphs:
+        eager = graphs.get("eager_gpu_ops") or {}
+        rows.append(("CUDA graphs", f"{graphs.get('captured', 0)} of "
+                                    f"{graphs.get('segments', 0)} segments captured, "
+                                    f"{len(graphs.get('failed') or {})} failed, {len(eager)} "
+                                    f"GPU op{'s' if len(eager) != 1 else ''} run eagerly"))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

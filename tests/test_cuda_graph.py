@@ -740,6 +740,32 @@ def test_replay_on_a_real_gpu_equals_eager():
         np.testing.assert_allclose(p1[name], value, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("nvmath", [True, False])
+def test_bench_json_on_the_emulated_gpu_reports_blas_and_capture(monkeypatch, host_build_dir,
+                                                                 nvmath):
+    """``bench --json`` on a GPU names the cuBLAS binding and passes the
+    CUDA-graph dispatcher's capture report through, JSON-safe."""
+    import json
+
+    from purine_mpi.bench import format_bench, run_bench
+    from purine_mpi.io.config import validate_config
+    from tests.test_gpu_backend import use_emulated_cupy
+    _emulated_gpu(monkeypatch, host_build_dir)
+    use_emulated_cupy(monkeypatch, host_build_dir, nvmath=nvmath)
+    config = validate_config(_tiny_raw(device=0, cuda_graph=True), check_files=False)
+    res = run_bench(config, iters=2, warmup=2)
+    assert res["backend"] == "cupy" and res["dispatcher"] == "GraphDispatcher"
+    assert res["blas"] == ("nvmath" if nvmath else "cupy")
+    report = res["cuda_graph"]
+    assert {"segments", "captured_ops", "captured", "failed", "eager_gpu_ops"} <= set(report)
+    assert report["segments"] >= 1
+    if nvmath:   # CuPy's cuBLAS refuses a capture: its segments may all fail
+        assert report["captured"] >= 1
+    assert json.loads(json.dumps(res)) == res
+    text = format_bench(res)
+    assert f"cuBLAS through {res['blas']}" in text and "CUDA graphs" in text
+
+
 def test_gpu_benchmark_reports_both_modes(monkeypatch, capsys):
     """benchmarks/gpu_throughput.py: one entry per config with purine_mpi's
     eager and graph figures side by side (the measurement itself needs a

@@ -23,6 +23,7 @@ from purine_mpi.gpu import cudnn as gpu_cudnn
 from purine_mpi.graph.core import Op
 from purine_mpi.kernels import get_kernel_class
 from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
+from tests.test_gpu_kernels import use_emulated_nvmath
 
 
 def _from_address(ptr, shape, dtype):
@@ -173,6 +174,7 @@ def device(host_build_dir, monkeypatch):
     fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=1234)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_nvmath(monkeypatch)
     monkeypatch.delenv("PURINE_CONV", raising=False)
     yield fake
     gpu_cudnn.reset()

@@ -19,6 +19,7 @@ same op tests on real CuPy, every op's outputs and gradients through a placed
 graph against the NumPy backend, and cifar10_quick trained on the GPU against
 the CPU.
 """
+import contextlib
 import copy
 import ctypes
 import random
@@ -345,13 +346,18 @@ def _pinned_range(address, size):
     return any(lo <= address and address + size <= hi for lo, hi, _ in _pinned_buffers)
 
 
-def use_emulated_cupy(monkeypatch, build_dir):
+def use_emulated_cupy(monkeypatch, build_dir, nvmath=True):
     """Make ``_emulated_cupy(build_dir)`` the CuPy that purine_mpi imports (for
-    this test), with an empty raw-kernel cache; returns it."""
+    this test), with an empty raw-kernel cache; returns it. The matrix
+    products go through the emulated nvmath cuBLAS (capturable), or with
+    ``nvmath=False`` through the emulated CuPy cuBLAS (which refuses a
+    capture)."""
+    from tests.test_gpu_kernels import use_emulated_nvmath
     gpu.clear_kernel_cache()
     fake = _emulated_cupy(build_dir)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_nvmath(monkeypatch, enabled=nvmath)
     return fake
 
 
@@ -379,13 +385,19 @@ def device(request, monkeypatch):
         return real_blocks(source, func, dtype, blocks, threads, args)
 
     monkeypatch.setattr(kernels, "_launch_blocks", spy_blocks)
+    from purine_mpi.ops import conv as conv_ops
+    real_cudnn_run = conv_ops._cudnn_run
+
+    def spy_cudnn(kernel, scratch, arrays):   # a convolution that cuDNN took
+        launched.extend(["cudnn", "cudnn_epilogue"] if kernel._plan.fused else ["cudnn"])
+        return real_cudnn_run(kernel, scratch, arrays)
+
+    monkeypatch.setattr(conv_ops, "_cudnn_run", spy_cudnn)
     if request.param == "cupy":
         cupy = _gpu_cupy()
         dev = _Device("cupy", cupy.asarray, cupy.asnumpy)
     else:
-        fake = _emulated_cupy(request.getfixturevalue("host_build_dir"))
-        monkeypatch.setitem(sys.modules, "cupy", fake)
-        monkeypatch.setattr(backend, "_cupy", fake)
+        use_emulated_cupy(monkeypatch, request.getfixturevalue("host_build_dir"))
         dev = _Device("emulated", lambda a: np.array(a).view(DeviceArray), np.asarray)
     dev.launched = launched
     yield dev
@@ -435,21 +447,64 @@ CONV_CASES = [  # x shape, (out, kh, kw), attrs
 ]
 
 
+def _conv_paths(device):
+    """The convolution paths to test on ``device``: im2col everywhere, and
+    cuDNN on a real GPU (the emulated device has no cuDNN of its own;
+    tests/test_cudnn_path.py emulates it)."""
+    return ["im2col", "cudnn"] if device.name == "cupy" else ["im2col"]
+
+
+@contextlib.contextmanager
+def _forced_conv(monkeypatch, conv):
+    """``PURINE_CONV=conv`` for the ops made inside; yields whether cuDNN can
+    take a convolution (its frontend loads and the mode allows it)."""
+    from purine_mpi.gpu import cudnn as gpu_cudnn
+    monkeypatch.setenv("PURINE_CONV", conv)
+    gpu_cudnn.reset()
+    try:
+        yield gpu_cudnn.frontend() is not None
+    finally:
+        monkeypatch.delenv("PURINE_CONV")
+        gpu_cudnn.reset()
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_conv_gpu_branch(device, case, dtype):
+def test_conv_gpu_branch(device, case, dtype, monkeypatch):
+    """Each direction on each path (``PURINE_CONV``) against the CPU, and the
+    kernels of the path the op actually took: cuDNN's graph, or im2col /
+    col2im (none for a 1x1). Forced to cuDNN, a float32 ungrouped forward
+    must take it when the frontend is installed (the float64 and grouped
+    ones cannot)."""
     x_shape, (o, kh, kw), attrs = case
     group = attrs.get("group", 1)
     x = _rand(x_shape, dtype)
     w = _rand((o, x_shape[1] // group, kh, kw), dtype, 1)
     b = _rand((o,), dtype, 2)
     pointwise = kh == kw == 1
-    (y,), _ = _compare(device, "Conv", attrs, [x, w, b], [] if pointwise else ["im2col"], dtype)
-    dy = _rand(y.shape, dtype, 3)
-    _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w],
-             [] if pointwise else ["col2im"], dtype)
-    _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
-             [] if pointwise else ["im2col"], dtype)
+    for conv in _conv_paths(device):
+        with _forced_conv(monkeypatch, conv) as cudnn_loads:
+            eligible = conv == "cudnn" and cudnn_loads and dtype == np.float32 and group == 1
+            (y,), _ = _compare(device, "Conv", attrs, [x, w, b], [], dtype)
+            assert ("cudnn" in device.launched) == eligible, (conv, device.launched)
+            _check_conv_path(device, pointwise, "im2col")
+            dy = _rand(y.shape, dtype, 3)
+            _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
+                     dtype)
+            _check_conv_path(device, pointwise, "col2im", may_take_cudnn=eligible)
+            _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], [],
+                     dtype)
+            _check_conv_path(device, pointwise, "im2col", may_take_cudnn=eligible)
+
+
+def _check_conv_path(device, pointwise, im2col_kernel, may_take_cudnn=True):
+    """The last op's kernels are those of one path: cuDNN's graph and no
+    im2col kernel, or (not cuDNN) ``im2col_kernel`` unless the conv is 1x1."""
+    launched = device.launched
+    if "cudnn" in launched:
+        assert may_take_cudnn and im2col_kernel not in launched, launched
+    elif not pointwise:
+        assert im2col_kernel in launched, launched
 
 
 @pytest.mark.parametrize("case", CONV_CASES[:3])
@@ -616,17 +671,24 @@ def test_bias_gradients_are_one_reduction_kernel(device, dtype):
     ("InnerProduct", [(3, 2, 2, 2), (5, 8), (5,)]),
 ])
 @pytest.mark.parametrize("slope", [0.0, 0.2])
-def test_relu_fused_into_its_producer(device, op_type, shapes, slope):
+def test_relu_fused_into_its_producer(device, op_type, shapes, slope, monkeypatch):
     """attr relu: the producer's output is the ReLU of its unfused output, on
-    the CPU and on the device (there in the bias kernel: one launch)."""
+    the CPU and on the device: in the bias kernel (one launch) on the im2col
+    path, in cuDNN's epilogue when cuDNN takes the conv and fuses it (a GPU
+    with the frontend; else cuDNN's conv and the bias kernel)."""
     x, w, b = (_rand(s, np.float32, i) for i, s in enumerate(shapes))
     attrs = {"pad": 1} if op_type == "Conv" else {}
     (plain,) = _run_kernel(op_type, attrs, [x, w, b])
     (relu,) = _run_kernel("Relu", {"negative_slope": slope}, [plain])
     fused = dict(attrs, relu=True, negative_slope=slope)
-    (cpu,), (got,) = _compare(device, op_type, fused, [x, w, b], ["bias_act"], np.float32)
-    np.testing.assert_array_equal(cpu, relu)
-    assert device.launched.count("bias_act") == 1
+    for conv in _conv_paths(device) if op_type == "Conv" else ["im2col"]:
+        with _forced_conv(monkeypatch, conv):
+            (cpu,), (got,) = _compare(device, op_type, fused, [x, w, b], [], np.float32)
+            np.testing.assert_array_equal(cpu, relu)
+            # cuDNN's epilogue, or our bias kernel after the product: never both
+            in_epilogue = "cudnn_epilogue" in device.launched
+            assert device.launched.count("bias_act") == (0 if in_epilogue else 1), \
+                (conv, device.launched)
 
 
 def test_float16_on_a_gpu_takes_the_generic_path():

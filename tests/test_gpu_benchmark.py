@@ -16,7 +16,7 @@ from tests.conftest import REPO, cli_env
 SCRIPT = pathlib.Path(REPO) / "benchmarks" / "gpu_throughput.py"
 KEYS = {"config", "batch", "purine_images_per_s", "torch_eager_images_per_s",
         "torch_graph_images_per_s", "torch_compile_images_per_s", "purine_gpu_busy",
-        "purine_kernels_per_iter"}
+        "purine_kernels_per_iter", "blas", "cuda_graph"}
 
 
 def _module():
@@ -64,10 +64,11 @@ def test_report_keys_with_stubbed_runs(monkeypatch, capsys):
     def fake_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_iters=0):
         purine_calls.append((config["data"]["train"]["batch_size"], cuda_graph, profile_iters))
         out = {"seconds": 1.0 if cuda_graph else 2.0, "first_loss": 2.3, "last_loss": 2.2,
-               "device_arena_bytes": 1, "scratch_bytes": 2, "streams": 3}
+               "device_arena_bytes": 1, "scratch_bytes": 2, "streams": 3, "blas": "nvmath"}
         if cuda_graph:
             out["capture"] = {"segments": 1, "captured_ops": 40, "captured": 1, "failed": {},
-                              "eager_gpu_ops": {}}
+                              "eager_gpu_ops": {}, "launches_per_iter": 1,
+                              "eager_ops_per_iter": 0}
         if profile_iters:
             out["kernels"] = {"kernels_per_iter": 37.0, "kernel_ms_per_iter": 25.0}
         return out
@@ -108,6 +109,12 @@ def test_report_keys_with_stubbed_runs(monkeypatch, capsys):
     assert e["purine_gpu_busy"] == 0.25   # 25 ms of kernels in a 100 ms iteration
     assert e["torch_eager_kernel_ms_per_iter"] == 20.0
     assert e["purine_vs_torch_eager"] == 5.0
+    # the cuBLAS binding and the whole capture report, per row
+    assert e["blas"] == "nvmath"
+    assert e["cuda_graph"] == {"segments": 1, "captured_ops": 40, "captured": 1, "failed": {},
+                               "eager_gpu_ops": {}, "launches_per_iter": 1,
+                               "eager_ops_per_iter": 0}
+    assert report["versions"]["purine_blas"] in ("nvmath", "cupy")
 
 
 def test_gpu_session_script_is_valid_bash_and_refuses_bad_modes(tmp_path):
@@ -120,3 +127,14 @@ def test_gpu_session_script_is_valid_bash_and_refuses_bad_modes(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     text = script.read_text()
     assert "pytest -m gpu" in text and "benchmarks/gpu_throughput.py" in text
+    # it fetches (and so carries) nvmath-python with what it needs, and MPI
+    fetched = text.split("FETCH_WHEELS=", 1)[1].split("\n\n", 1)[0]
+    fetched = fetched.replace('"', " ").replace("\\", " ").split()
+    for name in ("nvmath-python", "cuda-bindings", "cuda-core", "cuda-pathfinder",
+                 "nvidia-cudnn-frontend", "mpich", "mpi4py"):
+        assert name in fetched, name
+    # installed into the interpreter's own site-packages: with --target mpi4py
+    # does not find mpich's libmpi and every rank runs alone
+    install = [line for line in text.splitlines() if "pip install" in line and
+               not line.lstrip().startswith("#")]
+    assert install and not any("--target" in line for line in install)

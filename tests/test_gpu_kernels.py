@@ -305,7 +305,10 @@ class _HostCublas:
     host pointer mode) on host memory addresses: operands are read where the
     pointers, leading dimensions and batch strides say, so a wrong ld, stride
     or transpose flag in purine_mpi/gpu/blas.py gives wrong numbers here, and
-    an ld cuBLAS would reject is an error."""
+    an ld cuBLAS would reject is an error.
+
+    Like CuPy's binding, every call refuses a capturing current stream
+    (``NotImplementedError``, CuPy's message: its ``setStream`` checks)."""
 
     def _view(self, ptr, dtype, rows, cols, ld, stride, batch):
         item = np.dtype(dtype).itemsize
@@ -321,6 +324,10 @@ class _HostCublas:
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
               ldc, sC, batch, stream=None):
+        """Check the arguments and read alpha and beta (host pointer mode) now,
+        as cuBLAS does at the call; the product itself is device work on
+        ``stream`` (``sim_capture.device_work``: recorded on a capturing
+        stream, the operands read when it runs)."""
         a_rows, b_rows = (m if transa == 0 else k), (k if transb == 0 else n)
         for name, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
             if ld < max(1, rows):
@@ -330,30 +337,173 @@ class _HostCublas:
         c = self._view(C, dtype, m, n, ldc, sC, batch)
         op_a = a if transa == 0 else a.transpose(0, 2, 1)
         op_b = b if transb == 0 else b.transpose(0, 2, 1)
-        # host pointer mode: the scalars are read at the call, the operands
-        # when the product runs on its stream
         alpha, beta = self._scalar(alpha, dtype), self._scalar(beta, dtype)
 
-        def product():
-            p = np.matmul(op_a, op_b) * alpha
-            c[...] = p if beta == 0 else p + beta * c  # beta 0: C is not read
-        sim_capture.device_work(product, stream)
+        def run():
+            product = np.matmul(op_a, op_b) * alpha
+            c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
+
+        sim_capture.device_work(run, _DEFAULT_STREAM if stream is None else stream)
+
+    def _cupy_call(self, dtype, *args):
+        stream = sim_capture.current_stream()
+        sim_capture.refuse_if_capturing(NotImplementedError, sim_capture.CUBLAS_REFUSED,
+                                        stream=stream)
+        self._gemm(dtype, *args, stream=stream)
 
     def sgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                             beta, C, ldc, sC, batch):
-        self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
-                   sC, batch)
+        self._cupy_call(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
+                        ldc, sC, batch)
 
     def dgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                             beta, C, ldc, sC, batch):
-        self._gemm(np.float64, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc,
-                   sC, batch)
+        self._cupy_call(np.float64, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
+                        ldc, sC, batch)
 
     def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1)
+        self._cupy_call(np.float32, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc,
+                        0, 1)
 
     def dgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self._gemm(np.float64, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1)
+        self._cupy_call(np.float64, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc,
+                        0, 1)
+
+
+#: the default (legacy NULL) stream of the emulated device: never capturing
+_DEFAULT_STREAM = types.SimpleNamespace(key="default", ptr=0, capture=None, recorder=None,
+                                        is_capturing=lambda: False)
+
+
+def _emulated_nvmath_cublas():
+    """A module standing in for ``nvmath.bindings.cublas`` (nvmath-python
+    1.0: the functions and enums gpu/blas.py uses, with their signatures),
+    doing the arithmetic of :class:`_HostCublas`.
+
+    As cuBLAS: a handle is bound to one stream (``set_stream``, which also
+    resets the workspace to cuBLAS's default pool); alpha and beta are read
+    at the call (host pointer mode: frozen into a capture), the operands
+    when the work runs (at each replay); the work goes to the handle's
+    stream, recorded if it is capturing -- and a handle without a workspace
+    of its own refuses a capturing stream (cuBLAS would allocate one)."""
+    import enum
+    host = _HostCublas()
+    module = types.ModuleType("nvmath.bindings.cublas")
+    module.Operation = enum.IntEnum("Operation", {"N": 0, "T": 1, "C": 2})
+    module.PointerMode = enum.IntEnum("PointerMode", {"HOST": 0, "DEVICE": 1})
+    module.Math = enum.IntEnum("Math", {"DEFAULT_MATH": 0, "TENSOR_OP_MATH": 1,
+                                        "PEDANTIC_MATH": 2, "TF32_TENSOR_OP_MATH": 3})
+
+    class cuBLASError(Exception):
+        pass
+
+    module.cuBLASError = cuBLASError
+    handles = {}
+    module.handles = handles      # for the tests: handle -> its state
+    module.calls = []             # (function name, handle) of every call
+    counter = iter(range(1, 1 << 30))
+
+    def state(handle, what):
+        module.calls.append((what, handle))
+        if handle not in handles:
+            raise cuBLASError(f"{what}: CUBLAS_STATUS_NOT_INITIALIZED (no handle {handle})")
+        return handles[handle]
+
+    def create():
+        handle = next(counter)
+        handles[handle] = {"stream": 0, "workspace": None, "pointer_mode": 0, "math": 0}
+        module.calls.append(("create", handle))
+        return handle
+
+    def destroy(handle):
+        state(handle, "destroy")
+        del handles[handle]
+
+    def set_workspace(handle, workspace, workspace_size_in_bytes):
+        state(handle, "set_workspace")["workspace"] = (int(workspace),
+                                                       int(workspace_size_in_bytes))
+
+    def set_stream(handle, stream_id):
+        s = state(handle, "set_stream")
+        s["stream"], s["workspace"] = int(stream_id), None   # cublasSetStream resets it
+
+    def get_stream(handle):
+        return state(handle, "get_stream")["stream"]
+
+    def set_pointer_mode(handle, mode):
+        state(handle, "set_pointer_mode")["pointer_mode"] = int(mode)
+
+    def get_pointer_mode(handle):
+        return state(handle, "get_pointer_mode")["pointer_mode"]
+
+    def set_math_mode(handle, mode):
+        state(handle, "set_math_mode")["math"] = int(mode)
+
+    def get_math_mode(handle):
+        return state(handle, "get_math_mode")["math"]
+
+    def gemm(what, dtype, handle, args):
+        s = state(handle, what)
+        stream = sim_capture.stream_of(s["stream"]) or _DEFAULT_STREAM
+        if s["pointer_mode"] != 0:
+            raise NotImplementedError("the emulated cuBLAS reads alpha and beta on the host only")
+        if s["workspace"] is None and sim_capture.is_capturing(stream):
+            raise cuBLASError(f"{what}: a handle without a workspace of its own on a capturing "
+                              "stream (cuBLAS would allocate its default workspace inside the "
+                              "capture)")
+        host._gemm(dtype, *args, stream=stream)
+
+    def sgemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        gemm("sgemm", np.float32, handle,
+             (transa, transb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1))
+
+    def dgemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        gemm("dgemm", np.float64, handle,
+             (transa, transb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1))
+
+    def sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                              stride_b, beta, c, ldc, stride_c, batch_count):
+        gemm("sgemm_strided_batched", np.float32, handle,
+             (transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+              stride_c, batch_count))
+
+    def dgemm_strided_batched(handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                              stride_b, beta, c, ldc, stride_c, batch_count):
+        gemm("dgemm_strided_batched", np.float64, handle,
+             (transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+              stride_c, batch_count))
+
+    for fn in (create, destroy, set_workspace, set_stream, get_stream, set_pointer_mode,
+               get_pointer_mode, set_math_mode, get_math_mode, sgemm, dgemm,
+               sgemm_strided_batched, dgemm_strided_batched):
+        setattr(module, fn.__name__, fn)
+    return module
+
+
+def use_emulated_nvmath(monkeypatch, enabled=True):
+    """Make ``nvmath.bindings.cublas`` the emulated one (``enabled``), or make
+    nvmath-python fail to import (``enabled=False``: gpu/blas.py falls back
+    to CuPy's cuBLAS), for this test; gpu/blas.py forgets its handles and
+    its check. Returns the emulated cublas module (None when disabled)."""
+    from purine_mpi.gpu import blas
+    monkeypatch.setattr(blas, "_state", {"checked": False, "cublas": None, "reason": None,
+                                         "noted": False})
+    monkeypatch.setattr(blas, "_handles", {})
+    if not enabled:
+        for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas"):
+            monkeypatch.setitem(sys.modules, name, None)   # import raises ImportError
+        return None
+    cublas = _emulated_nvmath_cublas()
+    bindings = types.ModuleType("nvmath.bindings")
+    bindings.cublas = cublas
+    nvmath = types.ModuleType("nvmath")
+    nvmath.bindings = bindings
+    nvmath.__path__ = []      # a package, so "from nvmath.bindings import cublas" works
+    bindings.__path__ = []
+    monkeypatch.setitem(sys.modules, "nvmath", nvmath)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "nvmath.bindings.cublas", cublas)
+    return cublas
 
 
 def _host_cupy(build_dir):
@@ -391,7 +541,9 @@ def _host_cupy(build_dir):
     fake.RawModule = RawModule
     fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                       cublas=_HostCublas(),
-                                      device=types.SimpleNamespace(get_cublas_handle=lambda: 0))
+                                      device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
+                                      get_current_stream=lambda: (sim_capture.current_stream()
+                                                                  or _DEFAULT_STREAM))
     return fake
 
 
@@ -402,6 +554,8 @@ class _Backend:
 
 @pytest.fixture(params=["host", pytest.param("cupy", marks=pytest.mark.gpu)])
 def backend(request, monkeypatch):
+    """Where the kernels run; on the host, gemm goes through the emulated
+    nvmath cuBLAS (``use_emulated_nvmath``)."""
     gpu.clear_kernel_cache()
     if request.param == "cupy":
         cupy = _gpu_cupy()
@@ -409,6 +563,7 @@ def backend(request, monkeypatch):
     else:
         build_dir = request.getfixturevalue("host_build_dir")
         monkeypatch.setitem(sys.modules, "cupy", _host_cupy(build_dir))
+        use_emulated_nvmath(monkeypatch)
         yield _Backend("host", np.array, np.asarray)
     gpu.clear_kernel_cache()
 
@@ -697,3 +852,236 @@ def test_gemm_on_strided_slices(backend):
         gemm(dev_w[0][:, ::2], dev_cols[0, 0][:2], out)
     with pytest.raises(ValueError, match="does not give"):
         gemm(dev_w[0], dev_w[0], out)
+
+
+# ------------------------------------- cuBLAS bindings and stream capture ---
+
+class _Stream:
+    """A simulated CuPy stream for sim_capture: ``capturing()`` opens a
+    capture whose recorded device work lands in the list it yields."""
+
+    def __init__(self, key):
+        self.key, self.capture, self.recorder = key, None, None
+        self.ptr = sim_capture.register_stream(self)
+
+    def is_capturing(self):
+        return self.capture is not None
+
+    def capturing(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def opened():
+            self.capture, self.recorder = object(), []
+            try:
+                yield self.recorder
+            finally:
+                self.capture, self.recorder = None, None
+        return opened()
+
+
+@pytest.fixture
+def host_device(host_build_dir, monkeypatch):
+    """The host backend without the ``backend`` fixture's GPU twin."""
+    gpu.clear_kernel_cache()
+    monkeypatch.setitem(sys.modules, "cupy", _host_cupy(host_build_dir))
+    yield
+    gpu.clear_kernel_cache()
+
+
+def _gemm_operands(case, dtype, seed=0):
+    a_shape, b_shape, ta, tb = case
+    rng = _rng(seed)
+    a = rng.standard_normal(a_shape).astype(dtype)
+    b = rng.standard_normal(b_shape).astype(dtype)
+    want = np.matmul(np.swapaxes(a, -1, -2) if ta else a, np.swapaxes(b, -1, -2) if tb else b)
+    return a, b, rng.standard_normal(want.shape).astype(dtype), want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_gemm_through_cupys_cublas_without_nvmath(host_device, monkeypatch, case, dtype,
+                                                  capsys):
+    """No nvmath-python: CuPy's cuBLAS does the products (the same numbers),
+    and one line on stderr says that they cannot be captured and why."""
+    from purine_mpi.gpu import blas
+    use_emulated_nvmath(monkeypatch, enabled=False)
+    assert blas.blas_backend() == "cupy"
+    assert "nvmath-python" in blas.blas_note() and "purine_mpi[gpu]" in blas.blas_note()
+    assert blas.reserve(_Stream("s")) is None      # nothing to reserve
+    a, b, c0, want = _gemm_operands(case, dtype)
+    for alpha, beta in ((1.0, 0.0), (0.5, 2.0)):
+        c = c0.copy()
+        blas.gemm(a, b, c, case[2], case[3], alpha, beta)
+        _close(c, alpha * want + beta * c0, dtype)
+    assert capsys.readouterr().err.count("refuses CUDA-graph capture") == 1
+
+
+def test_cupys_cublas_refuses_a_capturing_stream(host_device, monkeypatch):
+    """As CuPy's setStream: NotImplementedError with CuPy's message, C untouched."""
+    from purine_mpi.gpu import blas
+    use_emulated_nvmath(monkeypatch, enabled=False)
+    a, b, c0, want = _gemm_operands(GEMM_CASES[4], np.float32)
+    c = c0.copy()
+    stream = _Stream("capturing")
+    with sim_capture.current(stream), stream.capturing() as recorded:
+        with pytest.raises(NotImplementedError, match=sim_capture.CUBLAS_REFUSED):
+            blas.gemm(a, b, c)
+    assert recorded == [] and np.array_equal(c, c0)
+    with sim_capture.current(stream):   # the capture ended: runs at once
+        blas.gemm(a, b, c)
+    _close(c, want, np.float32)
+
+
+def test_nvmath_handles_one_per_stream_with_their_own_workspace(host_device, monkeypatch):
+    from purine_mpi.gpu import blas
+    cublas = use_emulated_nvmath(monkeypatch)
+    monkeypatch.setenv("PURINE_CUBLAS_WORKSPACE_MB", "2")
+    assert blas.blas_backend() == "nvmath" and blas.blas_note() is None
+    a, b, c, want = _gemm_operands(GEMM_CASES[0], np.float64)
+    first, second = _Stream("first"), _Stream("second")
+    for stream in (first, second, first, None):
+        with sim_capture.current(stream):
+            blas.gemm(a, b, c)
+    _close(c, want, np.float64)
+    assert len(cublas.handles) == 3     # first, second and the default stream
+    streams = sorted(h["stream"] for h in cublas.handles.values())
+    assert streams == sorted([first.ptr, second.ptr, 0])
+    for h in cublas.handles.values():   # set_stream first: it resets the workspace
+        assert h["workspace"] is not None and h["workspace"][1] == 2 << 20
+        assert h["pointer_mode"] == int(cublas.PointerMode.HOST)
+    assert blas.reserve(first) in cublas.handles        # the same handle again
+    assert len(cublas.handles) == 3
+    monkeypatch.setenv("PURINE_CUBLAS_WORKSPACE_MB", "lots")
+    from purine_mpi.errors import UserError
+    with pytest.raises(UserError, match="PURINE_CUBLAS_WORKSPACE_MB"):
+        blas.workspace_bytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvmath_gemm_in_a_capture_is_recorded_and_replays(host_device, monkeypatch, dtype):
+    """A product on a capturing stream (handle reserved before) is recorded,
+    not run; each replay computes it from the operands' values at that time,
+    with the alpha and beta of the capture (host pointer mode)."""
+    from purine_mpi.gpu import blas
+    use_emulated_nvmath(monkeypatch)
+    stream = _Stream("capture")
+    assert blas.reserve(stream) is not None
+    for case in (GEMM_CASES[1], GEMM_CASES[5]):    # one product, a broadcast batch
+        a, b, c0, _ = _gemm_operands(case, dtype)
+        c = c0.copy()
+        with sim_capture.current(stream), stream.capturing() as recorded:
+            blas.gemm(a, b, c, case[2], case[3], alpha=0.5, beta=2.0)
+        assert len(recorded) == 1 and np.array_equal(c, c0)    # recorded, not run
+        for seed in (1, 2):   # new operand values before each replay
+            new_a, new_b, new_c, want = _gemm_operands(case, dtype, seed)
+            a[...], b[...], c[...] = new_a, new_b, new_c
+            recorded[0]()
+            _close(c, 0.5 * want + 2.0 * new_c, dtype)
+
+
+def test_capture_without_reserve_is_a_clear_error(host_device, monkeypatch):
+    from purine_mpi.gpu import blas
+    cublas = use_emulated_nvmath(monkeypatch)
+    a, b, c0, _ = _gemm_operands(GEMM_CASES[0], np.float32)
+    c = c0.copy()
+    stream = _Stream("unreserved")
+    with sim_capture.current(stream), stream.capturing() as recorded:
+        with pytest.raises(RuntimeError, match=r"blas.reserve\(stream\)"):
+            blas.gemm(a, b, c)
+    assert recorded == [] and np.array_equal(c, c0) and cublas.handles == {}
+    sim_capture.refuse_allocation("nothing else was allocated")   # the capture has ended
+
+
+def test_emulated_cublas_handle_without_workspace_refuses_a_capture(monkeypatch):
+    """The emulation's own check: cublasSetStream drops the workspace, and a
+    capture then would make cuBLAS allocate."""
+    cublas = use_emulated_nvmath(monkeypatch)
+    stream = _Stream("s")
+    handle = cublas.create()
+    cublas.set_workspace(handle, 1, 1 << 20)
+    cublas.set_stream(handle, stream.ptr)     # resets the workspace, as cuBLAS does
+    assert cublas.handles[handle]["workspace"] is None
+    a, b, c = (np.ones((2, 2), np.float32) for _ in range(3))
+    scalars = np.array([1.0, 0.0], np.float32)
+    args = (0, 0, 2, 2, 2, scalars.ctypes.data, a.ctypes.data, 2, b.ctypes.data, 2,
+            scalars.ctypes.data + 4, c.ctypes.data, 2)
+    with stream.capturing():
+        with pytest.raises(cublas.cuBLASError, match="allocate"):
+            cublas.sgemm(handle, *args)
+    cublas.sgemm(handle, *args)
+    np.testing.assert_array_equal(c, np.full((2, 2), 2, np.float32))
+
+
+def test_blas_imports_neither_cupy_nor_nvmath():
+    code = ("import sys; import purine_mpi.gpu.blas as b; "
+            "assert 'cupy' not in sys.modules and 'nvmath' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nvmath_without_a_loadable_cublas_falls_back_to_cupy(host_device, monkeypatch, capsys):
+    """nvmath-python imports but its first handle fails (no libcublas it can
+    load): the products take CuPy's cuBLAS, and the line says why."""
+    from purine_mpi.gpu import blas
+    cublas = use_emulated_nvmath(monkeypatch)
+
+    def no_library():
+        raise RuntimeError("libcublas.so not found")
+
+    monkeypatch.setattr(cublas, "create", no_library)
+    a, b, c, want = _gemm_operands(GEMM_CASES[4], np.float32)
+    blas.gemm(a, b, c)
+    _close(c, want, np.float32)
+    assert blas.blas_backend() == "cupy" and "libcublas.so not found" in blas.blas_note()
+    assert blas.reserve(_Stream("s")) is None
+    assert capsys.readouterr().err.count("refuses CUDA-graph capture") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_captures_and_replays_on_a_gpu(dtype):
+    """On a real GPU with nvmath-python: a product (one, and a batch with a
+    broadcast operand) captured on a reserved stream replays with the
+    operands of each replay; without reserve the capture is refused with
+    our error; CuPy's own cuBLAS refuses any capture (what the emulation
+    assumes)."""
+    cupy = _gpu_cupy()
+    from purine_mpi.gpu import blas
+    if blas.blas_backend() != "nvmath":
+        pytest.skip(blas.blas_note())
+    stream = cupy.cuda.Stream(non_blocking=True)
+    assert blas.reserve(stream) is not None
+    for case in (GEMM_CASES[1], GEMM_CASES[5]):
+        a0, b0, c0, _ = _gemm_operands(case, dtype)
+        with stream:
+            a, b, c = cupy.asarray(a0), cupy.asarray(b0), cupy.asarray(c0)
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                blas.gemm(a, b, c, case[2], case[3], alpha=0.5, beta=2.0)
+            finally:
+                graph = stream.end_capture()
+            np.testing.assert_array_equal(cupy.asnumpy(c), c0)   # captured, not run
+            for seed in (1, 2):
+                new_a, new_b, new_c, want = _gemm_operands(case, dtype, seed)
+                a[...], b[...], c[...] = (cupy.asarray(v) for v in (new_a, new_b, new_c))
+                graph.launch(stream)
+                stream.synchronize()
+                _close(cupy.asnumpy(c), 0.5 * want + 2.0 * new_c, dtype)
+    fresh = cupy.cuda.Stream(non_blocking=True)
+    with fresh:
+        a, b = cupy.ones((4, 4), dtype), cupy.ones((4, 4), dtype)
+        c = cupy.zeros((4, 4), dtype)
+        handle = cupy.cuda.device.get_cublas_handle()   # made before the capture
+        one = np.ones(1, dtype)
+        call = cupy.cuda.cublas.sgemm if dtype == np.float32 else cupy.cuda.cublas.dgemm
+        fresh.synchronize()
+        fresh.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match=r"blas.reserve\(stream\)"):
+                blas.gemm(a, b, c)
+            with pytest.raises(NotImplementedError, match=sim_capture.CUBLAS_REFUSED):
+                call(handle, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 4, b.data.ptr, 4,
+                     one.ctypes.data, c.data.ptr, 4)
+        finally:
+            fresh.end_capture()

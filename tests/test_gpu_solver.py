@@ -41,7 +41,8 @@ def _device_rate(backend, attrs, iteration, device_iter):  # noqa: F811
 def test_lr_policy_on_the_device_matches_the_host_formula(backend, policy, warmup):  # noqa: F811
     """The float32 lr equals the host formula rounded to float32: bit for bit
     on the host-compiled kernel (same libm), to one float32 ulp on a GPU
-    (CUDA's pow/exp/cos are within 2 ulp in double)."""
+    (CUDA's pow/exp/cos are within 2 ulp in double), where a denormal result
+    may also come out flushed to zero (step at 1000 iterations: 1.8e-44)."""
     attrs = {"base_lr": 0.1, "lr_policy": policy, **POLICY_ATTRS[policy]}
     if warmup:
         attrs.update(warmup_iters=warmup, warmup_start_factor=0.2)
@@ -51,7 +52,9 @@ def test_lr_policy_on_the_device_matches_the_host_formula(backend, policy, warmu
     if backend.name == "host":
         np.testing.assert_array_equal(got, want)
     else:
-        np.testing.assert_allclose(got, want, rtol=2 ** -22, atol=0)
+        flushed = (got == 0) & (np.abs(want) < np.finfo(np.float32).tiny)
+        np.testing.assert_allclose(got, np.where(flushed, np.float32(0), want),
+                                   rtol=2 ** -22, atol=0)
     assert len(set(want.tolist())) > (1 if policy != "fixed" or warmup else 0)
 
 

@@ -17,17 +17,219 @@ transpose are described, never copied:
 cuBLAS is column-major: a row-major matrix with row stride ``ld`` is the
 column-major transpose with the same ``ld``, so ``C = op(A) op(B)`` is
 computed as ``C^T = op(B)^T op(A)^T``, the operands swapped. One call of
-``{s,d}gemmStridedBatched`` (``{s,d}gemm`` for a single product) on CuPy's
-cuBLAS handle, which CuPy binds to the current stream. The scalars are host
-values (cuBLAS's default pointer mode).
+``{s,d}gemmStridedBatched`` (``{s,d}gemm`` for a single product), on CuPy's
+current stream. The scalars are host values (cuBLAS's host pointer mode):
+read when the call is made, so a captured product keeps the alpha and beta
+of its capture and reads its operands at each replay.
+
+Which cuBLAS binding (``blas_backend()``):
+
+- ``"nvmath"``: NVIDIA's ``nvmath-python`` low-level bindings
+  (``nvmath.bindings.cublas``, in the ``gpu`` extra). These calls can be
+  captured in a CUDA graph. Each (device, stream) gets a cuBLAS handle of its
+  own, bound to that stream once and given a workspace of its own
+  (``PURINE_CUBLAS_WORKSPACE_MB``, default 32 MiB as cuBLAS recommends for
+  Hopper), so cuBLAS never allocates inside a capture. ``reserve(stream)``
+  makes them ahead of a capture; a product on a capturing stream without
+  one is an error, not an allocation inside the capture.
+- ``"cupy"``: CuPy's own cuBLAS (``cupy.cuda.cublas``), when nvmath-python
+  does not import. It works eagerly, but refuses every call during a stream
+  capture (``NotImplementedError``), so a CUDA-graph segment holding a
+  product runs eagerly; ``blas_note()`` is the line that says so (printed
+  once, at the first such product).
+
+Nothing here imports CuPy or nvmath at import time.
 """
+import os
+import sys
+import threading
+
 import numpy as np
 
 from . import import_cupy
 from .raw import data_ptr
 
-#: cuBLAS operation codes (cublasOperation_t)
+#: cuBLAS operation codes (cublasOperation_t: CUBLAS_OP_N, CUBLAS_OP_T)
 OP_N, OP_T = 0, 1
+#: each handle's workspace, MiB, unless PURINE_CUBLAS_WORKSPACE_MB says otherwise
+DEFAULT_WORKSPACE_MB = 32
+
+_lock = threading.RLock()
+_state = {"checked": False, "cublas": None, "reason": None, "noted": False}
+_handles = {}   # (device, stream ptr) -> _Handle
+
+
+class _Handle:
+    """One nvmath cuBLAS handle, bound to one stream, with its workspace
+    (a CuPy array kept alive as long as the handle)."""
+
+    __slots__ = ("handle", "workspace", "stream_ptr", "tf32")
+
+    def __init__(self, handle, workspace, stream_ptr, tf32):
+        self.handle, self.workspace = handle, workspace
+        self.stream_ptr, self.tf32 = stream_ptr, tf32
+
+
+def _nvmath():
+    """``nvmath.bindings.cublas``, or None (the reason is kept for the note)."""
+    if _state["checked"]:
+        return _state["cublas"]
+    with _lock:
+        if not _state["checked"]:
+            cublas, reason = None, None
+            try:
+                from nvmath.bindings import cublas
+            except Exception as exc:  # ImportError, or a broken install
+                cublas = None
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            _state.update(checked=True, cublas=cublas, reason=reason)
+    return _state["cublas"]
+
+
+def blas_backend():
+    """Which binding ``gemm`` calls: "nvmath" (capturable) or "cupy"."""
+    return "cupy" if _nvmath() is None else "nvmath"
+
+
+def blas_note():
+    """One line saying that the products cannot be captured and how to fix
+    it, or None when they go through nvmath-python."""
+    if _nvmath() is not None:
+        return None
+    return ("purine_mpi: matrix products go through CuPy's cuBLAS, which refuses CUDA-graph "
+            "capture: segments holding them run eagerly; install nvmath-python (pip install "
+            f"'purine_mpi[gpu]') [{_state['reason']}]")
+
+
+def reset():
+    """Destroy the handles made so far and check for nvmath again (tests,
+    or before a process gives its devices up)."""
+    with _lock:
+        cublas = _state["cublas"]
+        for entry in _handles.values():
+            try:
+                cublas.destroy(entry.handle)
+            except Exception:
+                pass
+        _handles.clear()
+        _state.update(checked=False, cublas=None, reason=None, noted=False)
+
+
+def workspace_bytes():
+    """Each handle's workspace in bytes (``PURINE_CUBLAS_WORKSPACE_MB``, MiB)."""
+    text = os.environ.get("PURINE_CUBLAS_WORKSPACE_MB", "").strip()
+    if not text:
+        return DEFAULT_WORKSPACE_MB << 20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:
+        from ..errors import UserError
+        raise UserError(f"PURINE_CUBLAS_WORKSPACE_MB={text!r}: expected a size in MiB >= 0 "
+                        f"(default {DEFAULT_WORKSPACE_MB})")
+    return int(mib * (1 << 20))
+
+
+def _is_capturing(stream):
+    probe = getattr(stream, "is_capturing", None)
+    if probe is None:
+        return False
+    try:
+        return bool(probe())
+    except Exception:  # a query the driver refuses: let cuBLAS's own call decide
+        return False
+
+
+def _tf32():
+    from . import tf32_enabled
+    return tf32_enabled()
+
+
+def _math_mode(cublas, tf32):
+    return cublas.Math.TF32_TENSOR_OP_MATH if tf32 else cublas.Math.DEFAULT_MATH
+
+
+class _NoCublas(Exception):
+    """nvmath-python imports but cannot make a first cuBLAS handle (no
+    libcublas it can load): the products take CuPy's cuBLAS."""
+
+
+def _create(cublas, cupy, device, stream_ptr):
+    """A handle bound to ``stream_ptr`` with a workspace of its own. The
+    order matters: ``cublasSetStream`` resets a handle's workspace to
+    cuBLAS's default pool, so the stream is set first, the workspace after."""
+    try:
+        handle = cublas.create()
+    except Exception as exc:
+        if _handles:
+            raise
+        raise _NoCublas(f"nvmath-python cannot create a cuBLAS handle: {type(exc).__name__}: "
+                        f"{exc}".splitlines()[0]) from exc
+    try:
+        nbytes = workspace_bytes()
+        workspace = cupy.empty((nbytes,), dtype=np.uint8) if nbytes else None
+        cublas.set_stream(handle, stream_ptr)
+        cublas.set_workspace(handle, data_ptr(workspace) if nbytes else 0, nbytes)
+        cublas.set_pointer_mode(handle, cublas.PointerMode.HOST)
+        tf32 = _tf32()
+        cublas.set_math_mode(handle, _math_mode(cublas, tf32))
+    except BaseException:
+        cublas.destroy(handle)
+        raise
+    entry = _Handle(handle, workspace, stream_ptr, tf32)
+    _handles[(device, stream_ptr)] = entry
+    return entry
+
+
+def reserve(stream, device=None):
+    """Make the cuBLAS handle and workspace of ``stream`` (a CuPy stream) on
+    ``device`` (default: the current one) now, so that products captured on
+    that stream later allocate nothing. Call it before ``begin_capture``,
+    for every stream of the capture. A no-op without nvmath-python (CuPy's
+    cuBLAS cannot be captured anyway); returns the handle, or None."""
+    cublas = _nvmath()
+    if cublas is None:
+        return None
+    cupy = import_cupy()
+    ptr = int(stream.ptr)
+    if device is None:
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream, ptr)
+    else:
+        with cupy.cuda.Device(device):
+            entry = _handle(cublas, cupy, int(device), stream, ptr)
+    return None if entry is None else entry.handle
+
+
+def _handle(cublas, cupy, device, stream, ptr):
+    entry = _handles.get((device, ptr))
+    if entry is not None:
+        return entry
+    with _lock:
+        entry = _handles.get((device, ptr))
+        if entry is not None:
+            return entry
+        if _state["cublas"] is None:   # the first handle failed meanwhile
+            return None
+        if _is_capturing(stream):
+            raise RuntimeError(
+                f"gemm: stream {ptr:#x} of device {device} is capturing a CUDA graph and has "
+                "no cuBLAS handle yet; making one now would allocate its workspace inside "
+                "the capture. Call purine_mpi.gpu.blas.reserve(stream) for every stream of "
+                "a capture before begin_capture")
+        try:
+            return _create(cublas, cupy, device, ptr)
+        except _NoCublas as exc:   # from now on CuPy's cuBLAS, said once
+            _state.update(cublas=None, reason=str(exc))
+            return None
+
+
+def _note_cupy_once():
+    with _lock:
+        if _state["noted"]:
+            return
+        _state["noted"] = True
+    print(blas_note(), file=sys.stderr, flush=True)
 
 
 def _matrix(x, what):
@@ -77,16 +279,37 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         raise ValueError("gemm: the matrices of c overlap")
     if m == 0 or n == 0 or batch == 0:
         return c
-    cublas = cupy.cuda.cublas
-    handle = cupy.cuda.device.get_cublas_handle()
-    host_mode = getattr(cublas, "CUBLAS_POINTER_MODE_HOST", None)
-    if host_mode is not None:  # alpha and beta are host values
-        cublas.setPointerMode(handle, host_mode)
-    scalars = np.array([alpha, beta], dtype=dtype)   # host pointer mode
+    scalars = np.array([alpha, beta], dtype=dtype)   # host pointer mode: read at the call
     alpha_ptr, beta_ptr = scalars.ctypes.data, scalars.ctypes.data + dtype.itemsize
     op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
     single = dtype == np.dtype(np.float32)
     pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
+    cublas, entry = _nvmath(), None
+    if cublas is not None:
+        stream = cupy.cuda.get_current_stream()
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream,
+                        int(stream.ptr))
+    if entry is not None:   # nvmath: this stream's own handle (capturable)
+        handle = entry.handle
+        if single:
+            tf32 = _tf32()
+            if tf32 != entry.tf32:
+                cublas.set_math_mode(handle, _math_mode(cublas, tf32))
+                entry.tf32 = tf32
+        if batch == 1:
+            call = cublas.sgemm if single else cublas.dgemm
+            call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, pa, lda, beta_ptr, pc, ldc)
+        else:
+            call = cublas.sgemm_strided_batched if single else cublas.dgemm_strided_batched
+            call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, b_stride, pa, lda, a_stride,
+                 beta_ptr, pc, ldc, c_stride, batch)
+        return c
+    _note_cupy_once()
+    cublas = cupy.cuda.cublas   # CuPy's binding: binds its handle to the current stream
+    handle = cupy.cuda.device.get_cublas_handle()
+    host_mode = getattr(cublas, "CUBLAS_POINTER_MODE_HOST", None)
+    if host_mode is not None:  # alpha and beta are host values
+        cublas.setPointerMode(handle, host_mode)
     if batch == 1:
         call = cublas.sgemm if single else cublas.dgemm
         call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, pa, lda, beta_ptr, pc, ldc)
