@@ -377,6 +377,9 @@ def test_trainer_with_cuda_graphs_on_the_emulated_gpu(tmp_path, monkeypatch, hos
     for rep in (train_rep, test_rep):
         assert rep["segments"] >= 1 and rep["captured"] == rep["segments"]
         assert rep["failed"] == {} and rep["eager_gpu_ops"] == {}
+    # the training iteration is one graph launch, nothing launched eagerly
+    assert train_rep["segments"] == 1 and train_rep["launches_per_iter"] == 1
+    assert train_rep["eager_ops_per_iter"] == 0
     assert graph[0] == eager[0] and any(r["phase"] == "test" for r in graph[0])
     for name, value in eager[1].items():
         np.testing.assert_array_equal(graph[1][name], value)

@@ -191,6 +191,13 @@ class DeviceArray(np.ndarray):
             return
         super().__setitem__(key, value)
 
+    def __getitem__(self, key):
+        result = super().__getitem__(key)
+        if not isinstance(result, np.ndarray):  # CuPy gives a 0-d device array
+            result = super().__getitem__((key if isinstance(key, tuple) else (key,))
+                                         + (Ellipsis,))
+        return result
+
     def fill(self, value):
         self[...] = value
 
@@ -894,6 +901,8 @@ class SimulatedRuntime:
 
     def sync_devices(self, devices):
         self._no_capture_open()
+        with self.lock:
+            self.calls.append(("sync_devices",))
         self._drain()
 
     def sync_stream(self, stream):
@@ -905,6 +914,8 @@ class SimulatedRuntime:
 
     def sync_streams(self):
         self._no_capture_open()
+        with self.lock:
+            self.calls.append(("sync_streams",))
         self._drain()
 
     def elapsed_ms(self, start, end):
