@@ -100,6 +100,8 @@ def _frozen(x):
         return np.asarray(x)
     if isinstance(x, np.ndarray):
         return np.array(x, copy=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_frozen(v) for v in x)
     return x
 
 
@@ -162,6 +164,12 @@ class DeviceArray(np.ndarray):
                 plain_dst, value = _plain(dst), _frozen(src)
                 sim_capture.device_work(lambda: np.copyto(plain_dst, value))
                 return None
+            if kwargs.get("out") is not None:  # a kernel into an existing array
+                out = kwargs["out"]
+                plain_args = [_frozen(a) for a in args]
+                plain_kwargs = {k: _frozen(v) for k, v in kwargs.items()}
+                sim_capture.device_work(lambda: func(*plain_args, **plain_kwargs))
+                return out
             if sim_capture.is_capturing():
                 sim_capture.refuse_allocation(f"numpy.{func.__name__} (not modelled as a "
                                               "capturable operation by the simulated device)")
