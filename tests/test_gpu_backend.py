@@ -386,20 +386,20 @@ def device(request, monkeypatch):
     """Where the op's GPU branch runs; records the raw kernels launched."""
     gpu.clear_kernel_cache()
     launched = []
-    real_launch = kernels._launch
+    real_launch = kernels.base._launch
 
     def spy(source, func, dtype, total, args):
         launched.append(func)
         return real_launch(source, func, dtype, total, args)
 
-    monkeypatch.setattr(kernels, "_launch", spy)
-    real_blocks = kernels._launch_blocks
+    monkeypatch.setattr(kernels.base, "_launch", spy)
+    real_blocks = kernels.base._launch_blocks
 
     def spy_blocks(source, func, dtype, blocks, threads, args):
         launched.append(func)
         return real_blocks(source, func, dtype, blocks, threads, args)
 
-    monkeypatch.setattr(kernels, "_launch_blocks", spy_blocks)
+    monkeypatch.setattr(kernels.base, "_launch_blocks", spy_blocks)
     from purine_mpi.ops import conv as conv_ops
     real_cudnn_run = conv_ops._cudnn_run
 
@@ -1376,11 +1376,11 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     cpu_losses, cpu_params = _train_simulated(config, -1)
     use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
-    real_launch = kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda source, func, *a: (
+    real_launch = kernels.base._launch
+    monkeypatch.setattr(kernels.base, "_launch", lambda source, func, *a: (
         launched.append(func), real_launch(source, func, *a))[1])
-    real_blocks = kernels._launch_blocks
-    monkeypatch.setattr(kernels, "_launch_blocks", lambda source, func, *a: (
+    real_blocks = kernels.base._launch_blocks
+    monkeypatch.setattr(kernels.base, "_launch_blocks", lambda source, func, *a: (
         launched.append(func), real_blocks(source, func, *a))[1])
     try:
         losses, params, ws = _train_simulated(config, 0, fuse=fused)

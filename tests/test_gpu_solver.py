@@ -220,8 +220,8 @@ def test_constant_rate_and_constants_are_written_once_on_the_device(monkeypatch,
     from tests.test_gpu_backend import DeviceArray, use_emulated_cupy
     use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
-    real = kernels._launch_blocks
-    monkeypatch.setattr(kernels, "_launch_blocks",
+    real = kernels.base._launch_blocks
+    monkeypatch.setattr(kernels.base, "_launch_blocks",
                         lambda s, f, *a: (launched.append(f), real(s, f, *a))[1])
     it = np.zeros((), np.int64).view(DeviceArray)
     try:

@@ -51,6 +51,16 @@ def import_cupy():
     return cupy
 
 
+def data_ptr(array):
+    """Address of an array's first element (NumPy or CuPy), to tell whether
+    two arrays are the same buffer (e.g. an update's ``w`` and ``w@new``)
+    and to hand device pointers to kernels and libraries."""
+    ptr = getattr(getattr(array, "data", None), "ptr", None)
+    if ptr is None:
+        ptr = array.__array_interface__["data"][0]
+    return int(ptr)
+
+
 def dtype_suffix(dtype):
     """Entry-point suffix for an array dtype: 'f32' or 'f64'."""
     try:

@@ -16,6 +16,8 @@ Importing this module needs only NumPy.
 """
 import numpy as np
 
+from . import data_ptr  # noqa: F401  (raw.data_ptr, as before)
+
 #: dtypes the ``cuda/*.cu`` entry points exist for (``<func>_f32``, ``<func>_f64``)
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -30,15 +32,6 @@ def raw_kernels(xp, *arrays):
         return None
     from . import kernels
     return kernels
-
-
-def data_ptr(array):
-    """Address of an array's first element (NumPy or CuPy), to tell whether
-    two arrays are the same buffer (e.g. an update's ``w`` and ``w@new``)."""
-    ptr = getattr(getattr(array, "data", None), "ptr", None)
-    if ptr is None:
-        ptr = array.__array_interface__["data"][0]
-    return int(ptr)
 
 
 def same_buffer(a, b):

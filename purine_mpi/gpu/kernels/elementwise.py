@@ -1,0 +1,156 @@
+"""Dropout (Philox masks), activations and the reductions (cuda/dropout.cu,
+activation.cu, reduce.cu)."""
+import numpy as np
+
+from .. import dtype_suffix, get_function, import_cupy
+from . import base as _base
+from .base import (_BLOCK, _MAX_BLOCKS, _REDUCE_THREADS, _finish, _input, _int, _iteration,
+                   _output, _outs, _same_as)
+
+
+# --------------------------------------------------------------- dropout ---
+
+
+
+def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+    """Inverted dropout with a Philox mask drawn on the device -> ``(y, mask)``.
+
+    Element i is kept iff Philox word i of the stream
+    ``((i // 4, ctr1, iter lo, iter hi), (key0, key1))`` is >= floor(ratio 2^32)
+    (:mod:`purine_mpi.philox`, which draws the same words on the CPU);
+    mask = 1 or 0 (x's dtype), y = (x * mask) / (1 - ratio). ``iteration`` is
+    a number or the one-element int64 iteration blob on the device."""
+    from ...philox import keep_threshold
+    cupy = import_cupy()
+    threshold = keep_threshold(ratio)
+    x = _input(cupy, x, "dropout_forward: x")
+    y_out, mask_out = _outs(out, 2)
+    y, y_target = _output(cupy, y_out, x.shape, x.dtype, "dropout_forward (y)")
+    mask, mask_target = _output(cupy, mask_out, x.shape, x.dtype, "dropout_forward (mask)")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    t = x.dtype.type
+    u32 = np.uint32
+    _base._launch("dropout", "dropout_forward", x.dtype, -(-x.size // 4),
+            (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+             u32(int(ctr1) & 0xFFFFFFFF), u32(threshold), t(1.0 / (1.0 - float(ratio))), y,
+             mask))
+    return _finish(y, y_target), _finish(mask, mask_target)
+
+
+def dropout_backward(dy, mask, ratio, out=None):
+    """dx = (dy * mask) / (1 - ratio), one kernel."""
+    cupy = import_cupy()
+    if not 0.0 <= float(ratio) < 1.0:
+        raise ValueError(f"dropout_backward: ratio must be in [0, 1), got {ratio}")
+    dy = _input(cupy, dy, "dropout_backward: dy")
+    mask = _input(cupy, mask, "dropout_backward: mask")
+    _same_as("dropout_backward", "dy", dy, mask=mask)
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "dropout_backward")
+    _base._launch("dropout", "dropout_backward", dy.dtype, dy.size,
+            (dy, mask, dy.dtype.type(1.0 / (1.0 - float(ratio))), dx))
+    return _finish(dx, target)
+
+
+def philox_words(counter, key, blocks=1, rounds=10):
+    """Philox4x32-``rounds`` of the counters ``(counter[0] + b, counter[1],
+    counter[2], counter[3])``, b < ``blocks``, under ``key``: a uint32 CuPy
+    array of 4 * blocks words (block-major), as :func:`purine_mpi.philox.philox4x32`."""
+    cupy = import_cupy()
+    out = cupy.empty((4 * int(blocks),), dtype=np.uint32)
+    u32 = [np.uint32(int(c) & 0xFFFFFFFF) for c in tuple(counter) + tuple(key)]
+    if int(blocks) > 0:
+        kernel = get_function("dropout", "philox_words", None)
+        grid = min((int(blocks) + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS)
+        kernel((grid,), (_BLOCK,), (np.int64(blocks), *u32, _int(rounds), out))
+    return out
+
+
+# ----------------------------------------------------------- activations ---
+
+def _slope(dtype, negative_slope):
+    slope = float(negative_slope or 0.0)
+    return dtype.type(slope), _int(slope != 0.0)
+
+
+def relu_forward(x, negative_slope=0.0, out=None):
+    """y = x > 0 ? x : negative_slope * x (with slope 0: NumPy's maximum(x, 0),
+    NaN and -0 kept), one kernel; ``out`` may be ``x`` (in place)."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "relu_forward: x")
+    y, target = _output(cupy, out, x.shape, x.dtype, "relu_forward")
+    _base._launch("activation", "relu_forward", x.dtype, x.size,
+            (x, *_slope(x.dtype, negative_slope), y))
+    return _finish(y, target)
+
+
+def relu_backward(dy, x, negative_slope=0.0, out=None):
+    """dx = dy * (x > 0) (slope 0) or where(x > 0, dy, slope * dy), one kernel.
+    ``x`` is the ReLU's input, or its output (same sign test for slope >= 0)."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "relu_backward: dy")
+    x = _input(cupy, x, "relu_backward: x")
+    _same_as("relu_backward", "dy", dy, x=x)
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "relu_backward")
+    _base._launch("activation", "relu_backward", dy.dtype, dy.size,
+            (dy, x, *_slope(dy.dtype, negative_slope), dx))
+    return _finish(dx, target)
+
+
+def bias_act(y, bias=None, relu=False, negative_slope=0.0):
+    """In place on ``y`` (N, C, ...), C-contiguous: y = act(y + bias[c]) with
+    act the identity or (``relu``) the leaky ReLU: a layer's epilogue in one
+    kernel. ``bias`` (C,) may be None (activation only)."""
+    cupy = import_cupy()
+    if not isinstance(y, cupy.ndarray) or not y.flags.c_contiguous or y.ndim < 2:
+        raise ValueError("bias_act: y must be a C-contiguous (N, C, ...) CuPy array "
+                         "(it is updated in place)")
+    dtype_suffix(y.dtype)
+    channels = int(y.shape[1])
+    inner = int(np.prod(y.shape[2:], dtype=np.int64))
+    if bias is None:
+        bias_arg, has_bias = y, _int(0)
+    else:
+        bias_arg = _input(cupy, bias, "bias_act: bias")
+        if bias_arg.size != channels or bias_arg.dtype != y.dtype:
+            raise ValueError(f"bias_act: bias has shape {tuple(bias_arg.shape)} "
+                             f"{bias_arg.dtype}, expected ({channels},) {y.dtype}")
+        has_bias = _int(1)
+    _base._launch("activation", "bias_act", y.dtype, y.size,
+            (y, bias_arg, has_bias, np.int64(channels), np.int64(inner), _int(bool(relu)),
+             *_slope(y.dtype, negative_slope)))
+    return y
+
+
+# ------------------------------------------------------------- reductions ---
+
+def channel_sum(dy, out=None):
+    """Sum of ``dy`` (N, C, ...) over every axis but 1 -> (C,): a bias
+    gradient in one deterministic kernel (cuda/reduce.cu: one block per
+    channel, a fixed-order tree, double accumulation)."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "channel_sum: dy")
+    if dy.ndim < 2:
+        raise ValueError(f"channel_sum: expected (N, C, ...), got shape {tuple(dy.shape)}")
+    n, channels = int(dy.shape[0]), int(dy.shape[1])
+    inner = int(np.prod(dy.shape[2:], dtype=np.int64))
+    db, target = _output(cupy, out, (channels,), dy.dtype, "channel_sum")
+    if channels > 0:
+        _base._launch_blocks("reduce", "channel_sum", dy.dtype, min(channels, _MAX_BLOCKS),
+                       _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
+                                         db))
+    return _finish(db, target)
+
+
+def sum_rows(x, out, accumulate=False):
+    """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
+    into a C-contiguous ``out`` of cols elements, one deterministic kernel."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "sum_rows: x", ndim=2)
+    rows, cols = int(x.shape[0]), int(x.shape[1])
+    if not isinstance(out, cupy.ndarray) or out.size != cols or out.dtype != x.dtype \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"sum_rows: out must be a C-contiguous {x.dtype} CuPy array of "
+                         f"{cols} elements")
+    _base._launch("reduce", "sum_rows", x.dtype, cols,
+            (x, np.int64(rows), _int(bool(accumulate)), out))
+    return out

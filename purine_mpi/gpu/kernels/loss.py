@@ -1,0 +1,155 @@
+"""The fused softmax loss and the loss watch (cuda/softmax_loss.cu, loss_watch.cu)."""
+import numpy as np
+
+from .. import data_ptr, dtype_suffix, import_cupy
+from . import base as _base
+from .base import _REDUCE_THREADS, _finish, _input, _int, _output, _outs, _scalar_or_device
+
+
+# ---------------------------------------------------------- softmax loss ---
+
+def _labels(cupy, labels, positions, what):
+    if not isinstance(labels, cupy.ndarray) or labels.size != positions:
+        shape = getattr(labels, "shape", None)
+        raise ValueError(f"{what}: labels must be a CuPy array with one label per "
+                         f"position ({positions}), got shape {shape}")
+    # int64 as the data reader makes them (no conversion); float labels (as
+    # Caffe stores them) are truncated, as Caffe does
+    return cupy.ascontiguousarray(labels.astype(np.int64, copy=False))
+
+
+def _ignore(ignore_label):
+    if ignore_label is None:
+        return _int(0), _int(0)
+    return _int(ignore_label), _int(1)
+
+
+def _class_layout(cupy, a, labels, func, arg, what):
+    """(a, labels, N, C, positions per sample) of an (N, C, ...) array and its
+    one-label-per-position labels, checked."""
+    a = _input(cupy, a, f"{func}: {arg}")
+    if a.ndim < 2:
+        raise ValueError(f"{func}: expected (N, C, ...) {what}, got shape {tuple(a.shape)}")
+    n, channels = a.shape[0], a.shape[1]
+    inner = int(np.prod(a.shape[2:], dtype=np.int64))
+    return a, _labels(cupy, labels, n * inner, func), n, channels, inner
+
+
+def softmax_loss_forward(x, labels, ignore_label=None, out=None):
+    """Fused softmax over axis 1 and cross-entropy -> ``(prob, loss, valid)``.
+
+    ``x`` is (N, C, ...), ``labels`` holds one class per position (N, ...).
+    prob has x's shape; loss and valid have shape (N, ...) (x without axis 1):
+    loss = -log(max(prob[label], FLT_MIN)), valid = 1, both 0 where
+    label == ignore_label. The batch-mean loss is sum(loss) / sum(valid)."""
+    cupy = import_cupy()
+    x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
+                                                  "x", "logits")
+    prob_out, loss_out, valid_out = _outs(out, 3)
+    pos_shape = (n,) + tuple(x.shape[2:])
+    prob, prob_t = _output(cupy, prob_out, x.shape, x.dtype, "softmax_loss_forward (prob)")
+    loss, loss_t = _output(cupy, loss_out, pos_shape, x.dtype, "softmax_loss_forward (loss)")
+    valid, valid_t = _output(cupy, valid_out, pos_shape, x.dtype,
+                             "softmax_loss_forward (valid)")
+    ignore_value, has_ignore = _ignore(ignore_label)
+    _base._launch("softmax_loss", "softmax_loss_forward", x.dtype, n * inner,
+            (x, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+             prob, loss, valid))
+    return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
+
+
+def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, count=None,
+                          scale_factor=1.0):
+    """Gradient of the summed loss times ``scale * scale_factor / count``:
+    dx = scale * scale_factor / count * (prob - onehot), 0 at ignored
+    positions. ``scale`` is a number or a one-element CuPy array (e.g. the
+    top gradient; ``scale_factor`` a number, e.g. 1 / positions), ``count``
+    None or a one-element CuPy array (the valid count of
+    :func:`softmax_loss_count`): both stay on the device."""
+    cupy = import_cupy()
+    prob, labels, n, channels, inner = _class_layout(cupy, prob, labels,
+                                                     "softmax_loss_backward", "prob", "prob")
+    dx, target = _output(cupy, out, prob.shape, prob.dtype, "softmax_loss_backward")
+    scale_value, scale_ptr, has_scale_ptr = _scalar_or_device(
+        cupy, scale, prob.dtype, prob, "softmax_loss_backward: scale", scale_factor)
+    if count is None:
+        count_ptr, has_count = prob, _int(0)
+    else:
+        _, count_ptr, has_count = _scalar_or_device(cupy, count, prob.dtype, prob,
+                                                    "softmax_loss_backward: count")
+    ignore_value, has_ignore = _ignore(ignore_label)
+    _base._launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size,
+            (prob, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+             scale_value, scale_ptr, has_scale_ptr, count_ptr, has_count, dx))
+    return _finish(dx, target)
+
+
+def softmax_loss_mean(loss, valid, out, count=None):
+    """out = sum(loss) / max(sum(valid), 1) on the device, one block (and,
+    with ``count``, that normaliser too): one-element CuPy arrays."""
+    cupy = import_cupy()
+    loss = _input(cupy, loss, "softmax_loss_mean: loss")
+    valid = _input(cupy, valid, "softmax_loss_mean: valid")
+    for name, array in (("out", out), ("count", count)):
+        if array is not None and (not isinstance(array, cupy.ndarray) or array.size != 1
+                                  or array.dtype != loss.dtype):
+            raise ValueError(f"softmax_loss_mean: {name} must be a one-element {loss.dtype} "
+                             "CuPy array")
+    out_flat = out.reshape(1)
+    _base._launch_blocks("softmax_loss", "softmax_loss_mean", loss.dtype, 1, _REDUCE_THREADS,
+                   (np.int64(loss.size), loss, valid, out_flat,
+                    out_flat if count is None else count.reshape(1), _int(count is not None)))
+    return out
+
+
+def softmax_loss_count(labels, ignore_label, out):
+    """out = max(number of labels != ignore_label, 1), one block on the device."""
+    cupy = import_cupy()
+    labels = _labels(cupy, labels, labels.size, "softmax_loss_count")
+    if not isinstance(out, cupy.ndarray) or out.size != 1:
+        raise ValueError("softmax_loss_count: out must be a one-element CuPy array")
+    _base._launch_blocks("softmax_loss", "softmax_loss_count", out.dtype, 1, _REDUCE_THREADS,
+                   (np.int64(labels.size), labels, _int(ignore_label), out.reshape(1)))
+    return out
+
+
+# ------------------------------------------------------------ loss watch ---
+
+class LossTable:
+    """The device table of :func:`loss_watch` for a fixed set of loss blobs
+    (one-element arrays of one dtype): their device pointers and each one's
+    share of the displayed loss. Built once (in the op's setup)."""
+
+    def __init__(self, losses, shares):
+        cupy = import_cupy()
+        if not losses or len(losses) != len(shares):
+            raise ValueError("LossTable: one share per loss, at least one loss")
+        dtypes = {np.dtype(a.dtype) for a in losses}
+        if len(dtypes) != 1 or any(not isinstance(a, cupy.ndarray) or a.size != 1
+                                   for a in losses):
+            raise ValueError("LossTable: the losses must be one-element CuPy arrays of "
+                             f"one dtype, got dtypes {sorted(map(str, dtypes))}")
+        self.losses = list(losses)  # kept alive: the table holds their addresses
+        self.dtype = dtypes.pop()
+        dtype_suffix(self.dtype)
+        self.pointers = cupy.asarray(np.asarray([data_ptr(a) for a in losses], np.uint64))
+        self.shares = cupy.asarray(np.asarray(shares, np.float64))
+        self.count = len(losses)
+
+
+def loss_watch(table, iteration, out):
+    """One iteration of the loss watch (cuda/loss_watch.cu): add this
+    iteration's loss (the shares' weighted sum of ``table``'s losses, in
+    double) to ``out[0]`` and, when it is not finite and ``out[1]`` is 0,
+    set ``out[1]`` to the iteration + 1. ``iteration`` is the one-element
+    int64 iteration blob on the device; ``out`` two float64 on the device."""
+    cupy = import_cupy()
+    if not isinstance(out, cupy.ndarray) or out.size != 2 or \
+            np.dtype(out.dtype) != np.dtype(np.float64) or not out.flags.c_contiguous:
+        raise ValueError("loss_watch: out must be a two-element float64 CuPy array")
+    if not isinstance(iteration, cupy.ndarray) or iteration.size != 1 or \
+            np.dtype(iteration.dtype) != np.dtype(np.int64):
+        raise ValueError("loss_watch: the iteration must be the one-element int64 "
+                         "iteration blob on the device")
+    _base._launch_blocks("loss_watch", "loss_watch", table.dtype, 1, 1,
+                   (table.pointers, table.shares, _int(table.count), iteration, out))
