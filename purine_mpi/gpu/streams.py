@@ -112,8 +112,7 @@ def copy_to_device_async(dst, src):
     array of ``dst``'s dtype and size) as one ``cudaMemcpyAsync`` on the
     current stream. Unlike CuPy's ``ndarray.set`` it may be captured into a
     CUDA graph; the captured copy reads what ``src`` holds when it runs."""
-    from . import import_cupy
-    from .raw import data_ptr
+    from . import data_ptr, import_cupy
     cupy = import_cupy()
     if not (dst.flags.c_contiguous and src.flags.c_contiguous) or \
             np.dtype(dst.dtype) != np.dtype(src.dtype) or dst.nbytes != src.nbytes:

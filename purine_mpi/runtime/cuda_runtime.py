@@ -1,0 +1,161 @@
+"""The CUDA calls of the stream dispatchers, on top of CuPy (``CudaRuntime``),
+and the asynchronous host<->device ``Copy`` kernel they swap in. Everything
+the dispatchers do to a device goes through a runtime object, so their event
+bookkeeping and capture logic are tested against a simulated device
+(tests/test_gpu_backend.py ``SimulatedRuntime``). CuPy is imported on first
+use; imports: NumPy, ``gpu`` (the loader, streams, cuBLAS), ``ops.registry``.
+"""
+import numpy as np
+
+from ..ops.registry import OpKernel
+
+
+class CudaRuntime:
+    """The CUDA calls the stream dispatcher makes, on top of CuPy.
+
+    ``launch``/``call`` run ``fn`` on the host with ``stream`` as CuPy's
+    current stream (so the CuPy work in it is queued there); ``launch`` is
+    for op kernels, ``call`` for host work that may queue device work (comm
+    ops). Events record the work queued so far on a stream."""
+
+    def __init__(self, pool=None):
+        from ..gpu.streams import StreamPool
+        self.pool = pool or StreamPool()
+        self._cupy = None
+
+    @property
+    def cupy(self):
+        if self._cupy is None:
+            from ..gpu import import_cupy
+            self._cupy = import_cupy()
+        return self._cupy
+
+    def stream(self, device, thread):
+        return self.pool.get(device, thread)
+
+    def launch(self, device, stream, fn, name=None):
+        """Queue op ``name``'s kernels (``fn``) on ``stream``."""
+        with self.cupy.cuda.Device(device), stream:
+            return fn()
+
+    def call(self, device, stream, fn):
+        """Run host work ``fn`` that may queue device work on ``stream``."""
+        with self.cupy.cuda.Device(device), stream:
+            return fn()
+
+    def record(self, device, stream, timing=False):
+        cuda = self.cupy.cuda
+        with cuda.Device(device):
+            event = cuda.Event(disable_timing=not timing)
+            event.record(stream)
+        return event
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def query(self, event):
+        return bool(event.done)
+
+    def sync_event(self, event):
+        event.synchronize()
+
+    def sync_devices(self, devices):
+        for d in devices:
+            self.cupy.cuda.Device(d).synchronize()
+
+    def sync_streams(self):
+        self.pool.synchronize()
+
+    def elapsed_ms(self, start, end):
+        return self.cupy.cuda.get_elapsed_time(start, end)
+
+    def swaps_copies(self):
+        """Host<->device Copy ops use the asynchronous pinned-memory path."""
+        return True
+
+    def host_write(self, devices, fn):
+        """Run ``fn`` (host writes into device arrays, queued by CuPy on the
+        default stream) with ``devices`` idle before and after."""
+        self.sync_devices(devices)
+        fn()
+        self.sync_devices(devices)
+
+    def prepare_capture(self, device, streams):
+        """Before a capture on ``streams``: what the captured work needs that
+        must not be created inside it (a cuBLAS handle and workspace for
+        each stream, ``gpu/blas.reserve``)."""
+        from ..gpu import blas
+        reserve = getattr(blas, "reserve", None)
+        if reserve is not None:
+            with self.cupy.cuda.Device(device):
+                for stream in streams:
+                    reserve(stream)
+
+    # ------------------------------------------------ stream capture (CUDA graphs)
+    # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``
+    # (default relaxed mode, which lets the memory pool grow by cudaMalloc
+    # during a capture), ``Stream.end_capture() -> cupy.cuda.Graph`` (already
+    # instantiated), ``Graph.launch(stream)``. Another stream joins a capture by
+    # waiting on an event recorded on a capturing stream, and must be joined
+    # back into the origin stream before ``end_capture``.
+
+    def begin_capture(self, device, stream):
+        with self.cupy.cuda.Device(device):
+            stream.begin_capture()
+
+    def end_capture(self, device, stream):
+        with self.cupy.cuda.Device(device):
+            return stream.end_capture()
+
+    def abort_capture(self, device, stream):
+        """Leave capture mode after a failed capture (its graph is dropped)."""
+        try:
+            with self.cupy.cuda.Device(device):
+                if stream.is_capturing():
+                    stream.end_capture()
+        except Exception:  # an invalidated capture also raises here: it has ended
+            pass
+
+    def launch_graph(self, device, graph, stream):
+        with self.cupy.cuda.Device(device):
+            graph.launch(stream)
+
+    def capture_memory(self, device):
+        """A context manager under which CuPy allocates from a memory pool of
+        its own, and that pool: what kernels allocate while they are captured
+        (temporaries) stays reserved for the graph's replays, so no other work
+        ever reuses it; keep the pool as long as the graph."""
+        cuda = self.cupy.cuda
+        with cuda.Device(device):
+            pool = cuda.MemoryPool()
+        return cuda.using_allocator(pool.malloc), pool
+
+
+class HostDeviceCopy(OpKernel):
+    """``Copy`` between host and device memory as one asynchronous
+    ``cudaMemcpyAsync`` on the current stream (pinned host memory makes it
+    truly asynchronous; pageable memory still works, staged by the driver).
+    Swapped in by the stream dispatcher for Copy ops that cross sides."""
+
+    op_type = "Copy"
+    category = "copy"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        from ..gpu import import_cupy
+        cupy = import_cupy()
+        src, dst = ins[0], outs[0]
+        stream = cupy.cuda.get_current_stream()
+        direct = src.flags.c_contiguous and dst.flags.c_contiguous and src.dtype == dst.dtype
+        if isinstance(dst, cupy.ndarray):  # host -> device
+            if direct:
+                dst.set(src, stream=stream)
+            else:
+                dst[...] = cupy.asarray(np.asarray(src, dtype=dst.dtype))
+        elif direct:  # device -> host: the host reads it next, so blocking
+            src.get(stream=stream, out=dst)
+        else:
+            dst[...] = cupy.asnumpy(src, stream=stream)
