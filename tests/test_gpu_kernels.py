@@ -237,6 +237,9 @@ _C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32,
 _SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
 
 
+_THREADED_KERNEL = threading.Lock()
+
+
 class _HostKernel:
     """One extern "C" entry point; checks arguments like a strict CuPy."""
 
@@ -274,11 +277,18 @@ class _HostKernel:
             self._func(*c_args)   # ctypes releases the GIL: the threads run at once
 
         def grid():
-            for b in range(_EMU_BLOCKS):
-                if not self.threaded:
+            if not self.threaded:
+                for b in range(_EMU_BLOCKS):
                     for t in range(_EMU_THREADS):
                         run(b, t)
-                    continue
+                return
+            # the emulated __syncthreads is one barrier per library: kernels that
+            # use it run one at a time, whichever host threads launch them
+            with _THREADED_KERNEL:
+                threaded_grid()
+
+        def threaded_grid():
+            for b in range(_EMU_BLOCKS):
                 self._barrier(_EMU_THREADS)
                 threads = [threading.Thread(target=run, args=(b, t))
                            for t in range(_EMU_THREADS)]
