@@ -72,6 +72,10 @@ class OpKernel:
     #: comm kernels: posted in ``seq`` order (collectives, matched by call
     #: order) or, when False, as soon as ready (point-to-point, matched by tag)
     seq_ordered = True
+    #: kernels that read their outputs' earlier values (state kept in an
+    #: output across iterations): those outputs keep their own memory in the
+    #: host memory plan (runtime/memory_plan.py)
+    keeps_outputs = False
 
     def __init__(self, op):
         self.op = op

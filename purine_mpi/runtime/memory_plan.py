@@ -1,0 +1,294 @@
+"""The host memory plan: blobs whose lifetimes never meet share bytes of one
+arena, planned once from the static graph before the first iteration.
+
+    plan = plan_host_memory(graph, keep=("loss",))   # a MemoryPlan
+    Workspace(graph, plan=plan)                      # lays the blobs out by it
+    format_plan(graph, plan)                         # ``graph --memory``
+
+Which blobs are planned. The unit is a storage root with the blobs that
+view it (its *group*), on the CPU (device -1). A root keeps memory of its
+own for the whole run -- it is *persistent* -- when its value must survive
+the iteration or is read from outside the graph:
+
+- a blob of the group is a parameter, solver state, learning rate,
+  iteration counter or gradient bucket (kinds ``param``, ``param_buffer``,
+  ``state``, ``lr``, ``iter``, ``bucket``), a loss or a metric (the trainer
+  reads them after the iteration), or is named in ``keep`` (what else the
+  host reads: the loss watch, the test graph's outputs);
+- nothing in the graph writes it (the host fills it, or it is read as
+  initialised), or an op writes it with ``accumulate`` (the dispatcher
+  zeroes those before the iteration, outside the schedule);
+- an op reads it that does not come after every op writing bytes it reads
+  (it reads the value of the previous iteration: weights, momenta and
+  running statistics read before their ``@new`` update), or bytes no op
+  writes;
+- an op of the deferred tail touches it (``runtime/tail.py``: with
+  ``parallel.defer_update`` those run on into the next iteration), or an
+  op whose kernel keeps state in its outputs (``keeps_outputs``) writes it.
+
+Every other root is *transient*: it is written and read within one
+iteration. Its lifetime runs from its first writer to its last reader in
+the schedule; two transient roots may share bytes only if the graph orders
+them -- every op touching one is an ancestor (through data, write-after-read
+and control edges) of every op writing the other -- so no dispatcher, on
+any number of threads, ever runs an op of one while an op of the other
+reads or writes the bytes (the rule ``Workspace.scratch_for`` applies to
+scratch). The iterations themselves run one after the other (the deferred
+tail touches only persistent memory), so a transient value never needs to
+outlive its iteration.
+
+Offsets are assigned by greedy interval colouring: roots from the largest
+down (ties by first use) each take the lowest ``HOST_ALIGN``-aligned offset
+where it overlaps no root already placed that it may not share with. The
+results are bit-identical to one buffer per blob: every kernel writes the
+whole of its outputs before reading them, so a buffer's earlier contents
+never reach a result (as between iterations, which reuse every buffer
+already).
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
+HOST_ALIGN = 64
+
+#: blob kinds whose storage persists across iterations
+PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
+
+
+@dataclass
+class MemoryPlan:
+    """The layout of a graph's transient host blobs in one arena."""
+
+    #: bytes of the arena
+    total_bytes: int = 0
+    #: {storage root: byte offset in the arena}
+    offsets: dict = field(default_factory=dict)
+    #: {storage root: bytes}
+    sizes: dict = field(default_factory=dict)
+    #: {storage root: (first, last)}: positions of its first and last op in the schedule
+    lifetimes: dict = field(default_factory=dict)
+    #: {storage root: why it keeps its own memory}, the host roots not planned
+    persistent: dict = field(default_factory=dict)
+    #: {persistent root: bytes}
+    persistent_sizes: dict = field(default_factory=dict)
+    #: the schedule the positions refer to (op names)
+    order: list = field(default_factory=list)
+
+    @property
+    def planned_bytes(self):
+        """Bytes the planned blobs take: the arena."""
+        return self.total_bytes
+
+    @property
+    def unplanned_bytes(self):
+        """Bytes the same blobs would take with one buffer each."""
+        return sum(self.sizes.values())
+
+    @property
+    def persistent_bytes(self):
+        return sum(self.persistent_sizes.values())
+
+
+def _aligned(nbytes):
+    return -(-max(int(nbytes), 1) // HOST_ALIGN) * HOST_ALIGN
+
+
+def _root_nbytes(blob):
+    count = max(blob.size, 1) if blob.shape else 1
+    return count * np.dtype(blob.dtype).itemsize
+
+
+def _tail_ops(graph, deps):
+    """The ops ``deferred_tail`` may run on into the next iteration (the
+    classes' ``category`` and ``seq_ordered`` are what it reads)."""
+    from ..kernels import get_kernel_class
+    from .tail import deferred_tail
+    classes = {n: get_kernel_class(op.op_type, n) for n, op in graph.ops.items()}
+    return deferred_tail(graph, classes, deps)[0]
+
+
+def plan_host_memory(graph, keep=(), skip=()):
+    """The :class:`MemoryPlan` of ``graph``'s host blobs (see the module
+    docstring). ``keep``: blob names the host reads besides the graph's
+    losses and metrics (their roots persist); ``skip``: blobs owned
+    elsewhere (a workspace's ``shared`` arrays), neither planned nor kept."""
+    from ..kernels import get_kernel_class
+    deps = graph.dependencies()
+    order = [op.name for op in graph.topo_order(deps)]
+    pos = {n: i for i, n in enumerate(order)}
+    # ancestors as bit sets over schedule positions
+    anc = {}
+    for n in order:
+        a = 0
+        for p in deps[n]:
+            a |= anc[p] | (1 << pos[p])
+        anc[n] = a
+    prod, cons = graph.producers(), graph.consumers()
+    root_of = {b: graph.storage_root(b) for b in graph.blobs}
+    groups = {}
+    for b in graph.blobs:
+        groups.setdefault(root_of[b], []).append(b)
+    keep = set(keep)
+    skip = set(skip)
+    tail = _tail_ops(graph, deps)
+    plan = MemoryPlan(order=order)
+    cand = {}
+    for root, names in groups.items():
+        rb = graph.blobs[root]
+        if rb.location.device >= 0 or root in skip or rb.attrs.get("pinned") or \
+                any(n in skip for n in names):
+            continue
+        if rb.shape is None:
+            continue
+        why = _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail,
+                                 get_kernel_class)
+        if why is not None:
+            plan.persistent[root] = why
+            plan.persistent_sizes[root] = _root_nbytes(rb)
+            continue
+        touch = 0
+        writers = []
+        for n in names:
+            for op in prod.get(n, ()):
+                touch |= 1 << pos[op.name]
+                writers.append(op.name)
+            for op in cons.get(n, ()):
+                touch |= 1 << pos[op.name]
+        before_writers = -1  # all bits: AND over the writers' ancestors
+        for w in writers:
+            before_writers &= anc[w]
+        first = min(pos[w] for w in writers)
+        last = touch.bit_length() - 1
+        cand[root] = (touch, before_writers, first, last, _root_nbytes(rb))
+    placed = []  # (offset, end, touch, before_writers)
+    for root in sorted(cand, key=lambda r: (-cand[r][4], cand[r][2], r)):
+        touch, before, first, last, nbytes = cand[root]
+        size = _aligned(nbytes)
+        busy = sorted((off, end) for off, end, t, b in placed
+                      if (touch & ~b) and (t & ~before))  # neither is ordered before the other
+        offset = 0
+        for off, end in busy:
+            if off >= offset + size:
+                break
+            offset = max(offset, end)
+        placed.append((offset, offset + size, touch, before))
+        plan.offsets[root] = offset
+        plan.sizes[root] = nbytes
+        plan.lifetimes[root] = (first, last)
+        plan.total_bytes = max(plan.total_bytes, offset + size)
+    return plan
+
+
+def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_class):
+    """Why the storage of ``names`` (one root's group) must keep its own
+    memory, or None when it is transient."""
+    blobs = [graph.blobs[n] for n in names]
+    for b in blobs:
+        if b.kind in PERSISTENT_KINDS:
+            return f"kind {b.kind} ({b.name})"
+        if "loss_weight" in b.attrs:
+            return f"a loss ({b.name})"
+        if b.attrs.get("metric"):
+            return f"a metric ({b.name})"
+        if b.name in keep:
+            return f"read by the host ({b.name})"
+    writers = [op for n in names for op in prod.get(n, ())]
+    if not writers:
+        return "no op writes it"
+    for op in writers:
+        if op.accumulate:
+            return f"accumulated by {op.name}"
+        if getattr(kernel_class(op.op_type, op.name), "keeps_outputs", False):
+            return f"{op.name} keeps state in it"
+    for n in names:
+        for op in list(prod.get(n, ())) + list(cons.get(n, ())):
+            if op.name in tail:
+                return f"the deferred tail touches it ({op.name})"
+    # every read must see bytes written earlier in the same iteration
+    spans = {n: (graph._abs_offset(n), graph.blobs[n].size) for n in names}
+    for n in names:
+        readers = cons.get(n, ())
+        if not readers:
+            continue
+        start, size = spans[n]
+        covering = [(spans[m][0], spans[m][0] + spans[m][1], w) for m in names
+                    for w in prod.get(m, ())
+                    if spans[m][0] < start + size and start < spans[m][0] + spans[m][1]]
+        if not _covers(start, start + size, covering):
+            return f"{n} has bytes no op writes"
+        for r in readers:
+            for _, _, w in covering:
+                if w.name != r.name and not (anc[r.name] >> pos[w.name]) & 1:
+                    return f"{r.name} reads {n} before {w.name} writes it"
+    return None
+
+
+def _covers(start, end, spans):
+    at = start
+    for s, e, _ in sorted(spans, key=lambda t: t[0]):
+        if s > at:
+            return False
+        at = max(at, e)
+        if at >= end:
+            return True
+    return at >= end
+
+
+def check_plan(graph, plan):
+    """The pairs of planned roots that share bytes though the graph does
+    not order them (empty for a sound plan): the test's independent check,
+    by plain ancestor sets rather than the planner's bit sets."""
+    deps = graph.dependencies()
+    ancestors = {}
+    for op in graph.topo_order(deps):
+        a = set()
+        for p in deps[op.name]:
+            a |= ancestors[p] | {p}
+        ancestors[op.name] = a
+    prod, cons = graph.producers(), graph.consumers()
+    touch, writes = {}, {}
+    for b in graph.blobs:
+        r = graph.storage_root(b)
+        if r in plan.offsets:
+            touch.setdefault(r, set()).update(o.name for o in prod.get(b, ()))
+            touch[r].update(o.name for o in cons.get(b, ()))
+            writes.setdefault(r, set()).update(o.name for o in prod.get(b, ()))
+
+    def before(a, b):  # every op of a precedes every writer of b
+        return all(t in ancestors[w] for w in writes[b] for t in touch[a])
+
+    bad = []
+    roots = sorted(plan.offsets)
+    for i, a in enumerate(roots):
+        a0, a1 = plan.offsets[a], plan.offsets[a] + plan.sizes[a]
+        for b in roots[i + 1:]:
+            b0, b1 = plan.offsets[b], plan.offsets[b] + plan.sizes[b]
+            if a0 < b1 and b0 < a1 and not (before(a, b) or before(b, a)):
+                bad.append((a, b))
+    return bad
+
+
+def format_plan(graph, plan):
+    """Lines of ``graph --memory``: each planned root with its offset, size
+    and lifetime (schedule positions of its first and last op), then the
+    persistent roots and the totals."""
+    from ..progress import human_bytes
+    lines = [f"memory plan: {len(plan.offsets)} transient blob(s) in a "
+             f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
+             f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "
+             f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes"]
+    if not plan.offsets and not plan.persistent:
+        return lines
+    width = max(len(r) for r in list(plan.offsets) + list(plan.persistent))
+    order = plan.order
+    lines.append(f"  {'blob':<{width}}  {'offset':>12}  {'bytes':>12}  lifetime (schedule "
+                 f"positions: first writer .. last reader)")
+    for root in sorted(plan.offsets, key=lambda r: (plan.offsets[r], plan.lifetimes[r])):
+        first, last = plan.lifetimes[root]
+        lines.append(f"  {root:<{width}}  {plan.offsets[root]:>12,}  {plan.sizes[root]:>12,}  "
+                     f"{first}..{last} ({order[first]} .. {order[last]})")
+    for root in sorted(plan.persistent):
+        lines.append(f"  {root:<{width}}  {'own':>12}  {plan.persistent_sizes[root]:>12,}  "
+                     f"persistent: {plan.persistent[root]}")
+    return lines
