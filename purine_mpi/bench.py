@@ -99,6 +99,7 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         events = d.profiler.events
     finally:
         trainer.close()
+    plan = trainer.ws.plan
     overlap = comm_overlap(events)
     names = sorted(latencies)
     worst = world.allreduce(np.array([statistics.median(latencies[n]) for n in names] or [0.0]),
@@ -123,6 +124,10 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "post_latency_ms": post_latency,
         "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
         "peak_mem_bytes": int(trainer.ws.allocated_bytes),
+        # the host memory plan (runtime/memory_plan.py): its arena, and what
+        # the same blobs take one buffer each (null with memory_plan: false)
+        "planned_bytes": None if plan is None else int(plan.planned_bytes),
+        "unplanned_bytes": None if plan is None else int(plan.unplanned_bytes),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "backend": "cupy" if cupy_available() and any(
             b.location.device >= 0 for b in trainer.graph.blobs.values()) else "numpy",
@@ -161,5 +166,8 @@ def format_bench(res, warmup=None):
         ("memory", f"{human_bytes(res['peak_mem_bytes'])} in blobs (rank 0), "
                    f"{human_bytes(res['max_rss_bytes'])} peak resident"),
     ]
+    if res.get("planned_bytes") is not None:
+        rows.append(("memory plan", f"a {human_bytes(res['planned_bytes'])} arena for the "
+                     f"blobs that take {human_bytes(res['unplanned_bytes'])} one buffer each"))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

@@ -32,7 +32,7 @@ from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applie
                                settings_without_effect)
 from .progress import progress
 from .runtime.factory import make_dispatcher
-from .runtime.memory_plan import plan_host_memory
+from .runtime.memory_plan import batch_blobs, plan_host_memory
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
@@ -121,7 +121,7 @@ class Trainer:
         # from the static graph (runtime/memory_plan.py); what the host reads
         # between iterations keeps its own memory
         self.plan_memory = bool(config.get("memory_plan", True))
-        keep = ([self.watch] if self.watch else []) + _batch_blobs(self.graph)
+        keep = ([self.watch] if self.watch else []) + batch_blobs(self.graph)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      cuda_graph=self.cuda_graph, log=self._say,
                                      defer_tail=self.defer_update,
@@ -156,7 +156,7 @@ class Trainer:
                                         cuda_graph=self.cuda_graph, log=self._say,
                                         workspace=self._workspace(
                                             self.test_graph,
-                                            self.test_names + _batch_blobs(self.test_graph),
+                                            self.test_names + batch_blobs(self.test_graph),
                                             shared,
                                             arena=self.ws),
                                         seed=self._op_seed())
@@ -608,12 +608,6 @@ class Trainer:
         self.train.close()
         if self.test is not None:
             self.test.close()
-
-
-def _batch_blobs(graph):
-    """The blobs the data readers fill: kept out of the memory plan, so the
-    batch of the last iteration stays readable (small beside the activations)."""
-    return [b for op in graph.ops.values() if op.op_type == "DataReader" for b in op.outputs]
 
 
 def _plain(obj):

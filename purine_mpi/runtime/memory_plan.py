@@ -18,10 +18,9 @@ the iteration or is read from outside the graph:
 - nothing in the graph writes it (the host fills it, or it is read as
   initialised), or an op writes it with ``accumulate`` (the dispatcher
   zeroes those before the iteration, outside the schedule);
-- an op reads it that does not come after every op writing bytes it reads
-  (it reads the value of the previous iteration: weights, momenta and
-  running statistics read before their ``@new`` update), or bytes no op
-  writes;
+- an op reads bytes of it that no op among its ancestors writes (it reads
+  the value of the previous iteration: weights, momenta and running
+  statistics read before their ``@new`` update);
 - an op of the deferred tail touches it (``runtime/tail.py``: with
   ``parallel.defer_update`` those run on into the next iteration), or an
   op whose kernel keeps state in its outputs (``keeps_outputs``) writes it.
@@ -88,6 +87,13 @@ class MemoryPlan:
     @property
     def persistent_bytes(self):
         return sum(self.persistent_sizes.values())
+
+
+def batch_blobs(graph):
+    """The blobs the data readers fill. The trainer keeps them out of the
+    plan, so the batch of the last iteration stays readable (they are small
+    beside the activations)."""
+    return [b for op in graph.ops.values() if op.op_type == "DataReader" for b in op.outputs]
 
 
 def _aligned(nbytes):
@@ -205,22 +211,20 @@ def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_cl
         for op in list(prod.get(n, ())) + list(cons.get(n, ())):
             if op.name in tail:
                 return f"the deferred tail touches it ({op.name})"
-    # every read must see bytes written earlier in the same iteration
+    # every read must see bytes written earlier in the same iteration: the
+    # writers among the reader's ancestors cover what it reads (a later
+    # writer of the same bytes -- a micro-batch copy sharing the buffer --
+    # does not matter; without an earlier one the value is last iteration's)
     spans = {n: (graph._abs_offset(n), graph.blobs[n].size) for n in names}
+    writes = [(spans[m][0], spans[m][0] + spans[m][1], w) for m in names
+              for w in prod.get(m, ())]
     for n in names:
-        readers = cons.get(n, ())
-        if not readers:
-            continue
         start, size = spans[n]
-        covering = [(spans[m][0], spans[m][0] + spans[m][1], w) for m in names
-                    for w in prod.get(m, ())
-                    if spans[m][0] < start + size and start < spans[m][0] + spans[m][1]]
-        if not _covers(start, start + size, covering):
-            return f"{n} has bytes no op writes"
-        for r in readers:
-            for _, _, w in covering:
-                if w.name != r.name and not (anc[r.name] >> pos[w.name]) & 1:
-                    return f"{r.name} reads {n} before {w.name} writes it"
+        for r in cons.get(n, ()):
+            before = [(s, e, w) for s, e, w in writes if w.name != r.name
+                      and (anc[r.name] >> pos[w.name]) & 1 and s < start + size and start < e]
+            if not _covers(start, start + size, before):
+                return f"{r.name} reads {n} before this iteration writes it"
     return None
 
 

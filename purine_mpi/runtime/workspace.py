@@ -1,5 +1,10 @@
 """Static memory for a graph: every blob gets its array once, before the first
-iteration, and keeps it. Alias blobs are views into their storage root, so a
+iteration, and keeps it. On the host, with a memory plan
+(``runtime/memory_plan.py``; the trainer makes one unless the config says
+``memory_plan: false``) the blobs written and read within one iteration are
+views into one arena, at offsets planned so that blobs the graph does not
+order apart never share a byte; the rest (and every blob without a plan)
+get arrays of their own. Alias blobs are views into their storage root, so a
 gradient bucket is one flat allocation whose per-parameter views the gradient
 ops write in place (no packing copy for communication).
 
@@ -13,8 +18,7 @@ orders, reserved in the kernels' ``setup`` and allocated in the first
 iteration, so a steady-state iteration allocates nothing on the device;
 CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
-those copies run asynchronously. A graph without GPU blobs is allocated as
-before, blob by blob, with NumPy.
+those copies run asynchronously.
 """
 import numpy as np
 
