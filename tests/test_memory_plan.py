@@ -49,7 +49,10 @@ def _schedule_conflicts(graph, plan):
             bytes_meet = plan.offsets[a] < plan.offsets[b] + plan.sizes[b] and \
                 plan.offsets[b] < plan.offsets[a] + plan.sizes[a]
             (fa, la), (fb, lb) = plan.lifetimes[a], plan.lifetimes[b]
-            if bytes_meet and fa <= lb and fb <= la:
+            # in place: the op that reads one last writes the other
+            touching = (la == fb and plan.in_place.get(b, (None,))[0] == a) or \
+                (lb == fa and plan.in_place.get(a, (None,))[0] == b)
+            if bytes_meet and fa <= lb and fb <= la and not touching:
                 bad.append((a, b))
     return bad
 
@@ -159,8 +162,12 @@ def _random_graph(seed, n_ops=40, threads=2):
         out = f"b{k}"
         g.add_blob(out, shape=(n,))
         control = rng.sample(list(g.ops), min(len(g.ops), rng.randint(0, 1)))
-        g.add_op(f"op{k}", "Sum", ins, [out], thread=rng.randrange(threads),
-                 control_inputs=control)
+        if rng.random() < 0.3:  # element-wise, may run in place over its input
+            g.add_op(f"op{k}", "Relu", ins[:1], [out], thread=rng.randrange(threads),
+                     control_inputs=control, attrs={"negative_slope": rng.choice([0.0, 0.5])})
+        else:
+            g.add_op(f"op{k}", "Sum", ins, [out], thread=rng.randrange(threads),
+                     control_inputs=control)
         pool[n].append(out)
     g.infer_shapes().validate()
     cons = g.consumers()
@@ -174,6 +181,8 @@ def test_random_graphs_plan_soundly_and_run_bitwise(seed):
     plan = plan_host_memory(g, keep=sinks)
     _assert_sound(g, plan)
     assert plan.offsets and set(sinks) <= set(plan.persistent)
+    for y, (x, op) in plan.in_place.items():
+        assert plan.offsets[x] == plan.offsets[y] and g.ops[op].op_type == "Relu"
     results = []
     for planned, kind in ((None, SerialDispatcher), (plan, EventDispatcher),
                           (plan, SerialDispatcher)):
@@ -194,6 +203,30 @@ def test_random_graphs_plan_soundly_and_run_bitwise(seed):
     for other in results[1:]:
         for b in sinks:
             assert np.array_equal(results[0][b], other[b]), (seed, b)
+
+
+def test_random_graphs_run_in_place_somewhere():
+    planned = [plan_host_memory(g, keep=sinks) for g, sinks in map(_random_graph, range(12))]
+    assert sum(len(p.in_place) for p in planned) > 0
+
+
+def test_activations_are_computed_in_place(digits_h5):
+    """NIN: each ReLU writes over its convolution's output (its gradient
+    reads the ReLU's output), each ReluGrad over its dy; the planned arena
+    is at most half of one buffer per blob (the job's batch of 128; the
+    plan is only computed here)."""
+    cfg = resolve_config(_job("nin_cifar10.yaml"), check_files=False)
+    g = compose_for(cfg, 1, 0)
+    plan = plan_host_memory(g, keep=batch_blobs(g))
+    assert plan.in_place["conv1@relu_conv1"] == ("conv1", "relu_conv1.fwd")
+    assert plan.offsets["conv1@relu_conv1"] == plan.offsets["conv1"]
+    assert plan.in_place["conv1.grad"] == ("conv1@relu_conv1.grad",
+                                           "relu_conv1.bwd.relu_grad")
+    grads = [op for op in g.ops.values() if op.op_type == "ReluGrad"]
+    assert grads and all(op.inputs[1] == g.ops[op.name.split(".bwd")[0] + ".fwd"].outputs[0]
+                         for op in grads)
+    assert any(g.ops[op].op_type == "Dropout" for _, op in plan.in_place.values())
+    assert plan.total_bytes <= plan.unplanned_bytes / 2
 
 
 def test_unordered_blobs_never_share():

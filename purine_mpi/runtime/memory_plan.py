@@ -36,13 +36,20 @@ scratch). The iterations themselves run one after the other (the deferred
 tail touches only persistent memory), so a transient value never needs to
 outlive its iteration.
 
-Offsets are assigned by greedy interval colouring: roots from the largest
-down (ties by first use) each take the lowest ``HOST_ALIGN``-aligned offset
-where it overlaps no root already placed that it may not share with. The
-results are bit-identical to one buffer per blob: every kernel writes the
-whole of its outputs before reading them, so a buffer's earlier contents
-never reach a result (as between iterations, which reuse every buffer
-already).
+In place: an op whose kernel declares it (``in_place``: ReLU, dropout and
+their gradients, element-wise) writes its output over its input's bytes
+when it is the last op to touch the input (every other op touching it is
+its ancestor) and both are transient roots of one size; ReLU's gradient
+reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
+
+Offsets are assigned by greedy interval colouring: the units (a root, with
+the roots computed in place over it) in some order each take the lowest
+``HOST_ALIGN``-aligned offset where they overlap no unit already placed that
+they may not share with; three orders are tried (largest first, first used
+first, longest lived first) and the smallest arena kept. The results are
+bit-identical to one buffer per blob: every kernel writes the whole of its
+outputs before reading them, so a buffer's earlier contents never reach a
+result (as between iterations, which reuse every buffer already).
 """
 from dataclasses import dataclass, field
 
@@ -73,6 +80,9 @@ class MemoryPlan:
     persistent_sizes: dict = field(default_factory=dict)
     #: the schedule the positions refer to (op names)
     order: list = field(default_factory=list)
+    #: {output root: (input root, op)}: an op writing its output over its
+    #: input's bytes (in place)
+    in_place: dict = field(default_factory=dict)
 
     @property
     def planned_bytes(self):
@@ -167,9 +177,30 @@ def plan_host_memory(graph, keep=(), skip=()):
         first = min(pos[w] for w in writers)
         last = touch.bit_length() - 1
         cand[root] = (touch, before_writers, first, last, _root_nbytes(rb))
-    placed = []  # (offset, end, touch, before_writers)
-    for root in sorted(cand, key=lambda r: (-cand[r][4], cand[r][2], r)):
-        touch, before, first, last, nbytes = cand[root]
+    units = _in_place_units(graph, cand, order, pos, anc, get_kernel_class, plan)
+    best = None
+    for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
+                lambda u: (units[u][2], -units[u][4], u),           # first used first
+                lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
+        offsets, total = _colour(units, sorted(units, key=key))
+        if best is None or total < best[1]:
+            best = (offsets, total)
+    offsets, plan.total_bytes = best
+    for unit, members in ((u, units[u][5]) for u in units):
+        for root in members:
+            plan.offsets[root] = offsets[unit]
+            plan.sizes[root] = cand[root][4]
+            plan.lifetimes[root] = (cand[root][2], cand[root][3])
+    return plan
+
+
+def _colour(units, order):
+    """Greedy interval colouring: each unit, in ``order``, at the lowest
+    aligned offset where it overlaps no unit placed before it that it may
+    not share with. Returns ({unit: offset}, total bytes)."""
+    placed, offsets, total = [], {}, 0  # placed: (offset, end, touch, before_writers)
+    for unit in order:
+        touch, before, _, _, nbytes, _ = units[unit]
         size = _aligned(nbytes)
         busy = sorted((off, end) for off, end, t, b in placed
                       if (touch & ~b) and (t & ~before))  # neither is ordered before the other
@@ -179,11 +210,49 @@ def plan_host_memory(graph, keep=(), skip=()):
                 break
             offset = max(offset, end)
         placed.append((offset, offset + size, touch, before))
-        plan.offsets[root] = offset
-        plan.sizes[root] = nbytes
-        plan.lifetimes[root] = (first, last)
-        plan.total_bytes = max(plan.total_bytes, offset + size)
-    return plan
+        offsets[unit] = offset
+        total = max(total, offset + size)
+    return offsets, total
+
+
+def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
+    """Planned roots grouped into units that take the same bytes: an op
+    whose kernel may write output o over input i (``in_place``: the
+    element-wise activations, dropout and their gradients) gets its output
+    on its input's bytes when the input is a transient root (no views) of
+    the same size that this op is the last to touch (every other op
+    touching it is an ancestor of the op) and the output is a transient
+    root written by this op alone. Returns {unit: (touch, before_writers,
+    first, last, nbytes, [roots])}; records plan.in_place {output: (input,
+    op)}."""
+    units = {r: (c[0], c[1], c[2], c[3], c[4], [r]) for r, c in cand.items()}
+    unit_of = {r: r for r in cand}
+    viewed = {graph.blobs[b].alias_of for b in graph.blobs if graph.blobs[b].alias_of}
+    prod = graph.producers()
+    for name in order:
+        op = graph.ops[name]
+        pairs = getattr(kernel_class(op.op_type, name), "in_place", ())
+        for i, o in pairs:
+            if i >= len(op.inputs) or o >= len(op.outputs):
+                continue
+            x, y = op.inputs[i], op.outputs[o]
+            if x not in cand or y not in cand or x in viewed or y in viewed or \
+                    unit_of[y] != y or len(units[y][5]) != 1 or \
+                    op.inputs.count(x) != 1 or x in op.outputs or \
+                    [w.name for w in prod.get(y, ())] != [name] or \
+                    cand[x][4] != cand[y][4]:
+                continue
+            u = unit_of[x]
+            touch, before, first, last, nbytes, members = units[u]
+            others = touch & ~(1 << pos[name])
+            if others & ~anc[name]:
+                continue  # x is read after this op, or by an op it does not wait for
+            ty = cand[y][0]
+            units[u] = (touch | ty, before, first, max(last, cand[y][3]), nbytes, members + [y])
+            del units[y]
+            unit_of[y] = u
+            plan.in_place[y] = (x, name)
+    return units
 
 
 def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_class):
@@ -262,13 +331,19 @@ def check_plan(graph, plan):
     def before(a, b):  # every op of a precedes every writer of b
         return all(t in ancestors[w] for w in writes[b] for t in touch[a])
 
+    def in_place(a, b):  # b computed over a by an op that is the last to touch a
+        x, op = plan.in_place.get(b, (None, None))
+        return x == a and writes[b] == {op} and \
+            all(t == op or t in ancestors[op] for t in touch[a])
+
     bad = []
     roots = sorted(plan.offsets)
     for i, a in enumerate(roots):
         a0, a1 = plan.offsets[a], plan.offsets[a] + plan.sizes[a]
         for b in roots[i + 1:]:
             b0, b1 = plan.offsets[b], plan.offsets[b] + plan.sizes[b]
-            if a0 < b1 and b0 < a1 and not (before(a, b) or before(b, a)):
+            if a0 < b1 and b0 < a1 and not (before(a, b) or before(b, a) or
+                                            in_place(a, b) or in_place(b, a)):
                 bad.append((a, b))
     return bad
 
