@@ -183,7 +183,7 @@ class Trainer:
         two never run at once."""
         plan = None
         if self.plan_memory:
-            plan = plan_host_memory(graph, keep=keep, skip=shared or ())
+            plan = plan_host_memory(graph, keep=keep, skip=shared or (), order_ops=True)
         return Workspace(graph, shared=shared, plan=plan, arena=arena)
 
     def _trace_epoch(self):

@@ -90,9 +90,16 @@ def test_job_plans_are_sound(job, np_, sets, digits_h5):
             graph = compose_for(cfg, np_, rank, phase)
             if graph is None:
                 continue
-            plan = plan_host_memory(graph, keep=batch_blobs(graph))
+            order = [op.name for op in graph.topo_order()]
+            plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=True)
             _assert_sound(graph, plan)
             assert plan.offsets, (job, rank, phase)
+            # the edges keep the schedule: each from an op to a later one of its thread
+            assert [op.name for op in graph.topo_order()] == order == plan.order
+            for a, b in plan.edges:
+                assert order.index(a) < order.index(b)
+                assert graph.ops[a].thread == graph.ops[b].thread
+                assert a in graph.ops[b].control_inputs
             if phase == "train":
                 assert plan.total_bytes < plan.unplanned_bytes
             kinds = {graph.blobs[b].kind for b in graph.blobs
@@ -126,7 +133,7 @@ def test_graph_memory_prints_the_plan(tmp_path):
     cfg = resolve_config(_job("cifar10_quick.yaml"), check_files=False)
     text = render_graph(cfg, 1, 0, memory=True)
     g = compose_for(cfg, 1, 0)
-    plan = plan_host_memory(g, keep=batch_blobs(g))
+    plan = plan_host_memory(g, keep=batch_blobs(g), order_ops=True)
     assert (f"memory plan: {len(plan.offsets)} transient blob(s) in a {plan.total_bytes:,}-byte "
             f"arena") in text
     lines = {line.split()[0]: line for line in text.splitlines()[1:] if line.startswith("  ")}
@@ -178,8 +185,10 @@ def _random_graph(seed, n_ops=40, threads=2):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_graphs_plan_soundly_and_run_bitwise(seed):
     g, sinks = _random_graph(seed)
-    plan = plan_host_memory(g, keep=sinks)
+    plan = plan_host_memory(g, keep=sinks, order_ops=seed % 2 == 0)
     _assert_sound(g, plan)
+    for a, b in plan.edges:
+        assert g.ops[a].thread == g.ops[b].thread
     assert plan.offsets and set(sinks) <= set(plan.persistent)
     for y, (x, op) in plan.in_place.items():
         assert plan.offsets[x] == plan.offsets[y] and g.ops[op].op_type == "Relu"
@@ -212,12 +221,17 @@ def test_random_graphs_run_in_place_somewhere():
 
 def test_activations_are_computed_in_place(digits_h5):
     """NIN: each ReLU writes over its convolution's output (its gradient
-    reads the ReLU's output), each ReluGrad over its dy; the planned arena
-    is at most half of one buffer per blob (the job's batch of 128; the
-    plan is only computed here)."""
+    reads the ReLU's output), each ReluGrad over its dy; with control edges
+    ordering a layer's weight gradient before the next data gradient (which
+    the graph leaves unordered) the arena shrinks further; it is at most
+    half of one buffer per blob (the job's batch of 128; the plan is only
+    computed here)."""
     cfg = resolve_config(_job("nin_cifar10.yaml"), check_files=False)
     g = compose_for(cfg, 1, 0)
-    plan = plan_host_memory(g, keep=batch_blobs(g))
+    live = plan_host_memory(g.copy(), keep=batch_blobs(g))
+    plan = plan_host_memory(g, keep=batch_blobs(g), order_ops=True)
+    _assert_sound(g, plan)
+    assert plan.total_bytes < live.total_bytes and plan.edges and not live.edges
     assert plan.in_place["conv1@relu_conv1"] == ("conv1", "relu_conv1.fwd")
     assert plan.offsets["conv1@relu_conv1"] == plan.offsets["conv1"]
     assert plan.in_place["conv1.grad"] == ("conv1@relu_conv1.grad",
@@ -242,8 +256,9 @@ def test_unordered_blobs_never_share():
             prev = f"t{t}_{k}"
     g.add_op("join", "Sum", ["t0_3", "t1_3"], ["y"])
     g.infer_shapes().validate()
-    plan = plan_host_memory(g, keep=["y"])
+    plan = plan_host_memory(g, keep=["y"], order_ops=True)
     _assert_sound(g, plan)
+    assert all(g.ops[a].thread == g.ops[b].thread for a, b in plan.edges)
     for a in [f"t0_{k}" for k in range(4)]:
         for b in [f"t1_{k}" for k in range(4)]:
             assert plan.offsets[a] + plan.sizes[a] <= plan.offsets[b] or \

@@ -45,8 +45,9 @@ reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
 Offsets are assigned by greedy interval colouring: the units (a root, with
 the roots computed in place over it) in some order each take the lowest
 ``HOST_ALIGN``-aligned offset where they overlap no unit already placed that
-they may not share with; three orders are tried (largest first, first used
-first, longest lived first) and the smallest arena kept. The results are
+they may not share with (the lowest such offset, or the tightest gap);
+three orders (largest first, first used first, longest lived first) times
+the two placements are tried and the smallest arena kept. The results are
 bit-identical to one buffer per blob: every kernel writes the whole of its
 outputs before reading them, so a buffer's earlier contents never reach a
 result (as between iterations, which reuse every buffer already).
@@ -83,6 +84,8 @@ class MemoryPlan:
     #: {output root: (input root, op)}: an op writing its output over its
     #: input's bytes (in place)
     in_place: dict = field(default_factory=dict)
+    #: control edges (op, later op) the plan added to order lifetimes apart
+    edges: list = field(default_factory=list)
 
     @property
     def planned_bytes(self):
@@ -124,11 +127,14 @@ def _tail_ops(graph, deps):
     return deferred_tail(graph, classes, deps)[0]
 
 
-def plan_host_memory(graph, keep=(), skip=()):
+def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
     """The :class:`MemoryPlan` of ``graph``'s host blobs (see the module
     docstring). ``keep``: blob names the host reads besides the graph's
     losses and metrics (their roots persist); ``skip``: blobs owned
-    elsewhere (a workspace's ``shared`` arrays), neither planned nor kept."""
+    elsewhere (a workspace's ``shared`` arrays), neither planned nor kept.
+    ``order_ops``: the plan may add control edges between compute ops of
+    one thread, each from an op to one later in the schedule, to order two
+    blobs' lifetimes apart (in place on ``graph``: the trainer's plan)."""
     from ..kernels import get_kernel_class
     deps = graph.dependencies()
     order = [op.name for op in graph.topo_order(deps)]
@@ -163,11 +169,12 @@ def plan_host_memory(graph, keep=(), skip=()):
             plan.persistent[root] = why
             plan.persistent_sizes[root] = _root_nbytes(rb)
             continue
-        touch = 0
+        touch = wmask = 0
         writers = []
         for n in names:
             for op in prod.get(n, ()):
                 touch |= 1 << pos[op.name]
+                wmask |= 1 << pos[op.name]
                 writers.append(op.name)
             for op in cons.get(n, ()):
                 touch |= 1 << pos[op.name]
@@ -176,16 +183,39 @@ def plan_host_memory(graph, keep=(), skip=()):
             before_writers &= anc[w]
         first = min(pos[w] for w in writers)
         last = touch.bit_length() - 1
-        cand[root] = (touch, before_writers, first, last, _root_nbytes(rb))
+        cand[root] = (touch, before_writers, first, last, _root_nbytes(rb), wmask)
     units = _in_place_units(graph, cand, order, pos, anc, get_kernel_class, plan)
+    link = None
+    if order_ops:
+        # ops that may get a control edge: compute ops, by (location, thread)
+        link = {"key": {}, "mask": {}}
+        for n in order:
+            op = graph.ops[n]
+            if get_kernel_class(op.op_type, n).category == "comm" or n in tail:
+                continue
+            k = (op.location, str(op.thread))
+            link["key"][n] = k
+            link["mask"][k] = link["mask"].get(k, 0) | (1 << pos[n])
+        for u, unit in units.items():
+            keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
+            unit_keys = keys.pop() if len(keys) == 1 else None
+            units[u] = unit + (unit_keys, cand[unit[5][0]][5])
     best = None
     for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
                 lambda u: (units[u][2], -units[u][4], u),           # first used first
                 lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
-        offsets, total = _colour(units, sorted(units, key=key))
-        if best is None or total < best[1]:
-            best = (offsets, total)
-    offsets, plan.total_bytes = best
+        for best_fit in (False, True):
+            offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link)
+            if best is None or (total, len(edges)) < (best[1], len(best[2])):
+                best = (offsets, total, edges)
+    offsets, plan.total_bytes, edges = best
+    for src, dst in edges:
+        for i in _bits(src):
+            for j in _bits(dst):
+                w = graph.ops[order[j]]
+                if order[i] not in w.control_inputs:
+                    w.control_inputs.append(order[i])
+                    plan.edges.append((order[i], order[j]))
     for unit, members in ((u, units[u][5]) for u in units):
         for root in members:
             plan.offsets[root] = offsets[unit]
@@ -194,25 +224,63 @@ def plan_host_memory(graph, keep=(), skip=()):
     return plan
 
 
-def _colour(units, order):
-    """Greedy interval colouring: each unit, in ``order``, at the lowest
-    aligned offset where it overlaps no unit placed before it that it may
-    not share with. Returns ({unit: offset}, total bytes)."""
-    placed, offsets, total = [], {}, 0  # placed: (offset, end, touch, before_writers)
+def _bits(mask):
+    """Positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _colour(units, order, best_fit=False, link=None):
+    """Greedy interval colouring: each unit, in ``order``, at an aligned
+    offset where it overlaps no unit placed before it that it may not share
+    with: the lowest such offset, or with ``best_fit`` the smallest free gap
+    that holds it (the end, if none does). Two units may share when the
+    graph orders one before the other, or -- with ``link`` (``order_ops``)
+    -- when control edges can: the ops of one not yet before the other's
+    first writers all precede them in the schedule and run on their thread.
+    Returns ({unit: offset}, total bytes, [(source ops, target ops)] as
+    bit sets of the edges to add)."""
+    placed, offsets, total, edges = [], {}, 0, []
     for unit in order:
-        touch, before, _, _, nbytes, _ = units[unit]
+        touch, before, first, _, nbytes, _ = units[unit][:6]
         size = _aligned(nbytes)
-        busy = sorted((off, end) for off, end, t, b in placed
-                      if (touch & ~b) and (t & ~before))  # neither is ordered before the other
-        offset = 0
+        busy, soft = [], []
+        for p in placed:
+            off, end, t, b, p_first, p_key, p_writers = p
+            late, early = t & ~before, touch & ~b  # ops that break "p before u", "u before p"
+            if not late or not early:
+                continue  # ordered already
+            if link is not None:
+                key, writers = units[unit][6], units[unit][7]
+                if key is not None and late.bit_length() <= first and \
+                        not late & ~link["mask"][key]:
+                    soft.append((off, end, late, writers))
+                    continue
+                if p_key is not None and early.bit_length() <= p_first and \
+                        not early & ~link["mask"][p_key]:
+                    soft.append((off, end, early, p_writers))
+                    continue
+            busy.append((off, end))
+        busy.sort()
+        offset, at, gap = None, 0, None
         for off, end in busy:
-            if off >= offset + size:
-                break
-            offset = max(offset, end)
-        placed.append((offset, offset + size, touch, before))
+            if off - at >= size and (gap is None or (best_fit and off - at < gap)):
+                offset, gap = at, off - at
+                if not best_fit:
+                    break
+            at = max(at, end)
+        if offset is None:
+            offset = at
+        for off, end, src, dst in soft:
+            if off < offset + size and offset < end:
+                edges.append((src, dst))
+        key_writers = units[unit][6:8] if link is not None else (None, 0)
+        placed.append((offset, offset + size, touch, before, first) + tuple(key_writers))
         offsets[unit] = offset
         total = max(total, offset + size)
-    return offsets, total
+    return offsets, total, edges
 
 
 def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
@@ -356,7 +424,9 @@ def format_plan(graph, plan):
     lines = [f"memory plan: {len(plan.offsets)} transient blob(s) in a "
              f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
              f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "
-             f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes"]
+             f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes; "
+             f"{len(plan.in_place)} computed in place; {len(plan.edges)} control edge(s) "
+             f"added"]
     if not plan.offsets and not plan.persistent:
         return lines
     width = max(len(r) for r in list(plan.offsets) + list(plan.persistent))
