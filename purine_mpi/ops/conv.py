@@ -16,7 +16,8 @@ Gradients (col = im2col(x), one row per (c, p, q), one column per (n, i, j)):
     dx = col2im(w^T @ dy)    ("ConvGradData",   [dy, w] -> [dx], attr x_shape)
     db = sum_{n,i,j} dy      ("ConvGradBias",   [dy] -> [db])
 
-im2col is one strided view of the padded input copied out; col2im loops over
+im2col is one strided view of the padded input copied out (the batch is
+padded a chunk at a time, in one reused buffer); col2im loops over
 the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
 processed in chunks so the column buffer stays bounded on large inputs. The
 weight gradient of a chunk is one GEMM over its samples (the columns copied
@@ -109,11 +110,24 @@ def _chunks(xp, geo, itemsize):
     return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
 
 
-def _pad(xp, x, geo):
-    if geo["ph"] == 0 and geo["pw"] == 0:
-        return x
-    ph, pw = geo["ph"], geo["pw"]
-    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+def _padded_chunks(xp, x, geo):
+    """(slice, padded chunk of x) for each chunk of the batch (``_chunks``).
+    One zeroed buffer of a chunk's size is reused, its interior overwritten
+    for each chunk (the border stays zero), instead of a padded copy of the
+    whole batch; without padding the chunks are views of x."""
+    chunks = _chunks(xp, geo, x.itemsize)
+    ph, pw, H, W = geo["ph"], geo["pw"], geo["H"], geo["W"]
+    if ph == 0 and pw == 0:
+        for sl in chunks:
+            yield sl, x[sl]
+        return
+    step = chunks[0].stop - chunks[0].start
+    buf = xp.zeros((step, x.shape[1], H + 2 * ph, W + 2 * pw), dtype=x.dtype)
+    for sl in chunks:
+        part = x[sl]
+        chunk = buf[:part.shape[0]]
+        chunk[:, :, ph:ph + H, pw:pw + W] = part
+        yield sl, chunk
 
 
 def im2col(xp, xpad, geo):
@@ -165,10 +179,9 @@ def _forward_cpu(xp, x, wmat, geo, y):
     if _pointwise(geo):
         xp.matmul(wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
         return
-    xpad = _pad(xp, x, geo)
-    for sl in _chunks(xp, geo, x.itemsize):
+    for sl, xpad in _padded_chunks(xp, x, geo):
         # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
-        xp.matmul(wmat, im2col(xp, xpad[sl], geo), out=y[sl])
+        xp.matmul(wmat, im2col(xp, xpad, geo), out=y[sl])
 
 
 def _transposed_geometry(geo):
@@ -399,17 +412,16 @@ class ConvGradWeight(OpKernel):
             for sl in _chunks(xp, geo, x.itemsize):
                 dw += xp.matmul(dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
             return
-        xpad = _pad(xp, x, geo)
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
             dw.fill(0)
-            for sl in _chunks(xp, geo, x.itemsize):
-                col = im2col(xp, xpad[sl], geo)  # (n, G, K, L)
+            for sl, xpad in _padded_chunks(xp, x, geo):
+                col = im2col(xp, xpad, geo)  # (n, G, K, L)
                 dw += xp.matmul(dyg[sl], col.transpose(0, 1, 3, 2)).sum(axis=0)
             return
         # one GEMM per chunk of the batch: dy as (O, n*L) against the columns
         # as (n*L, K), both laid out so by their copies (im2col_batch)
-        for i, sl in enumerate(_chunks(xp, geo, x.itemsize)):
-            col = im2col_batch(xp, xpad[sl], geo)  # (G, K, n*L)
+        for i, (sl, xpad) in enumerate(_padded_chunks(xp, x, geo)):
+            col = im2col_batch(xp, xpad, geo)  # (G, K, n*L)
             n = col.shape[2] // L
             dyt = xp.ascontiguousarray(dyg[sl].transpose(1, 2, 0, 3)).reshape(G, O // G, n * L)
             if i == 0:
