@@ -31,7 +31,7 @@ from .model import (build_test_graph, build_train_graph, check_data_labels, init
 from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
 from .progress import progress
-from .runtime.factory import make_dispatcher
+from .runtime.factory import make_dispatcher, on_gpu
 from .runtime.memory_plan import batch_blobs, plan_host_memory
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
@@ -183,7 +183,10 @@ class Trainer:
         two never run at once."""
         plan = None
         if self.plan_memory:
-            plan = plan_host_memory(graph, keep=keep, skip=shared or (), order_ops=True)
+            # control edges only where the CPU dispatchers run the graph (a
+            # GPU graph's host blobs are few; its schedule stays as it is)
+            plan = plan_host_memory(graph, keep=keep, skip=shared or (),
+                                    order_ops=not on_gpu(graph))
         return Workspace(graph, shared=shared, plan=plan, arena=arena)
 
     def _trace_epoch(self):

@@ -319,7 +319,8 @@ def test_digits_with_micro_batches_trains_bitwise(digits_h5):
 # ------------------------------------------------------ training, the CLI
 def _metrics(path):
     rows = [json.loads(x) for x in open(path)]
-    return [{k: v for k, v in r.items() if k not in ("time", "timestamp", "images_per_s")} for r in rows]
+    clock = ("time", "timestamp", "images_per_s")
+    return [{k: v for k, v in r.items() if k not in clock} for r in rows]
 
 
 def _checkpoint(path):

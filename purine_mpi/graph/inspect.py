@@ -138,8 +138,9 @@ def memory_lines(config, graph):
     """``graph --memory``: the host memory plan the trainer lays this graph
     out by (runtime/memory_plan.py), or a line saying it is off."""
     from ..runtime.memory_plan import batch_blobs, format_plan, plan_host_memory
+    from ..runtime.factory import on_gpu
     on = config.get("memory_plan", True)
-    plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=on)
+    plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=on and not on_gpu(graph))
     if not on:
         return [f"memory plan: off (memory_plan: false): one buffer per blob; the plan would "
                 f"put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} transient blob(s) "

@@ -36,6 +36,17 @@ scratch). The iterations themselves run one after the other (the deferred
 tail touches only persistent memory), so a transient value never needs to
 outlive its iteration.
 
+With ``order_ops`` (the trainer's plan) it may also make an order the
+graph leaves open: a layer's weight gradient reads an activation that
+nothing further down the data-gradient chain waits for, so that activation
+could never share with the gradients below it. Where every op of one unit
+not yet before the other's first writers precedes them in the schedule and
+runs on their thread (host compute ops: no communication, nothing of the
+deferred tail), the plan adds control edges from those ops to the writers.
+Each edge goes forward in the schedule, so no cycle can form and the order
+the dispatchers derive stays the same (the ops of one thread run one at a
+time anyway); ``graph --memory`` counts them.
+
 In place: an op whose kernel declares it (``in_place``: ReLU, dropout and
 their gradients, element-wise) writes its output over its input's bytes
 when it is the last op to touch the input (every other op touching it is
@@ -191,7 +202,8 @@ def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
         link = {"key": {}, "mask": {}}
         for n in order:
             op = graph.ops[n]
-            if get_kernel_class(op.op_type, n).category == "comm" or n in tail:
+            if get_kernel_class(op.op_type, n).category == "comm" or n in tail or \
+                    op.location.device >= 0:
                 continue
             k = (op.location, str(op.thread))
             link["key"][n] = k
