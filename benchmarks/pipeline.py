@@ -37,6 +37,8 @@ How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
   1F1B allocates ``activation_slots`` = min(p - s, M) copies on stage s,
   GPipe all M; ``workspace_bytes`` is everything the workspace allocated
   (weights, gradients and momenta included). M = 1 has no copies: null.
+  The runs set ``memory_plan: false`` (one buffer per blob otherwise), so
+  these figures show the micro-batch plan alone.
 """
 import argparse
 import json
@@ -69,7 +71,11 @@ def net_config(micro, schedule, batch, width, iters):
                                "batch_size": batch, "num_samples": batch * 8}},
             "net": net, "solver": {"base_lr": 0.01, "max_iter": iters, "display": 0},
             "parallel": {"scheme": "pipeline", "stages": stages, "micro_batches": micro,
-                         "schedule": schedule}}
+                         "schedule": schedule},
+            # the micro-batch plan alone: the host arena (memory_plan,
+            # runtime/memory_plan.py) would share the copies' bytes further
+            # and blur what 1F1B and GPipe allocate
+            "memory_plan": False}
 
 
 # ------------------------------------------------------------------ worker

@@ -1,2 +1,7 @@
 """purine_mpi: a bi-graph deep-learning framework for MPI clusters (after Purine, ICLR 2015)."""
+from . import threads as _threads
+
 __version__ = "0.1.0"
+
+# every entry point passes here first, before NumPy loads its BLAS
+_threads.apply()

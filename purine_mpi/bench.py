@@ -100,6 +100,7 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         report = d.capture_report() if hasattr(d, "capture_report") else None
     finally:
         trainer.close()
+    plan = trainer.ws.plan
     overlap = comm_overlap(events)
     names = sorted(latencies)
     worst = world.allreduce(np.array([statistics.median(latencies[n]) for n in names] or [0.0]),
@@ -126,6 +127,10 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "post_latency_ms": post_latency,
         "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
         "peak_mem_bytes": int(trainer.ws.allocated_bytes),
+        # the host memory plan (runtime/memory_plan.py): its arena, and what
+        # the same blobs take one buffer each (null with memory_plan: false)
+        "planned_bytes": None if plan is None else int(plan.planned_bytes),
+        "unplanned_bytes": None if plan is None else int(plan.unplanned_bytes),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
@@ -195,5 +200,8 @@ def format_bench(res, warmup=None):
                                     f"{graphs.get('segments', 0)} segments captured, "
                                     f"{len(graphs.get('failed') or {})} failed, {len(eager)} "
                                     f"GPU op{'s' if len(eager) != 1 else ''} run eagerly"))
+    if res.get("planned_bytes") is not None:
+        rows.append(("memory plan", f"a {human_bytes(res['planned_bytes'])} arena for the "
+                     f"blobs that take {human_bytes(res['unplanned_bytes'])} one buffer each"))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

@@ -107,6 +107,10 @@ def build_parser():
     p.add_argument("--phase", choices=["train", "test"], default="train",
                    help="the training graph with backward and solver ops (default), or the "
                         "test graph")
+    p.add_argument("--memory", action="store_true",
+                   help="text format: end with the host memory plan (memory_plan): each "
+                        "planned blob's offset in the arena, size and lifetime, then the blobs "
+                        "that keep their own memory and why")
 
     p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
     p.add_argument("checkpoint", metavar="CKPT.h5",
@@ -245,7 +249,7 @@ def cmd_test(args):
 def cmd_graph(args):
     from .graph.inspect import render_graph
     cfg = _load(args, check_files=False)
-    print(render_graph(cfg, args.np, args.rank, args.format, args.phase))
+    print(render_graph(cfg, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0
 
 

@@ -8,6 +8,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
       scheme      data parallel (mode sync): ranks 0-1 are workers, gradients allreduced in 4 buckets
       batch       32 per rank x 2 ranks = 64 global; test 60 per rank
       parameters  23,466 in 8 blobs (91.7 KiB, float32)
+      memory      584.9 KiB of blobs on rank 0: 22 transient blobs planned into a 416.0 KiB arena (947.8 KiB one buffer each), 168.9 KiB kept
       data        train 1,437 samples (data/digits.h5, split train), test 360 samples (...)
       solver      sgd, base_lr 0.05, lr_policy step; iterations 0 -> 900
       output      runs/digits_lenet/2
@@ -156,6 +157,19 @@ def data_text(data):
                      for phase, n, shape, where in parts)
 
 
+def memory_text(trainer):
+    """The memory row: rank 0's blobs, with the host memory plan's arena
+    (runtime/memory_plan.py) and what its blobs would take one buffer each."""
+    ws = trainer.ws
+    plan = getattr(ws, "plan", None)
+    text = f"{human_bytes(ws.allocated_bytes)} of blobs on rank 0"
+    if plan is None:
+        return text + " (memory_plan: false: one buffer per blob)"
+    return (text + f": {_count(len(plan.offsets), 'transient blob')} planned into a "
+            f"{human_bytes(plan.planned_bytes)} arena ({human_bytes(plan.unplanned_bytes)} one "
+            f"buffer each), {human_bytes(plan.persistent_bytes)} kept")
+
+
 def startup_lines(trainer, infos, setup_seconds):
     """The start-up block (see the module docstring). ``infos``: {rank:
     (host, device)} of the trainer's world."""
@@ -191,6 +205,7 @@ def startup_lines(trainer, infos, setup_seconds):
     n_params, n_bytes, n_blobs, dtypes = trainer.param_summary
     rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
                  f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
+    rows.append(("memory", memory_text(trainer)))
     if data:
         rows.append(("data", data_text(data)))
     sol = trainer.solver

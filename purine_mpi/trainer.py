@@ -31,7 +31,8 @@ from .model import (build_test_graph, build_train_graph, check_data_labels, init
 from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
 from .progress import progress
-from .runtime.factory import make_dispatcher
+from .runtime.factory import make_dispatcher, on_gpu
+from .runtime.memory_plan import batch_blobs, plan_host_memory
 from .runtime.stop import StopSignal
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
@@ -116,9 +117,15 @@ class Trainer:
         # event dispatcher, synchronous data parallelism)
         self.defer_update = getattr(self.scheme, "defers_update", True) and \
             defer_update_applies(config, self.layout.replicas, self.pipeline)
+        # memory_plan: the transient host blobs share one arena, laid out
+        # from the static graph (runtime/memory_plan.py); what the host reads
+        # between iterations keeps its own memory
+        self.plan_memory = bool(config.get("memory_plan", True))
+        keep = ([self.watch] if self.watch else []) + batch_blobs(self.graph)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      cuda_graph=self.cuda_graph, log=self._say,
                                      defer_tail=self.defer_update,
+                                     workspace=self._workspace(self.graph, keep),
                                      profiler=self.profiler,
                                      stall_timeout=float(par.get("stall_timeout", 300)),
                                      seed=self._op_seed())
@@ -147,7 +154,11 @@ class Trainer:
                       and self.graph.blobs[p].kind == "param"}
             self.test = make_dispatcher(self.test_graph, dispatcher, rank=self.rank,
                                         cuda_graph=self.cuda_graph, log=self._say,
-                                        workspace=Workspace(self.test_graph, shared=shared),
+                                        workspace=self._workspace(
+                                            self.test_graph,
+                                            self.test_names + batch_blobs(self.test_graph),
+                                            shared,
+                                            arena=self.ws),
                                         seed=self._op_seed())
         self.start_iter = 0
         # training time (s) spent before this process: metrics' "time" goes on from it
@@ -163,6 +174,20 @@ class Trainer:
         self._init_params(init, init_skip)
         if resume:
             self._resume(resume)
+
+    def _workspace(self, graph, keep=(), shared=None, arena=None):
+        """The workspace of ``graph``: with ``memory_plan`` (the default) its
+        transient host blobs planned into one arena, ``keep`` (blobs the
+        host reads) and the ``shared`` arrays left out of it; the test graph
+        reuses the train graph's arena (``arena``) when it fits, since the
+        two never run at once."""
+        plan = None
+        if self.plan_memory:
+            # control edges only where the CPU dispatchers run the graph (a
+            # GPU graph's host blobs are few; its schedule stays as it is)
+            plan = plan_host_memory(graph, keep=keep, skip=shared or (),
+                                    order_ops=not on_gpu(graph))
+        return Workspace(graph, shared=shared, plan=plan, arena=arena)
 
     def _trace_epoch(self):
         """Rank 0's clock at start (seconds since the Unix epoch), so every

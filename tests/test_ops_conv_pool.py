@@ -49,6 +49,32 @@ def test_conv_matches_torch(x_shape, w_shape, attrs, bias):
         close(grads[name], g)
 
 
+@pytest.mark.parametrize("x_shape,w_shape,attrs,bias", [
+    ((2, 32, 6, 6), (8, 32, 3, 3), {"pad": 1}, True),         # K = 288: one weight-grad GEMM
+    ((3, 64, 5, 4), (6, 32, 3, 3), {"group": 2, "pad": 1}, False),  # per group, K = 288
+    ((2, 4, 5, 5), (6, 2, 1, 1), {"group": 2}, True),          # 1x1 at stride 1: plain GEMMs
+    ((2, 3, 4, 4), (5, 3, 1, 1), {"dilation": 2}, False),
+    ((2, 3, 5, 5), (5, 3, 1, 1), {"stride": 2}, True),          # 1x1 strided: im2col
+])
+def test_conv_gemm_paths_match_torch(x_shape, w_shape, attrs, bias):
+    """The CPU paths the cases above do not reach: the weight gradient as one
+    GEMM over the batch (WGRAD_GEMM_MIN_K rows and more) and 1x1 convs
+    without im2col."""
+    test_conv_matches_torch(x_shape, w_shape, attrs, bias)
+
+
+def test_conv_weight_grad_one_gemm_matches_per_sample(monkeypatch):
+    x, w = randn(3, 32, 6, 5, dtype=np.float64), randn(4, 16, 3, 3, dtype=np.float64)
+    attrs = {"pad": 1, "group": 2}
+    _, batched = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"])
+    monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", 1)  # one sample per chunk
+    _, chunked = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"])
+    monkeypatch.setattr(conv_module, "WGRAD_GEMM_MIN_K", 1 << 30)  # per-sample GEMMs
+    _, per_sample = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"])
+    np.testing.assert_allclose(batched["w"], per_sample["w"], rtol=1e-12)
+    np.testing.assert_allclose(chunked["w"], per_sample["w"], rtol=1e-12)
+
+
 def test_conv_chunked_batch_matches_one_chunk(monkeypatch):
     x, w, b = randn(3, 2, 6, 6), randn(4, 2, 3, 3), randn(4)
     inputs = {"x": x, "w": w, "b": b}

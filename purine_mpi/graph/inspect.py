@@ -97,7 +97,7 @@ def to_dot(graph):
     return "\n".join(lines)
 
 
-def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
+def render_graph(config, world_size=None, rank=0, fmt="text", phase="train", memory=False):
     world_size = world_size or 1
     if not 0 <= rank < world_size:
         from ..errors import UserError
@@ -129,4 +129,20 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train"):
     from ..parallel.micro_memory import describe_plan
     if describe_plan(graph):
         lines.append(describe_plan(graph))
+    if memory:
+        lines += memory_lines(config, graph)
     return "\n".join(lines)
+
+
+def memory_lines(config, graph):
+    """``graph --memory``: the host memory plan the trainer lays this graph
+    out by (runtime/memory_plan.py), or a line saying it is off."""
+    from ..runtime.memory_plan import batch_blobs, format_plan, plan_host_memory
+    from ..runtime.factory import on_gpu
+    on = config.get("memory_plan", True)
+    plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=on and not on_gpu(graph))
+    if not on:
+        return [f"memory plan: off (memory_plan: false): one buffer per blob; the plan would "
+                f"put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} transient blob(s) "
+                f"in a {plan.total_bytes:,}-byte arena"]
+    return format_plan(graph, plan)

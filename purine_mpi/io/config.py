@@ -36,7 +36,7 @@ from .transform import TRANSFORM_KEYS
 # layer registry, purine_mpi/layers): after changing keys run
 #     python -m purine_mpi.docgen --write
 TOP_KEYS = ("name", "data", "net", "graph", "solver", "parallel", "checkpoint", "seed",
-            "backend", "device", "tf32", "cuda_graph")
+            "backend", "device", "tf32", "cuda_graph", "memory_plan")
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
@@ -86,6 +86,12 @@ TOP_DOC = {
                    "graphs (the runs of GPU ops between host and communication ops); `false`: "
                    "eager stream dispatch, for debugging (per-op trace events); ignored on a "
                    "CPU"),
+    "memory_plan": ("true/false", True, "plan the host memory from the static graph: blobs "
+                    "written and read within one iteration share one arena wherever the graph "
+                    "orders their lifetimes apart (`graph --memory` prints the plan); "
+                    "parameters, solver state, losses, metrics and what runs on into the next "
+                    "iteration keep their own memory; `false`: one buffer per blob, for "
+                    "debugging (the results are bit-identical)"),
 }
 
 #: section -> {key: meaning}, for every key of the section's defaults table
@@ -371,6 +377,7 @@ def validate_config(config, path="<config>", check_files=True):
     out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
     out["tf32"] = _check_bool("tf32", config.get("tf32", False), path)
     out["cuda_graph"] = _check_bool("cuda_graph", config.get("cuda_graph", True), path)
+    out["memory_plan"] = _check_bool("memory_plan", config.get("memory_plan", True), path)
     out["_path"] = path
     return out
 

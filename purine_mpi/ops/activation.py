@@ -1,8 +1,10 @@
 """Element-wise activations: Relu (leaky), Sigmoid, Tanh, and their gradients.
 
 The backward ops read what the formula needs most cheaply: ReLU's gradient
-needs the sign of its input ``x``; sigmoid's and tanh's are functions of
-their output ``y``, so those read ``y`` (and ``x`` can be freed early).
+needs the sign of its input ``x``, which its output ``y`` has too for a
+slope >= 0; sigmoid's and tanh's are functions of ``y``. So all of them read
+``y`` (a leaky ReLU with a negative slope reads ``x``), and ``x`` can be
+freed right after the forward.
 """
 from ..backend import get_xp
 from ..errors import ShapeError
@@ -33,6 +35,7 @@ class Relu(OpKernel):
     Gradient: dx = dy * (1 if x > 0 else negative_slope)."""
 
     op_type = "Relu"
+    in_place = ((0, 0),)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -51,11 +54,12 @@ class Relu(OpKernel):
 @register
 class ReluGrad(OpKernel):
     """[dy, x] -> [dx]: dx = dy * (1 if x > 0 else negative_slope). ``x`` is
-    the ReLU's input, or its output when the ReLU was fused into its
-    producer (``gpu/fuse.py``): y > 0 exactly where x > 0 for a slope >= 0.
+    the ReLU's output (y > 0 exactly where x > 0 for a slope >= 0), or its
+    input for a negative slope.
     On a GPU one kernel (CuPy: a comparison, a temporary and a multiply)."""
 
     op_type = "ReluGrad"
+    in_place = ((0, 0),)  # dx over dy
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -78,7 +82,12 @@ class ReluGrad(OpKernel):
 def _relu_grad(g, op):
     dy = g.grad_of(op.outputs[0])
     if dy is not None and g.needs_grad(op.inputs[0]):
-        g.emit("ReluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])],
+        slope = float(op.attrs.get("negative_slope", 0.0))
+        # y > 0 exactly where x > 0 for a slope >= 0 (NaN and -0.0 too): the
+        # gradient reads y, so x is free after the forward (the memory plan
+        # may even compute y over x's bytes)
+        sign = op.outputs[0] if slope >= 0.0 else op.inputs[0]
+        g.emit("ReluGrad", [dy, sign], [g.grad_blob(op.inputs[0])],
                {"negative_slope": op.attrs.get("negative_slope", 0.0)})
 
 

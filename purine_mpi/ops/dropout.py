@@ -58,6 +58,7 @@ class Dropout(OpKernel):
     Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
 
     op_type = "Dropout"
+    in_place = ((0, 0),)  # y over x
     #: the dispatcher's per-op generator hook carries the run seed (see the
     #: module docstring); no generator is kept
     needs_rng = True
@@ -128,6 +129,7 @@ class DropoutGrad(OpKernel):
     """[dy, mask] -> [dx]: dx = dy * mask / (1 - ratio)."""
 
     op_type = "DropoutGrad"
+    in_place = ((0, 0),)  # dx over dy
 
     @classmethod
     def infer(cls, attrs, ins):

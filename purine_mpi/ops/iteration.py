@@ -31,6 +31,7 @@ class IterationCounter(OpKernel):
 
     op_type = "IterationCounter"
     category = "update"
+    keeps_outputs = True  # the counter carries over to the next iteration
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -84,6 +84,15 @@ class OpKernel:
     #: ``after_launch(event)``: the CUDA event recorded after the op's device
     #: work of this iteration (after the graph holding it, when captured)
     after_launch = None
+    #: kernels that read their outputs' earlier values (state kept in an
+    #: output across iterations): those outputs keep their own memory in the
+    #: host memory plan (runtime/memory_plan.py)
+    keeps_outputs = False
+    #: (input index, output index) pairs whose output the kernel computes
+    #: correctly when it shares the input's memory (element-wise, reading
+    #: each input element before writing that output element): the host
+    #: memory plan may then put the output on the input's bytes
+    in_place = ()
 
     def __init__(self, op):
         self.op = op

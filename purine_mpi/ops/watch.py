@@ -33,6 +33,7 @@ class LossWatch(OpKernel):
     output: (2,) float64 [window sum, first non-finite iteration or 0]."""
 
     op_type = "LossWatch"
+    keeps_outputs = True  # the window sum goes on from the last iteration
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -1,5 +1,10 @@
 """Static memory for a graph: every blob gets its array once, before the first
-iteration, and keeps it. Alias blobs are views into their storage root, so a
+iteration, and keeps it. On the host, with a memory plan
+(``runtime/memory_plan.py``; the trainer makes one unless the config says
+``memory_plan: false``) the blobs written and read within one iteration are
+views into one arena, at offsets planned so that blobs the graph does not
+order apart never share a byte; the rest (and every blob without a plan)
+get arrays of their own. Alias blobs are views into their storage root, so a
 gradient bucket is one flat allocation whose per-parameter views the gradient
 ops write in place (no packing copy for communication).
 
@@ -13,8 +18,7 @@ orders, reserved in the kernels' ``setup`` and allocated in the first
 iteration, so a steady-state iteration allocates nothing on the device;
 CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
-those copies run asynchronously. A graph without GPU blobs is allocated as
-before, blob by blob, with NumPy.
+those copies run asynchronously.
 """
 import numpy as np
 
@@ -43,6 +47,15 @@ def plan_device_memory(graph, skip=()):
 
 def _elements(blob):
     return max(blob.size, 1) if blob.shape else 1
+
+
+def _aligned_zeros(nbytes):
+    """A zeroed uint8 host array of ``nbytes`` whose start is aligned to
+    ``memory_plan.HOST_ALIGN`` bytes (the planned offsets are multiples of it)."""
+    from .memory_plan import HOST_ALIGN
+    raw = np.zeros(int(nbytes) + HOST_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + int(nbytes)]
 
 
 class Scratch:
@@ -99,13 +112,28 @@ class Scratch:
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
-    def __init__(self, graph, shared=None):
+    def __init__(self, graph, shared=None, plan=None, arena=None):
         """``shared`` maps blob names to arrays owned elsewhere (the test
-        graph reads the train graph's parameters without copying them)."""
+        graph reads the train graph's parameters without copying them).
+        ``plan``: a host memory plan (``runtime/memory_plan.py``): its
+        transient blobs are views into one arena at the planned offsets;
+        None gives every host blob a buffer of its own. ``arena``: another
+        workspace whose host arena this one may reuse when it is large
+        enough (the test graph runs only while the train graph does not)."""
         self.graph = graph
         self.arrays = dict(shared or {})
         self._flat = {}
         self.allocated_bytes = 0
+        self.plan = plan
+        #: the host arena of the planned blobs (None without a plan)
+        self.host_arena = None
+        if plan is not None and plan.total_bytes:
+            other = getattr(arena, "host_arena", None)
+            if other is not None and other.nbytes >= plan.total_bytes:
+                self.host_arena = other
+            else:
+                self.host_arena = _aligned_zeros(plan.total_bytes)
+                self.allocated_bytes += plan.total_bytes
         #: bytes of each GPU device's arena
         self.device_bytes = {}
         self._arena = {}
@@ -137,6 +165,10 @@ class Workspace:
         if blob.alias_of is None:
             if blob.location.device >= 0:
                 flat = self._from_arena(name, blob)
+            elif self.plan is not None and name in self.plan.offsets:
+                start = self.plan.offsets[name]
+                raw = self.host_arena[start:start + _elements(blob) * np.dtype(blob.dtype).itemsize]
+                flat = raw.view(blob.dtype)
             elif blob.attrs.get("pinned") and cupy_available():
                 flat = self._pinned(blob)
             else:

@@ -1,0 +1,455 @@
+"""The host memory plan: blobs whose lifetimes never meet share bytes of one
+arena, planned once from the static graph before the first iteration.
+
+    plan = plan_host_memory(graph, keep=("loss",))   # a MemoryPlan
+    Workspace(graph, plan=plan)                      # lays the blobs out by it
+    format_plan(graph, plan)                         # ``graph --memory``
+
+Which blobs are planned. The unit is a storage root with the blobs that
+view it (its *group*), on the CPU (device -1). A root keeps memory of its
+own for the whole run -- it is *persistent* -- when its value must survive
+the iteration or is read from outside the graph:
+
+- a blob of the group is a parameter, solver state, learning rate,
+  iteration counter or gradient bucket (kinds ``param``, ``param_buffer``,
+  ``state``, ``lr``, ``iter``, ``bucket``), a loss or a metric (the trainer
+  reads them after the iteration), or is named in ``keep`` (what else the
+  host reads: the loss watch, the test graph's outputs);
+- nothing in the graph writes it (the host fills it, or it is read as
+  initialised), or an op writes it with ``accumulate`` (the dispatcher
+  zeroes those before the iteration, outside the schedule);
+- an op reads bytes of it that no op among its ancestors writes (it reads
+  the value of the previous iteration: weights, momenta and running
+  statistics read before their ``@new`` update);
+- an op of the deferred tail touches it (``runtime/tail.py``: with
+  ``parallel.defer_update`` those run on into the next iteration), or an
+  op whose kernel keeps state in its outputs (``keeps_outputs``) writes it.
+
+Every other root is *transient*: it is written and read within one
+iteration. Its lifetime runs from its first writer to its last reader in
+the schedule; two transient roots may share bytes only if the graph orders
+them -- every op touching one is an ancestor (through data, write-after-read
+and control edges) of every op writing the other -- so no dispatcher, on
+any number of threads, ever runs an op of one while an op of the other
+reads or writes the bytes (the rule ``Workspace.scratch_for`` applies to
+scratch). The iterations themselves run one after the other (the deferred
+tail touches only persistent memory), so a transient value never needs to
+outlive its iteration.
+
+With ``order_ops`` (the trainer's plan) it may also make an order the
+graph leaves open: a layer's weight gradient reads an activation that
+nothing further down the data-gradient chain waits for, so that activation
+could never share with the gradients below it. Where every op of one unit
+not yet before the other's first writers precedes them in the schedule and
+runs on their thread (host compute ops: no communication, nothing of the
+deferred tail), the plan adds control edges from those ops to the writers.
+Each edge goes forward in the schedule, so no cycle can form and the order
+the dispatchers derive stays the same (the ops of one thread run one at a
+time anyway); ``graph --memory`` counts them.
+
+In place: an op whose kernel declares it (``in_place``: ReLU, dropout and
+their gradients, element-wise) writes its output over its input's bytes
+when it is the last op to touch the input (every other op touching it is
+its ancestor) and both are transient roots of one size; ReLU's gradient
+reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
+
+Offsets are assigned by greedy interval colouring: the units (a root, with
+the roots computed in place over it) in some order each take the lowest
+``HOST_ALIGN``-aligned offset where they overlap no unit already placed that
+they may not share with (the lowest such offset, or the tightest gap);
+three orders (largest first, first used first, longest lived first) times
+the two placements are tried and the smallest arena kept. The results are
+bit-identical to one buffer per blob: every kernel writes the whole of its
+outputs before reading them, so a buffer's earlier contents never reach a
+result (as between iterations, which reuse every buffer already).
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
+HOST_ALIGN = 64
+
+#: blob kinds whose storage persists across iterations
+PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
+
+
+@dataclass
+class MemoryPlan:
+    """The layout of a graph's transient host blobs in one arena."""
+
+    #: bytes of the arena
+    total_bytes: int = 0
+    #: {storage root: byte offset in the arena}
+    offsets: dict = field(default_factory=dict)
+    #: {storage root: bytes}
+    sizes: dict = field(default_factory=dict)
+    #: {storage root: (first, last)}: positions of its first and last op in the schedule
+    lifetimes: dict = field(default_factory=dict)
+    #: {storage root: why it keeps its own memory}, the host roots not planned
+    persistent: dict = field(default_factory=dict)
+    #: {persistent root: bytes}
+    persistent_sizes: dict = field(default_factory=dict)
+    #: the schedule the positions refer to (op names)
+    order: list = field(default_factory=list)
+    #: {output root: (input root, op)}: an op writing its output over its
+    #: input's bytes (in place)
+    in_place: dict = field(default_factory=dict)
+    #: control edges (op, later op) the plan added to order lifetimes apart
+    edges: list = field(default_factory=list)
+
+    @property
+    def planned_bytes(self):
+        """Bytes the planned blobs take: the arena."""
+        return self.total_bytes
+
+    @property
+    def unplanned_bytes(self):
+        """Bytes the same blobs would take with one buffer each."""
+        return sum(self.sizes.values())
+
+    @property
+    def persistent_bytes(self):
+        return sum(self.persistent_sizes.values())
+
+
+def batch_blobs(graph):
+    """The blobs the data readers fill. The trainer keeps them out of the
+    plan, so the batch of the last iteration stays readable (they are small
+    beside the activations)."""
+    return [b for op in graph.ops.values() if op.op_type == "DataReader" for b in op.outputs]
+
+
+def _aligned(nbytes):
+    return -(-max(int(nbytes), 1) // HOST_ALIGN) * HOST_ALIGN
+
+
+def _root_nbytes(blob):
+    count = max(blob.size, 1) if blob.shape else 1
+    return count * np.dtype(blob.dtype).itemsize
+
+
+def _tail_ops(graph, deps):
+    """The ops ``deferred_tail`` may run on into the next iteration (the
+    classes' ``category`` and ``seq_ordered`` are what it reads)."""
+    from ..kernels import get_kernel_class
+    from .tail import deferred_tail
+    classes = {n: get_kernel_class(op.op_type, n) for n, op in graph.ops.items()}
+    return deferred_tail(graph, classes, deps)[0]
+
+
+def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
+    """The :class:`MemoryPlan` of ``graph``'s host blobs (see the module
+    docstring). ``keep``: blob names the host reads besides the graph's
+    losses and metrics (their roots persist); ``skip``: blobs owned
+    elsewhere (a workspace's ``shared`` arrays), neither planned nor kept.
+    ``order_ops``: the plan may add control edges between compute ops of
+    one thread, each from an op to one later in the schedule, to order two
+    blobs' lifetimes apart (in place on ``graph``: the trainer's plan)."""
+    from ..kernels import get_kernel_class
+    deps = graph.dependencies()
+    order = [op.name for op in graph.topo_order(deps)]
+    pos = {n: i for i, n in enumerate(order)}
+    # ancestors as bit sets over schedule positions
+    anc = {}
+    for n in order:
+        a = 0
+        for p in deps[n]:
+            a |= anc[p] | (1 << pos[p])
+        anc[n] = a
+    prod, cons = graph.producers(), graph.consumers()
+    root_of = {b: graph.storage_root(b) for b in graph.blobs}
+    groups = {}
+    for b in graph.blobs:
+        groups.setdefault(root_of[b], []).append(b)
+    keep = set(keep)
+    skip = set(skip)
+    tail = _tail_ops(graph, deps)
+    plan = MemoryPlan(order=order)
+    cand = {}
+    for root, names in groups.items():
+        rb = graph.blobs[root]
+        if rb.location.device >= 0 or root in skip or rb.attrs.get("pinned") or \
+                any(n in skip for n in names):
+            continue
+        if rb.shape is None:
+            continue
+        why = _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail,
+                                 get_kernel_class)
+        if why is not None:
+            plan.persistent[root] = why
+            plan.persistent_sizes[root] = _root_nbytes(rb)
+            continue
+        touch = wmask = 0
+        writers = []
+        for n in names:
+            for op in prod.get(n, ()):
+                touch |= 1 << pos[op.name]
+                wmask |= 1 << pos[op.name]
+                writers.append(op.name)
+            for op in cons.get(n, ()):
+                touch |= 1 << pos[op.name]
+        before_writers = -1  # all bits: AND over the writers' ancestors
+        for w in writers:
+            before_writers &= anc[w]
+        first = min(pos[w] for w in writers)
+        last = touch.bit_length() - 1
+        cand[root] = (touch, before_writers, first, last, _root_nbytes(rb), wmask)
+    units = _in_place_units(graph, cand, order, pos, anc, get_kernel_class, plan)
+    link = None
+    if order_ops:
+        # ops that may get a control edge: compute ops, by (location, thread)
+        link = {"key": {}, "mask": {}}
+        for n in order:
+            op = graph.ops[n]
+            if get_kernel_class(op.op_type, n).category == "comm" or n in tail or \
+                    op.location.device >= 0:
+                continue
+            k = (op.location, str(op.thread))
+            link["key"][n] = k
+            link["mask"][k] = link["mask"].get(k, 0) | (1 << pos[n])
+        for u, unit in units.items():
+            keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
+            unit_keys = keys.pop() if len(keys) == 1 else None
+            units[u] = unit + (unit_keys, cand[unit[5][0]][5])
+    best = None
+    for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
+                lambda u: (units[u][2], -units[u][4], u),           # first used first
+                lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
+        for best_fit in (False, True):
+            offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link)
+            if best is None or (total, len(edges)) < (best[1], len(best[2])):
+                best = (offsets, total, edges)
+    offsets, plan.total_bytes, edges = best
+    for src, dst in edges:
+        for i in _bits(src):
+            for j in _bits(dst):
+                w = graph.ops[order[j]]
+                if order[i] not in w.control_inputs:
+                    w.control_inputs.append(order[i])
+                    plan.edges.append((order[i], order[j]))
+    for unit, members in ((u, units[u][5]) for u in units):
+        for root in members:
+            plan.offsets[root] = offsets[unit]
+            plan.sizes[root] = cand[root][4]
+            plan.lifetimes[root] = (cand[root][2], cand[root][3])
+    return plan
+
+
+def _bits(mask):
+    """Positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _colour(units, order, best_fit=False, link=None):
+    """Greedy interval colouring: each unit, in ``order``, at an aligned
+    offset where it overlaps no unit placed before it that it may not share
+    with: the lowest such offset, or with ``best_fit`` the smallest free gap
+    that holds it (the end, if none does). Two units may share when the
+    graph orders one before the other, or -- with ``link`` (``order_ops``)
+    -- when control edges can: the ops of one not yet before the other's
+    first writers all precede them in the schedule and run on their thread.
+    Returns ({unit: offset}, total bytes, [(source ops, target ops)] as
+    bit sets of the edges to add)."""
+    placed, offsets, total, edges = [], {}, 0, []
+    for unit in order:
+        touch, before, first, _, nbytes, _ = units[unit][:6]
+        size = _aligned(nbytes)
+        busy, soft = [], []
+        for p in placed:
+            off, end, t, b, p_first, p_key, p_writers = p
+            late, early = t & ~before, touch & ~b  # ops that break "p before u", "u before p"
+            if not late or not early:
+                continue  # ordered already
+            if link is not None:
+                key, writers = units[unit][6], units[unit][7]
+                if key is not None and late.bit_length() <= first and \
+                        not late & ~link["mask"][key]:
+                    soft.append((off, end, late, writers))
+                    continue
+                if p_key is not None and early.bit_length() <= p_first and \
+                        not early & ~link["mask"][p_key]:
+                    soft.append((off, end, early, p_writers))
+                    continue
+            busy.append((off, end))
+        busy.sort()
+        offset, at, gap = None, 0, None
+        for off, end in busy:
+            if off - at >= size and (gap is None or (best_fit and off - at < gap)):
+                offset, gap = at, off - at
+                if not best_fit:
+                    break
+            at = max(at, end)
+        if offset is None:
+            offset = at
+        for off, end, src, dst in soft:
+            if off < offset + size and offset < end:
+                edges.append((src, dst))
+        key_writers = units[unit][6:8] if link is not None else (None, 0)
+        placed.append((offset, offset + size, touch, before, first) + tuple(key_writers))
+        offsets[unit] = offset
+        total = max(total, offset + size)
+    return offsets, total, edges
+
+
+def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
+    """Planned roots grouped into units that take the same bytes: an op
+    whose kernel may write output o over input i (``in_place``: the
+    element-wise activations, dropout and their gradients) gets its output
+    on its input's bytes when the input is a transient root (no views) of
+    the same size that this op is the last to touch (every other op
+    touching it is an ancestor of the op) and the output is a transient
+    root written by this op alone. Returns {unit: (touch, before_writers,
+    first, last, nbytes, [roots])}; records plan.in_place {output: (input,
+    op)}."""
+    units = {r: (c[0], c[1], c[2], c[3], c[4], [r]) for r, c in cand.items()}
+    unit_of = {r: r for r in cand}
+    viewed = {graph.blobs[b].alias_of for b in graph.blobs if graph.blobs[b].alias_of}
+    prod = graph.producers()
+    for name in order:
+        op = graph.ops[name]
+        pairs = getattr(kernel_class(op.op_type, name), "in_place", ())
+        for i, o in pairs:
+            if i >= len(op.inputs) or o >= len(op.outputs):
+                continue
+            x, y = op.inputs[i], op.outputs[o]
+            if x not in cand or y not in cand or x in viewed or y in viewed or \
+                    unit_of[y] != y or len(units[y][5]) != 1 or \
+                    op.inputs.count(x) != 1 or x in op.outputs or \
+                    [w.name for w in prod.get(y, ())] != [name] or \
+                    cand[x][4] != cand[y][4]:
+                continue
+            u = unit_of[x]
+            touch, before, first, last, nbytes, members = units[u]
+            others = touch & ~(1 << pos[name])
+            if others & ~anc[name]:
+                continue  # x is read after this op, or by an op it does not wait for
+            ty = cand[y][0]
+            units[u] = (touch | ty, before, first, max(last, cand[y][3]), nbytes, members + [y])
+            del units[y]
+            unit_of[y] = u
+            plan.in_place[y] = (x, name)
+    return units
+
+
+def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_class):
+    """Why the storage of ``names`` (one root's group) must keep its own
+    memory, or None when it is transient."""
+    blobs = [graph.blobs[n] for n in names]
+    for b in blobs:
+        if b.kind in PERSISTENT_KINDS:
+            return f"kind {b.kind} ({b.name})"
+        if "loss_weight" in b.attrs:
+            return f"a loss ({b.name})"
+        if b.attrs.get("metric"):
+            return f"a metric ({b.name})"
+        if b.name in keep:
+            return f"read by the host ({b.name})"
+    writers = [op for n in names for op in prod.get(n, ())]
+    if not writers:
+        return "no op writes it"
+    for op in writers:
+        if op.accumulate:
+            return f"accumulated by {op.name}"
+        if getattr(kernel_class(op.op_type, op.name), "keeps_outputs", False):
+            return f"{op.name} keeps state in it"
+    for n in names:
+        for op in list(prod.get(n, ())) + list(cons.get(n, ())):
+            if op.name in tail:
+                return f"the deferred tail touches it ({op.name})"
+    # every read must see bytes written earlier in the same iteration: the
+    # writers among the reader's ancestors cover what it reads (a later
+    # writer of the same bytes -- a micro-batch copy sharing the buffer --
+    # does not matter; without an earlier one the value is last iteration's)
+    spans = {n: (graph._abs_offset(n), graph.blobs[n].size) for n in names}
+    writes = [(spans[m][0], spans[m][0] + spans[m][1], w) for m in names
+              for w in prod.get(m, ())]
+    for n in names:
+        start, size = spans[n]
+        for r in cons.get(n, ()):
+            before = [(s, e, w) for s, e, w in writes if w.name != r.name
+                      and (anc[r.name] >> pos[w.name]) & 1 and s < start + size and start < e]
+            if not _covers(start, start + size, before):
+                return f"{r.name} reads {n} before this iteration writes it"
+    return None
+
+
+def _covers(start, end, spans):
+    at = start
+    for s, e, _ in sorted(spans, key=lambda t: t[0]):
+        if s > at:
+            return False
+        at = max(at, e)
+        if at >= end:
+            return True
+    return at >= end
+
+
+def check_plan(graph, plan):
+    """The pairs of planned roots that share bytes though the graph does
+    not order them (empty for a sound plan): the test's independent check,
+    by plain ancestor sets rather than the planner's bit sets."""
+    deps = graph.dependencies()
+    ancestors = {}
+    for op in graph.topo_order(deps):
+        a = set()
+        for p in deps[op.name]:
+            a |= ancestors[p] | {p}
+        ancestors[op.name] = a
+    prod, cons = graph.producers(), graph.consumers()
+    touch, writes = {}, {}
+    for b in graph.blobs:
+        r = graph.storage_root(b)
+        if r in plan.offsets:
+            touch.setdefault(r, set()).update(o.name for o in prod.get(b, ()))
+            touch[r].update(o.name for o in cons.get(b, ()))
+            writes.setdefault(r, set()).update(o.name for o in prod.get(b, ()))
+
+    def before(a, b):  # every op of a precedes every writer of b
+        return all(t in ancestors[w] for w in writes[b] for t in touch[a])
+
+    def in_place(a, b):  # b computed over a by an op that is the last to touch a
+        x, op = plan.in_place.get(b, (None, None))
+        return x == a and writes[b] == {op} and \
+            all(t == op or t in ancestors[op] for t in touch[a])
+
+    bad = []
+    roots = sorted(plan.offsets)
+    for i, a in enumerate(roots):
+        a0, a1 = plan.offsets[a], plan.offsets[a] + plan.sizes[a]
+        for b in roots[i + 1:]:
+            b0, b1 = plan.offsets[b], plan.offsets[b] + plan.sizes[b]
+            if a0 < b1 and b0 < a1 and not (before(a, b) or before(b, a) or
+                                            in_place(a, b) or in_place(b, a)):
+                bad.append((a, b))
+    return bad
+
+
+def format_plan(graph, plan):
+    """Lines of ``graph --memory``: each planned root with its offset, size
+    and lifetime (schedule positions of its first and last op), then the
+    persistent roots and the totals."""
+    from ..progress import human_bytes
+    lines = [f"memory plan: {len(plan.offsets)} transient blob(s) in a "
+             f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
+             f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "
+             f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes; "
+             f"{len(plan.in_place)} computed in place; {len(plan.edges)} control edge(s) "
+             f"added"]
+    if not plan.offsets and not plan.persistent:
+        return lines
+    width = max(len(r) for r in list(plan.offsets) + list(plan.persistent))
+    order = plan.order
+    lines.append(f"  {'blob':<{width}}  {'offset':>12}  {'bytes':>12}  lifetime (schedule "
+                 f"positions: first writer .. last reader)")
+    for root in sorted(plan.offsets, key=lambda r: (plan.offsets[r], plan.lifetimes[r])):
+        first, last = plan.lifetimes[root]
+        lines.append(f"  {root:<{width}}  {plan.offsets[root]:>12,}  {plan.sizes[root]:>12,}  "
+                     f"{first}..{last} ({order[first]} .. {order[last]})")
+    for root in sorted(plan.persistent):
+        lines.append(f"  {root:<{width}}  {'own':>12}  {plan.persistent_sizes[root]:>12,}  "
+                     f"persistent: {plan.persistent[root]}")
+    return lines
