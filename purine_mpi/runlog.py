@@ -5,6 +5,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
     purine_mpi 0.1.0: train digits_lenet (jobs/digits_lenet.yaml)
       ranks       2 on 1 host
       devices     node1: ranks 0-1 on the CPU
+      threads     1 per rank (2 usable cores / 2 ranks on this host (MPI_LOCALNRANKS))
       scheme      data parallel (mode sync): ranks 0-1 are workers, gradients allreduced in 4 buckets
       batch       32 per rank x 2 ranks = 64 global; test 60 per rank
       parameters  23,466 in 8 blobs (91.7 KiB, float32)
@@ -19,7 +20,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
 """
 import socket
 
-from . import __version__
+from . import __version__, threads
 from .io.data import source_info
 from .progress import human_bytes
 
@@ -190,7 +191,8 @@ def startup_lines(trainer, infos, setup_seconds):
                    for r in ps["servers"]}
         hosts |= set(servers.values())
     rows = [("ranks", f"{size} on {_count(len(hosts), 'host')}"),
-            ("devices", devices_line(infos, servers))]
+            ("devices", devices_line(infos, servers)),
+            ("threads", threads.describe())]
     rows += scheme_lines(trainer)
     data = config.get("data") or {}
     if data.get("train"):

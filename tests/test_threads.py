@@ -1,0 +1,84 @@
+"""Threads per rank, decided once for every entry point (purine_mpi/threads.py):
+the affinity mask divided among the ranks of the host, PURINE_THREADS or the
+user's OMP_NUM_THREADS over it, the same count whether a rank starts through
+``python -m purine_mpi`` or the ``purine-mpi`` script, and said in the
+start-up block."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from purine_mpi import threads
+from tests.conftest import MPIEXEC, REPO, cli_env
+
+PROBE = ("import purine_mpi.threads as t, os, numpy; "
+         "print('THREADS', t.DECISION[0], os.environ['OPENBLAS_NUM_THREADS'], "
+         "os.environ.get('PMI_RANK', '0'))")
+
+
+@pytest.mark.parametrize("environ, cores, want", [
+    ({}, 8, (8, "8 usable cores")),
+    ({"MPI_LOCALNRANKS": "2"}, 8, (4, "8 usable cores / 2 ranks on this host (MPI_LOCALNRANKS)")),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 8, (2, None)),
+    ({"SLURM_NTASKS_PER_NODE": "16(x2)"}, 4, (1, None)),   # never below 1
+    ({"MPI_LOCALNRANKS": "2", "OMP_NUM_THREADS": "3"}, 8, (3, "OMP_NUM_THREADS")),
+    ({"OMP_NUM_THREADS": "3", "PURINE_THREADS": "5"}, 8, (5, "PURINE_THREADS")),
+])
+def test_the_decision(environ, cores, want):
+    got = threads.decide(environ, cores=cores)
+    assert got[0] == want[0] and (want[1] is None or got[1] == want[1])
+
+
+def test_a_bad_purine_threads_is_named():
+    with pytest.raises(ValueError, match="PURINE_THREADS must be a positive integer"):
+        threads.decide({"PURINE_THREADS": "many"}, cores=4)
+
+
+def _env(**extra):
+    env = cli_env()
+    for var in threads.THREAD_VARS + ("PURINE_THREADS",):
+        env.pop(var, None)  # the suite's own limit off: the default decides
+    env.update(extra)
+    return env
+
+
+def test_both_entry_points_decide_the_same_under_mpiexec(tmp_path):
+    """``mpiexec -n 2``: the module and the console script give each rank the
+    cores of its affinity mask over 2 (the script passes through
+    purine_mpi/__init__ like everything else)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    script = shutil.which("purine-mpi", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the purine-mpi script is not installed")
+    want = max(1, len(os.sched_getaffinity(0)) // 2)
+    # the probe runs as the console script's interpreter does: the script's
+    # first import is purine_mpi (its entry point lives in purine_mpi.cli)
+    for argv in ([sys.executable, "-c", PROBE],
+                 [sys.executable, "-c", "import purine_mpi.cli; " + PROBE]):
+        out = subprocess.run([MPIEXEC, "-n", "2", *argv], env=_env(), cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        counts = re.findall(r"THREADS (\d+) (\d+) (\d+)", out.stdout)
+        assert sorted(r for _, _, r in counts) == ["0", "1"], out.stdout
+        assert all(int(a) == int(b) == want for a, b, _ in counts), out.stdout
+    # the console script itself: its start-up block says the count
+    res = subprocess.run([MPIEXEC, "-n", "2", script, "train", f"{REPO}/jobs/digits_lenet.yaml",
+                          "--iters", "1", "--out", str(tmp_path / "run"),
+                          "--set", "data.train.source=synthetic",
+                          "--set", "data.train.shape=[1,8,8]", "--set", "data.train.classes=10",
+                          "--set", "data.train.num_samples=64", "--set", "data.test=null"],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    line = next((l for l in res.stdout.splitlines() if l.strip().startswith("threads")), None)
+    assert line is not None, res.stdout + res.stderr
+    assert re.search(rf"threads +{want} per rank \(\d+ usable cores / 2 ranks on this host",
+                     line), line
+
+
+def test_the_users_omp_num_threads_wins(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PROBE], env=_env(OMP_NUM_THREADS="1"),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert re.search(r"THREADS 1 1 0", out.stdout), out.stdout + out.stderr
