@@ -82,3 +82,24 @@ def test_the_users_omp_num_threads_wins(tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE], env=_env(OMP_NUM_THREADS="1"),
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert re.search(r"THREADS 1 1 0", out.stdout), out.stdout + out.stderr
+
+
+def test_python_m_works_from_the_folder_that_holds_a_clone_named_purine_mpi(tmp_path):
+    """``git clone ... purine_mpi`` then ``python -m purine_mpi`` from its
+    parent (as an sbatch script run from $HOME meets it): the clone folder is
+    a namespace-package candidate in the current directory; the editable
+    install's path entry (setup.cfg package_dir) must win."""
+    import importlib.util
+    spec = importlib.util.find_spec("purine_mpi")
+    installed = any(os.path.samefile(os.path.dirname(p), REPO) for p in
+                    (spec.submodule_search_locations or []))
+    if not installed:
+        pytest.skip("purine_mpi is not installed from this checkout (pip install -e .)")
+    clone = tmp_path / "purine_mpi"
+    (clone / "jobs").mkdir(parents=True)   # a folder like the clone: no __init__.py
+    (clone / "README.md").write_text("a clone\n")
+    env = _env()
+    env.pop("PYTHONPATH", None)  # the install alone, as a user has it
+    res = subprocess.run([sys.executable, "-m", "purine_mpi", "--help"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "usage" in res.stdout.lower(), res.stderr
