@@ -50,7 +50,7 @@ def op_scratch(kernel, device):
         return ws.scratch_for(kernel.op.name, device)
     own = getattr(kernel, "_own_scratch", None)
     if own is None:
-        from ..runtime.workspace import Scratch
+        from .scratch import Scratch
         own = kernel._own_scratch = Scratch(device)
     return own
 

@@ -5,7 +5,7 @@ Each ``@layer`` declares the keys its function reads (``Key(name, kind,
 default, meaning)``); ``b.get(name)`` takes the kind and default from there.
 docs/config.md is generated from these declarations: after changing keys
 run ``python -m purine_mpi.docgen --write``."""
-from . import REQUIRED, Key, Required, layer
+from .registry import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}

@@ -24,9 +24,8 @@ import numpy as np
 
 from ..backend import cupy_available, get_xp, xp_for_device
 from ..errors import GraphError
-
-#: alignment of blob offsets in a device arena (cudaMalloc's own guarantee)
-ARENA_ALIGN = 256
+# ARENA_ALIGN: the alignment of blob offsets in a device arena (cudaMalloc's own)
+from ..gpu.scratch import ARENA_ALIGN, Scratch  # noqa: F401  (Scratch: where it was)
 
 
 def plan_device_memory(graph, skip=()):
@@ -56,57 +55,6 @@ def _aligned_zeros(nbytes):
     raw = np.zeros(int(nbytes) + HOST_ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % HOST_ALIGN
     return raw[start:start + int(nbytes)]
-
-
-class Scratch:
-    """Scratch memory of one stream on one device (im2col columns, GEMM
-    partials, library workspaces). The ops of a stream run one after the
-    other, so they share it; each op reserves what it needs in its
-    ``setup`` and ``take``s it when it runs. The buffer is allocated at the
-    first ``take`` (in the first iteration) at the largest reservation and
-    kept, so a steady-state iteration allocates nothing and a captured CUDA
-    graph's addresses stay valid (a request beyond the reservation gets a
-    new, larger buffer; the old one stays alive for what captured it)."""
-
-    def __init__(self, device):
-        self.device = int(device)
-        self.reserved = 0
-        self._buffers = []
-
-    @staticmethod
-    def _layout(specs):
-        offsets, total = [], 0
-        for shape, dtype in specs:
-            offsets.append(total)
-            count = int(np.prod(shape, dtype=np.int64))
-            nbytes = count * np.dtype(dtype).itemsize
-            total += -(-max(nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
-        return offsets, total
-
-    def reserve(self, *specs):
-        """Reserve room for arrays of the given (shape, dtype) at once."""
-        self.reserved = max(self.reserved, self._layout(specs)[1])
-
-    @property
-    def nbytes(self):
-        return self._buffers[-1].nbytes if self._buffers else 0
-
-    def take(self, *specs):
-        """C-contiguous device arrays of the given (shape, dtype), disjoint,
-        256-byte aligned, views of this stream's buffer (contents undefined)."""
-        offsets, total = self._layout(specs)
-        if not self._buffers or self._buffers[-1].nbytes < total:
-            cupy = xp_for_device(self.device)
-            with cupy.cuda.Device(self.device):
-                self._buffers.append(cupy.empty(max(total, self.reserved), dtype=np.uint8))
-        buf = self._buffers[-1]
-        arrays = []
-        for (shape, dtype), off in zip(specs, offsets):
-            dtype = np.dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            raw = buf[off:off + count * dtype.itemsize]
-            arrays.append(raw.view(dtype).reshape(tuple(int(s) for s in shape)))
-        return arrays
 
 
 class Workspace:

@@ -1,0 +1,158 @@
+"""``build_net``: the config's ``net:`` list as the forward bi-graph of one
+replica, each layer emitting its sub-graph through a ``NetBuilder`` (see the
+package docstring). Imports ``errors`` and the registry.
+"""
+from ..errors import ConfigError
+from .registry import Required, check_layer, layer_spec
+
+_DECLARED = object()
+
+
+class NetBuilder:
+    """State while emitting one net: the graph and the current version of
+    every top name."""
+
+    def __init__(self, graph, phase, path, index=0):
+        self.graph, self.phase, self.path = graph, phase, path
+        self.current = {}
+        self.cfg, self.index, self.spec = None, index, None
+
+    # -- config access with errors that name file and key ----------------
+    def key(self, k):
+        return f"net[{self.index}].{k}" if k else f"net[{self.index}]"
+
+    def fail(self, k, msg):
+        raise ConfigError(self.path, self.key(k), f"layer '{self.cfg.get('name')}': {msg}")
+
+    def get(self, k, default=_DECLARED, kind=_DECLARED, required=None):
+        """The layer's key ``k``, checked against its ``kind``; absent: its
+        ``default`` (or a failure when required). ``default``, ``kind`` and
+        ``required`` come from the layer's ``Key`` declaration unless given."""
+        spec = getattr(self, "spec", None)
+        declared = spec.key(k) if spec is not None else None
+        if declared is None and spec is not None:
+            raise KeyError(f"layer type {spec.type!r} reads key {k!r} without declaring it")
+        if default is _DECLARED:
+            default = declared.default if declared is not None else None
+        if kind is _DECLARED:
+            kind = declared.kind if declared is not None else None
+        if required is None:
+            required = isinstance(default, Required)
+        if k not in self.cfg:
+            if required:
+                note = f" ({default.note})" if isinstance(default, Required) and default.note \
+                    else ""
+                self.fail(k, f"missing required field '{k}'{note}")
+            return None if isinstance(default, Required) else default
+        v = self.cfg[k]
+        is_int = isinstance(v, int) and not isinstance(v, bool)
+        if kind == "int" and not is_int:
+            self.fail(k, f"expected an integer, got {v!r}")
+        if kind == "posint" and not (is_int and v > 0):
+            self.fail(k, f"expected a positive integer, got {v!r}")
+        if kind == "nonneg" and not (is_int and v >= 0):
+            self.fail(k, f"expected a non-negative integer, got {v!r}")
+        if kind == "pair":
+            ok = (is_int and v >= 0) or (isinstance(v, list) and len(v) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+            if not ok:
+                self.fail(k, f"expected a non-negative integer or [h, w], got {v!r}")
+        if kind == "number" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            self.fail(k, f"expected a number, got {v!r}")
+        if kind == "numbers" and (not isinstance(v, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+            self.fail(k, f"expected a list of numbers, got {v!r}")
+        if kind == "thread" and not ((is_int and v >= 0) or (isinstance(v, str) and v)):
+            self.fail(k, f"expected a thread number (>= 0) or name, got {v!r}")
+        if kind == "bool" and not isinstance(v, bool):
+            self.fail(k, f"expected true or false, got {v!r}")
+        if kind == "str" and not isinstance(v, str):
+            self.fail(k, f"expected a string, got {v!r}")
+        if isinstance(kind, tuple) and v not in kind:
+            self.fail(k, f"expected one of {', '.join(map(str, kind))}, got {v!r}")
+        return v
+
+    def bottoms(self, n=None):
+        b = self.get("bottom", required=True)
+        b = [b] if isinstance(b, str) else b
+        if not isinstance(b, list) or not all(isinstance(x, str) for x in b):
+            self.fail("bottom", f"expected a blob name or a list of names, got {b!r}")
+        if n is not None and len(b) != n:
+            self.fail("bottom", f"expected {n} bottom blob(s), got {len(b)}")
+        out = []
+        for name in b:
+            if name not in self.current:
+                known = ", ".join(sorted(self.current)) or "none"
+                self.fail("bottom", f"bottom blob '{name}' is not produced by the data or an "
+                          f"earlier layer (available: {known})")
+            out.append(self.current[name])
+        return out
+
+    def tops(self, n=None):
+        t = self.get("top", default=self.cfg.get("name"))
+        if isinstance(t, list) and not all(isinstance(x, str) for x in t) \
+                or not isinstance(t, (str, list)):
+            self.fail("top", f"expected a blob name or a list of names, got {t!r}")
+        t = [t] if isinstance(t, str) else t
+        if n is not None and len(t) != n:
+            self.fail("top", f"expected {n} top blob(s), got {len(t)}")
+        names = []
+        for top in t:
+            name = top if top not in self.graph.blobs else f"{top}@{self.cfg['name']}"
+            self.current[top] = name
+            names.append(name)
+        return names
+
+    def param(self, suffix, shape, filler, idx):
+        """A learnable blob ``<layer>/<suffix>`` with Caffe's per-param mults."""
+        name = f"{self.cfg['name']}/{suffix}"
+        specs = self.get("param")
+        spec = specs[idx] if isinstance(specs, list) and idx < len(specs) else {}
+        attrs = {"filler": filler, "lr_mult": float(spec.get("lr_mult", 1.0)),
+                 "decay_mult": float(spec.get("decay_mult", 1.0))}
+        self.graph.add_blob(name, shape, kind="param", attrs=attrs)
+        return name
+
+    def state(self, suffix, shape, value):
+        name = f"{self.cfg['name']}/{suffix}"
+        self.graph.add_blob(name, shape, kind="param",
+                            attrs={"filler": {"type": "constant", "value": value},
+                                   "learnable": False, "lr_mult": 0.0, "decay_mult": 0.0})
+        return name
+
+    def op(self, op_type, inputs, outputs, attrs=None, tag="fwd"):
+        return self.graph.add_op(f"{self.cfg['name']}.{tag}", op_type, inputs, outputs, attrs,
+                                 thread=self.get("thread"))
+
+    def shape(self, blob):
+        self.graph.infer_shapes()
+        return self.graph.blobs[blob].shape
+
+
+def build_net(config, phase, data_blobs):
+    """Forward graph of the config's net for ``phase`` ('train' or 'test').
+
+    ``data_blobs`` maps names the net may read (``data``, ``label``) to blobs
+    already in a graph; returns (graph, builder) with the data op added by
+    the caller beforehand."""
+    graph, path = data_blobs
+    b = NetBuilder(graph, phase, path)
+    b.current = {n: n for n in graph.blobs}
+    names = set()
+    for i, cfg in enumerate(config.get("net") or []):
+        b.cfg, b.index, b.spec = cfg, i, None
+        if not isinstance(cfg, dict):
+            raise ConfigError(path, f"net[{i}]", f"expected a mapping, got {cfg!r}")
+        name = cfg.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(path, f"net[{i}].name", "every layer needs a non-empty name")
+        if name in names:
+            raise ConfigError(path, f"net[{i}].name", f"layer name '{name}' is used twice")
+        names.add(name)
+        check_layer(cfg, i, path)
+        b.spec = layer_spec(cfg["type"])
+        layer_phase = b.get("phase")
+        if layer_phase is not None and layer_phase != phase:
+            continue
+        b.spec.fn(b)
+    return b
