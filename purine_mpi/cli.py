@@ -11,7 +11,7 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
-    python -m purine_mpi data cifar10 --from DIR --out PATH.h5
+    python -m purine_mpi data cifar10 --download|--from DIR --out PATH.h5
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
     python -m purine_mpi plot RUN [RUN ...] [--out curves.png]
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
@@ -124,11 +124,16 @@ def build_parser():
     p = sub.add_parser("data", help="prepare a data set as HDF5")
     p.add_argument("dataset", choices=["digits", "cifar10"],
                    help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
-                        "CIFAR-10 python batches given by --from")
+                        "CIFAR-10 python batches given by --from, or fetched by --download")
     p.add_argument("--out", required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test)")
     p.add_argument("--from", dest="source", metavar="DIR",
-                   help="cifar10: folder with the python-pickle batches")
+                   help="cifar10: folder with the python-pickle batches (with --download: "
+                        "where the archive is fetched and unpacked)")
+    p.add_argument("--download", action="store_true",
+                   help="cifar10: fetch the official archive (cifar-10-python.tar.gz), verify "
+                        "its MD5 and unpack it (into --from DIR, default beside --out) first; "
+                        "an archive already there with the right MD5 is reused")
 
     p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
     _common_config_args(p)
@@ -264,11 +269,17 @@ def cmd_data(args):
     if args.dataset == "digits":
         datasets.write_digits(args.out)
     else:
-        if not args.source:
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        source = args.source
+        if args.download:
+            from .io.download import download_cifar10
+            source = download_cifar10(source or os.path.join(
+                os.path.dirname(os.path.abspath(args.out)), "cifar-10-download"), log)
+        elif not source:
             raise UserError("data cifar10 needs --from DIR (the folder holding data_batch_1..5 "
-                            "and test_batch from the CIFAR-10 python version)")
-        datasets.write_cifar10(args.source, args.out,
-                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                            "and test_batch from the CIFAR-10 python version), or --download "
+                            "to fetch and verify the official archive")
+        datasets.write_cifar10(source, args.out, log=log)
     print(f"wrote {args.out}")
     return 0
 

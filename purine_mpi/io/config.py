@@ -529,9 +529,21 @@ def _resolve_data_path(data_path, config_path, key, check_files):
     if check_files:
         tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
         raise ConfigError(config_path, key, f"data file {data_path!r} not found (looked for "
-                                            f"{tried}); create it first, e.g. "
-                                            "'python -m purine_mpi data digits --out PATH.h5'")
+                                            f"{tried}); {data_hint(data_path)}")
     return data_path
+
+
+def data_hint(data_path):
+    """How to make the missing data file ``data_path``, by the data set its
+    name suggests."""
+    name = os.path.basename(str(data_path)).lower()
+    if "cifar" in name:
+        return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
+                "(or --from DIR with the unpacked python batches)")
+    if "digit" in name:
+        return f"make it with 'python -m purine_mpi data digits --out {data_path}'"
+    return ("convert your data to the HDF5 layout of docs/formats.md ('HDF5 data files'); "
+            "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")
 
 
 # ------------------------------------------------------- solver / parallel
