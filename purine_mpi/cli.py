@@ -135,6 +135,19 @@ def build_parser():
                         "its MD5 and unpack it (into --from DIR, default beside --out) first; "
                         "an archive already there with the right MD5 is reused")
 
+    p = sub.add_parser("predict", help="write per-sample outputs of a data split to HDF5 "
+                                       "(as Caffe's extract_features)")
+    _common_config_args(p)
+    p.add_argument("--weights", required=True, metavar="W.h5",
+                   help="checkpoint or weights file (HDF5 /params, or a .caffemodel)")
+    p.add_argument("--out", required=True, metavar="PREDS.h5",
+                   help="the HDF5 file to write: /outputs/<blob>, /label, /index (docs/formats.md)")
+    p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
+                   help="a blob to write per sample (repeatable; default: the net's last "
+                        "output, the scores its loss reads)")
+    p.add_argument("--split", choices=["test", "train"], default="test",
+                   help="which data of the config to run over, in file order (default: test)")
+
     p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
     _common_config_args(p)
     p.add_argument("--iters", type=int, default=20,
@@ -251,6 +264,29 @@ def cmd_test(args):
     return 0
 
 
+def cmd_predict(args):
+    from .io.checkpoint import load_params
+    from .predict import predict
+    from .trainer import Trainer
+    cfg = _load(args)
+    spec = (cfg.get("data") or {}).get(args.split)
+    if not spec:
+        raise UserError(f"{args.config}: key 'data.{args.split}': predict --split {args.split} "
+                        "needs that data")
+    cfg["data"]["test"] = dict(spec, shuffle=False)  # file order, the test-phase transform
+    if not args.weights.endswith(".caffemodel"):
+        load_params(args.weights)  # a bad file fails here, before any graph is built
+    t = Trainer(cfg, "/nonexistent-predict-output", init=args.weights,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        res = predict(t, args.out, args.weights, args.blobs, args.split)
+    finally:
+        t.close()
+    if res is not None:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_graph(args):
     from .graph.inspect import render_graph
     cfg = _load(args, check_files=False)
@@ -319,7 +355,7 @@ def cmd_export(args):
 
 
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
-            "data": cmd_data, "bench": cmd_bench, "plot": cmd_plot, "convert": cmd_convert,
+            "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot, "convert": cmd_convert,
             "export": cmd_export}
 
 

@@ -34,7 +34,7 @@ LAYERS = [
     # what runs a job and looks at it: the loop, its services, the parameter
     # servers' loop, tools over graphs and traces, model formats
     ("services", ["purine_mpi.trainer", "purine_mpi.runlog", "purine_mpi.bench",
-                  "purine_mpi.plot", "purine_mpi.docgen", "purine_mpi.docgen_sections",
+                  "purine_mpi.plot", "purine_mpi.predict", "purine_mpi.docgen", "purine_mpi.docgen_sections",
                   "purine_mpi.interop",
                   "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
                   "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats"]),

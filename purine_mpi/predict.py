@@ -1,0 +1,108 @@
+"""``predict CONFIG --weights W --out preds.h5``: per-sample outputs of a
+data split, as Caffe's ``extract_features`` and Lightning's ``predict``.
+
+The test-phase graph (center crops, no dropout) runs once over the whole
+split, in file order (the split's shuffle is off here), sharded over the
+ranks as evaluation is; rank 0 gathers every batch and writes, atomically:
+
+    /outputs/<blob>   (N, ...) float: each requested blob, per sample
+    /label            (N,) int64: the split's labels
+    /index            (N,) int64: each row's sample index in the split
+    attrs: config (YAML), weights, split, blobs
+
+The default blob is the net's last output: the scores the loss layer reads.
+A blob must be computed in the test phase (an input of the loss or a
+metric, or of what they read); ``--blob`` names others.
+"""
+import math
+import os
+
+import numpy as np
+
+from .errors import UserError
+from .io.config import dump_config
+from .io.data import source_info
+
+
+def default_blob(graph):
+    """The scores the first loss op reads (its first input)."""
+    for op in graph.ops.values():
+        if op.op_type in ("SoftmaxLoss", "SoftmaxWithLoss", "EuclideanLoss") or \
+                op.op_type.endswith("Loss"):
+            return op.inputs[0]
+    raise UserError("predict: the test phase has no loss layer, so there is no default "
+                    "output; name a blob with --blob")
+
+
+def predict(trainer, out_path, weights, blobs=None, split="test"):
+    """Run the trainer's test graph over the whole split and write the
+    outputs (see the module docstring); returns {"samples", "blobs", "out"}."""
+    if trainer.test is None:
+        raise UserError(f"{trainer.config.get('_path')}: key 'data.{split}': predict needs "
+                        "that data and a loss layer in the test phase")
+    if trainer.pipeline:
+        raise UserError("predict runs the whole net on each rank: not a pipeline or hybrid "
+                        "scheme (run it with one rank, or parallel.scheme: data)")
+    graph, dispatcher = trainer.test_graph, trainer.test
+    ws = dispatcher.workspace
+    blobs = list(blobs or [default_blob(graph)])
+    missing = [b for b in blobs if b not in graph.blobs]
+    if missing:
+        raise UserError(f"predict: blob(s) {', '.join(missing)} are not computed in the test "
+                        f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
+    readers = [k for k in dispatcher.kernels.values() if k.op.op_type == "DataReader"]
+    label_blob = readers[0].op.outputs[1] if readers else None
+    spec = trainer.config["data"]["test"]
+    n, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
+    batch, ranks = int(spec["batch_size"]), trainer.data_size
+    iters = max(1, math.ceil(n / (batch * ranks)))
+    for k in readers:
+        k.reset_position(0)
+    trainer.train.drain()
+    parts = {b: [] for b in blobs + ["label"]}
+    for i in range(iters):
+        dispatcher.run(i)
+        mine = {b: _host(ws[b]) for b in blobs}
+        mine["label"] = _host(ws[label_blob]) if label_blob else np.zeros(batch, np.int64)
+        every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
+            if trainer.size > 1 else [mine]
+        if trainer.rank == 0:
+            for rank_part in every[:ranks]:  # replica order is sample order
+                for b in parts:
+                    parts[b].append(rank_part[b])
+    if trainer.rank != 0:
+        return None
+    rows = {b: np.concatenate(v)[:n] for b, v in parts.items()}
+    _write(out_path, rows, blobs, trainer, weights, split, n)
+    return {"samples": int(n), "blobs": blobs, "out": out_path}
+
+
+def _outputs(graph):
+    return {b for op in graph.ops.values() for b in op.outputs}
+
+
+def _host(array):
+    from .backend import to_numpy
+    return np.array(to_numpy(array), copy=True)
+
+
+def _write(path, rows, blobs, trainer, weights, split, n):
+    import h5py
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            group = f.create_group("outputs")
+            for b in blobs:
+                group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
+            f.create_dataset("label", data=rows["label"].astype(np.int64))
+            f.create_dataset("index", data=np.arange(n, dtype=np.int64))
+            f.attrs["format"] = "purine_mpi.predictions"
+            f.attrs["config"] = dump_config(trainer.config)
+            f.attrs["weights"] = str(weights)
+            f.attrs["split"] = split
+            f.attrs["blobs"] = ",".join(blobs)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
