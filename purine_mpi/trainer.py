@@ -420,7 +420,8 @@ class Trainer:
         test_interval = int(self.solver.get("test_interval") or 0)
         ck_interval = int(self.config["checkpoint"].get("interval") or 0)
         batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
-            else 0
+            else sum(int(op.attrs.get("batch_size", 0)) for op in self.graph.ops.values()
+                     if op.op_type == "DataReader")  # a graph: config: its readers say
         if self.start_iter >= max_iter and self._finished():
             self._say(f"already finished at iteration {self.start_iter}: nothing to do"
                       + (f" (solver.max_iter is {max_iter}; raise it, or give --iters, to "

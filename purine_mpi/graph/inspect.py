@@ -107,7 +107,11 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train", mem
         from ..errors import UserError
         raise UserError(f"the config has no {phase} graph")
     if fmt == "yaml":
-        return yaml.dump({"name": config.get("name"), "graph": seed_yaml.dump(graph)},
+        # the solver section too: the loop's keys (max_iter, display, ...) and
+        # the start-up block then match the lr op the graph carries
+        solver = {k: v for k, v in (config.get("solver") or {}).items() if v is not None}
+        return yaml.dump({"name": config.get("name"), "solver": solver,
+                          "graph": seed_yaml.dump(graph)},
                          Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
                          width=100)
     if fmt == "dot":
