@@ -27,6 +27,7 @@ interrupted -- on every rank.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -224,6 +225,7 @@ def cmd_train(args):
 def cmd_test(args):
     from .trainer import Trainer
     from .io.checkpoint import load_params
+    from .io.checkpoint_check import NonFiniteWeights
     cfg = _load(args)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
@@ -237,8 +239,13 @@ def cmd_test(args):
     if not res:
         raise UserError(f"{args.config}: key 'data.test': nothing to evaluate (no test data or "
                         "no loss/accuracy layer in the test phase)")
-    if t.rank == 0:
-        print(json.dumps(res))
+    bad = sorted(k for k, v in res.items() if isinstance(v, float) and not math.isfinite(v))
+    if t.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
+        print(json.dumps({k: None if k in bad else v for k, v in res.items()}, allow_nan=False),
+              flush=True)
+    if bad:
+        raise NonFiniteWeights(f"evaluating {args.weights} gave a non-finite {', '.join(bad)} "
+                               "(NaN or inf): the figure is not a result")
     return 0
 
 
@@ -316,7 +323,7 @@ def main(argv=None):
         return COMMANDS[args.command](args) or 0
     except UserError as exc:
         _report_user_error(exc)
-        return 2
+        return exc.exit_code  # 2; 3 for non-finite weights
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -338,8 +345,8 @@ def _report_user_error(exc):
         rank = mpi.COMM_WORLD.Get_rank()
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        mpi.COMM_WORLD.Abort(2)
-        os._exit(2)  # MPICH's Abort can return before the launcher ends us
+        mpi.COMM_WORLD.Abort(exc.exit_code)
+        os._exit(exc.exit_code)  # MPICH's Abort can return before the launcher ends us
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if rank == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)

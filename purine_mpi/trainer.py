@@ -22,6 +22,7 @@ from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
+from .io.checkpoint_check import check_finite, check_for_net, unused_note
 from .io.config import dump_config
 from .io.data import source_info
 from .io.metrics import MetricsLog
@@ -84,6 +85,7 @@ class Trainer:
         graph, self.grads = build_train_graph(config, data_rank, data_size)
         check_data_labels(graph)
         self.param_summary = param_summary(graph)  # the whole net's, before any split
+        self.net_params = [b.name for b in graph.params()]
         self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
@@ -204,7 +206,12 @@ class Trainer:
             self._init_from_caffemodel(init, init_skip)
         elif init:
             params = load_params(init)
-            for p in init_params(params, self.params, self.config, init, init_skip):
+            wanted = init_params(params, self.params, self.config, init, init_skip)
+            check_finite({p: params[p] for p in wanted}, init)
+            note = unused_note(params, self.net_params, init)
+            if note:
+                self._say(note)
+            for p in wanted:
                 self._load_blob(p, params[p], init)
 
     def _init_from_caffemodel(self, path, init_skip=()):
@@ -218,6 +225,7 @@ class Trainer:
         shapes = {p: self.graph.blobs[p].shape for p in self.params
                   if p.split("/")[0] not in skip}
         values, report, factors = caffe_params(path, shapes)
+        check_finite(values, path)
         if self.rank == 0:
             for line in report:
                 self.log(f"{path}: {line}")
@@ -301,10 +309,11 @@ class Trainer:
                 return
         else:
             ck = load_checkpoint(path)
-        missing = [p for p in self.params if p not in ck.params]
-        if missing:
-            raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
-                            "of this net")
+        # the whole checkpoint is checked against the net before any of it is loaded
+        check_for_net(ck, path, self.net_params, {p: self.ws[p] for p in self.params},
+                      {(p, s): self.ws[state_name(p, s)] for p in self.params
+                       for s in solver_states(self.solver.get("type"))
+                       if state_name(p, s) in self.ws.arrays})
         fresh = set()
         for p in self.params:
             self._load_blob(p, ck.params[p], path)

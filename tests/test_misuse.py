@@ -1,0 +1,178 @@
+"""Runs, checkpoints and inputs that cannot be misused (issue 21): edited or
+foreign checkpoints are refused as a whole before anything is written,
+non-finite weights give no figure, a checkpoint's unused blobs are said."""
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.io.checkpoint import load_checkpoint
+
+from .conftest import run_cli_args, small_net_config, write_config_file
+from .test_cli import assert_user_error
+
+
+@pytest.fixture(scope="module")
+def trained(digits_h5, tmp_path_factory):
+    """A 20-iteration run with checkpoints at 10 and 20."""
+    d = tmp_path_factory.mktemp("misuse")
+    cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
+    path = write_config_file(d, cfg)
+    out = d / "run"
+    res = run_cli_args("train", path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    return {"dir": d, "cfg": cfg, "path": path, "out": out}
+
+
+def _copy(trained, tmp_path, edit, name="edited.h5", src="latest.h5"):
+    dst = tmp_path / name
+    dst.write_bytes((trained["out"] / src).read_bytes())
+    with h5py.File(dst, "r+") as f:
+        edit(f)
+    return dst
+
+
+def _set_attr(key, value):
+    def edit(f):
+        f.attrs[key] = value
+    return edit
+
+
+def _del(path):
+    def edit(f):
+        del f[path]
+    return edit
+
+
+def _del_checksum(f):
+    del f["state"].attrs["sha256"]
+
+
+def _no_fletcher(f):
+    w = f["params/fc1/weight"][...]
+    del f["params/fc1/weight"]
+    f["params/fc1/weight"] = w  # same values, no checksum filter
+
+
+def _del_iteration(f):
+    del f.attrs["iteration"]
+
+
+# ------------------------------------------------------------------ case 3
+@pytest.mark.parametrize("edit,needle", [
+    (_set_attr("iteration", -50), "below 0"),
+    (_set_attr("iteration", 10 ** 12), "max_iter"),
+    (_set_attr("iteration", 150.7), "not an integer"),
+    (_set_attr("iteration", "abc"), "not an integer"),
+    (_del_iteration, "no root attribute 'iteration'"),
+    (_set_attr("elapsed", "x"), "'elapsed'"),
+    (_set_attr("elapsed", float("nan")), "'elapsed'"),
+    (_set_attr("run_id", 5), "'run_id'"),
+    (_del("state"), "'/state'"),
+    (_del_checksum, "sha256"),
+    (_no_fletcher, "Fletcher-32"),
+], ids=["iter-neg", "iter-huge", "iter-float", "iter-str", "iter-missing", "elapsed-str",
+        "elapsed-nan", "run_id-int", "no-state", "no-state-checksum", "no-fletcher32"])
+def test_edited_checkpoint_is_refused_when_loaded(trained, tmp_path, edit, needle):
+    bad = _copy(trained, tmp_path, edit)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(bad)
+    assert "edited.h5" in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_iteration_must_match_the_files_name(trained, tmp_path):
+    bad = _copy(trained, tmp_path, _set_attr("iteration", 15), "ckpt_10.h5", "ckpt_10.h5")
+    with pytest.raises(UserError, match="ckpt_10.h5.*iteration 10"):
+        load_checkpoint(bad)
+
+
+def test_edited_resume_exits_2_and_writes_nothing(trained, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("ckpt_10.h5", "ckpt_20.h5", "metrics.jsonl", "config.yaml"):
+        (out / name).write_bytes((trained["out"] / name).read_bytes())
+    bad = _copy(trained, out, _set_attr("iteration", -50), "latest.h5", "ckpt_20.h5")
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    for args in (["--resume", bad], ["--resume", bad, "--iters", "3000"]):
+        assert_user_error(run_cli_args("train", trained["path"], "--out", out, *args),
+                          "latest.h5", "iteration", "-50")
+    after = {n: (out / n).read_bytes() for n in os.listdir(out) if n != ".purine.lock"}
+    assert after == before  # nothing rotated, overwritten or cut
+    # int32 params (right shape, wrong dtype) are not cast silently
+    def int32(f):
+        w = f["params/fc1/weight"][...]
+        del f["params/fc1/weight"]
+        f.create_dataset("params/fc1/weight", data=w.astype(np.int32), fletcher32=True)
+    bad = _copy(trained, tmp_path, int32, "int32.h5")
+    assert_user_error(run_cli_args("train", trained["path"], "--out", tmp_path / "i",
+                                   "--resume", bad, "--iters", "22"),
+                      "int32.h5", "/params/fc1/weight", "int32", "float32")
+
+
+def test_resume_auto_falls_back_past_edited_checkpoints(trained, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("ckpt_10.h5", "metrics.jsonl"):
+        (out / name).write_bytes((trained["out"] / name).read_bytes())
+    _copy(trained, out, _set_attr("iteration", "abc"), "latest.h5")
+    _copy(trained, out, _del_checksum, "ckpt_20.h5", "ckpt_20.h5")
+    res = run_cli_args("train", trained["path"], "--out", out, "--resume", "auto",
+                       "--iters", "22")
+    assert res.returncode == 0, res.stderr
+    assert "ckpt_10.h5" in res.stdout and "iteration 10" in res.stdout, res.stdout
+    assert "latest.h5" in res.stdout and "ckpt_20.h5" in res.stdout  # each skip is said
+    assert load_checkpoint(out / "latest.h5").iteration == 22
+
+
+# ------------------------------------------------------------------ case 4
+def _nan(f):
+    f["params/fc1/weight"][0, 0] = np.nan  # written through the filter: checksum stays valid
+
+
+def test_test_refuses_non_finite_weights_exit_3(trained, tmp_path):
+    bad = _copy(trained, tmp_path, _nan, "nan.h5")
+    res = run_cli_args("test", trained["path"], "--weights", bad)
+    assert res.returncode == 3, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr and res.stdout == ""  # no figure at all
+    assert "nan.h5" in res.stderr and "fc1/weight" in res.stderr and "non-finite" in res.stderr
+    res = run_cli_args("train", trained["path"], "--init", bad, "--out", tmp_path / "i")
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr
+    assert "nan.h5" in res.stderr and "fc1/weight" in res.stderr and "holds non-finite" \
+        in res.stderr and "training diverged" not in res.stderr
+    res = run_cli_args("train", trained["path"], "--resume", bad, "--iters", "22", "--out",
+                       tmp_path / "r")
+    assert res.returncode == 3 and "fc1/weight" in res.stderr, res.stderr
+
+
+def test_test_prints_strict_json(trained):
+    res = run_cli_args("test", trained["path"], "--weights", trained["out"] / "latest.h5")
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert 0.0 <= rec["accuracy"] <= 1.0
+
+
+# ------------------------------------------------------------------ case 5
+def _bigger(f):
+    """The same layers plus one more (fc1b), as a bigger net's checkpoint holds."""
+    f.create_dataset("params/fc1b/weight", data=np.ones((10, 10), np.float32),
+                     fletcher32=True)
+    f.create_dataset("params/fc1b/bias", data=np.zeros(10, np.float32), fletcher32=True)
+
+
+def test_unused_blobs_are_said(trained, tmp_path):
+    big = _copy(trained, tmp_path, _bigger, "big.h5")
+    res = run_cli_args("test", trained["path"], "--weights", big)
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "fc1b" in line]
+    assert len(notes) == 1 and "fc1b/bias" in notes[0] and "fc1b/weight" in notes[0], notes
+    assert "not used" in notes[0]
+    res = run_cli_args("train", trained["path"], "--init", big, "--out", tmp_path / "i",
+                       "--iters", "1")
+    assert res.returncode == 0, res.stderr
+    assert "fc1b/weight" in res.stdout and "not used" in res.stdout
+    assert_user_error(run_cli_args("train", trained["path"], "--resume", big, "--iters", "22",
+                                   "--out", tmp_path / "r"),
+                      "big.h5", "fc1b/bias", "fc1b/weight", "--init")
