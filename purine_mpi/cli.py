@@ -20,10 +20,12 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi --version
 
 Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
-error (message names the file/key/node, no traceback), 3 diverged (non-finite
-loss or weights), 143 stopped by SIGTERM with a checkpoint, 1 any other
-failure (one line per failing rank; the traceback with --debug), 130
-interrupted -- on every rank.
+error (message names the file/key/node, no traceback), 3 diverged or
+non-finite weights (``test``/``--init``/``--resume`` of a file holding NaN or
+inf), 143 stopped by SIGTERM with a checkpoint, 130 stopped by Ctrl-C with a
+checkpoint (a second Ctrl-C: at once, without one), 141 stdout closed (``|
+head``; ``train`` stops with a checkpoint), 1 any other failure (one line per
+failing rank; the traceback with --debug) -- on every rank.
 """
 import argparse
 import json
@@ -52,7 +54,9 @@ def build_parser():
                     "docs/config.md, the files a run writes and the exit statuses in "
                     "docs/formats.md.",
         epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
-               "failure, 2 user error, 3 diverged, 143 stopped by SIGTERM with a checkpoint")
+               "failure, 2 user error, 3 diverged or non-finite weights, 143 stopped by "
+               "SIGTERM with a checkpoint, 130 by Ctrl-C (with a checkpoint), 141 stdout "
+               "closed")
     parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
@@ -324,12 +328,22 @@ def main(argv=None):
     except UserError as exc:
         _report_user_error(exc)
         return exc.exit_code  # 2; 3 for non-finite weights
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
+        if _rank() == 0:
+            print("interrupted", file=sys.stderr, flush=True)
         return 130
-    except BrokenPipeError:  # output piped into `head` and the like
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except BrokenPipeError:  # output piped into `head` and the like: not a success
+        from .runtime.stop import stdout_to_devnull
+        stdout_to_devnull()
+        if _rank() == 0:
+            print("error: stdout was closed (broken pipe) before the output was written",
+                  file=sys.stderr, flush=True)
+        return 141
+
+
+def _rank():
+    """This process's rank as the launcher set it (0 without one)."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
 def _report_user_error(exc):
@@ -347,6 +361,5 @@ def _report_user_error(exc):
         sys.stdout.flush()
         mpi.COMM_WORLD.Abort(exc.exit_code)
         os._exit(exc.exit_code)  # MPICH's Abort can return before the launcher ends us
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    if rank == 0:
+    if _rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -33,7 +33,7 @@ from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applie
                                settings_without_effect)
 from .progress import progress
 from .runtime.factory import make_dispatcher
-from .runtime.stop import StopSignal
+from .runtime.stop import StopSignal, print_or_stop
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
 
@@ -73,7 +73,7 @@ class Trainer:
         self.rank, self.size = self.world.rank, self.world.size
         self.seed = int(config.get("seed", 0))
         self.solver = config["solver"]
-        self.log = log or (lambda msg: print(msg, flush=True))
+        self.log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         par = config.get("parallel", {})
         # collectives outside the graph wait no longer than graph ops do
         self.world.stall_timeout = float(par.get("stall_timeout", 300))
@@ -680,9 +680,15 @@ def run_and_report(trainer, world):
                   "the data.", file=sys.stderr, flush=True)
         return 3
     if world.rank == 0 and result:
-        print("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
-                                     if isinstance(v, float) else v
-                                     for k, v in result.items()}), flush=True)
-    # a stop on SIGTERM still ends non-zero (the scheduler asked us to die);
-    # SIGUSR1 is a request to checkpoint and finish, so it ends with 0
-    return 143 if result.get("stopped_by") == "SIGTERM" else 0
+        print_or_stop("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
+                                             if isinstance(v, float) else v
+                                             for k, v in result.items()}))
+    # a stop on SIGTERM, Ctrl-C or a closed stdout still ends non-zero (143,
+    # 130, 141); SIGUSR1 is a request to checkpoint and finish: 0
+    stopped = result.get("stopped_by")
+    if stopped in ("SIGPIPE", "SIGINT") and world.rank == 0:
+        why = "error: stdout was closed (broken pipe)" if stopped == "SIGPIPE" else \
+            "interrupted (Ctrl-C)"
+        print(f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; continue "
+              "with --resume auto", file=sys.stderr, flush=True)
+    return StopSignal.exit_status(stopped)
