@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import warnings
 
 from . import __version__
 from .errors import UserError
@@ -185,8 +186,9 @@ def _load(args, check_files=True):
     from .io.config import load_config
     cfg = load_config(args.config, args.overrides, getattr(args, "iters", None),
                       check_files=check_files)
-    if args.seed is not None:
-        cfg["seed"] = args.seed
+    if args.seed is not None:  # checked as the config's seed is
+        from .io.config import check_seed
+        cfg["seed"] = check_seed("--seed", args.seed, None)
     return cfg
 
 
@@ -323,6 +325,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.debug:
         os.environ["PURINE_DEBUG"] = "1"
+    # a NaN or inf is reported once, as such (a diverged run, non-finite
+    # weights or data), not as NumPy's RuntimeWarning lines before it
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            message=r"(overflow|invalid value|divide by zero|underflow) "
+                                    r"encountered")
     try:
         return COMMANDS[args.command](args) or 0
     except UserError as exc:

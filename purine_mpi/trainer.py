@@ -27,8 +27,8 @@ from .io.config import dump_config
 from .io.data import source_info
 from .io.metrics import MetricsLog
 from .layers.fillers import fill
-from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
-                    kept_constant, loss_blobs, metric_blobs)
+from .model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
+                    init_params, kept_constant, loss_blobs, metric_blobs)
 from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
 from .progress import progress
@@ -83,6 +83,7 @@ class Trainer:
         self.pipeline = self.layout.staged
         data_rank, data_size = self.layout.replica, self.layout.replicas
         graph, self.grads = build_train_graph(config, data_rank, data_size)
+        check_fits_memory(graph)  # a layer too big is named, not a MemoryError
         check_data_labels(graph)
         self.param_summary = param_summary(graph)  # the whole net's, before any split
         self.net_params = [b.name for b in graph.params()]

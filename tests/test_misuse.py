@@ -176,3 +176,87 @@ def test_unused_blobs_are_said(trained, tmp_path):
     assert_user_error(run_cli_args("train", trained["path"], "--resume", big, "--iters", "22",
                                    "--out", tmp_path / "r"),
                       "big.h5", "fc1b/bias", "fc1b/weight", "--init")
+
+
+# ------------------------------------------------------------------ case 6
+def _on_disk_with_nan(digits_h5, tmp_path, split):
+    dst = tmp_path / f"nan_{split}.h5"
+    with h5py.File(digits_h5, "r") as f, h5py.File(dst, "w") as g:
+        for s in ("train", "test"):
+            data = f[f"{s}/data"][...]
+            if s == split:
+                data[100, 0, 2, 2] = np.nan
+            g[f"{s}/data"], g[f"{s}/label"] = data, f[f"{s}/label"][...]
+    cfg = small_net_config(str(dst))
+    for s in ("train", "test"):
+        cfg["data"][s]["in_memory"] = False
+    cfg["solver"].update(max_iter=40, test_interval=0)
+    return write_config_file(tmp_path, cfg, f"nan_{split}.yaml")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_non_finite_data_on_disk_is_found_before_training(digits_h5, tmp_path, split):
+    """Issue 21, case 6: a float split read from disk is checked at start-up
+    (exit 2, no traceback), never at the end of the training or mid-run."""
+    path = _on_disk_with_nan(digits_h5, tmp_path, split)
+    res = run_cli_args("train", path, "--out", tmp_path / "o")
+    text = assert_user_error(res, f"nan_{split}.h5", f"/{split}/data", "index 100")
+    assert "iter " not in res.stdout  # refused before the first iteration
+    assert text.count("error:") == 1
+
+
+def test_test_on_non_finite_data_is_one_message(trained, digits_h5, tmp_path):
+    path = _on_disk_with_nan(digits_h5, tmp_path, "test")
+    assert_user_error(run_cli_args("test", path, "--weights", trained["out"] / "latest.h5"),
+                      "nan_test.h5", "/test/data", "index 100")
+
+
+# ------------------------------------------------------------------ case 7
+def test_seed_is_checked_on_the_command_line_as_in_the_config(trained, tmp_path):
+    assert_user_error(run_cli_args("train", trained["path"], "--seed", "-3", "--out",
+                                   tmp_path / "a"), "--seed", "-3")
+    assert_user_error(run_cli_args("train", trained["path"], "--set", "seed=-3", "--out",
+                                   tmp_path / "a"), "seed", "-3")
+    big = "99999999999999999999999"
+    for args in (["--seed", big], ["--set", f"seed={big}"]):  # refused before training
+        res = run_cli_args("train", trained["path"], *args, "--out", tmp_path / "b")
+        assert_user_error(res, "seed", big, "2^63")
+        assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    res = run_cli_args("train", trained["path"], "--seed", str(2 ** 63 - 1), "--iters", "2",
+                       "--out", tmp_path / "c")
+    assert res.returncode == 0, res.stderr  # the largest seed trains and checkpoints
+    assert load_checkpoint(tmp_path / "c" / "latest.h5").attrs["seed"] == 2 ** 63 - 1
+
+
+# ------------------------------------------------------------------ case 9
+def test_a_string_is_not_a_number(trained, tmp_path):
+    cfg = dict(trained["cfg"], solver=dict(trained["cfg"]["solver"], base_lr="0.05"))
+    path = write_config_file(tmp_path, cfg)
+    assert_user_error(run_cli_args("graph", path), "solver.base_lr", "'0.05'", "string")
+    # 1e-3 without a dot is a number, as in YAML 1.2
+    text = open(trained["path"]).read().replace("base_lr: 0.05", "base_lr: 5e-2")
+    assert "5e-2" in text
+    (tmp_path / "e.yaml").write_text(text)
+    res = run_cli_args("graph", tmp_path / "e.yaml", "--set", "solver.weight_decay=1e-4")
+    assert res.returncode == 0, res.stderr
+
+
+def test_batch_larger_than_the_data_is_refused(trained, tmp_path):
+    assert_user_error(run_cli_args("train", trained["path"], "--set",
+                                   "data.train.batch_size=100000", "--out", tmp_path / "o"),
+                      "data.train.batch_size", "100000", "1437 samples")
+
+
+def test_a_layer_too_big_for_memory_is_named(trained, tmp_path):
+    res = run_cli_args("train", trained["path"], "--set", "net.3.num_output=100000000000",
+                       "--out", tmp_path / "o")
+    assert_user_error(res, "fc1", "num_output", "memory")
+
+
+def test_divergence_is_one_message_without_numpy_warnings(trained, tmp_path):
+    cfg = dict(trained["cfg"], solver=dict(trained["cfg"]["solver"], base_lr=1e6,
+                                           max_iter=200, display=5))
+    path = write_config_file(tmp_path, cfg, "diverge.yaml")
+    res = run_cli_args("train", path, "--out", tmp_path / "o")
+    assert res.returncode == 3, res.stderr
+    assert "RuntimeWarning" not in res.stderr and res.stderr.startswith("error:"), res.stderr

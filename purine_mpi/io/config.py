@@ -29,6 +29,20 @@ import os
 import yaml
 
 from ..errors import ConfigError
+
+SEED_LIMIT = 2 ** 63  # seeds are stored as 64-bit integers (checkpoints, HDF5)
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that reads ``1e-3`` and ``5E8`` (YAML 1.2 floats without a
+    dot) as numbers, as every other YAML reader does: a string where a number
+    is expected is then always a quoted one, and refused."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 from ..layers import check_layer
 from .transform import TRANSFORM_KEYS
 
@@ -261,7 +275,7 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -304,7 +318,7 @@ def apply_override(config, text, path="<config>"):
         raise ConfigError(path, None, f"bad --set override {text!r}: expected KEY=VALUE with a "
                                       "dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else ""
+        value = yaml.load(value_text, Loader=_Loader) if value_text.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(path, key, f"bad --set override {text!r}: the value is not valid "
                                      f"YAML ({str(e).splitlines()[0]})") from None
@@ -348,7 +362,7 @@ def validate_config(config, path="<config>", check_files=True):
     from_file = path and not str(path).startswith("<")
     stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
     out["name"] = _check_name(config.get("name", stem), path)
-    out["seed"] = _check_int("seed", config.get("seed", 0), path, minimum=0)
+    out["seed"] = check_seed("seed", config.get("seed", 0), path)
     out["data"] = _check_data(config.get("data"), path, check_files)
     if config.get("net") is None and config.get("graph") is None:
         raise ConfigError(path, "net", "the config defines no network: give 'net' "
@@ -451,7 +465,7 @@ def _check_data_spec(phase, spec, path, check_files):
     out["batch_size"] = _check_int(f"{key}.batch_size", spec["batch_size"], path, minimum=1)
     out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
     if spec.get("seed") is not None:
-        out["seed"] = _check_int(f"{key}.seed", spec["seed"], path, minimum=0)
+        out["seed"] = check_seed(f"{key}.seed", spec["seed"], path)
     out.update(_check_transform(key, spec, path))
     if source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
@@ -470,6 +484,9 @@ def _check_data_spec(phase, spec, path, check_files):
                               f"expected a group name such as 'train', or null for top-level "
                               f"data/label, got {split!r}")
         out["split"] = split
+        if check_files:
+            from .data import hdf5_info
+            _check_batch_fits(key, out, hdf5_info(out["path"], split)[0], path)
     else:
         shape = spec.get("shape")
         if (not isinstance(shape, list) or not shape
@@ -485,7 +502,16 @@ def _check_data_spec(phase, spec, path, check_files):
                                         spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
                                         minimum=1)
         out["split"] = spec.get("split", phase)
+        _check_batch_fits(key, out, out["num_samples"], path)
     return out
+
+
+def _check_batch_fits(key, spec, n_samples, path):
+    """A batch is drawn from the split: one larger than the split would hold
+    samples several times over."""
+    if spec["batch_size"] > n_samples:
+        raise ConfigError(path, f"{key}.batch_size", f"{spec['batch_size']} is larger than the "
+                          f"{n_samples} samples of the data; give at most {n_samples}")
 
 
 def _check_transform(key, spec, path):
@@ -710,6 +736,14 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def check_seed(key, value, path):
+    """A seed: an integer in [0, 2^63) (``seed``, ``data.*.seed``, ``--seed``)."""
+    if _is_int(value) and 0 <= value < SEED_LIMIT:
+        return int(value)
+    raise ConfigError(path, key, f"expected a non-negative integer below 2^63 (it is stored "
+                                 f"as a 64-bit integer), got {value!r}")
+
+
 def _check_int(key, value, path, minimum=None):
     ok = _is_int(value) or (isinstance(value, float) and value.is_integer())
     if ok and (minimum is None or value >= minimum):
@@ -721,11 +755,10 @@ def _check_int(key, value, path, minimum=None):
 
 def _check_number(key, value, path, minimum=None, strict=False, below=None):
     number = value
-    if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
+    if isinstance(value, str):  # 1e-3 reads as a number (_Loader): this was quoted
+        raise ConfigError(path, key, f"expected {_number_range(minimum, strict, below, False)}"
+                                     f", got the string {value!r} (a number is written "
+                                     "without quotes)")
     if isinstance(number, bool) or not isinstance(number, (int, float)) \
             or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
         number = None
