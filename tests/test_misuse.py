@@ -260,3 +260,25 @@ def test_divergence_is_one_message_without_numpy_warnings(trained, tmp_path):
     res = run_cli_args("train", path, "--out", tmp_path / "o")
     assert res.returncode == 3, res.stderr
     assert "RuntimeWarning" not in res.stderr and res.stderr.startswith("error:"), res.stderr
+
+
+# ------------------------------------------------------------------ case 8
+def _flip_root_header(src, dst):
+    """A byte flipped inside the root group's object header (its checksum
+    then fails): the file opens, its groups cannot be looked up."""
+    raw = bytearray(open(src, "rb").read())
+    at = raw.find(b"OHDR")
+    assert at > 0
+    raw[at + 8] ^= 0xFF
+    open(dst, "wb").write(bytes(raw))
+    return dst
+
+
+def test_damaged_hdf5_metadata_is_one_message_naming_the_file(trained, tmp_path):
+    bad = _flip_root_header(trained["out"] / "latest.h5", tmp_path / "flipped.h5")
+    assert_user_error(run_cli_args("test", trained["path"], "--weights", bad),
+                      "flipped.h5", "corrupt")
+    assert_user_error(run_cli_args("train", trained["path"], "--init", bad, "--out",
+                                   tmp_path / "i"), "flipped.h5", "corrupt")
+    assert_user_error(run_cli_args("train", trained["path"], "--resume", bad, "--out",
+                                   tmp_path / "r"), "flipped.h5", "corrupt")

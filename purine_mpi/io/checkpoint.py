@@ -257,6 +257,13 @@ def _load_checkpoint(path):
 def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
     {name: array}; other groups and attributes are optional."""
+    try:
+        return _load_params(path)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
+        raise UserError(f"weights file '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _load_params(path):
     with _open(path, "weights file") as f:
         if "params" not in f or not hasattr(f["params"], "keys"):
             raise UserError(f"weights file '{path}' has no /params group; expected the "

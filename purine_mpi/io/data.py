@@ -53,20 +53,28 @@ def hdf5_info(path, split=None):
         f = h5py.File(path, "r")
     except OSError as e:
         raise UserError(f"data file '{path}' cannot be opened as HDF5 ({e})") from None
-    with f:
-        group, where = _split_group(f, path, split)
-        data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
-        if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
-            raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
-                            f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
-                            f"{data.dtype}")
-        if label.ndim != 1 or label.dtype.kind not in "iu":
-            raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
-                            f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
-        if label.shape[0] != data.shape[0] or data.shape[0] == 0:
-            raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
-                            f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
-        return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
+    try:
+        with f:
+            return _layout(f, path, split)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
+        raise UserError(f"data file '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _layout(f, path, split):
+    """The split's (n_samples, sample_shape), its layout checked."""
+    group, where = _split_group(f, path, split)
+    data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
+    if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
+        raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
+                        f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
+                        f"{data.dtype}")
+    if label.ndim != 1 or label.dtype.kind not in "iu":
+        raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
+                        f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
+    if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+        raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
+                        f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+    return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
 
 
 def _split_group(f, path, split):
