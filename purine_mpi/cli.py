@@ -354,19 +354,25 @@ def _rank():
 
 
 def _report_user_error(exc):
-    """One paragraph on stderr, no traceback.
+    """One paragraph on stderr, no traceback, printed by exactly one rank.
 
-    Before MPI starts (config and file errors) every rank finds the same
-    error and exits 2 on its own: rank 0 prints it. Once MPI runs, an error
-    may hit some ranks only (a file missing on one node); that rank prints it
-    and aborts the job with status 2, so the others never wait for it."""
+    Without a launcher (or with one rank) the process prints it. Under a
+    launcher with several ranks, the ranks agree (comm/world.py,
+    ``report_user_error``): an error that every rank finds is printed once
+    by rank 0 and every rank exits with its status; an error of some ranks
+    only (a file missing on one node) is printed by that rank, which then
+    aborts the job so the others never wait for it."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
-            and mpi.COMM_WORLD.Get_size() > 1:
-        rank = mpi.COMM_WORLD.Get_rank()
-        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        mpi.COMM_WORLD.Abort(exc.exit_code)
-        os._exit(exc.exit_code)  # MPICH's Abort can return before the launcher ends us
+    if _launched_ranks() > 1 or (mpi is not None and mpi.Is_initialized()):
+        from .comm.world import report_user_error
+        report_user_error(exc)  # returns only on a single rank
     if _rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def _launched_ranks():
+    """The number of ranks the launcher started (1 without one)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1

@@ -282,3 +282,61 @@ def test_damaged_hdf5_metadata_is_one_message_naming_the_file(trained, tmp_path)
                                    tmp_path / "i"), "flipped.h5", "corrupt")
     assert_user_error(run_cli_args("train", trained["path"], "--resume", bad, "--out",
                                    tmp_path / "r"), "flipped.h5", "corrupt")
+
+
+# ----------------------------------------------------------------- case 10
+def _mpiexec_or_skip():
+    from .conftest import MPIEXEC
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return MPIEXEC
+
+
+@pytest.mark.mpi
+def test_a_user_error_under_mpiexec_is_printed_once_every_time(tmp_path):
+    """Issue 21, case 10: an error every rank finds (here MPI's thread level)
+    is printed exactly once, whole, with exit 2 and no MPICH abort noise, in
+    each of 30 runs (it used to be lost now and then)."""
+    import subprocess
+    from .conftest import PYTHON, cli_env
+    mpiexec = _mpiexec_or_skip()
+    cfg = {"name": "t", "data": {"train": {"source": "synthetic", "shape": [1, 4, 4],
+                                           "classes": 3, "batch_size": 4}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 3},
+                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
+                    "top": "l"}],
+           "solver": {"max_iter": 1}}
+    path = write_config_file(tmp_path, cfg)
+    env = dict(cli_env(), MPI4PY_RC_THREAD_LEVEL="funneled")
+    for i in range(30):
+        res = subprocess.run([mpiexec, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
+                              "--out", str(tmp_path / f"o{i}")], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (i, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: MPI granted MPI_THREAD_FUNNELED")
+        assert lines[0].endswith("'multiple')"), (i, res.stderr)  # whole, not cut or mixed
+
+
+@pytest.mark.mpi
+def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
+    """A rank that alone finds a user error (a file missing on its node)
+    prints it once, named by rank, and ends every rank with exit 2."""
+    import subprocess
+    from .conftest import PYTHON, REPO, cli_env
+    mpiexec = _mpiexec_or_skip()
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "from purine_mpi.cli import _report_user_error\n"
+        "from purine_mpi.comm.world import get_world\n"
+        "from purine_mpi.errors import UserError\n"
+        "w = get_world()\n"
+        "if w.rank == 1:\n"
+        "    _report_user_error(UserError(\"data file 'x.h5' not found on this node\"))\n"
+        "w.comm.barrier()  # the others wait for rank 1, which never comes\n")
+    for i in range(3):
+        res = subprocess.run([mpiexec, "-n", "3", PYTHON, str(script)], cwd=REPO,
+                             env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.strip() == "error: rank 1: data file 'x.h5' not found on this node", \
+            res.stderr
