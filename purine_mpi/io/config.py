@@ -79,7 +79,7 @@ SYNTHETIC_NUM_SAMPLES = 1024
 #: top-level key -> (type, default, meaning)
 TOP_DOC = {
     "name": ("string", "the file's stem", "names the run: its output goes to `runs/<name>/<N>`"),
-    "seed": ("integer >= 0", 0, "seeds the initial weights, the data order, the random crops "
+    "seed": ("integer in [0, 2^63)", 0, "seeds the initial weights, the data order, the random crops "
              "and flips, and dropout"),
     "data": ("mapping", {}, "`train:` and `test:` data specs (see [data](#data))"),
     "net": ("list", "—", "the layers, in order (see [net](#net)); give `net` or `graph`"),
@@ -186,7 +186,7 @@ DATA_DOC = {
     "shape": ("list of integers", "—", "synthetic: one sample's shape [C, H, W]"),
     "classes": ("integer > 0", "—", "synthetic: the number of classes"),
     "num_samples": ("integer > 0", SYNTHETIC_NUM_SAMPLES, "synthetic: samples in the split"),
-    "seed": ("integer >= 0", "the config's seed", "seed of the shuffle and of synthetic data"),
+    "seed": ("integer in [0, 2^63)", "the config's seed", "seed of the shuffle and of synthetic data"),
     "scale": ("number > 0", "—", "transform: multiply, after the mean is subtracted"),
     "mean": ("number or list", "—", "transform: subtract (one value, or one per channel)"),
     "mirror": ("true/false", False, "transform: random horizontal flip, training only"),
