@@ -35,7 +35,7 @@ import sys
 import warnings
 
 from . import __version__
-from .errors import UserError
+from .errors import OpError, UserError
 
 
 def _common_config_args(p):
@@ -335,6 +335,11 @@ def main(argv=None):
     except UserError as exc:
         _report_user_error(exc)
         return exc.exit_code  # 2; 3 for non-finite weights
+    except OpError as exc:  # an op that found a user error while running (a data file)
+        if not isinstance(exc.cause, UserError):
+            raise
+        _report_user_error(exc.cause)
+        return exc.cause.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
         if _rank() == 0:
             print("interrupted", file=sys.stderr, flush=True)

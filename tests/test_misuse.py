@@ -211,6 +211,24 @@ def test_test_on_non_finite_data_is_one_message(trained, digits_h5, tmp_path):
                       "nan_test.h5", "/test/data", "index 100")
 
 
+def test_a_data_error_met_while_running_exits_2(monkeypatch, capsys):
+    """A data file that goes bad after start-up is still a user error (exit 2,
+    one message), not a runtime failure, when a reader op meets it."""
+    from purine_mpi import cli
+    from purine_mpi.errors import OpError
+    from purine_mpi.graph.core import Op
+
+    def boom(args):
+        raise OpError(Op("data", "DataReader", [], []),
+                      UserError("data file 'd.h5': dataset '/test/data' holds non-finite "
+                                "values"), 0)
+    monkeypatch.setitem(cli.COMMANDS, "graph", boom)
+    monkeypatch.delenv("PMI_SIZE", raising=False)
+    assert cli.main(["graph", "x.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: data file 'd.h5': dataset '/test/data' holds non-finite values\n"
+
+
 # ------------------------------------------------------------------ case 7
 def test_seed_is_checked_on_the_command_line_as_in_the_config(trained, tmp_path):
     assert_user_error(run_cli_args("train", trained["path"], "--seed", "-3", "--out",
