@@ -389,6 +389,9 @@ class Trainer:
                             world_size=self.size, seed=self.seed,
                             config_text=dump_config(self.config), run_id=self.run_id,
                             elapsed=self.elapsed())
+        if getattr(self, "_metrics", None) is not None and self.start_iter:
+            self._metrics.commit()  # the resumed run's rows and config replace the old ones
+            self._write_config()
 
     # -------------------------------------------------------------- loops
     def run(self):
@@ -562,15 +565,21 @@ class Trainer:
 
     def _open_metrics(self):
         """Rank 0: config.yaml, and the metrics log (io/metrics.py) that goes
-        on from the checkpoint's rows and time when resuming."""
+        on from the checkpoint's rows and time when resuming. A resumed run
+        replaces the folder's config.yaml with its first checkpoint (save)."""
         if self.rank != 0:
             return None
         os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            f.write(dump_config(self.config))
+        if not self.start_iter:
+            self._write_config()
         log = MetricsLog(self.out_dir, self.start_iter, self.elapsed0, self.tensorboard)
         self.elapsed0 = log.elapsed0  # never below a kept row's time
+        self._metrics = log  # save() makes a resumed run's rows the file (MetricsLog.commit)
         return log
+
+    def _write_config(self):
+        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+            f.write(dump_config(self.config))
 
     def elapsed(self, now=None):
         """Training time in seconds, over this run and those it resumed."""

@@ -112,6 +112,29 @@ def test_edited_resume_exits_2_and_writes_nothing(trained, tmp_path):
                       "int32.h5", "/params/fc1/weight", "int32", "float32")
 
 
+def test_metrics_are_replaced_only_by_the_resumed_runs_first_checkpoint(trained, tmp_path):
+    """Going back to ckpt_10 of a run that went on to 20: until the resumed run
+    writes a checkpoint, metrics.jsonl still matches the folder's checkpoints."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("ckpt_10.h5", "ckpt_20.h5", "latest.h5", "metrics.jsonl"):
+        (out / name).write_bytes((trained["out"] / name).read_bytes())
+    before = (out / "metrics.jsonl").read_bytes()
+    assert any(json.loads(line)["iter"] > 10 for line in before.splitlines())
+    res = run_cli_args("train", trained["path"], "--out", out, "--resume", out / "ckpt_10.h5",
+                       "--set", "solver.base_lr=1e9")  # diverges before its first checkpoint
+    assert res.returncode == 3, res.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert sorted(os.listdir(out)) == [".purine.lock", "ckpt_10.h5", "ckpt_20.h5", "latest.h5",
+                                       "metrics.jsonl"]
+    res = run_cli_args("train", trained["path"], "--out", out, "--resume", out / "ckpt_10.h5")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["phase"], r["iter"]) for r in rows]
+    assert len(keys) == len(set(keys)) and max(r["iter"] for r in rows) == 20
+    assert not [n for n in os.listdir(out) if ".resumed." in n]
+
+
 def test_resume_auto_falls_back_past_edited_checkpoints(trained, tmp_path):
     out = tmp_path / "run"
     out.mkdir()

@@ -30,7 +30,7 @@ from ..errors import UserError
 from .checkpoint import LATEST, checkpoint_run_id, list_checkpoints
 
 LOCK_FILE = ".purine.lock"
-_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
+_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
 _held = []  # open lock files of this process (closing one would release its lock)
 
