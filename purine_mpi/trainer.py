@@ -62,8 +62,25 @@ def world_mean(world, values, what="a metric mean"):
 class Trainer:
     """Builds this rank's graphs, initialises or restores state, runs."""
 
-    def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
+    def __init__(self, *args, **kw):
+        try:
+            self._build(*args, **kw)
+        except BaseException:  # a refused checkpoint, bad test data, ...
+            self._settle_readers()
+            raise
+
+    def _settle_readers(self, timeout=30.0):
+        """Wait for the data readers' in-flight prefetch: their daemon threads
+        read HDF5 files, and one left mid-read (holding h5py's lock) when an
+        error ends the process would hang the interpreter's exit."""
+        for d in (getattr(self, "train", None), getattr(self, "test", None)):
+            for k in getattr(d, "kernels", {}).values():
+                pending = getattr(k, "_pending", None)
+                if pending is not None:
+                    pending[1]["done"].wait(timeout)
+
+    def _build(self, config, out_dir, world=None, resume=None, init=None, profile=False,
+               log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         self._t_created = time.perf_counter()  # the start-up block reports the set-up time
         self.config = config
         self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb

@@ -234,6 +234,17 @@ def test_test_on_non_finite_data_is_one_message(trained, digits_h5, tmp_path):
                       "nan_test.h5", "/test/data", "index 100")
 
 
+def test_an_error_while_the_readers_prefetch_never_hangs_the_exit(trained, digits_h5,
+                                                                  tmp_path):
+    """The test split is refused while the training split's reader (on disk)
+    is prefetching its first batch: the process still ends at once (it hung
+    at exit now and then, with the prefetch thread holding h5py's lock)."""
+    path = _on_disk_with_nan(digits_h5, tmp_path, "test")
+    for _ in range(12):
+        res = run_cli_args("test", path, "--weights", trained["out"] / "latest.h5", timeout=60)
+        assert res.returncode == 2, res.stderr  # a hang fails by the timeout
+
+
 def test_a_data_error_met_while_running_exits_2(monkeypatch, capsys):
     """A data file that goes bad after start-up is still a user error (exit 2,
     one message), not a runtime failure, when a reader op meets it."""
