@@ -179,7 +179,10 @@ def check_fits_memory(graph, memory=None):
     for b in graph.blobs.values():
         if b.alias_of is not None or b.shape is None:
             continue
-        layer = b.name.split("/")[0] if "/" in b.name else layer_of.get(b.name, b.name)
+        # an in-place copy (conv1@relu1), a gradient or state (conv1.grad) counts for
+        # the layer whose output it is: the one whose num_output sets its size
+        base = b.name.split("@")[0].split(".")[0]
+        layer = base.split("/")[0] if "/" in base else layer_of.get(base, base)
         need[layer] = need.get(layer, 0) + b.nbytes
         if b.nbytes > biggest.get(layer, (0, None))[0]:
             biggest[layer] = (b.nbytes, b)
