@@ -162,9 +162,9 @@ def _intro():
         "A number is written without quotes: `base_lr: \"0.05\"` is a string and is refused. "
         "`1e-3` and `5E8` (no dot) read as numbers, as in YAML 1.2. Seeds (`seed`, "
         "`data.*.seed`, `--seed`) are integers in [0, 2^63), as checkpoints store them. "
-        "With the data files at hand (`train`, `test`), a `batch_size` larger than its "
-        "split is refused, and a net whose blobs would not fit in the machine's memory is "
-        "refused naming the layer that takes the most.",
+        "`train` says in a note at start-up when a `batch_size` is larger than its split "
+        "(each batch then holds samples several times over), and refuses a net whose blobs "
+        "would not fit in the machine's memory, naming the layer that takes the most.",
         "",
         "## Contents",
         "",

@@ -23,7 +23,7 @@ from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
 from .io.checkpoint_check import check_finite, check_for_net, unused_note
-from .io.config import dump_config
+from .io.config import data_notes, dump_config
 from .io.data import source_info
 from .io.metrics import MetricsLog
 from .layers.fillers import fill
@@ -660,7 +660,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
     world.check_consistent(dump_config(config), "resolved configuration")
     if world.rank == 0:  # parallel settings that do nothing at this world size
-        for note in settings_without_effect(config, world.size):
+        for note in settings_without_effect(config, world.size) + data_notes(config):
             print(note, flush=True)
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):

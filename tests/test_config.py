@@ -76,10 +76,10 @@ def test_name_defaults_to_file_stem_and_synthetic_defaults(tmp_path):
 
 def test_overrides_and_iters(cfg_dir):
     config = load_config(write(cfg_dir, BASE), overrides=[
-        "solver.base_lr=0.05", "data.train.batch_size=6", "net.0.num_output=8",
+        "solver.base_lr=0.05", "data.train.batch_size=32", "net.0.num_output=8",
         "parallel.mode=async", "checkpoint.interval=50", "data.train.shuffle=false"], iters=7)
     assert config["solver"]["base_lr"] == 0.05
-    assert config["data"]["train"]["batch_size"] == 6
+    assert config["data"]["train"]["batch_size"] == 32
     assert config["net"][0]["num_output"] == 8
     assert config["parallel"]["mode"] == "async" and config["checkpoint"]["interval"] == 50
     assert config["data"]["train"]["shuffle"] is False

@@ -484,9 +484,6 @@ def _check_data_spec(phase, spec, path, check_files):
                               f"expected a group name such as 'train', or null for top-level "
                               f"data/label, got {split!r}")
         out["split"] = split
-        if check_files:
-            from .data import hdf5_info
-            _check_batch_fits(key, out, hdf5_info(out["path"], split)[0], path)
     else:
         shape = spec.get("shape")
         if (not isinstance(shape, list) or not shape
@@ -502,16 +499,22 @@ def _check_data_spec(phase, spec, path, check_files):
                                         spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
                                         minimum=1)
         out["split"] = spec.get("split", phase)
-        _check_batch_fits(key, out, out["num_samples"], path)
     return out
 
 
-def _check_batch_fits(key, spec, n_samples, path):
-    """A batch is drawn from the split: one larger than the split would hold
-    samples several times over."""
-    if spec["batch_size"] > n_samples:
-        raise ConfigError(path, f"{key}.batch_size", f"{spec['batch_size']} is larger than the "
-                          f"{n_samples} samples of the data; give at most {n_samples}")
+def data_notes(config):
+    """One line for each data split whose batch is larger than the split (each
+    batch then holds samples several times over: a mistyped batch_size, or a
+    small stand-in file). Reads the HDF5 files' metadata."""
+    from .data import source_info
+    notes = []
+    for phase, spec in (config.get("data") or {}).items():
+        n = source_info(spec)[0]
+        if spec["batch_size"] > n:
+            notes.append(f"note: data.{phase}.batch_size {spec['batch_size']} is larger than the "
+                         f"{n} samples of the {phase} data: each batch holds samples several "
+                         "times over")
+    return notes
 
 
 def _check_transform(key, spec, path):
