@@ -20,18 +20,22 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi --version
 
 Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
-error (message names the file/key/node, no traceback), 3 diverged (non-finite
-loss or weights), 143 stopped by SIGTERM with a checkpoint, 1 any other
-failure (one line per failing rank; the traceback with --debug), 130
-interrupted -- on every rank.
+error (message names the file/key/node, no traceback), 3 diverged or
+non-finite weights (``test``/``--init``/``--resume`` of a file holding NaN or
+inf), 143 stopped by SIGTERM with a checkpoint, 130 stopped by Ctrl-C with a
+checkpoint (a second Ctrl-C: at once, without one), 141 stdout closed (``|
+head``; ``train`` stops with a checkpoint), 1 any other failure (one line per
+failing rank; the traceback with --debug) -- on every rank.
 """
 import argparse
 import json
+import math
 import os
 import sys
+import warnings
 
 from . import __version__
-from .errors import UserError
+from .errors import OpError, UserError
 
 
 def _common_config_args(p):
@@ -51,7 +55,9 @@ def build_parser():
                     "docs/config.md, the files a run writes and the exit statuses in "
                     "docs/formats.md.",
         epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
-               "failure, 2 user error, 3 diverged, 143 stopped by SIGTERM with a checkpoint")
+               "failure, 2 user error, 3 diverged or non-finite weights, 143 stopped by "
+               "SIGTERM with a checkpoint, 130 by Ctrl-C (with a checkpoint), 141 stdout "
+               "closed")
     parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
@@ -202,8 +208,9 @@ def _load(args, check_files=True):
     from .io.config import load_config
     cfg = load_config(args.config, args.overrides, getattr(args, "iters", None),
                       check_files=check_files)
-    if args.seed is not None:
-        cfg["seed"] = args.seed
+    if args.seed is not None:  # checked as the config's seed is
+        from .io.config import check_seed
+        cfg["seed"] = check_seed("--seed", args.seed, None)
     return cfg
 
 
@@ -246,6 +253,7 @@ def cmd_train(args):
 def cmd_test(args):
     from .trainer import Trainer
     from .io.checkpoint import load_params
+    from .io.checkpoint_check import NonFiniteWeights
     cfg = _load(args)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
@@ -259,8 +267,13 @@ def cmd_test(args):
     if not res:
         raise UserError(f"{args.config}: key 'data.test': nothing to evaluate (no test data or "
                         "no loss/accuracy layer in the test phase)")
-    if t.rank == 0:
-        print(json.dumps(res))
+    bad = sorted(k for k, v in res.items() if isinstance(v, float) and not math.isfinite(v))
+    if t.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
+        print(json.dumps({k: None if k in bad else v for k, v in res.items()}, allow_nan=False),
+              flush=True)
+    if bad:
+        raise NonFiniteWeights(f"evaluating {args.weights} gave a non-finite {', '.join(bad)} "
+                               "(NaN or inf): the figure is not a result")
     return 0
 
 
@@ -363,34 +376,62 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.debug:
         os.environ["PURINE_DEBUG"] = "1"
+    # a NaN or inf is reported once, as such (a diverged run, non-finite
+    # weights or data), not as NumPy's RuntimeWarning lines before it
+    warnings.filterwarnings("ignore", category=RuntimeWarning,
+                            message=r"(overflow|invalid value|divide by zero|underflow) "
+                                    r"encountered")
     try:
         return COMMANDS[args.command](args) or 0
     except UserError as exc:
         _report_user_error(exc)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        return exc.exit_code  # 2; 3 for non-finite weights
+    except OpError as exc:  # an op that found a user error while running (a data file)
+        if not isinstance(exc.cause, UserError):
+            raise
+        _report_user_error(exc.cause)
+        return exc.cause.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
+        if _rank() == 0:
+            print("interrupted", file=sys.stderr, flush=True)
         return 130
-    except BrokenPipeError:  # output piped into `head` and the like
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except BrokenPipeError:  # output piped into `head` and the like: not a success
+        from .runtime.stop import stdout_to_devnull
+        stdout_to_devnull()
+        if _rank() == 0:
+            print("error: stdout was closed (broken pipe) before the output was written",
+                  file=sys.stderr, flush=True)
+        return 141
+
+
+def _rank():
+    """This process's rank as the launcher set it (0 without one)."""
+    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
 def _report_user_error(exc):
-    """One paragraph on stderr, no traceback.
+    """One paragraph on stderr, no traceback, printed by exactly one rank.
 
-    Before MPI starts (config and file errors) every rank finds the same
-    error and exits 2 on its own: rank 0 prints it. Once MPI runs, an error
-    may hit some ranks only (a file missing on one node); that rank prints it
-    and aborts the job with status 2, so the others never wait for it."""
+    Without a launcher (or with one rank) the process prints it. Under a
+    launcher with several ranks, the ranks agree (comm/world.py,
+    ``report_user_error``): an error that every rank finds is printed once
+    by rank 0 and every rank exits with its status; an error of some ranks
+    only (a file missing on one node) is printed by that rank, which then
+    aborts the job so the others never wait for it."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
-            and mpi.COMM_WORLD.Get_size() > 1:
-        rank = mpi.COMM_WORLD.Get_rank()
-        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        mpi.COMM_WORLD.Abort(2)
-        os._exit(2)  # MPICH's Abort can return before the launcher ends us
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-    if rank == 0:
+    # an error that forbids MPI_Init (comm/launcher.py: a launcher the MPI
+    # library cannot join) is printed by rank 0 alone, without MPI
+    if not getattr(exc, "before_mpi", False) and (
+            _launched_ranks() > 1 or (mpi is not None and mpi.Is_initialized())):
+        from .comm.world import report_user_error
+        report_user_error(exc)  # returns only on a single rank
+    if _rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def _launched_ranks():
+    """The number of ranks the launcher started (1 without one)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1

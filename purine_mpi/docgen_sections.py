@@ -140,6 +140,13 @@ def _intro():
         "value read as YAML (`--set solver.base_lr=0.05`, `--set net.0.num_output=8`, "
         "`--set data.train.batch_size=64`); `--iters N` sets `solver.max_iter`.",
         "",
+        "A number is written without quotes: `base_lr: \"0.05\"` is a string and is refused. "
+        "`1e-3` and `5E8` (no dot) read as numbers, as in YAML 1.2. Seeds (`seed`, "
+        "`data.*.seed`, `--seed`) are integers in [0, 2^63), as checkpoints store them. "
+        "`train` says in a note at start-up when a `batch_size` is larger than its split "
+        "(each batch then holds samples several times over), and refuses a net whose blobs "
+        "would not fit in the machine's memory, naming the layer that takes the most.",
+        "",
         "## Contents",
         "",
         "- [An example](#an-example)",

@@ -157,3 +157,42 @@ def init_params(loaded, params, config, path, skip=()):
                         f"{' ...' if len(loaded) > 8 else ''}); to leave a layer at its "
                         "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
     return wanted
+
+
+def check_fits_memory(graph, memory=None):
+    """Raise a UserError naming the layer whose blobs (activations, weights,
+    gradients) take the most memory when the graph's blobs would not fit in
+    this machine's memory (``memory`` bytes; default: physical memory), so a
+    mistyped num_output or batch size is named instead of ending in a
+    MemoryError."""
+    import os
+    if memory is None:
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+    layer_of = {}
+    for op in graph.ops.values():
+        for b in op.outputs:
+            layer_of.setdefault(b, op.name.split(".")[0])
+    need, biggest = {}, {}
+    for b in graph.blobs.values():
+        if b.alias_of is not None or b.shape is None:
+            continue
+        # an in-place copy (conv1@relu1), a gradient or state (conv1.grad) counts for
+        # the layer whose output it is: the one whose num_output sets its size
+        base = b.name.split("@")[0].split(".")[0]
+        layer = base.split("/")[0] if "/" in base else layer_of.get(base, base)
+        need[layer] = need.get(layer, 0) + b.nbytes
+        if b.nbytes > biggest.get(layer, (0, None))[0]:
+            biggest[layer] = (b.nbytes, b)
+    total = sum(need.values())
+    if total <= memory:
+        return
+    layer = max(need, key=need.get)
+    blob = biggest[layer][1]
+    gib = 1 << 30
+    raise UserError(f"layer '{layer}' needs {need[layer] / gib:,.1f} GiB (blob '{blob.name}' "
+                    f"{list(blob.shape)} {blob.dtype}; the net {total / gib:,.1f} GiB), more "
+                    f"than this machine's {memory / gib:,.1f} GiB of memory: check its "
+                    "num_output and the batch size")

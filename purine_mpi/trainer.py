@@ -22,18 +22,19 @@ from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
                             remove_stale_temp_files, save_run_checkpoint)
-from .io.config import dump_config
+from .io.checkpoint_check import check_finite, check_for_net, unused_note
+from .io.config import data_notes, dump_config
 from .io.data import source_info
 from .io.metrics import MetricsLog
 from .layers.fillers import fill
-from .model import (build_test_graph, build_train_graph, check_data_labels, init_params,
-                    kept_constant, loss_blobs, metric_blobs)
+from .model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
+                    init_params, kept_constant, loss_blobs, metric_blobs)
 from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
 from .progress import progress
 from .runtime.factory import make_dispatcher, on_gpu
 from .runtime.memory_plan import batch_blobs, plan_host_memory
-from .runtime.stop import StopSignal
+from .runtime.stop import StopSignal, print_or_stop
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
 
@@ -62,8 +63,25 @@ def world_mean(world, values, what="a metric mean"):
 class Trainer:
     """Builds this rank's graphs, initialises or restores state, runs."""
 
-    def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
+    def __init__(self, *args, **kw):
+        try:
+            self._build(*args, **kw)
+        except BaseException:  # a refused checkpoint, bad test data, ...
+            self._settle_readers()
+            raise
+
+    def _settle_readers(self, timeout=30.0):
+        """Wait for the data readers' in-flight prefetch: their daemon threads
+        read HDF5 files, and one left mid-read (holding h5py's lock) when an
+        error ends the process would hang the interpreter's exit."""
+        for d in (getattr(self, "train", None), getattr(self, "test", None)):
+            for k in getattr(d, "kernels", {}).values():
+                pending = getattr(k, "_pending", None)
+                if pending is not None:
+                    pending[1]["done"].wait(timeout)
+
+    def _build(self, config, out_dir, world=None, resume=None, init=None, profile=False,
+               log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         self._t_created = time.perf_counter()  # the start-up block reports the set-up time
         self.config = config
         self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
@@ -73,7 +91,7 @@ class Trainer:
         self.rank, self.size = self.world.rank, self.world.size
         self.seed = int(config.get("seed", 0))
         self.solver = config["solver"]
-        self.log = log or (lambda msg: print(msg, flush=True))
+        self.log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         par = config.get("parallel", {})
         # collectives outside the graph wait no longer than graph ops do
         self.world.stall_timeout = float(par.get("stall_timeout", 300))
@@ -83,8 +101,10 @@ class Trainer:
         self.pipeline = self.layout.staged
         data_rank, data_size = self.layout.replica, self.layout.replicas
         graph, self.grads = build_train_graph(config, data_rank, data_size)
+        check_fits_memory(graph)  # a layer too big is named, not a MemoryError
         check_data_labels(graph)
         self.param_summary = param_summary(graph)  # the whole net's, before any split
+        self.net_params = [b.name for b in graph.params()]
         self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
@@ -236,7 +256,12 @@ class Trainer:
             self._init_from_caffemodel(init, init_skip)
         elif init:
             params = load_params(init)
-            for p in init_params(params, self.params, self.config, init, init_skip):
+            wanted = init_params(params, self.params, self.config, init, init_skip)
+            check_finite({p: params[p] for p in wanted}, init)
+            note = unused_note(params, self.net_params, init)
+            if note:
+                self._say(note)
+            for p in wanted:
                 self._load_blob(p, params[p], init)
 
     def _init_from_caffemodel(self, path, init_skip=()):
@@ -250,6 +275,7 @@ class Trainer:
         shapes = {p: self.graph.blobs[p].shape for p in self.params
                   if p.split("/")[0] not in skip}
         values, report, factors = caffe_params(path, shapes)
+        check_finite(values, path)
         if self.rank == 0:
             for line in report:
                 self.log(f"{path}: {line}")
@@ -333,10 +359,11 @@ class Trainer:
                 return
         else:
             ck = load_checkpoint(path)
-        missing = [p for p in self.params if p not in ck.params]
-        if missing:
-            raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
-                            "of this net")
+        # the whole checkpoint is checked against the net before any of it is loaded
+        check_for_net(ck, path, self.net_params, {p: self.ws[p] for p in self.params},
+                      {(p, s): self.ws[state_name(p, s)] for p in self.params
+                       for s in solver_states(self.solver.get("type"))
+                       if state_name(p, s) in self.ws.arrays})
         fresh = set()
         for p in self.params:
             self._load_blob(p, ck.params[p], path)
@@ -412,6 +439,9 @@ class Trainer:
                             world_size=self.size, seed=self.seed,
                             config_text=dump_config(self.config), run_id=self.run_id,
                             elapsed=self.elapsed())
+        if getattr(self, "_metrics", None) is not None and self.start_iter:
+            self._metrics.commit()  # the resumed run's rows and config replace the old ones
+            self._write_config()
 
     # -------------------------------------------------------------- loops
     def run(self):
@@ -586,15 +616,21 @@ class Trainer:
 
     def _open_metrics(self):
         """Rank 0: config.yaml, and the metrics log (io/metrics.py) that goes
-        on from the checkpoint's rows and time when resuming."""
+        on from the checkpoint's rows and time when resuming. A resumed run
+        replaces the folder's config.yaml with its first checkpoint (save)."""
         if self.rank != 0:
             return None
         os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            f.write(dump_config(self.config))
+        if not self.start_iter:
+            self._write_config()
         log = MetricsLog(self.out_dir, self.start_iter, self.elapsed0, self.tensorboard)
         self.elapsed0 = log.elapsed0  # never below a kept row's time
+        self._metrics = log  # save() makes a resumed run's rows the file (MetricsLog.commit)
         return log
+
+    def _write_config(self):
+        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+            f.write(dump_config(self.config))
 
     def elapsed(self, now=None):
         """Training time in seconds, over this run and those it resumed."""
@@ -658,7 +694,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
     world.check_consistent(dump_config(config), "resolved configuration")
     if world.rank == 0:  # parallel settings that do nothing at this world size
-        for note in settings_without_effect(config, world.size):
+        for note in settings_without_effect(config, world.size) + data_notes(config):
             print(note, flush=True)
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
@@ -705,9 +741,15 @@ def run_and_report(trainer, world):
                   "the data.", file=sys.stderr, flush=True)
         return 3
     if world.rank == 0 and result:
-        print("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
-                                     if isinstance(v, float) else v
-                                     for k, v in result.items()}), flush=True)
-    # a stop on SIGTERM still ends non-zero (the scheduler asked us to die);
-    # SIGUSR1 is a request to checkpoint and finish, so it ends with 0
-    return 143 if result.get("stopped_by") == "SIGTERM" else 0
+        print_or_stop("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
+                                             if isinstance(v, float) else v
+                                             for k, v in result.items()}))
+    # a stop on SIGTERM, Ctrl-C or a closed stdout still ends non-zero (143,
+    # 130, 141); SIGUSR1 is a request to checkpoint and finish: 0
+    stopped = result.get("stopped_by")
+    if stopped in ("SIGPIPE", "SIGINT") and world.rank == 0:
+        why = "error: stdout was closed (broken pipe)" if stopped == "SIGPIPE" else \
+            "interrupted (Ctrl-C)"
+        print(f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; continue "
+              "with --resume auto", file=sys.stderr, flush=True)
+    return StopSignal.exit_status(stopped)

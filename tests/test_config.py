@@ -87,7 +87,7 @@ def test_overrides_and_iters(cfg_dir):
 
 
 def test_string_exponent_is_a_number(cfg_dir):
-    # PyYAML reads 1e-3 (no dot) as a string; users write it anyway
+    # PyYAML alone reads 1e-3 (no dot) as a string; our loader reads it as YAML 1.2 does
     config = load_config(write(cfg_dir, BASE), overrides=["solver.weight_decay=5e-4"])
     assert config["solver"]["weight_decay"] == 5e-4
 

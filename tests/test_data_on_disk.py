@@ -60,15 +60,20 @@ def test_auto_follows_the_memory_budget(tmp_path, monkeypatch):
     assert HDF5Source(path, "train").data is not None
 
 
-def test_non_finite_values_are_found_when_read(tmp_path):
+def test_non_finite_values_are_found_at_start_up(tmp_path):
+    """A float split kept on disk is scanned once when opened (issue 21):
+    the error comes before any training, not from the batch that holds it."""
     data = np.ones((20, 1, 2, 2), np.float32)
     data[13, 0, 1, 0] = np.nan
     path = str(tmp_path / "d.h5")
     _write(path, data, np.zeros(20, np.int64))
-    disk = HDF5Source(path, "train", in_memory=False)
-    disk.gather(np.arange(10))
     with pytest.raises(UserError, match=r"'/train/data' holds non-finite.*index 13"):
-        disk.gather(np.array([3, 13, 19]))
+        HDF5Source(path, "train", in_memory=False)
+    disk = HDF5Source.__new__(HDF5Source)  # a block at a time: the index is the file's
+    disk.path, disk.where = path, "/train/"
+    import h5py
+    with h5py.File(path, "r") as f, pytest.raises(UserError, match="index 13"):
+        disk._scan_finite(f["train/data"], block_bytes=5 * 16)
 
 
 def test_in_memory_key_is_checked(tmp_path):

@@ -105,3 +105,77 @@ def test_choose_run_dir_rules(tmp_path):
     assert d == b  # the newest folder that holds a run
     with pytest.raises(UserError, match="--force"):
         choose_run_dir("j", out=b)
+
+
+def _hold_lock(out):
+    """A process holding ``out``'s run lock, as a running run does."""
+    holder = subprocess.Popen(
+        [PYTHON, "-c", "import sys, time; from purine_mpi.io.rundir import lock_run_dir; "
+                       "lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
+         str(out)], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_force_into_a_running_runs_folder_deletes_nothing(tmp_path, digits_h5):
+    """Issue 21, case 1: the lock is taken before --force deletes."""
+    cfg = _job(tmp_path, digits_h5)
+    out = tmp_path / "out"
+    assert run_cli_args("train", cfg, "--out", out).returncode == 0
+    before = {n: (out / n).read_bytes() for n in os.listdir(out) if n != ".purine.lock"}
+    assert "metrics.jsonl" in before and "config.yaml" in before and "latest.h5" in before
+    holder = _hold_lock(out)  # the first run is still running
+    try:
+        res = run_cli_args("train", cfg, "--out", out, "--force")
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert "in use by another run" in res.stderr and f"pid {holder.pid}" in res.stderr
+        assert "deleted" not in res.stdout + res.stderr
+        after = {n: (out / n).read_bytes() for n in os.listdir(out) if n != ".purine.lock"}
+        assert after == before  # every file of the running run is still there, unchanged
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_resume_of_another_runs_checkpoint_into_a_runs_folder_is_refused(tmp_path, digits_h5):
+    """Issue 21, case 2: --resume FILE continues the folder's run, or exit 2."""
+    cfg = _job(tmp_path, digits_h5)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        assert run_cli_args("train", cfg, "--out", out).returncode == 0
+    before = {n: (a / n).read_bytes() for n in ("metrics.jsonl", "latest.h5", "ckpt_6.h5")}
+    res = run_cli_args("train", cfg, "--out", a, "--iters", 9, "--resume", b / "latest.h5")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert str(a) in res.stderr and str(b / "latest.h5") in res.stderr
+    assert "another run" in res.stderr and "--force" in res.stderr
+    assert {n: (a / n).read_bytes() for n in before} == before
+    # the folder's own run continues: its checkpoint, or a copy of it elsewhere
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(before["latest.h5"])
+    res = run_cli_args("train", cfg, "--out", a, "--iters", 9, "--resume", copy)
+    assert res.returncode == 0, res.stderr
+    assert load_checkpoint(a / "latest.h5").iteration == 9
+    res = run_cli_args("train", cfg, "--out", a, "--iters", 12, "--resume", a / "ckpt_9.h5")
+    assert res.returncode == 0, res.stderr
+    # --force: the folder's files go, the other run goes on there from its checkpoint
+    res = run_cli_args("train", cfg, "--out", a, "--iters", 9, "--resume", b / "latest.h5",
+                       "--force")
+    assert res.returncode == 0, res.stderr
+    ck = load_checkpoint(a / "latest.h5")
+    assert ck.iteration == 9
+    assert ck.attrs["run_id"] == load_checkpoint(b / "latest.h5").attrs["run_id"]
+    assert not (a / "ckpt_12.h5").exists()
+
+
+def test_choose_run_dir_locks_before_it_looks(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    seen = []
+
+    def lock(folder):
+        seen.append(os.listdir(folder))
+        raise UserError("locked")
+    with pytest.raises(UserError, match="locked"):
+        choose_run_dir("j", out=str(out), force=True, lock=lock)
+    assert seen == [["metrics.jsonl"]] and (out / "metrics.jsonl").exists()

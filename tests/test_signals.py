@@ -137,3 +137,76 @@ def test_train_catches_a_notice_before_the_trainer_exists(monkeypatch, tmp_path,
             signal.signal(s, handler)
         StopSignal.early = None
     assert seen == {"early": "SIGUSR1"}
+
+
+def _long_run(tmp_path, digits_h5, name):
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
+    cfg["checkpoint"] = {"interval": 0, "keep": 2}
+    return write_config_file(tmp_path, cfg), str(tmp_path / name)
+
+
+def test_ctrl_c_stops_with_a_checkpoint(tmp_path, digits_h5):
+    """Issue 21, case 11: Ctrl-C checkpoints like SIGTERM (exit 130) and says
+    how to resume; nothing is lost."""
+    path, out = _long_run(tmp_path, digits_h5, "int")
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_metrics(out, time.time() + 60)
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--resume auto" in stderr + stdout, stderr
+    assert stderr.count("interrupted") == 1, stderr
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert 0 < int(f.attrs["iteration"]) < 100000
+
+
+@pytest.mark.mpi
+def test_ctrl_c_under_mpiexec_stops_every_rank_with_one_checkpoint(tmp_path, digits_h5):
+    """The terminal sends Ctrl-C to mpiexec and the ranks: every rank stops at
+    the same iteration, one checkpoint, one message."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    path, out = _long_run(tmp_path, digits_h5, "int2")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
+                             "--out", out], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_metrics(out, time.time() + 60)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole group
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    assert stdout.count("stopping at iter") == 1 and "--resume auto" in stdout, stdout
+    assert "Traceback" not in stderr and stderr.count("interrupted") == 1, stderr
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert 0 < int(f.attrs["iteration"]) < 100000 and f.attrs["world_size"] == 2
+
+
+def test_broken_pipe_stops_with_a_checkpoint_and_is_not_success(tmp_path, digits_h5):
+    """``train ... | head -n 1``: the run stops with a checkpoint, exit 141."""
+    path, out = _long_run(tmp_path, digits_h5, "pipe")
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_metrics(out, time.time() + 60)
+        proc.stdout.readline()
+        proc.stdout.close()  # as `head -n 1` does
+        stderr = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141, (proc.returncode, stderr)
+    assert "Traceback" not in stderr and "broken pipe" in stderr and "--resume auto" in stderr
+    with h5py.File(os.path.join(out, "latest.h5"), "r") as f:
+        assert 0 < int(f.attrs["iteration"]) < 100000

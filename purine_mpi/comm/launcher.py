@@ -94,7 +94,9 @@ def check_launcher(environ=os.environ):
     MPI is initialised."""
     message = mismatch(environ)
     if message is not None:
-        raise UserError(message)
+        error = UserError(message)
+        error.before_mpi = True  # MPI_Init would abort: reported without MPI (cli.py)
+        raise error
 
 
 def check_world_size(size, environ=os.environ):

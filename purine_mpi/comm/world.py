@@ -30,6 +30,9 @@ from .launcher import check_launcher, check_world_size
 
 _WORLD = None
 _LOCK = threading.Lock()
+#: COMM_WORLD's duplicate on which ranks that hit a user error agree who
+#: prints it (report_user_error); made first, so every rank's is the same
+_ERROR_COMM = None
 
 #: Held around every MPI call the dispatchers make: comm ops are posted and
 #: tested by whichever thread gets there first (a worker that just wrote a
@@ -87,6 +90,8 @@ class World:
         from mpi4py import MPI  # lazily: importing initialises MPI
         self.MPI = MPI
         base = comm if comm is not None else MPI.COMM_WORLD
+        if comm is None:
+            _error_comm(MPI)  # before any other collective: see report_user_error
         self.world_comm = base
         self.comm = base.Dup()
         self.rank = self.comm.Get_rank()
@@ -257,8 +262,74 @@ class World:
             # the launcher forwards our output through a pipe and stops doing
             # so once the job aborts: give it a moment to pass the message on
             time.sleep(0.3)
+            _silence_stderr()  # MPICH's "Abort(N) on node R ..." repeats what was said
             self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
         os._exit(code)
+
+
+def _error_comm(MPI):
+    global _ERROR_COMM
+    if _ERROR_COMM is None:
+        _ERROR_COMM = MPI.COMM_WORLD.Dup()
+    return _ERROR_COMM
+
+
+def report_user_error(exc, agree_s=3.0):
+    """A user error under a launcher with several ranks: print it exactly
+    once and end the job with ``exc.exit_code`` (2; 3 for non-finite
+    weights). Returns only when there is a single rank (the caller prints).
+
+    The ranks that hit it wait up to ``agree_s`` seconds on a barrier of
+    their own communicator. When every rank comes (a config, data or
+    environment error that all ranks find alike), rank 0 prints the message
+    and every rank exits with the status once it is written: no abort, so
+    the launcher passes the whole message on and adds nothing. When some rank
+    does not come (an error of this rank only, e.g. a file missing on its
+    node), this rank prints ``error: rank R: ...``, gives the launcher a
+    moment to pass it on, and aborts the job (MPICH's own abort line is
+    silenced: the message says it all). Each message is one write, so two
+    ranks' lines never run together."""
+    from mpi4py import MPI  # initialises MPI if the error came before it
+    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    rank, code = MPI.COMM_WORLD.Get_rank(), getattr(exc, "exit_code", 2)
+    _flush()
+    comm = _error_comm(MPI)
+    if _wait_for(comm.Ibarrier(), agree_s):
+        if rank == 0:
+            _write_line(f"error: {exc}")
+        _wait_for(comm.Ibarrier(), agree_s)  # rank 0 has written before anyone ends
+        os._exit(code)
+    _write_line(f"error: rank {rank}: {exc}")
+    time.sleep(0.5)  # the launcher forwards our output through a pipe: let it pass
+    _silence_stderr()  # "Abort(2) on node R ..." would only repeat the message
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+def _silence_stderr():
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
+
+
+def _wait_for(request, seconds):
+    """Whether a non-blocking request completed within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _write_line(line):
+    """One line to stderr in a single write (lines of ranks never mix)."""
+    data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
+    while data:
+        data = data[os.write(2, data):]
 
 
 def check_thread_level(MPI):

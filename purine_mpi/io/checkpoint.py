@@ -34,6 +34,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import UserError
+from .checkpoint_check import Unchecked
 
 FORMAT = "purine_mpi.checkpoint"
 VERSION = 1
@@ -239,11 +240,15 @@ def _load_checkpoint(path):
         if not isinstance(version, int) or version > VERSION:
             raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
                             f"purine_mpi reads version {VERSION} and older")
+        from .checkpoint_check import check_attrs, check_layout
+        check_attrs(attrs, path)
+        expected = check_layout(f, path, CHECKSUM)  # /params, /state and its digest
         sections = {}
         for section in ("params", "solver", "state"):
-            sections[section] = _read_section(f, section, path) if section in f else {}
-        expected = _str(f["state"].attrs.get(CHECKSUM)) if "state" in f else None
-    if expected is not None and state_digest(sections["state"]) != expected:
+            # /params and /solver were written with a Fletcher-32 checksum per chunk
+            sections[section] = _read_section(f, section, path, section != "state") \
+                if section in f else {}
+    if state_digest(sections["state"]) != expected:
         raise UserError(f"checkpoint '{path}' is corrupt: '/state' (data position, random "
                         "streams) does not match its checksum; it was damaged or edited")
     return Checkpoint(str(path), attrs=attrs, **sections)
@@ -252,6 +257,13 @@ def _load_checkpoint(path):
 def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
     {name: array}; other groups and attributes are optional."""
+    try:
+        return _load_params(path)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
+        raise UserError(f"weights file '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _load_params(path):
     with _open(path, "weights file") as f:
         if "params" not in f or not hasattr(f["params"], "keys"):
             raise UserError(f"weights file '{path}' has no /params group; expected the "
@@ -259,16 +271,20 @@ def load_params(path):
         return _read_section(f, "params", path)
 
 
-def _read_section(f, section, path):
+def _read_section(f, section, path, checksummed=False):
     where = [section]
     try:
-        return _read_group(f[section], where)
+        return _read_group(f[section], where, checksummed=checksummed)
+    except Unchecked as e:
+        raise UserError(f"checkpoint '{path}' is invalid: dataset '/{e}' has no Fletcher-32 "
+                        "checksum (every array of a checkpoint is written with one); it was "
+                        "rewritten by another tool or edited") from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"checkpoint '{path}' is corrupt: reading '/{where[-1]}' failed "
                         f"({type(e).__name__}: {e})") from None
 
 
-def _read_group(group, where, prefix=""):
+def _read_group(group, where, prefix="", checksummed=False):
     import h5py
     out = {}
     for name in group:
@@ -277,10 +293,13 @@ def _read_group(group, where, prefix=""):
         kind = _str(obj.attrs.get(KIND))
         if isinstance(obj, h5py.Group):
             if kind == "dict":
-                out[prefix + name] = _read_group(obj, where)
+                out[prefix + name] = _read_group(obj, where, checksummed=checksummed)
             else:  # a plain group: a '/' inside the names of the values below
-                out.update(_read_group(obj, where, f"{prefix}{name}/"))
+                out.update(_read_group(obj, where, f"{prefix}{name}/", checksummed))
         else:
+            if checksummed and kind is None and obj.ndim > 0 and obj.size > 0 \
+                    and not obj.fletcher32:
+                raise Unchecked(where[-1])
             out[prefix + name] = _read_dataset(obj, kind)
         where.pop()
     return out

@@ -29,6 +29,20 @@ import os
 import yaml
 
 from ..errors import ConfigError
+
+SEED_LIMIT = 2 ** 63  # seeds are stored as 64-bit integers (checkpoints, HDF5)
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that reads ``1e-3`` and ``5E8`` (YAML 1.2 floats without a
+    dot) as numbers, as every other YAML reader does: a string where a number
+    is expected is then always a quoted one, and refused."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 from ..layers import check_layer
 from .transform import TRANSFORM_KEYS
 
@@ -65,7 +79,7 @@ SYNTHETIC_NUM_SAMPLES = 1024
 #: top-level key -> (type, default, meaning)
 TOP_DOC = {
     "name": ("string", "the file's stem", "names the run: its output goes to `runs/<name>/<N>`"),
-    "seed": ("integer >= 0", 0, "seeds the initial weights, the data order, the random crops "
+    "seed": ("integer in [0, 2^63)", 0, "seeds the initial weights, the data order, the random crops "
              "and flips, and dropout"),
     "data": ("mapping", {}, "`train:` and `test:` data specs (see [data](#data))"),
     "net": ("list", "—", "the layers, in order (see [net](#net)); give `net` or `graph`"),
@@ -178,7 +192,7 @@ DATA_DOC = {
     "shape": ("list of integers", "—", "synthetic: one sample's shape [C, H, W]"),
     "classes": ("integer > 0", "—", "synthetic: the number of classes"),
     "num_samples": ("integer > 0", SYNTHETIC_NUM_SAMPLES, "synthetic: samples in the split"),
-    "seed": ("integer >= 0", "the config's seed", "seed of the shuffle and of synthetic data"),
+    "seed": ("integer in [0, 2^63)", "the config's seed", "seed of the shuffle and of synthetic data"),
     "scale": ("number > 0", "—", "transform: multiply, after the mean is subtracted"),
     "mean": ("number or list", "—", "transform: subtract (one value, or one per channel)"),
     "mirror": ("true/false", False, "transform: random horizontal flip, training only"),
@@ -267,7 +281,7 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -310,7 +324,7 @@ def apply_override(config, text, path="<config>"):
         raise ConfigError(path, None, f"bad --set override {text!r}: expected KEY=VALUE with a "
                                       "dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else ""
+        value = yaml.load(value_text, Loader=_Loader) if value_text.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(path, key, f"bad --set override {text!r}: the value is not valid "
                                      f"YAML ({str(e).splitlines()[0]})") from None
@@ -354,7 +368,7 @@ def validate_config(config, path="<config>", check_files=True):
     from_file = path and not str(path).startswith("<")
     stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
     out["name"] = _check_name(config.get("name", stem), path)
-    out["seed"] = _check_int("seed", config.get("seed", 0), path, minimum=0)
+    out["seed"] = check_seed("seed", config.get("seed", 0), path)
     out["data"] = _check_data(config.get("data"), path, check_files)
     if config.get("net") is None and config.get("graph") is None:
         raise ConfigError(path, "net", "the config defines no network: give 'net' "
@@ -458,7 +472,7 @@ def _check_data_spec(phase, spec, path, check_files):
     out["batch_size"] = _check_int(f"{key}.batch_size", spec["batch_size"], path, minimum=1)
     out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
     if spec.get("seed") is not None:
-        out["seed"] = _check_int(f"{key}.seed", spec["seed"], path, minimum=0)
+        out["seed"] = check_seed(f"{key}.seed", spec["seed"], path)
     out.update(_check_transform(key, spec, path))
     if source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
@@ -493,6 +507,21 @@ def _check_data_spec(phase, spec, path, check_files):
                                         minimum=1)
         out["split"] = spec.get("split", phase)
     return out
+
+
+def data_notes(config):
+    """One line for each data split whose batch is larger than the split (each
+    batch then holds samples several times over: a mistyped batch_size, or a
+    small stand-in file). Reads the HDF5 files' metadata."""
+    from .data import source_info
+    notes = []
+    for phase, spec in (config.get("data") or {}).items():
+        n = source_info(spec)[0]
+        if spec["batch_size"] > n:
+            notes.append(f"note: data.{phase}.batch_size {spec['batch_size']} is larger than the "
+                         f"{n} samples of the {phase} data: each batch holds samples several "
+                         "times over")
+    return notes
 
 
 def _check_transform(key, spec, path):
@@ -729,6 +758,14 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def check_seed(key, value, path):
+    """A seed: an integer in [0, 2^63) (``seed``, ``data.*.seed``, ``--seed``)."""
+    if _is_int(value) and 0 <= value < SEED_LIMIT:
+        return int(value)
+    raise ConfigError(path, key, f"expected a non-negative integer below 2^63 (it is stored "
+                                 f"as a 64-bit integer), got {value!r}")
+
+
 def _check_int(key, value, path, minimum=None):
     ok = _is_int(value) or (isinstance(value, float) and value.is_integer())
     if ok and (minimum is None or value >= minimum):
@@ -740,11 +777,10 @@ def _check_int(key, value, path, minimum=None):
 
 def _check_number(key, value, path, minimum=None, strict=False, below=None):
     number = value
-    if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
+    if isinstance(value, str):  # 1e-3 reads as a number (_Loader): this was quoted
+        raise ConfigError(path, key, f"expected {_number_range(minimum, strict, below, False)}"
+                                     f", got the string {value!r} (a number is written "
+                                     "without quotes)")
     if isinstance(number, bool) or not isinstance(number, (int, float)) \
             or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
         number = None

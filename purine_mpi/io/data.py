@@ -53,20 +53,28 @@ def hdf5_info(path, split=None):
         f = h5py.File(path, "r")
     except OSError as e:
         raise UserError(f"data file '{path}' cannot be opened as HDF5 ({e})") from None
-    with f:
-        group, where = _split_group(f, path, split)
-        data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
-        if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
-            raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
-                            f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
-                            f"{data.dtype}")
-        if label.ndim != 1 or label.dtype.kind not in "iu":
-            raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
-                            f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
-        if label.shape[0] != data.shape[0] or data.shape[0] == 0:
-            raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
-                            f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
-        return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
+    try:
+        with f:
+            return _layout(f, path, split)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
+        raise UserError(f"data file '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _layout(f, path, split):
+    """The split's (n_samples, sample_shape), its layout checked."""
+    group, where = _split_group(f, path, split)
+    data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
+    if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
+        raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
+                        f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
+                        f"{data.dtype}")
+    if label.ndim != 1 or label.dtype.kind not in "iu":
+        raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
+                        f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
+    if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+        raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
+                        f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+    return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
 
 
 def _split_group(f, path, split):
@@ -113,7 +121,8 @@ class HDF5Source(DataSource):
     indices through h5py, with a chunk cache), in the prefetch thread, so a
     split larger than memory trains. Either way the sample order is the one
     of docs/config.md ("Sample order") and uint8 stays uint8 until the transform step. Labels (N
-    integers) are always in memory."""
+    integers) are always in memory. A float split kept on disk is read once
+    at start-up to check that every value is finite."""
 
     _cache = {}
     _cache_lock = threading.Lock()
@@ -144,10 +153,12 @@ class HDF5Source(DataSource):
                 group = f if self.split is None else f[self.split]
                 labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
                 data = None
+                stored = group["data"]
                 if self.in_memory:
-                    stored = group["data"]
                     dtype = np.uint8 if stored.dtype == np.uint8 else np.float32
                     data = np.ascontiguousarray(stored[...], dtype=dtype)
+                elif stored.dtype.kind == "f":
+                    self._scan_finite(stored)
         except (OSError, KeyError) as e:
             raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
                             f"({e}); the file may be truncated") from None
@@ -156,6 +167,15 @@ class HDF5Source(DataSource):
             data.setflags(write=False)  # shared between readers: nobody may change it
         labels.setflags(write=False)
         return data, labels
+
+    def _scan_finite(self, stored, block_bytes=64 << 20):
+        """Read a float split kept on disk once, a block of rows at a time, so
+        a NaN or inf is found at start-up (exit 2, before any training) and
+        never in the middle of a run or an evaluation. uint8 data needs no scan."""
+        row = max(1, int(np.prod(stored.shape[1:])) * stored.dtype.itemsize)
+        step = max(1, block_bytes // row)
+        for start in range(0, stored.shape[0], step):
+            self._check_finite(np.asarray(stored[start:start + step]), start)
 
     def _check_finite(self, data, first_index, indices=None):
         if data.dtype.kind != "f":

@@ -19,7 +19,11 @@
   strict JSON.
 
 On resume the rows a killed run wrote after its checkpoint are dropped (they
-are written again), so each (phase, iter) appears once.
+are written again), so each (phase, iter) appears once. The file itself is
+replaced only when the resumed run writes its first checkpoint: until then
+the resumed run writes to ``metrics.jsonl.resumed.<pid>`` and
+``metrics.jsonl`` stays as it was, matching the checkpoints in the folder
+(a resumed run that ends before a checkpoint leaves it untouched).
 """
 import json
 import math
@@ -62,9 +66,10 @@ def write_row(f, rec):
     f.flush()
 
 
-def keep_rows_up_to(path, iteration):
-    """Rewrite ``path`` keeping the rows with ``iter <= iteration`` (a line cut
-    short by a kill is dropped). Returns the kept rows (dicts)."""
+def keep_rows_up_to(path, iteration, out=None):
+    """Write to ``out`` (default: rewrite ``path``) the rows of ``path`` with
+    ``iter <= iteration`` (a line cut short by a kill is dropped). Returns
+    the kept rows (dicts)."""
     kept, rows = [], []
     if os.path.exists(path):
         with open(path) as f:
@@ -76,9 +81,23 @@ def keep_rows_up_to(path, iteration):
                         rows.append(rec)
                 except (ValueError, KeyError, TypeError):
                     pass  # a line cut short by the kill
-    with open(path, "w") as f:
+    with open(out or path, "w") as f:
         f.writelines(kept)
     return rows
+
+
+def _rows_after(path, iteration):
+    """Whether ``path`` holds a whole row with ``iter > iteration``."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        for line in f:
+            try:
+                if int(json.loads(line)["iter"]) > iteration:
+                    return True
+            except (ValueError, KeyError, TypeError):
+                pass
+    return False
 
 
 class MetricsLog:
@@ -93,11 +112,14 @@ class MetricsLog:
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, FILE)
         self.elapsed0 = float(elapsed or 0.0)
+        self.pending = None  # the resumed run's file until its first checkpoint
         if start_iter:
-            rows = keep_rows_up_to(self.path, start_iter)
+            if _rows_after(self.path, start_iter):  # rows beyond the checkpoint: kept for now
+                self.pending = f"{self.path}.resumed.{os.getpid()}"
+            rows = keep_rows_up_to(self.path, start_iter, self.pending)
             times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
             self.elapsed0 = max([self.elapsed0] + times)
-            self.file = open(self.path, "a")
+            self.file = open(self.pending or self.path, "a")
         else:
             self.file = open(self.path, "w")
         self.tb = None
@@ -113,7 +135,17 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.write(json.loads(row_text(rec)))  # the very figures of the JSON row
 
+    def commit(self):
+        """The run wrote a checkpoint: its rows become ``metrics.jsonl``."""
+        if self.pending is not None:
+            self.file.flush()
+            os.replace(self.pending, self.path)  # the open file goes on appending
+            self.pending = None
+
     def close(self):
         self.file.close()
+        if self.pending is not None:  # no checkpoint of the resumed run: the old rows stay
+            os.remove(self.pending)
+            self.pending = None
         if self.tb is not None:
             self.tb.close()

@@ -7,9 +7,15 @@
 - An explicit ``--out`` that already holds another run's files (metrics,
   checkpoints, traces) needs ``--resume`` (continue it) or ``--force`` (start
   afresh: that run's files are deleted first); otherwise exit 2 naming both.
+  ``--resume FILE`` continues that run only if FILE is one of the folder's
+  checkpoints or carries the folder's ``run_id``; a checkpoint of another
+  run is refused (exit 2) unless ``--force`` (the folder's files are deleted,
+  FILE itself is kept, and the run starts there from FILE).
 - A run holds an exclusive lock on its folder (``.purine.lock``, an
   ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
   started into the same folder exits 2 and names the first (pid, host, start).
+  The lock is taken before the folder's files are looked at, so ``--force``
+  into a folder whose run is still going deletes nothing.
 
 Rank 0 decides and every rank gets its answer, so all ranks of a job agree.
 """
@@ -21,10 +27,10 @@ import socket
 import time
 
 from ..errors import UserError
-from .checkpoint import LATEST, list_checkpoints
+from .checkpoint import LATEST, checkpoint_run_id, list_checkpoints
 
 LOCK_FILE = ".purine.lock"
-_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
+_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
 _held = []  # open lock files of this process (closing one would release its lock)
 
@@ -57,35 +63,85 @@ def _new_numbered(base):
             n += 1
 
 
-def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs"):
+def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", lock=None):
     """The folder this run writes to (see the module docstring); creates it.
-    Returns (path, note or None)."""
+    ``lock`` (a callable taking the folder) is called on an ``--out`` before
+    anything in it is looked at or deleted, so a folder in use by a running
+    run is refused before its files are touched. Returns (path, note or None)."""
     if out:
+        os.makedirs(out, exist_ok=True)
+        if lock is not None:
+            lock(out)
         held = run_files(out)
         if held and not resume and not force:
             raise UserError(f"--out {out} holds another run's files ({', '.join(held[:4])}"
                             f"{', ...' if len(held) > 4 else ''}); continue that run with "
                             "--resume auto, start afresh there with --force (its files are "
                             "deleted), or give another --out")
-        if held and force and not resume:
+        keep = None
+        if held and resume and resume != "auto":
+            if not force:
+                check_resume_continues(out, resume, held)
+                return out, None
+            keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
+        if held and force:
             for n in held:
                 path = os.path.join(out, n)
+                if os.path.realpath(path) == keep:
+                    continue  # the checkpoint this run starts from stays
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)  # tb/
                 else:
                     os.remove(path)
-            os.makedirs(out, exist_ok=True)
             return out, f"--force: deleted the previous run's files in {out}"
-        os.makedirs(out, exist_ok=True)
         return out, None
     base = os.path.join(runs_root, name)
     if resume == "auto":
         for _, path in reversed(numbered_runs(base)):
             if run_files(path):
-                return path, None
+                return _locked(path, lock), None
         if os.path.isfile(os.path.join(base, LATEST)) or list_checkpoints(base):
-            return base, None  # a run from before numbered folders
-    return _new_numbered(base), None
+            return _locked(base, lock), None  # a run from before numbered folders
+    return _locked(_new_numbered(base), lock), None
+
+
+def _locked(path, lock):
+    if lock is not None:
+        lock(path)
+    return path
+
+
+def folder_run_id(folder):
+    """The ``run_id`` of the run a folder holds: that of its ``latest.h5``,
+    else of its newest ``ckpt_<iter>.h5`` ('' if none says)."""
+    candidates = [os.path.join(folder, LATEST)] * os.path.isfile(os.path.join(folder, LATEST))
+    candidates += [path for _, path in reversed(list_checkpoints(folder))]
+    for path in candidates:
+        run_id = checkpoint_run_id(path)
+        if run_id:
+            return run_id
+    return ""
+
+
+def check_resume_continues(out, resume, held=None):
+    """``--resume FILE`` into an ``--out`` that holds a run is allowed only
+    when FILE continues that run: FILE lies in that folder, or its ``run_id``
+    is the folder's. Otherwise a UserError naming both (the folder's metrics
+    and checkpoints would be replaced by another run's)."""
+    held = held if held is not None else run_files(out)
+    if not held or not os.path.exists(resume):
+        return  # nothing to protect; a missing FILE is reported where it is loaded
+    if os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(out):
+        return  # one of the folder's own checkpoints (going back to an older one)
+    theirs, mine = folder_run_id(out), checkpoint_run_id(resume)
+    if mine and theirs and mine == theirs:
+        return
+    what = (f"run {theirs[:12]}" if theirs else "a run whose checkpoints name no run_id")
+    raise UserError(f"--out {out} holds another run ({what}; {', '.join(held[:4])}"
+                    f"{', ...' if len(held) > 4 else ''}) than --resume {resume} (run "
+                    f"{mine[:12] or 'unknown'}): resuming there would replace that run's "
+                    "metrics and checkpoints; give another --out, or --force to delete "
+                    "that run's files and start afresh there from the checkpoint")
 
 
 def lock_run_dir(folder):
@@ -115,8 +171,8 @@ def prepare_run_dir(world, name, out=None, resume=None, force=False):
     gets the path. Returns it."""
     answer = None
     if world.rank == 0:
-        path, note = choose_run_dir(name, out, resume, force)
-        lock_run_dir(path)
+        # the lock is taken before the folder's files are looked at or deleted
+        path, note = choose_run_dir(name, out, resume, force, lock=lock_run_dir)
         if note:
             print(note, flush=True)
         answer = path

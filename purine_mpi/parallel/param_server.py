@@ -447,4 +447,4 @@ def run_server_rank(config, out_dir, world, resume=None, init=None, init_skip=()
                      stop=StopSignal())
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3
-    return 143 if res["stopped_by"] == "SIGTERM" else 0
+    return StopSignal.exit_status(res["stopped_by"])

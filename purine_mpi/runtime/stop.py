@@ -3,32 +3,65 @@ diverged loss on any rank ends every rank at the same iteration.
 
 Kept free of heavy imports so that ``train`` installs its handlers before
 NumPy and MPI load (``StopSignal.install_early``)."""
+import os
 import signal
+import sys
 import threading
+import time
 
 
 class StopSignal:
-    """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit) or
-    SIGTERM asks the run to stop: every rank finishes the iteration, they
-    agree on it (a MAX reduction, the same collective on every rank each
-    iteration, polled under the stall watchdog), a checkpoint is written, and
-    the job ends cleanly. The same agreement carries a non-finite loss or
-    weight seen on any rank (DIVERGED), which wins over a signal."""
+    """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit),
+    SIGTERM or SIGINT (Ctrl-C) asks the run to stop: every rank finishes the
+    iteration, they agree on it (a MAX reduction, the same collective on every
+    rank each iteration, polled under the stall watchdog), a checkpoint is
+    written, and the job ends cleanly. A closed stdout (``train ... | head``)
+    stops the run the same way (``SIGPIPE``, see ``print_or_stop``). The same
+    agreement carries a non-finite loss or weight seen on any rank (DIVERGED),
+    which wins over a signal. A second Ctrl-C a second or more after the
+    first interrupts at once, without the checkpoint."""
 
-    SIGNALS = ("SIGUSR1", "SIGTERM")
+    SIGNALS = ("SIGUSR1", "SIGTERM", "SIGPIPE", "SIGINT")
+    CAUGHT = ("SIGUSR1", "SIGTERM", "SIGINT")  # SIGPIPE comes as a BrokenPipeError
     DIVERGED = len(SIGNALS) + 1
+    #: the exit status after a stop with a checkpoint (SIGUSR1: finish cleanly)
+    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143, "SIGPIPE": 141, "SIGINT": 130}
 
     #: a signal that arrived before the trainer existed (install_early)
     early = None
+    #: the newest StopSignal of this process (``request`` sets its name)
+    current = None
 
     def __init__(self):
         self.name = StopSignal.early
+        self._first_int = None
+        StopSignal.current = self
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in self.CAUGHT:
                 signal.signal(getattr(signal, sig), self._handle)
 
     def _handle(self, signum, frame):
-        self.name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            # mpiexec passes the terminal's Ctrl-C on: the same press may come twice
+            now = time.monotonic()
+            if self._first_int is not None and now - self._first_int >= 1.0:
+                raise KeyboardInterrupt
+            self._first_int = self._first_int or now
+        self.name = max(filter(None, (self.name, name)), key=self.SIGNALS.index)
+
+    @classmethod
+    def request(cls, name):
+        """Ask the current run to stop as on signal ``name`` (before a
+        trainer exists: recorded like an early signal)."""
+        if cls.current is not None:
+            cls.current.name = cls.current.name or name
+        else:
+            cls.early = cls.early or name
+
+    @classmethod
+    def exit_status(cls, name):
+        return cls.EXIT_STATUS.get(name, 0)
 
     @classmethod
     def install_early(cls):
@@ -39,18 +72,42 @@ class StopSignal:
         def record(signum, frame):
             cls.early = signal.Signals(signum).name
         if threading.current_thread() is threading.main_thread():
-            for sig in cls.SIGNALS:
+            for sig in ("SIGUSR1", "SIGTERM"):  # Ctrl-C: interrupted at once, nothing to lose
                 signal.signal(getattr(signal, sig), record)
 
     def agree(self, world, diverged=False):
-        """The code every rank agrees on after an iteration: 0 (go on), 1
-        (SIGUSR1), 2 (SIGTERM) or DIVERGED. Collective on ``world``."""
+        """The code every rank agrees on after an iteration: 0 (go on), 1 +
+        the index in SIGNALS of the strongest signal any rank got, or
+        DIVERGED. Collective on ``world``; every rank then has that name."""
         code = self.DIVERGED if diverged else (
             self.SIGNALS.index(self.name) + 1 if self.name else 0)
         if world.size > 1:
             import numpy as np
             code = int(world.allreduce(np.array([code], np.int64), "max",
                                        "the stop agreement (allreduce)")[0])
-        if code and code != self.DIVERGED and self.name is None:
-            self.name = self.SIGNALS[code - 1]
+        if code and code != self.DIVERGED:
+            self.name = self.SIGNALS[code - 1]  # the same exit status on every rank
         return code
+
+
+def print_or_stop(msg):
+    """Print a line to stdout. When stdout is a closed pipe (``train ... |
+    head``), stdout goes to /dev/null from then on and the run stops as on
+    SIGTERM, with a checkpoint (exit status 141), instead of dying on the
+    next line or going on unseen."""
+    try:
+        print(msg, flush=True)
+    except BrokenPipeError:
+        stdout_to_devnull()
+        StopSignal.request("SIGPIPE")
+
+
+def stdout_to_devnull():
+    """Point file descriptor 1 at /dev/null, so later writes and the flush
+    at exit do not fail again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
