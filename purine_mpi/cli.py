@@ -96,8 +96,9 @@ def build_parser():
 
     p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
     _common_config_args(p)
-    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel",
-                   help="checkpoint to evaluate, or a Caffe .caffemodel (loaded by layer name)")
+    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
+                   help="checkpoint to evaluate, a Caffe .caffemodel (loaded by layer name), "
+                        "or a run folder (its latest.h5)")
     p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
                                  "there: the result is printed as one JSON object")
 
@@ -145,7 +146,8 @@ def build_parser():
                                        "(as Caffe's extract_features)")
     _common_config_args(p)
     p.add_argument("--weights", required=True, metavar="W.h5",
-                   help="checkpoint or weights file (HDF5 /params, or a .caffemodel)")
+                   help="checkpoint or weights file (HDF5 /params, or a .caffemodel), or a "
+                        "run folder (its latest.h5)")
     p.add_argument("--out", required=True, metavar="PREDS.h5",
                    help="the HDF5 file to write: /outputs/<blob>, /label, /index (docs/formats.md)")
     p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
@@ -255,6 +257,7 @@ def cmd_test(args):
     from .io.checkpoint import load_params
     from .io.checkpoint_check import NonFiniteWeights
     cfg = _load(args)
+    args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     # stdout holds only the JSON result: notes and progress lines go to stderr
@@ -269,12 +272,25 @@ def cmd_test(args):
                         "no loss/accuracy layer in the test phase)")
     bad = sorted(k for k, v in res.items() if isinstance(v, float) and not math.isfinite(v))
     if t.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
-        print(json.dumps({k: None if k in bad else v for k, v in res.items()}, allow_nan=False),
-              flush=True)
+        # the figures rounded as train's final line prints them
+        print(json.dumps({k: None if k in bad else round(v, 6) if isinstance(v, float) else v
+                          for k, v in res.items()}, allow_nan=False), flush=True)
     if bad:
         raise NonFiniteWeights(f"evaluating {args.weights} gave a non-finite {', '.join(bad)} "
                                "(NaN or inf): the figure is not a result")
     return 0
+
+
+def _weights_file(path):
+    """--weights: a file, or a run folder (its latest.h5, as --resume auto
+    finds a run's newest checkpoint)."""
+    if os.path.isdir(path):
+        latest = os.path.join(path, "latest.h5")
+        if not os.path.isfile(latest):
+            raise UserError(f"--weights {path}: a folder without latest.h5 (not a run folder "
+                            "with a finished checkpoint); give the checkpoint file")
+        return latest
+    return path
 
 
 def cmd_predict(args):
@@ -287,6 +303,7 @@ def cmd_predict(args):
         raise UserError(f"{args.config}: key 'data.{args.split}': predict --split {args.split} "
                         "needs that data")
     cfg["data"]["test"] = dict(spec, shuffle=False)  # file order, the test-phase transform
+    args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     t = Trainer(cfg, "/nonexistent-predict-output", init=args.weights,

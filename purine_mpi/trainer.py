@@ -262,7 +262,10 @@ class Trainer:
             if note:
                 self._say(note)
             for p in wanted:
-                self._load_blob(p, params[p], init)
+                self._load_blob(p, params[p], init, skip_hint=True)
+            skipped = f" ({', '.join(init_skip)} kept fresh: --init-skip)" if init_skip else ""
+            self._say(f"loaded {len(wanted)} blob{'s' if len(wanted) != 1 else ''} from "
+                      f"{init}{skipped}")
 
     def _init_from_caffemodel(self, path, init_skip=()):
         """Caffe weights by layer name. As with our own files every parameter
@@ -289,11 +292,13 @@ class Trainer:
             if layer in factors and getattr(k, "caffe_average", False):
                 k.factor = factors[layer]
 
-    def _load_blob(self, name, value, path):
+    def _load_blob(self, name, value, path, skip_hint=False):
         try:
             self.ws.set(name, value)
         except GraphError as e:  # a file from another net: name the file too
-            raise UserError(f"{path}: {e}") from None
+            hint = (f"; to start layer '{name.split('/')[0]}' afresh instead (fine-tuning a "
+                    f"changed layer), give --init-skip {name.split('/')[0]}") if skip_hint else ""
+            raise UserError(f"{path}: {e}{hint}") from None
 
     def state_dict(self):
         """Everything beyond params and momenta that a resume needs: each
@@ -385,6 +390,14 @@ class Trainer:
         self.run_id = str(ck.attrs.get("run_id") or "") or self.run_id
         self._last_saved = self.start_iter
         self._say(f"resumed from {path} at iteration {self.start_iter}")
+        saved_world = int(ck.attrs.get("world_size", self.size) or self.size)
+        if saved_world != self.size and self.config.get("data"):
+            b = int(self.config["data"]["train"]["batch_size"])
+            self._say(f"note: {path} was written by {saved_world} rank(s), this run has "
+                      f"{self.size}: the global batch is now {b * self.data_size} "
+                      f"({b} per rank x {self.data_size}); the data order goes on at the same "
+                      "sample, but the learning-rate schedule counts iterations, not samples "
+                      "(keep the global batch with --set data.train.batch_size=G/N)")
 
     def agree_to_stop(self, done, diverged):
         """The stop code every rank agrees on after iteration ``done``

@@ -20,3 +20,49 @@ def test_a_graph_yaml_job_reports_its_own_lr_and_speed(tmp_path, digits_h5):
     assert base and lrs, run.stdout
     assert all(float(lr) == float(base.group(1)) for lr, _ in lrs)  # lr_policy step, stepsize > 40
     assert all(int(ips.replace(",", "")) > 0 for _, ips in lrs)
+
+
+def _digits_sets(digits_h5):
+    return ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"]
+
+
+def test_test_takes_a_run_folder_and_prints_figures_as_train_does(tmp_path, digits_h5):
+    import json
+    run = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "run",
+                       "--iters", "30", *_digits_sets(digits_h5))
+    assert run.returncode == 0, run.stderr
+    final = json.loads(run.stdout.split("final ", 1)[1].splitlines()[0])
+    res = run_cli_args("test", "jobs/digits_lenet.yaml", "--weights", tmp_path / "run",
+                       *_digits_sets(digits_h5))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == final  # the same figures, rounded the same way
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = run_cli_args("test", "jobs/digits_lenet.yaml", "--weights", empty,
+                       *_digits_sets(digits_h5))
+    assert bad.returncode == 2 and "without latest.h5" in bad.stderr
+
+
+def test_init_says_what_it_loaded_and_a_shape_mismatch_suggests_init_skip(tmp_path, digits_h5):
+    run = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "run",
+                       "--iters", "5", *_digits_sets(digits_h5))
+    assert run.returncode == 0, run.stderr
+    res = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "ft", "--iters",
+                       "5", "--init", tmp_path / "run" / "latest.h5", *_digits_sets(digits_h5))
+    assert res.returncode == 0 and re.search(r"loaded \d+ blobs from .*latest\.h5", res.stdout)
+    wider = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "ft2",
+                         "--iters", "5", "--init", tmp_path / "run" / "latest.h5",
+                         "--set", "net.0.num_output=24", *_digits_sets(digits_h5))
+    assert wider.returncode == 2 and "--init-skip conv1" in wider.stderr, wider.stderr
+
+
+def test_a_resume_on_another_rank_count_says_the_global_batch(tmp_path, digits_h5):
+    from tests.conftest import run_mpi_cli
+    run = run_cli_args("train", "jobs/digits_lenet.yaml", "--out", tmp_path / "run",
+                       "--iters", "10", *_digits_sets(digits_h5))
+    assert run.returncode == 0, run.stderr
+    res = run_mpi_cli(2, "train", "jobs/digits_lenet.yaml", "--out", tmp_path / "run",
+                      "--iters", "20", "--resume", "auto", *_digits_sets(digits_h5))
+    assert res.returncode == 0, res.stderr
+    assert "was written by 1 rank(s), this run has 2: the global batch is now 64" in res.stdout
