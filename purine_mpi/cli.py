@@ -34,7 +34,7 @@ import os
 import sys
 import warnings
 
-from . import __version__
+from . import __version__, logfile
 from .errors import OpError, UserError
 
 
@@ -444,6 +444,7 @@ def _report_user_error(exc):
         report_user_error(exc)  # returns only on a single rank
     if _rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        logfile.note_error(f"error: {exc}")
 
 
 def _launched_ranks():

@@ -16,12 +16,13 @@ import uuid
 
 import numpy as np
 
+from . import logfile
 from .backend import get_xp, to_numpy
 from .errors import GraphError, UserError
 from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from .graph.solver import solver_states, state_name
 from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
-                            remove_stale_temp_files, save_run_checkpoint)
+                            remove_stale_temp_files, save_checkpoint, save_run_checkpoint)
 from .io.checkpoint_check import check_finite, check_for_net, unused_note
 from .io.config import data_notes, dump_config
 from .io.data import source_info
@@ -37,6 +38,7 @@ from .runtime.memory_plan import batch_blobs, plan_host_memory
 from .runtime.stop import StopSignal, print_or_stop
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
+from .train.watch import BestCheckpoints, EarlyStopping
 
 
 def get_world():
@@ -188,6 +190,11 @@ class Trainer:
         self.run_id = uuid.uuid4().hex
         self._last_saved = None  # iteration of the newest checkpoint this run wrote
         self.stop = StopSignal()
+        # the loop's services after each test pass (train/watch.py)
+        best, early = self.config["checkpoint"].get("best"), self.solver.get("early_stop")
+        self.best = BestCheckpoints(best, out_dir, lambda path, it: self.save(it, path),
+                                    self._say) if best else None
+        self.early_stop = EarlyStopping(early, self._say) if early else None
         if self.rank == 0:
             for path in remove_stale_temp_files(out_dir):
                 self.log(f"removed {path}, left by a writer that was killed mid-write")
@@ -429,10 +436,13 @@ class Trainer:
         self.train.drain()
         return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
 
-    def save(self, iteration):
+    def save(self, iteration, path=None):
+        """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
+        rotation), or with ``path`` a checkpoint file of its own. Collective."""
         self.train.drain()  # the weights of this iteration, updated
         self.scheme.before_save(self, iteration)
-        self._last_saved = iteration
+        if path is None:
+            self._last_saved = iteration
         state = self.state_dict()
         params = {p: to_numpy(self.ws[p]) for p in self.params}
         states = solver_states(self.solver.get("type"))
@@ -447,11 +457,14 @@ class Trainer:
                     solver.update(parts[r][1])
         if self.rank != 0:
             return
+        payload = dict(params=params, solver=solver, state=state, world_size=self.size,
+                       seed=self.seed, config_text=dump_config(self.config),
+                       run_id=self.run_id, elapsed=self.elapsed())
+        if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
+            save_checkpoint(path, iteration=iteration, **payload)
+            return
         save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
-                            params=params, solver=solver, state=state,
-                            world_size=self.size, seed=self.seed,
-                            config_text=dump_config(self.config), run_id=self.run_id,
-                            elapsed=self.elapsed())
+                            **payload)
         if getattr(self, "_metrics", None) is not None and self.start_iter:
             self._metrics.commit()  # the resumed run's rows and config replace the old ones
             self._write_config()
@@ -474,6 +487,9 @@ class Trainer:
             return {}
         self.report_startup()
         metrics = self._open_metrics()
+        self._early_stopped = None
+        if self.solver.get("test_initialization") and self.start_iter == 0:
+            self._evaluate(0, metrics)  # a test pass before training (Caffe's test_initialization)
         window_loss, window_n = 0.0, 0  # running sum: nothing grows per iteration
         t_start = t_window = self._t_start = time.perf_counter()
         it0 = self.start_iter
@@ -537,10 +553,15 @@ class Trainer:
                     self.train.drain()
                     return {"diverged_at": first_bad or done,
                             "last_checkpoint": self._last_saved}
+                result = {}
                 if test_interval and done % test_interval == 0 and done != max_iter:
-                    self._evaluate(done, metrics)
-                if done != max_iter and (code or ck_interval and done % ck_interval == 0):
+                    result = self._evaluate(done, metrics)
+                early = done != max_iter and self._early_stopped is not None
+                if done != max_iter and (code or early or ck_interval and
+                                         done % ck_interval == 0):
                     self.save(done)  # one checkpoint, also when a stop meets the interval
+                if early:  # solver.early_stop: the figures of this test pass are the result
+                    return dict(result, early_stop=done)
                 if done != max_iter and code:
                     self._say(f"stopping at iter {done} on {self.stop.name}: checkpoint "
                               f"written; continue with --resume auto")
@@ -600,6 +621,10 @@ class Trainer:
         extra = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples"))
         self._say(f"test @ iter {iteration}: loss {res['loss']:.4f}  {extra}  "
                   f"({res['samples']} samples)")
+        if self.best is not None:
+            self.best.after_test(iteration, res)
+        if self.early_stop is not None and self.early_stop.after_test(iteration, res):
+            self._early_stopped = iteration
         return res
 
     # ------------------------------------------------------------ output
@@ -706,16 +731,19 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     install_abort_handler(world)
     world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
     world.check_consistent(dump_config(config), "resolved configuration")
+    # rank 0's lines, and any rank's errors, go to OUT/train.log too (logfile.py)
+    logfile.open_run_log(out_dir, world.rank)
+    say = logfile.tee(print_or_stop)
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in settings_without_effect(config, world.size) + data_notes(config):
-            print(note, flush=True)
+            say(note)
     mode = config.get("parallel", {}).get("mode", "sync")
     if world.size > 1 and mode in ("async", "sync_ps"):
         return run_param_server(config, out_dir, world, resume=resume, init=init,
                                 profile=profile, init_skip=init_skip, tensorboard=tensorboard)
     return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
-                                  tensorboard=tensorboard),
+                                  tensorboard=tensorboard, log=say),
                           world)
 
 
@@ -754,7 +782,7 @@ def run_and_report(trainer, world):
                   "the data.", file=sys.stderr, flush=True)
         return 3
     if world.rank == 0 and result:
-        print_or_stop("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
+        logfile.tee(print_or_stop)("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
                                              if isinstance(v, float) else v
                                              for k, v in result.items()}))
     # a stop on SIGTERM, Ctrl-C or a closed stdout still ends non-zero (143,

@@ -55,7 +55,7 @@ def test_defaults_are_filled(cfg_dir):
                                   "stall_timeout": 300, "check_collectives": False,
                                   "stages": {}, "micro_batches": 1,
                                   "schedule": "1f1b"}
-    assert config["checkpoint"] == {"interval": 0, "keep": 3}
+    assert config["checkpoint"] == {"interval": 0, "keep": 3, "best": None}
     assert config["data"]["train"]["shuffle"] is True
     assert config["data"]["test"]["shuffle"] is False
     # the data path was found next to the config and made absolute

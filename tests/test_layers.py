@@ -17,7 +17,8 @@ PACKAGE = os.path.join(REPO, "purine_mpi")
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS = [
     ("foundation", ["purine_mpi", "purine_mpi.errors", "purine_mpi.progress",
-                    "purine_mpi.philox", "purine_mpi.backend", "purine_mpi.threads"]),
+                    "purine_mpi.philox", "purine_mpi.backend", "purine_mpi.threads",
+                    "purine_mpi.logfile"]),
     # device helpers: the kernel loader and wrappers, streams, cuBLAS, cuDNN, scratch
     ("devices", ["purine_mpi.gpu"]),
     ("data", ["purine_mpi.io.data", "purine_mpi.io.datasets", "purine_mpi.io.transform"]),
@@ -33,9 +34,9 @@ LAYERS = [
     ("dispatch", ["purine_mpi.runtime"]),
     # what runs a job and looks at it: the loop, its services, the parameter
     # servers' loop, tools over graphs and traces, model formats
-    ("services", ["purine_mpi.trainer", "purine_mpi.runlog", "purine_mpi.bench",
-                  "purine_mpi.plot", "purine_mpi.predict", "purine_mpi.docgen", "purine_mpi.docgen_sections",
-                  "purine_mpi.interop",
+    ("services", ["purine_mpi.trainer", "purine_mpi.train", "purine_mpi.runlog",
+                  "purine_mpi.bench", "purine_mpi.plot", "purine_mpi.predict",
+                  "purine_mpi.docgen", "purine_mpi.docgen_sections", "purine_mpi.interop",
                   "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
                   "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats"]),
     ("cli", ["purine_mpi.cli", "purine_mpi.__main__"]),

@@ -509,7 +509,10 @@ def install_abort_handler(world=None):
             return sys.__excepthook__(exc_type, exc, tb)
         if not isinstance(exc, UserError) and os.environ.get("PURINE_DEBUG"):
             traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
-        print(describe_exception(exc, world.rank), file=sys.stderr)
+        text = describe_exception(exc, world.rank)
+        print(text, file=sys.stderr)
+        from .. import logfile
+        logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
         world.abort(getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1)
 
     sys.excepthook = handle

@@ -64,6 +64,7 @@ SOLVER_DEFAULTS = {
     "lr_policy": "fixed", "gamma": 0.1, "stepsize": None, "stepvalues": [],
     "power": 1.0, "max_iter": 1000, "test_interval": 0, "test_iter": None,
     "display": 20, "warmup_iters": 0, "momentum2": 0.999, "delta": 1e-8, "rms_decay": 0.99,
+    "test_initialization": False, "early_stop": None,
 }
 PARALLEL_DEFAULTS = {
     "scheme": "data", "mode": "sync", "bucket_mb": 4, "first_bucket_mb": 1, "min_buckets": 4,
@@ -71,7 +72,7 @@ PARALLEL_DEFAULTS = {
     "stall_timeout": 300, "check_collectives": False,
     "stages": {}, "micro_batches": 1, "schedule": "1f1b",
 }
-CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3}
+CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3, "best": None}
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "shape", "classes",
              "num_samples", "seed") + TRANSFORM_KEYS
 SYNTHETIC_NUM_SAMPLES = 1024
@@ -133,6 +134,13 @@ KEY_DOCS = {
         "momentum2": "β₂ of adam and adamw",
         "delta": "ε of adagrad, rmsprop, adadelta, adam and adamw",
         "rms_decay": "decay of the squared-gradient average of rmsprop",
+        "test_initialization": "run a test pass before the first iteration (as Caffe's "
+                               "`test_initialization`, Lightning's sanity check); it is row "
+                               "`iter` = the start iteration of metrics.jsonl",
+        "early_stop": "stop (with a checkpoint, exit 0) when the test figure `metric` "
+                      "(`accuracy`, `loss`, ...) has not improved by more than `min_delta` "
+                      "(default 0) in `patience` test passes in a row (default 5); `mode` "
+                      "`max` or `min` (default: min for a loss, else max)",
     },
     "parallel": {
         "scheme": "the composition (see [schemes](#schemes))",
@@ -171,6 +179,10 @@ KEY_DOCS = {
                     "on a stop)",
         "keep": "keep the newest K checkpoints of this run (0: keep all); `latest.h5` is never "
                 "deleted",
+        "best": "also keep `best_<iter>.h5` for the `keep` best test passes (default 1) by the "
+                "test figure `metric` (`accuracy`, `loss`, ...), `mode` `max` or `min` "
+                "(default: min for a loss, else max); rotation of the newest checkpoints "
+                "never deletes them",
     },
 }
 
@@ -674,7 +686,11 @@ _SOLVER_CHECKS = {
     "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
     "display": _int(0), "warmup_iters": _int(0), "momentum2": _num(0, below=1),
     "delta": _num(0, strict=True), "rms_decay": _num(0, below=1),
+    "test_initialization": _bool,
+    "early_stop": lambda key, value, path: _check_watch(
+        key, value, path, {"metric": None, "mode": None, "patience": 5, "min_delta": 0.0}),
 }
+_SOLVER_CHECKS["early_stop"].doc = "mapping {metric, patience, min_delta, mode} or null"
 _PARALLEL_CHECKS = {
     "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
     "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
@@ -740,7 +756,36 @@ def _check_pipeline(out, path):
                           "use scheme: data")
 
 
-_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0)}
+_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0),
+                      "best": lambda key, value, path: _check_watch(
+                          key, value, path, {"metric": None, "mode": None, "keep": 1})}
+_CHECKPOINT_CHECKS["best"].doc = "mapping {metric, mode, keep} or null"
+
+
+def _check_watch(key, value, path, defaults):
+    """A metric watch (checkpoint.best, solver.early_stop): ``metric`` (a
+    test figure: accuracy, loss, ...), ``mode`` max|min (default: min for a
+    loss, else max) and its own counts; null turns it off."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(path, key, f"expected a mapping such as {{metric: accuracy}}, got "
+                                     f"{_kind(value)}")
+    _check_keys(key, value, tuple(defaults), path)
+    metric = value.get("metric")
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(path, f"{key}.metric", "expected the name of a test figure, e.g. "
+                                                 "accuracy or loss")
+    out = dict(defaults, **value)
+    if out["mode"] is not None:
+        out["mode"] = _check_choice(f"{key}.mode", out["mode"], ("max", "min"), path)
+    for name in ("keep", "patience"):
+        if name in defaults:
+            out[name] = _check_int(f"{key}.{name}", out[name], path, minimum=1)
+    if "min_delta" in defaults:
+        out["min_delta"] = _check_number(f"{key}.min_delta", out["min_delta"], path, 0, False,
+                                         None)
+    return out
 
 #: the sections with a defaults table: name -> (defaults, checkers); docs/config.md
 #: lists their keys from here (KEY_DOCS gives the meanings)

@@ -30,7 +30,8 @@ from ..errors import UserError
 from .checkpoint import LATEST, checkpoint_run_id, list_checkpoints
 
 LOCK_FILE = ".purine.lock"
-_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|trace\.rank\d+\.json|"
+_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
+                          r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
 _held = []  # open lock files of this process (closing one would release its lock)
 
@@ -40,7 +41,10 @@ def run_files(folder):
     TensorBoard folder ``tb``."""
     if not os.path.isdir(folder):
         return []
-    return sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
+    names = sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
+    # a log alone is what a run that failed before its first file left: the
+    # folder holds no run to protect (a new run appends to the log)
+    return [] if names == ["train.log"] else names
 
 
 def numbered_runs(base):

@@ -1,0 +1,60 @@
+"""The run folder's log file, ``OUT/train.log``: the lines rank 0 prints
+(the start-up block, progress, test figures, notes), appended across
+resumes, and the errors of any rank, so a batch job's folder keeps what its
+terminal showed (as Caffe's GLOG files and Lightning's loggers do).
+
+``open_run_log(out_dir, rank)`` registers the file for this process;
+``tee(log)`` makes a log function that also appends each line there (rank
+0); ``note_error(text, rank)`` appends an error from any rank, in one
+write, so lines of two ranks never interleave. Standard library only: the
+error paths of every layer may call it.
+"""
+import os
+import time
+
+LOG_NAME = "train.log"
+_path = None
+_rank = 0
+
+
+def open_run_log(out_dir, rank=0):
+    """Log this run into ``out_dir/train.log`` (returns the path)."""
+    global _path, _rank
+    _path, _rank = os.path.join(str(out_dir), LOG_NAME), int(rank)
+    if _rank == 0:
+        os.makedirs(str(out_dir), exist_ok=True)
+        _append(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} ---")
+    return _path
+
+
+def close_run_log():
+    global _path
+    _path = None
+
+
+def _append(line):
+    if _path is None:
+        return
+    try:
+        fd = os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the terminal still has it; a full disk must not end the run
+
+
+def tee(log):
+    """A log function that calls ``log`` and appends the line to train.log."""
+    def both(msg):
+        if _rank == 0:
+            _append(str(msg))
+        log(msg)
+    return both
+
+
+def note_error(text, rank=None):
+    """An error of any rank, appended to train.log when a run registered it."""
+    who = _rank if rank is None else rank
+    _append(f"error (rank {who}): {text}" if not str(text).startswith("error") else str(text))

@@ -1,0 +1,93 @@
+"""Services the loop calls after each test pass: the best-k checkpoints by a
+monitored metric (``checkpoint.best``, Lightning's ``ModelCheckpoint``) and
+early stopping (``solver.early_stop``, Lightning's ``EarlyStopping``).
+
+Both read the figures of the pass (the mean over the ranks, the same on
+every rank), so every rank takes the same decision with no collective.
+A non-finite figure never counts as an improvement.
+"""
+import math
+import os
+
+
+def _mode(spec):
+    """'max' or 'min': given, else max for accuracy-like metrics, min for losses."""
+    mode = spec.get("mode")
+    if mode:
+        return mode
+    return "min" if "loss" in str(spec["metric"]).lower() else "max"
+
+
+def _better(a, b, mode, delta=0.0):
+    """Whether figure ``a`` beats ``b`` by more than ``delta``."""
+    if a is None or not math.isfinite(a):
+        return False
+    if b is None:
+        return True
+    return a > b + delta if mode == "max" else a < b - delta
+
+
+def _figure(results, metric, where):
+    if metric not in results:
+        from ..errors import UserError
+        raise UserError(f"{where}: metric '{metric}' is not a test figure of this net; it has "
+                        f"{', '.join(k for k in results if k != 'samples')}")
+    return float(results[metric])
+
+
+class BestCheckpoints:
+    """``best_<iter>.h5`` for the ``keep`` best test passes by ``metric``
+    (rank 0 writes them through ``write(path, iteration)``); the others are
+    deleted as better ones come. The newest checkpoints (``ckpt_<iter>.h5``,
+    ``latest.h5``) rotate on their own, whatever the best ones are."""
+
+    def __init__(self, spec, out_dir, write, say):
+        self.metric, self.mode, self.keep = spec["metric"], _mode(spec), int(spec["keep"])
+        self.out_dir, self.write, self.say = out_dir, write, say
+        self.kept = []  # [(figure, iteration, path)], best first
+
+    def after_test(self, iteration, results):
+        value = _figure(results, self.metric, "checkpoint.best.metric")
+        if not math.isfinite(value):
+            return
+        worst = self.kept[-1][0] if len(self.kept) >= self.keep else None
+        if worst is not None and not _better(value, worst, self.mode):
+            return
+        path = os.path.join(self.out_dir, f"best_{int(iteration)}.h5")
+        self.write(path, iteration)
+        self.kept.append((value, iteration, path))
+        self.kept.sort(key=lambda t: (-t[0] if self.mode == "max" else t[0], t[1]))
+        for _, _, old in self.kept[self.keep:]:
+            try:
+                os.remove(old)
+            except OSError:
+                pass
+        self.kept = self.kept[:self.keep]
+        best = self.kept[0]
+        self.say(f"best {self.metric} {best[0]:.4f} at iteration {best[1]} "
+                 f"({os.path.basename(best[2])}; keeping the {self.keep} best)")
+
+
+class EarlyStopping:
+    """Stop when ``metric`` has not improved by more than ``min_delta`` over
+    ``patience`` test passes in a row."""
+
+    def __init__(self, spec, say):
+        self.metric, self.mode = spec["metric"], _mode(spec)
+        self.patience, self.min_delta = int(spec["patience"]), float(spec["min_delta"])
+        self.say = say
+        self.best, self.best_iter, self.waited = None, None, 0
+
+    def after_test(self, iteration, results):
+        """True when the run should stop here."""
+        value = _figure(results, self.metric, "solver.early_stop.metric")
+        if _better(value, self.best, self.mode, self.min_delta if self.best is not None else 0):
+            self.best, self.best_iter, self.waited = value, iteration, 0
+            return False
+        self.waited += 1
+        if self.waited < self.patience:
+            return False
+        self.say(f"early stop at iteration {iteration}: {self.metric} has not improved by more "
+                 f"than {self.min_delta:g} in {self.patience} test pass(es) (best "
+                 f"{self.best:.4f} at iteration {self.best_iter})")
+        return True
