@@ -34,7 +34,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import UserError
-from .checkpoint_check import Unchecked
+from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 
 FORMAT = "purine_mpi.checkpoint"
 VERSION = 1
@@ -221,16 +221,10 @@ def _open(path, what="checkpoint"):
                         f"({e})") from None
 
 
+@names_the_file("checkpoint")
 def load_checkpoint(path):
     """Read a whole checkpoint. Raises UserError (naming the file and what is
-    wrong) for a missing, non-HDF5, truncated or foreign file."""
-    try:
-        return _load_checkpoint(path)
-    except (OSError, KeyError, RuntimeError) as e:  # damaged HDF5 structures (heaps, b-trees)
-        raise UserError(f"checkpoint '{path}' is corrupt: {type(e).__name__}: {e}") from None
-
-
-def _load_checkpoint(path):
+    wrong) for a missing, non-HDF5, truncated, damaged, edited or foreign file."""
     with _open(path) as f:
         attrs = _read_attrs(f)
         if attrs.get("format") != FORMAT:
@@ -240,12 +234,10 @@ def _load_checkpoint(path):
         if not isinstance(version, int) or version > VERSION:
             raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
                             f"purine_mpi reads version {VERSION} and older")
-        from .checkpoint_check import check_attrs, check_layout
         check_attrs(attrs, path)
         expected = check_layout(f, path, CHECKSUM)  # /params, /state and its digest
-        sections = {}
+        sections = {}  # /params and /solver were written with Fletcher-32 checksums
         for section in ("params", "solver", "state"):
-            # /params and /solver were written with a Fletcher-32 checksum per chunk
             sections[section] = _read_section(f, section, path, section != "state") \
                 if section in f else {}
     if state_digest(sections["state"]) != expected:
@@ -254,16 +246,10 @@ def _load_checkpoint(path):
     return Checkpoint(str(path), attrs=attrs, **sections)
 
 
+@names_the_file("weights file")
 def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
     {name: array}; other groups and attributes are optional."""
-    try:
-        return _load_params(path)
-    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
-        raise UserError(f"weights file '{path}' is corrupt: {type(e).__name__}: {e}") from None
-
-
-def _load_params(path):
     with _open(path, "weights file") as f:
         if "params" not in f or not hasattr(f["params"], "keys"):
             raise UserError(f"weights file '{path}' has no /params group; expected the "
@@ -276,9 +262,7 @@ def _read_section(f, section, path, checksummed=False):
     try:
         return _read_group(f[section], where, checksummed=checksummed)
     except Unchecked as e:
-        raise UserError(f"checkpoint '{path}' is invalid: dataset '/{e}' has no Fletcher-32 "
-                        "checksum (every array of a checkpoint is written with one); it was "
-                        "rewritten by another tool or edited") from None
+        raise e.user_error(path) from None
     except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"checkpoint '{path}' is corrupt: reading '/{where[-1]}' failed "
                         f"({type(e).__name__}: {e})") from None

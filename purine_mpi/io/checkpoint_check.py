@@ -15,6 +15,7 @@ is the one-line note ``--init`` and ``test --weights`` print instead.
 Every failure is a UserError naming the file and what is wrong (exit 2),
 except non-finite weights: ``NonFiniteWeights``, exit 3 (as a diverged run).
 """
+import functools
 import math
 import os
 import re
@@ -34,6 +35,27 @@ class NonFiniteWeights(UserError):
 
 class Unchecked(Exception):
     """An array dataset read without its Fletcher-32 filter (the dataset's name)."""
+
+    def user_error(self, path):
+        return UserError(f"checkpoint '{path}' is invalid: dataset '/{self}' has no Fletcher-32 "
+                         "checksum (every array of a checkpoint is written with one); it was "
+                         "rewritten by another tool or edited")
+
+
+def names_the_file(what):
+    """Decorate a reader of ``path``: HDF5's own errors on a damaged file
+    (heaps, b-trees, object headers: OSError, KeyError, RuntimeError,
+    ValueError) become one UserError naming the file."""
+    def wrap(read):
+        @functools.wraps(read)
+        def reader(path, *args, **kw):
+            try:
+                return read(path, *args, **kw)
+            except (OSError, KeyError, RuntimeError, ValueError) as e:
+                raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") \
+                    from None
+        return reader
+    return wrap
 
 
 def check_layout(f, path, checksum):
