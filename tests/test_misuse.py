@@ -99,8 +99,11 @@ def test_edited_resume_exits_2_and_writes_nothing(trained, tmp_path):
     for args in (["--resume", bad], ["--resume", bad, "--iters", "3000"]):
         assert_user_error(run_cli_args("train", trained["path"], "--out", out, *args),
                           "latest.h5", "iteration", "-50")
-    after = {n: (out / n).read_bytes() for n in os.listdir(out) if n != ".purine.lock"}
+    # (train.log, the folder's log, only gained the error lines)
+    after = {n: (out / n).read_bytes() for n in os.listdir(out)
+             if n not in (".purine.lock", "train.log")}
     assert after == before  # nothing rotated, overwritten or cut
+    assert "iteration" in (out / "train.log").read_text()
     # int32 params (right shape, wrong dtype) are not cast silently
     def int32(f):
         w = f["params/fc1/weight"][...]
@@ -126,7 +129,7 @@ def test_metrics_are_replaced_only_by_the_resumed_runs_first_checkpoint(trained,
     assert res.returncode == 3, res.stderr
     assert (out / "metrics.jsonl").read_bytes() == before
     assert sorted(os.listdir(out)) == [".purine.lock", "ckpt_10.h5", "ckpt_20.h5", "latest.h5",
-                                       "metrics.jsonl"]
+                                       "metrics.jsonl", "train.log"]  # the log only grew
     res = run_cli_args("train", trained["path"], "--out", out, "--resume", out / "ckpt_10.h5")
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
