@@ -1,0 +1,145 @@
+"""Validation of the config's data specs (``data.train``, ``data.test``):
+sources, paths resolved against the working and the config's folder, the
+transform keys, the notes a user should read, and the hint that names the
+command which makes a missing data file. Imports the schema and checks.
+"""
+import os
+
+from ..errors import ConfigError
+from .checks import (_check_bool, _check_choice, _check_int, _check_keys, _check_number, _is_int,
+                     _is_number, _kind, check_seed)
+from .schema import DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
+
+
+# ---------------------------------------------------------------- data specs
+def _check_data(data, path, check_files):
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, "data", f"expected a mapping with 'train' and/or 'test', "
+                                        f"got {_kind(data)}")
+    _check_keys("data", data, ("train", "test"), path)
+    return {split: _check_data_spec(split, spec, path, check_files)
+            for split, spec in data.items() if spec is not None}
+
+
+def _check_data_spec(phase, spec, path, check_files):
+    key = f"data.{phase}"
+    if not isinstance(spec, dict):
+        raise ConfigError(path, key, f"expected a mapping (source, path, split, batch_size, ...), "
+                                     f"got {_kind(spec)}")
+    _check_keys(key, spec, DATA_KEYS, path)
+    source = spec.get("source")
+    if source is None:  # infer the obvious case, so a path alone is enough
+        source = "hdf5" if "path" in spec else "synthetic" if "shape" in spec else None
+    if source is None:
+        raise ConfigError(path, f"{key}.source", "expected 'hdf5' (with a path) or 'synthetic' "
+                                                 "(with shape and classes)")
+    out = {"source": _check_choice(f"{key}.source", source, DATA_SOURCES, path)}
+    if "batch_size" not in spec:
+        raise ConfigError(path, f"{key}.batch_size", "missing; expected a positive integer "
+                                                     "(the per-rank batch size)")
+    out["batch_size"] = _check_int(f"{key}.batch_size", spec["batch_size"], path, minimum=1)
+    out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
+    if spec.get("seed") is not None:
+        out["seed"] = check_seed(f"{key}.seed", spec["seed"], path)
+    out.update(_check_transform(key, spec, path))
+    if source == "hdf5":
+        if not isinstance(spec.get("path"), str) or not spec["path"]:
+            raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
+                                                   f"{spec.get('path')!r}")
+        out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
+        in_memory = spec.get("in_memory", "auto")
+        if in_memory not in ("auto", True, False):
+            raise ConfigError(path, f"{key}.in_memory", "expected auto (load the split when it "
+                              "fits in a quarter of the memory), true or false (read each "
+                              f"batch from the file), got {in_memory!r}")
+        out["in_memory"] = in_memory
+        split = spec.get("split")
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ConfigError(path, f"{key}.split",
+                              f"expected a group name such as 'train', or null for top-level "
+                              f"data/label, got {split!r}")
+        out["split"] = split
+    else:
+        shape = spec.get("shape")
+        if (not isinstance(shape, list) or not shape
+                or not all(_is_int(s) and s > 0 for s in shape)):
+            raise ConfigError(path, f"{key}.shape", "expected a list of positive integers "
+                                                    f"[C, H, W] (one sample), got {shape!r}")
+        out["shape"] = [int(s) for s in shape]
+        if "classes" not in spec:
+            raise ConfigError(path, f"{key}.classes", "missing; synthetic data needs the "
+                                                      "number of classes (a positive integer)")
+        out["classes"] = _check_int(f"{key}.classes", spec["classes"], path, minimum=1)
+        out["num_samples"] = _check_int(f"{key}.num_samples",
+                                        spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
+                                        minimum=1)
+        out["split"] = spec.get("split", phase)
+    return out
+
+
+def data_notes(config):
+    """One line for each data split whose batch is larger than the split (each
+    batch then holds samples several times over: a mistyped batch_size, or a
+    small stand-in file). Reads the HDF5 files' metadata."""
+    from .data import source_info
+    notes = []
+    for phase, spec in (config.get("data") or {}).items():
+        n = source_info(spec)[0]
+        if spec["batch_size"] > n:
+            notes.append(f"note: data.{phase}.batch_size {spec['batch_size']} is larger than the "
+                         f"{n} samples of the {phase} data: each batch holds samples several "
+                         "times over")
+    return notes
+
+
+def _check_transform(key, spec, path):
+    """The transform keys of a data spec (``purine_mpi.io.transform``); absent
+    keys stay absent. Whether they fit the samples (crop within H x W, one
+    mean per channel) is checked when the data op reads the file's shape."""
+    out = {}
+    if spec.get("scale") is not None:
+        out["scale"] = float(_check_number(f"{key}.scale", spec["scale"], path, 0, strict=True))
+    mean = spec.get("mean")
+    if mean is not None:
+        values = mean if isinstance(mean, list) else [mean]
+        if not values or not all(_is_number(v) for v in values):
+            raise ConfigError(path, f"{key}.mean", "expected a number or a list of numbers (one "
+                                                   f"per channel), got {mean!r}")
+        out["mean"] = [float(v) for v in values] if isinstance(mean, list) else float(mean)
+    if spec.get("mirror") is not None:
+        out["mirror"] = _check_bool(f"{key}.mirror", spec["mirror"], path)
+    if spec.get("crop_size") is not None:
+        out["crop_size"] = _check_int(f"{key}.crop_size", spec["crop_size"], path, minimum=1)
+    return out
+
+
+def _resolve_data_path(data_path, config_path, key, check_files):
+    """The data file relative to the working directory first, then to the
+    config file's directory (so a config works from the repo root and from
+    its own folder). Returns an absolute path when the file was found."""
+    candidates = [data_path]
+    if not os.path.isabs(data_path) and config_path and not config_path.startswith("<"):
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_path)), data_path))
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    if check_files:
+        tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
+        raise ConfigError(config_path, key, f"data file {data_path!r} not found (looked for "
+                                            f"{tried}); {data_hint(data_path)}")
+    return data_path
+
+
+def data_hint(data_path):
+    """How to make the missing data file ``data_path``, by the data set its
+    name suggests."""
+    name = os.path.basename(str(data_path)).lower()
+    if "cifar" in name:
+        return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
+                "(or --from DIR with the unpacked python batches)")
+    if "digit" in name:
+        return f"make it with 'python -m purine_mpi data digits --out {data_path}'"
+    return ("convert your data to the HDF5 layout of docs/formats.md ('HDF5 data files'); "
+            "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")
