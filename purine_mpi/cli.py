@@ -325,7 +325,7 @@ def cmd_graph(args):
 
 
 def cmd_inspect(args):
-    from .io.checkpoint import inspect_checkpoint
+    from .io.checkpoint_report import inspect_checkpoint
     print(inspect_checkpoint(args.checkpoint, diff=args.diff, as_json=args.json))
     return 0
 

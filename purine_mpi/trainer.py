@@ -17,52 +17,27 @@ import uuid
 import numpy as np
 
 from . import logfile
-from .backend import get_xp, to_numpy
-from .errors import GraphError, UserError
 from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
-from .graph.solver import solver_states, state_name
-from .io.checkpoint import (find_resumable, load_checkpoint, load_params,
-                            remove_stale_temp_files, save_checkpoint, save_run_checkpoint)
-from .io.checkpoint_check import check_finite, check_for_net, unused_note
+from .io.checkpoint import remove_stale_temp_files
 from .io.config import data_notes, dump_config
-from .io.data import source_info
-from .io.metrics import MetricsLog
-from .layers.fillers import fill
 from .model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
-                    init_params, kept_constant, loss_blobs, metric_blobs)
-from .parallel.compose import (Layout, Scheme, compose_test, defer_update_applies, layout_of,
+                    loss_blobs, metric_blobs)
+from .parallel.compose import (Scheme, compose_test, defer_update_applies, layout_of,
                                settings_without_effect)
-from .progress import progress
 from .runtime.factory import make_dispatcher, on_gpu
 from .runtime.memory_plan import batch_blobs, plan_host_memory
 from .runtime.stop import StopSignal, print_or_stop
 from .runtime.trace import TraceFile
 from .runtime.workspace import Workspace
+from .train.checkpoints import CheckpointsMixin
+from .train.collectives import _plain, get_world, world_gather, world_mean  # noqa: F401
+from .train.divergence import DivergenceMixin
+from .train.evaluation import EvaluationMixin
+from .train.reporting import ReportingMixin
 from .train.watch import BestCheckpoints, EarlyStopping
 
 
-def get_world():
-    """The MPI world (rank, size, comm); works without a launcher too."""
-    from .comm.world import get_world as _get
-    return _get()
-
-
-def world_gather(world, obj, what="a checkpoint gather"):
-    """Gather picklable ``obj`` from every rank to rank 0 (None elsewhere),
-    under the stall watchdog."""
-    return world.gather_object(obj, 0, what) if world.size > 1 else [obj]
-
-
-def world_mean(world, values, what="a metric mean"):
-    """Mean over ranks of a float or a float array (same order on all ranks,
-    under the stall watchdog)."""
-    arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
-    if world.size > 1:
-        arr = world.allreduce(arr, "sum", what) / world.size
-    return float(arr[0]) if np.ndim(values) == 0 else arr
-
-
-class Trainer:
+class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin):
     """Builds this rank's graphs, initialises or restores state, runs."""
 
     def __init__(self, *args, **kw):
@@ -216,14 +191,6 @@ class Trainer:
                                     order_ops=not on_gpu(graph))
         return Workspace(graph, shared=shared, plan=plan, arena=arena)
 
-    def _trace_epoch(self):
-        """Rank 0's clock at start (seconds since the Unix epoch), so every
-        rank's trace counts time from the same instant and the ranks' traces
-        line up (the stages of a pipeline are seen computing at once)."""
-        t = np.array([time.time() if self.rank == 0 else 0.0])
-        return float(self.world.allreduce(t, "sum", "the trace clock")[0]) \
-            if self.size > 1 else float(t[0])
-
     def compose(self, graph):
         """This rank's training graph from the single-replica one."""
         return self.scheme.compose(graph, self.grads, self.config, self.world)
@@ -255,219 +222,10 @@ class Trainer:
     def _op_seed(self):
         return self.seed * 1000003 + self.rank
 
-    # ------------------------------------------------------------- state
-    def _init_params(self, init, init_skip=()):
-        for p in self.params:
-            self.ws.set(p, fill(self.graph.blobs[p], self.seed))
-        if init and str(init).endswith(".caffemodel"):
-            self._init_from_caffemodel(init, init_skip)
-        elif init:
-            params = load_params(init)
-            wanted = init_params(params, self.params, self.config, init, init_skip)
-            check_finite({p: params[p] for p in wanted}, init)
-            note = unused_note(params, self.net_params, init)
-            if note:
-                self._say(note)
-            for p in wanted:
-                self._load_blob(p, params[p], init, skip_hint=True)
-            skipped = f" ({', '.join(init_skip)} kept fresh: --init-skip)" if init_skip else ""
-            self._say(f"loaded {len(wanted)} blob{'s' if len(wanted) != 1 else ''} from "
-                      f"{init}{skipped}")
-
-    def _init_from_caffemodel(self, path, init_skip=()):
-        """Caffe weights by layer name. As with our own files every parameter
-        must be found, except those of the --init-skip layers and the
-        learnable ones the net keeps at a constant (lr_mult 0 and a constant
-        filler: the gamma and beta of a BatchNorm without a Scale, which
-        Caffe files do not hold)."""
-        from .interop.caffemodel import caffe_params
-        skip = set(init_skip)
-        shapes = {p: self.graph.blobs[p].shape for p in self.params
-                  if p.split("/")[0] not in skip}
-        values, report, factors = caffe_params(path, shapes)
-        check_finite(values, path)
-        if self.rank == 0:
-            for line in report:
-                self.log(f"{path}: {line}")
-        fixed = {p for p in self.params if kept_constant(self.graph.blobs[p])}
-        for p in init_params(dict.fromkeys(set(values) | fixed), self.params, self.config, path,
-                             init_skip):
-            if p in values:
-                self._load_blob(p, values[p], path)
-        for k in self.train.kernels.values():  # Caffe's running averages go on
-            layer = k.op.inputs[3].split("/")[0] if k.op.op_type == "BatchNorm" else None
-            if layer in factors and getattr(k, "caffe_average", False):
-                k.factor = factors[layer]
-
-    def _load_blob(self, name, value, path, skip_hint=False):
-        try:
-            self.ws.set(name, value)
-        except GraphError as e:  # a file from another net: name the file too
-            hint = (f"; to start layer '{name.split('/')[0]}' afresh instead (fine-tuning a "
-                    f"changed layer), give --init-skip {name.split('/')[0]}") if skip_hint else ""
-            raise UserError(f"{path}: {e}{hint}") from None
-
-    def state_dict(self):
-        """Everything beyond params and momenta that a resume needs: each
-        stateful kernel's state and each random stream, per rank."""
-        local = {}
-        for name, k in self.train.kernels.items():
-            s = {}
-            if k.stateful:
-                s["state"] = k.state_dict()
-            if k.rng is not None:
-                s["rng"] = k.rng.bit_generator.state
-            if s:
-                local[name] = s
-        states = world_gather(self.world, local)
-        return {"ranks": {str(r): s for r, s in enumerate(states)},
-                "layout": self.layout.as_dict()} if states else None
-
-    def load_state_dict(self, state):
-        """Per-rank state of a checkpoint. On the layout it was written on
-        (ranks, scheme, replicas x stages, micro-batches) each rank takes its
-        own, random streams included: the resume is bit-exact. On another
-        layout (a job requeued on other nodes, a hybrid run continued on one
-        rank) each kernel takes the state of the first kernel of the same
-        name, micro-batch copies ``<op>@mb<k>`` counting as ``<op>``: the
-        data position carries over (readers convert it to the new global
-        batch), but per-rank random streams cannot: they restart from the seed."""
-        ranks = state.get("ranks", {})
-        saved = state.get("layout")
-        same_world = len(ranks) == self.size and (saved is None or
-                                                  self.layout.same_shape(saved))
-        if not ranks or (same_world and str(self.rank) not in ranks):
-            raise UserError("the checkpoint holds no per-rank state (ranks: "
-                            f"{sorted(ranks) or 'none'})")
-        if same_world:
-            mine = ranks[str(self.rank)]
-        else:
-            mine = {}
-            for r in sorted(ranks, key=int):
-                for name, s in ranks[r].items():
-                    mine.setdefault(name.split("@mb")[0], s)
-            if self.rank == 0:
-                was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
-                self.log(f"note: resuming a {len(ranks)}-rank checkpoint on {self.size} "
-                         f"rank(s), layout {was} -> {self.layout.describe()}: the weights and "
-                         "solver state load by name, each stage taking its layers'; the data "
-                         "order continues at the same sample count; random streams (dropout) "
-                         "restart from the seed, so the run is not bit-identical to an "
-                         "uninterrupted one")
-        for name, k in self.train.kernels.items():
-            s = mine.get(name if same_world else name.split("@mb")[0])
-            if s is None:
-                continue
-            if "state" in s and k.stateful:
-                k.load_state_dict(s["state"])
-            if same_world and "rng" in s and k.rng is not None:
-                k.rng.bit_generator.state = _plain(s["rng"])
-
-    def _resume(self, path):
-        if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5 that loads
-            path, ck = find_resumable(self.out_dir, self._say)
-            if path is None:
-                self._say(f"no checkpoint in {self.out_dir}; starting from scratch")
-                return
-        else:
-            ck = load_checkpoint(path)
-        # the whole checkpoint is checked against the net before any of it is loaded
-        check_for_net(ck, path, self.net_params, {p: self.ws[p] for p in self.params},
-                      {(p, s): self.ws[state_name(p, s)] for p in self.params
-                       for s in solver_states(self.solver.get("type"))
-                       if state_name(p, s) in self.ws.arrays})
-        fresh = set()
-        for p in self.params:
-            self._load_blob(p, ck.params[p], path)
-            for s in solver_states(self.solver.get("type")):
-                m = state_name(p, s)
-                if m not in self.ws.arrays:
-                    continue
-                if s in ck.solver.get(p, {}):
-                    self._load_blob(m, ck.solver[p][s], path)
-                else:
-                    fresh.add(s)
-        if fresh:
-            self._say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
-                      f"solver type {self.solver.get('type')!r}; that state starts from zero")
-        if ck.state:
-            self.load_state_dict(ck.state)
-        self.start_iter = int(ck.attrs["iteration"])
-        self.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
-        self.run_id = str(ck.attrs.get("run_id") or "") or self.run_id
-        self._last_saved = self.start_iter
-        self._say(f"resumed from {path} at iteration {self.start_iter}")
-        saved_world = int(ck.attrs.get("world_size", self.size) or self.size)
-        if saved_world != self.size and self.config.get("data"):
-            b = int(self.config["data"]["train"]["batch_size"])
-            self._say(f"note: {path} was written by {saved_world} rank(s), this run has "
-                      f"{self.size}: the global batch is now {b * self.data_size} "
-                      f"({b} per rank x {self.data_size}); the data order goes on at the same "
-                      "sample, but the learning-rate schedule counts iterations, not samples "
-                      "(keep the global batch with --set data.train.batch_size=G/N)")
-
     def agree_to_stop(self, done, diverged):
         """The stop code every rank agrees on after iteration ``done``
         (StopSignal.agree); a parameter-server worker adds its servers."""
         return self.scheme.agree_to_stop(self, done, diverged)
-
-    def _read_losses(self):
-        """(sum of the losses since the last reset, first non-finite
-        iteration or None) from the device loss watch: one read-back; then
-        the first non-finite iteration of any rank (collective, at the same
-        iterations on every rank)."""
-        total, first = 0.0, 0
-        self.train.drain()  # the device work queued so far is done: the blobs hold it
-        if self.watch is not None:
-            total, first = (float(v) for v in to_numpy(self.ws[self.watch]))
-        first = int(first) or None
-        if self.size > 1:  # the earliest over the ranks: MAX of the negated iteration
-            worst = self.world.allreduce(np.array([-(first or 2 ** 62)], np.int64), "max",
-                                         "the first diverged iteration (allreduce)")
-            first = None if -int(worst[0]) == 2 ** 62 else -int(worst[0])
-        return total, first
-
-    def _reset_loss_window(self):
-        if self.watch is not None:
-            self.ws[self.watch][0] = 0.0
-
-    def _params_finite(self):
-        """Whether every parameter of this rank is finite (no NaN or inf)."""
-        self.train.drain()
-        return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
-
-    def save(self, iteration, path=None):
-        """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
-        rotation), or with ``path`` a checkpoint file of its own. Collective."""
-        self.train.drain()  # the weights of this iteration, updated
-        self.scheme.before_save(self, iteration)
-        if path is None:
-            self._last_saved = iteration
-        state = self.state_dict()
-        params = {p: to_numpy(self.ws[p]) for p in self.params}
-        states = solver_states(self.solver.get("type"))
-        solver = {p: {s: to_numpy(self.ws[state_name(p, s)]) for s in states
-                      if state_name(p, s) in self.ws.arrays} for p in self.params}
-        solver = {p: s for p, s in solver.items() if s}
-        if self.pipeline:  # each stage holds its own layers' parameters
-            parts = world_gather(self.world, (params, solver))
-            if self.rank == 0:  # replica 0's stages (the replicas hold the same values)
-                for r in self.layout.replica_ranks(0):
-                    params.update(parts[r][0])
-                    solver.update(parts[r][1])
-        if self.rank != 0:
-            return
-        payload = dict(params=params, solver=solver, state=state, world_size=self.size,
-                       seed=self.seed, config_text=dump_config(self.config),
-                       run_id=self.run_id, elapsed=self.elapsed())
-        if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
-            save_checkpoint(path, iteration=iteration, **payload)
-            return
-        save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
-                            **payload)
-        if getattr(self, "_metrics", None) is not None and self.start_iter:
-            self._metrics.commit()  # the resumed run's rows and config replace the old ones
-            self._write_config()
 
     # -------------------------------------------------------------- loops
     def run(self):
@@ -576,135 +334,10 @@ class Trainer:
             self.write_trace()
         return result
 
-    def evaluate(self, test_iter=None):
-        """Mean loss and metrics over the test split (sharded over ranks)."""
-        if self.test is None:
-            return {}
-        self.train.drain()  # the test graph reads the weights the train graph updates
-        for k in self.test.kernels.values():
-            if k.op.op_type == "DataReader":
-                k.reset_position(0)
-        spec = self.config["data"]["test"]
-        n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-        n = test_iter or self.solver.get("test_iter") or max(
-            1, math.ceil(n_samples / (spec["batch_size"] * self.data_size)))
-        extra = n * spec["batch_size"] * self.data_size - n_samples
-        if extra > 0 and not getattr(self, "_wrap_noted", False):
-            self._wrap_noted = True
-            self._say(f"note: the test split has {n_samples} samples, not a multiple of the "
-                      f"global test batch ({spec['batch_size']} x {self.data_size}); as in "
-                      f"Caffe the last batch wraps around and {extra} samples count twice "
-                      "(choose data.test.batch_size to divide the split for exact figures)")
-        ws = self.test.workspace
-        sums = np.zeros(len(self.test_names))
-        per_batch = spec["batch_size"] * self.data_size
-        with progress(n * per_batch, "test", "samples", log=self.log,
-                      enabled=self.rank == 0) as bar:
-            for i in range(n):
-                self.test.run(i)
-                sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in self.test_names]
-                bar.update(per_batch)
-        out = {}
-        for key, v in zip(self.test_keys, self._reduce(sums / n)):
-            out[key] = out.get(key, 0.0) + float(v)
-        out["samples"] = int(n * spec["batch_size"] * self.data_size)
-        return out
-
-    def _evaluate(self, iteration, metrics):
-        res = self.evaluate()
-        if not res:
-            return res
-        rec = {"phase": "test", "iter": iteration}
-        rec.update(res)
-        rec["time"] = round(self.elapsed(), 3)
-        self._write(metrics, rec)
-        extra = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples"))
-        self._say(f"test @ iter {iteration}: loss {res['loss']:.4f}  {extra}  "
-                  f"({res['samples']} samples)")
-        if self.best is not None:
-            self.best.after_test(iteration, res)
-        if self.early_stop is not None and self.early_stop.after_test(iteration, res):
-            self._early_stopped = iteration
-        return res
-
-    # ------------------------------------------------------------ output
-    def _finished(self):
-        """Whether the run folder holds the finished run (its latest.h5), as
-        rank 0 sees it (it writes the checkpoints), on every rank alike."""
-        done = os.path.exists(os.path.join(self.out_dir, "latest.h5"))
-        return self.world.allgather_object(done, "the finished-run check")[0] \
-            if self.size > 1 else done
-
-    def report_startup(self):
-        """The start-up block on rank 0 (runlog.py). Collective over the
-        trainer's world: every rank's host and device are gathered."""
-        from .runlog import rank_info, startup_lines
-        infos = world_gather(self.world, rank_info(self), "the start-up report")
-        if self.rank == 0:
-            for line in startup_lines(self, dict(enumerate(infos)),
-                                      time.perf_counter() - self._t_created):
-                self.log(line)
-
-    def _report_first_iteration(self, seconds):
-        """One line after this process's first iteration: it is slow, and
-        the first display line may be far away."""
-        gpu = ", CUDA kernel compilation" if self.device >= 0 else ""
-        self._say(f"first iteration done in {seconds:.2f} s (includes one-time start-up: "
-                  f"first memory allocations, the first data batch{gpu})")
-
-    def _open_metrics(self):
-        """Rank 0: config.yaml, and the metrics log (io/metrics.py) that goes
-        on from the checkpoint's rows and time when resuming. A resumed run
-        replaces the folder's config.yaml with its first checkpoint (save)."""
-        if self.rank != 0:
-            return None
-        os.makedirs(self.out_dir, exist_ok=True)
-        if not self.start_iter:
-            self._write_config()
-        log = MetricsLog(self.out_dir, self.start_iter, self.elapsed0, self.tensorboard)
-        self.elapsed0 = log.elapsed0  # never below a kept row's time
-        self._metrics = log  # save() makes a resumed run's rows the file (MetricsLog.commit)
-        return log
-
-    def _write_config(self):
-        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            f.write(dump_config(self.config))
-
-    def elapsed(self, now=None):
-        """Training time in seconds, over this run and those it resumed."""
-        if self._t_start is None:
-            return self.elapsed0
-        return self.elapsed0 + (time.perf_counter() if now is None else now) - self._t_start
-
-    @staticmethod
-    def _write(metrics, rec):
-        if metrics is not None:
-            metrics.write(rec)
-
-    def _say(self, msg):
-        if self.rank == 0:
-            self.log(msg)
-
-    def write_trace(self):
-        if self.profiler is None:
-            return None
-        return self.profiler.close()
-
     def close(self):
         self.train.close()
         if self.test is not None:
             self.test.close()
-
-
-def _plain(obj):
-    """Checkpointed RNG states come back with numpy scalars; make them ints."""
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, np.ndarray) and obj.ndim == 0:
-        return obj.item()
-    return obj
 
 
 def param_summary(graph):
@@ -719,7 +352,6 @@ def _hms(seconds):
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import (FORMAT, find_latest, inspect_checkpoint, load_checkpoint,
-                                      load_params, save_checkpoint, save_run_checkpoint)
+from purine_mpi.io.checkpoint import (FORMAT, find_latest, load_checkpoint, load_params,
+                                     save_checkpoint, save_run_checkpoint)
+from purine_mpi.io.checkpoint_report import inspect_checkpoint
 
 
 def example(seed=0):
