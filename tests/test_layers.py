@@ -36,7 +36,8 @@ LAYERS = [
     # servers' loop, tools over graphs and traces, model formats
     ("services", ["purine_mpi.trainer", "purine_mpi.train", "purine_mpi.runlog",
                   "purine_mpi.bench", "purine_mpi.plot", "purine_mpi.predict",
-                  "purine_mpi.docgen", "purine_mpi.docgen_sections", "purine_mpi.interop",
+                  "purine_mpi.docgen", "purine_mpi.docgen_sections",
+                  "purine_mpi.docgen_examples", "purine_mpi.interop",
                   "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
                   "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats"]),
     ("cli", ["purine_mpi.cli", "purine_mpi.__main__"]),
