@@ -134,3 +134,16 @@ def host_build_dir(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (needed to run the CUDA kernels on the host)")
     return tmp_path_factory.mktemp("host_kernels")
+
+
+def train_small_run(digits_h5, tmp_path_factory, name):
+    """A 20-iteration run of the small digits net with checkpoints at 10 and
+    20 (tests/test_misuse.py, tests/test_no_silent_wrong.py):
+    {dir, cfg, path, out}."""
+    d = tmp_path_factory.mktemp(name)
+    cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
+    path = write_config_file(d, cfg)
+    out = d / "run"
+    res = run_cli_args("train", path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    return {"dir": d, "cfg": cfg, "path": path, "out": out}

@@ -11,20 +11,14 @@ import pytest
 from purine_mpi.errors import UserError
 from purine_mpi.io.checkpoint import load_checkpoint
 
-from .conftest import run_cli_args, small_net_config, write_config_file
+from .conftest import run_cli_args, small_net_config, train_small_run, write_config_file
 from .test_cli import assert_user_error
 
 
 @pytest.fixture(scope="module")
 def trained(digits_h5, tmp_path_factory):
     """A 20-iteration run with checkpoints at 10 and 20."""
-    d = tmp_path_factory.mktemp("misuse")
-    cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
-    path = write_config_file(d, cfg)
-    out = d / "run"
-    res = run_cli_args("train", path, "--out", out)
-    assert res.returncode == 0, res.stderr
-    return {"dir": d, "cfg": cfg, "path": path, "out": out}
+    return train_small_run(digits_h5, tmp_path_factory, "misuse")
 
 
 def _copy(trained, tmp_path, edit, name="edited.h5", src="latest.h5"):

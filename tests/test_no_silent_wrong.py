@@ -14,20 +14,15 @@ import pytest
 
 from purine_mpi.io.metrics import write_row
 
-from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
+from .conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config, train_small_run,
+                       write_config_file)
 from .test_cli import assert_user_error
 
 
 @pytest.fixture(scope="module")
 def trained(digits_h5, tmp_path_factory):
     """A 20-iteration run with checkpoints at 10 and 20."""
-    d = tmp_path_factory.mktemp("wrong")
-    cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
-    path = write_config_file(d, cfg)
-    out = d / "run"
-    res = run_cli_args("train", path, "--out", out)
-    assert res.returncode == 0, res.stderr
-    return {"dir": d, "cfg": cfg, "path": path, "out": out}
+    return train_small_run(digits_h5, tmp_path_factory, "wrong")
 
 
 def _copy_data(src, dst, mutate):

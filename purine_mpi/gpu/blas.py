@@ -296,13 +296,10 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
             if tf32 != entry.tf32:
                 cublas.set_math_mode(handle, _math_mode(cublas, tf32))
                 entry.tf32 = tf32
-        if batch == 1:
-            call = cublas.sgemm if single else cublas.dgemm
-            call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, pa, lda, beta_ptr, pc, ldc)
-        else:
-            call = cublas.sgemm_strided_batched if single else cublas.dgemm_strided_batched
-            call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, b_stride, pa, lda, a_stride,
-                 beta_ptr, pc, ldc, c_stride, batch)
+        calls = ((cublas.sgemm, cublas.dgemm),
+                 (cublas.sgemm_strided_batched, cublas.dgemm_strided_batched))
+        _issue(calls, single, handle, (op_b, op_a, n, m, k), (alpha_ptr, beta_ptr),
+               (pb, ldb, b_stride), (pa, lda, a_stride), (pc, ldc, c_stride), batch)
         return c
     _note_cupy_once()
     cublas = cupy.cuda.cublas   # CuPy's binding: binds its handle to the current stream
@@ -310,11 +307,22 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     host_mode = getattr(cublas, "CUBLAS_POINTER_MODE_HOST", None)
     if host_mode is not None:  # alpha and beta are host values
         cublas.setPointerMode(handle, host_mode)
-    if batch == 1:
-        call = cublas.sgemm if single else cublas.dgemm
-        call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, pa, lda, beta_ptr, pc, ldc)
-    else:
-        call = cublas.sgemmStridedBatched if single else cublas.dgemmStridedBatched
-        call(handle, op_b, op_a, n, m, k, alpha_ptr, pb, ldb, b_stride, pa, lda, a_stride,
-             beta_ptr, pc, ldc, c_stride, batch)
+    calls = ((cublas.sgemm, cublas.dgemm),
+             (cublas.sgemmStridedBatched, cublas.dgemmStridedBatched))
+    _issue(calls, single, handle, (op_b, op_a, n, m, k), (alpha_ptr, beta_ptr),
+           (pb, ldb, b_stride), (pa, lda, a_stride), (pc, ldc, c_stride), batch)
     return c
+
+
+def _issue(calls, single, handle, shape, scalars, b, a, c, batch):
+    """One cuBLAS product, column-major (C^T = op(B)^T op(A)^T): the plain
+    call for a single matrix, the strided-batched one for a batch.
+    ``calls``: ((sgemm, dgemm), (sgemm batched, dgemm batched)) of a binding;
+    ``b``, ``a``, ``c``: (pointer, leading dimension, batch stride)."""
+    (one_f32, one_f64), (many_f32, many_f64) = calls
+    alpha, beta = scalars
+    if batch == 1:
+        (one_f32 if single else one_f64)(handle, *shape, alpha, b[0], b[1], a[0], a[1], beta,
+                                          c[0], c[1])
+    else:
+        (many_f32 if single else many_f64)(handle, *shape, alpha, *b, *a, beta, *c, batch)
