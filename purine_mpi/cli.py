@@ -35,6 +35,7 @@ import sys
 import warnings
 
 from . import __version__, logfile
+from .comm.launcher import launched_rank, launched_size
 from .errors import OpError, UserError
 
 
@@ -409,21 +410,16 @@ def main(argv=None):
         _report_user_error(exc.cause)
         return exc.cause.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
-        if _rank() == 0:
+        if launched_rank() == 0:
             print("interrupted", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: not a success
         from .runtime.stop import stdout_to_devnull
         stdout_to_devnull()
-        if _rank() == 0:
+        if launched_rank() == 0:
             print("error: stdout was closed (broken pipe) before the output was written",
                   file=sys.stderr, flush=True)
         return 141
-
-
-def _rank():
-    """This process's rank as the launcher set it (0 without one)."""
-    return int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
 def _report_user_error(exc):
@@ -439,17 +435,11 @@ def _report_user_error(exc):
     # an error that forbids MPI_Init (comm/launcher.py: a launcher the MPI
     # library cannot join) is printed by rank 0 alone, without MPI
     if not getattr(exc, "before_mpi", False) and (
-            _launched_ranks() > 1 or (mpi is not None and mpi.Is_initialized())):
+            launched_size() > 1 or (mpi is not None and mpi.Is_initialized())):
         from .comm.world import report_user_error
         report_user_error(exc)  # returns only on a single rank
-    if _rank() == 0:
+    if launched_rank() == 0:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         logfile.note_error(f"error: {exc}")
 
 
-def _launched_ranks():
-    """The number of ranks the launcher started (1 without one)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1

@@ -147,3 +147,15 @@ def train_small_run(digits_h5, tmp_path_factory, name):
     res = run_cli_args("train", path, "--out", out)
     assert res.returncode == 0, res.stderr
     return {"dir": d, "cfg": cfg, "path": path, "out": out}
+
+
+def tiny_fc_config():
+    """One fc layer on synthetic 1x4x4 data, one iteration: the smallest job
+    that starts MPI and the graph (the thread-level tests)."""
+    return {"name": "t", "data": {"train": {"source": "synthetic", "shape": [1, 4, 4],
+                                            "classes": 3, "batch_size": 4}},
+            "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                     "num_output": 3},
+                    {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
+                     "top": "l"}],
+            "solver": {"max_iter": 1}}

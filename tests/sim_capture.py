@@ -65,6 +65,21 @@ _ptrs = itertools.count(0x1000)
 _lock = threading.Lock()
 
 
+class _DefaultStream:
+    """CuPy's default (legacy NULL) stream on the emulated device: never captures."""
+
+    key, ptr, capture, recorder = "default", 0, None, None
+
+    def is_capturing(self):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+DEFAULT_STREAM = _DefaultStream()
+
+
 def register_stream(stream):
     """A fresh ``ptr`` (cudaStream_t) for a simulated stream."""
     with _lock:

@@ -381,8 +381,7 @@ class _HostCublas:
 
 
 #: the default (legacy NULL) stream of the emulated device: never capturing
-_DEFAULT_STREAM = types.SimpleNamespace(key="default", ptr=0, capture=None, recorder=None,
-                                        is_capturing=lambda: False)
+_DEFAULT_STREAM = sim_capture.DEFAULT_STREAM
 
 
 def _emulated_nvmath_cublas():

@@ -11,7 +11,8 @@ import pytest
 from purine_mpi.errors import UserError
 from purine_mpi.io.checkpoint import load_checkpoint
 
-from .conftest import run_cli_args, small_net_config, train_small_run, write_config_file
+from .conftest import (run_cli_args, small_net_config, tiny_fc_config, train_small_run,
+                       write_config_file)
 from .test_cli import assert_user_error
 
 
@@ -351,12 +352,7 @@ def test_a_user_error_under_mpiexec_is_printed_once_every_time(tmp_path):
     import subprocess
     from .conftest import PYTHON, cli_env
     mpiexec = _mpiexec_or_skip()
-    cfg = {"name": "t", "data": {"train": {"source": "synthetic", "shape": [1, 4, 4],
-                                           "classes": 3, "batch_size": 4}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 3},
-                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
-                    "top": "l"}],
-           "solver": {"max_iter": 1}}
+    cfg = tiny_fc_config()
     path = write_config_file(tmp_path, cfg)
     env = dict(cli_env(), MPI4PY_RC_THREAD_LEVEL="funneled")
     for i in range(30):

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli,
-                            write_config_file)
+                            tiny_fc_config, write_config_file)
 
 pytestmark = pytest.mark.mpi
 
@@ -204,12 +204,7 @@ def test_mpi_below_serialized_thread_support_is_refused(tmp_path):
     """Comm ops are posted from worker threads (one at a time, under one
     lock), which needs MPI_THREAD_SERIALIZED: a lower grant is refused at
     start with exit 2 and a message saying what to change."""
-    cfg = {"name": "t", "data": {"train": {"source": "synthetic", "shape": [1, 4, 4],
-                                           "classes": 3, "batch_size": 4}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 3},
-                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
-                    "top": "l"}],
-           "solver": {"max_iter": 1}}
+    cfg = tiny_fc_config()
     env = dict(cli_env(), MPI4PY_RC_THREAD_LEVEL="funneled")
     res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train",
                           write_config_file(tmp_path, cfg), "--out", tmp_path / "o"],

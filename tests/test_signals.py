@@ -94,9 +94,7 @@ def test_notice_during_start_up_stops_after_the_first_iteration(tmp_path, digits
     cfg["solver"].update(max_iter=100000, display=0, test_interval=0)
     path = write_config_file(tmp_path, cfg)
     out = str(tmp_path / "early")
-    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = _start_train(path, out)
     try:
         deadline = time.time() + 30
         while not _catches(proc.pid, signal.SIGUSR1):
@@ -139,6 +137,14 @@ def test_train_catches_a_notice_before_the_trainer_exists(monkeypatch, tmp_path,
     assert seen == {"early": "SIGUSR1"}
 
 
+def _start_train(path, out):
+    """``python -m purine_mpi train PATH --out OUT`` in the background, its
+    output piped."""
+    return subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def _long_run(tmp_path, digits_h5, name):
     cfg = small_net_config(digits_h5)
     cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
@@ -150,9 +156,7 @@ def test_ctrl_c_stops_with_a_checkpoint(tmp_path, digits_h5):
     """Issue 21, case 11: Ctrl-C checkpoints like SIGTERM (exit 130) and says
     how to resume; nothing is lost."""
     path, out = _long_run(tmp_path, digits_h5, "int")
-    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = _start_train(path, out)
     try:
         _wait_for_metrics(out, time.time() + 60)
         os.kill(proc.pid, signal.SIGINT)
@@ -194,9 +198,7 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_with_one_checkpoint(tmp_path, dig
 def test_broken_pipe_stops_with_a_checkpoint_and_is_not_success(tmp_path, digits_h5):
     """``train ... | head -n 1``: the run stops with a checkpoint, exit 141."""
     path, out = _long_run(tmp_path, digits_h5, "pipe")
-    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", path, "--out", out], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = _start_train(path, out)
     try:
         _wait_for_metrics(out, time.time() + 60)
         proc.stdout.readline()

@@ -27,6 +27,8 @@ PMIX_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
 PMI_VARS = ("PMI_FD", "PMI_PORT", "PMI_RANK")
 #: where the launcher says how many ranks it started
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+#: where it says this process's rank
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 def launcher_protocol(environ=os.environ):
@@ -40,7 +42,9 @@ def launcher_protocol(environ=os.environ):
 
 
 def launched_size(environ=os.environ):
-    """How many ranks the launcher started (1 when none says)."""
+    """How many ranks the launcher started (1 without a launcher)."""
+    if launcher_protocol(environ) is None:
+        return 1
     for var in SIZE_VARS:
         try:
             n = int(environ.get(var, ""))
@@ -49,6 +53,16 @@ def launched_size(environ=os.environ):
         if n > 0:
             return n
     return 1
+
+
+def launched_rank(environ=os.environ):
+    """This process's rank as the launcher set it (0 without one), before MPI."""
+    for var in RANK_VARS:
+        try:
+            return int(environ[var])
+        except (KeyError, ValueError):
+            continue
+    return 0
 
 
 def mpi_library():

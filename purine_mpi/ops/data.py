@@ -187,10 +187,10 @@ class DataReader(OpKernel):
     @property
     def capturable(self):
         """On a GPU (page-locked staging) the op's device work is the copy of
-        the pair ``before_iteration`` took: a CUDA graph may capture it."""
-        return self._pinned is not None
-
-    capture_note = "keeps host-side state that changes every run"
+        the pair ``before_iteration`` took: a CUDA graph may capture it.
+        Otherwise (host outputs) None: its run() moves host state, which
+        capture_blocker says as for any stateful kernel."""
+        return True if self._pinned is not None else None
 
     def before_iteration(self, iteration, host_write):
         """On a GPU, from the stream dispatcher, every iteration: take the

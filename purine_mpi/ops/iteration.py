@@ -45,11 +45,9 @@ class IterationCounter(OpKernel):
 
     def before_iteration(self, iteration, host_write):
         """Set the counter to ``iteration`` unless it holds it already."""
-        if iteration is None or iteration == self.expected:
-            self.expected = None if iteration is None else iteration + 1
-            return None
-        counter = self.outs[1]
-        host_write(lambda: counter.fill(int(iteration)))
+        if iteration != self.expected:
+            counter = self.outs[1]
+            host_write(lambda: counter.fill(int(iteration)))
         self.expected = int(iteration) + 1
         return None
 

@@ -90,9 +90,8 @@ class GraphDispatcher(StreamDispatcher):
         self._note_blocked()
 
     # ------------------------------------------------------------ planning
-    def _blockers(self, reported=False):
-        """{GPU op: why it is not captured} (``reported``: the same, for the
-        notes and ``capture_report``)."""
+    def _blockers(self):
+        """{GPU op: why it is not captured}."""
         g = self.graph
         comm = set(self._comm_order)
         return {op.name: reason for op in self.order
@@ -149,7 +148,7 @@ class GraphDispatcher(StreamDispatcher):
         return nodes, {n.name: node_deps[n.name] for n in nodes}
 
     def _note_blocked(self):
-        blocked = self._blockers(reported=True)
+        blocked = self._blockers()
         if not self._segments or not blocked:
             return
         parts = [f"'{n}' ({self.graph.ops[n].op_type}: {why})" for n, why in blocked.items()]
@@ -175,7 +174,7 @@ class GraphDispatcher(StreamDispatcher):
         return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
                 "captured": sum(1 for s in segs if s.captures),
                 "failed": {s.name: s.failed for s in segs if s.failed is not None},
-                "eager_gpu_ops": self._blockers(reported=True) if segs else {},
+                "eager_gpu_ops": self._blockers() if segs else {},
                 "launches_per_iter": launches, "eager_ops_per_iter": eager}
 
     def set_comm_order(self, order):
@@ -227,9 +226,9 @@ class GraphDispatcher(StreamDispatcher):
         allocator, pool = rt.capture_memory(device)
         try:
             # cuBLAS handles and workspaces exist before the capture begins
+            threads = dict.fromkeys(self._key[n][1] for n in seg.members)
             rt.prepare_capture(device, [origin] + [
-                self._stream((device, f"{CAPTURE_STREAM}:{self._key[n][1]}"))
-                for n in seg.members])
+                self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads])
             with allocator:
                 rt.begin_capture(device, origin)
                 try:

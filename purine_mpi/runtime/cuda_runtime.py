@@ -85,11 +85,9 @@ class CudaRuntime:
         must not be created inside it (a cuBLAS handle and workspace for
         each stream, ``gpu/blas.reserve``)."""
         from ..gpu import blas
-        reserve = getattr(blas, "reserve", None)
-        if reserve is not None:
-            with self.cupy.cuda.Device(device):
-                for stream in streams:
-                    reserve(stream)
+        with self.cupy.cuda.Device(device):
+            for stream in streams:
+                blas.reserve(stream)
 
     # ------------------------------------------------ stream capture (CUDA graphs)
     # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``

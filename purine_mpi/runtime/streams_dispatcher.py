@@ -218,7 +218,7 @@ class StreamDispatcher(EventDispatcher):
             return
         if sync or not self._device_only or self.profiler is not None or self._must_sync():
             self.runtime.sync_streams()
-            self._synced, self._tail_events = True, {}
+            self._mark_synced()
             self._trace_device_times(it)
             return
         self._synced = False
@@ -232,11 +232,15 @@ class StreamDispatcher(EventDispatcher):
         blob holds its value of the last iteration, and the host may write."""
         if self.runtime is not None and self._devices and not self._synced:
             self.runtime.sync_streams()
-        self._synced, self._tail_events = True, {}
+        self._mark_synced()
 
     def drain(self):
         super().drain()
         self.synchronize()
+
+    def _mark_synced(self):
+        """The devices are idle: the next iteration starts afresh (no tail)."""
+        self._synced, self._tail_events = True, {}
 
     def _must_sync(self):
         """Whether this iteration must end synchronised anyway."""
@@ -257,7 +261,7 @@ class StreamDispatcher(EventDispatcher):
     def _host_write(self, fn):
         """Run ``fn`` (host writes into device blobs) with the devices idle."""
         self.runtime.host_write(self._devices, fn)
-        self._synced, self._tail_events = True, {}
+        self._mark_synced()
 
     def _fence(self, key, stream):
         """Before a stream's first work of an iteration that follows an
