@@ -56,5 +56,8 @@ def tee(log):
 
 def note_error(text, rank=None):
     """An error of any rank, appended to train.log when a run registered it."""
-    who = _rank if rank is None else rank
-    _append(f"error (rank {who}): {text}" if not str(text).startswith("error") else str(text))
+    text = str(text)
+    if text.startswith(("error", "rank ")):  # it says what and where already
+        _append(text)
+    else:
+        _append(f"error (rank {_rank if rank is None else rank}): {text}")

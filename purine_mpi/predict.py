@@ -27,8 +27,7 @@ from .io.data import source_info
 def default_blob(graph):
     """The scores the first loss op reads (its first input)."""
     for op in graph.ops.values():
-        if op.op_type in ("SoftmaxLoss", "SoftmaxWithLoss", "EuclideanLoss") or \
-                op.op_type.endswith("Loss"):
+        if op.op_type.endswith("Loss"):
             return op.inputs[0]
     raise UserError("predict: the test phase has no loss layer, so there is no default "
                     "output; name a blob with --blob")
