@@ -1,34 +1,77 @@
-"""The divergence watch: the window's loss and the first non-finite
-iteration read back from the device loss watch (ops/watch.py), and the
-check that every weight is finite before a checkpoint. A part of
-``Trainer`` (mixed in)."""
+"""The divergence watch (a loop service): the display window's loss and
+the first non-finite iteration, read from the host blobs every iteration
+on the CPU, or back from the device loss watch (ops/watch.py) only at the
+display, test and checkpoint iterations on a GPU; and the check that every
+weight is finite before a checkpoint may follow. A non-finite loss or
+weight makes the agreed stop code DIVERGED (runtime/stop.py).
+
+May import: the dispatch layer and below (backend, numpy).
+"""
 import numpy as np
 
 from ..backend import get_xp, to_numpy
+from ..runtime.stop import StopSignal
+from .loop import Service
 
 
-class DivergenceMixin:
-    def _read_losses(self):
+class DivergenceWatch(Service):
+    def __init__(self):
+        self.checked = True  # the loss of this iteration was looked at
+
+    def after_step(self, loop, done):
+        # on a GPU the loss is read back only where it is shown or a
+        # checkpoint may follow (the same iterations on every rank)
+        self.checked = not loop.deferred or loop.display_due(done) or \
+            loop.checkpoint_due(done) or loop.test_due(done)
+        if not loop.deferred:
+            value, finite = loop.loss_now()
+            loop.window.loss += value
+            loop.first_bad = None if finite else done
+        elif self.checked:
+            loop.window.loss, loop.first_bad = self.read_losses(loop)
+        # a checkpoint is never written with non-finite weights: where one
+        # may follow, the parameters are checked too
+        loop.diverged = loop.first_bad is not None or (
+            loop.checkpoint_due(done) and not self.params_finite(loop))
+
+    def on_display(self, loop, done):
+        if loop.watch is not None:  # the device window starts again
+            loop.ws[loop.watch][0] = 0.0
+
+    def on_stop_request(self, loop, done):
+        """After the agreement (signals.py): a signal that asks for a
+        checkpoint between the intervals has the loss and the weights
+        checked first, on every rank."""
+        code = loop.stop_code
+        if not loop.deferred or self.checked or not code or code == StopSignal.DIVERGED:
+            return
+        _, loop.first_bad = self.read_losses(loop)
+        diverged = loop.first_bad is not None or not self.params_finite(loop)
+        if loop.size > 1:
+            diverged = bool(loop.world.allreduce(
+                np.array([int(diverged)], np.int64), "max",
+                "the divergence check before a checkpoint (allreduce)")[0])
+        loop.stop_code = StopSignal.DIVERGED if diverged else code
+
+    @staticmethod
+    def read_losses(loop):
         """(sum of the losses since the last reset, first non-finite
         iteration or None) from the device loss watch: one read-back; then
         the first non-finite iteration of any rank (collective, at the same
         iterations on every rank)."""
         total, first = 0.0, 0
-        self.train.drain()  # the device work queued so far is done: the blobs hold it
-        if self.watch is not None:
-            total, first = (float(v) for v in to_numpy(self.ws[self.watch]))
+        loop.train.drain()  # the device work queued so far is done: the blobs hold it
+        if loop.watch is not None:
+            total, first = (float(v) for v in to_numpy(loop.ws[loop.watch]))
         first = int(first) or None
-        if self.size > 1:  # the earliest over the ranks: MAX of the negated iteration
-            worst = self.world.allreduce(np.array([-(first or 2 ** 62)], np.int64), "max",
+        if loop.size > 1:  # the earliest over the ranks: MAX of the negated iteration
+            worst = loop.world.allreduce(np.array([-(first or 2 ** 62)], np.int64), "max",
                                          "the first diverged iteration (allreduce)")
             first = None if -int(worst[0]) == 2 ** 62 else -int(worst[0])
         return total, first
 
-    def _reset_loss_window(self):
-        if self.watch is not None:
-            self.ws[self.watch][0] = 0.0
-
-    def _params_finite(self):
+    @staticmethod
+    def params_finite(loop):
         """Whether every parameter of this rank is finite (no NaN or inf)."""
-        self.train.drain()
-        return all(bool(get_xp(self.ws[p]).isfinite(self.ws[p]).all()) for p in self.params)
+        loop.train.drain()
+        return all(bool(get_xp(loop.ws[p]).isfinite(loop.ws[p]).all()) for p in loop.params)

@@ -2,12 +2,17 @@
 monitored metric (``checkpoint.best``, Lightning's ``ModelCheckpoint``) and
 early stopping (``solver.early_stop``, Lightning's ``EarlyStopping``).
 
-Both read the figures of the pass (the mean over the ranks, the same on
-every rank), so every rank takes the same decision with no collective.
-A non-finite figure never counts as an improvement.
+Both read the figures of the pass (``loop.result``, the mean over the
+ranks, the same on every rank), so every rank takes the same decision with
+no collective. A non-finite figure never counts as an improvement. They
+follow the evaluation (evaluation.py) in the list of services.
+
+May import: the foundation.
 """
 import math
 import os
+
+from .loop import Service
 
 
 def _mode(spec):
@@ -35,16 +40,21 @@ def _figure(results, metric, where):
     return float(results[metric])
 
 
-class BestCheckpoints:
+class BestCheckpoints(Service):
     """``best_<iter>.h5`` for the ``keep`` best test passes by ``metric``
-    (rank 0 writes them through ``write(path, iteration)``); the others are
-    deleted as better ones come. The newest checkpoints (``ckpt_<iter>.h5``,
-    ``latest.h5``) rotate on their own, whatever the best ones are."""
+    (every rank calls ``write(path, iteration)``, a collective checkpoint
+    that rank 0 writes); the others are deleted as better ones come. The
+    newest checkpoints (``ckpt_<iter>.h5``, ``latest.h5``) rotate on their
+    own, whatever the best ones are."""
 
     def __init__(self, spec, out_dir, write, say):
         self.metric, self.mode, self.keep = spec["metric"], _mode(spec), int(spec["keep"])
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
+
+    def on_test(self, loop, done):
+        if loop.result:
+            self.after_test(done, loop.result)
 
     def after_test(self, iteration, results):
         value = _figure(results, self.metric, "checkpoint.best.metric")
@@ -68,15 +78,20 @@ class BestCheckpoints:
                  f"({os.path.basename(best[2])}; keeping the {self.keep} best)")
 
 
-class EarlyStopping:
+class EarlyStopping(Service):
     """Stop when ``metric`` has not improved by more than ``min_delta`` over
-    ``patience`` test passes in a row."""
+    ``patience`` test passes in a row (``loop.early_stopped``: the loop
+    writes a checkpoint and returns this pass's figures)."""
 
     def __init__(self, spec, say):
         self.metric, self.mode = spec["metric"], _mode(spec)
         self.patience, self.min_delta = int(spec["patience"]), float(spec["min_delta"])
         self.say = say
         self.best, self.best_iter, self.waited = None, None, 0
+
+    def on_test(self, loop, done):
+        if loop.result and self.after_test(done, loop.result):
+            loop.early_stopped = done
 
     def after_test(self, iteration, results):
         """True when the run should stop here."""

@@ -1,0 +1,119 @@
+"""This rank's graphs, built once before the training loop exists.
+
+``build_rank_graphs(config, world, scheme)`` is the one function that turns
+a job into what a rank runs: the single-replica training graph (model.py),
+composed by the parallel scheme (``Scheme.compose``: data parallel,
+pipeline, hybrid, a parameter-server worker), placed on this rank's device
+and fused for it (gpu/placement.py), with the device loss watch on a GPU
+and the micro-batch memory plan; and the test graph, composed and placed
+the same way. The loop (train/loop.py) receives the result; it builds
+nothing.
+
+May import: the job layer (model.py, io/), the graph layer and the other
+modules of the composition layer (parallel/, gpu/placement.py).
+"""
+import dataclasses
+
+import numpy as np
+
+from ..gpu.placement import add_loss_watch, configure_device, prepare_for_device
+from ..model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
+                     loss_blobs, metric_blobs)
+from .compose import Scheme, compose_test, defer_update_applies, layout_of
+
+
+@dataclasses.dataclass
+class RankGraphs:
+    """What a rank runs and the facts about it the loop and its services read."""
+
+    layout: object            # parallel.compose.Layout: replicas x stages, this rank's place
+    graph: object             # the composed, placed training graph of this rank
+    grads: dict               # parameter -> gradient blob (of the single-replica graph)
+    device: int               # -1: the CPU; N >= 0: GPU N
+    losses: list              # the loss blobs of the training graph
+    loss_shares: list         # each loss's share (a micro-batch copy's 1/m)
+    watch: object             # the device loss watch's blob (GPU), else None
+    deferred: bool            # the loss is read back only at the intervals (GPU)
+    defer_update: bool        # the last updates finish during the next forward (CPU)
+    memory_plan: object       # the micro-batch copies' shared buffers (or None)
+    params: list              # this rank's parameter blobs
+    net_params: list          # the whole net's parameter blobs (before any split)
+    param_summary: tuple      # (count, bytes, blobs, dtypes) of the whole net
+    test_graph: object = None  # the composed, placed test graph (or None)
+    test_losses: list = dataclasses.field(default_factory=list)
+    test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
+    test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
+
+    @property
+    def pipeline(self):
+        return self.layout.staged
+
+    @property
+    def data_size(self):
+        """The data replicas: the data is sharded over them."""
+        return self.layout.replicas
+
+
+def build_rank_graphs(config, world, scheme=None):
+    """This rank's training and test graphs for ``config`` in ``world``
+    under ``scheme`` (default: the config's own, ``Scheme()``)."""
+    scheme = scheme or Scheme()
+    # replicas x stages (parallel/compose.py): the data is sharded over the
+    # replicas (a pipeline is one replica; its stage 0 reads the data)
+    layout = layout_of(config, world)
+    graph, grads = build_train_graph(config, layout.replica, layout.replicas)
+    check_fits_memory(graph)  # a layer too big is named, not a MemoryError
+    check_data_labels(graph)
+    summary = param_summary(graph)  # the whole net's, before any split
+    net_params = [b.name for b in graph.params()]
+    graph = scheme.compose(graph, grads, config, world)
+    # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
+    # (the node-local rank picks among several) and the stream dispatcher runs it
+    device = configure_device(config, graph)
+    losses = list(loss_blobs(graph))
+    # with micro-batches each copy's loss is its micro-batch's mean
+    shares = [graph.blobs[b].attrs.get("micro_batch_share", 1.0) for b in losses]
+    # on a GPU the loss stays on the device between the display, test and
+    # checkpoint intervals (ops/watch.py): the host reads it back only there
+    deferred = device >= 0 and getattr(scheme, "defer_loss_readback", True)
+    watch = add_loss_watch(graph, losses, shares, device) if deferred and losses else None
+    # micro-batch copies never live at once share their activation buffers
+    # (after the device's fusions, which the plan must not block)
+    plan = scheme.plan_memory(graph, config, world)
+    # parallel.defer_update: the last buckets' allreduce and update finish
+    # while the next iteration's forward runs (runtime/tail.py; the CPU
+    # event dispatcher, synchronous data parallelism)
+    defer_update = getattr(scheme, "defers_update", True) and \
+        defer_update_applies(config, layout.replicas, layout.staged)
+    out = RankGraphs(layout=layout, graph=graph, grads=grads, device=device, losses=losses,
+                     loss_shares=shares, watch=watch, deferred=deferred,
+                     defer_update=defer_update, memory_plan=plan,
+                     params=[b.name for b in graph.params()], net_params=net_params,
+                     param_summary=summary)
+    _add_test_graph(out, config, world)
+    return out
+
+
+def _add_test_graph(out, config, world):
+    test = build_test_graph(config, out.layout.replica, out.layout.replicas)
+    if test is not None:
+        check_data_labels(test)
+        # names from the whole test graph: in a pipeline one rank holds
+        # them, yet every rank reduces the same vector
+        out.test_losses = list(loss_blobs(test))
+        accuracy = [op.outputs[0] for op in test.ops.values() if op.op_type == "Accuracy"]
+        # metrics.jsonl (docs/formats.md) names the accuracy "accuracy", whatever the
+        # layer's top is called; further metrics keep their blob names
+        out.test_keys = ["loss"] * len(out.test_losses) + [
+            "accuracy" if accuracy == [b] else b for b in metric_blobs(test)]
+        out.test_names = out.test_losses + metric_blobs(test)
+    out.test_graph = compose_test(test, config, world)
+    if out.test_graph is not None:
+        prepare_for_device(out.test_graph, out.device, train=False)
+
+
+def param_summary(graph):
+    """(parameter count, bytes, parameter blobs, dtypes) of a graph."""
+    params = graph.params()
+    return (sum(int(np.prod(b.shape)) for b in params), sum(int(b.nbytes) for b in params),
+            len(params), sorted({str(np.dtype(b.dtype)) for b in params}))

@@ -1,0 +1,75 @@
+"""The metrics log, TensorBoard and the progress lines (a loop service):
+rank 0 writes config.yaml and metrics.jsonl (io/metrics.py; on a resume it
+goes on from the checkpoint's rows and time), one ``train`` row and one
+progress line per display interval (loss averaged over the window and the
+ranks, learning rate, images/s, elapsed time and ETA), and closes the log
+at the end.
+
+May import: the job layer (io/) and below.
+"""
+import os
+import time
+
+from ..io.config import dump_config
+from ..io.metrics import MetricsLog
+from .loop import Service
+
+
+def write_config(loop):
+    """The run folder's config.yaml (rank 0)."""
+    with open(os.path.join(loop.out_dir, "config.yaml"), "w") as f:
+        f.write(dump_config(loop.config))
+
+
+def global_batch(loop):
+    """Images per iteration over all the replicas."""
+    if loop.config.get("data"):
+        batch = int(loop.config["data"]["train"]["batch_size"])
+    else:  # a graph: config: its readers say
+        batch = sum(int(op.attrs.get("batch_size", 0)) for op in loop.graph.ops.values()
+                    if op.op_type == "DataReader")
+    return batch * loop.data_size
+
+
+class Progress(Service):
+    def __init__(self, tensorboard=False):
+        self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
+
+    def on_start(self, loop):
+        """Rank 0: config.yaml, and the metrics log. A resumed run replaces
+        the folder's config.yaml with its first checkpoint (checkpoints.py)."""
+        self.batch = global_batch(loop)
+        if loop.rank != 0:
+            return
+        os.makedirs(loop.out_dir, exist_ok=True)
+        if not loop.start_iter:
+            write_config(loop)
+        log = MetricsLog(loop.out_dir, loop.start_iter, loop.elapsed0, self.tensorboard)
+        loop.elapsed0 = log.elapsed0  # never below a kept row's time
+        loop.metrics = log
+
+    def on_display(self, loop, done):
+        now, w = time.perf_counter(), loop.window
+        loss = loop.reduce(w.loss / w.n if w.n else 0.0)
+        ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
+        lr = float(loop.ws["lr"])
+        loop.record({"phase": "train", "iter": done, "loss": loss, "lr": lr,
+                     "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)})
+        max_iter = loop.max_iter
+        eta = (max_iter - done) * (now - loop.t_start) / max(done - loop.start_iter, 1)
+        loop.say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
+                 f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {hms(now - loop.t_start)}  "
+                 f"eta {hms(eta)}")
+        w.reset(done, now)
+
+    def on_close(self, loop):
+        if loop.metrics is not None:
+            loop.metrics.close()
+            loop.metrics = None
+
+
+def hms(seconds):
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
