@@ -217,16 +217,24 @@ def _load(args, check_files=True):
     return cfg
 
 
+def _runs_base(cfg):
+    """The folder of a job's numbered runs: ``checkpoint.folder``, or runs/<name>."""
+    folder = (cfg.get("checkpoint") or {}).get("folder")
+    return folder if folder else os.path.join("runs", cfg.get("name", "net"))
+
+
 def _out_dir(args, cfg):
-    return args.out or os.path.join("runs", cfg.get("name", "net"))
+    return args.out or _runs_base(cfg)
 
 
 def _run_dir(args, cfg):
     """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
     from .io.rundir import prepare_run_dir
     from .trainer import get_world
-    return prepare_run_dir(get_world(), cfg.get("name", "net"), args.out, args.resume,
-                           args.force)
+    base = _runs_base(cfg)
+    return prepare_run_dir(get_world(), os.path.basename(os.path.normpath(base)), args.out,
+                           args.resume, args.force,
+                           runs_root=os.path.dirname(os.path.normpath(base)))
 
 
 def _profile(args):

@@ -22,13 +22,10 @@ class EvaluationMixin:
         n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
         n = test_iter or self.solver.get("test_iter") or max(
             1, math.ceil(n_samples / (spec["batch_size"] * self.data_size)))
-        extra = n * spec["batch_size"] * self.data_size - n_samples
-        if extra > 0 and not getattr(self, "_wrap_noted", False):
+        note = repeat_note(n, spec["batch_size"], self.data_size, n_samples)
+        if note and not getattr(self, "_wrap_noted", False):
             self._wrap_noted = True
-            self._say(f"note: the test split has {n_samples} samples, not a multiple of the "
-                      f"global test batch ({spec['batch_size']} x {self.data_size}); as in "
-                      f"Caffe the last batch wraps around and {extra} samples count twice "
-                      "(choose data.test.batch_size to divide the split for exact figures)")
+            self._say(note)
         ws = self.test.workspace
         sums = np.zeros(len(self.test_names))
         per_batch = spec["batch_size"] * self.data_size
@@ -60,3 +57,26 @@ class EvaluationMixin:
         if self.early_stop is not None and self.early_stop.after_test(iteration, res):
             self._early_stopped = iteration
         return res
+
+
+def repeat_note(batches, batch_size, ranks, n_samples):
+    """The note on a test pass of ``batches`` global batches of ``batch_size``
+    x ``ranks`` that is longer than the split's ``n_samples`` (None when it
+    is not): the test reader wraps around (as Caffe's), so sample i counts
+    q + 1 times for the first r samples and q times for the others, where
+    q, r = divmod(total, n_samples)."""
+    total = batches * batch_size * ranks
+    if total <= n_samples:
+        return None
+    q, r = divmod(total, n_samples)
+    how = (f"{total} samples of a {n_samples}-sample test split: ")
+    if r == 0:
+        how += f"{q} full passes, each sample counts {q} times"
+    elif q == 1:
+        how += f"a full pass, and the first {r} samples count twice"
+    else:
+        how += (f"{q} full passes and a part: the first {r} samples count {q + 1} times, the "
+                f"other {n_samples - r} count {q} times")
+    return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
+            f"{how} (the reader wraps around, as in Caffe); for exact figures make test_iter x "
+            f"the global batch equal the split (null test_iter: one pass)")
