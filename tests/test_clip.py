@@ -150,11 +150,11 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
                                               "clip_gradients": 0.05}),
                             "<t>", check_files=False)
 
-    def train(device):
+    def train(where):
         graph, _ = build_train_graph(config)
         add_clip(graph, config["solver"]["clip_gradients"]).validate()
-        place_on_device(graph, device)
-        if device >= 0:
+        place_on_device(graph, where)
+        if where >= 0:
             for op in graph.ops.values():
                 if op.op_type in ("GradNormSq", "ClipScale"):
                     assert op.location.device == 0
