@@ -98,7 +98,7 @@ TEXT_SCHEMA = {
                            "is_color": "bool", "root_folder": "string", "scale": "float",
                            "crop_size": "int", "mirror": "bool", "rand_skip": "int"},
     "TransformationParameter": {"scale": "float", "mirror": "bool", "crop_size": "int",
-                                "mean_value": "float"},
+                                "mean_value": "float", "mean_file": "string"},
     "LossParameter": {"ignore_label": "int", "normalization": (
         "FULL", "VALID", "BATCH_SIZE", "NONE"), "normalize": "bool"},
     "SolverParameter": {
@@ -113,7 +113,7 @@ TEXT_SCHEMA = {
         "type": "string", "solver_type": ("SGD", "NESTEROV", "ADAGRAD", "RMSPROP",
                                           "ADADELTA", "ADAM"),
         "debug_info": "bool", "snapshot_after_train": "bool", "momentum2": "float",
-        "delta": "float", "rms_decay": "float"},
+        "delta": "float", "rms_decay": "float", "clip_gradients": "float"},
 }
 
 # ------------------------------------------------------------ wire format
