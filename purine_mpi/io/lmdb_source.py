@@ -46,6 +46,20 @@ def _lmdb():
     return _import("lmdb", "the lmdb data source")
 
 
+_ENVS, _ENVS_LOCK = {}, threading.Lock()
+
+
+def shared_env(path):
+    """The process's one read-only Environment of ``path`` (lmdb allows one
+    per database and process; a forked child opens its own)."""
+    key = (os.path.abspath(path), os.getpid())
+    with _ENVS_LOCK:
+        env = _ENVS.get(key)
+        if env is None:
+            env = _ENVS[key] = open_env(path)
+        return env
+
+
 def open_env(path):
     """A read-only lmdb Environment of ``path`` (a folder holding data.mdb,
     or the .mdb file itself); UserError when it is missing or no LMDB."""
@@ -115,16 +129,12 @@ class _Meta:
     """The keys, the sample shape and dtype of one database (one scan of its keys)."""
 
     def __init__(self, path):
-        env = open_env(path)
-        try:
-            with env.begin(buffers=False) as txn:
-                self.keys = [k for k, _ in _iter_keys(txn)]
-                if not self.keys:
-                    raise UserError(f"lmdb source '{path}' is empty (no records)")
-                first, _ = decode(txn.get(self.keys[0]), path, self.keys[0])
-                last, _ = decode(txn.get(self.keys[-1]), path, self.keys[-1])
-        finally:
-            env.close()
+        with shared_env(path).begin(buffers=False) as txn:
+            self.keys = [k for k, _ in _iter_keys(txn)]
+            if not self.keys:
+                raise UserError(f"lmdb source '{path}' is empty (no records)")
+            first, _ = decode(txn.get(self.keys[0]), path, self.keys[0])
+            last, _ = decode(txn.get(self.keys[-1]), path, self.keys[-1])
         self.shape, self.dtype = first.shape, first.dtype
         check_record(path, self.keys[-1], last, self.shape, self.dtype, self.keys[0])
 
@@ -190,13 +200,9 @@ class LMDBSource:
         meta = lmdb_meta(path)
         self.keys, self.dtype = meta.keys, meta.dtype
         self.n_samples, self.sample_shape = len(self.keys), tuple(int(s) for s in meta.shape)
-        self._env, self._pid, self._lock = None, None, threading.Lock()
 
     def _environment(self):
-        with self._lock:
-            if self._env is None or self._pid != os.getpid():  # a forked child opens its own
-                self._env, self._pid = open_env(self.path), os.getpid()
-            return self._env
+        return shared_env(self.path)
 
     def gather(self, indices):
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
