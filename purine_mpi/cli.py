@@ -202,6 +202,10 @@ def build_parser():
     p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
     p.add_argument("--batch", type=int, default=None,
                    help="fixed batch size of the model input (default: a symbolic batch dim)")
+    p.add_argument("--raw-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model takes samples as the data file holds them and applies the "
+                        "test spec's transform (centre crop, mean, scale) as ONNX ops "
+                        "(default); --no-raw-input: it takes the transformed batch")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key by dotted path, e.g. net.0.num_output=8")
     p.set_defaults(seed=None)
@@ -403,7 +407,8 @@ def cmd_convert(args):
 def cmd_export(args):
     from .interop.onnx_export import export_onnx
     cfg = _load(args)
-    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch)
+    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch,
+                          raw_input=args.raw_input)
     print(f"wrote {args.out}: {summary}")
     return 0
 
