@@ -3,6 +3,7 @@ records read as Caffe lays them out (raw, PNG, float_data), the same batches
 as an HDF5 file of the same samples (order, shuffle, shards, transform), the
 mean image applied as Caffe's DataTransformer does, and bad databases and
 mean files as exit-2 errors naming the source and the key."""
+import json
 import sys
 
 import h5py
@@ -221,3 +222,73 @@ def test_lmdb_to_h5_round_trip(same_data, images, tmp_path):
             assert f[f"{split}/data"].dtype == np.uint8
             np.testing.assert_array_equal(f[f"{split}/data"][...], x)
             np.testing.assert_array_equal(f[f"{split}/label"][...], y)
+
+
+def _rss_kib(pid):
+    """(RssAnon, RssFile) of process ``pid`` in KiB, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["RssAnon"].split()[0]), int(fields["RssFile"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_training_from_an_lmdb_larger_than_the_budget_keeps_memory_flat(tmp_path):
+    """A 48 MiB LMDB, 12 x the data memory budget given to the run
+    (PURINE_DATA_MEMORY_MB=4), trained for two epochs: the process's own
+    memory (RssAnon) grows by less than a quarter of the database after the
+    first iterations, so records are not kept; the database's pages are the
+    kernel's file cache (RssFile). A stand-in for a database larger than
+    RAM: the memory a cached record would take is what is measured."""
+    import re
+    import subprocess
+    import threading
+    import time
+    from .conftest import PYTHON, REPO, cli_env
+    n, shape = 4096, (3, 64, 64)
+    rng = np.random.default_rng(0)
+    db = tmp_path / "big_lmdb"
+    import lmdb
+    env = lmdb.open(str(db), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        for i in range(n):
+            image = rng.integers(0, 256, shape, dtype=np.uint8)
+            txn.put(b"%08d" % i, write_datum(*shape, image.tobytes(), label=i % 10))
+    env.close()
+    db_kib = (db / "data.mdb").stat().st_size // 1024
+    assert db_kib > 12 * 4 * 1024 * 0.9
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data:\n  train: {{source: lmdb, path: {db}, batch_size: 128, shuffle: true,"
+                   " scale: 0.004}\n"
+                   "net:\n  - {type: fc, name: fc, bottom: data, top: fc, num_output: 10}\n"
+                   "  - {type: softmax_loss, name: loss, bottom: [fc, label], top: loss}\n"
+                   "solver: {max_iter: 192, base_lr: 0.001, display: 16}\n")
+    child_env = dict(cli_env(), PURINE_DATA_MEMORY_MB="4")
+    proc = subprocess.Popen([PYTHON, "-m", "purine_mpi", "train", str(job), "--out",
+                             str(tmp_path / "run")], cwd=REPO, env=child_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, samples = [], []
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), line) for line in proc.stdout), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        rss = _rss_kib(proc.pid)
+        if rss:
+            samples.append((time.monotonic(), *rss))
+        time.sleep(0.02)
+    reader.join()
+    err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    # the first display (iteration 16 of 32 per epoch): the graph is built,
+    # the keys are read and half an epoch has gone through
+    first = next(t for t, line in lines if re.search(r"iter +16/", line))
+    early = max(a for t, a, _ in samples if t <= first)
+    late = max(a for _, a, _ in samples)
+    growth = late - early
+    assert any(re.search(r"iter +192/", line) for _, line in lines)  # six epochs read
+    print(json.dumps({"db_kib": db_kib, "rss_anon_at_iter16_kib": early,
+                      "rss_anon_peak_kib": late, "growth_kib": growth,
+                      "rss_file_peak_kib": max(f for _, _, f in samples)}))
+    assert growth < db_kib / 4, (growth, db_kib)
