@@ -204,13 +204,14 @@ def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", ["data", "pipeline"])
-def test_clip_gradients_across_two_ranks_equals_one(kind):
+@pytest.mark.parametrize("kind,n", [("data", 2), ("pipeline", 2), ("hybrid", 4)])
+def test_clip_gradients_across_ranks_equals_one(kind, n):
     """solver.clip_gradients clips by the norm of the reduced gradients: 2
-    data-parallel ranks, or 2 pipeline stages (one Allreduce of the squared
-    norm), give the parameters of one process (tests/mpi_scripts/clip_equiv.py)."""
-    proc, _ = run_mpi("clip_equiv.py", 2, kind)
-    assert proc.stdout.count("OK clip_equiv") == 2
+    data-parallel ranks, 2 pipeline stages (one Allreduce of the squared
+    norm), or 2 replicas x 2 stages give the parameters of one process
+    (tests/mpi_scripts/clip_equiv.py)."""
+    proc, _ = run_mpi("clip_equiv.py", n, kind)
+    assert proc.stdout.count("OK clip_equiv") == n
 
 
 @pytest.mark.mpi

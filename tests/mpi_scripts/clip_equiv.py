@@ -2,12 +2,15 @@
 gradients, so n ranks clip exactly as one rank does.
 
     mpiexec -n 2 python tests/mpi_scripts/clip_equiv.py data|pipeline
+    mpiexec -n 4 python tests/mpi_scripts/clip_equiv.py hybrid
 
 ``data``: sync data parallelism, n ranks x batch B against one process of
 batch n*B with the same clip (each rank's norm is local: it holds every
 reduced gradient). ``pipeline``: the MLP's layers on n stages; each stage
 holds some parameters and one Allreduce of the squared norm over the
 stages makes it global; against the unpartitioned graph on one process.
+``hybrid`` (4 ranks): 2 replicas x 2 stages, each stage's gradients
+allreduced over the replicas, then the norm over the replica's stages.
 The clip is a third of the first step's unclipped norm, so it acts; the
 parameters after 3 iterations must match the reference and differ from a
 run without clipping.
@@ -19,7 +22,7 @@ import numpy as np
 from common import assert_close, mlp_config, ok, run, world
 
 from purine_mpi.model import build_train_graph
-from purine_mpi.parallel.compose import compose
+from purine_mpi.parallel.compose import compose, data_window
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "data"
 w = world()
@@ -79,17 +82,23 @@ if kind == "data":
     owned = mine
 else:
     layers = ["fc1", "relu1", "fc2", "relu2", "out", "loss"]
-    stages = {layer: i * n // len(layers) for i, layer in enumerate(layers)}
-    cfg = config(clip, n * B, {"scheme": "pipeline", "stages": stages})
-    graph, grads = build_train_graph(cfg, 0, 1)
+    p = n if kind == "pipeline" else 2
+    stages = {layer: i * p // len(layers) for i, layer in enumerate(layers)}
+    replicas = n // p
+    cfg = config(clip, n * B // replicas, {"scheme": kind, "stages": stages})
+    replica, _ = data_window(cfg, w)
+    graph, grads = build_train_graph(cfg, replica, replicas)
     local = compose(graph, grads, cfg, w)
-    assert "clip.sum" in local.ops and local.ops["clip.sum"].attrs["group"] == list(range(n))
+    group = [replica * p + s for s in range(p)]
+    assert "clip.sum" in local.ops and local.ops["clip.sum"].attrs["group"] == group
     d = run(local, ITERS)
     mine = params_of(local, d)
     d.close()
     owned = {}
     for part in w.comm.allgather(mine):
-        owned.update(part)
+        for name, value in part.items():  # the replicas of a stage hold the same values
+            assert name not in owned or np.array_equal(owned[name], value), name
+            owned[name] = value
 
 want = reference(clip, n * B)
 plain = reference(None, n * B)
