@@ -102,6 +102,7 @@ def test_lenet_on_a_digits_lmdb_trains_like_our_digits_job(digits_tree, digits_h
                        "--set", f"data.test.path={digits_h5}", timeout=300)
     assert res.returncode == 0, res.stderr
     ours = final_accuracy(res)
+    print(json.dumps({"lenet_lmdb_accuracy": lmdb_acc, "digits_lenet_accuracy": ours}))
     assert abs(lmdb_acc - ours) <= 0.02, (lmdb_acc, ours)
 
 

@@ -178,6 +178,7 @@ def test_raw_input_model_carries_the_transform(uint8_digits, tmp_path):
     session = ort.InferenceSession(str(tmp_path / "m.onnx"))
     logits = session.run(["fc2"], {"data": x})[0]
     got = float((logits.argmax(axis=1) == y).mean())
+    print(json.dumps({"onnxruntime_raw_accuracy": got, "test_accuracy": want}))
     assert abs(got - want) <= 1.5 / len(y), (got, want)
     assert want > 0.5  # trained: the comparison means something
     # the first test batch through our forward pass equals the model on its raw samples
