@@ -12,7 +12,8 @@ from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 from tests.test_gpu_backend import (_compare, _init, _run_kernel, _tiny_raw, device,  # noqa: F401
-                                    place_on_device, make_dispatcher, SimulatedRuntime)
+                                    place_on_device, prepare_for_device, make_dispatcher,
+                                    SimulatedRuntime)
 
 
 def _torch_clip(grads, scales, clip):
@@ -140,7 +141,10 @@ def test_clip_scale_gpu_branch(device, clip):  # noqa: F811
     _compare(device, "ClipScale", {"clip": clip}, [g, sumsq], ["clip_scale"], np.float32)
 
 
-def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatch):
+@pytest.mark.parametrize("fused,captured", [(False, False), (True, False), (True, True)],
+                         ids=["placed", "placed+fused", "fused+cuda_graph"])
+def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatch, fused,
+                                                      captured):
     """A placed training graph with the clip pass, ops on the emulated
     device run by the stream dispatcher: the norm never leaves the device
     (the clip ops read device blobs only) and the weights match the CPU."""
@@ -153,14 +157,18 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
     def train(where):
         graph, _ = build_train_graph(config)
         add_clip(graph, config["solver"]["clip_gradients"]).validate()
-        place_on_device(graph, where)
+        if fused and where >= 0:
+            prepare_for_device(graph, where)
+        else:
+            place_on_device(graph, where)
         if where >= 0:
             for op in graph.ops.values():
                 if op.op_type in ("GradNormSq", "ClipScale"):
                     assert op.location.device == 0
                     assert all(graph.blobs[b].location.device == 0
                                for b in op.inputs + op.outputs), op.name
-            d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3)
+            d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3,
+                                cuda_graph=captured)
         else:
             d = SerialDispatcher(graph, seed=3)
         try:
