@@ -142,7 +142,7 @@ def scheme_lines(trainer):
 
 def data_text(data):
     """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``."""
-    parts, wheres = [], []
+    parts = []
     for phase, spec in data.items():
         if not spec:
             continue
