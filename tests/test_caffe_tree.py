@@ -192,8 +192,8 @@ def test_alexnet_style_net_converts_and_trains_from_lmdb(imagenet_tree):
     assert "iter_size 2 -> data.train.batch_size 2 x 2 = 4 in parallel.micro_batches 2" in out
     assert "solver.clip_gradients is 5 on their mean" in out
     # 3 x 2 = 6 reads of a 5-sample split: a full pass, the first sample twice
-    assert "reads 6 samples of a 5-sample test split: a full pass, and the first 1 samples " \
-           "count twice" in out
+    assert "reads 6 samples of a 5-sample test split: a full pass, and the first sample " \
+           "counts twice" in out
     config = load_config(str(imagenet_tree / "alexnet.yaml"))
     train = config["data"]["train"]
     assert (train["source"], train["crop_size"], train["mirror"], train["mean_file"]) == (
@@ -261,3 +261,28 @@ def test_leveldb_is_refused_naming_the_layer(tmp_path, backend, needle):
                    '  inner_product_param { num_output: 2 } }\n')
     res = run_cli_args("convert", "caffe", net, "--out", tmp_path / "x.yaml")
     assert_user_error(res, "layer 'd' (type Data)", needle, "--data")
+
+
+@pytest.mark.parametrize("batches,batch,ranks,n,needle", [
+    (100, 100, 1, 360, "10000 samples of a 360-sample test split: 27 full passes and a part: "
+                       "the first 280 samples count 28 times, the other 80 count 27 times"),
+    (3, 2, 1, 5, "6 samples of a 5-sample test split: a full pass, and the first sample "
+                 "counts twice"),
+    (6, 60, 2, 360, "720 samples of a 360-sample test split: 2 full passes, each sample counts "
+                    "2 times"),
+    (6, 60, 1, 360, None), (5, 60, 1, 360, None),
+])
+def test_repeat_note_counts_what_the_wrapping_reader_reads(batches, batch, ranks, n, needle):
+    """The note's counts against the reader's rule: position p reads sample
+    p mod n (test data is not shuffled)."""
+    from purine_mpi.train.evaluation import repeat_note
+    note = repeat_note(batches, batch, ranks, n)
+    counts = np.bincount(np.arange(batches * batch * ranks) % n, minlength=n)
+    if needle is None:
+        assert note is None and counts.max() <= 1
+        return
+    assert needle in note, note
+    q = counts.min()
+    r = int((counts > q).sum())
+    assert f" {q} " in note
+    assert r == 0 or (f"first {r} samples" if r > 1 else "first sample") in note

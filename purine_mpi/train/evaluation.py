@@ -69,14 +69,15 @@ def repeat_note(batches, batch_size, ranks, n_samples):
     if total <= n_samples:
         return None
     q, r = divmod(total, n_samples)
-    how = (f"{total} samples of a {n_samples}-sample test split: ")
+    how = f"{total} samples of a {n_samples}-sample test split: "
+    first = "the first sample counts" if r == 1 else f"the first {r} samples count"
     if r == 0:
         how += f"{q} full passes, each sample counts {q} times"
     elif q == 1:
-        how += f"a full pass, and the first {r} samples count twice"
+        how += f"a full pass, and {first} twice"
     else:
-        how += (f"{q} full passes and a part: the first {r} samples count {q + 1} times, the "
-                f"other {n_samples - r} count {q} times")
+        how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
+                f"{n_samples - r} count {q} times")
     return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
             f"{how} (the reader wraps around, as in Caffe); for exact figures make test_iter x "
             f"the global batch equal the split (null test_iter: one pass)")
