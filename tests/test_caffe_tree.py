@@ -208,6 +208,22 @@ def test_alexnet_style_net_converts_and_trains_from_lmdb(imagenet_tree):
     res = run_cli_args("train", "alexnet.yaml", "--out", "run", cwd=imagenet_tree, timeout=300)
     assert res.returncode == 0, res.stderr
     assert re.search(r"test @ iter 2: loss [0-9.]+", res.stdout), res.stdout
+    # the ONNX model takes the LMDB's raw 256 x 256 bytes and applies crop and mean itself
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from .test_onnx_export import our_forward
+    res = run_cli_args("export", "onnx", "alexnet.yaml", "--weights", "run/latest.h5", "--out",
+                       "alexnet.onnx", "--batch", 2, cwd=imagenet_tree)
+    assert res.returncode == 0, res.stderr
+    assert "raw samples as the data file holds them (uint8 3 x 256 x 256)" in res.stdout
+    model = onnx.load(str(imagenet_tree / "alexnet.onnx"))
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    from purine_mpi.io.data import make_source
+    raw, _ = make_source(config["data"]["test"]).gather([0, 1])
+    logits = ort.InferenceSession(str(imagenet_tree / "alexnet.onnx")).run(["fc8"],
+                                                                            {"data": raw})[0]
+    ours = our_forward(config, str(imagenet_tree / "run" / "latest.h5"))
+    np.testing.assert_allclose(logits, ours["fc8"], rtol=1e-4, atol=1e-5)
 
 
 def test_googlenet_style_net_builds_from_lmdb(imagenet_tree, tmp_path):

@@ -292,3 +292,27 @@ def test_training_from_an_lmdb_larger_than_the_budget_keeps_memory_flat(tmp_path
                       "rss_anon_peak_kib": late, "growth_kib": growth,
                       "rss_file_peak_kib": max(f for _, _, f in samples)}))
     assert growth < db_kib / 4, (growth, db_kib)
+
+
+@pytest.mark.mpi
+def test_two_ranks_train_from_one_lmdb_like_one_rank(same_data, tmp_path):
+    """mpiexec -n 2 on an LMDB (each rank opens the database itself and
+    reads its shard) gives the weights of one rank with twice the batch."""
+    import h5py
+    from .conftest import run_mpi_cli
+    job = tmp_path / "job.yaml"
+    job.write_text(f"seed: 4\ndata:\n  train: {{source: lmdb, path: {same_data['png']}, "
+                   "batch_size: 2, shuffle: true, crop_size: 5, mirror: true, scale: 0.01}\n"
+                   "net:\n  - {type: fc, name: fc, bottom: data, top: fc, num_output: 5}\n"
+                   "  - {type: softmax_loss, name: loss, bottom: [fc, label], top: loss}\n"
+                   "solver: {max_iter: 12, base_lr: 0.05, display: 0}\n")
+    res = run_mpi_cli(2, "train", job, "--out", tmp_path / "two")
+    assert res.returncode == 0, res.stderr
+    res = run_cli_args("train", job, "--out", tmp_path / "one", "--set",
+                       "data.train.batch_size=4")
+    assert res.returncode == 0, res.stderr
+    weights = []
+    for run in ("two", "one"):
+        with h5py.File(tmp_path / run / "latest.h5", "r") as f:
+            weights.append(f["params/fc/weight"][()])
+    np.testing.assert_allclose(weights[0], weights[1], rtol=1e-5, atol=1e-6)
