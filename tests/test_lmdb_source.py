@@ -163,8 +163,10 @@ def test_bad_databases_name_the_source_and_the_key(images, tmp_path):
 
 def test_labels_are_checked_against_the_classes(images, same_data):
     check_labels({"source": "lmdb", "path": same_data["raw"]}, 5, layer="loss")
-    with pytest.raises(UserError, match=r"lmdb source '.*raw_lmdb': the label of record 4 "
-                                        r"\(sample \d+; \d+ bad in all\), outside \[0, 4\)"):
+    first = int(np.argmax(images[1] == 4))
+    with pytest.raises(UserError, match=rf"lmdb source '.*raw_lmdb': record '{first:08d}' holds "
+                                        rf"label 4 \(sample {first}; \d+ bad in all\), outside "
+                                        r"\[0, 4\)"):
         check_labels({"source": "lmdb", "path": same_data["raw"]}, 4, layer="loss")
 
 

@@ -270,9 +270,16 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
         from .lmdb_source import LMDBSource, lmdb_file_bytes
         if lmdb_file_bytes(spec["path"]) > memory_budget():
             return
-        labels = LMDBSource(spec["path"]).labels()
-        _check_label_range(labels, classes, ignore_label, layer,
-                           f"lmdb source '{spec['path']}'", "the label of record")
+        source = LMDBSource(spec["path"])
+        labels = source.labels()
+        bad = (labels < 0) | (labels >= classes)
+        if ignore_label is not None:
+            bad &= labels != int(ignore_label)
+        if bad.any():
+            first = int(np.argmax(bad))
+            key = bytes(source.keys[first]).decode("utf-8", "backslashreplace")
+            _check_label_range(labels, classes, ignore_label, layer,
+                               f"lmdb source '{spec['path']}'", f"record '{key}' holds label")
         return
     if spec.get("source", "hdf5") != "hdf5":
         if int(spec.get("classes", classes)) > classes:

@@ -228,12 +228,19 @@ class LMDBSource:
         return data, labels
 
     def labels(self):
-        """Every record's label, in key order (one pass over the database)."""
-        out = np.empty(self.n_samples, dtype=np.int64)
-        with self._environment().begin(buffers=True) as txn:
-            with txn.cursor() as cursor:
-                for i, (key, buf) in enumerate(cursor):
-                    if i >= self.n_samples:
-                        break
-                    out[i] = read_datum(buf)["label"]
-        return out
+        """Every record's label, in key order (one pass over the database,
+        once per process)."""
+        meta = lmdb_meta(self.path)
+        if getattr(meta, "labels", None) is None:
+            out = np.empty(self.n_samples, dtype=np.int64)
+            with self._environment().begin(buffers=True) as txn:
+                for i, key in enumerate(self.keys):
+                    try:
+                        out[i] = read_datum(txn.get(key))["label"]
+                    except (ValueError, IndexError, TypeError) as e:
+                        raise UserError(f"lmdb source '{self.path}': record "
+                                        f"'{_key_text(key)}' is not a Caffe Datum ({e})") \
+                            from None
+            out.setflags(write=False)
+            meta.labels = out
+        return meta.labels
