@@ -12,6 +12,7 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --download|--from DIR --out PATH.h5
+    python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
     python -m purine_mpi plot RUN [RUN ...] [--out curves.png]
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
@@ -130,14 +131,19 @@ def build_parser():
                    help="one JSON object instead of a table (docs/formats.md)")
 
     p = sub.add_parser("data", help="prepare a data set as HDF5")
-    p.add_argument("dataset", choices=["digits", "cifar10"],
+    p.add_argument("dataset", choices=["digits", "cifar10", "lmdb-to-h5"],
                    help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
-                        "CIFAR-10 python batches given by --from, or fetched by --download")
+                        "CIFAR-10 python batches given by --from, or fetched by --download; "
+                        "lmdb-to-h5: a Caffe LMDB (--from, the train split; --test-from, the "
+                        "test split) as our HDF5 layout")
     p.add_argument("--out", required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test)")
     p.add_argument("--from", dest="source", metavar="DIR",
                    help="cifar10: folder with the python-pickle batches (with --download: "
-                        "where the archive is fetched and unpacked)")
+                        "where the archive is fetched and unpacked); lmdb-to-h5: the train "
+                        "split's LMDB folder")
+    p.add_argument("--test-from", dest="test_source", metavar="DIR",
+                   help="lmdb-to-h5: the test split's LMDB folder")
     p.add_argument("--download", action="store_true",
                    help="cifar10: fetch the official archive (cifar-10-python.tar.gz), verify "
                         "its MD5 and unpack it (into --from DIR, default beside --out) first; "
@@ -196,6 +202,10 @@ def build_parser():
     p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
     p.add_argument("--batch", type=int, default=None,
                    help="fixed batch size of the model input (default: a symbolic batch dim)")
+    p.add_argument("--raw-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model takes samples as the data file holds them and applies the "
+                        "test spec's transform (centre crop, mean, scale) as ONNX ops "
+                        "(default); --no-raw-input: it takes the transformed batch")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key by dotted path, e.g. net.0.num_output=8")
     p.set_defaults(seed=None)
@@ -217,16 +227,24 @@ def _load(args, check_files=True):
     return cfg
 
 
+def _runs_base(cfg):
+    """The folder of a job's numbered runs: ``checkpoint.folder``, or runs/<name>."""
+    folder = (cfg.get("checkpoint") or {}).get("folder")
+    return folder if folder else os.path.join("runs", cfg.get("name", "net"))
+
+
 def _out_dir(args, cfg):
-    return args.out or os.path.join("runs", cfg.get("name", "net"))
+    return args.out or _runs_base(cfg)
 
 
 def _run_dir(args, cfg):
     """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
     from .io.rundir import prepare_run_dir
     from .trainer import get_world
-    return prepare_run_dir(get_world(), cfg.get("name", "net"), args.out, args.resume,
-                           args.force)
+    base = _runs_base(cfg)
+    return prepare_run_dir(get_world(), os.path.basename(os.path.normpath(base)), args.out,
+                           args.resume, args.force,
+                           runs_root=os.path.dirname(os.path.normpath(base)))
 
 
 def _profile(args):
@@ -335,6 +353,15 @@ def cmd_data(args):
     from .io import datasets
     if args.dataset == "digits":
         datasets.write_digits(args.out)
+    elif args.dataset == "lmdb-to-h5":
+        if not args.source:
+            raise UserError("data lmdb-to-h5 needs --from TRAIN_LMDB (and optionally "
+                            "--test-from TEST_LMDB)")
+        splits = {"train": args.source}
+        if args.test_source:
+            splits["test"] = args.test_source
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        datasets.write_lmdb(splits, args.out, log=log)
     else:
         log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
         source = args.source
@@ -380,7 +407,8 @@ def cmd_convert(args):
 def cmd_export(args):
     from .interop.onnx_export import export_onnx
     cfg = _load(args)
-    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch)
+    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch,
+                          raw_input=args.raw_input)
     print(f"wrote {args.out}: {summary}")
     return 0
 

@@ -8,7 +8,7 @@ Modules that look kernels up by ``op_type`` (graph building, gradients, the
 dispatchers) import this one, so the order in which the families are first
 imported never matters and no family imports another. Look kernels up
 through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``)."""
-from .ops import (activation, basic, batchnorm, conv, data, dropout, fc, lrn,  # noqa: F401
+from .ops import (activation, basic, batchnorm, clip, conv, data, dropout, fc, lrn,  # noqa: F401
                   iteration, lr_policy, pool, softmax, solver, tensor, watch)
 from .comm import ops as comm_ops  # noqa: F401
 from .ops.registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402

@@ -142,14 +142,15 @@ def scheme_lines(trainer):
 
 def data_text(data):
     """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``."""
-    parts, wheres = [], []
+    parts = []
     for phase, spec in data.items():
         if not spec:
             continue
         n, shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-        hdf5 = spec.get("source", "hdf5") == "hdf5"
-        parts.append((phase, n, "x".join(map(str, shape)),
-                      spec["path"] if hdf5 else "synthetic"))
+        kind = spec.get("source", "hdf5")
+        where = {"hdf5": spec.get("path"), "lmdb": f"lmdb {spec.get('path')}"}.get(kind,
+                                                                                  "synthetic")
+        parts.append((phase, n, "x".join(map(str, shape)), where))
     if len({(shape, where) for _, _, shape, where in parts}) == 1:
         _, _, shape, where = parts[0]
         counts = " and ".join(f"{phase} {n:,}" for phase, n, _, _ in parts)

@@ -201,7 +201,8 @@ def test_solver_fields():
                                 "momentum": 0.9, "weight_decay": 0.0005, "max_iter": 900,
                                 "display": 100, "test_interval": 300, "gamma": 0.1,
                                 "stepsize": 600, "test_iter": 6}
-    assert config["checkpoint"] == {"interval": 300} and config["seed"] == 1
+    assert config["checkpoint"] == {"interval": 300, "folder": os.path.abspath("lenet")}
+    assert config["seed"] == 1 and any("snapshot_prefix 'lenet'" in n for n in notes)
     assert any("'solver_mode' (line 16) is ignored" in n for n in notes)
 
 

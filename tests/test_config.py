@@ -55,7 +55,8 @@ def test_defaults_are_filled(cfg_dir):
                                   "stall_timeout": 300, "check_collectives": False,
                                   "stages": {}, "micro_batches": 1,
                                   "schedule": "1f1b"}
-    assert config["checkpoint"] == {"interval": 0, "keep": 3, "best": None}
+    assert config["checkpoint"] == {"interval": 0, "keep": 3, "best": None, "folder": None}
+    assert config["solver"]["clip_gradients"] is None
     assert config["data"]["train"]["shuffle"] is True
     assert config["data"]["test"]["shuffle"] is False
     # the data path was found next to the config and made absolute
@@ -127,7 +128,7 @@ def test_unknown_nested_key_suggests(cfg_dir):
     ("parallel.min_buckets=0", "parallel.min_buckets", "positive integer"),
     ("seed=-1", "seed", "non-negative integer"),
     ("net=5", "net", "list of layers"),
-    ("data.train.source=csv", "data.train.source", "hdf5, synthetic"),
+    ("data.train.source=csv", "data.train.source", "hdf5, lmdb, synthetic"),
     ("solver.stepvalues=[5, 3]", "solver.stepvalues", "increasing"),
 ])
 def test_wrong_types_name_the_key(cfg_dir, override, key, expected):

@@ -204,6 +204,17 @@ def test_data_parallel_equals_one_rank_with_n_times_batch(n, args, delay):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("kind,n", [("data", 2), ("pipeline", 2), ("hybrid", 4)])
+def test_clip_gradients_across_ranks_equals_one(kind, n):
+    """solver.clip_gradients clips by the norm of the reduced gradients: 2
+    data-parallel ranks, 2 pipeline stages (one Allreduce of the squared
+    norm), or 2 replicas x 2 stages give the parameters of one process
+    (tests/mpi_scripts/clip_equiv.py)."""
+    proc, _ = run_mpi("clip_equiv.py", n, kind)
+    assert proc.stdout.count("OK clip_equiv") == n
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("n,kind,delay", [(2, "serial", ""), (3, "event", ""),
                                           (3, "event", "3:3")])
 def test_partitioned_pipeline_equals_unpartitioned(n, kind, delay):

@@ -67,3 +67,26 @@ def test_train_cli_sync_ps_equals_allreduce(tmp_path):
     for other in ("sync_ps", "async"):
         for k, v in out["sync"].items():
             assert np.array_equal(v, out[other][k]), (other, k)
+
+
+@pytest.mark.mpi
+def test_train_cli_sync_ps_clips_like_allreduce(tmp_path):
+    """solver.clip_gradients on the one server of sync_ps: the weights of 2
+    workers + 1 server equal those of 2 ranks with allreduce (the norm of
+    the averaged gradients either way), and the clip acts."""
+    import h5py
+    from purine_mpi.io.config import dump_config
+    cfg = mlp_config(solver={"max_iter": 4, "display": 2})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    out = {}
+    for name, mode, n, clip in (("plain", "sync", 2, "null"), ("sync", "sync", 2, "0.05"),
+                                ("sync_ps", "sync_ps", 3, "0.05")):
+        run_python(n, ["-m", "purine_mpi", "train", str(path), "--out", str(tmp_path / name),
+                       "--set", f"parallel.mode={mode}", "--set",
+                       f"solver.clip_gradients={clip}"])
+        with h5py.File(tmp_path / name / "latest.h5", "r") as f:
+            out[name] = {k: f[k][()] for k in ("params/out/weight", "params/fc1/bias")}
+    for k, v in out["sync"].items():
+        np.testing.assert_allclose(out["sync_ps"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert not np.allclose(out["sync"]["params/out/weight"], out["plain"]["params/out/weight"])

@@ -15,9 +15,12 @@ Semantics kept exact:
 - Fillers are written out with Caffe's defaults (a missing filler is
   Caffe's ``constant`` 0).
 - Data layers (Data, HDF5Data, ImageData) become the HDF5 source at
-  ``data_path`` (split train / test by the layer's phase); their tops are
-  renamed to our ``data`` / ``label`` blobs; ``transform_param`` becomes the
-  source's scale / mean / mirror / crop_size.
+  ``data_path`` (split train / test by the layer's phase) when it is given;
+  without it a ``Data`` layer with ``backend: LMDB`` becomes the lmdb source
+  of its own ``source`` (resolved against the working directory, as Caffe
+  does; the notes say the absolute path). Their tops are renamed to our
+  ``data`` / ``label`` blobs; ``transform_param`` becomes the source's
+  scale / mean / mean_file / mirror / crop_size.
 """
 import os
 
@@ -134,11 +137,9 @@ class Converter:
         param = layer.msg.get(kind)
         if param is None or not param.has("batch_size"):
             self.fail(layer.line, layer, f"needs {kind} {{ batch_size: N }}")
-        if self.data_path is None:
-            self.fail(layer.line, layer, "data layers read our HDF5 data file: give --data "
-                                         "DATA.h5 (e.g. from 'python -m purine_mpi data digits')")
         phases = [layer.phase] if layer.phase else ["train", "test"]
-        spec = {"source": "hdf5", "path": self.data_path, "batch_size": param.get("batch_size")}
+        spec = self._data_source(layer, param)
+        spec["batch_size"] = param.get("batch_size")
         spec["shuffle"] = bool(param.get("shuffle", False))
         transform = layer.msg.get("transform_param")
         for src in (param, transform):  # old nets put the transform in data_param
@@ -153,6 +154,15 @@ class Converter:
             means = src.all("mean_value") if src is transform else []
             if means:
                 spec["mean"] = means[0] if len(means) == 1 else means
+        if transform is not None and transform.get("mean_file"):
+            if "mean" in spec:
+                self.fail(transform.line_of("mean_file"), layer, "mean_file and mean_value "
+                                                                 "together (Caffe allows one)")
+            given = transform.get("mean_file")
+            spec["mean_file"] = os.path.abspath(given)
+            self.notes.append(f"{layer.where()} (line {layer.line}): mean_file {given!r} -> "
+                              f"{spec['mean_file']} (resolved against the working directory, "
+                              "as Caffe does)" + _missing(spec["mean_file"]))
         tops = layer.tops
         if not 1 <= len(tops) <= 2:
             self.fail(layer.line, layer, f"expected tops [data, label], got {tops}")
@@ -162,10 +172,37 @@ class Converter:
         for phase in phases:
             if phase in self.data:
                 self.fail(layer.line, layer, f"a second data layer for the {phase} phase")
-            self.data[phase] = dict(spec, split=phase)
-        self.notes.append(f"{layer.where()} (line {layer.line}) reads {self.data_path} "
-                          f"(split {' and '.join(phases)}); its source "
-                          f"{param.get('source', '')!r} is not used")
+            self.data[phase] = dict(spec, split=phase) if spec["source"] == "hdf5" else \
+                dict(spec)
+        if spec["source"] == "hdf5":
+            self.notes.append(f"{layer.where()} (line {layer.line}) reads {self.data_path} "
+                              f"(split {' and '.join(phases)}); its source "
+                              f"{param.get('source', '')!r} is not used")
+
+    def _data_source(self, layer, param):
+        """{source, path} of a data layer: our HDF5 file (``--data``, which
+        overrides), or the layer's own LMDB (Data with backend LMDB)."""
+        if self.data_path is not None:
+            return {"source": "hdf5", "path": self.data_path}
+        if layer.type != "Data":
+            self.fail(layer.line, layer, f"{layer.type} layers read our HDF5 data file: give "
+                                         "--data DATA.h5 (e.g. from 'python -m purine_mpi data "
+                                         "digits')")
+        backend = param.get("backend", "LEVELDB")
+        if backend != "LMDB":
+            given = "" if param.has("backend") else " (Caffe's default: the layer gives no backend)"
+            self.fail(param.line_of("backend"), layer,
+                      f"backend LEVELDB{given} is not supported: convert the database to LMDB "
+                      "(Caffe's convert_imageset --backend=lmdb, or tools/convert_db), or give "
+                      "--data DATA.h5")
+        source = param.get("source")
+        if not source:
+            self.fail(param.line, layer, "needs data_param { source: \"PATH_lmdb\" }")
+        path = os.path.abspath(source)
+        self.notes.append(f"{layer.where()} (line {layer.line}) reads the LMDB {path} "
+                          f"(source {source!r}, resolved against the working directory "
+                          f"{os.getcwd()}, as Caffe does)" + _missing(path))
+        return {"source": "lmdb", "path": path}
 
     # ------------------------------------------------------------ helpers
     def param_mults(self, layer, entry, count):
@@ -266,6 +303,10 @@ def _find_cycle(start, producers):
     return None
 
 
+def _missing(path):
+    return "" if os.path.exists(path) else "; it does not exist yet: train needs it there"
+
+
 # --------------------------------------------------------------- checking
 def check_builds(config, converter):
     """Build the converted net's forward graph of each phase, so that what our
@@ -308,13 +349,54 @@ def convert(net_path, solver_path=None, data_path=None):
     config["net"] = layers
     if solver_path:
         msg = parse_file(solver_path, TEXT_SCHEMA, "SolverParameter")
-        solver, checkpoint, seed = convert_solver(msg, solver_path, conv.notes)
+        solver, checkpoint, seed, iter_size = convert_solver(msg, solver_path, conv.notes)
         config["solver"], config["checkpoint"] = solver, checkpoint
         if seed is not None:
             config["seed"] = seed
-    if conv.data and os.path.isfile(data_abs):
+        if iter_size > 1:
+            _accumulate(config, iter_size, conv.notes, solver_path, msg)
+    present = conv.data and all(os.path.exists(spec["path"]) and os.path.exists(
+        spec.get("mean_file", spec["path"])) for spec in conv.data.values())
+    if present:
         check_builds(config, conv)
+        _test_length_note(config, conv.notes)
     return config, conv.notes
+
+
+def _accumulate(config, iter_size, notes, solver_path, msg):
+    """Caffe's iter_size K: K batches of B per update -> one batch of K x B
+    in K micro-batches (gradient accumulation; the same samples and the
+    same mean gradient)."""
+    train = (config.get("data") or {}).get("train")
+    if train is None:
+        raise PrototxtError(solver_path, msg.line_of("iter_size"), "iter_size needs a "
+                            "training data layer in the net")
+    batch = train["batch_size"]
+    train["batch_size"] = batch * iter_size
+    config["parallel"] = {"micro_batches": iter_size}
+    notes.append(f"solver: iter_size {iter_size} -> data.train.batch_size {batch} x "
+                 f"{iter_size} = {batch * iter_size} in parallel.micro_batches {iter_size} "
+                 "(gradient accumulation: each micro-batch is Caffe's batch, the update "
+                 "applies their mean gradient)")
+
+
+def _test_length_note(config, notes):
+    """Say what test_iter x the test batch reads of the test split (a full
+    pass, or how many times each sample counts)."""
+    from ..io.data import source_info
+    from ..train.evaluation import repeat_note
+    test = (config.get("data") or {}).get("test")
+    test_iter = (config.get("solver") or {}).get("test_iter")
+    if test is None or not test_iter:
+        return
+    n = source_info(test)[0]
+    note = repeat_note(test_iter, test["batch_size"], 1, n)
+    if note:
+        notes.append(f"solver: test_iter {test_iter}: " + note[len("note: "):])
+    elif test_iter * test["batch_size"] < n:
+        notes.append(f"solver: test_iter {test_iter} x batch {test['batch_size']} reads "
+                     f"{test_iter * test['batch_size']} of the {n} test samples (null "
+                     "test_iter: one full pass)")
 
 
 def write_config(net_path, out_path, solver_path=None, data_path=None):

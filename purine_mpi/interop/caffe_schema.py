@@ -98,7 +98,7 @@ TEXT_SCHEMA = {
                            "is_color": "bool", "root_folder": "string", "scale": "float",
                            "crop_size": "int", "mirror": "bool", "rand_skip": "int"},
     "TransformationParameter": {"scale": "float", "mirror": "bool", "crop_size": "int",
-                                "mean_value": "float"},
+                                "mean_value": "float", "mean_file": "string"},
     "LossParameter": {"ignore_label": "int", "normalization": (
         "FULL", "VALID", "BATCH_SIZE", "NONE"), "normalize": "bool"},
     "SolverParameter": {
@@ -113,7 +113,7 @@ TEXT_SCHEMA = {
         "type": "string", "solver_type": ("SGD", "NESTEROV", "ADAGRAD", "RMSPROP",
                                           "ADADELTA", "ADAM"),
         "debug_info": "bool", "snapshot_after_train": "bool", "momentum2": "float",
-        "delta": "float", "rms_decay": "float"},
+        "delta": "float", "rms_decay": "float", "clip_gradients": "float"},
 }
 
 # ------------------------------------------------------------ wire format
@@ -121,6 +121,4 @@ TEXT_SCHEMA = {
 NET_LAYER, NET_LAYERS_V1 = 100, 2
 LAYER_NAME, LAYER_TYPE, LAYER_BOTTOM, LAYER_TOP, LAYER_BLOBS = 1, 2, 3, 4, 7
 V1_BOTTOM, V1_TOP, V1_NAME, V1_TYPE, V1_BLOBS = 2, 3, 4, 5, 6
-BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH = 1, 2, 3, 4
-BLOB_DATA, BLOB_SHAPE, BLOB_DOUBLE_DATA = 5, 7, 8
-SHAPE_DIM = 1
+# (BlobProto's and Datum's field numbers are in io/protowire.py)

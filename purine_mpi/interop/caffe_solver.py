@@ -1,4 +1,20 @@
-"""Caffe's SolverParameter -> our solver and checkpoint sections."""
+"""Caffe's SolverParameter -> our solver and checkpoint sections.
+
+    iter_size K        gradient accumulation: the caller (caffe_convert)
+                       makes data.train.batch_size K x B, split into
+                       parallel.micro_batches K (each micro-batch is
+                       Caffe's batch B; the gradient is their mean, as
+                       Caffe's Normalize)
+    clip_gradients C   solver.clip_gradients C / K: Caffe clips the *sum*
+                       of the K gradients to C, ours clips their mean, and
+                       ||sum|| > C  <=>  ||mean|| > C / K with the same factor
+    snapshot_prefix P  checkpoint.folder P (absolute, resolved against the
+                       working directory as Caffe does)
+    random_seed S      the config's seed
+    type / solver_type SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam
+"""
+import os
+
 from .prototxt import PrototxtError
 
 LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv")
@@ -8,7 +24,8 @@ SOLVER_TYPES = {"SGD": "sgd", "NESTEROV": "nesterov", "ADAGRAD": "adagrad",
 
 
 def convert_solver(msg, path, notes):
-    """(solver section, checkpoint section, seed or None) of a SolverParameter."""
+    """(solver section, checkpoint section, seed or None, iter_size) of a
+    SolverParameter."""
     def fail(field, message):
         raise PrototxtError(path, msg.line_of(field), message)
 
@@ -19,8 +36,9 @@ def convert_solver(msg, path, notes):
              "RMSProp, AdaDelta, Adam)")
     if not msg.has("base_lr"):
         fail(None, "the solver needs base_lr")
-    if msg.get("iter_size", 1) != 1:
-        fail("iter_size", "iter_size other than 1 (gradient accumulation) is not supported")
+    iter_size = msg.get("iter_size", 1)
+    if iter_size < 1:
+        fail("iter_size", f"iter_size must be >= 1, got {iter_size}")
     if msg.get("regularization_type", "L2") != "L2":
         fail("regularization_type", "only L2 regularization is supported")
     policy = msg.get("lr_policy", "fixed")
@@ -41,14 +59,29 @@ def convert_solver(msg, path, notes):
         solver["test_iter"] = msg.all("test_iter")[0]
         if len(msg.all("test_iter")) > 1:
             notes.append("solver: several test_iter values; the first is used (one test net)")
+    clip = msg.get("clip_gradients", -1.0)
+    if clip > 0:
+        solver["clip_gradients"] = clip / iter_size
+        if iter_size > 1:
+            notes.append(f"solver: clip_gradients {clip:g} with iter_size {iter_size}: Caffe "
+                         f"clips the sum of the {iter_size} gradients, so solver.clip_gradients "
+                         f"is {clip / iter_size:g} on their mean (the same clipping)")
+    elif clip == 0:
+        fail("clip_gradients", "clip_gradients 0 would zero every gradient; give a positive "
+                               "norm, or a negative one (Caffe's default -1) for none")
     checkpoint = {"interval": msg.get("snapshot", 0)}
-    for field in ("solver_mode", "device_id", "snapshot_prefix", "net", "train_net", "test_net",
+    if msg.get("snapshot_prefix"):
+        folder = os.path.abspath(msg.get("snapshot_prefix"))
+        checkpoint["folder"] = folder
+        notes.append(f"solver: snapshot_prefix {msg.get('snapshot_prefix')!r} -> "
+                     f"checkpoint.folder {folder} (resolved against the working directory, as "
+                     "Caffe does): runs without --out go to its numbered subfolders")
+    for field in ("solver_mode", "device_id", "net", "train_net", "test_net",
                   "test_initialization", "average_loss", "debug_info", "snapshot_format",
                   "snapshot_diff", "snapshot_after_train"):
         if msg.has(field):
             what = {"solver_mode": "the device is chosen by the config's 'device' key",
-                    "snapshot_prefix": "checkpoints go to the run's --out folder",
                     "net": "the net is the NET.prototxt given"}.get(field, "no equivalent")
             notes.append(f"solver: '{field}' (line {msg.line_of(field)}) is ignored: {what}")
     seed = msg.get("random_seed", -1)
-    return solver, checkpoint, (seed if seed >= 0 else None)
+    return solver, checkpoint, (seed if seed >= 0 else None), iter_size

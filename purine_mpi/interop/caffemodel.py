@@ -1,8 +1,7 @@
 """Caffe's binary ``.caffemodel`` (a NetParameter in protobuf wire format)
 -> our parameters, by layer name (``train --init`` / ``test --weights``).
 
-A small wire-format reader: varints, fixed 32/64-bit and length-delimited
-fields, packed and unpacked repeated scalars. It reads only what weights
+The wire-format reader is ``io/protowire.py``. This module reads only what weights
 need (layer name, type, bottoms, tops, blobs) from both ``layer`` (field
 100) and the old ``layers`` (field 2) entries.
 
@@ -14,11 +13,10 @@ Blob mapping (Caffe layer L -> our blobs):
                                 which the BatchNorm kernel continues from)
     Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
 """
-import struct
-
 import numpy as np
 
 from ..errors import UserError
+from ..io import protowire
 from . import caffe_schema as S
 
 
@@ -27,85 +25,8 @@ class CaffemodelError(UserError):
 
 
 # ------------------------------------------------------------- wire format
-def _varint(buf, pos):
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint longer than 10 bytes")
-
-
-def fields(buf):
-    """Yield (field number, wire type, value) of one message's bytes; the
-    value is an int (varint, fixed64 as raw bytes for 1/5) or a memoryview."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = bytes(buf[pos:pos + 8]), pos + 8
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + length], pos + length
-        elif wire == 5:
-            value, pos = bytes(buf[pos:pos + 4]), pos + 4
-        else:
-            raise ValueError(f"unsupported wire type {wire} (field {number})")
-        if pos > end:
-            raise ValueError(f"field {number} runs past the end of its message")
-        yield number, wire, value
-
-
-def _floats(wire, value, fmt):
-    size = struct.calcsize(fmt)
-    if wire == 2:  # packed
-        if len(value) % size:
-            raise ValueError("packed float data has a partial element")
-        return np.frombuffer(bytes(value), dtype=f"<{fmt}")
-    return np.frombuffer(value, dtype=f"<{fmt}")
-
-
-def _ints(wire, value):
-    if wire == 0:
-        return [value]
-    out, pos = [], 0
-    while pos < len(value):
-        v, pos = _varint(value, pos)
-        out.append(v)
-    return out
-
-
-def read_blob(buf):
-    """A BlobProto's values as float32 in its shape (legacy num/channels/height/width too)."""
-    data, dims, legacy = [], [], {}
-    for number, wire, value in fields(buf):
-        if number == S.BLOB_DATA:
-            data.append(_floats(wire, value, "f"))
-        elif number == S.BLOB_DOUBLE_DATA:
-            data.append(_floats(wire, value, "d"))
-        elif number == S.BLOB_SHAPE:
-            for n, w, v in fields(value):
-                if n == S.SHAPE_DIM:
-                    dims += _ints(w, v)
-        elif number in (S.BLOB_NUM, S.BLOB_CHANNELS, S.BLOB_HEIGHT, S.BLOB_WIDTH) and wire == 0:
-            legacy[number] = value
-    values = np.concatenate(data).astype(np.float32) if data else np.zeros(0, np.float32)
-    if not dims and legacy:
-        dims = [legacy.get(n, 1) for n in (S.BLOB_NUM, S.BLOB_CHANNELS, S.BLOB_HEIGHT,
-                                           S.BLOB_WIDTH)]
-    shape = tuple(int(d) for d in dims) if dims else (values.size,)
-    if int(np.prod(shape, dtype=np.int64)) != values.size:
-        raise ValueError(f"a blob of shape {list(shape)} holds {values.size} values")
-    return values.reshape(shape)
+# the reader lives in io/protowire (the mean files and LMDB records use it too)
+fields, read_blob = protowire.fields, protowire.read_blob
 
 
 def read_layers(path):

@@ -15,7 +15,18 @@ Ops are mapped one by one (opset 13):
     Reshape -> Reshape         Scale -> Mul
 
 Any other op is a UserError naming the op and its layer.
+
+The data transform of the test spec (``io/transform.py``, test phase: the
+centre crop, no mirror) is part of the model by default (``raw_input``): the
+input ``data`` is a batch as the data file holds it (N x C x H x W before the
+crop; uint8 when the file stores bytes), and the graph applies, in Caffe's
+order, Cast to float, Slice (the centre crop), Sub (the mean image's centre
+window, or the mean values), Mul (scale). With ``raw_input=False`` the input
+is the transformed batch, as before. Either way the model's metadata
+(``purine.preprocessing``, JSON) says what the input is and which transform
+the model applies, and the summary line says it.
 """
+import json
 import os
 
 import numpy as np
@@ -26,9 +37,10 @@ OPSET = 13
 _DROPPED = ("SoftmaxLoss", "Accuracy")
 
 
-def export_onnx(config, weights_path, out_path, batch=None):
+def export_onnx(config, weights_path, out_path, batch=None, raw_input=True):
     """Write the ONNX model of ``config``'s test phase with the params of
-    ``weights_path``; returns a one-line summary."""
+    ``weights_path``; returns a one-line summary. ``raw_input``: the model
+    takes untransformed input and applies the test spec's transform."""
     try:
         import onnx
     except ImportError:
@@ -52,7 +64,12 @@ def export_onnx(config, weights_path, out_path, batch=None):
             raise UserError(f"weights file '{weights_path}': '{p}' has shape {list(value.shape)}"
                             f", the net expects {list(graph.blobs[p].shape)}")
         values[p] = value
-    model = build_model(graph, values, config.get("name", "net"), batch)
+    spec = config["data"]["test"]
+    pre = preprocessing(spec) if raw_input else None
+    model = build_model(graph, values, config.get("name", "net"), batch, pre)
+    said = describe(spec, pre)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])
     onnx.checker.check_model(model)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
@@ -64,11 +81,111 @@ def export_onnx(config, weights_path, out_path, batch=None):
         if os.path.exists(tmp):
             os.remove(tmp)
     outputs = ", ".join(o.name for o in model.graph.output)
-    return f"{len(model.graph.node)} nodes, input data, outputs {outputs}"
+    return f"{len(model.graph.node)} nodes, outputs {outputs}; {said['line']}"
 
 
-def build_model(graph, values, name, batch=None):
-    """An onnx ModelProto of ``graph`` (an inference graph with a DataReader)."""
+# ------------------------------------------------------------ the transform
+def preprocessing(spec):
+    """{shape (C, H, W), dtype, crop, mean_image, mean, scale} of the test
+    spec's transform as the model applies it (None when there is none and
+    the data is float32: the input is then the data as it is)."""
+    from ..io.data import source_info
+    from ..io.transform import has_transform, mean_image
+    _, shape = source_info(spec)
+    dtype = _raw_dtype(spec)
+    if not has_transform(spec) and dtype == np.float32:
+        return None
+    crop = spec.get("crop_size")
+    image = mean_image(spec["mean_file"]) if spec.get("mean_file") is not None else None
+    top = left = 0
+    if crop is not None:
+        top, left = (shape[1] - crop) // 2, (shape[2] - crop) // 2
+        if image is not None:
+            image = image[:, top:top + crop, left:left + crop]
+    return {"shape": tuple(shape), "dtype": dtype, "crop": crop, "top": top, "left": left,
+            "mean_image": image, "mean": spec.get("mean"), "scale": spec.get("scale")}
+
+
+def _raw_dtype(spec):
+    """uint8 or float32: what the source's samples are before the transform."""
+    kind = spec.get("source", "hdf5")
+    if kind == "lmdb":
+        from ..io.lmdb_source import lmdb_meta
+        return np.uint8 if lmdb_meta(spec["path"]).dtype == np.uint8 else np.float32
+    if kind == "hdf5":
+        import h5py
+        with h5py.File(spec["path"], "r") as f:
+            group = f if spec.get("split") is None else f[spec["split"]]
+            return np.uint8 if group["data"].dtype == np.uint8 else np.float32
+    return np.float32
+
+
+def describe(spec, pre):
+    """{"line": what the summary says, "meta": the metadata's JSON} of the input."""
+    from ..io.transform import has_transform
+    steps = []
+    if spec.get("crop_size") is not None:
+        steps.append(f"centre crop {spec['crop_size']}")
+    if spec.get("mean_file") is not None:
+        steps.append(f"subtract the mean image {spec['mean_file']}")
+    if spec.get("mean") is not None:
+        steps.append(f"subtract mean {spec['mean']}")
+    if spec.get("scale") is not None:
+        steps.append(f"multiply by {spec['scale']:g}")
+    meta = {"transform": {k: spec[k] for k in ("crop_size", "mean_file", "mean", "scale")
+                          if spec.get(k) is not None}}
+    if pre is not None:
+        dtype = np.dtype(pre["dtype"]).name
+        meta.update(input="raw", dtype=dtype, shape=list(pre["shape"]))
+        line = (f"input data: raw samples as the data file holds them ({dtype} "
+                f"{' x '.join(map(str, pre['shape']))})"
+                + (f"; the model applies: {', '.join(steps)}" if steps else ""))
+    elif has_transform(spec):
+        meta.update(input="transformed")
+        line = (f"input data: already transformed (--no-raw-input): {', '.join(steps)} "
+                "before feeding it (also in the model's metadata 'purine.preprocessing')")
+    else:
+        meta.update(input="raw")
+        line = "input data: the samples as the data file holds them (no transform)"
+    return {"line": line, "meta": meta}
+
+
+def _preprocess_nodes(pre, const, helper):
+    """Nodes from the raw input ``data`` to ``data/transformed`` (Caffe's order)."""
+    from onnx import TensorProto
+    nodes, x = [], "data"
+
+    def step(op_type, inputs, **attrs):
+        nonlocal x
+        out = f"data/{op_type.lower()}{len(nodes)}"
+        nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        x = out
+
+    if pre["dtype"] != np.float32:
+        step("Cast", [x], to=TensorProto.FLOAT)
+    crop = pre["crop"]
+    if crop is not None:
+        starts = np.array([pre["top"], pre["left"]], np.int64)
+        step("Slice", [x, const(starts, "data"), const(starts + crop, "data"),
+                       const(np.array([2, 3], np.int64), "data")])
+    if pre["mean_image"] is not None:
+        step("Sub", [x, const(pre["mean_image"][None].astype(np.float32), "data")])
+    mean = pre["mean"]
+    if mean is not None:
+        value = np.asarray(mean, np.float32)
+        step("Sub", [x, const(value.reshape(1, -1, 1, 1) if value.ndim else value, "data")])
+    if pre["scale"] is not None:
+        step("Mul", [x, const(np.float32(pre["scale"]), "data")])
+    if not nodes:
+        step("Identity", [x])
+    nodes[-1].output[0] = "data/transformed"
+    return nodes
+
+
+def build_model(graph, values, name, batch=None, pre=None):
+    """An onnx ModelProto of ``graph`` (an inference graph with a DataReader);
+    ``pre`` (``preprocessing``): the model's input is raw and these nodes
+    transform it first."""
     from onnx import TensorProto, helper, numpy_helper
     order = graph.topo_order()
     consumers = graph.consumers()
@@ -108,7 +225,14 @@ def build_model(graph, values, name, batch=None):
     if data_shape is None:
         raise UserError("export onnx: the net has no data input")
     data_shape[0] = batch if batch else "batch"
-    inputs = [helper.make_tensor_value_info("data", TensorProto.FLOAT, data_shape)]
+    elem = TensorProto.FLOAT
+    if pre is not None:
+        for node in nodes:  # the net reads the transformed batch
+            node.input[:] = ["data/transformed" if i == "data" else i for i in node.input]
+        nodes = _preprocess_nodes(pre, const, helper) + nodes
+        data_shape = [data_shape[0]] + list(pre["shape"])
+        elem = TensorProto.UINT8 if pre["dtype"] == np.uint8 else TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("data", elem, data_shape)]
     outs = []
     for blob in outputs:
         shape = list(graph.blobs[blob].shape)

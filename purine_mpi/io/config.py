@@ -175,6 +175,14 @@ def validate_config(config, path="<config>", check_files=True):
                           f"(parameter servers) supports solver type 'sgd' only, got "
                           f"{out['solver']['type']!r}; use parallel.mode: sync")
     _check_pipeline(out, path)
+    if out["solver"]["clip_gradients"] is not None and (
+            out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
+                                                   and out["parallel"]["ps_ranks"] > 1)):
+        raise ConfigError(path, "solver.clip_gradients", "clipping by the global norm needs "
+                          "every gradient of an iteration in one place: it works with "
+                          "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
+                          f"with mode {out['parallel']['mode']!r} and "
+                          f"ps_ranks {out['parallel']['ps_ranks']}")
     out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
                                        CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
     if config.get("backend") is not None:
@@ -277,7 +285,7 @@ _SOLVER_CHECKS = {
     "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
     "display": _int(0), "warmup_iters": _int(0), "momentum2": _num(0, below=1),
     "delta": _num(0, strict=True), "rms_decay": _num(0, below=1),
-    "test_initialization": _bool,
+    "test_initialization": _bool, "clip_gradients": _optional(_num(0, strict=True)),
     "early_stop": lambda key, value, path: _check_watch(
         key, value, path, {"metric": None, "mode": None, "patience": 5, "min_delta": 0.0}),
 }
@@ -347,7 +355,14 @@ def _check_pipeline(out, path):
                           "use scheme: data")
 
 
-_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0),
+def _check_folder(key, value, path):
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(path, key, f"expected a folder path or null, got {value!r}")
+    return value
+
+
+_check_folder.doc = "string or null"
+_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0), "folder": _check_folder,
                       "best": lambda key, value, path: _check_watch(
                           key, value, path, {"metric": None, "mode": None, "keep": 1})}
 _CHECKPOINT_CHECKS["best"].doc = "mapping {metric, mode, keep} or null"

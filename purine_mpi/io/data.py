@@ -1,7 +1,8 @@
 """Data sources and the data-parallel batching rule.
 
 A source holds ``n_samples`` samples of one ``sample_shape`` (float32, or
-uint8 for an HDF5 file stored as bytes) with int64 labels and returns any of
+uint8 for an HDF5 file stored as bytes and for Caffe's LMDB records, see
+``io/lmdb_source.py``) with int64 labels and returns any of
 them by index (``gather``). An HDF5 split that does not fit the memory budget
 is read batch by batch from its (chunked) datasets instead of being loaded. The order in
 which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample order"):
@@ -243,40 +244,64 @@ class SyntheticSource(DataSource):
 
 
 def make_source(spec, seed=0):
-    """A source from a data spec as in the config (``source: hdf5|synthetic``).
+    """A source from a data spec as in the config (``source: hdf5|lmdb|synthetic``).
     ``seed`` is used for synthetic data when the spec gives no ``seed``."""
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
         return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
+    if kind == "lmdb":
+        from .lmdb_source import LMDBSource
+        return LMDBSource(spec["path"])
     if kind == "synthetic":
         s = spec.get("seed")
         return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
                                seed if s is None else s, spec.get("split"))
-    raise UserError(f"unknown data source {kind!r}; expected 'hdf5' or 'synthetic'")
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
 
 
 def check_labels(spec, classes, ignore_label=None, layer="?"):
     """Raise a UserError naming the file and dataset when a label of the
     data spec lies outside [0, ``classes``) (``ignore_label`` excepted):
     ``classes`` is what the consuming ``layer`` (a loss or accuracy) sees.
-    Synthetic data draws its labels in range by construction."""
+    Synthetic data draws its labels in range by construction; an LMDB is
+    scanned when its file fits ``memory_budget()`` (a larger one is read
+    only batch by batch, and the loss checks its labels then)."""
+    if spec.get("source", "hdf5") == "lmdb":
+        from .lmdb_source import LMDBSource, lmdb_file_bytes
+        if lmdb_file_bytes(spec["path"]) > memory_budget():
+            return
+        source = LMDBSource(spec["path"])
+        labels = source.labels()
+        bad = (labels < 0) | (labels >= classes)
+        if ignore_label is not None:
+            bad &= labels != int(ignore_label)
+        if bad.any():
+            first = int(np.argmax(bad))
+            key = bytes(source.keys[first]).decode("utf-8", "backslashreplace")
+            _check_label_range(labels, classes, ignore_label, layer,
+                               f"lmdb source '{spec['path']}'", f"record '{key}' holds label")
+        return
     if spec.get("source", "hdf5") != "hdf5":
         if int(spec.get("classes", classes)) > classes:
             raise UserError(f"data: synthetic source has {spec.get('classes')} classes but "
                             f"layer '{layer}' sees {classes} (check its input's num_output)")
         return
     source = HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
-    labels = source.labels
+    where = "/" if spec.get("split") is None else f"/{spec['split']}/"
+    _check_label_range(source.labels, classes, ignore_label, layer,
+                       f"data file '{spec['path']}'", f"dataset '{where}label' holds label")
+
+
+def _check_label_range(labels, classes, ignore_label, layer, what, holds):
     bad = (labels < 0) | (labels >= classes)
     if ignore_label is not None:
         bad &= labels != int(ignore_label)
     if bad.any():
         first = int(np.argmax(bad))
-        where = "/" if spec.get("split") is None else f"/{spec['split']}/"
-        raise UserError(f"data file '{spec['path']}': dataset '{where}label' holds label "
-                        f"{int(labels[first])} (sample {first}; {int(bad.sum())} bad in all), "
-                        f"outside [0, {classes}): layer '{layer}' sees {classes} classes "
-                        "(check the num_output of the layer feeding it)")
+        raise UserError(f"{what}: {holds} {int(labels[first])} (sample {first}; "
+                        f"{int(bad.sum())} bad in all), outside [0, {classes}): layer "
+                        f"'{layer}' sees {classes} classes (check the num_output of the layer "
+                        "feeding it)")
 
 
 def source_info(spec):
@@ -284,9 +309,12 @@ def source_info(spec):
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
         return hdf5_info(spec["path"], spec.get("split"))
+    if kind == "lmdb":
+        from .lmdb_source import lmdb_info
+        return lmdb_info(spec["path"])
     if kind == "synthetic":
         return int(spec.get("num_samples", 1024)), tuple(int(s) for s in spec["shape"])
-    raise UserError(f"unknown data source {kind!r}; expected 'hdf5' or 'synthetic'")
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
 
 
 # ----------------------------------------------------------------- batching

@@ -1,5 +1,5 @@
 """Validation of the config's data specs (``data.train``, ``data.test``):
-sources, paths resolved against the working and the config's folder, the
+sources (hdf5, lmdb, synthetic), paths resolved against the working and the config's folder, the
 transform keys, the notes a user should read, and the hint that names the
 command which makes a missing data file. Imports the schema and checks.
 """
@@ -31,10 +31,11 @@ def _check_data_spec(phase, spec, path, check_files):
     _check_keys(key, spec, DATA_KEYS, path)
     source = spec.get("source")
     if source is None:  # infer the obvious case, so a path alone is enough
-        source = "hdf5" if "path" in spec else "synthetic" if "shape" in spec else None
+        source = (("lmdb" if isinstance(spec["path"], str) and os.path.isdir(spec["path"])
+                   else "hdf5") if "path" in spec else "synthetic" if "shape" in spec else None)
     if source is None:
-        raise ConfigError(path, f"{key}.source", "expected 'hdf5' (with a path) or 'synthetic' "
-                                                 "(with shape and classes)")
+        raise ConfigError(path, f"{key}.source", "expected 'hdf5' or 'lmdb' (with a path) or "
+                                                 "'synthetic' (with shape and classes)")
     out = {"source": _check_choice(f"{key}.source", source, DATA_SOURCES, path)}
     if "batch_size" not in spec:
         raise ConfigError(path, f"{key}.batch_size", "missing; expected a positive integer "
@@ -43,8 +44,19 @@ def _check_data_spec(phase, spec, path, check_files):
     out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
     if spec.get("seed") is not None:
         out["seed"] = check_seed(f"{key}.seed", spec["seed"], path)
-    out.update(_check_transform(key, spec, path))
-    if source == "hdf5":
+    out.update(_check_transform(key, spec, path, check_files))
+    if source == "lmdb":
+        if not isinstance(spec.get("path"), str) or not spec["path"]:
+            raise ConfigError(path, f"{key}.path", "expected the path of a Caffe LMDB (the "
+                                                   f"folder holding data.mdb), got "
+                                                   f"{spec.get('path')!r}")
+        for other in ("in_memory", "split", "shape", "classes", "num_samples"):
+            if spec.get(other) is not None:
+                raise ConfigError(path, f"{key}.{other}", "does not apply to source lmdb "
+                                                          "(one database is one split)")
+        out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files,
+                                         folder=True)
+    elif source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
                                                    f"{spec.get('path')!r}")
@@ -94,11 +106,30 @@ def data_notes(config):
     return notes
 
 
-def _check_transform(key, spec, path):
+def _check_transform(key, spec, path, check_files=True):
     """The transform keys of a data spec (``purine_mpi.io.transform``); absent
     keys stay absent. Whether they fit the samples (crop within H x W, one
-    mean per channel) is checked when the data op reads the file's shape."""
+    mean per channel, a mean image of the samples' shape) is checked when
+    the data op reads the file's shape."""
     out = {}
+    mean_file = spec.get("mean_file")
+    if mean_file is not None:
+        if not isinstance(mean_file, str) or not mean_file:
+            raise ConfigError(path, f"{key}.mean_file", "expected the path of a Caffe "
+                                                        f".binaryproto mean image, got "
+                                                        f"{mean_file!r}")
+        if spec.get("mean") is not None:
+            raise ConfigError(path, f"{key}.mean_file", "give mean_file or mean, not both (as "
+                                                        "Caffe: mean_file or mean_value)")
+        out["mean_file"] = _resolve_data_path(mean_file, path, f"{key}.mean_file", check_files,
+                                              what="mean file")
+        if check_files:  # a damaged file is named against its key, before any graph is built
+            from ..errors import UserError
+            from .protowire import read_mean_file
+            try:
+                read_mean_file(out["mean_file"])
+            except UserError as e:
+                raise ConfigError(path, f"{key}.mean_file", str(e)) from None
     if spec.get("scale") is not None:
         out["scale"] = float(_check_number(f"{key}.scale", spec["scale"], path, 0, strict=True))
     mean = spec.get("mean")
@@ -115,20 +146,26 @@ def _check_transform(key, spec, path):
     return out
 
 
-def _resolve_data_path(data_path, config_path, key, check_files):
+def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
+                       what="data file"):
     """The data file relative to the working directory first, then to the
     config file's directory (so a config works from the repo root and from
-    its own folder). Returns an absolute path when the file was found."""
+    its own folder). Returns an absolute path when the file was found.
+    ``folder``: a folder counts too (an LMDB)."""
     candidates = [data_path]
     if not os.path.isabs(data_path) and config_path and not config_path.startswith("<"):
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_path)), data_path))
     for candidate in candidates:
-        if os.path.isfile(candidate):
+        if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
             return os.path.abspath(candidate)
     if check_files:
         tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
-        raise ConfigError(config_path, key, f"data file {data_path!r} not found (looked for "
-                                            f"{tried}); {data_hint(data_path)}")
+        hint = data_hint(data_path) if what == "data file" and not folder else (
+            "make it with Caffe's convert_imageset (or compute_image_mean for a mean file), "
+            "or give the right path")
+        raise ConfigError(config_path, key, f"{'lmdb source' if folder else what} "
+                                            f"{data_path!r} not found (looked for {tried}); "
+                                            f"{hint}")
     return data_path
 
 

@@ -4,6 +4,7 @@
 
     write_digits(out_path)            scikit-learn's bundled 8x8 digits (no download)
     write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches
+    write_lmdb({split: db}, out_path)  Caffe LMDBs of Datum records (io/lmdb_source)
 
 Files are written to a temporary name and renamed, so an interrupted
 conversion never leaves a file that looks complete.
@@ -175,3 +176,48 @@ def _write_splits(out_path, splits, attrs, log=None):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_lmdb(splits, out_path, log=None, block=1024):
+    """Write Caffe LMDBs ({split: database folder}) as one HDF5 data file,
+    record by record in key order (``block`` records in memory at a time,
+    so a database larger than memory converts): raw and encoded images stay
+    uint8 (decoded images in BGR order, as Caffe reads them), float_data is
+    float32. Returns {split: samples}."""
+    import h5py
+    from .lmdb_source import LMDBSource
+    sources = {split: LMDBSource(path) for split, path in splits.items()}
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["source"] = "Caffe LMDB: " + ", ".join(
+                f"{split}={os.path.abspath(path)}" for split, path in splits.items())
+            for split, src in sources.items():
+                n, sample = src.n_samples, src.sample_shape
+                dtype = np.uint8 if src.dtype == np.uint8 else np.float32
+                rows = max(1, min(n, CHUNK_BYTES // (np.dtype(dtype).itemsize
+                                                      * int(np.prod(sample)))))
+                group = f.create_group(split)
+                dset = group.create_dataset("data", shape=(n,) + sample, dtype=dtype,
+                                            chunks=(rows,) + sample, compression="gzip",
+                                            compression_opts=4, shuffle=True)
+                labels = np.empty(n, dtype=np.int64)
+                with progress(n, f"write {split}", "samples", log=log,
+                              enabled=log is not None) as bar:
+                    for start in range(0, n, block):
+                        data, labels[start:start + block] = src.gather(
+                            np.arange(start, min(n, start + block)))
+                        dset[start:start + len(data)] = data
+                        bar.update(len(data))
+                group.create_dataset("label", data=labels)
+                if log:
+                    log(f"wrote {n:,} {split} samples ({np.dtype(dtype).name}, "
+                        f"{'x'.join(map(str, sample))})")
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {split: src.n_samples for split, src in sources.items()}

@@ -170,13 +170,15 @@ def lock_run_dir(folder):
     return path
 
 
-def prepare_run_dir(world, name, out=None, resume=None, force=False):
-    """Rank 0 chooses (``choose_run_dir``) and locks the folder; every rank
-    gets the path. Returns it."""
+def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs"):
+    """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
+    of ``runs_root/name``) and locks the folder; every rank gets the path.
+    Returns it."""
     answer = None
     if world.rank == 0:
         # the lock is taken before the folder's files are looked at or deleted
-        path, note = choose_run_dir(name, out, resume, force, lock=lock_run_dir)
+        path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
+                                    lock=lock_run_dir)
         if note:
             print(note, flush=True)
         answer = path

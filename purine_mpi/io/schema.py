@@ -35,7 +35,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 BACKENDS = ("auto", "numpy", "cupy")
 
 
-DATA_SOURCES = ("hdf5", "synthetic")
+DATA_SOURCES = ("hdf5", "lmdb", "synthetic")
 
 
 SOLVER_DEFAULTS = {
@@ -43,7 +43,7 @@ SOLVER_DEFAULTS = {
     "lr_policy": "fixed", "gamma": 0.1, "stepsize": None, "stepvalues": [],
     "power": 1.0, "max_iter": 1000, "test_interval": 0, "test_iter": None,
     "display": 20, "warmup_iters": 0, "momentum2": 0.999, "delta": 1e-8, "rms_decay": 0.99,
-    "test_initialization": False, "early_stop": None,
+    "test_initialization": False, "early_stop": None, "clip_gradients": None,
 }
 
 
@@ -55,7 +55,7 @@ PARALLEL_DEFAULTS = {
 }
 
 
-CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3, "best": None}
+CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3, "best": None, "folder": None}
 
 
 DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "shape", "classes",
@@ -126,6 +126,11 @@ KEY_DOCS = {
         "test_initialization": "run a test pass before the first iteration (as Caffe's "
                                "`test_initialization`, Lightning's sanity check); it is row "
                                "`iter` = the start iteration of metrics.jsonl",
+        "clip_gradients": "scale the gradients by min(1, C / ‖g‖) before the update, ‖g‖ the "
+                          "global L2 norm of the reduced (averaged over ranks and micro-"
+                          "batches) gradients of all learnable parameters, before weight decay "
+                          "(Caffe's clip_gradients, Lightning's gradient_clip_val; every "
+                          "scheme; on a GPU computed on the device); null: no clipping",
         "early_stop": "stop (with a checkpoint, exit 0) when the test figure `metric` "
                       "(`accuracy`, `loss`, ...) has not improved by more than `min_delta` "
                       "(default 0) in `patience` test passes in a row (default 5); `mode` "
@@ -172,16 +177,19 @@ KEY_DOCS = {
                 "test figure `metric` (`accuracy`, `loss`, ...), `mode` `max` or `min` "
                 "(default: min for a loss, else max); rotation of the newest checkpoints "
                 "never deletes them",
+        "folder": "without `--out`, the runs go to numbered folders `<folder>/<N>` instead "
+                  "of `runs/<name>/<N>` (a relative folder is relative to the working "
+                  "directory; `convert caffe` sets it from Caffe's snapshot_prefix)",
     },
 }
 
 
 #: data spec key -> (type, default, meaning); every key of DATA_KEYS
 DATA_DOC = {
-    "source": ("one of hdf5, synthetic", "hdf5 with a path, synthetic with a shape",
-               "where the samples come from"),
-    "path": ("string", "—", "hdf5: the data file, relative to the working directory or to the "
-             "config's folder"),
+    "source": ("one of hdf5, lmdb, synthetic", "hdf5 with a path to a file, lmdb with a path "
+               "to a folder, synthetic with a shape", "where the samples come from"),
+    "path": ("string", "—", "hdf5: the data file; lmdb: the database folder (holding "
+             "data.mdb); relative to the working directory or to the config's folder"),
     "split": ("string or null", "`null` (hdf5), the phase (synthetic)",
               "hdf5: the group holding data and label (null: the file's top level)"),
     "batch_size": ("integer > 0", "required", "samples per rank per iteration (the global "
@@ -196,7 +204,11 @@ DATA_DOC = {
     "num_samples": ("integer > 0", SYNTHETIC_NUM_SAMPLES, "synthetic: samples in the split"),
     "seed": ("integer in [0, 2^63)", "the config's seed", "seed of the shuffle and of synthetic data"),
     "scale": ("number > 0", "—", "transform: multiply, after the mean is subtracted"),
-    "mean": ("number or list", "—", "transform: subtract (one value, or one per channel)"),
+    "mean": ("number or list", "—", "transform: subtract (one value, or one per channel; "
+             "Caffe's mean_value)"),
+    "mean_file": ("string", "—", "transform: subtract this Caffe `.binaryproto` mean image "
+                  "(C×H×W, the samples' shape before the crop; not with `mean`), pixel by "
+                  "pixel, before the crop's window is flipped"),
     "mirror": ("true/false", False, "transform: random horizontal flip, training only"),
     "crop_size": ("integer > 0", "—", "transform: a square window, random in training, "
                   "centred in testing"),
@@ -249,6 +261,9 @@ CHOICE_DOCS = {
     },
     "source": {
         "hdf5": "an HDF5 file holding data (N×C×H×W, float or uint8) and label (N integers)",
+        "lmdb": "a Caffe LMDB of Datum records (raw uint8, float_data, or JPEG/PNG decoded "
+                "to BGR as Caffe does), read record by record from the memory-mapped file; "
+                "needs `pip install 'purine_mpi[caffe]'`",
         "synthetic": "random samples of `shape` with random labels below `classes` (benchmarks)",
     },
     "backend": {

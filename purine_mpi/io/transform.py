@@ -9,10 +9,14 @@ to every batch in its prefetch thread, after the samples are gathered:
     mirror     bool    flip a sample horizontally (last axis) with probability
                        1/2, in training only (Caffe would also flip at test
                        time; a deterministic test pass is more useful here)
-    mean       number or per-channel list, subtracted
+    mean_file  a Caffe ``.binaryproto`` mean image (C x H x W, the samples'
+               shape before the crop), subtracted pixel by pixel: the window
+               of the crop, before the flip (Caffe's index arithmetic)
+    mean       number or per-channel list, subtracted (Caffe's mean_value;
+               not together with mean_file)
     scale      number, multiplied after the mean is subtracted
 
-In Caffe's order: ``out = (mirror(crop(x)) - mean) * scale``, float32. The
+In Caffe's order: ``out = (mirror(crop(x) - crop(mean_image)) - mean) * scale``, float32. The
 input may be any numeric dtype (float32 or uint8 files); cropping and
 flipping happen before the conversion to float32, so a uint8 batch is
 converted once and only its cropped window.
@@ -23,11 +27,15 @@ never on the rank or the thread that reads it: N ranks x B read and transform
 exactly what 1 rank x N*B does, and a resumed run draws what the
 uninterrupted one would have drawn.
 """
+import os
+import threading
+
 import numpy as np
 
 from ..errors import UserError
+from .protowire import read_mean_file
 
-TRANSFORM_KEYS = ("scale", "mean", "mirror", "crop_size")
+TRANSFORM_KEYS = ("scale", "mean", "mean_file", "mirror", "crop_size")
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 # one stream of random draws per decision, so adding one never shifts another
@@ -46,6 +54,13 @@ def output_shape(spec, sample_shape):
     shape = tuple(int(s) for s in sample_shape)
     crop = spec.get("crop_size")
     mean = spec.get("mean")
+    if spec.get("mean_file") is not None:
+        image = mean_image(spec["mean_file"])
+        if image.shape != shape:
+            raise UserError(f"data spec: mean file '{spec['mean_file']}' holds a mean image of "
+                            f"shape {list(image.shape)} but the samples of "
+                            f"{_source_name(spec)} have shape {list(shape)} (C x H x W before "
+                            "the crop); they must agree")
     if (crop is not None or spec.get("mirror")) and len(shape) != 3:
         raise UserError(f"data spec: crop_size and mirror need C x H x W samples, "
                         f"the source's samples have shape {list(shape)}")
@@ -59,6 +74,36 @@ def output_shape(spec, sample_shape):
                             f"H x W = {shape[1]} x {shape[2]}")
         shape = (shape[0], crop, crop)
     return shape
+
+
+def _source_name(spec):
+    if spec.get("source") == "lmdb":
+        return f"lmdb source '{spec.get('path')}'"
+    if spec.get("path"):
+        return f"data file '{spec.get('path')}'"
+    return "the synthetic source"
+
+
+_MEANS, _MEANS_LOCK = {}, threading.Lock()
+
+
+def mean_image(path):
+    """The mean image of a ``.binaryproto`` file (read-only float32 C x H x W),
+    read once per process and file version."""
+    try:
+        stat = os.stat(path)
+        tag = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        tag = None
+    with _MEANS_LOCK:
+        image = _MEANS.get(tag) if tag else None
+    if image is None:
+        image = read_mean_file(path)
+        image.setflags(write=False)
+        if tag:
+            with _MEANS_LOCK:
+                _MEANS[tag] = image
+    return image
 
 
 def random_draws(seed, positions, stream):
@@ -81,8 +126,16 @@ def apply_transform(data, spec, positions, seed, train):
         return data
     positions = np.asarray(positions, dtype=np.int64)
     crop = spec.get("crop_size")
+    image = mean_image(spec["mean_file"]) if spec.get("mean_file") is not None else None
     if crop is not None:
-        data = _crop(data, crop, positions, seed, train)
+        top, left = _offsets(data, crop, positions, seed, train)
+        data = _crop(data, crop, top, left)
+    if image is not None:
+        data = np.array(data, dtype=np.float32)  # the mean image follows the source pixel:
+        if crop is None:                         # subtracted before the flip
+            data -= image
+        else:
+            data -= _crop(np.broadcast_to(image, (len(data),) + image.shape), crop, top, left)
     if spec.get("mirror") and train:
         flip = (random_draws(seed, positions, _STREAM_MIRROR) >> np.uint64(63)).astype(bool)
         if flip.any():
@@ -99,15 +152,18 @@ def apply_transform(data, spec, positions, seed, train):
     return out
 
 
-def _crop(data, crop, positions, seed, train):
+def _offsets(data, crop, positions, seed, train):
+    """(top, left) of each sample's crop window."""
     height, width = data.shape[-2], data.shape[-1]
     if train:
         top = (random_draws(seed, positions, _STREAM_CROP_Y) % np.uint64(height - crop + 1))
         left = (random_draws(seed, positions, _STREAM_CROP_X) % np.uint64(width - crop + 1))
-        top, left = top.astype(np.int64), left.astype(np.int64)
-    else:
-        top = np.full(len(data), (height - crop) // 2, dtype=np.int64)
-        left = np.full(len(data), (width - crop) // 2, dtype=np.int64)
+        return top.astype(np.int64), left.astype(np.int64)
+    return (np.full(len(data), (height - crop) // 2, dtype=np.int64),
+            np.full(len(data), (width - crop) // 2, dtype=np.int64))
+
+
+def _crop(data, crop, top, left):
     out = np.empty(data.shape[:-2] + (crop, crop), dtype=data.dtype)
     for i in range(len(data)):
         out[i] = data[i, ..., top[i]:top[i] + crop, left[i]:left[i] + crop]

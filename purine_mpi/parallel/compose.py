@@ -175,7 +175,24 @@ def compose(graph, grads, config, world):
     data parallel (gradient buckets + allreduce), pipeline (layers placed on
     ranks by ``parallel.stages``, cut into slices joined by Send/Recv) or
     hybrid (pipelines side by side, each stage's buckets allreduced across
-    the replicas)."""
+    the replicas); then ``solver.clip_gradients`` (graph/clip.py) on the
+    reduced gradients."""
+    local = _compose(graph, grads, config, world)
+    clip = (config.get("solver") or {}).get("clip_gradients")
+    if clip is None:
+        return local
+    from ..graph.clip import add_clip
+    lay = layout_of(config, world)
+    if not lay.staged:
+        return add_clip(local, clip).validate()
+    # a replica's stages hold its parameters between them: their norms add up
+    split = getattr(world, "split_groups", None)
+    if split is not None and lay.replicas > 1:
+        split([lay.replica_ranks(r) for r in range(lay.replicas)])
+    return add_clip(local, clip, group=lay.replica_ranks()).validate()
+
+
+def _compose(graph, grads, config, world):
     par = config.get("parallel", {})
     micro = int(par.get("micro_batches", 1))
     copies = replicate_micro_batches(graph, grads, micro) if micro > 1 else None

@@ -175,7 +175,7 @@ def compose_for_rank(graph, grads, config, world_size, rank):
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
     if par.get("mode") == "sync_ps":
-        server = build_server_graph(graph, grads, plan, rank)
+        server = _clipped(build_server_graph(graph, grads, plan, rank), config)
         place_on_rank(server, rank)
         return server
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
@@ -206,6 +206,17 @@ def _global_world(world):
 
 
 # ----------------------------------------------------------- sync_ps server
+def _clipped(server_graph, config):
+    """The sync_ps server graph with ``solver.clip_gradients`` (graph/clip.py):
+    the one server holds every parameter, so its norm is the global one (the
+    config allows clipping with one server only)."""
+    clip = (config.get("solver") or {}).get("clip_gradients")
+    if clip is None:
+        return server_graph
+    from ..graph.clip import add_clip
+    return add_clip(server_graph, clip, thread="comm").validate()
+
+
 def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
     """The per-iteration graph of server ``server_rank`` for mode sync_ps:
     receive every worker's gradient of each owned param, sum, update, send
@@ -306,7 +317,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     code = 0
     if mode == "sync_ps":
         from ..runtime.factory import make_dispatcher
-        sg = build_server_graph(graph, grads, plan, world.rank)
+        sg = _clipped(build_server_graph(graph, grads, plan, world.rank), config)
         place_on_rank(sg, world.rank)
         d = make_dispatcher(sg, "event", rank=world.rank,
                             stall_timeout=float(par.get("stall_timeout", 300)))

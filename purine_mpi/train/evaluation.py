@@ -44,13 +44,10 @@ class Evaluation(Service):
         n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
         per_batch = spec["batch_size"] * loop.data_size
         n = test_iter or loop.solver.get("test_iter") or max(1, math.ceil(n_samples / per_batch))
-        extra = n * per_batch - n_samples
-        if extra > 0 and not self._wrap_noted:
+        note = repeat_note(n, spec["batch_size"], loop.data_size, n_samples)
+        if note and not self._wrap_noted:
             self._wrap_noted = True
-            loop.say(f"note: the test split has {n_samples} samples, not a multiple of the "
-                     f"global test batch ({spec['batch_size']} x {loop.data_size}); as in "
-                     f"Caffe the last batch wraps around and {extra} samples count twice "
-                     "(choose data.test.batch_size to divide the split for exact figures)")
+            loop.say(note)
         ws, names = loop.test.workspace, loop.graphs.test_names
         sums = np.zeros(len(names))
         with progress(n * per_batch, "test", "samples", log=loop.log,
@@ -64,3 +61,27 @@ class Evaluation(Service):
             out[key] = out.get(key, 0.0) + float(v)
         out["samples"] = int(n * per_batch)
         return out
+
+
+def repeat_note(batches, batch_size, ranks, n_samples):
+    """The note on a test pass of ``batches`` global batches of ``batch_size``
+    x ``ranks`` that is longer than the split's ``n_samples`` (None when it
+    is not): the test reader wraps around (as Caffe's), so sample i counts
+    q + 1 times for the first r samples and q times for the others, where
+    q, r = divmod(total, n_samples)."""
+    total = batches * batch_size * ranks
+    if total <= n_samples:
+        return None
+    q, r = divmod(total, n_samples)
+    how = f"{total} samples of a {n_samples}-sample test split: "
+    first = "the first sample counts" if r == 1 else f"the first {r} samples count"
+    if r == 0:
+        how += f"{q} full passes, each sample counts {q} times"
+    elif q == 1:
+        how += f"a full pass, and {first} twice"
+    else:
+        how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
+                f"{n_samples - r} count {q} times")
+    return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
+            f"{how} (the reader wraps around, as in Caffe); for exact figures make test_iter x "
+            f"the global batch equal the split (null test_iter: one pass)")

@@ -20,6 +20,7 @@ ENTRY_POINTS = {
     "activation": ("relu_forward", "relu_backward", "bias_act"),
     "reduce": ("channel_sum", "sum_rows"),
     "loss_watch": ("loss_watch",),
+    "clip": ("grad_sumsq", "clip_total", "clip_scale"),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
@@ -29,7 +30,7 @@ PLAIN_ENTRY_POINTS = {
 
 _BLOCK = 256
 _MAX_BLOCKS = 65535   # kernels use grid-stride loops, so any grid covers all
-_REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu
+_REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu (and PURINE_CLIP_THREADS)
 
 
 # ----------------------------------------------------------------- sizes ---

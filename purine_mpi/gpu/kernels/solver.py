@@ -1,5 +1,6 @@
 """The solver on the device: the fused and multi-tensor SGD updates, the lr
-policy and the iteration counter (cuda/sgd.cu, lr_policy.cu)."""
+policy, the iteration counter and gradient clipping (cuda/sgd.cu,
+lr_policy.cu, clip.cu)."""
 import numpy as np
 
 from .. import data_ptr, dtype_suffix, import_cupy
@@ -139,3 +140,43 @@ def iteration_next(counter, iteration):
                 np.dtype(a.dtype) != np.dtype(np.int64):
             raise ValueError(f"iteration_next: {what} must be a one-element int64 CuPy array")
     _base._launch_blocks("lr_policy", "iteration_next", None, 1, 1, (counter, iteration))
+
+
+# ------------------------------------------------------ gradient clipping ---
+
+def grad_sumsq(g, partial, scale2=1.0):
+    """partial[s] = scale2 * (sum of g**2 over slot s), s < partial.size: the
+    squared L2 norm of ``g`` (times ``scale2``) in ``partial.size`` float64
+    partial sums, all on the device (cuda/clip.cu)."""
+    cupy = import_cupy()
+    g = _input(cupy, g, "grad_sumsq: g")
+    if not isinstance(partial, cupy.ndarray) or partial.dtype != np.float64 \
+            or not partial.flags.c_contiguous or partial.size < 1:
+        raise ValueError("grad_sumsq: partial must be a contiguous float64 CuPy array")
+    _base._launch_blocks("clip", "grad_sumsq", g.dtype, partial.size, _base._REDUCE_THREADS,
+                         (np.int64(g.size), g, np.float64(scale2), _int(partial.size),
+                          partial))
+
+
+def clip_total(partial, out, dtype=np.float32):
+    """out[0] = the sum of ``partial`` (float64, one device thread, in order)."""
+    cupy = import_cupy()
+    for name, array in (("partial", partial), ("out", out)):
+        if not isinstance(array, cupy.ndarray) or array.dtype != np.float64 \
+                or not array.flags.c_contiguous:
+            raise ValueError(f"clip_total: {name} must be a contiguous float64 CuPy array")
+    _base._launch_blocks("clip", "clip_total", np.dtype(dtype), 1, 1,
+                         (partial, np.int64(partial.size), out))
+
+
+def clip_scale(g, sumsq, clip):
+    """In place: g *= clip / sqrt(sumsq[0]) when that norm exceeds ``clip``
+    (``sumsq`` a one-element float64 device array, read by the kernel)."""
+    cupy = import_cupy()
+    if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous:
+        raise ValueError("clip_scale: g must be a C-contiguous CuPy array (scaled in place)")
+    dtype_suffix(g.dtype)
+    if not isinstance(sumsq, cupy.ndarray) or sumsq.dtype != np.float64 or sumsq.size != 1:
+        raise ValueError("clip_scale: sumsq must be a one-element float64 CuPy array")
+    _base._launch("clip", "clip_scale", g.dtype, g.size,
+                  (g, cupy.ascontiguousarray(sumsq.reshape(1)), np.float64(clip)))

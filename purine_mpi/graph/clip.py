@@ -1,0 +1,70 @@
+"""Gradient clipping as graph (``solver.clip_gradients``): a pass over a
+rank's composed training graph, after the gradients are reduced.
+
+    updates u_1 .. u_n read gradients g_i with grad_scale s_i
+    clip.norm   GradNormSq [g_1 .. g_n] -> clip.sumsq = sum_i s_i^2 ||g_i||^2
+    clip.sum    Allreduce  clip.sumsq -> clip.sumsq.all      (``group`` only)
+    g_i.clip    ClipScale  [g_i, sumsq] -> g_i@clip          (alias of g_i)
+    u_i         reads g_i@clip instead of g_i
+
+So the norm is that of the gradients the updates apply (averaged over the
+data-parallel ranks and the micro-batches, before weight decay), as Caffe's
+``ClipGradients`` sees them after its reduction. Where each rank holds all
+parameters (one rank, scheme data or none, a parameter server holding all),
+the norm is local. Where a rank holds part of them (the stages of a
+pipeline or of a hybrid replica), ``group`` names the ranks that hold the
+rest and one Allreduce of the single squared norm (``seq`` after the
+graph's other comm ops) makes it global. Imports the graph and the solver
+table (the graph layer).
+"""
+from ..ops.solver import SOLVER_UPDATES
+
+CLIP_OPS = ("GradNormSq", "ClipScale")
+
+
+def update_ops(graph):
+    """The update ops of ``graph`` (one per learnable parameter or chunk), in graph order."""
+    types = {op_type for op_type, _ in SOLVER_UPDATES.values()}
+    return [op for op in graph.ops.values() if op.op_type in types]
+
+
+def add_clip(graph, clip, group=None, seq=None, thread=0):
+    """Clip ``graph``'s gradients to the global L2 norm ``clip`` in place
+    (see the module docstring). ``group``: the ranks whose norms add up to
+    the global one (None: this rank's is); ``seq``: the Allreduce's. Returns
+    the graph."""
+    updates = update_ops(graph)
+    if not updates and group is None:
+        return graph
+    grads = [op.inputs[1] for op in updates]
+    scales = [float(op.attrs.get("grad_scale", 1.0)) for op in updates]
+    location = graph.blobs[grads[0]].location if grads else None
+    if location is None:  # a stage without parameters still adds its zero
+        from .core import CPU
+        location = CPU
+    graph.add_blob("clip.sumsq", (1,), "float64", location, kind="grad")
+    graph.add_blob("clip.partial", None, "float64", location, kind="grad")
+    graph.add_op("clip.norm", "GradNormSq", grads, ["clip.sumsq", "clip.partial"],
+                 {"scales": scales}, location=location, thread=thread)
+    total = "clip.sumsq"
+    if group is not None and len(group) > 1:
+        total = "clip.sumsq.all"
+        graph.add_blob(total, (1,), "float64", location, kind="grad")
+        attrs = {"seq": int(seq if seq is not None else _next_seq(graph)),
+                 "group": sorted(int(r) for r in group)}
+        graph.add_op("clip.sum", "Allreduce", ["clip.sumsq"], [total], attrs,
+                     location=location, thread=thread)
+    for op, grad in zip(updates, grads):
+        blob = graph.blobs[grad]
+        clipped = f"{grad}@clip"
+        graph.add_blob(clipped, blob.shape, blob.dtype, blob.location, kind="grad",
+                       alias_of=grad)
+        graph.add_op(f"{grad}.clip", "ClipScale", [grad, total], [clipped],
+                     {"clip": float(clip)}, location=blob.location, thread=op.thread)
+        op.inputs[1] = clipped
+    return graph.infer_shapes()
+
+
+def _next_seq(graph):
+    seqs = [int(op.attrs["seq"]) for op in graph.ops.values() if "seq" in op.attrs]
+    return max(seqs) + 1 if seqs else 0

@@ -1,0 +1,99 @@
+"""Gradient clipping by the global L2 norm (``solver.clip_gradients``,
+Caffe's ``SGDSolver::ClipGradients``): two op kinds that ``graph/clip.py``
+puts between the gradients and the update ops.
+
+GradNormSq  ins [g_1 .. g_n]  outs [sumsq (1,) float64, partial (n*S,) float64]
+            attrs scales [s_1 .. s_n]
+    sumsq = sum_i s_i^2 * ||g_i||^2: the squared L2 norm of the gradients the
+    updates apply (s_i is update i's ``grad_scale``: 1/N for a sum over N
+    ranks, 1/M over M micro-batches). ``partial`` is the device's scratch
+    (S = CLIP_SLOTS partial sums per gradient; unused on the CPU).
+ClipScale   ins [g, sumsq]  outs [g@clip] (an alias of g)   attrs clip
+    g@clip = g * clip / sqrt(sumsq) when sqrt(sumsq) > clip, else g.
+
+On a GPU both run as raw kernels (cuda/clip.cu) that read and write the
+norm on the device: no host synchronisation inside the iteration. No
+gradient: they act after the backward pass. Imports the registry, the
+backend and the device kernels (the ops layer).
+"""
+import math
+
+import numpy as np
+
+from ..backend import get_xp
+from ..errors import ShapeError
+from ..gpu.raw import raw_kernels, same_buffer
+from .registry import OpKernel, register
+
+#: partial sums per gradient on a GPU (cuda/clip.cu; the CPU ignores them)
+CLIP_SLOTS = 32
+
+
+@register
+class GradNormSq(OpKernel):
+    """[g_1 .. g_n] -> [sumsq (1,), partial (n*CLIP_SLOTS,)], float64."""
+
+    op_type = "GradNormSq"
+    category = "update"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if not ins or len(attrs.get("scales", ())) != len(ins):
+            raise ShapeError(f"GradNormSq needs gradients and one scale each, got {len(ins)} "
+                             f"gradient(s) and {len(attrs.get('scales', ()))} scale(s)")
+        return [((1,), "float64"), ((len(ins) * CLIP_SLOTS,), "float64")]
+
+    def run(self, ins, outs):
+        sumsq, partial = outs
+        scales = [float(s) for s in self.attrs["scales"]]
+        xp = get_xp(ins[0])
+        k = raw_kernels(xp, *ins)
+        if k is not None:
+            for i, (g, s) in enumerate(zip(ins, scales)):
+                k.grad_sumsq(g, partial[i * CLIP_SLOTS:(i + 1) * CLIP_SLOTS], s * s)
+            k.clip_total(partial, sumsq, ins[0].dtype)
+            return
+        total = 0.0
+        for g, s in zip(ins, scales):
+            flat = g.reshape(-1)
+            total += s * s * float(xp.dot(flat, flat))
+        sumsq[...] = total
+
+
+@register
+class ClipScale(OpKernel):
+    """[g, sumsq] -> [g@clip]: g scaled to the clip norm when the norm exceeds it."""
+
+    op_type = "ClipScale"
+    category = "update"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (gs, gd), (ss, _) = ins
+        if int(np.prod(ss, dtype=np.int64)) != 1:
+            raise ShapeError(f"ClipScale's squared norm must be one value, got shape {list(ss)}")
+        if not float(attrs.get("clip", 0)) > 0:
+            raise ShapeError(f"ClipScale needs clip > 0, got {attrs.get('clip')!r}")
+        return [(tuple(gs), gd)]
+
+    def run(self, ins, outs):
+        g, sumsq = ins
+        out = outs[0]
+        clip = float(self.attrs["clip"])
+        if not same_buffer(g, out):
+            out[...] = g
+        xp = get_xp(out)
+        k = raw_kernels(xp, out)
+        if k is not None and out.flags.c_contiguous and get_xp(sumsq) is xp:
+            k.clip_scale(out, sumsq, clip)
+            return
+        norm = math.sqrt(float(np.asarray(sumsq).reshape(-1)[0])) if xp is np else \
+            math.sqrt(float(sumsq.reshape(-1)[0]))
+        if norm > clip:
+            out *= out.dtype.type(clip / norm)
+
+
+def clip_factor(sumsq, clip):
+    """min(1, clip / sqrt(sumsq)) as the ops apply it (tests, reports)."""
+    norm = math.sqrt(float(sumsq))
+    return clip / norm if norm > clip else 1.0

@@ -1,0 +1,196 @@
+"""solver.clip_gradients: the ops against torch.nn.utils.clip_grad_norm_,
+the graph pass on one rank (also with micro-batches and on an emulated GPU,
+whose kernels are cuda/clip.cu compiled for the host), its config rules.
+Across ranks: tests/mpi_scripts/clip_equiv.py (test_mpi_parallel.py)."""
+import numpy as np
+import pytest
+import torch
+
+from purine_mpi.errors import ConfigError
+from purine_mpi.graph.clip import add_clip, update_ops
+from purine_mpi.io.config import resolve_config
+from purine_mpi.model import build_train_graph
+from purine_mpi.runtime.dispatcher import SerialDispatcher
+from tests.test_gpu_backend import (_compare, _init, _run_kernel, _tiny_raw, device,  # noqa: F401
+                                    place_on_device, prepare_for_device, make_dispatcher,
+                                    SimulatedRuntime)
+
+
+def _torch_clip(grads, scales, clip):
+    """The gradients the updates apply (scale * g), clipped by torch."""
+    params = []
+    for g, s in zip(grads, scales):
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=torch.float64))
+        p.grad = torch.tensor(g.astype(np.float64) * s)
+        params.append(p)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    return [p.grad.numpy() for p in params], float(norm)
+
+
+@pytest.mark.parametrize("clip", [0.3, 50.0])
+def test_ops_match_torch_clip_grad_norm(clip):
+    from purine_mpi.kernels import get_kernel_class
+    from purine_mpi.graph.core import Op
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(s) for s in [(4, 3), (3,), (2, 2, 2)]]
+    scales = [0.5, 0.5, 0.25]
+    want, norm = _torch_clip(grads, scales, clip)
+    norm_op = get_kernel_class("GradNormSq")(Op("n", "GradNormSq", [], [], {"scales": scales}))
+    sumsq, partial = np.zeros(1), np.zeros(3 * 32)
+    norm_op.run(grads, [sumsq, partial])
+    assert np.sqrt(sumsq[0]) == pytest.approx(norm, rel=1e-12)
+    scale_op = get_kernel_class("ClipScale")(Op("c", "ClipScale", [], [], {"clip": clip}))
+    for g, s, w in zip(grads, scales, want):
+        out = g.copy()
+        scale_op.run([out, sumsq], [out])  # in place, as the alias g@clip
+        np.testing.assert_allclose(out * s, w, rtol=1e-6 if clip < norm else 0)
+    assert (clip < norm) == (clip == 0.3)  # one case clips, the other leaves g alone
+
+
+def _config(clip=None, micro=1, **solver):
+    raw = {"name": "clip", "seed": 2,
+           "data": {"train": {"source": "synthetic", "shape": [1, 3, 4], "classes": 3,
+                              "num_samples": 48, "batch_size": 6, "shuffle": True}},
+           "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                    "num_output": 5},
+                   {"type": "relu", "name": "r", "bottom": "fc1", "top": "fc1"},
+                   {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2",
+                    "num_output": 3},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                    "top": "loss"}],
+           "solver": dict({"base_lr": 1.0, "momentum": 0.0, "weight_decay": 0.0,
+                           "max_iter": 1, "clip_gradients": clip}, **solver),
+           "parallel": {"micro_batches": micro}}
+    return resolve_config(raw, "<test>", check_files=False)
+
+
+class _OneRank:
+    size, rank = 1, 0
+
+
+def _one_step(config):
+    """(params before, params after) of one iteration of the composed graph."""
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.parallel.compose import compose
+    graph, grads = build_train_graph(config)
+    graph = compose(graph, grads, config, _OneRank())
+    d = SerialDispatcher(graph, seed=1)
+    params = [b for b in graph.params()]
+    before = {}
+    for p in params:
+        before[p.name] = fill(p, 7)
+        d.workspace.set(p.name, before[p.name])
+    d.workspace["iter"][...] = 0
+    d.run(0)
+    after = {p.name: np.array(d.workspace[p.name]) for p in params}
+    d.close()
+    return graph, before, after
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_one_step_clips_the_applied_gradient_like_torch(micro):
+    """lr 1, no momentum or decay: the step is the gradient the update
+    applies. With clipping it is torch's clip_grad_norm_ of the step without."""
+    _, before, plain = _one_step(_config(None, micro))
+    names = sorted(before)
+    raw = [before[n] - plain[n] for n in names]
+    norm = float(np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in raw)))
+    for clip, clips in ((0.5 * norm, True), (2 * norm, False)):
+        graph, _, after = _one_step(_config(clip, micro))
+        assert [op.op_type for op in graph.ops.values()].count("ClipScale") == len(names)
+        assert all(op.inputs[1].endswith("@clip") for op in update_ops(graph))
+        want, got_norm = _torch_clip(raw, [1.0] * len(raw), clip)
+        assert got_norm == pytest.approx(norm, rel=1e-6)
+        for n, w in zip(names, want):
+            if clips:
+                np.testing.assert_allclose(before[n] - after[n], w, rtol=1e-4, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(after[n], plain[n])
+
+
+def test_clip_config_rules():
+    assert _config(2.0)["solver"]["clip_gradients"] == 2.0
+    with pytest.raises(ConfigError, match="solver.clip_gradients"):
+        _config(0)
+    raw = {"net": [{"type": "fc", "name": "f", "bottom": "data", "top": "f", "num_output": 2}],
+           "solver": {"clip_gradients": 1.0}, "parallel": {"mode": "async"}}
+    with pytest.raises(ConfigError, match="clip_gradients.*mode 'async'"):
+        resolve_config(raw, "<t>", check_files=False)
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_grad_norm_gpu_branch(device, dtype):  # noqa: F811
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(s).astype(dtype) for s in [(37, 5), (3,), (70,)]]
+    attrs = {"scales": [1.0, 0.5, 2.0]}
+    device.launched.clear()
+    got = _run_kernel("GradNormSq", attrs, grads, device.to_device)[0]  # (partials: scratch)
+    assert device.launched == ["grad_sumsq"] * 3 + ["clip_total"]
+    cpu = _run_kernel("GradNormSq", attrs, grads)[0]
+    want = sum(s * s * (g.astype(np.float64) ** 2).sum() for g, s in zip(grads, [1, .5, 2]))
+    tol = 1e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got[0], want, rtol=tol)
+    np.testing.assert_allclose(cpu[0], want, rtol=tol)
+
+
+@pytest.mark.parametrize("clip", [0.5, 1e3])
+def test_clip_scale_gpu_branch(device, clip):  # noqa: F811
+    g = np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32)
+    sumsq = np.asarray([float((g.astype(np.float64) ** 2).sum())])
+    _compare(device, "ClipScale", {"clip": clip}, [g, sumsq], ["clip_scale"], np.float32)
+
+
+@pytest.mark.parametrize("fused,captured", [(False, False), (True, False), (True, True)],
+                         ids=["placed", "placed+fused", "fused+cuda_graph"])
+def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatch, fused,
+                                                      captured):
+    """A placed training graph with the clip pass, ops on the emulated
+    device run by the stream dispatcher: the norm never leaves the device
+    (the clip ops read device blobs only) and the weights match the CPU."""
+    from purine_mpi.gpu import kernels
+    from tests.test_gpu_backend import use_emulated_cupy
+    config = resolve_config(_tiny_raw(solver={"base_lr": 0.05, "momentum": 0.9,
+                                              "clip_gradients": 0.05}),
+                            "<t>", check_files=False)
+
+    def train(where):
+        graph, _ = build_train_graph(config)
+        add_clip(graph, config["solver"]["clip_gradients"]).validate()
+        if fused and where >= 0:
+            prepare_for_device(graph, where)
+        else:
+            place_on_device(graph, where)
+        if where >= 0:
+            for op in graph.ops.values():
+                if op.op_type in ("GradNormSq", "ClipScale"):
+                    assert op.location.device == 0
+                    assert all(graph.blobs[b].location.device == 0
+                               for b in op.inputs + op.outputs), op.name
+            d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3,
+                                cuda_graph=captured)
+        else:
+            d = SerialDispatcher(graph, seed=3)
+        try:
+            _init(d.workspace, graph, 5)
+            for it in range(3):
+                d.workspace["iter"][...] = it
+                d.run(it)
+            return {p.name: np.array(d.workspace[p.name]) for p in graph.params()}
+        finally:
+            d.close()
+
+    cpu = train(-1)
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    launched = []
+    real = kernels.base._launch_blocks
+    monkeypatch.setattr(kernels.base, "_launch_blocks", lambda source, func, *a: (
+        launched.append(func), real(source, func, *a))[1])
+    try:
+        got = train(0)
+    finally:
+        from purine_mpi import gpu
+        gpu.clear_kernel_cache()
+    assert {"grad_sumsq", "clip_total"} <= set(launched)
+    for name, value in cpu.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6)
