@@ -20,6 +20,7 @@ from . import logfile
 from .gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from .io.checkpoint import remove_stale_temp_files
 from .io.config import data_notes, dump_config
+from .io.job import job_of
 from .model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
                     loss_blobs, metric_blobs)
 from .parallel.compose import (Scheme, compose_test, defer_update_applies, layout_of,
@@ -60,24 +61,25 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
     def _build(self, config, out_dir, world=None, resume=None, init=None, profile=False,
                log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         self._t_created = time.perf_counter()  # the start-up block reports the set-up time
-        self.config = config
+        # the job (io/job.py); ``config`` is the same object, for older readers
+        self.job = self.config = job = job_of(config)
         self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
         self.scheme = scheme or Scheme()
         self.out_dir = out_dir
         self.world = world or get_world()
         self.rank, self.size = self.world.rank, self.world.size
-        self.seed = int(config.get("seed", 0))
-        self.solver = config["solver"]
+        self.seed = job.seed
+        self.solver = job.solver
         self.log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
-        par = config.get("parallel", {})
+        par = job.parallel
         # collectives outside the graph wait no longer than graph ops do
-        self.world.stall_timeout = float(par.get("stall_timeout", 300))
+        self.world.stall_timeout = float(par.stall_timeout)
         # replicas x stages (parallel/compose.py): the data is sharded over
         # the replicas (a pipeline is one replica; its stage 0 reads the data)
-        self.layout = layout_of(config, self.world)
+        self.layout = layout_of(job, self.world)
         self.pipeline = self.layout.staged
         data_rank, data_size = self.layout.replica, self.layout.replicas
-        graph, self.grads = build_train_graph(config, data_rank, data_size)
+        graph, self.grads = build_train_graph(job, data_rank, data_size)
         check_fits_memory(graph)  # a layer too big is named, not a MemoryError
         check_data_labels(graph)
         self.param_summary = param_summary(graph)  # the whole net's, before any split
@@ -85,7 +87,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
         self.graph = self.compose(graph)
         # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
         # (the node-local rank picks among several) and the stream dispatcher runs it
-        self.device = configure_device(config, self.graph)
+        self.device = configure_device(job, self.graph)
         # micro-batch copies never live at once share their activation
         # buffers (after the device's fusions, which the plan must not block)
         self.losses = list(loss_blobs(self.graph))
@@ -97,7 +99,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
         self.deferred = self.device >= 0 and getattr(self.scheme, "defer_loss_readback", True)
         self.watch = add_loss_watch(self.graph, self.losses, self.loss_shares, self.device) \
             if self.deferred and self.losses else None
-        self.memory_plan = self.scheme.plan_memory(self.graph, config, self.world)
+        self.memory_plan = self.scheme.plan_memory(self.graph, job, self.world)
         self.params = [b.name for b in self.graph.params()]
         # --profile: a Chrome trace streamed to OUT/trace.rank<R>.json; a
         # (start, stop) window (--profile-iters A:B) keeps those iterations
@@ -108,28 +110,28 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
                                       epoch=self._trace_epoch())
         # on a GPU, each iteration is replayed as captured CUDA graphs unless
         # cuda_graph: false (eager stream dispatch); the notes go to rank 0's log
-        self.cuda_graph = bool(config.get("cuda_graph", True))
+        self.cuda_graph = job.cuda_graph
         # parallel.defer_update: the last buckets' allreduce and update finish
         # while the next iteration's forward runs (runtime/tail.py; the CPU
         # event dispatcher, synchronous data parallelism)
         self.defer_update = getattr(self.scheme, "defers_update", True) and \
-            defer_update_applies(config, self.layout.replicas, self.pipeline)
+            defer_update_applies(job, self.layout.replicas, self.pipeline)
         # memory_plan: the transient host blobs share one arena, laid out
         # from the static graph (runtime/memory_plan.py); what the host reads
         # between iterations keeps its own memory
-        self.plan_memory = bool(config.get("memory_plan", True))
+        self.plan_memory = job.memory_plan
         keep = ([self.watch] if self.watch else []) + batch_blobs(self.graph)
         self.train = make_dispatcher(self.graph, dispatcher, rank=self.rank,
                                      cuda_graph=self.cuda_graph, log=self._say,
                                      defer_tail=self.defer_update,
                                      workspace=self._workspace(self.graph, keep),
                                      profiler=self.profiler,
-                                     stall_timeout=float(par.get("stall_timeout", 300)),
+                                     stall_timeout=float(par.stall_timeout),
                                      seed=self._op_seed())
         self.ws = self.train.workspace
         self._order_adopted = False
         self.data_size = data_size
-        self.test_graph = build_test_graph(config, data_rank, data_size)
+        self.test_graph = build_test_graph(job, data_rank, data_size)
         if self.test_graph is not None:
             check_data_labels(self.test_graph)
         if self.test_graph is not None:
@@ -143,7 +145,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
             self.test_keys = ["loss"] * len(self.test_losses) + [
                 "accuracy" if accuracy == [b] else b for b in metric_blobs(g)]
             self.test_names = self.test_losses + metric_blobs(g)
-        self.test_graph = compose_test(self.test_graph, config, self.world)
+        self.test_graph = compose_test(self.test_graph, self.job, self.world)
         self.test = None
         if self.test_graph is not None:
             prepare_for_device(self.test_graph, self.device, train=False)
@@ -166,7 +168,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
         self._last_saved = None  # iteration of the newest checkpoint this run wrote
         self.stop = StopSignal()
         # the loop's services after each test pass (train/watch.py)
-        best, early = self.config["checkpoint"].get("best"), self.solver.get("early_stop")
+        best, early = self.job.checkpoint.best, self.solver.early_stop
         self.best = BestCheckpoints(best, out_dir, lambda path, it: self.save(it, path),
                                     self._say) if best else None
         self.early_stop = EarlyStopping(early, self._say) if early else None
@@ -193,7 +195,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
 
     def compose(self, graph):
         """This rank's training graph from the single-replica one."""
-        return self.scheme.compose(graph, self.grads, self.config, self.world)
+        return self.scheme.compose(graph, self.grads, self.job, self.world)
 
     def step(self, it):
         """One training iteration. After this process's first one, the
@@ -229,11 +231,11 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
 
     # -------------------------------------------------------------- loops
     def run(self):
-        max_iter = int(self.solver["max_iter"])
-        display = int(self.solver.get("display") or 0)
-        test_interval = int(self.solver.get("test_interval") or 0)
-        ck_interval = int(self.config["checkpoint"].get("interval") or 0)
-        batch = int(self.config["data"]["train"]["batch_size"]) if self.config.get("data") \
+        max_iter = self.solver.max_iter
+        display = self.solver.display
+        test_interval = self.solver.test_interval
+        ck_interval = self.job.checkpoint.interval
+        batch = self.job.train_batch if self.job.data.train is not None \
             else sum(int(op.attrs.get("batch_size", 0)) for op in self.graph.ops.values()
                      if op.op_type == "DataReader")  # a graph: config: its readers say
         if self.start_iter >= max_iter and self._finished():
@@ -246,7 +248,7 @@ class Trainer(CheckpointsMixin, EvaluationMixin, DivergenceMixin, ReportingMixin
         self.report_startup()
         metrics = self._open_metrics()
         self._early_stopped = None
-        if self.solver.get("test_initialization") and self.start_iter == 0:
+        if self.solver.test_initialization and self.start_iter == 0:
             self._evaluate(0, metrics)  # a test pass before training (Caffe's test_initialization)
         window_loss, window_n = 0.0, 0  # running sum: nothing grows per iteration
         t_start = t_window = self._t_start = time.perf_counter()
@@ -357,42 +359,43 @@ def _hms(seconds):
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
                  init_skip=(), tensorboard=False):
     """Entry point of ``train``: set up the world, check that every rank has
-    the same config, and run the scheme the config asks for."""
+    the same config, and run the scheme the config asks for. ``config``: a
+    job (io/job.py) or a validated config dict."""
     from .comm.world import install_abort_handler
+    job = job_of(config)  # once: everything below reads the job
     world = get_world()
     install_abort_handler(world)
-    world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
-    world.check_consistent(dump_config(config), "resolved configuration")
+    world.stall_timeout = float(job.parallel.stall_timeout)
+    world.check_consistent(dump_config(job), "resolved configuration")
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (logfile.py)
     logfile.open_run_log(out_dir, world.rank)
     say = logfile.tee(print_or_stop)
     if world.rank == 0:  # parallel settings that do nothing at this world size
-        for note in settings_without_effect(config, world.size) + data_notes(config):
+        for note in settings_without_effect(job, world.size) + data_notes(job):
             say(note)
-    mode = config.get("parallel", {}).get("mode", "sync")
-    if world.size > 1 and mode in ("async", "sync_ps"):
-        return run_param_server(config, out_dir, world, resume=resume, init=init,
+    if world.size > 1 and job.parallel.servers:
+        return run_param_server(job, out_dir, world, resume=resume, init=init,
                                 profile=profile, init_skip=init_skip, tensorboard=tensorboard)
-    return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
+    return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
                                   tensorboard=tensorboard, log=say),
                           world)
 
 
-def run_param_server(config, out_dir, world, resume=None, init=None, profile=False,
+def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                      dispatcher=None, log=None, init_skip=(), tensorboard=False):
     """``train`` on every rank of a parameter-server run: servers serve
     (parallel.param_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker). Returns
     the exit status."""
     from .parallel.param_server import WorkerScheme, run_server_rank, split_workers
-    config, sub = split_workers(config, world)
+    job, sub = split_workers(job, world)
     if sub is None:
-        return run_server_rank(config, out_dir, world, resume=resume, init=init,
+        return run_server_rank(job, out_dir, world, resume=resume, init=init,
                                init_skip=init_skip)
-    return run_and_report(Trainer(config, out_dir, world=sub, resume=resume, init=init,
+    return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
-                                  init_skip=init_skip, scheme=WorkerScheme(config, world),
+                                  init_skip=init_skip, scheme=WorkerScheme(job, world),
                                   tensorboard=tensorboard),
                           world)
 

@@ -27,7 +27,7 @@ class CheckpointsMixin:
             self._init_from_caffemodel(init, init_skip)
         elif init:
             params = load_params(init)
-            wanted = init_params(params, self.params, self.config, init, init_skip)
+            wanted = init_params(params, self.params, self.job, init, init_skip)
             check_finite({p: params[p] for p in wanted}, init)
             note = unused_note(params, self.net_params, init)
             if note:
@@ -54,7 +54,7 @@ class CheckpointsMixin:
             for line in report:
                 self.log(f"{path}: {line}")
         fixed = {p for p in self.params if kept_constant(self.graph.blobs[p])}
-        for p in init_params(dict.fromkeys(set(values) | fixed), self.params, self.config, path,
+        for p in init_params(dict.fromkeys(set(values) | fixed), self.params, self.job, path,
                              init_skip):
             if p in values:
                 self._load_blob(p, values[p], path)
@@ -138,12 +138,12 @@ class CheckpointsMixin:
         # the whole checkpoint is checked against the net before any of it is loaded
         check_for_net(ck, path, self.net_params, {p: self.ws[p] for p in self.params},
                       {(p, s): self.ws[state_name(p, s)] for p in self.params
-                       for s in solver_states(self.solver.get("type"))
+                       for s in solver_states(self.solver.type)
                        if state_name(p, s) in self.ws.arrays})
         fresh = set()
         for p in self.params:
             self._load_blob(p, ck.params[p], path)
-            for s in solver_states(self.solver.get("type")):
+            for s in solver_states(self.solver.type):
                 m = state_name(p, s)
                 if m not in self.ws.arrays:
                     continue
@@ -153,7 +153,7 @@ class CheckpointsMixin:
                     fresh.add(s)
         if fresh:
             self._say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
-                      f"solver type {self.solver.get('type')!r}; that state starts from zero")
+                      f"solver type {self.solver.type!r}; that state starts from zero")
         if ck.state:
             self.load_state_dict(ck.state)
         self.start_iter = int(ck.attrs["iteration"])
@@ -162,10 +162,10 @@ class CheckpointsMixin:
         self._last_saved = self.start_iter
         self._say(f"resumed from {path} at iteration {self.start_iter}")
         saved_world = int(ck.attrs.get("world_size", self.size) or self.size)
-        if saved_world != self.size and self.config.get("data"):
-            b = int(self.config["data"]["train"]["batch_size"])
+        if saved_world != self.size and self.job.data.train is not None:
+            b = self.job.train_batch
             self._say(f"note: {path} was written by {saved_world} rank(s), this run has "
-                      f"{self.size}: the global batch is now {b * self.data_size} "
+                      f"{self.size}: the global batch is now {self.job.global_batch(self.data_size)} "
                       f"({b} per rank x {self.data_size}); the data order goes on at the same "
                       "sample, but the learning-rate schedule counts iterations, not samples "
                       "(keep the global batch with --set data.train.batch_size=G/N)")
@@ -179,7 +179,7 @@ class CheckpointsMixin:
             self._last_saved = iteration
         state = self.state_dict()
         params = {p: to_numpy(self.ws[p]) for p in self.params}
-        states = solver_states(self.solver.get("type"))
+        states = solver_states(self.solver.type)
         solver = {p: {s: to_numpy(self.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in self.ws.arrays} for p in self.params}
         solver = {p: s for p, s in solver.items() if s}
@@ -192,12 +192,12 @@ class CheckpointsMixin:
         if self.rank != 0:
             return
         payload = dict(params=params, solver=solver, state=state, world_size=self.size,
-                       seed=self.seed, config_text=dump_config(self.config),
+                       seed=self.seed, config_text=dump_config(self.job),
                        run_id=self.run_id, elapsed=self.elapsed())
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
             return
-        save_run_checkpoint(self.out_dir, iteration, int(self.config["checkpoint"]["keep"]),
+        save_run_checkpoint(self.out_dir, iteration, self.job.checkpoint.keep,
                             **payload)
         if getattr(self, "_metrics", None) is not None and self.start_iter:
             self._metrics.commit()  # the resumed run's rows and config replace the old ones

@@ -18,20 +18,20 @@ class EvaluationMixin:
         for k in self.test.kernels.values():
             if k.op.op_type == "DataReader":
                 k.reset_position(0)
-        spec = self.config["data"]["test"]
-        n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-        n = test_iter or self.solver.get("test_iter") or max(
-            1, math.ceil(n_samples / (spec["batch_size"] * self.data_size)))
-        extra = n * spec["batch_size"] * self.data_size - n_samples
+        spec = self.job.data.test
+        n_samples, _ = source_info(spec.source_dict())
+        n = test_iter or self.solver.test_iter or max(
+            1, math.ceil(n_samples / (spec.batch_size * self.data_size)))
+        extra = n * spec.batch_size * self.data_size - n_samples
         if extra > 0 and not getattr(self, "_wrap_noted", False):
             self._wrap_noted = True
             self._say(f"note: the test split has {n_samples} samples, not a multiple of the "
-                      f"global test batch ({spec['batch_size']} x {self.data_size}); as in "
+                      f"global test batch ({spec.batch_size} x {self.data_size}); as in "
                       f"Caffe the last batch wraps around and {extra} samples count twice "
                       "(choose data.test.batch_size to divide the split for exact figures)")
         ws = self.test.workspace
         sums = np.zeros(len(self.test_names))
-        per_batch = spec["batch_size"] * self.data_size
+        per_batch = spec.batch_size * self.data_size
         with progress(n * per_batch, "test", "samples", log=self.log,
                       enabled=self.rank == 0) as bar:
             for i in range(n):
@@ -41,7 +41,7 @@ class EvaluationMixin:
         out = {}
         for key, v in zip(self.test_keys, self._reduce(sums / n)):
             out[key] = out.get(key, 0.0) + float(v)
-        out["samples"] = int(n * spec["batch_size"] * self.data_size)
+        out["samples"] = int(n * spec.batch_size * self.data_size)
         return out
 
     def _evaluate(self, iteration, metrics):

@@ -54,7 +54,7 @@ class ReportingMixin:
 
     def _write_config(self):
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            f.write(dump_config(self.config))
+            f.write(dump_config(self.job))
 
     def elapsed(self, now=None):
         """Training time in seconds, over this run and those it resumed."""
