@@ -17,7 +17,8 @@ validation. The layers' keys are declared in purine_mpi/layers.
 docs/config.md is generated from all of these (re-exported here).
 
 To add a key, add its default to the section's defaults table, a checker to
-the section's validator table and a one-line meaning to KEY_DOCS; unknown
+the section's validator table, a one-line meaning to KEY_DOCS and the
+field to the Job's part in io/job.py (the code reads the field); unknown
 keys are errors (with a "did you mean" suggestion) so that typos never pass
 silently. AFTER CHANGING KEYS RUN ``python -m purine_mpi.docgen --write``
 (tests/test_docs.py fails while docs/config.md is stale or a key has no
