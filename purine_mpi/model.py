@@ -19,8 +19,8 @@ DATA_THREAD = "io"
 
 def data_attrs(spec, rank, world_size, seed, phase="train"):
     """Attributes of the DataReader op for one data split spec (a ``DataSpec``)."""
-    return {"source": spec.source_dict(), "batch_size": spec.batch_size, "rank": rank, "world_size": world_size,
-            "seed": seed, "train": phase == "train"}
+    return {"source": spec.source_dict(), "batch_size": spec.batch_size, "rank": rank,
+            "world_size": world_size, "seed": seed, "train": phase == "train"}
 
 
 def forward_graph(config, phase, spec, rank=0, world_size=1):

@@ -3,8 +3,9 @@
 ``load_config(path)`` returns the *resolved* config: every section present,
 every default filled in, data paths resolved, plus ``config["_path"]`` (the
 file it came from); ``load_job`` returns it as a frozen ``Job`` (io/job.py),
-which is what the package below ``io/`` reads. Every problem is a ``ConfigError(path, key, message)``
-naming the file, the dotted key and what was expected, e.g.::
+which is what the package below ``io/`` reads. Every problem is a
+``ConfigError(path, key, message)`` naming the file, the dotted key and
+what was expected, e.g.::
 
     jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
 

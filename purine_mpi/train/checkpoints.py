@@ -165,7 +165,8 @@ class CheckpointsMixin:
         if saved_world != self.size and self.job.data.train is not None:
             b = self.job.train_batch
             self._say(f"note: {path} was written by {saved_world} rank(s), this run has "
-                      f"{self.size}: the global batch is now {self.job.global_batch(self.data_size)} "
+                      f"{self.size}: the global batch is now "
+                      f"{self.job.global_batch(self.data_size)} "
                       f"({b} per rank x {self.data_size}); the data order goes on at the same "
                       "sample, but the learning-rate schedule counts iterations, not samples "
                       "(keep the global batch with --set data.train.batch_size=G/N)")
