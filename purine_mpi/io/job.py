@@ -12,8 +12,9 @@ batch, the stage map of a pipeline) are the job's properties and methods.
 the text ranks compare at start-up).
 
 A new config key: its default in io/schema.py, its checker in io/config.py,
-its meaning in KEY_DOCS, and its field here. Imports ``io/schema``,
-``io/checks``, ``errors`` and the standard library.
+its meaning in KEY_DOCS, and its field here (tests/test_job.py checks
+that every schema key has one). Imports ``io/schema`` and the standard
+library only.
 """
 import copy
 import dataclasses
