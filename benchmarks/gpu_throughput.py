@@ -98,7 +98,7 @@ def load(path, batch):
     spec = config["data"]["train"]
     if spec.get("source") != "synthetic":
         from purine_mpi.bench import synthetic_config
-        config = synthetic_config(config)
+        config = synthetic_config(config).to_config()  # a Job: the dict again
     config["data"].pop("test", None)
     return config
 

@@ -187,7 +187,7 @@ def worker(opts):
     cfg = resolve_config(raw, opts.config or "<overlap_netns>", check_files=False)
     if cfg["data"]["train"].get("source") != "synthetic":
         from purine_mpi.bench import synthetic_config
-        cfg = synthetic_config(cfg)
+        cfg = synthetic_config(cfg).to_config()  # a Job: the dict again
 
     def make(graph, defer=False):
         extra = {} if opts.busy_poll_ms is None else {"busy_poll": opts.busy_poll_ms / 1000}

@@ -9,8 +9,10 @@ rank's communication time during which compute ops were also running, and
 the median over the timed iterations of its post time minus the time its
 last input (the bucket's last gradient) was written, the worst rank's.
 ``post_latency_ms_worst`` is the largest of them (the trace shows the same
-per event: ``args.post_latency_us`` and ``args.ready_ts``)."""
-import copy
+per event: ``args.post_latency_us`` and ``args.ready_ts``).
+
+``run_bench`` takes a job (io/job.py) or a validated config dict."""
+import dataclasses
 import resource
 import statistics
 import time
@@ -19,27 +21,29 @@ import numpy as np
 
 from .backend import cupy_available
 from .errors import UserError
+from .io.job import DataSpec, job_of
 from .runtime.trace import merge_intervals
 
 
-def synthetic_config(config):
-    """The config with its train data replaced by synthetic data of the same shapes."""
-    cfg = copy.deepcopy(config)
-    spec = cfg["data"]["train"]
-    if spec.get("source") != "synthetic":
+def synthetic_config(job):
+    """The job with its train data replaced by synthetic data of the same
+    shapes, and no test data."""
+    job = job_of(job)
+    spec = job.data.train
+    if spec.source != "synthetic":
         from .io.transform import output_shape
         from .ops.data import source_info
         try:
-            n, sample_shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-            sample_shape = output_shape(spec, sample_shape)  # what the net sees
+            source = spec.source_dict()
+            n, sample_shape = source_info(source)
+            sample_shape = output_shape(source, sample_shape)  # what the net sees
         except UserError as exc:
             raise UserError(f"bench needs the shapes of data.train: {exc}") from None
-        classes = int(spec.get("classes", 10))
-        cfg["data"]["train"] = {"source": "synthetic", "shape": list(sample_shape),
-                                "classes": classes, "batch_size": spec["batch_size"],
-                                "num_samples": max(n, spec["batch_size"] * 4)}
-    cfg["data"].pop("test", None)
-    return cfg
+        spec = DataSpec(source="synthetic", batch_size=spec.batch_size, shuffle=False,
+                        shape=tuple(int(s) for s in sample_shape), classes=10,
+                        num_samples=max(n, spec.batch_size * 4))
+    return job.replace(data=dataclasses.replace(job.data, train=spec, test=None,
+                                                order=("train",)))
 
 
 def comm_overlap(events):
@@ -69,10 +73,10 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
     from .trainer import Trainer, world_mean
     world = get_world()
     install_abort_handler(world)
-    cfg = config if real_data else synthetic_config(config)
-    cfg = copy.deepcopy(cfg)
-    cfg["solver"]["max_iter"] = warmup + iters
-    trainer = Trainer(cfg, out_dir="/nonexistent-bench-output", world=world, profile=False,
+    job = job_of(config)
+    job = job if real_data else synthetic_config(job)
+    job = job.with_training(max_iter=warmup + iters)
+    trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
                       dispatcher=dispatcher, log=lambda m: None)
     d = trainer.train
     times, latencies = [], {}
@@ -108,13 +112,13 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         np.array([statistics.median(latencies[n]) for n in names] or [0.0])
     post_latency = {n: round(float(v), 4) for n, v in zip(names, worst)}
     med = world_mean(world, statistics.median(times))
-    batch = cfg["data"]["train"]["batch_size"]
+    batch = job.train_batch
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
     compute_ms = sum(e["dur"] for e in events if e["cat"] != "comm") / 1000.0 / iters
     on_gpu = cupy_available() and any(b.location.device >= 0
                                       for b in trainer.graph.blobs.values())
     result = {
-        "config": cfg.get("name"),
+        "config": job.name,
         "world_size": world.size,
         "iters": iters,
         "batch_per_rank": batch,

@@ -218,30 +218,30 @@ def build_parser():
 
 
 def _load(args, check_files=True):
-    from .io.config import load_config
-    cfg = load_config(args.config, args.overrides, getattr(args, "iters", None),
-                      check_files=check_files)
+    """The command's job (io/job.py): the config validated and resolved once."""
+    from .io.config import load_job
+    job = load_job(args.config, args.overrides, getattr(args, "iters", None),
+                   check_files=check_files)
     if args.seed is not None:  # checked as the config's seed is
         from .io.config import check_seed
-        cfg["seed"] = check_seed("--seed", args.seed, None)
-    return cfg
+        job = job.replace(seed=check_seed("--seed", args.seed, None))
+    return job
 
 
-def _runs_base(cfg):
+def _runs_base(job):
     """The folder of a job's numbered runs: ``checkpoint.folder``, or runs/<name>."""
-    folder = (cfg.get("checkpoint") or {}).get("folder")
-    return folder if folder else os.path.join("runs", cfg.get("name", "net"))
+    return job.checkpoint.folder or os.path.join("runs", job.name)
 
 
-def _out_dir(args, cfg):
-    return args.out or _runs_base(cfg)
+def _out_dir(args, job):
+    return args.out or _runs_base(job)
 
 
-def _run_dir(args, cfg):
+def _run_dir(args, job):
     """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
     from .io.rundir import prepare_run_dir
     from .trainer import get_world
-    base = _runs_base(cfg)
+    base = _runs_base(job)
     return prepare_run_dir(get_world(), os.path.basename(os.path.normpath(base)), args.out,
                            args.resume, args.force,
                            runs_root=os.path.dirname(os.path.normpath(base)))
@@ -316,12 +316,16 @@ def cmd_predict(args):
     from .io.checkpoint import load_params
     from .predict import predict
     from .trainer import Trainer
+    import dataclasses
     cfg = _load(args)
-    spec = (cfg.get("data") or {}).get(args.split)
-    if not spec:
+    spec = cfg.data.get(args.split)
+    if spec is None:
         raise UserError(f"{args.config}: key 'data.{args.split}': predict --split {args.split} "
                         "needs that data")
-    cfg["data"]["test"] = dict(spec, shuffle=False)  # file order, the test-phase transform
+    # file order, the test-phase transform
+    order = cfg.data.order + (() if "test" in cfg.data.order else ("test",))
+    cfg = cfg.replace(data=dataclasses.replace(
+        cfg.data, test=dataclasses.replace(spec, shuffle=False), order=order))
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built

@@ -1,35 +1,36 @@
-"""From a resolved config to the graphs one rank runs.
+"""From a job (io/job.py) to the graphs one rank runs.
 
 Train graph = data op + forward (layers) + generated backward + solver ops,
 then the parallel composition (data-parallel buckets and allreduce, or the
 parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
-arrays."""
+arrays. The entry points take a ``Job`` or a validated config dict.
+"""
 from .errors import ConfigError, UserError
 from .graph import Graph, seed_yaml
 from .graph.grad import build_backward
 from .graph.solver import add_solver
 from .ops.solver import UPDATE_OP_TYPES
 from .layers import build_net
+from .io.job import data_spec_of, job_of
 
 DATA_THREAD = "io"
 
 
 def data_attrs(spec, rank, world_size, seed, phase="train"):
-    """Attributes of the DataReader op for one data split spec."""
-    return {"source": {k: v for k, v in spec.items() if k != "batch_size"},
-            "batch_size": spec["batch_size"], "rank": rank, "world_size": world_size,
-            "seed": seed, "train": phase == "train"}
+    """Attributes of the DataReader op for one data split spec (a ``DataSpec``)."""
+    return {"source": spec.source_dict(), "batch_size": spec.batch_size, "rank": rank,
+            "world_size": world_size, "seed": seed, "train": phase == "train"}
 
 
 def forward_graph(config, phase, spec, rank=0, world_size=1):
     """The data op and the net's forward ops for ``phase`` (no loss pruning)."""
-    g = Graph(config.get("name", "net"))
+    job, spec = job_of(config), data_spec_of(phase, spec)
+    g = Graph(job.name)
     g.add_op("data", "DataReader", [], ["data", "label"],
-             data_attrs(spec, rank, world_size, config.get("seed", 0), phase),
-             thread=DATA_THREAD)
+             data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
     g.infer_shapes()
-    build_net(config, phase, (g, config.get("_path")))
+    build_net(job.net or (), phase, (g, job.path))
     g.infer_shapes()
     return g
 
@@ -68,14 +69,14 @@ def build_train_graph(config, rank=0, world_size=1):
     Returns (graph, grads) where grads maps param -> gradient blob. With
     ``parallel.micro_batches: M`` the graph is built for one micro-batch
     (B/M samples); the composition copies it M times."""
-    path = config.get("_path")
-    if config.get("graph") is not None:
-        return graph_from_seed(config, rank, world_size)
-    if not config.get("data", {}).get("train"):
+    job = job_of(config)
+    path = job.path
+    if job.graph is not None:
+        return graph_from_seed(job, rank, world_size)
+    if job.data.train is None:
         raise ConfigError(path, "data.train", "training needs a data.train section")
-    spec = dict(config["data"]["train"])
-    spec["batch_size"] //= int((config.get("parallel") or {}).get("micro_batches", 1))
-    g = forward_graph(config, "train", spec, rank, world_size)
+    spec = job.data.train.with_batch(job.micro_batch)
+    g = forward_graph(job, "train", spec, rank, world_size)
     losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
@@ -83,7 +84,7 @@ def build_train_graph(config, rank=0, world_size=1):
     grads = build_backward(g, losses)
     if not grads:
         raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss")
-    sinks = add_solver(g, grads, config["solver"])
+    sinks = add_solver(g, grads, job.solver)
     g = g.prune(sinks + list(losses) + metric_blobs(g))
     g.infer_shapes().validate()
     return g, grads
@@ -93,8 +94,9 @@ def graph_from_seed(config, rank=0, world_size=1):
     """A training graph given in the seed's low-level format. A complete one
     (with SGDUpdate ops, e.g. from ``graph --format yaml``) runs as is; a
     forward-only one gets backward and solver ops generated."""
-    path = config.get("_path")
-    g = seed_yaml.load(config["graph"], path, config.get("name", "graph"))
+    job = job_of(config)
+    path = job.path
+    g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
     for op in g.ops.values():
         if op.op_type == "DataReader":
             op.attrs["rank"], op.attrs["world_size"] = rank, world_size
@@ -109,7 +111,7 @@ def graph_from_seed(config, rank=0, world_size=1):
         raise ConfigError(path, "graph", "a forward-only graph needs a loss blob: mark one "
                                          "with attrs: {loss_weight: 1.0}")
     grads = build_backward(g, losses)
-    sinks = add_solver(g, grads, config["solver"])
+    sinks = add_solver(g, grads, job.solver)
     g = g.prune(sinks + list(losses) + metric_blobs(g))
     g.infer_shapes().validate()
     return g, grads
@@ -117,10 +119,10 @@ def graph_from_seed(config, rank=0, world_size=1):
 
 def build_test_graph(config, rank=0, world_size=1):
     """The evaluation graph (test phase), or None when no test data is set."""
-    spec = config.get("data", {}).get("test")
-    if not spec or config.get("graph") is not None:
+    job = job_of(config)
+    if job.data.test is None or job.graph is not None:
         return None
-    g = forward_graph(config, "test", spec, rank, world_size)
+    g = forward_graph(job, "test", job.data.test, rank, world_size)
     sinks = list(loss_blobs(g)) + metric_blobs(g)
     if not sinks:
         return None
@@ -143,7 +145,7 @@ def init_params(loaded, params, config, path, skip=()):
     the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
     its fresh initialisation). A parameter the file lacks is a user error
     that lists what is missing, never a silent random weight."""
-    layers = {layer.get("name") for layer in config.get("net") or []}
+    layers = set(job_of(config).layer_names)
     unknown = sorted(set(skip) - layers)
     if unknown:
         raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "

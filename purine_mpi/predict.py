@@ -37,7 +37,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     """Run the trainer's test graph over the whole split and write the
     outputs (see the module docstring); returns {"samples", "blobs", "out"}."""
     if trainer.test is None:
-        raise UserError(f"{trainer.config.get('_path')}: key 'data.{split}': predict needs "
+        raise UserError(f"{trainer.job.path}: key 'data.{split}': predict needs "
                         "that data and a loss layer in the test phase")
     if trainer.pipeline:
         raise UserError("predict runs the whole net on each rank: not a pipeline or hybrid "
@@ -51,9 +51,9 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
                         f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
     readers = [k for k in dispatcher.kernels.values() if k.op.op_type == "DataReader"]
     label_blob = readers[0].op.outputs[1] if readers else None
-    spec = trainer.config["data"]["test"]
-    n, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-    batch, ranks = int(spec["batch_size"]), trainer.data_size
+    spec = trainer.job.data.test
+    n, _ = source_info(spec.source_dict())
+    batch, ranks = spec.batch_size, trainer.data_size
     iters = max(1, math.ceil(n / (batch * ranks)))
     for k in readers:
         k.reset_position(0)
@@ -97,7 +97,7 @@ def _write(path, rows, blobs, trainer, weights, split, n):
             f.create_dataset("label", data=rows["label"].astype(np.int64))
             f.create_dataset("index", data=np.arange(n, dtype=np.int64))
             f.attrs["format"] = "purine_mpi.predictions"
-            f.attrs["config"] = dump_config(trainer.config)
+            f.attrs["config"] = dump_config(trainer.job)
             f.attrs["weights"] = str(weights)
             f.attrs["split"] = split
             f.attrs["blobs"] = ",".join(blobs)

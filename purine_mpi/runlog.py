@@ -91,16 +91,16 @@ def devices_line(infos, servers=()):
 def scheme_lines(trainer):
     """[(label, text)] of the scheme: which ranks are workers, servers or
     stages, and the micro-batches."""
-    config = trainer.config
-    par = config.get("parallel") or {}
+    job = trainer.job
+    par = job.parallel
     lay = trainer.layout
     ps = getattr(trainer.scheme, "layout", None)  # a parameter-server worker
     size = trainer.world.size
     out = []
     if ps is not None:
         workers, servers = ps["workers"], ps["servers"]
-        mode = par.get("mode")
-        how = (f"max_staleness {par.get('max_staleness', 0)}" if mode == "async" else
+        mode = par.mode
+        how = (f"max_staleness {par.max_staleness}" if mode == "async" else
                "the servers average each round")
         out.append(("scheme", f"parameter servers (mode {mode}, {how}): "
                     f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
@@ -109,8 +109,8 @@ def scheme_lines(trainer):
     elif size == 1:
         out.append(("scheme", "one rank, no parallel scheme"))
     elif lay.staged:
-        stages = par.get("stages") or {}
-        layers = [layer.get("name") for layer in config.get("net") or []]
+        stages = job.stage_map
+        layers = job.layer_names
         if lay.scheme == "pipeline":
             out.append(("scheme", f"pipeline: {lay.stages} stages, rank s runs stage s; "
                         "activations and gradients cross as Send/Recv"))
@@ -131,25 +131,21 @@ def scheme_lines(trainer):
         plan = getattr(trainer.graph, "bucket_plan", None) or []
         out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
                     f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
-    micro = int(par.get("micro_batches", 1))
+    micro = par.micro_batches
     if micro > 1:
-        batch = int(config["data"]["train"]["batch_size"])
         use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"
-        out.append(("micro-batches", f"{micro} of {batch // micro} samples, schedule "
-                    f"{par.get('schedule', '1f1b')} ({use})"))
+        out.append(("micro-batches", f"{micro} of {job.micro_batch} samples, schedule "
+                    f"{par.schedule} ({use})"))
     return out
 
 
 def data_text(data):
-    """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``."""
+    """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``;
+    ``data``: the job's DataSpecs."""
     parts = []
     for phase, spec in data.items():
-        if not spec:
-            continue
-        n, shape = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-        kind = spec.get("source", "hdf5")
-        where = {"hdf5": spec.get("path"), "lmdb": f"lmdb {spec.get('path')}"}.get(kind,
-                                                                                  "synthetic")
+        n, shape = source_info(spec.source_dict())
+        where = {"hdf5": spec.path, "lmdb": f"lmdb {spec.path}"}.get(spec.source, "synthetic")
         parts.append((phase, n, "x".join(map(str, shape)), where))
     if len({(shape, where) for _, _, shape, where in parts}) == 1:
         _, _, shape, where = parts[0]
@@ -175,14 +171,13 @@ def memory_text(trainer):
 def startup_lines(trainer, infos, setup_seconds):
     """The start-up block (see the module docstring). ``infos``: {rank:
     (host, device)} of the trainer's world."""
-    config = trainer.config
+    job = trainer.job
     replicas = trainer.data_size
     ps = getattr(trainer.scheme, "layout", None)
     size = trainer.world.size + (len(ps["servers"]) if ps else 0)
-    name = config.get("name", "net")
-    head = f"purine_mpi {__version__}: train {name}"
-    if config.get("_path"):
-        head += f" ({config['_path']})"
+    head = f"purine_mpi {__version__}: train {job.name}"
+    if job.path:
+        head += f" ({job.path})"
     hosts = {h for h, _ in infos.values()}
     servers = {}
     if ps:
@@ -195,15 +190,15 @@ def startup_lines(trainer, infos, setup_seconds):
             ("devices", devices_line(infos, servers)),
             ("threads", threads.describe())]
     rows += scheme_lines(trainer)
-    data = config.get("data") or {}
-    if data.get("train"):
+    data = job.data
+    if data.train is not None:
         per = "worker" if ps else ("pipeline" if trainer.layout.staged else "rank")
-        b = int(data["train"]["batch_size"])
+        b = job.train_batch
         text = f"{b:,} per {per}"
         if replicas > 1:
-            text += f" x {replicas} {per}s = {b * replicas:,} global"
-        if data.get("test"):
-            text += f"; test {int(data['test']['batch_size']):,} per {per}"
+            text += f" x {replicas} {per}s = {job.global_batch(replicas):,} global"
+        if data.test is not None:
+            text += f"; test {data.test.batch_size:,} per {per}"
         rows.append(("batch", text))
     n_params, n_bytes, n_blobs, dtypes = trainer.param_summary
     rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
@@ -211,15 +206,15 @@ def startup_lines(trainer, infos, setup_seconds):
     rows.append(("memory", memory_text(trainer)))
     if data:
         rows.append(("data", data_text(data)))
-    sol = trainer.solver
-    rows.append(("solver", f"{sol.get('type', 'sgd')}, base_lr {sol.get('base_lr')}, "
-                 f"lr_policy {sol.get('lr_policy', 'fixed')}; iterations "
-                 f"{trainer.start_iter:,} -> {int(sol['max_iter']):,}"))
-    ck = config.get("checkpoint") or {}
-    every = int(ck.get("interval") or 0)
+    sol = job.solver
+    rows.append(("solver", f"{sol.type}, base_lr {sol.base_lr}, "
+                 f"lr_policy {sol.lr_policy}; iterations "
+                 f"{trainer.start_iter:,} -> {sol.max_iter:,}"))
+    ck = job.checkpoint
+    every = ck.interval
     rows.append(("output", f"{trainer.out_dir} (checkpoints "
                  + (f"every {every:,} iterations, " if every else "at the end, ")
-                 + (f"keep {ck['keep']})" if ck.get("keep") else "keep all)")))
+                 + (f"keep {ck.keep})" if ck.keep else "keep all)")))
     rows.append(("set-up", f"{setup_seconds:.2f} s (graphs, data, initial weights)"))
     width = max(len(k) for k, _ in rows) + 2
     return [head] + [f"  {k:<{width}}{v}" for k, v in rows]

@@ -23,6 +23,7 @@ import time
 from . import logfile
 from .io.checkpoint import remove_stale_temp_files
 from .io.config import data_notes, dump_config
+from .io.job import job_of
 from .parallel.compose import Scheme, settings_without_effect
 from .parallel.rank_graphs import build_rank_graphs
 from .runtime.factory import make_dispatcher, on_gpu
@@ -47,22 +48,22 @@ class Trainer(Loop):
     def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         created = time.perf_counter()  # the start-up block reports the set-up time
+        job = job_of(config)  # a Job, or a validated config dict (tests, tools)
         world = world or get_world()
-        par = config.get("parallel", {})
         # collectives outside the graph wait no longer than graph ops do
-        world.stall_timeout = float(par.get("stall_timeout", 300))
+        world.stall_timeout = float(job.parallel.stall_timeout)
         scheme = scheme or Scheme()
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         self.graphs = None
         try:
-            graphs = build_rank_graphs(config, world, scheme)
+            graphs = build_rank_graphs(job, world, scheme)
             self.traces = Traces(profile, out_dir, world)
-            runners = _dispatchers(graphs, config, world, dispatcher, self.traces.profiler,
+            runners = _dispatchers(graphs, job, world, dispatcher, self.traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None)
             self.checkpoints, self.evaluation = Checkpoints(), Evaluation()
-            super().__init__(graphs, *runners, config=config, out_dir=out_dir, world=world,
+            super().__init__(graphs, *runners, job=job, out_dir=out_dir, world=world,
                              scheme=scheme, log=log,
-                             services=self._services(config, out_dir, created, tensorboard))
+                             services=self._services(job, out_dir, created, tensorboard))
             if self.rank == 0:
                 for path in remove_stale_temp_files(out_dir):
                     self.log(f"removed {path}, left by a writer that was killed mid-write")
@@ -71,9 +72,9 @@ class Trainer(Loop):
             self._settle_readers()
             raise
 
-    def _services(self, config, out_dir, created, tensorboard):
+    def _services(self, job, out_dir, created, tensorboard):
         """The loop's services, in the order the loop asks them (train/loop.py)."""
-        best, early = config["checkpoint"].get("best"), config["solver"].get("early_stop")
+        best, early = job.checkpoint.best, job.solver.early_stop
         return [StartupReport(created),
                 StopAgreement(),
                 DivergenceWatch(),
@@ -109,7 +110,7 @@ class Trainer(Loop):
         return self.evaluation.evaluate(self, test_iter)
 
 
-def _dispatchers(graphs, config, world, dispatcher, profiler, say):
+def _dispatchers(graphs, job, world, dispatcher, profiler, say):
     """The training graph's dispatcher and the test graph's (or None). With
     ``memory_plan`` (the default) the transient host blobs of each share one
     arena, laid out from the static graph (runtime/memory_plan.py); what the
@@ -117,10 +118,9 @@ def _dispatchers(graphs, config, world, dispatcher, profiler, say):
     reuses the training graph's arena when it fits (the two never run at
     once). On a GPU each iteration is replayed as captured CUDA graphs
     unless ``cuda_graph: false``."""
-    planned = bool(config.get("memory_plan", True))
-    cuda_graph = bool(config.get("cuda_graph", True))
-    seed = int(config.get("seed", 0)) * 1000003 + world.rank
-    stall = float(config.get("parallel", {}).get("stall_timeout", 300))
+    planned, cuda_graph = job.memory_plan, job.cuda_graph
+    seed = job.seed * 1000003 + world.rank
+    stall = float(job.parallel.stall_timeout)
 
     def workspace(graph, keep=(), shared=None, arena=None):
         # control edges only where the CPU dispatchers run the graph (a
@@ -148,42 +148,43 @@ def _dispatchers(graphs, config, world, dispatcher, profiler, say):
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
                  init_skip=(), tensorboard=False):
     """Entry point of ``train``: set up the world, check that every rank has
-    the same config, and run the scheme the config asks for."""
+    the same config, and run the scheme the config asks for. ``config``: a
+    job (io/job.py) or a validated config dict."""
     from .comm.world import install_abort_handler
+    job = job_of(config)  # once: everything below reads the job
     world = get_world()
     install_abort_handler(world)
-    world.stall_timeout = float(config.get("parallel", {}).get("stall_timeout", 300))
-    world.check_consistent(dump_config(config), "resolved configuration")
+    world.stall_timeout = float(job.parallel.stall_timeout)
+    world.check_consistent(dump_config(job), "resolved configuration")
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (logfile.py)
     logfile.open_run_log(out_dir, world.rank)
     say = logfile.tee(print_or_stop)
     if world.rank == 0:  # parallel settings that do nothing at this world size
-        for note in settings_without_effect(config, world.size) + data_notes(config):
+        for note in settings_without_effect(job, world.size) + data_notes(job):
             say(note)
-    mode = config.get("parallel", {}).get("mode", "sync")
-    if world.size > 1 and mode in ("async", "sync_ps"):
-        return run_param_server(config, out_dir, world, resume=resume, init=init,
+    if world.size > 1 and job.parallel.servers:
+        return run_param_server(job, out_dir, world, resume=resume, init=init,
                                 profile=profile, init_skip=init_skip, tensorboard=tensorboard)
-    return run_and_report(Trainer(config, out_dir, world, resume=resume, init=init,
+    return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
                                   tensorboard=tensorboard, log=say),
                           world)
 
 
-def run_param_server(config, out_dir, world, resume=None, init=None, profile=False,
+def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                      dispatcher=None, log=None, init_skip=(), tensorboard=False):
     """``train`` on every rank of a parameter-server run: servers serve
     (parallel.param_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker). Returns
     the exit status."""
     from .parallel.param_server import WorkerScheme, run_server_rank, split_workers
-    config, sub = split_workers(config, world)
+    job, sub = split_workers(job, world)
     if sub is None:
-        return run_server_rank(config, out_dir, world, resume=resume, init=init,
+        return run_server_rank(job, out_dir, world, resume=resume, init=init,
                                init_skip=init_skip)
-    return run_and_report(Trainer(config, out_dir, world=sub, resume=resume, init=init,
+    return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
-                                  init_skip=init_skip, scheme=WorkerScheme(config, world),
+                                  init_skip=init_skip, scheme=WorkerScheme(job, world),
                                   tensorboard=tensorboard),
                           world)
 

@@ -13,6 +13,7 @@ import yaml
 import purine_mpi.layers as layers
 from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.io.config import resolve_config
+from purine_mpi.io.job import job_of
 from purine_mpi.layers import COMMON_KEYS, LAYER_SPECS, LAYERS
 from purine_mpi.model import forward_graph
 
@@ -160,9 +161,11 @@ def test_every_declared_key_is_read_by_its_layer(ltype, monkeypatch):
             "data": {"train": {"source": "synthetic", "shape": [3, 4, 4], "classes": 4,
                                "batch_size": 2}},
             "net": _probe_net(ltype)}, check_files=False)
-        cfg["net"] = [_Recording(e, seen=seen, state=state) if e["name"] == "probe" else e
-                      for e in cfg["net"]]
-        forward_graph(cfg, phase, cfg["data"]["train"])
+        # the layers read the job's net entries (io/job.py): instrument those
+        job = job_of(cfg)
+        job = job.replace(net=tuple(_Recording(e, seen=seen, state=state)
+                                    if e["name"] == "probe" else e for e in job.net))
+        forward_graph(job, phase, job.data.train)
     declared = {k.name for k in LAYER_SPECS[ltype].all_keys()}
     assert declared - seen == set(), f"{ltype}: declared but never read: {declared - seen}"
     assert seen - declared == set(), f"{ltype}: read but not declared: {seen - declared}"

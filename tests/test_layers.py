@@ -28,7 +28,7 @@ LAYERS = [
     # the bi-graph, its gradient, the layers that emit sub-graphs
     ("graph", ["purine_mpi.graph", "purine_mpi.layers"]),
     # the job: its config, the single-replica model, its files on disk
-    ("job", ["purine_mpi.io", "purine_mpi.model"]),
+    ("job", ["purine_mpi.io", "purine_mpi.io.job", "purine_mpi.model"]),
     # parallel schemes as graph compositions, placement on a device
     ("composition", ["purine_mpi.parallel", "purine_mpi.graph.partition",
                      "purine_mpi.gpu.placement", "purine_mpi.gpu.fuse"]),

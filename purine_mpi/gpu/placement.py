@@ -25,10 +25,10 @@ place so that it runs on GPU ``device``:
 
 The workspace then allocates the device blobs as CuPy arrays and
 ``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
-does all of it from a resolved config (keys ``device``, ``backend``,
-``tf32``), for the trainer::
+does all of it from the job (keys ``device``, ``backend``, ``tf32``), for
+the trainer::
 
-    device = configure_device(config, train_graph)        # -1: CPU, nothing changed
+    device = configure_device(job, train_graph)        # -1: CPU, nothing changed
     ...
     place_on_device(test_graph, device)                   # same GPU for evaluation
 """
@@ -36,6 +36,7 @@ import dataclasses
 import os
 
 from ..errors import ConfigError, UserError
+from ..io.job import job_of
 from ..ops.solver import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
@@ -162,16 +163,16 @@ def local_rank():
     return 0
 
 
-def select_device(config, rank_on_node=None):
-    """The GPU this rank uses from a resolved config, or -1 for the CPU.
+def select_device(job, rank_on_node=None):
+    """The GPU this rank uses from a job (or a validated config dict), or -1
+    for the CPU.
 
     ``device: D`` (>= 0) asks for GPUs; a rank uses ``D + its rank on the
     node``, modulo the node's GPU count, so several ranks per node spread
     over the GPUs. ``backend: cupy`` without a device means device 0;
     ``backend: numpy`` with a device is a contradiction."""
-    path = config.get("_path")
-    device = int(config.get("device", -1))
-    backend = config.get("backend") or "auto"
+    job = job_of(job)
+    path, device, backend = job.path, job.device, job.backend or "auto"
     if backend == "numpy":
         if device >= 0:
             raise ConfigError(path, "device", f"device {device} asks for a GPU but "
@@ -192,15 +193,15 @@ def select_device(config, rank_on_node=None):
     return (device + rank_on_node) % count
 
 
-def configure_device(config, graph, rank_on_node=None):
-    """Select this rank's GPU from ``config``, apply ``tf32``, place
+def configure_device(job, graph, rank_on_node=None):
+    """Select this rank's GPU from ``job``, apply ``tf32``, place
     ``graph`` there and fuse it for the device (``gpu/fuse.py``: ReLUs into
     their producers, the SGD updates into one). Returns the device (-1: the
     CPU, graph unchanged)."""
-    device = select_device(config, rank_on_node)
+    device = select_device(job, rank_on_node)
     if device >= 0:
         from . import set_tf32
-        set_tf32(bool(config.get("tf32", False)))
+        set_tf32(job.tf32)
         import cupy
         cupy.cuda.Device(device).use()  # CuPy's default device for this process
         prepare_for_device(graph, device, train=True)

@@ -1,43 +1,46 @@
 """``graph`` command: a rank's slice of the composed graph as text, the
-seed's YAML, or Graphviz DOT."""
+seed's YAML, or Graphviz DOT. The entry points take a job (io/job.py) or a
+validated config dict."""
+import dataclasses
+
 import yaml
 
+from ..io.job import job_of
 from ..kernels import get_kernel_class
 from . import seed_yaml
 
 
-def compose_for(config, world_size, rank, phase="train"):
+def compose_for(job, world_size, rank, phase="train"):
     """The graph ``rank`` of ``world_size`` would run, built without MPI."""
     from ..model import build_test_graph, build_train_graph
     from ..parallel.compose import compose, compose_test, data_window, layout_of
+    job = job_of(job)
     world = _OfflineWorld(rank, world_size)
-    par = config.get("parallel", {})
-    lay = layout_of(config, world)  # a world that does not fit the stages: exit 2 here
-    replica, replicas = data_window(config, world)
+    par = job.parallel
+    lay = layout_of(job, world)  # a world that does not fit the stages: exit 2 here
+    replica, replicas = data_window(job, world)
     if phase == "test":
-        graph = compose_test(build_test_graph(config, replica, replicas), config, world)
+        graph = compose_test(build_test_graph(job, replica, replicas), job, world)
         if graph is not None:
             graph.layout = lay
         return graph
-    graph, grads = build_train_graph(config, replica, replicas)
-    if world_size > 1 and not lay.staged and par.get("scheme", "data") != "none" \
-            and par.get("mode", "sync") != "sync":
+    graph, grads = build_train_graph(job, replica, replicas)
+    if world_size > 1 and not lay.staged and par.scheme != "none" and par.mode != "sync":
         from ..parallel.param_server import compose_for_rank
-        graph = compose_for_rank(graph, grads, config, world_size, rank).infer_shapes()
+        graph = compose_for_rank(graph, grads, job, world_size, rank).infer_shapes()
         graph.validate()
     else:  # the trainer's own composition; the cross-rank check needs MPI: skip it
-        offline = dict(config, parallel=dict(par, check_collectives=False))
+        offline = job.replace(parallel=dataclasses.replace(par, check_collectives=False))
         graph = compose(graph, grads, offline, world)
     from ..gpu.placement import prepare_for_device
-    device = config.get("device")
     # placed and fused as the trainer runs it (needs no CuPy)
-    prepare_for_device(graph, -1 if device is None else int(device))
+    prepare_for_device(graph, job.device)
     from .partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = partition(graph, rank, size=world_size)
     else:  # micro-batch copies share buffers as the trainer plans them
         from ..parallel.compose import plan_memory
-        plan_memory(graph, config, world)
+        plan_memory(graph, job, world)
     graph.layout = lay
     return graph
 
@@ -97,20 +100,21 @@ def to_dot(graph):
     return "\n".join(lines)
 
 
-def render_graph(config, world_size=None, rank=0, fmt="text", phase="train", memory=False):
+def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory=False):
+    job = job_of(job)
     world_size = world_size or 1
     if not 0 <= rank < world_size:
         from ..errors import UserError
         raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
-    graph = compose_for(config, world_size, rank, phase)
+    graph = compose_for(job, world_size, rank, phase)
     if graph is None:
         from ..errors import UserError
         raise UserError(f"the config has no {phase} graph")
     if fmt == "yaml":
         # the solver section too: the loop's keys (max_iter, display, ...) and
         # the start-up block then match the lr op the graph carries
-        solver = {k: v for k, v in (config.get("solver") or {}).items() if v is not None}
-        return yaml.dump({"name": config.get("name"), "solver": solver,
+        solver = {k: v for k, v in job.solver.to_config().items() if v is not None}
+        return yaml.dump({"name": job.name, "solver": solver,
                           "graph": seed_yaml.dump(graph)},
                          Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
                          width=100)
@@ -125,7 +129,7 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train", mem
         from ..parallel.data_parallel import format_plan
         lines += format_plan(plan)
         from ..parallel.compose import defer_update_applies
-        if defer_update_applies(config, world_size, lay is not None and lay.staged):
+        if defer_update_applies(job, world_size, lay is not None and lay.staged):
             from ..runtime.tail import describe_tail
             line = describe_tail(graph)
             if line:
@@ -134,16 +138,16 @@ def render_graph(config, world_size=None, rank=0, fmt="text", phase="train", mem
     if describe_plan(graph):
         lines.append(describe_plan(graph))
     if memory:
-        lines += memory_lines(config, graph)
+        lines += memory_lines(job, graph)
     return "\n".join(lines)
 
 
-def memory_lines(config, graph):
+def memory_lines(job, graph):
     """``graph --memory``: the host memory plan the trainer lays this graph
     out by (runtime/memory_plan.py), or a line saying it is off."""
     from ..runtime.memory_plan import batch_blobs, format_plan, plan_host_memory
     from ..runtime.factory import on_gpu
-    on = config.get("memory_plan", True)
+    on = job.memory_plan
     plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=on and not on_gpu(graph))
     if not on:
         return [f"memory plan: off (memory_plan: false): one buffer per blob; the plan would "

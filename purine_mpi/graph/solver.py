@@ -39,13 +39,16 @@ def solver_states(solver_type):
 
 
 def add_solver(graph, grads, solver, thread=0):
-    """Emit the lr and update ops for ``grads`` ({param: grad blob}).
+    """Emit the lr and update ops for ``grads`` ({param: grad blob}) as the
+    job's ``solver`` (io/job.py's SolverSpec, read by attribute) says.
     Returns the list of sink blobs (updated params and momenta)."""
+    lr_attrs = {k: getattr(solver, k, None) for k in LR_KEYS}
     graph.add_blob("iter", (), "int64", kind="iter", exist_ok=True)  # dropout may add it
     graph.add_blob("lr", (), "float32", kind="lr")
     graph.add_op("solver.lr", "LearningRate", ["iter"], ["lr"],
-                 {k: solver[k] for k in LR_KEYS if solver.get(k) is not None}, thread=thread)
-    kind = solver.get("type") or "sgd"
+                 {k: list(v) if isinstance(v, tuple) else v for k, v in lr_attrs.items()
+                  if v is not None}, thread=thread)
+    kind = solver.type or "sgd"
     op_type, states = SOLVER_UPDATES[kind]
     extra = ["lr"] + (["iter"] if op_type in ("AdamUpdate", "AdamWUpdate") else [])
     sinks = []
@@ -60,7 +63,7 @@ def add_solver(graph, grads, solver, thread=0):
                            alias_of=m)
         graph.add_blob(f"{param}@new", blob.shape, blob.dtype, blob.location, kind="param",
                        alias_of=param)
-        attrs = {k: float(solver.get(k) or 0.0) for k in UPDATE_KEYS[kind]}
+        attrs = {k: float(getattr(solver, k) or 0.0) for k in UPDATE_KEYS[kind]}
         attrs.update({"lr_mult": blob.attrs.get("lr_mult", 1.0),
                       "decay_mult": blob.attrs.get("decay_mult", 1.0), "grad_scale": 1.0})
         outs = [f"{param}@new"] + [f"{m}@new" for m in names]

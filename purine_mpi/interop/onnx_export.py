@@ -37,10 +37,11 @@ OPSET = 13
 _DROPPED = ("SoftmaxLoss", "Accuracy")
 
 
-def export_onnx(config, weights_path, out_path, batch=None, raw_input=True):
-    """Write the ONNX model of ``config``'s test phase with the params of
-    ``weights_path``; returns a one-line summary. ``raw_input``: the model
-    takes untransformed input and applies the test spec's transform."""
+def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
+    """Write the ONNX model of ``job``'s test phase (a Job or a validated
+    config dict) with the params of ``weights_path``; returns a one-line
+    summary. ``raw_input``: the model takes untransformed input and applies
+    the test spec's transform."""
     try:
         import onnx
     except ImportError:
@@ -49,14 +50,16 @@ def export_onnx(config, weights_path, out_path, batch=None, raw_input=True):
     from ..io.checkpoint import load_params
     from ..model import forward_graph
     from ..model import init_params
-    if not config.get("data", {}).get("test"):
-        raise UserError(f"{config.get('_path')}: key 'data.test': export onnx writes the test "
+    from ..io.job import job_of
+    job = job_of(job)
+    if job.data.test is None:
+        raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "
                         "model's input shape)")
-    graph = forward_graph(config, "test", config["data"]["test"])
+    graph = forward_graph(job, "test", job.data.test)
     loaded = load_params(weights_path)
     params = [b.name for b in graph.params()]
-    init_params(loaded, params, config, weights_path)
+    init_params(loaded, params, job, weights_path)
     values = {}
     for p in params:
         value = np.asarray(loaded[p], dtype=np.float32)
@@ -64,9 +67,9 @@ def export_onnx(config, weights_path, out_path, batch=None, raw_input=True):
             raise UserError(f"weights file '{weights_path}': '{p}' has shape {list(value.shape)}"
                             f", the net expects {list(graph.blobs[p].shape)}")
         values[p] = value
-    spec = config["data"]["test"]
+    spec = job.data.test.source_dict()  # the source and transform keys, as io/data reads them
     pre = preprocessing(spec) if raw_input else None
-    model = build_model(graph, values, config.get("name", "net"), batch, pre)
+    model = build_model(graph, values, job.name, batch, pre)
     said = describe(spec, pre)
     entry = model.metadata_props.add()
     entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])

@@ -2,8 +2,10 @@
 
 ``load_config(path)`` returns the *resolved* config: every section present,
 every default filled in, data paths resolved, plus ``config["_path"]`` (the
-file it came from). Every problem is a ``ConfigError(path, key, message)``
-naming the file, the dotted key and what was expected, e.g.::
+file it came from); ``load_job`` returns it as a frozen ``Job`` (io/job.py),
+which is what the package below ``io/`` reads. Every problem is a
+``ConfigError(path, key, message)`` naming the file, the dotted key and
+what was expected, e.g.::
 
     jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
 
@@ -16,7 +18,8 @@ validation. The layers' keys are declared in purine_mpi/layers.
 docs/config.md is generated from all of these (re-exported here).
 
 To add a key, add its default to the section's defaults table, a checker to
-the section's validator table and a one-line meaning to KEY_DOCS; unknown
+the section's validator table, a one-line meaning to KEY_DOCS and the
+field to the Job's part in io/job.py (the code reads the field); unknown
 keys are errors (with a "did you mean" suggestion) so that typos never pass
 silently. AFTER CHANGING KEYS RUN ``python -m purine_mpi.docgen --write``
 (tests/test_docs.py fails while docs/config.md is stale or a key has no
@@ -32,6 +35,7 @@ from .checks import (SEED_LIMIT, _bool, _check_bool, _check_choice, _check_int, 
                      _check_number, _choice, _int, _is_int, _is_number, _kind, _num, _optional,
                      _stepvalues, check_seed)  # noqa: F401
 from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
+from .job import Job, job_of
 from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_DOC, DATA_KEYS,
                      DATA_SOURCES, KEY_DOCS, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
                      PARALLEL_SCHEMES, PIPELINE_SCHEDULES, SOLVER_DEFAULTS, SOLVER_TYPES,
@@ -90,6 +94,11 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     return resolve_config(raw, path, overrides, iters, check_files)
 
 
+def load_job(path, overrides=(), iters=None, check_files=True):
+    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
+    return job_of(load_config(path, overrides, iters, check_files))
+
+
 def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
     """``load_config`` for an already-parsed mapping (tests, benchmarks)."""
     if not isinstance(raw, dict):
@@ -146,7 +155,10 @@ def apply_override(config, text, path="<config>"):
 
 
 def dump_config(config):
-    """YAML text of a resolved config, without private (``_``-prefixed) keys."""
+    """YAML text of a resolved config (or of a ``Job``), without private
+    (``_``-prefixed) keys."""
+    if isinstance(config, Job):
+        config = config.to_config()
     public = {k: v for k, v in config.items() if not str(k).startswith("_")}
     return yaml.safe_dump(public, sort_keys=False, default_flow_style=None, width=100)
 

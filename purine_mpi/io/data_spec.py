@@ -91,16 +91,17 @@ def _check_data_spec(phase, spec, path, check_files):
     return out
 
 
-def data_notes(config):
-    """One line for each data split whose batch is larger than the split (each
-    batch then holds samples several times over: a mistyped batch_size, or a
-    small stand-in file). Reads the HDF5 files' metadata."""
+def data_notes(job):
+    """One line for each data split of ``job`` (io/job.py) whose batch is
+    larger than the split (each batch then holds samples several times over:
+    a mistyped batch_size, or a small stand-in file). Reads the HDF5 files'
+    metadata."""
     from .data import source_info
     notes = []
-    for phase, spec in (config.get("data") or {}).items():
-        n = source_info(spec)[0]
-        if spec["batch_size"] > n:
-            notes.append(f"note: data.{phase}.batch_size {spec['batch_size']} is larger than the "
+    for phase, spec in job.data.items():
+        n = source_info(spec.source_dict())[0]
+        if spec.batch_size > n:
+            notes.append(f"note: data.{phase}.batch_size {spec.batch_size} is larger than the "
                          f"{n} samples of the {phase} data: each batch holds samples several "
                          "times over")
     return notes

@@ -4,8 +4,9 @@ generated from them, with the layers' own declarations). Validation is
 ``io/config.py``; the checkers of single values are ``io/checks.py``.
 
 To add a key, add its default here, a checker to its section's table in
-io/config.py and a one-line meaning to KEY_DOCS; then run ``python -m
-purine_mpi.docgen --write``. Imports only ``io/transform`` (its keys).
+io/config.py, a one-line meaning to KEY_DOCS and its field to the part of
+the Job in io/job.py; then run ``python -m purine_mpi.docgen --write``.
+Imports only ``io/transform`` (its keys).
 """
 from .transform import TRANSFORM_KEYS
 

@@ -1,6 +1,6 @@
 """Caffe-style layers: each is a function that emits a small bi-graph.
 
-``build_net(config, phase, data_shapes)`` turns the config's ``net:`` list into
+``build_net(net, phase, data_blobs)`` turns the job's ``net:`` list into
 the forward graph of one replica. A layer whose ``top`` equals its ``bottom``
 (Caffe's in-place, e.g. ReLU) writes a new single-assignment blob
 (``conv1@relu1``) and later layers reading ``conv1`` see that newest version.

@@ -1,7 +1,9 @@
-"""``build_net``: the config's ``net:`` list as the forward bi-graph of one
+"""``build_net``: the job's ``net:`` list as the forward bi-graph of one
 replica, each layer emitting its sub-graph through a ``NetBuilder`` (see the
 package docstring). Imports ``errors`` and the registry.
 """
+from collections.abc import Mapping
+
 from ..errors import ConfigError
 from .registry import Required, check_layer, layer_spec
 
@@ -129,8 +131,9 @@ class NetBuilder:
         return self.graph.blobs[blob].shape
 
 
-def build_net(config, phase, data_blobs):
-    """Forward graph of the config's net for ``phase`` ('train' or 'test').
+def build_net(net, phase, data_blobs):
+    """Forward graph of ``net`` (the job's layer entries, mappings read by
+    key) for ``phase`` ('train' or 'test').
 
     ``data_blobs`` maps names the net may read (``data``, ``label``) to blobs
     already in a graph; returns (graph, builder) with the data op added by
@@ -139,9 +142,9 @@ def build_net(config, phase, data_blobs):
     b = NetBuilder(graph, phase, path)
     b.current = {n: n for n in graph.blobs}
     names = set()
-    for i, cfg in enumerate(config.get("net") or []):
+    for i, cfg in enumerate(net or ()):
         b.cfg, b.index, b.spec = cfg, i, None
-        if not isinstance(cfg, dict):
+        if not isinstance(cfg, Mapping):
             raise ConfigError(path, f"net[{i}]", f"expected a mapping, got {cfg!r}")
         name = cfg.get("name")
         if not isinstance(name, str) or not name:

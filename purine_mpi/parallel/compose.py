@@ -1,18 +1,20 @@
-"""From the config's ``parallel`` section to the graph a rank runs.
+"""From the job's ``parallel`` section to the graph a rank runs.
 
 The trainer builds one replica's training graph, hands it to a ``Scheme``
 and runs what comes back; everything scheme-specific lives here and in the
 modules this one calls (nothing in ``parallel/`` imports the trainer):
 
     scheme = Scheme()                          # data / pipeline / hybrid / none
-    local = scheme.compose(graph, grads, config, world)
+    local = scheme.compose(graph, grads, job, world)
     code = scheme.agree_to_stop(trainer, done, diverged)
     scheme.before_save(trainer, iteration)     # e.g. fetch the servers' momenta
 
-    layout = layout_of(config, world)          # replicas x stages; this rank's place
-    compose(graph, grads, config, world)       # the data-parallel, pipeline or hybrid slice
-    compose_stages(graph, config, world)       # a staged scheme's slice (train or test)
-    plan_memory(graph, config, world)          # micro-batch copies share buffers (last)
+    layout = layout_of(job, world)             # replicas x stages; this rank's place
+    compose(graph, grads, job, world)          # the data-parallel, pipeline or hybrid slice
+    compose_stages(graph, job, world)          # a staged scheme's slice (train or test)
+    plan_memory(graph, job, world)             # micro-batch copies share buffers (last)
+
+``job`` is io/job.py's ``Job`` (a validated config dict is turned into one).
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and
@@ -28,10 +30,8 @@ The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 import dataclasses
 
 from ..errors import UserError
+from ..io.job import STAGED_SCHEMES as STAGED, job_of
 from .micro_batch import add_schedule, replicate_micro_batches
-
-STAGED = ("pipeline", "hybrid")
-
 
 class Scheme:
     """How a trainer's rank takes part in its parallel scheme: the graph it
@@ -45,13 +45,13 @@ class Scheme:
     #: while the next iteration starts (parallel.defer_update)
     defers_update = True
 
-    def compose(self, graph, grads, config, world):
-        return compose(graph, grads, config, world)
+    def compose(self, graph, grads, job, world):
+        return compose(graph, grads, job, world)
 
-    def plan_memory(self, graph, config, world):
+    def plan_memory(self, graph, job, world):
         """Share the buffers of micro-batch copies never live at once
         (parallel/micro_memory.py), on the graph as it will run."""
-        return plan_memory(graph, config, world)
+        return plan_memory(graph, job, world)
 
     def agree_to_stop(self, trainer, done, diverged):
         """The stop code every rank agrees on after iteration ``done``."""
@@ -112,21 +112,21 @@ def _count(n, one, many=None):
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-def stage_count(config):
-    stages = (config.get("parallel") or {}).get("stages") or {}
-    return max(map(int, stages.values())) + 1 if stages else 0
+def stage_count(job):
+    return job_of(job).parallel.stage_count
 
 
-def layout_of(config, world):
+def layout_of(job, world):
     """This rank's Layout; a UserError (exit 2) naming ``parallel.stages``
     when the world does not fit the stages."""
-    par = config.get("parallel") or {}
-    scheme = par.get("scheme", "data")
-    micro = int(par.get("micro_batches", 1))
+    job = job_of(job)
+    par = job.parallel
+    scheme = par.scheme
+    micro = par.micro_batches
     if world.size == 1 or scheme not in STAGED:
         return Layout(scheme, world.size, 1, world.rank, 0, micro)
-    count = stage_count(config)
-    path = config.get("_path")
+    count = par.stage_count
+    path = job.path
     if scheme == "pipeline" and (not count or world.size != count):
         why = ("is more than" if count and world.size % count == 0 else
                "is not a multiple of") + f" the {count} stage(s)"
@@ -147,42 +147,42 @@ def layout_of(config, world):
                   micro)
 
 
-def is_pipeline(config, world):
+def is_pipeline(job, world):
     """Whether this run places layers on ranks (scheme pipeline or hybrid on
     more than one rank)."""
-    return layout_of(config, world).staged
+    return layout_of(job, world).staged
 
 
-def defer_update_applies(config, replicas, staged):
+def defer_update_applies(job, replicas, staged):
     """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
     in the config, several replicas reducing gradients, no stages, on the CPU
     (the GPU dispatchers end every iteration with every op done). The
     trainer's scheme may still decline (``Scheme.defers_update``)."""
-    par = config.get("parallel") or {}
-    return bool(par.get("defer_update", True)) and replicas > 1 and not staged and \
-        int(config.get("device", -1)) < 0
+    job = job_of(job)
+    return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0
 
 
-def data_window(config, world):
+def data_window(job, world):
     """(replica, replicas): the data shard this rank's graph reads (docs/config.md,
     "Sample order"); a pipeline's replica is the whole world."""
-    lay = layout_of(config, world)
+    lay = layout_of(job, world)
     return lay.replica, lay.replicas
 
 
-def compose(graph, grads, config, world):
+def compose(graph, grads, job, world):
     """Apply the config's parallel scheme to this rank's training graph:
     data parallel (gradient buckets + allreduce), pipeline (layers placed on
     ranks by ``parallel.stages``, cut into slices joined by Send/Recv) or
     hybrid (pipelines side by side, each stage's buckets allreduced across
     the replicas); then ``solver.clip_gradients`` (graph/clip.py) on the
     reduced gradients."""
-    local = _compose(graph, grads, config, world)
-    clip = (config.get("solver") or {}).get("clip_gradients")
+    job = job_of(job)
+    local = _compose(graph, grads, job, world)
+    clip = job.solver.clip_gradients
     if clip is None:
         return local
     from ..graph.clip import add_clip
-    lay = layout_of(config, world)
+    lay = layout_of(job, world)
     if not lay.staged:
         return add_clip(local, clip).validate()
     # a replica's stages hold its parameters between them: their norms add up
@@ -192,43 +192,42 @@ def compose(graph, grads, config, world):
     return add_clip(local, clip, group=lay.replica_ranks()).validate()
 
 
-def _compose(graph, grads, config, world):
-    par = config.get("parallel", {})
-    micro = int(par.get("micro_batches", 1))
+def _compose(graph, grads, job, world):
+    par = job.parallel
+    micro = par.micro_batches
     copies = replicate_micro_batches(graph, grads, micro) if micro > 1 else None
-    lay = layout_of(config, world)
+    lay = layout_of(job, world)
     if lay.staged:
-        local = compose_stages(graph, config, world, copies)
+        local = compose_stages(graph, job, world, copies)
         if lay.scheme == "hybrid":
-            local = _allreduce_stage(local, grads, config, world, lay)
+            local = _allreduce_stage(local, grads, par, world, lay)
         return local
     if copies:  # one stage: gradient accumulation
-        add_schedule(graph, copies, micro, par.get("schedule", "1f1b"), lambda op: 0, 1)
-    if world.size == 1 or par.get("scheme", "data") == "none":
+        add_schedule(graph, copies, micro, par.schedule, lambda op: 0, 1)
+    if world.size == 1 or par.scheme == "none":
         return graph.validate()
-    if par.get("mode", "sync") == "sync":
+    if par.mode == "sync":
         from .data_parallel import compose_data_parallel
         #: the bucket plan (``graph --np N`` prints it)
         graph.bucket_plan = compose_data_parallel(
             graph, grads, world.size, world.rank,
-            check_collectives=par.get("check_collectives", False), world=world,
-            **_bucket_settings(par))
+            check_collectives=par.check_collectives, world=world, **par.bucket_settings())
         graph.infer_shapes().validate()
         return graph
-    raise UserError(f"{config.get('_path')}: key 'parallel.mode': mode "
-                    f"'{par.get('mode')}' runs through the parameter-server trainer")
+    raise UserError(f"{job.path}: key 'parallel.mode': mode "
+                    f"'{par.mode}' runs through the parameter-server trainer")
 
 
-def plan_memory(graph, config, world):
+def plan_memory(graph, job, world):
     """This rank's micro-batch memory plan (parallel/micro_memory.py): under
     ``1f1b`` stage s of p keeps min(p - s, M) copies' activations, under
     ``gpipe`` all M. Returns the plan, or None without micro-batches."""
     from .micro_memory import plan_for_layout
-    par = config.get("parallel") or {}
-    return plan_for_layout(graph, layout_of(config, world), par.get("schedule", "1f1b"))
+    job = job_of(job)
+    return plan_for_layout(graph, layout_of(job, world), job.parallel.schedule)
 
 
-def compose_stages(graph, config, world, copies=None):
+def compose_stages(graph, job, world, copies=None):
     """This rank's slice of a graph whose layers ``parallel.stages`` places
     on stages ({layer name: stage}); unlisted layers follow their input.
     ``copies``: the micro-batch copies (replicate_micro_batches), ordered on
@@ -236,19 +235,18 @@ def compose_stages(graph, config, world, copies=None):
     Send/Recv go to the ranks of this rank's replica (``Layout``)."""
     from .model_parallel import compose_partitioned, layer_of, place_layers
     from .data_parallel import place_on_rank
-    lay = layout_of(config, world)
-    stages = config["parallel"].get("stages") or {}
-    layers = {layer.get("name") for layer in config.get("net") or []}
-    unknown = sorted(set(stages) - layers)
+    job = job_of(job)
+    lay = layout_of(job, world)
+    stages = job.stage_map
+    unknown = sorted(set(stages) - set(job.layer_names))
     if unknown:
-        raise UserError(f"{config.get('_path')}: key 'parallel.stages': no layer named "
+        raise UserError(f"{job.path}: key 'parallel.stages': no layer named "
                         f"{', '.join(unknown)} in the net")
     # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
     present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
     place_layers(graph, present)
     if copies:
-        par = config["parallel"]
-        add_schedule(graph, copies, par["micro_batches"], par.get("schedule", "1f1b"),
+        add_schedule(graph, copies, job.parallel.micro_batches, job.parallel.schedule,
                      lambda op: op.location.rank, lay.stages)
     local = compose_partitioned(graph, size=lay.stages, rank=lay.stage)
     # stage t of this replica is rank replica * p + t (a Send's name ends in
@@ -276,24 +274,15 @@ def compose_stages(graph, config, world, copies=None):
 compose_pipeline = compose_stages
 
 
-def _bucket_settings(par):
-    """compose_data_parallel's bucket-plan arguments from the ``parallel``
-    section (its defaults where a key is absent)."""
-    return {"bucket_mb": par.get("bucket_mb", 4), "first_bucket_mb": par.get("first_bucket_mb", 1),
-            "min_buckets": par.get("min_buckets", 4),
-            "split_params": par.get("split_params", True)}
-
-
-def _allreduce_stage(local, grads, config, world, lay):
+def _allreduce_stage(local, grads, par, world, lay):
     """Hybrid: sum this stage's gradient buckets over the replicas that hold
     the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
     start-up); ``seq`` numbers follow the slice's Send/Recv, the same on
     every rank of the stage."""
     from .data_parallel import compose_data_parallel, place_on_rank
-    par = config["parallel"]
     group = lay.stage_ranks()
     plan = compose_data_parallel(local, grads, lay.replicas, lay.replica,
-                                 check_collectives=False, **_bucket_settings(par))
+                                 check_collectives=False, **par.bucket_settings())
     place_on_rank(local, world.rank)
     for b in plan:
         local.ops[b["op"]].attrs["group"] = list(group)
@@ -304,17 +293,18 @@ def _allreduce_stage(local, grads, config, world, lay):
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline)
         split([lay.stage_ranks(s) for s in range(lay.stages)])
-    if par.get("check_collectives", False):
+    if par.check_collectives:
         from ..comm.verify import check_collectives
         check_collectives(local, world)
     return local
 
 
-def compose_test(graph, config, world):
+def compose_test(graph, job, world):
     """The test graph of this rank: a staged scheme's slice, else as built
     (each replica reads its own shard)."""
-    if graph is not None and layout_of(config, world).staged:
-        return compose_stages(graph, config, world)
+    job = job_of(job)
+    if graph is not None and layout_of(job, world).staged:
+        return compose_stages(graph, job, world)
     return graph
 
 
@@ -322,18 +312,18 @@ def compose_test(graph, config, world):
 BUCKET_KEYS = ("bucket_mb", "first_bucket_mb", "min_buckets")
 
 
-def settings_without_effect(config, world_size):
+def settings_without_effect(job, world_size):
     """Notes (one line each) on the ``parallel`` settings that do nothing,
     or something else than they say, in a run of ``world_size`` ranks, so
     that none is ignored silently: a parameter-server mode or a staged
     scheme on one rank, bucket keys where nothing is allreduced, keys of
     another mode or scheme, ``mode: async`` with ``max_staleness: 0``. A key
     counts as set when it differs from its default (docs/config.md)."""
-    from ..io.config import PARALLEL_DEFAULTS
-    par = {**PARALLEL_DEFAULTS, **(config.get("parallel") or {})}
-    scheme, mode = par["scheme"], par["mode"]
-    ps = mode in ("async", "sync_ps")  # the config allows these with scheme data only
-    changed = {k for k in PARALLEL_DEFAULTS if par[k] != PARALLEL_DEFAULTS[k]}
+    job = job_of(job)
+    par = job.parallel
+    scheme, mode = par.scheme, par.mode
+    ps = par.servers  # the config allows these with scheme data only
+    changed = par.changed()
     notes = []
 
     def note(keys, one, many=None):
@@ -346,15 +336,15 @@ def settings_without_effect(config, world_size):
 
     if world_size == 1:
         if ps:
-            servers = int(par["ps_ranks"])
-            solver = (config.get("solver") or {}).get("type", "sgd")
+            servers = par.ps_ranks
+            solver = job.solver.type
             note(["mode"], f"{mode} has no effect on 1 rank: parameter servers need at least "
                  f"{servers + 1} ranks (ps_ranks {servers} and a worker), so this rank trains "
                  f"alone with the plain {solver} solver (start mpiexec -n {servers + 1} or "
                  "more for servers)")
             changed.difference_update({"ps_ranks", "max_staleness"})
         if scheme in STAGED:
-            count = stage_count(config)
+            count = par.stage_count
             ranks = f"{count}" if scheme == "pipeline" else f"a multiple of {count}"
             note(["scheme"], f"{scheme} has no effect on 1 rank: the {count} stages of "
                  f"parallel.stages need {ranks} ranks, so the net runs unsplit on this rank "
@@ -364,7 +354,7 @@ def settings_without_effect(config, world_size):
             note(list(BUCKET_KEYS) + ["check_collectives"],
                  "has no effect on 1 rank: there are no gradients to allreduce",
                  "have no effect on 1 rank: there are no gradients to allreduce")
-    elif mode == "async" and int(par["max_staleness"]) == 0:
+    elif mode == "async" and par.max_staleness == 0:
         notes.append("note: parallel.mode async with max_staleness 0 lets no worker run "
                      "ahead, so it runs as mode sync_ps (synchronous SGD: one update per "
                      "round of gradients); set max_staleness >= 1 for asynchronous updates")
@@ -385,7 +375,7 @@ def settings_without_effect(config, world_size):
     if scheme not in STAGED:
         note(["stages"], f"applies to schemes pipeline and hybrid only; scheme {scheme} "
              "ignores it")
-    if int(par["micro_batches"]) == 1:
+    if par.micro_batches == 1:
         note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
              "micro-batch it has no effect")
     return notes

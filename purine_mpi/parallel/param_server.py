@@ -33,9 +33,9 @@ it is synchronous SGD; see ``synchronous_if_no_staleness``.)
 
 Interface (every function takes the *global* World unless it says so):
 
-    split_workers(config, world) -> (config, the workers' World or None)
-    run_server_rank(config, out_dir, world, resume=None, init=None) -> status
-    WorkerScheme(config, world)
+    split_workers(job, world) -> (job, the workers' World or None)
+    run_server_rank(job, out_dir, world, resume=None, init=None) -> status
+    WorkerScheme(job, world)
         # ``train`` on every rank of a PS run (trainer.run_param_server):
         # splits the ranks, servers call run_server_rank, workers run a
         # Trainer over the workers' World with the WorkerScheme, whose graph
@@ -43,15 +43,17 @@ Interface (every function takes the *global* World unless it says so):
         # (rank 0, a worker) hold the weights it pulled last and the servers'
         # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
         # the end for async), so --resume continues exactly in sync_ps.
-    compose_param_server(graph, grads, config, world) -> a worker's graph
-    compose_for_rank(graph, grads, config, world_size, rank) -> graph
+    compose_param_server(graph, grads, job, world) -> a worker's graph
+    compose_for_rank(graph, grads, job, world_size, rank) -> graph
         # any rank's graph without MPI (``graph --np N --rank R``)
-    run_server(config, world, resume=None, init=None, log=None)
+    run_server(job, world, resume=None, init=None, log=None)
         -> {"params", "momenta", "stats", "plan"}   # one server rank's work
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
     build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
     server_rank), worker_world(world, ps_ranks): the pieces.
 """
+import dataclasses
+
 import numpy as np
 
 from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
@@ -59,6 +61,7 @@ from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
 from ..io.checkpoint import find_resumable
+from ..io.job import job_of
 from ..runtime.stop import StopSignal
 from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer
 from .compose import Scheme
@@ -125,13 +128,12 @@ def build_worker_graph(graph, plan, thread="comm"):
     return graph
 
 
-def compose_param_server(graph, grads, config, world=None):
+def compose_param_server(graph, grads, job, world=None):
     """A worker's training graph for ``parallel.mode`` async or sync_ps.
     ``graph`` is the single-replica graph built for (worker index, number of
     workers); ``world`` is the global World (default: get_world())."""
     world = _global_world(world)
-    par = config.get("parallel", {})
-    layout = ps_layout(world.size, par.get("ps_ranks", 1))
+    layout = ps_layout(world.size, job_of(job).parallel.ps_ranks)
     if world.rank not in layout["workers"]:
         raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
                         "not a training graph")
@@ -143,27 +145,28 @@ def compose_param_server(graph, grads, config, world=None):
     return graph
 
 
-def synchronous_if_no_staleness(config):
+def synchronous_if_no_staleness(job):
     """``mode: async`` with ``max_staleness: 0`` lets no worker run ahead of
     any other: every step waits for all W gradients. Applying them one push
     at a time would still take W momentum steps per round, which is not
     synchronous SGD; the server instead sums the round and makes one update
-    -- the synchronous protocol (mode sync_ps). Returns the config to run."""
-    par = config.get("parallel", {})
-    if par.get("mode") == "async" and int(par.get("max_staleness", 0)) == 0:
-        config = dict(config, parallel=dict(par, mode="sync_ps"))
-    return config
+    -- the synchronous protocol (mode sync_ps). Returns the job to run."""
+    job = job_of(job)
+    par = job.parallel
+    if par.mode == "async" and par.max_staleness == 0:
+        job = dataclasses.replace(job, parallel=dataclasses.replace(par, mode="sync_ps"))
+    return job
 
 
-def compose_for_rank(graph, grads, config, world_size, rank):
+def compose_for_rank(graph, grads, job, world_size, rank):
     """The graph global ``rank`` of ``world_size`` runs, built without MPI
     (``graph`` CLI). ``graph`` is a single-replica training graph; its data
     shard is re-set to this worker's. A sync_ps server gets its server graph;
     an async server runs a loop, not a graph, and gets an empty graph that
     says so in its name."""
-    config = synchronous_if_no_staleness(config)
-    par = config.get("parallel", {})
-    layout = ps_layout(world_size, par.get("ps_ranks", 1))
+    job = synchronous_if_no_staleness(job)
+    par = job.parallel
+    layout = ps_layout(world_size, par.ps_ranks)
     nw = len(layout["workers"])
     plan = plan_param_server(graph, grads, layout)
     if rank in layout["workers"]:
@@ -174,8 +177,8 @@ def compose_for_rank(graph, grads, config, world_size, rank):
         gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
-    if par.get("mode") == "sync_ps":
-        server = _clipped(build_server_graph(graph, grads, plan, rank), config)
+    if par.mode == "sync_ps":
+        server = _clipped(build_server_graph(graph, grads, plan, rank), job)
         place_on_rank(server, rank)
         return server
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
@@ -206,11 +209,11 @@ def _global_world(world):
 
 
 # ----------------------------------------------------------- sync_ps server
-def _clipped(server_graph, config):
+def _clipped(server_graph, job):
     """The sync_ps server graph with ``solver.clip_gradients`` (graph/clip.py):
     the one server holds every parameter, so its norm is the global one (the
     config allows clipping with one server only)."""
-    clip = (config.get("solver") or {}).get("clip_gradients")
+    clip = job.solver.clip_gradients
     if clip is None:
         return server_graph
     from ..graph.clip import add_clip
@@ -278,7 +281,7 @@ def _copy_blob(blob):
 
 
 # ------------------------------------------------------------- server rank
-def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
+def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
@@ -287,12 +290,13 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     from ..layers.fillers import fill
     from ..model import build_train_graph
     world = _global_world(world)
-    par = config.get("parallel", {})
-    layout = ps_layout(world.size, par.get("ps_ranks", 1))
+    job = job_of(job)
+    par = job.parallel
+    layout = ps_layout(world.size, par.ps_ranks)
     nw = len(layout["workers"])
-    graph, grads = build_train_graph(config, 0, nw)
+    graph, grads = build_train_graph(job, 0, nw)
     plan = plan_param_server(graph, grads, layout)
-    seed = int(config.get("seed", 0))
+    seed = job.seed
     owned = [p for p in plan["order"] if plan["owner"][p] == world.rank]
     values = {p: fill(graph.blobs[p], seed) for p in owned}
     momenta = {p: np.zeros(graph.blobs[p].shape, graph.blobs[p].dtype) for p in owned}
@@ -301,7 +305,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
         from ..io.checkpoint import load_params
         from ..model import init_params
         loaded = load_params(init)
-        wanted = init_params(loaded, owned, config, init, init_skip)
+        wanted = init_params(loaded, owned, job, init, init_skip)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
     if resume:
         from ..io.checkpoint import load_checkpoint
@@ -312,15 +316,15 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
             m = (ck.solver or {}).get(p, {}).get("momentum")
             if m is not None:
                 momenta[p] = np.asarray(m, graph.blobs[p].dtype)
-    max_iter = int(config["solver"]["max_iter"])
-    mode = par.get("mode", "async")
+    max_iter = job.solver.max_iter
+    mode = par.mode
     code = 0
     if mode == "sync_ps":
         from ..runtime.factory import make_dispatcher
-        sg = _clipped(build_server_graph(graph, grads, plan, world.rank), config)
+        sg = _clipped(build_server_graph(graph, grads, plan, world.rank), job)
         place_on_rank(sg, world.rank)
         d = make_dispatcher(sg, "event", rank=world.rank,
-                            stall_timeout=float(par.get("stall_timeout", 300)))
+                            stall_timeout=float(par.stall_timeout))
         try:
             for p in owned:
                 d.workspace.set(p, values[p])
@@ -333,7 +337,7 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
                 if code == StopSignal.DIVERGED:
                     break
                 stopping = bool(code) and it + 1 != max_iter
-                if stopping or _state_transfer_due(config, it + 1, start, final_only=False):
+                if stopping or _state_transfer_due(job, it + 1, start, final_only=False):
                     _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
                 if stopping:
                     break
@@ -346,11 +350,11 @@ def run_server(config, world=None, resume=None, init=None, log=None, init_skip=(
     else:
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
         server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.get("max_staleness", 0), start, max_iter - start, stop=stop)
+                             par.max_staleness, start, max_iter - start, stop=stop)
         stats = server.serve()
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
-                code or _state_transfer_due(config, max_iter, start, final_only=True)):
+                code or _state_transfer_due(job, max_iter, start, final_only=True)):
             _send_state(world, momenta)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
@@ -364,14 +368,14 @@ STATE_TAG = 1 << 20  # above every push/pull tag
 # code (STOP_TAG); a server that got a signal asks rank 0 to stop (STOP_REQUEST_TAG)
 
 
-def _state_transfer_due(config, done, start, final_only):
+def _state_transfer_due(job, done, start, final_only):
     """Whether servers send their momenta to rank 0 after iteration ``done``:
     at the trainer's checkpoint iterations (sync_ps) and after the last one.
     Both sides evaluate this same rule, so a transfer is never left unmatched."""
-    max_iter = int(config["solver"]["max_iter"])
+    max_iter = job.solver.max_iter
     if done == max_iter:
         return start < max_iter
-    interval = int((config.get("checkpoint") or {}).get("interval") or 0)
+    interval = job.checkpoint.interval
     return not final_only and interval > 0 and done % interval == 0
 
 
@@ -399,16 +403,16 @@ class WorkerScheme(Scheme):
     #: a worker's pushes and pulls are point-to-point: no deferred tail
     defers_update = False
 
-    def __init__(self, config, world):
+    def __init__(self, job, world):
         self.world = world
-        self.config = config
-        self.layout = ps_layout(world.size, config["parallel"].get("ps_ranks", 1))
-        self.mode = config["parallel"].get("mode")
-        self.max_iter = int(config["solver"]["max_iter"])
+        self.job = job = job_of(job)
+        self.layout = ps_layout(world.size, job.parallel.ps_ranks)
+        self.mode = job.parallel.mode
+        self.max_iter = job.solver.max_iter
         self.stopping = False
 
-    def compose(self, graph, grads, config, world):
-        return compose_param_server(graph, grads, config, self.world)
+    def compose(self, graph, grads, job, world):
+        return compose_param_server(graph, grads, job, self.world)
 
     def agree_to_stop(self, trainer, done, diverged):
         """sync_ps: workers and servers agree (the servers run in lockstep).
@@ -434,7 +438,7 @@ class WorkerScheme(Scheme):
         return code
 
     def before_save(self, trainer, iteration):
-        due = self.stopping or _state_transfer_due(self.config, iteration, trainer.start_iter,
+        due = self.stopping or _state_transfer_due(self.job, iteration, trainer.start_iter,
                                                    final_only=(self.mode == "async"))
         if due and self.world.rank == 0:
             # the servers hold the momenta: put them where save() looks
@@ -442,19 +446,19 @@ class WorkerScheme(Scheme):
                 trainer.ws.arrays[momentum_name(p)] = m
 
 
-def split_workers(config, world):
-    """(the config a PS run trains with, the workers' World or None on a
+def split_workers(job, world):
+    """(the job a PS run trains with, the workers' World or None on a
     server). Collective: every rank calls it."""
-    config = synchronous_if_no_staleness(config)
-    return config, worker_world(world, config.get("parallel", {}).get("ps_ranks", 1))
+    job = synchronous_if_no_staleness(job)
+    return job, worker_world(world, job.parallel.ps_ranks)
 
 
-def run_server_rank(config, out_dir, world, resume=None, init=None, init_skip=()):
+def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=()):
     """``train`` on a server rank: serve, take part in the stop agreement,
     and return the same exit status as the workers (trainer.run_and_report)."""
     # the same checkpoint the workers' Trainer resumes from
     path = find_resumable(out_dir)[0] if resume == "auto" else resume
-    res = run_server(config, world, resume=path, init=init, init_skip=init_skip,
+    res = run_server(job, world, resume=path, init=init, init_skip=init_skip,
                      stop=StopSignal())
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3

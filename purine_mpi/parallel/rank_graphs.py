@@ -1,6 +1,6 @@
 """This rank's graphs, built once before the training loop exists.
 
-``build_rank_graphs(config, world, scheme)`` is the one function that turns
+``build_rank_graphs(job, world, scheme)`` is the one function that turns
 a job into what a rank runs: the single-replica training graph (model.py),
 composed by the parallel scheme (``Scheme.compose``: data parallel,
 pipeline, hybrid, a parameter-server worker), placed on this rank's device
@@ -54,22 +54,22 @@ class RankGraphs:
         return self.layout.replicas
 
 
-def build_rank_graphs(config, world, scheme=None):
-    """This rank's training and test graphs for ``config`` in ``world``
-    under ``scheme`` (default: the config's own, ``Scheme()``)."""
+def build_rank_graphs(job, world, scheme=None):
+    """This rank's training and test graphs for ``job`` (io/job.py) in
+    ``world`` under ``scheme`` (default: the job's own, ``Scheme()``)."""
     scheme = scheme or Scheme()
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
-    layout = layout_of(config, world)
-    graph, grads = build_train_graph(config, layout.replica, layout.replicas)
+    layout = layout_of(job, world)
+    graph, grads = build_train_graph(job, layout.replica, layout.replicas)
     check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph)
     summary = param_summary(graph)  # the whole net's, before any split
     net_params = [b.name for b in graph.params()]
-    graph = scheme.compose(graph, grads, config, world)
+    graph = scheme.compose(graph, grads, job, world)
     # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
     # (the node-local rank picks among several) and the stream dispatcher runs it
-    device = configure_device(config, graph)
+    device = configure_device(job, graph)
     losses = list(loss_blobs(graph))
     # with micro-batches each copy's loss is its micro-batch's mean
     shares = [graph.blobs[b].attrs.get("micro_batch_share", 1.0) for b in losses]
@@ -79,23 +79,23 @@ def build_rank_graphs(config, world, scheme=None):
     watch = add_loss_watch(graph, losses, shares, device) if deferred and losses else None
     # micro-batch copies never live at once share their activation buffers
     # (after the device's fusions, which the plan must not block)
-    plan = scheme.plan_memory(graph, config, world)
+    plan = scheme.plan_memory(graph, job, world)
     # parallel.defer_update: the last buckets' allreduce and update finish
     # while the next iteration's forward runs (runtime/tail.py; the CPU
     # event dispatcher, synchronous data parallelism)
     defer_update = getattr(scheme, "defers_update", True) and \
-        defer_update_applies(config, layout.replicas, layout.staged)
+        defer_update_applies(job, layout.replicas, layout.staged)
     out = RankGraphs(layout=layout, graph=graph, grads=grads, device=device, losses=losses,
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
                      param_summary=summary)
-    _add_test_graph(out, config, world)
+    _add_test_graph(out, job, world)
     return out
 
 
-def _add_test_graph(out, config, world):
-    test = build_test_graph(config, out.layout.replica, out.layout.replicas)
+def _add_test_graph(out, job, world):
+    test = build_test_graph(job, out.layout.replica, out.layout.replicas)
     if test is not None:
         check_data_labels(test)
         # names from the whole test graph: in a pipeline one rank holds
@@ -107,7 +107,7 @@ def _add_test_graph(out, config, world):
         out.test_keys = ["loss"] * len(out.test_losses) + [
             "accuracy" if accuracy == [b] else b for b in metric_blobs(test)]
         out.test_names = out.test_losses + metric_blobs(test)
-    out.test_graph = compose_test(test, config, world)
+    out.test_graph = compose_test(test, job, world)
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False)
 

@@ -51,7 +51,7 @@ class Checkpoints(Service):
             self._init_from_caffemodel(loop, init, init_skip)
         elif init:
             params = load_params(init)
-            wanted = init_params(params, loop.params, loop.config, init, init_skip)
+            wanted = init_params(params, loop.params, loop.job, init, init_skip)
             check_finite({p: params[p] for p in wanted}, init)
             note = unused_note(params, loop.net_params, init)
             if note:
@@ -78,7 +78,7 @@ class Checkpoints(Service):
             for line in report:
                 loop.log(f"{path}: {line}")
         fixed = {p for p in loop.params if kept_constant(loop.graph.blobs[p])}
-        for p in init_params(dict.fromkeys(set(values) | fixed), loop.params, loop.config, path,
+        for p in init_params(dict.fromkeys(set(values) | fixed), loop.params, loop.job, path,
                              init_skip):
             if p in values:
                 self._load_blob(loop, p, values[p], path)
@@ -162,12 +162,12 @@ class Checkpoints(Service):
         # the whole checkpoint is checked against the net before any of it is loaded
         check_for_net(ck, path, loop.net_params, {p: loop.ws[p] for p in loop.params},
                       {(p, s): loop.ws[state_name(p, s)] for p in loop.params
-                       for s in solver_states(loop.solver.get("type"))
+                       for s in solver_states(loop.solver.type)
                        if state_name(p, s) in loop.ws.arrays})
         fresh = set()
         for p in loop.params:
             self._load_blob(loop, p, ck.params[p], path)
-            for s in solver_states(loop.solver.get("type")):
+            for s in solver_states(loop.solver.type):
                 m = state_name(p, s)
                 if m not in loop.ws.arrays:
                     continue
@@ -177,7 +177,7 @@ class Checkpoints(Service):
                     fresh.add(s)
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
-                     f"solver type {loop.solver.get('type')!r}; that state starts from zero")
+                     f"solver type {loop.solver.type!r}; that state starts from zero")
         if ck.state:
             self.load_state_dict(loop, ck.state)
         loop.start_iter = int(ck.attrs["iteration"])
@@ -186,10 +186,10 @@ class Checkpoints(Service):
         loop.last_saved = loop.start_iter
         loop.say(f"resumed from {path} at iteration {loop.start_iter}")
         saved_world = int(ck.attrs.get("world_size", loop.size) or loop.size)
-        if saved_world != loop.size and loop.config.get("data"):
-            b = int(loop.config["data"]["train"]["batch_size"])
+        if saved_world != loop.size and loop.job.data.train is not None:
+            b = loop.job.train_batch
             loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
-                     f"{loop.size}: the global batch is now {b * loop.data_size} "
+                     f"{loop.size}: the global batch is now {loop.job.global_batch(loop.data_size)} "
                      f"({b} per rank x {loop.data_size}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      "(keep the global batch with --set data.train.batch_size=G/N)")
@@ -203,7 +203,7 @@ class Checkpoints(Service):
             loop.last_saved = iteration
         state = self.state_dict(loop)
         params = {p: to_numpy(loop.ws[p]) for p in loop.params}
-        states = solver_states(loop.solver.get("type"))
+        states = solver_states(loop.solver.type)
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in loop.ws.arrays} for p in loop.params}
         solver = {p: s for p, s in solver.items() if s}
@@ -216,12 +216,12 @@ class Checkpoints(Service):
         if loop.rank != 0:
             return
         payload = dict(params=params, solver=solver, state=state, world_size=loop.size,
-                       seed=loop.seed, config_text=dump_config(loop.config),
+                       seed=loop.seed, config_text=dump_config(loop.job),
                        run_id=loop.run_id, elapsed=loop.elapsed())
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
             return
-        save_run_checkpoint(loop.out_dir, iteration, int(loop.config["checkpoint"]["keep"]),
+        save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep,
                             **payload)
         if loop.metrics is not None and loop.start_iter:
             loop.metrics.commit()  # the resumed run's rows and config replace the old ones

@@ -40,11 +40,11 @@ class Evaluation(Service):
         for k in loop.test.kernels.values():
             if k.op.op_type == "DataReader":
                 k.reset_position(0)
-        spec = loop.config["data"]["test"]
-        n_samples, _ = source_info({k: v for k, v in spec.items() if k != "batch_size"})
-        per_batch = spec["batch_size"] * loop.data_size
-        n = test_iter or loop.solver.get("test_iter") or max(1, math.ceil(n_samples / per_batch))
-        note = repeat_note(n, spec["batch_size"], loop.data_size, n_samples)
+        spec = loop.job.data.test
+        n_samples, _ = source_info(spec.source_dict())
+        per_batch = spec.batch_size * loop.data_size
+        n = test_iter or loop.solver.test_iter or max(1, math.ceil(n_samples / per_batch))
+        note = repeat_note(n, spec.batch_size, loop.data_size, n_samples)
         if note and not self._wrap_noted:
             self._wrap_noted = True
             loop.say(note)

@@ -69,11 +69,12 @@ class Window:
 class Loop:
     """Runs this rank's training iterations and asks its services."""
 
-    def __init__(self, graphs, train, test, *, config, out_dir, world, scheme, services=(),
+    def __init__(self, graphs, train, test, *, job, out_dir, world, scheme, services=(),
                  log=print):
-        self.config, self.solver, self.out_dir = config, config["solver"], out_dir
+        # the job (io/job.py); ``config`` is the same object, for older readers
+        self.job = self.config = job
+        self.solver, self.out_dir, self.seed = job.solver, out_dir, job.seed
         self.world, self.rank, self.size = world, world.rank, world.size
-        self.seed = int(config.get("seed", 0))
         self.scheme, self.log, self.graphs = scheme, log, graphs
         g = graphs  # the facts of this rank's graphs that services and tools read
         self.layout, self.pipeline, self.data_size = g.layout, g.pipeline, g.data_size
@@ -93,11 +94,9 @@ class Loop:
         self.last_saved = None  # iteration of the newest checkpoint this run wrote
         self.metrics = None  # the metrics log (rank 0, while the loop runs)
         self._order_adopted = False
-        sol = self.solver
-        self.max_iter = int(sol["max_iter"])
-        self.display, self.test_interval = int(sol.get("display") or 0), \
-            int(sol.get("test_interval") or 0)
-        self.checkpoint_interval = int(config["checkpoint"].get("interval") or 0)
+        self.max_iter, self.display = job.solver.max_iter, job.solver.display
+        self.test_interval = job.solver.test_interval
+        self.checkpoint_interval = job.checkpoint.interval
         self.result, self.early_stopped, self.stop_code = {}, None, 0
 
     # ------------------------------------------------------------ services
@@ -160,7 +159,7 @@ class Loop:
         self.early_stopped = None
         try:
             self.emit("on_start")
-            if self.solver.get("test_initialization") and self.start_iter == 0:
+            if self.solver.test_initialization and self.start_iter == 0:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's)
             self.t_start = self._t_start = time.perf_counter()
             self.window = Window(self.start_iter, self.t_start)

@@ -18,14 +18,14 @@ from .loop import Service
 def write_config(loop):
     """The run folder's config.yaml (rank 0)."""
     with open(os.path.join(loop.out_dir, "config.yaml"), "w") as f:
-        f.write(dump_config(loop.config))
+        f.write(dump_config(loop.job))
 
 
 def global_batch(loop):
     """Images per iteration over all the replicas."""
-    if loop.config.get("data"):
-        batch = int(loop.config["data"]["train"]["batch_size"])
-    else:  # a graph: config: its readers say
+    if loop.job.data.train is not None:
+        batch = loop.job.train_batch
+    else:  # a graph: job: its readers say
         batch = sum(int(op.attrs.get("batch_size", 0)) for op in loop.graph.ops.values()
                     if op.op_type == "DataReader")
     return batch * loop.data_size

@@ -15,14 +15,6 @@ import os
 from .loop import Service
 
 
-def _mode(spec):
-    """'max' or 'min': given, else max for accuracy-like metrics, min for losses."""
-    mode = spec.get("mode")
-    if mode:
-        return mode
-    return "min" if "loss" in str(spec["metric"]).lower() else "max"
-
-
 def _better(a, b, mode, delta=0.0):
     """Whether figure ``a`` beats ``b`` by more than ``delta``."""
     if a is None or not math.isfinite(a):
@@ -48,7 +40,8 @@ class BestCheckpoints(Service):
     own, whatever the best ones are."""
 
     def __init__(self, spec, out_dir, write, say):
-        self.metric, self.mode, self.keep = spec["metric"], _mode(spec), int(spec["keep"])
+        # spec: io/job.py's BestSpec; direction: max or min (given, else by the metric)
+        self.metric, self.mode, self.keep = spec.metric, spec.direction, spec.keep
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
 
@@ -84,8 +77,9 @@ class EarlyStopping(Service):
     writes a checkpoint and returns this pass's figures)."""
 
     def __init__(self, spec, say):
-        self.metric, self.mode = spec["metric"], _mode(spec)
-        self.patience, self.min_delta = int(spec["patience"]), float(spec["min_delta"])
+        # spec: io/job.py's EarlyStopSpec; direction: max or min (given, else by the metric)
+        self.metric, self.mode = spec.metric, spec.direction
+        self.patience, self.min_delta = spec.patience, float(spec.min_delta)
         self.say = say
         self.best, self.best_iter, self.waited = None, None, 0
 
