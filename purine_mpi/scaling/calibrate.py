@@ -10,8 +10,20 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
   the transport makes on the rank's CPU. The CPU time the rank spent per
   allreduced byte (user + system, all threads) is written beside it.
 
+- the transfer's cost to the compute, and the link while computing: a
+  4 MiB Iallreduce runs while the main thread computes (matrix products,
+  testing the request between them as the dispatcher's workers do, and a
+  progress thread testing it every millisecond as its progress thread does).
+  ``cpu_s_per_byte`` is how much longer the same products took than alone,
+  per allreduced byte: the wall time the transfer takes from the compute
+  on this host (TCP copies, the kernel's network stack, the polling) --
+  close to 0 with free cores or RDMA, large on an oversubscribed host;
+  ``beta_busy_bytes_per_s`` is the rate the allreduce moved its bytes at
+  meanwhile.
+
 The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
-``beta_bytes_per_s``, ``gamma_s_per_byte``, ``origin`` and the raw sweep.
+``beta_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
+``beta_busy_bytes_per_s``, ``origin`` and the raw measurements.
 
 May import the foundation and ops (comm) layers.
 """
@@ -68,6 +80,57 @@ def allreduce_time(comm, nbytes):
     return statistics.median(wall[1:]), statistics.median(cpu[1:])
 
 
+def _products(a, steps, request=None, lock=None):
+    """``steps`` float32 matrix products (the GIL released, as the ops'),
+    testing ``request`` between them; seconds taken."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        np.dot(a, a)
+        if request is not None:
+            with lock:
+                request.Test()
+    return time.perf_counter() - t
+
+
+def overlap_cost(comm, nbytes=1 << 24, repeats=5):
+    """(seconds the products lost per allreduced byte, bytes per second the
+    allreduce moved while they ran): medians over ``repeats``."""
+    import threading
+
+    from mpi4py import MPI
+    a = np.random.default_rng(0).random((128, 128), dtype=np.float32)
+    step = statistics.median(_products(a, 20) / 20 for _ in range(3))
+    alone_ar = allreduce_time(comm, nbytes)[0]
+    steps = int(comm.allreduce(int(2.5 * alone_ar / max(step, 1e-6)) + 10, op=MPI.MAX))
+    buf = np.ones(nbytes // 4, np.float32)
+    p = comm.size
+    moved = 2 * (p - 1) / p * nbytes
+    lost, rates = [], []
+    for _ in range(repeats):
+        comm.Barrier()
+        alone = _products(a, steps)
+        comm.Barrier()
+        lock, done = threading.Lock(), []
+        t0 = time.perf_counter()
+        request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        def progress():
+            while True:
+                with lock:
+                    if request.Test():
+                        done.append(time.perf_counter())
+                        return
+                time.sleep(1e-3)
+
+        thread = threading.Thread(target=progress, daemon=True)
+        thread.start()
+        busy = _products(a, steps, request, lock)
+        thread.join()
+        lost.append((busy - alone) / moved)
+        rates.append(moved / max(done[0] - t0, 1e-9))
+    return max(0.0, statistics.median(lost)), statistics.median(rates)
+
+
 def calibrate(path):
     """Measure and, on rank 0, write ``path``; returns the file's content
     on rank 0, None elsewhere."""
@@ -93,18 +156,22 @@ def calibrate(path):
     gamma = max(0.0, statistics.median(extra))
     cpu_per_byte = statistics.median(sweep[b][1] / b for b in SWEEP_SIZES if b >= 1 << 20)
     cpu_per_byte = comm.allreduce(cpu_per_byte) / p
+    cpu_cost, beta_busy = overlap_cost(comm)
+    cpu_cost = comm.allreduce(cpu_cost) / p
+    beta_busy = min(comm.allgather(beta_busy))
     hosts = comm.gather(socket.gethostname(), 0)
     if world.rank != 0:
         return None
-    link = Link(alpha, beta, gamma,
+    link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta),
+                origin=
                 f"calibrated by predict --calibrate on {p} ranks ({socket.gethostname()}, "
                 f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')})")
     extra_fields = {
         "ranks": p, "hosts": sorted(set(hosts)),
-        "cpu_s_per_allreduced_byte": cpu_per_byte,
+        "cpu_s_per_allreduced_byte_blocking": cpu_per_byte,
         "ping_pong_s": {str(b): t for b, t in ping.items()},
         "allreduce_s": {str(b): {"wall": w, "cpu": c} for b, (w, c) in sweep.items()},
     }
     save_link(path, link, extra_fields)
     return {"link": path, "alpha_s": alpha, "beta_bytes_per_s": beta, "gamma_s_per_byte": gamma,
-            "cpu_s_per_allreduced_byte": cpu_per_byte, "ranks": p}
+            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy, "ranks": p}

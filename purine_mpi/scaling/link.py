@@ -42,12 +42,30 @@ DEFAULT_BETA = 12.0e9
 
 @dataclass
 class Link:
-    """α (s), β (bytes/s), γ (s per reduced byte) and where they come from."""
+    """α (s), β (bytes/s), γ (s per reduced byte), where they come from, and
+    two terms of a transfer that runs while the rank computes (measured by
+    ``predict --calibrate``; 0 and β by default: a free core, RDMA):
+    ``cpu`` (s per byte sent: the wall time the transfer takes from the
+    compute lanes) and ``beta_busy`` (the rate meanwhile)."""
 
     alpha: float
     beta: float
     gamma: float = 0.0
     origin: str = ""
+    cpu: float = 0.0
+    beta_busy: float = None
+
+    def busy(self):
+        """This link as it runs while the rank computes (β_busy for β)."""
+        if not self.beta_busy or self.beta_busy >= self.beta:
+            return self
+        return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu)
+
+    @staticmethod
+    def sent_bytes(n, nbytes):
+        """Bytes a rank sends in an allreduce of ``nbytes`` over ``n`` ranks
+        (ring or reduce-scatter + allgather): 2(N-1)/N of the message."""
+        return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
 
     def p2p(self, nbytes):
         return self.alpha + nbytes / self.beta
@@ -145,7 +163,8 @@ FORMAT = "purine_mpi.link"
 
 def save_link(path, link, extra=None):
     data = {"format": FORMAT, "alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
-            "gamma_s_per_byte": link.gamma, "origin": link.origin}
+            "gamma_s_per_byte": link.gamma, "cpu_s_per_byte": link.cpu,
+            "beta_busy_bytes_per_s": link.beta_busy, "origin": link.origin}
     data.update(extra or {})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -169,10 +188,15 @@ def load_link(path):
     try:
         alpha, beta = float(data["alpha_s"]), float(data["beta_bytes_per_s"])
         gamma = float(data.get("gamma_s_per_byte", 0.0))
+        cpu = float(data.get("cpu_s_per_byte", 0.0))
+        busy = data.get("beta_busy_bytes_per_s")
+        busy = None if busy is None else float(busy)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"--link {path}: key {exc}: expected numbers alpha_s, "
-                        "beta_bytes_per_s and gamma_s_per_byte") from None
-    if not (alpha >= 0 and beta > 0 and gamma >= 0):
-        raise UserError(f"--link {path}: expected alpha_s >= 0, beta_bytes_per_s > 0 and "
-                        "gamma_s_per_byte >= 0")
-    return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})")
+                        "beta_bytes_per_s, gamma_s_per_byte, cpu_s_per_byte and "
+                        "beta_busy_bytes_per_s") from None
+    if not (alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0 and (busy is None or busy > 0)):
+        raise UserError(f"--link {path}: expected alpha_s >= 0, beta_bytes_per_s > 0, "
+                        "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0 and "
+                        "beta_busy_bytes_per_s > 0")
+    return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy)

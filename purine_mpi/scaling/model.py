@@ -101,7 +101,7 @@ class Template:
                 sim = self._comm_op(op, deps, durations, link, algorithm, scenario)
                 comm_s[name] = sim.seconds
                 if no_comm:
-                    sim.seconds = 0.0
+                    sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
             else:
                 base, _, _ = split_chunk(name)
                 seconds = durations.lookup(name, self.rank, self.rows.get(base))
@@ -119,7 +119,9 @@ class Template:
             nbytes = _nbytes(g, op.inputs)
             group = len(op.attrs.get("group") or ()) or scenario.replicas
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
-                         kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes)
+                         kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
+                         busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
+                         cpu=link.cpu * link.sent_bytes(group, nbytes))
         if op.op_type not in ("Send", "Recv"):
             raise UserError(f"predict: no cost model for communication op {op.name} "
                             f"({op.op_type})")
@@ -136,7 +138,7 @@ class Template:
                 seconds += durations.lookup(f"{param}.update", self.rank) or 0.0
         return SimOp(op.name, seconds, deps, kind="send" if send else "recv",
                      peer=int(op.attrs["peer"]), tag=int(op.attrs.get("tag", 0)),
-                     nbytes=nbytes)
+                     nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
 
 
 def predict_one(config, n, durations, link, algorithm, copy_cost, cache):

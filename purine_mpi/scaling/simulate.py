@@ -16,11 +16,15 @@ i-1 is done and every collective of i is posted; a next-iteration op waits
 for the tail ops that list it in ``RankGraph.cross`` (runtime/tail.py).
 Without a tail an iteration starts when the last one has finished.
 
-What the rule leaves out (and so does this model): the time to post an op
-and to test requests, contention among ranks for a shared switch or
-bisection, stragglers (every rank of a collective is assumed to post it
-when this one does: the replicas are symmetric), the topology of the
-network, and CPU contention between the transfer and the compute lanes.
+A transfer's CPU (``SimOp.cpu``: the wall time it takes from the compute on
+a host without a free core) delays the next compute op to start on the
+rank; a collective that starts while a lane computes takes
+``busy_seconds`` (the link's rate while computing) when given.
+
+What the model leaves out: the time to post an op and to test requests,
+contention among ranks for a shared switch or bisection, stragglers (every
+rank of a collective is assumed to post it when this one does: the
+replicas are symmetric), and the topology of the network.
 
 May import nothing from purine_mpi but the foundation layer.
 """
@@ -48,6 +52,8 @@ class SimOp:
     tag: int = None
     priority: tuple = (0,)
     nbytes: int = 0
+    busy_seconds: float = None  # collectives: the duration when it starts while a lane computes
+    cpu: float = 0.0            # comm ops: wall seconds the transfer takes from the compute
 
 
 @dataclass
@@ -104,6 +110,7 @@ class _Rank:
         self.head_left = {}
         self.tail_left = {}
         self.iteration_end = {}    # iteration -> when its last op finished
+        self.debt = 0.0            # transfer CPU not yet taken from a compute op
 
 
 def simulate(graphs, iterations=6):
@@ -136,7 +143,10 @@ def simulate(graphs, iterations=6):
             rk.coll_next += 1
             op = rk.g.ops[name]
             begin = max(t, rk.link_free)
-            rk.link_free = begin + op.seconds
+            computing = any(end > begin for end in rk.lane_busy.values())
+            seconds = op.busy_seconds if computing and op.busy_seconds is not None else op.seconds
+            rk.link_free = begin + seconds
+            rk.debt += op.cpu
             start_of[(r, it, name)] = begin
             push(rk.link_free, "done", (r, it, name))
 
@@ -146,6 +156,7 @@ def simulate(graphs, iterations=6):
             side = "out_free" if op.kind == "send" else "in_free"
             begin = max(t, getattr(rk, side))
             setattr(rk, side, begin + op.seconds)
+            rk.debt += op.cpu
             start_of[(r, it, op.name)] = begin
             push(begin + op.seconds, "done", (r, it, op.name))
             return
@@ -160,6 +171,8 @@ def simulate(graphs, iterations=6):
         seconds = ranks[src].g.ops[send_name].seconds
         begin = max(t, o_t, ranks[src].out_free, ranks[dst].in_free)
         ranks[src].out_free = ranks[dst].in_free = begin + seconds
+        for rr in (src, dst):
+            ranks[rr].debt += ranks[rr].g.ops[send_name if rr == src else recv_name].cpu
         for rr, nn in ((src, send_name), (dst, recv_name)):
             start_of[(rr, it, nn)] = begin
             push(begin + seconds, "done", (rr, it, nn))
@@ -221,7 +234,9 @@ def simulate(graphs, iterations=6):
             for lane, heap in rk.lane_heap.items():
                 if heap and rk.lane_busy.get(lane, 0.0) <= t:
                     _, it, name = heapq.heappop(heap)
-                    rk.lane_busy[lane] = t + rk.g.ops[name].seconds
+                    # the CPU the transfers posted so far took delays this op
+                    rk.lane_busy[lane] = t + rk.g.ops[name].seconds + rk.debt
+                    rk.debt = 0.0
                     start_of[(r, it, name)] = t
                     push(rk.lane_busy[lane], "done", (r, it, name))
 

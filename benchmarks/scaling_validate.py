@@ -1,0 +1,169 @@
+"""Validate the scaling predictor on emulated links: predicted against
+measured iteration time of 2 ranks on two network namespaces joined by a
+veth pair shaped with tbf (benchmarks/overlap_netns.py).
+
+    sudo .venv/bin/python benchmarks/scaling_validate.py [--nets wide,default]
+        [--rates 1gbit,250mbit] [--rounds 3] [--iters 5] [--warmup 2] [--out DIR]
+
+For each net -- ``wide`` (benchmarks/cifar10_quick_wide.yaml: cifar10_quick
+with a 1,024-wide ip1, batch 64) and ``default`` (overlap_netns.py's
+built-in net) -- and each round, in turn (interleaved, so that the load of
+the machine falls on both sides alike):
+
+1. a 2-rank shared-memory run traces iterations W..W+I-1
+   (``mpiexec -n 2 python -m purine_mpi train NET --profile-iters W:W+I``);
+2. for each rate: ``predict --calibrate`` measures the link in the two
+   namespaces at that rate (α, β, and what a transfer takes from the compute
+   on this host), overlap_netns.py measures ``real_ms`` on it, and
+   ``predict TRACE --np 2`` predicts it twice: from the calibrated link
+   (``--link``) and from the rate alone (``--bandwidth RATE --latency
+   50us``: no CPU cost of the transfer, as on a host with a free core).
+
+Prints one JSON object: per net and rate, the medians over the rounds of
+measured and predicted milliseconds and the relative errors, and every
+round's figures. Needs root, ip and tc, MPICH (as overlap_netns.py).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import overlap_netns  # noqa: E402
+
+PY = sys.executable
+MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+           PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+LATENCY = "50us"
+
+
+def net_config(name, folder):
+    if name == "wide":
+        return os.path.join(HERE, "cifar10_quick_wide.yaml")
+    import yaml
+    path = os.path.join(folder, "overlap_net.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(overlap_netns.DEFAULT_NET, f, sort_keys=False)
+    return path
+
+
+def run(cmd, timeout=900, env=ENV):
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout}\n"
+                 f"{proc.stderr}")
+    return proc.stdout
+
+
+def trace(config, out, warmup, iters):
+    run([MPIEXEC, "-n", "2", PY, "-m", "purine_mpi", "train", config, "--out", out, "--force",
+         "--iters", str(warmup + iters), "--profile-iters", f"{warmup}:{warmup + iters}",
+         "--set", "solver.display=0", "--set", "solver.test_interval=0"])
+    return out
+
+
+def measure(config, rate, warmup, iters):
+    out = run([PY, os.path.join(HERE, "overlap_netns.py"), "--config", config, "--rate", rate,
+               "--iters", str(iters), "--warmup", str(warmup)])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def predict(folder, *link_args):
+    out = run([PY, "-m", "purine_mpi", "predict", folder, "--np", "2", "--json", *link_args])
+    row = json.loads(out)["rows"][0]
+    return row
+
+
+def calibrate(rate, path):
+    """``predict --calibrate`` between the two namespaces of overlap_netns.py
+    at ``rate``."""
+    pid = os.getpid()
+    a, b = f"pmcalA{pid}", f"pmcalB{pid}"
+    subnet = f"10.252.{pid % 250 + 1}"
+    env = dict(ENV, MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES="pmveth")
+    cmd = ["ip", "netns", "exec", a, MPIEXEC, "-launcher", "ssh", "-launcher-exec",
+           os.path.join(HERE, "nsexec.sh"), "-hosts", f"{subnet}.1,{subnet}.2", "-n", "2",
+           PY, "-m", "purine_mpi", "predict", "--calibrate", path]
+    try:
+        overlap_netns.setup_netns(a, b, subnet, rate)
+        run(cmd, env=env)
+    finally:
+        overlap_netns.teardown_netns(a, b)
+    with open(path) as f:
+        return json.load(f)
+
+
+def err(pred, real):
+    return round((pred - real) / real, 4)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", default="wide,default")
+    p.add_argument("--rates", default="1gbit,250mbit")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", help="folder for the traces and link files (default: a temporary one)")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("scaling_validate.py needs root (network namespaces, tc)")
+    folder = args.out or tempfile.mkdtemp(prefix="scaling_validate")
+    os.makedirs(folder, exist_ok=True)
+    nets, rates = args.nets.split(","), args.rates.split(",")
+    rounds, links = [], {}
+    for r in range(args.rounds):
+        for rate in rates:
+            path = os.path.join(folder, f"link_{rate}_r{r}.json")
+            cal = calibrate(rate, path)
+            links[f"{rate}_r{r}"] = cal
+            print(json.dumps({"round": r, "calibrated": rate,
+                              "alpha_us": round(cal["alpha_s"] * 1e6, 1),
+                              "beta_mbit_s": round(cal["beta_bytes_per_s"] * 8e-6, 1),
+                              "cpu_ns_per_byte": round(cal["cpu_s_per_byte"] * 1e9, 2),
+                              "beta_busy_mbit_s": round(cal["beta_busy_bytes_per_s"] * 8e-6, 1)}),
+                  file=sys.stderr, flush=True)
+        for net in nets:
+            config = net_config(net, folder)
+            tdir = trace(config, os.path.join(folder, f"{net}_r{r}"), args.warmup, args.iters)
+            for rate in rates:
+                real = measure(config, rate, args.warmup, args.iters)
+                cal = predict(tdir, "--link", os.path.join(folder, f"link_{rate}_r{r}.json"))
+                plain = predict(tdir, "--bandwidth", rate, "--latency", LATENCY)
+                row = {"round": r, "net": net, "rate": rate, "real_ms": real["real_ms"],
+                       "measured_compute_ms": real["compute_ms"],
+                       "measured_comm_ms": real["comm_ms"],
+                       "predicted_ms": cal["iter_ms"], "predicted_compute_ms":
+                       cal["compute_ms"], "predicted_comm_ms": cal["comm_ms"],
+                       "predicted_rate_only_ms": plain["iter_ms"]}
+                rounds.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    summary = []
+    for net in nets:
+        for rate in rates:
+            rows = [x for x in rounds if x["net"] == net and x["rate"] == rate]
+            med = {k: statistics.median(x[k] for x in rows) for k in
+                   ("real_ms", "predicted_ms", "predicted_rate_only_ms",
+                    "measured_compute_ms", "predicted_compute_ms")}
+            summary.append(dict(net=net, rate=rate, **{k: round(v, 1) for k, v in med.items()},
+                                error=err(med["predicted_ms"], med["real_ms"]),
+                                error_rate_only=err(med["predicted_rate_only_ms"],
+                                                    med["real_ms"]),
+                                round_errors=[err(x["predicted_ms"], x["real_ms"])
+                                              for x in rows],
+                                round_errors_rate_only=[err(x["predicted_rate_only_ms"],
+                                                            x["real_ms"]) for x in rows]))
+    print(json.dumps({"summary": summary, "rounds": rounds, "latency": LATENCY,
+                      "links": links,
+                      "iters": args.iters, "warmup": args.warmup}))
+
+
+if __name__ == "__main__":
+    main()
