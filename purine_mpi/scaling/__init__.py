@@ -8,6 +8,7 @@ iteration will take on N ranks, from a trace of a real run.
     traces.py     reading ``trace.rank<R>.json``: per-op median durations
     model.py      from a run folder and N to the simulated ranks' graphs, the table
     report.py     the table as text or JSON, and the scaling curve (``--plot``)
+    command.py    the ``predict`` command's forms told apart, and its options
 
 A services-layer package: it may import the foundation, ops, graph, job,
 composition and dispatch layers (to compose the graph a rank would run at N

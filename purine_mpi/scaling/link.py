@@ -31,11 +31,9 @@ ALGORITHMS = ("ring", "tree", "auto")
 SHORT_MSG = 2048
 
 #: the default link when neither --bandwidth/--latency nor --link is given
-DEFAULT_ORIGIN = ("100 Gbit/s InfiniBand (EDR/HDR100): α = 1.0 µs and β = 12 GB/s, the order "
-                  "of the small-message latency and peak bandwidth that the OSU "
-                  "micro-benchmarks (osu_latency, osu_bw) report on such links in the figures "
-                  "MPI and adapter vendors publish (96% of the 12.5 GB/s line rate); γ "
-                  "measured on this host (a NumPy float32 sum)")
+DEFAULT_ORIGIN = ("defaults: 100 Gbit/s InfiniBand, α 1 µs and β 12 GB/s (the order of the "
+                  "OSU micro-benchmark figures vendors publish for EDR/HDR100; README "
+                  "'Scaling prediction'), γ measured on this host")
 DEFAULT_ALPHA = 1.0e-6
 DEFAULT_BETA = 12.0e9
 
