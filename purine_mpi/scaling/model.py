@@ -15,6 +15,11 @@ their cost on the link model (``link.py``):
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
   the push and the server's update of that shard (its traced ``.update``).
 
+Each compute op also takes the dispatcher's own cost per op, measured from
+the trace (``dispatch_overhead``): what the traced iterations took beyond
+the simulation of the traced rank count with its traced communication,
+spread over the ops of the busiest thread.
+
 A compute op absent from the trace (a row chunk of a split weight, a copy
 into a bucket) is estimated: a chunk takes its rows' share of the whole
 op; a Copy its bytes at the host's copy speed; other ops count as 0 and are
@@ -91,14 +96,20 @@ class Template:
             if base is not None:
                 self.rows[base] = max(self.rows.get(base, 0), b)
 
-    def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False):
-        """(RankGraph, {op name: seconds} of the comm ops, [untraced op names])."""
+    def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
+                   overhead=0.0, traced_comm=False):
+        """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
+        ``overhead``: seconds added to every compute op (the dispatcher's own
+        cost per op); ``traced_comm``: comm ops take their traced durations."""
         g = self.graph
         ops, comm_s, untraced = {}, {}, []
         for name, op in g.ops.items():
             deps = tuple(sorted(self.deps[name]))
             if name in self.comm:
                 sim = self._comm_op(op, deps, durations, link, algorithm, scenario)
+                traced = durations.lookup(name, self.rank) if traced_comm else None
+                if traced is not None:
+                    sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
                 comm_s[name] = sim.seconds
                 if no_comm:
                     sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
@@ -108,7 +119,7 @@ class Template:
                 if seconds is None:
                     untraced.append(name)
                     seconds = _nbytes(g, op.outputs) * copy_cost if op.op_type == "Copy" else 0.0
-                sim = SimOp(name, seconds, deps, lane=str(op.thread))
+                sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
             sim.priority = self.priority[name]
             ops[name] = sim
         return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
@@ -141,17 +152,47 @@ class Template:
                      nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
 
 
-def predict_one(config, n, durations, link, algorithm, copy_cost, cache):
+def _templates(config, scenario, cache):
+    if scenario.key not in cache:
+        cache[scenario.key] = [Template(config, scenario, r) for r in scenario.ranks]
+    return cache[scenario.key]
+
+
+def dispatch_overhead(config, durations, link, algorithm, copy_cost, cache):
+    """Seconds per compute op that the traced run spent beyond its ops'
+    durations (the dispatcher's own work, the wake-ups of its threads):
+    the traced iteration less the simulated one at the traced rank count,
+    with the traced communication, over the ops of the busiest lane. 0 when
+    the trace has no iteration time or the simulation is not faster."""
+    traced = [v for v in durations.iter_seconds.values() if v]
+    if not traced:
+        return 0.0
+    try:
+        scenario = Scenario(config, len(durations.per_rank))
+        templates = _templates(config, scenario, cache)
+    except UserError:  # traced on ranks the scheme reads otherwise: no correction
+        return 0.0
+    graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
+                           traced_comm=True)[0] for t in templates]
+    simulated = simulate(graphs, ITERATIONS).period()
+    lanes = {}
+    for op in graphs[0].ops.values():
+        if op.kind == "compute":
+            lanes[op.lane] = lanes.get(op.lane, 0) + 1
+    ops = max(lanes.values(), default=0)
+    gap = sorted(traced)[len(traced) // 2] - simulated
+    return gap / ops if ops and gap > 0 else 0.0
+
+
+def predict_one(config, n, durations, link, algorithm, copy_cost, cache, overhead=0.0):
     """The prediction at ``n`` ranks: a dict of seconds and counts."""
     scenario = Scenario(config, n)
-    key = scenario.key
-    if key not in cache:
-        cache[key] = [Template(config, scenario, r) for r in scenario.ranks]
-    templates = cache[key]
-    built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost) for t in templates]
+    templates = _templates(config, scenario, cache)
+    built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead)
+             for t in templates]
     period = simulate([b[0] for b in built], ITERATIONS).period()
-    bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True)[0]
-            for t in templates]
+    bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
+                         overhead=overhead)[0] for t in templates]
     compute = simulate(bare, ITERATIONS).period()
     graph0, comm0, _ = built[0]
     return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
@@ -169,12 +210,13 @@ def predict_table(config, durations, nps, link, algorithm="auto"):
     t0 = time.perf_counter()
     copy_cost = reduce_cost_per_byte()
     cache = {}
-    one = predict_one(config, 1, durations, link, algorithm, copy_cost, cache)
+    overhead = dispatch_overhead(config, durations, link, algorithm, copy_cost, cache)
+    one = predict_one(config, 1, durations, link, algorithm, copy_cost, cache, overhead)
     ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
     rows = []
     for n in nps:
         try:
-            row = predict_one(config, n, durations, link, algorithm, copy_cost, cache)
+            row = predict_one(config, n, durations, link, algorithm, copy_cost, cache, overhead)
         except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
             rows.append({"np": n, "error": str(exc)})
             continue
@@ -183,4 +225,5 @@ def predict_table(config, durations, nps, link, algorithm="auto"):
         row["efficiency"] = (ips / (n * ips1)) if ips and ips1 else None
         rows.append(row)
     one["images_per_s"] = ips1
-    return {"rows": rows, "one_rank": one, "seconds": time.perf_counter() - t0}
+    return {"rows": rows, "one_rank": one, "overhead_s": overhead,
+            "seconds": time.perf_counter() - t0}
