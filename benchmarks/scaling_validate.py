@@ -4,6 +4,7 @@ veth pair shaped with tbf (benchmarks/overlap_netns.py).
 
     sudo .venv/bin/python benchmarks/scaling_validate.py [--nets wide,default]
         [--rates 1gbit,250mbit] [--rounds 3] [--iters 5] [--warmup 2] [--out DIR]
+        [--hosts 2]
 
 For each net -- ``wide`` (benchmarks/cifar10_quick_wide.yaml: cifar10_quick
 with a 1,024-wide ip1, batch 64) and ``default`` (overlap_netns.py's
@@ -19,7 +20,8 @@ the machine falls on both sides alike):
    (``--link``) and from the rate alone (``--bandwidth RATE --latency
    50us``: no CPU cost of the transfer, as on a host with a free core).
 
-Prints one JSON object: per net and rate, the medians over the rounds of
+``--hosts 3`` runs 3 ranks on 3 emulated hosts joined by a bridge (and
+traces 3 shared-memory ranks, predicts ``--np 3``). Prints one JSON object: per net and rate, the medians over the rounds of
 measured and predicted milliseconds and the relative errors, and every
 round's figures. Needs root, ip and tc, MPICH (as overlap_netns.py).
 """
@@ -62,40 +64,38 @@ def run(cmd, timeout=900, env=ENV):
     return proc.stdout
 
 
-def trace(config, out, warmup, iters):
-    run([MPIEXEC, "-n", "2", PY, "-m", "purine_mpi", "train", config, "--out", out, "--force",
+def trace(config, out, warmup, iters, hosts=2):
+    run([MPIEXEC, "-n", str(hosts), PY, "-m", "purine_mpi", "train", config, "--out", out, "--force",
          "--iters", str(warmup + iters), "--profile-iters", f"{warmup}:{warmup + iters}",
          "--set", "solver.display=0", "--set", "solver.test_interval=0"])
     return out
 
 
-def measure(config, rate, warmup, iters):
+def measure(config, rate, warmup, iters, hosts=2):
     out = run([PY, os.path.join(HERE, "overlap_netns.py"), "--config", config, "--rate", rate,
-               "--iters", str(iters), "--warmup", str(warmup)])
+               "--iters", str(iters), "--warmup", str(warmup), "--hosts", str(hosts)])
     return json.loads(out.strip().splitlines()[-1])
 
 
-def predict(folder, *link_args):
-    out = run([PY, "-m", "purine_mpi", "predict", folder, "--np", "2", "--json", *link_args])
+def predict(folder, *link_args, hosts=2):
+    out = run([PY, "-m", "purine_mpi", "predict", folder, "--np", str(hosts), "--json",
+               *link_args])
     row = json.loads(out)["rows"][0]
     return row
 
 
-def calibrate(rate, path):
-    """``predict --calibrate`` between the two namespaces of overlap_netns.py
+def calibrate(rate, path, hosts=2):
+    """``predict --calibrate`` between the emulated hosts of overlap_netns.py
     at ``rate``."""
-    pid = os.getpid()
-    a, b = f"pmcalA{pid}", f"pmcalB{pid}"
-    subnet = f"10.252.{pid % 250 + 1}"
     env = dict(ENV, MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self", UCX_NET_DEVICES="pmveth")
-    cmd = ["ip", "netns", "exec", a, MPIEXEC, "-launcher", "ssh", "-launcher-exec",
-           os.path.join(HERE, "nsexec.sh"), "-hosts", f"{subnet}.1,{subnet}.2", "-n", "2",
+    names, addresses, made = overlap_netns.make_hosts(hosts, "cal", rate)
+    cmd = ["ip", "netns", "exec", names[0], MPIEXEC, "-launcher", "ssh", "-launcher-exec",
+           os.path.join(HERE, "nsexec.sh"), "-hosts", ",".join(addresses), "-n", str(hosts),
            PY, "-m", "purine_mpi", "predict", "--calibrate", path]
     try:
-        overlap_netns.setup_netns(a, b, subnet, rate)
         run(cmd, env=env)
     finally:
-        overlap_netns.teardown_netns(a, b)
+        overlap_netns.teardown_netns(*made)
     with open(path) as f:
         return json.load(f)
 
@@ -112,6 +112,7 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="folder for the traces and link files (default: a temporary one)")
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts and ranks (default 2)")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("scaling_validate.py needs root (network namespaces, tc)")
@@ -122,7 +123,7 @@ def main():
     for r in range(args.rounds):
         for rate in rates:
             path = os.path.join(folder, f"link_{rate}_r{r}.json")
-            cal = calibrate(rate, path)
+            cal = calibrate(rate, path, args.hosts)
             links[f"{rate}_r{r}"] = cal
             print(json.dumps({"round": r, "calibrated": rate,
                               "alpha_us": round(cal["alpha_s"] * 1e6, 1),
@@ -132,11 +133,14 @@ def main():
                   file=sys.stderr, flush=True)
         for net in nets:
             config = net_config(net, folder)
-            tdir = trace(config, os.path.join(folder, f"{net}_r{r}"), args.warmup, args.iters)
+            tdir = trace(config, os.path.join(folder, f"{net}_r{r}"), args.warmup, args.iters,
+                         args.hosts)
             for rate in rates:
-                real = measure(config, rate, args.warmup, args.iters)
-                cal = predict(tdir, "--link", os.path.join(folder, f"link_{rate}_r{r}.json"))
-                plain = predict(tdir, "--bandwidth", rate, "--latency", LATENCY)
+                real = measure(config, rate, args.warmup, args.iters, args.hosts)
+                cal = predict(tdir, "--link", os.path.join(folder, f"link_{rate}_r{r}.json"),
+                              hosts=args.hosts)
+                plain = predict(tdir, "--bandwidth", rate, "--latency", LATENCY,
+                                hosts=args.hosts)
                 row = {"round": r, "net": net, "rate": rate, "real_ms": real["real_ms"],
                        "measured_compute_ms": real["compute_ms"],
                        "measured_comm_ms": real["comm_ms"],
@@ -161,6 +165,7 @@ def main():
                                 round_errors_rate_only=[err(x["predicted_rate_only_ms"],
                                                             x["real_ms"]) for x in rows]))
     print(json.dumps({"summary": summary, "rounds": rounds, "latency": LATENCY,
+                      "hosts": args.hosts,
                       "links": links,
                       "iters": args.iters, "warmup": args.warmup}))
 
