@@ -24,6 +24,10 @@ the machine falls on both sides alike):
 traces 3 shared-memory ranks, predicts ``--np 3``). Prints one JSON object: per net and rate, the medians over the rounds of
 measured and predicted milliseconds and the relative errors, and every
 round's figures. Needs root, ip and tc, MPICH (as overlap_netns.py).
+
+``--rescore RESULT.json --out DIR`` measures nothing: it predicts again,
+with the code as it is now, from the traces and link files a run left in
+DIR, against the measured figures in RESULT.json (that run's output).
 """
 import argparse
 import json
@@ -113,12 +117,16 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", help="folder for the traces and link files (default: a temporary one)")
     p.add_argument("--hosts", type=int, default=2, help="emulated hosts and ranks (default 2)")
+    p.add_argument("--rescore", metavar="RESULT.json",
+                   help="predict again from the traces and links in --out (no measuring)")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("scaling_validate.py needs root (network namespaces, tc)")
     folder = args.out or tempfile.mkdtemp(prefix="scaling_validate")
     os.makedirs(folder, exist_ok=True)
     nets, rates = args.nets.split(","), args.rates.split(",")
+    if args.rescore:
+        return rescore(args, folder)
     rounds, links = [], {}
     for r in range(args.rounds):
         for rate in rates:
@@ -149,6 +157,29 @@ def main():
                        "predicted_rate_only_ms": plain["iter_ms"]}
                 rounds.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+    report(rounds, nets, rates, links, args)
+
+
+def rescore(args, folder):
+    with open(args.rescore) as f:
+        old = json.load(f)
+    hosts = old.get("hosts", 2)
+    rounds = []
+    for row in old["rounds"]:
+        tdir = os.path.join(folder, f"{row['net']}_r{row['round']}")
+        link = os.path.join(folder, f"link_{row['rate']}_r{row['round']}.json")
+        cal = predict(tdir, "--link", link, hosts=hosts)
+        plain = predict(tdir, "--bandwidth", row["rate"], "--latency", LATENCY, hosts=hosts)
+        rounds.append(dict(row, predicted_ms=cal["iter_ms"], predicted_compute_ms=cal["compute_ms"],
+                           predicted_comm_ms=cal["comm_ms"],
+                           predicted_rate_only_ms=plain["iter_ms"]))
+    nets = list(dict.fromkeys(r["net"] for r in rounds))
+    rates = list(dict.fromkeys(r["rate"] for r in rounds))
+    args.hosts, args.iters, args.warmup = hosts, old["iters"], old["warmup"]
+    report(rounds, nets, rates, old["links"], args)
+
+
+def report(rounds, nets, rates, links, args):
     summary = []
     for net in nets:
         for rate in rates:
@@ -165,7 +196,7 @@ def main():
                                 round_errors_rate_only=[err(x["predicted_rate_only_ms"],
                                                             x["real_ms"]) for x in rows]))
     print(json.dumps({"summary": summary, "rounds": rounds, "latency": LATENCY,
-                      "hosts": args.hosts,
+                      "hosts": args.hosts, "rescored": bool(getattr(args, "rescore", None)),
                       "links": links,
                       "iters": args.iters, "warmup": args.warmup}))
 

@@ -172,16 +172,26 @@ def dispatch_overhead(config, durations, link, algorithm, copy_cost, cache):
         templates = _templates(config, scenario, cache)
     except UserError:  # traced on ranks the scheme reads otherwise: no correction
         return 0.0
-    graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
-                           traced_comm=True)[0] for t in templates]
-    simulated = simulate(graphs, ITERATIONS).period()
+
+    def period(overhead):
+        graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
+                               overhead=overhead, traced_comm=True)[0] for t in templates]
+        return simulate(graphs, ITERATIONS).period(), graphs
+
+    target = sorted(traced)[len(traced) // 2]
+    simulated, graphs = period(0.0)
     lanes = {}
     for op in graphs[0].ops.values():
         if op.kind == "compute":
             lanes[op.lane] = lanes.get(op.lane, 0) + 1
     ops = max(lanes.values(), default=0)
-    gap = sorted(traced)[len(traced) // 2] - simulated
-    return gap / ops if ops and gap > 0 else 0.0
+    if not ops or target <= simulated:
+        return 0.0
+    overhead = (target - simulated) / ops
+    for _ in range(2):  # the busiest lane need not be the whole critical path
+        simulated, _ = period(overhead)
+        overhead = max(0.0, overhead + (target - simulated) / ops)
+    return overhead
 
 
 def predict_one(config, n, durations, link, algorithm, copy_cost, cache, overhead=0.0):
