@@ -3,7 +3,11 @@ hosts (network namespaces joined by a veth pair, each end shaped to
 1 Gbit/s with tbf), synchronous data parallelism with bucketed Allreduce.
 
     sudo .venv/bin/python benchmarks/overlap_netns.py [--config CONFIG.yaml]
-        [--iters 5] [--warmup 2] [--rate 1gbit] [--bucket-mb 4]
+        [--iters 5] [--warmup 2] [--rate 1gbit] [--bucket-mb 4] [--hosts 2]
+
+With ``--hosts N`` (N > 2) the N namespaces hang off a bridge in one more
+namespace, each by a veth pair shaped with tbf at both ends (the host's
+sending and receiving side), one rank per host.
 
 Needs root (ip netns, tc) and MPICH with UCX (the PyPI ``mpich`` wheel). It
 creates namespaces ``pmbenchA<pid>`` / ``pmbenchB<pid>`` (10.251.<k>.1/.2),
@@ -95,6 +99,55 @@ def setup_netns(a, b, subnet, rate):
     raise RuntimeError("the veth link between the namespaces did not come up")
 
 
+def setup_bridge(hosts, bridge, subnet, rate):
+    """``hosts`` namespaces (subnet.1, .2, ...) joined by a bridge in
+    namespace ``bridge``; each host's link shaped to ``rate`` both ways."""
+    sh("ip", "netns", "add", bridge)
+    sh("ip", "-n", bridge, "link", "add", "pmbr", "type", "bridge")
+    sh("ip", "-n", bridge, "link", "set", "pmbr", "up")
+    for i, ns in enumerate(hosts):
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", f"pmtmp{i}", "netns", ns, "type", "veth", "peer", "name",
+           f"pmport{i}", "netns", bridge)
+        sh("ip", "-n", ns, "link", "set", f"pmtmp{i}", "name", "pmveth")
+        sh("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "pmveth")
+        sh("ip", "-n", ns, "link", "set", "pmveth", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", bridge, "link", "set", f"pmport{i}", "master", "pmbr")
+        sh("ip", "-n", bridge, "link", "set", f"pmport{i}", "up")
+        if rate:
+            for where, dev in ((ns, "pmveth"), (bridge, f"pmport{i}")):
+                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                   "rate", rate, "burst", "256kb", "latency", "100ms")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = [sh("ip", "-n", ns, "-o", "link", "show", "pmveth").stdout for ns in hosts]
+        if all("state UP" in s and "NO-CARRIER" not in s for s in states):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the veth links to the bridge did not come up")
+
+
+def make_hosts(count, tag, rate):
+    """(namespaces, [addresses], every namespace to delete) of ``count``
+    emulated hosts: a veth pair for 2, a bridge for more."""
+    pid = os.getpid()
+    names = [f"pm{tag}{chr(65 + i)}{pid}" for i in range(count)]
+    subnet = f"10.{251 if tag == 'bench' else 252}.{pid % 250 + 1}"
+    if count == 2:
+        setup_netns(names[0], names[1], subnet, rate)
+        made = names
+    else:
+        bridge = f"pm{tag}Br{pid}"
+        made = names + [bridge]
+        try:
+            setup_bridge(names, bridge, subnet, rate)
+        except BaseException:
+            teardown_netns(*made)
+            raise
+    return names, [f"{subnet}.{i + 1}" for i in range(count)], made
+
+
 def teardown_netns(*names):
     for ns in names:
         sh("ip", "netns", "del", ns, check=False)
@@ -106,23 +159,20 @@ def driver(args):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which("mpiexec") or sys.exit("mpiexec not found (pip install mpich)")
-    pid = os.getpid()
-    a, b = f"pmbenchA{pid}", f"pmbenchB{pid}"
-    subnet = f"10.251.{pid % 250 + 1}"
     env = dict(os.environ, MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self",
                UCX_NET_DEVICES="pmveth", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = ["ip", "netns", "exec", a, mpiexec, "-launcher", "ssh", "-launcher-exec",
-           os.path.join(HERE, "nsexec.sh"), "-hosts", f"{subnet}.1,{subnet}.2", "-n", "2",
-           sys.executable, os.path.abspath(__file__), "--worker"] + args.forward
+    names, addresses, made = make_hosts(args.hosts, "bench", args.rate)
+    cmd = ["ip", "netns", "exec", names[0], mpiexec, "-launcher", "ssh", "-launcher-exec",
+           os.path.join(HERE, "nsexec.sh"), "-hosts", ",".join(addresses), "-n",
+           str(args.hosts), sys.executable, os.path.abspath(__file__), "--worker"] + args.forward
     try:
-        setup_netns(a, b, subnet, args.rate)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
                               timeout=args.timeout)
     except subprocess.TimeoutExpired as e:
         sys.exit(f"the benchmark did not finish in {args.timeout} s:\n{e.stdout}\n{e.stderr}")
     finally:
-        teardown_netns(a, b)
+        teardown_netns(*made)
     if proc.returncode != 0:
         sys.exit(f"mpiexec failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -261,6 +311,8 @@ def main():
     p.add_argument("--first-bucket-mb", type=float, default=1.0)
     p.add_argument("--rate", default="1gbit", help="tbf rate per link end ('' = unlimited)")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--hosts", type=int, default=2,
+                   help="emulated hosts, one rank each (more than 2: joined by a bridge)")
     p.add_argument("--no-grad-first", action="store_true",
                    help="compose without the gradients_first scheduling hint")
     p.add_argument("--no-split", action="store_true",

@@ -13,6 +13,8 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --download|--from DIR --out PATH.h5
     python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
+    python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
+    python -m purine_mpi predict TRACE_DIR --np 2,4,...,1024 [--bandwidth 1gbit] [--json]
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
     python -m purine_mpi plot RUN [RUN ...] [--out curves.png]
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
@@ -149,19 +151,36 @@ def build_parser():
                         "its MD5 and unpack it (into --from DIR, default beside --out) first; "
                         "an archive already there with the right MD5 is reused")
 
-    p = sub.add_parser("predict", help="write per-sample outputs of a data split to HDF5 "
-                                       "(as Caffe's extract_features)")
-    _common_config_args(p)
-    p.add_argument("--weights", required=True, metavar="W.h5",
-                   help="checkpoint or weights file (HDF5 /params, or a .caffemodel), or a "
-                        "run folder (its latest.h5)")
-    p.add_argument("--out", required=True, metavar="PREDS.h5",
-                   help="the HDF5 file to write: /outputs/<blob>, /label, /index (docs/formats.md)")
+    p = sub.add_parser(
+        "predict", help="per-sample outputs of a data split to HDF5 (predict CONFIG --weights W "
+                        "--out P.h5), or the time per iteration on N ranks from a run's traces "
+                        "(predict TRACE_DIR --np N)",
+        description="Two forms. predict CONFIG --weights W.h5 --out PREDS.h5: write per-sample "
+                    "outputs of a data split (as Caffe's extract_features). predict TRACE_DIR "
+                    "--np N[,N...]: predict the iteration time, its compute and communication, "
+                    "and the scaling efficiency on N ranks from the trace.rank<R>.json files "
+                    "of a run (train --profile-iters A:B) and a link model; mpiexec -n 2 ... "
+                    "predict --calibrate LINK.json measures the link for --link.")
+    p.add_argument("config", nargs="?", metavar="CONFIG|TRACE_DIR",
+                   help="job YAML (docs/config.md) for the outputs; a run folder with "
+                        "trace.rank<R>.json and config.yaml for --np")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="outputs: override a config key by dotted path (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="outputs: random seed")
+    p.add_argument("--weights", metavar="W.h5",
+                   help="outputs: checkpoint or weights file (HDF5 /params, or a .caffemodel), "
+                        "or a run folder (its latest.h5)")
+    p.add_argument("--out", metavar="PREDS.h5",
+                   help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
+                        "(docs/formats.md)")
     p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
-                   help="a blob to write per sample (repeatable; default: the net's last "
-                        "output, the scores its loss reads)")
+                   help="outputs: a blob to write per sample (repeatable; default: the net's "
+                        "last output, the scores its loss reads)")
     p.add_argument("--split", choices=["test", "train"], default="test",
-                   help="which data of the config to run over, in file order (default: test)")
+                   help="outputs: which data of the config to run over, in file order "
+                        "(default: test)")
+    from .scaling.command import add_arguments
+    add_arguments(p)
 
     p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
     _common_config_args(p)
@@ -313,28 +332,20 @@ def _weights_file(path):
 
 
 def cmd_predict(args):
+    from .scaling.command import form_of, run_calibrate, run_scaling
+    form = form_of(args)
+    if form == "scaling":
+        return run_scaling(args)
+    if form == "calibrate":
+        return run_calibrate(args)
     from .io.checkpoint import load_params
-    from .predict import predict
-    from .trainer import Trainer
-    import dataclasses
-    cfg = _load(args)
-    spec = cfg.data.get(args.split)
-    if spec is None:
-        raise UserError(f"{args.config}: key 'data.{args.split}': predict --split {args.split} "
-                        "needs that data")
-    # file order, the test-phase transform
-    order = cfg.data.order + (() if "test" in cfg.data.order else ("test",))
-    cfg = cfg.replace(data=dataclasses.replace(
-        cfg.data, test=dataclasses.replace(spec, shuffle=False), order=order))
+    from .predict import predict_split
+    job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
-    t = Trainer(cfg, "/nonexistent-predict-output", init=args.weights,
-                log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    try:
-        res = predict(t, args.out, args.weights, args.blobs, args.split)
-    finally:
-        t.close()
+    res = predict_split(job, args.out, args.weights, args.blobs, args.split,
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if res is not None:
         print(json.dumps(res))
     return 0

@@ -14,6 +14,7 @@ The default blob is the net's last output: the scores the loss layer reads.
 A blob must be computed in the test phase (an input of the loss or a
 metric, or of what they read); ``--blob`` names others.
 """
+import dataclasses
 import math
 import os
 
@@ -31,6 +32,24 @@ def default_blob(graph):
             return op.inputs[0]
     raise UserError("predict: the test phase has no loss layer, so there is no default "
                     "output; name a blob with --blob")
+
+
+def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
+    """``predict``: ``job``'s ``split`` through its test phase, in file order
+    (the test-phase transform), with ``weights``; see ``predict``."""
+    from .trainer import Trainer
+    spec = job.data.get(split)
+    if spec is None:
+        raise UserError(f"{job.path}: key 'data.{split}': predict --split {split} "
+                        "needs that data")
+    order = job.data.order + (() if "test" in job.data.order else ("test",))
+    job = job.replace(data=dataclasses.replace(
+        job.data, test=dataclasses.replace(spec, shuffle=False), order=order))
+    t = Trainer(job, "/nonexistent-predict-output", init=weights, log=log)
+    try:
+        return predict(t, out_path, weights, blobs, split)
+    finally:
+        t.close()
 
 
 def predict(trainer, out_path, weights, blobs=None, split="test"):

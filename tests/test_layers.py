@@ -40,7 +40,8 @@ LAYERS = [
                   "purine_mpi.docgen", "purine_mpi.docgen_sections",
                   "purine_mpi.docgen_examples", "purine_mpi.interop",
                   "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
-                  "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats"]),
+                  "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats",
+                  "purine_mpi.scaling"]),
     ("cli", ["purine_mpi.cli", "purine_mpi.__main__"]),
 ]
 

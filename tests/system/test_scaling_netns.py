@@ -1,0 +1,50 @@
+"""System test: the scaling predictor against a measured run on emulated
+links, a small version of benchmarks/scaling_validate.py (overlap_netns.py's
+default net, 1 Gbit/s, one round).
+
+Slow (network namespaces, three MPI launches); skipped unless root with
+``ip`` and ``tc`` and a working ``ip netns``. The machine running it is
+shared, so one round's error is bounded loosely here (the README's table
+takes medians over interleaved rounds)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _netns_usable():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")):
+        return False
+    name = f"pmprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def test_prediction_is_near_the_emulated_link(tmp_path):
+    if not _netns_usable():
+        pytest.skip("needs root, ip, tc, network namespaces and the venv's mpiexec")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scaling_validate.py"), "--nets", "default",
+         "--rates", "1gbit", "--rounds", "1", "--iters", "4", "--warmup", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = result["summary"]
+    assert row["net"] == "default" and row["rate"] == "1gbit"
+    assert row["real_ms"] > 0 and row["predicted_ms"] > 0
+    # the communication part alone is the link model's: 24 MB at ~1 Gbit/s
+    (r,) = result["rounds"]
+    assert r["predicted_comm_ms"] == pytest.approx(r["measured_comm_ms"], rel=0.25)
+    assert abs(row["error"]) < 0.4, row

@@ -1,0 +1,290 @@
+"""The scaling predictor (``predict TRACE_DIR --np N``): the link model
+against the closed forms of the allreduce algorithms, the simulator on
+hand-made graphs with closed-form answers (overlap, posting order, the
+deferred tail, the pipeline bubble (p-1)/(m+p-1)), and the command on a
+real trace."""
+import json
+import math
+
+import pytest
+
+from purine_mpi.errors import UserError
+from purine_mpi.scaling.link import Link, load_link, parse_rate, parse_time, save_link
+from purine_mpi.scaling.report import parse_np
+from purine_mpi.scaling.simulate import RankGraph, SimOp, simulate
+from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+
+A, B_S, G = 5e-6, 1e9, 1e-10  # α, β, γ of the closed-form checks
+
+
+@pytest.mark.parametrize("n,nbytes", [(2, 1 << 20), (4, 3 << 20), (16, 1 << 24), (1024, 1 << 22)])
+def test_ring_allreduce_is_the_closed_form(n, nbytes):
+    link = Link(A, B_S, G)
+    want = 2 * (n - 1) * A + 2 * (n - 1) / n * nbytes / B_S + (n - 1) / n * nbytes * G
+    assert link.allreduce(n, nbytes, "ring") == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 8, 64, 6, 1000])
+def test_tree_and_rabenseifner_are_the_closed_forms(n):
+    link = Link(A, B_S, G)
+    p = 2 ** int(math.floor(math.log2(n)))
+    fold = 0 if p == n else 2 * (A + 1000 / B_S)
+    assert link.allreduce(n, 1000, "tree") == pytest.approx(
+        math.log2(p) * (A + 1000 / B_S + 1000 * G) + fold, rel=1e-12)
+    big = 1 << 22
+    fold = 0 if p == n else 2 * (A + big / B_S)
+    assert link.allreduce(n, big, "auto") == pytest.approx(
+        2 * math.log2(p) * A + 2 * (p - 1) / p * big / B_S + (p - 1) / p * big * G + fold,
+        rel=1e-12)
+
+
+def test_auto_is_mpichs_choice_by_size():
+    link = Link(A, B_S)
+    assert link.allreduce(8, 2048, "auto") == link.allreduce(8, 2048, "tree")
+    # one byte more: reduce-scatter + allgather, 2 log2(8) latencies
+    assert link.allreduce(8, 2049, "auto") == pytest.approx(6 * A + 2 * 7 / 8 * 2049 / B_S)
+    assert link.allreduce(1, 1 << 20, "ring") == 0.0
+    with pytest.raises(UserError, match="--algorithm"):
+        link.allreduce(4, 10, "butterfly")
+
+
+def test_rates_times_and_rank_lists_parse():
+    assert parse_rate("1gbit") == 125e6 and parse_rate("250mbit") == 31.25e6
+    assert parse_rate("100gbit") == 12.5e9 and parse_rate("2gbps") == 2e9
+    assert parse_time("20us") == pytest.approx(20e-6) and parse_time("1.5ms") == 1.5e-3
+    assert parse_np("2,4,8,...,1024") == [2 ** k for k in range(1, 11)]
+    assert parse_np("8") == [8] and parse_np("3,1,2") == [1, 2, 3]
+    for bad, fn in (("fast", parse_rate), ("1 gbyte", parse_rate), ("-3us", parse_time),
+                    ("2,...", parse_np), ("0", parse_np), ("a,b", parse_np)):
+        with pytest.raises(UserError):
+            fn(bad)
+
+
+def test_a_link_file_round_trips_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "link.json"
+    save_link(path, Link(1e-5, 1e8, 2e-10, "test", cpu=3e-9, beta_busy=5e7))
+    link = load_link(path)
+    assert (link.alpha, link.beta, link.gamma, link.cpu, link.beta_busy) == \
+        (1e-5, 1e8, 2e-10, 3e-9, 5e7)
+    (tmp_path / "bad.json").write_text('{"format": "purine_mpi.link", "alpha_s": -1, '
+                                       '"beta_bytes_per_s": 1}')
+    with pytest.raises(UserError, match="alpha_s >= 0"):
+        load_link(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(UserError, match="not a link file"):
+        load_link(tmp_path / "other.json")
+
+
+# ------------------------------------------------------------ simulator
+def _graph(ops, rank=0, **kw):
+    return RankGraph(rank, {o.name: o for o in ops}, **kw)
+
+
+def _overlap_graph(f, c, overlap):
+    """g (1 s) makes a gradient; its allreduce (c) runs while h (f) computes,
+    or after h when ``overlap`` is False; u needs both."""
+    return _graph([SimOp("g", 1.0), SimOp("h", f, ("g",)),
+                   SimOp("ar", c, ("g",) if overlap else ("h",), kind="collective"),
+                   SimOp("u", 0.5, ("ar", "h"))])
+
+
+@pytest.mark.parametrize("f,c,overlap,want", [
+    (5.0, 2.0, True, 1 + 5 + 0.5),       # full overlap: the allreduce hides behind h
+    (5.0, 8.0, True, 1 + 8 + 0.5),       # partial: 3 s of it exposed
+    (5.0, 2.0, False, 1 + 5 + 2 + 0.5),  # none: after h
+])
+def test_compute_and_allreduce_overlap_fully_partly_or_not(f, c, overlap, want):
+    res = simulate([_overlap_graph(f, c, overlap)], 5)
+    assert res.period() == pytest.approx(want)
+    assert res.iteration_end[0][0] == pytest.approx(want)
+
+
+def test_lanes_run_at_once_and_collectives_post_in_seq_order():
+    two = _graph([SimOp("a", 3.0, lane="0"), SimOp("b", 2.0, lane="1"),
+                  SimOp("c", 1.0, ("a", "b"))])
+    assert simulate([two], 3).period() == pytest.approx(4.0)
+    # seq 1 is ready at 0 but waits for seq 0, ready at 4: 4 + 1 + 1
+    order = _graph([SimOp("x", 4.0), SimOp("late", 1.0, ("x",), kind="collective", seq=0),
+                    SimOp("early", 1.0, (), kind="collective", seq=1)])
+    spans = {s[3]: s for s in simulate([order], 1).spans[0]}
+    assert spans["late"][:2] == (4.0, 5.0) and spans["early"][:2] == (5.0, 6.0)
+
+
+@pytest.mark.parametrize("c,want_deferred", [(2.0, 3 + 1 + 2), (5.0, 5 + 1 + 2)])
+def test_the_deferred_tail_overlaps_the_next_forward(c, want_deferred):
+    """f1 (3 s) reads nothing the tail writes; f2 (1 s) reads the weight u
+    updates. Deferred: f1 of the next iteration runs while the allreduce
+    does; f2 waits for u: max(f1, c) + f2 + b. Not deferred: f1 + f2 + b + c."""
+    ops = [SimOp("f1", 3.0), SimOp("f2", 1.0, ("f1",)), SimOp("b", 2.0, ("f2",)),
+           SimOp("ar", c, ("b",), kind="collective"), SimOp("u", 0.0, ("ar",))]
+    tail = frozenset({"ar", "u"})
+    cross = {"ar": ("ar", "b"), "u": ("u", "ar", "f2")}
+    assert simulate([_graph(ops, tail=tail, cross=cross)], 6).period() == \
+        pytest.approx(want_deferred)
+    assert simulate([_graph(ops)], 6).period() == pytest.approx(3 + 1 + 2 + c)
+
+
+def _pipeline(p, m, f, b, c):
+    """p stages, m micro-batches, GPipe order (all forwards, then the
+    backwards, last micro-batch first); Send/Recv of c seconds between
+    stages."""
+    graphs = []
+    for s in range(p):
+        ops = []
+        for k in range(m):
+            deps = [f"F{k - 1}"] if k else []
+            if s > 0:
+                ops.append(SimOp(f"recv_a{k}", c, (), kind="recv", peer=s - 1, tag=k))
+                deps.append(f"recv_a{k}")
+            ops.append(SimOp(f"F{k}", f, tuple(deps)))
+            if s < p - 1:
+                ops.append(SimOp(f"send_a{k}", c, (f"F{k}",), kind="send", peer=s + 1, tag=k))
+        for j, k in enumerate(reversed(range(m))):
+            deps = [f"F{m - 1}", f"F{k}"] + ([f"B{k + 1}"] if j else [])
+            if s < p - 1:
+                ops.append(SimOp(f"recv_g{k}", c, (), kind="recv", peer=s + 1, tag=m + k))
+                deps.append(f"recv_g{k}")
+            ops.append(SimOp(f"B{k}", b, tuple(deps)))
+            if s > 0:
+                ops.append(SimOp(f"send_g{k}", c, (f"B{k}",), kind="send", peer=s - 1,
+                                 tag=m + k))
+        graphs.append(_graph(ops, rank=s))
+    return graphs
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 8), (3, 5)])
+def test_a_pipeline_idles_the_bubble_fraction(p, m):
+    f, b = 2.0, 3.0
+    res = simulate(_pipeline(p, m, f, b, 0.0), 3)
+    span = res.iteration_end[0][0]
+    assert span == pytest.approx((m + p - 1) * (f + b))
+    for s in range(p):  # every stage computes m (f + b) of it
+        busy = sum(e - st for st, e, it, name, lane in res.spans[s]
+                   if it == 0 and lane == "0")
+        assert 1 - busy / span == pytest.approx((p - 1) / (m + p - 1))
+    assert res.period() == pytest.approx(span)
+    # transfers of c seconds (c < f) add 2 (p - 1) c to the fill and the drain
+    slow = simulate(_pipeline(p, m, f, b, 0.5), 2).iteration_end[0][0]
+    assert slow == pytest.approx((m + p - 1) * (f + b) + 2 * (p - 1) * 0.5)
+
+
+def test_the_transfer_cpu_delays_the_compute():
+    """A collective with 1.5 s of CPU delays the next compute op by it."""
+    g = _graph([SimOp("g", 1.0), SimOp("h", 5.0, ("g",)),
+                SimOp("ar", 2.0, ("g",), kind="collective", cpu=1.5)])
+    assert simulate([g], 4).period() == pytest.approx(1 + 5 + 1.5)
+
+
+# ------------------------------------------------------------ the command
+NET = {"name": "scaling_t", "seed": 0,
+       "data": {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 10,
+                          "num_samples": 64, "batch_size": 16}},
+       "net": [{"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
+                "num_output": 8, "kernel": 3, "pad": 1},
+               {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+               {"type": "fc", "name": "fc1", "bottom": "conv1", "top": "fc1",
+                "num_output": 64},
+               {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 10},
+               {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                "top": "loss"}],
+       "solver": {"base_lr": 0.01, "momentum": 0.9, "max_iter": 8, "display": 0,
+                  "test_interval": 0}}
+PARAMS = 8 * 3 * 9 + 8 + 64 * 8 * 64 + 64 + 10 * 64 + 10
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("scaling")
+    cfg = write_config_file(folder, NET)
+    run = folder / "run"
+    res = run_cli_args("train", cfg, "--out", run, "--profile-iters", "2:8")
+    assert res.returncode == 0, res.stderr
+    return run
+
+
+def test_predict_gives_the_closed_form_communication(traced, tmp_path):
+    alpha, beta = 2e-5, 1.25e8
+    link = tmp_path / "link.json"
+    save_link(link, Link(alpha, beta, 0.0, "test"))
+    res = run_cli_args("predict", traced, "--np", "1,2,4,...,64", "--link", link,
+                       "--algorithm", "ring", "--json", "--plot", tmp_path / "s.png")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    rows = {r["np"]: r for r in data["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8, 16, 32, 64]
+    assert rows[1]["comm_ops"] == 0 and rows[1]["efficiency"] == pytest.approx(1, abs=1e-3)
+    total = 4 * PARAMS  # float32 gradients, every one allreduced once
+    for n in (2, 8, 64):
+        r = rows[n]
+        assert r["comm_bytes"] == total
+        want = r["comm_ops"] * 2 * (n - 1) * alpha + 2 * (n - 1) / n * total / beta
+        assert r["comm_ms"] == pytest.approx(1000 * want, abs=2e-3)
+        assert r["iter_ms"] >= r["compute_ms"] - 1e-3
+        assert r["exposed_comm_ms"] == pytest.approx(r["iter_ms"] - r["compute_ms"], abs=2e-3)
+        assert r["efficiency"] == pytest.approx(data["one_rank_iter_ms"] / r["iter_ms"],
+                                                rel=1e-3)
+    assert rows[64]["iter_ms"] >= rows[2]["iter_ms"] - 1e-3
+    # the dispatcher's cost per op is measured so that the traced run (1 rank)
+    # simulates to its traced iteration time (or is none when the ops alone
+    # already take longer)
+    traced_ms = data["traced_iter_ms"]["0"]
+    if data["dispatch_overhead_us_per_op"] > 0:
+        assert data["one_rank_iter_ms"] == pytest.approx(traced_ms, rel=0.02)
+    else:
+        assert data["one_rank_iter_ms"] >= traced_ms
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    text = run_cli_args("predict", traced, "--np", "2", "--bandwidth", "10gbit")
+    assert text.returncode == 0 and "efficiency" in text.stdout, text.stderr
+
+
+def test_an_infinitely_fast_link_loses_nothing(traced, tmp_path):
+    """No communication cost: the iteration is its compute, the same at every
+    N, and no rank count is less efficient than one rank (N > 1 may gain a
+    little: parallel.defer_update lets the next batch's read overlap the
+    updates, which one rank runs in series)."""
+    link = tmp_path / "link.json"
+    save_link(link, Link(0.0, 1e30, 0.0, "ideal"))
+    res = run_cli_args("predict", traced, "--np", "2,16", "--link", link, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["rows"]
+    for r in rows:
+        assert r["exposed_comm_ms"] == pytest.approx(0, abs=1e-3)
+        assert r["iter_ms"] == pytest.approx(r["compute_ms"], abs=1e-3)
+        assert r["efficiency"] >= 0.999
+    assert rows[0]["iter_ms"] == pytest.approx(rows[1]["iter_ms"], abs=1e-3)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--np", "2", "--out", "p.h5"], "takes no --out"),
+    (["--bandwidth", "1gbit"], "needs --np"),
+    ([], "missing --weights, --out"),
+    (["--np", "2", "--weights", "w.h5"], "takes no --weights"),
+])
+def test_mixing_the_forms_is_a_usage_error(traced, args, message):
+    res = run_cli_args("predict", traced, *args)
+    assert res.returncode == 2
+    assert message in res.stderr and "three forms" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_help_describes_both_forms_and_a_folder_without_traces_is_named(tmp_path):
+    res = run_cli_args("predict", "--help")
+    assert res.returncode == 0
+    for words in ("--weights", "--np", "TRACE_DIR", "--calibrate", "--bandwidth"):
+        assert words in res.stdout
+    res = run_cli_args("predict", tmp_path, "--np", "2")
+    assert res.returncode == 2 and "no trace.rank<R>.json" in res.stderr
+
+
+@pytest.mark.mpi
+def test_calibrate_writes_a_link_that_predict_reads(traced, tmp_path):
+    link = tmp_path / "link.json"
+    res = run_mpi_cli(2, "predict", "--calibrate", link)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(link.read_text())
+    assert data["alpha_s"] > 0 and data["beta_bytes_per_s"] > 0 and data["cpu_s_per_byte"] >= 0
+    one = run_cli_args("predict", "--calibrate", link)
+    assert one.returncode == 2 and "mpiexec -n 2" in one.stderr
+    res = run_cli_args("predict", traced, "--np", "4", "--link", link, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["link"]["origin"].startswith("calibrated")
