@@ -48,6 +48,8 @@ import numpy as np
 from ..backend import get_xp
 from ..errors import ShapeError
 from ..gpu.raw import raw_kernels
+from .im2col import col2im, im2col, im2col_batch, im2col_rows, padded
+from .im2col import scratch as host_scratch
 from .registry import OpKernel, gradient, register
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
@@ -62,6 +64,11 @@ COL_CHUNK_BYTES = 2 << 20
 #: conv2 (K 2400) 508 -> 445 ms, cifar10_quick's conv3 (K 800) 20 -> 15 ms;
 #: the 5x5 convs on 3 channels (K 75) 84 -> 90 ms and 13.5 -> 14.2 ms.
 WGRAD_GEMM_MIN_K = 256
+
+#: from this many input channels up (one group), the CPU convolutions copy
+#: their columns channels-last (``im2col_rows``): runs of kw*C numbers
+#: instead of OW, measured below.
+ROWS_MIN_C = 16
 
 
 def pair(value, name):
@@ -111,57 +118,19 @@ def _chunks(xp, geo, itemsize):
 
 
 def _padded_chunks(xp, x, geo):
-    """(slice, padded chunk of x) for each chunk of the batch (``_chunks``).
-    One zeroed buffer of a chunk's size is reused, its interior overwritten
-    for each chunk (the border stays zero), instead of a padded copy of the
-    whole batch; without padding the chunks are views of x."""
+    """(slice, padded chunk of x) for each chunk of the batch (``_chunks``):
+    the chunk copied into the interior of this thread's reused zero-bordered
+    buffer (``im2col.padded``; no ``np.pad`` copy of the batch, nothing
+    allocated per call); without padding the chunks are views of x."""
     chunks = _chunks(xp, geo, x.itemsize)
     ph, pw, H, W = geo["ph"], geo["pw"], geo["H"], geo["W"]
     if ph == 0 and pw == 0:
         for sl in chunks:
             yield sl, x[sl]
         return
-    step = chunks[0].stop - chunks[0].start
-    buf = xp.zeros((step, x.shape[1], H + 2 * ph, W + 2 * pw), dtype=x.dtype)
+    cap = chunks[0].stop - chunks[0].start
     for sl in chunks:
-        part = x[sl]
-        chunk = buf[:part.shape[0]]
-        chunk[:, :, ph:ph + H, pw:pw + W] = part
-        yield sl, chunk
-
-
-def im2col(xp, xpad, geo):
-    """Columns of a padded chunk: shape (n, G, C/G*kh*kw, OH*OW), contiguous."""
-    n, C = xpad.shape[:2]
-    s = xpad.strides
-    view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"]),
-        strides=(s[0], s[1], s[2] * geo["dh"], s[3] * geo["dw"],
-                 s[2] * geo["sh"], s[3] * geo["sw"]))
-    col = xp.ascontiguousarray(view)
-    return col.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
-
-
-def im2col_batch(xp, xpad, geo):
-    """Columns of a padded chunk with the samples side by side: shape
-    (G, C/G*kh*kw, n*OH*OW), contiguous (one copy, as ``im2col``)."""
-    n, C = xpad.shape[:2]
-    s = xpad.strides
-    view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(C, geo["kh"], geo["kw"], n, geo["OH"], geo["OW"]),
-        strides=(s[1], s[2] * geo["dh"], s[3] * geo["dw"], s[0],
-                 s[2] * geo["sh"], s[3] * geo["sw"]))
-    return xp.ascontiguousarray(view).reshape(geo["G"], -1, n * geo["OH"] * geo["OW"])
-
-
-def col2im(xp, col, geo, dxpad):
-    """Adds columns (n, C, kh, kw, OH, OW) back into the padded gradient ``dxpad``."""
-    OH, OW = geo["OH"], geo["OW"]
-    sh, sw, dh, dw = geo["sh"], geo["sw"], geo["dh"], geo["dw"]
-    for p in range(geo["kh"]):
-        for q in range(geo["kw"]):
-            dxpad[:, :, p * dh:p * dh + sh * (OH - 1) + 1:sh,
-                  q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
+        yield sl, padded(xp, x[sl], ph, pw, (H + 2 * ph, W + 2 * pw), 0, capacity=cap)
 
 
 def _pointwise(geo):
@@ -179,9 +148,60 @@ def _forward_cpu(xp, x, wmat, geo, y):
     if _pointwise(geo):
         xp.matmul(wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
         return
+    if _by_rows(geo):
+        _forward_rows(xp, x, wmat, geo, y)
+        return
     for sl, xpad in _padded_chunks(xp, x, geo):
         # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
         xp.matmul(wmat, im2col(xp, xpad, geo), out=y[sl])
+
+
+def _by_rows(geo):
+    """Whether the CPU paths take the channels-last columns (``im2col_rows``):
+    one group of at least ``ROWS_MIN_C`` input channels."""
+    return geo["G"] == 1 and geo["C"] >= ROWS_MIN_C
+
+
+def _weight_rows(xp, w, geo):
+    """A (O, C*kh*kw) weight matrix -> (O, kh*kw*C): the rows' column order."""
+    O, C, kh, kw = geo["O"], geo["C"], geo["kh"], geo["kw"]
+    return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
+
+
+def _forward_rows(xp, x, wmat, geo, y):
+    """y = conv(x) from the channels-last columns, a chunk of the batch at a
+    time: (O, K) @ rows^T -> (O, n*L), copied into y's (n, O, L) layout."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    wr = _weight_rows(xp, wmat, geo)
+    chunks = _chunks(xp, geo, x.itemsize)
+    cap = chunks[0].stop - chunks[0].start
+    y = y.reshape(geo["N"], O, L)
+    for sl in chunks:
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        out = host_scratch(xp, "gemm", (O, rows.shape[0]), x.dtype)
+        xp.matmul(wr, rows.T, out=out)
+        y[sl] = out.reshape(O, -1, L).transpose(1, 0, 2)
+
+
+def _weight_grad_rows(xp, dy, x, geo, dw):
+    """dw = dy (O, N*L) @ rows (N*L, kh*kw*C): one GEMM per chunk of the batch
+    on the channels-last columns, accumulated in the rows' order and
+    reordered into dw (O, C, kh, kw) at the end."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    chunks = _chunks(xp, geo, x.itemsize)
+    cap = chunks[0].stop - chunks[0].start
+    acc = host_scratch(xp, "dw_rows", (O, geo["kh"] * geo["kw"] * geo["C"]), dw.dtype)
+    dyl = dy.reshape(geo["N"], O, L)
+    for i, sl in enumerate(chunks):
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        n = sl.stop - sl.start
+        dyt = host_scratch(xp, "dyt", (O, n, L), dy.dtype)
+        dyt[...] = dyl[sl].transpose(1, 0, 2)
+        if i == 0:
+            xp.matmul(dyt.reshape(O, n * L), rows, out=acc)
+        else:
+            acc += xp.matmul(dyt.reshape(O, n * L), rows)
+    dw[...] = acc.reshape(O, geo["kh"], geo["kw"], geo["C"]).transpose(0, 3, 1, 2)
 
 
 def _transposed_geometry(geo):
@@ -359,11 +379,13 @@ class ConvGradData(OpKernel):
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         for sl in _chunks(xp, geo, dy.itemsize):
-            dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
-            n = dcol.shape[0]
+            n = sl.stop - sl.start
+            dcol = host_scratch(xp, "col", (n, G, wT.shape[1], dyg.shape[3]), dy.dtype)
+            xp.matmul(wT, dyg[sl], out=dcol)
             dcol = dcol.reshape(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
             if ph or pw:
-                dxpad = xp.zeros((n, C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype)
+                dxpad = host_scratch(xp, "dxpad", (n, C, H + 2 * ph, W + 2 * pw), dy.dtype)
+                dxpad.fill(0)
                 col2im(xp, dcol, geo, dxpad)
                 outs[0][sl] = dxpad[:, :, ph:ph + H, pw:pw + W]
             else:  # no padding to crop: add straight into the output
@@ -411,6 +433,9 @@ class ConvGradWeight(OpKernel):
             dw.fill(0)
             for sl in _chunks(xp, geo, x.itemsize):
                 dw += xp.matmul(dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
+            return
+        if _by_rows(geo):
+            _weight_grad_rows(xp, dy, x, geo, outs[0])
             return
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
             dw.fill(0)
