@@ -170,7 +170,8 @@ def _weight_rows(xp, w, geo):
 
 def _forward_rows(xp, x, wmat, geo, y):
     """y = conv(x) from the channels-last columns, a chunk of the batch at a
-    time: (O, K) @ rows^T -> (O, n*L), copied into y's (n, O, L) layout."""
+    time: rows (n*L, K) @ w^T -> (n*L, O), copied into y's (n, O, L) layout
+    (OpenBLAS runs this product faster than w @ rows^T, measured)."""
     O, L = geo["O"], geo["OH"] * geo["OW"]
     wr = _weight_rows(xp, wmat, geo)
     chunks = _chunks(xp, geo, x.itemsize)
@@ -178,9 +179,9 @@ def _forward_rows(xp, x, wmat, geo, y):
     y = y.reshape(geo["N"], O, L)
     for sl in chunks:
         rows = im2col_rows(xp, x[sl], geo, cap)
-        out = host_scratch(xp, "gemm", (O, rows.shape[0]), x.dtype)
-        xp.matmul(wr, rows.T, out=out)
-        y[sl] = out.reshape(O, -1, L).transpose(1, 0, 2)
+        out = host_scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
+        xp.matmul(rows, wr.T, out=out)
+        y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
 
 
 def _weight_grad_rows(xp, dy, x, geo, dw):
