@@ -16,15 +16,29 @@ Gradients (col = im2col(x), one row per (c, p, q), one column per (n, i, j)):
     dx = col2im(w^T @ dy)    ("ConvGradData",   [dy, w] -> [dx], attr x_shape)
     db = sum_{n,i,j} dy      ("ConvGradBias",   [dy] -> [db])
 
-im2col is one strided view of the padded input copied out (the batch is
-padded a chunk at a time, in one reused buffer); col2im loops over
-the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
-processed in chunks so the column buffer stays bounded on large inputs. The
-weight gradient of a chunk is one GEMM over its samples (the columns copied
-out with the samples side by side, ``im2col_batch``) where the column matrix
-has at least ``WGRAD_GEMM_MIN_K`` rows, else one GEMM per sample and a sum.
-A 1x1 convolution at stride 1 without padding needs no im2col: forward,
-data and weight gradients are GEMMs on x, dy and w as they are.
+On the CPU the columns are copied a chunk of the batch at a time (the
+chunk's columns stay under ``COL_CHUNK_BYTES``, in cache) into per-thread
+buffers that are reused across chunks, calls and ops (``ops/im2col.py``:
+nothing is allocated per call, and the padding is a border written once,
+not an ``np.pad`` copy). From ``ROWS_MIN_C`` input channels up (one group)
+they are copied channels-last (``im2col_rows``: a row per output pixel, its
+columns (kh, kw, C)), so the copy moves runs of kw*C numbers rather than one
+image row at a time; the forward is then ``rows @ w^T`` and the weight
+gradient one GEMM per chunk, ``dy (O, n*L) @ rows (n*L, K)``, accumulated
+over the chunks (one GEMM over the whole batch when it fits one chunk).
+Measured, one thread, cifar10_quick's conv2 / conv3 (benchmarks/conv_ops.py):
+forward 1.18x / 1.41x, weight gradient 1.36x / 1.47x, data gradient 1.17x /
+1.70x faster than the (C, kh, kw)-ordered copy; on 3 input channels the
+runs are too short and it is slower (conv1's forward: 0.63x), so fewer
+channels, and
+groups, keep that copy: one strided view of the padded chunk copied out,
+the weight gradient one GEMM per chunk (``im2col_batch``) where the column
+matrix has at least ``WGRAD_GEMM_MIN_K`` rows, else one GEMM per sample and a
+sum (measured faster at K = 75). col2im loops over the kh*kw kernel offsets
+with strided slice-adds (no scatter). A 1x1 convolution at stride 1 without
+padding needs no columns: forward and data gradient are GEMMs on x, dy and w
+as they are; its weight gradient one GEMM per sample and a sum (one GEMM
+over the batch would first transpose x and dy: measured slower on NIN).
 
 On the CPU a stride-1 ConvGradData is computed as the forward convolution it
 is equal to: dy, padded by ``d*(k-1) - pad``, correlated with the kernel
@@ -48,7 +62,7 @@ import numpy as np
 from ..backend import get_xp
 from ..errors import ShapeError
 from ..gpu.raw import raw_kernels
-from .im2col import col2im, im2col, im2col_batch, im2col_rows, padded
+from .im2col import col2im, forward_rows, im2col, im2col_batch, padded, weight_grad_rows
 from .im2col import scratch as host_scratch
 from .registry import OpKernel, gradient, register
 
@@ -149,7 +163,7 @@ def _forward_cpu(xp, x, wmat, geo, y):
         xp.matmul(wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
         return
     if _by_rows(geo):
-        _forward_rows(xp, x, wmat, geo, y)
+        forward_rows(xp, x, wmat, geo, y, _chunks(xp, geo, x.itemsize))
         return
     for sl, xpad in _padded_chunks(xp, x, geo):
         # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
@@ -160,49 +174,6 @@ def _by_rows(geo):
     """Whether the CPU paths take the channels-last columns (``im2col_rows``):
     one group of at least ``ROWS_MIN_C`` input channels."""
     return geo["G"] == 1 and geo["C"] >= ROWS_MIN_C
-
-
-def _weight_rows(xp, w, geo):
-    """A (O, C*kh*kw) weight matrix -> (O, kh*kw*C): the rows' column order."""
-    O, C, kh, kw = geo["O"], geo["C"], geo["kh"], geo["kw"]
-    return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
-
-
-def _forward_rows(xp, x, wmat, geo, y):
-    """y = conv(x) from the channels-last columns, a chunk of the batch at a
-    time: rows (n*L, K) @ w^T -> (n*L, O), copied into y's (n, O, L) layout
-    (OpenBLAS runs this product faster than w @ rows^T, measured)."""
-    O, L = geo["O"], geo["OH"] * geo["OW"]
-    wr = _weight_rows(xp, wmat, geo)
-    chunks = _chunks(xp, geo, x.itemsize)
-    cap = chunks[0].stop - chunks[0].start
-    y = y.reshape(geo["N"], O, L)
-    for sl in chunks:
-        rows = im2col_rows(xp, x[sl], geo, cap)
-        out = host_scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
-        xp.matmul(rows, wr.T, out=out)
-        y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
-
-
-def _weight_grad_rows(xp, dy, x, geo, dw):
-    """dw = dy (O, N*L) @ rows (N*L, kh*kw*C): one GEMM per chunk of the batch
-    on the channels-last columns, accumulated in the rows' order and
-    reordered into dw (O, C, kh, kw) at the end."""
-    O, L = geo["O"], geo["OH"] * geo["OW"]
-    chunks = _chunks(xp, geo, x.itemsize)
-    cap = chunks[0].stop - chunks[0].start
-    acc = host_scratch(xp, "dw_rows", (O, geo["kh"] * geo["kw"] * geo["C"]), dw.dtype)
-    dyl = dy.reshape(geo["N"], O, L)
-    for i, sl in enumerate(chunks):
-        rows = im2col_rows(xp, x[sl], geo, cap)
-        n = sl.stop - sl.start
-        dyt = host_scratch(xp, "dyt", (O, n, L), dy.dtype)
-        dyt[...] = dyl[sl].transpose(1, 0, 2)
-        if i == 0:
-            xp.matmul(dyt.reshape(O, n * L), rows, out=acc)
-        else:
-            acc += xp.matmul(dyt.reshape(O, n * L), rows)
-    dw[...] = acc.reshape(O, geo["kh"], geo["kw"], geo["C"]).transpose(0, 3, 1, 2)
 
 
 def _transposed_geometry(geo):
@@ -436,7 +407,7 @@ class ConvGradWeight(OpKernel):
                 dw += xp.matmul(dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
             return
         if _by_rows(geo):
-            _weight_grad_rows(xp, dy, x, geo, outs[0])
+            weight_grad_rows(xp, dy, x, geo, outs[0], _chunks(xp, geo, x.itemsize))
             return
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
             dw.fill(0)

@@ -1,5 +1,7 @@
 """Host-side helpers of the convolution and pooling kernels: reusable
-per-thread buffers, and the im2col / col2im copies of the CPU convolution.
+per-thread buffers, the im2col / col2im copies of the CPU convolution, and
+its channels-last path (``im2col_rows``, ``forward_rows``,
+``weight_grad_rows``; when ``ops/conv.py`` takes it is said there).
 
 Imports only NumPy (and takes the array module ``xp`` as an argument), so
 ``ops/conv.py`` and ``ops/pool.py`` both use it without importing each
@@ -138,3 +140,45 @@ def im2col_rows(xp, part, geo, capacity):
     rows = _flat(xp, "col", shape, part.dtype)
     xp.copyto(rows, view)
     return rows.reshape(n * OH * OW, kh * kw * C)
+
+
+def _weight_rows(xp, w, geo):
+    """A (O, C*kh*kw) weight matrix -> (O, kh*kw*C): the rows' column order."""
+    O, C, kh, kw = geo["O"], geo["C"], geo["kh"], geo["kw"]
+    return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
+
+
+def forward_rows(xp, x, wmat, geo, y, chunks):
+    """y = conv(x) from the channels-last columns, a chunk of the batch at a
+    time (``chunks``: slices of the batch): rows (n*L, K) @ w^T -> (n*L, O),
+    copied into y's (n, O, L) layout (OpenBLAS runs this product faster
+    than w @ rows^T, measured). ``wmat``: w as (1, O, C*kh*kw)."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    wr = _weight_rows(xp, wmat, geo)
+    cap = chunks[0].stop - chunks[0].start
+    y = y.reshape(geo["N"], O, L)
+    for sl in chunks:
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        out = scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
+        xp.matmul(rows, wr.T, out=out)
+        y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
+
+
+def weight_grad_rows(xp, dy, x, geo, dw, chunks):
+    """dw = dy (O, N*L) @ rows (N*L, kh*kw*C): one GEMM per chunk of the batch
+    on the channels-last columns, accumulated in the rows' order and
+    reordered into dw (O, C, kh, kw) at the end."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    cap = chunks[0].stop - chunks[0].start
+    acc = scratch(xp, "dw_rows", (O, geo["kh"] * geo["kw"] * geo["C"]), dw.dtype)
+    dyl = dy.reshape(geo["N"], O, L)
+    for i, sl in enumerate(chunks):
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        n = sl.stop - sl.start
+        dyt = scratch(xp, "dyt", (O, n, L), dy.dtype)
+        dyt[...] = dyl[sl].transpose(1, 0, 2)
+        if i == 0:
+            xp.matmul(dyt.reshape(O, n * L), rows, out=acc)
+        else:
+            acc += xp.matmul(dyt.reshape(O, n * L), rows)
+    dw[...] = acc.reshape(O, geo["kh"], geo["kw"], geo["C"]).transpose(0, 3, 1, 2)
