@@ -2,29 +2,44 @@
 same steps, one BLAS/OpenMP thread each, in interleaved pairs.
 
     .venv/bin/python benchmarks/cpu_speed.py [--config jobs/cifar10_quick.yaml ...]
-        [--pairs 5] [--iters 20] [--warmup 3] [--set KEY=VALUE ...]
+        [--pairs 5] [--iters 20] [--warmup 3] [--set KEY=VALUE ...] [--baseline DIR]
 
-Each pair runs ``python -m purine_mpi bench CONFIG --json`` and then the
+Each pair runs ``python -m purine_mpi bench CONFIG --json`` and the
 PyTorch script of ``scaling_ddp.py`` (the config's net as a torch.nn
 Sequential, SGD with the config's momentum and weight decay, a synthetic
-batch), one process each, one after the other; the next pair starts with
-PyTorch, so neither side always runs first. Prints one JSON object: per
+batch), one process each, one after the other; the pairs take turns at
+going first. Prints one JSON object: per
 config, each side's images/s (median and range over the pairs), every
 pair's ratio (purine_mpi / PyTorch) and their median and range. Timing is
 wall clock, as ``bench`` reports it; on a shared machine compare the ratios
-of one run, not figures across runs.
+of one run, not figures across runs. ``--baseline DIR`` (a checkout of
+another version, e.g. ``git worktree add /tmp/base main``) adds its
+``bench`` to every round (the rounds then rotate three sides) and reports
+its images/s and this checkout's speed-up over it.
 """
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from scaling_ddp import purine, pytorch  # noqa: E402
+from scaling_ddp import bench_cmd, one_thread_env, purine, pytorch  # noqa: E402
+
+
+def purine_at(root, config, iters, warmup, sets):
+    """``bench --json`` of the checkout at ``root`` (one process): images/s."""
+    env = one_thread_env()
+    env["PYTHONPATH"] = root
+    out = subprocess.run(bench_cmd(os.path.abspath(config), iters, warmup, sets), env=env,
+                         capture_output=True, text=True, cwd=root, timeout=1800)
+    if out.returncode != 0:
+        sys.exit(f"bench in {root} failed:\n{out.stdout}\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["images_per_s"]
 
 
 def _summary(values):
@@ -35,22 +50,29 @@ def _summary(values):
 def compare(path, args):
     from purine_mpi.io.config import load_config
     config = load_config(path, check_files=False)
-    ours, theirs, ratios = [], [], []
+    sides = ["purine_mpi", "pytorch"] + (["baseline"] if args.baseline else [])
+    runs = []
     for i in range(args.pairs):
         run = {}
-        order = ("purine_mpi", "pytorch") if i % 2 == 0 else ("pytorch", "purine_mpi")
-        for side in order:
+        for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate who goes first
             if side == "purine_mpi":
                 run[side] = purine(path, 1, args.iters, args.warmup, args.set)["images_per_s"]
+            elif side == "baseline":
+                run[side] = purine_at(args.baseline, path, args.iters, args.warmup, args.set)
             else:
                 run[side] = pytorch(config, 1, args.iters, args.warmup)["images_per_s"]
-        ours.append(run["purine_mpi"])
-        theirs.append(run["pytorch"])
-        ratios.append(run["purine_mpi"] / run["pytorch"])
-    return {"batch": config["data"]["train"]["batch_size"],
-            "purine_mpi_images_per_s": _summary(ours),
-            "pytorch_images_per_s": _summary(theirs),
-            "ratio": dict(_summary(ratios), pairs=[round(r, 3) for r in ratios])}
+        runs.append(run)
+    ratios = [r["purine_mpi"] / r["pytorch"] for r in runs]
+    result = {"batch": config["data"]["train"]["batch_size"],
+              "purine_mpi_images_per_s": _summary([r["purine_mpi"] for r in runs]),
+              "pytorch_images_per_s": _summary([r["pytorch"] for r in runs]),
+              "ratio": dict(_summary(ratios), pairs=[round(r, 3) for r in ratios])}
+    if args.baseline:
+        speedups = [r["purine_mpi"] / r["baseline"] for r in runs]
+        result["baseline_images_per_s"] = _summary([r["baseline"] for r in runs])
+        result["speedup_over_baseline"] = dict(_summary(speedups),
+                                               rounds=[round(x, 3) for x in speedups])
+    return result
 
 
 def main():
@@ -62,10 +84,12 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for purine_mpi's runs (repeatable)")
+    p.add_argument("--baseline", help="a checkout of another purine_mpi version to time too")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
     result = {"threads_per_process": 1, "pairs": args.pairs, "iters": args.iters,
-              "warmup": args.warmup, "set": args.set, "load_average": list(os.getloadavg())}
+              "warmup": args.warmup, "set": args.set, "baseline": args.baseline,
+              "load_average": list(os.getloadavg())}
     for path in args.config:
         result[os.path.relpath(path, ROOT)] = compare(path, args)
     result["load_average_after"] = list(os.getloadavg())
