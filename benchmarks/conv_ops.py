@@ -2,8 +2,8 @@
 each op of cifar10_quick (batch 100) and NIN (batch 128) timed alone, this
 checkout against another one (``--baseline``), interleaved.
 
-    git worktree add /tmp/base main      # or any commit to compare with
-    .venv/bin/python benchmarks/conv_ops.py --baseline /tmp/base [--rounds 5]
+    git worktree add DIR main            # or any commit to compare with
+    .venv/bin/python benchmarks/conv_ops.py --baseline DIR [--rounds 5]
         [--reps 5] [--net cifar10_quick|nin|all] [--only SUBSTRING] [--torch]
 
 Every round runs one worker process per checkout (taking turns at going

@@ -13,7 +13,7 @@ config, each side's images/s (median and range over the pairs), every
 pair's ratio (purine_mpi / PyTorch) and their median and range. Timing is
 wall clock, as ``bench`` reports it; on a shared machine compare the ratios
 of one run, not figures across runs. ``--baseline DIR`` (a checkout of
-another version, e.g. ``git worktree add /tmp/base main``) adds its
+another version, e.g. made by ``git worktree add DIR main``) adds its
 ``bench`` to every round (the rounds then rotate three sides) and reports
 its images/s and this checkout's speed-up over it.
 """
