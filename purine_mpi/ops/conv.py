@@ -16,15 +16,29 @@ Gradients (col = im2col(x), one row per (c, p, q), one column per (n, i, j)):
     dx = col2im(w^T @ dy)    ("ConvGradData",   [dy, w] -> [dx], attr x_shape)
     db = sum_{n,i,j} dy      ("ConvGradBias",   [dy] -> [db])
 
-im2col is one strided view of the padded input copied out (the batch is
-padded a chunk at a time, in one reused buffer); col2im loops over
-the kh*kw kernel offsets with strided slice-adds (no scatter). The batch is
-processed in chunks so the column buffer stays bounded on large inputs. The
-weight gradient of a chunk is one GEMM over its samples (the columns copied
-out with the samples side by side, ``im2col_batch``) where the column matrix
-has at least ``WGRAD_GEMM_MIN_K`` rows, else one GEMM per sample and a sum.
-A 1x1 convolution at stride 1 without padding needs no im2col: forward,
-data and weight gradients are GEMMs on x, dy and w as they are.
+On the CPU the columns are copied a chunk of the batch at a time (the
+chunk's columns stay under ``COL_CHUNK_BYTES``, in cache) into per-thread
+buffers that are reused across chunks, calls and ops (``ops/im2col.py``:
+nothing is allocated per call, and the padding is a border written once,
+not an ``np.pad`` copy). From ``ROWS_MIN_C`` input channels up (one group)
+they are copied channels-last (``im2col_rows``: a row per output pixel, its
+columns (kh, kw, C)), so the copy moves runs of kw*C numbers rather than one
+image row at a time; the forward is then ``rows @ w^T`` and the weight
+gradient one GEMM per chunk, ``dy (O, n*L) @ rows (n*L, K)``, accumulated
+over the chunks (one GEMM over the whole batch when it fits one chunk).
+Measured, one thread, cifar10_quick's conv2 / conv3 (benchmarks/conv_ops.py):
+forward 1.18x / 1.41x, weight gradient 1.36x / 1.47x, data gradient 1.17x /
+1.70x faster than the (C, kh, kw)-ordered copy; on 3 input channels the
+runs are too short and it is slower (conv1's forward: 0.63x), so fewer
+channels, and
+groups, keep that copy: one strided view of the padded chunk copied out,
+the weight gradient one GEMM per chunk (``im2col_batch``) where the column
+matrix has at least ``WGRAD_GEMM_MIN_K`` rows, else one GEMM per sample and a
+sum (measured faster at K = 75). col2im loops over the kh*kw kernel offsets
+with strided slice-adds (no scatter). A 1x1 convolution at stride 1 without
+padding needs no columns: forward and data gradient are GEMMs on x, dy and w
+as they are; its weight gradient one GEMM per sample and a sum (one GEMM
+over the batch would first transpose x and dy: measured slower on NIN).
 
 On the CPU a stride-1 ConvGradData is computed as the forward convolution it
 is equal to: dy, padded by ``d*(k-1) - pad``, correlated with the kernel
@@ -48,6 +62,8 @@ import numpy as np
 from ..backend import get_xp
 from ..errors import ShapeError
 from ..gpu.raw import raw_kernels
+from .im2col import col2im, forward_rows, im2col, im2col_batch, padded, weight_grad_rows
+from .im2col import scratch as host_scratch
 from .registry import OpKernel, gradient, register
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
@@ -62,6 +78,11 @@ COL_CHUNK_BYTES = 2 << 20
 #: conv2 (K 2400) 508 -> 445 ms, cifar10_quick's conv3 (K 800) 20 -> 15 ms;
 #: the 5x5 convs on 3 channels (K 75) 84 -> 90 ms and 13.5 -> 14.2 ms.
 WGRAD_GEMM_MIN_K = 256
+
+#: from this many input channels up (one group), the CPU convolutions copy
+#: their columns channels-last (``im2col_rows``): runs of kw*C numbers
+#: instead of OW, measured below.
+ROWS_MIN_C = 16
 
 
 def pair(value, name):
@@ -111,57 +132,19 @@ def _chunks(xp, geo, itemsize):
 
 
 def _padded_chunks(xp, x, geo):
-    """(slice, padded chunk of x) for each chunk of the batch (``_chunks``).
-    One zeroed buffer of a chunk's size is reused, its interior overwritten
-    for each chunk (the border stays zero), instead of a padded copy of the
-    whole batch; without padding the chunks are views of x."""
+    """(slice, padded chunk of x) for each chunk of the batch (``_chunks``):
+    the chunk copied into the interior of this thread's reused zero-bordered
+    buffer (``im2col.padded``; no ``np.pad`` copy of the batch, nothing
+    allocated per call); without padding the chunks are views of x."""
     chunks = _chunks(xp, geo, x.itemsize)
     ph, pw, H, W = geo["ph"], geo["pw"], geo["H"], geo["W"]
     if ph == 0 and pw == 0:
         for sl in chunks:
             yield sl, x[sl]
         return
-    step = chunks[0].stop - chunks[0].start
-    buf = xp.zeros((step, x.shape[1], H + 2 * ph, W + 2 * pw), dtype=x.dtype)
+    cap = chunks[0].stop - chunks[0].start
     for sl in chunks:
-        part = x[sl]
-        chunk = buf[:part.shape[0]]
-        chunk[:, :, ph:ph + H, pw:pw + W] = part
-        yield sl, chunk
-
-
-def im2col(xp, xpad, geo):
-    """Columns of a padded chunk: shape (n, G, C/G*kh*kw, OH*OW), contiguous."""
-    n, C = xpad.shape[:2]
-    s = xpad.strides
-    view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"]),
-        strides=(s[0], s[1], s[2] * geo["dh"], s[3] * geo["dw"],
-                 s[2] * geo["sh"], s[3] * geo["sw"]))
-    col = xp.ascontiguousarray(view)
-    return col.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
-
-
-def im2col_batch(xp, xpad, geo):
-    """Columns of a padded chunk with the samples side by side: shape
-    (G, C/G*kh*kw, n*OH*OW), contiguous (one copy, as ``im2col``)."""
-    n, C = xpad.shape[:2]
-    s = xpad.strides
-    view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=(C, geo["kh"], geo["kw"], n, geo["OH"], geo["OW"]),
-        strides=(s[1], s[2] * geo["dh"], s[3] * geo["dw"], s[0],
-                 s[2] * geo["sh"], s[3] * geo["sw"]))
-    return xp.ascontiguousarray(view).reshape(geo["G"], -1, n * geo["OH"] * geo["OW"])
-
-
-def col2im(xp, col, geo, dxpad):
-    """Adds columns (n, C, kh, kw, OH, OW) back into the padded gradient ``dxpad``."""
-    OH, OW = geo["OH"], geo["OW"]
-    sh, sw, dh, dw = geo["sh"], geo["sw"], geo["dh"], geo["dw"]
-    for p in range(geo["kh"]):
-        for q in range(geo["kw"]):
-            dxpad[:, :, p * dh:p * dh + sh * (OH - 1) + 1:sh,
-                  q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
+        yield sl, padded(xp, x[sl], ph, pw, (H + 2 * ph, W + 2 * pw), 0, capacity=cap)
 
 
 def _pointwise(geo):
@@ -179,9 +162,18 @@ def _forward_cpu(xp, x, wmat, geo, y):
     if _pointwise(geo):
         xp.matmul(wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
         return
+    if _by_rows(geo):
+        forward_rows(xp, x, wmat, geo, y, _chunks(xp, geo, x.itemsize))
+        return
     for sl, xpad in _padded_chunks(xp, x, geo):
         # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
         xp.matmul(wmat, im2col(xp, xpad, geo), out=y[sl])
+
+
+def _by_rows(geo):
+    """Whether the CPU paths take the channels-last columns (``im2col_rows``):
+    one group of at least ``ROWS_MIN_C`` input channels."""
+    return geo["G"] == 1 and geo["C"] >= ROWS_MIN_C
 
 
 def _transposed_geometry(geo):
@@ -359,11 +351,13 @@ class ConvGradData(OpKernel):
         wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
         dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
         for sl in _chunks(xp, geo, dy.itemsize):
-            dcol = xp.matmul(wT, dyg[sl])  # (n, G, K, L)
-            n = dcol.shape[0]
+            n = sl.stop - sl.start
+            dcol = host_scratch(xp, "col", (n, G, wT.shape[1], dyg.shape[3]), dy.dtype)
+            xp.matmul(wT, dyg[sl], out=dcol)
             dcol = dcol.reshape(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
             if ph or pw:
-                dxpad = xp.zeros((n, C, H + 2 * ph, W + 2 * pw), dtype=dy.dtype)
+                dxpad = host_scratch(xp, "dxpad", (n, C, H + 2 * ph, W + 2 * pw), dy.dtype)
+                dxpad.fill(0)
                 col2im(xp, dcol, geo, dxpad)
                 outs[0][sl] = dxpad[:, :, ph:ph + H, pw:pw + W]
             else:  # no padding to crop: add straight into the output
@@ -411,6 +405,9 @@ class ConvGradWeight(OpKernel):
             dw.fill(0)
             for sl in _chunks(xp, geo, x.itemsize):
                 dw += xp.matmul(dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
+            return
+        if _by_rows(geo):
+            weight_grad_rows(xp, dy, x, geo, outs[0], _chunks(xp, geo, x.itemsize))
             return
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
             dw.fill(0)

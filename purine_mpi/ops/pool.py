@@ -31,6 +31,7 @@ from ..backend import get_xp
 from ..errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
+from .im2col import buffer, padded
 from .registry import OpKernel, gradient, register
 
 _KINDS = {"max": "max", "ave": "ave", "avg": "ave", "average": "ave"}
@@ -86,19 +87,17 @@ def _unpadded(geo):
 def _padded_chunks(xp, x, geo, fill, step):
     """(n, chunk) for each run of ``step`` samples from n: the chunk of ``x``
     padded to the extent every window fits in, with ``fill`` around it. One
-    small buffer is reused for every chunk (its border is written once), so
-    the padded copy stays in cache instead of doubling the batch in memory."""
-    N, H, W, ph, pw = geo["N"], geo["H"], geo["W"], geo["ph"], geo["pw"]
+    small buffer per thread and geometry is reused for every chunk and every
+    call (``im2col.padded``: its border is written once), so the padded copy
+    stays in cache and nothing is allocated per call."""
+    N, ph, pw = geo["N"], geo["ph"], geo["pw"]
     if _unpadded(geo):
         for n in range(0, N, step):
             yield n, x[n:n + step]
         return
-    buf = xp.full((min(step, N), x.shape[1]) + _extent(geo), fill, dtype=x.dtype)
     for n in range(0, N, step):
-        part = x[n:n + step]
-        chunk = buf[:part.shape[0]]
-        chunk[:, :, ph:ph + H, pw:pw + W] = part
-        yield n, chunk
+        yield n, padded(xp, x[n:n + step], ph, pw, _extent(geo), fill, slot="pool",
+                        capacity=min(step, N))
 
 
 def _step(per_sample_bytes):
@@ -160,7 +159,7 @@ def _max_pool_cpu(xp, x, geo, y, mask):
     K = kh * kw
     origins = _window_origins(xp, geo)
     step = _step(C * OH * OW * K * x.itemsize)
-    stack = xp.empty((K, min(step, N), C, OH, OW), dtype=x.dtype)
+    stack = buffer(xp, "pool_stack", (K, min(step, N), C, OH, OW), x.dtype)
     if K <= 15:  # flat plane offset of the first maximum, looked up by bit code
         first = _FIRST_INDEX.setdefault(K, _first_index_table(K))
         offset = (first // kw) * geo["W"] + first % kw
@@ -301,7 +300,7 @@ class PoolGrad(OpKernel):
         direct = _unpadded(geo)
         step = _step(C * eh * ew * dx.itemsize)
         div = _divisor(xp, geo, dy.dtype)
-        buf = None if direct else xp.empty((min(step, N), C, eh, ew), dtype=dx.dtype)
+        buf = None if direct else buffer(xp, "pool_grad", (min(step, N), C, eh, ew), dx.dtype)
         for n in range(0, N, step):
             share = dy[n:n + step] / div
             part = dx[n:n + step] if direct else buf[:share.shape[0]]

@@ -1,0 +1,184 @@
+"""Host-side helpers of the convolution and pooling kernels: reusable
+per-thread buffers, the im2col / col2im copies of the CPU convolution, and
+its channels-last path (``im2col_rows``, ``forward_rows``,
+``weight_grad_rows``; when ``ops/conv.py`` takes it is said there).
+
+Imports only NumPy (and takes the array module ``xp`` as an argument), so
+``ops/conv.py`` and ``ops/pool.py`` both use it without importing each
+other's internals.
+
+Buffers. A convolution over a batch copies, a chunk of samples at a time,
+the padded input and its columns into buffers that stay in cache; allocating
+them afresh each chunk costs more than the copies (a fresh multi-megabyte
+array is new pages from the kernel, faulted in on first write). ``buffer``
+hands out one array per (thread, slot, shape, dtype, fill): the dispatcher's
+worker threads never share one, and an op never runs twice at once, so ops
+of one thread may reuse the same bytes one after the other. A padded buffer
+is filled (zeros, or -inf for max pooling) once, when it is made, and only its
+interior is ever written afterwards, so its border stays as filled: the key
+names the interior's place (``fill`` and the pad), so two geometries never
+share a padded buffer. The memory is bounded by the chunk sizes
+(``conv.COL_CHUNK_BYTES``, ``pool._CHUNK_BYTES``) times the distinct
+geometries a thread runs.
+"""
+import threading
+
+import numpy as np
+
+_LOCAL = threading.local()
+
+
+def buffer(xp, slot, shape, dtype, fill=None, key=()):
+    """This thread's reusable array of ``shape``/``dtype`` for ``slot``: its
+    content is whatever the last user left, or ``fill`` everywhere when it
+    is new (only when ``fill`` is given is it part of the key). ``key``:
+    extra hashables that must match (e.g. where the interior lies)."""
+    cache = getattr(_LOCAL, "buffers", None)
+    if cache is None:
+        cache = _LOCAL.buffers = {}
+    ident = (slot, xp.__name__, tuple(shape), np.dtype(dtype).str, fill, tuple(key))
+    arr = cache.get(ident)
+    if arr is None:
+        arr = xp.empty(shape, dtype=dtype) if fill is None else xp.full(shape, fill, dtype=dtype)
+        cache[ident] = arr
+    return arr
+
+
+def padded(xp, part, ph, pw, extent, fill, slot="pad", capacity=None):
+    """``part`` (n, C, H, W) copied into the interior of this thread's buffer
+    of (capacity, C) + ``extent`` whose border holds ``fill``: a view of its
+    first n samples. ``capacity``: the most samples any chunk has (default n)."""
+    n, C, H, W = part.shape
+    cap = n if capacity is None else capacity
+    buf = buffer(xp, slot, (cap, C) + tuple(extent), part.dtype, fill=fill, key=(ph, pw, H, W))
+    chunk = buf[:n]
+    chunk[:, :, ph:ph + H, pw:pw + W] = part
+    return chunk
+
+
+def im2col(xp, xpad, geo):
+    """Columns of a padded chunk: shape (n, G, C/G*kh*kw, OH*OW), copied with
+    one strided copy into this thread's column buffer."""
+    n, C = xpad.shape[:2]
+    s = xpad.strides
+    shape = (n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
+    view = xp.lib.stride_tricks.as_strided(
+        xpad, shape=shape,
+        strides=(s[0], s[1], s[2] * geo["dh"], s[3] * geo["dw"],
+                 s[2] * geo["sh"], s[3] * geo["sw"]))
+    col = _flat(xp, "col", shape, xpad.dtype)
+    xp.copyto(col, view)
+    return col.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
+
+
+def im2col_batch(xp, xpad, geo):
+    """Columns of a padded chunk with the samples side by side: shape
+    (G, C/G*kh*kw, n*OH*OW), one strided copy into the column buffer."""
+    n, C = xpad.shape[:2]
+    s = xpad.strides
+    shape = (C, geo["kh"], geo["kw"], n, geo["OH"], geo["OW"])
+    view = xp.lib.stride_tricks.as_strided(
+        xpad, shape=shape,
+        strides=(s[1], s[2] * geo["dh"], s[3] * geo["dw"], s[0],
+                 s[2] * geo["sh"], s[3] * geo["sw"]))
+    col = _flat(xp, "col", shape, xpad.dtype)
+    xp.copyto(col, view)
+    return col.reshape(geo["G"], -1, n * geo["OH"] * geo["OW"])
+
+
+def _flat(xp, slot, shape, dtype):
+    """A contiguous array of ``shape`` on the front of this thread's growing
+    flat buffer ``slot`` (one buffer however the shapes vary)."""
+    size = int(np.prod(shape))
+    cache = getattr(_LOCAL, "flat", None)
+    if cache is None:
+        cache = _LOCAL.flat = {}
+    ident = (slot, xp.__name__, np.dtype(dtype).str)
+    flat = cache.get(ident)
+    if flat is None or flat.size < size:
+        flat = cache[ident] = xp.empty(size, dtype=dtype)
+    return flat[:size].reshape(shape)
+
+
+def scratch(xp, slot, shape, dtype):
+    """A contiguous array of ``shape`` from this thread's flat buffer
+    ``slot``, content undefined (GEMM outputs, transposed copies)."""
+    return _flat(xp, slot, shape, dtype)
+
+
+def col2im(xp, col, geo, dxpad):
+    """Adds columns (n, C, kh, kw, OH, OW) back into the padded gradient ``dxpad``."""
+    OH, OW = geo["OH"], geo["OW"]
+    sh, sw, dh, dw = geo["sh"], geo["sw"], geo["dh"], geo["dw"]
+    for p in range(geo["kh"]):
+        for q in range(geo["kw"]):
+            dxpad[:, :, p * dh:p * dh + sh * (OH - 1) + 1:sh,
+                  q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
+
+
+def im2col_rows(xp, part, geo, capacity):
+    """Columns of a chunk of samples ``part`` (n, C, H, W) as rows: shape
+    (n*OH*OW, kh*kw*C), row (n, i, j) holding the window of output pixel
+    (i, j) with the channels innermost. The chunk is first copied, padded,
+    into this thread's channels-last buffer (n, H+2ph, W+2pw, C) (border
+    zero, ``padded``'s rule); a window row of it is then ``kw*C`` contiguous
+    numbers (at dilation 1), so the strided copy moves runs of hundreds of
+    bytes instead of one image row (OW numbers) at a time. ``capacity``: the
+    most samples any chunk has."""
+    n, C, H, W = part.shape
+    ph, pw = geo["ph"], geo["pw"]
+    buf = buffer(xp, "pad_nhwc", (capacity, H + 2 * ph, W + 2 * pw, C), part.dtype, fill=0,
+                 key=(ph, pw, H, W))
+    chunk = buf[:n]
+    chunk[:, ph:ph + H, pw:pw + W, :] = part.transpose(0, 2, 3, 1)
+    s = chunk.strides
+    OH, OW, kh, kw = geo["OH"], geo["OW"], geo["kh"], geo["kw"]
+    shape = (n, OH, OW, kh, kw, C)
+    view = xp.lib.stride_tricks.as_strided(
+        chunk, shape=shape, strides=(s[0], s[1] * geo["sh"], s[2] * geo["sw"],
+                                     s[1] * geo["dh"], s[2] * geo["dw"], s[3]))
+    rows = _flat(xp, "col", shape, part.dtype)
+    xp.copyto(rows, view)
+    return rows.reshape(n * OH * OW, kh * kw * C)
+
+
+def _weight_rows(xp, w, geo):
+    """A (O, C*kh*kw) weight matrix -> (O, kh*kw*C): the rows' column order."""
+    O, C, kh, kw = geo["O"], geo["C"], geo["kh"], geo["kw"]
+    return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
+
+
+def forward_rows(xp, x, wmat, geo, y, chunks):
+    """y = conv(x) from the channels-last columns, a chunk of the batch at a
+    time (``chunks``: slices of the batch): rows (n*L, K) @ w^T -> (n*L, O),
+    copied into y's (n, O, L) layout (OpenBLAS runs this product faster
+    than w @ rows^T, measured). ``wmat``: w as (1, O, C*kh*kw)."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    wr = _weight_rows(xp, wmat, geo)
+    cap = chunks[0].stop - chunks[0].start
+    y = y.reshape(geo["N"], O, L)
+    for sl in chunks:
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        out = scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
+        xp.matmul(rows, wr.T, out=out)
+        y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
+
+
+def weight_grad_rows(xp, dy, x, geo, dw, chunks):
+    """dw = dy (O, N*L) @ rows (N*L, kh*kw*C): one GEMM per chunk of the batch
+    on the channels-last columns, accumulated in the rows' order and
+    reordered into dw (O, C, kh, kw) at the end."""
+    O, L = geo["O"], geo["OH"] * geo["OW"]
+    cap = chunks[0].stop - chunks[0].start
+    acc = scratch(xp, "dw_rows", (O, geo["kh"] * geo["kw"] * geo["C"]), dw.dtype)
+    dyl = dy.reshape(geo["N"], O, L)
+    for i, sl in enumerate(chunks):
+        rows = im2col_rows(xp, x[sl], geo, cap)
+        n = sl.stop - sl.start
+        dyt = scratch(xp, "dyt", (O, n, L), dy.dtype)
+        dyt[...] = dyl[sl].transpose(1, 0, 2)
+        if i == 0:
+            xp.matmul(dyt.reshape(O, n * L), rows, out=acc)
+        else:
+            acc += xp.matmul(dyt.reshape(O, n * L), rows)
+    dw[...] = acc.reshape(O, geo["kh"], geo["kw"], geo["C"]).transpose(0, 3, 1, 2)

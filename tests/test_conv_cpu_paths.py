@@ -1,0 +1,187 @@
+"""The CPU convolution's fast paths against independent references: the
+channels-last columns (``im2col_rows``) against a NumPy loop over ``np.pad``,
+the forward / weight / data gradients on those rows against PyTorch and
+against the (n, C, kh, kw, OH, OW) im2col path in float64, one weight
+gradient GEMM over the whole batch against one per chunk, 1x1 convs as plain
+GEMMs, and the per-thread reused buffers (a border filled once stays right
+when geometries, fills and threads alternate)."""
+import threading
+
+import numpy as np
+import pytest
+import torch.nn.functional as F
+
+from purine_mpi.ops import conv as conv_module
+from purine_mpi.ops import im2col as im2col_module
+from tests.opcheck import close, run_op, torch_grads
+
+RNG = np.random.default_rng(23)
+
+
+def randn(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def torch_conv(attrs):
+    def fn(xt, wt, *bt):
+        return F.conv2d(xt, wt, bt[0] if bt else None, stride=attrs.get("stride", 1),
+                        padding=attrs.get("pad", 0), dilation=attrs.get("dilation", 1),
+                        groups=attrs.get("group", 1))
+    return fn
+
+
+def check_against_torch(x_shape, w_shape, attrs, bias=True, dtype=np.float32):
+    x, w, b = randn(*x_shape, dtype=dtype), randn(*w_shape, dtype=dtype), randn(w_shape[0],
+                                                                                dtype=dtype)
+    inputs = {"x": x, "w": w, "b": b} if bias else {"x": x, "w": w}
+    outs, grads = run_op("Conv", attrs, inputs, wrt=list(inputs))
+    y, expect = torch_grads(torch_conv(attrs), list(inputs.values()), outs["_loss_weights"])
+    close(outs[0], y)
+    for name, g in zip(inputs, expect):
+        close(grads[name], g)
+
+
+# the rows path: one group of at least ROWS_MIN_C input channels
+ROWS_CASES = [
+    ((3, 16, 9, 7), (5, 16, 3, 3), {"stride": 2, "pad": 2}),                 # strided: col2im dx
+    ((2, 16, 6, 10), (4, 16, 5, 3), {"pad": [2, 1]}),                       # non-square, stride 1
+    ((2, 20, 8, 7), (6, 20, 3, 2), {"dilation": [2, 1], "pad": [2, 0]}),    # dilated
+    ((2, 16, 5, 5), (3, 16, 2, 2), {"stride": [1, 2]}),                    # no pad, mixed stride
+    ((1, 17, 4, 4), (2, 17, 3, 3), {"pad": 1}),                             # odd channels
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", ROWS_CASES)
+def test_rows_path_matches_torch(x_shape, w_shape, attrs):
+    geo = conv_module._geometry(attrs, x_shape, w_shape)
+    assert conv_module._by_rows(geo) and not conv_module._pointwise(geo)
+    check_against_torch(x_shape, w_shape, attrs)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", ROWS_CASES)
+def test_rows_path_equals_im2col_path(monkeypatch, x_shape, w_shape, attrs):
+    """float64: the channels-last rows and the (C, kh, kw)-ordered im2col
+    give the same forward and gradients to rounding."""
+    inputs = {"x": randn(*x_shape, dtype=np.float64), "w": randn(*w_shape, dtype=np.float64)}
+    fast_out, fast = run_op("Conv", attrs, inputs, wrt=["x", "w"])
+    monkeypatch.setattr(conv_module, "ROWS_MIN_C", 1 << 30)
+    ref_out, ref = run_op("Conv", attrs, inputs, wrt=["x", "w"])
+    np.testing.assert_allclose(fast_out[0], ref_out[0], rtol=1e-12, atol=1e-12)
+    for name in ("x", "w"):
+        np.testing.assert_allclose(fast[name], ref[name], rtol=1e-12, atol=1e-12)
+
+
+def test_weight_grad_one_gemm_over_the_batch_equals_chunks(monkeypatch):
+    """The rows path's weight gradient as one GEMM over the whole batch
+    (a chunk limit above the batch's columns) and one per sample agree."""
+    x, w = randn(4, 16, 7, 6, dtype=np.float64), randn(3, 16, 3, 3, dtype=np.float64)
+    attrs = {"pad": 2, "stride": [2, 1]}
+    monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", 1 << 40)
+    geo = conv_module._geometry(attrs, x.shape, w.shape)
+    assert len(conv_module._chunks(np, geo, 8)) == 1
+    _, whole = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"])
+    monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", 1)
+    assert len(conv_module._chunks(np, geo, 8)) == 4
+    _, per_sample = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"])
+    np.testing.assert_allclose(whole["w"], per_sample["w"], rtol=1e-12)
+    # and against the closed form: dw[o, c, p, q] = sum_{n,i,j} dy * xpad[...]
+    loss_w = randn(4, 3, geo["OH"], geo["OW"], dtype=np.float64)
+    _, grads = run_op("Conv", attrs, {"x": x, "w": w}, wrt=["w"], loss_weights=[loss_w])
+    xpad = np.pad(x, ((0, 0), (0, 0), (2, 2), (2, 2)))
+    ref = np.zeros_like(w)
+    for p in range(3):
+        for q in range(3):
+            win = xpad[:, :, p:p + 2 * (geo["OH"] - 1) + 1:2, q:q + geo["OW"]]
+            ref[:, :, p, q] = np.einsum("noij,ncij->oc", loss_w, win)
+    np.testing.assert_allclose(grads["w"], ref, rtol=1e-10, atol=1e-12)
+
+
+def reference_rows(x, geo):
+    """im2col_rows by a loop over an np.pad copy: row (n, i, j), column (p, q, c)."""
+    ph, pw = geo["ph"], geo["pw"]
+    xpad = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    rows = []
+    for n in range(x.shape[0]):
+        for i in range(geo["OH"]):
+            for j in range(geo["OW"]):
+                win = [xpad[n, :, i * geo["sh"] + p * geo["dh"], j * geo["sw"] + q * geo["dw"]]
+                       for p in range(geo["kh"]) for q in range(geo["kw"])]
+                rows.append(np.concatenate(win))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("attrs,w_shape", [
+    ({"pad": 2}, (1, 3, 5, 5)),
+    ({"pad": [1, 2], "stride": [2, 3], "dilation": [2, 1]}, (1, 3, 3, 2)),
+    ({}, (1, 3, 2, 3)),
+])
+def test_im2col_rows_writes_the_padding_itself(attrs, w_shape):
+    """The padded columns straight from the reused channels-last buffer equal
+    the columns of an np.pad copy, also after a call with other values (the
+    border filled once stays zero) and after another geometry of the same
+    padded size."""
+    for x_shape in ((2, 3, 6, 7), (2, 3, 6, 7), (2, 3, 5, 5)):
+        geo = conv_module._geometry(attrs, x_shape, w_shape)
+        x = randn(*x_shape)
+        rows = im2col_module.im2col_rows(np, x, geo, capacity=2)
+        np.testing.assert_array_equal(rows, reference_rows(x, geo))
+    # same padded extent (8) from H=6/pad 1 and H=4/pad 2: separate buffers
+    for h, pad in ((6, 1), (4, 2), (6, 1)):
+        geo = conv_module._geometry({"pad": pad}, (1, 3, h, h), (1, 3, 3, 3))
+        x = randn(1, 3, h, h)
+        np.testing.assert_array_equal(im2col_module.im2col_rows(np, x, geo, capacity=1),
+                                      reference_rows(x, geo))
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [((3, 16, 5, 4), (8, 16, 1, 1)),
+                                             ((2, 6, 3, 7), (4, 3, 1, 1))])
+def test_pointwise_convs_are_plain_gemms(monkeypatch, x_shape, w_shape):
+    """1x1 stride-1 convs never copy columns, and match PyTorch."""
+    attrs = {"group": x_shape[1] // w_shape[1]}
+
+    def no_columns(*args, **kwargs):
+        raise AssertionError("a 1x1 conv copied columns")
+    for module, name in ((conv_module, "im2col"), (conv_module, "im2col_batch"),
+                         (im2col_module, "im2col_rows")):
+        monkeypatch.setattr(module, name, no_columns)
+    check_against_torch(x_shape, w_shape, attrs)
+
+
+def test_reused_buffers_across_pool_fills_and_conv_geometries():
+    """Max pooling (border -inf) and average pooling (border 0) of the same
+    padded geometry, and convs whose padded buffers have the same size,
+    alternate in one thread and still match PyTorch."""
+    x = randn(2, 3, 7, 7)
+    for _ in range(2):
+        for kind in ("max", "ave"):
+            attrs = {"pool": kind, "kernel": 3, "stride": 2, "pad": 1}
+            outs, _ = run_op("Pool", attrs, {"x": x})
+            fn = F.max_pool2d if kind == "max" else F.avg_pool2d
+            y, _ = torch_grads(lambda t: fn(t, 3, 2, 1), [x], outs["_loss_weights"])
+            close(outs[0], y)
+        check_against_torch((2, 16, 6, 6), (3, 16, 3, 3), {"pad": 1})
+        check_against_torch((2, 16, 4, 4), (3, 16, 3, 3), {"pad": 2})
+
+
+def test_threads_get_their_own_buffers():
+    """Two threads running different convs at once, many times: each result
+    is the one a lone run gives (no buffer is shared between threads)."""
+    cases = [((2, 16, 6, 6), (4, 16, 3, 3), {"pad": 1}),
+             ((2, 16, 6, 6), (4, 16, 3, 3), {"pad": 2, "stride": 2})]
+    inputs = [{"x": randn(*xs), "w": randn(*ws)} for xs, ws, _ in cases]
+    alone = [run_op("Conv", a, i, wrt=["x", "w"]) for (_, _, a), i in zip(cases, inputs)]
+    failures = []
+
+    def worker(k):
+        for _ in range(15):
+            outs, grads = run_op("Conv", cases[k][2], inputs[k], wrt=["x", "w"])
+            ok = np.array_equal(outs[0], alone[k][0][0]) and all(
+                np.array_equal(grads[n], alone[k][1][n]) for n in ("x", "w"))
+            if not ok:
+                failures.append(k)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
