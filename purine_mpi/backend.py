@@ -1,7 +1,11 @@
 """Array-module selection: NumPy on the CPU, CuPy on a GPU location.
 
 Kernels use ``xp = get_xp(array)`` and one code path for both libraries.
-CuPy is optional: importing this module never requires it."""
+CuPy is optional: importing this module never requires it.
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
+"""
 import numpy as np
 
 try:  # CuPy is an optional extra (``pip install purine_mpi[gpu]``)

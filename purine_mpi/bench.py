@@ -11,7 +11,11 @@ last input (the bucket's last gradient) was written, the worst rank's.
 ``post_latency_ms_worst`` is the largest of them (the trace shows the same
 per event: ``args.post_latency_us`` and ``args.ready_ts``).
 
-``run_bench`` takes a job (io/job.py) or a validated config dict."""
+``run_bench`` takes a job (io/job.py) or a validated config dict.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
+"""
 import dataclasses
 import resource
 import statistics

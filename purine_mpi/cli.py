@@ -29,6 +29,9 @@ inf), 143 stopped by SIGTERM with a checkpoint, 130 stopped by Ctrl-C with a
 checkpoint (a second Ctrl-C: at once, without one), 141 stdout closed (``|
 head``; ``train`` stops with a checkpoint), 1 any other failure (one line per
 failing rank; the traceback with --debug) -- on every rank.
+
+Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
+graph, job, composition, dispatch and services layers below it, and its own.
 """
 import argparse
 import json

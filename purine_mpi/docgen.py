@@ -10,6 +10,9 @@ low-level graph keys (purine_mpi/graph/seed_yaml.py).
 Every part of the file, prose included, is written here, so a key added to
 the schema appears in the docs on the next ``--write``; a key without a
 meaning is an error (``SchemaDocError``), as tests/test_docs.py checks.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import argparse
 import difflib

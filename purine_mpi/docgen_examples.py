@@ -1,6 +1,10 @@
 """The example configs of docs/config.md (``docgen_sections``): a full job,
 a residual block, and a layer type of one's own. tests/test_docs.py checks
-that each validates and builds."""
+that each validates and builds.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
+"""
 
 
 EXAMPLE = """\

@@ -5,6 +5,9 @@ graph, solver, parallel schemes, checkpoints -- each reading its keys from
 the code that defines them (io/config.py's schema, the layer registry, the
 solver ops, graph/seed_yaml.py). A key without a meaning is a
 ``SchemaDocError``.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import yaml
 

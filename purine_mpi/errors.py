@@ -1,6 +1,10 @@
 """Error types. A ``UserError`` is the user's to fix (bad config, missing file,
 shape mismatch): the CLI prints its message as one paragraph and exits 2,
-with no traceback. Anything else is a bug or a runtime failure."""
+with no traceback. Anything else is a bug or a runtime failure.
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
+"""
 
 
 class UserError(Exception):

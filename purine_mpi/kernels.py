@@ -7,7 +7,11 @@ family registers from its own module: the compute families in
 Modules that look kernels up by ``op_type`` (graph building, gradients, the
 dispatchers) import this one, so the order in which the families are first
 imported never matters and no family imports another. Look kernels up
-through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``)."""
+through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
+"""
 from .ops import (activation, basic, batchnorm, clip, conv, data, dropout, fc, lrn,  # noqa: F401
                   iteration, lr_policy, pool, softmax, solver, tensor, watch)
 from .comm import ops as comm_ops  # noqa: F401

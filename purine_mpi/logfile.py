@@ -8,6 +8,9 @@ terminal showed (as Caffe's GLOG files and Lightning's loggers do).
 0); ``note_error(text, rank)`` appends an error from any rank, in one
 write, so lines of two ranks never interleave. Standard library only: the
 error paths of every layer may call it.
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
 """
 import os
 import time

@@ -5,6 +5,9 @@ then the parallel composition (data-parallel buckets and allreduce, or the
 parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
 arrays. The entry points take a ``Job`` or a validated config dict.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 from .errors import ConfigError, UserError
 from .graph import Graph, seed_yaml

@@ -23,6 +23,9 @@ and element ``i`` of the op's output takes word ``i % 4`` of the block
 ``i // 4``. An element is kept when its 32-bit word is ``>= threshold``,
 ``threshold = floor(ratio * 2^32)``: an exact integer test, the same on every
 device (P(keep) = 1 - threshold / 2^32, within 2^-32 of 1 - ratio).
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
 """
 import zlib
 

@@ -13,6 +13,9 @@ A RUN is
 
 matplotlib is optional (``pip install 'purine_mpi[plot]'``); the figure is
 drawn with the Agg backend, so no display is needed.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 import math

@@ -13,6 +13,9 @@ ranks as evaluation is; rank 0 gathers every batch and writes, atomically:
 The default blob is the net's last output: the scores the loss layer reads.
 A blob must be computed in the test phase (an input of the loss or a
 metric, or of what they read); ``--blob`` names others.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import dataclasses
 import math

@@ -14,6 +14,9 @@ leave the log as it was::
     test 2,560/10,000 samples (26%, 1,234 samples/s, eta 0:06)
 
 ``enabled=False`` (every rank but 0) gives a bar that does nothing.
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
 """
 import os
 import sys

@@ -17,6 +17,9 @@ colours, no cursor control), so a batch log reads as well as a terminal::
 
 ``startup_lines(trainer, ranks)`` builds it from a Trainer and every rank's
 (hostname, device) of the trainer's world (gathered by the trainer).
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import socket
 

@@ -14,6 +14,9 @@ variable the user set keeps its value) and reported in the start-up block
 as ``threads N per rank (why)``.
 
 Imports nothing but the standard library: it must run before NumPy.
+
+Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
+one), the standard library and third-party packages.
 """
 import os
 import sys

@@ -13,7 +13,8 @@ gathers, made by every rank at the same iterations, so their order is the
 same everywhere; each is a non-blocking request polled under the stall
 timeout (``World.wait``). Only rank 0 writes files.
 
-May import: every layer below the CLI.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 import math

@@ -8,6 +8,7 @@ docs/DESIGN.md, or this test names it.
 """
 import ast
 import os
+import re
 from collections import defaultdict
 
 from tests.conftest import REPO
@@ -133,3 +134,17 @@ def test_the_rule_catches_an_upward_import():
     assert layer_of("purine_mpi.ops.conv") < layer_of("purine_mpi.trainer")
     assert layer_of("purine_mpi.gpu.placement") > layer_of("purine_mpi.ops.solver")
     assert layer_of("purine_mpi.gpu.kernels.image") == layer_of("purine_mpi.gpu")
+
+
+def test_every_module_says_its_layer():
+    """Each module's docstring names its layer and what it may import
+    ("Layer: <name> (docs/DESIGN.md); may import ..."), as the table says."""
+    wrong = []
+    for module, path in sorted(_modules().items()):
+        doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+        said = re.search(r"Layer: (\w+) \(docs/DESIGN\.md\); may import", doc)
+        index = layer_of(module)
+        if index is None or not said or said.group(1) != LAYERS[index][0]:
+            wrong.append(f"{module}: says {said.group(1) if said else 'nothing'}, is "
+                         f"{LAYERS[index][0] if index is not None else 'in no layer'}")
+    assert not wrong, "\n".join(wrong)

@@ -5,6 +5,9 @@ The MPI libraries on PyPI (MPICH, Open MPI) are not CUDA-aware, so a CuPy
 buffer handed to them would be read as a host pointer and crash. Detection
 asks the loaded MPI library itself (``MPIX_Query_cuda_support``, exported by
 MPICH and Open MPI); ``PURINE_MPI_CUDA_AWARE=0|1`` overrides it.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import ctypes
 import functools

@@ -25,6 +25,9 @@ sleep a random 0..MAX_MS milliseconds before it posts and again before its
 epilogue, drawn from a generator seeded by (SEED, rank) -- a reproducible
 way to shake the timing of posts and completions (tests run with it: results
 and completion must not change).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import os
 import threading

@@ -14,6 +14,9 @@ Locations map to ranks through the host table gathered at start-up::
 
 A host is identified by its hostname together with its non-loopback
 addresses, so two network namespaces on one machine count as two hosts.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import hashlib
 import os

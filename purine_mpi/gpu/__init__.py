@@ -21,6 +21,9 @@ is prepended so compile errors name the real file and line.
 Nothing here imports CuPy at import time: the package loads on CPU machines.
 The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 ``cuda/`` folder at the repository root.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
 """
 import os
 import re

@@ -39,6 +39,9 @@ Which cuBLAS binding (``blas_backend()``):
   once, at the first such product).
 
 Nothing here imports CuPy or nvmath at import time.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
 """
 import os
 import sys

@@ -26,6 +26,9 @@ chooses: ``auto`` (default), ``im2col`` (never cuDNN), ``cudnn`` (cuDNN where
 it can; the same fallback otherwise, also said once).
 
 Nothing here imports ``cudnn`` or CuPy at import time.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
 """
 import os
 import sys

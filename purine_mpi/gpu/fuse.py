@@ -21,6 +21,9 @@ numbers as the graph it rewrites, up to float summation order at most):
 
 ``fuse_for_device(graph, train=True)`` applies both to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 from ..graph.core import Location
 

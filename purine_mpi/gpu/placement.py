@@ -31,6 +31,9 @@ the trainer::
     device = configure_device(job, train_graph)        # -1: CPU, nothing changed
     ...
     place_on_device(test_graph, device)                   # same GPU for evaluation
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import dataclasses
 import os

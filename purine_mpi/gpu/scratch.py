@@ -2,6 +2,9 @@
 ``Scratch``). The dispatcher's workspace (runtime/workspace.py) hands each
 op the scratch of its stream; an op running alone gets its own
 (``gpu/raw.op_scratch``). Imports NumPy and ``backend`` (CuPy on first use).
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
 """
 import numpy as np
 

@@ -7,6 +7,9 @@ iteration and writers add into it). State that persists across iterations
 aliases the storage of ``conv1/weight``; its writer runs only after every
 other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
 """
 from collections import defaultdict
 from dataclasses import dataclass, field

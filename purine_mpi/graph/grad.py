@@ -6,6 +6,9 @@ a blob ``x`` is a fresh blob; when ``x`` feeds several consumers their
 contributions are summed by one ``Sum`` op into ``x.grad``, and a single
 contribution is simply renamed ``x.grad``. The loss gradient is seeded by a
 ``Constant`` op (the loss weight).
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
 """
 from collections import defaultdict
 

@@ -1,6 +1,10 @@
 """``graph`` command: a rank's slice of the composed graph as text, the
 seed's YAML, or Graphviz DOT. The entry points take a job (io/job.py) or a
-validated config dict."""
+validated config dict.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
+"""
 import dataclasses
 
 import yaml

@@ -27,6 +27,9 @@ Rules:
 
 A partitioned slice must not be pruned again with data sinks only: a Send
 has no outputs (pass its op name as a sink, or prune before partitioning).
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import copy
 import dataclasses

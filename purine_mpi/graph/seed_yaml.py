@@ -2,7 +2,11 @@
 
 ``dump(graph)`` writes every blob and op with everything needed to rebuild
 the graph exactly; ``load(entries, path)`` rebuilds it, with errors naming
-the entry and key at fault."""
+the entry and key at fault.
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
+"""
 import numpy as np
 
 from ..errors import ConfigError

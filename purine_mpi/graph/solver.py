@@ -7,7 +7,11 @@ AdamW; see ops/solver.py). Each keeps its state in blobs ``<param>.<state>``
 ``/solver/<param>/<state>``.
 
 Updates write alias blobs (``p@new`` views ``p``), so each update runs only
-after every other reader of ``p`` in the iteration has finished."""
+after every other reader of ``p`` in the iteration has finished.
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
+"""
 
 from ..ops.solver import SOLVER_UPDATES
 

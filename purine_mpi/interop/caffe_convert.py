@@ -21,6 +21,9 @@ Semantics kept exact:
   does; the notes say the absolute path). Their tops are renamed to our
   ``data`` / ``label`` blobs; ``transform_param`` becomes the source's
   scale / mean / mean_file / mirror / crop_size.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 

@@ -25,6 +25,9 @@ window, or the mean values), Mul (scale). With ``raw_input=False`` the input
 is the transformed batch, as before. Either way the model's metadata
 (``purine.preprocessing``, JSON) says what the input is and which transform
 the model applies, and the summary line says it.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 import os

@@ -20,6 +20,9 @@ which, so files stay readable with ``h5ls -r`` / ``h5dump``):
 Every write goes to ``<path>.tmp.<pid>``, is flushed and fsynced, then
 renamed over ``path``, so a crash never leaves a partial checkpoint under the
 final name.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import contextlib
 import hashlib

@@ -14,6 +14,9 @@ is the one-line note ``--init`` and ``test --weights`` print instead.
 
 Every failure is a UserError naming the file and what is wrong (exit 2),
 except non-finite weights: ``NonFiniteWeights``, exit 3 (as a diverged run).
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import functools
 import math

@@ -1,6 +1,9 @@
 """``inspect CKPT.h5 [--diff OTHER.h5] [--json]``: what a checkpoint holds
 (attributes, every blob with its shape, dtype and statistics) and how two
 differ, as text or JSON. Reads through io/checkpoint.py.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import json
 import math

@@ -2,6 +2,9 @@
 what was expected (``ConfigError``), and the builders of the sections'
 checker tables (``_int(1)``, ``_num(0, strict=True)``, ``_choice(...)``),
 whose ``doc`` is the type column of docs/config.md. Imports ``errors``.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import difflib
 import math

@@ -24,6 +24,9 @@ keys are errors (with a "did you mean" suggestion) so that typos never pass
 silently. AFTER CHANGING KEYS RUN ``python -m purine_mpi.docgen --write``
 (tests/test_docs.py fails while docs/config.md is stale or a key has no
 meaning).
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import copy
 import os

@@ -15,6 +15,9 @@ which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample or
 
 So N ranks x B read exactly the samples of 1 rank x N*B, and a run's data
 order does not depend on how it is split over ranks.
+
+Layer: data (docs/DESIGN.md); may import the foundation and devices layers
+below it, and its own.
 """
 import os
 import resource

@@ -2,6 +2,9 @@
 sources (hdf5, lmdb, synthetic), paths resolved against the working and the config's folder, the
 transform keys, the notes a user should read, and the hint that names the
 command which makes a missing data file. Imports the schema and checks.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import os
 

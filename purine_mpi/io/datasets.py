@@ -8,6 +8,9 @@
 
 Files are written to a temporary name and renamed, so an interrupted
 conversion never leaves a file that looks complete.
+
+Layer: data (docs/DESIGN.md); may import the foundation and devices layers
+below it, and its own.
 """
 import os
 import pickle

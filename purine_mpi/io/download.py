@@ -8,6 +8,9 @@ taken for the data set; an archive already there with the right MD5 is not
 fetched again. Only the ``data`` command downloads: training never does.
 ``PURINE_CIFAR10_URL`` replaces the official address (a mirror, or the
 tests' local server).
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import hashlib
 import os

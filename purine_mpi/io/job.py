@@ -15,6 +15,9 @@ A new config key: its default in io/schema.py, its checker in io/config.py,
 its meaning in KEY_DOCS, and its field here (tests/test_job.py checks
 that every schema key has one). Imports ``io/schema`` and the standard
 library only.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import copy
 import dataclasses

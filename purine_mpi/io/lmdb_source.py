@@ -21,6 +21,9 @@ different shapes are a UserError (exit 2) naming the database and the key.
 The ``lmdb`` and ``Pillow`` packages are the ``caffe`` extra
 (``pip install 'purine_mpi[caffe]'``), imported only when such a source is
 used. Imports ``io/protowire`` and the errors (the data layer).
+
+Layer: data (docs/DESIGN.md); may import the foundation and devices layers
+below it, and its own.
 """
 import io
 import os

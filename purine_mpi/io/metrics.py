@@ -24,6 +24,9 @@ replaced only when the resumed run writes its first checkpoint: until then
 the resumed run writes to ``metrics.jsonl.resumed.<pid>`` and
 ``metrics.jsonl`` stays as it was, matching the checkpoints in the folder
 (a resumed run that ends before a checkpoint leaves it untouched).
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import json
 import math

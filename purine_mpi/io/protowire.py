@@ -9,6 +9,9 @@ scalars, and the two messages read outside a ``.caffemodel``:
 Field numbers are those of BVLC Caffe's ``caffe.proto``. The
 ``.caffemodel`` reader (``interop/caffemodel.py``) builds on this module.
 Imports NumPy and the errors only (the data layer).
+
+Layer: data (docs/DESIGN.md); may import the foundation and devices layers
+below it, and its own.
 """
 import struct
 

@@ -18,6 +18,9 @@
   into a folder whose run is still going deletes nothing.
 
 Rank 0 decides and every rank gets its answer, so all ranks of a job agree.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 import fcntl
 import os

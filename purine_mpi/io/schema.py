@@ -7,6 +7,9 @@ To add a key, add its default here, a checker to its section's table in
 io/config.py, a one-line meaning to KEY_DOCS and its field to the part of
 the Job in io/job.py; then run ``python -m purine_mpi.docgen --write``.
 Imports only ``io/transform`` (its keys).
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 from .transform import TRANSFORM_KEYS
 

@@ -11,6 +11,9 @@ checkpoint. View with ``tensorboard --logdir runs``.
 
 tensorboardX is optional (``pip install 'purine_mpi[tensorboard]'``);
 ``require_tensorboard`` checks for it before training starts.
+
+Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
+graph layers below it, and its own.
 """
 from ..errors import UserError
 

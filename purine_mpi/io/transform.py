@@ -26,6 +26,9 @@ global position in the data order (``purine_mpi.io.data.batch_positions``),
 never on the rank or the thread that reads it: N ranks x B read and transform
 exactly what 1 rank x N*B does, and a resumed run draws what the
 uninterrupted one would have drawn.
+
+Layer: data (docs/DESIGN.md); may import the foundation and devices layers
+below it, and its own.
 """
 import os
 import threading

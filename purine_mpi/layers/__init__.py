@@ -15,6 +15,9 @@ and again when the net is built. ``NetBuilder.get(key)`` takes the declared
 kind and default, so a declaration is the one place a key is defined.
 docs/config.md is generated from these declarations: after changing keys run
 ``python -m purine_mpi.docgen --write``.
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
 """
 from .registry import (COMMON_KEYS, KIND_DOC, LAYER_SPECS, LAYERS, PARAM_KEYS,  # noqa: F401
                        REQUIRED, Key, LayerSpec, Required, check_layer, layer, layer_spec)

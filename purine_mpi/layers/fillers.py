@@ -1,6 +1,10 @@
 """Parameter initialisation (Caffe's fillers). Each parameter draws from its
 own generator seeded by (seed, name), so initial weights depend only on the
-seed -- never on the rank count or the order layers were built in."""
+seed -- never on the rank count or the order layers were built in.
+
+Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
+ops layers below it, and its own.
+"""
 import zlib
 
 import numpy as np

@@ -1,4 +1,8 @@
-"""Basic tensor ops used by the graph builders themselves."""
+"""Basic tensor ops used by the graph builders themselves.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
+"""
 import numpy as np
 
 from ..backend import get_xp, to_numpy

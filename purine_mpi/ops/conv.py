@@ -56,6 +56,9 @@ cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on strided
 views, the bias and a fused ReLU in one epilogue kernel. Either way nothing
 is copied or allocated per iteration; the bias gradient is one reduction
 kernel.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import numpy as np
 

@@ -44,6 +44,9 @@ the iteration) on the event the dispatcher hands ``after_launch`` after the
 device work that read the pair (the graph holding the copy, when captured).
 So no pinned buffer is overwritten while a copy still reads it, and the
 iteration makes no host copy of the batch.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import queue
 import threading

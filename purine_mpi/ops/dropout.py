@@ -18,6 +18,9 @@ the rank), handed over through the runtime's per-op generator hook
 it and drops the generator, so checkpoints hold no random state for it.
 Without a dispatcher (a kernel run by hand) the seed is the ``seed`` attr
 (default 0).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import numpy as np
 

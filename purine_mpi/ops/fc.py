@@ -16,6 +16,9 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import numpy as np
 

@@ -17,6 +17,9 @@ Gradient ("LRNGrad", inputs [dy, x, y, scale] -> [dx])::
 
 On a GPU (CuPy arrays of float32/float64) each direction is one raw kernel
 (cuda/lrn.cu) instead of local_size shifted adds plus element-wise passes.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 from ..backend import get_xp
 from ..errors import ShapeError

@@ -24,6 +24,9 @@ strided slice-adds over the kh*kw kernel offsets.
 
 On a GPU (CuPy arrays of float32/float64) forward and backward are one raw
 kernel each (cuda/pooling.cu), with the same mask convention and divisor.
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import numpy as np
 

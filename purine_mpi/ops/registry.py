@@ -32,6 +32,9 @@ forward op through a ``GradContext`` (see ``purine_mpi.graph.grad``)::
         dy = g.grad_of(op.outputs[0])
         if dy is not None and g.needs_grad(op.inputs[0]):
             g.emit("ReluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])])
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 from ..errors import GraphError
 

@@ -12,6 +12,9 @@ is read back to the host: the batch mean (one block-reduction kernel) and
 the gradient scale stay on the device, the per-position losses live in the
 op's scratch memory (no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
 ValueError the CPU raises (checking would cost a device-to-host sync).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import numpy as np
 

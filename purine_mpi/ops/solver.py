@@ -9,6 +9,9 @@ On a GPU (CuPy weights of float32/float64) the update is one fused raw
 kernel (cuda/sgd.cu) instead of four element-wise passes. The learning rate
 may be a host blob (read as a number: no sync) or a device blob (read by the
 kernel: no host round trip either).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
 """
 import math
 

@@ -17,7 +17,11 @@ attrs: ``shares`` (each loss's share of the iteration's loss). Nothing is
 read on the host: on a GPU it is one single-thread kernel reading a table of
 device pointers and the device iteration blob (cuda/loss_watch.cu), which a
 captured CUDA graph replays. It keeps no host state (the output blob is the
-state; the trainer zeroes ``out[0]`` after reading it)."""
+state; the trainer zeroes ``out[0]`` after reading it).
+
+Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
+layers below it, and its own.
+"""
 import math
 
 import numpy as np

@@ -1,6 +1,10 @@
 """The asynchronous parameter server's loop (``parallel.mode: async``), run
 by each server rank instead of a graph; see param_server.py for the protocol
-the workers' graphs follow (push tag 2i, pull tag 2i+1 for param i)."""
+the workers' graphs follow (push tag 2i, pull tag 2i+1 for param i).
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
+"""
 import time
 
 import numpy as np

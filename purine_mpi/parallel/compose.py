@@ -26,6 +26,9 @@ them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
 stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import dataclasses
 

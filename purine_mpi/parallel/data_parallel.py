@@ -32,6 +32,9 @@ the lower layers still back-propagate.
 
 With ``check_collectives=True`` the composed graph's sequence of
 collectives is compared across ranks (``purine_mpi.comm.verify``).
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import dataclasses
 

@@ -31,6 +31,9 @@ runs them:
 F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
 other ops (the backward pass); every op of a group waits for the last ops
 of the group before it on the same stage.
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import copy
 

@@ -13,6 +13,9 @@ listed layer runs with the producer of its first input (rank 0 for a
 source). Blobs without a producer (weights, momenta, the iteration counter)
 live with their first reader, so each weight stays with its layer and its
 update runs there too.
+
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import dataclasses
 

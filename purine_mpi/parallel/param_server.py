@@ -51,6 +51,9 @@ Interface (every function takes the *global* World unless it says so):
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
     build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
     server_rank), worker_world(world, ps_ranks): the pieces.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import dataclasses
 

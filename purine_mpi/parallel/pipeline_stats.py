@@ -10,6 +10,9 @@ events or ``train --profile`` files; the ranks share one time origin).
 Compute intervals are events of category ``compute``, ``update`` or
 ``copy`` (communication and the data reader's hand-over are not work a
 stage does). A micro-batch copy's op is named ``<op>@mb<k>`` (micro_batch.py).
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import re
 

@@ -9,8 +9,8 @@ and the micro-batch memory plan; and the test graph, composed and placed
 the same way. The loop (train/loop.py) receives the result; it builds
 nothing.
 
-May import: the job layer (model.py, io/), the graph layer and the other
-modules of the composition layer (parallel/, gpu/placement.py).
+Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph and job layers below it, and its own.
 """
 import dataclasses
 

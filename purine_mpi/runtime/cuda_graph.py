@@ -57,6 +57,9 @@ All CUDA calls go through the dispatcher's ``runtime``
 (``streams_dispatcher.CudaRuntime``), so the capture logic is tested against
 a simulated device with a stream-capture API like CuPy's
 (tests/test_cuda_graph.py).
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import sys
 import time

@@ -4,6 +4,9 @@ the dispatchers do to a device goes through a runtime object, so their event
 bookkeeping and capture logic are tested against a simulated device
 (tests/test_gpu_backend.py ``SimulatedRuntime``). CuPy is imported on first
 use; imports: NumPy, ``gpu`` (the loader, streams, cuBLAS), ``ops.registry``.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import numpy as np
 

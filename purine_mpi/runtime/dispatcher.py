@@ -27,6 +27,9 @@ results, since every blob has one writer.
 
 Which dispatcher runs a graph is decided in ``runtime/factory.py``
 (``make_dispatcher``), above this module and the GPU dispatchers.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import heapq
 import threading

@@ -8,6 +8,9 @@ The dispatchers are layered, each module importing only those below it::
     dispatcher.py          EventDispatcher, SerialDispatcher, Profiler
 
 so that nothing below this module needs to know which dispatchers exist.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import os
 

@@ -62,6 +62,9 @@ the two placements are tried and the smallest arena kept. The results are
 bit-identical to one buffer per blob: every kernel writes the whole of its
 outputs before reading them, so a buffer's earlier contents never reach a
 result (as between iterations, which reuse every buffer already).
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 from dataclasses import dataclass, field
 

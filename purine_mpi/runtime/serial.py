@@ -4,6 +4,9 @@ the ``Profiler`` that records trace events, and ``SerialDispatcher``: the
 graph one op at a time in a fixed topological order, the debugging
 reference (``PURINE_DISPATCHER=serial``) every concurrent dispatcher is held
 to, bit for bit. The event-driven engine is ``runtime/dispatcher.py``.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import threading
 import time

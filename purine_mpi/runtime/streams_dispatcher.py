@@ -53,6 +53,9 @@ the microseconds the host took to launch it.
 All CUDA calls go through a ``runtime`` object (``CudaRuntime``), so the
 event bookkeeping is tested on machines without a GPU against a simulated
 device (tests/test_gpu_backend.py).
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
 import time

@@ -24,6 +24,9 @@ the ops of the *next* iteration that must wait for it:
 
 The event dispatcher (``runtime/dispatcher.py``) uses the result; results
 are bit-identical to running the iterations one after the other.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 from collections import defaultdict
 

@@ -13,6 +13,9 @@ captured CUDA graphs (``gpu<d>:graph``, one event per segment). The trainer
 gives every rank the same time origin (rank 0's start), so the ranks'
 files share one time axis: their ``traceEvents`` concatenated are one
 trace of the job (a pipeline's stages are seen computing at once).
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import json
 import os

@@ -19,6 +19,9 @@ iteration, so a steady-state iteration allocates nothing on the device;
 CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
 those copies run asynchronously.
+
+Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job and composition layers below it, and its own.
 """
 import numpy as np
 

@@ -13,4 +13,7 @@ iteration will take on N ranks, from a trace of a real run.
 A services-layer package: it may import the foundation, ops, graph, job,
 composition and dispatch layers (to compose the graph a rank would run at N
 ranks, as ``graph --np N`` does), never the trainer or the CLI.
+
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """

@@ -25,7 +25,8 @@ The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
 ``beta_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
 ``beta_busy_bytes_per_s``, ``origin`` and the raw measurements.
 
-May import the foundation and ops (comm) layers.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import socket

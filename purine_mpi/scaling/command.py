@@ -11,7 +11,8 @@
 Mixing the options of two forms, or giving none of ``--weights``, ``--np``
 and ``--calibrate``, is a usage error (exit 2) that names the forms.
 
-May import the services layer below the CLI (and what it may import).
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 

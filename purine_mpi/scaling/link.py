@@ -18,7 +18,8 @@ where P is the largest power of two <= N; when P < N, tree and
 rabenseifner add the fold of the extra ranks, 2·(α + B/β). A
 point-to-point message costs α + B/β.
 
-May import the foundation layer only.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 import re

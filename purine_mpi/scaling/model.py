@@ -25,7 +25,8 @@ into a bucket) is estimated: a chunk takes its rows' share of the whole
 op; a Copy its bytes at the host's copy speed; other ops count as 0 and are
 reported as ``untraced``.
 
-May import the foundation, ops, graph, job, composition and dispatch layers.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import time
 

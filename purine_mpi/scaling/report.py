@@ -2,7 +2,8 @@
 curve (``--plot``: efficiency and images/s against N; matplotlib, the
 ``plot`` extra).
 
-May import the foundation layer and ``purine_mpi.plot`` (services).
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import math
 import os

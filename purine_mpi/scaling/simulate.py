@@ -26,7 +26,8 @@ contention among ranks for a shared switch or bisection, stragglers (every
 rank of a collective is assumed to post it when this one does: the
 replicas are symmetric), and the topology of the network.
 
-May import nothing from purine_mpi but the foundation layer.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import heapq
 import statistics

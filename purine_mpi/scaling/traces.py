@@ -6,7 +6,8 @@ run's ``config.yaml``. ``read_traces`` returns each rank's per-op median
 duration over the traced iterations (an op that runs several times in one
 iteration counts its sum), the traced iteration time, and the job.
 
-May import the foundation and job layers.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import glob
 import json

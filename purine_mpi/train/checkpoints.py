@@ -4,7 +4,8 @@ interval, on a stop, at the end; rotation), checkpoints of their own (the
 best ones, watch.py), resume (validated as a whole first) and the per-rank
 state a resume needs. It reads the loop's graphs, workspace and world.
 
-May import: the job layer (io/, model.py), the graph layer and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 from ..backend import to_numpy

@@ -5,7 +5,8 @@ display, test and checkpoint iterations on a GPU; and the check that every
 weight is finite before a checkpoint may follow. A non-finite loss or
 weight makes the agreed stop code DIVERGED (runtime/stop.py).
 
-May import: the dispatch layer and below (backend, numpy).
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 

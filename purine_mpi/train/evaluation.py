@@ -4,7 +4,8 @@ interval, once at the end, and before training with
 ``solver.test_initialization`` (Caffe's). ``loop.result`` holds its
 figures for the services after it (watch.py) and the run's result.
 
-May import: the data layer (io/data.py) and the foundation.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import math
 

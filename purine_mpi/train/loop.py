@@ -23,7 +23,8 @@ new habit is a new ``Service`` and one line in the list (trainer.py).
 Every rank runs the same loop; the collectives the services make outside
 the graph happen at the same iterations on every rank, in list order.
 
-May import: the dispatch layer (runtime/) and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import math
 import os

@@ -5,7 +5,8 @@ progress line per display interval (loss averaged over the window and the
 ranks, learning rate, images/s, elapsed time and ETA), and closes the log
 at the end.
 
-May import: the job layer (io/) and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import time

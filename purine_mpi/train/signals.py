@@ -4,7 +4,8 @@ closed stdout, a diverged rank), through the scheme (a parameter-server
 worker adds its servers); on a stop the loop writes a checkpoint
 (checkpoints.py) and this service says how to go on.
 
-May import: the dispatch layer and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 from .loop import Service
 

@@ -3,7 +3,8 @@
 set-up time), gathered from every rank before the first iteration, and one
 line after this process's first iteration, which is slow.
 
-May import: runlog.py (the services layer) and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import time
 

@@ -4,7 +4,8 @@ window of ``--profile-iters A:B`` keeps those iterations), its clock
 counted from rank 0's start so the ranks' traces line up; the file is
 closed when the loop ends.
 
-May import: the dispatch layer (runtime/) and below.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import time

@@ -7,7 +7,8 @@ ranks, the same on every rank), so every rank takes the same decision with
 no collective. A non-finite figure never counts as an improvement. They
 follow the evaluation (evaluation.py) in the list of services.
 
-May import: the foundation.
+Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
+ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import math
 import os

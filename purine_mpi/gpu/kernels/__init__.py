@@ -17,6 +17,9 @@ The wrappers live in one module per kernel family (``image``, ``loss``,
 launches); this package hands them on under one name, so an op writes
 ``kernels.im2col(...)``. CuPy is imported on first call; importing this
 package needs only NumPy.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
 """
 from .base import ENTRY_POINTS, PLAIN_ENTRY_POINTS, conv_output_size, pool_output_size  # noqa: F401
 from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_forward,

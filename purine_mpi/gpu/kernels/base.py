@@ -1,7 +1,11 @@
 """What every kernel family shares: the entry-point table, output sizes,
 argument checks and the launch helpers (a grid-stride launch over N items,
 or an explicit grid). Imports only NumPy and ``purine_mpi.gpu`` (the loader);
-the families import this module and nothing else of the package."""
+the families import this module and nothing else of the package.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
 import numpy as np
 
 from .. import dtype_suffix, get_function

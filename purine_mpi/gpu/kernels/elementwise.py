@@ -1,5 +1,9 @@
 """Dropout (Philox masks), activations and the reductions (cuda/dropout.cu,
-activation.cu, reduce.cu)."""
+activation.cu, reduce.cu).
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
 import numpy as np
 
 from .. import dtype_suffix, get_function, import_cupy

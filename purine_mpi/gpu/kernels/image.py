@@ -1,4 +1,8 @@
-"""im2col/col2im, pooling and LRN (cuda/im2col.cu, pooling.cu, lrn.cu)."""
+"""im2col/col2im, pooling and LRN (cuda/im2col.cu, pooling.cu, lrn.cu).
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
 import numpy as np
 
 from .. import import_cupy

@@ -1,4 +1,8 @@
-"""The fused softmax loss and the loss watch (cuda/softmax_loss.cu, loss_watch.cu)."""
+"""The fused softmax loss and the loss watch (cuda/softmax_loss.cu, loss_watch.cu).
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
 import numpy as np
 
 from .. import data_ptr, dtype_suffix, import_cupy

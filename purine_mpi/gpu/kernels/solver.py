@@ -1,6 +1,10 @@
 """The solver on the device: the fused and multi-tensor SGD updates, the lr
 policy, the iteration counter and gradient clipping (cuda/sgd.cu,
-lr_policy.cu, clip.cu)."""
+lr_policy.cu, clip.cu).
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
 import numpy as np
 
 from .. import data_ptr, dtype_suffix, import_cupy
