@@ -171,9 +171,9 @@ def test_labels_are_checked_against_the_classes(images, same_data):
 
 
 def test_a_missing_lmdb_package_says_how_to_install_it(same_data, monkeypatch):
-    from purine_mpi.io import lmdb_source
+    from purine_mpi.io import filecache, lmdb_source
     monkeypatch.setitem(sys.modules, "lmdb", None)
-    monkeypatch.setattr(lmdb_source, "_META", {})
+    monkeypatch.setattr(filecache, "_CACHE", {})  # the database is read again
     monkeypatch.setattr(lmdb_source, "_ENVS", {})
     with pytest.raises(UserError, match=r"needs the 'lmdb' package.*pip install "
                                         r"'purine_mpi\[caffe\]'"):

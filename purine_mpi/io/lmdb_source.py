@@ -32,6 +32,7 @@ import threading
 import numpy as np
 
 from ..errors import UserError
+from .filecache import per_file_version
 from .protowire import read_datum
 
 EXTRA_HINT = "pip install 'purine_mpi[caffe]'"
@@ -157,25 +158,10 @@ def check_record(path, key, array, shape, dtype, first_key):
                         "database, e.g. convert_imageset --resize_height/--resize_width)")
 
 
-_META, _META_LOCK = {}, threading.Lock()
-
-
 def lmdb_meta(path):
     """The database's _Meta, scanned once per process and file version."""
     data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
-    try:
-        stat = os.stat(data_file)
-        tag = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
-    except OSError:
-        tag = None
-    with _META_LOCK:
-        meta = _META.get(tag) if tag else None
-    if meta is None:
-        meta = _Meta(path)
-        if tag:
-            with _META_LOCK:
-                _META[tag] = meta
-    return meta
+    return per_file_version(path, _Meta, stat_path=data_file)
 
 
 def lmdb_file_bytes(path):

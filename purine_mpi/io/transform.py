@@ -30,12 +30,11 @@ uninterrupted one would have drawn.
 Layer: data (docs/DESIGN.md); may import the foundation and devices layers
 below it, and its own.
 """
-import os
-import threading
 
 import numpy as np
 
 from ..errors import UserError
+from .filecache import per_file_version
 from .protowire import read_mean_file
 
 TRANSFORM_KEYS = ("scale", "mean", "mean_file", "mirror", "crop_size")
@@ -87,25 +86,15 @@ def _source_name(spec):
     return "the synthetic source"
 
 
-_MEANS, _MEANS_LOCK = {}, threading.Lock()
-
-
 def mean_image(path):
     """The mean image of a ``.binaryproto`` file (read-only float32 C x H x W),
     read once per process and file version."""
-    try:
-        stat = os.stat(path)
-        tag = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
-    except OSError:
-        tag = None
-    with _MEANS_LOCK:
-        image = _MEANS.get(tag) if tag else None
-    if image is None:
-        image = read_mean_file(path)
-        image.setflags(write=False)
-        if tag:
-            with _MEANS_LOCK:
-                _MEANS[tag] = image
+    return per_file_version(path, _read_mean_image)
+
+
+def _read_mean_image(path):
+    image = read_mean_file(path)
+    image.setflags(write=False)
     return image
 
 
