@@ -1,11 +1,14 @@
 """Conv and Pool against PyTorch (values and gradients, edge cases of stride,
 pad, group, dilation and ceil_mode), plus float64 finite-difference checks."""
+import types
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from purine_mpi.errors import ShapeError
+from purine_mpi.kernels import get_kernel_class
 from purine_mpi.ops import conv as conv_module
 from purine_mpi.ops import pool as pool_module
 from tests.opcheck import close, numeric_grad, run_op, torch_grads
@@ -220,14 +223,40 @@ def test_pool_bad_attrs(attrs, match):
         run_op("Pool", attrs, {"x": randn(1, 1, 4, 4)})
 
 
-@pytest.mark.parametrize("kernel,stride", [(3, 2), (4, 3), (2, 2)])
-def test_max_pool_ties_nan_and_large_windows_match_torch(kernel, stride):
+@pytest.mark.parametrize("kernel,stride,size", [(3, 2, 9), (4, 3, 9), (2, 2, 9), (12, 1, 13)])
+def test_max_pool_ties_nan_and_large_windows_match_torch(kernel, stride, size):
     # few distinct values: many ties (the first maximum wins, as in PyTorch);
-    # a NaN propagates and the mask points at it; kernel 4 takes the >15 path
-    x = RNG.integers(0, 3, (2, 3, 9, 9)).astype(np.float32)
+    # a NaN propagates and the mask points at it; kernel 12 (144 > 127 slots)
+    # takes the argmax path instead of the int8 rank
+    x = RNG.integers(0, 3, (2, 3, size, size)).astype(np.float32)
     x[0, 0, 1, 1] = np.nan
     outs, grads = run_op("Pool", {"pool": "max", "kernel": kernel, "stride": stride},
                          {"x": x}, wrt=["x"])
     y_t, i_t = F.max_pool2d(torch.tensor(x), kernel, stride, return_indices=True)
     np.testing.assert_array_equal(outs[0], y_t.numpy())  # NaN == NaN here
     np.testing.assert_array_equal(outs[1], i_t.numpy())
+
+
+@pytest.mark.parametrize("kernel,stride,pad,ceil_mode", [(3, 2, 0, True), (3, 1, 1, False),
+                                                         (2, 2, 0, False)])
+def test_max_pool_grad_scatter_matches_a_loop(kernel, stride, pad, ceil_mode):
+    """The max-pool gradient (one add.at scatter per chunk) against a Python
+    loop adding every dy at its argmax in the outputs' order, in float64: the
+    same sums in the same order, so the same bits; many ties and overlapping
+    windows, so inputs collect several dy."""
+    x = RNG.integers(0, 3, (3, 2, 9, 8)).astype(np.float64)
+    attrs = {"pool": "max", "kernel": kernel, "stride": stride, "pad": pad,
+             "ceil_mode": ceil_mode}
+    outs, _ = run_op("Pool", attrs, {"x": x})
+    mask = outs[1]
+    dy = randn(*mask.shape, dtype=np.float64)
+    dx = np.empty_like(x)
+    kernel_cls = get_kernel_class("PoolGrad")
+    op = types.SimpleNamespace(name="g", attrs=dict(attrs, x_shape=list(x.shape)),
+                               op_type="PoolGrad")
+    kernel_cls(op).run([dy, mask], [dx])
+    expect = np.zeros_like(x)
+    for n, c, i, j in np.ndindex(*mask.shape):
+        h, w = divmod(int(mask[n, c, i, j]), x.shape[3])
+        expect[n, c, h, w] += dy[n, c, i, j]
+    np.testing.assert_array_equal(dx, expect)
