@@ -16,9 +16,14 @@ launched as soon as it is, because the dependencies are kept on the device:
   the poster's device hook ``_comm_gate``, which queries the producers'
   events (never blocking, so the transfers in flight keep moving); the MPI
   call is posted only once its input is complete on the device, collectives
-  still in ``seq`` order. Its host-side device work
-  (pinned staging, copy back, the 1/N scale) runs on its device's ``comm``
-  stream, and GPU consumers wait on an event recorded after it finishes.
+  still in ``seq`` order. With a non-CUDA-aware MPI its buffers are staged
+  through page-locked mirrors planned once (``comm/device.HostStage``),
+  asynchronously: the device-to-host copies are queued on the device's
+  ``stage_d2h`` stream after the producers' events, and the post waits
+  (polled) for the event after them; the epilogue (the host-to-device copy
+  back, the 1/N scale) is queued on the device's ``comm`` stream, and GPU
+  consumers wait on an event recorded after it. No synchronous
+  ``get``/``set``.
 
 The host synchronises with the devices only where it must: before a comm or
 host op reads device memory, at the start of an iteration (host writes made
@@ -72,6 +77,8 @@ from .dispatcher import EventDispatcher
 
 #: the stream a device's communication ops queue their device work on
 COMM_STREAM = "comm"
+#: the stream thread of each device's device-to-host staging copies
+COPY_OUT_STREAM = "stage_d2h"
 #: the stream the per-iteration timing origin is recorded on (profiling)
 ORIGIN_STREAM = "origin"
 
@@ -138,6 +145,14 @@ class StreamDispatcher(EventDispatcher):
         # an iteration with any ends synchronised
         self._device_only = bool(self._devices) and not self._accum and all(
             keys[n] is not None and self.kernels[n].category != "comm" for n in graph.ops)
+        #: comm op -> the event after its device-to-host staging copy (this
+        #: iteration), and the event after its last host-to-device copy back
+        self._staged_out, self._copied_back = {}, {}
+        self._async_staged = {}
+        for op in graph.ops.values():
+            k = self.kernels[op.name]
+            if keys[op.name] is not None and k.category == "comm" and hasattr(k, "copy_out"):
+                k.async_staging = True
         self._plan_streams()
         if self.runtime is not None and self.runtime.swaps_copies():
             self._swap_copy_kernels()
@@ -362,8 +377,45 @@ class StreamDispatcher(EventDispatcher):
         has finished (its producers' events queried, never waited on). Until
         it has, the poster holds the op -- and the ordered ops after it, so
         MPI sees the posts in seq order -- and asks again at its next
-        progress call, while the transfers in flight keep moving."""
-        return all(self.runtime.query(self._events[p]) for p in self._gates[name])
+        progress call, while the transfers in flight keep moving.
+
+        An op whose MPI buffers are host stages of device memory (a
+        non-CUDA-aware MPI) has its device-to-host copies queued at the
+        first ask, on the device's copy stream (``COPY_OUT_STREAM``) after
+        its producers' events and its previous copy back; the gate opens
+        when the event recorded after those copies has fired."""
+        rt = self.runtime
+        if not self._needs_staging(name):
+            return all(rt.query(self._events[p]) for p in self._gates[name])
+        event = self._staged_out.get(name)
+        if event is None:
+            device = self._key[name][0]
+            copy = self._stream((device, COPY_OUT_STREAM))
+            for p in self._gates[name]:
+                rt.wait(copy, self._events[p])
+            if any(self._key[p] == self._key[name] for p in self._deps[name]):
+                rt.wait(copy, rt.record(device, self._stream(self._key[name])))
+            back = self._copied_back.get(name)
+            if back is not None:  # MPI's buffer is free once copied back
+                rt.wait(copy, back)
+            k = self.kernels[name]
+            start = rt.record(device, copy, timing=True) if self.profiler is not None else None
+            rt.launch(device, copy, k.copy_out, f"{name}:d2h")
+            event = self._staged_out[name] = rt.record(device, copy, timing=start is not None)
+            if start is not None:
+                self._timed.append((_StageCopy(f"{name}:d2h"), "staging",
+                                    stream_thread_name(device, COPY_OUT_STREAM), device,
+                                    start, event, {"stage": "device_to_host"}))
+        return rt.query(event)
+
+    def _needs_staging(self, name):
+        staged = self._async_staged.get(name)
+        if staged is None:
+            k = self.kernels[name]
+            staged = self._async_staged[name] = bool(
+                self._key[name] is not None and getattr(k, "async_staging", False)
+                and k.stages_out())
+        return staged
 
     def _execute_comm(self, op):
         """Post a comm op (the poster calls it once ``_comm_gate`` is open)."""
@@ -372,6 +424,8 @@ class StreamDispatcher(EventDispatcher):
             result = self._post_comm(op)
         except Exception as exc:
             raise OpError(op, exc, self.rank) from exc
+        finally:
+            self._staged_out.pop(op.name, None)  # the next iteration copies again
         if result is None and self.profiler is not None:
             self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
                                  self.iteration, "comm")
@@ -391,8 +445,15 @@ class StreamDispatcher(EventDispatcher):
 
     def _comm_done(self, op):
         key = self._key[op.name]
-        if key is not None and self._needs_event[op.name]:
-            self._events[op.name] = self.runtime.record(key[0], self._stream(key))
+        if key is None:
+            return
+        staged = self._async_staged.get(op.name)
+        if self._needs_event[op.name] or staged:
+            event = self.runtime.record(key[0], self._stream(key))
+            if self._needs_event[op.name]:
+                self._events[op.name] = event
+            if staged:
+                self._copied_back[op.name] = event
 
 
 class _StreamPending(Pending):
@@ -409,11 +470,27 @@ class _StreamPending(Pending):
     def finish(self):
         d = self.dispatcher
         key = d._key[self.op.name]
-        d.runtime.call(key[0], d._stream(key), self.inner.finish)
+        rt, stream = d.runtime, d._stream(key)
+        timed = d.profiler is not None and d._async_staged.get(self.op.name)
+        start = rt.record(key[0], stream, timing=True) if timed else None
+        rt.call(key[0], stream, self.inner.finish)
+        if start is not None:  # the copy back (and the 1/N scale) on the device
+            d._timed.append((_StageCopy(f"{self.op.name}:h2d"), "staging",
+                             stream_thread_name(*key), key[0], start,
+                             rt.record(key[0], stream, timing=True),
+                             {"stage": "host_to_device"}))
         d._comm_done(self.op)
 
     def describe(self):
         return self.inner.describe() if hasattr(self.inner, "describe") else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageCopy:
+    """What a staging copy's trace event names (category ``staging``)."""
+
+    name: str
+    op_type: str = "HostStage"
 
 
 def _with_stream_threads(graph, keys):
