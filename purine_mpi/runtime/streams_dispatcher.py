@@ -63,6 +63,7 @@ Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -149,6 +150,7 @@ class StreamDispatcher(EventDispatcher):
         #: iteration), and the event after its last host-to-device copy back
         self._staged_out, self._copied_back = {}, {}
         self._async_staged = {}
+        self._stage_lock = threading.Lock()
         for op in graph.ops.values():
             k = self.kernels[op.name]
             if keys[op.name] is not None and k.category == "comm" and hasattr(k, "copy_out"):
@@ -380,16 +382,32 @@ class StreamDispatcher(EventDispatcher):
         progress call, while the transfers in flight keep moving.
 
         An op whose MPI buffers are host stages of device memory (a
-        non-CUDA-aware MPI) has its device-to-host copies queued at the
-        first ask, on the device's copy stream (``COPY_OUT_STREAM``) after
-        its producers' events and its previous copy back; the gate opens
-        when the event recorded after those copies has fired."""
+        non-CUDA-aware MPI) has its device-to-host copies queued on the
+        device's copy stream (``COPY_OUT_STREAM``) once its writers are
+        launched (``_stage_out``); the gate opens when the event recorded
+        after those copies has fired."""
         rt = self.runtime
         if not self._needs_staging(name):
             return all(rt.query(self._events[p]) for p in self._gates[name])
-        event = self._staged_out.get(name)
-        if event is None:
-            device = self._key[name][0]
+        return rt.query(self._stage_out(name))
+
+    def _push_ready(self, name):
+        """A staged comm op's copies to its host mirrors are queued as soon
+        as its inputs' writers are launched, also while ordered ops before
+        it still hold it back from the MPI post."""
+        if self._is_comm[name] and self._needs_staging(name):
+            self._stage_out(name)
+        super()._push_ready(name)
+
+    def _stage_out(self, name):
+        """Queue (once per iteration) the device-to-host copies of comm op
+        ``name``'s host stages on the device's ``stage_d2h`` stream, after
+        its writers and its previous copy back; the event after them."""
+        with self._stage_lock:
+            event = self._staged_out.get(name)
+            if event is not None:
+                return event
+            rt, device = self.runtime, self._key[name][0]
             copy = self._stream((device, COPY_OUT_STREAM))
             for p in self._gates[name]:
                 rt.wait(copy, self._events[p])
@@ -406,7 +424,7 @@ class StreamDispatcher(EventDispatcher):
                 self._timed.append((_StageCopy(f"{name}:d2h"), "staging",
                                     stream_thread_name(device, COPY_OUT_STREAM), device,
                                     start, event, {"stage": "device_to_host"}))
-        return rt.query(event)
+            return event
 
     def _needs_staging(self, name):
         staged = self._async_staged.get(name)
