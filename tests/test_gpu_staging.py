@@ -20,7 +20,8 @@ from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.factory import make_dispatcher
-from purine_mpi.runtime.streams_dispatcher import COMM_STREAM, COPY_OUT_STREAM
+from purine_mpi.runtime.staging import COPY_OUT_STREAM
+from purine_mpi.runtime.streams_dispatcher import COMM_STREAM
 from tests import test_gpu_backend as backend_tests
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
                                     use_emulated_cupy)

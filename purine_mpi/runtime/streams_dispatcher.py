@@ -63,7 +63,6 @@ Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
-import threading
 import time
 
 import numpy as np
@@ -75,11 +74,10 @@ from ..kernels import get_kernel_class
 from ..ops.registry import Pending
 from .cuda_runtime import CudaRuntime, HostDeviceCopy
 from .dispatcher import EventDispatcher
+from .staging import HostStaging
 
 #: the stream a device's communication ops queue their device work on
 COMM_STREAM = "comm"
-#: the stream thread of each device's device-to-host staging copies
-COPY_OUT_STREAM = "stage_d2h"
 #: the stream the per-iteration timing origin is recorded on (profiling)
 ORIGIN_STREAM = "origin"
 
@@ -102,7 +100,7 @@ def stream_thread_name(device, thread):
     return f"gpu{device}:{thread}"
 
 
-class StreamDispatcher(EventDispatcher):
+class StreamDispatcher(HostStaging, EventDispatcher):
     """Event-driven dispatcher whose GPU ops run on CUDA streams (see the
     module docstring). Ops on the CPU behave as in ``EventDispatcher``; a
     graph without GPU ops runs exactly as there."""
@@ -146,15 +144,7 @@ class StreamDispatcher(EventDispatcher):
         # an iteration with any ends synchronised
         self._device_only = bool(self._devices) and not self._accum and all(
             keys[n] is not None and self.kernels[n].category != "comm" for n in graph.ops)
-        #: comm op -> the event after its device-to-host staging copy (this
-        #: iteration), and the event after its last host-to-device copy back
-        self._staged_out, self._copied_back = {}, {}
-        self._async_staged = {}
-        self._stage_lock = threading.Lock()
-        for op in graph.ops.values():
-            k = self.kernels[op.name]
-            if keys[op.name] is not None and k.category == "comm" and hasattr(k, "copy_out"):
-                k.async_staging = True
+        self._init_staging(keys)
         self._plan_streams()
         if self.runtime is not None and self.runtime.swaps_copies():
             self._swap_copy_kernels()
@@ -203,6 +193,8 @@ class StreamDispatcher(EventDispatcher):
 
     def _stream(self, key):
         return self.runtime.stream(key[0], key[1])
+
+    _thread_row = staticmethod(stream_thread_name)  # for runtime/staging
 
     # ------------------------------------------------------- iterations
     def _zero_accumulators(self):
@@ -381,59 +373,13 @@ class StreamDispatcher(EventDispatcher):
         MPI sees the posts in seq order -- and asks again at its next
         progress call, while the transfers in flight keep moving.
 
-        An op whose MPI buffers are host stages of device memory (a
-        non-CUDA-aware MPI) has its device-to-host copies queued on the
-        device's copy stream (``COPY_OUT_STREAM``) once its writers are
-        launched (``_stage_out``); the gate opens when the event recorded
-        after those copies has fired."""
+        An op whose MPI buffers are host stages of device memory opens
+        when the event after its copies to them has fired
+        (``runtime/staging.HostStaging``)."""
         rt = self.runtime
         if not self._needs_staging(name):
             return all(rt.query(self._events[p]) for p in self._gates[name])
         return rt.query(self._stage_out(name))
-
-    def _push_ready(self, name):
-        """A staged comm op's copies to its host mirrors are queued as soon
-        as its inputs' writers are launched, also while ordered ops before
-        it still hold it back from the MPI post."""
-        if self._is_comm[name] and self._needs_staging(name):
-            self._stage_out(name)
-        super()._push_ready(name)
-
-    def _stage_out(self, name):
-        """Queue (once per iteration) the device-to-host copies of comm op
-        ``name``'s host stages on the device's ``stage_d2h`` stream, after
-        its writers and its previous copy back; the event after them."""
-        with self._stage_lock:
-            event = self._staged_out.get(name)
-            if event is not None:
-                return event
-            rt, device = self.runtime, self._key[name][0]
-            copy = self._stream((device, COPY_OUT_STREAM))
-            for p in self._gates[name]:
-                rt.wait(copy, self._events[p])
-            if any(self._key[p] == self._key[name] for p in self._deps[name]):
-                rt.wait(copy, rt.record(device, self._stream(self._key[name])))
-            back = self._copied_back.get(name)
-            if back is not None:  # MPI's buffer is free once copied back
-                rt.wait(copy, back)
-            k = self.kernels[name]
-            start = rt.record(device, copy, timing=True) if self.profiler is not None else None
-            rt.launch(device, copy, k.copy_out, f"{name}:d2h")
-            event = self._staged_out[name] = rt.record(device, copy, timing=start is not None)
-            if start is not None:
-                self._timed.append((_StageCopy(f"{name}:d2h"), "staging",
-                                    stream_thread_name(device, COPY_OUT_STREAM), device,
-                                    start, event, {"stage": "device_to_host"}))
-            return event
-
-    def _needs_staging(self, name):
-        staged = self._async_staged.get(name)
-        if staged is None:
-            k = self.kernels[name]
-            staged = self._async_staged[name] = bool(
-                self._key[name] is not None and getattr(k, "async_staging", False)
-                and k.stages_out())
-        return staged
 
     def _execute_comm(self, op):
         """Post a comm op (the poster calls it once ``_comm_gate`` is open)."""
@@ -471,7 +417,7 @@ class StreamDispatcher(EventDispatcher):
             if self._needs_event[op.name]:
                 self._events[op.name] = event
             if staged:
-                self._copied_back[op.name] = event
+                self._copied_back[op.name] = event  # the mirror is free again
 
 
 class _StreamPending(Pending):
@@ -489,26 +435,12 @@ class _StreamPending(Pending):
         d = self.dispatcher
         key = d._key[self.op.name]
         rt, stream = d.runtime, d._stream(key)
-        timed = d.profiler is not None and d._async_staged.get(self.op.name)
-        start = rt.record(key[0], stream, timing=True) if timed else None
-        rt.call(key[0], stream, self.inner.finish)
-        if start is not None:  # the copy back (and the 1/N scale) on the device
-            d._timed.append((_StageCopy(f"{self.op.name}:h2d"), "staging",
-                             stream_thread_name(*key), key[0], start,
-                             rt.record(key[0], stream, timing=True),
-                             {"stage": "host_to_device"}))
+        with d._timed_copy_back(self.op.name, key, stream):
+            rt.call(key[0], stream, self.inner.finish)
         d._comm_done(self.op)
 
     def describe(self):
         return self.inner.describe() if hasattr(self.inner, "describe") else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class _StageCopy:
-    """What a staging copy's trace event names (category ``staging``)."""
-
-    name: str
-    op_type: str = "HostStage"
 
 
 def _with_stream_threads(graph, keys):
