@@ -10,6 +10,9 @@ the median over the timed iterations of its post time minus the time its
 last input (the bucket's last gradient) was written, the worst rank's.
 ``post_latency_ms_worst`` is the largest of them (the trace shows the same
 per event: ``args.post_latency_us`` and ``args.ready_ts``).
+``staging_ms_per_iter``: on a GPU with a non-CUDA-aware MPI, the device time
+of the buckets' asynchronous copies to and from their page-locked host
+mirrors (trace category ``staging``), per iteration; 0 elsewhere.
 
 ``run_bench`` takes a job (io/job.py) or a validated config dict.
 
@@ -118,7 +121,11 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
     med = world_mean(world, statistics.median(times))
     batch = job.train_batch
     comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
-    compute_ms = sum(e["dur"] for e in events if e["cat"] != "comm") / 1000.0 / iters
+    compute_ms = sum(e["dur"] for e in events
+                     if e["cat"] not in ("comm", "staging")) / 1000.0 / iters
+    # a GPU's buckets through host mirrors (a non-CUDA-aware MPI): the
+    # device-to-host copies and the copies back, on the device
+    staging_ms = sum(e["dur"] for e in events if e["cat"] == "staging") / 1000.0 / iters
     on_gpu = cupy_available() and any(b.location.device >= 0
                                       for b in trainer.graph.blobs.values())
     result = {
@@ -131,6 +138,7 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "iter_ms_mean": round(world_mean(world, float(np.mean(times))) * 1000, 3),
         "compute_ms_per_iter": round(compute_ms, 3),
         "comm_ms_per_iter": round(comm_ms, 3),
+        "staging_ms_per_iter": round(staging_ms, 3),
         "comm_overlap": None if overlap is None else round(overlap, 4),
         "post_latency_ms": post_latency,
         "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,

@@ -112,6 +112,10 @@ _VIEW_FUNCTIONS = {"reshape", "ravel", "transpose", "swapaxes", "moveaxis", "squ
                    "result_type", "iscomplexobj", "isrealobj"}
 
 
+#: CuPy's synchronous copies (``ndarray.get``/``set``): (which, host thread)
+SYNC_COPIES = []
+
+
 class DeviceArray(np.ndarray):
     """A NumPy array standing for a CuPy array on the emulated device.
 
@@ -223,6 +227,7 @@ class DeviceArray(np.ndarray):
         """CuPy's host -> device copy into this array."""
         sim_capture.refuse_if_capturing(RuntimeError, sim_capture.H2D_REFUSED,
                                         _sim_stream(stream))
+        SYNC_COPIES.append(("set", threading.current_thread().name))
         np.asarray(self)[...] = array
 
     def get(self, stream=None, out=None):
@@ -230,6 +235,7 @@ class DeviceArray(np.ndarray):
         stream = _sim_stream(stream)
         sim_capture.refuse_if_capturing(RuntimeError, sim_capture.D2H_REFUSED, stream)
         stream = stream or sim_capture.current_stream()
+        SYNC_COPIES.append(("get", threading.current_thread().name))
         if getattr(stream, "runtime", None) is not None and not sim_capture.recording():
             stream.runtime.sync_stream(stream)
         if out is None:
@@ -298,9 +304,10 @@ def _emulated_cupy(build_dir):
         """cudaMemcpyAsync on raw addresses: in a capture, from page-locked
         memory only; it copies what ``src`` holds when it runs."""
         stream = sim_capture.stream_of(stream_ptr)
-        if kind == fake.cuda.runtime.memcpyHostToDevice and sim_capture.is_capturing(stream) \
-                and not _pinned_range(src, size):
+        host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
+        if sim_capture.is_capturing(stream) and not _pinned_range(host, size):
             raise sim_capture.CUDARuntimeError(sim_capture.PAGEABLE_REFUSED)
+        MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
         sim_capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
 
     def device_synchronize():
@@ -334,6 +341,8 @@ def _emulated_cupy(build_dir):
 
 
 _pinned_buffers = []  # (start, end) of the page-locked allocations
+#: (kind, stream key) of every cudaMemcpyAsync queued on the emulated device
+MEMCPY_LOG = []
 
 
 def _alloc_pinned(nbytes):

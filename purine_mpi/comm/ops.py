@@ -116,9 +116,35 @@ class CommKernel(OpKernel):
     #: set by the runtime before setup(); gives flat storage of bucket blobs
     workspace = None
 
+    #: set by the GPU dispatcher: host stages are filled by
+    #: ``copy_out()``, queued on a copy stream before the post, and copied
+    #: back asynchronously on the comm stream (comm/device.HostStage)
+    async_staging = False
+
     def __init__(self, op):
         super().__init__(op)
         self.world = None
+
+    def stages_out(self):
+        """The host stages MPI reads when this op posts (device-to-host
+        copies that must be done first); set up on first use."""
+        if not getattr(self, "_setup_done", False):
+            self.setup(self.ins, self.outs)
+        return [st for st in self._stages_read() if st.staged]
+
+    def _stages_read(self):
+        return []
+
+    def copy_out(self):
+        """Queue the device-to-host copies of ``stages_out`` on the current stream."""
+        for st in self.stages_out():
+            st.copy_out_async()
+
+    def _copy_back(self, stage):
+        if self.async_staging:
+            stage.copy_back_async()
+        else:
+            stage.copy_back()
 
     def comm(self):
         """The communicator: the world's, or for a collective with attr
@@ -170,6 +196,10 @@ class Allreduce(CommKernel):
             self.buffers = [_flat(o) for o in outs]
         self.stages = [HostStage(b) for b in self.buffers]
         self.nbytes = sum(b.nbytes for b in self.buffers)
+        self._setup_done = True
+
+    def _stages_read(self):
+        return self.stages
 
     def run(self, ins, outs):
         if not hasattr(self, "buffers"):
@@ -190,7 +220,7 @@ class Allreduce(CommKernel):
 
     def _finish(self):
         for st in self.stages:
-            st.copy_back()
+            self._copy_back(st)
         if self.attrs.get("average", False):
             size = self.comm().Get_size()
             for b in self.buffers:
@@ -226,6 +256,10 @@ class Send(CommKernel):
     def setup(self, ins, outs):
         self.stage = HostStage(ins[0])
         self._check_tag()
+        self._setup_done = True
+
+    def _stages_read(self):
+        return [self.stage]
 
     def _check_tag(self):
         ub = getattr(get_world(), "tag_ub", 32767)
@@ -259,6 +293,7 @@ class Recv(CommKernel):
     def setup(self, ins, outs):
         self.stage = HostStage(outs[0])
         Send._check_tag(self)
+        self._setup_done = True
 
     def run(self, ins, outs):
         if not hasattr(self, "stage"):
@@ -268,4 +303,5 @@ class Recv(CommKernel):
         buf = _flat(self.stage.buffer(copy_in=False))
         req = self.comm().Irecv(buf, source=peer, tag=tag)
         return MPIPending([req], f"Irecv {self.op.outputs[0]} {_mb(buf.nbytes)} from rank "
-                                 f"{peer} tag {tag} {self._what()}", self.stage.copy_back)
+                                 f"{peer} tag {tag} {self._what()}",
+                          lambda: self._copy_back(self.stage))

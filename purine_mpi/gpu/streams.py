@@ -125,3 +125,21 @@ def copy_to_device_async(dst, src):
     runtime = cupy.cuda.runtime
     runtime.memcpyAsync(data_ptr(dst), src.ctypes.data, src.nbytes,
                         runtime.memcpyHostToDevice, cupy.cuda.get_current_stream().ptr)
+
+
+def copy_to_host_async(dst, src):
+    """Queue ``dst[...] = src`` (``dst`` a C-contiguous page-locked NumPy
+    array of device array ``src``'s dtype and size) as one
+    ``cudaMemcpyAsync`` device-to-host on the current stream: the host
+    does not wait (unlike CuPy's ``ndarray.get``); an event recorded after
+    it says when ``dst`` holds the data."""
+    from . import data_ptr, import_cupy
+    cupy = import_cupy()
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous) or \
+            np.dtype(dst.dtype) != np.dtype(src.dtype) or dst.nbytes != src.nbytes:
+        raise ValueError(f"copy_to_host_async: a contiguous {src.dtype} array of "
+                         f"{src.nbytes} bytes into a contiguous {dst.dtype} buffer of "
+                         f"{dst.nbytes} bytes")
+    runtime = cupy.cuda.runtime
+    runtime.memcpyAsync(dst.ctypes.data, data_ptr(src), src.nbytes,
+                        runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)

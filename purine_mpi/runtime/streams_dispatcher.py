@@ -16,9 +16,14 @@ launched as soon as it is, because the dependencies are kept on the device:
   the poster's device hook ``_comm_gate``, which queries the producers'
   events (never blocking, so the transfers in flight keep moving); the MPI
   call is posted only once its input is complete on the device, collectives
-  still in ``seq`` order. Its host-side device work
-  (pinned staging, copy back, the 1/N scale) runs on its device's ``comm``
-  stream, and GPU consumers wait on an event recorded after it finishes.
+  still in ``seq`` order. With a non-CUDA-aware MPI its buffers are staged
+  through page-locked mirrors planned once (``comm/device.HostStage``),
+  asynchronously: the device-to-host copies are queued on the device's
+  ``stage_d2h`` stream after the producers' events, and the post waits
+  (polled) for the event after them; the epilogue (the host-to-device copy
+  back, the 1/N scale) is queued on the device's ``comm`` stream, and GPU
+  consumers wait on an event recorded after it. No synchronous
+  ``get``/``set``.
 
 The host synchronises with the devices only where it must: before a comm or
 host op reads device memory, at the start of an iteration (host writes made
@@ -69,6 +74,7 @@ from ..kernels import get_kernel_class
 from ..ops.registry import Pending
 from .cuda_runtime import CudaRuntime, HostDeviceCopy
 from .dispatcher import EventDispatcher
+from .staging import HostStaging
 
 #: the stream a device's communication ops queue their device work on
 COMM_STREAM = "comm"
@@ -94,7 +100,7 @@ def stream_thread_name(device, thread):
     return f"gpu{device}:{thread}"
 
 
-class StreamDispatcher(EventDispatcher):
+class StreamDispatcher(HostStaging, EventDispatcher):
     """Event-driven dispatcher whose GPU ops run on CUDA streams (see the
     module docstring). Ops on the CPU behave as in ``EventDispatcher``; a
     graph without GPU ops runs exactly as there."""
@@ -138,6 +144,7 @@ class StreamDispatcher(EventDispatcher):
         # an iteration with any ends synchronised
         self._device_only = bool(self._devices) and not self._accum and all(
             keys[n] is not None and self.kernels[n].category != "comm" for n in graph.ops)
+        self._init_staging(keys)
         self._plan_streams()
         if self.runtime is not None and self.runtime.swaps_copies():
             self._swap_copy_kernels()
@@ -186,6 +193,8 @@ class StreamDispatcher(EventDispatcher):
 
     def _stream(self, key):
         return self.runtime.stream(key[0], key[1])
+
+    _thread_row = staticmethod(stream_thread_name)  # for runtime/staging
 
     # ------------------------------------------------------- iterations
     def _zero_accumulators(self):
@@ -362,8 +371,15 @@ class StreamDispatcher(EventDispatcher):
         has finished (its producers' events queried, never waited on). Until
         it has, the poster holds the op -- and the ordered ops after it, so
         MPI sees the posts in seq order -- and asks again at its next
-        progress call, while the transfers in flight keep moving."""
-        return all(self.runtime.query(self._events[p]) for p in self._gates[name])
+        progress call, while the transfers in flight keep moving.
+
+        An op whose MPI buffers are host stages of device memory opens
+        when the event after its copies to them has fired
+        (``runtime/staging.HostStaging``)."""
+        rt = self.runtime
+        if not self._needs_staging(name):
+            return all(rt.query(self._events[p]) for p in self._gates[name])
+        return rt.query(self._stage_out(name))
 
     def _execute_comm(self, op):
         """Post a comm op (the poster calls it once ``_comm_gate`` is open)."""
@@ -372,6 +388,8 @@ class StreamDispatcher(EventDispatcher):
             result = self._post_comm(op)
         except Exception as exc:
             raise OpError(op, exc, self.rank) from exc
+        finally:
+            self._staged_out.pop(op.name, None)  # the next iteration copies again
         if result is None and self.profiler is not None:
             self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
                                  self.iteration, "comm")
@@ -391,8 +409,15 @@ class StreamDispatcher(EventDispatcher):
 
     def _comm_done(self, op):
         key = self._key[op.name]
-        if key is not None and self._needs_event[op.name]:
-            self._events[op.name] = self.runtime.record(key[0], self._stream(key))
+        if key is None:
+            return
+        staged = self._async_staged.get(op.name)
+        if self._needs_event[op.name] or staged:
+            event = self.runtime.record(key[0], self._stream(key))
+            if self._needs_event[op.name]:
+                self._events[op.name] = event
+            if staged:
+                self._copied_back[op.name] = event  # the mirror is free again
 
 
 class _StreamPending(Pending):
@@ -409,7 +434,9 @@ class _StreamPending(Pending):
     def finish(self):
         d = self.dispatcher
         key = d._key[self.op.name]
-        d.runtime.call(key[0], d._stream(key), self.inner.finish)
+        rt, stream = d.runtime, d._stream(key)
+        with d._timed_copy_back(self.op.name, key, stream):
+            rt.call(key[0], stream, self.inner.finish)
         d._comm_done(self.op)
 
     def describe(self):
