@@ -20,6 +20,9 @@
 #   pytest_gpu.txt        python -m pytest -m gpu (+ pytest_gpu.xml, JUnit)
 #   gpu_throughput.json   benchmarks/gpu_throughput.py's report (one JSON object)
 #   gpu_throughput.log    its standard error (cuDNN / cuBLAS / capture notes)
+#   gpu_dp.json           data parallelism on one GPU: bench of cifar10_quick on 1 rank,
+#                         then 2 ranks (host staging), one JSON line each
+#                         (images_per_s, comm_overlap, post_latency_ms_worst, staging_ms_per_iter)
 #   status.txt            the exit status of each step
 #
 # Wheels: every *.whl in $WHEELS (default: ./wheels) is installed with
@@ -125,6 +128,15 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   "$PYTHON" benchmarks/gpu_throughput.py $BENCH_ARGS \
       > "$OUT/gpu_throughput.json" 2> "$OUT/gpu_throughput.log"
   step gpu_throughput $?
+  if "$PYTHON" -c 'import mpi4py' 2>/dev/null; then
+    : > "$OUT/gpu_dp.json"
+    for n in 1 2; do
+      timeout 600 "$mpiexec" -n "$n" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
+          --set device=0 --iters 50 --json 2>> "$OUT/gpu_throughput.log" | tail -n 1 \
+          >> "$OUT/gpu_dp.json"
+      step "gpu_dp_np$n" "${PIPESTATUS[0]}"
+    done
+  fi
 fi
 
 cat "$OUT/status.txt" 2>/dev/null
