@@ -11,6 +11,8 @@ every direction against the CPU, fused and not), when the frontend is
 installed.
 """
 import ctypes
+import json
+import os
 import sys
 import types
 
@@ -20,6 +22,7 @@ import pytest
 import purine_mpi.backend as backend
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu import cudnn as gpu_cudnn
+from purine_mpi.gpu import cudnn_tune as tune
 from purine_mpi.graph.core import Op
 from purine_mpi.kernels import get_kernel_class
 from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
@@ -32,16 +35,46 @@ def _from_address(ptr, shape, dtype):
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-class FakeCudnn(types.ModuleType):
-    """Records graph building; executes on host addresses with NumPy."""
+#: the simulated GPU's clock (ms): a plan's execution advances it by its cost,
+#: CUDA events read it (``cupy.cuda.Event.record`` / ``get_elapsed_time``)
+_GPU_CLOCK = {"ms": 0.0}
 
-    def __init__(self, unsupported=()):
+#: the stand-in's engines, in the heuristics' order: (name, cost in ms,
+#: workspace bytes, numerical notes, builds). The heuristic's first is not
+#: the fastest; the fastest overall does not build; an FFT engine with a
+#: filter flip is the fastest deterministic float32 one.
+ENGINES = [("eng0_implicit_gemm", 5.0, 1024, (), True),
+           ("eng1_fft_flip_filter", 2.0, 8192, (), True),
+           ("eng2_winograd", 3.0, 2048, (), True),
+           ("eng3_atomics", 1.0, 512, ("NONDETERMINISTIC",), True),
+           ("eng4_no_build", 0.5, 0, (), False),
+           ("eng5_tensor_core", 0.8, 256, ("TENSOR_CORE",), True)]
+
+
+class FakeCudnn(types.ModuleType):
+    """Records graph building; executes on host addresses with NumPy.
+
+    Mirrors the frontend's Python API (cudnn.pygraph): heuristics list the
+    plans of ``engines`` (``create_execution_plans``), ``deselect_numeric_notes``
+    drops the plans with those notes, ``build_plans(policy)`` builds the first
+    plan that builds (``HEURISTICS_CHOICE``, the default) or every one that
+    builds (``ALL``; raises when none does), ``build_plan_at_index``,
+    ``get_execution_plan_count``, ``get_plan_name_at_index``,
+    ``get_workspace_size_plan_at_index`` (a built plan's; raises otherwise),
+    ``get_workspace_size`` (the heuristic choice's), ``execute`` (the
+    heuristic choice) and ``execute_plan_at_index`` (a built plan; raises
+    otherwise). Each execution advances ``_GPU_CLOCK`` by its plan's cost."""
+
+    def __init__(self, unsupported=(), engines=ENGINES, version=91900):
         super().__init__("cudnn")
         self.data_type = types.SimpleNamespace(FLOAT="float32")
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
         self.numerical_note = types.SimpleNamespace(NONDETERMINISTIC="NONDETERMINISTIC",
                                                     TENSOR_CORE="TENSOR_CORE")
+        self.build_plan_policy = types.SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE",
+                                                       ALL="ALL")
         self.unsupported = set(unsupported)   # op names whose graphs have no plan
+        self.engines, self.version = list(engines), version
         self.graphs, self.streams, self.executed = [], [], []
         outer = self
 
@@ -68,6 +101,7 @@ class FakeCudnn(types.ModuleType):
         class PyGraph:
             def __init__(self, io_data_type, intermediate_data_type, compute_data_type, handle):
                 self.calls, self.ops, self.notes = [], [], []
+                self.plans, self.built = [], set()
                 outer.graphs.append(self)
 
             def tensor(self, name, dim, stride, data_type):
@@ -106,26 +140,61 @@ class FakeCudnn(types.ModuleType):
 
             def create_execution_plans(self, modes):
                 self.calls.append(("create_execution_plans", tuple(modes)))
+                self.plans = list(outer.engines)
 
             def deselect_numeric_notes(self, notes):
                 self.notes = list(notes)
+                self.plans = [p for p in self.plans if not set(p[3]) & set(notes)]
 
             def check_support(self):
                 self.calls.append("check_support")
                 kinds = {k for k, _ in self.ops}
-                if kinds & outer.unsupported:
+                if kinds & outer.unsupported or not self.plans:
                     raise RuntimeError(f"no plan for {sorted(kinds & outer.unsupported)}")
 
-            def build_plans(self):
-                self.calls.append("build_plans")
+            def build_plans(self, policy="HEURISTICS_CHOICE"):
+                self.calls.append(("build_plans", policy))
+                for i, plan in enumerate(self.plans):
+                    if plan[4]:
+                        self.built.add(i)
+                        if policy == "HEURISTICS_CHOICE":
+                            break
+                if not self.built:
+                    raise RuntimeError("no plan builds")
+
+            def build_plan_at_index(self, index):
+                self.calls.append(("build_plan_at_index", index))
+                if not self.plans[index][4]:
+                    raise RuntimeError(f"plan {index} does not build")
+                self.built.add(index)
+
+            def get_execution_plan_count(self):
+                return len(self.plans)
+
+            def get_plan_name_at_index(self, index):
+                return self.plans[index][0]
+
+            def get_workspace_size_plan_at_index(self, index):
+                if index not in self.built:
+                    raise RuntimeError(f"plan {index} is not built")
+                return self.plans[index][2]
+
+            def _candidate(self):
+                return min(self.built)
 
             def get_workspace_size(self):
-                return 4096
+                return self.plans[self._candidate()][2]
 
             def execute(self, pack, workspace, handle):
+                self.execute_plan_at_index(pack, workspace, self._candidate(), handle)
+
+            def execute_plan_at_index(self, pack, workspace, index, handle=None):
                 assert isinstance(workspace, int) and all(isinstance(p, int)
                                                           for p in pack.values())
-                outer.executed.append((self, workspace))
+                if index not in self.built:
+                    raise RuntimeError(f"plan {index} is not built")
+                outer.executed.append((self, workspace, index))
+                _GPU_CLOCK["ms"] += self.plans[index][1]
                 arrays = {t: _from_address(p, t.dim, np.float32) for t, p in pack.items()
                           if t.op is None or t.output}
                 (out,) = [t for t in pack if t.output]
@@ -157,7 +226,7 @@ class FakeCudnn(types.ModuleType):
         self.pygraph = PyGraph
 
     def backend_version(self):
-        return 91900
+        return self.version
 
     def create_handle(self):
         return object()
@@ -166,18 +235,51 @@ class FakeCudnn(types.ModuleType):
         self.streams.append(stream)
 
 
+class _Event:
+    """``cupy.cuda.Event(block=False, disable_timing=False, interprocess=False)``
+    on the simulated GPU's clock."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.disable_timing, self.ms = disable_timing, None
+
+    def record(self, stream=None):
+        self.ms = _GPU_CLOCK["ms"]
+
+    def synchronize(self):
+        pass
+
+
+def _elapsed(start, end):
+    """``cupy.cuda.get_elapsed_time(start_event, end_event)``: milliseconds;
+    CUDA refuses events not recorded or made with disable_timing."""
+    if start.ms is None or end.ms is None or start.disable_timing or end.disable_timing:
+        raise RuntimeError("cudaErrorInvalidResourceHandle")
+    return end.ms - start.ms
+
+
+GPU_NAME = "NVIDIA Simulated GPU"
+
+
 @pytest.fixture
-def device(host_build_dir, monkeypatch):
+def device(host_build_dir, monkeypatch, tmp_path):
     gpu.clear_kernel_cache()
     gpu_cudnn.reset()
+    tune.reset()
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("PURINE_CUDNN_BENCHMARK", "PURINE_CUDNN_DETERMINISTIC"):
+        monkeypatch.delenv(name, raising=False)
     fake = _emulated_cupy(host_build_dir)
     fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=1234)
+    fake.cuda.Event = _Event
+    fake.cuda.get_elapsed_time = _elapsed
+    fake.cuda.runtime.getDeviceProperties = lambda dev: {"name": GPU_NAME.encode()}
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(backend, "_cupy", fake)
     use_emulated_nvmath(monkeypatch)
     monkeypatch.delenv("PURINE_CONV", raising=False)
     yield fake
     gpu_cudnn.reset()
+    tune.reset()
     gpu.clear_kernel_cache()
 
 
@@ -224,14 +326,151 @@ def test_conv_ops_run_their_cudnn_graphs(device, monkeypatch, fused):
     for g in fake.graphs:
         assert g.calls == ["validate", "build_operation_graph",
                            ("create_execution_plans", ("A", "FALLBACK")), "check_support",
-                           "build_plans"]
+                           ("build_plans", "ALL")]
         assert g.notes == ["NONDETERMINISTIC", "TENSOR_CORE"]  # deterministic, no TF32
-    # one execution per direction (the CPU references ran without the device),
-    # on CuPy's current stream, with the workspace from the op's scratch
-    assert len(fake.executed) == 3 and set(fake.streams) == {1234}
+    # each direction: its 3 deterministic float32 plans that build timed (the
+    # 4th does not build: skipped), then one run on the fastest, on CuPy's
+    # current stream, with the workspace from the op's scratch
+    timed = 3 * (1 + tune.REPS)
+    assert len(fake.executed) == 3 * (timed + 1) and set(fake.streams) == {1234}
+    for g in fake.graphs:
+        runs = [i for gg, _, i in fake.executed if gg is g]
+        assert sorted(set(runs[:timed])) == [0, 1, 2] and runs[timed:] == [1]
     conv = fake.graphs[0].ops[0][1]
     assert conv["padding"] == [1, 1] and conv["stride"] == [2, 2]
     assert conv["x"].dim == [2, 3, 7, 6] and conv["x"].stride == [126, 42, 6, 1]
+
+
+def _chosen(fake):
+    """Plan name each graph ran last (its run, after any timing)."""
+    return [g.plans[[i for gg, _, i in fake.executed if gg is g][-1]][0] for g in fake.graphs]
+
+
+def test_fastest_plan_is_chosen_and_its_workspace_reserved(device, monkeypatch):
+    """The heuristic's first plan (eng0) is the slowest; the FFT + filter-flip
+    engine (eng1) is the fastest deterministic float32 plan that builds."""
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
+    y_cpu = _run_kernel("Conv", {"pad": 1}, [x, w])[0]
+    y = _dev(np.full(y_cpu.shape, np.nan, np.float32))
+    before = y.copy()
+    kernel.setup([_dev(x), _dev(w)], [y])
+    np.testing.assert_array_equal(y, before)   # timing wrote temporaries, not the blob
+    assert kernel._plan.index == 1 and kernel._plan.workspace_bytes == ENGINES[1][2]
+    kernel.run([_dev(x), _dev(w)], [y])
+    np.testing.assert_allclose(y, y_cpu, rtol=2e-5, atol=2e-5)
+    assert _chosen(fake) == ["eng1_fft_flip_filter"]
+    assert tune.stats()["timed"] == 1 and tune.stats()["cached"] == 0
+
+
+def _count_timing(fake):
+    return sum(1 for g, _, _ in fake.executed)
+
+
+def test_second_process_reads_the_cache_and_does_not_retime(device, monkeypatch, tmp_path):
+    x, w, b = _rand((2, 3, 7, 6), 0), _rand((4, 3, 3, 3), 1), _rand((4,), 2)
+    attrs = {"stride": 2, "pad": 1, "relu": True}
+    first = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", first)
+    _check(*_conv_ops(attrs, x, w, b))
+    assert tune.stats()["timed"] == 3 and tune.stats()["cached"] == 0
+    path = tune.cache_path(GPU_NAME, first.version)
+    assert str(tmp_path / "cache") in path
+    doc = json.loads(open(path).read())
+    assert doc["gpu"] == GPU_NAME and doc["cudnn"] == first.version and len(doc["plans"]) == 3
+    assert {e["name"] for e in doc["plans"].values()} == {"eng1_fft_flip_filter"}
+    # a new process: nothing in memory, the cache on disk
+    gpu_cudnn.reset()
+    tune.reset()
+    second = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", second)
+    _check(*_conv_ops(attrs, x, w, b))
+    assert tune.stats()["timed"] == 0 and tune.stats()["cached"] == 3
+    assert [i for _, _, i in second.executed] == [1, 1, 1]   # one run each, nothing timed
+    for g in second.graphs:
+        assert ("build_plans", "ALL") not in g.calls and ("build_plan_at_index", 1) in g.calls
+    line = tune.summary()
+    assert line.startswith("0 plans timed") and "3 from the cache" in line
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "other_gpu", "other_version", "stale_entry",
+                                    "bad_index"])
+def test_a_damaged_or_foreign_cache_is_retimed_and_rewritten(device, monkeypatch, damage):
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    monkeypatch.setitem(sys.modules, "cudnn", FakeCudnn())
+    _check(*_conv_ops({"pad": 1}, x, w))
+    path = tune.cache_path(GPU_NAME, 91900)
+    doc = json.loads(open(path).read())
+    if damage == "corrupt":
+        open(path, "w").write('{"format": 1, "gpu": "NVIDIA Sim')
+    else:
+        if damage == "other_gpu":
+            doc["gpu"] = "NVIDIA Other GPU"
+        elif damage == "other_version":
+            doc["cudnn"] = 90100
+        else:
+            for entry in doc["plans"].values():
+                if damage == "stale_entry":
+                    entry["name"] = "eng9_gone"   # this index is another plan now
+                else:
+                    entry["index"] = 3            # the plan that does not build
+                    entry["name"] = "eng4_no_build"
+        open(path, "w").write(json.dumps(doc))
+    gpu_cudnn.reset()
+    tune.reset()
+    fresh = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fresh)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert tune.stats()["timed"] == 3 and tune.stats()["cached"] == 0
+    assert _chosen(fresh) == ["eng1_fft_flip_filter"] * 3
+    rewritten = json.loads(open(path).read())
+    assert rewritten["gpu"] == GPU_NAME and rewritten["cudnn"] == 91900
+    assert {e["name"] for e in rewritten["plans"].values()} == {"eng1_fft_flip_filter"}
+    if damage in ("corrupt", "other_gpu", "other_version"):
+        assert "ignored and rewritten" in tune.summary()
+
+
+def test_nondeterministic_plans_compete_only_when_allowed(device, monkeypatch):
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    monkeypatch.setenv("PURINE_CUDNN_DETERMINISTIC", "0")
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert all(g.notes == ["TENSOR_CORE"] for g in fake.graphs)
+    assert _chosen(fake) == ["eng3_atomics"] * 3
+    # the deterministic choice is another cache key: timed again, not read
+    gpu_cudnn.reset()
+    tune.reset()
+    monkeypatch.setenv("PURINE_CUDNN_DETERMINISTIC", "1")
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert tune.stats()["timed"] == 3 and _chosen(fake) == ["eng1_fft_flip_filter"] * 3
+
+
+def test_benchmark_off_takes_the_heuristics_first_plan(device, monkeypatch):
+    monkeypatch.setenv("PURINE_CUDNN_BENCHMARK", "0")
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert [i for _, _, i in fake.executed] == [0, 0, 0]   # no timing runs
+    assert all(g.calls[-1] == ("build_plans", "HEURISTICS_CHOICE") for g in fake.graphs)
+    assert not os.path.exists(tune.cache_path(GPU_NAME, 91900))
+    assert "untimed" in tune.summary()
+
+
+def test_an_unwritable_cache_still_chooses_by_timing(device, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(blocker))
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    _check(*_conv_ops({"pad": 1}, x, w))
+    assert _chosen(fake) == ["eng1_fft_flip_filter"] * 3
 
 
 def test_unfused_plan_when_the_epilogue_has_none(device, monkeypatch, capsys):
@@ -328,3 +567,46 @@ def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
         kern.run(dargs, [out])
         np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=1e-4,
                                    atol=1e-4 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.gpu
+def test_plans_timed_then_read_from_the_cache_on_a_gpu(monkeypatch, tmp_path):
+    """The real frontend: every direction's plans timed on the op's buffers,
+    the fastest kept and equal to the CPU; a second set-up (a new process's
+    state) reads all three from the cache, re-times nothing, and agrees."""
+    from tests.conftest import cuda_cupy_or_skip
+    cupy = cuda_cupy_or_skip()
+    pytest.importorskip("cudnn")
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path))
+    for name in ("PURINE_CUDNN_BENCHMARK", "PURINE_CUDNN_DETERMINISTIC", "PURINE_CONV"):
+        monkeypatch.delenv(name, raising=False)
+    x, w = _rand((16, 32, 16, 16), 0), _rand((32, 32, 5, 5), 1)
+    attrs = {"pad": 2}
+    y_cpu = _run_kernel("Conv", attrs, [x, w])[0]
+    dy = _rand(y_cpu.shape, 3)
+    cases = [("Conv", attrs, [x, w], y_cpu),
+             ("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w],
+              _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]),
+             ("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
+              _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0])]
+    chosen = []
+    for round_ in ("cold", "warm"):
+        gpu_cudnn.reset()
+        tune.reset()
+        if gpu_cudnn.frontend() is None:
+            pytest.skip(f"cuDNN frontend unusable: {gpu_cudnn.fallback_reason()}")
+        indices = []
+        for op_type, op_attrs, args, want in cases:
+            kern = get_kernel_class(op_type)(Op("g", op_type, [], [], dict(op_attrs)))
+            dargs = [cupy.asarray(a) for a in args]
+            out = cupy.full(want.shape, np.nan, np.float32)
+            kern.setup(dargs, [out])
+            assert kern._plan is not None and kern._plan.index is not None
+            indices.append(kern._plan.index)
+            kern.run(dargs, [out])
+            np.testing.assert_allclose(cupy.asnumpy(out), want, rtol=1e-4,
+                                       atol=1e-4 * max(1.0, float(np.abs(want).max())))
+        chosen.append(indices)
+        s = tune.stats()
+        assert (s["timed"], s["cached"]) == ((3, 0) if round_ == "cold" else (0, 3)), s
+    assert chosen[0] == chosen[1]

@@ -12,9 +12,12 @@ Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
 
 in NCHW float32 (``float64`` and grouped convolutions take the fallback),
 with plans from heuristics A then FALLBACK, keeping only deterministic plans
-(``numerical_note.NONDETERMINISTIC`` deselected: a resume stays bit-exact)
-and, unless ``tf32: true``, no tensor-core plans (``TENSOR_CORE``: float32
-stays float32, as on the CPU). The plan's workspace is part of the op's
+(``numerical_note.NONDETERMINISTIC`` deselected: a resume stays bit-exact;
+``PURINE_CUDNN_DETERMINISTIC=0`` lifts it) and, unless ``tf32: true``, no
+tensor-core plans (``TENSOR_CORE``: float32 stays float32, as on the CPU).
+Of those, the fastest on the op's buffers is taken, timed once and cached on
+disk (gpu/cudnn_tune.py; ``PURINE_CUDNN_BENCHMARK=0``: the heuristic's first
+plan). The chosen plan's workspace is part of the op's
 scratch (``Workspace.scratch_for``), reserved at setup. At run time the op
 binds the stream CuPy has current to a per-thread handle and executes the
 graph on raw device pointers (the frontend's ``{tensor: int}`` variant pack).
@@ -33,8 +36,11 @@ and its own.
 import os
 import sys
 import threading
+import time
 
 import numpy as np
+
+from . import cudnn_tune as tune
 
 _lock = threading.Lock()
 _state = {"checked": False, "module": None, "reason": None}
@@ -118,6 +124,16 @@ def _handle(cudnn, device):
     return handle
 
 
+def _capturing():
+    """Whether CuPy's current stream is capturing (no timing inside a capture)."""
+    from . import import_cupy
+    cupy = import_cupy()
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
+    except Exception:
+        return False
+
+
 def _strides(shape):
     """NCHW (C-contiguous) strides of ``shape``, in elements."""
     strides, step = [], 1
@@ -137,7 +153,7 @@ class ConvPlan:
     back)."""
 
     def __init__(self, cudnn, device, kind, geo, dtype, bias=False, relu=False, slope=0.0,
-                 tf32=False):
+                 tf32=False, buffers=None):
         self.cudnn, self.device, self.kind = cudnn, int(device), kind
         if np.dtype(dtype) != np.dtype(np.float32):
             raise TypeError(f"cuDNN path: float32 only, got {np.dtype(dtype)}")
@@ -160,6 +176,7 @@ class ConvPlan:
             out.set_output(True).set_dim(shape).set_stride(_strides(shape)).set_data_type(f32)
 
         self.tensors = {}
+        self.shapes = {"y": y_shape, "dx": x_shape, "dw": w_shape}   # outputs
         self.fused = False
         if kind == "fprop":
             X, W = tensor("X", x_shape), tensor("W", w_shape)
@@ -190,14 +207,59 @@ class ConvPlan:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        notes = [cudnn.numerical_note.NONDETERMINISTIC]   # bit-exact resumes
+        determ = tune.deterministic()
+        notes = [cudnn.numerical_note.NONDETERMINISTIC] if determ else []  # bit-exact resumes
         if not tf32:
             notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 math stays float32
-        graph.deselect_numeric_notes(notes)
+        if notes:
+            graph.deselect_numeric_notes(notes)
         graph.check_support()
-        graph.build_plans()
         self.graph = graph
-        self.workspace_bytes = int(graph.get_workspace_size())
+        self.index = None   # None: the heuristic's plan (graph.execute)
+        key = tune.plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32)
+        if buffers is None or not tune.benchmark_enabled() or _capturing():
+            graph.build_plans()
+            self.workspace_bytes = int(graph.get_workspace_size())
+            tune.note("heuristic")
+            return
+        self._choose(key, buffers)
+
+    def _choose(self, key, buffers):
+        """Take the plan the cache names for ``key``, else time them all on
+        ``buffers`` (inputs: the op's arrays; outputs: temporaries) and
+        remember the fastest (gpu/cudnn_tune.py)."""
+        from . import import_cupy
+        cupy = import_cupy()
+        graph = self.graph
+        version = int(self.cudnn.backend_version())
+        gpu_name = tune.device_name(cupy, self.device)
+        path = tune.cache_path(gpu_name, version)
+        entry = tune.load(path, gpu_name, version).get(key)
+        index = tune.cached_index(graph, entry) if isinstance(entry, dict) else None
+        if index is not None:
+            self.index = index
+            self.workspace_bytes = int(graph.get_workspace_size_plan_at_index(index))
+            tune.note("cached", path=path)
+            return
+        t0 = time.perf_counter()
+        graph.build_plans(self.cudnn.build_plan_policy.ALL)
+        arrays = dict(buffers)
+        keep = []
+        for name, t in self.tensors.items():
+            if name not in arrays:   # an output: a temporary, the op's blobs stay as they are
+                arrays[name] = cupy.empty(tuple(self.shapes[name]), dtype=np.float32)
+                keep.append(arrays[name])
+        from .raw import data_ptr
+        pack = {self.tensors[k]: data_ptr(a) for k, a in arrays.items()}
+        handle = _handle(self.cudnn, self.device)
+        self.cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
+        best = tune.time_plans(graph, pack, handle, cupy)
+        if best is None:
+            raise RuntimeError("no cuDNN plan ran")
+        self.index = best["index"]
+        self.workspace_bytes = int(best["workspace"])
+        tune.store(path, gpu_name, version, key, best)
+        tune.note("timed", time.perf_counter() - t0, path=path)
 
     def execute(self, arrays, workspace):
         """Run on ``arrays`` ({"x": ..., "w": ..., ...}: CuPy arrays, keys as
@@ -209,13 +271,19 @@ class ConvPlan:
         handle = _handle(self.cudnn, self.device)
         self.cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
         pack = {self.tensors[k]: data_ptr(a) for k, a in arrays.items()}
-        self.graph.execute(pack, data_ptr(workspace), handle=handle)
+        if self.index is None:
+            self.graph.execute(pack, data_ptr(workspace), handle=handle)
+        else:
+            self.graph.execute_plan_at_index(pack, data_ptr(workspace), index=self.index,
+                                             handle=handle)
 
 
-def plan(kernel, kind, geo, dtype, device, **fusion):
+def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):
     """A :class:`ConvPlan` for ``kernel``'s op, or None (the im2col path):
     cuDNN missing, the shape unsupported, or the op not float32/ungrouped.
-    The first miss of each kind is said once."""
+    ``buffers``: the op's input arrays by tensor key ("x", "w", "b", "dy"),
+    to time the plans on (gpu/cudnn_tune.py); None takes the heuristic's
+    plan. The first miss of each kind is said once."""
     cudnn = frontend()
     if cudnn is None:
         note_fallback("convolutions", fallback_reason())
@@ -224,11 +292,15 @@ def plan(kernel, kind, geo, dtype, device, **fusion):
         return None
     from . import tf32_enabled
     try:
-        return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(), **fusion)
+        return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(), buffers=buffers,
+                        **fusion)
     except Exception as exc:
         if fusion.get("bias") or fusion.get("relu"):
             try:  # no fused plan: the convolution alone, our epilogue kernel after it
-                return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled())
+                plain = None if buffers is None else \
+                    {k: v for k, v in buffers.items() if k != "b"}
+                return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(),
+                                buffers=plain)
             except Exception as plain_exc:
                 exc = plain_exc
         note_fallback(f"some convolutions ({kind} of op '{kernel.op.name}')",

@@ -219,9 +219,11 @@ def _gpu_prepared(kernel, ins, outs, *arrays):
     return gpu, scratch
 
 
-def _gpu_setup(kernel, kind, geo, arrays, **fusion):
+def _gpu_setup(kernel, kind, geo, arrays, buffers=None, **fusion):
     """Once per op on a GPU: the cuDNN plan of direction ``kind`` (or None:
-    the im2col path) and the op's scratch reserved for it. Returns the plan."""
+    the im2col path) and the op's scratch reserved for it. ``buffers``: the
+    op's inputs by cuDNN tensor key, the plans are timed on them. Returns the
+    plan."""
     gpu, scratch = _gpu(kernel, *arrays)
     kernel._gpu_ready = True
     kernel._plan = None
@@ -230,7 +232,7 @@ def _gpu_setup(kernel, kind, geo, arrays, **fusion):
     from ..gpu import cudnn as gpu_cudnn
     from ..gpu.raw import array_device
     kernel._plan = gpu_cudnn.plan(kernel, kind, geo, arrays[0].dtype,
-                                  array_device(arrays[0]), **fusion)
+                                  array_device(arrays[0]), buffers=buffers, **fusion)
     if kernel._plan is not None:
         scratch.reserve(((kernel._plan.workspace_bytes,), np.uint8))
     else:
@@ -303,8 +305,12 @@ class Conv(OpKernel):
 
     def setup(self, ins, outs):
         x, w = ins[0], ins[1]
+        buffers = {"x": x, "w": w}
+        if len(ins) == 3:
+            buffers["b"] = ins[2]
         _gpu_setup(self, "fprop", _geometry(self.attrs, x.shape, w.shape), (x, w),
-                   bias=len(ins) == 3, relu=bool(self.attrs.get("relu", False)),
+                   buffers=buffers, bias=len(ins) == 3,
+                   relu=bool(self.attrs.get("relu", False)),
                    slope=float(self.attrs.get("negative_slope", 0.0)))
 
 
@@ -318,7 +324,8 @@ class ConvGradData(OpKernel):
 
     def setup(self, ins, outs):
         dy, w = ins
-        _gpu_setup(self, "dgrad", _geometry(self.attrs, outs[0].shape, w.shape), (dy, w))
+        _gpu_setup(self, "dgrad", _geometry(self.attrs, outs[0].shape, w.shape), (dy, w),
+                   buffers={"dy": dy, "w": w})
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -376,7 +383,8 @@ class ConvGradWeight(OpKernel):
 
     def setup(self, ins, outs):
         dy, x = ins
-        _gpu_setup(self, "wgrad", _geometry(self.attrs, x.shape, outs[0].shape), (dy, x))
+        _gpu_setup(self, "wgrad", _geometry(self.attrs, x.shape, outs[0].shape), (dy, x),
+                   buffers={"x": x, "dy": dy})
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -1,0 +1,225 @@
+"""cuDNN plans chosen by measurement, once, and remembered on disk.
+
+A convolution graph (gpu/cudnn.py) has several execution plans (engines:
+implicit GEMM, Winograd, FFT, with or without a filter flip, ...). With
+``PURINE_CUDNN_BENCHMARK`` on (the default) every plan the heuristics list
+is built (``build_plans(build_plan_policy.ALL)``) and timed on the op's own
+input buffers, in the op's ``setup`` (before any CUDA-graph capture): one
+warm-up run, then ``REPS`` runs between two CUDA events on CuPy's current
+stream; the fastest plan is kept and run by index
+(``execute_plan_at_index``). FFT and filter-flip engines compete like the
+others. Plans that do not build or fail to run are skipped. With
+``PURINE_CUDNN_BENCHMARK=0`` the heuristic's first plan that builds is taken
+(``build_plans()``), as before. ``PURINE_CUDNN_DETERMINISTIC=0`` lets
+non-deterministic engines (atomics: a resume is then not bit-exact) compete;
+by default they are deselected.
+
+The choice is cached in ``$PURINE_CACHE_DIR/cudnn_plans/`` (default
+``~/.cache/purine_mpi/cudnn_plans/``), one JSON file per (GPU name, cuDNN
+version), one entry per key (direction, shapes, dtype, stride, padding,
+dilation, fused epilogue, determinism, TF32). The file is written
+atomically (a temporary file, then ``os.replace``), merged with what other
+processes wrote meanwhile. Nothing in it is trusted: a file that does not
+parse, or names another GPU, cuDNN version or format, is ignored (and
+rewritten); an entry whose plan count or plan name at its index differs from
+this graph's, or whose plan does not build, is re-timed.
+
+``summary()`` is the start-up block's line: plans timed, how long it took,
+plans from the cache.
+
+Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
+and its own.
+"""
+import json
+import os
+import re
+import tempfile
+import threading
+
+import numpy as np
+
+#: timed runs of each plan (after one warm-up run)
+REPS = 3
+#: layout of the cache files; another value is a stale file
+FORMAT = 1
+
+_lock = threading.RLock()
+_stats = {"timed": 0, "cached": 0, "heuristic": 0, "seconds": 0.0, "path": None,
+          "rejected": []}
+
+
+def _flag(name, default=True):
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
+
+
+def benchmark_enabled():
+    """``PURINE_CUDNN_BENCHMARK`` (default on): time the plans."""
+    return _flag("PURINE_CUDNN_BENCHMARK")
+
+
+def deterministic():
+    """``PURINE_CUDNN_DETERMINISTIC`` (default on): deterministic plans only."""
+    return _flag("PURINE_CUDNN_DETERMINISTIC")
+
+
+def cache_dir():
+    """``$PURINE_CACHE_DIR`` or ``~/.cache/purine_mpi``."""
+    return os.environ.get("PURINE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "purine_mpi")
+
+
+def device_name(cupy, device):
+    """The GPU's name, as CUDA reports it."""
+    name = cupy.cuda.runtime.getDeviceProperties(int(device))["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def cache_path(gpu_name, version):
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", gpu_name).strip("_") or "gpu"
+    return os.path.join(cache_dir(), "cudnn_plans", f"{slug}-cudnn{version}.json")
+
+
+def plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32):
+    """The cache key of one convolution direction."""
+    g = geo
+    return (f"{kind} x{g['N']}x{g['C']}x{g['H']}x{g['W']} w{g['O']}x{g['C']}x{g['kh']}x{g['kw']}"
+            f" s{g['sh']},{g['sw']} p{g['ph']},{g['pw']} d{g['dh']},{g['dw']} g{g['G']}"
+            f" {np.dtype(dtype).name} bias{int(bool(bias))} relu{int(bool(relu))}:{float(slope)}"
+            f" det{int(bool(determ))} tf32{int(bool(tf32))}")
+
+
+def _reject(why):
+    with _lock:
+        if why not in _stats["rejected"]:
+            _stats["rejected"].append(why)
+
+
+def load(path, gpu_name, version):
+    """The entries of the cache file at ``path`` ({} when it is missing,
+    corrupt, or written for another GPU / cuDNN version / format)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        _reject(f"{path}: unreadable ({type(exc).__name__})")
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or \
+            doc.get("gpu") != gpu_name or doc.get("cudnn") != version or \
+            not isinstance(doc.get("plans"), dict):
+        _reject(f"{path}: for another GPU, cuDNN version or format")
+        return {}
+    return doc["plans"]
+
+
+def store(path, gpu_name, version, key, entry):
+    """Add ``entry`` under ``key`` to the cache file, atomically."""
+    with _lock:
+        plans = dict(load(path, gpu_name, version))
+        plans[key] = entry
+        doc = {"format": FORMAT, "gpu": gpu_name, "cudnn": version, "plans": plans}
+        folder = os.path.dirname(path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".cudnn_plans.", dir=folder)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError:   # a read-only cache: the choice is only not remembered
+            return False
+    return True
+
+
+def _plan_name(graph, index):
+    try:
+        return str(graph.get_plan_name_at_index(index))
+    except Exception:
+        return ""
+
+
+def cached_index(graph, entry):
+    """The plan index ``entry`` names, built, or None when the entry does not
+    match this graph (count, name) or its plan does not build."""
+    try:
+        index, count, name = int(entry["index"]), int(entry["count"]), str(entry["name"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if count != int(graph.get_execution_plan_count()) or not 0 <= index < count or \
+            _plan_name(graph, index) != name:
+        return None
+    try:
+        graph.build_plan_at_index(index)
+    except Exception:
+        return None
+    return index
+
+
+def time_plans(graph, pack, handle, cupy, reps=REPS):
+    """Time every built plan of ``graph`` on the variant pack ``pack``
+    ({tensor: device address}) on CuPy's current stream. Returns the entry of
+    the fastest, {"index", "name", "count", "ms", "workspace"}, or None when
+    no plan ran."""
+    from .raw import data_ptr
+    stream = cupy.cuda.get_current_stream()
+    count = int(graph.get_execution_plan_count())
+    best = None
+    for index in range(count):
+        try:
+            ws_bytes = int(graph.get_workspace_size_plan_at_index(index))
+            workspace = cupy.empty((max(ws_bytes, 1),), dtype=np.uint8)
+            ptr = data_ptr(workspace)
+            graph.execute_plan_at_index(pack, ptr, index=index, handle=handle)  # warm-up
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            for _ in range(reps):
+                graph.execute_plan_at_index(pack, ptr, index=index, handle=handle)
+            stop.record(stream)
+            stop.synchronize()
+            ms = float(cupy.cuda.get_elapsed_time(start, stop)) / reps
+        except Exception:   # not built (ALL builds what it can), or refused to run
+            continue
+        if best is None or ms < best["ms"]:
+            best = {"index": index, "name": _plan_name(graph, index), "count": count,
+                    "ms": ms, "workspace": ws_bytes}
+    return best
+
+
+def note(source, seconds=0.0, path=None):
+    """Count one plan chosen from ``source``: timed, cached or heuristic."""
+    with _lock:
+        _stats[source] += 1
+        _stats["seconds"] += seconds
+        if path:
+            _stats["path"] = path
+
+
+def stats():
+    with _lock:
+        return dict(_stats, rejected=list(_stats["rejected"]))
+
+
+def reset():
+    """Forget the counts (tests; a new process)."""
+    with _lock:
+        _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[])
+
+
+def summary():
+    """The start-up block's cuDNN line, or None when no cuDNN plan was made."""
+    s = stats()
+    if not (s["timed"] or s["cached"] or s["heuristic"]):
+        return None
+    if s["heuristic"] and not (s["timed"] or s["cached"]):
+        return (f"{s['heuristic']} plans from the heuristics, untimed "
+                "(PURINE_CUDNN_BENCHMARK=0)")
+    text = (f"{s['timed']} plans timed in {s['seconds']:.2f} s, "
+            f"{s['cached']} from the cache")
+    if s["path"]:
+        text += f" ({s['path']})"
+    if s["rejected"]:
+        text += f"; {len(s['rejected'])} cache file(s) ignored and rewritten"
+    return text
