@@ -115,16 +115,9 @@ def copy_to_device_async(dst, src):
     array of ``dst``'s dtype and size) as one ``cudaMemcpyAsync`` on the
     current stream. Unlike CuPy's ``ndarray.set`` it may be captured into a
     CUDA graph; the captured copy reads what ``src`` holds when it runs."""
-    from . import data_ptr, import_cupy
-    cupy = import_cupy()
-    if not (dst.flags.c_contiguous and src.flags.c_contiguous) or \
-            np.dtype(dst.dtype) != np.dtype(src.dtype) or dst.nbytes != src.nbytes:
-        raise ValueError(f"copy_to_device_async: a contiguous {src.dtype} buffer of "
-                         f"{src.nbytes} bytes into a contiguous {dst.dtype} array of "
-                         f"{dst.nbytes} bytes")
-    runtime = cupy.cuda.runtime
-    runtime.memcpyAsync(data_ptr(dst), src.ctypes.data, src.nbytes,
-                        runtime.memcpyHostToDevice, cupy.cuda.get_current_stream().ptr)
+    from . import data_ptr
+    _memcpy_async("copy_to_device_async", dst, src, data_ptr(dst), src.ctypes.data,
+                  "memcpyHostToDevice")
 
 
 def copy_to_host_async(dst, src):
@@ -133,13 +126,20 @@ def copy_to_host_async(dst, src):
     ``cudaMemcpyAsync`` device-to-host on the current stream: the host
     does not wait (unlike CuPy's ``ndarray.get``); an event recorded after
     it says when ``dst`` holds the data."""
-    from . import data_ptr, import_cupy
+    from . import data_ptr
+    _memcpy_async("copy_to_host_async", dst, src, dst.ctypes.data, data_ptr(src),
+                  "memcpyDeviceToHost")
+
+
+def _memcpy_async(what, dst, src, dst_ptr, src_ptr, kind):
+    """One ``cudaMemcpyAsync`` of ``src`` into ``dst`` (same dtype and size,
+    both contiguous) on the current stream; ``kind`` names CuPy's constant."""
+    from . import import_cupy
     cupy = import_cupy()
     if not (dst.flags.c_contiguous and src.flags.c_contiguous) or \
             np.dtype(dst.dtype) != np.dtype(src.dtype) or dst.nbytes != src.nbytes:
-        raise ValueError(f"copy_to_host_async: a contiguous {src.dtype} array of "
-                         f"{src.nbytes} bytes into a contiguous {dst.dtype} buffer of "
-                         f"{dst.nbytes} bytes")
+        raise ValueError(f"{what}: a contiguous {src.dtype} source of {src.nbytes} bytes "
+                         f"into a contiguous {dst.dtype} destination of {dst.nbytes} bytes")
     runtime = cupy.cuda.runtime
-    runtime.memcpyAsync(dst.ctypes.data, data_ptr(src), src.nbytes,
-                        runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
+    runtime.memcpyAsync(dst_ptr, src_ptr, src.nbytes, getattr(runtime, kind),
+                        cupy.cuda.get_current_stream().ptr)
