@@ -55,7 +55,6 @@ class Trainer(Loop):
         world.stall_timeout = float(job.parallel.stall_timeout)
         scheme = scheme or Scheme()
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
-        self.graphs = None
         try:
             graphs = build_rank_graphs(job, world, scheme)
             self.traces = Traces(profile, out_dir, world)

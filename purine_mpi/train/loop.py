@@ -72,8 +72,7 @@ class Loop:
 
     def __init__(self, graphs, train, test, *, job, out_dir, world, scheme, services=(),
                  log=print):
-        # the job (io/job.py); ``config`` is the same object, for older readers
-        self.job = self.config = job
+        self.job = job  # io/job.py
         self.solver, self.out_dir, self.seed = job.solver, out_dir, job.seed
         self.world, self.rank, self.size = world, world.rank, world.size
         self.scheme, self.log, self.graphs = scheme, log, graphs
@@ -91,7 +90,7 @@ class Loop:
         self.run_id = uuid.uuid4().hex
         self.start_iter = 0
         self.elapsed0 = 0.0  # training time (s) before this process: "time" goes on from it
-        self._t_start = None
+        self.t_start = None  # perf_counter() when this process's first iteration began
         self.last_saved = None  # iteration of the newest checkpoint this run wrote
         self.metrics = None  # the metrics log (rank 0, while the loop runs)
         self._order_adopted = False
@@ -105,10 +104,6 @@ class Loop:
         """Call ``hook`` on every service, in list order."""
         for service in self.services:
             getattr(service, hook)(self, *args)
-
-    def service(self, kind):
-        """The first service of class ``kind`` (None when not in the list)."""
-        return next((s for s in self.services if isinstance(s, kind)), None)
 
     # --------------------------------------------------------- the schedule
     @staticmethod
@@ -162,7 +157,7 @@ class Loop:
             self.emit("on_start")
             if self.solver.test_initialization and self.start_iter == 0:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's)
-            self.t_start = self._t_start = time.perf_counter()
+            self.t_start = time.perf_counter()
             self.window = Window(self.start_iter, self.t_start)
             for it in range(self.start_iter, max_iter):
                 self.step(it)
@@ -200,9 +195,9 @@ class Loop:
     # -------------------------------------------------------------- helpers
     def elapsed(self, now=None):
         """Training time in seconds, over this run and those it resumed."""
-        if self._t_start is None:
+        if self.t_start is None:
             return self.elapsed0
-        return self.elapsed0 + (time.perf_counter() if now is None else now) - self._t_start
+        return self.elapsed0 + (time.perf_counter() if now is None else now) - self.t_start
 
     def say(self, msg):
         """A line of rank 0's log."""

@@ -25,11 +25,10 @@ def write_config(loop):
 def global_batch(loop):
     """Images per iteration over all the replicas."""
     if loop.job.data.train is not None:
-        batch = loop.job.train_batch
-    else:  # a graph: job: its readers say
-        batch = sum(int(op.attrs.get("batch_size", 0)) for op in loop.graph.ops.values()
-                    if op.op_type == "DataReader")
-    return batch * loop.data_size
+        return loop.job.global_batch(loop.data_size)
+    # a graph: job: its readers say
+    return loop.data_size * sum(int(op.attrs.get("batch_size", 0))
+                                for op in loop.graph.ops.values() if op.op_type == "DataReader")
 
 
 class Progress(Service):
