@@ -85,3 +85,14 @@ def assert_close(a, b, what, rtol=1e-5, atol=1e-6):
     if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol):
         diff = np.max(np.abs(a - b)) if a.shape == b.shape else "shape"
         raise AssertionError(f"{what}: mismatch (max abs diff {diff})\n{a}\n{b}")
+
+
+def assert_like_one_rank(w, mine, reference, params, rtol, atol):
+    """Data parallelism's equivalence: this rank's parameters ``mine`` equal
+    one rank's (``reference``, with the whole global batch) within
+    tolerance, and every rank holds bitwise the same values."""
+    for p in params:
+        assert_close(mine[p], reference[p], p, rtol=rtol, atol=atol)
+    for other in w.comm.allgather(mine):
+        for p in params:
+            assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
