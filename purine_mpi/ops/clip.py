@@ -90,13 +90,12 @@ class ClipScale(OpKernel):
         if k is not None and out.flags.c_contiguous and get_xp(sumsq) is xp:
             k.clip_scale(out, sumsq, clip)
             return
-        norm = math.sqrt(float(np.asarray(sumsq).reshape(-1)[0])) if xp is np else \
-            math.sqrt(float(sumsq.reshape(-1)[0]))
-        if norm > clip:
-            out *= out.dtype.type(clip / norm)
+        factor = clip_factor(sumsq.reshape(-1)[0], clip)
+        if factor != 1.0:
+            out *= out.dtype.type(factor)
 
 
 def clip_factor(sumsq, clip):
-    """min(1, clip / sqrt(sumsq)) as the ops apply it (tests, reports)."""
+    """min(1, clip / sqrt(sumsq)): the scale ClipScale applies."""
     norm = math.sqrt(float(sumsq))
     return clip / norm if norm > clip else 1.0

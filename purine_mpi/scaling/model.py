@@ -49,7 +49,6 @@ class Scenario:
         lay = layout_of(job, _OfflineWorld(0, n))
         self.staged = lay.staged
         self.ps = n > 1 and not lay.staged and par.scheme != "none" and par.servers
-        batch = job.train_batch
         if self.ps:
             self.servers = par.ps_ranks
             self.workers = n - self.servers
@@ -61,7 +60,7 @@ class Scenario:
             self.replicas = lay.replicas
             self.ranks = lay.replica_ranks(0) if lay.staged else [0]
             self.defer = defer_update_applies(job, lay.replicas, lay.staged)
-        self.images = batch * self.replicas
+        self.images = job.global_batch(self.replicas)
         self.key = ("dp",) if (not self.ps and not self.staged and n > 1) else (n,)
 
 
