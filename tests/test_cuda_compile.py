@@ -27,7 +27,10 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 
 
 def _compile(name, arch, out_dir):
-    source = out_dir / f"{name}.cu"
+    # One source file per (name, arch): the two archs of a file compile at the
+    # same time, and a shared file could be read by one nvcc while the other
+    # thread truncates and rewrites it (an empty PTX, seen in CI).
+    source = out_dir / f"{name}.{arch}.cu"
     source.write_text(gpu.kernel_source(name))   # #line keeps messages on cuda/<name>.cu
     ptx = out_dir / f"{name}.{arch}.ptx"
     result = subprocess.run([NVCC, f"-arch={arch}", *NVCC_FLAGS, "-o", str(ptx), str(source)],
