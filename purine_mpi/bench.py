@@ -148,12 +148,37 @@ def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
         "planned_bytes": None if plan is None else int(plan.planned_bytes),
         "unplanned_bytes": None if plan is None else int(plan.unplanned_bytes),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # each GPU's memory, {device: bytes}: the arena of its blobs, the
+        # plan's share of it (transient blobs; what they take one buffer
+        # each), the kernels' scratch, and what CuPy's pool holds (with
+        # CuPy on a GPU); empty on the CPU
+        **device_memory(trainer.ws),
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
         "blas": _blas_backend() if on_gpu else None,
         "cuda_graph": None if report is None else json_safe(report),
     }
     return result if world.rank == 0 else None
+
+
+def device_memory(ws):
+    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``."""
+    plans = getattr(ws, "device_plans", {}) or {}
+    out = {
+        "device_arena_bytes": {str(d): int(n) for d, n in sorted(ws.device_bytes.items())},
+        "device_planned_bytes": {str(d): int(p.planned_bytes) for d, p in sorted(plans.items())},
+        "device_unplanned_bytes": {str(d): int(p.unplanned_bytes)
+                                   for d, p in sorted(plans.items())},
+        "device_scratch_bytes": {str(d): int(n) for d, n in sorted(ws.scratch_bytes.items())},
+        "device_pool_bytes": {},
+    }
+    if ws.device_bytes and cupy_available():
+        import cupy
+        for d in sorted(ws.device_bytes):
+            with cupy.cuda.Device(d):
+                out["device_pool_bytes"][str(d)] = int(
+                    cupy.get_default_memory_pool().total_bytes())
+    return out
 
 
 def _blas_backend():
@@ -219,5 +244,16 @@ def format_bench(res, warmup=None):
     if res.get("planned_bytes") is not None:
         rows.append(("memory plan", f"a {human_bytes(res['planned_bytes'])} arena for the "
                      f"blobs that take {human_bytes(res['unplanned_bytes'])} one buffer each"))
+    for d, arena in (res.get("device_arena_bytes") or {}).items():
+        planned = (res.get("device_planned_bytes") or {}).get(d)
+        text = f"a {human_bytes(arena)} arena"
+        if planned is not None:
+            text += (f", {human_bytes(planned)} of it planned for the blobs that take "
+                     f"{human_bytes(res['device_unplanned_bytes'][d])} one buffer each")
+        text += f"; {human_bytes((res.get('device_scratch_bytes') or {}).get(d, 0))} scratch"
+        pool = (res.get("device_pool_bytes") or {}).get(d)
+        if pool is not None:
+            text += f"; CuPy's pool holds {human_bytes(pool)}"
+        rows.append((f"GPU {d} memory", text))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

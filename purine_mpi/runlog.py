@@ -165,16 +165,22 @@ def data_text(data):
 
 
 def memory_text(trainer):
-    """The memory row: rank 0's blobs, with the host memory plan's arena
-    (runtime/memory_plan.py) and what its blobs would take one buffer each."""
+    """The memory row: rank 0's blobs, with the memory plans' arenas (the
+    host's, each GPU's: runtime/memory_plan.py) and what their blobs would
+    take one buffer each."""
     ws = trainer.ws
     plan = getattr(ws, "plan", None)
     text = f"{human_bytes(ws.allocated_bytes)} of blobs on rank 0"
     if plan is None:
         return text + " (memory_plan: false: one buffer per blob)"
-    return (text + f": {_count(len(plan.offsets), 'transient blob')} planned into a "
-            f"{human_bytes(plan.planned_bytes)} arena ({human_bytes(plan.unplanned_bytes)} one "
-            f"buffer each), {human_bytes(plan.persistent_bytes)} kept")
+    text += (f": {_count(len(plan.offsets), 'transient blob')} planned into a "
+             f"{human_bytes(plan.planned_bytes)} arena ({human_bytes(plan.unplanned_bytes)} one "
+             f"buffer each), {human_bytes(plan.persistent_bytes)} kept")
+    for device, dplan in sorted(getattr(ws, "device_plans", {}).items()):
+        text += (f"; GPU {device}: {_count(len(dplan.offsets), 'transient blob')} in "
+                 f"{human_bytes(dplan.planned_bytes)} ({human_bytes(dplan.unplanned_bytes)} one "
+                 f"buffer each), {human_bytes(dplan.persistent_bytes)} kept")
+    return text
 
 
 def startup_lines(trainer, infos, setup_seconds):

@@ -28,7 +28,7 @@ from .io.job import job_of
 from .parallel.compose import Scheme, settings_without_effect
 from .parallel.rank_graphs import build_rank_graphs
 from .runtime.factory import make_dispatcher, on_gpu
-from .runtime.memory_plan import batch_blobs, plan_host_memory
+from .runtime.memory_plan import batch_blobs, device_plans, plan_memory
 from .runtime.stop import StopSignal, print_or_stop
 from .runtime.workspace import Workspace
 from .train.checkpoints import Checkpoints
@@ -112,22 +112,25 @@ class Trainer(Loop):
 
 def _dispatchers(graphs, job, world, dispatcher, profiler, say):
     """The training graph's dispatcher and the test graph's (or None). With
-    ``memory_plan`` (the default) the transient host blobs of each share one
-    arena, laid out from the static graph (runtime/memory_plan.py); what the
-    host reads between iterations keeps its own memory, and the test graph
-    reuses the training graph's arena when it fits (the two never run at
-    once). On a GPU each iteration is replayed as captured CUDA graphs
+    ``memory_plan`` (the default) the transient blobs of each share one
+    arena per device (the host, each GPU), laid out from the static graph
+    (runtime/memory_plan.py); what the host reads between iterations keeps
+    its own memory, and the test graph reuses the training graph's host
+    arena when it fits (the two never run at once). On a GPU each iteration is replayed as captured CUDA graphs
     unless ``cuda_graph: false``."""
     planned, cuda_graph = job.memory_plan, job.cuda_graph
     seed = job.seed * 1000003 + world.rank
     stall = float(job.parallel.stall_timeout)
 
     def workspace(graph, keep=(), shared=None, arena=None):
-        # control edges only where the CPU dispatchers run the graph (a
-        # GPU graph's host blobs are few; its schedule stays as it is)
-        plan = plan_host_memory(graph, keep=keep, skip=shared or (),
-                                order_ops=not on_gpu(graph)) if planned else None
-        return Workspace(graph, shared=shared, plan=plan, arena=arena)
+        # control edges between the ops of one CPU thread where the CPU
+        # dispatchers run the graph (a GPU graph's host blobs are few), and
+        # between the ops of one stream on each GPU
+        if not planned:
+            return Workspace(graph, shared=shared, arena=arena)
+        plan = plan_memory(graph, keep=keep, skip=shared or (), order_ops=not on_gpu(graph))
+        devices = device_plans(graph, keep=keep, skip=shared or (), order_ops=True)
+        return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices)
 
     g = graphs.graph
     keep = ([graphs.watch] if graphs.watch else []) + batch_blobs(g)

@@ -767,6 +767,12 @@ def test_bench_json_on_the_emulated_gpu_reports_blas_and_capture(monkeypatch, ho
     assert json.loads(json.dumps(res)) == res
     text = format_bench(res)
     assert f"cuBLAS through {res['blas']}" in text and "CUDA graphs" in text
+    # the device's memory: the arena holds the planned blobs after the kept ones
+    arena, planned = res["device_arena_bytes"]["0"], res["device_planned_bytes"]["0"]
+    assert 0 < planned < res["device_unplanned_bytes"]["0"] and planned < arena
+    assert res["device_scratch_bytes"]["0"] > 0           # im2col columns
+    assert res["device_pool_bytes"]["0"] >= arena
+    assert "GPU 0 memory" in text and "planned for the blobs" in text
 
 
 def test_gpu_benchmark_reports_both_modes(monkeypatch, capsys):

@@ -81,9 +81,13 @@ class Allocations:
 
     counting = False
     log = []
+    #: bytes of every device allocation so far, counting or not (what the
+    #: emulated memory pool says it holds: a pool that never reuses a block)
+    total_bytes = 0
 
     @classmethod
     def note(cls, what, array):
+        cls.total_bytes += int(getattr(array, "nbytes", 0))
         if cls.counting:
             cls.log.append((what, tuple(np.shape(array)), str(getattr(array, "dtype", ""))))
 
@@ -215,12 +219,13 @@ class DeviceArray(np.ndarray):
 
     def copy(self, order="C"):
         sim_capture.refuse_allocation("ndarray.copy")
-        return super().copy(order)
+        return _copied_on_device(self, super().copy(order))
 
     def astype(self, dtype, *args, **kwargs):
         result = super().astype(dtype, *args, **kwargs)
         if not np.may_share_memory(result, self):  # copy=False of the same dtype: self
             sim_capture.refuse_allocation("ndarray.astype")
+            result = _copied_on_device(self, result)
         return result
 
     def set(self, array, stream=None):
@@ -258,6 +263,17 @@ class DeviceArray(np.ndarray):
 
     def tolist(self):
         return self.get().tolist()
+
+
+def _copied_on_device(source, copy):
+    """A copy CuPy makes on the stream: within a launch it is device work,
+    reading ``source`` when the stream gets to it (after the work queued
+    before it), not when the host asks for it. (Made at once, it read the
+    operand of an Eltwise sum before the GEMM writing it had run.)"""
+    if sim_capture.recording():
+        src, target = np.asarray(source), np.asarray(copy)
+        sim_capture.device_work(lambda: np.copyto(target, src, casting="unsafe"))
+    return copy
 
 
 def _refill(targets, result, fresh=False):
@@ -325,6 +341,9 @@ def _emulated_cupy(build_dir):
         "ascontiguousarray", np.ascontiguousarray(_plain(a), dtype), a)
     fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(_plain(a), dtype), a)
     fake.asnumpy = asnumpy
+    # CuPy's pool (bench --json reports what it holds)
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(
+        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = _NoDevice
     runtime = fake.cuda.runtime

@@ -19,7 +19,7 @@ from purine_mpi.graph.inspect import compose_for, render_graph
 from purine_mpi.io.config import resolve_config
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
 from purine_mpi.runtime.memory_plan import (HOST_ALIGN, batch_blobs, check_plan,
-                                            plan_host_memory)
+                                            plan_memory)
 from purine_mpi.runtime.workspace import Workspace
 from purine_mpi.trainer import Trainer
 
@@ -91,7 +91,7 @@ def test_job_plans_are_sound(job, np_, sets, digits_h5):
             if graph is None:
                 continue
             order = [op.name for op in graph.topo_order()]
-            plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=True)
+            plan = plan_memory(graph, keep=batch_blobs(graph), order_ops=True)
             _assert_sound(graph, plan)
             assert plan.offsets, (job, rank, phase)
             # the edges keep the schedule: each from an op to a later one of its thread
@@ -115,16 +115,16 @@ def test_what_the_host_reads_keeps_its_memory(digits_h5):
                                                       "data.test.path": digits_h5}),
                          check_files=False)
     g = compose_for(cfg, 1, 0)
-    plan = plan_host_memory(g, keep=["fc1"])
+    plan = plan_memory(g, keep=["fc1"])
     assert plan.persistent["fc1"] == "read by the host (fc1)"
     assert plan.persistent["iter"].startswith("kind iter")
     assert plan.persistent["conv1/weight"].startswith("kind param")
     assert plan.persistent["loss"] == "a loss (loss)"
     assert "fc2" in plan.offsets and "conv1" in plan.offsets
-    assert "fc1" in plan_host_memory(g).offsets
+    assert "fc1" in plan_memory(g).offsets
     # two ranks: the gradient buckets are allreduced in the deferred tail
     g2 = compose_for(cfg, 2, 0)
-    plan2 = plan_host_memory(g2)
+    plan2 = plan_memory(g2)
     assert not any(g2.blobs[r].kind == "bucket" for r in plan2.offsets)
     assert any(g2.blobs[r].kind == "bucket" for r in plan2.persistent)
 
@@ -133,7 +133,7 @@ def test_graph_memory_prints_the_plan(tmp_path):
     cfg = resolve_config(_job("cifar10_quick.yaml"), check_files=False)
     text = render_graph(cfg, 1, 0, memory=True)
     g = compose_for(cfg, 1, 0)
-    plan = plan_host_memory(g, keep=batch_blobs(g), order_ops=True)
+    plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
     assert (f"memory plan: {len(plan.offsets)} transient blob(s) in a {plan.total_bytes:,}-byte "
             f"arena") in text
     lines = {line.split()[0]: line for line in text.splitlines()[1:] if line.startswith("  ")}
@@ -185,7 +185,7 @@ def _random_graph(seed, n_ops=40, threads=2):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_graphs_plan_soundly_and_run_bitwise(seed):
     g, sinks = _random_graph(seed)
-    plan = plan_host_memory(g, keep=sinks, order_ops=seed % 2 == 0)
+    plan = plan_memory(g, keep=sinks, order_ops=seed % 2 == 0)
     _assert_sound(g, plan)
     for a, b in plan.edges:
         assert g.ops[a].thread == g.ops[b].thread
@@ -215,7 +215,7 @@ def test_random_graphs_plan_soundly_and_run_bitwise(seed):
 
 
 def test_random_graphs_run_in_place_somewhere():
-    planned = [plan_host_memory(g, keep=sinks) for g, sinks in map(_random_graph, range(12))]
+    planned = [plan_memory(g, keep=sinks) for g, sinks in map(_random_graph, range(12))]
     assert sum(len(p.in_place) for p in planned) > 0
 
 
@@ -228,8 +228,8 @@ def test_activations_are_computed_in_place(digits_h5):
     computed here)."""
     cfg = resolve_config(_job("nin_cifar10.yaml"), check_files=False)
     g = compose_for(cfg, 1, 0)
-    live = plan_host_memory(g.copy(), keep=batch_blobs(g))
-    plan = plan_host_memory(g, keep=batch_blobs(g), order_ops=True)
+    live = plan_memory(g.copy(), keep=batch_blobs(g))
+    plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
     _assert_sound(g, plan)
     assert plan.total_bytes < live.total_bytes and plan.edges and not live.edges
     assert plan.in_place["conv1@relu_conv1"] == ("conv1", "relu_conv1.fwd")
@@ -256,7 +256,7 @@ def test_unordered_blobs_never_share():
             prev = f"t{t}_{k}"
     g.add_op("join", "Sum", ["t0_3", "t1_3"], ["y"])
     g.infer_shapes().validate()
-    plan = plan_host_memory(g, keep=["y"], order_ops=True)
+    plan = plan_memory(g, keep=["y"], order_ops=True)
     _assert_sound(g, plan)
     assert all(g.ops[a].thread == g.ops[b].thread for a, b in plan.edges)
     for a in [f"t0_{k}" for k in range(4)]:

@@ -147,14 +147,22 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
 
 
 def memory_lines(job, graph):
-    """``graph --memory``: the host memory plan the trainer lays this graph
-    out by (runtime/memory_plan.py), or a line saying it is off."""
-    from ..runtime.memory_plan import batch_blobs, format_plan, plan_host_memory
+    """``graph --memory``: the memory plans the trainer lays this graph out
+    by (runtime/memory_plan.py), the host's then each GPU's, or a line each
+    saying it is off."""
+    from ..runtime.memory_plan import batch_blobs, device_plans, format_plan, plan_memory
     from ..runtime.factory import on_gpu
     on = job.memory_plan
-    plan = plan_host_memory(graph, keep=batch_blobs(graph), order_ops=on and not on_gpu(graph))
-    if not on:
-        return [f"memory plan: off (memory_plan: false): one buffer per blob; the plan would "
-                f"put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} transient blob(s) "
-                f"in a {plan.total_bytes:,}-byte arena"]
-    return format_plan(graph, plan)
+    keep = batch_blobs(graph)
+    plans = [plan_memory(graph, keep=keep, order_ops=on and not on_gpu(graph))]
+    plans += device_plans(graph, keep=keep, order_ops=on).values()
+    lines = []
+    for plan in plans:
+        if on:
+            lines += format_plan(graph, plan)
+            continue
+        where = "" if plan.device < 0 else f", GPU {plan.device}"
+        lines.append(f"memory plan{where}: off (memory_plan: false): one buffer per blob; the "
+                     f"plan would put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} "
+                     f"transient blob(s) in a {plan.total_bytes:,}-byte arena")
+    return lines

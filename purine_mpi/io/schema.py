@@ -93,8 +93,9 @@ TOP_DOC = {
                    "graphs (the runs of GPU ops between host and communication ops); `false`: "
                    "eager stream dispatch, for debugging (per-op trace events); ignored on a "
                    "CPU"),
-    "memory_plan": ("true/false", True, "plan the host memory from the static graph: blobs "
-                    "written and read within one iteration share one arena wherever the graph "
+    "memory_plan": ("true/false", True, "plan the memory of the host and of each GPU from "
+                    "the static graph: blobs written and read within one iteration share one "
+                    "arena per device wherever the graph "
                     "orders their lifetimes apart (`graph --memory` prints the plan); "
                     "parameters, solver state, losses, metrics and what runs on into the next "
                     "iteration keep their own memory; `false`: one buffer per blob, for "

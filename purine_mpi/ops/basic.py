@@ -15,9 +15,12 @@ class Constant(OpKernel):
 
     On a GPU the blob is filled once: nothing else writes it (an op that
     adds into it would make the op ``accumulate``, and then it fills every
-    iteration), so later iterations launch nothing for it."""
+    iteration), so later iterations launch nothing for it. Its output
+    therefore keeps its own memory in the memory plan (``keeps_outputs``),
+    on the host too (a loss's gradient seed: a few bytes)."""
 
     op_type = "Constant"
+    keeps_outputs = True
 
     @classmethod
     def infer(cls, attrs, ins):

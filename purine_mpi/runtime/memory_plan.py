@@ -1,14 +1,16 @@
-"""The host memory plan: blobs whose lifetimes never meet share bytes of one
-arena, planned once from the static graph before the first iteration.
+"""The memory plan: blobs whose lifetimes never meet share bytes of one
+arena, planned once from the static graph before the first iteration, on
+the host and on every GPU alike.
 
-    plan = plan_host_memory(graph, keep=("loss",))   # a MemoryPlan
-    Workspace(graph, plan=plan)                      # lays the blobs out by it
+    plan = plan_memory(graph, keep=("loss",))        # the host's MemoryPlan
+    gpu0 = plan_memory(graph, keep=("loss",), device=0)   # GPU 0's
+    Workspace(graph, plan=plan, device_plans={0: gpu0})   # lays the blobs out
     format_plan(graph, plan)                         # ``graph --memory``
 
 Which blobs are planned. The unit is a storage root with the blobs that
-view it (its *group*), on the CPU (device -1). A root keeps memory of its
-own for the whole run -- it is *persistent* -- when its value must survive
-the iteration or is read from outside the graph:
+view it (its *group*), on one device (-1: the CPU). A root keeps memory of
+its own for the whole run -- it is *persistent* -- when its value must
+survive the iteration or is read from outside the graph:
 
 - a blob of the group is a parameter, solver state, learning rate,
   iteration counter or gradient bucket (kinds ``param``, ``param_buffer``,
@@ -41,8 +43,8 @@ graph leaves open: a layer's weight gradient reads an activation that
 nothing further down the data-gradient chain waits for, so that activation
 could never share with the gradients below it. Where every op of one unit
 not yet before the other's first writers precedes them in the schedule and
-runs on their thread (host compute ops: no communication, nothing of the
-deferred tail), the plan adds control edges from those ops to the writers.
+runs on their thread (compute ops of the planned device: no
+communication, nothing of the deferred tail), the plan adds control edges from those ops to the writers.
 Each edge goes forward in the schedule, so no cycle can form and the order
 the dispatchers derive stays the same (the ops of one thread run one at a
 time anyway); ``graph --memory`` counts them.
@@ -55,13 +57,29 @@ reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
 
 Offsets are assigned by greedy interval colouring: the units (a root, with
 the roots computed in place over it) in some order each take the lowest
-``HOST_ALIGN``-aligned offset where they overlap no unit already placed that
+aligned offset (``HOST_ALIGN`` bytes on the host, ``ARENA_ALIGN`` on a GPU)
+where they overlap no unit already placed that
 they may not share with (the lowest such offset, or the tightest gap);
 three orders (largest first, first used first, longest lived first) times
 the two placements are tried and the smallest arena kept. The results are
 bit-identical to one buffer per blob: every kernel writes the whole of its
 outputs before reading them, so a buffer's earlier contents never reach a
 result (as between iterations, which reuse every buffer already).
+
+On a GPU the same rule holds for the CUDA-stream dispatcher, eager or
+replaying captured graphs: it keeps every edge of the graph on the device
+(an op waits on the events of its predecessors on other streams, and a
+stream runs its own work in order), so an op that is an ancestor of another
+has finished on the device before the other starts -- the rule
+``Workspace.scratch_for`` relies on for scratch. The iterations of one
+device follow each other there too (each one's streams wait on the events
+that end the last). The persistent roots of a device take the front of
+its arena, one after the other, and the planned ones the rest
+(``workspace.plan_device_memory``). With ``order_ops`` a device's plan may
+add control edges between the compute ops of one of its streams, as the
+host's does between those of one thread: a stream runs its work in order
+anyway. ``memory_plan: false`` gives every root
+its own bytes of the arena, on the host and the devices alike.
 
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
@@ -79,8 +97,12 @@ PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
 
 @dataclass
 class MemoryPlan:
-    """The layout of a graph's transient host blobs in one arena."""
+    """The layout of a graph's transient blobs of one device in one arena."""
 
+    #: the device planned (-1: the host)
+    device: int = -1
+    #: the byte alignment of the offsets
+    align: int = HOST_ALIGN
     #: bytes of the arena
     total_bytes: int = 0
     #: {storage root: byte offset in the arena}
@@ -123,8 +145,8 @@ def batch_blobs(graph):
     return [b for op in graph.ops.values() if op.op_type == "DataReader" for b in op.outputs]
 
 
-def _aligned(nbytes):
-    return -(-max(int(nbytes), 1) // HOST_ALIGN) * HOST_ALIGN
+def _aligned(nbytes, align=HOST_ALIGN):
+    return -(-max(int(nbytes), 1) // align) * align
 
 
 def _root_nbytes(blob):
@@ -141,15 +163,18 @@ def _tail_ops(graph, deps):
     return deferred_tail(graph, classes, deps)[0]
 
 
-def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
-    """The :class:`MemoryPlan` of ``graph``'s host blobs (see the module
-    docstring). ``keep``: blob names the host reads besides the graph's
-    losses and metrics (their roots persist); ``skip``: blobs owned
-    elsewhere (a workspace's ``shared`` arrays), neither planned nor kept.
-    ``order_ops``: the plan may add control edges between compute ops of
-    one thread, each from an op to one later in the schedule, to order two
-    blobs' lifetimes apart (in place on ``graph``: the trainer's plan)."""
+def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
+    """The :class:`MemoryPlan` of ``graph``'s blobs on ``device`` (-1: the
+    host; see the module docstring). ``keep``: blob names the host reads
+    besides the graph's losses and metrics (their roots persist); ``skip``:
+    blobs owned elsewhere (a workspace's ``shared`` arrays), neither planned
+    nor kept. ``order_ops``: the plan may add control edges between compute
+    ops of one thread of ``device`` (a CUDA stream on a GPU), each from an
+    op to one later in the schedule, to order two blobs' lifetimes apart
+    (in place on ``graph``: the trainer's plan)."""
+    from ..gpu.scratch import ARENA_ALIGN
     from ..kernels import get_kernel_class
+    device = int(device)
     deps = graph.dependencies()
     order = [op.name for op in graph.topo_order(deps)]
     pos = {n: i for i, n in enumerate(order)}
@@ -168,11 +193,12 @@ def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
     keep = set(keep)
     skip = set(skip)
     tail = _tail_ops(graph, deps)
-    plan = MemoryPlan(order=order)
+    plan = MemoryPlan(device=device, align=ARENA_ALIGN if device >= 0 else HOST_ALIGN,
+                      order=order)
     cand = {}
     for root, names in groups.items():
         rb = graph.blobs[root]
-        if rb.location.device >= 0 or root in skip or rb.attrs.get("pinned") or \
+        if rb.location.device != device or root in skip or rb.attrs.get("pinned") or \
                 any(n in skip for n in names):
             continue
         if rb.shape is None:
@@ -206,7 +232,7 @@ def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
         for n in order:
             op = graph.ops[n]
             if get_kernel_class(op.op_type, n).category == "comm" or n in tail or \
-                    op.location.device >= 0:
+                    op.location.device != device:
                 continue
             k = (op.location, str(op.thread))
             link["key"][n] = k
@@ -220,7 +246,8 @@ def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
                 lambda u: (units[u][2], -units[u][4], u),           # first used first
                 lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
         for best_fit in (False, True):
-            offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link)
+            offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link,
+                                            plan.align)
             if best is None or (total, len(edges)) < (best[1], len(best[2])):
                 best = (offsets, total, edges)
     offsets, plan.total_bytes, edges = best
@@ -239,6 +266,14 @@ def plan_host_memory(graph, keep=(), skip=(), order_ops=False):
     return plan
 
 
+def device_plans(graph, keep=(), skip=(), order_ops=False):
+    """{GPU device: its :func:`plan_memory`} for every device ``graph``
+    has blobs on (empty for a CPU graph)."""
+    devices = sorted({b.location.device for b in graph.blobs.values() if b.location.device >= 0})
+    return {d: plan_memory(graph, keep=keep, skip=skip, order_ops=order_ops, device=d)
+            for d in devices}
+
+
 def _bits(mask):
     """Positions of the set bits of ``mask``."""
     while mask:
@@ -247,7 +282,7 @@ def _bits(mask):
         mask ^= low
 
 
-def _colour(units, order, best_fit=False, link=None):
+def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN):
     """Greedy interval colouring: each unit, in ``order``, at an aligned
     offset where it overlaps no unit placed before it that it may not share
     with: the lowest such offset, or with ``best_fit`` the smallest free gap
@@ -260,7 +295,7 @@ def _colour(units, order, best_fit=False, link=None):
     placed, offsets, total, edges = [], {}, 0, []
     for unit in order:
         touch, before, first, _, nbytes, _ = units[unit][:6]
-        size = _aligned(nbytes)
+        size = _aligned(nbytes, align)
         busy, soft = [], []
         for p in placed:
             off, end, t, b, p_first, p_key, p_writers = p
@@ -436,7 +471,8 @@ def format_plan(graph, plan):
     and lifetime (schedule positions of its first and last op), then the
     persistent roots and the totals."""
     from ..progress import human_bytes
-    lines = [f"memory plan: {len(plan.offsets)} transient blob(s) in a "
+    where = "" if plan.device < 0 else f", GPU {plan.device}"
+    lines = [f"memory plan{where}: {len(plan.offsets)} transient blob(s) in a "
              f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
              f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "
              f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes; "

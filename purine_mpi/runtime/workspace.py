@@ -11,7 +11,10 @@ ops write in place (no packing copy for communication).
 On a GPU the memory is planned from the graph: the storage roots of each
 device are laid out (256-byte aligned) in one arena, allocated once from
 CuPy's memory pool (``plan_device_memory``), so blobs never fragment the pool
-and the footprint is known before the first iteration. What kernels need
+and the footprint is known before the first iteration. With a device's
+memory plan (``memory_plan.plan_memory(graph, device=d)``) the roots that
+persist take the front of the arena and the transient ones share the rest
+at their planned offsets; without one every root has bytes of its own. What kernels need
 beyond their outputs (im2col columns, GEMM partials, a library's workspace)
 is *scratch* (``Workspace.scratch_for``): buffers shared by ops the graph
 orders, reserved in the kernels' ``setup`` and allocated in the first
@@ -31,20 +34,34 @@ from ..errors import GraphError
 from ..gpu.scratch import ARENA_ALIGN, Scratch  # noqa: F401  (Scratch: where it was)
 
 
-def plan_device_memory(graph, skip=()):
+def plan_device_memory(graph, skip=(), plans=None):
     """{device: (total_bytes, {root blob: byte offset})} for the storage roots
-    of every GPU device (blobs named in ``skip`` are owned elsewhere)."""
-    plans = {}
+    of every GPU device (blobs named in ``skip`` are owned elsewhere).
+    ``plans``: {device: MemoryPlan} (``memory_plan.plan_memory``): a
+    device's planned roots share bytes at their planned offsets, after its
+    other roots, which are laid out one after the other; a device without a
+    plan lays out all its roots so."""
+    plans = plans or {}
+    layout = {}
     for name, blob in graph.blobs.items():
         if blob.alias_of is not None or name in skip or blob.location.device < 0:
             continue
         if blob.shape is None:
             raise GraphError(f"blob '{name}' has no shape; run shape inference first")
-        total, offsets = plans.setdefault(blob.location.device, [0, {}])
+        device = blob.location.device
+        total, offsets = layout.setdefault(device, [0, {}])
+        plan = plans.get(device)
+        if plan is not None and name in plan.offsets:
+            continue
         nbytes = _elements(blob) * np.dtype(blob.dtype).itemsize
         offsets[name] = total
-        plans[blob.location.device][0] = total + -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
-    return {d: (total, offsets) for d, (total, offsets) in plans.items()}
+        layout[device][0] = total + -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    for device, plan in plans.items():
+        if device in layout and plan.offsets:
+            base, offsets = layout[device]
+            offsets.update((root, base + off) for root, off in plan.offsets.items())
+            layout[device][0] = base + plan.total_bytes
+    return {d: (total, offsets) for d, (total, offsets) in layout.items()}
 
 
 def _elements(blob):
@@ -63,19 +80,23 @@ def _aligned_zeros(nbytes):
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
-    def __init__(self, graph, shared=None, plan=None, arena=None):
+    def __init__(self, graph, shared=None, plan=None, arena=None, device_plans=None):
         """``shared`` maps blob names to arrays owned elsewhere (the test
         graph reads the train graph's parameters without copying them).
         ``plan``: a host memory plan (``runtime/memory_plan.py``): its
         transient blobs are views into one arena at the planned offsets;
         None gives every host blob a buffer of its own. ``arena``: another
         workspace whose host arena this one may reuse when it is large
-        enough (the test graph runs only while the train graph does not)."""
+        enough (the test graph runs only while the train graph does not).
+        ``device_plans``: {GPU device: its memory plan}, laid out in that
+        device's arena (``plan_device_memory``)."""
         self.graph = graph
         self.arrays = dict(shared or {})
         self._flat = {}
         self.allocated_bytes = 0
         self.plan = plan
+        #: {GPU device: its memory plan} (empty without plans)
+        self.device_plans = dict(device_plans or {})
         #: the host arena of the planned blobs (None without a plan)
         self.host_arena = None
         if plan is not None and plan.total_bytes:
@@ -93,7 +114,7 @@ class Workspace:
         self._scratch_of = {}
         self._deps = None
         self._ancestor_cache = {}
-        plans = plan_device_memory(graph, skip=self.arrays)
+        plans = plan_device_memory(graph, skip=self.arrays, plans=self.device_plans)
         for device, (total, offsets) in sorted(plans.items()):
             self._allocate_arena(device, total, offsets)
         for name in graph.blobs:

@@ -1,0 +1,187 @@
+"""The memory plan on a GPU (runtime/memory_plan.py, ``device=d``).
+
+Without a GPU, on the emulated device of tests/test_gpu_backend.py (CuPy
+arrays emulated on the host, the cuda/*.cu kernels compiled with g++, the
+CUDA runtime simulated with streams run in random interleavings that
+respect only the recorded events, captures that refuse what CuPy refuses):
+
+- the device plans of every job and of random graphs placed on a device
+  are sound: no two transient roots share bytes unless the graph orders
+  them (checked from the plan and the schedule, and by plain ancestor sets);
+- the arena lays the persistent roots out first, one after the other, and
+  the planned ones after them at their planned offsets;
+- ``train`` with the plan equals ``train`` without it, bitwise, eager and
+  replaying CUDA graphs, for a net of every kind of layer, with the planned
+  bytes filled with garbage before the first iteration (a kernel that read
+  bytes it did not write would show it: the grad seed's ``Constant``, filled
+  once on a GPU, did).
+"""
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from purine_mpi.gpu.placement import prepare_for_device
+from purine_mpi.graph.core import Location
+from purine_mpi.io.config import load_config, validate_config
+from purine_mpi.model import build_train_graph
+from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, device_plans, plan_memory
+from purine_mpi.runtime.workspace import ARENA_ALIGN, plan_device_memory
+from tests.test_gpu_backend import _emulated_trainer_env, _tiny_raw
+from tests.test_memory_plan import _random_graph, _schedule_conflicts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every job but the one reading a CIFAR-10 file (its shapes come from the
+# file; its net is cifar10_quick's)
+JOBS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "jobs", "*.yaml"))
+              if not p.endswith("_hdf5.yaml"))
+
+
+def _assert_sound_on_device(graph, plan, device):
+    assert plan.device == device and plan.align == ARENA_ALIGN
+    assert _schedule_conflicts(graph, plan) == []
+    assert check_plan(graph, plan) == []
+    for root, off in plan.offsets.items():
+        assert graph.blobs[root].location.device == device, root
+        assert off % ARENA_ALIGN == 0 and off + plan.sizes[root] <= plan.total_bytes
+    for a, b in plan.edges:  # control edges join ops of one stream of the device
+        oa, ob = graph.ops[a], graph.ops[b]
+        assert (oa.location, str(oa.thread)) == (ob.location, str(ob.thread))
+        assert oa.location.device == device
+
+
+def _assert_arena_layout(graph, plans):
+    """plan_device_memory: persistent roots first, disjoint; the planned
+    roots at base + their planned offset; the arena ends with the plan."""
+    layout = plan_device_memory(graph, plans=plans)
+    for device, (total, offsets) in layout.items():
+        plan = plans[device]
+        own = sorted((off, off + graph.blobs[r].nbytes) for r, off in offsets.items()
+                     if r not in plan.offsets)
+        base = -(-own[-1][1] // ARENA_ALIGN) * ARENA_ALIGN if own else 0
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(own, own[1:]))
+        for root, off in plan.offsets.items():
+            assert offsets[root] == base + off
+        assert total == base + plan.total_bytes
+        unplanned = plan_device_memory(graph)[device][0]
+        assert total < unplanned
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_device_plans_of_every_job_are_sound(job):
+    config = load_config(os.path.join(ROOT, "jobs", job), check_files=False)
+    graph, _ = build_train_graph(config)
+    prepare_for_device(graph, 0)
+    plans = device_plans(graph, keep=batch_blobs(graph), order_ops=True)
+    assert list(plans) == [0]
+    plan = plans[0]
+    _assert_sound_on_device(graph, plan, 0)
+    assert plan.offsets and plan.total_bytes < plan.unplanned_bytes
+    if job in ("cifar10_quick.yaml", "nin_cifar10.yaml"):  # the issue's target
+        assert plan.total_bytes <= plan.unplanned_bytes / 2
+    # what the host or the next iteration reads keeps its own bytes
+    params = {graph.storage_root(p.name) for p in graph.params()}
+    assert params <= set(plan.persistent)
+    assert {graph.storage_root(b) for b in batch_blobs(graph)} <= set(plan.persistent)
+    # the host plan of a GPU graph plans no device blob, and the reverse
+    host = plan_memory(graph, keep=batch_blobs(graph))
+    assert not set(host.offsets) & set(plan.offsets)
+    _assert_arena_layout(graph, plans)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_graphs_on_a_device_plan_soundly(seed):
+    g, sinks = _random_graph(seed, threads=3)
+    for item in list(g.ops.values()) + list(g.blobs.values()):
+        item.location = Location(item.location.rank, 1, item.location.ip)
+    plan = plan_memory(g, keep=sinks, order_ops=seed % 2 == 0, device=1)
+    _assert_sound_on_device(g, plan, 1)
+    assert plan.offsets and set(sinks) <= set(plan.persistent)
+    assert plan_memory(g, keep=sinks, device=0).offsets == {}  # nothing on device 0
+    assert plan_memory(g, keep=sinks).offsets == {}            # nor on the host
+    _assert_arena_layout(g, {1: plan})
+
+
+def _every_kind_raw(cuda_graph):
+    """A small net with a layer of every kind the GPU runs, and a test phase."""
+    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    w = {"weight_filler": {"type": "gaussian", "std": 0.2}}
+    raw["net"] = [
+        dict(type="conv", name="conv1", bottom="data", top="conv1", num_output=4, kernel=3,
+             pad=1, **w),
+        dict(type="batch_norm", name="bn1", bottom="conv1", top="bn1"),
+        dict(type="relu", name="relu1", bottom="bn1", top="bn1"),
+        dict(type="conv", name="conv2a", bottom="bn1", top="conv2a", num_output=3, kernel=1,
+             **w),
+        dict(type="conv", name="conv2b", bottom="bn1", top="conv2b", num_output=3, kernel=3,
+             pad=1, **w),
+        dict(type="concat", name="cat1", bottom=["conv2a", "conv2b"], top="cat1"),
+        dict(type="eltwise", name="sum1", bottom=["conv2a", "conv2b"], top="sum1"),
+        dict(type="concat", name="cat2", bottom=["cat1", "sum1"], top="cat2"),
+        dict(type="tanh", name="tanh1", bottom="cat2", top="tanh1"),
+        dict(type="pool", name="pool1", bottom="tanh1", top="pool1", pool="max", kernel=2,
+             stride=2),
+        dict(type="lrn", name="norm1", bottom="pool1", top="norm1", local_size=3,
+             alpha=0.01, beta=0.75),
+        dict(type="sigmoid", name="sig1", bottom="norm1", top="sig1"),
+        dict(type="pool", name="pool2", bottom="sig1", top="pool2", pool="ave", kernel=2,
+             stride=2),
+        dict(type="dropout", name="drop", bottom="pool2", top="pool2", ratio=0.3),
+        dict(type="fc", name="fc1", bottom="pool2", top="fc1", num_output=5, **w),
+        dict(type="softmax_loss", name="loss", bottom=["fc1", "label"], top="loss"),
+        dict(type="accuracy", name="acc", bottom=["fc1", "label"], top="acc", phase="test"),
+    ]
+    raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
+    raw["solver"].update(max_iter=5, test_interval=2, display=1)
+    return raw
+
+
+def _train(tmp_path, raw, planned, out):
+    from purine_mpi.trainer import Trainer
+    from tests.conftest import FakeWorld
+    config = validate_config(dict(raw, memory_plan=planned), check_files=False)
+    trainer = Trainer(config, str(tmp_path / out), world=FakeWorld(), log=lambda m: None)
+    try:
+        plans = {}
+        for ws in (trainer.ws, trainer.test.workspace):
+            assert set(ws.device_plans) == ({0} if planned else set())
+            for plan in ws.device_plans.values():
+                plans.setdefault(ws is trainer.ws, plan)
+                for root in plan.offsets:  # stale bytes must never reach a result
+                    ws.storage(root).view(np.uint8)[...] = 255
+        trainer.run()
+        params = {p: np.array(trainer.ws[p]) for p in trainer.params}
+        arena = dict(trainer.ws.device_bytes)
+    finally:
+        trainer.close()
+    rows = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+    return params, rows, arena, plans
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "captured"])
+def test_training_with_the_device_plan_is_bitwise_without_it(
+        host_build_dir, monkeypatch, tmp_path, cuda_graph):
+    import json
+
+    import purine_mpi.gpu as gpu
+    _emulated_trainer_env(monkeypatch, host_build_dir)
+    raw = _every_kind_raw(cuda_graph)
+    try:
+        base = _train(tmp_path, raw, False, "one_buffer_each")
+        planned = _train(tmp_path, raw, True, "planned")
+    finally:
+        gpu.clear_kernel_cache()
+    for name, value in base[0].items():
+        assert planned[0][name].tobytes() == value.tobytes(), name
+
+    def figures(rows):
+        drop = ("time", "timestamp", "images_per_s")
+        return [{k: v for k, v in json.loads(r).items() if k not in drop} for r in rows]
+    assert figures(planned[1]) == figures(base[1])
+    assert any(json.loads(r).get("phase") == "test" for r in planned[1])
+    # the plan shrank the arena, and the train and test graphs both had one
+    assert planned[2][0] < base[2][0]
+    train_plan, test_plan = planned[3][True], planned[3][False]
+    assert train_plan.in_place and train_plan.total_bytes < train_plan.unplanned_bytes
+    assert test_plan.offsets
