@@ -37,7 +37,17 @@ then one JSON object on stdout. Each entry of ``results`` has::
 
 plus each mode's own figures (``purine_eager_*``, ``purine_graph_*``: images/s,
 ms per iteration, first and last loss, the arena, the CUDA-graph segments),
-``purine_kernel_ms_per_iter`` and ``torch_eager_kernel_ms_per_iter``. Kernel
+``purine_kernel_ms_per_iter`` and ``torch_eager_kernel_ms_per_iter``.
+
+Device memory, side by side: ``purine_device_pool_bytes`` (what CuPy's pool
+holds after purine_mpi's run in its default mode: the arena, planned as
+``train`` plans it, the scratch and every other allocation; the pool is
+emptied before each run and frees nothing by itself, so this is the run's
+high-water mark; ``purine_<mode>_device_planned_bytes`` and
+``_unplanned_bytes`` give the plan's share of the arena and what the same
+blobs take one buffer each), ``torch_eager_max_memory_allocated`` (PyTorch's
+peak of live tensors over its run) and ``purine_vs_torch_memory``, their
+ratio. Kernel
 counts and times come from CUPTI through PyTorch's profiler (it records every
 kernel of the process, CuPy's, cuBLAS's and cuDNN's included, also inside
 CUDA graphs) over ``--profile-iters`` further iterations; the busy fraction
@@ -116,16 +126,23 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph, loss_blobs
     from purine_mpi.runtime.cuda_graph import GraphDispatcher
-    from purine_mpi.runtime.factory import make_dispatcher
+    from purine_mpi.runtime.factory import make_dispatcher, planned_workspace
+    from purine_mpi.runtime.memory_plan import batch_blobs
     from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 
     set_tf32(tf32)
     cupy.cuda.Device(device).use()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()              # what an earlier run left cached
+    held_before = pool.total_bytes()
     graph, _ = build_train_graph(config)
     prepare_for_device(graph, device)   # placed and fused, as train does
     notes = []
+    # the memory as train lays it out: planned on the host and the GPU
+    ws = planned_workspace(graph, bool(config.get("memory_plan", True)),
+                           keep=batch_blobs(graph))
     d = make_dispatcher(graph, seed=int(config.get("seed", 0)), cuda_graph=cuda_graph,
-                        log=notes.append)
+                        log=notes.append, workspace=ws)
     try:
         if not isinstance(d, StreamDispatcher) or \
                 isinstance(d, GraphDispatcher) != bool(cuda_graph):
@@ -154,7 +171,14 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
         last_loss = sum(float(ws[b]) for b in losses)
         out = {"seconds": elapsed, "first_loss": first_loss, "last_loss": last_loss,
                "device_arena_bytes": int(sum(ws.device_bytes.values())),
+               "device_planned_bytes": int(sum(p.planned_bytes
+                                               for p in ws.device_plans.values())),
+               "device_unplanned_bytes": int(sum(p.unplanned_bytes
+                                                 for p in ws.device_plans.values())),
                "scratch_bytes": int(sum(ws.scratch_bytes.values())),
+               # CuPy's pool frees nothing back by itself: what it holds after
+               # the run is the run's high-water mark on the device
+               "device_pool_bytes": int(pool.total_bytes() - held_before),
                "streams": len(d.runtime.pool)}
         if profile_iters:
             start = warmup + iters
@@ -290,7 +314,12 @@ def _timed(torch, dev, step, iters, warmup, profile_iters=0):
 
 
 def bench_torch(config, device, iters, warmup, tf32, compile_model=False, profile_iters=0):
-    """PyTorch eager (or ``torch.compile``d) training steps."""
+    """PyTorch eager (or ``torch.compile``d) training steps; with them the
+    peak of its caching allocator (``max_memory_allocated``: the bytes of
+    live tensors at the worst moment, the model and optimizer state included)."""
+    import torch as _torch
+    _torch.cuda.empty_cache()
+    _torch.cuda.reset_peak_memory_stats(device)
     torch, dev, model, criterion, optimizer, x_host, y_host = _torch_setup(config, device, tf32)
     if compile_model:
         model = torch.compile(model)
@@ -304,7 +333,10 @@ def bench_torch(config, device, iters, warmup, tf32, compile_model=False, profil
         optimizer.step()
         return loss
 
-    return _timed(torch, dev, step, iters, warmup, profile_iters)
+    out = _timed(torch, dev, step, iters, warmup, profile_iters)
+    out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated(dev))
+    out["max_memory_reserved"] = int(torch.cuda.max_memory_reserved(dev))
+    return out
 
 
 def bench_torch_graph(config, device, iters, warmup, tf32):
@@ -417,7 +449,8 @@ def dry_run(configs, batches):
 #: the keys every entry of ``results`` has
 RESULT_KEYS = ("config", "batch", "purine_images_per_s", "torch_eager_images_per_s",
                "torch_graph_images_per_s", "torch_compile_images_per_s", "purine_gpu_busy",
-               "purine_kernels_per_iter", "blas", "cuda_graph")
+               "purine_kernels_per_iter", "blas", "cuda_graph", "purine_device_pool_bytes",
+               "torch_eager_max_memory_allocated", "purine_vs_torch_memory")
 
 
 def main(argv=None):
@@ -489,6 +522,9 @@ def _entry(args, path, batch, profile):
                       f"{key}_first_loss": p["first_loss"],
                       f"{key}_last_loss": p["last_loss"],
                       f"{key}_device_arena_bytes": p["device_arena_bytes"],
+                      f"{key}_device_planned_bytes": p.get("device_planned_bytes"),
+                      f"{key}_device_unplanned_bytes": p.get("device_unplanned_bytes"),
+                      f"{key}_device_pool_bytes": p.get("device_pool_bytes"),
                       f"{key}_scratch_bytes": p.get("scratch_bytes"),
                       f"{key}_streams": p["streams"]})
         if p.get("blas"):
@@ -503,6 +539,7 @@ def _entry(args, path, batch, profile):
         if mode == default:
             entry["purine_mode"] = mode
             entry["purine_images_per_s"] = entry[f"{key}_images_per_s"]
+            entry["purine_device_pool_bytes"] = p.get("device_pool_bytes")
             stats = p.get("kernels")
             if stats:
                 iter_ms = 1e3 * p["seconds"] / args.iters
@@ -518,7 +555,12 @@ def _entry(args, path, batch, profile):
         entry.update({"torch_eager_images_per_s": round(batch * args.iters / t["seconds"], 1),
                       "torch_eager_iter_ms": round(1e3 * t["seconds"] / args.iters, 3),
                       "torch_eager_first_loss": t["first_loss"],
-                      "torch_eager_last_loss": t["last_loss"]})
+                      "torch_eager_last_loss": t["last_loss"],
+                      "torch_eager_max_memory_allocated": t.get("max_memory_allocated"),
+                      "torch_eager_max_memory_reserved": t.get("max_memory_reserved")})
+        if entry["purine_device_pool_bytes"] and t.get("max_memory_allocated"):
+            entry["purine_vs_torch_memory"] = round(
+                entry["purine_device_pool_bytes"] / t["max_memory_allocated"], 3)
         if t.get("kernels"):
             entry["torch_eager_kernels_per_iter"] = t["kernels"]["kernels_per_iter"]
             entry["torch_eager_kernel_ms_per_iter"] = t["kernels"]["kernel_ms_per_iter"]

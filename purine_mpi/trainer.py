@@ -27,10 +27,9 @@ from .io.config import data_notes, dump_config
 from .io.job import job_of
 from .parallel.compose import Scheme, settings_without_effect
 from .parallel.rank_graphs import build_rank_graphs
-from .runtime.factory import make_dispatcher, on_gpu
-from .runtime.memory_plan import batch_blobs, device_plans, plan_memory
+from .runtime.factory import make_dispatcher, planned_workspace
+from .runtime.memory_plan import batch_blobs
 from .runtime.stop import StopSignal, print_or_stop
-from .runtime.workspace import Workspace
 from .train.checkpoints import Checkpoints
 from .train.collectives import get_world, world_mean  # noqa: F401  (cli, bench)
 from .train.divergence import DivergenceWatch
@@ -123,14 +122,7 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say):
     stall = float(job.parallel.stall_timeout)
 
     def workspace(graph, keep=(), shared=None, arena=None):
-        # control edges between the ops of one CPU thread where the CPU
-        # dispatchers run the graph (a GPU graph's host blobs are few), and
-        # between the ops of one stream on each GPU
-        if not planned:
-            return Workspace(graph, shared=shared, arena=arena)
-        plan = plan_memory(graph, keep=keep, skip=shared or (), order_ops=not on_gpu(graph))
-        devices = device_plans(graph, keep=keep, skip=shared or (), order_ops=True)
-        return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices)
+        return planned_workspace(graph, planned, keep=keep, shared=shared, arena=arena)
 
     g = graphs.graph
     keep = ([graphs.watch] if graphs.watch else []) + batch_blobs(g)

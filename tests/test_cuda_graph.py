@@ -795,7 +795,8 @@ def test_gpu_benchmark_reports_both_modes(monkeypatch, capsys):
     def fake_purine(config, device, iters, warmup, tf32, cuda_graph=False):
         calls.append(cuda_graph)
         out = {"seconds": 0.5 if cuda_graph else 1.0, "first_loss": 2.3, "last_loss": 2.2,
-               "device_arena_bytes": 1, "streams": 3}
+               "device_arena_bytes": 1, "streams": 3,
+               "device_pool_bytes": 7 if cuda_graph else 9}
         if cuda_graph:
             out["capture"] = {"segments": 2, "captured_ops": 40, "captured": 2, "failed": {},
                               "eager_gpu_ops": {}}
@@ -811,6 +812,10 @@ def test_gpu_benchmark_reports_both_modes(monkeypatch, capsys):
     # the headline figure is train's default mode, graph replay
     assert entry["purine_images_per_s"] == 80.0 and entry["purine_mode"] == "graph"
     assert entry["purine_graph_segments"] == 2 and entry["purine_graph_failed"] == {}
+    # the device memory of the headline mode; PyTorch's is null without it
+    assert entry["purine_device_pool_bytes"] == 7 and entry["purine_eager_device_pool_bytes"] == 9
+    assert entry["torch_eager_max_memory_allocated"] is None
+    assert entry["purine_vs_torch_memory"] is None
     assert bench.main(["--no-torch", "--iters", "10", "--batch", "4", "--modes", "graph",
                        "--configs", str(path.parent.parent / "jobs" / "cifar10_quick.yaml")]) == 0
     (entry,) = json.loads(capsys.readouterr().out)["results"]

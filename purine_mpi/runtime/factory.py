@@ -1,4 +1,5 @@
-"""Which dispatcher runs a graph: ``make_dispatcher``.
+"""Which dispatcher runs a graph: ``make_dispatcher``; the memory it runs
+in: ``planned_workspace``.
 
 The dispatchers are layered, each module importing only those below it::
 
@@ -17,7 +18,9 @@ import os
 from ..errors import UserError
 from .cuda_graph import GraphDispatcher
 from .dispatcher import EventDispatcher, SerialDispatcher
+from .memory_plan import device_plans, plan_memory
 from .streams_dispatcher import StreamDispatcher
+from .workspace import Workspace
 
 #: the values of ``kind`` (and of the environment variable PURINE_DISPATCHER)
 KINDS = ("event", "serial", "stream")
@@ -50,3 +53,20 @@ def on_gpu(graph):
     """Whether any op or blob of ``graph`` lives on a GPU (device >= 0)."""
     return any(n.location.device >= 0 for n in list(graph.ops.values()) +
                list(graph.blobs.values()))
+
+
+def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None):
+    """The workspace ``train`` runs ``graph`` in. With ``planned`` (the
+    config's ``memory_plan``) the transient blobs of the host and of each
+    GPU share one arena per device (runtime/memory_plan.py); ``keep``: what
+    the host reads besides losses and metrics; ``shared``, ``arena``: as
+    ``Workspace`` takes them. The plan may add control edges: between the
+    ops of one CPU thread where the CPU dispatchers run the graph (a GPU
+    graph's host blobs are few), and between the ops of one stream on each
+    GPU."""
+    if not planned:
+        return Workspace(graph, shared=shared, arena=arena)
+    skip = shared or ()
+    plan = plan_memory(graph, keep=keep, skip=skip, order_ops=not on_gpu(graph))
+    devices = device_plans(graph, keep=keep, skip=skip, order_ops=True)
+    return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices)
