@@ -424,10 +424,18 @@ class ConvGradWeight(OpKernel):
             weight_grad_rows(xp, dy, x, geo, outs[0], _chunks(xp, geo, x.itemsize))
             return
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
-            dw.fill(0)
-            for sl, xpad in _padded_chunks(xp, x, geo):
+            # per sample dw^T (K, O/G) = col (K, L) @ dy^T (L, O/G): OpenBLAS
+            # runs this orientation faster than dy @ col^T (conv1: 12.1 -> 11.2 ms)
+            acc = host_scratch(xp, "dw_acc", (G, dw.shape[2], O // G), dw.dtype)
+            for i, (sl, xpad) in enumerate(_padded_chunks(xp, x, geo)):
                 col = im2col(xp, xpad, geo)  # (n, G, K, L)
-                dw += xp.matmul(dyg[sl], col.transpose(0, 1, 3, 2)).sum(axis=0)
+                per = host_scratch(xp, "gemm", col.shape[:3] + (O // G,), dw.dtype)
+                xp.matmul(col, dyg[sl].transpose(0, 1, 3, 2), out=per)
+                if i == 0:
+                    xp.sum(per, axis=0, out=acc)
+                else:
+                    acc += per.sum(axis=0)
+            dw[...] = acc.transpose(0, 2, 1)
             return
         # one GEMM per chunk of the batch: dy as (O, n*L) against the columns
         # as (n*L, K), both laid out so by their copies (im2col_batch)
