@@ -5,6 +5,7 @@ checkout against another one (``--baseline``), interleaved.
     git worktree add DIR main            # or any commit to compare with
     .venv/bin/python benchmarks/conv_ops.py --baseline DIR [--rounds 5]
         [--reps 5] [--net cifar10_quick|nin|all] [--only SUBSTRING] [--torch]
+        [--bias]
 
 Every round runs one worker process per checkout (taking turns at going
 first), each timing every selected op ``--reps`` times after one warm-up
@@ -16,7 +17,8 @@ median and range over the rounds of each checkout's ms, and
 ratios: above 1 this checkout is faster). Without
 ``--baseline`` only this checkout is timed. ``--torch`` adds PyTorch CPU's
 time for the same op (aten's convolution / convolution_backward / pooling
-and their backward) as a third process each round.
+and their backward) as a third process each round. ``--bias`` gives every
+Conv a bias input, as the nets' layers have (both sides add it).
 """
 import argparse
 import json
@@ -82,6 +84,14 @@ def _inputs(op_type, attrs, shapes, rng):
     return arrays
 
 
+def _with_bias(case):
+    """The case with a bias input when it is a Conv (``--bias``)."""
+    name, op_type, attrs, in_shapes, out_shapes = case
+    if op_type != "Conv":
+        return case
+    return name, op_type, attrs, in_shapes + [(in_shapes[1][0],)], out_shapes
+
+
 def _ours(case):
     import types
 
@@ -109,7 +119,8 @@ def _torch(case):
     conv = dict(stride=[attrs.get("stride", 1)] * 2, padding=[attrs.get("pad", 0)] * 2,
                 dilation=[1, 1], transposed=False, output_padding=[0, 0], groups=1)
     if op_type == "Conv":
-        return lambda: torch.ops.aten.convolution(ins[0], ins[1], None, **conv)
+        bias = ins[2] if len(ins) == 3 else None
+        return lambda: torch.ops.aten.convolution(ins[0], ins[1], bias, **conv)
     if op_type in ("ConvGradData", "ConvGradWeight"):
         dy, other = ins
         x = torch.empty(attrs["x_shape"]) if op_type == "ConvGradData" else other
@@ -130,14 +141,14 @@ def _torch(case):
     return lambda: torch.autograd.grad(y, x, dy, retain_graph=True)
 
 
-def worker(cases, reps, impl):
+def worker(cases, reps, impl, bias=False):
     if impl == "torch":
         import torch
         torch.set_num_threads(1)
     make = _torch if impl == "torch" else _ours
     result = {}
     for case in cases:
-        fn = make(case)
+        fn = make(_with_bias(case) if bias else case)
         fn()
         times = []
         for _ in range(reps):
@@ -158,7 +169,8 @@ def _env(root):
 
 def _run_worker(root, args, impl):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--reps",
-           str(args.reps), "--net", args.net] + (["--only", args.only] if args.only else [])
+           str(args.reps), "--net", args.net] + (["--only", args.only] if args.only else []) \
+        + (["--bias"] if args.bias else [])
     out = subprocess.run(cmd, env=_env(root), capture_output=True, text=True, cwd=root,
                          timeout=1800)
     if out.returncode:
@@ -179,10 +191,12 @@ def main():
     p.add_argument("--net", default="cifar10_quick", choices=list(CASES) + ["all"])
     p.add_argument("--only", help="only the ops whose name contains this")
     p.add_argument("--torch", action="store_true", help="also time PyTorch CPU")
+    p.add_argument("--bias", action="store_true", help="Conv ops with a bias input")
     p.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(_selected(args.net, args.only), args.reps, args.worker)))
+        print(json.dumps(worker(_selected(args.net, args.only), args.reps, args.worker,
+                                args.bias)))
         return
     runs = [("baseline", args.baseline, "ours")] if args.baseline else []
     runs.append(("this", ROOT, "ours"))
@@ -208,7 +222,7 @@ def main():
     totals = {label + "_ms": round(sum(ops[n][label + "_ms"] for n in ops), 3)
               for label, _, _ in runs}
     print(json.dumps({"net": args.net, "rounds": args.rounds, "reps": args.reps,
-                      "threads": 1, "baseline": args.baseline, "ops": ops,
+                      "threads": 1, "bias": args.bias, "baseline": args.baseline, "ops": ops,
                       "total": totals}))
 
 

@@ -185,3 +185,26 @@ def test_threads_get_their_own_buffers():
     for t in threads:
         t.join()
     assert not failures
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((3, 3, 7, 6), (4, 3, 3, 3), {"pad": 1}),                 # (C, kh, kw) columns
+    ((3, 16, 6, 5), (5, 16, 3, 3), {"pad": 1, "stride": 2}),  # channels-last rows
+    ((3, 4, 5, 5), (6, 2, 3, 3), {"group": 2, "pad": 1}),     # groups
+    ((3, 4, 5, 5), (6, 4, 1, 1), {}),                         # 1x1: a plain GEMM
+])
+@pytest.mark.parametrize("per_chunk", [1, 2, 3])
+def test_conv_bias_added_chunk_by_chunk(monkeypatch, x_shape, w_shape, attrs, per_chunk):
+    """The CPU forward adds the bias to each chunk of the batch (on the rows
+    path within the copy into y's layout): y(x, w, b) == y(x, w) + b in
+    float64, with 1, 2 (a batch of 3: an odd last chunk) and 3 samples a chunk."""
+    x, w, b = (randn(*x_shape, dtype=np.float64), randn(*w_shape, dtype=np.float64),
+               randn(w_shape[0], dtype=np.float64))
+    geo = conv_module._geometry(attrs, x_shape, w_shape)
+    per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * x.itemsize
+    monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", per_chunk * per_sample)
+    assert len(conv_module._chunks(np, geo, x.itemsize)) == -(-3 // per_chunk)
+    with_b, _ = run_op("Conv", attrs, {"x": x, "w": w, "b": b})
+    without, _ = run_op("Conv", attrs, {"x": x, "w": w})
+    np.testing.assert_allclose(with_b[0], without[0] + b.reshape(1, -1, 1, 1), rtol=1e-12,
+                               atol=1e-12)

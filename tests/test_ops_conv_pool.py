@@ -166,6 +166,43 @@ def test_pool_matches_torch(kind, x_shape, kernel, stride, pad, ceil_mode):
         np.testing.assert_array_equal(outs[1], indices.numpy())
 
 
+@pytest.mark.parametrize("x_shape,kernel,stride,pad,ceil_mode", POOL_CASES + [
+    ((3, 2, 16, 16), 3, 2, 0, True), ((2, 1, 8, 32), 2, 2, 0, False)])
+def test_ave_pool_dense_gemm_equals_slice_adds(monkeypatch, x_shape, kernel, stride, pad,
+                                               ceil_mode):
+    """CPU average pooling of small planes as one GEMM with the dense pooling
+    matrix equals the strided slice-adds (DENSE_MAX_PLANE 0), forward and
+    backward, in float64; the slice-add path still matches torch in float32."""
+    assert x_shape[2] * x_shape[3] <= pool_module.DENSE_MAX_PLANE
+    attrs = {"pool": "ave", "kernel": kernel, "stride": stride, "pad": pad,
+             "ceil_mode": ceil_mode}
+    x = randn(*x_shape, dtype=np.float64)
+    dense_out, dense = run_op("Pool", attrs, {"x": x}, wrt=["x"])
+    monkeypatch.setattr(pool_module, "DENSE_MAX_PLANE", 0)
+    geo = pool_module._geometry(attrs, x_shape)
+    assert pool_module._dense_matrix(np, geo, np.float64) is None
+    ref_out, ref = run_op("Pool", attrs, {"x": x}, wrt=["x"])
+    np.testing.assert_allclose(dense_out[0], ref_out[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(dense["x"], ref["x"], rtol=1e-12, atol=1e-14)
+    x32 = x.astype(np.float32)
+    outs, grads = run_op("Pool", attrs, {"x": x32}, wrt=["x"])
+    y, (dx,) = torch_grads(torch_pool("ave", kernel, stride, pad, ceil_mode), [x32],
+                           outs["_loss_weights"])
+    close(outs[0], y)
+    close(grads["x"], dx)
+
+
+def test_ave_pool_dense_only_on_small_planes():
+    """Planes above DENSE_MAX_PLANE keep the slice-adds (the GEMM's wasted
+    flops grow with the plane)."""
+    attrs = {"pool": "ave", "kernel": 3, "stride": 2}
+    side = int(pool_module.DENSE_MAX_PLANE ** 0.5) + 1
+    assert pool_module._dense_matrix(np, pool_module._geometry(attrs, (1, 1, side, side)),
+                                     np.float32) is None
+    mat = pool_module._dense_matrix(np, pool_module._geometry(attrs, (1, 1, 5, 5)), np.float32)
+    assert mat.shape == (4, 25) and np.allclose(mat.sum(axis=1), 1.0)
+
+
 @pytest.mark.parametrize("kind", ["max", "ave"])
 def test_global_pool_matches_torch(kind):
     x = randn(2, 3, 5, 4)

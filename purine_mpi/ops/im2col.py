@@ -1,7 +1,8 @@
 """Host-side helpers of the convolution and pooling kernels: reusable
-per-thread buffers, the im2col / col2im copies of the CPU convolution, and
-its channels-last path (``im2col_rows``, ``forward_rows``,
-``weight_grad_rows``; when ``ops/conv.py`` takes it is said there).
+per-thread buffers, the im2col / col2im copies of the CPU convolution, its
+col2im data gradient (``data_grad_col2im``) and its channels-last path
+(``im2col_rows``, ``forward_rows``, ``weight_grad_rows``; when
+``ops/conv.py`` takes which is said there).
 
 Imports only NumPy (and takes the array module ``xp`` as an argument), so
 ``ops/conv.py`` and ``ops/pool.py`` both use it without importing each
@@ -119,6 +120,30 @@ def col2im(xp, col, geo, dxpad):
                   q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
 
 
+def data_grad_col2im(xp, dy, w, geo, dx, chunks):
+    """dx = col2im(w^T @ dy), a chunk of the batch at a time (``chunks``):
+    the GEMM writes the chunk's columns, col2im adds them into a zeroed
+    padded buffer (or straight into dx where there is no padding to crop)."""
+    G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
+    H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
+    # contiguous w^T: BLAS on a transposed view is several times slower in numpy
+    wT = xp.ascontiguousarray(w.reshape(G, O // G, -1).transpose(0, 2, 1))
+    dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
+    for sl in chunks:
+        n = sl.stop - sl.start
+        dcol = scratch(xp, "col", (n, G, wT.shape[1], dyg.shape[3]), dy.dtype)
+        xp.matmul(wT, dyg[sl], out=dcol)
+        dcol = dcol.reshape(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
+        if ph or pw:
+            dxpad = scratch(xp, "dxpad", (n, C, H + 2 * ph, W + 2 * pw), dy.dtype)
+            dxpad.fill(0)
+            col2im(xp, dcol, geo, dxpad)
+            dx[sl] = dxpad[:, :, ph:ph + H, pw:pw + W]
+        else:  # no padding to crop: add straight into the output
+            dx[sl] = 0
+            col2im(xp, dcol, geo, dx[sl])
+
+
 def im2col_rows(xp, part, geo, capacity):
     """Columns of a chunk of samples ``part`` (n, C, H, W) as rows: shape
     (n*OH*OW, kh*kw*C), row (n, i, j) holding the window of output pixel
@@ -151,11 +176,12 @@ def _weight_rows(xp, w, geo):
     return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
 
 
-def forward_rows(xp, x, wmat, geo, y, chunks):
+def forward_rows(xp, x, wmat, geo, y, chunks, bias=None):
     """y = conv(x) from the channels-last columns, a chunk of the batch at a
     time (``chunks``: slices of the batch): rows (n*L, K) @ w^T -> (n*L, O),
     copied into y's (n, O, L) layout (OpenBLAS runs this product faster
-    than w @ rows^T, measured). ``wmat``: w as (1, O, C*kh*kw)."""
+    than w @ rows^T, measured), ``bias`` (O,) added by that copy.
+    ``wmat``: w as (1, O, C*kh*kw)."""
     O, L = geo["O"], geo["OH"] * geo["OW"]
     wr = _weight_rows(xp, wmat, geo)
     cap = chunks[0].stop - chunks[0].start
@@ -164,7 +190,10 @@ def forward_rows(xp, x, wmat, geo, y, chunks):
         rows = im2col_rows(xp, x[sl], geo, cap)
         out = scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
         xp.matmul(rows, wr.T, out=out)
-        y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
+        if bias is None:
+            y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
+        else:
+            xp.add(out.reshape(-1, L, O).transpose(0, 2, 1), bias.reshape(O, 1), out=y[sl])
 
 
 def weight_grad_rows(xp, dy, x, geo, dw, chunks):

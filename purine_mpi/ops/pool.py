@@ -22,6 +22,15 @@ dy / size over the window. Overlapping windows add up: max with one
 deterministic scatter-add (``add.at``, in the outputs' order) per chunk of
 samples, average with strided slice-adds over the kh*kw kernel offsets.
 
+Average pooling is linear: on the CPU, planes of at most ``DENSE_MAX_PLANE``
+inputs (H*W) are pooled as one GEMM over all N*C planes with the dense
+(OH*OW, H*W) pooling matrix (entry 1/size where the input lies in the
+window, padding left out), its transpose for the gradient: NumPy's strided
+slice-adds run a few numbers per call on such small planes, the GEMM wastes
+flops on zeros but runs at BLAS speed. Measured, one thread, cifar10_quick's
+pool2 (16x16) / pool3 (8x8): forward 3.1 -> 1.5 / 3.0 -> 0.3 ms, backward
+5.2 -> 1.5 / 5.1 -> 0.3 ms; on 32x32 planes the GEMM is slower (8.8 -> 19 ms).
+
 On a GPU (CuPy arrays of float32/float64) forward and backward are one raw
 kernel each (cuda/pooling.cu), with the same mask convention and divisor.
 
@@ -137,6 +146,35 @@ def _divisor(xp, geo, dtype):
 # a chunk of the window stack that stays in cache while it is reduced
 _CHUNK_BYTES = 1 << 21
 
+#: CPU average pooling of planes of at most this many inputs (H*W): one GEMM
+#: with the dense pooling matrix (module docstring); 0 turns it off
+DENSE_MAX_PLANE = 256
+
+
+def _dense_matrix(xp, geo, dtype):
+    """The (OH*OW, H*W) matrix of CPU average pooling (``DENSE_MAX_PLANE``),
+    or None where the plane is larger: row (i, j) holds 1/size on the inputs
+    of window (i, j), Caffe's divisor (``_divisor``). Made once per geometry."""
+    if geo["H"] * geo["W"] > DENSE_MAX_PLANE:
+        return None
+    key = tuple(geo[k] for k in ("H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "OH", "OW"))
+    ident = (key, xp.__name__, np.dtype(dtype).str)
+    mat = _DENSE.get(ident)
+    if mat is None:
+        def inside(out, k, s, p, size):  # (out, size): input in window, padding left out
+            start = np.arange(out).reshape(-1, 1) * s - p
+            at = np.arange(size).reshape(1, -1)
+            return (at >= start) & (at < start + k)
+        rows = inside(geo["OH"], geo["kh"], geo["sh"], geo["ph"], geo["H"])
+        cols = inside(geo["OW"], geo["kw"], geo["sw"], geo["pw"], geo["W"])
+        div = _divisor(np, geo, np.float64).reshape(-1, 1)
+        dense = (np.kron(rows, cols) / div).astype(dtype)
+        mat = _DENSE[ident] = xp.asarray(dense)
+    return mat
+
+
+_DENSE = {}
+
 
 def _max_pool_cpu(xp, x, geo, y, mask):
     """Max pooling with the argmax mask on the CPU. Each kernel offset's
@@ -247,6 +285,11 @@ class Pool(OpKernel):
             return
         if geo["kind"] == "max":
             _max_pool_cpu(xp, x, geo, y, outs[1])
+            return
+        mat = _dense_matrix(xp, geo, y.dtype) if y.flags.c_contiguous else None
+        if mat is not None:  # one GEMM over the N*C planes
+            planes = geo["N"] * geo["C"]
+            xp.matmul(x.reshape(planes, -1), mat.T, out=y.reshape(planes, -1))
         else:
             eh, ew = _extent(geo)
             div = _divisor(xp, geo, y.dtype)
@@ -300,6 +343,10 @@ class PoolGrad(OpKernel):
             return
         if geo["kind"] == "max":
             _max_pool_grad_cpu(xp, dy, ins[1], geo, dx)
+            return
+        mat = _dense_matrix(xp, geo, dx.dtype) if dx.flags.c_contiguous else None
+        if mat is not None:  # one GEMM over the N*C planes
+            xp.matmul(dy.reshape(N * C, -1), mat, out=dx.reshape(N * C, -1))
             return
         # average: dy / size added into every window of a padded buffer, a
         # chunk of samples at a time (one buffer, in cache), then cropped
