@@ -141,6 +141,11 @@ class DeviceArray(np.ndarray):
         capturing = sim_capture.is_capturing()
         if capturing and (out is None or method == "at"):
             sim_capture.refuse_allocation(f"{ufunc.__name__}.{method} without out=")
+        if capturing and method == "reduce":
+            # CuPy may run a reduction through CUB (CUPY_ACCELERATORS), whose
+            # temporary storage comes from the pool: kept out of captures
+            sim_capture.refuse_allocation(f"{ufunc.__name__}.reduce (a CuPy reduction, "
+                                          "which may take CUB temporary storage)")
         if sim_capture.recording() and out is not None:  # device work of a launch
             args, outs = [_frozen(x) for x in inputs], tuple(_plain(o) for o in out)
             frozen = {k: _frozen(v) for k, v in kwargs.items()}

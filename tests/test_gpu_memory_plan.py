@@ -153,11 +153,13 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
         trainer.run()
         params = {p: np.array(trainer.ws[p]) for p in trainer.params}
         arena = dict(trainer.ws.device_bytes)
-        if whole_capture:  # the planned graphs captured whole, nothing fell back
-            for d in (trainer.train, trainer.test):
+        if whole_capture:  # the planned graphs captured, nothing fell back; only
+            for d in (trainer.train, trainer.test):  # Accuracy reads on the host
                 report = d.capture_report()
                 assert report["captured"] == report["segments"] >= 1, report
-                assert report["failed"] == {} and report["eager_gpu_ops"] == {}, report
+                assert report["failed"] == {}, report
+                assert set(report["eager_gpu_ops"]) <= {"acc.fwd"}, report
+            assert trainer.train.capture_report()["launches_per_iter"] == 1
     finally:
         trainer.close()
     rows = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
@@ -168,9 +170,10 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
                                             ("tiny", True)])
 def test_training_with_the_device_plan_is_bitwise_without_it(
         host_build_dir, monkeypatch, tmp_path, net, cuda_graph):
-    """The net of every kind of layer, eager and with CUDA graphs (where a
-    segment's capture fails -- an op that allocates -- it runs eagerly);
-    the tiny net of the CUDA-graph tests captured whole, train and test."""
+    """The net of every kind of layer (batch norm, eltwise, concat, LRN,
+    tanh, sigmoid, both poolings, dropout), eager and with CUDA graphs: the
+    training iteration captured whole, one launch, as is the tiny net of the
+    CUDA-graph tests; the test graph but its Accuracy."""
     import json
 
     import purine_mpi.gpu as gpu
@@ -182,8 +185,8 @@ def test_training_with_the_device_plan_is_bitwise_without_it(
     else:
         raw = _every_kind_raw(cuda_graph)
     try:
-        base = _train(tmp_path, raw, False, "one_buffer_each", whole_capture=net == "tiny")
-        planned = _train(tmp_path, raw, True, "planned", whole_capture=net == "tiny")
+        base = _train(tmp_path, raw, False, "one_buffer_each", whole_capture=cuda_graph)
+        planned = _train(tmp_path, raw, True, "planned", whole_capture=cuda_graph)
     finally:
         gpu.clear_kernel_cache()
     for name, value in base[0].items():

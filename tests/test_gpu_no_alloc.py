@@ -93,6 +93,37 @@ def test_the_emulated_count_sees_temporaries(emulated):
         d.close()
 
 
+def test_a_capture_that_fails_names_the_op_and_runs_eagerly(emulated):
+    """The same Softmax with CUDA graphs on: its capture fails on the first
+    reduction, the note and the capture report name the op (so the user
+    knows which op keeps the step from being one graph), and the iterations
+    run eagerly with the right values."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.core import Location
+    g = Graph("softmax")
+    g.add_blob("x", (4, 5), location=Location(0, 0))
+    g.add_blob("iter", (), "int64", kind="iter")
+    g.add_op("sm", "Softmax", ["x"], ["y"], location=Location(0, 0))
+    g.infer_shapes()
+    notes = []
+    d = make_dispatcher(g, runtime=SimulatedRuntime(0), cuda_graph=True, log=notes.append)
+    try:
+        x = np.arange(20.0, dtype=np.float32).reshape(4, 5)
+        d.workspace.set("x", x)
+        for it in range(3):
+            d.run(it)
+        report = d.capture_report()
+        want = np.exp(x - x.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(np.asarray(d.workspace["y"]),
+                                   want / want.sum(axis=1, keepdims=True), rtol=1e-6)
+    finally:
+        d.close()
+    assert report["captured"] == 0 and report["eager_ops_per_iter"] == 1
+    (why,) = report["failed"].values()
+    assert why.startswith("op 'sm' (Softmax): RuntimeError: ") and "reduce" in why, why
+    assert any("could not capture" in n and "op 'sm' (Softmax)" in n for n in notes), notes
+
+
 def test_scratch_is_shared_only_by_ordered_ops():
     """Workspace.scratch_for: an op reuses the buffer of an ancestor, never
     that of an op it may run concurrently with."""

@@ -151,9 +151,12 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
     raw["parallel"] = {"scheme": "data", "micro_batches": 4, "schedule": "1f1b"}
 
-    def train():
-        t = Trainer(validate_config(raw, check_files=False), str(tmp_path / "unused"),
-                    log=lambda m: None)
+    def train(whole_graph_plan=False):
+        # the micro-batch plan alone (``memory_plan: false`` turns off the
+        # whole-graph plan of the host and the GPU arena, which would pack
+        # the same transient blobs again), then both together
+        config = validate_config(dict(raw, memory_plan=whole_graph_plan), check_files=False)
+        t = Trainer(config, str(tmp_path / "unused"), log=lambda m: None)
         try:
             losses = []
             for it in range(4):
@@ -165,9 +168,12 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
         finally:
             t.close()
 
-    got = train()
+    got, both = train(), train(whole_graph_plan=True)
     monkeypatch.setattr(compose, "plan_memory", lambda *a, **k: None)
     ref = train()
+    assert both[3] < got[3] and both[0] == ref[0]
+    for name, value in ref[1].items():
+        np.testing.assert_array_equal(both[1][name], value, err_msg=name)
     plan, graph = got[2], got[4]
     assert ref[2] is None and plan["slots"] == 1 and plan["shared"]
     assert any(graph.blobs[n].location.device == 0 for n in plan["shared"])

@@ -126,7 +126,11 @@ class SigmoidGrad(OpKernel):
 
     def run(self, ins, outs):
         dy, y = ins
-        outs[0][...] = dy * y * (1 - y)
+        xp, dx = get_xp(dy), outs[0]
+        (t,) = self.temporaries(dy, (dy.shape, dy.dtype))  # no new array: capturable
+        xp.subtract(1, y, out=t)
+        xp.multiply(dy, y, out=dx)
+        dx *= t
 
 
 @gradient("Sigmoid")
@@ -162,7 +166,11 @@ class TanhGrad(OpKernel):
 
     def run(self, ins, outs):
         dy, y = ins
-        outs[0][...] = dy * (1 - y * y)
+        xp = get_xp(dy)
+        (t,) = self.temporaries(dy, (dy.shape, dy.dtype))  # no new array: capturable
+        xp.multiply(y, y, out=t)
+        xp.subtract(1, t, out=t)
+        xp.multiply(dy, t, out=outs[0])
 
 
 @gradient("Tanh")

@@ -39,6 +39,7 @@ layers below it, and its own.
 """
 from ..backend import get_xp
 from ..errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 _GRAD_NAMES = ("x", "gamma", "beta")
@@ -101,29 +102,62 @@ class BatchNorm(OpKernel):
         x, gamma, beta, running_mean, running_var = ins
         xp = get_xp(x)
         eps = float(self.attrs.get("eps", 1e-5))
-        axes, bshape = _axes(x)
-        y = outs[0]
+        _, bshape = _axes(x)
+        y, C = outs[0], x.shape[1]
+        # per-channel temporaries, and one of x's size: no new array, so a
+        # CUDA graph captures the op
+        scale, stat, sq = self.temporaries(x, ((C,), x.dtype), ((C,), x.dtype),
+                                           (x.shape, x.dtype))
         if _phase(self.attrs) == "test":
-            invstd = 1.0 / xp.sqrt(running_var + eps)
+            _invstd(xp, running_var, eps, out=stat)
             xp.subtract(x, running_mean.reshape(bshape), out=y)
-            y *= (invstd * gamma).reshape(bshape)
+            xp.multiply(stat, gamma, out=scale)
+            y *= scale.reshape(bshape)
             y += beta.reshape(bshape)
             return
         m = self._momentum()
-        count = x.size // x.shape[1]
-        mean = x.mean(axis=axes)
+        count = x.size // C
+        mean, invstd = outs[1], outs[2]
+        _channel_sum(xp, x, out=mean)
+        mean /= count                                   # E[x]
         xp.subtract(x, mean.reshape(bshape), out=y)
-        var = (y * y).mean(axis=axes)
-        invstd = 1.0 / xp.sqrt(var + eps)
-        y *= (invstd * gamma).reshape(bshape)
+        xp.multiply(y, y, out=sq)
+        var = stat
+        _channel_sum(xp, sq, out=var)
+        var /= count                                    # E[(x - mean)^2]
+        _invstd(xp, var, eps, out=invstd)
+        xp.multiply(invstd, gamma, out=scale)
+        y *= scale.reshape(bshape)
         y += beta.reshape(bshape)
-        outs[1][...] = mean
-        outs[2][...] = invstd
-        unbiased = var * (count / max(count - 1, 1))
-        # outs[3], outs[4] share storage with ins[3], ins[4]: each right-hand
-        # side is computed in full before it is written
-        outs[3][...] = (1.0 - m) * running_mean + m * mean
-        outs[4][...] = (1.0 - m) * running_var + m * unbiased
+        # outs[3], outs[4] share storage with ins[3], ins[4] in a graph
+        _blend(xp, outs[3], running_mean, mean, m, scale)
+        var *= count / max(count - 1, 1)               # unbiased
+        _blend(xp, outs[4], running_var, var, m, scale)
+
+
+def _channel_sum(xp, a, out):
+    """out[c] = sum of ``a``'s channel c over the batch and spatial axes
+    (on a GPU one deterministic raw kernel, which a capture takes)."""
+    k = raw_kernels(xp, a)
+    if k is not None:
+        k.channel_sum(a, out=out)
+    else:
+        a.sum(axis=_axes(a)[0], out=out)
+
+
+def _invstd(xp, var, eps, out):
+    """out = 1 / sqrt(var + eps), in place."""
+    xp.add(var, eps, out=out)
+    xp.sqrt(out, out=out)
+    xp.divide(1.0, out, out=out)
+
+
+def _blend(xp, out, running, value, m, tmp):
+    """out = (1 - m) * running + m * value (``out`` may be ``running``'s
+    storage; ``tmp``: scratch)."""
+    xp.multiply(value, m, out=tmp)
+    xp.multiply(running, 1.0 - m, out=out)
+    out += tmp
 
 
 @register
@@ -145,30 +179,39 @@ class BatchNormGrad(OpKernel):
     def run(self, ins, outs):
         dy, x, gamma, mean, stat = ins
         xp = get_xp(dy)
-        axes, bshape = _axes(x)
+        _, bshape = _axes(x)
+        C = x.shape[1]
         grads = self.attrs.get("grads", list(_GRAD_NAMES))
         out = dict(zip([n for n in _GRAD_NAMES if n in grads], outs))
+        # temporaries, not new arrays, so a CUDA graph captures the op
+        invstd, dbeta, dgamma, scale, xhat, prod = self.temporaries(
+            dy, *([((C,), dy.dtype)] * 4 + [(x.shape, dy.dtype)] * 2))
         if _phase(self.attrs) == "test":
-            invstd = 1.0 / xp.sqrt(stat + float(self.attrs.get("eps", 1e-5)))
+            _invstd(xp, stat, float(self.attrs.get("eps", 1e-5)), out=invstd)
         else:
-            invstd = stat
-        xhat = (x - mean.reshape(bshape)) * invstd.reshape(bshape)
-        dbeta = dy.sum(axis=axes)
-        dgamma = (dy * xhat).sum(axis=axes)
+            xp.copyto(invstd, stat)
+        xp.subtract(x, mean.reshape(bshape), out=xhat)
+        xhat *= invstd.reshape(bshape)
+        _channel_sum(xp, dy, out=dbeta)
+        xp.multiply(dy, xhat, out=prod)
+        _channel_sum(xp, prod, out=dgamma)
         if "beta" in out:
-            out["beta"][...] = dbeta
+            xp.copyto(out["beta"], dbeta)
         if "gamma" in out:
-            out["gamma"][...] = dgamma
+            xp.copyto(out["gamma"], dgamma)
         if "x" in out:
             dx = out["x"]
+            xp.multiply(gamma, invstd, out=scale)
             if _phase(self.attrs) == "test":
-                xp.multiply(dy, (gamma * invstd).reshape(bshape), out=dx)
+                xp.multiply(dy, scale.reshape(bshape), out=dx)
                 return
-            count = x.size // x.shape[1]
-            xhat *= (dgamma / count).reshape(bshape)
+            count = x.size // C
+            dgamma /= count
+            dbeta /= count
+            xhat *= dgamma.reshape(bshape)
             xp.subtract(dy, xhat, out=dx)
-            dx -= (dbeta / count).reshape(bshape)
-            dx *= (gamma * invstd).reshape(bshape)
+            dx -= dbeta.reshape(bshape)
+            dx *= scale.reshape(bshape)
 
 
 @gradient("BatchNorm")

@@ -118,6 +118,22 @@ class OpKernel:
     def load_state_dict(self, state):
         pass
 
+    def temporaries(self, like, *specs):
+        """Arrays of the given ``(shape, dtype)`` for the kernel's
+        intermediate values (contents undefined, disjoint). On a GPU they are
+        views of the scratch of the op's stream, allocated once and kept, so
+        a run inside a CUDA-graph capture allocates nothing (an allocation
+        during a capture breaks it); on the host, new arrays. ``like``: an
+        array on the device the temporaries are for. Take them all in one
+        call: the next call on the same stream may hand out the same bytes."""
+        import numpy as np
+
+        from ..backend import get_xp
+        if get_xp(like) is np:
+            return [np.empty(shape, dtype) for shape, dtype in specs]
+        from ..gpu.raw import array_device, op_scratch
+        return op_scratch(self, array_device(like)).take(*specs)
+
 
 def register(cls):
     """Class decorator: register a kernel under its ``op_type``."""

@@ -81,11 +81,6 @@ def _reserve(kernel, x, specs):
         op_scratch(kernel, array_device(x)).reserve(*specs)
 
 
-def _scratch(kernel, x, specs):
-    from ..gpu.raw import array_device, op_scratch
-    return op_scratch(kernel, array_device(x)).take(*specs)
-
-
 @register
 class Softmax(OpKernel):
     """y = exp(x) / sum_axis(exp(x))  (attr ``axis``, default 1).
@@ -165,7 +160,7 @@ class SoftmaxLoss(OpKernel):
         k = raw_kernels(xp, x)
         if k is not None and axis == 1:  # GPU: fused kernel, mean taken on the device
             ignore = self.attrs.get("ignore_label")
-            nll, valid = _scratch(self, x, _loss_specs(x))
+            nll, valid = self.temporaries(x, *_loss_specs(x))
             pos_shape = (x.shape[0],) + tuple(x.shape[2:])
             k.softmax_loss_forward(x, label, ignore,
                                    out=(prob, nll.reshape(pos_shape), valid.reshape(pos_shape)))
@@ -212,7 +207,7 @@ class SoftmaxLossGrad(OpKernel):
                 k.softmax_loss_backward(prob, label, scale, None, out=outs[0],
                                         scale_factor=1.0 / (outer * inner))
                 return
-            (count,) = _scratch(self, prob, [((1,), prob.dtype)])
+            (count,) = self.temporaries(prob, ((1,), prob.dtype))
             k.softmax_loss_count(label, int(ignore), count)
             k.softmax_loss_backward(prob, label, scale, ignore, out=outs[0], count=count)
             return
@@ -249,6 +244,9 @@ class Accuracy(OpKernel):
     A test-time metric: no gradient."""
 
     op_type = "Accuracy"
+    #: it counts the valid labels on the host (a device -> host read)
+    capturable = False
+    capture_note = "counts the valid labels on the host"
 
     @classmethod
     def infer(cls, attrs, ins):

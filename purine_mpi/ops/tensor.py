@@ -228,20 +228,24 @@ class Eltwise(OpKernel):
         xp = get_xp(ins[0])
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         y = outs[0]
-        # the result is built in a temporary, so y may share an input's storage
-        if operation == "sum":
-            acc = ins[0] * coeff[0] if coeff[0] != 1.0 else ins[0].copy()
-            for x, c in zip(ins[1:], coeff[1:]):
-                acc += x * c if c != 1.0 else x
-        elif operation == "prod":
-            acc = ins[0].copy()
-            for x in ins[1:]:
-                acc *= x
+        # the result is built in a temporary, so y may share an input's
+        # storage; temporaries, not new arrays, so a CUDA graph captures it
+        acc, term = self.temporaries(y, (y.shape, y.dtype), (y.shape, y.dtype))
+        if operation == "sum" and coeff[0] != 1.0:
+            xp.multiply(ins[0], coeff[0], out=acc)
         else:
-            acc = ins[0].copy()
-            for x in ins[1:]:
+            xp.copyto(acc, ins[0])
+        for x, c in zip(ins[1:], coeff[1:]):
+            if operation == "sum":
+                if c != 1.0:
+                    xp.multiply(x, c, out=term)
+                    x = term
+                acc += x
+            elif operation == "prod":
+                acc *= x
+            else:
                 xp.maximum(acc, x, out=acc)
-        y[...] = acc
+        xp.copyto(y, acc)
 
 
 @register
@@ -265,20 +269,21 @@ class EltwiseGrad(OpKernel):
             c = float(coeff[index]) if coeff else 1.0
             xp.multiply(dy, c, out=dx)
         elif operation == "prod":
-            acc = dy.copy()
+            (acc,) = self.temporaries(dy, (dy.shape, dy.dtype))  # dx may share an input
+            xp.copyto(acc, dy)
             for j, x in enumerate(xs):
                 if j != index:  # the product of the others: no division by x_i, so 0 is safe
                     acc *= x
-            dx[...] = acc
+            xp.copyto(dx, acc)
         else:
             # x_index wins where it beats every earlier input strictly and
             # equals-or-beats every later one: ties go to the lowest index
-            win = xp.ones(dy.shape, dtype=bool)
+            win, beats = self.temporaries(dy, (dy.shape, np.bool_), (dy.shape, np.bool_))
+            win.fill(True)
             for j, x in enumerate(xs):
-                if j < index:
-                    win &= xs[index] > x
-                elif j > index:
-                    win &= xs[index] >= x
+                if j != index:
+                    (xp.greater if j < index else xp.greater_equal)(xs[index], x, out=beats)
+                    win &= beats
             xp.multiply(dy, win, out=dx)
 
 

@@ -243,6 +243,8 @@ class GraphDispatcher(StreamDispatcher):
         except Exception as exc:
             cause = exc.cause if isinstance(exc, OpError) else exc
             seg.failed = f"{type(cause).__name__}: {cause}"
+            if isinstance(exc, OpError):  # say which op refused, so it can be fixed
+                seg.failed = f"op '{exc.op.name}' ({exc.op.op_type}): {seg.failed}"
             self._say_once(("failed", seg.name),
                            f"cuda_graph: could not capture {seg.describe()} ({seg.failed}); "
                            "it runs eagerly")
