@@ -57,13 +57,20 @@ def test_both_entry_points_decide_the_same_under_mpiexec(tmp_path):
     want = max(1, len(os.sched_getaffinity(0)) // 2)
     # the probe runs as the console script's interpreter does: the script's
     # first import is purine_mpi (its entry point lives in purine_mpi.cli)
-    for argv in ([sys.executable, "-c", PROBE],
-                 [sys.executable, "-c", "import purine_mpi.cli; " + PROBE]):
+    # each rank writes its own file: the ranks' stdout lines can interleave
+    # mid-line through mpiexec ("THREADSTHREADS 1 1 0" in a CI run)
+    probe = PROBE.replace("print(", "open('threads.' + os.environ.get('PMI_RANK', '0'), "
+                                    "'w').write(' '.join(map(str, (")[:-1] + "))))"
+    for argv in ([sys.executable, "-c", probe],
+                 [sys.executable, "-c", "import purine_mpi.cli; " + probe]):
+        for old in tmp_path.glob("threads.*"):
+            old.unlink()
         out = subprocess.run([MPIEXEC, "-n", "2", *argv], env=_env(), cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        counts = re.findall(r"THREADS (\d+) (\d+) (\d+)", out.stdout)
-        assert sorted(r for _, _, r in counts) == ["0", "1"], out.stdout
+        text = "\n".join(f.read_text() for f in sorted(tmp_path.glob("threads.*")))
+        counts = re.findall(r"THREADS (\d+) (\d+) (\d+)", text)
+        assert sorted(r for _, _, r in counts) == ["0", "1"], text
         assert all(int(a) == int(b) == want for a, b, _ in counts), out.stdout
     # the console script itself: its start-up block says the count
     res = subprocess.run([MPIEXEC, "-n", "2", script, "train", f"{REPO}/jobs/digits_lenet.yaml",
