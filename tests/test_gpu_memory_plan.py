@@ -22,12 +22,14 @@ import os
 import numpy as np
 import pytest
 
+from purine_mpi.backend import to_numpy
 from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.graph.core import Location
 from purine_mpi.io.config import load_config, validate_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, device_plans, plan_memory
 from purine_mpi.runtime.workspace import ARENA_ALIGN, plan_device_memory
+from tests.conftest import cuda_cupy_or_skip
 from tests.test_gpu_backend import _emulated_trainer_env, _tiny_raw
 from tests.test_memory_plan import _random_graph, _schedule_conflicts
 
@@ -154,7 +156,7 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
                 for root in plan.offsets:  # stale bytes must never reach a result
                     ws.storage(root).view(np.uint8)[...] = 255
         trainer.run()
-        params = {p: np.array(trainer.ws[p]) for p in trainer.params}
+        params = {p: np.array(to_numpy(trainer.ws[p])) for p in trainer.params}
         arena = dict(trainer.ws.device_bytes)
         if whole_capture:  # the planned graphs captured, nothing fell back; only
             for d in (trainer.train, trainer.test):  # Accuracy reads on the host
@@ -206,3 +208,17 @@ def test_training_with_the_device_plan_is_bitwise_without_it(
     assert train_plan.total_bytes < train_plan.unplanned_bytes
     assert train_plan.in_place or net == "tiny"   # the tiny net's ReLU is fused in its conv
     assert test_plan.offsets
+
+
+@pytest.mark.gpu
+def test_every_kind_net_captures_whole_on_a_real_gpu(tmp_path):
+    """Real CuPy: the every-kind net's training iteration is one captured
+    graph (batch norm, eltwise, LRN, sigmoid, tanh, poolings, dropout
+    included), its test graph all but Accuracy, and it trains like eager
+    stream dispatch, with the memory plan on."""
+    cuda_cupy_or_skip()
+    eager = _train(tmp_path, _every_kind_raw(False), True, "eager")
+    captured = _train(tmp_path, _every_kind_raw(True), True, "captured", whole_capture=True)
+    for name, value in eager[0].items():
+        np.testing.assert_allclose(captured[0][name], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)

@@ -379,6 +379,7 @@ class ConvGradData(OpKernel):
             return
         data_grad_col2im(xp, dy, w, geo, outs[0], _chunks(xp, geo, dy.itemsize))
 
+
 @register
 class ConvGradWeight(OpKernel):
     """dw = sum_n dy[n] @ im2col(x)[n]^T.  Inputs [dy, x]; Conv's attrs."""
