@@ -10,7 +10,9 @@ Sequential, SGD with the config's momentum and weight decay, a synthetic
 batch), one process each, one after the other; the pairs take turns at
 going first. Prints one JSON object: per
 config, each side's images/s (median and range over the pairs), every
-pair's ratio (purine_mpi / PyTorch) and their median and range. Timing is
+pair's ratio (purine_mpi / PyTorch) and their median and range, and each
+side's peak RSS in MiB (``*_max_rss_mib``: the whole process, its
+framework's import included, as ``/usr/bin/time -v`` reports it). Timing is
 wall clock, as ``bench`` reports it; on a shared machine compare the ratios
 of one run, not figures across runs. ``--baseline DIR`` (a checkout of
 another version, e.g. made by ``git worktree add DIR main``) adds its
@@ -32,14 +34,14 @@ from scaling_ddp import bench_cmd, one_thread_env, purine, pytorch  # noqa: E402
 
 
 def purine_at(root, config, iters, warmup, sets):
-    """``bench --json`` of the checkout at ``root`` (one process): images/s."""
+    """``bench --json`` of the checkout at ``root`` (one process)."""
     env = one_thread_env()
     env["PYTHONPATH"] = root
     out = subprocess.run(bench_cmd(os.path.abspath(config), iters, warmup, sets), env=env,
                          capture_output=True, text=True, cwd=root, timeout=1800)
     if out.returncode != 0:
         sys.exit(f"bench in {root} failed:\n{out.stdout}\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["images_per_s"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _summary(values):
@@ -56,22 +58,33 @@ def compare(path, args):
         run = {}
         for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate who goes first
             if side == "purine_mpi":
-                run[side] = purine(path, 1, args.iters, args.warmup, args.set)["images_per_s"]
+                run[side] = purine(path, 1, args.iters, args.warmup, args.set)
             elif side == "baseline":
                 run[side] = purine_at(args.baseline, path, args.iters, args.warmup, args.set)
             else:
-                run[side] = pytorch(config, 1, args.iters, args.warmup)["images_per_s"]
+                run[side] = pytorch(config, 1, args.iters, args.warmup)
         runs.append(run)
-    ratios = [r["purine_mpi"] / r["pytorch"] for r in runs]
+
+    def figures(side, key, scale=1.0):
+        return [r[side][key] / scale for r in runs]
+    ratios = [a / b for a, b in zip(figures("purine_mpi", "images_per_s"),
+                                    figures("pytorch", "images_per_s"))]
+    mib = 2.0 ** 20
     result = {"batch": config["data"]["train"]["batch_size"],
-              "purine_mpi_images_per_s": _summary([r["purine_mpi"] for r in runs]),
-              "pytorch_images_per_s": _summary([r["pytorch"] for r in runs]),
-              "ratio": dict(_summary(ratios), pairs=[round(r, 3) for r in ratios])}
+              "purine_mpi_images_per_s": _summary(figures("purine_mpi", "images_per_s")),
+              "pytorch_images_per_s": _summary(figures("pytorch", "images_per_s")),
+              "ratio": dict(_summary(ratios), pairs=[round(r, 3) for r in ratios]),
+              # each process's peak RSS, the import of its framework included
+              "purine_mpi_max_rss_mib": _summary(figures("purine_mpi", "max_rss_bytes", mib)),
+              "pytorch_max_rss_mib": _summary(figures("pytorch", "max_rss_bytes", mib))}
     if args.baseline:
-        speedups = [r["purine_mpi"] / r["baseline"] for r in runs]
-        result["baseline_images_per_s"] = _summary([r["baseline"] for r in runs])
+        speedups = [a / b for a, b in zip(figures("purine_mpi", "images_per_s"),
+                                          figures("baseline", "images_per_s"))]
+        result["baseline_images_per_s"] = _summary(figures("baseline", "images_per_s"))
         result["speedup_over_baseline"] = dict(_summary(speedups),
                                                rounds=[round(x, 3) for x in speedups])
+        result["baseline_max_rss_mib"] = _summary(
+            [r["baseline"].get("max_rss_bytes", float("nan")) / mib for r in runs])
     return result
 
 

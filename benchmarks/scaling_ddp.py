@@ -158,7 +158,9 @@ def torch_worker(rank, world, config, iters, warmup, port, queue):
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
-    queue.put((rank, statistics.median(times)))
+    import resource  # the process's peak RSS (Linux: KiB), `import torch` included
+    queue.put((rank, statistics.median(times),
+               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     if world > 1:
         dist.destroy_process_group()
 
@@ -177,13 +179,14 @@ def pytorch(config, ranks, iters, warmup):
                                                     queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    medians = [queue.get(timeout=1800)[1] for _ in procs]
+    reports = [queue.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join()
-    med = statistics.mean(medians)
+    med = statistics.mean(r[1] for r in reports)
     batch = config["data"]["train"]["batch_size"]
     return {"world_size": ranks, "iter_ms_median": round(1000 * med, 3),
-            "images_per_s": round(batch * ranks / med, 2)}
+            "images_per_s": round(batch * ranks / med, 2),
+            "max_rss_bytes": max(r[2] for r in reports)}
 
 
 def one_round(args, config):
