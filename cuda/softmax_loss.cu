@@ -13,6 +13,9 @@
 // onehot(label)), 0 where ignored; scale = scale_value * (*scale_ptr if
 // has_scale_ptr) / (*count_ptr if has_count_ptr), so the top gradient and the
 // valid count (softmax_loss_count) stay on the device.
+// softmax_forward / softmax_backward are the Softmax op alone (no loss):
+// y = exp(x - max) / sum(exp(x - max)) and dx = y * (dy - sum_c dy * y),
+// one thread per position, in place allowed.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("softmax_loss") (NVRTC,
 // so no #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
@@ -164,6 +167,57 @@ __device__ void softmax_loss_count_impl(long long total, const long long* labels
   if (blockIdx.x == 0 && tid == 0) out_count[0] = (T)(counted[0] > 1.0 ? counted[0] : 1.0);
 }
 
+// Softmax alone over axis 1 (the Softmax op; the GPU's path, which a CUDA
+// graph can capture): one thread per position (n, s), max-shifted so exp
+// never overflows. y may be x's storage (each x[j] is read before y[j] is
+// written, and the maximum before any write).
+template <typename T>
+__device__ void softmax_forward_impl(long long total, const T* x, int channels, int inner,
+                                     T* y) {
+  CUDA_KERNEL_LOOP(index, total) {
+    const long long n = index / inner;
+    const int s = (int)(index % inner);
+    const long long base = n * channels * inner + s;
+    T largest = x[base];
+    for (int c = 1; c < channels; ++c) {
+      const T v = x[base + (long long)c * inner];
+      largest = v > largest ? v : largest;
+    }
+    T sum = T(0);
+    for (int c = 0; c < channels; ++c) {
+      const long long j = base + (long long)c * inner;
+      const T e = exponential(x[j] - largest);
+      y[j] = e;
+      sum += e;
+    }
+    const T inv_sum = T(1) / sum;
+    for (int c = 0; c < channels; ++c) {
+      y[base + (long long)c * inner] *= inv_sum;
+    }
+  }
+}
+
+// Its gradient: dx = y * (dy - sum_c dy * y), one thread per position; dx
+// may be dy's storage (the dot product is read before any write).
+template <typename T>
+__device__ void softmax_backward_impl(long long total, const T* dy, const T* y, int channels,
+                                      int inner, T* dx) {
+  CUDA_KERNEL_LOOP(index, total) {
+    const long long n = index / inner;
+    const int s = (int)(index % inner);
+    const long long base = n * channels * inner + s;
+    T dot = T(0);
+    for (int c = 0; c < channels; ++c) {
+      const long long j = base + (long long)c * inner;
+      dot += dy[j] * y[j];
+    }
+    for (int c = 0; c < channels; ++c) {
+      const long long j = base + (long long)c * inner;
+      dx[j] = y[j] * (dy[j] - dot);
+    }
+  }
+}
+
 #define PURINE_SOFTMAX_LOSS_ENTRY(SUFFIX, T)                                    \
   extern "C" __global__ void softmax_loss_forward_##SUFFIX(                     \
       long long total, const T* x, const long long* labels, int channels, int inner,  \
@@ -192,5 +246,17 @@ __device__ void softmax_loss_count_impl(long long total, const long long* labels
     softmax_loss_count_impl<T>(total, labels, ignore_label, out_count);         \
   }
 
+#define PURINE_SOFTMAX_ENTRY(SUFFIX, T)                                         \
+  extern "C" __global__ void softmax_forward_##SUFFIX(                          \
+      long long total, const T* x, int channels, int inner, T* y) {             \
+    softmax_forward_impl<T>(total, x, channels, inner, y);                      \
+  }                                                                             \
+  extern "C" __global__ void softmax_backward_##SUFFIX(                         \
+      long long total, const T* dy, const T* y, int channels, int inner, T* dx) {  \
+    softmax_backward_impl<T>(total, dy, y, channels, inner, dx);                \
+  }
+
 PURINE_SOFTMAX_LOSS_ENTRY(f32, float)
 PURINE_SOFTMAX_LOSS_ENTRY(f64, double)
+PURINE_SOFTMAX_ENTRY(f32, float)
+PURINE_SOFTMAX_ENTRY(f64, double)

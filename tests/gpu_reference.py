@@ -149,6 +149,19 @@ def lrn_backward(x, y, scale, dy, local_size=5, alpha=1e-4, beta=0.75):
 
 # ---------------------------------------------------------- softmax loss ---
 
+def softmax_forward(x):
+    """Softmax over axis 1, in float64, cast back."""
+    wide = x.astype(np.float64)
+    e = np.exp(wide - wide.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(x.dtype)
+
+
+def softmax_backward(dy, y):
+    """dx = y * (dy - sum over axis 1 of dy * y), in float64, cast back."""
+    dy64, y64 = dy.astype(np.float64), y.astype(np.float64)
+    return (y64 * (dy64 - (dy64 * y64).sum(axis=1, keepdims=True))).astype(y.dtype)
+
+
 def softmax_loss_forward(x, labels, ignore_label=None):
     """-> (prob, loss, valid); softmax over axis 1, per-position loss."""
     n, channels = x.shape[:2]

@@ -635,6 +635,18 @@ def test_softmax_loss_gpu_branch(device, case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape, axis", [((6, 5), 1), ((2, 4, 3, 2), 1), ((2, 3, 4), 2),
+                                         ((3, 4), 0)])
+def test_softmax_gpu_branch(device, shape, axis, dtype):
+    """The Softmax op and its gradient on a GPU: one raw kernel each (no
+    CuPy reduction, so a CUDA graph captures them), any axis."""
+    x = _rand(shape, dtype, scale=3.0)
+    (y,), _ = _compare(device, "Softmax", {"axis": axis}, [x], ["softmax_forward"], dtype)
+    _compare(device, "SoftmaxGrad", {"axis": axis}, [_rand(shape, dtype, 1), y],
+             ["softmax_backward"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("lr_on_host", [True, False])
 def test_sgd_update_gpu_branch(device, dtype, lr_on_host):
     attrs = {"momentum": 0.9, "weight_decay": 5e-4, "lr_mult": 2.0, "decay_mult": 0.5,

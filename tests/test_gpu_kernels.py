@@ -660,6 +660,30 @@ def test_softmax_loss(backend, case, dtype):
         _close(backend.to_host(dx), dx_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 7), (2, 5, 3, 2), (3, 1, 4)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_softmax_alone_and_its_gradient(backend, shape, dtype, in_place):
+    """The Softmax op's kernels against NumPy: softmax over axis 1
+    (max-shifted: logits of +-80 do not overflow float32's exp) and
+    dx = y * (dy - sum_c dy * y); with ``in_place`` the output is the input."""
+    rng = _rng()
+    x = (30 * rng.standard_normal(shape)).astype(dtype)
+    y_ref = ref.softmax_forward(x)
+    xd = backend.to_device(x)
+    y = kernels.softmax_forward(xd, out=xd if in_place else None)
+    assert y.shape == x.shape and y.dtype == dtype
+    _close(backend.to_host(y), y_ref, dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    dx_ref = ref.softmax_backward(dy, y_ref)
+    dyd = backend.to_device(dy)
+    dx = kernels.softmax_backward(dyd, backend.to_device(y_ref),
+                                  out=dyd if in_place else None)
+    _close(backend.to_host(dx), dx_ref, dtype)
+    with pytest.raises(ValueError, match="differ"):
+        kernels.softmax_backward(backend.to_device(dy[:1]), backend.to_device(y_ref))
+
+
 def test_softmax_loss_bad_label_gives_nan(backend):
     x = np.zeros((2, 3))
     _, loss, _ = kernels.softmax_loss_forward(backend.to_device(x),

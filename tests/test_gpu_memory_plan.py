@@ -133,9 +133,11 @@ def _every_kind_raw(cuda_graph):
         dict(type="pool", name="pool2", bottom="sig1", top="pool2", pool="ave", kernel=2,
              stride=2),
         dict(type="dropout", name="drop", bottom="pool2", top="pool2", ratio=0.3),
-        dict(type="fc", name="fc1", bottom="pool2", top="fc1", num_output=5, **w),
-        dict(type="softmax_loss", name="loss", bottom=["fc1", "label"], top="loss"),
-        dict(type="accuracy", name="acc", bottom=["fc1", "label"], top="acc", phase="test"),
+        dict(type="fc", name="fc1", bottom="pool2", top="fc1", num_output=6, **w),
+        dict(type="softmax", name="sm1", bottom="fc1", top="sm1"),
+        dict(type="fc", name="fc2", bottom="sm1", top="fc2", num_output=5, **w),
+        dict(type="softmax_loss", name="loss", bottom=["fc2", "label"], top="loss"),
+        dict(type="accuracy", name="acc", bottom=["fc2", "label"], top="acc", phase="test"),
     ]
     raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
     raw["solver"].update(max_iter=5, test_interval=2, display=1)
@@ -176,7 +178,7 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
 def test_training_with_the_device_plan_is_bitwise_without_it(
         host_build_dir, monkeypatch, tmp_path, net, cuda_graph):
     """The net of every kind of layer (batch norm, eltwise, concat, LRN,
-    tanh, sigmoid, both poolings, dropout), eager and with CUDA graphs: the
+    tanh, sigmoid, both poolings, dropout, softmax), eager and with CUDA graphs: the
     training iteration captured whole, one launch, as is the tiny net of the
     CUDA-graph tests; the test graph but its Accuracy."""
     import json
@@ -213,8 +215,8 @@ def test_training_with_the_device_plan_is_bitwise_without_it(
 @pytest.mark.gpu
 def test_every_kind_net_captures_whole_on_a_real_gpu(tmp_path):
     """Real CuPy: the every-kind net's training iteration is one captured
-    graph (batch norm, eltwise, LRN, sigmoid, tanh, poolings, dropout
-    included), its test graph all but Accuracy, and it trains like eager
+    graph (batch norm, eltwise, LRN, sigmoid, tanh, poolings, dropout and
+    softmax included), its test graph all but Accuracy, and it trains like eager
     stream dispatch, with the memory plan on."""
     cuda_cupy_or_skip()
     eager = _train(tmp_path, _every_kind_raw(False), True, "eager")

@@ -18,7 +18,7 @@ ENTRY_POINTS = {
                 "avepool_forward", "avepool_backward"),
     "lrn": ("lrn_forward", "lrn_backward"),
     "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward", "softmax_loss_mean",
-                     "softmax_loss_count"),
+                     "softmax_loss_count", "softmax_forward", "softmax_backward"),
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),

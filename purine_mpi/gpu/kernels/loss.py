@@ -88,6 +88,40 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, 
     return _finish(dx, target)
 
 
+def _planes(cupy, a, func, arg):
+    """(a, N, C, positions per sample) of an (N, C, ...) array, checked."""
+    a = _input(cupy, a, f"{func}: {arg}")
+    if a.ndim < 2:
+        raise ValueError(f"{func}: expected (N, C, ...) {arg}, got shape {tuple(a.shape)}")
+    return a, int(a.shape[0]), int(a.shape[1]), int(np.prod(a.shape[2:], dtype=np.int64))
+
+
+def softmax_forward(x, out=None):
+    """Softmax over axis 1 of an (N, C, ...) array (max-shifted), one thread
+    per position; ``out`` may be ``x``."""
+    cupy = import_cupy()
+    x, n, channels, inner = _planes(cupy, x, "softmax_forward", "x")
+    y, target = _output(cupy, out, x.shape, x.dtype, "softmax_forward")
+    _base._launch("softmax_loss", "softmax_forward", x.dtype, n * inner,
+                  (x, _int(channels), _int(inner), y))
+    return _finish(y, target)
+
+
+def softmax_backward(dy, y, out=None):
+    """dx = y * (dy - sum over axis 1 of dy * y) for (N, C, ...) arrays, one
+    thread per position; ``out`` may be ``dy``."""
+    cupy = import_cupy()
+    y, n, channels, inner = _planes(cupy, y, "softmax_backward", "y")
+    dy = _input(cupy, dy, "softmax_backward: dy")
+    if tuple(dy.shape) != tuple(y.shape) or dy.dtype != y.dtype:
+        raise ValueError(f"softmax_backward: dy {tuple(dy.shape)} {dy.dtype} and y "
+                         f"{tuple(y.shape)} {y.dtype} differ")
+    dx, target = _output(cupy, out, y.shape, y.dtype, "softmax_backward")
+    _base._launch("softmax_loss", "softmax_backward", y.dtype, n * inner,
+                  (dy, y, _int(channels), _int(inner), dx))
+    return _finish(dx, target)
+
+
 def softmax_loss_mean(loss, valid, out, count=None):
     """out = sum(loss) / max(sum(valid), 1) on the device, one block (and,
     with ``count``, that normaliser too): one-element CuPy arrays."""
