@@ -40,6 +40,30 @@ template <> __device__ __forceinline__ double quiet_nan<double>() {
   return __longlong_as_double(0x7ff8000000000000LL);
 }
 
+// The softmax of one position (n, s) over the C classes (stride inner),
+// max-shifted so exp never overflows: y[j] = exp(x[j] - max) / sum. y may be
+// x (each x[j] is read before y[j] is written, the maximum before any write).
+template <typename T>
+__device__ __forceinline__ void softmax_at(const T* x, long long base, int channels,
+                                           int inner, T* y) {
+  T largest = x[base];
+  for (int c = 1; c < channels; ++c) {
+    const T v = x[base + (long long)c * inner];
+    largest = v > largest ? v : largest;
+  }
+  T sum = T(0);
+  for (int c = 0; c < channels; ++c) {
+    const long long j = base + (long long)c * inner;
+    const T e = exponential(x[j] - largest);
+    y[j] = e;
+    sum += e;
+  }
+  const T inv_sum = T(1) / sum;
+  for (int c = 0; c < channels; ++c) {
+    y[base + (long long)c * inner] *= inv_sum;
+  }
+}
+
 // One thread per position (n, s); loops over the C classes (stride inner).
 template <typename T>
 __device__ void softmax_loss_forward_impl(long long total, const T* x,
@@ -51,22 +75,7 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
     const long long n = index / inner;
     const int s = (int)(index % inner);
     const long long base = n * channels * inner + s;
-    T largest = x[base];
-    for (int c = 1; c < channels; ++c) {
-      const T v = x[base + (long long)c * inner];
-      largest = v > largest ? v : largest;
-    }
-    T sum = T(0);
-    for (int c = 0; c < channels; ++c) {
-      const long long j = base + (long long)c * inner;
-      const T e = exponential(x[j] - largest);
-      prob[j] = e;
-      sum += e;
-    }
-    const T inv_sum = T(1) / sum;
-    for (int c = 0; c < channels; ++c) {
-      prob[base + (long long)c * inner] *= inv_sum;
-    }
+    softmax_at(x, base, channels, inner, prob);
     const long long label = labels[index];
     if (has_ignore && label == ignore_label) {
       loss[index] = T(0);
@@ -168,9 +177,7 @@ __device__ void softmax_loss_count_impl(long long total, const long long* labels
 }
 
 // Softmax alone over axis 1 (the Softmax op; the GPU's path, which a CUDA
-// graph can capture): one thread per position (n, s), max-shifted so exp
-// never overflows. y may be x's storage (each x[j] is read before y[j] is
-// written, and the maximum before any write).
+// graph can capture): one thread per position (n, s); y may be x.
 template <typename T>
 __device__ void softmax_forward_impl(long long total, const T* x, int channels, int inner,
                                      T* y) {
@@ -178,22 +185,7 @@ __device__ void softmax_forward_impl(long long total, const T* x, int channels, 
     const long long n = index / inner;
     const int s = (int)(index % inner);
     const long long base = n * channels * inner + s;
-    T largest = x[base];
-    for (int c = 1; c < channels; ++c) {
-      const T v = x[base + (long long)c * inner];
-      largest = v > largest ? v : largest;
-    }
-    T sum = T(0);
-    for (int c = 0; c < channels; ++c) {
-      const long long j = base + (long long)c * inner;
-      const T e = exponential(x[j] - largest);
-      y[j] = e;
-      sum += e;
-    }
-    const T inv_sum = T(1) / sum;
-    for (int c = 0; c < channels; ++c) {
-      y[base + (long long)c * inner] *= inv_sum;
-    }
+    softmax_at(x, base, channels, inner, y);
   }
 }
 
