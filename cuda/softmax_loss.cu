@@ -40,6 +40,12 @@ template <> __device__ __forceinline__ double quiet_nan<double>() {
   return __longlong_as_double(0x7ff8000000000000LL);
 }
 
+// Where position index = n * inner + s of (N, inner) starts in an (N, C,
+// inner) array: element (n, 0, s); class c is inner further each.
+__device__ __forceinline__ long long position_base(long long index, int channels, int inner) {
+  return (index / inner) * channels * inner + index % inner;
+}
+
 // The softmax of one position (n, s) over the C classes (stride inner),
 // max-shifted so exp never overflows: y[j] = exp(x[j] - max) / sum. y may be
 // x (each x[j] is read before y[j] is written, the maximum before any write).
@@ -72,9 +78,7 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
                                           int has_ignore, T* prob, T* loss,
                                           T* valid) {
   CUDA_KERNEL_LOOP(index, total) {
-    const long long n = index / inner;
-    const int s = (int)(index % inner);
-    const long long base = n * channels * inner + s;
+    const long long base = position_base(index, channels, inner);
     softmax_at(x, base, channels, inner, prob);
     const long long label = labels[index];
     if (has_ignore && label == ignore_label) {
@@ -182,9 +186,7 @@ template <typename T>
 __device__ void softmax_forward_impl(long long total, const T* x, int channels, int inner,
                                      T* y) {
   CUDA_KERNEL_LOOP(index, total) {
-    const long long n = index / inner;
-    const int s = (int)(index % inner);
-    const long long base = n * channels * inner + s;
+    const long long base = position_base(index, channels, inner);
     softmax_at(x, base, channels, inner, y);
   }
 }
@@ -195,9 +197,7 @@ template <typename T>
 __device__ void softmax_backward_impl(long long total, const T* dy, const T* y, int channels,
                                       int inner, T* dx) {
   CUDA_KERNEL_LOOP(index, total) {
-    const long long n = index / inner;
-    const int s = (int)(index % inner);
-    const long long base = n * channels * inner + s;
+    const long long base = position_base(index, channels, inner);
     T dot = T(0);
     for (int c = 0; c < channels; ++c) {
       const long long j = base + (long long)c * inner;

@@ -150,19 +150,16 @@ def memory_lines(job, graph):
     """``graph --memory``: the memory plans the trainer lays this graph out
     by (runtime/memory_plan.py), the host's then each GPU's, or a line each
     saying it is off."""
-    from ..runtime.memory_plan import batch_blobs, device_plans, format_plan, plan_memory
-    from ..runtime.factory import on_gpu
+    from ..runtime.factory import memory_plans
+    from ..runtime.memory_plan import batch_blobs, format_plan
     on = job.memory_plan
-    keep = batch_blobs(graph)
-    plans = [plan_memory(graph, keep=keep, order_ops=on and not on_gpu(graph))]
-    plans += device_plans(graph, keep=keep, order_ops=on).values()
+    host, devices = memory_plans(graph, keep=batch_blobs(graph), order_ops=on)
     lines = []
-    for plan in plans:
+    for plan in [host, *devices.values()]:
         if on:
             lines += format_plan(graph, plan)
             continue
-        where = "" if plan.device < 0 else f", GPU {plan.device}"
-        lines.append(f"memory plan{where}: off (memory_plan: false): one buffer per blob; the "
+        lines.append(f"{plan.title}: off (memory_plan: false): one buffer per blob; the "
                      f"plan would put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} "
                      f"transient blob(s) in a {plan.total_bytes:,}-byte arena")
     return lines

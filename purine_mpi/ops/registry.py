@@ -36,6 +36,9 @@ forward op through a ``GradContext`` (see ``purine_mpi.graph.grad``)::
 Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
 layers below it, and its own.
 """
+import numpy as np
+
+from ..backend import get_xp
 from ..errors import GraphError
 
 KERNELS = {}
@@ -126,9 +129,6 @@ class OpKernel:
         during a capture breaks it); on the host, new arrays. ``like``: an
         array on the device the temporaries are for. Take them all in one
         call: the next call on the same stream may hand out the same bytes."""
-        import numpy as np
-
-        from ..backend import get_xp
         if get_xp(like) is np:
             return [np.empty(shape, dtype) for shape, dtype in specs]
         from ..gpu.raw import array_device, op_scratch

@@ -230,7 +230,9 @@ class Eltwise(OpKernel):
         y = outs[0]
         # the result is built in a temporary, so y may share an input's
         # storage; temporaries, not new arrays, so a CUDA graph captures it
-        acc, term = self.temporaries(y, (y.shape, y.dtype), (y.shape, y.dtype))
+        # (and a second for coeff_i * x_i where a coefficient is not 1)
+        scaled = operation == "sum" and any(c != 1.0 for c in coeff[1:])
+        acc, *term = self.temporaries(y, *[(y.shape, y.dtype)] * (1 + scaled))
         if operation == "sum" and coeff[0] != 1.0:
             xp.multiply(ins[0], coeff[0], out=acc)
         else:
@@ -238,8 +240,7 @@ class Eltwise(OpKernel):
         for x, c in zip(ins[1:], coeff[1:]):
             if operation == "sum":
                 if c != 1.0:
-                    xp.multiply(x, c, out=term)
-                    x = term
+                    x = xp.multiply(x, c, out=term[0])
                 acc += x
             elif operation == "prod":
                 acc *= x

@@ -55,18 +55,23 @@ def on_gpu(graph):
                list(graph.blobs.values()))
 
 
+def memory_plans(graph, keep=(), skip=(), order_ops=True):
+    """(the host's plan, {GPU device: its plan}) of ``graph``, as ``train``
+    lays it out (runtime/memory_plan.py). With ``order_ops`` the plans may
+    add control edges: between the ops of one stream on each GPU, and
+    between the ops of one CPU thread only where the CPU dispatchers run
+    the graph (a GPU graph's host blobs are few)."""
+    host = plan_memory(graph, keep=keep, skip=skip, order_ops=order_ops and not on_gpu(graph))
+    return host, device_plans(graph, keep=keep, skip=skip, order_ops=order_ops)
+
+
 def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None):
     """The workspace ``train`` runs ``graph`` in. With ``planned`` (the
     config's ``memory_plan``) the transient blobs of the host and of each
     GPU share one arena per device (runtime/memory_plan.py); ``keep``: what
     the host reads besides losses and metrics; ``shared``, ``arena``: as
-    ``Workspace`` takes them. The plan may add control edges: between the
-    ops of one CPU thread where the CPU dispatchers run the graph (a GPU
-    graph's host blobs are few), and between the ops of one stream on each
-    GPU."""
+    ``Workspace`` takes them; the plans are those of ``memory_plans``."""
     if not planned:
         return Workspace(graph, shared=shared, arena=arena)
-    skip = shared or ()
-    plan = plan_memory(graph, keep=keep, skip=skip, order_ops=not on_gpu(graph))
-    devices = device_plans(graph, keep=keep, skip=skip, order_ops=True)
+    plan, devices = memory_plans(graph, keep=keep, skip=shared or ())
     return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices)

@@ -137,6 +137,11 @@ class MemoryPlan:
     def persistent_bytes(self):
         return sum(self.persistent_sizes.values())
 
+    @property
+    def title(self):
+        """"memory plan", with ", GPU d" on a device: what reports call it."""
+        return "memory plan" + ("" if self.device < 0 else f", GPU {self.device}")
+
 
 def batch_blobs(graph):
     """The blobs the data readers fill. The trainer keeps them out of the
@@ -471,8 +476,7 @@ def format_plan(graph, plan):
     and lifetime (schedule positions of its first and last op), then the
     persistent roots and the totals."""
     from ..progress import human_bytes
-    where = "" if plan.device < 0 else f", GPU {plan.device}"
-    lines = [f"memory plan{where}: {len(plan.offsets)} transient blob(s) in a "
+    lines = [f"{plan.title}: {len(plan.offsets)} transient blob(s) in a "
              f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
              f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "
              f"{len(plan.persistent)} persistent blob(s), {plan.persistent_bytes:,} bytes; "
