@@ -114,6 +114,7 @@ def test_a_plan_the_schedule_cannot_honour_is_refused():
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,scheme,micro,schedule", [
     (1, "data", 4, "1f1b"),
+    (2, "data", 4, "1f1b"),      # the deferred update: read after drain()
     (2, "pipeline", 4, "1f1b"),
     (2, "pipeline", 4, "gpipe"),
     (3, "pipeline3", 4, "1f1b"),

@@ -53,6 +53,9 @@ def train(plan):
         seen = []
         for it in range(iters):
             t.step(it)
+            # the deferred update of data parallelism may still be running:
+            # read the step's values once it is done, as a checkpoint does
+            t.train.drain()
             losses = [t.ws[b].copy() for b in t.losses]
             state = {n: t.ws[n].copy() for n, b in t.graph.blobs.items()
                      if b.kind in ("param", "state") and b.alias_of is None}

@@ -26,6 +26,8 @@ iters = int(sys.argv[1])
 busy_poll = float(sys.argv[2])
 w = world()
 n, r = w.size, w.rank
+if n < 2:  # one rank composes no bucket and posts no collective: nothing to order
+    sys.exit("no_hang.py needs 2 or more ranks (mpiexec -n 3 ...)")
 B = 2
 solver = {"max_iter": iters, "stepsize": 10 ** 6}
 
