@@ -646,6 +646,23 @@ def test_softmax_gpu_branch(device, shape, axis, dtype):
              ["softmax_backward"], dtype)
 
 
+def test_softmax_into_a_strided_blob_on_a_gpu(device):
+    """A softmax over axis 2 whose output is a channel slice of a larger
+    buffer (as a concat's input is): its (outer, C, inner) reshape would be
+    a copy, so the op takes the generic path and the slice gets the values."""
+    x = _rand((2, 3, 4), np.float64, scale=3.0)
+    want = _run_kernel("Softmax", {"axis": 2}, [x])[0]
+    buf = device.to_device(np.full((2, 5, 4), np.nan))
+    y = buf[:, 1:4]                                   # not C-contiguous
+    kernel = get_kernel_class("Softmax")(Op("probe", "Softmax", [], [], {"axis": 2}))
+    device.launched.clear()
+    kernel.run([device.to_device(x)], [y])
+    assert "softmax_forward" not in device.launched
+    got = np.array(backend.to_numpy(buf))
+    np.testing.assert_allclose(got[:, 1:4], want, rtol=1e-12)
+    assert np.isnan(got[:, 0]).all() and np.isnan(got[:, 4]).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("lr_on_host", [True, False])
 def test_sgd_update_gpu_branch(device, dtype, lr_on_host):

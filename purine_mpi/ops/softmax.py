@@ -38,6 +38,13 @@ def _split_dims(shape, axis):
     return outer, int(shape[axis]), inner
 
 
+def _contiguous(*arrays):
+    """Whether every array is C-contiguous, so its (outer, C, inner) reshape
+    is a view (a strided blob, e.g. a slice of a concat, would be copied, and
+    a kernel writing the copy would leave the blob as it was)."""
+    return all(a.flags.c_contiguous for a in arrays)
+
+
 def _check_label(attrs, x_shape, label_shape, op_type):
     if len(x_shape) < 2:
         raise ShapeError(f"{op_type} needs predictions of at least 2 dims (N, C, ...), "
@@ -98,7 +105,8 @@ class Softmax(OpKernel):
         x, y = ins[0], outs[0]
         axis = _axis(self.attrs, x.ndim)
         k = raw_kernels(xp, x)
-        if k is not None:  # GPU: one raw kernel (no reduction a capture refuses)
+        # GPU: one raw kernel (no reduction, which a capture refuses)
+        if k is not None and _contiguous(x, y):
             planes = _split_dims(x.shape, axis)
             k.softmax_forward(x.reshape(planes), out=y.reshape(planes))
             return
@@ -124,7 +132,7 @@ class SoftmaxGrad(OpKernel):
         dy, y = ins
         axis = _axis(self.attrs, y.ndim)
         k = raw_kernels(xp, dy, y)
-        if k is not None:  # GPU: one raw kernel
+        if k is not None and _contiguous(dy, y, outs[0]):  # GPU: one raw kernel
             planes = _split_dims(y.shape, axis)
             k.softmax_backward(dy.reshape(planes), y.reshape(planes),
                                out=outs[0].reshape(planes))
