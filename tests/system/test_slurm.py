@@ -4,6 +4,7 @@ two ranks through ``srun --mpi=pmi2`` (the recipe in shared/recipes).
 Slow (starts slurmctld/slurmd); skipped when SLURM is not installed or we are
 not root. CI installs Debian's slurm-wlm in .ci/run."""
 import json
+import random
 import re
 import os
 import shutil
@@ -41,6 +42,7 @@ ReturnToService=2
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MailProg=/bin/true
+FirstJobId={first_job}
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
@@ -56,7 +58,13 @@ def slurm_cluster(tmp_path):
     for sub in ("state", "spool"):
         (d / sub).mkdir(parents=True)
     conf = d / "slurm.conf"
-    conf.write_text(CONF.format(d=d, cpus=max(2, os.cpu_count() or 2), port=16817, port2=16818))
+    # job ids that no earlier cluster on this machine used: MPICH names a
+    # job's shared memory after its PMI kvs ("<job>.<step>"), and a segment
+    # left behind by a killed job 1 made the next cluster's job 1 hang in
+    # MPI_Init (seen after killing a test run)
+    first_job = random.SystemRandom().randrange(1000, 60_000_000)
+    conf.write_text(CONF.format(d=d, cpus=max(2, os.cpu_count() or 2), port=16817, port2=16818,
+                                first_job=first_job))
     env = dict(os.environ, SLURM_CONF=str(conf))
     subprocess.run(["slurmctld"], env=env, check=True)
     subprocess.run(["slurmd", "-N", "localhost"], env=env, check=True)
