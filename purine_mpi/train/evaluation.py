@@ -1,5 +1,6 @@
 """The test pass (a loop service): the mean loss and metrics over the test
-split, sharded over the ranks, its metrics row and log line; at the test
+split, sharded over the ranks (each sample of a one-pass test counted
+exactly once, whatever the number of ranks), its metrics row and log line; at the test
 interval, once at the end, and before training with
 ``solver.test_initialization`` (Caffe's). ``loop.result`` holds its
 figures for the services after it (watch.py) and the run's result.
@@ -7,12 +8,11 @@ figures for the services after it (watch.py) and the run's result.
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
-import math
-
 import numpy as np
 
-from ..io.data import source_info
+from ..io.data import pass_batches, pass_counts, source_info
 from ..progress import progress
+from .collectives import world_sum
 from .loop import Service
 
 
@@ -34,33 +34,57 @@ class Evaluation(Service):
                  f"({res['samples']} samples)")
 
     def evaluate(self, loop, test_iter=None):
-        """Mean loss and metrics over the test split (sharded over ranks)."""
+        """Loss and metrics over the test split, sharded over the replicas.
+
+        With ``test_iter`` (the argument or ``solver.test_iter``) the pass is
+        that many global batches and every sample read counts, wrapping
+        around the split (``repeat_note``). Without, it is one pass
+        (io/data.py, ``pass_batches``): the last batch is padded and its
+        padding counts in no figure (model.py, ``mark_padding``), so every
+        sample counts exactly once on any number of ranks. Each figure is
+        the mean over the counted samples: the sum over ranks and batches of
+        a batch's figure times its counted samples, over their number."""
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
+        spec = loop.job.data.test
+        n_samples, _ = source_info(spec.source_dict())
+        batch, replicas = spec.batch_size, loop.data_size
+        given = test_iter or loop.solver.test_iter
+        n = given or pass_batches(n_samples, batch, replicas)
+        padded = not given and loop.graphs.test_pad is not None
+        # positions below ``limit`` are samples; those past it are padding
+        limit = n_samples if padded else n * batch * replicas
         for k in loop.test.kernels.values():
             if k.op.op_type == "DataReader":
                 k.reset_position(0)
-        spec = loop.job.data.test
-        n_samples, _ = source_info(spec.source_dict())
-        per_batch = spec.batch_size * loop.data_size
-        n = test_iter or loop.solver.test_iter or max(1, math.ceil(n_samples / per_batch))
-        note = repeat_note(n, spec.batch_size, loop.data_size, n_samples)
+                k.pad_from(limit if padded else None)
+        note = None if padded else repeat_note(n, batch, replicas, n_samples)
+        if note and not given:
+            note += ("; with test_iter null the last batch cannot be padded here: the test "
+                     "net's labels reach other layers than softmax_loss and accuracy, or "
+                     "these ignore different labels")
         if note and not self._wrap_noted:
             self._wrap_noted = True
             loop.say(note)
         ws, names = loop.test.workspace, loop.graphs.test_names
+        counted = min(limit, n * batch * replicas)
         sums = np.zeros(len(names))
-        with progress(n * per_batch, "test", "samples", log=loop.log,
+        with progress(counted, "test", "samples", log=loop.log,
                       enabled=loop.rank == 0) as bar:
             for i in range(n):
                 loop.test.run(i)
-                sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in names]
-                bar.update(per_batch)
+                counts = pass_counts(i, replicas, batch, limit)
+                mine = float(counts[loop.layout.replica])
+                sums += [mine * float(ws[b]) if b in ws.arrays else 0.0 for b in names]
+                bar.update(int(counts.sum()))
         out = {}
-        for key, v in zip(loop.graphs.test_keys, loop.reduce(sums / n)):
+        # every replica holds each figure on one of its ranks (a pipeline's
+        # last stage), the others add 0: the world's sum is the replicas' sum
+        for key, v in zip(loop.graphs.test_keys,
+                          world_sum(loop.world, sums, "the test figures") / counted):
             out[key] = out.get(key, 0.0) + float(v)
-        out["samples"] = int(n * per_batch)
+        out["samples"] = int(counted)
         return out
 
 
