@@ -196,3 +196,36 @@ def test_case6_train_evaluations_on_4_ranks_count_the_split_once(trained):
     one = _json(run_cli_args("test", path, "--weights", d / "run4" / "latest.h5"))
     assert rows[-1]["accuracy"] == pytest.approx(one["accuracy"], abs=2e-6), (rows, one)
     assert rows[-1]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=2e-6), (rows, one)
+
+
+def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
+    """Case 6, which label the padding carries (model.mark_padding): -1,
+    ignored by the loss and the accuracy; the loss's ignore_label when it
+    has one (the accuracy then ignores it too); none (a one-pass test that
+    wraps, with its note) when two losses ignore different labels or the
+    label reaches another op."""
+    from purine_mpi.model import build_test_graph, mark_padding
+
+    def graph(net_extra=(), **loss_keys):
+        cfg = small_net_config(digits_h5)
+        cfg["net"][4].update(loss_keys)
+        cfg["net"].extend(net_extra)
+        return build_test_graph(resolve_config(cfg))
+
+    def ignored(g):
+        return {op.op_type: op.attrs.get("ignore_label") for op in g.ops.values()
+                if op.op_type in ("SoftmaxLoss", "Accuracy")}
+
+    g = graph()
+    assert mark_padding(g) == -1
+    assert g.ops["data"].attrs["pad_label"] == -1
+    assert ignored(g) == {"SoftmaxLoss": -1, "Accuracy": -1}
+    g = graph(ignore_label=255)
+    assert mark_padding(g) == 255 and ignored(g) == {"SoftmaxLoss": 255, "Accuracy": 255}
+    second = {"type": "softmax_loss", "name": "loss2", "bottom": ["fc1", "label"],
+              "top": "loss2", "ignore_label": 9}
+    g = graph([second], ignore_label=8)
+    assert mark_padding(g) is None and "pad_label" not in g.ops["data"].attrs
+    g = graph()
+    g.add_op("odd", "Scale", ["label"], ["label2"], {"scale": 1.0})
+    assert mark_padding(g) is None and "pad_label" not in g.ops["data"].attrs

@@ -59,11 +59,8 @@ class Evaluation(Service):
             if k.op.op_type == "DataReader":
                 k.reset_position(0)
                 k.pad_from(limit if padded else None)
-        note = None if padded else repeat_note(n, batch, replicas, n_samples)
-        if note and not given:
-            note += ("; with test_iter null the last batch cannot be padded here: the test "
-                     "net's labels reach other layers than softmax_loss and accuracy, or "
-                     "these ignore different labels")
+        note = None if padded else repeat_note(n, batch, replicas, n_samples,
+                                               unpadded=not given)
         if note and not self._wrap_noted:
             self._wrap_noted = True
             loop.say(note)
@@ -88,12 +85,13 @@ class Evaluation(Service):
         return out
 
 
-def repeat_note(batches, batch_size, ranks, n_samples):
+def repeat_note(batches, batch_size, ranks, n_samples, unpadded=False):
     """The note on a test pass of ``batches`` global batches of ``batch_size``
     x ``ranks`` that is longer than the split's ``n_samples`` (None when it
     is not): the test reader wraps around (as Caffe's), so sample i counts
     q + 1 times for the first r samples and q times for the others, where
-    q, r = divmod(total, n_samples)."""
+    q, r = divmod(total, n_samples). ``unpadded``: a one-pass test (null
+    test_iter) whose net allows no padding (model.py, ``mark_padding``)."""
     total = batches * batch_size * ranks
     if total <= n_samples:
         return None
@@ -107,6 +105,10 @@ def repeat_note(batches, batch_size, ranks, n_samples):
     else:
         how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
                 f"{n_samples - r} count {q} times")
+    advice = "make test_iter x the global batch equal the split (null test_iter: one pass)"
+    if unpadded:
+        advice = ("make the global batch divide the split: with null test_iter the last batch "
+                  "is not padded here, as the test net's label reaches other layers than "
+                  "softmax_loss and accuracy, or two losses ignore different labels")
     return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
-            f"{how} (the reader wraps around, as in Caffe); for exact figures make test_iter x "
-            f"the global batch equal the split (null test_iter: one pass)")
+            f"{how} (the reader wraps around, as in Caffe); for exact figures {advice}")
