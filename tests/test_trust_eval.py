@@ -229,3 +229,35 @@ def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
     g = graph()
     g.add_op("odd", "Scale", ["label"], ["label2"], {"scale": 1.0})
     assert mark_padding(g) is None and "pad_label" not in g.ops["data"].attrs
+
+
+def test_case6_every_scheme_that_evaluates_counts_the_split_once(trained):
+    """Case 6 on the other schemes, test batch 100 (a global batch that does
+    not divide 360): ``test`` with scheme hybrid (2 replicas x 2 stages) and
+    scheme none on 4 ranks gives the 1-rank figures on 360 samples, and
+    ``train`` with parameter servers (3 workers and a server) writes test
+    rows of 360 samples equal to ``test`` of its weights on one rank. On
+    6dff0b5: 400, 400 and 600 samples."""
+    d, weights = trained["dir"], trained["weights"]
+    cfg = dict(trained["cfg"])
+    cfg["data"] = dict(cfg["data"], test=dict(cfg["data"]["test"], batch_size=100))
+    path = write_config_file(d, cfg, "cfg100.yaml")
+    one = _json(run_cli_args("test", path, "--weights", weights))
+    assert one["samples"] == SPLIT
+    stages = "{conv1: 0, relu1: 0, pool1: 0, fc1: 1, loss: 1, acc: 1}"
+    for sets in (["parallel.scheme=hybrid", f"parallel.stages={stages}"],
+                 ["parallel.scheme=none"]):
+        got = _json(run_mpi_cli(4, "test", path, "--weights", weights,
+                                *[a for s in sets for a in ("--set", s)]))
+        assert got["samples"] == SPLIT, (sets, got)
+        assert got["accuracy"] == pytest.approx(one["accuracy"], abs=2e-6), (sets, got, one)
+        assert got["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=2e-6), (sets, got, one)
+    res = run_mpi_cli(4, "train", path, "--out", d / "run_ps", "--set", "parallel.mode=sync_ps",
+                      "--set", "solver.test_interval=10", "--set", "checkpoint.interval=20")
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(d / "run_ps" / "metrics.jsonl") as f:
+        rows = [r for r in map(json.loads, f) if r.get("phase") == "test"]
+    assert [r["samples"] for r in rows] == [SPLIT, SPLIT], rows
+    ps = _json(run_cli_args("test", path, "--weights", d / "run_ps" / "latest.h5"))
+    assert rows[-1]["accuracy"] == pytest.approx(ps["accuracy"], abs=2e-6), (rows, ps)
+    assert rows[-1]["loss"] == pytest.approx(ps["loss"], rel=1e-5, abs=2e-6), (rows, ps)
