@@ -9,7 +9,6 @@ evaluations and ``predict`` agree. On 6dff0b5 the reader wrapped around and
 counted the first samples twice (0.975 on 480 samples on 4 ranks for 360).
 """
 import json
-import os
 
 import h5py
 import numpy as np
