@@ -215,7 +215,11 @@ def _data():
         "workers shard the data over the workers only; the stages of a pipeline all read "
         "the same batch, and with scheme hybrid the data is sharded over the replicas. "
         "A resume on another number of ranks continues at the same global sample "
-        "(rounded down to a whole batch).",
+        "(rounded down to a whole batch). A test pass with `solver.test_iter: null` is one "
+        "pass: ⌈n / (N·B)⌉ iterations of this rule, whose positions at or past n are "
+        "padding (their label is ignored by the loss and the accuracy), so each test "
+        "sample counts exactly once on any number of ranks; `predict` reads the same "
+        "batches and drops the padding.",
     ]
 
 

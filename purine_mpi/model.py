@@ -57,6 +57,54 @@ def check_data_labels(graph):
                      layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
 
 
+#: the label of a padding position when no loss or accuracy sets an ignore_label
+#: (never a class: the labels are checked to lie in [0, C) at load time)
+PAD_LABEL = -1
+#: ops that hand their input on unchanged (a label may pass them on its way)
+_LABEL_PASSING = ("Split", "Copy", "Reshape", "Flatten")
+
+
+def mark_padding(graph):
+    """Let a test graph's data op pad the last batch of a one-pass test
+    (io/data.py, ``pass_counts``): when its label reaches only the label
+    inputs of SoftmaxLoss and Accuracy ops (through copies and reshapes),
+    which ignore at most one label value between them, that value (or
+    PAD_LABEL) becomes the data op's attr ``pad_label`` and every such op
+    without an ``ignore_label`` gets it as one. Then a padding sample counts
+    in neither the loss mean nor the accuracy, and nothing else of the test
+    graph mixes the samples of a batch (dropout is off and batch norm uses
+    its running statistics in the test phase). Returns the label, or None
+    when the graph does not allow it (its one-pass test then wraps around,
+    and says so)."""
+    readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
+    if len(readers) != 1:
+        return None
+    consumers, labels, seen = [], [readers[0].outputs[1]], set()
+    while labels:
+        blob = labels.pop()
+        for op in graph.ops.values():
+            if blob not in op.inputs or op.name in seen:
+                continue
+            seen.add(op.name)
+            if op.op_type in _LABEL_PASSING:
+                labels.extend(op.outputs)
+            elif op.op_type in ("SoftmaxLoss", "Accuracy") and op.inputs.index(blob) == 1 \
+                    and op.inputs.count(blob) == 1:
+                consumers.append(op)
+            else:
+                return None
+    ignored = {int(op.attrs["ignore_label"]) for op in consumers
+               if op.attrs.get("ignore_label") is not None}
+    if len(ignored) > 1:
+        return None
+    pad = ignored.pop() if ignored else PAD_LABEL
+    for op in consumers:
+        if op.attrs.get("ignore_label") is None:
+            op.attrs["ignore_label"] = pad
+    readers[0].attrs["pad_label"] = pad
+    return pad
+
+
 def loss_blobs(graph):
     return {b.name: b.attrs["loss_weight"] for b in graph.blobs.values()
             if "loss_weight" in b.attrs}

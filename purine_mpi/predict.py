@@ -18,14 +18,13 @@ Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import dataclasses
-import math
 import os
 
 import numpy as np
 
 from .errors import UserError
 from .io.config import dump_config
-from .io.data import source_info
+from .io.data import pass_batches, source_info
 
 
 def default_blob(graph):
@@ -76,9 +75,10 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     spec = trainer.job.data.test
     n, _ = source_info(spec.source_dict())
     batch, ranks = spec.batch_size, trainer.data_size
-    iters = max(1, math.ceil(n / (batch * ranks)))
+    iters = pass_batches(n, batch, ranks)  # one pass, as a test pass without test_iter
     for k in readers:
         k.reset_position(0)
+        k.pad_from(None)  # the rows past the split are dropped below
     trainer.train.drain()
     parts = {b: [] for b in blobs + ["label"]}
     for i in range(iters):

@@ -16,6 +16,12 @@ which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample or
 So N ranks x B read exactly the samples of 1 rank x N*B, and a run's data
 order does not depend on how it is split over ranks.
 
+One pass over a split (a test pass with ``test_iter: null``, ``predict``) is
+``pass_batches(n, B, N)`` iterations: the last may reach past position n,
+and the positions there wrap around as above but are padding, not samples:
+``pass_counts`` says how many samples of each rank's batch count (those at
+positions < n), so every sample counts exactly once on any number of ranks.
+
 Layer: data (docs/DESIGN.md); may import the foundation and devices layers
 below it, and its own.
 """
@@ -368,3 +374,18 @@ def batch_positions(iteration, rank, world_size, batch_size):
 def batch_indices(iteration, rank, world_size, batch_size, order):
     """Sample indices rank ``rank`` reads at ``iteration`` (the rule above)."""
     return order.indices(batch_start(iteration, rank, world_size, batch_size), batch_size)
+
+
+def pass_batches(n_samples, batch_size, world_size):
+    """Iterations of one pass over ``n_samples`` samples with ``world_size``
+    ranks x ``batch_size``: the fewest that read every sample (at least 1)."""
+    return max(1, -(-int(n_samples) // (int(batch_size) * int(world_size))))
+
+
+def pass_counts(iteration, world_size, batch_size, limit):
+    """(world_size,) int64: how many of each rank's ``batch_size`` positions
+    at ``iteration`` lie below ``limit`` (the samples of one pass; the rest
+    are padding), from rank 0's batch to the last."""
+    starts = np.array([batch_start(iteration, r, world_size, batch_size)
+                       for r in range(int(world_size))], dtype=np.int64)
+    return np.clip(int(limit) - starts, 0, int(batch_size))

@@ -121,7 +121,9 @@ KEY_DOCS = {
                     "and cosine",
         "test_interval": "evaluate on data.test every this many iterations (0: only at the "
                          "end)",
-        "test_iter": "test batches per evaluation (null: enough to cover the test split once)",
+        "test_iter": "test batches per evaluation, each sample counted as often as it is "
+                     "read (null: one pass that counts each sample of the test split once, "
+                     "on any number of ranks)",
         "display": "log the mean training loss every this many iterations (0: never)",
         "warmup_iters": "multiply the rate by a linear ramp (it + 1) / W over the first W "
                         "iterations",

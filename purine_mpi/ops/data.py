@@ -17,6 +17,11 @@ Attrs:
     dtype       data dtype (default float32)
     train       training phase (default true): random crops and mirroring;
                 false gives center crops and no mirroring
+    pad_label   the label of a padding position (test graphs whose loss and
+                accuracy ops ignore that label, model.py ``mark_padding``):
+                after ``pad_from(n)`` every position at or past n of the
+                data order (the wrapped-around tail of one pass) delivers
+                its sample with this label, so it counts in no figure
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.io.transform``) are applied here, in the prefetch thread;
@@ -98,6 +103,7 @@ class DataReader(OpKernel):
         #: request fills, and the runtime that synchronises those events
         self._pinned, self._copied, self._fill_next, self._runtime = None, [None, None], 0, None
         self._current = None  # the pair this iteration's copy reads (stream dispatcher)
+        self._pad_limit = None  # pad_from: positions >= it get attr pad_label
         self._requests, self._lock, self._worker = queue.SimpleQueue(), threading.Lock(), None
 
     # ------------------------------------------------------------- batches
@@ -108,14 +114,18 @@ class DataReader(OpKernel):
             self._order = EpochOrder(self._source.n_samples, spec.get("shuffle", False),
                                      self.seed)
 
-    def prepare(self, iteration):
-        """(data, labels) NumPy arrays of batch ``iteration`` (no prefetch)."""
+    def prepare(self, iteration, pad_limit=None):
+        """(data, labels) NumPy arrays of batch ``iteration`` (no prefetch);
+        with ``pad_limit`` the positions at or past it get attr ``pad_label``."""
         self._ensure_source()
         indices = batch_indices(iteration, self.rank, self.world_size, self.batch_size,
                                 self._order)
         data, labels = self._source.gather(indices)
-        data = apply_transform(data, self.attrs["source"], batch_positions(
-            iteration, self.rank, self.world_size, self.batch_size), self.seed, self.train)
+        positions = batch_positions(iteration, self.rank, self.world_size, self.batch_size)
+        data = apply_transform(data, self.attrs["source"], positions, self.seed, self.train)
+        if pad_limit is not None:
+            labels = np.where(positions >= pad_limit, np.int64(self.attrs["pad_label"]),
+                              labels)
         return np.ascontiguousarray(data), np.ascontiguousarray(labels)
 
     def _serve(self):
@@ -134,7 +144,7 @@ class DataReader(OpKernel):
                         return
                 continue
             try:
-                batch = self.prepare(iteration)
+                batch = self.prepare(iteration, slot["pad_limit"])
                 if "pair" in slot:
                     batch = self._stage(slot["pair"], batch)
                 slot["batch"] = batch
@@ -156,7 +166,7 @@ class DataReader(OpKernel):
 
     def _start(self, iteration):
         self._ensure_source()  # load the file here, so its errors surface in the caller
-        slot = {"done": threading.Event()}
+        slot = {"done": threading.Event(), "pad_limit": self._pad_limit}
         if self._pinned is not None:  # alternate the staging pairs
             slot["pair"], self._fill_next = self._fill_next, 1 - self._fill_next
         with self._lock:
@@ -168,8 +178,9 @@ class DataReader(OpKernel):
         self._pending = (iteration, slot)
 
     def _take(self, iteration):
-        if self._pending is not None and self._pending[0] != iteration:
-            self._pending[1]["done"].wait()  # a stale prefetch (position was reset)
+        if self._pending is not None and (self._pending[0] != iteration or
+                                          self._pending[1]["pad_limit"] != self._pad_limit):
+            self._pending[1]["done"].wait()  # a stale prefetch (position or padding reset)
             self._pending = None
         if self._pending is None:
             self._start(iteration)
@@ -238,6 +249,14 @@ class DataReader(OpKernel):
         """Make the next run() deliver batch ``position`` (e.g. 0 before each
         evaluation pass over the test split)."""
         self.position = int(position)
+
+    def pad_from(self, limit):
+        """Make positions at or past ``limit`` of the data order padding:
+        their label is attr ``pad_label`` (None: no padding, every position
+        is a sample, wrapping around the split)."""
+        if limit is not None and "pad_label" not in self.attrs:
+            raise ValueError(f"DataReader {self.op.name}: padding needs attr pad_label")
+        self._pad_limit = None if limit is None else int(limit)
 
     def state_dict(self):
         return {"position": int(self.position),

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..gpu.placement import add_loss_watch, configure_device, prepare_for_device
 from ..model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
-                     loss_blobs, metric_blobs)
+                     loss_blobs, mark_padding, metric_blobs)
 from .compose import Scheme, compose_test, defer_update_applies, layout_of
 
 
@@ -43,6 +43,7 @@ class RankGraphs:
     test_losses: list = dataclasses.field(default_factory=list)
     test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
+    test_pad: object = None   # the test data op's pad_label (model.mark_padding), or None
 
     @property
     def pipeline(self):
@@ -98,6 +99,8 @@ def _add_test_graph(out, job, world):
     test = build_test_graph(job, out.layout.replica, out.layout.replicas)
     if test is not None:
         check_data_labels(test)
+        # a one-pass test pads its last batch: the padding counts in no figure
+        out.test_pad = mark_padding(test)
         # names from the whole test graph: in a pipeline one rank holds
         # them, yet every rank reduces the same vector
         out.test_losses = list(loss_blobs(test))

@@ -30,6 +30,13 @@ def world_mean(world, values, what="a metric mean"):
     return float(arr[0]) if np.ndim(values) == 0 else arr
 
 
+def world_sum(world, values, what="a metric sum"):
+    """Sum over ranks of a float array (same order on all ranks, under the
+    stall watchdog)."""
+    arr = np.asarray(values, dtype=np.float64)
+    return world.allreduce(arr, "sum", what) if world.size > 1 else arr
+
+
 def _plain(obj):
     """Checkpointed RNG states come back with numpy scalars; make them ints."""
     if isinstance(obj, dict):

@@ -1,5 +1,6 @@
 """The test pass (a loop service): the mean loss and metrics over the test
-split, sharded over the ranks, its metrics row and log line; at the test
+split, sharded over the ranks (each sample of a one-pass test counted
+exactly once, whatever the number of ranks), its metrics row and log line; at the test
 interval, once at the end, and before training with
 ``solver.test_initialization`` (Caffe's). ``loop.result`` holds its
 figures for the services after it (watch.py) and the run's result.
@@ -7,12 +8,11 @@ figures for the services after it (watch.py) and the run's result.
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
-import math
-
 import numpy as np
 
-from ..io.data import source_info
+from ..io.data import pass_batches, pass_counts, source_info
 from ..progress import progress
+from .collectives import world_sum
 from .loop import Service
 
 
@@ -34,42 +34,64 @@ class Evaluation(Service):
                  f"({res['samples']} samples)")
 
     def evaluate(self, loop, test_iter=None):
-        """Mean loss and metrics over the test split (sharded over ranks)."""
+        """Loss and metrics over the test split, sharded over the replicas.
+
+        With ``test_iter`` (the argument or ``solver.test_iter``) the pass is
+        that many global batches and every sample read counts, wrapping
+        around the split (``repeat_note``). Without, it is one pass
+        (io/data.py, ``pass_batches``): the last batch is padded and its
+        padding counts in no figure (model.py, ``mark_padding``), so every
+        sample counts exactly once on any number of ranks. Each figure is
+        the mean over the counted samples: the sum over ranks and batches of
+        a batch's figure times its counted samples, over their number."""
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
+        spec = loop.job.data.test
+        n_samples, _ = source_info(spec.source_dict())
+        batch, replicas = spec.batch_size, loop.data_size
+        given = test_iter or loop.solver.test_iter
+        n = given or pass_batches(n_samples, batch, replicas)
+        padded = not given and loop.graphs.test_pad is not None
+        # positions below ``limit`` are samples; those past it are padding
+        limit = n_samples if padded else n * batch * replicas
         for k in loop.test.kernels.values():
             if k.op.op_type == "DataReader":
                 k.reset_position(0)
-        spec = loop.job.data.test
-        n_samples, _ = source_info(spec.source_dict())
-        per_batch = spec.batch_size * loop.data_size
-        n = test_iter or loop.solver.test_iter or max(1, math.ceil(n_samples / per_batch))
-        note = repeat_note(n, spec.batch_size, loop.data_size, n_samples)
+                k.pad_from(limit if padded else None)
+        note = None if padded else repeat_note(n, batch, replicas, n_samples,
+                                               unpadded=not given)
         if note and not self._wrap_noted:
             self._wrap_noted = True
             loop.say(note)
         ws, names = loop.test.workspace, loop.graphs.test_names
+        counted = min(limit, n * batch * replicas)
         sums = np.zeros(len(names))
-        with progress(n * per_batch, "test", "samples", log=loop.log,
+        with progress(counted, "test", "samples", log=loop.log,
                       enabled=loop.rank == 0) as bar:
             for i in range(n):
                 loop.test.run(i)
-                sums += [float(ws[b]) if b in ws.arrays else 0.0 for b in names]
-                bar.update(per_batch)
+                counts = pass_counts(i, replicas, batch, limit)
+                mine = float(counts[loop.layout.replica])
+                sums += [mine * float(ws[b]) if b in ws.arrays else 0.0 for b in names]
+                bar.update(int(counts.sum()))
         out = {}
-        for key, v in zip(loop.graphs.test_keys, loop.reduce(sums / n)):
+        # every replica holds each figure on one of its ranks (a pipeline's
+        # last stage), the others add 0: the world's sum is the replicas' sum
+        for key, v in zip(loop.graphs.test_keys,
+                          world_sum(loop.world, sums, "the test figures") / counted):
             out[key] = out.get(key, 0.0) + float(v)
-        out["samples"] = int(n * per_batch)
+        out["samples"] = int(counted)
         return out
 
 
-def repeat_note(batches, batch_size, ranks, n_samples):
+def repeat_note(batches, batch_size, ranks, n_samples, unpadded=False):
     """The note on a test pass of ``batches`` global batches of ``batch_size``
     x ``ranks`` that is longer than the split's ``n_samples`` (None when it
     is not): the test reader wraps around (as Caffe's), so sample i counts
     q + 1 times for the first r samples and q times for the others, where
-    q, r = divmod(total, n_samples)."""
+    q, r = divmod(total, n_samples). ``unpadded``: a one-pass test (null
+    test_iter) whose net allows no padding (model.py, ``mark_padding``)."""
     total = batches * batch_size * ranks
     if total <= n_samples:
         return None
@@ -83,6 +105,10 @@ def repeat_note(batches, batch_size, ranks, n_samples):
     else:
         how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
                 f"{n_samples - r} count {q} times")
+    advice = "make test_iter x the global batch equal the split (null test_iter: one pass)"
+    if unpadded:
+        advice = ("make the global batch divide the split: with null test_iter the last batch "
+                  "is not padded here, as the test net's label reaches other layers than "
+                  "softmax_loss and accuracy, or two losses ignore different labels")
     return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
-            f"{how} (the reader wraps around, as in Caffe); for exact figures make test_iter x "
-            f"the global batch equal the split (null test_iter: one pass)")
+            f"{how} (the reader wraps around, as in Caffe); for exact figures {advice}")
