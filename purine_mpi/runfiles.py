@@ -182,8 +182,8 @@ class GuardedFile(io.RawIOBase):
             pos = self._file.tell()
             try:
                 done = 0
-                while done < len(view):
-                    done += self._file.write(view[done:])
+                while done < len(view):  # os.write: the fd's offset, as FileIO's
+                    done += os.write(self._file.fileno(), view[done:])
                 return done
             except OSError as exc:
                 self._to_memory(exc)
