@@ -42,10 +42,11 @@ def _refusal(path, what):
                          "--out")
 
 
-def refuse_link(path, folder=False):
+def refuse_link(path, folder=False, in_place=False):
     """A UserError if ``path`` is a symbolic link (or, for a file, anything
-    but a regular file; for ``folder``, anything but a folder). A missing
-    path is fine."""
+    but a regular file; for ``folder``, anything but a folder; ``in_place``,
+    a file written in place: one with other hard links). A missing path is
+    fine."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -56,6 +57,8 @@ def refuse_link(path, folder=False):
         raise _refusal(path, "is not a folder")
     if not folder and not stat.S_ISREG(st.st_mode):
         raise _refusal(path, "is not a regular file")
+    if in_place and st.st_nlink > 1:
+        raise _refusal(path, f"has {st.st_nlink} hard links (it is also a file elsewhere)")
 
 
 def open_run_fd(path, append=False, truncate=True, read=False, mode=0o644):

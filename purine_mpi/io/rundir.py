@@ -172,12 +172,10 @@ def refuse_linked_run_files(folder):
     writes there) that is a symbolic link or not a regular file: a run
     never writes through one."""
     for name in sorted(os.listdir(folder)):
-        if name == LOCK_FILE or _RUN_FILE_RE.match(name) or name.startswith(_TMP_PREFIXES) \
-                or re.match(r"^.+\.h5\.tmp\.\d+$", name):
-            refuse_link(os.path.join(folder, name), folder=name == "tb")
-
-
-_TMP_PREFIXES = ("metrics.jsonl.resumed.",)
+        # (a checkpoint's temporary file is made anew, O_EXCL, never opened as found)
+        if name == LOCK_FILE or _RUN_FILE_RE.match(name):
+            refuse_link(os.path.join(folder, name), folder=name == "tb",
+                        in_place=name != "tb" and not name.endswith(".h5"))  # latest.h5: a link
 
 
 def _set_up(name, out, resume, force, runs_root):
