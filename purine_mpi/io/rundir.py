@@ -17,7 +17,18 @@
   The lock is taken before the folder's files are looked at, so ``--force``
   into a folder whose run is still going deletes nothing.
 
-Rank 0 decides and every rank gets its answer, so all ranks of a job agree.
+- ``--force`` deletes only what a run of ours wrote, recognised by content
+  (``rundir_force.py``); a folder holding anything else of a run's names is
+  refused (exit 2) and nothing is deleted.
+- A run file planted as a symbolic link (or a non-regular file, or, for a
+  file written in place, one with other hard links) is refused at set-up
+  (exit 2 naming it); every writer opens its files through
+  ``runfiles.py``, which never follows a link.
+
+Rank 0 decides and every rank gets its answer, so all ranks of a job agree:
+also a failure (a read-only folder, ``--out`` under a file, a full disk, a
+refused file), which every rank raises as the same UserError (exit 2) at
+once, under ``parallel.stall_timeout``.
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
