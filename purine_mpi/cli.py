@@ -43,6 +43,7 @@ import warnings
 from . import __version__, logfile
 from .comm.launcher import launched_rank, launched_size
 from .errors import OpError, UserError
+from .io.outputs import check_out
 
 
 def _common_config_args(p):
@@ -263,8 +264,9 @@ def _run_dir(args, job):
     """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
     from .io.rundir import prepare_run_dir
     from .trainer import get_world
-    base = _runs_base(job)
-    return prepare_run_dir(get_world(), os.path.basename(os.path.normpath(base)), args.out,
+    base, world = _runs_base(job), get_world()
+    world.stall_timeout = float(job.parallel.stall_timeout)  # the set-up waits no longer
+    return prepare_run_dir(world, os.path.basename(os.path.normpath(base)), args.out,
                            args.resume, args.force,
                            runs_root=os.path.dirname(os.path.normpath(base)))
 
@@ -347,6 +349,7 @@ def cmd_predict(args):
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
+    check_out(args.out, args.config, args.weights, job)
     res = predict_split(job, args.out, args.weights, args.blobs, args.split,
                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if res is not None:
@@ -369,6 +372,7 @@ def cmd_inspect(args):
 
 def cmd_data(args):
     from .io import datasets
+    check_out(args.out)  # never one of our checkpoints
     if args.dataset == "digits":
         datasets.write_digits(args.out)
     elif args.dataset == "lmdb-to-h5":
@@ -415,6 +419,7 @@ def cmd_plot(args):
 
 def cmd_convert(args):
     from .interop.caffe_convert import write_config
+    check_out(args.out, args.net, more=[("--solver", args.solver), ("--data", args.data)])
     notes = write_config(args.net, args.out, args.solver, args.data)
     for note in notes:
         print(f"note: {note}")
@@ -425,6 +430,7 @@ def cmd_convert(args):
 def cmd_export(args):
     from .interop.onnx_export import export_onnx
     cfg = _load(args)
+    check_out(args.out, args.config, args.weights, cfg)
     summary = export_onnx(cfg, args.weights, args.out, batch=args.batch,
                           raw_input=args.raw_input)
     print(f"wrote {args.out}: {summary}")

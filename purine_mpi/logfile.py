@@ -15,6 +15,9 @@ one), the standard library and third-party packages.
 import os
 import time
 
+from .errors import UserError
+from .runfiles import open_run_fd, write_all
+
 LOG_NAME = "train.log"
 _path = None
 _rank = 0
@@ -38,13 +41,13 @@ def close_run_log():
 def _append(line):
     if _path is None:
         return
-    try:
-        fd = os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:  # never through a link planted there (runfiles.py); a whole line or none
+        fd = open_run_fd(_path, append=True)
         try:
-            os.write(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+            write_all(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"), _path)
         finally:
             os.close(fd)
-    except OSError:
+    except (OSError, UserError):
         pass  # the terminal still has it; a full disk must not end the run
 
 

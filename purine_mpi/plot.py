@@ -23,6 +23,7 @@ import os
 
 from .errors import UserError
 from .io.metrics import FILE
+from .io.outputs import check_out
 from .io.rundir import numbered_runs
 
 INSTALL = "pip install 'purine_mpi[plot]'"
@@ -147,6 +148,7 @@ def plot_runs(args, out):
     runs = []
     for arg in args:
         label, path = resolve_run(arg)
+        check_out(out, more=[("the metrics file", path)])  # nor a checkpoint
         runs.append((label, read_rows(path)))
     fig = draw(runs)
     folder = os.path.dirname(os.path.abspath(out))

@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from .errors import UserError
+from .runfiles import GuardedFile, disk_error
 from .io.config import dump_config
 from .io.data import pass_batches, source_info
 
@@ -111,8 +112,10 @@ def _write(path, rows, blobs, trainer, weights, split, n):
     import h5py
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:  # HDF5 writes through a new file of ours: a full disk is one line
+        with GuardedFile(tmp) as raw, h5py.File(raw, "w") as f:
             group = f.create_group("outputs")
             for b in blobs:
                 group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
@@ -123,7 +126,12 @@ def _write(path, rows, blobs, trainer, weights, split, n):
             f.attrs["weights"] = str(weights)
             f.attrs["split"] = split
             f.attrs["blobs"] = ",".join(blobs)
+            f.flush()
+            f.close()
+            raw.check()
         os.replace(tmp, path)
+    except OSError as exc:
+        raise disk_error(path, exc) or exc
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -19,7 +19,7 @@ PACKAGE = os.path.join(REPO, "purine_mpi")
 LAYERS = [
     ("foundation", ["purine_mpi", "purine_mpi.errors", "purine_mpi.progress",
                     "purine_mpi.philox", "purine_mpi.backend", "purine_mpi.threads",
-                    "purine_mpi.logfile"]),
+                    "purine_mpi.logfile", "purine_mpi.runfiles"]),
     # device helpers: the kernel loader and wrappers, streams, cuBLAS, cuDNN, scratch
     ("devices", ["purine_mpi.gpu"]),
     ("data", ["purine_mpi.io.data", "purine_mpi.io.datasets", "purine_mpi.io.transform",

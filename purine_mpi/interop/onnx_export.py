@@ -35,6 +35,7 @@ import os
 import numpy as np
 
 from ..errors import UserError
+from ..runfiles import disk_error
 
 OPSET = 13
 _DROPPED = ("SoftmaxLoss", "Accuracy")
@@ -80,9 +81,13 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out_path}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)  # never written through a link left under that name
     try:
         onnx.save(model, tmp)
         os.replace(tmp, out_path)
+    except OSError as exc:  # a full disk: one line naming the file
+        raise disk_error(out_path, exc) or exc
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

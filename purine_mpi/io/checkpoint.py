@@ -36,6 +36,7 @@ import numpy as np
 
 from ..backend import to_numpy
 from ..errors import UserError
+from ..runfiles import GuardedFile, disk_error
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
 
 FORMAT = "purine_mpi.checkpoint"
@@ -69,7 +70,8 @@ def _replaced_atomically(path):
     """Yield a temporary name beside ``path``; when the block succeeds, fsync
     it, rename it over ``path`` and fsync the folder, so a crash leaves
     either the old file or the complete new one. On failure the temporary
-    file is removed."""
+    file is removed, whatever the failure (a full disk: a UserError naming
+    the file). A link at ``path`` is replaced, never written through."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
     if os.path.lexists(tmp):
@@ -79,9 +81,11 @@ def _replaced_atomically(path):
         _fsync_path(tmp)
         os.replace(tmp, path)
         _fsync_path(directory)
-    except BaseException:
+    except BaseException as exc:
         if os.path.lexists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError) and disk_error(path, exc) is not None:
+            raise disk_error(path, exc) from None
         raise
 
 
@@ -91,8 +95,10 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
     import h5py
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with _replaced_atomically(path) as tmp:
-        with h5py.File(tmp, "w", track_order=True) as f:
+    with _replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
+        # HDF5 writes through ``raw`` (created anew, never through a link): a
+        # full disk is one line naming the file, not HDF5's errors
+        with h5py.File(raw, "w", track_order=True) as f:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
             f.attrs["iteration"] = int(iteration)
@@ -109,6 +115,7 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             # (positions, RNG states) are covered exactly as they will be read
             f["state"].attrs[CHECKSUM] = state_digest(_read_group(f["state"], ["state"]))
             f.flush()
+        raw.check()
     return path
 
 

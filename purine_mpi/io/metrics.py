@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from ..runfiles import disk_error, open_run_file, open_run_fd, write_all
+
 FILE = "metrics.jsonl"
 # written as they are computed (already rounded), not at float32 precision
 _NOT_FLOAT32 = ("time", "timestamp", "images_per_s")
@@ -84,7 +86,7 @@ def keep_rows_up_to(path, iteration, out=None):
                         rows.append(rec)
                 except (ValueError, KeyError, TypeError):
                     pass  # a line cut short by the kill
-    with open(out or path, "w") as f:
+    with open_run_file(out or path, "w") as f:  # never through a link (runfiles.py)
         f.writelines(kept)
     return rows
 
@@ -122,9 +124,13 @@ class MetricsLog:
             rows = keep_rows_up_to(self.path, start_iter, self.pending)
             times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
             self.elapsed0 = max([self.elapsed0] + times)
-            self.file = open(self.pending or self.path, "a")
-        else:
-            self.file = open(self.path, "w")
+        # never through a link (runfiles.py); rows go in one write each (``write``)
+        try:
+            self.fd = open_run_fd(self.pending or self.path, append=True)
+            if not start_iter:
+                os.ftruncate(self.fd, 0)
+        except OSError as exc:
+            raise disk_error(self.pending or self.path, exc) or exc
         self.tb = None
         if tensorboard:
             from .tensorboard import TensorBoardLog
@@ -134,19 +140,21 @@ class MetricsLog:
     def write(self, rec):
         """Write one row (``timestamp`` added) to every output."""
         rec = dict(rec, timestamp=round(time.time(), 3))
-        write_row(self.file, rec)
+        # the whole line in one write, or the file cut back: never a row cut short
+        write_all(self.fd, (row_text(rec) + "\n").encode("utf-8"), self.pending or self.path)
         if self.tb is not None:
             self.tb.write(json.loads(row_text(rec)))  # the very figures of the JSON row
 
     def commit(self):
         """The run wrote a checkpoint: its rows become ``metrics.jsonl``."""
         if self.pending is not None:
-            self.file.flush()
             os.replace(self.pending, self.path)  # the open file goes on appending
             self.pending = None
 
     def close(self):
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self.pending is not None:  # no checkpoint of the resumed run: the old rows stay
             os.remove(self.pending)
             self.pending = None

@@ -17,7 +17,18 @@
   The lock is taken before the folder's files are looked at, so ``--force``
   into a folder whose run is still going deletes nothing.
 
-Rank 0 decides and every rank gets its answer, so all ranks of a job agree.
+- ``--force`` deletes only what a run of ours wrote, recognised by content
+  (``rundir_force.py``); a folder holding anything else of a run's names is
+  refused (exit 2) and nothing is deleted.
+- A run file planted as a symbolic link (or a non-regular file, or, for a
+  file written in place, one with other hard links) is refused at set-up
+  (exit 2 naming it); every writer opens its files through
+  ``runfiles.py``, which never follows a link.
+
+Rank 0 decides and every rank gets its answer, so all ranks of a job agree:
+also a failure (a read-only folder, ``--out`` under a file, a full disk, a
+refused file), which every rank raises as the same UserError (exit 2) at
+once, under ``parallel.stall_timeout``.
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
@@ -25,12 +36,13 @@ graph layers below it, and its own.
 import fcntl
 import os
 import re
-import shutil
 import socket
 import time
 
 from ..errors import UserError
+from ..runfiles import disk_error, open_run_file, refuse_link
 from .checkpoint import LATEST, checkpoint_run_id, list_checkpoints
+from .rundir_force import delete_our_run
 
 LOCK_FILE = ".purine.lock"
 _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
@@ -92,14 +104,7 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
                 return out, None
             keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
         if held and force:
-            for n in held:
-                path = os.path.join(out, n)
-                if os.path.realpath(path) == keep:
-                    continue  # the checkpoint this run starts from stays
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)  # tb/
-                else:
-                    os.remove(path)
+            delete_our_run(out, held, keep)
             return out, f"--force: deleted the previous run's files in {out}"
         return out, None
     base = os.path.join(runs_root, name)
@@ -155,7 +160,7 @@ def lock_run_dir(folder):
     """Take the folder's exclusive lock for the life of this process (rank 0
     only); a UserError naming the holder if another run has it."""
     path = os.path.join(folder, LOCK_FILE)
-    f = open(path, "a+", encoding="utf-8")
+    f = open_run_file(path, "a+")  # never through a link planted there
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -173,18 +178,51 @@ def lock_run_dir(folder):
     return path
 
 
-def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs"):
-    """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
-    of ``runs_root/name``) and locks the folder; every rank gets the path.
-    Returns it."""
-    answer = None
-    if world.rank == 0:
+def refuse_linked_run_files(folder):
+    """A UserError naming the first run file of ``folder`` (any name a run
+    writes there) that is a symbolic link or not a regular file: a run
+    never writes through one."""
+    for name in sorted(os.listdir(folder)):
+        # (a checkpoint's temporary file is made anew, O_EXCL, never opened as found)
+        if name == LOCK_FILE or _RUN_FILE_RE.match(name):
+            refuse_link(os.path.join(folder, name), folder=name == "tb",
+                        in_place=name != "tb" and not name.endswith(".h5"))  # latest.h5: a link
+
+
+def _set_up(name, out, resume, force, runs_root):
+    """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
+    where = out or os.path.join(runs_root, name)
+    try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
-                                    lock=lock_run_dir)
-        if note:
-            print(note, flush=True)
-        answer = path
+                                    lock=_lock_and_check)
+    except UserError as exc:
+        return None, str(exc)
+    except OSError as exc:  # a read-only folder, --out under a file, a full disk
+        err = disk_error(exc.filename or where, exc)
+        at = f" ({exc.filename})" if exc.filename and exc.filename != where else ""
+        return None, str(err) if err is not None else (
+            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")
+    if note:
+        print(note, flush=True)
+    return path, None
+
+
+def _lock_and_check(folder):
+    lock_run_dir(folder)
+    refuse_linked_run_files(folder)
+
+
+def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs"):
+    """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
+    of ``runs_root/name``) and locks the folder; every rank gets the path, or
+    rank 0's error: every rank then raises the same UserError (exit 2), so
+    a failed set-up ends the job at once instead of leaving the other ranks
+    waiting. Returns the path."""
+    answer = _set_up(name, out, resume, force, runs_root) if world.rank == 0 else None
     if world.size > 1:
         answer = world.allgather_object(answer, "the run folder")[0]
-    return answer
+    path, error = answer
+    if error is not None:
+        raise UserError(error)
+    return path

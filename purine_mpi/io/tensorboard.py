@@ -16,6 +16,7 @@ Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
 """
 from ..errors import UserError
+from ..runfiles import make_run_folder
 
 INSTALL = "pip install 'purine_mpi[tensorboard]'"
 # what a row holds besides figures
@@ -36,6 +37,7 @@ class TensorBoardLog:
 
     def __init__(self, folder, purge_step=None):
         writer = require_tensorboard()
+        make_run_folder(folder)  # tb/ itself, never a link to a folder elsewhere
         self.writer = writer(logdir=folder, purge_step=purge_step, flush_secs=10)
 
     def write(self, rec):

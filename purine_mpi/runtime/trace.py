@@ -23,6 +23,7 @@ import socket
 import threading
 
 from ..errors import UserError
+from ..runfiles import open_run_file
 from .dispatcher import Profiler
 
 
@@ -71,7 +72,7 @@ class TraceFile(Profiler):
         self._threads = set()
         self._io_lock = threading.Lock()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "w", encoding="utf-8")
+        self._file = open_run_file(path, "w")  # never through a link (runfiles.py)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",

@@ -13,13 +13,21 @@ import time
 
 from ..io.config import dump_config
 from ..io.metrics import MetricsLog
+from ..runfiles import disk_error, open_run_fd, write_all
 from .loop import Service
 
 
 def write_config(loop):
-    """The run folder's config.yaml (rank 0)."""
-    with open(os.path.join(loop.out_dir, "config.yaml"), "w") as f:
-        f.write(dump_config(loop.job))
+    """The run folder's config.yaml (rank 0), never through a link."""
+    path = os.path.join(loop.out_dir, "config.yaml")
+    try:
+        fd = open_run_fd(path)
+    except OSError as exc:
+        raise disk_error(path, exc) or exc
+    try:
+        write_all(fd, dump_config(loop.job).encode("utf-8"), path)
+    finally:
+        os.close(fd)
 
 
 def global_batch(loop):
