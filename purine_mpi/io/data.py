@@ -206,11 +206,6 @@ class HDF5Source(DataSource):
         except (OSError, KeyError) as e:
             raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
                             f"({e}); the file may be truncated") from None
-        except MemoryError:
-            raise UserError(f"data file '{self.path}': split '{self.where}' ({self.n_samples} "
-                            "samples) does not fit in memory; set the data spec's 'in_memory: "
-                            "false' to read it batch by batch, or lower PURINE_DATA_MEMORY_MB "
-                            "so that in_memory: auto does") from None
         if data is not None:
             self._check_finite(data, 0)
             data.setflags(write=False)  # shared between readers: nobody may change it
