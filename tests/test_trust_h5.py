@@ -194,21 +194,27 @@ def _limit_memory(nbytes):
 def test_case11b_inspect_huge_declared_dataset_in_bounded_memory(tmp_path):
     """Case 11 (second half): inspect of a small gzip file declaring 2**31
     float32 (8 GiB) runs under a 1.5 GB address-space limit and gives the
-    statistics of every value, fill included (before: MemoryError traceback)."""
+    statistics of every value, fill included, and --diff against a like file
+(before: MemoryError traceback)."""
     n = 2 ** 31
-    path = tmp_path / "bomb.h5"
-    with h5py.File(path, "w") as f:
-        d = f.create_dataset("x", shape=(n,), dtype=np.float32, chunks=(1 << 20,),
-                             compression="gzip")
-        d[:4] = [1.0, 2.0, -3.0, 4.0]
-        d[n - 2:] = [5.0, 6.0]
-        d[1 << 21:(1 << 21) + (1 << 20)] = 0.0  # one whole chunk written (zeros)
-    assert os.path.getsize(path) < 1 << 20
-    res = subprocess.run([PYTHON, "-m", "purine_mpi", "inspect", str(path), "--json"], cwd=REPO,
-                         env=cli_env(), capture_output=True, text=True, timeout=120,
-                         preexec_fn=_limit_memory(1500 << 20))
+    path, other = tmp_path / "bomb.h5", tmp_path / "other.h5"
+    for name, last in ((path, 6.0), (other, 2.0)):
+        with h5py.File(name, "w") as f:
+            d = f.create_dataset("x", shape=(n,), dtype=np.float32, chunks=(1 << 20,),
+                                 compression="gzip")
+            d[:4] = [1.0, 2.0, -3.0, 4.0]
+            d[n - 2:] = [5.0, last]
+            d[1 << 21:(1 << 21) + (1 << 20)] = 0.0  # one whole chunk written (zeros)
+        assert os.path.getsize(name) < 1 << 20
+    res = subprocess.run([PYTHON, "-m", "purine_mpi", "inspect", str(path), "--json",
+                          "--diff", str(other)], cwd=REPO, env=cli_env(), capture_output=True,
+                         text=True, timeout=120, preexec_fn=_limit_memory(1500 << 20))
     assert res.returncode == 0, res.stdout + res.stderr
-    (entry,) = json.loads(res.stdout)["datasets"]
+    report = json.loads(res.stdout)
+    (entry,) = report["datasets"]
+    (row,) = report["diff"]["datasets"]
+    assert row["max_abs_diff"] == 4.0
+    assert row["rel_l2_diff"] == pytest.approx(4.0 / np.sqrt(1 + 4 + 9 + 16 + 25 + 36), rel=1e-12)
     values = np.array([1.0, 2.0, -3.0, 4.0, 5.0, 6.0])
     mean = values.sum() / n
     std = np.sqrt(((values - mean) ** 2).sum() / n + (n - len(values)) * mean ** 2 / n)

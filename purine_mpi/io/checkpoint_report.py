@@ -198,20 +198,40 @@ def _stats(name, dset):
     return entry
 
 
+def _diff_parts(a, b):
+    """Index tuples covering two datasets of one shape BLOCK_BYTES at a
+    time, and the count of values both hold as their fill value unread:
+    with the same chunks only the chunks either file wrote are read."""
+    itemsize = max(a.dtype.itemsize, b.dtype.itemsize)
+    if a.chunks and a.chunks == b.chunks and a.nbytes > BLOCK_BYTES:
+        offsets = [_allocated_chunks(d) for d in (a, b)]
+        chunk_bytes = int(np.prod(a.chunks, dtype=np.int64)) * itemsize
+        if None not in offsets and chunk_bytes <= BLOCK_BYTES:
+            parts = [tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, a.chunks, a.shape))
+                     for offset in sorted(set(map(tuple, offsets[0] + offsets[1])))]
+            covered = sum(int(np.prod([p.stop - p.start for p in part])) for part in parts)
+            return parts, a.size - covered
+    return (list(_slabs(a.shape, itemsize)) if a.ndim else [()]), 0
+
+
 def _diff_pair(a, b, row):
     """max_abs_diff and rel_l2_diff of two numeric datasets of one shape,
     read BLOCK_BYTES at a time."""
-    itemsize = max(a.dtype.itemsize, b.dtype.itemsize)
     xx = yy = dd = 0.0
     biggest = 0.0
+    parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
-        for index in _slabs(a.shape, itemsize) if a.ndim else [()]:
+        for index in parts:
             x = np.asarray(a[index], dtype=np.float64)
             y = np.asarray(b[index], dtype=np.float64)
             d = x - y
             xx, yy, dd = xx + float(np.sum(x * x)), yy + float(np.sum(y * y)), \
                 dd + float(np.sum(d * d))
             biggest = np.maximum(biggest, float(np.max(np.abs(d))))
+        if fill:
+            x, y = float(a.fillvalue), float(b.fillvalue)
+            xx, yy, dd = xx + x * x * fill, yy + y * y * fill, dd + (x - y) ** 2 * fill
+            biggest = np.maximum(biggest, abs(x - y))
         norm = max(math.sqrt(xx), math.sqrt(yy))
         row.update(max_abs_diff=float(biggest),
                    rel_l2_diff=math.sqrt(dd) / norm if norm else 0.0)
