@@ -226,11 +226,16 @@ def _open(path, what="checkpoint"):
         f = h5py.File(path, "r")
     except OSError as e:
         if is_lock_error(e):
-            holder = held_by(path) or _run_lock_holder(path) or "another process"
-            raise FileHeld(f"{what} '{path}' is held open by another process ({holder}); the "
-                           "file is not damaged, HDF5 refuses to read it while that process "
-                           "may be writing it: let that process finish or stop it, then "
-                           "run again") from None
+            holder = held_by(path) or _run_lock_holder(path)
+            if holder or "already open for write" not in str(e):
+                raise FileHeld(f"{what} '{path}' is held open by another process ("
+                               f"{holder or 'HDF5 file lock'}); the file is not damaged, HDF5 "
+                               "refuses to read it while that process may be writing it: let "
+                               "that process finish or stop it, then run again") from None
+            raise FileHeld(f"{what} '{path}' is marked as open for writing (HDF5's file "
+                           "consistency flag): another process is writing it, or one died "
+                           "while writing it; if no process is, `h5clear -s` clears the mark "
+                           f"({e})") from None
         if not h5py.is_hdf5(path):
             raise UserError(f"{what} '{path}' is not an HDF5 file") from None
         raise UserError(f"{what} '{path}' is truncated or corrupt and cannot be opened "

@@ -195,7 +195,13 @@ class HDF5Source(DataSource):
         try:
             with h5py.File(self.path, "r") as f:
                 group = f if self.split is None else f[self.split]
-                labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                try:
+                    labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                except MemoryError:
+                    raise UserError(f"data file '{self.path}': dataset '{self.where}label' "
+                                    f"({self.n_samples} labels) does not fit in memory (labels "
+                                    "are always kept in memory; PURINE_DATA_MEMORY_MB may be set "
+                                    "above what the machine has)") from None
                 data = None
                 stored = group["data"]
                 if self.in_memory:
