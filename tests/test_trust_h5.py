@@ -7,14 +7,13 @@ import os
 import resource
 import shutil
 import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config,
-                            train_small_run, write_config_file)
+from tests.conftest import (PYTHON, REPO, cli_env, run_cli_args, train_small_run,
+                            write_config_file)
 
 
 @pytest.fixture(scope="module")
