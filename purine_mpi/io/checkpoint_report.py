@@ -130,9 +130,12 @@ def _allocated_chunks(dset):
     """Offsets of the chunks of a chunked dataset that hold data (the rest
     read as the fill value), or None when HDF5 cannot list them."""
     offsets = []
-    try:
+    if hasattr(dset.id, "chunk_iter"):  # h5py 3.8 and later
         dset.id.chunk_iter(lambda info: offsets.append(info.chunk_offset))
-    except (AttributeError, TypeError):
+    elif hasattr(dset.id, "get_num_chunks"):
+        offsets = [dset.id.get_chunk_info(i).chunk_offset
+                   for i in range(dset.id.get_num_chunks())]
+    else:
         return None
     return offsets
 

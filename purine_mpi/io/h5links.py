@@ -119,8 +119,33 @@ def outside_reference(f, group="/"):
             found.append((full, why))
             return True
         return None
-    start.visititems_links(visit)
+    if hasattr(start, "visititems_links"):
+        start.visititems_links(visit)
+    else:  # h5py before 3.11
+        _visit_links(start, visit)
     return found[0] if found else None
+
+
+def _visit_links(group, visit):
+    """``Group.visititems_links`` for older h5py: every link under ``group``
+    (names relative to it), descending through hard links only, each group
+    once; stops when ``visit`` returns a true value."""
+    import h5py
+    seen = {hash(group.id)}
+
+    def walk(g, prefix):
+        for name in list(g):
+            link = g.get(name, getlink=True)
+            if visit(prefix + name, link):
+                return True
+            if isinstance(link, h5py.HardLink):
+                obj = g[name]
+                if isinstance(obj, h5py.Group) and hash(obj.id) not in seen:
+                    seen.add(hash(obj.id))
+                    if walk(obj, f"{prefix}{name}/"):
+                        return True
+        return False
+    walk(group, "")
 
 
 def refuse_outside(f, path, what):
