@@ -52,13 +52,14 @@ def _dataset_outside(dset):
     return None
 
 
-def _resolve_soft(f, parent, target, depth=0):
+def _resolve_soft(f, parent, target, depth=0, shown=None):
     """Where a soft link in group ``parent`` to ``target`` leads: None if to
     an object of the file through hard links only, else a text saying why
     not (dangling, or through an external link). Never opens another file."""
     import h5py
+    shown = shown or target
     if depth > _MAX_SOFT_DEPTH:
-        return f"a soft link to '{target}' that goes round in circles"
+        return f"a soft link to '{shown}' that goes round in circles"
     path = target if target.startswith("/") else posixpath.join(parent or "/", target)
     group, parts = "/", [p for p in path.split("/") if p and p != "."]
     for i, part in enumerate(parts):
@@ -67,20 +68,20 @@ def _resolve_soft(f, parent, target, depth=0):
             continue
         here = f[group]
         if not isinstance(here, h5py.Group) or part not in here.keys():
-            return f"a dangling soft link to '{target}' (nothing is there)"
+            return f"a dangling soft link to '{shown}' (nothing is there)"
         link = here.get(part, getlink=True)
         name = posixpath.join(group, part)
         if isinstance(link, h5py.ExternalLink):
-            return (f"a soft link to '{target}' through the external link '{name}' to "
+            return (f"a soft link to '{shown}' through the external link '{name}' to "
                     f"'{link.path}' in file '{link.filename}'")
         if isinstance(link, h5py.SoftLink):
-            why = _resolve_soft(f, group, link.path, depth + 1)
+            why = _resolve_soft(f, group, link.path, depth + 1, shown)
             if why:
                 return why
             rest = "/".join(parts[i + 1:])
             return _resolve_soft(f, "/", posixpath.join(link.path if link.path.startswith("/")
                                                         else posixpath.join(group, link.path),
-                                                        rest), depth + 1) if rest else None
+                                                        rest), depth + 1, shown) if rest else None
         group = name
     return None
 
