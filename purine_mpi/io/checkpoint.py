@@ -242,6 +242,9 @@ def _open(path, what="checkpoint"):
                         f"({e})") from None
     try:
         refuse_outside(f, path, what)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged links or headers
+        f.close()
+        raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") from None
     except BaseException:
         f.close()
         raise
