@@ -23,7 +23,7 @@ LAYERS = [
     # device helpers: the kernel loader and wrappers, streams, cuBLAS, cuDNN, scratch
     ("devices", ["purine_mpi.gpu"]),
     ("data", ["purine_mpi.io.data", "purine_mpi.io.datasets", "purine_mpi.io.transform",
-              "purine_mpi.io.filecache",
+              "purine_mpi.io.filecache", "purine_mpi.io.h5links",
               "purine_mpi.io.lmdb_source", "purine_mpi.io.protowire"]),
     # op kernels (compute and communication) and their registry
     ("ops", ["purine_mpi.ops", "purine_mpi.comm", "purine_mpi.kernels"]),

@@ -38,6 +38,7 @@ from ..backend import to_numpy
 from ..errors import UserError
 from ..runfiles import GuardedFile, disk_error
 from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
+from .h5links import held_by, is_lock_error, refuse_outside
 
 FORMAT = "purine_mpi.checkpoint"
 VERSION = 1
@@ -213,8 +214,15 @@ def _fsync_path(path):
 
 
 # --------------------------------------------------------------------- read
+class FileHeld(UserError):
+    """The file is held open by another process (HDF5's file lock): not damaged."""
+
+
 def _open(path, what="checkpoint"):
-    """Open an HDF5 file for reading, or raise a UserError that says why not."""
+    """Open an HDF5 file for reading, or raise a UserError that says why not:
+    missing, not HDF5, held by another process (``FileHeld``), truncated or
+    corrupt, or not self-contained (a dataset or link that reads from
+    another file: io/h5links.py)."""
     import h5py
     path = str(path)
     if not os.path.exists(path):
@@ -222,12 +230,44 @@ def _open(path, what="checkpoint"):
     if os.path.isdir(path):
         raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
     try:
-        return h5py.File(path, "r")
+        f = h5py.File(path, "r")
     except OSError as e:
+        if is_lock_error(e):
+            holder = held_by(path) or _run_lock_holder(path)
+            if holder or "already open for write" not in str(e):
+                raise FileHeld(f"{what} '{path}' is held open by another process ("
+                               f"{holder or 'HDF5 file lock'}); the file is not damaged, HDF5 "
+                               "refuses to read it while that process may be writing it: let "
+                               "that process finish or stop it, then run again") from None
+            raise FileHeld(f"{what} '{path}' is marked as open for writing (HDF5's file "
+                           "consistency flag): another process is writing it, or one died "
+                           "while writing it; if no process is, `h5clear -s` clears the mark "
+                           f"({e})") from None
         if not h5py.is_hdf5(path):
             raise UserError(f"{what} '{path}' is not an HDF5 file") from None
         raise UserError(f"{what} '{path}' is truncated or corrupt and cannot be opened "
                         f"({e})") from None
+    try:
+        refuse_outside(f, path, what)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged links or headers
+        f.close()
+        raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") from None
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _run_lock_holder(path):
+    """What the run folder's lock file says of the run holding it, if that
+    is not this process ('' otherwise)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), ".purine.lock"),
+                  encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return "" if not text or text.startswith(f"pid {os.getpid()} ") else f"the run: {text}"
 
 
 @names_the_file("checkpoint")
@@ -407,6 +447,9 @@ def find_resumable(out_dir, log=None):
     for path in candidates:
         try:
             ck = load_checkpoint(path)
+        except FileHeld as e:  # not damaged: an older checkpoint would redo work for nothing
+            raise FileHeld(f"--resume auto: {e}; not falling back to an older checkpoint") \
+                from None
         except UserError as e:
             skipped.append(str(e))
             continue

@@ -33,6 +33,8 @@ from collections import OrderedDict
 import numpy as np
 
 from ..errors import UserError
+from ..progress import human_bytes
+from .h5links import check_sources, link_outside
 
 #: synthetic sources hold at most this many bytes of distinct samples and
 #: repeat them beyond (benchmarks with ImageNet-sized shapes stay small)
@@ -51,11 +53,13 @@ class DataSource:
         raise NotImplementedError
 
 
-def hdf5_info(path, split=None):
+def hdf5_info(path, split=None, external=False):
     """(n_samples, sample_shape) of an HDF5 data file's split, reading only
     metadata. Raises UserError naming the file and dataset when the file is
     missing, not HDF5, or the layout is wrong (data must be N x C x H x W
-    float, label 1-D integer of the same N)."""
+    float, label 1-D integer of the same N), or when the split's data or
+    label reads from another file (io/h5links.py) without ``external``
+    (the data spec's key), or with it from a file that is missing or short."""
     import h5py
     if not os.path.isfile(path):
         raise UserError(f"data file '{path}' not found")
@@ -65,6 +69,7 @@ def hdf5_info(path, split=None):
         raise UserError(f"data file '{path}' cannot be opened as HDF5 ({e})") from None
     try:
         with f:
+            _check_outside(f, path, split, external)
             return _layout(f, path, split)
     except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
         raise UserError(f"data file '{path}' is corrupt: {type(e).__name__}: {e}") from None
@@ -85,6 +90,32 @@ def _layout(f, path, split):
         raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
                         f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
     return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
+
+
+def _check_outside(f, path, split, external):
+    """Refuse a split whose group, data or label reads from another file
+    unless the spec opts in; with it, every such file must be there."""
+    import h5py
+    names = ([f"/{split}"] if split is not None else []) + \
+        [f"{'' if split is None else '/' + split}/{n}" for n in ("data", "label")]
+    for name in names:
+        parent, _, base = name.rpartition("/")
+        group = f[parent or "/"]
+        if not isinstance(group, h5py.Group) or group.get(base, getlink=True) is None:
+            return  # a missing name: _layout says which
+        if not external:
+            why = link_outside(f, name)
+            if why:
+                raise UserError(f"data file '{path}': '{name}' is {why}; set the data spec's "
+                                "'external: true' to read data kept in other files")
+            continue
+        try:  # allowed: what it points to must be there
+            obj = f[name]
+        except (KeyError, OSError) as e:
+            raise UserError(f"data file '{path}': '{name}' is {link_outside(f, name)}, which "
+                            f"cannot be read ({type(e).__name__}: {e})") from None
+        if isinstance(obj, h5py.Dataset):
+            check_sources(obj, path, name)
 
 
 def _split_group(f, path, split):
@@ -139,13 +170,22 @@ class HDF5Source(DataSource):
     #: h5py's chunk cache per open file in the on-demand mode
     CHUNK_CACHE_BYTES = 64 << 20
 
-    def __init__(self, path, split=None, in_memory="auto"):
+    def __init__(self, path, split=None, in_memory="auto", external=False):
         self.path, self.split = path, split
-        self.n_samples, self.sample_shape = hdf5_info(path, split)
+        self.n_samples, self.sample_shape = hdf5_info(path, split, external)
         self.where = "/" if split is None else f"/{split}/"
         decoded = self.n_samples * int(np.prod(self.sample_shape)) * 4
+        budget = memory_budget()
+        if self.n_samples * 8 > budget:  # the labels are always held in memory
+            raise UserError(
+                f"data file '{path}': dataset '{self.where}label' holds {self.n_samples} "
+                f"labels, {human_bytes(self.n_samples * 8)} in memory as int64, more than the "
+                f"data memory budget of {human_bytes(budget)} (a quarter of the memory or of "
+                "ulimit -v, or PURINE_DATA_MEMORY_MB); the labels of a split are always kept "
+                "in memory: use a smaller split, or raise PURINE_DATA_MEMORY_MB (in MB) if the "
+                "memory is there")
         self.in_memory = in_memory is True or (in_memory in ("auto", None)
-                                               and decoded <= memory_budget())
+                                               and decoded <= budget)
         stat = os.stat(path)
         key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size, self.in_memory)
         with self._cache_lock:
@@ -161,7 +201,13 @@ class HDF5Source(DataSource):
         try:
             with h5py.File(self.path, "r") as f:
                 group = f if self.split is None else f[self.split]
-                labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                try:
+                    labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                except MemoryError:
+                    raise UserError(f"data file '{self.path}': dataset '{self.where}label' "
+                                    f"({self.n_samples} labels) does not fit in memory (labels "
+                                    "are always kept in memory; PURINE_DATA_MEMORY_MB may be set "
+                                    "above what the machine has)") from None
                 data = None
                 stored = group["data"]
                 if self.in_memory:
@@ -257,7 +303,8 @@ def make_source(spec, seed=0):
     ``seed`` is used for synthetic data when the spec gives no ``seed``."""
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
-        return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
+        return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"),
+                          bool(spec.get("external")))
     if kind == "lmdb":
         from .lmdb_source import LMDBSource
         return LMDBSource(spec["path"])
@@ -295,7 +342,8 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
             raise UserError(f"data: synthetic source has {spec.get('classes')} classes but "
                             f"layer '{layer}' sees {classes} (check its input's num_output)")
         return
-    source = HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"))
+    source = HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"),
+                        bool(spec.get("external")))
     where = "/" if spec.get("split") is None else f"/{spec['split']}/"
     _check_label_range(source.labels, classes, ignore_label, layer,
                        f"data file '{spec['path']}'", f"dataset '{where}label' holds label")
@@ -317,7 +365,7 @@ def source_info(spec):
     """(n_samples, sample_shape) of a data spec without loading the data."""
     kind = spec.get("source", "hdf5")
     if kind == "hdf5":
-        return hdf5_info(spec["path"], spec.get("split"))
+        return hdf5_info(spec["path"], spec.get("split"), bool(spec.get("external")))
     if kind == "lmdb":
         from .lmdb_source import lmdb_info
         return lmdb_info(spec["path"])

@@ -53,7 +53,7 @@ def _check_data_spec(phase, spec, path, check_files):
             raise ConfigError(path, f"{key}.path", "expected the path of a Caffe LMDB (the "
                                                    f"folder holding data.mdb), got "
                                                    f"{spec.get('path')!r}")
-        for other in ("in_memory", "split", "shape", "classes", "num_samples"):
+        for other in ("in_memory", "external", "split", "shape", "classes", "num_samples"):
             if spec.get(other) is not None:
                 raise ConfigError(path, f"{key}.{other}", "does not apply to source lmdb "
                                                           "(one database is one split)")
@@ -70,6 +70,7 @@ def _check_data_spec(phase, spec, path, check_files):
                               "fits in a quarter of the memory), true or false (read each "
                               f"batch from the file), got {in_memory!r}")
         out["in_memory"] = in_memory
+        out["external"] = _check_bool(f"{key}.external", spec.get("external", False), path)
         split = spec.get("split")
         if split is not None and (not isinstance(split, str) or not split):
             raise ConfigError(path, f"{key}.split",

@@ -227,7 +227,7 @@ class CheckpointSpec:
 #: source's own keys follow the transform keys
 _DATA_HEAD = ("source", "batch_size", "shuffle", "seed", "mean_file", "scale", "mean", "mirror",
               "crop_size")
-_DATA_TAIL = {"hdf5": ("path", "in_memory", "split"), "lmdb": ("path",),
+_DATA_TAIL = {"hdf5": ("path", "in_memory", "external", "split"), "lmdb": ("path",),
               "synthetic": ("shape", "classes", "num_samples", "split")}
 
 
@@ -242,6 +242,7 @@ class DataSpec:
     path: Optional[str] = None
     split: Optional[str] = None
     in_memory: object = None
+    external: Optional[bool] = None
     shape: Optional[tuple] = None
     classes: Optional[int] = None
     num_samples: Optional[int] = None
@@ -260,6 +261,7 @@ class DataSpec:
         values.setdefault("shuffle", phase == "train")
         if source == "hdf5":
             values.setdefault("in_memory", "auto")
+            values.setdefault("external", False)
             values.setdefault("split", None)
         elif source == "synthetic":
             values.setdefault("num_samples", SYNTHETIC_NUM_SAMPLES)

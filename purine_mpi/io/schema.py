@@ -62,8 +62,8 @@ PARALLEL_DEFAULTS = {
 CHECKPOINT_DEFAULTS = {"interval": 0, "keep": 3, "best": None, "folder": None}
 
 
-DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "shape", "classes",
-             "num_samples", "seed") + TRANSFORM_KEYS
+DATA_KEYS = ("source", "path", "split", "batch_size", "shuffle", "in_memory", "external", "shape",
+             "classes", "num_samples", "seed") + TRANSFORM_KEYS
 
 
 SYNTHETIC_NUM_SAMPLES = 1024
@@ -206,6 +206,9 @@ DATA_DOC = {
     "in_memory": ("auto, true or false", "`auto`", "hdf5: load the split (true), read each "
                   "batch from the file (false), or load it when its float32 size fits a "
                   "quarter of the memory (auto)"),
+    "external": ("true/false", "`false`", "hdf5: allow the split's data and label to read "
+                 "from other files (external storage, external links, virtual datasets); "
+                 "every such file must then exist and be large enough"),
     "shape": ("list of integers", "—", "synthetic: one sample's shape [C, H, W]"),
     "classes": ("integer > 0", "—", "synthetic: the number of classes"),
     "num_samples": ("integer > 0", SYNTHETIC_NUM_SAMPLES, "synthetic: samples in the split"),
