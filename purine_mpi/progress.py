@@ -18,7 +18,6 @@ leave the log as it was::
 Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
 one), the standard library and third-party packages.
 """
-import os
 import sys
 import time
 
@@ -29,11 +28,8 @@ DEFAULT_INTERVAL = 10.0
 
 def interval_seconds():
     """The plain lines' interval: PURINE_PROGRESS_SECONDS, else 10 s."""
-    value = os.environ.get(INTERVAL_VAR, "")
-    try:
-        return max(0.0, float(value)) if value.strip() else DEFAULT_INTERVAL
-    except ValueError:
-        return DEFAULT_INTERVAL
+    from . import env  # checked there: a number of seconds >= 0
+    return env.get(INTERVAL_VAR)
 
 
 def _tqdm():
