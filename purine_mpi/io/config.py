@@ -108,7 +108,9 @@ def apply_override(config, text, path="<config>"):
         raise ConfigError(path, None, f"bad --set override {excerpt(text)}: expected KEY=VALUE "
                                       "with a dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
     try:
-        value = read_yaml(value_text, "--set") if value_text.strip() else ""
+        value = read_yaml(value_text) if value_text.strip() else ""
+    except YamlRefused as e:
+        raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {e.problem}") from None
     except yaml.YAMLError as e:
         raise ConfigError(path, key, f"bad --set override {excerpt(text)}: the value is not "
                                      f"valid YAML ({where(e)})") from None

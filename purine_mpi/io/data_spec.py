@@ -163,13 +163,13 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
         if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
             return os.path.abspath(candidate)
     if check_files:
-        tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
+        tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path) if what == "data file" and not folder else (
             "make it with Caffe's convert_imageset (or compute_image_mean for a mean file), "
             "or give the right path")
         raise ConfigError(config_path, key, f"{'lmdb source' if folder else what} "
-                                            f"{excerpt(data_path)} not found (looked for {tried}); "
-                                            f"{hint}")
+                                            f"{excerpt(data_path)} not found (looked for "
+                                            f"{tried}); {hint}")
     return data_path
 
 

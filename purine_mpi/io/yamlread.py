@@ -47,8 +47,13 @@ class YamlRefused(yaml.MarkedYAMLError):
 
 
 def _at(loader, mark):
-    """``NAME:LINE`` of a mark (``line LINE`` for a nameless text)."""
-    return f"{loader.source}:{mark.line + 1}" if loader.source else f"line {mark.line + 1}"
+    """``NAME:LINE`` of a mark (``column C`` of a nameless one-line text, a
+    ``--set`` value; else ``line L, column C``)."""
+    if loader.source:
+        return f"{loader.source}:{mark.line + 1}"
+    if mark.line == 0 and "\n" not in (mark.buffer or "\n").rstrip("\0\n"):
+        return f"column {mark.column + 1}"
+    return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -27,7 +27,8 @@ class NetBuilder:
         return f"net[{self.index}].{k}" if k else f"net[{self.index}]"
 
     def fail(self, k, msg):
-        raise ConfigError(self.path, self.key(k), f"layer '{self.cfg.get('name')}': {msg}")
+        name = excerpt(self.cfg.get("name"), quote=False)
+        raise ConfigError(self.path, self.key(k), f"layer '{name}': {msg}")
 
     def get(self, k, default=_DECLARED, kind=_DECLARED, required=None):
         """The layer's key ``k``, checked against its ``kind``; absent: its

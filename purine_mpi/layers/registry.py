@@ -107,7 +107,7 @@ def layer_spec(ltype):
 def check_layer(cfg, index, path):
     """Exit-2 checks of one net entry that need no shapes: a known type and
     no key its type does not declare (nor in its fillers and ``param``)."""
-    name = cfg.get("name")
+    name = excerpt(cfg.get("name"), quote=False)  # for the messages
     ltype = cfg.get("type")
     spec = layer_spec(ltype)
     if spec is None:
