@@ -21,6 +21,8 @@ one), the standard library and third-party packages.
 import sys
 import time
 
+from . import env
+
 #: seconds between two plain progress lines (environment variable)
 INTERVAL_VAR = "PURINE_PROGRESS_SECONDS"
 DEFAULT_INTERVAL = 10.0
@@ -28,8 +30,7 @@ DEFAULT_INTERVAL = 10.0
 
 def interval_seconds():
     """The plain lines' interval: PURINE_PROGRESS_SECONDS, else 10 s."""
-    from . import env  # checked there: a number of seconds >= 0
-    return env.get(INTERVAL_VAR)
+    return env.get(INTERVAL_VAR, default=DEFAULT_INTERVAL)  # EnvError unless seconds >= 0
 
 
 def _tqdm():

@@ -51,7 +51,8 @@ def _at(loader, mark):
     ``--set`` value; else ``line L, column C``)."""
     if loader.source:
         return f"{loader.source}:{mark.line + 1}"
-    if mark.line == 0 and "\n" not in (mark.buffer or "\n").rstrip("\0\n"):
+    buffer = mark.buffer
+    if buffer is not None and mark.line == 0 and "\n" not in buffer.rstrip("\0\n"):
         return f"column {mark.column + 1}"
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
