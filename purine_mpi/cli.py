@@ -40,7 +40,7 @@ import os
 import sys
 import warnings
 
-from . import __version__, logfile
+from . import __version__, env, logfile
 from .comm.launcher import launched_rank, launched_size
 from .errors import OpError, UserError
 from .io.outputs import check_out
@@ -452,6 +452,7 @@ def main(argv=None):
                             message=r"(overflow|invalid value|divide by zero|underflow) "
                                     r"encountered")
     try:
+        env.check_all()  # every PURINE_* variable, before anything reads one (env.py)
         return COMMANDS[args.command](args) or 0
     except UserError as exc:
         _report_user_error(exc)

@@ -11,6 +11,8 @@ ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import yaml
 
+from .errors import EXCERPT_CHARS
+from .io.yamlread import MAX_ALIAS_NODES, MAX_DEPTH
 from .docgen_examples import CUSTOM_LAYER_EXAMPLE, EXAMPLE, RESIDUAL_EXAMPLE  # noqa: F401
 
 
@@ -106,6 +108,18 @@ def _intro():
         "`train` says in a note at start-up when a `batch_size` is larger than its split "
         "(each batch then holds samples several times over), and refuses a net whose blobs "
         "would not fit in the machine's memory, naming the layer that takes the most.",
+        "",
+        "The YAML itself is read strictly (purine_mpi/io/yamlread.py). A key given twice in "
+        "one mapping, at any level (a second `solver:` block at the end of the file), exits "
+        "2 naming the key and both lines, where plain YAML would keep the second silently. "
+        f"Nesting deeper than {MAX_DEPTH} levels exits 2 naming the line. Anchors and aliases "
+        "share a value (`weight_filler: &f {type: gaussian, std: 0.01}`, then "
+        "`weight_filler: *f`), but the values that aliases repeat may add at most "
+        f"{MAX_ALIAS_NODES:,} to those written out, so a few lines of nested aliases (a "
+        "\"billion laughs\") exit 2 at once instead of expanding. The same holds for `--set` "
+        "values, for a run's `config.yaml` (`predict`) and for the config a checkpoint holds. "
+        "A message quotes a value it refuses by at most "
+        f"{EXCERPT_CHARS} characters, followed by `...` and its whole size.",
         "",
         "## Contents",
         "",

@@ -18,9 +18,10 @@ leave the log as it was::
 Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
 one), the standard library and third-party packages.
 """
-import os
 import sys
 import time
+
+from . import env
 
 #: seconds between two plain progress lines (environment variable)
 INTERVAL_VAR = "PURINE_PROGRESS_SECONDS"
@@ -29,11 +30,7 @@ DEFAULT_INTERVAL = 10.0
 
 def interval_seconds():
     """The plain lines' interval: PURINE_PROGRESS_SECONDS, else 10 s."""
-    value = os.environ.get(INTERVAL_VAR, "")
-    try:
-        return max(0.0, float(value)) if value.strip() else DEFAULT_INTERVAL
-    except ValueError:
-        return DEFAULT_INTERVAL
+    return env.get(INTERVAL_VAR, default=DEFAULT_INTERVAL)  # EnvError unless seconds >= 0
 
 
 def _tqdm():

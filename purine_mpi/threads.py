@@ -21,6 +21,8 @@ one), the standard library and third-party packages.
 import os
 import sys
 
+from . import env
+
 #: variables that limit the BLAS and OpenMP pools
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 #: how launchers tell a rank how many ranks share its host
@@ -60,12 +62,9 @@ def ranks_on_this_host(environ=os.environ):
 
 def decide(environ=os.environ, cores=None):
     """(threads per rank, why) from the environment (see the module docstring)."""
-    own = _positive(environ.get("PURINE_THREADS"))
+    own = env.get("PURINE_THREADS", environ)  # EnvError (a ValueError) when not one
     if own is not None:
         return own, "PURINE_THREADS"
-    if environ.get("PURINE_THREADS", "").strip():
-        raise ValueError(f"PURINE_THREADS must be a positive integer, got "
-                         f"{environ['PURINE_THREADS']!r}")
     user = _positive(environ.get("OMP_NUM_THREADS"))
     if user is not None:
         return user, "OMP_NUM_THREADS"

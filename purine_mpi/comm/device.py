@@ -11,19 +11,19 @@ layers below it, and its own.
 """
 import ctypes
 import functools
-import os
 
 import numpy as np
 
+from .. import env
 from ..backend import get_xp
 
 
 @functools.lru_cache(maxsize=1)
 def cuda_aware():
     """True when the running MPI library moves CUDA device memory directly."""
-    env = os.environ.get("PURINE_MPI_CUDA_AWARE")
-    if env is not None:
-        return env.strip().lower() in ("1", "true", "yes")
+    given = env.get("PURINE_MPI_CUDA_AWARE")  # EnvError when not a flag
+    if given is not None:
+        return given
     try:
         from mpi4py import MPI  # noqa: F401  (loads libmpi)
         libs = {line.split()[-1] for line in open("/proc/self/maps")

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from .. import env
 from ..errors import ShapeError
 from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
@@ -61,12 +62,9 @@ class _CommDelay:
         self.spec = spec
         self._rng = None
         self._lock = threading.Lock()
-        if spec:
-            ms, _, seed = spec.partition(":")
-            try:
-                self.max_s, self.seed = float(ms) / 1000.0, int(seed or 0)
-            except ValueError:
-                raise ValueError(f"PURINE_COMM_DELAY must be MAX_MS[:SEED], got {spec!r}") from None
+        parsed = env.parse("PURINE_COMM_DELAY", spec)  # EnvError (a ValueError): not one
+        if parsed is not None:
+            self.max_s, self.seed = parsed
 
     def __call__(self):
         if self.max_s <= 0:

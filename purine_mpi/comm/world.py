@@ -27,6 +27,7 @@ import traceback
 
 import numpy as np
 
+from .. import env
 from ..errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
@@ -372,6 +373,15 @@ def describe_exception(exc, rank):
     return f"rank {rank}: {text}"
 
 
+def _debug():
+    """PURINE_DEBUG, on when set to anything but a false flag (here, in an
+    error handler, a bad value is no reason to fail: the CLI checked it)."""
+    try:
+        return bool(env.get("PURINE_DEBUG"))
+    except env.EnvError:
+        return True
+
+
 def install_abort_handler(world=None):
     """Make an uncaught exception on any rank (main or worker thread) end the
     whole job promptly: print ``rank R: <op/exception>`` and call
@@ -384,7 +394,7 @@ def install_abort_handler(world=None):
     def handle(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
             return sys.__excepthook__(exc_type, exc, tb)
-        if not isinstance(exc, UserError) and os.environ.get("PURINE_DEBUG"):
+        if not isinstance(exc, UserError) and _debug():
             traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         text = describe_exception(exc, world.rank)
         print(text, file=sys.stderr)

@@ -43,7 +43,6 @@ Nothing here imports CuPy or nvmath at import time.
 Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
 and its own.
 """
-import os
 import sys
 import threading
 
@@ -120,17 +119,8 @@ def reset():
 
 def workspace_bytes():
     """Each handle's workspace in bytes (``PURINE_CUBLAS_WORKSPACE_MB``, MiB)."""
-    text = os.environ.get("PURINE_CUBLAS_WORKSPACE_MB", "").strip()
-    if not text:
-        return DEFAULT_WORKSPACE_MB << 20
-    try:
-        mib = float(text)
-    except ValueError:
-        mib = -1.0
-    if not mib >= 0:
-        from ..errors import UserError
-        raise UserError(f"PURINE_CUBLAS_WORKSPACE_MB={text!r}: expected a size in MiB >= 0 "
-                        f"(default {DEFAULT_WORKSPACE_MB})")
+    from .. import env
+    mib = env.get("PURINE_CUBLAS_WORKSPACE_MB", default=DEFAULT_WORKSPACE_MB)
     return int(mib * (1 << 20))
 
 

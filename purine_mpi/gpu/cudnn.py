@@ -33,13 +33,13 @@ Nothing here imports ``cudnn`` or CuPy at import time.
 Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
 and its own.
 """
-import os
 import sys
 import threading
 import time
 
 import numpy as np
 
+from .. import env
 from . import cudnn_tune as tune
 
 _lock = threading.Lock()
@@ -58,8 +58,7 @@ def _say_once(key, message):
 
 def mode():
     """``PURINE_CONV``: auto, cudnn or im2col."""
-    value = os.environ.get("PURINE_CONV", "auto").strip().lower() or "auto"
-    return value if value in ("auto", "cudnn", "im2col") else "auto"
+    return env.get("PURINE_CONV")  # EnvError when not one of them
 
 
 def frontend():

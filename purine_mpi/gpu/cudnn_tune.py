@@ -38,6 +38,8 @@ import threading
 
 import numpy as np
 
+from .. import env
+
 #: timed runs of each plan (after one warm-up run)
 REPS = 3
 #: layout of the cache files; another value is a stale file
@@ -48,11 +50,8 @@ _stats = {"timed": 0, "cached": 0, "heuristic": 0, "seconds": 0.0, "path": None,
           "rejected": []}
 
 
-def _flag(name, default=True):
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    return value not in ("0", "false", "no", "off")
+def _flag(name):
+    return env.get(name)  # a flag, default on; EnvError when not a flag
 
 
 def benchmark_enabled():
@@ -67,7 +66,7 @@ def deterministic():
 
 def cache_dir():
     """``$PURINE_CACHE_DIR`` or ``~/.cache/purine_mpi``."""
-    return os.environ.get("PURINE_CACHE_DIR") or os.path.join(
+    return env.get("PURINE_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "purine_mpi")
 
 

@@ -91,8 +91,8 @@ def _max_iter(config_text):
     if not isinstance(config_text, str) or not config_text.strip():
         return None
     try:
-        import yaml
-        cfg = yaml.safe_load(config_text)
+        from .yamlread import read_yaml  # strict and bounded, as the job file
+        cfg = read_yaml(config_text)
         value = cfg["solver"]["max_iter"]
     except Exception:  # not our config text: no bound from it
         return None

@@ -9,7 +9,7 @@ graph layers below it, and its own.
 import difflib
 import math
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 
 
 SEED_LIMIT = 2 ** 63  # seeds are stored as 64-bit integers (checkpoints, HDF5)
@@ -19,7 +19,7 @@ def _stepvalues(key, value, path):
     if (not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value)
             or any(b <= a for a, b in zip(value, value[1:]))):
         raise ConfigError(path, key, f"expected an increasing list of positive integers "
-                                     f"(iterations), got {value!r}")
+                                     f"(iterations), got {excerpt(value)}")
     return [int(v) for v in value]
 
 
@@ -83,7 +83,7 @@ def check_seed(key, value, path):
     if _is_int(value) and 0 <= value < SEED_LIMIT:
         return int(value)
     raise ConfigError(path, key, f"expected a non-negative integer below 2^63 (it is stored "
-                                 f"as a 64-bit integer), got {value!r}")
+                                 f"as a 64-bit integer), got {excerpt(value)}")
 
 
 def _check_int(key, value, path, minimum=None):
@@ -92,14 +92,14 @@ def _check_int(key, value, path, minimum=None):
         return int(value)
     want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
         minimum, f"an integer >= {minimum}")
-    raise ConfigError(path, key, f"expected {want}, got {value!r}")
+    raise ConfigError(path, key, f"expected {want}, got {excerpt(value)}")
 
 
 def _check_number(key, value, path, minimum=None, strict=False, below=None):
     number = value
     if isinstance(value, str):  # 1e-3 reads as a number (_Loader): this was quoted
         raise ConfigError(path, key, f"expected {_number_range(minimum, strict, below, False)}"
-                                     f", got the string {value!r} (a number is written "
+                                     f", got the string {excerpt(value)} (a number is written "
                                      "without quotes)")
     if isinstance(number, bool) or not isinstance(number, (int, float)) \
             or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
@@ -112,20 +112,21 @@ def _check_number(key, value, path, minimum=None, strict=False, below=None):
     if ok:
         return number
     want = _number_range(minimum, strict, below, doc=False)
-    raise ConfigError(path, key, f"expected {want} (finite), got {value!r}")
+    raise ConfigError(path, key, f"expected {want} (finite), got {excerpt(value)}")
 
 
 def _check_bool(key, value, path):
     if isinstance(value, bool):
         return value
-    raise ConfigError(path, key, f"expected true or false, got {value!r}")
+    raise ConfigError(path, key, f"expected true or false, got {excerpt(value)}")
 
 
 def _check_choice(key, value, choices, path):
     if value in choices:
         return value
     hint = _suggest(value, choices)
-    raise ConfigError(path, key, f"expected one of {', '.join(choices)}, got {value!r}{hint}")
+    raise ConfigError(path, key, f"expected one of {', '.join(choices)}, "
+                                 f"got {excerpt(value)}{hint}")
 
 
 def _check_keys(section, mapping, allowed, path):
@@ -134,11 +135,11 @@ def _check_keys(section, mapping, allowed, path):
             key = f"{section}.{k}" if section else str(k)
             where = f"in '{section}'" if section else "at the top level"
             if not section and str(k).startswith("_"):
-                raise ConfigError(path, key, f"unknown key {k!r} at the top level (keys "
+                raise ConfigError(path, key, f"unknown key {excerpt(k)} at the top level (keys "
                                   "starting with '_' are not private: they are rejected like "
                                   "any unknown key; to share a value, put a YAML anchor &name "
                                   f"on its first use) (valid keys: {', '.join(allowed)})")
-            raise ConfigError(path, key, f"unknown key {k!r} {where}{_suggest(k, allowed)} "
+            raise ConfigError(path, key, f"unknown key {excerpt(k)} {where}{_suggest(k, allowed)} "
                                          f"(valid keys: {', '.join(allowed)})")
 
 
@@ -152,4 +153,4 @@ def _kind(value):
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {excerpt(value)}"

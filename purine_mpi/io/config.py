@@ -33,28 +33,17 @@ import os
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 from .checks import (SEED_LIMIT, _bool, _check_bool, _check_choice, _check_int, _check_keys,
                      _check_number, _choice, _int, _is_int, _is_number, _kind, _num, _optional,
                      _stepvalues, check_seed)  # noqa: F401
 from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
 from .job import Job, job_of
+from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # noqa: F401
 from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_DOC, DATA_KEYS,
                      DATA_SOURCES, KEY_DOCS, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
                      PARALLEL_SCHEMES, PIPELINE_SCHEDULES, SOLVER_DEFAULTS, SOLVER_TYPES,
                      SYNTHETIC_NUM_SAMPLES, TOP_DOC, TOP_KEYS)  # noqa: F401
-
-
-class _Loader(yaml.SafeLoader):
-    """Safe YAML that reads ``1e-3`` and ``5E8`` (YAML 1.2 floats without a
-    dot) as numbers, as every other YAML reader does: a string where a number
-    is expected is then always a quoted one, and refused."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
 from ..layers import check_layer
 
 
@@ -79,19 +68,11 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
     try:
-        raw = yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        what = e.problem or ""
-        if e.context:
-            start = e.context_mark
-            started = (f" (started at line {start.line + 1}, column {start.column + 1})"
-                       if start is not None and start is not mark else "")
-            what = f"{e.context}{started}: {what}"
-        raise ConfigError(path, None, f"malformed YAML at {where}{what}") from None
+        raw = read_yaml(text, path)  # strict and bounded: io/yamlread.py
+    except YamlRefused as e:
+        raise ConfigError(path, None, e.problem) from None
     except yaml.YAMLError as e:
-        raise ConfigError(path, None, f"malformed YAML: {e}") from None
+        raise ConfigError(path, None, f"malformed YAML at {where(e)}") from None
     if raw is None:
         raise ConfigError(path, None, "the config file is empty")
     return resolve_config(raw, path, overrides, iters, check_files)
@@ -124,25 +105,27 @@ def apply_override(config, text, path="<config>"):
     key = key.strip()
     parts = key.split(".")
     if not sep or not key or any(not p.strip() for p in parts):
-        raise ConfigError(path, None, f"bad --set override {text!r}: expected KEY=VALUE with a "
-                                      "dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
+        raise ConfigError(path, None, f"bad --set override {excerpt(text)}: expected KEY=VALUE "
+                                      "with a dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
     try:
-        value = yaml.load(value_text, Loader=_Loader) if value_text.strip() else ""
+        value = read_yaml(value_text) if value_text.strip() else ""
+    except YamlRefused as e:
+        raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {e.problem}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(path, key, f"bad --set override {text!r}: the value is not valid "
-                                     f"YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(path, key, f"bad --set override {excerpt(text)}: the value is not "
+                                     f"valid YAML ({where(e)})") from None
     node = config
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
         here = ".".join(parts[:depth]) or "the top level"
         if isinstance(node, list):
             if not part.lstrip("-").isdigit():
-                raise ConfigError(path, key, f"bad --set override {text!r}: {here} is a list, "
-                                             f"index it with an integer, not {part!r}")
+                raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {here} is a "
+                                             f"list, index it with an integer, not {excerpt(part)}")
             index = int(part)
             if not -len(node) <= index < len(node):
-                raise ConfigError(path, key, f"bad --set override {text!r}: index {index} is "
-                                             f"out of range ({here} has {len(node)} entries)")
+                raise ConfigError(path, key, f"bad --set override {excerpt(text)}: index "
+                                             f"{index} is out of range ({here} has {len(node)} entries)")
             if last:
                 node[index] = value
             node = node[index]
@@ -152,8 +135,8 @@ def apply_override(config, text, path="<config>"):
             else:
                 node = node.setdefault(part, {})
         else:
-            raise ConfigError(path, key, f"bad --set override {text!r}: {here} is "
-                                         f"{_kind(node)}, it has no key {part!r}")
+            raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {here} is "
+                                         f"{_kind(node)}, it has no key {excerpt(part)}")
     return config
 
 
@@ -186,9 +169,9 @@ def validate_config(config, path="<config>", check_files=True):
     out["solver"] = _check_solver(config.get("solver"), path)
     out["parallel"] = _check_parallel(config.get("parallel"), path)
     if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
-        raise ConfigError(path, "solver.type", f"parallel.mode {out['parallel']['mode']!r} "
+        raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
                           f"(parameter servers) supports solver type 'sgd' only, got "
-                          f"{out['solver']['type']!r}; use parallel.mode: sync")
+                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
     _check_pipeline(out, path)
     if out["solver"]["clip_gradients"] is not None and (
             out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
@@ -196,7 +179,7 @@ def validate_config(config, path="<config>", check_files=True):
         raise ConfigError(path, "solver.clip_gradients", "clipping by the global norm needs "
                           "every gradient of an iteration in one place: it works with "
                           "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
-                          f"with mode {out['parallel']['mode']!r} and "
+                          f"with mode {excerpt(out['parallel']['mode'])} and "
                           f"ps_ranks {out['parallel']['ps_ranks']}")
     out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
                                        CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
@@ -213,7 +196,7 @@ def validate_config(config, path="<config>", check_files=True):
 def _check_name(name, path):
     if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
         raise ConfigError(path, "name", "expected a non-empty name without '/' (it names the "
-                                        f"output directory runs/<name>), got {name!r}")
+                                        f"output directory runs/<name>), got {excerpt(name)}")
     return name
 
 
@@ -228,10 +211,10 @@ def _check_net(net, path):
                                          f"got {_kind(layer)}")
         for field in ("type", "name"):
             if not isinstance(layer.get(field), str) or not layer[field]:
-                raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' "
-                                                          f"string, got {layer.get(field)!r}")
+                raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
+                                                          f"got {excerpt(layer.get(field))}")
         if layer["name"] in seen:
-            raise ConfigError(path, f"{key}.name", f"duplicate layer name {layer['name']!r} "
+            raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
                                                    f"(also net.{seen[layer['name']]})")
         seen[layer["name"]] = i
         check_layer(layer, i, path)  # known type, declared keys (purine_mpi/layers)
@@ -248,10 +231,10 @@ def _check_graph(graph, path):
                                          f"got {_kind(entry)}")
         if entry.get("type") not in ("blob", "op"):
             raise ConfigError(path, f"{key}.type", f"expected 'blob' or 'op', "
-                                                   f"got {entry.get('type')!r}")
+                                                   f"got {excerpt(entry.get('type'))}")
         if not isinstance(entry.get("name"), str) or not entry["name"]:
             raise ConfigError(path, f"{key}.name", f"every {entry['type']} needs a 'name' "
-                                                   f"string, got {entry.get('name')!r}")
+                                                   f"string, got {excerpt(entry.get('name'))}")
     return copy.deepcopy(graph)
 
 
@@ -267,7 +250,7 @@ def _check_solver(solver, path):
                                                      "(an increasing list of iterations)")
     given = solver if isinstance(solver, dict) else {}
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
-        raise ConfigError(path, "solver.momentum", f"solver type {out['type']!r} takes no "
+        raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
                           "momentum (as in Caffe); remove the key or set it to 0")
     return out
 
@@ -322,7 +305,7 @@ def _check_stages(key, value, path):
     if not isinstance(value, dict) or not all(
             isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
         raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
-                                     f"{{conv1: 0, fc1: 1}}, got {value!r}")
+                                     f"{{conv1: 0, fc1: 1}}, got {excerpt(value)}")
     return value
 
 
@@ -333,7 +316,7 @@ def _check_pipeline(out, path):
     if micro > 1:
         if par["mode"] in ("async", "sync_ps"):
             raise ConfigError(path, "parallel.micro_batches", f"parameter-server mode "
-                              f"{par['mode']!r} takes no micro-batches; use mode: sync")
+                              f"{excerpt(par['mode'])} takes no micro-batches; use mode: sync")
         train = (out.get("data") or {}).get("train") or {}
         batch = train.get("batch_size")
         if batch is not None and batch % micro:
@@ -344,7 +327,7 @@ def _check_pipeline(out, path):
         return
     if par["mode"] != "sync":
         raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
-                          f"{par['mode']!r} (parameter servers serve data-parallel workers)")
+                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)")
     if out.get("net") is None:
         return
     if not par["stages"]:
@@ -372,7 +355,7 @@ def _check_pipeline(out, path):
 
 def _check_folder(key, value, path):
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ConfigError(path, key, f"expected a folder path or null, got {value!r}")
+        raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
     return value
 
 

@@ -32,6 +32,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .. import env
 from ..errors import UserError
 from ..progress import human_bytes
 from .h5links import check_sources, link_outside
@@ -142,8 +143,9 @@ def memory_budget():
     """Bytes of decoded data an HDF5 split may occupy in memory: a quarter of
     the physical memory, or of the address-space limit (``ulimit -v``) when
     that is lower; ``PURINE_DATA_MEMORY_MB`` overrides it."""
-    if os.environ.get("PURINE_DATA_MEMORY_MB"):
-        return int(float(os.environ["PURINE_DATA_MEMORY_MB"]) * (1 << 20))
+    mib = env.get("PURINE_DATA_MEMORY_MB")
+    if mib is not None:
+        return int(mib * (1 << 20))
     budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit != resource.RLIM_INFINITY:

@@ -8,7 +8,7 @@ graph layers below it, and its own.
 """
 import os
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 from .checks import (_check_bool, _check_choice, _check_int, _check_keys, _check_number, _is_int,
                      _is_number, _kind, check_seed)
 from .schema import DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
@@ -52,7 +52,7 @@ def _check_data_spec(phase, spec, path, check_files):
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ConfigError(path, f"{key}.path", "expected the path of a Caffe LMDB (the "
                                                    f"folder holding data.mdb), got "
-                                                   f"{spec.get('path')!r}")
+                                                   f"{excerpt(spec.get('path'))}")
         for other in ("in_memory", "external", "split", "shape", "classes", "num_samples"):
             if spec.get(other) is not None:
                 raise ConfigError(path, f"{key}.{other}", "does not apply to source lmdb "
@@ -62,27 +62,27 @@ def _check_data_spec(phase, spec, path, check_files):
     elif source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
-                                                   f"{spec.get('path')!r}")
+                                                   f"{excerpt(spec.get('path'))}")
         out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
         in_memory = spec.get("in_memory", "auto")
         if in_memory not in ("auto", True, False):
             raise ConfigError(path, f"{key}.in_memory", "expected auto (load the split when it "
                               "fits in a quarter of the memory), true or false (read each "
-                              f"batch from the file), got {in_memory!r}")
+                              f"batch from the file), got {excerpt(in_memory)}")
         out["in_memory"] = in_memory
         out["external"] = _check_bool(f"{key}.external", spec.get("external", False), path)
         split = spec.get("split")
         if split is not None and (not isinstance(split, str) or not split):
             raise ConfigError(path, f"{key}.split",
                               f"expected a group name such as 'train', or null for top-level "
-                              f"data/label, got {split!r}")
+                              f"data/label, got {excerpt(split)}")
         out["split"] = split
     else:
         shape = spec.get("shape")
         if (not isinstance(shape, list) or not shape
                 or not all(_is_int(s) and s > 0 for s in shape)):
             raise ConfigError(path, f"{key}.shape", "expected a list of positive integers "
-                                                    f"[C, H, W] (one sample), got {shape!r}")
+                                                    f"[C, H, W] (one sample), got {excerpt(shape)}")
         out["shape"] = [int(s) for s in shape]
         if "classes" not in spec:
             raise ConfigError(path, f"{key}.classes", "missing; synthetic data needs the "
@@ -122,7 +122,7 @@ def _check_transform(key, spec, path, check_files=True):
         if not isinstance(mean_file, str) or not mean_file:
             raise ConfigError(path, f"{key}.mean_file", "expected the path of a Caffe "
                                                         f".binaryproto mean image, got "
-                                                        f"{mean_file!r}")
+                                                        f"{excerpt(mean_file)}")
         if spec.get("mean") is not None:
             raise ConfigError(path, f"{key}.mean_file", "give mean_file or mean, not both (as "
                                                         "Caffe: mean_file or mean_value)")
@@ -142,7 +142,7 @@ def _check_transform(key, spec, path, check_files=True):
         values = mean if isinstance(mean, list) else [mean]
         if not values or not all(_is_number(v) for v in values):
             raise ConfigError(path, f"{key}.mean", "expected a number or a list of numbers (one "
-                                                   f"per channel), got {mean!r}")
+                                                   f"per channel), got {excerpt(mean)}")
         out["mean"] = [float(v) for v in values] if isinstance(mean, list) else float(mean)
     if spec.get("mirror") is not None:
         out["mirror"] = _check_bool(f"{key}.mirror", spec["mirror"], path)
@@ -164,13 +164,13 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
         if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
             return os.path.abspath(candidate)
     if check_files:
-        tried = " or ".join(repr(os.path.abspath(c)) for c in candidates)
+        tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path) if what == "data file" and not folder else (
             "make it with Caffe's convert_imageset (or compute_image_mean for a mean file), "
             "or give the right path")
         raise ConfigError(config_path, key, f"{'lmdb source' if folder else what} "
-                                            f"{data_path!r} not found (looked for {tried}); "
-                                            f"{hint}")
+                                            f"{excerpt(data_path)} not found (looked for "
+                                            f"{tried}); {hint}")
     return data_path
 
 

@@ -19,6 +19,7 @@ import tarfile
 import urllib.error
 import urllib.request
 
+from .. import env
 from ..errors import UserError
 from ..progress import progress
 
@@ -88,8 +89,8 @@ def download_cifar10(cache_dir, log=None):
     """The folder of CIFAR-10's python batches under ``cache_dir``, fetched
     and verified if needed (``PURINE_CIFAR10_URL``, ``PURINE_CIFAR10_MD5``
     replace the official address and checksum)."""
-    url = os.environ.get("PURINE_CIFAR10_URL", CIFAR10_URL)
-    md5 = os.environ.get("PURINE_CIFAR10_MD5", CIFAR10_MD5)
+    url = env.get("PURINE_CIFAR10_URL") or CIFAR10_URL
+    md5 = env.get("PURINE_CIFAR10_MD5") or CIFAR10_MD5
     archive = fetch(url, os.path.join(cache_dir, os.path.basename(url) or "cifar10.tar.gz"),
                     md5, log)
     batches = os.path.join(cache_dir, "cifar-10-batches-py")

@@ -7,7 +7,7 @@ ops layers below it, and its own.
 """
 from collections.abc import Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 from .registry import Required, check_layer, layer_spec
 
 _DECLARED = object()
@@ -27,7 +27,8 @@ class NetBuilder:
         return f"net[{self.index}].{k}" if k else f"net[{self.index}]"
 
     def fail(self, k, msg):
-        raise ConfigError(self.path, self.key(k), f"layer '{self.cfg.get('name')}': {msg}")
+        name = excerpt(self.cfg.get("name"), quote=False)
+        raise ConfigError(self.path, self.key(k), f"layer '{name}': {msg}")
 
     def get(self, k, default=_DECLARED, kind=_DECLARED, required=None):
         """The layer's key ``k``, checked against its ``kind``; absent: its
@@ -52,36 +53,36 @@ class NetBuilder:
         v = self.cfg[k]
         is_int = isinstance(v, int) and not isinstance(v, bool)
         if kind == "int" and not is_int:
-            self.fail(k, f"expected an integer, got {v!r}")
+            self.fail(k, f"expected an integer, got {excerpt(v)}")
         if kind == "posint" and not (is_int and v > 0):
-            self.fail(k, f"expected a positive integer, got {v!r}")
+            self.fail(k, f"expected a positive integer, got {excerpt(v)}")
         if kind == "nonneg" and not (is_int and v >= 0):
-            self.fail(k, f"expected a non-negative integer, got {v!r}")
+            self.fail(k, f"expected a non-negative integer, got {excerpt(v)}")
         if kind == "pair":
             ok = (is_int and v >= 0) or (isinstance(v, list) and len(v) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
             if not ok:
-                self.fail(k, f"expected a non-negative integer or [h, w], got {v!r}")
+                self.fail(k, f"expected a non-negative integer or [h, w], got {excerpt(v)}")
         if kind == "number" and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            self.fail(k, f"expected a number, got {v!r}")
+            self.fail(k, f"expected a number, got {excerpt(v)}")
         if kind == "numbers" and (not isinstance(v, list) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
-            self.fail(k, f"expected a list of numbers, got {v!r}")
+            self.fail(k, f"expected a list of numbers, got {excerpt(v)}")
         if kind == "thread" and not ((is_int and v >= 0) or (isinstance(v, str) and v)):
-            self.fail(k, f"expected a thread number (>= 0) or name, got {v!r}")
+            self.fail(k, f"expected a thread number (>= 0) or name, got {excerpt(v)}")
         if kind == "bool" and not isinstance(v, bool):
-            self.fail(k, f"expected true or false, got {v!r}")
+            self.fail(k, f"expected true or false, got {excerpt(v)}")
         if kind == "str" and not isinstance(v, str):
-            self.fail(k, f"expected a string, got {v!r}")
+            self.fail(k, f"expected a string, got {excerpt(v)}")
         if isinstance(kind, tuple) and v not in kind:
-            self.fail(k, f"expected one of {', '.join(map(str, kind))}, got {v!r}")
+            self.fail(k, f"expected one of {', '.join(map(str, kind))}, got {excerpt(v)}")
         return v
 
     def bottoms(self, n=None):
         b = self.get("bottom", required=True)
         b = [b] if isinstance(b, str) else b
         if not isinstance(b, list) or not all(isinstance(x, str) for x in b):
-            self.fail("bottom", f"expected a blob name or a list of names, got {b!r}")
+            self.fail("bottom", f"expected a blob name or a list of names, got {excerpt(b)}")
         if n is not None and len(b) != n:
             self.fail("bottom", f"expected {n} bottom blob(s), got {len(b)}")
         out = []
@@ -97,7 +98,7 @@ class NetBuilder:
         t = self.get("top", default=self.cfg.get("name"))
         if isinstance(t, list) and not all(isinstance(x, str) for x in t) \
                 or not isinstance(t, (str, list)):
-            self.fail("top", f"expected a blob name or a list of names, got {t!r}")
+            self.fail("top", f"expected a blob name or a list of names, got {excerpt(t)}")
         t = [t] if isinstance(t, str) else t
         if n is not None and len(t) != n:
             self.fail("top", f"expected {n} top blob(s), got {len(t)}")
@@ -148,7 +149,7 @@ def build_net(net, phase, data_blobs):
     for i, cfg in enumerate(net or ()):
         b.cfg, b.index, b.spec = cfg, i, None
         if not isinstance(cfg, Mapping):
-            raise ConfigError(path, f"net[{i}]", f"expected a mapping, got {cfg!r}")
+            raise ConfigError(path, f"net[{i}]", f"expected a mapping, got {excerpt(cfg)}")
         name = cfg.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(path, f"net[{i}].name", "every layer needs a non-empty name")

@@ -10,7 +10,7 @@ ops layers below it, and its own.
 import difflib
 from typing import NamedTuple
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 from .fillers import FILLERS
 
 LAYERS = {}        # type name or alias -> layer function
@@ -107,20 +107,20 @@ def layer_spec(ltype):
 def check_layer(cfg, index, path):
     """Exit-2 checks of one net entry that need no shapes: a known type and
     no key its type does not declare (nor in its fillers and ``param``)."""
-    name = cfg.get("name")
+    name = excerpt(cfg.get("name"), quote=False)  # for the messages
     ltype = cfg.get("type")
     spec = layer_spec(ltype)
     if spec is None:
         close = difflib.get_close_matches(str(ltype).lower(), LAYERS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(path, f"net[{index}].type",
-                          f"layer '{name}': unknown layer type {ltype!r}{hint}; "
+                          f"layer '{name}': unknown layer type {excerpt(ltype)}{hint}; "
                           f"known: {', '.join(sorted(LAYERS))}")
     valid = [k.name for k in spec.all_keys()]
     for k in cfg:
         if k not in valid:
             raise ConfigError(path, f"net[{index}].{k}",
-                              f"layer '{name}' ({spec.type}): unknown key {k!r}"
+                              f"layer '{name}' ({spec.type}): unknown key {excerpt(k)}"
                               f"{_suggest(k, valid)} (valid keys: {', '.join(valid)})")
     for key in spec.keys:
         if key.kind == "filler" and isinstance(cfg.get(key.name), dict):
@@ -130,15 +130,15 @@ def check_layer(cfg, index, path):
                 where = f"net[{index}].{key.name}[{j}]"
                 if not isinstance(entry, dict):
                     raise ConfigError(path, where, f"layer '{name}': expected a mapping "
-                                      f"{{lr_mult: 1, decay_mult: 1}}, got {entry!r}")
+                                      f"{{lr_mult: 1, decay_mult: 1}}, got {excerpt(entry)}")
                 for k, v in entry.items():
                     if k not in PARAM_KEYS:
                         raise ConfigError(path, f"{where}.{k}", f"layer '{name}': unknown "
-                                          f"key {k!r}{_suggest(k, PARAM_KEYS)} (valid keys: "
+                                          f"key {excerpt(k)}{_suggest(k, PARAM_KEYS)} (valid keys: "
                                           f"{', '.join(PARAM_KEYS)})")
                     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                         raise ConfigError(path, f"{where}.{k}", f"layer '{name}': expected a "
-                                          f"number, got {v!r}")
+                                          f"number, got {excerpt(v)}")
 
 
 def _check_filler(filler, where, name, path):
@@ -148,12 +148,12 @@ def _check_filler(filler, where, name, path):
     valid = ["type", *FILLERS[kind]]
     for k, v in filler.items():
         if k not in valid:
-            raise ConfigError(path, f"{where}.{k}", f"layer '{name}': unknown key {k!r} in a "
-                              f"{kind} filler{_suggest(k, valid)} (valid keys: "
+            raise ConfigError(path, f"{where}.{k}", f"layer '{name}': unknown key "
+                              f"{excerpt(k)} in a {kind} filler{_suggest(k, valid)} (valid keys: "
                               f"{', '.join(valid)})")
         if k != "type" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
             raise ConfigError(path, f"{where}.{k}", f"layer '{name}': expected a number, "
-                                                    f"got {v!r}")
+                                                    f"got {excerpt(v)}")
 
 
 def _suggest(value, choices):

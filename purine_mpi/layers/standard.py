@@ -9,6 +9,7 @@ run ``python -m purine_mpi.docgen --write``.
 Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
 ops layers below it, and its own.
 """
+from ..errors import excerpt
 from .registry import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 
@@ -41,7 +42,7 @@ def _filler(b, key):
     if not isinstance(f, dict) or f.get("type") not in FILLERS:
         b.fail(key, "expected a filler such as {type: xavier}, {type: gaussian, std: 0.01}, "
                     f"{{type: msra}}, {{type: uniform, min: -a, max: a}}, or {{type: constant, "
-                    f"value: 0}}; got {f!r}")
+                    f"value: 0}}; got {excerpt(f)}")
     return f
 
 
@@ -125,7 +126,8 @@ def reshape(b):
     (x,) = b.bottoms(1)
     shape = b.get("shape")
     if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
-        b.fail("shape", f"expected a list of integers (0 copies a dim, -1 infers), got {shape!r}")
+        b.fail("shape", "expected a list of integers (0 copies a dim, -1 infers), got "
+                        f"{excerpt(shape)}")
     (y,) = b.tops(1)
     b.op("Reshape", [x], [y], {"shape": shape})
 
@@ -260,7 +262,7 @@ def slice_(b):
         if not isinstance(points, list) or not all(isinstance(p, int) and p > 0 for p in points) \
                 or any(q <= p for p, q in zip(points, points[1:])):
             b.fail("slice_point", f"expected an increasing list of positive cut indices, "
-                                  f"got {points!r}")
+                                  f"got {excerpt(points)}")
         attrs["slice_point"] = points
     ys = b.tops()
     if points is not None and len(ys) != len(points) + 1:

@@ -13,8 +13,8 @@ so that nothing below this module needs to know which dispatchers exist.
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
-import os
 
+from .. import env
 from ..errors import UserError
 from .cuda_graph import GraphDispatcher
 from .dispatcher import EventDispatcher, SerialDispatcher
@@ -36,9 +36,9 @@ def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
     ``defer_tail`` (``parallel.defer_update``) is the CPU event dispatcher's:
     the others end every iteration with every op done."""
     defer_tail = kw.pop("defer_tail", False)  # the CPU event dispatcher's alone
-    kind = os.environ.get("PURINE_DISPATCHER", kind or "event")
+    kind = env.get("PURINE_DISPATCHER") or kind or "event"  # EnvError when not one of KINDS
     if kind not in KINDS:
-        raise UserError(f"PURINE_DISPATCHER must be 'event', 'serial' or 'stream', got '{kind}'")
+        raise UserError(f"dispatcher must be 'event', 'serial' or 'stream', got '{kind}'")
     if kind == "serial":
         return SerialDispatcher(graph, **kw)
     gpu = on_gpu(graph)

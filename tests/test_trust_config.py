@@ -1,0 +1,195 @@
+"""Issue 32 "Trust", the config-parsing and environment cases: every YAML the
+program reads is strict and bounded (io/yamlread.py), values in messages are
+short excerpts (errors.excerpt), and every PURINE_* variable is checked like
+a config key (env.py). Each case test exits 2 with a one-line message naming
+the file and line (or the variable), no traceback; on 6dff0b5 each failed
+(noted per test)."""
+import os
+import re
+import resource
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from tests.conftest import PYTHON, REPO, cli_env, small_net_config
+
+TINY = "{base_lr: 0.05, lr_policy: fixed, max_iter: 2, test_interval: 0}"
+
+
+def _job(digits_h5, **overrides):
+    return yaml.safe_dump(small_net_config(digits_h5, **overrides), sort_keys=False)
+
+
+def _user_error(res, *needles, limit=1000):
+    """Exit 2, one short paragraph naming ``needles``, no traceback."""
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr) < limit, (len(res.stderr), res.stderr[:2000])
+    for needle in needles:
+        assert needle in res.stderr, (needle, res.stderr)
+    return res.stderr
+
+
+def _limited(*args, timeout=20, memory=2 << 30, extra_env=None):
+    """``python -m purine_mpi ARGS`` with an address-space limit and a
+    timeout, so a run that would eat the machine fails fast instead."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    return subprocess.run([PYTHON, "-m", "purine_mpi", *map(str, args)], cwd=REPO,
+                          env=dict(cli_env(), **(extra_env or {})), capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=limit)
+
+
+# ------------------------------------------------------------------ case 7
+def test_case7_duplicate_top_level_key_names_both_lines(run_cli, write_config, digits_h5):
+    """Case 7: a second ``solver:`` block at the end silently replaced the
+    first (6dff0b5: exit 0, trained with the second's values)."""
+    text = _job(digits_h5) + f"solver: {TINY}\n"
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("solver:"))
+    path = write_config(text, "dup.yaml")
+    err = _user_error(run_cli("train", path, "--iters", "0", "--out", os.path.dirname(path)
+                              + "/run"), "key 'solver' is given twice",
+                      f"dup.yaml:{first}", f"dup.yaml:{len(lines)}")
+    assert err.count("\n") == 1
+
+
+def test_case7_duplicate_nested_key_names_both_lines_and_the_path(run_cli, write_config,
+                                                                  digits_h5):
+    """Case 7, nested: a key twice inside one layer of the net (6dff0b5: the
+    second won, exit 0)."""
+    text = _job(digits_h5).replace("num_output: 4\n", "num_output: 4\n  num_output: 8\n", 1)
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if "num_output: 4" in line)
+    path = write_config(text, "dupnest.yaml")
+    _user_error(run_cli("graph", path), "key 'net.0.num_output' is given twice",
+                f"dupnest.yaml:{first}", f"dupnest.yaml:{first + 1}")
+    # the same in a --set value
+    _user_error(run_cli("graph", write_config(_job(digits_h5), "ok.yaml"), "--set",
+                        "solver={base_lr: 0.1, base_lr: 0.2}"), "--set", "'base_lr' is given twice")
+
+
+# ----------------------------------------------------------------- case 10
+#: nine levels of nine aliases: 9^9 (387 million) values in 10 short lines,
+#: where a value is checked (and was quoted whole in the message)
+LAUGHS = "solver:\n  lr_policy: multistep\n  stepvalues:\n" + "".join(
+    f"    - &{name} [{', '.join([f'*{prev}' if prev else 'lol'] * 9)}]\n"
+    for prev, name in zip([None, *"abcdefgh"], "abcdefghi"))
+
+
+def test_case10_billion_laughs_is_refused_fast_with_a_short_message(write_config, digits_h5):
+    """Case 10: nested aliases that expand to 9^9 values (6dff0b5: 57 s and
+    6.8 GB per process, then a gigabyte-long message; under a 2 GB address
+    space it dies within seconds, exit 1, or runs past the 20 s timeout)."""
+    cfg = small_net_config(digits_h5)
+    del cfg["solver"]
+    text = yaml.safe_dump(cfg, sort_keys=False) + LAUGHS
+    path = write_config(text, "laughs.yaml")
+    start = time.monotonic()
+    res = _limited("graph", path)
+    assert time.monotonic() - start < 15
+    last = len(text.splitlines())  # the line of the aliases that repeat the most
+    _user_error(res, f"laughs.yaml:{last}", "over the limit of", "alias")
+
+
+def test_case10_a_huge_value_is_quoted_as_a_short_excerpt(write_config, digits_h5):
+    """Case 10: a 100,000-item decreasing stepvalues list (6dff0b5: the
+    whole list in the message, 700 KB; 5 MB for a million)."""
+    text = _job(digits_h5).replace(
+        "lr_policy: fixed", "lr_policy: multistep\n  stepvalues:\n" + "".join(
+            f"  - {i}\n" for i in range(100000, 0, -1)).rstrip("\n"))
+    path = write_config(text, "steps.yaml")
+    err = _user_error(_limited("graph", path, timeout=60), "solver.stepvalues",
+                      "a list of 100000 items")
+    assert "[100000, 99999, " in err
+
+
+def test_excerpt_cuts_long_values_and_gives_their_size():
+    from purine_mpi.errors import excerpt
+    assert excerpt([1, 2]) == "[1, 2]" and excerpt("ab") == "'ab'"
+    text = excerpt(list(range(10 ** 6)), limit=50)
+    assert text == str(list(range(30)))[:50] + "... (a list of 1000000 items)"
+    assert excerpt("x" * 10 ** 6, limit=20).endswith("... (1000000 characters)")
+    assert len(excerpt({"k": [[0] * 1000] * 1000})) < 200
+    assert "bits" in excerpt(10 ** 5000)  # no ValueError past Python's 4300 digits
+
+
+def test_shared_values_through_anchors_still_load(run_cli, write_config, digits_h5):
+    """Anchors stay allowed (the key checks advise them, and a dumper writes
+    them for shared values): a filler shared by two layers."""
+    cfg = small_net_config(digits_h5)
+    filler = {"type": "gaussian", "std": 0.01}
+    cfg["net"][0]["weight_filler"] = filler
+    cfg["net"][3]["weight_filler"] = filler
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    assert "&id001" in text and "*id001" in text
+    res = run_cli("graph", write_config(text, "shared.yaml"))
+    assert res.returncode == 0, res.stderr
+
+
+# ----------------------------------------------------------------- case 11
+@pytest.mark.parametrize("style", ["flow", "block"])
+def test_case11_deep_nesting_exits_2_naming_the_line(write_config, style):
+    """Case 11 (first half): YAML nested 1000 deep (6dff0b5: a 3,000-line
+    RecursionError, exit 1)."""
+    if style == "flow":
+        text = "name: deep\nsolver: {base_lr: " + "[" * 1000 + "]" * 1000 + "}\n"
+        line = 2
+    else:
+        text = "name: deep\n" + "".join(" " * i + "k:\n" for i in range(1000))
+        line = 1 + 64  # the mapping of line 65 is the 64th level, its key the 65th
+    path = write_config(text, f"deep_{style}.yaml")
+    _user_error(_limited("graph", path), f"deep_{style}.yaml:{line}", "deeper than 64")
+
+
+# ----------------------------------------------------------------- case 18
+BAD_VARS = {"PURINE_DATA_MEMORY_MB": "abc", "PURINE_THREADS": "-1",
+            "PURINE_DISPATCHER": "bogus", "PURINE_COMM_DELAY": "x",
+            "PURINE_CUDNN_BENCHMARK": "maybe", "PURINE_PROGRESS_SECONDS": "soon",
+            "PURINE_CONV": "fast"}
+
+
+def test_case18_bad_purine_variables_exit_2_naming_them(write_config, digits_h5, tmp_path):
+    """Case 18 (first half): PURINE_DATA_MEMORY_MB=abc (6dff0b5: exit 1, a
+    ValueError not naming the variable); the others ran on a default or a
+    fallback (PURINE_THREADS=-1, PURINE_CONV=fast, ...), exit 0."""
+    path = write_config(_job(digits_h5), "job.yaml")
+    for name, value in BAD_VARS.items():
+        res = _limited("train", path, "--iters", "0", "--out", tmp_path / name,
+                       extra_env={name: value})
+        _user_error(res, f"environment variable {name} must be", repr(value))
+
+
+def test_every_purine_variable_is_in_the_table_and_the_readme():
+    """Every PURINE_* name the package reads is in env.VARS, and the README's
+    table lists exactly those."""
+    from purine_mpi import env
+    used = set()
+    for folder, _, files in os.walk(os.path.join(REPO, "purine_mpi")):
+        for name in files:
+            if name.endswith(".py"):
+                used |= set(re.findall(r"\bPURINE_[A-Z0-9_]+\b",
+                                       open(os.path.join(folder, name)).read()))
+    kernel_macros = {"PURINE_REDUCE_THREADS", "PURINE_CLIP_THREADS"}  # cuda/*.cu, a comment
+    assert used - kernel_macros == set(env.VARS)
+    readme = open(os.path.join(REPO, "README.md")).read()
+    table = set(re.findall(r"^\| `(PURINE_[A-Z0-9_]+)` \|", readme, re.M))
+    assert table == set(env.VARS)
+    for var in env.VARS.values():
+        assert var.kind in readme, var.name
+
+
+def test_env_values_parse_like_config_keys():
+    from purine_mpi import env
+    assert env.get("PURINE_THREADS", {"PURINE_THREADS": " 3 "}) == 3
+    assert env.get("PURINE_THREADS", {"PURINE_THREADS": ""}) is None
+    assert env.get("PURINE_CUDNN_BENCHMARK", {}) is True
+    assert env.get("PURINE_CUDNN_BENCHMARK", {"PURINE_CUDNN_BENCHMARK": "Off"}) is False
+    assert env.get("PURINE_COMM_DELAY", {"PURINE_COMM_DELAY": "5:7"}) == (0.005, 7)
+    assert env.get("PURINE_DATA_MEMORY_MB", {"PURINE_DATA_MEMORY_MB": "0.5"}) == 0.5
+    with pytest.raises(env.EnvError, match="PURINE_MPI_CUDA_AWARE must be 0 or 1"):
+        env.check_all({"PURINE_MPI_CUDA_AWARE": "2"})
+    with pytest.raises(ValueError):  # an EnvError is a ValueError, as before
+        env.get("PURINE_COMM_DELAY", {"PURINE_COMM_DELAY": "3:"})
