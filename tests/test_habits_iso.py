@@ -17,7 +17,7 @@ import pytest
 from purine_mpi.graph.core import Op
 from purine_mpi.kernels import get_kernel_class
 
-from .conftest import REPO, run_cli_args
+from .conftest import REPO, cli_env, run_cli_args
 from .lmdb_fixtures import write_lmdb, write_mean
 from .opcheck import numeric_grad, run_op
 from .test_caffe_convert import fixture
@@ -224,3 +224,88 @@ def test_case10_dot_graph_has_no_unconnected_blob(digits_h5, np_):
         views = [(b, attrs) for a, b, attrs in edges if a == bucket]
         assert views and all('label="view"' in attrs and "dashed" in attrs for _, attrs in views)
         assert any(b.endswith(".grad") for b, _ in views), views
+
+
+# --------------------------------------- 7: data cifar10 --from, downloads
+
+def _cifar_env(url, md5):
+    env = cli_env()
+    env.update(PURINE_CIFAR10_URL=url, PURINE_CIFAR10_MD5=md5)
+    return env
+
+
+def _data_cifar(tmp_path, *args, env=None):
+    import subprocess
+    from .conftest import PYTHON
+    return subprocess.run([PYTHON, "-m", "purine_mpi", "data", "cifar10", *map(str, args)],
+                          cwd=tmp_path, env=env or cli_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("form", ["archive", "folder of the archive", "unpacked folder"])
+def test_case7_from_accepts_the_tar_gz_its_folder_or_the_unpacked_folder(tmp_path, form):
+    """Case 7: `--from` took only the unpacked folder; a folder holding the
+    downloaded .tar.gz failed with "data_batch_1 not found". Now the
+    archive, its folder and the unpacked folder give the same file, and the
+    temporary unpacked copy is gone afterwards."""
+    import h5py
+    from .test_download import _archive, _batch
+    (tmp_path / "dl").mkdir()
+    archive = tmp_path / "dl" / "cifar-10-python.tar.gz"
+    _archive(archive)
+    if form == "unpacked folder":
+        import tarfile
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp_path / "dl", filter="data")
+        archive.unlink()
+    source = archive if form == "archive" else tmp_path / "dl"
+    (tmp_path / "out").mkdir()
+    res = _data_cifar(tmp_path, "--from", source, "--out", tmp_path / "out" / "c.h5")
+    assert res.returncode == 0, res.stderr
+    with h5py.File(tmp_path / "out" / "c.h5", "r") as f:
+        assert f["train/data"].shape == (30, 3, 32, 32) and f["test/data"].shape == (6, 3, 32, 32)
+        np.testing.assert_array_equal(f["test/data"][...],
+                                      _batch(6, 5)[b"data"].reshape(-1, 3, 32, 32))
+    assert sorted(os.listdir(tmp_path / "out")) == ["c.h5"]
+    assert sorted(os.listdir(tmp_path / "dl")) == (
+        ["cifar-10-batches-py"] if form == "unpacked folder" else ["cifar-10-python.tar.gz"])
+
+
+@pytest.mark.parametrize("member", ["../evil", "/tmp/purine-habits-evil", "link"])
+def test_case7_an_archive_given_to_from_is_unpacked_safely(tmp_path, member):
+    """Case 7: an archive whose member has '..', an absolute path or is a
+    link exits 2 naming the member, and writes nothing."""
+    import io
+    import tarfile
+    path = tmp_path / "bad.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo(member if member != "link" else "cifar-10-batches-py/data_batch_1")
+        if member == "link":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+        else:
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+    res = _data_cifar(tmp_path, "--from", path, "--out", tmp_path / "c.h5")
+    name = member if member != "link" else "cifar-10-batches-py/data_batch_1"
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert err[-1].startswith(f"error: {path}: member '{name}'") and "refused" in err[-1], err
+    assert sorted(os.listdir(tmp_path)) == ["bad.tar.gz"]
+    assert not os.path.exists("/tmp/purine-habits-evil") and not (tmp_path.parent / "evil").exists()
+
+
+def test_case7_a_failed_download_leaves_nothing_behind(tmp_path):
+    """Case 7: an unreachable server left an empty cifar-10-download/ beside
+    --out; now nothing is left, and the message says --from takes the
+    .tar.gz."""
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/cifar-10-python.tar.gz"
+    res = _data_cifar(tmp_path, "--download", "--out", tmp_path / "c.h5",
+                      env=_cifar_env(url, "0" * 32))
+    from .test_cli import assert_user_error
+    assert_user_error(res, "could not download", url, "cifar-10-python.tar.gz", "--from")
+    assert os.listdir(tmp_path) == []
