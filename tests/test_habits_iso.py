@@ -309,3 +309,30 @@ def test_case7_a_failed_download_leaves_nothing_behind(tmp_path):
     from .test_cli import assert_user_error
     assert_user_error(res, "could not download", url, "cifar-10-python.tar.gz", "--from")
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------- 8: predict --calibrate, one host
+
+@pytest.mark.mpi
+def test_case8_calibrate_on_one_host_says_it_measured_shared_memory(tmp_path):
+    """Case 8: `mpiexec -n 2 predict --calibrate` on one host printed its
+    JSON and nothing on what it measured. Now stderr says every rank ran on
+    one host, that the figures are MPI's shared memory (with them), and how
+    to measure a network; the JSON and the link file say one_host."""
+    import json
+    from .conftest import run_mpi_cli
+    link = tmp_path / "link.json"
+    res = run_mpi_cli(2, "predict", "--calibrate", link)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["one_host"] is True and len(out["hosts"]) == 1, out
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1, res.stderr   # rank 0 only
+    note = notes[0]
+    assert f"all 2 ranks ran on one host ({out['hosts'][0]})" in note, note
+    assert "shared memory" in note and "not a network link" in note and "-ppn 1" in note
+    assert f"alpha {out['alpha_s'] * 1e6:.3g} us" in note
+    assert f"beta {out['beta_bytes_per_s'] / 1e9:.3g} GB/s" in note
+    data = json.loads(link.read_text())
+    assert data["one_host"] is True and data["hosts"] == out["hosts"]
+    assert data["note"] == note[len("note: "):]
