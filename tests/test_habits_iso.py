@@ -6,6 +6,12 @@
   device (no allocation), the ONNX export, and Caffe's own cifar10_full
   (prototxt and solver as Caffe ships them) converted from a Caffe tree with
   its LMDBs and mean file, then trained.
+- 10: the DOT graph draws gradient buckets with 'view' edges: no blob alone.
+- 7: `data cifar10 --from` takes the .tar.gz, its folder or the unpacked
+  folder (unpacked safely); a failed download leaves nothing behind.
+- 8: `predict --calibrate` on one host says it measured shared memory.
+Each test fails on 5a26a28 (the unpacked-folder and --np 1 parameters are
+the unchanged behaviour, kept as guards).
 """
 import os
 import re
@@ -120,6 +126,20 @@ def test_case11_lrn_within_channel_gpu_branch_allocates_nothing(host_build_dir, 
     for got, want in ((gy, y), (gscale, scale), (gdx, dx)):
         np.testing.assert_allclose(got, want, **tol)
     assert log_f == [] and log_b == [], (log_f, log_b)
+
+
+@pytest.mark.gpu
+def test_case11_lrn_within_channel_on_a_gpu_matches_numpy():
+    """Case 11: on a real GPU (CuPy), placed and run by the stream
+    dispatcher, values and gradients equal the NumPy path's."""
+    from .test_gpu_backend import _gpu_cupy, _run_graph_on_gpu
+    _gpu_cupy()
+    inputs = {"x": _rand((2, 3, 7, 6), dtype=np.float32)}
+    outs_cpu, grads_cpu = run_op("LRN", WITHIN, inputs, ["x"])
+    outs_gpu, grads_gpu = _run_graph_on_gpu("LRN", WITHIN, inputs, ["x"])
+    for k in (0, 1):
+        np.testing.assert_allclose(outs_gpu[k], outs_cpu[k], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads_gpu["x"], grads_cpu["x"], rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------- Caffe's cifar10_full
