@@ -128,6 +128,76 @@ def test_case11_lrn_within_channel_gpu_branch_allocates_nothing(host_build_dir, 
     assert log_f == [] and log_b == [], (log_f, log_b)
 
 
+def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monkeypatch):
+    """Case 11: cifar10_quick with Caffe's cifar10_full norms (within-channel
+    LRNs after pool1 and pool2), placed and fused on the emulated device
+    that refuses what CuPy refuses in a capture: captured whole, one launch
+    per steady-state iteration, and the same weights, bit for bit, as the
+    eager stream dispatcher."""
+    import purine_mpi.gpu as gpu
+    from purine_mpi.gpu.placement import add_loss_watch, prepare_for_device
+    from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.runtime.factory import make_dispatcher
+    from .test_gpu_backend import SimulatedRuntime, _init, use_emulated_cupy
+    from .test_gpu_no_alloc import _config
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    config = _config("cifar10_quick", 2)
+    net = []
+    for entry in config["net"]:
+        entry = dict(entry)
+        if entry["name"] in ("conv2", "conv3"):
+            entry["bottom"] = {"conv2": "norm1", "conv3": "norm2"}[entry["name"]]
+        net.append(entry)
+        if entry["name"] in ("relu1", "pool2"):
+            name = "norm1" if entry["name"] == "relu1" else "norm2"
+            net.append({"type": "lrn", "name": name, "bottom": entry["top"], "top": name,
+                        "local_size": 3, "alpha": 5e-05, "beta": 0.75,
+                        "norm_region": "within_channel"})
+    config["net"] = net
+
+    def dispatcher(cuda_graph):
+        graph, _ = build_train_graph(config)
+        assert graph.ops["norm1.fwd"].attrs["norm_region"] == "within_channel"
+        prepare_for_device(graph, 0)
+        losses = list(loss_blobs(graph))
+        watch = add_loss_watch(graph, losses, [1.0] * len(losses), 0)
+        rt = SimulatedRuntime(2)
+        d = make_dispatcher(graph, runtime=rt, seed=3, cuda_graph=cuda_graph,
+                            log=lambda m: None)
+        _init(d.workspace, graph, 5)
+        d.workspace[watch][...] = 0.0
+        return d, rt, graph, watch
+
+    try:
+        eager, _, graph, watch = dispatcher(False)
+        try:
+            for it in range(5):
+                eager.run(it)
+            names = [p.name for p in graph.params()] + [watch]
+            want = {b: np.array(eager.workspace[b]) for b in names}
+        finally:
+            eager.close()
+        d, rt, graph, watch = dispatcher(True)
+        try:
+            for it in range(5):
+                start = len(rt.calls)
+                d.run(it, sync=False)
+                calls = [c[0] for c in rt.calls[start:]]
+                if it >= 2:
+                    assert calls.count("launch_graph") == 1 and "launch" not in calls, calls
+            d.drain()
+            report = d.capture_report()
+            got = {b: np.array(d.workspace[b]) for b in want}
+        finally:
+            d.close()
+    finally:
+        gpu.clear_kernel_cache()
+    assert report["failed"] == {} and report["eager_gpu_ops"] == {}, report
+    assert {"norm1.fwd", "norm2.fwd"} <= set(rt.graphs[0].names())
+    for name, value in want.items():
+        assert value.tobytes() == got[name].tobytes(), name
+
+
 @pytest.mark.gpu
 def test_case11_lrn_within_channel_on_a_gpu_matches_numpy():
     """Case 11: on a real GPU (CuPy), placed and run by the stream
