@@ -11,7 +11,7 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
-    python -m purine_mpi data cifar10 --download|--from DIR --out PATH.h5
+    python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
     python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
     python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
     python -m purine_mpi predict TRACE_DIR --np 2,4,...,1024 [--bandwidth 1gbit] [--json]
@@ -144,10 +144,10 @@ def build_parser():
                         "test split) as our HDF5 layout")
     p.add_argument("--out", required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test)")
-    p.add_argument("--from", dest="source", metavar="DIR",
-                   help="cifar10: folder with the python-pickle batches (with --download: "
-                        "where the archive is fetched and unpacked); lmdb-to-h5: the train "
-                        "split's LMDB folder")
+    p.add_argument("--from", dest="source", metavar="PATH",
+                   help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
+                        "python-pickle batches (with --download: where the archive is fetched "
+                        "and unpacked); lmdb-to-h5: the train split's LMDB folder")
     p.add_argument("--test-from", dest="test_source", metavar="DIR",
                    help="lmdb-to-h5: the test split's LMDB folder")
     p.add_argument("--download", action="store_true",
@@ -386,16 +386,17 @@ def cmd_data(args):
         datasets.write_lmdb(splits, args.out, log=log)
     else:
         log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        from .io.download import cifar10_from, download_cifar10
         source = args.source
         if args.download:
-            from .io.download import download_cifar10
             source = download_cifar10(source or os.path.join(
                 os.path.dirname(os.path.abspath(args.out)), "cifar-10-download"), log)
         elif not source:
-            raise UserError("data cifar10 needs --from DIR (the folder holding data_batch_1..5 "
-                            "and test_batch from the CIFAR-10 python version), or --download "
-                            "to fetch and verify the official archive")
-        datasets.write_cifar10(source, args.out, log=log)
+            raise UserError("data cifar10 needs --from PATH (cifar-10-python.tar.gz, its "
+                            "folder, or the folder of data_batch_1..5 and test_batch), or "
+                            "--download to fetch and verify the official archive")
+        with cifar10_from(source, os.path.dirname(os.path.abspath(args.out)), log) as folder:
+            datasets.write_cifar10(folder, args.out, log=log)
     print(f"wrote {args.out}")
     return 0
 

@@ -250,8 +250,6 @@ def test_bad_prototxt_exits_2_with_the_line(tmp_path, small_h5, name, line, need
      'STOCHASTIC kernel_size: 2 } }', "STOCHASTIC pooling is not supported"),
     ('layer { name: "r" type: "ReLU" bottom: "data" top: "x" }\n'
      'layer { name: "r" type: "TanH" bottom: "x" top: "y" }', "also used on line 3"),
-    ('layer { name: "n" type: "LRN" bottom: "data" top: "n" lrn_param { norm_region: '
-     'WITHIN_CHANNEL } }', "ACROSS_CHANNELS"),
     ('layer { name: "c" type: "Convolution" bottom: "data" top: "c" convolution_param { '
      'num_output: 2 kernel_size: 3 weight_filler { type: "bilinear" } } }',
      "filler type 'bilinear' is not supported"),

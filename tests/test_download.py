@@ -80,7 +80,8 @@ def test_a_wrong_checksum_keeps_nothing_and_exits_2(tmp_path, server):
     res = _run(tmp_path, url, "0" * 32)
     assert res.returncode == 2 and "MD5" in res.stderr and "Traceback" not in res.stderr
     folder = tmp_path / "cifar-10-download"
-    assert not any(folder.iterdir()) and not (tmp_path / "c.h5").exists()
+    # nothing kept, not even the folder the download made (issue 36, case 7)
+    assert not folder.exists() and not (tmp_path / "c.h5").exists()
 
 
 def test_an_unreachable_server_is_one_message(tmp_path, server):

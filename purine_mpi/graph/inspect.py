@@ -81,15 +81,31 @@ NL = "\\n"  # a DOT line break inside a label
 
 
 def to_dot(graph):
-    """Graphviz DOT: blobs are ellipses, ops are boxes, ranks are clusters."""
+    """Graphviz DOT: blobs are ellipses, ops are boxes, ranks are clusters.
+    A blob no op reads or writes is storage that others view (a gradient
+    bucket: one flat buffer whose views are the gradients it holds, which
+    the allreduce reads): it is drawn with a dashed edge labelled "view" to
+    each blob that views it, so no blob floats unconnected."""
     def q(s):
         return '"' + str(s).replace('"', r'\"') + '"'
+    touched = {b for op in graph.ops.values() for b in (*op.inputs, *op.outputs)}
+    views = {}
+    for b in graph.blobs.values():
+        if b.alias_of is not None and b.alias_of not in touched:
+            views.setdefault(b.alias_of, []).append(b.name)
     lines = [f"digraph {q(graph.name)} {{", "  rankdir=TB;", "  node [fontsize=10];"]
     for b in graph.blobs.values():
         shape = list(b.shape) if b.shape is not None else "?"
         style = ', style=filled, fillcolor="#ffe9a8"' if b.kind == "param" else ""
-        label = q(f"{b.name}{NL}{shape}")
-        lines.append(f"  {q('b:' + b.name)} [label={label}, shape=ellipse{style}];")
+        text = f"{b.name}{NL}{shape}"
+        if b.name in views:
+            text += f"{NL}flat buffer, {len(views[b.name])} views"
+            style = ", style=dashed"
+        lines.append(f"  {q('b:' + b.name)} [label={q(text)}, shape=ellipse{style}];")
+    for owner, names in views.items():
+        for v in names:
+            lines.append(f"  {q('b:' + owner)} -> {q('b:' + v)} "
+                         '[style=dashed, label="view", fontsize=8];')
     for op in graph.ops.values():
         category = get_kernel_class(op.op_type, op.name).category
         color = {"comm": "#a8d8ff", "update": "#c8f0c8", "io": "#f0d0f0"}.get(category, "#eeeeee")

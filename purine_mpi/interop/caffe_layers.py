@@ -110,10 +110,14 @@ def _relu(c, layer, p, e):
 
 
 def _lrn(c, layer, p, e):
-    if p.get("norm_region", "ACROSS_CHANNELS") != "ACROSS_CHANNELS":
-        c.fail(p.line_of("norm_region"), layer, "only norm_region ACROSS_CHANNELS is supported")
+    region = p.get("norm_region", "ACROSS_CHANNELS")
+    if region not in ("ACROSS_CHANNELS", "WITHIN_CHANNEL"):
+        c.fail(p.line_of("norm_region"), layer, f"norm_region {region} is not supported: "
+               "ACROSS_CHANNELS or WITHIN_CHANNEL")
     e.update(local_size=p.get("local_size", 5), alpha=p.get("alpha", 1.0),
              beta=p.get("beta", 0.75), k=p.get("k", 1.0))
+    if region == "WITHIN_CHANNEL":  # Caffe adds 1 there, whatever its k says
+        e.update(norm_region="within_channel", k=1.0)
 
 
 def _dropout(c, layer, p, e):

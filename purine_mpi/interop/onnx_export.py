@@ -13,6 +13,7 @@ Ops are mapped one by one (opset 13):
     Slice -> Split             Split -> Identity per output
     Eltwise -> Sum (with Mul for coefficients) / Mul / Max
     Reshape -> Reshape         Scale -> Mul
+    LRN within_channel -> Mul (x^2) + AveragePool + Mul, Add, Pow + Mul
 
 Any other op is a UserError naming the op and its layer.
 
@@ -334,9 +335,35 @@ def _unary(onnx_type, **fixed):
 
 def _lrn(op, graph, const, helper):
     a = op.attrs
+    if str(a.get("norm_region", "across_channels")).lower() == "within_channel":
+        return _lrn_within(op, graph, const, helper)
     return [helper.make_node("LRN", [op.inputs[0]], [op.outputs[0]], name=op.name,
                              size=int(a.get("local_size", 5)), alpha=float(a.get("alpha", 1e-4)),
                              beta=float(a.get("beta", 0.75)), bias=float(a.get("k", 1.0)))]
+
+
+def _lrn_within(op, graph, const, helper):
+    """Caffe's WITHIN_CHANNEL LRN as Caffe builds it: x^2, an AveragePool of
+    size x size (pad size // 2, stride 1, the padding counted), then
+    y = x * (k + alpha * avg)^(-beta)."""
+    a = op.attrs
+    size, r = int(a.get("local_size", 5)), int(a.get("local_size", 5)) // 2
+    dtype = np.dtype(graph.blobs[op.inputs[0]].dtype).type
+    x, name = op.inputs[0], op.name
+    sq, avg, sc, sh, p = (f"{name}/{s}" for s in ("square", "avg", "scaled", "scale", "pow"))
+    return [
+        helper.make_node("Mul", [x, x], [sq], name=f"{name}.square"),
+        helper.make_node("AveragePool", [sq], [avg], name=f"{name}.avg",
+                         kernel_shape=[size, size], pads=[r, r, r, r], strides=[1, 1],
+                         count_include_pad=1),
+        helper.make_node("Mul", [avg, const(dtype(a.get("alpha", 1e-4)), name)], [sc],
+                         name=f"{name}.alpha"),
+        helper.make_node("Add", [sc, const(dtype(a.get("k", 1.0)), name)], [sh],
+                         name=f"{name}.k"),
+        helper.make_node("Pow", [sh, const(dtype(-float(a.get("beta", 0.75))), name)], [p],
+                         name=f"{name}.beta"),
+        helper.make_node("Mul", [x, p], [op.outputs[0]], name=f"{name}.y"),
+    ]
 
 
 def _batchnorm(op, graph, const, helper):

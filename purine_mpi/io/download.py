@@ -7,15 +7,23 @@ only once its MD5 matches, so an interrupted or corrupted download is never
 taken for the data set; an archive already there with the right MD5 is not
 fetched again. Only the ``data`` command downloads: training never does.
 ``PURINE_CIFAR10_URL`` replaces the official address (a mirror, or the
-tests' local server).
+tests' local server). A download that fails leaves nothing behind: the
+partial file is removed, and so is the download folder when this run made
+it. ``cifar10_from`` resolves ``data cifar10 --from``: the downloaded
+``.tar.gz``, a folder holding it, or its unpacked folder. An archive is
+unpacked with only regular files and folders allowed (a member with an
+absolute path, a ``..`` or a link is refused; Python's ``filter='data'``
+too where Python has it) into a temporary folder removed afterwards.
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
 """
+import contextlib
 import hashlib
 import os
 import shutil
 import tarfile
+import tempfile
 import urllib.error
 import urllib.request
 
@@ -57,7 +65,8 @@ def fetch(url, path, md5, log=None, timeout=60):
     except (urllib.error.URLError, OSError, ValueError) as exc:
         _remove(tmp)
         raise UserError(f"could not download {url}: {exc}; download it by hand and pass "
-                        f"its folder with --from") from None
+                        f"the {os.path.basename(path)} file (or the folder holding it, or "
+                        "the folder it unpacks to) with --from") from None
     got = md5_of(tmp)
     if got != md5:
         _remove(tmp)
@@ -69,20 +78,69 @@ def fetch(url, path, md5, log=None, timeout=60):
 
 
 def unpack(archive, folder):
-    """Extract a .tar.gz into ``folder`` (members outside it are refused)."""
+    """Extract a .tar.gz into ``folder``: only regular files and folders
+    inside it; a member with an absolute path, a ``..``, a link or a device
+    is refused before anything is written."""
     try:
-        with tarfile.open(archive, "r:gz") as tar:
+        with tarfile.open(archive, "r:*") as tar:
             root = os.path.realpath(folder)
-            for member in tar.getmembers():
+            members = tar.getmembers()
+            for member in members:
+                parts = member.name.replace("\\", "/").split("/")
                 target = os.path.realpath(os.path.join(folder, member.name))
-                if not (target == root or target.startswith(root + os.sep)) or \
-                        member.issym() or member.islnk():
+                if os.path.isabs(member.name) or ".." in parts or \
+                        not (target == root or target.startswith(root + os.sep)):
                     raise UserError(f"{archive}: member '{member.name}' would be written "
                                     "outside the folder; refused")
-            tar.extractall(folder)
+                if not (member.isfile() or member.isdir()):
+                    raise UserError(f"{archive}: member '{member.name}' is a link or a "
+                                    "special file; refused")
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(folder, members=members, filter="data")
+            else:  # Python before 3.11.4 / 3.12: the checks above are the filter
+                tar.extractall(folder, members=members)
     except (tarfile.TarError, OSError) as exc:
         raise UserError(f"{archive}: not a readable .tar.gz ({exc})") from None
     return folder
+
+
+def _holds_batches(folder):
+    return os.path.isfile(os.path.join(folder, "data_batch_1")) or \
+        os.path.isdir(os.path.join(folder, "cifar-10-batches-py"))
+
+
+@contextlib.contextmanager
+def cifar10_from(source, scratch=None, log=None):
+    """The folder of CIFAR-10's python batches that ``--from SOURCE`` names:
+    the downloaded archive (``cifar-10-python.tar.gz``), a folder holding it
+    (and no batches), or the unpacked folder (``cifar-10-batches-py`` or the
+    folder above it). An archive is unpacked into a temporary folder under
+    ``scratch`` (the system's temporary folder when None), removed when the
+    block ends."""
+    log = log or (lambda msg: None)
+    archive = None
+    if os.path.isfile(source):
+        archive = source
+    elif os.path.isdir(source) and not _holds_batches(source):
+        names = sorted(n for n in os.listdir(source) if n.endswith((".tar.gz", ".tgz")))
+        official = os.path.basename(CIFAR10_URL)
+        if official in names or len(names) == 1:
+            archive = os.path.join(source, official if official in names else names[0])
+    if archive is None:
+        yield source
+        return
+    staging = tempfile.mkdtemp(prefix=".cifar10-unpack-",
+                               dir=scratch if scratch and os.path.isdir(scratch) else None)
+    try:
+        log(f"unpacking {archive}")
+        unpack(archive, staging)
+        found = os.path.join(staging, "cifar-10-batches-py")
+        if not os.path.isdir(found):
+            raise UserError(f"{archive}: no cifar-10-batches-py folder inside (the "
+                            "CIFAR-10 python version's archive holds one)")
+        yield found
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def download_cifar10(cache_dir, log=None):
@@ -91,8 +149,17 @@ def download_cifar10(cache_dir, log=None):
     replace the official address and checksum)."""
     url = env.get("PURINE_CIFAR10_URL") or CIFAR10_URL
     md5 = env.get("PURINE_CIFAR10_MD5") or CIFAR10_MD5
-    archive = fetch(url, os.path.join(cache_dir, os.path.basename(url) or "cifar10.tar.gz"),
-                    md5, log)
+    made = _missing_folders(cache_dir)
+    try:
+        archive = fetch(url, os.path.join(cache_dir, os.path.basename(url) or "cifar10.tar.gz"),
+                        md5, log)
+    except BaseException:
+        for folder in made:  # the folders this run made, innermost first, if left empty
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        raise
     batches = os.path.join(cache_dir, "cifar-10-batches-py")
     if not os.path.isdir(batches):
         staging = os.path.join(cache_dir, ".unpack")
@@ -105,6 +172,18 @@ def download_cifar10(cache_dir, log=None):
         os.replace(found, batches)
         shutil.rmtree(staging, ignore_errors=True)
     return batches
+
+
+def _missing_folders(folder):
+    """The folders of ``folder``'s path that do not exist yet, innermost first."""
+    missing, folder = [], os.path.abspath(folder)
+    while folder and not os.path.exists(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return missing
 
 
 def _remove(path):

@@ -171,13 +171,21 @@ def global_pool(b):
     Key("local_size", "posint", 5, "channels in the window"),
     Key("alpha", "number", 1e-4, "scale α"),
     Key("beta", "number", 0.75, "exponent β"),
-    Key("k", "number", 1.0, "offset k")))
+    Key("k", "number", 1.0, "offset k"),
+    Key("norm_region", ("across_channels", "within_channel"), "across_channels",
+        "across_channels: a window of local_size channels; within_channel: a "
+        "local_size × local_size window in each channel, α divided by local_size² "
+        "(Caffe's WITHIN_CHANNEL)")))
 def lrn(b):
     """Local response normalisation across channels (Caffe's ACROSS_CHANNELS):
-    y = x · (k + α/local_size · Σ x²)^(−β) over a window of channels."""
+    y = x · (k + α/local_size · Σ x²)^(−β) over a window of channels; or within
+    each channel (Caffe's WITHIN_CHANNEL): y = x · (k + α/local_size² · Σ x²)^(−β)
+    over a local_size × local_size window, zeros past the edges."""
     (x,) = b.bottoms(1)
     attrs = {"local_size": b.get("local_size"), "alpha": float(b.get("alpha")),
              "beta": float(b.get("beta")), "k": float(b.get("k"))}
+    if b.get("norm_region") == "within_channel":
+        attrs["norm_region"] = "within_channel"
     (y,) = b.tops(1)
     b.op("LRN", [x], [y, f"{b.cfg['name']}.scale"], attrs)
 

@@ -1,5 +1,6 @@
 """Local response normalisation across channels (Caffe's ACROSS_CHANNELS LRN;
-equal to torch.nn.LocalResponseNorm).
+equal to torch.nn.LocalResponseNorm) or within each channel (Caffe's
+WITHIN_CHANNEL LRN).
 
 Forward ("LRN", input [x], outputs [y, scale])::
 
@@ -18,6 +19,20 @@ Gradient ("LRNGrad", inputs [dy, x, y, scale] -> [dx])::
 On a GPU (CuPy arrays of float32/float64) each direction is one raw kernel
 (cuda/lrn.cu) instead of local_size shifted adds plus element-wise passes.
 
+Attr ``norm_region: within_channel`` (Caffe's WITHIN_CHANNEL; x is N, C, H, W)
+replaces the window of channels by a local_size x local_size spatial window
+in each channel, averaged as Caffe's AVE pooling with pad r and stride 1
+does (zeros past the edges, always divided by n_size^2)::
+
+    scale[n,c,h,w] = k + alpha/n_size^2 * sum_{|h'-h| <= r, |w'-w| <= r} x[n,c,h',w']^2
+    y = x * scale^(-beta)
+    dx = dy * scale^(-beta)
+         - 2*alpha*beta/n_size^2 * x * (the same window sum of dy * y / scale)
+
+Caffe's WITHIN_CHANNEL ignores its ``k`` (it adds 1): the converter passes
+k 1. One ``xp`` path on both devices: shifted adds into the op's outputs and
+``temporaries`` (a zero-padded plane and a row-summed one), nothing allocated.
+
 Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
 layers below it, and its own.
 """
@@ -31,12 +46,46 @@ def _params(attrs):
     size = int(attrs.get("local_size", 5))
     if size < 1 or size % 2 == 0:
         raise ShapeError(f"LRN local_size must be a positive odd number (as in Caffe), got {size}")
-    region = str(attrs.get("norm_region", "across_channels")).lower()
-    if region != "across_channels":
-        raise ShapeError(f"LRN norm_region {attrs['norm_region']!r} is not supported; only "
-                         "across_channels is")
     return size, float(attrs.get("alpha", 1e-4)), float(attrs.get("beta", 0.75)), \
         float(attrs.get("k", 1.0))
+
+
+REGIONS = ("across_channels", "within_channel")
+
+
+def _within(attrs):
+    """True for norm_region within_channel; a ShapeError for an unknown region."""
+    region = str(attrs.get("norm_region", "across_channels")).lower()
+    if region not in REGIONS:
+        raise ShapeError(f"LRN norm_region {attrs['norm_region']!r} is not supported; "
+                         f"use across_channels or within_channel")
+    return region == "within_channel"
+
+
+def _plane_specs(x, size):
+    """The temporaries of the within-channel window sum: the zero-padded
+    plane (N, C, H+2r, W+2r) and its sums along W (N, C, H+2r, W)."""
+    r = size // 2
+    n, c, h, w = x.shape
+    return ((n, c, h + 2 * r, w + 2 * r), x.dtype), ((n, c, h + 2 * r, w), x.dtype)
+
+
+def _plane_window_sum(xp, padded, rows, size, out):
+    """out[..., h, w] = sum of padded's interior over the size x size window
+    centred on (h, w); ``padded``'s border holds zeros. Writes only into
+    ``rows`` and ``out``."""
+    h, w = out.shape[-2:]
+    xp.copyto(rows, padded[..., :, 0:w])
+    for i in range(1, size):
+        xp.add(rows, padded[..., :, i:i + w], out=rows)
+    xp.copyto(out, rows[..., 0:h, :])
+    for i in range(1, size):
+        xp.add(out, rows[..., i:i + h, :], out=out)
+
+
+def _interior(padded, size, shape):
+    r = size // 2
+    return padded[..., r:r + shape[-2], r:r + shape[-1]]
 
 
 def _window_sum(xp, a, size, out):
@@ -59,6 +108,9 @@ class LRN(OpKernel):
     @classmethod
     def infer(cls, attrs, ins):
         _params(attrs)
+        if _within(attrs) and len(ins[0][0]) != 4:
+            raise ShapeError(f"LRN within_channel needs an input of 4 axes (N, C, H, W), got "
+                             f"{list(ins[0][0])}")
         if len(ins[0][0]) < 2:
             raise ShapeError(f"LRN needs an input with a channel axis (N, C, ...), got "
                              f"{list(ins[0][0])}")
@@ -69,6 +121,16 @@ class LRN(OpKernel):
         xp = get_xp(x)
         size, alpha, beta, k = _params(self.attrs)
         y, scale = outs
+        if _within(self.attrs):
+            padded, rows = self.temporaries(x, *_plane_specs(x, size))
+            padded.fill(0)
+            xp.multiply(x, x, out=_interior(padded, size, x.shape))
+            _plane_window_sum(xp, padded, rows, size, scale)
+            scale *= alpha / (size * size)
+            scale += k
+            xp.power(scale, -beta, out=y)
+            y *= x
+            return
         raw = raw_kernels(xp, x)
         if raw is not None:  # GPU: one raw kernel writes y and scale
             raw.lrn_forward(x, size, alpha, beta, k, out=(y, scale))
@@ -95,6 +157,19 @@ class LRNGrad(OpKernel):
         xp = get_xp(dy)
         size, alpha, beta, _ = _params(self.attrs)
         dx = outs[0]
+        if _within(self.attrs):
+            padded, rows, t = self.temporaries(x, *_plane_specs(x, size), (x.shape, x.dtype))
+            padded.fill(0)
+            inner = _interior(padded, size, x.shape)
+            xp.multiply(dy, y, out=inner)
+            xp.divide(inner, scale, out=inner)
+            _plane_window_sum(xp, padded, rows, size, dx)
+            dx *= x
+            dx *= -2.0 * alpha * beta / (size * size)
+            xp.power(scale, -beta, out=t)
+            t *= dy
+            dx += t
+            return
         raw = raw_kernels(xp, dy, x, y, scale)
         if raw is not None:  # GPU: one raw kernel
             raw.lrn_backward(x, y, scale, dy, size, alpha, beta, out=dx)

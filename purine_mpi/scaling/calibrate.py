@@ -23,7 +23,11 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
 
 The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
 ``beta_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
-``beta_busy_bytes_per_s``, ``origin`` and the raw measurements.
+``beta_busy_bytes_per_s``, ``origin``, the ranks' ``hosts`` (from
+``MPI.Get_processor_name``) and the raw measurements. When every rank ran
+on one host the figures are MPI's shared-memory transport, not a network:
+the file's ``one_host`` is true with a ``note`` saying so, and the command
+prints that note (``ONE_HOST_NOTE``) on stderr.
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -40,6 +44,19 @@ from .link import Link, save_link
 
 PING_SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 22)
 SWEEP_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+
+
+ONE_HOST_NOTE = (
+    "note: all {p} ranks ran on one host ({host}): these figures measure MPI's shared "
+    "memory within a host (alpha {alpha}, beta {beta}), not a network link; predictions "
+    "with this file assume every rank pair talks that fast. To measure the network, run "
+    "one rank per host on two hosts (mpiexec -n 2 -ppn 1, or srun -N 2 "
+    "--ntasks-per-node=1)")
+
+
+def one_host_note(p, host, alpha, beta):
+    return ONE_HOST_NOTE.format(p=p, host=host, alpha=f"{alpha * 1e6:.3g} us",
+                                beta=f"{beta / 1e9:.3g} GB/s")
 
 
 def _repeats(nbytes):
@@ -160,19 +177,24 @@ def calibrate(path):
     cpu_cost, beta_busy = overlap_cost(comm)
     cpu_cost = comm.allreduce(cpu_cost) / p
     beta_busy = min(comm.allgather(beta_busy))
-    hosts = comm.gather(socket.gethostname(), 0)
+    from mpi4py import MPI
+    hosts = comm.gather(MPI.Get_processor_name(), 0)
     if world.rank != 0:
         return None
+    hosts = sorted(set(hosts))
+    note = one_host_note(p, hosts[0], alpha, beta) if len(hosts) == 1 else None
     link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta),
                 origin=
                 f"calibrated by predict --calibrate on {p} ranks ({socket.gethostname()}, "
                 f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')})")
     extra_fields = {
-        "ranks": p, "hosts": sorted(set(hosts)),
+        "ranks": p, "hosts": hosts, "one_host": note is not None,
+        **({"note": note[len("note: "):]} if note else {}),
         "cpu_s_per_allreduced_byte_blocking": cpu_per_byte,
         "ping_pong_s": {str(b): t for b, t in ping.items()},
         "allreduce_s": {str(b): {"wall": w, "cpu": c} for b, (w, c) in sweep.items()},
     }
     save_link(path, link, extra_fields)
     return {"link": path, "alpha_s": alpha, "beta_bytes_per_s": beta, "gamma_s_per_byte": gamma,
-            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy, "ranks": p}
+            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy, "ranks": p,
+            "hosts": hosts, "one_host": note is not None, "note": note}

@@ -15,6 +15,7 @@ Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
+import sys
 
 from ..errors import UserError
 
@@ -116,5 +117,8 @@ def run_calibrate(args):
     from .calibrate import calibrate
     result = calibrate(args.calibrate)
     if result is not None:
+        note = result.pop("note")
+        if note:  # every rank on one host: say what the figures then are
+            print(note, file=sys.stderr, flush=True)
         print(json.dumps(result))
     return 0
