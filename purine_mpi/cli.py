@@ -455,16 +455,16 @@ def main(argv=None):
             raise
         _report_user_error(exc.cause)
         return exc.cause.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
+    except KeyboardInterrupt:  # Ctrl-C in another command than train
+        from .runtime.stop import print_err
         if launched_rank() == 0:
-            print("interrupted", file=sys.stderr, flush=True)
+            print_err("interrupted")
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: not a success
-        from .runtime.stop import stdout_to_devnull
+        from .runtime.stop import print_err, stdout_to_devnull
         stdout_to_devnull()
-        if launched_rank() == 0:
-            print("error: stdout was closed (broken pipe) before the output was written",
-                  file=sys.stderr, flush=True)
+        if launched_rank() == 0:  # stderr may be the closed pipe too (2>&1 | head)
+            print_err("error: stdout was closed (broken pipe) before the output was written")
         return 141
 
 

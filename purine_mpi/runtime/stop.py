@@ -140,13 +140,31 @@ def print_or_stop(msg):
         StopSignal.request("SIGPIPE")
 
 
+def print_err(msg):
+    """Print a line to stderr; when stderr is a closed pipe too (``train ...
+    2>&1 | head``), it goes to /dev/null from then on: the line is lost, the
+    exit status stands (a BrokenPipeError here ended the run with 1)."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):
+        _to_devnull(2, sys.stderr)
+
+
 def stdout_to_devnull():
     """Point file descriptor 1 at /dev/null, so later writes and the flush
     at exit do not fail again."""
+    _to_devnull(1, sys.stdout)
+
+
+def _to_devnull(fileno, stream):
     try:
         fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, fileno)
         os.close(fd)
+    except OSError:
+        pass
+    try:  # what the stream still holds would fail again at exit
+        stream.flush()
     except (OSError, ValueError):
         pass
 
