@@ -25,10 +25,12 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
 Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
 error (message names the file/key/node, no traceback), 3 diverged or
 non-finite weights (``test``/``--init``/``--resume`` of a file holding NaN or
-inf), 143 stopped by SIGTERM with a checkpoint, 130 stopped by Ctrl-C with a
-checkpoint (a second Ctrl-C: at once, without one), 141 stdout closed (``|
-head``; ``train`` stops with a checkpoint), 1 any other failure (one line per
-failing rank; the traceback with --debug) -- on every rank.
+inf), 70 MPI could not start (MPI_Init failed), 143 stopped by SIGTERM with a
+checkpoint, 129 by SIGHUP, 131 by SIGQUIT, 140 by SIGUSR2 (each with a
+checkpoint), 130 stopped by Ctrl-C with a checkpoint (a second Ctrl-C: at
+once, without one, in one line), 141 stdout closed (``| head``; ``train``
+stops with a checkpoint), 1 any other failure (one line per failing rank;
+the traceback with --debug) -- on every rank.
 
 Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
 graph, job, composition, dispatch and services layers below it, and its own.
@@ -62,9 +64,10 @@ def build_parser():
                     "docs/config.md, the files a run writes and the exit statuses in "
                     "docs/formats.md.",
         epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
-               "failure, 2 user error, 3 diverged or non-finite weights, 143 stopped by "
-               "SIGTERM with a checkpoint, 130 by Ctrl-C (with a checkpoint), 141 stdout "
-               "closed")
+               "failure, 2 user error, 3 diverged or non-finite weights, 70 MPI could not "
+               "start, 143 stopped by SIGTERM with a checkpoint, 129 by SIGHUP, 131 by "
+               "SIGQUIT, 140 by SIGUSR2, 130 by Ctrl-C (each with a checkpoint), 141 stdout "
+               "closed (docs/formats.md)")
     parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
