@@ -25,10 +25,12 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
 Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
 error (message names the file/key/node, no traceback), 3 diverged or
 non-finite weights (``test``/``--init``/``--resume`` of a file holding NaN or
-inf), 143 stopped by SIGTERM with a checkpoint, 130 stopped by Ctrl-C with a
-checkpoint (a second Ctrl-C: at once, without one), 141 stdout closed (``|
-head``; ``train`` stops with a checkpoint), 1 any other failure (one line per
-failing rank; the traceback with --debug) -- on every rank.
+inf), 70 MPI could not start (MPI_Init failed), 143 stopped by SIGTERM with a
+checkpoint, 129 by SIGHUP, 131 by SIGQUIT, 140 by SIGUSR2 (each with a
+checkpoint), 130 stopped by Ctrl-C with a checkpoint (a second Ctrl-C: at
+once, without one, in one line), 141 stdout closed (``| head``; ``train``
+stops with a checkpoint), 1 any other failure (one line per failing rank;
+the traceback with --debug) -- on every rank.
 
 Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
 graph, job, composition, dispatch and services layers below it, and its own.
@@ -63,9 +65,10 @@ def build_parser():
                     "docs/config.md, the files a run writes and the exit statuses in "
                     "docs/formats.md.",
         epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
-               "failure, 2 user error, 3 diverged or non-finite weights, 143 stopped by "
-               "SIGTERM with a checkpoint, 130 by Ctrl-C (with a checkpoint), 141 stdout "
-               "closed")
+               "failure, 2 user error, 3 diverged or non-finite weights, 70 MPI could not "
+               "start, 143 stopped by SIGTERM with a checkpoint, 129 by SIGHUP, 131 by "
+               "SIGQUIT, 140 by SIGUSR2, 130 by Ctrl-C (each with a checkpoint), 141 stdout "
+               "closed (docs/formats.md)")
     parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
@@ -463,16 +466,16 @@ def main(argv=None):
             raise
         _report_user_error(exc.cause)
         return exc.cause.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C during train; any Ctrl-C elsewhere
+    except KeyboardInterrupt:  # Ctrl-C in another command than train
+        from .runtime.stop import print_err
         if launched_rank() == 0:
-            print("interrupted", file=sys.stderr, flush=True)
+            print_err("interrupted")
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: not a success
-        from .runtime.stop import stdout_to_devnull
+        from .runtime.stop import print_err, stdout_to_devnull
         stdout_to_devnull()
-        if launched_rank() == 0:
-            print("error: stdout was closed (broken pipe) before the output was written",
-                  file=sys.stderr, flush=True)
+        if launched_rank() == 0:  # stderr may be the closed pipe too (2>&1 | head)
+            print_err("error: stdout was closed (broken pipe) before the output was written")
         return 141
 
 

@@ -8,6 +8,9 @@ Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
 one), the standard library and third-party packages.
 """
 
+#: the exit status when MPI itself cannot start (MPI_Init fails: comm/mpi_init.py)
+MPI_INIT_FAILED = 70
+
 
 class UserError(Exception):
     """An error the user can act on; the message names the file/key/node."""

@@ -29,7 +29,7 @@ from .parallel.compose import Scheme, settings_without_effect
 from .parallel.rank_graphs import build_rank_graphs
 from .runtime.factory import make_dispatcher, planned_workspace
 from .runtime.memory_plan import batch_blobs
-from .runtime.stop import StopSignal, print_or_stop
+from .runtime.stop import StopSignal, print_err, print_or_stop
 from .train.checkpoints import Checkpoints
 from .train.collectives import get_world, world_mean  # noqa: F401  (cli, bench)
 from .train.divergence import DivergenceWatch
@@ -210,6 +210,6 @@ def run_and_report(trainer, world):
     if stopped in ("SIGPIPE", "SIGINT") and world.rank == 0:
         why = "error: stdout was closed (broken pipe)" if stopped == "SIGPIPE" else \
             "interrupted (Ctrl-C)"
-        print(f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; continue "
-              "with --resume auto", file=sys.stderr, flush=True)
+        print_err(f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; "
+                  "continue with --resume auto")
     return StopSignal.exit_status(stopped)

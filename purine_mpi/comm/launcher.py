@@ -68,9 +68,24 @@ def launched_rank(environ=os.environ):
     return 0
 
 
+#: the MPI library's environment, set before the library is loaded (the
+#: probe below loads it; UCX reads its settings then) unless the user set
+#: them: UCX takes SIGHUP as its "debug signal" by default, swallowing it
+#: and raising its log level (hundreds of DEBUG lines at exit); 0 leaves
+#: SIGHUP to ``train``, which stops with a checkpoint (runtime/stop.py)
+MPI_ENV_DEFAULTS = {"UCX_DEBUG_SIGNO": "0"}
+
+
+def set_mpi_environment(environ=os.environ):
+    """Export ``MPI_ENV_DEFAULTS`` (a variable the user set keeps its value)."""
+    for key, value in MPI_ENV_DEFAULTS.items():
+        environ.setdefault(key, value)
+
+
 def mpi_library():
     """'mpich' or 'openmpi': the MPI ABI mpi4py loads (its own probe of the
     library, made without initialising MPI; mpi4py >= 4.1), else None."""
+    set_mpi_environment()  # before the library loads
     try:
         from mpi4py import _mpiabi
         return _mpiabi._get_mpiabi()

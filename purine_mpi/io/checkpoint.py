@@ -66,6 +66,22 @@ class Checkpoint:
 
 
 # -------------------------------------------------------------------- write
+#: the temp files this process is writing now (``remove_temp_files``)
+_IN_PROGRESS = set()
+
+
+def remove_temp_files():
+    """Delete the temp files of the writes in progress: called by a process
+    that ends at once (a second Ctrl-C, runtime/stop.py) in the middle of a
+    checkpoint, so no half-written ``*.h5.tmp.<pid>`` is left behind."""
+    for tmp in list(_IN_PROGRESS):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        _IN_PROGRESS.discard(tmp)
+
+
 @contextlib.contextmanager
 def _replaced_atomically(path):
     """Yield a temporary name beside ``path``; when the block succeeds, fsync
@@ -77,6 +93,7 @@ def _replaced_atomically(path):
     tmp = f"{path}.tmp.{os.getpid()}"
     if os.path.lexists(tmp):
         os.remove(tmp)
+    _IN_PROGRESS.add(tmp)
     try:
         yield tmp
         _fsync_path(tmp)
@@ -88,6 +105,8 @@ def _replaced_atomically(path):
         if isinstance(exc, OSError) and disk_error(path, exc) is not None:
             raise disk_error(path, exc) from None
         raise
+    finally:
+        _IN_PROGRESS.discard(tmp)
 
 
 def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,

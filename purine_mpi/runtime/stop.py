@@ -16,25 +16,37 @@ import time
 
 class StopSignal:
     """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit),
-    SIGTERM or SIGINT (Ctrl-C) asks the run to stop: every rank finishes the
-    iteration, they agree on it (a MAX reduction, the same collective on every
-    rank each iteration, polled under the stall watchdog), a checkpoint is
-    written, and the job ends cleanly. A closed stdout (``train ... | head``)
-    stops the run the same way (``SIGPIPE``, see ``print_or_stop``). The same
-    agreement carries a non-finite loss or weight seen on any rank (DIVERGED),
-    which wins over a signal. A second Ctrl-C a second or more after the
-    first interrupts at once, without the checkpoint."""
+    SIGUSR2 (the other common ``--signal`` choice), SIGTERM, SIGHUP (a closed
+    terminal or ssh session), SIGQUIT (Ctrl-\\) or SIGINT (Ctrl-C) asks the
+    run to stop: every rank finishes the iteration, they agree on it (a MAX
+    reduction, the same collective on every rank each iteration, polled
+    under the stall watchdog), a checkpoint is written, and the job ends
+    cleanly. A closed stdout (``train ... | head``) stops the run the same
+    way (``SIGPIPE``, see ``print_or_stop``). The same agreement carries a
+    non-finite loss or weight seen on any rank (DIVERGED), which wins over a
+    signal. A second Ctrl-C a second or more after the first interrupts at
+    once, without the checkpoint (``interrupt_now``)."""
 
-    SIGNALS = ("SIGUSR1", "SIGTERM", "SIGPIPE", "SIGINT")
-    CAUGHT = ("SIGUSR1", "SIGTERM", "SIGINT")  # SIGPIPE comes as a BrokenPipeError
+    #: the stop requests, weakest first (the agreement keeps the strongest)
+    SIGNALS = ("SIGUSR1", "SIGTERM", "SIGPIPE", "SIGINT", "SIGUSR2", "SIGHUP", "SIGQUIT")
+    CAUGHT = ("SIGUSR1", "SIGTERM", "SIGINT", "SIGUSR2", "SIGHUP", "SIGQUIT")  # not SIGPIPE:
+    # it comes as a BrokenPipeError
     DIVERGED = len(SIGNALS) + 1
-    #: the exit status after a stop with a checkpoint (SIGUSR1: finish cleanly)
-    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143, "SIGPIPE": 141, "SIGINT": 130}
+    #: the exit status after a stop with a checkpoint (SIGUSR1: finish
+    #: cleanly); the others 128 + the signal's number, as the shell reports
+    #: a process the signal ended, though this one wrote its checkpoint
+    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143, "SIGPIPE": 141, "SIGINT": 130,
+                   "SIGUSR2": 140, "SIGHUP": 129, "SIGQUIT": 131}
+    #: the exit status of a second Ctrl-C: at once, without a checkpoint
+    INTERRUPTED = 130
 
     #: a signal that arrived before the trainer existed (install_early)
     early = None
     #: the newest StopSignal of this process (``request`` sets its name)
     current = None
+    #: called (no arguments) by ``interrupt_now`` before the process ends:
+    #: e.g. removing a checkpoint's half-written temp file (train/checkpoints.py)
+    cleanups = []
 
     def __init__(self):
         self.name = StopSignal.early
@@ -50,9 +62,28 @@ class StopSignal:
             # mpiexec passes the terminal's Ctrl-C on: the same press may come twice
             now = time.monotonic()
             if self._first_int is not None and now - self._first_int >= 1.0:
-                raise KeyboardInterrupt
+                self.interrupt_now()
             self._first_int = self._first_int or now
         self.name = max(filter(None, (self.name, name)), key=self.SIGNALS.index)
+
+    @classmethod
+    def interrupt_now(cls):
+        """End this process at once (a second Ctrl-C): one line, the
+        cleanups, exit 130. Raising KeyboardInterrupt instead would unwind
+        through the checkpoint's HDF5 writes, where an exception in a
+        destructor is printed as a traceback and dropped -- the interrupt
+        was lost."""
+        from ..comm.launcher import launched_rank
+        _flush_quietly()
+        if launched_rank() == 0:
+            _write_stderr("interrupted again: stopping now without waiting for the checkpoint "
+                          "(latest.h5 stays the last complete one)")
+        for cleanup in list(cls.cleanups):
+            try:
+                cleanup()
+            except Exception:
+                pass
+        os._exit(cls.INTERRUPTED)
 
     @classmethod
     def request(cls, name):
@@ -69,15 +100,18 @@ class StopSignal:
 
     @classmethod
     def install_early(cls):
-        """Record SIGUSR1/SIGTERM from the first moment of ``train`` on: a
-        notice that arrives while the graph is still being built (a job
-        step just started) then stops the run after its first iteration,
-        instead of killing the rank with the default action."""
+        """Record the stop signals but Ctrl-C (SIGUSR1, SIGTERM, ...) from
+        the first moment of ``train`` on: a notice that arrives while the
+        graph is still being built (a job step just started) then stops the
+        run after its first iteration, instead of killing the rank with the
+        default action."""
         def record(signum, frame):
-            cls.early = signal.Signals(signum).name
+            name = signal.Signals(signum).name
+            cls.early = max(filter(None, (cls.early, name)), key=cls.SIGNALS.index)
         if threading.current_thread() is threading.main_thread():
-            for sig in ("SIGUSR1", "SIGTERM"):  # Ctrl-C: interrupted at once, nothing to lose
-                signal.signal(getattr(signal, sig), record)
+            for sig in cls.CAUGHT:  # Ctrl-C: interrupted at once, nothing to lose
+                if sig != "SIGINT":
+                    signal.signal(getattr(signal, sig), record)
 
     def agree(self, world, diverged=False):
         """The code every rank agrees on after an iteration: 0 (go on), 1 +
@@ -106,12 +140,47 @@ def print_or_stop(msg):
         StopSignal.request("SIGPIPE")
 
 
+def print_err(msg):
+    """Print a line to stderr; when stderr is a closed pipe too (``train ...
+    2>&1 | head``), it goes to /dev/null from then on: the line is lost, the
+    exit status stands (a BrokenPipeError here ended the run with 1)."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):
+        _to_devnull(2, sys.stderr)
+
+
 def stdout_to_devnull():
     """Point file descriptor 1 at /dev/null, so later writes and the flush
     at exit do not fail again."""
+    _to_devnull(1, sys.stdout)
+
+
+def _to_devnull(fileno, stream):
     try:
         fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, fileno)
         os.close(fd)
+    except OSError:
+        pass
+    try:  # what the stream still holds would fail again at exit
+        stream.flush()
     except (OSError, ValueError):
+        pass
+
+
+def _flush_quietly():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe, a stream in use by the interrupted code
+            pass
+
+
+def _write_stderr(line):
+    """One line to stderr in one write (no buffered stream: the signal may
+    have come in the middle of a print)."""
+    try:
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+    except OSError:
         pass

@@ -11,16 +11,22 @@ ops, graph, job, composition and dispatch layers below it, and its own.
 from ..backend import to_numpy
 from ..errors import GraphError, UserError
 from ..graph.solver import solver_states, state_name
-from ..io.checkpoint import (find_resumable, load_checkpoint, load_params, save_checkpoint,
-                             save_run_checkpoint)
+from ..io.checkpoint import (find_resumable, load_checkpoint, load_params, remove_temp_files,
+                             save_checkpoint, save_run_checkpoint)
 from ..io.checkpoint_check import check_finite, check_for_net, unused_note
 from ..io.config import dump_config
 from ..layers.fillers import fill
 from ..model import init_params, kept_constant
 from ..parallel.compose import Layout
+from ..runtime.stop import StopSignal
 from .collectives import _plain, world_gather
 from .loop import Service
 from .progress import write_config
+
+# a second Ctrl-C ends the process in the middle of a checkpoint: its temp
+# file goes, the checkpoint under its final name is the last complete one
+if remove_temp_files not in StopSignal.cleanups:
+    StopSignal.cleanups.append(remove_temp_files)
 
 
 class Checkpoints(Service):
