@@ -22,15 +22,8 @@ console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
     python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
     python -m purine_mpi --version
 
-Exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 2 user
-error (message names the file/key/node, no traceback), 3 diverged or
-non-finite weights (``test``/``--init``/``--resume`` of a file holding NaN or
-inf), 70 MPI could not start (MPI_Init failed), 143 stopped by SIGTERM with a
-checkpoint, 129 by SIGHUP, 131 by SIGQUIT, 140 by SIGUSR2 (each with a
-checkpoint), 130 stopped by Ctrl-C with a checkpoint (a second Ctrl-C: at
-once, without one, in one line), 141 stdout closed (``| head``; ``train``
-stops with a checkpoint), 1 any other failure (one line per failing rank;
-the traceback with --debug) -- on every rank.
+Exit statuses (the same on every rank): the table in docs/formats.md, and
+``--help``'s epilog.
 
 Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
 graph, job, composition, dispatch and services layers below it, and its own.

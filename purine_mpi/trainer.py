@@ -22,7 +22,7 @@ import sys
 import time
 
 from . import logfile
-from .io.checkpoint import remove_stale_temp_files
+from .io.run_checkpoints import remove_stale_temp_files
 from .io.config import data_notes, dump_config
 from .io.job import job_of
 from .parallel.compose import Scheme, settings_without_effect

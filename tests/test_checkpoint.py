@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import (FORMAT, find_latest, load_checkpoint, load_params,
-                                     save_checkpoint, save_run_checkpoint)
+from purine_mpi.io.checkpoint import FORMAT, load_checkpoint, load_params, save_checkpoint
+from purine_mpi.io.run_checkpoints import find_latest, save_run_checkpoint
 from purine_mpi.io.checkpoint_report import inspect_checkpoint
 
 

@@ -121,7 +121,7 @@ def test_edited_state_fails_its_checksum(trained, tmp_path):
 
 
 def test_temp_files_of_killed_writers_are_removed(trained, tmp_path):
-    from purine_mpi.io.checkpoint import remove_stale_temp_files
+    from purine_mpi.io.run_checkpoints import remove_stale_temp_files
     out = tmp_path / "litter"
     out.mkdir()
     dead = out / "ckpt_171.h5.tmp.999999999"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import load_checkpoint, save_run_checkpoint
+from purine_mpi.io.checkpoint import load_checkpoint
+from purine_mpi.io.run_checkpoints import save_run_checkpoint
 from purine_mpi.io.rundir import choose_run_dir, lock_run_dir
 from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
 from tests.test_train import small_net_config

@@ -41,7 +41,8 @@ import time
 
 from ..errors import UserError
 from ..runfiles import disk_error, open_run_file, refuse_link
-from .checkpoint import LATEST, checkpoint_run_id, list_checkpoints
+from .checkpoint import LATEST
+from .run_checkpoints import checkpoint_run_id, list_checkpoints
 from .rundir_force import delete_our_run
 
 LOCK_FILE = ".purine.lock"

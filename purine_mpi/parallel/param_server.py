@@ -63,7 +63,7 @@ from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
-from ..io.checkpoint import find_resumable
+from ..io.run_checkpoints import find_resumable
 from ..io.job import job_of
 from ..runtime.stop import StopSignal
 from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer

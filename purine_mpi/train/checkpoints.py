@@ -11,8 +11,8 @@ ops, graph, job, composition and dispatch layers below it, and its own.
 from ..backend import to_numpy
 from ..errors import GraphError, UserError
 from ..graph.solver import solver_states, state_name
-from ..io.checkpoint import (find_resumable, load_checkpoint, load_params, remove_temp_files,
-                             save_checkpoint, save_run_checkpoint)
+from ..io.checkpoint import load_checkpoint, load_params, remove_temp_files, save_checkpoint
+from ..io.run_checkpoints import find_resumable, save_run_checkpoint
 from ..io.checkpoint_check import check_finite, check_for_net, unused_note
 from ..io.config import dump_config
 from ..layers.fillers import fill
