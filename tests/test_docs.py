@@ -63,10 +63,17 @@ def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
     """A key added to a section's defaults (as `cuda_graph` will be) shows in
     the generated docs with its type and default; without a meaning in
     KEY_DOCS the generator refuses."""
-    monkeypatch.setitem(config_mod.PARALLEL_DEFAULTS, "cuda_graph", False)
+    from purine_mpi.io import schema
+    from purine_mpi.io.checks import _bool
+    from purine_mpi.io.keys import ConfigKey
+
+    def declare(meaning):  # the one place a key is added: its section's table
+        monkeypatch.setitem(schema.SECTION_KEYS, "parallel",
+                            schema.PARALLEL + (ConfigKey("cuda_graph", _bool, False, meaning),))
+    declare("")
     with pytest.raises(docgen.SchemaDocError, match="cuda_graph"):
         docgen.render()
-    monkeypatch.setitem(config_mod.KEY_DOCS["parallel"], "cuda_graph", "capture a CUDA graph")
+    declare("capture a CUDA graph")
     assert "| `cuda_graph` | true/false | `false` | capture a CUDA graph |" in docgen.render()
 
 
