@@ -21,7 +21,7 @@ from purine_mpi.io import config as config_mod
 from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
 
-from .conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from .conftest import PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 
 CONFIG_MD = os.path.join(REPO, "docs", "config.md")
 FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
@@ -115,13 +115,13 @@ def test_config_md_examples_load_and_build():
     resolve_config(example, path="example.yaml", check_files=False)
     example["data"] = {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
                                  "batch_size": 4}}
-    build_train_graph(resolve_config(example))
+    build_train_graph(make_job(example))
     residual = yaml.safe_load(docgen.RESIDUAL_EXAMPLE)
     residual["data"] = {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 10,
                                   "batch_size": 4}}
     residual["net"] += [{"type": "fc", "name": "fc", "bottom": "sum", "num_output": 10},
                         {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]
-    build_train_graph(resolve_config(residual))
+    build_train_graph(make_job(residual))
 
 
 def test_custom_layer_example_registers_and_checks_its_keys():
@@ -135,7 +135,7 @@ def test_custom_layer_example_registers_and_checks_its_keys():
                "net": [{"type": "scaled_relu", "name": "s", "bottom": "data", "scale": 2.0},
                        {"type": "fc", "name": "fc", "bottom": "s", "num_output": 2},
                        {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]}
-        graph, _ = build_train_graph(resolve_config(cfg))
+        graph, _ = build_train_graph(make_job(cfg))
         assert graph.ops["s.fwd"].op_type == "Scale" and graph.ops["s.fwd"].attrs["scale"] == 2.0
         cfg["net"][0]["scal"] = 1.0
         with pytest.raises(Exception, match="did you mean 'scale'"):

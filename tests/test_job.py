@@ -14,7 +14,7 @@ from purine_mpi.io.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec
                                ParallelSpec, SolverSpec, job_of)
 from purine_mpi.io.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
                                   SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
-from tests.conftest import REPO
+from tests.conftest import REPO, make_job
 
 NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 5},
        {"type": "relu", "name": "relu1", "bottom": "fc1", "top": "fc1"},
@@ -206,7 +206,7 @@ def test_a_job_and_its_dict_build_the_same_graph():
     from purine_mpi.model import build_train_graph
     config = _minimal()
     config["parallel"]["micro_batches"] = 2
-    by_dict, _ = build_train_graph(config, 1, 2)
+    by_dict, _ = build_train_graph(make_job(config), 1, 2)
     by_job, _ = build_train_graph(job_of(config), 1, 2)
     assert seed_yaml.dump(by_dict) == seed_yaml.dump(by_job)
     reader = by_job.ops["data"]

@@ -31,7 +31,7 @@ import os
 import yaml
 
 from ..errors import ConfigError, excerpt
-from .checks import SEED_LIMIT, _check_int, _check_keys, _kind  # noqa: F401
+from .checks import SEED_LIMIT, _check_int, _check_keys, _kind, check_seed  # noqa: F401
 from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
 from .job import Job, job_of
 from .keys import check_section
@@ -39,7 +39,8 @@ from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # 
 from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_DOC, DATA_KEYS,
                      DATA_SOURCES, KEY_DOCS, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
                      PARALLEL_SCHEMES, PIPELINE_SCHEDULES, RESOLVED_FIRST, SECTION_KEYS,
-                     SOLVER_DEFAULTS,                      SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC, TOP_KEYS)  # noqa: F401
+                     SOLVER_DEFAULTS, SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC,
+                     TOP_KEYS)  # noqa: F401
 from ..layers import check_layer
 
 
@@ -52,6 +53,22 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     lists (``net.0.num_output=8``). ``iters`` overrides ``solver.max_iter``.
     ``check_files``: check at load time that HDF5 data files exist.
     """
+    return resolve_config(_read(path), str(path), overrides, iters, check_files)
+
+
+def load_job(path, overrides=(), iters=None, check_files=True):
+    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
+    return resolve_job(_read(path), str(path), overrides, iters, check_files)
+
+
+def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
+    """``resolve_config`` as a ``Job``: the one place a config becomes a job
+    (the CLI, the converters, the tests' ``make_job``)."""
+    return job_of(resolve_config(raw, path, overrides, iters, check_files))
+
+
+def _read(path):
+    """The parsed YAML of the config file at ``path``."""
     path = str(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -71,12 +88,7 @@ def load_config(path, overrides=(), iters=None, check_files=True):
         raise ConfigError(path, None, f"malformed YAML at {where(e)}") from None
     if raw is None:
         raise ConfigError(path, None, "the config file is empty")
-    return resolve_config(raw, path, overrides, iters, check_files)
-
-
-def load_job(path, overrides=(), iters=None, check_files=True):
-    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
-    return job_of(load_config(path, overrides, iters, check_files))
+    return raw
 
 
 def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
@@ -159,8 +171,8 @@ def validate_config(config, path="<config>", check_files=True):
         key = keys[name]
         value = config.get(name, stem if name == "name" else key.default)
         if name == "net" and value is None and config.get("graph") is None:
-            raise ConfigError(path, "net", "the config defines no network: give 'net' "
-                                           "(a list of layers) or 'graph' (a list of blobs and ops)")
+            raise ConfigError(path, "net", "the config defines no network: give 'net' (a "
+                                           "list of layers) or 'graph' (a list of blobs and ops)")
         if value is None and key.default is None:
             continue  # net or graph not given, backend auto
         if name == "data":

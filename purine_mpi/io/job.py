@@ -232,11 +232,6 @@ class Job:
         return dataclasses.replace(self, solver=dataclasses.replace(self.solver, **solver))
 
 
-def data_spec_of(phase, spec):
-    """A ``DataSpec`` from a validated spec dict; a ``DataSpec`` unchanged."""
-    return spec if isinstance(spec, DataSpec) else DataSpec.from_config(phase, spec)
-
-
 def job_of(config):
     """The ``Job`` of a validated config dict; a ``Job`` is returned unchanged."""
     if isinstance(config, Job):
