@@ -144,40 +144,33 @@ class FrozenMap(Mapping):
         return copy.deepcopy(self._data)
 
 
-def _watch_direction(metric, mode):
-    """``max`` or ``min``: the given mode, else min for a loss, max otherwise."""
-    return mode or ("min" if "loss" in str(metric).lower() else "max")
+class _Watch:
+    """A metric watch: its fields are its keys (``metric``, ``mode``, counts)."""
+
+    @property
+    def direction(self):
+        """``max`` or ``min``: the given mode, else min for a loss, max otherwise."""
+        return self.mode or ("min" if "loss" in str(self.metric).lower() else "max")
+
+    def to_config(self):
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
-class EarlyStopSpec:
+class EarlyStopSpec(_Watch):
     """``solver.early_stop``: stop when ``metric`` stalls for ``patience`` tests."""
     metric: str
     mode: Optional[str] = None
     patience: int = 5
     min_delta: float = 0.0
 
-    @property
-    def direction(self):
-        return _watch_direction(self.metric, self.mode)
-
-    def to_config(self):
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
-class BestSpec:
+class BestSpec(_Watch):
     """``checkpoint.best``: keep the ``keep`` best checkpoints by ``metric``."""
     metric: str
     mode: Optional[str] = None
     keep: int = 1
-
-    @property
-    def direction(self):
-        return _watch_direction(self.metric, self.mode)
-
-    def to_config(self):
-        return dataclasses.asdict(self)
 
 
 def watch_keys(spec):
