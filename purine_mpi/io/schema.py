@@ -61,6 +61,7 @@ SOLVER = (
     Key("stepvalues", _stepvalues, [], "increasing iterations at which multistep multiplies by "
         "gamma", typed=TUPLE),
     Key("power", _num(0), 1.0, "exponent of poly and inv"),
+    Key("min_lr", _num(0), 0.0, "the rate cosine decays to (torch's eta_min)"),
     Key("max_iter", _int(0), 1000, "iterations to train (`--iters` overrides); also the "
         "horizon of poly and cosine"),
     Key("test_interval", _int(0), 0, "evaluate on data.test every this many iterations (0: "
@@ -263,7 +264,7 @@ CHOICE_DOCS = {
         "exp": "base_lr · gamma ^ iter",
         "inv": "base_lr · (1 + gamma · iter) ^ (−power)",
         "poly": "base_lr · (1 − iter / max_iter) ^ power",
-        "cosine": "base_lr · (1 + cos(π · iter / max_iter)) / 2",
+        "cosine": "min_lr + (base_lr − min_lr) · (1 + cos(π · iter / max_iter)) / 2",
     },
     "solver_type": {
         "sgd": "v = momentum·v + rate·g; w −= v (Caffe's SGD)",
