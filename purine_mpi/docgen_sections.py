@@ -43,7 +43,7 @@ def _fmt(value):
 
 
 def _prose_or_fmt(default):
-    """TOP_DOC / DATA_DOC defaults: a string is prose (literal values are
+    """A declared key's ``shown`` default: a string is prose (literal values are
     written in backticks there), anything else a YAML value."""
     return default if isinstance(default, str) else _fmt(default)
 

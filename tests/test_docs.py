@@ -60,9 +60,9 @@ def test_stale_config_md_fails_the_check(tmp_path):
 
 
 def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
-    """A key added to a section's defaults (as `cuda_graph` will be) shows in
+    """A key declared in a section's table (as `cuda_graph` will be) shows in
     the generated docs with its type and default; without a meaning in
-    KEY_DOCS the generator refuses."""
+    its declaration the generator refuses."""
     from purine_mpi.io import schema
     from purine_mpi.io.checks import _bool
     from purine_mpi.io.keys import ConfigKey

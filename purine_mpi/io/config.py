@@ -36,8 +36,8 @@ from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
 from .job import Job, job_of
 from .keys import check_section
 from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # noqa: F401
-from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_DOC, DATA_KEYS,
-                     DATA_SOURCES, KEY_DOCS, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
+from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_KEYS,
+                     DATA_SOURCES, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
                      PARALLEL_SCHEMES, PIPELINE_SCHEDULES, RESOLVED_FIRST, SECTION_KEYS,
                      SOLVER_DEFAULTS, SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC,
                      TOP_KEYS)  # noqa: F401

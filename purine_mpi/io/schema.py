@@ -189,9 +189,10 @@ RESOLVED_FIRST = ("name", "seed")
 
 
 # --------------------------------------------------------------- data specs
-#: the keys of a data spec; io/data_spec.py checks them (by source), so
-#: ``check`` is None and ``shown`` the default column (the job's value is
-#: None where a spec leaves a key out)
+#: the keys of a data spec; io/data_spec.py checks them by source, with the
+#: declared checker where one is given (``check`` None: a rule of its own
+#: there); ``shown`` is the default column (the job's value is None where a
+#: spec leaves a key out)
 DATA = (
     Key("source", None, None, "where the samples come from", kind="one of hdf5, lmdb, "
         "synthetic", shown="hdf5 with a path to a file, lmdb with a path to a folder, "
@@ -201,35 +202,34 @@ DATA = (
         kind="string", shown="—"),
     Key("split", None, None, "hdf5: the group holding data and label (null: the file's top "
         "level)", kind="string or null", shown="`null` (hdf5), the phase (synthetic)"),
-    Key("batch_size", None, None, "samples per rank per iteration (the global batch is ranks "
-        "× batch_size)", kind="integer > 0", shown="required"),
-    Key("shuffle", None, None, "a new permutation each epoch, from the seed and the epoch",
-        kind="true/false", shown="`true` for train, `false` for test"),
+    Key("batch_size", _int(1), None, "samples per rank per iteration (the global batch is "
+        "ranks × batch_size)", shown="required"),
+    Key("shuffle", _bool, None, "a new permutation each epoch, from the seed and the epoch",
+        shown="`true` for train, `false` for test"),
     Key("in_memory", None, None, "hdf5: load the split (true), read each batch from the file "
         "(false), or load it when its float32 size fits a quarter of the memory (auto)",
         kind="auto, true or false", shown="`auto`"),
-    Key("external", None, None, "hdf5: allow the split's data and label to read from other "
+    Key("external", _bool, None, "hdf5: allow the split's data and label to read from other "
         "files (external storage, external links, virtual datasets); every such file must "
-        "then exist and be large enough", kind="true/false", shown="`false`"),
+        "then exist and be large enough", shown="`false`"),
     Key("shape", None, None, "synthetic: one sample's shape [C, H, W]", kind="list of integers",
         shown="—"),
-    Key("classes", None, None, "synthetic: the number of classes", kind="integer > 0",
-        shown="—"),
-    Key("num_samples", None, None, "synthetic: samples in the split", kind="integer > 0",
+    Key("classes", _int(1), None, "synthetic: the number of classes", shown="—"),
+    Key("num_samples", _int(1), None, "synthetic: samples in the split",
         shown=SYNTHETIC_NUM_SAMPLES),
-    Key("seed", None, None, "seed of the shuffle and of synthetic data",
+    Key("seed", check_seed, None, "seed of the shuffle and of synthetic data",
         kind="integer in [0, 2^63)", shown="the config's seed"),
-    Key("scale", None, None, "transform: multiply, after the mean is subtracted",
-        kind="number > 0", shown="—"),
+    Key("scale", _num(0, strict=True), None, "transform: multiply, after the mean is "
+        "subtracted", shown="—"),
     Key("mean", None, None, "transform: subtract (one value, or one per channel; Caffe's "
         "mean_value)", kind="number or list", shown="—"),
     Key("mean_file", None, None, "transform: subtract this Caffe `.binaryproto` mean image "
         "(C×H×W, the samples' shape before the crop; not with `mean`), pixel by pixel, before "
         "the crop's window is flipped", kind="string", shown="—"),
-    Key("mirror", None, None, "transform: random horizontal flip, training only",
-        kind="true/false", shown=False),
-    Key("crop_size", None, None, "transform: a square window, random in training, centred in "
-        "testing", kind="integer > 0", shown="—"),
+    Key("mirror", _bool, None, "transform: random horizontal flip, training only",
+        shown=False),
+    Key("crop_size", _int(1), None, "transform: a square window, random in training, centred "
+        "in testing", shown="—"),
 )
 
 #: the keys each data source takes besides the common ones, in the order of
@@ -246,12 +246,9 @@ TOP_DOC = {key.name: (key.type_doc, key.default if key.shown is None else key.sh
 SOLVER_DEFAULTS = defaults_of(SOLVER)
 PARALLEL_DEFAULTS = defaults_of(PARALLEL)
 CHECKPOINT_DEFAULTS = defaults_of(CHECKPOINT)
-#: section -> {key: meaning}
-KEY_DOCS = {section: {key.name: key.meaning for key in keys}
-            for section, keys in SECTION_KEYS.items()}
 DATA_KEYS = tuple(key.name for key in DATA)
-#: data spec key -> (type, default, meaning)
-DATA_DOC = {key.name: (key.kind, key.shown, key.meaning) for key in DATA}
+#: data spec key -> its declared checker (None: io/data_spec.py's own rule)
+DATA_CHECKS = {key.name: key.check for key in DATA}
 assert set(TRANSFORM_KEYS) <= set(DATA_KEYS)
 
 
