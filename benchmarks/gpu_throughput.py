@@ -124,6 +124,7 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     from purine_mpi.gpu import set_tf32
     from purine_mpi.gpu.placement import prepare_for_device
     from purine_mpi.layers.fillers import fill
+    from purine_mpi.io.job import job_of
     from purine_mpi.model import build_train_graph, loss_blobs
     from purine_mpi.runtime.cuda_graph import GraphDispatcher
     from purine_mpi.runtime.factory import make_dispatcher, planned_workspace
@@ -135,7 +136,7 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()              # what an earlier run left cached
     held_before = pool.total_bytes()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(job_of(config))
     prepare_for_device(graph, device)   # placed and fused, as train does
     notes = []
     # the memory as train lays it out: planned on the host and the GPU
@@ -409,6 +410,7 @@ def kernel_stats(step, iters):
 def dry_run(configs, batches):
     """Build every net of both frameworks and run one iteration of each on
     the CPU; the JSON has the real keys and null figures."""
+    from purine_mpi.io.job import job_of
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph, loss_blobs
     from purine_mpi.runtime.factory import make_dispatcher
@@ -416,7 +418,7 @@ def dry_run(configs, batches):
     for path in configs:
         for batch in batches:
             config = load(path, batch)
-            graph, _ = build_train_graph(config)
+            graph, _ = build_train_graph(job_of(config))
             d = make_dispatcher(graph, seed=0)
             try:
                 for p in graph.params():

@@ -217,7 +217,7 @@ def worker(opts):
     from purine_mpi.bench import comm_overlap
     from purine_mpi.comm.world import get_world, install_abort_handler
     from purine_mpi.graph import Graph
-    from purine_mpi.io.config import resolve_config
+    from purine_mpi.io.config import resolve_job
     from purine_mpi.layers.fillers import fill
     from purine_mpi.model import build_train_graph
     from purine_mpi.parallel.data_parallel import compose_data_parallel
@@ -234,10 +234,10 @@ def worker(opts):
     if opts.batch:
         raw = dict(raw, data={"train": dict(raw["data"]["train"], batch_size=opts.batch,
                                             num_samples=4 * opts.batch)})
-    cfg = resolve_config(raw, opts.config or "<overlap_netns>", check_files=False)
-    if cfg["data"]["train"].get("source") != "synthetic":
+    job = resolve_job(raw, opts.config or "<overlap_netns>", check_files=False)
+    if job.data.train.source != "synthetic":
         from purine_mpi.bench import synthetic_config
-        cfg = synthetic_config(cfg).to_config()  # a Job: the dict again
+        job = synthetic_config(job)
 
     def make(graph, defer=False):
         extra = {} if opts.busy_poll_ms is None else {"busy_poll": opts.busy_poll_ms / 1000}
@@ -255,14 +255,14 @@ def worker(opts):
             with open(os.path.join(opts.trace, f"{kind}_trace.rank{world.rank}.json"), "w") as f:
                 json.dump({"traceEvents": d.profiler.events}, f)
 
-    graph, grads = build_train_graph(cfg, world.rank, world.size)
+    graph, grads = build_train_graph(job, world.rank, world.size)
     d = make(graph)
     compute, compute_cpu = map(median_ms, timed(world, d, opts.iters, opts.warmup,
                                                opts.warmup if opts.trace else None))
     write_trace(d, "compute")
     d.close()
 
-    graph, grads = build_train_graph(cfg, world.rank, world.size)
+    graph, grads = build_train_graph(job, world.rank, world.size)
     plan = compose_data_parallel(graph, grads, world.size, world.rank,
                                  bucket_mb=opts.bucket_mb, first_bucket_mb=opts.first_bucket_mb,
                                  grad_first=not opts.no_grad_first,
@@ -288,8 +288,8 @@ def worker(opts):
     grad_bytes = sum(b["bytes"] for b in plan)
     if world.rank == 0:
         print(json.dumps({
-            "config": cfg.get("name"), "world_size": world.size, "iters": opts.iters,
-            "batch_per_rank": cfg["data"]["train"]["batch_size"],
+            "config": job.name, "world_size": world.size, "iters": opts.iters,
+            "batch_per_rank": job.data.train.batch_size,
             "grad_mb": round(grad_bytes / 2 ** 20, 2), "buckets": len(plan),
             "compute_ms": round(compute, 1), "comm_ms": round(comm, 1),
             "real_ms": round(real, 1), "sum_ms": round(compute + comm, 1),

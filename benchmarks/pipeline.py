@@ -82,16 +82,16 @@ def net_config(micro, schedule, batch, width, iters):
 def worker(args):
     import numpy as np
     from purine_mpi.comm.world import get_world, install_abort_handler
-    from purine_mpi.io.config import resolve_config
+    from purine_mpi.io.config import resolve_job
     from purine_mpi.parallel.micro_memory import activation_bytes
     from purine_mpi.parallel.pipeline_stats import micro_batch_of
     from purine_mpi.runtime.dispatcher import Profiler
     from purine_mpi.trainer import Trainer
     world = get_world()
     install_abort_handler(world)
-    cfg = resolve_config(net_config(args.micro, args.schedule, args.batch, args.width,
-                                    args.warmup + args.iters))
-    trainer = Trainer(cfg, "/nonexistent-bench-output", world=world, log=lambda m: None)
+    job = resolve_job(net_config(args.micro, args.schedule, args.batch, args.width,
+                                 args.warmup + args.iters))
+    trainer = Trainer(job, "/nonexistent-bench-output", world=world, log=lambda m: None)
     epoch = float(world.allreduce(np.array([time.time() if world.rank == 0 else 0.0]))[0])
     d = trainer.train
     spans = []

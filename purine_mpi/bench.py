@@ -14,7 +14,7 @@ per event: ``args.post_latency_us`` and ``args.ready_ts``).
 of the buckets' asynchronous copies to and from their page-locked host
 mirrors (trace category ``staging``), per iteration; 0 elsewhere.
 
-``run_bench`` takes a job (io/job.py) or a validated config dict.
+``run_bench`` takes a job (io/job.py).
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -28,14 +28,13 @@ import numpy as np
 
 from .backend import cupy_available
 from .errors import UserError
-from .io.job import DataSpec, job_of
+from .io.job import DataSpec
 from .runtime.trace import merge_intervals
 
 
 def synthetic_config(job):
     """The job with its train data replaced by synthetic data of the same
     shapes, and no test data."""
-    job = job_of(job)
     spec = job.data.train
     if spec.source != "synthetic":
         from .io.transform import output_shape
@@ -74,13 +73,12 @@ def comm_overlap(events):
     return covered / total
 
 
-def run_bench(config, iters=20, warmup=3, real_data=False, dispatcher=None):
+def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from .comm.world import get_world, install_abort_handler
     from .runtime.dispatcher import Profiler
     from .trainer import Trainer, world_mean
     world = get_world()
     install_abort_handler(world)
-    job = job_of(config)
     job = job if real_data else synthetic_config(job)
     job = job.with_training(max_iter=warmup + iters)
     trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,

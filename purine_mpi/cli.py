@@ -279,14 +279,14 @@ def cmd_train(args):
     from .runtime.stop import StopSignal
     StopSignal.install_early()  # before the slow imports and the graph build
     from .trainer import run_training
-    cfg = _load(args)
+    job = _load(args)
     if args.init_skip and not args.init:
         raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
                         "give --init too")
     if args.tensorboard:  # before the run folder and the graphs: exit 2 at once
         from .io.tensorboard import require_tensorboard
         require_tensorboard()
-    return run_training(cfg, _run_dir(args, cfg), resume=args.resume, init=args.init,
+    return run_training(job, _run_dir(args, job), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard)
 
@@ -295,12 +295,12 @@ def cmd_test(args):
     from .trainer import Trainer
     from .io.checkpoint import load_params
     from .io.checkpoint_check import NonFiniteWeights
-    cfg = _load(args)
+    job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
         load_params(args.weights)  # a bad file fails here, before any graph is built
     # stdout holds only the JSON result: notes and progress lines go to stderr
-    t = Trainer(cfg, _out_dir(args, cfg), init=args.weights,
+    t = Trainer(job, _out_dir(args, job), init=args.weights,
                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         res = t.evaluate()
@@ -355,8 +355,8 @@ def cmd_predict(args):
 
 def cmd_graph(args):
     from .graph.inspect import render_graph
-    cfg = _load(args, check_files=False)
-    print(render_graph(cfg, args.np, args.rank, args.format, args.phase, memory=args.memory))
+    job = _load(args, check_files=False)
+    print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0
 
 
@@ -399,8 +399,8 @@ def cmd_data(args):
 
 def cmd_bench(args):
     from .bench import format_bench, run_bench
-    cfg = _load(args, check_files=args.real_data)
-    res = run_bench(cfg, args.iters, args.warmup, real_data=args.real_data,
+    job = _load(args, check_files=args.real_data)
+    res = run_bench(job, args.iters, args.warmup, real_data=args.real_data,
                     dispatcher=args.dispatcher)
     if res is not None:
         print(json.dumps(res) if args.json else format_bench(res, args.warmup))
@@ -426,9 +426,9 @@ def cmd_convert(args):
 
 def cmd_export(args):
     from .interop.onnx_export import export_onnx
-    cfg = _load(args)
-    check_out(args.out, args.config, args.weights, cfg)
-    summary = export_onnx(cfg, args.weights, args.out, batch=args.batch,
+    job = _load(args)
+    check_out(args.out, args.config, args.weights, job)
+    summary = export_onnx(job, args.weights, args.out, batch=args.batch,
                           raw_input=args.raw_input)
     print(f"wrote {args.out}: {summary}")
     return 0

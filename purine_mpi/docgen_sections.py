@@ -2,7 +2,7 @@
 assembles and checks the file): the prose and examples, and one function
 per part of the config -- top-level keys, data, layers, the low-level
 graph, solver, parallel schemes, checkpoints -- each reading its keys from
-the code that defines them (io/config.py's schema, the layer registry, the
+the code that defines them (io/schema.py's declarations, the layer registry, the
 solver ops, graph/seed_yaml.py). A key without a meaning is a
 ``SchemaDocError``.
 
@@ -43,7 +43,7 @@ def _fmt(value):
 
 
 def _prose_or_fmt(default):
-    """TOP_DOC / DATA_DOC defaults: a string is prose (literal values are
+    """A declared key's ``shown`` default: a string is prose (literal values are
     written in backticks there), anything else a YAML value."""
     return default if isinstance(default, str) else _fmt(default)
 
@@ -68,7 +68,7 @@ def _need(table, key, where):
 def _choices(name):
     from .io.config import CHOICE_DOCS, CHOICES
     docs = CHOICE_DOCS.get(name, {})
-    return [(value, _need(docs, value, f"CHOICE_DOCS[{name!r}] in purine_mpi/io/config.py"))
+    return [(value, _need(docs, value, f"CHOICE_DOCS[{name!r}] in purine_mpi/io/schema.py"))
             for value in CHOICES[name]]
 
 
@@ -152,24 +152,33 @@ def _intro():
     ]
 
 
-def _top():
-    from .io.config import TOP_DOC, TOP_KEYS
+def _key_rows(keys, where):
+    """The rows (key, type, default, meaning) of declared config keys; a
+    key without a meaning is a ``SchemaDocError``."""
     rows = []
-    for key in TOP_KEYS:
-        kind, default, meaning = _need(TOP_DOC, key, "TOP_DOC in purine_mpi/io/config.py")
-        rows.append((_code(key), kind, _prose_or_fmt(default), meaning))
+    for key in keys:
+        if not key.meaning:
+            raise SchemaDocError(f"{where}: {key.name!r} has no documentation; add its "
+                                 "meaning (then run python -m purine_mpi.docgen --write)")
+        kind = key.type_doc or _kind_of(key.default)
+        rows.append((_code(key.name), kind,
+                     _fmt(key.default) if key.shown is None else _prose_or_fmt(key.shown),
+                     key.meaning))
+    return rows
+
+
+def _top():
+    from .io.schema import TOP
+    rows = _key_rows(TOP, "TOP in purine_mpi/io/schema.py")
     return ["## Top-level keys", "", _table(("key", "type", "default", "meaning"), rows),
             "", "Backend choices (`backend`):", "",
             _table(("value", "meaning"), [(_code(v), m) for v, m in _choices("backend")])]
 
 
 def _data():
-    from .io.config import DATA_DOC, DATA_KEYS
+    from .io.schema import DATA
     from .io.transform import TRANSFORM_KEYS
-    rows = []
-    for key in DATA_KEYS:
-        kind, default, meaning = _need(DATA_DOC, key, "DATA_DOC in purine_mpi/io/config.py")
-        rows.append((_code(key), kind, _prose_or_fmt(default), meaning))
+    rows = _key_rows(DATA, "DATA in purine_mpi/io/schema.py")
     transforms = ", ".join(_code(k) for k in TRANSFORM_KEYS)
     return [
         "## data",
@@ -358,15 +367,8 @@ def _graph():
 
 
 def _section_rows(section):
-    from .io.config import KEY_DOCS, SECTIONS
-    defaults, checks = SECTIONS[section]
-    docs = KEY_DOCS.get(section, {})
-    rows = []
-    for key, default in defaults.items():
-        meaning = _need(docs, key, f"KEY_DOCS[{section!r}] in purine_mpi/io/config.py")
-        check = checks.get(key)
-        kind = getattr(check, "doc", None) or _kind_of(default)
-        rows.append((_code(key), kind, _fmt(default), meaning))
+    from .io.schema import SECTION_KEYS
+    rows = _key_rows(SECTION_KEYS[section], f"{section.upper()} in purine_mpi/io/schema.py")
     return _table(("key", "type", "default", "meaning"), rows)
 
 

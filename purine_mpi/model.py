@@ -4,7 +4,7 @@ Train graph = data op + forward (layers) + generated backward + solver ops,
 then the parallel composition (data-parallel buckets and allreduce, or the
 parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
-arrays. The entry points take a ``Job`` or a validated config dict.
+arrays. The entry points take a ``Job`` (io/job.py).
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
@@ -15,7 +15,6 @@ from .graph.grad import build_backward
 from .graph.solver import add_solver
 from .ops.solver import UPDATE_OP_TYPES
 from .layers import build_net
-from .io.job import data_spec_of, job_of
 
 DATA_THREAD = "io"
 
@@ -26,9 +25,9 @@ def data_attrs(spec, rank, world_size, seed, phase="train"):
             "world_size": world_size, "seed": seed, "train": phase == "train"}
 
 
-def forward_graph(config, phase, spec, rank=0, world_size=1):
-    """The data op and the net's forward ops for ``phase`` (no loss pruning)."""
-    job, spec = job_of(config), data_spec_of(phase, spec)
+def forward_graph(job, phase, spec, rank=0, world_size=1):
+    """The data op and the net's forward ops of ``job`` for ``phase`` and its
+    ``DataSpec`` (no loss pruning)."""
     g = Graph(job.name)
     g.add_op("data", "DataReader", [], ["data", "label"],
              data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
@@ -114,13 +113,12 @@ def metric_blobs(graph):
     return [b.name for b in graph.blobs.values() if b.attrs.get("metric")]
 
 
-def build_train_graph(config, rank=0, world_size=1):
+def build_train_graph(job, rank=0, world_size=1):
     """The single-replica training graph for ``rank`` of ``world_size``
     (data sharded as in docs/config.md, "Sample order"), before any parallel composition.
     Returns (graph, grads) where grads maps param -> gradient blob. With
     ``parallel.micro_batches: M`` the graph is built for one micro-batch
     (B/M samples); the composition copies it M times."""
-    job = job_of(config)
     path = job.path
     if job.graph is not None:
         return graph_from_seed(job, rank, world_size)
@@ -141,11 +139,10 @@ def build_train_graph(config, rank=0, world_size=1):
     return g, grads
 
 
-def graph_from_seed(config, rank=0, world_size=1):
+def graph_from_seed(job, rank=0, world_size=1):
     """A training graph given in the seed's low-level format. A complete one
     (with SGDUpdate ops, e.g. from ``graph --format yaml``) runs as is; a
     forward-only one gets backward and solver ops generated."""
-    job = job_of(config)
     path = job.path
     g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
     for op in g.ops.values():
@@ -168,9 +165,8 @@ def graph_from_seed(config, rank=0, world_size=1):
     return g, grads
 
 
-def build_test_graph(config, rank=0, world_size=1):
+def build_test_graph(job, rank=0, world_size=1):
     """The evaluation graph (test phase), or None when no test data is set."""
-    job = job_of(config)
     if job.data.test is None or job.graph is not None:
         return None
     g = forward_graph(job, "test", job.data.test, rank, world_size)
@@ -190,13 +186,13 @@ def kept_constant(blob):
             and attrs.get("filler", {}).get("type") == "constant")
 
 
-def init_params(loaded, params, config, path, skip=()):
+def init_params(loaded, params, job, path, skip=()):
     """The names of ``params`` to take from a weights file's ``loaded``
     params (``--init`` / ``test --weights``): all of them, except those of
     the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
     its fresh initialisation). A parameter the file lacks is a user error
     that lists what is missing, never a silent random weight."""
-    layers = set(job_of(config).layer_names)
+    layers = set(job.layer_names)
     unknown = sorted(set(skip) - layers)
     if unknown:
         raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "

@@ -1,6 +1,6 @@
 """The trainer: this rank's loop assembled from a job.
 
-``Trainer(config, out_dir, world, ...)`` builds this rank's composed and
+``Trainer(job, out_dir, world, ...)`` builds this rank's composed and
 placed graphs (``parallel.rank_graphs.build_rank_graphs``) before the loop
 exists, their dispatchers and workspaces (memory plans), the list of
 services, and restores the weights; ``train/loop.py`` runs the iterations
@@ -45,10 +45,9 @@ from .train.watch import BestCheckpoints, EarlyStopping
 class Trainer(Loop):
     """A ``Loop`` assembled from a job for this rank of ``world``."""
 
-    def __init__(self, config, out_dir, world=None, resume=None, init=None, profile=False,
+    def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
         created = time.perf_counter()  # the start-up block reports the set-up time
-        job = job_of(config)  # a Job, or a validated config dict (tests, tools)
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
         world.stall_timeout = float(job.parallel.stall_timeout)
@@ -144,7 +143,8 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
                  init_skip=(), tensorboard=False):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for. ``config``: a
-    job (io/job.py) or a validated config dict."""
+    job (io/job.py) or a validated config dict: the public Python API, an
+    edge where a config becomes a job (docs/config.md, "Custom layers")."""
     from .comm.world import install_abort_handler
     job = job_of(config)  # once: everything below reads the job
     world = get_world()

@@ -9,6 +9,8 @@
   same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's).
 - ``FakeWorld``: a one-rank world for in-process Trainer runs, so the pytest
   process never initialises MPI.
+- ``make_job``: the one way the tests make the ``Job`` that the package's
+  entry points take.
 """
 import os
 import shutil
@@ -75,6 +77,20 @@ def write_config(tmp_path):
     def write(config, name="cfg.yaml"):
         return write_config_file(tmp_path, config, name)
     return write
+
+
+def make_job(config, path="<config>", **options):
+    """The ``Job`` (io/job.py) of a config mapping, validated and resolved as
+    the CLI does (``resolve_job``; ``options``: its ``overrides``, ``iters``,
+    ``check_files``), or of a config already resolved (``resolve_config``,
+    ``load_config``); a Job is returned as it is."""
+    from purine_mpi.io.config import resolve_job
+    from purine_mpi.io.job import Job, job_of
+    if isinstance(config, Job):
+        return config
+    if "_path" in config:
+        return job_of(config)
+    return resolve_job(config, path, **options)
 
 
 class FakeWorld:

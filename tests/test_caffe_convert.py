@@ -15,7 +15,7 @@ from purine_mpi.interop.prototxt import Enum, PrototxtError, parse
 from purine_mpi.io.config import load_config, resolve_config
 from purine_mpi.model import build_test_graph, build_train_graph
 
-from .conftest import REPO, run_cli_args
+from .conftest import REPO, make_job, run_cli_args
 from .opcheck import run_op
 from .test_cli import assert_user_error
 
@@ -131,7 +131,7 @@ def test_every_layer_type_and_spelling(all_layers, small_h5):
 
 def test_converted_shapes_follow_caffe(all_layers):
     config = resolve_config(all_layers[0])
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
 
     def caffe_pool(size, k, s, p):  # Caffe's pooling_layer.cpp
         out = -(-(size + 2 * p - k) // s) + 1
@@ -146,7 +146,7 @@ def test_converted_shapes_follow_caffe(all_layers):
     assert (updates["conv_a/bias"]["lr_mult"], updates["conv_a/bias"]["decay_mult"]) == (2.0, 0.0)
     assert "bn_b/weight" not in updates or updates["bn_b/weight"]["lr_mult"] == 0.0
     assert "prob" not in graph.blobs  # a test-phase layer
-    test = build_test_graph(config)
+    test = build_test_graph(make_job(config))
     assert any(op.op_type == "Accuracy" and op.attrs["top_k"] == 2 for op in test.ops.values())
 
 
@@ -191,7 +191,7 @@ def test_old_layers_syntax(small_h5):
     assert net["conv1"]["param"] == [{"lr_mult": 1.0, "decay_mult": 1.0},
                                      {"lr_mult": 2.0, "decay_mult": 0.0}]
     assert net["pool1"]["pool"] == "ave" and config["data"]["train"]["batch_size"] == 4
-    build_train_graph(resolve_config(config))
+    build_train_graph(make_job(config))
 
 
 def test_solver_fields():
@@ -336,7 +336,7 @@ def test_googlenet_style_net_builds_its_training_graph(tmp_path):
     assert res.returncode == 0, res.stderr
     config = load_config(str(job))
     assert config["data"]["train"]["crop_size"] == 28 and config["data"]["train"]["mirror"]
-    graph, grads = build_train_graph(config)
+    graph, grads = build_train_graph(make_job(config))
     concat = [op for op in graph.ops.values() if op.op_type == "Concat"]
     assert len(concat) == 4 and all(len(op.inputs) == 4 for op in concat)
     # 28 -> conv 7/2 -> 14 -> pool 3/2 (ceil) -> 7 -> pool 3/2 (ceil) -> 3

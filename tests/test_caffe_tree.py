@@ -16,7 +16,7 @@ from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.io.config import load_config
 from purine_mpi.model import build_train_graph
 
-from .conftest import REPO, run_cli_args
+from .conftest import REPO, make_job, run_cli_args
 from .lmdb_fixtures import write_lmdb, write_mean
 from .test_caffe_convert import fixture
 from .test_cli import assert_user_error
@@ -201,7 +201,7 @@ def test_alexnet_style_net_converts_and_trains_from_lmdb(imagenet_tree):
     assert train["batch_size"] == 4 and config["parallel"]["micro_batches"] == 2
     assert config["solver"]["type"] == "adam" and config["solver"]["clip_gradients"] == 5.0
     assert config["seed"] == 7
-    graph, _ = build_train_graph(config)  # one micro-batch: Caffe's batch of 2
+    graph, _ = build_train_graph(make_job(config))  # one micro-batch: Caffe's batch of 2
     assert graph.blobs["data"].shape == (2, 3, 227, 227)
     assert graph.blobs["conv1"].shape == (2, 8, 55, 55)
     assert graph.blobs["pool2"].shape == (2, 8, 13, 13)
@@ -242,7 +242,7 @@ def test_googlenet_style_net_builds_from_lmdb(imagenet_tree, tmp_path):
     train = config["data"]["train"]
     assert (train["source"], train["crop_size"], train["mean"]) == ("lmdb", 224,
                                                                      [104.0, 117.0, 123.0])
-    graph, grads = build_train_graph(config)
+    graph, grads = build_train_graph(make_job(config))
     assert graph.blobs["data"].shape == (4, 3, 224, 224)
     # 224 -> conv 7/2 -> 112 -> pool 3/2 (ceil) -> 56
     assert graph.blobs["inception_3a/output"].shape == (4, 40, 56, 56)

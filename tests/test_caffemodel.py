@@ -8,10 +8,9 @@ import pytest
 from purine_mpi.errors import UserError
 from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.interop.caffemodel import caffe_params
-from purine_mpi.io.config import resolve_config
 from purine_mpi.trainer import Trainer
 
-from .conftest import FakeWorld, run_cli_args, write_config_file
+from .conftest import FakeWorld, make_job, run_cli_args, write_config_file
 from .test_caffe_convert import fixture, random_h5
 from .test_cli import assert_user_error
 
@@ -125,10 +124,10 @@ def test_caffemodel_loads_exactly(net, capsys):
     path = write_caffemodel(d / "known.caffemodel", w)
     logs = []
     with pytest.raises(UserError, match=r"lacks 6 parameter\(s\) of this net: conv_c/weight"):
-        Trainer(resolve_config(config), str(d / "run"), world=FakeWorld(), init=path,
+        Trainer(make_job(config), str(d / "run"), world=FakeWorld(), init=path,
                 log=logs.append)
     # the layers the file lacks keep their fresh initialisation when named
-    t = Trainer(resolve_config(config), str(d / "run"), world=FakeWorld(), init=path,
+    t = Trainer(make_job(config), str(d / "run"), world=FakeWorld(), init=path,
                 log=logs.append, init_skip=["conv_c", "conv_d", "ip2"])
     try:
         expect = {"conv_a/weight": w["conv_a/weight"], "conv_a/bias": w["conv_a/bias"],

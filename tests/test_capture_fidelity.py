@@ -32,6 +32,7 @@ from purine_mpi.gpu.streams import copy_to_device_async, pinned_empty
 from purine_mpi.model import build_train_graph, loss_blobs
 from purine_mpi.runtime.factory import make_dispatcher
 from tests import sim_capture
+from tests.conftest import make_job
 from tests.test_gpu_backend import DeviceArray, SimulatedRuntime, _init, use_emulated_cupy
 from tests.test_gpu_no_alloc import _config
 
@@ -172,7 +173,7 @@ def test_what_a_capture_allows_is_recorded_and_read_at_replay(emulated):
 
 def _net_dispatcher(net, cuda_graph, batch=2):
     config = _config(net, batch)
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     prepare_for_device(graph, 0)  # placed and fused, as the trainer does
     losses = list(loss_blobs(graph))
     watch = add_loss_watch(graph, losses, [1.0] * len(losses), 0)

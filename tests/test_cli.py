@@ -14,10 +14,9 @@ import pytest
 import yaml
 
 from purine_mpi.graph.inspect import render_graph
-from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
 
-from .conftest import run_cli_args, small_net_config, write_config_file
+from .conftest import make_job, run_cli_args, small_net_config, write_config_file
 
 
 def read_metrics(out_dir):
@@ -95,7 +94,7 @@ def test_conv_group_must_divide_channels(base):
 
 
 def test_seed_graph_with_wrong_blob_size(base):
-    text = render_graph(resolve_config(base["cfg"]), fmt="yaml")
+    text = render_graph(make_job(base["cfg"]), fmt="yaml")
     doc = yaml.safe_load(text)
     entry = next(e for e in doc["graph"] if e["type"] == "blob" and e["name"] == "fc1")
     assert entry["size"] == [16, 10]
@@ -106,7 +105,7 @@ def test_seed_graph_with_wrong_blob_size(base):
 
 
 def test_seed_graph_with_unknown_op_type(base):
-    doc = yaml.safe_load(render_graph(resolve_config(base["cfg"]), fmt="yaml"))
+    doc = yaml.safe_load(render_graph(make_job(base["cfg"]), fmt="yaml"))
     op = next(e for e in doc["graph"] if e["type"] == "op" and e["name"] == "fc1.fwd")
     op["op_type"] = "InnerProdukt"
     path = write_config_file(base["dir"], {"graph": doc["graph"]}, "seed_op.yaml")
@@ -139,7 +138,7 @@ def _thread(graph):
 
 @pytest.mark.parametrize("mutate", [_alias_of, _dtype, _op_attrs, _thread])
 def test_seed_graph_bad_entries(base, mutate):
-    doc = yaml.safe_load(render_graph(resolve_config(base["cfg"]), fmt="yaml"))
+    doc = yaml.safe_load(render_graph(make_job(base["cfg"]), fmt="yaml"))
     needles = mutate(doc["graph"])
     path = write_config_file(base["dir"], {"graph": doc["graph"]}, f"seed_{mutate.__name__}.yaml")
     assert_user_error(run_cli_args("train", path), path.rsplit("/", 1)[1], "graph[",
@@ -314,7 +313,7 @@ def test_graph_dot_is_valid(base):
     res = run_cli_args("graph", base["path"], "--format", "dot")
     assert res.returncode == 0, res.stderr
     nodes, edges = _dot_structure(res.stdout)
-    graph, _ = build_train_graph(resolve_config(base["cfg"]))
+    graph, _ = build_train_graph(make_job(base["cfg"]))
     assert len(nodes) == len(graph.blobs) + len(graph.ops)
     assert len(edges) == sum(len(op.inputs) + len(op.outputs) for op in graph.ops.values())
     assert '"o:fc1.fwd"' in nodes and '"b:fc1/weight"' in nodes
@@ -329,7 +328,7 @@ def test_graph_dot_is_valid(base):
 def test_graph_text_lists_every_op(base):
     res = run_cli_args("graph", base["path"], "--format", "text")
     assert res.returncode == 0, res.stderr
-    graph, _ = build_train_graph(resolve_config(base["cfg"]))
+    graph, _ = build_train_graph(make_job(base["cfg"]))
     lines = res.stdout.splitlines()
     assert f"{len(graph.blobs)} blobs, {len(graph.ops)} ops" in lines[0]
     listed = [line.split()[0] for line in lines[1:] if line.strip()]

@@ -11,6 +11,7 @@ from purine_mpi.graph.clip import add_clip, update_ops
 from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
+from tests.conftest import make_job
 from tests.test_gpu_backend import (_compare, _init, _run_kernel, _tiny_raw, device,  # noqa: F401
                                     place_on_device, prepare_for_device, make_dispatcher,
                                     SimulatedRuntime)
@@ -72,8 +73,8 @@ def _one_step(config):
     """(params before, params after) of one iteration of the composed graph."""
     from purine_mpi.layers.fillers import fill
     from purine_mpi.parallel.compose import compose
-    graph, grads = build_train_graph(config)
-    graph = compose(graph, grads, config, _OneRank())
+    graph, grads = build_train_graph(make_job(config))
+    graph = compose(graph, grads, make_job(config), _OneRank())
     d = SerialDispatcher(graph, seed=1)
     params = [b for b in graph.params()]
     before = {}
@@ -155,7 +156,7 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
                             "<t>", check_files=False)
 
     def train(where):
-        graph, _ = build_train_graph(config)
+        graph, _ = build_train_graph(make_job(config))
         add_clip(graph, config["solver"]["clip_gradients"]).validate()
         if fused and where >= 0:
             prepare_for_device(graph, where)

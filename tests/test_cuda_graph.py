@@ -33,6 +33,7 @@ from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_s
 from purine_mpi.runtime.dispatcher import Profiler
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from tests.conftest import make_job
 from tests.test_gpu_backend import (SimulatedRuntime, _check_order, _cpu_workspace, _init,
                                     _log_kernels, _tiny_config, _tiny_raw)
 
@@ -192,7 +193,7 @@ def _bucketed_graph(min_buckets=3, seed=0):
     """The tiny training graph (dropout on) composed for 2 data-parallel
     ranks, with the Allreduce ops simulated, placed on GPU 0; ops spread
     over streams at random."""
-    graph, grads = build_train_graph(_tiny_config())
+    graph, grads = build_train_graph(make_job(_tiny_config()))
     plan = compose_data_parallel(graph, grads, 2, 0, min_buckets=min_buckets)
     for op in graph.ops.values():
         if op.op_type == "Allreduce":
@@ -347,7 +348,7 @@ def _train_emulated(tmp_path, cuda_graph, max_iter, resume=None, out="run"):
     raw["solver"].update(max_iter=max_iter, test_interval=3, display=1)
     config = validate_config(raw, check_files=False)
     logs = []
-    trainer = Trainer(config, str(tmp_path / out), log=logs.append, resume=resume)
+    trainer = Trainer(make_job(config), str(tmp_path / out), log=logs.append, resume=resume)
     try:
         trainer.run()
         kinds = (type(trainer.train), type(trainer.test))
@@ -687,7 +688,7 @@ def test_cuda_graph_false_on_the_command_line_and_a_bad_value_exits_2(tmp_path):
 
 
 def test_cuda_graph_chooses_the_dispatcher():
-    graph, _ = build_train_graph(_tiny_config())
+    graph, _ = build_train_graph(make_job(_tiny_config()))
     place_on_device(graph, 0)
     for flag, cls in ((True, GraphDispatcher), (False, StreamDispatcher)):
         d = make_dispatcher(graph, runtime=SimulatedRuntime(0), workspace=_cpu_workspace(graph),
@@ -696,7 +697,7 @@ def test_cuda_graph_chooses_the_dispatcher():
             assert type(d) is cls
         finally:
             d.close()
-    cpu_graph, _ = build_train_graph(_tiny_config())
+    cpu_graph, _ = build_train_graph(make_job(_tiny_config()))
     d = make_dispatcher(cpu_graph, cuda_graph=True)
     try:
         assert not isinstance(d, StreamDispatcher)  # the CPU's event dispatcher
@@ -715,7 +716,7 @@ def test_replay_on_a_real_gpu_equals_eager():
     config = _tiny_config()
     results = []
     for cuda_graph in (False, True):
-        graph, _ = build_train_graph(config)
+        graph, _ = build_train_graph(make_job(config))
         place_on_device(graph, 0)
         notes = []
         d = make_dispatcher(graph, seed=3, cuda_graph=cuda_graph, log=notes.append)
@@ -756,7 +757,7 @@ def test_bench_json_on_the_emulated_gpu_reports_blas_and_capture(monkeypatch, ho
     _emulated_gpu(monkeypatch, host_build_dir)
     use_emulated_cupy(monkeypatch, host_build_dir, nvmath=nvmath)
     config = validate_config(_tiny_raw(device=0, cuda_graph=True), check_files=False)
-    res = run_bench(config, iters=2, warmup=2)
+    res = run_bench(make_job(config), iters=2, warmup=2)
     assert res["backend"] == "cupy" and res["dispatcher"] == "GraphDispatcher"
     assert res["blas"] == ("nvmath" if nvmath else "cupy")
     report = res["cuda_graph"]

@@ -9,13 +9,14 @@ from purine_mpi.kernels import make_kernel
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.tail import deferred_tail
+from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config
 
 
 def _tail(solver=None, split=False, n=2):
     cfg = mlp_config(batch=4, solver=solver, hidden=(640,) if split else (6, 5),
                      **(dict(shape=(1, 32, 32), classes=10) if split else {}))
-    graph, grads = build_train_graph(cfg, 0, n)
+    graph, grads = build_train_graph(make_job(cfg), 0, n)
     if n > 1:
         compose_data_parallel(graph, grads, n, 0, bucket_mb=1 if split else 0.0002,
                               first_bucket_mb=0.25 if split else 0.00005, split_params=split)

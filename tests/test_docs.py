@@ -21,7 +21,7 @@ from purine_mpi.io import config as config_mod
 from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
 
-from .conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from .conftest import PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 
 CONFIG_MD = os.path.join(REPO, "docs", "config.md")
 FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
@@ -60,13 +60,20 @@ def test_stale_config_md_fails_the_check(tmp_path):
 
 
 def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
-    """A key added to a section's defaults (as `cuda_graph` will be) shows in
+    """A key declared in a section's table (as `cuda_graph` will be) shows in
     the generated docs with its type and default; without a meaning in
-    KEY_DOCS the generator refuses."""
-    monkeypatch.setitem(config_mod.PARALLEL_DEFAULTS, "cuda_graph", False)
+    its declaration the generator refuses."""
+    from purine_mpi.io import schema
+    from purine_mpi.io.checks import _bool
+    from purine_mpi.io.keys import ConfigKey
+
+    def declare(meaning):  # the one place a key is added: its section's table
+        monkeypatch.setitem(schema.SECTION_KEYS, "parallel",
+                            schema.PARALLEL + (ConfigKey("cuda_graph", _bool, False, meaning),))
+    declare("")
     with pytest.raises(docgen.SchemaDocError, match="cuda_graph"):
         docgen.render()
-    monkeypatch.setitem(config_mod.KEY_DOCS["parallel"], "cuda_graph", "capture a CUDA graph")
+    declare("capture a CUDA graph")
     assert "| `cuda_graph` | true/false | `false` | capture a CUDA graph |" in docgen.render()
 
 
@@ -108,13 +115,13 @@ def test_config_md_examples_load_and_build():
     resolve_config(example, path="example.yaml", check_files=False)
     example["data"] = {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
                                  "batch_size": 4}}
-    build_train_graph(resolve_config(example))
+    build_train_graph(make_job(example))
     residual = yaml.safe_load(docgen.RESIDUAL_EXAMPLE)
     residual["data"] = {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 10,
                                   "batch_size": 4}}
     residual["net"] += [{"type": "fc", "name": "fc", "bottom": "sum", "num_output": 10},
                         {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]
-    build_train_graph(resolve_config(residual))
+    build_train_graph(make_job(residual))
 
 
 def test_custom_layer_example_registers_and_checks_its_keys():
@@ -128,7 +135,7 @@ def test_custom_layer_example_registers_and_checks_its_keys():
                "net": [{"type": "scaled_relu", "name": "s", "bottom": "data", "scale": 2.0},
                        {"type": "fc", "name": "fc", "bottom": "s", "num_output": 2},
                        {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]}
-        graph, _ = build_train_graph(resolve_config(cfg))
+        graph, _ = build_train_graph(make_job(cfg))
         assert graph.ops["s.fwd"].op_type == "Scale" and graph.ops["s.fwd"].attrs["scale"] == 2.0
         cfg["net"][0]["scal"] = 1.0
         with pytest.raises(Exception, match="did you mean 'scale'"):

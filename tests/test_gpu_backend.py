@@ -49,7 +49,7 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
 from tests import sim_capture
-from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
+from tests.conftest import cuda_cupy_or_skip as _gpu_cupy, make_job
 
 
 class _NoDevice:
@@ -1378,7 +1378,7 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
     every op runs after its producers and the results are bitwise those of
     the serial dispatcher on the CPU graph."""
     config = _tiny_config()
-    graph, grads = build_train_graph(config)
+    graph, grads = build_train_graph(make_job(config))
     _with_fake_allreduce(graph, grads)
     reference = copy.deepcopy(graph)
     place_on_device(graph, 0)
@@ -1461,7 +1461,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
 
 
 def _train_simulated(config, device, iters=3, cuda_graph=False, fuse=False):
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     if fuse:
         prepare_for_device(graph, device)
     else:
@@ -1486,7 +1486,7 @@ def _train_simulated(config, device, iters=3, cuda_graph=False, fuse=False):
 
 def test_cpu_graph_still_gets_the_event_dispatcher():
     config = _tiny_config()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     d = make_dispatcher(graph)
     try:
         assert type(d) is EventDispatcher
@@ -1510,7 +1510,7 @@ def test_cpu_graph_still_gets_the_event_dispatcher():
 
 def test_place_on_device():
     config = _tiny_config()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     n_ops = len(graph.ops)
     place_on_device(graph, 1)
     ops = graph.ops
@@ -1548,7 +1548,7 @@ def test_place_on_device():
 
 def test_plan_device_memory_is_aligned_and_disjoint():
     config = _tiny_config()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     place_on_device(graph, 0)
     plans = plan_device_memory(graph)
     assert list(plans) == [0]
@@ -1566,7 +1566,7 @@ def test_plan_device_memory_is_aligned_and_disjoint():
 
 def test_cpu_workspace_unchanged():
     config = _tiny_config()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     ws = Workspace(graph)
     assert ws.device_bytes == {} and plan_device_memory(graph) == {}
     roots = [b for b in graph.blobs.values() if b.alias_of is None]
@@ -1578,7 +1578,7 @@ def test_a_gpu_graph_without_cupy_is_a_user_error():
     if backend.cupy_available():
         pytest.skip("a GPU is available here")
     config = _tiny_config()
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     place_on_device(graph, 0)
     with pytest.raises(UserError, match="CuPy"):
         Workspace(graph)
@@ -1586,16 +1586,16 @@ def test_a_gpu_graph_without_cupy_is_a_user_error():
 
 def test_select_device_and_tf32_key():
     config = _tiny_config()
-    assert config["tf32"] is False and select_device(config) == -1
+    assert config["tf32"] is False and select_device(make_job(config)) == -1
     with pytest.raises(ConfigError, match="tf32"):
         _tiny_config(tf32="yes")
     with pytest.raises(ConfigError, match="backend: numpy"):
-        select_device(dict(config, device=0, backend="numpy"))
+        select_device(make_job(dict(config, device=0, backend="numpy")))
     if not backend.cupy_available():
         with pytest.raises(UserError, match="CuPy"):
-            select_device(dict(config, device=0))
+            select_device(make_job(dict(config, device=0)))
         with pytest.raises(UserError, match="CuPy"):
-            select_device(dict(config, backend="cupy"))
+            select_device(make_job(dict(config, backend="cupy")))
 
 
 # =====================================================================
@@ -1694,7 +1694,7 @@ def _run_graph_on_gpu_weights(op_type, attrs, inputs, wrt, weights):
 @pytest.mark.gpu
 def test_workspace_arena_on_gpu():
     cupy = _gpu_cupy()
-    graph, _ = build_train_graph(_tiny_config())
+    graph, _ = build_train_graph(make_job(_tiny_config()))
     place_on_device(graph, 0)
     ws = Workspace(graph)
     arena = ws._arena[0]
@@ -1712,7 +1712,7 @@ def test_workspace_arena_on_gpu():
 def _train(config, device, iters, seed=0, fuse=False):
     """Losses of ``iters`` iterations of ``config`` on ``device`` (-1: CPU);
     ``fuse``: placed and fused as the trainer does."""
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     if fuse:
         prepare_for_device(graph, device)
     else:
@@ -1856,7 +1856,7 @@ def _emulated_trainer_env(monkeypatch, host_build_dir):
 def _trainer_run(config, out, resume=None):
     from purine_mpi.trainer import Trainer
     from tests.conftest import FakeWorld
-    t = Trainer(config, str(out), world=FakeWorld(), resume=resume, log=lambda m: None)
+    t = Trainer(make_job(config), str(out), world=FakeWorld(), resume=resume, log=lambda m: None)
     t.run()
     return t
 

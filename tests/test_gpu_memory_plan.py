@@ -29,7 +29,7 @@ from purine_mpi.io.config import load_config, validate_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, device_plans, plan_memory
 from purine_mpi.runtime.workspace import ARENA_ALIGN, plan_device_memory
-from tests.conftest import cuda_cupy_or_skip
+from tests.conftest import cuda_cupy_or_skip, make_job
 from tests.test_gpu_backend import _emulated_trainer_env, _tiny_raw
 from tests.test_memory_plan import _random_graph, _schedule_conflicts
 
@@ -76,7 +76,7 @@ def test_device_plans_of_every_job_are_sound(job, digits_h5):
     sets = [f"data.{p}.path={digits_h5}" for p in ("train", "test")] \
         if job.startswith("digits") else []
     config = load_config(os.path.join(ROOT, "jobs", job), overrides=sets, check_files=False)
-    graph, _ = build_train_graph(config)
+    graph, _ = build_train_graph(make_job(config))
     prepare_for_device(graph, 0)
     plans = device_plans(graph, keep=batch_blobs(graph), order_ops=True)
     assert list(plans) == [0]
@@ -148,7 +148,7 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
     from purine_mpi.trainer import Trainer
     from tests.conftest import FakeWorld
     config = validate_config(dict(raw, memory_plan=planned), check_files=False)
-    trainer = Trainer(config, str(tmp_path / out), world=FakeWorld(), log=lambda m: None)
+    trainer = Trainer(make_job(config), str(tmp_path / out), world=FakeWorld(), log=lambda m: None)
     try:
         plans = {}
         for ws in (trainer.ws, trainer.test.workspace):

@@ -22,7 +22,7 @@ from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.io.config import load_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
-from tests.conftest import REPO, cuda_cupy_or_skip
+from tests.conftest import REPO, cuda_cupy_or_skip, make_job
 from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _init, _tiny_config,
                                     use_emulated_cupy)
 
@@ -60,7 +60,7 @@ def _counted_iteration(d, iterations=3):
 
 @pytest.mark.parametrize("net", NETS)
 def test_steady_state_iteration_allocates_nothing_on_the_emulated_device(emulated, net):
-    graph, _ = build_train_graph(_config(net, 2))
+    graph, _ = build_train_graph(make_job(_config(net, 2)))
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, runtime=SimulatedRuntime(2), seed=1, cuda_graph=False)
     try:
@@ -178,7 +178,7 @@ def _gpu_allocations(cupy, d, iterations=4):
 @pytest.mark.parametrize("net", ["cifar10_quick", "nin_cifar10"])
 def test_steady_state_iteration_allocates_nothing_on_the_gpu(net, cuda_graph):
     cupy = cuda_cupy_or_skip()
-    graph, _ = build_train_graph(_config(net, 16))
+    graph, _ = build_train_graph(make_job(_config(net, 16)))
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, seed=1, cuda_graph=cuda_graph)
     try:

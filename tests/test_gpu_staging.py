@@ -23,6 +23,7 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.staging import COPY_OUT_STREAM
 from purine_mpi.runtime.streams_dispatcher import COMM_STREAM
 from tests import test_gpu_backend as backend_tests
+from tests.conftest import make_job
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
                                     use_emulated_cupy)
 
@@ -83,7 +84,7 @@ def _run(cuda_aware, cuda_graph, monkeypatch, seed=0, delay="0.3:5"):
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "1" if cuda_aware else "0")
     monkeypatch.setenv("PURINE_COMM_DELAY", delay)
     comm_device.cuda_aware.cache_clear()
-    graph, grads = build_train_graph(_tiny_config())
+    graph, grads = build_train_graph(make_job(_tiny_config()))
     compose_data_parallel(graph, grads, 2, 0, min_buckets=3)
     prepare_for_device(graph, 0)
     rt = SimulatedRuntime(seed, poll_steps=(0, 2))
@@ -182,7 +183,7 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     from purine_mpi.runtime.streams_dispatcher import stream_thread_name
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "0")
     comm_device.cuda_aware.cache_clear()
-    graph, grads = build_train_graph(_tiny_config())
+    graph, grads = build_train_graph(make_job(_tiny_config()))
     compose_data_parallel(graph, grads, 2, 0, min_buckets=3)
     prepare_for_device(graph, 0)
     rt = SimulatedRuntime(1)

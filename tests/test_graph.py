@@ -5,8 +5,8 @@ import pytest
 
 from purine_mpi.errors import GraphError, ShapeError, UserError
 from purine_mpi.graph import Graph
-from purine_mpi.io.config import resolve_config
 from purine_mpi.model import build_train_graph
+from tests.conftest import make_job
 
 S = (2, 3)
 
@@ -325,7 +325,7 @@ def test_sgd_update_runs_after_every_reader_of_its_param():
         ],
         "solver": {"base_lr": 0.1, "max_iter": 1},
     }
-    g, grads = build_train_graph(resolve_config(raw))
+    g, grads = build_train_graph(make_job(raw))
     deps = g.dependencies()
     order = [op.name for op in g.topo_order()]
     updates = [op for op in g.ops.values() if op.op_type == "SGDUpdate"]

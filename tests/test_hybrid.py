@@ -13,7 +13,7 @@ import pytest
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.graph.inspect import compose_for
 from purine_mpi.io.config import resolve_config
-from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
 from tests.test_micro_batches import STAGES, _close, _config, _params
 
 
@@ -36,7 +36,7 @@ def test_hybrid_slices_layout_and_data_windows():
     talks to its replica's other stage, allreduces with the other replica's
     same stage, and replica r's micro-batch k reads shard r·M + k of R·M."""
     cfg = resolve_config(_hybrid(micro_batches=2))
-    slices = [compose_for(cfg, 4, r) for r in range(4)]
+    slices = [compose_for(make_job(cfg), 4, r) for r in range(4)]
     for rank, g in enumerate(slices):
         replica, stage = divmod(rank, 2)
         types = {op.op_type for op in g.ops.values()}
@@ -66,7 +66,7 @@ def test_check_collectives_per_group():
     """A mismatch inside a stage group is found and named with the group;
     collectives of different groups are never compared with each other."""
     cfg = resolve_config(_hybrid())
-    slices = [compose_for(cfg, 4, r) for r in range(4)]
+    slices = [compose_for(make_job(cfg), 4, r) for r in range(4)]
     sigs = [comm_signature(g) for g in slices]
     bad = [list(s) for s in sigs]
     i = next(k for k, e in enumerate(bad[3]) if e["kind"] == "Allreduce")
@@ -119,7 +119,7 @@ def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):
     assert "fc1.fwd@mb3" in res.stdout and "conv1.fwd" not in res.stdout
     assert "Allreduce" not in res.stdout
     data = resolve_config(_config(scheme="data", micro_batches=2))
-    g = compose_for(data, 2, 1)
+    g = compose_for(make_job(data), 2, 1)
     readers = sorted((op.attrs["rank"], op.attrs["world_size"]) for op in g.ops.values()
                      if op.op_type == "DataReader")
     assert readers == [(2, 4), (3, 4)]

@@ -14,7 +14,7 @@ from purine_mpi.io.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec
                                ParallelSpec, SolverSpec, job_of)
 from purine_mpi.io.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
                                   SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
-from tests.conftest import REPO
+from tests.conftest import REPO, make_job
 
 NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 5},
        {"type": "relu", "name": "relu1", "bottom": "fc1", "top": "fc1"},
@@ -206,7 +206,7 @@ def test_a_job_and_its_dict_build_the_same_graph():
     from purine_mpi.model import build_train_graph
     config = _minimal()
     config["parallel"]["micro_batches"] = 2
-    by_dict, _ = build_train_graph(config, 1, 2)
+    by_dict, _ = build_train_graph(make_job(config), 1, 2)
     by_job, _ = build_train_graph(job_of(config), 1, 2)
     assert seed_yaml.dump(by_dict) == seed_yaml.dump(by_job)
     reader = by_job.ops["data"]
@@ -267,3 +267,20 @@ def test_no_module_below_io_reads_a_config_dict():
             found += [f"{rel}:{line}: {text}" for line, text in config_reads(f.read(), rel)]
     assert not found, "config dict reads below io/ (read the Job's attributes):\n" + \
         "\n".join(found)
+
+
+def test_a_key_declared_once_is_checked_defaulted_held_and_used():
+    """solver.min_lr, declared by one ConfigKey in io/schema.py: validated,
+    defaulted, a field of the job, and read by the LearningRate op."""
+    from purine_mpi.errors import ConfigError
+    from purine_mpi.model import build_train_graph
+    from purine_mpi.ops.lr_policy import learning_rate
+    raw = {"data": {"train": _synthetic(4)}, "net": NET,
+           "solver": {"lr_policy": "cosine", "base_lr": 0.1, "max_iter": 10, "min_lr": 0.002}}
+    job = make_job(raw, check_files=False)
+    assert job.solver.min_lr == 0.002 and job_of(_minimal()).solver.min_lr == 0.0
+    attrs = build_train_graph(job)[0].ops["solver.lr"].attrs
+    assert learning_rate(attrs, 10) == pytest.approx(0.002)
+    assert learning_rate(attrs, 0) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="key 'solver.min_lr': expected a non-negative number"):
+        make_job(dict(raw, solver={"min_lr": -1}), check_files=False)

@@ -10,7 +10,7 @@ from purine_mpi.bench import synthetic_config
 from purine_mpi.graph.inspect import compose_for
 from purine_mpi.io.config import load_config
 from purine_mpi.trainer import Trainer
-from tests.conftest import REPO, FakeWorld
+from tests.conftest import REPO, FakeWorld, make_job
 
 JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.yaml")))
 
@@ -52,7 +52,7 @@ def test_job_composes(job, digits_h5, cifar_shaped_h5):
     cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5))
     ranks = {"pipeline": 2, "hybrid": 4}.get(cfg["parallel"]["scheme"], 1)
     for rank in range(ranks):
-        graph = compose_for(cfg, ranks, rank)
+        graph = compose_for(make_job(cfg), ranks, rank)
         assert graph.ops and all(b.shape is not None for b in graph.blobs.values())
 
 
@@ -61,7 +61,7 @@ def test_job_composes(job, digits_h5, cifar_shaped_h5):
 def test_job_trains_an_iteration(job, batch, digits_h5, tmp_path):
     cfg = load_config(os.path.join(REPO, "jobs", job), check_files=False,
                       overrides=[f"data.train.batch_size={batch}", "solver.max_iter=2"])
-    cfg = synthetic_config(cfg)
+    cfg = synthetic_config(make_job(cfg))
     t = Trainer(cfg, str(tmp_path), world=FakeWorld(), log=lambda m: None)
     try:
         before = {p: np.array(t.ws[p]) for p in t.params}

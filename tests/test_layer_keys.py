@@ -17,7 +17,7 @@ from purine_mpi.io.job import job_of
 from purine_mpi.layers import COMMON_KEYS, LAYER_SPECS, LAYERS
 from purine_mpi.model import forward_graph
 
-from .conftest import REPO, run_cli_args, small_net_config, write_config_file
+from .conftest import REPO, make_job, run_cli_args, small_net_config, write_config_file
 from .test_caffe_convert import fixture, random_h5
 from .test_cli import assert_user_error
 
@@ -94,7 +94,8 @@ def test_flatten_axis_is_applied(base):
         "data": {"train": {"source": "synthetic", "shape": [2, 3, 4], "classes": 2,
                            "batch_size": 5}},
         "net": [{"type": "flatten", "name": "f", "bottom": "data", "axis": 2}]})
-    g = forward_graph(cfg, "train", cfg["data"]["train"])
+    job = make_job(cfg)
+    g = forward_graph(job, "train", job.data.train)
     assert tuple(g.blobs["f"].shape) == (5, 2, 12)
 
 

@@ -30,7 +30,8 @@ from purine_mpi.bench import format_bench
 from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.progress import Lines, human_bytes, progress
-from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, run_mpi_cli, small_net_config
+from tests.conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_mpi_cli,
+                            small_net_config)
 
 # the tiny net: conv1 4x1x3x3 + 4, fc1 10 x (4x4x4) + 10
 TINY_PARAMS = 4 * 1 * 3 * 3 + 4 + 10 * 64 + 10
@@ -190,7 +191,7 @@ def _cfg(parallel):
       "multiple of 2 ranks"]),
 ])
 def test_settings_without_effect(parallel, size, expected):
-    notes = settings_without_effect(_cfg(parallel), size)
+    notes = settings_without_effect(make_job(_cfg(parallel)), size)
     assert len(notes) == len(expected), notes
     for note, want in zip(notes, expected):
         assert note.startswith("note: " + want), note
@@ -202,7 +203,7 @@ def test_the_jobs_say_nothing_at_their_world_size():
                        ("cifar10_quick", (1, 8)), ("googlenet", (16,))]:
         cfg = load_config(os.path.join(REPO, "jobs", f"{job}.yaml"), check_files=False)
         for size in sizes:
-            assert settings_without_effect(cfg, size) == [], (job, size)
+            assert settings_without_effect(make_job(cfg), size) == [], (job, size)
 
 
 def test_devices_line():

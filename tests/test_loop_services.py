@@ -4,10 +4,9 @@ the list, with no edit of the loop."""
 import ast
 import os
 
-from purine_mpi.io.config import resolve_config
 from purine_mpi.train.loop import Loop, Service
 from purine_mpi.trainer import Trainer
-from tests.conftest import REPO, FakeWorld, small_net_config
+from tests.conftest import REPO, FakeWorld, make_job, small_net_config
 
 
 class Recorder(Service):
@@ -26,7 +25,7 @@ class Recorder(Service):
 def _trainer(tmp_path, digits_h5, **solver):
     cfg = small_net_config(str(digits_h5))
     cfg["solver"].update(solver)
-    return Trainer(resolve_config(cfg), str(tmp_path / "run"), world=FakeWorld(),
+    return Trainer(make_job(cfg), str(tmp_path / "run"), world=FakeWorld(),
                    log=lambda m: None)
 
 

@@ -16,7 +16,7 @@ import purine_mpi.backend as backend
 from purine_mpi.graph.core import Op
 from purine_mpi.io.config import validate_config
 from purine_mpi.kernels import get_kernel_class
-from tests.conftest import FakeWorld
+from tests.conftest import FakeWorld, make_job
 from tests.test_gpu_backend import DeviceArray, _emulated_trainer_env, _tiny_raw
 
 
@@ -132,7 +132,7 @@ def _run(config, out, defer=True, monkeypatch=None):
     from purine_mpi.trainer import Trainer, run_and_report
     monkeypatch.setattr(Scheme, "defer_loss_readback", defer)
     lines = []
-    t = Trainer(config, str(out), world=FakeWorld(), log=lines.append)
+    t = Trainer(make_job(config), str(out), world=FakeWorld(), log=lines.append)
     code = run_and_report(t, FakeWorld())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return t, code, rows

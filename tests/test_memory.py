@@ -11,14 +11,14 @@ from .conftest import PYTHON, REPO, cli_env
 
 SCRIPT = r"""
 import json, os, sys, threading, time
-from purine_mpi.io.config import resolve_config
+from purine_mpi.io.config import resolve_job
 from purine_mpi.trainer import Trainer, get_world
 
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-cfg = resolve_config({
+job = resolve_job({
     "name": "mem",
     "data": {"train": {"source": "synthetic", "shape": [1, 4, 4], "classes": 3,
                        "batch_size": 2, "num_samples": 64}},
@@ -27,7 +27,7 @@ cfg = resolve_config({
              "top": "loss"}],
     "solver": {"base_lr": 0.01, "max_iter": 20000, "display": 0, "test_interval": 0},
     "checkpoint": {"interval": 0, "keep": 1}}, check_files=False)
-trainer = Trainer(cfg, sys.argv[1], world=get_world())  # MPI initialised, as under `train`
+trainer = Trainer(job, sys.argv[1], world=get_world())  # MPI initialised, as under `train`
 samples = []
 def sample():
     while True:

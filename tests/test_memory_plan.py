@@ -23,7 +23,7 @@ from purine_mpi.runtime.memory_plan import (HOST_ALIGN, batch_blobs, check_plan,
 from purine_mpi.runtime.workspace import Workspace
 from purine_mpi.trainer import Trainer
 
-from .conftest import REPO, FakeWorld, run_cli_args, run_mpi_cli, write_config_file
+from .conftest import REPO, FakeWorld, make_job, run_cli_args, run_mpi_cli, write_config_file
 
 
 def _job(name, **sets):
@@ -87,7 +87,7 @@ def test_job_plans_are_sound(job, np_, sets, digits_h5):
     cfg = resolve_config(_job(job, **sets), check_files=False)
     for rank in range(np_):
         for phase in ("train", "test"):
-            graph = compose_for(cfg, np_, rank, phase)
+            graph = compose_for(make_job(cfg), np_, rank, phase)
             if graph is None:
                 continue
             order = [op.name for op in graph.topo_order()]
@@ -114,7 +114,7 @@ def test_what_the_host_reads_keeps_its_memory(digits_h5):
     cfg = resolve_config(_job("digits_lenet.yaml", **{"data.train.path": digits_h5,
                                                       "data.test.path": digits_h5}),
                          check_files=False)
-    g = compose_for(cfg, 1, 0)
+    g = compose_for(make_job(cfg), 1, 0)
     plan = plan_memory(g, keep=["fc1"])
     assert plan.persistent["fc1"] == "read by the host (fc1)"
     assert plan.persistent["iter"].startswith("kind iter")
@@ -123,7 +123,7 @@ def test_what_the_host_reads_keeps_its_memory(digits_h5):
     assert "fc2" in plan.offsets and "conv1" in plan.offsets
     assert "fc1" in plan_memory(g).offsets
     # two ranks: the gradient buckets are allreduced in the deferred tail
-    g2 = compose_for(cfg, 2, 0)
+    g2 = compose_for(make_job(cfg), 2, 0)
     plan2 = plan_memory(g2)
     assert not any(g2.blobs[r].kind == "bucket" for r in plan2.offsets)
     assert any(g2.blobs[r].kind == "bucket" for r in plan2.persistent)
@@ -131,8 +131,8 @@ def test_what_the_host_reads_keeps_its_memory(digits_h5):
 
 def test_graph_memory_prints_the_plan(tmp_path):
     cfg = resolve_config(_job("cifar10_quick.yaml"), check_files=False)
-    text = render_graph(cfg, 1, 0, memory=True)
-    g = compose_for(cfg, 1, 0)
+    text = render_graph(make_job(cfg), 1, 0, memory=True)
+    g = compose_for(make_job(cfg), 1, 0)
     plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
     assert (f"memory plan: {len(plan.offsets)} transient blob(s) in a {plan.total_bytes:,}-byte "
             f"arena") in text
@@ -141,7 +141,7 @@ def test_graph_memory_prints_the_plan(tmp_path):
     assert lines["conv1"].split()[1:4] == [f"{plan.offsets['conv1']:,}",
                                            f"{plan.sizes['conv1']:,}", f"{first}..{last}"]
     assert "persistent: kind param" in lines["conv1/weight"]
-    off = render_graph(dict(cfg, memory_plan=False), 1, 0, memory=True)
+    off = render_graph(make_job(dict(cfg, memory_plan=False)), 1, 0, memory=True)
     assert "memory plan: off (memory_plan: false)" in off
     res = run_cli_args("graph", write_config_file(tmp_path, _job("cifar10_quick.yaml")),
                        "--memory")
@@ -227,7 +227,7 @@ def test_activations_are_computed_in_place(digits_h5):
     half of one buffer per blob (the job's batch of 128; the plan is only
     computed here)."""
     cfg = resolve_config(_job("nin_cifar10.yaml"), check_files=False)
-    g = compose_for(cfg, 1, 0)
+    g = compose_for(make_job(cfg), 1, 0)
     live = plan_memory(g.copy(), keep=batch_blobs(g))
     plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
     _assert_sound(g, plan)
@@ -270,7 +270,7 @@ def test_unordered_blobs_never_share():
 # ------------------------------------------------- training, in process
 def _train(raw, iters, plan):
     cfg = resolve_config(dict(raw, memory_plan=plan), check_files=False)
-    t = Trainer(cfg, "/nonexistent-unused", world=FakeWorld(), log=lambda m: None)
+    t = Trainer(make_job(cfg), "/nonexistent-unused", world=FakeWorld(), log=lambda m: None)
     try:
         assert (t.ws.plan is not None) == plan
         losses = []

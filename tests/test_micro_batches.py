@@ -10,7 +10,7 @@ import pytest
 
 from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.micro_batch import stage_order
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 
 STAGES = {"conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "relu3": 1, "fc2": 1, "loss": 1}
 
@@ -55,7 +55,7 @@ def _close(a, b):
 
 def _train_in_process(parallel, iters=5):
     from purine_mpi.trainer import Trainer
-    t = Trainer(resolve_config(_config(**parallel)), "/nonexistent-unused", log=lambda m: None)
+    t = Trainer(make_job(_config(**parallel)), "/nonexistent-unused", log=lambda m: None)
     try:
         losses = []
         for it in range(iters):
@@ -90,7 +90,7 @@ def test_stage_slice_runs_in_schedule_order(tmp_path, schedule):
     from purine_mpi.graph.inspect import compose_for
     cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4,
                                  schedule=schedule))
-    g = compose_for(cfg, 2, 0)
+    g = compose_for(make_job(cfg), 2, 0)
     seen = []
     for op in g.topo_order():
         if "@mb" in op.name and op.op_type not in ("Send", "Recv", "DataReader"):

@@ -14,12 +14,13 @@ from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.micro_memory import (activation_bytes, copy_index, live_slots,
                                               plan_micro_batch_memory, shareable_roots)
 from purine_mpi.runtime.workspace import Workspace
+from tests.conftest import make_job
 from tests.mpi_scripts.launch import run_mpi
 from tests.test_micro_batches import STAGES, _config
 
 
 def _slice(np_, rank, **parallel):
-    return compose_for(resolve_config(_config(**parallel)), np_, rank)
+    return compose_for(make_job(_config(**parallel)), np_, rank)
 
 
 def _per_copy_bytes(graph):
@@ -94,12 +95,12 @@ def test_copy_waits_for_the_previous_copy_in_its_slot():
 def test_graph_text_states_the_plan():
     from purine_mpi.graph.inspect import render_graph
     cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4))
-    text = render_graph(cfg, 2, 0)
+    text = render_graph(make_job(cfg), 2, 0)
     g = _slice(2, 0, scheme="pipeline", stages=STAGES, micro_batches=4)
     assert (f"memory plan: micro-batch activations in 2 slot(s), {len(g.memory_plan['shared'])} "
             f"blob(s) reuse an earlier copy's buffer, {activation_bytes(g)} bytes allocated, "
             f"{g.memory_plan['saved_bytes']} saved") in text
-    assert "memory plan" not in render_graph(resolve_config(_config(scheme="data")), 1, 0)
+    assert "memory plan" not in render_graph(make_job(_config(scheme="data")), 1, 0)
 
 
 def test_a_plan_the_schedule_cannot_honour_is_refused():
@@ -157,7 +158,7 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
         # whole-graph plan of the host and the GPU arena, which would pack
         # the same transient blobs again), then both together
         config = validate_config(dict(raw, memory_plan=whole_graph_plan), check_files=False)
-        t = Trainer(config, str(tmp_path / "unused"), log=lambda m: None)
+        t = Trainer(make_job(config), str(tmp_path / "unused"), log=lambda m: None)
         try:
             losses = []
             for it in range(4):

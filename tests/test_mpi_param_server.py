@@ -6,6 +6,7 @@ import pytest
 from purine_mpi.errors import UserError
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.param_server import compose_for_rank, plan_param_server, ps_layout
+from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_mpi, run_python
 
@@ -15,7 +16,7 @@ def test_layout_and_sharding():
     with pytest.raises(UserError, match="at least 3 ranks"):
         ps_layout(2, 2)
     cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 2})
-    g, grads = build_train_graph(cfg, 0, 2)
+    g, grads = build_train_graph(make_job(cfg), 0, 2)
     plan = plan_param_server(g, grads, ps_layout(4, 2))
     assert plan["order"][0] == "out/weight"           # top layer pushed first
     assert set(plan["owner"].values()) == {2, 3}
@@ -29,7 +30,7 @@ def test_worker_and_server_graphs_match():
     cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 1})
     slices = []
     for rank in range(3):
-        g, grads = build_train_graph(cfg, 0, 2)
+        g, grads = build_train_graph(make_job(cfg), 0, 2)
         slices.append(compose_for_rank(g, grads, cfg, 3, rank))
     assert not any(op.op_type == "SGDUpdate" for op in slices[0].ops.values())
     assert sum(op.op_type == "SGDUpdate" for op in slices[2].ops.values()) == 6

@@ -15,7 +15,7 @@ from purine_mpi.io.config import load_config
 from purine_mpi.model import forward_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 
-from .conftest import REPO, run_cli_args, write_config_file
+from .conftest import REPO, make_job, run_cli_args, write_config_file
 from .test_caffe_convert import fixture, random_h5
 from .test_cli import assert_user_error
 
@@ -25,7 +25,8 @@ ort = pytest.importorskip("onnxruntime")
 
 def our_forward(config, weights):
     """Our test-phase forward pass on the first test batch: {blob: value}."""
-    graph = forward_graph(config, "test", config["data"]["test"])
+    job = make_job(config)
+    graph = forward_graph(job, "test", job.data.test)
     d = SerialDispatcher(graph)
     params = load_params(weights)
     for blob in graph.params():

@@ -13,7 +13,7 @@ from purine_mpi.io.config import validate_config
 from purine_mpi.model import build_train_graph
 from purine_mpi.ops.solver import SOLVER_UPDATES
 from purine_mpi.runtime.dispatcher import SerialDispatcher
-from tests.conftest import write_config_file
+from tests.conftest import make_job, write_config_file
 from tests.test_train import h5_arrays, resume_config, train_cli
 
 #: solver.type -> (our solver keys, the torch.optim constructor for them)
@@ -143,7 +143,7 @@ def _config(kind, **solver):
 
 @pytest.mark.parametrize("kind", sorted(SOLVER_UPDATES))
 def test_training_graph_has_the_solvers_state(kind):
-    graph, grads = build_train_graph(validate_config(_config(kind), check_files=False))
+    graph, grads = build_train_graph(make_job(validate_config(_config(kind), check_files=False)))
     op_type, states = SOLVER_UPDATES[kind]
     updates = [op for op in graph.ops.values() if op.op_type == op_type]
     assert sorted(op.inputs[0] for op in updates) == sorted(grads)

@@ -13,6 +13,7 @@ from purine_mpi.graph import Op
 from purine_mpi.kernels import get_kernel_class
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
+from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config
 
 WIDE = dict(hidden=(640,), shape=(1, 32, 32), classes=10)  # fc1: 640 x 1024 floats = 2.5 MiB
@@ -20,7 +21,7 @@ WIDE = dict(hidden=(640,), shape=(1, 32, 32), classes=10)  # fc1: 640 x 1024 flo
 
 def _composed(split=True, solver=None, **kw):
     cfg = mlp_config(batch=4, solver=solver, **dict(WIDE, **kw))
-    graph, grads = build_train_graph(cfg, 0, 2)
+    graph, grads = build_train_graph(make_job(cfg), 0, 2)
     plan = compose_data_parallel(graph, grads, 2, 0, bucket_mb=1, first_bucket_mb=0.25,
                                  split_params=split)
     graph.infer_shapes().validate()

@@ -16,7 +16,8 @@ from purine_mpi.io.checkpoint import load_checkpoint
 from purine_mpi.io.config import resolve_config
 from purine_mpi.trainer import Trainer
 
-from .conftest import PYTHON, REPO, FakeWorld, cli_env, small_net_config, write_config_file
+from .conftest import (PYTHON, REPO, FakeWorld, cli_env, make_job, small_net_config,
+                       write_config_file)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -75,7 +76,7 @@ def torch_forward(p, x):
 
 
 def make_trainer(config, out_dir, dispatcher="serial", **kw):
-    return Trainer(config, str(out_dir), world=FakeWorld(), dispatcher=dispatcher,
+    return Trainer(make_job(config), str(out_dir), world=FakeWorld(), dispatcher=dispatcher,
                    log=lambda msg: None, **kw)
 
 

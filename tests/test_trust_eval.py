@@ -18,7 +18,7 @@ from purine_mpi.graph.core import Op
 from purine_mpi.io.config import resolve_config
 from purine_mpi.ops.data import DataReader
 from purine_mpi.trainer import Trainer
-from tests.conftest import (FakeWorld, run_cli_args, run_mpi_cli, small_net_config,
+from tests.conftest import (FakeWorld, make_job, run_cli_args, run_mpi_cli, small_net_config,
                             write_config_file)
 
 SPLIT = 360  # the digits test split
@@ -90,7 +90,7 @@ def _evaluate(digits_h5, tmp_path, test_batch, test_iter=None):
     trainer) with test batch ``test_batch``."""
     cfg = small_net_config(digits_h5)
     cfg["data"]["test"]["batch_size"] = test_batch
-    t = Trainer(resolve_config(cfg), str(tmp_path / f"r{test_batch}"), world=FakeWorld(),
+    t = Trainer(make_job(cfg), str(tmp_path / f"r{test_batch}"), world=FakeWorld(),
                 log=lambda m: None)
     try:
         return t.evaluate(test_iter)
@@ -119,7 +119,7 @@ def test_explicit_test_iter_counts_each_sample_as_often_as_it_is_read(digits_h5,
     predictions of one exact batch)."""
     cfg = small_net_config(digits_h5)
     cfg["data"]["test"]["batch_size"] = SPLIT
-    t = Trainer(resolve_config(cfg), str(tmp_path / "p"), world=FakeWorld(), log=lambda m: None)
+    t = Trainer(make_job(cfg), str(tmp_path / "p"), world=FakeWorld(), log=lambda m: None)
     try:
         t.evaluate()
         ws = t.test.workspace
@@ -209,7 +209,7 @@ def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
         cfg = small_net_config(digits_h5)
         cfg["net"][4].update(loss_keys)
         cfg["net"].extend(net_extra)
-        return build_test_graph(resolve_config(cfg))
+        return build_test_graph(make_job(cfg))
 
     def ignored(g):
         return {op.op_type: op.attrs.get("ignore_label") for op in g.ops.values()

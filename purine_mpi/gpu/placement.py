@@ -39,7 +39,6 @@ import dataclasses
 import os
 
 from ..errors import ConfigError, UserError
-from ..io.job import job_of
 from ..ops.solver import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
@@ -167,14 +166,13 @@ def local_rank():
 
 
 def select_device(job, rank_on_node=None):
-    """The GPU this rank uses from a job (or a validated config dict), or -1
+    """The GPU this rank uses from a job (io/job.py), or -1
     for the CPU.
 
     ``device: D`` (>= 0) asks for GPUs; a rank uses ``D + its rank on the
     node``, modulo the node's GPU count, so several ranks per node spread
     over the GPUs. ``backend: cupy`` without a device means device 0;
     ``backend: numpy`` with a device is a contradiction."""
-    job = job_of(job)
     path, device, backend = job.path, job.device, job.backend or "auto"
     if backend == "numpy":
         if device >= 0:

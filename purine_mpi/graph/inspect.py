@@ -1,6 +1,5 @@
 """``graph`` command: a rank's slice of the composed graph as text, the
-seed's YAML, or Graphviz DOT. The entry points take a job (io/job.py) or a
-validated config dict.
+seed's YAML, or Graphviz DOT. The entry points take a job (io/job.py).
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -9,7 +8,6 @@ import dataclasses
 
 import yaml
 
-from ..io.job import job_of
 from ..kernels import get_kernel_class
 from . import seed_yaml
 
@@ -18,7 +16,6 @@ def compose_for(job, world_size, rank, phase="train"):
     """The graph ``rank`` of ``world_size`` would run, built without MPI."""
     from ..model import build_test_graph, build_train_graph
     from ..parallel.compose import compose, compose_test, data_window, layout_of
-    job = job_of(job)
     world = _OfflineWorld(rank, world_size)
     par = job.parallel
     lay = layout_of(job, world)  # a world that does not fit the stages: exit 2 here
@@ -121,7 +118,6 @@ def to_dot(graph):
 
 
 def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory=False):
-    job = job_of(job)
     world_size = world_size or 1
     if not 0 <= rank < world_size:
         from ..errors import UserError

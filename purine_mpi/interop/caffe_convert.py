@@ -317,12 +317,12 @@ def check_builds(config, converter):
     different shapes joined by Concat or Eltwise) is reported against the
     prototxt line of the Caffe layer at fault."""
     from ..errors import ConfigError, UserError
-    from ..io.config import resolve_config
+    from ..io.config import resolve_job
     from ..model import forward_graph
     try:
-        resolved = resolve_config(config, None)
-        for phase, spec in resolved["data"].items():
-            forward_graph(resolved, phase, spec)
+        job = resolve_job(config, None)
+        for phase, spec in job.data.items():
+            forward_graph(job, phase, spec)
     except UserError as e:
         layer = None
         if isinstance(e, ConfigError) and str(e.key or "").startswith("net["):

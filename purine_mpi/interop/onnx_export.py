@@ -43,10 +43,10 @@ _DROPPED = ("SoftmaxLoss", "Accuracy")
 
 
 def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
-    """Write the ONNX model of ``job``'s test phase (a Job or a validated
-    config dict) with the params of ``weights_path``; returns a one-line
-    summary. ``raw_input``: the model takes untransformed input and applies
-    the test spec's transform."""
+    """Write the ONNX model of ``job``'s test phase (io/job.py's Job) with
+    the params of ``weights_path``; returns a one-line summary.
+    ``raw_input``: the model takes untransformed input and applies the test
+    spec's transform."""
     try:
         import onnx
     except ImportError:
@@ -55,8 +55,6 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     from ..io.checkpoint import load_params
     from ..model import forward_graph
     from ..model import init_params
-    from ..io.job import job_of
-    job = job_of(job)
     if job.data.test is None:
         raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "

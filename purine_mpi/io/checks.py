@@ -15,20 +15,21 @@ from ..errors import ConfigError, excerpt
 SEED_LIMIT = 2 ** 63  # seeds are stored as 64-bit integers (checkpoints, HDF5)
 
 
-def _stepvalues(key, value, path):
-    if (not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value)
-            or any(b <= a for a, b in zip(value, value[1:]))):
-        raise ConfigError(path, key, f"expected an increasing list of positive integers "
-                                     f"(iterations), got {excerpt(value)}")
-    return [int(v) for v in value]
-
-
 def _described(doc):
     """Attach ``doc`` (the type column of docs/config.md) to a checker."""
     def deco(check):
         check.doc = doc
         return check
     return deco
+
+
+@_described("list of integers")
+def _stepvalues(key, value, path):
+    if (not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value)
+            or any(b <= a for a, b in zip(value, value[1:]))):
+        raise ConfigError(path, key, f"expected an increasing list of positive integers "
+                                     f"(iterations), got {excerpt(value)}")
+    return [int(v) for v in value]
 
 
 def _optional(check):
@@ -154,3 +155,29 @@ def _kind(value):
     if isinstance(value, list):
         return "a list"
     return f"{type(value).__name__} {excerpt(value)}"
+
+
+# ------------------------------------------------------ checks of one key
+@_described("string")
+def _check_name(key, name, path):
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(path, "name", "expected a non-empty name without '/' (it names the "
+                                        f"output directory runs/<name>), got {excerpt(name)}")
+    return name
+
+
+@_described("mapping layer → stage")
+def _check_stages(key, value, path):
+    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
+        raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
+                                     f"{{conv1: 0, fc1: 1}}, got {excerpt(value)}")
+    return value
+
+
+@_described("string or null")
+def _check_folder(key, value, path):
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
+    return value

@@ -9,21 +9,18 @@ what was expected, e.g.::
 
     jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
 
-The schema's tables live in io/schema.py: TOP_DOC (top-level keys), the
-sections' defaults (SOLVER_DEFAULTS, PARALLEL_DEFAULTS, CHECKPOINT_DEFAULTS)
-and KEY_DOCS meanings, DATA_DOC (data specs), and the choices (SOLVER_TYPES,
-LR_POLICIES, PARALLEL_SCHEMES, PARALLEL_MODES, ...) with CHOICE_DOCS; this
-module holds the sections' checker tables (built from io/checks.py) and the
-validation. The layers' keys are declared in purine_mpi/layers.
-docs/config.md is generated from all of these (re-exported here).
+Every key is declared once in io/schema.py (``ConfigKey``: name, checker,
+default, meaning): the top-level keys (TOP), the sections (SOLVER,
+PARALLEL, CHECKPOINT) and the data specs (DATA), with the choices and their
+meanings. This module checks a config against them (and the rules between
+keys); the layers' keys are declared in purine_mpi/layers. docs/config.md
+is generated from the declarations (re-exported here).
 
-To add a key, add its default to the section's defaults table, a checker to
-the section's validator table, a one-line meaning to KEY_DOCS and the
-field to the Job's part in io/job.py (the code reads the field); unknown
-keys are errors (with a "did you mean" suggestion) so that typos never pass
-silently. AFTER CHANGING KEYS RUN ``python -m purine_mpi.docgen --write``
-(tests/test_docs.py fails while docs/config.md is stale or a key has no
-meaning).
+To add a key, add its ``ConfigKey`` to its section's table in
+io/schema.py; unknown keys are errors (with a "did you mean" suggestion) so
+that typos never pass silently. AFTER CHANGING KEYS RUN
+``python -m purine_mpi.docgen --write`` (tests/test_docs.py fails while
+docs/config.md is stale or a key has no meaning).
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
@@ -34,16 +31,16 @@ import os
 import yaml
 
 from ..errors import ConfigError, excerpt
-from .checks import (SEED_LIMIT, _bool, _check_bool, _check_choice, _check_int, _check_keys,
-                     _check_number, _choice, _int, _is_int, _is_number, _kind, _num, _optional,
-                     _stepvalues, check_seed)  # noqa: F401
+from .checks import SEED_LIMIT, _check_int, _check_keys, _kind, check_seed  # noqa: F401
 from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
 from .job import Job, job_of
+from .keys import check_section
 from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # noqa: F401
-from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_DOC, DATA_KEYS,
-                     DATA_SOURCES, KEY_DOCS, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
-                     PARALLEL_SCHEMES, PIPELINE_SCHEDULES, SOLVER_DEFAULTS, SOLVER_TYPES,
-                     SYNTHETIC_NUM_SAMPLES, TOP_DOC, TOP_KEYS)  # noqa: F401
+from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_KEYS,
+                     DATA_SOURCES, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
+                     PARALLEL_SCHEMES, PIPELINE_SCHEDULES, RESOLVED_FIRST, SECTION_KEYS,
+                     SOLVER_DEFAULTS, SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC,
+                     TOP_KEYS)  # noqa: F401
 from ..layers import check_layer
 
 
@@ -56,6 +53,22 @@ def load_config(path, overrides=(), iters=None, check_files=True):
     lists (``net.0.num_output=8``). ``iters`` overrides ``solver.max_iter``.
     ``check_files``: check at load time that HDF5 data files exist.
     """
+    return resolve_config(_read(path), str(path), overrides, iters, check_files)
+
+
+def load_job(path, overrides=(), iters=None, check_files=True):
+    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
+    return resolve_job(_read(path), str(path), overrides, iters, check_files)
+
+
+def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
+    """``resolve_config`` as a ``Job``: the one place a config becomes a job
+    (the CLI, the converters, the tests' ``make_job``)."""
+    return job_of(resolve_config(raw, path, overrides, iters, check_files))
+
+
+def _read(path):
+    """The parsed YAML of the config file at ``path``."""
     path = str(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -75,12 +88,7 @@ def load_config(path, overrides=(), iters=None, check_files=True):
         raise ConfigError(path, None, f"malformed YAML at {where(e)}") from None
     if raw is None:
         raise ConfigError(path, None, "the config file is empty")
-    return resolve_config(raw, path, overrides, iters, check_files)
-
-
-def load_job(path, overrides=(), iters=None, check_files=True):
-    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
-    return job_of(load_config(path, overrides, iters, check_files))
+    return raw
 
 
 def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
@@ -151,53 +159,33 @@ def dump_config(config):
 
 # --------------------------------------------------------------- validation
 def validate_config(config, path="<config>", check_files=True):
-    """Check every section of a parsed config and fill in defaults."""
+    """Check every section of a parsed config and fill in defaults: the
+    declared keys of io/schema.py's TOP in order (``name``, ``seed``
+    first), then the rules between keys."""
     _check_keys("", config, TOP_KEYS, path)
-    out = {}
     from_file = path and not str(path).startswith("<")
     stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
-    out["name"] = _check_name(config.get("name", stem), path)
-    out["seed"] = check_seed("seed", config.get("seed", 0), path)
-    out["data"] = _check_data(config.get("data"), path, check_files)
-    if config.get("net") is None and config.get("graph") is None:
-        raise ConfigError(path, "net", "the config defines no network: give 'net' "
-                                       "(a list of layers) or 'graph' (a list of blobs and ops)")
-    if config.get("net") is not None:
-        out["net"] = _check_net(config["net"], path)
-    if config.get("graph") is not None:
-        out["graph"] = _check_graph(config["graph"], path)
-    out["solver"] = _check_solver(config.get("solver"), path)
-    out["parallel"] = _check_parallel(config.get("parallel"), path)
-    if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
-        raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
-                          f"(parameter servers) supports solver type 'sgd' only, got "
-                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
-    _check_pipeline(out, path)
-    if out["solver"]["clip_gradients"] is not None and (
-            out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
-                                                   and out["parallel"]["ps_ranks"] > 1)):
-        raise ConfigError(path, "solver.clip_gradients", "clipping by the global norm needs "
-                          "every gradient of an iteration in one place: it works with "
-                          "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
-                          f"with mode {excerpt(out['parallel']['mode'])} and "
-                          f"ps_ranks {out['parallel']['ps_ranks']}")
-    out["checkpoint"] = _check_section("checkpoint", config.get("checkpoint"),
-                                       CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS, path)
-    if config.get("backend") is not None:
-        out["backend"] = _check_choice("backend", config["backend"], BACKENDS, path)
-    out["device"] = _check_int("device", config.get("device", -1), path, minimum=-1)
-    out["tf32"] = _check_bool("tf32", config.get("tf32", False), path)
-    out["cuda_graph"] = _check_bool("cuda_graph", config.get("cuda_graph", True), path)
-    out["memory_plan"] = _check_bool("memory_plan", config.get("memory_plan", True), path)
+    keys = {key.name: key for key in TOP}
+    out = {}
+    for name in RESOLVED_FIRST + tuple(k for k in TOP_KEYS if k not in RESOLVED_FIRST):
+        key = keys[name]
+        value = config.get(name, stem if name == "name" else key.default)
+        if name == "net" and value is None and config.get("graph") is None:
+            raise ConfigError(path, "net", "the config defines no network: give 'net' (a "
+                                           "list of layers) or 'graph' (a list of blobs and ops)")
+        if value is None and key.default is None:
+            continue  # net or graph not given, backend auto
+        if name == "data":
+            out[name] = _check_data(value, path, check_files)
+        elif name in _STRUCTURE:
+            out[name] = _STRUCTURE[name](value, path)
+        elif name in SECTION_KEYS:
+            out[name] = check_section(name, value, SECTION_KEYS[name], path)
+            _SECTION_RULES.get(name, lambda *a: None)(out, config.get(name), path)
+        else:
+            out[name] = key.check(name, value, path)
     out["_path"] = path
     return out
-
-
-def _check_name(name, path):
-    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
-        raise ConfigError(path, "name", "expected a non-empty name without '/' (it names the "
-                                        f"output directory runs/<name>), got {excerpt(name)}")
-    return name
 
 
 def _check_net(net, path):
@@ -238,9 +226,10 @@ def _check_graph(graph, path):
     return copy.deepcopy(graph)
 
 
-# ------------------------------------------------------- solver / parallel
-def _check_solver(solver, path):
-    out = _check_section("solver", solver, SOLVER_DEFAULTS, _SOLVER_CHECKS, path)
+# ------------------------------------------------ rules between keys
+def _solver_rules(out, solver, path):
+    """Keys of the solver that need each other."""
+    out = out["solver"]
     policy = out["lr_policy"]
     if policy == "step" and out["stepsize"] is None:
         raise ConfigError(path, "solver.stepsize", "lr_policy 'step' needs a stepsize "
@@ -252,61 +241,23 @@ def _check_solver(solver, path):
     if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
         raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
                           "momentum (as in Caffe); remove the key or set it to 0")
-    return out
 
 
-def _check_parallel(parallel, path):
-    return _check_section("parallel", parallel, PARALLEL_DEFAULTS, _PARALLEL_CHECKS, path)
-
-
-def _check_section(section, value, defaults, checks, path):
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        raise ConfigError(path, section, f"expected a mapping, got {_kind(value)}")
-    _check_keys(section, value, tuple(defaults), path)
-    out = {}
-    for name, default in defaults.items():
-        if name in value:
-            out[name] = checks[name](f"{section}.{name}", value[name], path)
-        else:
-            out[name] = copy.deepcopy(default)
-    return out
-
-
-_stepvalues.doc = "list of integers"
-
-_SOLVER_CHECKS = {
-    "type": _choice(SOLVER_TYPES), "base_lr": _num(0), "momentum": _num(0, below=1),
-    "weight_decay": _num(0), "lr_policy": _choice(LR_POLICIES), "gamma": _num(0, strict=True),
-    "stepsize": _optional(_int(1)), "stepvalues": _stepvalues, "power": _num(0),
-    "max_iter": _int(0), "test_interval": _int(0), "test_iter": _optional(_int(1)),
-    "display": _int(0), "warmup_iters": _int(0), "momentum2": _num(0, below=1),
-    "delta": _num(0, strict=True), "rms_decay": _num(0, below=1),
-    "test_initialization": _bool, "clip_gradients": _optional(_num(0, strict=True)),
-    "early_stop": lambda key, value, path: _check_watch(
-        key, value, path, {"metric": None, "mode": None, "patience": 5, "min_delta": 0.0}),
-}
-_SOLVER_CHECKS["early_stop"].doc = "mapping {metric, patience, min_delta, mode} or null"
-_PARALLEL_CHECKS = {
-    "scheme": _choice(PARALLEL_SCHEMES), "mode": _choice(PARALLEL_MODES),
-    "bucket_mb": _num(0, strict=True), "first_bucket_mb": _num(0, strict=True),
-    "min_buckets": _int(1), "split_params": _bool, "defer_update": _bool,
-    "ps_ranks": _int(1), "max_staleness": _int(0), "stall_timeout": _num(0, strict=True),
-    "check_collectives": _bool,
-    "stages": lambda key, value, path: _check_stages(key, value, path),
-    "micro_batches": _int(1), "schedule": _choice(PIPELINE_SCHEDULES),
-}
-_PARALLEL_CHECKS["stages"].doc = "mapping layer → stage"
-
-
-def _check_stages(key, value, path):
-    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid."""
-    if not isinstance(value, dict) or not all(
-            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
-        raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
-                                     f"{{conv1: 0, fc1: 1}}, got {excerpt(value)}")
-    return value
+def _parallel_rules(out, parallel, path):
+    """The parallel keys against the solver's and the data's."""
+    if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
+        raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
+                          f"(parameter servers) supports solver type 'sgd' only, got "
+                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
+    _check_pipeline(out, path)
+    if out["solver"]["clip_gradients"] is not None and (
+            out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
+                                                   and out["parallel"]["ps_ranks"] > 1)):
+        raise ConfigError(path, "solver.clip_gradients", "clipping by the global norm needs "
+                          "every gradient of an iteration in one place: it works with "
+                          "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
+                          f"with mode {excerpt(out['parallel']['mode'])} and "
+                          f"ps_ranks {out['parallel']['ps_ranks']}")
 
 
 def _check_pipeline(out, path):
@@ -353,48 +304,9 @@ def _check_pipeline(out, path):
                           "use scheme: data")
 
 
-def _check_folder(key, value, path):
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
-    return value
+_STRUCTURE = {"net": _check_net, "graph": _check_graph}
+_SECTION_RULES = {"solver": _solver_rules, "parallel": _parallel_rules}
 
-
-_check_folder.doc = "string or null"
-_CHECKPOINT_CHECKS = {"interval": _int(0), "keep": _int(0), "folder": _check_folder,
-                      "best": lambda key, value, path: _check_watch(
-                          key, value, path, {"metric": None, "mode": None, "keep": 1})}
-_CHECKPOINT_CHECKS["best"].doc = "mapping {metric, mode, keep} or null"
-
-
-def _check_watch(key, value, path, defaults):
-    """A metric watch (checkpoint.best, solver.early_stop): ``metric`` (a
-    test figure: accuracy, loss, ...), ``mode`` max|min (default: min for a
-    loss, else max) and its own counts; null turns it off."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ConfigError(path, key, f"expected a mapping such as {{metric: accuracy}}, got "
-                                     f"{_kind(value)}")
-    _check_keys(key, value, tuple(defaults), path)
-    metric = value.get("metric")
-    if not isinstance(metric, str) or not metric:
-        raise ConfigError(path, f"{key}.metric", "expected the name of a test figure, e.g. "
-                                                 "accuracy or loss")
-    out = dict(defaults, **value)
-    if out["mode"] is not None:
-        out["mode"] = _check_choice(f"{key}.mode", out["mode"], ("max", "min"), path)
-    for name in ("keep", "patience"):
-        if name in defaults:
-            out[name] = _check_int(f"{key}.{name}", out[name], path, minimum=1)
-    if "min_delta" in defaults:
-        out["min_delta"] = _check_number(f"{key}.min_delta", out["min_delta"], path, 0, False,
-                                         None)
-    return out
-
-#: the sections with a defaults table: name -> (defaults, checkers); docs/config.md
-#: lists their keys from here (KEY_DOCS gives the meanings)
-SECTIONS = {"solver": (SOLVER_DEFAULTS, _SOLVER_CHECKS),
-            "parallel": (PARALLEL_DEFAULTS, _PARALLEL_CHECKS),
-            "checkpoint": (CHECKPOINT_DEFAULTS, _CHECKPOINT_CHECKS)}
-
-
+#: the sections with declared keys: name -> ({key: default}, {key: checker})
+SECTIONS = {name: ({key.name: key.default for key in keys}, {key.name: key.check for key in keys})
+            for name, keys in SECTION_KEYS.items()}

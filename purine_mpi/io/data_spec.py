@@ -9,9 +9,8 @@ graph layers below it, and its own.
 import os
 
 from ..errors import ConfigError, excerpt
-from .checks import (_check_bool, _check_choice, _check_int, _check_keys, _check_number, _is_int,
-                     _is_number, _kind, check_seed)
-from .schema import DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
+from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
+from .schema import DATA_CHECKS, DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
 
 
 # ---------------------------------------------------------------- data specs
@@ -43,10 +42,10 @@ def _check_data_spec(phase, spec, path, check_files):
     if "batch_size" not in spec:
         raise ConfigError(path, f"{key}.batch_size", "missing; expected a positive integer "
                                                      "(the per-rank batch size)")
-    out["batch_size"] = _check_int(f"{key}.batch_size", spec["batch_size"], path, minimum=1)
-    out["shuffle"] = _check_bool(f"{key}.shuffle", spec.get("shuffle", phase == "train"), path)
+    out["batch_size"] = _checked(key, "batch_size", spec["batch_size"], path)
+    out["shuffle"] = _checked(key, "shuffle", spec.get("shuffle", phase == "train"), path)
     if spec.get("seed") is not None:
-        out["seed"] = check_seed(f"{key}.seed", spec["seed"], path)
+        out["seed"] = _checked(key, "seed", spec["seed"], path)
     out.update(_check_transform(key, spec, path, check_files))
     if source == "lmdb":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
@@ -70,7 +69,7 @@ def _check_data_spec(phase, spec, path, check_files):
                               "fits in a quarter of the memory), true or false (read each "
                               f"batch from the file), got {excerpt(in_memory)}")
         out["in_memory"] = in_memory
-        out["external"] = _check_bool(f"{key}.external", spec.get("external", False), path)
+        out["external"] = _checked(key, "external", spec.get("external", False), path)
         split = spec.get("split")
         if split is not None and (not isinstance(split, str) or not split):
             raise ConfigError(path, f"{key}.split",
@@ -87,12 +86,16 @@ def _check_data_spec(phase, spec, path, check_files):
         if "classes" not in spec:
             raise ConfigError(path, f"{key}.classes", "missing; synthetic data needs the "
                                                       "number of classes (a positive integer)")
-        out["classes"] = _check_int(f"{key}.classes", spec["classes"], path, minimum=1)
-        out["num_samples"] = _check_int(f"{key}.num_samples",
-                                        spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path,
-                                        minimum=1)
+        out["classes"] = _checked(key, "classes", spec["classes"], path)
+        out["num_samples"] = _checked(key, "num_samples",
+                                      spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path)
         out["split"] = spec.get("split", phase)
     return out
+
+
+def _checked(spec_key, name, value, path):
+    """``value`` of the data spec key ``name`` through its declared checker."""
+    return DATA_CHECKS[name](f"{spec_key}.{name}", value, path)
 
 
 def data_notes(job):
@@ -136,7 +139,7 @@ def _check_transform(key, spec, path, check_files=True):
             except UserError as e:
                 raise ConfigError(path, f"{key}.mean_file", str(e)) from None
     if spec.get("scale") is not None:
-        out["scale"] = float(_check_number(f"{key}.scale", spec["scale"], path, 0, strict=True))
+        out["scale"] = float(_checked(key, "scale", spec["scale"], path))
     mean = spec.get("mean")
     if mean is not None:
         values = mean if isinstance(mean, list) else [mean]
@@ -144,10 +147,9 @@ def _check_transform(key, spec, path, check_files=True):
             raise ConfigError(path, f"{key}.mean", "expected a number or a list of numbers (one "
                                                    f"per channel), got {excerpt(mean)}")
         out["mean"] = [float(v) for v in values] if isinstance(mean, list) else float(mean)
-    if spec.get("mirror") is not None:
-        out["mirror"] = _check_bool(f"{key}.mirror", spec["mirror"], path)
-    if spec.get("crop_size") is not None:
-        out["crop_size"] = _check_int(f"{key}.crop_size", spec["crop_size"], path, minimum=1)
+    for name in ("mirror", "crop_size"):
+        if spec.get(name) is not None:
+            out[name] = _checked(key, name, spec[name], path)
     return out
 
 

@@ -11,22 +11,20 @@ batch, the stage map of a pipeline) are the job's properties and methods.
 ``Job.to_config()`` is the resolved dict again (``config.yaml`` of a run,
 the text ranks compare at start-up).
 
-A new config key: its default in io/schema.py, its checker in io/config.py,
-its meaning in KEY_DOCS, and its field here (tests/test_job.py checks
-that every schema key has one). Imports ``io/schema`` and the standard
-library only.
+Each part's fields are made from its section's declarations in
+io/schema.py (``spec_of``, io/keys.py): a new key needs nothing here.
+Imports ``io/schema``, ``io/keys`` and the standard library only.
 
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
 """
-import copy
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from .schema import (CHECKPOINT_DEFAULTS, PARALLEL_DEFAULTS, SOLVER_DEFAULTS,
-                     SYNTHETIC_NUM_SAMPLES)
+from .keys import BestSpec, EarlyStopSpec, FrozenMap, Typed, spec_of  # noqa: F401
+from .schema import (CHECKPOINT, DATA, PARALLEL, PARALLEL_DEFAULTS, RESOLVED_FIRST, SOLVER,
+                     SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
 
 #: schemes that place layers on ranks by ``parallel.stages``
 STAGED_SCHEMES = ("pipeline", "hybrid")
@@ -35,141 +33,14 @@ STAGED_SCHEMES = ("pipeline", "hybrid")
 SERVER_MODES = ("async", "sync_ps")
 
 
-class FrozenMap(Mapping):
-    """A read-only mapping (a layer entry, ``parallel.stages``): reads like
-    the dict it was made from, refuses assignment, pickles and copies."""
-    __slots__ = ("_data",)
-
-    def __init__(self, data=()):
-        object.__setattr__(self, "_data", dict(data))
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("a FrozenMap is read-only")
-
-    def __repr__(self):
-        return f"FrozenMap({self._data!r})"
-
-    def __reduce__(self):
-        return FrozenMap, (self._data,)
-
-    def to_dict(self):
-        """A deep copy as a plain dict."""
-        return copy.deepcopy(self._data)
-
-
-def _watch_direction(metric, mode):
-    """``max`` or ``min``: the given mode, else min for a loss, max otherwise."""
-    return mode or ("min" if "loss" in str(metric).lower() else "max")
-
-
-@dataclass(frozen=True)
-class EarlyStopSpec:
-    """``solver.early_stop``: stop when ``metric`` stalls for ``patience`` tests."""
-    metric: str
-    mode: Optional[str] = None
-    patience: int = 5
-    min_delta: float = 0.0
-
-    @property
-    def direction(self):
-        return _watch_direction(self.metric, self.mode)
-
-    def to_config(self):
-        return {"metric": self.metric, "mode": self.mode, "patience": self.patience,
-                "min_delta": self.min_delta}
-
-
-@dataclass(frozen=True)
-class BestSpec:
-    """``checkpoint.best``: keep the ``keep`` best checkpoints by ``metric``."""
-    metric: str
-    mode: Optional[str] = None
-    keep: int = 1
-
-    @property
-    def direction(self):
-        return _watch_direction(self.metric, self.mode)
-
-    def to_config(self):
-        return {"metric": self.metric, "mode": self.mode, "keep": self.keep}
-
-
-@dataclass(frozen=True)
+@spec_of(SOLVER)
 class SolverSpec:
-    """The ``solver`` section (keys of io/schema.py's SOLVER_DEFAULTS)."""
-    type: str = SOLVER_DEFAULTS["type"]
-    base_lr: float = SOLVER_DEFAULTS["base_lr"]
-    momentum: float = SOLVER_DEFAULTS["momentum"]
-    weight_decay: float = SOLVER_DEFAULTS["weight_decay"]
-    lr_policy: str = SOLVER_DEFAULTS["lr_policy"]
-    gamma: float = SOLVER_DEFAULTS["gamma"]
-    stepsize: Optional[int] = SOLVER_DEFAULTS["stepsize"]
-    stepvalues: tuple = tuple(SOLVER_DEFAULTS["stepvalues"])
-    power: float = SOLVER_DEFAULTS["power"]
-    max_iter: int = SOLVER_DEFAULTS["max_iter"]
-    test_interval: int = SOLVER_DEFAULTS["test_interval"]
-    test_iter: Optional[int] = SOLVER_DEFAULTS["test_iter"]
-    display: int = SOLVER_DEFAULTS["display"]
-    warmup_iters: int = SOLVER_DEFAULTS["warmup_iters"]
-    momentum2: float = SOLVER_DEFAULTS["momentum2"]
-    delta: float = SOLVER_DEFAULTS["delta"]
-    rms_decay: float = SOLVER_DEFAULTS["rms_decay"]
-    test_initialization: bool = SOLVER_DEFAULTS["test_initialization"]
-    early_stop: Optional[EarlyStopSpec] = None
-    clip_gradients: Optional[float] = SOLVER_DEFAULTS["clip_gradients"]
-
-    @classmethod
-    def from_config(cls, section):
-        values = {**copy.deepcopy(SOLVER_DEFAULTS), **(section or {})}
-        values["stepvalues"] = tuple(values["stepvalues"] or ())
-        early = values["early_stop"]
-        values["early_stop"] = None if early is None else EarlyStopSpec(**early)
-        return cls(**values)
-
-    def to_config(self):
-        out = {k: getattr(self, k) for k in SOLVER_DEFAULTS}
-        out["stepvalues"] = list(self.stepvalues)
-        out["early_stop"] = None if self.early_stop is None else self.early_stop.to_config()
-        return out
+    """The ``solver`` section (io/schema.py's SOLVER)."""
 
 
-@dataclass(frozen=True)
+@spec_of(PARALLEL)
 class ParallelSpec:
-    """The ``parallel`` section (keys of io/schema.py's PARALLEL_DEFAULTS)."""
-    scheme: str = PARALLEL_DEFAULTS["scheme"]
-    mode: str = PARALLEL_DEFAULTS["mode"]
-    bucket_mb: float = PARALLEL_DEFAULTS["bucket_mb"]
-    first_bucket_mb: float = PARALLEL_DEFAULTS["first_bucket_mb"]
-    min_buckets: int = PARALLEL_DEFAULTS["min_buckets"]
-    split_params: bool = PARALLEL_DEFAULTS["split_params"]
-    defer_update: bool = PARALLEL_DEFAULTS["defer_update"]
-    ps_ranks: int = PARALLEL_DEFAULTS["ps_ranks"]
-    max_staleness: int = PARALLEL_DEFAULTS["max_staleness"]
-    stall_timeout: float = PARALLEL_DEFAULTS["stall_timeout"]
-    check_collectives: bool = PARALLEL_DEFAULTS["check_collectives"]
-    stages: FrozenMap = dataclasses.field(default_factory=FrozenMap)
-    micro_batches: int = PARALLEL_DEFAULTS["micro_batches"]
-    schedule: str = PARALLEL_DEFAULTS["schedule"]
-
-    @classmethod
-    def from_config(cls, section):
-        values = {**copy.deepcopy(PARALLEL_DEFAULTS), **(section or {})}
-        values["stages"] = FrozenMap({k: int(v) for k, v in (values["stages"] or {}).items()})
-        return cls(**values)
-
-    def to_config(self):
-        out = {k: getattr(self, k) for k in PARALLEL_DEFAULTS}
-        out["stages"] = dict(self.stages)
-        return out
+    """The ``parallel`` section (io/schema.py's PARALLEL)."""
 
     @property
     def staged(self):
@@ -203,55 +74,22 @@ class ParallelSpec:
         return {k for k, v in self.to_config().items() if v != PARALLEL_DEFAULTS[k]}
 
 
-@dataclass(frozen=True)
+@spec_of(CHECKPOINT)
 class CheckpointSpec:
-    """The ``checkpoint`` section."""
-    interval: int = CHECKPOINT_DEFAULTS["interval"]
-    keep: int = CHECKPOINT_DEFAULTS["keep"]
-    best: Optional[BestSpec] = None
-    folder: Optional[str] = CHECKPOINT_DEFAULTS["folder"]
-
-    @classmethod
-    def from_config(cls, section):
-        values = {**copy.deepcopy(CHECKPOINT_DEFAULTS), **(section or {})}
-        values["best"] = None if values["best"] is None else BestSpec(**values["best"])
-        return cls(**values)
-
-    def to_config(self):
-        return {"interval": self.interval, "keep": self.keep,
-                "best": None if self.best is None else self.best.to_config(),
-                "folder": self.folder}
+    """The ``checkpoint`` section (io/schema.py's CHECKPOINT)."""
 
 
-#: the keys of a data spec in the order of the validated dict; the
-#: source's own keys follow the transform keys
+#: the keys of a validated data spec before the source's own (SOURCE_KEYS),
+#: in the order io/data_spec.py writes them
 _DATA_HEAD = ("source", "batch_size", "shuffle", "seed", "mean_file", "scale", "mean", "mirror",
               "crop_size")
-_DATA_TAIL = {"hdf5": ("path", "in_memory", "external", "split"), "lmdb": ("path",),
-              "synthetic": ("shape", "classes", "num_samples", "split")}
 
 
-@dataclass(frozen=True)
+@spec_of(DATA)
 class DataSpec:
-    """One data split (``data.train`` or ``data.test``; io/schema.py's DATA_KEYS).
+    """One data split (``data.train`` or ``data.test``; io/schema.py's DATA).
     Keys a validated spec leaves out (a synthetic source's path, a transform
     not asked for, the seed when the config's seed applies) are None."""
-    source: str
-    batch_size: int
-    shuffle: bool
-    path: Optional[str] = None
-    split: Optional[str] = None
-    in_memory: object = None
-    external: Optional[bool] = None
-    shape: Optional[tuple] = None
-    classes: Optional[int] = None
-    num_samples: Optional[int] = None
-    seed: Optional[int] = None
-    scale: Optional[float] = None
-    mean_file: Optional[str] = None
-    mean: object = None
-    mirror: Optional[bool] = None
-    crop_size: Optional[int] = None
 
     @classmethod
     def from_config(cls, phase, spec):
@@ -274,10 +112,11 @@ class DataSpec:
 
     def to_config(self):
         """The validated spec's dict (same keys, same order)."""
+        own = SOURCE_KEYS.get(self.source, ())
         out = {}
-        for key in _DATA_HEAD + _DATA_TAIL.get(self.source, ()):
+        for key in _DATA_HEAD + own:
             value = getattr(self, key)
-            if value is None and not (key == "split" or key in _DATA_TAIL.get(self.source, ())):
+            if value is None and key not in own:
                 continue
             out[key] = list(value) if isinstance(value, tuple) else value
         return out
@@ -321,62 +160,36 @@ class DataSpecs:
         return {phase: spec.to_config() for phase, spec in self.items()}
 
 
-def _frozen_entries(entries):
-    return None if entries is None else tuple(FrozenMap(copy.deepcopy(e)) for e in entries)
+#: the Job's part of each section (the rest of TOP are plain values)
+_PARTS = {"data": DataSpecs, "solver": SolverSpec, "parallel": ParallelSpec,
+          "checkpoint": CheckpointSpec}
+_JOB_KEYS = tuple(key._replace(typed=Typed(_PARTS[key.name].from_config,
+                                           _PARTS[key.name].to_config))
+                  if key.name in _PARTS else key for key in TOP)
 
 
-#: top-level keys in the order of the validated dict
-_TOP_ORDER = ("name", "seed", "data", "net", "graph", "solver", "parallel", "checkpoint",
-              "backend", "device", "tf32", "cuda_graph", "memory_plan")
-
-
-@dataclass(frozen=True)
+@spec_of(_JOB_KEYS)
 class Job:
-    """A training job, resolved once from its config (``job_of``)."""
-    name: str = "net"
+    """A training job, resolved once from its config (``job_of``): one field
+    per top-level key of io/schema.py's TOP, and ``path`` (the config file)."""
     path: Optional[str] = None
-    seed: int = 0
-    net: Optional[tuple] = None
-    graph: Optional[tuple] = None
-    solver: SolverSpec = dataclasses.field(default_factory=SolverSpec)
-    parallel: ParallelSpec = dataclasses.field(default_factory=ParallelSpec)
-    checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
-    data: DataSpecs = dataclasses.field(default_factory=DataSpecs)
-    backend: Optional[str] = None
-    device: int = -1
-    tf32: bool = False
-    cuda_graph: bool = True
-    memory_plan: bool = True
 
     @classmethod
     def from_config(cls, config):
         """A job from a validated config dict (a missing section takes the
         schema's defaults)."""
-        return cls(name=config.get("name", "net"), path=config.get("_path"),
-                   seed=int(config.get("seed", 0)),
-                   net=_frozen_entries(config.get("net")),
-                   graph=_frozen_entries(config.get("graph")),
-                   solver=SolverSpec.from_config(config.get("solver")),
-                   parallel=ParallelSpec.from_config(config.get("parallel")),
-                   checkpoint=CheckpointSpec.from_config(config.get("checkpoint")),
-                   data=DataSpecs.from_config(config.get("data")),
-                   backend=config.get("backend"), device=int(config.get("device", -1)),
-                   tf32=bool(config.get("tf32", False)),
-                   cuda_graph=bool(config.get("cuda_graph", True)),
-                   memory_plan=bool(config.get("memory_plan", True)))
+        return cls(path=config.get("_path"), **{
+            key.name: key.job_value(config.get(key.name, key.default)) for key in cls.KEYS})
 
     def to_config(self):
         """The resolved config dict (as ``load_config`` returns it)."""
+        first = [key for key in self.KEYS if key.name in RESOLVED_FIRST]
         out = {}
-        for key in _TOP_ORDER:
-            value = getattr(self, key)
-            if key in ("net", "graph", "backend") and value is None:
-                continue
-            if key in ("net", "graph"):
-                value = [entry.to_dict() for entry in value]
-            elif hasattr(value, "to_config"):
-                value = value.to_config()
-            out[key] = value
+        for key in first + [key for key in self.KEYS if key not in first]:
+            value = getattr(self, key.name)
+            if value is None and key.default is None:
+                continue  # net, graph, backend: absent
+            out[key.name] = key.config_value(value)
         out["_path"] = self.path
         return out
 
@@ -417,11 +230,6 @@ class Job:
     def with_training(self, **solver):
         """The job with some solver keys changed (``max_iter`` of bench, ...)."""
         return dataclasses.replace(self, solver=dataclasses.replace(self.solver, **solver))
-
-
-def data_spec_of(phase, spec):
-    """A ``DataSpec`` from a validated spec dict; a ``DataSpec`` unchanged."""
-    return spec if isinstance(spec, DataSpec) else DataSpec.from_config(phase, spec)
 
 
 def job_of(config):

@@ -14,7 +14,7 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
     compose_stages(graph, job, world)          # a staged scheme's slice (train or test)
     plan_memory(graph, job, world)             # micro-batch copies share buffers (last)
 
-``job`` is io/job.py's ``Job`` (a validated config dict is turned into one).
+``job`` is io/job.py's ``Job``.
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and
@@ -33,7 +33,7 @@ ops, graph and job layers below it, and its own.
 import dataclasses
 
 from ..errors import UserError
-from ..io.job import STAGED_SCHEMES as STAGED, job_of
+from ..io.job import STAGED_SCHEMES as STAGED
 from .micro_batch import add_schedule, replicate_micro_batches
 
 class Scheme:
@@ -116,13 +116,12 @@ def _count(n, one, many=None):
 
 
 def stage_count(job):
-    return job_of(job).parallel.stage_count
+    return job.parallel.stage_count
 
 
 def layout_of(job, world):
     """This rank's Layout; a UserError (exit 2) naming ``parallel.stages``
     when the world does not fit the stages."""
-    job = job_of(job)
     par = job.parallel
     scheme = par.scheme
     micro = par.micro_batches
@@ -161,7 +160,6 @@ def defer_update_applies(job, replicas, staged):
     in the config, several replicas reducing gradients, no stages, on the CPU
     (the GPU dispatchers end every iteration with every op done). The
     trainer's scheme may still decline (``Scheme.defers_update``)."""
-    job = job_of(job)
     return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0
 
 
@@ -179,7 +177,6 @@ def compose(graph, grads, job, world):
     hybrid (pipelines side by side, each stage's buckets allreduced across
     the replicas); then ``solver.clip_gradients`` (graph/clip.py) on the
     reduced gradients."""
-    job = job_of(job)
     local = _compose(graph, grads, job, world)
     clip = job.solver.clip_gradients
     if clip is None:
@@ -226,7 +223,6 @@ def plan_memory(graph, job, world):
     ``1f1b`` stage s of p keeps min(p - s, M) copies' activations, under
     ``gpipe`` all M. Returns the plan, or None without micro-batches."""
     from .micro_memory import plan_for_layout
-    job = job_of(job)
     return plan_for_layout(graph, layout_of(job, world), job.parallel.schedule)
 
 
@@ -238,7 +234,6 @@ def compose_stages(graph, job, world, copies=None):
     Send/Recv go to the ranks of this rank's replica (``Layout``)."""
     from .model_parallel import compose_partitioned, layer_of, place_layers
     from .data_parallel import place_on_rank
-    job = job_of(job)
     lay = layout_of(job, world)
     stages = job.stage_map
     unknown = sorted(set(stages) - set(job.layer_names))
@@ -305,7 +300,6 @@ def _allreduce_stage(local, grads, par, world, lay):
 def compose_test(graph, job, world):
     """The test graph of this rank: a staged scheme's slice, else as built
     (each replica reads its own shard)."""
-    job = job_of(job)
     if graph is not None and layout_of(job, world).staged:
         return compose_stages(graph, job, world)
     return graph
@@ -322,7 +316,6 @@ def settings_without_effect(job, world_size):
     scheme on one rank, bucket keys where nothing is allreduced, keys of
     another mode or scheme, ``mode: async`` with ``max_staleness: 0``. A key
     counts as set when it differs from its default (docs/config.md)."""
-    job = job_of(job)
     par = job.parallel
     scheme, mode = par.scheme, par.mode
     ps = par.servers  # the config allows these with scheme data only

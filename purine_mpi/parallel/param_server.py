@@ -64,7 +64,6 @@ from ..errors import UserError
 from ..graph.core import Graph
 from ..graph.solver import momentum_name
 from ..io.run_checkpoints import find_resumable
-from ..io.job import job_of
 from ..runtime.stop import StopSignal
 from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer
 from .compose import Scheme
@@ -136,7 +135,7 @@ def compose_param_server(graph, grads, job, world=None):
     ``graph`` is the single-replica graph built for (worker index, number of
     workers); ``world`` is the global World (default: get_world())."""
     world = _global_world(world)
-    layout = ps_layout(world.size, job_of(job).parallel.ps_ranks)
+    layout = ps_layout(world.size, job.parallel.ps_ranks)
     if world.rank not in layout["workers"]:
         raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
                         "not a training graph")
@@ -154,7 +153,6 @@ def synchronous_if_no_staleness(job):
     at a time would still take W momentum steps per round, which is not
     synchronous SGD; the server instead sums the round and makes one update
     -- the synchronous protocol (mode sync_ps). Returns the job to run."""
-    job = job_of(job)
     par = job.parallel
     if par.mode == "async" and par.max_staleness == 0:
         job = dataclasses.replace(job, parallel=dataclasses.replace(par, mode="sync_ps"))
@@ -293,7 +291,6 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     from ..layers.fillers import fill
     from ..model import build_train_graph
     world = _global_world(world)
-    job = job_of(job)
     par = job.parallel
     layout = ps_layout(world.size, par.ps_ranks)
     nw = len(layout["workers"])
@@ -408,7 +405,7 @@ class WorkerScheme(Scheme):
 
     def __init__(self, job, world):
         self.world = world
-        self.job = job = job_of(job)
+        self.job = job
         self.layout = ps_layout(world.size, job.parallel.ps_ranks)
         self.mode = job.parallel.mode
         self.max_iter = job.solver.max_iter

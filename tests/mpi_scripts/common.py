@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import purine_mpi.comm.ops  # noqa: E402,F401  (registers Allreduce/Send/Recv)
 from purine_mpi.comm.world import get_world, install_abort_handler  # noqa: E402
-from purine_mpi.io.config import resolve_config  # noqa: E402
+from purine_mpi.io.config import resolve_job  # noqa: E402
 from purine_mpi.layers.fillers import fill  # noqa: E402
 from purine_mpi.runtime.factory import make_dispatcher  # noqa: E402
 
@@ -30,7 +30,7 @@ def ok(name):
 
 def mlp_config(batch=4, hidden=(6, 5), classes=3, shape=(1, 2, 4), solver=None, parallel=None,
                seed=3):
-    """A small MLP on synthetic data (fc/relu layers, softmax loss)."""
+    """The job of a small MLP on synthetic data (fc/relu layers, softmax loss)."""
     net, bottom = [], "data"
     for i, h in enumerate(hidden):
         net.append({"type": "fc", "name": f"fc{i + 1}", "bottom": bottom, "top": f"fc{i + 1}",
@@ -50,7 +50,7 @@ def mlp_config(batch=4, hidden=(6, 5), classes=3, shape=(1, 2, 4), solver=None, 
                            "lr_policy": "step", "gamma": 0.5, "stepsize": 2, "max_iter": 4,
                            "test_interval": 0, "display": 0}, **(solver or {})),
            "parallel": dict({"scheme": "data", "mode": "sync"}, **(parallel or {}))}
-    return resolve_config(raw, "<test>", check_files=False)
+    return resolve_job(raw, "<test>", check_files=False)
 
 
 def init_params(graph, workspace, seed):

@@ -19,10 +19,10 @@ import numpy as np
 
 from common import ok, world
 
-from purine_mpi.io.config import resolve_config
 from purine_mpi.parallel.compose import Scheme
 from purine_mpi.parallel.micro_memory import activation_bytes
 from purine_mpi.trainer import Trainer
+from tests.conftest import make_job
 from tests.test_micro_batches import STAGES, _config
 
 
@@ -47,7 +47,7 @@ raw["memory_plan"] = False
 
 
 def train(plan):
-    t = Trainer(resolve_config(raw), "/nonexistent-unused", world=w, log=lambda m: None,
+    t = Trainer(make_job(raw), "/nonexistent-unused", world=w, log=lambda m: None,
                 scheme=None if plan else Unshared())
     try:
         seen = []
