@@ -23,7 +23,7 @@ import pytest
 from purine_mpi.graph.core import Op
 from purine_mpi.kernels import get_kernel_class
 
-from .conftest import REPO, cli_env, run_cli_args
+from .conftest import REPO, cli_env, make_job, run_cli_args
 from .lmdb_fixtures import write_lmdb, write_mean
 from .opcheck import numeric_grad, run_op
 from .test_caffe_convert import fixture
@@ -154,9 +154,10 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
                         "local_size": 3, "alpha": 5e-05, "beta": 0.75,
                         "norm_region": "within_channel"})
     config["net"] = net
+    job = make_job(config)
 
     def dispatcher(cuda_graph):
-        graph, _ = build_train_graph(config)
+        graph, _ = build_train_graph(job)
         assert graph.ops["norm1.fwd"].attrs["norm_region"] == "within_channel"
         prepare_for_device(graph, 0)
         losses = list(loss_blobs(graph))
