@@ -31,14 +31,13 @@ Which dispatcher runs a graph is decided in ``runtime/factory.py``
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
-import heapq
 import threading
 import time
-from collections import defaultdict
 
 from ..comm.world import WAIT_HOOKS
 from ..errors import StallError
 from .comm_progress import CommPoster
+from .scheduler import Schedule, feeds_comm, ready_priority
 from .serial import Profiler, SerialDispatcher, _Base, _stall_message  # noqa: F401
 from .tail import deferred_tail
 
@@ -58,16 +57,13 @@ class EventDispatcher(_Base):
     def __init__(self, graph, defer_tail=False, **kw):
         super().__init__(graph, **kw)
         self._defer_tail = defer_tail
-        self._tail, self._cross = frozenset(), {}  # set by _build_schedule
         self._error = self._raised = None  # the first op error; the one run() raised
-        self._carry = set()     # the last iteration's tail ops still to finish
-        self._left_prev = {}    # their predecessor counts
-        self._tail_todo = set()  # this iteration's tail ops not finished yet
-        self._gen_iteration = self._carry_iteration = self.iteration
-        self._left = {}
+        #: the scheduling core (runtime/scheduler.Schedule): ready counts,
+        #: ready queues, the deferred tail; set by _build_schedule
+        self.schedule = None
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._ready, self._worker_cv, self._workers = {}, {}, []
+        self._worker_cv, self._workers = {}, []
         self._stop = False
         self._busy = 0  # workers running an op
         self._comm_order = [op.name for op in self._comm_in_posting_order()]
@@ -77,7 +73,7 @@ class EventDispatcher(_Base):
             # point-to-point ops match by tag: posted as soon as ready
             unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
         self._build_schedule()
-        if self._tail:
+        if self.schedule.tail:
             WAIT_HOOKS.append(self._between_runs)
 
     def _between_runs(self):
@@ -85,7 +81,7 @@ class EventDispatcher(_Base):
         test this dispatcher's tail transfers still in flight (their updates
         then run on the workers); an error waits for the next run or drain.
         Returns whether transfers are still in flight."""
-        if self._error is None and self._tail_todo and self._comm.pending:
+        if self._error is None and self.schedule.tail_todo and self._comm.pending:
             try:
                 self._comm.progress(self._ops)
             except BaseException as exc:
@@ -102,38 +98,23 @@ class EventDispatcher(_Base):
         return list(self.order), self.graph.dependencies()
 
     def _build_schedule(self):
-        """(Re)build the scheduling tables from ``_schedule()``; between
+        """(Re)build the scheduling core from ``_schedule()``; between
         iterations only. Starts a worker for each new thread."""
         nodes, deps = self._schedule()
+        tail, cross = frozenset(), {}
         if self._defer_tail:  # ops, not units: only the event dispatcher defers
-            self._tail, self._cross = deferred_tail(self.graph, self.kernels, deps)
+            tail, cross = deferred_tail(self.graph, self.kernels, deps)
+        names = [n.name for n in nodes]
+        comm = set(self._comm_order)
         self._ops = {n.name: n for n in nodes}
         self._deps = deps
-        self._ndeps = {n: len(d) for n, d in deps.items()}
-        succ = defaultdict(list)
-        for n, d in deps.items():
-            for p in d:
-                succ[p].append(n)
-        self._succ = {n: tuple(succ[n]) for n in self._ops}
-        self._sources = [n.name for n in nodes if self._ndeps[n.name] == 0]
-        self._head_total = sum(1 for n in self._ops if n not in self._tail)
-        comm = set(self._comm_order)
-        self._is_comm = {n: n in comm for n in self._ops}
-        # Ready ops wait in one heap per thread. Ops whose outputs feed a
-        # communication op come first (a layer's weight gradient before its
-        # data gradient), so a bucket's allreduce is posted as early as
-        # possible; then topological position, so backward proceeds layer by
-        # layer and the buckets fill in order.
-        consumers = self.graph.consumers()
-        feeds_comm = {n.name for n in nodes for b in n.outputs
-                      if any(c.name in comm for c in consumers.get(b, ()))}
-        self._priority = {n.name: (n.name not in feeds_comm, i) for i, n in enumerate(nodes)}
-        self._thread_of = {n.name: str(n.thread) for n in nodes}
-        threads = sorted({self._thread_of[n] for n in self._ops if not self._is_comm[n]})
-        for t in threads:
-            if t in self._ready:
+        self.schedule = Schedule(
+            names, deps, {n.name: str(n.thread) for n in nodes},
+            ready_priority(names, feeds_comm(self.graph, nodes, comm)), comm, tail, cross)
+        self._is_comm = self.schedule.is_comm
+        for t in self.schedule.ready:
+            if t in self._worker_cv:
                 continue
-            self._ready[t] = []
             self._worker_cv[t] = threading.Condition(self._lock)
             w = threading.Thread(target=self._worker, args=(t,), daemon=True,
                                  name=f"purine-worker-{t}")
@@ -142,14 +123,14 @@ class EventDispatcher(_Base):
 
     # ------------------------------------------------------------- workers
     def _worker(self, tid):
-        heap, cv = self._ready[tid], self._worker_cv[tid]
+        cv = self._worker_cv[tid]
         while True:
             with cv:
-                while not heap and not self._stop:
+                while not self.schedule.ready[tid] and not self._stop:
                     cv.wait()
                 if self._stop:
                     return
-                name = heapq.heappop(heap)[1]
+                name = self.schedule.pop(tid)
                 self._busy += 1
             while name is not None:
                 op = self._ops[name]
@@ -166,9 +147,9 @@ class EventDispatcher(_Base):
                     break
                 if name is None:
                     with self._lock:
-                        if self._ready[tid] and self._error is None:
-                            name = heapq.heappop(self._ready[tid])[1]
-                        else:
+                        if self._error is None:
+                            name = self.schedule.pop(tid)
+                        if name is None:
                             self._busy -= 1
                             if self._busy == 0:
                                 self._cv.notify()  # the progress thread may poll now
@@ -179,45 +160,24 @@ class EventDispatcher(_Base):
             self._comm.mark_ready(name)
             self._cv.notify()
             return
-        t = self._thread_of[name]
-        heapq.heappush(self._ready[t], (self._priority[name], name))
-        self._worker_cv[t].notify()
+        self._worker_cv[self.schedule.push(name)].notify()
 
     def _complete(self, name, tid=None):
         """Mark ``name`` done and queue its ready successors; on a worker,
         also take that thread's next op in the same critical section."""
         with self._lock:
             self._last_progress = time.monotonic()
-            if name in self._carry:  # the last iteration's deferred tail
-                self._carry.discard(name)
-                self._release(self._left_prev, self._succ[name])
-                self._release(self._left, self._cross[name])  # this iteration's, waiting
-                if not self._carry:
-                    self._cv.notify()
-            else:
-                if name in self._tail:
-                    self._tail_todo.discard(name)
-                    if not self._tail_todo:
-                        self._cv.notify()  # drain() waits for it
-                else:
-                    self._head_left -= 1
-                    if self._head_left == 0:
-                        self._cv.notify()
-                self._release(self._left, self._succ[name])
-            if tid is not None and self._ready[tid] and self._error is None:
-                return heapq.heappop(self._ready[tid])[1]
+            ready, milestone = self.schedule.complete(name)
+            for s in ready:
+                self._push_ready(s)
+            if milestone:
+                self._cv.notify()  # run() or drain() may wait for it
+            if tid is not None and self._error is None:
+                return self.schedule.pop(tid)
         return None
 
-    def _release(self, left, names):
-        """(lock held) One predecessor of each of ``names`` is done (counts in
-        ``left``); queue those with none left."""
-        for s in names:
-            left[s] -= 1
-            if left[s] == 0:
-                self._push_ready(s)
-
     def _label(self, name):
-        return self._carry_iteration if name in self._carry else self._gen_iteration
+        return self.schedule.label(name)
 
     # ------------------------------------------------------------ comm ops
     #: CommPoster's device hook: None, or name -> whether the device work
@@ -271,36 +231,22 @@ class EventDispatcher(_Base):
         with self._lock:
             # what is left of the last iteration's tail runs on; this
             # iteration's ops that touch what it touches wait for it
-            self._carry = carry = set(self._tail_todo)
-            self._left_prev = {n: self._left[n] for n in carry}
-            self._carry_iteration, self._gen_iteration = self._gen_iteration, self.iteration
-            left = dict(self._ndeps)
-            for t in carry:
-                for s in self._cross[t]:
-                    left[s] += 1
-            self._left = left
-            self._head_left = self._head_total
-            self._tail_todo = set(self._tail)
             self._last_progress = time.monotonic()
-            for n in self._sources:
-                if left[n] == 0:
-                    self._push_ready(n)
+            for n in self.schedule.start(self.iteration):
+                self._push_ready(n)
         self._progress_until(self._run_done)
         self.iteration += 1
 
     def _run_done(self):
         """(lock held) This iteration's non-tail ops are done, the last one's
         tail too, and every collective of this one is posted."""
-        return self._head_left == 0 and not self._carry and self._comm.all_posted()
-
-    def _tail_done(self):
-        return not self._tail_todo
+        return self.schedule.head_done() and self._comm.all_posted()
 
     def drain(self):
         """Wait until the deferred tail of the last ``run`` has finished:
         then every blob holds its value of that iteration."""
-        if self._tail_todo:
-            self._progress_until(self._tail_done)
+        if self.schedule.tail_todo:
+            self._progress_until(self.schedule.tail_done)
         self._raise_unreported()
 
     def _raise_unreported(self):
@@ -343,7 +289,7 @@ class EventDispatcher(_Base):
                                                     self.stall_timeout, comm.held()))
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
-                                 ", ".join(self._waiting_ops()[:10]))
+                                 ", ".join(self.schedule.waiting()[:10]))
 
     def _fallback_wait(self):
         """How long the progress thread may sleep (lock held): until the
@@ -355,9 +301,6 @@ class EventDispatcher(_Base):
     def _fallback_due(self):
         return self.busy_poll > 0 and self._comm.has_work() and \
             time.perf_counter() - self._comm.last_test >= self.busy_poll
-
-    def _waiting_ops(self):
-        return [n for n, k in list(self._left.items()) + list(self._left_prev.items()) if k > 0]
 
     def close(self):
         if self._between_runs in WAIT_HOOKS:
