@@ -20,7 +20,7 @@ from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.factory import make_dispatcher
-from purine_mpi.runtime.staging import COPY_OUT_STREAM
+from purine_mpi.runtime.streams_dispatcher import COPY_OUT_STREAM
 from purine_mpi.runtime.streams_dispatcher import COMM_STREAM
 from tests import test_gpu_backend as backend_tests
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
@@ -61,7 +61,7 @@ class _OtherRank:
         k = d.kernels[name]
         (stage,) = k.stages
         staged = not isinstance(recvbuf, DeviceArray)
-        event = d._staged_out.get(name)
+        event = d.executor.staged_out.get(name)
         producers = {p.name for b in d.graph.ops[name].inputs
                      for p in d.graph.producers()[b]}
         last = d.comm_order()[-1]
@@ -139,7 +139,7 @@ def test_staging_is_asynchronous_event_ordered_and_bitwise_like_cuda_aware_mpi(
     # the staging copies waited on the device for the buckets' writers
     copy_key = (0, COPY_OUT_STREAM)
     assert any(c[0] == "wait" and c[1] == copy_key for c in rt.calls)
-    assert not any(c[0] == "sync_event" and any(c[1] is e for e in d._copied_back.values())
+    assert not any(c[0] == "sync_event" and any(c[1] is e for e in d.executor.copied_back.values())
                    for c in rt.calls)
     # the same weights, bit for bit, as MPI reading device memory directly
     for name, w in want[3].items():
@@ -178,7 +178,7 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     the copy to the host mirror (on the ``stage_d2h`` row) and one for the
     copy back (on the ``comm`` row); they are what bench's
     ``staging_ms_per_iter`` adds up."""
-    from purine_mpi.runtime.dispatcher import Profiler
+    from purine_mpi.runtime.trace import Profiler
     from purine_mpi.runtime.streams_dispatcher import stream_thread_name
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "0")
     comm_device.cuda_aware.cache_clear()

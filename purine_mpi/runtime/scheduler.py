@@ -25,7 +25,7 @@ lock; the simulator is single-threaded).
 What runs a ready unit is the executor's (docs/DESIGN.md, "The scheduler
 and its executors"): the dispatchers' worker threads, CUDA streams and
 captured segments (``runtime/dispatcher.py``, ``streams_dispatcher.py``,
-``cuda_graph.py``), the serial twin's calling thread (``runtime/serial.py``)
+``cuda_graph.py``), the serial twin's calling thread (``runtime/executors.py``)
 and the scaling predictor's virtual clock (``scaling/simulate.py``).
 
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
