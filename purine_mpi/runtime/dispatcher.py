@@ -160,6 +160,10 @@ class Dispatcher:
             names, deps, {n.name: ex.lane(n) for n in nodes},
             ex.priority(names, feeds_comm(self.graph, nodes, comm)), comm, tail, cross)
         self._is_comm = self.schedule.is_comm
+        #: without worker threads: the compute units in the order they run
+        self._inline_order = [] if ex.threaded else sorted(
+            (n for n in names if not self._is_comm[n]), key=self.schedule.priority.__getitem__)
+        self._inline_next = 0
         for t in self.schedule.ready:
             if t in self._worker_cv:
                 continue
@@ -186,30 +190,26 @@ class Dispatcher:
                     return
                 name = self.schedule.pop(tid)
                 self._busy += 1
-            try:
-                self._run_from(name, tid)
-            except BaseException as exc:  # surfaced by run() on the caller
-                with self._lock:
-                    self._error = exc
-                    self._busy -= 1
-                    self._cv.notify()
-
-    def _run_from(self, name, tid):
-        """Run ``name`` and then, while there are, the lane's next ready
-        units (a worker: until its lane is empty; then it is idle)."""
-        while name is not None:
-            self.executor.execute(self._ops[name], tid)
-            name = self._complete(name, tid)
-            # post what this op made ready, test what is in flight
-            self._comm.progress(self._ops)
-            if name is None:
-                with self._lock:
-                    if self._error is None:
-                        name = self.schedule.pop(tid)
-                    if name is None and self.executor.threaded:
+            while name is not None:
+                try:
+                    self.executor.execute(self._ops[name], tid)
+                    name = self._complete(name, tid)
+                    # post what this op made ready, test what is in flight
+                    self._comm.progress(self._ops)
+                except BaseException as exc:  # surfaced by run() on the caller
+                    with self._lock:
+                        self._error = exc
                         self._busy -= 1
-                        if self._busy == 0:
-                            self._cv.notify()  # the progress thread may poll now
+                        self._cv.notify()
+                    break
+                if name is None:
+                    with self._lock:
+                        if self._error is None:
+                            name = self.schedule.pop(tid)
+                        if name is None:
+                            self._busy -= 1
+                            if self._busy == 0:
+                                self._cv.notify()  # the progress thread may poll now
 
     def _push_ready(self, name):
         """Queue a ready unit (lock held)."""
@@ -292,6 +292,7 @@ class Dispatcher:
         for b in self.accumulated:  # a tail op never touches an accumulated blob
             self.workspace[b].fill(0)
         self.executor.zeroed()
+        self._inline_next = 0
         with self._lock:
             # what is left of the last iteration's tail runs on; this
             # iteration's ops that touch what it touches wait for it
@@ -327,17 +328,29 @@ class Dispatcher:
             raise self._error
 
     def _run_inline(self):
-        """Without worker threads: run the ready units on this thread."""
-        with self._lock:
-            name = self.schedule.pop(INLINE_LANE) if self._error is None else None
-        if name is None:
-            return False
-        try:
-            self._run_from(name, INLINE_LANE)
-        except BaseException:
-            self.schedule.ready[INLINE_LANE].clear()  # the iteration is over
-            raise
-        return True
+        """Without worker threads: run on this thread the compute units, in
+        the executor's fixed order (its ``priority``), while the next one is
+        ready (one waiting for a transfer waits; nothing overtakes it).
+        Returns whether it ran any."""
+        heap, ran = self.schedule.ready[INLINE_LANE], False
+        while self._inline_due():
+            name = self.schedule.pop(INLINE_LANE)
+            self._inline_next += 1
+            try:
+                self.executor.execute(self._ops[name], INLINE_LANE)
+                self._complete(name)
+                self._comm.progress(self._ops)  # post what it made ready
+            except BaseException:
+                heap.clear()  # the iteration is over
+                raise
+            ran = True
+        return ran
+
+    def _inline_due(self):
+        """The next unit of the fixed order is ready."""
+        heap, order = self.schedule.ready.get(INLINE_LANE), self._inline_order
+        return bool(heap) and self._inline_next < len(order) and \
+            heap[0][-1] == order[self._inline_next]
 
     def _progress_until(self, finished):
         """The progress thread: wait (driving the transfers while the workers
@@ -363,8 +376,8 @@ class Dispatcher:
                 # every worker waits, or none has tested for busy_poll
                 # seconds (a long op): drive the transfers from here
                 comm.progress(self._ops)
-                if inline and any(self.schedule.ready.values()):
-                    continue  # a transfer's completion readied a unit
+                if inline and self._inline_due():
+                    continue  # a transfer's completion readied the next unit
                 if idle and comm.has_work():
                     oldest = comm.oldest_post()
                     if stalled_for > self.stall_timeout and (
