@@ -155,7 +155,6 @@ class Dispatcher:
         names = [n.name for n in nodes]
         comm = set(self._comm_order)
         self._ops = {n.name: n for n in nodes}
-        self._deps = deps
         self.schedule = Schedule(
             names, deps, {n.name: ex.lane(n) for n in nodes},
             ex.priority(names, feeds_comm(self.graph, nodes, comm)), comm, tail, cross)
