@@ -30,9 +30,9 @@ from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_segments,
                                            stage_order)
-from purine_mpi.runtime.trace import Profiler
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from purine_mpi.runtime.trace import Profiler
 from tests.test_gpu_backend import (SimulatedRuntime, _check_order, _cpu_workspace, _init,
                                     _log_kernels, _tiny_config, _tiny_raw)
 

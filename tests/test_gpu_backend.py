@@ -45,9 +45,9 @@ from purine_mpi.model import build_train_graph
 from purine_mpi.kernels import get_kernel_class
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
-from purine_mpi.runtime.trace import Profiler
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from purine_mpi.runtime.trace import Profiler
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
 from tests import sim_capture
 from tests.conftest import cuda_cupy_or_skip as _gpu_cupy

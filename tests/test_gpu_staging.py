@@ -19,9 +19,9 @@ from purine_mpi.comm import device as comm_device
 from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
+from purine_mpi.runtime.cuda_runtime import COMM_STREAM
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import COPY_OUT_STREAM
-from purine_mpi.runtime.streams_dispatcher import COMM_STREAM
 from tests import test_gpu_backend as backend_tests
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
                                     use_emulated_cupy)
@@ -178,8 +178,8 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     the copy to the host mirror (on the ``stage_d2h`` row) and one for the
     copy back (on the ``comm`` row); they are what bench's
     ``staging_ms_per_iter`` adds up."""
+    from purine_mpi.runtime.cuda_runtime import stream_thread_name
     from purine_mpi.runtime.trace import Profiler
-    from purine_mpi.runtime.streams_dispatcher import stream_thread_name
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "0")
     comm_device.cuda_aware.cache_clear()
     graph, grads = build_train_graph(_tiny_config())

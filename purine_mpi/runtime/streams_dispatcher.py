@@ -71,7 +71,6 @@ back}).
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
-import contextlib
 import dataclasses
 import threading
 import time
@@ -81,8 +80,8 @@ import numpy as np
 from ..backend import get_xp
 from ..errors import OpError
 from ..ops.registry import Pending
-from .cuda_runtime import (COMM_STREAM, CudaRuntime, HostDeviceCopy, stream_keys,
-                           stream_thread_name, with_stream_threads)
+from .cuda_runtime import (CudaRuntime, HostDeviceCopy, stream_keys, stream_thread_name,
+                           with_stream_threads)
 from .dispatcher import Dispatcher
 from .executors import Executor
 

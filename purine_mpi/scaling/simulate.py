@@ -15,7 +15,7 @@ op whose peer is not simulated (a parameter server) takes its own
 ``seconds`` on this rank's side. So the predictor cannot drift from the
 dispatcher's rule: it is the same code.
 
-Iterations follow ``EventDispatcher.run``: iteration i+1 starts when i's
+Iterations follow ``Dispatcher.run``: iteration i+1 starts when i's
 ops are done but for its deferred *tail* (``RankGraph.tail``), the tail of
 i-1 is done and every collective of i is posted; a next-iteration op waits
 for the tail ops that list it in ``RankGraph.cross`` (runtime/tail.py).
@@ -72,16 +72,12 @@ class RankGraph:
     cross: dict = field(default_factory=dict)  # tail op -> next-iteration ops waiting
 
     def __post_init__(self):
-        succ = defaultdict(list)
         for op in self.ops.values():
             if op.kind not in KINDS:
                 raise ValueError(f"op {op.name}: unknown kind {op.kind!r}")
-            for d in op.deps:
-                succ[d].append(op.name)
-        self.succ = {n: tuple(succ[n]) for n in self.ops}
+        #: the collectives in their posting order (``seq``)
         self.collectives = sorted((op for op in self.ops.values() if op.kind == "collective"),
                                   key=lambda op: (op.seq, op.name))
-        self.head = [n for n in self.ops if n not in self.tail]
 
 
 @dataclass
@@ -134,7 +130,7 @@ class VirtualClock:
         self.route(self.schedule.start(self.started_it), t, peers)
 
     def run_returned(self):
-        """EventDispatcher._run_done for the newest started iteration."""
+        """``Dispatcher._run_done`` for the newest started iteration."""
         return self.schedule.head_done() and self.posting.all_posted()
 
     def complete(self, it, name, t, peers):
