@@ -432,8 +432,8 @@ class SerialDispatcher(Dispatcher):
     """The serial twin (``executors.Inline``): ops one by one on the calling
     thread, in a fixed topological order. Communication ops are posted
     (non-blocking) in ``seq`` order, like the event dispatcher does, and
-    waited for only when no op is left to run, so matched Send/Recv pairs
-    and collectives never deadlock."""
+    waited for only when the next op needs their result, so matched
+    Send/Recv pairs and collectives never deadlock."""
 
     def __init__(self, graph, **kw):
         super().__init__(graph, Inline(), **kw)

@@ -124,8 +124,9 @@ INLINE_LANE = "main"
 
 class Inline(Executor):
     """The serial twin: every unit on the thread that calls ``run``, one
-    at a time, in one fixed topological order in which the comm ops keep
-    their posting order (so the ready unit first in it runs next)."""
+    at a time, strictly in one fixed topological order in which the comm
+    ops keep their posting order (its ``priority``); a unit that waits for
+    a transfer is overtaken by none (``Dispatcher._run_inline``)."""
 
     threaded = False
 
