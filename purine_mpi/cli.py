@@ -240,8 +240,8 @@ def cmd_export(args):
 
 
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
-            "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot, "convert": cmd_convert,
-            "export": cmd_export}
+            "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot,
+            "convert": cmd_convert, "export": cmd_export}
 
 
 #: commands without a distributed meaning: under a launcher with several

@@ -122,14 +122,14 @@ def test_case4_busy_elsewhere_leaves_out_this_job(monkeypatch):
 def test_case5_init_skip_does_not_swallow_the_config():
     """Case 5: ``--init-skip LAYER`` before the config takes one value."""
     args = cli.build_parser().parse_args(["train", "--init", "W.h5", "--init-skip", "fc2",
-                                      "jobs/digits_lenet.yaml"])
+                                          "jobs/digits_lenet.yaml"])
     assert args.config == "jobs/digits_lenet.yaml" and args.init_skip == ["fc2"]
 
 
 def test_case5_init_skip_repeats_and_takes_comma_lists():
     """Case 5: ``--init-skip fc2 --init-skip fc3,fc4`` names three layers."""
-    args = cli.build_parser().parse_args(["train", "c.yaml", "--init", "W.h5", "--init-skip", "fc2",
-                                      "--init-skip", "fc3,fc4"])
+    args = cli.build_parser().parse_args(["train", "c.yaml", "--init", "W.h5", "--init-skip",
+                                          "fc2", "--init-skip", "fc3,fc4"])
     assert args.init_skip == ["fc2", "fc3", "fc4"]
 
 
@@ -137,7 +137,8 @@ def test_case5_unknown_option_shows_the_subcommands_usage(capsys):
     """Case 5: ``test ... --init-skip`` is refused with test's usage, not the
     top-level one."""
     with pytest.raises(SystemExit) as exc:
-        cli.build_parser().parse_args(["test", "c.yaml", "--weights", "w.h5", "--init-skip", "fc2"])
+        cli.build_parser().parse_args(["test", "c.yaml", "--weights", "w.h5", "--init-skip",
+                                       "fc2"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m purine_mpi test "), err
