@@ -279,8 +279,12 @@ def main(argv=None):
     # what every rank finds alike (the environment, a launcher the MPI library
     # cannot join) ends every rank at once, rank 0 saying why
     status = _run(args, _check_launcher)
-    if status != 0 or launched_rank() != 0:
-        return status or _share_status(None)
+    if status != 0:
+        return status
+    if launched_rank() != 0:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to answer (130)
+        return _share_status(None)
     try:  # rank 0 reaches the status exchange whatever its command does
         status = _run(args)
     except SystemExit as exc:

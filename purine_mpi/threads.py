@@ -14,7 +14,7 @@ variable the user set keeps its value) and reported in the start-up block
 as ``threads N per rank (why)``.
 
 Cores that other processes keep busy are not this job's: 2 threads on 2
-cores beside one busy process ran 4-8x slower than 1 thread (issue 36).
+cores beside one busy process ran 1.7-18x slower than 1 thread (issue 36).
 The busy cores are measured by sampling ``/proc/stat`` over the cores of the
 affinity mask for ``LOAD_SAMPLE_S`` (``os.getloadavg()`` where there is no
 ``/proc``), less this process's own use and one core for each other rank of
@@ -142,10 +142,10 @@ def decide(environ=os.environ, cores=None, busy=None):
         free = max(1, cores - round(busy))
     threads = max(1, free // ranks)
     why = f"{cores} usable core{'s' if cores != 1 else ''}"
-    if free != cores:
-        why += f", {busy:.1f} busy with other processes: {free} free"
     if var is not None:
         why += f" / {ranks} ranks on this host ({var})"
+    if free != cores:
+        why += f"; {busy:.1f} busy with other processes: {free} free"
     return threads, why
 
 
