@@ -1,7 +1,10 @@
 """Command line (``--help`` on every command; the job YAML in docs/config.md,
-outputs and exit statuses in docs/formats.md). Every command runs the same
-under ``mpiexec -n N`` / ``srun`` and without a launcher; the installed
-console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
+outputs and exit statuses in docs/formats.md). Every command gives one answer
+under ``mpiexec -n N`` / ``srun`` and without a launcher: the commands without
+a distributed meaning (``RANK0_COMMANDS``, ``predict TRACE_DIR``) run on rank
+0 alone, the other ranks waiting for its exit status; the installed console
+script ``purine-mpi`` is the same as ``python -m purine_mpi``. The argument
+parser is purine_mpi/cli_args.py.
 
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
                                            [--resume CKPT.h5|auto] [--init W.h5]
@@ -276,15 +279,19 @@ def main(argv=None):
     _ALONE = launched_size() > 1 and rank0_only(args)
     if not _ALONE:
         return _run(args)
-    # what every rank finds alike (the environment, a launcher the MPI library
-    # cannot join) ends every rank at once, rank 0 saying why
-    status = _run(args, _check_launcher)
+    # what every rank finds alike (a PURINE_* variable) ends every rank at
+    # once, rank 0 saying why
+    status = _run(args, lambda _: 0)
     if status != 0:
         return status
+    from .comm.launcher import mismatch
+    # a launcher the MPI library cannot join leaves each rank alone in its
+    # world: rank 0's own status is then the launcher's answer
+    shared = mismatch() is None
     if launched_rank() != 0:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to answer (130)
-        return _share_status(None)
+        return _share_status(None) if shared else 0
     try:  # rank 0 reaches the status exchange whatever its command does
         status = _run(args)
     except SystemExit as exc:
@@ -293,13 +300,7 @@ def main(argv=None):
         import traceback
         traceback.print_exc()
         status = 1
-    return _share_status(status)
-
-
-def _check_launcher(args):
-    from .comm.launcher import check_launcher
-    check_launcher()  # else the others could not reach rank 0 for its status
-    return 0
+    return _share_status(status) if shared else status
 
 
 def _run(args, action=None):

@@ -146,6 +146,16 @@ def test_case5_unknown_option_shows_the_subcommands_usage(capsys):
     assert "unrecognized arguments: --init-skip fc2" in err, err
 
 
+def test_case5_usage_error_once_under_mpiexec():
+    """Case 5: under mpiexec -n 2 an unknown option gets one usage (the
+    subcommand's) and one error line, and every rank exits 2."""
+    res = _mpi(2, "inspect", "x.h5", "--bogus")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("usage:") == 1, res.stderr
+    assert res.stderr.startswith("usage: python -m purine_mpi inspect "), res.stderr
+    assert res.stderr.count("unrecognized arguments: --bogus") == 1, res.stderr
+
+
 def test_case5_test_with_foreign_weights_does_not_suggest_init_skip(tmp_path, digits_h5):
     """Case 5: ``test`` with weights that lack the net's layers says what is
     missing and that the weights belong to another net, not --init-skip
