@@ -9,12 +9,14 @@
   docs/); the reference material lives in docs/, every relative link of the
   README and docs/*.md resolves, and the set-up extras cover ``plot``.
 """
+import configparser
 import json
+import os
 import re
 
 import pytest
 
-from .conftest import run_mpi_cli, write_config_file
+from .conftest import REPO, run_mpi_cli, write_config_file
 
 
 def _tiny_config(directory):
@@ -92,3 +94,133 @@ def test_case9_bench_human_output_explains_communication(tmp_path):
     assert 0 <= exposed <= in_flight + 0.01, text
     # pct is rounded to 1 %, the ms figures to 0.01 ms
     assert abs(exposed - in_flight * (1 - pct / 100)) <= in_flight * 0.005 + 0.01, text
+
+
+# ------------------------------------------------------------- item 6
+README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
+SETUP_MAIN = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e "
+              "'.[mpi,examples,plot]' && python -m purine_mpi data digits --out data/digits.h5 "
+              "&& python -m purine_mpi train jobs/digits_lenet.yaml")
+SETUP_TESTS = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
+               "python -m pytest -q")
+
+
+def _readme():
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def _code_lines(text):
+    """The lines of the indented code blocks of a markdown text, stripped."""
+    return [line.strip() for line in text.splitlines() if line.startswith("    ")]
+
+
+def test_case6_readme_first_screen_sets_up_and_starts():
+    """Case 6: the README is short (under 250 lines), and its first 40 lines
+    hold the two set-up commands (the main job's with the `plot` extra, the
+    tests' as CI runs them), a quick start (train, watch, test, plot,
+    resume, mpiexec -n 2) and links into docs/."""
+    text = _readme()
+    assert len(text.splitlines()) < 250
+    screen = "\n".join(text.splitlines()[:40])
+    code = _code_lines(screen)
+    assert SETUP_MAIN in code and SETUP_TESTS in code
+    quick = [c for c in code if c not in (SETUP_MAIN, SETUP_TESTS)]
+    commands = [c.split("#")[0].split() for c in quick]
+    assert any(c[:4] == ["python", "-m", "purine_mpi", "train"] and "--resume" not in c
+               for c in commands), quick
+    assert any(c[:2] == ["tail", "-f"] and c[-1].endswith("train.log") for c in commands), quick
+    assert any(c[:4] == ["python", "-m", "purine_mpi", "test"] and "--weights" in c
+               for c in commands), quick
+    assert any(c[:4] == ["python", "-m", "purine_mpi", "plot"] for c in commands), quick
+    assert any(c[:4] == ["python", "-m", "purine_mpi", "train"] and "--resume" in c
+               for c in commands), quick
+    assert any(c[:3] == ["mpiexec", "-n", "2"] and "train" in c for c in commands), quick
+    assert len(set(re.findall(r"\]\(docs/[a-z]+\.md\)", screen))) >= 4, screen
+
+
+def test_case6_setup_extras_cover_the_quick_start():
+    """Case 6: the extras of the main job's set-up command are extras of
+    setup.cfg and bring what its next commands import: scikit-learn for
+    `data digits` (examples), MPICH's mpiexec (mpi) and matplotlib for
+    `plot` (plot). The README's test command is the one .ci/run runs."""
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(REPO, "setup.cfg"))
+    extras = cfg["options.extras_require"]
+    (main,) = [c for c in _code_lines(_readme()) if "digits_lenet" in c and "pip install" in c]
+    named = re.search(r"pip install -e '\.\[([a-z,]+)\]'", main).group(1).split(",")
+    brought = {name: extras[name].split() for name in named}
+    assert any(r.startswith("matplotlib") for r in brought.get("plot", [])), named
+    assert "scikit-learn" in brought.get("examples", []), named
+    assert "mpich" in brought.get("mpi", []), named
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert re.search(r"^python -m pip install -q -e '\.\[test\]'$", ci, re.M)
+    assert re.search(r"^python -m pytest -q$", ci, re.M)
+    assert SETUP_TESTS in _code_lines(_readme())
+
+
+# where today's reference sections of the README live
+MOVED = {
+    "running.md": ["Run folders", "Habits from Caffe and Lightning", "Threads per rank",
+                   "What the log says", "Memory", "Curves", "The config file"],
+    "environment.md": ["Environment variables"],
+    "parallel.md": ["Parallel schemes (`parallel:` in the config)"],
+    "scaling.md": ["Scaling prediction: how many nodes to ask for"],
+    "cluster.md": ["Using your cluster's MPI", "Preemption and requeue under SLURM",
+                   "Resuming on another number of ranks"],
+    "failures.md": ["Stops, failures and exit statuses"],
+    "gpu.md": ["GPU"],
+    "performance.md": ["Performance: benchmarks and measurements"],
+    "caffe.md": ["Nets and solvers", "Weights"],
+    "onnx.md": ["ONNX export"],
+    "solvers.md": ["Solvers and gradient clipping"],
+    "data.md": ["Data transforms", "HDF5 data files and data larger than memory",
+                "Caffe LMDB data"],
+}
+
+
+def test_case6_reference_material_lives_in_docs():
+    """Case 6: each reference section is a heading of its docs page, which
+    the README links; the README keeps none of them; the performance page
+    names no commit hashes."""
+    text = _readme()
+    headings = set(re.findall(r"^#+ (.+)$", text, re.M))
+    for page, sections in MOVED.items():
+        with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+            doc = f.read()
+        doc_headings = set(re.findall(r"^#+ (.+)$", doc, re.M))
+        for section in sections:
+            assert section in doc_headings, (page, section)
+            assert section not in headings, section
+        assert f"](docs/{page})" in text, page
+    with open(os.path.join(DOCS, "performance.md"), encoding="utf-8") as f:
+        perf = f.read()
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", perf)
+              if re.search(r"[a-f]", w) and re.search(r"\d", w)]
+    assert hashes == []
+
+
+def test_case6_every_relative_link_resolves():
+    """Case 6: every relative link of the README and of every docs/*.md page
+    names a file of the repository (and a heading of it, for an anchor)."""
+    from .test_docs import _anchors
+    docs = [README] + sorted(os.path.join(DOCS, n) for n in os.listdir(DOCS)
+                             if n.endswith(".md"))
+    bad, seen = [], 0
+    for path in docs:
+        with open(path, encoding="utf-8") as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", link):
+                continue
+            seen += 1
+            target, _, anchor = link.partition("#")
+            target_path = os.path.normpath(os.path.join(os.path.dirname(path), target)) \
+                if target else path
+            if not target_path.startswith(REPO + os.sep) or not os.path.exists(target_path):
+                bad.append((path, link))
+            elif anchor and anchor not in _anchors(target_path):
+                bad.append((path, link))
+    assert seen and bad == []
