@@ -52,15 +52,21 @@ def synthetic_config(job):
                                                 order=("train",)))
 
 
-def comm_overlap(events):
-    """Share of communication time covered by compute (0..1), or None
-    when there was no communication."""
+def comm_timeline(events):
+    """``(in_flight, covered, ops)`` of the communication in ``events`` (trace
+    microseconds): ``in_flight`` the wall time during which at least one comm
+    op was between its post and its completion (the union of their
+    intervals, so comm ops that overlap each other count once), ``covered``
+    the part of it during which a compute op (categories ``compute``,
+    ``update``, ``copy``) was also running on some thread, ``ops`` the
+    number of comm events. ``in_flight - covered`` is the exposed
+    communication: time spent with a comm op in flight and no compute op
+    running."""
     compute = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in events
                                if e["cat"] in ("compute", "update", "copy")])
-    comm = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "comm"])
+    comm_events = [e for e in events if e["cat"] == "comm"]
+    comm = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in comm_events])
     total = sum(e - s for s, e in comm)
-    if total <= 0:
-        return None
     covered = 0.0
     j = 0
     for s, e in comm:
@@ -70,6 +76,15 @@ def comm_overlap(events):
         while k < len(compute) and compute[k][0] < e:
             covered += min(e, compute[k][1]) - max(s, compute[k][0])
             k += 1
+    return total, covered, len(comm_events)
+
+
+def comm_overlap(events):
+    """Share of communication time covered by compute (0..1), or None
+    when there was no communication."""
+    total, covered, _ = comm_timeline(events)
+    if total <= 0:
+        return None
     return covered / total
 
 
@@ -111,6 +126,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         trainer.close()
     plan = trainer.ws.plan
     overlap = comm_overlap(events)
+    in_flight_us, covered_us, comm_ops = comm_timeline(events)
     names = sorted(latencies)
     worst = world.allreduce(np.array([statistics.median(latencies[n]) for n in names] or [0.0]),
                             "max", "the post latencies") if world.size > 1 else \
@@ -137,6 +153,11 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "compute_ms_per_iter": round(compute_ms, 3),
         "comm_ms_per_iter": round(comm_ms, 3),
         "staging_ms_per_iter": round(staging_ms, 3),
+        # comm_ms_per_iter sums the comm ops' post-to-completion spans; these
+        # say what the iteration's wall clock saw of them (comm_timeline)
+        "comm_ops_per_iter": round(comm_ops / iters, 2),
+        "comm_in_flight_ms_per_iter": round(in_flight_us / 1000.0 / iters, 3),
+        "comm_exposed_ms_per_iter": round((in_flight_us - covered_us) / 1000.0 / iters, 3),
         "comm_overlap": None if overlap is None else round(overlap, 4),
         "post_latency_ms": post_latency,
         "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
@@ -200,6 +221,31 @@ def json_safe(value):
     return str(value)
 
 
+def _comm_rows(res, ms):
+    """The communication rows of ``format_bench``: the comm ops' summed
+    post-to-completion time, and (where the result has them) how much of
+    the iteration's wall clock they held and how much of that no compute
+    hid (the rows after the first have no name, so the columns stay)."""
+    overlap = res.get("comm_overlap")
+    if overlap is None:
+        return [("communication", "none")]
+    in_flight = res.get("comm_in_flight_ms_per_iter")
+    exposed = res.get("comm_exposed_ms_per_iter")
+    ops = res.get("comm_ops_per_iter")
+    if in_flight is None or exposed is None or ops is None:  # an older result
+        return [("communication", f"{ms(res['comm_ms_per_iter'])} per iteration, "
+                                  f"{100 * overlap:.0f}% overlapped with compute")]
+    ops_text = f"{ops:,.0f}" if float(ops).is_integer() else f"{ops:,.2f}"
+    return [
+        ("communication", f"{ms(res['comm_ms_per_iter'])} per iteration summed over {ops_text} "
+                          f"comm op{'s' if ops != 1 else ''}, each from its post to its "
+                          "completion (they overlap each other and compute)"),
+        ("", f"in flight {ms(in_flight)} of the iteration's wall time (at least one comm op "
+             f"posted and not completed), {100 * overlap:.0f}% of it with compute running"),
+        ("", f"exposed {ms(exposed)}: a comm op in flight and no compute op running (rank 0)"),
+    ]
+
+
 def format_bench(res, warmup=None):
     """``bench`` without ``--json``: the result in human units (images/s with
     thousands separators, milliseconds, KiB/MiB), ``n/a`` where a figure
@@ -214,16 +260,13 @@ def format_bench(res, warmup=None):
     def ms(v):
         return "n/a" if v is None else f"{v:,.2f} ms"
 
-    overlap = res.get("comm_overlap")
     lat = res.get("post_latency_ms") or {}
     rows = [
         ("throughput", f"{res['images_per_s']:,.0f} images/s"),
         ("iteration", f"{ms(res['iter_ms_median'])} median, {ms(res['iter_ms_mean'])} mean"),
         ("compute", f"{ms(res['compute_ms_per_iter'])} per iteration (rank 0's ops, summed "
                     "over its threads)"),
-        ("communication", "none" if overlap is None else
-                          f"{ms(res['comm_ms_per_iter'])} per iteration, {100 * overlap:.0f}% "
-                          "overlapped with compute"),
+        *_comm_rows(res, ms),
         ("post latency", f"{ms(res.get('post_latency_ms_worst'))} worst over "
                          f"{len(lat)} comm op{'s' if len(lat) != 1 else ''}" if lat else
                          "n/a (no communication)"),

@@ -1,5 +1,5 @@
 """The ``PURINE_*`` environment variables, in one table: name, type,
-default, meaning (``VARS``; the README's table lists the same). Each is
+default, meaning (``VARS``; docs/environment.md's table lists the same). Each is
 checked like a config key: ``get(name)`` is the parsed value (the default
 when unset or blank) and raises ``EnvError`` (exit 2) naming the variable
 and what it takes; the CLI checks them all before any command runs

@@ -162,7 +162,7 @@ def test_resume_on_another_number_of_ranks_continues(tmp_path, digits_h5):
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
 def test_resume_on_another_number_of_ranks_matches_the_uninterrupted_run(tmp_path, digits_h5,
                                                                           first, then):
-    """README "Resuming on another number of ranks": with the global batch
+    """docs/cluster.md "Resuming on another number of ranks": with the global batch
     kept (ranks x batch_size), a run that changes its number of ranks at a
     checkpoint ends where the uninterrupted run ends, to float32 summation
     tolerance: weights and momenta carry over, the data order continues at

@@ -104,7 +104,7 @@ def mismatch(environ=os.environ, library=None):
         return None
     library = mpi_library() if library is None else library
     size = launched_size(environ)
-    fix_docs = "see the README, 'Using your cluster's MPI'"
+    fix_docs = "see docs/cluster.md, 'Using your cluster's MPI'"
     if library == "mpich" and protocol == "pmix":
         return (f"this rank was started by a PMIx launcher (Open MPI's mpirun, or srun "
                 f"--mpi=pmix), but mpi4py loads MPICH, which cannot join it and would abort: "
@@ -139,5 +139,5 @@ def check_world_size(size, environ=os.environ):
         raise UserError(f"the launcher started {want} ranks, but MPI ({library}) sees a "
                         f"world of {size}: this process runs alone, so the launcher and the "
                         f"MPI library mpi4py loads do not belong together (installed with pip "
-                        f"--target, or another MPI's launcher); see the README, 'Using your "
-                        f"cluster's MPI'")
+                        f"--target, or another MPI's launcher); see docs/cluster.md, 'Using "
+                        f"your cluster's MPI'")

@@ -36,7 +36,7 @@ DEFAULTS = {"blobs": [], "split": "test", "overrides": [], "json": False}
 def add_arguments(p):
     """The scaling form's and the calibration's options (``cli.py``)."""
     g = p.add_argument_group("scaling prediction (predict TRACE_DIR --np N ...; docs in "
-                             "README 'Scaling prediction')")
+                             "docs/scaling.md)")
     g.add_argument("--np", dest="nps", metavar="N[,N...]",
                    help="rank counts to predict: 8, 2,4,8 or 2,4,8,...,1024 (the ratio "
                         "continues up to the last)")

@@ -33,8 +33,8 @@ SHORT_MSG = 2048
 
 #: the default link when neither --bandwidth/--latency nor --link is given
 DEFAULT_ORIGIN = ("defaults: 100 Gbit/s InfiniBand, α 1 µs and β 12 GB/s (the order of the "
-                  "OSU micro-benchmark figures vendors publish for EDR/HDR100; README "
-                  "'Scaling prediction'), γ measured on this host")
+                  "OSU micro-benchmark figures vendors publish for EDR/HDR100; docs/scaling.md), "
+                  "γ measured on this host")
 DEFAULT_ALPHA = 1.0e-6
 DEFAULT_BETA = 12.0e9
 

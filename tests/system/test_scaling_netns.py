@@ -4,7 +4,7 @@ default net, 1 Gbit/s, one round).
 
 Slow (network namespaces, three MPI launches); skipped unless root with
 ``ip`` and ``tc`` and a working ``ip netns``. The machine running it is
-shared, so one round's error is bounded loosely here (the README's table
+shared, so one round's error is bounded loosely here (docs/performance.md's table
 takes medians over interleaved rounds)."""
 import json
 import os
