@@ -54,6 +54,8 @@ def test_the_hooks_fire_at_their_fixed_points(tmp_path, digits_h5):
     assert sixth == ["after_step", "on_display", "on_stop_request", "after_iteration",
                      "on_test"]
     assert "accuracy" in result and (tmp_path / "run" / "latest.h5").exists()
+    # services keep their own state; what they share is loop.state (issue 33)
+    assert len(vars(t)) <= 15, sorted(vars(t))
 
 
 def test_a_new_habit_is_one_service_in_the_list(tmp_path, digits_h5):
@@ -63,7 +65,7 @@ def test_a_new_habit_is_one_service_in_the_list(tmp_path, digits_h5):
     class StopAtFour(Service):
         def on_test(self, loop, done):
             if done == 4:
-                loop.early_stopped = done
+                loop.state.early_stopped = done
 
     t = _trainer(tmp_path, digits_h5, max_iter=10, display=0, test_interval=2)
     t.services.insert(t.services.index(t.checkpoints), StopAtFour())
