@@ -156,7 +156,7 @@ def test_no_read_back_between_the_intervals_and_the_same_figures(
     # the same run reading the loss every iteration (as the CPU does)
     every = ReadBacks(monkeypatch)
     t2, code2, rows2 = _run(config, tmp_path / "every", defer=False, monkeypatch=monkeypatch)
-    assert code2 == 0 and t2.watch is None
+    assert code2 == 0 and t2.graphs.watch is None
     assert set(every.by_iter) == set(range(12))  # the old path: a read every iteration
     assert _figures(rows) == _figures(rows2)
     assert [r["iter"] for r in rows if r["phase"] == "train"] == [4, 8, 12]

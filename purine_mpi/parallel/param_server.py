@@ -39,7 +39,8 @@ Interface (every function takes the *global* World unless it says so):
         # ``train`` on every rank of a PS run (trainer.run_param_server):
         # splits the ranks, servers call run_server_rank, workers run a
         # Trainer over the workers' World with the WorkerScheme, whose graph
-        # comes from compose_param_server. Checkpoints
+        # comes from compose_param_server, and the stop agreement with the
+        # servers as a loop service (train/ps_worker.py). Checkpoints
         # (rank 0, a worker) hold the weights it pulled last and the servers'
         # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
         # the end for async), so --resume continues exactly in sync_ps.
@@ -50,7 +51,8 @@ Interface (every function takes the *global* World unless it says so):
         -> {"params", "momenta", "stats", "plan"}   # one server rank's work
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
     build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
-    server_rank), worker_world(world, ps_ranks): the pieces.
+    server_rank), worker_world(world, ps_ranks), recv_state(world, servers),
+    state_transfer_due(job, done, start, final_only): the pieces.
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -364,8 +366,9 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
 
 # ------------------------------------------------- checkpoints and the run
 STATE_TAG = 1 << 20  # above every push/pull tag
-# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers the workers' stop
-# code (STOP_TAG); a server that got a signal asks rank 0 to stop (STOP_REQUEST_TAG)
+# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers
+# the workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
+# stop (STOP_REQUEST_TAG)
 
 
 def state_transfer_due(job, done, start, final_only):
