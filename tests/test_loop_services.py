@@ -85,3 +85,16 @@ def test_the_loop_class_stays_small():
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Loop")
     assert cls.end_lineno - cls.lineno + 1 < 250
     assert Loop.__module__ == "purine_mpi.train.loop"
+
+
+def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
+    """A scheme composes graphs; the stop agreement and the hook before a
+    checkpoint are loop services (train/signals.py, train/ps_worker.py)."""
+    from purine_mpi.parallel.compose import Scheme
+    from purine_mpi.parallel.param_server import WorkerScheme
+    from purine_mpi.train.ps_worker import WorkerStopAgreement
+    from purine_mpi.train.signals import StopAgreement
+    for cls in (Scheme, WorkerScheme):
+        assert not hasattr(cls, "agree_to_stop") and not hasattr(cls, "before_save")
+    assert issubclass(WorkerStopAgreement, StopAgreement)
+    assert "before_save" in vars(Service) and "before_save" in vars(WorkerStopAgreement)
