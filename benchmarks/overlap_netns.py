@@ -187,7 +187,7 @@ def timed(world, dispatcher, iters, warmup, profile_from=None):
     first): with a deferred tail an iteration's allreduce and update overlap
     the next one, and the last iteration waits for its own (as ``bench``
     times them)."""
-    from purine_mpi.runtime.dispatcher import Profiler
+    from purine_mpi.runtime.trace import Profiler
     times, cpu = [], []
     ws = dispatcher.workspace
     for it in range(warmup + iters):

@@ -85,7 +85,7 @@ def worker(args):
     from purine_mpi.io.config import resolve_job
     from purine_mpi.parallel.micro_memory import activation_bytes
     from purine_mpi.parallel.pipeline_stats import micro_batch_of
-    from purine_mpi.runtime.dispatcher import Profiler
+    from purine_mpi.runtime.trace import Profiler
     from purine_mpi.trainer import Trainer
     world = get_world()
     install_abort_handler(world)

@@ -75,7 +75,7 @@ def comm_overlap(events):
 
 def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from .comm.world import get_world, install_abort_handler
-    from .runtime.dispatcher import Profiler
+    from .runtime.trace import Profiler
     from .trainer import Trainer, world_mean
     world = get_world()
     install_abort_handler(world)
@@ -103,10 +103,10 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                 now = time.perf_counter()
                 times.append(now - t_prev)
                 t_prev = now
-                for name, seconds in getattr(d, "comm_post_latency", dict)().items():
+                for name, seconds in d.comm_post_latency().items():
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
-        report = d.capture_report() if hasattr(d, "capture_report") else None
+        report = d.capture_report()
     finally:
         trainer.close()
     plan = trainer.ws.plan

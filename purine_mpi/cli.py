@@ -1,11 +1,14 @@
 """Command line (``--help`` on every command; the job YAML in docs/config.md,
-outputs and exit statuses in docs/formats.md). Every command runs the same
-under ``mpiexec -n N`` / ``srun`` and without a launcher; the installed
-console script ``purine-mpi`` is the same as ``python -m purine_mpi``.
+outputs and exit statuses in docs/formats.md). Every command gives one answer
+under ``mpiexec -n N`` / ``srun`` and without a launcher: the commands without
+a distributed meaning (``RANK0_COMMANDS``, ``predict TRACE_DIR``) run on rank
+0 alone, the other ranks waiting for its exit status; the installed console
+script ``purine-mpi`` is the same as ``python -m purine_mpi``. The argument
+parser is purine_mpi/cli_args.py.
 
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
                                            [--resume CKPT.h5|auto] [--init W.h5]
-                                           [--init-skip LAYER ...]
+                                           [--init-skip LAYER[,LAYER] ...]
                                            [--seed S] [--profile] [--tensorboard]
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
@@ -28,212 +31,17 @@ Exit statuses (the same on every rank): the table in docs/formats.md, and
 Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
 graph, job, composition, dispatch and services layers below it, and its own.
 """
-import argparse
 import json
 import math
 import os
 import sys
 import warnings
 
-from . import __version__, env, logfile
+from . import env, logfile
+from .cli_args import build_parser
 from .comm.launcher import launched_rank, launched_size
-from .errors import OpError, UserError
+from .errors import InitMismatch, OpError, UserError
 from .io.outputs import check_out
-
-
-def _common_config_args(p):
-    p.add_argument("config", help="job YAML (docs/config.md)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key by dotted path, the value read as YAML, e.g. "
-                        "solver.base_lr=0.05 or net.0.num_output=8 (repeatable)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config's "
-                                                          "seed)")
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="python -m purine_mpi",
-        description="purine_mpi: bi-graph deep learning on MPI clusters. Run any command under "
-                    "mpiexec -n N (or srun) for N ranks. The job YAML is described in "
-                    "docs/config.md, the files a run writes and the exit statuses in "
-                    "docs/formats.md.",
-        epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
-               "failure, 2 user error, 3 diverged or non-finite weights, 70 MPI could not "
-               "start, 143 stopped by SIGTERM with a checkpoint, 129 by SIGHUP, 131 by "
-               "SIGQUIT, 140 by SIGUSR2, 130 by Ctrl-C (each with a checkpoint), 141 stdout "
-               "closed (docs/formats.md)")
-    parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
-                        help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                help="run 'COMMAND --help' for its options")
-    sub.required = True
-
-    p = sub.add_parser("train", help="train a network from a job YAML")
-    _common_config_args(p)
-    p.add_argument("--out", help="output folder (default: a new numbered folder "
-                                 "runs/<name>/<N> for each run)")
-    p.add_argument("--force", action="store_true",
-                   help="start afresh in an --out that holds another run's files (they are "
-                        "deleted)")
-    p.add_argument("--iters", type=int, help="override solver.max_iter")
-    p.add_argument("--resume", metavar="CKPT.h5|auto",
-                   help="continue from a checkpoint (auto: latest.h5 of --out, or of the "
-                        "newest runs/<name>/<N>; a fresh run if there is none)")
-    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel",
-                   help="initialise parameters from a file; every parameter of the net must "
-                        "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
-                        "loads by layer name and reports which blobs matched")
-    p.add_argument("--init-skip", nargs="+", default=[], metavar="LAYER",
-                   help="with --init: layers that keep their fresh initialisation (fine-tuning "
-                        "a changed layer)")
-    p.add_argument("--profile", action="store_true",
-                   help="write a Chrome trace per rank (OUT/trace.rank<R>.json, streamed as "
-                        "the run goes; open it in Perfetto)")
-    p.add_argument("--profile-iters", metavar="A:B",
-                   help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
-    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
-                   help="event-driven (default) or the serial reference dispatcher (runs every "
-                        "op one at a time in a fixed order; bit-identical results)")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="also write TensorBoard event files to OUT/tb (rank 0; needs pip "
-                        "install 'purine_mpi[tensorboard]')")
-
-    p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
-    _common_config_args(p)
-    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
-                   help="checkpoint to evaluate, a Caffe .caffemodel (loaded by layer name), "
-                        "or a run folder (its latest.h5)")
-    p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
-                                 "there: the result is printed as one JSON object")
-
-    p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
-    _common_config_args(p)
-    p.add_argument("--np", type=int, default=None,
-                   help="number of ranks to compose for (the text format then ends with "
-                        "the data-parallel bucket plan and the deferred tail)")
-    p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
-    p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
-                   help="text: one line per op (default); yaml: the graph: list of "
-                        "docs/config.md, loadable as a config; dot: Graphviz")
-    p.add_argument("--phase", choices=["train", "test"], default="train",
-                   help="the training graph with backward and solver ops (default), or the "
-                        "test graph")
-    p.add_argument("--memory", action="store_true",
-                   help="text format: end with the host memory plan (memory_plan): each "
-                        "planned blob's offset in the arena, size and lifetime, then the blobs "
-                        "that keep their own memory and why")
-
-    p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
-    p.add_argument("checkpoint", metavar="CKPT.h5",
-                   help="a checkpoint or any HDF5 file (layout: docs/formats.md)")
-    p.add_argument("--diff", metavar="OTHER.h5",
-                   help="compare with another file: max abs and relative L2 difference per "
-                        "dataset")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object instead of a table (docs/formats.md)")
-
-    p = sub.add_parser("data", help="prepare a data set as HDF5")
-    p.add_argument("dataset", choices=["digits", "cifar10", "lmdb-to-h5"],
-                   help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
-                        "CIFAR-10 python batches given by --from, or fetched by --download; "
-                        "lmdb-to-h5: a Caffe LMDB (--from, the train split; --test-from, the "
-                        "test split) as our HDF5 layout")
-    p.add_argument("--out", required=True, metavar="PATH.h5",
-                   help="the HDF5 data file to write (groups train and test)")
-    p.add_argument("--from", dest="source", metavar="PATH",
-                   help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
-                        "python-pickle batches (with --download: where the archive is fetched "
-                        "and unpacked); lmdb-to-h5: the train split's LMDB folder")
-    p.add_argument("--test-from", dest="test_source", metavar="DIR",
-                   help="lmdb-to-h5: the test split's LMDB folder")
-    p.add_argument("--download", action="store_true",
-                   help="cifar10: fetch the official archive (cifar-10-python.tar.gz), verify "
-                        "its MD5 and unpack it (into --from DIR, default beside --out) first; "
-                        "an archive already there with the right MD5 is reused")
-
-    p = sub.add_parser(
-        "predict", help="per-sample outputs of a data split to HDF5 (predict CONFIG --weights W "
-                        "--out P.h5), or the time per iteration on N ranks from a run's traces "
-                        "(predict TRACE_DIR --np N)",
-        description="Two forms. predict CONFIG --weights W.h5 --out PREDS.h5: write per-sample "
-                    "outputs of a data split (as Caffe's extract_features). predict TRACE_DIR "
-                    "--np N[,N...]: predict the iteration time, its compute and communication, "
-                    "and the scaling efficiency on N ranks from the trace.rank<R>.json files "
-                    "of a run (train --profile-iters A:B) and a link model; mpiexec -n 2 ... "
-                    "predict --calibrate LINK.json measures the link for --link.")
-    p.add_argument("config", nargs="?", metavar="CONFIG|TRACE_DIR",
-                   help="job YAML (docs/config.md) for the outputs; a run folder with "
-                        "trace.rank<R>.json and config.yaml for --np")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="outputs: override a config key by dotted path (repeatable)")
-    p.add_argument("--seed", type=int, default=None, help="outputs: random seed")
-    p.add_argument("--weights", metavar="W.h5",
-                   help="outputs: checkpoint or weights file (HDF5 /params, or a .caffemodel), "
-                        "or a run folder (its latest.h5)")
-    p.add_argument("--out", metavar="PREDS.h5",
-                   help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
-                        "(docs/formats.md)")
-    p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
-                   help="outputs: a blob to write per sample (repeatable; default: the net's "
-                        "last output, the scores its loss reads)")
-    p.add_argument("--split", choices=["test", "train"], default="test",
-                   help="outputs: which data of the config to run over, in file order "
-                        "(default: test)")
-    from .scaling.command import add_arguments
-    add_arguments(p)
-
-    p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
-    _common_config_args(p)
-    p.add_argument("--iters", type=int, default=20,
-                   help="timed iterations, after the warm-up (default 20)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed iterations first (default 3)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (keys: docs/formats.md)")
-    p.add_argument("--real-data", action="store_true",
-                   help="use the config's data instead of synthetic data of the same shapes")
-    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
-                   help="event-driven (default) or the serial reference dispatcher")
-
-    p = sub.add_parser("plot", help="draw loss, accuracy, lr and images/s of runs into an "
-                                    "image (needs pip install 'purine_mpi[plot]')")
-    p.add_argument("runs", nargs="+", metavar="RUN",
-                   help="a run folder, its metrics.jsonl, or runs/<name> (its newest "
-                        "numbered run); several are overlaid")
-    p.add_argument("--out", default="curves.png", metavar="IMAGE",
-                   help="the image to write; the format follows the extension (.png, .pdf, "
-                        ".svg; default curves.png)")
-
-    p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
-    p.add_argument("format", choices=["caffe"], help="the source format")
-    p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
-    p.add_argument("--solver", metavar="SOLVER.prototxt",
-                   help="Caffe solver (text format): becomes the solver and checkpoint sections")
-    p.add_argument("--data", metavar="DATA.h5",
-                   help="our HDF5 data file (groups train/test) that the net's data layers read")
-    p.add_argument("--out", required=True, metavar="JOB.yaml", help="the job YAML to write")
-
-    p = sub.add_parser("export", help="export a trained net's inference graph")
-    p.add_argument("format", choices=["onnx"], help="the target format")
-    p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
-    p.add_argument("--weights", required=True, metavar="CKPT.h5",
-                   help="checkpoint or weights file (/params layout) with every parameter")
-    p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
-    p.add_argument("--batch", type=int, default=None,
-                   help="fixed batch size of the model input (default: a symbolic batch dim)")
-    p.add_argument("--raw-input", action=argparse.BooleanOptionalAction, default=True,
-                   help="the model takes samples as the data file holds them and applies the "
-                        "test spec's transform (centre crop, mean, scale) as ONNX ops "
-                        "(default); --no-raw-input: it takes the transformed batch")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key by dotted path, e.g. net.0.num_output=8")
-    p.set_defaults(seed=None)
-
-    for p in sub.choices.values():
-        p.add_argument("--debug", action="store_true",
-                       help="print the full Python traceback of a runtime failure (by default "
-                            "each failing rank prints one line)")
-    return parser
 
 
 def _load(args, check_files=True):
@@ -435,11 +243,31 @@ def cmd_export(args):
 
 
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
-            "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot, "convert": cmd_convert,
-            "export": cmd_export}
+            "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot,
+            "convert": cmd_convert, "export": cmd_export}
+
+
+#: commands without a distributed meaning: under a launcher with several
+#: ranks rank 0 runs them, the others wait and exit with its status (and
+#: predict's scaling form, TRACE_DIR --np N, below)
+RANK0_COMMANDS = ("data", "inspect", "graph", "plot", "export", "convert")
+#: the tag of rank 0's exit status message
+STATUS_TAG = 36
+#: whether this process runs a rank-0 command for the whole job
+_ALONE = False
+
+
+def rank0_only(args):
+    """Whether ``args`` is a command that rank 0 alone runs under a launcher
+    (``predict --calibrate`` measures links and ``bench`` times the composed
+    graph on every rank: they stay distributed)."""
+    if args.command == "predict":
+        return bool(args.nps) and not args.calibrate
+    return args.command in RANK0_COMMANDS
 
 
 def main(argv=None):
+    global _ALONE
     args = build_parser().parse_args(argv)
     if args.debug:
         os.environ["PURINE_DEBUG"] = "1"
@@ -448,10 +276,40 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=RuntimeWarning,
                             message=r"(overflow|invalid value|divide by zero|underflow) "
                                     r"encountered")
+    _ALONE = launched_size() > 1 and rank0_only(args)
+    if not _ALONE:
+        return _run(args)
+    # what every rank finds alike (a PURINE_* variable) ends every rank at
+    # once, rank 0 saying why
+    status = _run(args, lambda _: 0)
+    if status != 0:
+        return status
+    from .comm.launcher import mismatch
+    # a launcher the MPI library cannot join leaves each rank alone in its
+    # world: rank 0's own status is then the launcher's answer
+    shared = mismatch() is None
+    if launched_rank() != 0:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to answer (130)
+        return _share_status(None) if shared else 0
+    try:  # rank 0 reaches the status exchange whatever its command does
+        status = _run(args)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # a bug: its traceback, as Python prints it, and 1
+        import traceback
+        traceback.print_exc()
+        status = 1
+    return _share_status(status) if shared else status
+
+
+def _run(args, action=None):
     try:
         env.check_all()  # every PURINE_* variable, before anything reads one (env.py)
-        return COMMANDS[args.command](args) or 0
+        return (action or COMMANDS[args.command])(args) or 0
     except UserError as exc:
+        if isinstance(exc, InitMismatch) and args.command != "train":
+            exc = exc.for_weights()  # --init-skip is train's: no way out here
         _report_user_error(exc)
         return exc.exit_code  # 2; 3 for non-finite weights
     except OpError as exc:  # an op that found a user error while running (a data file)
@@ -472,6 +330,27 @@ def main(argv=None):
         return 141
 
 
+def _share_status(status):
+    """Rank 0 sends its exit status to every other rank, which waits for it
+    (``status`` None) and returns it; MPI is initialised only for this, after
+    rank 0's command. A waiting rank has no timeout: rank 0 works alone, and
+    should it die, the launcher ends the job."""
+    import time
+    from .comm.mpi_init import import_mpi
+    comm = import_mpi().COMM_WORLD
+    if comm.Get_rank() == 0:
+        requests = [comm.isend(status, dest=r, tag=STATUS_TAG) for r in range(1, comm.size)]
+        deadline = time.monotonic() + 60.0  # a rank that died since needs no answer
+        while not all(r.Test() for r in requests) and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        return status
+    pause = 1e-3
+    while not comm.Iprobe(source=0, tag=STATUS_TAG):
+        time.sleep(pause)  # an idle wait: the cores are rank 0's
+        pause = min(pause * 2, 0.05)
+    return comm.recv(source=0, tag=STATUS_TAG)
+
+
 def _report_user_error(exc):
     """One paragraph on stderr, no traceback, printed by exactly one rank.
 
@@ -484,7 +363,7 @@ def _report_user_error(exc):
     mpi = sys.modules.get("mpi4py.MPI")
     # an error that forbids MPI_Init (comm/launcher.py: a launcher the MPI
     # library cannot join) is printed by rank 0 alone, without MPI
-    if not getattr(exc, "before_mpi", False) and (
+    if not _ALONE and not getattr(exc, "before_mpi", False) and (
             launched_size() > 1 or (mpi is not None and mpi.Is_initialized())):
         from .comm.world import report_user_error
         report_user_error(exc)  # returns only on a single rank

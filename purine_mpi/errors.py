@@ -18,6 +18,21 @@ class UserError(Exception):
     exit_code = 2
 
 
+class InitMismatch(UserError):
+    """A weights file that does not fit the net (parameters missing, a shape
+    that differs): ``message`` ends with ``hint``, train's way out (``--init-skip
+    LAYER``); ``for_weights()`` is the error for the commands that evaluate
+    given weights (test, predict, export), where a fresh layer is no way out."""
+
+    def __init__(self, message, hint):
+        self.message, self.hint = message, hint
+        super().__init__(f"{message}{hint}")
+
+    def for_weights(self):
+        return UserError(f"{self.message}: the weights belong to another net; give the "
+                         "config they were trained with")
+
+
 class ConfigError(UserError):
     """Bad configuration: ``ConfigError(path, key, message)``."""
 

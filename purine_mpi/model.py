@@ -9,7 +9,7 @@ arrays. The entry points take a ``Job`` (io/job.py).
 Layer: job (docs/DESIGN.md); may import the foundation, devices, data, ops and
 graph layers below it, and its own.
 """
-from .errors import ConfigError, UserError
+from .errors import ConfigError, InitMismatch, UserError
 from .graph import Graph, seed_yaml
 from .graph.grad import build_backward
 from .graph.solver import add_solver
@@ -200,11 +200,11 @@ def init_params(loaded, params, job, path, skip=()):
     wanted = [p for p in params if p.split("/")[0] not in set(skip)]
     missing = [p for p in wanted if p not in loaded]
     if missing:
-        raise UserError(f"weights file '{path}' lacks {len(missing)} parameter(s) of this net: "
-                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} (the "
-                        f"file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
-                        f"{' ...' if len(loaded) > 8 else ''}); to leave a layer at its "
-                        "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+        raise InitMismatch(f"weights file '{path}' lacks {len(missing)} parameter(s) of this "
+                           f"net: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                           f"(the file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
+                           f"{' ...' if len(loaded) > 8 else ''})", "; to leave a layer at its "
+                           "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
     return wanted
 
 

@@ -162,8 +162,8 @@ def test_cli_reports_matches_and_rejects_shape_mismatch(net):
     assert "matched conv_a (Convolution)" in report and res.stdout == ""
     res.stderr = "error: " + error
     assert_user_error(res, "good.caffemodel", "lacks", "conv_c/weight")
-    res = run_cli_args("train", cfg_path, "--init", good, "--init-skip", "conv_c", "conv_d",
-                       "ip2", "--out", d / "t", "--iters", "1")
+    res = run_cli_args("train", cfg_path, "--init", good, "--init-skip", "conv_c,conv_d",
+                       "--init-skip", "ip2", "--out", d / "t", "--iters", "1")
     assert res.returncode == 0, res.stderr
     assert "matched conv_a (Convolution): weight [8, 3, 3, 3], bias [8]" in res.stdout
     bad = write_caffemodel(d / "bad.caffemodel", w, conv_b_shape=(4, 8, 1, 3))

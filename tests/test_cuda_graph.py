@@ -30,9 +30,9 @@ from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_segments,
                                            stage_order)
-from purine_mpi.runtime.dispatcher import Profiler
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from purine_mpi.runtime.trace import Profiler
 from tests.conftest import make_job
 from tests.test_gpu_backend import (SimulatedRuntime, _check_order, _cpu_workspace, _init,
                                     _log_kernels, _tiny_config, _tiny_raw)
@@ -466,9 +466,9 @@ def test_bucket_posted_when_its_segment_finished_while_the_next_one_runs():
                    for p in d.graph.producers()[b]}
         (seg,) = {seg_of[w] for w in writers}
         later = [s for s, _ in d.segments() if int(s[5:]) > int(seg[5:])
-                 and s in d._events]
-        seen.append((d.iteration, name, d._events[seg].done,
-                     any(not d._events[s].done for s in later)))
+                 and s in d.executor.events]
+        seen.append((d.iteration, name, d.executor.events[seg].done,
+                     any(not d.executor.events[s].done for s in later)))
 
     _FakeAllreduce.on_post = on_post
     _init(ws, graph, 5)
@@ -490,7 +490,7 @@ def test_bucket_posted_when_its_segment_finished_while_the_next_one_runs():
     # the posts were polled, never a blocking sync on the segment's event
     segs = {name for name, _ in d.segments()}
     assert not [c for c in rt.calls if c[0] == "sync_event" and
-                any(c[1] is d._events.get(s) for s in segs)]
+                any(c[1] is d.executor.events.get(s) for s in segs)]
 
 
 # ------------------------------------------------------- shape changes
@@ -731,7 +731,7 @@ def test_replay_on_a_real_gpu_equals_eager():
                 losses.append(float(d.workspace["loss"]))
             if cuda_graph:
                 assert isinstance(d, GraphDispatcher)
-                segs = list(d._segments.values())
+                segs = list(d.executor.segment_plan.values())
                 assert segs and all(s.failed is None and s.captures for s in segs), \
                     [(s.name, s.failed) for s in segs]
             params = {p.name: np.asarray(d.workspace[p.name].get()) for p in graph.params()}

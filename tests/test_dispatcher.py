@@ -10,7 +10,8 @@ import pytest
 from purine_mpi.errors import OpError
 from purine_mpi.graph import Graph
 from purine_mpi.ops.registry import OpKernel, Pending, register
-from purine_mpi.runtime.dispatcher import EventDispatcher, Profiler, SerialDispatcher
+from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
+from purine_mpi.runtime.trace import Profiler
 
 SHAPE = (3, 5)
 
@@ -366,7 +367,7 @@ def test_op_error_names_the_op_and_does_not_hang(cls, slow_sibling):
     finally:
         _run_with_timeout(d.close)
     if cls is EventDispatcher:
-        assert not any(w.is_alive() for w in d._workers)
+        assert not any(w.is_alive() for w in d.workers)
 
 
 def test_op_error_on_first_op_of_a_thread_chain():

@@ -44,9 +44,10 @@ from purine_mpi.layers.fillers import fill
 from purine_mpi.model import build_train_graph
 from purine_mpi.kernels import get_kernel_class
 from purine_mpi.ops.registry import OpKernel, Pending, register
-from purine_mpi.runtime.dispatcher import EventDispatcher, Profiler, SerialDispatcher
+from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from purine_mpi.runtime.trace import Profiler
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
 from tests import sim_capture
 from tests.conftest import cuda_cupy_or_skip as _gpu_cupy, make_job
@@ -1224,7 +1225,7 @@ def test_cross_stream_edge_waits_same_stream_edge_does_not():
         ws.set("one", np.ones(3))
         d.run()
         np.testing.assert_array_equal(ws["b3"], np.arange(3.0) + 3)
-        ev = d._events
+        ev = d.executor.events
         # op0 -> op1 share stream (0, 0): no event; op1 -> op2 crosses to (0, 1);
         # op2 -> op3 goes to the host
         assert set(ev) == {"op1", "op2"}
@@ -1235,7 +1236,7 @@ def test_cross_stream_edge_waits_same_stream_edge_does_not():
         _check_order(rt.log, g)
         # the host op ran only after its producer ran on the device
         assert rt.log.index("op2") < rt.log.index("op3")
-        assert [k for k in d._key.values()] == [(0, 0), (0, 0), (0, 1), None]
+        assert [k for k in d.executor.streams.values()] == [(0, 0), (0, 0), (0, 1), None]
     finally:
         d.close()
 
@@ -1253,8 +1254,8 @@ def test_host_sync_before_comm_op_and_event_after_it():
         d.run()
         np.testing.assert_array_equal(ws["b3"], np.arange(3.0) + 3)
         _check_order(rt.log, g)
-        assert d._key["op2"] == (0, "comm")
-        ev = d._events
+        assert d.executor.streams["op2"] == (0, "comm")
+        ev = d.executor.events
         # polled op1's event (never a blocking sync) before the comm op ran
         polls = [i for i, c in enumerate(rt.calls) if c[0] == "query" and c[1] is ev["op1"]]
         comm_call = next(i for i, c in enumerate(rt.calls) if c[0] == "call")
@@ -1404,7 +1405,7 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
         for p in reference.params():
             np.testing.assert_array_equal(ws[p.name], ref.workspace[p.name])
         # distinct streams were really used, with device-side waits between them
-        assert len({k for k in d._key.values() if k is not None}) >= 4
+        assert len({k for k in d.executor.streams.values() if k is not None}) >= 4
         assert any(c[0] == "wait" for c in rt.calls)
         # GPU ops are traced on their streams, with device times
         tids = {e["tid"] for e in d.profiler.events}
@@ -1495,7 +1496,7 @@ def test_cpu_graph_still_gets_the_event_dispatcher():
     # 'stream' on a CPU graph: the event dispatcher's behaviour, no CUDA at all
     d = make_dispatcher(graph, "stream")
     try:
-        assert isinstance(d, StreamDispatcher) and d.runtime is None
+        assert isinstance(d, StreamDispatcher) and d.executor.runtime is None
         _init(d.workspace, graph, 5)
         d.workspace["iter"][...] = 0
         d.run(0)
@@ -1803,7 +1804,7 @@ def test_stream_dispatcher_real_streams():
             d.run()
             np.testing.assert_array_equal(backend.to_numpy(d.workspace["b5"]),
                                           np.arange(3.0) + 5)
-        assert len(d.runtime.pool) >= 3
+        assert len(d.executor.runtime.pool) >= 3
     finally:
         d.close()
 

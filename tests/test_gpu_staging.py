@@ -19,9 +19,9 @@ from purine_mpi.comm import device as comm_device
 from purine_mpi.gpu.placement import prepare_for_device
 from purine_mpi.model import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
+from purine_mpi.runtime.cuda_runtime import COMM_STREAM
 from purine_mpi.runtime.factory import make_dispatcher
-from purine_mpi.runtime.staging import COPY_OUT_STREAM
-from purine_mpi.runtime.streams_dispatcher import COMM_STREAM
+from purine_mpi.runtime.streams_dispatcher import COPY_OUT_STREAM
 from tests import test_gpu_backend as backend_tests
 from tests.conftest import make_job
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
@@ -62,7 +62,7 @@ class _OtherRank:
         k = d.kernels[name]
         (stage,) = k.stages
         staged = not isinstance(recvbuf, DeviceArray)
-        event = d._staged_out.get(name)
+        event = d.executor.staged_out.get(name)
         producers = {p.name for b in d.graph.ops[name].inputs
                      for p in d.graph.producers()[b]}
         last = d.comm_order()[-1]
@@ -140,7 +140,7 @@ def test_staging_is_asynchronous_event_ordered_and_bitwise_like_cuda_aware_mpi(
     # the staging copies waited on the device for the buckets' writers
     copy_key = (0, COPY_OUT_STREAM)
     assert any(c[0] == "wait" and c[1] == copy_key for c in rt.calls)
-    assert not any(c[0] == "sync_event" and any(c[1] is e for e in d._copied_back.values())
+    assert not any(c[0] == "sync_event" and any(c[1] is e for e in d.executor.copied_back.values())
                    for c in rt.calls)
     # the same weights, bit for bit, as MPI reading device memory directly
     for name, w in want[3].items():
@@ -179,8 +179,8 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     the copy to the host mirror (on the ``stage_d2h`` row) and one for the
     copy back (on the ``comm`` row); they are what bench's
     ``staging_ms_per_iter`` adds up."""
-    from purine_mpi.runtime.dispatcher import Profiler
-    from purine_mpi.runtime.streams_dispatcher import stream_thread_name
+    from purine_mpi.runtime.cuda_runtime import stream_thread_name
+    from purine_mpi.runtime.trace import Profiler
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "0")
     comm_device.cuda_aware.cache_clear()
     graph, grads = build_train_graph(make_job(_tiny_config()))

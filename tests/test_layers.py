@@ -44,7 +44,7 @@ LAYERS = [
                   "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
                   "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats",
                   "purine_mpi.scaling"]),
-    ("cli", ["purine_mpi.cli", "purine_mpi.__main__"]),
+    ("cli", ["purine_mpi.cli", "purine_mpi.cli_args", "purine_mpi.__main__"]),
 ]
 
 

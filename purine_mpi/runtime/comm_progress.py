@@ -47,12 +47,12 @@ last ran ``progress()`` (the progress thread's cue).
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
-import collections
 import itertools
 import time
 
 from ..comm.world import MPI_LOCK
 from ..errors import OpError
+from .scheduler import PostingOrder
 
 
 class CommPoster:
@@ -67,14 +67,14 @@ class CommPoster:
     module docstring)."""
 
     def __init__(self, order, post, complete, record=None, rank=0, unordered=(), gate=None):
-        self.unordered = frozenset(unordered)
         self._post = post
         self._complete = complete
         self._record = record
         self._gate = gate
         self.rank = rank
-        self.order = []
-        self.set_order(order, check=False)
+        #: the posting rule (runtime/scheduler.PostingOrder), shared with
+        #: the scaling simulator
+        self.posting = PostingOrder(order, unordered)
         self.pending = []  # (name, op, Pending, t_post, trace args)
         self.reset()
 
@@ -85,35 +85,40 @@ class CommPoster:
         with MPI_LOCK:
             if self.pending and not self.all_posted():  # an aborted iteration's
                 self.pending = []
-            self.next = 0
-            self.ready_at = {}
+            self.posting.reset()
             self.posted_at = {}
-            self._free = collections.deque()  # ready unordered ops not yet posted
             self._marks = itertools.count(1)
             self._last_mark = 0
             self.last_test = time.perf_counter()
 
     def all_posted(self):
         """Every op of this iteration has been posted (a cheap check)."""
-        return self.next == len(self._chain) and not self._free
+        return self.posting.all_posted()
 
-    def set_order(self, order, check=True):
+    @property
+    def order(self):
+        """The comm op names in their posting order."""
+        return self.posting.order
+
+    @property
+    def ready_at(self):
+        """{name: when its inputs were all written} (this iteration)."""
+        return self.posting.ready_at
+
+    def set_order(self, order):
         """A new posting order (the same on every rank; between iterations)."""
-        if check and sorted(order) != sorted(self.order):
+        if sorted(order) != sorted(self.order):
             raise ValueError("a new posting order must hold the same comm ops")
-        self.order = list(order)
-        self._chain = [n for n in self.order if n not in self.unordered]
+        self.posting.set_order(order)
 
     def mark_ready(self, name):
         """``name``'s inputs are all written (any thread; takes no lock)."""
-        self.ready_at[name] = time.perf_counter()
-        if name in self.unordered:
-            self._free.append(name)
+        self.posting.mark_ready(name, time.perf_counter())
         self._last_mark = next(self._marks)  # atomic: progress() looks for news
 
     def has_work(self):
         """Anything to post or to test (a cheap check without the lock)."""
-        return bool(self.pending) or self._postable()
+        return bool(self.pending) or self.posting.postable()
 
     def progress(self, ops):
         """Post what is ready (in order), test what is in flight, complete
@@ -143,32 +148,11 @@ class CommPoster:
                 break
         return done
 
-    def _postable(self):
-        """A ready op waits to be posted (a cheap check without the lock)."""
-        return bool(self._free) or (self.next < len(self._chain)
-                                    and self._chain[self.next] in self.ready_at)
-
-    def _open(self, name):
-        return self._gate is None or self._gate(name)
-
     def _post_ready(self, ops):
         # An op leaves the ready set only once it is in ``pending``: another
         # thread's has_work() must never see it in neither (it would go to
         # sleep while the transfer waits to be tested).
-        done = 0
-        for _ in range(len(self._free)):  # point-to-point: as soon as ready
-            name = self._free[0]
-            if self._open(name):
-                done += self._post_one(name, ops)
-                self._free.popleft()
-            else:
-                self._free.rotate(-1)
-        chain = self._chain
-        while self.next < len(chain) and chain[self.next] in self.ready_at \
-                and self._open(chain[self.next]):
-            done += self._post_one(chain[self.next], ops)
-            self.next += 1
-        return done
+        return self.posting.post_ready(lambda name: self._post_one(name, ops), self._gate)
 
     def _post_one(self, name, ops):
         self.posted_at[name] = time.perf_counter()
@@ -221,11 +205,12 @@ class CommPoster:
 
     def held(self):
         """Ready ops not posted yet, with why: (name, reason)."""
-        out = [(n, "its device work has not finished") for n in list(self._free)]
-        if self.next < len(self._chain):
-            head = self._chain[self.next]
-            if head in self.ready_at:
+        p = self.posting
+        out = [(n, "its device work has not finished") for n in list(p.free)]
+        if p.next < len(p.chain):
+            head = p.chain[p.next]
+            if head in p.ready_at:
                 out.append((head, "its device work has not finished"))
-            out += [(n, f"posted after '{head}' (seq order)") for n in self._chain[self.next + 1:]
-                    if n in self.ready_at]
+            out += [(n, f"posted after '{head}' (seq order)") for n in p.chain[p.next + 1:]
+                    if n in p.ready_at]
         return out

@@ -1,5 +1,6 @@
-"""CUDA graphs: the stream dispatcher, with each run of GPU-only ops
-captured once and replayed as one graph launch every later iteration.
+"""CUDA graphs: the stream executor, with each run of GPU-only ops
+captured once and replayed as one graph launch every later iteration
+(``GraphExecutor``; ``GraphDispatcher`` is the scheduling core with it).
 
 A static bi-graph runs the same ops on the same buffers with the same shapes
 every iteration, which is what a CUDA graph wants. What cannot go into a
@@ -54,7 +55,7 @@ on the trace row ``gpu<d>:graph``) spanning its device time, with its ops in
 per-op events.
 
 All CUDA calls go through the dispatcher's ``runtime``
-(``streams_dispatcher.CudaRuntime``), so the capture logic is tested against
+(``cuda_runtime.CudaRuntime``), so the capture logic is tested against
 a simulated device with a stream-capture API like CuPy's
 (tests/test_cuda_graph.py).
 
@@ -66,22 +67,24 @@ import time
 from collections import defaultdict
 
 from ..errors import OpError
-from .segments import (MAX_CAPTURES, Segment, _Capture, capture_blocker,  # noqa: F401
-                       plan_segments, stage_order)
-from .streams_dispatcher import StreamDispatcher
+from .segments import MAX_CAPTURES, Segment, _Capture, capture_blocker, plan_segments, stage_order
+from .streams_dispatcher import StreamDispatcher, StreamExecutor
 
 #: the stream name prefix of the streams captures are recorded on
 CAPTURE_STREAM = "capture"
 
 
-class GraphDispatcher(StreamDispatcher):
-    """The stream dispatcher with CUDA-graph capture and replay (see the
+class GraphExecutor(StreamExecutor):
+    """The stream executor with CUDA-graph capture and replay (see the
     module docstring). ``log``: where the one-time notes go (default:
     standard error)."""
 
-    def __init__(self, graph, runtime=None, log=None, **kw):
+    def __init__(self, runtime=None, log=None):
+        super().__init__(runtime)
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._segments = {}
+        #: {segment name: its Segment} (runtime/segments.py: its ops, its
+        #: captures, why its capture failed), in launch order
+        self.segment_plan = {}
         self._mode = {}
         self._pending_captures = []
         self._said = set()
@@ -89,51 +92,50 @@ class GraphDispatcher(StreamDispatcher):
         #: in the last complete iteration
         self._launches = self._eager_ops = 0
         self._last_counts = (0, 0)
-        super().__init__(graph, runtime=runtime, **kw)
-        self._note_blocked()
 
     # ------------------------------------------------------------ planning
     def _blockers(self):
         """{GPU op: why it is not captured}."""
-        g = self.graph
-        comm = set(self._comm_order)
-        return {op.name: reason for op in self.order
-                if self._key.get(op.name) is not None and op.name not in comm
-                and (reason := capture_blocker(g, op, self.kernels[op.name])) is not None}
+        core = self.core
+        comm = set(core.comm_order())
+        return {op.name: reason for op in core.order
+                if self.streams.get(op.name) is not None and op.name not in comm
+                and (reason := capture_blocker(core.graph, op, core.kernels[op.name])) is not None}
 
-    def _schedule(self):
+    def units(self, ops, deps):
         """Segments replace their ops as scheduling units."""
-        ops, deps = super()._schedule()
-        for name in list(self._key):  # units of an earlier plan
-            if name not in self.graph.ops:
-                del self._key[name]
-        self._segments = {}
-        if self.runtime is None or not self._devices:
+        core = self.core
+        for name in list(self.streams):  # units of an earlier plan
+            if name not in core.graph.ops:
+                del self.streams[name]
+        self.segment_plan = {}
+        if self.runtime is None or not self.devices:
             return ops, deps
         order = [op.name for op in ops]
-        unordered = [c for c in self._comm_order
-                     if not getattr(self.kernels[c], "seq_ordered", True)]
-        groups, unit = plan_segments(order, deps, self._key,
-                                     stage_order(order, deps, self._comm_order, unordered),
+        comm_order = core.comm_order()
+        unordered = [c for c in comm_order
+                     if not getattr(core.kernels[c], "seq_ordered", True)]
+        groups, unit = plan_segments(order, deps, self.streams,
+                                     stage_order(order, deps, comm_order, unordered),
                                      self._blockers())
         segs = []
         for i, names in enumerate(groups):
-            device = self._key[names[0]][0]
+            device = self.streams[names[0]][0]
             inside = set(names)
             seg = Segment(f"graph{i}", device, names,
-                          [b for n in names for b in self.graph.ops[n].outputs])
+                          [b for n in names for b in core.graph.ops[n].outputs])
             for n in names:
                 seg.inner_waits[n] = sorted(p for p in deps[n] if p in inside
-                                            and self._key[p] != self._key[n])
+                                            and self.streams[p] != self.streams[n])
             for n in names:
                 seg.inner_event[n] = False
             for n in names:
                 for p in seg.inner_waits[n]:
                     seg.inner_event[p] = True
-            seg.arg_lists = [lst for n in names for lst in (self.kernels[n].ins,
-                                                             self.kernels[n].outs)]
-            self._key[seg.name] = seg.key
-            self._segments[seg.name] = seg
+            seg.arg_lists = [lst for n in names for lst in (core.kernels[n].ins,
+                                                             core.kernels[n].outs)]
+            self.streams[seg.name] = seg.key
+            self.segment_plan[seg.name] = seg
             segs.append(seg)
         unit_name = {n: segs[i].name for n, i in unit.items()}
         node_deps = defaultdict(set)
@@ -147,14 +149,22 @@ class GraphDispatcher(StreamDispatcher):
                 nodes.append(op)
             elif u not in placed:
                 placed.add(u)
-                nodes.append(self._segments[u])
+                nodes.append(self.segment_plan[u])
         return nodes, {n.name: node_deps[n.name] for n in nodes}
+
+    def planned(self):
+        super().planned()
+        self._note_blocked()
+
+    def replans(self):
+        """A new posting order changes the stages: plan (and capture) again."""
+        return bool(self.segment_plan)
 
     def _note_blocked(self):
         blocked = self._blockers()
-        if not self._segments or not blocked:
+        if not self.segment_plan or not blocked:
             return
-        parts = [f"'{n}' ({self.graph.ops[n].op_type}: {why})" for n, why in blocked.items()]
+        parts = [f"'{n}' ({self.core.graph.ops[n].op_type}: {why})" for n, why in blocked.items()]
         more = f", and {len(parts) - 6} more" if len(parts) > 6 else ""
         self._say_once("blocked", f"cuda_graph: {len(blocked)} GPU op(s) run eagerly between "
                                   f"the captured segments: {', '.join(parts[:6])}{more}")
@@ -166,13 +176,13 @@ class GraphDispatcher(StreamDispatcher):
 
     def segments(self):
         """The current segments: [(name, [op names])], in launch order."""
-        return [(s.name, list(s.members)) for s in self._segments.values()]
+        return [(s.name, list(s.members)) for s in self.segment_plan.values()]
 
-    def capture_report(self):
+    def report(self):
         """What is captured: the number of segments and of their ops, the
         segments captured so far, those whose capture failed ({name:
         reason}) and the GPU ops that run eagerly ({name: reason})."""
-        segs = list(self._segments.values())
+        segs = list(self.segment_plan.values())
         launches, eager = self._last_counts
         return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
                 "captured": sum(1 for s in segs if s.captures),
@@ -180,21 +190,13 @@ class GraphDispatcher(StreamDispatcher):
                 "eager_gpu_ops": self._blockers() if segs else {},
                 "launches_per_iter": launches, "eager_ops_per_iter": eager}
 
-    def set_comm_order(self, order):
-        """A new posting order changes the stages: plan (and capture) again."""
-        changed = list(order) != self.comm_order()
-        super().set_comm_order(order)
-        if changed and self._segments:
-            self._build_schedule()
-            self._plan_streams()
-
     # ---------------------------------------------------------- iterations
-    def run(self, iteration=None, sync=True):
-        """One iteration: replay the segments captured for their current
-        arrays (and the keys of their ops' ``before_iteration``), run the
-        others eagerly and capture them at the end (``sync`` as for the
-        stream dispatcher; an iteration followed by a capture ends synced)."""
-        super().run(iteration, sync=sync)
+    def finish(self, iteration, sync):
+        """After one iteration (``sync`` as for the stream executor; an
+        iteration followed by a capture ends synced): capture the segments
+        that ran eagerly for arrays not captured yet, now that every stream
+        is idle."""
+        super().finish(iteration, sync)
         self._last_counts = (self._launches, self._eager_ops)
         for seg, sig in self._pending_captures:  # every stream is idle
             self._capture(seg, sig)
@@ -203,13 +205,15 @@ class GraphDispatcher(StreamDispatcher):
     def _must_sync(self):
         return bool(self._pending_captures)
 
-    def _start_iteration(self, iteration):
-        super()._start_iteration(iteration)  # the ops' before_iteration: their keys
+    def start(self, iteration):
+        """Replay the segments captured for their current arrays (and the
+        keys of their ops' ``before_iteration``), run the others eagerly."""
+        super().start(iteration)  # the ops' before_iteration: their keys
         self._pending_captures = []
         self._mode = {}
         self._launches = self._eager_ops = 0
         keys = self._iteration_keys
-        for seg in self._segments.values():
+        for seg in self.segment_plan.values():
             if seg.failed is not None:
                 continue
             sig = _signature(seg) + (tuple(keys.get(m) for m in seg.members),)
@@ -229,7 +233,7 @@ class GraphDispatcher(StreamDispatcher):
         allocator, pool = rt.capture_memory(device)
         try:
             # cuBLAS handles and workspaces exist before the capture begins
-            threads = dict.fromkeys(self._key[n][1] for n in seg.members)
+            threads = dict.fromkeys(self.streams[n][1] for n in seg.members)
             rt.prepare_capture(device, [origin] + [
                 self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads])
             with allocator:
@@ -253,25 +257,25 @@ class GraphDispatcher(StreamDispatcher):
         seg.captures[sig] = _Capture(graph, pool, arrays)
 
     # ----------------------------------------------------------- launching
-    def _execute(self, op, tid):
-        seg = self._segments.get(op.name)
+    def execute(self, op, tid):
+        seg = self.segment_plan.get(op.name)
         if seg is None:
-            if self._key.get(op.name) is not None and not self._is_comm[op.name]:
+            if self.streams.get(op.name) is not None:
                 self._eager_ops += 1
-            return super()._execute(op, tid)
+            return super().execute(op, tid)
         rt, device = self.runtime, seg.device
         origin = self._stream(seg.key)
         self._fence(seg.key, origin)
         for p in self._waits[seg.name]:
-            rt.wait(origin, self._events[p])
+            rt.wait(origin, self.events[p])
         t0 = time.perf_counter()
-        start = rt.record(device, origin, timing=True) if self.profiler is not None else None
+        start = rt.record(device, origin, timing=True) if self.core.profiler is not None else None
         entry = self._mode.get(seg.name)
         if entry is not None:
             try:
                 rt.launch_graph(device, entry.graph, origin)
             except Exception as exc:
-                raise OpError(seg, exc, self.rank) from exc
+                raise OpError(seg, exc, self.core.rank) from exc
             self._launches += 1
             for name in seg.members:  # its ops' device work is done with the graph's
                 self._launched(name, device, origin)
@@ -284,7 +288,7 @@ class GraphDispatcher(StreamDispatcher):
                                 {"ops": list(seg.members),
                                  "mode": "replay" if entry is not None else "eager"}))
         if self._needs_event[seg.name]:
-            self._events[seg.name] = rt.record(device, origin)
+            self.events[seg.name] = rt.record(device, origin)
         return None, t0
 
     def _launch_members(self, seg, origin, capture):
@@ -294,7 +298,7 @@ class GraphDispatcher(StreamDispatcher):
         fork = rt.record(device, origin)
         streams, events = {}, {}
         for name in seg.members:
-            thread = self._key[name][1]
+            thread = self.streams[name][1]
             key = (device, f"{CAPTURE_STREAM}:{thread}") if capture else (device, thread)
             stream = streams.get(key)
             if stream is None:
@@ -302,11 +306,11 @@ class GraphDispatcher(StreamDispatcher):
                 rt.wait(stream, fork)
             for p in seg.inner_waits[name]:
                 rt.wait(stream, events[p])
-            k = self.kernels[name]
+            k = self.core.kernels[name]
             try:
                 rt.launch(device, stream, lambda k=k: k.run(k.ins, k.outs), name)
             except Exception as exc:
-                raise OpError(self.graph.ops[name], exc, self.rank) from exc
+                raise OpError(self.core.graph.ops[name], exc, self.core.rank) from exc
             if not capture:
                 self._launched(name, device, stream)
             if seg.inner_event[name]:
@@ -320,3 +324,15 @@ def _signature(seg):
     the segment's kernels read and write."""
     arrays = [a for lst in seg.arg_lists for a in lst]
     return tuple(map(id, arrays)), tuple(a.shape for a in arrays)
+
+
+class GraphDispatcher(StreamDispatcher):
+    """The scheduling core with the CUDA-graph executor (a stream
+    dispatcher whose GPU units are captured segments)."""
+
+    def __init__(self, graph, runtime=None, log=None, **kw):
+        super().__init__(graph, executor=GraphExecutor(runtime, log), **kw)
+
+    def segments(self):
+        """The current segments: [(name, [op names])], in launch order."""
+        return self.executor.segments()

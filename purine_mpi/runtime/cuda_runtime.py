@@ -1,5 +1,6 @@
-"""The CUDA calls of the stream dispatchers, on top of CuPy (``CudaRuntime``),
-and the asynchronous host<->device ``Copy`` kernel they swap in. Everything
+"""The CUDA calls of the stream executors, on top of CuPy (``CudaRuntime``),
+the asynchronous host<->device ``Copy`` kernel they swap in, and which
+stream an op runs on (``stream_keys``, ``with_stream_threads``). Everything
 the dispatchers do to a device goes through a runtime object, so their event
 bookkeeping and capture logic are tested against a simulated device
 (tests/test_gpu_backend.py ``SimulatedRuntime``). CuPy is imported on first
@@ -8,9 +9,63 @@ use; imports: NumPy, ``gpu`` (the loader, streams, cuBLAS), ``ops.registry``.
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
+import dataclasses
+
 import numpy as np
 
+from ..errors import GraphError
+from ..graph.core import Graph
+from ..kernels import get_kernel_class
 from ..ops.registry import OpKernel
+
+#: the stream a device's communication ops queue their device work on
+COMM_STREAM = "comm"
+
+
+def op_device(graph, op):
+    """The GPU an op runs on: its location's device, else the device its
+    blobs live on (-1: a host op). An op touching two GPUs is an error."""
+    if op.location.device is not None and op.location.device >= 0:
+        return op.location.device
+    devices = {graph.blobs[graph.storage_root(b)].location.device for b in op.inputs + op.outputs}
+    devices = sorted(d for d in devices if d is not None and d >= 0)
+    if len(devices) > 1:
+        raise GraphError(f"op '{op.name}' ({op.op_type}) reads or writes blobs on GPUs "
+                         f"{devices}; an op runs on one device: insert a Copy between them")
+    return devices[0] if devices else -1
+
+
+def stream_thread_name(device, thread):
+    """The worker-thread (and trace ``tid``) name of a GPU stream."""
+    return f"gpu{device}:{thread}"
+
+
+def stream_keys(graph):
+    """{op name: its stream (device, thread), or None for a host op}: a
+    device's comm ops queue their device work on its ``comm`` stream."""
+    keys = {}
+    for op in graph.ops.values():
+        device = op_device(graph, op)
+        if device < 0:
+            keys[op.name] = None
+        elif get_kernel_class(op.op_type, op.name).category == "comm":
+            keys[op.name] = (device, COMM_STREAM)
+        else:
+            keys[op.name] = (device, op.thread)
+    return keys
+
+
+def with_stream_threads(graph, keys):
+    """A view of ``graph`` whose GPU compute ops carry their stream's name
+    as ``thread`` (one host worker per stream); blobs are shared."""
+    g = Graph(graph.name)
+    g.blobs = graph.blobs
+    for name, op in graph.ops.items():
+        key = keys[name]
+        if key is not None and key[1] != COMM_STREAM:
+            op = dataclasses.replace(op, thread=stream_thread_name(*key))
+        g.ops[name] = op
+    return g
 
 
 class CudaRuntime:

@@ -1,18 +1,25 @@
 """Dispatchers: run one iteration of a graph from its sources to its sinks.
 
-``EventDispatcher`` is Purine's event-driven engine: an op fires as soon as
-every op it depends on has finished. Compute ops run on worker threads named
-by their ``thread`` attribute (NumPy and BLAS release the GIL, so independent
-branches really run at once). Communication ops (kernel category ``comm``)
-are posted the moment their inputs exist, by the worker thread that wrote
-the last of them -- collectives strictly in their ``seq`` order (assigned at
-graph build time, the same on every rank), point-to-point ops at once;
-workers test the requests in flight between ops, and the calling thread --
-the *progress thread* -- while every worker is idle, or when a long op has
-kept every worker from testing for ``busy_poll`` seconds
+``Dispatcher`` is the scheduling core every dispatcher is: Purine's
+event-driven engine. A unit (an op, or a captured segment of ops) fires as
+soon as every unit it depends on has finished (``runtime/scheduler.Schedule``:
+the ready counts, one ready queue per worker lane, the deferred tail); what
+runs it is the dispatcher's *executor* (``runtime/executors.py``: the CPU
+thread pool, the serial twin; ``streams_dispatcher.py``: CUDA streams;
+``cuda_graph.py``: captured CUDA-graph segments). Compute units run on
+worker threads, one per lane (NumPy and BLAS release the GIL, so
+independent branches really run at once), or, for the serial twin, on the
+thread that calls ``run``. Communication ops (kernel category ``comm``) are
+posted the moment their inputs exist, by the thread that wrote the last of
+them -- collectives strictly in their ``seq`` order (assigned at graph
+build time, the same on every rank), point-to-point ops at once; workers
+test the requests in flight between ops, and the calling thread -- the
+*progress thread* -- while every worker is idle, or when a long op has kept
+every worker from testing for ``busy_poll`` seconds
 (``runtime/comm_progress.py``, the one place that calls MPI), so a bucket's
 transfer starts, and keeps moving, while the layers below still
-back-propagate.
+back-propagate. The progress thread raises the first op error, and a
+``StallError`` when nothing moved for ``stall_timeout`` seconds.
 
 With ``defer_tail`` (``parallel.defer_update``) an iteration's ``run``
 returns once its ops are done but for its *tail* -- the last allreduces and
@@ -20,33 +27,38 @@ the updates behind them (``runtime/tail.py``) -- and its collectives are all
 posted; the tail finishes during the next ``run``, whose ops wait only for
 the tail ops that touch their memory; ``drain()`` waits for it.
 
-``SerialDispatcher`` (runtime/serial.py, with what every dispatcher shares)
-runs the same graph one op at a time in a fixed topological order: the
-debugging reference (``PURINE_DISPATCHER=serial``). Both give bit-identical
-results, since every blob has one writer.
-
-Which dispatcher runs a graph is decided in ``runtime/factory.py``
-(``make_dispatcher``), above this module and the GPU dispatchers.
+``EventDispatcher`` (the CPU thread pool) and ``SerialDispatcher`` (the
+serial twin, ``PURINE_DISPATCHER=serial``: the debugging reference) are the
+core with their executor. Both give bit-identical results, since every
+blob has one writer. Which dispatcher runs a graph is decided in
+``runtime/factory.py`` (``make_dispatcher``).
 
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
-import heapq
 import threading
 import time
-from collections import defaultdict
+import zlib
+
+import numpy as np
 
 from ..comm.world import WAIT_HOOKS
 from ..errors import StallError
+from ..kernels import make_kernel
 from .comm_progress import CommPoster
-from .serial import Profiler, SerialDispatcher, _Base, _stall_message  # noqa: F401
+from .executors import INLINE_LANE, Executor, Inline
+from .scheduler import Schedule, feeds_comm
 from .tail import deferred_tail
+from .workspace import Workspace
 
 
-class EventDispatcher(_Base):
-    """Event-driven: ops fire when their predecessors finish; one worker
-    thread per ``thread`` value; comm ops posted as soon as they are ready
-    (in ``seq`` order) by whichever thread readied them (``CommPoster``).
+class Dispatcher:
+    """The scheduling core with an ``executor`` (default: the CPU thread
+    pool). Every dispatcher has this interface: ``run(iteration, sync)``,
+    ``drain()``, ``synchronize()``, ``close()``, the comm posting order
+    (``comm_order``, ``comm_ready_order``, ``set_comm_order``,
+    ``comm_post_latency``), ``capture_report()`` and ``workers`` (its
+    worker threads).
 
     ``defer_tail``: ``run`` returns once this iteration's other ops are done
     and its collectives are posted; the rest -- the tail of
@@ -55,37 +67,75 @@ class EventDispatcher(_Base):
     tail ops that touch what they touch. Call ``drain()`` before reading
     or writing the parameters from outside (a checkpoint, a test pass)."""
 
-    def __init__(self, graph, defer_tail=False, **kw):
-        super().__init__(graph, **kw)
+    def __init__(self, graph, executor=None, workspace=None, rank=0, profiler=None,
+                 stall_timeout=300.0, poll_interval=2e-4, seed=0, busy_poll=1e-3,
+                 defer_tail=False):
+        self.executor = executor = executor or Executor()
+        graph = executor.view(graph)
+        self.graph = graph
+        self.workspace = workspace or Workspace(graph)
+        self.rank = rank
+        self.profiler = profiler
+        self.stall_timeout = stall_timeout
+        self.poll_interval = poll_interval  # progress-thread polls while workers idle
+        #: while a worker runs an op, the progress thread tests the transfers
+        #: in flight when no thread has for this long (seconds; 0: never)
+        self.busy_poll = busy_poll
+        self.iteration = 0
+        self.order = graph.topo_order()
+        self.kernels = {}
+        ws = self.workspace
+        for op in self.order:
+            k = make_kernel(op)
+            k.workspace = ws
+            k.ins = [ws[b] for b in op.inputs]
+            k.outs = [ws[b] for b in op.outputs]
+            if k.needs_rng:
+                # per-op stream: independent of scheduling order and thread
+                k.rng = np.random.default_rng([seed, zlib.crc32(op.name.encode())])
+            self.kernels[op.name] = k
+        #: the blobs several ops add into (zeroed at the start of an iteration)
+        self.accumulated = sorted({b for op in self.order if op.accumulate for b in op.outputs})
+        self.accum_lock = threading.Lock()  # accumulating writers add under it
+        for op in self.order:
+            k = self.kernels[op.name]
+            k.setup(k.ins, k.outs)
         self._defer_tail = defer_tail
-        self._tail, self._cross = frozenset(), {}  # set by _build_schedule
         self._error = self._raised = None  # the first op error; the one run() raised
-        self._carry = set()     # the last iteration's tail ops still to finish
-        self._left_prev = {}    # their predecessor counts
-        self._tail_todo = set()  # this iteration's tail ops not finished yet
-        self._gen_iteration = self._carry_iteration = self.iteration
-        self._left = {}
+        #: the scheduling core (runtime/scheduler.Schedule): ready counts,
+        #: ready queues, the deferred tail; set by _build_schedule
+        self.schedule = None
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._ready, self._worker_cv, self._workers = {}, {}, []
+        #: the worker threads (none for an executor that is not threaded)
+        self.workers = []
+        self._worker_cv = {}
         self._stop = False
         self._busy = 0  # workers running an op
         self._comm_order = [op.name for op in self._comm_in_posting_order()]
         self._comm = CommPoster(
             self._comm_order, self._post_by_name, self._complete, self._record_comm,
-            rank=self.rank, gate=self._comm_gate,
+            rank=self.rank, gate=executor.gate,
             # point-to-point ops match by tag: posted as soon as ready
             unordered=[n for n in self._comm_order if not self.kernels[n].seq_ordered])
+        executor.attach(self)
         self._build_schedule()
-        if self._tail:
+        if self.schedule.tail:
             WAIT_HOOKS.append(self._between_runs)
+
+    def _comm_in_posting_order(self):
+        """Comm ops in the order they are posted: by ``seq`` (fixed at graph
+        build time, the same on every rank), then topological position."""
+        position = {op.name: i for i, op in enumerate(self.order)}
+        comm = [op for op in self.order if self.kernels[op.name].category == "comm"]
+        return sorted(comm, key=lambda o: (o.attrs.get("seq", 1 << 30), position[o.name]))
 
     def _between_runs(self):
         """While a collective outside the graph waits between iterations:
         test this dispatcher's tail transfers still in flight (their updates
         then run on the workers); an error waits for the next run or drain.
         Returns whether transfers are still in flight."""
-        if self._error is None and self._tail_todo and self._comm.pending:
+        if self._error is None and self.schedule.tail_todo and self._comm.pending:
             try:
                 self._comm.progress(self._ops)
             except BaseException as exc:
@@ -94,67 +144,54 @@ class EventDispatcher(_Base):
         return bool(self._comm.pending)
 
     # ----------------------------------------------------------- schedule
-    def _schedule(self):
-        """The units the workers run, in a topological order, and their
-        dependencies ({name: set of predecessor names}): here the graph's
-        ops. A subclass may group ops into units of its own (each with a
-        ``name``, ``thread`` and ``outputs``, run by its ``_execute``)."""
-        return list(self.order), self.graph.dependencies()
-
     def _build_schedule(self):
-        """(Re)build the scheduling tables from ``_schedule()``; between
-        iterations only. Starts a worker for each new thread."""
-        nodes, deps = self._schedule()
+        """(Re)build the scheduling core from the executor's units; between
+        iterations only. Starts a worker for each new lane."""
+        ex = self.executor
+        nodes, deps = ex.units(list(self.order), self.graph.dependencies())
+        tail, cross = frozenset(), {}
         if self._defer_tail:  # ops, not units: only the event dispatcher defers
-            self._tail, self._cross = deferred_tail(self.graph, self.kernels, deps)
-        self._ops = {n.name: n for n in nodes}
-        self._deps = deps
-        self._ndeps = {n: len(d) for n, d in deps.items()}
-        succ = defaultdict(list)
-        for n, d in deps.items():
-            for p in d:
-                succ[p].append(n)
-        self._succ = {n: tuple(succ[n]) for n in self._ops}
-        self._sources = [n.name for n in nodes if self._ndeps[n.name] == 0]
-        self._head_total = sum(1 for n in self._ops if n not in self._tail)
+            tail, cross = deferred_tail(self.graph, self.kernels, deps)
+        names = [n.name for n in nodes]
         comm = set(self._comm_order)
-        self._is_comm = {n: n in comm for n in self._ops}
-        # Ready ops wait in one heap per thread. Ops whose outputs feed a
-        # communication op come first (a layer's weight gradient before its
-        # data gradient), so a bucket's allreduce is posted as early as
-        # possible; then topological position, so backward proceeds layer by
-        # layer and the buckets fill in order.
-        consumers = self.graph.consumers()
-        feeds_comm = {n.name for n in nodes for b in n.outputs
-                      if any(c.name in comm for c in consumers.get(b, ()))}
-        self._priority = {n.name: (n.name not in feeds_comm, i) for i, n in enumerate(nodes)}
-        self._thread_of = {n.name: str(n.thread) for n in nodes}
-        threads = sorted({self._thread_of[n] for n in self._ops if not self._is_comm[n]})
-        for t in threads:
-            if t in self._ready:
+        self._ops = {n.name: n for n in nodes}
+        self.schedule = Schedule(
+            names, deps, {n.name: ex.lane(n) for n in nodes},
+            ex.priority(names, feeds_comm(self.graph, nodes, comm)), comm, tail, cross)
+        self._is_comm = self.schedule.is_comm
+        #: without worker threads: the compute units in the order they run
+        self._inline_order = [] if ex.threaded else sorted(
+            (n for n in names if not self._is_comm[n]), key=self.schedule.priority.__getitem__)
+        self._inline_next = 0
+        for t in self.schedule.ready:
+            if t in self._worker_cv:
                 continue
-            self._ready[t] = []
             self._worker_cv[t] = threading.Condition(self._lock)
-            w = threading.Thread(target=self._worker, args=(t,), daemon=True,
-                                 name=f"purine-worker-{t}")
-            self._workers.append(w)
-            w.start()
+            if ex.threaded:
+                w = threading.Thread(target=self._worker, args=(t,), daemon=True,
+                                     name=f"purine-worker-{t}")
+                self.workers.append(w)
+                w.start()
+        ex.planned()
+
+    def label(self, name):
+        """The iteration a running unit belongs to (its trace events')."""
+        return self.schedule.label(name)
 
     # ------------------------------------------------------------- workers
     def _worker(self, tid):
-        heap, cv = self._ready[tid], self._worker_cv[tid]
+        cv = self._worker_cv[tid]
         while True:
             with cv:
-                while not heap and not self._stop:
+                while not self.schedule.ready[tid] and not self._stop:
                     cv.wait()
                 if self._stop:
                     return
-                name = heapq.heappop(heap)[1]
+                name = self.schedule.pop(tid)
                 self._busy += 1
             while name is not None:
-                op = self._ops[name]
                 try:
-                    self._execute(op, tid)
+                    self.executor.execute(self._ops[name], tid)
                     name = self._complete(name, tid)
                     # post what this op made ready, test what is in flight
                     self._comm.progress(self._ops)
@@ -166,72 +203,45 @@ class EventDispatcher(_Base):
                     break
                 if name is None:
                     with self._lock:
-                        if self._ready[tid] and self._error is None:
-                            name = heapq.heappop(self._ready[tid])[1]
-                        else:
+                        if self._error is None:
+                            name = self.schedule.pop(tid)
+                        if name is None:
                             self._busy -= 1
                             if self._busy == 0:
                                 self._cv.notify()  # the progress thread may poll now
 
     def _push_ready(self, name):
-        """Queue a ready op (lock held)."""
+        """Queue a ready unit (lock held)."""
         if self._is_comm[name]:
+            self.executor.ready(name)
             self._comm.mark_ready(name)
             self._cv.notify()
             return
-        t = self._thread_of[name]
-        heapq.heappush(self._ready[t], (self._priority[name], name))
-        self._worker_cv[t].notify()
+        self._worker_cv[self.schedule.push(name)].notify()
 
     def _complete(self, name, tid=None):
         """Mark ``name`` done and queue its ready successors; on a worker,
         also take that thread's next op in the same critical section."""
         with self._lock:
             self._last_progress = time.monotonic()
-            if name in self._carry:  # the last iteration's deferred tail
-                self._carry.discard(name)
-                self._release(self._left_prev, self._succ[name])
-                self._release(self._left, self._cross[name])  # this iteration's, waiting
-                if not self._carry:
-                    self._cv.notify()
-            else:
-                if name in self._tail:
-                    self._tail_todo.discard(name)
-                    if not self._tail_todo:
-                        self._cv.notify()  # drain() waits for it
-                else:
-                    self._head_left -= 1
-                    if self._head_left == 0:
-                        self._cv.notify()
-                self._release(self._left, self._succ[name])
-            if tid is not None and self._ready[tid] and self._error is None:
-                return heapq.heappop(self._ready[tid])[1]
+            ready, milestone = self.schedule.complete(name)
+            for s in ready:
+                self._push_ready(s)
+            if milestone:
+                self._cv.notify()  # run() or drain() may wait for it
+            if tid is not None and self._error is None:
+                return self.schedule.pop(tid)
         return None
 
-    def _release(self, left, names):
-        """(lock held) One predecessor of each of ``names`` is done (counts in
-        ``left``); queue those with none left."""
-        for s in names:
-            left[s] -= 1
-            if left[s] == 0:
-                self._push_ready(s)
-
-    def _label(self, name):
-        return self._carry_iteration if name in self._carry else self._gen_iteration
-
     # ------------------------------------------------------------ comm ops
-    #: CommPoster's device hook: None, or name -> whether the device work
-    #: that wrote the op's inputs has finished (the stream dispatcher's)
-    _comm_gate = None
-
     def _post_by_name(self, name):
         """Post one comm op (under MPI_LOCK): its Pending, or None when done."""
-        result, _ = self._execute(self._ops[name], "comm")
+        result, _ = self.executor.post(self._ops[name])
         return result
 
     def _record_comm(self, op, t_post, t_done, extra):
         if self.profiler is not None:
-            self.profiler.record(op, "comm", t_post, t_done, self._label(op.name), "comm", extra)
+            self.profiler.record(op, "comm", t_post, t_done, self.label(op.name), "comm", extra)
 
     def comm_order(self):
         """The comm ops' posting order (build-time ``seq`` unless changed)."""
@@ -247,8 +257,11 @@ class EventDispatcher(_Base):
     def set_comm_order(self, order):
         """Post the comm ops in ``order`` from the next iteration on (the same
         order on every rank: decide it on one rank and broadcast it)."""
+        changed = list(order) != self.comm_order()
         self._comm.set_order(order)
         self._comm_order = list(order)
+        if changed and self.executor.replans():
+            self._build_schedule()
 
     def comm_post_latency(self):
         """{op name: seconds from its inputs being ready to its post} for
@@ -257,51 +270,55 @@ class EventDispatcher(_Base):
         return {n: c.posted_at[n] - c.ready_at[n] for n in c.order
                 if n in c.posted_at and n in c.ready_at}
 
+    def capture_report(self):
+        """What is captured into CUDA graphs (``cuda_graph.GraphExecutor``);
+        None for every other executor."""
+        return self.executor.report()
+
     # ------------------------------------------------------- progress loop
-    def run(self, iteration=None):
+    def run(self, iteration=None, sync=True):
         """Run every op once. Blocks until done (with ``defer_tail``: until
         every op but the tail is done and every collective is posted);
-        raises the first op error."""
-        if iteration is not None:
-            self.iteration = iteration
+        raises the first op error. ``sync=False``: an iteration of device
+        work alone may return once it is queued (the stream executors;
+        call ``synchronize`` before reading a blob on the host)."""
+        it = self.iteration if iteration is None else iteration
+        self.executor.start(it)
+        self.iteration = it
         self._raise_unreported()  # a deferred tail op failed after the last run returned
         self._error = None
         self._comm.reset()  # keeps the transfers of the last iteration's tail
-        self._zero_accumulators()  # a tail op never touches an accumulated blob
+        for b in self.accumulated:  # a tail op never touches an accumulated blob
+            self.workspace[b].fill(0)
+        self.executor.zeroed()
+        self._inline_next = 0
         with self._lock:
             # what is left of the last iteration's tail runs on; this
             # iteration's ops that touch what it touches wait for it
-            self._carry = carry = set(self._tail_todo)
-            self._left_prev = {n: self._left[n] for n in carry}
-            self._carry_iteration, self._gen_iteration = self._gen_iteration, self.iteration
-            left = dict(self._ndeps)
-            for t in carry:
-                for s in self._cross[t]:
-                    left[s] += 1
-            self._left = left
-            self._head_left = self._head_total
-            self._tail_todo = set(self._tail)
             self._last_progress = time.monotonic()
-            for n in self._sources:
-                if left[n] == 0:
-                    self._push_ready(n)
+            for n in self.schedule.start(self.iteration):
+                self._push_ready(n)
         self._progress_until(self._run_done)
         self.iteration += 1
+        self.executor.finish(it, sync)
 
     def _run_done(self):
         """(lock held) This iteration's non-tail ops are done, the last one's
         tail too, and every collective of this one is posted."""
-        return self._head_left == 0 and not self._carry and self._comm.all_posted()
+        return self.schedule.head_done() and self._comm.all_posted()
 
-    def _tail_done(self):
-        return not self._tail_todo
+    def synchronize(self):
+        """Wait until the device work queued so far has finished: then every
+        blob holds its value of the last iteration, and the host may write."""
+        self.executor.synchronize()
 
     def drain(self):
-        """Wait until the deferred tail of the last ``run`` has finished:
-        then every blob holds its value of that iteration."""
-        if self._tail_todo:
-            self._progress_until(self._tail_done)
+        """Wait until the deferred tail of the last ``run`` has finished, and
+        the devices: then every blob holds its value of that iteration."""
+        if self.schedule.tail_todo:
+            self._progress_until(self.schedule.tail_done)
         self._raise_unreported()
+        self.executor.synchronize()
 
     def _raise_unreported(self):
         """Raise the first op error unless run() or drain() raised it already."""
@@ -309,11 +326,39 @@ class EventDispatcher(_Base):
             self._raised = self._error
             raise self._error
 
+    def _run_inline(self):
+        """Without worker threads: run on this thread the compute units, in
+        the executor's fixed order (its ``priority``), while the next one is
+        ready (one waiting for a transfer waits; nothing overtakes it).
+        Returns whether it ran any."""
+        heap, ran = self.schedule.ready[INLINE_LANE], False
+        while self._inline_due():
+            name = self.schedule.pop(INLINE_LANE)
+            self._inline_next += 1
+            try:
+                self.executor.execute(self._ops[name], INLINE_LANE)
+                self._complete(name)
+                self._comm.progress(self._ops)  # post what it made ready
+            except BaseException:
+                heap.clear()  # the iteration is over
+                raise
+            ran = True
+        return ran
+
+    def _inline_due(self):
+        """The next unit of the fixed order is ready."""
+        heap, order = self.schedule.ready.get(INLINE_LANE), self._inline_order
+        return bool(heap) and self._inline_next < len(order) and \
+            heap[0][-1] == order[self._inline_next]
+
     def _progress_until(self, finished):
         """The progress thread: wait (driving the transfers while the workers
         are idle or busy too long) until ``finished()`` (called with the lock
         held), or raise the first op error or a stall."""
+        inline = not self.executor.threaded
         while True:
+            if inline and self._run_inline():
+                continue
             with self._lock:
                 if self._error is None and not finished() and \
                         (self._busy or not self._comm.has_work()):
@@ -330,6 +375,8 @@ class EventDispatcher(_Base):
                 # every worker waits, or none has tested for busy_poll
                 # seconds (a long op): drive the transfers from here
                 comm.progress(self._ops)
+                if inline and self._inline_due():
+                    continue  # a transfer's completion readied the next unit
                 if idle and comm.has_work():
                     oldest = comm.oldest_post()
                     if stalled_for > self.stall_timeout and (
@@ -343,7 +390,7 @@ class EventDispatcher(_Base):
                                                     self.stall_timeout, comm.held()))
                 raise StallError(f"rank {self.rank}: no op completed for "
                                  f"{self.stall_timeout:.0f} s; waiting: " +
-                                 ", ".join(self._waiting_ops()[:10]))
+                                 ", ".join(self.schedule.waiting()[:10]))
 
     def _fallback_wait(self):
         """How long the progress thread may sleep (lock held): until the
@@ -356,9 +403,6 @@ class EventDispatcher(_Base):
         return self.busy_poll > 0 and self._comm.has_work() and \
             time.perf_counter() - self._comm.last_test >= self.busy_poll
 
-    def _waiting_ops(self):
-        return [n for n, k in list(self._left.items()) + list(self._left_prev.items()) if k > 0]
-
     def close(self):
         if self._between_runs in WAIT_HOOKS:
             WAIT_HOOKS.remove(self._between_runs)
@@ -366,7 +410,40 @@ class EventDispatcher(_Base):
             self._stop = True
             for cv in self._worker_cv.values():
                 cv.notify_all()
-        for w in self._workers:
+        for w in self.workers:
             w.join(timeout=5)
 
+    def __enter__(self):
+        return self
 
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EventDispatcher(Dispatcher):
+    """The scheduling core with the CPU thread pool (``executors.Executor``):
+    one worker thread per ``thread`` value of the ops."""
+
+    def __init__(self, graph, defer_tail=False, **kw):
+        super().__init__(graph, Executor(), defer_tail=defer_tail, **kw)
+
+
+class SerialDispatcher(Dispatcher):
+    """The serial twin (``executors.Inline``): ops one by one on the calling
+    thread, in a fixed topological order. Communication ops are posted
+    (non-blocking) in ``seq`` order, like the event dispatcher does, and
+    waited for only when the next op needs their result, so matched
+    Send/Recv pairs and collectives never deadlock."""
+
+    def __init__(self, graph, **kw):
+        super().__init__(graph, Inline(), **kw)
+
+
+def _stall_message(rank, pending, timeout, held=()):
+    parts = []
+    for op, p in pending:
+        desc = p.describe() if hasattr(p, "describe") else ""
+        parts.append(f"op '{op.name}' ({op.op_type}{', ' + desc if desc else ''})")
+    parts += [f"op '{name}' (not posted: {why})" for name, why in held]
+    return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
+            f"still waiting on: " + "; ".join(parts))

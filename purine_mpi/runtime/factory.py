@@ -1,12 +1,15 @@
 """Which dispatcher runs a graph: ``make_dispatcher``; the memory it runs
 in: ``planned_workspace``.
 
-The dispatchers are layered, each module importing only those below it::
+Every dispatcher is the scheduling core (``dispatcher.Dispatcher``) with
+an executor; each module imports only those below it::
 
     factory.py             make_dispatcher: picks one of the below
     cuda_graph.py          GraphDispatcher: segments captured as CUDA graphs
     streams_dispatcher.py  StreamDispatcher: GPU ops on CUDA streams
-    dispatcher.py          EventDispatcher, SerialDispatcher, Profiler
+    dispatcher.py          EventDispatcher (CPU thread pool), SerialDispatcher
+    executors.py           the executors' interface, the thread pool, the serial twin
+    scheduler.py           the scheduling rule (also the scaling simulator's)
 
 so that nothing below this module needs to know which dispatchers exist.
 

@@ -2,8 +2,8 @@
 (``capture_blocker``), the order the comm ops can be posted in
 (``stage_order``), and the cut into segments, each captured as one graph
 (``plan_segments``). Pure functions of the graph and the schedule, used by
-``runtime/cuda_graph.GraphDispatcher``; imports only the stream naming of
-``runtime/streams_dispatcher``.
+``runtime/cuda_graph.GraphExecutor``; imports only the stream naming of
+``runtime/cuda_runtime``.
 
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
@@ -12,7 +12,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .streams_dispatcher import stream_thread_name
+from .cuda_runtime import stream_thread_name
 
 #: captures kept per segment (one per distinct set of arrays); then eager
 MAX_CAPTURES = 4

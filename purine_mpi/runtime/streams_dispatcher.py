@@ -1,4 +1,5 @@
-"""The CUDA-stream dispatcher: Purine's event-driven engine on GPUs.
+"""The CUDA-stream executor (``StreamExecutor``; ``StreamDispatcher`` is the
+scheduling core with it): Purine's event-driven engine on GPUs.
 
 Each (device, thread) pair of a GPU op is a CUDA stream. An op on a GPU is
 *launched* asynchronously on its stream by a host worker thread (one per
@@ -13,7 +14,7 @@ launched as soon as it is, because the dependencies are kept on the device:
 - a communication op after GPU work: whichever thread drives the comm
   ops (``runtime/comm_progress.CommPoster``: the worker that launched its
   last producer, another worker between ops, or the progress thread) asks
-  the poster's device hook ``_comm_gate``, which queries the producers'
+  the poster's device hook (the executor's ``gate``), which queries the producers'
   events (never blocking, so the transfers in flight keep moving); the MPI
   call is posted only once its input is complete on the device, collectives
   still in ``seq`` order. With a non-CUDA-aware MPI its buffers are staged
@@ -23,7 +24,9 @@ launched as soon as it is, because the dependencies are kept on the device:
   (polled) for the event after them; the epilogue (the host-to-device copy
   back, the 1/N scale) is queued on the device's ``comm`` stream, and GPU
   consumers wait on an event recorded after it. No synchronous
-  ``get``/``set``.
+  ``get``/``set``. With a profiler each staging copy is a trace event of
+  category ``staging``: ``<op>:d2h`` on the ``stage_d2h`` row, ``<op>:h2d``
+  (with the scale) on the ``comm`` row.
 
 The host synchronises with the devices only where it must: before a comm or
 host op reads device memory, at the start of an iteration (host writes made
@@ -57,77 +60,69 @@ the microseconds the host took to launch it.
 
 All CUDA calls go through a ``runtime`` object (``CudaRuntime``), so the
 event bookkeeping is tested on machines without a GPU against a simulated
-device (tests/test_gpu_backend.py).
+device (tests/test_gpu_backend.py). What the tests look at is public on the
+executor (``dispatcher.executor``): ``streams`` ({unit: its stream
+(device, thread), None on the host}), ``events`` ({unit: the CUDA event
+recorded after it this iteration, for whoever outside its stream waits}),
+``staged_out`` ({comm op: the event after its device-to-host copies this
+iteration}) and ``copied_back`` ({comm op: the event after its last copy
+back}).
 
 Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
+import threading
 import time
 
 import numpy as np
 
 from ..backend import get_xp
-from ..errors import GraphError, OpError
-from ..graph.core import Graph
-from ..kernels import get_kernel_class
+from ..errors import OpError
 from ..ops.registry import Pending
-from .cuda_runtime import CudaRuntime, HostDeviceCopy
-from .dispatcher import EventDispatcher
-from .staging import HostStaging
+from .cuda_runtime import (CudaRuntime, HostDeviceCopy, stream_keys, stream_thread_name,
+                           with_stream_threads)
+from .dispatcher import Dispatcher
+from .executors import Executor
 
-#: the stream a device's communication ops queue their device work on
-COMM_STREAM = "comm"
 #: the stream the per-iteration timing origin is recorded on (profiling)
 ORIGIN_STREAM = "origin"
+#: the stream thread of each device's device-to-host staging copies
+COPY_OUT_STREAM = "stage_d2h"
 
 
-def op_device(graph, op):
-    """The GPU an op runs on: its location's device, else the device its
-    blobs live on (-1: a host op). An op touching two GPUs is an error."""
-    if op.location.device is not None and op.location.device >= 0:
-        return op.location.device
-    devices = {graph.blobs[graph.storage_root(b)].location.device for b in op.inputs + op.outputs}
-    devices = sorted(d for d in devices if d is not None and d >= 0)
-    if len(devices) > 1:
-        raise GraphError(f"op '{op.name}' ({op.op_type}) reads or writes blobs on GPUs "
-                         f"{devices}; an op runs on one device: insert a Copy between them")
-    return devices[0] if devices else -1
+@dataclasses.dataclass(frozen=True)
+class StageCopy:
+    """What a staging copy's trace event names (category ``staging``)."""
+
+    name: str
+    op_type: str = "HostStage"
 
 
-def stream_thread_name(device, thread):
-    """The worker-thread (and trace ``tid``) name of a GPU stream."""
-    return f"gpu{device}:{thread}"
+class StreamExecutor(Executor):
+    """GPU units launched on CUDA streams by one host worker per stream
+    (see the module docstring); host ops run as in the thread pool. A graph
+    without GPU ops runs exactly as there."""
 
+    def __init__(self, runtime=None):
+        self.runtime = runtime
 
-class StreamDispatcher(HostStaging, EventDispatcher):
-    """Event-driven dispatcher whose GPU ops run on CUDA streams (see the
-    module docstring). Ops on the CPU behave as in ``EventDispatcher``; a
-    graph without GPU ops runs exactly as there."""
-
-    def __init__(self, graph, runtime=None, **kw):
-        keys = {}
-        for op in graph.ops.values():
-            device = op_device(graph, op)
-            if device < 0:
-                keys[op.name] = None
-            elif get_kernel_class(op.op_type, op.name).category == "comm":
-                keys[op.name] = (device, COMM_STREAM)
-            else:
-                keys[op.name] = (device, op.thread)
+    def view(self, graph):
+        keys = stream_keys(graph)
         self.source_graph = graph
-        #: op (or scheduling unit) -> its stream (device, thread); None: the host
-        self._key = keys
-        self._devices = sorted({k[0] for k in keys.values() if k is not None})
-        self.runtime = runtime if runtime is not None else \
-            (CudaRuntime() if self._devices else None)
-        # every iteration ends with each stream idle: no tail runs on
-        # (parallel.defer_update is the CPU event dispatcher's)
-        kw["defer_tail"] = False
-        super().__init__(_with_stream_threads(graph, keys), **kw)
-        self._accum_roots = {op.name: sorted({self.graph.storage_root(b) for b in op.outputs})
-                             for op in self.order if op.accumulate}
-        self._events = {}
+        #: unit -> its stream (device, thread); None: the host
+        self.streams = keys
+        self.devices = sorted({k[0] for k in keys.values() if k is not None})
+        if self.runtime is None and self.devices:
+            self.runtime = CudaRuntime()
+        return with_stream_threads(graph, keys)
+
+    def attach(self, core):
+        super().attach(core)
+        keys, kernels, graph = self.streams, core.kernels, core.graph
+        self._accum_roots = {op.name: sorted({graph.storage_root(b) for b in op.outputs})
+                             for op in core.order if op.accumulate}
+        self.events = {}
         self._acc_events = {}
         self._timed = []
         self._origin = {}
@@ -138,21 +133,28 @@ class StreamDispatcher(HostStaging, EventDispatcher):
         self._synced = True   # no device work queued since the host last waited
         #: ops with host work every iteration (OpKernel.before_iteration)
         self._iteration_hooks = [n for n in graph.ops if keys[n] is not None
-                                 and self.kernels[n].before_iteration is not None]
+                                 and kernels[n].before_iteration is not None]
         self._iteration_keys = {}
         # host or comm ops read or write host memory the device may still use:
         # an iteration with any ends synchronised
-        self._device_only = bool(self._devices) and not self._accum and all(
-            keys[n] is not None and self.kernels[n].category != "comm" for n in graph.ops)
-        self._init_staging(keys)
-        self._plan_streams()
+        self._device_only = bool(self.devices) and not core.accumulated and all(
+            keys[n] is not None and kernels[n].category != "comm" for n in graph.ops)
+        #: comm op -> the event after its device-to-host copies (this
+        #: iteration), and the event after its last copy back
+        self.staged_out, self.copied_back = {}, {}
+        self._async_staged = {}
+        self._stage_lock = threading.Lock()
+        for name, k in kernels.items():
+            if keys.get(name) is not None and k.category == "comm" and hasattr(k, "copy_out"):
+                k.async_staging = True
         if self.runtime is not None and self.runtime.swaps_copies():
             self._swap_copy_kernels()
 
-    def _plan_streams(self):
+    def planned(self):
         """The device-side waits, host synchronisations and comm gates
-        between the scheduling units (``_deps``, after ``_build_schedule``)."""
-        keys, deps = self._key, self._deps
+        between the scheduling units (after the core built its schedule)."""
+        keys, deps = self.streams, self.core.schedule.deps
+        is_comm = self.core.schedule.is_comm
         succ = {n: [] for n in deps}
         for n, d in deps.items():
             for p in d:
@@ -167,7 +169,7 @@ class StreamDispatcher(HostStaging, EventDispatcher):
         for n, d in deps.items():
             gpu_preds = sorted(p for p in d if p in on_gpu)
             other = [p for p in gpu_preds if keys[p] != keys[n]]
-            if self._is_comm[n]:
+            if is_comm[n]:
                 self._gates[n] = other
             elif keys[n] is None:
                 self._host_waits[n] = gpu_preds
@@ -180,8 +182,9 @@ class StreamDispatcher(HostStaging, EventDispatcher):
     # ------------------------------------------------------------ set-up
     def _swap_copy_kernels(self):
         """Copy ops between host and device memory: asynchronous copies."""
-        for op in self.order:
-            k = self.kernels[op.name]
+        kernels = self.core.kernels
+        for op in self.core.order:
+            k = kernels[op.name]
             if op.op_type != "Copy" or op.accumulate or len(k.ins) != 1:
                 continue
             src_dev = get_xp(k.ins[0]) is not np
@@ -189,49 +192,42 @@ class StreamDispatcher(HostStaging, EventDispatcher):
             if src_dev != dst_dev:
                 swapped = HostDeviceCopy(op)
                 swapped.workspace, swapped.ins, swapped.outs = k.workspace, k.ins, k.outs
-                self.kernels[op.name] = swapped
+                kernels[op.name] = swapped
 
     def _stream(self, key):
         return self.runtime.stream(key[0], key[1])
 
-    _thread_row = staticmethod(stream_thread_name)  # for runtime/staging
-
     # ------------------------------------------------------- iterations
-    def _zero_accumulators(self):
-        """Start of an iteration (called first by ``run``): zero the
-        accumulated blobs, then let the host's own device writes land."""
-        super()._zero_accumulators()
-        self._events = {}
+    def zeroed(self):
+        """Start of an iteration (the accumulators are zeroed): let the
+        host's own device writes land."""
+        self.events = {}
         self._acc_events = {}
         self._timed = []
         self._origin = {}
-        if self.runtime is None or not self._devices:
+        if self.runtime is None or not self.devices:
             return
-        if self._synced or self.profiler is not None:
+        if self._synced or self.core.profiler is not None:
             # host writes made outside the dispatcher (a loaded checkpoint, the
             # loss window's reset) went to CuPy's default stream
-            self.runtime.sync_devices(self._devices)
+            self.runtime.sync_devices(self.devices)
             self._tail_events = {}
-        if self.profiler is not None:
-            for d in self._devices:
+        if self.core.profiler is not None:
+            for d in self.devices:
                 event = self.runtime.record(d, self.runtime.stream(d, ORIGIN_STREAM), timing=True)
                 self.runtime.sync_event(event)
                 self._origin[d] = (event, time.perf_counter())
 
-    def run(self, iteration=None, sync=True):
-        """Launch every op once, then wait for the devices: when this
-        returns, every blob holds its value of this iteration. With
-        ``sync=False`` an iteration of device work alone returns once it is
-        queued (call ``synchronize`` before reading a blob on the host)."""
-        it = self.iteration if iteration is None else iteration
-        self._start_iteration(it)
-        super().run(iteration)
-        if self.runtime is None or not self._devices:
+    def finish(self, iteration, sync):
+        """Every op is launched: wait for the devices, so that every blob
+        holds its value of this iteration -- or, with ``sync=False``, for an
+        iteration of device work alone, return once it is queued."""
+        if self.runtime is None or not self.devices:
             return
-        if sync or not self._device_only or self.profiler is not None or self._must_sync():
+        if sync or not self._device_only or self.core.profiler is not None or self._must_sync():
             self.runtime.sync_streams()
             self._mark_synced()
-            self._trace_device_times(it)
+            self._trace_device_times(iteration)
             return
         self._synced = False
         tail = dict(self._tail_events)
@@ -240,15 +236,9 @@ class StreamDispatcher(HostStaging, EventDispatcher):
         self._tail_events = tail
 
     def synchronize(self):
-        """Wait until the device work queued so far has finished: then every
-        blob holds its value of the last iteration, and the host may write."""
-        if self.runtime is not None and self._devices and not self._synced:
+        if self.runtime is not None and self.devices and not self._synced:
             self.runtime.sync_streams()
         self._mark_synced()
-
-    def drain(self):
-        super().drain()
-        self.synchronize()
 
     def _mark_synced(self):
         """The devices are idle: the next iteration starts afresh (no tail)."""
@@ -258,21 +248,18 @@ class StreamDispatcher(HostStaging, EventDispatcher):
         """Whether this iteration must end synchronised anyway."""
         return False
 
-    def _start_iteration(self, iteration):
-        """Before any device work of ``iteration`` is queued."""
+    def start(self, iteration):
+        """Before any device work of ``iteration`` is queued: the ops' host
+        work of this iteration (OpKernel.before_iteration)."""
         self._fenced = set()
-        self._before_iteration(iteration)
-
-    def _before_iteration(self, iteration):
-        """The ops' host work of this iteration (OpKernel.before_iteration)."""
-        keys = {}
+        kernels, keys = self.core.kernels, {}
         for name in self._iteration_hooks:
-            keys[name] = self.kernels[name].before_iteration(iteration, self._host_write)
+            keys[name] = kernels[name].before_iteration(iteration, self._host_write)
         self._iteration_keys = keys
 
     def _host_write(self, fn):
         """Run ``fn`` (host writes into device blobs) with the devices idle."""
-        self.runtime.host_write(self._devices, fn)
+        self.runtime.host_write(self.devices, fn)
         self._mark_synced()
 
     def _fence(self, key, stream):
@@ -288,54 +275,51 @@ class StreamDispatcher(HostStaging, EventDispatcher):
 
     def _launched(self, name, device, stream):
         """Hand an op with ``after_launch`` the event after its device work."""
-        k = self.kernels[name]
+        k = self.core.kernels[name]
         if k.after_launch is not None:
             k.after_launch(self.runtime.record(device, stream), self.runtime)
 
     def _trace_device_times(self, iteration):
-        if self.profiler is None or not self._origin:
+        if self.core.profiler is None or not self._origin:
             return
         for op, category, tid, device, start, end, extra in self._timed:
             origin, t_host = self._origin[device]
             t0 = t_host + self.runtime.elapsed_ms(origin, start) / 1e3
             t1 = t_host + self.runtime.elapsed_ms(origin, end) / 1e3
-            self.profiler.record(op, category, t0, t1, iteration, tid, extra)
+            self.core.profiler.record(op, category, t0, t1, iteration, tid, extra)
 
     # --------------------------------------------------------------- ops
-    def _execute(self, op, tid):
-        name = op.name
-        if self._is_comm[name]:
-            return self._execute_comm(op)
-        key = self._key[name]
+    def execute(self, op, tid):
+        key = self.streams[op.name]
         if key is None:
-            for p in self._host_waits[name]:
-                self.runtime.sync_event(self._events[p])
-            return super()._execute(op, tid)
+            for p in self._host_waits[op.name]:
+                self.runtime.sync_event(self.events[p])
+            return super().execute(op, tid)
         return self._execute_gpu(op, key, tid)
 
     def _execute_gpu(self, op, key, tid):
         name, device = op.name, key[0]
-        rt = self.runtime
+        rt, core = self.runtime, self.core
         stream = self._stream(key)
         self._fence(key, stream)
         for p in self._waits[name]:
-            rt.wait(stream, self._events[p])
-        k = self.kernels[name]
+            rt.wait(stream, self.events[p])
+        k = core.kernels[name]
         t0 = time.perf_counter()
-        start = rt.record(device, stream, timing=True) if self.profiler is not None else None
+        start = rt.record(device, stream, timing=True) if core.profiler is not None else None
         try:
             if op.accumulate:
                 self._accumulate(op, k, key, stream)
             else:
                 rt.launch(device, stream, lambda: k.run(k.ins, k.outs), name)
         except Exception as exc:
-            raise OpError(op, exc, self.rank) from exc
+            raise OpError(op, exc, core.rank) from exc
         self._launched(name, device, stream)
         if start is not None:
             end = rt.record(device, stream, timing=True)
             self._timed.append((op, k.category, tid, device, start, end, None))
         if self._needs_event[name]:
-            self._events[name] = rt.record(device, stream)
+            self.events[name] = rt.record(device, stream)
         return None, t0
 
     def _accumulate(self, op, k, key, stream):
@@ -354,7 +338,7 @@ class StreamDispatcher(HostStaging, EventDispatcher):
                 o += t
 
         rt.launch(device, stream, compute)
-        with self._accum_lock:
+        with self.core.accum_lock:
             roots = self._accum_roots[op.name]
             for r in roots:
                 prev = self._acc_events.get(r)
@@ -366,7 +350,7 @@ class StreamDispatcher(HostStaging, EventDispatcher):
                 self._acc_events[r] = (key, event)
 
     # ------------------------------------------------------- comm ops
-    def _comm_gate(self, name):
+    def gate(self, name):
         """CommPoster's device hook: whether the GPU work a comm op reads
         has finished (its producers' events queried, never waited on). Until
         it has, the poster holds the op -- and the ordered ops after it, so
@@ -374,31 +358,31 @@ class StreamDispatcher(HostStaging, EventDispatcher):
         progress call, while the transfers in flight keep moving.
 
         An op whose MPI buffers are host stages of device memory opens
-        when the event after its copies to them has fired
-        (``runtime/staging.HostStaging``)."""
+        when the event after its copies to them has fired."""
         rt = self.runtime
         if not self._needs_staging(name):
-            return all(rt.query(self._events[p]) for p in self._gates[name])
+            return all(rt.query(self.events[p]) for p in self._gates[name])
         return rt.query(self._stage_out(name))
 
-    def _execute_comm(self, op):
-        """Post a comm op (the poster calls it once ``_comm_gate`` is open)."""
+    def post(self, op):
+        """Post a comm op (the poster calls it once ``gate`` is open)."""
+        core = self.core
         t0 = time.perf_counter()
         try:
             result = self._post_comm(op)
         except Exception as exc:
-            raise OpError(op, exc, self.rank) from exc
+            raise OpError(op, exc, core.rank) from exc
         finally:
-            self._staged_out.pop(op.name, None)  # the next iteration copies again
-        if result is None and self.profiler is not None:
-            self.profiler.record(op, self.kernels[op.name].category, t0, time.perf_counter(),
-                                 self.iteration, "comm")
+            self.staged_out.pop(op.name, None)  # the next iteration copies again
+        if result is None and core.profiler is not None:
+            core.profiler.record(op, core.kernels[op.name].category, t0, time.perf_counter(),
+                                 core.iteration, "comm")
         return result, t0
 
     def _post_comm(self, op):
         """Run the comm kernel (posting MPI); its Pending, or None when done."""
-        k = self.kernels[op.name]
-        key = self._key[op.name]
+        k = self.core.kernels[op.name]
+        key = self.streams[op.name]
         if key is None:
             return k.run(k.ins, k.outs)
         result = self.runtime.call(key[0], self._stream(key), lambda: k.run(k.ins, k.outs))
@@ -407,50 +391,103 @@ class StreamDispatcher(HostStaging, EventDispatcher):
             return None
         return _StreamPending(self, op, result)
 
+    def _finish_comm(self, op, inner):
+        """A posted comm op's transfer is done: its epilogue (the copy back
+        from a host stage, the scale) on its device's comm stream."""
+        key = self.streams[op.name]
+        rt, stream = self.runtime, self._stream(key)
+        timed = self.core.profiler is not None and self._async_staged.get(op.name)
+        start = rt.record(key[0], stream, timing=True) if timed else None
+        rt.call(key[0], stream, inner.finish)
+        if start is not None:
+            self._timed.append((StageCopy(f"{op.name}:h2d"), "staging",
+                                stream_thread_name(*key), key[0], start,
+                                rt.record(key[0], stream, timing=True),
+                                {"stage": "host_to_device"}))
+        self._comm_done(op)
+
     def _comm_done(self, op):
-        key = self._key[op.name]
+        key = self.streams[op.name]
         if key is None:
             return
         staged = self._async_staged.get(op.name)
         if self._needs_event[op.name] or staged:
             event = self.runtime.record(key[0], self._stream(key))
             if self._needs_event[op.name]:
-                self._events[op.name] = event
+                self.events[op.name] = event
             if staged:
-                self._copied_back[op.name] = event  # the mirror is free again
+                self.copied_back[op.name] = event  # the mirror is free again
+
+    # ---------------------------------------------------- host staging
+    def _needs_staging(self, name):
+        staged = self._async_staged.get(name)
+        if staged is None:
+            k = self.core.kernels[name]
+            staged = self._async_staged[name] = bool(
+                self.streams[name] is not None and getattr(k, "async_staging", False)
+                and k.stages_out())
+        return staged
+
+    def ready(self, name):
+        """A staged comm op's copies to its mirrors are queued as soon as
+        its inputs' writers are launched, also while ordered ops before it
+        still hold it back from the MPI post."""
+        if self._needs_staging(name):
+            self._stage_out(name)
+
+    def _stage_out(self, name):
+        """Queue (once per iteration) the device-to-host copies of comm op
+        ``name``'s host stages on the device's ``stage_d2h`` stream, after
+        its writers and its previous copy back; returns the event after them."""
+        with self._stage_lock:
+            event = self.staged_out.get(name)
+            if event is not None:
+                return event
+            rt, key = self.runtime, self.streams[name]
+            device = key[0]
+            copy = self._stream((device, COPY_OUT_STREAM))
+            for p in self._gates[name]:
+                rt.wait(copy, self.events[p])
+            if any(self.streams[p] == key for p in self.core.schedule.deps[name]):
+                rt.wait(copy, rt.record(device, self._stream(key)))
+            back = self.copied_back.get(name)
+            if back is not None:  # MPI's buffer is free once copied back
+                rt.wait(copy, back)
+            k = self.core.kernels[name]
+            timed = self.core.profiler is not None
+            start = rt.record(device, copy, timing=True) if timed else None
+            rt.launch(device, copy, k.copy_out, f"{name}:d2h")
+            event = self.staged_out[name] = rt.record(device, copy, timing=timed)
+            if timed:
+                self._timed.append((StageCopy(f"{name}:d2h"), "staging",
+                                    stream_thread_name(device, COPY_OUT_STREAM), device, start,
+                                    event, {"stage": "device_to_host"}))
+            return event
 
 
 class _StreamPending(Pending):
     """A comm op's Pending whose epilogue runs on its device's comm stream;
     GPU consumers wait on the event recorded after it."""
 
-    def __init__(self, dispatcher, op, inner):
-        self.dispatcher, self.op, self.inner = dispatcher, op, inner
+    def __init__(self, executor, op, inner):
+        self.executor, self.op, self.inner = executor, op, inner
         self.requests = getattr(inner, "requests", ())
 
     def test(self):
         return self.inner.test()
 
     def finish(self):
-        d = self.dispatcher
-        key = d._key[self.op.name]
-        rt, stream = d.runtime, d._stream(key)
-        with d._timed_copy_back(self.op.name, key, stream):
-            rt.call(key[0], stream, self.inner.finish)
-        d._comm_done(self.op)
+        self.executor._finish_comm(self.op, self.inner)
 
     def describe(self):
         return self.inner.describe() if hasattr(self.inner, "describe") else ""
 
 
-def _with_stream_threads(graph, keys):
-    """A view of ``graph`` whose GPU compute ops carry their stream's name
-    as ``thread`` (one host worker per stream); blobs are shared."""
-    g = Graph(graph.name)
-    g.blobs = graph.blobs
-    for name, op in graph.ops.items():
-        key = keys[name]
-        if key is not None and key[1] != COMM_STREAM:
-            op = dataclasses.replace(op, thread=stream_thread_name(*key))
-        g.ops[name] = op
-    return g
+class StreamDispatcher(Dispatcher):
+    """The scheduling core with the CUDA-stream executor. Every iteration
+    ends with each stream idle: no deferred tail (``parallel.defer_update``
+    is the CPU event dispatcher's)."""
+
+    def __init__(self, graph, runtime=None, executor=None, **kw):
+        kw["defer_tail"] = False
+        super().__init__(graph, executor or StreamExecutor(runtime), **kw)

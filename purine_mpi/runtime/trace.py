@@ -1,6 +1,8 @@
-"""Chrome traces streamed to a file (``train --profile``).
+"""Chrome traces (docs/formats.md, "Traces"): collected in memory, or
+streamed to a file (``train --profile``).
 
-``TraceFile`` is a ``Profiler`` that writes its events to
+``Profiler`` collects a dispatcher's trace events in memory (``bench``,
+the tests); ``TraceFile`` is a ``Profiler`` that writes its events to
 ``trace.rank<R>.json`` as they come, in chunks, instead of keeping every
 event of the run in memory; with a window (``--profile-iters A:B``) it keeps
 only iterations ``A <= iter < B``. The file is Chrome's JSON object format
@@ -21,10 +23,38 @@ import json
 import os
 import socket
 import threading
+import time
 
 from ..errors import UserError
 from ..runfiles import open_run_file
-from .dispatcher import Profiler
+
+
+class Profiler:
+    """Collects Chrome trace events (docs/formats.md, "Traces")."""
+
+    def __init__(self, rank=0, epoch=None):
+        """``epoch``: the instant (seconds since the Unix epoch) that trace
+        time 0 stands for; several ranks given the same one (the trainer
+        passes rank 0's start) get traces on one time axis. Default: now."""
+        self.rank = rank
+        self.events = []
+        self.t0 = time.perf_counter()
+        if epoch is not None:
+            self.t0 -= time.time() - float(epoch)
+        self._lock = threading.Lock()
+
+    def record(self, op, category, t_start, t_end, iteration, tid, extra=None):
+        args = {"iter": iteration, "op_type": op.op_type}
+        for key, value in (extra or {}).items():
+            if key == "ready_s":  # a perf_counter time: on the trace's clock
+                args["ready_ts"] = round((value - self.t0) * 1e6, 1)
+            else:
+                args[key] = value
+        ev = {"name": op.name, "cat": category, "ph": "X",
+              "ts": (t_start - self.t0) * 1e6, "dur": (t_end - t_start) * 1e6,
+              "pid": self.rank, "tid": str(tid), "args": args}
+        with self._lock:
+            self.events.append(ev)
 
 
 def parse_window(text):

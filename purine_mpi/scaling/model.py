@@ -75,6 +75,7 @@ class Template:
     def __init__(self, job, scenario, rank):
         from ..graph.inspect import compose_for
         from ..kernels import make_kernel
+        from ..runtime.scheduler import feeds_comm, ready_priority
         from ..runtime.tail import deferred_tail
         graph = compose_for(job, scenario.n, rank)
         self.graph, self.rank = graph, rank
@@ -82,10 +83,8 @@ class Template:
         self.deps = graph.dependencies()
         order = graph.topo_order(self.deps)
         comm = {n for n, k in self.kernels.items() if k.category == "comm"}
-        consumers = graph.consumers()
-        feeds = {op.name for op in order for b in op.outputs
-                 if any(c.name in comm for c in consumers.get(b, ()))}
-        self.priority = {op.name: (op.name not in feeds, i) for i, op in enumerate(order)}
+        # the dispatcher's ready order (runtime/scheduler)
+        self.priority = ready_priority([op.name for op in order], feeds_comm(graph, order, comm))
         self.comm = comm
         self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
                                  if scenario.defer else (frozenset(), {}))

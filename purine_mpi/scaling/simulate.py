@@ -1,16 +1,21 @@
-"""The event dispatcher's rule replayed in simulated time.
+"""The dispatcher's scheduling core run in simulated time.
 
-Each simulated rank has a graph of ``SimOp``s: compute ops on worker lanes
-(one op at a time per lane, the ready op with the best ``priority`` first,
-as ``runtime/dispatcher.py`` orders its per-thread heaps), collectives
-posted strictly in ``seq`` order and run one after another on the rank's
-link, and point-to-point ops posted as soon as they are ready: a Send and
-the Recv it matches (same source, destination, tag and iteration) transfer
-from when both are posted and the sender's outgoing and the receiver's
-incoming side of the link are free. An op whose peer is not simulated (a
-parameter server) takes its own ``seconds`` on this rank's side.
+Each simulated rank is the real scheduling core (``runtime/scheduler``:
+``Schedule``'s ready counts, per-lane ready queues and deferred tail,
+``PostingOrder``'s collectives in ``seq`` order) over a *virtual clock*
+executor (``VirtualClock``) that charges each op its duration instead of
+running it: compute ops on worker lanes (one op at a time per lane, the
+ready op with the best ``priority`` first, as the dispatcher's worker
+threads take them), collectives posted strictly in ``seq`` order and run
+one after another on the rank's link, and point-to-point ops posted as
+soon as they are ready: a Send and the Recv it matches (same source,
+destination, tag and iteration) transfer from when both are posted and the
+sender's outgoing and the receiver's incoming side of the link are free. An
+op whose peer is not simulated (a parameter server) takes its own
+``seconds`` on this rank's side. So the predictor cannot drift from the
+dispatcher's rule: it is the same code.
 
-Iterations follow ``EventDispatcher.run``: iteration i+1 starts when i's
+Iterations follow ``Dispatcher.run``: iteration i+1 starts when i's
 ops are done but for its deferred *tail* (``RankGraph.tail``), the tail of
 i-1 is done and every collective of i is posted; a next-iteration op waits
 for the tail ops that list it in ``RankGraph.cross`` (runtime/tail.py).
@@ -33,6 +38,8 @@ import heapq
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from ..runtime.scheduler import PostingOrder, Schedule
 
 KINDS = ("compute", "collective", "send", "recv")
 
@@ -65,16 +72,12 @@ class RankGraph:
     cross: dict = field(default_factory=dict)  # tail op -> next-iteration ops waiting
 
     def __post_init__(self):
-        succ = defaultdict(list)
         for op in self.ops.values():
             if op.kind not in KINDS:
                 raise ValueError(f"op {op.name}: unknown kind {op.kind!r}")
-            for d in op.deps:
-                succ[d].append(op.name)
-        self.succ = {n: tuple(succ[n]) for n in self.ops}
+        #: the collectives in their posting order (``seq``)
         self.collectives = sorted((op for op in self.ops.values() if op.kind == "collective"),
                                   key=lambda op: (op.seq, op.name))
-        self.head = [n for n in self.ops if n not in self.tail]
 
 
 @dataclass
@@ -94,152 +97,141 @@ class SimResult:
         return statistics.median(gaps)
 
 
-class _Rank:
-    def __init__(self, graph):
-        self.g = graph
-        self.left = {}        # (it, name) -> predecessors not done
-        self.done = set()     # (it, name)
+class VirtualClock:
+    """The executor of one simulated rank: the scheduling core hands it the
+    ready ops, and it charges each one its duration on a virtual clock
+    (a lane, the link, or a matched Send/Recv pair) instead of running it.
+    ``finish(t, rank, it, name)`` is called back with the time an op ends."""
+
+    def __init__(self, graph, finish):
+        self.g, self.finish = graph, finish
+        ops = graph.ops
+        comm = [n for n, op in ops.items() if op.kind != "compute"]
+        self.schedule = Schedule(list(ops), {n: op.deps for n, op in ops.items()},
+                                 {n: op.lane for n, op in ops.items()},
+                                 {n: op.priority for n, op in ops.items()},
+                                 comm, graph.tail, graph.cross)
+        p2p = [n for n in comm if ops[n].kind != "collective"]
+        self.posting = PostingOrder([op.name for op in graph.collectives] + p2p, p2p)
         self.started_it = -1
-        self.lane_heap = defaultdict(list)
-        self.lane_busy = {}
-        self.coll_ready = set()   # (it, name) ready collectives
-        self.coll_next = 0        # index into the global posting order
-        self.coll_order = []      # [(it, name)], iterations as they start
-        self.link_free = 0.0      # collectives run one after another
+        self.lanes = []            # lanes in the order they first had a ready op
+        self.lane_busy = {}        # lane -> when its op ends
+        self.link_free = 0.0       # collectives run one after another
         self.out_free = 0.0
         self.in_free = 0.0
-        self.head_left = {}
-        self.tail_left = {}
         self.iteration_end = {}    # iteration -> when its last op finished
         self.debt = 0.0            # transfer CPU not yet taken from a compute op
+        self.start_of = {}         # (iteration, name) -> when it started
 
+    # ------------------------------------------------ the scheduling core
+    def start_iteration(self, t, peers):
+        self.started_it += 1
+        self.posting.reset()
+        self.route(self.schedule.start(self.started_it), t, peers)
 
-def simulate(graphs, iterations=6):
-    """Run ``iterations`` iterations of the RankGraphs at once; a SimResult."""
-    ranks = {g.rank: _Rank(g) for g in graphs}
-    events, counter = [], [0]
-    spans = defaultdict(list)
-    pending_p2p = {}      # (src, dst, tag, it) -> (rank, name, posted time)
-    start_of = {}
+    def run_returned(self):
+        """``Dispatcher._run_done`` for the newest started iteration."""
+        return self.schedule.head_done() and self.posting.all_posted()
 
-    def push(t, kind, payload):
-        counter[0] += 1
-        heapq.heappush(events, (t, counter[0], kind, payload))
+    def complete(self, it, name, t, peers):
+        """The op ``name`` of iteration ``it`` ended at ``t``: a span."""
+        op = self.g.ops[name]
+        span = (self.start_of.pop((it, name)), t, it, name,
+                op.lane if op.kind == "compute" else op.kind)
+        core = self.schedule
+        carried = name in core.carry
+        ready, milestone = core.complete(name)
+        if (milestone if carried else core.head_left == 0 and core.tail_done()):
+            self.iteration_end[it] = t
+        self.route(ready, t, peers)
+        return span
 
-    def ready(r, it, name, t):
-        rk = ranks[r]
-        op = rk.g.ops[name]
-        if op.kind == "compute":
-            heapq.heappush(rk.lane_heap[op.lane], (op.priority, it, name))
-        elif op.kind == "collective":
-            rk.coll_ready.add((it, name))
-            post_collectives(r, t)
-        else:
-            post_p2p(r, it, op, t)
+    def route(self, names, t, peers):
+        """Ready ops: compute to its lane's queue, comm ops to the poster."""
+        core = self.schedule
+        for name in names:
+            if not core.is_comm[name]:
+                lane = core.push(name)
+                if lane not in self.lane_busy:
+                    self.lane_busy[lane] = 0.0
+                    self.lanes.append(lane)
+                continue
+            self.posting.mark_ready(name, t)
+            self.posting.post_ready(lambda n: self.post(n, t, peers))
 
-    def post_collectives(r, t):
-        rk = ranks[r]
-        while rk.coll_next < len(rk.coll_order) and rk.coll_order[rk.coll_next] in rk.coll_ready:
-            it, name = rk.coll_order[rk.coll_next]
-            rk.coll_next += 1
-            op = rk.g.ops[name]
-            begin = max(t, rk.link_free)
-            computing = any(end > begin for end in rk.lane_busy.values())
-            seconds = op.busy_seconds if computing and op.busy_seconds is not None else op.seconds
-            rk.link_free = begin + seconds
-            rk.debt += op.cpu
-            start_of[(r, it, name)] = begin
-            push(rk.link_free, "done", (r, it, name))
+    # --------------------------------------------------- the virtual clock
+    def charge(self, it, name, begin, seconds):
+        self.start_of[(it, name)] = begin
+        self.finish(begin + seconds, self.g.rank, it, name)
 
-    def post_p2p(r, it, op, t):
-        rk = ranks[r]
-        if op.peer not in ranks:  # the other side is not simulated: this side's time
+    def dispatch(self, t):
+        """Each idle lane takes its best ready op."""
+        for lane in self.lanes:
+            if self.schedule.ready[lane] and self.lane_busy[lane] <= t:
+                name = self.schedule.pop(lane)
+                # the CPU the transfers posted so far took delays this op
+                self.lane_busy[lane] = t + self.g.ops[name].seconds + self.debt
+                self.debt = 0.0
+                self.charge(self.schedule.label(name), name, t, self.lane_busy[lane] - t)
+
+    def post(self, name, t, peers):
+        op, it = self.g.ops[name], self.schedule.label(name)
+        if op.kind == "collective":
+            begin = max(t, self.link_free)
+            computing = any(end > begin for end in self.lane_busy.values())
+            seconds = op.busy_seconds if computing and op.busy_seconds is not None \
+                else op.seconds
+            self.link_free = begin + seconds
+            self.debt += op.cpu
+            self.charge(it, name, begin, seconds)
+        elif op.peer not in peers.ranks:  # the other side is not simulated
             side = "out_free" if op.kind == "send" else "in_free"
-            begin = max(t, getattr(rk, side))
-            setattr(rk, side, begin + op.seconds)
-            rk.debt += op.cpu
-            start_of[(r, it, op.name)] = begin
-            push(begin + op.seconds, "done", (r, it, op.name))
-            return
+            begin = max(t, getattr(self, side))
+            setattr(self, side, begin + op.seconds)
+            self.debt += op.cpu
+            self.charge(it, name, begin, op.seconds)
+        else:
+            peers.match(self.g.rank, it, op, t)
+        return 0
+
+
+class _Ranks:
+    """The simulated ranks, the clock's pending events and the Send/Recv
+    pairs waiting for their match."""
+
+    def __init__(self, graphs):
+        self.events, self.counter = [], 0
+        self.ranks = {g.rank: VirtualClock(g, self.push) for g in graphs}
+        self.pending_p2p = {}  # (src, dst, tag, it) -> (rank, name, posted time)
+
+    def push(self, t, rank, it, name):
+        self.counter += 1
+        heapq.heappush(self.events, (t, self.counter, "done", (rank, it, name)))
+
+    def match(self, r, it, op, t):
         src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
         key = (src, dst, op.tag, it)
-        other = pending_p2p.pop(key, None)
+        other = self.pending_p2p.pop(key, None)
         if other is None:
-            pending_p2p[key] = (r, op.name, t)
+            self.pending_p2p[key] = (r, op.name, t)
             return
-        o_rank, o_name, o_t = other
+        ranks = self.ranks
+        _, o_name, o_t = other
         send_name, recv_name = (op.name, o_name) if op.kind == "send" else (o_name, op.name)
         seconds = ranks[src].g.ops[send_name].seconds
         begin = max(t, o_t, ranks[src].out_free, ranks[dst].in_free)
         ranks[src].out_free = ranks[dst].in_free = begin + seconds
-        for rr in (src, dst):
-            ranks[rr].debt += ranks[rr].g.ops[send_name if rr == src else recv_name].cpu
         for rr, nn in ((src, send_name), (dst, recv_name)):
-            start_of[(rr, it, nn)] = begin
-            push(begin + seconds, "done", (rr, it, nn))
+            ranks[rr].debt += ranks[rr].g.ops[nn].cpu
+        for rr, nn in ((src, send_name), (dst, recv_name)):
+            ranks[rr].charge(it, nn, begin, seconds)
 
-    def start_iteration(r, t):
-        rk = ranks[r]
-        it = rk.started_it + 1
-        rk.started_it = it
-        g = rk.g
-        left = {n: len(op.deps) for n, op in g.ops.items()}
-        for t_op in g.tail:  # the last iteration's tail ops still running
-            if it > 0 and (it - 1, t_op) not in rk.done:
-                for w in g.cross.get(t_op, ()):
-                    left[w] += 1
-        for n, k in left.items():
-            rk.left[(it, n)] = k
-        rk.head_left[it] = len(g.head)
-        rk.tail_left[it] = len(g.tail)
-        rk.coll_order.extend((it, op.name) for op in g.collectives)
-        for n, k in left.items():
-            if k == 0:
-                ready(r, it, n, t)
 
-    def run_returned(r):
-        """EventDispatcher._run_done for the newest started iteration."""
-        rk = ranks[r]
-        it = rk.started_it
-        posted = rk.coll_next >= len(rk.coll_order)
-        carry = it > 0 and rk.tail_left[it - 1] > 0
-        return rk.head_left[it] == 0 and not carry and posted
-
-    def complete(r, it, name, t):
-        rk = ranks[r]
-        g = rk.g
-        rk.done.add((it, name))
-        op = g.ops[name]
-        spans[r].append((start_of.pop((r, it, name)), t, it, name,
-                         op.lane if op.kind == "compute" else op.kind))
-        if name in g.tail:
-            rk.tail_left[it] -= 1
-            if it < rk.started_it:  # a tail op of the last iteration: release its waiters
-                for w in g.cross.get(name, ()):
-                    dec(r, it + 1, w, t)
-        else:
-            rk.head_left[it] -= 1
-        for s in g.succ[name]:
-            dec(r, it, s, t)
-        if rk.head_left[it] == 0 and rk.tail_left[it] == 0:
-            rk.iteration_end[it] = t
-
-    def dec(r, it, name, t):
-        rk = ranks[r]
-        rk.left[(it, name)] -= 1
-        if rk.left[(it, name)] == 0:
-            ready(r, it, name, t)
-
-    def dispatch(t):
-        for r, rk in ranks.items():
-            for lane, heap in rk.lane_heap.items():
-                if heap and rk.lane_busy.get(lane, 0.0) <= t:
-                    _, it, name = heapq.heappop(heap)
-                    # the CPU the transfers posted so far took delays this op
-                    rk.lane_busy[lane] = t + rk.g.ops[name].seconds + rk.debt
-                    rk.debt = 0.0
-                    start_of[(r, it, name)] = t
-                    push(rk.lane_busy[lane], "done", (r, it, name))
+def simulate(graphs, iterations=6):
+    """Run ``iterations`` iterations of the RankGraphs at once; a SimResult."""
+    sim = _Ranks(graphs)
+    ranks, events = sim.ranks, sim.events
+    spans = defaultdict(list)
 
     def advance(t):
         """Start the next iteration of every rank whose run returned, then
@@ -247,24 +239,25 @@ def simulate(graphs, iterations=6):
         changed = True
         while changed:
             changed = False
-            for r, rk in ranks.items():
-                if rk.started_it + 1 < iterations and run_returned(r):
-                    start_iteration(r, t)
+            for rk in ranks.values():
+                if rk.started_it + 1 < iterations and rk.run_returned():
+                    rk.start_iteration(t, sim)
                     changed = True
-        dispatch(t)
+        for rk in ranks.values():
+            rk.dispatch(t)
 
-    for r in ranks:
-        start_iteration(r, 0.0)
+    for rk in ranks.values():
+        rk.start_iteration(0.0, sim)
     advance(0.0)
     while events:
         t = events[0][0]
         while events and events[0][0] == t:
             _, _, kind, (r, it, name) = heapq.heappop(events)
-            complete(r, it, name, t)
+            spans[r].append(ranks[r].complete(it, name, t, sim))
         advance(t)
     for r, rk in ranks.items():
         if len(rk.iteration_end) < iterations:
-            stuck = sorted(n for (i, n), k in rk.left.items() if k > 0)[:5]
+            stuck = sorted(rk.schedule.waiting())[:5]
             raise RuntimeError(f"simulation of rank {r} stalled in iteration "
                                f"{min(set(range(iterations)) - set(rk.iteration_end))}: {', '.join(stuck)} never ran "
                                "(a Send or Recv without its match, or a dependency cycle)")

@@ -9,7 +9,7 @@ ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 from ..backend import to_numpy
-from ..errors import GraphError, UserError
+from ..errors import GraphError, InitMismatch, UserError
 from ..graph.solver import solver_states, state_name
 from ..io.checkpoint import load_checkpoint, load_params, remove_temp_files, save_checkpoint
 from ..io.run_checkpoints import find_resumable, save_run_checkpoint
@@ -102,7 +102,7 @@ class Checkpoints(Service):
         except GraphError as e:  # a file from another net: name the file too
             hint = (f"; to start layer '{name.split('/')[0]}' afresh instead (fine-tuning a "
                     f"changed layer), give --init-skip {name.split('/')[0]}") if skip_hint else ""
-            raise UserError(f"{path}: {e}{hint}") from None
+            raise InitMismatch(f"{path}: {e}", hint) from None
 
     def state_dict(self, loop):
         """Everything beyond params and momenta that a resume needs: each

@@ -157,14 +157,11 @@ class Loop:
         buckets are posted in the observed gradient-ready order
         (``adopt_ready_order``: decided on rank 0, the same on every rank)."""
         self.ws["iter"][...] = it
-        if self.graphs.deferred and hasattr(self.train, "synchronize"):
-            # on a GPU the iteration returns once its device work is queued
-            # (one graph launch when captured); the host synchronises only
-            # where it reads back (the divergence watch, drain: display,
-            # test, checkpoint, a stop signal)
-            self.train.run(it, sync=False)
-        else:
-            self.train.run(it)
+        # deferred: on a GPU the iteration returns once its device work is
+        # queued (one graph launch when captured); the host synchronises only
+        # where it reads back (the divergence watch, drain: display, test,
+        # checkpoint, a stop signal)
+        self.train.run(it, sync=not self.graphs.deferred)
         if not self._order_adopted and not self.graphs.pipeline:
             self._order_adopted = True
             from ..parallel.data_parallel import adopt_ready_order

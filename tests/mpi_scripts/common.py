@@ -75,7 +75,7 @@ def run(graph, iters, seed=3, kind="event", start=0, stall_timeout=60.0, init=Tr
             d.workspace["iter"][...] = it
         d.run(it)
         if deferred is not None:
-            deferred.append(len(getattr(d, "_tail_todo", ())))
+            deferred.append(len(d.schedule.tail_todo))
     d.drain()
     return d
 

@@ -54,7 +54,7 @@ params = sorted(b.name for b in graph.blobs.values() if b.kind == "param" and b.
 mine = {p: d.workspace[p].copy() for p in params}
 d.close()
 if defer:
-    assert d._tail, "nothing to defer in a data-parallel graph"
+    assert d.schedule.tail, "nothing to defer in a data-parallel graph"
     plain = run(graph, ITERS)
     for p in params:
         assert np.array_equal(plain.workspace[p], mine[p]), f"{p}: deferred tail changed it"

@@ -1,0 +1,243 @@
+"""The command line's argument parser (``build_parser``), split out of
+purine_mpi/cli.py, which runs the commands.
+
+Every option that names several things takes one value per use or a comma
+list (``--init-skip fc2 --init-skip fc3``, ``--init-skip fc2,fc3``), so an
+option never swallows the positional after it; a usage error shows the usage
+of the command at fault, not the top-level one; under a launcher only rank 0
+prints usage, help and usage errors (every rank exits with the same status).
+
+Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
+graph, job, composition, dispatch and services layers below it, and its own.
+"""
+import argparse
+
+from . import __version__
+from .comm.launcher import launched_rank
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors name the command at fault and
+    whose output comes from one rank only."""
+
+    def parse_args(self, args=None, namespace=None):
+        # an unknown option is found by the top-level parser after its
+        # subcommand's parser has run: reported with the subcommand's usage
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(self, "commands", {}).get(getattr(args, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
+
+    def _print_message(self, message, file=None):
+        if launched_rank() == 0:  # under mpiexec -n N: one usage, one help, not N
+            super()._print_message(message, file)
+
+
+class AppendList(argparse.Action):
+    """A repeatable option of one value each, or a comma list: ``--init-skip
+    fc2 --init-skip fc3`` and ``--init-skip fc2,fc3`` give ['fc2', 'fc3']."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = [v.strip() for v in values.split(",")]
+        if not all(items):
+            parser.error(f"argument {option_string}: an empty name in {values!r}")
+        setattr(namespace, self.dest, list(getattr(namespace, self.dest) or []) + items)
+
+
+def _common_config_args(p):
+    p.add_argument("config", help="job YAML (docs/config.md)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key by dotted path, the value read as YAML, e.g. "
+                        "solver.base_lr=0.05 or net.0.num_output=8 (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (overrides the config's "
+                                                          "seed)")
+
+
+def build_parser():
+    parser = Parser(
+        prog="python -m purine_mpi",
+        description="purine_mpi: bi-graph deep learning on MPI clusters. Run any command under "
+                    "mpiexec -n N (or srun) for N ranks. The job YAML is described in "
+                    "docs/config.md, the files a run writes and the exit statuses in "
+                    "docs/formats.md.",
+        epilog="exit status: 0 success (or stopped by SIGUSR1 with a checkpoint), 1 runtime "
+               "failure, 2 user error, 3 diverged or non-finite weights, 70 MPI could not "
+               "start, 143 stopped by SIGTERM with a checkpoint, 129 by SIGHUP, 131 by "
+               "SIGQUIT, 140 by SIGUSR2, 130 by Ctrl-C (each with a checkpoint), 141 stdout "
+               "closed (docs/formats.md)")
+    parser.add_argument("--version", action="version", version=f"purine_mpi {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser,
+                                help="run 'COMMAND --help' for its options")
+    sub.required = True
+
+    p = sub.add_parser("train", help="train a network from a job YAML")
+    _common_config_args(p)
+    p.add_argument("--out", help="output folder (default: a new numbered folder "
+                                 "runs/<name>/<N> for each run)")
+    p.add_argument("--force", action="store_true",
+                   help="start afresh in an --out that holds another run's files (they are "
+                        "deleted)")
+    p.add_argument("--iters", type=int, help="override solver.max_iter")
+    p.add_argument("--resume", metavar="CKPT.h5|auto",
+                   help="continue from a checkpoint (auto: latest.h5 of --out, or of the "
+                        "newest runs/<name>/<N>; a fresh run if there is none)")
+    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel",
+                   help="initialise parameters from a file; every parameter of the net must "
+                        "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
+                        "loads by layer name and reports which blobs matched")
+    p.add_argument("--init-skip", action=AppendList, default=[], metavar="LAYER[,LAYER]",
+                   help="with --init: a layer that keeps its fresh initialisation (fine-tuning "
+                        "a changed layer); repeat it or give a comma list for several")
+    p.add_argument("--profile", action="store_true",
+                   help="write a Chrome trace per rank (OUT/trace.rank<R>.json, streamed as "
+                        "the run goes; open it in Perfetto)")
+    p.add_argument("--profile-iters", metavar="A:B",
+                   help="trace only iterations A to B-1 (implies --profile), e.g. 100:110")
+    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
+                   help="event-driven (default) or the serial reference dispatcher (runs every "
+                        "op one at a time in a fixed order; bit-identical results)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to OUT/tb (rank 0; needs pip "
+                        "install 'purine_mpi[tensorboard]')")
+
+    p = sub.add_parser("test", help="evaluate saved weights on the config's test data")
+    _common_config_args(p)
+    p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
+                   help="checkpoint to evaluate, a Caffe .caffemodel (loaded by layer name), "
+                        "or a run folder (its latest.h5)")
+    p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
+                                 "there: the result is printed as one JSON object")
+
+    p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
+    _common_config_args(p)
+    p.add_argument("--np", type=int, default=None,
+                   help="number of ranks to compose for (the text format then ends with "
+                        "the data-parallel bucket plan and the deferred tail)")
+    p.add_argument("--rank", type=int, default=0, help="which rank's slice to print (default 0)")
+    p.add_argument("--format", choices=["text", "yaml", "dot"], default="text",
+                   help="text: one line per op (default); yaml: the graph: list of "
+                        "docs/config.md, loadable as a config; dot: Graphviz")
+    p.add_argument("--phase", choices=["train", "test"], default="train",
+                   help="the training graph with backward and solver ops (default), or the "
+                        "test graph")
+    p.add_argument("--memory", action="store_true",
+                   help="text format: end with the host memory plan (memory_plan): each "
+                        "planned blob's offset in the arena, size and lifetime, then the blobs "
+                        "that keep their own memory and why")
+
+    p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
+    p.add_argument("checkpoint", metavar="CKPT.h5",
+                   help="a checkpoint or any HDF5 file (layout: docs/formats.md)")
+    p.add_argument("--diff", metavar="OTHER.h5",
+                   help="compare with another file: max abs and relative L2 difference per "
+                        "dataset")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of a table (docs/formats.md)")
+
+    p = sub.add_parser("data", help="prepare a data set as HDF5")
+    p.add_argument("dataset", choices=["digits", "cifar10", "lmdb-to-h5"],
+                   help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
+                        "CIFAR-10 python batches given by --from, or fetched by --download; "
+                        "lmdb-to-h5: a Caffe LMDB (--from, the train split; --test-from, the "
+                        "test split) as our HDF5 layout")
+    p.add_argument("--out", required=True, metavar="PATH.h5",
+                   help="the HDF5 data file to write (groups train and test)")
+    p.add_argument("--from", dest="source", metavar="PATH",
+                   help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
+                        "python-pickle batches (with --download: where the archive is fetched "
+                        "and unpacked); lmdb-to-h5: the train split's LMDB folder")
+    p.add_argument("--test-from", dest="test_source", metavar="DIR",
+                   help="lmdb-to-h5: the test split's LMDB folder")
+    p.add_argument("--download", action="store_true",
+                   help="cifar10: fetch the official archive (cifar-10-python.tar.gz), verify "
+                        "its MD5 and unpack it (into --from DIR, default beside --out) first; "
+                        "an archive already there with the right MD5 is reused")
+
+    p = sub.add_parser(
+        "predict", help="per-sample outputs of a data split to HDF5 (predict CONFIG --weights W "
+                        "--out P.h5), or the time per iteration on N ranks from a run's traces "
+                        "(predict TRACE_DIR --np N)",
+        description="Two forms. predict CONFIG --weights W.h5 --out PREDS.h5: write per-sample "
+                    "outputs of a data split (as Caffe's extract_features). predict TRACE_DIR "
+                    "--np N[,N...]: predict the iteration time, its compute and communication, "
+                    "and the scaling efficiency on N ranks from the trace.rank<R>.json files "
+                    "of a run (train --profile-iters A:B) and a link model; mpiexec -n 2 ... "
+                    "predict --calibrate LINK.json measures the link for --link.")
+    p.add_argument("config", nargs="?", metavar="CONFIG|TRACE_DIR",
+                   help="job YAML (docs/config.md) for the outputs; a run folder with "
+                        "trace.rank<R>.json and config.yaml for --np")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="outputs: override a config key by dotted path (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="outputs: random seed")
+    p.add_argument("--weights", metavar="W.h5",
+                   help="outputs: checkpoint or weights file (HDF5 /params, or a .caffemodel), "
+                        "or a run folder (its latest.h5)")
+    p.add_argument("--out", metavar="PREDS.h5",
+                   help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
+                        "(docs/formats.md)")
+    p.add_argument("--blob", dest="blobs", action="append", default=[], metavar="NAME",
+                   help="outputs: a blob to write per sample (repeatable; default: the net's "
+                        "last output, the scores its loss reads)")
+    p.add_argument("--split", choices=["test", "train"], default="test",
+                   help="outputs: which data of the config to run over, in file order "
+                        "(default: test)")
+    from .scaling.command import add_arguments
+    add_arguments(p)
+
+    p = sub.add_parser("bench", help="time training iterations (JSON with --json)")
+    _common_config_args(p)
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed iterations, after the warm-up (default 20)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed iterations first (default 3)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (keys: docs/formats.md)")
+    p.add_argument("--real-data", action="store_true",
+                   help="use the config's data instead of synthetic data of the same shapes")
+    p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
+                   help="event-driven (default) or the serial reference dispatcher")
+
+    p = sub.add_parser("plot", help="draw loss, accuracy, lr and images/s of runs into an "
+                                    "image (needs pip install 'purine_mpi[plot]')")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a run folder, its metrics.jsonl, or runs/<name> (its newest "
+                        "numbered run); several are overlaid")
+    p.add_argument("--out", default="curves.png", metavar="IMAGE",
+                   help="the image to write; the format follows the extension (.png, .pdf, "
+                        ".svg; default curves.png)")
+
+    p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
+    p.add_argument("format", choices=["caffe"], help="the source format")
+    p.add_argument("net", metavar="NET.prototxt", help="Caffe net definition (text format)")
+    p.add_argument("--solver", metavar="SOLVER.prototxt",
+                   help="Caffe solver (text format): becomes the solver and checkpoint sections")
+    p.add_argument("--data", metavar="DATA.h5",
+                   help="our HDF5 data file (groups train/test) that the net's data layers read")
+    p.add_argument("--out", required=True, metavar="JOB.yaml", help="the job YAML to write")
+
+    p = sub.add_parser("export", help="export a trained net's inference graph")
+    p.add_argument("format", choices=["onnx"], help="the target format")
+    p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
+    p.add_argument("--weights", required=True, metavar="CKPT.h5",
+                   help="checkpoint or weights file (/params layout) with every parameter")
+    p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
+    p.add_argument("--batch", type=int, default=None,
+                   help="fixed batch size of the model input (default: a symbolic batch dim)")
+    p.add_argument("--raw-input", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model takes samples as the data file holds them and applies the "
+                        "test spec's transform (centre crop, mean, scale) as ONNX ops "
+                        "(default); --no-raw-input: it takes the transformed batch")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key by dotted path, e.g. net.0.num_output=8")
+    p.set_defaults(seed=None)
+
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true",
+                       help="print the full Python traceback of a runtime failure (by default "
+                            "each failing rank prints one line)")
+    parser.commands = dict(sub.choices)
+    return parser
+
+
