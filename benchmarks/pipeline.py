@@ -110,7 +110,7 @@ def worker(args):
         events = d.profiler.events
     finally:
         trainer.close()
-    g = trainer.graph
+    g = trainer.graphs.graph
     per_mb = {}
     for b in g.blobs.values():
         k = micro_batch_of(b.name)
@@ -119,7 +119,7 @@ def worker(args):
                 "iter", "lr") and "momentum" not in b.name else None
         if k is not None and b.kind != "grad" and b.alias_of is None:
             per_mb[k] = per_mb.get(k, 0) + b.nbytes
-    plan = trainer.memory_plan
+    plan = trainer.graphs.memory_plan
     mine = {"events": events, "spans": spans, "activation_bytes_per_mb": max(per_mb.values()),
             "workspace_bytes": int(trainer.ws.allocated_bytes),
             "allocated_activation_bytes": (activation_bytes(g, trainer.ws)

@@ -141,7 +141,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     # device-to-host copies and the copies back, on the device
     staging_ms = sum(e["dur"] for e in events if e["cat"] == "staging") / 1000.0 / iters
     on_gpu = cupy_available() and any(b.location.device >= 0
-                                      for b in trainer.graph.blobs.values())
+                                      for b in trainer.graphs.graph.blobs.values())
     result = {
         "config": job.name,
         "world_size": world.size,

@@ -118,7 +118,7 @@ def cmd_test(args):
         raise UserError(f"{args.config}: key 'data.test': nothing to evaluate (no test data or "
                         "no loss/accuracy layer in the test phase)")
     bad = sorted(k for k, v in res.items() if isinstance(v, float) and not math.isfinite(v))
-    if t.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
+    if t.world.rank == 0:  # strict JSON: a non-finite figure is null (and the exit status 3)
         # the figures rounded as train's final line prints them
         print(json.dumps({k: None if k in bad else round(v, 6) if isinstance(v, float) else v
                           for k, v in res.items()}, allow_nan=False), flush=True)

@@ -61,10 +61,10 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     if trainer.test is None:
         raise UserError(f"{trainer.job.path}: key 'data.{split}': predict needs "
                         "that data and a loss layer in the test phase")
-    if trainer.pipeline:
+    if trainer.graphs.pipeline:
         raise UserError("predict runs the whole net on each rank: not a pipeline or hybrid "
                         "scheme (run it with one rank, or parallel.scheme: data)")
-    graph, dispatcher = trainer.test_graph, trainer.test
+    graph, dispatcher = trainer.graphs.test_graph, trainer.test
     ws = dispatcher.workspace
     blobs = list(blobs or [default_blob(graph)])
     missing = [b for b in blobs if b not in graph.blobs]
@@ -75,7 +75,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     label_blob = readers[0].op.outputs[1] if readers else None
     spec = trainer.job.data.test
     n, _ = source_info(spec.source_dict())
-    batch, ranks = spec.batch_size, trainer.data_size
+    batch, ranks = spec.batch_size, trainer.graphs.data_size
     iters = pass_batches(n, batch, ranks)  # one pass, as a test pass without test_iter
     for k in readers:
         k.reset_position(0)
@@ -87,12 +87,12 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
         mine = {b: _host(ws[b]) for b in blobs}
         mine["label"] = _host(ws[label_blob]) if label_blob else np.zeros(batch, np.int64)
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
-            if trainer.size > 1 else [mine]
-        if trainer.rank == 0:
+            if trainer.world.size > 1 else [mine]
+        if trainer.world.rank == 0:
             for rank_part in every[:ranks]:  # replica order is sample order
                 for b in parts:
                     parts[b].append(rank_part[b])
-    if trainer.rank != 0:
+    if trainer.world.rank != 0:
         return None
     rows = {b: np.concatenate(v)[:n] for b, v in parts.items()}
     _write(out_path, rows, blobs, trainer, weights, split, n)

@@ -40,9 +40,9 @@ MAX_HOSTS = 8
 def rank_info(trainer):
     """This rank's (hostname, device) for the devices line."""
     hosts = getattr(trainer.world, "hosts", None)
-    name = hosts.host_names[hosts.host_of[trainer.rank]] if hosts is not None \
+    name = hosts.host_names[hosts.host_of[trainer.world.rank]] if hosts is not None \
         else socket.gethostname()
-    return name, int(trainer.device)
+    return name, int(trainer.graphs.device)
 
 
 def ranges(ranks):
@@ -102,7 +102,7 @@ def scheme_lines(trainer):
     stages, and the micro-batches."""
     job = trainer.job
     par = job.parallel
-    lay = trainer.layout
+    lay = trainer.graphs.layout
     ps = getattr(trainer.scheme, "layout", None)  # a parameter-server worker
     size = trainer.world.size
     out = []
@@ -137,7 +137,7 @@ def scheme_lines(trainer):
         out.append(("scheme", f"none: ranks {ranges(range(size))} each train their own "
                     "replica on their shard, exchanging no gradients"))
     else:
-        plan = getattr(trainer.graph, "bucket_plan", None) or []
+        plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
         out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
                     f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
     micro = par.micro_batches
@@ -187,7 +187,7 @@ def startup_lines(trainer, infos, setup_seconds):
     """The start-up block (see the module docstring). ``infos``: {rank:
     (host, device)} of the trainer's world."""
     job = trainer.job
-    replicas = trainer.data_size
+    replicas = trainer.graphs.data_size
     ps = getattr(trainer.scheme, "layout", None)
     size = trainer.world.size + (len(ps["servers"]) if ps else 0)
     head = f"purine_mpi {__version__}: train {job.name}"
@@ -207,7 +207,7 @@ def startup_lines(trainer, infos, setup_seconds):
     rows += scheme_lines(trainer)
     data = job.data
     if data.train is not None:
-        per = "worker" if ps else ("pipeline" if trainer.layout.staged else "rank")
+        per = "worker" if ps else ("pipeline" if trainer.graphs.layout.staged else "rank")
         b = job.train_batch
         text = f"{b:,} per {per}"
         if replicas > 1:
@@ -215,7 +215,7 @@ def startup_lines(trainer, infos, setup_seconds):
         if data.test is not None:
             text += f"; test {data.test.batch_size:,} per {per}"
         rows.append(("batch", text))
-    n_params, n_bytes, n_blobs, dtypes = trainer.param_summary
+    n_params, n_bytes, n_blobs, dtypes = trainer.graphs.param_summary
     rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
                  f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
     rows.append(("memory", memory_text(trainer)))
@@ -224,7 +224,7 @@ def startup_lines(trainer, infos, setup_seconds):
     sol = job.solver
     rows.append(("solver", f"{sol.type}, base_lr {sol.base_lr}, "
                  f"lr_policy {sol.lr_policy}; iterations "
-                 f"{trainer.start_iter:,} -> {sol.max_iter:,}"))
+                 f"{trainer.state.start_iter:,} -> {sol.max_iter:,}"))
     ck = job.checkpoint
     every = ck.interval
     rows.append(("output", f"{trainer.out_dir} (checkpoints "

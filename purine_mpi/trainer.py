@@ -46,7 +46,8 @@ class Trainer(Loop):
     """A ``Loop`` assembled from a job for this rank of ``world``."""
 
     def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
-                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False):
+                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False,
+                 agreement=None):
         created = time.perf_counter()  # the start-up block reports the set-up time
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
@@ -55,14 +56,15 @@ class Trainer(Loop):
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         try:
             graphs = build_rank_graphs(job, world, scheme)
-            self.traces = Traces(profile, out_dir, world)
-            runners = _dispatchers(graphs, job, world, dispatcher, self.traces.profiler,
+            traces = Traces(profile, out_dir, world)
+            runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None)
             self.checkpoints, self.evaluation = Checkpoints(), Evaluation()
+            services = self._services(job, out_dir, created, tensorboard, traces,
+                                      agreement or StopAgreement())
             super().__init__(graphs, *runners, job=job, out_dir=out_dir, world=world,
-                             scheme=scheme, log=log,
-                             services=self._services(job, out_dir, created, tensorboard))
-            if self.rank == 0:
+                             scheme=scheme, log=log, services=services)
+            if world.rank == 0:
                 for path in remove_stale_temp_files(out_dir):
                     self.log(f"removed {path}, left by a writer that was killed mid-write")
             self.checkpoints.restore(self, init, init_skip, resume)
@@ -70,11 +72,13 @@ class Trainer(Loop):
             self._settle_readers()
             raise
 
-    def _services(self, job, out_dir, created, tensorboard):
-        """The loop's services, in the order the loop asks them (train/loop.py)."""
+    def _services(self, job, out_dir, created, tensorboard, traces, agreement):
+        """The loop's services, in the order the loop asks them (train/loop.py).
+        ``agreement``: the stop agreement (a parameter-server worker's:
+        train/ps_worker.py)."""
         best, early = job.checkpoint.best, job.solver.early_stop
         return [StartupReport(created),
-                StopAgreement(),
+                agreement,
                 DivergenceWatch(),
                 Progress(tensorboard),
                 self.evaluation,
@@ -82,7 +86,7 @@ class Trainer(Loop):
                                    self.say)] if best else []),
                 *([EarlyStopping(early, self.say)] if early else []),
                 self.checkpoints,
-                self.traces]
+                traces]
 
     def _settle_readers(self, timeout=30.0):
         """Wait for the data readers' in-flight prefetch: their daemon threads
@@ -173,6 +177,7 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
     workers' World (metrics and checkpoints from rank 0, a worker). Returns
     the exit status."""
     from .parallel.param_server import WorkerScheme, run_server_rank, split_workers
+    from .train.ps_worker import WorkerStopAgreement
     job, sub = split_workers(job, world)
     if sub is None:
         return run_server_rank(job, out_dir, world, resume=resume, init=init,
@@ -180,6 +185,7 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
     return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
                                   init_skip=init_skip, scheme=WorkerScheme(job, world),
+                                  agreement=WorkerStopAgreement(job, world),
                                   tensorboard=tensorboard),
                           world)
 

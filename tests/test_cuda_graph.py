@@ -354,7 +354,7 @@ def _train_emulated(tmp_path, cuda_graph, max_iter, resume=None, out="run"):
         kinds = (type(trainer.train), type(trainer.test))
         reports = [d.capture_report() for d in (trainer.train, trainer.test)
                    if isinstance(d, GraphDispatcher)]
-        params = {p: np.array(trainer.ws[p]) for p in trainer.params}
+        params = {p: np.array(trainer.ws[p]) for p in trainer.graphs.params}
     finally:
         trainer.close()
     rows = []

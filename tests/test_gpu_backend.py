@@ -1882,8 +1882,8 @@ def _check_trainer_resume(tmp_path, emulated):
     cpu = _trainer_run(cpu_config, tmp_path / "cpu")
     try:
         straight = _trainer_run(config, tmp_path / "straight")
-        assert straight.device == 0
-        ops = {op.op_type for op in straight.graph.ops.values()}
+        assert straight.graphs.device == 0
+        ops = {op.op_type for op in straight.graphs.graph.ops.values()}
         assert "MultiSGDUpdate" in ops and "SGDUpdate" not in ops and "Relu" not in ops
         weight = straight.ws["conv1/weight"]
         assert isinstance(weight, DeviceArray) if emulated else \
@@ -1898,7 +1898,7 @@ def _check_trainer_resume(tmp_path, emulated):
     b = load_checkpoint(str(split / "latest.h5"))
     c = load_checkpoint(str(tmp_path / "cpu" / "latest.h5"))
     assert a.iteration == b.iteration == c.iteration == 8
-    assert sorted(a.params) == sorted(c.params) == sorted(p.name for p in cpu.graph.params())
+    assert sorted(a.params) == sorted(c.params) == sorted(p.name for p in cpu.graphs.graph.params())
     for name in a.params:
         assert a.params[name].tobytes() == b.params[name].tobytes(), name
         assert a.solver[name]["momentum"].tobytes() == b.solver[name]["momentum"].tobytes()

@@ -158,7 +158,7 @@ def _train(tmp_path, raw, planned, out, whole_capture=False):
                 for root in plan.offsets:  # stale bytes must never reach a result
                     ws.storage(root).view(np.uint8)[...] = 255
         trainer.run()
-        params = {p: np.array(to_numpy(trainer.ws[p])) for p in trainer.params}
+        params = {p: np.array(to_numpy(trainer.ws[p])) for p in trainer.graphs.params}
         arena = dict(trainer.ws.device_bytes)
         if whole_capture:  # the planned graphs captured, nothing fell back; only
             for d in (trainer.train, trainer.test):  # Accuracy reads on the host

@@ -64,12 +64,12 @@ def test_job_trains_an_iteration(job, batch, digits_h5, tmp_path):
     cfg = synthetic_config(make_job(cfg))
     t = Trainer(cfg, str(tmp_path), world=FakeWorld(), log=lambda m: None)
     try:
-        before = {p: np.array(t.ws[p]) for p in t.params}
+        before = {p: np.array(t.ws[p]) for p in t.graphs.params}
         for it in range(2):
             t.ws["iter"][...] = it
             t.train.run(it)
-        loss = sum(float(t.ws[b]) for b in t.losses)
+        loss = sum(float(t.ws[b]) for b in t.graphs.losses)
         assert np.isfinite(loss)
-        assert any(not np.array_equal(before[p], t.ws[p]) for p in t.params)
+        assert any(not np.array_equal(before[p], t.ws[p]) for p in t.graphs.params)
     finally:
         t.close()

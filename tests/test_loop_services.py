@@ -54,6 +54,8 @@ def test_the_hooks_fire_at_their_fixed_points(tmp_path, digits_h5):
     assert sixth == ["after_step", "on_display", "on_stop_request", "after_iteration",
                      "on_test"]
     assert "accuracy" in result and (tmp_path / "run" / "latest.h5").exists()
+    # services keep their own state; what they share is loop.state (issue 33)
+    assert len(vars(t)) <= 15, sorted(vars(t))
 
 
 def test_a_new_habit_is_one_service_in_the_list(tmp_path, digits_h5):
@@ -63,7 +65,7 @@ def test_a_new_habit_is_one_service_in_the_list(tmp_path, digits_h5):
     class StopAtFour(Service):
         def on_test(self, loop, done):
             if done == 4:
-                loop.early_stopped = done
+                loop.state.early_stopped = done
 
     t = _trainer(tmp_path, digits_h5, max_iter=10, display=0, test_interval=2)
     t.services.insert(t.services.index(t.checkpoints), StopAtFour())
@@ -83,3 +85,16 @@ def test_the_loop_class_stays_small():
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Loop")
     assert cls.end_lineno - cls.lineno + 1 < 250
     assert Loop.__module__ == "purine_mpi.train.loop"
+
+
+def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
+    """A scheme composes graphs; the stop agreement and the hook before a
+    checkpoint are loop services (train/signals.py, train/ps_worker.py)."""
+    from purine_mpi.parallel.compose import Scheme
+    from purine_mpi.parallel.param_server import WorkerScheme
+    from purine_mpi.train.ps_worker import WorkerStopAgreement
+    from purine_mpi.train.signals import StopAgreement
+    for cls in (Scheme, WorkerScheme):
+        assert not hasattr(cls, "agree_to_stop") and not hasattr(cls, "before_save")
+    assert issubclass(WorkerStopAgreement, StopAgreement)
+    assert "before_save" in vars(Service) and "before_save" in vars(WorkerStopAgreement)

@@ -148,15 +148,15 @@ def test_no_read_back_between_the_intervals_and_the_same_figures(
     config = _config()
     reads = ReadBacks(monkeypatch)
     t, code, rows = _run(config, tmp_path / "deferred", monkeypatch=monkeypatch)
-    assert code == 0 and t.watch == "loss_watch"
-    assert t.graph.ops["loss_watch"].op_type == "LossWatch"
+    assert code == 0 and t.graphs.watch == "loss_watch"
+    assert t.graphs.graph.ops["loss_watch"].op_type == "LossWatch"
     checks = {3, 5, 7, 11}  # done = 4, 6 (checkpoint), 8, 12 (display, checkpoint, end)
     assert set(reads.by_iter) <= checks, reads.by_iter
     assert all(reads.by_iter.get(i) for i in (3, 7)), reads.by_iter  # the counter counts
     # the same run reading the loss every iteration (as the CPU does)
     every = ReadBacks(monkeypatch)
     t2, code2, rows2 = _run(config, tmp_path / "every", defer=False, monkeypatch=monkeypatch)
-    assert code2 == 0 and t2.watch is None
+    assert code2 == 0 and t2.graphs.watch is None
     assert set(every.by_iter) == set(range(12))  # the old path: a read every iteration
     assert _figures(rows) == _figures(rows2)
     assert [r["iter"] for r in rows if r["phase"] == "train"] == [4, 8, 12]

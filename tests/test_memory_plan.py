@@ -277,8 +277,8 @@ def _train(raw, iters, plan):
         for it in range(iters):
             t.step(it)
             t.train.drain()
-            losses.append([t.ws[b].copy() for b in t.losses])
-        state = {n: np.array(t.ws[n]) for n, b in t.graph.blobs.items()
+            losses.append([t.ws[b].copy() for b in t.graphs.losses])
+        state = {n: np.array(t.ws[n]) for n, b in t.graphs.graph.blobs.items()
                  if b.kind in ("param", "state") and b.alias_of is None}
         ev = t.evaluate(2) if t.test is not None else None
         return losses, state, ev, t.ws

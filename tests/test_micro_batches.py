@@ -61,8 +61,9 @@ def _train_in_process(parallel, iters=5):
         for it in range(iters):
             t.ws["iter"][...] = it
             t.train.run(it)
-            losses.append(sum(float(t.ws[b]) * s for b, s in zip(t.losses, t.loss_shares)))
-        return {p: t.ws[p].copy() for p in t.params}, losses
+            g = t.graphs
+            losses.append(sum(float(t.ws[b]) * s for b, s in zip(g.losses, g.loss_shares)))
+        return {p: t.ws[p].copy() for p in t.graphs.params}, losses
     finally:
         t.close()
 

@@ -164,9 +164,10 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
             for it in range(4):
                 t.step(it)
                 t.train.drain()  # on a GPU a step returns unsynchronised: wait to read
-                losses.append([float(t.ws[b]) for b in t.losses])
-            return (losses, {p: np.array(t.ws[p]) for p in t.params}, t.memory_plan,
-                    t.ws.allocated_bytes, t.graph)
+                losses.append([float(t.ws[b]) for b in t.graphs.losses])
+            g = t.graphs
+            return (losses, {p: np.array(t.ws[p]) for p in g.params}, g.memory_plan,
+                    t.ws.allocated_bytes, g.graph)
         finally:
             t.close()
 

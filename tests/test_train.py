@@ -85,7 +85,7 @@ def test_training_matches_pytorch_sgd(digits_h5, tmp_path):
     lr, mu, wd, iters = 0.05, 0.9, 5e-4, 6
     t = make_trainer(config, tmp_path)
     try:
-        names = sorted(t.params)
+        names = sorted(t.graphs.params)
         assert names == sorted(f"{l}/{k}" for l in ("conv1", "conv2", "fc1", "fc2")
                                for k in ("weight", "bias"))
         initial = {n: np.array(t.ws[n]) for n in names}
@@ -127,7 +127,7 @@ def test_event_and_serial_dispatchers_train_identically(digits_h5, tmp_path):
                 t.ws["iter"][...] = it
                 t.train.run(it)
                 losses.append(float(t.ws["loss"]))
-            results.append((losses, {p: np.array(t.ws[p]) for p in t.params}))
+            results.append((losses, {p: np.array(t.ws[p]) for p in t.graphs.params}))
         finally:
             t.close()
     (l1, p1), (l2, p2) = results

@@ -6,8 +6,6 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
 
     scheme = Scheme()                          # data / pipeline / hybrid / none
     local = scheme.compose(graph, grads, job, world)
-    code = scheme.agree_to_stop(trainer, done, diverged)
-    scheme.before_save(trainer, iteration)     # e.g. fetch the servers' momenta
 
     layout = layout_of(job, world)             # replicas x stages; this rank's place
     compose(graph, grads, job, world)          # the data-parallel, pipeline or hybrid slice
@@ -38,8 +36,9 @@ from .micro_batch import add_schedule, replicate_micro_batches
 
 class Scheme:
     """How a trainer's rank takes part in its parallel scheme: the graph it
-    runs and the decisions it shares with other ranks. The trainer passes
-    itself to the hooks (its ``world``, ``stop``, ``ws`` and ``start_iter``)."""
+    runs (the decisions it shares with other ranks during the run, the stop
+    agreement and the checkpoints, are loop services: train/signals.py,
+    train/ps_worker.py)."""
 
     #: on a GPU, the trainer reads the loss back only at the display, test and
     #: checkpoint intervals (and before a checkpoint a signal asks for)
@@ -55,13 +54,6 @@ class Scheme:
         """Share the buffers of micro-batch copies never live at once
         (parallel/micro_memory.py), on the graph as it will run."""
         return plan_memory(graph, job, world)
-
-    def agree_to_stop(self, trainer, done, diverged):
-        """The stop code every rank agrees on after iteration ``done``."""
-        return trainer.stop.agree(trainer.world, diverged)
-
-    def before_save(self, trainer, iteration):
-        """Called on every rank before a checkpoint is gathered."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,8 @@ Interface (every function takes the *global* World unless it says so):
         # ``train`` on every rank of a PS run (trainer.run_param_server):
         # splits the ranks, servers call run_server_rank, workers run a
         # Trainer over the workers' World with the WorkerScheme, whose graph
-        # comes from compose_param_server. Checkpoints
+        # comes from compose_param_server, and the stop agreement with the
+        # servers as a loop service (train/ps_worker.py). Checkpoints
         # (rank 0, a worker) hold the weights it pulled last and the servers'
         # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
         # the end for async), so --resume continues exactly in sync_ps.
@@ -50,7 +51,8 @@ Interface (every function takes the *global* World unless it says so):
         -> {"params", "momenta", "stats", "plan"}   # one server rank's work
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
     build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
-    server_rank), worker_world(world, ps_ranks): the pieces.
+    server_rank), worker_world(world, ps_ranks), recv_state(world, servers),
+    state_transfer_due(job, done, start, final_only): the pieces.
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -65,7 +67,7 @@ from ..graph.core import Graph
 from ..graph.solver import momentum_name
 from ..io.run_checkpoints import find_resumable
 from ..runtime.stop import StopSignal
-from .async_server import STOP_REQUEST_TAG, STOP_TAG, AsyncServer
+from .async_server import AsyncServer
 from .compose import Scheme
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
@@ -337,7 +339,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 if code == StopSignal.DIVERGED:
                     break
                 stopping = bool(code) and it + 1 != max_iter
-                if stopping or _state_transfer_due(job, it + 1, start, final_only=False):
+                if stopping or state_transfer_due(job, it + 1, start, final_only=False):
                     _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
                 if stopping:
                     break
@@ -354,7 +356,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         stats = server.serve()
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
-                code or _state_transfer_due(job, max_iter, start, final_only=True)):
+                code or state_transfer_due(job, max_iter, start, final_only=True)):
             _send_state(world, momenta)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
@@ -364,11 +366,12 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
 
 # ------------------------------------------------- checkpoints and the run
 STATE_TAG = 1 << 20  # above every push/pull tag
-# async stops (async_server.py): rank 0 tells the servers the workers' stop
-# code (STOP_TAG); a server that got a signal asks rank 0 to stop (STOP_REQUEST_TAG)
+# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers
+# the workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
+# stop (STOP_REQUEST_TAG)
 
 
-def _state_transfer_due(job, done, start, final_only):
+def state_transfer_due(job, done, start, final_only):
     """Whether servers send their momenta to rank 0 after iteration ``done``:
     at the trainer's checkpoint iterations (sync_ps) and after the last one.
     Both sides evaluate this same rule, so a transfer is never left unmatched."""
@@ -385,7 +388,7 @@ def _send_state(world, momenta):
                       "sending the server state (momenta)")
 
 
-def _recv_state(world, servers):
+def recv_state(world, servers):
     out = {}
     for s in servers:
         out.update(world.recv_object(s, STATE_TAG, "the server state (momenta)"))
@@ -394,8 +397,9 @@ def _recv_state(world, servers):
 
 class WorkerScheme(Scheme):
     """A worker's part (the trainer runs it over the workers' World): the PS
-    worker graph, the stop agreement with the servers, and checkpoints that
-    carry the servers' momenta. ``world`` is the global World."""
+    worker graph. ``world`` is the global World. The stop agreement with the
+    servers and the checkpoints that carry the servers' momenta are a loop
+    service (train/ps_worker.py)."""
 
     #: the stop agreement tells the servers at once, so a worker checks its
     #: loss every iteration (a divergence found later could not be taken back)
@@ -405,45 +409,10 @@ class WorkerScheme(Scheme):
 
     def __init__(self, job, world):
         self.world = world
-        self.job = job
         self.layout = ps_layout(world.size, job.parallel.ps_ranks)
-        self.mode = job.parallel.mode
-        self.max_iter = job.solver.max_iter
-        self.stopping = False
 
     def compose(self, graph, grads, job, world):
         return compose_param_server(graph, grads, job, self.world)
-
-    def agree_to_stop(self, trainer, done, diverged):
-        """sync_ps: workers and servers agree (the servers run in lockstep).
-        async: the workers agree, rank 0 first taking any stop request a
-        server sent, then telling the servers the outcome."""
-        world, servers, stop = self.world, self.layout["servers"], trainer.stop
-        if self.mode == "sync_ps":
-            code = stop.agree(world, diverged)
-        else:
-            if world.rank == 0:
-                for s in servers:
-                    if world.comm.Iprobe(source=s, tag=STOP_REQUEST_TAG):
-                        name = world.comm.recv(source=s, tag=STOP_REQUEST_TAG)
-                        stop.name = stop.name or name
-            code = stop.agree(trainer.world, diverged)
-            if code and world.rank == 0:
-                if done != self.max_iter:
-                    for s in servers:
-                        world.send_object(code, s, STOP_TAG, "the stop decision")
-                elif code == StopSignal.DIVERGED:  # the servers sent their final state
-                    _recv_state(world, servers)
-        self.stopping = bool(code) and code != StopSignal.DIVERGED and done != self.max_iter
-        return code
-
-    def before_save(self, trainer, iteration):
-        due = self.stopping or _state_transfer_due(self.job, iteration, trainer.start_iter,
-                                                   final_only=(self.mode == "async"))
-        if due and self.world.rank == 0:
-            # the servers hold the momenta: put them where save() looks
-            for p, m in _recv_state(self.world, self.layout["servers"]).items():
-                trainer.ws.arrays[momentum_name(p)] = m
 
 
 def split_workers(job, world):

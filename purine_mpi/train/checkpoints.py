@@ -36,12 +36,13 @@ class Checkpoints(Service):
     # ------------------------------------------------------------- hooks
     def after_iteration(self, loop, done):
         # one checkpoint, also when a stop meets the interval
-        if done != loop.max_iter and (loop.stop_code or loop.early_stopped is not None
-                                      or loop.due(loop.checkpoint_interval, done)):
+        st = loop.state
+        if done != loop.job.solver.max_iter and (st.stop_code or st.early_stopped is not None
+                                                 or loop.due(loop.job.checkpoint.interval, done)):
             self.save(loop, done)
 
     def on_end(self, loop):
-        self.save(loop, loop.max_iter)
+        self.save(loop, loop.job.solver.max_iter)
 
     # ------------------------------------------------------------- state
     def restore(self, loop, init=None, init_skip=(), resume=None):
@@ -52,15 +53,15 @@ class Checkpoints(Service):
             self._resume(loop, resume)
 
     def _init_params(self, loop, init, init_skip=()):
-        for p in loop.params:
-            loop.ws.set(p, fill(loop.graph.blobs[p], loop.seed))
+        for p in loop.graphs.params:
+            loop.ws.set(p, fill(loop.graphs.graph.blobs[p], loop.job.seed))
         if init and str(init).endswith(".caffemodel"):
             self._init_from_caffemodel(loop, init, init_skip)
         elif init:
             params = load_params(init)
-            wanted = init_params(params, loop.params, loop.job, init, init_skip)
+            wanted = init_params(params, loop.graphs.params, loop.job, init, init_skip)
             check_finite({p: params[p] for p in wanted}, init)
-            note = unused_note(params, loop.net_params, init)
+            note = unused_note(params, loop.graphs.net_params, init)
             if note:
                 loop.say(note)
             for p in wanted:
@@ -77,15 +78,16 @@ class Checkpoints(Service):
         Caffe files do not hold)."""
         from ..interop.caffemodel import caffe_params
         skip = set(init_skip)
-        shapes = {p: loop.graph.blobs[p].shape for p in loop.params
+        shapes = {p: loop.graphs.graph.blobs[p].shape for p in loop.graphs.params
                   if p.split("/")[0] not in skip}
         values, report, factors = caffe_params(path, shapes)
         check_finite(values, path)
-        if loop.rank == 0:
+        if loop.world.rank == 0:
             for line in report:
                 loop.log(f"{path}: {line}")
-        fixed = {p for p in loop.params if kept_constant(loop.graph.blobs[p])}
-        for p in init_params(dict.fromkeys(set(values) | fixed), loop.params, loop.job, path,
+        g = loop.graphs
+        fixed = {p for p in g.params if kept_constant(g.graph.blobs[p])}
+        for p in init_params(dict.fromkeys(set(values) | fixed), g.params, loop.job, path,
                              init_skip):
             if p in values:
                 self._load_blob(loop, p, values[p], path)
@@ -116,7 +118,7 @@ class Checkpoints(Service):
                 local[name] = s
         states = world_gather(loop.world, local)
         return {"ranks": {str(r): s for r, s in enumerate(states)},
-                "layout": loop.layout.as_dict()} if states else None
+                "layout": loop.graphs.layout.as_dict()} if states else None
 
     def load_state_dict(self, loop, state):
         """Per-rank state of a checkpoint. On the layout it was written on
@@ -129,23 +131,23 @@ class Checkpoints(Service):
         batch), but per-rank random streams cannot: they restart from the seed."""
         ranks = state.get("ranks", {})
         saved = state.get("layout")
-        same_world = len(ranks) == loop.size and (saved is None or
-                                                  loop.layout.same_shape(saved))
-        if not ranks or (same_world and str(loop.rank) not in ranks):
+        same_world = len(ranks) == loop.world.size and (saved is None or
+                                                        loop.graphs.layout.same_shape(saved))
+        if not ranks or (same_world and str(loop.world.rank) not in ranks):
             raise UserError("the checkpoint holds no per-rank state (ranks: "
                             f"{sorted(ranks) or 'none'})")
         if same_world:
-            mine = ranks[str(loop.rank)]
+            mine = ranks[str(loop.world.rank)]
         else:
             mine = {}
             for r in sorted(ranks, key=int):
                 for name, s in ranks[r].items():
                     mine.setdefault(name.split("@mb")[0], s)
-            if loop.rank == 0:
+            if loop.world.rank == 0:
                 was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
-                loop.log(f"note: resuming a {len(ranks)}-rank checkpoint on {loop.size} "
-                         f"rank(s), layout {was} -> {loop.layout.describe()}: the weights and "
-                         "solver state load by name, each stage taking its layers'; the data "
+                loop.log(f"note: resuming a {len(ranks)}-rank checkpoint on {loop.world.size} "
+                         f"rank(s), layout {was} -> {loop.graphs.layout.describe()}: the weights "
+                         "and solver state load by name, each stage taking its layers'; the data "
                          "order continues at the same sample count; random streams (dropout) "
                          "restart from the seed, so the run is not bit-identical to an "
                          "uninterrupted one")
@@ -167,14 +169,15 @@ class Checkpoints(Service):
         else:
             ck = load_checkpoint(path)
         # the whole checkpoint is checked against the net before any of it is loaded
-        check_for_net(ck, path, loop.net_params, {p: loop.ws[p] for p in loop.params},
-                      {(p, s): loop.ws[state_name(p, s)] for p in loop.params
-                       for s in solver_states(loop.solver.type)
+        params = loop.graphs.params
+        check_for_net(ck, path, loop.graphs.net_params, {p: loop.ws[p] for p in params},
+                      {(p, s): loop.ws[state_name(p, s)] for p in params
+                       for s in solver_states(loop.job.solver.type)
                        if state_name(p, s) in loop.ws.arrays})
         fresh = set()
-        for p in loop.params:
+        for p in loop.graphs.params:
             self._load_blob(loop, p, ck.params[p], path)
-            for s in solver_states(loop.solver.type):
+            for s in solver_states(loop.job.solver.type):
                 m = state_name(p, s)
                 if m not in loop.ws.arrays:
                     continue
@@ -184,20 +187,21 @@ class Checkpoints(Service):
                     fresh.add(s)
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
-                     f"solver type {loop.solver.type!r}; that state starts from zero")
+                     f"solver type {loop.job.solver.type!r}; that state starts from zero")
         if ck.state:
             self.load_state_dict(loop, ck.state)
-        loop.start_iter = int(ck.attrs["iteration"])
-        loop.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
-        loop.run_id = str(ck.attrs.get("run_id") or "") or loop.run_id
-        loop.last_saved = loop.start_iter
-        loop.say(f"resumed from {path} at iteration {loop.start_iter}")
-        saved_world = int(ck.attrs.get("world_size", loop.size) or loop.size)
-        if saved_world != loop.size and loop.job.data.train is not None:
-            b = loop.job.train_batch
+        st, size = loop.state, loop.world.size
+        st.start_iter = int(ck.attrs["iteration"])
+        st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
+        st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id
+        st.last_saved = st.start_iter
+        loop.say(f"resumed from {path} at iteration {st.start_iter}")
+        saved_world = int(ck.attrs.get("world_size", size) or size)
+        if saved_world != size and loop.job.data.train is not None:
+            b, replicas = loop.job.train_batch, loop.graphs.data_size
             loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
-                     f"{loop.size}: the global batch is now {loop.job.global_batch(loop.data_size)} "
-                     f"({b} per rank x {loop.data_size}); the data order goes on at the same "
+                     f"{size}: the global batch is now {loop.job.global_batch(replicas)} "
+                     f"({b} per rank x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      "(keep the global batch with --set data.train.batch_size=G/N)")
 
@@ -205,31 +209,31 @@ class Checkpoints(Service):
         """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
         rotation), or with ``path`` a checkpoint file of its own. Collective."""
         loop.train.drain()  # the weights of this iteration, updated
-        loop.scheme.before_save(loop, iteration)
+        loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
         if path is None:
-            loop.last_saved = iteration
+            loop.state.last_saved = iteration
         state = self.state_dict(loop)
-        params = {p: to_numpy(loop.ws[p]) for p in loop.params}
-        states = solver_states(loop.solver.type)
+        params = {p: to_numpy(loop.ws[p]) for p in loop.graphs.params}
+        states = solver_states(loop.job.solver.type)
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
-                      if state_name(p, s) in loop.ws.arrays} for p in loop.params}
+                      if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         solver = {p: s for p, s in solver.items() if s}
-        if loop.pipeline:  # each stage holds its own layers' parameters
+        if loop.graphs.pipeline:  # each stage holds its own layers' parameters
             parts = world_gather(loop.world, (params, solver))
-            if loop.rank == 0:  # replica 0's stages (the replicas hold the same values)
-                for r in loop.layout.replica_ranks(0):
+            if loop.world.rank == 0:  # replica 0's stages (the replicas hold the same values)
+                for r in loop.graphs.layout.replica_ranks(0):
                     params.update(parts[r][0])
                     solver.update(parts[r][1])
-        if loop.rank != 0:
+        if loop.world.rank != 0:
             return
-        payload = dict(params=params, solver=solver, state=state, world_size=loop.size,
-                       seed=loop.seed, config_text=dump_config(loop.job),
-                       run_id=loop.run_id, elapsed=loop.elapsed())
+        payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,
+                       seed=loop.job.seed, config_text=dump_config(loop.job),
+                       run_id=loop.state.run_id, elapsed=loop.elapsed())
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
             return
         save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep,
                             **payload)
-        if loop.metrics is not None and loop.start_iter:
-            loop.metrics.commit()  # the resumed run's rows and config replace the old ones
+        if loop.state.metrics is not None and loop.state.start_iter:
+            loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)

@@ -22,37 +22,37 @@ class DivergenceWatch(Service):
     def after_step(self, loop, done):
         # on a GPU the loss is read back only where it is shown or a
         # checkpoint may follow (the same iterations on every rank)
-        self.checked = not loop.deferred or loop.display_due(done) or \
+        self.checked = not loop.graphs.deferred or loop.display_due(done) or \
             loop.checkpoint_due(done) or loop.test_due(done)
-        if not loop.deferred:
+        if not loop.graphs.deferred:
             value, finite = loop.loss_now()
-            loop.window.loss += value
-            loop.first_bad = None if finite else done
+            loop.state.window.loss += value
+            loop.state.first_bad = None if finite else done
         elif self.checked:
-            loop.window.loss, loop.first_bad = self.read_losses(loop)
+            loop.state.window.loss, loop.state.first_bad = self.read_losses(loop)
         # a checkpoint is never written with non-finite weights: where one
         # may follow, the parameters are checked too
-        loop.diverged = loop.first_bad is not None or (
+        loop.state.diverged = loop.state.first_bad is not None or (
             loop.checkpoint_due(done) and not self.params_finite(loop))
 
     def on_display(self, loop, done):
-        if loop.watch is not None:  # the device window starts again
-            loop.ws[loop.watch][0] = 0.0
+        if loop.graphs.watch is not None:  # the device window starts again
+            loop.ws[loop.graphs.watch][0] = 0.0
 
     def on_stop_request(self, loop, done):
         """After the agreement (signals.py): a signal that asks for a
         checkpoint between the intervals has the loss and the weights
         checked first, on every rank."""
-        code = loop.stop_code
-        if not loop.deferred or self.checked or not code or code == StopSignal.DIVERGED:
+        code = loop.state.stop_code
+        if not loop.graphs.deferred or self.checked or not code or code == StopSignal.DIVERGED:
             return
-        _, loop.first_bad = self.read_losses(loop)
-        diverged = loop.first_bad is not None or not self.params_finite(loop)
-        if loop.size > 1:
+        _, loop.state.first_bad = self.read_losses(loop)
+        diverged = loop.state.first_bad is not None or not self.params_finite(loop)
+        if loop.world.size > 1:
             diverged = bool(loop.world.allreduce(
                 np.array([int(diverged)], np.int64), "max",
                 "the divergence check before a checkpoint (allreduce)")[0])
-        loop.stop_code = StopSignal.DIVERGED if diverged else code
+        loop.state.stop_code = StopSignal.DIVERGED if diverged else code
 
     @staticmethod
     def read_losses(loop):
@@ -62,10 +62,10 @@ class DivergenceWatch(Service):
         iterations on every rank)."""
         total, first = 0.0, 0
         loop.train.drain()  # the device work queued so far is done: the blobs hold it
-        if loop.watch is not None:
-            total, first = (float(v) for v in to_numpy(loop.ws[loop.watch]))
+        if loop.graphs.watch is not None:
+            total, first = (float(v) for v in to_numpy(loop.ws[loop.graphs.watch]))
         first = int(first) or None
-        if loop.size > 1:  # the earliest over the ranks: MAX of the negated iteration
+        if loop.world.size > 1:  # the earliest over the ranks: MAX of the negated iteration
             worst = loop.world.allreduce(np.array([-(first or 2 ** 62)], np.int64), "max",
                                          "the first diverged iteration (allreduce)")
             first = None if -int(worst[0]) == 2 ** 62 else -int(worst[0])
@@ -75,4 +75,5 @@ class DivergenceWatch(Service):
     def params_finite(loop):
         """Whether every parameter of this rank is finite (no NaN or inf)."""
         loop.train.drain()
-        return all(bool(get_xp(loop.ws[p]).isfinite(loop.ws[p]).all()) for p in loop.params)
+        ws = loop.ws
+        return all(bool(get_xp(ws[p]).isfinite(ws[p]).all()) for p in loop.graphs.params)

@@ -2,7 +2,7 @@
 split, sharded over the ranks (each sample of a one-pass test counted
 exactly once, whatever the number of ranks), its metrics row and log line; at the test
 interval, once at the end, and before training with
-``solver.test_initialization`` (Caffe's). ``loop.result`` holds its
+``solver.test_initialization`` (Caffe's). ``loop.state.result`` holds its
 figures for the services after it (watch.py) and the run's result.
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
@@ -22,7 +22,7 @@ class Evaluation(Service):
 
     def on_test(self, loop, done):
         res = self.evaluate(loop)
-        loop.result = res
+        loop.state.result = res
         if not res:
             return
         row = {"phase": "test", "iter": done}
@@ -49,8 +49,8 @@ class Evaluation(Service):
         loop.train.drain()  # the test graph reads the weights the train graph updates
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
-        batch, replicas = spec.batch_size, loop.data_size
-        given = test_iter or loop.solver.test_iter
+        batch, replicas = spec.batch_size, loop.graphs.data_size
+        given = test_iter or loop.job.solver.test_iter
         n = given or pass_batches(n_samples, batch, replicas)
         padded = not given and loop.graphs.test_pad is not None
         # positions below ``limit`` are samples; those past it are padding
@@ -68,11 +68,11 @@ class Evaluation(Service):
         counted = min(limit, n * batch * replicas)
         sums = np.zeros(len(names))
         with progress(counted, "test", "samples", log=loop.log,
-                      enabled=loop.rank == 0) as bar:
+                      enabled=loop.world.rank == 0) as bar:
             for i in range(n):
                 loop.test.run(i)
                 counts = pass_counts(i, replicas, batch, limit)
-                mine = float(counts[loop.layout.replica])
+                mine = float(counts[loop.graphs.layout.replica])
                 sums += [mine * float(ws[b]) if b in ws.arrays else 0.0 for b in names]
                 bar.update(int(counts.sum()))
         out = {}

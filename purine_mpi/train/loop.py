@@ -15,10 +15,17 @@ Caffe's ``Solver::Step``):
     on_stop(loop, done)              the run stops early (signal, early stop)
     on_end(loop)                     max_iter reached: the final checkpoint
     on_close(loop)                   always, last: files closed, trace written
+    before_save(loop, iteration)     on every rank before a checkpoint is gathered
+                                     (checkpoints.py asks it)
 
-The services communicate through the loop's state (``window``, ``first_bad``,
-``diverged``, ``stop_code``, ``result``, ``early_stopped``, ``metrics``). A
-new habit is a new ``Service`` and one line in the list (trainer.py).
+Each service keeps its own state (its settings, its counters, its open
+files). What they share is one typed object, ``loop.state`` (``RunState``
+below: the run's clock and checkpoint bookkeeping, the stop signal, the
+metrics log, and this iteration's outcomes: ``window``, ``first_bad``,
+``diverged``, ``stop_code``, ``result``, ``early_stopped``); the facts of
+this rank's graphs are ``loop.graphs`` (parallel/rank_graphs.py), the
+settings ``loop.job``. A new habit is a new ``Service`` and one line in the
+list (trainer.py).
 
 Every rank runs the same loop; the collectives the services make outside
 the graph happen at the same iterations on every rank, in list order.
@@ -26,6 +33,7 @@ the graph happen at the same iterations on every rank, in list order.
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
+import dataclasses
 import math
 import os
 import time
@@ -55,6 +63,8 @@ class Service:
 
     def on_close(self, loop): pass
 
+    def before_save(self, loop, iteration): pass
+
 
 class Window:
     """The display window: the loss summed since the last display line, its
@@ -67,37 +77,55 @@ class Window:
         self.__init__(start, now)
 
 
+@dataclasses.dataclass
+class RunState:
+    """What the loop's services share (each keeps the rest to itself).
+
+    The run: ``start_iter``, ``elapsed0`` (training time before this
+    process), ``run_id`` and ``last_saved`` (the newest checkpoint this run
+    wrote) are set by a resume and the checkpoints (checkpoints.py);
+    ``t_start`` by the loop; ``stop`` is the signal every rank agrees on
+    (signals.py); ``metrics`` the metrics log rank 0 writes (progress.py).
+
+    This iteration: the display ``window`` (divergence.py adds the loss,
+    progress.py shows and resets it), ``first_bad`` and ``diverged``
+    (divergence.py), the agreed ``stop_code`` (signals.py, divergence.py),
+    the test pass's ``result`` (evaluation.py) and ``early_stopped``
+    (watch.py)."""
+
+    start_iter: int = 0
+    elapsed0: float = 0.0
+    # checkpoints carry it; rotation deletes only this run's (and its resumes')
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    last_saved: object = None     # iteration of the newest checkpoint this run wrote
+    t_start: object = None        # perf_counter() when this process's first iteration began
+    stop: StopSignal = dataclasses.field(default_factory=StopSignal)
+    metrics: object = None        # the metrics log (rank 0, while the loop runs)
+    window: object = None         # Window
+    first_bad: object = None      # the first non-finite iteration, or None
+    diverged: bool = False
+    stop_code: int = 0
+    result: dict = dataclasses.field(default_factory=dict)
+    early_stopped: object = None  # the iteration early stopping ended the run at
+
+
 class Loop:
     """Runs this rank's training iterations and asks its services."""
 
     def __init__(self, graphs, train, test, *, job, out_dir, world, scheme, services=(),
                  log=print):
-        self.job = job  # io/job.py
-        self.solver, self.out_dir, self.seed = job.solver, out_dir, job.seed
-        self.world, self.rank, self.size = world, world.rank, world.size
-        self.scheme, self.log, self.graphs = scheme, log, graphs
-        g = graphs  # the facts of this rank's graphs that services and tools read
-        self.layout, self.pipeline, self.data_size = g.layout, g.pipeline, g.data_size
-        self.graph, self.test_graph, self.device = g.graph, g.test_graph, g.device
-        self.params, self.net_params, self.param_summary = g.params, g.net_params, \
-            g.param_summary
-        self.losses, self.loss_shares, self.watch = g.losses, g.loss_shares, g.watch
-        self.deferred, self.memory_plan = g.deferred, g.memory_plan
-        self.train, self.test, self.ws = train, test, train.workspace
+        self.job, self.out_dir, self.world = job, out_dir, world  # io/job.py
+        self.scheme, self.log = scheme, log
+        self.graphs = graphs  # the facts of this rank's graphs (parallel/rank_graphs.py)
+        self.train, self.test = train, test
         self.services = list(services)
-        self.stop = StopSignal()
-        # checkpoints carry it; rotation deletes only this run's (and its resumes')
-        self.run_id = uuid.uuid4().hex
-        self.start_iter = 0
-        self.elapsed0 = 0.0  # training time (s) before this process: "time" goes on from it
-        self.t_start = None  # perf_counter() when this process's first iteration began
-        self.last_saved = None  # iteration of the newest checkpoint this run wrote
-        self.metrics = None  # the metrics log (rank 0, while the loop runs)
+        self.state = RunState()
         self._order_adopted = False
-        self.max_iter, self.display = job.solver.max_iter, job.solver.display
-        self.test_interval = job.solver.test_interval
-        self.checkpoint_interval = job.checkpoint.interval
-        self.result, self.early_stopped, self.stop_code = {}, None, 0
+
+    @property
+    def ws(self):
+        """The training graph's workspace (its dispatcher's)."""
+        return self.train.workspace
 
     # ------------------------------------------------------------ services
     def emit(self, hook, *args):
@@ -111,16 +139,17 @@ class Loop:
         return bool(interval) and done % interval == 0
 
     def display_due(self, done):
-        return bool(self.display) and (done % self.display == 0 or done == self.max_iter)
+        display = self.job.solver.display
+        return bool(display) and (done % display == 0 or done == self.job.solver.max_iter)
 
     def checkpoint_due(self, done):
         """Whether a checkpoint may follow iteration ``done`` (the end, a stop
         request, the interval): the weights must then be finite."""
-        return done == self.max_iter or self.stop.name is not None or \
-            self.due(self.checkpoint_interval, done)
+        return done == self.job.solver.max_iter or self.state.stop.name is not None or \
+            self.due(self.job.checkpoint.interval, done)
 
     def test_due(self, done):
-        return self.due(self.test_interval, done)
+        return self.due(self.job.solver.test_interval, done)
 
     # --------------------------------------------------------------- a step
     def step(self, it):
@@ -132,8 +161,8 @@ class Loop:
         # queued (one graph launch when captured); the host synchronises only
         # where it reads back (the divergence watch, drain: display, test,
         # checkpoint, a stop signal)
-        self.train.run(it, sync=not self.deferred)
-        if not self._order_adopted and not self.pipeline:
+        self.train.run(it, sync=not self.graphs.deferred)
+        if not self._order_adopted and not self.graphs.pipeline:
             self._order_adopted = True
             from ..parallel.data_parallel import adopt_ready_order
             self.train.drain()
@@ -141,80 +170,82 @@ class Loop:
 
     # ------------------------------------------------------------- the loop
     def run(self):
-        max_iter = self.max_iter
-        if self.start_iter >= max_iter and self._finished():
-            self.say(f"already finished at iteration {self.start_iter}: nothing to do"
+        max_iter, st = self.job.solver.max_iter, self.state
+        if st.start_iter >= max_iter and self._finished():
+            self.say(f"already finished at iteration {st.start_iter}: nothing to do"
                      + (f" (solver.max_iter is {max_iter}; raise it, or give --iters, to "
-                        "train on)" if self.start_iter == max_iter else
+                        "train on)" if st.start_iter == max_iter else
                         f" (past solver.max_iter {max_iter})"))
             self.emit("on_close")
             return {}
-        self.early_stopped = None
+        st.early_stopped = None
         try:
             self.emit("on_start")
-            if self.solver.test_initialization and self.start_iter == 0:
+            if self.job.solver.test_initialization and st.start_iter == 0:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's)
-            self.t_start = time.perf_counter()
-            self.window = Window(self.start_iter, self.t_start)
-            for it in range(self.start_iter, max_iter):
+            st.t_start = time.perf_counter()
+            st.window = Window(st.start_iter, st.t_start)
+            for it in range(st.start_iter, max_iter):
                 self.step(it)
                 done = it + 1
-                self.window.n += 1
-                self.first_bad, self.diverged, self.stop_code = None, False, 0
+                st.window.n += 1
+                st.first_bad, st.diverged, st.stop_code = None, False, 0
                 self.emit("after_step", done)
                 # a window that diverged before this iteration is not shown:
                 # the run ended there (as it does when the loss is read every iteration)
-                if self.display_due(done) and self.first_bad in (None, done):
+                if self.display_due(done) and st.first_bad in (None, done):
                     self.emit("on_display", done)
                 self.emit("on_stop_request", done)
-                if self.stop_code == StopSignal.DIVERGED:
+                if st.stop_code == StopSignal.DIVERGED:
                     self.train.drain()
-                    return {"diverged_at": self.first_bad or done,
-                            "last_checkpoint": self.last_saved}
-                self.result = {}
+                    return {"diverged_at": st.first_bad or done,
+                            "last_checkpoint": st.last_saved}
+                st.result = {}
                 if self.test_due(done) and done != max_iter:
                     self.emit("on_test", done)
                 self.emit("after_iteration", done)
-                if done != max_iter and (self.early_stopped is not None or self.stop_code):
+                if done != max_iter and (st.early_stopped is not None or st.stop_code):
                     self.emit("on_stop", done)
-                    if self.early_stopped is not None:  # the figures of this test pass
-                        return dict(self.result, early_stop=done)
-                    return {"stopped_by": self.stop.name, "iter": done}
+                    if st.early_stopped is not None:  # the figures of this test pass
+                        return dict(st.result, early_stop=done)
+                    return {"stopped_by": st.stop.name, "iter": done}
             # the last evaluation and checkpoint (also after a resume past max_iter
             # into a folder without that run's latest.h5)
-            self.result = {}
+            st.result = {}
             self.emit("on_test", max_iter)
             self.emit("on_end")
-            return self.result
+            return st.result
         finally:
             self.emit("on_close")
 
     # -------------------------------------------------------------- helpers
     def elapsed(self, now=None):
         """Training time in seconds, over this run and those it resumed."""
-        if self.t_start is None:
-            return self.elapsed0
-        return self.elapsed0 + (time.perf_counter() if now is None else now) - self.t_start
+        st = self.state
+        if st.t_start is None:
+            return st.elapsed0
+        return st.elapsed0 + (time.perf_counter() if now is None else now) - st.t_start
 
     def say(self, msg):
         """A line of rank 0's log."""
-        if self.rank == 0:
+        if self.world.rank == 0:
             self.log(msg)
 
     def record(self, row):
         """A row of the metrics log (rank 0; docs/formats.md)."""
-        if self.metrics is not None:
-            self.metrics.write(row)
+        if self.state.metrics is not None:
+            self.state.metrics.write(row)
 
     def reduce(self, values):
         """Across ranks: the sum over a replica's stages (the last stage
         holds the loss), the mean over the replicas (each its own shard)."""
         from .collectives import world_mean
-        return world_mean(self.world, values) * self.layout.stages
+        return world_mean(self.world, values) * self.graphs.layout.stages
 
     def loss_now(self):
         """This iteration's loss as the host holds it (the CPU path)."""
-        value = sum(float(self.ws[b]) * share for b, share in zip(self.losses, self.loss_shares))
+        g = self.graphs
+        value = sum(float(self.ws[b]) * share for b, share in zip(g.losses, g.loss_shares))
         return value, math.isfinite(value)
 
     def _finished(self):
@@ -222,7 +253,7 @@ class Loop:
         rank 0 sees it (it writes the checkpoints), on every rank alike."""
         done = os.path.exists(os.path.join(self.out_dir, "latest.h5"))
         return self.world.allgather_object(done, "the finished-run check")[0] \
-            if self.size > 1 else done
+            if self.world.size > 1 else done
 
     def close(self):
         self.train.close()

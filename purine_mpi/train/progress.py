@@ -33,10 +33,11 @@ def write_config(loop):
 def global_batch(loop):
     """Images per iteration over all the replicas."""
     if loop.job.data.train is not None:
-        return loop.job.global_batch(loop.data_size)
+        return loop.job.global_batch(loop.graphs.data_size)
     # a graph: job: its readers say
-    return loop.data_size * sum(int(op.attrs.get("batch_size", 0))
-                                for op in loop.graph.ops.values() if op.op_type == "DataReader")
+    g = loop.graphs
+    return g.data_size * sum(int(op.attrs.get("batch_size", 0))
+                             for op in g.graph.ops.values() if op.op_type == "DataReader")
 
 
 class Progress(Service):
@@ -47,33 +48,34 @@ class Progress(Service):
         """Rank 0: config.yaml, and the metrics log. A resumed run replaces
         the folder's config.yaml with its first checkpoint (checkpoints.py)."""
         self.batch = global_batch(loop)
-        if loop.rank != 0:
+        if loop.world.rank != 0:
             return
         os.makedirs(loop.out_dir, exist_ok=True)
-        if not loop.start_iter:
+        if not loop.state.start_iter:
             write_config(loop)
-        log = MetricsLog(loop.out_dir, loop.start_iter, loop.elapsed0, self.tensorboard)
-        loop.elapsed0 = log.elapsed0  # never below a kept row's time
-        loop.metrics = log
+        st = loop.state
+        log = MetricsLog(loop.out_dir, st.start_iter, st.elapsed0, self.tensorboard)
+        st.elapsed0 = log.elapsed0  # never below a kept row's time
+        st.metrics = log
 
     def on_display(self, loop, done):
-        now, w = time.perf_counter(), loop.window
+        now, w = time.perf_counter(), loop.state.window
         loss = loop.reduce(w.loss / w.n if w.n else 0.0)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
         lr = float(loop.ws["lr"])
         loop.record({"phase": "train", "iter": done, "loss": loss, "lr": lr,
                      "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)})
-        max_iter = loop.max_iter
-        eta = (max_iter - done) * (now - loop.t_start) / max(done - loop.start_iter, 1)
+        max_iter, st = loop.job.solver.max_iter, loop.state
+        eta = (max_iter - done) * (now - st.t_start) / max(done - st.start_iter, 1)
         loop.say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
-                 f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {hms(now - loop.t_start)}  "
+                 f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {hms(now - st.t_start)}  "
                  f"eta {hms(eta)}")
         w.reset(done, now)
 
     def on_close(self, loop):
-        if loop.metrics is not None:
-            loop.metrics.close()
-            loop.metrics = None
+        if loop.state.metrics is not None:
+            loop.state.metrics.close()
+            loop.state.metrics = None
 
 
 def hms(seconds):

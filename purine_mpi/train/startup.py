@@ -20,14 +20,14 @@ class StartupReport(Service):
         """Collective over the loop's world: every rank's host and device."""
         from ..runlog import rank_info, startup_lines
         infos = world_gather(loop.world, rank_info(loop), "the start-up report")
-        if loop.rank == 0:
+        if loop.world.rank == 0:
             for line in startup_lines(loop, dict(enumerate(infos)),
                                       time.perf_counter() - self.created):
                 loop.log(line)
 
     def after_step(self, loop, done):
-        if done == loop.start_iter + 1:
-            gpu = ", CUDA kernel compilation" if loop.device >= 0 else ""
-            loop.say(f"first iteration done in {time.perf_counter() - loop.t_start:.2f} s "
+        if done == loop.state.start_iter + 1:
+            gpu = ", CUDA kernel compilation" if loop.graphs.device >= 0 else ""
+            loop.say(f"first iteration done in {time.perf_counter() - loop.state.t_start:.2f} s "
                      "(includes one-time start-up: first memory allocations, the first data "
                      f"batch{gpu})")

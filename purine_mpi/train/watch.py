@@ -2,7 +2,7 @@
 monitored metric (``checkpoint.best``, Lightning's ``ModelCheckpoint``) and
 early stopping (``solver.early_stop``, Lightning's ``EarlyStopping``).
 
-Both read the figures of the pass (``loop.result``, the mean over the
+Both read the figures of the pass (``loop.state.result``, the mean over the
 ranks, the same on every rank), so every rank takes the same decision with
 no collective. A non-finite figure never counts as an improvement. They
 follow the evaluation (evaluation.py) in the list of services.
@@ -47,8 +47,8 @@ class BestCheckpoints(Service):
         self.kept = []  # [(figure, iteration, path)], best first
 
     def on_test(self, loop, done):
-        if loop.result:
-            self.after_test(done, loop.result)
+        if loop.state.result:
+            self.after_test(done, loop.state.result)
 
     def after_test(self, iteration, results):
         value = _figure(results, self.metric, "checkpoint.best.metric")
@@ -74,7 +74,7 @@ class BestCheckpoints(Service):
 
 class EarlyStopping(Service):
     """Stop when ``metric`` has not improved by more than ``min_delta`` over
-    ``patience`` test passes in a row (``loop.early_stopped``: the loop
+    ``patience`` test passes in a row (``loop.state.early_stopped``: the loop
     writes a checkpoint and returns this pass's figures)."""
 
     def __init__(self, spec, say):
@@ -85,8 +85,8 @@ class EarlyStopping(Service):
         self.best, self.best_iter, self.waited = None, None, 0
 
     def on_test(self, loop, done):
-        if loop.result and self.after_test(done, loop.result):
-            loop.early_stopped = done
+        if loop.state.result and self.after_test(done, loop.state.result):
+            loop.state.early_stopped = done
 
     def after_test(self, iteration, results):
         """True when the run should stop here."""

@@ -56,11 +56,11 @@ def train(plan):
             # the deferred update of data parallelism may still be running:
             # read the step's values once it is done, as a checkpoint does
             t.train.drain()
-            losses = [t.ws[b].copy() for b in t.losses]
-            state = {n: t.ws[n].copy() for n, b in t.graph.blobs.items()
+            losses = [t.ws[b].copy() for b in t.graphs.losses]
+            state = {n: t.ws[n].copy() for n, b in t.graphs.graph.blobs.items()
                      if b.kind in ("param", "state") and b.alias_of is None}
             seen.append((losses, state))
-        return seen, t.memory_plan, activation_bytes(t.graph), t.ws.allocated_bytes
+        return seen, t.graphs.memory_plan, activation_bytes(t.graphs.graph), t.ws.allocated_bytes
     finally:
         t.close()
 
