@@ -89,11 +89,13 @@ def note_error(text, rank=None):
         _append(f"error (rank {_rank if rank is None else rank}): {text}")
 
 
-def set_outcome(result, max_iter):
+def set_outcome(result, max_iter, start_iter=0):
     """Words for the last line from the loop's ``result`` (train/loop.py)."""
     global _outcome
     result = result or {}
-    if "diverged_at" in result:
+    if not result and start_iter >= max_iter:
+        _outcome = f"already finished at iteration {start_iter}, nothing done"
+    elif "diverged_at" in result:
         _outcome = f"diverged at iteration {result['diverged_at']}"
     elif "early_stop" in result:
         _outcome = f"stopped early at iteration {result['early_stop']} (solver.early_stop)"

@@ -191,7 +191,7 @@ def run_and_report(trainer, world):
         result = trainer.run()
     finally:
         trainer.close()
-    logfile.set_outcome(result, trainer.max_iter)  # train.log's last line (logfile.end_run)
+    logfile.set_outcome(result, trainer.max_iter, trainer.start_iter)  # train.log's last line (logfile.end_run)
     if "diverged_at" in result:
         if world.rank == 0:
             last = result.get("last_checkpoint")

@@ -8,6 +8,8 @@ Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
+import os
+
 from ..backend import to_numpy
 from ..errors import GraphError, InitMismatch, UserError
 from ..graph.solver import solver_states, state_name
@@ -118,7 +120,7 @@ class Checkpoints(Service):
         return {"ranks": {str(r): s for r, s in enumerate(states)},
                 "layout": loop.layout.as_dict()} if states else None
 
-    def load_state_dict(self, loop, state):
+    def load_state_dict(self, loop, state, notes=True):
         """Per-rank state of a checkpoint. On the layout it was written on
         (ranks, scheme, replicas x stages, micro-batches) each rank takes its
         own, random streams included: the resume is bit-exact. On another
@@ -141,7 +143,7 @@ class Checkpoints(Service):
             for r in sorted(ranks, key=int):
                 for name, s in ranks[r].items():
                     mine.setdefault(name.split("@mb")[0], s)
-            if loop.rank == 0:
+            if loop.rank == 0 and notes:
                 was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
                 loop.log(f"note: resuming a {len(ranks)}-rank checkpoint on {loop.size} "
                          f"rank(s), layout {was} -> {loop.layout.describe()}: the weights and "
@@ -185,15 +187,18 @@ class Checkpoints(Service):
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
                      f"solver type {loop.solver.type!r}; that state starts from zero")
+        # a finished run resumed: "already finished" (train/loop.py) is all there
+        # is to say, so the notes on a changed world are left out
+        notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
-            self.load_state_dict(loop, ck.state)
+            self.load_state_dict(loop, ck.state, notes)
         loop.start_iter = int(ck.attrs["iteration"])
         loop.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         loop.run_id = str(ck.attrs.get("run_id") or "") or loop.run_id
         loop.last_saved = loop.start_iter
         loop.say(f"resumed from {path} at iteration {loop.start_iter}")
         saved_world = int(ck.attrs.get("world_size", loop.size) or loop.size)
-        if saved_world != loop.size and loop.job.data.train is not None:
+        if saved_world != loop.size and loop.job.data.train is not None and notes:
             b = loop.job.train_batch
             loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
                      f"{loop.size}: the global batch is now {loop.job.global_batch(loop.data_size)} "
@@ -233,3 +238,11 @@ class Checkpoints(Service):
         if loop.metrics is not None and loop.start_iter:
             loop.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)
+
+
+def finished_run(loop, iteration):
+    """Whether a resume at ``iteration`` has nothing to do: past max_iter in
+    a folder holding the finished run's latest.h5 (the loop's own test,
+    without its collective: only rank 0 prints the notes this decides)."""
+    return iteration >= loop.max_iter and os.path.exists(os.path.join(loop.out_dir,
+                                                                      "latest.h5"))
