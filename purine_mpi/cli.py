@@ -278,7 +278,9 @@ def main(argv=None):
                                     r"encountered")
     _ALONE = launched_size() > 1 and rank0_only(args)
     if not _ALONE:
-        return _run(args)
+        status = _run(args)
+        logfile.end_run(status)  # train.log's last line, where a run folder has one
+        return status
     # what every rank finds alike (a PURINE_* variable) ends every rank at
     # once, rank 0 saying why
     status = _run(args, lambda _: 0)

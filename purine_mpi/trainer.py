@@ -197,14 +197,18 @@ def run_and_report(trainer, world):
         result = trainer.run()
     finally:
         trainer.close()
+    # train.log's last line (logfile.end_run)
+    logfile.set_outcome(result, trainer.job.solver.max_iter, trainer.state.start_iter)
     if "diverged_at" in result:
         if world.rank == 0:
             last = result.get("last_checkpoint")
             kept = (f"latest.h5 stays the last finite checkpoint (iteration {last})"
                     if last is not None else "no checkpoint was written")
-            print(f"error: the training diverged: a non-finite loss or weight (NaN or inf) at "
-                  f"iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or check "
-                  "the data.", file=sys.stderr, flush=True)
+            text = (f"error: the training diverged: a non-finite loss or weight (NaN or inf) "
+                    f"at iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or "
+                    "check the data.")
+            print(text, file=sys.stderr, flush=True)
+            logfile.note_error(text)
         return 3
     if world.rank == 0 and result:
         logfile.tee(print_or_stop)("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
@@ -216,6 +220,8 @@ def run_and_report(trainer, world):
     if stopped in ("SIGPIPE", "SIGINT") and world.rank == 0:
         why = "error: stdout was closed (broken pipe)" if stopped == "SIGPIPE" else \
             "interrupted (Ctrl-C)"
-        print_err(f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; "
-                  "continue with --resume auto")
+        text = (f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; "
+                "continue with --resume auto")
+        print_err(text)
+        logfile.note(text)
     return StopSignal.exit_status(stopped)

@@ -300,13 +300,18 @@ def report_user_error(exc, agree_s=3.0):
     rank, code = MPI.COMM_WORLD.Get_rank(), getattr(exc, "exit_code", 2)
     _flush()
     comm = _error_comm(MPI)
+    from .. import logfile  # the run folder's train.log, where a run has one
     if _wait_for(comm.Ibarrier(), agree_s):
         if rank == 0:
             _write_line(f"error: {exc}")
+            logfile.note_error(f"error: {exc}")
+            logfile.end_run(code)
         if _wait_for(comm.Ibarrier(), agree_s):  # rank 0 has written before anyone ends
             _finalize_and_exit(MPI, code)
         os._exit(code)
     _write_line(f"error: rank {rank}: {exc}")
+    logfile.note_error(f"error: rank {rank}: {exc}")
+    logfile.end_run(code, rank)
     time.sleep(0.5)  # the launcher forwards our output through a pipe: let it pass
     _silence_stderr()  # "Abort(2) on node R ..." would only repeat the message
     MPI.COMM_WORLD.Abort(code)
@@ -425,8 +430,10 @@ def install_abort_handler(world=None):
         text = describe_exception(exc, world.rank)
         print(text, file=sys.stderr)
         from .. import logfile
+        code = getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1
         logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
-        world.abort(getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1)
+        logfile.end_run(code, world.rank)
+        world.abort(code)
 
     sys.excepthook = handle
     threading.excepthook = lambda args: handle(args.exc_type, args.exc_value,

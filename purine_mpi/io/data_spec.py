@@ -90,6 +90,8 @@ def _check_data_spec(phase, spec, path, check_files):
         out["num_samples"] = _checked(key, "num_samples",
                                       spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path)
         out["split"] = spec.get("split", phase)
+        if spec.get("path") is not None:  # ignored: kept for data_notes' word on it
+            out["path"] = str(spec["path"])
     return out
 
 
@@ -101,11 +103,16 @@ def _checked(spec_key, name, value, path):
 def data_notes(job):
     """One line for each data split of ``job`` (io/job.py) whose batch is
     larger than the split (each batch then holds samples several times over:
-    a mistyped batch_size, or a small stand-in file). Reads the HDF5 files'
-    metadata."""
+    a mistyped batch_size, or a small stand-in file), and for a synthetic
+    split given a ``path`` (ignored: a leftover of an hdf5 spec, or a
+    forgotten ``source``). Reads the HDF5 files' metadata."""
     from .data import source_info
     notes = []
     for phase, spec in job.data.items():
+        if spec.source == "synthetic" and spec.path is not None:
+            notes.append(f"note: data.{phase}.path {spec.path!r} is ignored: source synthetic "
+                         f"makes random samples of data.{phase}.shape; set source: hdf5 (or "
+                         "lmdb) to read the file, or drop the path")
         n = source_info(spec.source_dict())[0]
         if spec.batch_size > n:
             notes.append(f"note: data.{phase}.batch_size {spec.batch_size} is larger than the "

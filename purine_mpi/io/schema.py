@@ -71,6 +71,9 @@ SOLVER = (
         "split once, on any number of ranks)"),
     Key("display", _int(0), 20, "log the mean training loss every this many iterations (0: "
         "never)"),
+    Key("display_seconds", _num(0), 30.0, "also log a progress line (iteration, images/s, "
+        "ETA; no loss) when this many seconds have passed since the last line, for iterations "
+        "slower than `display` makes visible (0: never)"),
     Key("warmup_iters", _int(0), 0, "multiply the rate by a linear ramp (it + 1) / W over the "
         "first W iterations"),
     Key("momentum2", _num(0, below=1), 0.999, "β₂ of adam and adamw"),

@@ -8,6 +8,8 @@ Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
+import os
+
 from ..backend import to_numpy
 from ..errors import GraphError, InitMismatch, UserError
 from ..graph.solver import solver_states, state_name
@@ -120,7 +122,7 @@ class Checkpoints(Service):
         return {"ranks": {str(r): s for r, s in enumerate(states)},
                 "layout": loop.graphs.layout.as_dict()} if states else None
 
-    def load_state_dict(self, loop, state):
+    def load_state_dict(self, loop, state, notes=True):
         """Per-rank state of a checkpoint. On the layout it was written on
         (ranks, scheme, replicas x stages, micro-batches) each rank takes its
         own, random streams included: the resume is bit-exact. On another
@@ -143,7 +145,7 @@ class Checkpoints(Service):
             for r in sorted(ranks, key=int):
                 for name, s in ranks[r].items():
                     mine.setdefault(name.split("@mb")[0], s)
-            if loop.world.rank == 0:
+            if loop.world.rank == 0 and notes:
                 was = Layout(**saved).describe() if saved else f"[{len(ranks)} rank(s)]"
                 loop.log(f"note: resuming a {len(ranks)}-rank checkpoint on {loop.world.size} "
                          f"rank(s), layout {was} -> {loop.graphs.layout.describe()}: the weights "
@@ -188,8 +190,11 @@ class Checkpoints(Service):
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
                      f"solver type {loop.job.solver.type!r}; that state starts from zero")
+        # a finished run resumed: "already finished" (train/loop.py) is all there
+        # is to say, so the notes on a changed world are left out
+        notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
-            self.load_state_dict(loop, ck.state)
+            self.load_state_dict(loop, ck.state, notes)
         st, size = loop.state, loop.world.size
         st.start_iter = int(ck.attrs["iteration"])
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
@@ -197,7 +202,7 @@ class Checkpoints(Service):
         st.last_saved = st.start_iter
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
         saved_world = int(ck.attrs.get("world_size", size) or size)
-        if saved_world != size and loop.job.data.train is not None:
+        if saved_world != size and loop.job.data.train is not None and notes:
             b, replicas = loop.job.train_batch, loop.graphs.data_size
             loop.say(f"note: {path} was written by {saved_world} rank(s), this run has "
                      f"{size}: the global batch is now {loop.job.global_batch(replicas)} "
@@ -237,3 +242,11 @@ class Checkpoints(Service):
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)
+
+
+def finished_run(loop, iteration):
+    """Whether a resume at ``iteration`` has nothing to do: past max_iter in
+    a folder holding the finished run's latest.h5 (the loop's own test,
+    without its collective: only rank 0 prints the notes this decides)."""
+    return iteration >= loop.job.solver.max_iter and \
+        os.path.exists(os.path.join(loop.out_dir, "latest.h5"))

@@ -3,7 +3,11 @@ rank 0 writes config.yaml and metrics.jsonl (io/metrics.py; on a resume it
 goes on from the checkpoint's rows and time), one ``train`` row and one
 progress line per display interval (loss averaged over the window and the
 ranks, learning rate, images/s, elapsed time and ETA), and closes the log
-at the end.
+at the end. Between two display lines, rank 0 alone prints a line without
+the loss (no collective: iteration, images/s, elapsed, ETA) whenever
+``solver.display_seconds`` have passed since the last line, so a slow net's
+batch log never goes silent; it writes no metrics row. The elapsed time
+goes on across resumes (the checkpoint's ``elapsed``).
 
 Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
 ops, graph, job, composition and dispatch layers below it, and its own.
@@ -43,6 +47,7 @@ def global_batch(loop):
 class Progress(Service):
     def __init__(self, tensorboard=False):
         self.tensorboard = tensorboard  # rank 0 also writes TensorBoard events to OUT/tb
+        self.tick = None  # (iteration, perf_counter) of rank 0's last progress line
 
     def on_start(self, loop):
         """Rank 0: config.yaml, and the metrics log. A resumed run replaces
@@ -58,24 +63,50 @@ class Progress(Service):
         st.elapsed0 = log.elapsed0  # never below a kept row's time
         st.metrics = log
 
+    def after_step(self, loop, done):
+        """Rank 0: the time-based line, when display_seconds passed since the last."""
+        every = loop.job.solver.display_seconds
+        if loop.world.rank != 0 or not every or loop.display_due(done):
+            return
+        now = time.perf_counter()
+        start, t = self.tick or (loop.state.start_iter, loop.state.t_start)
+        if now - t >= every:
+            loop.say(alive_line(loop, done, self.batch * (done - start) / max(now - t, 1e-9),
+                                now))
+            self.tick = (done, now)
+
     def on_display(self, loop, done):
         now, w = time.perf_counter(), loop.state.window
+        self.tick = (done, now)
         loss = loop.reduce(w.loss / w.n if w.n else 0.0)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
         lr = float(loop.ws["lr"])
         loop.record({"phase": "train", "iter": done, "loss": loss, "lr": lr,
                      "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)})
-        max_iter, st = loop.job.solver.max_iter, loop.state
-        eta = (max_iter - done) * (now - st.t_start) / max(done - st.start_iter, 1)
+        max_iter = loop.job.solver.max_iter
         loop.say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
-                 f"lr {lr:.3g}  {ips:,.0f} img/s  elapsed {hms(now - st.t_start)}  "
-                 f"eta {hms(eta)}")
+                 f"lr {lr:.3g}  {ips:,.0f} img/s  {_times(loop, done, now)}")
         w.reset(done, now)
 
     def on_close(self, loop):
         if loop.state.metrics is not None:
             loop.state.metrics.close()
             loop.state.metrics = None
+
+
+def _times(loop, done, now):
+    """``elapsed H:MM:SS  eta M:SS``: the training time over this run and
+    those it resumed; the ETA from this process's pace."""
+    st = loop.state
+    eta = (loop.job.solver.max_iter - done) * (now - st.t_start) / max(done - st.start_iter, 1)
+    return f"elapsed {hms(loop.elapsed(now))}  eta {hms(eta)}"
+
+
+def alive_line(loop, done, ips, now):
+    """The time-based line: ``iter  37/900  212 img/s  elapsed 0:31  eta 6:40``."""
+    max_iter = loop.job.solver.max_iter
+    return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {ips:,.0f} img/s  "
+            f"{_times(loop, done, now)}")
 
 
 def hms(seconds):

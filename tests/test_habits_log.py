@@ -1,0 +1,144 @@
+"""Issue 36, items 1, 2 and 12: a progress line at least every
+``solver.display_seconds``; train.log holds every error and ends with how the
+run ended; resumed runs (elapsed goes on, a synthetic source's leftover path
+gets a note, "already finished" without rank-change notes first)."""
+import json
+import os
+import re
+
+import h5py
+
+from tests.conftest import (run_cli_args, run_mpi_cli, small_net_config, tiny_fc_config,
+                      write_config_file)
+
+#: a progress line made by the clock: no loss, no lr
+ALIVE = re.compile(r"^iter +(\d+)/(\d+)  [\d,]+ img/s  elapsed \d+:\d\d(:\d\d)?  "
+                   r"eta \d+:\d\d(:\d\d)?$")
+ENDED = re.compile(r"^run ended: (.+) \(exit (\d+)\)$")
+
+
+def _log_lines(out):
+    with open(os.path.join(str(out), "train.log")) as f:
+        return f.read().splitlines()
+
+
+def _train(tmp_path, cfg, *more, ranks=1):
+    path = write_config_file(tmp_path, cfg)
+    out = tmp_path / "run"
+    args = ("train", path, "--out", out, *more)
+    res = run_mpi_cli(ranks, *args) if ranks > 1 else run_cli_args(*args)
+    return res, out, path
+
+
+def test_case1_progress_line_every_display_seconds(digits_h5, tmp_path):
+    """Case 1: with display beyond max_iter and display_seconds tiny, lines
+    without the loss come from the clock before the display line, in
+    train.log too; metrics.jsonl keeps its display rows only."""
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(max_iter=300, display=1000, display_seconds=0.01)
+    res, out, _ = _train(tmp_path, cfg)
+    assert res.returncode == 0, res.stderr
+    alive = [m for m in map(ALIVE.match, res.stdout.splitlines()) if m]
+    assert alive, res.stdout
+    assert all(int(m.group(2)) == 300 and int(m.group(1)) < 300 for m in alive)
+    assert [ln for ln in _log_lines(out) if ALIVE.match(ln)], "train.log misses the lines"
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    assert [r["iter"] for r in rows if r.get("phase") == "train"] == [300]
+
+
+def _diverge_config(digits_h5):
+    cfg = small_net_config(digits_h5)
+    cfg["solver"].update(base_lr=1e4, max_iter=60)
+    return cfg
+
+
+def test_case2_divergence_in_train_log_one_rank(digits_h5, tmp_path):
+    """Case 2: a diverging run's exit-3 message and its end in train.log (1 rank)."""
+    res, out, _ = _train(tmp_path, _diverge_config(digits_h5))
+    assert res.returncode == 3, res.stderr
+    lines = _log_lines(out)
+    assert any(ln.startswith("error: the training diverged") for ln in lines), lines
+    m = ENDED.match(lines[-1])
+    assert m and m.group(1).startswith("diverged at iteration ") and m.group(2) == "3", lines[-1]
+
+
+def test_case2_divergence_in_train_log_two_ranks(digits_h5, tmp_path):
+    """Case 2: the same on 2 ranks: the message once, the last line says exit 3."""
+    res, out, _ = _train(tmp_path, _diverge_config(digits_h5), ranks=2)
+    assert res.returncode == 3, res.stderr
+    lines = _log_lines(out)
+    assert sum(ln.startswith("error: the training diverged") for ln in lines) == 1, lines
+    m = ENDED.match(lines[-1])
+    assert m and m.group(1).startswith("diverged at iteration ") and m.group(2) == "3", lines[-1]
+
+
+def test_case2_user_error_after_run_folder(digits_h5, tmp_path):
+    """Case 2: a user error once the run folder's log is open (--init of a
+    file that is no checkpoint): the error, then ``run ended: user error (exit 2)``."""
+    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = _log_lines(out)
+    assert lines[-2].startswith("error: ") and "/params" in lines[-2], lines
+    assert lines[-1] == "run ended: user error (exit 2)", lines
+
+
+def test_case2_user_error_two_ranks(digits_h5, tmp_path):
+    """Case 2: the same user error on 2 ranks reaches train.log once."""
+    res, out, _ = _train(tmp_path, small_net_config(digits_h5), "--init", digits_h5, ranks=2)
+    assert res.returncode == 2, res.stderr
+    lines = _log_lines(out)
+    assert sum(ln.startswith("error: ") for ln in lines) == 1, lines
+    assert lines[-1] == "run ended: user error (exit 2)", lines
+
+
+def test_case2_normal_end_line(digits_h5, tmp_path):
+    """Case 2: a run that finishes ends its log with the iteration and exit 0."""
+    res, out, _ = _train(tmp_path, small_net_config(digits_h5))
+    assert res.returncode == 0, res.stderr
+    lines = _log_lines(out)
+    assert lines[-1] == "run ended: finished at iteration 20 (exit 0)", lines
+    assert lines[-2].startswith("final {"), lines
+
+
+def test_case12_elapsed_continues_on_resume(digits_h5, tmp_path):
+    """Case 12: the displayed elapsed goes on from the checkpoint's
+    ``elapsed`` (set here to 2 h 1 min 40 s) instead of restarting at 0."""
+    cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 3})
+    res, out, path = _train(tmp_path, cfg)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(out / "latest.h5", "r+") as f:
+        f.attrs["elapsed"] = 7300.0
+    res = run_cli_args("train", path, "--out", out, "--resume", "auto", "--iters", "30")
+    assert res.returncode == 0, res.stderr
+    shown = re.findall(r"^iter 30/30  loss .* elapsed (\d+):(\d\d):(\d\d)  eta", res.stdout,
+                       re.M)
+    assert shown, res.stdout
+    h, m, s = map(int, shown[0])
+    assert h * 3600 + m * 60 + s >= 7300
+
+
+def test_case12_synthetic_source_with_path_gets_a_note(tmp_path):
+    """Case 12: ``source: synthetic`` with a leftover ``path``: a start-up
+    note naming the key (the run goes on: not an error)."""
+    cfg = tiny_fc_config()
+    cfg["data"]["train"].update(source="synthetic", path="leftover.h5")
+    res, out, _ = _train(tmp_path, cfg)
+    assert res.returncode == 0, res.stderr
+    notes = [ln for ln in res.stdout.splitlines() if ln.startswith("note: data.train.path")]
+    assert len(notes) == 1 and "'leftover.h5'" in notes[0] and "synthetic" in notes[0], \
+        res.stdout
+    assert notes[0] in _log_lines(out)
+
+
+def test_case12_already_finished_comes_first(digits_h5, tmp_path):
+    """Case 12: a finished 1-rank run resumed on 2 ranks says "already
+    finished" with no rank-change note before it."""
+    res, out, path = _train(tmp_path, small_net_config(digits_h5))
+    assert res.returncode == 0, res.stderr
+    res = run_mpi_cli(2, "train", path, "--out", out, "--resume", "auto")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout + res.stderr
+    assert "already finished at iteration 20" in text, text
+    assert "note:" not in text.split("already finished")[0], text
