@@ -82,11 +82,11 @@ def net_config(micro, schedule, batch, width, iters):
 def worker(args):
     import numpy as np
     from purine_mpi.comm.world import get_world, install_abort_handler
-    from purine_mpi.io.config import resolve_job
+    from purine_mpi.job.config import resolve_job
     from purine_mpi.parallel.micro_memory import activation_bytes
-    from purine_mpi.parallel.pipeline_stats import micro_batch_of
+    from purine_mpi.tools.pipeline_stats import micro_batch_of
     from purine_mpi.runtime.trace import Profiler
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.train.trainer import Trainer
     world = get_world()
     install_abort_handler(world)
     job = resolve_job(net_config(args.micro, args.schedule, args.batch, args.width,
@@ -131,7 +131,7 @@ def worker(args):
 
 
 def summarise(ranks, args):
-    from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
+    from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us,
                                                     live_micro_batches, theory_bubble)
     p = len(ranks)
     iters = [s[0] for s in ranks[0]["spans"]]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from purine_mpi.graph.inspect import render_graph
-from purine_mpi.model import build_train_graph
+from purine_mpi.tools.graph import render_graph
+from purine_mpi.job.replica import build_train_graph
 
 from .conftest import make_job, run_cli_args, small_net_config, write_config_file
 

@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi import cli, threads
+from purine_mpi import cli
+from purine_mpi.base import threads
 from tests.conftest import MPIEXEC, REPO, cli_env, run_cli_args, small_net_config, \
     write_config_file
 

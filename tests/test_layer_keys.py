@@ -12,10 +12,10 @@ import yaml
 
 import purine_mpi.layers as layers
 from purine_mpi.interop.caffe_convert import convert
-from purine_mpi.io.config import resolve_config
-from purine_mpi.io.job import job_of
+from purine_mpi.job.config import resolve_config
+from purine_mpi.job.job import job_of
 from purine_mpi.layers import COMMON_KEYS, LAYER_SPECS, LAYERS
-from purine_mpi.model import forward_graph
+from purine_mpi.job.replica import forward_graph
 
 from .conftest import REPO, make_job, run_cli_args, small_net_config, write_config_file
 from .test_caffe_convert import fixture, random_h5

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from purine_mpi.parallel.micro_batch import stage_order
-from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
+from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us,
                                                 cross_stage_overlap_us, live_micro_batches,
                                                 micro_batch_of, theory_bubble)
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from purine_mpi import threads
+from purine_mpi.base import threads
 from tests.conftest import MPIEXEC, REPO, cli_env
 
-PROBE = ("import purine_mpi.threads as t, os, numpy; "
+PROBE = ("import purine_mpi.base.threads as t, os, numpy; "
          "print('THREADS', t.DECISION[0], os.environ['OPENBLAS_NUM_THREADS'], "
          "os.environ.get('PMI_RANK', '0'))")
 

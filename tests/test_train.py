@@ -12,9 +12,9 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.checkpoint import load_checkpoint
-from purine_mpi.io.config import resolve_config
-from purine_mpi.trainer import Trainer
+from purine_mpi.job.checkpoint_file import load_checkpoint
+from purine_mpi.job.config import resolve_config
+from purine_mpi.train.trainer import Trainer
 
 from .conftest import (PYTHON, REPO, FakeWorld, cli_env, make_job, small_net_config,
                        write_config_file)

@@ -29,9 +29,6 @@ chooses: ``auto`` (default), ``im2col`` (never cuDNN), ``cudnn`` (cuDNN where
 it can; the same fallback otherwise, also said once).
 
 Nothing here imports ``cudnn`` or CuPy at import time.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import sys
 import threading
@@ -39,7 +36,7 @@ import time
 
 import numpy as np
 
-from .. import env
+from ..base import env
 from . import cudnn_tune as tune
 
 _lock = threading.Lock()

@@ -5,9 +5,6 @@ A field kind is ``"string"``, ``"int"``, ``"float"``, ``"bool"``, a tuple of
 enum names in enum-number order (the text format may give an enum by its
 number), or the name of a message type. Fields that Caffe has and the converter does not support are
 left out on purpose: the parser then names them as unsupported.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 PHASES = ("TRAIN", "TEST")

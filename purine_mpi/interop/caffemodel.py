@@ -12,14 +12,11 @@ Blob mapping (Caffe layer L -> our blobs):
                                 (Caffe stores sums and their scale factor,
                                 which the BatchNorm kernel continues from)
     Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 
-from ..errors import UserError
-from ..io import protowire
+from ..base.errors import UserError
+from ..data import protowire
 from . import caffe_schema as S
 
 

@@ -4,12 +4,9 @@ the forward ops; backward comes from the gradient rules of those ops.
 Each ``@layer`` declares the keys its function reads (``Key(name, kind,
 default, meaning)``); ``b.get(name)`` takes the kind and default from there.
 docs/config.md is generated from these declarations: after changing keys
-run ``python -m purine_mpi.docgen --write``.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
+run ``python -m purine_mpi.tools.docgen --write``.
 """
-from ..errors import excerpt
+from ..base.errors import excerpt
 from .registry import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 

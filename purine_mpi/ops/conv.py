@@ -62,14 +62,11 @@ cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on strided
 views, the bias and a fused ReLU in one epilogue kernel. Either way nothing
 is copied or allocated per iteration; the bias gradient is one reduction
 kernel.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .im2col import (data_grad_col2im, forward_rows, im2col, im2col_batch, padded,
                      weight_grad_rows)

@@ -4,7 +4,7 @@
 data ``(batch_size, *sample_shape)`` float32 (or attrs ``dtype``) and label
 ``(batch_size,)`` int64. The label is always produced, also for nets that do
 not use it (pruning drops its consumers, not the blob). Which samples a call
-reads is the data-parallel rule of ``purine_mpi.io.data.batch_indices``, so a
+reads is the data-parallel rule of ``purine_mpi.data.sources.batch_indices``, so a
 run reads the same samples whatever its number of ranks.
 
 Attrs:
@@ -24,7 +24,7 @@ Attrs:
                 its sample with this label, so it counts in no figure
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
-see ``purine_mpi.io.transform``) are applied here, in the prefetch thread;
+see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
 the data output has the transformed sample shape.
 
 The kernel keeps the iteration index of the next batch (``position``); it is
@@ -49,19 +49,16 @@ the iteration) on the event the dispatcher hands ``after_launch`` after the
 device work that read the pair (the graph holding the copy, when captured).
 So no pinned buffer is overwritten while a copy still reads it, and the
 iteration makes no host copy of the batch.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import queue
 import threading
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
-from ..io.data import EpochOrder, batch_indices, batch_positions, make_source, source_info
-from ..io.transform import apply_transform, output_shape
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from ..data.sources import EpochOrder, batch_indices, batch_positions, make_source, source_info
+from ..data.transform import apply_transform, output_shape
 from .registry import OpKernel, register
 
 

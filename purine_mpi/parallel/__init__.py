@@ -8,7 +8,4 @@ graph a rank runs.
 - ``model_parallel``  place layers on ranks and partition (pipelines)
 - ``micro_batch``     micro-batch copies and the 1f1b / gpipe schedules
 - ``pipeline_stats``  bubble, live micro-batches, stage overlap from trace events
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """

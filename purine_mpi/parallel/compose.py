@@ -24,14 +24,11 @@ them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
 stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
-from ..errors import UserError
-from ..io.job import STAGED_SCHEMES as STAGED
+from ..base.errors import UserError
+from ..job.job import STAGED_SCHEMES as STAGED
 from .micro_batch import add_schedule, replicate_micro_batches
 
 class Scheme:

@@ -31,14 +31,11 @@ runs them:
 F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
 other ops (the backward pass); every op of a group waits for the last ops
 of the group before it on the same stage.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import copy
 
-from ..model import loss_blobs
-from ..ops.solver import UPDATE_OP_TYPES
+from ..job.replica import loss_blobs
+from ..ops.updates import UPDATE_OP_TYPES
 
 SCHEDULES = ("1f1b", "gpipe")
 

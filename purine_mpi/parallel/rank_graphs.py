@@ -8,16 +8,13 @@ and fused for it (gpu/placement.py), with the device loss watch on a GPU
 and the micro-batch memory plan; and the test graph, composed and placed
 the same way. The loop (train/loop.py) receives the result; it builds
 nothing.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
 import numpy as np
 
-from ..gpu.placement import add_loss_watch, configure_device, prepare_for_device
-from ..model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
+from .placement import add_loss_watch, configure_device, prepare_for_device
+from ..job.replica import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
                      loss_blobs, mark_padding, metric_blobs)
 from .compose import Scheme, compose_test, defer_update_applies, layout_of
 

@@ -27,9 +27,6 @@ and its executors"): the dispatchers' worker threads, CUDA streams and
 captured segments (``runtime/dispatcher.py``, ``streams_dispatcher.py``,
 ``cuda_graph.py``), the serial twin's calling thread (``runtime/executors.py``)
 and the scaling predictor's virtual clock (``scaling/simulate.py``).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import collections
 import heapq

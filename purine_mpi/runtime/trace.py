@@ -15,9 +15,6 @@ captured CUDA graphs (``gpu<d>:graph``, one event per segment). The trainer
 gives every rank the same time origin (rank 0's start), so the ranks'
 files share one time axis: their ``traceEvents`` concatenated are one
 trace of the job (a pipeline's stages are seen computing at once).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import json
 import os
@@ -25,8 +22,8 @@ import socket
 import threading
 import time
 
-from ..errors import UserError
-from ..runfiles import open_run_file
+from ..base.errors import UserError
+from ..base.runfiles import open_run_file
 
 
 class Profiler:

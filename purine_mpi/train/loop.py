@@ -29,9 +29,6 @@ list (trainer.py).
 
 Every rank runs the same loop; the collectives the services make outside
 the graph happen at the same iterations on every rank, in list order.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import dataclasses
 import math

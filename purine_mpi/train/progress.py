@@ -8,16 +8,13 @@ the loss (no collective: iteration, images/s, elapsed, ETA) whenever
 ``solver.display_seconds`` have passed since the last line, so a slow net's
 batch log never goes silent; it writes no metrics row. The elapsed time
 goes on across resumes (the checkpoint's ``elapsed``).
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import time
 
-from ..io.config import dump_config
-from ..io.metrics import MetricsLog
-from ..runfiles import disk_error, open_run_fd, write_all
+from ..job.config import dump_config
+from ..job.metrics import MetricsLog
+from ..base.runfiles import disk_error, open_run_fd, write_all
 from .loop import Service
 
 

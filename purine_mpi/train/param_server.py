@@ -1,0 +1,431 @@
+"""Parameter servers (Purine §4 / DistBelief): K ranks hold the parameters,
+the other ranks (workers) compute gradients on their shard of the data.
+
+Config: ``parallel: {scheme: data, mode: async | sync_ps, ps_ranks: K,
+max_staleness: s}``. With N ranks, the *last* K are servers and ranks
+0..N-K-1 are workers, so rank 0 (metrics, checkpoints) is a worker. Worker
+i reads data shard i of N-K (the sample order of docs/config.md with world_size N-K).
+
+Parameters are sharded over the servers (largest first, each to the least
+loaded server). Every worker runs its training graph with the SGDUpdate ops
+replaced by communication ops, per parameter p in gradient-ready order (top
+layer first, so pushes overlap the rest of the backward pass):
+
+    p.push   Send [p.grad] -> server(p)         tag 2i      (seq 2k)
+    p.pull   Recv  -> [p@new] from server(p)    tag 2i + 1  (seq 2k + 1)
+
+``p@new`` aliases ``p``, so the pull waits for every reader of ``p`` in the
+iteration and then writes the fresh weights in place.
+
+mode sync_ps (synchronous, equal to data-parallel allreduce): each server
+runs a graph too -- per owned p, one Recv per worker, a Sum, the SGDUpdate
+(grad_scale / W) and one Send of ``p@new`` per worker -- once per iteration.
+
+mode async: each server runs ``AsyncServer.serve()``, an MPI loop: a push of
+p from worker w is applied at once as one SGD step with the gradient and the
+weight decay divided by W (W pushes ~ one synchronous step) at the learning
+rate of w's iteration; the reply (fresh weights) goes back when w is at most
+``max_staleness`` pushes of p ahead of the slowest worker. Staleness 0 makes
+every worker wait for all W gradients of the round: all workers then get
+the same weights, after all W updates. (The ``train`` command runs
+``max_staleness: 0`` as sync_ps -- one update of the summed round -- so that
+it is synchronous SGD; see ``synchronous_if_no_staleness``.)
+
+Interface (every function takes the *global* World unless it says so):
+
+    split_workers(job, world) -> (job, the workers' World or None)
+    run_server_rank(job, out_dir, world, resume=None, init=None) -> status
+    WorkerScheme(job, world)
+        # ``train`` on every rank of a PS run (trainer.run_param_server):
+        # splits the ranks, servers call run_server_rank, workers run a
+        # Trainer over the workers' World with the WorkerScheme, whose graph
+        # comes from compose_param_server, and the stop agreement with the
+        # servers as a loop service (train/ps_worker.py). Checkpoints
+        # (rank 0, a worker) hold the weights it pulled last and the servers'
+        # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
+        # the end for async), so --resume continues exactly in sync_ps.
+    compose_param_server(graph, grads, job, world) -> a worker's graph
+    compose_for_rank(graph, grads, job, world_size, rank) -> graph
+        # any rank's graph without MPI (``graph --np N --rank R``)
+    run_server(job, world, resume=None, init=None, log=None)
+        -> {"params", "momenta", "stats", "plan"}   # one server rank's work
+    ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
+    build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
+    server_rank), worker_world(world, ps_ranks), recv_state(world, servers),
+    state_transfer_due(job, done, start, final_only): the pieces.
+"""
+import dataclasses
+
+import numpy as np
+
+from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
+from ..base.errors import UserError
+from ..graph.core import Graph
+from ..graph.solver_graph import momentum_name
+from ..job.run_checkpoints import find_resumable
+from ..runtime.stop import StopSignal
+from .async_server import AsyncServer
+from ..parallel.compose import Scheme
+from ..parallel.data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
+
+
+# ----------------------------------------------------------------- layout
+def ps_layout(world_size, ps_ranks):
+    """Ranks of the workers and the servers (the last ``ps_ranks``)."""
+    ps_ranks = int(ps_ranks)
+    if ps_ranks < 1 or ps_ranks >= world_size:
+        raise UserError(f"parallel.ps_ranks is {ps_ranks}, but a parameter-server run needs "
+                        f"at least one server and one worker: start at least {ps_ranks + 1} "
+                        f"ranks (this job has {world_size})")
+    return {"workers": list(range(world_size - ps_ranks)),
+            "servers": list(range(world_size - ps_ranks, world_size))}
+
+
+def served_params(graph):
+    """{param: SGDUpdate op} for every param the solver updates."""
+    return {op.inputs[0]: op for op in graph.ops.values() if op.op_type == "SGDUpdate"}
+
+
+def plan_param_server(graph, grads, layout):
+    """Which server owns each updated param, the push/pull tags, and the
+    gradient-ready order. Deterministic: every rank computes the same plan."""
+    updates = served_params(graph)
+    order = gradient_ready_order(graph, {p: grads[p] for p in updates if p in grads})
+    load = {s: 0 for s in layout["servers"]}
+    owner = {}
+    for p in sorted(order, key=lambda p: (-graph.blobs[p].nbytes, order.index(p))):
+        s = min(load, key=lambda s: (load[s], s))
+        owner[p] = s
+        load[s] += graph.blobs[p].nbytes
+    tags = {p: (2 * i, 2 * i + 1) for i, p in enumerate(order)}
+    return {"order": order, "owner": owner, "tags": tags, "grads": {p: grads[p] for p in order},
+            "workers": list(layout["workers"]), "servers": list(layout["servers"])}
+
+
+# ----------------------------------------------------------------- worker
+def build_worker_graph(graph, plan, thread="comm"):
+    """Replace the SGDUpdate ops of ``graph`` by push/pull comm ops (in place)."""
+    updates = served_params(graph)
+    seq = next_seq(graph)
+    for p in plan["order"]:
+        op = updates[p]
+        graph.remove_op(op.name)
+        for b in (momentum_name(p), f"{momentum_name(p)}@new"):
+            graph.blobs.pop(b, None)
+    for p in plan["order"]:
+        blob = graph.blobs[p]
+        new = f"{p}@new"
+        if new not in graph.blobs:
+            graph.add_blob(new, blob.shape, blob.dtype, blob.location, kind="param", alias_of=p)
+        push, pull = plan["tags"][p]
+        server = plan["owner"][p]
+        graph.add_op(f"{p}.push", "Send", [plan["grads"][p]], [],
+                     {"seq": seq, "peer": server, "tag": push}, location=blob.location,
+                     thread=thread)
+        graph.add_op(f"{p}.pull", "Recv", [], [new],
+                     {"seq": seq + 1, "peer": server, "tag": pull, "shape": list(blob.shape),
+                      "dtype": blob.dtype}, location=blob.location, thread=thread)
+        seq += 2
+    return graph
+
+
+def compose_param_server(graph, grads, job, world=None):
+    """A worker's training graph for ``parallel.mode`` async or sync_ps.
+    ``graph`` is the single-replica graph built for (worker index, number of
+    workers); ``world`` is the global World (default: get_world())."""
+    world = _global_world(world)
+    layout = ps_layout(world.size, job.parallel.ps_ranks)
+    if world.rank not in layout["workers"]:
+        raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
+                        "not a training graph")
+    plan = plan_param_server(graph, grads, layout)
+    build_worker_graph(graph, plan)
+    gradients_first(graph, plan["grads"])  # pushes start as early as possible
+    place_on_rank(graph, world.rank)
+    graph.infer_shapes().validate()
+    return graph
+
+
+def synchronous_if_no_staleness(job):
+    """``mode: async`` with ``max_staleness: 0`` lets no worker run ahead of
+    any other: every step waits for all W gradients. Applying them one push
+    at a time would still take W momentum steps per round, which is not
+    synchronous SGD; the server instead sums the round and makes one update
+    -- the synchronous protocol (mode sync_ps). Returns the job to run."""
+    par = job.parallel
+    if par.mode == "async" and par.max_staleness == 0:
+        job = dataclasses.replace(job, parallel=dataclasses.replace(par, mode="sync_ps"))
+    return job
+
+
+def compose_for_rank(graph, grads, job, world_size, rank):
+    """The graph global ``rank`` of ``world_size`` runs, built without MPI
+    (``graph`` CLI). ``graph`` is a single-replica training graph; its data
+    shard is re-set to this worker's. A sync_ps server gets its server graph;
+    an async server runs a loop, not a graph, and gets an empty graph that
+    says so in its name."""
+    job = synchronous_if_no_staleness(job)
+    par = job.parallel
+    layout = ps_layout(world_size, par.ps_ranks)
+    nw = len(layout["workers"])
+    plan = plan_param_server(graph, grads, layout)
+    if rank in layout["workers"]:
+        for op in graph.ops.values():
+            if op.op_type == "DataReader":
+                op.attrs["rank"], op.attrs["world_size"] = rank, nw
+        build_worker_graph(graph, plan)
+        gradients_first(graph, plan["grads"])
+        place_on_rank(graph, rank)
+        return graph.infer_shapes().validate()
+    if par.mode == "sync_ps":
+        server = _clipped(build_server_graph(graph, grads, plan, rank), job)
+        place_on_rank(server, rank)
+        return server
+    owned = [p for p in plan["order"] if plan["owner"][p] == rank]
+    return Graph(f"{graph.name}.async_server{rank} (AsyncServer loop over "
+                 f"{len(owned)} params: {', '.join(owned)})")
+
+
+def worker_world(world=None, ps_ranks=1):
+    """A World over the worker ranks only, for the trainer's collectives
+    (metrics, evaluation). Collective: every rank calls it; servers get None.
+    Worker i of the result is global rank i."""
+    from ..comm.world import World
+    world = _global_world(world)
+    layout = ps_layout(world.size, ps_ranks)
+    color = 1 if world.rank in layout["servers"] else 0
+    sub = world.world_comm.Split(color, world.rank)
+    if color == 1:
+        sub.Free()
+        return None
+    return World(sub)
+
+
+def _global_world(world):
+    if world is None:
+        from ..comm.world import get_world
+        world = get_world()
+    return world
+
+
+# ----------------------------------------------------------- sync_ps server
+def _clipped(server_graph, job):
+    """The sync_ps server graph with ``solver.clip_gradients`` (graph/clip.py):
+    the one server holds every parameter, so its norm is the global one (the
+    config allows clipping with one server only)."""
+    clip = job.solver.clip_gradients
+    if clip is None:
+        return server_graph
+    from ..graph.clip import add_clip
+    return add_clip(server_graph, clip, thread="comm").validate()
+
+
+def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
+    """The per-iteration graph of server ``server_rank`` for mode sync_ps:
+    receive every worker's gradient of each owned param, sum, update, send
+    the new weights back. ``graph`` is the single-replica training graph."""
+    updates = served_params(graph)
+    owned = [p for p in plan["order"] if plan["owner"][p] == server_rank]
+    workers = plan["workers"]
+    g = Graph(f"{graph.name}.server{server_rank}")
+    keep = {"iter", "lr"}
+    for p in owned:
+        op = updates[p]
+        keep.update(op.inputs + op.outputs)
+        keep.discard(op.inputs[1])
+    for name in graph.blobs:
+        if name in keep:
+            g.blobs[name] = _copy_blob(graph.blobs[name])
+    lr_ops = [op for op in graph.ops.values() if "lr" in op.outputs]
+    for op in lr_ops:
+        g.add_op(op.name, op.op_type, op.inputs, op.outputs, op.attrs, op.location, op.thread)
+    seq = 0
+    received = {}
+    for p in owned:
+        gblob = graph.blobs[plan["grads"][p]]
+        received[p] = []
+        for w in workers:
+            name = f"{plan['grads'][p]}@w{w}"
+            g.add_blob(name, gblob.shape, gblob.dtype, gblob.location, kind="grad")
+            g.add_op(f"{name}.recv", "Recv", [], [name],
+                     {"seq": seq, "peer": w, "tag": plan["tags"][p][0],
+                      "shape": list(gblob.shape), "dtype": gblob.dtype},
+                     location=gblob.location, thread=thread)
+            received[p].append(name)
+            seq += 1
+    for p in owned:
+        op = updates[p]
+        total = received[p][0]
+        if len(workers) > 1:
+            total = f"{plan['grads'][p]}.sum"
+            gblob = graph.blobs[plan["grads"][p]]
+            g.add_blob(total, gblob.shape, gblob.dtype, gblob.location, kind="grad")
+            g.add_op(f"{total}.reduce", "Sum", received[p], [total], location=op.location,
+                     thread=op.thread)
+        attrs = dict(op.attrs)
+        attrs["grad_scale"] = float(attrs.get("grad_scale", 1.0)) / len(workers)
+        g.add_op(op.name, "SGDUpdate", [op.inputs[0], total] + op.inputs[2:], op.outputs,
+                 attrs, op.location, op.thread)
+    for p in owned:
+        for w in workers:
+            g.add_op(f"{p}.send@r{w}", "Send", [f"{p}@new"],
+                     [], {"seq": seq, "peer": w, "tag": plan["tags"][p][1]},
+                     location=graph.blobs[p].location, thread=thread)
+            seq += 1
+    return g.infer_shapes().validate()
+
+
+def _copy_blob(blob):
+    import copy
+    return copy.deepcopy(blob)
+
+
+# ------------------------------------------------------------- server rank
+def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
+    """Everything a server rank does in a parameter-server run. Returns
+    {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
+    "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
+    agreement (the ``train`` command); None when workers that make no
+    agreement drive the server (tests)."""
+    from ..layers.fillers import fill
+    from ..job.replica import build_train_graph
+    world = _global_world(world)
+    par = job.parallel
+    layout = ps_layout(world.size, par.ps_ranks)
+    nw = len(layout["workers"])
+    graph, grads = build_train_graph(job, 0, nw)
+    plan = plan_param_server(graph, grads, layout)
+    seed = job.seed
+    owned = [p for p in plan["order"] if plan["owner"][p] == world.rank]
+    values = {p: fill(graph.blobs[p], seed) for p in owned}
+    momenta = {p: np.zeros(graph.blobs[p].shape, graph.blobs[p].dtype) for p in owned}
+    start = 0
+    if init:
+        from ..job.checkpoint_file import load_params
+        from ..job.replica import init_params
+        loaded = load_params(init)
+        wanted = init_params(loaded, owned, job, init, init_skip)
+        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
+    if resume:
+        from ..job.checkpoint_file import load_checkpoint
+        ck = load_checkpoint(resume)
+        start = int(ck.attrs["iteration"])
+        for p in owned:
+            values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
+            m = (ck.solver or {}).get(p, {}).get("momentum")
+            if m is not None:
+                momenta[p] = np.asarray(m, graph.blobs[p].dtype)
+    max_iter = job.solver.max_iter
+    mode = par.mode
+    code = 0
+    if mode == "sync_ps":
+        from ..runtime.factory import make_dispatcher
+        sg = _clipped(build_server_graph(graph, grads, plan, world.rank), job)
+        place_on_rank(sg, world.rank)
+        d = make_dispatcher(sg, "event", rank=world.rank,
+                            stall_timeout=float(par.stall_timeout))
+        try:
+            for p in owned:
+                d.workspace.set(p, values[p])
+                d.workspace.set(momentum_name(p), momenta[p])
+            for it in range(start, max_iter):
+                d.workspace["iter"][...] = it
+                d.run(it)
+                # the servers take part in the workers' stop agreement
+                code = stop.agree(world) if stop is not None else 0
+                if code == StopSignal.DIVERGED:
+                    break
+                stopping = bool(code) and it + 1 != max_iter
+                if stopping or state_transfer_due(job, it + 1, start, final_only=False):
+                    _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
+                if stopping:
+                    break
+                code = 0
+            values = {p: d.workspace[p].copy() for p in owned}
+            momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
+        finally:
+            d.close()
+        stats = {"iterations": max_iter - start}
+    else:
+        lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
+        server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
+                             par.max_staleness, start, max_iter - start, stop=stop)
+        stats = server.serve()
+        code = stats.get("stop_code", 0)
+        if code != StopSignal.DIVERGED and (
+                code or state_transfer_due(job, max_iter, start, final_only=True)):
+            _send_state(world, momenta)
+    if log:
+        log(f"server rank {world.rank}: {len(owned)} params, {stats}")
+    return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
+            "stop_code": code, "stopped_by": stop.name if code and stop else None}
+
+
+# ------------------------------------------------- checkpoints and the run
+STATE_TAG = 1 << 20  # above every push/pull tag
+# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers
+# the workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
+# stop (STOP_REQUEST_TAG)
+
+
+def state_transfer_due(job, done, start, final_only):
+    """Whether servers send their momenta to rank 0 after iteration ``done``:
+    at the trainer's checkpoint iterations (sync_ps) and after the last one.
+    Both sides evaluate this same rule, so a transfer is never left unmatched."""
+    max_iter = job.solver.max_iter
+    if done == max_iter:
+        return start < max_iter
+    interval = job.checkpoint.interval
+    return not final_only and interval > 0 and done % interval == 0
+
+
+def _send_state(world, momenta):
+    from ..base.backend import to_numpy
+    world.send_object({p: to_numpy(m) for p, m in momenta.items()}, 0, STATE_TAG,
+                      "sending the server state (momenta)")
+
+
+def recv_state(world, servers):
+    out = {}
+    for s in servers:
+        out.update(world.recv_object(s, STATE_TAG, "the server state (momenta)"))
+    return out
+
+
+class WorkerScheme(Scheme):
+    """A worker's part (the trainer runs it over the workers' World): the PS
+    worker graph. ``world`` is the global World. The stop agreement with the
+    servers and the checkpoints that carry the servers' momenta are a loop
+    service (train/ps_worker.py)."""
+
+    #: the stop agreement tells the servers at once, so a worker checks its
+    #: loss every iteration (a divergence found later could not be taken back)
+    defer_loss_readback = False
+    #: a worker's pushes and pulls are point-to-point: no deferred tail
+    defers_update = False
+
+    def __init__(self, job, world):
+        self.world = world
+        self.layout = ps_layout(world.size, job.parallel.ps_ranks)
+
+    def compose(self, graph, grads, job, world):
+        return compose_param_server(graph, grads, job, self.world)
+
+
+def split_workers(job, world):
+    """(the job a PS run trains with, the workers' World or None on a
+    server). Collective: every rank calls it."""
+    job = synchronous_if_no_staleness(job)
+    return job, worker_world(world, job.parallel.ps_ranks)
+
+
+def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=()):
+    """``train`` on a server rank: serve, take part in the stop agreement,
+    and return the same exit status as the workers (trainer.run_and_report)."""
+    # the same checkpoint the workers' Trainer resumes from
+    path = find_resumable(out_dir)[0] if resume == "auto" else resume
+    res = run_server(job, world, resume=path, init=init, init_skip=init_skip,
+                     stop=StopSignal())
+    if res["stop_code"] == StopSignal.DIVERGED:
+        return 3
+    return StopSignal.exit_status(res["stopped_by"])
