@@ -9,7 +9,7 @@ two stages of equal work (stage 0: fc1, fc2; stage 1: fc3, fc4 and a small
 classifier; every big layer is width x width), synthetic data, one BLAS
 thread per rank. Prints one JSON object.
 
-How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
+How each figure is measured (``purine_mpi/tools/pipeline_stats.py``):
 
 - every timed iteration starts after a barrier; its span runs from the
   earliest start to the latest end over both ranks (the ranks' profilers

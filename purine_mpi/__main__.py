@@ -1,5 +1,5 @@
 """``python -m purine_mpi``: see purine_mpi/cli.py. The threads per rank are
-set by ``purine_mpi/__init__.py`` (purine_mpi/threads.py), which every entry
+set by ``purine_mpi/__init__.py`` (purine_mpi/base/threads.py), which every entry
 point imports first.
 """
 import sys

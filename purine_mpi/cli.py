@@ -42,7 +42,7 @@ from .job.outputs import check_out
 
 
 def _load(args, check_files=True):
-    """The command's job (io/job.py): the config validated and resolved once."""
+    """The command's job (job/job.py): the config validated and resolved once."""
     from .job.config import load_job
     job = load_job(args.config, args.overrides, getattr(args, "iters", None),
                    check_files=check_files)
@@ -62,7 +62,7 @@ def _out_dir(args, job):
 
 
 def _run_dir(args, job):
-    """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
+    """The train run's folder, chosen and locked by rank 0 (job/rundir.py)."""
     from .job.rundir import prepare_run_dir
     from .train.trainer import get_world
     base, world = _runs_base(job), get_world()
@@ -304,7 +304,7 @@ def main(argv=None):
 
 def _run(args, action=None):
     try:
-        env.check_all()  # every PURINE_* variable, before anything reads one (env.py)
+        env.check_all()  # every PURINE_* variable, before anything reads one (base/env.py)
         return (action or COMMANDS[args.command])(args) or 0
     except UserError as exc:
         if isinstance(exc, InitMismatch) and args.command != "train":

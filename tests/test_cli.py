@@ -206,7 +206,7 @@ def test_corrupt_checkpoint(base, corrupt_files, kind, command):
     assert re.search(r"corrupt|truncated|not an HDF5", text), text
     if kind == "bitflip" and command != "inspect":
         # the dataset that failed its checksum (inspect's message does not
-        # name it yet: io/checkpoint.py _walk)
+        # name it yet: job/checkpoint_file.py _walk)
         assert "fc1/weight" in text
 
 

@@ -1421,7 +1421,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     workspace is a device arena of emulated CuPy arrays, ops taking their
     GPU branches (the raw kernels compiled for the host), run by the stream
     dispatcher on the simulated device. Losses and weights match the CPU;
-    so they do after the device fusions (gpu/fuse.py), with the fused kernels."""
+    so they do after the device fusions (parallel/fuse.py), with the fused kernels."""
     config = _tiny_config()
     cpu_losses, cpu_params = _train_simulated(config, -1)
     use_emulated_cupy(monkeypatch, host_build_dir)

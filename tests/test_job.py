@@ -1,4 +1,4 @@
-"""The job (io/job.py): a validated config resolved once into frozen, typed
+"""The job (job/job.py): a validated config resolved once into frozen, typed
 parts, read by attribute everywhere below io/."""
 import ast
 import copy
@@ -192,7 +192,7 @@ def test_the_stage_map():
 
 
 def test_parameter_servers_replace_rather_than_edit():
-    from purine_mpi.train.param_server import synchronous_if_no_staleness
+    from purine_mpi.parallel.param_server import synchronous_if_no_staleness
     config = _minimal()
     config["parallel"]["mode"] = "async"
     job = job_of(config)
@@ -270,7 +270,7 @@ def test_no_module_below_io_reads_a_config_dict():
 
 
 def test_a_key_declared_once_is_checked_defaulted_held_and_used():
-    """solver.min_lr, declared by one ConfigKey in io/schema.py: validated,
+    """solver.min_lr, declared by one ConfigKey in job/schema.py: validated,
     defaulted, a field of the job, and read by the LearningRate op."""
     from purine_mpi.base.errors import ConfigError
     from purine_mpi.job.replica import build_train_graph

@@ -162,7 +162,7 @@ def test_every_declared_key_is_read_by_its_layer(ltype, monkeypatch):
             "data": {"train": {"source": "synthetic", "shape": [3, 4, 4], "classes": 4,
                                "batch_size": 2}},
             "net": _probe_net(ltype)}, check_files=False)
-        # the layers read the job's net entries (io/job.py): instrument those
+        # the layers read the job's net entries (job/job.py): instrument those
         job = job_of(cfg)
         job = job.replace(net=tuple(_Recording(e, seen=seen, state=state)
                                     if e["name"] == "probe" else e for e in job.net))

@@ -91,7 +91,7 @@ def test_the_stop_and_save_hooks_are_services_not_scheme_hooks():
     """A scheme composes graphs; the stop agreement and the hook before a
     checkpoint are loop services (train/signals.py, train/ps_worker.py)."""
     from purine_mpi.parallel.compose import Scheme
-    from purine_mpi.train.param_server import WorkerScheme
+    from purine_mpi.parallel.param_server import WorkerScheme
     from purine_mpi.train.ps_worker import WorkerStopAgreement
     from purine_mpi.train.signals import StopAgreement
     for cls in (Scheme, WorkerScheme):

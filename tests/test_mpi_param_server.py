@@ -5,7 +5,7 @@ import pytest
 
 from purine_mpi.base.errors import UserError
 from purine_mpi.job.replica import build_train_graph
-from purine_mpi.train.param_server import compose_for_rank, plan_param_server, ps_layout
+from purine_mpi.parallel.param_server import compose_for_rank, plan_param_server, ps_layout
 from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_mpi, run_python

@@ -1,6 +1,6 @@
 """Philox4x32-10 and the dropout masks drawn from it.
 
-- the NumPy generator (purine_mpi/philox.py) and the CUDA one (cuda/philox.cuh,
+- the NumPy generator (purine_mpi/base/philox.py) and the CUDA one (cuda/philox.cuh,
   run here compiled for the host, and on a real GPU when there is one)
   against Random123's published known-answer vectors;
 - the CPU and (emulated) GPU Dropout ops draw the same masks, bit for bit;

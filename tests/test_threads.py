@@ -1,4 +1,4 @@
-"""Threads per rank, decided once for every entry point (purine_mpi/threads.py):
+"""Threads per rank, decided once for every entry point (purine_mpi/base/threads.py):
 the affinity mask divided among the ranks of the host, PURINE_THREADS or the
 user's OMP_NUM_THREADS over it, the same count whether a rank starts through
 ``python -m purine_mpi`` or the ``purine-mpi`` script, and said in the

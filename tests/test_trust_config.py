@@ -1,7 +1,7 @@
 """Issue 32 "Trust", the config-parsing and environment cases: every YAML the
-program reads is strict and bounded (io/yamlread.py), values in messages are
+program reads is strict and bounded (job/yamlread.py), values in messages are
 short excerpts (errors.excerpt), and every PURINE_* variable is checked like
-a config key (env.py). Each case test exits 2 with a one-line message naming
+a config key (base/env.py). Each case test exits 2 with a one-line message naming
 the file and line (or the variable), no traceback; on 6dff0b5 each failed
 (noted per test)."""
 import os

@@ -3,8 +3,8 @@
 One test pass without ``test_iter`` counts every sample of the split exactly
 once, on any number of ranks and with any test batch: the last batch is
 padded, and the padding counts neither in the loss mean nor in the accuracy
-(io/data.py ``pass_batches``/``pass_counts``, the DataReader's ``pad_from``,
-model.py ``mark_padding``, train/evaluation.py). ``test``, ``train``'s
+(data/sources.py ``pass_batches``/``pass_counts``, the DataReader's ``pad_from``,
+job/replica.py ``mark_padding``, train/evaluation.py). ``test``, ``train``'s
 evaluations and ``predict`` agree. On 6dff0b5 the reader wrapped around and
 counted the first samples twice (0.975 on 480 samples on 4 ranks for 360).
 """
@@ -198,7 +198,7 @@ def test_case6_train_evaluations_on_4_ranks_count_the_split_once(trained):
 
 
 def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
-    """Case 6, which label the padding carries (model.mark_padding): -1,
+    """Case 6, which label the padding carries (job/replica.mark_padding): -1,
     ignored by the loss and the accuracy; the loss's ignore_label when it
     has one (the accuracy then ignores it too); none (a one-pass test that
     wraps, with its note) when two losses ignore different labels or the

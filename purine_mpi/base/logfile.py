@@ -52,7 +52,7 @@ def close_run_log():
 def _append(line):
     if _path is None:
         return
-    try:  # never through a link planted there (runfiles.py); a whole line or none
+    try:  # never through a link planted there (base/runfiles.py); a whole line or none
         fd = open_run_fd(_path, append=True)
         try:
             write_all(fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"), _path)

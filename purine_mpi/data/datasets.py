@@ -4,7 +4,7 @@
 
     write_digits(out_path)            scikit-learn's bundled 8x8 digits (no download)
     write_cifar10(src_dir, out_path)  CIFAR-10's python pickle batches
-    write_lmdb({split: db}, out_path)  Caffe LMDBs of Datum records (io/lmdb_source)
+    write_lmdb({split: db}, out_path)  Caffe LMDBs of Datum records (data/lmdb_source)
 
 Files are written to a temporary name and renamed, so an interrupted
 conversion never leaves a file that looks complete.
@@ -51,7 +51,7 @@ def write_cifar10(src_dir, out_path, log=None):
     chunked and gzip-compressed, so the loader reads batches straight from
     the file; the per-channel mean of the training pixels (0..255) is the
     root attribute ``mean``, for the data spec's ``mean``/``scale`` keys
-    (jobs/cifar10_quick_hdf5.yaml). Progress (progress.py: a bar on a
+    (jobs/cifar10_quick_hdf5.yaml). Progress (base/progress_bar.py: a bar on a
     terminal, else lines) and a summary go to ``log``. Returns a summary dict."""
     if os.path.isdir(os.path.join(src_dir, "cifar-10-batches-py")):
         src_dir = os.path.join(src_dir, "cifar-10-batches-py")

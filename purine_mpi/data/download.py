@@ -1,5 +1,5 @@
 """Fetch a public data set's official archive, verify it, unpack it: what
-``data cifar10 --download`` does before converting (io/datasets.py), as
+``data cifar10 --download`` does before converting (data/datasets.py), as
 torchvision's ``download=True`` and Caffe's ``get_cifar10.sh`` do.
 
 The archive goes to a temporary name beside its destination and is renamed

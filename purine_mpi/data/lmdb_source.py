@@ -14,13 +14,13 @@ thread, so a database larger than the process's memory trains with flat
 memory: its pages are the kernel's file cache, never the process's own heap.
 The sample order, the shuffle per epoch (over the key index) and the
 sharding across data-parallel ranks are those of every source
-(``io/data.py``, "Sample order").
+(``data/sources.py``, "Sample order").
 
 A missing or empty database, a record that is not a Datum, and records of
 different shapes are a UserError (exit 2) naming the database and the key.
 The ``lmdb`` and ``Pillow`` packages are the ``caffe`` extra
 (``pip install 'purine_mpi[caffe]'``), imported only when such a source is
-used. Imports ``io/protowire`` and the errors (the data layer).
+used. Imports ``data/protowire`` and the errors (the data layer).
 """
 import io
 import os
@@ -179,7 +179,7 @@ def lmdb_info(path):
 
 class LMDBSource:
     """A Caffe LMDB as a data source (``n_samples``, ``sample_shape``,
-    ``gather``; the interface of ``io/data.DataSource``)."""
+    ``gather``; the interface of ``data/sources.DataSource``)."""
 
     def __init__(self, path):
         self.path = path

@@ -2,7 +2,7 @@
 
 A source holds ``n_samples`` samples of one ``sample_shape`` (float32, or
 uint8 for an HDF5 file stored as bytes and for Caffe's LMDB records, see
-``io/lmdb_source.py``) with int64 labels and returns any of
+``data/lmdb_source.py``) with int64 labels and returns any of
 them by index (``gather``). An HDF5 split that does not fit the memory budget
 is read batch by batch from its (chunked) datasets instead of being loaded. The order in
 which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample order"):
@@ -56,7 +56,7 @@ def hdf5_info(path, split=None, external=False):
     metadata. Raises UserError naming the file and dataset when the file is
     missing, not HDF5, or the layout is wrong (data must be N x C x H x W
     float, label 1-D integer of the same N), or when the split's data or
-    label reads from another file (io/h5links.py) without ``external``
+    label reads from another file (data/h5links.py) without ``external``
     (the data spec's key), or with it from a file that is missing or short."""
     import h5py
     if not os.path.isfile(path):
@@ -444,7 +444,7 @@ def repeat_note(batches, batch_size, ranks, n_samples, unpadded=False):
     is not): the test reader wraps around (as Caffe's), so sample i counts
     q + 1 times for the first r samples and q times for the others, where
     q, r = divmod(total, n_samples). ``unpadded``: a one-pass test (null
-    test_iter) whose net allows no padding (model.py, ``mark_padding``)."""
+    test_iter) whose net allows no padding (job/replica.py, ``mark_padding``)."""
     total = batches * batch_size * ranks
     if total <= n_samples:
         return None

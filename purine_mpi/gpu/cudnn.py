@@ -5,7 +5,7 @@ Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
 ``setup`` (once per shape, before the first iteration), a cuDNN graph:
 
     fprop   Y = conv_fprop(X, W) [-> bias(B) -> relu / leaky_relu]   (a fused
-            ReLU, gpu/fuse.py, and the bias go into cuDNN's epilogue when it
+            ReLU, parallel/fuse.py, and the bias go into cuDNN's epilogue when it
             offers that fusion; else conv_fprop alone and our bias_act kernel)
     dgrad   DX = conv_dgrad(DY, W)
     wgrad   DW = conv_wgrad(X, DY)

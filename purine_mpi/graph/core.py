@@ -330,7 +330,7 @@ class Graph:
     def params(self):
         """Parameter blobs that own their storage (not their ``@new`` aliases),
         or are views into a flat parameter buffer (kind ``param_buffer``, laid
-        out by ``gpu/fuse.py`` for a multi-tensor update)."""
+        out by ``parallel/fuse.py`` for a multi-tensor update)."""
         return [b for b in self.blobs.values() if b.kind == "param" and (
             b.alias_of is None or self.blobs[b.alias_of].kind == "param_buffer")]
 

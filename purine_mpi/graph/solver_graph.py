@@ -2,7 +2,7 @@
 update op per learnable parameter: ``SGDUpdate`` (Caffe's formulation,
 ``v = mu*v + lr*lr_mult*(grad_scale*g + wd*decay_mult*w); w = w - v``) or the
 op of another ``solver.type`` (Nesterov, AdaGrad, RMSProp, AdaDelta, Adam,
-AdamW; see ops/solver.py). Each keeps its state in blobs ``<param>.<state>``
+AdamW; see ops/updates.py). Each keeps its state in blobs ``<param>.<state>``
 (``<param>.momentum`` for SGD), which checkpoints save under
 ``/solver/<param>/<state>``.
 
@@ -41,7 +41,7 @@ def solver_states(solver_type):
 
 def add_solver(graph, grads, solver, thread=0):
     """Emit the lr and update ops for ``grads`` ({param: grad blob}) as the
-    job's ``solver`` (io/job.py's SolverSpec, read by attribute) says.
+    job's ``solver`` (job/job.py's SolverSpec, read by attribute) says.
     Returns the list of sink blobs (updated params and momenta)."""
     lr_attrs = {k: getattr(solver, k, None) for k in LR_KEYS}
     graph.add_blob("iter", (), "int64", kind="iter", exist_ok=True)  # dropout may add it

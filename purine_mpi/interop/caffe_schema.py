@@ -122,4 +122,4 @@ TEXT_SCHEMA = {
 NET_LAYER, NET_LAYERS_V1 = 100, 2
 LAYER_NAME, LAYER_TYPE, LAYER_BOTTOM, LAYER_TOP, LAYER_BLOBS = 1, 2, 3, 4, 7
 V1_BOTTOM, V1_TOP, V1_NAME, V1_TYPE, V1_BLOBS = 2, 3, 4, 5, 6
-# (BlobProto's and Datum's field numbers are in io/protowire.py)
+# (BlobProto's and Datum's field numbers are in data/protowire.py)

@@ -17,7 +17,7 @@ Ops are mapped one by one (opset 13):
 
 Any other op is a UserError naming the op and its layer.
 
-The data transform of the test spec (``io/transform.py``, test phase: the
+The data transform of the test spec (``data/transform.py``, test phase: the
 centre crop, no mirror) is part of the model by default (``raw_input``): the
 input ``data`` is a batch as the data file holds it (N x C x H x W before the
 crop; uint8 when the file stores bytes), and the graph applies, in Caffe's
@@ -40,7 +40,7 @@ _DROPPED = ("SoftmaxLoss", "Accuracy")
 
 
 def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
-    """Write the ONNX model of ``job``'s test phase (io/job.py's Job) with
+    """Write the ONNX model of ``job``'s test phase (job/job.py's Job) with
     the params of ``weights_path``; returns a one-line summary.
     ``raw_input``: the model takes untransformed input and applies the test
     spec's transform."""
@@ -67,7 +67,7 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
             raise UserError(f"weights file '{weights_path}': '{p}' has shape {list(value.shape)}"
                             f", the net expects {list(graph.blobs[p].shape)}")
         values[p] = value
-    spec = job.data.test.source_dict()  # the source and transform keys, as io/data reads them
+    spec = job.data.test.source_dict()  # the source and transform keys, as data/sources reads them
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
     said = describe(spec, pre)

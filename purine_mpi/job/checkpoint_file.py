@@ -234,7 +234,7 @@ def _open(path, what="checkpoint"):
     """Open an HDF5 file for reading, or raise a UserError that says why not:
     missing, not HDF5, held by another process (``FileHeld``), truncated or
     corrupt, or not self-contained (a dataset or link that reads from
-    another file: io/h5links.py)."""
+    another file: data/h5links.py)."""
     import h5py
     path = str(path)
     if not os.path.exists(path):

@@ -2,14 +2,14 @@
 
 ``load_config(path)`` returns the *resolved* config: every section present,
 every default filled in, data paths resolved, plus ``config["_path"]`` (the
-file it came from); ``load_job`` returns it as a frozen ``Job`` (io/job.py),
-which is what the package below ``io/`` reads. Every problem is a
+file it came from); ``load_job`` returns it as a frozen ``Job`` (job/job.py),
+which is what the package outside ``job/`` and ``data/`` reads. Every problem is a
 ``ConfigError(path, key, message)`` naming the file, the dotted key and
 what was expected, e.g.::
 
     jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
 
-Every key is declared once in io/schema.py (``ConfigKey``: name, checker,
+Every key is declared once in job/schema.py (``ConfigKey``: name, checker,
 default, meaning): the top-level keys (TOP), the sections (SOLVER,
 PARALLEL, CHECKPOINT) and the data specs (DATA), with the choices and their
 meanings. This module checks a config against them (and the rules between
@@ -17,7 +17,7 @@ keys); the layers' keys are declared in purine_mpi/layers. docs/config.md
 is generated from the declarations (re-exported here).
 
 To add a key, add its ``ConfigKey`` to its section's table in
-io/schema.py; unknown keys are errors (with a "did you mean" suggestion) so
+job/schema.py; unknown keys are errors (with a "did you mean" suggestion) so
 that typos never pass silently. AFTER CHANGING KEYS RUN
 ``python -m purine_mpi.tools.docgen --write`` (tests/test_docs.py fails while
 docs/config.md is stale or a key has no meaning).
@@ -54,7 +54,7 @@ def load_config(path, overrides=(), iters=None, check_files=True):
 
 
 def load_job(path, overrides=(), iters=None, check_files=True):
-    """``load_config`` as a frozen, typed ``Job`` (io/job.py): what the commands run."""
+    """``load_config`` as a frozen, typed ``Job`` (job/job.py): what the commands run."""
     return resolve_job(_read(path), str(path), overrides, iters, check_files)
 
 
@@ -78,7 +78,7 @@ def _read(path):
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
     try:
-        raw = read_yaml(text, path)  # strict and bounded: io/yamlread.py
+        raw = read_yaml(text, path)  # strict and bounded: job/yamlread.py
     except YamlRefused as e:
         raise ConfigError(path, None, e.problem) from None
     except yaml.YAMLError as e:
@@ -157,7 +157,7 @@ def dump_config(config):
 # --------------------------------------------------------------- validation
 def validate_config(config, path="<config>", check_files=True):
     """Check every section of a parsed config and fill in defaults: the
-    declared keys of io/schema.py's TOP in order (``name``, ``seed``
+    declared keys of job/schema.py's TOP in order (``name``, ``seed``
     first), then the rules between keys."""
     _check_keys("", config, TOP_KEYS, path)
     from_file = path and not str(path).startswith("<")

@@ -98,7 +98,7 @@ def _checked(spec_key, name, value, path):
 
 
 def data_notes(job):
-    """One line for each data split of ``job`` (io/job.py) whose batch is
+    """One line for each data split of ``job`` (job/job.py) whose batch is
     larger than the split (each batch then holds samples several times over:
     a mistyped batch_size, or a small stand-in file), and for a synthetic
     split given a ``path`` (ignored: a leftover of an hdf5 spec, or a

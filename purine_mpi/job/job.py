@@ -1,19 +1,19 @@
 """The job: a validated config resolved once into frozen, typed parts.
 
-``load_config`` (io/config.py) validates the YAML into a resolved dict;
+``load_config`` (job/config.py) validates the YAML into a resolved dict;
 ``job_of(config)`` turns that dict into a ``Job``: frozen dataclasses with
 every default filled in (``SolverSpec``, ``ParallelSpec``,
 ``CheckpointSpec``, ``DataSpecs`` of ``DataSpec``), lists as tuples, the
 net's and the graph's entries as read-only mappings (``FrozenMap``: the
-layer registry reads them by key). Everything below ``io/`` reads the job's
+layer registry reads them by key). Everything outside ``job/`` and ``data/`` reads the job's
 attributes, never the dict; values derived from several keys (the global
 batch, the stage map of a pipeline) are the job's properties and methods.
 ``Job.to_config()`` is the resolved dict again (``config.yaml`` of a run,
 the text ranks compare at start-up).
 
 Each part's fields are made from its section's declarations in
-io/schema.py (``spec_of``, io/keys.py): a new key needs nothing here.
-Imports ``io/schema``, ``io/keys`` and the standard library only.
+job/schema.py (``spec_of``, job/keys.py): a new key needs nothing here.
+Imports ``job/schema``, ``job/keys`` and the standard library only.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -32,12 +32,12 @@ SERVER_MODES = ("async", "sync_ps")
 
 @spec_of(SOLVER)
 class SolverSpec:
-    """The ``solver`` section (io/schema.py's SOLVER)."""
+    """The ``solver`` section (job/schema.py's SOLVER)."""
 
 
 @spec_of(PARALLEL)
 class ParallelSpec:
-    """The ``parallel`` section (io/schema.py's PARALLEL)."""
+    """The ``parallel`` section (job/schema.py's PARALLEL)."""
 
     @property
     def staged(self):
@@ -73,18 +73,18 @@ class ParallelSpec:
 
 @spec_of(CHECKPOINT)
 class CheckpointSpec:
-    """The ``checkpoint`` section (io/schema.py's CHECKPOINT)."""
+    """The ``checkpoint`` section (job/schema.py's CHECKPOINT)."""
 
 
 #: the keys of a validated data spec before the source's own (SOURCE_KEYS),
-#: in the order io/data_spec.py writes them
+#: in the order job/data_spec.py writes them
 _DATA_HEAD = ("source", "batch_size", "shuffle", "seed", "mean_file", "scale", "mean", "mirror",
               "crop_size")
 
 
 @spec_of(DATA)
 class DataSpec:
-    """One data split (``data.train`` or ``data.test``; io/schema.py's DATA).
+    """One data split (``data.train`` or ``data.test``; job/schema.py's DATA).
     Keys a validated spec leaves out (a synthetic source's path, a transform
     not asked for, the seed when the config's seed applies) are None."""
 
@@ -120,7 +120,7 @@ class DataSpec:
 
     def source_dict(self):
         """The spec without ``batch_size``: the DataReader op's ``source`` attribute
-        and what io/data.py's sources read."""
+        and what data/sources.py's sources read."""
         out = self.to_config()
         del out["batch_size"]
         return out
@@ -168,7 +168,7 @@ _JOB_KEYS = tuple(key._replace(typed=Typed(_PARTS[key.name].from_config,
 @spec_of(_JOB_KEYS)
 class Job:
     """A training job, resolved once from its config (``job_of``): one field
-    per top-level key of io/schema.py's TOP, and ``path`` (the config file)."""
+    per top-level key of job/schema.py's TOP, and ``path`` (the config file)."""
     path: Optional[str] = None
 
     @classmethod

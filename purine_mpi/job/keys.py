@@ -2,12 +2,12 @@
 default, meaning; the checker's ``doc`` is its type), and what is derived
 from a section's declarations: its defaults, its validation
 (``check_section``) and the frozen part of the ``Job`` that holds it
-(``spec_of``). The declarations themselves are the tables of io/schema.py,
+(``spec_of``). The declarations themselves are the tables of job/schema.py,
 as the layer types' keys are declared with ``@layer(..., keys=...)``.
 
 Also the job's read-only values that a key's value becomes (``FrozenMap``
 for a mapping, the metric watches ``EarlyStopSpec`` and ``BestSpec``, whose
-fields are the watch's keys and defaults). Imports ``io/checks``.
+fields are the watch's keys and defaults). Imports ``job/checks``.
 """
 import copy
 import dataclasses

@@ -83,7 +83,7 @@ def keep_rows_up_to(path, iteration, out=None):
                         rows.append(rec)
                 except (ValueError, KeyError, TypeError):
                     pass  # a line cut short by the kill
-    with open_run_file(out or path, "w") as f:  # never through a link (runfiles.py)
+    with open_run_file(out or path, "w") as f:  # never through a link (base/runfiles.py)
         f.writelines(kept)
     return rows
 
@@ -121,7 +121,7 @@ class MetricsLog:
             rows = keep_rows_up_to(self.path, start_iter, self.pending)
             times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
             self.elapsed0 = max([self.elapsed0] + times)
-        # never through a link (runfiles.py); rows go in one write each (``write``)
+        # never through a link (base/runfiles.py); rows go in one write each (``write``)
         try:
             self.fd = open_run_fd(self.pending or self.path, append=True)
             if not start_iter:

@@ -1,10 +1,10 @@
-"""From a job (io/job.py) to the graphs one rank runs.
+"""From a job (job/job.py) to the graphs one rank runs.
 
 Train graph = data op + forward (layers) + generated backward + solver ops,
 then the parallel composition (data-parallel buckets and allreduce, or the
 parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
-arrays. The entry points take a ``Job`` (io/job.py).
+arrays. The entry points take a ``Job`` (job/job.py).
 """
 from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
@@ -62,7 +62,7 @@ _LABEL_PASSING = ("Split", "Copy", "Reshape", "Flatten")
 
 def mark_padding(graph):
     """Let a test graph's data op pad the last batch of a one-pass test
-    (io/data.py, ``pass_counts``): when its label reaches only the label
+    (data/sources.py, ``pass_counts``): when its label reaches only the label
     inputs of SoftmaxLoss and Accuracy ops (through copies and reshapes),
     which ignore at most one label value between them, that value (or
     PAD_LABEL) becomes the data op's attr ``pad_label`` and every such op

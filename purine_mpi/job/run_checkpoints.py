@@ -2,7 +2,7 @@
 ``ckpt_<iter>.h5`` written atomically beside ``latest.h5``, rotation of
 one run's checkpoints, the file ``--resume auto`` continues from (never
 past a checkpoint another process holds), and the temp files of killed
-writers. The files themselves are ``io/checkpoint``'s.
+writers. The files themselves are ``job/checkpoint_file``'s.
 """
 import os
 import re

@@ -23,7 +23,7 @@
 - A run file planted as a symbolic link (or a non-regular file, or, for a
   file written in place, one with other hard links) is refused at set-up
   (exit 2 naming it); every writer opens its files through
-  ``runfiles.py``, which never follows a link.
+  ``base/runfiles.py``, which never follows a link.
 
 Rank 0 decides and every rank gets its answer, so all ranks of a job agree:
 also a failure (a read-only folder, ``--out`` under a file, a full disk, a

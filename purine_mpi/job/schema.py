@@ -1,15 +1,15 @@
-"""The config's keys, each declared once (``ConfigKey``, io/keys.py: its
+"""The config's keys, each declared once (``ConfigKey``, job/keys.py: its
 name, checker, default and meaning; the checker's ``doc`` is its type):
 the top-level keys (TOP), the sections (SOLVER, PARALLEL, CHECKPOINT), the
 data spec keys (DATA), and the choices with their meanings. The
-validation (io/config.py), the defaults, the ``Job``'s fields (io/job.py)
+validation (job/config.py), the defaults, the ``Job``'s fields (job/job.py)
 and docs/config.md (with the layers' own declarations) are derived from
 these tables.
 
 To add a key, add its ``ConfigKey`` to its section's table below (and read
 the job's field where it is used); then run
-``python -m purine_mpi.tools.docgen --write``. Imports ``io/keys``, ``io/checks``
-and ``io/transform`` (its keys).
+``python -m purine_mpi.tools.docgen --write``. Imports ``job/keys``, ``job/checks``
+and ``data/transform`` (its keys).
 """
 from .checks import (_bool, _check_folder, _check_name, _check_stages, _choice, _int, _num,
                      _optional, _stepvalues, check_seed)
@@ -149,7 +149,7 @@ SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT
 
 # ---------------------------------------------------------- top-level keys
 #: the top-level keys, in the order of docs/config.md and of the messages;
-#: ``check`` None: io/config.py validates it (a section, the data, the net)
+#: ``check`` None: job/config.py validates it (a section, the data, the net)
 TOP = (
     Key("name", _check_name, "net", "names the run: its output goes to `runs/<name>/<N>`",
         shown="the file's stem"),
@@ -189,7 +189,7 @@ RESOLVED_FIRST = ("name", "seed")
 
 
 # --------------------------------------------------------------- data specs
-#: the keys of a data spec; io/data_spec.py checks them by source, with the
+#: the keys of a data spec; job/data_spec.py checks them by source, with the
 #: declared checker where one is given (``check`` None: a rule of its own
 #: there); ``shown`` is the default column (the job's value is None where a
 #: spec leaves a key out)
@@ -247,7 +247,7 @@ SOLVER_DEFAULTS = defaults_of(SOLVER)
 PARALLEL_DEFAULTS = defaults_of(PARALLEL)
 CHECKPOINT_DEFAULTS = defaults_of(CHECKPOINT)
 DATA_KEYS = tuple(key.name for key in DATA)
-#: data spec key -> its declared checker (None: io/data_spec.py's own rule)
+#: data spec key -> its declared checker (None: job/data_spec.py's own rule)
 DATA_CHECKS = {key.name: key.check for key in DATA}
 assert set(TRANSFORM_KEYS) <= set(DATA_KEYS)
 

@@ -11,7 +11,7 @@ from .registry import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
-#: the iteration counter blob (graph/solver.py writes the same name)
+#: the iteration counter blob (graph/solver_graph.py writes the same name)
 ITER_BLOB = "iter"
 ZERO = {"type": "constant", "value": 0.0}
 ONE = {"type": "constant", "value": 1.0}

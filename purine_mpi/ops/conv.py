@@ -266,7 +266,7 @@ def _cudnn_run(kernel, scratch, arrays):
 
 def _epilogue(xp, k, y, bias, attrs):
     """y += bias (per channel, axis 1), then the ReLU fused into this layer
-    (attr ``relu``, set by gpu/fuse.py; ``negative_slope``): one kernel on a
+    (attr ``relu``, set by parallel/fuse.py; ``negative_slope``): one kernel on a
     GPU, the Relu op's own arithmetic on the CPU."""
     fused = bool(attrs.get("relu", False))
     slope = float(attrs.get("negative_slope", 0.0))

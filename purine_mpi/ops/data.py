@@ -18,7 +18,7 @@ Attrs:
     train       training phase (default true): random crops and mirroring;
                 false gives center crops and no mirroring
     pad_label   the label of a padding position (test graphs whose loss and
-                accuracy ops ignore that label, model.py ``mark_padding``):
+                accuracy ops ignore that label, job/replica.py ``mark_padding``):
                 after ``pad_from(n)`` every position at or past n of the
                 data order (the wrapped-around tail of one pass) delivers
                 its sample with this label, so it counts in no figure
@@ -32,7 +32,7 @@ saved in checkpoints through ``state_dict``. A long-lived daemon thread
 gathers batch t+1 while batch t is in use; an exception there is raised by the next
 ``run``. There is no gradient: data is never differentiated.
 
-On a GPU (``gpu/placement.py`` puts the op on the device's ``h2d`` copy
+On a GPU (``parallel/placement.py`` puts the op on the device's ``h2d`` copy
 stream, with device outputs) the prefetch thread writes each batch into one
 of two page-locked staging pairs (data, label), alternately (double
 buffering). The host side of an iteration is ``before_iteration``, which

@@ -2,7 +2,7 @@
 
 On a GPU the iteration index (read by the learning-rate policy, the dropout
 masks and the loss watch) lives on the device and moves on by itself: the
-``IterationCounter`` op, put there by ``gpu/placement.py`` in place of a
+``IterationCounter`` op, put there by ``parallel/placement.py`` in place of a
 per-iteration host-to-device copy of the host ``iter`` blob, writes
 
     iteration = counter;  counter = counter + 1

@@ -85,7 +85,7 @@ class MultiSGDUpdate(OpKernel):
     """[w_flat, momentum_flat, lr, grad_0, ..., grad_{n-1}] -> [w_flat_new,
     momentum_flat_new] (aliases of the flat buffers): SGDUpdate of n
     parameters at once. Parameter k is the view of ``sizes[k]`` elements at
-    ``offsets[k]`` of both flat buffers (gpu/fuse.py lays the weights and
+    ``offsets[k]`` of both flat buffers (parallel/fuse.py lays the weights and
     momenta out so), with its own ``lr_mults[k]`` and ``decay_mults[k]``;
     ``momentum``, ``weight_decay`` and ``grad_scale`` are shared.
 

@@ -12,7 +12,7 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
     compose_stages(graph, job, world)          # a staged scheme's slice (train or test)
     plan_memory(graph, job, world)             # micro-batch copies share buffers (last)
 
-``job`` is io/job.py's ``Job``.
+``job`` is job/job.py's ``Job``.
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and

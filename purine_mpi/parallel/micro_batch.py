@@ -7,7 +7,7 @@ sub-graph copied once per micro-batch over shared weights
 
 Copy k of every op between the data and the gradients is named
 ``<op>@mb<k>`` and writes ``<blob>@mb<k>``; weights, ``iter`` and ``lr`` are
-shared. The graph comes built for one micro-batch (model.build_train_graph
+shared. The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly

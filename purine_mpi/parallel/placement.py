@@ -163,7 +163,7 @@ def local_rank():
 
 
 def select_device(job, rank_on_node=None):
-    """The GPU this rank uses from a job (io/job.py), or -1
+    """The GPU this rank uses from a job (job/job.py), or -1
     for the CPU.
 
     ``device: D`` (>= 0) asks for GPUs; a rank uses ``D + its rank on the
@@ -193,7 +193,7 @@ def select_device(job, rank_on_node=None):
 
 def configure_device(job, graph, rank_on_node=None):
     """Select this rank's GPU from ``job``, apply ``tf32``, place
-    ``graph`` there and fuse it for the device (``gpu/fuse.py``: ReLUs into
+    ``graph`` there and fuse it for the device (``parallel/fuse.py``: ReLUs into
     their producers, the SGD updates into one). Returns the device (-1: the
     CPU, graph unchanged)."""
     device = select_device(job, rank_on_node)
@@ -208,7 +208,7 @@ def configure_device(job, graph, rank_on_node=None):
 
 def prepare_for_device(graph, device, train=True):
     """``place_on_device``, then (``device >= 0``) the fusions of
-    ``gpu/fuse.py`` (the SGD one for a training graph). Returns the graph."""
+    ``parallel/fuse.py`` (the SGD one for a training graph). Returns the graph."""
     place_on_device(graph, device)
     if int(device) >= 0:
         from .fuse import fuse_for_device

@@ -33,7 +33,7 @@ ops constrained to their posting order), the debugging reference
 (``PURINE_DISPATCHER=serial``) every concurrent executor is held to, bit
 for bit. On GPUs: ``streams_dispatcher.StreamExecutor`` and
 ``cuda_graph.GraphExecutor``; in simulated time:
-``scaling/simulate.VirtualClock``.
+``tools/scaling/simulate.VirtualClock``.
 """
 import time
 

@@ -26,7 +26,7 @@ What runs a ready unit is the executor's (docs/DESIGN.md, "The scheduler
 and its executors"): the dispatchers' worker threads, CUDA streams and
 captured segments (``runtime/dispatcher.py``, ``streams_dispatcher.py``,
 ``cuda_graph.py``), the serial twin's calling thread (``runtime/executors.py``)
-and the scaling predictor's virtual clock (``scaling/simulate.py``).
+and the scaling predictor's virtual clock (``tools/scaling/simulate.py``).
 """
 import collections
 import heapq

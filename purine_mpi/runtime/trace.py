@@ -99,7 +99,7 @@ class TraceFile(Profiler):
         self._threads = set()
         self._io_lock = threading.Lock()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open_run_file(path, "w")  # never through a link (runfiles.py)
+        self._file = open_run_file(path, "w")  # never through a link (base/runfiles.py)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",

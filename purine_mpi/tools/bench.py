@@ -14,7 +14,7 @@ per event: ``args.post_latency_us`` and ``args.ready_ts``).
 of the buckets' asynchronous copies to and from their page-locked host
 mirrors (trace category ``staging``), per iteration; 0 elsewhere.
 
-``run_bench`` takes a job (io/job.py).
+``run_bench`` takes a job (job/job.py).
 """
 import dataclasses
 import resource

@@ -1,4 +1,4 @@
-"""The example configs of docs/config.md (``docgen_sections``): a full job,
+"""The example configs of docs/config.md (``tools/docgen_sections``): a full job,
 a residual block, and a layer type of one's own. tests/test_docs.py checks
 that each validates and builds.
 """

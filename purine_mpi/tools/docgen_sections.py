@@ -1,8 +1,8 @@
-"""The sections of docs/config.md (see ``purine_mpi/docgen.py``, which
+"""The sections of docs/config.md (see ``purine_mpi/tools/docgen.py``, which
 assembles and checks the file): the prose and examples, and one function
 per part of the config -- top-level keys, data, layers, the low-level
 graph, solver, parallel schemes, checkpoints -- each reading its keys from
-the code that defines them (io/schema.py's declarations, the layer registry, the
+the code that defines them (job/schema.py's declarations, the layer registry, the
 solver ops, graph/seed_yaml.py). A key without a meaning is a
 ``SchemaDocError``.
 """
@@ -65,7 +65,7 @@ def _need(table, key, where):
 def _choices(name):
     from ..job.config import CHOICE_DOCS, CHOICES
     docs = CHOICE_DOCS.get(name, {})
-    return [(value, _need(docs, value, f"CHOICE_DOCS[{name!r}] in purine_mpi/io/schema.py"))
+    return [(value, _need(docs, value, f"CHOICE_DOCS[{name!r}] in purine_mpi/job/schema.py"))
             for value in CHOICES[name]]
 
 
@@ -106,7 +106,7 @@ def _intro():
         "(each batch then holds samples several times over), and refuses a net whose blobs "
         "would not fit in the machine's memory, naming the layer that takes the most.",
         "",
-        "The YAML itself is read strictly (purine_mpi/io/yamlread.py). A key given twice in "
+        "The YAML itself is read strictly (purine_mpi/job/yamlread.py). A key given twice in "
         "one mapping, at any level (a second `solver:` block at the end of the file), exits "
         "2 naming the key and both lines, where plain YAML would keep the second silently. "
         f"Nesting deeper than {MAX_DEPTH} levels exits 2 naming the line. Anchors and aliases "
@@ -166,7 +166,7 @@ def _key_rows(keys, where):
 
 def _top():
     from ..job.schema import TOP
-    rows = _key_rows(TOP, "TOP in purine_mpi/io/schema.py")
+    rows = _key_rows(TOP, "TOP in purine_mpi/job/schema.py")
     return ["## Top-level keys", "", _table(("key", "type", "default", "meaning"), rows),
             "", "Backend choices (`backend`):", "",
             _table(("value", "meaning"), [(_code(v), m) for v, m in _choices("backend")])]
@@ -175,7 +175,7 @@ def _top():
 def _data():
     from ..job.schema import DATA
     from ..data.transform import TRANSFORM_KEYS
-    rows = _key_rows(DATA, "DATA in purine_mpi/io/schema.py")
+    rows = _key_rows(DATA, "DATA in purine_mpi/job/schema.py")
     transforms = ", ".join(_code(k) for k in TRANSFORM_KEYS)
     return [
         "## data",
@@ -365,7 +365,7 @@ def _graph():
 
 def _section_rows(section):
     from ..job.schema import SECTION_KEYS
-    rows = _key_rows(SECTION_KEYS[section], f"{section.upper()} in purine_mpi/io/schema.py")
+    rows = _key_rows(SECTION_KEYS[section], f"{section.upper()} in purine_mpi/job/schema.py")
     return _table(("key", "type", "default", "meaning"), rows)
 
 

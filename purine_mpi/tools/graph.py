@@ -1,5 +1,5 @@
 """``graph`` command: a rank's slice of the composed graph as text, the
-seed's YAML, or Graphviz DOT. The entry points take a job (io/job.py).
+seed's YAML, or Graphviz DOT. The entry points take a job (job/job.py).
 """
 import dataclasses
 
@@ -24,7 +24,7 @@ def compose_for(job, world_size, rank, phase="train"):
         return graph
     graph, grads = build_train_graph(job, replica, replicas)
     if world_size > 1 and not lay.staged and par.scheme != "none" and par.mode != "sync":
-        from ..train.param_server import compose_for_rank
+        from ..parallel.param_server import compose_for_rank
         graph = compose_for_rank(graph, grads, job, world_size, rank).infer_shapes()
         graph.validate()
     else:  # the trainer's own composition; the cross-rank check needs MPI: skip it

@@ -1,6 +1,6 @@
 """``inspect CKPT.h5 [--diff OTHER.h5] [--json]``: what a checkpoint holds
 (attributes, every blob with its shape, dtype and statistics) and how two
-differ, as text or JSON. Reads through io/checkpoint.py.
+differ, as text or JSON. Reads through job/checkpoint_file.py.
 """
 import json
 import math

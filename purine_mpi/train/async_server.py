@@ -1,5 +1,5 @@
 """The asynchronous parameter server's loop (``parallel.mode: async``), run
-by each server rank instead of a graph; see param_server.py for the protocol
+by each server rank instead of a graph; see parallel/param_server.py for the protocol
 the workers' graphs follow (push tag 2i, pull tag 2i+1 for param i).
 """
 import time

@@ -36,8 +36,8 @@ class Evaluation(Service):
         With ``test_iter`` (the argument or ``solver.test_iter``) the pass is
         that many global batches and every sample read counts, wrapping
         around the split (``repeat_note``). Without, it is one pass
-        (io/data.py, ``pass_batches``): the last batch is padded and its
-        padding counts in no figure (model.py, ``mark_padding``), so every
+        (data/sources.py, ``pass_batches``): the last batch is padded and its
+        padding counts in no figure (job/replica.py, ``mark_padding``), so every
         sample counts exactly once on any number of ranks. Each figure is
         the mean over the counted samples: the sum over ranks and batches of
         a batch's figure times its counted samples, over their number."""

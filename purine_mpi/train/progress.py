@@ -1,5 +1,5 @@
 """The metrics log, TensorBoard and the progress lines (a loop service):
-rank 0 writes config.yaml and metrics.jsonl (io/metrics.py; on a resume it
+rank 0 writes config.yaml and metrics.jsonl (job/metrics.py; on a resume it
 goes on from the checkpoint's rows and time), one ``train`` row and one
 progress line per display interval (loss averaged over the window and the
 ranks, learning rate, images/s, elapsed time and ETA), and closes the log

@@ -1,11 +1,12 @@
 """A parameter-server worker's stop agreement and checkpoints (a loop
 service, in the place of ``StopAgreement``): the workers and the servers
-agree on the stop (parallel/param_server.py, async_server.py), and before a
+agree on the stop (train/ps_server.py, async_server.py), and before a
 checkpoint rank 0 takes the momenta the servers hold.
 """
 from ..graph.solver_graph import momentum_name
 from .async_server import STOP_REQUEST_TAG, STOP_TAG
-from .param_server import ps_layout, recv_state, state_transfer_due
+from ..parallel.param_server import ps_layout
+from .ps_server import recv_state, state_transfer_due
 from ..runtime.stop import StopSignal
 from .signals import StopAgreement
 

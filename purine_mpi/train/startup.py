@@ -1,5 +1,5 @@
 """The start-up report (a loop service): the start-up block on rank 0
-(runlog.py: hosts, devices, threads, the net, the layout, memory, the
+(train/runlog.py: hosts, devices, threads, the net, the layout, memory, the
 set-up time), gathered from every rank before the first iteration, and one
 line after this process's first iteration, which is slow.
 """

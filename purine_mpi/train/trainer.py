@@ -144,7 +144,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
                  init_skip=(), tensorboard=False):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for. ``config``: a
-    job (io/job.py) or a validated config dict: the public Python API, an
+    job (job/job.py) or a validated config dict: the public Python API, an
     edge where a config becomes a job (docs/config.md, "Custom layers")."""
     from ..comm.world import install_abort_handler
     job = job_of(config)  # once: everything below reads the job
@@ -152,7 +152,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
     world.check_consistent(dump_config(job), "resolved configuration")
-    # rank 0's lines, and any rank's errors, go to OUT/train.log too (logfile.py)
+    # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
     say = logfile.tee(print_or_stop)
     if world.rank == 0:  # parallel settings that do nothing at this world size
@@ -170,10 +170,11 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
 def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                      dispatcher=None, log=None, init_skip=(), tensorboard=False):
     """``train`` on every rank of a parameter-server run: servers serve
-    (parallel.param_server.run_server_rank), workers train a Trainer over the
+    (train/ps_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker). Returns
     the exit status."""
-    from .param_server import WorkerScheme, run_server_rank, split_workers
+    from ..parallel.param_server import WorkerScheme, split_workers
+    from .ps_server import run_server_rank
     from .ps_worker import WorkerStopAgreement
     job, sub = split_workers(job, world)
     if sub is None:

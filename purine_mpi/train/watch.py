@@ -38,7 +38,7 @@ class BestCheckpoints(Service):
     own, whatever the best ones are."""
 
     def __init__(self, spec, out_dir, write, say):
-        # spec: io/job.py's BestSpec; direction: max or min (given, else by the metric)
+        # spec: job/job.py's BestSpec; direction: max or min (given, else by the metric)
         self.metric, self.mode, self.keep = spec.metric, spec.direction, spec.keep
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
@@ -75,7 +75,7 @@ class EarlyStopping(Service):
     writes a checkpoint and returns this pass's figures)."""
 
     def __init__(self, spec, say):
-        # spec: io/job.py's EarlyStopSpec; direction: max or min (given, else by the metric)
+        # spec: job/job.py's EarlyStopSpec; direction: max or min (given, else by the metric)
         self.metric, self.mode = spec.metric, spec.direction
         self.patience, self.min_delta = spec.patience, float(spec.min_delta)
         self.say = say

@@ -10,7 +10,7 @@ iteration will take on N ranks, from a trace of a real run.
     report.py     the table as text or JSON, and the scaling curve (``--plot``)
     command.py    the ``predict`` command's forms told apart, and its options
 
-A services-layer package: it may import the foundation, ops, graph, job,
-composition and dispatch layers (to compose the graph a rank would run at N
-ranks, as ``graph --np N`` does), never the trainer or the CLI.
+It composes the graph a rank would run at N ranks, as ``graph --np N``
+does (parallel/), and runs the scheduling core over it (runtime/); it
+never imports the trainer (train/) or the CLI.
 """

@@ -1,7 +1,7 @@
 """The ``predict`` command's two forms, told apart here:
 
     predict CONFIG --weights W.h5 --out PREDS.h5 [--blob B] [--split S]
-        per-sample outputs of a data split (``purine_mpi/predict.py``)
+        per-sample outputs of a data split (``purine_mpi/tools/predict.py``)
     predict TRACE_DIR --np N[,N...] [--bandwidth 1gbit] [--latency 20us]
         [--algorithm ring|tree|auto] [--link LINK.json] [--json] [--plot P.png]
         the scaling prediction from a run's traces (this package)

@@ -136,7 +136,7 @@ def median_durations(events, skip_first=True):
 
 def read_traces(folder):
     """(Durations, job) of a trace folder (the job of its config.yaml,
-    io/job.py); a UserError when the folder lacks the traces or the run's
+    job/job.py); a UserError when the folder lacks the traces or the run's
     config.yaml."""
     from ...job.config import load_job
     files = trace_files(folder)
