@@ -477,3 +477,10 @@ def _checkpoint():
         "at the end, and when a signal stops it; `train --resume auto` continues the "
         "newest run of the job. The file layout is in [formats.md](formats.md#checkpoints).",
     ]
+
+
+def sections():
+    """The parts of docs/config.md below its header, in order: each a list
+    of lines."""
+    return [_intro(), _top(), _data(), _layer_section(), _graph(), _solver(), _parallel(),
+            _checkpoint()]
