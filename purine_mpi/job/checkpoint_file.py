@@ -230,7 +230,7 @@ class FileHeld(UserError):
     """The file is held open by another process (HDF5's file lock): not damaged."""
 
 
-def _open(path, what="checkpoint"):
+def open_h5(path, what="checkpoint"):
     """Open an HDF5 file for reading, or raise a UserError that says why not:
     missing, not HDF5, held by another process (``FileHeld``), truncated or
     corrupt, or not self-contained (a dataset or link that reads from
@@ -286,8 +286,8 @@ def _run_lock_holder(path):
 def load_checkpoint(path):
     """Read a whole checkpoint. Raises UserError (naming the file and what is
     wrong) for a missing, non-HDF5, truncated, damaged, edited or foreign file."""
-    with _open(path) as f:
-        attrs = _read_attrs(f)
+    with open_h5(path) as f:
+        attrs = read_attrs(f)
         if attrs.get("format") != FORMAT:
             raise UserError(f"'{path}' is not a purine_mpi checkpoint: its root attribute "
                             f"'format' is {attrs.get('format')!r}, expected {FORMAT!r}")
@@ -311,7 +311,7 @@ def load_checkpoint(path):
 def load_params(path):
     """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
     {name: array}; other groups and attributes are optional."""
-    with _open(path, "weights file") as f:
+    with open_h5(path, "weights file") as f:
         if "params" not in f or not hasattr(f["params"], "keys"):
             raise UserError(f"weights file '{path}' has no /params group; expected the "
                             "checkpoint layout (/params/<layer>/weight, ...)")
@@ -335,7 +335,7 @@ def _read_group(group, where, prefix="", checksummed=False):
     for name in group:
         where.append(f"{group.name.lstrip('/')}/{name}")
         obj = group[name]
-        kind = _str(obj.attrs.get(KIND))
+        kind = plain_attr(obj.attrs.get(KIND))
         if isinstance(obj, h5py.Group):
             if kind == "dict":
                 out[prefix + name] = _read_group(obj, where, checksummed=checksummed)
@@ -361,7 +361,8 @@ def _read_dataset(dset, kind):
     return np.asarray(dset[...])
 
 
-def _read_attrs(obj):
+def read_attrs(obj):
+    """An HDF5 object's attributes as plain Python values."""
     return {k: _plain(v) for k, v in obj.attrs.items()}
 
 
@@ -374,5 +375,6 @@ def _plain(value):
     return value
 
 
-def _str(value):
+def plain_attr(value):
+    """One attribute's value as plain Python, or None when it is missing."""
     return _plain(value) if value is not None else None

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..base.errors import UserError
-from ..job.checkpoint_file import KIND, _open, _read_attrs, _str
+from ..job.checkpoint_file import KIND, open_h5, plain_attr, read_attrs
 
 
 # ------------------------------------------------------------------ inspect
@@ -65,7 +65,7 @@ def _numeric(dset):
 def _small_value(dset):
     """A non-numeric dataset's value (text for strings/JSON), or None when it
     is larger than BLOCK_BYTES (shown by shape and dtype only)."""
-    if dset.dtype.kind in "SO" or _str(dset.attrs.get(KIND)) == "json":
+    if dset.dtype.kind in "SO" or plain_attr(dset.attrs.get(KIND)) == "json":
         if dset.size * 64 > BLOCK_BYTES:
             return None
         return dset.asstr()[()]
@@ -170,17 +170,17 @@ def _numeric_stats(dset, name):
 
 
 def _describe(path):
-    with _open(path, "file") as f, _read_errors(path):
+    with open_h5(path, "file") as f, _read_errors(path):
         datasets = []
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf show up as such
             for name, dset in _datasets(f).items():
                 datasets.append(_stats(name, dset))
-        return {"path": str(path), "attrs": _read_attrs(f), "datasets": datasets}
+        return {"path": str(path), "attrs": read_attrs(f), "datasets": datasets}
 
 
 def _stats(name, dset):
     entry = {"name": name}
-    if _str(dset.attrs.get(KIND)) != "json" and _numeric(dset):
+    if plain_attr(dset.attrs.get(KIND)) != "json" and _numeric(dset):
         entry.update(shape=list(dset.shape), dtype=str(dset.dtype))
         if dset.size:
             entry.update(_numeric_stats(dset, name))
@@ -238,16 +238,16 @@ def _diff_pair(a, b, row):
 
 
 def _diff(path, other):
-    with _open(path, "file") as fa, _open(other, "file") as fb, _read_errors(path):
+    with open_h5(path, "file") as fa, open_h5(other, "file") as fb, _read_errors(path):
         a_sets, b_sets = _datasets(fa), _datasets(fb)
-        a_attrs, b_attrs = _read_attrs(fa), _read_attrs(fb)
+        a_attrs, b_attrs = read_attrs(fa), read_attrs(fb)
         rows = []
         for name in a_sets:
             if name not in b_sets:
                 continue
             a, b = a_sets[name], b_sets[name]
             row = {"name": name}
-            numeric = all(_numeric(d) and _str(d.attrs.get(KIND)) != "json" for d in (a, b))
+            numeric = all(_numeric(d) and plain_attr(d.attrs.get(KIND)) != "json" for d in (a, b))
             if numeric and a.shape != b.shape:
                 row["shapes"] = [list(a.shape), list(b.shape)]
             elif numeric and a.size:
