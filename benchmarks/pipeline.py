@@ -131,8 +131,8 @@ def worker(args):
 
 
 def summarise(ranks, args):
-    from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us,
-                                                    live_micro_batches, theory_bubble)
+    from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us, live_micro_batches,
+                                                 theory_bubble)
     p = len(ranks)
     iters = [s[0] for s in ranks[0]["spans"]]
     spans, bubbles, busy_ms = [], [], [[] for _ in ranks]

@@ -11,9 +11,9 @@ import pytest
 
 from purine_mpi.job.config import dump_config, load_config, load_job, resolve_config
 from purine_mpi.job.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec, Job,
-                               ParallelSpec, SolverSpec, job_of)
+                                ParallelSpec, SolverSpec, job_of)
 from purine_mpi.job.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
-                                  SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
+                                   SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
 from tests.conftest import REPO, make_job
 
 NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 5},

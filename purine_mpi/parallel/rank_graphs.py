@@ -14,8 +14,8 @@ import dataclasses
 import numpy as np
 
 from .placement import add_loss_watch, configure_device, prepare_for_device
-from ..job.replica import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
-                     loss_blobs, mark_padding, metric_blobs)
+from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
+                           check_fits_memory, loss_blobs, mark_padding, metric_blobs)
 from .compose import Scheme, compose_test, defer_update_applies, layout_of
 
 
