@@ -97,7 +97,7 @@ def _ours(case):
 
     import numpy as np
 
-    from purine_mpi.kernels import get_kernel_class
+    from purine_mpi.ops.catalog import get_kernel_class
     name, op_type, attrs, in_shapes, out_shapes = case
     rng = np.random.default_rng(0)
     ins = _inputs(op_type, attrs, in_shapes, rng)

@@ -50,7 +50,7 @@ def _summary(values):
 
 
 def compare(path, args):
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     config = load_config(path, check_files=False)
     sides = ["purine_mpi", "pytorch"] + (["baseline"] if args.baseline else [])
     runs = []

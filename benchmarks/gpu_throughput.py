@@ -83,7 +83,7 @@ def fail(message):
 
 def require_gpu(device, need_torch):
     """CuPy with ``device`` (and a CUDA PyTorch), or exit 1 saying what is missing."""
-    from purine_mpi.backend import cupy_available
+    from purine_mpi.base.backend import cupy_available
     if not cupy_available():
         fail("needs CuPy and a CUDA device (pip install purine_mpi[gpu]); none found, "
              "so there is nothing to measure")
@@ -103,11 +103,11 @@ def require_gpu(device, need_torch):
 
 
 def load(path, batch):
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     config = load_config(path, overrides=[f"data.train.batch_size={batch}"], check_files=False)
     spec = config["data"]["train"]
     if spec.get("source") != "synthetic":
-        from purine_mpi.bench import synthetic_config
+        from purine_mpi.tools.bench import synthetic_config
         config = synthetic_config(config).to_config()  # a Job: the dict again
     config["data"].pop("test", None)
     return config
@@ -122,10 +122,10 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     import cupy
 
     from purine_mpi.gpu import set_tf32
-    from purine_mpi.gpu.placement import prepare_for_device
+    from purine_mpi.parallel.placement import prepare_for_device
     from purine_mpi.layers.fillers import fill
-    from purine_mpi.io.job import job_of
-    from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.job.job import job_of
+    from purine_mpi.job.replica import build_train_graph, loss_blobs
     from purine_mpi.runtime.cuda_graph import GraphDispatcher
     from purine_mpi.runtime.factory import make_dispatcher, planned_workspace
     from purine_mpi.runtime.memory_plan import batch_blobs
@@ -410,9 +410,9 @@ def kernel_stats(step, iters):
 def dry_run(configs, batches):
     """Build every net of both frameworks and run one iteration of each on
     the CPU; the JSON has the real keys and null figures."""
-    from purine_mpi.io.job import job_of
+    from purine_mpi.job.job import job_of
     from purine_mpi.layers.fillers import fill
-    from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.job.replica import build_train_graph, loss_blobs
     from purine_mpi.runtime.factory import make_dispatcher
     results = []
     for path in configs:
@@ -508,7 +508,7 @@ def main(argv=None):
 
 
 def _entry(args, path, batch, profile):
-    from purine_mpi.bench import json_safe
+    from purine_mpi.tools.bench import json_safe
     config = load(path, batch)
     entry = {key: None for key in RESULT_KEYS}
     entry.update(config=config["name"], batch=batch, path=os.path.relpath(path, REPO))

@@ -214,12 +214,12 @@ def worker(opts):
     import numpy as np
     import yaml
 
-    from purine_mpi.bench import comm_overlap
+    from purine_mpi.tools.bench import comm_overlap
     from purine_mpi.comm.world import get_world, install_abort_handler
     from purine_mpi.graph import Graph
-    from purine_mpi.io.config import resolve_job
+    from purine_mpi.job.config import resolve_job
     from purine_mpi.layers.fillers import fill
-    from purine_mpi.model import build_train_graph
+    from purine_mpi.job.replica import build_train_graph
     from purine_mpi.parallel.data_parallel import compose_data_parallel
     from purine_mpi.runtime.factory import make_dispatcher
 
@@ -236,7 +236,7 @@ def worker(opts):
                                             num_samples=4 * opts.batch)})
     job = resolve_job(raw, opts.config or "<overlap_netns>", check_files=False)
     if job.data.train.source != "synthetic":
-        from purine_mpi.bench import synthetic_config
+        from purine_mpi.tools.bench import synthetic_config
         job = synthetic_config(job)
 
     def make(graph, defer=False):

@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from purine_mpi.bench import comm_overlap  # noqa: E402
+from purine_mpi.tools.bench import comm_overlap  # noqa: E402
 
 
 def small_net(batch, bucket_mb, min_buckets=None, iters=30):

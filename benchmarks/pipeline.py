@@ -9,7 +9,7 @@ two stages of equal work (stage 0: fc1, fc2; stage 1: fc3, fc4 and a small
 classifier; every big layer is width x width), synthetic data, one BLAS
 thread per rank. Prints one JSON object.
 
-How each figure is measured (``purine_mpi/parallel/pipeline_stats.py``):
+How each figure is measured (``purine_mpi/tools/pipeline_stats.py``):
 
 - every timed iteration starts after a barrier; its span runs from the
   earliest start to the latest end over both ranks (the ranks' profilers
@@ -82,11 +82,11 @@ def net_config(micro, schedule, batch, width, iters):
 def worker(args):
     import numpy as np
     from purine_mpi.comm.world import get_world, install_abort_handler
-    from purine_mpi.io.config import resolve_job
+    from purine_mpi.job.config import resolve_job
     from purine_mpi.parallel.micro_memory import activation_bytes
-    from purine_mpi.parallel.pipeline_stats import micro_batch_of
+    from purine_mpi.tools.pipeline_stats import micro_batch_of
     from purine_mpi.runtime.trace import Profiler
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.train.trainer import Trainer
     world = get_world()
     install_abort_handler(world)
     job = resolve_job(net_config(args.micro, args.schedule, args.batch, args.width,
@@ -131,8 +131,8 @@ def worker(args):
 
 
 def summarise(ranks, args):
-    from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
-                                                    live_micro_batches, theory_bubble)
+    from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us, live_micro_batches,
+                                                 theory_bubble)
     p = len(ranks)
     iters = [s[0] for s in ranks[0]["spans"]]
     spans, bubbles, busy_ms = [], [], [[] for _ in ranks]

@@ -244,7 +244,7 @@ def main():
                    help="a config override for purine_mpi's runs (repeatable)")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     config = load_config(args.config, check_files=False)
 
     result = {"config": os.path.relpath(args.config, ROOT), "ranks": args.ranks,

@@ -1,9 +1,5 @@
-"""purine_mpi: a bi-graph deep-learning framework for MPI clusters (after Purine, ICLR 2015).
-
-Layer: foundation (docs/DESIGN.md); may import only its own layer (the bottom
-one), the standard library and third-party packages.
-"""
-from . import threads as _threads
+"""purine_mpi: a bi-graph deep-learning framework for MPI clusters (after Purine, ICLR 2015)."""
+from .base import threads as _threads
 
 __version__ = "0.1.0"
 

@@ -27,9 +27,6 @@ parser is purine_mpi/cli_args.py.
 
 Exit statuses (the same on every rank): the table in docs/formats.md, and
 ``--help``'s epilog.
-
-Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
-graph, job, composition, dispatch and services layers below it, and its own.
 """
 import json
 import math
@@ -37,20 +34,20 @@ import os
 import sys
 import warnings
 
-from . import env, logfile
+from .base import env, logfile
 from .cli_args import build_parser
 from .comm.launcher import launched_rank, launched_size
-from .errors import InitMismatch, OpError, UserError
-from .io.outputs import check_out
+from .base.errors import InitMismatch, OpError, UserError
+from .job.outputs import check_out
 
 
 def _load(args, check_files=True):
-    """The command's job (io/job.py): the config validated and resolved once."""
-    from .io.config import load_job
+    """The command's job (job/job.py): the config validated and resolved once."""
+    from .job.config import load_job
     job = load_job(args.config, args.overrides, getattr(args, "iters", None),
                    check_files=check_files)
     if args.seed is not None:  # checked as the config's seed is
-        from .io.config import check_seed
+        from .job.config import check_seed
         job = job.replace(seed=check_seed("--seed", args.seed, None))
     return job
 
@@ -65,9 +62,9 @@ def _out_dir(args, job):
 
 
 def _run_dir(args, job):
-    """The train run's folder, chosen and locked by rank 0 (io/rundir.py)."""
-    from .io.rundir import prepare_run_dir
-    from .trainer import get_world
+    """The train run's folder, chosen and locked by rank 0 (job/rundir.py)."""
+    from .job.rundir import prepare_run_dir
+    from .train.trainer import get_world
     base, world = _runs_base(job), get_world()
     world.stall_timeout = float(job.parallel.stall_timeout)  # the set-up waits no longer
     return prepare_run_dir(world, os.path.basename(os.path.normpath(base)), args.out,
@@ -86,13 +83,13 @@ def _profile(args):
 def cmd_train(args):
     from .runtime.stop import StopSignal
     StopSignal.install_early()  # before the slow imports and the graph build
-    from .trainer import run_training
+    from .train.trainer import run_training
     job = _load(args)
     if args.init_skip and not args.init:
         raise UserError("--init-skip names layers to leave out of --init WEIGHTS.h5; "
                         "give --init too")
     if args.tensorboard:  # before the run folder and the graphs: exit 2 at once
-        from .io.tensorboard import require_tensorboard
+        from .job.tensorboard import require_tensorboard
         require_tensorboard()
     return run_training(job, _run_dir(args, job), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
@@ -100,9 +97,9 @@ def cmd_train(args):
 
 
 def cmd_test(args):
-    from .trainer import Trainer
-    from .io.checkpoint import load_params
-    from .io.checkpoint_check import NonFiniteWeights
+    from .train.trainer import Trainer
+    from .job.checkpoint_file import load_params
+    from .job.checkpoint_check import NonFiniteWeights
     job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
@@ -141,14 +138,14 @@ def _weights_file(path):
 
 
 def cmd_predict(args):
-    from .scaling.command import form_of, run_calibrate, run_scaling
+    from .tools.scaling.command import form_of, run_calibrate, run_scaling
     form = form_of(args)
     if form == "scaling":
         return run_scaling(args)
     if form == "calibrate":
         return run_calibrate(args)
-    from .io.checkpoint import load_params
-    from .predict import predict_split
+    from .job.checkpoint_file import load_params
+    from .tools.predict import predict_split
     job = _load(args)
     args.weights = _weights_file(args.weights)
     if not args.weights.endswith(".caffemodel"):
@@ -162,20 +159,20 @@ def cmd_predict(args):
 
 
 def cmd_graph(args):
-    from .graph.inspect import render_graph
+    from .tools.graph import render_graph
     job = _load(args, check_files=False)
     print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0
 
 
 def cmd_inspect(args):
-    from .io.checkpoint_report import inspect_checkpoint
+    from .tools.inspect import inspect_checkpoint
     print(inspect_checkpoint(args.checkpoint, diff=args.diff, as_json=args.json))
     return 0
 
 
 def cmd_data(args):
-    from .io import datasets
+    from .data import datasets
     check_out(args.out)  # never one of our checkpoints
     if args.dataset == "digits":
         datasets.write_digits(args.out)
@@ -190,7 +187,7 @@ def cmd_data(args):
         datasets.write_lmdb(splits, args.out, log=log)
     else:
         log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-        from .io.download import cifar10_from, download_cifar10
+        from .data.download import cifar10_from, download_cifar10
         source = args.source
         if args.download:
             source = download_cifar10(source or os.path.join(
@@ -206,7 +203,7 @@ def cmd_data(args):
 
 
 def cmd_bench(args):
-    from .bench import format_bench, run_bench
+    from .tools.bench import format_bench, run_bench
     job = _load(args, check_files=args.real_data)
     res = run_bench(job, args.iters, args.warmup, real_data=args.real_data,
                     dispatcher=args.dispatcher)
@@ -216,7 +213,7 @@ def cmd_bench(args):
 
 
 def cmd_plot(args):
-    from .plot import plot_runs
+    from .tools.plot import plot_runs
     plot_runs(args.runs, args.out)
     print(f"wrote {args.out}")
     return 0
@@ -307,7 +304,7 @@ def main(argv=None):
 
 def _run(args, action=None):
     try:
-        env.check_all()  # every PURINE_* variable, before anything reads one (env.py)
+        env.check_all()  # every PURINE_* variable, before anything reads one (base/env.py)
         return (action or COMMANDS[args.command])(args) or 0
     except UserError as exc:
         if isinstance(exc, InitMismatch) and args.command != "train":

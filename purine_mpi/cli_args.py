@@ -6,9 +6,6 @@ list (``--init-skip fc2 --init-skip fc3``, ``--init-skip fc2,fc3``), so an
 option never swallows the positional after it; a usage error shows the usage
 of the command at fault, not the top-level one; under a launcher only rank 0
 prints usage, help and usage errors (every rank exits with the same status).
-
-Layer: cli (docs/DESIGN.md); may import the foundation, devices, data, ops,
-graph, job, composition, dispatch and services layers below it, and its own.
 """
 import argparse
 
@@ -183,7 +180,7 @@ def build_parser():
     p.add_argument("--split", choices=["test", "train"], default="test",
                    help="outputs: which data of the config to run over, in file order "
                         "(default: test)")
-    from .scaling.command import add_arguments
+    from .tools.scaling.command import add_arguments
     add_arguments(p)
 
     p = sub.add_parser("bench", help="time training iterations (JSON with --json)")

@@ -80,12 +80,12 @@ def write_config(tmp_path):
 
 
 def make_job(config, path="<config>", **options):
-    """The ``Job`` (io/job.py) of a config mapping, validated and resolved as
+    """The ``Job`` (job/job.py) of a config mapping, validated and resolved as
     the CLI does (``resolve_job``; ``options``: its ``overrides``, ``iters``,
     ``check_files``), or of a config already resolved (``resolve_config``,
     ``load_config``); a Job is returned as it is."""
-    from purine_mpi.io.config import resolve_job
-    from purine_mpi.io.job import Job, job_of
+    from purine_mpi.job.config import resolve_job
+    from purine_mpi.job.job import Job, job_of
     if isinstance(config, Job):
         return config
     if "_path" in config:

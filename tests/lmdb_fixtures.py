@@ -9,7 +9,7 @@ import os
 import lmdb
 import numpy as np
 
-from purine_mpi.io.protowire import write_blob, write_datum
+from purine_mpi.data.protowire import write_blob, write_datum
 
 
 def write_lmdb(path, images, labels, encoding="raw", names=False, map_size=1 << 30):

@@ -38,7 +38,7 @@ def _build(op_type, attrs, inputs, wrt, loss_weights, seed):
 
 
 def _infer_outputs(op_type, attrs, inputs):
-    from purine_mpi.kernels import get_kernel_class
+    from purine_mpi.ops.catalog import get_kernel_class
     return get_kernel_class(op_type).infer(attrs, [(v.shape, str(v.dtype)) for v in inputs.values()])
 
 

@@ -12,8 +12,8 @@ import yaml
 from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.interop.caffe_schema import TEXT_SCHEMA
 from purine_mpi.interop.prototxt import Enum, PrototxtError, parse
-from purine_mpi.io.config import load_config, resolve_config
-from purine_mpi.model import build_test_graph, build_train_graph
+from purine_mpi.job.config import load_config, resolve_config
+from purine_mpi.job.replica import build_test_graph, build_train_graph
 
 from .conftest import REPO, make_job, run_cli_args
 from .opcheck import run_op

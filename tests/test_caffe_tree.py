@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from purine_mpi.interop.caffe_convert import convert
-from purine_mpi.io.config import load_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.config import load_config
+from purine_mpi.job.replica import build_train_graph
 
 from .conftest import REPO, make_job, run_cli_args
 from .lmdb_fixtures import write_lmdb, write_mean
@@ -218,7 +218,7 @@ def test_alexnet_style_net_converts_and_trains_from_lmdb(imagenet_tree):
     assert "raw samples as the data file holds them (uint8 3 x 256 x 256)" in res.stdout
     model = onnx.load(str(imagenet_tree / "alexnet.onnx"))
     assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
-    from purine_mpi.io.data import make_source
+    from purine_mpi.data.sources import make_source
     raw, _ = make_source(config["data"]["test"]).gather([0, 1])
     logits = ort.InferenceSession(str(imagenet_tree / "alexnet.onnx")).run(["fc8"],
                                                                             {"data": raw})[0]
@@ -291,7 +291,7 @@ def test_leveldb_is_refused_naming_the_layer(tmp_path, backend, needle):
 def test_repeat_note_counts_what_the_wrapping_reader_reads(batches, batch, ranks, n, needle):
     """The note's counts against the reader's rule: position p reads sample
     p mod n (test data is not shuffled)."""
-    from purine_mpi.train.evaluation import repeat_note
+    from purine_mpi.data.sources import repeat_note
     note = repeat_note(batches, batch, ranks, n)
     counts = np.bincount(np.arange(batches * batch * ranks) % n, minlength=n)
     if needle is None:

@@ -5,10 +5,10 @@ import struct
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.interop.caffemodel import caffe_params
-from purine_mpi.trainer import Trainer
+from purine_mpi.train.trainer import Trainer
 
 from .conftest import FakeWorld, make_job, run_cli_args, write_config_file
 from .test_caffe_convert import fixture, random_h5

@@ -27,9 +27,9 @@ import pytest
 
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu import kernels
-from purine_mpi.gpu.placement import add_loss_watch, prepare_for_device
+from purine_mpi.parallel.placement import add_loss_watch, prepare_for_device
 from purine_mpi.gpu.streams import copy_to_device_async, pinned_empty
-from purine_mpi.model import build_train_graph, loss_blobs
+from purine_mpi.job.replica import build_train_graph, loss_blobs
 from purine_mpi.runtime.factory import make_dispatcher
 from tests import sim_capture
 from tests.conftest import make_job

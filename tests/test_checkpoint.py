@@ -8,10 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import FORMAT, load_checkpoint, load_params, save_checkpoint
-from purine_mpi.io.run_checkpoints import find_latest, save_run_checkpoint
-from purine_mpi.io.checkpoint_report import inspect_checkpoint
+from purine_mpi.base.errors import UserError
+from purine_mpi.job.checkpoint_file import FORMAT, load_checkpoint, load_params, save_checkpoint
+from purine_mpi.job.run_checkpoints import find_latest, save_run_checkpoint
+from purine_mpi.tools.inspect import inspect_checkpoint
 
 
 def example(seed=0):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import yaml
 
-from purine_mpi.graph.inspect import render_graph
-from purine_mpi.model import build_train_graph
+from purine_mpi.tools.graph import render_graph
+from purine_mpi.job.replica import build_train_graph
 
 from .conftest import make_job, run_cli_args, small_net_config, write_config_file
 
@@ -206,7 +206,7 @@ def test_corrupt_checkpoint(base, corrupt_files, kind, command):
     assert re.search(r"corrupt|truncated|not an HDF5", text), text
     if kind == "bitflip" and command != "inspect":
         # the dataset that failed its checksum (inspect's message does not
-        # name it yet: io/checkpoint.py _walk)
+        # name it yet: job/checkpoint_file.py _walk)
         assert "fc1/weight" in text
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from purine_mpi.errors import ConfigError
+from purine_mpi.base.errors import ConfigError
 from purine_mpi.graph.clip import add_clip, update_ops
-from purine_mpi.io.config import resolve_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.config import resolve_config
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 from tests.conftest import make_job
 from tests.test_gpu_backend import (_compare, _init, _run_kernel, _tiny_raw, device,  # noqa: F401
@@ -30,7 +30,7 @@ def _torch_clip(grads, scales, clip):
 
 @pytest.mark.parametrize("clip", [0.3, 50.0])
 def test_ops_match_torch_clip_grad_norm(clip):
-    from purine_mpi.kernels import get_kernel_class
+    from purine_mpi.ops.catalog import get_kernel_class
     from purine_mpi.graph.core import Op
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal(s) for s in [(4, 3), (3,), (2, 2, 2)]]

@@ -6,8 +6,8 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ConfigError
-from purine_mpi.io.config import dump_config, load_config, resolve_config
+from purine_mpi.base.errors import ConfigError
+from purine_mpi.job.config import dump_config, load_config, resolve_config
 
 BASE = """\
 name: tiny

@@ -21,11 +21,11 @@ import random
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ConfigError
+from purine_mpi.base.errors import ConfigError
 from purine_mpi.graph import Graph
 from purine_mpi.graph.core import Location
-from purine_mpi.gpu.placement import place_on_device
-from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.placement import place_on_device
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_segments,
@@ -341,8 +341,8 @@ def _emulated_gpu(monkeypatch, build_dir):
 def _train_emulated(tmp_path, cuda_graph, max_iter, resume=None, out="run"):
     import json
 
-    from purine_mpi.io.config import validate_config
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.train.trainer import Trainer
     raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
     raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
     raw["solver"].update(max_iter=max_iter, test_interval=3, display=1)
@@ -751,8 +751,8 @@ def test_bench_json_on_the_emulated_gpu_reports_blas_and_capture(monkeypatch, ho
     CUDA-graph dispatcher's capture report through, JSON-safe."""
     import json
 
-    from purine_mpi.bench import format_bench, run_bench
-    from purine_mpi.io.config import validate_config
+    from purine_mpi.tools.bench import format_bench, run_bench
+    from purine_mpi.job.config import validate_config
     from tests.test_gpu_backend import use_emulated_cupy
     _emulated_gpu(monkeypatch, host_build_dir)
     use_emulated_cupy(monkeypatch, host_build_dir, nvmath=nvmath)

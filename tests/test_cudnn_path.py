@@ -19,12 +19,12 @@ import types
 import numpy as np
 import pytest
 
-import purine_mpi.backend as backend
+import purine_mpi.base.backend as backend
 import purine_mpi.gpu as gpu
 from purine_mpi.gpu import cudnn as gpu_cudnn
 from purine_mpi.gpu import cudnn_tune as tune
 from purine_mpi.graph.core import Op
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.ops.catalog import get_kernel_class
 from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
 from tests.test_gpu_kernels import use_emulated_nvmath
 

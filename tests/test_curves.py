@@ -15,8 +15,8 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.checkpoint import load_checkpoint
-from purine_mpi.io.metrics import float32_value, row_text
+from purine_mpi.job.checkpoint_file import load_checkpoint
+from purine_mpi.job.metrics import float32_value, row_text
 
 from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
 
@@ -255,7 +255,7 @@ def test_plot_draws_every_run_and_phase(runs, tmp_path):
 
 def test_plot_lines_hold_the_metrics(runs):
     pytest.importorskip("matplotlib")
-    from purine_mpi.plot import draw, read_rows as plot_rows
+    from purine_mpi.tools.plot import draw, read_rows as plot_rows
     rows = {r: read_rows(runs[r] / "metrics.jsonl") for r in ("straight", "split")}
     fig = draw([(r, plot_rows(runs[r] / "metrics.jsonl")) for r in ("straight", "split")])
     loss, acc, lr, ips = fig.axes[:4]
@@ -278,7 +278,7 @@ def test_plot_lines_hold_the_metrics(runs):
 
 def test_plot_of_a_job_folder_takes_its_newest_run(runs, tmp_path):
     pytest.importorskip("matplotlib")
-    from purine_mpi.plot import resolve_run
+    from purine_mpi.tools.plot import resolve_run
     job = tmp_path / "runs" / "curves"
     shutil.copytree(runs["straight"], job / "1")
     shutil.copytree(runs["split"], job / "2")

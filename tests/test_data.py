@@ -8,10 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from purine_mpi.graph.core import Op
-from purine_mpi.io.data import EpochOrder, HDF5Source, SyntheticSource, hdf5_info
-from purine_mpi.io.datasets import write_cifar10, write_digits
+from purine_mpi.data.sources import EpochOrder, HDF5Source, SyntheticSource, hdf5_info
+from purine_mpi.data.datasets import write_cifar10, write_digits
 from purine_mpi.ops.data import DataReader
 from tests.conftest import PYTHON, REPO, cli_env
 

@@ -9,9 +9,9 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ConfigError, UserError
-from purine_mpi.io.config import validate_config
-from purine_mpi.io.data import EpochOrder, HDF5Source, batch_indices, memory_budget
+from purine_mpi.base.errors import ConfigError, UserError
+from purine_mpi.job.config import validate_config
+from purine_mpi.data.sources import EpochOrder, HDF5Source, batch_indices, memory_budget
 from tests.conftest import PYTHON, REPO, cli_env, write_config_file
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from purine_mpi import gpu
 import purine_mpi.gpu.streams  # noqa: F401  (gpu.streams)
-from purine_mpi.gpu import placement
+from purine_mpi.parallel import placement
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.data import DataReader
 from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _tiny_config,

@@ -5,8 +5,8 @@ with the tail deferred, under random comm delays, is checked under mpiexec
 (tests/test_mpi_parallel.py, dp_equiv.py ... defer; test_mpi_train.py)."""
 import pytest
 
-from purine_mpi.kernels import make_kernel
-from purine_mpi.model import build_train_graph
+from purine_mpi.ops.catalog import make_kernel
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.tail import deferred_tail
 from tests.conftest import make_job
@@ -75,7 +75,7 @@ def test_one_rank_has_no_tail():
 
 
 def test_defer_update_is_a_documented_config_key():
-    from purine_mpi.io.config import PARALLEL_DEFAULTS
+    from purine_mpi.job.config import PARALLEL_DEFAULTS
     assert PARALLEL_DEFAULTS["defer_update"] is True
     import os
     from tests.conftest import REPO
@@ -89,7 +89,7 @@ def test_defer_update_is_a_documented_config_key():
     ({}, {"type": "adam"}, False)])
 def test_graph_command_prints_the_tail(tmp_path, capsys, parallel, solver, shown):
     from purine_mpi.cli import main
-    from purine_mpi.io.config import dump_config
+    from purine_mpi.job.config import dump_config
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(mlp_config(batch=4, solver=solver, parallel=parallel)))
     assert main(["graph", str(path), "--np", "2"]) in (0, None)

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from purine_mpi.errors import OpError
+from purine_mpi.base.errors import OpError
 from purine_mpi.graph import Graph
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher

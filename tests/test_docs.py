@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 import purine_mpi
-from purine_mpi import docgen
+from purine_mpi.tools import docgen
 from purine_mpi.cli import build_parser
-from purine_mpi.io import config as config_mod
-from purine_mpi.io.config import resolve_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.job import config as config_mod
+from purine_mpi.job.config import resolve_config
+from purine_mpi.job.replica import build_train_graph
 
 from .conftest import PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 
@@ -30,13 +30,13 @@ FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
 # ------------------------------------------------------- docs/config.md
 def test_config_md_is_up_to_date():
     diff = docgen.check(CONFIG_MD)
-    assert diff is None, f"docs/config.md is stale: run python -m purine_mpi.docgen --write\n{diff}"
+    assert diff is None, f"docs/config.md is stale: run python -m purine_mpi.tools.docgen --write\n{diff}"
 
 
 def test_stale_config_md_fails_the_check(tmp_path):
     """The check fails for a modified copy -- a hand edit, or a key added to
     the code but not regenerated -- and passes for a faithful one, both in
-    process and through ``python -m purine_mpi.docgen --check``."""
+    process and through ``python -m purine_mpi.tools.docgen --check``."""
     with open(CONFIG_MD, encoding="utf-8") as f:
         text = f.read()
     good = tmp_path / "good.md"
@@ -51,7 +51,7 @@ def test_stale_config_md_fails_the_check(tmp_path):
     assert "does not exist" in docgen.check(str(tmp_path / "absent.md"))
 
     def run(path):
-        return subprocess.run([PYTHON, "-m", "purine_mpi.docgen", "--check", "--path", str(path)],
+        return subprocess.run([PYTHON, "-m", "purine_mpi.tools.docgen", "--check", "--path", str(path)],
                               cwd=REPO, env=cli_env(), capture_output=True, text=True,
                               timeout=60)
     assert run(good).returncode == 0
@@ -63,9 +63,9 @@ def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
     """A key declared in a section's table (as `cuda_graph` will be) shows in
     the generated docs with its type and default; without a meaning in
     its declaration the generator refuses."""
-    from purine_mpi.io import schema
-    from purine_mpi.io.checks import _bool
-    from purine_mpi.io.keys import ConfigKey
+    from purine_mpi.job import schema
+    from purine_mpi.job.checks import _bool
+    from purine_mpi.job.keys import ConfigKey
 
     def declare(meaning):  # the one place a key is added: its section's table
         monkeypatch.setitem(schema.SECTION_KEYS, "parallel",

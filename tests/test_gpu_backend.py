@@ -32,17 +32,17 @@ from collections import deque
 import numpy as np
 import pytest
 
-import purine_mpi.backend as backend
+import purine_mpi.base.backend as backend
 import purine_mpi.gpu as gpu
-from purine_mpi.errors import ConfigError, UserError
+from purine_mpi.base.errors import ConfigError, UserError
 from purine_mpi.graph import Graph
 from purine_mpi.graph.core import Location, Op
 from purine_mpi.gpu import kernels
-from purine_mpi.gpu.placement import place_on_device, prepare_for_device, select_device
-from purine_mpi.io.config import validate_config
+from purine_mpi.parallel.placement import place_on_device, prepare_for_device, select_device
+from purine_mpi.job.config import validate_config
 from purine_mpi.layers.fillers import fill
-from purine_mpi.model import build_train_graph
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.job.replica import build_train_graph
+from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.ops.registry import OpKernel, Pending, register
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
 from purine_mpi.runtime.factory import make_dispatcher
@@ -1421,7 +1421,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     workspace is a device arena of emulated CuPy arrays, ops taking their
     GPU branches (the raw kernels compiled for the host), run by the stream
     dispatcher on the simulated device. Losses and weights match the CPU;
-    so they do after the device fusions (gpu/fuse.py), with the fused kernels."""
+    so they do after the device fusions (parallel/fuse.py), with the fused kernels."""
     config = _tiny_config()
     cpu_losses, cpu_params = _train_simulated(config, -1)
     use_emulated_cupy(monkeypatch, host_build_dir)
@@ -1746,7 +1746,7 @@ def test_tiny_net_on_gpu_matches_cpu():
 def test_cifar10_quick_on_gpu_matches_cpu():
     """A few iterations of jobs/cifar10_quick.yaml (batch 16): same losses."""
     _gpu_cupy()
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     import os
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "jobs", "cifar10_quick.yaml")
     config = load_config(path, overrides=["data.train.batch_size=16",
@@ -1766,7 +1766,7 @@ def test_nets_on_gpu_match_cpu_fused_with_dropout(net, rtol, conv, monkeypatch):
     _gpu_cupy()
     import os
     from purine_mpi.gpu import cudnn as gpu_cudnn
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     monkeypatch.setenv("PURINE_CONV", conv)
     gpu_cudnn.reset()
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "jobs", f"{net}.yaml")
@@ -1820,7 +1820,7 @@ def test_solver_updates_run_in_place_on_the_device(device, kind, lr_on_device, m
     updates the weight and its state in place (w@new is w) and matches the
     same op on the CPU, with the learning rate a host scalar or the device
     blob (never read back); Adam's iteration is a host scalar."""
-    from purine_mpi.ops.solver import SOLVER_UPDATES
+    from purine_mpi.ops.updates import SOLVER_UPDATES
     op_type, states = SOLVER_UPDATES[kind]
     attrs = {"momentum": 0.9, "momentum2": 0.99, "delta": 1e-6, "rms_decay": 0.9,
              "weight_decay": 1e-2, "lr_mult": 1.5, "decay_mult": 0.5, "grad_scale": 0.5}
@@ -1855,7 +1855,7 @@ def _emulated_trainer_env(monkeypatch, host_build_dir):
 
 
 def _trainer_run(config, out, resume=None):
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.train.trainer import Trainer
     from tests.conftest import FakeWorld
     t = Trainer(make_job(config), str(out), world=FakeWorld(), resume=resume, log=lambda m: None)
     t.run()
@@ -1874,7 +1874,7 @@ def test_trainer_on_an_emulated_gpu_resumes_bit_exactly_with_dropout(
 
 
 def _check_trainer_resume(tmp_path, emulated):
-    from purine_mpi.io.checkpoint import load_checkpoint
+    from purine_mpi.job.checkpoint_file import load_checkpoint
     raw = _tiny_raw(device=0, checkpoint={"interval": 4, "keep": 5})
     raw["solver"].update(max_iter=8, display=0, test_interval=0)
     config = validate_config(raw, check_files=False)

@@ -714,7 +714,7 @@ def test_sgd_momentum_update_in_place(backend, dtype):
 def test_dropout_forward_backward(backend, dtype):
     """The device draws the CPU's Philox mask (bit for bit), with the
     iteration as a number or as a device blob."""
-    from purine_mpi.philox import keep_mask
+    from purine_mpi.base.philox import keep_mask
     x = _rng().standard_normal((3, 4, 5)).astype(dtype)   # 60: not a multiple of 4 blocks
     for it in (0, 7, backend.to_device(np.array(7, np.int64))):
         y, mask = kernels.dropout_forward(backend.to_device(x), it, 0.3, 11, 22, 33)
@@ -792,7 +792,7 @@ def test_streams_import_without_cupy():
     try:
         import cupy  # noqa: F401
     except ImportError:
-        from purine_mpi.errors import UserError
+        from purine_mpi.base.errors import UserError
         with pytest.raises(UserError, match="CuPy"):
             pool.get(0)
 
@@ -986,7 +986,7 @@ def test_nvmath_handles_one_per_stream_with_their_own_workspace(host_device, mon
     assert blas.reserve(first) in cublas.handles        # the same handle again
     assert len(cublas.handles) == 3
     monkeypatch.setenv("PURINE_CUBLAS_WORKSPACE_MB", "lots")
-    from purine_mpi.errors import UserError
+    from purine_mpi.base.errors import UserError
     with pytest.raises(UserError, match="PURINE_CUBLAS_WORKSPACE_MB"):
         blas.workspace_bytes()
 

@@ -22,11 +22,11 @@ import os
 import numpy as np
 import pytest
 
-from purine_mpi.backend import to_numpy
-from purine_mpi.gpu.placement import prepare_for_device
+from purine_mpi.base.backend import to_numpy
+from purine_mpi.parallel.placement import prepare_for_device
 from purine_mpi.graph.core import Location
-from purine_mpi.io.config import load_config, validate_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.config import load_config, validate_config
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, device_plans, plan_memory
 from purine_mpi.runtime.workspace import ARENA_ALIGN, plan_device_memory
 from tests.conftest import cuda_cupy_or_skip, make_job
@@ -145,7 +145,7 @@ def _every_kind_raw(cuda_graph):
 
 
 def _train(tmp_path, raw, planned, out, whole_capture=False):
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.train.trainer import Trainer
     from tests.conftest import FakeWorld
     config = validate_config(dict(raw, memory_plan=planned), check_files=False)
     trainer = Trainer(make_job(config), str(tmp_path / out), world=FakeWorld(), log=lambda m: None)

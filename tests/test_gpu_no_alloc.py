@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import purine_mpi.gpu as gpu
-from purine_mpi.gpu.placement import prepare_for_device
-from purine_mpi.io.config import load_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.placement import prepare_for_device
+from purine_mpi.job.config import load_config
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.conftest import REPO, cuda_cupy_or_skip, make_job
 from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _init, _tiny_config,

@@ -6,8 +6,8 @@ import pytest
 
 from purine_mpi.gpu import kernels
 from purine_mpi.graph.core import Op
-from purine_mpi.kernels import get_kernel_class
-from purine_mpi.ops.solver import LR_POLICIES, LR_POLICY_CODES, learning_rate, lr_policy_args
+from purine_mpi.ops.catalog import get_kernel_class
+from purine_mpi.ops.updates import LR_POLICIES, LR_POLICY_CODES, learning_rate, lr_policy_args
 from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
 
 POLICY_ATTRS = {
@@ -177,7 +177,7 @@ def _relu_net(extra_reader=False, slope=0.0, producer="Conv"):
 
 
 def test_relu_fuses_only_where_exact():
-    from purine_mpi.gpu.fuse import fuse_relu
+    from purine_mpi.parallel.fuse import fuse_relu
     g = _relu_net()
     assert fuse_relu(g) == ["relu.fwd"]
     conv = g.ops["conv.fwd"]
@@ -192,7 +192,7 @@ def test_relu_fuses_only_where_exact():
 
 def test_fused_relu_graph_computes_the_same_on_the_cpu():
     """A fused graph run on the CPU: same loss and gradients, bit for bit."""
-    from purine_mpi.gpu.fuse import fuse_relu
+    from purine_mpi.parallel.fuse import fuse_relu
     from purine_mpi.runtime.dispatcher import SerialDispatcher
     rng = np.random.default_rng(2)
     values = {"x": rng.standard_normal((2, 3, 5, 5)), "w": rng.standard_normal((4, 3, 3, 3)),

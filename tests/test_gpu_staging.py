@@ -16,8 +16,8 @@ import pytest
 
 import purine_mpi.gpu as gpu
 from purine_mpi.comm import device as comm_device
-from purine_mpi.gpu.placement import prepare_for_device
-from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.placement import prepare_for_device
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.cuda_runtime import COMM_STREAM
 from purine_mpi.runtime.factory import make_dispatcher

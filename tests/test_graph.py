@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from purine_mpi.errors import GraphError, ShapeError, UserError
+from purine_mpi.base.errors import GraphError, ShapeError, UserError
 from purine_mpi.graph import Graph
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from tests.conftest import make_job
 
 S = (2, 3)

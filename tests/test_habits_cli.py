@@ -1,6 +1,6 @@
 """Issue 36, items 3, 4 and 5: commands without a distributed meaning run on
 rank 0 under mpiexec (cli.py, ``rank0_only``); the start-up block's thread
-line notices cores other processes keep busy (threads.py); options that
+line notices cores other processes keep busy (base/threads.py); options that
 agree with each other (cli_args.py: ``--init-skip`` one value each or a
 comma list, the subcommand's usage on its errors, test/predict/export no
 longer suggest train's ``--init-skip``)."""
@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi import cli, threads
+from purine_mpi import cli
+from purine_mpi.base import threads
 from tests.conftest import MPIEXEC, REPO, cli_env, run_cli_args, small_net_config, \
     write_config_file
 

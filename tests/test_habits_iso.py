@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.graph.core import Op
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.ops.catalog import get_kernel_class
 
 from .conftest import REPO, cli_env, make_job, run_cli_args
 from .lmdb_fixtures import write_lmdb, write_mean
@@ -85,7 +85,7 @@ def test_case11_lrn_within_channel_numeric_grad():
 
 def test_case11_lrn_within_channel_needs_four_axes():
     """Case 11: a 2-axis input is refused at build time, naming the axes."""
-    from purine_mpi.errors import ShapeError
+    from purine_mpi.base.errors import ShapeError
     with pytest.raises(ShapeError, match="4 axes"):
         run_op("LRN", WITHIN, {"x": _rand((3, 4))})
 
@@ -135,8 +135,8 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
     per steady-state iteration, and the same weights, bit for bit, as the
     eager stream dispatcher."""
     import purine_mpi.gpu as gpu
-    from purine_mpi.gpu.placement import add_loss_watch, prepare_for_device
-    from purine_mpi.model import build_train_graph, loss_blobs
+    from purine_mpi.parallel.placement import add_loss_watch, prepare_for_device
+    from purine_mpi.job.replica import build_train_graph, loss_blobs
     from purine_mpi.runtime.factory import make_dispatcher
     from .test_gpu_backend import SimulatedRuntime, _init, use_emulated_cupy
     from .test_gpu_no_alloc import _config
@@ -242,7 +242,7 @@ def test_case11_caffe_cifar10_full_converts_and_trains(cifar_tree):
                        "--solver", "examples/cifar10/cifar10_full_solver.prototxt",
                        "--out", "full.yaml", cwd=cifar_tree)
     assert res.returncode == 0, res.stderr
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     config = load_config(str(cifar_tree / "full.yaml"))
     norms = [e for e in config["net"] if e["type"] == "lrn"]
     assert [(e["name"], e["norm_region"], e["local_size"], e["alpha"], e["k"]) for e in norms] \
@@ -258,7 +258,7 @@ def test_case11_caffe_cifar10_full_converts_and_trains(cifar_tree):
     losses = [float(v) for v in re.findall(r"^iter \d+/2\s+loss ([0-9.]+)", res.stdout, re.M)]
     assert len(losses) == 2 and all(np.isfinite(losses)), res.stdout
     assert re.search(r"test @ iter 2: loss [0-9.]+\s+accuracy", res.stdout), res.stdout
-    from purine_mpi.io.checkpoint import load_params
+    from purine_mpi.job.checkpoint_file import load_params
     assert load_params(str(cifar_tree / "run" / "latest.h5"))["conv2/weight"].shape == (
         32, 32, 5, 5)
     onnx = pytest.importorskip("onnx")

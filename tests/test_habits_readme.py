@@ -40,7 +40,7 @@ def test_case9_comm_timeline_arithmetic():
     comm ops overlap each other (0-40 and 20-60 µs: 80 summed, 60 in
     flight); compute runs 10-30 and 50-100 (an update), so 30 µs of the
     60 are covered and 30 exposed; the io event (data) covers nothing."""
-    from purine_mpi.bench import comm_overlap, comm_timeline
+    from purine_mpi.tools.bench import comm_overlap, comm_timeline
 
     def ev(cat, ts, dur):
         return {"cat": cat, "ts": float(ts), "dur": float(dur)}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
-from purine_mpi.graph.inspect import compose_for
-from purine_mpi.io.config import resolve_config
+from purine_mpi.tools.graph import compose_for
+from purine_mpi.job.config import resolve_config
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
 from tests.test_micro_batches import STAGES, _close, _config, _params
 

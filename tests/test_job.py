@@ -1,4 +1,4 @@
-"""The job (io/job.py): a validated config resolved once into frozen, typed
+"""The job (job/job.py): a validated config resolved once into frozen, typed
 parts, read by attribute everywhere below io/."""
 import ast
 import copy
@@ -9,11 +9,11 @@ import pickle
 
 import pytest
 
-from purine_mpi.io.config import dump_config, load_config, load_job, resolve_config
-from purine_mpi.io.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec, Job,
-                               ParallelSpec, SolverSpec, job_of)
-from purine_mpi.io.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
-                                  SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
+from purine_mpi.job.config import dump_config, load_config, load_job, resolve_config
+from purine_mpi.job.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec, Job,
+                                ParallelSpec, SolverSpec, job_of)
+from purine_mpi.job.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
+                                   SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
 from tests.conftest import REPO, make_job
 
 NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 5},
@@ -203,7 +203,7 @@ def test_parameter_servers_replace_rather_than_edit():
 
 def test_a_job_and_its_dict_build_the_same_graph():
     from purine_mpi.graph import seed_yaml
-    from purine_mpi.model import build_train_graph
+    from purine_mpi.job.replica import build_train_graph
     config = _minimal()
     config["parallel"]["micro_batches"] = 2
     by_dict, _ = build_train_graph(make_job(config), 1, 2)
@@ -218,8 +218,8 @@ def test_a_job_and_its_dict_build_the_same_graph():
 # ------------------------------------------- no config dict below io/
 #: modules that may still read or write config dicts: the config layer,
 #: the Caffe converter (it writes configs) and the command line / doc tools
-ALLOWED = ("purine_mpi/io/", "purine_mpi/interop/caffe_", "purine_mpi/cli.py",
-           "purine_mpi/docgen")
+ALLOWED = ("purine_mpi/job/", "purine_mpi/data/", "purine_mpi/tools/inspect.py",
+           "purine_mpi/interop/caffe_", "purine_mpi/cli.py", "purine_mpi/tools/docgen")
 #: variables that held config dicts or their sections before the job
 CONFIG_NAMES = {"config", "par", "sol", "solver", "ck"}
 #: keys only a config dict (or one of its sections) has
@@ -270,10 +270,10 @@ def test_no_module_below_io_reads_a_config_dict():
 
 
 def test_a_key_declared_once_is_checked_defaulted_held_and_used():
-    """solver.min_lr, declared by one ConfigKey in io/schema.py: validated,
+    """solver.min_lr, declared by one ConfigKey in job/schema.py: validated,
     defaulted, a field of the job, and read by the LearningRate op."""
-    from purine_mpi.errors import ConfigError
-    from purine_mpi.model import build_train_graph
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.replica import build_train_graph
     from purine_mpi.ops.lr_policy import learning_rate
     raw = {"data": {"train": _synthetic(4)}, "net": NET,
            "solver": {"lr_policy": "cosine", "base_lr": 0.1, "max_iter": 10, "min_lr": 0.002}}

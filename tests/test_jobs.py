@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from purine_mpi.bench import synthetic_config
-from purine_mpi.graph.inspect import compose_for
-from purine_mpi.io.config import load_config
-from purine_mpi.trainer import Trainer
+from purine_mpi.tools.bench import synthetic_config
+from purine_mpi.tools.graph import compose_for
+from purine_mpi.job.config import load_config
+from purine_mpi.train.trainer import Trainer
 from tests.conftest import REPO, FakeWorld, make_job
 
 JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.yaml")))

@@ -5,7 +5,7 @@ MPI ranks; either is one message with the fix, exit 2, before MPI_Init."""
 import pytest
 
 from purine_mpi.comm import launcher
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from tests.conftest import run_cli_args
 
 OPEN_MPI_ENV = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",

@@ -12,10 +12,10 @@ import yaml
 
 import purine_mpi.layers as layers
 from purine_mpi.interop.caffe_convert import convert
-from purine_mpi.io.config import resolve_config
-from purine_mpi.io.job import job_of
+from purine_mpi.job.config import resolve_config
+from purine_mpi.job.job import job_of
 from purine_mpi.layers import COMMON_KEYS, LAYER_SPECS, LAYERS
-from purine_mpi.model import forward_graph
+from purine_mpi.job.replica import forward_graph
 
 from .conftest import REPO, make_job, run_cli_args, small_net_config, write_config_file
 from .test_caffe_convert import fixture, random_h5
@@ -162,7 +162,7 @@ def test_every_declared_key_is_read_by_its_layer(ltype, monkeypatch):
             "data": {"train": {"source": "synthetic", "shape": [3, 4, 4], "classes": 4,
                                "batch_size": 2}},
             "net": _probe_net(ltype)}, check_files=False)
-        # the layers read the job's net entries (io/job.py): instrument those
+        # the layers read the job's net entries (job/job.py): instrument those
         job = job_of(cfg)
         job = job.replace(net=tuple(_Recording(e, seen=seen, state=state)
                                     if e["name"] == "probe" else e for e in job.net))

@@ -3,8 +3,9 @@
 Every module of purine_mpi belongs to one layer; a module imports only
 modules of its own layer or of the layers below (lazy imports inside
 functions count too), and no two modules import each other, directly or
-through others. A new module must be given a layer here and in
-docs/DESIGN.md, or this test names it.
+through others. A module's layer is its folder's: LAYERS
+below has one line per folder; a new folder is given a layer here and in
+docs/DESIGN.md's table, or these tests name it.
 """
 import ast
 import os
@@ -15,35 +16,21 @@ from tests.conftest import REPO
 
 PACKAGE = os.path.join(REPO, "purine_mpi")
 
-#: bottom to top; a module belongs to the layer of its longest matching prefix
+#: bottom to top, one line per folder (a top-level module is named whole):
+#: (layer, its folders and top-level modules). docs/DESIGN.md's layer
+#: table shows the same rows, in this order (test_design_shows_the_layers).
 LAYERS = [
-    ("foundation", ["purine_mpi", "purine_mpi.errors", "purine_mpi.progress",
-                    "purine_mpi.philox", "purine_mpi.backend", "purine_mpi.threads",
-                    "purine_mpi.logfile", "purine_mpi.runfiles"]),
-    # device helpers: the kernel loader and wrappers, streams, cuBLAS, cuDNN, scratch
-    ("devices", ["purine_mpi.gpu"]),
-    ("data", ["purine_mpi.io.data", "purine_mpi.io.datasets", "purine_mpi.io.transform",
-              "purine_mpi.io.filecache", "purine_mpi.io.h5links",
-              "purine_mpi.io.lmdb_source", "purine_mpi.io.protowire"]),
-    # op kernels (compute and communication) and their registry
-    ("ops", ["purine_mpi.ops", "purine_mpi.comm", "purine_mpi.kernels"]),
-    # the bi-graph, its gradient, the layers that emit sub-graphs
+    ("base", ["purine_mpi.base", "purine_mpi"]),
+    ("gpu", ["purine_mpi.gpu"]),
+    ("data", ["purine_mpi.data"]),
+    ("ops", ["purine_mpi.ops", "purine_mpi.comm"]),
     ("graph", ["purine_mpi.graph", "purine_mpi.layers"]),
-    # the job: its config, the single-replica model, its files on disk
-    ("job", ["purine_mpi.io", "purine_mpi.io.job", "purine_mpi.model"]),
-    # parallel schemes as graph compositions, placement on a device
-    ("composition", ["purine_mpi.parallel", "purine_mpi.graph.partition",
-                     "purine_mpi.gpu.placement", "purine_mpi.gpu.fuse"]),
-    ("dispatch", ["purine_mpi.runtime"]),
-    # what runs a job and looks at it: the loop, its services, the parameter
-    # servers' loop, tools over graphs and traces, model formats
-    ("services", ["purine_mpi.trainer", "purine_mpi.train", "purine_mpi.runlog",
-                  "purine_mpi.bench", "purine_mpi.plot", "purine_mpi.predict",
-                  "purine_mpi.docgen", "purine_mpi.docgen_sections",
-                  "purine_mpi.docgen_examples", "purine_mpi.interop",
-                  "purine_mpi.graph.inspect", "purine_mpi.parallel.param_server",
-                  "purine_mpi.parallel.async_server", "purine_mpi.parallel.pipeline_stats",
-                  "purine_mpi.scaling"]),
+    ("job", ["purine_mpi.job"]),
+    ("parallel", ["purine_mpi.parallel"]),
+    ("runtime", ["purine_mpi.runtime"]),
+    ("interop", ["purine_mpi.interop"]),
+    ("train", ["purine_mpi.train"]),
+    ("tools", ["purine_mpi.tools"]),
     ("cli", ["purine_mpi.cli", "purine_mpi.cli_args", "purine_mpi.__main__"]),
 ]
 
@@ -52,7 +39,8 @@ def layer_of(module):
     best = None
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and \
+            if (module == prefix or (prefix != "purine_mpi" and
+                                      module.startswith(prefix + "."))) and \
                     (best is None or len(prefix) > best[1]):
                 best = (index, len(prefix))
     return None if best is None else best[0]
@@ -132,20 +120,31 @@ def test_no_import_circle():
 
 def test_the_rule_catches_an_upward_import():
     """The check itself: an op that imported the trainer would be named."""
-    assert layer_of("purine_mpi.ops.conv") < layer_of("purine_mpi.trainer")
-    assert layer_of("purine_mpi.gpu.placement") > layer_of("purine_mpi.ops.solver")
+    assert layer_of("purine_mpi.ops.conv") < layer_of("purine_mpi.train.trainer")
+    assert layer_of("purine_mpi.parallel.placement") > layer_of("purine_mpi.ops.updates")
     assert layer_of("purine_mpi.gpu.kernels.image") == layer_of("purine_mpi.gpu")
 
 
-def test_every_module_says_its_layer():
-    """Each module's docstring names its layer and what it may import
-    ("Layer: <name> (docs/DESIGN.md); may import ..."), as the table says."""
-    wrong = []
-    for module, path in sorted(_modules().items()):
-        doc = ast.get_docstring(ast.parse(open(path).read())) or ""
-        said = re.search(r"Layer: (\w+) \(docs/DESIGN\.md\); may import", doc)
-        index = layer_of(module)
-        if index is None or not said or said.group(1) != LAYERS[index][0]:
-            wrong.append(f"{module}: says {said.group(1) if said else 'nothing'}, is "
-                         f"{LAYERS[index][0] if index is not None else 'in no layer'}")
-    assert not wrong, "\n".join(wrong)
+def _design_rows():
+    """The layer table of docs/DESIGN.md: [(layer, [folders and modules])]."""
+    text = open(os.path.join(REPO, "docs/DESIGN.md")).read()
+    table = text.split("## The layers, bottom to top", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("layer", "---"):
+            rows.append((cells[0], re.findall(r"`([\w/]+)`", cells[1])))
+    return rows
+
+
+def _as_paths(names):
+    return [n[len("purine_mpi."):].replace(".", "/") + "/"
+            if n != "purine_mpi" and os.path.isdir(os.path.join(REPO, n.replace(".", os.sep)))
+            else ("purine_mpi/__init__" if n == "purine_mpi" else n[len("purine_mpi."):])
+            for n in names]
+
+
+def test_design_shows_the_layers():
+    """docs/DESIGN.md's table has this file's rows: the same layers, in the same
+    order, each with the same folders and top-level modules."""
+    assert _design_rows() == [(name, _as_paths(names)) for name, names in LAYERS]

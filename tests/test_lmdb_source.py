@@ -10,11 +10,11 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ConfigError, UserError
-from purine_mpi.io.config import resolve_config
-from purine_mpi.io.data import check_labels, make_source, source_info
-from purine_mpi.io.protowire import read_datum, write_datum
-from purine_mpi.io.transform import apply_transform, output_shape
+from purine_mpi.base.errors import ConfigError, UserError
+from purine_mpi.job.config import resolve_config
+from purine_mpi.data.sources import check_labels, make_source, source_info
+from purine_mpi.data.protowire import read_datum, write_datum
+from purine_mpi.data.transform import apply_transform, output_shape
 
 from .conftest import run_cli_args
 from .lmdb_fixtures import put, write_lmdb, write_mean
@@ -171,7 +171,7 @@ def test_labels_are_checked_against_the_classes(images, same_data):
 
 
 def test_a_missing_lmdb_package_says_how_to_install_it(same_data, monkeypatch):
-    from purine_mpi.io import filecache, lmdb_source
+    from purine_mpi.data import filecache, lmdb_source
     monkeypatch.setitem(sys.modules, "lmdb", None)
     monkeypatch.setattr(filecache, "_CACHE", {})  # the database is read again
     monkeypatch.setattr(lmdb_source, "_ENVS", {})

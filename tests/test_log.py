@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from purine_mpi import __version__
-from purine_mpi.bench import format_bench
-from purine_mpi.io.config import resolve_config
+from purine_mpi.tools.bench import format_bench
+from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.compose import settings_without_effect
-from purine_mpi.progress import Lines, human_bytes, progress
+from purine_mpi.base.progress_bar import Lines, human_bytes, progress
 from tests.conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_mpi_cli,
                             small_net_config)
 
@@ -198,7 +198,7 @@ def test_settings_without_effect(parallel, size, expected):
 
 
 def test_the_jobs_say_nothing_at_their_world_size():
-    from purine_mpi.io.config import load_config
+    from purine_mpi.job.config import load_config
     for job, sizes in [("digits_lenet", (1, 2, 4)), ("digits_pipeline", (2,)),
                        ("cifar10_quick", (1, 8)), ("googlenet", (16,))]:
         cfg = load_config(os.path.join(REPO, "jobs", f"{job}.yaml"), check_files=False)
@@ -207,7 +207,7 @@ def test_the_jobs_say_nothing_at_their_world_size():
 
 
 def test_devices_line():
-    from purine_mpi.runlog import devices_line, ranges
+    from purine_mpi.train.runlog import devices_line, ranges
     assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     infos = {0: ("a", 0), 1: ("a", 1), 2: ("b", 0), 3: ("b", 1), 4: ("b", -1)}
     assert devices_line(infos) == ("a: ranks 0-1 on GPUs 0, 1; b: rank 4 on the CPU, "

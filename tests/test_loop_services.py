@@ -5,7 +5,7 @@ import ast
 import os
 
 from purine_mpi.train.loop import Loop, Service
-from purine_mpi.trainer import Trainer
+from purine_mpi.train.trainer import Trainer
 from tests.conftest import REPO, FakeWorld, make_job, small_net_config
 
 

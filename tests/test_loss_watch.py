@@ -12,10 +12,10 @@ import math
 import numpy as np
 import pytest
 
-import purine_mpi.backend as backend
+import purine_mpi.base.backend as backend
 from purine_mpi.graph.core import Op
-from purine_mpi.io.config import validate_config
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.job.config import validate_config
+from purine_mpi.ops.catalog import get_kernel_class
 from tests.conftest import FakeWorld, make_job
 from tests.test_gpu_backend import DeviceArray, _emulated_trainer_env, _tiny_raw
 
@@ -95,7 +95,7 @@ class ReadBacks:
     trainer last started (``Trainer.step``)."""
 
     def __init__(self, monkeypatch):
-        from purine_mpi.trainer import Trainer
+        from purine_mpi.train.trainer import Trainer
         self.by_iter, self.current = {}, None
         real_step = Trainer.step
 
@@ -129,7 +129,7 @@ def _config(max_iter=12, display=4, interval=6, device=0, cuda_graph=True, **sol
 
 def _run(config, out, defer=True, monkeypatch=None):
     from purine_mpi.parallel.compose import Scheme
-    from purine_mpi.trainer import Trainer, run_and_report
+    from purine_mpi.train.trainer import Trainer, run_and_report
     monkeypatch.setattr(Scheme, "defer_loss_readback", defer)
     lines = []
     t = Trainer(make_job(config), str(out), world=FakeWorld(), log=lines.append)
@@ -174,8 +174,8 @@ def test_divergence_at_k_is_reported_as_k_and_latest_stays_finite(
     """The loss of iteration k (counted from 1) is NaN, and its gradient too:
     k is between two read-backs (7: the run goes on to 8 on the device, then
     stops) or at one (8)."""
-    from purine_mpi.io.checkpoint import load_checkpoint
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.job.checkpoint_file import load_checkpoint
+    from purine_mpi.train.trainer import Trainer
     _emulated_trainer_env(monkeypatch, host_build_dir)
     now = {}
     real_step = Trainer.step

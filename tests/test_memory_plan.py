@@ -15,13 +15,13 @@ import pytest
 import yaml
 
 from purine_mpi.graph.core import Graph
-from purine_mpi.graph.inspect import compose_for, render_graph
-from purine_mpi.io.config import resolve_config
+from purine_mpi.tools.graph import compose_for, render_graph
+from purine_mpi.job.config import resolve_config
 from purine_mpi.runtime.dispatcher import EventDispatcher, SerialDispatcher
 from purine_mpi.runtime.memory_plan import (HOST_ALIGN, batch_blobs, check_plan,
                                             plan_memory)
 from purine_mpi.runtime.workspace import Workspace
-from purine_mpi.trainer import Trainer
+from purine_mpi.train.trainer import Trainer
 
 from .conftest import REPO, FakeWorld, make_job, run_cli_args, run_mpi_cli, write_config_file
 

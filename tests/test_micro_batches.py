@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.config import resolve_config
+from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_batch import stage_order
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 
@@ -54,7 +54,7 @@ def _close(a, b):
 
 
 def _train_in_process(parallel, iters=5):
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.train.trainer import Trainer
     t = Trainer(make_job(_config(**parallel)), "/nonexistent-unused", log=lambda m: None)
     try:
         losses = []
@@ -88,7 +88,7 @@ def test_schedule_orders():
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stage_slice_runs_in_schedule_order(tmp_path, schedule):
     """The serial order of stage 0's slice (control edges of the schedule)."""
-    from purine_mpi.graph.inspect import compose_for
+    from purine_mpi.tools.graph import compose_for
     cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4,
                                  schedule=schedule))
     g = compose_for(make_job(cfg), 2, 0)

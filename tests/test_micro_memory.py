@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from purine_mpi.errors import GraphError
-from purine_mpi.graph.inspect import compose_for
-from purine_mpi.io.config import resolve_config
+from purine_mpi.base.errors import GraphError
+from purine_mpi.tools.graph import compose_for
+from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_memory import (activation_bytes, copy_index, live_slots,
                                               plan_micro_batch_memory, shareable_roots)
 from purine_mpi.runtime.workspace import Workspace
@@ -93,7 +93,7 @@ def test_copy_waits_for_the_previous_copy_in_its_slot():
 
 
 def test_graph_text_states_the_plan():
-    from purine_mpi.graph.inspect import render_graph
+    from purine_mpi.tools.graph import render_graph
     cfg = resolve_config(_config(scheme="pipeline", stages=STAGES, micro_batches=4))
     text = render_graph(make_job(cfg), 2, 0)
     g = _slice(2, 0, scheme="pipeline", stages=STAGES, micro_batches=4)
@@ -145,8 +145,8 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     pinned host blobs of the data copies, and the stream dispatcher (eager
     or replaying captured graphs) trains bitwise like without the plan."""
     import purine_mpi.parallel.compose as compose
-    from purine_mpi.io.config import validate_config
-    from purine_mpi.trainer import Trainer
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.train.trainer import Trainer
     from tests.test_cuda_graph import _emulated_gpu
     from tests.test_gpu_backend import _tiny_raw
     _emulated_gpu(monkeypatch, host_build_dir)

@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import load_checkpoint
+from purine_mpi.base.errors import UserError
+from purine_mpi.job.checkpoint_file import load_checkpoint
 
 from .conftest import (run_cli_args, small_net_config, tiny_fc_config, train_small_run,
                        write_config_file)
@@ -247,7 +247,7 @@ def test_a_data_error_met_while_running_exits_2(monkeypatch, capsys):
     """A data file that goes bad after start-up is still a user error (exit 2,
     one message), not a runtime failure, when a reader op meets it."""
     from purine_mpi import cli
-    from purine_mpi.errors import OpError
+    from purine_mpi.base.errors import OpError
     from purine_mpi.graph.core import Op
 
     def boom(args):
@@ -376,7 +376,7 @@ def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
     script.write_text(
         "from purine_mpi.cli import _report_user_error\n"
         "from purine_mpi.comm.world import get_world\n"
-        "from purine_mpi.errors import UserError\n"
+        "from purine_mpi.base.errors import UserError\n"
         "w = get_world()\n"
         "if w.rank == 1:\n"
         "    _report_user_error(UserError(\"data file 'x.h5' not found on this node\"))\n"

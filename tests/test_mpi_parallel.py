@@ -4,11 +4,11 @@ import pytest
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.comm.world import HostTable
-from purine_mpi.errors import GraphError, UserError
+from purine_mpi.base.errors import GraphError, UserError
 from purine_mpi.graph import Graph, Location
-from purine_mpi.graph.partition import partition_all
-from purine_mpi.io.config import dump_config
-from purine_mpi.model import build_train_graph
+from purine_mpi.parallel.partition import partition_all
+from purine_mpi.job.config import dump_config
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel, plan_buckets
 from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_mpi

@@ -3,8 +3,8 @@ ranks serve, the others train."""
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
-from purine_mpi.model import build_train_graph
+from purine_mpi.base.errors import UserError
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.param_server import compose_for_rank, plan_param_server, ps_layout
 from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config
@@ -53,7 +53,7 @@ def test_train_cli_sync_ps_equals_allreduce(tmp_path):
     """``train`` end to end: 2 workers + 1 server give bitwise the weights of
     2 ranks with allreduce, and the checkpoint carries the servers' momenta."""
     import h5py
-    from purine_mpi.io.config import dump_config
+    from purine_mpi.job.config import dump_config
     cfg = mlp_config(solver={"max_iter": 6, "display": 3})
     path = tmp_path / "mlp.yaml"
     path.write_text(dump_config(cfg))
@@ -76,7 +76,7 @@ def test_train_cli_sync_ps_clips_like_allreduce(tmp_path):
     workers + 1 server equal those of 2 ranks with allreduce (the norm of
     the averaged gradients either way), and the clip acts."""
     import h5py
-    from purine_mpi.io.config import dump_config
+    from purine_mpi.job.config import dump_config
     cfg = mlp_config(solver={"max_iter": 4, "display": 2})
     path = tmp_path / "mlp.yaml"
     path.write_text(dump_config(cfg))

@@ -135,7 +135,7 @@ def test_sigkill_of_one_rank_ends_the_job_with_checkpoint_intact(tmp_path, digit
     with h5py.File(out / "latest.h5", "r") as f:  # complete and loadable
         it = int(f.attrs["iteration"])
         assert it % 20 == 0 and it > 0
-    from purine_mpi.io.checkpoint import load_checkpoint
+    from purine_mpi.job.checkpoint_file import load_checkpoint
     ck = load_checkpoint(str(out / "latest.h5"))
     assert len(ck.params) == 8
 

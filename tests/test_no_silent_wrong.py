@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.metrics import write_row
+from purine_mpi.job.metrics import write_row
 
 from .conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config, train_small_run,
                        write_config_file)
@@ -122,7 +122,7 @@ def test_edited_state_fails_its_checksum(trained, tmp_path):
 
 
 def test_temp_files_of_killed_writers_are_removed(trained, tmp_path):
-    from purine_mpi.io.run_checkpoints import remove_stale_temp_files
+    from purine_mpi.job.run_checkpoints import remove_stale_temp_files
     out = tmp_path / "litter"
     out.mkdir()
     dead = out / "ckpt_171.h5.tmp.999999999"
@@ -224,7 +224,7 @@ def test_runtime_failure_is_one_line_per_rank_unless_debug(monkeypatch, capsys, 
     one line, the traceback only with --debug (PURINE_DEBUG=1)."""
     import sys
     from purine_mpi.comm.world import install_abort_handler
-    from purine_mpi.errors import OpError
+    from purine_mpi.base.errors import OpError
     from purine_mpi.graph.core import Op
 
     class World:

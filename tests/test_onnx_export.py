@@ -6,13 +6,13 @@ import os
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from purine_mpi.graph import Graph
 from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.interop.onnx_export import build_model
-from purine_mpi.io.checkpoint import load_params
-from purine_mpi.io.config import load_config
-from purine_mpi.model import forward_graph
+from purine_mpi.job.checkpoint_file import load_params
+from purine_mpi.job.config import load_config
+from purine_mpi.job.replica import forward_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 
 from .conftest import REPO, make_job, run_cli_args, write_config_file

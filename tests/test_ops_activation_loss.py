@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from purine_mpi.graph import Graph
 from purine_mpi.graph.grad import build_backward
-from purine_mpi.errors import ShapeError
+from purine_mpi.base.errors import ShapeError
 from tests.opcheck import close, numeric_grad, run_op
 
 RNG = np.random.default_rng(1)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from purine_mpi.errors import ShapeError
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.base.errors import ShapeError
+from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.ops import conv as conv_module
 from purine_mpi.ops import pool as pool_module
 from tests.opcheck import close, numeric_grad, run_op, torch_grads

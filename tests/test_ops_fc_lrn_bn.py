@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from purine_mpi.errors import ShapeError
+from purine_mpi.base.errors import ShapeError
 from purine_mpi.graph import Graph
 from purine_mpi.graph.grad import build_backward
 from purine_mpi.ops.batchnorm import BatchNorm

@@ -1,6 +1,6 @@
 """Philox4x32-10 and the dropout masks drawn from it.
 
-- the NumPy generator (purine_mpi/philox.py) and the CUDA one (cuda/philox.cuh,
+- the NumPy generator (purine_mpi/base/philox.py) and the CUDA one (cuda/philox.cuh,
   run here compiled for the host, and on a real GPU when there is one)
   against Random123's published known-answer vectors;
 - the CPU and (emulated) GPU Dropout ops draw the same masks, bit for bit;
@@ -10,10 +10,10 @@
 import numpy as np
 import pytest
 
-from purine_mpi import philox
+from purine_mpi.base import philox
 from purine_mpi.graph.core import Op
 from purine_mpi.gpu import kernels
-from purine_mpi.kernels import get_kernel_class
+from purine_mpi.ops.catalog import get_kernel_class
 from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
 
 # Random123 tests/kat_vectors (github.com/DEShawResearch/random123): name,
@@ -141,7 +141,7 @@ def test_dropout_op_takes_the_runtime_seed_and_keeps_no_generator():
 
 
 def test_dropout_needs_the_iteration_input():
-    from purine_mpi.errors import ShapeError
+    from purine_mpi.base.errors import ShapeError
     cls = get_kernel_class("Dropout")
     with pytest.raises(ShapeError, match=r"\[x, iter\]"):
         cls.infer({"ratio": 0.5}, [((3, 4), "float32")])

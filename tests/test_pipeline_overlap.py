@@ -11,9 +11,8 @@ import sys
 import pytest
 
 from purine_mpi.parallel.micro_batch import stage_order
-from purine_mpi.parallel.pipeline_stats import (bubble_fraction, busy_us,
-                                                cross_stage_overlap_us, live_micro_batches,
-                                                micro_batch_of, theory_bubble)
+from purine_mpi.tools.pipeline_stats import (bubble_fraction, busy_us, cross_stage_overlap_us,
+                                             live_micro_batches, micro_batch_of, theory_bubble)
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))

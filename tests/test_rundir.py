@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
-from purine_mpi.io.checkpoint import load_checkpoint
-from purine_mpi.io.run_checkpoints import save_run_checkpoint
-from purine_mpi.io.rundir import choose_run_dir, lock_run_dir
+from purine_mpi.base.errors import UserError
+from purine_mpi.job.checkpoint_file import load_checkpoint
+from purine_mpi.job.run_checkpoints import save_run_checkpoint
+from purine_mpi.job.rundir import choose_run_dir, lock_run_dir
 from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
 from tests.test_train import small_net_config
 
@@ -60,7 +60,7 @@ def test_a_second_run_into_a_locked_folder_exits_2_naming_the_first(tmp_path, di
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(
-        [PYTHON, "-c", "import sys, time; from purine_mpi.io.rundir import lock_run_dir; "
+        [PYTHON, "-c", "import sys, time; from purine_mpi.job.rundir import lock_run_dir; "
                        "lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
          str(out)], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -77,7 +77,7 @@ def test_a_second_run_into_a_locked_folder_exits_2_naming_the_first(tmp_path, di
 
 def test_lock_is_exclusive_within_a_process_family(tmp_path):
     lock_run_dir(str(tmp_path))
-    res = subprocess.run([PYTHON, "-c", "import sys; from purine_mpi.io.rundir import "
+    res = subprocess.run([PYTHON, "-c", "import sys; from purine_mpi.job.rundir import "
                           "lock_run_dir; lock_run_dir(sys.argv[1])", str(tmp_path)],
                          cwd=REPO, env=cli_env(), capture_output=True, text=True)
     assert res.returncode != 0 and "in use by another run" in res.stderr
@@ -111,7 +111,7 @@ def test_choose_run_dir_rules(tmp_path):
 def _hold_lock(out):
     """A process holding ``out``'s run lock, as a running run does."""
     holder = subprocess.Popen(
-        [PYTHON, "-c", "import sys, time; from purine_mpi.io.rundir import lock_run_dir; "
+        [PYTHON, "-c", "import sys, time; from purine_mpi.job.rundir import lock_run_dir; "
                        "lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(60)",
          str(out)], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from purine_mpi.errors import UserError
-from purine_mpi.scaling.link import Link, load_link, parse_rate, parse_time, save_link
-from purine_mpi.scaling.report import parse_np
-from purine_mpi.scaling.simulate import RankGraph, SimOp, simulate
+from purine_mpi.base.errors import UserError
+from purine_mpi.tools.scaling.link import Link, load_link, parse_rate, parse_time, save_link
+from purine_mpi.tools.scaling.report import parse_np
+from purine_mpi.tools.scaling.simulate import RankGraph, SimOp, simulate
 from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
 
 A, B_S, G = 5e-6, 1e9, 1e-10  # α, β, γ of the closed-form checks

@@ -10,7 +10,7 @@ from purine_mpi.runtime.dispatcher import Dispatcher, EventDispatcher, SerialDis
 from purine_mpi.runtime.executors import Executor
 from purine_mpi.runtime.scheduler import PostingOrder, Schedule
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
-from purine_mpi.scaling.simulate import RankGraph, SimOp, VirtualClock, simulate
+from purine_mpi.tools.scaling.simulate import RankGraph, SimOp, VirtualClock, simulate
 
 
 def _diamond(tail=frozenset(), cross=None):

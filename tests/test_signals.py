@@ -114,7 +114,7 @@ def test_notice_during_start_up_stops_after_the_first_iteration(tmp_path, digits
 def test_train_catches_a_notice_before_the_trainer_exists(monkeypatch, tmp_path, digits_h5):
     """``train`` installs its handlers before the slow imports and the graph
     build: a notice that arrives then is kept for the trainer's agreement."""
-    import purine_mpi.trainer as trainer_module
+    import purine_mpi.train.trainer as trainer_module
     from purine_mpi.cli import main
     from purine_mpi.runtime.stop import StopSignal
     seen = {}

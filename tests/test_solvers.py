@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from purine_mpi.errors import ConfigError
+from purine_mpi.base.errors import ConfigError
 from purine_mpi.graph import Graph
-from purine_mpi.graph.solver import solver_states
-from purine_mpi.io.checkpoint import load_checkpoint
-from purine_mpi.io.config import validate_config
-from purine_mpi.model import build_train_graph
-from purine_mpi.ops.solver import SOLVER_UPDATES
+from purine_mpi.graph.solver_graph import solver_states
+from purine_mpi.job.checkpoint_file import load_checkpoint
+from purine_mpi.job.config import validate_config
+from purine_mpi.job.replica import build_train_graph
+from purine_mpi.ops.updates import SOLVER_UPDATES
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 from tests.conftest import make_job, write_config_file
 from tests.test_train import h5_arrays, resume_config, train_cli

@@ -7,11 +7,11 @@ dp_equiv.py ... split)."""
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ShapeError
-from purine_mpi.io.config import dump_config
+from purine_mpi.base.errors import ShapeError
+from purine_mpi.job.config import dump_config
 from purine_mpi.graph import Op
-from purine_mpi.kernels import get_kernel_class
-from purine_mpi.model import build_train_graph
+from purine_mpi.ops.catalog import get_kernel_class
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 from tests.conftest import make_job
 from tests.mpi_scripts.common import mlp_config

@@ -1,4 +1,4 @@
-"""Threads per rank, decided once for every entry point (purine_mpi/threads.py):
+"""Threads per rank, decided once for every entry point (purine_mpi/base/threads.py):
 the affinity mask divided among the ranks of the host, PURINE_THREADS or the
 user's OMP_NUM_THREADS over it, the same count whether a rank starts through
 ``python -m purine_mpi`` or the ``purine-mpi`` script, and said in the
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from purine_mpi import threads
+from purine_mpi.base import threads
 from tests.conftest import MPIEXEC, REPO, cli_env
 
-PROBE = ("import purine_mpi.threads as t, os, numpy; "
+PROBE = ("import purine_mpi.base.threads as t, os, numpy; "
          "print('THREADS', t.DECISION[0], os.environ['OPENBLAS_NUM_THREADS'], "
          "os.environ.get('PMI_RANK', '0'))")
 

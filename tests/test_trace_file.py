@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from purine_mpi.graph.core import Op
 from purine_mpi.runtime.trace import TraceFile, parse_window
 from tests.conftest import run_cli_args, write_config_file

@@ -12,9 +12,9 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.io.checkpoint import load_checkpoint
-from purine_mpi.io.config import resolve_config
-from purine_mpi.trainer import Trainer
+from purine_mpi.job.checkpoint_file import load_checkpoint
+from purine_mpi.job.config import resolve_config
+from purine_mpi.train.trainer import Trainer
 
 from .conftest import (PYTHON, REPO, FakeWorld, cli_env, make_job, small_net_config,
                        write_config_file)
@@ -266,7 +266,7 @@ def test_resume_continues_the_loss_curve_exactly(resume_runs):
 def test_checkpoint_holds_data_state_and_no_rng(resume_runs):
     """The state the bit-exact resume depends on is in the checkpoint: the
     data reader's position. Dropout draws its masks from a counter-based
-    generator keyed by seed, op and iteration (purine_mpi/philox.py), so it
+    generator keyed by seed, op and iteration (purine_mpi/base/philox.py), so it
     has no random state to save, and the resume is bit-exact anyway."""
     ck = load_checkpoint(resume_runs["split"] / "ckpt_100.h5")
     assert "ranks" in ck.state

@@ -5,10 +5,10 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import ConfigError, UserError
+from purine_mpi.base.errors import ConfigError, UserError
 from purine_mpi.graph.core import Op
-from purine_mpi.io.config import resolve_config
-from purine_mpi.io.transform import apply_transform, output_shape
+from purine_mpi.job.config import resolve_config
+from purine_mpi.data.transform import apply_transform, output_shape
 from purine_mpi.ops.data import DataReader
 
 N, C, H, W = 24, 3, 7, 6

@@ -1,7 +1,7 @@
 """Issue 32 "Trust", the config-parsing and environment cases: every YAML the
-program reads is strict and bounded (io/yamlread.py), values in messages are
+program reads is strict and bounded (job/yamlread.py), values in messages are
 short excerpts (errors.excerpt), and every PURINE_* variable is checked like
-a config key (env.py). Each case test exits 2 with a one-line message naming
+a config key (base/env.py). Each case test exits 2 with a one-line message naming
 the file and line (or the variable), no traceback; on 6dff0b5 each failed
 (noted per test)."""
 import os
@@ -107,7 +107,7 @@ def test_case10_a_huge_value_is_quoted_as_a_short_excerpt(write_config, digits_h
 
 
 def test_excerpt_cuts_long_values_and_gives_their_size():
-    from purine_mpi.errors import excerpt
+    from purine_mpi.base.errors import excerpt
     assert excerpt([1, 2]) == "[1, 2]" and excerpt("ab") == "'ab'"
     text = excerpt(list(range(10 ** 6)), limit=50)
     assert text == str(list(range(30)))[:50] + "... (a list of 1000000 items)"
@@ -165,7 +165,7 @@ def test_case18_bad_purine_variables_exit_2_naming_them(write_config, digits_h5,
 def test_every_purine_variable_is_in_the_table_and_the_readme():
     """Every PURINE_* name the package reads is in env.VARS, and the docs'
     table (docs/environment.md, linked from the README) lists exactly those."""
-    from purine_mpi import env
+    from purine_mpi.base import env
     used = set()
     for folder, _, files in os.walk(os.path.join(REPO, "purine_mpi")):
         for name in files:
@@ -182,7 +182,7 @@ def test_every_purine_variable_is_in_the_table_and_the_readme():
 
 
 def test_env_values_parse_like_config_keys():
-    from purine_mpi import env
+    from purine_mpi.base import env
     assert env.get("PURINE_THREADS", {"PURINE_THREADS": " 3 "}) == 3
     assert env.get("PURINE_THREADS", {"PURINE_THREADS": ""}) is None
     assert env.get("PURINE_CUDNN_BENCHMARK", {}) is True

@@ -3,8 +3,8 @@
 One test pass without ``test_iter`` counts every sample of the split exactly
 once, on any number of ranks and with any test batch: the last batch is
 padded, and the padding counts neither in the loss mean nor in the accuracy
-(io/data.py ``pass_batches``/``pass_counts``, the DataReader's ``pad_from``,
-model.py ``mark_padding``, train/evaluation.py). ``test``, ``train``'s
+(data/sources.py ``pass_batches``/``pass_counts``, the DataReader's ``pad_from``,
+job/replica.py ``mark_padding``, train/evaluation.py). ``test``, ``train``'s
 evaluations and ``predict`` agree. On 6dff0b5 the reader wrapped around and
 counted the first samples twice (0.975 on 480 samples on 4 ranks for 360).
 """
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from purine_mpi.graph.core import Op
-from purine_mpi.io.config import resolve_config
+from purine_mpi.job.config import resolve_config
 from purine_mpi.ops.data import DataReader
-from purine_mpi.trainer import Trainer
+from purine_mpi.train.trainer import Trainer
 from tests.conftest import (FakeWorld, make_job, run_cli_args, run_mpi_cli, small_net_config,
                             write_config_file)
 
@@ -41,7 +41,7 @@ def test_case6_one_pass_rule_counts_each_sample_once_on_any_launch():
     sample once at positions < N, and exactly ``pass_counts`` of each rank's
     batch are samples; the rest carry the pad label, so the loss and the
     accuracy ignore them."""
-    from purine_mpi.io.data import make_source, pass_batches, pass_counts
+    from purine_mpi.data.sources import make_source, pass_batches, pass_counts
     for n, batch, ranks in [(360, 60, 1), (360, 60, 3), (360, 60, 4), (360, 60, 5),
                             (360, 100, 1), (10, 3, 4), (5, 4, 7), (1, 1, 3), (7, 7, 1),
                             (13, 2, 3), (100, 33, 2), (4, 64, 2)]:
@@ -198,12 +198,12 @@ def test_case6_train_evaluations_on_4_ranks_count_the_split_once(trained):
 
 
 def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
-    """Case 6, which label the padding carries (model.mark_padding): -1,
+    """Case 6, which label the padding carries (job/replica.mark_padding): -1,
     ignored by the loss and the accuracy; the loss's ignore_label when it
     has one (the accuracy then ignores it too); none (a one-pass test that
     wraps, with its note) when two losses ignore different labels or the
     label reaches another op."""
-    from purine_mpi.model import build_test_graph, mark_padding
+    from purine_mpi.job.replica import build_test_graph, mark_padding
 
     def graph(net_extra=(), **loss_keys):
         cfg = small_net_config(digits_h5)

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_train import small_net_config
@@ -58,7 +58,7 @@ def test_case1_symlinked_run_files_are_refused_and_never_written_through(tmp_pat
         (out / name).unlink()
         (out / name).write_bytes(saved)
     # a run folder's tb/ is never a link to a folder elsewhere either
-    from purine_mpi.io.tensorboard import TensorBoardLog
+    from purine_mpi.job.tensorboard import TensorBoardLog
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, out / "tb")
@@ -149,8 +149,8 @@ def test_case17_full_disk_is_one_line_and_leaves_nothing_cut(tmp_path, monkeypat
     be written raises one UserError naming it and 'no space left on
     device', leaves no *.h5.tmp.<pid> and the old file as it was; a metrics
     row that cannot be written leaves the file ending with a whole line."""
-    from purine_mpi.io.checkpoint import load_checkpoint, save_checkpoint
-    from purine_mpi.io.metrics import MetricsLog
+    from purine_mpi.job.checkpoint_file import load_checkpoint, save_checkpoint
+    from purine_mpi.job.metrics import MetricsLog
     folder = tmp_path / "full"
     folder.mkdir()
     path = folder / "best.h5"

@@ -28,7 +28,7 @@ from tests.test_signals import _rank_pids, _wait_for_metrics
 #: by the signal handler is printed as "Exception ignored" and dropped
 SECOND_CTRL_C_HOOK = '''
 import os, signal, sys, time
-import purine_mpi.io.checkpoint as checkpoint
+import purine_mpi.job.checkpoint_file as checkpoint
 
 _write_dict = checkpoint._write_dict
 

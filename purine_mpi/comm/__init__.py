@@ -2,7 +2,4 @@
 communication kernels Allreduce / Send / Recv (``ops``), the cross-rank
 consistency check (``verify``) and device-buffer staging (``device``).
 mpi4py is imported only when a World is first created.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """

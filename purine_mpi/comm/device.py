@@ -5,17 +5,14 @@ The MPI libraries on PyPI (MPICH, Open MPI) are not CUDA-aware, so a CuPy
 buffer handed to them would be read as a host pointer and crash. Detection
 asks the loaded MPI library itself (``MPIX_Query_cuda_support``, exported by
 MPICH and Open MPI); ``PURINE_MPI_CUDA_AWARE=0|1`` overrides it.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import ctypes
 import functools
 
 import numpy as np
 
-from .. import env
-from ..backend import get_xp
+from ..base import env
+from ..base.backend import get_xp
 
 
 @functools.lru_cache(maxsize=1)

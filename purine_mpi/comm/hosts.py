@@ -2,13 +2,10 @@
 ranks exchange at start-up (``HostTable``), from which a location's ``ip``
 finds its ranks and a rank its rank on its node. Standard library and
 ``errors`` only.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import socket
 
-from ..errors import UserError
+from ..base.errors import UserError
 
 
 # ------------------------------------------------------------------ host table

@@ -15,14 +15,11 @@ running alone.
 After ``MPI_Init`` the world size is held against the launcher's count
 (``check_world_size``): a mismatch the first check could not see (a
 launcher of another install of the same MPI) still stops the job.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import os
 import sys
 
-from ..errors import UserError
+from ..base.errors import UserError
 
 #: variables a launcher sets, by the protocol its ranks must speak
 OPEN_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")

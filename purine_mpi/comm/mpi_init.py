@@ -11,15 +11,12 @@ handle), so a normal exit never calls into a finished interpreter.
 
 The MPI library's environment (comm/launcher.py, ``MPI_ENV_DEFAULTS``: UCX
 must not take SIGHUP) is exported here too, before the library loads.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import ctypes
 import os
 import sys
 
-from ..errors import MPI_INIT_FAILED
+from ..base.errors import MPI_INIT_FAILED
 from .launcher import launched_rank, launched_size, set_mpi_environment
 
 _armed = False

@@ -25,9 +25,6 @@ sleep a random 0..MAX_MS milliseconds before it posts and again before its
 epilogue, drawn from a generator seeded by (SEED, rank) -- a reproducible
 way to shake the timing of posts and completions (tests run with it: results
 and completion must not change).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import os
 import threading
@@ -35,8 +32,8 @@ import time
 
 import numpy as np
 
-from .. import env
-from ..errors import ShapeError
+from ..base import env
+from ..base.errors import ShapeError
 from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
 from .world import get_world

@@ -11,13 +11,10 @@ ranks of that group only, in ``seq`` order within the group, and every
 rank of the group must post it. Point-to-point ops are checked in pairs:
 every Send must meet a Recv on its peer with the same tag, element count
 and dtype.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..errors import GraphError, UserError
+from ..base.errors import GraphError, UserError
 from .ops import is_collective, is_comm_op
 
 

@@ -14,9 +14,6 @@ Locations map to ranks through the host table gathered at start-up::
 
 A host is identified by its hostname together with its non-loopback
 addresses, so two network namespaces on one machine count as two hosts.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import hashlib
 import os
@@ -27,8 +24,8 @@ import traceback
 
 import numpy as np
 
-from .. import env
-from ..errors import StallError, UserError
+from ..base import env
+from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
 from .mpi_init import import_mpi
@@ -300,7 +297,7 @@ def report_user_error(exc, agree_s=3.0):
     rank, code = MPI.COMM_WORLD.Get_rank(), getattr(exc, "exit_code", 2)
     _flush()
     comm = _error_comm(MPI)
-    from .. import logfile  # the run folder's train.log, where a run has one
+    from ..base import logfile  # the run folder's train.log, where a run has one
     if _wait_for(comm.Ibarrier(), agree_s):
         if rank == 0:
             _write_line(f"error: {exc}")
@@ -429,7 +426,7 @@ def install_abort_handler(world=None):
             traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         text = describe_exception(exc, world.rank)
         print(text, file=sys.stderr)
-        from .. import logfile
+        from ..base import logfile
         code = getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1
         logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
         logfile.end_run(code, world.rank)

@@ -21,9 +21,6 @@ is prepended so compile errors name the real file and line.
 Nothing here imports CuPy at import time: the package loads on CPU machines.
 The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 ``cuda/`` folder at the repository root.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import os
 import re
@@ -47,7 +44,7 @@ def import_cupy():
     try:
         import cupy
     except ImportError as exc:
-        from ..errors import UserError
+        from ..base.errors import UserError
         raise UserError("GPU kernels need CuPy: install purine_mpi[gpu] (or the "
                         "cupy-cudaXXx wheel matching your CUDA), or run on "
                         f"device: -1 ({exc})") from exc
@@ -77,7 +74,7 @@ def source_path(name):
     """Path of ``cuda/<name>.cu``; a clear error when it is missing."""
     path = CUDA_DIR / f"{name}.cu"
     if not path.is_file():
-        from ..errors import UserError
+        from ..base.errors import UserError
         raise UserError(f"CUDA source {path} not found; set PURINE_CUDA_DIR to "
                         "the folder holding purine_mpi's cuda/*.cu files")
     return path
@@ -103,7 +100,7 @@ def _expand(path, seen):
             continue
         header = (path.parent / match.group(1)).resolve()
         if not header.is_file():
-            from ..errors import UserError
+            from ..base.errors import UserError
             raise UserError(f"{path}:{number}: included header {header} not found")
         if header not in seen:
             seen.add(header)

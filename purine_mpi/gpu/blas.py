@@ -39,9 +39,6 @@ Which cuBLAS binding (``blas_backend()``):
   once, at the first such product).
 
 Nothing here imports CuPy or nvmath at import time.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import sys
 import threading
@@ -119,7 +116,7 @@ def reset():
 
 def workspace_bytes():
     """Each handle's workspace in bytes (``PURINE_CUBLAS_WORKSPACE_MB``, MiB)."""
-    from .. import env
+    from ..base import env
     mib = env.get("PURINE_CUBLAS_WORKSPACE_MB", default=DEFAULT_WORKSPACE_MB)
     return int(mib * (1 << 20))
 

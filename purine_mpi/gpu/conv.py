@@ -17,9 +17,6 @@ from the op's scratch (``Workspace.scratch_for``), reserved in ``setup``;
 nothing is copied or transposed by CuPy, nothing is allocated per iteration.
 Shapes follow ops/conv.py's geometry dict (N, C, H, W, O, kh, kw, sh, sw, ph,
 pw, dh, dw, G, OH, OW).
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 from . import kernels
 from .blas import gemm

@@ -5,7 +5,7 @@ Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
 ``setup`` (once per shape, before the first iteration), a cuDNN graph:
 
     fprop   Y = conv_fprop(X, W) [-> bias(B) -> relu / leaky_relu]   (a fused
-            ReLU, gpu/fuse.py, and the bias go into cuDNN's epilogue when it
+            ReLU, parallel/fuse.py, and the bias go into cuDNN's epilogue when it
             offers that fusion; else conv_fprop alone and our bias_act kernel)
     dgrad   DX = conv_dgrad(DY, W)
     wgrad   DW = conv_wgrad(X, DY)
@@ -29,9 +29,6 @@ chooses: ``auto`` (default), ``im2col`` (never cuDNN), ``cudnn`` (cuDNN where
 it can; the same fallback otherwise, also said once).
 
 Nothing here imports ``cudnn`` or CuPy at import time.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import sys
 import threading
@@ -39,7 +36,7 @@ import time
 
 import numpy as np
 
-from .. import env
+from ..base import env
 from . import cudnn_tune as tune
 
 _lock = threading.Lock()

@@ -26,9 +26,6 @@ this graph's, or whose plan does not build, is re-timed.
 
 ``summary()`` is the start-up block's line: plans timed, how long it took,
 plans from the cache.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import json
 import os
@@ -38,7 +35,7 @@ import threading
 
 import numpy as np
 
-from .. import env
+from ..base import env
 
 #: timed runs of each plan (after one warm-up run)
 REPS = 3

@@ -13,9 +13,6 @@ SGD update)::
         ...
 
 Importing this module needs only NumPy.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import numpy as np
 

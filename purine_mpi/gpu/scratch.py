@@ -2,13 +2,10 @@
 ``Scratch``). The dispatcher's workspace (runtime/workspace.py) hands each
 op the scratch of its stream; an op running alone gets its own
 (``gpu/raw.op_scratch``). Imports NumPy and ``backend`` (CuPy on first use).
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import numpy as np
 
-from ..backend import xp_for_device
+from ..base.backend import xp_for_device
 
 #: byte alignment of device allocations (CuPy's, and the arena's blobs)
 ARENA_ALIGN = 256

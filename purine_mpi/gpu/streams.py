@@ -17,9 +17,6 @@ inputs on other streams::
 
 All CuPy imports happen inside the functions, so this module imports on a
 machine without CuPy.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import threading
 

@@ -16,11 +16,8 @@ pipeline or of a hybrid replica), ``group`` names the ranks that hold the
 rest and one Allreduce of the single squared norm (``seq`` after the
 graph's other comm ops) makes it global. Imports the graph and the solver
 table (the graph layer).
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
-from ..ops.solver import SOLVER_UPDATES
+from ..ops.updates import SOLVER_UPDATES
 
 CLIP_OPS = ("GradNormSq", "ClipScale")
 

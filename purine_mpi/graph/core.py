@@ -7,9 +7,6 @@ iteration and writers add into it). State that persists across iterations
 aliases the storage of ``conv1/weight``; its writer runs only after every
 other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import GraphError, ShapeError
+from ..base.errors import GraphError, ShapeError
 
 
 @dataclass(frozen=True)
@@ -237,7 +234,7 @@ class Graph:
     # ---------------------------------------------------------- validation
     def validate(self, registry=None):
         """Check op types, dangling inputs, double writers and cycles."""
-        from ..kernels import get_kernel_class
+        from ..ops.catalog import get_kernel_class
         prod = self.producers()
         for op in self.ops.values():
             get_kernel_class(op.op_type, op.name)  # raises for an unknown type
@@ -259,7 +256,7 @@ class Graph:
     def infer_shapes(self):
         """Fill in blob shapes from source blobs through every kernel's
         ``infer``; a declared shape that disagrees is a ShapeError."""
-        from ..kernels import get_kernel_class
+        from ..ops.catalog import get_kernel_class
         for op in self.topo_order():
             ins = []
             for b in op.inputs:
@@ -333,7 +330,7 @@ class Graph:
     def params(self):
         """Parameter blobs that own their storage (not their ``@new`` aliases),
         or are views into a flat parameter buffer (kind ``param_buffer``, laid
-        out by ``gpu/fuse.py`` for a multi-tensor update)."""
+        out by ``parallel/fuse.py`` for a multi-tensor update)."""
         return [b for b in self.blobs.values() if b.kind == "param" and (
             b.alias_of is None or self.blobs[b.alias_of].kind == "param_buffer")]
 

@@ -6,14 +6,11 @@ a blob ``x`` is a fresh blob; when ``x`` feeds several consumers their
 contributions are summed by one ``Sum`` op into ``x.grad``, and a single
 contribution is simply renamed ``x.grad``. The loss gradient is seeded by a
 ``Constant`` op (the loss weight).
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 from collections import defaultdict
 
-from ..errors import GraphError
-from ..kernels import GRADIENTS, get_kernel_class
+from ..base.errors import GraphError
+from ..ops.catalog import GRADIENTS, get_kernel_class
 
 
 def grad_name(blob):

@@ -3,20 +3,17 @@
 ``dump(graph)`` writes every blob and op with everything needed to rebuild
 the graph exactly; ``load(entries, path)`` rebuilds it, with errors naming
 the entry and key at fault.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 import numpy as np
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .core import Graph, Location
 
 BLOB_KEYS = {"type", "name", "size", "dtype", "location", "kind", "alias_of", "offset", "attrs"}
 OP_KEYS = {"type", "name", "op_type", "inputs", "outputs", "attrs", "location", "thread",
            "accumulate", "control_inputs"}
 # Meanings of the keys above, for docs/config.md (after changing keys run
-# python -m purine_mpi.docgen --write).
+# python -m purine_mpi.tools.docgen --write).
 BLOB_DOC = {
     "type": "`blob`",
     "name": "unique blob name",

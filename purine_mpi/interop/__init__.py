@@ -7,7 +7,4 @@
     caffe_solver.py   SolverParameter -> solver and checkpoint sections
     caffemodel.py     .caffemodel (protobuf wire format) -> our parameters
     onnx_export.py    the test-phase graph -> an ONNX model
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """

@@ -21,9 +21,6 @@ Semantics kept exact:
   does; the notes say the absolute path). Their tops are renamed to our
   ``data`` / ``label`` blobs; ``transform_param`` becomes the source's
   scale / mean / mean_file / mirror / crop_size.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 
@@ -316,9 +313,9 @@ def check_builds(config, converter):
     layers reject (a group that does not divide the channels, blobs of
     different shapes joined by Concat or Eltwise) is reported against the
     prototxt line of the Caffe layer at fault."""
-    from ..errors import ConfigError, UserError
-    from ..io.config import resolve_job
-    from ..model import forward_graph
+    from ..base.errors import ConfigError, UserError
+    from ..job.config import resolve_job
+    from ..job.replica import forward_graph
     try:
         job = resolve_job(config, None)
         for phase, spec in job.data.items():
@@ -386,8 +383,7 @@ def _accumulate(config, iter_size, notes, solver_path, msg):
 def _test_length_note(config, notes):
     """Say what test_iter x the test batch reads of the test split (a full
     pass, or how many times each sample counts)."""
-    from ..io.data import source_info
-    from ..train.evaluation import repeat_note
+    from ..data.sources import repeat_note, source_info
     test = (config.get("data") or {}).get("test")
     test_iter = (config.get("solver") or {}).get("test_iter")
     if test is None or not test_iter:

@@ -5,9 +5,6 @@ holding name, bottom, top, phase) from the Caffe layer's ``*_param``
 message, failing through ``converter.fail`` with the line at fault. Caffe's
 defaults are written out where ours differ (fillers, LRN alpha, pooling's
 ceil rounding).
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 DATA_TYPES = ("Data", "HDF5Data", "ImageData")

@@ -5,9 +5,6 @@ A field kind is ``"string"``, ``"int"``, ``"float"``, ``"bool"``, a tuple of
 enum names in enum-number order (the text format may give an enum by its
 number), or the name of a message type. Fields that Caffe has and the converter does not support are
 left out on purpose: the parser then names them as unsupported.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 PHASES = ("TRAIN", "TEST")
@@ -125,4 +122,4 @@ TEXT_SCHEMA = {
 NET_LAYER, NET_LAYERS_V1 = 100, 2
 LAYER_NAME, LAYER_TYPE, LAYER_BOTTOM, LAYER_TOP, LAYER_BLOBS = 1, 2, 3, 4, 7
 V1_BOTTOM, V1_TOP, V1_NAME, V1_TYPE, V1_BLOBS = 2, 3, 4, 5, 6
-# (BlobProto's and Datum's field numbers are in io/protowire.py)
+# (BlobProto's and Datum's field numbers are in data/protowire.py)

@@ -12,9 +12,6 @@
                        working directory as Caffe does)
     random_seed S      the config's seed
     type / solver_type SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 

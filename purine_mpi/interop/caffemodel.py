@@ -1,7 +1,7 @@
 """Caffe's binary ``.caffemodel`` (a NetParameter in protobuf wire format)
 -> our parameters, by layer name (``train --init`` / ``test --weights``).
 
-The wire-format reader is ``io/protowire.py``. This module reads only what weights
+The wire-format reader is ``data/protowire.py``. This module reads only what weights
 need (layer name, type, bottoms, tops, blobs) from both ``layer`` (field
 100) and the old ``layers`` (field 2) entries.
 
@@ -12,14 +12,11 @@ Blob mapping (Caffe layer L -> our blobs):
                                 (Caffe stores sums and their scale factor,
                                 which the BatchNorm kernel continues from)
     Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 
-from ..errors import UserError
-from ..io import protowire
+from ..base.errors import UserError
+from ..data import protowire
 from . import caffe_schema as S
 
 
@@ -28,7 +25,7 @@ class CaffemodelError(UserError):
 
 
 # ------------------------------------------------------------- wire format
-# the reader lives in io/protowire (the mean files and LMDB records use it too)
+# the reader lives in data/protowire (the mean files and LMDB records use it too)
 fields, read_blob = protowire.fields, protowire.read_blob
 
 

@@ -17,7 +17,7 @@ Ops are mapped one by one (opset 13):
 
 Any other op is a UserError naming the op and its layer.
 
-The data transform of the test spec (``io/transform.py``, test phase: the
+The data transform of the test spec (``data/transform.py``, test phase: the
 centre crop, no mirror) is part of the model by default (``raw_input``): the
 input ``data`` is a batch as the data file holds it (N x C x H x W before the
 crop; uint8 when the file stores bytes), and the graph applies, in Caffe's
@@ -26,24 +26,21 @@ window, or the mean values), Mul (scale). With ``raw_input=False`` the input
 is the transformed batch, as before. Either way the model's metadata
 (``purine.preprocessing``, JSON) says what the input is and which transform
 the model applies, and the summary line says it.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import json
 import os
 
 import numpy as np
 
-from ..errors import UserError
-from ..runfiles import disk_error
+from ..base.errors import UserError
+from ..base.runfiles import disk_error
 
 OPSET = 13
 _DROPPED = ("SoftmaxLoss", "Accuracy")
 
 
 def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
-    """Write the ONNX model of ``job``'s test phase (io/job.py's Job) with
+    """Write the ONNX model of ``job``'s test phase (job/job.py's Job) with
     the params of ``weights_path``; returns a one-line summary.
     ``raw_input``: the model takes untransformed input and applies the test
     spec's transform."""
@@ -52,9 +49,9 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     except ImportError:
         raise UserError("export onnx needs the onnx package: pip install "
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
-    from ..io.checkpoint import load_params
-    from ..model import forward_graph
-    from ..model import init_params
+    from ..job.checkpoint_file import load_params
+    from ..job.replica import forward_graph
+    from ..job.replica import init_params
     if job.data.test is None:
         raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "
@@ -70,7 +67,7 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
             raise UserError(f"weights file '{weights_path}': '{p}' has shape {list(value.shape)}"
                             f", the net expects {list(graph.blobs[p].shape)}")
         values[p] = value
-    spec = job.data.test.source_dict()  # the source and transform keys, as io/data reads them
+    spec = job.data.test.source_dict()  # the source and transform keys, as data/sources reads them
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
     said = describe(spec, pre)
@@ -99,8 +96,8 @@ def preprocessing(spec):
     """{shape (C, H, W), dtype, crop, mean_image, mean, scale} of the test
     spec's transform as the model applies it (None when there is none and
     the data is float32: the input is then the data as it is)."""
-    from ..io.data import source_info
-    from ..io.transform import has_transform, mean_image
+    from ..data.sources import source_info
+    from ..data.transform import has_transform, mean_image
     _, shape = source_info(spec)
     dtype = _raw_dtype(spec)
     if not has_transform(spec) and dtype == np.float32:
@@ -120,7 +117,7 @@ def _raw_dtype(spec):
     """uint8 or float32: what the source's samples are before the transform."""
     kind = spec.get("source", "hdf5")
     if kind == "lmdb":
-        from ..io.lmdb_source import lmdb_meta
+        from ..data.lmdb_source import lmdb_meta
         return np.uint8 if lmdb_meta(spec["path"]).dtype == np.uint8 else np.float32
     if kind == "hdf5":
         import h5py
@@ -132,7 +129,7 @@ def _raw_dtype(spec):
 
 def describe(spec, pre):
     """{"line": what the summary says, "meta": the metadata's JSON} of the input."""
-    from ..io.transform import has_transform
+    from ..data.transform import has_transform
     steps = []
     if spec.get("crop_size") is not None:
         steps.append(f"centre crop {spec['crop_size']}")

@@ -12,13 +12,10 @@ string, an ``Enum`` (a bare identifier) or a nested ``Message``. Every error
 is a ``PrototxtError`` that names the file and line. The schema (see
 ``caffe_schema``) maps each message type to its fields; a field it does not
 list is an error, so a typo never passes silently.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 from collections import namedtuple
 
-from ..errors import UserError
+from ..base.errors import UserError
 
 Field = namedtuple("Field", "name value line")
 Token = namedtuple("Token", "kind text value line")

@@ -14,10 +14,7 @@ key no declaration names (exit 2 with a "did you mean"), at config load time
 and again when the net is built. ``NetBuilder.get(key)`` takes the declared
 kind and default, so a declaration is the one place a key is defined.
 docs/config.md is generated from these declarations: after changing keys run
-``python -m purine_mpi.docgen --write``.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
+``python -m purine_mpi.tools.docgen --write``.
 """
 from .registry import (COMMON_KEYS, KIND_DOC, LAYER_SPECS, LAYERS, PARAM_KEYS,  # noqa: F401
                        REQUIRED, Key, LayerSpec, Required, check_layer, layer, layer_spec)

@@ -1,13 +1,10 @@
 """``build_net``: the job's ``net:`` list as the forward bi-graph of one
 replica, each layer emitting its sub-graph through a ``NetBuilder`` (see the
 package docstring). Imports ``errors`` and the registry.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 from collections.abc import Mapping
 
-from ..errors import ConfigError, excerpt
+from ..base.errors import ConfigError, excerpt
 from .registry import Required, check_layer, layer_spec
 
 _DECLARED = object()

@@ -1,16 +1,13 @@
 """Parameter initialisation (Caffe's fillers). Each parameter draws from its
 own generator seeded by (seed, name), so initial weights depend only on the
 seed -- never on the rank count or the order layers were built in.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 import zlib
 
 import numpy as np
 
 # Filler type -> its keys and their defaults (docs/config.md is generated
-# from this table: after changing it run python -m purine_mpi.docgen --write).
+# from this table: after changing it run python -m purine_mpi.tools.docgen --write).
 FILLERS = {
     "constant": {"value": 0.0},
     "xavier": {},     # U(-a, a), a = sqrt(3 / fan_in)  (Caffe's xavier, variance_norm FAN_IN)

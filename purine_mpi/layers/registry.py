@@ -3,14 +3,11 @@ kind, default, meaning) when it registers with ``@layer(..., keys=[...])``;
 ``check_layer`` rejects a key no declaration names (exit 2, with a "did you
 mean"). docs/config.md is generated from these declarations. Imports
 ``errors`` and ``layers.fillers``.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
 """
 import difflib
 from typing import NamedTuple
 
-from ..errors import ConfigError, excerpt
+from ..base.errors import ConfigError, excerpt
 from .fillers import FILLERS
 
 LAYERS = {}        # type name or alias -> layer function

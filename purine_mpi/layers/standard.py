@@ -4,17 +4,14 @@ the forward ops; backward comes from the gradient rules of those ops.
 Each ``@layer`` declares the keys its function reads (``Key(name, kind,
 default, meaning)``); ``b.get(name)`` takes the kind and default from there.
 docs/config.md is generated from these declarations: after changing keys
-run ``python -m purine_mpi.docgen --write``.
-
-Layer: graph (docs/DESIGN.md); may import the foundation, devices, data and
-ops layers below it, and its own.
+run ``python -m purine_mpi.tools.docgen --write``.
 """
-from ..errors import excerpt
+from ..base.errors import excerpt
 from .registry import REQUIRED, Key, Required, layer
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
-#: the iteration counter blob (graph/solver.py writes the same name)
+#: the iteration counter blob (graph/solver_graph.py writes the same name)
 ITER_BLOB = "iter"
 ZERO = {"type": "constant", "value": 0.0}
 ONE = {"type": "constant", "value": 1.0}

@@ -5,12 +5,9 @@ needs the sign of its input ``x``, which its output ``y`` has too for a
 slope >= 0; sigmoid's and tanh's are functions of ``y``. So all of them read
 ``y`` (a leaky ReLU with a negative slope reads ``x``), and ``x`` can be
 freed right after the forward.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 

@@ -1,11 +1,7 @@
-"""Basic tensor ops used by the graph builders themselves.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
-"""
+"""Basic tensor ops used by the graph builders themselves."""
 import numpy as np
 
-from ..backend import get_xp, to_numpy
+from ..base.backend import get_xp, to_numpy
 from .registry import OpKernel, gradient, register
 
 
@@ -45,7 +41,7 @@ class Sum(OpKernel):
     def infer(cls, attrs, ins):
         shapes = {tuple(s) for s, _ in ins}
         if len(shapes) != 1:
-            from ..errors import ShapeError
+            from ..base.errors import ShapeError
             raise ShapeError(f"Sum needs inputs of one shape, got {sorted(shapes)}")
         return [ins[0]]
 

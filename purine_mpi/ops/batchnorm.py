@@ -33,12 +33,9 @@ subset of ["x", "gamma", "beta"] in that order)::
     test:  dx = gamma * invstd * dy
 
 The running statistics get no gradient.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 

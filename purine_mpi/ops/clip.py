@@ -15,16 +15,13 @@ On a GPU both run as raw kernels (cuda/clip.cu) that read and write the
 norm on the device: no host synchronisation inside the iteration. No
 gradient: they act after the backward pass. Imports the registry, the
 backend and the device kernels (the ops layer).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import math
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels, same_buffer
 from .registry import OpKernel, register
 

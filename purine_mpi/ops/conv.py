@@ -62,14 +62,11 @@ cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on strided
 views, the bias and a fused ReLU in one epilogue kernel. Either way nothing
 is copied or allocated per iteration; the bias gradient is one reduction
 kernel.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .im2col import (data_grad_col2im, forward_rows, im2col, im2col_batch, padded,
                      weight_grad_rows)
@@ -269,7 +266,7 @@ def _cudnn_run(kernel, scratch, arrays):
 
 def _epilogue(xp, k, y, bias, attrs):
     """y += bias (per channel, axis 1), then the ReLU fused into this layer
-    (attr ``relu``, set by gpu/fuse.py; ``negative_slope``): one kernel on a
+    (attr ``relu``, set by parallel/fuse.py; ``negative_slope``): one kernel on a
     GPU, the Relu op's own arithmetic on the CPU."""
     fused = bool(attrs.get("relu", False))
     slope = float(attrs.get("negative_slope", 0.0))

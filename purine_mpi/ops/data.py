@@ -4,7 +4,7 @@
 data ``(batch_size, *sample_shape)`` float32 (or attrs ``dtype``) and label
 ``(batch_size,)`` int64. The label is always produced, also for nets that do
 not use it (pruning drops its consumers, not the blob). Which samples a call
-reads is the data-parallel rule of ``purine_mpi.io.data.batch_indices``, so a
+reads is the data-parallel rule of ``purine_mpi.data.sources.batch_indices``, so a
 run reads the same samples whatever its number of ranks.
 
 Attrs:
@@ -18,13 +18,13 @@ Attrs:
     train       training phase (default true): random crops and mirroring;
                 false gives center crops and no mirroring
     pad_label   the label of a padding position (test graphs whose loss and
-                accuracy ops ignore that label, model.py ``mark_padding``):
+                accuracy ops ignore that label, job/replica.py ``mark_padding``):
                 after ``pad_from(n)`` every position at or past n of the
                 data order (the wrapped-around tail of one pass) delivers
                 its sample with this label, so it counts in no figure
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
-see ``purine_mpi.io.transform``) are applied here, in the prefetch thread;
+see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
 the data output has the transformed sample shape.
 
 The kernel keeps the iteration index of the next batch (``position``); it is
@@ -32,7 +32,7 @@ saved in checkpoints through ``state_dict``. A long-lived daemon thread
 gathers batch t+1 while batch t is in use; an exception there is raised by the next
 ``run``. There is no gradient: data is never differentiated.
 
-On a GPU (``gpu/placement.py`` puts the op on the device's ``h2d`` copy
+On a GPU (``parallel/placement.py`` puts the op on the device's ``h2d`` copy
 stream, with device outputs) the prefetch thread writes each batch into one
 of two page-locked staging pairs (data, label), alternately (double
 buffering). The host side of an iteration is ``before_iteration``, which
@@ -49,19 +49,16 @@ the iteration) on the event the dispatcher hands ``after_launch`` after the
 device work that read the pair (the graph holding the copy, when captured).
 So no pinned buffer is overwritten while a copy still reads it, and the
 iteration makes no host copy of the batch.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import queue
 import threading
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
-from ..io.data import EpochOrder, batch_indices, batch_positions, make_source, source_info
-from ..io.transform import apply_transform, output_shape
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from ..data.sources import EpochOrder, batch_indices, batch_positions, make_source, source_info
+from ..data.transform import apply_transform, output_shape
 from .registry import OpKernel, register
 
 

@@ -3,7 +3,7 @@ test-time op is the identity (Caffe's and PyTorch's convention).
 
 The keep-mask is an explicit output blob of the forward op, read by the
 backward op, so no state hides in the kernel between the two. It is drawn
-from Philox4x32-10 (:mod:`purine_mpi.philox`), a counter-based generator
+from Philox4x32-10 (:mod:`purine_mpi.base.philox`), a counter-based generator
 keyed by (run seed, op) and counted by (element, iteration), the iteration
 read from the iteration blob (an input of the op). So the masks:
 
@@ -18,16 +18,13 @@ the rank), handed over through the runtime's per-op generator hook
 it and drops the generator, so checkpoints hold no random state for it.
 Without a dispatcher (a kernel run by hand) the seed is the ``seed`` attr
 (default 0).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp, to_numpy
-from ..errors import ShapeError
+from ..base.backend import get_xp, to_numpy
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
-from ..philox import dropout_keys, keep_mask
+from ..base.philox import dropout_keys, keep_mask
 from .registry import OpKernel, gradient, register
 
 

@@ -16,14 +16,11 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 

@@ -21,9 +21,6 @@ names the interior's place (``fill`` and the pad), so two geometries never
 share a padded buffer. The memory is bounded by the chunk sizes
 (``conv.COL_CHUNK_BYTES``, ``pool._CHUNK_BYTES``) times the distinct
 geometries a thread runs.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import threading
 

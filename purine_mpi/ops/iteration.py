@@ -2,7 +2,7 @@
 
 On a GPU the iteration index (read by the learning-rate policy, the dropout
 masks and the loss watch) lives on the device and moves on by itself: the
-``IterationCounter`` op, put there by ``gpu/placement.py`` in place of a
+``IterationCounter`` op, put there by ``parallel/placement.py`` in place of a
 per-iteration host-to-device copy of the host ``iter`` blob, writes
 
     iteration = counter;  counter = counter + 1
@@ -17,14 +17,11 @@ with the device idle.
 
 outputs: ``iteration`` (0-d int64, the blob its readers see), ``counter``
 (0-d int64, a state blob nobody else reads). No inputs, no gradient.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from .registry import OpKernel, register
 
 

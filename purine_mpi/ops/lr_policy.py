@@ -5,16 +5,13 @@ iteration, by Caffe's policies (``learning_rate``); on a GPU one
 single-thread kernel evaluates the same formula from the device iteration
 blob (cuda/lr_policy.cu), so a captured CUDA graph replays the schedule.
 Imports: NumPy, ``backend``, ``errors``, ``ops.registry``.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import math
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ConfigError, ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ConfigError, ShapeError
 from .registry import OpKernel, register
 
 

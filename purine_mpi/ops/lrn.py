@@ -32,12 +32,9 @@ does (zeros past the edges, always divided by n_size^2)::
 Caffe's WITHIN_CHANNEL ignores its ``k`` (it adds 1): the converter passes
 k 1. One ``xp`` path on both devices: shifted adds into the op's outputs and
 ``temporaries`` (a zero-padded plane and a row-summed one), nothing allocated.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 

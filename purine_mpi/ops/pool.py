@@ -33,14 +33,11 @@ pool2 (16x16) / pool3 (8x8): forward 3.1 -> 1.5 / 3.0 -> 0.3 ms, backward
 
 On a GPU (CuPy arrays of float32/float64) forward and backward are one raw
 kernel each (cuda/pooling.cu), with the same mask convention and divisor.
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
 from .im2col import buffer, padded

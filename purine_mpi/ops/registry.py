@@ -21,7 +21,7 @@ done, or a ``Pending`` for asynchronous ops (communication), which the
 dispatcher's progress loop completes.
 
 The registry imports no op family: each registers itself when its module
-is imported, and ``purine_mpi.kernels`` imports them all (the modules that
+is imported, and ``purine_mpi.ops.catalog`` imports them all (the modules that
 look kernels up import that one).
 
 A gradient rule (one table, ``GRADIENTS``) emits the backward sub-graph of one
@@ -32,14 +32,11 @@ forward op through a ``GradContext`` (see ``purine_mpi.graph.grad``)::
         dy = g.grad_of(op.outputs[0])
         if dy is not None and g.needs_grad(op.inputs[0]):
             g.emit("ReluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])])
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import GraphError
+from ..base.backend import get_xp
+from ..base.errors import GraphError
 
 KERNELS = {}
 GRADIENTS = {}

@@ -12,14 +12,11 @@ is read back to the host: the batch mean (one block-reduction kernel) and
 the gradient scale stay on the device, the per-position losses live in the
 op's scratch memory (no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
 ValueError the CPU raises (checking would cost a device-to-host sync).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 

@@ -4,14 +4,11 @@ Eltwise (sum, prod, max), Reshape, Flatten and Scale.
 Backward ops that need an input's shape (ConcatGrad, the backward Reshape)
 take it from the forward graph, so gradients are built after shape inference
 (as ``GradContext.grad_blob`` already requires).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import GraphError, ShapeError
+from ..base.backend import get_xp
+from ..base.errors import GraphError, ShapeError
 from .registry import OpKernel, gradient, register
 
 

@@ -3,7 +3,7 @@
 On a GPU the trainer reads the loss back to the host only at display,
 test and checkpoint intervals (and when a stop signal asks for a
 checkpoint), not every iteration. This op, added to a GPU training graph
-by ``purine_mpi.gpu.placement.add_loss_watch``, runs once per iteration
+by ``purine_mpi.parallel.placement.add_loss_watch``, runs once per iteration
 after the losses and keeps, in its two-element float64 output:
 
     out[0]  the sum of the iterations' losses since the trainer last reset
@@ -18,16 +18,13 @@ read on the host: on a GPU it is one single-thread kernel reading a table of
 device pointers and the device iteration blob (cuda/loss_watch.cu), which a
 captured CUDA graph replays. It keeps no host state (the output blob is the
 state; the trainer zeroes ``out[0]`` after reading it).
-
-Layer: ops (docs/DESIGN.md); may import the foundation, devices and data
-layers below it, and its own.
 """
 import math
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import ShapeError
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
 from .registry import OpKernel, register
 
 

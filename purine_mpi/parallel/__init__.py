@@ -4,11 +4,12 @@ graph a rank runs.
 - ``compose``         the config's scheme -> this rank's graph (the trainer's entry);
                       the replicas x stages layout of pipeline and hybrid runs
 - ``data_parallel``   synchronous data parallelism: gradient buckets + Allreduce
-- ``param_server``    parameter servers, synchronous (sync_ps) or asynchronous
+- ``param_server``    the workers' and servers' graphs of a parameter-server run,
+                      synchronous (sync_ps) or asynchronous (the servers' loop:
+                      train/ps_server.py)
 - ``model_parallel``  place layers on ranks and partition (pipelines)
 - ``micro_batch``     micro-batch copies and the 1f1b / gpipe schedules
-- ``pipeline_stats``  bubble, live micro-batches, stage overlap from trace events
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
+- ``partition``       a graph cut into per-rank parts joined by Send/Recv
+- ``placement``, ``fuse``  a rank's graph placed on its device, fused for it
+- ``rank_graphs``     the one function that builds a rank's graphs
 """

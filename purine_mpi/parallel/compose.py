@@ -12,7 +12,7 @@ modules this one calls (nothing in ``parallel/`` imports the trainer):
     compose_stages(graph, job, world)          # a staged scheme's slice (train or test)
     plan_memory(graph, job, world)             # micro-batch copies share buffers (last)
 
-``job`` is io/job.py's ``Job``.
+``job`` is job/job.py's ``Job``.
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and
@@ -24,14 +24,11 @@ them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
 stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
-from ..errors import UserError
-from ..io.job import STAGED_SCHEMES as STAGED
+from ..base.errors import UserError
+from ..job.job import STAGED_SCHEMES as STAGED
 from .micro_batch import add_schedule, replicate_micro_batches
 
 class Scheme:

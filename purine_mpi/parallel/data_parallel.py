@@ -32,17 +32,14 @@ the lower layers still back-propagate.
 
 With ``check_collectives=True`` the composed graph's sequence of
 collectives is compared across ranks (``purine_mpi.comm.verify``).
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
 import numpy as np
 
 from ..comm.ops import is_comm_op
-from ..errors import GraphError, UserError
-from ..ops.solver import UPDATE_OP_TYPES
+from ..base.errors import GraphError, UserError
+from ..ops.updates import UPDATE_OP_TYPES
 
 MB = 2 ** 20
 

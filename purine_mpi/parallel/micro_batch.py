@@ -7,7 +7,7 @@ sub-graph copied once per micro-batch over shared weights
 
 Copy k of every op between the data and the gradients is named
 ``<op>@mb<k>`` and writes ``<blob>@mb<k>``; weights, ``iter`` and ``lr`` are
-shared. The graph comes built for one micro-batch (model.build_train_graph
+shared. The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly
@@ -31,14 +31,11 @@ runs them:
 F(s, k) are copy k's ops on stage s that lead to the loss, B(s, k) its
 other ops (the backward pass); every op of a group waits for the last ops
 of the group before it on the same stage.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import copy
 
-from ..model import loss_blobs
-from ..ops.solver import UPDATE_OP_TYPES
+from ..job.replica import loss_blobs
+from ..ops.updates import UPDATE_OP_TYPES
 
 SCHEDULES = ("1f1b", "gpipe")
 

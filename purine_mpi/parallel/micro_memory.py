@@ -36,13 +36,10 @@ cannot make: the pipeline cannot deadlock on the new edges. The results
 are bit-identical to the unshared graph: every kernel writes its whole
 output, so a buffer's previous contents never reach a result (as between
 iterations, which reuse every buffer already).
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import re
 
-from ..errors import GraphError
+from ..base.errors import GraphError
 
 _MARK = re.compile(r"@mb(\d+)(?!\d)")
 

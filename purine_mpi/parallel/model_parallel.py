@@ -13,15 +13,12 @@ listed layer runs with the producer of its first input (rank 0 for a
 source). Blobs without a producer (weights, momenta, the iteration counter)
 live with their first reader, so each weight stays with its layer and its
 update runs there too.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
-from ..errors import UserError
+from ..base.errors import UserError
 from ..graph.core import Location
-from ..graph.partition import partition
+from .partition import partition
 
 
 def layer_of(name, layers):

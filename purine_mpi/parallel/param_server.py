@@ -34,10 +34,10 @@ it is synchronous SGD; see ``synchronous_if_no_staleness``.)
 Interface (every function takes the *global* World unless it says so):
 
     split_workers(job, world) -> (job, the workers' World or None)
-    run_server_rank(job, out_dir, world, resume=None, init=None) -> status
     WorkerScheme(job, world)
         # ``train`` on every rank of a PS run (trainer.run_param_server):
-        # splits the ranks, servers call run_server_rank, workers run a
+        # splits the ranks, servers call run_server_rank (train/ps_server.py,
+        # the servers' loop), workers run a
         # Trainer over the workers' World with the WorkerScheme, whose graph
         # comes from compose_param_server, and the stop agreement with the
         # servers as a loop service (train/ps_worker.py). Checkpoints
@@ -47,27 +47,18 @@ Interface (every function takes the *global* World unless it says so):
     compose_param_server(graph, grads, job, world) -> a worker's graph
     compose_for_rank(graph, grads, job, world_size, rank) -> graph
         # any rank's graph without MPI (``graph --np N --rank R``)
-    run_server(job, world, resume=None, init=None, log=None)
-        -> {"params", "momenta", "stats", "plan"}   # one server rank's work
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
     build_worker_graph(graph, plan), build_server_graph(graph, grads, plan,
-    server_rank), worker_world(world, ps_ranks), recv_state(world, servers),
-    state_transfer_due(job, done, start, final_only): the pieces.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
+    server_rank), server_graph(graph, grads, plan, rank, job),
+    worker_world(world, ps_ranks): the pieces.
 """
+
 import dataclasses
 
-import numpy as np
-
 from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
-from ..errors import UserError
+from ..base.errors import UserError
 from ..graph.core import Graph
-from ..graph.solver import momentum_name
-from ..io.run_checkpoints import find_resumable
-from ..runtime.stop import StopSignal
-from .async_server import AsyncServer
+from ..graph.solver_graph import momentum_name
 from .compose import Scheme
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
@@ -181,9 +172,7 @@ def compose_for_rank(graph, grads, job, world_size, rank):
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
     if par.mode == "sync_ps":
-        server = _clipped(build_server_graph(graph, grads, plan, rank), job)
-        place_on_rank(server, rank)
-        return server
+        return server_graph(graph, grads, plan, rank, job)
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
     return Graph(f"{graph.name}.async_server{rank} (AsyncServer loop over "
                  f"{len(owned)} params: {', '.join(owned)})")
@@ -212,15 +201,18 @@ def _global_world(world):
 
 
 # ----------------------------------------------------------- sync_ps server
-def _clipped(server_graph, job):
-    """The sync_ps server graph with ``solver.clip_gradients`` (graph/clip.py):
-    the one server holds every parameter, so its norm is the global one (the
-    config allows clipping with one server only)."""
+def server_graph(graph, grads, plan, rank, job):
+    """The sync_ps graph server ``rank`` runs, placed on that rank, with
+    ``solver.clip_gradients`` (graph/clip.py): the one server holds every
+    parameter, so its norm is the global one (the config allows clipping
+    with one server only)."""
+    server = build_server_graph(graph, grads, plan, rank)
     clip = job.solver.clip_gradients
-    if clip is None:
-        return server_graph
-    from ..graph.clip import add_clip
-    return add_clip(server_graph, clip, thread="comm").validate()
+    if clip is not None:
+        from ..graph.clip import add_clip
+        server = add_clip(server, clip, thread="comm").validate()
+    place_on_rank(server, rank)
+    return server
 
 
 def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
@@ -283,118 +275,6 @@ def _copy_blob(blob):
     return copy.deepcopy(blob)
 
 
-# ------------------------------------------------------------- server rank
-def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
-    """Everything a server rank does in a parameter-server run. Returns
-    {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
-    "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
-    agreement (the ``train`` command); None when workers that make no
-    agreement drive the server (tests)."""
-    from ..layers.fillers import fill
-    from ..model import build_train_graph
-    world = _global_world(world)
-    par = job.parallel
-    layout = ps_layout(world.size, par.ps_ranks)
-    nw = len(layout["workers"])
-    graph, grads = build_train_graph(job, 0, nw)
-    plan = plan_param_server(graph, grads, layout)
-    seed = job.seed
-    owned = [p for p in plan["order"] if plan["owner"][p] == world.rank]
-    values = {p: fill(graph.blobs[p], seed) for p in owned}
-    momenta = {p: np.zeros(graph.blobs[p].shape, graph.blobs[p].dtype) for p in owned}
-    start = 0
-    if init:
-        from ..io.checkpoint import load_params
-        from ..model import init_params
-        loaded = load_params(init)
-        wanted = init_params(loaded, owned, job, init, init_skip)
-        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
-    if resume:
-        from ..io.checkpoint import load_checkpoint
-        ck = load_checkpoint(resume)
-        start = int(ck.attrs["iteration"])
-        for p in owned:
-            values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
-            m = (ck.solver or {}).get(p, {}).get("momentum")
-            if m is not None:
-                momenta[p] = np.asarray(m, graph.blobs[p].dtype)
-    max_iter = job.solver.max_iter
-    mode = par.mode
-    code = 0
-    if mode == "sync_ps":
-        from ..runtime.factory import make_dispatcher
-        sg = _clipped(build_server_graph(graph, grads, plan, world.rank), job)
-        place_on_rank(sg, world.rank)
-        d = make_dispatcher(sg, "event", rank=world.rank,
-                            stall_timeout=float(par.stall_timeout))
-        try:
-            for p in owned:
-                d.workspace.set(p, values[p])
-                d.workspace.set(momentum_name(p), momenta[p])
-            for it in range(start, max_iter):
-                d.workspace["iter"][...] = it
-                d.run(it)
-                # the servers take part in the workers' stop agreement
-                code = stop.agree(world) if stop is not None else 0
-                if code == StopSignal.DIVERGED:
-                    break
-                stopping = bool(code) and it + 1 != max_iter
-                if stopping or state_transfer_due(job, it + 1, start, final_only=False):
-                    _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
-                if stopping:
-                    break
-                code = 0
-            values = {p: d.workspace[p].copy() for p in owned}
-            momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
-        finally:
-            d.close()
-        stats = {"iterations": max_iter - start}
-    else:
-        lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
-        server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.max_staleness, start, max_iter - start, stop=stop)
-        stats = server.serve()
-        code = stats.get("stop_code", 0)
-        if code != StopSignal.DIVERGED and (
-                code or state_transfer_due(job, max_iter, start, final_only=True)):
-            _send_state(world, momenta)
-    if log:
-        log(f"server rank {world.rank}: {len(owned)} params, {stats}")
-    return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
-            "stop_code": code, "stopped_by": stop.name if code and stop else None}
-
-
-# ------------------------------------------------- checkpoints and the run
-STATE_TAG = 1 << 20  # above every push/pull tag
-# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers
-# the workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
-# stop (STOP_REQUEST_TAG)
-
-
-def state_transfer_due(job, done, start, final_only):
-    """Whether servers send their momenta to rank 0 after iteration ``done``:
-    at the trainer's checkpoint iterations (sync_ps) and after the last one.
-    Both sides evaluate this same rule, so a transfer is never left unmatched."""
-    max_iter = job.solver.max_iter
-    if done == max_iter:
-        return start < max_iter
-    interval = job.checkpoint.interval
-    return not final_only and interval > 0 and done % interval == 0
-
-
-def _send_state(world, momenta):
-    from ..backend import to_numpy
-    world.send_object({p: to_numpy(m) for p, m in momenta.items()}, 0, STATE_TAG,
-                      "sending the server state (momenta)")
-
-
-def recv_state(world, servers):
-    out = {}
-    for s in servers:
-        out.update(world.recv_object(s, STATE_TAG, "the server state (momenta)"))
-    return out
-
-
 class WorkerScheme(Scheme):
     """A worker's part (the trainer runs it over the workers' World): the PS
     worker graph. ``world`` is the global World. The stop agreement with the
@@ -420,15 +300,3 @@ def split_workers(job, world):
     server). Collective: every rank calls it."""
     job = synchronous_if_no_staleness(job)
     return job, worker_world(world, job.parallel.ps_ranks)
-
-
-def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=()):
-    """``train`` on a server rank: serve, take part in the stop agreement,
-    and return the same exit status as the workers (trainer.run_and_report)."""
-    # the same checkpoint the workers' Trainer resumes from
-    path = find_resumable(out_dir)[0] if resume == "auto" else resume
-    res = run_server(job, world, resume=path, init=init, init_skip=init_skip,
-                     stop=StopSignal())
-    if res["stop_code"] == StopSignal.DIVERGED:
-        return 3
-    return StopSignal.exit_status(res["stopped_by"])

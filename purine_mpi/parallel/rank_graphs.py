@@ -1,24 +1,21 @@
 """This rank's graphs, built once before the training loop exists.
 
 ``build_rank_graphs(job, world, scheme)`` is the one function that turns
-a job into what a rank runs: the single-replica training graph (model.py),
+a job into what a rank runs: the single-replica training graph (job/replica.py),
 composed by the parallel scheme (``Scheme.compose``: data parallel,
 pipeline, hybrid, a parameter-server worker), placed on this rank's device
-and fused for it (gpu/placement.py), with the device loss watch on a GPU
+and fused for it (parallel/placement.py), with the device loss watch on a GPU
 and the micro-batch memory plan; and the test graph, composed and placed
 the same way. The loop (train/loop.py) receives the result; it builds
 nothing.
-
-Layer: composition (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph and job layers below it, and its own.
 """
 import dataclasses
 
 import numpy as np
 
-from ..gpu.placement import add_loss_watch, configure_device, prepare_for_device
-from ..model import (build_test_graph, build_train_graph, check_data_labels, check_fits_memory,
-                     loss_blobs, mark_padding, metric_blobs)
+from .placement import add_loss_watch, configure_device, prepare_for_device
+from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
+                           check_fits_memory, loss_blobs, mark_padding, metric_blobs)
 from .compose import Scheme, compose_test, defer_update_applies, layout_of
 
 
@@ -43,7 +40,7 @@ class RankGraphs:
     test_losses: list = dataclasses.field(default_factory=list)
     test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
-    test_pad: object = None   # the test data op's pad_label (model.mark_padding), or None
+    test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
 
     @property
     def pipeline(self):
@@ -56,7 +53,7 @@ class RankGraphs:
 
 
 def build_rank_graphs(job, world, scheme=None):
-    """This rank's training and test graphs for ``job`` (io/job.py) in
+    """This rank's training and test graphs for ``job`` (job/job.py) in
     ``world`` under ``scheme`` (default: the job's own, ``Scheme()``)."""
     scheme = scheme or Scheme()
     # replicas x stages (parallel/compose.py): the data is sharded over the

@@ -43,15 +43,12 @@ side) and ``posted_at[name]`` when it was posted; their difference is the
 *post latency* that ``bench --json`` reports per bucket and the trace shows
 (``args.post_latency_us`` of the comm event). ``last_test`` is when a thread
 last ran ``progress()`` (the progress thread's cue).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import itertools
 import time
 
 from ..comm.world import MPI_LOCK
-from ..errors import OpError
+from ..base.errors import OpError
 from .scheduler import PostingOrder
 
 

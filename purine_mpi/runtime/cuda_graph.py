@@ -58,15 +58,12 @@ All CUDA calls go through the dispatcher's ``runtime``
 (``cuda_runtime.CudaRuntime``), so the capture logic is tested against
 a simulated device with a stream-capture API like CuPy's
 (tests/test_cuda_graph.py).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import sys
 import time
 from collections import defaultdict
 
-from ..errors import OpError
+from ..base.errors import OpError
 from .segments import MAX_CAPTURES, Segment, _Capture, capture_blocker, plan_segments, stage_order
 from .streams_dispatcher import StreamDispatcher, StreamExecutor
 

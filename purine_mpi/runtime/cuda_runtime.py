@@ -5,17 +5,14 @@ the dispatchers do to a device goes through a runtime object, so their event
 bookkeeping and capture logic are tested against a simulated device
 (tests/test_gpu_backend.py ``SimulatedRuntime``). CuPy is imported on first
 use; imports: NumPy, ``gpu`` (the loader, streams, cuBLAS), ``ops.registry``.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
 
 import numpy as np
 
-from ..errors import GraphError
+from ..base.errors import GraphError
 from ..graph.core import Graph
-from ..kernels import get_kernel_class
+from ..ops.catalog import get_kernel_class
 from ..ops.registry import OpKernel
 
 #: the stream a device's communication ops queue their device work on

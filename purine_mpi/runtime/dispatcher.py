@@ -32,9 +32,6 @@ serial twin, ``PURINE_DISPATCHER=serial``: the debugging reference) are the
 core with their executor. Both give bit-identical results, since every
 blob has one writer. Which dispatcher runs a graph is decided in
 ``runtime/factory.py`` (``make_dispatcher``).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import threading
 import time
@@ -43,8 +40,8 @@ import zlib
 import numpy as np
 
 from ..comm.world import WAIT_HOOKS
-from ..errors import StallError
-from ..kernels import make_kernel
+from ..base.errors import StallError
+from ..ops.catalog import make_kernel
 from .comm_progress import CommPoster
 from .executors import INLINE_LANE, Executor, Inline
 from .scheduler import Schedule, feeds_comm

@@ -33,14 +33,11 @@ ops constrained to their posting order), the debugging reference
 (``PURINE_DISPATCHER=serial``) every concurrent executor is held to, bit
 for bit. On GPUs: ``streams_dispatcher.StreamExecutor`` and
 ``cuda_graph.GraphExecutor``; in simulated time:
-``scaling/simulate.VirtualClock``.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
+``tools/scaling/simulate.VirtualClock``.
 """
 import time
 
-from ..errors import OpError
+from ..base.errors import OpError
 from .scheduler import ready_priority
 
 

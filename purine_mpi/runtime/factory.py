@@ -12,13 +12,10 @@ an executor; each module imports only those below it::
     scheduler.py           the scheduling rule (also the scaling simulator's)
 
 so that nothing below this module needs to know which dispatchers exist.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 
-from .. import env
-from ..errors import UserError
+from ..base import env
+from ..base.errors import UserError
 from .cuda_graph import GraphDispatcher
 from .dispatcher import EventDispatcher, SerialDispatcher
 from .memory_plan import device_plans, plan_memory

@@ -80,9 +80,6 @@ add control edges between the compute ops of one of its streams, as the
 host's does between those of one thread: a stream runs its work in order
 anyway. ``memory_plan: false`` gives every root
 its own bytes of the arena, on the host and the devices alike.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 from dataclasses import dataclass, field
 
@@ -162,7 +159,7 @@ def _root_nbytes(blob):
 def _tail_ops(graph, deps):
     """The ops ``deferred_tail`` may run on into the next iteration (the
     classes' ``category`` and ``seq_ordered`` are what it reads)."""
-    from ..kernels import get_kernel_class
+    from ..ops.catalog import get_kernel_class
     from .tail import deferred_tail
     classes = {n: get_kernel_class(op.op_type, n) for n, op in graph.ops.items()}
     return deferred_tail(graph, classes, deps)[0]
@@ -178,7 +175,7 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
     op to one later in the schedule, to order two blobs' lifetimes apart
     (in place on ``graph``: the trainer's plan)."""
     from ..gpu.scratch import ARENA_ALIGN
-    from ..kernels import get_kernel_class
+    from ..ops.catalog import get_kernel_class
     device = int(device)
     deps = graph.dependencies()
     order = [op.name for op in graph.topo_order(deps)]
@@ -475,7 +472,7 @@ def format_plan(graph, plan):
     """Lines of ``graph --memory``: each planned root with its offset, size
     and lifetime (schedule positions of its first and last op), then the
     persistent roots and the totals."""
-    from ..progress import human_bytes
+    from ..base.progress_bar import human_bytes
     lines = [f"{plan.title}: {len(plan.offsets)} transient blob(s) in a "
              f"{plan.total_bytes:,}-byte arena ({human_bytes(plan.total_bytes)}; one buffer "
              f"each: {plan.unplanned_bytes:,} bytes, {human_bytes(plan.unplanned_bytes)}); "

@@ -26,10 +26,7 @@ What runs a ready unit is the executor's (docs/DESIGN.md, "The scheduler
 and its executors"): the dispatchers' worker threads, CUDA streams and
 captured segments (``runtime/dispatcher.py``, ``streams_dispatcher.py``,
 ``cuda_graph.py``), the serial twin's calling thread (``runtime/executors.py``)
-and the scaling predictor's virtual clock (``scaling/simulate.py``).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
+and the scaling predictor's virtual clock (``tools/scaling/simulate.py``).
 """
 import collections
 import heapq

@@ -4,9 +4,6 @@
 (``plan_segments``). Pure functions of the graph and the schedule, used by
 ``runtime/cuda_graph.GraphExecutor``; imports only the stream naming of
 ``runtime/cuda_runtime``.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import heapq
 from collections import defaultdict

@@ -3,9 +3,6 @@ diverged loss on any rank ends every rank at the same iteration.
 
 Kept free of heavy imports so that ``train`` installs its handlers before
 NumPy and MPI load (``StopSignal.install_early``).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import os
 import signal

@@ -34,7 +34,7 @@ outside the dispatcher -- the iteration counter, a loaded checkpoint -- went
 to CuPy's default stream, which these non-blocking streams do not wait for)
 and at its end (the caller reads the sinks: the loss, the weights).
 
-Host<->device ``Copy`` ops (inserted by ``purine_mpi.gpu.placement``) run on
+Host<->device ``Copy`` ops (inserted by ``purine_mpi.parallel.placement``) run on
 their own ``h2d``/``d2h`` streams, from page-locked host blobs, as
 asynchronous ``cudaMemcpyAsync``.
 A kernel with host work of its own every iteration (``before_iteration``,
@@ -67,9 +67,6 @@ recorded after it this iteration, for whoever outside its stream waits}),
 ``staged_out`` ({comm op: the event after its device-to-host copies this
 iteration}) and ``copied_back`` ({comm op: the event after its last copy
 back}).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import dataclasses
 import threading
@@ -77,8 +74,8 @@ import time
 
 import numpy as np
 
-from ..backend import get_xp
-from ..errors import OpError
+from ..base.backend import get_xp
+from ..base.errors import OpError
 from ..ops.registry import Pending
 from .cuda_runtime import (CudaRuntime, HostDeviceCopy, stream_keys, stream_thread_name,
                            with_stream_threads)

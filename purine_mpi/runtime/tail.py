@@ -24,9 +24,6 @@ the ops of the *next* iteration that must wait for it:
 
 The event dispatcher (``runtime/dispatcher.py``) uses the result; results
 are bit-identical to running the iterations one after the other.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 from collections import defaultdict
 
@@ -93,7 +90,7 @@ def deferred_tail(graph, kernels, deps=None):
 def describe_tail(graph):
     """One line for ``graph --np N``: what of an iteration may run on into
     the next one, and what of the next one waits for it; None when nothing."""
-    from ..kernels import make_kernel
+    from ..ops.catalog import make_kernel
     kernels = {name: make_kernel(op) for name, op in graph.ops.items()}
     tail, cross = deferred_tail(graph, kernels)
     if not tail:

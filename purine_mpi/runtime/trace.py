@@ -15,9 +15,6 @@ captured CUDA graphs (``gpu<d>:graph``, one event per segment). The trainer
 gives every rank the same time origin (rank 0's start), so the ranks'
 files share one time axis: their ``traceEvents`` concatenated are one
 trace of the job (a pipeline's stages are seen computing at once).
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import json
 import os
@@ -25,8 +22,8 @@ import socket
 import threading
 import time
 
-from ..errors import UserError
-from ..runfiles import open_run_file
+from ..base.errors import UserError
+from ..base.runfiles import open_run_file
 
 
 class Profiler:
@@ -102,7 +99,7 @@ class TraceFile(Profiler):
         self._threads = set()
         self._io_lock = threading.Lock()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open_run_file(path, "w")  # never through a link (runfiles.py)
+        self._file = open_run_file(path, "w")  # never through a link (base/runfiles.py)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",

@@ -22,14 +22,11 @@ iteration, so a steady-state iteration allocates nothing on the device;
 CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
 those copies run asynchronously.
-
-Layer: dispatch (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job and composition layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import cupy_available, get_xp, xp_for_device
-from ..errors import GraphError
+from ..base.backend import cupy_available, get_xp, xp_for_device
+from ..base.errors import GraphError
 # ARENA_ALIGN: the alignment of blob offsets in a device arena (cudaMalloc's own)
 from ..gpu.scratch import ARENA_ALIGN, Scratch  # noqa: F401  (Scratch: where it was)
 

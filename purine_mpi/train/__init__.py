@@ -1,7 +1,7 @@
 """The training loop's services: habits the loop calls at fixed points of
 a run (after a test pass, at a checkpoint), each a small class of its own,
-so a new habit is a new service, not an edit of the iteration.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
+so a new habit is a new service, not an edit of the iteration. Here too:
+the trainer that assembles a rank's loop (``trainer``), the run's log
+(``runlog``) and the parameter servers' loop (``ps_server``,
+``async_server``).
 """

@@ -3,22 +3,19 @@
 interval, on a stop, at the end; rotation), checkpoints of their own (the
 best ones, watch.py), resume (validated as a whole first) and the per-rank
 state a resume needs. It reads the loop's graphs, workspace and world.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 
 import os
 
-from ..backend import to_numpy
-from ..errors import GraphError, InitMismatch, UserError
-from ..graph.solver import solver_states, state_name
-from ..io.checkpoint import load_checkpoint, load_params, remove_temp_files, save_checkpoint
-from ..io.run_checkpoints import find_resumable, save_run_checkpoint
-from ..io.checkpoint_check import check_finite, check_for_net, unused_note
-from ..io.config import dump_config
+from ..base.backend import to_numpy
+from ..base.errors import GraphError, InitMismatch, UserError
+from ..graph.solver_graph import solver_states, state_name
+from ..job.checkpoint_file import load_checkpoint, load_params, remove_temp_files, save_checkpoint
+from ..job.run_checkpoints import find_resumable, save_run_checkpoint
+from ..job.checkpoint_check import check_finite, check_for_net, unused_note
+from ..job.config import dump_config
 from ..layers.fillers import fill
-from ..model import init_params, kept_constant
+from ..job.replica import init_params, kept_constant
 from ..parallel.compose import Layout
 from ..runtime.stop import StopSignal
 from .collectives import _plain, world_gather

@@ -1,9 +1,6 @@
 """The trainer's few collectives outside the graph (checkpoint gathers,
 metric means), each a non-blocking request polled under the stall timeout
 (``World.wait``), and the object helpers they use.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 

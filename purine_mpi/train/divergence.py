@@ -4,13 +4,10 @@ on the CPU, or back from the device loss watch (ops/watch.py) only at the
 display, test and checkpoint iterations on a GPU; and the check that every
 weight is finite before a checkpoint may follow. A non-finite loss or
 weight makes the agreed stop code DIVERGED (runtime/stop.py).
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 
-from ..backend import get_xp, to_numpy
+from ..base.backend import get_xp, to_numpy
 from ..runtime.stop import StopSignal
 from .loop import Service
 

@@ -4,14 +4,11 @@ exactly once, whatever the number of ranks), its metrics row and log line; at th
 interval, once at the end, and before training with
 ``solver.test_initialization`` (Caffe's). ``loop.state.result`` holds its
 figures for the services after it (watch.py) and the run's result.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import numpy as np
 
-from ..io.data import pass_batches, pass_counts, source_info
-from ..progress import progress
+from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
+from ..base.progress_bar import progress
 from .collectives import world_sum
 from .loop import Service
 
@@ -39,8 +36,8 @@ class Evaluation(Service):
         With ``test_iter`` (the argument or ``solver.test_iter``) the pass is
         that many global batches and every sample read counts, wrapping
         around the split (``repeat_note``). Without, it is one pass
-        (io/data.py, ``pass_batches``): the last batch is padded and its
-        padding counts in no figure (model.py, ``mark_padding``), so every
+        (data/sources.py, ``pass_batches``): the last batch is padded and its
+        padding counts in no figure (job/replica.py, ``mark_padding``), so every
         sample counts exactly once on any number of ranks. Each figure is
         the mean over the counted samples: the sum over ranks and batches of
         a batch's figure times its counted samples, over their number."""
@@ -83,32 +80,3 @@ class Evaluation(Service):
             out[key] = out.get(key, 0.0) + float(v)
         out["samples"] = int(counted)
         return out
-
-
-def repeat_note(batches, batch_size, ranks, n_samples, unpadded=False):
-    """The note on a test pass of ``batches`` global batches of ``batch_size``
-    x ``ranks`` that is longer than the split's ``n_samples`` (None when it
-    is not): the test reader wraps around (as Caffe's), so sample i counts
-    q + 1 times for the first r samples and q times for the others, where
-    q, r = divmod(total, n_samples). ``unpadded``: a one-pass test (null
-    test_iter) whose net allows no padding (model.py, ``mark_padding``)."""
-    total = batches * batch_size * ranks
-    if total <= n_samples:
-        return None
-    q, r = divmod(total, n_samples)
-    how = f"{total} samples of a {n_samples}-sample test split: "
-    first = "the first sample counts" if r == 1 else f"the first {r} samples count"
-    if r == 0:
-        how += f"{q} full passes, each sample counts {q} times"
-    elif q == 1:
-        how += f"a full pass, and {first} twice"
-    else:
-        how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
-                f"{n_samples - r} count {q} times")
-    advice = "make test_iter x the global batch equal the split (null test_iter: one pass)"
-    if unpadded:
-        advice = ("make the global batch divide the split: with null test_iter the last batch "
-                  "is not padded here, as the test net's label reaches other layers than "
-                  "softmax_loss and accuracy, or two losses ignore different labels")
-    return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
-            f"{how} (the reader wraps around, as in Caffe); for exact figures {advice}")

@@ -25,13 +25,10 @@ metrics log, and this iteration's outcomes: ``window``, ``first_bad``,
 ``diverged``, ``stop_code``, ``result``, ``early_stopped``); the facts of
 this rank's graphs are ``loop.graphs`` (parallel/rank_graphs.py), the
 settings ``loop.job``. A new habit is a new ``Service`` and one line in the
-list (trainer.py).
+list (train/trainer.py).
 
 Every rank runs the same loop; the collectives the services make outside
 the graph happen at the same iterations on every rank, in list order.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import dataclasses
 import math
@@ -114,7 +111,7 @@ class Loop:
 
     def __init__(self, graphs, train, test, *, job, out_dir, world, scheme, services=(),
                  log=print):
-        self.job, self.out_dir, self.world = job, out_dir, world  # io/job.py
+        self.job, self.out_dir, self.world = job, out_dir, world  # job/job.py
         self.scheme, self.log = scheme, log
         self.graphs = graphs  # the facts of this rank's graphs (parallel/rank_graphs.py)
         self.train, self.test = train, test

@@ -1,5 +1,5 @@
 """The metrics log, TensorBoard and the progress lines (a loop service):
-rank 0 writes config.yaml and metrics.jsonl (io/metrics.py; on a resume it
+rank 0 writes config.yaml and metrics.jsonl (job/metrics.py; on a resume it
 goes on from the checkpoint's rows and time), one ``train`` row and one
 progress line per display interval (loss averaged over the window and the
 ranks, learning rate, images/s, elapsed time and ETA), and closes the log
@@ -8,16 +8,13 @@ the loss (no collective: iteration, images/s, elapsed, ETA) whenever
 ``solver.display_seconds`` have passed since the last line, so a slow net's
 batch log never goes silent; it writes no metrics row. The elapsed time
 goes on across resumes (the checkpoint's ``elapsed``).
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import time
 
-from ..io.config import dump_config
-from ..io.metrics import MetricsLog
-from ..runfiles import disk_error, open_run_fd, write_all
+from ..job.config import dump_config
+from ..job.metrics import MetricsLog
+from ..base.runfiles import disk_error, open_run_fd, write_all
 from .loop import Service
 
 

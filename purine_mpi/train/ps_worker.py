@@ -1,14 +1,12 @@
 """A parameter-server worker's stop agreement and checkpoints (a loop
 service, in the place of ``StopAgreement``): the workers and the servers
-agree on the stop (parallel/param_server.py, async_server.py), and before a
+agree on the stop (train/ps_server.py, async_server.py), and before a
 checkpoint rank 0 takes the momenta the servers hold.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
-from ..graph.solver import momentum_name
-from ..parallel.async_server import STOP_REQUEST_TAG, STOP_TAG
-from ..parallel.param_server import ps_layout, recv_state, state_transfer_due
+from ..graph.solver_graph import momentum_name
+from .async_server import STOP_REQUEST_TAG, STOP_TAG
+from ..parallel.param_server import ps_layout
+from .ps_server import recv_state, state_transfer_due
 from ..runtime.stop import StopSignal
 from .signals import StopAgreement
 

@@ -3,9 +3,6 @@ ranks agree on one stop code (runtime/stop.py: SIGTERM, SIGINT, SIGUSR1, a
 closed stdout, a diverged rank; a parameter-server worker adds its
 servers: ps_worker.py); on a stop the loop writes a checkpoint
 (checkpoints.py) and this service says how to go on.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 from .loop import Service
 

@@ -1,10 +1,7 @@
 """The start-up report (a loop service): the start-up block on rank 0
-(runlog.py: hosts, devices, threads, the net, the layout, memory, the
+(train/runlog.py: hosts, devices, threads, the net, the layout, memory, the
 set-up time), gathered from every rank before the first iteration, and one
 line after this process's first iteration, which is slow.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import time
 
@@ -18,7 +15,7 @@ class StartupReport(Service):
 
     def on_start(self, loop):
         """Collective over the loop's world: every rank's host and device."""
-        from ..runlog import rank_info, startup_lines
+        from .runlog import rank_info, startup_lines
         infos = world_gather(loop.world, rank_info(loop), "the start-up report")
         if loop.world.rank == 0:
             for line in startup_lines(loop, dict(enumerate(infos)),

@@ -3,9 +3,6 @@ trace to ``OUT/trace.rank<R>.json`` (runtime/trace.py; a ``(start, stop)``
 window of ``--profile-iters A:B`` keeps those iterations), its clock
 counted from rank 0's start so the ranks' traces line up; the file is
 closed when the loop ends.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import os
 import time

@@ -6,9 +6,6 @@ Both read the figures of the pass (``loop.state.result``, the mean over the
 ranks, the same on every rank), so every rank takes the same decision with
 no collective. A non-finite figure never counts as an improvement. They
 follow the evaluation (evaluation.py) in the list of services.
-
-Layer: services (docs/DESIGN.md); may import the foundation, devices, data,
-ops, graph, job, composition and dispatch layers below it, and its own.
 """
 import math
 import os
@@ -27,7 +24,7 @@ def _better(a, b, mode, delta=0.0):
 
 def _figure(results, metric, where):
     if metric not in results:
-        from ..errors import UserError
+        from ..base.errors import UserError
         raise UserError(f"{where}: metric '{metric}' is not a test figure of this net; it has "
                         f"{', '.join(k for k in results if k != 'samples')}")
     return float(results[metric])
@@ -41,7 +38,7 @@ class BestCheckpoints(Service):
     own, whatever the best ones are."""
 
     def __init__(self, spec, out_dir, write, say):
-        # spec: io/job.py's BestSpec; direction: max or min (given, else by the metric)
+        # spec: job/job.py's BestSpec; direction: max or min (given, else by the metric)
         self.metric, self.mode, self.keep = spec.metric, spec.direction, spec.keep
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
@@ -78,7 +75,7 @@ class EarlyStopping(Service):
     writes a checkpoint and returns this pass's figures)."""
 
     def __init__(self, spec, say):
-        # spec: io/job.py's EarlyStopSpec; direction: max or min (given, else by the metric)
+        # spec: job/job.py's EarlyStopSpec; direction: max or min (given, else by the metric)
         self.metric, self.mode = spec.metric, spec.direction
         self.patience, self.min_delta = spec.patience, float(spec.min_delta)
         self.say = say

@@ -21,7 +21,7 @@ import numpy as np
 
 from common import assert_close, mlp_config, ok, run, world
 
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.compose import compose, data_window
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "data"

@@ -15,7 +15,7 @@ import numpy as np
 from common import ok, run, world
 
 from purine_mpi.graph import Graph, Location
-from purine_mpi.graph.partition import partition
+from purine_mpi.parallel.partition import partition
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "event"

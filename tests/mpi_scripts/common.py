@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import purine_mpi.comm.ops  # noqa: E402,F401  (registers Allreduce/Send/Recv)
 from purine_mpi.comm.world import get_world, install_abort_handler  # noqa: E402
-from purine_mpi.io.config import resolve_job  # noqa: E402
+from purine_mpi.job.config import resolve_job  # noqa: E402
 from purine_mpi.layers.fillers import fill  # noqa: E402
 from purine_mpi.runtime.factory import make_dispatcher  # noqa: E402
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from common import assert_like_one_rank, mlp_config, ok, run, world
 
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import SPLIT_MIN_BYTES, compose_data_parallel
 
 bucket_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0002

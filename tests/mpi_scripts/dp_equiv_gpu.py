@@ -22,8 +22,8 @@ from common import assert_like_one_rank, mlp_config, ok, run, world
 import pytest  # noqa: E402  (MonkeyPatch: the emulated CuPy for this process)
 
 from purine_mpi.comm import device as comm_device  # noqa: E402
-from purine_mpi.gpu.placement import prepare_for_device  # noqa: E402
-from purine_mpi.model import build_train_graph  # noqa: E402
+from purine_mpi.parallel.placement import prepare_for_device  # noqa: E402
+from purine_mpi.job.replica import build_train_graph  # noqa: E402
 from purine_mpi.parallel.data_parallel import compose_data_parallel  # noqa: E402
 from purine_mpi.runtime.factory import make_dispatcher  # noqa: E402
 from tests import test_gpu_backend as emu  # noqa: E402

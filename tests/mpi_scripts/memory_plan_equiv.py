@@ -21,7 +21,7 @@ from common import ok, world
 
 from purine_mpi.parallel.compose import Scheme
 from purine_mpi.parallel.micro_memory import activation_bytes
-from purine_mpi.trainer import Trainer
+from purine_mpi.train.trainer import Trainer
 from tests.conftest import make_job
 from tests.test_micro_batches import STAGES, _config
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from common import assert_like_one_rank, init_params, mlp_config, ok, world
 
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import adopt_ready_order, compose_data_parallel
 from purine_mpi.runtime.factory import make_dispatcher
 

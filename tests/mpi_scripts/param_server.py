@@ -16,8 +16,9 @@ import numpy as np
 
 from common import assert_close, mlp_config, ok, run, world
 
-from purine_mpi.model import build_train_graph
-from purine_mpi.parallel.param_server import compose_param_server, ps_layout, run_server
+from purine_mpi.job.replica import build_train_graph
+from purine_mpi.parallel.param_server import compose_param_server, ps_layout
+from purine_mpi.train.ps_server import run_server
 
 mode = sys.argv[1]
 K = int(sys.argv[2])

@@ -15,7 +15,7 @@ import numpy as np
 
 from common import assert_close, mlp_config, ok, run, world
 
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.model_parallel import compose_partitioned, place_layers
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "event"

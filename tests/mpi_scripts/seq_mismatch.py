@@ -12,9 +12,9 @@
 from common import mlp_config, ok, world
 
 from purine_mpi.comm.verify import check_collectives
-from purine_mpi.errors import UserError
+from purine_mpi.base.errors import UserError
 from purine_mpi.graph import Graph
-from purine_mpi.model import build_train_graph
+from purine_mpi.job.replica import build_train_graph
 from purine_mpi.parallel.data_parallel import compose_data_parallel
 
 w = world()

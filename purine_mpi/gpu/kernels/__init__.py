@@ -17,9 +17,6 @@ The wrappers live in one module per kernel family (``image``, ``loss``,
 launches); this package hands them on under one name, so an op writes
 ``kernels.im2col(...)``. CuPy is imported on first call; importing this
 package needs only NumPy.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 from .base import ENTRY_POINTS, PLAIN_ENTRY_POINTS, conv_output_size, pool_output_size  # noqa: F401
 from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_forward,
@@ -27,8 +24,7 @@ from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_f
 from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mean,
                    softmax_loss_count, softmax_forward, softmax_backward, LossTable,
                    loss_watch)  # noqa: F401
-from .solver import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, learning_rate,
-                     iteration_next, grad_sumsq, clip_total,
-                     clip_scale)  # noqa: F401
+from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi,  # noqa: F401
+                   learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,
                           relu_backward, bias_act, channel_sum, sum_rows)  # noqa: F401

@@ -2,9 +2,6 @@
 argument checks and the launch helpers (a grid-stride launch over N items,
 or an explicit grid). Imports only NumPy and ``purine_mpi.gpu`` (the loader);
 the families import this module and nothing else of the package.
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import numpy as np
 

@@ -1,8 +1,5 @@
 """Dropout (Philox masks), activations and the reductions (cuda/dropout.cu,
 activation.cu, reduce.cu).
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
 """
 import numpy as np
 
@@ -21,10 +18,10 @@ def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
 
     Element i is kept iff Philox word i of the stream
     ``((i // 4, ctr1, iter lo, iter hi), (key0, key1))`` is >= floor(ratio 2^32)
-    (:mod:`purine_mpi.philox`, which draws the same words on the CPU);
+    (:mod:`purine_mpi.base.philox`, which draws the same words on the CPU);
     mask = 1 or 0 (x's dtype), y = (x * mask) / (1 - ratio). ``iteration`` is
     a number or the one-element int64 iteration blob on the device."""
-    from ...philox import keep_threshold
+    from ...base.philox import keep_threshold
     cupy = import_cupy()
     threshold = keep_threshold(ratio)
     x = _input(cupy, x, "dropout_forward: x")
@@ -58,7 +55,7 @@ def dropout_backward(dy, mask, ratio, out=None):
 def philox_words(counter, key, blocks=1, rounds=10):
     """Philox4x32-``rounds`` of the counters ``(counter[0] + b, counter[1],
     counter[2], counter[3])``, b < ``blocks``, under ``key``: a uint32 CuPy
-    array of 4 * blocks words (block-major), as :func:`purine_mpi.philox.philox4x32`."""
+    array of 4 * blocks words (block-major), as :func:`purine_mpi.base.philox.philox4x32`."""
     cupy = import_cupy()
     out = cupy.empty((4 * int(blocks),), dtype=np.uint32)
     u32 = [np.uint32(int(c) & 0xFFFFFFFF) for c in tuple(counter) + tuple(key)]

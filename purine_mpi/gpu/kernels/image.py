@@ -1,8 +1,4 @@
-"""im2col/col2im, pooling and LRN (cuda/im2col.cu, pooling.cu, lrn.cu).
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
-"""
+"""im2col/col2im, pooling and LRN (cuda/im2col.cu, pooling.cu, lrn.cu)."""
 import numpy as np
 
 from .. import import_cupy

@@ -1,8 +1,4 @@
-"""The fused softmax loss and the loss watch (cuda/softmax_loss.cu, loss_watch.cu).
-
-Layer: devices (docs/DESIGN.md); may import the foundation layers below it,
-and its own.
-"""
+"""The fused softmax loss and the loss watch (cuda/softmax_loss.cu, loss_watch.cu)."""
 import numpy as np
 
 from .. import data_ptr, dtype_suffix, import_cupy

@@ -1,0 +1,150 @@
+"""The ``PURINE_*`` environment variables, in one table: name, type,
+default, meaning (``VARS``; docs/environment.md's table lists the same). Each is
+checked like a config key: ``get(name)`` is the parsed value (the default
+when unset or blank) and raises ``EnvError`` (exit 2) naming the variable
+and what it takes; the CLI checks them all before any command runs
+(``check_all``), so a typo in a job script never runs with a default
+instead, nor fails later with a traceback.
+"""
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import UserError, excerpt
+
+
+class EnvError(UserError, ValueError):
+    """A ``PURINE_*`` variable set to a value it does not take (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    kind: str          # what it takes, in words ("a positive integer")
+    default: Any       # when unset or blank
+    parse: Callable    # text -> value; ValueError when the text is not one
+    meaning: str
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise ValueError
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+def _non_negative_number(text):
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError
+    return value
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(text):
+    return _FLAGS[text.lower()]
+
+
+def _choice(*choices):
+    def parse(text):
+        if text.lower() not in choices:
+            raise ValueError
+        return text.lower()
+    return parse
+
+
+def _comm_delay(text):
+    """``MAX_MS[:SEED]`` -> (max seconds, seed)."""
+    ms, sep, seed = text.partition(":")
+    if sep and not seed.strip():
+        raise ValueError
+    return _non_negative_number(ms) / 1000.0, _non_negative_int(seed) if sep else 0
+
+
+def _md5(text):
+    if not re.fullmatch(r"[0-9a-fA-F]{32}", text):
+        raise ValueError
+    return text.lower()
+
+
+def _text(text):
+    return text
+
+
+FLAG = "0 or 1 (also true/false, yes/no, on/off)"
+
+VARS = {v.name: v for v in [
+    Var("PURINE_THREADS", "a positive integer", None, _positive_int,
+        "compute threads per rank"),
+    Var("PURINE_LOCAL_SIZE", "a positive integer", None, _positive_int,
+        "ranks sharing this host, when the launcher does not say"),
+    Var("PURINE_LOCAL_RANK", "an integer >= 0", None, _non_negative_int,
+        "this rank's index on its host (its GPU), when the launcher does not say"),
+    Var("PURINE_DATA_MEMORY_MB", "a number of MiB >= 0", None, _non_negative_number,
+        "the memory budget of `in_memory: auto` data"),
+    Var("PURINE_DISPATCHER", "one of event, serial, stream", None,
+        _choice("event", "serial", "stream"),
+        "the dispatcher, over `--dispatcher` (serial: the reference order)"),
+    Var("PURINE_PROGRESS_SECONDS", "a number of seconds >= 0", 10.0, _non_negative_number,
+        "seconds between two plain progress lines"),
+    Var("PURINE_DEBUG", FLAG, False, _flag,
+        "print tracebacks of runtime failures"),
+    Var("PURINE_COMM_DELAY", "MAX_MS[:SEED] (numbers >= 0)", None, _comm_delay,
+        "developers, tests: a seeded random sleep of up to MAX_MS in every comm op"),
+    Var("PURINE_MPI_CUDA_AWARE", FLAG, None, _flag,
+        "whether MPI moves GPU memory directly"),
+    Var("PURINE_CONV", "one of auto, cudnn, im2col", "auto", _choice("auto", "cudnn", "im2col"),
+        "the GPU convolution path"),
+    Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
+        "time cuDNN's plans and keep the fastest (0: the heuristic's first)"),
+    Var("PURINE_CUDNN_DETERMINISTIC", FLAG, True, _flag,
+        "deterministic cuDNN plans only"),
+    Var("PURINE_CUBLAS_WORKSPACE_MB", "a number of MiB >= 0", 32.0, _non_negative_number,
+        "each cuBLAS handle's workspace"),
+    Var("PURINE_CACHE_DIR", "a folder path", None, _text,
+        "the cache of timed cuDNN plans"),
+    Var("PURINE_CUDA_DIR", "a folder path", None, _text,
+        "the CUDA sources"),
+    Var("PURINE_CIFAR10_URL", "a URL", None, _text,
+        "where `data cifar10` downloads from (a mirror, a local file://)"),
+    Var("PURINE_CIFAR10_MD5", "32 hex digits", None, _md5,
+        "the MD5 the CIFAR-10 download must have"),
+]}
+
+
+def parse(name, text, default=None):
+    """The value of variable ``name`` written as ``text`` (``default``, else
+    the table's, for None or blank); ``EnvError`` when it does not take it."""
+    var = VARS[name]
+    if text is None or not str(text).strip():
+        return var.default if default is None else default
+    try:
+        return var.parse(str(text).strip())
+    except (ValueError, KeyError):
+        raise EnvError(f"environment variable {name} must be {var.kind}, got "
+                       f"{excerpt(text)} (unset it for the default)") from None
+
+
+def get(name, environ=None, default=None):
+    """The parsed value of ``PURINE_*`` variable ``name`` (see ``parse``)."""
+    return parse(name, (os.environ if environ is None else environ).get(name), default)
+
+
+def check_all(environ=None):
+    """Raise ``EnvError`` for the first variable of ``VARS`` set to a value
+    it does not take."""
+    environ = os.environ if environ is None else environ
+    for name in VARS:
+        parse(name, environ.get(name))

@@ -1,0 +1,115 @@
+"""Error types. A ``UserError`` is the user's to fix (bad config, missing file,
+shape mismatch): the CLI prints its message as one paragraph and exits 2,
+with no traceback. Anything else is a bug or a runtime failure. ``excerpt(value)`` is how a
+message quotes a value the user gave: its repr, cut to a short excerpt with
+the whole size when it is long.
+"""
+
+#: the exit status when MPI itself cannot start (MPI_Init fails: comm/mpi_init.py)
+MPI_INIT_FAILED = 70
+
+
+class UserError(Exception):
+    """An error the user can act on; the message names the file/key/node."""
+
+    exit_code = 2
+
+
+class InitMismatch(UserError):
+    """A weights file that does not fit the net (parameters missing, a shape
+    that differs): ``message`` ends with ``hint``, train's way out (``--init-skip
+    LAYER``); ``for_weights()`` is the error for the commands that evaluate
+    given weights (test, predict, export), where a fresh layer is no way out."""
+
+    def __init__(self, message, hint):
+        self.message, self.hint = message, hint
+        super().__init__(f"{message}{hint}")
+
+    def for_weights(self):
+        return UserError(f"{self.message}: the weights belong to another net; give the "
+                         "config they were trained with")
+
+
+class ConfigError(UserError):
+    """Bad configuration: ``ConfigError(path, key, message)``."""
+
+    def __init__(self, path, key, message):
+        self.path, self.key = path, key
+        where = f"{path}: " if path else ""
+        keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
+        super().__init__(f"{where}{keytxt}{message}")
+
+
+class GraphError(UserError):
+    """An invalid graph: unknown op type, dangling input, cycle, double writer."""
+
+
+class ShapeError(GraphError):
+    """Shape inference failed; the message names the op and the blobs."""
+
+
+class StallError(RuntimeError):
+    """A communication op did not complete within the stall timeout."""
+
+
+class OpError(RuntimeError):
+    """An op's kernel raised; carries the op name so every rank can report it."""
+
+    def __init__(self, op, cause, rank=0):
+        self.op, self.cause, self.rank = op, cause, rank
+        super().__init__(f"rank {rank}: op '{op.name}' ({op.op_type}) failed: "
+                         f"{type(cause).__name__}: {cause}")
+
+
+#: how many characters of a value a message quotes at most
+EXCERPT_CHARS = 120
+
+
+def excerpt(value, limit=EXCERPT_CHARS, quote=True):
+    """``repr(value)`` (``str`` with ``quote=False``) for a message, at most
+    ``limit`` characters: a longer one is cut, with ``...`` and its whole
+    size (``(a list of 1000000 items)``). Built piece by piece, so a huge or
+    deeply nested value costs no more than the excerpt."""
+    pieces, length = [], 0
+    for piece in (_pieces(value, 0) if quote else [str(value)]):
+        pieces.append(piece)
+        length += len(piece)
+        if length > limit:
+            return "".join(pieces)[:limit] + f"... ({_size(value)})"
+    return "".join(pieces)
+
+
+def _size(value):
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (str, bytes)):
+        return f"{len(value)} characters"
+    return type(value).__name__
+
+
+def _pieces(value, depth):
+    """The repr of ``value`` in pieces (a container's items one by one)."""
+    if isinstance(value, (list, tuple, dict)) and depth >= 32:
+        yield "[...]" if not isinstance(value, dict) else "{...}"
+    elif isinstance(value, dict):
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _pieces(k, depth + 1)
+            yield ": "
+            yield from _pieces(v, depth + 1)
+        yield "}"
+    elif isinstance(value, (list, tuple)):
+        yield "[" if isinstance(value, list) else "("
+        for i, v in enumerate(value):
+            yield ", " if i else ""
+            yield from _pieces(v, depth + 1)
+        yield "]" if isinstance(value, list) else ("," if len(value) == 1 else "") + ")"
+    elif isinstance(value, str) and len(value) > 4 * EXCERPT_CHARS:
+        yield repr(value[:4 * EXCERPT_CHARS])[:-1]  # enough for any excerpt, never closed
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+        yield f"<an integer of {value.bit_length()} bits>"
+    else:
+        yield repr(value)

@@ -1,0 +1,100 @@
+"""Philox4x32-10, the counter-based generator of Random123 (Salmon et al.,
+"Parallel random numbers: as easy as 1, 2, 3", SC'11), in vectorised NumPy.
+
+A counter-based generator has no state: the 128-bit output for a (counter,
+key) pair is a fixed bijection of the counter under the key, so any element
+of a random stream is computed directly from its index. Dropout draws its
+masks this way, keyed by (run seed, op) and counted by (element, iteration),
+so a mask depends only on those numbers:
+
+- the CPU (this module) and the GPU (``cuda/philox.cuh``, the same rounds in
+  CUDA) draw bit-identical masks;
+- nothing is saved in a checkpoint: a resumed run redraws the masks of the
+  iterations it runs, bit for bit;
+- a GPU kernel reads the iteration from a device blob, so the host does no
+  work per iteration (and a captured CUDA graph replays correctly).
+
+The stream of an op (see :func:`dropout_keys`)::
+
+    key     = (crc32(op name), seed mod 2^32)
+    counter = (block, seed >> 32 mod 2^32, iteration mod 2^32, iteration >> 32)
+
+and element ``i`` of the op's output takes word ``i % 4`` of the block
+``i // 4``. An element is kept when its 32-bit word is ``>= threshold``,
+``threshold = floor(ratio * 2^32)``: an exact integer test, the same on every
+device (P(keep) = 1 - threshold / 2^32, within 2^-32 of 1 - ratio).
+"""
+import zlib
+
+import numpy as np
+
+#: Philox4x32 round multipliers and Weyl key increments (Random123's values)
+M0, M1 = 0xD2511F53, 0xCD9E8D57
+W0, W1 = 0x9E3779B9, 0xBB67AE85
+ROUNDS = 10
+
+_U32 = np.uint32
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def _mulhilo(multiplier, x):
+    """(hi, lo) 32-bit halves of the 64-bit product ``multiplier * x``."""
+    product = np.uint64(multiplier) * x.astype(np.uint64)
+    return (product >> np.uint64(32)).astype(_U32), (product & _MASK32).astype(_U32)
+
+
+def philox4x32(counter, key, rounds=ROUNDS):
+    """Philox4x32-``rounds`` of ``counter`` (4 arrays or a (4, n) array of
+    uint32, broadcast together) under ``key`` (two uint32). Returns a
+    (4, n) uint32 array: the four output words of each counter."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=_U32) for c in counter)
+    c0, c1, c2, c3 = np.broadcast_arrays(c0, c1, c2, c3)
+    k0, k1 = _U32(int(key[0]) & 0xFFFFFFFF), _U32(int(key[1]) & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        for r in range(rounds):
+            if r > 0:  # bump the key before every round but the first
+                k0 = _U32((int(k0) + W0) & 0xFFFFFFFF)
+                k1 = _U32((int(k1) + W1) & 0xFFFFFFFF)
+            hi0, lo0 = _mulhilo(M0, c0)
+            hi1, lo1 = _mulhilo(M1, c2)
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return np.stack([np.asarray(c, dtype=_U32) for c in (c0, c1, c2, c3)])
+
+
+def op_id(name):
+    """The 32-bit id of an op: crc32 of its name (the same on every rank)."""
+    return zlib.crc32(str(name).encode())
+
+
+def dropout_keys(seed, name):
+    """(key0, key1, counter word 1) of op ``name`` under run seed ``seed``."""
+    seed = int(seed) % (1 << 64)
+    return op_id(name), seed & 0xFFFFFFFF, seed >> 32
+
+
+def keep_threshold(ratio):
+    """The 32-bit threshold of a dropout ``ratio`` in [0, 1)."""
+    ratio = float(ratio)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"dropout ratio must lie in [0, 1), got {ratio}")
+    return min(int(ratio * 4294967296.0), 0xFFFFFFFF)
+
+
+def random_bits(count, key0, key1, ctr1, iteration):
+    """The first ``count`` 32-bit words of the stream (see the module
+    docstring) at ``iteration``: a uint32 array of length ``count``."""
+    count = int(count)
+    iteration = int(iteration) % (1 << 64)
+    blocks = -(-count // 4)
+    if blocks > (1 << 32):
+        raise ValueError(f"a Philox dropout stream holds at most 2^34 elements, got {count}")
+    block = np.arange(blocks, dtype=np.uint64).astype(_U32)
+    words = philox4x32((block, ctr1, iteration & 0xFFFFFFFF, iteration >> 32), (key0, key1))
+    return words.T.reshape(-1)[:count]
+
+
+def keep_mask(shape, ratio, key0, key1, ctr1, iteration):
+    """Boolean keep-mask of ``shape``: element i kept iff its word >= threshold."""
+    count = int(np.prod(shape, dtype=np.int64))
+    bits = random_bits(count, key0, key1, ctr1, iteration)
+    return (bits >= _U32(keep_threshold(ratio))).reshape(shape)

@@ -1,0 +1,213 @@
+"""Writing a run's files safely: the one helper every writer of a run
+folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
+``metrics.jsonl``, traces, the temporary files of checkpoints; ``tb/``).
+
+- ``open_run_fd`` / ``open_run_file`` open a file for writing without
+  following a symbolic link (``O_NOFOLLOW``) and only if what is there is a
+  regular file with no other hard link; anything else (a link planted in a
+  shared or group-writable folder, a FIFO, a device, another user's file
+  linked in) is refused with a ``UserError`` naming it (exit 2), so a run
+  never writes through to a file elsewhere.
+- ``refuse_link`` says the same of a path that is about to be created or
+  replaced by name (a folder such as ``tb/``).
+- ``write_all`` writes bytes to a descriptor completely or not at all: on a
+  failure it cuts the file back to where it was, so a record is never left
+  cut mid-line, and a full disk is reported by ``disk_error``.
+- ``disk_error`` turns an ``OSError`` of a write into one line naming the
+  file (``no space left on device`` for ENOSPC/EDQUOT), a ``UserError``.
+
+Standard library only: the log file (foundation) uses it too.
+"""
+import errno
+import io
+import fcntl
+import os
+import stat
+
+from .errors import UserError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class UnsafeRunFile(UserError):
+    """A run file that is a symbolic link or not a regular file of its own."""
+
+
+def _refusal(path, what):
+    return UnsafeRunFile(f"{path}: {what}; a run writes only regular files of its own in its "
+                         "folder and never follows a link there: remove it, or give another "
+                         "--out")
+
+
+def refuse_link(path, folder=False, in_place=False):
+    """A UserError if ``path`` is a symbolic link (or, for a file, anything
+    but a regular file; for ``folder``, anything but a folder; ``in_place``,
+    a file written in place: one with other hard links). A missing path is
+    fine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise _refusal(path, "is a symbolic link")
+    if folder and not stat.S_ISDIR(st.st_mode):
+        raise _refusal(path, "is not a folder")
+    if not folder and not stat.S_ISREG(st.st_mode):
+        raise _refusal(path, "is not a regular file")
+    if in_place and st.st_nlink > 1:
+        raise _refusal(path, f"has {st.st_nlink} hard links (it is also a file elsewhere)")
+
+
+def open_run_fd(path, append=False, truncate=True, read=False, mode=0o644):
+    """A descriptor of ``path`` open for writing (``read``: for reading too),
+    created if missing, never through a symbolic link, and only if it is a
+    regular file with a single link; ``truncate`` empties it (not with
+    ``append``). Refusals are ``UnsafeRunFile`` (exit 2)."""
+    flags = (os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+             | (os.O_RDWR if read else os.O_WRONLY) | (os.O_APPEND if append else 0))
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refusal(path, "is a symbolic link") from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without reader, a folder
+            raise _refusal(path, "is not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refusal(path, "is not a regular file")
+        if st.st_nlink > 1:
+            raise _refusal(path, f"has {st.st_nlink} hard links (it is also a file elsewhere)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        if truncate and not append:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_run_file(path, mode="w", encoding="utf-8"):
+    """``open_run_fd`` as a text file object: ``mode`` "w" (emptied), "a"
+    (appended to) or "a+" (read and appended to, not emptied)."""
+    fd = open_run_fd(path, append=mode.startswith("a"), read="+" in mode)
+    return os.fdopen(fd, mode, encoding=encoding)
+
+
+def make_run_folder(path):
+    """Create the folder ``path`` inside a run folder (``tb/``) unless it is
+    there; refuses a symbolic link or a file in its place."""
+    refuse_link(path, folder=True)
+    os.makedirs(path, exist_ok=True)
+    refuse_link(path, folder=True)  # not swapped for a link meanwhile
+    return path
+
+
+def disk_error(path, exc):
+    """The ``UserError`` for an ``OSError`` ``exc`` of writing ``path``:
+    one line naming the file, ``no space left on device`` when it is
+    ENOSPC/EDQUOT. Returns None for other errors."""
+    if getattr(exc, "errno", None) in _FULL or "No space left on device" in str(exc) \
+            or "errno = 28," in str(exc):
+        return UserError(f"{path}: no space left on device; free space there or give another "
+                         "--out")
+    return None
+
+
+def write_all(fd, data, path):
+    """Write ``data`` (bytes) at the end of ``fd`` completely, or cut the
+    file back to its size before and raise (``disk_error``'s UserError for
+    a full disk, the ``OSError`` otherwise)."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        err = disk_error(path, exc)
+        if err is not None:
+            raise err from None
+        raise
+
+
+class GuardedFile(io.RawIOBase):
+    """A new file (created exclusively, never through a link) for a library
+    that writes through a Python file object (h5py's ``fileobj`` driver).
+    A failed write (a full disk) is not raised into the library (HDF5
+    answers it with errors of its own, or a crash): it is remembered, and
+    the file goes on in memory so the library's reads stay consistent; the
+    caller asks ``check()`` when the library is done and removes the file."""
+
+    def __init__(self, path):
+        super().__init__()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        self._file = io.FileIO(fd, "r+b", closefd=True)
+        self._io, self.path, self.error = self._file, path, None
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def readinto(self, buffer):
+        return self._io.readinto(buffer)
+
+    def seek(self, pos, whence=0):
+        return self._io.seek(pos, whence)
+
+    def tell(self):
+        return self._io.tell()
+
+    def truncate(self, size=None):
+        if self._io is self._file:
+            try:
+                return self._file.truncate(size)
+            except OSError as exc:
+                self._to_memory(exc)
+        return self._io.truncate(size)
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        if self._io is self._file:
+            pos = self._file.tell()
+            try:
+                done = 0
+                while done < len(view):  # os.write: the fd's offset, as FileIO's
+                    done += os.write(self._file.fileno(), view[done:])
+                return done
+            except OSError as exc:
+                self._to_memory(exc)
+                self._io.seek(pos)
+        return self._io.write(view)
+
+    def _to_memory(self, exc):
+        self.error = exc
+        pos = self._file.tell()
+        self._file.seek(0)
+        self._io = io.BytesIO(self._file.readall())
+        self._io.seek(pos)
+
+    def close(self):
+        self._file.close()
+        super().close()
+
+    def check(self):
+        """Raise the ``OSError`` a write met (the caller names the file it
+        stands for: ``disk_error``); else fsync the file."""
+        if self.error is None:
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as exc:
+                self.error = exc
+        if self.error is not None:
+            raise self.error

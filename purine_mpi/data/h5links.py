@@ -1,0 +1,260 @@
+"""HDF5 files that reach outside themselves, and files another process holds.
+
+An HDF5 file can keep a dataset's bytes in other files: external storage
+(``Dataset.external``: raw bytes at an offset of any file, ``/etc/passwd``
+included), external links (``h5py.ExternalLink``: a name resolved in
+another HDF5 file), virtual datasets (``Dataset.is_virtual``: a view of
+datasets of other files, which reads as fill values, zeros, where a source
+file is missing). A soft link may also point nowhere, or through an
+external link. Checkpoints and weights files must be self-contained
+(``outside_reference`` walks a whole file and names the first such
+object); data files may use them where the data spec says ``external:
+true``, and then ``check_sources`` makes sure every file they read exists
+and is large enough (never zeros in place of a missing file).
+
+``held_by`` says which process holds a file open when HDF5's file lock
+refuses it (errno 11): a held file is not a damaged one.
+"""
+import errno
+import os
+import posixpath
+
+import numpy as np
+
+from ..base.errors import UserError
+
+#: how many soft links in a row are followed when checking where one leads
+_MAX_SOFT_DEPTH = 16
+
+
+# ------------------------------------------------------------- what points out
+def _dataset_outside(dset):
+    """What a dataset reads from outside its file (text), or None."""
+    if dset.is_virtual:
+        files = []
+        for source in dset.virtual_sources():
+            name = source.file_name
+            shown = "this file" if name == "." else f"'{name}'"
+            if shown not in files:
+                files.append(shown)
+        return f"a virtual dataset reading from {', '.join(files)}"
+    external = dset.external
+    if external:
+        files = []
+        for name, _, _ in external:
+            name = os.fsdecode(name)
+            if name not in files:
+                files.append(name)
+        return f"stored in external file(s) {', '.join(repr(n) for n in files)}"
+    return None
+
+
+def _resolve_soft(f, parent, target, depth=0, shown=None):
+    """Where a soft link in group ``parent`` to ``target`` leads: None if to
+    an object of the file through hard links only, else a text saying why
+    not (dangling, or through an external link). Never opens another file."""
+    import h5py
+    shown = shown or target
+    if depth > _MAX_SOFT_DEPTH:
+        return f"a soft link to '{shown}' that goes round in circles"
+    path = target if target.startswith("/") else posixpath.join(parent or "/", target)
+    group, parts = "/", [p for p in path.split("/") if p and p != "."]
+    for i, part in enumerate(parts):
+        if part == "..":
+            group = posixpath.dirname(group.rstrip("/")) or "/"
+            continue
+        here = f[group]
+        if not isinstance(here, h5py.Group) or part not in here.keys():
+            return f"a dangling soft link to '{shown}' (nothing is there)"
+        link = here.get(part, getlink=True)
+        name = posixpath.join(group, part)
+        if isinstance(link, h5py.ExternalLink):
+            return (f"a soft link to '{shown}' through the external link '{name}' to "
+                    f"'{link.path}' in file '{link.filename}'")
+        if isinstance(link, h5py.SoftLink):
+            why = _resolve_soft(f, group, link.path, depth + 1, shown)
+            if why:
+                return why
+            rest = "/".join(parts[i + 1:])
+            return _resolve_soft(f, "/", posixpath.join(link.path if link.path.startswith("/")
+                                                        else posixpath.join(group, link.path),
+                                                        rest), depth + 1, shown) if rest else None
+        group = name
+    return None
+
+
+def link_outside(f, name):
+    """What the link ``name`` (a full path of the open file ``f``, its
+    parents hard links) points to outside the file, or None."""
+    import h5py
+    parent, _, base = name.rstrip("/").rpartition("/")
+    parent = parent or "/"
+    link = f[parent].get(base, getlink=True)
+    if isinstance(link, h5py.ExternalLink):
+        return f"an external link to '{link.path}' in file '{link.filename}'"
+    if isinstance(link, h5py.SoftLink):
+        return _resolve_soft(f, parent, link.path)
+    if link is None:
+        return None
+    obj = f[name]
+    return _dataset_outside(obj) if isinstance(obj, h5py.Dataset) else None
+
+
+def outside_reference(f, group="/"):
+    """(name, what) of the first object under ``group`` of the open h5py
+    file ``f`` that reads from outside the file or does not resolve (an
+    external link, a dangling soft link or one through an external link, a
+    dataset with external storage, a virtual dataset), or None. Follows hard
+    links only: no other file is opened."""
+    start = f[group]
+    prefix = start.name.rstrip("/")
+    found = []
+
+    def visit(name, _link):
+        full = f"{prefix}/{name}"
+        why = link_outside(f, full)
+        if why:
+            found.append((full, why))
+            return True
+        return None
+    if hasattr(start, "visititems_links"):
+        start.visititems_links(visit)
+    else:  # h5py before 3.11
+        _visit_links(start, visit)
+    return found[0] if found else None
+
+
+def _visit_links(group, visit):
+    """``Group.visititems_links`` for older h5py: every link under ``group``
+    (names relative to it), descending through hard links only, each group
+    once; stops when ``visit`` returns a true value."""
+    import h5py
+    seen = {hash(group.id)}
+
+    def walk(g, prefix):
+        for name in list(g):
+            link = g.get(name, getlink=True)
+            if visit(prefix + name, link):
+                return True
+            if isinstance(link, h5py.HardLink):
+                obj = g[name]
+                if isinstance(obj, h5py.Group) and hash(obj.id) not in seen:
+                    seen.add(hash(obj.id))
+                    if walk(obj, f"{prefix}{name}/"):
+                        return True
+        return False
+    walk(group, "")
+
+
+def refuse_outside(f, path, what):
+    """Raise a UserError naming the first object of ``f`` that reads from
+    outside the file (see ``outside_reference``)."""
+    bad = outside_reference(f)
+    if bad:
+        name, why = bad
+        raise UserError(f"{what} '{path}': '{name}' is {why}; checkpoint and weights "
+                        "files must hold their own data (external storage, external links and "
+                        "virtual datasets are refused): write the values into the file itself")
+
+
+# --------------------------------------------------- the files a dataset reads
+def _find(name, folders):
+    if os.path.isabs(name):
+        return name if os.path.exists(name) else None
+    for folder in folders:
+        candidate = os.path.join(folder, name)
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def check_sources(dset, path, where):
+    """For a data file whose spec allows ``external: true``: every file the
+    dataset ``dset`` (``where``: its name) reads exists, is readable and is
+    large enough; a UserError naming it otherwise (HDF5 would read zeros in
+    place of a missing virtual source)."""
+    import h5py
+    home = os.path.dirname(os.path.abspath(path))
+    if dset.is_virtual:
+        for source in dset.virtual_sources():
+            if source.file_name == ".":
+                if source.dset_name not in dset.file:
+                    raise UserError(f"data file '{path}': virtual dataset '{where}' reads "
+                                    f"'{source.dset_name}' of the same file, which has none")
+                continue
+            found = _find(source.file_name, [home, os.getcwd()])
+            if found is None:
+                raise UserError(f"data file '{path}': virtual dataset '{where}' reads from "
+                                f"'{source.file_name}', which does not exist (HDF5 would read "
+                                "zeros in its place)")
+            try:
+                with h5py.File(found, "r") as src:
+                    ok = source.dset_name in src and isinstance(src[source.dset_name],
+                                                                h5py.Dataset)
+            except OSError as e:
+                raise UserError(f"data file '{path}': virtual dataset '{where}' reads from "
+                                f"'{found}', which cannot be opened as HDF5 ({e})") from None
+            if not ok:
+                raise UserError(f"data file '{path}': virtual dataset '{where}' reads "
+                                f"'{source.dset_name}' of '{found}', which has no such dataset")
+        return
+    external = dset.external
+    if not external:
+        return
+    remaining = int(np.prod(dset.shape, dtype=np.int64)) * dset.dtype.itemsize
+    for name, offset, size in external:
+        if remaining <= 0:
+            break
+        name = os.fsdecode(name)
+        take = min(int(size), remaining)
+        found = _find(name, [os.getcwd()])
+        if found is None or not os.access(found, os.R_OK):
+            raise UserError(f"data file '{path}': dataset '{where}' is stored in external file "
+                            f"'{name}', which does not exist or cannot be read")
+        have = os.path.getsize(found)
+        if have < int(offset) + take:
+            raise UserError(f"data file '{path}': dataset '{where}' needs bytes "
+                            f"[{offset}, {int(offset) + take}) of external file '{name}', "
+                            f"which has {have} bytes")
+        remaining -= take
+
+
+# ------------------------------------------------------------- held files
+def is_lock_error(exc):
+    """True when h5py refused to open a file because another process holds
+    it (HDF5's file lock, errno 11, or a file already open for writing)."""
+    text = str(exc)
+    return getattr(exc, "errno", None) in (errno.EAGAIN, errno.EWOULDBLOCK) or \
+        "unable to lock file" in text or "already open for write" in text
+
+
+def held_by(path):
+    """Who holds ``path`` locked: 'pid N (command)' for each process that
+    /proc/locks lists on the file (Linux), or ''."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    holders = []
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        try:
+            pid, dev = int(fields[4]), fields[5]
+            inode = int(dev.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if inode != st.st_ino or pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                command = c.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            command = ""
+        text = f"pid {pid}" + (f" ({command[:80]})" if command else "")
+        if text not in holders:
+            holders.append(text)
+    return ", ".join(holders)

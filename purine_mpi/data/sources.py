@@ -1,0 +1,467 @@
+"""Data sources and the data-parallel batching rule.
+
+A source holds ``n_samples`` samples of one ``sample_shape`` (float32, or
+uint8 for an HDF5 file stored as bytes and for Caffe's LMDB records, see
+``data/lmdb_source.py``) with int64 labels and returns any of
+them by index (``gather``). An HDF5 split that does not fit the memory budget
+is read batch by batch from its (chunked) datasets instead of being loaded. The order in
+which samples are read is fixed by ``batch_indices`` (docs/config.md, "Sample order"):
+
+    with N ranks and per-rank batch B, iteration t reads the global sample
+    positions [t*N*B, (t+1)*N*B) of the epoch order, and rank r takes
+    [r*B, (r+1)*B) of that window. Position p is sample ``order(epoch)[p % n]``
+    of epoch ``p // n``, where ``order`` is a permutation that depends only on
+    (seed, epoch) when shuffling and the identity otherwise.
+
+So N ranks x B read exactly the samples of 1 rank x N*B, and a run's data
+order does not depend on how it is split over ranks.
+
+One pass over a split (a test pass with ``test_iter: null``, ``predict``) is
+``pass_batches(n, B, N)`` iterations: the last may reach past position n,
+and the positions there wrap around as above but are padding, not samples:
+``pass_counts`` says how many samples of each rank's batch count (those at
+positions < n), so every sample counts exactly once on any number of ranks.
+"""
+import os
+import resource
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..base import env
+from ..base.errors import UserError
+from ..base.progress_bar import human_bytes
+from .h5links import check_sources, link_outside
+
+#: synthetic sources hold at most this many bytes of distinct samples and
+#: repeat them beyond (benchmarks with ImageNet-sized shapes stay small)
+SYNTHETIC_POOL_BYTES = 64 << 20
+
+
+# ------------------------------------------------------------------ sources
+class DataSource:
+    """Base class: ``n_samples``, ``sample_shape``, ``gather(indices)``."""
+
+    n_samples = 0
+    sample_shape = ()
+
+    def gather(self, indices):
+        """(data float32 (len, *sample_shape), labels int64 (len,)) of ``indices``."""
+        raise NotImplementedError
+
+
+def hdf5_info(path, split=None, external=False):
+    """(n_samples, sample_shape) of an HDF5 data file's split, reading only
+    metadata. Raises UserError naming the file and dataset when the file is
+    missing, not HDF5, or the layout is wrong (data must be N x C x H x W
+    float, label 1-D integer of the same N), or when the split's data or
+    label reads from another file (data/h5links.py) without ``external``
+    (the data spec's key), or with it from a file that is missing or short."""
+    import h5py
+    if not os.path.isfile(path):
+        raise UserError(f"data file '{path}' not found")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"data file '{path}' cannot be opened as HDF5 ({e})") from None
+    try:
+        with f:
+            _check_outside(f, path, split, external)
+            return _layout(f, path, split)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged object headers
+        raise UserError(f"data file '{path}' is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _layout(f, path, split):
+    """The split's (n_samples, sample_shape), its layout checked."""
+    group, where = _split_group(f, path, split)
+    data, label = _dataset(group, "data", path, where), _dataset(group, "label", path, where)
+    if data.ndim != 4 or not (data.dtype.kind == "f" or data.dtype == np.uint8):
+        raise UserError(f"data file '{path}': dataset '{where}data' must be 4-D float or "
+                        f"uint8 (N x C x H x W), got shape {list(data.shape)} dtype "
+                        f"{data.dtype}")
+    if label.ndim != 1 or label.dtype.kind not in "iu":
+        raise UserError(f"data file '{path}': dataset '{where}label' must be 1-D integer "
+                        f"(N,), got shape {list(label.shape)} dtype {label.dtype}")
+    if label.shape[0] != data.shape[0] or data.shape[0] == 0:
+        raise UserError(f"data file '{path}': '{where}data' has {data.shape[0]} samples but "
+                        f"'{where}label' has {label.shape[0]}; they must agree and be > 0")
+    return int(data.shape[0]), tuple(int(s) for s in data.shape[1:])
+
+
+def _check_outside(f, path, split, external):
+    """Refuse a split whose group, data or label reads from another file
+    unless the spec opts in; with it, every such file must be there."""
+    import h5py
+    names = ([f"/{split}"] if split is not None else []) + \
+        [f"{'' if split is None else '/' + split}/{n}" for n in ("data", "label")]
+    for name in names:
+        parent, _, base = name.rpartition("/")
+        group = f[parent or "/"]
+        if not isinstance(group, h5py.Group) or group.get(base, getlink=True) is None:
+            return  # a missing name: _layout says which
+        if not external:
+            why = link_outside(f, name)
+            if why:
+                raise UserError(f"data file '{path}': '{name}' is {why}; set the data spec's "
+                                "'external: true' to read data kept in other files")
+            continue
+        try:  # allowed: what it points to must be there
+            obj = f[name]
+        except (KeyError, OSError) as e:
+            raise UserError(f"data file '{path}': '{name}' is {link_outside(f, name)}, which "
+                            f"cannot be read ({type(e).__name__}: {e})") from None
+        if isinstance(obj, h5py.Dataset):
+            check_sources(obj, path, name)
+
+
+def _split_group(f, path, split):
+    if split is None:
+        groups = sorted(k for k in f if hasattr(f[k], "keys"))
+        if "data" not in f and groups:
+            raise UserError(f"data file '{path}' has no top-level 'data' dataset; it has the "
+                            f"groups {', '.join(groups)}: set the data spec's 'split' to one")
+        return f, "/"
+    if split not in f or not hasattr(f[split], "keys"):
+        groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
+        raise UserError(f"data file '{path}' has no group '/{split}' (groups: {groups}); "
+                        "check the data spec's 'split'")
+    return f[split], f"/{split}/"
+
+
+def _dataset(group, name, path, where):
+    if name not in group or not hasattr(group[name], "shape"):
+        raise UserError(f"data file '{path}' has no dataset '{where}{name}'")
+    return group[name]
+
+
+def memory_budget():
+    """Bytes of decoded data an HDF5 split may occupy in memory: a quarter of
+    the physical memory, or of the address-space limit (``ulimit -v``) when
+    that is lower; ``PURINE_DATA_MEMORY_MB`` overrides it."""
+    mib = env.get("PURINE_DATA_MEMORY_MB")
+    if mib is not None:
+        return int(mib * (1 << 20))
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        budget = min(budget, limit)
+    return budget // 4
+
+
+class HDF5Source(DataSource):
+    """A split of an HDF5 data file (``/split/data``, ``/split/label``, or the
+    top-level ``data``/``label`` when ``split`` is None), float or uint8.
+
+    ``in_memory`` (the data spec's key): ``auto`` (default) loads the split
+    into memory once per process, shared between readers of the same file,
+    when it fits ``memory_budget()``; otherwise (or with ``false``) every
+    ``gather`` reads just the rows of its batch from the file (sorted, unique
+    indices through h5py, with a chunk cache), in the prefetch thread, so a
+    split larger than memory trains. Either way the sample order is the one
+    of docs/config.md ("Sample order") and uint8 stays uint8 until the transform step. Labels (N
+    integers) are always in memory. A float split kept on disk is read once
+    at start-up to check that every value is finite."""
+
+    _cache = {}
+    _cache_lock = threading.Lock()
+    #: h5py's chunk cache per open file in the on-demand mode
+    CHUNK_CACHE_BYTES = 64 << 20
+
+    def __init__(self, path, split=None, in_memory="auto", external=False):
+        self.path, self.split = path, split
+        self.n_samples, self.sample_shape = hdf5_info(path, split, external)
+        self.where = "/" if split is None else f"/{split}/"
+        decoded = self.n_samples * int(np.prod(self.sample_shape)) * 4
+        budget = memory_budget()
+        if self.n_samples * 8 > budget:  # the labels are always held in memory
+            raise UserError(
+                f"data file '{path}': dataset '{self.where}label' holds {self.n_samples} "
+                f"labels, {human_bytes(self.n_samples * 8)} in memory as int64, more than the "
+                f"data memory budget of {human_bytes(budget)} (a quarter of the memory or of "
+                "ulimit -v, or PURINE_DATA_MEMORY_MB); the labels of a split are always kept "
+                "in memory: use a smaller split, or raise PURINE_DATA_MEMORY_MB (in MB) if the "
+                "memory is there")
+        self.in_memory = in_memory is True or (in_memory in ("auto", None)
+                                               and decoded <= budget)
+        stat = os.stat(path)
+        key = (os.path.abspath(path), split, stat.st_mtime_ns, stat.st_size, self.in_memory)
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._cache[key] = self._load()
+        self.data, self.labels = cached
+        self._file = None
+        self._read_lock = threading.Lock()
+
+    def _load(self):
+        import h5py
+        try:
+            with h5py.File(self.path, "r") as f:
+                group = f if self.split is None else f[self.split]
+                try:
+                    labels = np.ascontiguousarray(group["label"][...], dtype=np.int64)
+                except MemoryError:
+                    raise UserError(f"data file '{self.path}': dataset '{self.where}label' "
+                                    f"({self.n_samples} labels) does not fit in memory (labels "
+                                    "are always kept in memory; PURINE_DATA_MEMORY_MB may be set "
+                                    "above what the machine has)") from None
+                data = None
+                stored = group["data"]
+                if self.in_memory:
+                    dtype = np.uint8 if stored.dtype == np.uint8 else np.float32
+                    data = np.ascontiguousarray(stored[...], dtype=dtype)
+                elif stored.dtype.kind == "f":
+                    self._scan_finite(stored)
+        except (OSError, KeyError) as e:
+            raise UserError(f"data file '{self.path}': reading split {self.split!r} failed "
+                            f"({e}); the file may be truncated") from None
+        if data is not None:
+            self._check_finite(data, 0)
+            data.setflags(write=False)  # shared between readers: nobody may change it
+        labels.setflags(write=False)
+        return data, labels
+
+    def _scan_finite(self, stored, block_bytes=64 << 20):
+        """Read a float split kept on disk once, a block of rows at a time, so
+        a NaN or inf is found at start-up (exit 2, before any training) and
+        never in the middle of a run or an evaluation. uint8 data needs no scan."""
+        row = max(1, int(np.prod(stored.shape[1:])) * stored.dtype.itemsize)
+        step = max(1, block_bytes // row)
+        for start in range(0, stored.shape[0], step):
+            self._check_finite(np.asarray(stored[start:start + step]), start)
+
+    def _check_finite(self, data, first_index, indices=None):
+        if data.dtype.kind != "f":
+            return
+        finite = np.isfinite(data.reshape(len(data), -1)).all(axis=1)
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            at = int(bad[0]) + first_index if indices is None else int(indices[bad[0]])
+            raise UserError(f"data file '{self.path}': dataset '{self.where}data' holds "
+                            f"non-finite values (NaN or inf) in {len(bad)} sample(s), the "
+                            f"first at index {at}; training on them would give a NaN loss")
+
+    def gather(self, indices):
+        if self.data is not None:
+            return self.data[indices], self.labels[indices]
+        import h5py
+        indices = np.asarray(indices, dtype=np.int64)
+        unique, inverse = np.unique(indices, return_inverse=True)
+        with self._read_lock:
+            if self._file is None:
+                self._file = h5py.File(self.path, "r", rdcc_nbytes=self.CHUNK_CACHE_BYTES,
+                                       rdcc_nslots=10007)
+            dset = self._file["data"] if self.split is None else self._file[self.split]["data"]
+            try:
+                rows = dset[unique]
+            except (OSError, KeyError) as e:
+                raise UserError(f"data file '{self.path}': reading '{self.where}data' failed "
+                                f"({e}); the file may be truncated") from None
+        if rows.dtype != np.uint8:
+            rows = rows.astype(np.float32, copy=False)
+        self._check_finite(rows, 0, unique)
+        return rows[inverse.reshape(-1)], self.labels[indices]
+
+
+class SyntheticSource(DataSource):
+    """Deterministic random data: sample i is ``center[label_i] + noise_i``
+    (so a net can learn it), float32, labels uniform in [0, classes).
+
+    The class centers depend only on ``seed``; the samples also on ``split``,
+    so a train and a test source with one seed share their classes but not
+    their samples. At most SYNTHETIC_POOL_BYTES of distinct samples are made;
+    beyond that sample i repeats sample i % pool (benchmarks only need the
+    shapes)."""
+
+    def __init__(self, shape, classes, num_samples=1024, seed=0, split=None):
+        self.sample_shape = tuple(int(s) for s in shape)
+        self.n_samples, self.classes = int(num_samples), int(classes)
+        sample_bytes = 4 * int(np.prod(self.sample_shape))
+        pool = max(1, min(self.n_samples, SYNTHETIC_POOL_BYTES // max(sample_bytes, 1)))
+        centers = np.random.default_rng([seed, 0x5EED]).standard_normal(
+            (self.classes,) + self.sample_shape, dtype=np.float32)
+        split_tag = int.from_bytes(str(split).encode()[:8].ljust(8, b"\0"), "little")
+        rng = np.random.default_rng([seed, 0xDA7A, split_tag])
+        self.labels = rng.integers(0, self.classes, size=self.n_samples, dtype=np.int64)
+        noise = rng.standard_normal((pool,) + self.sample_shape, dtype=np.float32)
+        self.pool = noise
+        self.pool += centers[self.labels[:pool]]
+        self.pool_size = pool
+        if pool < self.n_samples:  # repeated samples keep their pool sample's label
+            self.labels = self.labels[np.arange(self.n_samples) % pool]
+
+    def gather(self, indices):
+        indices = np.asarray(indices)
+        return self.pool[indices % self.pool_size], self.labels[indices]
+
+
+def make_source(spec, seed=0):
+    """A source from a data spec as in the config (``source: hdf5|lmdb|synthetic``).
+    ``seed`` is used for synthetic data when the spec gives no ``seed``."""
+    kind = spec.get("source", "hdf5")
+    if kind == "hdf5":
+        return HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"),
+                          bool(spec.get("external")))
+    if kind == "lmdb":
+        from .lmdb_source import LMDBSource
+        return LMDBSource(spec["path"])
+    if kind == "synthetic":
+        s = spec.get("seed")
+        return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
+                               seed if s is None else s, spec.get("split"))
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
+
+
+def check_labels(spec, classes, ignore_label=None, layer="?"):
+    """Raise a UserError naming the file and dataset when a label of the
+    data spec lies outside [0, ``classes``) (``ignore_label`` excepted):
+    ``classes`` is what the consuming ``layer`` (a loss or accuracy) sees.
+    Synthetic data draws its labels in range by construction; an LMDB is
+    scanned when its file fits ``memory_budget()`` (a larger one is read
+    only batch by batch, and the loss checks its labels then)."""
+    if spec.get("source", "hdf5") == "lmdb":
+        from .lmdb_source import LMDBSource, lmdb_file_bytes
+        if lmdb_file_bytes(spec["path"]) > memory_budget():
+            return
+        source = LMDBSource(spec["path"])
+        labels = source.labels()
+        bad = (labels < 0) | (labels >= classes)
+        if ignore_label is not None:
+            bad &= labels != int(ignore_label)
+        if bad.any():
+            first = int(np.argmax(bad))
+            key = bytes(source.keys[first]).decode("utf-8", "backslashreplace")
+            _check_label_range(labels, classes, ignore_label, layer,
+                               f"lmdb source '{spec['path']}'", f"record '{key}' holds label")
+        return
+    if spec.get("source", "hdf5") != "hdf5":
+        if int(spec.get("classes", classes)) > classes:
+            raise UserError(f"data: synthetic source has {spec.get('classes')} classes but "
+                            f"layer '{layer}' sees {classes} (check its input's num_output)")
+        return
+    source = HDF5Source(spec["path"], spec.get("split"), spec.get("in_memory", "auto"),
+                        bool(spec.get("external")))
+    where = "/" if spec.get("split") is None else f"/{spec['split']}/"
+    _check_label_range(source.labels, classes, ignore_label, layer,
+                       f"data file '{spec['path']}'", f"dataset '{where}label' holds label")
+
+
+def _check_label_range(labels, classes, ignore_label, layer, what, holds):
+    bad = (labels < 0) | (labels >= classes)
+    if ignore_label is not None:
+        bad &= labels != int(ignore_label)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise UserError(f"{what}: {holds} {int(labels[first])} (sample {first}; "
+                        f"{int(bad.sum())} bad in all), outside [0, {classes}): layer "
+                        f"'{layer}' sees {classes} classes (check the num_output of the layer "
+                        "feeding it)")
+
+
+def source_info(spec):
+    """(n_samples, sample_shape) of a data spec without loading the data."""
+    kind = spec.get("source", "hdf5")
+    if kind == "hdf5":
+        return hdf5_info(spec["path"], spec.get("split"), bool(spec.get("external")))
+    if kind == "lmdb":
+        from .lmdb_source import lmdb_info
+        return lmdb_info(spec["path"])
+    if kind == "synthetic":
+        return int(spec.get("num_samples", 1024)), tuple(int(s) for s in spec["shape"])
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
+
+
+# ----------------------------------------------------------------- batching
+class EpochOrder:
+    """The permutation of each epoch: depends only on (seed, epoch) when
+    ``shuffle``, the identity otherwise. Keeps the last few epochs' orders."""
+
+    def __init__(self, n_samples, shuffle, seed=0, cache=2):
+        self.n, self.shuffle, self.seed = int(n_samples), bool(shuffle), int(seed)
+        self._cache, self._cache_size = OrderedDict(), cache
+
+    def __call__(self, epoch):
+        if not self.shuffle:
+            return None
+        order = self._cache.get(epoch)
+        if order is None:
+            order = np.random.default_rng([self.seed, int(epoch), 0x0DE5]).permutation(self.n)
+            self._cache[epoch] = order
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return order
+
+    def indices(self, start, count):
+        """Sample indices at global positions [start, start + count)."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.n)
+        if not self.shuffle:
+            return offsets
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = self(int(epoch))[offsets[sel]]
+        return out
+
+
+def batch_start(iteration, rank, world_size, batch_size):
+    """Global position of the first sample rank ``rank`` reads at ``iteration``."""
+    return (int(iteration) * world_size + rank) * batch_size
+
+
+def batch_positions(iteration, rank, world_size, batch_size):
+    """Global positions (B,) rank ``rank`` reads at ``iteration``; the data
+    transform's random draws derive from them (``purine_mpi.data.transform``)."""
+    start = batch_start(iteration, rank, world_size, batch_size)
+    return np.arange(start, start + batch_size, dtype=np.int64)
+
+
+def batch_indices(iteration, rank, world_size, batch_size, order):
+    """Sample indices rank ``rank`` reads at ``iteration`` (the rule above)."""
+    return order.indices(batch_start(iteration, rank, world_size, batch_size), batch_size)
+
+
+def pass_batches(n_samples, batch_size, world_size):
+    """Iterations of one pass over ``n_samples`` samples with ``world_size``
+    ranks x ``batch_size``: the fewest that read every sample (at least 1)."""
+    return max(1, -(-int(n_samples) // (int(batch_size) * int(world_size))))
+
+
+def pass_counts(iteration, world_size, batch_size, limit):
+    """(world_size,) int64: how many of each rank's ``batch_size`` positions
+    at ``iteration`` lie below ``limit`` (the samples of one pass; the rest
+    are padding), from rank 0's batch to the last."""
+    starts = np.array([batch_start(iteration, r, world_size, batch_size)
+                       for r in range(int(world_size))], dtype=np.int64)
+    return np.clip(int(limit) - starts, 0, int(batch_size))
+
+
+def repeat_note(batches, batch_size, ranks, n_samples, unpadded=False):
+    """The note on a test pass of ``batches`` global batches of ``batch_size``
+    x ``ranks`` that is longer than the split's ``n_samples`` (None when it
+    is not): the test reader wraps around (as Caffe's), so sample i counts
+    q + 1 times for the first r samples and q times for the others, where
+    q, r = divmod(total, n_samples). ``unpadded``: a one-pass test (null
+    test_iter) whose net allows no padding (job/replica.py, ``mark_padding``)."""
+    total = batches * batch_size * ranks
+    if total <= n_samples:
+        return None
+    q, r = divmod(total, n_samples)
+    how = f"{total} samples of a {n_samples}-sample test split: "
+    first = "the first sample counts" if r == 1 else f"the first {r} samples count"
+    if r == 0:
+        how += f"{q} full passes, each sample counts {q} times"
+    elif q == 1:
+        how += f"a full pass, and {first} twice"
+    else:
+        how += (f"{q} full passes and a part: {first} {q + 1} times, the other "
+                f"{n_samples - r} count {q} times")
+    advice = "make test_iter x the global batch equal the split (null test_iter: one pass)"
+    if unpadded:
+        advice = ("make the global batch divide the split: with null test_iter the last batch "
+                  "is not padded here, as the test net's label reaches other layers than "
+                  "softmax_loss and accuracy, or two losses ignore different labels")
+    return (f"note: a test pass of {batches} batches of {batch_size} x {ranks} rank(s) reads "
+            f"{how} (the reader wraps around, as in Caffe); for exact figures {advice}")

@@ -1,0 +1,183 @@
+"""The solver on the device: the fused and multi-tensor SGD updates, the lr
+policy, the iteration counter and gradient clipping (cuda/sgd.cu,
+lr_policy.cu, clip.cu).
+"""
+import numpy as np
+
+from .. import data_ptr, dtype_suffix, import_cupy
+from . import base as _base
+from .base import _input, _int, _iteration, _same_as
+
+
+# ------------------------------------------------------------ SGD update ---
+
+def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=1.0,
+                        lr_mult=1.0):
+    """In place: v = momentum*v + rate*(grad_scale*g + weight_decay*w); w -= v,
+    rate = lr * lr_mult.
+
+    ``w`` and ``v`` must be C-contiguous (they are updated where they are);
+    ``lr`` is a number or a one-element CuPy array (a learning-rate blob, read
+    by the kernel and multiplied there by ``lr_mult``: no temporary)."""
+    cupy = import_cupy()
+    for name, array in (("w", w), ("v", v)):
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
+            raise ValueError(f"sgd_momentum_update: {name} must be a C-contiguous "
+                             "CuPy array (it is updated in place)")
+    dtype_suffix(w.dtype)
+    g = _input(cupy, g, "sgd_momentum_update: g")
+    _same_as("sgd_momentum_update", "w", w, g=g, v=v)
+    t = w.dtype.type
+    lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, lr_mult, w, "sgd_momentum_update")
+    _base._launch("sgd", "sgd_momentum", w.dtype, w.size,
+            (w, g, v, lr_value, lr_ptr, has_lr_ptr, t(momentum), t(weight_decay),
+             t(grad_scale)))
+
+
+def _lr_arg(cupy, lr, lr_mult, like, what):
+    """(value, pointer, flag) of a learning rate times ``lr_mult``: a device
+    blob is read by the kernel (value = lr_mult), a number is folded in."""
+    t = like.dtype.type
+    if isinstance(lr, cupy.ndarray):
+        if lr.size != 1:
+            raise ValueError(f"{what}: lr must be a scalar or a one-element array, "
+                             f"got shape {tuple(lr.shape)}")
+        if np.dtype(lr.dtype) != np.dtype(like.dtype):
+            lr = lr.astype(like.dtype)  # a float32 lr blob for float64 weights
+        return t(lr_mult), cupy.ascontiguousarray(lr.reshape(1)), _int(1)
+    return t(float(lr) * float(lr_mult)), like, _int(0)
+
+
+class MultiTensorTable:
+    """The device tables of :func:`sgd_momentum_multi` for a fixed set of
+    parameters: built once (e.g. in an op's setup), reused every iteration.
+
+    ``grads``: the gradient arrays (C-contiguous, any addresses, kept alive
+    here); ``offsets``: each parameter's element offset in the flat buffers;
+    ``lr_mults``/``decays``: per-parameter rate multiplier and weight decay
+    (weight_decay * decay_mult)."""
+
+    def __init__(self, grads, offsets, lr_mults, decays, dtype):
+        cupy = import_cupy()
+        dtype = np.dtype(dtype)
+        dtype_suffix(dtype)
+        if not len(grads) == len(offsets) == len(lr_mults) == len(decays) or not grads:
+            raise ValueError("MultiTensorTable: one offset, lr_mult and decay per gradient")
+        for g in grads:
+            if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous or g.dtype != dtype:
+                raise ValueError(f"MultiTensorTable: every gradient must be a C-contiguous "
+                                 f"{dtype} CuPy array")
+        sizes = [int(g.size) for g in grads]
+        self.grads = list(grads)
+        self.sizes = sizes
+        self.total = int(sum(sizes))
+        self.segments = len(grads)
+        self.offsets_host = [int(o) for o in offsets]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.starts = cupy.asarray(starts)
+        self.offsets = cupy.asarray(np.asarray(self.offsets_host, np.int64))
+        self.pointers = cupy.asarray(np.asarray([data_ptr(g) for g in grads], np.uint64))
+        self.lr_mults = cupy.asarray(np.asarray(lr_mults, dtype))
+        self.decays = cupy.asarray(np.asarray(decays, dtype))
+        self.dtype = dtype
+
+
+def sgd_momentum_multi(w, v, table, lr, momentum=0.9, grad_scale=1.0):
+    """:func:`sgd_momentum_update` of every parameter in ``table`` (a
+    :class:`MultiTensorTable`) in one kernel, in place on the flat weight
+    and momentum buffers ``w`` and ``v`` (1-D, C-contiguous)."""
+    cupy = import_cupy()
+    for name, array in (("w", w), ("v", v)):
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous or \
+                array.dtype != table.dtype:
+            raise ValueError(f"sgd_momentum_multi: {name} must be a C-contiguous "
+                             f"{table.dtype} CuPy array (it is updated in place)")
+    end = max(o + n for o, n in zip(table.offsets_host, table.sizes))
+    if w.size < end or v.size < end:
+        raise ValueError(f"sgd_momentum_multi: the flat buffers hold {w.size} and {v.size} "
+                         f"elements, the parameters reach {end}")
+    t = w.dtype.type
+    lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, 1.0, w, "sgd_momentum_multi")
+    _base._launch("sgd", "sgd_momentum_multi", w.dtype, table.total,
+            (w, v, table.pointers, table.starts, table.offsets, table.lr_mults,
+             table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
+             t(momentum), t(grad_scale)))
+
+
+# --------------------------------------------------------- learning rate ---
+
+def learning_rate(iteration, out, policy, base, gamma=0.0, power=0.0, stepsize=0.0,
+                  max_iter=0.0, min_lr=0.0, steps=None, warmup=0, warmup_start=0.0):
+    """Evaluate an lr policy on the device into ``out`` (a one-element
+    float32 CuPy array), one thread (cuda/lr_policy.cu). ``iteration`` is a
+    number or the one-element int64 iteration blob on the device; ``steps``
+    an int64 CuPy array of multistep values (or None). The arguments come
+    from :func:`purine_mpi.ops.updates.lr_policy_args`."""
+    cupy = import_cupy()
+    if not isinstance(out, cupy.ndarray) or out.size != 1 or \
+            np.dtype(out.dtype) != np.dtype(np.float32) or not out.flags.c_contiguous:
+        raise ValueError("learning_rate: out must be a one-element float32 CuPy array")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    if steps is None:
+        steps = cupy.asarray(np.zeros(1, np.int64))
+        n_steps = 0
+    else:
+        n_steps = int(steps.size)
+    f64 = np.float64
+    _base._launch_blocks("lr_policy", "learning_rate", None, 1, 1,
+                   (it_value, it_ptr, has_it_ptr, _int(policy), f64(base), f64(gamma),
+                    f64(power), f64(stepsize), f64(max_iter), f64(min_lr), steps,
+                    _int(n_steps), np.int64(warmup), f64(warmup_start), out))
+
+
+def iteration_next(counter, iteration):
+    """``iteration = counter; counter += 1`` on the device, one thread
+    (cuda/lr_policy.cu): the device iteration counter of
+    :class:`purine_mpi.ops.iteration.IterationCounter`. Both are one-element
+    int64 CuPy arrays."""
+    cupy = import_cupy()
+    for what, a in (("counter", counter), ("iteration", iteration)):
+        if not isinstance(a, cupy.ndarray) or a.size != 1 or \
+                np.dtype(a.dtype) != np.dtype(np.int64):
+            raise ValueError(f"iteration_next: {what} must be a one-element int64 CuPy array")
+    _base._launch_blocks("lr_policy", "iteration_next", None, 1, 1, (counter, iteration))
+
+
+# ------------------------------------------------------ gradient clipping ---
+
+def grad_sumsq(g, partial, scale2=1.0):
+    """partial[s] = scale2 * (sum of g**2 over slot s), s < partial.size: the
+    squared L2 norm of ``g`` (times ``scale2``) in ``partial.size`` float64
+    partial sums, all on the device (cuda/clip.cu)."""
+    cupy = import_cupy()
+    g = _input(cupy, g, "grad_sumsq: g")
+    if not isinstance(partial, cupy.ndarray) or partial.dtype != np.float64 \
+            or not partial.flags.c_contiguous or partial.size < 1:
+        raise ValueError("grad_sumsq: partial must be a contiguous float64 CuPy array")
+    _base._launch_blocks("clip", "grad_sumsq", g.dtype, partial.size, _base._REDUCE_THREADS,
+                         (np.int64(g.size), g, np.float64(scale2), _int(partial.size),
+                          partial))
+
+
+def clip_total(partial, out, dtype=np.float32):
+    """out[0] = the sum of ``partial`` (float64, one device thread, in order)."""
+    cupy = import_cupy()
+    for name, array in (("partial", partial), ("out", out)):
+        if not isinstance(array, cupy.ndarray) or array.dtype != np.float64 \
+                or not array.flags.c_contiguous:
+            raise ValueError(f"clip_total: {name} must be a contiguous float64 CuPy array")
+    _base._launch_blocks("clip", "clip_total", np.dtype(dtype), 1, 1,
+                         (partial, np.int64(partial.size), out))
+
+
+def clip_scale(g, sumsq, clip):
+    """In place: g *= clip / sqrt(sumsq[0]) when that norm exceeds ``clip``
+    (``sumsq`` a one-element float64 device array, read by the kernel)."""
+    cupy = import_cupy()
+    if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous:
+        raise ValueError("clip_scale: g must be a C-contiguous CuPy array (scaled in place)")
+    dtype_suffix(g.dtype)
+    if not isinstance(sumsq, cupy.ndarray) or sumsq.dtype != np.float64 or sumsq.size != 1:
+        raise ValueError("clip_scale: sumsq must be a one-element float64 CuPy array")
+    _base._launch("clip", "clip_scale", g.dtype, g.size,
+                  (g, cupy.ascontiguousarray(sumsq.reshape(1)), np.float64(clip)))

@@ -1,0 +1,186 @@
+"""Checks that a checkpoint is whole and fits the net before anything of it
+is used (docs/formats.md, "What a checkpoint must hold").
+
+``check_attrs`` (called by ``load_checkpoint`` on every read) refuses root
+attributes of the wrong type or out of range: ``iteration`` a non-negative
+integer no larger than the history the file itself records (the
+``solver.max_iter`` of the config it was written with, and N for a file
+named ``ckpt_<N>.h5``), ``elapsed`` a finite number >= 0, ``run_id`` text,
+``world_size`` >= 1 and ``seed`` integers. ``check_for_net`` (``--resume``)
+refuses a checkpoint whose parameters or solver state lack a blob of the
+net, hold one it does not use, or differ in dtype or shape; ``unused_note``
+is the one-line note ``--init`` and ``test --weights`` print instead.
+``check_finite`` names the first blob holding NaN or inf.
+
+Every failure is a UserError naming the file and what is wrong (exit 2),
+except non-finite weights: ``NonFiniteWeights``, exit 3 (as a diverged run).
+"""
+import functools
+import math
+import os
+import re
+
+import numpy as np
+
+from ..base.errors import UserError
+
+_CKPT_NAME = re.compile(r"^ckpt_(\d+)\.h5$")
+
+
+class NonFiniteWeights(UserError):
+    """Weights holding NaN or inf: no figure computed from them means anything."""
+
+    exit_code = 3
+
+
+class Unchecked(Exception):
+    """An array dataset read without its Fletcher-32 filter (the dataset's name)."""
+
+    def user_error(self, path):
+        return UserError(f"checkpoint '{path}' is invalid: dataset '/{self}' has no Fletcher-32 "
+                         "checksum (every array of a checkpoint is written with one); it was "
+                         "rewritten by another tool or edited")
+
+
+def names_the_file(what):
+    """Decorate a reader of ``path``: HDF5's own errors on a damaged file
+    (heaps, b-trees, object headers: OSError, KeyError, RuntimeError,
+    ValueError) become one UserError naming the file."""
+    def wrap(read):
+        @functools.wraps(read)
+        def reader(path, *args, **kw):
+            try:
+                return read(path, *args, **kw)
+            except (OSError, KeyError, RuntimeError, ValueError) as e:
+                raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") \
+                    from None
+        return reader
+    return wrap
+
+
+def check_layout(f, path, checksum):
+    """The groups every checkpoint has (``/params``, ``/state``) and the
+    digest ``/state`` is verified against (returned)."""
+    for section in ("params", "state"):
+        if section not in f or not hasattr(f[section], "keys"):
+            raise UserError(f"checkpoint '{path}' is invalid: it has no '/{section}' group; it "
+                            "was damaged or edited")
+    expected = f["state"].attrs.get(checksum)
+    expected = expected.decode() if isinstance(expected, bytes) else expected
+    if not isinstance(expected, str):
+        raise UserError(f"checkpoint '{path}' is invalid: '/state' has no '{checksum}' "
+                        "attribute to verify it against; it was damaged or edited")
+    return expected
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value):
+    return (_is_int(value) or isinstance(value, (float, np.floating))) and \
+        not isinstance(value, (bool, np.bool_))
+
+
+def _max_iter(config_text):
+    """solver.max_iter of the config text a checkpoint was written with, or
+    None when it does not say."""
+    if not isinstance(config_text, str) or not config_text.strip():
+        return None
+    try:
+        from .yamlread import read_yaml  # strict and bounded, as the job file
+        cfg = read_yaml(config_text)
+        value = cfg["solver"]["max_iter"]
+    except Exception:  # not our config text: no bound from it
+        return None
+    return int(value) if _is_int(value) and value >= 0 else None
+
+
+def check_attrs(attrs, path):
+    """Raise a UserError naming ``path`` if a root attribute a resume relies
+    on is missing, of the wrong type or out of range."""
+    def bad(message):
+        raise UserError(f"checkpoint '{path}' is invalid: {message}; it was damaged or edited "
+                        "(resume from another checkpoint, e.g. --resume auto, which skips "
+                        "such files)")
+    if "iteration" not in attrs:
+        bad("it has no root attribute 'iteration'")
+    it = attrs["iteration"]
+    if not _is_int(it):
+        bad(f"root attribute 'iteration' is {it!r}, not an integer")
+    if it < 0:
+        bad(f"root attribute 'iteration' is {it}, below 0")
+    bound = _max_iter(attrs.get("config"))
+    if bound is not None and it > bound:
+        bad(f"root attribute 'iteration' is {it}, beyond the solver.max_iter {bound} of the "
+            "config it was written with")
+    m = _CKPT_NAME.match(os.path.basename(str(path)))
+    if m and int(m.group(1)) != it:
+        bad(f"root attribute 'iteration' is {it}, but the file was written at iteration "
+            f"{m.group(1)} (its name)")
+    if "elapsed" in attrs:
+        e = attrs["elapsed"]
+        if not _is_number(e) or not math.isfinite(e) or e < 0:
+            bad(f"root attribute 'elapsed' is {e!r}, not a finite number of seconds >= 0")
+    if "run_id" in attrs and not isinstance(attrs["run_id"], str):
+        bad(f"root attribute 'run_id' is {attrs['run_id']!r}, not text")
+    if "world_size" in attrs and (not _is_int(attrs["world_size"]) or attrs["world_size"] < 1):
+        bad(f"root attribute 'world_size' is {attrs['world_size']!r}, not an integer >= 1")
+    if "seed" in attrs and not _is_int(attrs["seed"]):
+        bad(f"root attribute 'seed' is {attrs['seed']!r}, not an integer")
+
+
+def check_finite(values, path, what="weights file"):
+    """Raise NonFiniteWeights naming the first blob of ``values`` ({name:
+    array}) that holds NaN or inf."""
+    for name, value in values.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+            n = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            raise NonFiniteWeights(
+                f"{what} '{path}' holds non-finite values (NaN or inf) in blob '{name}' "
+                f"({n} of {arr.size}); no result computed from it would mean anything. Use an "
+                "earlier checkpoint (a run that hit NaN keeps its last finite one as latest.h5)")
+
+
+def unused_blobs(loaded, net_params):
+    """The names of ``loaded`` (a file's /params) that the net has no blob for."""
+    wanted = set(net_params)
+    return sorted(n for n in loaded if n not in wanted)
+
+
+def unused_note(loaded, net_params, path):
+    """One line naming the file's blobs the net does not use, or None."""
+    extra = unused_blobs(loaded, net_params)
+    if not extra:
+        return None
+    return (f"note: {path}: {len(extra)} blob(s) of the file are not used by this net: "
+            f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+
+
+def check_for_net(ck, path, net_params, blobs, solver_blobs):
+    """``--resume`` continues the same net: every parameter of ``net_params``
+    (the whole net's names) is in the checkpoint and nothing else is; the
+    parameters ``blobs`` ({name: array} of this rank) and solver state
+    ``solver_blobs`` ({(param, state): array}) have the dtype and shape the
+    graph has; every weight is finite."""
+    missing = [p for p in net_params if p not in ck.params]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
+                        "of this net")
+    extra = unused_blobs(ck.params, net_params)
+    if extra:
+        raise UserError(f"{path}: checkpoint holds {len(extra)} parameter(s) this net does not "
+                        f"have: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; "
+                        "--resume continues the same net (to start a changed net from these "
+                        "weights, use --init)")
+    pairs = [(f"/params/{p}", ck.params[p], arr) for p, arr in blobs.items()]
+    pairs += [(f"/solver/{p}/{s}", ck.solver[p][s], arr) for (p, s), arr in solver_blobs.items()
+              if s in ck.solver.get(p, {})]
+    for where, value, arr in pairs:
+        value = np.asarray(value) if not hasattr(value, "__cuda_array_interface__") else value
+        if value.dtype != arr.dtype or tuple(value.shape) != tuple(arr.shape):
+            raise UserError(f"checkpoint '{path}': '{where}' is {value.dtype} "
+                            f"{list(value.shape)}, the net's blob is {arr.dtype} "
+                            f"{list(arr.shape)}")
+    check_finite({p: ck.params[p] for p in blobs}, path, "checkpoint")

@@ -1,0 +1,380 @@
+"""HDF5 checkpoints (docs/formats.md, "Checkpoints").
+
+    /                 attrs: format = "purine_mpi.checkpoint", version = 1,
+                      iteration, world_size, seed, config (YAML text),
+                      run_id, elapsed (training seconds so far: metrics' "time")
+    /params/<name>    every learnable blob (``conv1/weight`` -> /params/conv1/weight)
+    /solver/<name>/…  solver state per parameter (e.g. ``momentum``)
+    /state/…          RNG states, data positions: whatever a resumed run needs
+
+Values round-trip exactly: arrays keep their dtype and bits, nested dicts
+their structure. How a value is stored (the ``purine_kind`` attribute says
+which, so files stay readable with ``h5ls -r`` / ``h5dump``):
+
+    numpy array                -> dataset (no attribute: any plain dataset reads as an array)
+    numpy scalar               -> 0-d dataset, kind "scalar"
+    dict holding numpy values  -> group, kind "dict" (a '/' in a key nests groups)
+    anything JSON can hold     -> string dataset of JSON text, kind "json"
+                                  (ints of any size, e.g. RNG states; tuples come back as lists)
+
+Every write goes to ``<path>.tmp.<pid>``, is flushed and fsynced, then
+renamed over ``path``, so a crash never leaves a partial checkpoint under the
+final name.
+"""
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..base.backend import to_numpy
+from ..base.errors import UserError
+from ..base.runfiles import GuardedFile, disk_error
+from .checkpoint_check import Unchecked, check_attrs, check_layout, names_the_file
+from ..data.h5links import held_by, is_lock_error, refuse_outside
+
+FORMAT = "purine_mpi.checkpoint"
+VERSION = 1
+KIND = "purine_kind"
+LATEST = "latest.h5"
+CHECKSUM = "sha256"  # attribute of /state: its datasets have no Fletcher-32 of their own
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: ``params`` {name: array}, ``solver`` {name: {key:
+    array}}, ``state`` (nested), ``attrs`` (root attributes as Python values)."""
+
+    path: str
+    params: dict = field(default_factory=dict)
+    solver: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def iteration(self):
+        return int(self.attrs.get("iteration", 0))
+
+
+# -------------------------------------------------------------------- write
+#: the temp files this process is writing now (``remove_temp_files``)
+_IN_PROGRESS = set()
+
+
+def remove_temp_files():
+    """Delete the temp files of the writes in progress: called by a process
+    that ends at once (a second Ctrl-C, runtime/stop.py) in the middle of a
+    checkpoint, so no half-written ``*.h5.tmp.<pid>`` is left behind."""
+    for tmp in list(_IN_PROGRESS):
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        _IN_PROGRESS.discard(tmp)
+
+
+@contextlib.contextmanager
+def replaced_atomically(path):
+    """Yield a temporary name beside ``path``; when the block succeeds, fsync
+    it, rename it over ``path`` and fsync the folder, so a crash leaves
+    either the old file or the complete new one. On failure the temporary
+    file is removed, whatever the failure (a full disk: a UserError naming
+    the file). A link at ``path`` is replaced, never written through."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    _IN_PROGRESS.add(tmp)
+    try:
+        yield tmp
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+        _fsync_path(directory)
+    except BaseException as exc:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        if isinstance(exc, OSError) and disk_error(path, exc) is not None:
+            raise disk_error(path, exc) from None
+        raise
+    finally:
+        _IN_PROGRESS.discard(tmp)
+
+
+def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
+                    config_text="", run_id="", elapsed=None):
+    """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
+    import h5py
+    path = str(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
+        # HDF5 writes through ``raw`` (created anew, never through a link): a
+        # full disk is one line naming the file, not HDF5's errors
+        with h5py.File(raw, "w", track_order=True) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["version"] = VERSION
+            f.attrs["iteration"] = int(iteration)
+            f.attrs["world_size"] = int(world_size)
+            f.attrs["seed"] = int(seed)
+            f.attrs["config"] = str(config_text or "")
+            if run_id:  # the run (and its resumes) that wrote it: rotation keeps to its own
+                f.attrs["run_id"] = str(run_id)
+            if elapsed is not None:  # metrics.jsonl's "time" continues from it on resume
+                f.attrs["elapsed"] = float(elapsed)
+            for section, values in (("params", params), ("solver", solver), ("state", state)):
+                _write_dict(f.create_group(section, track_order=True), values or {}, section)
+            # the digest of what a reader gets back, so JSON-held values
+            # (positions, RNG states) are covered exactly as they will be read
+            f["state"].attrs[CHECKSUM] = state_digest(_read_group(f["state"], ["state"]))
+            f.flush()
+        raw.check()
+    return path
+
+
+def _write_dict(group, values, where):
+    if not isinstance(values, dict):
+        raise TypeError(f"checkpoint: {where} must be a dict, got {type(values).__name__}")
+    for key, value in values.items():
+        _write_value(group, key, value, f"{where}/{key}")
+
+
+def _write_value(group, key, value, where):
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/") \
+            or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"checkpoint: cannot store key {key!r} at {where}: keys must be "
+                         "non-empty strings of '/'-separated names")
+    parent, _, name = key.rpartition("/")
+    if parent:  # a '/' in a key nests plain groups (read back as part of the key)
+        for part in parent.split("/"):
+            group = group[part] if part in group else group.create_group(part, track_order=True)
+    if hasattr(value, "__cuda_array_interface__"):
+        value = to_numpy(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.kind in "UM":
+            raise TypeError(f"checkpoint: {where} has dtype {value.dtype}, which HDF5 cannot "
+                            "hold; store numbers, or a list of strings (JSON)")
+        # a Fletcher-32 checksum per chunk turns silent corruption into a read error
+        checksum = value.ndim > 0 and value.size > 0
+        group.create_dataset(name, data=value, fletcher32=checksum)
+    elif isinstance(value, np.generic):
+        group.create_dataset(name, data=np.asarray(value)).attrs[KIND] = "scalar"
+    elif isinstance(value, dict) and not _json_pure(value):
+        sub = group.create_group(name, track_order=True)
+        sub.attrs[KIND] = "dict"
+        _write_dict(sub, value, where)
+    elif _json_pure(value):
+        import h5py
+        text = json.dumps(value)
+        group.create_dataset(name, data=text, dtype=h5py.string_dtype()).attrs[KIND] = "json"
+    else:
+        raise TypeError(f"checkpoint: cannot store {where} of type {type(value).__name__}; "
+                        "use numpy arrays, numbers, strings, lists and dicts")
+
+
+def state_digest(values):
+    """SHA-256 (hex) of a nested dict as read back from a checkpoint: keys in
+    sorted order, arrays by dtype, shape and bytes, other values as JSON."""
+    h = hashlib.sha256()
+
+    def feed(value):
+        if isinstance(value, dict):
+            h.update(b"{")
+            for key in sorted(value):
+                h.update(json.dumps(key).encode() + b":")
+                feed(value[key])
+            h.update(b"}")
+        elif isinstance(value, (np.ndarray, np.generic)):
+            value = np.ascontiguousarray(value)
+            h.update(f"a{value.dtype.str}{list(value.shape)}".encode())
+            h.update(value.tobytes())
+        else:
+            h.update(b"j" + json.dumps(value, sort_keys=True).encode())
+    feed(values)
+    return h.hexdigest()
+
+
+def _json_pure(value):
+    """True when JSON holds ``value`` exactly (numpy values excluded: they
+    keep their dtype as datasets)."""
+    if isinstance(value, np.generic):
+        return False
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_pure(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_pure(v) for k, v in value.items())
+    return False
+
+
+def _fsync_path(path):
+    """fsync a file or a directory (so a rename is durable); best effort
+    where the platform cannot open directories."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------- read
+class FileHeld(UserError):
+    """The file is held open by another process (HDF5's file lock): not damaged."""
+
+
+def open_h5(path, what="checkpoint"):
+    """Open an HDF5 file for reading, or raise a UserError that says why not:
+    missing, not HDF5, held by another process (``FileHeld``), truncated or
+    corrupt, or not self-contained (a dataset or link that reads from
+    another file: data/h5links.py)."""
+    import h5py
+    path = str(path)
+    if not os.path.exists(path):
+        raise UserError(f"{what} '{path}' not found")
+    if os.path.isdir(path):
+        raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        if is_lock_error(e):
+            holder = held_by(path) or _run_lock_holder(path)
+            if holder or "already open for write" not in str(e):
+                raise FileHeld(f"{what} '{path}' is held open by another process ("
+                               f"{holder or 'HDF5 file lock'}); the file is not damaged, HDF5 "
+                               "refuses to read it while that process may be writing it: let "
+                               "that process finish or stop it, then run again") from None
+            raise FileHeld(f"{what} '{path}' is marked as open for writing (HDF5's file "
+                           "consistency flag): another process is writing it, or one died "
+                           "while writing it; if no process is, `h5clear -s` clears the mark "
+                           f"({e})") from None
+        if not h5py.is_hdf5(path):
+            raise UserError(f"{what} '{path}' is not an HDF5 file") from None
+        raise UserError(f"{what} '{path}' is truncated or corrupt and cannot be opened "
+                        f"({e})") from None
+    try:
+        refuse_outside(f, path, what)
+    except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged links or headers
+        f.close()
+        raise UserError(f"{what} '{path}' is corrupt: {type(e).__name__}: {e}") from None
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _run_lock_holder(path):
+    """What the run folder's lock file says of the run holding it, if that
+    is not this process ('' otherwise)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), ".purine.lock"),
+                  encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return "" if not text or text.startswith(f"pid {os.getpid()} ") else f"the run: {text}"
+
+
+@names_the_file("checkpoint")
+def load_checkpoint(path):
+    """Read a whole checkpoint. Raises UserError (naming the file and what is
+    wrong) for a missing, non-HDF5, truncated, damaged, edited or foreign file."""
+    with open_h5(path) as f:
+        attrs = read_attrs(f)
+        if attrs.get("format") != FORMAT:
+            raise UserError(f"'{path}' is not a purine_mpi checkpoint: its root attribute "
+                            f"'format' is {attrs.get('format')!r}, expected {FORMAT!r}")
+        version = attrs.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise UserError(f"checkpoint '{path}' has format version {version!r}; this "
+                            f"purine_mpi reads version {VERSION} and older")
+        check_attrs(attrs, path)
+        expected = check_layout(f, path, CHECKSUM)  # /params, /state and its digest
+        sections = {}  # /params and /solver were written with Fletcher-32 checksums
+        for section in ("params", "solver", "state"):
+            sections[section] = _read_section(f, section, path, section != "state") \
+                if section in f else {}
+    if state_digest(sections["state"]) != expected:
+        raise UserError(f"checkpoint '{path}' is corrupt: '/state' (data position, random "
+                        "streams) does not match its checksum; it was damaged or edited")
+    return Checkpoint(str(path), attrs=attrs, **sections)
+
+
+@names_the_file("weights file")
+def load_params(path):
+    """The ``/params`` of any HDF5 file with the checkpoint layout (``--init``):
+    {name: array}; other groups and attributes are optional."""
+    with open_h5(path, "weights file") as f:
+        if "params" not in f or not hasattr(f["params"], "keys"):
+            raise UserError(f"weights file '{path}' has no /params group; expected the "
+                            "checkpoint layout (/params/<layer>/weight, ...)")
+        return _read_section(f, "params", path)
+
+
+def _read_section(f, section, path, checksummed=False):
+    where = [section]
+    try:
+        return _read_group(f[section], where, checksummed=checksummed)
+    except Unchecked as e:
+        raise e.user_error(path) from None
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"checkpoint '{path}' is corrupt: reading '/{where[-1]}' failed "
+                        f"({type(e).__name__}: {e})") from None
+
+
+def _read_group(group, where, prefix="", checksummed=False):
+    import h5py
+    out = {}
+    for name in group:
+        where.append(f"{group.name.lstrip('/')}/{name}")
+        obj = group[name]
+        kind = plain_attr(obj.attrs.get(KIND))
+        if isinstance(obj, h5py.Group):
+            if kind == "dict":
+                out[prefix + name] = _read_group(obj, where, checksummed=checksummed)
+            else:  # a plain group: a '/' inside the names of the values below
+                out.update(_read_group(obj, where, f"{prefix}{name}/", checksummed))
+        else:
+            if checksummed and kind is None and obj.ndim > 0 and obj.size > 0 \
+                    and not obj.fletcher32:
+                raise Unchecked(where[-1])
+            out[prefix + name] = _read_dataset(obj, kind)
+        where.pop()
+    return out
+
+
+def _read_dataset(dset, kind):
+    if kind == "json":
+        return json.loads(dset.asstr()[()])
+    if kind == "scalar":
+        return dset[()]
+    if dset.dtype.kind in "SO":  # a plain string dataset written by another tool
+        value = dset.asstr()[()]
+        return value if isinstance(value, str) else np.asarray(value)
+    return np.asarray(dset[...])
+
+
+def read_attrs(obj):
+    """An HDF5 object's attributes as plain Python values."""
+    return {k: _plain(v) for k, v in obj.attrs.items()}
+
+
+def _plain(value):
+    """Attribute values as plain Python (numpy scalars -> int/float, bytes -> str)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def plain_attr(value):
+    """One attribute's value as plain Python, or None when it is missing."""
+    return _plain(value) if value is not None else None

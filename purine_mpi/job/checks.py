@@ -1,0 +1,180 @@
+"""Checks of single config values, each naming the file, the dotted key and
+what was expected (``ConfigError``), and the builders of the sections'
+checker tables (``_int(1)``, ``_num(0, strict=True)``, ``_choice(...)``),
+whose ``doc`` is the type column of docs/config.md. Imports ``errors``.
+"""
+import difflib
+import math
+
+from ..base.errors import ConfigError, excerpt
+
+
+SEED_LIMIT = 2 ** 63  # seeds are stored as 64-bit integers (checkpoints, HDF5)
+
+
+def _described(doc):
+    """Attach ``doc`` (the type column of docs/config.md) to a checker."""
+    def deco(check):
+        check.doc = doc
+        return check
+    return deco
+
+
+@_described("list of integers")
+def _stepvalues(key, value, path):
+    if (not isinstance(value, list) or not all(_is_int(v) and v > 0 for v in value)
+            or any(b <= a for a, b in zip(value, value[1:]))):
+        raise ConfigError(path, key, f"expected an increasing list of positive integers "
+                                     f"(iterations), got {excerpt(value)}")
+    return [int(v) for v in value]
+
+
+def _optional(check):
+    return _described(f"{check.doc} or null")(
+        lambda key, value, path: None if value is None else check(key, value, path))
+
+
+def _int(minimum):
+    doc = {0: "integer >= 0", 1: "integer > 0"}.get(minimum, f"integer >= {minimum}")
+    return _described(doc)(lambda key, value, path: _check_int(key, value, path,
+                                                                minimum=minimum))
+
+
+def _number_range(minimum, strict, below, doc):
+    """The allowed range of a number key, in the reference's terse words
+    (``doc``) or in an error message's."""
+    if minimum == 0 and below is not None:
+        return f"number in [0, {below})" if doc else f"a number in [0, {below})"
+    if minimum == 0:
+        if doc:
+            return "number > 0" if strict else "number >= 0"
+        return "a positive number" if strict else "a non-negative number"
+    return "number" if doc else "a number"
+
+
+def _num(minimum=None, strict=False, below=None):
+    return _described(_number_range(minimum, strict, below, doc=True))(
+        lambda key, value, path: _check_number(key, value, path, minimum, strict, below))
+
+
+def _choice(choices):
+    return _described(f"one of {', '.join(choices)}")(
+        lambda key, value, path: _check_choice(key, value, choices, path))
+
+
+@_described("true/false")
+def _bool(key, value, path):
+    return _check_bool(key, value, path)
+
+
+# ------------------------------------------------------------ scalar checks
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check_seed(key, value, path):
+    """A seed: an integer in [0, 2^63) (``seed``, ``data.*.seed``, ``--seed``)."""
+    if _is_int(value) and 0 <= value < SEED_LIMIT:
+        return int(value)
+    raise ConfigError(path, key, f"expected a non-negative integer below 2^63 (it is stored "
+                                 f"as a 64-bit integer), got {excerpt(value)}")
+
+
+def _check_int(key, value, path, minimum=None):
+    ok = _is_int(value) or (isinstance(value, float) and value.is_integer())
+    if ok and (minimum is None or value >= minimum):
+        return int(value)
+    want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+        minimum, f"an integer >= {minimum}")
+    raise ConfigError(path, key, f"expected {want}, got {excerpt(value)}")
+
+
+def _check_number(key, value, path, minimum=None, strict=False, below=None):
+    number = value
+    if isinstance(value, str):  # 1e-3 reads as a number (_Loader): this was quoted
+        raise ConfigError(path, key, f"expected {_number_range(minimum, strict, below, False)}"
+                                     f", got the string {excerpt(value)} (a number is written "
+                                     "without quotes)")
+    if isinstance(number, bool) or not isinstance(number, (int, float)) \
+            or not math.isfinite(number):  # .nan and .inf are YAML numbers, never good ones
+        number = None
+    ok = number is not None
+    if ok and minimum is not None:
+        ok = number > minimum if strict else number >= minimum
+    if ok and below is not None:
+        ok = number < below
+    if ok:
+        return number
+    want = _number_range(minimum, strict, below, doc=False)
+    raise ConfigError(path, key, f"expected {want} (finite), got {excerpt(value)}")
+
+
+def _check_bool(key, value, path):
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(path, key, f"expected true or false, got {excerpt(value)}")
+
+
+def _check_choice(key, value, choices, path):
+    if value in choices:
+        return value
+    hint = _suggest(value, choices)
+    raise ConfigError(path, key, f"expected one of {', '.join(choices)}, "
+                                 f"got {excerpt(value)}{hint}")
+
+
+def _check_keys(section, mapping, allowed, path):
+    for k in mapping:
+        if k not in allowed:
+            key = f"{section}.{k}" if section else str(k)
+            where = f"in '{section}'" if section else "at the top level"
+            if not section and str(k).startswith("_"):
+                raise ConfigError(path, key, f"unknown key {excerpt(k)} at the top level (keys "
+                                  "starting with '_' are not private: they are rejected like "
+                                  "any unknown key; to share a value, put a YAML anchor &name "
+                                  f"on its first use) (valid keys: {', '.join(allowed)})")
+            raise ConfigError(path, key, f"unknown key {excerpt(k)} {where}{_suggest(k, allowed)} "
+                                         f"(valid keys: {', '.join(allowed)})")
+
+
+def _suggest(value, choices):
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _kind(value):
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {excerpt(value)}"
+
+
+# ------------------------------------------------------ checks of one key
+@_described("string")
+def _check_name(key, name, path):
+    if not isinstance(name, str) or not name.strip() or "/" in name or name in (".", ".."):
+        raise ConfigError(path, "name", "expected a non-empty name without '/' (it names the "
+                                        f"output directory runs/<name>), got {excerpt(name)}")
+    return name
+
+
+@_described("mapping layer → stage")
+def _check_stages(key, value, path):
+    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
+        raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "
+                                     f"{{conv1: 0, fc1: 1}}, got {excerpt(value)}")
+    return value
+
+
+@_described("string or null")
+def _check_folder(key, value, path):
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
+    return value

@@ -1,0 +1,309 @@
+"""Config YAML: loading, ``--set`` overrides, validation and defaults.
+
+``load_config(path)`` returns the *resolved* config: every section present,
+every default filled in, data paths resolved, plus ``config["_path"]`` (the
+file it came from); ``load_job`` returns it as a frozen ``Job`` (job/job.py),
+which is what the package outside ``job/`` and ``data/`` reads. Every problem is a
+``ConfigError(path, key, message)`` naming the file, the dotted key and
+what was expected, e.g.::
+
+    jobs/lenet.yaml: key 'solver.base_lr': expected a positive number, got 'abc'
+
+Every key is declared once in job/schema.py (``ConfigKey``: name, checker,
+default, meaning): the top-level keys (TOP), the sections (SOLVER,
+PARALLEL, CHECKPOINT) and the data specs (DATA), with the choices and their
+meanings. This module checks a config against them (and the rules between
+keys); the layers' keys are declared in purine_mpi/layers. docs/config.md
+is generated from the declarations (re-exported here).
+
+To add a key, add its ``ConfigKey`` to its section's table in
+job/schema.py; unknown keys are errors (with a "did you mean" suggestion) so
+that typos never pass silently. AFTER CHANGING KEYS RUN
+``python -m purine_mpi.tools.docgen --write`` (tests/test_docs.py fails while
+docs/config.md is stale or a key has no meaning).
+"""
+import copy
+import os
+
+import yaml
+
+from ..base.errors import ConfigError, excerpt
+from .checks import SEED_LIMIT, _check_int, _check_keys, _kind, check_seed  # noqa: F401
+from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
+from .job import Job, job_of
+from .keys import check_section
+from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # noqa: F401
+from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_KEYS,
+                     DATA_SOURCES, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
+                     PARALLEL_SCHEMES, PIPELINE_SCHEDULES, RESOLVED_FIRST, SECTION_KEYS,
+                     SOLVER_DEFAULTS, SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC,
+                     TOP_KEYS)  # noqa: F401
+from ..layers import check_layer
+
+
+# ------------------------------------------------------------------ loading
+def load_config(path, overrides=(), iters=None, check_files=True):
+    """Read, override, validate and resolve the config at ``path``.
+
+    ``overrides``: ``"dotted.key=value"`` strings (``--set``); the value is
+    parsed as YAML (``0.05``, ``true``, ``[1, 8, 8]``); integer parts index
+    lists (``net.0.num_output=8``). ``iters`` overrides ``solver.max_iter``.
+    ``check_files``: check at load time that HDF5 data files exist.
+    """
+    return resolve_config(_read(path), str(path), overrides, iters, check_files)
+
+
+def load_job(path, overrides=(), iters=None, check_files=True):
+    """``load_config`` as a frozen, typed ``Job`` (job/job.py): what the commands run."""
+    return resolve_job(_read(path), str(path), overrides, iters, check_files)
+
+
+def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True):
+    """``resolve_config`` as a ``Job``: the one place a config becomes a job
+    (the CLI, the converters, the tests' ``make_job``)."""
+    return job_of(resolve_config(raw, path, overrides, iters, check_files))
+
+
+def _read(path):
+    """The parsed YAML of the config file at ``path``."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(path, None, "config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, None, f"not a YAML text file: byte {e.start} is not UTF-8 "
+                                      "(a binary file given as the config?)") from None
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    try:
+        raw = read_yaml(text, path)  # strict and bounded: job/yamlread.py
+    except YamlRefused as e:
+        raise ConfigError(path, None, e.problem) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, None, f"malformed YAML at {where(e)}") from None
+    if raw is None:
+        raise ConfigError(path, None, "the config file is empty")
+    return raw
+
+
+def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=True):
+    """``load_config`` for an already-parsed mapping (tests, benchmarks)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(path, None, "expected a mapping of top-level keys "
+                                      f"({', '.join(TOP_KEYS)}), got {_kind(raw)}")
+    config = copy.deepcopy(raw)
+    for text in overrides or ():
+        apply_override(config, text, path)
+    if iters is not None:
+        config.setdefault("solver", {})
+        if not isinstance(config["solver"], dict):
+            raise ConfigError(path, "solver", f"expected a mapping, got {_kind(config['solver'])}")
+        config["solver"]["max_iter"] = _check_int("--iters", iters, path, minimum=0)
+    return validate_config(config, path, check_files)
+
+
+def apply_override(config, text, path="<config>"):
+    """Apply one ``KEY=VALUE`` override in place (creating missing mappings)."""
+    key, sep, value_text = str(text).partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not p.strip() for p in parts):
+        raise ConfigError(path, None, f"bad --set override {excerpt(text)}: expected KEY=VALUE "
+                                      "with a dotted key, e.g. solver.base_lr=0.05 or net.0.num_output=8")
+    try:
+        value = read_yaml(value_text) if value_text.strip() else ""
+    except YamlRefused as e:
+        raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, key, f"bad --set override {excerpt(text)}: the value is not "
+                                     f"valid YAML ({where(e)})") from None
+    node = config
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        here = ".".join(parts[:depth]) or "the top level"
+        if isinstance(node, list):
+            if not part.lstrip("-").isdigit():
+                raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {here} is a "
+                                             f"list, index it with an integer, not {excerpt(part)}")
+            index = int(part)
+            if not -len(node) <= index < len(node):
+                raise ConfigError(path, key, f"bad --set override {excerpt(text)}: index "
+                                             f"{index} is out of range ({here} has {len(node)} entries)")
+            if last:
+                node[index] = value
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(path, key, f"bad --set override {excerpt(text)}: {here} is "
+                                         f"{_kind(node)}, it has no key {excerpt(part)}")
+    return config
+
+
+def dump_config(config):
+    """YAML text of a resolved config (or of a ``Job``), without private
+    (``_``-prefixed) keys."""
+    if isinstance(config, Job):
+        config = config.to_config()
+    public = {k: v for k, v in config.items() if not str(k).startswith("_")}
+    return yaml.safe_dump(public, sort_keys=False, default_flow_style=None, width=100)
+
+
+# --------------------------------------------------------------- validation
+def validate_config(config, path="<config>", check_files=True):
+    """Check every section of a parsed config and fill in defaults: the
+    declared keys of job/schema.py's TOP in order (``name``, ``seed``
+    first), then the rules between keys."""
+    _check_keys("", config, TOP_KEYS, path)
+    from_file = path and not str(path).startswith("<")
+    stem = os.path.splitext(os.path.basename(path))[0] if from_file else "net"
+    keys = {key.name: key for key in TOP}
+    out = {}
+    for name in RESOLVED_FIRST + tuple(k for k in TOP_KEYS if k not in RESOLVED_FIRST):
+        key = keys[name]
+        value = config.get(name, stem if name == "name" else key.default)
+        if name == "net" and value is None and config.get("graph") is None:
+            raise ConfigError(path, "net", "the config defines no network: give 'net' (a "
+                                           "list of layers) or 'graph' (a list of blobs and ops)")
+        if value is None and key.default is None:
+            continue  # net or graph not given, backend auto
+        if name == "data":
+            out[name] = _check_data(value, path, check_files)
+        elif name in _STRUCTURE:
+            out[name] = _STRUCTURE[name](value, path)
+        elif name in SECTION_KEYS:
+            out[name] = check_section(name, value, SECTION_KEYS[name], path)
+            _SECTION_RULES.get(name, lambda *a: None)(out, config.get(name), path)
+        else:
+            out[name] = key.check(name, value, path)
+    out["_path"] = path
+    return out
+
+
+def _check_net(net, path):
+    if not isinstance(net, list):
+        raise ConfigError(path, "net", f"expected a list of layers, got {_kind(net)}")
+    seen = {}
+    for i, layer in enumerate(net):
+        key = f"net.{i}"
+        if not isinstance(layer, dict):
+            raise ConfigError(path, key, f"expected a layer mapping with 'type' and 'name', "
+                                         f"got {_kind(layer)}")
+        for field in ("type", "name"):
+            if not isinstance(layer.get(field), str) or not layer[field]:
+                raise ConfigError(path, f"{key}.{field}", f"every layer needs a '{field}' string, "
+                                                          f"got {excerpt(layer.get(field))}")
+        if layer["name"] in seen:
+            raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
+                                                   f"(also net.{seen[layer['name']]})")
+        seen[layer["name"]] = i
+        check_layer(layer, i, path)  # known type, declared keys (purine_mpi/layers)
+    return copy.deepcopy(net)
+
+
+def _check_graph(graph, path):
+    if not isinstance(graph, list):
+        raise ConfigError(path, "graph", f"expected a list of blob/op entries, got {_kind(graph)}")
+    for i, entry in enumerate(graph):
+        key = f"graph.{i}"
+        if not isinstance(entry, dict):
+            raise ConfigError(path, key, f"expected a mapping with 'type: blob' or 'type: op', "
+                                         f"got {_kind(entry)}")
+        if entry.get("type") not in ("blob", "op"):
+            raise ConfigError(path, f"{key}.type", f"expected 'blob' or 'op', "
+                                                   f"got {excerpt(entry.get('type'))}")
+        if not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise ConfigError(path, f"{key}.name", f"every {entry['type']} needs a 'name' "
+                                                   f"string, got {excerpt(entry.get('name'))}")
+    return copy.deepcopy(graph)
+
+
+# ------------------------------------------------ rules between keys
+def _solver_rules(out, solver, path):
+    """Keys of the solver that need each other."""
+    out = out["solver"]
+    policy = out["lr_policy"]
+    if policy == "step" and out["stepsize"] is None:
+        raise ConfigError(path, "solver.stepsize", "lr_policy 'step' needs a stepsize "
+                                                   "(a positive integer number of iterations)")
+    if policy == "multistep" and not out["stepvalues"]:
+        raise ConfigError(path, "solver.stepvalues", "lr_policy 'multistep' needs stepvalues "
+                                                     "(an increasing list of iterations)")
+    given = solver if isinstance(solver, dict) else {}
+    if out["type"] in ("adagrad", "rmsprop") and given.get("momentum"):
+        raise ConfigError(path, "solver.momentum", f"solver type {excerpt(out['type'])} takes no "
+                          "momentum (as in Caffe); remove the key or set it to 0")
+
+
+def _parallel_rules(out, parallel, path):
+    """The parallel keys against the solver's and the data's."""
+    if out["parallel"]["mode"] in ("async", "sync_ps") and out["solver"]["type"] != "sgd":
+        raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
+                          f"(parameter servers) supports solver type 'sgd' only, got "
+                          f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
+    _check_pipeline(out, path)
+    if out["solver"]["clip_gradients"] is not None and (
+            out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
+                                                   and out["parallel"]["ps_ranks"] > 1)):
+        raise ConfigError(path, "solver.clip_gradients", "clipping by the global norm needs "
+                          "every gradient of an iteration in one place: it works with "
+                          "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
+                          f"with mode {excerpt(out['parallel']['mode'])} and "
+                          f"ps_ranks {out['parallel']['ps_ranks']}")
+
+
+def _check_pipeline(out, path):
+    """Cross-key rules of parallel.micro_batches and parallel.stages."""
+    par = out["parallel"]
+    micro = par["micro_batches"]
+    if micro > 1:
+        if par["mode"] in ("async", "sync_ps"):
+            raise ConfigError(path, "parallel.micro_batches", f"parameter-server mode "
+                              f"{excerpt(par['mode'])} takes no micro-batches; use mode: sync")
+        train = (out.get("data") or {}).get("train") or {}
+        batch = train.get("batch_size")
+        if batch is not None and batch % micro:
+            raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
+                              f"divide data.train.batch_size {batch}; choose a divisor")
+    scheme = par["scheme"]
+    if scheme not in ("pipeline", "hybrid"):
+        return
+    if par["mode"] != "sync":
+        raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
+                          f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)")
+    if out.get("net") is None:
+        return
+    if not par["stages"]:
+        raise ConfigError(path, "parallel.stages", f"scheme {scheme} needs a mapping layer -> "
+                          "stage for every layer, e.g. {conv1: 0, fc1: 1}")
+    names = [layer.get("name") for layer in out["net"]]
+    unknown = sorted(set(par["stages"]) - set(names))
+    if unknown:
+        raise ConfigError(path, "parallel.stages", f"no layer named {', '.join(unknown)} in "
+                          "the net")
+    missing = [n for n in names if n not in par["stages"]]
+    if missing:
+        raise ConfigError(path, "parallel.stages", f"layer(s) {', '.join(missing)} have no "
+                          "stage; give every layer of the net a stage")
+    count = max(par["stages"].values()) + 1
+    empty = [s for s in range(count) if s not in par["stages"].values()]
+    if empty:
+        raise ConfigError(path, "parallel.stages", f"stage(s) {', '.join(map(str, empty))} "
+                          f"have no layers; number the stages 0..{count - 1 - len(empty)}")
+    if scheme == "hybrid" and count < 2:
+        raise ConfigError(path, "parallel.stages", "scheme hybrid needs at least 2 stages "
+                          "(replicas x stages), but every layer is on stage 0; with one stage "
+                          "use scheme: data")
+
+
+_STRUCTURE = {"net": _check_net, "graph": _check_graph}
+_SECTION_RULES = {"solver": _solver_rules, "parallel": _parallel_rules}
+
+#: the sections with declared keys: name -> ({key: default}, {key: checker})
+SECTIONS = {name: ({key.name: key.default for key in keys}, {key.name: key.check for key in keys})
+            for name, keys in SECTION_KEYS.items()}

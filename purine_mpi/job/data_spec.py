@@ -1,0 +1,193 @@
+"""Validation of the config's data specs (``data.train``, ``data.test``):
+sources (hdf5, lmdb, synthetic), paths resolved against the working and the config's folder, the
+transform keys, the notes a user should read, and the hint that names the
+command which makes a missing data file. Imports the schema and checks.
+"""
+import os
+
+from ..base.errors import ConfigError, excerpt
+from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
+from .schema import DATA_CHECKS, DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
+
+
+# ---------------------------------------------------------------- data specs
+def _check_data(data, path, check_files):
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, "data", f"expected a mapping with 'train' and/or 'test', "
+                                        f"got {_kind(data)}")
+    _check_keys("data", data, ("train", "test"), path)
+    return {split: _check_data_spec(split, spec, path, check_files)
+            for split, spec in data.items() if spec is not None}
+
+
+def _check_data_spec(phase, spec, path, check_files):
+    key = f"data.{phase}"
+    if not isinstance(spec, dict):
+        raise ConfigError(path, key, f"expected a mapping (source, path, split, batch_size, ...), "
+                                     f"got {_kind(spec)}")
+    _check_keys(key, spec, DATA_KEYS, path)
+    source = spec.get("source")
+    if source is None:  # infer the obvious case, so a path alone is enough
+        source = (("lmdb" if isinstance(spec["path"], str) and os.path.isdir(spec["path"])
+                   else "hdf5") if "path" in spec else "synthetic" if "shape" in spec else None)
+    if source is None:
+        raise ConfigError(path, f"{key}.source", "expected 'hdf5' or 'lmdb' (with a path) or "
+                                                 "'synthetic' (with shape and classes)")
+    out = {"source": _check_choice(f"{key}.source", source, DATA_SOURCES, path)}
+    if "batch_size" not in spec:
+        raise ConfigError(path, f"{key}.batch_size", "missing; expected a positive integer "
+                                                     "(the per-rank batch size)")
+    out["batch_size"] = _checked(key, "batch_size", spec["batch_size"], path)
+    out["shuffle"] = _checked(key, "shuffle", spec.get("shuffle", phase == "train"), path)
+    if spec.get("seed") is not None:
+        out["seed"] = _checked(key, "seed", spec["seed"], path)
+    out.update(_check_transform(key, spec, path, check_files))
+    if source == "lmdb":
+        if not isinstance(spec.get("path"), str) or not spec["path"]:
+            raise ConfigError(path, f"{key}.path", "expected the path of a Caffe LMDB (the "
+                                                   f"folder holding data.mdb), got "
+                                                   f"{excerpt(spec.get('path'))}")
+        for other in ("in_memory", "external", "split", "shape", "classes", "num_samples"):
+            if spec.get(other) is not None:
+                raise ConfigError(path, f"{key}.{other}", "does not apply to source lmdb "
+                                                          "(one database is one split)")
+        out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files,
+                                         folder=True)
+    elif source == "hdf5":
+        if not isinstance(spec.get("path"), str) or not spec["path"]:
+            raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
+                                                   f"{excerpt(spec.get('path'))}")
+        out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files)
+        in_memory = spec.get("in_memory", "auto")
+        if in_memory not in ("auto", True, False):
+            raise ConfigError(path, f"{key}.in_memory", "expected auto (load the split when it "
+                              "fits in a quarter of the memory), true or false (read each "
+                              f"batch from the file), got {excerpt(in_memory)}")
+        out["in_memory"] = in_memory
+        out["external"] = _checked(key, "external", spec.get("external", False), path)
+        split = spec.get("split")
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ConfigError(path, f"{key}.split",
+                              f"expected a group name such as 'train', or null for top-level "
+                              f"data/label, got {excerpt(split)}")
+        out["split"] = split
+    else:
+        shape = spec.get("shape")
+        if (not isinstance(shape, list) or not shape
+                or not all(_is_int(s) and s > 0 for s in shape)):
+            raise ConfigError(path, f"{key}.shape", "expected a list of positive integers "
+                                                    f"[C, H, W] (one sample), got {excerpt(shape)}")
+        out["shape"] = [int(s) for s in shape]
+        if "classes" not in spec:
+            raise ConfigError(path, f"{key}.classes", "missing; synthetic data needs the "
+                                                      "number of classes (a positive integer)")
+        out["classes"] = _checked(key, "classes", spec["classes"], path)
+        out["num_samples"] = _checked(key, "num_samples",
+                                      spec.get("num_samples", SYNTHETIC_NUM_SAMPLES), path)
+        out["split"] = spec.get("split", phase)
+        if spec.get("path") is not None:  # ignored: kept for data_notes' word on it
+            out["path"] = str(spec["path"])
+    return out
+
+
+def _checked(spec_key, name, value, path):
+    """``value`` of the data spec key ``name`` through its declared checker."""
+    return DATA_CHECKS[name](f"{spec_key}.{name}", value, path)
+
+
+def data_notes(job):
+    """One line for each data split of ``job`` (job/job.py) whose batch is
+    larger than the split (each batch then holds samples several times over:
+    a mistyped batch_size, or a small stand-in file), and for a synthetic
+    split given a ``path`` (ignored: a leftover of an hdf5 spec, or a
+    forgotten ``source``). Reads the HDF5 files' metadata."""
+    from ..data.sources import source_info
+    notes = []
+    for phase, spec in job.data.items():
+        if spec.source == "synthetic" and spec.path is not None:
+            notes.append(f"note: data.{phase}.path {spec.path!r} is ignored: source synthetic "
+                         f"makes random samples of data.{phase}.shape; set source: hdf5 (or "
+                         "lmdb) to read the file, or drop the path")
+        n = source_info(spec.source_dict())[0]
+        if spec.batch_size > n:
+            notes.append(f"note: data.{phase}.batch_size {spec.batch_size} is larger than the "
+                         f"{n} samples of the {phase} data: each batch holds samples several "
+                         "times over")
+    return notes
+
+
+def _check_transform(key, spec, path, check_files=True):
+    """The transform keys of a data spec (``purine_mpi.data.transform``); absent
+    keys stay absent. Whether they fit the samples (crop within H x W, one
+    mean per channel, a mean image of the samples' shape) is checked when
+    the data op reads the file's shape."""
+    out = {}
+    mean_file = spec.get("mean_file")
+    if mean_file is not None:
+        if not isinstance(mean_file, str) or not mean_file:
+            raise ConfigError(path, f"{key}.mean_file", "expected the path of a Caffe "
+                                                        f".binaryproto mean image, got "
+                                                        f"{excerpt(mean_file)}")
+        if spec.get("mean") is not None:
+            raise ConfigError(path, f"{key}.mean_file", "give mean_file or mean, not both (as "
+                                                        "Caffe: mean_file or mean_value)")
+        out["mean_file"] = _resolve_data_path(mean_file, path, f"{key}.mean_file", check_files,
+                                              what="mean file")
+        if check_files:  # a damaged file is named against its key, before any graph is built
+            from ..base.errors import UserError
+            from ..data.protowire import read_mean_file
+            try:
+                read_mean_file(out["mean_file"])
+            except UserError as e:
+                raise ConfigError(path, f"{key}.mean_file", str(e)) from None
+    if spec.get("scale") is not None:
+        out["scale"] = float(_checked(key, "scale", spec["scale"], path))
+    mean = spec.get("mean")
+    if mean is not None:
+        values = mean if isinstance(mean, list) else [mean]
+        if not values or not all(_is_number(v) for v in values):
+            raise ConfigError(path, f"{key}.mean", "expected a number or a list of numbers (one "
+                                                   f"per channel), got {excerpt(mean)}")
+        out["mean"] = [float(v) for v in values] if isinstance(mean, list) else float(mean)
+    for name in ("mirror", "crop_size"):
+        if spec.get(name) is not None:
+            out[name] = _checked(key, name, spec[name], path)
+    return out
+
+
+def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
+                       what="data file"):
+    """The data file relative to the working directory first, then to the
+    config file's directory (so a config works from the repo root and from
+    its own folder). Returns an absolute path when the file was found.
+    ``folder``: a folder counts too (an LMDB)."""
+    candidates = [data_path]
+    if not os.path.isabs(data_path) and config_path and not config_path.startswith("<"):
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_path)), data_path))
+    for candidate in candidates:
+        if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
+            return os.path.abspath(candidate)
+    if check_files:
+        tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
+        hint = data_hint(data_path) if what == "data file" and not folder else (
+            "make it with Caffe's convert_imageset (or compute_image_mean for a mean file), "
+            "or give the right path")
+        raise ConfigError(config_path, key, f"{'lmdb source' if folder else what} "
+                                            f"{excerpt(data_path)} not found (looked for "
+                                            f"{tried}); {hint}")
+    return data_path
+
+
+def data_hint(data_path):
+    """How to make the missing data file ``data_path``, by the data set its
+    name suggests."""
+    name = os.path.basename(str(data_path)).lower()
+    if "cifar" in name:
+        return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
+                "(or --from DIR with the unpacked python batches)")
+    if "digit" in name:
+        return f"make it with 'python -m purine_mpi data digits --out {data_path}'"
+    return ("convert your data to the HDF5 layout of docs/formats.md ('HDF5 data files'); "
+            "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")

@@ -1,0 +1,244 @@
+"""From a job (job/job.py) to the graphs one rank runs.
+
+Train graph = data op + forward (layers) + generated backward + solver ops,
+then the parallel composition (data-parallel buckets and allreduce, or the
+parameter-server variant) rewrites it for this rank. The test graph is the
+forward net of the ``test`` phase; it shares the train graph's parameter
+arrays. The entry points take a ``Job`` (job/job.py).
+"""
+from ..base.errors import ConfigError, InitMismatch, UserError
+from ..graph import Graph, seed_yaml
+from ..graph.grad import build_backward
+from ..graph.solver_graph import add_solver
+from ..ops.updates import UPDATE_OP_TYPES
+from ..layers import build_net
+
+DATA_THREAD = "io"
+
+
+def data_attrs(spec, rank, world_size, seed, phase="train"):
+    """Attributes of the DataReader op for one data split spec (a ``DataSpec``)."""
+    return {"source": spec.source_dict(), "batch_size": spec.batch_size, "rank": rank,
+            "world_size": world_size, "seed": seed, "train": phase == "train"}
+
+
+def forward_graph(job, phase, spec, rank=0, world_size=1):
+    """The data op and the net's forward ops of ``job`` for ``phase`` and its
+    ``DataSpec`` (no loss pruning)."""
+    g = Graph(job.name)
+    g.add_op("data", "DataReader", [], ["data", "label"],
+             data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
+    g.infer_shapes()
+    build_net(job.net or (), phase, (g, job.path))
+    g.infer_shapes()
+    return g
+
+
+def check_data_labels(graph):
+    """At load time, before any iteration: every label a loss or accuracy
+    op reads straight from the data op must lie in [0, C), C being the
+    class count of its predictions. The data file and dataset are named."""
+    from ..data.sources import check_labels
+    from ..ops.softmax import _axis
+    producers = graph.producers()
+    for op in graph.ops.values():
+        if op.op_type not in ("SoftmaxLoss", "Accuracy") or len(op.inputs) < 2:
+            continue
+        readers = [p for p in producers.get(op.inputs[1], []) if p.op_type == "DataReader"]
+        x = graph.blobs[op.inputs[0]]
+        if not readers or x.shape is None:
+            continue
+        classes = int(x.shape[_axis(op.attrs, len(x.shape))])
+        check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
+                     layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+
+
+#: the label of a padding position when no loss or accuracy sets an ignore_label
+#: (never a class: the labels are checked to lie in [0, C) at load time)
+PAD_LABEL = -1
+#: ops that hand their input on unchanged (a label may pass them on its way)
+_LABEL_PASSING = ("Split", "Copy", "Reshape", "Flatten")
+
+
+def mark_padding(graph):
+    """Let a test graph's data op pad the last batch of a one-pass test
+    (data/sources.py, ``pass_counts``): when its label reaches only the label
+    inputs of SoftmaxLoss and Accuracy ops (through copies and reshapes),
+    which ignore at most one label value between them, that value (or
+    PAD_LABEL) becomes the data op's attr ``pad_label`` and every such op
+    without an ``ignore_label`` gets it as one. Then a padding sample counts
+    in neither the loss mean nor the accuracy, and nothing else of the test
+    graph mixes the samples of a batch (dropout is off and batch norm uses
+    its running statistics in the test phase). Returns the label, or None
+    when the graph does not allow it (its one-pass test then wraps around,
+    and says so)."""
+    readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
+    if len(readers) != 1:
+        return None
+    consumers, labels, seen = [], [readers[0].outputs[1]], set()
+    while labels:
+        blob = labels.pop()
+        for op in graph.ops.values():
+            if blob not in op.inputs or op.name in seen:
+                continue
+            seen.add(op.name)
+            if op.op_type in _LABEL_PASSING:
+                labels.extend(op.outputs)
+            elif op.op_type in ("SoftmaxLoss", "Accuracy") and op.inputs.index(blob) == 1 \
+                    and op.inputs.count(blob) == 1:
+                consumers.append(op)
+            else:
+                return None
+    ignored = {int(op.attrs["ignore_label"]) for op in consumers
+               if op.attrs.get("ignore_label") is not None}
+    if len(ignored) > 1:
+        return None
+    pad = ignored.pop() if ignored else PAD_LABEL
+    for op in consumers:
+        if op.attrs.get("ignore_label") is None:
+            op.attrs["ignore_label"] = pad
+    readers[0].attrs["pad_label"] = pad
+    return pad
+
+
+def loss_blobs(graph):
+    return {b.name: b.attrs["loss_weight"] for b in graph.blobs.values()
+            if "loss_weight" in b.attrs}
+
+
+def metric_blobs(graph):
+    return [b.name for b in graph.blobs.values() if b.attrs.get("metric")]
+
+
+def build_train_graph(job, rank=0, world_size=1):
+    """The single-replica training graph for ``rank`` of ``world_size``
+    (data sharded as in docs/config.md, "Sample order"), before any parallel composition.
+    Returns (graph, grads) where grads maps param -> gradient blob. With
+    ``parallel.micro_batches: M`` the graph is built for one micro-batch
+    (B/M samples); the composition copies it M times."""
+    path = job.path
+    if job.graph is not None:
+        return graph_from_seed(job, rank, world_size)
+    if job.data.train is None:
+        raise ConfigError(path, "data.train", "training needs a data.train section")
+    spec = job.data.train.with_batch(job.micro_batch)
+    g = forward_graph(job, "train", spec, rank, world_size)
+    losses = loss_blobs(g)
+    if not losses:
+        raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
+                                       "in the train phase")
+    grads = build_backward(g, losses)
+    if not grads:
+        raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss")
+    sinks = add_solver(g, grads, job.solver)
+    g = g.prune(sinks + list(losses) + metric_blobs(g))
+    g.infer_shapes().validate()
+    return g, grads
+
+
+def graph_from_seed(job, rank=0, world_size=1):
+    """A training graph given in the seed's low-level format. A complete one
+    (with SGDUpdate ops, e.g. from ``graph --format yaml``) runs as is; a
+    forward-only one gets backward and solver ops generated."""
+    path = job.path
+    g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
+    for op in g.ops.values():
+        if op.op_type == "DataReader":
+            op.attrs["rank"], op.attrs["world_size"] = rank, world_size
+    g.infer_shapes()
+    if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):
+        grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values()
+                 if op.op_type in UPDATE_OP_TYPES}
+        g.validate()
+        return g, grads
+    losses = loss_blobs(g)
+    if not losses:
+        raise ConfigError(path, "graph", "a forward-only graph needs a loss blob: mark one "
+                                         "with attrs: {loss_weight: 1.0}")
+    grads = build_backward(g, losses)
+    sinks = add_solver(g, grads, job.solver)
+    g = g.prune(sinks + list(losses) + metric_blobs(g))
+    g.infer_shapes().validate()
+    return g, grads
+
+
+def build_test_graph(job, rank=0, world_size=1):
+    """The evaluation graph (test phase), or None when no test data is set."""
+    if job.data.test is None or job.graph is not None:
+        return None
+    g = forward_graph(job, "test", job.data.test, rank, world_size)
+    sinks = list(loss_blobs(g)) + metric_blobs(g)
+    if not sinks:
+        return None
+    g = g.prune(sinks)
+    g.infer_shapes().validate()
+    return g
+
+
+def kept_constant(blob):
+    """A learnable parameter that never moves from its constant filler."""
+    attrs = blob.attrs
+    return (attrs.get("learnable", True) and attrs.get("lr_mult", 1.0) == 0
+            and attrs.get("decay_mult", 1.0) == 0
+            and attrs.get("filler", {}).get("type") == "constant")
+
+
+def init_params(loaded, params, job, path, skip=()):
+    """The names of ``params`` to take from a weights file's ``loaded``
+    params (``--init`` / ``test --weights``): all of them, except those of
+    the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
+    its fresh initialisation). A parameter the file lacks is a user error
+    that lists what is missing, never a silent random weight."""
+    layers = set(job.layer_names)
+    unknown = sorted(set(skip) - layers)
+    if unknown:
+        raise UserError(f"--init-skip: no layer named {', '.join(unknown)} in the net "
+                        f"(layers: {', '.join(sorted(n for n in layers if n))})")
+    wanted = [p for p in params if p.split("/")[0] not in set(skip)]
+    missing = [p for p in wanted if p not in loaded]
+    if missing:
+        raise InitMismatch(f"weights file '{path}' lacks {len(missing)} parameter(s) of this "
+                           f"net: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                           f"(the file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
+                           f"{' ...' if len(loaded) > 8 else ''})", "; to leave a layer at its "
+                           "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+    return wanted
+
+
+def check_fits_memory(graph, memory=None):
+    """Raise a UserError naming the layer whose blobs (activations, weights,
+    gradients) take the most memory when the graph's blobs would not fit in
+    this machine's memory (``memory`` bytes; default: physical memory), so a
+    mistyped num_output or batch size is named instead of ending in a
+    MemoryError."""
+    import os
+    if memory is None:
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+    layer_of = {}
+    for op in graph.ops.values():
+        for b in op.outputs:
+            layer_of.setdefault(b, op.name.split(".")[0])
+    need, biggest = {}, {}
+    for b in graph.blobs.values():
+        if b.alias_of is not None or b.shape is None:
+            continue
+        # an in-place copy (conv1@relu1), a gradient or state (conv1.grad) counts for
+        # the layer whose output it is: the one whose num_output sets its size
+        base = b.name.split("@")[0].split(".")[0]
+        layer = base.split("/")[0] if "/" in base else layer_of.get(base, base)
+        need[layer] = need.get(layer, 0) + b.nbytes
+        if b.nbytes > biggest.get(layer, (0, None))[0]:
+            biggest[layer] = (b.nbytes, b)
+    total = sum(need.values())
+    if total <= memory:
+        return
+    layer = max(need, key=need.get)
+    blob = biggest[layer][1]
+    gib = 1 << 30
+    raise UserError(f"layer '{layer}' needs {need[layer] / gib:,.1f} GiB (blob '{blob.name}' "
+                    f"{list(blob.shape)} {blob.dtype}; the net {total / gib:,.1f} GiB), more "
+                    f"than this machine's {memory / gib:,.1f} GiB of memory: check its "
+                    "num_output and the batch size")

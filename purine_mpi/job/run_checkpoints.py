@@ -1,0 +1,141 @@
+"""A run folder's checkpoints (docs/formats.md, "Run folders"):
+``ckpt_<iter>.h5`` written atomically beside ``latest.h5``, rotation of
+one run's checkpoints, the file ``--resume auto`` continues from (never
+past a checkpoint another process holds), and the temp files of killed
+writers. The files themselves are ``job/checkpoint_file``'s.
+"""
+import os
+import re
+import shutil
+
+from ..base.errors import UserError
+from .checkpoint_file import LATEST, FileHeld, load_checkpoint, replaced_atomically, save_checkpoint
+
+_CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
+_TMP_RE = re.compile(r"^.+\.h5\.tmp\.(\d+)$")
+
+
+def save_run_checkpoint(out_dir, iteration, keep=3, **kw):
+    """Write ``out_dir/ckpt_<iteration>.h5`` (atomically), point
+    ``latest.h5`` at it (atomically) and delete checkpoints beyond the
+    ``keep`` newest. ``kw`` are ``save_checkpoint``'s other arguments."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ckpt_{int(iteration)}.h5")
+    save_checkpoint(path, iteration=iteration, **kw)
+    write_latest(out_dir, path)
+    rotate_checkpoints(out_dir, keep, kw.get("run_id"))
+    return path
+
+
+def write_latest(out_dir, ckpt_path):
+    """Make ``out_dir/latest.h5`` a complete copy of ``ckpt_path``: a hard
+    link (or a copy where links fail) under a temp name, renamed over it."""
+    latest = os.path.join(out_dir, LATEST)
+    with replaced_atomically(latest) as tmp:
+        try:
+            os.link(ckpt_path, tmp)
+        except OSError:  # file systems without hard links
+            shutil.copyfile(ckpt_path, tmp)
+    return latest
+
+
+def list_checkpoints(out_dir):
+    """[(iteration, path)] of ``ckpt_<iter>.h5`` in ``out_dir``, oldest first."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(out_dir, name))
+             for name in os.listdir(out_dir) for m in [_CKPT_RE.match(name)] if m]
+    return sorted(found)
+
+
+def rotate_checkpoints(out_dir, keep, run_id=None):
+    """Delete ``ckpt_<iter>.h5`` files beyond the ``keep`` newest (keep <= 0:
+    keep all). ``latest.h5`` is never deleted. With ``run_id``, only that
+    run's checkpoints (attribute ``run_id``) count and are deleted: another
+    run's files in the folder are left alone. Returns the deleted paths."""
+    if keep is None or keep <= 0:
+        return []
+    ours = list_checkpoints(out_dir)
+    if run_id:
+        ours = [(it, path) for it, path in ours if checkpoint_run_id(path) == run_id]
+    doomed = [path for _, path in ours[:-keep]]
+    for path in doomed:
+        os.remove(path)
+    return doomed
+
+
+def checkpoint_run_id(path):
+    """The ``run_id`` attribute of a checkpoint file ('' if none or unreadable)."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return str(f.attrs.get("run_id", ""))
+    except (OSError, KeyError):
+        return ""
+
+
+def find_latest(out_dir):
+    """The checkpoint ``--resume auto`` continues from: ``latest.h5``, else
+    the newest ``ckpt_<iter>.h5``, else None."""
+    latest = os.path.join(out_dir, LATEST)
+    if os.path.isfile(latest):
+        return latest
+    ckpts = list_checkpoints(out_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def find_resumable(out_dir, log=None):
+    """(path, Checkpoint) that ``--resume auto`` continues from: ``latest.h5``
+    if it loads, else the newest ``ckpt_<iter>.h5`` that loads (``log`` is
+    told which file was skipped and why), else (None, None). Every rank that
+    calls this on the same folder picks the same file."""
+    candidates = [os.path.join(out_dir, LATEST)] * os.path.isfile(os.path.join(out_dir, LATEST))
+    candidates += [path for _, path in reversed(list_checkpoints(out_dir))]
+    skipped = []
+    for path in candidates:
+        try:
+            ck = load_checkpoint(path)
+        except FileHeld as e:  # not damaged: an older checkpoint would redo work for nothing
+            raise FileHeld(f"--resume auto: {e}; not falling back to an older checkpoint") \
+                from None
+        except UserError as e:
+            skipped.append(str(e))
+            continue
+        if skipped and log:
+            log(f"warning: {'; '.join(skipped)}; resuming from '{path}' (iteration "
+                f"{ck.iteration}), the newest checkpoint that loads")
+        return path, ck
+    if skipped:
+        raise UserError(f"--resume auto: no checkpoint in '{out_dir}' loads: {'; '.join(skipped)}")
+    return None, None
+
+
+def remove_stale_temp_files(out_dir):
+    """Delete ``*.h5.tmp.<pid>`` files left in ``out_dir`` by writers that
+    were killed mid-write (their process is gone). Returns the removed paths."""
+    if not os.path.isdir(out_dir):
+        return []
+    removed = []
+    for name in os.listdir(out_dir):
+        m = _TMP_RE.match(name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(out_dir, name))
+            removed.append(os.path.join(out_dir, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+

@@ -1,0 +1,226 @@
+"""Run folders: where a training run writes, and who may write there.
+
+- Without ``--out``, each run of a job gets a new numbered folder
+  ``runs/<name>/<N>`` (1, 2, ...), so a second run never clobbers the first;
+  ``--resume auto`` continues the newest folder of that job that holds a run
+  (a pre-numbering ``runs/<name>`` with its own files counts too).
+- An explicit ``--out`` that already holds another run's files (metrics,
+  checkpoints, traces) needs ``--resume`` (continue it) or ``--force`` (start
+  afresh: that run's files are deleted first); otherwise exit 2 naming both.
+  ``--resume FILE`` continues that run only if FILE is one of the folder's
+  checkpoints or carries the folder's ``run_id``; a checkpoint of another
+  run is refused (exit 2) unless ``--force`` (the folder's files are deleted,
+  FILE itself is kept, and the run starts there from FILE).
+- A run holds an exclusive lock on its folder (``.purine.lock``, an
+  ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
+  started into the same folder exits 2 and names the first (pid, host, start).
+  The lock is taken before the folder's files are looked at, so ``--force``
+  into a folder whose run is still going deletes nothing.
+
+- ``--force`` deletes only what a run of ours wrote, recognised by content
+  (``rundir_force.py``); a folder holding anything else of a run's names is
+  refused (exit 2) and nothing is deleted.
+- A run file planted as a symbolic link (or a non-regular file, or, for a
+  file written in place, one with other hard links) is refused at set-up
+  (exit 2 naming it); every writer opens its files through
+  ``base/runfiles.py``, which never follows a link.
+
+Rank 0 decides and every rank gets its answer, so all ranks of a job agree:
+also a failure (a read-only folder, ``--out`` under a file, a full disk, a
+refused file), which every rank raises as the same UserError (exit 2) at
+once, under ``parallel.stall_timeout``.
+"""
+import fcntl
+import os
+import re
+import socket
+import time
+
+from ..base.errors import UserError
+from ..base.runfiles import disk_error, open_run_file, refuse_link
+from .checkpoint_file import LATEST
+from .run_checkpoints import checkpoint_run_id, list_checkpoints
+from .rundir_force import delete_our_run
+
+LOCK_FILE = ".purine.lock"
+_RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
+                          r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
+                          r"config\.yaml|events\.out\.tfevents\..*|tb)$")
+_held = []  # open lock files of this process (closing one would release its lock)
+
+
+def run_files(folder):
+    """The files of a run in ``folder`` (sorted names; [] if none), with its
+    TensorBoard folder ``tb``."""
+    if not os.path.isdir(folder):
+        return []
+    names = sorted(n for n in os.listdir(folder) if _RUN_FILE_RE.match(n))
+    # a log alone is what a run that failed before its first file left: the
+    # folder holds no run to protect (a new run appends to the log)
+    return [] if names == ["train.log"] else names
+
+
+def numbered_runs(base):
+    """[(N, path)] of the numbered run folders under ``base``, oldest first."""
+    if not os.path.isdir(base):
+        return []
+    return sorted((int(n), os.path.join(base, n)) for n in os.listdir(base)
+                  if n.isdigit() and os.path.isdir(os.path.join(base, n)))
+
+
+def _new_numbered(base):
+    os.makedirs(base, exist_ok=True)
+    n = (numbered_runs(base) or [(0, None)])[-1][0] + 1
+    while True:
+        path = os.path.join(base, str(n))
+        try:
+            os.mkdir(path)  # atomic: two runs starting together get two folders
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", lock=None):
+    """The folder this run writes to (see the module docstring); creates it.
+    ``lock`` (a callable taking the folder) is called on an ``--out`` before
+    anything in it is looked at or deleted, so a folder in use by a running
+    run is refused before its files are touched. Returns (path, note or None)."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        if lock is not None:
+            lock(out)
+        held = run_files(out)
+        if held and not resume and not force:
+            raise UserError(f"--out {out} holds another run's files ({', '.join(held[:4])}"
+                            f"{', ...' if len(held) > 4 else ''}); continue that run with "
+                            "--resume auto, start afresh there with --force (its files are "
+                            "deleted), or give another --out")
+        keep = None
+        if held and resume and resume != "auto":
+            if not force:
+                check_resume_continues(out, resume, held)
+                return out, None
+            keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
+        if held and force:
+            delete_our_run(out, held, keep)
+            return out, f"--force: deleted the previous run's files in {out}"
+        return out, None
+    base = os.path.join(runs_root, name)
+    if resume == "auto":
+        for _, path in reversed(numbered_runs(base)):
+            if run_files(path):
+                return _locked(path, lock), None
+        if os.path.isfile(os.path.join(base, LATEST)) or list_checkpoints(base):
+            return _locked(base, lock), None  # a run from before numbered folders
+    return _locked(_new_numbered(base), lock), None
+
+
+def _locked(path, lock):
+    if lock is not None:
+        lock(path)
+    return path
+
+
+def folder_run_id(folder):
+    """The ``run_id`` of the run a folder holds: that of its ``latest.h5``,
+    else of its newest ``ckpt_<iter>.h5`` ('' if none says)."""
+    candidates = [os.path.join(folder, LATEST)] * os.path.isfile(os.path.join(folder, LATEST))
+    candidates += [path for _, path in reversed(list_checkpoints(folder))]
+    for path in candidates:
+        run_id = checkpoint_run_id(path)
+        if run_id:
+            return run_id
+    return ""
+
+
+def check_resume_continues(out, resume, held=None):
+    """``--resume FILE`` into an ``--out`` that holds a run is allowed only
+    when FILE continues that run: FILE lies in that folder, or its ``run_id``
+    is the folder's. Otherwise a UserError naming both (the folder's metrics
+    and checkpoints would be replaced by another run's)."""
+    held = held if held is not None else run_files(out)
+    if not held or not os.path.exists(resume):
+        return  # nothing to protect; a missing FILE is reported where it is loaded
+    if os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(out):
+        return  # one of the folder's own checkpoints (going back to an older one)
+    theirs, mine = folder_run_id(out), checkpoint_run_id(resume)
+    if mine and theirs and mine == theirs:
+        return
+    what = (f"run {theirs[:12]}" if theirs else "a run whose checkpoints name no run_id")
+    raise UserError(f"--out {out} holds another run ({what}; {', '.join(held[:4])}"
+                    f"{', ...' if len(held) > 4 else ''}) than --resume {resume} (run "
+                    f"{mine[:12] or 'unknown'}): resuming there would replace that run's "
+                    "metrics and checkpoints; give another --out, or --force to delete "
+                    "that run's files and start afresh there from the checkpoint")
+
+
+def lock_run_dir(folder):
+    """Take the folder's exclusive lock for the life of this process (rank 0
+    only); a UserError naming the holder if another run has it."""
+    path = os.path.join(folder, LOCK_FILE)
+    f = open_run_file(path, "a+")  # never through a link planted there
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"run folder {folder} is in use by another run ({holder}); wait for "
+                        "it to end, or give another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held.append(f)
+    return path
+
+
+def refuse_linked_run_files(folder):
+    """A UserError naming the first run file of ``folder`` (any name a run
+    writes there) that is a symbolic link or not a regular file: a run
+    never writes through one."""
+    for name in sorted(os.listdir(folder)):
+        # (a checkpoint's temporary file is made anew, O_EXCL, never opened as found)
+        if name == LOCK_FILE or _RUN_FILE_RE.match(name):
+            refuse_link(os.path.join(folder, name), folder=name == "tb",
+                        in_place=name != "tb" and not name.endswith(".h5"))  # latest.h5: a link
+
+
+def _set_up(name, out, resume, force, runs_root):
+    """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
+    where = out or os.path.join(runs_root, name)
+    try:
+        # the lock is taken before the folder's files are looked at or deleted
+        path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
+                                    lock=_lock_and_check)
+    except UserError as exc:
+        return None, str(exc)
+    except OSError as exc:  # a read-only folder, --out under a file, a full disk
+        err = disk_error(exc.filename or where, exc)
+        at = f" ({exc.filename})" if exc.filename and exc.filename != where else ""
+        return None, str(err) if err is not None else (
+            f"run folder {where}: cannot set it up: {exc.strerror or exc}{at}")
+    if note:
+        print(note, flush=True)
+    return path, None
+
+
+def _lock_and_check(folder):
+    lock_run_dir(folder)
+    refuse_linked_run_files(folder)
+
+
+def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs"):
+    """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
+    of ``runs_root/name``) and locks the folder; every rank gets the path, or
+    rank 0's error: every rank then raises the same UserError (exit 2), so
+    a failed set-up ends the job at once instead of leaving the other ranks
+    waiting. Returns the path."""
+    answer = _set_up(name, out, resume, force, runs_root) if world.rank == 0 else None
+    if world.size > 1:
+        answer = world.allgather_object(answer, "the run folder")[0]
+    path, error = answer
+    if error is not None:
+        raise UserError(error)
+    return path

@@ -1,0 +1,317 @@
+"""The config's keys, each declared once (``ConfigKey``, job/keys.py: its
+name, checker, default and meaning; the checker's ``doc`` is its type):
+the top-level keys (TOP), the sections (SOLVER, PARALLEL, CHECKPOINT), the
+data spec keys (DATA), and the choices with their meanings. The
+validation (job/config.py), the defaults, the ``Job``'s fields (job/job.py)
+and docs/config.md (with the layers' own declarations) are derived from
+these tables.
+
+To add a key, add its ``ConfigKey`` to its section's table below (and read
+the job's field where it is used); then run
+``python -m purine_mpi.tools.docgen --write``. Imports ``job/keys``, ``job/checks``
+and ``data/transform`` (its keys).
+"""
+from .checks import (_bool, _check_folder, _check_name, _check_stages, _choice, _int, _num,
+                     _optional, _stepvalues, check_seed)
+from .keys import (ENTRIES, INT_MAP, TUPLE, BestSpec, ConfigKey as Key, EarlyStopSpec,
+                   defaults_of, typed_watch, watch_check)
+from ..data.transform import TRANSFORM_KEYS
+
+
+LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
+
+
+SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
+
+
+PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
+
+
+PARALLEL_MODES = ("sync", "async", "sync_ps")
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+
+
+BACKENDS = ("auto", "numpy", "cupy")
+
+
+DATA_SOURCES = ("hdf5", "lmdb", "synthetic")
+
+
+SYNTHETIC_NUM_SAMPLES = 1024
+
+
+# ------------------------------------------------------------- the sections
+SOLVER = (
+    Key("type", _choice(SOLVER_TYPES), "sgd", "the update rule (see [solver types](#solver-types))"),
+    Key("base_lr", _num(0), 0.01, "the base learning rate"),
+    Key("momentum", _num(0, below=1), 0.9,
+        "momentum (sgd, nesterov); β₁ of adam/adamw; ρ of adadelta; adagrad and rmsprop take "
+        "none (a nonzero value is an error)"),
+    Key("weight_decay", _num(0), 0.0, "L2 regularisation, times each parameter's decay_mult "
+        "(adamw: decoupled decay)"),
+    Key("lr_policy", _choice(LR_POLICIES), "fixed",
+        "the learning-rate schedule (see [lr policies](#lr-policies))"),
+    Key("gamma", _num(0, strict=True), 0.1, "factor of step, multistep, exp and inv"),
+    Key("stepsize", _optional(_int(1)), None, "iterations per step (lr_policy step)"),
+    Key("stepvalues", _stepvalues, [], "increasing iterations at which multistep multiplies by "
+        "gamma", typed=TUPLE),
+    Key("power", _num(0), 1.0, "exponent of poly and inv"),
+    Key("min_lr", _num(0), 0.0, "the rate cosine decays to (torch's eta_min)"),
+    Key("max_iter", _int(0), 1000, "iterations to train (`--iters` overrides); also the "
+        "horizon of poly and cosine"),
+    Key("test_interval", _int(0), 0, "evaluate on data.test every this many iterations (0: "
+        "only at the end)"),
+    Key("test_iter", _optional(_int(1)), None, "test batches per evaluation, each sample "
+        "counted as often as it is read (null: one pass that counts each sample of the test "
+        "split once, on any number of ranks)"),
+    Key("display", _int(0), 20, "log the mean training loss every this many iterations (0: "
+        "never)"),
+    Key("display_seconds", _num(0), 30.0, "also log a progress line (iteration, images/s, "
+        "ETA; no loss) when this many seconds have passed since the last line, for iterations "
+        "slower than `display` makes visible (0: never)"),
+    Key("warmup_iters", _int(0), 0, "multiply the rate by a linear ramp (it + 1) / W over the "
+        "first W iterations"),
+    Key("momentum2", _num(0, below=1), 0.999, "β₂ of adam and adamw"),
+    Key("delta", _num(0, strict=True), 1e-8, "ε of adagrad, rmsprop, adadelta, adam and adamw"),
+    Key("rms_decay", _num(0, below=1), 0.99, "decay of the squared-gradient average of rmsprop"),
+    Key("test_initialization", _bool, False, "run a test pass before the first iteration (as "
+        "Caffe's `test_initialization`, Lightning's sanity check); it is row `iter` = the start "
+        "iteration of metrics.jsonl"),
+    Key("early_stop", watch_check(EarlyStopSpec, "mapping {metric, patience, min_delta, mode} "
+                                                 "or null"), None,
+        "stop (with a checkpoint, exit 0) when the test figure `metric` (`accuracy`, `loss`, "
+        "...) has not improved by more than `min_delta` (default 0) in `patience` test passes "
+        "in a row (default 5); `mode` `max` or `min` (default: min for a loss, else max)",
+        typed=typed_watch(EarlyStopSpec)),
+    Key("clip_gradients", _optional(_num(0, strict=True)), None,
+        "scale the gradients by min(1, C / ‖g‖) before the update, ‖g‖ the global L2 norm of "
+        "the reduced (averaged over ranks and micro-batches) gradients of all learnable "
+        "parameters, before weight decay (Caffe's clip_gradients, Lightning's "
+        "gradient_clip_val; every scheme; on a GPU computed on the device); null: no "
+        "clipping"),
+)
+
+PARALLEL = (
+    Key("scheme", _choice(PARALLEL_SCHEMES), "data", "the composition (see [schemes](#schemes))"),
+    Key("mode", _choice(PARALLEL_MODES), "sync", "with scheme data on several ranks: allreduce "
+        "or parameter servers (see [modes](#modes)); pipeline and hybrid run sync only"),
+    Key("bucket_mb", _num(0, strict=True), 4, "largest gradient bucket, in MiB (sync data "
+        "parallelism)"),
+    Key("first_bucket_mb", _num(0, strict=True), 1, "largest first bucket, in MiB (it is also "
+        "at most half the others)"),
+    Key("min_buckets", _int(1), 4, "at least this many buckets when the model has that many "
+        "parameter blobs, so a small model still overlaps"),
+    Key("split_params", _bool, True, "split a fully connected weight whose gradient is over "
+        "1 MiB and over twice the bucket size into row chunks, each reduced and updated on its "
+        "own, so its allreduce starts with its first rows (sync data parallelism; the same "
+        "result up to float rounding)"),
+    Key("defer_update", _bool, True, "let the last buckets' allreduce and the weight updates "
+        "behind them finish while the next iteration's forward runs; each op of the next "
+        "iteration waits only for the updates of what it reads (sync data parallelism on the "
+        "CPU; the same result, bit for bit)"),
+    Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
+    Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "
+        "(0: synchronous SGD)"),
+    Key("stall_timeout", _num(0, strict=True), 300, "seconds a collective or transfer may wait "
+        "before the job ends with a message naming it"),
+    Key("check_collectives", _bool, False, "verify at start-up that every rank posts the same "
+        "sequence of collectives"),
+    Key("stages", _check_stages, {}, "schemes pipeline and hybrid: {layer name: stage}, every "
+        "layer, stages 0..S-1", typed=INT_MAP),
+    Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
+        "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
+        "gradients"),
+    Key("schedule", _choice(PIPELINE_SCHEDULES), "1f1b", "order of the micro-batches on a "
+        "stage: 1f1b (one forward, one backward; stage s of p allocates min(p-s, M) "
+        "micro-batches' activations) or gpipe (all forwards, then all backwards; all M)"),
+)
+
+CHECKPOINT = (
+    Key("interval", _int(0), 0, "write `ckpt_<iter>.h5` every this many iterations (0: only "
+        "at the end and on a stop)"),
+    Key("keep", _int(0), 3, "keep the newest K checkpoints of this run (0: keep all); "
+        "`latest.h5` is never deleted"),
+    Key("best", watch_check(BestSpec, "mapping {metric, mode, keep} or null"), None,
+        "also keep `best_<iter>.h5` for the `keep` best test passes (default 1) by the test "
+        "figure `metric` (`accuracy`, `loss`, ...), `mode` `max` or `min` (default: min for a "
+        "loss, else max); rotation of the newest checkpoints never deletes them",
+        typed=typed_watch(BestSpec)),
+    Key("folder", _check_folder, None, "without `--out`, the runs go to numbered folders "
+        "`<folder>/<N>` instead of `runs/<name>/<N>` (a relative folder is relative to the "
+        "working directory; `convert caffe` sets it from Caffe's snapshot_prefix)"),
+)
+
+#: the sections with declared keys, by top-level key
+SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT}
+
+
+# ---------------------------------------------------------- top-level keys
+#: the top-level keys, in the order of docs/config.md and of the messages;
+#: ``check`` None: job/config.py validates it (a section, the data, the net)
+TOP = (
+    Key("name", _check_name, "net", "names the run: its output goes to `runs/<name>/<N>`",
+        shown="the file's stem"),
+    Key("data", None, {}, "`train:` and `test:` data specs (see [data](#data))",
+        kind="mapping"),
+    Key("net", None, None, "the layers, in order (see [net](#net)); give `net` or `graph`",
+        kind="list", shown="—", typed=ENTRIES),
+    Key("graph", None, None, "instead of `net`: the low-level list of blob and op entries "
+        "(see [graph](#graph))", kind="list", shown="—", typed=ENTRIES),
+    Key("solver", None, {}, "the optimiser and the learning-rate schedule (see "
+        "[solver](#solver))", kind="mapping"),
+    Key("parallel", None, {}, "how the ranks share the work (see [parallel](#parallel))",
+        kind="mapping"),
+    Key("checkpoint", None, {}, "how often to write checkpoints and how many to keep (see "
+        "[checkpoint](#checkpoint))", kind="mapping"),
+    Key("seed", check_seed, 0, "seeds the initial weights, the data order, the random crops "
+        "and flips, and dropout", kind="integer in [0, 2^63)"),
+    Key("backend", _choice(BACKENDS), None, "the array library: `numpy` forbids a device, "
+        "`cupy` without a device means device 0", shown="`auto`"),
+    Key("device", _int(-1), -1, "-1: the CPU; D >= 0: GPU D + the rank's index on its node "
+        "(modulo the node's GPUs); needs CuPy"),
+    Key("tf32", _bool, False, "GPU float32 GEMMs may use TensorFloat-32 (faster, about 1e-3 "
+        "relative error)"),
+    Key("cuda_graph", _bool, True, "on a GPU, replay each iteration as captured CUDA graphs "
+        "(the runs of GPU ops between host and communication ops); `false`: eager stream "
+        "dispatch, for debugging (per-op trace events); ignored on a CPU"),
+    Key("memory_plan", _bool, True, "plan the memory of the host and of each GPU from the "
+        "static graph: blobs written and read within one iteration share one arena per device "
+        "wherever the graph orders their lifetimes apart (`graph --memory` prints the plan); "
+        "parameters, solver state, losses, metrics and what runs on into the next iteration "
+        "keep their own memory; `false`: one buffer per blob, for debugging (the results are "
+        "bit-identical)"),
+)
+
+#: the resolved config (config.yaml) starts with these, then the rest of TOP in order
+RESOLVED_FIRST = ("name", "seed")
+
+
+# --------------------------------------------------------------- data specs
+#: the keys of a data spec; job/data_spec.py checks them by source, with the
+#: declared checker where one is given (``check`` None: a rule of its own
+#: there); ``shown`` is the default column (the job's value is None where a
+#: spec leaves a key out)
+DATA = (
+    Key("source", None, None, "where the samples come from", kind="one of hdf5, lmdb, "
+        "synthetic", shown="hdf5 with a path to a file, lmdb with a path to a folder, "
+        "synthetic with a shape"),
+    Key("path", None, None, "hdf5: the data file; lmdb: the database folder (holding "
+        "data.mdb); relative to the working directory or to the config's folder",
+        kind="string", shown="—"),
+    Key("split", None, None, "hdf5: the group holding data and label (null: the file's top "
+        "level)", kind="string or null", shown="`null` (hdf5), the phase (synthetic)"),
+    Key("batch_size", _int(1), None, "samples per rank per iteration (the global batch is "
+        "ranks × batch_size)", shown="required"),
+    Key("shuffle", _bool, None, "a new permutation each epoch, from the seed and the epoch",
+        shown="`true` for train, `false` for test"),
+    Key("in_memory", None, None, "hdf5: load the split (true), read each batch from the file "
+        "(false), or load it when its float32 size fits a quarter of the memory (auto)",
+        kind="auto, true or false", shown="`auto`"),
+    Key("external", _bool, None, "hdf5: allow the split's data and label to read from other "
+        "files (external storage, external links, virtual datasets); every such file must "
+        "then exist and be large enough", shown="`false`"),
+    Key("shape", None, None, "synthetic: one sample's shape [C, H, W]", kind="list of integers",
+        shown="—"),
+    Key("classes", _int(1), None, "synthetic: the number of classes", shown="—"),
+    Key("num_samples", _int(1), None, "synthetic: samples in the split",
+        shown=SYNTHETIC_NUM_SAMPLES),
+    Key("seed", check_seed, None, "seed of the shuffle and of synthetic data",
+        kind="integer in [0, 2^63)", shown="the config's seed"),
+    Key("scale", _num(0, strict=True), None, "transform: multiply, after the mean is "
+        "subtracted", shown="—"),
+    Key("mean", None, None, "transform: subtract (one value, or one per channel; Caffe's "
+        "mean_value)", kind="number or list", shown="—"),
+    Key("mean_file", None, None, "transform: subtract this Caffe `.binaryproto` mean image "
+        "(C×H×W, the samples' shape before the crop; not with `mean`), pixel by pixel, before "
+        "the crop's window is flipped", kind="string", shown="—"),
+    Key("mirror", _bool, None, "transform: random horizontal flip, training only",
+        shown=False),
+    Key("crop_size", _int(1), None, "transform: a square window, random in training, centred "
+        "in testing", shown="—"),
+)
+
+#: the keys each data source takes besides the common ones, in the order of
+#: the validated spec (after the common keys and the transform's)
+SOURCE_KEYS = {"hdf5": ("path", "in_memory", "external", "split"), "lmdb": ("path",),
+               "synthetic": ("shape", "classes", "num_samples", "split")}
+
+
+# ------------------------------------------- views derived from the tables
+TOP_KEYS = tuple(key.name for key in TOP)
+#: top-level key -> (type, default, meaning)
+TOP_DOC = {key.name: (key.type_doc, key.default if key.shown is None else key.shown,
+                      key.meaning) for key in TOP}
+SOLVER_DEFAULTS = defaults_of(SOLVER)
+PARALLEL_DEFAULTS = defaults_of(PARALLEL)
+CHECKPOINT_DEFAULTS = defaults_of(CHECKPOINT)
+DATA_KEYS = tuple(key.name for key in DATA)
+#: data spec key -> its declared checker (None: job/data_spec.py's own rule)
+DATA_CHECKS = {key.name: key.check for key in DATA}
+assert set(TRANSFORM_KEYS) <= set(DATA_KEYS)
+
+
+#: choice list -> {value: meaning}, for every value a key accepts
+CHOICE_DOCS = {
+    "lr_policy": {
+        "fixed": "base_lr",
+        "step": "base_lr · gamma ^ floor(iter / stepsize)",
+        "multistep": "base_lr · gamma ^ (number of stepvalues <= iter)",
+        "exp": "base_lr · gamma ^ iter",
+        "inv": "base_lr · (1 + gamma · iter) ^ (−power)",
+        "poly": "base_lr · (1 − iter / max_iter) ^ power",
+        "cosine": "min_lr + (base_lr − min_lr) · (1 + cos(π · iter / max_iter)) / 2",
+    },
+    "solver_type": {
+        "sgd": "v = momentum·v + rate·g; w −= v (Caffe's SGD)",
+        "nesterov": "v' = momentum·v + rate·g; w −= (1 + momentum)·v' − momentum·v",
+        "adagrad": "h += g²; w −= rate·g / (√h + delta)",
+        "rmsprop": "h = rms_decay·h + (1 − rms_decay)·g²; w −= rate·g / (√h + delta)",
+        "adadelta": "h = ρ·h + (1 − ρ)·g²; u = g·√(h₂ + delta) / √(h + delta); "
+                    "h₂ = ρ·h₂ + (1 − ρ)·u²; w −= rate·u (ρ = momentum)",
+        "adam": "m = β₁·m + (1 − β₁)·g; v = β₂·v + (1 − β₂)·g²; w −= rate / (1 − β₁ᵗ) · m / "
+                "(√v / √(1 − β₂ᵗ) + delta), t = iter + 1 (β₁ = momentum, β₂ = momentum2)",
+        "adamw": "w ×= 1 − rate·weight_decay·decay_mult, then adam without the decay in g",
+    },
+    "scheme": {
+        "data": "every rank runs a replica on its shard of the batch; gradients are summed "
+                "by allreduce ops in the graph (mode sync) or through parameter servers",
+        "none": "no composition: each rank trains its own replica on its shard of the data, "
+                "exchanging no gradients (tests, debugging)",
+        "pipeline": "layers are placed on ranks by `stages` (one rank per stage); each edge "
+                    "between ranks becomes a Send/Recv pair",
+        "hybrid": "R replicas × p stages (rank = replica·p + stage): each replica is a "
+                  "pipeline on its shard of the batch, and each stage allreduces its "
+                  "gradients over the R replicas; the world size is a multiple of p >= 2",
+    },
+    "mode": {
+        "sync": "allreduce of gradient buckets, posted as soon as each is ready",
+        "async": "parameter servers; workers push gradients and pull weights without waiting, "
+                 "up to max_staleness",
+        "sync_ps": "parameter servers that average the workers' gradients each iteration "
+                   "(Purine's synchronous variant)",
+    },
+    "schedule": {
+        "1f1b": "after p−s−1 warm-up forwards on stage s of p, one forward then one backward",
+        "gpipe": "all forwards, then all backwards",
+    },
+    "source": {
+        "hdf5": "an HDF5 file holding data (N×C×H×W, float or uint8) and label (N integers)",
+        "lmdb": "a Caffe LMDB of Datum records (raw uint8, float_data, or JPEG/PNG decoded "
+                "to BGR as Caffe does), read record by record from the memory-mapped file; "
+                "needs `pip install 'purine_mpi[caffe]'`",
+        "synthetic": "random samples of `shape` with random labels below `classes` (benchmarks)",
+    },
+    "backend": {
+        "auto": "CuPy when device >= 0, else NumPy",
+        "numpy": "the CPU",
+        "cupy": "the GPU (device 0 unless device is given)",
+    },
+}
+
+
+#: the choices CHOICE_DOCS documents
+CHOICES = {"lr_policy": LR_POLICIES, "solver_type": SOLVER_TYPES, "scheme": PARALLEL_SCHEMES,
+           "mode": PARALLEL_MODES, "schedule": PIPELINE_SCHEDULES, "source": DATA_SOURCES,
+           "backend": BACKENDS}

@@ -1,0 +1,51 @@
+"""TensorBoard event files (``train --tensorboard``), through tensorboardX.
+
+Rank 0 writes ``OUT/tb/events.out.tfevents.*``: one scalar per figure of
+each ``metrics.jsonl`` row, tagged ``<phase>/<key>`` (``train/loss``,
+``train/lr``, ``train/images_per_s``, ``test/loss``, ``test/accuracy``, and
+any further test metric by its key), at step ``iter`` with the row's
+``timestamp`` as wall time -- the same numbers as the JSON row. A resumed run
+appends a new event file that starts with a purge marker at the resumed
+iteration + 1, so TensorBoard drops what a killed run logged after its
+checkpoint. View with ``tensorboard --logdir runs``.
+
+tensorboardX is optional (``pip install 'purine_mpi[tensorboard]'``);
+``require_tensorboard`` checks for it before training starts.
+"""
+from ..base.errors import UserError
+from ..base.runfiles import make_run_folder
+
+INSTALL = "pip install 'purine_mpi[tensorboard]'"
+# what a row holds besides figures
+_NOT_SCALARS = ("phase", "iter", "time", "timestamp", "samples")
+
+
+def require_tensorboard():
+    """The tensorboardX SummaryWriter class, or a UserError saying how to install it."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise UserError(f"--tensorboard needs the tensorboardX package: {INSTALL}") from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """Scalars of metrics rows into an event file in ``folder``."""
+
+    def __init__(self, folder, purge_step=None):
+        writer = require_tensorboard()
+        make_run_folder(folder)  # tb/ itself, never a link to a folder elsewhere
+        self.writer = writer(logdir=folder, purge_step=purge_step, flush_secs=10)
+
+    def write(self, rec):
+        phase, step = rec.get("phase", "train"), int(rec["iter"])
+        for key, value in rec.items():
+            if key in _NOT_SCALARS or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
+                continue  # a null (non-finite) figure is left out, as JSON has no number
+            self.writer.add_scalar(f"{phase}/{key}", float(value), step,
+                                   walltime=rec.get("timestamp"))
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()

@@ -1,0 +1,194 @@
+"""The one YAML reader of the package: ``read_yaml(text, name)`` for every
+YAML the program reads from the user (the job file, ``--set`` values, a
+run's ``config.yaml``, the config text inside a checkpoint). Safe YAML
+(``yaml.SafeLoader``, plus ``1e-3`` read as a number), made strict and
+bounded:
+
+- a key given twice in one mapping is refused (``YamlRefused``) naming the
+  line of each and the dotted key path: plain YAML keeps the second
+  silently, so a second ``solver:`` block would replace the first;
+- nesting deeper than ``MAX_DEPTH`` levels is refused at the line where it
+  happens (counted while composing, so no ``RecursionError``; values that
+  aliases paste into others count at their expanded depth);
+- anchors and aliases (``&name`` / ``*name``) stay allowed: sharing a
+  value is what they are for, and the key checks advise them; but the
+  values that aliases repeat may add at most ``MAX_ALIAS_NODES`` nodes to
+  what the text itself holds, and an alias inside its own anchor is
+  refused. A "billion laughs" file (a few lines of nested aliases that
+  expand to 10^9 values) is refused in milliseconds, before anything is
+  built.
+
+The limits are checked on the composed node graph (aliases are shared
+nodes there, so the check costs the size of the text), before Python
+objects are made.
+"""
+import re
+
+import yaml
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+#: deepest nesting of mappings and lists (a job file needs about 6)
+MAX_DEPTH = 64
+#: nodes that aliases may add to those written in the text
+MAX_ALIAS_NODES = 100_000
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class YamlRefused(yaml.MarkedYAMLError):
+    """Well-formed YAML refused by a limit of this reader (a key given twice,
+    too deep, too many aliased values); ``problem_mark`` is where."""
+
+    def __init__(self, problem, mark):
+        super().__init__(problem=problem, problem_mark=mark)
+
+
+def _at(loader, mark):
+    """``NAME:LINE`` of a mark (``column C`` of a nameless one-line text, a
+    ``--set`` value; else ``line L, column C``)."""
+    if loader.source:
+        return f"{loader.source}:{mark.line + 1}"
+    buffer = mark.buffer
+    if buffer is not None and mark.line == 0 and "\n" not in buffer.rstrip("\0\n"):
+        return f"column {mark.column + 1}"
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with the checks of the module docstring, which
+    reads ``1e-3`` and ``5E8`` (YAML 1.2 floats without a dot) as numbers,
+    as every other YAML reader does: a string where a number is expected is
+    then always a quoted one, and refused."""
+
+    def __init__(self, stream, source=None):
+        super().__init__(stream)
+        self.source = source  # the file's name, for the messages
+        self._depth = 0
+        self._aliases = []  # (mark, anchor name, node) of each alias in the text
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = super().compose_node(parent, index)
+            self._aliases.append((event.start_mark, event.anchor, node))
+            return node
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise YamlRefused(f"nested deeper than {MAX_DEPTH} levels of mappings and "
+                                  f"lists at {_at(self, mark)} (a job file needs a handful)",
+                                  mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            self._check(node)
+        return node
+
+    # ------------------------------------------------------------- checks
+    def _check(self, root):
+        """Duplicate keys, the expanded size and depth, alias cycles: one
+        walk over the distinct nodes (an alias is the node it names)."""
+        size, depth, active = {}, {}, set()
+        stack = [(root, (), False)]
+        while stack:
+            node, path, done = stack.pop()
+            nid = id(node)
+            kids = _children(node)
+            if done:
+                active.discard(nid)
+                size[nid] = 1 + sum(size[id(k)] for k, _ in kids)
+                depth[nid] = 1 + max((depth[id(k)] for k, _ in kids), default=0)
+                if depth[nid] > MAX_DEPTH:
+                    raise YamlRefused(f"nested deeper than {MAX_DEPTH} levels of mappings and "
+                                      f"lists once its aliases are pasted in, at "
+                                      f"{_at(self, node.start_mark)}", node.start_mark)
+                continue
+            if nid in size:
+                continue
+            if nid in active:
+                raise YamlRefused(f"an alias inside the value of its own anchor at "
+                                  f"{_at(self, node.start_mark)} (a value that contains "
+                                  "itself)", node.start_mark)
+            active.add(nid)
+            if isinstance(node, MappingNode):
+                self._no_duplicates(node, path)
+            stack.append((node, path, True))
+            stack.extend((k, path + (step,), False) for k, step in reversed(kids))
+        extra = size[id(root)] - len(size)
+        if extra > MAX_ALIAS_NODES:
+            mark, anchor, node = max(self._aliases, key=lambda a: size.get(id(a[2]), 0))
+            raise YamlRefused(f"the aliases of this document repeat {extra} values in all "
+                              f"(*{anchor} at {_at(self, mark)} alone repeats "
+                              f"{size[id(node)]}), over the "
+                              f"limit of {MAX_ALIAS_NODES} (nested aliases, a 'billion "
+                              "laughs'?); write the values out or alias fewer", mark)
+
+    def _no_duplicates(self, node, path):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE or not isinstance(key_node, ScalarNode):
+                continue  # '<<' merges are overridden by design; odd keys: the constructor's
+            key = self.construct_object(key_node)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:
+                continue
+            if first is not key_node:
+                dotted = ".".join(str(p) for p in path + (key,))
+                raise YamlRefused(f"key '{dotted}' is given twice, at "
+                                  f"{_at(self, first.start_mark)} and at "
+                                  f"{_at(self, key_node.start_mark)} (YAML would keep the "
+                                  "second silently); keep one", key_node.start_mark)
+
+
+def _children(node):
+    """[(child node, its step in the key path)] of a node."""
+    if isinstance(node, SequenceNode):
+        return [(k, i) for i, k in enumerate(node.value)]
+    if isinstance(node, MappingNode):
+        out = []
+        for key_node, value_node in node.value:
+            step = key_node.value if isinstance(key_node, ScalarNode) else "?"
+            out.append((key_node, step))
+            out.append((value_node, step))
+        return out
+    return []
+
+
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def read_yaml(text, source=None):
+    """The one document of ``text`` (a string or a file), read by
+    ``StrictLoader``; ``source`` names it in the messages (``FILE:LINE``).
+    Raises ``yaml.YAMLError`` (``YamlRefused`` for a
+    refused limit) for the caller to turn into its own error."""
+    loader = StrictLoader(text, source)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def where(error):
+    """``line L, column C: problem`` of a YAML error (the ``started at`` line
+    of its context too), for a one-line message."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    mark = error.problem_mark or error.context_mark
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    what = error.problem or ""
+    if error.context:
+        start = error.context_mark
+        started = (f" (started at line {start.line + 1}, column {start.column + 1})"
+                   if start is not None and start is not mark else "")
+        what = f"{error.context}{started}: {what}"
+    return f"{at}{what}"

@@ -1,0 +1,369 @@
+"""The solver's update ops: Caffe's SGD update and the adaptive solvers.
+
+The learning rate comes from ``LearningRate`` (ops/lr_policy.py, re-exported
+here); one ``SGDUpdate`` per parameter then updates the weight and
+its momentum in place (through alias blobs ``w@new``, ``w/momentum@new``,
+which the graph orders after every other reader of the old values).
+
+On a GPU (CuPy weights of float32/float64) the update is one fused raw
+kernel (cuda/sgd.cu) instead of four element-wise passes. The learning rate
+may be a host blob (read as a number: no sync) or a device blob (read by the
+kernel: no host round trip either).
+"""
+import math
+
+import numpy as np
+
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels, same_buffer
+from .lr_policy import (LR_POLICIES, LR_POLICY_CODES, LearningRate,  # noqa: F401
+                        learning_rate, lr_policy_args)
+from .registry import OpKernel, register
+
+
+@register
+class SGDUpdate(OpKernel):
+    """[w, grad, momentum, lr] -> [w_new, momentum_new] (aliases of w and
+    momentum), Caffe's SGD with momentum and L2 weight decay:
+
+        rate = lr * lr_mult
+        v = momentum * v + rate * (grad_scale * grad + weight_decay * decay_mult * w)
+        w = w - v
+
+    Attrs ``momentum`` (0), ``weight_decay`` (0), ``lr_mult`` (1),
+    ``decay_mult`` (1), ``grad_scale`` (1; the data-parallel composition sets
+    1/N when grad is a sum over N ranks). No gradient."""
+
+    op_type = "SGDUpdate"
+    category = "update"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (ws, wd), (gs, _), (vs, vd), (ls, _) = ins
+        if not tuple(ws) == tuple(gs) == tuple(vs):
+            raise ShapeError(f"SGDUpdate needs weight, gradient and momentum of one shape, "
+                             f"got {list(ws)}, {list(gs)}, {list(vs)}")
+        if int(np.prod(ls, dtype=np.int64)) != 1:
+            raise ShapeError(f"SGDUpdate's learning rate must be a scalar, got shape {list(ls)}")
+        return [(tuple(ws), wd), (tuple(vs), vd)]
+
+    def run(self, ins, outs):
+        w, grad, v, lr = ins
+        w_new, v_new = outs
+        a = self.attrs
+        xp = get_xp(w)
+        k = raw_kernels(xp, w, grad, v)
+        if k is not None and w_new.flags.c_contiguous and v_new.flags.c_contiguous:
+            self._run_gpu(k, xp, ins, outs)
+            return
+        _sgd_step(xp, w, grad, v, lr, a, w_new, v_new)
+
+    def _run_gpu(self, k, xp, ins, outs):
+        """The fused kernel updates in place, so it works on the outputs
+        (normally the aliases ``w@new``/``v@new``, i.e. ``w`` and ``v``
+        themselves; otherwise w and v are copied there first)."""
+        w, grad, v, lr = ins
+        w_new, v_new = outs
+        a = self.attrs
+        # a host lr blob is read as a number (no sync); a device blob is read
+        # by the kernel, which applies lr_mult (no host round trip, no temporary)
+        rate = float(lr.reshape(())) if get_xp(lr) is np else lr
+        for old, new in ((w, w_new), (v, v_new)):
+            if not same_buffer(old, new):
+                new[...] = old
+        k.sgd_momentum_update(w_new, grad, v_new, rate,
+                              momentum=float(a.get("momentum", 0.0)),
+                              weight_decay=float(a.get("weight_decay", 0.0))
+                              * float(a.get("decay_mult", 1.0)),
+                              grad_scale=float(a.get("grad_scale", 1.0)),
+                              lr_mult=float(a.get("lr_mult", 1.0)))
+
+
+@register
+class MultiSGDUpdate(OpKernel):
+    """[w_flat, momentum_flat, lr, grad_0, ..., grad_{n-1}] -> [w_flat_new,
+    momentum_flat_new] (aliases of the flat buffers): SGDUpdate of n
+    parameters at once. Parameter k is the view of ``sizes[k]`` elements at
+    ``offsets[k]`` of both flat buffers (parallel/fuse.py lays the weights and
+    momenta out so), with its own ``lr_mults[k]`` and ``decay_mults[k]``;
+    ``momentum``, ``weight_decay`` and ``grad_scale`` are shared.
+
+    On a GPU one kernel updates everything (cuda/sgd.cu, sgd_momentum_multi:
+    the arithmetic of SGDUpdate's kernel, bit for bit), reading the gradients
+    where they are through a pointer table built once in ``setup``; on the
+    CPU each parameter is updated as SGDUpdate does. No gradient."""
+
+    op_type = "MultiSGDUpdate"
+    category = "update"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        sizes, offsets = list(attrs["sizes"]), list(attrs["offsets"])
+        n = len(sizes)
+        if len(ins) != 3 + n or not n == len(offsets) == len(attrs["lr_mults"]) == \
+                len(attrs["decay_mults"]):
+            raise ShapeError(f"MultiSGDUpdate takes the flat weights, the flat momenta, the lr "
+                             f"and one gradient per parameter ({n}), with one size, offset, "
+                             f"lr_mult and decay_mult each; got {len(ins)} inputs")
+        (ws, wd), (vs, vd), (ls, _) = ins[:3]
+        if tuple(ws) != tuple(vs) or len(ws) != 1:
+            raise ShapeError(f"MultiSGDUpdate needs flat weight and momentum buffers of one "
+                             f"length, got {list(ws)} and {list(vs)}")
+        if int(np.prod(ls, dtype=np.int64)) != 1:
+            raise ShapeError(f"MultiSGDUpdate's learning rate must be a scalar, got {list(ls)}")
+        for k, ((gs, _), size, off) in enumerate(zip(ins[3:], sizes, offsets)):
+            if int(np.prod(gs, dtype=np.int64)) != int(size) or off < 0 or \
+                    off + size > ws[0]:
+                raise ShapeError(f"MultiSGDUpdate: gradient {k} has shape {list(gs)}, its "
+                                 f"parameter {size} elements at offset {off} of {ws[0]}")
+        return [(tuple(ws), wd), (tuple(vs), vd)]
+
+    def setup(self, ins, outs):
+        self._table = None
+        w, v = outs
+        xp = get_xp(w)
+        k = raw_kernels(xp, w, v, *ins[3:])
+        if k is not None and w.flags.c_contiguous and v.flags.c_contiguous and \
+                all(g.flags.c_contiguous for g in ins[3:]):
+            a = self.attrs
+            wd = float(a.get("weight_decay", 0.0))
+            self._table = k.MultiTensorTable(
+                list(ins[3:]), a["offsets"], [float(m) for m in a["lr_mults"]],
+                [wd * float(m) for m in a["decay_mults"]], w.dtype)
+
+    def run(self, ins, outs):
+        w, v, lr = ins[:3]
+        w_new, v_new = outs
+        a = self.attrs
+        for old, new in ((w, w_new), (v, v_new)):
+            if not same_buffer(old, new):
+                new[...] = old
+        table = getattr(self, "_table", None)
+        if table is not None:
+            from ..gpu import kernels
+            kernels.sgd_momentum_multi(w_new, v_new, table,
+                                       float(lr.reshape(())) if get_xp(lr) is np else lr,
+                                       momentum=float(a.get("momentum", 0.0)),
+                                       grad_scale=float(a.get("grad_scale", 1.0)))
+            return
+        for grad, off, size, lr_mult, decay_mult in zip(
+                ins[3:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
+            view = slice(int(off), int(off) + int(size))
+            single = dict(a, lr_mult=lr_mult, decay_mult=decay_mult)
+            _sgd_step(get_xp(w_new), w_new[view], grad.reshape(-1), v_new[view], lr, single,
+                      w_new[view], v_new[view])
+
+
+def _sgd_step(xp, w, grad, v, lr, a, w_new, v_new):
+    """SGDUpdate's arithmetic in xp (the CPU path): see SGDUpdate."""
+    rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+    decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
+    # Element-wise ops with out= are safe when v_new is v and w_new is w
+    # (the alias case); w is read in full before w_new is written.
+    xp.multiply(v, float(a.get("momentum", 0.0)), out=v_new)
+    v_new += grad * (rate * float(a.get("grad_scale", 1.0)))
+    if decay:
+        v_new += w * (rate * decay)
+    xp.subtract(w, v_new, out=w_new)
+
+
+def _rate(rate, t):
+    """The rate as the update multiplies by it: a number of the weights'
+    dtype, or the 0-d device array of a learning-rate blob on the GPU."""
+    return t(rate) if isinstance(rate, float) else rate
+
+
+class _AdaptiveUpdate(OpKernel):
+    """Base of the solvers besides SGD: ``[w, grad, *states, lr(, iter)] ->
+    [w_new, *states_new]`` (aliases of w and the states), written in one xp
+    code path, so the same op runs on NumPy and CuPy arrays.
+
+    Every solver first forms Caffe's regularised gradient
+    ``g = grad_scale * grad + weight_decay * decay_mult * w`` (L2 added to the
+    gradient, as torch.optim does; AdamW decouples it instead) and the rate
+    ``lr * lr_mult``; ``step`` then updates ``w`` and the states in place.
+    Attrs: ``weight_decay``, ``lr_mult``, ``decay_mult``, ``grad_scale`` as
+    for SGDUpdate, plus the solver's own (``momentum``, ``momentum2``,
+    ``delta``, ``rms_decay``)."""
+
+    category = "update"
+    #: names of the per-parameter state blobs, in input order after grad
+    states = ()
+    #: reads the iteration blob after lr (Adam's bias correction)
+    needs_iter = False
+    #: weight decay applied to the weight, not added to the gradient (AdamW)
+    decoupled = False
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        n = len(cls.states)
+        if len(ins) != 3 + n + int(cls.needs_iter):
+            raise ShapeError(f"{cls.op_type} takes weight, gradient, {n} state blob(s), the "
+                             f"learning rate{' and the iteration' if cls.needs_iter else ''}; "
+                             f"got {len(ins)} inputs")
+        shapes = [tuple(s) for s, _ in ins[:2 + n]]
+        if len(set(shapes)) != 1:
+            raise ShapeError(f"{cls.op_type} needs weight, gradient and state of one shape, "
+                             f"got {', '.join(str(list(s)) for s in shapes)}")
+        for s, _ in ins[2 + n:]:
+            if int(np.prod(s, dtype=np.int64)) != 1:
+                raise ShapeError(f"{cls.op_type}'s learning rate and iteration must be "
+                                 f"scalars, got shape {list(s)}")
+        return [(shapes[0], ins[0][1])] + [(shapes[0], d) for _, d in ins[2:2 + n]]
+
+    def run(self, ins, outs):
+        n = len(self.states)
+        w, grad = ins[0], ins[1]
+        lr = ins[2 + n]
+        a = self.attrs
+        xp = get_xp(w)
+        for old, new in zip([w] + list(ins[2:2 + n]), outs):
+            if not same_buffer(old, new):
+                new[...] = old
+        w_new, states = outs[0], outs[1:]
+        if get_xp(lr) is np:
+            rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
+        else:  # the lr blob on the device: a 0-d device array, never read back
+            rate = lr.reshape(()).astype(w_new.dtype) * w_new.dtype.type(a.get("lr_mult", 1.0))
+        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
+        dtype = w_new.dtype.type
+        g = grad * dtype(a.get("grad_scale", 1.0))
+        if decay and not self.decoupled:
+            g += w_new * dtype(decay)
+        it = int(ins[3 + n].reshape(())) if self.needs_iter else None
+        self.step(xp, w_new, g, states, dtype, rate, decay, it)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        raise NotImplementedError
+
+
+@register
+class NesterovUpdate(_AdaptiveUpdate):
+    """Caffe's Nesterov momentum (NesterovSolver):
+    ``v' = momentum * v + rate * g; w -= (1 + momentum) * v' - momentum * v``,
+    equal to torch.optim.SGD(nesterov=True) at a constant rate."""
+
+    op_type = "NesterovUpdate"
+    states = ("momentum",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (v,) = states
+        mu = t(self.attrs.get("momentum", 0.0))
+        previous = v * mu
+        v *= mu
+        v += g * _rate(rate, t)
+        w -= v * (t(1) + mu) - previous
+
+
+@register
+class AdaGradUpdate(_AdaptiveUpdate):
+    """AdaGrad: ``h += g^2; w -= rate * g / (sqrt(h) + delta)`` (Caffe's
+    AdaGradSolver, torch.optim.Adagrad with lr_decay 0)."""
+
+    op_type = "AdaGradUpdate"
+    states = ("history",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (h,) = states
+        h += g * g
+        w -= _rate(rate, t) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+
+
+@register
+class RMSPropUpdate(_AdaptiveUpdate):
+    """RMSProp: ``h = rms_decay * h + (1 - rms_decay) * g^2;
+    w -= rate * g / (sqrt(h) + delta)`` (Caffe's RMSPropSolver,
+    torch.optim.RMSprop with alpha = rms_decay)."""
+
+    op_type = "RMSPropUpdate"
+    states = ("history",)
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        (h,) = states
+        rho = t(self.attrs.get("rms_decay", 0.99))
+        h *= rho
+        h += (t(1) - rho) * g * g
+        w -= _rate(rate, t) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
+
+
+@register
+class AdaDeltaUpdate(_AdaptiveUpdate):
+    """AdaDelta (Caffe's AdaDeltaSolver, torch.optim.Adadelta with
+    rho = momentum, eps = delta)::
+
+        h  = momentum * h + (1 - momentum) * g^2
+        u  = g * sqrt(h2 + delta) / sqrt(h + delta)
+        h2 = momentum * h2 + (1 - momentum) * u^2
+        w -= rate * u
+    """
+
+    op_type = "AdaDeltaUpdate"
+    states = ("history", "update_history")
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        h, h2 = states
+        rho, eps = t(self.attrs.get("momentum", 0.9)), t(self.attrs.get("delta", 1e-8))
+        h *= rho
+        h += (t(1) - rho) * g * g
+        u = xp.sqrt(h2 + eps) / xp.sqrt(h + eps) * g
+        h2 *= rho
+        h2 += (t(1) - rho) * u * u
+        w -= _rate(rate, t) * u
+
+
+@register
+class AdamUpdate(_AdaptiveUpdate):
+    """Adam (Kingma & Ba), step ``s = iter + 1``, with Caffe's key names
+    (momentum = beta1, momentum2 = beta2, delta = epsilon)::
+
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g^2
+        w -= rate / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + delta)
+
+    as torch.optim.Adam computes it (Caffe adds delta before the bias
+    correction of v instead, a difference of delta * sqrt(1 - b2^s)). The
+    weight decay is L2 added to the gradient, as in torch.optim.Adam."""
+
+    op_type = "AdamUpdate"
+    states = ("m", "v")
+    needs_iter = True
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        m, v = states
+        b1, b2 = float(self.attrs.get("momentum", 0.9)), float(self.attrs.get("momentum2", 0.999))
+        s = it + 1
+        m *= t(b1)
+        m += t(1 - b1) * g
+        v *= t(b2)
+        v += t(1 - b2) * g * g
+        denom = xp.sqrt(v) / t(math.sqrt(1 - b2 ** s)) + t(self.attrs.get("delta", 1e-8))
+        step = t(rate / (1 - b1 ** s)) if isinstance(rate, float) else rate / t(1 - b1 ** s)
+        w -= step * m / denom
+
+
+@register
+class AdamWUpdate(AdamUpdate):
+    """AdamW (Loshchilov & Hutter): Adam with the weight decay decoupled from
+    the gradient, ``w *= 1 - rate * weight_decay * decay_mult`` before the
+    Adam step, as torch.optim.AdamW does."""
+
+    op_type = "AdamWUpdate"
+    decoupled = True
+
+    def step(self, xp, w, g, states, t, rate, decay, it):
+        if decay:
+            w *= t(1 - rate * decay) if isinstance(rate, float) else 1 - rate * t(decay)
+        super().step(xp, w, g, states, t, rate, decay, it)
+
+
+#: update op type and state names of each ``solver.type``
+SOLVER_UPDATES = {"sgd": ("SGDUpdate", ("momentum",)),
+                  "nesterov": (NesterovUpdate.op_type, NesterovUpdate.states),
+                  "adagrad": (AdaGradUpdate.op_type, AdaGradUpdate.states),
+                  "rmsprop": (RMSPropUpdate.op_type, RMSPropUpdate.states),
+                  "adadelta": (AdaDeltaUpdate.op_type, AdaDeltaUpdate.states),
+                  "adam": (AdamUpdate.op_type, AdamUpdate.states),
+                  "adamw": (AdamWUpdate.op_type, AdamWUpdate.states)}
+#: every op type that updates a parameter (its inputs: w, grad, states...)
+UPDATE_OP_TYPES = frozenset(op for op, _ in SOLVER_UPDATES.values())

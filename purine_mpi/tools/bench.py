@@ -1,0 +1,297 @@
+"""``bench``: time training iterations of a config (output: docs/formats.md, "bench --json").
+
+Runs warm-up iterations, then a barrier (several ranks), then times each
+iteration from the end of the one before (with ``parallel.defer_update`` an
+iteration's tail overlaps the next; the last iteration waits for its own),
+profiling the timed ones to compute ``comm_overlap``: the share of this
+rank's communication time during which compute ops were also running, and
+``post_latency_ms``: for each comm op (a data-parallel bucket's allreduce),
+the median over the timed iterations of its post time minus the time its
+last input (the bucket's last gradient) was written, the worst rank's.
+``post_latency_ms_worst`` is the largest of them (the trace shows the same
+per event: ``args.post_latency_us`` and ``args.ready_ts``).
+``staging_ms_per_iter``: on a GPU with a non-CUDA-aware MPI, the device time
+of the buckets' asynchronous copies to and from their page-locked host
+mirrors (trace category ``staging``), per iteration; 0 elsewhere.
+
+``run_bench`` takes a job (job/job.py).
+"""
+import dataclasses
+import resource
+import statistics
+import time
+
+import numpy as np
+
+from ..base.backend import cupy_available
+from ..base.errors import UserError
+from ..job.job import DataSpec
+from ..runtime.trace import merge_intervals
+
+
+def synthetic_config(job):
+    """The job with its train data replaced by synthetic data of the same
+    shapes, and no test data."""
+    spec = job.data.train
+    if spec.source != "synthetic":
+        from ..data.transform import output_shape
+        from ..ops.data import source_info
+        try:
+            source = spec.source_dict()
+            n, sample_shape = source_info(source)
+            sample_shape = output_shape(source, sample_shape)  # what the net sees
+        except UserError as exc:
+            raise UserError(f"bench needs the shapes of data.train: {exc}") from None
+        spec = DataSpec(source="synthetic", batch_size=spec.batch_size, shuffle=False,
+                        shape=tuple(int(s) for s in sample_shape), classes=10,
+                        num_samples=max(n, spec.batch_size * 4))
+    return job.replace(data=dataclasses.replace(job.data, train=spec, test=None,
+                                                order=("train",)))
+
+
+def comm_timeline(events):
+    """``(in_flight, covered, ops)`` of the communication in ``events`` (trace
+    microseconds): ``in_flight`` the wall time during which at least one comm
+    op was between its post and its completion (the union of their
+    intervals, so comm ops that overlap each other count once), ``covered``
+    the part of it during which a compute op (categories ``compute``,
+    ``update``, ``copy``) was also running on some thread, ``ops`` the
+    number of comm events. ``in_flight - covered`` is the exposed
+    communication: time spent with a comm op in flight and no compute op
+    running."""
+    compute = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in events
+                               if e["cat"] in ("compute", "update", "copy")])
+    comm_events = [e for e in events if e["cat"] == "comm"]
+    comm = merge_intervals([(e["ts"], e["ts"] + e["dur"]) for e in comm_events])
+    total = sum(e - s for s, e in comm)
+    covered = 0.0
+    j = 0
+    for s, e in comm:
+        while j < len(compute) and compute[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < e:
+            covered += min(e, compute[k][1]) - max(s, compute[k][0])
+            k += 1
+    return total, covered, len(comm_events)
+
+
+def comm_overlap(events):
+    """Share of communication time covered by compute (0..1), or None
+    when there was no communication."""
+    total, covered, _ = comm_timeline(events)
+    if total <= 0:
+        return None
+    return covered / total
+
+
+def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
+    from ..comm.world import get_world, install_abort_handler
+    from ..runtime.trace import Profiler
+    from ..train.trainer import Trainer, world_mean
+    world = get_world()
+    install_abort_handler(world)
+    job = job if real_data else synthetic_config(job)
+    job = job.with_training(max_iter=warmup + iters)
+    trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
+                      dispatcher=dispatcher, log=lambda m: None)
+    d = trainer.train
+    times, latencies = [], {}
+    try:
+        # an iteration's time is from the end of the one before: with
+        # parallel.defer_update its tail overlaps the next one, and the last
+        # tail is waited for inside the last iteration
+        for it in range(warmup + iters):
+            if it == warmup:
+                d.drain()
+                d.profiler = Profiler(world.rank)
+                if world.size > 1:
+                    world.barrier()
+                t_prev = time.perf_counter()
+            trainer.step(it)
+            if it >= warmup:
+                if it == warmup + iters - 1:
+                    d.drain()
+                now = time.perf_counter()
+                times.append(now - t_prev)
+                t_prev = now
+                for name, seconds in d.comm_post_latency().items():
+                    latencies.setdefault(name, []).append(seconds * 1000)
+        events = d.profiler.events
+        report = d.capture_report()
+    finally:
+        trainer.close()
+    plan = trainer.ws.plan
+    overlap = comm_overlap(events)
+    in_flight_us, covered_us, comm_ops = comm_timeline(events)
+    names = sorted(latencies)
+    worst = world.allreduce(np.array([statistics.median(latencies[n]) for n in names] or [0.0]),
+                            "max", "the post latencies") if world.size > 1 else \
+        np.array([statistics.median(latencies[n]) for n in names] or [0.0])
+    post_latency = {n: round(float(v), 4) for n, v in zip(names, worst)}
+    med = world_mean(world, statistics.median(times))
+    batch = job.train_batch
+    comm_ms = sum(e["dur"] for e in events if e["cat"] == "comm") / 1000.0 / iters
+    compute_ms = sum(e["dur"] for e in events
+                     if e["cat"] not in ("comm", "staging")) / 1000.0 / iters
+    # a GPU's buckets through host mirrors (a non-CUDA-aware MPI): the
+    # device-to-host copies and the copies back, on the device
+    staging_ms = sum(e["dur"] for e in events if e["cat"] == "staging") / 1000.0 / iters
+    on_gpu = cupy_available() and any(b.location.device >= 0
+                                      for b in trainer.graphs.graph.blobs.values())
+    result = {
+        "config": job.name,
+        "world_size": world.size,
+        "iters": iters,
+        "batch_per_rank": batch,
+        "images_per_s": round(batch * world.size / med, 2),
+        "iter_ms_median": round(med * 1000, 3),
+        "iter_ms_mean": round(world_mean(world, float(np.mean(times))) * 1000, 3),
+        "compute_ms_per_iter": round(compute_ms, 3),
+        "comm_ms_per_iter": round(comm_ms, 3),
+        "staging_ms_per_iter": round(staging_ms, 3),
+        # comm_ms_per_iter sums the comm ops' post-to-completion spans; these
+        # say what the iteration's wall clock saw of them (comm_timeline)
+        "comm_ops_per_iter": round(comm_ops / iters, 2),
+        "comm_in_flight_ms_per_iter": round(in_flight_us / 1000.0 / iters, 3),
+        "comm_exposed_ms_per_iter": round((in_flight_us - covered_us) / 1000.0 / iters, 3),
+        "comm_overlap": None if overlap is None else round(overlap, 4),
+        "post_latency_ms": post_latency,
+        "post_latency_ms_worst": max(post_latency.values()) if post_latency else None,
+        "peak_mem_bytes": int(trainer.ws.allocated_bytes),
+        # the host memory plan (runtime/memory_plan.py): its arena, and what
+        # the same blobs take one buffer each (null with memory_plan: false)
+        "planned_bytes": None if plan is None else int(plan.planned_bytes),
+        "unplanned_bytes": None if plan is None else int(plan.unplanned_bytes),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # each GPU's memory, {device: bytes}: the arena of its blobs, the
+        # plan's share of it (transient blobs; what they take one buffer
+        # each), the kernels' scratch, and what CuPy's pool holds (with
+        # CuPy on a GPU); empty on the CPU
+        **device_memory(trainer.ws),
+        "backend": "cupy" if on_gpu else "numpy",
+        "dispatcher": type(d).__name__,
+        "blas": _blas_backend() if on_gpu else None,
+        "cuda_graph": None if report is None else json_safe(report),
+    }
+    return result if world.rank == 0 else None
+
+
+def device_memory(ws):
+    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``."""
+    plans = getattr(ws, "device_plans", {}) or {}
+    out = {
+        "device_arena_bytes": {str(d): int(n) for d, n in sorted(ws.device_bytes.items())},
+        "device_planned_bytes": {str(d): int(p.planned_bytes) for d, p in sorted(plans.items())},
+        "device_unplanned_bytes": {str(d): int(p.unplanned_bytes)
+                                   for d, p in sorted(plans.items())},
+        "device_scratch_bytes": {str(d): int(n) for d, n in sorted(ws.scratch_bytes.items())},
+        "device_pool_bytes": {},
+    }
+    if ws.device_bytes and cupy_available():
+        import cupy
+        for d in sorted(ws.device_bytes):
+            with cupy.cuda.Device(d):
+                out["device_pool_bytes"][str(d)] = int(
+                    cupy.get_default_memory_pool().total_bytes())
+    return out
+
+
+def _blas_backend():
+    """The cuBLAS binding of the matrix products: "nvmath" or "cupy"."""
+    from ..gpu.blas import blas_backend
+    return blas_backend()
+
+
+def json_safe(value):
+    """``value`` with every dict key a string, tuples and sets as lists, NumPy
+    scalars as Python numbers and anything else JSON cannot hold as its str."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [json_safe(v) for v in items]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _comm_rows(res, ms):
+    """The communication rows of ``format_bench``: the comm ops' summed
+    post-to-completion time, and (where the result has them) how much of
+    the iteration's wall clock they held and how much of that no compute
+    hid (the rows after the first have no name, so the columns stay)."""
+    overlap = res.get("comm_overlap")
+    if overlap is None:
+        return [("communication", "none")]
+    in_flight = res.get("comm_in_flight_ms_per_iter")
+    exposed = res.get("comm_exposed_ms_per_iter")
+    ops = res.get("comm_ops_per_iter")
+    if in_flight is None or exposed is None or ops is None:  # an older result
+        return [("communication", f"{ms(res['comm_ms_per_iter'])} per iteration, "
+                                  f"{100 * overlap:.0f}% overlapped with compute")]
+    ops_text = f"{ops:,.0f}" if float(ops).is_integer() else f"{ops:,.2f}"
+    return [
+        ("communication", f"{ms(res['comm_ms_per_iter'])} per iteration summed over {ops_text} "
+                          f"comm op{'s' if ops != 1 else ''}, each from its post to its "
+                          "completion (they overlap each other and compute)"),
+        ("", f"in flight {ms(in_flight)} of the iteration's wall time (at least one comm op "
+             f"posted and not completed), {100 * overlap:.0f}% of it with compute running"),
+        ("", f"exposed {ms(exposed)}: a comm op in flight and no compute op running (rank 0)"),
+    ]
+
+
+def format_bench(res, warmup=None):
+    """``bench`` without ``--json``: the result in human units (images/s with
+    thousands separators, milliseconds, KiB/MiB), ``n/a`` where a figure
+    does not exist (no communication on one rank)."""
+    from ..base.progress_bar import human_bytes
+    ranks = res["world_size"]
+    head = (f"bench {res['config']}: {ranks} rank{'s' if ranks != 1 else ''}, batch "
+            f"{res['batch_per_rank']:,} per rank, {res['iters']:,} timed iterations"
+            + (f" after {warmup:,} warm-up" if warmup is not None else "")
+            + f", backend {res['backend']}, {res['dispatcher']}")
+
+    def ms(v):
+        return "n/a" if v is None else f"{v:,.2f} ms"
+
+    lat = res.get("post_latency_ms") or {}
+    rows = [
+        ("throughput", f"{res['images_per_s']:,.0f} images/s"),
+        ("iteration", f"{ms(res['iter_ms_median'])} median, {ms(res['iter_ms_mean'])} mean"),
+        ("compute", f"{ms(res['compute_ms_per_iter'])} per iteration (rank 0's ops, summed "
+                    "over its threads)"),
+        *_comm_rows(res, ms),
+        ("post latency", f"{ms(res.get('post_latency_ms_worst'))} worst over "
+                         f"{len(lat)} comm op{'s' if len(lat) != 1 else ''}" if lat else
+                         "n/a (no communication)"),
+        ("memory", f"{human_bytes(res['peak_mem_bytes'])} in blobs (rank 0), "
+                   f"{human_bytes(res['max_rss_bytes'])} peak resident"),
+    ]
+    if res.get("blas"):
+        rows.append(("matrix products", f"cuBLAS through {res['blas']}"))
+    graphs = res.get("cuda_graph")
+    if graphs:
+        eager = graphs.get("eager_gpu_ops") or {}
+        rows.append(("CUDA graphs", f"{graphs.get('captured', 0)} of "
+                                    f"{graphs.get('segments', 0)} segments captured, "
+                                    f"{len(graphs.get('failed') or {})} failed, {len(eager)} "
+                                    f"GPU op{'s' if len(eager) != 1 else ''} run eagerly"))
+    if res.get("planned_bytes") is not None:
+        rows.append(("memory plan", f"a {human_bytes(res['planned_bytes'])} arena for the "
+                     f"blobs that take {human_bytes(res['unplanned_bytes'])} one buffer each"))
+    for d, arena in (res.get("device_arena_bytes") or {}).items():
+        planned = (res.get("device_planned_bytes") or {}).get(d)
+        text = f"a {human_bytes(arena)} arena"
+        if planned is not None:
+            text += (f", {human_bytes(planned)} of it planned for the blobs that take "
+                     f"{human_bytes(res['device_unplanned_bytes'][d])} one buffer each")
+        text += f"; {human_bytes((res.get('device_scratch_bytes') or {}).get(d, 0))} scratch"
+        pool = (res.get("device_pool_bytes") or {}).get(d)
+        if pool is not None:
+            text += f"; CuPy's pool holds {human_bytes(pool)}"
+        rows.append((f"GPU {d} memory", text))
+    width = max(len(k) for k, _ in rows) + 2
+    return "\n".join([head] + [f"  {k:<{width}}{v}" for k, v in rows])

@@ -1,0 +1,174 @@
+"""``graph`` command: a rank's slice of the composed graph as text, the
+seed's YAML, or Graphviz DOT. The entry points take a job (job/job.py).
+"""
+import dataclasses
+
+import yaml
+
+from ..ops.catalog import get_kernel_class
+from ..graph import seed_yaml
+
+
+def compose_for(job, world_size, rank, phase="train"):
+    """The graph ``rank`` of ``world_size`` would run, built without MPI."""
+    from ..job.replica import build_test_graph, build_train_graph
+    from ..parallel.compose import compose, compose_test, data_window, layout_of
+    world = _OfflineWorld(rank, world_size)
+    par = job.parallel
+    lay = layout_of(job, world)  # a world that does not fit the stages: exit 2 here
+    replica, replicas = data_window(job, world)
+    if phase == "test":
+        graph = compose_test(build_test_graph(job, replica, replicas), job, world)
+        if graph is not None:
+            graph.layout = lay
+        return graph
+    graph, grads = build_train_graph(job, replica, replicas)
+    if world_size > 1 and not lay.staged and par.scheme != "none" and par.mode != "sync":
+        from ..parallel.param_server import compose_for_rank
+        graph = compose_for_rank(graph, grads, job, world_size, rank).infer_shapes()
+        graph.validate()
+    else:  # the trainer's own composition; the cross-rank check needs MPI: skip it
+        offline = job.replace(parallel=dataclasses.replace(par, check_collectives=False))
+        graph = compose(graph, grads, offline, world)
+    from ..parallel.placement import prepare_for_device
+    # placed and fused as the trainer runs it (needs no CuPy)
+    prepare_for_device(graph, job.device)
+    from ..parallel.partition import partition, ranks_used
+    if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
+        graph = partition(graph, rank, size=world_size)
+    else:  # micro-batch copies share buffers as the trainer plans them
+        from ..parallel.compose import plan_memory
+        plan_memory(graph, job, world)
+    graph.layout = lay
+    return graph
+
+
+def describe_layout(lay, rank):
+    """Where ``rank`` sits in a staged scheme (``graph`` text header)."""
+    if not lay.staged:
+        return None
+    text = (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
+            f"replica {lay.replica}, stage {lay.stage}; Send/Recv with ranks "
+            f"{lay.replica_ranks()} (this replica)")
+    if lay.scheme == "hybrid":
+        text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
+    return text
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a dict shared by several nodes (e.g. a filler) out in full at
+    each place: no ``&id001`` anchors, so editing one entry never silently
+    edits another."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+class _OfflineWorld:
+    """Rank and size for composing a slice without starting MPI."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size, self.hosts = rank, size, None
+
+
+NL = "\\n"  # a DOT line break inside a label
+
+
+def to_dot(graph):
+    """Graphviz DOT: blobs are ellipses, ops are boxes, ranks are clusters.
+    A blob no op reads or writes is storage that others view (a gradient
+    bucket: one flat buffer whose views are the gradients it holds, which
+    the allreduce reads): it is drawn with a dashed edge labelled "view" to
+    each blob that views it, so no blob floats unconnected."""
+    def q(s):
+        return '"' + str(s).replace('"', r'\"') + '"'
+    touched = {b for op in graph.ops.values() for b in (*op.inputs, *op.outputs)}
+    views = {}
+    for b in graph.blobs.values():
+        if b.alias_of is not None and b.alias_of not in touched:
+            views.setdefault(b.alias_of, []).append(b.name)
+    lines = [f"digraph {q(graph.name)} {{", "  rankdir=TB;", "  node [fontsize=10];"]
+    for b in graph.blobs.values():
+        shape = list(b.shape) if b.shape is not None else "?"
+        style = ', style=filled, fillcolor="#ffe9a8"' if b.kind == "param" else ""
+        text = f"{b.name}{NL}{shape}"
+        if b.name in views:
+            text += f"{NL}flat buffer, {len(views[b.name])} views"
+            style = ", style=dashed"
+        lines.append(f"  {q('b:' + b.name)} [label={q(text)}, shape=ellipse{style}];")
+    for owner, names in views.items():
+        for v in names:
+            lines.append(f"  {q('b:' + owner)} -> {q('b:' + v)} "
+                         '[style=dashed, label="view", fontsize=8];')
+    for op in graph.ops.values():
+        category = get_kernel_class(op.op_type, op.name).category
+        color = {"comm": "#a8d8ff", "update": "#c8f0c8", "io": "#f0d0f0"}.get(category, "#eeeeee")
+        label = q(op.name + NL + op.op_type)
+        lines.append(f"  {q('o:' + op.name)} [label={label}, "
+                     f"shape=box, style=filled, fillcolor={q(color)}];")
+        for b in op.inputs:
+            lines.append(f"  {q('b:' + b)} -> {q('o:' + op.name)};")
+        for b in op.outputs:
+            lines.append(f"  {q('o:' + op.name)} -> {q('b:' + b)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory=False):
+    world_size = world_size or 1
+    if not 0 <= rank < world_size:
+        from ..base.errors import UserError
+        raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
+    graph = compose_for(job, world_size, rank, phase)
+    if graph is None:
+        from ..base.errors import UserError
+        raise UserError(f"the config has no {phase} graph")
+    if fmt == "yaml":
+        # the solver section too: the loop's keys (max_iter, display, ...) and
+        # the start-up block then match the lr op the graph carries
+        solver = {k: v for k, v in job.solver.to_config().items() if v is not None}
+        return yaml.dump({"name": job.name, "solver": solver,
+                          "graph": seed_yaml.dump(graph)},
+                         Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None,
+                         width=100)
+    if fmt == "dot":
+        return to_dot(graph)
+    lines = [graph.summary()]
+    lay = getattr(graph, "layout", None)
+    if lay is not None and describe_layout(lay, rank):
+        lines.insert(0, describe_layout(lay, rank))
+    plan = getattr(graph, "bucket_plan", None)
+    if plan:
+        from ..parallel.data_parallel import format_plan
+        lines += format_plan(plan)
+        from ..parallel.compose import defer_update_applies
+        if defer_update_applies(job, world_size, lay is not None and lay.staged):
+            from ..runtime.tail import describe_tail
+            line = describe_tail(graph)
+            if line:
+                lines.append(line)
+    from ..parallel.micro_memory import describe_plan
+    if describe_plan(graph):
+        lines.append(describe_plan(graph))
+    if memory:
+        lines += memory_lines(job, graph)
+    return "\n".join(lines)
+
+
+def memory_lines(job, graph):
+    """``graph --memory``: the memory plans the trainer lays this graph out
+    by (runtime/memory_plan.py), the host's then each GPU's, or a line each
+    saying it is off."""
+    from ..runtime.factory import memory_plans
+    from ..runtime.memory_plan import batch_blobs, format_plan
+    on = job.memory_plan
+    host, devices = memory_plans(graph, keep=batch_blobs(graph), order_ops=on)
+    lines = []
+    for plan in [host, *devices.values()]:
+        if on:
+            lines += format_plan(graph, plan)
+            continue
+        lines.append(f"{plan.title}: off (memory_plan: false): one buffer per blob; the "
+                     f"plan would put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} "
+                     f"transient blob(s) in a {plan.total_bytes:,}-byte arena")
+    return lines

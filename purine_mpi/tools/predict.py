@@ -1,0 +1,134 @@
+"""``predict CONFIG --weights W --out preds.h5``: per-sample outputs of a
+data split, as Caffe's ``extract_features`` and Lightning's ``predict``.
+
+The test-phase graph (center crops, no dropout) runs once over the whole
+split, in file order (the split's shuffle is off here), sharded over the
+ranks as evaluation is; rank 0 gathers every batch and writes, atomically:
+
+    /outputs/<blob>   (N, ...) float: each requested blob, per sample
+    /label            (N,) int64: the split's labels
+    /index            (N,) int64: each row's sample index in the split
+    attrs: config (YAML), weights, split, blobs
+
+The default blob is the net's last output: the scores the loss layer reads.
+A blob must be computed in the test phase (an input of the loss or a
+metric, or of what they read); ``--blob`` names others.
+"""
+import dataclasses
+import os
+
+import numpy as np
+
+from ..base.errors import UserError
+from ..base.runfiles import GuardedFile, disk_error
+from ..job.config import dump_config
+from ..data.sources import pass_batches, source_info
+
+
+def default_blob(graph):
+    """The scores the first loss op reads (its first input)."""
+    for op in graph.ops.values():
+        if op.op_type.endswith("Loss"):
+            return op.inputs[0]
+    raise UserError("predict: the test phase has no loss layer, so there is no default "
+                    "output; name a blob with --blob")
+
+
+def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
+    """``predict``: ``job``'s ``split`` through its test phase, in file order
+    (the test-phase transform), with ``weights``; see ``predict``."""
+    from ..train.trainer import Trainer
+    spec = job.data.get(split)
+    if spec is None:
+        raise UserError(f"{job.path}: key 'data.{split}': predict --split {split} "
+                        "needs that data")
+    order = job.data.order + (() if "test" in job.data.order else ("test",))
+    job = job.replace(data=dataclasses.replace(
+        job.data, test=dataclasses.replace(spec, shuffle=False), order=order))
+    t = Trainer(job, "/nonexistent-predict-output", init=weights, log=log)
+    try:
+        return predict(t, out_path, weights, blobs, split)
+    finally:
+        t.close()
+
+
+def predict(trainer, out_path, weights, blobs=None, split="test"):
+    """Run the trainer's test graph over the whole split and write the
+    outputs (see the module docstring); returns {"samples", "blobs", "out"}."""
+    if trainer.test is None:
+        raise UserError(f"{trainer.job.path}: key 'data.{split}': predict needs "
+                        "that data and a loss layer in the test phase")
+    if trainer.graphs.pipeline:
+        raise UserError("predict runs the whole net on each rank: not a pipeline or hybrid "
+                        "scheme (run it with one rank, or parallel.scheme: data)")
+    graph, dispatcher = trainer.graphs.test_graph, trainer.test
+    ws = dispatcher.workspace
+    blobs = list(blobs or [default_blob(graph)])
+    missing = [b for b in blobs if b not in graph.blobs]
+    if missing:
+        raise UserError(f"predict: blob(s) {', '.join(missing)} are not computed in the test "
+                        f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
+    readers = [k for k in dispatcher.kernels.values() if k.op.op_type == "DataReader"]
+    label_blob = readers[0].op.outputs[1] if readers else None
+    spec = trainer.job.data.test
+    n, _ = source_info(spec.source_dict())
+    batch, ranks = spec.batch_size, trainer.graphs.data_size
+    iters = pass_batches(n, batch, ranks)  # one pass, as a test pass without test_iter
+    for k in readers:
+        k.reset_position(0)
+        k.pad_from(None)  # the rows past the split are dropped below
+    trainer.train.drain()
+    parts = {b: [] for b in blobs + ["label"]}
+    for i in range(iters):
+        dispatcher.run(i)
+        mine = {b: _host(ws[b]) for b in blobs}
+        mine["label"] = _host(ws[label_blob]) if label_blob else np.zeros(batch, np.int64)
+        every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
+            if trainer.world.size > 1 else [mine]
+        if trainer.world.rank == 0:
+            for rank_part in every[:ranks]:  # replica order is sample order
+                for b in parts:
+                    parts[b].append(rank_part[b])
+    if trainer.world.rank != 0:
+        return None
+    rows = {b: np.concatenate(v)[:n] for b, v in parts.items()}
+    _write(out_path, rows, blobs, trainer, weights, split, n)
+    return {"samples": int(n), "blobs": blobs, "out": out_path}
+
+
+def _outputs(graph):
+    return {b for op in graph.ops.values() for b in op.outputs}
+
+
+def _host(array):
+    from ..base.backend import to_numpy
+    return np.array(to_numpy(array), copy=True)
+
+
+def _write(path, rows, blobs, trainer, weights, split, n):
+    import h5py
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:  # HDF5 writes through a new file of ours: a full disk is one line
+        with GuardedFile(tmp) as raw, h5py.File(raw, "w") as f:
+            group = f.create_group("outputs")
+            for b in blobs:
+                group.create_dataset(b.replace("/", "|"), data=rows[b], fletcher32=True)
+            f.create_dataset("label", data=rows["label"].astype(np.int64))
+            f.create_dataset("index", data=np.arange(n, dtype=np.int64))
+            f.attrs["format"] = "purine_mpi.predictions"
+            f.attrs["config"] = dump_config(trainer.job)
+            f.attrs["weights"] = str(weights)
+            f.attrs["split"] = split
+            f.attrs["blobs"] = ",".join(blobs)
+            f.flush()
+            f.close()
+            raw.check()
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise disk_error(path, exc) or exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

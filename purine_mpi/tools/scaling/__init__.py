@@ -1,0 +1,16 @@
+"""The scaling predictor (``predict TRACE_DIR --np N``): how long an
+iteration will take on N ranks, from a trace of a real run.
+
+    link.py       the network model: α–β costs of the collectives and of
+                  point-to-point transfers, link presets, the calibration file
+    calibrate.py  ``predict --calibrate``: ping-pong and allreduce sweep under MPI
+    simulate.py   the dispatcher's scheduling core run over a virtual clock
+    traces.py     reading ``trace.rank<R>.json``: per-op median durations
+    model.py      from a run folder and N to the simulated ranks' graphs, the table
+    report.py     the table as text or JSON, and the scaling curve (``--plot``)
+    command.py    the ``predict`` command's forms told apart, and its options
+
+It composes the graph a rank would run at N ranks, as ``graph --np N``
+does (parallel/), and runs the scheduling core over it (runtime/); it
+never imports the trainer (train/) or the CLI.
+"""

@@ -1,0 +1,197 @@
+"""``mpiexec -n 2 python -m purine_mpi predict --calibrate LINK.json``:
+measure the link the ranks run on, for ``predict --link LINK.json``.
+
+- α and β: a ping-pong between ranks 0 and 1 (half the median round trip
+  of each size, as osu_latency): α is the time of an 8-byte message, β the
+  slope between 1 MiB and 4 MiB.
+- γ: an allreduce sweep over every rank (float32 sums of 64 KiB to 4 MiB):
+  what the allreduce takes beyond the α–β time of MPICH's algorithm, per
+  reduced byte ((P-1)/P of the message): the reductions and the copies
+  the transport makes on the rank's CPU. The CPU time the rank spent per
+  allreduced byte (user + system, all threads) is written beside it.
+
+- the transfer's cost to the compute, and the link while computing: a
+  4 MiB Iallreduce runs while the main thread computes (matrix products,
+  testing the request between them as the dispatcher's workers do, and a
+  progress thread testing it every millisecond as its progress thread does).
+  ``cpu_s_per_byte`` is how much longer the same products took than alone,
+  per allreduced byte: the wall time the transfer takes from the compute
+  on this host (TCP copies, the kernel's network stack, the polling) --
+  close to 0 with free cores or RDMA, large on an oversubscribed host;
+  ``beta_busy_bytes_per_s`` is the rate the allreduce moved its bytes at
+  meanwhile.
+
+The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
+``beta_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
+``beta_busy_bytes_per_s``, ``origin``, the ranks' ``hosts`` (from
+``MPI.Get_processor_name``) and the raw measurements. When every rank ran
+on one host the figures are MPI's shared-memory transport, not a network:
+the file's ``one_host`` is true with a ``note`` saying so, and the command
+prints that note (``ONE_HOST_NOTE``) on stderr.
+"""
+import os
+import socket
+import statistics
+import time
+
+import numpy as np
+
+from ...base.errors import UserError
+from .link import Link, save_link
+
+PING_SIZES = (8, 1 << 10, 1 << 16, 1 << 20, 1 << 22)
+SWEEP_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+
+
+ONE_HOST_NOTE = (
+    "note: all {p} ranks ran on one host ({host}): these figures measure MPI's shared "
+    "memory within a host (alpha {alpha}, beta {beta}), not a network link; predictions "
+    "with this file assume every rank pair talks that fast. To measure the network, run "
+    "one rank per host on two hosts (mpiexec -n 2 -ppn 1, or srun -N 2 "
+    "--ntasks-per-node=1)")
+
+
+def one_host_note(p, host, alpha, beta):
+    return ONE_HOST_NOTE.format(p=p, host=host, alpha=f"{alpha * 1e6:.3g} us",
+                                beta=f"{beta / 1e9:.3g} GB/s")
+
+
+def _repeats(nbytes):
+    return 30 if nbytes <= 1 << 16 else 8 if nbytes <= 1 << 20 else 5
+
+
+def ping_pong(comm, nbytes):
+    """Half the median round trip of ``nbytes`` between ranks 0 and 1 (the
+    other ranks wait at the barrier)."""
+    buf = np.zeros(max(1, nbytes), np.uint8)
+    times = []
+    comm.Barrier()
+    for _ in range(_repeats(nbytes) + 1):
+        t = time.perf_counter()
+        if comm.rank == 0:
+            comm.Send(buf, 1, 7)
+            comm.Recv(buf, 1, 7)
+        elif comm.rank == 1:
+            comm.Recv(buf, 0, 7)
+            comm.Send(buf, 0, 7)
+        times.append((time.perf_counter() - t) / 2)
+    comm.Barrier()
+    return statistics.median(times[1:])  # the first includes the connection set-up
+
+
+def allreduce_time(comm, nbytes):
+    """(median wall seconds, median CPU seconds of this process) of an
+    Allreduce (sum) of ``nbytes`` of float32 over every rank."""
+    from mpi4py import MPI
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+    wall, cpu = [], []
+    for _ in range(_repeats(nbytes) + 1):
+        comm.Barrier()
+        t, c = time.perf_counter(), time.process_time()
+        comm.Allreduce(send, recv, MPI.SUM)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall[1:]), statistics.median(cpu[1:])
+
+
+def _products(a, steps, request=None, lock=None):
+    """``steps`` float32 matrix products (the GIL released, as the ops'),
+    testing ``request`` between them; seconds taken."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        np.dot(a, a)
+        if request is not None:
+            with lock:
+                request.Test()
+    return time.perf_counter() - t
+
+
+def overlap_cost(comm, nbytes=1 << 24, repeats=5):
+    """(seconds the products lost per allreduced byte, bytes per second the
+    allreduce moved while they ran): medians over ``repeats``."""
+    import threading
+
+    from mpi4py import MPI
+    a = np.random.default_rng(0).random((128, 128), dtype=np.float32)
+    step = statistics.median(_products(a, 20) / 20 for _ in range(3))
+    alone_ar = allreduce_time(comm, nbytes)[0]
+    steps = int(comm.allreduce(int(2.5 * alone_ar / max(step, 1e-6)) + 10, op=MPI.MAX))
+    buf = np.ones(nbytes // 4, np.float32)
+    p = comm.size
+    moved = 2 * (p - 1) / p * nbytes
+    lost, rates = [], []
+    for _ in range(repeats):
+        comm.Barrier()
+        alone = _products(a, steps)
+        comm.Barrier()
+        lock, done = threading.Lock(), []
+        t0 = time.perf_counter()
+        request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        def progress():
+            while True:
+                with lock:
+                    if request.Test():
+                        done.append(time.perf_counter())
+                        return
+                time.sleep(1e-3)
+
+        thread = threading.Thread(target=progress, daemon=True)
+        thread.start()
+        busy = _products(a, steps, request, lock)
+        thread.join()
+        lost.append((busy - alone) / moved)
+        rates.append(moved / max(done[0] - t0, 1e-9))
+    return max(0.0, statistics.median(lost)), statistics.median(rates)
+
+
+def calibrate(path):
+    """Measure and, on rank 0, write ``path``; returns the file's content
+    on rank 0, None elsewhere."""
+    from ...comm.world import get_world
+    world = get_world()
+    comm = world.comm
+    if world.size < 2:
+        raise UserError("predict --calibrate measures the link between ranks: run it under "
+                        "mpiexec -n 2 (or more), one rank per host you want to measure "
+                        "between")
+    ping = {b: ping_pong(comm, b) for b in PING_SIZES}
+    alpha = ping[8]
+    big, mid = PING_SIZES[-1], PING_SIZES[-2]
+    slope = (ping[big] - ping[mid]) / (big - mid)
+    beta = 1.0 / slope if slope > 0 else big / max(ping[big], 1e-12)
+    sweep = {b: allreduce_time(comm, b) for b in SWEEP_SIZES}
+    wire = Link(alpha, beta, 0.0)
+    p = world.size
+    pof2 = 1 << (p.bit_length() - 1)
+    share = (pof2 - 1) / pof2
+    extra = [(sweep[b][0] - wire.allreduce(p, b, "auto")) / (share * b)
+             for b in SWEEP_SIZES if b >= 1 << 20]
+    gamma = max(0.0, statistics.median(extra))
+    cpu_per_byte = statistics.median(sweep[b][1] / b for b in SWEEP_SIZES if b >= 1 << 20)
+    cpu_per_byte = comm.allreduce(cpu_per_byte) / p
+    cpu_cost, beta_busy = overlap_cost(comm)
+    cpu_cost = comm.allreduce(cpu_cost) / p
+    beta_busy = min(comm.allgather(beta_busy))
+    from mpi4py import MPI
+    hosts = comm.gather(MPI.Get_processor_name(), 0)
+    if world.rank != 0:
+        return None
+    hosts = sorted(set(hosts))
+    note = one_host_note(p, hosts[0], alpha, beta) if len(hosts) == 1 else None
+    link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta),
+                origin=
+                f"calibrated by predict --calibrate on {p} ranks ({socket.gethostname()}, "
+                f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')})")
+    extra_fields = {
+        "ranks": p, "hosts": hosts, "one_host": note is not None,
+        **({"note": note[len("note: "):]} if note else {}),
+        "cpu_s_per_allreduced_byte_blocking": cpu_per_byte,
+        "ping_pong_s": {str(b): t for b, t in ping.items()},
+        "allreduce_s": {str(b): {"wall": w, "cpu": c} for b, (w, c) in sweep.items()},
+    }
+    save_link(path, link, extra_fields)
+    return {"link": path, "alpha_s": alpha, "beta_bytes_per_s": beta, "gamma_s_per_byte": gamma,
+            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy, "ranks": p,
+            "hosts": hosts, "one_host": note is not None, "note": note}

@@ -1,0 +1,198 @@
+"""The network model of the scaling predictor: what a collective or a
+point-to-point transfer of B bytes costs at N ranks on a link with latency
+α (seconds), bandwidth β (bytes per second) and a per-byte CPU cost γ
+(seconds per byte the rank reduces: the reduction arithmetic and the copies
+the transport makes, measured by ``predict --calibrate``).
+
+Allreduce of B bytes over N ranks (Thakur, Rabenseifner and Gropp, "Optimization
+of collective communication operations in MPICH", IJHPCA 2005):
+
+    ring          2(N-1)·α + 2(N-1)/N · B/β + (N-1)/N · B·γ
+    tree          recursive doubling: log2 P · (α + B/β + B·γ)
+    rabenseifner  reduce-scatter + allgather:
+                  2·log2 P · α + 2(P-1)/P · B/β + (P-1)/P · B·γ
+    auto          MPICH's choice by size: tree up to 2,048 bytes
+                  (MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE), rabenseifner above
+
+where P is the largest power of two <= N; when P < N, tree and
+rabenseifner add the fold of the extra ranks, 2·(α + B/β). A
+point-to-point message costs α + B/β.
+"""
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from ...base.errors import UserError
+
+ALGORITHMS = ("ring", "tree", "auto")
+#: MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE default (bytes)
+SHORT_MSG = 2048
+
+#: the default link when neither --bandwidth/--latency nor --link is given
+DEFAULT_ORIGIN = ("defaults: 100 Gbit/s InfiniBand, α 1 µs and β 12 GB/s (the order of the "
+                  "OSU micro-benchmark figures vendors publish for EDR/HDR100; docs/scaling.md), "
+                  "γ measured on this host")
+DEFAULT_ALPHA = 1.0e-6
+DEFAULT_BETA = 12.0e9
+
+
+@dataclass
+class Link:
+    """α (s), β (bytes/s), γ (s per reduced byte), where they come from, and
+    two terms of a transfer that runs while the rank computes (measured by
+    ``predict --calibrate``; 0 and β by default: a free core, RDMA):
+    ``cpu`` (s per byte sent: the wall time the transfer takes from the
+    compute lanes) and ``beta_busy`` (the rate meanwhile)."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    origin: str = ""
+    cpu: float = 0.0
+    beta_busy: float = None
+
+    def busy(self):
+        """This link as it runs while the rank computes (β_busy for β)."""
+        if not self.beta_busy or self.beta_busy >= self.beta:
+            return self
+        return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu)
+
+    @staticmethod
+    def sent_bytes(n, nbytes):
+        """Bytes a rank sends in an allreduce of ``nbytes`` over ``n`` ranks
+        (ring or reduce-scatter + allgather): 2(N-1)/N of the message."""
+        return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+    def p2p(self, nbytes):
+        return self.alpha + nbytes / self.beta
+
+    def allreduce(self, n, nbytes, algorithm="auto"):
+        """Seconds for an allreduce of ``nbytes`` over ``n`` ranks."""
+        n = int(n)
+        if n <= 1:
+            return 0.0
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, "
+                            f"got {algorithm!r}")
+        b = float(nbytes)
+        if algorithm == "ring":
+            return 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * b / self.beta + \
+                (n - 1) / n * b * self.gamma
+        pof2 = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+        lg = pof2.bit_length() - 1
+        fold = 0.0 if pof2 == n else 2 * (self.alpha + b / self.beta)
+        if algorithm == "tree" or b <= SHORT_MSG:
+            return lg * (self.alpha + b / self.beta + b * self.gamma) + fold
+        return 2 * lg * self.alpha + 2 * (pof2 - 1) / pof2 * b / self.beta + \
+            (pof2 - 1) / pof2 * b * self.gamma + fold
+
+    def as_dict(self):
+        return asdict(self)
+
+
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "b/s": 1.0, "": 1 / 8}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(text):
+    """``1gbit`` / ``250mbit`` / ``100gbit`` (tc's units: bits per second;
+    ``kbps``/``mbps``/``gbps`` are bytes per second, as tc reads them) ->
+    bytes per second. A UserError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"--bandwidth: expected a rate such as 1gbit, 250mbit or 100gbit "
+                        f"(bits per second; kbps/mbps/gbps: bytes per second), got {text!r}")
+    return float(m.group(1)) * _RATE_UNITS[unit]
+
+
+def parse_time(text):
+    """``20us`` / ``1.5ms`` / ``0`` -> seconds. A UserError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zµ]*)\s*", str(text))
+    unit = (m.group(2) or "s") if m else None
+    if not m or unit not in _TIME_UNITS:
+        raise UserError(f"--latency: expected a time such as 20us, 1.5ms or 0, got {text!r}")
+    return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+def reduce_cost_per_byte(nbytes=1 << 22, repeats=5):
+    """Seconds per byte of a float32 elementwise sum on this host (the
+    reduction an allreduce does on every byte it receives): the median of
+    ``repeats`` sums of two ``nbytes`` arrays."""
+    import time
+
+    import numpy as np
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.ones_like(a)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.add(a, b, out=a)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] / nbytes
+
+
+def make_link(bandwidth=None, latency=None, link_file=None, gamma=None):
+    """The Link of the command line: ``--link FILE`` (a calibration), else
+    the default 100 Gbit/s InfiniBand figures, with ``--bandwidth`` and
+    ``--latency`` replacing theirs."""
+    if link_file:
+        link = load_link(link_file)
+    else:
+        link = Link(DEFAULT_ALPHA, DEFAULT_BETA,
+                    reduce_cost_per_byte() if gamma is None else gamma, DEFAULT_ORIGIN)
+    parts = []
+    if bandwidth is not None:
+        link.beta = parse_rate(bandwidth)
+        parts.append(f"β = {bandwidth} (--bandwidth)")
+    if latency is not None:
+        link.alpha = parse_time(latency)
+        parts.append(f"α = {latency} (--latency)")
+    if parts:
+        link.origin = "; ".join(parts) + "; the rest: " + link.origin
+    return link
+
+
+FORMAT = "purine_mpi.link"
+
+
+def save_link(path, link, extra=None):
+    data = {"format": FORMAT, "alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
+            "gamma_s_per_byte": link.gamma, "cpu_s_per_byte": link.cpu,
+            "beta_busy_bytes_per_s": link.beta_busy, "origin": link.origin}
+    data.update(extra or {})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def load_link(path):
+    """A Link from a ``predict --calibrate`` file; a UserError naming the
+    file and what is wrong otherwise."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise UserError(f"--link {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise UserError(f"--link {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"--link {path}: not a link file (written by predict --calibrate: "
+                        f"\"format\": \"{FORMAT}\")")
+    try:
+        alpha, beta = float(data["alpha_s"]), float(data["beta_bytes_per_s"])
+        gamma = float(data.get("gamma_s_per_byte", 0.0))
+        cpu = float(data.get("cpu_s_per_byte", 0.0))
+        busy = data.get("beta_busy_bytes_per_s")
+        busy = None if busy is None else float(busy)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"--link {path}: key {exc}: expected numbers alpha_s, "
+                        "beta_bytes_per_s, gamma_s_per_byte, cpu_s_per_byte and "
+                        "beta_busy_bytes_per_s") from None
+    if not (alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0 and (busy is None or busy > 0)):
+        raise UserError(f"--link {path}: expected alpha_s >= 0, beta_bytes_per_s > 0, "
+                        "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0 and "
+                        "beta_busy_bytes_per_s > 0")
+    return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy)

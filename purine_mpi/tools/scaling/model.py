@@ -1,0 +1,234 @@
+"""From a trace folder and a rank count N to the predicted iteration.
+
+For each N the graph a rank would run is composed offline, as ``graph --np
+N`` does (``graph.inspect.compose_for``), and turned into the simulator's
+``RankGraph``: compute ops take their traced median durations, comm ops
+their cost on the link model (``link.py``):
+
+- data parallel (``mode: sync``): each bucket's Allreduce over the N
+  replicas; one rank is simulated (the replicas are symmetric);
+- pipeline / hybrid: every stage of one replica is simulated, its Send and
+  Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
+  over the replicas;
+- parameter servers (``mode: async``/``ssp``): one worker is simulated; a
+  push of B bytes to a server shard shares that server's link with the
+  other workers' pushes (α + W·B/β for W workers), and the pull waits for
+  the push and the server's update of that shard (its traced ``.update``).
+
+Each compute op also takes the dispatcher's own cost per op, measured from
+the trace (``dispatch_overhead``): what the traced iterations took beyond
+the simulation of the traced rank count with its traced communication,
+spread over the ops of the busiest thread.
+
+A compute op absent from the trace (a row chunk of a split weight, a copy
+into a bucket) is estimated: a chunk takes its rows' share of the whole
+op; a Copy its bytes at the host's copy speed; other ops count as 0 and are
+reported as ``untraced``.
+"""
+import time
+
+from ...base.errors import UserError
+from .simulate import RankGraph, SimOp, simulate
+from .traces import split_chunk
+
+#: simulated iterations per prediction (the first is a warm-up)
+ITERATIONS = 6
+
+
+class Scenario:
+    """The ranks to simulate at N ranks and what an iteration processes."""
+
+    def __init__(self, job, n):
+        from ..graph import _OfflineWorld
+        from ...parallel.compose import defer_update_applies, layout_of
+        self.n = n
+        par = job.parallel
+        lay = layout_of(job, _OfflineWorld(0, n))
+        self.staged = lay.staged
+        self.ps = n > 1 and not lay.staged and par.scheme != "none" and par.servers
+        if self.ps:
+            self.servers = par.ps_ranks
+            self.workers = n - self.servers
+            if self.workers < 1:
+                raise UserError(f"{n} ranks leave no worker beside the {self.servers} "
+                                "parameter server(s) (parallel.ps_ranks)")
+            self.ranks, self.replicas, self.defer = [0], self.workers, False
+        else:
+            self.replicas = lay.replicas
+            self.ranks = lay.replica_ranks(0) if lay.staged else [0]
+            self.defer = defer_update_applies(job, lay.replicas, lay.staged)
+        self.images = job.global_batch(self.replicas)
+        self.key = ("dp",) if (not self.ps and not self.staged and n > 1) else (n,)
+
+
+def _nbytes(graph, names):
+    return sum(graph.blobs[b].nbytes for b in names if graph.blobs[b].shape is not None)
+
+
+class Template:
+    """A composed rank graph, its dependencies, priorities and deferred
+    tail: what does not change with the link."""
+
+    def __init__(self, job, scenario, rank):
+        from ..graph import compose_for
+        from ...ops.catalog import make_kernel
+        from ...runtime.scheduler import feeds_comm, ready_priority
+        from ...runtime.tail import deferred_tail
+        graph = compose_for(job, scenario.n, rank)
+        self.graph, self.rank = graph, rank
+        self.kernels = {n: make_kernel(op) for n, op in graph.ops.items()}
+        self.deps = graph.dependencies()
+        order = graph.topo_order(self.deps)
+        comm = {n for n, k in self.kernels.items() if k.category == "comm"}
+        # the dispatcher's ready order (runtime/scheduler)
+        self.priority = ready_priority([op.name for op in order], feeds_comm(graph, order, comm))
+        self.comm = comm
+        self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
+                                 if scenario.defer else (frozenset(), {}))
+        self.rows = {}
+        for name in graph.ops:
+            base, _, b = split_chunk(name)
+            if base is not None:
+                self.rows[base] = max(self.rows.get(base, 0), b)
+
+    def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
+                   overhead=0.0, traced_comm=False):
+        """(RankGraph, {op name: seconds} of the comm ops, [untraced op names]).
+        ``overhead``: seconds added to every compute op (the dispatcher's own
+        cost per op); ``traced_comm``: comm ops take their traced durations."""
+        g = self.graph
+        ops, comm_s, untraced = {}, {}, []
+        for name, op in g.ops.items():
+            deps = tuple(sorted(self.deps[name]))
+            if name in self.comm:
+                sim = self._comm_op(op, deps, durations, link, algorithm, scenario)
+                traced = durations.lookup(name, self.rank) if traced_comm else None
+                if traced is not None:
+                    sim.seconds, sim.busy_seconds, sim.cpu = traced, None, 0.0
+                comm_s[name] = sim.seconds
+                if no_comm:
+                    sim.seconds, sim.busy_seconds, sim.cpu = 0.0, None, 0.0
+            else:
+                base, _, _ = split_chunk(name)
+                seconds = durations.lookup(name, self.rank, self.rows.get(base))
+                if seconds is None:
+                    untraced.append(name)
+                    seconds = _nbytes(g, op.outputs) * copy_cost if op.op_type == "Copy" else 0.0
+                sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
+            sim.priority = self.priority[name]
+            ops[name] = sim
+        return RankGraph(self.rank, ops, self.tail, self.cross), comm_s, untraced
+
+    def _comm_op(self, op, deps, durations, link, algorithm, scenario):
+        g = self.graph
+        if op.op_type == "Allreduce":
+            nbytes = _nbytes(g, op.inputs)
+            group = len(op.attrs.get("group") or ()) or scenario.replicas
+            return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
+                         kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
+                         busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
+                         cpu=link.cpu * link.sent_bytes(group, nbytes))
+        if op.op_type not in ("Send", "Recv"):
+            raise UserError(f"predict: no cost model for communication op {op.name} "
+                            f"({op.op_type})")
+        send = op.op_type == "Send"
+        nbytes = _nbytes(g, op.inputs if send else op.outputs)
+        seconds = link.p2p(nbytes)
+        if scenario.ps:  # every worker pushes to and pulls from each server shard
+            seconds = link.alpha + scenario.workers * nbytes / link.beta
+            if not send and op.name.endswith(".pull"):
+                param = op.name[:-len(".pull")]
+                push = f"{param}.push"
+                if push in g.ops:
+                    deps = tuple(sorted(set(deps) | {push}))
+                seconds += durations.lookup(f"{param}.update", self.rank) or 0.0
+        return SimOp(op.name, seconds, deps, kind="send" if send else "recv",
+                     peer=int(op.attrs["peer"]), tag=int(op.attrs.get("tag", 0)),
+                     nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
+
+
+def _templates(job, scenario, cache):
+    if scenario.key not in cache:
+        cache[scenario.key] = [Template(job, scenario, r) for r in scenario.ranks]
+    return cache[scenario.key]
+
+
+def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):
+    """Seconds per compute op that the traced run spent beyond its ops'
+    durations (the dispatcher's own work, the wake-ups of its threads):
+    the traced iteration less the simulated one at the traced rank count,
+    with the traced communication, over the ops of the busiest lane. 0 when
+    the trace has no iteration time or the simulation is not faster."""
+    traced = [v for v in durations.iter_seconds.values() if v]
+    if not traced:
+        return 0.0
+    try:
+        scenario = Scenario(job, len(durations.per_rank))
+        templates = _templates(job, scenario, cache)
+    except UserError:  # traced on ranks the scheme reads otherwise: no correction
+        return 0.0
+
+    def period(overhead):
+        graphs = [t.rank_graph(durations, link, algorithm, scenario, copy_cost,
+                               overhead=overhead, traced_comm=True)[0] for t in templates]
+        return simulate(graphs, ITERATIONS).period(), graphs
+
+    target = sorted(traced)[len(traced) // 2]
+    simulated, graphs = period(0.0)
+    lanes = {}
+    for op in graphs[0].ops.values():
+        if op.kind == "compute":
+            lanes[op.lane] = lanes.get(op.lane, 0) + 1
+    ops = max(lanes.values(), default=0)
+    if not ops or target <= simulated:
+        return 0.0
+    overhead = (target - simulated) / ops
+    for _ in range(2):  # the busiest lane need not be the whole critical path
+        simulated, _ = period(overhead)
+        overhead = max(0.0, overhead + (target - simulated) / ops)
+    return overhead
+
+
+def predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead=0.0):
+    """The prediction at ``n`` ranks: a dict of seconds and counts."""
+    scenario = Scenario(job, n)
+    templates = _templates(job, scenario, cache)
+    built = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, overhead=overhead)
+             for t in templates]
+    period = simulate([b[0] for b in built], ITERATIONS).period()
+    bare = [t.rank_graph(durations, link, algorithm, scenario, copy_cost, no_comm=True,
+                         overhead=overhead)[0] for t in templates]
+    compute = simulate(bare, ITERATIONS).period()
+    graph0, comm0, _ = built[0]
+    return {"np": n, "iter_s": period, "compute_s": compute, "comm_s": sum(comm0.values()),
+            "exposed_comm_s": max(0.0, period - compute), "images": scenario.images,
+            "replicas": scenario.replicas, "simulated_ranks": len(templates),
+            "comm_ops": len(comm0),
+            "comm_bytes": sum(graph0.ops[name].nbytes for name in comm0),
+            "untraced": sorted({u for b in built for u in b[2]})}
+
+
+def predict_table(job, durations, nps, link, algorithm="auto"):
+    """Predictions for each N of ``nps`` (and N = 1, the reference), as a
+    dict: {"rows": [...], "one_rank": {...}, "seconds": wall time taken}."""
+    from .link import reduce_cost_per_byte
+    t0 = time.perf_counter()
+    copy_cost = reduce_cost_per_byte()
+    cache = {}
+    overhead = dispatch_overhead(job, durations, link, algorithm, copy_cost, cache)
+    one = predict_one(job, 1, durations, link, algorithm, copy_cost, cache, overhead)
+    ips1 = one["images"] / one["iter_s"] if one["iter_s"] > 0 else None
+    rows = []
+    for n in nps:
+        try:
+            row = predict_one(job, n, durations, link, algorithm, copy_cost, cache, overhead)
+        except UserError as exc:  # N does not fit the scheme (a pipeline's stages)
+            rows.append({"np": n, "error": str(exc)})
+            continue
+        ips = row["images"] / row["iter_s"] if row["iter_s"] > 0 else None
+        row["images_per_s"] = ips
+        row["efficiency"] = (ips / (n * ips1)) if ips and ips1 else None
+        rows.append(row)
+    one["images_per_s"] = ips1
+    return {"rows": rows, "one_rank": one, "overhead_s": overhead,
+            "seconds": time.perf_counter() - t0}

@@ -1,0 +1,262 @@
+"""The dispatcher's scheduling core run in simulated time.
+
+Each simulated rank is the real scheduling core (``runtime/scheduler``:
+``Schedule``'s ready counts, per-lane ready queues and deferred tail,
+``PostingOrder``'s collectives in ``seq`` order) over a *virtual clock*
+executor (``VirtualClock``) that charges each op its duration instead of
+running it: compute ops on worker lanes (one op at a time per lane, the
+ready op with the best ``priority`` first, as the dispatcher's worker
+threads take them), collectives posted strictly in ``seq`` order and run
+one after another on the rank's link, and point-to-point ops posted as
+soon as they are ready: a Send and the Recv it matches (same source,
+destination, tag and iteration) transfer from when both are posted and the
+sender's outgoing and the receiver's incoming side of the link are free. An
+op whose peer is not simulated (a parameter server) takes its own
+``seconds`` on this rank's side. So the predictor cannot drift from the
+dispatcher's rule: it is the same code.
+
+Iterations follow ``Dispatcher.run``: iteration i+1 starts when i's
+ops are done but for its deferred *tail* (``RankGraph.tail``), the tail of
+i-1 is done and every collective of i is posted; a next-iteration op waits
+for the tail ops that list it in ``RankGraph.cross`` (runtime/tail.py).
+Without a tail an iteration starts when the last one has finished.
+
+A transfer's CPU (``SimOp.cpu``: the wall time it takes from the compute on
+a host without a free core) delays the next compute op to start on the
+rank; a collective that starts while a lane computes takes
+``busy_seconds`` (the link's rate while computing) when given.
+
+What the model leaves out: the time to post an op and to test requests,
+contention among ranks for a shared switch or bisection, stragglers (every
+rank of a collective is assumed to post it when this one does: the
+replicas are symmetric), and the topology of the network.
+"""
+import heapq
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ...runtime.scheduler import PostingOrder, Schedule
+
+KINDS = ("compute", "collective", "send", "recv")
+
+
+@dataclass
+class SimOp:
+    """One op of one rank: its lane (worker thread; ignored for comm ops),
+    duration, predecessors (names on the same rank) and, for comm ops, the
+    kind, ``seq`` (collectives), ``peer`` and ``tag`` (point-to-point)."""
+
+    name: str
+    seconds: float
+    deps: tuple = ()
+    lane: str = "0"
+    kind: str = "compute"
+    seq: int = 0
+    peer: int = None
+    tag: int = None
+    priority: tuple = (0,)
+    nbytes: int = 0
+    busy_seconds: float = None  # collectives: the duration when it starts while a lane computes
+    cpu: float = 0.0            # comm ops: wall seconds the transfer takes from the compute
+
+
+@dataclass
+class RankGraph:
+    rank: int
+    ops: dict                       # name -> SimOp
+    tail: frozenset = frozenset()   # deferred ops (parallel.defer_update)
+    cross: dict = field(default_factory=dict)  # tail op -> next-iteration ops waiting
+
+    def __post_init__(self):
+        for op in self.ops.values():
+            if op.kind not in KINDS:
+                raise ValueError(f"op {op.name}: unknown kind {op.kind!r}")
+        #: the collectives in their posting order (``seq``)
+        self.collectives = sorted((op for op in self.ops.values() if op.kind == "collective"),
+                                  key=lambda op: (op.seq, op.name))
+
+
+@dataclass
+class SimResult:
+    """Per rank: the finish time of every iteration, and the (start, end,
+    iteration, op name, lane) of every op run."""
+
+    iteration_end: dict    # rank -> [seconds]
+    spans: dict            # rank -> [(start, end, iteration, name, lane)]
+
+    def period(self, skip=1):
+        """Steady-state seconds per iteration: the median gap between the
+        ends of consecutive iterations (the slowest rank's), after ``skip``."""
+        ends = [max(v[i] for v in self.iteration_end.values())
+                for i in range(len(next(iter(self.iteration_end.values()))))]
+        gaps = [b - a for a, b in zip(ends[skip:], ends[skip + 1:])] or [ends[-1]]
+        return statistics.median(gaps)
+
+
+class VirtualClock:
+    """The executor of one simulated rank: the scheduling core hands it the
+    ready ops, and it charges each one its duration on a virtual clock
+    (a lane, the link, or a matched Send/Recv pair) instead of running it.
+    ``finish(t, rank, it, name)`` is called back with the time an op ends."""
+
+    def __init__(self, graph, finish):
+        self.g, self.finish = graph, finish
+        ops = graph.ops
+        comm = [n for n, op in ops.items() if op.kind != "compute"]
+        self.schedule = Schedule(list(ops), {n: op.deps for n, op in ops.items()},
+                                 {n: op.lane for n, op in ops.items()},
+                                 {n: op.priority for n, op in ops.items()},
+                                 comm, graph.tail, graph.cross)
+        p2p = [n for n in comm if ops[n].kind != "collective"]
+        self.posting = PostingOrder([op.name for op in graph.collectives] + p2p, p2p)
+        self.started_it = -1
+        self.lanes = []            # lanes in the order they first had a ready op
+        self.lane_busy = {}        # lane -> when its op ends
+        self.link_free = 0.0       # collectives run one after another
+        self.out_free = 0.0
+        self.in_free = 0.0
+        self.iteration_end = {}    # iteration -> when its last op finished
+        self.debt = 0.0            # transfer CPU not yet taken from a compute op
+        self.start_of = {}         # (iteration, name) -> when it started
+
+    # ------------------------------------------------ the scheduling core
+    def start_iteration(self, t, peers):
+        self.started_it += 1
+        self.posting.reset()
+        self.route(self.schedule.start(self.started_it), t, peers)
+
+    def run_returned(self):
+        """``Dispatcher._run_done`` for the newest started iteration."""
+        return self.schedule.head_done() and self.posting.all_posted()
+
+    def complete(self, it, name, t, peers):
+        """The op ``name`` of iteration ``it`` ended at ``t``: a span."""
+        op = self.g.ops[name]
+        span = (self.start_of.pop((it, name)), t, it, name,
+                op.lane if op.kind == "compute" else op.kind)
+        core = self.schedule
+        carried = name in core.carry
+        ready, milestone = core.complete(name)
+        if (milestone if carried else core.head_left == 0 and core.tail_done()):
+            self.iteration_end[it] = t
+        self.route(ready, t, peers)
+        return span
+
+    def route(self, names, t, peers):
+        """Ready ops: compute to its lane's queue, comm ops to the poster."""
+        core = self.schedule
+        for name in names:
+            if not core.is_comm[name]:
+                lane = core.push(name)
+                if lane not in self.lane_busy:
+                    self.lane_busy[lane] = 0.0
+                    self.lanes.append(lane)
+                continue
+            self.posting.mark_ready(name, t)
+            self.posting.post_ready(lambda n: self.post(n, t, peers))
+
+    # --------------------------------------------------- the virtual clock
+    def charge(self, it, name, begin, seconds):
+        self.start_of[(it, name)] = begin
+        self.finish(begin + seconds, self.g.rank, it, name)
+
+    def dispatch(self, t):
+        """Each idle lane takes its best ready op."""
+        for lane in self.lanes:
+            if self.schedule.ready[lane] and self.lane_busy[lane] <= t:
+                name = self.schedule.pop(lane)
+                # the CPU the transfers posted so far took delays this op
+                self.lane_busy[lane] = t + self.g.ops[name].seconds + self.debt
+                self.debt = 0.0
+                self.charge(self.schedule.label(name), name, t, self.lane_busy[lane] - t)
+
+    def post(self, name, t, peers):
+        op, it = self.g.ops[name], self.schedule.label(name)
+        if op.kind == "collective":
+            begin = max(t, self.link_free)
+            computing = any(end > begin for end in self.lane_busy.values())
+            seconds = op.busy_seconds if computing and op.busy_seconds is not None \
+                else op.seconds
+            self.link_free = begin + seconds
+            self.debt += op.cpu
+            self.charge(it, name, begin, seconds)
+        elif op.peer not in peers.ranks:  # the other side is not simulated
+            side = "out_free" if op.kind == "send" else "in_free"
+            begin = max(t, getattr(self, side))
+            setattr(self, side, begin + op.seconds)
+            self.debt += op.cpu
+            self.charge(it, name, begin, op.seconds)
+        else:
+            peers.match(self.g.rank, it, op, t)
+        return 0
+
+
+class _Ranks:
+    """The simulated ranks, the clock's pending events and the Send/Recv
+    pairs waiting for their match."""
+
+    def __init__(self, graphs):
+        self.events, self.counter = [], 0
+        self.ranks = {g.rank: VirtualClock(g, self.push) for g in graphs}
+        self.pending_p2p = {}  # (src, dst, tag, it) -> (rank, name, posted time)
+
+    def push(self, t, rank, it, name):
+        self.counter += 1
+        heapq.heappush(self.events, (t, self.counter, "done", (rank, it, name)))
+
+    def match(self, r, it, op, t):
+        src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+        key = (src, dst, op.tag, it)
+        other = self.pending_p2p.pop(key, None)
+        if other is None:
+            self.pending_p2p[key] = (r, op.name, t)
+            return
+        ranks = self.ranks
+        _, o_name, o_t = other
+        send_name, recv_name = (op.name, o_name) if op.kind == "send" else (o_name, op.name)
+        seconds = ranks[src].g.ops[send_name].seconds
+        begin = max(t, o_t, ranks[src].out_free, ranks[dst].in_free)
+        ranks[src].out_free = ranks[dst].in_free = begin + seconds
+        for rr, nn in ((src, send_name), (dst, recv_name)):
+            ranks[rr].debt += ranks[rr].g.ops[nn].cpu
+        for rr, nn in ((src, send_name), (dst, recv_name)):
+            ranks[rr].charge(it, nn, begin, seconds)
+
+
+def simulate(graphs, iterations=6):
+    """Run ``iterations`` iterations of the RankGraphs at once; a SimResult."""
+    sim = _Ranks(graphs)
+    ranks, events = sim.ranks, sim.events
+    spans = defaultdict(list)
+
+    def advance(t):
+        """Start the next iteration of every rank whose run returned, then
+        fill the idle lanes; repeat until nothing changes at this time."""
+        changed = True
+        while changed:
+            changed = False
+            for rk in ranks.values():
+                if rk.started_it + 1 < iterations and rk.run_returned():
+                    rk.start_iteration(t, sim)
+                    changed = True
+        for rk in ranks.values():
+            rk.dispatch(t)
+
+    for rk in ranks.values():
+        rk.start_iteration(0.0, sim)
+    advance(0.0)
+    while events:
+        t = events[0][0]
+        while events and events[0][0] == t:
+            _, _, kind, (r, it, name) = heapq.heappop(events)
+            spans[r].append(ranks[r].complete(it, name, t, sim))
+        advance(t)
+    for r, rk in ranks.items():
+        if len(rk.iteration_end) < iterations:
+            stuck = sorted(rk.schedule.waiting())[:5]
+            raise RuntimeError(f"simulation of rank {r} stalled in iteration "
+                               f"{min(set(range(iterations)) - set(rk.iteration_end))}: {', '.join(stuck)} never ran "
+                               "(a Send or Recv without its match, or a dependency cycle)")
+    return SimResult({r: [rk.iteration_end[i] for i in range(iterations)]
+                      for r, rk in ranks.items()}, dict(spans))

@@ -1,0 +1,156 @@
+"""Reading a run's traces for the scaling predictor.
+
+A trace folder holds the ``trace.rank<R>.json`` files of one run (``train
+--profile`` / ``--profile-iters A:B``, docs/formats.md "Traces") and the
+run's ``config.yaml``. ``read_traces`` returns each rank's per-op median
+duration over the traced iterations (an op that runs several times in one
+iteration counts its sum), the traced iteration time, and the job.
+"""
+import glob
+import json
+import os
+import re
+import statistics
+from collections import defaultdict
+
+from ...base.errors import UserError
+
+_RANK = re.compile(r"trace\.rank(\d+)\.json$")
+
+
+class Durations:
+    """{rank: {op name: median seconds}} and the lookup the model uses."""
+
+    def __init__(self, per_rank, iter_seconds=None, iterations=0):
+        self.per_rank = per_rank
+        self.iter_seconds = iter_seconds or {}
+        self.iterations = iterations
+        self._rows = {}  # base name -> total rows of its [a:b] chunks
+        for ops in per_rank.values():
+            for name in ops:
+                base, a, b = split_chunk(name)
+                if base is not None:
+                    self._rows[base] = max(self._rows.get(base, 0), b)
+
+    def lookup(self, name, rank=0, rows=None):
+        """Seconds of op ``name`` on ``rank``: that rank's median, else the
+        median over the ranks that ran it; None when no rank traced it.
+        A row chunk ``op[a:b]`` of an op traced whole takes its share of the
+        rows (``rows``: how many the whole op has); a whole op traced as
+        chunks, their sum."""
+        found = self._exact(name, rank)
+        if found is not None:
+            return found
+        base, a, b = split_chunk(name)
+        if base is not None:
+            whole = self._exact(base, rank)
+            rows = self._rows.get(base) or rows
+            if whole is not None and rows:
+                return whole * (b - a) / rows
+            return None
+        parts = [self._exact(n, rank) for n in self._chunks_of(name)]
+        if parts and all(p is not None for p in parts):
+            return sum(parts)
+        return None
+
+    def _exact(self, name, rank):
+        mine = self.per_rank.get(rank, {})
+        if name in mine:
+            return mine[name]
+        others = [ops[name] for ops in self.per_rank.values() if name in ops]
+        return statistics.median(others) if others else None
+
+    def _chunks_of(self, name):
+        return sorted({n for ops in self.per_rank.values() for n in ops
+                       if split_chunk(n)[0] == name})
+
+
+def split_chunk(name):
+    """``"ip1/weight.update[0:512]"`` -> ("ip1/weight.update", 0, 512);
+    (None, None, None) for a name without a row range."""
+    m = re.fullmatch(r"(.*)\[(\d+):(\d+)\]", name)
+    if not m:
+        return None, None, None
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def trace_files(folder):
+    """{rank: path} of the folder's ``trace.rank<R>.json``; a UserError when
+    there are none."""
+    if not os.path.isdir(folder):
+        raise UserError(f"predict {folder}: not a folder (give the run folder that holds "
+                        "trace.rank<R>.json, written by train --profile-iters A:B)")
+    files = {}
+    for path in glob.glob(os.path.join(folder, "trace.rank*.json")):
+        m = _RANK.search(os.path.basename(path))
+        if m:
+            files[int(m.group(1))] = path
+    if not files:
+        raise UserError(f"predict {folder}: no trace.rank<R>.json there (write them with "
+                        "train --profile-iters A:B --out FOLDER)")
+    return dict(sorted(files.items()))
+
+
+def load_events(path):
+    """The op events (``"ph": "X"``) of one trace file; a file of a killed
+    run lacks the closing ``]}`` and is read without it."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        try:
+            data = json.loads(text.rstrip().rstrip(",") + "\n]}")
+        except ValueError as exc:
+            raise UserError(f"predict: {path} is not a Chrome trace ({exc})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise UserError(f"predict: {path} has no traceEvents list")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+
+
+def median_durations(events, skip_first=True):
+    """({op name: median seconds per iteration}, traced iteration seconds or
+    None, number of iterations used). The first traced iteration is left
+    out when there are three or more (it may start mid-way)."""
+    per = defaultdict(lambda: defaultdict(float))
+    starts, ends = defaultdict(lambda: float("inf")), defaultdict(float)
+    for e in events:
+        it = (e.get("args") or {}).get("iter")
+        if it is None:
+            continue
+        per[e["name"]][it] += e["dur"] * 1e-6
+        starts[it] = min(starts[it], e["ts"] * 1e-6)
+        ends[it] = max(ends[it], (e["ts"] + e["dur"]) * 1e-6)
+    iters = sorted(starts)
+    if skip_first and len(iters) >= 3:
+        iters = iters[1:]
+    keep = set(iters)
+    medians = {}
+    for name, by_it in per.items():
+        values = [by_it.get(i, 0.0) for i in iters if i in keep]
+        medians[name] = statistics.median(values) if values else 0.0
+    gaps = [starts[b] - starts[a] for a, b in zip(iters, iters[1:]) if b == a + 1]
+    return medians, (statistics.median(gaps) if gaps else None), len(iters)
+
+
+def read_traces(folder):
+    """(Durations, job) of a trace folder (the job of its config.yaml,
+    job/job.py); a UserError when the folder lacks the traces or the run's
+    config.yaml."""
+    from ...job.config import load_job
+    files = trace_files(folder)
+    per_rank, iter_s, counts = {}, {}, []
+    for rank, path in files.items():
+        medians, period, n = median_durations(load_events(path))
+        if not medians:
+            raise UserError(f"predict: {path} holds no op events (was the traced window "
+                            "--profile-iters A:B inside the run?)")
+        per_rank[rank], iter_s[rank] = medians, period
+        counts.append(n)
+    cfg_path = os.path.join(folder, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise UserError(f"predict {folder}: no config.yaml there (the run folder of train "
+                        "--profile-iters holds one; the predictor rebuilds the graph from it)")
+    job = load_job(cfg_path, check_files=False)
+    return Durations(per_rank, iter_s, min(counts)), job

@@ -1,0 +1,122 @@
+"""The asynchronous parameter server's loop (``parallel.mode: async``), run
+by each server rank instead of a graph; see parallel/param_server.py for the protocol
+the workers' graphs follow (push tag 2i, pull tag 2i+1 for param i).
+"""
+import time
+
+import numpy as np
+
+from ..base.errors import StallError
+from ..graph.core import Op
+
+STOP_TAG = (1 << 20) + 1  # rank 0 -> server: the workers' stop code
+STOP_REQUEST_TAG = (1 << 20) + 2  # server -> rank 0: a signal reached a server
+
+
+class AsyncServer:
+    """The asynchronous server loop of one server rank.
+
+    ``params`` / ``momenta``: {param: array} of the owned shard (updated in
+    place); ``updates``: {param: SGDUpdate op} (attrs: momentum, weight
+    decay, multipliers); ``lr_attrs``: the LearningRate op's attrs;
+    ``iters``: pushes each worker makes per param (max_iter - start).
+
+    Stops: a signal to this rank is sent to rank 0 (STOP_REQUEST_TAG), which
+    makes it part of the workers' stop agreement; the workers' decision comes
+    back (STOP_TAG) and ends the loop, ``stats["stop_code"]`` saying why. A
+    loop that gets no push and completes no reply for ``world.stall_timeout``
+    seconds raises StallError naming the workers it waits for."""
+
+    def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
+                 start_iter, iters, poll_interval=2e-4, stop=None):
+        from ..ops.catalog import make_kernel
+        self.world, self.plan = world, plan
+        self.params, self.momenta = params, momenta
+        self.lr_attrs = dict(lr_attrs)
+        self.staleness = int(max_staleness)
+        self.start, self.iters = int(start_iter), int(iters)
+        self.workers = list(plan["workers"])
+        self.owned = [p for p in plan["order"] if p in params]
+        self.poll = poll_interval
+        self.stop = stop  # a StopSignal: a signal here is passed on to rank 0
+        nw = len(self.workers)
+        self.kernels = {}
+        for p in self.owned:
+            attrs = dict(updates[p].attrs)
+            attrs["grad_scale"] = float(attrs.get("grad_scale", 1.0)) / nw
+            attrs["decay_mult"] = float(attrs.get("decay_mult", 1.0)) / nw
+            self.kernels[p] = make_kernel(Op(f"{p}.update", "SGDUpdate", [], [], attrs))
+        self.count = {(w, p): 0 for w in self.workers for p in self.owned}
+        self.stats = {"pushes": 0, "max_lead": 0}
+
+    def serve(self):
+        """Run until every worker pushed every owned param ``iters`` times
+        and every reply has been delivered. Returns stats."""
+        from mpi4py import MPI
+        from ..ops.updates import learning_rate
+        comm = self.world.comm
+        if not self.owned or self.iters <= 0:
+            return self.stats
+        grad_buf = {(w, p): np.empty_like(self.params[p]) for w in self.workers
+                    for p in self.owned}
+        keys = list(grad_buf)
+        recv = [comm.Irecv(grad_buf[k], source=k[0], tag=self.plan["tags"][k[1]][0])
+                for k in keys]
+        waiting = []   # (w, p) pushes whose reply is held back by the staleness bound
+        sends = []     # (request, buffer) in flight
+        lr = np.zeros((), np.float32)
+        done_pushes = 0
+        total = len(keys) * self.iters
+        requested = False
+        last_progress = time.monotonic()
+        timeout = float(getattr(self.world, "stall_timeout", 300.0))
+        while done_pushes < total or waiting or sends:
+            if self.stop is not None and self.stop.name and not requested:
+                self.world.send_object(self.stop.name, 0, STOP_REQUEST_TAG, "a stop request")
+                requested = True
+            if comm.Iprobe(source=0, tag=STOP_TAG):  # the workers stopped: so do we
+                self.stats["stop_code"] = comm.recv(source=0, tag=STOP_TAG)
+                for r in recv:
+                    if r != MPI.REQUEST_NULL:
+                        r.Cancel()
+                return self.stats
+            idx = MPI.Request.Testsome(recv) if done_pushes < total else None
+            progressed = False
+            for i in idx or ():
+                w, p = keys[i]
+                it = self.start + self.count[(w, p)]
+                lr.fill(learning_rate(self.lr_attrs, it))
+                arr, mom = self.params[p], self.momenta[p]
+                self.kernels[p].run([arr, grad_buf[(w, p)], mom, lr], [arr, mom])
+                self.count[(w, p)] += 1
+                done_pushes += 1
+                self.stats["pushes"] += 1
+                waiting.append((w, p))
+                if self.count[(w, p)] < self.iters:
+                    recv[i] = comm.Irecv(grad_buf[(w, p)], source=w,
+                                         tag=self.plan["tags"][p][0])
+                progressed = True
+            still = []
+            for w, p in waiting:
+                slowest = min(self.count[(v, p)] for v in self.workers)
+                lead = self.count[(w, p)] - slowest
+                if lead <= self.staleness:
+                    self.stats["max_lead"] = max(self.stats["max_lead"], lead)
+                    buf = self.params[p].copy()  # a snapshot: later pushes change p
+                    sends.append((comm.Isend(buf, dest=w, tag=self.plan["tags"][p][1]), buf))
+                    progressed = True
+                else:
+                    still.append((w, p))
+            waiting = still
+            before = len(sends)
+            sends = [(r, b) for r, b in sends if not r.Test()]
+            if progressed or len(sends) < before:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > timeout:
+                behind = sorted({w for (w, p), n in self.count.items() if n < self.iters})
+                raise StallError(f"rank {self.world.rank}: async parameter server: no push "
+                                 f"from worker rank(s) {behind} and no reply delivered for "
+                                 f"more than {timeout:g} s (parallel.stall_timeout)")
+            if not progressed:
+                time.sleep(self.poll)
+        return self.stats

@@ -1,0 +1,237 @@
+"""The start-up block a training run prints on rank 0 before its first
+iteration: what runs, where, on what, and where it writes. Plain lines (no
+colours, no cursor control), so a batch log reads as well as a terminal::
+
+    purine_mpi 0.1.0: train digits_lenet (jobs/digits_lenet.yaml)
+      ranks       2 on 1 host
+      devices     node1: ranks 0-1 on the CPU
+      threads     1 per rank (2 usable cores / 2 ranks on this host (MPI_LOCALNRANKS))
+      scheme      data parallel (mode sync): ranks 0-1 are workers, gradients allreduced in 4 buckets
+      batch       32 per rank x 2 ranks = 64 global; test 60 per rank
+      parameters  23,466 in 8 blobs (91.7 KiB, float32)
+      memory      584.9 KiB of blobs on rank 0: 22 transient blobs planned into a 416.0 KiB arena (947.8 KiB one buffer each), 168.9 KiB kept
+      data        train 1,437 samples (data/digits.h5, split train), test 360 samples (...)
+      solver      sgd, base_lr 0.05, lr_policy step; iterations 0 -> 900
+      output      runs/digits_lenet/2
+      set-up      0.21 s (graphs, data, initial weights)
+
+On a GPU whose convolutions take the cuDNN path, a last row says how many
+plans were timed, in how long, and how many came from the plan cache
+(gpu/cudnn_tune.py)::
+
+      cuDNN plans 0 plans timed in 0.00 s, 9 from the cache (~/.cache/purine_mpi/cudnn_plans/...)
+
+``startup_lines(trainer, ranks)`` builds it from a Trainer and every rank's
+(hostname, device) of the trainer's world (gathered by the trainer).
+"""
+import socket
+
+from .. import __version__
+from ..base import threads
+from ..data.sources import source_info
+from ..base.progress_bar import human_bytes
+
+#: hosts listed one by one in the devices line; the rest are counted
+MAX_HOSTS = 8
+
+
+def rank_info(trainer):
+    """This rank's (hostname, device) for the devices line."""
+    hosts = getattr(trainer.world, "hosts", None)
+    name = hosts.host_names[hosts.host_of[trainer.world.rank]] if hosts is not None \
+        else socket.gethostname()
+    return name, int(trainer.graphs.device)
+
+
+def ranges(ranks):
+    """``0-3, 6, 8-9`` from a list of ranks."""
+    ranks = sorted(ranks)
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _ranks_word(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"
+
+
+def _count(n, one, many=None):
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def devices_line(infos, servers=()):
+    """``node1: ranks 0-1 on the CPU; node2: ranks 2-3 on GPUs 0, 1`` from
+    {rank: (host, device)}; ``servers``: {rank: host} of parameter-server
+    ranks (they hold the parameters in host memory)."""
+    by_host = {}
+    for r, (host, dev) in sorted(infos.items()):
+        by_host.setdefault(host, []).append((r, dev))
+    for r, host in sorted(dict(servers).items()):
+        by_host.setdefault(host, []).append((r, None))
+    parts = []
+    for host, members in list(by_host.items())[:MAX_HOSTS]:
+        words = []
+        workers = [(r, d) for r, d in members if d is not None]
+        cpu = [r for r, d in workers if d < 0]
+        gpu = [(r, d) for r, d in workers if d >= 0]
+        if cpu:
+            words.append(f"{_ranks_word(cpu)} on the CPU")
+        if gpu:
+            ids = ", ".join(str(d) for _, d in gpu)
+            words.append(f"{_ranks_word([r for r, _ in gpu])} on "
+                         f"{'GPU' if len(gpu) == 1 else 'GPUs'} {ids}")
+        served = [r for r, d in members if d is None]
+        if served:
+            words.append(f"{_ranks_word(served)} ({'server' if len(served) == 1 else 'servers'})"
+                         " on the CPU")
+        parts.append(f"{host}: {', '.join(words)}")
+    if len(by_host) > MAX_HOSTS:
+        parts.append(f"and {len(by_host) - MAX_HOSTS} more hosts")
+    return "; ".join(parts)
+
+
+def scheme_lines(trainer):
+    """[(label, text)] of the scheme: which ranks are workers, servers or
+    stages, and the micro-batches."""
+    job = trainer.job
+    par = job.parallel
+    lay = trainer.graphs.layout
+    ps = getattr(trainer.scheme, "layout", None)  # a parameter-server worker
+    size = trainer.world.size
+    out = []
+    if ps is not None:
+        workers, servers = ps["workers"], ps["servers"]
+        mode = par.mode
+        how = (f"max_staleness {par.max_staleness}" if mode == "async" else
+               "the servers average each round")
+        out.append(("scheme", f"parameter servers (mode {mode}, {how}): "
+                    f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
+                    f"{_ranks_word(servers)} {'are servers' if len(servers) > 1 else 'is the server'} "
+                    "holding the parameters (sharded)"))
+    elif size == 1:
+        out.append(("scheme", "one rank, no parallel scheme"))
+    elif lay.staged:
+        stages = job.stage_map
+        layers = job.layer_names
+        if lay.scheme == "pipeline":
+            out.append(("scheme", f"pipeline: {lay.stages} stages, rank s runs stage s; "
+                        "activations and gradients cross as Send/Recv"))
+        else:
+            out.append(("scheme", f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
+                        f"(rank = replica x {lay.stages} + stage); each stage's gradients "
+                        f"allreduced over its {lay.replicas} ranks"))
+        for s in range(lay.stages):
+            names = [n for n in layers if stages.get(n) == s]
+            shown = ", ".join(names) if len(names) <= 6 else \
+                f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
+            out.append((f"stage {s}", f"{_ranks_word(lay.stage_ranks(s))}: "
+                        f"{_count(len(names), 'layer')} ({shown})"))
+    elif lay.scheme == "none":
+        out.append(("scheme", f"none: ranks {ranges(range(size))} each train their own "
+                    "replica on their shard, exchanging no gradients"))
+    else:
+        plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
+        out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
+                    f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
+    micro = par.micro_batches
+    if micro > 1:
+        use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"
+        out.append(("micro-batches", f"{micro} of {job.micro_batch} samples, schedule "
+                    f"{par.schedule} ({use})"))
+    return out
+
+
+def data_text(data):
+    """``train 1,437 and test 360 samples of 1x8x8 (data/digits.h5)``;
+    ``data``: the job's DataSpecs."""
+    parts = []
+    for phase, spec in data.items():
+        n, shape = source_info(spec.source_dict())
+        where = {"hdf5": spec.path, "lmdb": f"lmdb {spec.path}"}.get(spec.source, "synthetic")
+        parts.append((phase, n, "x".join(map(str, shape)), where))
+    if len({(shape, where) for _, _, shape, where in parts}) == 1:
+        _, _, shape, where = parts[0]
+        counts = " and ".join(f"{phase} {n:,}" for phase, n, _, _ in parts)
+        return f"{counts} samples of {shape} ({where})"
+    return ", ".join(f"{phase} {n:,} samples of {shape} ({where})"
+                     for phase, n, shape, where in parts)
+
+
+def memory_text(trainer):
+    """The memory row: rank 0's blobs, with the memory plans' arenas (the
+    host's, each GPU's: runtime/memory_plan.py) and what their blobs would
+    take one buffer each."""
+    ws = trainer.ws
+    plan = getattr(ws, "plan", None)
+    text = f"{human_bytes(ws.allocated_bytes)} of blobs on rank 0"
+    if plan is None:
+        return text + " (memory_plan: false: one buffer per blob)"
+    text += (f": {_count(len(plan.offsets), 'transient blob')} planned into a "
+             f"{human_bytes(plan.planned_bytes)} arena ({human_bytes(plan.unplanned_bytes)} one "
+             f"buffer each), {human_bytes(plan.persistent_bytes)} kept")
+    for device, dplan in sorted(getattr(ws, "device_plans", {}).items()):
+        text += (f"; GPU {device}: {_count(len(dplan.offsets), 'transient blob')} in "
+                 f"{human_bytes(dplan.planned_bytes)} ({human_bytes(dplan.unplanned_bytes)} one "
+                 f"buffer each), {human_bytes(dplan.persistent_bytes)} kept")
+    return text
+
+
+def startup_lines(trainer, infos, setup_seconds):
+    """The start-up block (see the module docstring). ``infos``: {rank:
+    (host, device)} of the trainer's world."""
+    job = trainer.job
+    replicas = trainer.graphs.data_size
+    ps = getattr(trainer.scheme, "layout", None)
+    size = trainer.world.size + (len(ps["servers"]) if ps else 0)
+    head = f"purine_mpi {__version__}: train {job.name}"
+    if job.path:
+        head += f" ({job.path})"
+    hosts = {h for h, _ in infos.values()}
+    servers = {}
+    if ps:
+        gw = trainer.scheme.world
+        gh = getattr(gw, "hosts", None)
+        servers = {r: gh.host_names[gh.host_of[r]] if gh is not None else "?"
+                   for r in ps["servers"]}
+        hosts |= set(servers.values())
+    rows = [("ranks", f"{size} on {_count(len(hosts), 'host')}"),
+            ("devices", devices_line(infos, servers)),
+            ("threads", threads.describe())]
+    rows += scheme_lines(trainer)
+    data = job.data
+    if data.train is not None:
+        per = "worker" if ps else ("pipeline" if trainer.graphs.layout.staged else "rank")
+        b = job.train_batch
+        text = f"{b:,} per {per}"
+        if replicas > 1:
+            text += f" x {replicas} {per}s = {job.global_batch(replicas):,} global"
+        if data.test is not None:
+            text += f"; test {data.test.batch_size:,} per {per}"
+        rows.append(("batch", text))
+    n_params, n_bytes, n_blobs, dtypes = trainer.graphs.param_summary
+    rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
+                 f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
+    rows.append(("memory", memory_text(trainer)))
+    if data:
+        rows.append(("data", data_text(data)))
+    sol = job.solver
+    rows.append(("solver", f"{sol.type}, base_lr {sol.base_lr}, "
+                 f"lr_policy {sol.lr_policy}; iterations "
+                 f"{trainer.state.start_iter:,} -> {sol.max_iter:,}"))
+    ck = job.checkpoint
+    every = ck.interval
+    rows.append(("output", f"{trainer.out_dir} (checkpoints "
+                 + (f"every {every:,} iterations, " if every else "at the end, ")
+                 + (f"keep {ck.keep})" if ck.keep else "keep all)")))
+    rows.append(("set-up", f"{setup_seconds:.2f} s (graphs, data, initial weights)"))
+    from ..gpu.cudnn_tune import summary as cudnn_summary
+    cudnn_line = cudnn_summary()   # convolutions on the cuDNN path: plans timed / cached
+    if cudnn_line:
+        rows.append(("cuDNN plans", cudnn_line))
+    width = max(len(k) for k, _ in rows) + 2
+    return [head] + [f"  {k:<{width}}{v}" for k, v in rows]

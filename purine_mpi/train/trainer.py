@@ -1,0 +1,225 @@
+"""The trainer: this rank's loop assembled from a job.
+
+``Trainer(job, out_dir, world, ...)`` builds this rank's composed and
+placed graphs (``parallel.rank_graphs.build_rank_graphs``) before the loop
+exists, their dispatchers and workspaces (memory plans), the list of
+services, and restores the weights; ``train/loop.py`` runs the iterations
+and asks the services. ``run_training`` is the ``train`` command's entry.
+
+Every rank runs the same loop over its own slice of the composed graph. The
+only collectives outside the graph are the scalar reductions for logging and
+evaluation, the stop agreement after each iteration and the checkpoint
+gathers, made by every rank at the same iterations, so their order is the
+same everywhere; each is a non-blocking request polled under the stall
+timeout (``World.wait``). Only rank 0 writes files.
+"""
+import json
+import math
+import sys
+import time
+
+from ..base import logfile
+from ..job.run_checkpoints import remove_stale_temp_files
+from ..job.config import data_notes, dump_config
+from ..job.job import job_of
+from ..parallel.compose import Scheme, settings_without_effect
+from ..parallel.rank_graphs import build_rank_graphs
+from ..runtime.factory import make_dispatcher, planned_workspace
+from ..runtime.memory_plan import batch_blobs
+from ..runtime.stop import StopSignal, print_err, print_or_stop
+from .checkpoints import Checkpoints
+from .collectives import get_world, world_mean  # noqa: F401  (cli, bench)
+from .divergence import DivergenceWatch
+from .evaluation import Evaluation
+from .loop import Loop
+from .progress import Progress
+from .signals import StopAgreement
+from .startup import StartupReport
+from .traces import Traces
+from .watch import BestCheckpoints, EarlyStopping
+
+
+class Trainer(Loop):
+    """A ``Loop`` assembled from a job for this rank of ``world``."""
+
+    def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
+                 log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False,
+                 agreement=None):
+        created = time.perf_counter()  # the start-up block reports the set-up time
+        world = world or get_world()
+        # collectives outside the graph wait no longer than graph ops do
+        world.stall_timeout = float(job.parallel.stall_timeout)
+        scheme = scheme or Scheme()
+        log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
+        try:
+            graphs = build_rank_graphs(job, world, scheme)
+            traces = Traces(profile, out_dir, world)
+            runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
+                                   lambda m: log(m) if world.rank == 0 else None)
+            self.checkpoints, self.evaluation = Checkpoints(), Evaluation()
+            services = self._services(job, out_dir, created, tensorboard, traces,
+                                      agreement or StopAgreement())
+            super().__init__(graphs, *runners, job=job, out_dir=out_dir, world=world,
+                             scheme=scheme, log=log, services=services)
+            if world.rank == 0:
+                for path in remove_stale_temp_files(out_dir):
+                    self.log(f"removed {path}, left by a writer that was killed mid-write")
+            self.checkpoints.restore(self, init, init_skip, resume)
+        except BaseException:  # a refused checkpoint, bad test data, ...
+            self._settle_readers()
+            raise
+
+    def _services(self, job, out_dir, created, tensorboard, traces, agreement):
+        """The loop's services, in the order the loop asks them (train/loop.py).
+        ``agreement``: the stop agreement (a parameter-server worker's:
+        train/ps_worker.py)."""
+        best, early = job.checkpoint.best, job.solver.early_stop
+        return [StartupReport(created),
+                agreement,
+                DivergenceWatch(),
+                Progress(tensorboard),
+                self.evaluation,
+                *([BestCheckpoints(best, out_dir, lambda path, it: self.save(it, path),
+                                   self.say)] if best else []),
+                *([EarlyStopping(early, self.say)] if early else []),
+                self.checkpoints,
+                traces]
+
+    def _settle_readers(self, timeout=30.0):
+        """Wait for the data readers' in-flight prefetch: their daemon threads
+        read HDF5 files, and one left mid-read (holding h5py's lock) when an
+        error ends the process would hang the interpreter's exit."""
+        for d in (getattr(self, "train", None), getattr(self, "test", None)):
+            for k in getattr(d, "kernels", {}).values():
+                pending = getattr(k, "_pending", None)
+                if pending is not None:
+                    pending[1]["done"].wait(timeout)
+
+    # the services' operations that tools and tests call on a trainer
+    def save(self, iteration, path=None):
+        self.checkpoints.save(self, iteration, path)
+
+    def state_dict(self):
+        return self.checkpoints.state_dict(self)
+
+    def load_state_dict(self, state):
+        self.checkpoints.load_state_dict(self, state)
+
+    def evaluate(self, test_iter=None):
+        return self.evaluation.evaluate(self, test_iter)
+
+
+def _dispatchers(graphs, job, world, dispatcher, profiler, say):
+    """The training graph's dispatcher and the test graph's (or None). With
+    ``memory_plan`` (the default) the transient blobs of each share one
+    arena per device (the host, each GPU), laid out from the static graph
+    (runtime/memory_plan.py); what the host reads between iterations keeps
+    its own memory, and the test graph reuses the training graph's host
+    arena when it fits (the two never run at once). On a GPU each iteration is replayed as captured CUDA graphs
+    unless ``cuda_graph: false``."""
+    planned, cuda_graph = job.memory_plan, job.cuda_graph
+    seed = job.seed * 1000003 + world.rank
+    stall = float(job.parallel.stall_timeout)
+
+    def workspace(graph, keep=(), shared=None, arena=None):
+        return planned_workspace(graph, planned, keep=keep, shared=shared, arena=arena)
+
+    g = graphs.graph
+    keep = ([graphs.watch] if graphs.watch else []) + batch_blobs(g)
+    train = make_dispatcher(g, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
+                            defer_tail=graphs.defer_update, workspace=workspace(g, keep),
+                            profiler=profiler, stall_timeout=stall, seed=seed)
+    test = None
+    if graphs.test_graph is not None:
+        tg, ws = graphs.test_graph, train.workspace
+        shared = {p: ws[p] for p in tg.blobs if p in ws.arrays and g.blobs[p].kind == "param"}
+        test = make_dispatcher(tg, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
+                               workspace=workspace(tg, graphs.test_names + batch_blobs(tg),
+                                                   shared, arena=ws),
+                               seed=seed)
+    return train, test
+
+
+def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
+                 init_skip=(), tensorboard=False):
+    """Entry point of ``train``: set up the world, check that every rank has
+    the same config, and run the scheme the config asks for. ``config``: a
+    job (job/job.py) or a validated config dict: the public Python API, an
+    edge where a config becomes a job (docs/config.md, "Custom layers")."""
+    from ..comm.world import install_abort_handler
+    job = job_of(config)  # once: everything below reads the job
+    world = get_world()
+    install_abort_handler(world)
+    world.stall_timeout = float(job.parallel.stall_timeout)
+    world.check_consistent(dump_config(job), "resolved configuration")
+    # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
+    logfile.open_run_log(out_dir, world.rank)
+    say = logfile.tee(print_or_stop)
+    if world.rank == 0:  # parallel settings that do nothing at this world size
+        for note in settings_without_effect(job, world.size) + data_notes(job):
+            say(note)
+    if world.size > 1 and job.parallel.servers:
+        return run_param_server(job, out_dir, world, resume=resume, init=init,
+                                profile=profile, init_skip=init_skip, tensorboard=tensorboard)
+    return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
+                                  profile=profile, dispatcher=dispatcher, init_skip=init_skip,
+                                  tensorboard=tensorboard, log=say),
+                          world)
+
+
+def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
+                     dispatcher=None, log=None, init_skip=(), tensorboard=False):
+    """``train`` on every rank of a parameter-server run: servers serve
+    (train/ps_server.run_server_rank), workers train a Trainer over the
+    workers' World (metrics and checkpoints from rank 0, a worker). Returns
+    the exit status."""
+    from ..parallel.param_server import WorkerScheme, split_workers
+    from .ps_server import run_server_rank
+    from .ps_worker import WorkerStopAgreement
+    job, sub = split_workers(job, world)
+    if sub is None:
+        return run_server_rank(job, out_dir, world, resume=resume, init=init,
+                               init_skip=init_skip)
+    return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
+                                  profile=profile, log=log, dispatcher=dispatcher,
+                                  init_skip=init_skip, scheme=WorkerScheme(job, world),
+                                  agreement=WorkerStopAgreement(job, world),
+                                  tensorboard=tensorboard),
+                          world)
+
+
+def run_and_report(trainer, world):
+    """Run ``trainer`` to the end, print the final figures on global rank 0,
+    and return the exit status."""
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    # train.log's last line (logfile.end_run)
+    logfile.set_outcome(result, trainer.job.solver.max_iter, trainer.state.start_iter)
+    if "diverged_at" in result:
+        if world.rank == 0:
+            last = result.get("last_checkpoint")
+            kept = (f"latest.h5 stays the last finite checkpoint (iteration {last})"
+                    if last is not None else "no checkpoint was written")
+            text = (f"error: the training diverged: a non-finite loss or weight (NaN or inf) "
+                    f"at iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or "
+                    "check the data.")
+            print(text, file=sys.stderr, flush=True)
+            logfile.note_error(text)
+        return 3
+    if world.rank == 0 and result:
+        logfile.tee(print_or_stop)("final " + json.dumps({k: (round(v, 6) if math.isfinite(v) else None)
+                                             if isinstance(v, float) else v
+                                             for k, v in result.items()}))
+    # a stop on SIGTERM, Ctrl-C or a closed stdout still ends non-zero (143,
+    # 130, 141); SIGUSR1 is a request to checkpoint and finish: 0
+    stopped = result.get("stopped_by")
+    if stopped in ("SIGPIPE", "SIGINT") and world.rank == 0:
+        why = "error: stdout was closed (broken pipe)" if stopped == "SIGPIPE" else \
+            "interrupted (Ctrl-C)"
+        text = (f"{why}: stopped at iteration {result.get('iter')} with a checkpoint; "
+                "continue with --resume auto")
+        print_err(text)
+        logfile.note(text)
+    return StopSignal.exit_status(stopped)
