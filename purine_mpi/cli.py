@@ -64,7 +64,7 @@ def _out_dir(args, job):
 def _run_dir(args, job):
     """The train run's folder, chosen and locked by rank 0 (job/rundir.py)."""
     from .job.rundir import prepare_run_dir
-    from .train.trainer import get_world
+    from .train.collectives import get_world
     base, world = _runs_base(job), get_world()
     world.stall_timeout = float(job.parallel.stall_timeout)  # the set-up waits no longer
     return prepare_run_dir(world, os.path.basename(os.path.normpath(base)), args.out,

@@ -7,7 +7,7 @@ import pytest
 from purine_mpi.gpu import kernels
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
-from purine_mpi.ops.updates import LR_POLICIES, LR_POLICY_CODES, learning_rate, lr_policy_args
+from purine_mpi.ops.lr_policy import LR_POLICIES, LR_POLICY_CODES, learning_rate, lr_policy_args
 from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
 
 POLICY_ATTRS = {

@@ -12,7 +12,8 @@ from .conftest import PYTHON, REPO, cli_env
 SCRIPT = r"""
 import json, os, sys, threading, time
 from purine_mpi.job.config import resolve_job
-from purine_mpi.train.trainer import Trainer, get_world
+from purine_mpi.train.collectives import get_world
+from purine_mpi.train.trainer import Trainer
 
 def rss():
     with open("/proc/self/statm") as f:

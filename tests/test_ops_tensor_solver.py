@@ -10,7 +10,7 @@ import torch
 from purine_mpi.base.errors import ConfigError, ShapeError
 from purine_mpi.graph import Graph
 import purine_mpi.ops.catalog  # noqa: F401  (register every kernel family)
-from purine_mpi.ops.updates import learning_rate
+from purine_mpi.ops.lr_policy import learning_rate
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 from tests.opcheck import close, numeric_grad, run_op, torch_grads
 

@@ -1,7 +1,6 @@
 """The solver's update ops: Caffe's SGD update and the adaptive solvers.
 
-The learning rate comes from ``LearningRate`` (ops/lr_policy.py, re-exported
-here); one ``SGDUpdate`` per parameter then updates the weight and
+The learning rate comes from ``LearningRate`` (ops/lr_policy.py); one ``SGDUpdate`` per parameter then updates the weight and
 its momentum in place (through alias blobs ``w@new``, ``w/momentum@new``,
 which the graph orders after every other reader of the old values).
 
@@ -17,8 +16,6 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels, same_buffer
-from .lr_policy import (LR_POLICIES, LR_POLICY_CODES, LearningRate,  # noqa: F401
-                        learning_rate, lr_policy_args)
 from .registry import OpKernel, register
 
 

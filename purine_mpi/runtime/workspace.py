@@ -28,7 +28,7 @@ import numpy as np
 from ..base.backend import cupy_available, get_xp, xp_for_device
 from ..base.errors import GraphError
 # ARENA_ALIGN: the alignment of blob offsets in a device arena (cudaMalloc's own)
-from ..gpu.scratch import ARENA_ALIGN, Scratch  # noqa: F401  (Scratch: where it was)
+from ..gpu.scratch import ARENA_ALIGN
 
 
 def plan_device_memory(graph, skip=(), plans=None):
@@ -180,7 +180,7 @@ class Workspace:
         return self.arrays[name]
 
     def scratch_for(self, op_name, device):
-        """The :class:`Scratch` op ``op_name`` uses on GPU ``device``.
+        """The :class:`gpu.scratch.Scratch` op ``op_name`` uses on GPU ``device``.
 
         Ops share a scratch buffer only when the graph orders them: an op
         gets the buffer of an earlier user that is one of its ancestors (a

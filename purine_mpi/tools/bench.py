@@ -88,7 +88,8 @@ def comm_overlap(events):
 def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from ..comm.world import get_world, install_abort_handler
     from ..runtime.trace import Profiler
-    from ..train.trainer import Trainer, world_mean
+    from ..train.collectives import world_mean
+    from ..train.trainer import Trainer
     world = get_world()
     install_abort_handler(world)
     job = job if real_data else synthetic_config(job)

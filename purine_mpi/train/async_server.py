@@ -53,7 +53,7 @@ class AsyncServer:
         """Run until every worker pushed every owned param ``iters`` times
         and every reply has been delivered. Returns stats."""
         from mpi4py import MPI
-        from ..ops.updates import learning_rate
+        from ..ops.lr_policy import learning_rate
         comm = self.world.comm
         if not self.owned or self.iters <= 0:
             return self.stats

@@ -28,14 +28,14 @@ from ..runtime.factory import make_dispatcher, planned_workspace
 from ..runtime.memory_plan import batch_blobs
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
-from .collectives import get_world, world_mean  # noqa: F401  (cli, bench)
+from .collectives import get_world
 from .divergence import DivergenceWatch
 from .evaluation import Evaluation
 from .loop import Loop
 from .progress import Progress
 from .signals import StopAgreement
 from .startup import StartupReport
-from .traces import Traces
+from .profiling import Traces
 from .watch import BestCheckpoints, EarlyStopping
 
 

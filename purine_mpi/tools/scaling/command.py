@@ -95,7 +95,7 @@ def run_scaling(args):
     from .link import make_link
     from .model import predict_table
     from .report import format_table, parse_np, plot_scaling, to_json
-    from .traces import read_traces
+    from .trace_reader import read_traces
     nps = parse_np(args.nps)
     link = make_link(args.bandwidth, args.latency, args.link)
     durations, job = read_traces(args.config)

@@ -29,7 +29,7 @@ import time
 
 from ...base.errors import UserError
 from .simulate import RankGraph, SimOp, simulate
-from .traces import split_chunk
+from .trace_reader import split_chunk
 
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
