@@ -47,7 +47,7 @@ def _load(args, check_files=True):
     job = load_job(args.config, args.overrides, getattr(args, "iters", None),
                    check_files=check_files)
     if args.seed is not None:  # checked as the config's seed is
-        from .job.config import check_seed
+        from .job.checks import check_seed
         job = job.replace(seed=check_seed("--seed", args.seed, None))
     return job
 

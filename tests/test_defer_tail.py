@@ -75,7 +75,7 @@ def test_one_rank_has_no_tail():
 
 
 def test_defer_update_is_a_documented_config_key():
-    from purine_mpi.job.config import PARALLEL_DEFAULTS
+    from purine_mpi.job.schema import PARALLEL_DEFAULTS
     assert PARALLEL_DEFAULTS["defer_update"] is True
     import os
     from tests.conftest import REPO

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 import purine_mpi
-from purine_mpi.tools import docgen
+from purine_mpi.tools import docgen, docgen_examples
 from purine_mpi.cli import build_parser
 from purine_mpi.job import config as config_mod
+from purine_mpi.job import schema as schema_mod
 from purine_mpi.job.config import resolve_config
 from purine_mpi.job.replica import build_train_graph
 
@@ -80,12 +81,12 @@ def test_a_new_key_is_picked_up_and_needs_a_meaning(monkeypatch):
 def test_a_new_choice_needs_a_meaning(monkeypatch):
     """A value added to a choice list (a new scheme, solver type or lr
     policy) must be documented in CHOICE_DOCS, and then shows."""
-    assert "zigzag" not in config_mod.PARALLEL_SCHEMES
-    monkeypatch.setitem(config_mod.CHOICES, "scheme", config_mod.PARALLEL_SCHEMES + ("zigzag",))
+    assert "zigzag" not in schema_mod.PARALLEL_SCHEMES
+    monkeypatch.setitem(schema_mod.CHOICES, "scheme", schema_mod.PARALLEL_SCHEMES + ("zigzag",))
     with pytest.raises(docgen.SchemaDocError, match="zigzag"):
         docgen.render()
-    monkeypatch.setitem(config_mod.CHOICE_DOCS, "scheme",
-                        dict(config_mod.CHOICE_DOCS["scheme"], zigzag="stages in a zigzag"))
+    monkeypatch.setitem(schema_mod.CHOICE_DOCS, "scheme",
+                        dict(schema_mod.CHOICE_DOCS["scheme"], zigzag="stages in a zigzag"))
     assert "| `zigzag` | stages in a zigzag |" in docgen.render()
 
 
@@ -93,13 +94,13 @@ def test_every_schema_entry_is_in_the_docs():
     from purine_mpi.layers import LAYER_SPECS
     with open(CONFIG_MD, encoding="utf-8") as f:
         text = f.read()
-    for key in config_mod.TOP_KEYS + config_mod.DATA_KEYS:
+    for key in schema_mod.TOP_KEYS + schema_mod.DATA_KEYS:
         assert f"| `{key}` |" in text, key
     for section, (defaults, _) in config_mod.SECTIONS.items():
         assert f"## {section}" in text
         for key in defaults:
             assert f"| `{key}` |" in text, (section, key)
-    for values in config_mod.CHOICES.values():
+    for values in schema_mod.CHOICES.values():
         for value in values:
             assert f"| `{value}` |" in text, value
     for ltype, spec in LAYER_SPECS.items():
@@ -111,12 +112,12 @@ def test_every_schema_entry_is_in_the_docs():
 def test_config_md_examples_load_and_build():
     """The examples the generator writes are configs that validate and
     build (with synthetic data in place of the digits file)."""
-    example = yaml.safe_load(docgen.EXAMPLE)
+    example = yaml.safe_load(docgen_examples.EXAMPLE)
     resolve_config(example, path="example.yaml", check_files=False)
     example["data"] = {"train": {"source": "synthetic", "shape": [1, 8, 8], "classes": 10,
                                  "batch_size": 4}}
     build_train_graph(make_job(example))
-    residual = yaml.safe_load(docgen.RESIDUAL_EXAMPLE)
+    residual = yaml.safe_load(docgen_examples.RESIDUAL_EXAMPLE)
     residual["data"] = {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 10,
                                   "batch_size": 4}}
     residual["net"] += [{"type": "fc", "name": "fc", "bottom": "sum", "num_output": 10},
@@ -129,7 +130,7 @@ def test_custom_layer_example_registers_and_checks_its_keys():
     namespace = {}
     saved = dict(layers.LAYERS), dict(layers.LAYER_SPECS)
     try:
-        exec(compile(docgen.CUSTOM_LAYER_EXAMPLE, "config.md", "exec"), namespace)
+        exec(compile(docgen_examples.CUSTOM_LAYER_EXAMPLE, "config.md", "exec"), namespace)
         cfg = {"data": {"train": {"source": "synthetic", "shape": [2, 4, 4], "classes": 2,
                                   "batch_size": 3}},
                "net": [{"type": "scaled_relu", "name": "s", "bottom": "data", "scale": 2.0},

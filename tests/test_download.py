@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from purine_mpi.job.config import data_hint
+from purine_mpi.job.data_spec import data_hint
 from tests.conftest import cli_env, run_cli_args
 
 

@@ -10,8 +10,8 @@ import pickle
 import pytest
 
 from purine_mpi.job.config import dump_config, load_config, load_job, resolve_config
-from purine_mpi.job.job import (BestSpec, CheckpointSpec, DataSpec, EarlyStopSpec, Job,
-                                ParallelSpec, SolverSpec, job_of)
+from purine_mpi.job.job import CheckpointSpec, DataSpec, Job, ParallelSpec, SolverSpec, job_of
+from purine_mpi.job.keys import BestSpec, EarlyStopSpec
 from purine_mpi.job.schema import (CHECKPOINT_DEFAULTS, DATA_KEYS, PARALLEL_DEFAULTS,
                                    SOLVER_DEFAULTS, TOP_DOC, TOP_KEYS)
 from tests.conftest import REPO, make_job

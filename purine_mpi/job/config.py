@@ -28,16 +28,12 @@ import os
 import yaml
 
 from ..base.errors import ConfigError, excerpt
-from .checks import SEED_LIMIT, _check_int, _check_keys, _kind, check_seed  # noqa: F401
-from .data_spec import _check_data, data_hint, data_notes  # noqa: F401
+from .checks import _check_int, _check_keys, _kind
+from .data_spec import _check_data
 from .job import Job, job_of
 from .keys import check_section
-from .yamlread import StrictLoader as _Loader, YamlRefused, read_yaml, where  # noqa: F401
-from .schema import (BACKENDS, CHECKPOINT_DEFAULTS, CHOICES, CHOICE_DOCS, DATA_KEYS,
-                     DATA_SOURCES, LR_POLICIES, PARALLEL_DEFAULTS, PARALLEL_MODES,
-                     PARALLEL_SCHEMES, PIPELINE_SCHEDULES, RESOLVED_FIRST, SECTION_KEYS,
-                     SOLVER_DEFAULTS, SOLVER_TYPES, SYNTHETIC_NUM_SAMPLES, TOP, TOP_DOC,
-                     TOP_KEYS)  # noqa: F401
+from .yamlread import YamlRefused, read_yaml, where
+from .schema import RESOLVED_FIRST, SECTION_KEYS, TOP, TOP_KEYS
 from ..layers import check_layer
 
 

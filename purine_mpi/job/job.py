@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from .keys import BestSpec, EarlyStopSpec, FrozenMap, Typed, spec_of  # noqa: F401
+from .keys import FrozenMap, Typed, spec_of
 from .schema import (CHECKPOINT, DATA, PARALLEL, PARALLEL_DEFAULTS, RESOLVED_FIRST, SOLVER,
                      SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
 

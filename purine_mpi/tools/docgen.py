@@ -16,8 +16,7 @@ import difflib
 import os
 import sys
 
-from .docgen_sections import (CUSTOM_LAYER_EXAMPLE, EXAMPLE, RESIDUAL_EXAMPLE,  # noqa: F401
-                              SchemaDocError, sections)
+from .docgen_sections import SchemaDocError, sections
 
 #: the repository's docs/config.md (this file is purine_mpi/tools/docgen.py)
 DOC_PATH = os.path.join(os.path.abspath(__file__).rsplit(os.sep, 3)[0], "docs", "config.md")

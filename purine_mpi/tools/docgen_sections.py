@@ -10,7 +10,7 @@ import yaml
 
 from ..base.errors import EXCERPT_CHARS
 from ..job.yamlread import MAX_ALIAS_NODES, MAX_DEPTH
-from .docgen_examples import CUSTOM_LAYER_EXAMPLE, EXAMPLE, RESIDUAL_EXAMPLE  # noqa: F401
+from .docgen_examples import CUSTOM_LAYER_EXAMPLE, EXAMPLE, RESIDUAL_EXAMPLE
 
 
 class SchemaDocError(Exception):
@@ -63,7 +63,7 @@ def _need(table, key, where):
 
 
 def _choices(name):
-    from ..job.config import CHOICE_DOCS, CHOICES
+    from ..job.schema import CHOICE_DOCS, CHOICES
     docs = CHOICE_DOCS.get(name, {})
     return [(value, _need(docs, value, f"CHOICE_DOCS[{name!r}] in purine_mpi/job/schema.py"))
             for value in CHOICES[name]]

@@ -20,7 +20,8 @@ import time
 
 from ..base import logfile
 from ..job.run_checkpoints import remove_stale_temp_files
-from ..job.config import data_notes, dump_config
+from ..job.config import dump_config
+from ..job.data_spec import data_notes
 from ..job.job import job_of
 from ..parallel.compose import Scheme, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
