@@ -28,7 +28,7 @@ import numpy as np
 from ..base.backend import cupy_available, get_xp, xp_for_device
 from ..base.errors import GraphError
 # ARENA_ALIGN: the alignment of blob offsets in a device arena (cudaMalloc's own)
-from ..gpu.scratch import ARENA_ALIGN
+from ..gpu.scratch import ARENA_ALIGN, Scratch
 
 
 def plan_device_memory(graph, skip=(), plans=None):
