@@ -193,3 +193,21 @@ def test_case17_full_disk_on_a_tiny_tmpfs(tmp_path, digits_h5):
         assert metrics.endswith("\n")
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_force_reads_a_planted_config_yaml_with_the_bounded_reader(tmp_path):
+    """--force reads a folder's config.yaml with the one strict YAML reader
+    (job/yamlread.py), as every other YAML the program reads: an alias bomb
+    there is not a config of ours (PyYAML's own loader accepted it: it shares
+    the nodes instead of expanding them, and the file counted as ours)."""
+    import time
+    from purine_mpi.job.rundir_force import _is_config
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    lines += ["name: x", "seed: 1", "solver: *a9", "parallel: {}", "checkpoint: {}", "net: []"]
+    path = tmp_path / "config.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    assert _is_config(str(path)) is False
+    assert time.perf_counter() - t0 < 5

@@ -83,6 +83,15 @@ class Graph:
         self.ops = {}  # insertion-ordered: the order ops were emitted
 
     # ------------------------------------------------------------ building
+    def free_name(self, base):
+        """``base``, or ``base#k`` with the smallest k >= 1 that names no
+        blob and no op yet (for blobs and ops a composition inserts)."""
+        name, k = base, 1
+        while name in self.blobs or name in self.ops:
+            name = f"{base}#{k}"
+            k += 1
+        return name
+
     def add_blob(self, name, shape=None, dtype="float32", location=None, kind="data",
                  exist_ok=False, **kw):
         if name in self.blobs:

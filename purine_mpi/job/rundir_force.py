@@ -23,6 +23,7 @@ import re
 import stat
 
 from ..base.errors import UserError
+from .yamlread import read_yaml
 
 _LOG_HEAD = re.compile(rb"^--- \d{4}-\d\d-\d\d \d\d:\d\d:\d\d pid \d+ ---\n")
 _CKPT_NAME = re.compile(r"^(latest|ckpt_\d+|best_\d+)\.h5$")
@@ -103,7 +104,7 @@ def _is_config(path):
     import yaml
     try:
         with open(path) as f:
-            cfg = yaml.safe_load(f)
+            cfg = read_yaml(f, path)  # the strict, bounded reader: the file is not ours yet
     except (OSError, ValueError, yaml.YAMLError):
         return False
     return isinstance(cfg, dict) and all(k in cfg for k in _CONFIG_KEYS) \

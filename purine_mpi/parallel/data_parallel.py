@@ -263,7 +263,7 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
     plan = []
     for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb,
                                                 min_buckets)):
-        name = _free_name(graph, f"grad_bucket{i}")
+        name = graph.free_name(f"grad_bucket{i}")
         total = sum(graph.blobs[grads[p]].size for p in b["params"])
         graph.add_blob(name, (total,), b["dtype"], b["location"], kind="bucket")
         offset, ins, outs = 0, [], []
@@ -273,7 +273,7 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
             if g.alias_of is not None:
                 # already a view of other storage (an in-place op wrote it):
                 # copy it into the bucket, the one packing copy we cannot avoid
-                view = _free_name(graph, f"{grads[p]}.bucketed")
+                view = graph.free_name(f"{grads[p]}.bucketed")
                 graph.add_blob(view, g.shape, g.dtype, g.location, kind="grad")
                 owner = producers.get(grads[p], [None])[0]
                 graph.add_op(f"{view}.copy", "Copy", [grads[p]], [view],
@@ -281,7 +281,7 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
                              thread=owner.thread if owner is not None else 0)
             blob = graph.blobs[view]
             blob.alias_of, blob.offset = name, offset
-            total_name = _free_name(graph, f"{grads[p]}.sum")
+            total_name = graph.free_name(f"{grads[p]}.sum")
             graph.add_blob(total_name, g.shape, g.dtype, g.location, kind="grad",
                            alias_of=name, offset=offset)
             ins.append(view)
@@ -374,14 +374,6 @@ def _rewire_updates(graph, summed, renamed, world_size):
         if g in summed:
             op.inputs[1] = summed[g]
             op.attrs["grad_scale"] = float(op.attrs.get("grad_scale", 1.0)) / world_size
-
-
-def _free_name(graph, base):
-    name, k = base, 1
-    while name in graph.blobs or name in graph.ops:
-        name = f"{base}#{k}"
-        k += 1
-    return name
 
 
 def broadcast_params(arrays, world=None, root=0):

@@ -110,13 +110,13 @@ def _twin(graph, copies, name, device, direction, thread):
         copies[key] = _iteration_counter(graph, name, device, thread)
         return copies[key]
     suffix = f"@gpu{device}" if direction == "h2d" else "@host"
-    twin = _free_name(graph, name + suffix)
+    twin = graph.free_name(name + suffix)
     location = _on(src.location, device if direction == "h2d" else -1)
     graph.add_blob(twin, src.shape, src.dtype, location, kind="data",
                    attrs={"copy_of": name})
     # the host side of a copy is page-locked, so the copy is asynchronous
     (src if direction == "h2d" else graph.blobs[twin]).attrs["pinned"] = True
-    graph.add_op(_free_name(graph, f"{name}.{direction}"), "Copy", [name], [twin],
+    graph.add_op(graph.free_name(f"{name}.{direction}"), "Copy", [name], [twin],
                  location=_on(src.location, device), thread=thread)
     copies[key] = twin
     return twin
@@ -127,23 +127,15 @@ def _iteration_counter(graph, name, device, thread):
     ``IterationCounter`` op (ops/iteration.py) from a device counter, not
     copied from the host every iteration. Returns the twin's name."""
     src = graph.blobs[name]
-    twin = _free_name(graph, f"{name}@gpu{device}")
-    counter = _free_name(graph, f"{name}.counter@gpu{device}")
+    twin = graph.free_name(f"{name}@gpu{device}")
+    counter = graph.free_name(f"{name}.counter@gpu{device}")
     location = _on(src.location, device)
     graph.add_blob(twin, src.shape, src.dtype, location, kind="data",
                    attrs={"copy_of": name})
     graph.add_blob(counter, src.shape, src.dtype, location, kind="state")
-    graph.add_op(_free_name(graph, f"{name}.count"), "IterationCounter", [], [twin, counter],
+    graph.add_op(graph.free_name(f"{name}.count"), "IterationCounter", [], [twin, counter],
                  location=location, thread=thread)
     return twin
-
-
-def _free_name(graph, base):
-    name, k = base, 1
-    while name in graph.blobs or name in graph.ops:
-        name = f"{base}#{k}"
-        k += 1
-    return name
 
 
 def graph_devices(graph):
@@ -234,7 +226,7 @@ def add_loss_watch(graph, losses, shares, device):
     producer = graph.producers().get(losses[0]) or []
     thread = producer[0].thread if producer else 0
     where = dataclasses.replace(graph.blobs[losses[0]].location, device=int(device))
-    name = _free_name(graph, LOSS_WATCH)
+    name = graph.free_name(LOSS_WATCH)
     graph.add_blob(name, (2,), "float64", where, kind="state")
     graph.add_op(name, "LossWatch", list(losses) + [iter_dev], [name],
                  {"shares": [float(s) for s in shares]}, location=where, thread=thread)

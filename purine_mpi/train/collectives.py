@@ -21,9 +21,7 @@ def world_gather(world, obj, what="a checkpoint gather"):
 def world_mean(world, values, what="a metric mean"):
     """Mean over ranks of a float or a float array (same order on all ranks,
     under the stall watchdog)."""
-    arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
-    if world.size > 1:
-        arr = world.allreduce(arr, "sum", what) / world.size
+    arr = world_sum(world, np.atleast_1d(values), what) / world.size
     return float(arr[0]) if np.ndim(values) == 0 else arr
 
 

@@ -12,6 +12,7 @@ goes on across resumes (the checkpoint's ``elapsed``).
 import os
 import time
 
+from ..base.progress_bar import hms
 from ..job.config import dump_config
 from ..job.metrics import MetricsLog
 from ..base.runfiles import disk_error, open_run_fd, write_all
@@ -104,10 +105,3 @@ def alive_line(loop, done, ips, now):
     max_iter = loop.job.solver.max_iter
     return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {ips:,.0f} img/s  "
             f"{_times(loop, done, now)}")
-
-
-def hms(seconds):
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
