@@ -69,3 +69,27 @@ def test_position_embedding_numeric_grad():
 def test_position_embedding_needs_a_long_enough_table():
     with pytest.raises(ShapeError, match="cannot serve"):
         run_op("PositionEmbedding", {}, {"x": randn(1, 4, 2), "w": randn(3, 2)})
+
+
+# -------------------------------------------------------------- layer norm
+def test_layer_norm_matches_torch():
+    x, g, b = randn(2, 3, 8) * 3 + 1, randn(8), randn(8)
+    outs, grads = run_op("LayerNorm", {"eps": 1e-5}, {"x": x, "g": g, "b": b},
+                         wrt=["x", "g", "b"])
+    y, (dx, dg, db) = torch_grads(lambda a, w, c: F.layer_norm(a, (8,), w, c, 1e-5), [x, g, b],
+                                  outs["_loss_weights"])
+    close(outs[0], y)
+    for ours, ref in ((grads["x"], dx), (grads["g"], dg), (grads["b"], db)):
+        close(ours, ref)
+
+
+@pytest.mark.parametrize("wrt", [("x", "g", "b"), ("x",), ("g",)])
+def test_layer_norm_numeric_grad(wrt):
+    x, g, b = randn(2, 2, 5, dtype=np.float64), randn(5, dtype=np.float64), \
+        randn(5, dtype=np.float64)
+    lw = randn(2, 2, 5, dtype=np.float64)
+    ins = {"x": x, "g": g, "b": b}
+    _, grads = run_op("LayerNorm", {"eps": 1e-5}, ins, wrt=list(wrt), loss_weights=[lw])
+    assert set(grads) == set(wrt)
+    for name in wrt:
+        fd_close(grads[name], numeric_grad("LayerNorm", {"eps": 1e-5}, ins, name, [lw]))

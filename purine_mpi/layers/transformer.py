@@ -48,3 +48,24 @@ def position_embedding(b):
     w = b.param("weight", (b.get("max_length"), shape[2]), _filler(b, "weight_filler"), 0)
     (y,) = b.tops(1)
     b.op("PositionEmbedding", [x, w], [y])
+
+
+@layer("layer_norm", "layernorm", keys=(
+    Key("eps", "number", 1e-5, "added to the variance"),
+    Key("weight_filler", "filler", {"type": "constant", "value": 1.0},
+        "initialisation of the scale"),
+    Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
+        "initialisation of the shift"),
+    _param_key("weight, then bias")))
+def layer_norm(b):
+    """Layer normalisation over the last axis: y = (x − mean) / sqrt(var + eps) · weight + bias,
+    mean and (biased) variance over the C features of each position; params `<name>/weight`
+    (ones) and `<name>/bias` (zeros) of shape (C,)."""
+    (x,) = b.bottoms(1)
+    c = (b.shape(x)[-1],)
+    w = b.param("weight", c, _filler(b, "weight_filler"), 0)
+    bias = b.param("bias", c, _filler(b, "bias_filler"), 1)
+    (y,) = b.tops(1)
+    name = b.cfg["name"]
+    b.op("LayerNorm", [x, w, bias], [y, f"{name}.mean", f"{name}.rstd"],
+         {"eps": float(b.get("eps"))})
