@@ -93,3 +93,30 @@ def test_layer_norm_numeric_grad(wrt):
     assert set(grads) == set(wrt)
     for name in wrt:
         fd_close(grads[name], numeric_grad("LayerNorm", {"eps": 1e-5}, ins, name, [lw]))
+
+
+# ------------------------------------------------------------------- gelu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_matches_torch(approximate):
+    x = randn(3, 4, 5) * 3
+    outs, grads = run_op("Gelu", {"approximate": approximate}, {"x": x}, wrt=["x"])
+    y, (dx,) = torch_grads(lambda t: F.gelu(t, approximate=approximate), [x],
+                           outs["_loss_weights"])
+    close(outs[0], y)
+    close(grads["x"], dx)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_numeric_grad(approximate):
+    x, lw = randn(3, 5, dtype=np.float64) * 2, randn(3, 5, dtype=np.float64)
+    attrs = {"approximate": approximate}
+    _, grads = run_op("Gelu", attrs, {"x": x}, wrt=["x"], loss_weights=[lw])
+    fd_close(grads["x"], numeric_grad("Gelu", attrs, {"x": x}, "x", lw))
+
+
+def test_gelu_without_scipy_uses_math_erf(monkeypatch):
+    import sys
+    x = randn(4, 6) * 3
+    monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
+    outs, _ = run_op("Gelu", {}, {"x": x})
+    close(outs[0], F.gelu(torch.tensor(x)).numpy())

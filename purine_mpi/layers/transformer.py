@@ -69,3 +69,14 @@ def layer_norm(b):
     name = b.cfg["name"]
     b.op("LayerNorm", [x, w, bias], [y, f"{name}.mean", f"{name}.rstd"],
          {"eps": float(b.get("eps"))})
+
+
+@layer("gelu", keys=(
+    Key("approximate", ("none", "tanh"), "none",
+        "none: exact, x·Φ(x) with erf; tanh: PyTorch's and GPT-2's tanh approximation"),))
+def gelu(b):
+    """Gaussian error linear unit: y = x·Φ(x) = 0.5·x·(1 + erf(x/√2)), or with
+    `approximate: tanh` 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); in place allowed."""
+    (x,) = b.bottoms(1)
+    (y,) = b.tops(1)
+    b.op("Gelu", [x], [y], {"approximate": b.get("approximate")})
