@@ -120,3 +120,50 @@ def test_gelu_without_scipy_uses_math_erf(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
     outs, _ = run_op("Gelu", {}, {"x": x})
     close(outs[0], F.gelu(torch.tensor(x)).numpy())
+
+
+# ------------------------------------------------- fc over the last axis
+def test_inner_product_over_the_last_axis_matches_torch():
+    x, w, b = randn(2, 3, 4), randn(5, 4), randn(5)
+    outs, grads = run_op("InnerProduct", {"axis": 2}, {"x": x, "w": w, "b": b},
+                         wrt=["x", "w", "b"])
+    y, (dx, dw, db) = torch_grads(F.linear, [x, w, b], outs["_loss_weights"])
+    assert outs[0].shape == (2, 3, 5)
+    close(outs[0], y)
+    for ours, ref in ((grads["x"], dx), (grads["w"], dw), (grads["b"], db)):
+        close(ours, ref)
+
+
+def test_inner_product_over_the_last_axis_numeric_grad():
+    ins = {"x": randn(2, 3, 4, dtype=np.float64), "w": randn(2, 4, dtype=np.float64)}
+    lw = randn(2, 3, 2, dtype=np.float64)
+    _, grads = run_op("InnerProduct", {"axis": 2}, ins, wrt=["x", "w"], loss_weights=[lw])
+    for name in ("x", "w"):
+        fd_close(grads[name], numeric_grad("InnerProduct", {"axis": 2}, ins, name, lw))
+
+
+def net_graph(net, n=2, t=4, vocab=7, phase="train"):
+    """The forward graph of ``net`` over int32 token blobs data and label
+    (n, t), as the text source gives them."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.layers import build_net
+    g = Graph("gpt")
+    g.add_blob("data", (n, t), "int32", kind="data")
+    g.add_blob("label", (n, t), "int32", kind="data")
+    build_net(net, phase, (g, "job.yaml"))
+    return g.infer_shapes()
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"tie_weight": "nope"}, "no earlier layer named 'nope'"),
+    ({"tie_weight": "wte", "num_output": 5}, "needs \\[5, 3\\]"),
+    ({"axis": 3}, "expected an axis in 1..2"),
+])
+def test_fc_layer_bad_axis_or_tie_exits_2(entry, message):
+    from purine_mpi.base.errors import ConfigError
+    fc = dict({"type": "fc", "name": "head", "bottom": "x", "axis": -1, "num_output": 7}, **entry)
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 3}, fc]
+    with pytest.raises(ConfigError, match=message) as err:
+        net_graph(net)
+    assert "net[1]" in str(err.value) and "job.yaml" in str(err.value)
