@@ -322,14 +322,24 @@ def split(b):
 
 
 @layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(
+    Key("axis", "int", 1, "the class axis (Caffe's): 1 for (N, C, ...) scores; -1 for (N, T, V) "
+                          "logits with (N, T) labels, the token-level loss: the mean over every "
+                          "position, in nats per token"),
     Key("ignore_label", "nonneg", None, "a label value that adds no loss (excluded from the "
                                         "mean)"),
     Key("loss_weight", "number", 1.0, "weight of this loss in the total")))
 def softmax_loss(b):
-    """Softmax cross-entropy; bottoms [scores, label]; the mean over the counted positions."""
+    """Softmax cross-entropy (natural log: nats); bottoms [scores, label]; the mean over the
+    counted positions."""
     x, label = b.bottoms(2)
     (loss,) = b.tops(1)
     attrs = {}
+    axis, ndim = b.get("axis"), len(b.shape(x))
+    if not -ndim <= axis < ndim:
+        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for scores of shape "
+                       f"{list(b.shape(x))}, got {axis}")
+    if axis % ndim != 1:
+        attrs["axis"] = axis % ndim
     ignore = b.get("ignore_label")
     if ignore is not None:
         attrs["ignore_label"] = ignore
