@@ -209,11 +209,13 @@ def torch_adamw(model, solver):
     return opt, sched
 
 
-def build_ours(net, solver, batch, seq, seed=0, phase="train"):
+def build_ours(net, solver, batch, seq, seed=0, phase="train", plan=False):
     """Our training graph of ``net`` for (batch, seq) int32 token blobs and
     ``solver`` (a job's solver mapping), with its serial dispatcher, the
-    parameters initialised from ``seed`` as the trainer does. Returns
-    (dispatcher, {param: gradient blob}, loss blob names)."""
+    parameters initialised from ``seed`` as the trainer does. ``plan``: lay
+    the blobs out by the trainer's static memory plan (its arena filled with
+    junk first), else one buffer per blob. Returns (dispatcher, {param:
+    gradient blob}, loss blob names)."""
     from purine_mpi.graph import Graph
     from purine_mpi.graph.grad import build_backward
     from purine_mpi.graph.solver_graph import add_solver
@@ -234,7 +236,13 @@ def build_ours(net, solver, batch, seq, seed=0, phase="train"):
     grads = build_backward(g, losses)
     add_solver(g, grads, job.solver)
     g.infer_shapes().validate()
-    d = SerialDispatcher(g, seed=seed)
+    workspace = None
+    if plan:
+        from purine_mpi.runtime.memory_plan import batch_blobs, plan_memory
+        from purine_mpi.runtime.workspace import Workspace
+        workspace = Workspace(g, plan=plan_memory(g, keep=batch_blobs(g), order_ops=True))
+        workspace.host_arena[...] = 255  # stale bytes must never reach a result
+    d = SerialDispatcher(g, seed=seed, workspace=workspace)
     for b in g.params():
         d.workspace.set(b.name, fill(b, seed))
     for b in g.blobs.values():
