@@ -226,7 +226,7 @@ def run_attention(path, qkv, heads, causal=True, loss_weights=None):
     g.add_blob("qkv", qkv.shape, qkv.dtype, kind="param")
     attrs = {"num_heads": heads, "causal": causal}
     if path == "fused":
-        g.add_op("a.fwd", "Attention", ["qkv"], ["ctx", "lse"], attrs)
+        g.add_op("a.fwd", "Attention", ["qkv"], ["ctx"], attrs)
     else:
         g.add_op("s.fwd", "AttentionScores", ["qkv"], ["s"], attrs)
         g.add_op("p.fwd", "Softmax", ["s"], ["p"], {"axis": 3})
