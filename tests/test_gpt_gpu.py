@@ -137,6 +137,9 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
             losses.append(float(d.workspace["loss"]))
         Allocations.counting = False
         assert Allocations.log == []
+        if cuda_graph:
+            report = d.executor.report()
+            assert report["captured"] == report["segments"] > 0 and not report["failed"], report
         np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
         for p in g.params():
             np.testing.assert_allclose(np.asarray(d.workspace[p.name]), cpu.workspace[p.name],
