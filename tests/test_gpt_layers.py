@@ -378,3 +378,20 @@ def test_transformer_layer_misuse_exits_2_naming_file_and_key(tmp_path, layer, m
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "cfg.yaml" in res.stderr and message in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_next_token_accuracy_over_the_last_axis():
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 7},
+           {"type": "accuracy", "name": "acc", "bottom": ["x", "label"], "axis": -1},
+           {"type": "accuracy", "name": "acc2", "bottom": ["x", "label"], "axis": 2,
+            "top_k": 2}]
+    g = net_graph(net, phase="test")
+    assert g.ops["acc.fwd"].attrs["axis"] == 2 and g.blobs["acc"].attrs["metric"]
+    logits = randn(2, 4, 7)
+    label = RNG.integers(0, 7, (2, 4)).astype(np.int32)
+    outs, _ = run_op("Accuracy", {"axis": 2}, {"x": logits, "label": label})
+    assert outs[0] == pytest.approx(np.mean(logits.argmax(-1) == label))
+    outs, _ = run_op("Accuracy", {"axis": 2, "top_k": 2}, {"x": logits, "label": label})
+    top2 = np.argsort(-logits, axis=-1)[..., :2]
+    assert outs[0] == pytest.approx(np.mean((top2 == label[..., None]).any(-1)))
