@@ -24,7 +24,9 @@ PositionEmbedding ("PositionEmbedding", inputs [x, w], output [y])::
 Gradients: dx = dy (a "Copy"); dw[t] = sum_n dy[n, t] for t < T, 0 beyond
 ("PositionEmbeddingGrad", [dy] -> [dw], attr max_length = L).
 
-An out-of-range token id raises a ValueError on the CPU (the op names it).
+An out-of-range token id raises a ValueError on the CPU (the op names it);
+on a GPU it is not checked (that would cost a device-to-host read each
+iteration): the forward reads a wrapped row and the gradient drops it.
 """
 import numpy as np
 
