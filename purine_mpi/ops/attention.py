@@ -1,0 +1,331 @@
+"""Multi-head (causal) self-attention: the ops of the ``attention`` layer.
+
+The layer projects its (N, T, C) input to ``qkv`` (N, T, 3C) with an
+InnerProduct over the last axis (rows of the weight: q, then k, then v;
+head h of q is q's columns h*D..(h+1)*D, D = C/H, nanoGPT's c_attn layout),
+and ``qkv`` is read in place as q, k, v of shape (N, H, T, D) each. Then,
+for every sequence n and head h::
+
+    S = q k^T / sqrt(D)                  (T, T), S[i, j] = -inf for j > i (causal)
+    P = softmax(S) over the last axis    max-subtracted: exp(S - max_j S)
+    O = P v                              (T, D), written as ctx[n, :, h*D:(h+1)*D]
+
+and an output projection (InnerProduct, c_proj) maps ctx (N, T, C) back.
+
+Two paths compute the middle, both differentiated by their own gradient ops:
+
+- the raw sub-graph: "AttentionScores" [qkv] -> [S] (N, H, T, T), the
+  existing "Softmax" over axis 3 -> [P], an optional dropout on P, and
+  "AttentionContext" [P, qkv] -> [ctx]. Gradients::
+
+      dS = "SoftmaxGrad";  dq = dS k / sqrt(D),  dk = dS^T q / sqrt(D)
+      dP = dO v^T,  dv = P^T dO          ("AttentionScoresGrad", "AttentionContextGrad";
+                                          the two parts of dqkv are summed)
+
+- the fused single op "Attention" [qkv] -> [ctx] keeping nothing else; its
+  gradient "AttentionGrad" [dctx, qkv] -> [dqkv] recomputes S and P instead
+  of keeping the (N, H, T, T) probabilities::
+
+      dP = dO v^T,  dS = P (dP - rowsum(dP * P)),  dq = dS k / sqrt(D),
+      dk = dS^T q / sqrt(D),  dv = P^T dO
+
+Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
+position is exactly -inf before the softmax, so it gets probability 0 and
+gradient 0; the diagonal is never masked, so no row is all -inf.
+
+On a GPU the products are cuBLAS calls through gpu/blas.py (nvmath's
+binding, capturable in a CUDA graph): one strided-batched GEMM per head,
+batched over the N sequences, reading q, k, v where they lie in ``qkv`` and
+writing ctx, dqkv in place (no transposed copies); the softmax and its
+gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
+mask one element-wise add of a (T, T) mask made once, the intermediate
+(N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
+"""
+import math
+
+import numpy as np
+
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels
+from .registry import OpKernel, gradient, register
+
+
+def gemm(*args, **kwargs):
+    from ..gpu.blas import gemm as cublas_gemm
+    return cublas_gemm(*args, **kwargs)
+
+
+def _dims(attrs, qkv_shape):
+    """(N, T, C, H, D) of a qkv blob of shape (N, T, 3C)."""
+    if len(qkv_shape) != 3 or qkv_shape[2] % 3:
+        raise ShapeError(f"attention needs a (N, T, 3C) qkv blob, got {list(qkv_shape)}")
+    n, t, c3 = (int(s) for s in qkv_shape)
+    h = int(attrs.get("num_heads", 1))
+    c = c3 // 3
+    if h < 1 or c % h:
+        raise ShapeError(f"attention: num_heads {h} must divide the width {c}")
+    return n, t, c, h, c // h
+
+
+def split_heads(qkv, heads):
+    """q, k, v of a (N, T, 3C) array as (N, H, T, D) views (no copy)."""
+    n, t, c3 = qkv.shape
+    d = c3 // 3 // heads
+    q, k, v = (qkv.reshape(n, t, 3, heads, d)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    return q, k, v
+
+
+def heads_view(x, heads):
+    """A (N, T, C) array as (N, H, T, D), a view."""
+    n, t, c = x.shape
+    return x.reshape(n, t, heads, c // heads).transpose(0, 2, 1, 3)
+
+
+def bmm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0):
+    """out = alpha * op(a) @ op(b) for (N, H, ., .) arrays whose matrices have
+    contiguous rows (views into qkv and ctx included), op a transpose when
+    asked: on a GPU one strided-batched cuBLAS GEMM per head over the N
+    sequences (gpu/blas.py), else NumPy's matmul."""
+    if raw_kernels(xp, a, b, out) is not None:
+        for h in range(a.shape[1]):
+            gemm(a[:, h], b[:, h], out[:, h], trans_a=trans_a, trans_b=trans_b, alpha=alpha)
+        return
+    xp.matmul(a.swapaxes(-1, -2) if trans_a else a, b.swapaxes(-1, -2) if trans_b else b,
+              out=out)
+    if alpha != 1.0:
+        out *= alpha
+
+
+class _AttentionKernel(OpKernel):
+    """What the attention ops share: the causal mask, made once per length."""
+
+    _mask = None
+
+    def mask(self, xp, t, dtype):
+        """The (T, T) causal mask as an addend: 0 on and below the diagonal,
+        -inf above it (s + -inf = -inf exactly), on the arrays' device, made once."""
+        if self._mask is None or self._mask.shape[0] != t or self._mask.dtype != dtype:
+            self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
+        return self._mask
+
+    def scores(self, xp, q, k, out):
+        """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
+        bmm(xp, q, k, out, trans_b=True, alpha=1.0 / math.sqrt(q.shape[-1]))
+        if bool(self.attrs.get("causal", True)):
+            out += self.mask(xp, out.shape[-1], out.dtype)
+
+    def setup_mask(self, like, t):
+        if get_xp(like) is not np:
+            self.mask(get_xp(like), t, like.dtype)
+
+
+def softmax_rows(xp, s):
+    """s = softmax(s) over the last axis, in place, max-subtracted (on a GPU
+    the Softmax op's raw kernel)."""
+    k = raw_kernels(xp, s)
+    rows = s.reshape(-1, s.shape[-1])
+    if k is not None:
+        k.softmax_forward(rows, out=rows)
+        return
+    s -= s.max(axis=-1, keepdims=True)
+    xp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+
+
+def softmax_rows_grad(xp, dp, p):
+    """dp = p * (dp - rowsum(dp * p)), in place (the Softmax op's gradient)."""
+    k = raw_kernels(xp, dp, p)
+    if k is not None:
+        rows = dp.reshape(-1, dp.shape[-1])
+        k.softmax_backward(rows, p.reshape(rows.shape), out=rows)
+        return
+    dp -= (dp * p).sum(axis=-1, keepdims=True)
+    dp *= p
+
+
+@register
+class AttentionScores(_AttentionKernel):
+    """[qkv] -> [S]: S = q k^T / sqrt(D), -inf above the diagonal when causal."""
+
+    op_type = "AttentionScores"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        n, t, _, h, _ = _dims(attrs, ins[0][0])
+        return [((n, h, t, t), ins[0][1])]
+
+    def setup(self, ins, outs):
+        self.setup_mask(ins[0], ins[0].shape[1])
+
+    def run(self, ins, outs):
+        qkv = ins[0]
+        q, k, _ = split_heads(qkv, int(self.attrs["num_heads"]))
+        self.scores(get_xp(qkv), q, k, outs[0])
+
+
+@register
+class AttentionScoresGrad(OpKernel):
+    """[dS, qkv] -> [dqkv]: dq = dS k / sqrt(D), dk = dS^T q / sqrt(D), dv = 0."""
+
+    op_type = "AttentionScoresGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[1]]
+
+    def run(self, ins, outs):
+        ds, qkv = ins
+        xp = get_xp(qkv)
+        heads = int(self.attrs["num_heads"])
+        q, k, _ = split_heads(qkv, heads)
+        dq, dk, dv = split_heads(outs[0], heads)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        bmm(xp, ds, k, dq, alpha=scale)
+        bmm(xp, ds, q, dk, trans_a=True, alpha=scale)
+        dv[...] = 0
+
+
+@gradient("AttentionScores")
+def _scores_grad(g, op):
+    ds = g.grad_of(op.outputs[0])
+    if ds is not None and g.needs_grad(op.inputs[0]):
+        g.emit("AttentionScoresGrad", [ds, op.inputs[0]], [g.grad_blob(op.inputs[0])],
+               {"num_heads": op.attrs["num_heads"]})
+
+
+@register
+class AttentionContext(OpKernel):
+    """[P, qkv] -> [ctx]: ctx[:, :, head h] = P_h v_h, heads side by side (N, T, C)."""
+
+    op_type = "AttentionContext"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (ps, _), (qs, qd) = ins
+        n, t, c, h, _ = _dims(attrs, qs)
+        if tuple(ps) != (n, h, t, t):
+            raise ShapeError(f"AttentionContext: probabilities {list(ps)} do not fit qkv "
+                             f"{list(qs)} with {h} heads")
+        return [((n, t, c), qd)]
+
+    def run(self, ins, outs):
+        p, qkv = ins
+        heads = int(self.attrs["num_heads"])
+        _, _, v = split_heads(qkv, heads)
+        bmm(get_xp(qkv), p, v, heads_view(outs[0], heads))
+
+
+@register
+class AttentionContextGrad(OpKernel):
+    """[dctx, P, qkv] -> the gradients named in attr ``outputs`` (dP, dqkv):
+    dP = dO v^T; dqkv: dv = P^T dO, dq = dk = 0."""
+
+    op_type = "AttentionContextGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        shapes = {"dP": ins[1], "dqkv": ins[2]}
+        return [shapes[o] for o in attrs["outputs"]]
+
+    def run(self, ins, outs):
+        dctx, p, qkv = ins
+        xp = get_xp(qkv)
+        heads = int(self.attrs["num_heads"])
+        got = dict(zip(self.attrs["outputs"], outs))
+        _, _, v = split_heads(qkv, heads)
+        do = heads_view(dctx, heads)
+        if "dP" in got:
+            bmm(xp, do, v, got["dP"], trans_b=True)
+        if "dqkv" in got:
+            dq, dk, dv = split_heads(got["dqkv"], heads)
+            dq[...] = 0
+            dk[...] = 0
+            bmm(xp, p, do, dv, trans_a=True)
+
+
+@gradient("AttentionContext")
+def _context_grad(g, op):
+    dctx = g.grad_of(op.outputs[0])
+    if dctx is None:
+        return
+    p, qkv = op.inputs
+    wanted = [(name, blob) for name, blob in (("dP", p), ("dqkv", qkv)) if g.needs_grad(blob)]
+    if wanted:
+        g.emit("AttentionContextGrad", [dctx, p, qkv], [g.grad_blob(b) for _, b in wanted],
+               {"num_heads": op.attrs["num_heads"], "outputs": [n for n, _ in wanted]})
+
+
+def _scores_spec(qkv, heads):
+    n, t = qkv.shape[:2]
+    return ((n, heads, t, t), qkv.dtype)
+
+
+@register
+class Attention(_AttentionKernel):
+    """[qkv] -> [ctx]: the fused path, softmax(q k^T / sqrt(D)) v in one op,
+    the probabilities in the op's scratch only; see the module docstring."""
+
+    op_type = "Attention"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        n, t, c, _, _ = _dims(attrs, ins[0][0])
+        return [((n, t, c), ins[0][1])]
+
+    def setup(self, ins, outs):
+        self.setup_mask(ins[0], ins[0].shape[1])
+        self.reserve_temporaries(ins[0], _scores_spec(ins[0], int(self.attrs["num_heads"])))
+
+    def run(self, ins, outs):
+        qkv = ins[0]
+        xp = get_xp(qkv)
+        heads = int(self.attrs["num_heads"])
+        q, k, v = split_heads(qkv, heads)
+        (p,) = self.temporaries(qkv, _scores_spec(qkv, heads))
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        bmm(xp, p, v, heads_view(outs[0], heads))
+
+
+@register
+class AttentionGrad(_AttentionKernel):
+    """[dctx, qkv] -> [dqkv], recomputing S and P; see the module docstring."""
+
+    op_type = "AttentionGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[1]]
+
+    def setup(self, ins, outs):
+        self.setup_mask(ins[1], ins[1].shape[1])
+        spec = _scores_spec(ins[1], int(self.attrs["num_heads"]))
+        self.reserve_temporaries(ins[1], spec, spec)
+
+    def run(self, ins, outs):
+        dctx, qkv = ins
+        xp = get_xp(qkv)
+        heads = int(self.attrs["num_heads"])
+        q, k, v = split_heads(qkv, heads)
+        dq, dk, dv = split_heads(outs[0], heads)
+        spec = _scores_spec(qkv, heads)
+        p, dp = self.temporaries(qkv, spec, spec)
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        do = heads_view(dctx, heads)
+        bmm(xp, p, do, dv, trans_a=True)
+        bmm(xp, do, v, dp, trans_b=True)
+        softmax_rows_grad(xp, dp, p)                   # dS
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        bmm(xp, dp, k, dq, alpha=scale)
+        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
+
+
+@gradient("Attention")
+def _attention_grad(g, op):
+    dctx = g.grad_of(op.outputs[0])
+    qkv = op.inputs[0]
+    if dctx is not None and g.needs_grad(qkv):
+        g.emit("AttentionGrad", [dctx, qkv], [g.grad_blob(qkv)],
+               {k: op.attrs[k] for k in ("num_heads", "causal") if k in op.attrs})

@@ -1,0 +1,142 @@
+"""Layer normalisation over the last axis (a transformer's LayerNorm).
+
+Forward ("LayerNorm", inputs [x, g, b], outputs [y, mean, rstd])::
+
+    mu   = mean(x, last axis)                    x: (..., C), g, b: (C,)
+    var  = mean((x - mu)^2, last axis)           (biased, as PyTorch)
+    rstd = 1 / sqrt(var + eps)                   mean, rstd: x.shape[:-1]
+    y    = (x - mu) * rstd * g + b
+
+Gradient ("LayerNormGrad", [dy, x, g, mean, rstd] -> the requested ones of
+[dx, dg, db], attr ``outputs``), with xhat = (x - mu) * rstd, dxhat = dy * g::
+
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    dg = sum over the leading axes of dy * xhat
+    db = sum over the leading axes of dy
+
+On a GPU the means and sums are the deterministic reduction kernel of the
+bias gradients (cuda/reduce.cu), the rest element-wise CuPy into the blobs
+and the op's scratch (reserved at setup): nothing allocates, and a CUDA
+graph captures it.
+"""
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels
+from .registry import OpKernel, gradient, register
+
+
+def row_mean(xp, k, x, out):
+    """out[...] = mean of x over its last axis (out: x.shape[:-1], or with a
+    trailing 1). On a GPU (``k``, the raw kernels) one deterministic
+    reduction kernel (channel_sum of the (1, rows, C) view), never CuPy's
+    reductions, which a CUDA-graph capture must not hold."""
+    if k is None:
+        xp.mean(x, axis=-1, out=out.reshape(x.shape[:-1]))
+        return
+    k.channel_sum(x.reshape(1, -1, x.shape[-1]), out=out.reshape(-1))
+    out *= 1.0 / x.shape[-1]
+
+
+def column_sum(xp, k, x, out):
+    """out (C,) = x summed over every axis but the last (one kernel on a GPU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if k is None:
+        xp.sum(rows, axis=0, out=out)
+        return
+    k.channel_sum(rows, out=out)
+
+
+@register
+class LayerNorm(OpKernel):
+    """y = (x - mean) / sqrt(var + eps) * g + b over the last axis (attr
+    ``eps``, default 1e-5); see the module docstring."""
+
+    op_type = "LayerNorm"
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], (ins[0].shape, ins[0].dtype))
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (xs, xd), (gs, _), (bs, _) = ins
+        if not xs or tuple(gs) != (xs[-1],) or tuple(bs) != (xs[-1],):
+            raise ShapeError(f"LayerNorm: weight {list(gs)} and bias {list(bs)} must both be "
+                             f"[{xs[-1] if xs else '?'}] for an input of shape {list(xs)}")
+        return [(tuple(xs), xd), (tuple(xs[:-1]), xd), (tuple(xs[:-1]), xd)]
+
+    def run(self, ins, outs):
+        x, g, b = ins
+        y, mean, rstd = outs
+        xp = get_xp(x)
+        k = raw_kernels(xp, x)
+        row_mean(xp, k, x, mean)
+        xp.subtract(x, mean[..., None], out=y)
+        (sq,) = self.temporaries(x, (x.shape, x.dtype))
+        xp.multiply(y, y, out=sq)
+        row_mean(xp, k, sq, rstd)
+        rstd += float(self.attrs.get("eps", 1e-5))
+        xp.sqrt(rstd, out=rstd)
+        xp.divide(1, rstd, out=rstd)
+        y *= rstd[..., None]
+        y *= g
+        y += b
+
+
+def _grad_specs(x):
+    row = (x.shape[:-1] + (1,), x.dtype)
+    return (x.shape, x.dtype), (x.shape, x.dtype), row, row
+
+
+@register
+class LayerNormGrad(OpKernel):
+    """[dy, x, g, mean, rstd] -> the gradients named in attr ``outputs``
+    (a subset of dx, dg, db, in that order)."""
+
+    op_type = "LayerNormGrad"
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[1], *_grad_specs(ins[1]))
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (dys, dyd), (xs, _), (gs, _), _, _ = ins
+        shapes = {"dx": tuple(xs), "dg": tuple(gs), "db": tuple(gs)}
+        return [(shapes[o], dyd) for o in attrs["outputs"]]
+
+    def run(self, ins, outs):
+        dy, x, g, mean, rstd = ins
+        xp = get_xp(dy)
+        got = dict(zip(self.attrs["outputs"], outs))
+        xhat, dxhat, a, c = self.temporaries(x, *_grad_specs(x))
+        xp.subtract(x, mean[..., None], out=xhat)
+        xhat *= rstd[..., None]
+        k = raw_kernels(xp, dy, x)
+        if "db" in got:
+            column_sum(xp, k, dy, got["db"])
+        if "dg" in got:
+            xp.multiply(dy, xhat, out=dxhat)
+            column_sum(xp, k, dxhat, got["dg"])
+        if "dx" in got:
+            dx = got["dx"]
+            xp.multiply(dy, g, out=dxhat)
+            row_mean(xp, k, dxhat, a)
+            xp.multiply(dxhat, xhat, out=dx)
+            row_mean(xp, k, dx, c)
+            xp.multiply(xhat, c, out=dx)
+            xp.subtract(dxhat, dx, out=dx)
+            dx -= a
+            dx *= rstd[..., None]
+
+
+@gradient("LayerNorm")
+def _layer_norm_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is None:
+        return
+    x, w, b = op.inputs
+    wanted = [(name, blob) for name, blob in (("dx", x), ("dg", w), ("db", b))
+              if g.needs_grad(blob)]
+    if wanted:
+        g.emit("LayerNormGrad", [dy, x, w, op.outputs[1], op.outputs[2]],
+               [g.grad_blob(blob) for _, blob in wanted],
+               {"outputs": [name for name, _ in wanted]})
