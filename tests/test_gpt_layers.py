@@ -120,3 +120,194 @@ def test_gelu_without_scipy_uses_math_erf(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
     outs, _ = run_op("Gelu", {}, {"x": x})
     close(outs[0], F.gelu(torch.tensor(x)).numpy())
+
+
+# ------------------------------------------------- fc over the last axis
+def test_inner_product_over_the_last_axis_matches_torch():
+    x, w, b = randn(2, 3, 4), randn(5, 4), randn(5)
+    outs, grads = run_op("InnerProduct", {"axis": 2}, {"x": x, "w": w, "b": b},
+                         wrt=["x", "w", "b"])
+    y, (dx, dw, db) = torch_grads(F.linear, [x, w, b], outs["_loss_weights"])
+    assert outs[0].shape == (2, 3, 5)
+    close(outs[0], y)
+    for ours, ref in ((grads["x"], dx), (grads["w"], dw), (grads["b"], db)):
+        close(ours, ref)
+
+
+def test_inner_product_over_the_last_axis_numeric_grad():
+    ins = {"x": randn(2, 3, 4, dtype=np.float64), "w": randn(2, 4, dtype=np.float64)}
+    lw = randn(2, 3, 2, dtype=np.float64)
+    _, grads = run_op("InnerProduct", {"axis": 2}, ins, wrt=["x", "w"], loss_weights=[lw])
+    for name in ("x", "w"):
+        fd_close(grads[name], numeric_grad("InnerProduct", {"axis": 2}, ins, name, lw))
+
+
+def net_graph(net, n=2, t=4, vocab=7, phase="train"):
+    """The forward graph of ``net`` over int32 token blobs data and label
+    (n, t), as the text source gives them."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.layers import build_net
+    g = Graph("gpt")
+    g.add_blob("data", (n, t), "int32", kind="data")
+    g.add_blob("label", (n, t), "int32", kind="data")
+    build_net(net, phase, (g, "job.yaml"))
+    return g.infer_shapes()
+
+
+def test_fc_layer_axis_and_tied_weight():
+    from purine_mpi.graph.grad import build_backward
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 3},
+           {"type": "fc", "name": "head", "bottom": "x", "top": "logits", "axis": -1,
+            "num_output": 7, "bias_term": False, "tie_weight": "wte"},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"], "axis": -1}]
+    g = net_graph(net)
+    assert g.blobs["logits"].shape == (2, 4, 7)
+    assert sorted(b.name for b in g.params()) == ["wte/weight"]  # one table, two uses
+    grads = build_backward(g, {"loss": 1.0})
+    producers = g.producers()[grads["wte/weight"]]
+    assert [p.op_type for p in producers] == ["Sum"]  # the embedding's and the head's
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"tie_weight": "nope"}, "no earlier layer named 'nope'"),
+    ({"tie_weight": "wte", "num_output": 5}, "needs \\[5, 3\\]"),
+    ({"axis": 3}, "expected an axis in 1..2"),
+])
+def test_fc_layer_bad_axis_or_tie_exits_2(entry, message):
+    from purine_mpi.base.errors import ConfigError
+    fc = dict({"type": "fc", "name": "head", "bottom": "x", "axis": -1, "num_output": 7}, **entry)
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 3}, fc]
+    with pytest.raises(ConfigError, match=message) as err:
+        net_graph(net)
+    assert "net[1]" in str(err.value) and "job.yaml" in str(err.value)
+
+
+# --------------------------------------------------- token-level softmax loss
+def test_token_level_softmax_loss_matches_torch_in_nats_per_token():
+    x = randn(2, 5, 7) * 4
+    label = RNG.integers(0, 7, (2, 5)).astype(np.int32)
+    label[1, 3] = 6
+    for attrs, kw in (({"axis": -1}, {}), ({"axis": 2, "ignore_label": 6}, {"ignore_index": 6})):
+        outs, grads = run_op("SoftmaxLoss", attrs, {"x": x, "label": label}, wrt=["x"],
+                             loss_weights=[np.float32(1.0)])
+        xt = torch.tensor(x, requires_grad=True)
+        ref = F.cross_entropy(xt.reshape(-1, 7), torch.tensor(label.reshape(-1)).long(), **kw)
+        ref.backward()
+        close(outs[0], ref.item())
+        close(grads["x"], xt.grad.numpy())
+
+
+def test_token_level_softmax_loss_numeric_grad():
+    x = randn(2, 3, 4, dtype=np.float64)
+    ins = {"x": x, "label": RNG.integers(0, 4, (2, 3)).astype(np.int32)}
+    _, grads = run_op("SoftmaxLoss", {"axis": -1}, ins, wrt=["x"], loss_weights=[1.0])
+    fd_close(grads["x"], numeric_grad("SoftmaxLoss", {"axis": -1}, ins, "x", [1.0]))
+
+
+# -------------------------------------------------------------- attention
+def torch_attention(qkv, heads, causal=True):
+    """The reference: PyTorch's scaled_dot_product_attention on nanoGPT's layout."""
+    n, t, c3 = qkv.shape
+    q, k, v = qkv.split(c3 // 3, dim=2)
+    q, k, v = (z.reshape(n, t, heads, -1).transpose(1, 2) for z in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return o.transpose(1, 2).reshape(n, t, c3 // 3)
+
+
+def run_attention(path, qkv, heads, causal=True, loss_weights=None):
+    """ctx and dqkv through the fused op or the raw sub-graph (ops chained
+    in one graph through the real gradient builder)."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.grad import build_backward
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    g = Graph("attn")
+    g.add_blob("qkv", qkv.shape, qkv.dtype, kind="param")
+    attrs = {"num_heads": heads, "causal": causal}
+    if path == "fused":
+        g.add_op("a.fwd", "Attention", ["qkv"], ["ctx", "lse"], attrs)
+    else:
+        g.add_op("s.fwd", "AttentionScores", ["qkv"], ["s"], attrs)
+        g.add_op("p.fwd", "Softmax", ["s"], ["p"], {"axis": 3})
+        g.add_op("c.fwd", "AttentionContext", ["p", "qkv"], ["ctx"], attrs)
+    g.infer_shapes()
+    lw = loss_weights if loss_weights is not None else \
+        RNG.standard_normal(g.blobs["ctx"].shape).astype(qkv.dtype)
+    g.add_blob("lw", lw.shape, lw.dtype)
+    g.add_op("loss.fwd", "WeightedSum", ["ctx", "lw"], ["loss"])
+    g.infer_shapes()
+    grads = build_backward(g, {"loss": 1.0}, params=["qkv"])
+    g.infer_shapes()
+    d = SerialDispatcher(g)
+    d.workspace.set("qkv", qkv)
+    d.workspace.set("lw", lw)
+    d.run()
+    return d.workspace["ctx"].copy(), d.workspace[grads["qkv"]].copy(), lw
+
+
+@pytest.mark.parametrize("path", ["fused", "raw"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_matches_torch(path, causal):
+    qkv = randn(2, 5, 3 * 8)
+    ctx, dqkv, lw = run_attention(path, qkv, heads=2, causal=causal)
+    y, (ref,) = torch_grads(lambda t: torch_attention(t, 2, causal), [qkv], lw)
+    close(ctx, y)
+    close(dqkv, ref)
+
+
+@pytest.mark.parametrize("path", ["fused", "raw"])
+def test_attention_numeric_grad(path):
+    qkv = randn(1, 4, 3 * 4, dtype=np.float64)
+    lw = randn(1, 4, 4, dtype=np.float64)
+    _, dqkv, _ = run_attention(path, qkv, heads=2, loss_weights=lw)
+    num = np.zeros_like(qkv)
+    eps = 1e-6
+    for i in np.ndindex(qkv.shape):
+        up, down = qkv.copy(), qkv.copy()
+        up[i] += eps
+        down[i] -= eps
+        num[i] = (np.sum(run_attention(path, up, 2, loss_weights=lw)[0] * lw)
+                  - np.sum(run_attention(path, down, 2, loss_weights=lw)[0] * lw)) / (2 * eps)
+    fd_close(dqkv, num)
+
+
+@pytest.mark.parametrize("path", ["fused", "raw"])
+def test_attention_long_rows_with_large_logits_stay_finite(path):
+    """Rows of 2048 positions with logits in the thousands: the
+    max-subtracted softmax neither overflows nor loses the answer."""
+    t, c = 2048, 8
+    qkv = randn(1, t, 3 * c)
+    qkv[:, :, :2 * c] *= 30  # q . k / sqrt(8) up to a few thousand
+    with np.errstate(over="raise", invalid="raise"):
+        ctx, dqkv, lw = run_attention(path, qkv, heads=1)
+    assert np.isfinite(ctx).all() and np.isfinite(dqkv).all()
+    y, (ref,) = torch_grads(lambda z: torch_attention(z.double(), 1).float(), [qkv], lw)
+    close(ctx, y, rtol=1e-3, atol=1e-4)
+    close(dqkv, ref, rtol=1e-3, atol=1e-4)
+
+
+# ------------------------------------------------------------ memory plan
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpt_trains_bitwise_with_the_memory_plan(fused):
+    """The static memory plan covers the GPT's ops: sound, smaller than one
+    buffer per blob, with the new element-wise ops computed in place where
+    their input dies there, and 3 AdamW steps bitwise equal to unplanned."""
+    from purine_mpi.runtime.memory_plan import check_plan
+    from tests.gpt_oracle import build_ours, gpt_net, step_ours
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, fused=fused)
+    solver = {"type": "adamw", "base_lr": 1e-2, "weight_decay": 0.1, "max_iter": 3}
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 16, (3, 2, 7))
+    runs = []
+    for plan in (False, True):
+        d, _, _ = build_ours(net, solver, 2, 6, seed=1, plan=plan)
+        for it in range(3):
+            step_ours(d, toks[it, :, :-1], toks[it, :, 1:], it)
+        runs.append({b.name: d.workspace[b.name].copy() for b in d.graph.params()})
+    for name in runs[0]:
+        assert np.array_equal(runs[0][name], runs[1][name]), name
+    g, plan = d.graph, d.workspace.plan
+    assert check_plan(g, plan) == [] and plan.total_bytes < plan.unplanned_bytes
+    in_place = {g.ops[op].op_type for _, op in plan.in_place.values()}
+    assert {"PositionEmbedding", "GeluGrad"} <= in_place, in_place
