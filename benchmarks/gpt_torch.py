@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -44,7 +43,6 @@ def dims(config):
 
 
 def torch_gpt(config):
-    import torch
     import torch.nn as nn
     import torch.nn.functional as F
     d = dims(config)
