@@ -151,6 +151,59 @@ def val_loss(model, tokens, length, batch):
     return total / n
 
 
+def torch_bench(config, iters, warmup, queue=None):
+    """PyTorch doing the job's training steps (same model, AdamW with the
+    rate schedule, clipping, random windows of random tokens), one thread:
+    {iter_ms_median, tokens_per_s, images_per_s, max_rss_bytes}."""
+    import resource
+    import statistics
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    solver, spec = config["solver"], config["data"]["train"]
+    model = torch_gpt(config)
+    opt = adamw(model, solver)
+    tokens = np.random.default_rng(0).integers(0, dims(config)["vocab"], 1 << 16)
+    data = batches(tokens.astype(np.uint8), spec["sequence_length"], spec["batch_size"], 0)
+    times = []
+    for it in range(warmup + iters):  # timed as `bench` times purine_mpi's
+        if it == warmup:
+            t_prev = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(solver, it)
+        x, y = next(data)
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if solver.get("clip_gradients"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), solver["clip_gradients"])
+        opt.step()
+        if it >= warmup:
+            now = time.perf_counter()
+            times.append(now - t_prev)
+            t_prev = now
+    med = statistics.median(times)
+    batch = spec["batch_size"]
+    result = {"iter_ms_median": round(1000 * med, 3), "images_per_s": round(batch / med, 2),
+              "tokens_per_s": round(batch * spec["sequence_length"] / med, 2),
+              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if queue is not None:
+        queue.put(result)
+    return result
+
+
+def pytorch_process(config, iters, warmup):
+    """``torch_bench`` in a fresh process (its own peak RSS, import included)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=torch_bench, args=(config, iters, warmup, queue))
+    proc.start()
+    result = queue.get(timeout=1800)
+    proc.join()
+    return result
+
+
 def main():
     import h5py
     import torch
