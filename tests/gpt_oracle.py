@@ -209,20 +209,15 @@ def torch_adamw(model, solver):
     return opt, sched
 
 
-def build_ours(net, solver, batch, seq, seed=0, phase="train", plan=False):
-    """Our training graph of ``net`` for (batch, seq) int32 token blobs and
-    ``solver`` (a job's solver mapping), with its serial dispatcher, the
-    parameters initialised from ``seed`` as the trainer does. ``plan``: lay
-    the blobs out by the trainer's static memory plan (its arena filled with
-    junk first), else one buffer per blob. Returns (dispatcher, {param:
-    gradient blob}, loss blob names)."""
+def gpt_graph(net, solver, batch, seq, phase="train"):
+    """Our training graph of ``net`` (its forward, gradient and ``solver``
+    ops, a job's solver mapping) over (batch, seq) int32 blobs ``data`` and
+    ``label``. Returns (graph, {param: gradient blob}, {loss: weight})."""
     from purine_mpi.graph import Graph
     from purine_mpi.graph.grad import build_backward
     from purine_mpi.graph.solver_graph import add_solver
     from purine_mpi.job.replica import loss_blobs
     from purine_mpi.layers import build_net
-    from purine_mpi.layers.fillers import fill
-    from purine_mpi.runtime.dispatcher import SerialDispatcher
     from tests.conftest import make_job
     job = make_job({"data": {"train": {"source": "synthetic", "shape": [1], "classes": 2,
                                        "batch_size": batch}},
@@ -236,6 +231,19 @@ def build_ours(net, solver, batch, seq, seed=0, phase="train", plan=False):
     grads = build_backward(g, losses)
     add_solver(g, grads, job.solver)
     g.infer_shapes().validate()
+    return g, grads, losses
+
+
+def build_ours(net, solver, batch, seq, seed=0, phase="train", plan=False):
+    """Our training graph of ``net`` for (batch, seq) int32 token blobs and
+    ``solver`` (a job's solver mapping), with its serial dispatcher, the
+    parameters initialised from ``seed`` as the trainer does. ``plan``: lay
+    the blobs out by the trainer's static memory plan (its arena filled with
+    junk first), else one buffer per blob. Returns (dispatcher, {param:
+    gradient blob}, loss blob names)."""
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    g, grads, losses = gpt_graph(net, solver, batch, seq, phase)
     workspace = None
     if plan:
         from purine_mpi.runtime.memory_plan import batch_blobs, plan_memory

@@ -1,8 +1,10 @@
 """The transformer ops' GPU branches on the emulated device (and on a real
 GPU when CuPy and one are there, marked ``gpu``): each op against its NumPy
-path, the attention products through gpu/blas.py's cuBLAS (the emulated
-nvmath binding), and a GPT trained on the simulated stream runtime against
-the CPU. The emulated device is tests/test_gpu_backend.py's."""
+path, the attention and embedding-gradient products through gpu/blas.py's
+cuBLAS (the emulated nvmath binding), the token-level loss through the
+fused loss kernels, and a GPT trained on the simulated stream runtime, with
+and without CUDA-graph capture, against the CPU with no allocation in a
+steady-state iteration. The emulated device is tests/test_gpu_backend.py's."""
 import sys
 import types
 
@@ -92,3 +94,71 @@ def test_attention_gpu_branches(device, dtype, causal, products):  # noqa: F811
     _compare(device, "AttentionContext", attrs, [p, qkv], [], dtype)
     _compare(device, "AttentionContextGrad", dict(attrs, outputs=["dP", "dqkv"]),
              [dctx, p, qkv], [], dtype)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["streams", "cuda-graph"])
+def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cuda_graph):
+    """A 2-block GPT (fused attention in one block, the raw sub-graph in the
+    other), placed on the emulated device and run by the stream dispatcher
+    on the simulated runtime, optionally captured in CUDA graphs: 3 SGD
+    steps give the CPU's losses and weights, and the third iteration
+    allocates no device memory."""
+    from purine_mpi.parallel.placement import place_on_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from purine_mpi.layers.fillers import fill
+    from tests.gpt_oracle import build_ours, gpt_graph, gpt_net, step_ours
+    from tests.test_gpu_backend import Allocations, SimulatedRuntime, use_emulated_cupy
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
+    next(e for e in net if e["type"] == "attention")["fused"] = False
+    # SGD: its update is a raw kernel (the Adam updates on a GPU are CuPy
+    # element-wise arithmetic, which allocates: not this test's subject)
+    solver = {"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
+              "max_iter": 3}
+    toks = np.random.default_rng(0).integers(0, 16, (3, 2, 7))
+    cpu, _, _ = build_ours(net, solver, 2, 6, seed=1)
+    cpu_losses = []
+    for it in range(3):
+        step_ours(cpu, toks[it, :, :-1], toks[it, :, 1:], it)
+        cpu_losses.append(float(cpu.workspace["loss"]))
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    g, _, _ = gpt_graph(net, solver, 2, 6)
+    place_on_device(g, 0)
+    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)
+    try:
+        for p in g.params():
+            d.workspace.set(p.name, fill(p, 1))
+        losses = []
+        for it in range(3):
+            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+            d.workspace["iter"][...] = it
+            Allocations.counting, Allocations.log = it == 2, []
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        Allocations.counting = False
+        assert Allocations.log == []
+        if cuda_graph:
+            report = d.executor.report()
+            assert report["captured"] == report["segments"] > 0 and not report["failed"], report
+        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+        for p in g.params():
+            np.testing.assert_allclose(np.asarray(d.workspace[p.name]), cpu.workspace[p.name],
+                                       rtol=1e-4, atol=1e-6, err_msg=p.name)
+    finally:
+        Allocations.counting = False
+        d.close()
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("ignore", [None, 3])
+def test_token_level_softmax_loss_gpu_branch(device, dtype, ignore):  # noqa: F811
+    """(N, T, V) logits over the last axis with int32 labels: the fused
+    kernels on the (N*T, V, 1) view, the labels copied into int64 scratch."""
+    attrs = {"axis": 2} if ignore is None else {"axis": 2, "ignore_label": ignore}
+    x = _rand((2, 3, 5), dtype, scale=3.0)
+    label = np.random.default_rng(1).integers(0, 5, (2, 3)).astype(np.int32)
+    (loss, prob), _ = _compare(device, "SoftmaxLoss", attrs, [x, label],
+                               ["softmax_loss_forward", "softmax_loss_mean"], dtype)
+    dloss = np.asarray(0.7, dtype)
+    _compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
+             ["softmax_loss_backward"], dtype, host_inputs=(0,))

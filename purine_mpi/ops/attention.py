@@ -38,7 +38,7 @@ binding, capturable in a CUDA graph): one strided-batched GEMM per head,
 batched over the N sequences, reading q, k, v where they lie in ``qkv`` and
 writing ctx, dqkv in place (no transposed copies); the softmax and its
 gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
-mask one element-wise copy from a (T, T) mask made once, the intermediate
+mask one element-wise add of a (T, T) mask made once, the intermediate
 (N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
 """
 import math
@@ -102,21 +102,22 @@ class _AttentionKernel(OpKernel):
 
     _mask = None
 
-    def mask(self, xp, t):
-        """The (T, T) boolean mask of j > i, on the arrays' device, made once."""
-        if self._mask is None or self._mask.shape[0] != t:
-            self._mask = xp.triu(xp.ones((t, t), dtype=bool), 1)
+    def mask(self, xp, t, dtype):
+        """The (T, T) causal mask as an addend: 0 on and below the diagonal,
+        -inf above it (s + -inf = -inf exactly), on the arrays' device, made once."""
+        if self._mask is None or self._mask.shape[0] != t or self._mask.dtype != dtype:
+            self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
         return self._mask
 
     def scores(self, xp, q, k, out):
         """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
         bmm(xp, q, k, out, trans_b=True, alpha=1.0 / math.sqrt(q.shape[-1]))
         if bool(self.attrs.get("causal", True)):
-            xp.copyto(out, -np.inf, where=self.mask(xp, out.shape[-1]))
+            out += self.mask(xp, out.shape[-1], out.dtype)
 
     def setup_mask(self, like, t):
         if get_xp(like) is not np:
-            self.mask(get_xp(like), t)
+            self.mask(get_xp(like), t, like.dtype)
 
 
 def softmax_rows(xp, s):
