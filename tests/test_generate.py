@@ -131,3 +131,22 @@ def test_generate_under_mpiexec_prints_once(trained):
     assert res.returncode == 0, res.stderr
     assert res.stdout[:-1] == _generate(config, run, "--prompt", "class ", "--tokens", "12",
                                         "--temperature", "0")
+
+
+def test_a_padded_test_pass_counts_each_window_once(trained):
+    """The test phase reads the disjoint windows of the validation split: a
+    batch that divides their number and one that pads the last batch (whole
+    windows get the padding label) give the same figures, on 1 and 2 ranks."""
+    import json
+    config, run, _ = trained
+    from purine_mpi.data.sources import source_info
+    from tests.conftest import make_job
+    from purine_mpi.job.config import load_config
+    n = source_info(make_job(load_config(config)).data.test.source_dict())[0]
+    figures = []
+    for batch, ranks in ((n, 1), (64, 1), (24, 2)):  # one batch of every window; padded
+        args = ("test", config, "--weights", run, "--set", f"data.test.batch_size={batch}")
+        res = run_cli_args(*args) if ranks == 1 else run_mpi_cli(ranks, *args)
+        assert res.returncode == 0, res.stderr
+        figures.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert figures[0]["samples"] == n and all(f == figures[0] for f in figures), figures
