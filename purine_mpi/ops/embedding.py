@@ -24,7 +24,9 @@ PositionEmbedding ("PositionEmbedding", inputs [x, w], output [y])::
 Gradients: dx = dy (a "Copy"); dw[t] = sum_n dy[n, t] for t < T, 0 beyond
 ("PositionEmbeddingGrad", [dy] -> [dw], attr max_length = L).
 
-An out-of-range token id raises a ValueError on the CPU (the op names it).
+An out-of-range token id raises a ValueError on the CPU (the op names it);
+on a GPU it is not checked (that would cost a device-to-host read each
+iteration): the forward reads a wrapped row and the gradient drops it.
 """
 import numpy as np
 
@@ -160,8 +162,13 @@ class PositionEmbeddingGrad(OpKernel):
 
     def run(self, ins, outs):
         dy, dw = ins[0], outs[0]
+        xp = get_xp(dy)
         t = dy.shape[1]
-        get_xp(dy).sum(dy, axis=0, out=dw[:t])
+        k = raw_kernels(xp, dy, dw)
+        if k is not None:  # one deterministic reduction kernel, capturable
+            k.channel_sum(dy.reshape(dy.shape[0], -1), out=dw[:t].reshape(-1))
+        else:
+            xp.sum(dy, axis=0, out=dw[:t])
         dw[t:] = 0
 
 
