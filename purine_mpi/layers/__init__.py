@@ -20,3 +20,4 @@ from .registry import (COMMON_KEYS, KIND_DOC, LAYER_SPECS, LAYERS, PARAM_KEYS,  
                        REQUIRED, Key, LayerSpec, Required, check_layer, layer, layer_spec)
 from .build import NetBuilder, build_net  # noqa: F401
 from . import standard  # noqa: E402,F401  registers the standard layers
+from . import transformer  # noqa: E402,F401  and the transformer layers

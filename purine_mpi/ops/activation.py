@@ -1,11 +1,16 @@
-"""Element-wise activations: Relu (leaky), Sigmoid, Tanh, and their gradients.
+"""Element-wise activations: Relu (leaky), Sigmoid, Tanh, Gelu, and their gradients.
 
 The backward ops read what the formula needs most cheaply: ReLU's gradient
 needs the sign of its input ``x``, which its output ``y`` has too for a
 slope >= 0; sigmoid's and tanh's are functions of ``y``. So all of them read
 ``y`` (a leaky ReLU with a negative slope reads ``x``), and ``x`` can be
-freed right after the forward.
+freed right after the forward. GELU's gradient is no function of ``y``
+alone: it reads ``x``.
 """
+import math
+
+import numpy as np
+
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
@@ -175,3 +180,124 @@ def _tanh_grad(g, op):
     dy = g.grad_of(op.outputs[0])
     if dy is not None and g.needs_grad(op.inputs[0]):
         g.emit("TanhGrad", [dy, op.outputs[0]], [g.grad_blob(op.inputs[0])])
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654   # sqrt(2 / pi)
+_INV_SQRT_2PI = 0.3989422804014327     # 1 / sqrt(2 pi)
+_GELU_C = 0.044715
+
+
+def _erf(xp, x, out):
+    """out = erf(x): SciPy's (CuPy's on a GPU) where installed, else
+    Python's math.erf element by element (exact too, slower)."""
+    if xp is not np:
+        from cupyx.scipy.special import erf
+        erf(x, out=out)
+        return
+    try:
+        from scipy.special import erf
+    except ImportError:
+        out[...] = _math_erf(x)
+        return
+    erf(x, out=out)
+
+
+_math_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _gelu_factor(xp, x, approximate, t, d=None, e=None):
+    """t = the factor y / x: Phi(x) (exact) or 0.5 (1 + tanh(u)) with
+    u = sqrt(2/pi) (x + 0.044715 x^3) (tanh). With ``d`` (and ``e``, a
+    temporary) also d = dy/dx: Phi(x) + x phi(x), or
+    0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'."""
+    if approximate == "tanh":
+        xp.multiply(x, x, out=t)
+        if d is not None:  # d = u' = sqrt(2/pi) (1 + 3c x^2), before t is overwritten
+            xp.multiply(t, 3 * _GELU_C * _SQRT_2_OVER_PI, out=d)
+            d += _SQRT_2_OVER_PI
+        t *= _GELU_C
+        t += 1
+        t *= x
+        t *= _SQRT_2_OVER_PI
+        xp.tanh(t, out=t)                      # t = tanh(u)
+        if d is not None:
+            xp.multiply(t, t, out=e)
+            xp.subtract(1, e, out=e)           # e = 1 - tanh^2
+            d *= e
+            d *= x
+        t += 1
+        t *= 0.5                               # t = 0.5 (1 + tanh u)
+        if d is not None:
+            d *= 0.5
+            d += t
+        return
+    xp.multiply(x, 1 / math.sqrt(2), out=t)
+    _erf(xp, t, t)
+    t += 1
+    t *= 0.5                                   # t = Phi(x)
+    if d is not None:                          # d = Phi(x) + x phi(x)
+        xp.multiply(x, x, out=d)
+        d *= -0.5
+        xp.exp(d, out=d)
+        d *= _INV_SQRT_2PI
+        d *= x
+        d += t
+
+
+def _approximate(attrs):
+    a = attrs.get("approximate", "none")
+    if a not in ("none", "tanh"):
+        raise ShapeError(f"Gelu: approximate must be none or tanh, got {a!r}")
+    return a
+
+
+@register
+class Gelu(OpKernel):
+    """y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (attr ``approximate``:
+    none, the default), or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    (``tanh``), PyTorch's two forms.
+    Gradient: dx = dy (Phi(x) + x phi(x)), phi the standard normal density;
+    for tanh: dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'),
+    u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x."""
+
+    op_type = "Gelu"
+    in_place = ((0, 0),)  # y = x * t, t computed from x first
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _approximate(attrs)
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        x = ins[0]
+        xp = get_xp(x)
+        (t,) = self.temporaries(x, (x.shape, x.dtype))
+        _gelu_factor(xp, x, _approximate(self.attrs), t)
+        xp.multiply(x, t, out=outs[0])
+
+
+@register
+class GeluGrad(OpKernel):
+    """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``)."""
+
+    op_type = "GeluGrad"
+    in_place = ((0, 0),)  # dx over dy
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return _same_shape(cls.op_type, ins)
+
+    def run(self, ins, outs):
+        dy, x = ins
+        xp = get_xp(x)
+        t, d, e = self.temporaries(x, *[(x.shape, x.dtype)] * 3)
+        _gelu_factor(xp, x, _approximate(self.attrs), t, d, e)
+        xp.multiply(dy, d, out=outs[0])
+
+
+@gradient("Gelu")
+def _gelu_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    if dy is not None and g.needs_grad(op.inputs[0]):
+        g.emit("GeluGrad", [dy, op.inputs[0]], [g.grad_blob(op.inputs[0])],
+               {"approximate": op.attrs.get("approximate", "none")})

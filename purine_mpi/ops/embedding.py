@@ -1,0 +1,157 @@
+"""Token and position embeddings (a GPT's input layers).
+
+Embedding ("Embedding", inputs [ids, w], output [y])::
+
+    y[i..., :] = w[ids[i...], :]          ids: integers of any shape S,
+                                           w: (V, C), y: S + (C,)
+
+Gradient (w only; ids are data)::
+
+    dw[v, :] = sum over the positions i with ids[i] == v of dy[i, :]
+               ("EmbeddingGrad", [dy, ids] -> [dw], attr input_dim = V)
+
+a scatter-add: rows of dy sorted by token, each run summed (deterministic:
+the same order every time, on every rank). The table can be shared with an
+output projection (the ``fc`` layer's ``tie_weight``): the gradient builder
+then sums the two uses' contributions.
+
+PositionEmbedding ("PositionEmbedding", inputs [x, w], output [y])::
+
+    y[n, t, :] = x[n, t, :] + w[t, :]     x: (N, T, C), w: (L, C), T <= L
+
+Gradients: dx = dy (a "Copy"); dw[t] = sum_n dy[n, t] for t < T, 0 beyond
+("PositionEmbeddingGrad", [dy] -> [dw], attr max_length = L).
+
+An out-of-range token id raises a ValueError on the CPU (the op names it).
+"""
+import numpy as np
+
+from ..base.backend import get_xp
+from ..base.errors import ShapeError
+from .registry import OpKernel, gradient, register
+
+
+def _check_ids(ids, vocab):
+    xp = get_xp(ids)
+    if xp is np and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = ids[(ids < 0) | (ids >= vocab)].ravel()[0]
+        raise ValueError(f"token id {int(bad)} is outside [0, {vocab}) for an embedding of "
+                         f"{vocab} rows")
+
+
+@register
+class Embedding(OpKernel):
+    """y = w[ids]: one row of the table per token; see the module docstring."""
+
+    op_type = "Embedding"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (ids_shape, ids_dtype), (w_shape, w_dtype) = ins
+        if np.dtype(ids_dtype).kind not in "iu":
+            raise ShapeError(f"Embedding needs integer token ids, got {np.dtype(ids_dtype).name}")
+        if len(w_shape) != 2:
+            raise ShapeError(f"Embedding weight must be (input_dim, num_output), got "
+                             f"{list(w_shape)}")
+        return [(tuple(ids_shape) + (w_shape[1],), w_dtype)]
+
+    def run(self, ins, outs):
+        ids, w = ins
+        _check_ids(ids, w.shape[0])
+        xp = get_xp(w)
+        xp.take(w, ids.reshape(-1), axis=0, out=outs[0].reshape(-1, w.shape[1]))
+
+
+@register
+class EmbeddingGrad(OpKernel):
+    """[dy, ids] -> [dw]: dw[v] = sum of dy's rows whose token is v (attr
+    input_dim: the table's rows)."""
+
+    op_type = "EmbeddingGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (dy_shape, dtype), _ = ins
+        return [((int(attrs["input_dim"]), dy_shape[-1]), dtype)]
+
+    def run(self, ins, outs):
+        dy, ids = ins
+        dw = outs[0]
+        xp = get_xp(dw)
+        rows = dy.reshape(-1, dw.shape[1])
+        flat = ids.reshape(-1)
+        dw[...] = 0
+        if xp is not np:
+            import cupyx
+            cupyx.scatter_add(dw, flat.astype(np.int64), rows)
+            return
+        _check_ids(flat, dw.shape[0])
+        order = np.argsort(flat, kind="stable")
+        tokens = flat[order]
+        if not tokens.size:
+            return
+        starts = np.flatnonzero(np.r_[True, tokens[1:] != tokens[:-1]])
+        dw[tokens[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+
+
+@gradient("Embedding")
+def _embedding_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    ids, w = op.inputs
+    if dy is not None and g.needs_grad(w):
+        g.emit("EmbeddingGrad", [dy, ids], [g.grad_blob(w)],
+               {"input_dim": int(g.graph.blobs[w].shape[0])})
+
+
+@register
+class PositionEmbedding(OpKernel):
+    """y = x + w[:T] (broadcast over the batch); see the module docstring."""
+
+    op_type = "PositionEmbedding"
+    in_place = ((0, 0),)
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (x_shape, x_dtype), (w_shape, _) = ins
+        if len(x_shape) != 3:
+            raise ShapeError(f"PositionEmbedding needs an (N, T, C) input, got {list(x_shape)}")
+        if len(w_shape) != 2 or w_shape[1] != x_shape[2] or w_shape[0] < x_shape[1]:
+            raise ShapeError(f"PositionEmbedding: a table of shape {list(w_shape)} cannot serve "
+                             f"an input of shape {list(x_shape)} (needs (L >= {x_shape[1]}, "
+                             f"{x_shape[2]}))")
+        return [(tuple(x_shape), x_dtype)]
+
+    def run(self, ins, outs):
+        x, w = ins
+        get_xp(x).add(x, w[:x.shape[1]], out=outs[0])
+
+
+@register
+class PositionEmbeddingGrad(OpKernel):
+    """[dy] -> [dw]: dw[t] = sum_n dy[n, t] for t < T, 0 beyond (attr max_length)."""
+
+    op_type = "PositionEmbeddingGrad"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        (dy_shape, dtype), = ins
+        return [((int(attrs["max_length"]), dy_shape[-1]), dtype)]
+
+    def run(self, ins, outs):
+        dy, dw = ins[0], outs[0]
+        t = dy.shape[1]
+        get_xp(dy).sum(dy, axis=0, out=dw[:t])
+        dw[t:] = 0
+
+
+@gradient("PositionEmbedding")
+def _position_embedding_grad(g, op):
+    dy = g.grad_of(op.outputs[0])
+    x, w = op.inputs
+    if dy is None:
+        return
+    if g.needs_grad(x):
+        g.emit("Copy", [dy], [g.grad_blob(x)])
+    if g.needs_grad(w):
+        g.emit("PositionEmbeddingGrad", [dy], [g.grad_blob(w)],
+               {"max_length": int(g.graph.blobs[w].shape[0])})
