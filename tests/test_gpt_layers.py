@@ -120,3 +120,87 @@ def test_gelu_without_scipy_uses_math_erf(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
     outs, _ = run_op("Gelu", {}, {"x": x})
     close(outs[0], F.gelu(torch.tensor(x)).numpy())
+
+
+# ------------------------------------------------- fc over the last axis
+def test_inner_product_over_the_last_axis_matches_torch():
+    x, w, b = randn(2, 3, 4), randn(5, 4), randn(5)
+    outs, grads = run_op("InnerProduct", {"axis": 2}, {"x": x, "w": w, "b": b},
+                         wrt=["x", "w", "b"])
+    y, (dx, dw, db) = torch_grads(F.linear, [x, w, b], outs["_loss_weights"])
+    assert outs[0].shape == (2, 3, 5)
+    close(outs[0], y)
+    for ours, ref in ((grads["x"], dx), (grads["w"], dw), (grads["b"], db)):
+        close(ours, ref)
+
+
+def test_inner_product_over_the_last_axis_numeric_grad():
+    ins = {"x": randn(2, 3, 4, dtype=np.float64), "w": randn(2, 4, dtype=np.float64)}
+    lw = randn(2, 3, 2, dtype=np.float64)
+    _, grads = run_op("InnerProduct", {"axis": 2}, ins, wrt=["x", "w"], loss_weights=[lw])
+    for name in ("x", "w"):
+        fd_close(grads[name], numeric_grad("InnerProduct", {"axis": 2}, ins, name, lw))
+
+
+def net_graph(net, n=2, t=4, vocab=7, phase="train"):
+    """The forward graph of ``net`` over int32 token blobs data and label
+    (n, t), as the text source gives them."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.layers import build_net
+    g = Graph("gpt")
+    g.add_blob("data", (n, t), "int32", kind="data")
+    g.add_blob("label", (n, t), "int32", kind="data")
+    build_net(net, phase, (g, "job.yaml"))
+    return g.infer_shapes()
+
+
+def test_fc_layer_axis_and_tied_weight():
+    from purine_mpi.graph.grad import build_backward
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 3},
+           {"type": "fc", "name": "head", "bottom": "x", "top": "logits", "axis": -1,
+            "num_output": 7, "bias_term": False, "tie_weight": "wte"},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"], "axis": -1}]
+    g = net_graph(net)
+    assert g.blobs["logits"].shape == (2, 4, 7)
+    assert sorted(b.name for b in g.params()) == ["wte/weight"]  # one table, two uses
+    grads = build_backward(g, {"loss": 1.0})
+    producers = g.producers()[grads["wte/weight"]]
+    assert [p.op_type for p in producers] == ["Sum"]  # the embedding's and the head's
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"tie_weight": "nope"}, "no earlier layer named 'nope'"),
+    ({"tie_weight": "wte", "num_output": 5}, "needs \\[5, 3\\]"),
+    ({"axis": 3}, "expected an axis in 1..2"),
+])
+def test_fc_layer_bad_axis_or_tie_exits_2(entry, message):
+    from purine_mpi.base.errors import ConfigError
+    fc = dict({"type": "fc", "name": "head", "bottom": "x", "axis": -1, "num_output": 7}, **entry)
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 3}, fc]
+    with pytest.raises(ConfigError, match=message) as err:
+        net_graph(net)
+    assert "net[1]" in str(err.value) and "job.yaml" in str(err.value)
+
+
+# --------------------------------------------------- token-level softmax loss
+def test_token_level_softmax_loss_matches_torch_in_nats_per_token():
+    x = randn(2, 5, 7) * 4
+    label = RNG.integers(0, 7, (2, 5)).astype(np.int32)
+    label[1, 3] = 6
+    for attrs, kw in (({"axis": -1}, {}), ({"axis": 2, "ignore_label": 6}, {"ignore_index": 6})):
+        outs, grads = run_op("SoftmaxLoss", attrs, {"x": x, "label": label}, wrt=["x"],
+                             loss_weights=[np.float32(1.0)])
+        xt = torch.tensor(x, requires_grad=True)
+        ref = F.cross_entropy(xt.reshape(-1, 7), torch.tensor(label.reshape(-1)).long(), **kw)
+        ref.backward()
+        close(outs[0], ref.item())
+        close(grads["x"], xt.grad.numpy())
+
+
+def test_token_level_softmax_loss_numeric_grad():
+    x = randn(2, 3, 4, dtype=np.float64)
+    ins = {"x": x, "label": RNG.integers(0, 4, (2, 3)).astype(np.int32)}
+    _, grads = run_op("SoftmaxLoss", {"axis": -1}, ins, wrt=["x"], loss_weights=[1.0])
+    fd_close(grads["x"], numeric_grad("SoftmaxLoss", {"axis": -1}, ins, "x", [1.0]))

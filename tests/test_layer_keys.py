@@ -108,7 +108,12 @@ def _probe_net(ltype):
         probe["bottom"] = ["scores", "label"]
         return [data, {"type": "global_pool", "name": "gp", "bottom": "c"},
                 {"type": "flatten", "name": "scores", "bottom": "gp"}, probe]
+    if ltype == "position_embedding":  # an (N, T, C) bottom
+        probe.update(bottom="seq", max_length=4)
+        return [data, {"type": "reshape", "name": "seq", "bottom": "c", "shape": [0, 4, -1]},
+                probe]
     extra = {"conv": {"num_output": 2, "kernel": 1}, "fc": {"num_output": 3},
+             "embedding": {"bottom": "label", "input_dim": 4, "num_output": 3},
              "pool": {"kernel": 2}, "reshape": {"shape": [0, -1]},
              "eltwise": {"bottom": ["c", "c"]}, "concat": {"bottom": ["c", "c"]},
              "slice": {"top": ["s1", "s2"]}, "split": {"top": ["s1", "s2"]}}

@@ -78,22 +78,45 @@ def conv(b):
 
 @layer("fc", "inner_product", "innerproduct", keys=(
     Key("num_output", "posint", REQUIRED, "output features"),
+    Key("axis", "int", 1, "the first axis flattened into the features (Caffe's): 1 flattens "
+                          "(N, ...) to N rows; -1 (or 2 of an (N, T, C) blob) maps the last "
+                          "axis, giving (N, T, num_output)"),
+    Key("tie_weight", "str", None, "use that earlier layer's `weight` as this layer's weight "
+                                   "(an embedding's (input_dim, C) table for an output "
+                                   "projection with num_output = input_dim); its gradient is "
+                                   "the sum of both uses"),
     BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def fc(b):
-    """Fully connected (Caffe's InnerProduct): the input is flattened after axis 0."""
+    """Fully connected (Caffe's InnerProduct): y = x·Wᵀ + b with the input flattened from
+    `axis` on (after axis 0 by default)."""
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
     num_output = b.get("num_output")
     shape = b.shape(x)
+    axis = b.get("axis")
+    if not -len(shape) < axis <= len(shape) - 1 or axis == 0:
+        b.fail("axis", f"expected an axis in 1..{len(shape) - 1} or -{len(shape) - 1}..-1 for "
+                       f"an input of shape {list(shape)}, got {axis}")
+    axis %= len(shape)
     fan_in = 1
-    for s in shape[1:]:
+    for s in shape[axis:]:
         fan_in *= s
-    w = b.param("weight", (num_output, fan_in), _filler(b, "weight_filler"), 0)
+    tie = b.get("tie_weight")
+    if tie is None:
+        w = b.param("weight", (num_output, fan_in), _filler(b, "weight_filler"), 0)
+    else:
+        w = f"{tie}/weight"
+        have = b.graph.blobs.get(w)
+        if have is None or have.kind != "param":
+            b.fail("tie_weight", f"no earlier layer named '{tie}' has a weight to share")
+        if tuple(have.shape) != (num_output, fan_in):
+            b.fail("tie_weight", f"the weight of '{tie}' has shape {list(have.shape)}, this "
+                                 f"layer needs [{num_output}, {fan_in}] (num_output, features)")
     inputs = [x, w]
     bias_filler = _filler(b, "bias_filler")
     if b.get("bias_term"):
         inputs.append(b.param("bias", (num_output,), bias_filler, 1))
-    b.op("InnerProduct", inputs, [y])
+    b.op("InnerProduct", inputs, [y], {"axis": axis} if axis != 1 else None)
 
 
 def _simple(op_type, doc, *keys):
@@ -299,14 +322,24 @@ def split(b):
 
 
 @layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(
+    Key("axis", "int", 1, "the class axis (Caffe's): 1 for (N, C, ...) scores; -1 for (N, T, V) "
+                          "logits with (N, T) labels, the token-level loss: the mean over every "
+                          "position, in nats per token"),
     Key("ignore_label", "nonneg", None, "a label value that adds no loss (excluded from the "
                                         "mean)"),
     Key("loss_weight", "number", 1.0, "weight of this loss in the total")))
 def softmax_loss(b):
-    """Softmax cross-entropy; bottoms [scores, label]; the mean over the counted positions."""
+    """Softmax cross-entropy (natural log: nats); bottoms [scores, label]; the mean over the
+    counted positions."""
     x, label = b.bottoms(2)
     (loss,) = b.tops(1)
     attrs = {}
+    axis, ndim = b.get("axis"), len(b.shape(x))
+    if not -ndim <= axis < ndim:
+        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for scores of shape "
+                       f"{list(b.shape(x))}, got {axis}")
+    if axis % ndim != 1:
+        attrs["axis"] = axis % ndim
     ignore = b.get("ignore_label")
     if ignore is not None:
         attrs["ignore_label"] = ignore
