@@ -42,6 +42,26 @@ def _config(scheme="tensor", degree=2, iters=4, batch=8, hidden=16, solver="adam
     }
 
 
+def _block_config(**kw):
+    """A pre-norm transformer MLP block on (N, T, C) = (batch, 4, 8) float
+    data: layer_norm -> fc (axis -1, 4C) -> gelu (tanh) -> fc (axis -1, C)
+    -> residual sum, then a classifier over the flattened sequence."""
+    cfg = _config(**kw)
+    for phase in ("train", "test"):
+        cfg["data"][phase]["shape"] = [4, 8]
+    cfg["net"] = [
+        {"type": "layer_norm", "name": "ln", "bottom": "data", "top": "x"},
+        {"type": "fc", "name": "c_fc", "bottom": "x", "top": "h", "num_output": 32, "axis": -1},
+        {"type": "gelu", "name": "gelu", "bottom": "h", "top": "h", "approximate": "tanh"},
+        {"type": "fc", "name": "c_proj", "bottom": "h", "top": "m", "num_output": 8,
+         "axis": -1},
+        {"type": "eltwise", "name": "res", "bottom": ["data", "m"], "top": "y"},
+        {"type": "fc", "name": "out", "bottom": "y", "top": "logits", "num_output": 5},
+        {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"], "top": "loss"},
+    ]
+    return cfg
+
+
 def _params(path):
     with h5py.File(path, "r") as f:
         out = {}
@@ -132,6 +152,16 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
+def test_block_on_sequences_split_offline():
+    """(N, T, C) activations: the fc over the last axis splits; the
+    layer norm and the residual stay whole."""
+    g = compose_for(make_job(_block_config()), 2, 1)
+    assert g.blobs["h"].shape == (8, 4, 16) and g.blobs["y"].shape == (8, 4, 8)
+    assert g.blobs["c_proj/weight"].shape == (8, 16) and g.blobs["ln/weight"].shape == (8,)
+    assert sorted(op.name for op in g.ops.values() if ".tp_" in op.name) == \
+        ["c_fc.tp_grad_sum", "c_proj.tp_sum"]
+
+
 def test_two_way_tensor_parallel_equals_one_rank(tmp_path):
     """Weights (and AdamW moments) after 4 iterations and the loss of each
     iteration within 1e-5; the checkpoint of the 2-way run holds whole
@@ -150,6 +180,13 @@ def test_two_way_tensor_parallel_equals_one_rank(tmp_path):
         assert res.returncode == 0, res.stdout + res.stderr
         got.append([line for line in res.stdout.splitlines() if "loss" in line])
     assert got[0] and got[0] == got[1]
+
+
+def test_two_way_block_on_sequences_equals_one_rank(tmp_path):
+    one, _ = _train(tmp_path, "one", 1, _block_config(scheme="data"))
+    two, _ = _train(tmp_path, "two", 2, _block_config())
+    _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
+    np.testing.assert_allclose(_losses(one), _losses(two), rtol=1e-5)
 
 
 @pytest.mark.slow
