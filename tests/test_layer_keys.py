@@ -108,8 +108,9 @@ def _probe_net(ltype):
         probe["bottom"] = ["scores", "label"]
         return [data, {"type": "global_pool", "name": "gp", "bottom": "c"},
                 {"type": "flatten", "name": "scores", "bottom": "gp"}, probe]
-    if ltype == "position_embedding":  # an (N, T, C) bottom
-        probe.update(bottom="seq", max_length=4)
+    if ltype in ("position_embedding", "attention"):  # an (N, T, C) bottom
+        probe.update(bottom="seq", **({"max_length": 4} if ltype == "position_embedding"
+                                      else {"num_heads": 2}))
         return [data, {"type": "reshape", "name": "seq", "bottom": "c", "shape": [0, 4, -1]},
                 probe]
     extra = {"conv": {"num_output": 2, "kernel": 1}, "fc": {"num_output": 3},

@@ -9,7 +9,7 @@ Each ``@layer`` declares its keys like the standard layers do; after
 changing keys run ``python -m purine_mpi.tools.docgen --write``.
 """
 from .registry import REQUIRED, Key, layer
-from .standard import _filler, _param_key
+from .standard import ITER_BLOB, _filler, _param_key
 
 #: nanoGPT's initialisation of the embeddings and projections: N(0, 0.02²)
 GPT_NORMAL = {"type": "gaussian", "std": 0.02}
@@ -80,3 +80,79 @@ def gelu(b):
     (x,) = b.bottoms(1)
     (y,) = b.tops(1)
     b.op("Gelu", [x], [y], {"approximate": b.get("approximate")})
+
+
+@layer("attention", "self_attention", keys=(
+    Key("num_heads", "posint", REQUIRED, "attention heads H (dividing the width C)"),
+    Key("causal", "bool", True, "mask the future: position t attends to positions ≤ t"),
+    Key("attn_dropout", "number", 0.0, "dropout ratio on the attention probabilities "
+                                       "(training only)"),
+    Key("resid_dropout", "number", 0.0, "dropout ratio on the output projection (training "
+                                        "only)"),
+    Key("bias_term", "bool", True, "learn `qkv_bias` and `proj_bias`"),
+    Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v and keeping only "
+                               "each row's log-sum-exp (on a GPU the cuDNN frontend's fused "
+                               "SDPA where installed); false: the raw sub-graph "
+                               "AttentionScores → Softmax → AttentionContext, which keeps the "
+                               "(N, H, T, T) probabilities. With attn_dropout > 0 training "
+                               "takes the raw sub-graph"),
+    Key("weight_filler", "filler", GPT_NORMAL, "initialisation of qkv_weight and proj_weight"),
+    Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
+        "initialisation of qkv_bias and proj_bias"),
+    _param_key("qkv_weight, qkv_bias, proj_weight, proj_bias")))
+def attention(b):
+    """Multi-head (causal) self-attention on (N, T, C), nanoGPT's CausalSelfAttention: qkv =
+    x·`qkv_weight`ᵀ + `qkv_bias` ((3C, C): rows q, k, v, heads contiguous), per head
+    softmax(q·kᵀ/√D) with a causal mask (max-subtracted), times v, heads joined, then
+    `proj_weight` (C, C) and `proj_bias`."""
+    (x,) = b.bottoms(1)
+    shape = b.shape(x)
+    if len(shape) != 3:
+        b.fail("bottom", f"attention needs an (N, T, C) input, '{x}' is {list(shape)}")
+    c, heads = shape[2], b.get("num_heads")
+    if c % heads:
+        b.fail("num_heads", f"num_heads {heads} must divide the width {c}")
+    ratios = {}
+    for k in ("attn_dropout", "resid_dropout"):
+        ratios[k] = float(b.get(k))
+        if not 0.0 <= ratios[k] < 1.0:
+            b.fail(k, f"expected 0 <= {k} < 1, got {ratios[k]}")
+    name, wf, bf = b.cfg["name"], _filler(b, "weight_filler"), _filler(b, "bias_filler")
+    bias = b.get("bias_term")
+    fused = b.get("fused")
+    qkv_w = b.param("qkv_weight", (3 * c, c), wf, 0)
+    qkv_in = [x, qkv_w] + ([b.param("qkv_bias", (3 * c,), bf, 1)] if bias else [])
+    proj_w = b.param("proj_weight", (c, c), wf, 2)
+    proj_b = [b.param("proj_bias", (c,), bf, 3)] if bias else []
+    (y,) = b.tops(1)
+    g = b.graph
+    qkv = g.free_name(f"{name}.qkv")
+    b.op("InnerProduct", qkv_in, [qkv], {"axis": 2}, tag="qkv")
+    attrs = {"num_heads": heads, "causal": b.get("causal")}
+    ctx = g.free_name(f"{name}.ctx")
+    train = b.phase == "train"
+    if fused and not (train and ratios["attn_dropout"] > 0):
+        b.op("Attention", [qkv], [ctx, g.free_name(f"{name}.lse")], attrs, tag="attn")
+    else:
+        s, p = g.free_name(f"{name}.scores"), g.free_name(f"{name}.probs")
+        b.op("AttentionScores", [qkv], [s], attrs, tag="scores")
+        b.op("Softmax", [s], [p], {"axis": 3}, tag="softmax")
+        if train and ratios["attn_dropout"] > 0:
+            p = _dropout(b, p, ratios["attn_dropout"], "attn_drop")
+        b.op("AttentionContext", [p, qkv], [ctx], attrs, tag="context")
+    out = y
+    if train and ratios["resid_dropout"] > 0:
+        out = g.free_name(f"{name}.proj")
+    b.op("InnerProduct", [ctx, proj_w] + proj_b, [out], {"axis": 2}, tag="proj")
+    if out != y:
+        _dropout(b, out, ratios["resid_dropout"], "resid_drop", y)
+
+
+def _dropout(b, x, ratio, tag, y=None):
+    """A training-time Dropout op of x (its mask keyed by the op's name)."""
+    g = b.graph
+    y = y or g.free_name(f"{b.cfg['name']}.{tag}")
+    g.add_blob(ITER_BLOB, (), "int64", kind="iter", exist_ok=True)
+    b.op("Dropout", [x, ITER_BLOB], [y, g.free_name(f"{b.cfg['name']}.{tag}_mask")],
+         {"ratio": ratio, "phase": "train"}, tag=tag)
+    return y

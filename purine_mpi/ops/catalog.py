@@ -10,7 +10,7 @@ dispatchers) import this one, so the order in which the families are first
 imported never matters and no family imports another. Look kernels up
 through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``).
 """
-from . import (activation, basic, batchnorm, clip, conv, data, dropout, embedding,  # noqa: F401
-               fc, layernorm, lrn, iteration, lr_policy, pool, softmax, tensor, updates, watch)
+from . import (activation, attention, basic, batchnorm, clip, conv, data,  # noqa: F401
+               dropout, embedding, fc, layernorm, lrn, iteration, lr_policy, pool, softmax, tensor, updates, watch)
 from ..comm import ops as comm_ops  # noqa: F401
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402
