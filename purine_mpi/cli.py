@@ -16,6 +16,9 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
     python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
+    python -m purine_mpi data text --from PATH [--glob PATTERN] --out PATH.h5 [--val-fraction F]
+    python -m purine_mpi generate CONFIG.yaml --weights CKPT.h5 --prompt TEXT --tokens N
+                                  [--temperature T] [--top-k K] [--seed S]
     python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
     python -m purine_mpi predict TRACE_DIR --np 2,4,...,1024 [--bandwidth 1gbit] [--json]
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
@@ -158,6 +161,16 @@ def cmd_predict(args):
     return 0
 
 
+def cmd_generate(args):
+    from .tools.generate import generate_text
+    job = _load(args)
+    args.weights = _weights_file(args.weights)
+    text = generate_text(job, args.weights, args.prompt, args.tokens, args.temperature,
+                         args.top_k)
+    print(text, flush=True)
+    return 0
+
+
 def cmd_graph(args):
     from .tools.graph import render_graph
     job = _load(args, check_files=False)
@@ -173,9 +186,18 @@ def cmd_inspect(args):
 
 def cmd_data(args):
     from .data import datasets
-    check_out(args.out)  # never one of our checkpoints
+    check_out(args.out, more=[("--from", args.source)])  # never an input or a checkpoint
+    if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1):
+        raise UserError(f"data {args.dataset}: --glob and --val-fraction apply to data text")
     if args.dataset == "digits":
         datasets.write_digits(args.out)
+    elif args.dataset == "text":
+        from .data.text import write_text
+        if not args.source:
+            raise UserError("data text needs --from PATH (a UTF-8 text file or a folder of "
+                            "them; --glob '*.py' picks files)")
+        log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        write_text(args.source, args.out, args.glob, args.val_fraction, log=log)
     elif args.dataset == "lmdb-to-h5":
         if not args.source:
             raise UserError("data lmdb-to-h5 needs --from TRAIN_LMDB (and optionally "
@@ -241,13 +263,13 @@ def cmd_export(args):
 
 COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
             "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot,
-            "convert": cmd_convert, "export": cmd_export}
+            "convert": cmd_convert, "export": cmd_export, "generate": cmd_generate}
 
 
 #: commands without a distributed meaning: under a launcher with several
 #: ranks rank 0 runs them, the others wait and exit with its status (and
 #: predict's scaling form, TRACE_DIR --np N, below)
-RANK0_COMMANDS = ("data", "inspect", "graph", "plot", "export", "convert")
+RANK0_COMMANDS = ("data", "inspect", "graph", "plot", "export", "convert", "generate")
 #: the tag of rank 0's exit status message
 STATUS_TAG = 36
 #: whether this process runs a rank-0 command for the whole job

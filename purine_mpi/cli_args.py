@@ -107,6 +107,21 @@ def build_parser():
     p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
                                  "there: the result is printed as one JSON object")
 
+    p = sub.add_parser("generate", help="sample a continuation of a prompt from a language "
+                                        "model trained on a text source")
+    _common_config_args(p)
+    p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
+                   help="a checkpoint train wrote, or a run folder (its latest.h5)")
+    p.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="the text to continue (its UTF-8 bytes are the first tokens)")
+    p.add_argument("--tokens", type=int, required=True, metavar="N",
+                   help="how many tokens (bytes) to draw")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="divide the scores by T before the softmax (0: always the most "
+                        "likely token; default 1)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="draw among the K most likely tokens only (default: all)")
+
     p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
     _common_config_args(p)
     p.add_argument("--np", type=int, default=None,
@@ -134,17 +149,26 @@ def build_parser():
                    help="one JSON object instead of a table (docs/formats.md)")
 
     p = sub.add_parser("data", help="prepare a data set as HDF5")
-    p.add_argument("dataset", choices=["digits", "cifar10", "lmdb-to-h5"],
+    p.add_argument("dataset", choices=["digits", "cifar10", "lmdb-to-h5", "text"],
                    help="digits: scikit-learn's 8x8 digits (no download); cifar10: the "
                         "CIFAR-10 python batches given by --from, or fetched by --download; "
                         "lmdb-to-h5: a Caffe LMDB (--from, the train split; --test-from, the "
-                        "test split) as our HDF5 layout")
+                        "test split) as our HDF5 layout; text: UTF-8 text (--from a file or a "
+                        "folder) as byte-level tokens (groups train and val)")
     p.add_argument("--out", required=True, metavar="PATH.h5",
-                   help="the HDF5 data file to write (groups train and test)")
+                   help="the HDF5 data file to write (groups train and test; text: train and "
+                        "val)")
     p.add_argument("--from", dest="source", metavar="PATH",
                    help="cifar10: cifar-10-python.tar.gz, its folder, or the folder of the "
                         "python-pickle batches (with --download: where the archive is fetched "
-                        "and unpacked); lmdb-to-h5: the train split's LMDB folder")
+                        "and unpacked); lmdb-to-h5: the train split's LMDB folder; text: a "
+                        "UTF-8 file or a folder of them (read in sorted order)")
+    p.add_argument("--glob", metavar="PATTERN",
+                   help="text: the files of the --from folder to read, e.g. '*.py' (a pattern "
+                        "without '/' matches file names at any depth; default: every file)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                   help="text: the last F of the token stream is the validation split "
+                        "(default 0.1)")
     p.add_argument("--test-from", dest="test_source", metavar="DIR",
                    help="lmdb-to-h5: the test split's LMDB folder")
     p.add_argument("--download", action="store_true",

@@ -307,11 +307,15 @@ def make_source(spec, seed=0):
     if kind == "lmdb":
         from .lmdb_source import LMDBSource
         return LMDBSource(spec["path"])
+    if kind == "text":
+        from .text import TextSource
+        return TextSource(spec)
     if kind == "synthetic":
         s = spec.get("seed")
         return SyntheticSource(spec["shape"], spec["classes"], spec.get("num_samples", 1024),
                                seed if s is None else s, spec.get("split"))
-    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb', 'text' or "
+                    "'synthetic'")
 
 
 def check_labels(spec, classes, ignore_label=None, layer="?"):
@@ -335,6 +339,14 @@ def check_labels(spec, classes, ignore_label=None, layer="?"):
             key = bytes(source.keys[first]).decode("utf-8", "backslashreplace")
             _check_label_range(labels, classes, ignore_label, layer,
                                f"lmdb source '{spec['path']}'", f"record '{key}' holds label")
+        return
+    if spec.get("source") == "text":
+        from .text import TextSource
+        top = TextSource(spec).max_token()
+        if top >= classes:
+            raise UserError(f"text data file '{spec['path']}': split '{spec.get('split')}' "
+                            f"holds token {top}, outside [0, {classes}): layer '{layer}' sees "
+                            f"{classes} classes (a byte-level vocabulary needs 256)")
         return
     if spec.get("source", "hdf5") != "hdf5":
         if int(spec.get("classes", classes)) > classes:
@@ -368,9 +380,22 @@ def source_info(spec):
     if kind == "lmdb":
         from .lmdb_source import lmdb_info
         return lmdb_info(spec["path"])
+    if kind == "text":
+        from .text import text_info
+        return text_info(spec)
     if kind == "synthetic":
         return int(spec.get("num_samples", 1024)), tuple(int(s) for s in spec["shape"])
-    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb' or 'synthetic'")
+    raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb', 'text' or "
+                    "'synthetic'")
+
+
+def batch_types(spec, dtype="float32"):
+    """(data dtype, label shape of one sample, label dtype) of a data spec's
+    batches: a text source gives int32 tokens and (T,) int32 next tokens,
+    the others ``dtype`` data and one int64 label per sample."""
+    if spec.get("source") == "text":
+        return "int32", (int(spec["sequence_length"]),), "int32"
+    return np.dtype(dtype).name, (), "int64"
 
 
 # ----------------------------------------------------------------- batching

@@ -1,5 +1,5 @@
 """Validation of the config's data specs (``data.train``, ``data.test``):
-sources (hdf5, lmdb, synthetic), paths resolved against the working and the config's folder, the
+sources (hdf5, lmdb, text, synthetic), paths resolved against the working and the config's folder, the
 transform keys, the notes a user should read, and the hint that names the
 command which makes a missing data file. Imports the schema and checks.
 """
@@ -55,6 +55,8 @@ def _check_data_spec(phase, spec, path, check_files):
                                                           "(one database is one split)")
         out["path"] = _resolve_data_path(spec["path"], path, f"{key}.path", check_files,
                                          folder=True)
+    elif source == "text":
+        out.update(_check_text(key, spec, phase, path, check_files))
     elif source == "hdf5":
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ConfigError(path, f"{key}.path", "expected the path of an HDF5 file, got "
@@ -90,6 +92,31 @@ def _check_data_spec(phase, spec, path, check_files):
         if spec.get("path") is not None:  # ignored: kept for data_notes' word on it
             out["path"] = str(spec["path"])
     return out
+
+
+def _check_text(key, spec, phase, path, check_files):
+    """The text source's keys (data/text.py): a token file, its split, the
+    window length; no transform and no hdf5/synthetic keys."""
+    for other in ("in_memory", "external", "shape", "classes", "num_samples", "mean",
+                  "mean_file", "scale", "mirror", "crop_size"):
+        if spec.get(other) is not None:
+            raise ConfigError(path, f"{key}.{other}", "does not apply to source text (byte "
+                                                      "tokens: no transform)")
+    if not isinstance(spec.get("path"), str) or not spec["path"]:
+        raise ConfigError(path, f"{key}.path", "expected the path of a token file of 'python "
+                                               "-m purine_mpi data text', got "
+                                               f"{excerpt(spec.get('path'))}")
+    split = spec.get("split", "train" if phase == "train" else "val")
+    if split not in ("train", "val"):
+        raise ConfigError(path, f"{key}.split", f"expected train or val, got {excerpt(split)}")
+    if "sequence_length" not in spec:
+        raise ConfigError(path, f"{key}.sequence_length", "missing; the text source needs the "
+                                                          "tokens per sample (a positive "
+                                                          "integer)")
+    return {"path": _resolve_data_path(spec["path"], path, f"{key}.path", check_files,
+                                       what="text data file"),
+            "split": split,
+            "sequence_length": _checked(key, "sequence_length", spec["sequence_length"], path)}
 
 
 def _checked(spec_key, name, value, path):
@@ -171,7 +198,7 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
             return os.path.abspath(candidate)
     if check_files:
         tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
-        hint = data_hint(data_path) if what == "data file" and not folder else (
+        hint = data_hint(data_path, what) if what.endswith("data file") and not folder else (
             "make it with Caffe's convert_imageset (or compute_image_mean for a mean file), "
             "or give the right path")
         raise ConfigError(config_path, key, f"{'lmdb source' if folder else what} "
@@ -180,10 +207,14 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
     return data_path
 
 
-def data_hint(data_path):
+def data_hint(data_path, what="data file"):
     """How to make the missing data file ``data_path``, by the data set its
-    name suggests."""
+    name suggests (a text data file: ``data text``)."""
     name = os.path.basename(str(data_path)).lower()
+    if what == "text data file":
+        return (f"make it with 'python -m purine_mpi data text --from PATH --out {data_path}' "
+                "(PATH: a UTF-8 file or a folder, e.g. a package of Python's standard library "
+                "with --glob '*.py')")
     if "cifar" in name:
         return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
                 "(or --from DIR with the unpacked python batches)")

@@ -98,6 +98,8 @@ class DataSpec:
             values.setdefault("in_memory", "auto")
             values.setdefault("external", False)
             values.setdefault("split", None)
+        elif source == "text":
+            values.setdefault("split", "train" if phase == "train" else "val")
         elif source == "synthetic":
             values.setdefault("num_samples", SYNTHETIC_NUM_SAMPLES)
             values.setdefault("split", phase)

@@ -36,7 +36,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 BACKENDS = ("auto", "numpy", "cupy")
 
 
-DATA_SOURCES = ("hdf5", "lmdb", "synthetic")
+DATA_SOURCES = ("hdf5", "lmdb", "text", "synthetic")
 
 
 SYNTHETIC_NUM_SAMPLES = 1024
@@ -198,13 +198,19 @@ RESOLVED_FIRST = ("name", "seed")
 #: spec leaves a key out)
 DATA = (
     Key("source", None, None, "where the samples come from", kind="one of hdf5, lmdb, "
-        "synthetic", shown="hdf5 with a path to a file, lmdb with a path to a folder, "
+        "text, synthetic", shown="hdf5 with a path to a file, lmdb with a path to a folder, "
         "synthetic with a shape"),
     Key("path", None, None, "hdf5: the data file; lmdb: the database folder (holding "
-        "data.mdb); relative to the working directory or to the config's folder",
-        kind="string", shown="—"),
+        "data.mdb); text: the token file of `data text`; relative to the working directory "
+        "or to the config's folder", kind="string", shown="—"),
     Key("split", None, None, "hdf5: the group holding data and label (null: the file's top "
-        "level)", kind="string or null", shown="`null` (hdf5), the phase (synthetic)"),
+        "level); text: `train` or `val`", kind="string or null",
+        shown="`null` (hdf5), `train` for train and `val` for test (text), the phase "
+              "(synthetic)"),
+    Key("sequence_length", _int(1), None, "text: tokens per sample T; a sample is a window "
+        "of T + 1 tokens, data its first T and label its last T (int32, N×T each); shuffled: "
+        "every offset of the split is a window, else disjoint windows in order",
+        shown="required (text)"),
     Key("batch_size", _int(1), None, "samples per rank per iteration (the global batch is "
         "ranks × batch_size)", shown="required"),
     Key("shuffle", _bool, None, "a new permutation each epoch, from the seed and the epoch",
@@ -238,6 +244,7 @@ DATA = (
 #: the keys each data source takes besides the common ones, in the order of
 #: the validated spec (after the common keys and the transform's)
 SOURCE_KEYS = {"hdf5": ("path", "in_memory", "external", "split"), "lmdb": ("path",),
+               "text": ("path", "split", "sequence_length"),
                "synthetic": ("shape", "classes", "num_samples", "split")}
 
 
@@ -309,6 +316,9 @@ CHOICE_DOCS = {
         "lmdb": "a Caffe LMDB of Datum records (raw uint8, float_data, or JPEG/PNG decoded "
                 "to BGR as Caffe does), read record by record from the memory-mapped file; "
                 "needs `pip install 'purine_mpi[caffe]'`",
+        "text": "byte-level tokens of UTF-8 text (`python -m purine_mpi data text`): windows "
+                "of `sequence_length` + 1 tokens, data the first T and label the next token "
+                "at each position",
         "synthetic": "random samples of `shape` with random labels below `classes` (benchmarks)",
     },
     "backend": {

@@ -2,7 +2,8 @@
 
 ``DataReader`` is a source op (no inputs) with outputs ``[data, label]``:
 data ``(batch_size, *sample_shape)`` float32 (or attrs ``dtype``) and label
-``(batch_size,)`` int64. The label is always produced, also for nets that do
+``(batch_size,)`` int64; a text source (data/text.py) gives int32 tokens
+``(batch_size, T)`` and their next tokens ``(batch_size, T)`` int32. The label is always produced, also for nets that do
 not use it (pruning drops its consumers, not the blob). Which samples a call
 reads is the data-parallel rule of ``purine_mpi.data.sources.batch_indices``, so a
 run reads the same samples whatever its number of ranks.
@@ -57,7 +58,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..data.sources import EpochOrder, batch_indices, batch_positions, make_source, source_info
+from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_types,
+                            make_source, source_info)
 from ..data.transform import apply_transform, output_shape
 from .registry import OpKernel, register
 
@@ -82,8 +84,10 @@ class DataReader(OpKernel):
                              f"got batch_size {batch}, rank {rank}, world_size {world}")
         _, sample_shape = source_info(attrs["source"])  # metadata only
         sample_shape = output_shape(attrs["source"], sample_shape)
-        dtype = np.dtype(attrs.get("dtype", "float32")).name
-        return [((batch,) + tuple(sample_shape), dtype), ((batch,), "int64")]
+        dtype, label_shape, label_dtype = batch_types(attrs["source"],
+                                                      attrs.get("dtype", "float32"))
+        return [((batch,) + tuple(sample_shape), dtype),
+                ((batch,) + label_shape, label_dtype)]
 
     def __init__(self, op):
         super().__init__(op)
@@ -121,8 +125,8 @@ class DataReader(OpKernel):
         positions = batch_positions(iteration, self.rank, self.world_size, self.batch_size)
         data = apply_transform(data, self.attrs["source"], positions, self.seed, self.train)
         if pad_limit is not None:
-            labels = np.where(positions >= pad_limit, np.int64(self.attrs["pad_label"]),
-                              labels)
+            pad = (positions >= pad_limit).reshape((-1,) + (1,) * (labels.ndim - 1))
+            labels = np.where(pad, labels.dtype.type(self.attrs["pad_label"]), labels)
         return np.ascontiguousarray(data), np.ascontiguousarray(labels)
 
     def _serve(self):

@@ -1,0 +1,212 @@
+"""Token data: UTF-8 text as a byte-level token stream (docs/formats.md,
+"HDF5 text files"), and the ``text`` data source that reads windows of it.
+
+    write_text(src, out_path, glob, val_fraction)   a file, or a folder's files
+
+The vocabulary is the 256 byte values (no tokenizer to download): token i of
+a stream is byte i of the text. A folder's files matching ``glob`` (matched
+against each file's path relative to the folder, recursively; default every
+file) are read in sorted order of that path and concatenated, so the same
+folder always gives the same file. The last ``val_fraction`` of the stream
+is the validation split, the rest the train split (nanoGPT's rule). The
+file holds
+
+    /train/tokens, /val/tokens   uint8 (n,)  the two streams
+    /files                       the source files, in order (relative paths)
+    /file_bytes                  int64: their sizes
+    attrs: format "purine_mpi.text", vocab_size 256, source, glob, bytes,
+           val_fraction, version (of purine_mpi), sha256 (of the whole stream)
+
+``TextSource`` turns a split of it into samples for the DataReader: sample i
+is the window of ``sequence_length + 1`` tokens starting at ``i * stride``;
+its data are the first ``sequence_length`` tokens and its label the last
+``sequence_length`` (the next token at every position), both int32. The
+stride is 1 for a shuffled spec (every offset is a sample: a shuffled epoch
+visits every window once, in the seeded order of data/sources.py) and
+``sequence_length`` otherwise (a test pass reads disjoint windows in order,
+so each token of the split is predicted once). Which windows a rank reads is
+the rule of data/sources.py (``batch_indices``), so N ranks x B read the
+windows of 1 rank x N*B.
+"""
+import fnmatch
+import hashlib
+import os
+
+import numpy as np
+
+from ..base.errors import UserError
+
+FORMAT = "purine_mpi.text"
+VOCAB_SIZE = 256
+
+
+# ------------------------------------------------------------------ writing
+def text_files(src, glob=None):
+    """[(relative name, path)] of the text ``src``: the file itself, or the
+    files under the folder ``src`` whose relative path matches ``glob``
+    (fnmatch; a pattern without '/' matches the file name at any depth), in
+    sorted order. Raises UserError when there is nothing to read."""
+    if os.path.isfile(src):
+        if glob is not None:
+            raise UserError(f"data text: --glob {glob} applies to a folder, but --from {src} "
+                            "is a file")
+        return [(os.path.basename(src), src)]
+    if not os.path.isdir(src):
+        raise UserError(f"data text: --from {src} not found (expected a UTF-8 text file or a "
+                        "folder of them)")
+    pattern = glob or "*"
+    found = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, src).replace(os.sep, "/")
+            target = rel if "/" in pattern else name
+            if fnmatch.fnmatchcase(target, pattern) and os.path.isfile(path):
+                found.append((rel, path))
+    if not found:
+        raise UserError(f"data text: no file under --from {src} matches --glob {pattern}")
+    return sorted(found)
+
+
+def read_text(files):
+    """The bytes of ``files`` concatenated; each must be UTF-8 (a UserError
+    names the first that is not, with the byte offset)."""
+    parts = []
+    for rel, path in files:
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"data text: {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                            "give --glob to pick the text files") from None
+        parts.append(raw)
+    return parts
+
+
+def write_text(src, out_path, glob=None, val_fraction=0.1, log=None):
+    """Write the byte-level token file of ``src`` (see the module docstring)
+    atomically; returns a summary dict."""
+    import h5py
+    from .. import __version__
+    if not 0.0 < float(val_fraction) < 1.0:
+        raise UserError(f"data text: --val-fraction must lie in (0, 1), got {val_fraction}")
+    files = text_files(src, glob)
+    parts = read_text(files)
+    stream = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    n_val = int(round(len(stream) * float(val_fraction)))
+    if n_val < 2 or len(stream) - n_val < 2:
+        raise UserError(f"data text: {src} holds {len(stream)} bytes: too few for a train and "
+                        f"a validation split with --val-fraction {val_fraction}")
+    splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            attrs = {"format": FORMAT, "vocab_size": VOCAB_SIZE,
+                     "encoding": "bytes of UTF-8 text, one token per byte",
+                     "source": os.path.abspath(src), "glob": glob or "",
+                     "bytes": len(stream), "val_fraction": float(val_fraction),
+                     "version": __version__,
+                     "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for split, tokens in splits.items():
+                f.create_group(split).create_dataset(
+                    "tokens", data=tokens, chunks=(min(len(tokens), 1 << 16),),
+                    compression="gzip", compression_opts=4)
+            f.create_dataset("files", data=[rel.encode("utf-8") for rel, _ in files],
+                             dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset("file_bytes", data=np.array([len(p) for p in parts], np.int64))
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    summary = {"path": out_path, "files": len(files), "bytes": int(len(stream)),
+               "train": int(len(splits["train"])), "val": int(len(splits["val"])),
+               "vocab_size": VOCAB_SIZE}
+    if log:
+        log(f"read {len(files)} file(s), {len(stream):,} bytes: {summary['train']:,} train and "
+            f"{summary['val']:,} validation tokens")
+    return summary
+
+
+# ------------------------------------------------------------------ reading
+def window_stride(spec):
+    """Tokens between the starts of consecutive samples: 1 when shuffled
+    (every offset), sequence_length otherwise (disjoint windows)."""
+    return 1 if spec.get("shuffle") else int(spec["sequence_length"])
+
+
+def _open_tokens(path, split):
+    """The split's token dataset of the text file ``path`` (an open h5py
+    object, and the file); UserError naming the file and dataset."""
+    import h5py
+    if not os.path.isfile(path):
+        raise UserError(f"text data file '{path}' not found; make it with 'python -m "
+                        "purine_mpi data text --from PATH --out FILE.h5'")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise UserError(f"text data file '{path}' cannot be opened as HDF5 ({e})") from None
+    name = f"{split}/tokens"
+    if name not in f or not hasattr(f[name], "shape"):
+        groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
+        f.close()
+        raise UserError(f"text data file '{path}' has no dataset '/{name}' (groups: {groups}); "
+                        "check the data spec's 'split' (train or val), or make the file with "
+                        "'python -m purine_mpi data text'")
+    tokens = f[name]
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        f.close()
+        raise UserError(f"text data file '{path}': dataset '/{name}' must be 1-D integer "
+                        f"tokens, got shape {list(tokens.shape)} dtype {tokens.dtype}")
+    return f, tokens
+
+
+def text_info(spec):
+    """(n_samples, sample_shape) of a text spec, reading only metadata."""
+    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
+    with f:
+        n_tokens = int(tokens.shape[0])
+    return _count(spec, n_tokens), (int(spec["sequence_length"]),)
+
+
+def _count(spec, n_tokens):
+    length = int(spec["sequence_length"])
+    if n_tokens < length + 1:
+        raise UserError(f"text data file '{spec['path']}': split '{spec.get('split')}' holds "
+                        f"{n_tokens} tokens, fewer than sequence_length + 1 = {length + 1}: "
+                        "use a shorter sequence_length or more text")
+    return (n_tokens - length - 1) // window_stride(spec) + 1
+
+
+class TextSource:
+    """A split of a text file as windows (module docstring); the tokens are
+    held in memory (one byte each)."""
+
+    def __init__(self, spec):
+        self.path, self.split = spec["path"], spec.get("split") or "train"
+        self.length, self.stride = int(spec["sequence_length"]), window_stride(spec)
+        f, tokens = _open_tokens(self.path, self.split)
+        with f:
+            try:
+                self.tokens = np.ascontiguousarray(tokens[...])
+            except OSError as e:
+                raise UserError(f"text data file '{self.path}': reading '/{self.split}/tokens' "
+                                f"failed ({e}); the file may be truncated") from None
+        self.n_samples = _count(spec, len(self.tokens))
+        self.sample_shape = (self.length,)
+        self._offsets = np.arange(self.length + 1, dtype=np.int64)
+
+    def gather(self, indices):
+        """(data (k, T) int32, labels (k, T) int32) of the windows ``indices``."""
+        starts = np.asarray(indices, dtype=np.int64) * self.stride
+        windows = self.tokens[starts[:, None] + self._offsets].astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+    def max_token(self):
+        return int(self.tokens.max()) if len(self.tokens) else 0

@@ -1,0 +1,183 @@
+"""Token data (issue 37): ``data text`` writes byte-level token files, the
+``text`` source reads windows of them with the data-parallel sample rule."""
+import email
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from purine_mpi.data.sources import EpochOrder, batch_indices, make_source, source_info
+from purine_mpi.data.text import TextSource
+from tests.conftest import make_job, run_cli_args
+
+EMAIL = os.path.dirname(email.__file__)
+
+
+@pytest.fixture(scope="module")
+def email_h5(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "email.h5"
+    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
+
+
+def _stdlib_stream(folder, pattern):
+    """The reference: every matching file under folder, sorted by relative path."""
+    import fnmatch
+    files = []
+    for root, _, names in os.walk(folder):
+        for n in names:
+            if fnmatch.fnmatchcase(n, pattern):
+                files.append(os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/"))
+    files.sort()
+    data = b"".join(open(os.path.join(folder, f), "rb").read() for f in files)
+    return files, data
+
+
+def test_data_text_writes_the_byte_stream(email_h5):
+    import h5py
+    files, data = _stdlib_stream(EMAIL, "*.py")
+    with h5py.File(email_h5, "r") as f:
+        train, val = f["train/tokens"][...], f["val/tokens"][...]
+        assert train.dtype == np.uint8 and val.dtype == np.uint8
+        assert np.concatenate([train, val]).tobytes() == data  # every byte, in file order
+        assert len(val) == round(0.1 * len(data))  # the last tenth validates
+        assert [s.decode() for s in f["files"][...]] == files
+        assert f["file_bytes"][...].sum() == len(data)
+        a = f.attrs
+        assert a["format"] == "purine_mpi.text" and a["vocab_size"] == 256
+        assert a["bytes"] == len(data) and a["glob"] == "*.py" and a["val_fraction"] == 0.1
+        assert a["sha256"] == hashlib.sha256(data).hexdigest()
+        assert os.path.samefile(a["source"], EMAIL) and a["version"]
+
+
+def test_data_text_is_deterministic_and_takes_a_file(tmp_path, email_h5):
+    import h5py
+    again = tmp_path / "again.h5"
+    assert run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", again,
+                        "--val-fraction", "0.25").returncode == 0
+    with h5py.File(email_h5, "r") as f, h5py.File(again, "r") as g:
+        whole = np.concatenate([f["train/tokens"][...], f["val/tokens"][...]])
+        assert np.array_equal(np.concatenate([g["train/tokens"][...], g["val/tokens"][...]]),
+                              whole)
+        assert len(g["val/tokens"]) == round(0.25 * len(whole))
+    one = tmp_path / "one.txt"
+    one.write_text("héllo wörld\n" * 50, encoding="utf-8")
+    out = tmp_path / "one.h5"
+    res = run_cli_args("data", "text", "--from", one, "--out", out)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(out, "r") as f:
+        assert np.concatenate([f["train/tokens"][...], f["val/tokens"][...]]).tobytes() == \
+            one.read_bytes()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--from", "{missing}"], ["--from", "not found"]),
+    (["--from", "{binary}"], ["not UTF-8", "bad.txt"]),
+    (["--from", "{folder}", "--glob", "*.nothing"], ["--glob", "*.nothing"]),
+    (["--from", "{folder}", "--val-fraction", "1.5"], ["--val-fraction", "1.5"]),
+    ([], ["--from"]),
+    (["--from", "{folder}", "--out", "{folder}/ok.txt"], ["--out", "--from"]),
+])
+def test_data_text_bad_input_exits_2(tmp_path, args, words):
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("some text\n" * 20)
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00bad")
+    names = {"missing": tmp_path / "nope", "binary": tmp_path / "bad.txt", "folder": folder}
+    args = [a.format(**names) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "o.h5")]
+    if "--out" in args:  # the output is the input file itself: refused
+        args = ["--from", str(folder / "ok.txt"), "--out", str(folder / "ok.txt")]
+    res = run_cli_args("data", "text", *args, *out)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert all(w in res.stderr for w in words), res.stderr
+    assert (folder / "ok.txt").read_text() == "some text\n" * 20
+
+
+def _spec(path, length, shuffle, split="train"):
+    return {"source": "text", "path": path, "split": split, "sequence_length": length,
+            "shuffle": shuffle}
+
+
+def test_text_source_windows(email_h5):
+    import h5py
+    with h5py.File(email_h5, "r") as f:
+        tokens = f["val/tokens"][...]
+    for shuffle, stride in ((True, 1), (False, 16)):
+        src = make_source(_spec(email_h5, 16, shuffle, "val"))
+        assert isinstance(src, TextSource)
+        assert src.n_samples == (len(tokens) - 17) // stride + 1
+        assert source_info(_spec(email_h5, 16, shuffle, "val")) == (src.n_samples, (16,))
+        idx = np.array([0, 5, src.n_samples - 1])
+        data, label = src.gather(idx)
+        assert data.dtype == np.int32 and label.dtype == np.int32 and data.shape == (3, 16)
+        for row, i in enumerate(idx):
+            s = i * stride
+            assert np.array_equal(data[row], tokens[s:s + 16])
+            assert np.array_equal(label[row], tokens[s + 1:s + 17])  # the next tokens
+    # the test phase's disjoint windows predict each token once
+    src = make_source(_spec(email_h5, 16, False, "val"))
+    _, label = src.gather(np.arange(src.n_samples))
+    assert np.array_equal(label.ravel(), tokens[1:1 + 16 * src.n_samples])
+
+
+def test_text_shards_like_a_bigger_batch(email_h5):
+    """2 ranks x B read together exactly the windows of 1 rank x 2B, epoch after epoch."""
+    from purine_mpi.ops.data import DataReader
+    spec = _spec(email_h5, 32, True)
+
+    def reader(rank, world, batch):
+        op = type("Op", (), {"name": "data", "attrs": {
+            "source": spec, "batch_size": batch, "rank": rank, "world_size": world,
+            "seed": 7, "train": True}})()
+        return DataReader(op)
+    one, r0, r1 = reader(0, 1, 8), reader(0, 2, 4), reader(1, 2, 4)
+    for it in (0, 1, 5):
+        d, lab = one.prepare(it)
+        d0, l0 = r0.prepare(it)
+        d1, l1 = r1.prepare(it)
+        assert np.array_equal(d, np.concatenate([d0, d1]))
+        assert np.array_equal(lab, np.concatenate([l0, l1]))
+    order = EpochOrder(make_source(spec).n_samples, True, 7)
+    first = batch_indices(0, 0, 1, 8, order)
+    assert len(set(first.tolist())) == 8 and not np.array_equal(first, np.arange(8))
+    assert DataReader.infer({"source": spec, "batch_size": 4}, []) == [
+        ((4, 32), "int32"), ((4, 32), "int32")]
+
+
+def test_text_padding_marks_whole_windows(email_h5):
+    from purine_mpi.ops.data import DataReader
+    spec = _spec(email_h5, 64, False, "val")
+    op = type("Op", (), {"name": "data", "attrs": {
+        "source": spec, "batch_size": 4, "rank": 0, "world_size": 1, "seed": 0,
+        "train": False, "pad_label": -1}})()
+    n = make_source(spec).n_samples
+    last = (n - 1) // 4
+    _, label = DataReader(op).prepare(last, pad_limit=n)
+    real = n - last * 4
+    assert (label[real:] == -1).all() and (label[:real] >= 0).all()
+
+
+def test_text_spec_validation(email_h5, tmp_path):
+    from purine_mpi.base.errors import ConfigError
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x",
+            "input_dim": 256, "num_output": 8}]
+    base = {"source": "text", "path": email_h5, "batch_size": 2, "sequence_length": 16}
+    job = make_job({"net": net, "data": {"train": dict(base), "test": dict(base)}})
+    assert job.data.train.split == "train" and job.data.test.split == "val"
+    assert job.data.train.shuffle and not job.data.test.shuffle
+    for bad, key in ((dict(base, sequence_length=0), "sequence_length"),
+                     ({k: v for k, v in base.items() if k != "sequence_length"},
+                      "sequence_length"),
+                     (dict(base, split="test"), "split"),
+                     (dict(base, mirror=True), "mirror"),
+                     (dict(base, path=str(tmp_path / "none.h5")), "path")):
+        with pytest.raises(ConfigError) as e:
+            make_job({"net": net, "data": {"train": bad}})
+        assert f"data.train.{key}" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        make_job({"net": net, "data": {"train": dict(base, path=str(tmp_path / "none.h5"))}})
+    assert "data text" in str(e.value)
