@@ -17,8 +17,15 @@ updates) on each of the t ranks of a tensor-parallel group:
   ``Allreduce`` over the group (Megatron's g) sums them; only rank 0 of
   the group adds B's bias (the whole bias is on every rank and updated the
   same everywhere, its gradient being that of the summed y).
-* In the backward pass the gradient reaching A's input from A is partial on
-  each rank; one ``Allreduce`` (Megatron's f) sums it. Everything outside
+* An ``attention`` layer is split by heads the same way: its q, k and v
+  projection (``qkv_weight`` (3C, C), rows q, k, v, heads contiguous) keeps
+  rows [i·C/t, (i+1)·C/t) of each of the three blocks and of ``qkv_bias``,
+  every attention op of the layer runs H/t heads, and the output
+  projection (``proj_weight``) keeps the matching columns, then one
+  ``Allreduce``.
+* In the backward pass the gradient reaching A's input from A (the qkv
+  projection's input) is partial on each rank; one ``Allreduce``
+  (Megatron's f) sums it. Everything outside
   the split pairs is replicated: every rank of a group reads the same batch.
 
 The comm ops are ordinary graph ops (comm/ops.py), numbered (``seq``) in
@@ -56,11 +63,23 @@ def find_splits(graph):
             readers.setdefault(b, []).append(op)
     param_uses = {}
     for op in graph.ops.values():
-        if op.op_type in ("InnerProduct",) or op.name.endswith(".fwd"):
+        if op.op_type == "InnerProduct" or op.name.endswith(".fwd"):
             for b in op.inputs:
                 if graph.blobs[b].kind == "param":
                     param_uses.setdefault(b, set()).add(op_base(op.name))
     used, pairs = set(), []
+    for op in graph.topo_order():  # attention layers: split by heads
+        if op.op_type not in ("Attention", "AttentionScores"):
+            continue
+        layer = op.name.rsplit(".", 1)[0]
+        qkv, proj = graph.ops.get(f"{layer}.qkv"), graph.ops.get(f"{layer}.proj")
+        if qkv is None or proj is None or qkv.outputs[0] != op.inputs[0] or \
+                layer in used or not (_own(qkv, param_uses) and _own(proj, param_uses)):
+            continue
+        used.add(layer)
+        pairs.append({"column": qkv.name, "row": proj.name, "layer": layer, "blocks": 3,
+                      "heads": int(op.attrs["num_heads"]),
+                      "width": int(graph.blobs[proj.inputs[1]].shape[0])})
     for a in fwd:
         if a.op_type != "InnerProduct" or op_base(a.name) in used or not _own(a, param_uses):
             continue
@@ -85,7 +104,9 @@ def find_splits(graph):
                               "width": width, "through": through})
                 used.update((op_base(a.name), op_base(op.name)))
             break
-    return pairs
+    order = {op.name: k for k, op in enumerate(graph.topo_order())}
+    return sorted(pairs, key=lambda p: order[p["column"] if p["column"] in order
+                                             else p["column"] + ".fwd"])
 
 
 def _own(op, param_uses):
@@ -104,6 +125,12 @@ def check_degree(pairs, degree, path):
                         "reaches another fully connected layer (over its last axis) through "
                         "element-wise layers only (relu, gelu, dropout), e.g. a transformer's "
                         "MLP; use scheme: data for this net")
+    heads = [p for p in pairs if "heads" in p and p["heads"] % degree]
+    if heads:
+        p = heads[0]
+        raise UserError(f"{path}: key 'parallel.tensor_parallel': attention layer "
+                        f"'{p['layer']}' has num_heads {p['heads']}, not divisible by the "
+                        f"tensor-parallel degree {degree}; choose a degree that divides it")
     bad = [p for p in pairs if p["width"] % degree]
     if bad:
         p = bad[0]
@@ -116,20 +143,27 @@ def describe_splits(pairs, degree):
     """One line per split pair (the start-up block and ``graph --np N``)."""
     lines = []
     for p in pairs:
+        if "heads" in p:
+            lines.append(f"{p['layer']} (heads, {p['heads']} -> {p['heads'] // degree} per "
+                         f"rank: q, k, v by columns, the output projection by rows, one "
+                         "allreduce)")
+            continue
         via = f" -> {' -> '.join(p['through'])}" if p["through"] else ""
         lines.append(f"{p['column']} (columns, {p['width']} -> {p['width'] // degree} per rank)"
                      f"{via} -> {p['row']} (rows, one allreduce)")
     return lines
 
 
-def _shard(graph, name, axis, parts, index, states):
-    """Give param ``name`` (and its solver state) the shape of shard ``index``."""
+def _shard(graph, name, axis, parts, index, states, blocks=1):
+    """Give param ``name`` (and its solver state) the shape of shard
+    ``index``: along ``axis``, the whole is ``blocks`` equal blocks (q, k, v)
+    and the shard takes its part of each."""
     blob = graph.blobs[name]
     whole = tuple(blob.shape)
     shape = list(whole)
     shape[axis] //= parts
     blob.attrs["tensor_split"] = {"axis": axis, "parts": parts, "index": index,
-                                  "shape": list(whole)}
+                                  "shape": list(whole), "blocks": blocks}
     for n in [name] + [state_name(name, s) for s in states]:
         if n in graph.blobs:
             graph.blobs[n].shape = tuple(shape)
@@ -159,10 +193,14 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
     fixes = []
     for p in pairs:
         a_ops, b_ops = by_layer[p["column"]], by_layer[p["row"]]
-        a_fwd = next(op for op in a_ops if op.name.endswith(".fwd"))
-        b_fwd = next(op for op in b_ops if op.name.endswith(".fwd"))
+        a_fwd = next(op for op in a_ops if op.op_type == "InnerProduct")
+        b_fwd = next(op for op in b_ops if op.op_type == "InnerProduct")
         for name in a_fwd.inputs[1:]:
-            _shard(graph, name, 0, degree, index, states)
+            _shard(graph, name, 0, degree, index, states, p.get("blocks", 1))
+        if "heads" in p:  # every op of the layer sees its shard's heads
+            for op in graph.ops.values():
+                if op.name.startswith(p["layer"] + ".") and "num_heads" in op.attrs:
+                    op.attrs["num_heads"] = p["heads"] // degree
         _shard(graph, b_fwd.inputs[1], 1, degree, index, states)
         if len(b_fwd.inputs) == 3 and index:  # the bias is added once, by shard 0
             b_fwd.inputs = b_fwd.inputs[:2]
@@ -233,15 +271,30 @@ def split_of(blob):
 def take_shard(split, whole):
     """This rank's slice of the whole array ``whole`` of a split param."""
     axis, parts, index = split["axis"], split["parts"], split["index"]
-    n = whole.shape[axis] // parts
-    sl = [slice(None)] * whole.ndim
-    sl[axis] = slice(index * n, (index + 1) * n)
-    return np.ascontiguousarray(whole[tuple(sl)])
+    blocks = _blocks(split, whole)
+    n = blocks.shape[axis + 1] // parts
+    sl = [slice(None)] * blocks.ndim
+    sl[axis + 1] = slice(index * n, (index + 1) * n)
+    part = blocks[tuple(sl)]
+    shape = list(whole.shape)
+    shape[axis] //= parts
+    return np.ascontiguousarray(part).reshape(shape)
 
 
 def join_shards(split, shards):
     """The whole array from the shards of every index (in order)."""
-    return np.concatenate(shards, axis=split["axis"])
+    axis = split["axis"]
+    joined = np.concatenate([_blocks(split, s) for s in shards], axis=axis + 1)
+    shape = list(shards[0].shape)
+    shape[axis] *= len(shards)
+    return joined.reshape(shape)
+
+
+def _blocks(split, array):
+    """``array`` with its split axis viewed as (blocks, rows of a block)."""
+    axis, k = split["axis"], int(split.get("blocks", 1))
+    shape = array.shape
+    return array.reshape(shape[:axis] + (k, shape[axis] // k) + shape[axis + 1:])
 
 
 def whole_shape(blob):
