@@ -88,7 +88,7 @@ def test_split_found_and_composed_offline():
         assert blobs["fc0/weight"].shape == (8, 6) and blobs["out/weight"].shape == (5, 8)
         assert blobs["h"].shape == (8, 8) and blobs["fc1/weight.m"].shape == (8, 8)
         assert blobs["fc1/weight"].attrs["tensor_split"] == {
-            "axis": 0, "parts": 2, "index": rank, "shape": [16, 8]}
+            "axis": 0, "parts": 2, "index": rank, "shape": [16, 8], "blocks": 1}
         assert blobs["fc2/weight"].attrs["tensor_split"]["axis"] == 1
         reduces = [op for op in g.topo_order() if op.op_type == "Allreduce"]
         # one forward (after the row split) and one backward (block input)
