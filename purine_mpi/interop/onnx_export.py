@@ -244,7 +244,8 @@ def build_model(graph, values, name, batch=None, pre=None):
     tokens = pre is None and np.dtype(graph.blobs["data"].dtype).kind in "iu"
     if tokens:  # (N, T) token ids: batch and sequence length both free
         elem = helper.np_dtype_to_tensor_dtype(np.dtype(graph.blobs["data"].dtype))
-        data_shape[1:2] = [] if len(data_shape) < 2 or batch else ["sequence"]
+        if len(data_shape) > 1 and not batch:
+            data_shape[1] = "sequence"
     inputs = [helper.make_tensor_value_info("data", elem, data_shape)]
     outs = []
     for blob in outputs:
