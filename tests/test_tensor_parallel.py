@@ -251,3 +251,20 @@ def test_two_way_gpt_equals_one_rank(tmp_path, tokens, fused):
         tokens, fused=fused, parallel={"scheme": "tensor", "tensor_parallel": 2}, **sgd))
     _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
     np.testing.assert_allclose(_losses(one), _losses(two), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_across_layouts(tmp_path):
+    """2 iterations 2-way tensor parallel, resumed on 1 rank for 2 more (and
+    the other way round) = 4 iterations on 1 rank: the checkpoint's whole
+    weights and momenta are split on load and joined on save."""
+    cfg = dict(_config(scheme="data", solver="sgd"), checkpoint={"interval": 2})
+    ref, _ = _train(tmp_path, "ref", 1, cfg)
+    tp = dict(cfg, parallel={"scheme": "tensor", "tensor_parallel": 2})
+    for first, then, name in ((tp, cfg, "a"), (cfg, tp, "b")):
+        start, _ = _train(tmp_path, f"{name}0", 2 if first is tp else 1,
+                          dict(first, solver=dict(first["solver"], max_iter=2)))
+        end, res = _train(tmp_path, f"{name}1", 2 if then is tp else 1, then,
+                          "--resume", start / "ckpt_2.h5")
+        assert "resumed from" in res.stdout + res.stderr
+        _close(_params(ref / "latest.h5"), _params(end / "latest.h5"))
