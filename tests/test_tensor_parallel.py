@@ -268,3 +268,17 @@ def test_resume_across_layouts(tmp_path):
                           "--resume", start / "ckpt_2.h5")
         assert "resumed from" in res.stdout + res.stderr
         _close(_params(ref / "latest.h5"), _params(end / "latest.h5"))
+
+
+def test_clipping_counts_each_weight_once(tmp_path):
+    """solver.clip_gradients under 2-way tensor parallelism (a clip that
+    acts every iteration): the global norm adds the shards of the split
+    weights and each replicated weight once, as on 1 rank."""
+    def clipped(cfg):
+        return dict(cfg, solver=dict(cfg["solver"], type="sgd", clip_gradients=0.05))
+    one, _ = _train(tmp_path, "one", 1, clipped(_config(scheme="data")))
+    two, _ = _train(tmp_path, "two", 2, clipped(_config()))
+    _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
+    g = compose_for(make_job(clipped(_config())), 2, 1)
+    assert g.ops["clip.sum"].attrs["group"] == [0, 1]
+    assert 0.0 in g.ops["clip.norm"].attrs["scales"]

@@ -202,6 +202,9 @@ def compose(graph, grads, job, world):
         return local
     from ..graph.clip import add_clip
     lay = layout_of(job, world)
+    if lay.tensor > 1:
+        from .tensor_parallel import add_tensor_clip
+        return add_tensor_clip(local, clip, lay).validate()
     if not lay.staged:
         return add_clip(local, clip).validate()
     # a replica's stages hold its parameters between them: their norms add up

@@ -340,3 +340,18 @@ def gather_whole(graph, layout, parts):
                 solver[p] = {s: join_shards(split, [parts[r][1][p][s] for r in ranks])
                              for s in solver[p]}
     return params, solver
+
+
+def add_tensor_clip(graph, clip, lay):
+    """``solver.clip_gradients`` under tensor parallelism: the squared norms
+    of a group's ranks add up (one Allreduce over the group), a split
+    parameter's shards each counted on their rank, a whole (replicated)
+    parameter only on shard 0 of the group (its norm scale is 0 elsewhere)."""
+    from ..graph.clip import add_clip, update_ops
+    param_of = {op.inputs[1]: graph.storage_root(op.inputs[0]) for op in update_ops(graph)}
+    add_clip(graph, clip, group=lay.tensor_ranks())
+    norm = graph.ops.get("clip.norm")
+    if norm is not None and lay.shard:
+        norm.attrs["scales"] = [s if split_of(graph.blobs[param_of[g]]) else 0.0
+                                for g, s in zip(norm.inputs, norm.attrs["scales"])]
+    return graph
