@@ -192,9 +192,12 @@ def test_two_way_block_on_sequences_equals_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_two_by_two_tensor_and_data(tmp_path):
-    """2 TP x 2 DP on 4 ranks, batch B per replica, equals 1 rank with 2B."""
-    one, _ = _train(tmp_path, "one", 1, _config(scheme="data", batch=16))
-    four, _ = _train(tmp_path, "four", 4, _config())
+    """A 2-block GPT on 4 ranks, 2 TP x 2 DP (batch B per replica, the
+    collectives checked per group at start-up), equals 1 rank with 2B."""
+    tokens = text_h5(tmp_path)
+    one, _ = _train(tmp_path, "one", 1, gpt_config(tokens, batch=8, solver="sgd"))
+    four, _ = _train(tmp_path, "four", 4, gpt_config(tokens, solver="sgd", parallel={
+        "scheme": "tensor", "tensor_parallel": 2, "check_collectives": True}))
     _close(_params(one / "latest.h5"), _params(four / "latest.h5"))
     np.testing.assert_allclose(_losses(one), _losses(four), rtol=1e-5)
 

@@ -254,6 +254,9 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
         graph.bucket_plan = plan
     place_on_rank(graph, world.rank)
     graph.tensor_plan = describe_splits(pairs, degree)
+    # nothing is deferred (compose.defer_update_applies): the memory plan
+    # need not keep what a deferred tail would touch
+    graph.deferrable = False
     graph.layout = lay
     graph.infer_shapes().validate()
     if train and job.parallel.check_collectives and split is not None:
