@@ -4,7 +4,7 @@ The trainer builds one replica's training graph, hands it to a ``Scheme``
 and runs what comes back; everything scheme-specific lives here and in the
 modules this one calls (nothing in ``parallel/`` imports the trainer):
 
-    scheme = Scheme()                          # data / pipeline / hybrid / none
+    scheme = Scheme()                          # data / pipeline / hybrid / tensor / none
     local = scheme.compose(graph, grads, job, world)
 
     layout = layout_of(job, world)             # replicas x stages; this rank's place
@@ -22,6 +22,11 @@ R replicas x p stages and
 so a replica's stages are consecutive ranks (its Send/Recv stay among
 them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
 stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
+
+Scheme ``tensor`` (parallel/tensor_parallel.py) is R replicas x t shards,
+rank = replica * t + shard: a group of t consecutive ranks splits the
+net's MLPs and attention layers, and each shard's gradients are allreduced
+over the replicas (``Layout.tensor``, ``Layout.shard``).
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
