@@ -9,12 +9,12 @@ stage receives it (Send/Recv) and sends its share of the gradient back,
 where the gradient builder's Sum adds both uses before the one update (the
 update waits for the Send's read: a write-after-read edge), so a 2-stage
 pipeline is bitwise equal to 1 rank."""
-import h5py
 import numpy as np
 import pytest
 
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.test_micro_batches import _params
 from tests.gpt_nets import block_stages, gpt_config, text_h5
 
 
@@ -25,15 +25,6 @@ def tokens(tmp_path_factory):
 
 def _pipeline(micro=1):
     return {"scheme": "pipeline", "stages": block_stages(), "micro_batches": micro}
-
-
-def _params(path):
-    with h5py.File(path, "r") as f:
-        out = {}
-        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) and name.startswith(("params", "solver"))
-                     else None)
-        return out
 
 
 def _train(tmp_path, name, n, cfg):

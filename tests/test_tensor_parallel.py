@@ -6,13 +6,13 @@ loss of every iteration), checkpoints hold whole blobs and load on another
 layout, and bad degrees exit 2 naming the key."""
 import json
 
-import h5py
 import numpy as np
 import pytest
 
 from purine_mpi.base.errors import UserError
 from purine_mpi.tools.graph import compose_for, render_graph
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.test_micro_batches import _params
 from tests.gpt_nets import gpt_config, text_h5
 
 
@@ -61,15 +61,6 @@ def _block_config(**kw):
         {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"], "top": "loss"},
     ]
     return cfg
-
-
-def _params(path):
-    with h5py.File(path, "r") as f:
-        out = {}
-        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) and name.startswith(("params", "solver"))
-                     else None)
-        return out
 
 
 def _losses(run_dir):
