@@ -276,3 +276,20 @@ def test_clipping_counts_each_weight_once(tmp_path):
     g = compose_for(make_job(clipped(_config())), 2, 1)
     assert g.ops["clip.sum"].attrs["group"] == [0, 1]
     assert 0.0 in g.ops["clip.norm"].attrs["scales"]
+
+
+def test_dropout_of_replicated_activations_agrees(tmp_path, tokens):
+    """The ranks of a tensor group draw one random stream (that of rank 0
+    of a 1-rank run): with attention's resid_dropout and a dropout layer on
+    the residual stream, 2-way tensor parallel still equals 1 rank."""
+    def with_dropout(cfg):
+        for layer in cfg["net"]:
+            if layer["type"] == "attention":
+                layer["resid_dropout"] = 0.2
+        cfg["net"].insert(-3, {"type": "dropout", "name": "drop_f", "bottom": "x2",
+                               "top": "x2", "dropout_ratio": 0.2})
+        return cfg
+    one, _ = _train(tmp_path, "one", 1, with_dropout(gpt_config(tokens, solver="sgd")))
+    two, _ = _train(tmp_path, "two", 2, with_dropout(gpt_config(
+        tokens, solver="sgd", parallel={"scheme": "tensor", "tensor_parallel": 2})))
+    _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
