@@ -90,9 +90,9 @@ def gelu(b):
     Key("resid_dropout", "number", 0.0, "dropout ratio on the output projection (training "
                                         "only)"),
     Key("bias_term", "bool", True, "learn `qkv_bias` and `proj_bias`"),
-    Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v and keeping only "
-                               "each row's log-sum-exp (on a GPU the cuDNN frontend's fused "
-                               "SDPA where installed); false: the raw sub-graph "
+    Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v, keeping no "
+                               "probabilities (its gradient recomputes them); false: the raw "
+                               "sub-graph "
                                "AttentionScores → Softmax → AttentionContext, which keeps the "
                                "(N, H, T, T) probabilities. With attn_dropout > 0 training "
                                "takes the raw sub-graph"),
@@ -132,7 +132,7 @@ def attention(b):
     ctx = g.free_name(f"{name}.ctx")
     train = b.phase == "train"
     if fused and not (train and ratios["attn_dropout"] > 0):
-        b.op("Attention", [qkv], [ctx, g.free_name(f"{name}.lse")], attrs, tag="attn")
+        b.op("Attention", [qkv], [ctx], attrs, tag="attn")
     else:
         s, p = g.free_name(f"{name}.scores"), g.free_name(f"{name}.probs")
         b.op("AttentionScores", [qkv], [s], attrs, tag="scores")

@@ -15,25 +15,31 @@ and an output projection (InnerProduct, c_proj) maps ctx (N, T, C) back.
 Two paths compute the middle, both differentiated by their own gradient ops:
 
 - the raw sub-graph: "AttentionScores" [qkv] -> [S] (N, H, T, T), the
-  existing "Softmax" over axis 3 -> [P] (its max-subtracted form keeps long
-  rows with large logits finite), an optional dropout on P, and
+  existing "Softmax" over axis 3 -> [P], an optional dropout on P, and
   "AttentionContext" [P, qkv] -> [ctx]. Gradients::
 
       dS = "SoftmaxGrad";  dq = dS k / sqrt(D),  dk = dS^T q / sqrt(D)
       dP = dO v^T,  dv = P^T dO          ("AttentionScoresGrad", "AttentionContextGrad";
                                           the two parts of dqkv are summed)
 
-- the fused single op "Attention" [qkv] -> [ctx, lse], lse (N, H, T) the
-  log-sum-exp of each row of S (m + log sum exp(S - m), m its max); its
-  gradient "AttentionGrad" [dctx, qkv, ctx, lse] -> [dqkv] recomputes
-  P = exp(S - lse) instead of keeping the (N, H, T, T) probabilities::
+- the fused single op "Attention" [qkv] -> [ctx] keeping nothing else; its
+  gradient "AttentionGrad" [dctx, qkv] -> [dqkv] recomputes S and P instead
+  of keeping the (N, H, T, T) probabilities::
 
-      dP = dO v^T,  dS = P (dP - rowsum(dO * O)),  dq = dS k / sqrt(D),
+      dP = dO v^T,  dS = P (dP - rowsum(dP * P)),  dq = dS k / sqrt(D),
       dk = dS^T q / sqrt(D),  dv = P^T dO
 
 Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
 gradient 0; the diagonal is never masked, so no row is all -inf.
+
+On a GPU the products are cuBLAS calls through gpu/blas.py (nvmath's
+binding, capturable in a CUDA graph): one strided-batched GEMM per head,
+batched over the N sequences, reading q, k, v where they lie in ``qkv`` and
+writing ctx, dqkv in place (no transposed copies); the softmax and its
+gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
+mask one element-wise add of a (T, T) mask made once, the intermediate
+(N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
 """
 import math
 
@@ -41,7 +47,13 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
+
+
+def gemm(*args, **kwargs):
+    from ..gpu.blas import gemm as cublas_gemm
+    return cublas_gemm(*args, **kwargs)
 
 
 def _dims(attrs, qkv_shape):
@@ -70,26 +82,70 @@ def heads_view(x, heads):
     return x.reshape(n, t, heads, c // heads).transpose(0, 2, 1, 3)
 
 
-def _mask_upper(xp, s):
-    """S[..., i, j] = -inf for j > i."""
-    t = s.shape[-1]
-    s[..., xp.triu(xp.ones((t, t), dtype=bool), 1)] = -np.inf
+def bmm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0):
+    """out = alpha * op(a) @ op(b) for (N, H, ., .) arrays whose matrices have
+    contiguous rows (views into qkv and ctx included), op a transpose when
+    asked: on a GPU one strided-batched cuBLAS GEMM per head over the N
+    sequences (gpu/blas.py), else NumPy's matmul."""
+    if raw_kernels(xp, a, b, out) is not None:
+        for h in range(a.shape[1]):
+            gemm(a[:, h], b[:, h], out[:, h], trans_a=trans_a, trans_b=trans_b, alpha=alpha)
+        return
+    xp.matmul(a.swapaxes(-1, -2) if trans_a else a, b.swapaxes(-1, -2) if trans_b else b,
+              out=out)
+    if alpha != 1.0:
+        out *= alpha
 
 
-def scores(xp, q, k, scale, causal, out):
-    """out = q k^T * scale, masked when causal."""
-    xp.matmul(q, k.transpose(0, 1, 3, 2), out=out)
-    out *= scale
-    if causal:
-        _mask_upper(xp, out)
+class _AttentionKernel(OpKernel):
+    """What the attention ops share: the causal mask, made once per length."""
+
+    _mask = None
+
+    def mask(self, xp, t, dtype):
+        """The (T, T) causal mask as an addend: 0 on and below the diagonal,
+        -inf above it (s + -inf = -inf exactly), on the arrays' device, made once."""
+        if self._mask is None or self._mask.shape[0] != t or self._mask.dtype != dtype:
+            self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
+        return self._mask
+
+    def scores(self, xp, q, k, out):
+        """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
+        bmm(xp, q, k, out, trans_b=True, alpha=1.0 / math.sqrt(q.shape[-1]))
+        if bool(self.attrs.get("causal", True)):
+            out += self.mask(xp, out.shape[-1], out.dtype)
+
+    def setup_mask(self, like, t):
+        if get_xp(like) is not np:
+            self.mask(get_xp(like), t, like.dtype)
 
 
-def _causal(attrs):
-    return bool(attrs.get("causal", True))
+def softmax_rows(xp, s):
+    """s = softmax(s) over the last axis, in place, max-subtracted (on a GPU
+    the Softmax op's raw kernel)."""
+    k = raw_kernels(xp, s)
+    rows = s.reshape(-1, s.shape[-1])
+    if k is not None:
+        k.softmax_forward(rows, out=rows)
+        return
+    s -= s.max(axis=-1, keepdims=True)
+    xp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+
+
+def softmax_rows_grad(xp, dp, p):
+    """dp = p * (dp - rowsum(dp * p)), in place (the Softmax op's gradient)."""
+    k = raw_kernels(xp, dp, p)
+    if k is not None:
+        rows = dp.reshape(-1, dp.shape[-1])
+        k.softmax_backward(rows, p.reshape(rows.shape), out=rows)
+        return
+    dp -= (dp * p).sum(axis=-1, keepdims=True)
+    dp *= p
 
 
 @register
-class AttentionScores(OpKernel):
+class AttentionScores(_AttentionKernel):
     """[qkv] -> [S]: S = q k^T / sqrt(D), -inf above the diagonal when causal."""
 
     op_type = "AttentionScores"
@@ -99,11 +155,13 @@ class AttentionScores(OpKernel):
         n, t, _, h, _ = _dims(attrs, ins[0][0])
         return [((n, h, t, t), ins[0][1])]
 
+    def setup(self, ins, outs):
+        self.setup_mask(ins[0], ins[0].shape[1])
+
     def run(self, ins, outs):
         qkv = ins[0]
-        xp = get_xp(qkv)
         q, k, _ = split_heads(qkv, int(self.attrs["num_heads"]))
-        scores(xp, q, k, 1.0 / math.sqrt(q.shape[-1]), _causal(self.attrs), outs[0])
+        self.scores(get_xp(qkv), q, k, outs[0])
 
 
 @register
@@ -123,11 +181,8 @@ class AttentionScoresGrad(OpKernel):
         q, k, _ = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        (tmp,) = self.temporaries(qkv, (q.shape, qkv.dtype))
-        xp.matmul(ds, k, out=tmp)
-        xp.multiply(tmp, scale, out=dq)
-        xp.matmul(ds.transpose(0, 1, 3, 2), q, out=tmp)
-        xp.multiply(tmp, scale, out=dk)
+        bmm(xp, ds, k, dq, alpha=scale)
+        bmm(xp, ds, q, dk, trans_a=True, alpha=scale)
         dv[...] = 0
 
 
@@ -156,12 +211,9 @@ class AttentionContext(OpKernel):
 
     def run(self, ins, outs):
         p, qkv = ins
-        xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         _, _, v = split_heads(qkv, heads)
-        (tmp,) = self.temporaries(qkv, (v.shape, qkv.dtype))
-        xp.matmul(p, v, out=tmp)
-        heads_view(outs[0], heads)[...] = tmp
+        bmm(get_xp(qkv), p, v, heads_view(outs[0], heads))
 
 
 @register
@@ -182,16 +234,14 @@ class AttentionContextGrad(OpKernel):
         heads = int(self.attrs["num_heads"])
         got = dict(zip(self.attrs["outputs"], outs))
         _, _, v = split_heads(qkv, heads)
-        do, tmp = self.temporaries(qkv, (v.shape, qkv.dtype), (v.shape, qkv.dtype))
-        do[...] = heads_view(dctx, heads)
+        do = heads_view(dctx, heads)
         if "dP" in got:
-            xp.matmul(do, v.transpose(0, 1, 3, 2), out=got["dP"])
+            bmm(xp, do, v, got["dP"], trans_b=True)
         if "dqkv" in got:
             dq, dk, dv = split_heads(got["dqkv"], heads)
             dq[...] = 0
             dk[...] = 0
-            xp.matmul(p.transpose(0, 1, 3, 2), do, out=tmp)
-            dv[...] = tmp
+            bmm(xp, p, do, dv, trans_a=True)
 
 
 @gradient("AttentionContext")
@@ -206,43 +256,41 @@ def _context_grad(g, op):
                {"num_heads": op.attrs["num_heads"], "outputs": [n for n, _ in wanted]})
 
 
+def _scores_spec(qkv, heads):
+    n, t = qkv.shape[:2]
+    return ((n, heads, t, t), qkv.dtype)
+
+
 @register
-class Attention(OpKernel):
-    """[qkv] -> [ctx, lse]: the fused path, softmax(q k^T / sqrt(D)) v in one
-    op with the rows' log-sum-exp kept for the backward; see the module
-    docstring."""
+class Attention(_AttentionKernel):
+    """[qkv] -> [ctx]: the fused path, softmax(q k^T / sqrt(D)) v in one op,
+    the probabilities in the op's scratch only; see the module docstring."""
 
     op_type = "Attention"
 
     @classmethod
     def infer(cls, attrs, ins):
-        n, t, c, h, _ = _dims(attrs, ins[0][0])
-        return [((n, t, c), ins[0][1]), ((n, h, t), ins[0][1])]
+        n, t, c, _, _ = _dims(attrs, ins[0][0])
+        return [((n, t, c), ins[0][1])]
+
+    def setup(self, ins, outs):
+        self.setup_mask(ins[0], ins[0].shape[1])
+        self.reserve_temporaries(ins[0], _scores_spec(ins[0], int(self.attrs["num_heads"])))
 
     def run(self, ins, outs):
         qkv = ins[0]
-        ctx, lse = outs
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
-        n, h, t, d = q.shape
-        s, o = self.temporaries(qkv, ((n, h, t, t), qkv.dtype), (q.shape, qkv.dtype))
-        scores(xp, q, k, 1.0 / math.sqrt(d), _causal(self.attrs), s)
-        xp.max(s, axis=-1, out=lse)
-        s -= lse[..., None]
-        xp.exp(s, out=s)                              # P * l, every entry <= 1
-        xp.matmul(s, v, out=o)
-        row = s.sum(axis=-1)                           # l >= 1: the max's own entry
-        o /= row[..., None]
-        heads_view(ctx, heads)[...] = o
-        xp.log(row, out=row)
-        lse += row
+        (p,) = self.temporaries(qkv, _scores_spec(qkv, heads))
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        bmm(xp, p, v, heads_view(outs[0], heads))
 
 
 @register
-class AttentionGrad(OpKernel):
-    """[dctx, qkv, ctx, lse] -> [dqkv], recomputing P = exp(S - lse); see the
-    module docstring."""
+class AttentionGrad(_AttentionKernel):
+    """[dctx, qkv] -> [dqkv], recomputing S and P; see the module docstring."""
 
     op_type = "AttentionGrad"
 
@@ -250,31 +298,28 @@ class AttentionGrad(OpKernel):
     def infer(cls, attrs, ins):
         return [ins[1]]
 
+    def setup(self, ins, outs):
+        self.setup_mask(ins[1], ins[1].shape[1])
+        spec = _scores_spec(ins[1], int(self.attrs["num_heads"]))
+        self.reserve_temporaries(ins[1], spec, spec)
+
     def run(self, ins, outs):
-        dctx, qkv, ctx, lse = ins
+        dctx, qkv = ins
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
-        n, h, t, d = q.shape
-        scale = 1.0 / math.sqrt(d)
-        p, dp, do, tmp = self.temporaries(qkv, ((n, h, t, t), qkv.dtype),
-                                          ((n, h, t, t), qkv.dtype), (q.shape, qkv.dtype),
-                                          (q.shape, qkv.dtype))
-        scores(xp, q, k, scale, _causal(self.attrs), p)
-        p -= lse[..., None]
-        xp.exp(p, out=p)
-        do[...] = heads_view(dctx, heads)
-        xp.matmul(p.transpose(0, 1, 3, 2), do, out=tmp)
-        dv[...] = tmp
-        xp.matmul(do, v.transpose(0, 1, 3, 2), out=dp)
-        xp.multiply(do, heads_view(ctx, heads), out=tmp)
-        dp -= tmp.sum(axis=-1)[..., None]
-        dp *= p                                         # dS
-        xp.matmul(dp, k, out=tmp)
-        xp.multiply(tmp, scale, out=dq)
-        xp.matmul(dp.transpose(0, 1, 3, 2), q, out=tmp)
-        xp.multiply(tmp, scale, out=dk)
+        spec = _scores_spec(qkv, heads)
+        p, dp = self.temporaries(qkv, spec, spec)
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        do = heads_view(dctx, heads)
+        bmm(xp, p, do, dv, trans_a=True)
+        bmm(xp, do, v, dp, trans_b=True)
+        softmax_rows_grad(xp, dp, p)                   # dS
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        bmm(xp, dp, k, dq, alpha=scale)
+        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
 
 @gradient("Attention")
@@ -282,5 +327,5 @@ def _attention_grad(g, op):
     dctx = g.grad_of(op.outputs[0])
     qkv = op.inputs[0]
     if dctx is not None and g.needs_grad(qkv):
-        g.emit("AttentionGrad", [dctx, qkv, op.outputs[0], op.outputs[1]], [g.grad_blob(qkv)],
+        g.emit("AttentionGrad", [dctx, qkv], [g.grad_blob(qkv)],
                {k: op.attrs[k] for k in ("num_heads", "causal") if k in op.attrs})

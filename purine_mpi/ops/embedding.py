@@ -10,8 +10,10 @@ Gradient (w only; ids are data)::
     dw[v, :] = sum over the positions i with ids[i] == v of dy[i, :]
                ("EmbeddingGrad", [dy, ids] -> [dw], attr input_dim = V)
 
-a scatter-add: rows of dy sorted by token, each run summed (deterministic:
-the same order every time, on every rank). The table can be shared with an
+a scatter-add: on the CPU the rows of dy sorted by token, each run summed;
+on a GPU one product dw = onehot(ids)^T dy through cuBLAS (gpu/blas.py),
+the (N*T, V) one-hot in the op's scratch. Both are deterministic (the same
+order every time, on every rank), unlike atomic adds. The table can be shared with an
 output projection (the ``fc`` layer's ``tie_weight``): the gradient builder
 then sums the two uses' contributions.
 
@@ -28,7 +30,13 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
+
+
+def gemm(*args, **kwargs):
+    from ..gpu.blas import gemm as cublas_gemm
+    return cublas_gemm(*args, **kwargs)
 
 
 def _check_ids(ids, vocab):
@@ -69,6 +77,19 @@ class EmbeddingGrad(OpKernel):
 
     op_type = "EmbeddingGrad"
 
+    _tokens = None
+
+    def setup(self, ins, outs):
+        if raw_kernels(get_xp(outs[0]), outs[0]) is not None:
+            self._token_row(outs[0], ins[1].dtype)
+            self.reserve_temporaries(outs[0], ((ins[1].size, outs[0].shape[0]), outs[0].dtype))
+
+    def _token_row(self, dw, dtype):
+        """The token ids 0..V-1 as a (1, V) device row, made once (in setup)."""
+        if self._tokens is None:
+            self._tokens = get_xp(dw).arange(dw.shape[0], dtype=dtype)[None, :]
+        return self._tokens
+
     @classmethod
     def infer(cls, attrs, ins):
         (dy_shape, dtype), _ = ins
@@ -80,12 +101,12 @@ class EmbeddingGrad(OpKernel):
         xp = get_xp(dw)
         rows = dy.reshape(-1, dw.shape[1])
         flat = ids.reshape(-1)
-        dw[...] = 0
-        if xp is not np:
-            import cupyx
-            cupyx.scatter_add(dw, flat.astype(np.int64), rows)
+        if raw_kernels(xp, dw) is not None:  # one product: dw = onehot(ids)^T @ dy
+            (onehot,) = self.temporaries(dw, ((flat.size, dw.shape[0]), dw.dtype))
+            xp.equal(flat[:, None], self._token_row(dw, flat.dtype), out=onehot)
+            gemm(onehot, rows, dw, trans_a=True)
             return
-        _check_ids(flat, dw.shape[0])
+        dw[...] = 0
         order = np.argsort(flat, kind="stable")
         tokens = flat[order]
         if not tokens.size:

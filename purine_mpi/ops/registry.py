@@ -131,6 +131,14 @@ class OpKernel:
         from ..gpu.raw import array_device, op_scratch
         return op_scratch(self, array_device(like)).take(*specs)
 
+    def reserve_temporaries(self, like, *specs):
+        """Make room now (in ``setup``) for a later ``temporaries(like,
+        *specs)``, so the scratch is never allocated while a CUDA graph
+        captures the op; nothing on the host."""
+        if get_xp(like) is not np:
+            from ..gpu.raw import array_device, op_scratch
+            op_scratch(self, array_device(like)).reserve(*specs)
+
 
 def register(cls):
     """Class decorator: register a kernel under its ``op_type``."""

@@ -6,11 +6,14 @@ one of the ``outer * inner`` positions is one prediction, as in Caffe.
 Labels are integers of shape ``(N,)`` or ``(N, H, W)`` (any shape with one
 entry per position); float labels holding integers are truncated to int.
 
-On a GPU (CuPy arrays of float32/float64, ``axis`` 1) the softmax loss and
+On a GPU (CuPy arrays of float32/float64, C-contiguous, any ``axis``: the
+(outer, C, inner) view is the kernels' layout, so (N, T, V) logits over
+axis -1 are (N*T, V, 1)) the softmax loss and
 its gradient are the fused raw kernels of cuda/softmax_loss.cu, and nothing
 is read back to the host: the batch mean (one block-reduction kernel) and
 the gradient scale stay on the device, the per-position losses live in the
-op's scratch memory (no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
+op's scratch memory, labels of another dtype than int64 are copied there
+(no allocation per iteration). There a label outside [0, C) gives a NaN loss instead of the
 ValueError the CPU raises (checking would cost a device-to-host sync).
 """
 import numpy as np
@@ -73,10 +76,28 @@ def _labels(attrs, label, outer, channels, inner):
     return lab, valid, count
 
 
-def _loss_specs(x):
+def _loss_specs(x, axis=1):
     """Scratch of the GPU loss: per-position loss and valid flags."""
-    positions = int(np.prod((x.shape[0],) + tuple(x.shape[2:]), dtype=np.int64))
-    return [((positions,), x.dtype), ((positions,), x.dtype)]
+    outer, _, inner = _split_dims(x.shape, axis)
+    return [((outer * inner,), x.dtype), ((outer * inner,), x.dtype)]
+
+
+def _label_specs(label):
+    """Scratch for the labels as the GPU kernels read them (int64): none when
+    they are int64 already, else one buffer they are copied into (a copy
+    kernel, so an iteration allocates nothing, e.g. the int32 tokens of the
+    text source)."""
+    if np.dtype(label.dtype) == np.int64:
+        return []
+    return [((int(np.prod(label.shape, dtype=np.int64)),), np.int64)]
+
+
+def _device_labels(label, buffers, shape):
+    """``label`` as int64 of ``shape`` (a view, or a copy into ``buffers``)."""
+    if not buffers:
+        return label.reshape(shape)
+    buffers[0][...] = label.reshape(-1)
+    return buffers[0].reshape(shape)
 
 
 def _reserve(kernel, x, specs):
@@ -159,7 +180,8 @@ class SoftmaxLoss(OpKernel):
     op_type = "SoftmaxLoss"
 
     def setup(self, ins, outs):
-        _reserve(self, ins[0], _loss_specs(ins[0]))
+        axis = _axis(self.attrs, ins[0].ndim)
+        _reserve(self, ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -174,12 +196,15 @@ class SoftmaxLoss(OpKernel):
         axis = _axis(self.attrs, x.ndim)
         outer, channels, inner = _split_dims(x.shape, axis)
         k = raw_kernels(xp, x)
-        if k is not None and axis == 1:  # GPU: fused kernel, mean taken on the device
+        if k is not None and _contiguous(x, prob):  # GPU: fused kernel, mean on the device
+            # any axis: the (outer, C, inner) view is the kernel's axis-1 layout
             ignore = self.attrs.get("ignore_label")
-            nll, valid = self.temporaries(x, *_loss_specs(x))
-            pos_shape = (x.shape[0],) + tuple(x.shape[2:])
-            k.softmax_loss_forward(x, label, ignore,
-                                   out=(prob, nll.reshape(pos_shape), valid.reshape(pos_shape)))
+            nll, valid, *buf = self.temporaries(x, *_loss_specs(x, axis), *_label_specs(label))
+            pos = (outer, inner)
+            k.softmax_loss_forward(x.reshape(outer, channels, inner),
+                                   _device_labels(label, buf, pos), ignore,
+                                   out=(prob.reshape(outer, channels, inner),
+                                        nll.reshape(pos), valid.reshape(pos)))
             k.softmax_loss_mean(nll, valid, loss)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
@@ -202,7 +227,7 @@ class SoftmaxLossGrad(OpKernel):
     op_type = "SoftmaxLossGrad"
 
     def setup(self, ins, outs):
-        _reserve(self, ins[1], [((1,), ins[1].dtype)])
+        _reserve(self, ins[1], [((1,), ins[1].dtype)] + _label_specs(ins[2]))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -216,16 +241,19 @@ class SoftmaxLossGrad(OpKernel):
         axis = _axis(self.attrs, prob.ndim)
         outer, channels, inner = _split_dims(prob.shape, axis)
         k = raw_kernels(xp, prob)
-        if k is not None and axis == 1:  # GPU: fused kernel, scale kept on the device
+        if k is not None and _contiguous(prob, outs[0]):  # GPU: fused kernel, scale on device
             ignore = self.attrs.get("ignore_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
+            count, *buf = self.temporaries(prob, ((1,), prob.dtype), *_label_specs(label))
+            planes = (outer, channels, inner)
+            lab = _device_labels(label, buf, (outer, inner))
+            p3, dx3 = prob.reshape(planes), outs[0].reshape(planes)
             if ignore is None:  # the normaliser is the number of positions
-                k.softmax_loss_backward(prob, label, scale, None, out=outs[0],
+                k.softmax_loss_backward(p3, lab, scale, None, out=dx3,
                                         scale_factor=1.0 / (outer * inner))
                 return
-            (count,) = self.temporaries(prob, ((1,), prob.dtype))
-            k.softmax_loss_count(label, int(ignore), count)
-            k.softmax_loss_backward(prob, label, scale, ignore, out=outs[0], count=count)
+            k.softmax_loss_count(lab, int(ignore), count)
+            k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         classes = xp.arange(channels, dtype=np.int64)[None, :, None]

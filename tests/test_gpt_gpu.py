@@ -1,0 +1,164 @@
+"""The transformer ops' GPU branches on the emulated device (and on a real
+GPU when CuPy and one are there, marked ``gpu``): each op against its NumPy
+path, the attention and embedding-gradient products through gpu/blas.py's
+cuBLAS (the emulated nvmath binding), the token-level loss through the
+fused loss kernels, and a GPT trained on the simulated stream runtime, with
+and without CUDA-graph capture, against the CPU with no allocation in a
+steady-state iteration. The emulated device is tests/test_gpu_backend.py's."""
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from tests.test_gpu_backend import _compare, _rand, device  # noqa: F401  (a fixture)
+
+F64, F32 = np.float64, np.float32
+
+
+@pytest.fixture(autouse=True)
+def emulated_cupyx(request, monkeypatch):
+    """cupyx.scipy.special.erf (the exact GELU's erf on a GPU) for the
+    emulated CuPy: SciPy's ufunc on the emulated arrays (a real CuPy has
+    its own, which the ``cupy`` runs use)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("device") == "cupy":
+        return
+    from scipy.special import erf
+    special = types.ModuleType("cupyx.scipy.special")
+    special.erf = lambda x, out=None: erf(np.asarray(x), out=np.asarray(out))
+    scipy_mod = types.ModuleType("cupyx.scipy")
+    scipy_mod.special, scipy_mod.__path__ = special, []
+    cupyx = types.ModuleType("cupyx")
+    cupyx.scipy, cupyx.__path__ = scipy_mod, []
+    for name, module in (("cupyx", cupyx), ("cupyx.scipy", scipy_mod),
+                         ("cupyx.scipy.special", special)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """The matrix products of gpu/blas.py, counted (they still run)."""
+    from purine_mpi.gpu import blas
+    calls, real = [], blas.gemm
+
+    def spy(a, b, c, **kw):
+        calls.append((tuple(a.shape), tuple(b.shape), tuple(c.shape)))
+        return real(a, b, c, **kw)
+    monkeypatch.setattr(blas, "gemm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_embedding_gpu_branch(device, dtype, products):  # noqa: F811
+    ids = np.array([[1, 3, 3, 0], [3, 1, 4, 3]], dtype=np.int32)
+    w = _rand((6, 5), dtype)
+    (y,), _ = _compare(device, "Embedding", {}, [ids, w], [], dtype)
+    products.clear()
+    _compare(device, "EmbeddingGrad", {"input_dim": 6}, [_rand(y.shape, dtype, 1), ids], [],
+             dtype)
+    assert products == [((8, 6), (8, 5), (6, 5))]  # onehot^T @ dy, deterministic
+    x, pw = _rand((2, 3, 5), dtype, 2), _rand((4, 5), dtype, 3)
+    _compare(device, "PositionEmbedding", {}, [x, pw], [], dtype)
+    _compare(device, "PositionEmbeddingGrad", {"max_length": 4}, [x], [], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_layer_norm_and_gelu_gpu_branches(device, dtype):  # noqa: F811
+    x, g, b = _rand((2, 3, 8), dtype, scale=3.0), _rand((8,), dtype, 1), _rand((8,), dtype, 2)
+    (y, mean, rstd), _ = _compare(device, "LayerNorm", {"eps": 1e-5}, [x, g, b], [], dtype)
+    dy = _rand(y.shape, dtype, 3)
+    _compare(device, "LayerNormGrad", {"outputs": ["dx", "dg", "db"]},
+             [dy, x, g, mean, rstd], [], dtype)
+    for approximate in ("none", "tanh"):
+        _compare(device, "Gelu", {"approximate": approximate}, [x], [], dtype)
+        _compare(device, "GeluGrad", {"approximate": approximate}, [dy, x], [], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_gpu_branches(device, dtype, causal, products):  # noqa: F811
+    attrs = {"num_heads": 2, "causal": causal}
+    qkv = _rand((2, 5, 24), dtype)
+    (ctx,), _ = _compare(device, "Attention", attrs, [qkv], ["softmax_forward"], dtype)
+    # per head, batched over the 2 sequences: q k^T, then P v (on the CPU: none)
+    assert products == [((2, 5, 4), (2, 5, 4), (2, 5, 5))] * 2 + \
+        [((2, 5, 5), (2, 5, 4), (2, 5, 4))] * 2
+    dctx = _rand(ctx.shape, dtype, 1)
+    _compare(device, "AttentionGrad", attrs, [dctx, qkv],
+             ["softmax_forward", "softmax_backward"], dtype)
+    (s,), _ = _compare(device, "AttentionScores", attrs, [qkv], [], dtype)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    _compare(device, "AttentionScoresGrad", attrs, [_rand(s.shape, dtype, 2), qkv], [], dtype)
+    _compare(device, "AttentionContext", attrs, [p, qkv], [], dtype)
+    _compare(device, "AttentionContextGrad", dict(attrs, outputs=["dP", "dqkv"]),
+             [dctx, p, qkv], [], dtype)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["streams", "cuda-graph"])
+def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cuda_graph):
+    """A 2-block GPT (fused attention in one block, the raw sub-graph in the
+    other), placed on the emulated device and run by the stream dispatcher
+    on the simulated runtime, optionally captured in CUDA graphs: 3 SGD
+    steps give the CPU's losses and weights, and the third iteration
+    allocates no device memory."""
+    from purine_mpi.parallel.placement import place_on_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from purine_mpi.layers.fillers import fill
+    from tests.gpt_oracle import build_ours, gpt_graph, gpt_net, step_ours
+    from tests.test_gpu_backend import Allocations, SimulatedRuntime, use_emulated_cupy
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
+    next(e for e in net if e["type"] == "attention")["fused"] = False
+    # SGD: its update is a raw kernel (the Adam updates on a GPU are CuPy
+    # element-wise arithmetic, which allocates: not this test's subject)
+    solver = {"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
+              "max_iter": 3}
+    toks = np.random.default_rng(0).integers(0, 16, (3, 2, 7))
+    cpu, _, _ = build_ours(net, solver, 2, 6, seed=1)
+    cpu_losses = []
+    for it in range(3):
+        step_ours(cpu, toks[it, :, :-1], toks[it, :, 1:], it)
+        cpu_losses.append(float(cpu.workspace["loss"]))
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    g, _, _ = gpt_graph(net, solver, 2, 6)
+    place_on_device(g, 0)
+    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)
+    try:
+        for p in g.params():
+            d.workspace.set(p.name, fill(p, 1))
+        losses = []
+        for it in range(3):
+            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+            d.workspace["iter"][...] = it
+            Allocations.counting, Allocations.log = it == 2, []
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        Allocations.counting = False
+        assert Allocations.log == []
+        if cuda_graph:
+            report = d.executor.report()
+            assert report["captured"] == report["segments"] > 0 and not report["failed"], report
+        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+        for p in g.params():
+            np.testing.assert_allclose(np.asarray(d.workspace[p.name]), cpu.workspace[p.name],
+                                       rtol=1e-4, atol=1e-6, err_msg=p.name)
+    finally:
+        Allocations.counting = False
+        d.close()
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("ignore", [None, 3])
+def test_token_level_softmax_loss_gpu_branch(device, dtype, ignore):  # noqa: F811
+    """(N, T, V) logits over the last axis with int32 labels: the fused
+    kernels on the (N*T, V, 1) view, the labels copied into int64 scratch."""
+    attrs = {"axis": 2} if ignore is None else {"axis": 2, "ignore_label": ignore}
+    x = _rand((2, 3, 5), dtype, scale=3.0)
+    label = np.random.default_rng(1).integers(0, 5, (2, 3)).astype(np.int32)
+    (loss, prob), _ = _compare(device, "SoftmaxLoss", attrs, [x, label],
+                               ["softmax_loss_forward", "softmax_loss_mean"], dtype)
+    dloss = np.asarray(0.7, dtype)
+    _compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
+             ["softmax_loss_backward"], dtype, host_inputs=(0,))
