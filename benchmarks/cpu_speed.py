@@ -8,7 +8,11 @@ Each pair runs ``python -m purine_mpi bench CONFIG --json`` and the
 PyTorch script of ``scaling_ddp.py`` (the config's net as a torch.nn
 Sequential, SGD with the config's momentum and weight decay, a synthetic
 batch), one process each, one after the other; the pairs take turns at
-going first. Prints one JSON object: per
+going first. A config reading a ``text`` source (jobs/gpt_tiny.yaml) is a
+GPT: its PyTorch side is ``gpt_torch.py``'s nanoGPT model with the job's
+AdamW, rate schedule and clipping, and the figures are tokens/s
+(``bench`` reads the job's token file: make it first, or point
+``--set data.train.path=...`` at one). Prints one JSON object: per
 config, each side's images/s (median and range over the pairs), every
 pair's ratio (purine_mpi / PyTorch) and their median and range, and each
 side's peak RSS in MiB (``*_max_rss_mib``: the whole process, its
@@ -30,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from gpt_torch import pytorch_process  # noqa: E402
 from scaling_ddp import bench_cmd, one_thread_env, purine, pytorch  # noqa: E402
 
 
@@ -52,6 +57,8 @@ def _summary(values):
 def compare(path, args):
     from purine_mpi.job.config import load_config
     config = load_config(path, check_files=False)
+    text = config["data"]["train"].get("source") == "text"
+    rate = "tokens_per_s" if text else "images_per_s"
     sides = ["purine_mpi", "pytorch"] + (["baseline"] if args.baseline else [])
     runs = []
     for i in range(args.pairs):
@@ -61,26 +68,29 @@ def compare(path, args):
                 run[side] = purine(path, 1, args.iters, args.warmup, args.set)
             elif side == "baseline":
                 run[side] = purine_at(args.baseline, path, args.iters, args.warmup, args.set)
+            elif text:
+                os.environ.update({k: v for k, v in one_thread_env().items()
+                                   if k.endswith("THREADS")})
+                run[side] = pytorch_process(config, args.iters, args.warmup)
             else:
                 run[side] = pytorch(config, 1, args.iters, args.warmup)
         runs.append(run)
 
     def figures(side, key, scale=1.0):
         return [r[side][key] / scale for r in runs]
-    ratios = [a / b for a, b in zip(figures("purine_mpi", "images_per_s"),
-                                    figures("pytorch", "images_per_s"))]
+    ratios = [a / b for a, b in zip(figures("purine_mpi", rate), figures("pytorch", rate))]
     mib = 2.0 ** 20
     result = {"batch": config["data"]["train"]["batch_size"],
-              "purine_mpi_images_per_s": _summary(figures("purine_mpi", "images_per_s")),
-              "pytorch_images_per_s": _summary(figures("pytorch", "images_per_s")),
+              f"purine_mpi_{rate}": _summary(figures("purine_mpi", rate)),
+              f"pytorch_{rate}": _summary(figures("pytorch", rate)),
               "ratio": dict(_summary(ratios), pairs=[round(r, 3) for r in ratios]),
               # each process's peak RSS, the import of its framework included
               "purine_mpi_max_rss_mib": _summary(figures("purine_mpi", "max_rss_bytes", mib)),
               "pytorch_max_rss_mib": _summary(figures("pytorch", "max_rss_bytes", mib))}
     if args.baseline:
-        speedups = [a / b for a, b in zip(figures("purine_mpi", "images_per_s"),
-                                          figures("baseline", "images_per_s"))]
-        result["baseline_images_per_s"] = _summary(figures("baseline", "images_per_s"))
+        speedups = [a / b for a, b in zip(figures("purine_mpi", rate),
+                                          figures("baseline", rate))]
+        result[f"baseline_{rate}"] = _summary(figures("baseline", rate))
         result["speedup_over_baseline"] = dict(_summary(speedups),
                                                rounds=[round(x, 3) for x in speedups])
         result["baseline_max_rss_mib"] = _summary(

@@ -18,7 +18,8 @@ JOBS = sorted(glob.glob(os.path.join(REPO, "jobs", "*.yaml")))
 def test_there_are_jobs():
     names = {os.path.basename(j) for j in JOBS}
     assert {"digits_lenet.yaml", "cifar10_quick.yaml", "nin_cifar10.yaml",
-            "googlenet.yaml", "digits_pipeline.yaml", "digits_hybrid.yaml"} <= names
+            "googlenet.yaml", "digits_pipeline.yaml", "digits_hybrid.yaml", "gpt_tiny.yaml",
+            "gpt_small.yaml"} <= names
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,19 @@ def cifar_shaped_h5(tmp_path_factory):
     return str(path)
 
 
-def _with_local_data(job, digits_h5, cifar_h5):
+@pytest.fixture(scope="module")
+def text_h5(tmp_path_factory):
+    """The token file the GPT jobs' headers make (the email package of the standard library)."""
+    import email
+    from tests.conftest import run_cli_args
+    path = tmp_path_factory.mktemp("text") / "email.h5"
+    res = run_cli_args("data", "text", "--from", os.path.dirname(email.__file__), "--glob",
+                       "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
+
+
+def _with_local_data(job, digits_h5, cifar_h5, text_h5=None):
     """--set overrides pointing the job's HDF5 files at test data."""
     import yaml
     with open(job) as f:
@@ -44,12 +57,14 @@ def _with_local_data(job, digits_h5, cifar_h5):
         if spec.get("source") == "hdf5":
             local = digits_h5 if "digits" in spec["path"] else cifar_h5
             sets.append(f"data.{split}.path={local}")
+        elif spec.get("source") == "text":
+            sets.append(f"data.{split}.path={text_h5}")
     return sets
 
 
 @pytest.mark.parametrize("job", JOBS, ids=os.path.basename)
-def test_job_composes(job, digits_h5, cifar_shaped_h5):
-    cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5))
+def test_job_composes(job, digits_h5, cifar_shaped_h5, text_h5):
+    cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5, text_h5))
     ranks = {"pipeline": 2, "hybrid": 4}.get(cfg["parallel"]["scheme"], 1)
     for rank in range(ranks):
         graph = compose_for(make_job(cfg), ranks, rank)

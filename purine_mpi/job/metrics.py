@@ -36,7 +36,7 @@ from ..base.runfiles import disk_error, open_run_file, open_run_fd, write_all
 
 FILE = "metrics.jsonl"
 # written as they are computed (already rounded), not at float32 precision
-_NOT_FLOAT32 = ("time", "timestamp", "images_per_s")
+_NOT_FLOAT32 = ("time", "timestamp", "images_per_s", "tokens_per_s")
 
 
 def float32_value(x):

@@ -33,6 +33,8 @@ def synthetic_config(job):
     """The job with its train data replaced by synthetic data of the same
     shapes, and no test data."""
     spec = job.data.train
+    if spec.source == "text":  # token ids, not random floats: the (small) file is read
+        return job.replace(data=dataclasses.replace(job.data, test=None, order=("train",)))
     if spec.source != "synthetic":
         from ..data.transform import output_shape
         from ..ops.data import source_info
@@ -175,6 +177,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "blas": _blas_backend() if on_gpu else None,
         "cuda_graph": None if report is None else json_safe(report),
     }
+    if job.data.train.source == "text":  # a sample is a sequence of tokens
+        result["tokens_per_s"] = round(result["images_per_s"]
+                                       * job.data.train.sequence_length, 2)
     return result if world.rank == 0 else None
 
 
@@ -260,7 +265,8 @@ def format_bench(res, warmup=None):
 
     lat = res.get("post_latency_ms") or {}
     rows = [
-        ("throughput", f"{res['images_per_s']:,.0f} images/s"),
+        ("throughput", f"{res['images_per_s']:,.0f} images/s" if "tokens_per_s" not in res
+         else f"{res['tokens_per_s']:,.0f} tokens/s ({res['images_per_s']:,.1f} sequences/s)"),
         ("iteration", f"{ms(res['iter_ms_median'])} median, {ms(res['iter_ms_mean'])} mean"),
         ("compute", f"{ms(res['compute_ms_per_iter'])} per iteration (rank 0's ops, summed "
                     "over its threads)"),

@@ -32,6 +32,16 @@ def write_config(loop):
         os.close(fd)
 
 
+def throughput_unit(loop):
+    """(unit, tokens per sample) of the progress lines: a text source's
+    samples are sequences of ``sequence_length`` tokens, counted as tokens
+    (``tok/s``); images otherwise (``img/s``)."""
+    spec = loop.job.data.train
+    if spec is not None and spec.source == "text":
+        return "tok/s", int(spec.sequence_length)
+    return "img/s", 1
+
+
 def global_batch(loop):
     """Images per iteration over all the replicas."""
     if loop.job.data.train is not None:
@@ -51,6 +61,7 @@ class Progress(Service):
         """Rank 0: config.yaml, and the metrics log. A resumed run replaces
         the folder's config.yaml with its first checkpoint (checkpoints.py)."""
         self.batch = global_batch(loop)
+        self.unit, self.per_sample = throughput_unit(loop)
         if loop.world.rank != 0:
             return
         os.makedirs(loop.out_dir, exist_ok=True)
@@ -69,8 +80,8 @@ class Progress(Service):
         now = time.perf_counter()
         start, t = self.tick or (loop.state.start_iter, loop.state.t_start)
         if now - t >= every:
-            loop.say(alive_line(loop, done, self.batch * (done - start) / max(now - t, 1e-9),
-                                now))
+            loop.say(alive_line(loop, done, self.per_sample * self.batch * (done - start)
+                                / max(now - t, 1e-9), now, self.unit))
             self.tick = (done, now)
 
     def on_display(self, loop, done):
@@ -79,11 +90,15 @@ class Progress(Service):
         loss = loop.reduce(w.loss / w.n if w.n else 0.0)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
         lr = float(loop.ws["lr"])
-        loop.record({"phase": "train", "iter": done, "loss": loss, "lr": lr,
-                     "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)})
+        row = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
+               "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)}
+        if self.per_sample > 1:  # a text source: its samples are sequences of tokens
+            row["tokens_per_s"] = round(ips * self.per_sample, 1)
+        loop.record(row)
         max_iter = loop.job.solver.max_iter
         loop.say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "
-                 f"lr {lr:.3g}  {ips:,.0f} img/s  {_times(loop, done, now)}")
+                 f"lr {lr:.3g}  {ips * self.per_sample:,.0f} {self.unit}  "
+                 f"{_times(loop, done, now)}")
         w.reset(done, now)
 
     def on_close(self, loop):
@@ -100,8 +115,8 @@ def _times(loop, done, now):
     return f"elapsed {hms(loop.elapsed(now))}  eta {hms(eta)}"
 
 
-def alive_line(loop, done, ips, now):
+def alive_line(loop, done, ips, now, unit="img/s"):
     """The time-based line: ``iter  37/900  212 img/s  elapsed 0:31  eta 6:40``."""
     max_iter = loop.job.solver.max_iter
-    return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {ips:,.0f} img/s  "
+    return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {ips:,.0f} {unit}  "
             f"{_times(loop, done, now)}")

@@ -161,7 +161,8 @@ def data_text(data):
     parts = []
     for phase, spec in data.items():
         n, shape = source_info(spec.source_dict())
-        where = {"hdf5": spec.path, "lmdb": f"lmdb {spec.path}"}.get(spec.source, "synthetic")
+        where = {"hdf5": spec.path, "lmdb": f"lmdb {spec.path}",
+                 "text": f"text {spec.path}"}.get(spec.source, "synthetic")
         parts.append((phase, n, "x".join(map(str, shape)), where))
     if len({(shape, where) for _, _, shape, where in parts}) == 1:
         _, _, shape, where = parts[0]
