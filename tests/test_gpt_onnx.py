@@ -34,7 +34,7 @@ def _export(d, cfg, weights, name, *extra):
     assert res.returncode == 0, res.stdout + res.stderr
     model = onnx.load(str(out))
     onnx.checker.check_model(model)
-    return path, out, model
+    return path, out, model, res.stdout
 
 
 def _cross_entropy(logits, labels):
@@ -47,7 +47,8 @@ def _cross_entropy(logits, labels):
 def test_gpt_under_onnxruntime_equals_our_forward_and_test(trained, fused):
     d, cfg, weights = trained
     cfg = dict(cfg, net=gpt_config("x", fused=fused)["net"])
-    path, out, model = _export(d, cfg, weights, f"gpt_{fused}")
+    path, out, model, line = _export(d, cfg, weights, f"gpt_{fused}")
+    assert "input data: int32 token ids (batch x sequence)" in line
     assert model.opset_import[0].version == 23
     types = {n.op_type for n in model.graph.node}
     assert {"Gather", "LayerNormalization", "Gelu", "MatMul"} <= types

@@ -73,6 +73,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
     said = describe(spec, pre)
+    ids = graph.blobs["data"]
+    if np.dtype(ids.dtype).kind in "iu":  # a text source: token ids, no transform
+        said = {"line": f"input data: {np.dtype(ids.dtype).name} token ids (batch x sequence)",
+                "meta": {"input": "tokens", "dtype": np.dtype(ids.dtype).name}}
     entry = model.metadata_props.add()
     entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])
     onnx.checker.check_model(model)
