@@ -12,6 +12,7 @@ import pytest
 from purine_mpi.base.errors import UserError
 from purine_mpi.tools.graph import compose_for, render_graph
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.gpt_nets import gpt_config, text_h5
 
@@ -293,3 +294,21 @@ def test_dropout_of_replicated_activations_agrees(tmp_path, tokens):
     two, _ = _train(tmp_path, "two", 2, with_dropout(gpt_config(
         tokens, solver="sgd", parallel={"scheme": "tensor", "tensor_parallel": 2})))
     _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
+
+
+@pytest.mark.parametrize("parallel,key,words", [
+    ({"micro_batches": 2}, "parallel.micro_batches", "scheme tensor takes no micro-batches"),
+    ({"mode": "async"}, "parallel.mode", "scheme tensor runs with mode: sync"),
+])
+def test_bad_combinations_exit_2(tmp_path, parallel, key, words):
+    cfg = _config(solver="sgd")
+    cfg["parallel"].update(parallel)
+    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    assert_user_error(res, key, words)
+
+
+def test_world_not_a_multiple_exits_2_on_every_rank(tmp_path):
+    res = run_mpi_cli(3, "train", write_config_file(tmp_path, _config()), "--out", tmp_path / "r")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "parallel.tensor_parallel" in res.stderr and "world size 3 is not a multiple of 2" \
+        in res.stderr and "Traceback" not in res.stderr
