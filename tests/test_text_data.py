@@ -79,6 +79,7 @@ def test_data_text_is_deterministic_and_takes_a_file(tmp_path, email_h5):
     (["--from", "{folder}", "--val-fraction", "1.5"], ["--val-fraction", "1.5"]),
     ([], ["--from"]),
     (["--from", "{folder}", "--out", "{folder}/ok.txt"], ["--out", "--from"]),
+    (["--from", "{folder}", "--out", "{folder}/ok.txt", "--glob", "*.txt"], ["--out", "--from"]),
 ])
 def test_data_text_bad_input_exits_2(tmp_path, args, words):
     folder = tmp_path / "txt"
@@ -88,7 +89,7 @@ def test_data_text_bad_input_exits_2(tmp_path, args, words):
     names = {"missing": tmp_path / "nope", "binary": tmp_path / "bad.txt", "folder": folder}
     args = [a.format(**names) for a in args]
     out = [] if "--out" in args else ["--out", str(tmp_path / "o.h5")]
-    if "--out" in args:  # the output is the input file itself: refused
+    if "--out" in args and "--glob" not in args:  # the output is the input file: refused
         args = ["--from", str(folder / "ok.txt"), "--out", str(folder / "ok.txt")]
     res = run_cli_args("data", "text", *args, *out)
     assert res.returncode == 2, res.stderr

@@ -93,6 +93,11 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None):
     if not 0.0 < float(val_fraction) < 1.0:
         raise UserError(f"data text: --val-fraction must lie in (0, 1), got {val_fraction}")
     files = text_files(src, glob)
+    if os.path.exists(out_path):
+        for _, path in files:
+            if os.path.samefile(path, out_path):
+                raise UserError(f"--out {out_path} is one of the --from files read: writing the "
+                                "output there would replace it; give another --out")
     parts = read_text(files)
     stream = np.frombuffer(b"".join(parts), dtype=np.uint8)
     n_val = int(round(len(stream) * float(val_fraction)))
