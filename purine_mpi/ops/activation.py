@@ -204,12 +204,44 @@ def _erf(xp, x, out):
 
 _math_erf = np.frompyfunc(math.erf, 1, 1)
 
+#: erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0: the Chebyshev
+#: fit of Numerical Recipes' erfcc, fractional error < 1.2e-7 (abs. error of
+#: erf < 1e-7, below float32's resolution of values near 1); P's
+#: coefficients from t^9 down to t^0
+_ERFC_P = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
+           0.09678418, 0.37409196, 1.00002368, -1.26551223)
 
-def _gelu_factor(xp, x, approximate, t, d=None, e=None):
+
+def _normal_cdf_f32(x, out, z, acc):
+    """out = Phi(x) for a float32 host array in about twenty vectorised passes
+    (SciPy's erf takes ~25 times a multiply per element): Phi(x) = 0.5 +
+    sign(x) (0.5 - erfc(|x| / sqrt 2) / 2), erfc from ``_ERFC_P``.
+    ``z``, ``acc``: temporaries of x's shape."""
+    np.abs(x, out=z)
+    z *= 1 / math.sqrt(2)
+    np.multiply(z, 0.5, out=out)
+    out += 1
+    np.reciprocal(out, out=out)               # t
+    acc.fill(_ERFC_P[0])
+    for c in _ERFC_P[1:]:
+        acc *= out
+        acc += c
+    z *= z
+    acc -= z
+    np.exp(acc, out=acc)
+    out *= acc
+    np.multiply(out, -0.5, out=out)           # -erfc / 2
+    out += 0.5
+    np.copysign(out, x, out=out)
+    out += 0.5
+
+
+def _gelu_factor(xp, x, approximate, t, d=None, e=None, f=None):
     """t = the factor y / x: Phi(x) (exact) or 0.5 (1 + tanh(u)) with
-    u = sqrt(2/pi) (x + 0.044715 x^3) (tanh). With ``d`` (and ``e``, a
-    temporary) also d = dy/dx: Phi(x) + x phi(x), or
-    0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'."""
+    u = sqrt(2/pi) (x + 0.044715 x^3) (tanh). With ``d`` also d = dy/dx:
+    Phi(x) + x phi(x), or 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'.
+    ``e``, ``f``: temporaries (float32 on the host: Phi by
+    ``_normal_cdf_f32``; else erf, exact)."""
     if approximate == "tanh":
         xp.multiply(x, x, out=t)
         if d is not None:  # d = u' = sqrt(2/pi) (1 + 3c x^2), before t is overwritten
@@ -231,10 +263,13 @@ def _gelu_factor(xp, x, approximate, t, d=None, e=None):
             d *= 0.5
             d += t
         return
-    xp.multiply(x, 1 / math.sqrt(2), out=t)
-    _erf(xp, t, t)
-    t += 1
-    t *= 0.5                                   # t = Phi(x)
+    if xp is np and x.dtype == np.float32 and e is not None:
+        _normal_cdf_f32(x, t, e, f)
+    else:
+        xp.multiply(x, 1 / math.sqrt(2), out=t)
+        _erf(xp, t, t)
+        t += 1
+        t *= 0.5                               # t = Phi(x)
     if d is not None:                          # d = Phi(x) + x phi(x)
         xp.multiply(x, x, out=d)
         d *= -0.5
@@ -254,7 +289,8 @@ def _approximate(attrs):
 @register
 class Gelu(OpKernel):
     """y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (attr ``approximate``:
-    none, the default), or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    none, the default; float32 on the host evaluates Phi to within 1e-7,
+    ``_normal_cdf_f32``), or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     (``tanh``), PyTorch's two forms.
     Gradient: dx = dy (Phi(x) + x phi(x)), phi the standard normal density;
     for tanh: dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'),
@@ -271,8 +307,8 @@ class Gelu(OpKernel):
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
-        (t,) = self.temporaries(x, (x.shape, x.dtype))
-        _gelu_factor(xp, x, _approximate(self.attrs), t)
+        t, e, f = self.temporaries(x, *[(x.shape, x.dtype)] * 3)
+        _gelu_factor(xp, x, _approximate(self.attrs), t, e=e, f=f)
         xp.multiply(x, t, out=outs[0])
 
 
@@ -290,8 +326,8 @@ class GeluGrad(OpKernel):
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(x)
-        t, d, e = self.temporaries(x, *[(x.shape, x.dtype)] * 3)
-        _gelu_factor(xp, x, _approximate(self.attrs), t, d, e)
+        t, d, e, f = self.temporaries(x, *[(x.shape, x.dtype)] * 4)
+        _gelu_factor(xp, x, _approximate(self.attrs), t, d, e, f)
         xp.multiply(dy, d, out=outs[0])
 
 
