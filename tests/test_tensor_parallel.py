@@ -337,3 +337,19 @@ def test_two_way_gpt_with_gpt_tiny_solver(tmp_path, tokens):
             assert np.abs(a[1]).max() < 1e-5 and np.abs(b[1]).max() < 1e-5, name
             a, b = a[[0, 2]], b[[0, 2]]
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), name
+
+
+def test_an_activation_read_elsewhere_is_not_split():
+    """The hidden activation of an MLP that another layer also reads (here
+    an attention layer) stays whole: only the attention is split."""
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.parallel.tensor_parallel import find_splits
+    cfg = _block_config()
+    cfg["net"][3:5] = [
+        {"type": "fc", "name": "c_proj", "bottom": "h", "top": "m", "num_output": 32,
+         "axis": -1},
+        {"type": "attention", "name": "attn", "bottom": "h", "top": "a", "num_heads": 2},
+        {"type": "eltwise", "name": "res", "bottom": ["m", "a"], "top": "y"}]
+    graph, _ = build_train_graph(make_job(cfg), 0, 1)
+    assert [(p["column"], p["row"]) for p in find_splits(graph)] == \
+        [("attn.qkv", "attn.proj")]

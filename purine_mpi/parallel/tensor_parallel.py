@@ -56,7 +56,7 @@ ELEMENTWISE = ("Relu", "Gelu", "GELU", "Tanh", "Sigmoid", "Dropout")
 def find_splits(graph):
     """The Megatron pairs of ``graph`` (forward ops read): a list of
     {"column": layer A, "row": layer B, "width": O, "through": [layers]}."""
-    fwd = [op for op in graph.topo_order() if op.name.endswith(".fwd")]
+    fwd = [op for op in graph.topo_order() if _forward(graph, op)]
     readers = {}
     for op in fwd:
         for b in op.inputs:
@@ -76,7 +76,7 @@ def find_splits(graph):
         if qkv is None or proj is None or qkv.outputs[0] != op.inputs[0] or \
                 layer in used or not (_own(qkv, param_uses) and _own(proj, param_uses)):
             continue
-        used.add(layer)
+        used.update((layer, qkv.name, proj.name))
         pairs.append({"column": qkv.name, "row": proj.name, "layer": layer, "blocks": 3,
                       "heads": int(op.attrs["num_heads"]),
                       "width": int(graph.blobs[proj.inputs[1]].shape[0])})
@@ -107,6 +107,14 @@ def find_splits(graph):
     order = {op.name: k for k, op in enumerate(graph.topo_order())}
     return sorted(pairs, key=lambda p: order[p["column"] if p["column"] in order
                                              else p["column"] + ".fwd"])
+
+
+def _forward(graph, op):
+    """Whether ``op`` is of the forward pass (not a gradient, update or
+    solver op): every reader of an activation counts when a split is
+    decided, also a layer's inner ops (``attn.qkv``)."""
+    return ".bwd." not in op.name and not any(
+        graph.blobs[b].kind in ("grad", "state", "param", "lr") for b in op.outputs)
 
 
 def _own(op, param_uses):
