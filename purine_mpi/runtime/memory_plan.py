@@ -158,10 +158,8 @@ def _root_nbytes(blob):
 
 def _tail_ops(graph, deps):
     """The ops ``deferred_tail`` may run on into the next iteration (the
-    classes' ``category`` and ``seq_ordered`` are what it reads); none for
-    a graph whose composition never defers (``graph.deferrable`` False:
-    tensor parallelism, whose forward allreduces would put nearly every
-    op downstream of a collective)."""
+    classes' ``category`` and ``seq_ordered`` are what it reads); none
+    where ``graph.deferrable`` is False (tensor parallelism never defers)."""
     if getattr(graph, "deferrable", True) is False:
         return frozenset()
     from ..ops.catalog import get_kernel_class
