@@ -353,3 +353,45 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
     bad = run_cli_args("train", write_config_file(tmp_path, cfg, "bad.yaml"), "--out",
                        tmp_path / "bad", "--init", ckpt)
     assert bad.returncode == 2 and "wpe/weight" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("layer,message", [
+    ({"type": "embedding", "name": "wte", "bottom": "data", "input_dim": 4, "num_output": 8},
+     "key 'net[0].bottom': layer 'wte': embedding needs integer token ids, 'data' holds "
+     "float32"),
+    ({"type": "attention", "name": "attn", "bottom": "data", "num_heads": 4},
+     "key 'net[0].num_heads': layer 'attn': num_heads 4 must divide the width 6"),
+    ({"type": "position_embedding", "name": "wpe", "bottom": "data", "max_length": 3},
+     "key 'net[0].max_length': layer 'wpe': sequences of 4 tokens need max_length >= 4"),
+    ({"type": "attention", "name": "attn", "bottom": "data", "num_heads": 2,
+      "attn_dropout": 1.0}, "key 'net[0].attn_dropout': layer 'attn': expected 0 <= "
+                            "attn_dropout < 1"),
+])
+def test_transformer_layer_misuse_exits_2_naming_file_and_key(tmp_path, layer, message):
+    from tests.conftest import run_cli_args, write_config_file
+    cfg = {"data": {"train": {"source": "synthetic", "shape": [4, 6], "classes": 4,
+                              "batch_size": 2}},
+           "net": [layer, {"type": "fc", "name": "head", "bottom": layer["name"],
+                           "num_output": 4},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["head", "label"]}]}
+    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "cfg.yaml" in res.stderr and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_next_token_accuracy_over_the_last_axis():
+    net = [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x", "input_dim": 7,
+            "num_output": 7},
+           {"type": "accuracy", "name": "acc", "bottom": ["x", "label"], "axis": -1},
+           {"type": "accuracy", "name": "acc2", "bottom": ["x", "label"], "axis": 2,
+            "top_k": 2}]
+    g = net_graph(net, phase="test")
+    assert g.ops["acc.fwd"].attrs["axis"] == 2 and g.blobs["acc"].attrs["metric"]
+    logits = randn(2, 4, 7)
+    label = RNG.integers(0, 7, (2, 4)).astype(np.int32)
+    outs, _ = run_op("Accuracy", {"axis": 2}, {"x": logits, "label": label})
+    assert outs[0] == pytest.approx(np.mean(logits.argmax(-1) == label))
+    outs, _ = run_op("Accuracy", {"axis": 2, "top_k": 2}, {"x": logits, "label": label})
+    top2 = np.argsort(-logits, axis=-1)[..., :2]
+    assert outs[0] == pytest.approx(np.mean((top2 == label[..., None]).any(-1)))

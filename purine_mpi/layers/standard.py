@@ -321,6 +321,16 @@ def split(b):
     b.op("Split", [x], ys, {"n_outputs": len(ys)})
 
 
+def _class_axis(b, x):
+    """The op attrs of the layer's class ``axis`` over scores ``x``: {} for
+    Caffe's default 1, else {"axis": the axis counted from 0}."""
+    axis, ndim = b.get("axis"), len(b.shape(x))
+    if not -ndim <= axis < ndim:
+        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for scores of shape "
+                       f"{list(b.shape(x))}, got {axis}")
+    return {"axis": axis % ndim} if axis % ndim != 1 else {}
+
+
 @layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(
     Key("axis", "int", 1, "the class axis (Caffe's): 1 for (N, C, ...) scores; -1 for (N, T, V) "
                           "logits with (N, T) labels, the token-level loss: the mean over every "
@@ -333,13 +343,7 @@ def softmax_loss(b):
     counted positions."""
     x, label = b.bottoms(2)
     (loss,) = b.tops(1)
-    attrs = {}
-    axis, ndim = b.get("axis"), len(b.shape(x))
-    if not -ndim <= axis < ndim:
-        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for scores of shape "
-                       f"{list(b.shape(x))}, got {axis}")
-    if axis % ndim != 1:
-        attrs["axis"] = axis % ndim
+    attrs = _class_axis(b, x)
     ignore = b.get("ignore_label")
     if ignore is not None:
         attrs["ignore_label"] = ignore
@@ -349,10 +353,13 @@ def softmax_loss(b):
 
 @layer("accuracy", keys=(
     Key("top_k", "posint", 1, "a sample counts as right when its label is among the k best "
-                              "scores"),))
+                              "scores"),
+    Key("axis", "int", 1, "the class axis, as softmax_loss's (-1: the next-token accuracy "
+                          "of (N, T, V) logits over every position)")))
 def accuracy(b):
     """Top-k accuracy; bottoms [scores, label]; a non-finite score counts as wrong."""
     x, label = b.bottoms(2)
     (acc,) = b.tops(1)
-    b.op("Accuracy", [x, label], [acc], {"top_k": b.get("top_k")})
+    attrs = dict(_class_axis(b, x), top_k=b.get("top_k"))
+    b.op("Accuracy", [x, label], [acc], attrs)
     b.graph.blobs[acc].attrs["metric"] = True

@@ -8,6 +8,8 @@ a GPT block built from them.
 Each ``@layer`` declares its keys like the standard layers do; after
 changing keys run ``python -m purine_mpi.tools.docgen --write``.
 """
+import numpy as np
+
 from .registry import REQUIRED, Key, layer
 from .standard import ITER_BLOB, _filler, _param_key
 
@@ -25,6 +27,11 @@ def embedding(b):
     the (input_dim, num_output) table `<name>/weight` per token; its gradient scatter-adds.
     An `fc` with `tie_weight` may share the table as its weight."""
     (ids,) = b.bottoms(1)
+    b.shape(ids)
+    dtype = np.dtype(b.graph.blobs[ids].dtype)
+    if dtype.kind not in "iu":
+        b.fail("bottom", f"embedding needs integer token ids, '{ids}' holds {dtype.name} (the "
+                         "text source's data blob, or a label)")
     (y,) = b.tops(1)
     w = b.param("weight", (b.get("input_dim"), b.get("num_output")),
                 _filler(b, "weight_filler"), 0)
