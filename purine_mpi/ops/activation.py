@@ -299,6 +299,9 @@ class Gelu(OpKernel):
     op_type = "Gelu"
     in_place = ((0, 0),)  # y = x * t, t computed from x first
 
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], *[(ins[0].shape, ins[0].dtype)] * 3)
+
     @classmethod
     def infer(cls, attrs, ins):
         _approximate(attrs)
@@ -318,6 +321,9 @@ class GeluGrad(OpKernel):
 
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[1], *[(ins[1].shape, ins[1].dtype)] * 4)
 
     @classmethod
     def infer(cls, attrs, ins):

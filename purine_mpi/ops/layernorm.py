@@ -13,10 +13,37 @@ Gradient ("LayerNormGrad", [dy, x, g, mean, rstd] -> the requested ones of
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
     dg = sum over the leading axes of dy * xhat
     db = sum over the leading axes of dy
+
+On a GPU the means and sums are the deterministic reduction kernel of the
+bias gradients (cuda/reduce.cu), the rest element-wise CuPy into the blobs
+and the op's scratch (reserved at setup): nothing allocates, and a CUDA
+graph captures it.
 """
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
+from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
+
+
+def row_mean(xp, k, x, out):
+    """out[...] = mean of x over its last axis (out: x.shape[:-1], or with a
+    trailing 1). On a GPU (``k``, the raw kernels) one deterministic
+    reduction kernel (channel_sum of the (1, rows, C) view), never CuPy's
+    reductions, which a CUDA-graph capture must not hold."""
+    if k is None:
+        xp.mean(x, axis=-1, out=out.reshape(x.shape[:-1]))
+        return
+    k.channel_sum(x.reshape(1, -1, x.shape[-1]), out=out.reshape(-1))
+    out *= 1.0 / x.shape[-1]
+
+
+def column_sum(xp, k, x, out):
+    """out (C,) = x summed over every axis but the last (one kernel on a GPU)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if k is None:
+        xp.sum(rows, axis=0, out=out)
+        return
+    k.channel_sum(rows, out=out)
 
 
 @register
@@ -25,6 +52,9 @@ class LayerNorm(OpKernel):
     ``eps``, default 1e-5); see the module docstring."""
 
     op_type = "LayerNorm"
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], (ins[0].shape, ins[0].dtype))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -38,11 +68,12 @@ class LayerNorm(OpKernel):
         x, g, b = ins
         y, mean, rstd = outs
         xp = get_xp(x)
-        xp.mean(x, axis=-1, out=mean)
+        k = raw_kernels(xp, x)
+        row_mean(xp, k, x, mean)
         xp.subtract(x, mean[..., None], out=y)
         (sq,) = self.temporaries(x, (x.shape, x.dtype))
         xp.multiply(y, y, out=sq)
-        xp.mean(sq, axis=-1, out=rstd)
+        row_mean(xp, k, sq, rstd)
         rstd += float(self.attrs.get("eps", 1e-5))
         xp.sqrt(rstd, out=rstd)
         xp.divide(1, rstd, out=rstd)
@@ -51,12 +82,20 @@ class LayerNorm(OpKernel):
         y += b
 
 
+def _grad_specs(x):
+    row = (x.shape[:-1] + (1,), x.dtype)
+    return (x.shape, x.dtype), (x.shape, x.dtype), row, row
+
+
 @register
 class LayerNormGrad(OpKernel):
     """[dy, x, g, mean, rstd] -> the gradients named in attr ``outputs``
     (a subset of dx, dg, db, in that order)."""
 
     op_type = "LayerNormGrad"
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[1], *_grad_specs(ins[1]))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -68,22 +107,21 @@ class LayerNormGrad(OpKernel):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
         got = dict(zip(self.attrs["outputs"], outs))
-        row = (x.shape[:-1] + (1,), x.dtype)
-        xhat, dxhat, a, c = self.temporaries(x, (x.shape, x.dtype), (x.shape, x.dtype), row, row)
+        xhat, dxhat, a, c = self.temporaries(x, *_grad_specs(x))
         xp.subtract(x, mean[..., None], out=xhat)
         xhat *= rstd[..., None]
-        lead = tuple(range(x.ndim - 1))
+        k = raw_kernels(xp, dy, x)
         if "db" in got:
-            xp.sum(dy, axis=lead, out=got["db"])
+            column_sum(xp, k, dy, got["db"])
         if "dg" in got:
             xp.multiply(dy, xhat, out=dxhat)
-            xp.sum(dxhat, axis=lead, out=got["dg"])
+            column_sum(xp, k, dxhat, got["dg"])
         if "dx" in got:
             dx = got["dx"]
             xp.multiply(dy, g, out=dxhat)
-            xp.mean(dxhat, axis=-1, keepdims=True, out=a)
+            row_mean(xp, k, dxhat, a)
             xp.multiply(dxhat, xhat, out=dx)
-            xp.mean(dx, axis=-1, keepdims=True, out=c)
+            row_mean(xp, k, dx, c)
             xp.multiply(xhat, c, out=dx)
             xp.subtract(dxhat, dx, out=dx)
             dx -= a
