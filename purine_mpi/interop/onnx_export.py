@@ -4,7 +4,8 @@ The exported graph starts at the data op's ``data`` output (the model input,
 N x C x H x W float32) and ends at the blobs the loss and accuracy layers
 read (their logits), plus any blob no op reads; the loss, accuracy and label
 are left out. Parameters become initializers with their trained values.
-Ops are mapped one by one (opset 13):
+Ops are mapped one by one (opset 13; a transformer's ops, interop/onnx_gpt.py,
+take opset 23 and a token input of free batch and sequence length):
 
     Conv -> Conv               InnerProduct -> Flatten + Gemm (transB)
     Pool -> MaxPool / AveragePool (+ Mul for Caffe's divisor) / Global*Pool
@@ -34,6 +35,7 @@ import numpy as np
 
 from ..base.errors import UserError
 from ..base.runfiles import disk_error
+from .onnx_gpt import EMITTERS as GPT_EMITTERS, GPT_OPS, OPSET_GPT
 
 OPSET = 13
 _DROPPED = ("SoftmaxLoss", "Accuracy")
@@ -71,6 +73,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)
     said = describe(spec, pre)
+    ids = graph.blobs["data"]
+    if np.dtype(ids.dtype).kind in "iu":  # a text source: token ids, no transform
+        said = {"line": f"input data: {np.dtype(ids.dtype).name} token ids (batch x sequence)",
+                "meta": {"input": "tokens", "dtype": np.dtype(ids.dtype).name}}
     entry = model.metadata_props.add()
     entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])
     onnx.checker.check_model(model)
@@ -239,16 +245,26 @@ def build_model(graph, values, name, batch=None, pre=None):
         nodes = _preprocess_nodes(pre, const, helper) + nodes
         data_shape = [data_shape[0]] + list(pre["shape"])
         elem = TensorProto.UINT8 if pre["dtype"] == np.uint8 else TensorProto.FLOAT
+    tokens = pre is None and np.dtype(graph.blobs["data"].dtype).kind in "iu"
+    if tokens:  # (N, T) token ids: batch and sequence length both free
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(graph.blobs["data"].dtype))
+        if len(data_shape) > 1 and not batch:
+            data_shape[1] = "sequence"
     inputs = [helper.make_tensor_value_info("data", elem, data_shape)]
     outs = []
     for blob in outputs:
         shape = list(graph.blobs[blob].shape)
         shape[0] = batch if batch else "batch"
+        if tokens and not batch and len(shape) > 2:
+            shape[1] = "sequence"
         outs.append(helper.make_tensor_value_info(blob, TensorProto.FLOAT, shape))
     onnx_graph = helper.make_graph(nodes, name, inputs, outs, initializer=inits)
+    gpt = any(op.op_type in GPT_OPS for op in order)  # LayerNormalization, Attention, ...
     model = helper.make_model(onnx_graph, producer_name="purine_mpi",
-                              opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = min(model.ir_version, 8)  # readable by older runtimes too
+                              opset_imports=[helper.make_opsetid("", OPSET_GPT if gpt
+                                                                 else OPSET)])
+    if not gpt:
+        model.ir_version = min(model.ir_version, 8)  # readable by older runtimes too
     return model
 
 
@@ -269,6 +285,10 @@ def _conv(op, graph, const, helper):
 
 def _fc(op, graph, const, helper):
     x = op.inputs[0]
+    ndim = len(graph.blobs[x].shape)
+    if ndim > 2 and int(op.attrs.get("axis", 1)) % ndim == ndim - 1:  # (N, T, C) -> (N, T, O)
+        from .onnx_gpt import last_axis_fc
+        return last_axis_fc(op, graph, const, helper)
     nodes = []
     if len(graph.blobs[x].shape) != 2:
         flat = f"{op.name}/flat"
@@ -428,3 +448,4 @@ _EMITTERS = {
     "Slice": _slice, "Split": _split, "Eltwise": _eltwise, "Reshape": _reshape,
     "Scale": _scale, "Copy": _unary("Identity"),
 }
+_EMITTERS.update(GPT_EMITTERS)  # a transformer's ops (interop/onnx_gpt.py)

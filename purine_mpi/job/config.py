@@ -267,6 +267,14 @@ def _check_pipeline(out, path):
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
                               f"divide data.train.batch_size {batch}; choose a divisor")
     scheme = par["scheme"]
+    if scheme == "tensor":
+        if par["mode"] != "sync":
+            raise ConfigError(path, "parallel.mode", f"scheme tensor runs with mode: sync, not "
+                              f"{excerpt(par['mode'])} (parameter servers serve data-parallel "
+                              "workers)")
+        if micro > 1:
+            raise ConfigError(path, "parallel.micro_batches", "scheme tensor takes no "
+                              f"micro-batches (got {micro}); use 1")
     if scheme not in ("pipeline", "hybrid"):
         return
     if par["mode"] != "sync":

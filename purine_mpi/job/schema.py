@@ -24,7 +24,7 @@ LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 
 
-PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid")
+PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid", "tensor")
 
 
 PARALLEL_MODES = ("sync", "async", "sync_ps")
@@ -120,6 +120,9 @@ PARALLEL = (
         "sequence of collectives"),
     Key("stages", _check_stages, {}, "schemes pipeline and hybrid: {layer name: stage}, every "
         "layer, stages 0..S-1", typed=INT_MAP),
+    Key("tensor_parallel", _int(1), 1, "scheme tensor: the ranks of a tensor-parallel group "
+        "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
+        "(see [parallel.md](parallel.md))"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),
@@ -291,6 +294,11 @@ CHOICE_DOCS = {
         "hybrid": "R replicas × p stages (rank = replica·p + stage): each replica is a "
                   "pipeline on its shard of the batch, and each stage allreduces its "
                   "gradients over the R replicas; the world size is a multiple of p >= 2",
+        "tensor": "Megatron-LM's tensor parallelism: groups of `tensor_parallel` ranks split "
+                  "each MLP (fc, element-wise layers, fc) by columns then rows, one allreduce "
+                  "per block forward and one backward; R = world / tensor_parallel replicas "
+                  "(rank = replica·t + shard) allreduce the gradients of each shard "
+                  "([parallel.md](parallel.md))",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",

@@ -4,7 +4,7 @@ The trainer builds one replica's training graph, hands it to a ``Scheme``
 and runs what comes back; everything scheme-specific lives here and in the
 modules this one calls (nothing in ``parallel/`` imports the trainer):
 
-    scheme = Scheme()                          # data / pipeline / hybrid / none
+    scheme = Scheme()                          # data / pipeline / hybrid / tensor / none
     local = scheme.compose(graph, grads, job, world)
 
     layout = layout_of(job, world)             # replicas x stages; this rank's place
@@ -22,6 +22,11 @@ R replicas x p stages and
 so a replica's stages are consecutive ranks (its Send/Recv stay among
 them) and stage s's ranks are s, p + s, 2p + s, ... (they allreduce that
 stage's gradients on a sub-communicator). ``pipeline`` is R = 1.
+
+Scheme ``tensor`` (parallel/tensor_parallel.py) is R replicas x t shards,
+rank = replica * t + shard: a group of t consecutive ranks splits the
+net's MLPs and attention layers, and each shard's gradients are allreduced
+over the replicas (``Layout.tensor``, ``Layout.shard``).
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
@@ -64,9 +69,28 @@ class Layout:
     replica: int
     stage: int
     micro_batches: int = 1
+    tensor: int = 1           # scheme tensor: the ranks of a tensor-parallel group
+    shard: int = 0            # this rank's place in its group
 
     def rank(self, replica, stage):
         return replica * self.stages + stage
+
+    # scheme tensor: rank = replica * tensor + shard (parallel/tensor_parallel.py)
+    def tensor_ranks(self, replica=None):
+        """The ranks of one tensor-parallel group (default: this rank's)."""
+        r = self.replica if replica is None else replica
+        return [r * self.tensor + k for k in range(self.tensor)]
+
+    def shard_ranks(self, shard=None):
+        """The ranks holding shard ``shard`` (default: this rank's), one per replica."""
+        k = self.shard if shard is None else shard
+        return [r * self.tensor + k for r in range(self.replicas)]
+
+    def tensor_groups(self):
+        return [self.tensor_ranks(r) for r in range(self.replicas)]
+
+    def shard_groups(self):
+        return [self.shard_ranks(k) for k in range(self.tensor)]
 
     def stage_ranks(self, stage=None):
         """The ranks that hold stage ``stage`` (default: this rank's), one per replica."""
@@ -84,9 +108,10 @@ class Layout:
 
     def describe(self):
         """E.g. ``[hybrid: 2 replicas x 2 stages, 4 micro-batches, 4 ranks]``."""
-        n = self.replicas * self.stages
+        n = self.replicas * self.stages * self.tensor
         parts = [f"{self.scheme}: {_count(self.replicas, 'replica')}"
-                 + (f" x {_count(self.stages, 'stage')}" if self.staged else "")]
+                 + (f" x {_count(self.stages, 'stage')}" if self.staged else "")
+                 + (f" x {self.tensor}-way tensor" if self.tensor > 1 else "")]
         if self.micro_batches > 1:
             parts.append(_count(self.micro_batches, "micro-batch", "micro-batches"))
         return "[" + ", ".join(parts + [_count(n, "rank")]) + "]"
@@ -97,7 +122,8 @@ class Layout:
     def same_shape(self, other):
         """Same scheme, replicas, stages and micro-batches (positions aside)."""
         keys = ("scheme", "replicas", "stages", "micro_batches")
-        return all(getattr(self, k) == other.get(k) for k in keys)
+        return all(getattr(self, k) == other.get(k) for k in keys) and \
+            self.tensor == other.get("tensor", 1)
 
 
 def _count(n, one, many=None):
@@ -114,6 +140,14 @@ def layout_of(job, world):
     par = job.parallel
     scheme = par.scheme
     micro = par.micro_batches
+    if scheme == "tensor" and world.size > 1:
+        t = par.tensor_parallel
+        if world.size % t:
+            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme tensor runs "
+                            f"replicas x {t} ranks, but the world size {world.size} is not a "
+                            f"multiple of {t}; start a multiple of {t} ranks or change the "
+                            "degree")
+        return Layout(scheme, world.size // t, 1, world.rank // t, 0, micro, t, world.rank % t)
     if world.size == 1 or scheme not in STAGED:
         return Layout(scheme, world.size, 1, world.rank, 0, micro)
     count = par.stage_count
@@ -149,7 +183,8 @@ def defer_update_applies(job, replicas, staged):
     in the config, several replicas reducing gradients, no stages, on the CPU
     (the GPU dispatchers end every iteration with every op done). The
     trainer's scheme may still decline (``Scheme.defers_update``)."""
-    return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0
+    return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0 \
+        and job.parallel.scheme != "tensor"
 
 
 def data_window(job, world):
@@ -172,6 +207,9 @@ def compose(graph, grads, job, world):
         return local
     from ..graph.clip import add_clip
     lay = layout_of(job, world)
+    if lay.tensor > 1:
+        from .tensor_parallel import add_tensor_clip
+        return add_tensor_clip(local, clip, lay).validate()
     if not lay.staged:
         return add_clip(local, clip).validate()
     # a replica's stages hold its parameters between them: their norms add up
@@ -186,6 +224,9 @@ def _compose(graph, grads, job, world):
     micro = par.micro_batches
     copies = replicate_micro_batches(graph, grads, micro) if micro > 1 else None
     lay = layout_of(job, world)
+    if lay.tensor > 1:
+        from .tensor_parallel import compose_tensor
+        return compose_tensor(graph, grads, job, world, lay)
     if lay.staged:
         local = compose_stages(graph, job, world, copies)
         if lay.scheme == "hybrid":
@@ -289,7 +330,11 @@ def _allreduce_stage(local, grads, par, world, lay):
 def compose_test(graph, job, world):
     """The test graph of this rank: a staged scheme's slice, else as built
     (each replica reads its own shard)."""
-    if graph is not None and layout_of(job, world).staged:
+    lay = layout_of(job, world) if graph is not None else None
+    if lay is not None and lay.tensor > 1:
+        from .tensor_parallel import compose_tensor
+        return compose_tensor(graph, {}, job, world, lay, train=False)
+    if lay is not None and lay.staged:
         return compose_stages(graph, job, world)
     return graph
 
@@ -335,6 +380,11 @@ def settings_without_effect(job, world_size):
                  f"parallel.stages need {ranks} ranks, so the net runs unsplit on this rank "
                  f"(start mpiexec -n {count} to split it)")
             changed.discard("stages")
+        if scheme == "tensor":
+            t = par.tensor_parallel
+            note(["scheme"], f"tensor has no effect on 1 rank: the net runs unsplit on this "
+                 f"rank (start mpiexec -n {t} to split it {t} ways)")
+            changed.discard("tensor_parallel")
         if scheme != "none":
             note(list(BUCKET_KEYS) + ["check_collectives"],
                  "has no effect on 1 rank: there are no gradients to allreduce",
@@ -360,6 +410,8 @@ def settings_without_effect(job, world_size):
     if scheme not in STAGED:
         note(["stages"], f"applies to schemes pipeline and hybrid only; scheme {scheme} "
              "ignores it")
+    if scheme != "tensor":
+        note(["tensor_parallel"], f"applies to scheme tensor only; scheme {scheme} ignores it")
     if par.micro_batches == 1:
         note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
              "micro-batch it has no effect")

@@ -225,7 +225,7 @@ def format_plan(plan):
     """The bucket plan as text lines (``graph --np N`` prints it): posting
     order, size, and the gradients in each bucket."""
     group = plan[0].get("group") if plan else None
-    over = f" over ranks {group} (this stage's replicas)" if group else ""
+    over = f" over ranks {group} (the ranks holding the same part)" if group else ""
     lines = [f"bucket plan: {len(plan)} allreduce(s){over}, posted in seq order, "
              "top layer first"]
     for b in plan:

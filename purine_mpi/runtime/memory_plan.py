@@ -158,7 +158,10 @@ def _root_nbytes(blob):
 
 def _tail_ops(graph, deps):
     """The ops ``deferred_tail`` may run on into the next iteration (the
-    classes' ``category`` and ``seq_ordered`` are what it reads)."""
+    classes' ``category`` and ``seq_ordered`` are what it reads); none
+    where ``graph.deferrable`` is False (tensor parallelism never defers)."""
+    if getattr(graph, "deferrable", True) is False:
+        return frozenset()
     from ..ops.catalog import get_kernel_class
     from .tail import deferred_tail
     classes = {n: get_kernel_class(op.op_type, n) for n, op in graph.ops.items()}

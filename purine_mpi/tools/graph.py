@@ -137,6 +137,11 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     lay = getattr(graph, "layout", None)
     if lay is not None and describe_layout(lay, rank):
         lines.insert(0, describe_layout(lay, rank))
+    split = getattr(graph, "tensor_plan", None)
+    if split:
+        lines.append(f"tensor-parallel split over ranks {lay.tensor_ranks()} "
+                     f"(rank {rank} = replica {lay.replica}, shard {lay.shard}):")
+        lines += [f"  {line}" for line in split]
     plan = getattr(graph, "bucket_plan", None)
     if plan:
         from ..parallel.data_parallel import format_plan

@@ -14,9 +14,10 @@ from ..job.checkpoint_file import load_checkpoint, load_params, remove_temp_file
 from ..job.run_checkpoints import find_resumable, save_run_checkpoint
 from ..job.checkpoint_check import check_finite, check_for_net, unused_note
 from ..job.config import dump_config
-from ..layers.fillers import fill
 from ..job.replica import init_params, kept_constant
 from ..parallel.compose import Layout
+from ..parallel.tensor_parallel import (gather_whole, initial_value, param_split, take_shard,
+                                        whole_shape)
 from ..runtime.stop import StopSignal
 from .collectives import _plain, world_gather
 from .loop import Service
@@ -53,7 +54,8 @@ class Checkpoints(Service):
 
     def _init_params(self, loop, init, init_skip=()):
         for p in loop.graphs.params:
-            loop.ws.set(p, fill(loop.graphs.graph.blobs[p], loop.job.seed))
+            # a tensor-parallel shard: its slice of the whole blob's value
+            loop.ws.set(p, initial_value(loop.graphs.graph.blobs[p], loop.job.seed))
         if init and str(init).endswith(".caffemodel"):
             self._init_from_caffemodel(loop, init, init_skip)
         elif init:
@@ -96,6 +98,9 @@ class Checkpoints(Service):
                 k.factor = factors[layer]
 
     def _load_blob(self, loop, name, value, path, skip_hint=False):
+        split = param_split(loop.graphs.graph, name)
+        if split and tuple(value.shape) == tuple(split["shape"]):  # whole in the file
+            value = take_shard(split, value)
         try:
             loop.ws.set(name, value)
         except GraphError as e:  # a file from another net: name the file too
@@ -169,8 +174,8 @@ class Checkpoints(Service):
             ck = load_checkpoint(path)
         # the whole checkpoint is checked against the net before any of it is loaded
         params = loop.graphs.params
-        check_for_net(ck, path, loop.graphs.net_params, {p: loop.ws[p] for p in params},
-                      {(p, s): loop.ws[state_name(p, s)] for p in params
+        check_for_net(ck, path, loop.graphs.net_params, {p: _whole(loop, p, p) for p in params},
+                      {(p, s): _whole(loop, p, state_name(p, s)) for p in params
                        for s in solver_states(loop.job.solver.type)
                        if state_name(p, s) in loop.ws.arrays})
         fresh = set()
@@ -220,6 +225,10 @@ class Checkpoints(Service):
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         solver = {p: s for p, s in solver.items() if s}
+        if loop.graphs.layout.tensor > 1:  # each rank holds shards: whole blobs on file
+            parts = world_gather(loop.world, (params, solver))
+            if loop.world.rank == 0:
+                params, solver = gather_whole(loop.graphs.graph, loop.graphs.layout, parts)
         if loop.graphs.pipeline:  # each stage holds its own layers' parameters
             parts = world_gather(loop.world, (params, solver))
             if loop.world.rank == 0:  # replica 0's stages (the replicas hold the same values)
@@ -239,6 +248,19 @@ class Checkpoints(Service):
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)
+
+
+def _whole(loop, param, name):
+    """What the checkpoint must hold for blob ``name`` (``param`` or its
+    solver state): its array, or a zero-memory stand-in of the whole shape
+    for a tensor-parallel shard."""
+    import numpy as np
+    arr = loop.ws[name]
+    blob = loop.graphs.graph.blobs[param]
+    shape = whole_shape(blob)
+    if shape == tuple(arr.shape):
+        return arr
+    return np.broadcast_to(np.zeros((), dtype=arr.dtype), shape)
 
 
 def finished_run(loop, iteration):

@@ -69,7 +69,9 @@ class Evaluation(Service):
             for i in range(n):
                 loop.test.run(i)
                 counts = pass_counts(i, replicas, batch, limit)
-                mine = float(counts[loop.graphs.layout.replica])
+                # a tensor-parallel group's ranks hold the same figures: shard 0 counts
+                lay = loop.graphs.layout
+                mine = float(counts[lay.replica]) if lay.shard == 0 else 0.0
                 sums += [mine * float(ws[b]) if b in ws.arrays else 0.0 for b in names]
                 bar.update(int(counts.sum()))
         out = {}

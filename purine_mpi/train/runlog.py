@@ -131,6 +131,15 @@ def scheme_lines(trainer):
                 f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
             out.append((f"stage {s}", f"{_ranks_word(lay.stage_ranks(s))}: "
                         f"{_count(len(names), 'layer')} ({shown})"))
+    elif lay.tensor > 1:
+        plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
+        dp = (f"; each shard's gradients allreduced over its {lay.replicas} ranks in "
+              f"{_count(len(plan), 'bucket')}") if lay.replicas > 1 else ""
+        out.append(("scheme", f"tensor: {_count(lay.replicas, 'replica')} x {lay.tensor}-way "
+                    f"tensor parallel (rank = replica x {lay.tensor} + shard); split layers' "
+                    f"activations allreduced in each group of {lay.tensor} ranks{dp}"))
+        for line in getattr(trainer.graphs.graph, "tensor_plan", ()):
+            out.append(("split", line))
     elif lay.scheme == "none":
         out.append(("scheme", f"none: ranks {ranges(range(size))} each train their own "
                     "replica on their shard, exchanging no gradients"))

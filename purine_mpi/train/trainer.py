@@ -119,7 +119,9 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say):
     arena when it fits (the two never run at once). On a GPU each iteration is replayed as captured CUDA graphs
     unless ``cuda_graph: false``."""
     planned, cuda_graph = job.memory_plan, job.cuda_graph
-    seed = job.seed * 1000003 + world.rank
+    # the ranks of a tensor-parallel group draw the same random streams (the
+    # dropout of their replicated activations must agree)
+    seed = job.seed * 1000003 + world.rank // graphs.layout.tensor
     stall = float(job.parallel.stall_timeout)
 
     def workspace(graph, keep=(), shared=None, arena=None):
