@@ -128,7 +128,7 @@ def test_unknown_nested_key_suggests(cfg_dir):
     ("parallel.min_buckets=0", "parallel.min_buckets", "positive integer"),
     ("seed=-1", "seed", "non-negative integer"),
     ("net=5", "net", "list of layers"),
-    ("data.train.source=csv", "data.train.source", "hdf5, lmdb, synthetic"),
+    ("data.train.source=csv", "data.train.source", "hdf5, lmdb, text, synthetic"),
     ("solver.stepvalues=[5, 3]", "solver.stepvalues", "increasing"),
 ])
 def test_wrong_types_name_the_key(cfg_dir, override, key, expected):
