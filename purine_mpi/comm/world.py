@@ -331,6 +331,8 @@ def _finalize_and_exit(MPI, code):
         watchdog.daemon = True
         watchdog.start()
         try:
+            from .windows import free_all
+            free_all()  # collective: every rank came here (the barriers before)
             MPI.Finalize()
             import ctypes
             ctypes.CDLL(None).exit(code)
