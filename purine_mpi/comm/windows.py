@@ -63,7 +63,7 @@ import numpy as np
 
 from ..base import env
 from ..base.errors import StallError, UserError
-from .world import MPI_LOCK
+from .world import FINALIZE_HOOKS, MPI_LOCK
 
 TRANSPORTS = ("auto", "one_sided", "two_sided")
 ALIGN = 64  # bytes: every region starts on a cache line
@@ -226,8 +226,8 @@ def rma_across_hosts():
     tls = os.environ.get("UCX_TLS", "").lower()
     if any(t in tls for t in ("rc", "dc", "ud", "ib")):
         return True, f"UCX transports {tls} do RDMA"
-    return False, ("no RDMA network detected (FI_PROVIDER / UCX_TLS); the library would "
-                   "emulate RMA over TCP, where send/recv is as fast")
+    return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS): the library would "
+                   "emulate RMA over TCP")
 
 
 def pair_transport(transport, node_of, a, b, rma_ok=True):
@@ -241,7 +241,7 @@ def pair_transport(transport, node_of, a, b, rma_ok=True):
     if transport == "two_sided":
         return "two_sided", "parallel.transport: two_sided"
     if same:
-        return "shared", "ranks of one node: a shared window (load/store)"
+        return "shared", "ranks of one node: load/store into each other's memory"
     if transport == "one_sided":
         return "rma", "parallel.transport: one_sided, ranks on two hosts: an RMA window"
     if not rma_ok:
@@ -566,6 +566,14 @@ def live_windows():
     return list(_LIVE)
 
 
+def find_windows(name):
+    """The live ``Windows`` that holds region or notify word ``name``, or None."""
+    for w in reversed(_LIVE):
+        if name in w.layout.regions or name in w.layout.words:
+            return w
+    return None
+
+
 def free_all():
     """Free every live ``Windows`` (latest first, the same order on every
     rank). Called at a normal exit (atexit, before mpi4py's MPI_Finalize) and
@@ -575,3 +583,4 @@ def free_all():
 
 
 atexit.register(free_all)
+FINALIZE_HOOKS.append(free_all)
