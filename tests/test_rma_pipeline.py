@@ -177,3 +177,61 @@ def test_50_iterations_one_sided_matches_two_sided(tmp_path, digits_h5, n, job):
     extra = {"stages": FOUR_STAGES} if (n, job) == (4, "digits_pipeline") else {}
     cfg = _config(tmp_path, digits_h5, job=job, iters=50, **extra)
     _compare(tmp_path, n, cfg)
+
+
+# ------------------------------------------------------------ faults
+def _start(tmp_path, digits_h5, **parallel):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    cfg = _config(tmp_path, digits_h5, iters=100000, transport="one_sided", **parallel)
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", cfg,
+                             "--out", out], cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_metrics(out, time.time() + 60)
+    time.sleep(0.2)  # mid-run: puts and waits in flight
+    pids = sorted(_rank_pids(out))
+    assert len(pids) == 2, pids
+    return proc, pids, out
+
+
+def _end(proc, pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_9_of_any_rank_ends_every_rank_promptly(tmp_path, digits_h5, victim):
+    proc, pids, out = _start(tmp_path, digits_h5)
+    try:
+        killed = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        proc.communicate(timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        _end(proc, pids)
+    print(f"kill -9 of rank {victim}: the job ended {took:.2f} s later")
+    assert proc.returncode != 0
+    assert took < 5  # under 1 s on a quiet machine
+    assert not _rank_pids(out), "a rank outlived the job"
+
+
+def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5):
+    proc, pids, _out = _start(tmp_path, digits_h5, stall_timeout=2)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        _end(proc, pids)
+    assert proc.returncode != 0
+    assert "rank 0: communication stalled for more than 2 s" in stderr, stderr
+    # the stage-0 rank waits for the gradient put into its window, or for its
+    # consumer to release the region of the next activations
+    assert "(WaitWrite, WaitWrite pool1.grad" in stderr or "(Put, Put pool1" in stderr, stderr
+    assert "window shared region g0/" in stderr, stderr

@@ -11,9 +11,11 @@ slice), ``pair_transport(transport, node table, p, r)`` decides:
 - ``two_sided``: the pair stays as it is;
 - ``shared`` / ``rma``: rank r owns the region ``g<n>/<b>@r<r>`` (b's
   shape and dtype; ``n`` counts the windowed graphs of this world: train
-  0, test 1) with its notify word ``.written``; rank p owns ``.free``. The
-  Recv becomes ``<b>.wait`` (WaitWrite), the Send ``<b>.put@r<r>`` (Put),
-  keeping name-independent everything else (``seq``, control edges); the
+  0, test 1) with its notify word ``.written``; rank p owns ``.free``
+  (each word has one writer: the other rank). The Recv becomes
+  ``<b>.wait`` (WaitWrite), the Send ``<b>.put@r<r>`` (Put), keeping
+  ``seq`` and control edges; a ``<b>.release`` (Release) after every op
+  that touches b on rank r tells p the region may be written again; the
   received blob gets ``attrs['window']`` = its region, so the workspace
   places it in the window (runtime/workspace.py) and the memory planner
   leaves it alone.
@@ -70,8 +72,8 @@ def to_windows(local, job, world):
         why_seen.update(rank_why)  # the start-up block names every rank's pairs
         for name, owner, peer, shape, dtype in rank_specs:
             layout.add(name, owner, shape, dtype, peers=[peer])
-            layout.add_word(name + ".written", owner, peers=[peer])
-            layout.add_word(name + ".free", peer, peers=[owner])
+            layout.add_word(name + ".written", owner, writer=peer)
+            layout.add_word(name + ".free", peer, writer=owner)
     if _live(world) and layout.regions:
         try:
             local.windows = Windows.allocate(world, layout, node_of)
@@ -88,7 +90,7 @@ def to_windows(local, job, world):
 
 
 def _convert(local, prefix, chosen, rank):
-    renamed = {}
+    renamed, released = {}, []
     for op in list(local.ops.values()):
         if chosen.get(op.name, "two_sided") == "two_sided":
             continue
@@ -98,6 +100,7 @@ def _convert(local, prefix, chosen, rank):
             region = prefix + f"{blob}@r{rank}"
             op.op_type, new = "WaitWrite", f"{blob}.wait"
             local.blobs[blob].attrs["window"] = region
+            released.append((blob, region, peer, op.location, op.thread))
         else:
             blob = op.inputs[0]
             region = prefix + f"{blob}@r{peer}"
@@ -110,6 +113,23 @@ def _convert(local, prefix, chosen, rank):
         local.ops = {op.name: op for op in local.ops.values()}
         for op in local.ops.values():
             op.control_inputs = [renamed.get(c, c) for c in op.control_inputs]
+    _add_releases(local, released)
+
+
+def _add_releases(local, released):
+    """After every op that touches a received blob: its region's Release
+    (the producer may write it again). ``seq`` numbers follow the slice's
+    other comm ops, in blob order: the same on every rank of a stage."""
+    from .data_parallel import next_seq
+    seq = next_seq(local)
+    for blob, region, peer, location, thread in sorted(released, key=lambda r: r[0]):
+        users = [op.name for op in local.ops.values()
+                 if op.op_type != "WaitWrite" and (blob in op.inputs or blob in op.outputs)]
+        op = local.add_op(f"{blob}.release", "Release", [blob], [],
+                          {"seq": seq, "peer": peer, "region": region, "free": region + ".free"},
+                          location=location, thread=thread)
+        op.control_inputs = users
+        seq += 1
 
 
 def _summary(why):
