@@ -3,6 +3,7 @@ the next and previous stage's windows (parallel/one_sided.py,
 comm/rma_ops.py) train bit-identically to Send/Recv -- on 2 and 4 ranks, in
 a hybrid, through shared windows and RMA windows, with comm jitter -- and
 every fault ends the job as the two-sided transport does."""
+import json
 import os
 import signal
 import subprocess
@@ -71,9 +72,10 @@ def _transport_lines(stdout):
     return [line for line in stdout.splitlines() if line.strip().startswith("transport")]
 
 
-def _compare(tmp_path, n, cfg, env_one=None, expect="shared windows"):
+def _compare(tmp_path, n, cfg, env_one=None, expect="shared windows", profile=False):
     two = _train(n, cfg, tmp_path / "two", "--set", "parallel.transport=two_sided")
-    one = _train(n, cfg, tmp_path / "one", "--set", "parallel.transport=one_sided", env=env_one)
+    one = _train(n, cfg, tmp_path / "one", "--set", "parallel.transport=one_sided",
+                 *(["--profile"] if profile else []), env=env_one)
     assert any(expect in line for line in _transport_lines(one.stdout)), one.stdout
     assert any("two-sided" in line for line in _transport_lines(two.stdout)), two.stdout
     _same_weights(tmp_path / "one", tmp_path / "two")
@@ -84,10 +86,25 @@ def _compare(tmp_path, n, cfg, env_one=None, expect="shared windows"):
 
 
 # ------------------------------------------------------------ fast
+def _moved(out):
+    """{"bytes_put": ..., "bytes_copied": ...} summed over the trace's rma events."""
+    total = {"bytes_put": 0, "bytes_copied": 0}
+    for r in (0, 1):
+        with open(os.path.join(out, f"trace.rank{r}.json")) as f:
+            for e in json.load(f)["traceEvents"]:
+                if e.get("cat") == "rma":
+                    for key in total:
+                        total[key] += e["args"].get(key, 0)
+    return total
+
+
 def test_pipeline_2_ranks_one_sided_with_jitter_matches_two_sided(tmp_path, digits_h5):
-    """Shared windows on one node, each comm op shaken by random sleeps."""
+    """Shared windows on one node, each comm op shaken by random sleeps; the
+    producer computes into the consumer's regions: no byte copied."""
     cfg = _config(tmp_path, digits_h5, iters=10)
-    _compare(tmp_path, 2, cfg, env_one={"PURINE_COMM_DELAY": "3:11"})
+    one, _ = _compare(tmp_path, 2, cfg, env_one={"PURINE_COMM_DELAY": "3:11"}, profile=True)
+    assert _moved(tmp_path / "one") == {"bytes_put": 0, "bytes_copied": 0}
+    assert "label.free@r1" in open(tmp_path / "one" / "trace.rank0.json").read()
 
 
 def test_auto_choice_one_node_and_emulated_hosts(tmp_path, digits_h5):
@@ -101,10 +118,12 @@ def test_auto_choice_one_node_and_emulated_hosts(tmp_path, digits_h5):
     hosts = _train(2, cfg, tmp_path / "hosts", env=dict(clean, PURINE_RANKS_PER_HOST="1"))
     lines = _transport_lines(hosts.stdout)
     assert len(lines) == 1 and "two-sided Send/Recv (ranks on two hosts, no RDMA" in lines[0]
-    rdma = _train(2, cfg, tmp_path / "rdma",
+    rdma = _train(2, cfg, tmp_path / "rdma", "--profile",
                   env=dict(clean, PURINE_RANKS_PER_HOST="1", PURINE_RMA_ACROSS_HOSTS="1"))
     assert "one-sided, RMA windows (ranks on two hosts, PURINE_RMA_ACROSS_HOSTS=1)" in \
         rdma.stdout, rdma.stdout
+    moved = _moved(tmp_path / "rdma")  # MPI_Rput into the RMA windows, no CPU copy
+    assert moved["bytes_put"] > 0 and moved["bytes_copied"] == 0, moved
     _same_weights(tmp_path / "auto", tmp_path / "hosts")
     _same_weights(tmp_path / "rdma", tmp_path / "hosts")
 

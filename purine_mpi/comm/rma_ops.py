@@ -23,6 +23,10 @@ Release    ins [y]  outs []    attrs seq, peer, region, free
     (control edges from them): adds 1 to the producer's word ``free``, so
     the next Put may write the region. The producer waits only for the
     consumer's real use of the region, not for the consumer's iteration.
+WaitFree   ins []   outs []    attrs seq, peer, region, free
+    on the producer, before the op that computes x straight into the
+    consumer's region (one node, zero copy): its k-th run waits until
+    ``free`` reaches k - 1.
 
 Passive-target epochs never deadlock with the rest of the graph's
 communication: the windows are locked once (``Lock_all``) at start-up, so
@@ -40,7 +44,7 @@ from ..ops.registry import Pending, register
 from .ops import CommKernel, _mb, comm_delay
 from .windows import find_windows
 
-_ONE_SIDED = {"Put", "WaitWrite", "Release"}
+_ONE_SIDED = {"Put", "WaitWrite", "Release", "WaitFree"}
 
 
 def is_one_sided(op):
@@ -236,3 +240,41 @@ class Release(_WindowKernel):
         done = RMAPending(lambda: True, lambda: f"Release {self._what()}",
                           [("notify", t0, time.perf_counter(), {"word": self.attrs["free"]})])
         return done
+
+
+@register
+class WaitFree(_WindowKernel):
+    """Wait until rank ``peer`` released region ``region`` after the last
+    write: the op that computes into it may run."""
+
+    op_type = "WaitFree"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return []
+
+    def setup(self, ins, outs):
+        self.win = self._windows()
+        self.runs = 0
+        self._setup_done = True
+
+    def run(self, ins, outs):
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        self.runs += 1
+        k, win, t0 = self.runs, self.win, time.perf_counter()
+        spans, state = [], {"seen": 0}
+
+        def step():
+            state["seen"] = win.notified(self.attrs["free"])
+            if state["seen"] < k - 1:
+                return False
+            spans.append(("wait_free", t0, time.perf_counter(), {"put": k}))
+            return True
+
+        def describe():
+            return (f"WaitFree before computing into rank {self.attrs['peer']}'s region "
+                    f"(release #{k - 1}, {state['seen']} seen) {self._what()}")
+
+        return _started(step, describe, spans)

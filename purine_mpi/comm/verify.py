@@ -67,7 +67,8 @@ def compare_signatures(signatures):
     groups = {}
     for r, sig in enumerate(signatures):
         for e in sig:
-            if e["kind"] in _SENDERS or e["kind"] in _RECEIVERS or e["kind"] == "Release":
+            if e["kind"] in _SENDERS or e["kind"] in _RECEIVERS or \
+                    e["kind"] in ("Release", "WaitFree"):
                 continue
             g = tuple(e.get("group") or everyone)
             if r not in g:
