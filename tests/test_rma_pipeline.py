@@ -242,16 +242,21 @@ def test_kill_9_of_any_rank_ends_every_rank_promptly(tmp_path, digits_h5, victim
 
 
 def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5):
-    proc, pids, _out = _start(tmp_path, digits_h5, stall_timeout=2)
-    try:
-        os.kill(pids[1], signal.SIGSTOP)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        _end(proc, pids)
-    assert proc.returncode != 0
-    assert "rank 0: communication stalled for more than 2 s" in stderr, stderr
-    # the stage-0 rank waits for the gradient put into its window, or for its
-    # consumer to release the region of the next activations
-    assert any(w in stderr for w in ("(WaitWrite, WaitWrite pool1.grad", "(Put, Put pool1",
-                                     "(WaitFree, WaitFree before computing into rank 1")), stderr
+    """SIGSTOP of rank 1: rank 0 ends the job naming what it waits for --
+    the window op mid-iteration (a trial that stops it between iterations
+    names the stop agreement instead, and is tried again, up to 4 times)."""
+    names = ("(WaitWrite, WaitWrite pool1.grad", "(Put, Put pool1",
+             "(WaitFree, WaitFree before computing into rank 1")
+    for trial in range(4):
+        (tmp_path / f"t{trial}").mkdir()
+        proc, pids, _out = _start(tmp_path / f"t{trial}", digits_h5, stall_timeout=2)
+        try:
+            os.kill(pids[1], signal.SIGSTOP)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            _end(proc, pids)
+        assert proc.returncode != 0 and "stalled for more than 2 s" in stderr, stderr
+        if "rank 0: communication stalled for more than 2 s" in stderr:
+            break
+    assert any(w in stderr for w in names), stderr
     assert "window shared region g0/" in stderr, stderr

@@ -119,7 +119,8 @@ def _convert(local, prefix, chosen, rank, layout):
                 local.blobs[blob].attrs["window"] = region
                 in_place.append((blob, region, peer, op.location, op.thread))
         op.attrs.pop("tag", None)
-        op.attrs.update(region=region, written=region + ".written", free=region + ".free")
+        op.attrs.update(region=region, written=region + ".written", free=region + ".free",
+                        released_by="release")
         renamed[op.name] = new
         op.name = new
     if renamed:
@@ -152,7 +153,8 @@ def _add_releases(local, released, in_place=()):
     for blob, region, peer, location, thread in sorted(in_place, key=lambda r: r[0]):
         name = f"{blob}.free@r{peer}"
         local.add_op(name, "WaitFree", [], [], {"seq": seq, "peer": peer, "region": region,
-                                                 "free": region + ".free"},
+                                                 "free": region + ".free",
+                                                 "released_by": "release"},
                      location=location, thread=thread)
         writer = next(op for op in local.ops.values() if blob in op.outputs)
         writer.control_inputs = list(writer.control_inputs) + [name]
