@@ -8,13 +8,14 @@ a ``Pending`` whose ``describe()`` the stall watchdog prints.
 
 Who releases the region (attr ``released_by``, the same on both sides):
 
-- ``"wait"`` (the default): the consumer's k-th WaitWrite, when it runs
-  (y may be written then), adds 1 to the producer's word ``free``; the
-  k-th Put waits for ``free`` to reach k;
-- ``"release"`` (parallel/one_sided.py): a Release op after every use of
-  y adds 1 to ``free``; the k-th Put waits for ``free`` to reach k - 1 (the
-  consumer is done with write k - 1), so a producer never waits for the
-  consumer's next iteration to begin.
+- ``"release"`` (the default; parallel/one_sided.py, the parameter
+  servers): a Release op after every use of y (or the server loop) adds 1
+  to the producer's word ``free``; the k-th Put waits for ``free`` to
+  reach k - 1 (the consumer is done with write k - 1), so a producer never
+  waits for the consumer's next iteration to begin;
+- ``"wait"``: the consumer's k-th WaitWrite, when it runs (y may be
+  written then), adds 1 to ``free``; the k-th Put waits for k (no Release
+  op needed, but the producer waits for the consumer's next run).
 
 Put        ins [x]  outs []    attrs seq, peer, region, written, free, (released_by)
     waits until the consumer has released the region (above), then writes
@@ -85,8 +86,9 @@ class RMAPending(Pending):
 
 def _ahead(attrs):
     """Writes a producer may be ahead of the releases: 1 when Release ops
-    release (``released_by: release``), 0 when the WaitWrite does."""
-    by = attrs.get("released_by", "wait")
+    release (``released_by: release``, the default), 0 when the WaitWrite
+    does (``wait``)."""
+    by = attrs.get("released_by", "release")
     if by not in ("wait", "release"):
         raise ValueError(f"released_by must be 'wait' or 'release', got {by!r}")
     return 1 if by == "release" else 0
