@@ -144,6 +144,19 @@ def test_graph_shows_window_ops_per_transport(tmp_path, digits_h5, run_cli):
     assert res.returncode == 0 and " Recv " in res.stdout and " WaitWrite " not in res.stdout
 
 
+def test_gpu_stages_keep_send_recv(tmp_path, digits_h5, run_cli):
+    """Stages on a GPU: auto keeps Send/Recv (windows of device memory are
+    not built), one_sided is a user error naming the key (graph --np needs
+    no GPU to compose it)."""
+    cfg = _config(tmp_path, digits_h5)
+    res = run_cli("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0")
+    assert res.returncode == 0 and " Recv " in res.stdout and " WaitWrite " not in res.stdout
+    res = run_cli("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0", "--set",
+                  "parallel.transport=one_sided")
+    assert res.returncode == 2 and "key 'parallel.transport': one_sided needs the stages on " \
+        "the CPU" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_windows_freed_on_every_exit_path():
     from tests.mpi_scripts.launch import run_mpi
     proc, _ = run_mpi("rma_exit.py", 2, "normal")

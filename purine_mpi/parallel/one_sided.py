@@ -28,7 +28,9 @@ its own transfers) and allocated at once (``Windows.allocate``): the same
 collectives in the same order on every rank. Without MPI (``graph --np N``)
 the ops are converted as on a single node (``PURINE_RANKS_PER_HOST``
 splits it) and nothing is allocated. When the library allocates no window,
-``auto`` keeps Send/Recv (a note says so) and ``one_sided`` is a user error.
+or the stages run on GPUs (windows of device memory, CUDA IPC, would fit
+``comm/window_layout.MemoryDevice`` but are not built), ``auto`` keeps
+Send/Recv (the start-up block says why) and ``one_sided`` is a user error.
 
 ``local.transport`` is the start-up block's line: each kind of transfer,
 its transport and why.
@@ -51,6 +53,15 @@ def to_windows(local, job, world):
     if transport == "two_sided":
         local.transport = [("activations and gradients", "two-sided Send/Recv",
                             "parallel.transport: two_sided")]
+        return local
+    if getattr(job, "device", -1) >= 0:  # device memory windows (CUDA IPC) are not built
+        if transport == "one_sided":
+            raise UserError(f"{job.path}: key 'parallel.transport': one_sided needs the stages "
+                            "on the CPU (windows of GPU memory are not built yet); use auto "
+                            "or two_sided")
+        local.transport = [("activations and gradients", "two-sided Send/Recv",
+                            "auto: the stages run on GPUs, and windows of GPU memory (CUDA "
+                            "IPC) are not built; Send/Recv stage through host memory")]
         return local
     node_of = node_groups(world) if _live(world) else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
