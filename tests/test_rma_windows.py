@@ -38,6 +38,9 @@ def test_pair_transport_choice(monkeypatch):
                                                      "PURINE_RMA_ACROSS_HOSTS=0")
     assert pair_transport("one_sided", node_of, 1, 2)[0] == "rma"
     assert pair_transport("auto", node_of, 1, 2, rma_ok=False)[0] == "two_sided"
+    # what the ranks agreed on decides over this rank's own view
+    assert pair_transport("auto", node_of, 1, 2, across=(True, "every host does RDMA")) == \
+        ("rma", "ranks on two hosts, every host does RDMA")
     with pytest.raises(UserError, match="parallel.transport must be one of"):
         pair_transport("rdma", node_of, 0, 1)
 

@@ -79,11 +79,10 @@ def node_groups(world):
 
 
 def rma_across_hosts():
-    """(bool, why): whether ``auto`` uses RMA windows between hosts.
-    ``PURINE_RMA_ACROSS_HOSTS`` decides when set; otherwise RMA is used where
-    the library's network does RDMA in hardware (libfabric providers verbs,
-    psm2/3, cxi, efa, or UCX with InfiniBand transports), and two-sided where
-    it would emulate RMA over TCP sockets."""
+    """(bool, why): whether ``auto`` uses RMA windows between hosts, as this
+    rank sees it (a job's ranks agree on it first): ``PURINE_RMA_ACROSS_HOSTS``
+    when set, else where the network does RDMA (libfabric verbs, psm2/3,
+    cxi, efa; UCX InfiniBand transports; else /sys/class/infiniband)."""
     given = env.get("PURINE_RMA_ACROSS_HOSTS")
     if given is not None:
         return given, f"PURINE_RMA_ACROSS_HOSTS={int(given)}"
@@ -93,14 +92,22 @@ def rma_across_hosts():
     tls = os.environ.get("UCX_TLS", "").lower()
     if any(t in tls for t in ("rc", "dc", "ud", "ib")):
         return True, f"UCX transports {tls} do RDMA"
-    return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS): the library would "
-                   "emulate RMA over TCP")
+    if not provider and not tls:
+        try:
+            devices = sorted(os.listdir("/sys/class/infiniband"))
+        except OSError:
+            devices = []
+        if devices:
+            return True, f"RDMA devices {', '.join(devices[:3])}"
+    return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS, /sys/class/infiniband): "
+                   "the library would emulate RMA over TCP")
 
 
-def pair_transport(transport, node_of, a, b, rma_ok=True):
+def pair_transport(transport, node_of, a, b, rma_ok=True, across=None):
     """(kind, why) for transfers between ranks ``a`` and ``b``: kind is
     "shared", "rma" or "two_sided". The same on every rank (a function of
-    the config, the node table and the library)."""
+    the config, the node table and the library); ``across``: the (bool,
+    why) of ``rma_across_hosts`` the ranks agreed on (default: this rank's)."""
     if transport not in TRANSPORTS:
         raise UserError(f"parallel.transport must be one of {', '.join(TRANSPORTS)}, "
                         f"got {transport!r}")
@@ -113,9 +120,8 @@ def pair_transport(transport, node_of, a, b, rma_ok=True):
         return "rma", "parallel.transport: one_sided, ranks on two hosts: an RMA window"
     if not rma_ok:
         return "two_sided", "the MPI library allocates no RMA window"
-    across, why = rma_across_hosts()
-    return ("rma", f"ranks on two hosts, {why}") if across else ("two_sided",
-                                                                 f"ranks on two hosts, {why}")
+    ok, why = across if across is not None else rma_across_hosts()
+    return ("rma" if ok else "two_sided"), f"ranks on two hosts, {why}"
 
 
 # ------------------------------------------------------------------ windows
@@ -138,8 +144,7 @@ class Windows(MemoryDevice):
         self.node_rank = {}  # world rank -> rank in node_comm (same node only)
         self._bases = {}     # (where, owner) -> np.uint8 array of the owner's segment
         self.bytes_put = self.bytes_got = self.bytes_accumulated = self.bytes_copied = 0
-        #: the RMA window's memory model is MPI_WIN_UNIFIED (public = private copy)
-        self.unified = False
+        self.unified = False  # the RMA window's memory model is MPI_WIN_UNIFIED
         self._words = {}     # word name -> loadable int64 array, or None
         self._counts = {}    # single-writer words this rank notifies: their counts
         self.freed = False
@@ -371,8 +376,8 @@ class Windows(MemoryDevice):
         """The current count of notify word ``word`` (of any rank; the writes
         notified before it are visible to this rank once it is read). A word
         in memory this rank can load (a shared window, or its own word of
-        an RMA window under MPI's unified memory model) is read by a load
-        between two ``Win_sync`` (memory barriers); another rank's by
+        an RMA window under MPI's unified memory model) is read by a load,
+        then ``Win_sync`` (a memory barrier); another rank's by
         ``MPI_Fetch_and_op`` NO_OP."""
         from mpi4py import MPI
         r = self.region(word)
@@ -388,7 +393,7 @@ class Windows(MemoryDevice):
         with MPI_LOCK:
             win.Fetch_and_op([old, MPI.INT64_T], [old, MPI.INT64_T], rank, disp, op=MPI.NO_OP)
             win.Flush(rank)
-            for other in self.wins.values():  # later loads see what was notified
+            for other in self.wins.values():
                 other.Sync()
         return int(old[0])
 

@@ -37,7 +37,7 @@ its transport and why.
 """
 from ..base.errors import UserError
 from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
-                            node_groups, pair_transport)
+                            node_groups, pair_transport, rma_across_hosts)
 
 def _live(world):
     return getattr(world, "comm", None) is not None
@@ -69,9 +69,10 @@ def to_windows(local, job, world):
     world.windowed_graphs = count + 1
     prefix = f"g{count}/"
     specs, chosen, why_seen = [], {}, {}
+    across = _agreed_across_hosts(world, node_of) if transport == "auto" else None
     for op in pairs:
         peer = int(op.attrs["peer"])
-        kind, why = pair_transport(transport, node_of, peer, world.rank)
+        kind, why = pair_transport(transport, node_of, peer, world.rank, across=across)
         chosen[op.name] = kind
         why_seen[f"{kind}: {why}"] = (kind, why)
         if kind == "two_sided" or op.op_type != "Recv":
@@ -103,6 +104,21 @@ def to_windows(local, job, world):
     _convert(local, prefix, chosen, world.rank, layout)
     local.transport = _summary(why_seen)
     return local
+
+
+def _agreed_across_hosts(world, node_of):
+    """``rma_across_hosts`` as every rank sees it (one allreduce, made only
+    when the ranks span several nodes: the same on every rank): RMA between
+    hosts only where every host does RDMA."""
+    ok, why = rma_across_hosts()
+    if len(set(node_of.values())) < 2 or not _live(world):
+        return ok, why
+    import numpy as np
+    nobody = int(world.allreduce(np.array([0 if ok else 1], np.int64), "max",
+                                 what="the RDMA agreement")[0])
+    if nobody and ok:
+        return False, "another host has no RDMA network: the library would emulate RMA over TCP"
+    return ok, why
 
 
 def _convert(local, prefix, chosen, rank, layout):
