@@ -35,9 +35,12 @@ Send/Recv (the start-up block says why) and ``one_sided`` is a user error.
 ``local.transport`` is the start-up block's line: each kind of transfer,
 its transport and why.
 """
+import numpy as np
+
 from ..base.errors import UserError
 from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
                             node_groups, pair_transport, rma_across_hosts)
+
 
 def _live(world):
     return getattr(world, "comm", None) is not None
@@ -113,7 +116,6 @@ def _agreed_across_hosts(world, node_of):
     ok, why = rma_across_hosts()
     if len(set(node_of.values())) < 2 or not _live(world):
         return ok, why
-    import numpy as np
     nobody = int(world.allreduce(np.array([0 if ok else 1], np.int64), "max",
                                  what="the RDMA agreement")[0])
     if nobody and ok:

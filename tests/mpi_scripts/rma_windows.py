@@ -32,12 +32,13 @@ assert (wins.view(f"act{right}") is not None) == (expected_where == "shared")
 for k in range(1, rounds + 1):
     # may we write into right's region? it says so on our word free{me}
     wins.wait_notified(f"free{me}", k - 1, timeout=30, what="free")
-    src = np.full((3, 5), 100.0 * k + me, np.float32) + np.arange(15, dtype=np.float32).reshape(3, 5)
+    ramp = np.arange(15, dtype=np.float32).reshape(3, 5)
+    src = np.full((3, 5), 100.0 * k + me, np.float32) + ramp
     wins.put(f"act{right}", src)
     wins.notify(f"written{right}")
     wins.wait_notified(f"written{me}", k, timeout=30, what="written")
     got = wins.local(f"act{me}").copy()
-    want = np.full((3, 5), 100.0 * k + left, np.float32) + np.arange(15, dtype=np.float32).reshape(3, 5)
+    want = np.full((3, 5), 100.0 * k + left, np.float32) + ramp
     assert np.array_equal(got, want), (k, got, want)
     # read back what we wrote into right's region, one-sided
     back = np.empty((3, 5), np.float32)
