@@ -39,7 +39,8 @@ from .device import HostStage
 from .world import get_world
 
 _COLLECTIVES = {"Allreduce"}
-_POINT_TO_POINT = {"Send", "Recv"}
+_POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's:
+                   "Put", "WaitWrite", "Release", "WaitFree"}
 
 
 def is_comm_op(op):
