@@ -42,7 +42,8 @@ def test_hybrid_slices_layout_and_data_windows():
         types = {op.op_type for op in g.ops.values()}
         assert ("Conv" in types) == (stage == 0)
         assert ("SoftmaxLoss" in types) == (stage == 1)
-        peers = {int(op.attrs["peer"]) for op in g.ops.values() if op.op_type in ("Send", "Recv")}
+        peers = {int(op.attrs["peer"]) for op in g.ops.values()
+                 if op.op_type in ("Send", "Recv", "Put", "WaitWrite")}
         assert peers == {replica * 2 + (1 - stage)}
         groups = {tuple(op.attrs["group"]) for op in g.ops.values()
                   if op.op_type == "Allreduce"}
@@ -90,7 +91,7 @@ def test_graph_cli_shows_every_hybrid_slice(tmp_path):
         assert f"rank {rank} = replica {replica}, stage {stage}" in out
         assert f"allreduced over ranks [{stage}, {2 + stage}]" in out
         assert ("conv1.fwd@mb1" in out) == (stage == 0) and ("fc1.fwd@mb1" in out) == (stage == 1)
-        assert f"send@r{replica * 2 + 1 - stage}" in out
+        assert f"put@r{replica * 2 + 1 - stage}" in out  # transport auto, one node
         assert "bucket plan:" in out and f"over ranks [{stage}, {2 + stage}]" in out
     # the test phase is cut the same way (replica 1 of 2 reads its test shard)
     data = _hybrid()
@@ -104,7 +105,8 @@ def test_graph_cli_shows_every_hybrid_slice(tmp_path):
         assert res.returncode == 0, res.stderr
         assert f"rank {rank} = replica 1, stage {rank - 2}" in res.stdout
         assert ("Accuracy" in res.stdout) == (rank == 3)
-        assert (" Recv " in res.stdout) == (rank == 3) and (" Send " in res.stdout) == (rank == 2)
+        assert (" WaitWrite " in res.stdout) == (rank == 3) and \
+            (" Put " in res.stdout) == (rank == 2)
 
 
 def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):

@@ -39,7 +39,7 @@ from .device import HostStage
 from .world import get_world
 
 _COLLECTIVES = {"Allreduce"}
-_POINT_TO_POINT = {"Send", "Recv"}
+_POINT_TO_POINT = {"Send", "Recv", "Put", "WaitWrite"}  # the last two: comm/rma_ops.py
 
 
 def is_comm_op(op):

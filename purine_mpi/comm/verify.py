@@ -10,12 +10,16 @@ hybrid run's stage: a sub-communicator of some ranks) is compared among the
 ranks of that group only, in ``seq`` order within the group, and every
 rank of the group must post it. Point-to-point ops are checked in pairs:
 every Send must meet a Recv on its peer with the same tag, element count
-and dtype.
+and dtype; every Put (comm/rma_ops.py) a WaitWrite of the same window
+region (its ``tag`` here).
 """
 import numpy as np
 
 from ..base.errors import GraphError, UserError
 from .ops import is_collective, is_comm_op
+
+_SENDERS = ("Send", "Put")          # point-to-point: the writing side
+_RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
 
 
 def comm_signature(graph):
@@ -32,13 +36,14 @@ def comm_signature(graph):
         if seq in seen:
             raise GraphError(f"communication ops '{seen[seq]}' and '{op.name}' share seq {seq}")
         seen[seq] = op.name
-        blobs = op.inputs if op.op_type != "Recv" else op.outputs
+        blobs = op.inputs if op.op_type not in _RECEIVERS else op.outputs
         count = sum(int(np.prod(graph.blobs[b].shape)) for b in blobs)
         dtypes = sorted({graph.blobs[b].dtype for b in blobs})
         e = {"seq": seq, "op": op.name, "kind": op.op_type, "count": count,
              "dtype": ",".join(dtypes)}
         if not is_collective(op):
-            e["peer"], e["tag"] = int(op.attrs["peer"]), int(op.attrs["tag"])
+            tag = op.attrs["region"] if "region" in op.attrs else int(op.attrs["tag"])
+            e["peer"], e["tag"] = int(op.attrs["peer"]), tag
         elif op.attrs.get("group") is not None:
             e["group"] = sorted(int(r) for r in op.attrs["group"])
         entries.append(e)
@@ -62,7 +67,7 @@ def compare_signatures(signatures):
     groups = {}
     for r, sig in enumerate(signatures):
         for e in sig:
-            if e["kind"] in ("Send", "Recv"):
+            if e["kind"] in _SENDERS or e["kind"] in _RECEIVERS:
                 continue
             g = tuple(e.get("group") or everyone)
             if r not in g:
@@ -91,11 +96,11 @@ def compare_signatures(signatures):
     sends, recvs = {}, {}
     for r, sig in enumerate(signatures):
         for e in sig:
-            if e["kind"] == "Send":
+            if e["kind"] in _SENDERS:
                 sends[(r, e["peer"], e["tag"])] = e
-            elif e["kind"] == "Recv":
+            elif e["kind"] in _RECEIVERS:
                 recvs[(e["peer"], r, e["tag"])] = e
-    for key in sorted(set(sends) | set(recvs)):
+    for key in sorted(set(sends) | set(recvs), key=str):
         s, v = sends.get(key), recvs.get(key)
         src, dst, tag = key
         if s is None:

@@ -55,6 +55,10 @@ MPI_LOCK = threading.RLock()
 #: and the collective waited for may be queued behind those transfers).
 WAIT_HOOKS = []
 
+#: Called (no arguments) before this module's own MPI_Finalize, on every
+#: rank alike: comm/windows.py frees its windows there (a collective).
+FINALIZE_HOOKS = []
+
 
 def _call(fn, *args, **kw):
     """One MPI call under MPI_LOCK: the collectives outside the graph (the
@@ -331,6 +335,8 @@ def _finalize_and_exit(MPI, code):
         watchdog.daemon = True
         watchdog.start()
         try:
+            for hook in FINALIZE_HOOKS:  # collective: every rank came here (the barriers before)
+                hook()
             MPI.Finalize()
             import ctypes
             ctypes.CDLL(None).exit(code)

@@ -31,6 +31,7 @@ PARALLEL_MODES = ("sync", "async", "sync_ps")
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+TRANSPORTS = ("auto", "one_sided", "two_sided")
 
 
 BACKENDS = ("auto", "numpy", "cupy")
@@ -116,6 +117,11 @@ PARALLEL = (
         "(0: synchronous SGD)"),
     Key("stall_timeout", _num(0, strict=True), 300, "seconds a collective or transfer may wait "
         "before the job ends with a message naming it"),
+    Key("transport", _choice(TRANSPORTS), "auto", "how activations and gradients cross "
+        "between ranks: one_sided puts them into MPI windows (a shared window between ranks "
+        "of one node, an RMA window between hosts), two_sided sends them (Send/Recv); auto "
+        "picks per pair of ranks: shared windows on one node, RMA windows between hosts "
+        "where the network does RDMA, else two-sided (see docs/parallel.md)"),
     Key("check_collectives", _bool, False, "verify at start-up that every rank posts the same "
         "sequence of collectives"),
     Key("stages", _check_stages, {}, "schemes pipeline and hybrid: {layer name: stage}, every "

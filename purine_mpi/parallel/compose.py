@@ -254,7 +254,8 @@ def compose_stages(graph, job, world, copies=None):
             blob.attrs["received_from"] = lay.rank(lay.replica, blob.attrs["received_from"])
     place_on_rank(local, world.rank)
     local.layout = lay
-    return local
+    from .one_sided import to_windows  # parallel.transport: Put/WaitWrite into windows
+    return to_windows(local, job, world)
 
 
 # kept for callers of the pipeline-only name

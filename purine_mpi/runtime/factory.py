@@ -20,7 +20,7 @@ from .cuda_graph import GraphDispatcher
 from .dispatcher import EventDispatcher, SerialDispatcher
 from .memory_plan import device_plans, plan_memory
 from .streams_dispatcher import StreamDispatcher
-from .workspace import Workspace
+from .workspace import Workspace, window_arrays
 
 #: the values of ``kind`` (and of the environment variable PURINE_DISPATCHER)
 KINDS = ("event", "serial", "stream")
@@ -71,6 +71,8 @@ def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None):
     GPU share one arena per device (runtime/memory_plan.py); ``keep``: what
     the host reads besides losses and metrics; ``shared``, ``arena``: as
     ``Workspace`` takes them; the plans are those of ``memory_plans``."""
+    # blobs in window memory (parallel.transport) are owned by the windows
+    shared = {**window_arrays(graph), **dict(shared or {})}
     if not planned:
         return Workspace(graph, shared=shared, arena=arena)
     plan, devices = memory_plans(graph, keep=keep, skip=shared or ())

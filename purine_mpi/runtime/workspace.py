@@ -61,6 +61,26 @@ def plan_device_memory(graph, skip=(), plans=None):
     return {d: (total, offsets) for d, (total, offsets) in layout.items()}
 
 
+def window_arrays(graph):
+    """{blob: its window region's array} for the blobs a remote rank writes
+    (``attrs['window']``, parallel/one_sided.py): they live in window memory
+    allocated at start-up (comm/windows.py), not in the arena. A blob that
+    views another or is viewed, or lives on a GPU, keeps memory of its own
+    (its WaitWrite then copies the region into it)."""
+    marked = [b for b in graph.blobs.values() if b.attrs.get("window")]
+    if not marked:
+        return {}
+    from ..comm.windows import find_windows
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of is not None}
+    out = {}
+    for b in marked:
+        win = find_windows(b.attrs["window"])
+        if win is None or b.alias_of is not None or b.name in viewed or b.location.device >= 0:
+            continue
+        out[b.name] = win.local(b.attrs["window"])
+    return out
+
+
 def _elements(blob):
     return max(blob.size, 1) if blob.shape else 1
 
@@ -88,7 +108,7 @@ class Workspace:
         ``device_plans``: {GPU device: its memory plan}, laid out in that
         device's arena (``plan_device_memory``)."""
         self.graph = graph
-        self.arrays = dict(shared or {})
+        self.arrays = {**window_arrays(graph), **dict(shared or {})}
         self._flat = {}
         self.allocated_bytes = 0
         self.plan = plan

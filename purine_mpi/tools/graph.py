@@ -48,7 +48,7 @@ def describe_layout(lay, rank):
     if not lay.staged:
         return None
     text = (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
-            f"replica {lay.replica}, stage {lay.stage}; Send/Recv with ranks "
+            f"replica {lay.replica}, stage {lay.stage}; transfers with ranks "
             f"{lay.replica_ranks()} (this replica)")
     if lay.scheme == "hybrid":
         text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"

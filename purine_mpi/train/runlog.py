@@ -120,11 +120,13 @@ def scheme_lines(trainer):
         layers = job.layer_names
         if lay.scheme == "pipeline":
             out.append(("scheme", f"pipeline: {lay.stages} stages, rank s runs stage s; "
-                        "activations and gradients cross as Send/Recv"))
+                        "activations and gradients cross between them"))
         else:
             out.append(("scheme", f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
                         f"(rank = replica x {lay.stages} + stage); each stage's gradients "
                         f"allreduced over its {lay.replicas} ranks"))
+        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
+            out.append(("transport", f"{what}: {how} ({why})"))
         for s in range(lay.stages):
             names = [n for n in layers if stages.get(n) == s]
             shown = ", ".join(names) if len(names) <= 6 else \

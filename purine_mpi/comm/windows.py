@@ -1,0 +1,586 @@
+"""Remote memory as a device: MPI-3 windows allocated once, with named
+regions, notify words and one-sided put/get/accumulate.
+
+The memory interface of the RDMA paper (Xue et al., EuroSys 2019: allocate,
+read and write regions of another machine), on MPI-3 windows:
+
+- every rank declares, identically, the whole layout: which rank *owns*
+  which named region (shape, dtype) and which ranks access it, and which
+  named notify words (int64 counters) each rank owns (``WindowLayout``);
+- ``Windows.allocate(comm, layout, transport)`` allocates, collectively and
+  once, a *shared* window (``MPI.Win.Allocate_shared`` on the ranks of one
+  node: load/store access to each other's memory) and/or an *RMA* window
+  (``MPI.Win.Allocate``: memory the library registers for RDMA) and opens
+  one passive-target epoch on each (``Lock_all``, closed only by ``free``);
+- a region goes into the shared window when its owner and every rank that
+  accesses it are on one node, else into the RMA window; where the transport
+  is ``two_sided`` for a pair (``pair_transport``) it is not windowed at all
+  and the caller keeps Send/Recv;
+- ``put`` / ``rput`` / ``get`` / ``accumulate`` move data into or out of a
+  region of any rank; ``view(name)`` is the owner's memory itself where this
+  rank can address it (shared window on one node: the producer may compute
+  straight into it, a transfer with no copy at all), else None;
+- ``notify(word, value)`` adds to a notify word (``MPI_Fetch_and_op`` SUM,
+  after the data it announces is complete at its target: ``Win_flush`` for
+  RMA, ``Win_sync`` -- a memory barrier -- for shared memory);
+  ``notified(word)`` reads a word this rank owns (``Fetch_and_op`` NO_OP and
+  ``Win_sync``: the data written before the notify is then visible), and
+  ``wait_notified(word, count)`` polls it under a stall timeout. Notify words
+  only grow: a consumer waits for its n-th write by waiting for the count n;
+- ``free()`` closes the epochs and frees the windows (collective, in the
+  reverse order of allocation on every rank). ``free_all()`` frees every
+  live ``Windows`` of the process; the module registers it with ``atexit``
+  (before mpi4py's MPI_Finalize) and ``comm.world`` calls it before its own
+  MPI_Finalize. A rank that aborts the job (``MPI_Abort``) frees nothing:
+  the library reclaims the memory with the processes.
+
+Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI
+one-sided calls) and ``bytes_copied`` (numpy copies into or out of shared
+memory, i.e. a layout that could not be written in place) count what this
+rank moved, for reports.
+
+Every MPI call runs under ``comm.world.MPI_LOCK`` (reentrant): the
+dispatcher's threads and this module never are in MPI at once. Nothing here
+relies on MPICH: windows, ``Lock_all``, ``Flush``, ``Fetch_and_op`` and
+``Win_sync`` are MPI-3.0; a library that cannot allocate the windows gives
+``WindowsUnavailable`` (``auto`` then falls back to two-sided).
+
+The same interface for device memory (the paper's "remote machine as a
+device" on GPUs), not built here: a ``MemoryDevice`` whose regions are CUDA
+buffers of the ranks of one node -- each owner exports
+``cudaIpcGetMemHandle`` of its allocation once (an allgather at start-up),
+the others open it (``cudaIpcOpenMemHandle``) so ``view`` is a CuPy array
+on the peer's memory and ``put`` a ``cudaMemcpyAsync`` into it -- keeps its
+notify words in this module's host windows (after a stream synchronise).
+``MemoryDevice`` below is the interface such a class implements.
+"""
+import atexit
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..base import env
+from ..base.errors import StallError, UserError
+from .world import FINALIZE_HOOKS, MPI_LOCK
+
+TRANSPORTS = ("auto", "one_sided", "two_sided")
+ALIGN = 64  # bytes: every region starts on a cache line
+
+
+class WindowsUnavailable(RuntimeError):
+    """The MPI library could not allocate a window (no RMA support)."""
+
+
+class MemoryDevice:
+    """The memory interface of a remote-memory device (the paper's "remote
+    machine as a device"). Regions and notify words are named; a region is
+    owned by one rank and reached by others through this interface.
+
+    ``owner(name)``, ``local(name)`` (the owner's own array),
+    ``view(name)`` (a directly addressable array of the owner's memory, or
+    None), ``put(name, src)`` / ``rput`` / ``get(name, out)`` /
+    ``accumulate(name, src)``, ``flush(name)``, ``notify(word, value)``,
+    ``notified(word)``, ``wait_notified(word, count, timeout, what)``,
+    ``free()``. Host windows implement it (``Windows``); a CUDA-IPC device
+    would too (see the module docstring)."""
+
+    kind = "abstract"
+
+    def owner(self, name):
+        raise NotImplementedError
+
+    def local(self, name):
+        raise NotImplementedError
+
+    def view(self, name):
+        raise NotImplementedError
+
+    def put(self, name, src, offset=0):
+        raise NotImplementedError
+
+    def get(self, name, out, offset=0):
+        raise NotImplementedError
+
+    def accumulate(self, name, src, offset=0):
+        raise NotImplementedError
+
+    def notify(self, word, value=1):
+        raise NotImplementedError
+
+    def notified(self, word):
+        raise NotImplementedError
+
+    def free(self):
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------ layout
+class Region:
+    """One named buffer: its owner, shape, dtype, the ranks that access it,
+    and where it lies (window ``where`` in {"shared", "rma"}, ``offset``
+    bytes into its owner's segment); set by ``WindowLayout.place``."""
+
+    def __init__(self, name, owner, shape, dtype, peers):
+        self.name = name
+        self.owner = int(owner)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.peers = tuple(sorted({int(p) for p in peers} - {self.owner}))
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.where = None
+        self.offset = None
+
+    def __repr__(self):
+        return (f"Region({self.name!r}, owner {self.owner}, {self.shape} {self.dtype}, "
+                f"peers {list(self.peers)}, {self.where} @ {self.offset})")
+
+
+class WindowLayout:
+    """What every rank declares, identically, before ``Windows.allocate``:
+    ``add(name, owner, shape, dtype, peers)`` a region;
+    ``add_word(name, owner, peers)`` a notify word (int64, starts at 0)."""
+
+    def __init__(self):
+        self.regions = {}
+        self.words = {}
+
+    def add(self, name, owner, shape, dtype, peers=()):
+        if name in self.regions or name in self.words:
+            raise ValueError(f"window region '{name}' declared twice")
+        self.regions[name] = Region(name, owner, shape, dtype, peers)
+        return self.regions[name]
+
+    def add_word(self, name, owner, peers=()):
+        if name in self.regions or name in self.words:
+            raise ValueError(f"notify word '{name}' declared twice")
+        self.words[name] = Region(name, owner, (1,), np.int64, peers)
+        return self.words[name]
+
+    def describe(self):
+        """A canonical text of the layout (for the ranks' consistency check)."""
+        items = sorted(self.regions.values(), key=lambda r: r.name)
+        items += sorted(self.words.values(), key=lambda r: r.name)
+        return "\n".join(f"{r.name} {r.owner} {r.shape} {r.dtype} {r.peers}" for r in items)
+
+    def place(self, node_of):
+        """Choose each region's window and offset: "shared" when its owner
+        and peers share one node (``node_of[rank]``), else "rma". Words go
+        first in each segment, then regions, each aligned to ``ALIGN``."""
+        sizes = {}
+        for group in (self.words, self.regions):  # words first, each in name order
+            for name in sorted(group):
+                r = group[name]
+                nodes = {node_of[r.owner]} | {node_of[p] for p in r.peers}
+                r.where = "shared" if len(nodes) == 1 else "rma"
+                key = (r.where, r.owner)
+                r.offset = sizes.get(key, 0)
+                sizes[key] = _aligned(r.offset + r.nbytes)
+        return sizes
+
+
+def _aligned(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ------------------------------------------------------------------ transport
+def fake_host_of(rank):
+    """The emulated host of ``rank`` under ``PURINE_RANKS_PER_HOST=N``
+    (ranks r with equal r // N), else None."""
+    per = env.get("PURINE_RANKS_PER_HOST")
+    return None if per is None else int(rank) // per
+
+
+def node_groups(world):
+    """{rank: node index}: ranks that share memory (``MPI_COMM_TYPE_SHARED``)
+    and one host of the world's host table (two network namespaces on one
+    machine count as two hosts); ``PURINE_RANKS_PER_HOST`` splits further.
+    Collective on ``world.comm`` (one allgather)."""
+    from mpi4py import MPI
+    with MPI_LOCK:
+        node = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        try:
+            leader = node.allreduce(world.rank, op=MPI.MIN)
+        finally:
+            node.Free()
+    fake = fake_host_of(world.rank)
+    host = world.hosts.host_of[world.rank] if getattr(world, "hosts", None) else 0
+    keys = world.allgather_object((leader, host, fake), "the node table exchange")
+    index = {}
+    return {r: index.setdefault(k, len(index)) for r, k in enumerate(keys)}
+
+
+def rma_across_hosts():
+    """(bool, why): whether ``auto`` uses RMA windows between hosts.
+    ``PURINE_RMA_ACROSS_HOSTS`` decides when set; otherwise RMA is used where
+    the library's network does RDMA in hardware (libfabric providers verbs,
+    psm2/3, cxi, efa, or UCX with InfiniBand transports), and two-sided where
+    it would emulate RMA over TCP sockets."""
+    given = env.get("PURINE_RMA_ACROSS_HOSTS")
+    if given is not None:
+        return given, f"PURINE_RMA_ACROSS_HOSTS={int(given)}"
+    provider = os.environ.get("FI_PROVIDER", "").lower()
+    if any(p in provider for p in ("verbs", "psm", "cxi", "efa", "opx")):
+        return True, f"libfabric provider {provider} does RDMA"
+    tls = os.environ.get("UCX_TLS", "").lower()
+    if any(t in tls for t in ("rc", "dc", "ud", "ib")):
+        return True, f"UCX transports {tls} do RDMA"
+    return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS): the library would "
+                   "emulate RMA over TCP")
+
+
+def pair_transport(transport, node_of, a, b, rma_ok=True):
+    """(kind, why) for transfers between ranks ``a`` and ``b``: kind is
+    "shared", "rma" or "two_sided". The same on every rank (a function of
+    the config, the node table and the library)."""
+    if transport not in TRANSPORTS:
+        raise UserError(f"parallel.transport must be one of {', '.join(TRANSPORTS)}, "
+                        f"got {transport!r}")
+    same = node_of[a] == node_of[b]
+    if transport == "two_sided":
+        return "two_sided", "parallel.transport: two_sided"
+    if same:
+        return "shared", "ranks of one node: load/store into each other's memory"
+    if transport == "one_sided":
+        return "rma", "parallel.transport: one_sided, ranks on two hosts: an RMA window"
+    if not rma_ok:
+        return "two_sided", "the MPI library allocates no RMA window"
+    across, why = rma_across_hosts()
+    return ("rma", f"ranks on two hosts, {why}") if across else ("two_sided",
+                                                                 f"ranks on two hosts, {why}")
+
+
+# ------------------------------------------------------------------ windows
+_LIVE = []
+
+
+class Windows(MemoryDevice):
+    """The windows of one layout (see the module docstring). Make it with
+    ``Windows.allocate``; every rank of ``world`` calls it alike."""
+
+    kind = "host"
+
+    def __init__(self, world, layout, node_of):
+        self.world = world
+        self.layout = layout
+        self.node_of = dict(node_of)
+        self.rank = world.rank
+        self.wins = {}       # "shared" / "rma" -> MPI.Win
+        self.node_comm = None
+        self.node_rank = {}  # world rank -> rank in node_comm (same node only)
+        self._bases = {}     # (where, owner) -> np.uint8 array of the owner's segment
+        self.bytes_put = self.bytes_got = self.bytes_accumulated = self.bytes_copied = 0
+        self.freed = False
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------- allocation
+    @classmethod
+    def allocate(cls, world, layout, node_of=None):
+        """Allocate the layout's windows once (collective on ``world.comm``,
+        the same calls in the same order on every rank). ``node_of``: the
+        node table (``node_groups(world)`` when None). Raises
+        ``WindowsUnavailable`` on every rank when any rank's library could
+        not allocate a window."""
+        if node_of is None:
+            node_of = node_groups(world)
+        self = cls(world, layout, node_of)
+        sizes = layout.place(node_of)
+        wheres = {w for (w, _o) in sizes}
+        try:
+            if "shared" in wheres:
+                self._allocate_shared(sizes)
+            if "rma" in wheres:
+                self._allocate_rma(sizes)
+        except WindowsUnavailable:
+            self._release()
+            raise
+        _LIVE.append(self)
+        return self
+
+    def _agree(self, ok, what):
+        """Every rank learns whether every rank succeeded (one allreduce)."""
+        bad = self.world.allreduce(np.array([0 if ok else 1], np.int64), "max",
+                                   what=f"the {what} check")
+        if int(bad[0]):
+            raise WindowsUnavailable(f"the MPI library could not allocate the {what} "
+                                     "on some rank")
+
+    def _allocate_shared(self, sizes):
+        from mpi4py import MPI
+        with MPI_LOCK:
+            me = self.node_of[self.rank]
+            self.node_comm = self.world.comm.Split(me, self.rank)
+            ranks = [r for r in range(self.world.size) if self.node_of[r] == me]
+            self.node_rank = {r: i for i, r in enumerate(ranks)}
+            info = MPI.Info.Create()
+            info.Set("alloc_shared_noncontig", "true")
+            win, err = None, None
+            try:
+                win = MPI.Win.Allocate_shared(max(sizes.get(("shared", self.rank), 0), ALIGN),
+                                              1, info, comm=self.node_comm)
+            except Exception as exc:  # noqa: BLE001  (any library failure: fall back)
+                err = exc
+            finally:
+                info.Free()
+        self._agree(err is None, "shared window")
+        self.wins["shared"] = win
+        with MPI_LOCK:
+            for r in ranks:
+                mem, _unit = win.Shared_query(self.node_rank[r])
+                self._bases[("shared", r)] = np.frombuffer(mem, dtype=np.uint8)
+            win.Lock_all(MPI.MODE_NOCHECK)
+
+    def _allocate_rma(self, sizes):
+        from mpi4py import MPI
+        win, err = None, None
+        with MPI_LOCK:
+            try:
+                win = MPI.Win.Allocate(max(sizes.get(("rma", self.rank), 0), ALIGN), 1,
+                                       comm=self.world.comm)
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+        self._agree(err is None, "RMA window")
+        self.wins["rma"] = win
+        with MPI_LOCK:
+            self._bases[("rma", self.rank)] = np.frombuffer(win.tomemory(), dtype=np.uint8)
+            win.Lock_all(MPI.MODE_NOCHECK)
+
+    # ---------------------------------------------------------- addressing
+    def region(self, name):
+        r = self.layout.regions.get(name) or self.layout.words.get(name)
+        if r is None:
+            raise KeyError(f"no window region or notify word '{name}'")
+        return r
+
+    def owner(self, name):
+        return self.region(name).owner
+
+    def where(self, name):
+        """"shared" or "rma": the window that holds ``name``."""
+        return self.region(name).where
+
+    def _array(self, r, base):
+        return base[r.offset:r.offset + r.nbytes].view(r.dtype).reshape(r.shape)
+
+    def local(self, name):
+        """The owner's own array of region ``name`` (only on its owner)."""
+        r = self.region(name)
+        if r.owner != self.rank:
+            raise ValueError(f"rank {self.rank} does not own window region '{name}' "
+                             f"(rank {r.owner} does)")
+        return self._array(r, self._bases[(r.where, r.owner)])
+
+    def view(self, name):
+        """The owner's memory of region ``name`` as an array this rank may
+        load from and store into (a shared window on one node), else None."""
+        r = self.region(name)
+        base = self._bases.get((r.where, r.owner))
+        return None if base is None else self._array(r, base)
+
+    def _target(self, r, offset, count):
+        """(window, target rank, target spec in bytes) for an RMA call."""
+        from mpi4py import MPI
+        win = self.wins[r.where]
+        rank = self.node_rank[r.owner] if r.where == "shared" else r.owner
+        disp = r.offset + offset * r.dtype.itemsize
+        return win, rank, (disp, count * r.dtype.itemsize, MPI.BYTE)
+
+    @staticmethod
+    def _flat(src, r):
+        a = np.ascontiguousarray(src)
+        if a.dtype != r.dtype:
+            raise ValueError(f"window region '{r.name}' holds {r.dtype}, got {a.dtype}")
+        return a.reshape(-1)
+
+    # ---------------------------------------------------------- data
+    def put(self, name, src, offset=0):
+        """Write ``src`` into region ``name`` at element ``offset``, complete
+        at its target on return (a copy into shared memory, or Put+Flush)."""
+        req = self.rput(name, src, offset)
+        if req is not None:
+            with MPI_LOCK:
+                req.Wait()
+            self.flush(name)
+
+    def rput(self, name, src, offset=0):
+        """Start writing ``src`` into region ``name``: a request (``MPI_Rput``,
+        local completion) to test, then ``flush(name)`` for completion at the
+        target; None when it was a store into shared memory (done)."""
+        r = self.region(name)
+        a = self._flat(src, r)
+        view = self.view(name)
+        if view is not None and r.where == "shared":
+            flat = view.reshape(-1)[offset:offset + a.size]
+            if not np.may_share_memory(flat, a):
+                np.copyto(flat, a)
+                self.bytes_copied += a.nbytes
+            return None
+        win, rank, target = self._target(r, offset, a.size)
+        with MPI_LOCK:
+            req = win.Rput(_bytes(a), rank, target)
+        self.bytes_put += a.nbytes
+        return req
+
+    def get(self, name, out, offset=0):
+        """Read region ``name`` (from element ``offset``) into ``out``."""
+        r = self.region(name)
+        if not out.flags.c_contiguous or out.dtype != r.dtype:
+            raise ValueError(f"get '{name}': out must be a contiguous {r.dtype} array")
+        view = self.view(name)
+        if view is not None and r.where == "shared":
+            with MPI_LOCK:
+                self.wins["shared"].Sync()
+            np.copyto(out.reshape(-1), view.reshape(-1)[offset:offset + out.size])
+            self.bytes_copied += out.nbytes
+            return out
+        win, rank, target = self._target(r, offset, out.size)
+        with MPI_LOCK:
+            win.Get(_bytes(out), rank, target)
+            win.Flush(rank)
+        self.bytes_got += out.nbytes
+        return out
+
+    def accumulate(self, name, src, offset=0):
+        """Region ``name`` += ``src`` element-wise, atomically per element
+        against other accumulates (``MPI_Accumulate`` SUM); complete at the
+        target on return."""
+        from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
+        r = self.region(name)
+        a = self._flat(src, r)
+        win, rank, (disp, _n, _t) = self._target(r, offset, a.size)
+        mtype = from_numpy_dtype(r.dtype)
+        with MPI_LOCK:
+            win.Accumulate([a, mtype], rank, (disp, a.size, mtype), op=MPI.SUM)
+            win.Flush(rank)
+        self.bytes_accumulated += a.nbytes
+
+    def flush(self, name):
+        """Complete, at the target, every put this rank issued to ``name``'s
+        owner (``Win_flush``; a memory barrier for shared memory)."""
+        r = self.region(name)
+        win, rank, _ = self._target(r, 0, 0)
+        with MPI_LOCK:
+            if r.where == "shared":
+                win.Sync()
+            else:
+                win.Flush(rank)
+
+    # ---------------------------------------------------------- notify words
+    def notify(self, word, value=1):
+        """Add ``value`` to notify word ``word`` (at its owner), after every
+        earlier write of this rank to that owner is complete there."""
+        from mpi4py import MPI
+        r = self.region(word)
+        win, rank, (disp, _n, _t) = self._target(r, 0, 1)
+        one = np.array([value], np.int64)
+        old = np.zeros(1, np.int64)
+        with MPI_LOCK:
+            self._complete_all()  # the data may lie in the other window
+            win.Fetch_and_op([one, MPI.INT64_T], [old, MPI.INT64_T], rank, disp, op=MPI.SUM)
+            win.Flush(rank)
+
+    def notified(self, word):
+        """The current count of notify word ``word`` (of any rank; the writes
+        notified before it are visible to this rank once it is read)."""
+        from mpi4py import MPI
+        r = self.region(word)
+        win, rank, (disp, _n, _t) = self._target(r, 0, 1)
+        old = np.zeros(1, np.int64)
+        with MPI_LOCK:
+            win.Fetch_and_op([old, MPI.INT64_T], [old, MPI.INT64_T], rank, disp, op=MPI.NO_OP)
+            win.Flush(rank)
+            for other in self.wins.values():  # later loads see what was notified
+                other.Sync()
+        return int(old[0])
+
+    def _complete_all(self):
+        """Every earlier write of this rank complete at its target: a memory
+        barrier on the shared window, ``Win_flush_all`` on the RMA one."""
+        for where, win in self.wins.items():
+            if where == "shared":
+                win.Sync()
+            else:
+                win.Flush_all()
+
+    def wait_notified(self, word, count, timeout=300.0, what=None):
+        """Poll notify word ``word`` until it reaches ``count``; StallError
+        naming ``what`` after ``timeout`` seconds."""
+        start = time.monotonic()
+        pause = 20e-6
+        while True:
+            value = self.notified(word)
+            if value >= count:
+                return value
+            if time.monotonic() - start > timeout:
+                raise StallError(f"rank {self.rank}: {what or f'a wait for notify word {word}'} "
+                                 f"stalled for more than {timeout:g} s (count {value} of "
+                                 f"{count}): a peer rank stopped responding")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    # ---------------------------------------------------------- freeing
+    def free(self):
+        """Close the epochs and free the windows (collective: every rank of
+        the world calls it; a second call is a no-op)."""
+        with self._lock:
+            if self.freed:
+                return
+            self.freed = True
+        self._release()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def _release(self):
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return
+        self._bases.clear()
+        with MPI_LOCK:
+            for where in ("rma", "shared"):  # reverse of allocation, on every rank
+                win = self.wins.pop(where, None)
+                if win is None:
+                    continue
+                try:
+                    win.Unlock_all()
+                except MPI.Exception:
+                    pass  # the epoch was never opened (a failed allocation)
+                win.Free()
+            if self.node_comm is not None:
+                self.node_comm.Free()
+                self.node_comm = None
+
+    def counters(self):
+        return {"bytes_put": self.bytes_put, "bytes_got": self.bytes_got,
+                "bytes_accumulated": self.bytes_accumulated, "bytes_copied": self.bytes_copied}
+
+
+def _bytes(a):
+    from mpi4py import MPI
+    return [a.view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8), MPI.BYTE]
+
+
+def live_windows():
+    """The windows of this process not freed yet."""
+    return list(_LIVE)
+
+
+def find_windows(name):
+    """The live ``Windows`` that holds region or notify word ``name``, or None."""
+    for w in reversed(_LIVE):
+        if name in w.layout.regions or name in w.layout.words:
+            return w
+    return None
+
+
+def free_all():
+    """Free every live ``Windows`` (latest first, the same order on every
+    rank). Called at a normal exit (atexit, before mpi4py's MPI_Finalize) and
+    by ``comm.world`` before its own MPI_Finalize."""
+    while _LIVE:
+        _LIVE[-1].free()
+
+
+atexit.register(free_all)
+FINALIZE_HOOKS.append(free_all)

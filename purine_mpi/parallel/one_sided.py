@@ -1,0 +1,119 @@
+"""``parallel.transport``: a staged slice's Send/Recv pairs become one-sided
+Put/WaitWrite pairs (comm/rma_ops.py) into window memory (comm/windows.py)
+where the pair of ranks gets a window.
+
+    windowed = to_windows(local, job, world)   # in compose_stages, per graph
+
+For every Recv of blob b from rank p on this rank r (and every Send of b to
+rank r on rank p -- both sides compute the same names from their own
+slice), ``pair_transport(transport, node table, p, r)`` decides:
+
+- ``two_sided``: the pair stays as it is;
+- ``shared`` / ``rma``: rank r owns the region ``g<n>/<b>@r<r>`` (b's
+  shape and dtype; ``n`` counts the windowed graphs of this world: train
+  0, test 1) with its notify word ``.written``; rank p owns ``.free``. The
+  Recv becomes ``<b>.wait`` (WaitWrite), the Send ``<b>.put@r<r>`` (Put),
+  keeping name-independent everything else (``seq``, control edges); the
+  received blob gets ``attrs['window']`` = its region, so the workspace
+  places it in the window (runtime/workspace.py) and the memory planner
+  leaves it alone.
+
+The layout is gathered from every rank (one allgather: a rank knows only
+its own transfers) and allocated at once (``Windows.allocate``): the same
+collectives in the same order on every rank. Without MPI (``graph --np N``)
+the ops are converted as on a single node (``PURINE_RANKS_PER_HOST``
+splits it) and nothing is allocated. When the library allocates no window,
+``auto`` keeps Send/Recv (a note says so) and ``one_sided`` is a user error.
+
+``local.transport`` is the start-up block's line: each kind of transfer,
+its transport and why.
+"""
+from ..base.errors import UserError
+from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
+                            node_groups, pair_transport)
+
+def _live(world):
+    return getattr(world, "comm", None) is not None
+
+
+def to_windows(local, job, world):
+    """Convert ``local``'s Send/Recv pairs as ``parallel.transport`` says
+    (see the module docstring); returns ``local``."""
+    transport = job.parallel.transport
+    pairs = [op for op in local.ops.values() if op.op_type in ("Send", "Recv")]
+    if world.size == 1:
+        return local
+    if transport == "two_sided":
+        local.transport = [("activations and gradients", "two-sided Send/Recv",
+                            "parallel.transport: two_sided")]
+        return local
+    node_of = node_groups(world) if _live(world) else \
+        {r: fake_host_of(r) or 0 for r in range(world.size)}
+    count = getattr(world, "windowed_graphs", 0)  # per world: the same on every rank
+    world.windowed_graphs = count + 1
+    prefix = f"g{count}/"
+    specs, chosen, why_seen = [], {}, {}
+    for op in pairs:
+        peer = int(op.attrs["peer"])
+        kind, why = pair_transport(transport, node_of, peer, world.rank)
+        chosen[op.name] = kind
+        why_seen[f"{kind}: {why}"] = (kind, why)
+        if kind == "two_sided" or op.op_type != "Recv":
+            continue
+        b = local.blobs[op.outputs[0]]
+        specs.append((prefix + f"{b.name}@r{world.rank}", world.rank, peer, list(b.shape),
+                      str(b.dtype)))
+    everyone = world.allgather_object((specs, why_seen), "the window layout exchange") \
+        if _live(world) else [(specs, why_seen)]
+    layout = WindowLayout()
+    for rank_specs, rank_why in everyone:
+        why_seen.update(rank_why)  # the start-up block names every rank's pairs
+        for name, owner, peer, shape, dtype in rank_specs:
+            layout.add(name, owner, shape, dtype, peers=[peer])
+            layout.add_word(name + ".written", owner, peers=[peer])
+            layout.add_word(name + ".free", peer, peers=[owner])
+    if _live(world) and layout.regions:
+        try:
+            local.windows = Windows.allocate(world, layout, node_of)
+        except WindowsUnavailable as exc:
+            if transport == "one_sided":
+                raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
+                                "use auto or two_sided") from None
+            local.transport = [("activations and gradients", "two-sided Send/Recv",
+                                f"auto: {exc}")]
+            return local
+    _convert(local, prefix, chosen, world.rank)
+    local.transport = _summary(why_seen)
+    return local
+
+
+def _convert(local, prefix, chosen, rank):
+    renamed = {}
+    for op in list(local.ops.values()):
+        if chosen.get(op.name, "two_sided") == "two_sided":
+            continue
+        peer = int(op.attrs["peer"])
+        if op.op_type == "Recv":
+            blob = op.outputs[0]
+            region = prefix + f"{blob}@r{rank}"
+            op.op_type, new = "WaitWrite", f"{blob}.wait"
+            local.blobs[blob].attrs["window"] = region
+        else:
+            blob = op.inputs[0]
+            region = prefix + f"{blob}@r{peer}"
+            op.op_type, new = "Put", f"{blob}.put@r{peer}"
+        op.attrs.pop("tag", None)
+        op.attrs.update(region=region, written=region + ".written", free=region + ".free")
+        renamed[op.name] = new
+        op.name = new
+    if renamed:
+        local.ops = {op.name: op for op in local.ops.values()}
+        for op in local.ops.values():
+            op.control_inputs = [renamed.get(c, c) for c in op.control_inputs]
+
+
+def _summary(why):
+    words = {"shared": "one-sided, shared windows", "rma": "one-sided, RMA windows",
+             "two_sided": "two-sided Send/Recv"}
+    return [("activations and gradients", words[kind], text)
+            for kind, text in sorted(why.values())]

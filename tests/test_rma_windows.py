@@ -1,0 +1,56 @@
+"""Remote-memory windows (comm/windows.py): put, get, accumulate and
+notify words on 2 and 3 ranks, through a shared window (one node) and an
+RMA window (each rank its own emulated host), every value a closed form;
+the per-pair transport choice; windows freed on every exit path."""
+import pytest
+
+from purine_mpi.base.errors import UserError
+from purine_mpi.comm.windows import WindowLayout, pair_transport
+from tests.mpi_scripts.launch import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("kind", ["shared", "rma"])
+def test_windows_put_get_accumulate_notify(n, kind):
+    env = {"PURINE_RANKS_PER_HOST": "1"} if kind == "rma" else {}
+    proc, _ = run_mpi("rma_windows.py", n, kind, 4, env=env, timeout=60)
+    assert proc.stdout.count(f"OK rma_windows {kind}") == n, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr  # no warning of the MPI library
+
+
+def test_pair_transport_choice(monkeypatch):
+    monkeypatch.delenv("PURINE_RMA_ACROSS_HOSTS", raising=False)
+    monkeypatch.delenv("FI_PROVIDER", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    assert pair_transport("auto", node_of, 0, 1)[0] == "shared"
+    assert pair_transport("one_sided", node_of, 0, 1)[0] == "shared"
+    assert pair_transport("two_sided", node_of, 0, 1)[0] == "two_sided"
+    # across hosts: RMA only where the network does RDMA (or the user says so)
+    kind, why = pair_transport("auto", node_of, 1, 2)
+    assert kind == "two_sided" and "TCP" in why
+    monkeypatch.setenv("FI_PROVIDER", "verbs;ofi_rxm")
+    assert pair_transport("auto", node_of, 1, 2)[0] == "rma"
+    monkeypatch.setenv("PURINE_RMA_ACROSS_HOSTS", "0")
+    assert pair_transport("auto", node_of, 1, 2) == ("two_sided", "ranks on two hosts, "
+                                                     "PURINE_RMA_ACROSS_HOSTS=0")
+    assert pair_transport("one_sided", node_of, 1, 2)[0] == "rma"
+    assert pair_transport("auto", node_of, 1, 2, rma_ok=False)[0] == "two_sided"
+    with pytest.raises(UserError, match="parallel.transport must be one of"):
+        pair_transport("rdma", node_of, 0, 1)
+
+
+def test_layout_places_regions_by_node():
+    layout = WindowLayout()
+    layout.add("a", 0, (10,), "float32", peers=[1])
+    layout.add("b", 2, (3, 3), "float64", peers=[1])
+    layout.add_word("w", 1, peers=[0])
+    sizes = layout.place({0: 0, 1: 0, 2: 1})
+    assert layout.regions["a"].where == "shared" and layout.regions["b"].where == "rma"
+    assert layout.words["w"].where == "shared"
+    assert layout.regions["a"].offset == 0 and sizes[("shared", 0)] == 64
+    assert sizes[("rma", 2)] == 128 and sizes[("shared", 1)] == 64
+    with pytest.raises(ValueError, match="declared twice"):
+        layout.add_word("a", 0)
