@@ -39,7 +39,8 @@ from .device import HostStage
 from .world import get_world
 
 _COLLECTIVES = {"Allreduce"}
-_POINT_TO_POINT = {"Send", "Recv", "Put", "WaitWrite"}  # the last two: comm/rma_ops.py
+# Put, WaitWrite: comm/rma_ops.py; Get, Publish: comm/rma_pull.py
+_POINT_TO_POINT = {"Send", "Recv", "Put", "WaitWrite", "Get", "Publish"}
 
 
 def is_comm_op(op):

@@ -20,6 +20,7 @@ from .ops import is_collective, is_comm_op
 
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
+_UNPAIRED = ("Get", "Publish")       # one-sided reads (comm/rma_pull.py): no partner op
 
 
 def comm_signature(graph):
@@ -67,7 +68,7 @@ def compare_signatures(signatures):
     groups = {}
     for r, sig in enumerate(signatures):
         for e in sig:
-            if e["kind"] in _SENDERS or e["kind"] in _RECEIVERS:
+            if e["kind"] in _SENDERS + _RECEIVERS + _UNPAIRED:
                 continue
             g = tuple(e.get("group") or everyone)
             if r not in g:

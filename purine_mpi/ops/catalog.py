@@ -14,4 +14,5 @@ from . import (activation, basic, batchnorm, clip, conv, data, dropout, fc, lrn,
                iteration, lr_policy, pool, softmax, tensor, updates, watch)
 from ..comm import ops as comm_ops  # noqa: F401
 from ..comm import rma_ops  # noqa: F401  (Put, WaitWrite)
+from ..comm import rma_pull  # noqa: F401  (Get, Publish)
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402

@@ -60,9 +60,14 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     max_iter = job.solver.max_iter
     mode = par.mode
     code = 0
+    # parallel.transport: the windows (collective with the workers' compose)
+    from ..parallel.ps_windows import allocate, windowed_server
+    windows, transport = allocate(job, world, graph, plan)
     if mode == "sync_ps":
         from ..runtime.factory import make_dispatcher
         sg = server_graph(graph, grads, plan, world.rank, job)
+        if windows is not None:
+            windowed_server(sg, plan, world.rank).validate()
         d = make_dispatcher(sg, "event", rank=world.rank,
                             stall_timeout=float(par.stall_timeout))
         try:
@@ -90,7 +95,8 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     else:
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
         server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.max_staleness, start, max_iter - start, stop=stop)
+                             par.max_staleness, start, max_iter - start, stop=stop,
+                             windows=windows)
         stats = server.serve()
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
@@ -98,6 +104,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             _send_state(world, momenta)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
+    stats["transport"] = transport[0][1]
     return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
             "stop_code": code, "stopped_by": stop.name if code and stop else None}
 

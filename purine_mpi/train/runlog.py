@@ -113,6 +113,8 @@ def scheme_lines(trainer):
                     f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
                     f"{_ranks_word(servers)} {'are servers' if len(servers) > 1 else 'is the server'} "
                     "holding the parameters (sharded)"))
+        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
+            out.append(("transport", f"{what}: {how} ({why})"))
     elif size == 1:
         out.append(("scheme", "one rank, no parallel scheme"))
     elif lay.staged:
