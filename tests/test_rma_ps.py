@@ -1,0 +1,107 @@
+"""Parameter servers over windows (issue 34, parallel/ps_windows.py): the
+weights of sync_ps are bitwise those of two-sided, through shared windows
+(one node) and RMA windows (emulated hosts); async keeps its staleness bound
+with the weights read by Get; the graphs show the window ops."""
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from purine_mpi.job.config import dump_config
+from purine_mpi.job.replica import build_train_graph
+from purine_mpi.parallel.param_server import compose_for_rank
+from tests.conftest import REPO, make_job
+from tests.mpi_scripts.common import mlp_config
+from tests.mpi_scripts.launch import run_mpi, run_python
+
+
+def _weights(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset)
+                     and k.startswith(("params/", "solver/")) else None)
+    return out
+
+
+def _train(tmp_path, cfg_path, name, n, *sets, env=None):
+    args = ["-m", "purine_mpi", "train", str(cfg_path), "--out", str(tmp_path / name)]
+    for s in sets:
+        args += ["--set", s]
+    proc, _ = run_python(n, args, timeout=300, env=env)
+    assert "error" not in proc.stderr.lower(), proc.stderr
+    return proc, _weights(tmp_path / name / "latest.h5")
+
+
+def test_graphs_show_the_window_ops():
+    """graph --np 3: a worker Puts each gradient into its slot and Gets each
+    weight; the sync_ps server WaitWrites the slots and Publishes the
+    weights; two_sided keeps Send/Recv; every Put meets its WaitWrite."""
+    from purine_mpi.comm.verify import comm_signature, compare_signatures
+    kinds = {}
+    for transport in ("auto", "two_sided"):
+        cfg = mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 1, "transport": transport})
+        slices = []
+        for rank in range(3):
+            g, grads = build_train_graph(make_job(cfg), 0, 2)
+            slices.append(compose_for_rank(g, grads, cfg, 3, rank))
+        assert compare_signatures([comm_signature(s) for s in slices]) == []
+        kinds[transport] = [sorted({op.op_type for op in s.ops.values()
+                                    if op.op_type in ("Put", "Get", "WaitWrite", "Publish",
+                                                      "Send", "Recv")}) for s in slices]
+    assert kinds["auto"] == [["Get", "Put"], ["Get", "Put"], ["Publish", "WaitWrite"]]
+    assert kinds["two_sided"] == [["Recv", "Send"]] * 3
+    g, grads = build_train_graph(make_job(mlp_config()), 0, 2)
+    server = compose_for_rank(g, grads, mlp_config(parallel={"mode": "sync_ps"}), 3, 2)
+    pub = [op for op in server.ops.values() if op.op_type == "Publish"]
+    assert len(pub) == 6 and all(op.attrs["region"] == "ps/" + op.inputs[0][:-4]
+                                 for op in pub)  # p@new -> region ps/p
+
+
+@pytest.mark.mpi
+def test_sync_ps_one_sided_equals_two_sided_bitwise(tmp_path):
+    """3 ranks (2 workers, 1 server), 6 iterations: the weights and momenta
+    of shared windows, of RMA windows (two emulated hosts, one rank each)
+    and of shared windows under PURINE_COMM_DELAY jitter are bitwise those
+    of Send/Recv; the start-up block names the transport."""
+    cfg = mlp_config(solver={"max_iter": 6, "display": 3},
+                     parallel={"mode": "sync_ps", "ps_ranks": 1})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    _, ref = _train(tmp_path, path, "two", 3, "parallel.transport=two_sided")
+    proc, shared = _train(tmp_path, path, "one", 3, "parallel.transport=one_sided")
+    assert "one-sided, shared windows" in proc.stdout, proc.stdout
+    proc, rma = _train(tmp_path, path, "rma", 3, "parallel.transport=one_sided",
+                       env={"PURINE_RANKS_PER_HOST": "1"})
+    assert "one-sided, RMA windows" in proc.stdout, proc.stdout
+    _, jitter = _train(tmp_path, path, "jit", 3, env={"PURINE_COMM_DELAY": "3:7"})
+    assert sorted(ref) == sorted(shared) and any(k.startswith("solver/") for k in ref)
+    for other in (shared, rma, jitter):
+        for k, v in ref.items():
+            assert np.array_equal(v, other[k]), k
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,staleness,delay", [(3, 1, "2:5"), (4, 0, "")])
+def test_async_over_windows_keeps_the_staleness_bound(n, staleness, delay):
+    """The async server applies each gradient put into its slots and serves
+    no pulls; no worker's push is applied while it leads the slowest by more
+    than max_staleness (the workers' Gets wait), every push is applied, and
+    with staleness 0 every worker ends with the server's weights."""
+    proc, _ = run_mpi("param_server.py", n, "async", 1, staleness, "one_sided",
+                      env={"PURINE_COMM_DELAY": delay}, timeout=120)
+    assert proc.stdout.count("OK param_server") == n
+
+
+@pytest.mark.mpi
+def test_sync_ps_50_iterations_digits_one_sided_equals_two_sided(tmp_path, digits_h5):
+    """The issue's target: LeNet on digits, 3 ranks, 50 iterations (seconds)."""
+    path = os.path.join(REPO, "jobs", "digits_lenet.yaml")
+    sets = [f"data.train.path={digits_h5}", f"data.test.path={digits_h5}",
+            "parallel.mode=sync_ps", "parallel.ps_ranks=1", "solver.max_iter=50",
+            "solver.test_interval=0", "checkpoint.interval=0"]
+    _, ref = _train(tmp_path, path, "two", 3, *sets, "parallel.transport=two_sided")
+    _, one = _train(tmp_path, path, "one", 3, *sets, "parallel.transport=one_sided")
+    assert sorted(ref) == sorted(one)
+    for k, v in ref.items():
+        assert np.array_equal(v, one[k]), k
