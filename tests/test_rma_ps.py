@@ -105,3 +105,44 @@ def test_sync_ps_50_iterations_digits_one_sided_equals_two_sided(tmp_path, digit
     assert sorted(ref) == sorted(one)
     for k, v in ref.items():
         assert np.array_equal(v, one[k]), k
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_bench_runs_the_parameter_server_modes(tmp_path, mode):
+    """``bench --json`` on 2 workers + 1 server: the transport, the bytes
+    rank 0 moves per iteration (each param's gradient out and its weights
+    in: two-sided Send/Recv; with shared windows two CPU copies and nothing
+    through MPI; with RMA windows MPI_Rput and MPI_Get and no copy), and a
+    sync_ps server's communication times."""
+    import json
+    cfg = mlp_config(parallel={"mode": mode, "ps_ranks": 1, "max_staleness": 1})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    g, _ = build_train_graph(make_job(cfg), 0, 2)
+    params = sum(b.nbytes for b in g.blobs.values() if b.kind == "param" and b.alias_of is None)
+    res = {}
+    for name, transport, env in (("two", "two_sided", {}), ("one", "one_sided", {}),
+                                 ("rma", "one_sided", {"PURINE_RANKS_PER_HOST": "1"})):
+        proc, _ = run_python(3, ["-m", "purine_mpi", "bench", str(path), "--json", "--iters", "3",
+                                 "--set", f"parallel.transport={transport}"], timeout=120,
+                             env=env)
+        res[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    two, one, rma = res["two"], res["one"], res["rma"]
+    # RMA windows (one rank per emulated host): MPI_Rput and MPI_Get, no copy
+    assert rma["bytes_one_sided_per_iter"] >= 2 * params and rma["bytes_copied_per_iter"] == 0
+    assert rma["server_transport"].startswith("one-sided, RMA windows")
+    assert two["mode"] == one["mode"] == mode and two["world_size"] == 3
+    assert two["transport"] == "two_sided" and one["transport"] == "one_sided"
+    assert two["bytes_two_sided_per_iter"] == 2 * params and two["bytes_copied_per_iter"] == 0
+    assert one["bytes_two_sided_per_iter"] == 0 and one["bytes_one_sided_per_iter"] == 0
+    assert one["server_transport"].startswith("one-sided, shared windows")
+    if mode == "sync_ps":
+        assert one["bytes_copied_per_iter"] == 2 * params
+        for r in (one, two):
+            assert r["server_comm_ms_per_iter"] > 0 and r["server_send_ms_per_iter"] > 0
+    else:  # the sequence lock may read a region twice
+        assert one["bytes_copied_per_iter"] >= 2 * params
+        assert one["server_comm_ms_per_iter"] is None  # the async loop runs no graph
+    for r in (one, two):
+        assert r["images_per_s"] > 0

@@ -21,7 +21,8 @@ from .async_server import AsyncServer
 
 
 # ------------------------------------------------------------- server rank
-def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
+def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
+               profile_from=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
@@ -75,6 +76,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 d.workspace.set(p, values[p])
                 d.workspace.set(momentum_name(p), momenta[p])
             for it in range(start, max_iter):
+                if profile_from is not None and it == start + profile_from:
+                    from ..runtime.trace import Profiler
+                    d.drain()
+                    d.profiler = Profiler(world.rank)
                 d.workspace["iter"][...] = it
                 d.run(it)
                 # the servers take part in the workers' stop agreement
@@ -89,9 +94,12 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 code = 0
             values = {p: d.workspace[p].copy() for p in owned}
             momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
+            events = d.profiler.events if profile_from is not None and d.profiler else None
         finally:
             d.close()
         stats = {"iterations": max_iter - start}
+        if events is not None:
+            stats["events"] = events
     else:
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
         server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
