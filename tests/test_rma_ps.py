@@ -146,3 +146,45 @@ def test_bench_runs_the_parameter_server_modes(tmp_path, mode):
         assert one["server_comm_ms_per_iter"] is None  # the async loop runs no graph
     for r in (one, two):
         assert r["images_per_s"] > 0
+
+
+class _NoDurations:
+    def lookup(self, name, rank, rows=None):
+        return 0.0
+
+
+@pytest.mark.parametrize("mode", ["sync_ps", "pipeline"])
+def test_predictor_models_one_sided_transfers(mode, tmp_path):
+    """predict's cost of a transfer of B bytes: two-sided α + B/β (a
+    parameter server's link shared by W workers: α + W·B/β), one-sided
+    α_put + B/β_put (Put, Get, WaitWrite: no receive posted, no matching),
+    a Put matched with its WaitWrite by window region; a link file keeps
+    α_put and β_put."""
+    from purine_mpi.tools.scaling.link import Link, load_link, save_link
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    link = Link(1e-5, 1e9, 0.0, "test", alpha_put=2e-6, beta_put=4e9)
+    save_link(tmp_path / "l.json", link)
+    assert load_link(tmp_path / "l.json").put(1000) == pytest.approx(2e-6 + 1000 / 4e9)
+    assert Link(1e-5, 1e9).put(1000) == Link(1e-5, 1e9).p2p(1000)  # no figures: a message's
+    par = {"mode": "sync_ps", "ps_ranks": 1} if mode == "sync_ps" else \
+        {"scheme": "pipeline", "stages": {"fc1": 0, "relu1": 0, "fc2": 1, "relu2": 1,
+                                          "out": 1, "loss": 1}}
+    seen = {}
+    for transport in ("two_sided", "one_sided"):
+        job = make_job(mlp_config(parallel=dict(par, transport=transport)))
+        scenario = Scenario(job, 3 if mode == "sync_ps" else 2)
+        w = 2 if mode == "sync_ps" else 1
+        for rank in scenario.ranks:
+            t = Template(job, scenario, rank)
+            for name, op in t.graph.ops.items():
+                if name not in t.comm:
+                    continue
+                sim = t._comm_op(op, (), _NoDurations(), link, "auto", scenario)
+                one = op.op_type not in ("Send", "Recv")
+                want = (link.alpha_put + w * sim.nbytes / link.beta_put) if one else \
+                    (link.alpha + w * sim.nbytes / link.beta)
+                assert sim.seconds == pytest.approx(want), (name, op.op_type)
+                assert sim.tag == (op.attrs["region"] if one else op.attrs["tag"])
+                seen.setdefault(transport, set()).add(op.op_type)
+    assert seen["two_sided"] == {"Send", "Recv"}
+    assert seen["one_sided"] == ({"Put", "Get"} if mode == "sync_ps" else {"Put", "WaitWrite"})
