@@ -46,6 +46,10 @@ at its stage boundary (2 ranks), sync_ps on benchmarks/cifar10_quick_wide.yaml
 iteration, ``server_comm_ms_per_iter`` of bench --json). A run that fails
 (a transport this build does not have) gives its error line instead.
 One BLAS thread per rank.
+
+``--two-hosts 1gbit`` (root): the message figures (send_recv and put; no
+shared window across hosts, no reduction) with one rank in each of two
+network namespaces, overlap_netns.py's set-up, MPICH over UCX's TCP.
 """
 import argparse
 import json
@@ -73,17 +77,23 @@ def mpiexec():
 
 
 # ------------------------------------------------------------ worker side
-def _wait_counter(win, counter, target):
+def _wait_counter(win, counter, target, comm=None):
     """Poll a counter word of this rank's own window until it reaches
-    ``target`` (Win.Sync makes remote updates visible: unified model)."""
+    ``target`` (Win.Sync makes remote updates visible: unified model).
+    ``comm``: also drive MPI's progress engine (an Iprobe) while polling, as
+    a library that emulates RMA with messages (over TCP) needs the target
+    to."""
     while True:
         win.Sync()
         if counter[0] >= target:
             return
+        if comm is not None:
+            comm.Iprobe()
 
 
-def time_messages(comm, nbytes, reps, best_of):
-    """{method: seconds per message} for one message size (best round)."""
+def time_messages(comm, nbytes, reps, best_of, shared_window=True):
+    """{method: seconds per message} for one message size (best round);
+    without ``shared_window`` (ranks on two hosts) no shared-window store."""
     import numpy as np
     from mpi4py import MPI
     rank, peer = comm.rank, 1 - comm.rank
@@ -99,16 +109,19 @@ def time_messages(comm, nbytes, reps, best_of):
     count_rma[0] = 0
     one = np.ones(1, np.int64)
     # a shared window: each rank's segment holds its data and counter
-    shm = MPI.Win.Allocate_shared(n * item + 8, 1, comm=comm)
+    shm = MPI.Win.Allocate_shared(n * item + 8, 1, comm=comm) if shared_window else None
     seg = {}
-    for r in (0, 1):
+    for r in ((0, 1) if shared_window else ()):
         buf, _ = shm.Shared_query(r)
         raw = np.frombuffer(buf, np.uint8)
         seg[r] = (raw[:n * item].view(np.float32), raw[n * item:n * item + 8].view(np.int64))
-    seg[rank][1][0] = 0
+    if shared_window:
+        seg[rank][1][0] = 0
+    progress = None if shared_window else comm  # across hosts: drive progress
     comm.Barrier()
     win.Lock_all()
-    shm.Lock_all()
+    if shared_window:
+        shm.Lock_all()
     state = {"put": 0, "shared": 0}
 
     def send_recv():
@@ -131,9 +144,9 @@ def time_messages(comm, nbytes, reps, best_of):
             state["put"] += 1
             if rank == 0:
                 put_one()
-                _wait_counter(win, count_rma, state["put"])
+                _wait_counter(win, count_rma, state["put"], progress)
             else:
-                _wait_counter(win, count_rma, state["put"])
+                _wait_counter(win, count_rma, state["put"], progress)
                 put_one()
 
     def shared_one():
@@ -153,7 +166,9 @@ def time_messages(comm, nbytes, reps, best_of):
                 _wait_counter(shm, seg[rank][1], state["shared"])
                 shared_one()
 
-    methods = {"send_recv": send_recv, "put": put, "shared": shared}
+    methods = {"send_recv": send_recv, "put": put}
+    if shared_window:
+        methods["shared"] = shared
     best = {m: float("inf") for m in methods}
     try:
         for _ in range(best_of):
@@ -170,9 +185,10 @@ def time_messages(comm, nbytes, reps, best_of):
         ok = comm.allreduce(ok, op=MPI.LAND)
     finally:
         win.Unlock_all()
-        shm.Unlock_all()
         win.Free()
-        shm.Free()
+        if shared_window:
+            shm.Unlock_all()
+            shm.Free()
     return best, ok
 
 
@@ -239,14 +255,18 @@ def worker(args):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     out = {"messages": [], "reduce": []}
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    one_node = node.size == comm.size
+    node.Free()
     for kib in args.sizes_kib:
-        best, ok = time_messages(comm, kib * 1024, args.reps, args.best_of)
+        best, ok = time_messages(comm, kib * 1024, args.reps, args.best_of, one_node)
         row = {"bytes": kib * 1024, "correct": ok}
         row.update({f"{m}_ms": round(t * 1000, 6) for m, t in best.items()})
-        row["speedup_put"] = round(best["send_recv"] / best["put"], 3)
-        row["speedup_shared"] = round(best["send_recv"] / best["shared"], 3)
+        for m in ("put", "shared"):
+            if m in best:
+                row[f"speedup_{m}"] = round(best["send_recv"] / best[m], 3)
         out["messages"].append(row)
-    for mib in args.reduce_mib:
+    for mib in (args.reduce_mib if one_node else ()):
         best, ok = time_reduce(comm, int(mib * 1024 * 1024), args.best_of)
         row = {"bytes": int(mib * 1024 * 1024), "correct": ok}
         row.update({f"{m}_ms": round(t * 1000, 6) for m, t in best.items()})
@@ -257,13 +277,15 @@ def worker(args):
         print(json.dumps(out), flush=True)
 
 
-def run_micro(args):
-    cmd = [mpiexec(), "-n", "2", sys.executable, os.path.abspath(__file__), "--worker",
+def run_micro(args, launch=(), env=None):
+    cmd = [*launch, mpiexec(), *(["-launcher", "ssh", "-launcher-exec",
+                                  os.path.join(HERE, "nsexec.sh"), "-hosts", args.hosts]
+                                 if launch else []), "-n", "2", sys.executable, os.path.abspath(__file__), "--worker",
            "--sizes-kib", ",".join(str(k) for k in args.sizes_kib), "--reps", str(args.reps),
            "--best-of", str(args.best_of),
            "--reduce-mib", ",".join(str(m) for m in args.reduce_mib)]
-    res = subprocess.run(cmd, env=one_thread_env(), capture_output=True, text=True, cwd=ROOT,
-                         timeout=1800)
+    res = subprocess.run(cmd, env=env or one_thread_env(), capture_output=True, text=True,
+                         cwd=ROOT, timeout=1800)
     if res.returncode != 0:
         raise SystemExit(f"transport.py: the 2-rank run failed ({res.returncode}):\n"
                          f"{res.stderr[-2000:]}")
@@ -339,15 +361,40 @@ def _median_or_none(values):
 
 def run_jobs(args, tmp):
     wide = wide_pipeline_config(os.path.join(tmp, "pipeline_wide.yaml"), 100)
+    digits = os.path.join(tmp, "digits.h5")  # the pipeline job's data (bench reads its shapes)
+    subprocess.run([sys.executable, "-m", "purine_mpi", "data", "digits", "--out", digits],
+                   env=one_thread_env(), cwd=ROOT, check=True, capture_output=True)
     return [
         compare_job("digits_pipeline", os.path.join(ROOT, "jobs", "digits_pipeline.yaml"), 2,
-                    args.job_iters, args.job_rounds),
+                    args.job_iters, args.job_rounds,
+                    ("--set", f"data.train.path={digits}", "--set", f"data.test.path={digits}")),
         compare_job("pipeline_fc1024_boundary", wide, 2, args.job_iters, args.job_rounds),
         compare_job("sync_ps_cifar10_quick_wide",
                     os.path.join(ROOT, "benchmarks", "cifar10_quick_wide.yaml"), 3,
                     args.job_iters, args.job_rounds,
                     ("--set", "parallel.mode=sync_ps", "--set", "parallel.ps_ranks=1")),
     ]
+
+
+def run_two_hosts(args):
+    """The message figures with one rank in each of two network namespaces
+    joined by a veth pair shaped to ``args.two_hosts`` (overlap_netns.py's
+    set-up; root), MPICH over UCX's TCP transport."""
+    sys.path.insert(0, HERE)
+    import overlap_netns
+    if os.geteuid() != 0 or not all(overlap_netns.shutil.which(t) for t in ("ip", "tc")):
+        raise SystemExit("transport.py --two-hosts needs root with the ip and tc tools")
+    names, addresses, made = overlap_netns.make_hosts(2, "rma", args.two_hosts)
+    env = dict(one_thread_env(), MPIR_CVAR_CH4_NETMOD="ucx", UCX_TLS="tcp,self",
+               UCX_NET_DEVICES="pmveth", MPIR_CVAR_NOLOCAL="1")
+    args.hosts = ",".join(addresses)
+    args.reduce_mib = []
+    try:
+        out = run_micro(args, launch=("ip", "netns", "exec", names[0]), env=env)
+    finally:
+        overlap_netns.teardown_netns(*made)
+    out["two_hosts"] = {"rate": args.two_hosts, "transport": "MPICH ch4:ucx, UCX_TLS=tcp,self"}
+    return out
 
 
 def _ints(text):
@@ -367,11 +414,16 @@ def main(argv=None):
     ap.add_argument("--jobs", action="store_true", help="also whole jobs (minutes)")
     ap.add_argument("--job-iters", type=int, default=20)
     ap.add_argument("--job-rounds", type=int, default=3)
+    ap.add_argument("--two-hosts", metavar="RATE", help="the message figures across two "
+                    "emulated hosts (network namespaces, each link end shaped to RATE, e.g. "
+                    "1gbit; needs root) instead of one node")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
     import tempfile
+    if args.two_hosts:
+        return print(json.dumps(run_two_hosts(args), indent=1))
     out = run_micro(args)
     if args.jobs:
         with tempfile.TemporaryDirectory() as tmp:
