@@ -95,7 +95,7 @@ def test_stage_slice_runs_in_schedule_order(tmp_path, schedule):
     seen = []
     for op in g.topo_order():
         if "@mb" in op.name and op.op_type not in ("Send", "Recv", "Put", "WaitWrite",
-                                                   "DataReader"):
+                                                   "Release", "WaitFree", "DataReader"):
             step = ("B" if ".bwd." in op.name else "F", int(op.name.rsplit("@mb", 1)[1]))
             if not seen or seen[-1] != step:
                 seen.append(step)

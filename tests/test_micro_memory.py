@@ -81,8 +81,10 @@ def test_losses_and_weight_gradients_keep_their_own_buffers():
 
 def test_copy_waits_for_the_previous_copy_in_its_slot():
     """Stage 1 (one slot): the Recv of copy k writes the buffer only after
-    every op of copy k − 1 that touches it (its backward) has finished."""
-    g = _slice(2, 1, scheme="pipeline", stages=STAGES, micro_batches=4, schedule="1f1b")
+    every op of copy k − 1 that touches it (its backward) has finished.
+    (Send/Recv: a one-sided transport gives each copy a window region.)"""
+    g = _slice(2, 1, scheme="pipeline", stages=STAGES, micro_batches=4, schedule="1f1b",
+               transport="two_sided")
     deps = g.dependencies()
     recv = g.ops["pool1@mb2.recv"]
     assert g.blobs["pool1@mb2"].alias_of == "pool1@mb0"  # the buffer of copy 2 mod 1

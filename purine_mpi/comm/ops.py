@@ -39,8 +39,8 @@ from .device import HostStage
 from .world import get_world
 
 _COLLECTIVES = {"Allreduce"}
-# Put, WaitWrite: comm/rma_ops.py; Get, Publish: comm/rma_pull.py
-_POINT_TO_POINT = {"Send", "Recv", "Put", "WaitWrite", "Get", "Publish"}
+_POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
+                   "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish"}
 
 
 def is_comm_op(op):

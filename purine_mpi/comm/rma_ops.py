@@ -7,19 +7,26 @@ by ``runtime/comm_progress.CommPoster`` (the one place that drives MPI),
 a ``Pending`` whose ``describe()`` the stall watchdog prints.
 
 Put        ins [x]  outs []    attrs seq, peer, region, written, free
-    waits until the consumer has released its region for this iteration
-    (notify word ``free``, owned by this rank, reaches the count of this
-    Put's runs), then writes x into ``region`` of rank ``peer`` (a store
-    into shared memory, or ``MPI_Rput`` into an RMA window, tested, then
+    its k-th run waits until the consumer has released the region after
+    its (k-1)-th write (notify word ``free``, owned by this rank, reaches
+    k - 1), then writes x into ``region`` of rank ``peer`` (a store into
+    shared memory, or ``MPI_Rput`` into an RMA window, tested, then
     ``Win_flush``) and adds 1 to the consumer's word ``written``. Nothing
     is written when x already *is* the consumer's memory (zero copy).
 WaitWrite  ins []   outs [y]   attrs seq, peer, region, written, free, shape, dtype
-    run when y may be written (at the start of an iteration, or when the
-    micro-batch buffer it writes is free): releases the region to the
-    producer (adds 1 to the producer's word ``free``), then waits until
-    ``written`` reaches the count of its runs. y *is* the region (the
+    its k-th run waits until ``written`` reaches k. y *is* the region (the
     workspace places it there), so nothing is copied, unless a layout
-    demands it (a device blob without CUDA IPC): then one copy.
+    demands it (y views a micro-batch buffer, or lives on a GPU without
+    CUDA IPC): then one copy, counted.
+Release    ins [y]  outs []    attrs seq, peer, region, free
+    runs once every op that reads or writes y this iteration is done
+    (control edges from them): adds 1 to the producer's word ``free``, so
+    the next Put may write the region. The producer waits only for the
+    consumer's real use of the region, not for the consumer's iteration.
+WaitFree   ins []   outs []    attrs seq, peer, region, free
+    on the producer, before the op that computes x straight into the
+    consumer's region (one node, zero copy): its k-th run waits until
+    ``free`` reaches k - 1.
 
 Passive-target epochs never deadlock with the rest of the graph's
 communication: the windows are locked once (``Lock_all``) at start-up, so
@@ -28,6 +35,8 @@ posts without waiting for anything but its own dependencies -- the same
 waits a Send/Recv pair has. Counters per op: ``bytes_put`` (moved by MPI
 one-sided), ``bytes_copied`` (copied by the CPU), for reports.
 """
+import time
+
 import numpy as np
 
 from ..base.errors import ShapeError
@@ -35,7 +44,7 @@ from ..ops.registry import Pending, register
 from .ops import CommKernel, _mb, comm_delay
 from .windows import find_windows
 
-_ONE_SIDED = {"Put", "WaitWrite"}
+_ONE_SIDED = {"Put", "WaitWrite", "Release", "WaitFree"}
 
 
 def is_one_sided(op):
@@ -44,11 +53,15 @@ def is_one_sided(op):
 
 class RMAPending(Pending):
     """A one-sided op in flight: ``step()`` advances it (returns True when
-    done); ``describe`` says what it waits for."""
+    done); ``describe`` says what it waits for. ``spans``: its parts, as
+    ``(kind, t_start, t_end, args)`` on ``time.perf_counter``'s clock --
+    kinds ``put``, ``get``, ``notify``, ``wait_free``, ``wait_write`` --
+    which the trace shows as events ``<op>:<kind>`` of category ``rma``."""
 
-    def __init__(self, step, describe):
+    def __init__(self, step, describe, spans=None):
         self._step = step
         self._describe = describe
+        self.spans = spans if spans is not None else []
 
     def test(self):
         return self._step()
@@ -58,6 +71,13 @@ class RMAPending(Pending):
 
     def describe(self):
         return self._describe()
+
+
+def _started(step, describe, spans):
+    """The Pending of a one-sided op, advanced once at its post (a Put whose
+    region is free writes at once, as an Isend would send)."""
+    done = step()
+    return RMAPending((lambda: True) if done else step, describe, spans)
 
 
 class _WindowKernel(CommKernel):
@@ -102,25 +122,37 @@ class Put(_WindowKernel):
         comm_delay()()
         self.runs += 1
         k, x = self.runs, ins[0]
-        state = {"stage": "free", "req": None}
+        t_post = time.perf_counter()
+        state = {"stage": "free", "req": None, "t": t_post}
         region, win = self.attrs["region"], self.win
+        spans = []
 
         def step():
             if state["stage"] == "free":
-                if win.notified(self.attrs["free"]) < k:
+                if win.notified(self.attrs["free"]) < k - 1:
                     return False
+                now = time.perf_counter()
+                spans.append(("wait_free", t_post, now, {"put": k}))
+                state["t"] = now
+                copied = moved = 0
                 if not self.zero_copy:
                     before = win.bytes_copied
                     state["req"] = win.rput(region, np.asarray(x))
-                    self.bytes_copied += win.bytes_copied - before
-                    if state["req"] is not None:
-                        self.bytes_put += x.nbytes
+                    copied = win.bytes_copied - before
+                    moved = x.nbytes if state["req"] is not None else 0
+                    self.bytes_copied += copied
+                    self.bytes_put += moved
+                state["bytes"] = {"bytes_put": moved, "bytes_copied": copied}
                 state["stage"] = "write"
             if state["stage"] == "write":
                 req = state["req"]
                 if req is not None and not req.Test():
                     return False
+                t0 = time.perf_counter()
                 win.notify(self.attrs["written"])  # flushes the data first
+                t1 = time.perf_counter()
+                spans.append(("put", state["t"], t0, state["bytes"]))
+                spans.append(("notify", t0, t1, {"word": self.attrs["written"]}))
                 state["stage"] = "done"
             return True
 
@@ -130,7 +162,7 @@ class Put(_WindowKernel):
             return (f"Put {self.op.inputs[0]} {_mb(x.nbytes)} to rank {self.attrs['peer']} "
                     f"({doing}, put #{k}) {self._what()}")
 
-        return RMAPending(step, describe)
+        return _started(step, describe, spans)
 
 
 @register
@@ -160,20 +192,89 @@ class WaitWrite(_WindowKernel):
         comm_delay()()
         self.runs += 1
         k, y, win = self.runs, outs[0], self.win
-        win.notify(self.attrs["free"])  # the producer may write the region now
+        t1 = time.perf_counter()
+        spans = []
         state = {"seen": 0}
 
         def step():
             state["seen"] = win.notified(self.attrs["written"])
             if state["seen"] < k:
                 return False
+            copied = 0
             if self.copy:
                 y[...] = self.local
-                self.bytes_copied += self.local.nbytes
+                copied = self.local.nbytes
+                self.bytes_copied += copied
+            spans.append(("wait_write", t1, time.perf_counter(), {"write": k,
+                                                                  "bytes_copied": copied}))
             return True
 
         def describe():
             return (f"WaitWrite {self.op.outputs[0]} {_mb(self.local.nbytes)} from rank "
                     f"{self.attrs['peer']} (write #{k}, {state['seen']} seen) {self._what()}")
 
-        return RMAPending(step, describe)
+        return _started(step, describe, spans)
+
+
+@register
+class Release(_WindowKernel):
+    """Tell rank ``peer`` that this rank is done with region ``region``
+    (its readers ran): the next Put may write it. Done at once."""
+
+    op_type = "Release"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return []
+
+    def setup(self, ins, outs):
+        self.win = self._windows()
+        self._setup_done = True
+
+    def run(self, ins, outs):
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        t0 = time.perf_counter()
+        self.win.notify(self.attrs["free"])
+        done = RMAPending(lambda: True, lambda: f"Release {self._what()}",
+                          [("notify", t0, time.perf_counter(), {"word": self.attrs["free"]})])
+        return done
+
+
+@register
+class WaitFree(_WindowKernel):
+    """Wait until rank ``peer`` released region ``region`` after the last
+    write: the op that computes into it may run."""
+
+    op_type = "WaitFree"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return []
+
+    def setup(self, ins, outs):
+        self.win = self._windows()
+        self.runs = 0
+        self._setup_done = True
+
+    def run(self, ins, outs):
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        self.runs += 1
+        k, win, t0 = self.runs, self.win, time.perf_counter()
+        spans, state = [], {"seen": 0}
+
+        def step():
+            state["seen"] = win.notified(self.attrs["free"])
+            if state["seen"] < k - 1:
+                return False
+            spans.append(("wait_free", t0, time.perf_counter(), {"put": k}))
+            return True
+
+        def describe():
+            return (f"WaitFree before computing into rank {self.attrs['peer']}'s region "
+                    f"(release #{k - 1}, {state['seen']} seen) {self._what()}")
+
+        return _started(step, describe, spans)

@@ -20,7 +20,13 @@ Get      ins []   outs [y]  attrs seq, peer, region, version, shape, dtype,
     owner changes the region while it updates, so the read is retried until
     ``version`` is even and the same before and after it (a sequence lock:
     the owner makes it odd while it writes).
+
+Their parts show in the trace as rma events (comm/rma_ops.py's kinds):
+``<op>:notify`` for a Publish, ``<op>:wait_write`` (the wait for fresh
+weights) and ``<op>:get`` for a Get.
 """
+import time
+
 import numpy as np
 
 from ..base.errors import ShapeError
@@ -54,14 +60,19 @@ class Publish(_WindowKernel):
             self.setup(ins, outs)
         comm_delay()()
         self.runs += 1
+        copied = 0
         if not self.zero_copy:
             np.copyto(self.local, ins[0])
-            self.bytes_copied += self.local.nbytes
+            copied = self.local.nbytes
+            self.bytes_copied += copied
+        t1 = time.perf_counter()
         self.win.notify(self.attrs["version"])
         k = self.runs
+        spans = [("notify", t1, time.perf_counter(), {"word": self.attrs["version"],
+                                                      "bytes_copied": copied})]
         return RMAPending(lambda: True, lambda: (
             f"Publish {self.op.inputs[0]} {_mb(self.local.nbytes)} (version {k}) "
-            f"{self._what()}"))
+            f"{self._what()}"), spans)
 
 
 @register
@@ -117,16 +128,23 @@ class Get(_WindowKernel):
         comm_delay()()
         self.runs += 1
         k, y = self.runs, outs[0]
-        state = {"stage": "wait", "seen": None}
+        state = {"stage": "wait", "seen": None, "t": time.perf_counter()}
+        spans = []
 
         def step():
             if state["stage"] == "wait":
                 if not self._ready(k, state):
                     return False
-                state["stage"] = "read"
+                now = time.perf_counter()
+                spans.append(("wait_write", state["t"], now, {"get": k}))
+                state["stage"], state["t"] = "read", now
             if state["stage"] == "read":
+                before = (self.bytes_got, self.bytes_copied)
                 if not self._read(y):
                     return False
+                spans.append(("get", state["t"], time.perf_counter(),
+                              {"bytes_got": self.bytes_got - before[0],
+                               "bytes_copied": self.bytes_copied - before[1]}))
                 state["stage"] = "done"
             return True
 
@@ -136,4 +154,4 @@ class Get(_WindowKernel):
             return (f"Get {self.op.outputs[0]} {_mb(y.nbytes)} from rank {self.attrs['peer']} "
                     f"({doing}, get #{k}) {self._what()}")
 
-        return RMAPending(step, describe)
+        return RMAPending(step, describe, spans)

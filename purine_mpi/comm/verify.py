@@ -20,7 +20,8 @@ from .ops import is_collective, is_comm_op
 
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
-_UNPAIRED = ("Get", "Publish")       # one-sided reads (comm/rma_pull.py): no partner op
+# no partner op: comm/rma_ops.py's Release and WaitFree, comm/rma_pull.py's reads
+_UNPAIRED = ("Release", "WaitFree", "Get", "Publish")
 
 
 def comm_signature(graph):

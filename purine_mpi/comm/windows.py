@@ -152,11 +152,17 @@ class WindowLayout:
         self.regions[name] = Region(name, owner, shape, dtype, peers)
         return self.regions[name]
 
-    def add_word(self, name, owner, peers=()):
+    def add_word(self, name, owner, peers=(), writer=None):
+        """A notify word of ``owner``; ``writer``: the one rank that ever
+        notifies it, if only one does (its notify into a shared window is
+        then a memory barrier and a store: no atomic operation)."""
         if name in self.regions or name in self.words:
             raise ValueError(f"notify word '{name}' declared twice")
-        self.words[name] = Region(name, owner, (1,), np.int64, peers)
-        return self.words[name]
+        word = Region(name, owner, (1,), np.int64, list(peers) + ([writer] if writer is not None
+                                                                  else []))
+        word.writer = None if writer is None else int(writer)
+        self.words[name] = word
+        return word
 
     def describe(self):
         """A canonical text of the layout (for the ranks' consistency check)."""
@@ -271,6 +277,10 @@ class Windows(MemoryDevice):
         self.node_rank = {}  # world rank -> rank in node_comm (same node only)
         self._bases = {}     # (where, owner) -> np.uint8 array of the owner's segment
         self.bytes_put = self.bytes_got = self.bytes_accumulated = self.bytes_copied = 0
+        #: the RMA window's memory model is MPI_WIN_UNIFIED (public = private copy)
+        self.unified = False
+        self._words = {}     # word name -> loadable int64 array, or None
+        self._counts = {}    # single-writer words this rank notifies: their counts
         self.freed = False
         self._lock = threading.Lock()
 
@@ -344,6 +354,7 @@ class Windows(MemoryDevice):
         self.wins["rma"] = win
         with MPI_LOCK:
             self._bases[("rma", self.rank)] = np.frombuffer(win.tomemory(), dtype=np.uint8)
+            self.unified = win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED
             win.Lock_all(MPI.MODE_NOCHECK)
 
     # ---------------------------------------------------------- addressing
@@ -474,6 +485,18 @@ class Windows(MemoryDevice):
         from mpi4py import MPI
         r = self.region(word)
         win, rank, (disp, _n, _t) = self._target(r, 0, 1)
+        writer = getattr(r, "writer", None)
+        if writer is not None and writer != self.rank:
+            raise ValueError(f"rank {self.rank} notifies word '{word}', whose one writer is "
+                             f"rank {writer}")
+        if writer is not None and r.where == "shared":  # the one writer: barrier, store
+            count = self._counts[word] = self._counts.get(word, 0) + value
+            local = self._loadable(r)
+            with MPI_LOCK:
+                self._complete_all()  # the data before the count
+                local[0] = count
+                win.Sync()
+            return
         one = np.array([value], np.int64)
         old = np.zeros(1, np.int64)
         with MPI_LOCK:
@@ -483,10 +506,21 @@ class Windows(MemoryDevice):
 
     def notified(self, word):
         """The current count of notify word ``word`` (of any rank; the writes
-        notified before it are visible to this rank once it is read)."""
+        notified before it are visible to this rank once it is read). A word
+        in memory this rank can load (a shared window, or its own word of
+        an RMA window under MPI's unified memory model) is read by a load
+        between two ``Win_sync`` (memory barriers); another rank's by
+        ``MPI_Fetch_and_op`` NO_OP."""
         from mpi4py import MPI
         r = self.region(word)
         win, rank, (disp, _n, _t) = self._target(r, 0, 1)
+        local = self._loadable(r)
+        if local is not None:
+            with MPI_LOCK:
+                value = int(local[0])  # an aligned int64: read whole
+                for other in self.wins.values():  # later loads see what was notified
+                    other.Sync()
+            return value
         old = np.zeros(1, np.int64)
         with MPI_LOCK:
             win.Fetch_and_op([old, MPI.INT64_T], [old, MPI.INT64_T], rank, disp, op=MPI.NO_OP)
@@ -494,6 +528,17 @@ class Windows(MemoryDevice):
             for other in self.wins.values():  # later loads see what was notified
                 other.Sync()
         return int(old[0])
+
+    def _loadable(self, r):
+        """The int64 array of word ``r`` where this rank may load it, else None."""
+        cached = self._words.get(r.name, False)
+        if cached is not False:
+            return cached
+        view = None
+        if r.where == "shared" or (r.owner == self.rank and self.unified):
+            view = self.view(r.name)
+        self._words[r.name] = view
+        return view
 
     def _complete_all(self):
         """Every earlier write of this rank complete at its target: a memory
@@ -537,6 +582,7 @@ class Windows(MemoryDevice):
         if MPI.Is_finalized():
             return
         self._bases.clear()
+        self._words.clear()
         with MPI_LOCK:
             for where in ("rma", "shared"):  # reverse of allocation, on every rank
                 win = self.wins.pop(where, None)

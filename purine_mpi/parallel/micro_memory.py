@@ -97,6 +97,8 @@ def shareable_roots(graph):
         if any("loss_weight" in b.attrs or b.attrs.get("metric") or b.kind in
                ("param", "state", "param_buffer", "lr", "iter") for b in blobs):
             continue
+        if any(b.attrs.get("window") for b in blobs):
+            continue  # in window memory, one region per copy (parallel/one_sided.py)
         writers = [op for n in names for op in prod.get(n, ())]
         readers = [op for n in names for op in cons.get(n, ())]
         if not writers or not readers or any(op.accumulate for op in writers):

@@ -11,12 +11,17 @@ slice), ``pair_transport(transport, node table, p, r)`` decides:
 - ``two_sided``: the pair stays as it is;
 - ``shared`` / ``rma``: rank r owns the region ``g<n>/<b>@r<r>`` (b's
   shape and dtype; ``n`` counts the windowed graphs of this world: train
-  0, test 1) with its notify word ``.written``; rank p owns ``.free``. The
-  Recv becomes ``<b>.wait`` (WaitWrite), the Send ``<b>.put@r<r>`` (Put),
-  keeping name-independent everything else (``seq``, control edges); the
+  0, test 1) with its notify word ``.written``; rank p owns ``.free``
+  (each word has one writer: the other rank). The Recv becomes
+  ``<b>.wait`` (WaitWrite), the Send ``<b>.put@r<r>`` (Put), keeping
+  ``seq`` and control edges; a ``<b>.release`` (Release) after every op
+  that touches b on rank r tells p the region may be written again; the
   received blob gets ``attrs['window']`` = its region, so the workspace
   places it in the window (runtime/workspace.py) and the memory planner
-  leaves it alone.
+  leaves it alone. On one node, where the consumer only reads the blob and
+  one op of p writes it, p's blob gets the same ``attrs['window']``: that
+  op computes straight into the consumer's region (the Put then only
+  notifies), after ``<b>.free@r<r>`` (WaitFree) saw the region released.
 
 The layout is gathered from every rank (one allgather: a rank knows only
 its own transfers) and allocated at once (``Windows.allocate``): the same
@@ -61,17 +66,19 @@ def to_windows(local, job, world):
         if kind == "two_sided" or op.op_type != "Recv":
             continue
         b = local.blobs[op.outputs[0]]
+        # the producer may compute into this region when nothing here writes it
+        read_only = not any(b.name in o.outputs for o in local.ops.values() if o is not op)
         specs.append((prefix + f"{b.name}@r{world.rank}", world.rank, peer, list(b.shape),
-                      str(b.dtype)))
+                      str(b.dtype), read_only))
     everyone = world.allgather_object((specs, why_seen), "the window layout exchange") \
         if _live(world) else [(specs, why_seen)]
     layout = WindowLayout()
     for rank_specs, rank_why in everyone:
         why_seen.update(rank_why)  # the start-up block names every rank's pairs
-        for name, owner, peer, shape, dtype in rank_specs:
-            layout.add(name, owner, shape, dtype, peers=[peer])
-            layout.add_word(name + ".written", owner, peers=[peer])
-            layout.add_word(name + ".free", peer, peers=[owner])
+        for name, owner, peer, shape, dtype, read_only in rank_specs:
+            layout.add(name, owner, shape, dtype, peers=[peer]).read_only = read_only
+            layout.add_word(name + ".written", owner, writer=peer)
+            layout.add_word(name + ".free", peer, writer=owner)
     if _live(world) and layout.regions:
         try:
             local.windows = Windows.allocate(world, layout, node_of)
@@ -82,13 +89,17 @@ def to_windows(local, job, world):
             local.transport = [("activations and gradients", "two-sided Send/Recv",
                                 f"auto: {exc}")]
             return local
-    _convert(local, prefix, chosen, world.rank)
+    _convert(local, prefix, chosen, world.rank, layout)
     local.transport = _summary(why_seen)
     return local
 
 
-def _convert(local, prefix, chosen, rank):
-    renamed = {}
+def _convert(local, prefix, chosen, rank, layout):
+    renamed, released, in_place = {}, [], []
+    sends = {}
+    for op in local.ops.values():
+        if op.op_type == "Send":
+            sends[op.inputs[0]] = sends.get(op.inputs[0], 0) + 1
     for op in list(local.ops.values()):
         if chosen.get(op.name, "two_sided") == "two_sided":
             continue
@@ -98,10 +109,15 @@ def _convert(local, prefix, chosen, rank):
             region = prefix + f"{blob}@r{rank}"
             op.op_type, new = "WaitWrite", f"{blob}.wait"
             local.blobs[blob].attrs["window"] = region
+            released.append((blob, region, peer, op.location, op.thread))
         else:
             blob = op.inputs[0]
             region = prefix + f"{blob}@r{peer}"
             op.op_type, new = "Put", f"{blob}.put@r{peer}"
+            if chosen[op.name] == "shared" and sends[blob] == 1 and \
+                    _computes_into(local, blob, layout.regions.get(region)):
+                local.blobs[blob].attrs["window"] = region
+                in_place.append((blob, region, peer, op.location, op.thread))
         op.attrs.pop("tag", None)
         op.attrs.update(region=region, written=region + ".written", free=region + ".free")
         renamed[op.name] = new
@@ -110,6 +126,45 @@ def _convert(local, prefix, chosen, rank):
         local.ops = {op.name: op for op in local.ops.values()}
         for op in local.ops.values():
             op.control_inputs = [renamed.get(c, c) for c in op.control_inputs]
+    _add_releases(local, released, in_place)
+
+
+def _computes_into(local, blob, region):
+    """Whether the producer may compute ``blob`` straight into the
+    consumer's ``region``: the consumer only reads it, one op here writes
+    it (and no other op, so the consumer sees that op's result), it views
+    no other blob and none views it, it lives on the CPU."""
+    b = local.blobs[blob]
+    writers = [op for op in local.ops.values() if blob in op.outputs]
+    viewed = any(x.alias_of == blob for x in local.blobs.values())
+    return (getattr(region, "read_only", True) and len(writers) == 1 and b.alias_of is None
+            and not viewed and b.location.device < 0 and not writers[0].accumulate)
+
+
+def _add_releases(local, released, in_place=()):
+    """After every op that touches a received blob: its region's Release
+    (the producer may write it again); before the op that computes a sent
+    blob into the consumer's region: a WaitFree (the consumer released
+    it). ``seq`` numbers follow the slice's other comm ops, in blob order:
+    the same on every rank of a stage."""
+    from .data_parallel import next_seq
+    seq = next_seq(local)
+    for blob, region, peer, location, thread in sorted(in_place, key=lambda r: r[0]):
+        name = f"{blob}.free@r{peer}"
+        local.add_op(name, "WaitFree", [], [], {"seq": seq, "peer": peer, "region": region,
+                                                 "free": region + ".free"},
+                     location=location, thread=thread)
+        writer = next(op for op in local.ops.values() if blob in op.outputs)
+        writer.control_inputs = list(writer.control_inputs) + [name]
+        seq += 1
+    for blob, region, peer, location, thread in sorted(released, key=lambda r: r[0]):
+        users = [op.name for op in local.ops.values()
+                 if op.op_type != "WaitWrite" and (blob in op.inputs or blob in op.outputs)]
+        op = local.add_op(f"{blob}.release", "Release", [blob], [],
+                          {"seq": seq, "peer": peer, "region": region, "free": region + ".free"},
+                          location=location, thread=thread)
+        op.control_inputs = users
+        seq += 1
 
 
 def _summary(why):

@@ -8,8 +8,8 @@ Server s owns, per param p it serves:
 
     ps/<grad>@w<w>            worker w's gradient slot (shape of p), with
                               notify words ``.written`` (server) and
-                              ``.free`` (worker w): the Put/WaitWrite
-                              protocol of comm/rma_ops.py
+                              ``.free`` (worker w): the Put/WaitWrite/
+                              Release protocol of comm/rma_ops.py
     ps/<p>                    the weights, readable by every worker, with
                               the word ``ps/<p>.version`` (server)
     ps/<p>.applied@w<w>       (async) worker w's pushes of p applied so far
@@ -17,7 +17,8 @@ Server s owns, per param p it serves:
 sync_ps: a worker's ``p.push`` Send becomes a Put into its slot and its
 ``p.pull`` Recv a Get of ``ps/<p>`` once ``version`` reached the iteration
 count; the server's Recvs become WaitWrites (the slots are the received
-blobs: no copy) and its W Sends of p@new one ``p.publish`` (Publish: p into
+blobs: no copy; a Release after the ops that read each) and its W Sends
+of p@new one ``p.publish`` (Publish: p into
 the region, version += 1). The server never takes part in a pull.
 async: the server loop (train/async_server.py) polls its slots' words,
 applies each gradient, raises ``applied``; a worker's Get waits for its own
@@ -129,7 +130,9 @@ def windowed_worker(graph, plan, rank, mode, staleness):
 def windowed_server(graph, plan, rank):
     """Turn sync_ps server ``rank``'s Recvs into WaitWrites (the slots are
     the received blobs) and its Sends of p@new into one Publish per p."""
+    from .one_sided import _add_releases
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
+    released = []
     for p in owned:
         for w in plan["workers"]:
             op = graph.ops.pop(f"{plan['grads'][p]}@w{w}.recv")
@@ -139,10 +142,13 @@ def windowed_server(graph, plan, rank):
             op.attrs.update(region=region, written=region + ".written", free=region + ".free")
             graph.ops[op.name] = op
             graph.blobs[op.outputs[0]].attrs["window"] = region
+            released.append((op.outputs[0], region, w, op.location, op.thread))
         sends = [graph.ops.pop(f"{p}.send@r{w}") for w in plan["workers"]]
         first = sends[0]
         graph.add_op(f"{p}.publish", "Publish", list(first.inputs), [],
                      {"seq": first.attrs["seq"], "peer": rank, "region": weights(p),
                       "version": weights(p) + ".version"},
                      location=first.location, thread=first.thread)
+    # each slot free again once the sum (or the update) has read it
+    _add_releases(graph, released)
     return graph

@@ -178,7 +178,9 @@ class CommPoster:
                 raise OpError(op, exc, self.rank) from exc
             if finished:
                 if self._record is not None:
-                    self._record(op, t_post, time.perf_counter(), args)
+                    spans = getattr(p, "spans", None)  # a one-sided op's parts (comm/rma_ops.py)
+                    self._record(op, t_post, time.perf_counter(),
+                                 dict(args, spans=spans) if spans else args)
                 self._complete(name)
                 done += 1
             else:

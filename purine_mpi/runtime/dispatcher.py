@@ -238,7 +238,12 @@ class Dispatcher:
 
     def _record_comm(self, op, t_post, t_done, extra):
         if self.profiler is not None:
+            extra = dict(extra or {})
+            spans = extra.pop("spans", ())
             self.profiler.record(op, "comm", t_post, t_done, self.label(op.name), "comm", extra)
+            for kind, t0, t1, args in spans:  # a one-sided op's put, get, notify, waits
+                self.profiler.record(_Span(f"{op.name}:{kind}", op.op_type), "rma", t0, t1,
+                                     self.label(op.name), "comm", args)
 
     def comm_order(self):
         """The comm ops' posting order (build-time ``seq`` unless changed)."""
@@ -444,3 +449,10 @@ def _stall_message(rank, pending, timeout, held=()):
     parts += [f"op '{name}' (not posted: {why})" for name, why in held]
     return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
             f"still waiting on: " + "; ".join(parts))
+
+
+class _Span:
+    """What ``Profiler.record`` reads of an op, for a part of a one-sided op."""
+
+    def __init__(self, name, op_type):
+        self.name, self.op_type = name, op_type

@@ -63,6 +63,7 @@ def plan_device_memory(graph, skip=(), plans=None):
 
 def window_arrays(graph):
     """{blob: its window region's array} for the blobs a remote rank writes
+    or that this rank computes into a peer's region on its node
     (``attrs['window']``, parallel/one_sided.py): they live in window memory
     allocated at start-up (comm/windows.py), not in the arena. A blob that
     views another or is viewed, or lives on a GPU, keeps memory of its own
@@ -77,7 +78,9 @@ def window_arrays(graph):
         win = find_windows(b.attrs["window"])
         if win is None or b.alias_of is not None or b.name in viewed or b.location.device >= 0:
             continue
-        out[b.name] = win.local(b.attrs["window"])
+        view = win.view(b.attrs["window"])  # the owner's, or a peer's on one node
+        if view is not None:
+            out[b.name] = view
     return out
 
 

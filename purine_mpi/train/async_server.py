@@ -152,8 +152,6 @@ class AsyncServer:
             np.copyto(region[p], self.params[p])
             win.notify(weights(p) + ".version", 2)  # even: readable
         keys = [(w, p) for w in self.workers for p in self.owned]
-        for w, p in keys:  # every slot open for the first push
-            win.notify(slot(plan, p, w) + ".free")
         lr = np.zeros((), np.float32)
         total, done, state = len(keys) * self.iters, 0, {}
         last_progress = time.monotonic()
@@ -183,7 +181,7 @@ class AsyncServer:
                     done += 1
                     self.stats["pushes"] += 1
                     win.notify(applied(p, w))
-                    if n + 1 < self.iters:
+                    if n + 1 < self.iters:  # the slot may take the next push
                         win.notify(name + ".free")
                     progressed = True
                 if progressed:

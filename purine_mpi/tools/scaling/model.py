@@ -17,7 +17,8 @@ their cost on the link model (``link.py``):
 - one-sided transfers (``parallel.transport``: Put/WaitWrite, Get) cost
   α_put + B/β_put (``Link.put``: the window's figures from ``predict
   --calibrate``), a Put matched with its WaitWrite by window region; the
-  receiver posts nothing and spends no CPU on matching.
+  receiver posts nothing and spends no CPU on matching; a Release (a notify
+  word) costs α_put, a WaitFree nothing.
 
 Each compute op also takes the dispatcher's own cost per op, measured from
 the trace (``dispatch_overhead``): what the traced iterations took beyond
@@ -136,6 +137,12 @@ class Template:
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes))
+        if op.op_type in ("Release", "WaitFree"):
+            # a notify word raised (α_put) and a wait for one: no data moves;
+            # the wait for the consumer's release of the last iteration's
+            # region is left out (the Put/WaitWrite pair orders the stages)
+            seconds = link.put(0) if op.op_type == "Release" else 0.0
+            return SimOp(op.name, seconds, deps, lane=str(op.thread))
         if op.op_type not in _POINT_TO_POINT:
             raise UserError(f"predict: no cost model for communication op {op.name} "
                             f"({op.op_type})")
