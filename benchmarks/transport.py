@@ -43,7 +43,9 @@ the median images/s of each and their ratio: the 2-stage pipeline of
 jobs/digits_pipeline.yaml (2 ranks), a 2-stage pipeline with a 1,024-wide fc
 at its stage boundary (2 ranks), sync_ps on benchmarks/cifar10_quick_wide.yaml
 (3 ranks: 2 workers, 1 server; also the server's communication time per
-iteration, ``server_comm_ms_per_iter`` of bench --json). A run that fails
+iteration, ``server_comm_ms_per_iter`` of bench --json), and data
+parallelism on jobs/cifar10_quick.yaml (2 ranks: MPI's allreduce against
+the sum through a shared window, parallel/dp_windows.py). A run that fails
 (a transport this build does not have) gives its error line instead.
 One BLAS thread per rank.
 
@@ -339,8 +341,9 @@ def compare_job(name, config, ranks, iters, rounds, extra=()):
         row[transport] = {
             "images_per_s": statistics.median(r["images_per_s"] for r in results),
             "transport": results[0].get("transport"),
-            "server_comm_ms_per_iter": _median_or_none(
-                r.get("server_comm_ms_per_iter") for r in results),
+            **{k: _median_or_none(r.get(k) for r in results)
+               for k in ("server_comm_ms_per_iter", "server_comm_in_flight_ms_per_iter",
+                         "server_send_ms_per_iter", "server_recv_ms_per_iter")},
             "bytes_copied_per_iter": results[0].get("bytes_copied_per_iter"),
             "bytes_one_sided_per_iter": results[0].get("bytes_one_sided_per_iter"),
             "bytes_two_sided_per_iter": results[0].get("bytes_two_sided_per_iter"),
@@ -369,6 +372,9 @@ def run_jobs(args, tmp):
                     args.job_iters, args.job_rounds,
                     ("--set", f"data.train.path={digits}", "--set", f"data.test.path={digits}")),
         compare_job("pipeline_fc1024_boundary", wide, 2, args.job_iters, args.job_rounds),
+        compare_job("data_parallel_cifar10_quick", os.path.join(ROOT, "jobs",
+                                                                "cifar10_quick.yaml"), 2,
+                    args.job_iters, args.job_rounds),
         compare_job("sync_ps_cifar10_quick_wide",
                     os.path.join(ROOT, "benchmarks", "cifar10_quick_wide.yaml"), 3,
                     args.job_iters, args.job_rounds,

@@ -193,3 +193,28 @@ def test_predictor_models_one_sided_transfers(mode, tmp_path):
     assert seen["two_sided"] == {"Send", "Recv"}
     assert seen["one_sided"] >= ({"Put", "Get"} if mode == "sync_ps" else {"Put", "WaitWrite"})
     assert not seen["one_sided"] & {"Send", "Recv"}
+
+
+@pytest.mark.mpi
+def test_data_parallel_sum_through_a_shared_window(tmp_path):
+    """parallel.transport one_sided on one node: each bucket is summed
+    through a shared window (comm/rma_reduce.py) -- on 2 ranks bitwise the
+    weights of MPI's allreduce (a0 + a1 either way), also under
+    PURINE_COMM_DELAY jitter; on 3 ranks equal up to the order of the sum.
+    auto keeps the allreduce."""
+    cfg = mlp_config(solver={"max_iter": 6, "display": 3})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    proc, auto = _train(tmp_path, path, "auto", 2)
+    assert "summed through a shared window" not in proc.stdout
+    proc, one = _train(tmp_path, path, "one", 2, "parallel.transport=one_sided")
+    assert "gradients: summed through a shared window" in proc.stdout, proc.stdout
+    _, jitter = _train(tmp_path, path, "jit", 2, "parallel.transport=one_sided",
+                       env={"PURINE_COMM_DELAY": "3:5"})
+    for other in (one, jitter):
+        for k, v in auto.items():
+            assert np.array_equal(v, other[k]), k
+    _, three_ref = _train(tmp_path, path, "three_ref", 3, "parallel.transport=two_sided")
+    _, three = _train(tmp_path, path, "three", 3, "parallel.transport=one_sided")
+    for k, v in three_ref.items():
+        np.testing.assert_allclose(three[k], v, rtol=1e-5, atol=1e-7, err_msg=k)

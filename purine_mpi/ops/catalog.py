@@ -15,4 +15,5 @@ from . import (activation, basic, batchnorm, clip, conv, data, dropout, fc, lrn,
 from ..comm import ops as comm_ops  # noqa: F401
 from ..comm import rma_ops  # noqa: F401  (Put, WaitWrite)
 from ..comm import rma_pull  # noqa: F401  (Get, Publish)
+from ..comm import rma_reduce  # noqa: F401  (an Allreduce through a shared window)
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402

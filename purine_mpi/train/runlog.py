@@ -142,6 +142,8 @@ def scheme_lines(trainer):
         plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
         out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
                     f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
+        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
+            out.append(("transport", f"{what}: {how} ({why})"))
     micro = par.micro_batches
     if micro > 1:
         use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"
