@@ -218,3 +218,23 @@ def test_data_parallel_sum_through_a_shared_window(tmp_path):
     _, three = _train(tmp_path, path, "three", 3, "parallel.transport=one_sided")
     for k, v in three_ref.items():
         np.testing.assert_allclose(three[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_auto_keeps_send_recv_for_servers_across_hosts_without_rdma(monkeypatch):
+    """auto: one node -> shared windows; two emulated hosts (one rank each)
+    -> two-sided, as the network emulates RMA over TCP (benchmarks/
+    transport.py --two-hosts measured Put slower than Send there), unless
+    PURINE_RMA_ACROSS_HOSTS says otherwise."""
+    from purine_mpi.parallel import ps_windows
+    from purine_mpi.parallel.param_server import _Offline, plan_param_server, ps_layout
+    job = make_job(mlp_config(parallel={"mode": "sync_ps", "ps_ranks": 1}))
+    g, grads = build_train_graph(job, 0, 2)
+    plan = plan_param_server(g, grads, ps_layout(3, 1))
+    for var in ("PURINE_RANKS_PER_HOST", "PURINE_RMA_ACROSS_HOSTS", "UCX_TLS", "FI_PROVIDER"):
+        monkeypatch.delenv(var, raising=False)
+    assert ps_windows.choose(job, _Offline(3, 0), plan)[0] == "shared"
+    monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
+    kind, why, _ = ps_windows.choose(job, _Offline(3, 0), plan)
+    assert kind == "two_sided" and "emulate RMA over TCP" in why
+    monkeypatch.setenv("PURINE_RMA_ACROSS_HOSTS", "1")
+    assert ps_windows.choose(job, _Offline(3, 0), plan)[0] == "rma"
