@@ -214,6 +214,13 @@ def test_data_parallel_sum_through_a_shared_window(tmp_path):
     for other in (one, jitter):
         for k, v in auto.items():
             assert np.array_equal(v, other[k]), k
+    import json
+    proc, _ = run_python(2, ["-m", "purine_mpi", "bench", str(path), "--json", "--iters", "2",
+                             "--set", "parallel.transport=one_sided"], timeout=120)
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    grads = sum(v.nbytes for k, v in auto.items() if k.startswith("params/"))
+    assert res["transport"] == "one_sided" and res["bytes_two_sided_per_iter"] == 0
+    assert res["bytes_copied_per_iter"] == 2 * grads  # each bucket copied in and out
     _, three_ref = _train(tmp_path, path, "three_ref", 3, "parallel.transport=two_sided")
     _, three = _train(tmp_path, path, "three", 3, "parallel.transport=one_sided")
     for k, v in three_ref.items():

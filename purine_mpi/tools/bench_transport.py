@@ -21,7 +21,8 @@ rank's Put and Get ops moved through MPI (``MPI_Rput``/``MPI_Get`` into or
 out of an RMA window); ``two_sided``: what its Send, Recv and Allreduce ops
 carry (each op's blobs, once per iteration); ``copied``: what its
 one-sided ops copied with the CPU (a store into or a load out of a shared
-window, a region copied into a blob that does not live in it). 0 copied
+window, a region copied into a blob that does not live in it; a bucket
+summed through a shared window: its copy in and its copy out). 0 copied
 for a blob that lives in the window its peer writes (the pipeline's
 WaitWrite): no copy at all.
 """
@@ -39,11 +40,16 @@ _SERVER_KEYS = ("comm_ms_per_iter", "comm_in_flight_ms_per_iter", "send_ms_per_i
 BENCH_TAG = (1 << 20) + 3
 
 
+def _one_sided(op):
+    """A window op, or an Allreduce summed through a shared window."""
+    return op.op_type in _ONE_SIDED or (op.op_type == "Allreduce" and op.attrs.get("window"))
+
+
 def counters(dispatcher):
     """{op: (bytes moved one-sided, bytes copied)} of the one-sided kernels."""
     out = {}
     for name, k in getattr(dispatcher, "kernels", {}).items():
-        if k.op.op_type in _ONE_SIDED:
+        if _one_sided(k.op):
             moved = getattr(k, "bytes_put", 0) + getattr(k, "bytes_got", 0)
             out[name] = (moved, getattr(k, "bytes_copied", 0))
     return out
@@ -58,12 +64,12 @@ def transport_figures(dispatcher, graph, iters, before):
     two = 0
     kinds = set()
     for op in graph.ops.values():
-        if op.op_type in _TWO_SIDED:
+        if _one_sided(op):
+            kinds.add("one_sided")
+        elif op.op_type in _TWO_SIDED:
             blobs = op.outputs if op.op_type == "Recv" else op.inputs
             two += sum(int(graph.blobs[b].nbytes) for b in blobs)
             kinds.add("two_sided")
-        elif op.op_type in _ONE_SIDED:
-            kinds.add("one_sided")
     transport = ("none" if not kinds else "mixed" if len(kinds) == 2 else kinds.pop())
     lines = [f"{what}: {how} ({why})" for what, how, why in
              getattr(graph, "transport", None) or ()]
