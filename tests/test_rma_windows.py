@@ -54,3 +54,12 @@ def test_layout_places_regions_by_node():
     assert sizes[("rma", 2)] == 128 and sizes[("shared", 1)] == 64
     with pytest.raises(ValueError, match="declared twice"):
         layout.add_word("a", 0)
+
+
+@pytest.mark.parametrize("kind", ["shared", "rma"])
+def test_put_waitwrite_release_protocols(kind):
+    """Put, WaitWrite, Release and WaitFree through their kernels, under both
+    release protocols (the WaitWrite releases; a Release op releases)."""
+    env = {"PURINE_RANKS_PER_HOST": "1"} if kind == "rma" else {}
+    proc, _ = run_mpi("rma_protocol.py", 2, kind, env=env, timeout=60)
+    assert proc.stdout.count(f"OK rma_protocol {kind}") == 2, proc.stdout + proc.stderr

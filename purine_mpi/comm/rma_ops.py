@@ -6,18 +6,29 @@ comm ops (comm/ops.py): ``seq`` fixed at build time, posted and tested only
 by ``runtime/comm_progress.CommPoster`` (the one place that drives MPI),
 a ``Pending`` whose ``describe()`` the stall watchdog prints.
 
-Put        ins [x]  outs []    attrs seq, peer, region, written, free
-    its k-th run waits until the consumer has released the region after
-    its (k-1)-th write (notify word ``free``, owned by this rank, reaches
-    k - 1), then writes x into ``region`` of rank ``peer`` (a store into
-    shared memory, or ``MPI_Rput`` into an RMA window, tested, then
-    ``Win_flush``) and adds 1 to the consumer's word ``written``. Nothing
-    is written when x already *is* the consumer's memory (zero copy).
-WaitWrite  ins []   outs [y]   attrs seq, peer, region, written, free, shape, dtype
-    its k-th run waits until ``written`` reaches k. y *is* the region (the
-    workspace places it there), so nothing is copied, unless a layout
-    demands it (y views a micro-batch buffer, or lives on a GPU without
-    CUDA IPC): then one copy, counted.
+Who releases the region (attr ``released_by``, the same on both sides):
+
+- ``"release"`` (the default; parallel/one_sided.py, the parameter
+  servers): a Release op after every use of y (or the server loop) adds 1
+  to the producer's word ``free``; the k-th Put waits for ``free`` to
+  reach k - 1 (the consumer is done with write k - 1), so a producer never
+  waits for the consumer's next iteration to begin;
+- ``"wait"``: the consumer's k-th WaitWrite, when it runs (y may be
+  written then), adds 1 to ``free``; the k-th Put waits for k (no Release
+  op needed, but the producer waits for the consumer's next run).
+
+Put        ins [x]  outs []    attrs seq, peer, region, written, free, (released_by)
+    waits until the consumer has released the region (above), then writes
+    x into ``region`` of rank ``peer`` (a store into shared memory, or
+    ``MPI_Rput`` into an RMA window, tested, then ``Win_flush``) and adds 1
+    to the consumer's word ``written``. Nothing is written when x already
+    *is* the consumer's memory (zero copy).
+WaitWrite  ins []   outs [y]   attrs seq, peer, region, written, free, shape, dtype, (released_by)
+    its k-th run (released by ``"wait"``: releases the region, then) waits
+    until ``written`` reaches k. y *is* the region (the workspace places
+    it there), so nothing is copied, unless a layout demands it (y views a
+    micro-batch buffer, or lives on a GPU without CUDA IPC): then one
+    copy, counted.
 Release    ins [y]  outs []    attrs seq, peer, region, free
     runs once every op that reads or writes y this iteration is done
     (control edges from them): adds 1 to the producer's word ``free``, so
@@ -26,7 +37,7 @@ Release    ins [y]  outs []    attrs seq, peer, region, free
 WaitFree   ins []   outs []    attrs seq, peer, region, free
     on the producer, before the op that computes x straight into the
     consumer's region (one node, zero copy): its k-th run waits until
-    ``free`` reaches k - 1.
+    ``free`` reaches k - 1 (released by ``"release"``; k by ``"wait"``).
 
 Passive-target epochs never deadlock with the rest of the graph's
 communication: the windows are locked once (``Lock_all``) at start-up, so
@@ -71,6 +82,16 @@ class RMAPending(Pending):
 
     def describe(self):
         return self._describe()
+
+
+def _ahead(attrs):
+    """Writes a producer may be ahead of the releases: 1 when Release ops
+    release (``released_by: release``, the default), 0 when the WaitWrite
+    does (``wait``)."""
+    by = attrs.get("released_by", "release")
+    if by not in ("wait", "release"):
+        raise ValueError(f"released_by must be 'wait' or 'release', got {by!r}")
+    return 1 if by == "release" else 0
 
 
 def _started(step, describe, spans):
@@ -129,7 +150,7 @@ class Put(_WindowKernel):
 
         def step():
             if state["stage"] == "free":
-                if win.notified(self.attrs["free"]) < k - 1:
+                if win.notified(self.attrs["free"]) < k - _ahead(self.attrs):
                     return False
                 now = time.perf_counter()
                 spans.append(("wait_free", t_post, now, {"put": k}))
@@ -192,8 +213,12 @@ class WaitWrite(_WindowKernel):
         comm_delay()()
         self.runs += 1
         k, y, win = self.runs, outs[0], self.win
-        t1 = time.perf_counter()
         spans = []
+        if not _ahead(self.attrs):  # released by this op: the producer may write now
+            t0 = time.perf_counter()
+            win.notify(self.attrs["free"])
+            spans.append(("notify", t0, time.perf_counter(), {"word": self.attrs["free"]}))
+        t1 = time.perf_counter()
         state = {"seen": 0}
 
         def step():
@@ -268,13 +293,14 @@ class WaitFree(_WindowKernel):
 
         def step():
             state["seen"] = win.notified(self.attrs["free"])
-            if state["seen"] < k - 1:
+            if state["seen"] < k - _ahead(self.attrs):
                 return False
             spans.append(("wait_free", t0, time.perf_counter(), {"put": k}))
             return True
 
         def describe():
             return (f"WaitFree before computing into rank {self.attrs['peer']}'s region "
-                    f"(release #{k - 1}, {state['seen']} seen) {self._what()}")
+                    f"(release #{k - _ahead(self.attrs)}, {state['seen']} seen) "
+                    f"{self._what()}")
 
         return _started(step, describe, spans)

@@ -1,58 +1,36 @@
 """Remote memory as a device: MPI-3 windows allocated once, with named
-regions, notify words and one-sided put/get/accumulate.
+regions, notify words and one-sided put/get/accumulate (the memory
+interface of the RDMA paper, Xue et al., EuroSys 2019).
 
-The memory interface of the RDMA paper (Xue et al., EuroSys 2019: allocate,
-read and write regions of another machine), on MPI-3 windows:
-
-- every rank declares, identically, the whole layout: which rank *owns*
-  which named region (shape, dtype) and which ranks access it, and which
-  named notify words (int64 counters) each rank owns (``WindowLayout``);
-- ``Windows.allocate(comm, layout, transport)`` allocates, collectively and
-  once, a *shared* window (``MPI.Win.Allocate_shared`` on the ranks of one
-  node: load/store access to each other's memory) and/or an *RMA* window
-  (``MPI.Win.Allocate``: memory the library registers for RDMA) and opens
-  one passive-target epoch on each (``Lock_all``, closed only by ``free``);
-- a region goes into the shared window when its owner and every rank that
-  accesses it are on one node, else into the RMA window; where the transport
-  is ``two_sided`` for a pair (``pair_transport``) it is not windowed at all
-  and the caller keeps Send/Recv;
+- every rank declares the same layout (comm/window_layout.py: regions and
+  int64 notify words, each with its owner and the ranks that access it);
+- ``Windows.allocate(world, layout)`` allocates, collectively and once, a
+  *shared* window (``MPI.Win.Allocate_shared`` on the ranks of one node:
+  load/store access to each other's memory) for the regions whose owner
+  and peers share a node, an *RMA* window (``MPI.Win.Allocate``: memory the
+  library registers for RDMA) for the others, and opens one passive-target
+  epoch on each (``Lock_all``, closed only by ``free``); ``pair_transport``
+  says which pairs of ranks get windows at all;
 - ``put`` / ``rput`` / ``get`` / ``accumulate`` move data into or out of a
   region of any rank; ``view(name)`` is the owner's memory itself where this
-  rank can address it (shared window on one node: the producer may compute
-  straight into it, a transfer with no copy at all), else None;
-- ``notify(word, value)`` adds to a notify word (``MPI_Fetch_and_op`` SUM,
-  after the data it announces is complete at its target: ``Win_flush`` for
-  RMA, ``Win_sync`` -- a memory barrier -- for shared memory);
-  ``notified(word)`` reads a word this rank owns (``Fetch_and_op`` NO_OP and
-  ``Win_sync``: the data written before the notify is then visible), and
-  ``wait_notified(word, count)`` polls it under a stall timeout. Notify words
-  only grow: a consumer waits for its n-th write by waiting for the count n;
-- ``free()`` closes the epochs and frees the windows (collective, in the
-  reverse order of allocation on every rank). ``free_all()`` frees every
-  live ``Windows`` of the process; the module registers it with ``atexit``
-  (before mpi4py's MPI_Finalize) and ``comm.world`` calls it before its own
-  MPI_Finalize. A rank that aborts the job (``MPI_Abort``) frees nothing:
-  the library reclaims the memory with the processes.
+  rank can address it (one node: a producer may compute straight into it),
+  else None;
+- ``notify(word, value)`` adds to a word after the data it announces is
+  complete at its target (``Win_flush``, ``Win_sync``: a memory barrier);
+  ``notified(word)`` reads a word, after which the data notified before it
+  is visible; ``wait_notified(word, count)`` polls under a stall timeout.
+  Words only grow: a consumer waits for its n-th write by waiting for n;
+- ``free()`` closes the epochs and frees the windows (collective).
+  ``free_all()`` frees every live ``Windows``: at exit (``atexit``, before
+  mpi4py's MPI_Finalize) and before ``comm.world``'s own MPI_Finalize. A
+  rank that aborts the job frees nothing: the library reclaims the memory.
 
-Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI
-one-sided calls) and ``bytes_copied`` (numpy copies into or out of shared
-memory, i.e. a layout that could not be written in place) count what this
-rank moved, for reports.
-
-Every MPI call runs under ``comm.world.MPI_LOCK`` (reentrant): the
-dispatcher's threads and this module never are in MPI at once. Nothing here
+Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI)
+and ``bytes_copied`` (copied by the CPU into or out of shared memory).
+Every MPI call runs under ``comm.world.MPI_LOCK`` (reentrant). Nothing here
 relies on MPICH: windows, ``Lock_all``, ``Flush``, ``Fetch_and_op`` and
-``Win_sync`` are MPI-3.0; a library that cannot allocate the windows gives
-``WindowsUnavailable`` (``auto`` then falls back to two-sided).
-
-The same interface for device memory (the paper's "remote machine as a
-device" on GPUs), not built here: a ``MemoryDevice`` whose regions are CUDA
-buffers of the ranks of one node -- each owner exports
-``cudaIpcGetMemHandle`` of its allocation once (an allgather at start-up),
-the others open it (``cudaIpcOpenMemHandle``) so ``view`` is a CuPy array
-on the peer's memory and ``put`` a ``cudaMemcpyAsync`` into it -- keeps its
-notify words in this module's host windows (after a stream synchronise).
-``MemoryDevice`` below is the interface such a class implements.
+``Win_sync`` are MPI-3.0; a library that cannot allocate a window gives
+``WindowsUnavailable`` on every rank (``auto`` then keeps two-sided).
 """
 import atexit
 import os
@@ -63,131 +41,14 @@ import numpy as np
 
 from ..base import env
 from ..base.errors import StallError, UserError
+from .window_layout import ALIGN, MemoryDevice, WindowLayout
 from .world import FINALIZE_HOOKS, MPI_LOCK
 
 TRANSPORTS = ("auto", "one_sided", "two_sided")
-ALIGN = 64  # bytes: every region starts on a cache line
 
 
 class WindowsUnavailable(RuntimeError):
     """The MPI library could not allocate a window (no RMA support)."""
-
-
-class MemoryDevice:
-    """The memory interface of a remote-memory device (the paper's "remote
-    machine as a device"). Regions and notify words are named; a region is
-    owned by one rank and reached by others through this interface.
-
-    ``owner(name)``, ``local(name)`` (the owner's own array),
-    ``view(name)`` (a directly addressable array of the owner's memory, or
-    None), ``put(name, src)`` / ``rput`` / ``get(name, out)`` /
-    ``accumulate(name, src)``, ``flush(name)``, ``notify(word, value)``,
-    ``notified(word)``, ``wait_notified(word, count, timeout, what)``,
-    ``free()``. Host windows implement it (``Windows``); a CUDA-IPC device
-    would too (see the module docstring)."""
-
-    kind = "abstract"
-
-    def owner(self, name):
-        raise NotImplementedError
-
-    def local(self, name):
-        raise NotImplementedError
-
-    def view(self, name):
-        raise NotImplementedError
-
-    def put(self, name, src, offset=0):
-        raise NotImplementedError
-
-    def get(self, name, out, offset=0):
-        raise NotImplementedError
-
-    def accumulate(self, name, src, offset=0):
-        raise NotImplementedError
-
-    def notify(self, word, value=1):
-        raise NotImplementedError
-
-    def notified(self, word):
-        raise NotImplementedError
-
-    def free(self):
-        raise NotImplementedError
-
-
-# ------------------------------------------------------------------ layout
-class Region:
-    """One named buffer: its owner, shape, dtype, the ranks that access it,
-    and where it lies (window ``where`` in {"shared", "rma"}, ``offset``
-    bytes into its owner's segment); set by ``WindowLayout.place``."""
-
-    def __init__(self, name, owner, shape, dtype, peers):
-        self.name = name
-        self.owner = int(owner)
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
-        self.peers = tuple(sorted({int(p) for p in peers} - {self.owner}))
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.where = None
-        self.offset = None
-
-    def __repr__(self):
-        return (f"Region({self.name!r}, owner {self.owner}, {self.shape} {self.dtype}, "
-                f"peers {list(self.peers)}, {self.where} @ {self.offset})")
-
-
-class WindowLayout:
-    """What every rank declares, identically, before ``Windows.allocate``:
-    ``add(name, owner, shape, dtype, peers)`` a region;
-    ``add_word(name, owner, peers)`` a notify word (int64, starts at 0)."""
-
-    def __init__(self):
-        self.regions = {}
-        self.words = {}
-
-    def add(self, name, owner, shape, dtype, peers=()):
-        if name in self.regions or name in self.words:
-            raise ValueError(f"window region '{name}' declared twice")
-        self.regions[name] = Region(name, owner, shape, dtype, peers)
-        return self.regions[name]
-
-    def add_word(self, name, owner, peers=(), writer=None):
-        """A notify word of ``owner``; ``writer``: the one rank that ever
-        notifies it, if only one does (its notify into a shared window is
-        then a memory barrier and a store: no atomic operation)."""
-        if name in self.regions or name in self.words:
-            raise ValueError(f"notify word '{name}' declared twice")
-        word = Region(name, owner, (1,), np.int64, list(peers) + ([writer] if writer is not None
-                                                                  else []))
-        word.writer = None if writer is None else int(writer)
-        self.words[name] = word
-        return word
-
-    def describe(self):
-        """A canonical text of the layout (for the ranks' consistency check)."""
-        items = sorted(self.regions.values(), key=lambda r: r.name)
-        items += sorted(self.words.values(), key=lambda r: r.name)
-        return "\n".join(f"{r.name} {r.owner} {r.shape} {r.dtype} {r.peers}" for r in items)
-
-    def place(self, node_of):
-        """Choose each region's window and offset: "shared" when its owner
-        and peers share one node (``node_of[rank]``), else "rma". Words go
-        first in each segment, then regions, each aligned to ``ALIGN``."""
-        sizes = {}
-        for group in (self.words, self.regions):  # words first, each in name order
-            for name in sorted(group):
-                r = group[name]
-                nodes = {node_of[r.owner]} | {node_of[p] for p in r.peers}
-                r.where = "shared" if len(nodes) == 1 else "rma"
-                key = (r.where, r.owner)
-                r.offset = sizes.get(key, 0)
-                sizes[key] = _aligned(r.offset + r.nbytes)
-        return sizes
-
-
-def _aligned(n):
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 # ------------------------------------------------------------------ transport
@@ -292,6 +153,8 @@ class Windows(MemoryDevice):
         node table (``node_groups(world)`` when None). Raises
         ``WindowsUnavailable`` on every rank when any rank's library could
         not allocate a window."""
+        if not isinstance(layout, WindowLayout):
+            raise TypeError(f"Windows.allocate takes a WindowLayout, got {type(layout).__name__}")
         if node_of is None:
             node_of = node_groups(world)
         self = cls(world, layout, node_of)

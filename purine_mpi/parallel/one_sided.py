@@ -28,7 +28,9 @@ its own transfers) and allocated at once (``Windows.allocate``): the same
 collectives in the same order on every rank. Without MPI (``graph --np N``)
 the ops are converted as on a single node (``PURINE_RANKS_PER_HOST``
 splits it) and nothing is allocated. When the library allocates no window,
-``auto`` keeps Send/Recv (a note says so) and ``one_sided`` is a user error.
+or the stages run on GPUs (windows of device memory, CUDA IPC, would fit
+``comm/window_layout.MemoryDevice`` but are not built), ``auto`` keeps
+Send/Recv (the start-up block says why) and ``one_sided`` is a user error.
 
 ``local.transport`` is the start-up block's line: each kind of transfer,
 its transport and why.
@@ -51,6 +53,15 @@ def to_windows(local, job, world):
     if transport == "two_sided":
         local.transport = [("activations and gradients", "two-sided Send/Recv",
                             "parallel.transport: two_sided")]
+        return local
+    if getattr(job, "device", -1) >= 0:  # device memory windows (CUDA IPC) are not built
+        if transport == "one_sided":
+            raise UserError(f"{job.path}: key 'parallel.transport': one_sided needs the stages "
+                            "on the CPU (windows of GPU memory are not built yet); use auto "
+                            "or two_sided")
+        local.transport = [("activations and gradients", "two-sided Send/Recv",
+                            "auto: the stages run on GPUs, and windows of GPU memory (CUDA "
+                            "IPC) are not built; Send/Recv stage through host memory")]
         return local
     node_of = node_groups(world) if _live(world) else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
@@ -119,7 +130,8 @@ def _convert(local, prefix, chosen, rank, layout):
                 local.blobs[blob].attrs["window"] = region
                 in_place.append((blob, region, peer, op.location, op.thread))
         op.attrs.pop("tag", None)
-        op.attrs.update(region=region, written=region + ".written", free=region + ".free")
+        op.attrs.update(region=region, written=region + ".written", free=region + ".free",
+                        released_by="release")
         renamed[op.name] = new
         op.name = new
     if renamed:
@@ -152,7 +164,8 @@ def _add_releases(local, released, in_place=()):
     for blob, region, peer, location, thread in sorted(in_place, key=lambda r: r[0]):
         name = f"{blob}.free@r{peer}"
         local.add_op(name, "WaitFree", [], [], {"seq": seq, "peer": peer, "region": region,
-                                                 "free": region + ".free"},
+                                                 "free": region + ".free",
+                                                 "released_by": "release"},
                      location=location, thread=thread)
         writer = next(op for op in local.ops.values() if blob in op.outputs)
         writer.control_inputs = list(writer.control_inputs) + [name]
