@@ -15,6 +15,8 @@ Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
     sub-communicator made at start-up (``World.split_groups``).
     When the outputs are alias blobs of one flat bucket (data_parallel), the
     whole bucket is reduced in place: one Iallreduce, no packing copy.
+    With ``window`` (parallel/dp_windows.py) the sum goes through a shared
+    window instead (comm/rma_reduce.py).
 Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
@@ -39,8 +41,11 @@ from .device import HostStage
 from .world import get_world
 
 _COLLECTIVES = {"Allreduce"}
-_POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's:
-                   "Put", "WaitWrite", "Release", "WaitFree"}
+#: the sum of an Allreduce with ``window`` through a shared window:
+#: comm/rma_reduce.py registers it when imported (ops/catalog.py imports it)
+WINDOW_SUM = []
+_POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
+                   "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish"}
 
 
 def is_comm_op(op):
@@ -205,6 +210,8 @@ class Allreduce(CommKernel):
         for i, o, same in zip(ins, outs, self.in_place):
             if not same:
                 o[...] = i
+        if self.attrs.get("window"):  # one node, parallel.transport one_sided
+            return WINDOW_SUM[0](self)
         comm = self.comm()
         if comm.Get_size() == 1 and not self.attrs.get("always_post", False):
             return None

@@ -20,6 +20,8 @@ from .ops import is_collective, is_comm_op
 
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
+# no partner op: comm/rma_ops.py's Release and WaitFree, comm/rma_pull.py's reads
+_UNPAIRED = ("Release", "WaitFree", "Get", "Publish")
 
 
 def comm_signature(graph):
@@ -67,8 +69,7 @@ def compare_signatures(signatures):
     groups = {}
     for r, sig in enumerate(signatures):
         for e in sig:
-            if e["kind"] in _SENDERS or e["kind"] in _RECEIVERS or \
-                    e["kind"] in ("Release", "WaitFree"):
+            if e["kind"] in _SENDERS + _RECEIVERS + _UNPAIRED:
                 continue
             g = tuple(e.get("group") or everyone)
             if r not in g:

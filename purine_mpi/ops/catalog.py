@@ -14,4 +14,6 @@ from . import (activation, attention, basic, batchnorm, clip, conv, data,  # noq
                dropout, embedding, fc, layernorm, lrn, iteration, lr_policy, pool, softmax, tensor, updates, watch)
 from ..comm import ops as comm_ops  # noqa: F401
 from ..comm import rma_ops  # noqa: F401  (Put, WaitWrite)
+from ..comm import rma_pull  # noqa: F401  (Get, Publish)
+from ..comm import rma_reduce  # noqa: F401  (an Allreduce through a shared window)
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402

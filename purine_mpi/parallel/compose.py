@@ -243,7 +243,8 @@ def _compose(graph, grads, job, world):
             graph, grads, world.size, world.rank,
             check_collectives=par.check_collectives, world=world, **par.bucket_settings())
         graph.infer_shapes().validate()
-        return graph
+        from .dp_windows import to_window_allreduce  # parallel.transport: one_sided
+        return to_window_allreduce(graph, job, world)
     raise UserError(f"{job.path}: key 'parallel.mode': mode "
                     f"'{par.mode}' runs through the parameter-server trainer")
 

@@ -134,6 +134,11 @@ def compose_param_server(graph, grads, job, world=None):
                         "not a training graph")
     plan = plan_param_server(graph, grads, layout)
     build_worker_graph(graph, plan)
+    # parallel.transport: the windows (collective with the servers' run_server)
+    from .ps_windows import allocate, windowed_worker
+    graph.windows, graph.transport = allocate(job, world, graph, plan)
+    if graph.windows is not None:
+        windowed_worker(graph, plan, world.rank, job.parallel.mode, job.parallel.max_staleness)
     gradients_first(graph, plan["grads"])  # pushes start as early as possible
     place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
@@ -163,19 +168,34 @@ def compose_for_rank(graph, grads, job, world_size, rank):
     layout = ps_layout(world_size, par.ps_ranks)
     nw = len(layout["workers"])
     plan = plan_param_server(graph, grads, layout)
+    from . import ps_windows
+    offline = _Offline(world_size, rank)
+    windowed = ps_windows.choose(job, offline, plan)[0] != "two_sided"
     if rank in layout["workers"]:
         for op in graph.ops.values():
             if op.op_type == "DataReader":
                 op.attrs["rank"], op.attrs["world_size"] = rank, nw
         build_worker_graph(graph, plan)
+        if windowed:
+            ps_windows.windowed_worker(graph, plan, rank, par.mode, par.max_staleness)
         gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
     if par.mode == "sync_ps":
-        return server_graph(graph, grads, plan, rank, job)
+        server = server_graph(graph, grads, plan, rank, job)
+        return ps_windows.windowed_server(server, plan, rank).validate() if windowed else server
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
     return Graph(f"{graph.name}.async_server{rank} (AsyncServer loop over "
                  f"{len(owned)} params: {', '.join(owned)})")
+
+
+class _Offline:
+    """A world of ``size`` ranks without MPI (``graph --np N``)."""
+
+    comm = None
+
+    def __init__(self, size, rank):
+        self.size, self.rank = size, rank
 
 
 def worker_world(world=None, ps_ranks=1):

@@ -92,12 +92,24 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from ..runtime.trace import Profiler
     from ..train.collectives import world_mean
     from ..train.trainer import Trainer
+    from .bench_transport import counters, no_servers, ps_figures, ps_server, transport_figures
     world = get_world()
     install_abort_handler(world)
     job = job if real_data else synthetic_config(job)
     job = job.with_training(max_iter=warmup + iters)
+    scheme, gworld, servers = None, world, None
+    if job.parallel.mode in ("sync_ps", "async") and world.size > 1:
+        # the parameter-server modes: the servers serve (bench_transport), the
+        # workers are timed; no checkpoints, so the servers' momenta travel once
+        from ..parallel.param_server import WorkerScheme, split_workers
+        job = job.replace(checkpoint=dataclasses.replace(job.checkpoint, interval=0))
+        job, sub = split_workers(job, world)
+        if sub is None:
+            return ps_server(job, world, warmup)
+        scheme, world = WorkerScheme(job, gworld), sub
+        servers = scheme.layout["servers"]
     trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
-                      dispatcher=dispatcher, log=lambda m: None)
+                      dispatcher=dispatcher, log=lambda m: None, scheme=scheme)
     d = trainer.train
     times, latencies = [], {}
     try:
@@ -108,6 +120,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
             if it == warmup:
                 d.drain()
                 d.profiler = Profiler(world.rank)
+                moved_before = counters(d)
                 if world.size > 1:
                     world.barrier()
                 t_prev = time.perf_counter()
@@ -122,8 +135,11 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
         report = d.capture_report()
+        moved = transport_figures(d, trainer.graphs.graph, iters, moved_before)
     finally:
         trainer.close()
+    moved.update(ps_figures(gworld, servers) if servers is not None and gworld.rank == 0
+                 else no_servers())
     plan = trainer.ws.plan
     overlap = comm_overlap(events)
     in_flight_us, covered_us, comm_ops = comm_timeline(events)
@@ -144,7 +160,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                                       for b in trainer.graphs.graph.blobs.values())
     result = {
         "config": job.name,
-        "world_size": world.size,
+        "world_size": gworld.size,
         "iters": iters,
         "batch_per_rank": batch,
         "images_per_s": round(batch * world.size / med, 2),
@@ -176,6 +192,8 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "dispatcher": type(d).__name__,
         "blas": _blas_backend() if on_gpu else None,
         "cuda_graph": None if report is None else json_safe(report),
+        "mode": job.parallel.mode if servers is not None else None,
+        **moved,
     }
     if job.data.train.source == "text":  # a sample is a sequence of tokens
         result["tokens_per_s"] = round(result["images_per_s"]

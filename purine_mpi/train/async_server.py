@@ -1,6 +1,12 @@
 """The asynchronous parameter server's loop (``parallel.mode: async``), run
 by each server rank instead of a graph; see parallel/param_server.py for the protocol
 the workers' graphs follow (push tag 2i, pull tag 2i+1 for param i).
+
+Over windows (parallel/ps_windows.py) the loop serves no pulls: it polls
+the written words of its gradient slots, applies each gradient to the
+weights region in place under the version's sequence lock (odd while it
+writes), raises the worker's ``applied`` word and releases the slot; the
+workers' Gets wait for the staleness bound themselves.
 """
 import time
 
@@ -28,7 +34,7 @@ class AsyncServer:
     seconds raises StallError naming the workers it waits for."""
 
     def __init__(self, world, plan, params, momenta, updates, lr_attrs, max_staleness,
-                 start_iter, iters, poll_interval=2e-4, stop=None):
+                 start_iter, iters, poll_interval=2e-4, stop=None, windows=None):
         from ..ops.catalog import make_kernel
         self.world, self.plan = world, plan
         self.params, self.momenta = params, momenta
@@ -39,6 +45,7 @@ class AsyncServer:
         self.owned = [p for p in plan["order"] if p in params]
         self.poll = poll_interval
         self.stop = stop  # a StopSignal: a signal here is passed on to rank 0
+        self.win = windows  # the PS windows (parallel/ps_windows.py), or None: Send/Recv
         nw = len(self.workers)
         self.kernels = {}
         for p in self.owned:
@@ -57,6 +64,8 @@ class AsyncServer:
         comm = self.world.comm
         if not self.owned or self.iters <= 0:
             return self.stats
+        if self.win is not None:
+            return self._serve_windows()
         grad_buf = {(w, p): np.empty_like(self.params[p]) for w in self.workers
                     for p in self.owned}
         keys = list(grad_buf)
@@ -119,4 +128,74 @@ class AsyncServer:
                                  f"more than {timeout:g} s (parallel.stall_timeout)")
             if not progressed:
                 time.sleep(self.poll)
+        return self.stats
+
+    def _stop_requested(self, state):
+        """Pass a signal here on to rank 0 once; True when the workers'
+        stop decision came (``stats["stop_code"]``)."""
+        if self.stop is not None and self.stop.name and not state.get("requested"):
+            self.world.send_object(self.stop.name, 0, STOP_REQUEST_TAG, "a stop request")
+            state["requested"] = True
+        if self.world.comm.Iprobe(source=0, tag=STOP_TAG):
+            self.stats["stop_code"] = self.world.comm.recv(source=0, tag=STOP_TAG)
+            return True
+        return False
+
+    def _serve_windows(self):
+        """The loop over windows (see the module docstring)."""
+        from ..comm.world import MPI_LOCK
+        from ..ops.lr_policy import learning_rate
+        from ..parallel.ps_windows import applied, slot, weights
+        win, plan = self.win, self.plan
+        region = {p: win.local(weights(p)) for p in self.owned}
+        for p in self.owned:  # the weights live in the region from now on
+            np.copyto(region[p], self.params[p])
+            win.notify(weights(p) + ".version", 2)  # even: readable
+        keys = [(w, p) for w in self.workers for p in self.owned]
+        lr = np.zeros((), np.float32)
+        total, done, state = len(keys) * self.iters, 0, {}
+        last_progress = time.monotonic()
+        timeout = float(getattr(self.world, "stall_timeout", 300.0))
+        try:
+            while done < total:
+                if self._stop_requested(state):
+                    return self.stats
+                progressed = False
+                for w, p in keys:
+                    n = self.count[(w, p)]
+                    name = slot(plan, p, w)
+                    if n >= self.iters or win.notified(name + ".written") <= n:
+                        continue
+                    slowest = min(self.count[(v, p)] for v in self.workers)
+                    self.stats["max_lead"] = max(self.stats["max_lead"], n - slowest)
+                    lr.fill(learning_rate(self.lr_attrs, self.start + n))
+                    version = weights(p) + ".version"
+                    win.notify(version)  # odd: a write in progress
+                    self.kernels[p].run([region[p], win.local(name), self.momenta[p], lr],
+                                        [region[p], self.momenta[p]])
+                    with MPI_LOCK:
+                        for w_ in win.wins.values():
+                            w_.Sync()  # the stores visible before the version is even
+                    win.notify(version)
+                    self.count[(w, p)] = n + 1
+                    done += 1
+                    self.stats["pushes"] += 1
+                    win.notify(applied(p, w))
+                    if n + 1 < self.iters:  # the slot may take the next push
+                        win.notify(name + ".free")
+                    progressed = True
+                if progressed:
+                    last_progress = time.monotonic()
+                else:
+                    if time.monotonic() - last_progress > timeout:
+                        behind = sorted({w for (w, p), n in self.count.items()
+                                         if n < self.iters})
+                        raise StallError(f"rank {self.world.rank}: async parameter server "
+                                         f"(windows): no gradient put by worker rank(s) "
+                                         f"{behind} for more than {timeout:g} s "
+                                         "(parallel.stall_timeout)")
+                    time.sleep(self.poll)
+        finally:
+            for p in self.owned:  # the final weights, out of the window memory
+                self.params[p] = region[p].copy()
         return self.stats

@@ -21,7 +21,8 @@ from .async_server import AsyncServer
 
 
 # ------------------------------------------------------------- server rank
-def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None):
+def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
+               profile_from=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
@@ -60,9 +61,14 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     max_iter = job.solver.max_iter
     mode = par.mode
     code = 0
+    # parallel.transport: the windows (collective with the workers' compose)
+    from ..parallel.ps_windows import allocate, windowed_server
+    windows, transport = allocate(job, world, graph, plan)
     if mode == "sync_ps":
         from ..runtime.factory import make_dispatcher
         sg = server_graph(graph, grads, plan, world.rank, job)
+        if windows is not None:
+            windowed_server(sg, plan, world.rank).validate()
         d = make_dispatcher(sg, "event", rank=world.rank,
                             stall_timeout=float(par.stall_timeout))
         try:
@@ -70,6 +76,10 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 d.workspace.set(p, values[p])
                 d.workspace.set(momentum_name(p), momenta[p])
             for it in range(start, max_iter):
+                if profile_from is not None and it == start + profile_from:
+                    from ..runtime.trace import Profiler
+                    d.drain()
+                    d.profiler = Profiler(world.rank)
                 d.workspace["iter"][...] = it
                 d.run(it)
                 # the servers take part in the workers' stop agreement
@@ -84,13 +94,17 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                 code = 0
             values = {p: d.workspace[p].copy() for p in owned}
             momenta = {p: d.workspace[momentum_name(p)].copy() for p in owned}
+            events = d.profiler.events if profile_from is not None and d.profiler else None
         finally:
             d.close()
         stats = {"iterations": max_iter - start}
+        if events is not None:
+            stats["events"] = events
     else:
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
         server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.max_staleness, start, max_iter - start, stop=stop)
+                             par.max_staleness, start, max_iter - start, stop=stop,
+                             windows=windows)
         stats = server.serve()
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
@@ -98,6 +112,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             _send_state(world, momenta)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
+    stats["transport"] = transport[0][1]
     return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
             "stop_code": code, "stopped_by": stop.name if code and stop else None}
 

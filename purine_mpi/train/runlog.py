@@ -113,6 +113,8 @@ def scheme_lines(trainer):
                     f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
                     f"{_ranks_word(servers)} {'are servers' if len(servers) > 1 else 'is the server'} "
                     "holding the parameters (sharded)"))
+        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
+            out.append(("transport", f"{what}: {how} ({why})"))
     elif size == 1:
         out.append(("scheme", "one rank, no parallel scheme"))
     elif lay.staged:
@@ -149,6 +151,8 @@ def scheme_lines(trainer):
         plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
         out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
                     f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
+        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
+            out.append(("transport", f"{what}: {how} ({why})"))
     micro = par.micro_batches
     if micro > 1:
         use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"

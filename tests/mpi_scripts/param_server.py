@@ -1,14 +1,16 @@
 """Parameter servers: the last K ranks serve, the others train.
 
     mpiexec -n N python tests/mpi_scripts/param_server.py sync_ps K
-    mpiexec -n N python tests/mpi_scripts/param_server.py async K STALENESS
+    mpiexec -n N python tests/mpi_scripts/param_server.py async K STALENESS [TRANSPORT]
 
 sync_ps: after 3 iterations the workers' parameters equal a one-process
 run with batch W*B (W = N-K workers), like synchronous data parallelism.
 async: the loop ends (no hang), every worker's last pulled weights equal
 the servers' final weights for staleness 0 (everyone waits for the whole
 round), and the servers never let a worker run more than STALENESS pushes
-ahead of the slowest.
+ahead of the slowest. TRANSPORT (parallel.transport, default auto): with
+one_sided the servers say they ran over windows, with two_sided over
+Send/Recv.
 """
 import sys
 
@@ -23,11 +25,13 @@ from purine_mpi.train.ps_server import run_server
 mode = sys.argv[1]
 K = int(sys.argv[2])
 staleness = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+transport = sys.argv[4] if len(sys.argv) > 4 else "auto"
 w = world()
 layout = ps_layout(w.size, K)
 W = len(layout["workers"])
 B, ITERS = 3, 4
-cfg = mlp_config(batch=B, parallel={"mode": mode, "ps_ranks": K, "max_staleness": staleness},
+cfg = mlp_config(batch=B, parallel={"mode": mode, "ps_ranks": K, "max_staleness": staleness,
+                                    "transport": transport},
                  solver={"max_iter": ITERS})
 
 if w.rank in layout["workers"]:
@@ -49,6 +53,9 @@ server_params = {}
 for is_worker, res, st in everyone:
     if not is_worker:
         server_params.update(res)
+        if transport != "auto":
+            assert st["transport"].startswith(
+                "one-sided" if transport == "one_sided" else "two-sided"), st
         if mode == "async":
             assert st["pushes"] == W * ITERS * sum(1 for _ in res), st
             assert st["max_lead"] <= staleness, st

@@ -4,6 +4,11 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
 - α and β: a ping-pong between ranks 0 and 1 (half the median round trip
   of each size, as osu_latency): α is the time of an 8-byte message, β the
   slope between 1 MiB and 4 MiB.
+- α_put and β_put: the same ping-pong one-sided, beside it: ``MPI_Put``
+  into the peer's ``Win.Allocate`` window (one ``Lock_all`` epoch for the
+  whole sweep), ``Win_flush``, then a notify word raised by
+  ``MPI_Accumulate`` and flushed; the receiver polls its word. What
+  ``parallel.transport`` one-sided transfers cost (``Link.put``).
 - γ: an allreduce sweep over every rank (float32 sums of 64 KiB to 4 MiB):
   what the allreduce takes beyond the α–β time of MPICH's algorithm, per
   reduced byte ((P-1)/P of the message): the reductions and the copies
@@ -22,7 +27,7 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
   meanwhile.
 
 The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
-``beta_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
+``beta_bytes_per_s``, ``alpha_put_s``, ``beta_put_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,
 ``beta_busy_bytes_per_s``, ``origin``, the ranks' ``hosts`` (from
 ``MPI.Get_processor_name``) and the raw measurements. When every rank ran
 on one host the figures are MPI's shared-memory transport, not a network:
@@ -77,6 +82,59 @@ def ping_pong(comm, nbytes):
         times.append((time.perf_counter() - t) / 2)
     comm.Barrier()
     return statistics.median(times[1:])  # the first includes the connection set-up
+
+
+def put_pong(comm, nbytes):
+    """Half the median round trip of ``nbytes`` between ranks 0 and 1 by
+    ``MPI_Put`` into each other's window and a notify (the module
+    docstring); the other ranks take part in the window's allocation only."""
+    from mpi4py import MPI
+    n = max(1, nbytes)
+    win = MPI.Win.Allocate(n + 8, 1, comm=comm)
+    try:
+        mem = np.frombuffer(win.tomemory(), np.uint8)
+        word = mem[n:n + 8].view(np.int64)
+        word[0] = 0
+        src, one = np.zeros(n, np.uint8), np.ones(1, np.int64)
+        comm.Barrier()
+        win.Lock_all()
+        peer, count, times = 1 - comm.rank, 0, []
+
+        def put():
+            win.Put(src, peer, target=0)
+            win.Flush(peer)
+            win.Accumulate(one, peer, target=n, op=MPI.SUM)
+            win.Flush(peer)
+
+        def wait(k):
+            while True:
+                win.Sync()
+                if word[0] >= k:
+                    return
+
+        for _ in range(_repeats(nbytes) + 1):
+            t = time.perf_counter()
+            count += 1
+            if comm.rank == 0:
+                put()
+                wait(count)
+            elif comm.rank == 1:
+                wait(count)
+                put()
+            times.append((time.perf_counter() - t) / 2)
+        win.Unlock_all()
+        comm.Barrier()
+    finally:
+        win.Free()
+    return statistics.median(times[1:])
+
+
+def _alpha_beta(ping):
+    """(α, β) of a ping-pong table {bytes: seconds}: α the 8-byte time, β
+    the slope between the two largest sizes."""
+    big, mid = PING_SIZES[-1], PING_SIZES[-2]
+    slope = (ping[big] - ping[mid]) / (big - mid)
+    return ping[8], (1.0 / slope if slope > 0 else big / max(ping[big], 1e-12))
 
 
 def allreduce_time(comm, nbytes):
@@ -156,11 +214,12 @@ def calibrate(path):
         raise UserError("predict --calibrate measures the link between ranks: run it under "
                         "mpiexec -n 2 (or more), one rank per host you want to measure "
                         "between")
-    ping = {b: ping_pong(comm, b) for b in PING_SIZES}
-    alpha = ping[8]
-    big, mid = PING_SIZES[-1], PING_SIZES[-2]
-    slope = (ping[big] - ping[mid]) / (big - mid)
-    beta = 1.0 / slope if slope > 0 else big / max(ping[big], 1e-12)
+    ping, puts = {}, {}
+    for b in PING_SIZES:  # side by side, size by size
+        ping[b] = ping_pong(comm, b)
+        puts[b] = put_pong(comm, b)
+    alpha, beta = _alpha_beta(ping)
+    alpha_put, beta_put = _alpha_beta(puts)
     sweep = {b: allreduce_time(comm, b) for b in SWEEP_SIZES}
     wire = Link(alpha, beta, 0.0)
     p = world.size
@@ -181,7 +240,7 @@ def calibrate(path):
     hosts = sorted(set(hosts))
     note = one_host_note(p, hosts[0], alpha, beta) if len(hosts) == 1 else None
     link = Link(alpha, beta, gamma, cpu=cpu_cost, beta_busy=min(beta_busy, beta),
-                origin=
+                alpha_put=alpha_put, beta_put=beta_put, origin=
                 f"calibrated by predict --calibrate on {p} ranks ({socket.gethostname()}, "
                 f"pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')})")
     extra_fields = {
@@ -189,9 +248,11 @@ def calibrate(path):
         **({"note": note[len("note: "):]} if note else {}),
         "cpu_s_per_allreduced_byte_blocking": cpu_per_byte,
         "ping_pong_s": {str(b): t for b, t in ping.items()},
+        "put_pong_s": {str(b): t for b, t in puts.items()},
         "allreduce_s": {str(b): {"wall": w, "cpu": c} for b, (w, c) in sweep.items()},
     }
     save_link(path, link, extra_fields)
     return {"link": path, "alpha_s": alpha, "beta_bytes_per_s": beta, "gamma_s_per_byte": gamma,
-            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy, "ranks": p,
+            "cpu_s_per_byte": link.cpu, "beta_busy_bytes_per_s": link.beta_busy,
+            "alpha_put_s": alpha_put, "beta_put_bytes_per_s": beta_put, "ranks": p,
             "hosts": hosts, "one_host": note is not None, "note": note}

@@ -16,7 +16,10 @@ of collective communication operations in MPICH", IJHPCA 2005):
 
 where P is the largest power of two <= N; when P < N, tree and
 rabenseifner add the fold of the extra ranks, 2·(α + B/β). A
-point-to-point message costs α + B/β.
+point-to-point message costs α + B/β; a one-sided transfer (Put, Get into
+or out of a window: no receive posted, no matching, no copy at the
+receiver) α_put + B/β_put, the figures ``predict --calibrate`` measures
+with ``MPI_Put`` beside ``MPI_Send`` (α and β where they are not given).
 """
 import json
 import re
@@ -50,12 +53,20 @@ class Link:
     origin: str = ""
     cpu: float = 0.0
     beta_busy: float = None
+    alpha_put: float = None  # a one-sided transfer's latency and bandwidth
+    beta_put: float = None   # (None: those of a message)
 
     def busy(self):
         """This link as it runs while the rank computes (β_busy for β)."""
         if not self.beta_busy or self.beta_busy >= self.beta:
             return self
-        return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu)
+        return Link(self.alpha, self.beta_busy, self.gamma, self.origin, self.cpu,
+                    alpha_put=self.alpha_put, beta_put=self.beta_put)
+
+    def put(self, nbytes):
+        """Seconds of a one-sided transfer of ``nbytes`` (Put or Get)."""
+        alpha = self.alpha if self.alpha_put is None else self.alpha_put
+        return alpha + nbytes / (self.beta_put or self.beta)
 
     @staticmethod
     def sent_bytes(n, nbytes):
@@ -160,7 +171,8 @@ FORMAT = "purine_mpi.link"
 def save_link(path, link, extra=None):
     data = {"format": FORMAT, "alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
             "gamma_s_per_byte": link.gamma, "cpu_s_per_byte": link.cpu,
-            "beta_busy_bytes_per_s": link.beta_busy, "origin": link.origin}
+            "beta_busy_bytes_per_s": link.beta_busy, "alpha_put_s": link.alpha_put,
+            "beta_put_bytes_per_s": link.beta_put, "origin": link.origin}
     data.update(extra or {})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -187,12 +199,17 @@ def load_link(path):
         cpu = float(data.get("cpu_s_per_byte", 0.0))
         busy = data.get("beta_busy_bytes_per_s")
         busy = None if busy is None else float(busy)
+        put = [data.get(k) for k in ("alpha_put_s", "beta_put_bytes_per_s")]
+        put = [None if v is None else float(v) for v in put]
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"--link {path}: key {exc}: expected numbers alpha_s, "
                         "beta_bytes_per_s, gamma_s_per_byte, cpu_s_per_byte and "
                         "beta_busy_bytes_per_s") from None
-    if not (alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0 and (busy is None or busy > 0)):
+    if not (alpha >= 0 and beta > 0 and gamma >= 0 and cpu >= 0 and (busy is None or busy > 0)
+            and (put[0] is None or put[0] >= 0) and (put[1] is None or put[1] > 0)):
         raise UserError(f"--link {path}: expected alpha_s >= 0, beta_bytes_per_s > 0, "
-                        "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0 and "
-                        "beta_busy_bytes_per_s > 0")
-    return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy)
+                        "gamma_s_per_byte >= 0, cpu_s_per_byte >= 0, "
+                        "beta_busy_bytes_per_s > 0, alpha_put_s >= 0 and "
+                        "beta_put_bytes_per_s > 0")
+    return Link(alpha, beta, gamma, data.get("origin") or f"calibrated ({path})", cpu, busy,
+                alpha_put=put[0], beta_put=put[1])

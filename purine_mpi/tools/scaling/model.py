@@ -13,7 +13,12 @@ their cost on the link model (``link.py``):
 - parameter servers (``mode: async``/``ssp``): one worker is simulated; a
   push of B bytes to a server shard shares that server's link with the
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
-  the push and the server's update of that shard (its traced ``.update``).
+  the push and the server's update of that shard (its traced ``.update``);
+- one-sided transfers (``parallel.transport``: Put/WaitWrite, Get) cost
+  α_put + B/β_put (``Link.put``: the window's figures from ``predict
+  --calibrate``), a Put matched with its WaitWrite by window region; the
+  receiver posts nothing and spends no CPU on matching; a Release (a notify
+  word) costs α_put, a WaitFree nothing.
 
 Each compute op also takes the dispatcher's own cost per op, measured from
 the trace (``dispatch_overhead``): what the traced iterations took beyond
@@ -30,6 +35,10 @@ import time
 from ...base.errors import UserError
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import split_chunk
+
+#: the point-to-point comm ops: two-sided, and one-sided (comm/rma_ops.py,
+#: comm/rma_pull.py: a Put matched with its WaitWrite by window region)
+_POINT_TO_POINT = ("Send", "Recv", "Put", "WaitWrite", "Get", "Publish")
 
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
@@ -128,22 +137,32 @@ class Template:
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes))
-        if op.op_type not in ("Send", "Recv"):
+        if op.op_type in ("Release", "WaitFree"):
+            # a notify word raised (α_put) and a wait for one: no data moves;
+            # the wait for the consumer's release of the last iteration's
+            # region is left out (the Put/WaitWrite pair orders the stages)
+            seconds = link.put(0) if op.op_type == "Release" else 0.0
+            return SimOp(op.name, seconds, deps, lane=str(op.thread))
+        if op.op_type not in _POINT_TO_POINT:
             raise UserError(f"predict: no cost model for communication op {op.name} "
                             f"({op.op_type})")
-        send = op.op_type == "Send"
+        send = op.op_type in ("Send", "Put", "Publish")
+        one_sided = op.op_type not in ("Send", "Recv")
         nbytes = _nbytes(g, op.inputs if send else op.outputs)
-        seconds = link.p2p(nbytes)
+        # one-sided: the window's rates, no receive posted, no matching
+        seconds = link.put(nbytes) if one_sided else link.p2p(nbytes)
         if scenario.ps:  # every worker pushes to and pulls from each server shard
-            seconds = link.alpha + scenario.workers * nbytes / link.beta
+            seconds = (link.put(scenario.workers * nbytes) if one_sided else
+                       link.alpha + scenario.workers * nbytes / link.beta)
             if not send and op.name.endswith(".pull"):
                 param = op.name[:-len(".pull")]
                 push = f"{param}.push"
                 if push in g.ops:
                     deps = tuple(sorted(set(deps) | {push}))
                 seconds += durations.lookup(f"{param}.update", self.rank) or 0.0
+        tag = op.attrs["region"] if one_sided else int(op.attrs.get("tag", 0))
         return SimOp(op.name, seconds, deps, kind="send" if send else "recv",
-                     peer=int(op.attrs["peer"]), tag=int(op.attrs.get("tag", 0)),
+                     peer=int(op.attrs["peer"]), tag=tag,
                      nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
 
 

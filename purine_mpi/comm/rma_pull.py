@@ -1,0 +1,157 @@
+"""One-sided pulls: a rank reads a region another rank publishes, with no
+participation by the owner (the parameter servers' weights over windows,
+parallel/ps_windows.py). Beside comm/rma_ops.py's Put and WaitWrite, with
+the same rules: ``seq`` fixed at build time, posted and tested only by
+``runtime/comm_progress.CommPoster``, a ``Pending`` the stall watchdog
+describes.
+
+Publish  ins [x]  outs []   attrs seq, region, version
+    (the region's owner) copies x into its region, unless x is the region,
+    then adds 1 to its own notify word ``version``: the k-th Publish makes
+    version k.
+Get      ins []   outs [y]  attrs seq, peer, region, version, shape, dtype,
+                            (applied, applied_all, staleness)
+    waits until the owner's word ``version`` reaches the count of this Get's
+    runs (``version: null``: no wait), then reads the region into y
+    (``MPI_Get`` + ``Win_flush`` from an RMA window, a load from a shared
+    one). With ``applied`` (the async server): the k-th Get waits until the
+    owner counts this worker's k-th gradient applied (word ``applied``) and
+    every worker's (words ``applied_all``) at least k - ``staleness``; the
+    owner changes the region while it updates, so the read is retried until
+    ``version`` is even and the same before and after it (a sequence lock:
+    the owner makes it odd while it writes).
+
+Their parts show in the trace as rma events (comm/rma_ops.py's kinds):
+``<op>:notify`` for a Publish, ``<op>:wait_write`` (the wait for fresh
+weights) and ``<op>:get`` for a Get.
+"""
+import time
+
+import numpy as np
+
+from ..base.errors import ShapeError
+from ..ops.registry import register
+from .ops import _mb, comm_delay
+from .rma_ops import RMAPending, _WindowKernel
+
+
+@register
+class Publish(_WindowKernel):
+    """x -> this rank's own region, then version += 1. A sink."""
+
+    op_type = "Publish"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) != 1:
+            raise ShapeError("Publish takes exactly one input blob")
+        return []
+
+    def setup(self, ins, outs):
+        self.win = self._windows()
+        self.local = self.win.local(self.attrs["region"])
+        self.zero_copy = np.shares_memory(self.local, ins[0])
+        self.runs = 0
+        self.bytes_put = self.bytes_copied = 0
+        self._setup_done = True
+
+    def run(self, ins, outs):
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        self.runs += 1
+        copied = 0
+        if not self.zero_copy:
+            np.copyto(self.local, ins[0])
+            copied = self.local.nbytes
+            self.bytes_copied += copied
+        t1 = time.perf_counter()
+        self.win.notify(self.attrs["version"])
+        k = self.runs
+        spans = [("notify", t1, time.perf_counter(), {"word": self.attrs["version"],
+                                                      "bytes_copied": copied})]
+        return RMAPending(lambda: True, lambda: (
+            f"Publish {self.op.inputs[0]} {_mb(self.local.nbytes)} (version {k}) "
+            f"{self._what()}"), spans)
+
+
+@register
+class Get(_WindowKernel):
+    """y <- rank ``peer``'s region once it is fresh enough. A source."""
+
+    op_type = "Get"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if ins:
+            raise ShapeError("Get takes no input blobs")
+        return [(tuple(attrs["shape"]), str(np.dtype(attrs.get("dtype", "float32"))))]
+
+    def setup(self, ins, outs):
+        self.win = self._windows()
+        self.runs = 0
+        self.bytes_put = self.bytes_copied = self.bytes_got = 0
+        self._setup_done = True
+
+    def _ready(self, k, state):
+        a = self.attrs
+        if a.get("applied"):
+            mine = self.win.notified(a["applied"])
+            slowest = min(self.win.notified(w) for w in a["applied_all"])
+            state["seen"] = (mine, slowest)
+            return mine >= k and slowest >= k - int(a.get("staleness", 0))
+        if a.get("version"):
+            state["seen"] = self.win.notified(a["version"])
+            return state["seen"] >= k
+        return True
+
+    def _read(self, y):
+        a, win = self.attrs, self.win
+        before = (win.bytes_copied, win.bytes_got)
+        if not a.get("applied"):
+            win.get(a["region"], y)
+        else:  # the sequence lock: an even version, the same after the read
+            while True:
+                v1 = win.notified(a["version"])
+                if v1 % 2:
+                    return False
+                win.get(a["region"], y)
+                if win.notified(a["version"]) == v1:
+                    break
+        self.bytes_copied += win.bytes_copied - before[0]
+        self.bytes_got += win.bytes_got - before[1]
+        return True
+
+    def run(self, ins, outs):
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        self.runs += 1
+        k, y = self.runs, outs[0]
+        state = {"stage": "wait", "seen": None, "t": time.perf_counter()}
+        spans = []
+
+        def step():
+            if state["stage"] == "wait":
+                if not self._ready(k, state):
+                    return False
+                now = time.perf_counter()
+                spans.append(("wait_write", state["t"], now, {"get": k}))
+                state["stage"], state["t"] = "read", now
+            if state["stage"] == "read":
+                before = (self.bytes_got, self.bytes_copied)
+                if not self._read(y):
+                    return False
+                spans.append(("get", state["t"], time.perf_counter(),
+                              {"bytes_got": self.bytes_got - before[0],
+                               "bytes_copied": self.bytes_copied - before[1]}))
+                state["stage"] = "done"
+            return True
+
+        def describe():
+            doing = {"wait": f"waiting for fresh weights, seen {state['seen']}",
+                     "read": "reading", "done": "done"}[state["stage"]]
+            return (f"Get {self.op.outputs[0]} {_mb(y.nbytes)} from rank {self.attrs['peer']} "
+                    f"({doing}, get #{k}) {self._what()}")
+
+        return RMAPending(step, describe, spans)

@@ -1,0 +1,154 @@
+"""Parameter servers over windows (``parallel.transport``, issue 34): the
+workers' pushes and pulls of parallel/param_server.py become one-sided.
+
+Every rank (workers and servers) declares the same layout from the PS plan
+(``ps_window_layout``; the plan is deterministic) and allocates it once at
+start-up (``allocate``: comm/windows.py, collective on the global world).
+Server s owns, per param p it serves:
+
+    ps/<grad>@w<w>            worker w's gradient slot (shape of p), with
+                              notify words ``.written`` (server) and
+                              ``.free`` (worker w): the Put/WaitWrite/
+                              Release protocol of comm/rma_ops.py
+    ps/<p>                    the weights, readable by every worker, with
+                              the word ``ps/<p>.version`` (server)
+    ps/<p>.applied@w<w>       (async) worker w's pushes of p applied so far
+
+sync_ps: a worker's ``p.push`` Send becomes a Put into its slot and its
+``p.pull`` Recv a Get of ``ps/<p>`` once ``version`` reached the iteration
+count; the server's Recvs become WaitWrites (the slots are the received
+blobs: no copy; a Release after the ops that read each) and its W Sends
+of p@new one ``p.publish`` (Publish: p into
+the region, version += 1). The server never takes part in a pull.
+async: the server loop (train/async_server.py) polls its slots' words,
+applies each gradient, raises ``applied``; a worker's Get waits for its own
+push applied and the slowest worker within ``max_staleness``, and reads
+under the version's sequence lock. The async server serves no pulls.
+
+The transport is one for the whole run: windows when ``pair_transport``
+gives every (worker, server) pair a window, else two-sided Send/Recv (a
+note says why). ``graph --np N`` converts the ops as on one node and
+allocates nothing.
+"""
+from ..base.errors import UserError
+from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
+                            node_groups, pair_transport)
+
+PREFIX = "ps/"
+
+
+def slot(plan, p, w):
+    return f"{PREFIX}{plan['grads'][p]}@w{w}"
+
+
+def weights(p):
+    return f"{PREFIX}{p}"
+
+
+def applied(p, w):
+    return f"{PREFIX}{p}.applied@w{w}"
+
+
+def ps_window_layout(graph, plan, mode):
+    """The WindowLayout every rank declares for the PS plan ``plan``."""
+    layout = WindowLayout()
+    workers = plan["workers"]
+    for p in plan["order"]:
+        s, blob = plan["owner"][p], graph.blobs[p]
+        for w in workers:
+            name = slot(plan, p, w)
+            layout.add(name, s, blob.shape, blob.dtype, peers=[w])
+            layout.add_word(name + ".written", s, peers=[w])
+            layout.add_word(name + ".free", w, peers=[s])
+            if mode == "async":
+                layout.add_word(applied(p, w), s, peers=workers)
+        layout.add(weights(p), s, blob.shape, blob.dtype, peers=workers)
+        layout.add_word(weights(p) + ".version", s, peers=workers)
+    return layout
+
+
+def choose(job, world, plan):
+    """(kind, why, node table): "shared"/"rma" when every (worker, server)
+    pair gets a window, else "two_sided"; the same on every rank."""
+    transport = job.parallel.transport
+    live = getattr(world, "comm", None) is not None
+    node_of = node_groups(world) if live else \
+        {r: fake_host_of(r) or 0 for r in range(world.size)}
+    kinds = {}
+    for s in plan["servers"]:
+        for w in plan["workers"]:
+            kind, why = pair_transport(transport, node_of, w, s)
+            kinds.setdefault(kind, why)
+    if "two_sided" in kinds:
+        return "two_sided", kinds["two_sided"], node_of
+    kind = "rma" if "rma" in kinds else "shared"
+    return kind, kinds[kind], node_of
+
+
+def allocate(job, world, graph, plan):
+    """The run's PS windows, or None (two-sided): (Windows or None, the
+    start-up line). Collective on the global world."""
+    kind, why, node_of = choose(job, world, plan)
+    if kind == "two_sided" or getattr(world, "comm", None) is None:
+        return None, _line(kind, why)
+    try:
+        win = Windows.allocate(world, ps_window_layout(graph, plan, job.parallel.mode), node_of)
+    except WindowsUnavailable as exc:
+        if job.parallel.transport == "one_sided":
+            raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
+                            "use auto or two_sided") from None
+        return None, _line("two_sided", f"auto: {exc}")
+    return win, _line(kind, why)
+
+
+def _line(kind, why):
+    words = {"shared": "one-sided, shared windows (gradients put into the servers' slots, "
+                       "weights read with Get)",
+             "rma": "one-sided, RMA windows (gradients put into the servers' slots, "
+                    "weights read with Get)",
+             "two_sided": "two-sided Send/Recv"}
+    return [("gradients and weights", words[kind], why)]
+
+
+def windowed_worker(graph, plan, rank, mode, staleness):
+    """Turn worker ``rank``'s push Sends into Puts and pull Recvs into Gets."""
+    for p in plan["order"]:
+        push, pull = graph.ops[f"{p}.push"], graph.ops[f"{p}.pull"]
+        region = slot(plan, p, rank)
+        push.op_type = "Put"
+        push.attrs.pop("tag", None)
+        push.attrs.update(region=region, written=region + ".written", free=region + ".free")
+        pull.op_type = "Get"
+        pull.attrs.pop("tag", None)
+        pull.attrs.update(region=weights(p), version=weights(p) + ".version")
+        if mode == "async":
+            pull.attrs.update(applied=applied(p, rank), staleness=int(staleness),
+                              applied_all=[applied(p, w) for w in plan["workers"]])
+    return graph
+
+
+def windowed_server(graph, plan, rank):
+    """Turn sync_ps server ``rank``'s Recvs into WaitWrites (the slots are
+    the received blobs) and its Sends of p@new into one Publish per p."""
+    from .one_sided import _add_releases
+    owned = [p for p in plan["order"] if plan["owner"][p] == rank]
+    released = []
+    for p in owned:
+        for w in plan["workers"]:
+            op = graph.ops.pop(f"{plan['grads'][p]}@w{w}.recv")
+            region = slot(plan, p, w)
+            op.op_type, op.name = "WaitWrite", f"{plan['grads'][p]}@w{w}.wait"
+            op.attrs.pop("tag", None)
+            op.attrs.update(region=region, written=region + ".written", free=region + ".free")
+            graph.ops[op.name] = op
+            graph.blobs[op.outputs[0]].attrs["window"] = region
+            released.append((op.outputs[0], region, w, op.location, op.thread))
+        sends = [graph.ops.pop(f"{p}.send@r{w}") for w in plan["workers"]]
+        first = sends[0]
+        graph.add_op(f"{p}.publish", "Publish", list(first.inputs), [],
+                     {"seq": first.attrs["seq"], "peer": rank, "region": weights(p),
+                      "version": weights(p) + ".version"},
+                     location=first.location, thread=first.thread)
+    # each slot free again once the sum (or the update) has read it
+    _add_releases(graph, released)
+    return graph
