@@ -37,7 +37,9 @@ def _train(tmp_path, name, n, cfg):
 
 
 def test_stage_slices_carry_the_tied_weight_and_its_gradient(tokens):
-    job = make_job(gpt_config(tokens, parallel=_pipeline()))
+    # two-sided, so the crossings are Send/Recv pairs (one-sided puts the same
+    # blobs into windows: tests/test_rma_pipeline.py)
+    job = make_job(gpt_config(tokens, parallel={**_pipeline(), "transport": "two_sided"}))
     s0, s1 = (compose_for(job, 2, r) for r in range(2))
     sends0 = {op.inputs[0] for op in s0.ops.values() if op.op_type == "Send"}
     recvs1 = {op.outputs[0] for op in s1.ops.values() if op.op_type == "Recv"}
