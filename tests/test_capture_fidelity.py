@@ -74,8 +74,6 @@ REFUSED = [
      sim_capture.CUDARuntimeError, sim_capture.SYNC_REFUSED),
     ("cudaDeviceSynchronize", lambda f, x, rt, s: f.cuda.runtime.deviceSynchronize(),
      sim_capture.CUDARuntimeError, sim_capture.SYNC_REFUSED),
-    ("event query", lambda f, x, rt, s: rt.query(rt.record(0, s)),
-     sim_capture.CUDARuntimeError, sim_capture.SYNC_REFUSED),
     ("cupy.empty", lambda f, x, rt, s: f.empty((3,), np.float32),
      RuntimeError, sim_capture.ALLOC_REFUSED),
     ("cupy.zeros_like", lambda f, x, rt, s: f.zeros_like(x), RuntimeError,

@@ -161,13 +161,24 @@ class CudaRuntime:
             return stream.end_capture()
 
     def abort_capture(self, device, stream):
-        """Leave capture mode after a failed capture (its graph is dropped)."""
-        try:
-            with self.cupy.cuda.Device(device):
-                if stream.is_capturing():
+        """Leave capture mode after a failed capture (its graph is dropped),
+        so that ``stream`` can run the segment eagerly. Any CUDA error
+        inside a capture *invalidates* it: ``is_capturing`` then raises
+        (CuPy's ``streamIsCapturing``), yet the capture stays open on its
+        streams until ``cudaStreamEndCapture`` ends it, which reports the
+        invalidation as an error of its own. So the capture is ended unless
+        the stream says plainly that it is not capturing, and the error of
+        ending an invalidated capture is the expected one."""
+        with self.cupy.cuda.Device(device):
+            try:
+                capturing = stream.is_capturing()
+            except Exception:  # cudaErrorStreamCaptureInvalidated: still to be ended
+                capturing = True
+            if capturing:
+                try:
                     stream.end_capture()
-        except Exception:  # an invalidated capture also raises here: it has ended
-            pass
+                except Exception:  # ending an invalidated capture raises; it has ended
+                    pass
 
     def launch_graph(self, device, graph, stream):
         with self.cupy.cuda.Device(device):

@@ -109,6 +109,26 @@ def current(stream):
         _local.stream = before
 
 
+def push_allocator(allocator):
+    """``cupy.cuda.using_allocator``: this thread's allocator from now on."""
+    _local.allocators = getattr(_local, "allocators", []) + [allocator]
+
+
+def pop_allocator():
+    _local.allocators.pop()
+
+
+def private_pool():
+    """Whether this thread allocates from a pool of its own (a capture's)."""
+    allocators = getattr(_local, "allocators", [])
+    return bool(allocators) and allocators[-1] is not None
+
+
+def set_current(stream):
+    """Make ``stream`` current on this thread (``Stream.__enter__``)."""
+    _local.stream = stream
+
+
 def is_capturing(stream=None):
     """Whether ``stream`` (default: the current stream) is capturing."""
     stream = current_stream() if stream is None else stream

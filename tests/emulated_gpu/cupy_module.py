@@ -13,6 +13,7 @@ import purine_mpi.gpu as gpu
 from . import capture
 from .arrays import Allocations, DeviceArray, NoDevice, plain
 from .host_kernels import host_cupy, use_emulated_nvmath
+from .runtime import cuda_namespace
 
 
 def emulated_cupy(build_dir):
@@ -44,6 +45,7 @@ def emulated_cupy(build_dir):
         stream = capture.stream_of(stream_ptr)
         host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
         if capture.is_capturing(stream) and not pinned_range(host, size):
+            stream.capture.invalidate("a cudaMemcpyAsync from pageable memory")
             raise capture.CUDARuntimeError(capture.PAGEABLE_REFUSED)
         MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
         capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
@@ -68,13 +70,15 @@ def emulated_cupy(build_dir):
         total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = NoDevice
+    current = fake.cuda.get_current_stream
+    cuda_namespace(fake.cuda).get_current_stream = current  # the legacy default stream
     runtime = fake.cuda.runtime
     runtime.getDeviceCount = lambda: 1
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
     runtime.memcpyAsync = memcpy_async
     runtime.deviceSynchronize = device_synchronize
-    runtime.streamIsCapturing = lambda ptr: capture.is_capturing(
-        capture.stream_of(ptr) or capture.DEFAULT_STREAM)
+    runtime.streamIsCapturing = lambda ptr: (capture.stream_of(ptr)
+                                             or capture.DEFAULT_STREAM).is_capturing()
     runtime.CUDARuntimeError = capture.CUDARuntimeError
     fake.cuda.alloc_pinned_memory = alloc_pinned
     fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562

@@ -15,7 +15,7 @@ from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from tests.conftest import make_job
 
 from .cupy_module import use_emulated_cupy
-from .device import SimulatedRuntime
+from .runtime import SimulatedRuntime
 
 
 def run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
