@@ -1,5 +1,6 @@
-"""A failed capture always ends cleanly (issue 35, item 1), on the project's
-own ``CudaRuntime`` over the emulated CuPy (tests/emulated_gpu).
+"""A failed capture always ends cleanly (issue 35, item 1), and no capturable
+claim that CuPy refuses (item 5), on the project's own ``CudaRuntime`` over
+the emulated CuPy (tests/emulated_gpu).
 
 Any CUDA error inside a capture invalidates it: CuPy's ``is_capturing``
 then raises, the capture stays open until ``end_capture`` ends it (which
@@ -139,3 +140,52 @@ def test_a_segment_whose_capture_is_invalidated_runs_eagerly_said_once(emulated)
     assert "Invalidated" in failed[0]
     assert rt.graphs == []
     assert not any(s.capture is not None for s in rt.device.streams)
+
+
+# ------------------------------------------ item 5: a pinned Copy in a capture
+
+def _copy_graph():
+    g = Graph("pinned_copy")
+    g.add_blob("h", (3,), dtype="float32", location=Location(0, -1))
+    g.blobs["h"].attrs["pinned"] = True
+    g.add_op("upload", "Copy", ["h"], ["d"], location=Location(0, 0), thread=0)
+    g.blobs["d"].location = Location(0, 0)
+    g.add_op("double", "TestAbortDouble", ["d"], ["e"], location=Location(0, 0), thread=0)
+    g.infer_shapes().validate()
+    return g
+
+
+def test_a_pinned_copy_is_captured_as_cudamemcpyasync_and_replays_new_data(emulated):
+    """capture_blocker calls a pinned host-to-device Copy capturable; so it
+    must be: the Copy the dispatcher runs is one cudaMemcpyAsync, recorded
+    into the graph, which copies what the pinned buffer holds at each
+    replay. (It was CuPy's ndarray.set, which CuPy refuses in any capture:
+    the segment always fell back to eager.)"""
+    rt = SimulatedRuntime(2)
+    notes = []
+    d = make_dispatcher(_copy_graph(), runtime=rt, cuda_graph=True, log=notes.append)
+    try:
+        assert d.executor.report()["eager_gpu_ops"] == {}
+        for it in range(4):
+            h = np.arange(3, dtype=np.float32) * (it + 1)
+            d.workspace["h"][...] = h
+            d.run(it)
+            np.testing.assert_array_equal(np.asarray(d.workspace["e"]), 2 * h)
+    finally:
+        d.close()
+    assert not [n for n in notes if "could not capture" in n], notes
+    assert rt.graphs and "upload" in rt.graphs[-1].names()
+    assert rt.graphs[-1].launches >= 2
+
+
+def test_a_copy_through_ndarray_set_is_named_eager():
+    """The plain Copy kernel (CuPy's ndarray.set) is not capturable: the
+    blocker names it, where it used to call every pinned Copy capturable."""
+    from purine_mpi.ops.catalog import get_kernel_class
+    from purine_mpi.runtime.cuda_runtime import HostDeviceCopy
+    from purine_mpi.runtime.segments import capture_blocker
+    g = _copy_graph()
+    op = g.ops["upload"]
+    plain = get_kernel_class("Copy")(op)
+    assert "ndarray.set" in capture_blocker(g, op, plain)
+    assert capture_blocker(g, op, HostDeviceCopy(op)) is None

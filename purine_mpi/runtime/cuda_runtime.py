@@ -196,13 +196,21 @@ class CudaRuntime:
 
 
 class HostDeviceCopy(OpKernel):
-    """``Copy`` between host and device memory as one asynchronous
-    ``cudaMemcpyAsync`` on the current stream (pinned host memory makes it
-    truly asynchronous; pageable memory still works, staged by the driver).
-    Swapped in by the stream dispatcher for Copy ops that cross sides."""
+    """``Copy`` between host and device memory on the current stream.
+    Swapped in by the stream dispatcher for Copy ops that cross sides.
+
+    Host to device, same dtype, both contiguous: one ``cudaMemcpyAsync``
+    (``gpu/streams.copy_to_device_async``): truly asynchronous from pinned
+    memory, and capturable into a CUDA graph from pinned memory (it copies
+    what the buffer holds at each replay). Not CuPy's ``ndarray.set``,
+    which CuPy refuses inside any capture. With a dtype conversion or a
+    strided side, CuPy's own copy (not capturable: ``capture_blocker`` says
+    so). Device to host: CuPy's ``get`` (the host reads it next)."""
 
     op_type = "Copy"
     category = "copy"
+    #: host -> device copies go through cudaMemcpyAsync (segments.capture_blocker)
+    async_copy = True
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -210,13 +218,14 @@ class HostDeviceCopy(OpKernel):
 
     def run(self, ins, outs):
         from ..gpu import import_cupy
+        from ..gpu.streams import copy_to_device_async
         cupy = import_cupy()
         src, dst = ins[0], outs[0]
         stream = cupy.cuda.get_current_stream()
         direct = src.flags.c_contiguous and dst.flags.c_contiguous and src.dtype == dst.dtype
         if isinstance(dst, cupy.ndarray):  # host -> device
             if direct:
-                dst.set(src, stream=stream)
+                copy_to_device_async(dst, np.asarray(src))
             else:
                 dst[...] = cupy.asarray(np.asarray(src, dtype=dst.dtype))
         elif direct:  # device -> host: the host reads it next, so blocking

@@ -165,9 +165,6 @@ class SimulatedRuntime(CudaRuntime):
         self.calls.append(("sync_streams",))
         self.device.synchronize()
 
-    def swaps_copies(self):
-        return False
-
     def host_write(self, devices, fn):
         self.calls.append(("host_write",))
         super().host_write(devices, fn)
