@@ -135,14 +135,23 @@ class CudaRuntime:
         fn()
         self.sync_devices(devices)
 
-    def prepare_capture(self, device, streams):
-        """Before a capture on ``streams``: what the captured work needs that
-        must not be created inside it (a cuBLAS handle and workspace for
-        each stream, ``gpu/blas.reserve``)."""
+    def prepare_capture(self, device, streams, scope=None):
+        """Before a capture on ``streams`` of a graph that will replay on
+        stream ``scope``: what the captured work needs that must not be
+        created inside it (a cuBLAS handle and workspace for each stream,
+        ``gpu/blas.reserve``, those of ``scope``: see ``capture_scope``)."""
         from ..gpu import blas
-        with self.cupy.cuda.Device(device):
+        with self.cupy.cuda.Device(device), blas.workspace_scope(scope):
             for stream in streams:
                 blas.reserve(stream)
+
+    def capture_scope(self, scope):
+        """A context manager for the launches of a capture whose graph
+        replays on stream ``scope``: its products use that scope's cuBLAS
+        workspaces, so graphs replaying at once on different streams never
+        share one (``gpu/blas.workspace_scope``)."""
+        from ..gpu import blas
+        return blas.workspace_scope(scope)
 
     # ------------------------------------------------ stream capture (CUDA graphs)
     # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``

@@ -392,8 +392,11 @@ class EmulatedDevice:
 
     def _check_workspaces(self, stream, graph):
         for other, g, _, _ in self._running:
+            if other is stream:
+                continue
+            self.calls.append(("concurrent_replays", other.key, stream.key))
             shared = graph.workspaces & g.workspaces
-            if other is not stream and shared:
+            if shared:
                 raise RuntimeError(SHARED_WORKSPACE.format(other.key, stream.key, min(shared)))
 
     def drain(self):

@@ -169,9 +169,9 @@ class SimulatedRuntime(CudaRuntime):
         self.calls.append(("host_write",))
         super().host_write(devices, fn)
 
-    def prepare_capture(self, device, streams):
+    def prepare_capture(self, device, streams, **scope):
         if self.faithful:  # host arrays make no products through cuBLAS
-            super().prepare_capture(device, streams)
+            super().prepare_capture(device, streams, **scope)
 
     def launch_graph(self, device, graph, stream):
         super().launch_graph(device, graph, stream)
