@@ -99,6 +99,7 @@ class SimStream:
         self.capture = None     # the SimCapture it belongs to, while capturing
         self.frontier = set()   # capture nodes the next captured work follows
         self.recorder = None    # the device work of the launch being recorded
+        self._named = False     # its op's name went with a part of it already
         self.launch_name = None  # the op a launch is for (the runtime says)
         self.ptr = capture.register_stream(self)  # cudaStream_t
         if key is None:
@@ -131,6 +132,7 @@ class SimStream:
         if self.capture is not None:
             self.capture.invalidate("cudaStreamSynchronize on a capturing stream")
             raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
+        self.flush()
         while self.queue:
             self.device.step()
 
@@ -144,7 +146,7 @@ class SimStream:
         _local.before = getattr(_local, "before", []) + [before]
         capture.set_current(self)
         if depth[id(self)] == 1 and self.recorder is None and self.device.faithful:
-            self.recorder = []
+            self.recorder, self._named = [], False
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -152,10 +154,21 @@ class SimStream:
         depth[id(self)] -= 1
         capture.set_current(_local.before.pop())
         if depth[id(self)] == 0 and self.device.faithful:
-            work, self.recorder = self.recorder, None
-            if exc_type is None and work:
-                self.device.submit(self, replay_of(work, self.launch_name, self.device.log))
+            if exc_type is None:
+                self.flush()
+            self.recorder = None
         return False
+
+    def flush(self):
+        """Queue the device work recorded so far in this launch (before an
+        event is recorded or waited on, or the stream synchronised, within
+        the launch: the order CUDA keeps)."""
+        work = self.recorder
+        if work:
+            self.recorder = []
+            name = None if self._named else self.launch_name   # logged once per launch
+            self._named = True
+            self.device.submit(self, replay_of(work, name, self.device.log))
 
     def submit(self, fn, name=None):
         """Queue host function ``fn`` as one launch (the emulator's own
@@ -227,6 +240,8 @@ class EmulatedDevice:
         self.log = []     # op names, as their device work runs
         self.graphs = []  # every SimGraph captured
         self._running = []  # [stream, graph, done node set, started] of replays
+        #: device time the emulated libraries' work took (ms): events read it
+        self.busy_ms = 0.0
         self._null = None
 
     def null_stream(self):
@@ -251,6 +266,7 @@ class EmulatedDevice:
             stream.queue.append(("run", on_stream(stream, fn)))
 
     def record(self, event, stream):
+        stream.flush()
         with self.lock:
             event.stream, event.recorded, event._done = stream, True, False
             event.capture, event.nodes = None, frozenset()
@@ -266,6 +282,7 @@ class EmulatedDevice:
             stream.queue.append(("record", event))
 
     def wait(self, stream, event):
+        stream.flush()
         with self.lock:
             cap = stream.capture
             if cap is not None and cap.invalid is not None:
@@ -387,7 +404,7 @@ class EmulatedDevice:
             if kind == "run":
                 item()
             elif kind == "record":
-                item._done, item.time = True, time.perf_counter()
+                item._done, item.time = True, time.perf_counter() + self.busy_ms / 1e3
             return True
 
     def _check_workspaces(self, stream, graph):
