@@ -20,7 +20,6 @@ CuPy 14.2 on an H100 refused both. So:
 Resume with captures on is in tests/test_cuda_graph.py
 (test_trainer_with_cuda_graphs_on_the_emulated_gpu).
 """
-import ctypes
 
 import numpy as np
 import pytest
@@ -33,8 +32,8 @@ from purine_mpi.job.replica import build_train_graph, loss_blobs
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.emulated_gpu import capture as sim_capture
 from tests.conftest import make_job
-from tests.emulated_gpu import DeviceArray, SimulatedRuntime, init_params, use_emulated_cupy
-from tests.test_gpu_no_alloc import _config
+from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, init_params, net_config,
+                                use_emulated_cupy)
 
 
 @pytest.fixture
@@ -170,7 +169,7 @@ def test_what_a_capture_allows_is_recorded_and_read_at_replay(emulated):
 
 
 def _net_dispatcher(net, cuda_graph, batch=2):
-    config = _config(net, batch)
+    config = net_config(net, batch)
     graph, _ = build_train_graph(make_job(config))
     prepare_for_device(graph, 0)  # placed and fused, as the trainer does
     losses = list(loss_blobs(graph))

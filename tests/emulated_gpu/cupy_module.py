@@ -70,8 +70,7 @@ def emulated_cupy(build_dir):
         total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = NoDevice
-    current = fake.cuda.get_current_stream
-    cuda_namespace(fake.cuda).get_current_stream = current  # the legacy default stream
+    cuda_namespace(fake.cuda)   # Stream, Event, ...; the default stream is the device's
     runtime = fake.cuda.runtime
     runtime.getDeviceCount = lambda: 1
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2

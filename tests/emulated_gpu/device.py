@@ -246,7 +246,7 @@ class EmulatedDevice:
 
     def null_stream(self):
         if self._null is None:
-            self._null = SimStream(device=self, key="null")
+            self._null = SimStream(device=self, key="default")   # the legacy NULL stream
         return self._null
 
     def add_stream(self, stream):

@@ -154,3 +154,17 @@ def emulated_gpu_env(monkeypatch, build_dir):
     use_emulated_cupy(monkeypatch, build_dir)
     monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
     monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
+
+
+def net_config(net, batch):
+    """The config of ``jobs/<net>.yaml`` on ``batch`` samples a batch (four
+    batches of data), or the tiny one (``net == "tiny"``)."""
+    import os
+
+    from purine_mpi.job.config import load_config
+    if net == "tiny":
+        return tiny_config()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return load_config(f"{repo}/jobs/{net}.yaml", overrides=[
+        f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
+        check_files=False)
