@@ -223,3 +223,33 @@ def test_a_net_captures_whole_one_launch_per_iteration_bitwise_like_eager(emulat
     # the window's loss sum (every iteration's loss) and every weight, bitwise
     for name, value in want.items():
         assert value.tobytes() == got[name].tobytes(), name
+
+
+def test_relaxed_mode_allocates_from_the_private_pool(emulated, monkeypatch):
+    """What CuPy 14.2 allows, modelled with our stricter rule off: in
+    relaxed capture mode a temporary comes from the private pool that
+    ``CudaRuntime.capture_memory`` makes current, and the graph recomputes
+    it at each replay. (Our rule, on everywhere else: no allocation in a
+    capture at all.)"""
+    monkeypatch.setitem(sim_capture.HOUSE_RULE, "no_capture_allocation", False)
+    rt = SimulatedRuntime(0)
+    x, y = _on_device([1.0, 2.0, 3.0]), _on_device([0.0, 0.0, 0.0])
+    origin = rt.stream(0, "capture")
+    allocator, pool = rt.capture_memory(0)
+    with allocator:
+        rt.begin_capture(0, origin)
+        rt.launch(0, origin, lambda: np.add(x * 2, 1, out=y), "temporary")
+        graph = rt.end_capture(0, origin)
+    assert len(pool.blocks) == 1   # x * 2, from the private pool
+    with pytest.raises(RuntimeError, match="allocation during a stream capture"):
+        rt.begin_capture(0, origin)   # without the private pool: refused
+        try:
+            rt.launch(0, origin, lambda: np.add(x * 2, 1, out=y), "temporary")
+        finally:
+            rt.abort_capture(0, origin)
+    for scale in (1.0, 5.0):
+        values = np.array([1.0, 2.0, 3.0], np.float32) * scale
+        np.asarray(x)[...] = values
+        rt.launch_graph(0, graph, origin)
+        rt.sync_streams()
+        np.testing.assert_array_equal(np.asarray(y), 2 * values + 1)

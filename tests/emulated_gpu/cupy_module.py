@@ -30,7 +30,7 @@ def emulated_cupy(build_dir):
         # a host array brought to the device is a new device array too
         if source is None or not isinstance(source, DeviceArray) or \
                 not np.may_share_memory(array, plain(source)):
-            capture.refuse_allocation(what)
+            capture.refuse_allocation(what, array.nbytes)
             Allocations.note(what, array)
         return on_device(array)
 
@@ -91,7 +91,8 @@ MEMCPY_LOG = []
 
 def alloc_pinned(nbytes):
     """``cupy.cuda.alloc_pinned_memory``: a host buffer known to be page-locked."""
-    capture.refuse_allocation("pinned host memory")
+    if capture.is_capturing():   # cudaHostAlloc: never inside a capture
+        raise RuntimeError(f"{capture.ALLOC_REFUSED}: pinned host memory")
     buffer = bytearray(max(int(nbytes), 1))
     start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
     _pinned_buffers.append((start, start + len(buffer), buffer))
