@@ -10,7 +10,16 @@ a GPU (docs/gpu.md, "The emulated device").
 - ``cupy_module``: the stand-in ``cupy`` module (``use_emulated_cupy``);
 - ``device``: the simulated device: asynchronous streams, events, capture,
   graphs and their replays;
-- ``helpers`` and ``fixtures``: what the GPU tests share.
+- ``cudnn``: the emulated cuDNN frontend (``pygraph``), on streams and in
+  captures;
+- ``runtime``: the stand-in ``cupy.cuda`` namespace (``cuda_namespace``:
+  ``Stream``, ``Event``, ``Device``, ``MemoryPool``, ``using_allocator``,
+  ``get_elapsed_time``; ``cupy.cuda.nccl`` belongs there too, when it is
+  emulated) and ``SimulatedRuntime``, the project's ``CudaRuntime`` on the
+  simulated device plus the logs and knobs the tests need;
+- ``helpers`` and ``fixtures``: what the GPU tests share (the fixtures
+  ``device``, ``backend`` and ``host_device`` are a pytest plugin,
+  registered in tests/conftest.py).
 """
 from .arrays import SYNC_COPIES, Allocations, DeviceArray
 from .capture import CUDARuntimeError

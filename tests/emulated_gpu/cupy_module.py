@@ -41,14 +41,21 @@ def emulated_cupy(build_dir):
 
     def memcpy_async(dst, src, size, kind, stream_ptr):
         """cudaMemcpyAsync on raw addresses: in a capture, from page-locked
-        memory only; it copies what ``src`` holds when it runs."""
+        memory only; it copies what ``src`` holds when it runs -- except
+        from pageable host memory, which the driver stages before the call
+        returns (the source may be reused at once)."""
         stream = capture.stream_of(stream_ptr)
-        host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
-        if capture.is_capturing(stream) and not pinned_range(host, size):
+        to_device = kind == fake.cuda.runtime.memcpyHostToDevice
+        pinned = pinned_range(src if to_device else dst, size)
+        if capture.is_capturing(stream) and not pinned:
             stream.capture.invalidate("a cudaMemcpyAsync from pageable memory")
             raise capture.CUDARuntimeError(capture.PAGEABLE_REFUSED)
         MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
-        capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
+        if to_device and not pinned:
+            staged = ctypes.create_string_buffer(ctypes.string_at(src, size), size)
+            capture.device_work(lambda: ctypes.memmove(dst, staged, size), stream)
+        else:
+            capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
 
     def device_synchronize():
         if capture.any_capture_open():
