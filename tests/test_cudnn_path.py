@@ -10,7 +10,6 @@ numbers cuDNN itself computes are checked on a real GPU (marked ``gpu``:
 every direction against the CPU, fused and not), when the frontend is
 installed.
 """
-import ctypes
 import json
 import os
 import sys
@@ -25,214 +24,9 @@ from purine_mpi.gpu import cudnn as gpu_cudnn
 from purine_mpi.gpu import cudnn_tune as tune
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
-from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
-from tests.test_gpu_kernels import use_emulated_nvmath
-
-
-def _from_address(ptr, shape, dtype):
-    count = int(np.prod(shape))
-    raw = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
-
-
-#: the simulated GPU's clock (ms): a plan's execution advances it by its cost,
-#: CUDA events read it (``cupy.cuda.Event.record`` / ``get_elapsed_time``)
-_GPU_CLOCK = {"ms": 0.0}
-
-#: the stand-in's engines, in the heuristics' order: (name, cost in ms,
-#: workspace bytes, numerical notes, builds). The heuristic's first is not
-#: the fastest; the fastest overall does not build; an FFT engine with a
-#: filter flip is the fastest deterministic float32 one.
-ENGINES = [("eng0_implicit_gemm", 5.0, 1024, (), True),
-           ("eng1_fft_flip_filter", 2.0, 8192, (), True),
-           ("eng2_winograd", 3.0, 2048, (), True),
-           ("eng3_atomics", 1.0, 512, ("NONDETERMINISTIC",), True),
-           ("eng4_no_build", 0.5, 0, (), False),
-           ("eng5_tensor_core", 0.8, 256, ("TENSOR_CORE",), True)]
-
-
-class FakeCudnn(types.ModuleType):
-    """Records graph building; executes on host addresses with NumPy.
-
-    Mirrors the frontend's Python API (cudnn.pygraph): heuristics list the
-    plans of ``engines`` (``create_execution_plans``), ``deselect_numeric_notes``
-    drops the plans with those notes, ``build_plans(policy)`` builds the first
-    plan that builds (``HEURISTICS_CHOICE``, the default) or every one that
-    builds (``ALL``; raises when none does), ``build_plan_at_index``,
-    ``get_execution_plan_count``, ``get_plan_name_at_index``,
-    ``get_workspace_size_plan_at_index`` (a built plan's; raises otherwise),
-    ``get_workspace_size`` (the heuristic choice's), ``execute`` (the
-    heuristic choice) and ``execute_plan_at_index`` (a built plan; raises
-    otherwise). Each execution advances ``_GPU_CLOCK`` by its plan's cost."""
-
-    def __init__(self, unsupported=(), engines=ENGINES, version=91900):
-        super().__init__("cudnn")
-        self.data_type = types.SimpleNamespace(FLOAT="float32")
-        self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
-        self.numerical_note = types.SimpleNamespace(NONDETERMINISTIC="NONDETERMINISTIC",
-                                                    TENSOR_CORE="TENSOR_CORE")
-        self.build_plan_policy = types.SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE",
-                                                       ALL="ALL")
-        self.unsupported = set(unsupported)   # op names whose graphs have no plan
-        self.engines, self.version = list(engines), version
-        self.graphs, self.streams, self.executed = [], [], []
-        outer = self
-
-        class Tensor:
-            def __init__(self, name, dim=None, stride=None, data_type=None, op=None):
-                self.name, self.dim, self.stride, self.op = name, dim, stride, op
-                self.output = False
-
-            def set_output(self, flag):
-                self.output = flag
-                return self
-
-            def set_dim(self, dim):
-                self.dim = list(dim)
-                return self
-
-            def set_stride(self, stride):
-                self.stride = list(stride)
-                return self
-
-            def set_data_type(self, data_type):
-                return self
-
-        class PyGraph:
-            def __init__(self, io_data_type, intermediate_data_type, compute_data_type, handle):
-                self.calls, self.ops, self.notes = [], [], []
-                self.plans, self.built = [], set()
-                outer.graphs.append(self)
-
-            def tensor(self, name, dim, stride, data_type):
-                return Tensor(name, dim, stride, data_type)
-
-            def _op(self, kind, **kw):
-                self.ops.append((kind, kw))
-                return Tensor(kind, op=(kind, kw))
-
-            def conv_fprop(self, image, weight, padding, stride, dilation):
-                return self._op("conv_fprop", x=image, w=weight, padding=padding, stride=stride,
-                                dilation=dilation)
-
-            def conv_dgrad(self, loss, filter, padding, stride, dilation):
-                return self._op("conv_dgrad", dy=loss, w=filter, padding=padding,
-                                stride=stride, dilation=dilation)
-
-            def conv_wgrad(self, image, loss, padding, stride, dilation):
-                return self._op("conv_wgrad", x=image, dy=loss, padding=padding,
-                                stride=stride, dilation=dilation)
-
-            def bias(self, name, input, bias):
-                return self._op("bias", input=input, bias=bias)
-
-            def relu(self, name, input):
-                return self._op("relu", input=input, slope=0.0)
-
-            def leaky_relu(self, name, input, negative_slope):
-                return self._op("relu", input=input, slope=negative_slope)
-
-            def validate(self):
-                self.calls.append("validate")
-
-            def build_operation_graph(self):
-                self.calls.append("build_operation_graph")
-
-            def create_execution_plans(self, modes):
-                self.calls.append(("create_execution_plans", tuple(modes)))
-                self.plans = list(outer.engines)
-
-            def deselect_numeric_notes(self, notes):
-                self.notes = list(notes)
-                self.plans = [p for p in self.plans if not set(p[3]) & set(notes)]
-
-            def check_support(self):
-                self.calls.append("check_support")
-                kinds = {k for k, _ in self.ops}
-                if kinds & outer.unsupported or not self.plans:
-                    raise RuntimeError(f"no plan for {sorted(kinds & outer.unsupported)}")
-
-            def build_plans(self, policy="HEURISTICS_CHOICE"):
-                self.calls.append(("build_plans", policy))
-                for i, plan in enumerate(self.plans):
-                    if plan[4]:
-                        self.built.add(i)
-                        if policy == "HEURISTICS_CHOICE":
-                            break
-                if not self.built:
-                    raise RuntimeError("no plan builds")
-
-            def build_plan_at_index(self, index):
-                self.calls.append(("build_plan_at_index", index))
-                if not self.plans[index][4]:
-                    raise RuntimeError(f"plan {index} does not build")
-                self.built.add(index)
-
-            def get_execution_plan_count(self):
-                return len(self.plans)
-
-            def get_plan_name_at_index(self, index):
-                return self.plans[index][0]
-
-            def get_workspace_size_plan_at_index(self, index):
-                if index not in self.built:
-                    raise RuntimeError(f"plan {index} is not built")
-                return self.plans[index][2]
-
-            def _candidate(self):
-                return min(self.built)
-
-            def get_workspace_size(self):
-                return self.plans[self._candidate()][2]
-
-            def execute(self, pack, workspace, handle):
-                self.execute_plan_at_index(pack, workspace, self._candidate(), handle)
-
-            def execute_plan_at_index(self, pack, workspace, index, handle=None):
-                assert isinstance(workspace, int) and all(isinstance(p, int)
-                                                          for p in pack.values())
-                if index not in self.built:
-                    raise RuntimeError(f"plan {index} is not built")
-                outer.executed.append((self, workspace, index))
-                _GPU_CLOCK["ms"] += self.plans[index][1]
-                arrays = {t: _from_address(p, t.dim, np.float32) for t, p in pack.items()
-                          if t.op is None or t.output}
-                (out,) = [t for t in pack if t.output]
-                arrays[out][...] = self._value(out, arrays)
-
-            def _value(self, t, arrays):
-                if t.op is None:
-                    return arrays[t]
-                kind, kw = t.op
-                geo = {"pad": kw.get("padding"), "stride": kw.get("stride"),
-                       "dilation": kw.get("dilation")}
-                if kind == "conv_fprop":
-                    x, w = self._value(kw["x"], arrays), self._value(kw["w"], arrays)
-                    return _run_kernel("Conv", geo, [x, w])[0]
-                if kind == "conv_dgrad":
-                    dy, w = self._value(kw["dy"], arrays), self._value(kw["w"], arrays)
-                    return _run_kernel("ConvGradData", dict(geo, x_shape=t.dim), [dy, w])[0]
-                if kind == "conv_wgrad":
-                    x, dy = self._value(kw["x"], arrays), self._value(kw["dy"], arrays)
-                    return _run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
-                if kind == "bias":
-                    return self._value(kw["input"], arrays) + self._value(kw["bias"], arrays)
-                if kind == "relu":
-                    v = self._value(kw["input"], arrays)
-                    return np.where(v > 0, v, v * np.float32(kw["slope"])) if kw["slope"] \
-                        else np.maximum(v, 0)
-                raise AssertionError(kind)
-
-        self.pygraph = PyGraph
-
-    def backend_version(self):
-        return self.version
-
-    def create_handle(self):
-        return object()
-
-    def set_stream(self, handle, stream):
-        self.streams.append(stream)
+from tests.emulated_gpu import DeviceArray, emulated_cupy, run_kernel
+from tests.emulated_gpu import use_emulated_nvmath
+from tests.emulated_gpu.cudnn import ENGINES, GPU_CLOCK as _GPU_CLOCK, FakeCudnn
 
 
 class _Event:
@@ -268,7 +62,7 @@ def device(host_build_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("PURINE_CUDNN_BENCHMARK", "PURINE_CUDNN_DETERMINISTIC"):
         monkeypatch.delenv(name, raising=False)
-    fake = _emulated_cupy(host_build_dir)
+    fake = emulated_cupy(host_build_dir)
     fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=1234)
     fake.cuda.Event = _Event
     fake.cuda.get_elapsed_time = _elapsed
@@ -295,13 +89,13 @@ def _conv_ops(attrs, x, w, b=None):
     """Conv, ConvGradData, ConvGradWeight on the device -> (y, dx, dw), and
     the same on the CPU."""
     ins = [x, w] + ([b] if b is not None else [])
-    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    y_cpu = run_kernel("Conv", attrs, ins)[0]
     dy = _rand(y_cpu.shape, 9)
-    dx_cpu = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]
-    dw_cpu = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0]
-    y = _run_kernel("Conv", attrs, ins, _dev)[0]
-    dx = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], _dev)[0]
-    dw = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], _dev)[0]
+    dx_cpu = run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]
+    dw_cpu = run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0]
+    y = run_kernel("Conv", attrs, ins, _dev)[0]
+    dx = run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], _dev)[0]
+    dw = run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], _dev)[0]
     return (y, dx, dw), (y_cpu, dx_cpu, dw_cpu)
 
 
@@ -353,7 +147,7 @@ def test_fastest_plan_is_chosen_and_its_workspace_reserved(device, monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
     kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
-    y_cpu = _run_kernel("Conv", {"pad": 1}, [x, w])[0]
+    y_cpu = run_kernel("Conv", {"pad": 1}, [x, w])[0]
     y = _dev(np.full(y_cpu.shape, np.nan, np.float32))
     before = y.copy()
     kernel.setup([_dev(x), _dev(w)], [y])
@@ -525,8 +319,8 @@ def test_grouped_and_double_convolutions_take_im2col(device, monkeypatch):
     x, w = _rand((2, 4, 5, 5), 0), _rand((4, 2, 3, 3), 1)
     _check(*_conv_ops({"pad": 1, "group": 2}, x, w))
     x64, w64 = x.astype(np.float64), _rand((4, 4, 3, 3), 1).astype(np.float64)
-    y = _run_kernel("Conv", {"pad": 1}, [x64, w64], _dev)[0]
-    np.testing.assert_allclose(y, _run_kernel("Conv", {"pad": 1}, [x64, w64])[0], rtol=1e-12)
+    y = run_kernel("Conv", {"pad": 1}, [x64, w64], _dev)[0]
+    np.testing.assert_allclose(y, run_kernel("Conv", {"pad": 1}, [x64, w64])[0], rtol=1e-12)
     assert not fake.graphs
 
 
@@ -546,7 +340,7 @@ def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
     k = 1 if attrs.pop("kernel_1x1", False) else 5
     x, w, b = _rand((8, 16, 12, 12), 0), _rand((32, 16, k, k), 1), _rand((32,), 2)
     ins = [x, w, b]
-    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    y_cpu = run_kernel("Conv", attrs, ins)[0]
     kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], dict(attrs)))
     dev = [cupy.asarray(a) for a in ins]
     y = cupy.full(y_cpu.shape, np.nan, np.float32)
@@ -558,7 +352,7 @@ def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
     for op_type, extra, args in (("ConvGradData", {"x_shape": list(x.shape)}, [dy, w]),
                                  ("ConvGradWeight", {"w_shape": list(w.shape)}, [dy, x])):
         attrs_g = {key: v for key, v in attrs.items() if key != "relu"}
-        want = _run_kernel(op_type, dict(attrs_g, **extra), args)[0]
+        want = run_kernel(op_type, dict(attrs_g, **extra), args)[0]
         kern = get_kernel_class(op_type)(Op("g", op_type, [], [], dict(attrs_g, **extra)))
         dargs = [cupy.asarray(a) for a in args]
         out = cupy.full(want.shape, np.nan, np.float32)
@@ -582,13 +376,13 @@ def test_plans_timed_then_read_from_the_cache_on_a_gpu(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     x, w = _rand((16, 32, 16, 16), 0), _rand((32, 32, 5, 5), 1)
     attrs = {"pad": 2}
-    y_cpu = _run_kernel("Conv", attrs, [x, w])[0]
+    y_cpu = run_kernel("Conv", attrs, [x, w])[0]
     dy = _rand(y_cpu.shape, 3)
     cases = [("Conv", attrs, [x, w], y_cpu),
              ("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w],
-              _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]),
+              run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]),
              ("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
-              _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0])]
+              run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0])]
     chosen = []
     for round_ in ("cold", "warm"):
         gpu_cudnn.reset()
