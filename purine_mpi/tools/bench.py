@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from ..base.backend import cupy_available
+from ..base.backend import cupy_available, xp_for_device
 from ..base.errors import UserError
+from ..gpu.memory import start_peak_memory
 from ..job.job import DataSpec
 from ..runtime.trace import merge_intervals
 
@@ -94,8 +95,14 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     install_abort_handler(world)
     job = job if real_data else synthetic_config(job)
     job = job.with_training(max_iter=warmup + iters)
-    trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
-                      dispatcher=dispatcher, log=lambda m: None)
+    peak = start_peak_memory(xp_for_device(0)) if cupy_available() else None   # before any allocation
+    try:
+        trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
+                          dispatcher=dispatcher, log=lambda m: None)
+    except BaseException:
+        if peak is not None:
+            peak.close()
+        raise
     d = trainer.train
     times, latencies = [], {}
     try:
@@ -122,6 +129,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         report = d.capture_report()
     finally:
         trainer.close()
+        peaks = peak.peak() if peak is not None else None
+        if peak is not None:
+            peak.close()
     plan = trainer.ws.plan
     overlap = comm_overlap(events)
     in_flight_us, covered_us, comm_ops = comm_timeline(events)
@@ -169,7 +179,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         # plan's share of it (transient blobs; what they take one buffer
         # each), the kernels' scratch, and what CuPy's pool holds (with
         # CuPy on a GPU); empty on the CPU
-        **device_memory(trainer.ws),
+        **device_memory(trainer.ws, peaks, report),
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
         "blas": _blas_backend() if on_gpu else None,
@@ -178,8 +188,10 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     return result if world.rank == 0 else None
 
 
-def device_memory(ws):
-    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``."""
+def device_memory(ws, peaks=None, report=None):
+    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``;
+    ``peaks``: gpu/memory.PeakMemory's {device: bytes}, ``report``: the
+    CUDA-graph capture report (its private pools count towards the peak)."""
     plans = getattr(ws, "device_plans", {}) or {}
     out = {
         "device_arena_bytes": {str(d): int(n) for d, n in sorted(ws.device_bytes.items())},
@@ -188,7 +200,14 @@ def device_memory(ws):
                                    for d, p in sorted(plans.items())},
         "device_scratch_bytes": {str(d): int(n) for d, n in sorted(ws.scratch_bytes.items())},
         "device_pool_bytes": {},
+        # the most bytes in use at once: CuPy's default pool, sampled at each
+        # allocation (gpu/memory.py), plus what the captures' pools keep
+        "device_peak_bytes": {},
     }
+    captured = (report or {}).get("capture_pool_bytes") or {}
+    for d in sorted(ws.device_bytes):
+        if peaks is not None and d in peaks:
+            out["device_peak_bytes"][str(d)] = int(peaks[d]) + int(captured.get(str(d), 0))
     if ws.device_bytes and cupy_available():
         import cupy
         for d in sorted(ws.device_bytes):
