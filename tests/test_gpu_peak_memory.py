@@ -109,10 +109,7 @@ def test_gpu_throughput_holds_the_peak_against_torch_max_memory_allocated(monkey
                  "max_memory_allocated": 600, "max_memory_reserved": 800}
     bench = _throughput(monkeypatch, purine, torch_out)
     monkeypatch.setattr("purine_mpi.gpu.cudnn.frontend", lambda: None)
-    try:
-        import torch  # noqa: F401  (the versions block names it)
-    except ImportError:
-        pytest.skip("needs torch for the versions block")
+    pytest.importorskip("torch")   # the versions block names it
     assert bench.main(["--iters", "10", "--batch", "4", "--no-compile", "--profile-iters", "0",
                        "--configs", str(REPO / "jobs" / "cifar10_quick.yaml")]) == 0
     (entry,) = json.loads(capsys.readouterr().out)["results"]

@@ -142,6 +142,32 @@ def channel_sum(dy, out=None):
     return _finish(db, target)
 
 
+def bias_grad(dy, out=None):
+    """A bias gradient, ``dy`` summed over every axis but 1 -> (C,), in one
+    deterministic kernel with coalesced loads. A convolution's dy (N, C,
+    spatial...): cuda/reduce.cu's ``bias_grad``, one block per channel
+    walking the channel's contiguous runs, double accumulation, warp-shuffle
+    trees. A fully connected layer's dy (N, C): ``sum_rows``, one thread per
+    channel, consecutive threads on consecutive columns of each row (one
+    block per channel would read a column, a stride of C apart)."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "bias_grad: dy")
+    if dy.ndim < 2:
+        raise ValueError(f"bias_grad: expected (N, C, ...), got shape {tuple(dy.shape)}")
+    n, channels = int(dy.shape[0]), int(dy.shape[1])
+    inner = int(np.prod(dy.shape[2:], dtype=np.int64))
+    db, target = _output(cupy, out, (channels,), dy.dtype, "bias_grad")
+    if channels == 0:
+        return _finish(db, target)
+    if inner == 1:
+        sum_rows(dy.reshape(n, channels), db)
+    else:
+        _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels, _MAX_BLOCKS),
+                             _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n),
+                                               np.int64(inner), db))
+    return _finish(db, target)
+
+
 def sum_rows(x, out, accumulate=False):
     """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
     into a C-contiguous ``out`` of cols elements, one deterministic kernel."""
