@@ -25,6 +25,10 @@ PYTHON = sys.executable
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
+#: the emulated GPU's fixtures (``device``, ``backend``, ``host_device``)
+pytest_plugins = ["tests.emulated_gpu.fixtures"]
+
+
 def cli_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -5,7 +5,7 @@ simulated CuPy let cuBLAS calls and host-to-device copies into a capture,
 CuPy 14.2 on an H100 refused both. So:
 
 1. Each refusal of real CuPy inside a stream capture, with its exception and
-   message (tests/sim_capture.py lists them, from CuPy's sources and the
+   message (tests/emulated_gpu/capture.py lists them, from CuPy's sources and the
    H100), is proved on the emulated device: the op's host code runs at
    capture, as on a GPU, and the refused call raises there. So does our own
    rule, no allocation in a capture. What a capture allows is recorded, not
@@ -31,9 +31,9 @@ from purine_mpi.parallel.placement import add_loss_watch, prepare_for_device
 from purine_mpi.gpu.streams import copy_to_device_async, pinned_empty
 from purine_mpi.job.replica import build_train_graph, loss_blobs
 from purine_mpi.runtime.factory import make_dispatcher
-from tests import sim_capture
+from tests.emulated_gpu import capture as sim_capture
 from tests.conftest import make_job
-from tests.test_gpu_backend import DeviceArray, SimulatedRuntime, _init, use_emulated_cupy
+from tests.emulated_gpu import DeviceArray, SimulatedRuntime, init_params, use_emulated_cupy
 from tests.test_gpu_no_alloc import _config
 
 
@@ -115,7 +115,7 @@ def test_cupys_own_cublas_refuses_a_capture_and_nvmath_is_recorded(emulated, mon
     """The products: through CuPy's cuBLAS binding a capture fails (its
     setStream check); through nvmath's, on a reserved stream, it is recorded."""
     from purine_mpi.gpu import blas
-    from tests.test_gpu_kernels import use_emulated_nvmath
+    from tests.emulated_gpu import use_emulated_nvmath
     a, b = _on_device(np.ones((2, 3))), _on_device(np.ones((3, 2)))
     c = _on_device(np.zeros((2, 2)))
     for nvmath in (False, True):
@@ -179,7 +179,7 @@ def _net_dispatcher(net, cuda_graph, batch=2):
     watch = add_loss_watch(graph, losses, [1.0] * len(losses), 0)
     rt = SimulatedRuntime(2)
     d = make_dispatcher(graph, runtime=rt, seed=3, cuda_graph=cuda_graph, log=lambda m: None)
-    _init(d.workspace, graph, 5)
+    init_params(d.workspace, graph, 5)
     d.workspace[watch][...] = 0.0
     return d, rt, graph, watch
 

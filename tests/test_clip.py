@@ -12,9 +12,9 @@ from purine_mpi.job.config import resolve_config
 from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 from tests.conftest import make_job
-from tests.test_gpu_backend import (_compare, _init, _run_kernel, _tiny_raw, device,  # noqa: F401
-                                    place_on_device, prepare_for_device, make_dispatcher,
-                                    SimulatedRuntime)
+from purine_mpi.parallel.placement import place_on_device, prepare_for_device
+from purine_mpi.runtime.factory import make_dispatcher
+from tests.emulated_gpu import SimulatedRuntime, compare, init_params, run_kernel, tiny_raw
 
 
 def _torch_clip(grads, scales, clip):
@@ -126,9 +126,9 @@ def test_grad_norm_gpu_branch(device, dtype):  # noqa: F811
     grads = [rng.standard_normal(s).astype(dtype) for s in [(37, 5), (3,), (70,)]]
     attrs = {"scales": [1.0, 0.5, 2.0]}
     device.launched.clear()
-    got = _run_kernel("GradNormSq", attrs, grads, device.to_device)[0]  # (partials: scratch)
+    got = run_kernel("GradNormSq", attrs, grads, device.to_device)[0]  # (partials: scratch)
     assert device.launched == ["grad_sumsq"] * 3 + ["clip_total"]
-    cpu = _run_kernel("GradNormSq", attrs, grads)[0]
+    cpu = run_kernel("GradNormSq", attrs, grads)[0]
     want = sum(s * s * (g.astype(np.float64) ** 2).sum() for g, s in zip(grads, [1, .5, 2]))
     tol = 1e-6 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got[0], want, rtol=tol)
@@ -139,7 +139,7 @@ def test_grad_norm_gpu_branch(device, dtype):  # noqa: F811
 def test_clip_scale_gpu_branch(device, clip):  # noqa: F811
     g = np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32)
     sumsq = np.asarray([float((g.astype(np.float64) ** 2).sum())])
-    _compare(device, "ClipScale", {"clip": clip}, [g, sumsq], ["clip_scale"], np.float32)
+    compare(device, "ClipScale", {"clip": clip}, [g, sumsq], ["clip_scale"], np.float32)
 
 
 @pytest.mark.parametrize("fused,captured", [(False, False), (True, False), (True, True)],
@@ -150,8 +150,8 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
     device run by the stream dispatcher: the norm never leaves the device
     (the clip ops read device blobs only) and the weights match the CPU."""
     from purine_mpi.gpu import kernels
-    from tests.test_gpu_backend import use_emulated_cupy
-    config = resolve_config(_tiny_raw(solver={"base_lr": 0.05, "momentum": 0.9,
+    from tests.emulated_gpu import use_emulated_cupy
+    config = resolve_config(tiny_raw(solver={"base_lr": 0.05, "momentum": 0.9,
                                               "clip_gradients": 0.05}),
                             "<t>", check_files=False)
 
@@ -173,7 +173,7 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
         else:
             d = SerialDispatcher(graph, seed=3)
         try:
-            _init(d.workspace, graph, 5)
+            init_params(d.workspace, graph, 5)
             for it in range(3):
                 d.workspace["iter"][...] = it
                 d.run(it)

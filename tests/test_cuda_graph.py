@@ -1,6 +1,6 @@
 """CUDA-graph capture and replay in the stream dispatcher (runtime/cuda_graph.py).
 
-Without a GPU, against the simulated device of tests/test_gpu_backend.py,
+Without a GPU, against the simulated device of tests/emulated_gpu,
 whose streams have CuPy's capture API (``begin_capture``, ``end_capture`` ->
 a graph with ``launch(stream)``): work queued on a capturing stream is
 recorded as graph nodes with their dependencies (a stream joins a capture by
@@ -34,8 +34,8 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.trace import Profiler
 from tests.conftest import make_job
-from tests.test_gpu_backend import (SimulatedRuntime, _check_order, _cpu_workspace, _init,
-                                    _log_kernels, _tiny_config, _tiny_raw)
+from tests.emulated_gpu import (SimulatedRuntime, check_order, cpu_workspace, emulated_gpu_env,
+                                init_params, log_kernels, tiny_config, tiny_raw)
 
 
 @register
@@ -105,12 +105,12 @@ class _FakeAllreduce(OpKernel):
 
 
 def _graph_dispatcher(graph, runtime, cuda_graph=True, **kw):
-    ws = _cpu_workspace(graph)
+    ws = cpu_workspace(graph)
     notes = []
     d = make_dispatcher(graph, runtime=runtime, workspace=ws, cuda_graph=cuda_graph,
                         log=notes.append, **kw)
     assert type(d) is (GraphDispatcher if cuda_graph else StreamDispatcher)
-    _log_kernels(d, runtime)
+    log_kernels(d, runtime)
     d.notes = notes
     return d, ws
 
@@ -193,7 +193,7 @@ def _bucketed_graph(min_buckets=3, seed=0):
     """The tiny training graph (dropout on) composed for 2 data-parallel
     ranks, with the Allreduce ops simulated, placed on GPU 0; ops spread
     over streams at random."""
-    graph, grads = build_train_graph(make_job(_tiny_config()))
+    graph, grads = build_train_graph(make_job(tiny_config()))
     plan = compose_data_parallel(graph, grads, 2, 0, min_buckets=min_buckets)
     for op in graph.ops.values():
         if op.op_type == "Allreduce":
@@ -261,14 +261,14 @@ def _train_both(graph, iters, seed=0, **kw):
         g = copy.deepcopy(graph)
         rt = SimulatedRuntime(seed)
         d, ws = _graph_dispatcher(g, rt, cuda_graph=cuda_graph, seed=7, **kw)
-        _init(ws, g, 5)
+        init_params(ws, g, 5)
         losses = []
         try:
             for it in range(iters):
                 rt.log.clear()
                 ws["iter"][...] = it
                 d.run(it)
-                _check_order(rt.log, d.graph)
+                check_order(rt.log, d.graph)
                 losses.append(np.array(ws["loss"]))
             params = {p.name: np.array(ws[p.name]) for p in g.params()}
             out.append((losses, params, d, rt))
@@ -312,12 +312,12 @@ def test_replay_on_the_emulated_device_equals_eager(host_build_dir, monkeypatch)
     CuPy arrays): replays give the losses and weights of eager dispatch."""
 
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import use_emulated_cupy, _train_simulated
-    config = _tiny_config()
+    from tests.emulated_gpu import use_emulated_cupy, train_simulated
+    config = tiny_config()
     use_emulated_cupy(monkeypatch, host_build_dir)
     try:
-        eager = _train_simulated(config, 0, iters=4, cuda_graph=False)
-        replay = _train_simulated(config, 0, iters=4, cuda_graph=True)
+        eager = train_simulated(config, 0, iters=4, cuda_graph=False)
+        replay = train_simulated(config, 0, iters=4, cuda_graph=True)
     finally:
         gpu.clear_kernel_cache()
     assert eager[0] == replay[0]
@@ -325,25 +325,12 @@ def test_replay_on_the_emulated_device_equals_eager(host_build_dir, monkeypatch)
         np.testing.assert_array_equal(replay[1][name], value)
 
 
-def _emulated_gpu(monkeypatch, build_dir):
-    """CuPy emulated on the host (tests/test_gpu_backend.py) and every
-    dispatcher's CUDA runtime simulated: a Trainer with ``device: 0``
-    trains on it."""
-
-    import purine_mpi.gpu as gpu
-    import purine_mpi.runtime.streams_dispatcher as streams
-    from tests.test_gpu_backend import use_emulated_cupy
-    use_emulated_cupy(monkeypatch, build_dir)
-    monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
-    monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
-
-
 def _train_emulated(tmp_path, cuda_graph, max_iter, resume=None, out="run"):
     import json
 
     from purine_mpi.job.config import validate_config
     from purine_mpi.train.trainer import Trainer
-    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    raw = tiny_raw(device=0, cuda_graph=cuda_graph)
     raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
     raw["solver"].update(max_iter=max_iter, test_interval=3, display=1)
     config = validate_config(raw, check_files=False)
@@ -369,7 +356,7 @@ def test_trainer_with_cuda_graphs_on_the_emulated_gpu(tmp_path, monkeypatch, hos
     """train (device 0) on the emulated GPU: the train and the test graph
     each get their captures; losses, test figures and weights equal those
     of cuda_graph: false; a resumed run with capture on is bit-exact."""
-    _emulated_gpu(monkeypatch, host_build_dir)
+    emulated_gpu_env(monkeypatch, host_build_dir)
     eager = _train_emulated(tmp_path, False, 6, out="eager")
     graph = _train_emulated(tmp_path, True, 6, out="graph")
     assert eager[2] == (StreamDispatcher, StreamDispatcher)
@@ -427,7 +414,7 @@ def test_inception_branches_stay_concurrent_in_the_captured_graph(seed):
             ws.set("x", x)
             rt.log.clear()
             d.run(it)
-            _check_order(rt.log, d.graph)
+            check_order(rt.log, d.graph)
             np.testing.assert_allclose(ws["z"], expect)
         assert d.segments() == [("graph0", [op.name for op in d.order])]
         (graph,) = rt.graphs
@@ -471,7 +458,7 @@ def test_bucket_posted_when_its_segment_finished_while_the_next_one_runs():
                      any(not d.executor.events[s].done for s in later)))
 
     _FakeAllreduce.on_post = on_post
-    _init(ws, graph, 5)
+    init_params(ws, graph, 5)
     try:
         for it in range(3):
             ws["iter"][...] = it
@@ -566,7 +553,7 @@ def test_an_op_that_cannot_be_captured_runs_eagerly_and_is_named_once():
             ws.set("x", np.arange(3.0))
             rt.log.clear()
             d.run(it)
-            _check_order(rt.log, g)
+            check_order(rt.log, g)
             np.testing.assert_allclose(ws["y3"], (np.arange(3.0) * 2 + 1) * 3)
             # a fresh draw every iteration (a replay would have frozen it)
             np.testing.assert_allclose(ws["y5"], ws["y3"] + noise.standard_normal(3) + 1)
@@ -615,7 +602,7 @@ def test_trace_has_one_event_per_segment_replay_with_its_ops():
     rt = SimulatedRuntime(0)
     d, ws = _graph_dispatcher(graph, rt, seed=7)
     d.profiler = Profiler()
-    _init(ws, graph, 5)
+    init_params(ws, graph, 5)
     try:
         for it in range(3):
             ws["iter"][...] = it
@@ -644,7 +631,7 @@ def test_without_cuda_graph_every_gpu_op_keeps_its_own_trace_event():
     rt = SimulatedRuntime(0)
     d, ws = _graph_dispatcher(graph, rt, cuda_graph=False, seed=7)
     d.profiler = Profiler()
-    _init(ws, graph, 5)
+    init_params(ws, graph, 5)
     try:
         ws["iter"][...] = 0
         d.run(0)
@@ -659,10 +646,10 @@ def test_without_cuda_graph_every_gpu_op_keeps_its_own_trace_event():
 # ----------------------------------------------------------------- config
 
 def test_cuda_graph_key():
-    assert _tiny_config()["cuda_graph"] is True
-    assert _tiny_config(cuda_graph=False)["cuda_graph"] is False
+    assert tiny_config()["cuda_graph"] is True
+    assert tiny_config(cuda_graph=False)["cuda_graph"] is False
     with pytest.raises(ConfigError, match="cuda_graph.*expected true or false"):
-        _tiny_config(cuda_graph="maybe")
+        tiny_config(cuda_graph="maybe")
 
 
 def test_cuda_graph_false_on_the_command_line_and_a_bad_value_exits_2(tmp_path):
@@ -671,7 +658,7 @@ def test_cuda_graph_false_on_the_command_line_and_a_bad_value_exits_2(tmp_path):
 
     import yaml
     path = tmp_path / "tiny.yaml"
-    raw = _tiny_raw()
+    raw = tiny_raw()
     raw["solver"]["max_iter"] = 1
     path.write_text(yaml.safe_dump(raw))
     bad = subprocess.run([sys.executable, "-m", "purine_mpi", "train", str(path), "--out",
@@ -688,16 +675,16 @@ def test_cuda_graph_false_on_the_command_line_and_a_bad_value_exits_2(tmp_path):
 
 
 def test_cuda_graph_chooses_the_dispatcher():
-    graph, _ = build_train_graph(make_job(_tiny_config()))
+    graph, _ = build_train_graph(make_job(tiny_config()))
     place_on_device(graph, 0)
     for flag, cls in ((True, GraphDispatcher), (False, StreamDispatcher)):
-        d = make_dispatcher(graph, runtime=SimulatedRuntime(0), workspace=_cpu_workspace(graph),
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(0), workspace=cpu_workspace(graph),
                             cuda_graph=flag, log=lambda m: None)
         try:
             assert type(d) is cls
         finally:
             d.close()
-    cpu_graph, _ = build_train_graph(make_job(_tiny_config()))
+    cpu_graph, _ = build_train_graph(make_job(tiny_config()))
     d = make_dispatcher(cpu_graph, cuda_graph=True)
     try:
         assert not isinstance(d, StreamDispatcher)  # the CPU's event dispatcher
@@ -713,7 +700,7 @@ def test_replay_on_a_real_gpu_equals_eager():
     buckets-free training; every segment captured, replays match eager."""
     from tests.conftest import cuda_cupy_or_skip
     cuda_cupy_or_skip()
-    config = _tiny_config()
+    config = tiny_config()
     results = []
     for cuda_graph in (False, True):
         graph, _ = build_train_graph(make_job(config))
@@ -753,10 +740,10 @@ def test_bench_json_on_the_emulated_gpu_reports_blas_and_capture(monkeypatch, ho
 
     from purine_mpi.tools.bench import format_bench, run_bench
     from purine_mpi.job.config import validate_config
-    from tests.test_gpu_backend import use_emulated_cupy
-    _emulated_gpu(monkeypatch, host_build_dir)
+    from tests.emulated_gpu import use_emulated_cupy
+    emulated_gpu_env(monkeypatch, host_build_dir)
     use_emulated_cupy(monkeypatch, host_build_dir, nvmath=nvmath)
-    config = validate_config(_tiny_raw(device=0, cuda_graph=True), check_files=False)
+    config = validate_config(tiny_raw(device=0, cuda_graph=True), check_files=False)
     res = run_bench(make_job(config), iters=2, warmup=2)
     assert res["backend"] == "cupy" and res["dispatcher"] == "GraphDispatcher"
     assert res["blas"] == ("nvmath" if nvmath else "cupy")

@@ -25,8 +25,8 @@ from purine_mpi.gpu import cudnn as gpu_cudnn
 from purine_mpi.gpu import cudnn_tune as tune
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
-from tests.test_gpu_backend import DeviceArray, _emulated_cupy, _run_kernel
-from tests.test_gpu_kernels import use_emulated_nvmath
+from tests.emulated_gpu import DeviceArray, emulated_cupy, run_kernel
+from tests.emulated_gpu import use_emulated_nvmath
 
 
 def _from_address(ptr, shape, dtype):
@@ -208,13 +208,13 @@ class FakeCudnn(types.ModuleType):
                        "dilation": kw.get("dilation")}
                 if kind == "conv_fprop":
                     x, w = self._value(kw["x"], arrays), self._value(kw["w"], arrays)
-                    return _run_kernel("Conv", geo, [x, w])[0]
+                    return run_kernel("Conv", geo, [x, w])[0]
                 if kind == "conv_dgrad":
                     dy, w = self._value(kw["dy"], arrays), self._value(kw["w"], arrays)
-                    return _run_kernel("ConvGradData", dict(geo, x_shape=t.dim), [dy, w])[0]
+                    return run_kernel("ConvGradData", dict(geo, x_shape=t.dim), [dy, w])[0]
                 if kind == "conv_wgrad":
                     x, dy = self._value(kw["x"], arrays), self._value(kw["dy"], arrays)
-                    return _run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
+                    return run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
                 if kind == "bias":
                     return self._value(kw["input"], arrays) + self._value(kw["bias"], arrays)
                 if kind == "relu":
@@ -268,7 +268,7 @@ def device(host_build_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("PURINE_CUDNN_BENCHMARK", "PURINE_CUDNN_DETERMINISTIC"):
         monkeypatch.delenv(name, raising=False)
-    fake = _emulated_cupy(host_build_dir)
+    fake = emulated_cupy(host_build_dir)
     fake.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=1234)
     fake.cuda.Event = _Event
     fake.cuda.get_elapsed_time = _elapsed
@@ -295,13 +295,13 @@ def _conv_ops(attrs, x, w, b=None):
     """Conv, ConvGradData, ConvGradWeight on the device -> (y, dx, dw), and
     the same on the CPU."""
     ins = [x, w] + ([b] if b is not None else [])
-    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    y_cpu = run_kernel("Conv", attrs, ins)[0]
     dy = _rand(y_cpu.shape, 9)
-    dx_cpu = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]
-    dw_cpu = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0]
-    y = _run_kernel("Conv", attrs, ins, _dev)[0]
-    dx = _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], _dev)[0]
-    dw = _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], _dev)[0]
+    dx_cpu = run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]
+    dw_cpu = run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0]
+    y = run_kernel("Conv", attrs, ins, _dev)[0]
+    dx = run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], _dev)[0]
+    dw = run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], _dev)[0]
     return (y, dx, dw), (y_cpu, dx_cpu, dw_cpu)
 
 
@@ -353,7 +353,7 @@ def test_fastest_plan_is_chosen_and_its_workspace_reserved(device, monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
     kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
-    y_cpu = _run_kernel("Conv", {"pad": 1}, [x, w])[0]
+    y_cpu = run_kernel("Conv", {"pad": 1}, [x, w])[0]
     y = _dev(np.full(y_cpu.shape, np.nan, np.float32))
     before = y.copy()
     kernel.setup([_dev(x), _dev(w)], [y])
@@ -525,8 +525,8 @@ def test_grouped_and_double_convolutions_take_im2col(device, monkeypatch):
     x, w = _rand((2, 4, 5, 5), 0), _rand((4, 2, 3, 3), 1)
     _check(*_conv_ops({"pad": 1, "group": 2}, x, w))
     x64, w64 = x.astype(np.float64), _rand((4, 4, 3, 3), 1).astype(np.float64)
-    y = _run_kernel("Conv", {"pad": 1}, [x64, w64], _dev)[0]
-    np.testing.assert_allclose(y, _run_kernel("Conv", {"pad": 1}, [x64, w64])[0], rtol=1e-12)
+    y = run_kernel("Conv", {"pad": 1}, [x64, w64], _dev)[0]
+    np.testing.assert_allclose(y, run_kernel("Conv", {"pad": 1}, [x64, w64])[0], rtol=1e-12)
     assert not fake.graphs
 
 
@@ -546,7 +546,7 @@ def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
     k = 1 if attrs.pop("kernel_1x1", False) else 5
     x, w, b = _rand((8, 16, 12, 12), 0), _rand((32, 16, k, k), 1), _rand((32,), 2)
     ins = [x, w, b]
-    y_cpu = _run_kernel("Conv", attrs, ins)[0]
+    y_cpu = run_kernel("Conv", attrs, ins)[0]
     kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], dict(attrs)))
     dev = [cupy.asarray(a) for a in ins]
     y = cupy.full(y_cpu.shape, np.nan, np.float32)
@@ -558,7 +558,7 @@ def test_cudnn_conv_matches_the_cpu_on_a_gpu(attrs):
     for op_type, extra, args in (("ConvGradData", {"x_shape": list(x.shape)}, [dy, w]),
                                  ("ConvGradWeight", {"w_shape": list(w.shape)}, [dy, x])):
         attrs_g = {key: v for key, v in attrs.items() if key != "relu"}
-        want = _run_kernel(op_type, dict(attrs_g, **extra), args)[0]
+        want = run_kernel(op_type, dict(attrs_g, **extra), args)[0]
         kern = get_kernel_class(op_type)(Op("g", op_type, [], [], dict(attrs_g, **extra)))
         dargs = [cupy.asarray(a) for a in args]
         out = cupy.full(want.shape, np.nan, np.float32)
@@ -582,13 +582,13 @@ def test_plans_timed_then_read_from_the_cache_on_a_gpu(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     x, w = _rand((16, 32, 16, 16), 0), _rand((32, 32, 5, 5), 1)
     attrs = {"pad": 2}
-    y_cpu = _run_kernel("Conv", attrs, [x, w])[0]
+    y_cpu = run_kernel("Conv", attrs, [x, w])[0]
     dy = _rand(y_cpu.shape, 3)
     cases = [("Conv", attrs, [x, w], y_cpu),
              ("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w],
-              _run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]),
+              run_kernel("ConvGradData", dict(attrs, x_shape=list(x.shape)), [dy, w])[0]),
              ("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
-              _run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0])]
+              run_kernel("ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x])[0])]
     chosen = []
     for round_ in ("cold", "warm"):
         gpu_cudnn.reset()

@@ -15,8 +15,8 @@ import purine_mpi.gpu.streams  # noqa: F401  (gpu.streams)
 from purine_mpi.parallel import placement
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.data import DataReader
-from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _tiny_config,
-                                    _train_simulated, use_emulated_cupy)
+from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, tiny_config,
+                                    train_simulated, use_emulated_cupy)
 
 SOURCE = {"source": "synthetic", "shape": [2, 3, 3], "classes": 4, "num_samples": 10,
           "shuffle": True}
@@ -121,7 +121,7 @@ def _old_placement(monkeypatch):
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_training_is_bitwise_what_it_was_and_no_host_copy_in_the_iteration(
         emulated, monkeypatch, cuda_graph):
-    config = _tiny_config()
+    config = tiny_config()
     iters = 5
     set_calls, stage_threads, runs, copies = [], [], [], []
     real_set, real_stage, real_run = DeviceArray.set, DataReader._stage, DataReader.run
@@ -147,7 +147,7 @@ def test_training_is_bitwise_what_it_was_and_no_host_copy_in_the_iteration(
     monkeypatch.setattr(DataReader, "_stage", spy_stage)
     monkeypatch.setattr(DataReader, "run", spy_run)
     monkeypatch.setattr(gpu.streams, "copy_to_device_async", spy_copy)
-    new = _train_simulated(config, 0, iters=iters, cuda_graph=cuda_graph)
+    new = train_simulated(config, 0, iters=iters, cuda_graph=cuda_graph)
     ws = new[2]
     # the batch went host -> device only as cudaMemcpyAsync out of the
     # staging pairs, written in the prefetch thread; no ndarray.set, no host
@@ -164,7 +164,7 @@ def test_training_is_bitwise_what_it_was_and_no_host_copy_in_the_iteration(
 
     monkeypatch.setattr(DataReader, "run", real_run)
     _old_placement(monkeypatch)
-    old = _train_simulated(config, 0, iters=iters, cuda_graph=cuda_graph)
+    old = train_simulated(config, 0, iters=iters, cuda_graph=cuda_graph)
     assert "data.h2d" in old[2].graph.ops  # the reference is the old structure
     assert old[0] == new[0]
     for name, value in old[1].items():

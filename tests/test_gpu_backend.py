@@ -21,13 +21,8 @@ the CPU.
 """
 import contextlib
 import copy
-import ctypes
 import random
-import sys
-import threading
-import time
 import types
-from collections import deque
 
 import numpy as np
 import pytest
@@ -40,7 +35,6 @@ from purine_mpi.graph.core import Location, Op
 from purine_mpi.gpu import kernels
 from purine_mpi.parallel.placement import place_on_device, prepare_for_device, select_device
 from purine_mpi.job.config import validate_config
-from purine_mpi.layers.fillers import fill
 from purine_mpi.job.replica import build_train_graph
 from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.ops.registry import OpKernel, Pending, register
@@ -49,427 +43,11 @@ from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.trace import Profiler
 from purine_mpi.runtime.workspace import ARENA_ALIGN, Workspace, plan_device_memory
-from tests import sim_capture
+from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, check_order, compare,
+                                cpu_workspace, emulated_trainer_env, init_params, log_kernels,
+                                run_graph_on_gpu, run_kernel, tiny_config, tiny_raw,
+                                train_simulated, use_emulated_cupy)
 from tests.conftest import cuda_cupy_or_skip as _gpu_cupy, make_job
-
-
-class _NoDevice:
-    """Stands for ``cupy.cuda.Device(...)``: a context manager doing nothing."""
-
-    id = 0
-
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def use(self):
-        pass
-
-
-class Allocations:
-    """Device allocations on the emulated device, logged while ``counting``:
-    every new DeviceArray that owns fresh memory -- a ufunc result without
-    ``out=`` (``x > 0``, ``a @ b``, ``x.sum()``), a copy (``astype``,
-    ``copy``, ``ascontiguousarray`` of a strided view), a NumPy function's
-    result that shares no memory with its inputs (``where``, ``pad``), and
-    the emulated cupy's ``empty``/``zeros``/``asarray``. What CuPy would
-    allocate on a GPU for the same calls (its own internals aside)."""
-
-    counting = False
-    log = []
-    #: bytes of every device allocation so far, counting or not (what the
-    #: emulated memory pool says it holds: a pool that never reuses a block)
-    total_bytes = 0
-
-    @classmethod
-    def note(cls, what, array):
-        cls.total_bytes += int(getattr(array, "nbytes", 0))
-        if cls.counting:
-            cls.log.append((what, tuple(np.shape(array)), str(getattr(array, "dtype", ""))))
-
-
-def _plain(x):
-    return np.asarray(x) if isinstance(x, DeviceArray) else x
-
-
-def _frozen(x):
-    """An operand of device work recorded in a capture: a device array is
-    read when the work runs (replay); a host value is taken now, as CuPy
-    passes host scalars to a kernel by value."""
-    if isinstance(x, DeviceArray):
-        return np.asarray(x)
-    if isinstance(x, np.ndarray):
-        return np.array(x, copy=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_frozen(v) for v in x)
-    return x
-
-
-#: NumPy functions that return a view or a property, never new memory
-_VIEW_FUNCTIONS = {"reshape", "ravel", "transpose", "swapaxes", "moveaxis", "squeeze",
-                   "expand_dims", "broadcast_to", "atleast_1d", "atleast_2d", "atleast_3d",
-                   "shape", "ndim", "size", "may_share_memory", "shares_memory",
-                   "result_type", "iscomplexobj", "isrealobj"}
-
-
-#: CuPy's synchronous copies (``ndarray.get``/``set``): (which, host thread)
-SYNC_COPIES = []
-
-
-class DeviceArray(np.ndarray):
-    """A NumPy array standing for a CuPy array on the emulated device.
-
-    On a stream that captures (``tests/sim_capture.py``) it behaves as CuPy
-    does there: device work (an elementwise operation into an existing
-    array, a copy, a fill) is recorded into the graph, not run; a
-    host<->device copy, a read of a value on the host and any allocation
-    are refused, with CuPy's exceptions and messages."""
-
-    @property
-    def device(self):
-        return _NoDevice()
-
-    def __array_finalize__(self, obj):
-        if self.base is None:  # owns its memory: copy(), astype(), empty_like() ...
-            Allocations.note("new array", self)
-
-    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
-        capturing = sim_capture.is_capturing()
-        if capturing and (out is None or method == "at"):
-            sim_capture.refuse_allocation(f"{ufunc.__name__}.{method} without out=")
-        if capturing and method == "reduce":
-            # CuPy may run a reduction through CUB (CUPY_ACCELERATORS), whose
-            # temporary storage comes from the pool: kept out of captures
-            sim_capture.refuse_allocation(f"{ufunc.__name__}.reduce (a CuPy reduction, "
-                                          "which may take CUB temporary storage)")
-        if sim_capture.recording() and out is not None:  # device work of a launch
-            args, outs = [_frozen(x) for x in inputs], tuple(_plain(o) for o in out)
-            frozen = {k: _frozen(v) for k, v in kwargs.items()}
-            sim_capture.device_work(
-                lambda: getattr(ufunc, method)(*args, out=outs, **frozen))
-            return out[0] if len(out) == 1 else out
-        if out is not None:
-            kwargs["out"] = tuple(_plain(o) for o in out)
-        result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
-        if out is not None:
-            return out[0] if len(out) == 1 else out
-        if method == "at":
-            return None
-        wrapped = []
-        for r in result if isinstance(result, tuple) else (result,):
-            Allocations.note(f"{ufunc.__name__}.{method}", r)
-            wrapped.append(np.asarray(r).view(DeviceArray))   # 0-d, as CuPy returns
-        if sim_capture.recording():  # a new array, computed when the launch's work runs
-            args = [_frozen(x) for x in inputs]
-            targets = tuple(np.asarray(w) for w in wrapped)
-            sim_capture.device_work(lambda: _refill(
-                targets, getattr(ufunc, method)(*args, **kwargs)))
-        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
-
-    def __array_function__(self, func, types, args, kwargs):
-        if func.__name__ not in _VIEW_FUNCTIONS and sim_capture.recording():
-            if func.__name__ == "copyto":
-                dst, src = args[0], args[1] if len(args) > 1 else kwargs["src"]
-                plain_dst, value = _plain(dst), _frozen(src)
-                sim_capture.device_work(lambda: np.copyto(plain_dst, value))
-                return None
-            if kwargs.get("out") is not None:  # a kernel into an existing array
-                out = kwargs["out"]
-                plain_args = [_frozen(a) for a in args]
-                plain_kwargs = {k: _frozen(v) for k, v in kwargs.items()}
-                sim_capture.device_work(lambda: func(*plain_args, **plain_kwargs))
-                return out
-            if sim_capture.is_capturing():
-                sim_capture.refuse_allocation(f"numpy.{func.__name__} (not modelled as a "
-                                              "capturable operation by the simulated device)")
-        result = super().__array_function__(func, types, args, kwargs)
-        inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
-        fresh = []
-        for r in result if isinstance(result, tuple) else (result,):
-            if isinstance(r, np.ndarray) and r.size and \
-                    not any(np.may_share_memory(r, a) for a in inputs):
-                Allocations.note(func.__name__, r)
-                fresh.append(r)
-        if fresh and sim_capture.recording():  # computed again when the work runs
-            plain_args = [_frozen(a) for a in args]
-            plain_kwargs = {k: _frozen(v) for k, v in kwargs.items()}
-            targets = tuple(np.asarray(r) for r in fresh)
-            sim_capture.device_work(lambda: _refill(
-                targets, func(*plain_args, **plain_kwargs), fresh=True))
-        return result
-
-    def __setitem__(self, key, value):
-        if sim_capture.is_capturing() and isinstance(value, np.ndarray) and \
-                not isinstance(value, DeviceArray):
-            raise RuntimeError(sim_capture.H2D_REFUSED)  # CuPy brings it over with set()
-        if sim_capture.recording():
-            target, frozen = np.asarray(self), _frozen(value)
-            sim_capture.device_work(lambda: target.__setitem__(key, frozen))
-            return
-        super().__setitem__(key, value)
-
-    def __getitem__(self, key):
-        result = super().__getitem__(key)
-        if not isinstance(result, np.ndarray):  # CuPy gives a 0-d device array
-            result = super().__getitem__((key if isinstance(key, tuple) else (key,))
-                                         + (Ellipsis,))
-        return result
-
-    def fill(self, value):
-        self[...] = value
-
-    def copy(self, order="C"):
-        sim_capture.refuse_allocation("ndarray.copy")
-        return _copied_on_device(self, super().copy(order))
-
-    def astype(self, dtype, *args, **kwargs):
-        result = super().astype(dtype, *args, **kwargs)
-        if not np.may_share_memory(result, self):  # copy=False of the same dtype: self
-            sim_capture.refuse_allocation("ndarray.astype")
-            result = _copied_on_device(self, result)
-        return result
-
-    def set(self, array, stream=None):
-        """CuPy's host -> device copy into this array."""
-        sim_capture.refuse_if_capturing(RuntimeError, sim_capture.H2D_REFUSED,
-                                        _sim_stream(stream))
-        SYNC_COPIES.append(("set", threading.current_thread().name))
-        np.asarray(self)[...] = array
-
-    def get(self, stream=None, out=None):
-        """CuPy's device -> host copy: after the stream's queued work."""
-        stream = _sim_stream(stream)
-        sim_capture.refuse_if_capturing(RuntimeError, sim_capture.D2H_REFUSED, stream)
-        stream = stream or sim_capture.current_stream()
-        SYNC_COPIES.append(("get", threading.current_thread().name))
-        if getattr(stream, "runtime", None) is not None and not sim_capture.recording():
-            stream.runtime.sync_stream(stream)
-        if out is None:
-            return np.array(self)
-        out[...] = self
-        return out
-
-    # a value read on the host is a device -> host copy (CuPy calls get())
-    def __float__(self):
-        return float(self.get())
-
-    def __int__(self):
-        return int(self.get())
-
-    def __bool__(self):
-        return bool(self.get())
-
-    def item(self, *args):
-        return self.get().item(*args)
-
-    def tolist(self):
-        return self.get().tolist()
-
-
-def _copied_on_device(source, copy):
-    """A copy CuPy makes on the stream: within a launch it is device work,
-    reading ``source`` when the stream gets to it (after the work queued
-    before it), not when the host asks for it. (Made at once, it read the
-    operand of an Eltwise sum before the GEMM writing it had run.)"""
-    if sim_capture.recording():
-        src, target = np.asarray(source), np.asarray(copy)
-        sim_capture.device_work(lambda: np.copyto(target, src, casting="unsafe"))
-    return copy
-
-
-def _refill(targets, result, fresh=False):
-    """Write a recomputed result into the arrays handed out at launch."""
-    results = result if isinstance(result, tuple) else (result,)
-    if fresh:
-        results = [r for r in results if isinstance(r, np.ndarray) and r.size]
-    for target, value in zip(targets, results):
-        target[...] = np.asarray(value)
-
-
-def _sim_stream(stream):
-    """The simulated stream a CuPy ``stream=`` argument names (None: current)."""
-    if stream is None:
-        return None
-    return sim_capture.stream_of(stream.ptr) if hasattr(stream, "ptr") else stream
-
-
-def _emulated_cupy(build_dir):
-    """A stand-in for the cupy module: host-compiled raw kernels, NumPy
-    arithmetic on DeviceArray (any other attribute is NumPy's), and CuPy's
-    rules inside a stream capture (``tests/sim_capture.py``)."""
-    from tests.test_gpu_kernels import _host_cupy
-    fake = _host_cupy(build_dir)
-    fake._emulated = True  # SimulatedRuntime records captures faithfully for it
-
-    def on_device(array):
-        return np.asarray(array).view(DeviceArray)
-
-    def allocated(what, array, source=None):
-        # a host array brought to the device is a new device array too
-        if source is None or not isinstance(source, DeviceArray) or \
-                not np.may_share_memory(array, _plain(source)):
-            sim_capture.refuse_allocation(what)
-            Allocations.note(what, array)
-        return on_device(array)
-
-    def asnumpy(a, stream=None, out=None):
-        if isinstance(a, DeviceArray):
-            return a.get(stream=stream, out=out)
-        return np.asarray(a) if out is None else np.copyto(out, a) or out
-
-    def memcpy_async(dst, src, size, kind, stream_ptr):
-        """cudaMemcpyAsync on raw addresses: in a capture, from page-locked
-        memory only; it copies what ``src`` holds when it runs."""
-        stream = sim_capture.stream_of(stream_ptr)
-        host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
-        if sim_capture.is_capturing(stream) and not _pinned_range(host, size):
-            raise sim_capture.CUDARuntimeError(sim_capture.PAGEABLE_REFUSED)
-        MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
-        sim_capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
-
-    def device_synchronize():
-        if sim_capture.any_capture_open():
-            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
-
-    fake.ndarray = DeviceArray
-    fake.empty = lambda shape, dtype=float: allocated("empty", np.empty(shape, dtype))
-    fake.zeros = lambda shape, dtype=float: allocated("zeros", np.zeros(shape, dtype))
-    fake.empty_like = lambda a, dtype=None: allocated("empty_like",
-                                                      np.empty_like(_plain(a), dtype))
-    fake.zeros_like = lambda a, dtype=None: allocated("zeros_like",
-                                                      np.zeros_like(_plain(a), dtype))
-    fake.ascontiguousarray = lambda a, dtype=None: allocated(
-        "ascontiguousarray", np.ascontiguousarray(_plain(a), dtype), a)
-    fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(_plain(a), dtype), a)
-    fake.asnumpy = asnumpy
-    # CuPy's pool (bench --json reports what it holds)
-    fake.get_default_memory_pool = lambda: types.SimpleNamespace(
-        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
-    # what the workspace needs: a device context, a device count, pinned memory
-    fake.cuda.Device = _NoDevice
-    runtime = fake.cuda.runtime
-    runtime.getDeviceCount = lambda: 1
-    runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
-    runtime.memcpyAsync = memcpy_async
-    runtime.deviceSynchronize = device_synchronize
-    runtime.streamIsCapturing = lambda ptr: sim_capture.is_capturing(
-        sim_capture.stream_of(ptr) or sim_capture.DEFAULT_STREAM)
-    runtime.CUDARuntimeError = sim_capture.CUDARuntimeError
-    fake.cuda.alloc_pinned_memory = _alloc_pinned
-    fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
-    return fake
-
-
-_pinned_buffers = []  # (start, end) of the page-locked allocations
-#: (kind, stream key) of every cudaMemcpyAsync queued on the emulated device
-MEMCPY_LOG = []
-
-
-def _alloc_pinned(nbytes):
-    """``cupy.cuda.alloc_pinned_memory``: a host buffer known to be page-locked."""
-    sim_capture.refuse_allocation("pinned host memory")
-    buffer = bytearray(max(int(nbytes), 1))
-    start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
-    _pinned_buffers.append((start, start + len(buffer), buffer))
-    return buffer
-
-
-def _pinned_range(address, size):
-    return any(lo <= address and address + size <= hi for lo, hi, _ in _pinned_buffers)
-
-
-def use_emulated_cupy(monkeypatch, build_dir, nvmath=True):
-    """Make ``_emulated_cupy(build_dir)`` the CuPy that purine_mpi imports (for
-    this test), with an empty raw-kernel cache; returns it. The matrix
-    products go through the emulated nvmath cuBLAS (capturable), or with
-    ``nvmath=False`` through the emulated CuPy cuBLAS (which refuses a
-    capture)."""
-    from tests.test_gpu_kernels import use_emulated_nvmath
-    gpu.clear_kernel_cache()
-    fake = _emulated_cupy(build_dir)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(backend, "_cupy", fake)
-    use_emulated_nvmath(monkeypatch, enabled=nvmath)
-    return fake
-
-
-class _Device:
-    def __init__(self, name, to_device, to_host):
-        self.name, self.to_device, self.to_host = name, to_device, to_host
-
-
-@pytest.fixture(params=["emulated", pytest.param("cupy", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    """Where the op's GPU branch runs; records the raw kernels launched."""
-    gpu.clear_kernel_cache()
-    launched = []
-    real_launch = kernels.base._launch
-
-    def spy(source, func, dtype, total, args):
-        launched.append(func)
-        return real_launch(source, func, dtype, total, args)
-
-    monkeypatch.setattr(kernels.base, "_launch", spy)
-    real_blocks = kernels.base._launch_blocks
-
-    def spy_blocks(source, func, dtype, blocks, threads, args):
-        launched.append(func)
-        return real_blocks(source, func, dtype, blocks, threads, args)
-
-    monkeypatch.setattr(kernels.base, "_launch_blocks", spy_blocks)
-    from purine_mpi.ops import conv as conv_ops
-    real_cudnn_run = conv_ops._cudnn_run
-
-    def spy_cudnn(kernel, scratch, arrays):   # a convolution that cuDNN took
-        launched.extend(["cudnn", "cudnn_epilogue"] if kernel._plan.fused else ["cudnn"])
-        return real_cudnn_run(kernel, scratch, arrays)
-
-    monkeypatch.setattr(conv_ops, "_cudnn_run", spy_cudnn)
-    if request.param == "cupy":
-        cupy = _gpu_cupy()
-        dev = _Device("cupy", cupy.asarray, cupy.asnumpy)
-    else:
-        use_emulated_cupy(monkeypatch, request.getfixturevalue("host_build_dir"))
-        dev = _Device("emulated", lambda a: np.array(a).view(DeviceArray), np.asarray)
-    dev.launched = launched
-    yield dev
-    gpu.clear_kernel_cache()
-
-
-def _run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
-    """Run one kernel on ``inputs`` (converted with ``convert``, except the
-    indices in ``host_inputs``); returns its outputs as NumPy arrays."""
-    cls = get_kernel_class(op_type)
-    specs = cls.infer(attrs, [(a.shape, str(a.dtype)) for a in inputs])
-    kernel = cls(Op("probe", op_type, [], [], dict(attrs)))
-    convert = convert or (lambda a: a)
-    ins = [a if i in host_inputs else convert(a) for i, a in enumerate(inputs)]
-    outs = [convert(np.full(shape, np.nan if np.dtype(d).kind == "f" else -7, dtype=d))
-            for shape, d in specs]
-    kernel.run(ins, outs)
-    return [np.array(backend.to_numpy(o)) for o in outs]
-
-
-def _compare(dev, op_type, attrs, inputs, expect_kernels, dtype, host_inputs=()):
-    cpu = _run_kernel(op_type, attrs, inputs)
-    dev.launched.clear()
-    got = _run_kernel(op_type, attrs, inputs, dev.to_device, host_inputs)
-    assert set(expect_kernels) <= set(dev.launched), \
-        f"{op_type}: the GPU branch launched {dev.launched}, expected {expect_kernels}"
-    tight = dtype == np.float64
-    for c, g in zip(cpu, got):
-        assert c.shape == g.shape and c.dtype == g.dtype
-        if c.dtype.kind == "f":
-            np.testing.assert_allclose(g, c, rtol=1e-10 if tight else 2e-5,
-                                       atol=1e-10 if tight else 2e-5)
-        else:
-            np.testing.assert_array_equal(g, c)
-    return cpu, got
 
 
 def _rand(shape, dtype, seed=0, scale=1.0):
@@ -522,14 +100,14 @@ def test_conv_gpu_branch(device, case, dtype, monkeypatch):
     for conv in _conv_paths(device):
         with _forced_conv(monkeypatch, conv) as cudnn_loads:
             eligible = conv == "cudnn" and cudnn_loads and dtype == np.float32 and group == 1
-            (y,), _ = _compare(device, "Conv", attrs, [x, w, b], [], dtype)
+            (y,), _ = compare(device, "Conv", attrs, [x, w, b], [], dtype)
             assert ("cudnn" in device.launched) == eligible, (conv, device.launched)
             _check_conv_path(device, pointwise, "im2col")
             dy = _rand(y.shape, dtype, 3)
-            _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
+            compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
                      dtype)
             _check_conv_path(device, pointwise, "col2im", may_take_cudnn=eligible)
-            _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], [],
+            compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x], [],
                      dtype)
             _check_conv_path(device, pointwise, "im2col", may_take_cudnn=eligible)
 
@@ -554,11 +132,11 @@ def test_conv_gpu_branch_in_chunks(device, case, monkeypatch):
     group = attrs.get("group", 1)
     x = _rand(x_shape, np.float64)
     w = _rand((o, x_shape[1] // group, kh, kw), np.float64, 1)
-    (y,), _ = _compare(device, "Conv", attrs, [x, w], [], np.float64)
+    (y,), _ = compare(device, "Conv", attrs, [x, w], [], np.float64)
     dy = _rand(y.shape, np.float64, 3)
-    _compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
+    compare(device, "ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [],
              np.float64)
-    _compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
+    compare(device, "ConvGradWeight", dict(attrs, w_shape=list(w.shape)), [dy, x],
              ["sum_rows"], np.float64)
     assert device.launched.count("sum_rows") == x_shape[0]
 
@@ -570,14 +148,14 @@ def test_inner_product_gpu_branch(device, dtype, axis):
     k = int(np.prod(x.shape[axis:]))
     w, b = _rand((6, k), dtype, 1), _rand((6,), dtype, 2)
     attrs = {"axis": axis}
-    (y,), _ = _compare(device, "InnerProduct", attrs, [x, w, b], ["bias_act"], dtype)
+    (y,), _ = compare(device, "InnerProduct", attrs, [x, w, b], ["bias_act"], dtype)
     dy = _rand(y.shape, dtype, 3)
-    _compare(device, "InnerProductGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], [],
+    compare(device, "InnerProductGradData", dict(attrs, x_shape=list(x.shape)), [dy, w], [],
              dtype)
-    _compare(device, "InnerProductGradWeight", attrs, [dy, x], [], dtype)
+    compare(device, "InnerProductGradWeight", attrs, [dy, x], [], dtype)
     # rows 1..3 only (a chunk of a split weight): dy's columns as a strided view
-    _compare(device, "InnerProductGradWeight", dict(attrs, rows=[1, 4]), [dy, x], [], dtype)
-    _compare(device, "InnerProductGradBias", attrs, [dy], ["sum_rows"], dtype)
+    compare(device, "InnerProductGradWeight", dict(attrs, rows=[1, 4]), [dy, x], [], dtype)
+    compare(device, "InnerProductGradBias", attrs, [dy], ["sum_rows"], dtype)
 
 
 POOL_CASES = [
@@ -595,10 +173,10 @@ POOL_CASES = [
 def test_pool_gpu_branch(device, attrs, dtype):
     x = _rand((2, 3, 7, 6), dtype)
     kind = "maxpool" if attrs["pool"] == "max" else "avepool"
-    outs, _ = _compare(device, "Pool", attrs, [x], [f"{kind}_forward"], dtype)
+    outs, _ = compare(device, "Pool", attrs, [x], [f"{kind}_forward"], dtype)
     dy = _rand(outs[0].shape, dtype, 1)
     grad_in = [dy, outs[1]] if kind == "maxpool" else [dy]
-    _compare(device, "PoolGrad", dict(attrs, x_shape=list(x.shape)), grad_in,
+    compare(device, "PoolGrad", dict(attrs, x_shape=list(x.shape)), grad_in,
              [f"{kind}_backward"], dtype)
 
 
@@ -606,9 +184,9 @@ def test_pool_gpu_branch(device, attrs, dtype):
 def test_lrn_gpu_branch(device, dtype):
     attrs = {"local_size": 5, "alpha": 0.3, "beta": 0.75, "k": 2.0}
     x = _rand((2, 7, 3, 4), dtype)
-    (y, scale), _ = _compare(device, "LRN", attrs, [x], ["lrn_forward"], dtype)
+    (y, scale), _ = compare(device, "LRN", attrs, [x], ["lrn_forward"], dtype)
     dy = _rand(x.shape, dtype, 1)
-    _compare(device, "LRNGrad", attrs, [dy, x, y, scale], ["lrn_backward"], dtype)
+    compare(device, "LRNGrad", attrs, [dy, x, y, scale], ["lrn_backward"], dtype)
 
 
 SOFTMAX_CASES = [  # logits shape, ignore_label
@@ -627,11 +205,11 @@ def test_softmax_loss_gpu_branch(device, case, dtype):
     x = _rand(shape, dtype, scale=3.0)
     label = rng.integers(0, shape[1], size=(shape[0],) + shape[2:]).astype(np.int64)
     attrs = {} if ignore is None else {"ignore_label": ignore}
-    (loss, prob), _ = _compare(device, "SoftmaxLoss", attrs, [x, label],
+    (loss, prob), _ = compare(device, "SoftmaxLoss", attrs, [x, label],
                                ["softmax_loss_forward"], dtype)
     assert loss.shape == ()
     dloss = np.asarray(0.7, dtype=dtype)
-    _compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
+    compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
              ["softmax_loss_backward"], dtype)
 
 
@@ -642,8 +220,8 @@ def test_softmax_gpu_branch(device, shape, axis, dtype):
     """The Softmax op and its gradient on a GPU: one raw kernel each (no
     CuPy reduction, so a CUDA graph captures them), any axis."""
     x = _rand(shape, dtype, scale=3.0)
-    (y,), _ = _compare(device, "Softmax", {"axis": axis}, [x], ["softmax_forward"], dtype)
-    _compare(device, "SoftmaxGrad", {"axis": axis}, [_rand(shape, dtype, 1), y],
+    (y,), _ = compare(device, "Softmax", {"axis": axis}, [x], ["softmax_forward"], dtype)
+    compare(device, "SoftmaxGrad", {"axis": axis}, [_rand(shape, dtype, 1), y],
              ["softmax_backward"], dtype)
 
 
@@ -652,7 +230,7 @@ def test_softmax_into_a_strided_blob_on_a_gpu(device):
     buffer (as a concat's input is): its (outer, C, inner) reshape would be
     a copy, so the op takes the generic path and the slice gets the values."""
     x = _rand((2, 3, 4), np.float64, scale=3.0)
-    want = _run_kernel("Softmax", {"axis": 2}, [x])[0]
+    want = run_kernel("Softmax", {"axis": 2}, [x])[0]
     buf = device.to_device(np.full((2, 5, 4), np.nan))
     y = buf[:, 1:4]                                   # not C-contiguous
     kernel = get_kernel_class("Softmax")(Op("probe", "Softmax", [], [], {"axis": 2}))
@@ -671,7 +249,7 @@ def test_sgd_update_gpu_branch(device, dtype, lr_on_host):
              "grad_scale": 0.25}
     w, g, v = _rand((5, 7), dtype), _rand((5, 7), dtype, 1), _rand((5, 7), dtype, 2)
     lr = np.asarray(0.05, dtype=np.float32)
-    _compare(device, "SGDUpdate", attrs, [w, g, v, lr], ["sgd_momentum"], dtype,
+    compare(device, "SGDUpdate", attrs, [w, g, v, lr], ["sgd_momentum"], dtype,
              host_inputs=(3,) if lr_on_host else ())
 
 
@@ -695,13 +273,13 @@ def test_dropout_gpu_branch_draws_the_cpu_mask(device, dtype, iter_on_host):
     """Same seed, op and iteration: the device draws the CPU's mask, bit for bit."""
     x = _rand((5, 7, 3), dtype)
     it = np.asarray(12, np.int64)
-    cpu, got = _compare(device, "Dropout", {"ratio": 0.4}, [x, it], ["dropout_forward"], dtype,
+    cpu, got = compare(device, "Dropout", {"ratio": 0.4}, [x, it], ["dropout_forward"], dtype,
                         host_inputs=(1,) if iter_on_host else ())
     for c, g in zip(cpu, got):
         np.testing.assert_array_equal(g, c)
     assert 0 < cpu[1].mean() < 1
     dy = _rand(x.shape, dtype, 1)
-    cpu, got = _compare(device, "DropoutGrad", {"ratio": 0.4}, [dy, cpu[1]],
+    cpu, got = compare(device, "DropoutGrad", {"ratio": 0.4}, [dy, cpu[1]],
                         ["dropout_backward"], dtype)
     np.testing.assert_array_equal(got[0], cpu[0])
 
@@ -712,13 +290,13 @@ def test_relu_gpu_branch_is_one_kernel_each_way(device, dtype, slope):
     x = _rand((4, 3, 5), dtype)
     x.reshape(-1)[:4] = [np.nan, -0.0, 0.0, np.inf]   # NaN propagates, as in NumPy
     attrs = {"negative_slope": slope}
-    cpu, got = _compare(device, "Relu", attrs, [x], ["relu_forward"], dtype)
+    cpu, got = compare(device, "Relu", attrs, [x], ["relu_forward"], dtype)
     assert device.launched == ["relu_forward"]
     np.testing.assert_array_equal(got[0], cpu[0])
     assert np.isnan(got[0].reshape(-1)[0])
     dy = _rand(x.shape, dtype, 1)
     dy.reshape(-1)[5] = np.inf
-    cpu, got = _compare(device, "ReluGrad", attrs, [dy, x], ["relu_backward"], dtype)
+    cpu, got = compare(device, "ReluGrad", attrs, [dy, x], ["relu_backward"], dtype)
     assert device.launched == ["relu_backward"]
     np.testing.assert_array_equal(got[0], cpu[0])
 
@@ -726,9 +304,9 @@ def test_relu_gpu_branch_is_one_kernel_each_way(device, dtype, slope):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_bias_gradients_are_one_reduction_kernel(device, dtype):
     dy = _rand((5, 6, 3, 4), dtype)
-    _compare(device, "ConvGradBias", {}, [dy], ["bias_grad"], dtype)
+    compare(device, "ConvGradBias", {}, [dy], ["bias_grad"], dtype)
     assert device.launched == ["bias_grad"]
-    _compare(device, "InnerProductGradBias", {}, [dy.reshape(5, 2, 36)], ["sum_rows"], dtype)
+    compare(device, "InnerProductGradBias", {}, [dy.reshape(5, 2, 36)], ["sum_rows"], dtype)
     assert device.launched == ["sum_rows"]
 
 
@@ -744,12 +322,12 @@ def test_relu_fused_into_its_producer(device, op_type, shapes, slope, monkeypatc
     with the frontend; else cuDNN's conv and the bias kernel)."""
     x, w, b = (_rand(s, np.float32, i) for i, s in enumerate(shapes))
     attrs = {"pad": 1} if op_type == "Conv" else {}
-    (plain,) = _run_kernel(op_type, attrs, [x, w, b])
-    (relu,) = _run_kernel("Relu", {"negative_slope": slope}, [plain])
+    (plain,) = run_kernel(op_type, attrs, [x, w, b])
+    (relu,) = run_kernel("Relu", {"negative_slope": slope}, [plain])
     fused = dict(attrs, relu=True, negative_slope=slope)
     for conv in _conv_paths(device) if op_type == "Conv" else ["im2col"]:
         with _forced_conv(monkeypatch, conv):
-            (cpu,), (got,) = _compare(device, op_type, fused, [x, w, b], [], np.float32)
+            (cpu,), (got,) = compare(device, op_type, fused, [x, w, b], [], np.float32)
             np.testing.assert_array_equal(cpu, relu)
             # cuDNN's epilogue, or our bias kernel after the product: never both
             in_epilogue = "cudnn_epilogue" in device.launched
@@ -763,402 +341,6 @@ def test_float16_on_a_gpu_takes_the_generic_path():
     assert raw_kernels(np, np.zeros(2, np.float32)) is None
     assert raw_kernels(fake_xp, np.zeros(2, np.float16)) is None
     assert raw_kernels(fake_xp, np.zeros(2, np.float32)) is kernels
-
-
-# =====================================================================
-# 2. the stream dispatcher on a simulated device
-# =====================================================================
-
-class SimEvent:
-    def __init__(self, stream):
-        self.stream, self.done, self.time = stream, False, None
-        #: recorded on a capturing stream: the capture and the nodes before it
-        self.capture, self.nodes = None, frozenset()
-
-
-class SimStream:
-    """A stream with CuPy's capture API (``begin_capture``, ``end_capture``,
-    ``is_capturing``)."""
-
-    def __init__(self, key, runtime=None):
-        self.key, self.queue, self.runtime = key, deque(), runtime
-        self.capture = None     # the SimCapture it belongs to, while capturing
-        self.frontier = set()   # capture nodes the next captured work follows
-        self.recorder = None    # the device work of the launch being captured
-        self.ptr = sim_capture.register_stream(self)  # cudaStream_t
-
-    def begin_capture(self, mode=None):
-        self.runtime._begin_capture(self)
-
-    def end_capture(self):
-        return self.runtime._end_capture(self)
-
-    def is_capturing(self):
-        return self.capture is not None
-
-
-class SimCapture:
-    def __init__(self, origin):
-        self.origin, self.streams = origin, {origin}
-        self.nodes, self.deps = [], []  # (name, fn), set of node indices
-
-
-class SimGraph:
-    """A captured graph: nodes (kernel launches) and their dependencies;
-    ``launch(stream)`` queues one replay, whose nodes then run in any order
-    the dependencies allow (interleaved with the other streams)."""
-
-    def __init__(self, runtime, capture):
-        self.runtime = runtime
-        self.nodes = list(capture.nodes)
-        self.deps = [frozenset(d) for d in capture.deps]
-        self.launches = 0
-
-    def launch(self, stream=None):
-        self.runtime._launch_graph(self, stream)
-
-    def names(self):
-        return [n for n, _ in self.nodes]
-
-    def ancestors(self, i):
-        seen, todo = set(), list(self.deps[i])
-        while todo:
-            j = todo.pop()
-            if j not in seen:
-                seen.add(j)
-                todo.extend(self.deps[j])
-        return seen
-
-    def ordered(self, a, b):
-        """Whether the nodes named ``a`` and ``b`` are ordered (a path joins them)."""
-        ia, ib = self.names().index(a), self.names().index(b)
-        return ia in self.ancestors(ib) or ib in self.ancestors(ia)
-
-
-class SimulatedRuntime:
-    """A device with asynchronous streams, for the stream dispatcher.
-
-    ``launch`` queues work on a stream; nothing runs until the host
-    synchronises (``sync_event``, ``sync_streams``, ``sync_devices``) or polls
-    (``query``, which runs a few random steps). Each step runs the head of a
-    randomly chosen stream whose head is not a wait on an unrecorded event,
-    or a ready node of a graph being replayed, so streams interleave in any
-    order the events allow. ``calls`` logs what the dispatcher asked for.
-
-    Stream capture as CUDA (and CuPy) has it: work queued on a capturing
-    stream is recorded, not run; an event recorded there marks a point of
-    the capture, and a stream that waits on it joins the capture; every
-    joined stream must be joined back into the origin before
-    ``end_capture``; a capturing stream cannot wait on an event recorded
-    outside the capture, and nobody may query or synchronise a captured
-    event or synchronise while a capture is open. ``SimGraph.launch``
-    replays the recorded launches (the kernels run again)."""
-
-    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0, faithful=None):
-        self.rng = random.Random(seed)
-        #: capture as CUDA does: an op's host code runs once, at capture, and
-        #: only its device work (tests/sim_capture.py) becomes the graph node;
-        #: on by default with the emulated CuPy, whose arrays record that work
-        #: (plain host arrays cannot: their kernels are recorded whole instead)
-        self.faithful = getattr(sys.modules.get("cupy"), "_emulated", False) \
-            if faithful is None else faithful
-        self.poll_steps = poll_steps
-        self.stalled_polls = stalled_polls  # the first polls see no progress
-        self.lock = threading.RLock()
-        self.streams = {}
-        self.calls = []
-        self.log = []  # ("device"|"host", op name) in execution order
-        self.graphs = []  # every SimGraph captured
-        self._running = []  # [stream, graph, done node set] of replays in progress
-
-    def stream(self, device, thread):
-        with self.lock:
-            return self.streams.setdefault((device, thread),
-                                           SimStream((device, thread), self))
-
-    def launch(self, device, stream, fn, name=None):
-        if self.faithful:  # the host code runs now; its device work runs later
-            stream.recorder = []
-            try:
-                with sim_capture.current(stream):
-                    fn()
-                work = stream.recorder
-            finally:
-                stream.recorder = None
-            fn = _replay_of(work, name, self.log)
-        with self.lock:
-            if stream.capture is not None:
-                cap = stream.capture
-                cap.nodes.append((name, fn))
-                cap.deps.append(set(stream.frontier))
-                stream.frontier = {len(cap.nodes) - 1}
-                self.calls.append(("capture_launch", stream.key, name))
-                return
-            stream.queue.append(("run", _on_stream(stream, fn)))
-            self.calls.append(("launch", stream.key))
-
-    def call(self, device, stream, fn):
-        with self.lock:
-            if stream.capture is not None:
-                raise RuntimeError("host work on a capturing stream")
-            self.calls.append(("call", stream.key))
-        with sim_capture.current(stream):
-            return fn()  # host work: now, with the stream current
-
-    def record(self, device, stream, timing=False):
-        event = SimEvent(stream)
-        with self.lock:
-            if stream.capture is not None:
-                if timing:
-                    raise RuntimeError("a timing event inside a capture")
-                event.capture, event.nodes = stream.capture, frozenset(stream.frontier)
-                self.calls.append(("capture_record", stream.key, event))
-                return event
-            stream.queue.append(("record", event))
-            self.calls.append(("record", stream.key, event))
-        return event
-
-    def wait(self, stream, event):
-        with self.lock:
-            if event.capture is not None:
-                if stream.capture is None:  # joins the capture
-                    stream.capture = event.capture
-                    event.capture.streams.add(stream)
-                    stream.frontier = set(event.nodes)
-                elif stream.capture is event.capture:
-                    stream.frontier |= event.nodes
-                else:
-                    raise RuntimeError("waits on an event of another capture")
-                self.calls.append(("capture_wait", stream.key, event))
-                return
-            if stream.capture is not None:
-                raise RuntimeError("cudaErrorStreamCaptureIsolation: a capturing stream "
-                                   "waits on an event recorded outside the capture")
-            stream.queue.append(("wait", event))
-            self.calls.append(("wait", stream.key, event))
-
-    def query(self, event):
-        self._not_captured(event)
-        steps = self.rng.randint(*self.poll_steps)
-        with self.lock:
-            if self.stalled_polls > 0:
-                self.stalled_polls -= 1
-                steps = 0
-        for _ in range(steps):
-            if not self._step(strict=False):
-                break
-        with self.lock:
-            self.calls.append(("query", event, event.done))
-        return event.done
-
-    def sync_event(self, event):
-        self._not_captured(event)
-        with self.lock:
-            self.calls.append(("sync_event", event))
-        while not event.done:
-            self._step()
-
-    def sync_devices(self, devices):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("sync_devices",))
-        self._drain()
-
-    def sync_stream(self, stream):
-        """``stream.synchronize()``: until its queued work has run."""
-        sim_capture.refuse_if_capturing(sim_capture.CUDARuntimeError,
-                                        sim_capture.SYNC_REFUSED, stream)
-        while stream.queue:
-            self._step()
-
-    def sync_streams(self):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("sync_streams",))
-        self._drain()
-
-    def elapsed_ms(self, start, end):
-        return (end.time - start.time) * 1e3
-
-    def swaps_copies(self):
-        return False
-
-    def host_write(self, devices, fn):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("host_write",))
-        self._drain()
-        fn()
-
-    def prepare_capture(self, device, streams):
-        if self.faithful:  # the emulated CuPy: what CudaRuntime does
-            from purine_mpi.gpu import blas
-            for stream in streams:
-                blas.reserve(stream)
-
-    # ----------------------------------------------------- stream capture
-    def begin_capture(self, device, stream):
-        stream.begin_capture()
-
-    def end_capture(self, device, stream):
-        return stream.end_capture()
-
-    def abort_capture(self, device, stream):
-        with self.lock:
-            cap = stream.capture
-            if cap is not None:
-                for s in cap.streams:
-                    s.capture, s.frontier = None, set()
-
-    def launch_graph(self, device, graph, stream):
-        graph.launch(stream)
-
-    def capture_memory(self, device):
-        import contextlib
-        return contextlib.nullcontext(), None
-
-    def _begin_capture(self, stream):
-        with self.lock:
-            if stream.capture is not None:
-                raise RuntimeError("the stream is capturing already")
-            stream.capture, stream.frontier = SimCapture(stream), set()
-            self.calls.append(("begin_capture", stream.key))
-
-    def _end_capture(self, stream):
-        with self.lock:
-            cap = stream.capture
-            if cap is None or cap.origin is not stream:
-                raise RuntimeError("end_capture on a stream that did not begin the capture")
-            probe = SimGraph(self, cap)
-            joined = set(stream.frontier)
-            for i in list(joined):
-                joined |= probe.ancestors(i)
-            for s in cap.streams:
-                if s is not stream and not s.frontier <= joined:
-                    raise RuntimeError(f"cudaErrorStreamCaptureUnjoined: stream {s.key} "
-                                       "was not joined back into the origin")
-            for s in cap.streams:
-                s.capture, s.frontier = None, set()
-            self.graphs.append(probe)
-            self.calls.append(("end_capture", stream.key, probe))
-            return probe
-
-    def _launch_graph(self, graph, stream):
-        with self.lock:
-            if stream.capture is not None:
-                raise RuntimeError("a graph launched into a capture")
-            stream.queue.append(("graph", graph))
-            graph.launches += 1
-            self.calls.append(("launch_graph", stream.key, graph))
-
-    def _not_captured(self, event):
-        if event.capture is not None:
-            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
-
-    def _no_capture_open(self):
-        if any(s.capture is not None for s in self.streams.values()):
-            raise sim_capture.CUDARuntimeError(sim_capture.SYNC_REFUSED)
-
-    # -------------------------------------------------------- the device
-    def _step(self, strict=True):
-        with self.lock:
-            running = {id(r[0]) for r in self._running}
-            actions = []
-            for s in sorted(self.streams.values(), key=lambda s: str(s.key)):
-                if not s.queue or id(s) in running:
-                    continue
-                kind, item = s.queue[0]
-                if kind != "wait" or item.done:
-                    actions.append(("stream", s))
-            for r in self._running:
-                stream, graph, done, started = r
-                for i, d in enumerate(graph.deps):
-                    if i not in done and i not in started and d <= done:
-                        actions.append(("node", r, i))
-            if not actions:
-                if strict and any(s.queue for s in self.streams.values()):
-                    raise RuntimeError("simulated device deadlock: every stream waits")
-                return False
-            action = self.rng.choice(actions)
-            if action[0] == "node":
-                r, i = action[1], action[2]
-                r[3].add(i)
-                r[1].nodes[i][1]()
-                r[2].add(i)
-                if len(r[2]) == len(r[1].nodes):  # the replay is over
-                    self._running.remove(r)
-                    r[0].queue.popleft()
-                    self.calls.append(("graph_done", r[0].key, r[1]))
-                return True
-            s = action[1]
-            kind, item = s.queue[0]
-            if kind == "graph":
-                if item.nodes:
-                    self._running.append([s, item, set(), set()])
-                else:
-                    s.queue.popleft()
-                return True
-            s.queue.popleft()
-            if kind == "run":
-                item()
-            elif kind == "record":
-                item.done, item.time = True, time.perf_counter()
-            return True
-
-    def _drain(self):
-        while self._step():
-            pass
-
-
-def _replay_of(work, name, log):
-    """The device work recorded for a launch (run by the stream, or by each
-    replay of the graph it was captured into); logs ``name`` when it runs."""
-    def replay():
-        if name is not None:
-            log.append(name)
-        for piece in work:
-            piece()
-    return replay
-
-
-def _on_stream(stream, fn):
-    """Queued work that runs with its stream current (as CuPy's ``with stream``)."""
-    def run():
-        with sim_capture.current(stream):
-            fn()
-    return run
-
-
-def _log_kernels(dispatcher, runtime):
-    """Make every kernel append its op name to ``runtime.log`` when it runs
-    (a faithful runtime logs a launch when its recorded device work runs)."""
-    for name, k in dispatcher.kernels.items():
-        def logged(ins, outs, _run=k.run, _name=name):
-            if not sim_capture.recording():
-                runtime.log.append(_name)
-            return _run(ins, outs)
-        k.run = logged
-
-
-def _check_order(log, graph, skip=()):
-    """Every op ran once, after every op it depends on."""
-    deps = graph.dependencies()
-    pos = {}
-    for i, name in enumerate(log):
-        assert name not in pos, f"op {name} ran twice in one iteration"
-        pos[name] = i
-    assert set(pos) == set(graph.ops) - set(skip)
-    for n, preds in deps.items():
-        for p in preds:
-            assert pos[p] < pos[n], f"op {n} ran before its producer {p}"
-
-
-def _cpu_workspace(graph, **kw):
-    """A workspace of host arrays for a graph placed on a (simulated) GPU."""
-    cpu = copy.deepcopy(graph)
-    for b in cpu.blobs.values():
-        b.location = Location(b.location.rank, -1, b.location.ip)
-    return Workspace(cpu, **kw)
 
 
 @register
@@ -1208,10 +390,10 @@ def _chain_graph(locations):
 
 def _dispatcher(graph, runtime, cuda_graph=False, **kw):
     """The stream dispatcher on ``runtime`` (eager unless ``cuda_graph``)."""
-    ws = _cpu_workspace(graph)
+    ws = cpu_workspace(graph)
     d = make_dispatcher(graph, runtime=runtime, workspace=ws, cuda_graph=cuda_graph, **kw)
     assert isinstance(d, StreamDispatcher)
-    _log_kernels(d, runtime)
+    log_kernels(d, runtime)
     return d, ws
 
 
@@ -1233,7 +415,7 @@ def test_cross_stream_edge_waits_same_stream_edge_does_not():
         assert waits == [((0, 1), ev["op1"])]
         syncs = [c[1] for c in rt.calls if c[0] == "sync_event"]
         assert syncs == [ev["op2"]]
-        _check_order(rt.log, g)
+        check_order(rt.log, g)
         # the host op ran only after its producer ran on the device
         assert rt.log.index("op2") < rt.log.index("op3")
         assert [k for k in d.executor.streams.values()] == [(0, 0), (0, 0), (0, 1), None]
@@ -1253,7 +435,7 @@ def test_host_sync_before_comm_op_and_event_after_it():
         ws.set("one", np.ones(3))
         d.run()
         np.testing.assert_array_equal(ws["b3"], np.arange(3.0) + 3)
-        _check_order(rt.log, g)
+        check_order(rt.log, g)
         assert d.executor.streams["op2"] == (0, "comm")
         ev = d.executor.events
         # polled op1's event (never a blocking sync) before the comm op ran
@@ -1310,7 +492,7 @@ def test_accumulating_writers_on_two_streams_chain_their_adds():
                 rt.log.clear()
                 d.run()
                 np.testing.assert_array_equal(ws["out"], np.arange(4.0) + 10)
-                _check_order(rt.log, g)
+                check_order(rt.log, g)
             # the second add waits for the first one (a device-side race otherwise,
             # which this simulation, running each launch atomically, cannot show)
             writers = {(0, 1), (0, 2)}
@@ -1319,46 +501,6 @@ def test_accumulating_writers_on_two_streams_chain_their_adds():
             assert len(chained) == 2  # one per iteration
         finally:
             d.close()
-
-
-def _tiny_config(**overrides):
-    return validate_config(_tiny_raw(**overrides), check_files=False)
-
-
-def _tiny_raw(**overrides):
-    cfg = {
-        "name": "gpu-tiny", "seed": 5,
-        "data": {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 5,
-                           "num_samples": 64, "batch_size": 8, "shuffle": True}},
-        "net": [
-            {"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
-             "num_output": 4, "kernel": 3, "pad": 1,
-             "weight_filler": {"type": "gaussian", "std": 0.1}},
-            {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
-            {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1",
-             "pool": "max", "kernel": 3, "stride": 2, "ceil_mode": True},
-            {"type": "lrn", "name": "norm1", "bottom": "pool1", "top": "norm1",
-             "local_size": 3, "alpha": 0.01, "beta": 0.75},
-            {"type": "conv", "name": "conv2", "bottom": "norm1", "top": "conv2",
-             "num_output": 6, "kernel": 1, "weight_filler": {"type": "gaussian", "std": 0.1}},
-            {"type": "pool", "name": "pool2", "bottom": "conv2", "top": "pool2",
-             "pool": "ave", "kernel": 2, "stride": 2},
-            {"type": "dropout", "name": "drop", "bottom": "pool2", "top": "pool2",
-             "ratio": 0.3},
-            {"type": "fc", "name": "fc1", "bottom": "pool2", "top": "fc1", "num_output": 5,
-             "weight_filler": {"type": "gaussian", "std": 0.1}},
-            {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss"},
-        ],
-        "solver": {"base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
-                   "lr_policy": "step", "gamma": 0.5, "stepsize": 2, "max_iter": 10},
-    }
-    cfg.update(overrides)
-    return cfg
-
-
-def _init(ws, graph, seed):
-    for p in graph.params():
-        ws.set(p.name, fill(p, seed))
 
 
 def _with_fake_allreduce(graph, grads):
@@ -1378,7 +520,7 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
     """A placed training graph, ops spread over three streams at random:
     every op runs after its producers and the results are bitwise those of
     the serial dispatcher on the CPU graph."""
-    config = _tiny_config()
+    config = tiny_config()
     graph, grads = build_train_graph(make_job(config))
     _with_fake_allreduce(graph, grads)
     reference = copy.deepcopy(graph)
@@ -1391,8 +533,8 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
     d, ws = _dispatcher(graph, rt, seed=7)
     d.profiler = Profiler()
     ref = SerialDispatcher(reference, seed=7)
-    _init(ws, graph, 5)
-    _init(ref.workspace, reference, 5)
+    init_params(ws, graph, 5)
+    init_params(ref.workspace, reference, 5)
     try:
         for it in range(3):
             rt.log.clear()
@@ -1400,7 +542,7 @@ def test_training_graph_on_a_simulated_gpu_matches_serial(seed):
             ref.workspace["iter"][...] = it
             d.run(it)
             ref.run(it)
-            _check_order(rt.log, d.graph)
+            check_order(rt.log, d.graph)
             np.testing.assert_array_equal(ws["loss"], ref.workspace["loss"])
         for p in reference.params():
             np.testing.assert_array_equal(ws[p.name], ref.workspace[p.name])
@@ -1422,8 +564,8 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     GPU branches (the raw kernels compiled for the host), run by the stream
     dispatcher on the simulated device. Losses and weights match the CPU;
     so they do after the device fusions (parallel/fuse.py), with the fused kernels."""
-    config = _tiny_config()
-    cpu_losses, cpu_params = _train_simulated(config, -1)
+    config = tiny_config()
+    cpu_losses, cpu_params = train_simulated(config, -1)
     use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
     real_launch = kernels.base._launch
@@ -1433,7 +575,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     monkeypatch.setattr(kernels.base, "_launch_blocks", lambda source, func, *a: (
         launched.append(func), real_blocks(source, func, *a))[1])
     try:
-        losses, params, ws = _train_simulated(config, 0, fuse=fused)
+        losses, params, ws = train_simulated(config, 0, fuse=fused)
     finally:
         gpu.clear_kernel_cache()
     # (no col2im: conv1 needs no data gradient, conv2 is 1x1)
@@ -1461,32 +603,8 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     assert ws.device_bytes[0] == arena.nbytes
 
 
-def _train_simulated(config, device, iters=3, cuda_graph=False, fuse=False):
-    graph, _ = build_train_graph(make_job(config))
-    if fuse:
-        prepare_for_device(graph, device)
-    else:
-        place_on_device(graph, device)
-    if device < 0:
-        d = SerialDispatcher(graph, seed=3)
-    else:
-        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3, cuda_graph=cuda_graph)
-        assert isinstance(d, StreamDispatcher)
-    try:
-        _init(d.workspace, graph, 5)
-        losses = []
-        for it in range(iters):
-            d.workspace["iter"][...] = it
-            d.run(it)
-            losses.append(float(d.workspace["loss"]))
-        params = {p.name: np.array(d.workspace[p.name]) for p in graph.params()}
-        return (losses, params) if device < 0 else (losses, params, d.workspace)
-    finally:
-        d.close()
-
-
 def test_cpu_graph_still_gets_the_event_dispatcher():
-    config = _tiny_config()
+    config = tiny_config()
     graph, _ = build_train_graph(make_job(config))
     d = make_dispatcher(graph)
     try:
@@ -1497,7 +615,7 @@ def test_cpu_graph_still_gets_the_event_dispatcher():
     d = make_dispatcher(graph, "stream")
     try:
         assert isinstance(d, StreamDispatcher) and d.executor.runtime is None
-        _init(d.workspace, graph, 5)
+        init_params(d.workspace, graph, 5)
         d.workspace["iter"][...] = 0
         d.run(0)
         assert np.isfinite(float(d.workspace["loss"]))
@@ -1510,7 +628,7 @@ def test_cpu_graph_still_gets_the_event_dispatcher():
 # =====================================================================
 
 def test_place_on_device():
-    config = _tiny_config()
+    config = tiny_config()
     graph, _ = build_train_graph(make_job(config))
     n_ops = len(graph.ops)
     place_on_device(graph, 1)
@@ -1548,7 +666,7 @@ def test_place_on_device():
 
 
 def test_plan_device_memory_is_aligned_and_disjoint():
-    config = _tiny_config()
+    config = tiny_config()
     graph, _ = build_train_graph(make_job(config))
     place_on_device(graph, 0)
     plans = plan_device_memory(graph)
@@ -1566,7 +684,7 @@ def test_plan_device_memory_is_aligned_and_disjoint():
 
 
 def test_cpu_workspace_unchanged():
-    config = _tiny_config()
+    config = tiny_config()
     graph, _ = build_train_graph(make_job(config))
     ws = Workspace(graph)
     assert ws.device_bytes == {} and plan_device_memory(graph) == {}
@@ -1578,7 +696,7 @@ def test_cpu_workspace_unchanged():
 def test_a_gpu_graph_without_cupy_is_a_user_error():
     if backend.cupy_available():
         pytest.skip("a GPU is available here")
-    config = _tiny_config()
+    config = tiny_config()
     graph, _ = build_train_graph(make_job(config))
     place_on_device(graph, 0)
     with pytest.raises(UserError, match="CuPy"):
@@ -1586,10 +704,10 @@ def test_a_gpu_graph_without_cupy_is_a_user_error():
 
 
 def test_select_device_and_tf32_key():
-    config = _tiny_config()
+    config = tiny_config()
     assert config["tf32"] is False and select_device(make_job(config)) == -1
     with pytest.raises(ConfigError, match="tf32"):
-        _tiny_config(tf32="yes")
+        tiny_config(tf32="yes")
     with pytest.raises(ConfigError, match="backend: numpy"):
         select_device(make_job(dict(config, device=0, backend="numpy")))
     if not backend.cupy_available():
@@ -1618,26 +736,6 @@ GRAPH_OP_CASES = [  # op type, attrs, input shapes (first is x), wrt
 ]
 
 
-def _run_graph_on_gpu(op_type, attrs, inputs, wrt):
-    """tests/opcheck.run_op, but with the graph placed on GPU 0 and run by
-    the stream dispatcher."""
-    from tests.opcheck import _build
-    g, outs, loss_terms, grads, _ = _build(op_type, attrs, inputs, wrt, None, 0)
-    place_on_device(g, 0)
-    d = make_dispatcher(g, seed=0)
-    assert isinstance(d, StreamDispatcher)
-    try:
-        for name, value in inputs.items():
-            d.workspace.set(name, value)
-        for k, _, w in loss_terms:
-            d.workspace.set(f"lw{k}", w)
-        d.run()
-        result = {k: backend.to_numpy(d.workspace[o]) for k, o in enumerate(outs)}
-        return result, {p: backend.to_numpy(d.workspace[gname]) for p, gname in grads.items()}
-    finally:
-        d.close()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GRAPH_OP_CASES,
                          ids=[f"{c[0]}{i}" for i, c in enumerate(GRAPH_OP_CASES)])
@@ -1649,7 +747,7 @@ def test_every_op_on_gpu_matches_numpy(case):
     inputs = {n: np.asarray(7, np.int64) if s == ((), "int64") else _rand(s, np.float32, i)
               for i, (n, s) in enumerate(zip(names, shapes))}   # int64 (): the iteration
     outs_cpu, grads_cpu = run_op(op_type, attrs, inputs, wrt)
-    outs_gpu, grads_gpu = _run_graph_on_gpu(op_type, attrs, inputs, wrt)
+    outs_gpu, grads_gpu = run_graph_on_gpu(op_type, attrs, inputs, wrt)
     for k, v in outs_cpu.items():
         if k == "_loss_weights":
             continue
@@ -1695,7 +793,7 @@ def _run_graph_on_gpu_weights(op_type, attrs, inputs, wrt, weights):
 @pytest.mark.gpu
 def test_workspace_arena_on_gpu():
     cupy = _gpu_cupy()
-    graph, _ = build_train_graph(make_job(_tiny_config()))
+    graph, _ = build_train_graph(make_job(tiny_config()))
     place_on_device(graph, 0)
     ws = Workspace(graph)
     arena = ws._arena[0]
@@ -1720,7 +818,7 @@ def _train(config, device, iters, seed=0, fuse=False):
         place_on_device(graph, device)
     d = make_dispatcher(graph, seed=seed)
     try:
-        _init(d.workspace, graph, config["seed"])
+        init_params(d.workspace, graph, config["seed"])
         losses = []
         for it in range(iters):
             d.workspace["iter"][...] = it
@@ -1734,7 +832,7 @@ def _train(config, device, iters, seed=0, fuse=False):
 @pytest.mark.gpu
 def test_tiny_net_on_gpu_matches_cpu():
     _gpu_cupy()
-    config = _tiny_config()
+    config = tiny_config()
     cpu, cpu_params = _train(config, -1, 4)
     dev, dev_params = _train(config, 0, 4)
     np.testing.assert_allclose(dev, cpu, rtol=1e-4)
@@ -1845,15 +943,6 @@ def test_solver_updates_run_in_place_on_the_device(device, kind, lr_on_device, m
     assert not np.allclose(cpu[0], w)
 
 
-def _emulated_trainer_env(monkeypatch, host_build_dir):
-    """The trainer's own GPU path on the emulated device: device selection,
-    placement and fusion, the device arena, the stream dispatcher on the
-    simulated runtime."""
-    import purine_mpi.runtime.streams_dispatcher as sd
-    use_emulated_cupy(monkeypatch, host_build_dir)
-    monkeypatch.setattr(sd, "CudaRuntime", lambda *a, **k: SimulatedRuntime(4))
-
-
 def _trainer_run(config, out, resume=None):
     from purine_mpi.train.trainer import Trainer
     from tests.conftest import FakeWorld
@@ -1869,13 +958,13 @@ def test_trainer_on_an_emulated_gpu_resumes_bit_exactly_with_dropout(
     the device from iter@gpu0 and the lr comes from the device. Stopping at
     iteration 4 and resuming ends bit-identical to the uninterrupted run, and
     close to the same run on the CPU."""
-    _emulated_trainer_env(monkeypatch, host_build_dir)
+    emulated_trainer_env(monkeypatch, host_build_dir)
     _check_trainer_resume(tmp_path, emulated=True)
 
 
 def _check_trainer_resume(tmp_path, emulated):
     from purine_mpi.job.checkpoint_file import load_checkpoint
-    raw = _tiny_raw(device=0, checkpoint={"interval": 4, "keep": 5})
+    raw = tiny_raw(device=0, checkpoint={"interval": 4, "keep": 5})
     raw["solver"].update(max_iter=8, display=0, test_interval=0)
     config = validate_config(raw, check_files=False)
     cpu_config = validate_config(dict(raw, device=-1), check_files=False)

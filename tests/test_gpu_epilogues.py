@@ -2,14 +2,11 @@
 CPU reference: the bias-gradient reduction (cuda/reduce.cu ``bias_grad``:
 one block per channel, coalesced loads, warp-shuffle trees) on the
 host-compiled kernels (g++, the warp shuffle modelled lane by lane by the
-host stand-in of tests/test_gpu_kernels.py) and on a GPU when there is one."""
+host stand-in of tests/emulated_gpu/host_kernels.py) and on a GPU when there is one."""
 import numpy as np
 import pytest
 
 from purine_mpi.gpu import kernels
-from tests import test_gpu_kernels
-
-backend = test_gpu_kernels.backend   # the fixture: the host-compiled kernels, or a GPU
 
 BIAS_SHAPES = [
     (5, 6, 3, 4),      # inner 12: runs shorter than a warp, samples interleave in a step

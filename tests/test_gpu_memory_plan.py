@@ -1,6 +1,6 @@
 """The memory plan on a GPU (runtime/memory_plan.py, ``device=d``).
 
-Without a GPU, on the emulated device of tests/test_gpu_backend.py (CuPy
+Without a GPU, on the emulated device of tests/emulated_gpu (CuPy
 arrays emulated on the host, the cuda/*.cu kernels compiled with g++, the
 CUDA runtime simulated with streams run in random interleavings that
 respect only the recorded events, captures that refuse what CuPy refuses):
@@ -30,7 +30,7 @@ from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, device_plans, plan_memory
 from purine_mpi.runtime.workspace import ARENA_ALIGN, plan_device_memory
 from tests.conftest import cuda_cupy_or_skip, make_job
-from tests.test_gpu_backend import _emulated_trainer_env, _tiny_raw
+from tests.emulated_gpu import emulated_trainer_env, tiny_raw
 from tests.test_memory_plan import _random_graph, _schedule_conflicts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +110,7 @@ def test_random_graphs_on_a_device_plan_soundly(seed):
 
 def _every_kind_raw(cuda_graph):
     """A small net with a layer of every kind the GPU runs, and a test phase."""
-    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    raw = tiny_raw(device=0, cuda_graph=cuda_graph)
     w = {"weight_filler": {"type": "gaussian", "std": 0.2}}
     raw["net"] = [
         dict(type="conv", name="conv1", bottom="data", top="conv1", num_output=4, kernel=3,
@@ -184,9 +184,9 @@ def test_training_with_the_device_plan_is_bitwise_without_it(
     import json
 
     import purine_mpi.gpu as gpu
-    _emulated_trainer_env(monkeypatch, host_build_dir)
+    emulated_trainer_env(monkeypatch, host_build_dir)
     if net == "tiny":
-        raw = _tiny_raw(device=0, cuda_graph=True)
+        raw = tiny_raw(device=0, cuda_graph=True)
         raw["data"]["test"] = dict(raw["data"]["train"], num_samples=20, shuffle=False)
         raw["solver"].update(max_iter=5, test_interval=2, display=1)
     else:

@@ -2,7 +2,7 @@
 writes into its planned outputs and its planned scratch (Workspace.scratch_for).
 
 - emulated device (any machine): the emulated CuPy arrays log every array
-  that gets fresh memory (tests/test_gpu_backend.py, ``Allocations``): a
+  that gets fresh memory (tests/emulated_gpu, ``Allocations``): a
   ufunc result without ``out=``, a copy, a NumPy function's new array, an
   ``empty``/``zeros``/``asarray``. Three nets (the tiny test net, and
   jobs/cifar10_quick.yaml and jobs/nin_cifar10.yaml at batch 2) run placed
@@ -23,7 +23,7 @@ from purine_mpi.job.config import load_config
 from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
 from tests.conftest import REPO, cuda_cupy_or_skip, make_job
-from tests.test_gpu_backend import (Allocations, SimulatedRuntime, _init, _tiny_config,
+from tests.emulated_gpu import (Allocations, SimulatedRuntime, init_params, tiny_config,
                                     use_emulated_cupy)
 
 NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
@@ -31,7 +31,7 @@ NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
 
 def _config(net, batch):
     if net == "tiny":
-        return _tiny_config()
+        return tiny_config()
     return load_config(f"{REPO}/jobs/{net}.yaml", overrides=[
         f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
         check_files=False)
@@ -64,7 +64,7 @@ def test_steady_state_iteration_allocates_nothing_on_the_emulated_device(emulate
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, runtime=SimulatedRuntime(2), seed=1, cuda_graph=False)
     try:
-        _init(d.workspace, graph, 3)
+        init_params(d.workspace, graph, 3)
         log = _counted_iteration(d)
         assert log == [], f"{net}: device allocations in a steady-state iteration: {log}"
         assert np.isfinite(float(d.workspace["loss"]))
@@ -182,7 +182,7 @@ def test_steady_state_iteration_allocates_nothing_on_the_gpu(net, cuda_graph):
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, seed=1, cuda_graph=cuda_graph)
     try:
-        _init(d.workspace, graph, 3)
+        init_params(d.workspace, graph, 3)
         sizes = _gpu_allocations(cupy, d)
         assert sizes == [], f"{net}: {len(sizes)} device allocations ({sum(sizes)} bytes)"
         assert np.isfinite(float(d.workspace["loss"]))

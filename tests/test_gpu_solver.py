@@ -8,7 +8,6 @@ from purine_mpi.gpu import kernels
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.ops.lr_policy import LR_POLICIES, LR_POLICY_CODES, learning_rate, lr_policy_args
-from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
 
 POLICY_ATTRS = {
     "fixed": {},
@@ -62,7 +61,7 @@ def test_lr_op_on_emulated_device_reads_the_iteration_blob(monkeypatch, host_bui
     """The LearningRate op with device blobs: its setup uploads the policy's
     constants once; each run reads the iteration from the device blob."""
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import DeviceArray, use_emulated_cupy
+    from tests.emulated_gpu import DeviceArray, use_emulated_cupy
     use_emulated_cupy(monkeypatch, host_build_dir)
     attrs = {"base_lr": 0.1, "lr_policy": "multistep", "gamma": 0.1, "stepvalues": [2, 4]}
     k = get_kernel_class("LearningRate")(Op("lr", "LearningRate", [], [], attrs))
@@ -217,7 +216,7 @@ def test_constant_rate_and_constants_are_written_once_on_the_device(monkeypatch,
     """A fixed lr without warm-up and a Constant (the loss gradient's seed)
     are written in the first iteration only; a scheduled lr every time."""
     import purine_mpi.gpu as gpu
-    from tests.test_gpu_backend import DeviceArray, use_emulated_cupy
+    from tests.emulated_gpu import DeviceArray, use_emulated_cupy
     use_emulated_cupy(monkeypatch, host_build_dir)
     launched = []
     real = kernels.base._launch_blocks

@@ -22,9 +22,9 @@ from purine_mpi.parallel.data_parallel import compose_data_parallel
 from purine_mpi.runtime.cuda_runtime import COMM_STREAM
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import COPY_OUT_STREAM
-from tests import test_gpu_backend as backend_tests
+from tests import emulated_gpu
 from tests.conftest import make_job
-from tests.test_gpu_backend import (DeviceArray, SimulatedRuntime, _init, _tiny_config,
+from tests.emulated_gpu import (DeviceArray, SimulatedRuntime, init_params, tiny_config,
                                     use_emulated_cupy)
 
 ITERS = 4
@@ -84,7 +84,7 @@ def _run(cuda_aware, cuda_graph, monkeypatch, seed=0, delay="0.3:5"):
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "1" if cuda_aware else "0")
     monkeypatch.setenv("PURINE_COMM_DELAY", delay)
     comm_device.cuda_aware.cache_clear()
-    graph, grads = build_train_graph(make_job(_tiny_config()))
+    graph, grads = build_train_graph(make_job(tiny_config()))
     compose_data_parallel(graph, grads, 2, 0, min_buckets=3)
     prepare_for_device(graph, 0)
     rt = SimulatedRuntime(seed, poll_steps=(0, 2))
@@ -93,9 +93,9 @@ def _run(cuda_aware, cuda_graph, monkeypatch, seed=0, delay="0.3:5"):
     for k in d.kernels.values():
         if k.op.op_type == "Allreduce":
             k.world = world
-    _init(d.workspace, graph, 5)
-    backend_tests.SYNC_COPIES.clear()
-    backend_tests.MEMCPY_LOG.clear()
+    init_params(d.workspace, graph, 5)
+    emulated_gpu.SYNC_COPIES.clear()
+    emulated_gpu.MEMCPY_LOG.clear()
     try:
         for it in range(ITERS):
             d.workspace["iter"][...] = it
@@ -117,12 +117,12 @@ def test_staging_is_asynchronous_event_ordered_and_bitwise_like_cuda_aware_mpi(
     order = d.comm_order()
     assert len(order) >= 3
     # no synchronous copy at all: neither CuPy's get nor its set
-    assert backend_tests.SYNC_COPIES == []
+    assert emulated_gpu.SYNC_COPIES == []
     # every bucket: one device-to-host copy on the staging stream and one
     # host-to-device copy back on the comm stream, per iteration
     runtime = emulated.cuda.runtime
-    d2h = [s for kind, s in backend_tests.MEMCPY_LOG if kind == runtime.memcpyDeviceToHost]
-    h2d = [s for kind, s in backend_tests.MEMCPY_LOG if kind == runtime.memcpyHostToDevice
+    d2h = [s for kind, s in emulated_gpu.MEMCPY_LOG if kind == runtime.memcpyDeviceToHost]
+    h2d = [s for kind, s in emulated_gpu.MEMCPY_LOG if kind == runtime.memcpyHostToDevice
            and s == (0, COMM_STREAM)]
     assert d2h == [(0, COPY_OUT_STREAM)] * (len(order) * ITERS)
     assert len(h2d) == len(order) * ITERS
@@ -154,7 +154,7 @@ def test_the_mirrors_are_planned_once_and_page_locked(emulated, monkeypatch):
     comm_device.cuda_aware.cache_clear()
     array = np.arange(6, dtype=np.float32).view(DeviceArray)
     stage = comm_device.HostStage(array)
-    assert stage.staged and backend_tests._pinned_range(stage.host.ctypes.data,
+    assert stage.staged and emulated_gpu.pinned_range(stage.host.ctypes.data,
                                                          stage.host.nbytes)
     rt = SimulatedRuntime(0)
     copy = rt.stream(0, COPY_OUT_STREAM)
@@ -165,13 +165,13 @@ def test_the_mirrors_are_planned_once_and_page_locked(emulated, monkeypatch):
     np.testing.assert_array_equal(stage.host, np.arange(6))
     mirror = stage.host
     assert stage.buffer(copy_in=True) is mirror  # no second (synchronous) copy
-    backend_tests.SYNC_COPIES.clear()
+    emulated_gpu.SYNC_COPIES.clear()
     mirror *= 10
     rt.launch(0, rt.stream(0, COMM_STREAM), stage.copy_back_async, "h2d")
     np.testing.assert_array_equal(np.asarray(array), np.arange(6))  # not yet
     rt.sync_streams()
     np.testing.assert_array_equal(np.asarray(array), 10 * np.arange(6))
-    assert backend_tests.SYNC_COPIES == [] and stage.host is mirror
+    assert emulated_gpu.SYNC_COPIES == [] and stage.host is mirror
 
 
 def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
@@ -183,7 +183,7 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     from purine_mpi.runtime.trace import Profiler
     monkeypatch.setenv("PURINE_MPI_CUDA_AWARE", "0")
     comm_device.cuda_aware.cache_clear()
-    graph, grads = build_train_graph(make_job(_tiny_config()))
+    graph, grads = build_train_graph(make_job(tiny_config()))
     compose_data_parallel(graph, grads, 2, 0, min_buckets=3)
     prepare_for_device(graph, 0)
     rt = SimulatedRuntime(1)
@@ -192,7 +192,7 @@ def test_the_trace_shows_each_staging_copy_on_its_stream(emulated, monkeypatch):
     for k in d.kernels.values():
         if k.op.op_type == "Allreduce":
             k.world = world
-    _init(d.workspace, graph, 5)
+    init_params(d.workspace, graph, 5)
     d.profiler = Profiler(0)
     try:
         for it in range(2):

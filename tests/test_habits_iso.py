@@ -97,7 +97,7 @@ def test_case11_lrn_within_channel_gpu_branch_allocates_nothing(host_build_dir, 
     NumPy path's values and, once their scratch exists, allocate nothing
     (every result goes through out= into outputs and temporaries)."""
     import purine_mpi.gpu as gpu
-    from .test_gpu_backend import Allocations, DeviceArray, use_emulated_cupy
+    from tests.emulated_gpu import Allocations, DeviceArray, use_emulated_cupy
     x, dy = _rand((2, 3, 6, 5), dtype=dtype), _rand((2, 3, 6, 5), seed=1, dtype=dtype)
 
     def run(op_type, inputs, dev):
@@ -138,7 +138,7 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
     from purine_mpi.parallel.placement import add_loss_watch, prepare_for_device
     from purine_mpi.job.replica import build_train_graph, loss_blobs
     from purine_mpi.runtime.factory import make_dispatcher
-    from .test_gpu_backend import SimulatedRuntime, _init, use_emulated_cupy
+    from tests.emulated_gpu import SimulatedRuntime, init_params, use_emulated_cupy
     from .test_gpu_no_alloc import _config
     use_emulated_cupy(monkeypatch, host_build_dir)
     config = _config("cifar10_quick", 2)
@@ -165,7 +165,7 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
         rt = SimulatedRuntime(2)
         d = make_dispatcher(graph, runtime=rt, seed=3, cuda_graph=cuda_graph,
                             log=lambda m: None)
-        _init(d.workspace, graph, 5)
+        init_params(d.workspace, graph, 5)
         d.workspace[watch][...] = 0.0
         return d, rt, graph, watch
 
@@ -203,11 +203,12 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
 def test_case11_lrn_within_channel_on_a_gpu_matches_numpy():
     """Case 11: on a real GPU (CuPy), placed and run by the stream
     dispatcher, values and gradients equal the NumPy path's."""
-    from .test_gpu_backend import _gpu_cupy, _run_graph_on_gpu
+    from tests.conftest import cuda_cupy_or_skip as _gpu_cupy
+    from tests.emulated_gpu import run_graph_on_gpu
     _gpu_cupy()
     inputs = {"x": _rand((2, 3, 7, 6), dtype=np.float32)}
     outs_cpu, grads_cpu = run_op("LRN", WITHIN, inputs, ["x"])
-    outs_gpu, grads_gpu = _run_graph_on_gpu("LRN", WITHIN, inputs, ["x"])
+    outs_gpu, grads_gpu = run_graph_on_gpu("LRN", WITHIN, inputs, ["x"])
     for k in (0, 1):
         np.testing.assert_allclose(outs_gpu[k], outs_cpu[k], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads_gpu["x"], grads_cpu["x"], rtol=1e-4, atol=1e-5)

@@ -1,7 +1,7 @@
 """The loss read back only at display, test and checkpoint intervals on a GPU
 (ops/watch.py, cuda/loss_watch.cu, the trainer's deferred path).
 
-On the emulated device (tests/test_gpu_backend.py): the watch kernel equals
+On the emulated device (tests/emulated_gpu): the watch kernel equals
 the host sum bit for bit; the trainer reads nothing from the device between
 its intervals; the displayed loss is the one of the same run reading the
 loss every iteration; a divergence at iteration k is reported as k with exit
@@ -17,7 +17,7 @@ from purine_mpi.graph.core import Op
 from purine_mpi.job.config import validate_config
 from purine_mpi.ops.catalog import get_kernel_class
 from tests.conftest import FakeWorld, make_job
-from tests.test_gpu_backend import DeviceArray, _emulated_trainer_env, _tiny_raw
+from tests.emulated_gpu import DeviceArray, emulated_trainer_env, tiny_raw
 
 
 def _watch(shares):
@@ -63,7 +63,7 @@ def test_the_watch_op_on_the_cpu_is_the_host_loop(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_watch_kernel_on_the_emulated_device_is_the_cpu_bit_for_bit(
         host_build_dir, monkeypatch, dtype):
-    from tests.test_gpu_backend import use_emulated_cupy
+    from tests.emulated_gpu import use_emulated_cupy
     import purine_mpi.gpu as gpu
     use_emulated_cupy(monkeypatch, host_build_dir)
     shares = [1 / 3, 0.7, 1e-3]
@@ -121,7 +121,7 @@ class ReadBacks:
 
 
 def _config(max_iter=12, display=4, interval=6, device=0, cuda_graph=True, **solver):
-    raw = _tiny_raw(device=device, checkpoint={"interval": interval, "keep": 20},
+    raw = tiny_raw(device=device, checkpoint={"interval": interval, "keep": 20},
                     cuda_graph=cuda_graph)
     raw["solver"].update(max_iter=max_iter, display=display, test_interval=0, **solver)
     return validate_config(raw, check_files=False)
@@ -144,7 +144,7 @@ def _figures(rows):
 
 def test_no_read_back_between_the_intervals_and_the_same_figures(
         host_build_dir, monkeypatch, tmp_path):
-    _emulated_trainer_env(monkeypatch, host_build_dir)
+    emulated_trainer_env(monkeypatch, host_build_dir)
     config = _config()
     reads = ReadBacks(monkeypatch)
     t, code, rows = _run(config, tmp_path / "deferred", monkeypatch=monkeypatch)
@@ -176,7 +176,7 @@ def test_divergence_at_k_is_reported_as_k_and_latest_stays_finite(
     stops) or at one (8)."""
     from purine_mpi.job.checkpoint_file import load_checkpoint
     from purine_mpi.train.trainer import Trainer
-    _emulated_trainer_env(monkeypatch, host_build_dir)
+    emulated_trainer_env(monkeypatch, host_build_dir)
     now = {}
     real_step = Trainer.step
 

@@ -147,10 +147,10 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     import purine_mpi.parallel.compose as compose
     from purine_mpi.job.config import validate_config
     from purine_mpi.train.trainer import Trainer
-    from tests.test_cuda_graph import _emulated_gpu
-    from tests.test_gpu_backend import _tiny_raw
-    _emulated_gpu(monkeypatch, host_build_dir)
-    raw = _tiny_raw(device=0, cuda_graph=cuda_graph)
+    from tests.emulated_gpu import emulated_gpu_env
+    from tests.emulated_gpu import tiny_raw
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    raw = tiny_raw(device=0, cuda_graph=cuda_graph)
     raw["parallel"] = {"scheme": "data", "micro_batches": 4, "schedule": "1f1b"}
 
     def train(whole_graph_plan=False):

@@ -14,7 +14,6 @@ from purine_mpi.base import philox
 from purine_mpi.graph.core import Op
 from purine_mpi.gpu import kernels
 from purine_mpi.ops.catalog import get_kernel_class
-from tests.test_gpu_kernels import backend  # noqa: F401  (the host/cupy fixture)
 
 # Random123 tests/kat_vectors (github.com/DEShawResearch/random123): name,
 # rounds, counter (4 words), key (2 words), expected output (4 words).

@@ -3,7 +3,7 @@ the asynchronous host<->device ``Copy`` kernel they swap in, and which
 stream an op runs on (``stream_keys``, ``with_stream_threads``). Everything
 the dispatchers do to a device goes through a runtime object, so their event
 bookkeeping and capture logic are tested against a simulated device
-(tests/test_gpu_backend.py ``SimulatedRuntime``). CuPy is imported on first
+(tests/emulated_gpu ``SimulatedRuntime``). CuPy is imported on first
 use; imports: NumPy, ``gpu`` (the loader, streams, cuBLAS), ``ops.registry``.
 """
 import dataclasses

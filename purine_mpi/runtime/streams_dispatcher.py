@@ -60,7 +60,7 @@ the microseconds the host took to launch it.
 
 All CUDA calls go through a ``runtime`` object (``CudaRuntime``), so the
 event bookkeeping is tested on machines without a GPU against a simulated
-device (tests/test_gpu_backend.py). What the tests look at is public on the
+device (tests/emulated_gpu). What the tests look at is public on the
 executor (``dispatcher.executor``): ``streams`` ({unit: its stream
 (device, thread), None on the host}), ``events`` ({unit: the CUDA event
 recorded after it this iteration, for whoever outside its stream waits}),

@@ -1,6 +1,6 @@
 """Data parallelism on the emulated GPU with a non-CUDA-aware MPI (issue
 #25): n ranks x batch B, each on its own simulated device (the emulated
-CuPy of tests/test_gpu_backend.py, the CUDA kernels compiled for the host,
+CuPy of tests/emulated_gpu, the CUDA kernels compiled for the host,
 the iteration captured into CUDA graphs), their buckets staged through
 page-locked host mirrors by asynchronous copies, train like one CPU rank
 with batch n*B (up to float summation order), and the ranks' parameters
@@ -26,7 +26,7 @@ from purine_mpi.parallel.placement import prepare_for_device  # noqa: E402
 from purine_mpi.job.replica import build_train_graph  # noqa: E402
 from purine_mpi.parallel.data_parallel import compose_data_parallel  # noqa: E402
 from purine_mpi.runtime.factory import make_dispatcher  # noqa: E402
-from tests import test_gpu_backend as emu  # noqa: E402
+from tests import emulated_gpu as emu  # noqa: E402
 
 os.environ["PURINE_MPI_CUDA_AWARE"] = "0"  # the mpich wheel's: host staging
 comm_device.cuda_aware.cache_clear()
@@ -48,7 +48,7 @@ graph.infer_shapes().validate()
 rt = emu.SimulatedRuntime(r, poll_steps=(0, 2))
 d = make_dispatcher(graph, runtime=rt, seed=3, cuda_graph=True, stall_timeout=60.0,
                     log=lambda m: None)
-emu._init(d.workspace, graph, 3)  # the params are views of one buffer here
+emu.init_params(d.workspace, graph, 3)  # the params are views of one buffer here
 emu.SYNC_COPIES.clear()
 for it in range(ITERS):
     d.workspace["iter"][...] = it

@@ -1,6 +1,6 @@
 """What a CUDA stream capture allows, on the simulated device.
 
-The simulated device of the tests (``tests/test_gpu_backend.py``: NumPy
+The simulated device of the tests (``tests/emulated_gpu``: NumPy
 arrays standing for CuPy arrays, the ``cuda/*.cu`` kernels compiled for the
 host, streams run by ``SimulatedRuntime``) must refuse inside a capture
 exactly what real CuPy refuses, with the same exceptions and messages, or

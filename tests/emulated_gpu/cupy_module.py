@@ -1,0 +1,113 @@
+"""The stand-in for the ``cupy`` module: the host-compiled raw kernels
+(``host_kernels.py``), ``DeviceArray`` arithmetic, pinned memory,
+``cudaMemcpyAsync`` and CuPy's rules inside a stream capture."""
+import ctypes
+import sys
+import types
+
+import numpy as np
+
+import purine_mpi.base.backend as backend
+import purine_mpi.gpu as gpu
+
+from . import capture
+from .arrays import Allocations, DeviceArray, NoDevice, plain
+from .host_kernels import host_cupy, use_emulated_nvmath
+
+
+def emulated_cupy(build_dir):
+    """A stand-in for the cupy module: host-compiled raw kernels, NumPy
+    arithmetic on DeviceArray (any other attribute is NumPy's), and CuPy's
+    rules inside a stream capture (``tests/capture.py``)."""
+    fake = host_cupy(build_dir)
+    fake._emulated = True  # SimulatedRuntime records captures faithfully for it
+
+    def on_device(array):
+        return np.asarray(array).view(DeviceArray)
+
+    def allocated(what, array, source=None):
+        # a host array brought to the device is a new device array too
+        if source is None or not isinstance(source, DeviceArray) or \
+                not np.may_share_memory(array, plain(source)):
+            capture.refuse_allocation(what)
+            Allocations.note(what, array)
+        return on_device(array)
+
+    def asnumpy(a, stream=None, out=None):
+        if isinstance(a, DeviceArray):
+            return a.get(stream=stream, out=out)
+        return np.asarray(a) if out is None else np.copyto(out, a) or out
+
+    def memcpy_async(dst, src, size, kind, stream_ptr):
+        """cudaMemcpyAsync on raw addresses: in a capture, from page-locked
+        memory only; it copies what ``src`` holds when it runs."""
+        stream = capture.stream_of(stream_ptr)
+        host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
+        if capture.is_capturing(stream) and not pinned_range(host, size):
+            raise capture.CUDARuntimeError(capture.PAGEABLE_REFUSED)
+        MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
+        capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
+
+    def device_synchronize():
+        if capture.any_capture_open():
+            raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
+
+    fake.ndarray = DeviceArray
+    fake.empty = lambda shape, dtype=float: allocated("empty", np.empty(shape, dtype))
+    fake.zeros = lambda shape, dtype=float: allocated("zeros", np.zeros(shape, dtype))
+    fake.empty_like = lambda a, dtype=None: allocated("empty_like",
+                                                      np.empty_like(plain(a), dtype))
+    fake.zeros_like = lambda a, dtype=None: allocated("zeros_like",
+                                                      np.zeros_like(plain(a), dtype))
+    fake.ascontiguousarray = lambda a, dtype=None: allocated(
+        "ascontiguousarray", np.ascontiguousarray(plain(a), dtype), a)
+    fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(plain(a), dtype), a)
+    fake.asnumpy = asnumpy
+    # CuPy's pool (bench --json reports what it holds)
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(
+        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
+    # what the workspace needs: a device context, a device count, pinned memory
+    fake.cuda.Device = NoDevice
+    runtime = fake.cuda.runtime
+    runtime.getDeviceCount = lambda: 1
+    runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
+    runtime.memcpyAsync = memcpy_async
+    runtime.deviceSynchronize = device_synchronize
+    runtime.streamIsCapturing = lambda ptr: capture.is_capturing(
+        capture.stream_of(ptr) or capture.DEFAULT_STREAM)
+    runtime.CUDARuntimeError = capture.CUDARuntimeError
+    fake.cuda.alloc_pinned_memory = alloc_pinned
+    fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
+    return fake
+
+
+_pinned_buffers = []  # (start, end) of the page-locked allocations
+#: (kind, stream key) of every cudaMemcpyAsync queued on the emulated device
+MEMCPY_LOG = []
+
+
+def alloc_pinned(nbytes):
+    """``cupy.cuda.alloc_pinned_memory``: a host buffer known to be page-locked."""
+    capture.refuse_allocation("pinned host memory")
+    buffer = bytearray(max(int(nbytes), 1))
+    start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    _pinned_buffers.append((start, start + len(buffer), buffer))
+    return buffer
+
+
+def pinned_range(address, size):
+    return any(lo <= address and address + size <= hi for lo, hi, _ in _pinned_buffers)
+
+
+def use_emulated_cupy(monkeypatch, build_dir, nvmath=True):
+    """Make ``emulated_cupy(build_dir)`` the CuPy that purine_mpi imports (for
+    this test), with an empty raw-kernel cache; returns it. The matrix
+    products go through the emulated nvmath cuBLAS (capturable), or with
+    ``nvmath=False`` through the emulated CuPy cuBLAS (which refuses a
+    capture)."""
+    gpu.clear_kernel_cache()
+    fake = emulated_cupy(build_dir)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(backend, "_cupy", fake)
+    use_emulated_nvmath(monkeypatch, enabled=nvmath)
+    return fake

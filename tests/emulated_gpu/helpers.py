@@ -1,0 +1,156 @@
+"""Helpers of the GPU tests on the emulated device: a small training config,
+weights, one kernel against the CPU, a few iterations of training."""
+import numpy as np
+
+import purine_mpi.base.backend as backend
+from purine_mpi.graph.core import Op
+from purine_mpi.job.config import validate_config
+from purine_mpi.job.replica import build_train_graph
+from purine_mpi.layers.fillers import fill
+from purine_mpi.ops.catalog import get_kernel_class
+from purine_mpi.parallel.placement import place_on_device, prepare_for_device
+from purine_mpi.runtime.dispatcher import SerialDispatcher
+from purine_mpi.runtime.factory import make_dispatcher
+from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
+from tests.conftest import make_job
+
+from .cupy_module import use_emulated_cupy
+from .device import SimulatedRuntime
+
+
+def run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
+    """Run one kernel on ``inputs`` (converted with ``convert``, except the
+    indices in ``host_inputs``); returns its outputs as NumPy arrays."""
+    cls = get_kernel_class(op_type)
+    specs = cls.infer(attrs, [(a.shape, str(a.dtype)) for a in inputs])
+    kernel = cls(Op("probe", op_type, [], [], dict(attrs)))
+    convert = convert or (lambda a: a)
+    ins = [a if i in host_inputs else convert(a) for i, a in enumerate(inputs)]
+    outs = [convert(np.full(shape, np.nan if np.dtype(d).kind == "f" else -7, dtype=d))
+            for shape, d in specs]
+    kernel.run(ins, outs)
+    return [np.array(backend.to_numpy(o)) for o in outs]
+
+
+def compare(dev, op_type, attrs, inputs, expect_kernels, dtype, host_inputs=()):
+    cpu = run_kernel(op_type, attrs, inputs)
+    dev.launched.clear()
+    got = run_kernel(op_type, attrs, inputs, dev.to_device, host_inputs)
+    assert set(expect_kernels) <= set(dev.launched), \
+        f"{op_type}: the GPU branch launched {dev.launched}, expected {expect_kernels}"
+    tight = dtype == np.float64
+    for c, g in zip(cpu, got):
+        assert c.shape == g.shape and c.dtype == g.dtype
+        if c.dtype.kind == "f":
+            np.testing.assert_allclose(g, c, rtol=1e-10 if tight else 2e-5,
+                                       atol=1e-10 if tight else 2e-5)
+        else:
+            np.testing.assert_array_equal(g, c)
+    return cpu, got
+
+
+def tiny_config(**overrides):
+    return validate_config(tiny_raw(**overrides), check_files=False)
+
+
+def tiny_raw(**overrides):
+    cfg = {
+        "name": "gpu-tiny", "seed": 5,
+        "data": {"train": {"source": "synthetic", "shape": [3, 8, 8], "classes": 5,
+                           "num_samples": 64, "batch_size": 8, "shuffle": True}},
+        "net": [
+            {"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
+             "num_output": 4, "kernel": 3, "pad": 1,
+             "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+            {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1",
+             "pool": "max", "kernel": 3, "stride": 2, "ceil_mode": True},
+            {"type": "lrn", "name": "norm1", "bottom": "pool1", "top": "norm1",
+             "local_size": 3, "alpha": 0.01, "beta": 0.75},
+            {"type": "conv", "name": "conv2", "bottom": "norm1", "top": "conv2",
+             "num_output": 6, "kernel": 1, "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "pool", "name": "pool2", "bottom": "conv2", "top": "pool2",
+             "pool": "ave", "kernel": 2, "stride": 2},
+            {"type": "dropout", "name": "drop", "bottom": "pool2", "top": "pool2",
+             "ratio": 0.3},
+            {"type": "fc", "name": "fc1", "bottom": "pool2", "top": "fc1", "num_output": 5,
+             "weight_filler": {"type": "gaussian", "std": 0.1}},
+            {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss"},
+        ],
+        "solver": {"base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
+                   "lr_policy": "step", "gamma": 0.5, "stepsize": 2, "max_iter": 10},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def init_params(ws, graph, seed):
+    for p in graph.params():
+        ws.set(p.name, fill(p, seed))
+
+
+
+def train_simulated(config, device, iters=3, cuda_graph=False, fuse=False):
+    graph, _ = build_train_graph(make_job(config))
+    if fuse:
+        prepare_for_device(graph, device)
+    else:
+        place_on_device(graph, device)
+    if device < 0:
+        d = SerialDispatcher(graph, seed=3)
+    else:
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3, cuda_graph=cuda_graph)
+        assert isinstance(d, StreamDispatcher)
+    try:
+        init_params(d.workspace, graph, 5)
+        losses = []
+        for it in range(iters):
+            d.workspace["iter"][...] = it
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        params = {p.name: np.array(d.workspace[p.name]) for p in graph.params()}
+        return (losses, params) if device < 0 else (losses, params, d.workspace)
+    finally:
+        d.close()
+
+
+
+def run_graph_on_gpu(op_type, attrs, inputs, wrt):
+    """tests/opcheck.run_op, but with the graph placed on GPU 0 and run by
+    the stream dispatcher."""
+    from tests.opcheck import _build
+    g, outs, loss_terms, grads, _ = _build(op_type, attrs, inputs, wrt, None, 0)
+    place_on_device(g, 0)
+    d = make_dispatcher(g, seed=0)
+    assert isinstance(d, StreamDispatcher)
+    try:
+        for name, value in inputs.items():
+            d.workspace.set(name, value)
+        for k, _, w in loss_terms:
+            d.workspace.set(f"lw{k}", w)
+        d.run()
+        result = {k: backend.to_numpy(d.workspace[o]) for k, o in enumerate(outs)}
+        return result, {p: backend.to_numpy(d.workspace[gname]) for p, gname in grads.items()}
+    finally:
+        d.close()
+
+
+def emulated_trainer_env(monkeypatch, host_build_dir):
+    """The trainer's own GPU path on the emulated device: device selection,
+    placement and fusion, the device arena, the stream dispatcher on the
+    simulated runtime."""
+    import purine_mpi.runtime.streams_dispatcher as sd
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setattr(sd, "CudaRuntime", lambda *a, **k: SimulatedRuntime(4))
+
+
+def emulated_gpu_env(monkeypatch, build_dir):
+    """CuPy emulated on the host (tests/emulated_gpu) and every
+    dispatcher's CUDA runtime simulated: a Trainer with ``device: 0``
+    trains on it."""
+
+    import purine_mpi.gpu as gpu
+    import purine_mpi.runtime.streams_dispatcher as streams
+    use_emulated_cupy(monkeypatch, build_dir)
+    monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
+    monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
