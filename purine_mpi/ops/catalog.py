@@ -12,5 +12,5 @@ through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``).
 """
 from . import (activation, basic, batchnorm, clip, conv, data, dropout, fc, lrn,  # noqa: F401
                iteration, lr_policy, pool, softmax, tensor, updates, watch)
-from ..comm import ops as comm_ops  # noqa: F401
+from ..comm import nccl as comm_nccl, ops as comm_ops  # noqa: F401
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402
