@@ -18,6 +18,8 @@ line, ``PASS``, ``FAIL`` or ``SKIP``, its name and why:
                   captured, replayed, reads what the pinned buffer holds then
     abort-capture a capture that an error invalidates is ended by
                   ``CudaRuntime.abort_capture``; the stream works afterwards
+    nccl-capture  a one-rank ``ncclAllReduce`` (CuPy's NCCL binding) captured
+                  in a CUDA graph and replayed
     mpi-world-2   ``mpiexec -n 2``: both ranks see a world of 2
 
 A check whose prerequisite failed is SKIP, naming it. The lines also go to
@@ -262,6 +264,32 @@ def check_abort(ctx):
     return f"the invalidated capture ({error}) ended; the stream runs work again"
 
 
+def check_nccl(ctx):
+    cupy = _cupy(ctx)
+    from purine_mpi.comm import nccl as pnccl
+    nccl, why = pnccl.nccl_module()
+    if nccl is None:
+        raise AssertionError(why)
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)   # one rank: a sum of one
+    x = cupy.arange(1024, dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            comm.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                           stream.ptr)
+            x *= 2
+        finally:
+            graph = stream.end_capture()
+    for trial in (1, 2):
+        graph.launch(stream)
+        stream.synchronize()
+        if not np.array_equal(cupy.asnumpy(x), np.arange(1024, dtype=np.float32) * 2 ** trial):
+            raise AssertionError(f"replay {trial}: wrong values after ncclAllReduce")
+    comm.destroy()
+    return f"NCCL {nccl.get_version()}: ncclAllReduce captured and replayed twice (1 rank)"
+
+
 def check_mpi(ctx):
     try:
         importlib.import_module("mpi4py")
@@ -286,7 +314,8 @@ def check_mpi(ctx):
 CHECKS = (("python", check_python), ("wheels", check_wheels), ("pip-check", check_pip),
           ("cuda-device", check_device), ("nvmath-capture", check_nvmath),
           ("cudnn-capture", check_cudnn), ("memcpy-replay", check_memcpy),
-          ("abort-capture", check_abort), ("mpi-world-2", check_mpi))
+          ("abort-capture", check_abort), ("nccl-capture", check_nccl),
+          ("mpi-world-2", check_mpi))
 
 
 def run_check(fn, ctx):

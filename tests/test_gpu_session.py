@@ -77,14 +77,16 @@ def test_probe_says_fail_or_skip_in_one_line_each_without_a_gpu(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr, res.stderr
     checks = _check_lines(res.stdout)
     assert list(checks) == ["python", "wheels", "pip-check", "cuda-device", "nvmath-capture",
-                            "cudnn-capture", "memcpy-replay", "abort-capture", "mpi-world-2"]
+                            "cudnn-capture", "memcpy-replay", "abort-capture", "nccl-capture",
+                            "mpi-world-2"]
     assert checks["cuda-device"][0] == "FAIL" and "CuPy" in checks["cuda-device"][1]
-    for name in ("nvmath-capture", "cudnn-capture", "memcpy-replay", "abort-capture"):
+    for name in ("nvmath-capture", "cudnn-capture", "memcpy-replay", "abort-capture",
+                 "nccl-capture"):
         assert checks[name] == ("SKIP", "needs a CUDA device (see cuda-device)"), name
     assert checks["wheels"][0] == "FAIL" and "nvmath-python" in checks["wheels"][1]
     assert checks["mpi-world-2"][0] == "PASS"   # the venv's mpich + mpi4py
     report = json.loads((tmp_path / "probe.json").read_text())
-    assert "cuda-device" in report["failed"] and len(report["probe"]) == 9
+    assert "cuda-device" in report["failed"] and len(report["probe"]) == 10
     assert (tmp_path / "probe.txt").read_text().strip() == res.stdout.strip()
 
 
