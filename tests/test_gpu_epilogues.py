@@ -81,6 +81,7 @@ import sys  # noqa: E402
 from purine_mpi.gpu import cudnn as gpu_cudnn  # noqa: E402
 from purine_mpi.gpu import cudnn_tune as tune  # noqa: E402
 from tests import test_cudnn_path as cudnn_tests  # noqa: E402
+from tests.emulated_gpu.cudnn import FakeCudnn  # noqa: E402
 from tests.emulated_gpu import run_kernel  # noqa: E402
 
 device = cudnn_tests.device   # here: the emulated CuPy with the cuDNN stand-in's clock
@@ -105,7 +106,7 @@ def _masked_dgrad(attrs, slope, seed=0):
 @pytest.mark.parametrize("slope", [0.0, 0.1])
 def test_dgrad_with_the_relu_mask_in_one_cudnn_graph_cold_then_warm(device, monkeypatch, slope):
     attrs = {"stride": 2, "pad": 1}
-    cold = cudnn_tests.FakeCudnn()
+    cold = FakeCudnn()
     monkeypatch.setitem(sys.modules, "cudnn", cold)
     got, want = _masked_dgrad(attrs, slope)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -116,7 +117,7 @@ def test_dgrad_with_the_relu_mask_in_one_cudnn_graph_cold_then_warm(device, monk
     # a new process, the plan cache warm: the fused plan comes from the file
     gpu_cudnn.reset()
     tune.reset()
-    warm = cudnn_tests.FakeCudnn()
+    warm = FakeCudnn()
     monkeypatch.setitem(sys.modules, "cudnn", warm)
     got_warm, _ = _masked_dgrad(attrs, slope)
     np.testing.assert_array_equal(got_warm, got)
@@ -125,7 +126,7 @@ def test_dgrad_with_the_relu_mask_in_one_cudnn_graph_cold_then_warm(device, monk
 
 
 def test_without_a_fused_plan_the_mask_is_one_kernel_after_dgrad(device, monkeypatch):
-    fake = cudnn_tests.FakeCudnn(unsupported={"relu_backward"})
+    fake = FakeCudnn(unsupported={"relu_backward"})
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     got, want = _masked_dgrad({"pad": 1}, 0.0, seed=3)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

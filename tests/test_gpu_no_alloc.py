@@ -19,22 +19,13 @@ import pytest
 
 import purine_mpi.gpu as gpu
 from purine_mpi.parallel.placement import prepare_for_device
-from purine_mpi.job.config import load_config
 from purine_mpi.job.replica import build_train_graph
 from purine_mpi.runtime.factory import make_dispatcher
-from tests.conftest import REPO, cuda_cupy_or_skip, make_job
-from tests.emulated_gpu import (Allocations, SimulatedRuntime, init_params, tiny_config,
-                                    use_emulated_cupy)
+from tests.conftest import cuda_cupy_or_skip, make_job
+from tests.emulated_gpu import (Allocations, SimulatedRuntime, init_params, net_config,
+                                use_emulated_cupy)
 
 NETS = ["tiny", "cifar10_quick", "nin_cifar10"]
-
-
-def _config(net, batch):
-    if net == "tiny":
-        return tiny_config()
-    return load_config(f"{REPO}/jobs/{net}.yaml", overrides=[
-        f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
-        check_files=False)
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def _counted_iteration(d, iterations=3):
 
 @pytest.mark.parametrize("net", NETS)
 def test_steady_state_iteration_allocates_nothing_on_the_emulated_device(emulated, net):
-    graph, _ = build_train_graph(make_job(_config(net, 2)))
+    graph, _ = build_train_graph(make_job(net_config(net, 2)))
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, runtime=SimulatedRuntime(2), seed=1, cuda_graph=False)
     try:
@@ -178,7 +169,7 @@ def _gpu_allocations(cupy, d, iterations=4):
 @pytest.mark.parametrize("net", ["cifar10_quick", "nin_cifar10"])
 def test_steady_state_iteration_allocates_nothing_on_the_gpu(net, cuda_graph):
     cupy = cuda_cupy_or_skip()
-    graph, _ = build_train_graph(make_job(_config(net, 16)))
+    graph, _ = build_train_graph(make_job(net_config(net, 16)))
     prepare_for_device(graph, 0)
     d = make_dispatcher(graph, seed=1, cuda_graph=cuda_graph)
     try:

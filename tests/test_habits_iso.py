@@ -139,9 +139,9 @@ def test_case11_lrn_within_channel_captures_in_a_cuda_graph(host_build_dir, monk
     from purine_mpi.job.replica import build_train_graph, loss_blobs
     from purine_mpi.runtime.factory import make_dispatcher
     from tests.emulated_gpu import SimulatedRuntime, init_params, use_emulated_cupy
-    from .test_gpu_no_alloc import _config
+    from tests.emulated_gpu import net_config
     use_emulated_cupy(monkeypatch, host_build_dir)
-    config = _config("cifar10_quick", 2)
+    config = net_config("cifar10_quick", 2)
     net = []
     for entry in config["net"]:
         entry = dict(entry)

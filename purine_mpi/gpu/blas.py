@@ -31,7 +31,12 @@ Which cuBLAS binding (``blas_backend()``):
   (``PURINE_CUBLAS_WORKSPACE_MB``, default 32 MiB as cuBLAS recommends for
   Hopper), so cuBLAS never allocates inside a capture. ``reserve(stream)``
   makes them ahead of a capture; a product on a capturing stream without
-  one is an error, not an allocation inside the capture.
+  one is an error, not an allocation inside the capture. A captured
+  product bakes its handle's workspace into the graph, and two graphs
+  replayed at once must not share one (cuBLAS, "Results reproducibility"):
+  so under ``workspace_scope(key)`` (a capture whose graph replays on the
+  stream ``key``) the handles are those of that scope, one workspace per
+  replay stream.
 - ``"cupy"``: CuPy's own cuBLAS (``cupy.cuda.cublas``), when nvmath-python
   does not import. It works eagerly, but refuses every call during a stream
   capture (``NotImplementedError``), so a CUDA-graph segment holding a
@@ -55,7 +60,27 @@ DEFAULT_WORKSPACE_MB = 32
 
 _lock = threading.RLock()
 _state = {"checked": False, "cublas": None, "reason": None, "noted": False}
-_handles = {}   # (device, stream ptr) -> _Handle
+_handles = {}   # (device, stream ptr, scope) -> _Handle
+_scope = threading.local()   # .key: the replay stream of the graph being captured
+
+
+class workspace_scope:  # noqa: N801  (a context manager, used as a function)
+    """Within the block (on this thread), products and ``reserve`` use the
+    handles and workspaces of ``key`` -- the stream the graph captured here
+    replays on -- not those of the capture stream alone, so graphs replayed
+    concurrently on different streams never share a cuBLAS workspace."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def __enter__(self):
+        self.before = getattr(_scope, "key", None)
+        _scope.key = self.key
+        return self
+
+    def __exit__(self, *exc):
+        _scope.key = self.before
+        return False
 
 
 class _Handle:
@@ -168,7 +193,7 @@ def _create(cublas, cupy, device, stream_ptr):
         cublas.destroy(handle)
         raise
     entry = _Handle(handle, workspace, stream_ptr, tf32)
-    _handles[(device, stream_ptr)] = entry
+    _handles[(device, stream_ptr, getattr(_scope, "key", None))] = entry
     return entry
 
 
@@ -192,11 +217,12 @@ def reserve(stream, device=None):
 
 
 def _handle(cublas, cupy, device, stream, ptr):
-    entry = _handles.get((device, ptr))
+    key = (device, ptr, getattr(_scope, "key", None))
+    entry = _handles.get(key)
     if entry is not None:
         return entry
     with _lock:
-        entry = _handles.get((device, ptr))
+        entry = _handles.get(key)
         if entry is not None:
             return entry
         if _state["cublas"] is None:   # the first handle failed meanwhile

@@ -239,9 +239,12 @@ class GraphExecutor(StreamExecutor):
         try:
             # cuBLAS handles and workspaces exist before the capture begins
             threads = dict.fromkeys(self.streams[n][1] for n in seg.members)
+            # ... those of the stream the graph replays on (seg.key): graphs
+            # replaying at once never share a cuBLAS workspace
             rt.prepare_capture(device, [origin] + [
-                self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads])
-            with allocator:
+                self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads],
+                scope=seg.key)
+            with allocator, rt.capture_scope(seg.key):
                 rt.begin_capture(device, origin)
                 try:
                     self._launch_members(seg, origin, capture=True)

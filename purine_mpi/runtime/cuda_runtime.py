@@ -135,14 +135,23 @@ class CudaRuntime:
         fn()
         self.sync_devices(devices)
 
-    def prepare_capture(self, device, streams):
-        """Before a capture on ``streams``: what the captured work needs that
-        must not be created inside it (a cuBLAS handle and workspace for
-        each stream, ``gpu/blas.reserve``)."""
+    def prepare_capture(self, device, streams, scope=None):
+        """Before a capture on ``streams`` of a graph that will replay on
+        stream ``scope``: what the captured work needs that must not be
+        created inside it (a cuBLAS handle and workspace for each stream,
+        ``gpu/blas.reserve``, those of ``scope``: see ``capture_scope``)."""
         from ..gpu import blas
-        with self.cupy.cuda.Device(device):
+        with self.cupy.cuda.Device(device), blas.workspace_scope(scope):
             for stream in streams:
                 blas.reserve(stream)
+
+    def capture_scope(self, scope):
+        """A context manager for the launches of a capture whose graph
+        replays on stream ``scope``: its products use that scope's cuBLAS
+        workspaces, so graphs replaying at once on different streams never
+        share one (``gpu/blas.workspace_scope``)."""
+        from ..gpu import blas
+        return blas.workspace_scope(scope)
 
     # ------------------------------------------------ stream capture (CUDA graphs)
     # CuPy's API (cupy/cuda/stream.pyx, graph.pyx): ``Stream.begin_capture(mode)``
@@ -161,13 +170,24 @@ class CudaRuntime:
             return stream.end_capture()
 
     def abort_capture(self, device, stream):
-        """Leave capture mode after a failed capture (its graph is dropped)."""
-        try:
-            with self.cupy.cuda.Device(device):
-                if stream.is_capturing():
+        """Leave capture mode after a failed capture (its graph is dropped),
+        so that ``stream`` can run the segment eagerly. Any CUDA error
+        inside a capture *invalidates* it: ``is_capturing`` then raises
+        (CuPy's ``streamIsCapturing``), yet the capture stays open on its
+        streams until ``cudaStreamEndCapture`` ends it, which reports the
+        invalidation as an error of its own. So the capture is ended unless
+        the stream says plainly that it is not capturing, and the error of
+        ending an invalidated capture is the expected one."""
+        with self.cupy.cuda.Device(device):
+            try:
+                capturing = stream.is_capturing()
+            except Exception:  # cudaErrorStreamCaptureInvalidated: still to be ended
+                capturing = True
+            if capturing:
+                try:
                     stream.end_capture()
-        except Exception:  # an invalidated capture also raises here: it has ended
-            pass
+                except Exception:  # ending an invalidated capture raises; it has ended
+                    pass
 
     def launch_graph(self, device, graph, stream):
         with self.cupy.cuda.Device(device):
@@ -185,13 +205,21 @@ class CudaRuntime:
 
 
 class HostDeviceCopy(OpKernel):
-    """``Copy`` between host and device memory as one asynchronous
-    ``cudaMemcpyAsync`` on the current stream (pinned host memory makes it
-    truly asynchronous; pageable memory still works, staged by the driver).
-    Swapped in by the stream dispatcher for Copy ops that cross sides."""
+    """``Copy`` between host and device memory on the current stream.
+    Swapped in by the stream dispatcher for Copy ops that cross sides.
+
+    Host to device, same dtype, both contiguous: one ``cudaMemcpyAsync``
+    (``gpu/streams.copy_to_device_async``): truly asynchronous from pinned
+    memory, and capturable into a CUDA graph from pinned memory (it copies
+    what the buffer holds at each replay). Not CuPy's ``ndarray.set``,
+    which CuPy refuses inside any capture. With a dtype conversion or a
+    strided side, CuPy's own copy (not capturable: ``capture_blocker`` says
+    so). Device to host: CuPy's ``get`` (the host reads it next)."""
 
     op_type = "Copy"
     category = "copy"
+    #: host -> device copies go through cudaMemcpyAsync (segments.capture_blocker)
+    async_copy = True
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -199,13 +227,14 @@ class HostDeviceCopy(OpKernel):
 
     def run(self, ins, outs):
         from ..gpu import import_cupy
+        from ..gpu.streams import copy_to_device_async
         cupy = import_cupy()
         src, dst = ins[0], outs[0]
         stream = cupy.cuda.get_current_stream()
         direct = src.flags.c_contiguous and dst.flags.c_contiguous and src.dtype == dst.dtype
         if isinstance(dst, cupy.ndarray):  # host -> device
             if direct:
-                dst.set(src, stream=stream)
+                copy_to_device_async(dst, np.asarray(src))
             else:
                 dst[...] = cupy.asarray(np.asarray(src, dtype=dst.dtype))
         elif direct:  # device -> host: the host reads it next, so blocking

@@ -89,6 +89,9 @@ def capture_blocker(graph, op, kernel):
         if any(graph.blobs[b].dtype != graph.blobs[o].dtype
                for b, o in zip(op.inputs, op.outputs)):
             return "converts the dtype on the host while copying"
+        if not getattr(kernel, "async_copy", False):  # CuPy's ndarray.set: refused in a capture
+            return ("copies with CuPy's ndarray.set, which CuPy refuses inside a capture (not "
+                    "the cudaMemcpyAsync copy)")
         return None
     if host_in:
         return (f"reads the host blob '{host_in[0]}' (a replay would keep the value it had "

@@ -26,6 +26,11 @@ class NoDevice:
     def use(self):
         pass
 
+    def synchronize(self):
+        """``cudaDeviceSynchronize`` on the simulated device."""
+        from .device import active_device
+        active_device().synchronize()
+
 
 class Allocations:
     """Device allocations on the emulated device, logged while ``counting``:
@@ -203,8 +208,8 @@ class DeviceArray(np.ndarray):
         capture.refuse_if_capturing(RuntimeError, capture.D2H_REFUSED, stream)
         stream = stream or capture.current_stream()
         SYNC_COPIES.append(("get", threading.current_thread().name))
-        if getattr(stream, "runtime", None) is not None and not capture.recording():
-            stream.runtime.sync_stream(stream)
+        if hasattr(stream, "synchronize") and not capture.recording():
+            stream.synchronize()
         if out is None:
             return np.array(self)
         out[...] = self

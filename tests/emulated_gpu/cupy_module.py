@@ -13,6 +13,7 @@ import purine_mpi.gpu as gpu
 from . import capture
 from .arrays import Allocations, DeviceArray, NoDevice, plain
 from .host_kernels import host_cupy, use_emulated_nvmath
+from .runtime import cuda_namespace
 
 
 def emulated_cupy(build_dir):
@@ -29,7 +30,7 @@ def emulated_cupy(build_dir):
         # a host array brought to the device is a new device array too
         if source is None or not isinstance(source, DeviceArray) or \
                 not np.may_share_memory(array, plain(source)):
-            capture.refuse_allocation(what)
+            capture.refuse_allocation(what, array.nbytes)
             Allocations.note(what, array)
         return on_device(array)
 
@@ -44,6 +45,7 @@ def emulated_cupy(build_dir):
         stream = capture.stream_of(stream_ptr)
         host = src if kind == fake.cuda.runtime.memcpyHostToDevice else dst
         if capture.is_capturing(stream) and not pinned_range(host, size):
+            stream.capture.invalidate("a cudaMemcpyAsync from pageable memory")
             raise capture.CUDARuntimeError(capture.PAGEABLE_REFUSED)
         MEMCPY_LOG.append((kind, getattr(stream, "key", "default")))
         capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
@@ -68,13 +70,14 @@ def emulated_cupy(build_dir):
         total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = NoDevice
+    cuda_namespace(fake.cuda)   # Stream, Event, ...; the default stream is the device's
     runtime = fake.cuda.runtime
     runtime.getDeviceCount = lambda: 1
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
     runtime.memcpyAsync = memcpy_async
     runtime.deviceSynchronize = device_synchronize
-    runtime.streamIsCapturing = lambda ptr: capture.is_capturing(
-        capture.stream_of(ptr) or capture.DEFAULT_STREAM)
+    runtime.streamIsCapturing = lambda ptr: (capture.stream_of(ptr)
+                                             or capture.DEFAULT_STREAM).is_capturing()
     runtime.CUDARuntimeError = capture.CUDARuntimeError
     fake.cuda.alloc_pinned_memory = alloc_pinned
     fake.__getattr__ = lambda name: getattr(np, name)  # PEP 562
@@ -88,7 +91,8 @@ MEMCPY_LOG = []
 
 def alloc_pinned(nbytes):
     """``cupy.cuda.alloc_pinned_memory``: a host buffer known to be page-locked."""
-    capture.refuse_allocation("pinned host memory")
+    if capture.is_capturing():   # cudaHostAlloc: never inside a capture
+        raise RuntimeError(f"{capture.ALLOC_REFUSED}: pinned host memory")
     buffer = bytearray(max(int(nbytes), 1))
     start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
     _pinned_buffers.append((start, start + len(buffer), buffer))

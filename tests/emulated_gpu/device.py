@@ -1,9 +1,28 @@
-"""The simulated device behind the emulated streams: streams are queues run
-in a random interleaving that respects only the recorded events and waits;
-stream capture, graphs and their replays as CUDA has them."""
+"""The simulated device behind the stand-in ``cupy.cuda``: ``Stream``,
+``Event`` and ``Graph`` with CuPy's API, on a device whose streams are
+queues run in a random interleaving that respects only the recorded events
+and waits.
+
+Stream capture as CUDA (and CuPy 14.2) has it: work queued on a capturing
+stream is recorded, not run; an event recorded there marks a point of the
+capture, and a stream that waits on it joins the capture; every joined
+stream must be joined back into the origin before ``end_capture``; a
+capturing stream cannot wait on an event recorded outside the capture.
+An error inside a capture *invalidates* it (``cudaErrorStreamCaptureInvalidated``):
+from then on ``is_capturing`` raises, as ``cudaStreamIsCapturing`` does in
+CuPy's ``streamIsCapturing``, and so does every further capture call, but
+the capture stays open on its streams until ``end_capture`` ends it (which
+raises too). Synchronising a captured event, a capturing stream or the
+device is such an error; ``Event.done`` on a captured event returns False
+and invalidates the capture (CuPy 14.2 turns the query's error into
+"not done"). ``Graph.launch`` replays the recorded launches.
+
+A launch is what one ``with stream:`` block queues (the op's host code runs
+at once, as CUDA's does; its device work is recorded and runs when the
+stream gets to it, or at each replay of the graph it was captured into).
+"""
 import copy
 import random
-import sys
 import threading
 import time
 from collections import deque
@@ -13,54 +32,177 @@ from purine_mpi.runtime.workspace import Workspace
 
 from . import capture
 
+INVALIDATED = ("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error "
+               "during capture")
+ISOLATION = ("cudaErrorStreamCaptureIsolation: a capturing stream waits on an event recorded "
+             "outside the capture")
+UNJOINED = "cudaErrorStreamCaptureUnjoined: stream {} was not joined back into the origin"
+#: two replays in flight at once whose cuBLAS calls share one workspace
+SHARED_WORKSPACE = ("two CUDA graphs replay concurrently on streams {} and {} and share the "
+                    "cuBLAS workspace at {:#x}: their products would overwrite each other's "
+                    "scratch (cuBLAS, 'Results reproducibility')")
+
+_active = {"device": None}
+_local = threading.local()
+
+
+def active_device():
+    """The device that ``cupy.cuda.Stream()`` and friends act on (made on first use)."""
+    if _active["device"] is None:
+        _active["device"] = EmulatedDevice()
+    return _active["device"]
+
+
+def set_active_device(device):
+    _active["device"] = device
+
 
 class SimEvent:
-    def __init__(self, stream):
-        self.stream, self.done, self.time = stream, False, None
+    """``cupy.cuda.Event``."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.stream, self.recorded, self._done, self.time = None, False, False, None
+        self.timing = not disable_timing
         #: recorded on a capturing stream: the capture and the nodes before it
         self.capture, self.nodes = None, frozenset()
 
+    def record(self, stream=None):
+        stream = stream or capture.current_stream() or active_device().null_stream()
+        stream.device.record(self, stream)
+
+    @property
+    def done(self):
+        """``cudaEventQuery``: whether the work before it has run (no
+        progress is made here). On a captured event: False, and the capture
+        is invalidated."""
+        if self.capture is not None:
+            self.capture.invalidate("cudaEventQuery on an event recorded in the capture")
+            return False
+        return self._done or not self.recorded
+
+    def synchronize(self):
+        if self.capture is not None:
+            self.capture.invalidate("cudaEventSynchronize on a captured event")
+            raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
+        if self.stream is not None:
+            while not self._done:
+                self.stream.device.step()
+
 
 class SimStream:
-    """A stream with CuPy's capture API (``begin_capture``, ``end_capture``,
-    ``is_capturing``)."""
+    """``cupy.cuda.Stream`` on the simulated device."""
 
-    def __init__(self, key, runtime=None):
-        self.key, self.queue, self.runtime = key, deque(), runtime
+    def __init__(self, null=False, non_blocking=False, ptds=False, device=None, key=None):
+        self.device = device or active_device()
+        self.key = key
+        self.queue = deque()
         self.capture = None     # the SimCapture it belongs to, while capturing
         self.frontier = set()   # capture nodes the next captured work follows
-        self.recorder = None    # the device work of the launch being captured
+        self.recorder = None    # the device work of the launch being recorded
+        self._named = False     # its op's name went with a part of it already
+        self.launch_name = None  # the op a launch is for (the runtime says)
         self.ptr = capture.register_stream(self)  # cudaStream_t
+        if key is None:
+            self.key = f"stream{self.ptr:#x}"
+        self.device.add_stream(self)
 
+    # ------------------------------------------------------- capture
     def begin_capture(self, mode=None):
-        self.runtime._begin_capture(self)
+        self.device.begin_capture(self)
 
     def end_capture(self):
-        return self.runtime._end_capture(self)
+        return self.device.end_capture(self)
 
     def is_capturing(self):
-        return self.capture is not None
+        cap = self.capture
+        if cap is not None and cap.invalid is not None:
+            raise capture.CUDARuntimeError(INVALIDATED)
+        return cap is not None
+
+    # ----------------------------------------------------- ordering
+    def wait_event(self, event):
+        self.device.wait(self, event)
+
+    def record(self, event=None):
+        event = event or SimEvent(disable_timing=True)
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        if self.capture is not None:
+            self.capture.invalidate("cudaStreamSynchronize on a capturing stream")
+            raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
+        self.flush()
+        while self.queue:
+            self.device.step()
+
+    # ------------------------------------------------ launches (with)
+    def __enter__(self):
+        depth = getattr(_local, "depth", None)
+        if depth is None:
+            depth = _local.depth = {}
+        depth[id(self)] = depth.get(id(self), 0) + 1
+        before = capture.current_stream()
+        _local.before = getattr(_local, "before", []) + [before]
+        capture.set_current(self)
+        if depth[id(self)] == 1 and self.recorder is None and self.device.faithful:
+            self.recorder, self._named = [], False
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        depth = _local.depth
+        depth[id(self)] -= 1
+        capture.set_current(_local.before.pop())
+        if depth[id(self)] == 0 and self.device.faithful:
+            if exc_type is None:
+                self.flush()
+            self.recorder = None
+        return False
+
+    def flush(self):
+        """Queue the device work recorded so far in this launch (before an
+        event is recorded or waited on, or the stream synchronised, within
+        the launch: the order CUDA keeps)."""
+        work = self.recorder
+        if work:
+            self.recorder = []
+            name = None if self._named else self.launch_name   # logged once per launch
+            self._named = True
+            self.device.submit(self, replay_of(work, name, self.device.log))
+
+    def submit(self, fn, name=None):
+        """Queue host function ``fn`` as one launch (the emulator's own
+        call, for runtimes on plain host arrays)."""
+        self.device.submit(self, replay_of([fn], None, self.device.log), name)
 
 
 class SimCapture:
     def __init__(self, origin):
         self.origin, self.streams = origin, {origin}
         self.nodes, self.deps = [], []  # (name, fn), set of node indices
+        self.invalid = None  # why it was invalidated
+
+    def invalidate(self, why):
+        if self.invalid is None:
+            self.invalid = why
 
 
 class SimGraph:
-    """A captured graph: nodes (kernel launches) and their dependencies;
-    ``launch(stream)`` queues one replay, whose nodes then run in any order
-    the dependencies allow (interleaved with the other streams)."""
+    """``cupy.cuda.Graph``: the captured nodes (launches) and their
+    dependencies; ``launch(stream)`` queues one replay, whose nodes then run
+    in any order the dependencies allow (interleaved with the other streams)."""
 
-    def __init__(self, runtime, capture):
-        self.runtime = runtime
+    def __init__(self, device, capture):
+        self.device = device
         self.nodes = list(capture.nodes)
         self.deps = [frozenset(d) for d in capture.deps]
         self.launches = 0
+        #: the cuBLAS workspaces its products use (emulated nvmath tags them)
+        self.workspaces = {getattr(p, "cublas_workspace") for _, fn in self.nodes
+                           for p in getattr(fn, "pieces", ()) if hasattr(p, "cublas_workspace")}
 
     def launch(self, stream=None):
-        self.runtime._launch_graph(self, stream)
+        self.device.launch_graph(self, stream or capture.current_stream())
 
     def names(self):
         return [n for n, _ in self.nodes]
@@ -80,240 +222,154 @@ class SimGraph:
         return ia in self.ancestors(ib) or ib in self.ancestors(ia)
 
 
-class SimulatedRuntime:
-    """A device with asynchronous streams, for the stream dispatcher.
+class EmulatedDevice:
+    """The GPU: streams, their queues, captures and replays in progress.
+    Nothing runs until the host synchronises or polls; each ``step`` runs
+    the head of a randomly chosen stream whose head is not a wait on an
+    unrecorded event, or a ready node of a graph being replayed.
 
-    ``launch`` queues work on a stream; nothing runs until the host
-    synchronises (``sync_event``, ``sync_streams``, ``sync_devices``) or polls
-    (``query``, which runs a few random steps). Each step runs the head of a
-    randomly chosen stream whose head is not a wait on an unrecorded event,
-    or a ready node of a graph being replayed, so streams interleave in any
-    order the events allow. ``calls`` logs what the dispatcher asked for.
+    ``faithful``: launches record their device work (the emulated CuPy's
+    arrays do); otherwise the runtime queues whole host functions."""
 
-    Stream capture as CUDA (and CuPy) has it: work queued on a capturing
-    stream is recorded, not run; an event recorded there marks a point of
-    the capture, and a stream that waits on it joins the capture; every
-    joined stream must be joined back into the origin before
-    ``end_capture``; a capturing stream cannot wait on an event recorded
-    outside the capture, and nobody may query or synchronise a captured
-    event or synchronise while a capture is open. ``SimGraph.launch``
-    replays the recorded launches (the kernels run again)."""
-
-    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0, faithful=None):
+    def __init__(self, seed=0, faithful=True):
         self.rng = random.Random(seed)
-        #: capture as CUDA does: an op's host code runs once, at capture, and
-        #: only its device work (tests/capture.py) becomes the graph node;
-        #: on by default with the emulated CuPy, whose arrays record that work
-        #: (plain host arrays cannot: their kernels are recorded whole instead)
-        self.faithful = getattr(sys.modules.get("cupy"), "_emulated", False) \
-            if faithful is None else faithful
-        self.poll_steps = poll_steps
-        self.stalled_polls = stalled_polls  # the first polls see no progress
+        self.faithful = faithful
         self.lock = threading.RLock()
-        self.streams = {}
-        self.calls = []
-        self.log = []  # ("device"|"host", op name) in execution order
+        self.streams = []
+        self.calls = []   # what the device did that the tests look at
+        self.log = []     # op names, as their device work runs
         self.graphs = []  # every SimGraph captured
-        self._running = []  # [stream, graph, done node set] of replays in progress
+        self._running = []  # [stream, graph, done node set, started] of replays
+        #: device time the emulated libraries' work took (ms): events read it
+        self.busy_ms = 0.0
+        self._null = None
 
-    def stream(self, device, thread):
+    def null_stream(self):
+        if self._null is None:
+            self._null = SimStream(device=self, key="default")   # the legacy NULL stream
+        return self._null
+
+    def add_stream(self, stream):
         with self.lock:
-            return self.streams.setdefault((device, thread),
-                                           SimStream((device, thread), self))
+            self.streams.append(stream)
 
-    def launch(self, device, stream, fn, name=None):
-        if self.faithful:  # the host code runs now; its device work runs later
-            stream.recorder = []
-            try:
-                with capture.current(stream):
-                    fn()
-                work = stream.recorder
-            finally:
-                stream.recorder = None
-            fn = replay_of(work, name, self.log)
-        with self.lock:
-            if stream.capture is not None:
-                cap = stream.capture
-                cap.nodes.append((name, fn))
-                cap.deps.append(set(stream.frontier))
-                stream.frontier = {len(cap.nodes) - 1}
-                self.calls.append(("capture_launch", stream.key, name))
-                return
-            stream.queue.append(("run", on_stream(stream, fn)))
-            self.calls.append(("launch", stream.key))
-
-    def call(self, device, stream, fn):
-        with self.lock:
-            if stream.capture is not None:
-                raise RuntimeError("host work on a capturing stream")
-            self.calls.append(("call", stream.key))
-        with capture.current(stream):
-            return fn()  # host work: now, with the stream current
-
-    def record(self, device, stream, timing=False):
-        event = SimEvent(stream)
-        with self.lock:
-            if stream.capture is not None:
-                if timing:
-                    raise RuntimeError("a timing event inside a capture")
-                event.capture, event.nodes = stream.capture, frozenset(stream.frontier)
-                self.calls.append(("capture_record", stream.key, event))
-                return event
-            stream.queue.append(("record", event))
-            self.calls.append(("record", stream.key, event))
-        return event
-
-    def wait(self, stream, event):
-        with self.lock:
-            if event.capture is not None:
-                if stream.capture is None:  # joins the capture
-                    stream.capture = event.capture
-                    event.capture.streams.add(stream)
-                    stream.frontier = set(event.nodes)
-                elif stream.capture is event.capture:
-                    stream.frontier |= event.nodes
-                else:
-                    raise RuntimeError("waits on an event of another capture")
-                self.calls.append(("capture_wait", stream.key, event))
-                return
-            if stream.capture is not None:
-                raise RuntimeError("cudaErrorStreamCaptureIsolation: a capturing stream "
-                                   "waits on an event recorded outside the capture")
-            stream.queue.append(("wait", event))
-            self.calls.append(("wait", stream.key, event))
-
-    def query(self, event):
-        self._not_captured(event)
-        steps = self.rng.randint(*self.poll_steps)
-        with self.lock:
-            if self.stalled_polls > 0:
-                self.stalled_polls -= 1
-                steps = 0
-        for _ in range(steps):
-            if not self._step(strict=False):
-                break
-        with self.lock:
-            self.calls.append(("query", event, event.done))
-        return event.done
-
-    def sync_event(self, event):
-        self._not_captured(event)
-        with self.lock:
-            self.calls.append(("sync_event", event))
-        while not event.done:
-            self._step()
-
-    def sync_devices(self, devices):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("sync_devices",))
-        self._drain()
-
-    def sync_stream(self, stream):
-        """``stream.synchronize()``: until its queued work has run."""
-        capture.refuse_if_capturing(capture.CUDARuntimeError,
-                                        capture.SYNC_REFUSED, stream)
-        while stream.queue:
-            self._step()
-
-    def sync_streams(self):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("sync_streams",))
-        self._drain()
-
-    def elapsed_ms(self, start, end):
-        return (end.time - start.time) * 1e3
-
-    def swaps_copies(self):
-        return False
-
-    def host_write(self, devices, fn):
-        self._no_capture_open()
-        with self.lock:
-            self.calls.append(("host_write",))
-        self._drain()
-        fn()
-
-    def prepare_capture(self, device, streams):
-        if self.faithful:  # the emulated CuPy: what CudaRuntime does
-            from purine_mpi.gpu import blas
-            for stream in streams:
-                blas.reserve(stream)
-
-    # ----------------------------------------------------- stream capture
-    def begin_capture(self, device, stream):
-        stream.begin_capture()
-
-    def end_capture(self, device, stream):
-        return stream.end_capture()
-
-    def abort_capture(self, device, stream):
+    def submit(self, stream, fn, name=None):
         with self.lock:
             cap = stream.capture
             if cap is not None:
-                for s in cap.streams:
-                    s.capture, s.frontier = None, set()
+                if cap.invalid is not None:
+                    raise capture.CUDARuntimeError(INVALIDATED)
+                cap.nodes.append((name or stream.launch_name, fn))
+                cap.deps.append(set(stream.frontier))
+                stream.frontier = {len(cap.nodes) - 1}
+                return
+            stream.queue.append(("run", on_stream(stream, fn)))
 
-    def launch_graph(self, device, graph, stream):
-        graph.launch(stream)
+    def record(self, event, stream):
+        stream.flush()
+        with self.lock:
+            event.stream, event.recorded, event._done = stream, True, False
+            event.capture, event.nodes = None, frozenset()
+            if stream.capture is not None:
+                if stream.capture.invalid is not None:
+                    raise capture.CUDARuntimeError(INVALIDATED)
+                if event.timing:
+                    stream.capture.invalidate("a timing event recorded in a capture")
+                    raise capture.CUDARuntimeError(
+                        "cudaErrorStreamCaptureUnsupported: a timing event inside a capture")
+                event.capture, event.nodes = stream.capture, frozenset(stream.frontier)
+                return
+            stream.queue.append(("record", event))
 
-    def capture_memory(self, device):
-        import contextlib
-        return contextlib.nullcontext(), None
+    def wait(self, stream, event):
+        stream.flush()
+        with self.lock:
+            cap = stream.capture
+            if cap is not None and cap.invalid is not None:
+                raise capture.CUDARuntimeError(INVALIDATED)
+            if event.capture is not None:
+                if cap is None:  # joins the capture
+                    stream.capture = event.capture
+                    event.capture.streams.add(stream)
+                    stream.frontier = set(event.nodes)
+                elif cap is event.capture:
+                    stream.frontier |= event.nodes
+                else:
+                    cap.invalidate("a wait on an event of another capture")
+                    raise capture.CUDARuntimeError(ISOLATION)
+                return
+            if cap is not None:
+                cap.invalidate("a wait on an event recorded outside the capture")
+                raise capture.CUDARuntimeError(ISOLATION)
+            stream.queue.append(("wait", event))
 
-    def _begin_capture(self, stream):
+    def begin_capture(self, stream):
         with self.lock:
             if stream.capture is not None:
-                raise RuntimeError("the stream is capturing already")
+                raise capture.CUDARuntimeError(
+                    "cudaErrorIllegalState: the stream is capturing already")
             stream.capture, stream.frontier = SimCapture(stream), set()
             self.calls.append(("begin_capture", stream.key))
 
-    def _end_capture(self, stream):
+    def end_capture(self, stream):
         with self.lock:
             cap = stream.capture
             if cap is None or cap.origin is not stream:
-                raise RuntimeError("end_capture on a stream that did not begin the capture")
+                raise capture.CUDARuntimeError(
+                    "cudaErrorIllegalState: end_capture on a stream that did not begin the "
+                    "capture")
+            if cap.invalid is not None:  # ended, and the error said
+                self._close(cap)
+                raise capture.CUDARuntimeError(INVALIDATED)
             probe = SimGraph(self, cap)
             joined = set(stream.frontier)
             for i in list(joined):
                 joined |= probe.ancestors(i)
-            for s in cap.streams:
-                if s is not stream and not s.frontier <= joined:
-                    raise RuntimeError(f"cudaErrorStreamCaptureUnjoined: stream {s.key} "
-                                       "was not joined back into the origin")
-            for s in cap.streams:
-                s.capture, s.frontier = None, set()
+            unjoined = [s for s in cap.streams if s is not stream and not s.frontier <= joined]
+            self._close(cap)
+            if unjoined:
+                raise capture.CUDARuntimeError(UNJOINED.format(unjoined[0].key))
             self.graphs.append(probe)
             self.calls.append(("end_capture", stream.key, probe))
             return probe
 
-    def _launch_graph(self, graph, stream):
+    def _close(self, cap):
+        for s in cap.streams:
+            s.capture, s.frontier = None, set()
+
+    def launch_graph(self, graph, stream):
         with self.lock:
             if stream.capture is not None:
-                raise RuntimeError("a graph launched into a capture")
+                stream.capture.invalidate("a graph launched into a capture")
+                raise capture.CUDARuntimeError(
+                    "cudaErrorStreamCaptureUnsupported: a graph launched into a capture")
             stream.queue.append(("graph", graph))
             graph.launches += 1
-            self.calls.append(("launch_graph", stream.key, graph))
 
-    def _not_captured(self, event):
-        if event.capture is not None:
+    def capture_open(self):
+        with self.lock:
+            return any(s.capture is not None for s in self.streams)
+
+    def synchronize(self):
+        """``cudaDeviceSynchronize``: refused while a capture is open."""
+        with self.lock:
+            caps = {id(s.capture): s.capture for s in self.streams if s.capture is not None}
+        if caps:
+            for cap in caps.values():
+                cap.invalidate("cudaDeviceSynchronize during the capture")
             raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
+        self.drain()
 
-    def _no_capture_open(self):
-        if any(s.capture is not None for s in self.streams.values()):
-            raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
-
-    # -------------------------------------------------------- the device
-    def _step(self, strict=True):
+    # -------------------------------------------------------- running
+    def step(self, strict=True):
         with self.lock:
             running = {id(r[0]) for r in self._running}
             actions = []
-            for s in sorted(self.streams.values(), key=lambda s: str(s.key)):
+            for s in sorted(self.streams, key=lambda s: str(s.key)):
                 if not s.queue or id(s) in running:
                     continue
                 kind, item = s.queue[0]
-                if kind != "wait" or item.done:
+                if kind != "wait" or item._done:
                     actions.append(("stream", s))
             for r in self._running:
                 stream, graph, done, started = r
@@ -321,7 +377,7 @@ class SimulatedRuntime:
                     if i not in done and i not in started and d <= done:
                         actions.append(("node", r, i))
             if not actions:
-                if strict and any(s.queue for s in self.streams.values()):
+                if strict and any(s.queue for s in self.streams):
                     raise RuntimeError("simulated device deadlock: every stream waits")
                 return False
             action = self.rng.choice(actions)
@@ -339,6 +395,7 @@ class SimulatedRuntime:
             kind, item = s.queue[0]
             if kind == "graph":
                 if item.nodes:
+                    self._check_workspaces(s, item)
                     self._running.append([s, item, set(), set()])
                 else:
                     s.queue.popleft()
@@ -347,11 +404,20 @@ class SimulatedRuntime:
             if kind == "run":
                 item()
             elif kind == "record":
-                item.done, item.time = True, time.perf_counter()
+                item._done, item.time = True, time.perf_counter() + self.busy_ms / 1e3
             return True
 
-    def _drain(self):
-        while self._step():
+    def _check_workspaces(self, stream, graph):
+        for other, g, _, _ in self._running:
+            if other is stream:
+                continue
+            self.calls.append(("concurrent_replays", other.key, stream.key))
+            shared = graph.workspaces & g.workspaces
+            if shared:
+                raise RuntimeError(SHARED_WORKSPACE.format(other.key, stream.key, min(shared)))
+
+    def drain(self):
+        while self.step():
             pass
 
 
@@ -363,6 +429,7 @@ def replay_of(work, name, log):
             log.append(name)
         for piece in work:
             piece()
+    replay.pieces = work
     return replay
 
 

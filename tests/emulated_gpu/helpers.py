@@ -15,7 +15,7 @@ from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from tests.conftest import make_job
 
 from .cupy_module import use_emulated_cupy
-from .device import SimulatedRuntime
+from .runtime import SimulatedRuntime
 
 
 def run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
@@ -154,3 +154,17 @@ def emulated_gpu_env(monkeypatch, build_dir):
     use_emulated_cupy(monkeypatch, build_dir)
     monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
     monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
+
+
+def net_config(net, batch):
+    """The config of ``jobs/<net>.yaml`` on ``batch`` samples a batch (four
+    batches of data), or the tiny one (``net == "tiny"``)."""
+    import os
+
+    from purine_mpi.job.config import load_config
+    if net == "tiny":
+        return tiny_config()
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return load_config(f"{repo}/jobs/{net}.yaml", overrides=[
+        f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}"],
+        check_files=False)

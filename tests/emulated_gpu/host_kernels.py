@@ -182,7 +182,7 @@ class HostCublas:
         return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-              ldc, sC, batch, stream=None):
+              ldc, sC, batch, stream=None, workspace=None):
         """Check the arguments and read alpha and beta (host pointer mode) now,
         as cuBLAS does at the call; the product itself is device work on
         ``stream`` (``capture.device_work``: recorded on a capturing
@@ -202,6 +202,8 @@ class HostCublas:
             product = np.matmul(op_a, op_b) * alpha
             c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
 
+        if workspace is not None:   # the scratch it uses (two replays must not share it)
+            run.cublas_workspace = workspace
         capture.device_work(run, DEFAULT_STREAM if stream is None else stream)
 
     def _cupy_call(self, dtype, *args):
@@ -309,7 +311,8 @@ def emulated_nvmath_cublas():
             raise cuBLASError(f"{what}: a handle without a workspace of its own on a capturing "
                               "stream (cuBLAS would allocate its default workspace inside the "
                               "capture)")
-        host._gemm(dtype, *args, stream=stream)
+        host._gemm(dtype, *args, stream=stream,
+                   workspace=s["workspace"][0] if s["workspace"] else None)
 
     def sgemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         gemm("sgemm", np.float32, handle,

@@ -1,0 +1,257 @@
+"""The emulated cuDNN frontend (the ``cudnn`` module of
+nvidia-cudnn-frontend, its ``pygraph`` API as gpu/cudnn.py and
+gpu/cudnn_tune.py use it): graphs record their operations; an execution
+runs with NumPy on the host addresses of the variant pack.
+
+As the real one on a stream: ``set_stream`` binds a handle to a stream, and
+``execute``/``execute_plan_at_index`` are device work on that stream
+(``capture.device_work``): queued, or recorded into a capture, reading its
+inputs when it runs (at each replay). During a capture it refuses what the
+real one cannot do there: building plans (``create_execution_plans``,
+``check_support``, ``build_plans``, ``build_plan_at_index`` allocate and
+synchronise); timing a plan needs timing events and a synchronisation,
+which the capture itself refuses (``device.py``)."""
+import ctypes
+import types
+
+import numpy as np
+
+from . import capture
+from .helpers import run_kernel
+
+#: what the emulated frontend says when a plan is built inside a capture
+BUILD_REFUSED = ("cudnn: building an execution plan during a stream capture (it allocates "
+                 "and synchronises the device)")
+
+
+def from_address(ptr, shape, dtype):
+    count = int(np.prod(shape))
+    raw = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+#: the simulated GPU's clock (ms): a plan's execution advances it by its cost,
+#: CUDA events read it (``cupy.cuda.Event.record`` / ``get_elapsed_time``)
+GPU_CLOCK = {"ms": 0.0}
+
+#: the stand-in's engines, in the heuristics' order: (name, cost in ms,
+#: workspace bytes, numerical notes, builds). The heuristic's first is not
+#: the fastest; the fastest overall does not build; an FFT engine with a
+#: filter flip is the fastest deterministic float32 one.
+ENGINES = [("eng0_implicit_gemm", 5.0, 1024, (), True),
+           ("eng1_fft_flip_filter", 2.0, 8192, (), True),
+           ("eng2_winograd", 3.0, 2048, (), True),
+           ("eng3_atomics", 1.0, 512, ("NONDETERMINISTIC",), True),
+           ("eng4_no_build", 0.5, 0, (), False),
+           ("eng5_tensor_core", 0.8, 256, ("TENSOR_CORE",), True)]
+
+
+class FakeCudnn(types.ModuleType):
+    """Records graph building; executes on host addresses with NumPy.
+
+    Mirrors the frontend's Python API (cudnn.pygraph): heuristics list the
+    plans of ``engines`` (``create_execution_plans``), ``deselect_numeric_notes``
+    drops the plans with those notes, ``build_plans(policy)`` builds the first
+    plan that builds (``HEURISTICS_CHOICE``, the default) or every one that
+    builds (``ALL``; raises when none does), ``build_plan_at_index``,
+    ``get_execution_plan_count``, ``get_plan_name_at_index``,
+    ``get_workspace_size_plan_at_index`` (a built plan's; raises otherwise),
+    ``get_workspace_size`` (the heuristic choice's), ``execute`` (the
+    heuristic choice) and ``execute_plan_at_index`` (a built plan; raises
+    otherwise). Each execution advances ``GPU_CLOCK`` by its plan's cost."""
+
+    def __init__(self, unsupported=(), engines=ENGINES, version=91900):
+        super().__init__("cudnn")
+        self.data_type = types.SimpleNamespace(FLOAT="float32")
+        self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
+        self.numerical_note = types.SimpleNamespace(NONDETERMINISTIC="NONDETERMINISTIC",
+                                                    TENSOR_CORE="TENSOR_CORE")
+        self.build_plan_policy = types.SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE",
+                                                       ALL="ALL")
+        self.unsupported = set(unsupported)   # op names whose graphs have no plan
+        self.engines, self.version = list(engines), version
+        self.graphs, self.streams, self.executed = [], [], []
+        outer = self
+
+        class Tensor:
+            def __init__(self, name, dim=None, stride=None, data_type=None, op=None):
+                self.name, self.dim, self.stride, self.op = name, dim, stride, op
+                self.output = False
+
+            def set_output(self, flag):
+                self.output = flag
+                return self
+
+            def set_dim(self, dim):
+                self.dim = list(dim)
+                return self
+
+            def set_stride(self, stride):
+                self.stride = list(stride)
+                return self
+
+            def set_data_type(self, data_type):
+                return self
+
+        class PyGraph:
+            def __init__(self, io_data_type, intermediate_data_type, compute_data_type, handle):
+                self.calls, self.ops, self.notes = [], [], []
+                self.plans, self.built = [], set()
+                outer.graphs.append(self)
+
+            def tensor(self, name, dim, stride, data_type):
+                return Tensor(name, dim, stride, data_type)
+
+            def _op(self, kind, **kw):
+                self.ops.append((kind, kw))
+                return Tensor(kind, op=(kind, kw))
+
+            def conv_fprop(self, image, weight, padding, stride, dilation):
+                return self._op("conv_fprop", x=image, w=weight, padding=padding, stride=stride,
+                                dilation=dilation)
+
+            def conv_dgrad(self, loss, filter, padding, stride, dilation):
+                return self._op("conv_dgrad", dy=loss, w=filter, padding=padding,
+                                stride=stride, dilation=dilation)
+
+            def conv_wgrad(self, image, loss, padding, stride, dilation):
+                return self._op("conv_wgrad", x=image, dy=loss, padding=padding,
+                                stride=stride, dilation=dilation)
+
+            def bias(self, name, input, bias):
+                return self._op("bias", input=input, bias=bias)
+
+            def relu(self, name, input):
+                return self._op("relu", input=input, slope=0.0)
+
+            def leaky_relu(self, name, input, negative_slope):
+                return self._op("relu", input=input, slope=negative_slope)
+
+            def relu_backward(self, loss, input, name=""):
+                return self._op("relu_backward", loss=loss, input=input, slope=0.0)
+
+            def leaky_relu_backward(self, loss, input, negative_slope, name=""):
+                return self._op("relu_backward", loss=loss, input=input, slope=negative_slope)
+
+            def validate(self):
+                self.calls.append("validate")
+
+            def build_operation_graph(self):
+                self.calls.append("build_operation_graph")
+
+            def create_execution_plans(self, modes):
+                _refuse_in_capture("create_execution_plans")
+                self.calls.append(("create_execution_plans", tuple(modes)))
+                self.plans = list(outer.engines)
+
+            def deselect_numeric_notes(self, notes):
+                self.notes = list(notes)
+                self.plans = [p for p in self.plans if not set(p[3]) & set(notes)]
+
+            def check_support(self):
+                _refuse_in_capture("check_support")
+                self.calls.append("check_support")
+                kinds = {k for k, _ in self.ops}
+                if kinds & outer.unsupported or not self.plans:
+                    raise RuntimeError(f"no plan for {sorted(kinds & outer.unsupported)}")
+
+            def build_plans(self, policy="HEURISTICS_CHOICE"):
+                _refuse_in_capture("build_plans")
+                self.calls.append(("build_plans", policy))
+                for i, plan in enumerate(self.plans):
+                    if plan[4]:
+                        self.built.add(i)
+                        if policy == "HEURISTICS_CHOICE":
+                            break
+                if not self.built:
+                    raise RuntimeError("no plan builds")
+
+            def build_plan_at_index(self, index):
+                _refuse_in_capture("build_plan_at_index")
+                self.calls.append(("build_plan_at_index", index))
+                if not self.plans[index][4]:
+                    raise RuntimeError(f"plan {index} does not build")
+                self.built.add(index)
+
+            def get_execution_plan_count(self):
+                return len(self.plans)
+
+            def get_plan_name_at_index(self, index):
+                return self.plans[index][0]
+
+            def get_workspace_size_plan_at_index(self, index):
+                if index not in self.built:
+                    raise RuntimeError(f"plan {index} is not built")
+                return self.plans[index][2]
+
+            def _candidate(self):
+                return min(self.built)
+
+            def get_workspace_size(self):
+                return self.plans[self._candidate()][2]
+
+            def execute(self, pack, workspace, handle):
+                self.execute_plan_at_index(pack, workspace, self._candidate(), handle)
+
+            def execute_plan_at_index(self, pack, workspace, index, handle=None):
+                assert isinstance(workspace, int) and all(isinstance(p, int)
+                                                          for p in pack.values())
+                if index not in self.built:
+                    raise RuntimeError(f"plan {index} is not built")
+                stream = capture.stream_of(getattr(handle, "stream", 0) or 0)
+                cost = self.plans[index][1]
+
+                def run():   # device work: reads the pack's memory when it runs
+                    outer.executed.append((self, workspace, index))
+                    GPU_CLOCK["ms"] += cost
+                    if stream is not None:
+                        stream.device.busy_ms += cost
+                    arrays = {t: from_address(p, t.dim, np.float32) for t, p in pack.items()
+                              if t.op is None or t.output}
+                    (out,) = [t for t in pack if t.output]
+                    arrays[out][...] = self._value(out, arrays)
+
+                capture.device_work(run, stream)
+
+            def _value(self, t, arrays):
+                if t.op is None:
+                    return arrays[t]
+                kind, kw = t.op
+                geo = {"pad": kw.get("padding"), "stride": kw.get("stride"),
+                       "dilation": kw.get("dilation")}
+                if kind == "conv_fprop":
+                    x, w = self._value(kw["x"], arrays), self._value(kw["w"], arrays)
+                    return run_kernel("Conv", geo, [x, w])[0]
+                if kind == "conv_dgrad":
+                    dy, w = self._value(kw["dy"], arrays), self._value(kw["w"], arrays)
+                    return run_kernel("ConvGradData", dict(geo, x_shape=t.dim), [dy, w])[0]
+                if kind == "conv_wgrad":
+                    x, dy = self._value(kw["x"], arrays), self._value(kw["dy"], arrays)
+                    return run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
+                if kind == "bias":
+                    return self._value(kw["input"], arrays) + self._value(kw["bias"], arrays)
+                if kind == "relu_backward":   # dy where the mask passed, else dy * slope
+                    dy, m = self._value(kw["loss"], arrays), self._value(kw["input"], arrays)
+                    return np.where(m > 0, dy, dy * np.float32(kw["slope"]))
+                if kind == "relu":
+                    v = self._value(kw["input"], arrays)
+                    return np.where(v > 0, v, v * np.float32(kw["slope"])) if kw["slope"] \
+                        else np.maximum(v, 0)
+                raise AssertionError(kind)
+
+        self.pygraph = PyGraph
+
+    def backend_version(self):
+        return self.version
+
+    def create_handle(self):
+        return types.SimpleNamespace(stream=0)
+
+    def set_stream(self, handle, stream):
+        handle.stream = int(stream)
+        self.streams.append(stream)
+
+
+def _refuse_in_capture(what):
+    if capture.is_capturing():
+        raise RuntimeError(f"{BUILD_REFUSED}: {what}")
