@@ -162,8 +162,9 @@ def check_nvmath(ctx):
         finally:
             graph = stream.end_capture()
     for trial in range(2):   # a replay reads the operands as they are then
-        a[...] = cupy.asarray(rng.standard_normal((64, 48)), dtype=cupy.float32)
-        cupy.cuda.Device().synchronize()
+        new_a = cupy.asarray(rng.standard_normal((64, 48)), dtype=cupy.float32)
+        with stream:   # ordered before the replay on its stream
+            a[...] = new_a
         graph.launch(stream)
         stream.synchronize()
         want = cupy.asnumpy(a).astype(np.float64) @ cupy.asnumpy(b).astype(np.float64)
@@ -202,8 +203,9 @@ def check_cudnn(ctx):
     workspace = cupy.empty(max(1, plan.workspace_bytes), dtype=cupy.uint8)
     graph, stream = _captured(cupy, lambda: plan.execute({"x": x, "w": w, "y": y}, workspace))
     for trial in range(2):
-        x[...] = cupy.asarray(rng.standard_normal((2, 3, 8, 8)), dtype=cupy.float32)
-        cupy.cuda.Device().synchronize()
+        new_x = cupy.asarray(rng.standard_normal((2, 3, 8, 8)), dtype=cupy.float32)
+        with stream:   # ordered before the replay on its stream
+            x[...] = new_x
         graph.launch(stream)
         stream.synchronize()
         err = float(np.max(np.abs(cupy.asnumpy(y) - conv_reference(
@@ -271,12 +273,13 @@ def check_nccl(ctx):
     if nccl is None:
         raise AssertionError(why)
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)   # one rank: a sum of one
-    x = cupy.arange(1024, dtype=cupy.float32)
+    from purine_mpi.gpu.raw import data_ptr
+    x = cupy.asarray(np.arange(1024, dtype=np.float32))
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         try:
-            comm.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+            comm.allReduce(data_ptr(x), data_ptr(x), x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                            stream.ptr)
             x *= 2
         finally:

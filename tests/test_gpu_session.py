@@ -110,3 +110,43 @@ def test_probe_stage_installs_only_what_is_missing_and_records_the_environment(t
     for part in ("-- pip list", "-- pip check", "cuDNN frontend", "machine: ", "python "):
         assert part in env, part
     assert (out / "cache").is_dir() and os.path.exists(out / "probe.json")
+
+
+def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypatch, tmp_path):
+    """The probe's own code (captures, replays, the abort path, NCCL) runs
+    on the emulated CuPy, cuDNN frontend, nvmath and NCCL before any GPU
+    does. Two things the emulator lacks are supplied here: the device's
+    properties, and work queued inside ``with stream:`` reaching the capture
+    when ``end_capture`` is called within that block (CuPy's order)."""
+    import importlib.util
+    import sys as _sys
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.cudnn import FakeCudnn
+    from tests.emulated_gpu.device import SimStream
+    from tests.emulated_gpu.nccl import use_emulated_nccl
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    fake = use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setitem(_sys.modules, "cudnn", FakeCudnn())
+    use_emulated_nccl(monkeypatch, fake)
+    monkeypatch.setattr(fake.cuda.runtime, "getDeviceProperties",
+                        lambda d: {"name": b"NVIDIA Emulated GPU"}, raising=False)
+    monkeypatch.setattr(fake.cuda.runtime, "runtimeGetVersion", lambda: 12080, raising=False)
+    monkeypatch.setattr(fake.cuda, "Device", type("Device", (fake.cuda.Device,),
+                                                  {"compute_capability": "90"}))
+    monkeypatch.setattr(SimStream, "end_capture",
+                        lambda self: (self.flush(), self.device.end_capture(self))[1])
+    from purine_mpi.gpu import blas, cudnn
+    blas.reset()
+    cudnn.reset()
+    spec = importlib.util.spec_from_file_location("gpu_probe_emulated", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    ctx = {"pins": {}, "python": None, "nodeps": set(), "wheels": str(PINS)}
+    results = {name: probe.run_check(fn, ctx) for name, fn in probe.CHECKS
+               if name in ("cuda-device", "nvmath-capture", "cudnn-capture", "memcpy-replay",
+                           "abort-capture", "nccl-capture")}
+    assert {name: status for name, (status, _) in results.items()} == dict.fromkeys(
+        results, "PASS"), results
+    assert "replayed twice" in results["nccl-capture"][1]
+    blas.reset()
+    cudnn.reset()

@@ -45,6 +45,11 @@ def bus_id(device):
     return f"0000:{0x18 + int(device):02X}:00.0"
 
 
+def get_version():
+    """``ncclGetVersion``: the NCCL this stands for (2.27.0)."""
+    return 22700
+
+
 def get_unique_id():
     """128 bytes, as CuPy returns them (a tuple of ints)."""
     return tuple(int(b) for b in os.urandom(128))
