@@ -19,7 +19,8 @@
 #   bench       540 s  gpu_throughput.py, each config and batch (128, 512) in its
 #                      own run, torch.compile included    -> bench_<config>_<batch>.json
 #   dp          300 s  bench --json of cifar10_quick on 1 rank and 2 ranks
-#                      (parallel.backend mpi), then 1 rank with NCCL -> gpu_dp.json
+#                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
+#                      mpi, comm_backend_note says why)            -> gpu_dp.json
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -45,7 +46,7 @@ PLAN="probe|60|the assumptions, PASS/FAIL each (benchmarks/gpu_probe.py)
 tests|480|pytest -m gpu
 bench-quick|240|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|540|both configs, batches 128 and 512, torch.compile too
-dp|300|bench on 1 and 2 ranks (MPI), 1 rank with NCCL"
+dp|300|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
 
 usage() { echo "usage: $0 --plan | fetch | probe | tests | bench-quick | bench | dp" >&2; exit 2; }
 [ $# -eq 1 ] || usage
@@ -201,7 +202,8 @@ case "$MODE" in
     done ;;
   dp)
     : > "$OUT/gpu_dp.json"
-    for run in "1 mpi" "2 mpi" "1 nccl"; do
+    # (one GPU: 2 ranks share it, so auto must fall back to MPI and say why)
+    for run in "1 mpi" "2 mpi" "2 auto"; do
       set -- $run
       limit "$mpiexec" -n "$1" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
           --set device=0 --set parallel.backend="$2" --iters 50 --json \

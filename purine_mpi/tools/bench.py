@@ -182,6 +182,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         **device_memory(trainer.ws, peaks, report),
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
+        # parallel.backend: who reduced the buckets ("mpi", "nccl"; null: one rank, mpi) and why
+        "comm_backend": trainer.graphs.comm_backend,
+        "comm_backend_note": trainer.graphs.comm_backend_note,
         "blas": _blas_backend() if on_gpu else None,
         "cuda_graph": None if report is None else json_safe(report),
     }
