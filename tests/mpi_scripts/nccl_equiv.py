@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from common import assert_like_one_rank, mlp_config, ok, run, world
+from common import assert_like_one_rank_with_batch, mlp_config, ok, world
 
 import pytest  # noqa: E402  (MonkeyPatch: the emulated CuPy for this process)
 
@@ -105,8 +105,5 @@ mine = {p: np.array(d.workspace[p]) for p in params}
 d.close()
 patch.undo()
 
-ref_graph, _ = build_train_graph(mlp_config(batch=n * B), 0, 1)
-ref = run(ref_graph, ITERS)
-assert_like_one_rank(w, mine, ref.workspace, params, rtol=2e-5, atol=2e-6)
-ref.close()
+assert_like_one_rank_with_batch(w, mine, params, n * B, ITERS)
 ok(f"nccl_equiv n={n} buckets={len(plan)}")
