@@ -38,15 +38,15 @@ __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
   }
 }
 
-#define PURINE_REDUCE_ENTRY(SUFFIX, T)                                              \
-  extern "C" __global__ void channel_sum_##SUFFIX(long long channels, const T* dy,   \
-                                                  long long n, long long inner,     \
-                                                  T* out) {                         \
-    channel_sum_impl<T>(channels, dy, n, inner, out);                               \
+// The per-channel reductions' entry points: NAME_SUFFIX(channels, dy, n, inner, out).
+#define PURINE_PER_CHANNEL_ENTRY(NAME, SUFFIX, T)                                   \
+  extern "C" __global__ void NAME##_##SUFFIX(long long channels, const T* dy,       \
+                                             long long n, long long inner, T* out) { \
+    NAME##_impl<T>(channels, dy, n, inner, out);                                    \
   }
 
-PURINE_REDUCE_ENTRY(f32, float)
-PURINE_REDUCE_ENTRY(f64, double)
+PURINE_PER_CHANNEL_ENTRY(channel_sum, f32, float)
+PURINE_PER_CHANNEL_ENTRY(channel_sum, f64, double)
 
 // Column sums of a (rows, cols) matrix, one thread per column (coalesced
 // reads along each row), in double, in row order: out[j] = sum_i x[i, j],
@@ -119,12 +119,5 @@ __device__ void bias_grad_impl(long long channels, const T* dy, long long n, lon
   }
 }
 
-#define PURINE_BIAS_GRAD_ENTRY(SUFFIX, T)                                            \
-  extern "C" __global__ void bias_grad_##SUFFIX(long long channels, const T* dy,    \
-                                                long long n, long long inner,      \
-                                                T* out) {                          \
-    bias_grad_impl<T>(channels, dy, n, inner, out);                                \
-  }
-
-PURINE_BIAS_GRAD_ENTRY(f32, float)
-PURINE_BIAS_GRAD_ENTRY(f64, double)
+PURINE_PER_CHANNEL_ENTRY(bias_grad, f32, float)
+PURINE_PER_CHANNEL_ENTRY(bias_grad, f64, double)
