@@ -151,3 +151,30 @@ def test_the_config_key_and_the_start_up_line(tmp_path, digits_h5):
     res = run_cli_args("train", _write(tmp_path, cfg), "--out", tmp_path / "bad")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "parallel.backend" in res.stderr and "nccl" in res.stderr, res.stderr
+
+
+def test_nccl_serves_sync_data_parallelism_only_decided_from_the_config():
+    from purine_mpi.parallel.nccl_backend import apply_backend
+
+    def job(**par):
+        base = dict(backend="auto", scheme="data", mode="sync")
+        return types.SimpleNamespace(path="job.yaml", parallel=types.SimpleNamespace(
+            **dict(base, **par)))
+
+    class Two(_World):   # no collective may happen: a pipeline's ranks all get here,
+        size = 2         # a parameter server's do not
+
+        def allgather_object(self, obj, what=""):
+            raise AssertionError("a collective for a scheme NCCL does not serve")
+
+    g = _bucketed_graph()
+    assert apply_backend(g, job(mode="async"), Two(), 0) == (
+        "mpi", "auto: NCCL reduces the buckets of scheme data, mode sync; this job runs "
+               "scheme data, mode async")
+    assert apply_backend(g, job(backend="mpi", scheme="pipeline"), Two(), 0) == \
+        ("mpi", "parallel.backend: mpi")
+    with pytest.raises(UserError, match=r"job.yaml: key 'parallel.backend': nccl cannot run "
+                                        r"here: .* scheme pipeline"):
+        apply_backend(g, job(backend="nccl", scheme="pipeline"), Two(), 0)
+    assert apply_backend(g, job(backend="mpi"), _World(), 0) == (None, None)
+    assert {op.op_type for op in g.ops.values()} == {"Allreduce"}   # untouched

@@ -11,7 +11,7 @@ requires. A collective over a group (``attrs['group']``) stays on MPI.
 
 Layer: parallel (imports: comm).
 """
-from ..base.errors import GraphError
+from ..base.errors import GraphError, UserError
 from ..comm.nccl import NCCL_STREAM, choose_backend
 
 
@@ -19,9 +19,19 @@ def apply_backend(graph, job, world, device):
     """Choose the backend for ``graph`` and rewrite it for NCCL when chosen.
     Returns (backend, reason), or (None, None) where there is nothing to
     choose (one rank and parallel.backend: mpi)."""
-    requested = getattr(job.parallel, "backend", "mpi")
+    par = job.parallel
+    requested = getattr(par, "backend", "mpi")
     if world.size == 1 and requested == "mpi":
         return None, None
+    if requested != "mpi" and (par.scheme != "data" or par.mode != "sync"):
+        # decided from the config alone (no collective: parameter servers run
+        # other trainers, and their ranks never get here)
+        why = (f"NCCL reduces the buckets of scheme data, mode sync; this job runs scheme "
+               f"{par.scheme}, mode {par.mode}")
+        if requested == "nccl":
+            raise UserError(f"{job.path}: key 'parallel.backend': nccl cannot run here: {why}; "
+                            "use mpi or auto")
+        return "mpi", f"auto: {why}"
     backend, why = choose_backend(requested, world, device)
     if backend == "nccl":
         use_nccl(graph)
