@@ -305,7 +305,7 @@ def check_mpi(ctx):
     code = ("from mpi4py import MPI; w = MPI.COMM_WORLD; "
             "s = w.gather((w.Get_rank(), w.Get_size())); w.Get_rank() or print(s)")
     res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code],
-                         capture_output=True, text=True, timeout=45)
+                         capture_output=True, text=True, timeout=30)
     seen = " ".join(res.stdout.split())   # rank 0's [(rank, size), ...]; singletons print twice
     if res.returncode != 0 or seen != "[(0, 2), (1, 2)]":
         tail = (res.stderr.strip().splitlines() or ["no error output"])[-1]

@@ -9,14 +9,15 @@
 #
 # Stages (run them in this order; each stops itself at its budget, so its
 # reports always come back):
-#   probe        60 s  benchmarks/gpu_probe.py: PASS/FAIL for each assumption the
+#   probe       120 s  the first install of the wheels (later stages find them), then
+#                      benchmarks/gpu_probe.py: PASS/FAIL for each assumption the
 #                      GPU path rests on (interpreter, wheels, pip check, nvmath
 #                      capture, cuDNN inside a capture, pinned cudaMemcpyAsync
 #                      replay, the abort of a failed capture, MPI world size 2)
 #   tests       480 s  python -m pytest -m gpu            -> pytest_gpu.txt, .xml
 #   bench-quick 240 s  gpu_throughput.py, cifar10_quick at batch 128, no
 #                      torch.compile: the first figures  -> bench_quick.json
-#   bench       540 s  gpu_throughput.py, each config and batch (128, 512) in its
+#   bench       480 s  gpu_throughput.py, each config and batch (128, 512) in its
 #                      own run, torch.compile included    -> bench_<config>_<batch>.json
 #   dp          300 s  bench --json of cifar10_quick on 1 rank and 2 ranks
 #                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
@@ -42,10 +43,10 @@
 set -u
 
 # stage  budget_s  what (the --plan table; the budgets sum to at most 1800 s)
-PLAN="probe|60|the assumptions, PASS/FAIL each (benchmarks/gpu_probe.py)
+PLAN="probe|120|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
 tests|480|pytest -m gpu
 bench-quick|240|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
-bench|540|both configs, batches 128 and 512, torch.compile too
+bench|480|both configs, batches 128 and 512, torch.compile too
 dp|300|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
 
 usage() { echo "usage: $0 --plan | fetch | probe | tests | bench-quick | bench | dp" >&2; exit 2; }
