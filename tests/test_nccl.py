@@ -128,8 +128,9 @@ def test_two_ranks_on_one_gpu_are_refused_and_auto_takes_mpi(host_build_dir):
 
 
 @pytest.mark.mpi
-def test_a_stalled_peer_is_named_by_the_nccl_watchdog_and_the_job_ends(host_build_dir):
-    proc, seconds = run_mpi("nccl_equiv.py", 2, host_build_dir, "stall", timeout=120,
+@pytest.mark.parametrize("when", ["stall", "stall-replay"])   # eager, or inside the graph
+def test_a_stalled_peer_is_named_by_the_nccl_watchdog_and_the_job_ends(host_build_dir, when):
+    proc, seconds = run_mpi("nccl_equiv.py", 2, host_build_dir, when, timeout=120,
                             expect_ok=False)
     assert proc.returncode != 0 and seconds < 40, (proc.returncode, seconds)
     assert re.search(r"rank 0: NCCL allreduce 'grad_bucket\d+\.allreduce' \(bucket "

@@ -10,7 +10,8 @@ each once per iteration, on the nccl stream.
 
 ``shared``: every rank on GPU 0, which NCCL refuses (the script then
 checks that the refusal is said, on every rank). ``stall``: the last rank
-stops before its second iteration; the others' NCCL watchdog must name the
+stops before its second iteration (``stall-replay``: its third, the first
+replayed from the captured graph); the others' NCCL watchdog must name the
 stalled bucket within parallel.stall_timeout (2 s here) and end the job.
 """
 import time
@@ -38,7 +39,10 @@ ITERS = 3
 w = world()
 n, r = w.size, w.rank
 B = 3
-shared, stall = sys.argv[2:] == ["shared"], sys.argv[2:] == ["stall"]
+shared = sys.argv[2:] == ["shared"]
+# stall: the peer stops before an eager iteration (1); stall-replay: before
+# the first replayed one (2), so the stalled reduction is inside the graph
+stall = {"stall": 1, "stall-replay": 2}.get((sys.argv[2:] or [""])[0])
 build = os.path.join(sys.argv[1], f"rank{r}")
 os.makedirs(build, exist_ok=True)
 patch = pytest.MonkeyPatch()
@@ -78,13 +82,13 @@ rt = emu.SimulatedRuntime(r, poll_steps=(0, 2))
 d = make_dispatcher(graph, runtime=rt, seed=3, cuda_graph=True, stall_timeout=60.0,
                     log=lambda m: None)
 emu.init_params(d.workspace, graph, 3)
-w.stall_timeout = 2.0 if stall else 60.0   # what the trainer sets from parallel.stall_timeout
+w.stall_timeout = 60.0 if stall is None else 2.0   # what the trainer sets from parallel.stall_timeout
 for it in range(ITERS):
-    if stall and it == 1 and r == n - 1:
+    if stall and it == stall and r == n - 1:
         time.sleep(60)   # a stalled peer: the others' watchdog ends the job first
     d.workspace["iter"][...] = it
     d.run(it)
-assert not stall, "the NCCL watchdog did not end the job"
+assert stall is None, "the NCCL watchdog did not end the job"
 report = d.capture_report()
 # no comm op left: the whole iteration, NCCL included, is one captured graph
 assert report["captured"] == report["segments"] == 1 and report["failed"] == {}, report
