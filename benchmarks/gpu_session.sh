@@ -1,92 +1,145 @@
 #!/usr/bin/env bash
-# Every GPU step of purine_mpi in one script, for a machine with a CUDA GPU
-# (and no internet: wheels are carried in, not downloaded).
+# Every GPU step of purine_mpi, in stages that each fit one 10-minute command
+# on a GPU machine without internet (wheels are carried in, never downloaded
+# there), 30 minutes in all:
 #
-#   benchmarks/gpu_session.sh fetch                     (where pip reaches PyPI)
-#   benchmarks/gpu_session.sh [all|tests|bench]         (on the GPU machine; default: all)
+#   benchmarks/gpu_session.sh fetch        where pip reaches PyPI: download the wheels
+#   benchmarks/gpu_session.sh --plan       the stages, their time budgets, in order
+#   benchmarks/gpu_session.sh STAGE        on the GPU machine, from the repository root
 #
-# from the repository root. ``fetch`` downloads into $WHEELS the wheels the
-# GPU machine lacks, for its Python (FETCH_PYTHON_VERSION, default 3.12) on
-# manylinux x86_64, without their dependencies (each one is named):
-#   nvmath-python cuda-bindings cuda-core cuda-pathfinder  matrix products that a
-#                                  CUDA graph can capture (CuPy's own cuBLAS refuses)
-#   nvidia-cudnn-frontend          convolutions through cuDNN
-#   mpich mpi4py                   MPI (the multi-rank tests)
-# (FETCH_EXTRA adds names). The other modes write into $OUT (default:
-# ./gpu_session_out):
-#   env.txt               nvidia-smi, python and package versions, the cuBLAS binding
-#   pip_install.log       the carried wheels installed (if any)
-#   mpi_check.txt         a 2-rank mpiexec run: both ranks must see a world of 2
-#   pytest_gpu.txt        python -m pytest -m gpu (+ pytest_gpu.xml, JUnit)
-#   gpu_throughput.json   benchmarks/gpu_throughput.py's report (one JSON object)
-#   gpu_throughput.log    its standard error (cuDNN / cuBLAS / capture notes)
-#   gpu_dp.json           data parallelism on one GPU: bench of cifar10_quick on 1 rank,
-#                         then 2 ranks (host staging), one JSON line each
-#                         (images_per_s, comm_overlap, post_latency_ms_worst, staging_ms_per_iter)
-#   status.txt            the exit status of each step
+# Stages (run them in this order; each stops itself at its budget, so its
+# reports always come back):
+#   probe       120 s  the first install of the wheels (later stages find them), then
+#                      benchmarks/gpu_probe.py: PASS/FAIL for each assumption the
+#                      GPU path rests on (interpreter, wheels, pip check, nvmath
+#                      capture, cuDNN inside a capture, pinned cudaMemcpyAsync
+#                      replay, the abort of a failed capture, MPI world size 2)
+#   tests       480 s  python -m pytest -m gpu            -> pytest_gpu.txt, .xml
+#   bench-quick 240 s  gpu_throughput.py, cifar10_quick at batch 128, no
+#                      torch.compile: the first figures  -> bench_quick.json
+#   bench       480 s  gpu_throughput.py, each config and batch (128, 512) in its
+#                      own run, torch.compile included    -> bench_<config>_<batch>.json
+#   dp          300 s  bench --json of cifar10_quick on 1 rank and 2 ranks
+#                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
+#                      mpi, comm_backend_note says why)            -> gpu_dp.json
 #
-# Wheels: every *.whl in $WHEELS (default: ./wheels) is installed with
-# --no-index --no-deps first, into the interpreter's own site-packages --
-# never with --target: there the mpi4py wheel does not find the mpich
-# wheel's libmpi and every MPI rank silently runs alone (world size 1).
-# Knobs: PYTHON (default python3), BENCH_ARGS (default: both configs, batches
-# 128 and 512, 50 iterations), PYTEST_ARGS (extra pytest arguments). The exit
-# status is the first failing step's, 0 when every step passed.
+# Every stage first installs what is missing from the pinned wheels
+# (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
+# (default ./wheels; the device tool carries it when named in `carry`), into
+# the interpreter's own site-packages -- never --target: there mpi4py does
+# not find mpich's libmpi and every rank runs alone. A package the image
+# already has is kept (its cuda-* packages are never overwritten); then
+# `pip check`. Everything goes under $OUT (default ./gpu_session_out):
+#   env.txt             nvidia-smi, architecture, python, pip list, pip check,
+#                       the cuDNN version, the cuBLAS binding (each stage adds its own)
+#   install.log         what was installed and what was kept
+#   cache/              the cuDNN plan cache (PURINE_CACHE_DIR) and CuPy's kernel
+#                       cache: they come back with the reports
+#   probe.txt/.json     the probe's lines
+#   status.txt          "<stage> <step> <exit status>" for every step
+# Knobs: PYTHON (default python3), PYTEST_ARGS, BENCH_ARGS (extra
+# gpu_throughput.py arguments), FETCH_PYTHON_VERSION (default: the pins
+# file's python-version). The exit status is the first failing step's.
 set -u
 
-MODE="${1:-all}"
-case "$MODE" in
-  all|tests|bench|fetch) ;;
-  *) echo "usage: $0 [all|tests|bench|fetch]" >&2; exit 2 ;;
-esac
+# stage  budget_s  what (the --plan table; the budgets sum to at most 1800 s)
+PLAN="probe|120|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
+tests|480|pytest -m gpu
+bench-quick|240|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
+bench|480|both configs, batches 128 and 512, torch.compile too
+dp|300|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
+
+usage() { echo "usage: $0 --plan | fetch | probe | tests | bench-quick | bench | dp" >&2; exit 2; }
+[ $# -eq 1 ] || usage
+MODE="$1"
+budget() { echo "$PLAN" | awk -F'|' -v s="$1" '$1 == s { print $2 }'; }
+
+if [ "$MODE" = --plan ]; then
+  total=0
+  echo "stage        budget  what"
+  while IFS='|' read -r stage secs what; do
+    printf '%-12s %5ss  %s\n' "$stage" "$secs" "$what"
+    total=$((total + secs))
+  done <<< "$PLAN"
+  printf '%-12s %5ss  (%s min; each under one 600 s command)\n' total "$total" $((total / 60))
+  exit 0
+fi
+[ "$MODE" = fetch ] || [ -n "$(budget "$MODE")" ] || usage
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 2
+PINS="$REPO/benchmarks/gpu_wheels.txt"
 OUT="${OUT:-$REPO/gpu_session_out}"
 WHEELS="${WHEELS:-$REPO/wheels}"
 PYTHON="${PYTHON:-python3}"
-BENCH_ARGS="${BENCH_ARGS:---batches 128 512 --iters 50 --warmup 5}"
 PYTEST_ARGS="${PYTEST_ARGS:-}"
-#: the wheels ``fetch`` downloads (the GPU machine's image has CuPy and PyTorch)
-FETCH_WHEELS="nvmath-python cuda-bindings cuda-core cuda-pathfinder nvidia-cudnn-frontend \
-mpich mpi4py ${FETCH_EXTRA:-}"
+BENCH_ARGS="${BENCH_ARGS:-}"
+pinned() { grep -v '^[[:space:]]*#' "$PINS" | grep '=='; }
 
 if [ "$MODE" = fetch ]; then
-  version="${FETCH_PYTHON_VERSION:-3.12}"
+  version="${FETCH_PYTHON_VERSION:-$(sed -n 's/.*python-version: *\([0-9.]*\).*/\1/p' "$PINS")}"
   mkdir -p "$WHEELS"
-  # shellcheck disable=SC2086  # FETCH_WHEELS is a list of names
+  # exactly the pins, without dependencies (the pins name what the image may lack)
+  # shellcheck disable=SC2046
   exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version "$version" \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WHEELS" $FETCH_WHEELS
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+      -d "$WHEELS" $(pinned)
 fi
 
-mkdir -p "$OUT"
+mkdir -p "$OUT/cache"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PURINE_CACHE_DIR="$OUT/cache" CUPY_CACHE_DIR="$OUT/cache/cupy"
 status=0
-
 step() {  # step NAME RC: record a step's exit status, keep the first failure
-  echo "$1 $2" >> "$OUT/status.txt"
+  echo "$MODE $1 $2" >> "$OUT/status.txt"
   if [ "$2" -ne 0 ] && [ "$status" -eq 0 ]; then status="$2"; fi
 }
+STAGE_END=$(( $(date +%s) + $(budget "$MODE") - 5 ))
+left() { echo $(( STAGE_END - $(date +%s) )); }   # seconds left of this stage's budget
+limit() { local l; l=$(left); [ "$l" -gt 1 ] || l=1; timeout --kill-after=5 "$l" "$@"; }
 
-shopt -s nullglob
-wheels=("$WHEELS"/*.whl)
-if [ "${#wheels[@]}" -gt 0 ]; then
-  # the interpreter's own site-packages (no --target, no PIP_TARGET): see above
-  env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install --no-index --no-deps \
-      "${wheels[@]}" > "$OUT/pip_install.log" 2>&1
-  step pip_install $?
-fi
+# -- install: the pins the interpreter lacks, from the carried wheels (idempotent);
+# those named "no-deps" in the pins file without their dependencies
+install_list() {  # install_list deps|nodeps: the missing pins of that kind
+  "$PYTHON" - "$PINS" "$1" 2>> "$OUT/install.log" <<'PY'
+import sys
+from importlib import metadata
+sys.path.insert(0, "benchmarks")
+from gpu_probe import pins
+wanted, _, nodeps = pins(sys.argv[1])
+for name, version in wanted.items():
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        if (name.lower() in nodeps) == (sys.argv[2] == "nodeps"):
+            print(f"{name}=={version}")
+        continue
+    if sys.argv[2] == "deps":
+        print(f"kept the image's {have} for {name}=={version}", file=sys.stderr)
+PY
+}
+for kind in deps nodeps; do
+  missing="$(install_list "$kind")"
+  [ -n "$missing" ] || continue
+  flags=(--no-index --find-links "$WHEELS")
+  [ "$kind" = nodeps ] && flags+=(--no-deps)
+  # shellcheck disable=SC2086  # one pin per word
+  env -u PIP_TARGET -u PIP_PREFIX "$PYTHON" -m pip install "${flags[@]}" $missing \
+      >> "$OUT/install.log" 2>&1
+  step "install_$kind" $?
+done
 
 {
-  date -u
+  echo "== $MODE $(date -u)"
   nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+  echo "machine: $(uname -m) $(uname -r)"
   "$PYTHON" - <<'PY' 2>&1
 import importlib, platform, sys
 print("python", sys.version.split()[0], platform.platform())
 for name in ("numpy", "cupy", "torch", "cudnn", "nvmath", "cuda.bindings", "cuda.core",
-             "mpi4py", "h5py"):
+             "mpi4py", "h5py", "yaml", "pytest"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "?"))
@@ -94,50 +147,71 @@ for name in ("numpy", "cupy", "torch", "cudnn", "nvmath", "cuda.bindings", "cuda
         print(name, "missing:", type(exc).__name__, exc)
 try:
     import cupy
-    print("cuda devices:", cupy.cuda.runtime.getDeviceCount(),
-          "runtime", cupy.cuda.runtime.runtimeGetVersion())
+    for d in range(cupy.cuda.runtime.getDeviceCount()):
+        props = cupy.cuda.runtime.getDeviceProperties(d)
+        print(f"cuda device {d}: {props['name']}, sm_{cupy.cuda.Device(d).compute_capability}")
+    print("CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "driver", cupy.cuda.runtime.driverGetVersion())
 except Exception as exc:
     print("cupy cuda:", type(exc).__name__, exc)
+try:
+    import cudnn
+    print("cuDNN (frontend backend_version)", cudnn.backend_version())
+except Exception as exc:
+    print("cuDNN frontend:", type(exc).__name__, exc)
+try:
+    import torch
+    print("cuDNN (torch)", torch.backends.cudnn.version(), "torch cuda", torch.version.cuda)
+except Exception as exc:
+    print("torch:", type(exc).__name__, exc)
 from purine_mpi.gpu import blas
 print("cuBLAS binding:", blas.blas_backend(), blas.blas_note() or "(capturable)")
 PY
-} > "$OUT/env.txt"
+  echo "-- pip list"; "$PYTHON" -m pip list 2>&1
+  echo "-- pip check"; "$PYTHON" -m pip check 2>&1
+} >> "$OUT/env.txt"
 
-if "$PYTHON" -c 'import mpi4py' 2>/dev/null; then
-  # two ranks must see each other: a wheel that cannot find libmpi runs singletons
-  scripts="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
-  mpiexec="$scripts/mpiexec"
-  [ -x "$mpiexec" ] || mpiexec="$(command -v mpiexec || echo mpiexec)"
-  timeout 300 "$mpiexec" -n 2 "$PYTHON" -c 'import sys
-from mpi4py import MPI
-world = MPI.COMM_WORLD
-print("rank", world.Get_rank(), "of", world.Get_size(), MPI.Get_library_version().splitlines()[0])
-sys.exit(0 if world.Get_size() == 2 else 1)' > "$OUT/mpi_check.txt" 2>&1
-  step mpi_check $?
-fi
+scripts="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
+mpiexec="$scripts/mpiexec"
+[ -x "$mpiexec" ] || mpiexec="$(command -v mpiexec || echo mpiexec)"
 
-if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$OUT/pytest_gpu.xml" \
-      $PYTEST_ARGS tests > "$OUT/pytest_gpu.txt" 2>&1
-  step pytest_gpu $?
-fi
-
-if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
-  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  "$PYTHON" benchmarks/gpu_throughput.py $BENCH_ARGS \
-      > "$OUT/gpu_throughput.json" 2> "$OUT/gpu_throughput.log"
-  step gpu_throughput $?
-  if "$PYTHON" -c 'import mpi4py' 2>/dev/null; then
+case "$MODE" in
+  probe)
+    limit "$PYTHON" benchmarks/gpu_probe.py --out "$OUT"
+    step probe $? ;;
+  tests)
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+    limit "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs \
+        --junitxml="$OUT/pytest_gpu.xml" $PYTEST_ARGS tests > "$OUT/pytest_gpu.txt" 2>&1
+    step pytest_gpu $? ;;
+  bench-quick)
+    # shellcheck disable=SC2086
+    limit "$PYTHON" benchmarks/gpu_throughput.py --configs jobs/cifar10_quick.yaml \
+        --batches 128 --iters 30 --warmup 5 --no-compile $BENCH_ARGS \
+        > "$OUT/bench_quick.json" 2> "$OUT/bench_quick.log"
+    step gpu_throughput $? ;;
+  bench)
+    for config in cifar10_quick nin_cifar10; do
+      for batch in 128 512; do
+        [ "$(left)" -gt 30 ] || { step "${config}_$batch" 124; continue; }
+        # shellcheck disable=SC2086
+        limit "$PYTHON" benchmarks/gpu_throughput.py --configs "jobs/$config.yaml" \
+            --batches "$batch" --iters 50 --warmup 5 $BENCH_ARGS \
+            > "$OUT/bench_${config}_$batch.json" 2> "$OUT/bench_${config}_$batch.log"
+        step "${config}_$batch" $?
+      done
+    done ;;
+  dp)
     : > "$OUT/gpu_dp.json"
-    for n in 1 2; do
-      timeout 600 "$mpiexec" -n "$n" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
-          --set device=0 --iters 50 --json 2>> "$OUT/gpu_throughput.log" | tail -n 1 \
-          >> "$OUT/gpu_dp.json"
-      step "gpu_dp_np$n" "${PIPESTATUS[0]}"
-    done
-  fi
-fi
+    # (one GPU: 2 ranks share it, so auto must fall back to MPI and say why)
+    for run in "1 mpi" "2 mpi" "2 auto"; do
+      set -- $run
+      limit "$mpiexec" -n "$1" "$PYTHON" -m purine_mpi bench jobs/cifar10_quick.yaml \
+          --set device=0 --set parallel.backend="$2" --iters 50 --json \
+          2>> "$OUT/gpu_dp.log" | tail -n 1 >> "$OUT/gpu_dp.json"
+      step "dp_np$1_$2" "${PIPESTATUS[0]}"
+    done ;;
+esac
 
-cat "$OUT/status.txt" 2>/dev/null
+grep "^$MODE " "$OUT/status.txt" 2>/dev/null
 exit "$status"

@@ -47,7 +47,12 @@ high-water mark; ``purine_<mode>_device_planned_bytes`` and
 ``_unplanned_bytes`` give the plan's share of the arena and what the same
 blobs take one buffer each), ``torch_eager_max_memory_allocated`` (PyTorch's
 peak of live tensors over its run) and ``purine_vs_torch_memory``, their
-ratio. Kernel
+ratio; peak against peak, ``purine_device_peak_bytes`` (the most bytes in
+use at once in CuPy's pool over purine_mpi's run, read at each allocation,
+plus the CUDA-graph captures' private pools: gpu/memory.py, as ``bench
+--json``'s ``device_peak_bytes``) and ``purine_vs_torch_peak_memory``, its
+ratio to ``torch_eager_max_memory_allocated`` (both allocators' live bytes
+at the worst moment of the same training step, set-up included). Kernel
 counts and times come from CUPTI through PyTorch's profiler (it records every
 kernel of the process, CuPy's, cuBLAS's and cuDNN's included, also inside
 CUDA graphs) over ``--profile-iters`` further iterations; the busy fraction
@@ -136,6 +141,8 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()              # what an earlier run left cached
     held_before = pool.total_bytes()
+    from purine_mpi.gpu.memory import PeakMemory
+    peak = PeakMemory(cupy)             # the most bytes in use at once, from here on
     graph, _ = build_train_graph(job_of(config))
     prepare_for_device(graph, device)   # placed and fused, as train does
     notes = []
@@ -181,6 +188,10 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
                # the run is the run's high-water mark on the device
                "device_pool_bytes": int(pool.total_bytes() - held_before),
                "streams": len(d.runtime.pool)}
+        peak.close()   # the profiled iterations below run under PyTorch's profiler
+        captured = (d.capture_report() or {}).get("capture_pool_bytes") or {}
+        out["device_peak_bytes"] = int(peak.peak().get(device, 0) +
+                                       captured.get(str(device), 0))
         if profile_iters:
             start = warmup + iters
 
@@ -195,6 +206,7 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
             out["notes"] = notes
         return out
     finally:
+        peak.close()
         d.close()
 
 
@@ -452,7 +464,8 @@ def dry_run(configs, batches):
 RESULT_KEYS = ("config", "batch", "purine_images_per_s", "torch_eager_images_per_s",
                "torch_graph_images_per_s", "torch_compile_images_per_s", "purine_gpu_busy",
                "purine_kernels_per_iter", "blas", "cuda_graph", "purine_device_pool_bytes",
-               "torch_eager_max_memory_allocated", "purine_vs_torch_memory")
+               "torch_eager_max_memory_allocated", "purine_vs_torch_memory",
+               "purine_device_peak_bytes", "purine_vs_torch_peak_memory")
 
 
 def main(argv=None):
@@ -527,6 +540,7 @@ def _entry(args, path, batch, profile):
                       f"{key}_device_planned_bytes": p.get("device_planned_bytes"),
                       f"{key}_device_unplanned_bytes": p.get("device_unplanned_bytes"),
                       f"{key}_device_pool_bytes": p.get("device_pool_bytes"),
+                      f"{key}_device_peak_bytes": p.get("device_peak_bytes"),
                       f"{key}_scratch_bytes": p.get("scratch_bytes"),
                       f"{key}_streams": p["streams"]})
         if p.get("blas"):
@@ -542,6 +556,7 @@ def _entry(args, path, batch, profile):
             entry["purine_mode"] = mode
             entry["purine_images_per_s"] = entry[f"{key}_images_per_s"]
             entry["purine_device_pool_bytes"] = p.get("device_pool_bytes")
+            entry["purine_device_peak_bytes"] = p.get("device_peak_bytes")
             stats = p.get("kernels")
             if stats:
                 iter_ms = 1e3 * p["seconds"] / args.iters
@@ -563,6 +578,10 @@ def _entry(args, path, batch, profile):
         if entry["purine_device_pool_bytes"] and t.get("max_memory_allocated"):
             entry["purine_vs_torch_memory"] = round(
                 entry["purine_device_pool_bytes"] / t["max_memory_allocated"], 3)
+        if entry["purine_device_peak_bytes"] and t.get("max_memory_allocated"):
+            # peak against peak: the same step, both allocators' live bytes at the worst moment
+            entry["purine_vs_torch_peak_memory"] = round(
+                entry["purine_device_peak_bytes"] / t["max_memory_allocated"], 3)
         if t.get("kernels"):
             entry["torch_eager_kernels_per_iter"] = t["kernels"]["kernels_per_iter"]
             entry["torch_eager_kernel_ms_per_iter"] = t["kernels"]["kernel_ms_per_iter"]

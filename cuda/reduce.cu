@@ -38,15 +38,15 @@ __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
   }
 }
 
-#define PURINE_REDUCE_ENTRY(SUFFIX, T)                                              \
-  extern "C" __global__ void channel_sum_##SUFFIX(long long channels, const T* dy,   \
-                                                  long long n, long long inner,     \
-                                                  T* out) {                         \
-    channel_sum_impl<T>(channels, dy, n, inner, out);                               \
+// The per-channel reductions' entry points: NAME_SUFFIX(channels, dy, n, inner, out).
+#define PURINE_PER_CHANNEL_ENTRY(NAME, SUFFIX, T)                                   \
+  extern "C" __global__ void NAME##_##SUFFIX(long long channels, const T* dy,       \
+                                             long long n, long long inner, T* out) { \
+    NAME##_impl<T>(channels, dy, n, inner, out);                                    \
   }
 
-PURINE_REDUCE_ENTRY(f32, float)
-PURINE_REDUCE_ENTRY(f64, double)
+PURINE_PER_CHANNEL_ENTRY(channel_sum, f32, float)
+PURINE_PER_CHANNEL_ENTRY(channel_sum, f64, double)
 
 // Column sums of a (rows, cols) matrix, one thread per column (coalesced
 // reads along each row), in double, in row order: out[j] = sum_i x[i, j],
@@ -72,3 +72,52 @@ __device__ void sum_rows_impl(long long cols, const T* x, long long rows, int ac
 
 PURINE_SUM_ROWS_ENTRY(f32, float)
 PURINE_SUM_ROWS_ENTRY(f64, double)
+
+// The bias gradient of a convolution, fast: db[c] = sum over n and s of
+// dy[n, c, s], dy (N, C, inner) contiguous. One block per channel
+// (grid-stride over channels). Its threads walk the channel's N runs of
+// `inner` contiguous elements as one flat range, consecutive threads on
+// consecutive addresses (coalesced loads; the (sample, s) position moves
+// by a fixed step, no division per element), adding in double. Then a
+// warp-shuffle tree adds each warp's 32 partial sums, and one more shuffle
+// tree adds the warps' sums, every thread taking part (no divergent
+// shuffles). A fixed order throughout, no atomics: the same result on
+// every run. Launched with a multiple of 32 threads, at most
+// PURINE_REDUCE_THREADS (32 warps' sums fit one warp).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    value += __shfl_down_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+template <typename T>
+__device__ void bias_grad_impl(long long channels, const T* dy, long long n, long long inner,
+                               T* out) {
+  __shared__ double warp_sums[32];
+  const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+  const unsigned int warps = blockDim.x >> 5;
+  const long long step_sample = blockDim.x / inner, step_s = blockDim.x % inner;
+  for (long long c = blockIdx.x; c < channels; c += gridDim.x) {
+    double sum = 0.0;
+    long long sample = tid / inner, s = tid % inner;
+    const T* channel = dy + c * inner;
+    while (sample < n) {
+      sum += (double)channel[sample * channels * inner + s];
+      sample += step_sample;
+      s += step_s;
+      if (s >= inner) { s -= inner; ++sample; }
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) warp_sums[warp] = sum;
+    __syncthreads();
+    sum = lane < warps ? warp_sums[lane] : 0.0;  // every warp adds the warps' sums
+    sum = warp_sum(sum);
+    if (tid == 0) out[c] = (T)sum;
+    __syncthreads();  // warp_sums is reused by the next channel
+  }
+}
+
+PURINE_PER_CHANNEL_ENTRY(bias_grad, f32, float)
+PURINE_PER_CHANNEL_ENTRY(bias_grad, f64, double)

@@ -49,7 +49,7 @@ def test_defaults_are_filled(cfg_dir):
     assert config["solver"]["test_iter"] is None and config["solver"]["display"] == 20
     assert config["parallel"] == {"scheme": "data", "mode": "sync", "bucket_mb": 4,
                                   "first_bucket_mb": 1, "min_buckets": 4, "split_params": True,
-                                  "defer_update": True,
+                                  "defer_update": True, "backend": "mpi",
                                   "ps_ranks": 1,
                                   "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,

@@ -4,14 +4,19 @@ path, the attention and embedding-gradient products through gpu/blas.py's
 cuBLAS (the emulated nvmath binding), the token-level loss through the
 fused loss kernels, and a GPT trained on the simulated stream runtime, with
 and without CUDA-graph capture, against the CPU with no allocation in a
-steady-state iteration. The emulated device is tests/test_gpu_backend.py's."""
+steady-state iteration. The emulated device is tests/emulated_gpu/'s."""
 import sys
 import types
 
 import numpy as np
 import pytest
 
-from tests.test_gpu_backend import _compare, _rand, device  # noqa: F401  (a fixture)
+from tests.emulated_gpu import compare as _compare
+
+
+def _rand(shape, dtype, seed=0, scale=1.0):
+    return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(dtype)
+
 
 F64, F32 = np.float64, np.float32
 
@@ -50,7 +55,7 @@ def products(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
-def test_embedding_gpu_branch(device, dtype, products):  # noqa: F811
+def test_embedding_gpu_branch(device, dtype, products):
     ids = np.array([[1, 3, 3, 0], [3, 1, 4, 3]], dtype=np.int32)
     w = _rand((6, 5), dtype)
     (y,), _ = _compare(device, "Embedding", {}, [ids, w], [], dtype)
@@ -64,7 +69,7 @@ def test_embedding_gpu_branch(device, dtype, products):  # noqa: F811
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])
-def test_layer_norm_and_gelu_gpu_branches(device, dtype):  # noqa: F811
+def test_layer_norm_and_gelu_gpu_branches(device, dtype):
     x, g, b = _rand((2, 3, 8), dtype, scale=3.0), _rand((8,), dtype, 1), _rand((8,), dtype, 2)
     # the means and sums: the deterministic reduction kernel, never CuPy's
     (y, mean, rstd), _ = _compare(device, "LayerNorm", {"eps": 1e-5}, [x, g, b],
@@ -81,7 +86,7 @@ def test_layer_norm_and_gelu_gpu_branches(device, dtype):  # noqa: F811
 
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_gpu_branches(device, dtype, causal, products):  # noqa: F811
+def test_attention_gpu_branches(device, dtype, causal, products):
     attrs = {"num_heads": 2, "causal": causal}
     qkv = _rand((2, 5, 24), dtype)
     (ctx,), _ = _compare(device, "Attention", attrs, [qkv], ["softmax_forward"], dtype)
@@ -111,8 +116,7 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     from purine_mpi.runtime.factory import make_dispatcher
     from purine_mpi.layers.fillers import fill
     from tests.gpt_oracle import build_ours, gpt_graph, gpt_net, step_ours
-    from tests.test_gpu_backend import (Allocations, DeviceArray, SimulatedRuntime,
-                                        use_emulated_cupy)
+    from tests.emulated_gpu import Allocations, DeviceArray, SimulatedRuntime, use_emulated_cupy
     net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
     next(e for e in net if e["type"] == "attention")["fused"] = False
     # SGD: its update is a raw kernel (the Adam updates on a GPU are CuPy
@@ -166,7 +170,7 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
 
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("ignore", [None, 3])
-def test_token_level_softmax_loss_gpu_branch(device, dtype, ignore):  # noqa: F811
+def test_token_level_softmax_loss_gpu_branch(device, dtype, ignore):
     """(N, T, V) logits over the last axis with int32 labels: the fused
     kernels on the (N*T, V, 1) view, the labels copied into int64 scratch."""
     attrs = {"axis": 2} if ignore is None else {"axis": 2, "ignore_label": ignore}

@@ -155,7 +155,7 @@ def test_inner_product_gpu_branch(device, dtype, axis):
     compare(device, "InnerProductGradWeight", attrs, [dy, x], [], dtype)
     # rows 1..3 only (a chunk of a split weight): dy's columns as a strided view
     compare(device, "InnerProductGradWeight", dict(attrs, rows=[1, 4]), [dy, x], [], dtype)
-    compare(device, "InnerProductGradBias", attrs, [dy], ["channel_sum"], dtype)
+    compare(device, "InnerProductGradBias", attrs, [dy], ["sum_rows"], dtype)
 
 
 POOL_CASES = [
@@ -304,10 +304,10 @@ def test_relu_gpu_branch_is_one_kernel_each_way(device, dtype, slope):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_bias_gradients_are_one_reduction_kernel(device, dtype):
     dy = _rand((5, 6, 3, 4), dtype)
-    compare(device, "ConvGradBias", {}, [dy], ["channel_sum"], dtype)
-    assert device.launched == ["channel_sum"]
-    compare(device, "InnerProductGradBias", {}, [dy.reshape(5, 2, 36)], ["channel_sum"], dtype)
-    assert device.launched == ["channel_sum"]
+    compare(device, "ConvGradBias", {}, [dy], ["bias_grad"], dtype)
+    assert device.launched == ["bias_grad"]
+    compare(device, "InnerProductGradBias", {}, [dy.reshape(5, 2, 36)], ["sum_rows"], dtype)
+    assert device.launched == ["sum_rows"]
 
 
 @pytest.mark.parametrize("op_type,shapes", [
@@ -581,7 +581,7 @@ def test_training_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch
     # (no col2im: conv1 needs no data gradient, conv2 is 1x1)
     assert {"im2col", "maxpool_forward", "maxpool_backward", "avepool_forward",
             "avepool_backward", "lrn_forward", "lrn_backward", "softmax_loss_forward",
-            "softmax_loss_backward", "relu_backward", "channel_sum", "dropout_forward",
+            "softmax_loss_backward", "relu_backward", "bias_grad", "dropout_forward",
             "dropout_backward", "learning_rate"} <= set(launched)
     if fused:
         assert {"sgd_momentum_multi", "bias_act"} <= set(launched)

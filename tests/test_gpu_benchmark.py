@@ -127,12 +127,12 @@ def test_gpu_session_script_is_valid_bash_and_refuses_bad_modes(tmp_path):
     assert res.returncode == 2 and "usage" in res.stderr
     text = script.read_text()
     assert "pytest -m gpu" in text and "benchmarks/gpu_throughput.py" in text
-    # it fetches (and so carries) nvmath-python with what it needs, and MPI
-    fetched = text.split("FETCH_WHEELS=", 1)[1].split("\n\n", 1)[0]
-    fetched = fetched.replace('"', " ").replace("\\", " ").split()
+    # it fetches (and so carries) nvmath-python with what it needs, and MPI:
+    # pinned in one file (tests/test_gpu_session.py checks fetch takes exactly those)
+    fetched = (SCRIPT.parent / "gpu_wheels.txt").read_text()
     for name in ("nvmath-python", "cuda-bindings", "cuda-core", "cuda-pathfinder",
                  "nvidia-cudnn-frontend", "mpich", "mpi4py"):
-        assert name in fetched, name
+        assert f"\n{name}==" in fetched, name
     # installed into the interpreter's own site-packages: with --target mpi4py
     # does not find mpich's libmpi and every rank runs alone
     install = [line for line in text.splitlines() if "pip install" in line and

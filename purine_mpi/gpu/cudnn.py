@@ -7,7 +7,9 @@ Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
     fprop   Y = conv_fprop(X, W) [-> bias(B) -> relu / leaky_relu]   (a fused
             ReLU, parallel/fuse.py, and the bias go into cuDNN's epilogue when it
             offers that fusion; else conv_fprop alone and our bias_act kernel)
-    dgrad   DX = conv_dgrad(DY, W)
+    dgrad   DX = conv_dgrad(DY, W) [-> relu_backward(., M)]   (the ReLU mask of
+            the layer below, fused by parallel/fuse.py: dgrad + drelu where
+            cuDNN has a plan; else dgrad alone and our relu_backward kernel)
     wgrad   DW = conv_wgrad(X, DY)
 
 in NCHW float32 (``float64`` and grouped convolutions take the fallback),
@@ -191,8 +193,16 @@ class ConvPlan:
         elif kind == "dgrad":
             DY, W = tensor("DY", y_shape), tensor("W", w_shape)
             out = graph.conv_dgrad(loss=DY, filter=W, **conv)
+            self.tensors.update(dy=DY, w=W)
+            if relu:   # the ReLU mask of the layer below: dgrad + drelu in one graph
+                # (a strided dgrad's output dims are ambiguous: given, as for an output)
+                out.set_dim(x_shape).set_stride(_strides(x_shape)).set_data_type(f32)
+                M = self.tensors["m"] = tensor("M", x_shape)
+                out = (graph.leaky_relu_backward(loss=out, input=M, negative_slope=float(slope))
+                       if slope else graph.relu_backward(loss=out, input=M))
+                self.fused = True
             output(out, x_shape)
-            self.tensors.update(dy=DY, w=W, dx=out)
+            self.tensors["dx"] = out
         elif kind == "wgrad":
             X, DY = tensor("X", x_shape), tensor("DY", y_shape)
             out = graph.conv_wgrad(image=X, loss=DY, **conv)
@@ -294,7 +304,7 @@ def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):
         if fusion.get("bias") or fusion.get("relu"):
             try:  # no fused plan: the convolution alone, our epilogue kernel after it
                 plain = None if buffers is None else \
-                    {k: v for k, v in buffers.items() if k != "b"}
+                    {k: v for k, v in buffers.items() if k not in ("b", "m")}
                 return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(),
                                 buffers=plain)
             except Exception as plain_exc:

@@ -112,6 +112,11 @@ PARALLEL = (
         "behind them finish while the next iteration's forward runs; each op of the next "
         "iteration waits only for the updates of what it reads (sync data parallelism on the "
         "CPU; the same result, bit for bit)"),
+    Key("backend", _choice(("mpi", "nccl", "auto")), "mpi", "who reduces the gradient buckets "
+        "of sync data parallelism on GPUs: mpi (the comm ops, through host staging unless the "
+        "MPI is CUDA-aware), nccl (an ncclAllReduce per bucket on the device, inside the "
+        "captured iteration; CuPy with NCCL and one GPU per rank, else an error) or auto (nccl "
+        "where it can run, else mpi; the start-up block says which and why)"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
     Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "
         "(0: synchronous SGD)"),

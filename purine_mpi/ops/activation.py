@@ -71,16 +71,20 @@ class ReluGrad(OpKernel):
         return _same_shape(cls.op_type, ins)
 
     def run(self, ins, outs):
-        xp = get_xp(ins[0])
-        dy, x, slope = ins[0], ins[1], float(self.attrs.get("negative_slope", 0.0))
-        k = raw_kernels(xp, dy, x)
-        if k is not None:
-            k.relu_backward(dy, x, slope, out=outs[0])
-            return
-        if slope == 0.0:
-            xp.multiply(dy, x > 0, out=outs[0])
-        else:
-            outs[0][...] = xp.where(x > 0, dy, dy * slope)
+        relu_backward(ins[0], ins[1], float(self.attrs.get("negative_slope", 0.0)), outs[0])
+
+
+def relu_backward(dy, x, slope, out):
+    """out = dy * (1 if x > 0 else slope); ``out`` may be ``dy`` (ReluGrad,
+    and the ReLU mask fused into a convolution's data gradient)."""
+    xp = get_xp(dy)
+    k = raw_kernels(xp, dy, x)
+    if k is not None:
+        k.relu_backward(dy, x, slope, out=out)
+    elif slope == 0.0:
+        xp.multiply(dy, x > 0, out=out)
+    else:
+        out[...] = xp.where(x > 0, dy, dy * slope)
 
 
 @gradient("Relu")

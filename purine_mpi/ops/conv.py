@@ -30,8 +30,7 @@ Measured, one thread, cifar10_quick's conv2 / conv3 (benchmarks/conv_ops.py):
 forward 1.18x / 1.41x, weight gradient 1.36x / 1.47x, data gradient 1.17x /
 1.70x faster than the (C, kh, kw)-ordered copy; on 3 input channels the
 runs are too short and it is slower (conv1's forward: 0.63x), so fewer
-channels, and
-groups, keep that copy: one strided view of the padded chunk copied out,
+channels, and groups, keep that copy: one strided view of the padded chunk copied out,
 the weight gradient one GEMM per chunk (``im2col_batch``) where the column
 matrix has at least ``WGRAD_GEMM_MIN_K`` rows, else one GEMM per sample and a
 sum (measured faster at K = 75). col2im loops over the kh*kw kernel offsets
@@ -61,7 +60,8 @@ plan for the shape, ``gpu/conv.py``: the raw im2col/col2im kernels of
 cuda/im2col.cu into the op's scratch memory and cuBLAS GEMMs on strided
 views, the bias and a fused ReLU in one epilogue kernel. Either way nothing
 is copied or allocated per iteration; the bias gradient is one reduction
-kernel.
+kernel. A ReLU mask fused into ConvGradData goes into cuDNN's dgrad graph
+(dgrad + drelu) where it has a plan, else one kernel after it.
 """
 import numpy as np
 
@@ -334,16 +334,17 @@ class Conv(OpKernel):
 
 @register
 class ConvGradData(OpKernel):
-    """dx = col2im(w^T @ dy) (on the CPU at stride 1: the equal forward conv of
-    dy with the flipped kernel).  Inputs [dy, w]; attr ``x_shape`` plus Conv's
-    attrs."""
+    """dx = col2im(w^T @ dy) (on the CPU at stride 1: the equal forward conv of dy
+    with the flipped kernel). Inputs [dy, w] (+ m, the ReLU mask of the layer below,
+    parallel/fuse.py: dx *= m > 0, or mask_slope); attr x_shape plus Conv's attrs."""
 
     op_type = "ConvGradData"
 
     def setup(self, ins, outs):
-        dy, w = ins
+        dy, w, m = ins[0], ins[1], ins[2:]   # m: the fused ReLU mask
         _gpu_setup(self, "dgrad", _geometry(self.attrs, outs[0].shape, w.shape), (dy, w),
-                   buffers={"dy": dy, "w": w})
+                   buffers=dict(dy=dy, w=w, **({"m": m[0]} if m else {})), relu=bool(m),
+                   slope=float(self.attrs.get("mask_slope", 0)))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -355,14 +356,20 @@ class ConvGradData(OpKernel):
         return [(x_shape, ins[0][1])]
 
     def run(self, ins, outs):
-        dy, w = ins
+        self._data_grad(ins[0], ins[1], outs, ins)
+        if ins[2:] and not getattr(getattr(self, "_plan", None), "fused", False):
+            from .activation import relu_backward   # the mask, when cuDNN did not fuse it
+            relu_backward(outs[0], ins[2], float(self.attrs.get("mask_slope", 0)), outs[0])
+
+    def _data_grad(self, dy, w, outs, ins):
         xp = get_xp(dy)
         geo = _geometry(self.attrs, outs[0].shape, w.shape)
         G, O, C, N = geo["G"], geo["O"], geo["C"], geo["N"]
         gpu, scratch = _gpu_prepared(self, ins, outs, dy, w)
         if gpu is not None:
-            if self._plan is not None:
-                _cudnn_run(self, scratch, {"dy": dy, "w": w, "dx": outs[0]})
+            if self._plan is not None:   # with the mask when the plan fused it
+                _cudnn_run(self, scratch, dict({"dy": dy, "w": w, "dx": outs[0]},
+                                               **({"m": ins[2]} if self._plan.fused else {})))
             else:  # cuBLAS GEMMs (W transposed by cuBLAS), raw col2im
                 gpu.backward_data(dy, w, outs[0], geo, scratch)
             return
@@ -462,8 +469,8 @@ class ConvGradBias(OpKernel):
         xp = get_xp(ins[0])
         dy = ins[0]
         k = raw_kernels(xp, dy)
-        if k is not None:  # one deterministic reduction kernel
-            k.channel_sum(dy, out=outs[0])
+        if k is not None:  # one deterministic reduction kernel, coalesced loads
+            k.bias_grad(dy, out=outs[0])
             return
         # one matrix-vector product against ones over the planes, then a sum
         # over the batch: BLAS reads dy once at full speed (conv1 of

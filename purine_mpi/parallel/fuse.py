@@ -9,6 +9,13 @@ numbers as the graph it rewrites, up to float summation order at most):
     ReluGrad reads that output instead of the input (y > 0 exactly where
     x > 0 for a slope >= 0). The pre-activation blob disappears.
 
+``fuse_dgrad_relu(graph)``
+    A ReluGrad whose gradient input is written by a ConvGradData (its only
+    writer and reader) moves into that op: ConvGradData takes the ReLU's
+    mask blob as a third input and writes the ReluGrad's output, so the
+    data-gradient convolution applies the mask (cuDNN's dgrad + drelu graph,
+    or one kernel after the im2col path). The intermediate gradient goes.
+
 ``fuse_sgd_updates(graph)``
     The SGDUpdate ops of one device that share the learning rate, momentum,
     weight decay and gradient scale become one ``MultiSGDUpdate``: the
@@ -19,7 +26,7 @@ numbers as the graph it rewrites, up to float summation order at most):
     checkpoints, ``--init`` and the test graph's shared weights are
     unchanged.
 
-``fuse_for_device(graph, train=True)`` applies both to a placed graph (the
+``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
 """
 from ..graph.core import Location
@@ -67,6 +74,34 @@ def fuse_relu(graph):
             c.inputs = [c.inputs[0], y]
         graph.remove_op(op.name)
         del graph.blobs[x]
+        fused.append(op.name)
+    return fused
+
+
+def fuse_dgrad_relu(graph):
+    """Fuse ReluGrads into the ConvGradData writing their gradient input (see
+    the module docstring); returns the names of the ReluGrad ops removed."""
+    fused = []
+    for op in list(graph.ops.values()):
+        if op.op_type != "ReluGrad" or op.accumulate or len(op.inputs) != 2:
+            continue
+        d, m, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        slope = float(op.attrs.get("negative_slope", 0.0))
+        writers, readers = graph.producers().get(d, []), graph.consumers().get(d, [])
+        if len(writers) != 1 or [c.name for c in readers] != [op.name]:
+            continue
+        dgrad = writers[0]
+        if (dgrad.op_type != "ConvGradData" or dgrad.accumulate or len(dgrad.inputs) != 2
+                or dgrad.location != op.location or slope < 0.0):
+            continue
+        if graph.blobs[d].alias_of is not None or graph.blobs[out].alias_of is not None or \
+                any(b.alias_of in (d, out) for b in graph.blobs.values()) or d == out:
+            continue
+        dgrad.inputs = dgrad.inputs + [m]
+        dgrad.outputs = [out]
+        dgrad.attrs["mask_slope"] = slope
+        graph.remove_op(op.name)
+        del graph.blobs[d]
         fused.append(op.name)
     return fused
 
@@ -146,6 +181,7 @@ def fuse_for_device(graph, train=True):
     returns the graph."""
     fuse_relu(graph)
     if train:
+        fuse_dgrad_relu(graph)
         fuse_sgd_updates(graph)
     graph.infer_shapes().validate()
     return graph

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from .nccl_backend import apply_backend
 from .placement import add_loss_watch, configure_device, prepare_for_device
 from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
                            check_fits_memory, loss_blobs, mark_padding, metric_blobs)
@@ -41,6 +42,8 @@ class RankGraphs:
     test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
     test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
+    comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
+    comm_backend_note: object = None  # why, for the start-up block
 
     @property
     def pipeline(self):
@@ -68,6 +71,8 @@ def build_rank_graphs(job, world, scheme=None):
     # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
     # (the node-local rank picks among several) and the stream dispatcher runs it
     device = configure_device(job, graph)
+    # parallel.backend: the buckets through MPI or NCCL (the same choice on every rank)
+    backend, backend_note = apply_backend(graph, job, world, device)
     losses = list(loss_blobs(graph))
     # with micro-batches each copy's loss is its micro-batch's mean
     shares = [graph.blobs[b].attrs.get("micro_batch_share", 1.0) for b in losses]
@@ -87,7 +92,8 @@ def build_rank_graphs(job, world, scheme=None):
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
-                     param_summary=summary)
+                     param_summary=summary, comm_backend=backend,
+                     comm_backend_note=backend_note)
     _add_test_graph(out, job, world)
     return out
 

@@ -178,14 +178,22 @@ class GraphExecutor(StreamExecutor):
     def report(self):
         """What is captured: the number of segments and of their ops, the
         segments captured so far, those whose capture failed ({name:
-        reason}) and the GPU ops that run eagerly ({name: reason})."""
+        reason}) and the GPU ops that run eagerly ({name: reason}), and
+        what the captures' private memory pools hold ({device: bytes}: kept
+        for the graphs' replays, outside CuPy's default pool)."""
         segs = list(self.segment_plan.values())
         launches, eager = self._last_counts
+        pools = {}
+        for s in segs:
+            for entry in s.captures.values():
+                if entry.pool is not None:   # None: a runtime without private pools
+                    pools[s.device] = pools.get(s.device, 0) + int(entry.pool.total_bytes())
         return {"segments": len(segs), "captured_ops": sum(len(s.members) for s in segs),
                 "captured": sum(1 for s in segs if s.captures),
                 "failed": {s.name: s.failed for s in segs if s.failed is not None},
                 "eager_gpu_ops": self._blockers() if segs else {},
-                "launches_per_iter": launches, "eager_ops_per_iter": eager}
+                "launches_per_iter": launches, "eager_ops_per_iter": eager,
+                "capture_pool_bytes": {str(d): n for d, n in sorted(pools.items())}}
 
     # ---------------------------------------------------------- iterations
     def finish(self, iteration, sync):

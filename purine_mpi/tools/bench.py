@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from ..base.backend import cupy_available
+from ..base.backend import cupy_available, xp_for_device
 from ..base.errors import UserError
+from ..gpu.memory import start_peak_memory
 from ..job.job import DataSpec
 from ..runtime.trace import merge_intervals
 
@@ -108,8 +109,14 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
             return ps_server(job, world, warmup)
         scheme, world = WorkerScheme(job, gworld), sub
         servers = scheme.layout["servers"]
-    trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
-                      dispatcher=dispatcher, log=lambda m: None, scheme=scheme)
+    peak = start_peak_memory(xp_for_device(0)) if cupy_available() else None   # before any allocation
+    try:
+        trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
+                          dispatcher=dispatcher, log=lambda m: None, scheme=scheme)
+    except BaseException:
+        if peak is not None:
+            peak.close()
+        raise
     d = trainer.train
     times, latencies = [], {}
     try:
@@ -138,6 +145,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         moved = transport_figures(d, trainer.graphs.graph, iters, moved_before)
     finally:
         trainer.close()
+        peaks = peak.peak() if peak is not None else None
+        if peak is not None:
+            peak.close()
     moved.update(ps_figures(gworld, servers) if servers is not None and gworld.rank == 0
                  else no_servers())
     plan = trainer.ws.plan
@@ -187,9 +197,12 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         # plan's share of it (transient blobs; what they take one buffer
         # each), the kernels' scratch, and what CuPy's pool holds (with
         # CuPy on a GPU); empty on the CPU
-        **device_memory(trainer.ws),
+        **device_memory(trainer.ws, peaks, report),
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
+        # parallel.backend: who reduced the buckets ("mpi", "nccl"; null: one rank, mpi) and why
+        "comm_backend": trainer.graphs.comm_backend,
+        "comm_backend_note": trainer.graphs.comm_backend_note,
         "blas": _blas_backend() if on_gpu else None,
         "cuda_graph": None if report is None else json_safe(report),
         "mode": job.parallel.mode if servers is not None else None,
@@ -201,8 +214,10 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     return result if world.rank == 0 else None
 
 
-def device_memory(ws):
-    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``."""
+def device_memory(ws, peaks=None, report=None):
+    """The ``device_*_bytes`` fields of ``bench --json`` for workspace ``ws``;
+    ``peaks``: gpu/memory.PeakMemory's {device: bytes}, ``report``: the
+    CUDA-graph capture report (its private pools count towards the peak)."""
     plans = getattr(ws, "device_plans", {}) or {}
     out = {
         "device_arena_bytes": {str(d): int(n) for d, n in sorted(ws.device_bytes.items())},
@@ -211,7 +226,14 @@ def device_memory(ws):
                                    for d, p in sorted(plans.items())},
         "device_scratch_bytes": {str(d): int(n) for d, n in sorted(ws.scratch_bytes.items())},
         "device_pool_bytes": {},
+        # the most bytes in use at once: CuPy's default pool, sampled at each
+        # allocation (gpu/memory.py), plus what the captures' pools keep
+        "device_peak_bytes": {},
     }
+    captured = (report or {}).get("capture_pool_bytes") or {}
+    for d in sorted(ws.device_bytes):
+        if peaks is not None and d in peaks:
+            out["device_peak_bytes"][str(d)] = int(peaks[d]) + int(captured.get(str(d), 0))
     if ws.device_bytes and cupy_available():
         import cupy
         for d in sorted(ws.device_bytes):

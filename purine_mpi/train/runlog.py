@@ -219,6 +219,9 @@ def startup_lines(trainer, infos, setup_seconds):
             ("devices", devices_line(infos, servers)),
             ("threads", threads.describe())]
     rows += scheme_lines(trainer)
+    backend = getattr(trainer.graphs, "comm_backend", None)
+    if backend is not None:   # parallel.backend: which reduces the buckets, and why
+        rows.append(("collectives", f"{backend} ({trainer.graphs.comm_backend_note})"))
     data = job.data
     if data.train is not None:
         per = "worker" if ps else ("pipeline" if trainer.graphs.layout.staged else "rank")

@@ -127,6 +127,12 @@ class FakeCudnn(types.ModuleType):
             def leaky_relu(self, name, input, negative_slope):
                 return self._op("relu", input=input, slope=negative_slope)
 
+            def relu_backward(self, loss, input, name=""):
+                return self._op("relu_backward", loss=loss, input=input, slope=0.0)
+
+            def leaky_relu_backward(self, loss, input, negative_slope, name=""):
+                return self._op("relu_backward", loss=loss, input=input, slope=negative_slope)
+
             def validate(self):
                 self.calls.append("validate")
 
@@ -224,6 +230,9 @@ class FakeCudnn(types.ModuleType):
                     return run_kernel("ConvGradWeight", dict(geo, w_shape=t.dim), [dy, x])[0]
                 if kind == "bias":
                     return self._value(kw["input"], arrays) + self._value(kw["bias"], arrays)
+                if kind == "relu_backward":   # dy where the mask passed, else dy * slope
+                    dy, m = self._value(kw["loss"], arrays), self._value(kw["input"], arrays)
+                    return np.where(m > 0, dy, dy * np.float32(kw["slope"]))
                 if kind == "relu":
                     v = self._value(kw["input"], arrays)
                     return np.where(v > 0, v, v * np.float32(kw["slope"])) if kw["slope"] \

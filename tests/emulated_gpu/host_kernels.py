@@ -55,8 +55,27 @@ static inline double __longlong_as_double(long long i) {
 }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+// Warp shuffles: the lanes of a warp (32 consecutive threads of the block)
+// swap values through a table between two block-wide barriers, so every
+// thread of the block must call them together (our kernels never shuffle
+// under a divergent branch). Only the full mask is modelled; a source lane
+// past the end of the block (a partial warp) is undefined on a GPU: NaN here.
+#include <stdlib.h>
+#define warpSize 32
+template <typename T>
+static inline T __shfl_down_sync(unsigned int mask, T var, unsigned int delta) {
+  static T lanes[1024];
+  if (mask != 0xffffffffu || blockDim.x > 1024) abort();
+  lanes[threadIdx.x] = var;
+  __syncthreads();
+  const unsigned int lane = threadIdx.x & 31u, source = threadIdx.x + delta;
+  const T out = lane + delta >= 32u ? var : (source < blockDim.x ? lanes[source] : (T)NAN);
+  __syncthreads();
+  return out;
+}
 """
 _EMU_BLOCKS, _EMU_THREADS = 2, 3   # small grid: exercises the grid-stride loops
+_EMU_WARP_THREADS = 64   # kernels with warp shuffles: two whole warps per block
 _C_SCALARS = {"long long": (np.int64, ctypes.c_longlong), "int": (np.int32, ctypes.c_int),
               "unsigned int": (np.uint32, ctypes.c_uint),
               "float": (np.float32, ctypes.c_float), "double": (np.float64, ctypes.c_double)}
@@ -72,8 +91,9 @@ _THREADED_KERNEL = threading.Lock()
 class _HostKernel:
     """One extern "C" entry point; checks arguments like a strict CuPy."""
 
-    def __init__(self, library, name, params, threaded=False):
+    def __init__(self, library, name, params, threaded=False, warps=False):
         self.name, self.params, self.threaded = name, params, threaded
+        self.threads = _EMU_WARP_THREADS if warps else _EMU_THREADS
         self._func = getattr(library, name)
         self._func.restype = None
         self._set = library.purine_emu_set
@@ -102,13 +122,13 @@ class _HostKernel:
         c_args = [self._convert(i, a, p) for i, (a, p) in enumerate(zip(args, self.params))]
 
         def run(b, t):
-            self._set(b, t, _EMU_BLOCKS, _EMU_THREADS)
+            self._set(b, t, _EMU_BLOCKS, self.threads)
             self._func(*c_args)   # ctypes releases the GIL: the threads run at once
 
         def grid():
             if not self.threaded:
                 for b in range(_EMU_BLOCKS):
-                    for t in range(_EMU_THREADS):
+                    for t in range(self.threads):
                         run(b, t)
                 return
             # the emulated __syncthreads is one barrier per library: kernels that
@@ -118,9 +138,9 @@ class _HostKernel:
 
         def threaded_grid():
             for b in range(_EMU_BLOCKS):
-                self._barrier(_EMU_THREADS)
+                self._barrier(self.threads)
                 threads = [threading.Thread(target=run, args=(b, t))
-                           for t in range(_EMU_THREADS)]
+                           for t in range(self.threads)]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
@@ -368,11 +388,13 @@ def host_cupy(build_dir):
                                 for name, params in _SIGNATURE.findall(expanded)}
             self._library = ctypes.CDLL(str(library_path))
             self._threaded = "__syncthreads" in code
+            self._warps = "__shfl" in code
 
         def get_function(self, name):
             if name not in self._signatures:
                 raise AttributeError(f"no extern \"C\" kernel {name}")
-            return _HostKernel(self._library, name, self._signatures[name], self._threaded)
+            return _HostKernel(self._library, name, self._signatures[name], self._threaded,
+                               self._warps)
 
     fake = types.ModuleType("cupy")
     fake.ndarray = np.ndarray

@@ -96,3 +96,13 @@ def assert_like_one_rank(w, mine, reference, params, rtol, atol):
     for other in w.comm.allgather(mine):
         for p in params:
             assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
+
+
+def assert_like_one_rank_with_batch(w, mine, params, batch, iters, rtol=2e-5, atol=2e-6):
+    """``mine`` (this rank's parameters after ``iters`` iterations) equal one
+    CPU rank's training of mlp_config with ``batch`` (the ranks' total)."""
+    from purine_mpi.job.replica import build_train_graph
+    ref_graph, _ = build_train_graph(mlp_config(batch=batch), 0, 1)
+    ref = run(ref_graph, iters)
+    assert_like_one_rank(w, mine, ref.workspace, params, rtol=rtol, atol=atol)
+    ref.close()

@@ -27,4 +27,5 @@ from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mea
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi,  # noqa: F401
                    learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,
-                          relu_backward, bias_act, channel_sum, sum_rows)  # noqa: F401
+                          relu_backward, bias_act, channel_sum, bias_grad,  # noqa: F401
+                          sum_rows)

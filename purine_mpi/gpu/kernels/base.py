@@ -19,7 +19,7 @@ ENTRY_POINTS = {
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
-    "reduce": ("channel_sum", "sum_rows"),
+    "reduce": ("channel_sum", "sum_rows", "bias_grad"),
     "loss_watch": ("loss_watch",),
     "clip": ("grad_sumsq", "clip_total", "clip_scale"),
 }

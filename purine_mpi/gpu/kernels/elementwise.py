@@ -124,21 +124,48 @@ def bias_act(y, bias=None, relu=False, negative_slope=0.0):
 
 # ------------------------------------------------------------- reductions ---
 
+def _per_channel(dy, out, what):
+    """A per-channel reduction's operands: dy (N, C, ...) checked, (N, C, the
+    rest's size), and the (C,) output buffer with the array to copy it into."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, f"{what}: dy")
+    if dy.ndim < 2:
+        raise ValueError(f"{what}: expected (N, C, ...), got shape {tuple(dy.shape)}")
+    n, channels = int(dy.shape[0]), int(dy.shape[1])
+    inner = int(np.prod(dy.shape[2:], dtype=np.int64))
+    db, target = _output(cupy, out, (channels,), dy.dtype, what)
+    return dy, n, channels, inner, db, target
+
+
 def channel_sum(dy, out=None):
     """Sum of ``dy`` (N, C, ...) over every axis but 1 -> (C,): a bias
     gradient in one deterministic kernel (cuda/reduce.cu: one block per
     channel, a fixed-order tree, double accumulation)."""
-    cupy = import_cupy()
-    dy = _input(cupy, dy, "channel_sum: dy")
-    if dy.ndim < 2:
-        raise ValueError(f"channel_sum: expected (N, C, ...), got shape {tuple(dy.shape)}")
-    n, channels = int(dy.shape[0]), int(dy.shape[1])
-    inner = int(np.prod(dy.shape[2:], dtype=np.int64))
-    db, target = _output(cupy, out, (channels,), dy.dtype, "channel_sum")
+    dy, n, channels, inner, db, target = _per_channel(dy, out, "channel_sum")
     if channels > 0:
         _base._launch_blocks("reduce", "channel_sum", dy.dtype, min(channels, _MAX_BLOCKS),
                        _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
                                          db))
+    return _finish(db, target)
+
+
+def bias_grad(dy, out=None):
+    """A bias gradient, ``dy`` summed over every axis but 1 -> (C,), in one
+    deterministic kernel with coalesced loads. A convolution's dy (N, C,
+    spatial...): cuda/reduce.cu's ``bias_grad``, one block per channel
+    walking the channel's contiguous runs, double accumulation, warp-shuffle
+    trees. A fully connected layer's dy (N, C): ``sum_rows``, one thread per
+    channel, consecutive threads on consecutive columns of each row (one
+    block per channel would read a column, a stride of C apart)."""
+    dy, n, channels, inner, db, target = _per_channel(dy, out, "bias_grad")
+    if channels == 0:
+        return _finish(db, target)
+    if inner == 1:
+        sum_rows(dy.reshape(n, channels), db)
+    else:
+        _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels, _MAX_BLOCKS),
+                             _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n),
+                                               np.int64(inner), db))
     return _finish(db, target)
 
 

@@ -1,0 +1,314 @@
+"""NCCL collectives where each rank has its own GPU (``parallel.backend``).
+
+``choose_backend(requested, world, device)`` decides, the same on every rank:
+``mpi`` (the comm ops of comm/ops.py), or ``nccl``: each data-parallel
+bucket's ``Allreduce`` becomes an ``NcclAllreduce`` op, a GPU op like any
+other (parallel/nccl_backend.py). ``auto`` picks nccl only with CuPy, its
+NCCL binding (``cupy.cuda.nccl``), a GPU for the model and one GPU per rank
+(the ranks' (host, PCI bus id) pairs all differ: NCCL refuses two ranks on
+one GPU), else mpi; the reason goes into the start-up block. Every rank
+joins the one allgather that decides, whatever its own answer.
+
+The communicator is created from MPI (``NcclComm``): rank 0 makes the
+unique id (``nccl.get_unique_id()``), MPI broadcasts it, and each rank calls
+``NcclCommunicator(size, id, rank)`` on its device.
+
+``NcclAllreduce`` queues ``ncclAllReduce`` (sum, in place) on CuPy's
+current stream: the stream dispatcher gives every NCCL op of a device one
+stream (thread ``nccl``) and the ops a chain of control edges in ``seq``
+order, so every rank launches its collectives in the same order, each right
+after its bucket's gradients (cross-stream events). Nothing in it
+synchronises, allocates or reads back, so a CUDA-graph capture takes it
+with the rest of the iteration.
+
+The watchdog: after each allreduce the op adds one to its slot of a device
+counter and copies it to page-locked host memory (both captured with it);
+``before_iteration`` counts the launches on the host. A thread
+(``NcclWatchdog``) compares them: an op launched and not complete for
+``stall_timeout`` seconds is named on standard error (bucket, size, seq),
+every communicator is ended with ``ncclCommAbort`` (which frees the device
+work blocked in NCCL) and the job ends with exit status 1 (World.abort).
+
+Layer: comm (imports: NumPy, base, gpu, ops.registry; CuPy on first use).
+"""
+import importlib
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+from ..base.errors import UserError
+from ..ops.registry import OpKernel, register
+from .ops import _mb
+
+#: the stream (thread) of a device's NCCL ops: one stream runs them in launch order
+NCCL_STREAM = "nccl"
+BACKENDS = ("mpi", "nccl", "auto")
+
+_lock = threading.Lock()
+_comms = {}   # (device, world id) -> NcclComm
+
+
+def nccl_module():
+    """(``cupy.cuda.nccl``, None) or (None, why not)."""
+    try:
+        from ..gpu import import_cupy
+        import_cupy()
+        nccl = importlib.import_module("cupy.cuda.nccl")
+    except Exception as exc:
+        return None, f"CuPy's NCCL binding does not import ({type(exc).__name__}: {exc})"
+    if not getattr(nccl, "available", True):
+        return None, "CuPy was built without NCCL (cupy.cuda.nccl.available is False)"
+    return nccl, None
+
+
+def _local_facts(device):
+    """(usable here, why not, (host, GPU identity)) for this rank."""
+    host = socket.gethostname()
+    if device < 0:
+        return False, "the model runs on the CPU", (host, None)
+    nccl, why = nccl_module()
+    if nccl is None:
+        return False, why, (host, None)
+    import cupy
+    try:
+        ident = cupy.cuda.Device(device).pci_bus_id
+    except Exception:   # no PCI bus id: the device number stands for it
+        ident = f"device {device}"
+    return True, None, (host, ident)
+
+
+def choose_backend(requested, world, device):
+    """("mpi" or "nccl", the reason in words), the same on every rank.
+    ``requested``: parallel.backend. nccl that cannot run is a UserError."""
+    if requested not in BACKENDS:
+        raise UserError(f"parallel.backend: expected one of {', '.join(BACKENDS)}, "
+                        f"got {requested!r}")
+    if requested == "mpi":
+        return "mpi", "parallel.backend: mpi"
+    facts = world.allgather_object(_local_facts(device), "the NCCL check")
+    why = next((f"rank {r}: {w}" for r, (ok, w, _) in enumerate(facts) if not ok), None)
+    if why is None:
+        seen = {}
+        for r, (_, _, ident) in enumerate(facts):
+            if ident in seen:
+                why = (f"ranks {seen[ident]} and {r} share one GPU ({ident[1]} on "
+                       f"{ident[0]}): NCCL needs a GPU per rank")
+                break
+            seen[ident] = r
+    if requested == "nccl":
+        if why is not None:
+            raise UserError(f"parallel.backend: nccl cannot run here: {why}; use "
+                            "parallel.backend: mpi (or auto)")
+        return "nccl", "parallel.backend: nccl"
+    if why is None:
+        return "nccl", f"auto: CuPy with NCCL and a GPU per rank ({world.size} ranks)"
+    return "mpi", f"auto: {why}"
+
+
+class NcclComm:
+    """One NCCL communicator over ``world`` on GPU ``device``, made from MPI:
+    rank 0's unique id, broadcast. ``abort()`` is ``ncclCommAbort``."""
+
+    def __init__(self, world, device):
+        nccl, why = nccl_module()
+        if nccl is None:
+            raise UserError(f"parallel.backend: nccl: {why}")
+        import cupy
+        self.nccl, self.world, self.device = nccl, world, int(device)
+        uid = nccl.get_unique_id() if world.rank == 0 else None
+        uid = world.comm.bcast(uid, root=0)
+        with cupy.cuda.Device(self.device):
+            self.comm = nccl.NcclCommunicator(world.size, uid, world.rank)
+        self.size = world.size
+        self.aborted = False
+
+    def abort(self):
+        if not self.aborted:
+            self.aborted = True
+            self.comm.abort()
+
+
+def get_comm(world, device):
+    """This process's communicator for (world, device), made on first use
+    (every rank gets here at the same point: the first NcclAllreduce's setup)."""
+    key = (int(device), id(world))
+    with _lock:
+        comm = _comms.get(key)
+    if comm is None:
+        comm = NcclComm(world, device)
+        with _lock:
+            _comms[key] = comm
+        NcclWatchdog.get(world).start()
+    return comm
+
+
+def abort_all():
+    """``ncclCommAbort`` on every communicator of this process (the job ends)."""
+    with _lock:
+        comms = list(_comms.values())
+    for comm in comms:
+        try:
+            comm.abort()
+        except Exception:
+            pass
+
+
+def reset():
+    """Forget the communicators and the watchdog (tests)."""
+    with _lock:
+        _comms.clear()
+        _ops.clear()
+    NcclWatchdog.instance = None
+
+
+_NCCL_DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
+_ops = []   # the NcclAllreduce kernels of this process, in seq order
+
+
+class NcclWatchdog:
+    """Names the first NCCL op launched and not complete for ``stall_timeout``
+    seconds and ends the job (``ncclCommAbort``, then World.abort)."""
+
+    instance = None
+    poll = 0.05
+
+    def __init__(self, world):
+        self.world = world
+        self.thread = None
+        self.fired = None   # the message, once it fired
+
+    @classmethod
+    def get(cls, world):
+        with _lock:
+            if cls.instance is None:
+                cls.instance = cls(world)
+            return cls.instance
+
+    def start(self):
+        with _lock:
+            if self.thread is not None:
+                return
+            self.thread = threading.Thread(target=self._watch, name="nccl-watchdog",
+                                           daemon=True)
+            self.thread.start()
+
+    def stalled(self, now=None):
+        """The first op (in seq order) launched and not done for longer than
+        the stall timeout, with how long; else None."""
+        now = time.monotonic() if now is None else now
+        timeout = float(getattr(self.world, "stall_timeout", 300.0))
+        with _lock:
+            ops = sorted(_ops, key=lambda k: k.attrs.get("seq", 0))
+        for k in ops:
+            waited = k.waiting_since(now)
+            if waited is not None and waited > timeout:
+                return k, waited
+        return None
+
+    def _watch(self):
+        while self.fired is None:
+            time.sleep(self.poll)
+            found = self.stalled()
+            if found is not None:
+                self.fire(*found)
+
+    def fire(self, kernel, waited):
+        timeout = float(getattr(self.world, "stall_timeout", 300.0))
+        self.fired = (f"rank {self.world.rank}: NCCL allreduce '{kernel.op.name}' "
+                      f"({kernel.describe()}) stalled for more than {timeout:g} s "
+                      f"(parallel.stall_timeout; waited {waited:.1f} s): a peer is slow, "
+                      "dead or launched its collectives in another order; ending the job "
+                      "with ncclCommAbort")
+        print(self.fired, file=sys.stderr, flush=True)
+        abort_all()
+        self.world.abort(1)
+
+
+@register
+class NcclAllreduce(OpKernel):
+    """s_i = sum over ranks of g_i through ncclAllReduce on the current
+    stream (in place on a data-parallel bucket: one call). Shapes pass through."""
+
+    op_type = "NcclAllreduce"
+    capturable = True   # the host work of each iteration is before_iteration's
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return list(ins)
+
+    def setup(self, ins, outs):
+        from ..gpu import import_cupy
+        from ..gpu.raw import data_ptr
+        from ..gpu.streams import pinned_empty
+        from .world import get_world
+        cupy = import_cupy()
+        if len(ins) != len(outs):
+            raise ValueError(f"NcclAllreduce '{self.op.name}' needs one output per input")
+        device = int(self.op.location.device)
+        self.nccl_comm = get_comm(get_world(), device)
+        nccl = self.nccl_comm.nccl
+        dtype = np.dtype(outs[0].dtype)
+        if dtype not in _NCCL_DTYPES or any(np.dtype(o.dtype) != dtype for o in outs):
+            raise ValueError(f"NcclAllreduce '{self.op.name}': float32 or float64 "
+                             f"buffers of one dtype, got {sorted({str(o.dtype) for o in outs})}")
+        self.nccl_dtype, self.op_sum = getattr(nccl, _NCCL_DTYPES[dtype]), nccl.NCCL_SUM
+        for o in outs:
+            if not o.flags.c_contiguous:
+                raise ValueError(f"NcclAllreduce '{self.op.name}': a buffer is not contiguous")
+        self.copies = [(i, o) for i, o in zip(ins, outs) if data_ptr(i) != data_ptr(o)]
+        # the outputs side by side in one buffer (a bucket's alias blobs): one call
+        spans, ptr = [], None
+        for o in outs:
+            p = data_ptr(o)
+            if spans and p == ptr:
+                spans[-1][1] += int(o.size)
+            else:
+                spans.append([p, int(o.size)])
+            ptr = p + o.nbytes
+        self.spans = [tuple(s) for s in spans]
+        self.nbytes = sum(o.nbytes for o in outs)
+        self.average = bool(self.attrs.get("average", False))
+        self.outs = outs
+        # the watchdog's view: launches counted here, completions on the device
+        with cupy.cuda.Device(device):
+            self.done_device = cupy.zeros((1,), dtype=np.int64)
+        self.done_host = pinned_empty((1,), np.int64)
+        self.done_host[...] = 0
+        self.launched, self.launched_at = 0, None
+        with _lock:
+            _ops.append(self)
+
+    def before_iteration(self, iteration, host_write):
+        """Every iteration, also a replayed one: one more launch to complete."""
+        self.launched += 1
+        self.launched_at = time.monotonic()
+        return None
+
+    def waiting_since(self, now):
+        """Seconds the latest launch has waited, or None when all completed."""
+        if self.launched_at is None or int(self.done_host[0]) >= self.launched:
+            return None
+        return now - self.launched_at
+
+    def describe(self):
+        bucket = self.attrs.get("bucket", self.op.name)
+        return f"bucket {bucket}, {_mb(self.nbytes)}, seq {self.attrs.get('seq', '?')}"
+
+    def run(self, ins, outs):
+        from ..gpu import import_cupy
+        from ..gpu.streams import copy_to_host_async
+        cupy = import_cupy()
+        for i, o in self.copies:
+            o[...] = i
+        stream = cupy.cuda.get_current_stream().ptr
+        comm = self.nccl_comm
+        for ptr, count in self.spans:
+            comm.comm.allReduce(ptr, ptr, count, self.nccl_dtype, self.op_sum, stream)
+        if self.average:
+            for o in outs:
+                o *= 1.0 / comm.size
+        self.done_device += 1   # the watchdog: this launch is complete on the device
+        copy_to_host_async(self.done_host, self.done_device)

@@ -1,0 +1,58 @@
+"""``parallel.backend``: the data-parallel buckets reduced by NCCL.
+
+``apply_backend(graph, job, world, device)`` asks comm/nccl.choose_backend
+(the same answer on every rank) and, for nccl, turns each bucket's
+``Allreduce`` (comm/ops.py, posted by the host) into an ``NcclAllreduce``
+(comm/nccl.py): a GPU op on the device's ``nccl`` stream, so the CUDA-graph
+capture takes it with the rest of the iteration, right after its bucket's
+gradients. The ops keep their ``seq`` and get a chain of control edges in
+``seq`` order: one stream launches them in that order on every rank, as NCCL
+requires. A collective over a group (``attrs['group']``) stays on MPI.
+
+Layer: parallel (imports: comm).
+"""
+from ..base.errors import GraphError, UserError
+from ..comm.nccl import NCCL_STREAM, choose_backend
+
+
+def apply_backend(graph, job, world, device):
+    """Choose the backend for ``graph`` and rewrite it for NCCL when chosen.
+    Returns (backend, reason), or (None, None) where there is nothing to
+    choose (one rank and parallel.backend: mpi)."""
+    par = job.parallel
+    requested = getattr(par, "backend", "mpi")
+    if world.size == 1 and requested == "mpi":
+        return None, None
+    if requested != "mpi" and (par.scheme != "data" or par.mode != "sync"):
+        # decided from the config alone (no collective: parameter servers run
+        # other trainers, and their ranks never get here)
+        why = (f"NCCL reduces the buckets of scheme data, mode sync; this job runs scheme "
+               f"{par.scheme}, mode {par.mode}")
+        if requested == "nccl":
+            raise UserError(f"{job.path}: key 'parallel.backend': nccl cannot run here: {why}; "
+                            "use mpi or auto")
+        return "mpi", f"auto: {why}"
+    backend, why = choose_backend(requested, world, device)
+    if backend == "nccl":
+        use_nccl(graph)
+    return backend, why
+
+
+def use_nccl(graph):
+    """Each ungrouped Allreduce of ``graph`` becomes an NcclAllreduce on its
+    device's ``nccl`` stream, chained in ``seq`` order. Returns their names."""
+    ops = sorted((op for op in graph.ops.values()
+                  if op.op_type == "Allreduce" and op.attrs.get("group") is None),
+                 key=lambda op: op.attrs.get("seq", 0))
+    previous = None
+    for op in ops:
+        devices = {graph.blobs[graph.storage_root(b)].location.device
+                   for b in op.inputs + op.outputs}
+        if len(devices) != 1 or min(devices) < 0:
+            raise GraphError(f"parallel.backend nccl: Allreduce '{op.name}' reduces blobs on "
+                             f"{sorted(devices)}, NCCL needs them on one GPU")
+        op.op_type, op.thread = "NcclAllreduce", NCCL_STREAM
+        if previous is not None and previous.name not in op.control_inputs:
+            op.control_inputs.append(previous.name)
+        previous = op
+    return [op.name for op in ops]

@@ -1,0 +1,152 @@
+"""benchmarks/gpu_session.sh and benchmarks/gpu_probe.py without a GPU: the
+stages fit 10-minute commands and 30 minutes in all, ``fetch`` downloads
+exactly the pinned wheels for the pinned Python, a stage installs only what
+the interpreter lacks and records the environment, and the probe's checks
+say FAIL or SKIP with one line why on a machine without a GPU (no
+traceback)."""
+import json
+import os
+import pathlib
+import re
+import stat
+import subprocess
+import sys
+
+from tests.conftest import REPO, cli_env
+
+BENCH = pathlib.Path(REPO) / "benchmarks"
+SCRIPT, PROBE, PINS = BENCH / "gpu_session.sh", BENCH / "gpu_probe.py", BENCH / "gpu_wheels.txt"
+STAGES = ["probe", "tests", "bench-quick", "bench", "dp"]
+
+
+def _session(*args, env=None, timeout=120):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env=dict(cli_env(), **(env or {})), timeout=timeout)
+
+
+def _pins():
+    lines = [line.strip() for line in PINS.read_text().splitlines()]
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_plan_lists_the_stages_in_order_within_their_budgets():
+    res = _session("--plan")
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows[:-1]] == STAGES and rows[-1][0] == "total"
+    budgets = [int(r[1].rstrip("s")) for r in rows[:-1]]
+    assert all(0 < b <= 600 for b in budgets) and budgets[0] <= 120   # install + probe
+    assert int(rows[-1][1].rstrip("s")) == sum(budgets) <= 1800
+    assert _session("all").returncode == 2 and "usage" in _session("all").stderr
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_pins_name_the_issue_versions_and_fetch_downloads_exactly_them(tmp_path):
+    pins = _pins()
+    for name, version in {"nvmath-python": "1.0.0", "cuda-bindings": "13.5.0",
+                          "cuda-core": "1.2.2", "cuda-pathfinder": "1.9.1",
+                          "nvidia-cudnn-frontend": "1.32.0", "mpich": "5.0.2",
+                          "mpi4py": "4.1.2"}.items():
+        assert pins[name] == version, name
+    assert {"PyYAML", "h5py", "pytest"} <= set(pins)
+    python = re.search(r"python-version: *([0-9.]+)", PINS.read_text()).group(1)
+    # a stand-in interpreter records what fetch asks pip for (no network here)
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    res = _session("fetch", env={"PYTHON": str(stub), "WHEELS": str(tmp_path / "w")})
+    assert res.returncode == 0, res.stderr
+    args = (tmp_path / "args").read_text().split()
+    assert args[:3] == ["-m", "pip", "download"] and "--no-deps" in args
+    assert args[args.index("--python-version") + 1] == python
+    assert args[args.index("-d") + 1] == str(tmp_path / "w")
+    assert sorted(a for a in args if "==" in a) == sorted(f"{n}=={v}" for n, v in pins.items())
+
+
+def _check_lines(text):
+    rows = [line.split(None, 2) for line in text.strip().splitlines()]
+    assert rows and all(r[0] in ("PASS", "FAIL", "SKIP") and len(r) == 3 for r in rows), text
+    return {r[1]: (r[0], r[2]) for r in rows}
+
+
+def test_probe_says_fail_or_skip_in_one_line_each_without_a_gpu(tmp_path):
+    """On this machine (no CuPy, no device, no nvmath): each GPU assumption
+    is a FAIL or a SKIP naming why, the exit status is 1, no traceback."""
+    res = subprocess.run([sys.executable, str(PROBE), "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=cli_env(), timeout=90)
+    assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr, res.stderr
+    checks = _check_lines(res.stdout)
+    assert list(checks) == ["python", "wheels", "pip-check", "cuda-device", "nvmath-capture",
+                            "cudnn-capture", "memcpy-replay", "abort-capture", "nccl-capture",
+                            "mpi-world-2"]
+    assert checks["cuda-device"][0] == "FAIL" and "CuPy" in checks["cuda-device"][1]
+    for name in ("nvmath-capture", "cudnn-capture", "memcpy-replay", "abort-capture",
+                 "nccl-capture"):
+        assert checks[name] == ("SKIP", "needs a CUDA device (see cuda-device)"), name
+    assert checks["wheels"][0] == "FAIL" and "nvmath-python" in checks["wheels"][1]
+    assert checks["mpi-world-2"][0] == "PASS"   # the venv's mpich + mpi4py
+    report = json.loads((tmp_path / "probe.json").read_text())
+    assert "cuda-device" in report["failed"] and len(report["probe"]) == 10
+    assert (tmp_path / "probe.txt").read_text().strip() == res.stdout.strip()
+
+
+def test_probe_stage_installs_only_what_is_missing_and_records_the_environment(tmp_path):
+    """``gpu_session.sh probe``: the pins the interpreter has are kept (never
+    reinstalled), the rest installed from the carried wheels (none here: the
+    install fails and says so); env.txt holds pip list, pip check, the cuDNN
+    line and the architecture; the plan cache goes under $OUT."""
+    out = tmp_path / "out"
+    res = _session("probe", env={"OUT": str(out), "WHEELS": str(tmp_path / "none"),
+                                 "PYTHON": sys.executable, "PIP_FIND_LINKS": ""})
+    assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr
+    _check_lines(res.stdout.split("probe install")[0])
+    log = (out / "install.log").read_text()
+    assert "kept the image's 4.1.2 for mpi4py==4.1.2" in log
+    assert "nvmath-python" in log and "kept the image's" not in \
+        [line for line in log.splitlines() if "nvmath-python" in line][0]
+    status = (out / "status.txt").read_text().split("\n")
+    assert "probe install_deps 1" in status and "probe probe 1" in status
+    env = (out / "env.txt").read_text()
+    for part in ("-- pip list", "-- pip check", "cuDNN frontend", "machine: ", "python "):
+        assert part in env, part
+    assert (out / "cache").is_dir() and os.path.exists(out / "probe.json")
+
+
+def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypatch, tmp_path):
+    """The probe's own code (captures, replays, the abort path, NCCL) runs
+    on the emulated CuPy, cuDNN frontend, nvmath and NCCL before any GPU
+    does. Two things the emulator lacks are supplied here: the device's
+    properties, and work queued inside ``with stream:`` reaching the capture
+    when ``end_capture`` is called within that block (CuPy's order)."""
+    import importlib.util
+    import sys as _sys
+    from tests.emulated_gpu import use_emulated_cupy
+    from tests.emulated_gpu.cudnn import FakeCudnn
+    from tests.emulated_gpu.device import SimStream
+    from tests.emulated_gpu.nccl import use_emulated_nccl
+    monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
+    fake = use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setitem(_sys.modules, "cudnn", FakeCudnn())
+    use_emulated_nccl(monkeypatch, fake)
+    monkeypatch.setattr(fake.cuda.runtime, "getDeviceProperties",
+                        lambda d: {"name": b"NVIDIA Emulated GPU"}, raising=False)
+    monkeypatch.setattr(fake.cuda.runtime, "runtimeGetVersion", lambda: 12080, raising=False)
+    monkeypatch.setattr(fake.cuda, "Device", type("Device", (fake.cuda.Device,),
+                                                  {"compute_capability": "90"}))
+    monkeypatch.setattr(SimStream, "end_capture",
+                        lambda self: (self.flush(), self.device.end_capture(self))[1])
+    from purine_mpi.gpu import blas, cudnn
+    blas.reset()
+    cudnn.reset()
+    spec = importlib.util.spec_from_file_location("gpu_probe_emulated", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    ctx = {"pins": {}, "python": None, "nodeps": set(), "wheels": str(PINS)}
+    results = {name: probe.run_check(fn, ctx) for name, fn in probe.CHECKS
+               if name in ("cuda-device", "nvmath-capture", "cudnn-capture", "memcpy-replay",
+                           "abort-capture", "nccl-capture")}
+    assert {name: status for name, (status, _) in results.items()} == dict.fromkeys(
+        results, "PASS"), results
+    assert "replayed twice" in results["nccl-capture"][1]
+    blas.reset()
+    cudnn.reset()
