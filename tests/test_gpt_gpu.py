@@ -123,7 +123,8 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     # (cuda/adam.cu) that allocates nothing. The captured variant keeps SGD:
     # this graph's 'iter' is a host blob, so the AdamW updates run eagerly
     # between the captured segments, and there the second iteration's loss
-    # differs from the CPU's (an open question, docs/gpu.md "What is left")
+    # differs from the CPU's, with the element-wise update of before too
+    # (open: docs/gpu.md, end of "A GPU session in 10-minute stages")
     solver = ({"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
                "max_iter": 3} if cuda_graph else
               {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
