@@ -168,6 +168,29 @@ def test_what_a_capture_allows_is_recorded_and_read_at_replay(emulated):
         assert iteration.get()[0] == 5 + k and counter.get()[0] == 6 + k
 
 
+def test_a_direct_cupy_style_capture_records_the_work_of_its_with_block(emulated):
+    """CuPy's own order, ``with stream: begin_capture(); work; end_capture()``
+    (no runtime in between): the work queued before ``begin_capture`` in the
+    same block runs eagerly once, the work between the two calls is the
+    graph, and each replay runs it again on the memory as it is then."""
+    stream = emulated.cuda.Stream(non_blocking=True)
+    x, y = _on_device([1.0, 2.0]), _on_device([0.0, 0.0])
+    with stream:
+        y[...] += x                  # before the capture: runs once
+        stream.begin_capture()
+        np.multiply(x, 3.0, out=y)   # captured
+        y[...] += x                  # captured: y = 4 x
+        graph = stream.end_capture()
+    stream.synchronize()
+    assert len(graph.nodes) >= 1
+    np.testing.assert_array_equal(np.asarray(y), [1.0, 2.0])  # only the eager part ran
+    for k in range(2):
+        x[...] = [k + 5.0, -1.0]
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(np.asarray(y), [4 * (k + 5.0), -4.0])
+
+
 def _net_dispatcher(net, cuda_graph, batch=2):
     config = net_config(net, batch)
     graph, _ = build_train_graph(make_job(config))

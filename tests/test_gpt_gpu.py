@@ -109,8 +109,8 @@ def test_attention_gpu_branches(device, dtype, causal, products):
 def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cuda_graph):
     """A 2-block GPT (fused attention in one block, the raw sub-graph in the
     other), placed on the emulated device and run by the stream dispatcher
-    on the simulated runtime, optionally captured in CUDA graphs: 3 SGD
-    steps give the CPU's losses and weights, and the third iteration
+    on the simulated runtime, optionally captured in CUDA graphs: 3 AdamW
+    (captured: SGD) steps give the CPU's losses and weights, and the third iteration
     allocates no device memory."""
     from purine_mpi.parallel.placement import place_on_device
     from purine_mpi.runtime.factory import make_dispatcher
@@ -119,10 +119,16 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     from tests.emulated_gpu import Allocations, DeviceArray, SimulatedRuntime, use_emulated_cupy
     net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
     next(e for e in net if e["type"] == "attention")["fused"] = False
-    # SGD: its update is a raw kernel (the Adam updates on a GPU are CuPy
-    # element-wise arithmetic, which allocates: not this test's subject)
-    solver = {"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
-              "max_iter": 3}
+    # AdamW, the transformer's solver: its update is one raw kernel
+    # (cuda/adam.cu) that allocates nothing. The captured variant keeps SGD:
+    # this graph's 'iter' is a host blob, so the AdamW updates run eagerly
+    # between the captured segments, and there the second iteration's loss
+    # differs from the CPU's, with the element-wise update of before too
+    # (open: docs/gpu.md, end of "A GPU session in 10-minute stages")
+    solver = ({"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
+               "max_iter": 3} if cuda_graph else
+              {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
+               "weight_decay": 1e-2, "max_iter": 3})
     toks = np.random.default_rng(0).integers(0, 16, (3, 2, 7))
     cpu, _, _ = build_ours(net, solver, 2, 6, seed=1)
     cpu_losses = []
@@ -160,9 +166,13 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
             report = d.executor.report()
             assert report["captured"] == report["segments"] > 0 and not report["failed"], report
         np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+        # atol: the key bias's gradient is zero in exact arithmetic (softmax
+        # ignores a constant per row), so Adam turns its rounding noise,
+        # which differs between the two graphs, into steps of a few 1e-6
+        # (a wrong update is off by about lr = 1e-2)
         for p in g.params():
             np.testing.assert_allclose(np.asarray(d.workspace[p.name]), cpu.workspace[p.name],
-                                       rtol=1e-4, atol=1e-6, err_msg=p.name)
+                                       rtol=1e-4, atol=2e-5, err_msg=p.name)
     finally:
         Allocations.counting = False
         d.close()

@@ -115,14 +115,13 @@ def test_probe_stage_installs_only_what_is_missing_and_records_the_environment(t
 def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypatch, tmp_path):
     """The probe's own code (captures, replays, the abort path, NCCL) runs
     on the emulated CuPy, cuDNN frontend, nvmath and NCCL before any GPU
-    does. Two things the emulator lacks are supplied here: the device's
-    properties, and work queued inside ``with stream:`` reaching the capture
-    when ``end_capture`` is called within that block (CuPy's order)."""
+    does. The device's properties are supplied here (the emulator has none).
+    The abort path fails for the reason a GPU gives: the capturing stream's
+    ``streamSynchronize`` is refused."""
     import importlib.util
     import sys as _sys
     from tests.emulated_gpu import use_emulated_cupy
     from tests.emulated_gpu.cudnn import FakeCudnn
-    from tests.emulated_gpu.device import SimStream
     from tests.emulated_gpu.nccl import use_emulated_nccl
     monkeypatch.setenv("PURINE_CACHE_DIR", str(tmp_path / "cache"))
     fake = use_emulated_cupy(monkeypatch, host_build_dir)
@@ -133,8 +132,6 @@ def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypa
     monkeypatch.setattr(fake.cuda.runtime, "runtimeGetVersion", lambda: 12080, raising=False)
     monkeypatch.setattr(fake.cuda, "Device", type("Device", (fake.cuda.Device,),
                                                   {"compute_capability": "90"}))
-    monkeypatch.setattr(SimStream, "end_capture",
-                        lambda self: (self.flush(), self.device.end_capture(self))[1])
     from purine_mpi.gpu import blas, cudnn
     blas.reset()
     cudnn.reset()
@@ -148,5 +145,6 @@ def test_the_probes_gpu_checks_pass_on_the_emulated_gpu(host_build_dir, monkeypa
     assert {name: status for name, (status, _) in results.items()} == dict.fromkeys(
         results, "PASS"), results
     assert "replayed twice" in results["nccl-capture"][1]
+    assert "cudaErrorStreamCaptureUnsupported" in results["abort-capture"][1], results
     blas.reset()
     cudnn.reset()

@@ -4,8 +4,9 @@ The learning rate comes from ``LearningRate`` (ops/lr_policy.py); one ``SGDUpdat
 its momentum in place (through alias blobs ``w@new``, ``w/momentum@new``,
 which the graph orders after every other reader of the old values).
 
-On a GPU (CuPy weights of float32/float64) the update is one fused raw
-kernel (cuda/sgd.cu) instead of four element-wise passes. The learning rate
+On a GPU (CuPy weights of float32/float64) the SGD update is one fused raw
+kernel (cuda/sgd.cu) instead of four element-wise passes, and so are Adam
+and AdamW (cuda/adam.cu): nothing allocates in a captured iteration. The learning rate
 may be a host blob (read as a number: no sync) or a device blob (read by the
 kernel: no host round trip either).
 """
@@ -325,6 +326,28 @@ class AdamUpdate(_AdaptiveUpdate):
     op_type = "AdamUpdate"
     states = ("m", "v")
     needs_iter = True
+
+    def run(self, ins, outs):
+        w, grad, m, v, lr, it = ins
+        xp = get_xp(w)
+        k = raw_kernels(xp, w, grad, m, v)
+        if k is None or not all(o.flags.c_contiguous for o in outs):
+            super().run(ins, outs)
+            return
+        # on a GPU: one fused kernel (cuda/adam.cu), no temporaries; the lr
+        # and iteration blobs on the device are read by the kernel
+        for old, new in zip((w, m, v), outs):
+            if not same_buffer(old, new):
+                new[...] = old
+        a = self.attrs
+        lr = float(lr.reshape(())) if get_xp(lr) is np else lr
+        it = int(it.reshape(())) if get_xp(it) is np else it
+        w_new, m_new, v_new = outs
+        k.adam_update(w_new, grad, m_new, v_new, lr, it,
+                      beta1=float(a.get("momentum", 0.9)), beta2=float(a.get("momentum2", 0.999)),
+                      delta=float(a.get("delta", 1e-8)), grad_scale=float(a.get("grad_scale", 1.0)),
+                      weight_decay=float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0)),
+                      decoupled=self.decoupled, lr_mult=float(a.get("lr_mult", 1.0)))
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         m, v = states

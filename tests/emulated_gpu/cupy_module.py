@@ -12,6 +12,7 @@ import purine_mpi.gpu as gpu
 
 from . import capture
 from .arrays import Allocations, DeviceArray, NoDevice, plain
+from .device import active_device
 from .host_kernels import host_cupy, use_emulated_nvmath
 from .runtime import cuda_namespace
 
@@ -57,6 +58,14 @@ def emulated_cupy(build_dir):
         else:
             capture.device_work(lambda: ctypes.memmove(dst, src, size), stream)
 
+    def stream_synchronize(stream_ptr):
+        """cudaStreamSynchronize: refused on a capturing stream (which
+        invalidates the capture), as ``SimStream.synchronize``."""
+        stream = capture.stream_of(stream_ptr)
+        if stream is None:     # the default stream
+            stream = active_device().null_stream()
+        stream.synchronize()
+
     def device_synchronize():
         if capture.any_capture_open():
             raise capture.CUDARuntimeError(capture.SYNC_REFUSED)
@@ -83,6 +92,7 @@ def emulated_cupy(build_dir):
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
     runtime.memcpyAsync = memcpy_async
     runtime.deviceSynchronize = device_synchronize
+    runtime.streamSynchronize = stream_synchronize
     runtime.streamIsCapturing = lambda ptr: (capture.stream_of(ptr)
                                              or capture.DEFAULT_STREAM).is_capturing()
     runtime.CUDARuntimeError = capture.CUDARuntimeError

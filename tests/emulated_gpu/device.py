@@ -108,9 +108,11 @@ class SimStream:
 
     # ------------------------------------------------------- capture
     def begin_capture(self, mode=None):
+        self.flush()   # work launched earlier in this ``with stream:`` runs before the capture
         self.device.begin_capture(self)
 
     def end_capture(self):
+        self.flush()   # work launched in this ``with stream:`` so far belongs to the capture
         return self.device.end_capture(self)
 
     def is_capturing(self):

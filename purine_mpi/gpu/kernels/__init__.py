@@ -24,7 +24,7 @@ from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_f
 from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mean,
                    softmax_loss_count, softmax_forward, softmax_backward, LossTable,
                    loss_watch)  # noqa: F401
-from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi,  # noqa: F401
+from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
                    learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,
                           relu_backward, bias_act, channel_sum, bias_grad,  # noqa: F401

@@ -17,6 +17,7 @@ ENTRY_POINTS = {
     "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward", "softmax_loss_mean",
                      "softmax_loss_count", "softmax_forward", "softmax_backward"),
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
+    "adam": ("adam_update",),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
     "reduce": ("channel_sum", "sum_rows", "bias_grad"),

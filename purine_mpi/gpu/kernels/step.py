@@ -1,6 +1,6 @@
-"""The solver on the device: the fused and multi-tensor SGD updates, the lr
-policy, the iteration counter and gradient clipping (cuda/sgd.cu,
-lr_policy.cu, clip.cu).
+"""The solver on the device: the fused and multi-tensor SGD updates, the
+fused Adam/AdamW update, the lr policy, the iteration counter and gradient
+clipping (cuda/sgd.cu, adam.cu, lr_policy.cu, clip.cu).
 """
 import numpy as np
 
@@ -32,6 +32,53 @@ def sgd_momentum_update(w, g, v, lr, momentum=0.9, weight_decay=0.0, grad_scale=
     _base._launch("sgd", "sgd_momentum", w.dtype, w.size,
             (w, g, v, lr_value, lr_ptr, has_lr_ptr, t(momentum), t(weight_decay),
              t(grad_scale)))
+
+
+_UNREAD = {}
+
+
+def _unread_int64(cupy):
+    """A one-element int64 device array the kernel is given but never reads
+    (the pointer of a host iteration), made once, so no call allocates."""
+    array = _UNREAD.get(id(cupy))
+    if array is None:
+        array = _UNREAD[id(cupy)] = cupy.empty((1,), dtype=np.int64)
+    return array
+
+
+def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
+                grad_scale=1.0, weight_decay=0.0, decoupled=False, lr_mult=1.0):
+    """In place, Adam (``decoupled=False``: the weight decay is L2 added to
+    the gradient) or AdamW (``decoupled=True``: ``w *= 1 - rate *
+    weight_decay`` first), step ``iteration + 1``, rate = lr * lr_mult, in
+    one kernel that allocates nothing (cuda/adam.cu; ops/updates.py
+    AdamUpdate gives the formulas).
+
+    ``w``, ``m`` and ``v`` must be C-contiguous; ``lr`` is a number or a
+    one-element CuPy array, ``iteration`` a number or the one-element int64
+    iteration blob on the device: the kernel reads either itself."""
+    cupy = import_cupy()
+    for name, array in (("w", w), ("m", m), ("v", v)):
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
+            raise ValueError(f"adam_update: {name} must be a C-contiguous "
+                             "CuPy array (it is updated in place)")
+    dtype_suffix(w.dtype)
+    g = _input(cupy, g, "adam_update: g")
+    _same_as("adam_update", "w", w, g=g, m=m, v=v)
+    t = w.dtype.type
+    if isinstance(lr, cupy.ndarray):
+        _, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, lr_mult, w, "adam_update")
+        lr_value = np.float64(lr_mult)
+    else:
+        lr_value, lr_ptr, has_lr_ptr = np.float64(float(lr) * float(lr_mult)), w, _int(0)
+    if isinstance(iteration, cupy.ndarray):
+        it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    else:
+        it_value, it_ptr, has_it_ptr = np.int64(int(iteration)), _unread_int64(cupy), _int(0)
+    _base._launch("adam", "adam_update", w.dtype, w.size,
+                  (w, g, m, v, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr, has_it_ptr,
+                   np.float64(beta1), np.float64(beta2), t(delta), t(grad_scale),
+                   np.float64(weight_decay), _int(bool(decoupled))))
 
 
 def _lr_arg(cupy, lr, lr_mult, like, what):

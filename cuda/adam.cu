@@ -1,0 +1,62 @@
+// Fused Adam / AdamW update (purine_mpi/ops/updates.py AdamUpdate,
+// AdamWUpdate), in place, one pass over memory and no temporaries (the CuPy
+// element-wise form allocates every iteration, which a captured CUDA graph
+// that replays must not). With s = iteration + 1:
+//   g  = grad_scale * grad (+ decay * w unless decoupled: Adam's L2)
+//   w *= 1 - rate * decay                   (AdamW: decoupled, before the step)
+//   m  = b1 * m + (1 - b1) * g
+//   v  = b2 * v + ((1 - b2) * g) * g
+//   w -= (rate / (1 - b1^s)) * m / (sqrt(v) / sqrt(1 - b2^s) + delta)
+// in the order the CPU update computes it (its float32 roundings; the bias
+// corrections, rate and decay factor in double, as Python computes them).
+// rate = lr_value * (*lr_ptr if has_lr_ptr); the iteration is it_value or
+// *it_ptr (the iteration blob on the device): the kernel reads both itself,
+// so a captured graph replays with each iteration's values.
+//
+// Compiled at run time by purine_mpi.gpu.load_kernel("adam") (NVRTC, so no
+// #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
+
+#define CUDA_KERNEL_LOOP(i, n)                                              \
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
+       i < (n); i += (long long)blockDim.x * gridDim.x)
+
+template <typename T>
+__device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
+                          double lr_value, const T* lr_ptr, int has_lr_ptr,
+                          long long it_value, const long long* it_ptr, int has_it_ptr,
+                          double b1, double b2, T delta, T grad_scale, double decay,
+                          int decoupled) {
+  const double rate = has_lr_ptr ? lr_value * (double)lr_ptr[0] : lr_value;
+  const double s = (double)((has_it_ptr ? it_ptr[0] : it_value) + 1);
+  const T step = (T)(rate / (1.0 - pow(b1, s)));
+  const T correction2 = (T)sqrt(1.0 - pow(b2, s));
+  const T keep = (T)(1.0 - rate * decay);
+  const T tb1 = (T)b1, tb2 = (T)b2, ob1 = (T)(1.0 - b1), ob2 = (T)(1.0 - b2);
+  const T tdecay = (T)decay;
+  const bool shrink = decoupled && decay != 0.0;
+  CUDA_KERNEL_LOOP(index, total) {
+    T wi = w[index];
+    T gi = grad_scale * g[index];
+    if (!decoupled && decay != 0.0) gi = gi + wi * tdecay;
+    if (shrink) wi = wi * keep;
+    const T mi = tb1 * m[index] + ob1 * gi;
+    const T vi = tb2 * v[index] + (ob2 * gi) * gi;
+    m[index] = mi;
+    v[index] = vi;
+    const T denom = sqrt(vi) / correction2 + delta;
+    w[index] = wi - (step * mi) / denom;
+  }
+}
+
+#define PURINE_ADAM_ENTRY(SUFFIX, T)                                                \
+  extern "C" __global__ void adam_update_##SUFFIX(                                  \
+      long long total, T* w, const T* g, T* m, T* v, double lr_value,               \
+      const T* lr_ptr, int has_lr_ptr, long long it_value, const long long* it_ptr, \
+      int has_it_ptr, double b1, double b2, T delta, T grad_scale, double decay,    \
+      int decoupled) {                                                              \
+    adam_impl<T>(total, w, g, m, v, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr, \
+                 has_it_ptr, b1, b2, delta, grad_scale, decay, decoupled);          \
+  }
+
+PURINE_ADAM_ENTRY(f32, float)
+PURINE_ADAM_ENTRY(f64, double)
