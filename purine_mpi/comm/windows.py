@@ -17,19 +17,17 @@ interface of the RDMA paper, Xue et al., EuroSys 2019).
   else None;
 - ``notify(word, value)`` adds to a word after the data it announces is
   complete at its target (``Win_flush``, ``Win_sync``: a memory barrier);
-  ``notified(word)`` reads a word, after which the data notified before it
-  is visible; ``wait_notified(word, count)`` polls under a stall timeout.
-  Words only grow: a consumer waits for its n-th write by waiting for n;
-- ``free()`` closes the epochs and frees the windows (collective).
-  ``free_all()`` frees every live ``Windows``: at exit (``atexit``, before
-  mpi4py's MPI_Finalize) and before ``comm.world``'s own MPI_Finalize. A
-  rank that aborts the job frees nothing: the library reclaims the memory.
+  ``notified(word)`` reads a word (then what was notified before is
+  visible); ``wait_notified(word, count)`` polls under a stall timeout,
+  driving MPI's progress on an RMA word. Words only grow;
+- ``free()`` closes the epochs and frees the windows (collective);
+  ``free_all()`` every live ``Windows``, at exit (``atexit``) and before
+  any MPI_Finalize. An aborting rank frees nothing (the library reclaims it).
 
-Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI)
-and ``bytes_copied`` (copied by the CPU into or out of shared memory).
-Every MPI call runs under ``comm.world.MPI_LOCK`` (reentrant). Nothing here
-relies on MPICH: windows, ``Lock_all``, ``Flush``, ``Fetch_and_op`` and
-``Win_sync`` are MPI-3.0; a library that cannot allocate a window gives
+Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI),
+``bytes_copied`` (by the CPU). MPI calls hold ``comm.world.MPI_LOCK``. All is
+MPI-3.0 (windows, ``Lock_all``, ``Flush``, ``Fetch_and_op``, ``Win_sync``), not
+MPICH's own; a library that cannot allocate a window gives
 ``WindowsUnavailable`` on every rank (``auto`` then keeps two-sided).
 """
 import atexit
@@ -61,9 +59,8 @@ def fake_host_of(rank):
 
 def node_groups(world):
     """{rank: node index}: ranks that share memory (``MPI_COMM_TYPE_SHARED``)
-    and one host of the world's host table (two network namespaces on one
-    machine count as two hosts); ``PURINE_RANKS_PER_HOST`` splits further.
-    Collective on ``world.comm`` (one allgather)."""
+    and one host of the world's host table (two network namespaces count as
+    two hosts; ``PURINE_RANKS_PER_HOST`` splits further). One allgather."""
     from mpi4py import MPI
     with MPI_LOCK:
         node = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
@@ -420,12 +417,15 @@ class Windows(MemoryDevice):
     def wait_notified(self, word, count, timeout=300.0, what=None):
         """Poll notify word ``word`` until it reaches ``count``; StallError
         naming ``what`` after ``timeout`` seconds."""
-        start = time.monotonic()
-        pause = 20e-6
+        start, pause = time.monotonic(), 20e-6
+        rma = self.region(word).where == "rma"
         while True:
             value = self.notified(word)
             if value >= count:
                 return value
+            if rma:  # MPI progress: software RMA (over TCP) applies a Put in an MPI call
+                with MPI_LOCK:
+                    self.world.comm.Iprobe()
             if time.monotonic() - start > timeout:
                 raise StallError(f"rank {self.rank}: {what or f'a wait for notify word {word}'} "
                                  f"stalled for more than {timeout:g} s (count {value} of "

@@ -111,6 +111,9 @@ def put_pong(comm, nbytes):
                 win.Sync()
                 if word[0] >= k:
                     return
+                # drive MPI's progress: a library that does RMA in software
+                # (MPICH over TCP) applies a peer's Put only inside an MPI call
+                comm.Iprobe()
 
         for _ in range(_repeats(nbytes) + 1):
             t = time.perf_counter()
