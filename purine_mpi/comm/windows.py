@@ -20,10 +20,10 @@ interface of the RDMA paper, Xue et al., EuroSys 2019).
   ``notified(word)`` reads a word, after which the data notified before it
   is visible; ``wait_notified(word, count)`` polls under a stall timeout.
   Words only grow: a consumer waits for its n-th write by waiting for n;
-- ``free()`` closes the epochs and frees the windows (collective).
-  ``free_all()`` frees every live ``Windows``: at exit (``atexit``, before
-  mpi4py's MPI_Finalize) and before ``comm.world``'s own MPI_Finalize. A
-  rank that aborts the job frees nothing: the library reclaims the memory.
+- ``free()`` closes the epochs and frees the windows (collective; says so
+  under ``PURINE_DEBUG_WINDOWS=1``). ``free_all()``: every live ``Windows``,
+  at exit (``atexit``, before mpi4py's MPI_Finalize) and before ``comm.world``'s
+  own MPI_Finalize. An aborting rank frees nothing: the library reclaims it.
 
 Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI)
 and ``bytes_copied`` (copied by the CPU into or out of shared memory).
@@ -93,10 +93,8 @@ def rma_across_hosts():
     if any(t in tls for t in ("rc", "dc", "ud", "ib")):
         return True, f"UCX transports {tls} do RDMA"
     if not provider and not tls:
-        try:
-            devices = sorted(os.listdir("/sys/class/infiniband"))
-        except OSError:
-            devices = []
+        ib = "/sys/class/infiniband"
+        devices = sorted(os.listdir(ib)) if os.path.isdir(ib) else []
         if devices:
             return True, f"RDMA devices {', '.join(devices[:3])}"
     return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS, /sys/class/infiniband): "
@@ -147,8 +145,7 @@ class Windows(MemoryDevice):
         self.unified = False  # the RMA window's memory model is MPI_WIN_UNIFIED
         self._words = {}     # word name -> loadable int64 array, or None
         self._counts = {}    # single-writer words this rank notifies: their counts
-        self.freed = False
-        self._lock = threading.Lock()
+        self.freed, self._lock = False, threading.Lock()
 
     # ---------------------------------------------------------- allocation
     @classmethod
@@ -420,8 +417,7 @@ class Windows(MemoryDevice):
     def wait_notified(self, word, count, timeout=300.0, what=None):
         """Poll notify word ``word`` until it reaches ``count``; StallError
         naming ``what`` after ``timeout`` seconds."""
-        start = time.monotonic()
-        pause = 20e-6
+        start, pause = time.monotonic(), 20e-6
         while True:
             value = self.notified(word)
             if value >= count:
@@ -451,6 +447,7 @@ class Windows(MemoryDevice):
             return
         self._bases.clear()
         self._words.clear()
+        freed = []
         with MPI_LOCK:
             for where in ("rma", "shared"):  # reverse of allocation, on every rank
                 win = self.wins.pop(where, None)
@@ -461,9 +458,12 @@ class Windows(MemoryDevice):
                 except MPI.Exception:
                     pass  # the epoch was never opened (a failed allocation)
                 win.Free()
+                freed.append(where)
             if self.node_comm is not None:
                 self.node_comm.Free()
                 self.node_comm = None
+        if freed and env.get("PURINE_DEBUG_WINDOWS"):  # tests: every exit path frees them
+            os.write(2, f"rank {self.rank}: windows freed ({', '.join(freed)})\n".encode())
 
     def counters(self):
         return {"bytes_put": self.bytes_put, "bytes_got": self.bytes_got,
