@@ -105,3 +105,24 @@ def test_sync_ps_shared_windows_copy_nothing_and_equal_two_sided(tmp_path, n, ps
     assert sorted(ref) == sorted(one)
     for k, v in ref.items():
         assert np.array_equal(v, one[k]), k
+
+
+@pytest.mark.mpi
+def test_sync_ps_in_place_weights_from_init_equal_two_sided(tmp_path):
+    """Starting weights other than the fillers (--init of a trained run's
+    file): each worker writes the fillers, then the loaded weights, into
+    the servers' regions before its first iteration; the run still equals
+    Send/Recv bitwise (no worker reads a half-set start)."""
+    cfg = mlp_config(solver={"max_iter": 4, "display": 2},
+                     parallel={"mode": "sync_ps", "ps_ranks": 1})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    _train(tmp_path, path, "start", 3, "--set", "parallel.transport=two_sided")
+    init = str(tmp_path / "start" / "latest.h5")
+    _, ref = _train(tmp_path, path, "two", 3, "--init", init,
+                    "--set", "parallel.transport=two_sided")
+    _, one = _train(tmp_path, path, "one", 3, "--init", init,
+                    "--set", "parallel.transport=one_sided", env={"PURINE_COMM_DELAY": "2:5"})
+    assert sorted(ref) == sorted(one)
+    for k, v in ref.items():
+        assert np.array_equal(v, one[k]), k
