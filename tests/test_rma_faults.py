@@ -22,7 +22,7 @@ WINDOW_OPS = ("(WaitWrite, WaitWrite", "(Get, Get", "(Put, Put", "(WaitFree, Wai
               "(Publish, Publish")
 
 
-def _start(tmp_path, digits_h5, mode, stall_timeout=30, env=None, name="run"):
+def _start(tmp_path, digits_h5, mode, stall_timeout=30, env=None, name="run", batch=16):
     """A 3-rank PS run over shared windows (workers 0 and 1, server 2) or,
     ``mode`` "pipeline", a 2-stage pipeline over them; returns once it
     trains: (proc, out, {rank: pid})."""
@@ -35,6 +35,7 @@ def _start(tmp_path, digits_h5, mode, stall_timeout=30, env=None, name="run"):
     else:
         data = small_net_config(digits_h5)
         data["solver"].update(max_iter=100000, display=5, test_interval=0)
+        data["data"]["train"]["batch_size"] = batch
         data["checkpoint"] = {"interval": 0, "keep": 2}
         data["parallel"] = {"scheme": "data", "mode": mode, "ps_ranks": 1, "max_staleness": 1,
                             "stall_timeout": stall_timeout, "transport": "one_sided"}
@@ -87,10 +88,11 @@ def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5, mode, victim)
     """SIGSTOP of a worker or of the server: a peer's watchdog ends the job
     naming the window op it waits in and its region ``ps/...`` (a trial
     that freezes a rank between iterations names the stop agreement
-    instead, and is tried again, up to 4 times)."""
-    for trial in range(4):
+    instead, and is tried again, up to 8 times; a large batch makes the
+    iterations long beside the agreement)."""
+    for trial in range(8):
         proc, _out, ranks = _start(tmp_path, digits_h5, mode, stall_timeout=2,
-                                   name=f"t{trial}")
+                                   name=f"t{trial}", batch=512)
         os.kill(ranks[victim], signal.SIGSTOP)
         _, stderr = _finish(proc, ranks, 30)
         assert proc.returncode not in (0, None)
