@@ -345,6 +345,7 @@ def compare_job(name, config, ranks, iters, rounds, extra=()):
                for k in ("server_comm_ms_per_iter", "server_comm_in_flight_ms_per_iter",
                          "server_send_ms_per_iter", "server_recv_ms_per_iter")},
             "bytes_copied_per_iter": results[0].get("bytes_copied_per_iter"),
+            "server_bytes_copied_per_iter": results[0].get("server_bytes_copied_per_iter"),
             "bytes_one_sided_per_iter": results[0].get("bytes_one_sided_per_iter"),
             "bytes_two_sided_per_iter": results[0].get("bytes_two_sided_per_iter"),
         }

@@ -105,6 +105,8 @@ VARS = {v.name: v for v in [
         "developers, tests: a seeded random sleep of up to MAX_MS in every comm op"),
     Var("PURINE_RANKS_PER_HOST", "a positive integer", None, _positive_int,
         "tests, emulation: every N consecutive ranks count as one host for the transport"),
+    Var("PURINE_DEBUG_WINDOWS", FLAG, False, _flag,
+        "developers, tests: each rank says on stderr when it freed its windows"),
     Var("PURINE_RMA_ACROSS_HOSTS", FLAG, None, _flag,
         "whether `parallel.transport: auto` uses RMA windows between hosts"),
     Var("PURINE_MPI_CUDA_AWARE", FLAG, None, _flag,

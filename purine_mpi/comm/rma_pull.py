@@ -14,7 +14,7 @@ Get      ins []   outs [y]  attrs seq, peer, region, version, shape, dtype,
     waits until the owner's word ``version`` reaches the count of this Get's
     runs (``version: null``: no wait), then reads the region into y
     (``MPI_Get`` + ``Win_flush`` from an RMA window, a load from a shared
-    one). With ``applied`` (the async server): the k-th Get waits until the
+    one; nothing when y *is* the region: sync_ps on one node). With ``applied`` (the async server): the k-th Get waits until the
     owner counts this worker's k-th gradient applied (word ``applied``) and
     every worker's (words ``applied_all``) at least k - ``staleness``; the
     owner changes the region while it updates, so the read is retried until
@@ -91,6 +91,10 @@ class Get(_WindowKernel):
         self.win = self._windows()
         self.runs = 0
         self.bytes_put = self.bytes_copied = self.bytes_got = 0
+        view = self.win.view(self.attrs["region"])
+        #: y is the owner's region itself (sync_ps on one node): nothing to read
+        self.zero_copy = (view is not None and not self.attrs.get("applied")
+                          and np.shares_memory(view, outs[0]))
         self._setup_done = True
 
     def _ready(self, k, state):
@@ -108,7 +112,9 @@ class Get(_WindowKernel):
     def _read(self, y):
         a, win = self.attrs, self.win
         before = (win.bytes_copied, win.bytes_got)
-        if not a.get("applied"):
+        if self.zero_copy:
+            pass  # notified() made the owner's writes visible
+        elif not a.get("applied"):
             win.get(a["region"], y)
         else:  # the sequence lock: an even version, the same after the read
             while True:

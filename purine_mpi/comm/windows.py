@@ -20,9 +20,9 @@ interface of the RDMA paper, Xue et al., EuroSys 2019).
   ``notified(word)`` reads a word (then what was notified before is
   visible); ``wait_notified(word, count)`` polls under a stall timeout,
   driving MPI's progress on an RMA word. Words only grow;
-- ``free()`` closes the epochs and frees the windows (collective);
-  ``free_all()`` every live ``Windows``, at exit (``atexit``) and before
-  any MPI_Finalize. An aborting rank frees nothing (the library reclaims it).
+- ``free()`` closes the epochs, frees the windows (collective; says so with
+  ``PURINE_DEBUG_WINDOWS=1``); ``free_all()`` every live ``Windows``, at exit
+  and before any MPI_Finalize. An aborting rank frees nothing.
 
 Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI),
 ``bytes_copied`` (by the CPU). MPI calls hold ``comm.world.MPI_LOCK``. All is
@@ -90,10 +90,8 @@ def rma_across_hosts():
     if any(t in tls for t in ("rc", "dc", "ud", "ib")):
         return True, f"UCX transports {tls} do RDMA"
     if not provider and not tls:
-        try:
-            devices = sorted(os.listdir("/sys/class/infiniband"))
-        except OSError:
-            devices = []
+        ib = "/sys/class/infiniband"
+        devices = sorted(os.listdir(ib)) if os.path.isdir(ib) else []
         if devices:
             return True, f"RDMA devices {', '.join(devices[:3])}"
     return False, ("no RDMA network detected (FI_PROVIDER, UCX_TLS, /sys/class/infiniband): "
@@ -144,8 +142,7 @@ class Windows(MemoryDevice):
         self.unified = False  # the RMA window's memory model is MPI_WIN_UNIFIED
         self._words = {}     # word name -> loadable int64 array, or None
         self._counts = {}    # single-writer words this rank notifies: their counts
-        self.freed = False
-        self._lock = threading.Lock()
+        self.freed, self._lock = False, threading.Lock()
 
     # ---------------------------------------------------------- allocation
     @classmethod
@@ -415,8 +412,7 @@ class Windows(MemoryDevice):
                 win.Flush_all()
 
     def wait_notified(self, word, count, timeout=300.0, what=None):
-        """Poll notify word ``word`` until it reaches ``count``; StallError
-        naming ``what`` after ``timeout`` seconds."""
+        """Poll word ``word`` until ``count``; StallError naming ``what`` after ``timeout`` s."""
         start, pause = time.monotonic(), 20e-6
         rma = self.region(word).where == "rma"
         while True:
@@ -431,7 +427,7 @@ class Windows(MemoryDevice):
                                  f"stalled for more than {timeout:g} s (count {value} of "
                                  f"{count}): a peer rank stopped responding")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 1e-3)  # back off to 1 ms: pollers share the cores
 
     # ---------------------------------------------------------- freeing
     def free(self):
@@ -451,6 +447,7 @@ class Windows(MemoryDevice):
             return
         self._bases.clear()
         self._words.clear()
+        freed = []
         with MPI_LOCK:
             for where in ("rma", "shared"):  # reverse of allocation, on every rank
                 win = self.wins.pop(where, None)
@@ -461,9 +458,12 @@ class Windows(MemoryDevice):
                 except MPI.Exception:
                     pass  # the epoch was never opened (a failed allocation)
                 win.Free()
+                freed.append(where)
             if self.node_comm is not None:
                 self.node_comm.Free()
                 self.node_comm = None
+        if freed and env.get("PURINE_DEBUG_WINDOWS"):  # tests: every exit path frees them
+            os.write(2, f"rank {self.rank}: windows freed ({', '.join(freed)})\n".encode())
 
     def counters(self):
         return {"bytes_put": self.bytes_put, "bytes_got": self.bytes_got,

@@ -135,10 +135,13 @@ def compose_param_server(graph, grads, job, world=None):
     plan = plan_param_server(graph, grads, layout)
     build_worker_graph(graph, plan)
     # parallel.transport: the windows (collective with the servers' run_server)
-    from .ps_windows import allocate, windowed_worker
+    from .ps_windows import allocate, slot, windowed_worker
     graph.windows, graph.transport = allocate(job, world, graph, plan)
     if graph.windows is not None:
-        windowed_worker(graph, plan, world.rank, job.parallel.mode, job.parallel.max_staleness)
+        shared = graph.windows.where(slot(plan, plan["order"][0], world.rank)) == "shared" \
+            if plan["order"] else False
+        windowed_worker(graph, plan, world.rank, job.parallel.mode, job.parallel.max_staleness,
+                        shared=shared)
     gradients_first(graph, plan["grads"])  # pushes start as early as possible
     place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
@@ -170,14 +173,16 @@ def compose_for_rank(graph, grads, job, world_size, rank):
     plan = plan_param_server(graph, grads, layout)
     from . import ps_windows
     offline = _Offline(world_size, rank)
-    windowed = ps_windows.choose(job, offline, plan)[0] != "two_sided"
+    kind = ps_windows.choose(job, offline, plan)[0]
+    windowed = kind != "two_sided"
     if rank in layout["workers"]:
         for op in graph.ops.values():
             if op.op_type == "DataReader":
                 op.attrs["rank"], op.attrs["world_size"] = rank, nw
         build_worker_graph(graph, plan)
         if windowed:
-            ps_windows.windowed_worker(graph, plan, rank, par.mode, par.max_staleness)
+            ps_windows.windowed_worker(graph, plan, rank, par.mode, par.max_staleness,
+                                       shared=kind == "shared")
         gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()

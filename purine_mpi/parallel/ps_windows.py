@@ -110,8 +110,11 @@ def _line(kind, why):
     return [("gradients and weights", words[kind], why)]
 
 
-def windowed_worker(graph, plan, rank, mode, staleness):
-    """Turn worker ``rank``'s push Sends into Puts and pull Recvs into Gets."""
+def windowed_worker(graph, plan, rank, mode, staleness, shared=False):
+    """Turn worker ``rank``'s push Sends into Puts and pull Recvs into Gets.
+    ``shared`` (the windows are shared memory, one node): the gradients are
+    computed straight into the slots and, in sync_ps, the weights are read
+    in place (``in_place``)."""
     for p in plan["order"]:
         push, pull = graph.ops[f"{p}.push"], graph.ops[f"{p}.pull"]
         region = slot(plan, p, rank)
@@ -124,7 +127,47 @@ def windowed_worker(graph, plan, rank, mode, staleness):
         if mode == "async":
             pull.attrs.update(applied=applied(p, rank), staleness=int(staleness),
                               applied_all=[applied(p, w) for w in plan["workers"]])
+    if shared:
+        in_place(graph, plan, rank, mode)
     return graph
+
+
+def _place(blob, **attrs):
+    """Mark ``blob`` for window memory. A new attrs dict: a param's attrs
+    may be the config's, shared with the other graphs built from it."""
+    blob.attrs = {**blob.attrs, **attrs}
+
+
+def in_place(graph, plan, rank, mode):
+    """Zero copies on one node (shared windows). Each gradient whose one
+    writer may compute into the server's memory (``one_sided._computes_into``)
+    lives in its slot: a WaitFree before the writer waits until the server
+    released the slot, and the Put only notifies. In sync_ps each weight p
+    is the server's region ``ps/<p>`` itself: the Get only waits for the
+    version, and the Put of p's gradient waits for every op here that reads
+    p (control edges). The server overwrites p only once every worker's
+    gradient of the next iteration is in, so it never writes weights a
+    worker still reads. In async the server updates p at any time: a worker
+    reading p in place for a whole pass would see half-written updates, so
+    the Get copies p under the sequence lock (counted in bytes_copied)."""
+    from .one_sided import _add_releases, _computes_into
+    computed = []
+    for p in plan["order"]:
+        g, region = plan["grads"][p], slot(plan, p, rank)
+        if _computes_into(graph, g, None):
+            _place(graph.blobs[g], window=region)
+            op = graph.ops[f"{p}.push"]
+            computed.append((g, region, plan["owner"][p], op.location, op.thread))
+        if mode != "sync_ps":
+            continue
+        _place(graph.blobs[p], window=weights(p), window_views=True)
+        push = graph.ops[f"{p}.push"]
+        alias = {b.name for b in graph.blobs.values() if graph.storage_root(b.name) == p}
+        readers = [op.name for op in graph.ops.values()
+                   if op is not push and op.op_type != "Get" and alias & set(op.inputs)]
+        push.control_inputs = list(push.control_inputs) + \
+            [r for r in readers if r not in push.control_inputs]
+    _add_releases(graph, [], computed)
 
 
 def windowed_server(graph, plan, rank):
@@ -143,6 +186,8 @@ def windowed_server(graph, plan, rank):
             graph.ops[op.name] = op
             graph.blobs[op.outputs[0]].attrs["window"] = region
             released.append((op.outputs[0], region, w, op.location, op.thread))
+        # p in its region: the update writes it in place, the Publish copies nothing
+        _place(graph.blobs[p], window=weights(p), window_views=True)
         sends = [graph.ops.pop(f"{p}.send@r{w}") for w in plan["workers"]]
         first = sends[0]
         graph.add_op(f"{p}.publish", "Publish", list(first.inputs), [],

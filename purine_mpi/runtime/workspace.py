@@ -67,7 +67,9 @@ def window_arrays(graph):
     (``attrs['window']``, parallel/one_sided.py): they live in window memory
     allocated at start-up (comm/windows.py), not in the arena. A blob that
     views another or is viewed, or lives on a GPU, keeps memory of its own
-    (its WaitWrite then copies the region into it)."""
+    (its WaitWrite then copies the region into it), unless it says
+    ``attrs['window_views']`` (the parameter servers' weights: their views
+    view the region)."""
     marked = [b for b in graph.blobs.values() if b.attrs.get("window")]
     if not marked:
         return {}
@@ -76,7 +78,8 @@ def window_arrays(graph):
     out = {}
     for b in marked:
         win = find_windows(b.attrs["window"])
-        if win is None or b.alias_of is not None or b.name in viewed or b.location.device >= 0:
+        if win is None or b.alias_of is not None or b.location.device >= 0 or \
+                (b.name in viewed and not b.attrs.get("window_views")):
             continue
         view = win.view(b.attrs["window"])  # the owner's, or a peer's on one node
         if view is not None:
@@ -112,7 +115,10 @@ class Workspace:
         device's arena (``plan_device_memory``)."""
         self.graph = graph
         self.arrays = {**window_arrays(graph), **dict(shared or {})}
-        self._flat = {}
+        # a blob owned elsewhere that other blobs view: they view its memory
+        self._flat = {b.alias_of: self.arrays[b.alias_of].reshape(-1)
+                      for b in graph.blobs.values()
+                      if b.alias_of in self.arrays and self.arrays[b.alias_of].flags.c_contiguous}
         self.allocated_bytes = 0
         self.plan = plan
         #: {GPU device: its memory plan} (empty without plans)

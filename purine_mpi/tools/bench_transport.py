@@ -14,7 +14,8 @@ wall time with one in flight (both include the wait for the workers'
 gradients), ``server_send_ms_per_iter`` the spans of the ops that give the
 workers the weights (W Sends of each param, or its one Publish: the
 workers Get), ``server_recv_ms_per_iter`` those of the ops that take the
-gradients (Recv or WaitWrite).
+gradients (Recv or WaitWrite), ``server_bytes_copied_per_iter`` what its
+one-sided ops copied with the CPU (its rma trace events).
 
 Bytes per iteration, over the timed iterations: ``one_sided``: what this
 rank's Put and Get ops moved through MPI (``MPI_Rput``/``MPI_Get`` into or
@@ -35,7 +36,7 @@ _TWO_SIDED = ("Send", "Recv", "Allreduce")
 _SERVER_SENDS = ("Send", "Publish")
 _SERVER_RECVS = ("Recv", "WaitWrite")
 _SERVER_KEYS = ("comm_ms_per_iter", "comm_in_flight_ms_per_iter", "send_ms_per_iter",
-                "recv_ms_per_iter")
+                "recv_ms_per_iter", "bytes_copied_per_iter")
 #: the tag bench's servers send their figures to rank 0 with (above the PS tags)
 BENCH_TAG = (1 << 20) + 3
 
@@ -101,7 +102,10 @@ def ps_server(job, world, warmup):
 
         figures.update(comm_ms_per_iter=spans(None), send_ms_per_iter=spans(_SERVER_SENDS),
                        recv_ms_per_iter=spans(_SERVER_RECVS),
-                       comm_in_flight_ms_per_iter=round(in_flight / 1000.0 / timed, 3))
+                       comm_in_flight_ms_per_iter=round(in_flight / 1000.0 / timed, 3),
+                       bytes_copied_per_iter=int(round(sum(
+                           e["args"].get("bytes_copied", 0) for e in events
+                           if e["cat"] == "rma") / timed)))
     world.send_object(figures, 0, BENCH_TAG, "the server's bench figures")
 
 

@@ -20,6 +20,17 @@ class WorkerStopAgreement(StopAgreement):
         self.mode = job.parallel.mode
         self.stopping = False  # a stop (not a divergence) before max_iter was agreed
 
+    def on_start(self, loop):
+        """sync_ps on one node: the weights are the servers' regions, which
+        every worker writes while it sets its starting weights (fillers,
+        then --init or --resume). No worker reads them in its first
+        iteration before every worker wrote its last value (a barrier of the
+        workers; the servers write the same values)."""
+        graph = loop.graphs.graph
+        if self.mode == "sync_ps" and loop.world.size > 1 and any(
+                b.attrs.get("window_views") for b in graph.blobs.values()):
+            loop.world.barrier()
+
     def agree(self, loop, done, diverged):
         """sync_ps: workers and servers agree (the servers run in lockstep).
         async: the workers agree, rank 0 first taking any stop request a
