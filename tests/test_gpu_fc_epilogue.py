@@ -181,3 +181,33 @@ def test_a_leaky_relu_keeps_its_kernel(lt):
     assert LOG == []
     np.testing.assert_allclose(np.asarray(y), run_kernel("InnerProduct", attrs, ins)[0],
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_net_with_fc_relu_trains_like_the_cpu(lt, cuda_graph, capsys):
+    """fc -> relu fused (parallel/fuse.py), the epilogue eagerly; captured,
+    the layer keeps its capturable path: both train like the CPU."""
+    from tests.emulated_gpu.helpers import tiny_raw, train_simulated
+    from purine_mpi.job.config import validate_config
+    gauss = {"type": "gaussian", "std": 0.1}
+    raw = tiny_raw()
+    net = [raw["net"][0], raw["net"][1], raw["net"][2],
+           {"type": "fc", "name": "fc1", "bottom": "pool1", "top": "fc1", "num_output": 7,
+            "weight_filler": gauss, "bias_filler": {"type": "constant", "value": 0.05}},
+           {"type": "relu", "name": "relu2", "bottom": "fc1", "top": "fc1"},
+           {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 5,
+            "weight_filler": gauss},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"}]
+    config = validate_config(dict(raw, net=net), check_files=False)
+    cpu_losses, cpu_params = train_simulated(config, -1, iters=3)
+    losses, params, _ = train_simulated(config, 0, iters=3, cuda_graph=cuda_graph, fuse=True)
+    np.testing.assert_allclose(losses, cpu_losses, rtol=1e-4)
+    for name, value in cpu_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    executed = [e for e in LOG if e[0] == "execute"]
+    if cuda_graph:   # eager iterations before the capture execute; replays do not
+        assert executed.count(("execute", "RELU_BIAS")) < 3, LOG
+        assert capsys.readouterr().err.count(blaslt.CAPTURE_NOTE) == 1
+    else:
+        assert executed.count(("execute", "RELU_BIAS")) == 3 and \
+            executed.count(("execute", "BIAS")) == 3, LOG

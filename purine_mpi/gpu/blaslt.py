@@ -138,7 +138,7 @@ def fc_forward(x, w, y, bias, relu, negative_slope=0.0):
         mm = _plans.setdefault(key, (mm, None))[0]
     else:
         mm = mm[0]
-    result = mm.execute(stream=stream)   # y^T, (O, M), in the layout nvmath chose
+    result = mm.execute(stream=stream)   # y^T, (O, M), column order with a bias: y's layout
     if isinstance(result, tuple):
         result = result[0]
     y[...] = result.T

@@ -16,7 +16,8 @@ capture, reading its operands when it runs.
 
 ``use_emulated_nvmath_advanced(monkeypatch)`` installs it (next to the
 emulated ``nvmath.bindings.cublas``), or with ``enabled=False`` makes it
-fail to import. ``LOG`` records ("plan" | "autotune" | "execute", epilog)."""
+fail to import. The bias is one value per row of the result (extent M,
+stride 1), as cuBLASLt broadcasts it. ``LOG`` records ("plan" | "autotune" | "execute", epilog)."""
 import enum
 import sys
 import types
@@ -24,6 +25,7 @@ import types
 import numpy as np
 
 from . import capture
+from .arrays import DeviceArray
 
 #: what the stand-in says when a plan is made inside a capture
 PLAN_REFUSED = ("nvmath.linalg.advanced: planning or autotuning a matmul during a stream "
@@ -96,21 +98,28 @@ class Matmul:
         m, n = self.a.shape[-2], self.b.shape[-1]
         capture.refuse_allocation("nvmath Matmul.execute (its result)", m * n)
         E = MatmulEpilog
-        result = np.empty((m, n), dtype=self.a.dtype)
+        # the epilogues with a bias or an auxiliary matrix need the result in
+        # column order (nvmath's epilog handlers: ``order`` COL); else a's order
+        col = self.epilog in (E.BIAS, E.RELU_BIAS, E.RELU_AUX_BIAS, E.RELU_AUX, E.DRELU,
+                              E.DRELU_BGRAD, E.BGRADB) or not self.a.flags.c_contiguous
+        result = (np.empty((n, m), dtype=self.a.dtype).T if col else
+                  np.empty((m, n), dtype=self.a.dtype)).view(DeviceArray)
         aux = {}
         if self.epilog in (E.RELU_AUX, E.RELU_AUX_BIAS):
-            aux["relu_aux"] = np.empty((m, n), dtype=np.uint8)   # the real one: a bitmask
+            # a byte per element; the real one packs a bitmask (ceil(M/8) bytes
+            # rounded up to 16, by N) that only cuBLASLt reads
+            aux["relu_aux"] = np.empty((m, n), dtype=np.uint8).view(DeviceArray)
         if self.epilog == E.DRELU_BGRAD:
-            aux["drelu_bgrad"] = np.empty((m,), dtype=self.a.dtype)
+            aux["drelu_bgrad"] = np.empty((m,), dtype=self.a.dtype).view(DeviceArray)
         if self.epilog == E.BGRADB:
-            aux["bgradb"] = np.empty((n,), dtype=self.a.dtype)
+            aux["bgradb"] = np.empty((n,), dtype=self.a.dtype).view(DeviceArray)
         if self.epilog == E.BGRADA:
-            aux["bgrada"] = np.empty((m,), dtype=self.a.dtype)
+            aux["bgrada"] = np.empty((m,), dtype=self.a.dtype).view(DeviceArray)
         a, b, c, epilog, inputs = self.a, self.b, self.c, self.epilog, self.inputs
         alpha, beta = self.alpha, self.beta
 
         def run():   # device work: reads the operands when it runs
-            a_, b_ = np.asarray(a), np.asarray(b)
+            a_, b_ = np.asarray(a), np.asarray(b)   # plain views: host arithmetic
             d = alpha * (a_ @ b_)
             if c is not None:
                 d = d + beta * np.asarray(c)
@@ -120,15 +129,15 @@ class Matmul:
                 d = np.where(np.asarray(inputs["relu_aux"]) != 0, d, 0)
             if epilog in (E.RELU, E.RELU_BIAS, E.RELU_AUX, E.RELU_AUX_BIAS):
                 if "relu_aux" in aux:
-                    aux["relu_aux"][...] = d > 0
+                    np.asarray(aux["relu_aux"])[...] = d > 0
                 d = np.maximum(d, 0)
             if epilog == E.DRELU_BGRAD:
-                aux["drelu_bgrad"][...] = d.sum(axis=1)
+                np.asarray(aux["drelu_bgrad"])[...] = d.sum(axis=1)
             if epilog == E.BGRADB:
-                aux["bgradb"][...] = b_.sum(axis=0)
+                np.asarray(aux["bgradb"])[...] = b_.sum(axis=0)
             if epilog == E.BGRADA:
-                aux["bgrada"][...] = a_.sum(axis=1)
-            result[...] = d
+                np.asarray(aux["bgrada"])[...] = a_.sum(axis=1)
+            np.asarray(result)[...] = d
 
         capture.device_work(run, capture.stream_of(getattr(stream, "ptr", 0) or 0)
                             if stream is not None else None)
