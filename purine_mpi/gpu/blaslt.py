@@ -43,7 +43,7 @@ from .raw import data_ptr
 
 _lock = threading.Lock()
 _state = {"checked": False, "advanced": None, "reason": None, "said": set()}
-_plans = {}    # key -> (Matmul, result view maker)
+_plans = {}    # key -> a planned Matmul
 
 
 def _advanced():
@@ -87,7 +87,7 @@ def _say_once(what, line):
 def reset():
     """Forget the plans and the import check (tests)."""
     with _lock:
-        for mm, _ in _plans.values():
+        for mm in _plans.values():
             try:
                 mm.free()
             except Exception:
@@ -135,9 +135,7 @@ def fc_forward(x, w, y, bias, relu, negative_slope=0.0):
         mm = advanced.Matmul(w, x.T, stream=stream)
         inputs = None if bias is None else {"bias": bias}
         mm.plan(epilog=_epilog(advanced, bias, relu), epilog_inputs=inputs, stream=stream)
-        mm = _plans.setdefault(key, (mm, None))[0]
-    else:
-        mm = mm[0]
+        mm = _plans.setdefault(key, mm)
     result = mm.execute(stream=stream)   # y^T, (O, M), column order with a bias: y's layout
     if isinstance(result, tuple):
         result = result[0]
