@@ -16,6 +16,9 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
+Eagerly, with nvmath-python's advanced API, the forward product adds the
+bias and applies a fused ReLU in its cuBLASLt epilogue instead
+(gpu/blaslt.py; inside a CUDA-graph capture it keeps the path above).
 """
 import numpy as np
 
@@ -34,6 +37,13 @@ def _on_gpu(xp, *arrays):
 def gemm(*args, **kwargs):
     from ..gpu.blas import gemm as cublas_gemm
     return cublas_gemm(*args, **kwargs)
+
+
+def _lt_forward(x2d, w, y2d, bias, attrs):
+    """The cuBLASLt epilogue (gpu/blaslt.py), when it applies."""
+    from ..gpu.blaslt import fc_forward
+    return fc_forward(x2d, w, y2d, bias, bool(attrs.get("relu", False)),
+                      float(attrs.get("negative_slope", 0.0)))
 
 
 def _split(shape, axis):
@@ -71,12 +81,16 @@ class InnerProduct(OpKernel):
         xp = get_xp(x)
         M, K = _split(x.shape, int(self.attrs.get("axis", 1)))
         y = outs[0].reshape(M, -1)
+        bias = ins[2] if len(ins) == 3 else None
+        if _on_gpu(xp, x, w, y, *(() if bias is None else (bias,))) and _lt_forward(
+                x.reshape(M, K), w, y, bias, self.attrs):
+            return   # one cuBLASLt product, the bias and ReLU in its epilogue
         if _on_gpu(xp, x, w, y):  # cuBLAS straight on the blobs: y = x @ w^T
             gemm(x.reshape(M, K), w, y, trans_b=True)
         else:
             xp.matmul(x.reshape(M, K), w.T, out=y)
         from .conv import _epilogue
-        _epilogue(xp, raw_kernels(xp, x, w), y, ins[2] if len(ins) == 3 else None, self.attrs)
+        _epilogue(xp, raw_kernels(xp, x, w), y, bias, self.attrs)
 
 
 @register
