@@ -211,3 +211,25 @@ def test_a_net_with_fc_relu_trains_like_the_cpu(lt, cuda_graph, capsys):
     else:
         assert executed.count(("execute", "RELU_BIAS")) == 3 and \
             executed.count(("execute", "BIAS")) == 3, LOG
+
+
+def test_a_library_refusal_falls_back_to_the_kernels_said_once(lt, monkeypatch, capfd):
+    """The real nvmath may refuse operands the emulated one takes (a layout,
+    a dtype): the layer then keeps cuBLAS + its bias/ReLU kernel for good,
+    says so once, and the result is still right."""
+    import tests.emulated_gpu.nvmath_advanced as emulated
+
+    def refuse(self, *a, **kw):
+        raise ValueError("unsupported layout for the epilogue")
+    monkeypatch.setattr(emulated.Matmul, "plan", refuse)
+    attrs = {"relu": True, "negative_slope": 0.0}
+    kernel = _fc(attrs)
+    for step in range(2):
+        host = _case(np.float32, True, seed=step)
+        y = _dev(np.full((5, 4), np.nan, np.float32))
+        kernel.run([_dev(a) for a in host], [y])
+        np.testing.assert_allclose(np.asarray(y), run_kernel("InnerProduct", attrs, host)[0],
+                                   **_tol(np.float32))
+    err = capfd.readouterr().err
+    assert err.count("cuBLASLt epilogue refused (ValueError: unsupported layout") == 1, err
+    assert blaslt.plan_count() == 0

@@ -93,7 +93,7 @@ def reset():
             except Exception:
                 pass
         _plans.clear()
-        _state.update(checked=False, advanced=None, reason=None, said=set())
+        _state.update(checked=False, advanced=None, reason=None, said=set(), refused=False)
 
 
 def plan_count():
@@ -130,13 +130,22 @@ def fc_forward(x, w, y, bias, relu, negative_slope=0.0):
     key = (device, int(stream.ptr), data_ptr(x), data_ptr(w),
            None if bias is None else data_ptr(bias), tuple(x.shape), tuple(w.shape), dtype.str,
            bool(relu))
+    if _state.get("refused"):
+        return False
     mm = _plans.get(key)
-    if mm is None:   # cold: plan now (never inside a capture: checked above)
-        mm = advanced.Matmul(w, x.T, stream=stream)
-        inputs = None if bias is None else {"bias": bias}
-        mm.plan(epilog=_epilog(advanced, bias, relu), epilog_inputs=inputs, stream=stream)
-        mm = _plans.setdefault(key, mm)
-    result = mm.execute(stream=stream)   # y^T, (O, M), column order with a bias: y's layout
+    try:
+        if mm is None:   # cold: plan now (never inside a capture: checked above)
+            mm = advanced.Matmul(w, x.T, stream=stream)
+            inputs = None if bias is None else {"bias": bias}
+            mm.plan(epilog=_epilog(advanced, bias, relu), epilog_inputs=inputs, stream=stream)
+            mm = _plans.setdefault(key, mm)
+        result = mm.execute(stream=stream)   # y^T, (O, M), column order with a bias: y's layout
+    except Exception as exc:   # the library refuses these operands: the kernels, for good
+        _state["refused"] = True
+        _say_once("refused", "purine_mpi: fully connected layers add their bias and ReLU in a "
+                  "kernel of their own: nvmath's cuBLASLt epilogue refused "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return False
     if isinstance(result, tuple):
         result = result[0]
     y[...] = result.T
