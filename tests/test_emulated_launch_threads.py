@@ -49,3 +49,60 @@ def test_two_threads_launching_onto_one_stream_keep_stream_order(host_build_dir,
     np.testing.assert_array_equal(np.asarray(z), 10.0)
     np.testing.assert_array_equal(np.asarray(w), 8.0)   # read x after set_x ran
     assert sorted(rt.log) == ["op_a", "op_b", "set_x"] and rt.log[0] == "set_x"
+
+
+def _adamw_run(config, device, iters, read_back, seed=1):
+    """``iters`` AdamW iterations of ``config`` on the CPU (-1) or captured
+    on the emulated GPU 0; the parameters read back after each iteration
+    (``read_back``) or only at the end."""
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.parallel.placement import place_on_device
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    from purine_mpi.runtime.factory import make_dispatcher
+    from tests.conftest import make_job
+    from tests.emulated_gpu import init_params
+    graph, _ = build_train_graph(make_job(config))
+    if device < 0:
+        d = SerialDispatcher(graph, seed=3)
+    else:
+        place_on_device(graph, device)
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(seed), seed=3, cuda_graph=True)
+    try:
+        init_params(d.workspace, graph, 5)
+        losses, seen = [], []
+        for it in range(iters):
+            d.workspace["iter"][...] = it
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+            if read_back or it == iters - 1:
+                seen.append({p.name: np.array(d.workspace[p.name]) for p in graph.params()})
+        report = d.executor.report() if device >= 0 else None
+        return losses, seen, report
+    finally:
+        d.close()
+
+
+def test_eager_adamw_updates_between_captured_segments_match_the_cpu(host_build_dir, monkeypatch):
+    """A small net captured whole, but for its AdamW updates (they read the
+    host 'iter': eager, between the captured segments, reading and writing
+    what the segments read and write), with the parameters read back after
+    every iteration: the CPU's losses and parameters at each iteration.
+    (One segment here: this net passed with the emulator of before too; the
+    GPT of tests/test_gpt_gpu.py, cut in two segments, did not.)"""
+    from purine_mpi.job.config import validate_config
+    from tests.emulated_gpu import tiny_raw
+    raw = tiny_raw(device=0, cuda_graph=True)
+    raw["solver"] = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
+                     "weight_decay": 1e-2, "max_iter": 10}
+    config = validate_config(raw, check_files=False)
+    cpu_losses, cpu_seen, _ = _adamw_run(config, -1, 3, True)
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    for seed in (1,):
+        losses, seen, report = _adamw_run(config, 0, 3, True, seed)
+        assert report["captured"] == report["segments"] > 0 and not report["failed"], report
+        assert any("update" in n for n in report["eager_gpu_ops"]), report["eager_gpu_ops"]
+        np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
+        for it, (got, want) in enumerate(zip(seen, cpu_seen)):
+            for name, value in want.items():
+                np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=2e-5,
+                                           err_msg=f"{name}, iteration {it}, seed {seed}")
