@@ -110,8 +110,13 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     """A 2-block GPT (fused attention in one block, the raw sub-graph in the
     other), placed on the emulated device and run by the stream dispatcher
     on the simulated runtime, optionally captured in CUDA graphs: 3 AdamW
-    (captured: SGD) steps give the CPU's losses and weights, and the third iteration
-    allocates no device memory."""
+    steps give the CPU's losses and weights, and the third iteration
+    allocates no device memory. Captured, this graph's 'iter' is a host
+    blob, so the AdamW updates run eagerly between the captured segments
+    (launched by another host thread than the segments' eager warm-up, onto
+    the same streams), and every parameter is read back after each
+    iteration (issue 35: the emulator once mixed two host threads' launches
+    on one stream, and this variant's 2nd loss differed)."""
     from purine_mpi.parallel.placement import place_on_device
     from purine_mpi.runtime.factory import make_dispatcher
     from purine_mpi.layers.fillers import fill
@@ -120,21 +125,16 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
     next(e for e in net if e["type"] == "attention")["fused"] = False
     # AdamW, the transformer's solver: its update is one raw kernel
-    # (cuda/adam.cu) that allocates nothing. The captured variant keeps SGD:
-    # this graph's 'iter' is a host blob, so the AdamW updates run eagerly
-    # between the captured segments, and there the second iteration's loss
-    # differs from the CPU's, with the element-wise update of before too
-    # (open: docs/gpu.md, end of "A GPU session in 10-minute stages")
-    solver = ({"type": "sgd", "base_lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3,
-               "max_iter": 3} if cuda_graph else
-              {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
-               "weight_decay": 1e-2, "max_iter": 3})
+    # (cuda/adam.cu) that allocates nothing
+    solver = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
+              "weight_decay": 1e-2, "max_iter": 3}
     toks = np.random.default_rng(0).integers(0, 16, (3, 2, 7))
     cpu, _, _ = build_ours(net, solver, 2, 6, seed=1)
-    cpu_losses = []
+    cpu_losses, cpu_params = [], []
     for it in range(3):
         step_ours(cpu, toks[it, :, :-1], toks[it, :, 1:], it)
         cpu_losses.append(float(cpu.workspace["loss"]))
+        cpu_params.append({p.name: np.array(cpu.workspace[p.name]) for p in cpu.graph.params()})
     use_emulated_cupy(monkeypatch, host_build_dir)
     # CuPy's reductions (which may take CUB scratch from the pool) are kept
     # out of an iteration: record any the emulated arrays see
@@ -160,7 +160,11 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
             reductions.clear()
             d.run(it)
             losses.append(float(d.workspace["loss"]))
-        Allocations.counting = False
+            Allocations.counting = False
+            # read back between iterations, as a user's monitoring would
+            for p in g.params():
+                np.testing.assert_allclose(np.array(d.workspace[p.name]), cpu_params[it][p.name],
+                                           rtol=1e-4, atol=2e-5, err_msg=f"{p.name}, iteration {it}")
         assert Allocations.log == [] and reductions == []
         if cuda_graph:
             report = d.executor.report()

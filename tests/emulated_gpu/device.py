@@ -17,8 +17,11 @@ device is such an error; ``Event.done`` on a captured event returns False
 and invalidates the capture (CuPy 14.2 turns the query's error into
 "not done"). ``Graph.launch`` replays the recorded launches.
 
-A launch is what one ``with stream:`` block queues (the op's host code runs
-at once, as CUDA's does; its device work is recorded and runs when the
+A launch is what one ``with stream:`` block of one host thread queues
+(several threads may launch onto one stream at once: each thread records
+its own launch, queued when it records or waits on an event or ends, as
+CUDA queues each thread's kernels in the order they come; the op's host
+code runs at once, as CUDA's does; its device work is recorded and runs when the
 stream gets to it, or at each replay of the graph it was captured into).
 """
 import copy
@@ -98,13 +101,35 @@ class SimStream:
         self.queue = deque()
         self.capture = None     # the SimCapture it belongs to, while capturing
         self.frontier = set()   # capture nodes the next captured work follows
-        self.recorder = None    # the device work of the launch being recorded
-        self._named = False     # its op's name went with a part of it already
-        self.launch_name = None  # the op a launch is for (the runtime says)
+        # recorder, _named, launch_name: the launch this host thread is making
+        # on this stream (``_Launch``); per thread, as several host threads may
+        # launch onto one stream at once (CUDA orders their launches as they
+        # come, each whole)
         self.ptr = capture.register_stream(self)  # cudaStream_t
         if key is None:
             self.key = f"stream{self.ptr:#x}"
         self.device.add_stream(self)
+
+    # ------------------------------------------- this thread's launch
+    def _launch(self):
+        launches = getattr(_local, "launches", None)
+        if launches is None:
+            launches = _local.launches = {}
+        state = launches.get(id(self))
+        if state is None:
+            state = launches[id(self)] = _Launch()
+        return state
+
+    recorder = property(lambda self: self._launch().recorder,
+                        lambda self, v: setattr(self._launch(), "recorder", v),
+                        doc="the device work of the launch this host thread is recording "
+                            "on this stream (None: none)")
+    _named = property(lambda self: self._launch().named,
+                      lambda self, v: setattr(self._launch(), "named", v),
+                      doc="its op's name went with a part of it already")
+    launch_name = property(lambda self: self._launch().name,
+                           lambda self, v: setattr(self._launch(), "name", v),
+                           doc="the op this host thread's launch is for (the runtime says)")
 
     # ------------------------------------------------------- capture
     def begin_capture(self, mode=None):
@@ -176,6 +201,13 @@ class SimStream:
         """Queue host function ``fn`` as one launch (the emulator's own
         call, for runtimes on plain host arrays)."""
         self.device.submit(self, replay_of([fn], None, self.device.log), name)
+
+
+class _Launch:
+    """One host thread's launch in progress on one stream."""
+
+    def __init__(self):
+        self.recorder, self.named, self.name = None, False, None
 
 
 class SimCapture:
