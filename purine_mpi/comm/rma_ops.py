@@ -103,6 +103,19 @@ def _started(step, describe, spans):
 
 class _WindowKernel(CommKernel):
     seq_ordered = False  # matched by region and notify words, posted as soon as ready
+    #: a sink (Put, Publish) takes one input blob; a source (WaitWrite, Get)
+    #: takes none and makes one blob of the attrs' shape and dtype
+    sink = source = False
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if cls.sink and len(ins) != 1:
+            raise ShapeError(f"{cls.op_type} takes exactly one input blob")
+        if cls.source and ins:
+            raise ShapeError(f"{cls.op_type} takes no input blobs")
+        if cls.source:
+            return [(tuple(attrs["shape"]), str(np.dtype(attrs.get("dtype", "float32"))))]
+        return []
 
     def _windows(self):
         win = find_windows(self.attrs["region"])
@@ -121,12 +134,7 @@ class Put(_WindowKernel):
     """x -> rank ``peer``'s window region, then a notify. A sink."""
 
     op_type = "Put"
-
-    @classmethod
-    def infer(cls, attrs, ins):
-        if len(ins) != 1:
-            raise ShapeError("Put takes exactly one input blob")
-        return []
+    sink = True
 
     def setup(self, ins, outs):
         self.win = self._windows()
@@ -191,12 +199,7 @@ class WaitWrite(_WindowKernel):
     """y <- what rank ``peer`` put into this rank's region. A source."""
 
     op_type = "WaitWrite"
-
-    @classmethod
-    def infer(cls, attrs, ins):
-        if ins:
-            raise ShapeError("WaitWrite takes no input blobs")
-        return [(tuple(attrs["shape"]), str(np.dtype(attrs.get("dtype", "float32"))))]
+    source = True
 
     def setup(self, ins, outs):
         self.win = self._windows()
@@ -248,10 +251,6 @@ class Release(_WindowKernel):
 
     op_type = "Release"
 
-    @classmethod
-    def infer(cls, attrs, ins):
-        return []
-
     def setup(self, ins, outs):
         self.win = self._windows()
         self._setup_done = True
@@ -273,10 +272,6 @@ class WaitFree(_WindowKernel):
     write: the op that computes into it may run."""
 
     op_type = "WaitFree"
-
-    @classmethod
-    def infer(cls, attrs, ins):
-        return []
 
     def setup(self, ins, outs):
         self.win = self._windows()

@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-from ..base.errors import ShapeError
 from ..ops.registry import register
 from .ops import _mb, comm_delay
 from .rma_ops import RMAPending, _WindowKernel
@@ -40,12 +39,7 @@ class Publish(_WindowKernel):
     """x -> this rank's own region, then version += 1. A sink."""
 
     op_type = "Publish"
-
-    @classmethod
-    def infer(cls, attrs, ins):
-        if len(ins) != 1:
-            raise ShapeError("Publish takes exactly one input blob")
-        return []
+    sink = True
 
     def setup(self, ins, outs):
         self.win = self._windows()
@@ -80,12 +74,7 @@ class Get(_WindowKernel):
     """y <- rank ``peer``'s region once it is fresh enough. A source."""
 
     op_type = "Get"
-
-    @classmethod
-    def infer(cls, attrs, ins):
-        if ins:
-            raise ShapeError("Get takes no input blobs")
-        return [(tuple(attrs["shape"]), str(np.dtype(attrs.get("dtype", "float32"))))]
+    source = True
 
     def setup(self, ins, outs):
         self.win = self._windows()
