@@ -149,6 +149,34 @@ class _HostKernel:
         capture.device_work(grid, kwargs.get("stream"))
 
 
+_DEFINITION = re.compile(r"\b(\w+)\s*\([^;{}()]*\)\s*\{")
+
+
+def _shuffling(expanded):
+    """The names of the functions of a preprocessed source that reach a warp
+    shuffle, directly or through the functions they call: only those kernels
+    run with whole warps of host threads (the others keep the small block,
+    so a library with one shuffling kernel does not slow all of its kernels
+    down 20-fold)."""
+    bodies = {}
+    for match in _DEFINITION.finditer(expanded):
+        depth, end = 1, match.end()
+        while depth and end < len(expanded):
+            depth += {"{": 1, "}": -1}.get(expanded[end], 0)
+            end += 1
+        bodies.setdefault(match.group(1), "")
+        bodies[match.group(1)] += expanded[match.end():end]
+    reach = {"__shfl_down_sync"}
+    grown = True
+    while grown:
+        grown = False
+        for name, body in bodies.items():
+            if name not in reach and any(re.search(rf"\b{r}\b", body) for r in reach):
+                reach.add(name)
+                grown = True
+    return reach
+
+
 def _parse_params(text):
     params = []
     for declaration in text.split(","):
@@ -388,13 +416,13 @@ def host_cupy(build_dir):
                                 for name, params in _SIGNATURE.findall(expanded)}
             self._library = ctypes.CDLL(str(library_path))
             self._threaded = "__syncthreads" in code
-            self._warps = "__shfl" in code
+            self._warps = _shuffling(expanded) if "__shfl" in code else set()
 
         def get_function(self, name):
             if name not in self._signatures:
                 raise AttributeError(f"no extern \"C\" kernel {name}")
             return _HostKernel(self._library, name, self._signatures[name], self._threaded,
-                               self._warps)
+                               name in self._warps)
 
     fake = types.ModuleType("cupy")
     fake.ndarray = np.ndarray
