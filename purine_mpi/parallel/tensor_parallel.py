@@ -341,16 +341,16 @@ def gather_whole(graph, layout, parts):
     """Rank 0's whole params and solver state from every rank's
     ``(params, solver)`` (``parts``, world order): the shards of tensor
     group 0 joined, the other blobs from rank 0."""
-    params, solver = (dict(x) for x in parts[0])
+    params, state = (dict(x) for x in parts[0])   # the weights, the solver's state
     ranks = layout.tensor_ranks(0)
     for p in params:
         split = split_of(graph.blobs[p])
         if split:
             params[p] = join_shards(split, [parts[r][0][p] for r in ranks])
-            if p in solver:
-                solver[p] = {s: join_shards(split, [parts[r][1][p][s] for r in ranks])
-                             for s in solver[p]}
-    return params, solver
+            if p in state:
+                state[p] = {s: join_shards(split, [parts[r][1][p][s] for r in ranks])
+                            for s in state[p]}
+    return params, state
 
 
 def add_tensor_clip(graph, clip, lay):
