@@ -71,10 +71,14 @@ def _assert_arena_layout(graph, plans):
 
 
 @pytest.mark.parametrize("job", JOBS)
-def test_device_plans_of_every_job_are_sound(job, digits_h5):
-    # the digits jobs read their shapes from the file (a fresh clone has no data/)
+def test_device_plans_of_every_job_are_sound(job, digits_h5, tmp_path):
+    # the digits and GPT jobs read their shapes from the file (a fresh clone has no data/)
     sets = [f"data.{p}.path={digits_h5}" for p in ("train", "test")] \
         if job.startswith("digits") else []
+    if job.startswith("gpt"):
+        from tests.gpt_nets import text_h5
+        tokens = text_h5(tmp_path)
+        sets = [f"data.{p}.path={tokens}" for p in ("train", "test")]
     config = load_config(os.path.join(ROOT, "jobs", job), overrides=sets, check_files=False)
     graph, _ = build_train_graph(make_job(config))
     prepare_for_device(graph, 0)
