@@ -2,6 +2,8 @@
 a PMIx launcher (Open MPI's mpirun, srun --mpi=pmix) cannot start MPICH
 ranks, a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2) cannot start Open
 MPI ranks; either is one message with the fix, exit 2, before MPI_Init."""
+import re
+
 import pytest
 
 from purine_mpi.comm import launcher
