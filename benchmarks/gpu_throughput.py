@@ -37,7 +37,9 @@ then one JSON object on stdout. Each entry of ``results`` has::
 
 plus each mode's own figures (``purine_eager_*``, ``purine_graph_*``: images/s,
 ms per iteration, first and last loss, the arena, the CUDA-graph segments),
-``purine_kernel_ms_per_iter`` and ``torch_eager_kernel_ms_per_iter``.
+``purine_kernel_ms_per_iter`` and ``torch_eager_kernel_ms_per_iter``, and
+where that time goes: ``purine_top_kernels`` and ``torch_eager_top_kernels``
+([kernel name, ms per iteration, launches per iteration], the 15 longest).
 
 Device memory, side by side: ``purine_device_pool_bytes`` (what CuPy's pool
 holds after purine_mpi's run in its default mode: the arena, planned as
@@ -141,8 +143,8 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()              # what an earlier run left cached
     held_before = pool.total_bytes()
-    from purine_mpi.gpu.memory import PeakMemory
-    peak = PeakMemory(cupy)             # the most bytes in use at once, from here on
+    from purine_mpi.gpu.memory import start_peak_memory
+    peak = start_peak_memory(cupy)      # the most bytes in use at once, from here on
     graph, _ = build_train_graph(job_of(config))
     prepare_for_device(graph, device)   # placed and fused, as train does
     notes = []
@@ -187,11 +189,12 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
                # CuPy's pool frees nothing back by itself: what it holds after
                # the run is the run's high-water mark on the device
                "device_pool_bytes": int(pool.total_bytes() - held_before),
-               "streams": len(d.runtime.pool)}
-        peak.close()   # the profiled iterations below run under PyTorch's profiler
-        captured = (d.capture_report() or {}).get("capture_pool_bytes") or {}
-        out["device_peak_bytes"] = int(peak.peak().get(device, 0) +
-                                       captured.get(str(device), 0))
+               "streams": len(d.executor.runtime.pool.items())}
+        if peak is not None:   # the profiled iterations below run under PyTorch's profiler
+            peak.close()
+            captured = (d.capture_report() or {}).get("capture_pool_bytes") or {}
+            out["device_peak_bytes"] = int(peak.peak().get(device, 0) +
+                                           captured.get(str(device), 0))
         if profile_iters:
             start = warmup + iters
 
@@ -206,7 +209,8 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
             out["notes"] = notes
         return out
     finally:
-        peak.close()
+        if peak is not None:
+            peak.close()
         d.close()
 
 
@@ -413,8 +417,22 @@ def kernel_stats(step, iters):
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     busy_us = sum(e - s for s, e in merge_intervals(
         [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in kernels]))
+    by_name = {}
+    for k in kernels:
+        total = by_name.setdefault(k.get("name", "?"), [0.0, 0])
+        total[0] += float(k.get("dur", 0))
+        total[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernels_per_iter": round(len(kernels) / iters, 1),
-            "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4)}
+            "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4),
+            # where the kernel time goes: [name (cut to 120 characters),
+            # ms per iteration, launches per iteration], the longest first
+            "top_kernels": [[name[:120], round(us / 1e3 / iters, 4), round(n / iters, 2)]
+                            for name, (us, n) in top]}
+
+
+#: how many kernels ``top_kernels`` lists
+TOP_KERNELS = 15
 
 
 # ------------------------------------------------------------------ main ---
@@ -562,6 +580,7 @@ def _entry(args, path, batch, profile):
                 iter_ms = 1e3 * p["seconds"] / args.iters
                 entry["purine_kernels_per_iter"] = stats["kernels_per_iter"]
                 entry["purine_kernel_ms_per_iter"] = stats["kernel_ms_per_iter"]
+                entry["purine_top_kernels"] = stats["top_kernels"]
                 entry["purine_gpu_busy"] = round(min(1.0, stats["kernel_ms_per_iter"] / iter_ms),
                                                  3)
         if not np.isfinite(p["last_loss"]):
@@ -585,6 +604,7 @@ def _entry(args, path, batch, profile):
         if t.get("kernels"):
             entry["torch_eager_kernels_per_iter"] = t["kernels"]["kernels_per_iter"]
             entry["torch_eager_kernel_ms_per_iter"] = t["kernels"]["kernel_ms_per_iter"]
+            entry["torch_eager_top_kernels"] = t["kernels"]["top_kernels"]
         for kind, runner in (("graph", bench_torch_graph), ("compile", None)):
             if kind == "compile" and args.no_compile:
                 continue

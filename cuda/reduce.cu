@@ -74,50 +74,86 @@ PURINE_SUM_ROWS_ENTRY(f32, float)
 PURINE_SUM_ROWS_ENTRY(f64, double)
 
 // The bias gradient of a convolution, fast: db[c] = sum over n and s of
-// dy[n, c, s], dy (N, C, inner) contiguous. One block per channel
-// (grid-stride over channels). Its threads walk the channel's N runs of
-// `inner` contiguous elements as one flat range, consecutive threads on
-// consecutive addresses (coalesced loads; the (sample, s) position moves
-// by a fixed step, no division per element), adding in double. Then a
-// warp-shuffle tree adds each warp's 32 partial sums, and one more shuffle
-// tree adds the warps' sums, every thread taking part (no divergent
-// shuffles). A fixed order throughout, no atomics: the same result on
-// every run. Launched with a multiple of 32 threads, at most
-// PURINE_REDUCE_THREADS (32 warps' sums fit one warp).
-template <typename T>
-__device__ __forceinline__ T warp_sum(T value) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    value += __shfl_down_sync(0xffffffffu, value, offset);
-  }
-  return value;
-}
-
+// dy[n, c, s], dy (N, C, inner) contiguous, split over many blocks so the
+// whole GPU takes part (one block per channel used 32 of an H200's 132 SMs
+// on cifar10_quick and was its longest kernel, 16x PyTorch's reduction at
+// batch 512).
+//
+// bias_grad: each channel's N samples are cut into `splits` consecutive
+// ranges (split j: samples [j*N/splits, (j+1)*N/splits)); one block per
+// (channel, split) job, grid-stride over the channels * splits jobs. Its
+// threads walk the range's runs of `inner` contiguous elements as one flat
+// range, consecutive threads on consecutive addresses (coalesced loads; the
+// (sample, s) position moves by a fixed step, no division per element),
+// adding in double; a shared-memory tree adds the threads' sums in a fixed
+// order. With one split the block writes db[c] itself; else it writes its
+// partial sum to partial[c * splits + j] and bias_grad_finish adds each
+// channel's partials in split order. The splits depend on the shape alone
+// (purine_mpi/gpu/kernels/elementwise.py), no atomics: the same bits on
+// every run and every GPU. Launched with at most PURINE_REDUCE_THREADS
+// threads per block.
 template <typename T>
 __device__ void bias_grad_impl(long long channels, const T* dy, long long n, long long inner,
-                               T* out) {
-  __shared__ double warp_sums[32];
-  const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-  const unsigned int warps = blockDim.x >> 5;
+                               long long splits, double* partial, T* out) {
+  __shared__ double sums[PURINE_REDUCE_THREADS];
+  const unsigned int tid = threadIdx.x;
   const long long step_sample = blockDim.x / inner, step_s = blockDim.x % inner;
-  for (long long c = blockIdx.x; c < channels; c += gridDim.x) {
+  for (long long job = blockIdx.x; job < channels * splits; job += gridDim.x) {
+    const long long c = job / splits, j = job - c * splits;
+    const long long first = j * n / splits, last = (j + 1) * n / splits;
     double sum = 0.0;
-    long long sample = tid / inner, s = tid % inner;
+    long long sample = first + tid / inner, s = tid % inner;
     const T* channel = dy + c * inner;
-    while (sample < n) {
+    while (sample < last) {
       sum += (double)channel[sample * channels * inner + s];
       sample += step_sample;
       s += step_s;
       if (s >= inner) { s -= inner; ++sample; }
     }
-    sum = warp_sum(sum);
-    if (lane == 0) warp_sums[warp] = sum;
+    sums[tid] = sum;
     __syncthreads();
-    sum = lane < warps ? warp_sums[lane] : 0.0;  // every warp adds the warps' sums
-    sum = warp_sum(sum);
-    if (tid == 0) out[c] = (T)sum;
-    __syncthreads();  // warp_sums is reused by the next channel
+    for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
+      if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) sums[tid] += sums[tid + stride];
+      __syncthreads();
+    }
+    if (tid == 0) {
+      if (splits == 1) out[c] = (T)sums[0];
+      else partial[job] = sums[0];
+    }
+    __syncthreads();  // sums is reused by the next job
   }
 }
 
-PURINE_PER_CHANNEL_ENTRY(bias_grad, f32, float)
-PURINE_PER_CHANNEL_ENTRY(bias_grad, f64, double)
+#define PURINE_BIAS_GRAD_ENTRY(SUFFIX, T)                                                \
+  extern "C" __global__ void bias_grad_##SUFFIX(long long channels, const T* dy,        \
+                                                long long n, long long inner,           \
+                                                long long splits, double* partial,      \
+                                                T* out) {                               \
+    bias_grad_impl<T>(channels, dy, n, inner, splits, partial, out);                    \
+  }
+
+PURINE_BIAS_GRAD_ENTRY(f32, float)
+PURINE_BIAS_GRAD_ENTRY(f64, double)
+
+// db[c] = the sum of channel c's `splits` partial sums, in split order, one
+// thread per channel.
+template <typename T>
+__device__ void bias_grad_finish_impl(long long channels, long long splits,
+                                      const double* partial, T* out) {
+  for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < channels;
+       c += (long long)blockDim.x * gridDim.x) {
+    double sum = 0.0;
+    for (long long j = 0; j < splits; ++j) sum += partial[c * splits + j];
+    out[c] = (T)sum;
+  }
+}
+
+#define PURINE_BIAS_GRAD_FINISH_ENTRY(SUFFIX, T)                                         \
+  extern "C" __global__ void bias_grad_finish_##SUFFIX(long long channels,              \
+                                                       long long splits,                \
+                                                       const double* partial, T* out) { \
+    bias_grad_finish_impl<T>(channels, splits, partial, out);                           \
+  }
+
+PURINE_BIAS_GRAD_FINISH_ENTRY(f32, float)
+PURINE_BIAS_GRAD_FINISH_ENTRY(f64, double)

@@ -21,7 +21,6 @@ Resume with captures on is in tests/test_cuda_graph.py
 (test_trainer_with_cuda_graphs_on_the_emulated_gpu).
 """
 
-import os
 import numpy as np
 import pytest
 
@@ -205,18 +204,11 @@ def _net_dispatcher(net, cuda_graph, batch=2):
     return d, rt, graph, watch
 
 
-# GoogLeNet's conv bias gradients run cuda/reduce.cu's bias_grad, whose warp
-# shuffles the host build emulates with 64 OS threads per block and a barrier
-# per shuffle: over 10 minutes here, so it runs only when asked for
-# (PURINE_TEST_BIG_EMULATION=1); cifar10_quick and NIN capture whole in CI.
-_BIG = pytest.mark.skipif(not os.environ.get("PURINE_TEST_BIG_EMULATION"),
-                          reason="GoogLeNet on the emulated GPU takes over 10 minutes "
-                                 "(bias_grad's warp shuffles as host threads); set "
-                                 "PURINE_TEST_BIG_EMULATION=1")
+
 
 
 @pytest.mark.parametrize("net", ["cifar10_quick", "nin_cifar10",
-                                 pytest.param("googlenet", marks=[pytest.mark.slow, _BIG])])
+                                 pytest.param("googlenet", marks=pytest.mark.slow)])
 def test_a_net_captures_whole_one_launch_per_iteration_bitwise_like_eager(emulated, net):
     iters = 6
     batch = 1 if net == "googlenet" else 2  # 224x224 inputs, 357 ops

@@ -122,14 +122,17 @@ def test_conv_ops_run_their_cudnn_graphs(device, monkeypatch, fused):
                            ("create_execution_plans", ("A", "FALLBACK")), "check_support",
                            ("build_plans", "ALL")]
         assert g.notes == ["NONDETERMINISTIC", "TENSOR_CORE"]  # deterministic, no TF32
-    # each direction: its 3 deterministic float32 plans that build timed (the
-    # 4th does not build: skipped), then one run on the fastest, on CuPy's
-    # current stream, with the workspace from the op's scratch
-    timed = 3 * (1 + tune.REPS)
+    # each direction: its 4 deterministic float32 plans that build timed (the
+    # 5th does not build: skipped), each run once more against the first's
+    # result (the accuracy check sets eng6 aside), then one run on the
+    # fastest accurate one, on CuPy's current stream, with the workspace
+    # from the op's scratch
+    timed = 4 * (1 + tune.REPS) + 4
     assert len(fake.executed) == 3 * (timed + 1) and set(fake.streams) == {1234}
     for g in fake.graphs:
         runs = [i for gg, _, i in fake.executed if gg is g]
-        assert sorted(set(runs[:timed])) == [0, 1, 2] and runs[timed:] == [1]
+        assert sorted(set(runs[:timed])) == [0, 1, 2, 4] and runs[timed:] == [1]
+    assert tune.stats()["inaccurate"] == 3
     conv = fake.graphs[0].ops[0][1]
     assert conv["padding"] == [1, 1] and conv["stride"] == [2, 2]
     assert conv["x"].dim == [2, 3, 7, 6] and conv["x"].stride == [126, 42, 6, 1]
@@ -157,6 +160,37 @@ def test_fastest_plan_is_chosen_and_its_workspace_reserved(device, monkeypatch):
     np.testing.assert_allclose(y, y_cpu, rtol=2e-5, atol=2e-5)
     assert _chosen(fake) == ["eng1_fft_flip_filter"]
     assert tune.stats()["timed"] == 1 and tune.stats()["cached"] == 0
+
+
+def test_an_inaccurate_plan_is_set_aside_however_fast(device, monkeypatch):
+    """Without TF32 a plan whose result is off the others' by more than
+    ACCURACY_TOL is never kept: here the fastest (eng6, 5e-3 off, as an
+    H200's Winograd-style weight-gradient engine was), and, when the odd one
+    is the first (the reference), the majority still decides. With TF32 on
+    nothing is checked (TF32 itself is off by about 1e-3)."""
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    y_cpu = run_kernel("Conv", {"pad": 1}, [x, w])[0]
+    cases = [(ENGINES, False, "eng1_fft_flip_filter"),
+             ([("bad_first", 1.0, 0, (), True, 5e-3), ("good", 2.0, 0, (), True),
+               ("good_slow", 3.0, 0, (), True)], False, "good"),
+             (ENGINES, True, "eng5_tensor_core")]
+    for engines, tf32, want in cases:
+        fake = FakeCudnn(engines=engines)
+        monkeypatch.setitem(sys.modules, "cudnn", fake)
+        gpu_cudnn.reset()
+        tune.reset()
+        monkeypatch.setattr(gpu, "tf32_enabled", lambda: tf32)
+        kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
+        y = _dev(np.zeros(y_cpu.shape, np.float32))
+        kernel.setup([_dev(x), _dev(w)], [y])
+        kernel.run([_dev(x), _dev(w)], [y])
+        assert _chosen(fake) == [want], (engines, tf32)
+        if not tf32:
+            np.testing.assert_allclose(y, y_cpu, rtol=2e-5, atol=2e-5)
+            assert tune.stats()["inaccurate"] == 1
+            assert "1 inaccurate plan(s) set aside" in tune.summary()
+        else:
+            assert tune.stats()["inaccurate"] == 0
 
 
 def _count_timing(fake):

@@ -111,12 +111,12 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
     other), placed on the emulated device and run by the stream dispatcher
     on the simulated runtime, optionally captured in CUDA graphs: 3 AdamW
     steps give the CPU's losses and weights, and the third iteration
-    allocates no device memory. Captured, this graph's 'iter' is a host
-    blob, so the AdamW updates run eagerly between the captured segments
-    (launched by another host thread than the segments' eager warm-up, onto
-    the same streams), and every parameter is read back after each
-    iteration (issue 35: the emulator once mixed two host threads' launches
-    on one stream, and this variant's 2nd loss differed)."""
+    allocates no device memory. Captured, the whole iteration is one graph:
+    the AdamW updates read the device iteration (on an H200 they once read
+    the host 'iter' and ran eagerly between two segments, with the position
+    embedding's device-to-device gradient Copy). Every parameter is read
+    back after each iteration (issue 35: the emulator once mixed two host
+    threads' launches on one stream, and a variant's 2nd loss differed)."""
     from purine_mpi.parallel.placement import place_on_device
     from purine_mpi.runtime.factory import make_dispatcher
     from purine_mpi.layers.fillers import fill
@@ -168,7 +168,8 @@ def test_gpt_on_an_emulated_gpu_matches_the_cpu(host_build_dir, monkeypatch, cud
         assert Allocations.log == [] and reductions == []
         if cuda_graph:
             report = d.executor.report()
-            assert report["captured"] == report["segments"] > 0 and not report["failed"], report
+            assert report["captured"] == report["segments"] == 1 and not report["failed"], report
+            assert report["eager_gpu_ops"] == {} and report["launches_per_iter"] == 1, report
         np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
         # atol: the key bias's gradient is zero in exact arithmetic (softmax
         # ignores a constant per row), so Adam turns its rounding noise,

@@ -70,14 +70,16 @@ def test_report_keys_with_stubbed_runs(monkeypatch, capsys):
                               "eager_gpu_ops": {}, "launches_per_iter": 1,
                               "eager_ops_per_iter": 0}
         if profile_iters:
-            out["kernels"] = {"kernels_per_iter": 37.0, "kernel_ms_per_iter": 25.0}
+            out["kernels"] = {"kernels_per_iter": 37.0, "kernel_ms_per_iter": 25.0,
+                              "top_kernels": [["bias_grad_f32", 1.5, 3.0]]}
         return out
 
     def fake_torch(config, device, iters, warmup, tf32, compile_model=False, profile_iters=0):
         torch_calls.append(("compile" if compile_model else "eager", profile_iters))
         out = {"seconds": 4.0 if compile_model else 5.0, "first_loss": 2.3, "last_loss": 2.2}
         if profile_iters:
-            out["kernels"] = {"kernels_per_iter": 30.0, "kernel_ms_per_iter": 20.0}
+            out["kernels"] = {"kernels_per_iter": 30.0, "kernel_ms_per_iter": 20.0,
+                              "top_kernels": [["reduce_kernel", 0.5, 3.0]]}
         return out
 
     def fake_torch_graph(config, device, iters, warmup, tf32):
@@ -108,6 +110,8 @@ def test_report_keys_with_stubbed_runs(monkeypatch, capsys):
     assert e["purine_kernels_per_iter"] == 37.0
     assert e["purine_gpu_busy"] == 0.25   # 25 ms of kernels in a 100 ms iteration
     assert e["torch_eager_kernel_ms_per_iter"] == 20.0
+    assert e["purine_top_kernels"] == [["bias_grad_f32", 1.5, 3.0]]
+    assert e["torch_eager_top_kernels"] == [["reduce_kernel", 0.5, 3.0]]
     assert e["purine_vs_torch_eager"] == 5.0
     # the cuBLAS binding and the whole capture report, per row
     assert e["blas"] == "nvmath"

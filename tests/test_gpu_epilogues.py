@@ -1,8 +1,8 @@
 """The kernels PyTorch's GPU time beat us on (issue 35 item 7), against the
 CPU reference: the bias-gradient reduction (cuda/reduce.cu ``bias_grad``:
-one block per channel, coalesced loads, warp-shuffle trees) on the
-host-compiled kernels (g++, the warp shuffle modelled lane by lane by the
-host stand-in of tests/emulated_gpu/host_kernels.py) and on a GPU when there is one."""
+each channel cut into sample ranges, a block per range, coalesced loads,
+fixed-order trees, then ``bias_grad_finish``) on the host-compiled kernels
+(g++, tests/emulated_gpu/host_kernels.py) and on a GPU when there is one."""
 import numpy as np
 import pytest
 
@@ -16,7 +16,23 @@ BIAS_SHAPES = [
     (4, 3, 2, 1),      # inner 2
     (6, 5),            # a fully connected layer: one thread per column (sum_rows)
     (4, 3, 1, 1),      # a 1x1 output: inner 1, as a fully connected layer
+    (8, 3, 32, 32),    # 2 sample ranges a channel: partial sums, then bias_grad_finish
+    (9, 2, 30, 31),    # 2 ranges of 4 and 5 samples
+    (16, 2, 32, 32),   # 4 ranges
 ]
+
+
+def test_the_splits_depend_on_the_shape_alone():
+    """About BIAS_GRAD_BLOCKS blocks, none under BIAS_GRAD_MIN_ELEMENTS
+    elements, at most a range per sample (cifar10_quick's conv1 at batch
+    128: 32 channels x 32 ranges of 4 samples)."""
+    from purine_mpi.gpu.kernels.elementwise import bias_grad_splits
+    assert bias_grad_splits(128, 32, 32 * 32) == 32
+    assert bias_grad_splits(512, 32, 32 * 32) == 32
+    assert bias_grad_splits(128, 192, 32 * 32) == 5
+    assert bias_grad_splits(5, 6, 12) == 1
+    assert bias_grad_splits(3, 2000, 4096) == 1
+    assert bias_grad_splits(2, 1, 1 << 20) == 2     # never more ranges than samples
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -26,7 +26,40 @@ def _dev(a):
 @pytest.fixture
 def lt(monkeypatch, host_build_dir):
     use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
     return use_emulated_nvmath_advanced(monkeypatch)
+
+
+def test_by_default_the_layer_keeps_its_kernel(lt, monkeypatch):
+    """The epilogue is opt-in (gpu/blaslt.py: nvmath allocates its result at
+    each execute): without PURINE_FC_EPILOGUE the bias and ReLU stay in the
+    bias_act kernel and nothing is planned."""
+    monkeypatch.delenv("PURINE_FC_EPILOGUE")
+    attrs = {"relu": True, "negative_slope": 0.0}
+    ins = _case(np.float32, True)
+    y = _dev(np.zeros((5, 4), np.float32))
+    _fc(attrs).run([_dev(a) for a in ins], [y])
+    assert LOG == [] and blaslt.plan_count() == 0
+    np.testing.assert_allclose(np.asarray(y), run_kernel("InnerProduct", attrs, ins)[0],
+                               **_tol(np.float32))
+
+
+def test_the_emulated_execute_allocates_its_result(lt):
+    """As nvmath-python 1.0 does on a GPU (seen on an H200: two pool
+    allocations a steady iteration of cifar10_quick): each execute is a
+    device allocation the no-allocation checks count."""
+    from tests.emulated_gpu.arrays import Allocations
+    x, w = _dev(_rand((3, 4), np.float32, 0)), _dev(_rand((2, 4), np.float32, 1))
+    mm = lt.Matmul(w, x.T)
+    mm.plan(epilog=lt.MatmulEpilog.RELU)
+    Allocations.log.clear()
+    Allocations.counting = True
+    try:
+        mm.execute()
+        mm.execute()
+    finally:
+        Allocations.counting = False
+    assert [shape for _, shape, _ in Allocations.log] == [(2, 3), (2, 3)]
 
 
 def _fc(attrs):
@@ -160,6 +193,7 @@ def test_the_emulated_epilogues_against_numpy(lt, case):
 
 def test_without_the_advanced_api_the_layer_says_so_once(monkeypatch, host_build_dir, capsys):
     use_emulated_cupy(monkeypatch, host_build_dir)
+    monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
     use_emulated_nvmath_advanced(monkeypatch, enabled=False)
     attrs = {"relu": True, "negative_slope": 0.0}
     ins = _case(np.float32, True)
@@ -233,3 +267,33 @@ def test_a_library_refusal_falls_back_to_the_kernels_said_once(lt, monkeypatch, 
     err = capfd.readouterr().err
     assert err.count("cuBLASLt epilogue refused (ValueError: unsupported layout") == 1, err
     assert blaslt.plan_count() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias, relu", [(True, True), (True, False), (False, True)])
+def test_the_real_epilogue_on_a_gpu(monkeypatch, dtype, bias, relu):
+    """nvmath-python's own cuBLASLt epilogue (PURINE_FC_EPILOGUE=cublaslt) on
+    a GPU: x^T taken as a column-ordered operand, the bias one value per row
+    of y^T; cold then warm, against the CPU op."""
+    from tests.conftest import cuda_cupy_or_skip
+    cupy = cuda_cupy_or_skip()
+    pytest.importorskip("nvmath.linalg.advanced")
+    monkeypatch.setenv("PURINE_FC_EPILOGUE", "cublaslt")
+    blaslt.reset()
+    attrs = {"relu": True, "negative_slope": 0.0} if relu else {}
+    kernel = _fc(attrs)
+    dev_ins = [cupy.asarray(a) for a in _case(dtype, bias)]
+    y = cupy.full((5, 4), np.nan, dtype)
+    try:
+        for step in range(3):
+            host = _case(dtype, bias, seed=10 * step)
+            for d, h in zip(dev_ins, host):
+                d[...] = cupy.asarray(h)
+            kernel.run(dev_ins, [y])
+            cupy.cuda.get_current_stream().synchronize()
+            want = run_kernel("InnerProduct", attrs, host)[0]
+            np.testing.assert_allclose(cupy.asnumpy(y), want, **_tol(dtype))
+        assert blaslt.plan_count() == 1
+    finally:
+        blaslt.reset()

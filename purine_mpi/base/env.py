@@ -113,6 +113,9 @@ VARS = {v.name: v for v in [
         "whether MPI moves GPU memory directly"),
     Var("PURINE_CONV", "one of auto, cudnn, im2col", "auto", _choice("auto", "cudnn", "im2col"),
         "the GPU convolution path"),
+    Var("PURINE_FC_EPILOGUE", "one of kernel, cublaslt", "kernel", _choice("kernel", "cublaslt"),
+        "a fully connected layer's bias and ReLU when run eagerly: our kernel, or the "
+        "cuBLASLt epilogue (nvmath allocates its result at each call)"),
     Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
         "time cuDNN's plans and keep the fastest (0: the heuristic's first)"),
     Var("PURINE_CUDNN_DETERMINISTIC", FLAG, True, _flag,

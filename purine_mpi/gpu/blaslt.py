@@ -15,9 +15,20 @@ once, at the first product of a shape (cold), and each later product only
 ``.execute(stream=...)`` (warm). A blob keeps its address for the life of a
 workspace, so a plan reads the right memory at each execute.
 
+It is opt-in: ``PURINE_FC_EPILOGUE=cublaslt``. The default (``kernel``)
+keeps the cuBLAS product and the ``bias_act`` kernel, because nvmath-python
+1.0's ``Matmul.execute`` takes no output buffer: every call allocates its
+result from CuPy's pool and the layer copies it into ``y``. On an H200
+(2026-11-25) that was two pool allocations in each steady cifar10_quick
+iteration (``tests/test_gpu_no_alloc.py``), which our rule forbids, and a
+copy of ``y`` in place of the kernel it saves. The epilogue can become
+the default through cuBLASLt's own binding (``nvmath.bindings.cublasLt``,
+with ``y`` as its output), which needs neither.
+
 What stays as it was (``fc_forward`` returns False; ops/fc.py then issues
 its cuBLAS product and the ``bias_act`` kernel):
 
+- ``PURINE_FC_EPILOGUE`` is ``kernel`` (the default);
 - nvmath-python's advanced API is missing: said once (``lt_note()``);
 - the stream is capturing a CUDA graph: ``Matmul.execute`` allocates its
   result (and any auxiliary output) on every call -- nvmath-python 1.0 takes
@@ -37,6 +48,7 @@ import threading
 
 import numpy as np
 
+from ..base import env
 from . import import_cupy
 from .blas import _is_capturing
 from .raw import data_ptr
@@ -113,6 +125,8 @@ def fc_forward(x, w, y, bias, relu, negative_slope=0.0):
     epilogue; False when it does not apply (see the module docstring) and
     the caller computes it as before."""
     if bias is None and not relu:
+        return False
+    if env.get("PURINE_FC_EPILOGUE") != "cublaslt":
         return False
     dtype = np.dtype(y.dtype)
     if negative_slope != 0.0 or dtype not in (np.dtype(np.float32), np.dtype(np.float64)):

@@ -8,7 +8,10 @@ input buffers, in the op's ``setup`` (before any CUDA-graph capture): one
 warm-up run, then ``REPS`` runs between two CUDA events on CuPy's current
 stream; the fastest plan is kept and run by index
 (``execute_plan_at_index``). FFT and filter-flip engines compete like the
-others. Plans that do not build or fail to run are skipped. With
+others, but only among the accurate: without TF32, a plan whose result
+deviates from the majority of plans by more than ``ACCURACY_TOL`` of the
+largest magnitude is never kept (``time_plans``). Plans that do not build or
+fail to run are skipped. With
 ``PURINE_CUDNN_BENCHMARK=0`` the heuristic's first plan that builds is taken
 (``build_plans()``), as before. ``PURINE_CUDNN_DETERMINISTIC=0`` lets
 non-deterministic engines (atomics: a resume is then not bit-exact) compete;
@@ -39,12 +42,17 @@ from ..base import env
 
 #: timed runs of each plan (after one warm-up run)
 REPS = 3
-#: layout of the cache files; another value is a stale file
-FORMAT = 1
+#: layout of the cache files; another value is a stale file (2: plans chosen
+#: among the accurate ones only)
+FORMAT = 2
+#: the largest deviation from the majority's result, relative to its largest
+#: magnitude, of a float32 plan that may be kept (without TF32; float32
+#: implicit-GEMM engines agree within about 1e-6 on an H200)
+ACCURACY_TOL = 1e-4
 
 _lock = threading.RLock()
 _stats = {"timed": 0, "cached": 0, "heuristic": 0, "seconds": 0.0, "path": None,
-          "rejected": []}
+          "rejected": [], "inaccurate": 0}
 
 
 def _flag(name):
@@ -154,21 +162,68 @@ def cached_index(graph, entry):
     return index
 
 
-def time_plans(graph, pack, handle, cupy, reps=REPS):
-    """Time every built plan of ``graph`` on the variant pack ``pack``
-    ({tensor: device address}) on CuPy's current stream. Returns the entry of
-    the fastest, {"index", "name", "count", "ms", "workspace"}, or None when
-    no plan ran."""
+def _run_plan(graph, pack, handle, cupy, index):
+    """Run plan ``index`` once with a workspace of its own; returns that
+    workspace (its size is the plan's). Raises when the plan is not built
+    or refuses to run."""
     from .raw import data_ptr
+    ws_bytes = int(graph.get_workspace_size_plan_at_index(index))
+    workspace = cupy.empty((max(ws_bytes, 1),), dtype=np.uint8)
+    graph.execute_plan_at_index(pack, data_ptr(workspace), index=index, handle=handle)
+    return workspace, ws_bytes
+
+
+def _deviation(cupy, output, reference, scale):
+    """max |output - reference| / scale (inf for a NaN)."""
+    value = float(cupy.abs(output - reference).max()) / scale
+    return value if value == value else float("inf")
+
+
+def _accurate(graph, pack, handle, cupy, output, runs, tol):
+    """The runs whose output agrees with the majority's within ``tol`` of
+    the largest magnitude. The first run's output is the reference; when
+    fewer than half agree with it, it was the odd one, and the first that
+    disagreed becomes the reference (each plan runs once more). Sets each
+    run's "deviation"; marks the others rejected."""
+    def against(ref_index):
+        _run_plan(graph, pack, handle, cupy, ref_index)
+        reference = output.copy()
+        scale = float(cupy.abs(reference).max()) or 1.0
+        for run in runs:
+            if run["index"] == ref_index:
+                run["deviation"] = 0.0
+                continue
+            _run_plan(graph, pack, handle, cupy, run["index"])
+            run["deviation"] = _deviation(cupy, output, reference, scale)
+        return [r for r in runs if r["deviation"] <= tol]
+
+    agree = against(runs[0]["index"])
+    if 2 * len(agree) < len(runs):
+        other = next(r for r in runs if r["deviation"] > tol)
+        agree = against(other["index"])
+        if 2 * len(agree) < len(runs):
+            return runs   # no majority: nothing to tell the odd ones by (said by the caller)
+    return agree
+
+
+def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None):
+    """Time every built plan of ``graph`` on the variant pack ``pack``
+    ({tensor: device address}) on CuPy's current stream. With ``output``
+    (the CuPy array the pack writes) and ``tol``, a plan whose result
+    deviates from the majority's by more than ``tol`` of the largest
+    magnitude is not kept, however fast (``_accurate``; on an H200 a
+    Winograd-style weight-gradient engine was the fastest and off by up to
+    6e-3). Returns the entry of the fastest kept,
+    {"index", "name", "count", "ms", "workspace", "rejected"}, or None when
+    no plan ran."""
     stream = cupy.cuda.get_current_stream()
     count = int(graph.get_execution_plan_count())
-    best = None
+    runs = []
     for index in range(count):
         try:
-            ws_bytes = int(graph.get_workspace_size_plan_at_index(index))
-            workspace = cupy.empty((max(ws_bytes, 1),), dtype=np.uint8)
+            workspace, ws_bytes = _run_plan(graph, pack, handle, cupy, index)   # warm-up
+            from .raw import data_ptr
             ptr = data_ptr(workspace)
-            graph.execute_plan_at_index(pack, ptr, index=index, handle=handle)  # warm-up
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)
             for _ in range(reps):
@@ -178,9 +233,20 @@ def time_plans(graph, pack, handle, cupy, reps=REPS):
             ms = float(cupy.cuda.get_elapsed_time(start, stop)) / reps
         except Exception:   # not built (ALL builds what it can), or refused to run
             continue
-        if best is None or ms < best["ms"]:
-            best = {"index": index, "name": _plan_name(graph, index), "count": count,
-                    "ms": ms, "workspace": ws_bytes}
+        runs.append({"index": index, "name": _plan_name(graph, index), "count": count,
+                     "ms": ms, "workspace": ws_bytes})
+    if not runs:
+        return None
+    kept = runs
+    if output is not None and tol is not None and len(runs) > 1:
+        kept = _accurate(graph, pack, handle, cupy, output, runs, tol)
+    rejected = [{"name": r["name"], "deviation": r["deviation"]} for r in runs
+                if r not in kept]
+    best = dict(min(kept, key=lambda r: r["ms"]))
+    best.pop("deviation", None)
+    best["rejected"] = rejected
+    with _lock:
+        _stats["inaccurate"] += len(rejected)
     return best
 
 
@@ -201,7 +267,8 @@ def stats():
 def reset():
     """Forget the counts (tests; a new process)."""
     with _lock:
-        _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[])
+        _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[],
+                      inaccurate=0)
 
 
 def summary():
@@ -216,6 +283,9 @@ def summary():
             f"{s['cached']} from the cache")
     if s["path"]:
         text += f" ({s['path']})"
+    if s["inaccurate"]:
+        text += (f"; {s['inaccurate']} inaccurate plan(s) set aside (off the others' result "
+                 f"by more than {ACCURACY_TOL:g} of its largest value)")
     if s["rejected"]:
         text += f"; {len(s['rejected'])} cache file(s) ignored and rewritten"
     return text

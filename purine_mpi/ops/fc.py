@@ -16,9 +16,10 @@ Gradients::
 On a GPU the products are cuBLAS calls on the blobs themselves (gpu/blas.py:
 the transposes are cuBLAS flags, nothing is copied or allocated), the bias
 and a fused ReLU one epilogue kernel, the bias gradient one reduction kernel.
-Eagerly, with nvmath-python's advanced API, the forward product adds the
-bias and applies a fused ReLU in its cuBLASLt epilogue instead
-(gpu/blaslt.py; inside a CUDA-graph capture it keeps the path above).
+With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's advanced API, an
+eager forward product adds the bias and applies a fused ReLU in its cuBLASLt
+epilogue instead (gpu/blaslt.py, which says why that is not the default;
+inside a CUDA-graph capture it keeps the path above).
 """
 import numpy as np
 

@@ -18,10 +18,10 @@ place so that it runs on GPU ``device``:
   an ``IterationCounter`` op (``ops/iteration.py``) from a counter that
   stays on the device and moves on by one each iteration, so the iteration
   holds no host-to-device copy (a CUDA graph cannot capture one through
-  CuPy). From it the learning-rate op evaluates the lr policy and the
-  dropout ops key their masks, on the device. The exception is the adaptive
-  solvers' (Adam's) iteration, read by their update ops as a host scalar:
-  those updates run eagerly, between the captured graphs.
+  CuPy). From it the learning-rate op evaluates the lr policy, the dropout
+  ops key their masks and the Adam/AdamW updates take their bias-correction
+  step (cuda/adam.cu reads it), on the device: a whole iteration, the
+  updates included, is one captured graph.
 
 The workspace then allocates the device blobs as CuPy arrays and
 ``make_dispatcher`` picks the CUDA-stream dispatcher. ``configure_device``
@@ -36,7 +36,6 @@ import dataclasses
 import os
 
 from ..base.errors import ConfigError, UserError
-from ..ops.updates import UPDATE_OP_TYPES
 
 #: op types that run on the host whatever the device
 HOST_OP_TYPES = ()
@@ -88,9 +87,6 @@ def place_on_device(graph, device, copy_thread=H2D_THREAD):
         for i, b in enumerate(op.inputs):
             blob_dev = graph.blobs[b].location.device
             if (blob_dev >= 0) == (op_dev >= 0):
-                continue
-            if (op_dev >= 0 and op.op_type in UPDATE_OP_TYPES
-                    and graph.blobs[b].kind in HOST_BLOB_KINDS):
                 continue
             if op_dev >= 0:  # host blob -> device op
                 op.inputs[i] = _twin(graph, copies, b, device, "h2d", copy_thread)

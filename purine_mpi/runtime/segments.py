@@ -79,7 +79,7 @@ def capture_blocker(graph, op, kernel):
 
     host_in = [b for b in op.inputs if on_host(b)]
     host_out = [b for b in op.outputs if on_host(b)]
-    if op.op_type == "Copy":
+    if op.op_type == "Copy" and (host_in or host_out):   # device to device: a kernel
         if host_out:
             return "copies to host memory (the host reads it at once)"
         unpinned = [b for b in host_in

@@ -82,8 +82,10 @@ def emulated_cupy(build_dir):
     fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(plain(a), dtype), a)
     fake.asnumpy = asnumpy
     # CuPy's pool (bench --json reports what it holds)
+    # (free_all_blocks: nothing to give back, the emulated pool caches no block)
     fake.get_default_memory_pool = lambda: types.SimpleNamespace(
-        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes)
+        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes,
+        free_all_blocks=lambda: None)
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = NoDevice
     cuda_namespace(fake.cuda)   # Stream, Event, ...; the default stream is the device's

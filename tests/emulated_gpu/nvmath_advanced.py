@@ -25,7 +25,7 @@ import types
 import numpy as np
 
 from . import capture
-from .arrays import DeviceArray
+from .arrays import Allocations, DeviceArray
 
 #: what the stand-in says when a plan is made inside a capture
 PLAN_REFUSED = ("nvmath.linalg.advanced: planning or autotuning a matmul during a stream "
@@ -115,6 +115,10 @@ class Matmul:
             aux["bgradb"] = np.empty((n,), dtype=self.a.dtype).view(DeviceArray)
         if self.epilog == E.BGRADA:
             aux["bgrada"] = np.empty((m,), dtype=self.a.dtype).view(DeviceArray)
+        # nvmath-python allocates these from CuPy's pool at every call (seen on
+        # an H200): device allocations, as the emulated cupy's own are
+        for array in (result, *aux.values()):
+            Allocations.note("nvmath Matmul.execute", array)
         a, b, c, epilog, inputs = self.a, self.b, self.c, self.epilog, self.inputs
         alpha, beta = self.alpha, self.beta
 

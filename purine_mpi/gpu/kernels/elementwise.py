@@ -149,23 +149,62 @@ def channel_sum(dy, out=None):
     return _finish(db, target)
 
 
-def bias_grad(dy, out=None):
-    """A bias gradient, ``dy`` summed over every axis but 1 -> (C,), in one
-    deterministic kernel with coalesced loads. A convolution's dy (N, C,
-    spatial...): cuda/reduce.cu's ``bias_grad``, one block per channel
-    walking the channel's contiguous runs, double accumulation, warp-shuffle
-    trees. A fully connected layer's dy (N, C): ``sum_rows``, one thread per
-    channel, consecutive threads on consecutive columns of each row (one
-    block per channel would read a column, a stride of C apart)."""
+#: a bias gradient's target number of (channel, split) blocks, and the fewest
+#: elements one block sums (cuda/reduce.cu ``bias_grad``)
+BIAS_GRAD_BLOCKS, BIAS_GRAD_MIN_ELEMENTS = 1024, 4096
+
+
+def bias_grad_splits(n, channels, inner):
+    """Into how many consecutive sample ranges ``bias_grad`` cuts each
+    channel: about ``BIAS_GRAD_BLOCKS`` blocks in all, none summing fewer
+    than ``BIAS_GRAD_MIN_ELEMENTS`` elements, at most one range per sample.
+    A function of the shape alone, so the sums' order (and bits) are the
+    same on every GPU."""
+    n, channels, inner = int(n), int(channels), int(inner)
+    if channels <= 0 or n <= 0:
+        return 1
+    return max(1, min(n, BIAS_GRAD_BLOCKS // channels,
+                      (n * inner) // BIAS_GRAD_MIN_ELEMENTS))
+
+
+def bias_grad_scratch(shape):
+    """The (shape, dtype) of the scratch ``bias_grad`` takes for a dy of
+    ``shape`` (the ops reserve it in their setup)."""
+    n, channels = int(shape[0]), int(shape[1])
+    inner = int(np.prod(shape[2:], dtype=np.int64))
+    return ((max(1, channels * bias_grad_splits(n, channels, inner)),), np.float64)
+
+
+def bias_grad(dy, out=None, scratch=None):
+    """A bias gradient, ``dy`` summed over every axis but 1 -> (C,), in
+    deterministic kernels with coalesced loads. A convolution's dy (N, C,
+    spatial...): cuda/reduce.cu's ``bias_grad``, each channel cut into
+    ``bias_grad_splits`` sample ranges, one block per (channel, range),
+    double accumulation and fixed-order trees, then (with more than one
+    range) ``bias_grad_finish`` adding each channel's partial sums in order.
+    ``scratch`` (gpu/scratch.Scratch, reserved with ``bias_grad_scratch``)
+    holds the partial sums; without it they are a new device array. A fully
+    connected layer's dy (N, C): ``sum_rows``, one thread per channel,
+    consecutive threads on consecutive columns of each row (a block per
+    channel would read a column, a stride of C apart)."""
     dy, n, channels, inner, db, target = _per_channel(dy, out, "bias_grad")
     if channels == 0:
         return _finish(db, target)
     if inner == 1:
         sum_rows(dy.reshape(n, channels), db)
+        return _finish(db, target)
+    splits = bias_grad_splits(n, channels, inner)
+    spec = bias_grad_scratch(dy.shape)
+    if scratch is not None:
+        (partial,) = scratch.take(spec)
     else:
-        _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels, _MAX_BLOCKS),
-                             _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n),
-                                               np.int64(inner), db))
+        partial = import_cupy().empty(spec[0], dtype=spec[1])
+    _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels * splits, _MAX_BLOCKS),
+                         _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
+                                           np.int64(splits), partial, db))
+    if splits > 1:
+        _base._launch("reduce", "bias_grad_finish", dy.dtype, channels,
+                      (np.int64(splits), partial, db))
     return _finish(db, target)
 
 
