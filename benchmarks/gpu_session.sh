@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Every GPU step of purine_mpi, in stages that each fit one 10-minute command
-# on a GPU machine without internet (wheels are carried in, never downloaded
-# there), 30 minutes in all:
+# Every GPU step of purine_mpi, in stages, on a GPU machine without internet
+# (wheels are carried in, never downloaded there):
 #
 #   benchmarks/gpu_session.sh fetch        where pip reaches PyPI: download the wheels
 #   benchmarks/gpu_session.sh --plan       the stages, their time budgets, in order
-#   benchmarks/gpu_session.sh STAGE        on the GPU machine, from the repository root
+#   benchmarks/gpu_session.sh STAGE...     on the GPU machine, from the repository root:
+#                                          the stages in the order given, in one call
+#   benchmarks/gpu_session.sh all          every stage, in the plan's order
 #
-# Stages (run them in this order; each stops itself at its budget, so its
-# reports always come back):
-#   probe       120 s  the first install of the wheels (later stages find them), then
+# A lent GPU machine costs minutes to start (36 s to 6.5 min on an H200,
+# 2026-11-25) out of a short lease, so run the stages together in one call:
+# the budgets below sum to 10 minutes, one command's limit; the stages took
+# 25 s (probe), 25-40 s (tests, 4 workers), 15 s (bench-quick) and 8 s (dp)
+# on an H200. Stages (each stops itself at its budget, so its reports always
+# come back):
+#   probe        60 s  the first install of the wheels (later stages find them), then
 #                      benchmarks/gpu_probe.py: PASS/FAIL for each assumption the
 #                      GPU path rests on (interpreter, wheels, pip check, nvmath
 #                      capture, cuDNN inside a capture, pinned cudaMemcpyAsync
 #                      replay, the abort of a failed capture, MPI world size 2)
-#   tests       480 s  python -m pytest -m gpu            -> pytest_gpu.txt, .xml
-#   bench-quick 240 s  gpu_throughput.py, cifar10_quick at batch 128, no
+#   tests       150 s  python -m pytest -m gpu (4 workers where pytest-xdist is
+#                      installed)                      -> pytest_gpu.txt, .xml
+#   bench-quick  90 s  gpu_throughput.py, cifar10_quick at batch 128, no
 #                      torch.compile: the first figures  -> bench_quick.json
-#   bench       480 s  gpu_throughput.py, each config and batch (128, 512) in its
+#   bench       210 s  gpu_throughput.py, each config and batch (128, 512) in its
 #                      own run, torch.compile included    -> bench_<config>_<batch>.json
-#   dp          300 s  bench --json of cifar10_quick on 1 rank and 2 ranks
+#   dp           90 s  bench --json of cifar10_quick on 1 rank and 2 ranks
 #                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
 #                      mpi, comm_backend_note says why)            -> gpu_dp.json
 #
@@ -42,17 +48,34 @@
 # file's python-version). The exit status is the first failing step's.
 set -u
 
-# stage  budget_s  what (the --plan table; the budgets sum to at most 1800 s)
-PLAN="probe|120|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
-tests|480|pytest -m gpu
-bench-quick|240|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
-bench|480|both configs, batches 128 and 512, torch.compile too
-dp|300|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
+# stage  budget_s  what (the --plan table; the budgets sum to at most 600 s)
+PLAN="probe|60|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
+tests|150|pytest -m gpu
+bench-quick|90|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
+bench|210|both configs, batches 128 and 512, torch.compile too
+dp|90|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
 
-usage() { echo "usage: $0 --plan | fetch | probe | tests | bench-quick | bench | dp" >&2; exit 2; }
-[ $# -eq 1 ] || usage
-MODE="$1"
+usage() {
+  echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp)" >&2
+  exit 2
+}
+[ $# -ge 1 ] || usage
 budget() { echo "$PLAN" | awk -F'|' -v s="$1" '$1 == s { print $2 }'; }
+if [ $# -gt 1 ] || [ "$1" = all ]; then   # several stages in one call, in order
+  if [ "$1" = all ]; then
+    [ $# -eq 1 ] || usage
+    set -- $(echo "$PLAN" | cut -d'|' -f1)
+  fi
+  for stage in "$@"; do [ -n "$(budget "$stage")" ] || usage; done
+  first=0
+  for stage in "$@"; do
+    bash "${BASH_SOURCE[0]}" "$stage"
+    rc=$?
+    [ "$first" -ne 0 ] || first=$rc
+  done
+  exit "$first"
+fi
+MODE="$1"
 
 if [ "$MODE" = --plan ]; then
   total=0
@@ -61,7 +84,7 @@ if [ "$MODE" = --plan ]; then
     printf '%-12s %5ss  %s\n' "$stage" "$secs" "$what"
     total=$((total + secs))
   done <<< "$PLAN"
-  printf '%-12s %5ss  (%s min; each under one 600 s command)\n' total "$total" $((total / 60))
+  printf '%-12s %5ss  (%s min: all of them fit one 600 s command)\n' total "$total" $((total / 60))
   exit 0
 fi
 [ "$MODE" = fetch ] || [ -n "$(budget "$MODE")" ] || usage
@@ -181,7 +204,9 @@ case "$MODE" in
     step probe $? ;;
   tests)
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-    limit "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs \
+    workers=()   # 4 workers where pytest-xdist is installed (the GPU image has it)
+    "$PYTHON" -c 'import xdist' 2>/dev/null && workers=(-n 4)
+    limit "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs "${workers[@]}" \
         --junitxml="$OUT/pytest_gpu.xml" $PYTEST_ARGS tests > "$OUT/pytest_gpu.txt" 2>&1
     step pytest_gpu $? ;;
   bench-quick)

@@ -193,6 +193,32 @@ def test_an_inaccurate_plan_is_set_aside_however_fast(device, monkeypatch):
             assert tune.stats()["inaccurate"] == 0
 
 
+def test_the_plan_survey_shows_each_plans_deviation(device, monkeypatch):
+    """benchmarks/cudnn_plans.py, the survey that found the H200's inaccurate
+    engine, on the emulated cuDNN: every plan that builds with its deviation
+    from the float64 reference; the set-up's choice is an accurate one."""
+    import importlib.util
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    spec = importlib.util.spec_from_file_location(
+        "cudnn_plans", os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                                    "cudnn_plans.py"))
+    survey = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(survey)
+    x_shape, w_shape, attrs = survey.parse_case("2,3,6,6:4,3,3:1")
+    rows = survey.direction_rows(device, x_shape, w_shape, attrs)
+    assert [r["op"] for r in rows] == ["Conv", "ConvGradData", "ConvGradWeight"]
+    for row in rows:
+        deviation = {p["name"]: p["deviation"] for p in row["plans"]}
+        assert set(deviation) == {"eng0_implicit_gemm", "eng1_fft_flip_filter", "eng2_winograd",
+                                  "eng6_winograd_nonfused"}, row
+        assert 1e-3 < deviation["eng6_winograd_nonfused"] < 1e-2
+        assert max(v for k, v in deviation.items() if k != "eng6_winograd_nonfused") < 1e-5
+        assert row["chosen_name"] == "eng1_fft_flip_filter"
+    with pytest.raises(SystemExit, match="expected N,C,H,W"):
+        survey.parse_case("2,3,6:4")
+
+
 def _count_timing(fake):
     return sum(1 for g, _, _ in fake.executed)
 
