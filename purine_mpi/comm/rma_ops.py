@@ -128,6 +128,27 @@ class _WindowKernel(CommKernel):
         return (f"window {self.win.where(self.attrs['region'])} region "
                 f"{self.attrs['region']} seq {self.attrs.get('seq', '?')}")
 
+    def setup(self, ins, outs):
+        """What every window op holds: its windows, its run count and byte
+        counters; then the kernel's own ``prepare``."""
+        self.win = self._windows()
+        self.runs = 0
+        self.bytes_put = self.bytes_copied = self.bytes_got = 0
+        self.prepare(ins, outs)
+        self._setup_done = True
+
+    def prepare(self, ins, outs):
+        """A kernel's own set-up, after the windows are found."""
+
+    def _begin(self, ins, outs):
+        """The head of every ``run``: the set-up if nothing ran it, the
+        ``PURINE_COMM_DELAY`` jitter, one more run. Returns the run's number."""
+        if not getattr(self, "_setup_done", False):
+            self.setup(ins, outs)
+        comm_delay()()
+        self.runs += 1
+        return self.runs
+
 
 @register
 class Put(_WindowKernel):
@@ -136,21 +157,13 @@ class Put(_WindowKernel):
     op_type = "Put"
     sink = True
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
-        self.runs = 0
-        self.bytes_put = self.bytes_copied = 0
+    def prepare(self, ins, outs):
         view = self.win.view(self.attrs["region"])
         #: x is the consumer's memory itself: nothing to write
         self.zero_copy = view is not None and np.shares_memory(view, ins[0])
-        self._setup_done = True
 
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
-        self.runs += 1
-        k, x = self.runs, ins[0]
+        k, x = self._begin(ins, outs), ins[0]
         t_post = time.perf_counter()
         state = {"stage": "free", "req": None, "t": t_post}
         region, win = self.attrs["region"], self.win
@@ -201,21 +214,13 @@ class WaitWrite(_WindowKernel):
     op_type = "WaitWrite"
     source = True
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
-        self.runs = 0
-        self.bytes_put = self.bytes_copied = 0
+    def prepare(self, ins, outs):
         self.local = self.win.local(self.attrs["region"])
         #: y lies elsewhere (a layout that demands it): one copy per write
         self.copy = not np.shares_memory(self.local, outs[0])
-        self._setup_done = True
 
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
-        self.runs += 1
-        k, y, win = self.runs, outs[0], self.win
+        k, y, win = self._begin(ins, outs), outs[0], self.win
         spans = []
         if not _ahead(self.attrs):  # released by this op: the producer may write now
             t0 = time.perf_counter()
@@ -251,14 +256,8 @@ class Release(_WindowKernel):
 
     op_type = "Release"
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
-        self._setup_done = True
-
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
+        self._begin(ins, outs)
         t0 = time.perf_counter()
         self.win.notify(self.attrs["free"])
         done = RMAPending(lambda: True, lambda: f"Release {self._what()}",
@@ -273,17 +272,8 @@ class WaitFree(_WindowKernel):
 
     op_type = "WaitFree"
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
-        self.runs = 0
-        self._setup_done = True
-
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
-        self.runs += 1
-        k, win, t0 = self.runs, self.win, time.perf_counter()
+        k, win, t0 = self._begin(ins, outs), self.win, time.perf_counter()
         spans, state = [], {"seen": 0}
 
         def step():

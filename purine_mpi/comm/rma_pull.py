@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from ..ops.registry import register
-from .ops import _mb, comm_delay
+from .ops import _mb
 from .rma_ops import RMAPending, _WindowKernel
 
 
@@ -41,19 +41,12 @@ class Publish(_WindowKernel):
     op_type = "Publish"
     sink = True
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
+    def prepare(self, ins, outs):
         self.local = self.win.local(self.attrs["region"])
         self.zero_copy = np.shares_memory(self.local, ins[0])
-        self.runs = 0
-        self.bytes_put = self.bytes_copied = 0
-        self._setup_done = True
 
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
-        self.runs += 1
+        self._begin(ins, outs)
         copied = 0
         if not self.zero_copy:
             np.copyto(self.local, ins[0])
@@ -76,15 +69,11 @@ class Get(_WindowKernel):
     op_type = "Get"
     source = True
 
-    def setup(self, ins, outs):
-        self.win = self._windows()
-        self.runs = 0
-        self.bytes_put = self.bytes_copied = self.bytes_got = 0
+    def prepare(self, ins, outs):
         view = self.win.view(self.attrs["region"])
         #: y is the owner's region itself (sync_ps on one node): nothing to read
         self.zero_copy = (view is not None and not self.attrs.get("applied")
                           and np.shares_memory(view, outs[0]))
-        self._setup_done = True
 
     def _ready(self, k, state):
         a = self.attrs
@@ -118,11 +107,7 @@ class Get(_WindowKernel):
         return True
 
     def run(self, ins, outs):
-        if not getattr(self, "_setup_done", False):
-            self.setup(ins, outs)
-        comm_delay()()
-        self.runs += 1
-        k, y = self.runs, outs[0]
+        k, y = self._begin(ins, outs), outs[0]
         state = {"stage": "wait", "seen": None, "t": time.perf_counter()}
         spans = []
 
