@@ -134,6 +134,21 @@ def batches(tokens, length, batch, seed):
         yield torch.from_numpy(w[:, :-1]), torch.from_numpy(w[:, 1:])
 
 
+def step(torch, model, opt, solver, it, data):
+    """One training iteration: the schedule's lr, forward, backward, the
+    clipping, AdamW's step (as purine_mpi's solver does it)."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(solver, it)
+    x, y = next(data)
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if solver.get("clip_gradients"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), solver["clip_gradients"])
+    opt.step()
+    return loss
+
+
 def val_loss(model, tokens, length, batch):
     """Mean loss over the disjoint windows of the validation tokens (the text
     source's test pass)."""
@@ -169,15 +184,7 @@ def torch_bench(config, iters, warmup, queue=None):
     for it in range(warmup + iters):  # timed as `bench` times purine_mpi's
         if it == warmup:
             t_prev = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(solver, it)
-        x, y = next(data)
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if solver.get("clip_gradients"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), solver["clip_gradients"])
-        opt.step()
+        step(torch, model, opt, solver, it, data)
         if it >= warmup:
             now = time.perf_counter()
             times.append(now - t_prev)
@@ -235,15 +242,7 @@ def main():
                 "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
         if it == iters:
             break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(solver, it)
-        x, y = next(data)
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if solver.get("clip_gradients"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), solver["clip_gradients"])
-        opt.step()
+        step(torch, model, opt, solver, it, data)
 
 
 if __name__ == "__main__":

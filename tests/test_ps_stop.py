@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
-from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics
+from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, finish_ranks
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 STALL_TIMEOUT = 5
@@ -45,21 +45,6 @@ def _start(tmp_path, digits_h5, mode, name):
     return proc, out, ranks, cmd
 
 
-def _finish(proc, ranks, timeout):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        for pid in ranks.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return stdout, stderr
-
-
 @pytest.mark.parametrize("mode", ["async", "sync_ps"])
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
@@ -69,7 +54,7 @@ def test_signal_stops_every_rank_with_one_checkpoint(tmp_path, digits_h5, mode, 
     proc, out, ranks, cmd = _start(tmp_path, digits_h5, mode, "run")
     os.kill(proc.pid if TARGETS[target] is None else ranks[TARGETS[target]], sig)
     sent = time.monotonic()
-    stdout, stderr = _finish(proc, ranks, 30)
+    stdout, stderr = finish_ranks(proc, ranks.values(), 30)
     took = time.monotonic() - sent
     print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
     assert proc.returncode == EXPECT[sig], stderr[-3000:]
@@ -96,7 +81,7 @@ def test_dead_or_frozen_rank_ends_the_job(tmp_path, digits_h5, mode, target, sig
     proc, out, ranks, _ = _start(tmp_path, digits_h5, mode, "run")
     os.kill(ranks[TARGETS[target]], sig)
     sent = time.monotonic()
-    stdout, stderr = _finish(proc, ranks, STALL_TIMEOUT + 5)
+    stdout, stderr = finish_ranks(proc, ranks.values(), STALL_TIMEOUT + 5)
     took = time.monotonic() - sent
     print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
     assert proc.returncode not in (0, None)

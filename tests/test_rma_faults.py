@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, small_net_config, write_config_file
 from tests.test_ps_stop import _rank_of
 from tests.test_rma_pipeline import _config as _pipeline_config
-from tests.test_signals import _rank_pids, _wait_for_metrics
+from tests.test_signals import _rank_pids, _wait_for_metrics, finish_ranks
 
 pytestmark = pytest.mark.mpi
 #: the ops a rank waits in over the parameter servers' windows
@@ -50,21 +50,6 @@ def _start(tmp_path, digits_h5, mode, stall_timeout=30, env=None, name="run", ba
     return proc, out, ranks
 
 
-def _finish(proc, ranks, timeout):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        for pid in ranks.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return stdout, stderr
-
-
 @pytest.mark.parametrize("mode,victim", [("sync_ps", 1), ("sync_ps", 2), ("async", 0),
                                          ("async", 2)],
                          ids=["sync_ps-worker", "sync_ps-server", "async-worker", "async-server"])
@@ -74,7 +59,7 @@ def test_kill_9_ends_every_rank_promptly(tmp_path, digits_h5, mode, victim):
     proc, out, ranks = _start(tmp_path, digits_h5, mode)
     killed = time.monotonic()
     os.kill(ranks[victim], signal.SIGKILL)
-    _finish(proc, ranks, 30)
+    finish_ranks(proc, ranks.values(), 30)
     took = time.monotonic() - killed
     print(f"{mode}: kill -9 of rank {victim}: the job ended {took:.2f} s later")
     assert proc.returncode not in (0, None)
@@ -94,7 +79,7 @@ def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5, mode, victim)
         proc, _out, ranks = _start(tmp_path, digits_h5, mode, stall_timeout=2,
                                    name=f"t{trial}", batch=512)
         os.kill(ranks[victim], signal.SIGSTOP)
-        _, stderr = _finish(proc, ranks, 30)
+        _, stderr = finish_ranks(proc, ranks.values(), 30)
         assert proc.returncode not in (0, None)
         assert "stalled for more than 2 s" in stderr, stderr[-3000:]
         if any(w in stderr for w in WINDOW_OPS):
@@ -110,7 +95,7 @@ def test_sigterm_frees_the_windows_on_every_rank(tmp_path, digits_h5, mode):
     says nothing."""
     proc, out, ranks = _start(tmp_path, digits_h5, mode, env={"PURINE_DEBUG_WINDOWS": "1"})
     os.kill(ranks[1], signal.SIGTERM)
-    stdout, stderr = _finish(proc, ranks, 60)
+    stdout, stderr = finish_ranks(proc, ranks.values(), 60)
     assert proc.returncode == 143, stderr[-3000:]
     assert "stopping at iter" in stdout and os.path.exists(os.path.join(out, "latest.h5"))
     freed = re.findall(r"^rank (\d+): windows freed \(shared\)$", stderr, re.M)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
-from tests.test_signals import _rank_pids, _wait_for_metrics
+from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -227,17 +227,6 @@ def _start(tmp_path, digits_h5, **parallel):
     return proc, pids, out
 
 
-def _end(proc, pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.mark.parametrize("victim", [0, 1])
 def test_kill_9_of_any_rank_ends_every_rank_promptly(tmp_path, digits_h5, victim):
     proc, pids, out = _start(tmp_path, digits_h5)
@@ -247,7 +236,7 @@ def test_kill_9_of_any_rank_ends_every_rank_promptly(tmp_path, digits_h5, victim
         proc.communicate(timeout=30)
         took = time.monotonic() - killed
     finally:
-        _end(proc, pids)
+        kill_ranks(proc, pids)
     print(f"kill -9 of rank {victim}: the job ended {took:.2f} s later")
     assert proc.returncode != 0
     assert took < 5  # under 1 s on a quiet machine
@@ -267,7 +256,7 @@ def test_sigstop_watchdog_names_the_window_op(tmp_path, digits_h5):
             os.kill(pids[1], signal.SIGSTOP)
             _, stderr = proc.communicate(timeout=30)
         finally:
-            _end(proc, pids)
+            kill_ranks(proc, pids)
         assert proc.returncode != 0 and "stalled for more than 2 s" in stderr, stderr
         if "rank 0: communication stalled for more than 2 s" in stderr:
             break

@@ -13,6 +13,27 @@ from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, small_net_config, wri
 
 
 
+def kill_ranks(proc, pids):
+    """SIGKILL every rank process and the launcher (a test's clean-up)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def finish_ranks(proc, pids, timeout):
+    """The launcher's (stdout, stderr) within ``timeout`` seconds; every
+    rank and the launcher are killed afterwards, however it ended."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        kill_ranks(proc, pids)
+
+
 def _rank_pids(marker):
     """PIDs of the python ranks whose command line contains ``marker``."""
     pids = []

@@ -12,21 +12,10 @@ import time
 import pytest
 
 from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
-from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics
+from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, kill_ranks
 
 STALL_TIMEOUT = 3.0
 TRIALS = 20
-
-
-def _kill_all(proc, pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.slow
@@ -66,6 +55,6 @@ def test_sigstop_of_one_rank_ends_the_job_within_the_stall_timeout(tmp_path, dig
             assert proc.returncode != 0, stderr
             assert "stalled" in stderr, stderr[-2000:]
         finally:
-            _kill_all(proc, pids)
+            kill_ranks(proc, pids)
     print(f"{ranks} ranks: SIGSTOP -> exit in {min(times):.2f}..{max(times):.2f} s "
           f"(stall_timeout {STALL_TIMEOUT} s, {TRIALS} trials)")
