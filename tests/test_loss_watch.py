@@ -211,3 +211,18 @@ def test_divergence_at_k_is_reported_as_k_and_latest_stays_finite(
         assert not any((out / f"ckpt_{i}.h5").exists() for i in range(k, 21))
         results[defer] = _figures(rows)
     assert results[True] == results[False]
+
+
+def test_all_finite_finds_a_nan_or_an_infinity_in_one_read_back(device):
+    """The weight check before a checkpoint on a GPU (train/divergence.py):
+    our kernel, not CuPy's reductions; the largest float32 values are finite
+    (their squares fit float64), one NaN or infinity anywhere is not."""
+    from purine_mpi.gpu import kernels
+    big = device.to_device(np.full((3, 5), 3.4e38, np.float32))
+    ramp = device.to_device(np.arange(7, dtype=np.float32))
+    assert kernels.all_finite([big, ramp]) and kernels.all_finite([])
+    for bad in (np.nan, np.inf, -np.inf):
+        c = np.arange(1000, dtype=np.float32)
+        c[777] = bad
+        assert not kernels.all_finite([big, device.to_device(c), ramp]), bad
+    assert device.launched.count("grad_sumsq") == 2 + 3 * 3

@@ -70,7 +70,23 @@ class DivergenceWatch(Service):
 
     @staticmethod
     def params_finite(loop):
-        """Whether every parameter of this rank is finite (no NaN or inf)."""
+        """Whether every parameter of this rank is finite (no NaN or inf).
+        The float32 parameters on a GPU are checked by our own kernel, one
+        read-back per device (gpu/kernels ``all_finite``); the rest with
+        the array module's ``isfinite``."""
         loop.train.drain()
         ws = loop.ws
-        return all(bool(get_xp(ws[p]).isfinite(ws[p]).all()) for p in loop.graphs.params)
+        arrays = [ws[p] for p in loop.graphs.params]
+        by_device, rest = {}, []
+        for a in arrays:
+            if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
+                from ..gpu.raw import array_device
+                by_device.setdefault(array_device(a), []).append(a)
+            else:
+                rest.append(a)
+        for device, group in by_device.items():
+            from ..gpu import import_cupy, kernels
+            with import_cupy().cuda.Device(device):
+                if not kernels.all_finite(group):
+                    return False
+        return all(bool(get_xp(a).isfinite(a).all()) for a in rest)

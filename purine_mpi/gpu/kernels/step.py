@@ -206,6 +206,30 @@ def grad_sumsq(g, partial, scale2=1.0):
                           partial))
 
 
+#: float64 partial sums per array of ``all_finite``
+_FINITE_SLOTS = 64
+
+
+def all_finite(arrays):
+    """Whether every element of ``arrays`` (float32 CuPy arrays on the
+    current device, C-contiguous) is finite, in one read-back: each array's
+    squares summed in float64 partial sums on the device (``grad_sumsq``: a
+    NaN or an infinity makes its sum non-finite, and float32 squares cannot
+    overflow float64). No CuPy reduction, which compiles at first use (2-3 s
+    each on an H200, per dtype and rank) and reads back once per array."""
+    cupy = import_cupy()
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
+        return True
+    for a in arrays:
+        if not isinstance(a, cupy.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError("all_finite: C-contiguous float32 CuPy arrays only")
+    partial = cupy.empty((len(arrays) * _FINITE_SLOTS,), dtype=np.float64)
+    for i, a in enumerate(arrays):
+        grad_sumsq(a, partial[i * _FINITE_SLOTS:(i + 1) * _FINITE_SLOTS])
+    return bool(np.isfinite(cupy.asnumpy(partial)).all())
+
+
 def clip_total(partial, out, dtype=np.float32):
     """out[0] = the sum of ``partial`` (float64, one device thread, in order)."""
     cupy = import_cupy()
