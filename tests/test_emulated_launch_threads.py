@@ -83,14 +83,18 @@ def _adamw_run(config, device, iters, read_back, seed=1):
 
 
 def test_eager_adamw_updates_between_captured_segments_match_the_cpu(host_build_dir, monkeypatch):
-    """A small net captured whole, but for its AdamW updates (they read the
-    host 'iter': eager, between the captured segments, reading and writing
-    what the segments read and write), with the parameters read back after
-    every iteration: the CPU's losses and parameters at each iteration.
-    (One segment here: this net passed with the emulator of before too; the
-    GPT of tests/test_gpt_gpu.py, cut in two segments, did not.)"""
+    """A small net captured whole, but for its AdamW updates, made eager here
+    as any op that cannot be captured (they once were: they read the host
+    'iter'; now they read the device iteration and are captured), so they
+    run between the captured segments, reading and writing what the
+    segments read and write, with the parameters read back after every
+    iteration: the CPU's losses and parameters at each iteration. (One
+    segment here: this net passed with the emulator of before too; the GPT
+    of tests/test_gpt_gpu.py, then cut in two segments, did not.)"""
     from purine_mpi.job.config import validate_config
+    from purine_mpi.ops.catalog import get_kernel_class
     from tests.emulated_gpu import tiny_raw
+    monkeypatch.setattr(get_kernel_class("AdamWUpdate"), "capturable", False, raising=False)
     raw = tiny_raw(device=0, cuda_graph=True)
     raw["solver"] = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
                      "weight_decay": 1e-2, "max_iter": 10}
