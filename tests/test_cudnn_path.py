@@ -193,6 +193,21 @@ def test_an_inaccurate_plan_is_set_aside_however_fast(device, monkeypatch):
             assert tune.stats()["inaccurate"] == 0
 
 
+def test_plans_that_disagree_with_no_majority_are_said(device, monkeypatch):
+    """Three plans, each off the others: no majority to tell the odd ones
+    by, so the fastest is kept and the start-up row says so."""
+    engines = [("off_5e-3", 1.0, 0, (), True, 5e-3), ("off_1e-2", 2.0, 0, (), True, 1e-2),
+               ("exact", 3.0, 0, (), True)]
+    fake = FakeCudnn(engines=engines)
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
+    kernel.setup([_dev(x), _dev(w)], [_dev(np.zeros((2, 4, 6, 6), np.float32))])
+    assert fake.graphs[0].plans[kernel._plan.index][0] == "off_5e-3"
+    assert tune.stats()["undecided"] == 1 and tune.stats()["inaccurate"] == 0
+    assert "1 convolution(s) whose plans disagree with no majority" in tune.summary()
+
+
 def test_the_plan_survey_shows_each_plans_deviation(device, monkeypatch):
     """benchmarks/cudnn_plans.py, the survey that found the H200's inaccurate
     engine, on the emulated cuDNN: every plan that builds with its deviation

@@ -52,7 +52,7 @@ ACCURACY_TOL = 1e-4
 
 _lock = threading.RLock()
 _stats = {"timed": 0, "cached": 0, "heuristic": 0, "seconds": 0.0, "path": None,
-          "rejected": [], "inaccurate": 0}
+          "rejected": [], "inaccurate": 0, "undecided": 0}
 
 
 def _flag(name):
@@ -201,8 +201,10 @@ def _accurate(graph, pack, handle, cupy, output, runs, tol):
     if 2 * len(agree) < len(runs):
         other = next(r for r in runs if r["deviation"] > tol)
         agree = against(other["index"])
-        if 2 * len(agree) < len(runs):
-            return runs   # no majority: nothing to tell the odd ones by (said by the caller)
+        if 2 * len(agree) < len(runs):   # no majority: nothing to tell the odd ones by
+            with _lock:
+                _stats["undecided"] += 1
+            return runs
     return agree
 
 
@@ -268,7 +270,7 @@ def reset():
     """Forget the counts (tests; a new process)."""
     with _lock:
         _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[],
-                      inaccurate=0)
+                      inaccurate=0, undecided=0)
 
 
 def summary():
@@ -286,6 +288,9 @@ def summary():
     if s["inaccurate"]:
         text += (f"; {s['inaccurate']} inaccurate plan(s) set aside (off the others' result "
                  f"by more than {ACCURACY_TOL:g} of its largest value)")
+    if s["undecided"]:
+        text += (f"; {s['undecided']} convolution(s) whose plans disagree with no majority "
+                 "(the fastest kept)")
     if s["rejected"]:
         text += f"; {len(s['rejected'])} cache file(s) ignored and rewritten"
     return text
