@@ -210,6 +210,81 @@ __device__ void softmax_backward_impl(long long total, const T* dy, const T* y, 
   }
 }
 
+// Accuracy (top-k), the test-time metric: one thread per position (n, s).
+// correct = 1 when fewer than top_k classes besides the true one score at
+// least the true class's score (a tie counts against it, as Caffe) and
+// every score of the position is finite; valid = 1; both 0 where label ==
+// ignore_label; a label outside [0, C) gives valid = NaN, so the accuracy
+// is NaN (never a number) for a bad label file.
+template <typename T>
+__device__ void accuracy_forward_impl(long long total, const T* x, const long long* labels,
+                                      int channels, int inner, int ignore_label,
+                                      int has_ignore, int top_k, T* correct, T* valid) {
+  CUDA_KERNEL_LOOP(index, total) {
+    const long long label = labels[index];
+    if (has_ignore && label == ignore_label) {
+      correct[index] = T(0);
+      valid[index] = T(0);
+      continue;
+    }
+    if (label < 0 || label >= channels) {
+      correct[index] = T(0);
+      valid[index] = quiet_nan<T>();
+      continue;
+    }
+    const long long base = position_base(index, channels, inner);
+    const T truth = x[base + label * inner];
+    int at_least = 0;
+    bool finite = true;
+    for (int c = 0; c < channels; ++c) {
+      const T v = x[base + (long long)c * inner];
+      finite = finite && isfinite(v);
+      at_least += v >= truth;
+    }
+    correct[index] = (finite && at_least - 1 < top_k) ? T(1) : T(0);
+    valid[index] = T(1);
+  }
+}
+
+// out = sum(correct) / sum(valid), 0 without a valid position, NaN with a
+// bad label; one block, fixed-order sums in double.
+template <typename T>
+__device__ void accuracy_mean_impl(long long total, const T* correct, const T* valid, T* out) {
+  __shared__ double sum_correct[PURINE_SOFTMAX_THREADS];
+  __shared__ double sum_valid[PURINE_SOFTMAX_THREADS];
+  const unsigned int tid = threadIdx.x;
+  double a = 0.0, b = 0.0;
+  if (blockIdx.x == 0) {
+    for (long long i = tid; i < total; i += blockDim.x) {
+      a += (double)correct[i];
+      b += (double)valid[i];
+    }
+  }
+  sum_correct[tid] = a;
+  sum_valid[tid] = b;
+  __syncthreads();
+  purine_block_sum2(sum_correct, sum_valid);
+  if (blockIdx.x == 0 && tid == 0) {
+    const double v = sum_valid[0];
+    out[0] = v != v ? quiet_nan<T>() : (v > 0.0 ? (T)(sum_correct[0] / v) : T(0));
+  }
+}
+
+#define PURINE_ACCURACY_ENTRY(SUFFIX, T)                                                \
+  extern "C" __global__ void accuracy_forward_##SUFFIX(                                 \
+      long long total, const T* x, const long long* labels, int channels, int inner,    \
+      int ignore_label, int has_ignore, int top_k, T* correct, T* valid) {              \
+    accuracy_forward_impl<T>(total, x, labels, channels, inner, ignore_label,           \
+                             has_ignore, top_k, correct, valid);                        \
+  }                                                                                     \
+  extern "C" __global__ void accuracy_mean_##SUFFIX(long long total, const T* correct,  \
+                                                    const T* valid, T* out) {           \
+    accuracy_mean_impl<T>(total, correct, valid, out);                                  \
+  }
+
+PURINE_ACCURACY_ENTRY(f32, float)
+PURINE_ACCURACY_ENTRY(f64, double)
+
 #define PURINE_SOFTMAX_LOSS_ENTRY(SUFFIX, T)                                    \
   extern "C" __global__ void softmax_loss_forward_##SUFFIX(                     \
       long long total, const T* x, const long long* labels, int channels, int inner,  \

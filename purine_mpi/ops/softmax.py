@@ -82,6 +82,12 @@ def _loss_specs(x, axis=1):
     return [((outer * inner,), x.dtype), ((outer * inner,), x.dtype)]
 
 
+def _accuracy_specs(x, axis=1):
+    """Scratch of the GPU accuracy: per-position correct and valid flags."""
+    outer, _, inner = _split_dims(x.shape, axis)
+    return [((outer * inner,), x.dtype), ((outer * inner,), x.dtype)]
+
+
 def _label_specs(label):
     """Scratch for the labels as the GPU kernels read them (int64): none when
     they are int64 already, else one buffer they are copied into (a copy
@@ -288,9 +294,23 @@ class Accuracy(OpKernel):
     A test-time metric: no gradient."""
 
     op_type = "Accuracy"
-    #: it counts the valid labels on the host (a device -> host read)
-    capturable = False
     capture_note = "counts the valid labels on the host"
+
+    @property
+    def capturable(self):
+        """On a GPU with the raw kernels (float32/64, contiguous) the op
+        reads nothing back and may be captured (None: no objection); else
+        it counts on the host: False."""
+        ins = getattr(self, "ins", None)
+        return None if ins and self._on_device(ins[0]) else False
+
+    @staticmethod
+    def _on_device(x):
+        return raw_kernels(get_xp(x), x) is not None and x.flags.c_contiguous
+
+    def setup(self, ins, outs):
+        axis = _axis(self.attrs, ins[0].ndim)
+        _reserve(self, ins[0], _accuracy_specs(ins[0], axis) + _label_specs(ins[1]))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -305,6 +325,15 @@ class Accuracy(OpKernel):
         x, label = ins
         axis = _axis(self.attrs, x.ndim)
         outer, channels, inner = _split_dims(x.shape, axis)
+        if self._on_device(x) and np.dtype(outs[0].dtype) == np.dtype(x.dtype):
+            # GPU: two raw kernels, nothing read back (a bad label gives NaN)
+            correct, valid, *buf = self.temporaries(x, *_accuracy_specs(x, axis),
+                                                    *_label_specs(label))
+            raw_kernels(get_xp(x), x).accuracy(
+                x.reshape(outer, channels, inner), _device_labels(label, buf, (outer, inner)),
+                outs[0], top_k=int(self.attrs.get("top_k", 1)),
+                ignore_label=self.attrs.get("ignore_label"), buffers=(correct, valid))
+            return
         lab, valid, _ = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
         true_score = get_xp(x).take_along_axis(x3, lab[:, None, :], axis=1)

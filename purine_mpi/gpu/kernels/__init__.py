@@ -22,7 +22,7 @@ from .base import ENTRY_POINTS, PLAIN_ENTRY_POINTS, conv_output_size, pool_outpu
 from .image import (im2col, col2im, maxpool_forward, maxpool_backward, avepool_forward,
                     avepool_backward, lrn_forward, lrn_backward)  # noqa: F401
 from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mean,
-                   softmax_loss_count, softmax_forward, softmax_backward, LossTable,
+                   softmax_loss_count, softmax_forward, softmax_backward, LossTable, accuracy,
                    loss_watch)  # noqa: F401
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
                    learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale,

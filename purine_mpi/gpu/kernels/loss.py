@@ -136,6 +136,36 @@ def softmax_loss_mean(loss, valid, out, count=None):
     return out
 
 
+def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None):
+    """Top-``top_k`` accuracy over axis 1 on the device, into the
+    one-element array ``out`` (x's dtype): the fraction of counted positions
+    whose label is among the top_k scores (a tie counts against it; a
+    position with a non-finite score is wrong); 0 without a counted
+    position, NaN with a label outside [0, C) (cuda/softmax_loss.cu
+    ``accuracy_forward`` then ``accuracy_mean``: no host read, no atomics).
+    ``buffers``: two arrays of one element per position, x's dtype (scratch);
+    without them, new ones."""
+    cupy = import_cupy()
+    x, labels, n, channels, inner = _class_layout(cupy, x, labels, "accuracy", "x", "scores")
+    total = n * inner
+    if not isinstance(out, cupy.ndarray) or out.size != 1 or out.dtype != x.dtype:
+        raise ValueError(f"accuracy: out must be a one-element {x.dtype} CuPy array")
+    if int(top_k) < 1:
+        raise ValueError(f"accuracy: top_k must be >= 1, got {top_k}")
+    if buffers is None:
+        buffers = (cupy.empty((total,), dtype=x.dtype), cupy.empty((total,), dtype=x.dtype))
+    correct, valid = (b.reshape(-1) for b in buffers)
+    if correct.size != total or valid.size != total:
+        raise ValueError(f"accuracy: buffers of {total} elements needed")
+    ignore_value, has_ignore = _ignore(ignore_label)
+    _base._launch("softmax_loss", "accuracy_forward", x.dtype, total,
+                  (x, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+                   _int(top_k), correct, valid))
+    _base._launch_blocks("softmax_loss", "accuracy_mean", x.dtype, 1, _REDUCE_THREADS,
+                         (np.int64(total), correct, valid, out.reshape(1)))
+    return out
+
+
 def softmax_loss_count(labels, ignore_label, out):
     """out = max(number of labels != ignore_label, 1), one block on the device."""
     cupy = import_cupy()
