@@ -210,6 +210,11 @@ class _AdaptiveUpdate(OpKernel):
                                  f"scalars, got shape {list(s)}")
         return [(shapes[0], ins[0][1])] + [(shapes[0], d) for _, d in ins[2:2 + n]]
 
+    #: cuda/adaptive.cu's kind of this solver (None: its own GPU path or none)
+    gpu_kind = None
+    #: the attr of that kernel's ``a`` (momentum or rms_decay) and its default
+    gpu_a = (None, 0.0)
+
     def run(self, ins, outs):
         n = len(self.states)
         w, grad = ins[0], ins[1]
@@ -220,6 +225,20 @@ class _AdaptiveUpdate(OpKernel):
             if not same_buffer(old, new):
                 new[...] = old
         w_new, states = outs[0], outs[1:]
+        k = raw_kernels(xp, w_new, grad, *states) if self.gpu_kind else None
+        if k is not None and all(o.flags.c_contiguous for o in outs):
+            # on a GPU: one kernel (cuda/adaptive.cu), no temporaries; the
+            # lr blob on the device is read by the kernel
+            name, default = self.gpu_a
+            k.adaptive_update(self.gpu_kind, w_new, grad, list(states),
+                              float(lr.reshape(())) if get_xp(lr) is np else lr,
+                              a=float(a.get(name, default)) if name else 0.0,
+                              delta=float(a.get("delta", 1e-8)),
+                              grad_scale=float(a.get("grad_scale", 1.0)),
+                              weight_decay=float(a.get("weight_decay", 0.0)) *
+                              float(a.get("decay_mult", 1.0)),
+                              lr_mult=float(a.get("lr_mult", 1.0)))
+            return
         if get_xp(lr) is np:
             rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
         else:  # the lr blob on the device: a 0-d device array, never read back
@@ -243,6 +262,7 @@ class NesterovUpdate(_AdaptiveUpdate):
     equal to torch.optim.SGD(nesterov=True) at a constant rate."""
 
     op_type = "NesterovUpdate"
+    gpu_kind, gpu_a = "nesterov", ("momentum", 0.0)
     states = ("momentum",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
@@ -260,6 +280,7 @@ class AdaGradUpdate(_AdaptiveUpdate):
     AdaGradSolver, torch.optim.Adagrad with lr_decay 0)."""
 
     op_type = "AdaGradUpdate"
+    gpu_kind, gpu_a = "adagrad", (None, 0.0)
     states = ("history",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
@@ -275,6 +296,7 @@ class RMSPropUpdate(_AdaptiveUpdate):
     torch.optim.RMSprop with alpha = rms_decay)."""
 
     op_type = "RMSPropUpdate"
+    gpu_kind, gpu_a = "rmsprop", ("rms_decay", 0.99)
     states = ("history",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
@@ -297,6 +319,7 @@ class AdaDeltaUpdate(_AdaptiveUpdate):
     """
 
     op_type = "AdaDeltaUpdate"
+    gpu_kind, gpu_a = "adadelta", ("momentum", 0.9)
     states = ("history", "update_history")
 
     def step(self, xp, w, g, states, t, rate, decay, it):

@@ -1,6 +1,7 @@
 """The solver on the device: the fused and multi-tensor SGD updates, the
-fused Adam/AdamW update, the lr policy, the iteration counter and gradient
-clipping (cuda/sgd.cu, adam.cu, lr_policy.cu, clip.cu).
+fused Adam/AdamW update and the other adaptive solvers', the lr policy, the
+iteration counter and gradient clipping (cuda/sgd.cu, adam.cu, adaptive.cu,
+lr_policy.cu, clip.cu).
 """
 import numpy as np
 
@@ -204,6 +205,41 @@ def grad_sumsq(g, partial, scale2=1.0):
     _base._launch_blocks("clip", "grad_sumsq", g.dtype, partial.size, _base._REDUCE_THREADS,
                          (np.int64(g.size), g, np.float64(scale2), _int(partial.size),
                           partial))
+
+
+#: the kinds of cuda/adaptive.cu's ``adaptive_update``
+ADAPTIVE_KINDS = {"nesterov": 0, "adagrad": 1, "rmsprop": 2, "adadelta": 3}
+
+
+def adaptive_update(kind, w, g, states, lr, a=0.0, delta=1e-8, grad_scale=1.0,
+                    weight_decay=0.0, lr_mult=1.0):
+    """In place, the Nesterov, AdaGrad, RMSProp or AdaDelta update
+    (``kind``; ``a`` is the momentum or rms_decay, ``states`` the solver's
+    state arrays: one, or two for AdaDelta) in one kernel that allocates
+    nothing (cuda/adaptive.cu; ops/updates.py gives the formulas). ``w`` and
+    the states must be C-contiguous; ``lr`` is a number or a one-element
+    CuPy array (the learning-rate blob, read by the kernel)."""
+    cupy = import_cupy()
+    if kind not in ADAPTIVE_KINDS:
+        raise ValueError(f"adaptive_update: kind must be one of {sorted(ADAPTIVE_KINDS)}, "
+                         f"got {kind!r}")
+    want = 2 if kind == "adadelta" else 1
+    if len(states) != want:
+        raise ValueError(f"adaptive_update: {kind} keeps {want} state array(s), "
+                         f"got {len(states)}")
+    for name, array in [("w", w)] + [(f"state {i}", s) for i, s in enumerate(states)]:
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous:
+            raise ValueError(f"adaptive_update: {name} must be a C-contiguous "
+                             "CuPy array (it is updated in place)")
+    dtype_suffix(w.dtype)
+    g = _input(cupy, g, "adaptive_update: g")
+    _same_as("adaptive_update", "w", w, g=g, **{f"state{i}": s for i, s in enumerate(states)})
+    t = w.dtype.type
+    lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, lr_mult, w, "adaptive_update")
+    s1, s2 = states[0], states[-1]
+    _base._launch("adaptive", "adaptive_update", w.dtype, w.size,
+                  (_int(ADAPTIVE_KINDS[kind]), w, g, s1, s2, lr_value, lr_ptr, has_lr_ptr,
+                   t(grad_scale), t(weight_decay), t(a), t(delta)))
 
 
 #: float64 partial sums per array of ``all_finite``
