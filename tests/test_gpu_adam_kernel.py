@@ -13,6 +13,7 @@ import pytest
 
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
+from tests.emulated_gpu.helpers import assert_update_matches
 
 
 def _op(op_type, attrs):
@@ -52,16 +53,8 @@ def test_the_adam_kernel_matches_the_cpu_update(device, op_type, dtype, on_devic
         device.launched.clear()
         dev_op.run([dev[0], device.to_device(grad)] + dev[1:] + [dev_lr, dev_it], dev)
         assert device.launched == ["adam_update"]
-        for name, want, got in zip("wmv", cpu, dev):
-            got = device.to_host(got)
-            if device.name == "emulated" and not (on_device and dtype == np.float64):
-                # the same operations in the same order: bit for bit (a float32
-                # device lr widened to float64 differs from the host's number)
-                np.testing.assert_array_equal(got, want, err_msg=f"{name} at iteration {it}")
-            else:
-                tol = 2e-6 if dtype == np.float32 else 1e-13
-                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e-3,
-                                           err_msg=f"{name} at iteration {it}")
+        assert_update_matches(device, dev, cpu, dtype, on_device,
+                              f"w, m, v at iteration {it}", tol64=1e-13)
 
 
 def test_the_adamw_kernel_matches_torch(host_device):

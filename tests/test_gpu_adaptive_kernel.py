@@ -12,6 +12,7 @@ import pytest
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.ops.updates import SOLVER_UPDATES
+from tests.emulated_gpu.helpers import assert_update_matches
 
 KINDS = ["nesterov", "adagrad", "rmsprop", "adadelta"]
 
@@ -45,16 +46,7 @@ def test_the_adaptive_kernel_matches_the_cpu_update(device, kind, dtype, on_devi
         device.launched.clear()
         dev_op.run([dev[0], device.to_device(grad)] + dev[1:] + [dev_lr], dev)
         assert device.launched == ["adaptive_update"]
-        for i, (want, got) in enumerate(zip(cpu, dev)):
-            got = device.to_host(got)
-            if device.name == "emulated" and not (on_device and dtype == np.float64):
-                # the same operations in the same order: bit for bit (a float32
-                # device lr widened to float64 differs from the host's number)
-                np.testing.assert_array_equal(got, want, err_msg=f"{kind} array {i}")
-            else:
-                tol = 2e-6 if dtype == np.float32 else 1e-12
-                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 1e-3,
-                                           err_msg=f"{kind} array {i}")
+        assert_update_matches(device, dev, cpu, dtype, on_device, f"{kind}, lr {lr}")
     assert not np.allclose(cpu[0], w0)   # the steps moved the weights
 
 

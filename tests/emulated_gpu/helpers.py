@@ -32,6 +32,22 @@ def run_kernel(op_type, attrs, inputs, convert=None, host_inputs=()):
     return [np.array(backend.to_numpy(o)) for o in outs]
 
 
+def assert_update_matches(dev, got, want, dtype, lr_on_device, what, tol64=1e-12):
+    """A solver kernel's arrays (``got``, on ``dev``) against the CPU op's
+    (``want``): bit for bit on the emulated device, which computes in the CPU
+    update's order (unless a float32 device lr widened to float64 differs
+    from the host's number), else within float32/float64 rounding (a GPU's
+    fused multiply-adds)."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = dev.to_host(g)
+        if dev.name == "emulated" and not (lr_on_device and dtype == np.float64):
+            np.testing.assert_array_equal(g, w, err_msg=f"{what}, array {i}")
+        else:
+            tol = 2e-6 if dtype == np.float32 else tol64
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol * 1e-3,
+                                       err_msg=f"{what}, array {i}")
+
+
 def compare(dev, op_type, attrs, inputs, expect_kernels, dtype, host_inputs=()):
     cpu = run_kernel(op_type, attrs, inputs)
     dev.launched.clear()
