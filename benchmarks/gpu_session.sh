@@ -23,11 +23,14 @@
 #                      installed)                      -> pytest_gpu.txt, .xml
 #   bench-quick  90 s  gpu_throughput.py, cifar10_quick at batch 128, no
 #                      torch.compile: the first figures  -> bench_quick.json
-#   bench       210 s  gpu_throughput.py, each config and batch (128, 512) in its
+#   bench       180 s  gpu_throughput.py, each config and batch (128, 512) in its
 #                      own run, torch.compile included    -> bench_<config>_<batch>.json
 #   dp           90 s  bench --json of cifar10_quick on 1 rank and 2 ranks
 #                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
 #                      mpi, comm_backend_note says why)            -> gpu_dp.json
+#   plans        30 s  benchmarks/cudnn_plans.py: every cuDNN plan of two convolutions
+#                      against a float64 reference, and the plan the set-up chose
+#                                                         -> cudnn_plans.json
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -52,11 +55,12 @@ set -u
 PLAN="probe|60|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
 tests|150|pytest -m gpu
 bench-quick|90|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
-bench|210|both configs, batches 128 and 512, torch.compile too
-dp|90|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto"
+bench|180|both configs, batches 128 and 512, torch.compile too
+dp|90|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
+plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)"
 
 usage() {
-  echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp)" >&2
+  echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp plans)" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -236,6 +240,9 @@ case "$MODE" in
           2>> "$OUT/gpu_dp.log" | tail -n 1 >> "$OUT/gpu_dp.json"
       step "dp_np$1_$2" "${PIPESTATUS[0]}"
     done ;;
+  plans)
+    limit "$PYTHON" benchmarks/cudnn_plans.py > "$OUT/cudnn_plans.json" 2> "$OUT/cudnn_plans.log"
+    step cudnn_plans $? ;;
 esac
 
 grep "^$MODE " "$OUT/status.txt" 2>/dev/null
