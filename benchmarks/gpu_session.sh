@@ -8,8 +8,8 @@
 #                                          the stages in the order given, in one call
 #   benchmarks/gpu_session.sh all          every stage, in the plan's order
 #
-# A lent GPU machine costs minutes to start (36 s to 6.5 min on an H200,
-# 2026-11-25) out of a short lease, so run the stages together in one call:
+# Each start of a lent GPU machine costs part of a short lease (about 30 s
+# each of six starts on an H200, 2026-11-25), so run the stages together in one call:
 # the budgets below sum to 10 minutes, one command's limit; the stages took
 # 25 s (probe), 25-40 s (tests, 4 workers), 15 s (bench-quick) and 8 s (dp)
 # on an H200. Stages (each stops itself at its budget, so its reports always
