@@ -61,3 +61,18 @@ def test_bench_json_under_two_ranks(tmp_path):
             "peak_mem_bytes", "backend"} <= set(out)
     assert out["world_size"] == 2 and out["iters"] == 3 and out["backend"] == "numpy"
     assert 0.0 <= out["comm_overlap"] <= 1.0 and out["images_per_s"] > 0
+    # data parallel: two replicas, each its batch of 8
+    assert out["images_per_s"] == pytest.approx(2 * 8 / (out["iter_ms_median"] / 1000), rel=1e-2)
+
+
+def test_bench_images_per_s_of_a_pipeline_counts_its_batch_once(tmp_path, digits_h5):
+    """A 2-stage pipeline is one replica: both ranks work on the same batch,
+    so images/s is the batch over the iteration, not twice that (bench gave
+    twice that until 2026-11-26)."""
+    from tests.test_rma_pipeline import _config as pipeline_config
+    cfg = pipeline_config(tmp_path, digits_h5)
+    res = _mpi(2, "bench", cfg, "--iters", "3", "--warmup", "1", "--json")
+    out = json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][0])
+    assert out["world_size"] == 2
+    batch = out["batch_per_rank"]
+    assert out["images_per_s"] == pytest.approx(batch / (out["iter_ms_median"] / 1000), rel=1e-2)

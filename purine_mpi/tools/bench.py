@@ -142,6 +142,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                     latencies.setdefault(name, []).append(seconds * 1000)
         events = d.profiler.events
         report = d.capture_report()
+        replicas = trainer.graphs.data_size
         moved = transport_figures(d, trainer.graphs.graph, iters, moved_before)
     finally:
         trainer.close()
@@ -173,7 +174,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         "world_size": gworld.size,
         "iters": iters,
         "batch_per_rank": batch,
-        "images_per_s": round(batch * world.size / med, 2),
+        # the samples of one iteration over every data replica: a pipeline's
+        # or a tensor-parallel group's ranks share theirs (job.global_batch)
+        "images_per_s": round(job.global_batch(replicas) / med, 2),
         "iter_ms_median": round(med * 1000, 3),
         "iter_ms_mean": round(world_mean(world, float(np.mean(times))) * 1000, 3),
         "compute_ms_per_iter": round(compute_ms, 3),
