@@ -137,23 +137,33 @@ __device__ __forceinline__ void purine_block_sum2(double* a, double* b) {
   }
 }
 
+// sums[0] of thread 0 of block 0: sum(x) and sum(y) over ``total`` elements
+// in double, each thread's strided slice then the fixed-order tree; every
+// thread of the block calls it (it synchronises them).
+template <typename T>
+__device__ __forceinline__ void purine_pair_sums(long long total, const T* x, const T* y,
+                                                 double* sum_x, double* sum_y) {
+  const unsigned int tid = threadIdx.x;
+  double a = 0.0, b = 0.0;
+  if (blockIdx.x == 0) {
+    for (long long i = tid; i < total; i += blockDim.x) {
+      a += (double)x[i];
+      b += (double)y[i];
+    }
+  }
+  sum_x[tid] = a;
+  sum_y[tid] = b;
+  __syncthreads();
+  purine_block_sum2(sum_x, sum_y);
+}
+
 template <typename T>
 __device__ void softmax_loss_mean_impl(long long total, const T* loss, const T* valid,
                                        T* out_loss, T* out_count, int has_count) {
   __shared__ double sum_loss[PURINE_SOFTMAX_THREADS];
   __shared__ double sum_valid[PURINE_SOFTMAX_THREADS];
   const unsigned int tid = threadIdx.x;
-  double a = 0.0, b = 0.0;
-  if (blockIdx.x == 0) {
-    for (long long i = tid; i < total; i += blockDim.x) {
-      a += (double)loss[i];
-      b += (double)valid[i];
-    }
-  }
-  sum_loss[tid] = a;
-  sum_valid[tid] = b;
-  __syncthreads();
-  purine_block_sum2(sum_loss, sum_valid);
+  purine_pair_sums(total, loss, valid, sum_loss, sum_valid);
   if (blockIdx.x == 0 && tid == 0) {
     const double count = sum_valid[0] > 1.0 ? sum_valid[0] : 1.0;
     out_loss[0] = (T)(sum_loss[0] / count);
@@ -252,19 +262,8 @@ template <typename T>
 __device__ void accuracy_mean_impl(long long total, const T* correct, const T* valid, T* out) {
   __shared__ double sum_correct[PURINE_SOFTMAX_THREADS];
   __shared__ double sum_valid[PURINE_SOFTMAX_THREADS];
-  const unsigned int tid = threadIdx.x;
-  double a = 0.0, b = 0.0;
-  if (blockIdx.x == 0) {
-    for (long long i = tid; i < total; i += blockDim.x) {
-      a += (double)correct[i];
-      b += (double)valid[i];
-    }
-  }
-  sum_correct[tid] = a;
-  sum_valid[tid] = b;
-  __syncthreads();
-  purine_block_sum2(sum_correct, sum_valid);
-  if (blockIdx.x == 0 && tid == 0) {
+  purine_pair_sums(total, correct, valid, sum_correct, sum_valid);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
     const double v = sum_valid[0];
     out[0] = v != v ? quiet_nan<T>() : (v > 0.0 ? (T)(sum_correct[0] / v) : T(0));
   }
