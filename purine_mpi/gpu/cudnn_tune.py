@@ -218,13 +218,13 @@ def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None):
     6e-3). Returns the entry of the fastest kept,
     {"index", "name", "count", "ms", "workspace", "rejected"}, or None when
     no plan ran."""
+    from .raw import data_ptr
     stream = cupy.cuda.get_current_stream()
     count = int(graph.get_execution_plan_count())
     runs = []
     for index in range(count):
         try:
             workspace, ws_bytes = _run_plan(graph, pack, handle, cupy, index)   # warm-up
-            from .raw import data_ptr
             ptr = data_ptr(workspace)
             start, stop = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)

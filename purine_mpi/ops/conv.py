@@ -468,16 +468,15 @@ class ConvGradBias(OpKernel):
     def setup(self, ins, outs):
         k = raw_kernels(get_xp(ins[0]), ins[0])
         if k is not None:   # the partial sums of bias_grad's split channels
-            from ..gpu.raw import array_device, op_scratch
-            op_scratch(self, array_device(ins[0])).reserve(k.bias_grad_scratch(ins[0].shape))
+            self.reserve_temporaries(ins[0], k.bias_grad_scratch(ins[0].shape))
 
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         dy = ins[0]
         k = raw_kernels(xp, dy)
         if k is not None:  # deterministic reduction kernels, coalesced loads
-            from ..gpu.raw import array_device, op_scratch
-            k.bias_grad(dy, out=outs[0], scratch=op_scratch(self, array_device(dy)))
+            (partial,) = self.temporaries(dy, k.bias_grad_scratch(dy.shape))
+            k.bias_grad(dy, out=outs[0], partial=partial)
             return
         # one matrix-vector product against ones over the planes, then a sum
         # over the batch: BLAS reads dy once at full speed (conv1 of

@@ -212,8 +212,13 @@ class _AdaptiveUpdate(OpKernel):
 
     #: cuda/adaptive.cu's kind of this solver (None: its own GPU path or none)
     gpu_kind = None
-    #: the attr of that kernel's ``a`` (momentum or rms_decay) and its default
-    gpu_a = (None, 0.0)
+    #: the attr of the solver's own hyper-parameter (momentum or rms_decay;
+    #: None: none) and its default, read by ``step`` and the GPU kernel alike
+    hyper = (None, 0.0)
+
+    def _hyper(self):
+        name, default = self.hyper
+        return float(self.attrs.get(name, default)) if name else 0.0
 
     def run(self, ins, outs):
         n = len(self.states)
@@ -225,25 +230,21 @@ class _AdaptiveUpdate(OpKernel):
             if not same_buffer(old, new):
                 new[...] = old
         w_new, states = outs[0], outs[1:]
+        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
         k = raw_kernels(xp, w_new, grad, *states) if self.gpu_kind else None
         if k is not None and all(o.flags.c_contiguous for o in outs):
             # on a GPU: one kernel (cuda/adaptive.cu), no temporaries; the
             # lr blob on the device is read by the kernel
-            name, default = self.gpu_a
             k.adaptive_update(self.gpu_kind, w_new, grad, list(states),
                               float(lr.reshape(())) if get_xp(lr) is np else lr,
-                              a=float(a.get(name, default)) if name else 0.0,
-                              delta=float(a.get("delta", 1e-8)),
+                              a=self._hyper(), delta=float(a.get("delta", 1e-8)),
                               grad_scale=float(a.get("grad_scale", 1.0)),
-                              weight_decay=float(a.get("weight_decay", 0.0)) *
-                              float(a.get("decay_mult", 1.0)),
-                              lr_mult=float(a.get("lr_mult", 1.0)))
+                              weight_decay=decay, lr_mult=float(a.get("lr_mult", 1.0)))
             return
         if get_xp(lr) is np:
             rate = float(lr.reshape(())) * float(a.get("lr_mult", 1.0))
         else:  # the lr blob on the device: a 0-d device array, never read back
             rate = lr.reshape(()).astype(w_new.dtype) * w_new.dtype.type(a.get("lr_mult", 1.0))
-        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
         dtype = w_new.dtype.type
         g = grad * dtype(a.get("grad_scale", 1.0))
         if decay and not self.decoupled:
@@ -262,12 +263,12 @@ class NesterovUpdate(_AdaptiveUpdate):
     equal to torch.optim.SGD(nesterov=True) at a constant rate."""
 
     op_type = "NesterovUpdate"
-    gpu_kind, gpu_a = "nesterov", ("momentum", 0.0)
+    gpu_kind, hyper = "nesterov", ("momentum", 0.0)
     states = ("momentum",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         (v,) = states
-        mu = t(self.attrs.get("momentum", 0.0))
+        mu = t(self._hyper())
         previous = v * mu
         v *= mu
         v += g * _rate(rate, t)
@@ -280,7 +281,7 @@ class AdaGradUpdate(_AdaptiveUpdate):
     AdaGradSolver, torch.optim.Adagrad with lr_decay 0)."""
 
     op_type = "AdaGradUpdate"
-    gpu_kind, gpu_a = "adagrad", (None, 0.0)
+    gpu_kind = "adagrad"
     states = ("history",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
@@ -296,12 +297,12 @@ class RMSPropUpdate(_AdaptiveUpdate):
     torch.optim.RMSprop with alpha = rms_decay)."""
 
     op_type = "RMSPropUpdate"
-    gpu_kind, gpu_a = "rmsprop", ("rms_decay", 0.99)
+    gpu_kind, hyper = "rmsprop", ("rms_decay", 0.99)
     states = ("history",)
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         (h,) = states
-        rho = t(self.attrs.get("rms_decay", 0.99))
+        rho = t(self._hyper())
         h *= rho
         h += (t(1) - rho) * g * g
         w -= _rate(rate, t) * g / (xp.sqrt(h) + t(self.attrs.get("delta", 1e-8)))
@@ -319,12 +320,12 @@ class AdaDeltaUpdate(_AdaptiveUpdate):
     """
 
     op_type = "AdaDeltaUpdate"
-    gpu_kind, gpu_a = "adadelta", ("momentum", 0.9)
+    gpu_kind, hyper = "adadelta", ("momentum", 0.9)
     states = ("history", "update_history")
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         h, h2 = states
-        rho, eps = t(self.attrs.get("momentum", 0.9)), t(self.attrs.get("delta", 1e-8))
+        rho, eps = t(self._hyper()), t(self.attrs.get("delta", 1e-8))
         h *= rho
         h += (t(1) - rho) * g * g
         u = xp.sqrt(h2 + eps) / xp.sqrt(h + eps) * g

@@ -8,6 +8,7 @@ weight makes the agreed stop code DIVERGED (runtime/stop.py).
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
+from ..gpu.raw import array_device
 from ..runtime.stop import StopSignal
 from .loop import Service
 
@@ -76,17 +77,17 @@ class DivergenceWatch(Service):
         the array module's ``isfinite``."""
         loop.train.drain()
         ws = loop.ws
-        arrays = [ws[p] for p in loop.graphs.params]
         by_device, rest = {}, []
-        for a in arrays:
+        for a in (ws[p] for p in loop.graphs.params):
             if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
-                from ..gpu.raw import array_device
                 by_device.setdefault(array_device(a), []).append(a)
             else:
                 rest.append(a)
-        for device, group in by_device.items():
+        if by_device:
             from ..gpu import import_cupy, kernels
-            with import_cupy().cuda.Device(device):
-                if not kernels.all_finite(group):
-                    return False
+            cupy = import_cupy()
+            for device, group in by_device.items():
+                with cupy.cuda.Device(device):
+                    if not kernels.all_finite(group):
+                        return False
         return all(bool(get_xp(a).isfinite(a).all()) for a in rest)

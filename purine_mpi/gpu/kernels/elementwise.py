@@ -175,15 +175,15 @@ def bias_grad_scratch(shape):
     return ((max(1, channels * bias_grad_splits(n, channels, inner)),), np.float64)
 
 
-def bias_grad(dy, out=None, scratch=None):
+def bias_grad(dy, out=None, partial=None):
     """A bias gradient, ``dy`` summed over every axis but 1 -> (C,), in
     deterministic kernels with coalesced loads. A convolution's dy (N, C,
     spatial...): cuda/reduce.cu's ``bias_grad``, each channel cut into
     ``bias_grad_splits`` sample ranges, one block per (channel, range),
     double accumulation and fixed-order trees, then (with more than one
     range) ``bias_grad_finish`` adding each channel's partial sums in order.
-    ``scratch`` (gpu/scratch.Scratch, reserved with ``bias_grad_scratch``)
-    holds the partial sums; without it they are a new device array. A fully
+    ``partial`` (an array of ``bias_grad_scratch(dy.shape)``, e.g. the op's
+    scratch) holds the partial sums; without it, a new device array. A fully
     connected layer's dy (N, C): ``sum_rows``, one thread per channel,
     consecutive threads on consecutive columns of each row (a block per
     channel would read a column, a stride of C apart)."""
@@ -194,11 +194,12 @@ def bias_grad(dy, out=None, scratch=None):
         sum_rows(dy.reshape(n, channels), db)
         return _finish(db, target)
     splits = bias_grad_splits(n, channels, inner)
-    spec = bias_grad_scratch(dy.shape)
-    if scratch is not None:
-        (partial,) = scratch.take(spec)
-    else:
-        partial = import_cupy().empty(spec[0], dtype=spec[1])
+    shape, dtype = bias_grad_scratch(dy.shape)
+    if partial is None:
+        partial = import_cupy().empty(shape, dtype=dtype)
+    elif partial.dtype != dtype or partial.size < shape[0] or not partial.flags.c_contiguous:
+        raise ValueError(f"bias_grad: partial must be a contiguous float64 array of at least "
+                         f"{shape[0]} elements, got {partial.size} {partial.dtype}")
     _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels * splits, _MAX_BLOCKS),
                          _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
                                            np.int64(splits), partial, db))
