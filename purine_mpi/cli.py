@@ -17,8 +17,8 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
     python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
     python -m purine_mpi data text --from PATH [--glob PATTERN] --out PATH.h5 [--val-fraction F]
-    python -m purine_mpi generate CONFIG.yaml --weights CKPT.h5 --prompt TEXT --tokens N
-                                  [--temperature T] [--top-k K] [--seed S]
+    python -m purine_mpi generate [CONFIG.yaml] --weights CKPT.h5|RUN --prompt TEXT --tokens N
+                                  [--temperature T] [--top-k K] [--seed S] [--no-prompt]
     python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
     python -m purine_mpi predict TRACE_DIR --np 2,4,...,1024 [--bandwidth 1gbit] [--json]
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
@@ -45,10 +45,14 @@ from .job.outputs import check_out
 
 
 def _load(args, check_files=True):
-    """The command's job (job/job.py): the config validated and resolved once."""
-    from .job.config import load_job
-    job = load_job(args.config, args.overrides, getattr(args, "iters", None),
-                   check_files=check_files)
+    """The command's job (job/job.py): the config validated and resolved once
+    (``generate`` without CONFIG: the config its ``--weights`` checkpoint holds)."""
+    from .job.config import load_job, load_job_of_checkpoint
+    if args.config is None:
+        job = load_job_of_checkpoint(args.weights, args.overrides, check_files=check_files)
+    else:
+        job = load_job(args.config, args.overrides, getattr(args, "iters", None),
+                       check_files=check_files)
     if args.seed is not None:  # checked as the config's seed is
         from .job.checks import check_seed
         job = job.replace(seed=check_seed("--seed", args.seed, None))
@@ -163,11 +167,14 @@ def cmd_predict(args):
 
 def cmd_generate(args):
     from .tools.generate import generate_text
-    job = _load(args)
     args.weights = _weights_file(args.weights)
-    text = generate_text(job, args.weights, args.prompt, args.tokens, args.temperature,
-                         args.top_k)
-    print(text, flush=True)
+    job = _load(args, check_files=False)  # the data file is not read
+    try:
+        generate_text(job, args.weights, args.prompt, args.tokens, args.temperature,
+                      args.top_k, show_prompt=not args.no_prompt,
+                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:  # Ctrl-C: the text drawn is shown, ended by a newline
+        return 130
     return 0
 
 

@@ -42,8 +42,13 @@ class AppendList(argparse.Action):
         setattr(namespace, self.dest, list(getattr(namespace, self.dest) or []) + items)
 
 
-def _common_config_args(p):
-    p.add_argument("config", help="job YAML (docs/config.md)")
+def _common_config_args(p, optional=False):
+    if optional:
+        p.add_argument("config", nargs="?", default=None,
+                       help="job YAML (docs/config.md); default: the config the --weights "
+                            "checkpoint holds")
+    else:
+        p.add_argument("config", help="job YAML (docs/config.md)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key by dotted path, the value read as YAML, e.g. "
                         "solver.base_lr=0.05 or net.0.num_output=8 (repeatable)")
@@ -107,13 +112,19 @@ def build_parser():
     p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
                                  "there: the result is printed as one JSON object")
 
-    p = sub.add_parser("generate", help="sample a continuation of a prompt from a language "
-                                        "model trained on a text source")
-    _common_config_args(p)
+    p = sub.add_parser("generate", help="print a prompt and a continuation drawn from a "
+                                        "language model trained on a text source",
+                       description="Print the prompt, then the tokens drawn after it as they "
+                                   "are drawn (nanoGPT's sample.py). Only the weights are read: "
+                                   "CONFIG may be left out (the checkpoint holds its config), "
+                                   "and the training data file is not needed.")
+    _common_config_args(p, optional=True)
     p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
                    help="a checkpoint train wrote, or a run folder (its latest.h5)")
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="the text to continue (its UTF-8 bytes are the first tokens)")
+    p.add_argument("--no-prompt", action="store_true",
+                   help="print the continuation alone, without the prompt before it")
     p.add_argument("--tokens", type=int, required=True, metavar="N",
                    help="how many tokens (bytes) to draw")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",

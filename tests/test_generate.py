@@ -2,12 +2,18 @@
 against the same weights in a PyTorch GPT (tests/gpt_oracle.py) that runs
 on the cropped context itself (no padding), reproducible for a seed."""
 import email
+import io
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import REPO, cli_env, run_cli_args, run_mpi_cli, write_config_file
 from tests.gpt_oracle import gpt_net, torch_gpt_from_net
 
 EMAIL = os.path.dirname(email.__file__)
@@ -65,7 +71,8 @@ def _torch_continuation(net, params, prompt, tokens, temperature, top_k, seed):
 
 
 def _generate(config, run, *extra):
-    res = run_cli_args("generate", config, "--weights", run, *extra)
+    """The continuation alone (--no-prompt)."""
+    res = run_cli_args("generate", config, "--weights", run, "--no-prompt", *extra)
     assert res.returncode == 0, res.stderr
     assert res.stdout.endswith("\n")
     return res.stdout[:-1]
@@ -127,7 +134,7 @@ def test_generate_needs_a_text_model(digits_h5, tmp_path, trained):
 def test_generate_under_mpiexec_prints_once(trained):
     config, run, _ = trained
     res = run_mpi_cli(2, "generate", config, "--weights", run, "--prompt", "class ",
-                      "--tokens", "12", "--temperature", "0")
+                      "--tokens", "12", "--temperature", "0", "--no-prompt")
     assert res.returncode == 0, res.stderr
     assert res.stdout[:-1] == _generate(config, run, "--prompt", "class ", "--tokens", "12",
                                         "--temperature", "0")
@@ -150,3 +157,150 @@ def test_a_padded_test_pass_counts_each_window_once(trained):
         assert res.returncode == 0, res.stderr
         figures.append(json.loads(res.stdout.strip().splitlines()[-1]))
     assert figures[0]["samples"] == n and all(f == figures[0] for f in figures), figures
+
+
+# ------------------------------------------------------ issue 42 and issue 46
+def test_nan_weights_exit_3_naming_the_blob(trained, tmp_path):
+    """As test, --init and --resume: not NumPy's 'Probabilities contain NaN'."""
+    import h5py
+    config, run, _ = trained
+    bad = tmp_path / "nan.h5"
+    shutil.copy(os.path.join(run, "latest.h5"), bad)
+    with h5py.File(bad, "r+") as f:
+        weight = f["params/h0_fc/weight"]
+        value = weight[...]
+        value[0, 0] = np.nan
+        weight[...] = value
+    res = run_cli_args("generate", config, "--weights", bad, "--prompt", "x", "--tokens", "3")
+    assert res.returncode == 3, res.stderr
+    assert "h0_fc/weight" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
+
+
+def test_a_prompt_that_is_not_utf8_exits_2(trained):
+    config, run, _ = trained
+    prompt = os.fsdecode(b"\xff abc")  # as Python gives a non-UTF-8 argument
+    res = run_cli_args("generate", config, "--weights", run, "--prompt", prompt, "--tokens", "3")
+    assert res.returncode == 2, res.stderr
+    assert "--prompt" in res.stderr and "UTF-8" in res.stderr and "0xff" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_prints_the_prompt_then_the_continuation(trained):
+    """nanoGPT's sample.py: the prompt, then what was drawn; --no-prompt
+    leaves the prompt out."""
+    config, run, _ = trained
+    args = ("--prompt", "from email ", "--tokens", "20", "--seed", "4")
+    res = run_cli_args("generate", config, "--weights", run, *args)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "from email " + _generate(config, run, *args) + "\n"
+
+
+def test_the_weights_alone_suffice(trained, tmp_path):
+    """No config (the checkpoint holds it) and no training data file: the
+    same text as with the config."""
+    config, run, net = trained
+    args = ("--prompt", "import ", "--tokens", "16", "--temperature", "0.7", "--seed", "9")
+    want = _generate(config, run, *args)
+    for weights in (run, os.path.join(run, "ckpt_40.h5")):
+        res = run_cli_args("generate", "--weights", weights, "--no-prompt", *args)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout[:-1] == want
+    # a config whose data file is gone: generate never reads it
+    spec = {"source": "text", "path": str(tmp_path / "gone.h5"), "batch_size": 8,
+            "sequence_length": T}
+    moved = write_config_file(tmp_path, {
+        "name": "gen", "seed": 3, "net": net,
+        "data": {"train": dict(spec, shuffle=True), "test": spec},
+        "solver": {"type": "adamw", "base_lr": 0.01, "max_iter": 40, "display": 0,
+                   "weight_decay": 0.0}})
+    assert _generate(moved, run, *args) == want
+    # a weights file without a config: say to give one
+    from purine_mpi.job.checkpoint_file import load_params
+    import h5py
+    bare = tmp_path / "bare.h5"
+    with h5py.File(bare, "w") as f:
+        for name, value in load_params(os.path.join(run, "latest.h5")).items():
+            f.create_dataset(f"params/{name}", data=value)
+    res = run_cli_args("generate", "--weights", bare, "--prompt", "x", "--tokens", "2")
+    assert res.returncode == 2 and "config" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert _generate(config, bare, *args) == want  # with the config it is a weights file
+
+
+def test_streams_as_drawn_and_ctrl_c_keeps_the_text(trained):
+    """The tokens appear as they are drawn; Ctrl-C ends the line and exits
+    130 without a traceback, the text drawn so far shown."""
+    config, run, _ = trained
+    cmd = [sys.executable, "-m", "purine_mpi", "generate", config, "--weights", str(run),
+           "--prompt", "import ", "--tokens", "1000000", "--temperature", "0"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        os.set_blocking(p.stdout.fileno(), False)
+        shown, deadline = b"", time.monotonic() + 90
+        while len(shown) < len("import ") + 40 and time.monotonic() < deadline \
+                and p.poll() is None:
+            shown += p.stdout.read() or b""
+            time.sleep(0.05)
+        assert len(shown) >= len("import ") + 40, shown  # today: nothing before the end
+        p.send_signal(signal.SIGINT)
+        os.set_blocking(p.stdout.fileno(), True)
+        rest, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    text = (shown + rest).decode()
+    assert p.returncode == 130, err
+    assert b"Traceback" not in err and text.startswith("import ") and text.endswith("\n")
+    # what was shown is the start of the same greedy continuation
+    assert text[len("import "):][:40] == _generate(config, run, "--prompt", "import ",
+                                                   "--tokens", "40", "--temperature", "0")
+
+
+def test_stream_decodes_characters_split_across_tokens():
+    """Byte tokens: a character of several bytes is printed once whole, an
+    invalid byte as U+FFFD, never a garbled piece."""
+    from purine_mpi.tools.generate import write_stream
+    raw = "é€😀 ok".encode() + b"\xff!" + "é".encode()[:1]
+    out = io.StringIO()
+    write_stream(iter(raw), "p: ", out)
+    assert out.getvalue() == "p: " + raw.decode("utf-8", errors="replace") + "\n"
+
+
+def test_device_0_on_a_machine_without_gpu_exits_2(trained):
+    """As train, test and bench refuse it (not silently run on the CPU)."""
+    from purine_mpi.base.backend import cupy_available
+    if cupy_available():
+        pytest.skip("this machine has a GPU: device 0 runs there")
+    config, run, _ = trained
+    res = run_cli_args("generate", config, "--weights", run, "--prompt", "x", "--tokens", "2",
+                       "--set", "device=0")
+    assert res.returncode == 2, res.stderr
+    assert "device" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
+
+
+def test_gpu_variables_on_a_cpu_run_are_noted_once(trained, tmp_path):
+    """PURINE_CONV and PURINE_FC_EPILOGUE steer the GPU path: a run on the
+    CPU says once that they have no effect (generate's stderr, train's
+    start-up block), on rank 0 alone."""
+    config, run, _ = trained
+    env = dict(cli_env(), PURINE_CONV="cudnn", PURINE_FC_EPILOGUE="cublaslt")
+    res = subprocess.run([sys.executable, "-m", "purine_mpi", "generate", config, "--weights",
+                          str(run), "--prompt", "x", "--tokens", "2"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "no effect" in line]
+    assert len(notes) == 1 and "PURINE_CONV" in notes[0] and "PURINE_FC_EPILOGUE" in notes[0]
+    res = subprocess.run([sys.executable, "-m", "purine_mpi", "train", config, "--iters", "1",
+                          "--out", str(tmp_path / "r")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if "no effect" in line]
+    assert len(lines) == 1 and "PURINE_CONV, PURINE_FC_EPILOGUE" in lines[0], lines
+    quiet = subprocess.run([sys.executable, "-m", "purine_mpi", "generate", config,
+                            "--weights", str(run), "--prompt", "x", "--tokens", "2"], cwd=REPO,
+                           env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "no effect" not in quiet.stderr, quiet.stderr

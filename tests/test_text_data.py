@@ -182,3 +182,55 @@ def test_text_spec_validation(email_h5, tmp_path):
     with pytest.raises(ConfigError) as e:
         make_job({"net": net, "data": {"train": dict(base, path=str(tmp_path / "none.h5"))}})
     assert "data text" in str(e.value)
+
+
+def _files(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return list(f["files"].asstr()[...])
+
+
+def test_double_star_glob_matches_zero_or_more_folders(tmp_path):
+    """pathlib's '**': the files at the top of the folder match '**/*.txt' too."""
+    folder = tmp_path / "txt"
+    (folder / "a" / "b").mkdir(parents=True)
+    for rel in ("top.txt", "a/mid.txt", "a/b/deep.txt", "a/skip.py"):
+        (folder / rel).write_text(f"the text of {rel}\n" * 10)
+    cases = {"**/*.txt": ["a/b/deep.txt", "a/mid.txt", "top.txt"],
+             "a/**/*.txt": ["a/b/deep.txt", "a/mid.txt"],
+             "a/*.txt": ["a/mid.txt"],   # '*' within one name, as pathlib
+             "a/**": ["a/b/deep.txt", "a/mid.txt", "a/skip.py"]}
+    for pattern, want in cases.items():
+        out = tmp_path / "o.h5"
+        res = run_cli_args("data", "text", "--from", folder, "--glob", pattern, "--out", out)
+        assert res.returncode == 0, res.stderr
+        assert _files(out) == want, pattern
+
+
+def test_a_file_name_that_is_not_utf8_exits_2(tmp_path):
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("some text\n" * 20)
+    with open(os.path.join(os.fsencode(folder), b"bad\xff.txt"), "w") as f:
+        f.write("more text\n" * 20)
+    res = run_cli_args("data", "text", "--from", folder, "--out", tmp_path / "o.h5")
+    assert res.returncode == 2, res.stderr
+    assert "not UTF-8" in res.stderr and "bad\\xff.txt" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    # leaving it out with --glob works
+    res = run_cli_args("data", "text", "--from", folder, "--glob", "ok*", "--out",
+                       tmp_path / "o.h5")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("dataset", ["text", "digits"])
+def test_out_naming_a_folder_exits_2(tmp_path, dataset):
+    (tmp_path / "in.txt").write_text("some text\n" * 20)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--from", tmp_path / "in.txt"] if dataset == "text" else []
+    res = run_cli_args("data", dataset, *args, "--out", out)
+    assert res.returncode == 2, res.stderr
+    assert "--out" in res.stderr and "folder" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert os.listdir(out) == []  # no temporary file left there either

@@ -4,7 +4,9 @@ checked like a config key: ``get(name)`` is the parsed value (the default
 when unset or blank) and raises ``EnvError`` (exit 2) naming the variable
 and what it takes; the CLI checks them all before any command runs
 (``check_all``), so a typo in a job script never runs with a default
-instead, nor fails later with a traceback.
+instead, nor fails later with a traceback. The variables that steer the GPU
+path alone (``GPU_ONLY``) have no effect on a run on the CPU:
+``cpu_note()`` is the one line that says so where one is set.
 """
 import math
 import os
@@ -26,6 +28,7 @@ class Var:
     default: Any       # when unset or blank
     parse: Callable    # text -> value; ValueError when the text is not one
     meaning: str
+    gpu_only: bool = False  # read on the GPU path alone
 
 
 def _positive_int(text):
@@ -110,22 +113,22 @@ VARS = {v.name: v for v in [
     Var("PURINE_RMA_ACROSS_HOSTS", FLAG, None, _flag,
         "whether `parallel.transport: auto` uses RMA windows between hosts"),
     Var("PURINE_MPI_CUDA_AWARE", FLAG, None, _flag,
-        "whether MPI moves GPU memory directly"),
+        "whether MPI moves GPU memory directly", gpu_only=True),
     Var("PURINE_CONV", "one of auto, cudnn, im2col", "auto", _choice("auto", "cudnn", "im2col"),
-        "the GPU convolution path"),
+        "the GPU convolution path", gpu_only=True),
     Var("PURINE_FC_EPILOGUE", "one of kernel, cublaslt", "kernel", _choice("kernel", "cublaslt"),
         "a fully connected layer's bias and ReLU when run eagerly: our kernel, or the "
-        "cuBLASLt epilogue (nvmath allocates its result at each call)"),
+        "cuBLASLt epilogue (nvmath allocates its result at each call)", gpu_only=True),
     Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
-        "time cuDNN's plans and keep the fastest (0: the heuristic's first)"),
+        "time cuDNN's plans and keep the fastest (0: the heuristic's first)", gpu_only=True),
     Var("PURINE_CUDNN_DETERMINISTIC", FLAG, True, _flag,
-        "deterministic cuDNN plans only"),
+        "deterministic cuDNN plans only", gpu_only=True),
     Var("PURINE_CUBLAS_WORKSPACE_MB", "a number of MiB >= 0", 32.0, _non_negative_number,
-        "each cuBLAS handle's workspace"),
+        "each cuBLAS handle's workspace", gpu_only=True),
     Var("PURINE_CACHE_DIR", "a folder path", None, _text,
-        "the cache of timed cuDNN plans"),
+        "the cache of timed cuDNN plans", gpu_only=True),
     Var("PURINE_CUDA_DIR", "a folder path", None, _text,
-        "the CUDA sources"),
+        "the CUDA sources", gpu_only=True),
     Var("PURINE_CIFAR10_URL", "a URL", None, _text,
         "where `data cifar10` downloads from (a mirror, a local file://)"),
     Var("PURINE_CIFAR10_MD5", "32 hex digits", None, _md5,
@@ -149,6 +152,23 @@ def parse(name, text, default=None):
 def get(name, environ=None, default=None):
     """The parsed value of ``PURINE_*`` variable ``name`` (see ``parse``)."""
     return parse(name, (os.environ if environ is None else environ).get(name), default)
+
+
+#: the variables that steer the GPU path alone
+GPU_ONLY = tuple(name for name, var in VARS.items() if var.gpu_only)
+
+
+def cpu_note(environ=None):
+    """One line naming the ``GPU_ONLY`` variables set (not blank), which a
+    run on the CPU ignores (the start-up block's ``note`` row, ``generate``'s
+    note); None when none is set."""
+    environ = os.environ if environ is None else environ
+    found = [name for name in GPU_ONLY if str(environ.get(name) or "").strip()]
+    if not found:
+        return None
+    one = len(found) == 1
+    return (f"{', '.join(found)} {'has' if one else 'have'} no effect: "
+            f"{'a GPU setting' if one else 'GPU settings'}, and this run is on the CPU")
 
 
 def check_all(environ=None):

@@ -4,10 +4,13 @@
     write_text(src, out_path, glob, val_fraction)   a file, or a folder's files
 
 The vocabulary is the 256 byte values (no tokenizer to download): token i of
-a stream is byte i of the text. A folder's files matching ``glob`` (matched
-against each file's path relative to the folder, recursively; default every
-file) are read in sorted order of that path and concatenated, so the same
-folder always gives the same file. The last ``val_fraction`` of the stream
+a stream is byte i of the text. A folder's files matching ``glob`` (a
+pattern without '/' matches the file name at any depth; one with '/' the
+path relative to the folder, as ``pathlib`` matches it: ``*`` within one
+name, ``**`` zero or more folders: ``glob_match``; default every file) are read in sorted
+order of that path and concatenated, so the same folder always gives the
+same file. A file name that is not UTF-8 is refused (the file records the
+names). The last ``val_fraction`` of the stream
 is the validation split, the rest the train split (nanoGPT's rule). The
 file holds
 
@@ -41,11 +44,46 @@ VOCAB_SIZE = 256
 
 
 # ------------------------------------------------------------------ writing
+def glob_match(rel, pattern):
+    """Whether the relative path ``rel`` ('/'-separated) matches ``pattern``:
+    a pattern without '/' matches the file name; one with '/' matches the
+    whole path as ``pathlib``'s ``PurePath.full_match`` (Python 3.13) does:
+    ``*`` and ``?`` within one name, ``**`` alone between slashes zero or
+    more folders (``**/*.txt`` matches ``a.txt`` and ``x/y/a.txt``; a last
+    ``**`` every file below)."""
+    if "/" not in pattern:
+        return fnmatch.fnmatchcase(rel.rsplit("/", 1)[-1], pattern)
+    return _match_parts(tuple(rel.split("/")), tuple(p for p in pattern.split("/") if p))
+
+
+def _match_parts(parts, pats):
+    if not pats:
+        return not parts
+    if pats[0] == "**":  # zero or more names (a last '**': every file below)
+        return any(_match_parts(parts[i:], pats[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pats[0]) and \
+        _match_parts(parts[1:], pats[1:])
+
+
+def _utf8_name(name, path):
+    """``name``, a UserError naming ``path`` when it is not UTF-8 (Python
+    holds such a name's bytes as surrogate escapes): the file records the
+    names as UTF-8 text."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise UserError(f"data text: the name of '{shown}' is not UTF-8: rename it, or leave it "
+                        "out with --glob") from None
+    return name
+
+
 def text_files(src, glob=None):
     """[(relative name, path)] of the text ``src``: the file itself, or the
     files under the folder ``src`` whose relative path matches ``glob``
-    (fnmatch; a pattern without '/' matches the file name at any depth), in
-    sorted order. Raises UserError when there is nothing to read."""
+    (``glob_match``), in sorted order. Raises UserError when there is
+    nothing to read or a name is not UTF-8."""
+    _utf8_name(os.path.abspath(src), src)
     if os.path.isfile(src):
         if glob is not None:
             raise UserError(f"data text: --glob {glob} applies to a folder, but --from {src} "
@@ -61,9 +99,8 @@ def text_files(src, glob=None):
         for name in files:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, src).replace(os.sep, "/")
-            target = rel if "/" in pattern else name
-            if fnmatch.fnmatchcase(target, pattern) and os.path.isfile(path):
-                found.append((rel, path))
+            if glob_match(rel, pattern) and os.path.isfile(path):
+                found.append((_utf8_name(rel, path), path))
     if not found:
         raise UserError(f"data text: no file under --from {src} matches --glob {pattern}")
     return sorted(found)

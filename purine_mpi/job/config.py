@@ -60,6 +60,22 @@ def resolve_job(raw, path="<config>", overrides=(), iters=None, check_files=True
     return job_of(resolve_config(raw, path, overrides, iters, check_files))
 
 
+def load_job_of_checkpoint(path, overrides=(), check_files=False):
+    """The job of the resolved config a checkpoint holds (its root attribute
+    ``config``, docs/formats.md): ``generate --weights CKPT`` without a
+    config. Errors name it as ``CKPT (its config)``."""
+    from .checkpoint_file import open_h5, plain_attr
+    path = str(path)
+    with open_h5(path, "weights file") as f:
+        text = plain_attr(f.attrs.get("config"))
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(path, None, "the file holds no config (root attribute 'config'): it "
+                          "is not a checkpoint train wrote; give the config too (CONFIG "
+                          f"--weights {path})")
+    name = f"{path} (its config)"
+    return resolve_job(_parse(text, name), name, overrides, None, check_files)
+
+
 def _read(path):
     """The parsed YAML of the config file at ``path``."""
     path = str(path)
@@ -73,6 +89,11 @@ def _read(path):
                                       "(a binary file given as the config?)") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read the config file: {e.strerror or e}") from None
+    return _parse(text, path)
+
+
+def _parse(text, path):
+    """The parsed YAML of config ``text`` (read from ``path``)."""
     try:
         raw = read_yaml(text, path)  # strict and bounded: job/yamlread.py
     except YamlRefused as e:

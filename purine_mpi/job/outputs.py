@@ -2,7 +2,9 @@
 ``data``) may replace: never an input of the same command (the
 ``--weights`` file, the config, its data files, a mean file) and never one
 of our checkpoints. ``refuse_replacing`` says so before anything is
-computed or written (a UserError naming both, exit 2).
+computed or written (a UserError naming both, exit 2). ``check_out`` also
+refuses an ``--out`` that is an existing folder: each of these commands
+writes one file.
 """
 import os
 
@@ -44,6 +46,10 @@ def refuse_replacing(out, option, inputs):
 
 def check_out(out, config=None, weights=None, job=None, more=()):
     """``refuse_replacing`` for a command's ``--out``: its config, its
-    ``--weights``, the job's data files and ``more`` ([(what, path)])."""
+    ``--weights``, the job's data files and ``more`` ([(what, path)]); and
+    a UserError when ``out`` is an existing folder (the output is a file)."""
+    if out and os.path.isdir(out):
+        raise UserError(f"--out {out} is a folder, but the output is one file: give the "
+                        "file's path")
     inputs = [("the config", config), ("the --weights file", weights), *more]
     refuse_replacing(out, "--out", inputs + job_inputs(job))

@@ -179,18 +179,19 @@ def select_device(job, rank_on_node=None):
     return (device + rank_on_node) % count
 
 
-def configure_device(job, graph, rank_on_node=None):
+def configure_device(job, graph, rank_on_node=None, train=True):
     """Select this rank's GPU from ``job``, apply ``tf32``, place
     ``graph`` there and fuse it for the device (``parallel/fuse.py``: ReLUs into
-    their producers, the SGD updates into one). Returns the device (-1: the
-    CPU, graph unchanged)."""
+    their producers, the SGD updates into one for a ``train`` graph). Returns
+    the device (-1: the CPU, graph unchanged); a UserError when the job asks
+    for a GPU this machine does not have."""
     device = select_device(job, rank_on_node)
     if device >= 0:
         from ..gpu import set_tf32
         set_tf32(job.tf32)
         import cupy
         cupy.cuda.Device(device).use()  # CuPy's default device for this process
-        prepare_for_device(graph, device, train=True)
+        prepare_for_device(graph, device, train=train)
     return device
 
 

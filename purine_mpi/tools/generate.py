@@ -1,5 +1,14 @@
-"""``generate CONFIG --weights W --prompt TEXT --tokens N``: sample a
-continuation from a language model trained on a ``text`` source.
+"""``generate [CONFIG] --weights W --prompt TEXT --tokens N``: sample a
+continuation from a language model trained on a ``text`` source, as
+nanoGPT's ``sample.py``.
+
+The config may be left out: a checkpoint (or a run folder's ``latest.h5``)
+holds the resolved config it was trained with (docs/formats.md). Only the
+weights are read: the vocabulary of byte-level text is fixed (the 256 byte
+values), so the training data file is never needed. Non-finite weights exit
+3 naming the blob (as ``test`` and ``--init``); ``device: D >= 0`` runs on
+that GPU, and is refused (exit 2) where there is none, as ``train`` refuses
+it.
 
 The test phase of the config's net (no dropout) runs on one sequence of the
 data spec's ``sequence_length`` T (``data.test``, else ``data.train``). The
@@ -12,10 +21,18 @@ the model's prediction of the next token. Each token is drawn from
     softmax(logits / temperature), restricted to the top_k largest logits
 
 (``temperature`` 0: the largest logit, greedy), with NumPy's PCG64 seeded by
-``seed``: the same seed, weights and prompt give the same text. The
-continuation (its bytes decoded as UTF-8, an incomplete or invalid byte
-sequence shown as U+FFFD) is the result.
+``seed``: the same seed, weights and prompt give the same text.
+
+``write_stream`` prints the prompt (unless ``--no-prompt``), then each token
+as it is drawn (flushed), its bytes decoded as UTF-8 by an incremental
+decoder: a character whose bytes span several tokens is printed once whole,
+an invalid byte sequence as U+FFFD; a newline ends the text, also when
+Ctrl-C stops it (exit 130, the tokens drawn already shown).
 """
+import codecs
+import os
+import sys
+
 import numpy as np
 
 from ..base.errors import UserError
@@ -34,6 +51,12 @@ def check_args(tokens, temperature, top_k, seed, prompt):
         raise UserError(f"generate: --seed must be an integer in [0, 2^63), got {seed}")
     if not prompt:
         raise UserError("generate: --prompt must hold at least one character (e.g. a newline)")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # the bytes of a non-UTF-8 argument: surrogate escapes
+        raw = os.fsencode(prompt[e.start:e.end])
+        raise UserError(f"generate: --prompt is not UTF-8 text (byte 0x{raw[0]:02x} at "
+                        f"character {e.start + 1}); give the prompt as UTF-8") from None
 
 
 def text_spec(job):
@@ -55,10 +78,13 @@ class Generator:
 
     def __init__(self, job, weights):
         from ..graph import Graph
+        from ..job.checkpoint_check import check_finite
         from ..job.checkpoint_file import load_params
         from ..job.replica import init_params
         from ..layers import build_net
+        from ..parallel.placement import configure_device
         from ..runtime.dispatcher import SerialDispatcher
+        from ..runtime.factory import make_dispatcher
         from .predict import default_blob
         spec = text_spec(job)
         self.length = int(spec.sequence_length)
@@ -80,10 +106,15 @@ class Generator:
                             "a softmax_loss with axis: -1")
         self.vocab = int(shape[2])
         self.graph = g.prune([self.logits])
-        loaded = load_params(weights)
         params = [b.name for b in self.graph.params()]
-        self.dispatcher = SerialDispatcher(self.graph)
-        for p in init_params(loaded, params, job, weights):
+        # device: D >= 0 places the net on a GPU; refused where there is none
+        self.device = configure_device(job, self.graph, train=False)
+        loaded = load_params(weights)
+        wanted = init_params(loaded, params, job, weights)
+        check_finite({p: loaded[p] for p in wanted}, weights)  # exit 3 naming the blob
+        self.dispatcher = SerialDispatcher(self.graph) if self.device < 0 else \
+            make_dispatcher(self.graph, cuda_graph=False)
+        for p in wanted:
             value = np.asarray(loaded[p], dtype=np.float32)
             if value.shape != tuple(self.graph.blobs[p].shape):
                 raise UserError(f"weights file '{weights}': '{p}' has shape "
@@ -103,18 +134,19 @@ class Generator:
         return np.asarray(out[0, len(context) - 1], dtype=np.float64)
 
     def generate(self, prompt, tokens, temperature=1.0, top_k=None, seed=0):
-        """The ``tokens`` token ids drawn after the bytes of ``prompt``."""
+        """The ``tokens`` token ids drawn after the bytes of ``prompt``,
+        yielded one by one as they are drawn."""
         context = list(prompt.encode("utf-8"))
         if max(context) >= self.vocab:
             raise UserError(f"generate: --prompt holds byte {max(context)}, outside the "
                             f"model's vocabulary of {self.vocab} tokens")
-        rng = np.random.default_rng(seed)
-        drawn = []
+        return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed))
+
+    def _draw(self, context, tokens, temperature, top_k, rng):
         for _ in range(tokens):
             token = pick(self.next_scores(context)[:256], temperature, top_k, rng)  # bytes
-            drawn.append(token)
             context.append(token)
-        return drawn
+            yield token
 
 
 def pick(scores, temperature, top_k, rng):
@@ -130,9 +162,35 @@ def pick(scores, temperature, top_k, rng):
     return int(rng.choice(len(p), p=p))
 
 
-def generate_text(job, weights, prompt, tokens, temperature=1.0, top_k=None):
-    """``generate``: the continuation of ``prompt`` as text, drawn with the
-    job's seed (``--seed`` sets it)."""
+def write_stream(tokens, prompt="", out=None):
+    """Print ``prompt``, then the byte tokens of the iterable ``tokens`` as
+    UTF-8 text as they come, flushed each time (see the module docstring); a
+    newline ends the text, also when the iteration is interrupted."""
+    out = out or sys.stdout
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out.write(prompt)
+    out.flush()
+    try:
+        for token in tokens:
+            text = decoder.decode(bytes((token,)))
+            if text:
+                out.write(text)
+                out.flush()
+    finally:  # Ctrl-C too: what was drawn stays shown, on a line of its own
+        out.write(decoder.decode(b"", final=True) + "\n")
+        out.flush()
+
+
+def generate_text(job, weights, prompt, tokens, temperature=1.0, top_k=None, show_prompt=True,
+                  log=None):
+    """``generate``: print the prompt (``show_prompt``) and its continuation
+    as it is drawn, with the job's seed (``--seed`` sets it); ``log`` gets
+    the notes (the GPU variables a run on the CPU ignores)."""
+    from ..base import env
     check_args(tokens, temperature, top_k, job.seed, prompt)
-    drawn = Generator(job, weights).generate(prompt, tokens, temperature, top_k, job.seed)
-    return bytes(drawn).decode("utf-8", errors="replace")
+    generator = Generator(job, weights)
+    note = env.cpu_note() if generator.device < 0 else None
+    if note and log:
+        log(f"note: {note}")
+    write_stream(generator.generate(prompt, tokens, temperature, top_k, job.seed),
+                 prompt if show_prompt else "")

@@ -15,6 +15,9 @@ colours, no cursor control), so a batch log reads as well as a terminal::
       output      runs/digits_lenet/2
       set-up      0.21 s (graphs, data, initial weights)
 
+A ``note`` row after ``devices`` names the GPU-only ``PURINE_*`` variables
+set for a run whose ranks are all on the CPU (they have no effect there).
+
 On a GPU whose convolutions take the cuDNN path, a last row says how many
 plans were timed, in how long, and how many came from the plan cache
 (gpu/cudnn_tune.py)::
@@ -27,7 +30,7 @@ plans were timed, in how long, and how many came from the plan cache
 import socket
 
 from .. import __version__
-from ..base import threads
+from ..base import env, threads
 from ..data.sources import source_info
 from ..base.progress_bar import human_bytes
 
@@ -216,8 +219,11 @@ def startup_lines(trainer, infos, setup_seconds):
                    for r in ps["servers"]}
         hosts |= set(servers.values())
     rows = [("ranks", f"{size} on {_count(len(hosts), 'host')}"),
-            ("devices", devices_line(infos, servers)),
-            ("threads", threads.describe())]
+            ("devices", devices_line(infos, servers))]
+    unused = env.cpu_note() if all(d < 0 for _, d in infos.values()) else None
+    if unused:  # PURINE_CONV and the like, set for a run on the CPU
+        rows.append(("note", unused))
+    rows.append(("threads", threads.describe()))
     rows += scheme_lines(trainer)
     backend = getattr(trainer.graphs, "comm_backend", None)
     if backend is not None:   # parallel.backend: which reduces the buckets, and why
