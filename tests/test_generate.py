@@ -304,3 +304,19 @@ def test_gpu_variables_on_a_cpu_run_are_noted_once(trained, tmp_path):
                             "--weights", str(run), "--prompt", "x", "--tokens", "2"], cwd=REPO,
                            env=cli_env(), capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0 and "no effect" not in quiet.stderr, quiet.stderr
+
+
+def test_device_0_runs_on_the_gpu(trained, monkeypatch, host_build_dir):
+    """device: 0 places the net on the GPU (here the emulated one,
+    tests/emulated_gpu) and draws the same tokens as the CPU."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.generate import Generator
+    from tests.emulated_gpu import emulated_gpu_env
+    config, run, _ = trained
+    weights = os.path.join(run, "latest.h5")
+    cpu = Generator(load_job(config, check_files=False), weights)
+    want = list(cpu.generate("import ", 12, 0.9, None, 5))
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    gpu = Generator(load_job(config, ["device=0"], check_files=False), weights)
+    assert gpu.device == 0
+    assert list(gpu.generate("import ", 12, 0.9, None, 5)) == want
