@@ -105,6 +105,9 @@ class FakeWorld:
     def check_consistent(self, text, what=""):
         return ""
 
+    def check_agreed(self, inputs, what=""):
+        return None
+
 
 def small_net_config(data_path, **overrides):
     """A tiny LeNet-like config on the digits file (fast: fc on 8x8 inputs)."""

@@ -167,24 +167,38 @@ class World:
         read another file or got other ``--set`` overrides would otherwise
         deadlock in mismatched communication."""
         digest = hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
-        mine = np.frombuffer(bytes.fromhex(digest), dtype=np.uint8)
-        every = np.empty((self.size, mine.size), dtype=np.uint8)
-        self.wait(_call(self.comm.Iallgather, mine, every), f"the {what} check (allgather)")
-        digests = [row.tobytes().hex() for row in every]
-        groups = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        if len(groups) > 1:
-            # the largest group is "the" version; name the others
-            ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-            majority = ordered[0][1]
-            odd = [r for _, rs in ordered[1:] for r in rs]
-            parts = "; ".join(f"ranks {_fmt_ranks(rs)}: sha256 {d[:12]}" for d, rs in ordered)
-            raise UserError(
-                f"the {what} differs between ranks (rank(s) {_fmt_ranks(odd)} disagree with "
-                f"rank(s) {_fmt_ranks(majority)}; {parts}). Every rank must load the same "
-                "files with the same --set overrides.")
+        self.check_agreed([(what, digest, f"sha256 {digest[:12]}")])
         return digest
+
+    def check_agreed(self, inputs, what="the start-up agreement"):
+        """Raise UserError on every rank when an input differs between ranks.
+
+        ``inputs``: this rank's ``[(name, key, description)]`` (job/inputs.py:
+        the config, --init, --resume, the data files), compared by ``key``
+        (a digest), named by ``name`` and shown by ``description``. One
+        allgather at one place of every rank's start, so a rank that differs
+        can never leave the others waiting; rank 0's inputs are the
+        reference, the message names the first input (in rank 0's order)
+        that differs and the ranks that differ in it."""
+        every = self.allgather_object([tuple(i) for i in inputs], f"{what} (allgather)")
+        tables = [{name: (key, text) for name, key, text in rank} for rank in every]
+        names = [name for name, _, _ in every[0]]
+        names += [n for table in tables[1:] for n in table if n not in names]
+        absent = (None, "none")
+        differ = [(n, [r for r, t in enumerate(tables) if t.get(n, absent)[0] !=
+                       tables[0].get(n, absent)[0]]) for n in names]
+        differ = [(n, odd) for n, odd in differ if odd]
+        if not differ:
+            return
+        name, odd = differ[0]
+        whose = f"rank {odd[0]}'s" if len(odd) == 1 else f"ranks {_fmt_ranks(odd)}'"
+        shown = "; ".join(f"rank {r}: {tables[r].get(name, absent)[1]}" for r in [0] + odd[:4])
+        more = f"; and {len(odd) - 4} more rank(s)" if len(odd) > 4 else ""
+        also = f" (also differ: {', '.join(n for n, _ in differ[1:])})" if differ[1:] else ""
+        raise UserError(f"{whose} {name} differs from rank 0's: {shown}{more}{also}. Every "
+                        "rank must start from the same inputs: the same config files and --set "
+                        "overrides, --init file and --init-skip, --resume checkpoint and data "
+                        "files (docs/failures.md, \"The start-up agreement\")")
 
     def barrier(self):
         self.wait(_call(self.comm.Ibarrier), "a barrier")

@@ -8,7 +8,9 @@ integer no larger than the history the file itself records (the
 named ``ckpt_<N>.h5``), ``elapsed`` a finite number >= 0, ``run_id`` text,
 ``world_size`` >= 1 and ``seed`` integers. ``check_for_net`` (``--resume``)
 refuses a checkpoint whose parameters or solver state lack a blob of the
-net, hold one it does not use, or differ in dtype or shape; ``unused_note``
+net, hold one it does not use, or differ in dtype or shape, and names the
+first weight or solver state (``<param>.<state>``) holding NaN or inf;
+``unused_note``
 is the one-line note ``--init`` and ``test --weights`` print instead.
 ``check_finite`` names the first blob holding NaN or inf.
 
@@ -82,18 +84,71 @@ def _is_number(value):
         not isinstance(value, (bool, np.bool_))
 
 
-def _max_iter(config_text):
-    """solver.max_iter of the config text a checkpoint was written with, or
-    None when it does not say."""
+def _saved_config(config_text):
+    """The config (a dict) a checkpoint was written with, or None when its
+    text is absent or not our config's."""
     if not isinstance(config_text, str) or not config_text.strip():
         return None
     try:
         from .yamlread import read_yaml  # strict and bounded, as the job file
         cfg = read_yaml(config_text)
-        value = cfg["solver"]["max_iter"]
-    except Exception:  # not our config text: no bound from it
+    except Exception:  # not our config text
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _max_iter(config_text):
+    """solver.max_iter of the config text a checkpoint was written with, or
+    None when it does not say."""
+    try:
+        value = (_saved_config(config_text) or {})["solver"]["max_iter"]
+    except (KeyError, TypeError):  # no bound from it
         return None
     return int(value) if _is_int(value) and value >= 0 else None
+
+
+def _key_value(key, value):
+    """A layer key's value in one form: a pair ``k`` is ``[k, k]``."""
+    if key.kind == "pair" and _is_int(value):
+        return [int(value), int(value)]
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_same_meaning(config_text, net, path, layers=None, what="weights file"):
+    """Refuse weights whose config (``config_text``, saved in the file) gives
+    a layer of ``net`` (this config's layers; only those named in
+    ``layers`` when given: the layers loaded) another type, or another value
+    of a key that changes what its weights mean though their shapes stay
+    (``Key.weights`` in layers/registry.py: attention's num_heads and
+    causal, conv's dilation and group, fc's axis). A file without a config
+    (a .caffemodel, another tool's) and the layers it does not name are
+    not compared; keys of training (solver, data, dropout) never are."""
+    saved = (_saved_config(config_text) or {}).get("net")
+    if not isinstance(saved, list) or not net:
+        return
+    from ..layers import layer_spec
+    by_name = {entry.get("name"): entry for entry in saved if isinstance(entry, dict)}
+    for entry in net:
+        name = entry.get("name")
+        old = by_name.get(name)
+        spec = layer_spec(entry.get("type"))
+        if old is None or spec is None or (layers is not None and name not in layers):
+            continue
+        was = layer_spec(old.get("type"))
+        if was is None or was.type != spec.type:
+            raise UserError(f"{what} '{path}': layer '{name}' was saved as type "
+                            f"{old.get('type')!r}, this config makes it {entry.get('type')!r}; "
+                            "its weights would mean something else")
+        for key in spec.keys:
+            if not key.weights:
+                continue
+            now = _key_value(key, entry.get(key.name, key.default))
+            then = _key_value(key, old.get(key.name, key.default))
+            if now != then:
+                raise UserError(f"{what} '{path}': layer '{name}' was saved with {key.name} "
+                                f"{then!r}, this config gives {key.name} {now!r}; the weights "
+                                "have the same shapes but would mean something else (use the "
+                                f"value they were trained with)")
 
 
 def check_attrs(attrs, path):
@@ -163,7 +218,7 @@ def check_for_net(ck, path, net_params, blobs, solver_blobs):
     (the whole net's names) is in the checkpoint and nothing else is; the
     parameters ``blobs`` ({name: array} of this rank) and solver state
     ``solver_blobs`` ({(param, state): array}) have the dtype and shape the
-    graph has; every weight is finite."""
+    graph has; every weight and every solver state resumed is finite."""
     missing = [p for p in net_params if p not in ck.params]
     if missing:
         raise UserError(f"{path}: checkpoint lacks parameter(s) {', '.join(missing[:5])} "
@@ -184,3 +239,7 @@ def check_for_net(ck, path, net_params, blobs, solver_blobs):
                             f"{list(value.shape)}, the net's blob is {arr.dtype} "
                             f"{list(arr.shape)}")
     check_finite({p: ck.params[p] for p in blobs}, path, "checkpoint")
+    # the solver state resumed (momentum, Adam's moments) as the weights: a
+    # NaN there turns the weights NaN at the first update
+    check_finite({f"{p}.{s}": ck.solver[p][s] for (p, s) in solver_blobs
+                  if s in ck.solver.get(p, {})}, path, "checkpoint")

@@ -318,6 +318,15 @@ def load_params(path):
         return _read_section(f, "params", path)
 
 
+@names_the_file("weights file")
+def saved_config_text(path):
+    """The config text a weights file was written with (its root attribute
+    ``config``; '' when it has none)."""
+    with open_h5(path, "weights file") as f:
+        text = plain_attr(f.attrs.get("config"))
+    return text if isinstance(text, str) else ""
+
+
 def _read_section(f, section, path, checksummed=False):
     where = [section]
     try:

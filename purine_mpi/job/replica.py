@@ -188,7 +188,9 @@ def init_params(loaded, params, job, path, skip=()):
     params (``--init`` / ``test --weights``): all of them, except those of
     the layers in ``skip`` (``--init-skip``: fine-tuning a changed layer keeps
     its fresh initialisation). A parameter the file lacks is a user error
-    that lists what is missing, never a silent random weight."""
+    that lists what is missing, never a silent random weight; a layer the
+    file's own config built otherwise (another num_heads: same shapes,
+    other meaning) is one too (checkpoint_check.check_same_meaning)."""
     layers = set(job.layer_names)
     unknown = sorted(set(skip) - layers)
     if unknown:
@@ -202,6 +204,11 @@ def init_params(loaded, params, job, path, skip=()):
                            f"(the file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
                            f"{' ...' if len(loaded) > 8 else ''})", "; to leave a layer at its "
                            "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
+    if not str(path).endswith(".caffemodel"):  # ours: the config it was saved with
+        from .checkpoint_check import check_same_meaning
+        from .checkpoint_file import saved_config_text
+        check_same_meaning(saved_config_text(path), job.net, path,
+                           {p.split("/")[0] for p in wanted})
     return wanted
 
 

@@ -9,7 +9,8 @@ import re
 import shutil
 
 from ..base.errors import UserError
-from .checkpoint_file import LATEST, FileHeld, load_checkpoint, replaced_atomically, save_checkpoint
+from .checkpoint_file import (LATEST, Checkpoint, FileHeld, load_checkpoint, replaced_atomically,
+                              save_checkpoint)
 
 _CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
 _TMP_RE = re.compile(r"^.+\.h5\.tmp\.(\d+)$")
@@ -108,6 +109,23 @@ def find_resumable(out_dir, log=None):
     if skipped:
         raise UserError(f"--resume auto: no checkpoint in '{out_dir}' loads: {'; '.join(skipped)}")
     return None, None
+
+
+def resolve_resume(out_dir, resume, log=None):
+    """The Checkpoint ``--resume`` continues from: ``resume`` is a path,
+    ``"auto"`` (``find_resumable`` in ``out_dir``) or a Checkpoint already
+    read (returned as it is); None without ``resume`` or for ``"auto"`` in a
+    folder without a checkpoint (``log`` is told so)."""
+    if not resume:
+        return None
+    if isinstance(resume, Checkpoint):
+        return resume
+    if resume == "auto":
+        path, ck = find_resumable(out_dir, log)
+        if path is None and log:
+            log(f"no checkpoint in {out_dir}; starting from scratch")
+        return ck
+    return load_checkpoint(resume)
 
 
 def remove_stale_temp_files(out_dir):

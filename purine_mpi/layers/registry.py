@@ -30,11 +30,15 @@ REQUIRED = Required()
 class Key(NamedTuple):
     """One layer key: ``kind`` is what ``NetBuilder.get`` checks (see
     KIND_DOC), ``default`` its value when absent (``Required`` if it must be
-    given), ``meaning`` one line for docs/config.md."""
+    given), ``meaning`` one line for docs/config.md. ``weights``: another
+    value changes what the layer's weights mean though their shapes stay
+    (attention's num_heads): weights saved with another value are refused
+    (job/checkpoint_check.py, ``check_same_meaning``)."""
     name: str
     kind: object
     default: object
     meaning: str
+    weights: bool = False
 
 
 class LayerSpec(NamedTuple):

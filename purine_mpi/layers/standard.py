@@ -48,8 +48,9 @@ def _filler(b, key):
     Key("kernel", "pair", REQUIRED, "kernel size"),
     Key("stride", "pair", 1, "stride"),
     Key("pad", "pair", 0, "zero padding on each side"),
-    Key("dilation", "pair", 1, "dilation of the kernel"),
-    Key("group", "posint", 1, "channel groups (divides the input channels and num_output)"),
+    Key("dilation", "pair", 1, "dilation of the kernel", weights=True),
+    Key("group", "posint", 1, "channel groups (divides the input channels and num_output)",
+        weights=True),
     BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def conv(b):
     """2-D convolution (N×C×H×W); the weight `<name>/weight` is num_output × C/group × kh ×
@@ -80,7 +81,7 @@ def conv(b):
     Key("num_output", "posint", REQUIRED, "output features"),
     Key("axis", "int", 1, "the first axis flattened into the features (Caffe's): 1 flattens "
                           "(N, ...) to N rows; -1 (or 2 of an (N, T, C) blob) maps the last "
-                          "axis, giving (N, T, num_output)"),
+                          "axis, giving (N, T, num_output)", weights=True),
     Key("tie_weight", "str", None, "use that earlier layer's `weight` as this layer's weight "
                                    "(an embedding's (input_dim, C) table for an output "
                                    "projection with num_output = input_dim); its gradient is "

@@ -90,8 +90,10 @@ def gelu(b):
 
 
 @layer("attention", "self_attention", keys=(
-    Key("num_heads", "posint", REQUIRED, "attention heads H (dividing the width C)"),
-    Key("causal", "bool", True, "mask the future: position t attends to positions ≤ t"),
+    Key("num_heads", "posint", REQUIRED, "attention heads H (dividing the width C)",
+        weights=True),
+    Key("causal", "bool", True, "mask the future: position t attends to positions ≤ t",
+        weights=True),
     Key("attn_dropout", "number", 0.0, "dropout ratio on the attention probabilities "
                                        "(training only)"),
     Key("resid_dropout", "number", 0.0, "dropout ratio on the output projection (training "

@@ -260,7 +260,10 @@ def _layer_section():
         return _fmt(key.default)
 
     def key_rows(keys):
-        return [(_code(k.name), kind_text(k.kind), default_text(k), k.meaning) for k in keys]
+        return [(_code(k.name), kind_text(k.kind), default_text(k),
+                 k.meaning + ("; weights saved with another value are refused (they would "
+                              "load but mean something else)" if k.weights else ""))
+                for k in keys]
 
     out = [
         "## net",

@@ -10,9 +10,9 @@ import os
 from ..base.backend import to_numpy
 from ..base.errors import GraphError, InitMismatch, UserError
 from ..graph.solver_graph import solver_states, state_name
-from ..job.checkpoint_file import load_checkpoint, load_params, remove_temp_files, save_checkpoint
-from ..job.run_checkpoints import find_resumable, save_run_checkpoint
-from ..job.checkpoint_check import check_finite, check_for_net, unused_note
+from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
+from ..job.run_checkpoints import resolve_resume, save_run_checkpoint
+from ..job.checkpoint_check import check_finite, check_for_net, check_same_meaning, unused_note
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant
 from ..parallel.compose import Layout
@@ -164,20 +164,20 @@ class Checkpoints(Service):
             if same_world and "rng" in s and k.rng is not None:
                 k.rng.bit_generator.state = _plain(s["rng"])
 
-    def _resume(self, loop, path):
-        if path == "auto":  # latest.h5, else the newest ckpt_<iter>.h5 that loads
-            path, ck = find_resumable(loop.out_dir, loop.say)
-            if path is None:
-                loop.say(f"no checkpoint in {loop.out_dir}; starting from scratch")
-                return
-        else:
-            ck = load_checkpoint(path)
+    def _resume(self, loop, resume):
+        # "auto": latest.h5, else the newest ckpt_<iter>.h5 that loads; or a
+        # path; or the Checkpoint the ranks agreed on (trainer.run_training)
+        ck = resolve_resume(loop.out_dir, resume, loop.say)
+        if ck is None:
+            return
+        path = ck.path
         # the whole checkpoint is checked against the net before any of it is loaded
         params = loop.graphs.params
         check_for_net(ck, path, loop.graphs.net_params, {p: _whole(loop, p, p) for p in params},
                       {(p, s): _whole(loop, p, state_name(p, s)) for p in params
                        for s in solver_states(loop.job.solver.type)
                        if state_name(p, s) in loop.ws.arrays})
+        check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
         fresh = set()
         for p in loop.graphs.params:
             self._load_blob(loop, p, ck.params[p], path)
@@ -202,6 +202,7 @@ class Checkpoints(Service):
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id
         st.last_saved = st.start_iter
+        st.last_finite = (path, st.start_iter)  # check_for_net: weights, solver state
         loop.say(f"resumed from {path} at iteration {st.start_iter}")
         saved_world = int(ck.attrs.get("world_size", size) or size)
         if saved_world != size and loop.job.data.train is not None and notes:
@@ -245,6 +246,7 @@ class Checkpoints(Service):
             return
         save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep,
                             **payload)
+        loop.state.last_finite = (os.path.join(loop.out_dir, LATEST), iteration)
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)

@@ -2,13 +2,14 @@
 the first non-finite iteration, read from the host blobs every iteration
 on the CPU, or back from the device loss watch (ops/watch.py) only at the
 display, test and checkpoint iterations on a GPU; and the check that every
-weight is finite before a checkpoint may follow. A non-finite loss or
+weight and its solver state are finite before a checkpoint may follow. A non-finite loss or
 weight makes the agreed stop code DIVERGED (runtime/stop.py).
 """
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
 from ..gpu.raw import array_device
+from ..graph.solver_graph import solver_states, state_name
 from ..runtime.stop import StopSignal
 from .loop import Service
 
@@ -71,14 +72,19 @@ class DivergenceWatch(Service):
 
     @staticmethod
     def params_finite(loop):
-        """Whether every parameter of this rank is finite (no NaN or inf).
-        The float32 parameters on a GPU are checked by our own kernel, one
-        read-back per device (gpu/kernels ``all_finite``); the rest with
-        the array module's ``isfinite``."""
+        """Whether every parameter of this rank and its solver state (the
+        momentum, Adam's moments: a checkpoint holds them too) is finite (no
+        NaN or inf). The float32 blobs on a GPU are checked by our own
+        kernel, one read-back per device (gpu/kernels ``all_finite``); the
+        rest with the array module's ``isfinite``."""
         loop.train.drain()
         ws = loop.ws
+        states = solver_states(loop.job.solver.type)
+        names = list(loop.graphs.params) + [
+            state_name(p, s) for p in loop.graphs.params for s in states
+            if state_name(p, s) in ws.arrays]
         by_device, rest = {}, []
-        for a in (ws[p] for p in loop.graphs.params):
+        for a in (ws[n] for n in names):
             if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
                 by_device.setdefault(array_device(a), []).append(a)
             else:

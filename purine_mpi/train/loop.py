@@ -95,6 +95,10 @@ class RunState:
     # checkpoints carry it; rotation deletes only this run's (and its resumes')
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     last_saved: object = None     # iteration of the newest checkpoint this run wrote
+    # (path, iteration) of the newest checkpoint known finite, weights and
+    # solver state: the one resumed (checked) or the run's latest.h5 (written
+    # only after the check, divergence.py); what a diverged run names
+    last_finite: object = None
     t_start: object = None        # perf_counter() when this process's first iteration began
     stop: StopSignal = dataclasses.field(default_factory=StopSignal)
     metrics: object = None        # the metrics log (rank 0, while the loop runs)
@@ -196,7 +200,7 @@ class Loop:
                 if st.stop_code == StopSignal.DIVERGED:
                     self.train.drain()
                     return {"diverged_at": st.first_bad or done,
-                            "last_checkpoint": st.last_saved}
+                            "last_checkpoint": st.last_finite}
                 st.result = {}
                 if self.test_due(done) and done != max_iter:
                     self.emit("on_test", done)

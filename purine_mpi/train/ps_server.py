@@ -14,7 +14,7 @@ stop agreement and send their momenta to rank 0 for its checkpoints
 import numpy as np
 
 from ..graph.solver_graph import momentum_name
-from ..job.run_checkpoints import find_resumable
+from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
 from ..runtime.stop import StopSignal
 from .async_server import AsyncServer
@@ -50,8 +50,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         wanted = init_params(loaded, owned, job, init, init_skip)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
     if resume:
-        from ..job.checkpoint_file import load_checkpoint
-        ck = load_checkpoint(resume)
+        ck = resolve_resume(None, resume)  # a path, or the Checkpoint already read
         start = int(ck.attrs["iteration"])
         for p in owned:
             values[p] = np.asarray(ck.params[p], graph.blobs[p].dtype)
@@ -152,8 +151,8 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=()):
     """``train`` on a server rank: serve, take part in the stop agreement,
     and return the same exit status as the workers (trainer.run_and_report)."""
     # the same checkpoint the workers' Trainer resumes from
-    path = find_resumable(out_dir)[0] if resume == "auto" else resume
-    res = run_server(job, world, resume=path, init=init, init_skip=init_skip,
+    resumed = resolve_resume(out_dir, resume)
+    res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
                      stop=StopSignal())
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3

@@ -15,11 +15,14 @@ timeout (``World.wait``). Only rank 0 writes files.
 """
 import json
 import math
+import os
 import sys
 import time
 
 from ..base import logfile
-from ..job.run_checkpoints import remove_stale_temp_files
+from ..job.checkpoint_file import LATEST
+from ..job.inputs import run_inputs
+from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of
@@ -154,10 +157,13 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world = get_world()
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
-    world.check_consistent(dump_config(job), "resolved configuration")
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
     say = logfile.tee(print_or_stop)
+    # the start-up agreement: every input that shapes the run, in one
+    # allgather (job/inputs.py); --resume is read once, here
+    resume = resolve_resume(out_dir, resume, say if world.rank == 0 else None)
+    world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in settings_without_effect(job, world.size) + data_notes(job):
             say(note)
@@ -191,6 +197,17 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                           world)
 
 
+def _last_finite(last, out_dir):
+    """What a diverged run says of its checkpoints: the newest one known
+    finite (weights and solver state, RunState.last_finite), by name."""
+    if last is None:
+        return "no checkpoint was written"
+    path, iteration = last
+    same = os.path.abspath(path) == os.path.abspath(os.path.join(out_dir, LATEST))
+    name = LATEST if same else f"'{path}'"
+    return f"{name} stays the last finite checkpoint (iteration {iteration})"
+
+
 def run_and_report(trainer, world):
     """Run ``trainer`` to the end, print the final figures on global rank 0,
     and return the exit status."""
@@ -202,9 +219,7 @@ def run_and_report(trainer, world):
     logfile.set_outcome(result, trainer.job.solver.max_iter, trainer.state.start_iter)
     if "diverged_at" in result:
         if world.rank == 0:
-            last = result.get("last_checkpoint")
-            kept = (f"latest.h5 stays the last finite checkpoint (iteration {last})"
-                    if last is not None else "no checkpoint was written")
+            kept = _last_finite(result.get("last_checkpoint"), trainer.out_dir)
             text = (f"error: the training diverged: a non-finite loss or weight (NaN or inf) "
                     f"at iteration {result['diverged_at']}; {kept}. Lower solver.base_lr or "
                     "check the data.")
