@@ -112,8 +112,19 @@ def _readme():
 
 
 def _code_lines(text):
-    """The lines of the indented code blocks of a markdown text, stripped."""
-    return [line.strip() for line in text.splitlines() if line.startswith("    ")]
+    """The lines of the indented code blocks of a markdown text, stripped; a
+    command continued over lines with a trailing backslash is one line."""
+    lines, held = [], ""
+    for line in text.splitlines():
+        if not line.startswith("    "):
+            continue
+        line = held + line.strip()
+        if line.endswith("\\"):
+            held = line[:-1]
+            continue
+        lines.append(line)
+        held = ""
+    return lines
 
 
 def test_case6_readme_first_screen_sets_up_and_starts():

@@ -9,10 +9,15 @@ window faster than ``Allreduce`` on 2 ranks of one node (1-16 MiB), but
 in a whole job its additions run on the ranks' compute cores, where
 ``MPI_Iallreduce`` on shared memory overlaps the backward pass; the
 whole-job comparison (``--jobs``) decides, see docs/performance.md.
+On GPUs (keys ``device``, ``backend``) ``one_sided`` is a user error:
+the window is host memory, and the buckets' device staging
+(comm/device.py) would be bypassed.
 
     to_window_allreduce(local, job, world) -> local
 """
 from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, node_groups
+from .one_sided import refuse_on_gpu
+from .placement import asks_for_gpu
 
 PREFIX = "dp/"
 
@@ -22,14 +27,19 @@ def to_window_allreduce(local, job, world):
     rank's graph) window regions when ``parallel.transport`` is one_sided
     and every rank shares one node; allocate them (collective). Returns
     ``local``; ``local.transport`` says what was chosen."""
-    if job.parallel.transport != "one_sided" or getattr(world, "comm", None) is None:
+    if job.parallel.transport != "one_sided" or world.size == 1:
+        return local
+    # decided by the job: the graph is placed on its device only after this
+    # (parallel/rank_graphs.py), so its blobs are all on the CPU here
+    if asks_for_gpu(job):
+        refuse_on_gpu(job, "the gradient buckets")
+    if getattr(world, "comm", None) is None:  # graph --np: nothing to allocate
         return local
     node_of = node_groups(world)
     ops = sorted((op for op in local.ops.values() if op.op_type == "Allreduce"
                   and not op.attrs.get("group")), key=lambda op: int(op.attrs.get("seq", 0)))
     dtypes = {local.blobs[b].dtype for op in ops for b in op.outputs}
-    on_cpu = all(local.blobs[b].location.device < 0 for op in ops for b in op.outputs)
-    if len(set(node_of.values())) != 1 or not ops or dtypes != {"float32"} or not on_cpu:
+    if len(set(node_of.values())) != 1 or not ops or dtypes != {"float32"}:
         local.transport = [("gradients", "MPI allreduce", "ranks on several hosts, or "
                             "buckets the shared-window sum does not take")]
         return local

@@ -40,6 +40,16 @@ import numpy as np
 from ..base.errors import UserError
 from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
                             node_groups, pair_transport, rma_across_hosts)
+from .placement import asks_for_gpu
+
+
+def refuse_on_gpu(job, what):
+    """``parallel.transport: one_sided`` where ``what`` runs on GPUs: a
+    user error naming both keys (windows of GPU memory are not built)."""
+    where = f"device: {job.device}" if job.device >= 0 else "backend: cupy"
+    raise UserError(f"{job.path}: key 'parallel.transport': one_sided needs {what} on the "
+                    f"CPU, but key '{where.split(':')[0]}' puts them on a GPU ({where}; windows "
+                    "of GPU memory are not built yet); use auto or two_sided")
 
 
 def _live(world):
@@ -57,11 +67,9 @@ def to_windows(local, job, world):
         local.transport = [("activations and gradients", "two-sided Send/Recv",
                             "parallel.transport: two_sided")]
         return local
-    if getattr(job, "device", -1) >= 0:  # device memory windows (CUDA IPC) are not built
+    if asks_for_gpu(job):  # device memory windows (CUDA IPC) are not built
         if transport == "one_sided":
-            raise UserError(f"{job.path}: key 'parallel.transport': one_sided needs the stages "
-                            "on the CPU (windows of GPU memory are not built yet); use auto "
-                            "or two_sided")
+            refuse_on_gpu(job, "the stages")
         local.transport = [("activations and gradients", "two-sided Send/Recv",
                             "auto: the stages run on GPUs, and windows of GPU memory (CUDA "
                             "IPC) are not built; Send/Recv stage through host memory")]
@@ -88,8 +96,7 @@ def to_windows(local, job, world):
     everyone = world.allgather_object((specs, why_seen), "the window layout exchange") \
         if _live(world) else [(specs, why_seen)]
     layout = WindowLayout()
-    for rank_specs, rank_why in everyone:
-        why_seen.update(rank_why)  # the start-up block names every rank's pairs
+    for rank_specs, _ in everyone:
         for name, owner, peer, shape, dtype, read_only in rank_specs:
             layout.add(name, owner, shape, dtype, peers=[peer]).read_only = read_only
             layout.add_word(name + ".written", owner, writer=peer)
@@ -105,7 +112,8 @@ def to_windows(local, job, world):
                                 f"auto: {exc}")]
             return local
     _convert(local, prefix, chosen, world.rank, layout)
-    local.transport = _summary(why_seen)
+    # the start-up block names every rank's pairs: each kind once
+    local.transport = _summary([rank_why for _, rank_why in everyone])
     return local
 
 
@@ -198,8 +206,22 @@ def _add_releases(local, released, in_place=()):
         seq += 1
 
 
-def _summary(why):
+def _summary(per_rank):
+    """The start-up block's rows from every rank's {key: (kind, why)}: one
+    row per kind of transport chosen, with the lowest rank's reason. The
+    ranks agree on the kind of every pair, not always on why: a variable
+    of one rank's environment (``PURINE_RMA_ACROSS_HOSTS``, the network's)
+    changes its reason, not the choice (``_agreed_across_hosts``)."""
     words = {"shared": "one-sided, shared windows", "rma": "one-sided, RMA windows",
              "two_sided": "two-sided Send/Recv"}
-    return [("activations and gradients", words[kind], text)
-            for kind, text in sorted(why.values())]
+    reasons = {}  # kind -> {why: the first rank that gave it}
+    for rank, why_seen in enumerate(per_rank):
+        for kind, why in why_seen.values():
+            reasons.setdefault(kind, {}).setdefault(why, rank)
+    rows = []
+    for kind in sorted(reasons):
+        why, rank = next(iter(reasons[kind].items()))
+        if len(reasons[kind]) > 1:
+            why += f"; as rank {rank} sees it, other ranks give other reasons"
+        rows.append(("activations and gradients", words[kind], why))
+    return rows

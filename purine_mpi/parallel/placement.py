@@ -150,6 +150,13 @@ def local_rank():
     return 0
 
 
+def asks_for_gpu(job):
+    """Whether ``job`` runs on GPUs (keys ``device`` >= 0, or ``backend:
+    cupy``): what ``select_device`` decides before it looks at the machine,
+    for what is composed before placement (parallel.transport's windows)."""
+    return job.device >= 0 or (job.backend or "auto") == "cupy"
+
+
 def select_device(job, rank_on_node=None):
     """The GPU this rank uses from a job (job/job.py), or -1
     for the CPU.

@@ -38,7 +38,7 @@ for bit. On GPUs: ``streams_dispatcher.StreamExecutor`` and
 import time
 
 from ..base.errors import OpError
-from .scheduler import ready_priority
+from .scheduler import ready_priority, twin_order
 
 
 class Executor:
@@ -122,8 +122,9 @@ INLINE_LANE = "main"
 class Inline(Executor):
     """The serial twin: every unit on the thread that calls ``run``, one
     at a time, strictly in one fixed topological order in which the comm
-    ops keep their posting order (its ``priority``); a unit that waits for
-    a transfer is overtaken by none (``Dispatcher._run_inline``)."""
+    ops keep their posting order where the graph allows it (its
+    ``priority``: ``scheduler.twin_order``); a unit that waits for a
+    transfer is overtaken by none (``Dispatcher._run_inline``)."""
 
     threaded = False
 
@@ -131,11 +132,9 @@ class Inline(Executor):
         return INLINE_LANE
 
     def priority(self, names, feeds_comm):
+        """The fixed order: ``scheduler.twin_order``."""
         core = self.core
-        deps = core.graph.dependencies()
-        posting = {n: set(d) for n, d in deps.items()}
         comm = core.comm_order()
-        for before, after in zip(comm, comm[1:]):
-            posting[after].add(before)
-        position = {op.name: i for i, op in enumerate(core.graph.topo_order(posting))}
+        ordered = [n for n in comm if core.kernels[n].seq_ordered]
+        position = {n: i for i, n in enumerate(twin_order(core.graph, comm, ordered))}
         return {n: position[n] for n in names}

@@ -47,6 +47,46 @@ def feeds_comm(graph, units, comm):
             if any(c.name in comm for c in consumers.get(b, ()))}
 
 
+def twin_posting_order(order, deps, comm_order):
+    """The serial twin's order of the comm ops (``executors.Inline``):
+    ``comm_order`` (the posting order: ``seq``) wherever it is a
+    topological order of the graph, and else each comm op moved up to the
+    first comm op (in ``comm_order``) that waits for it, directly or not.
+    ``seq`` is a topological order of a slice's Send/Recv and collectives
+    (the twin then posts exactly in ``seq`` order: matched pairs and
+    collectives never deadlock), but not of the one-sided protocol's ops,
+    which pair across iterations (parallel/one_sided.py): a WaitFree, an
+    iteration's first wait, has a ``seq`` after the Puts its region's writer
+    feeds, a Release one before the collectives behind the updates that
+    read its blob last. ``order``: the op names in a topological order of
+    ``deps`` ({name: predecessor names}) in which the ordered comm ops
+    (collectives) keep ``comm_order``, with the edges that chain them."""
+    index = {c: i for i, c in enumerate(comm_order)}
+    succ = collections.defaultdict(list)
+    for n, d in deps.items():
+        for p in d:
+            succ[p].append(n)
+    first = {}  # the first comm op, in comm_order, that n leads to (itself included)
+    for n in reversed(order):
+        first[n] = min([index.get(n, len(index))] + [first[s] for s in succ[n]])
+    position = {n: i for i, n in enumerate(order)}
+    return sorted(comm_order, key=lambda c: (first[c], position[c]))
+
+
+def twin_order(graph, comm_order, ordered):
+    """The serial twin's fixed order of ``graph``'s ops (names): a
+    topological order in which the comm ops come in ``twin_posting_order``.
+    ``comm_order``: the comm ops in posting order; ``ordered``: those of
+    them posted strictly in that order (collectives, ``seq_ordered``)."""
+    deps = {n: set(d) for n, d in graph.dependencies().items()}
+    for before, after in zip(ordered, ordered[1:]):
+        deps[after].add(before)
+    chain = twin_posting_order([op.name for op in graph.topo_order(deps)], deps, comm_order)
+    for before, after in zip(chain, chain[1:]):
+        deps[after].add(before)
+    return [op.name for op in graph.topo_order(deps)]
+
+
 class Schedule:
     """Ready counts, ready queues and the deferred tail of one rank's units.
 

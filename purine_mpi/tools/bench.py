@@ -106,7 +106,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         job = job.replace(checkpoint=dataclasses.replace(job.checkpoint, interval=0))
         job, sub = split_workers(job, world)
         if sub is None:
-            return ps_server(job, world, warmup)
+            return ps_server(job, world, warmup, dispatcher)
         scheme, world = WorkerScheme(job, gworld), sub
         servers = scheme.layout["servers"]
     peak = start_peak_memory(xp_for_device(0)) if cupy_available() else None   # before any allocation

@@ -80,13 +80,14 @@ def transport_figures(dispatcher, graph, iters, before):
             "bytes_copied_per_iter": int(round(copied / max(iters, 1)))}
 
 
-def ps_server(job, world, warmup):
+def ps_server(job, world, warmup, dispatcher=None):
     """A server rank's part of a bench run: serve the workers' warm-up and
-    timed iterations, then send rank 0 its figures (after its state: the
-    order run_server's transfers and ``ps_figures`` agree on)."""
+    timed iterations (``dispatcher``: the workers'), then send rank 0 its
+    figures (after its state: the order run_server's transfers and
+    ``ps_figures`` agree on)."""
     from ..runtime.trace import merge_intervals
     from ..train.ps_server import run_server
-    res = run_server(job, world, profile_from=warmup)
+    res = run_server(job, world, profile_from=warmup, dispatcher=dispatcher)
     stats = res["stats"]
     events = stats.pop("events", None)
     timed = max(stats.get("iterations", 0) - warmup, 1)

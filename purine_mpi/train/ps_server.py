@@ -5,8 +5,8 @@ server runs its server graph once per iteration; an async server runs
 stop agreement and send their momenta to rank 0 for its checkpoints
 (train/ps_worker.py is the workers' side).
 
-    run_server_rank(job, out_dir, world, resume=None, init=None) -> status
-    run_server(job, world, resume=None, init=None, log=None)
+    run_server_rank(job, out_dir, world, resume=None, init=None, dispatcher=None) -> status
+    run_server(job, world, resume=None, init=None, log=None, dispatcher=None)
         -> {"params", "momenta", "stats", "plan"}   # one server rank's work
     recv_state(world, servers), state_transfer_due(job, done, start,
     final_only): the momenta's way to rank 0.
@@ -22,12 +22,14 @@ from .async_server import AsyncServer
 
 # ------------------------------------------------------------- server rank
 def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
-               profile_from=None):
+               profile_from=None, dispatcher=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
     agreement (the ``train`` command); None when workers that make no
-    agreement drive the server (tests)."""
+    agreement drive the server (tests). ``dispatcher``: the kind that runs
+    a sync_ps server's graph (runtime/factory.make_dispatcher; default
+    event)."""
     from ..layers.fillers import fill
     from ..job.replica import build_train_graph
     if world is None:
@@ -68,7 +70,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         sg = server_graph(graph, grads, plan, world.rank, job)
         if windows is not None:
             windowed_server(sg, plan, world.rank).validate()
-        d = make_dispatcher(sg, "event", rank=world.rank,
+        d = make_dispatcher(sg, dispatcher, rank=world.rank,
                             stall_timeout=float(par.stall_timeout))
         try:
             for p in owned:
@@ -147,13 +149,15 @@ def recv_state(world, servers):
     return out
 
 
-def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=()):
-    """``train`` on a server rank: serve, take part in the stop agreement,
-    and return the same exit status as the workers (trainer.run_and_report)."""
+def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
+                    dispatcher=None):
+    """``train`` on a server rank: serve (``dispatcher``: as the workers'),
+    take part in the stop agreement, and return the same exit status as the
+    workers (trainer.run_and_report)."""
     # the same checkpoint the workers' Trainer resumes from
     resumed = resolve_resume(out_dir, resume)
     res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
-                     stop=StopSignal())
+                     stop=StopSignal(), dispatcher=dispatcher)
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3
     return StopSignal.exit_status(res["stopped_by"])

@@ -169,7 +169,8 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
             say(note)
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,
-                                profile=profile, init_skip=init_skip, tensorboard=tensorboard)
+                                profile=profile, dispatcher=dispatcher, init_skip=init_skip,
+                                tensorboard=tensorboard)
     return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
                                   tensorboard=tensorboard, log=say),
@@ -180,15 +181,16 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                      dispatcher=None, log=None, init_skip=(), tensorboard=False):
     """``train`` on every rank of a parameter-server run: servers serve
     (train/ps_server.run_server_rank), workers train a Trainer over the
-    workers' World (metrics and checkpoints from rank 0, a worker). Returns
-    the exit status."""
+    workers' World (metrics and checkpoints from rank 0, a worker).
+    ``dispatcher`` runs the workers' graphs and a sync_ps server's (an
+    async server runs no graph). Returns the exit status."""
     from ..parallel.param_server import WorkerScheme, split_workers
     from .ps_server import run_server_rank
     from .ps_worker import WorkerStopAgreement
     job, sub = split_workers(job, world)
     if sub is None:
         return run_server_rank(job, out_dir, world, resume=resume, init=init,
-                               init_skip=init_skip)
+                               init_skip=init_skip, dispatcher=dispatcher)
     return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
                                   init_skip=init_skip, scheme=WorkerScheme(job, world),
