@@ -84,10 +84,11 @@ def test_case4_busy_cores_lower_the_default_count():
     and the reason says so; an idle host keeps cores / ranks."""
     assert threads.decide({}, cores=2, busy=0.1) == (2, "2 usable cores")
     n, why = threads.decide({}, cores=2, busy=1.0)
-    assert n == 1 and why == "2 usable cores; 1.0 busy with other processes: 1 free", why
+    assert n == 1 and why == ("2 usable cores - 1 busy with other processes (1.0 measured) = "
+                              "1 free"), why
     n, why = threads.decide({"MPI_LOCALNRANKS": "2"}, cores=16, busy=4.2)
-    assert n == 6 and why == ("16 usable cores / 2 ranks on this host (MPI_LOCALNRANKS); 4.2 "
-                              "busy with other processes: 12 free"), why
+    assert n == 6 and why == ("16 usable cores - 4 busy with other processes (4.2 measured) = "
+                              "12 free / 2 ranks on this host (MPI_LOCALNRANKS)"), why
     # a count the user chose stands
     assert threads.decide({"PURINE_THREADS": "2"}, cores=2, busy=1.0) == (2, "PURINE_THREADS")
 
