@@ -113,7 +113,7 @@ def test_item4_plot_panels_do_not_mislead(tmp_path):
     from purine_mpi.tools.plot import ACCURACY_SPAN, draw
     fig = draw([("run", _rows())])
     loss, acc, lr, _ = fig.axes[:4]
-    assert all(line.get_drawstyle() == "steps-post" for line in lr.get_lines())
+    assert all(line.get_drawstyle() == "steps-pre" for line in lr.get_lines())
     bottom, top = acc.get_ylim()
     assert top - bottom >= ACCURACY_SPAN and 0 <= bottom <= 0.978 and 0.9805 <= top <= 1
     assert loss.get_yscale() == "log"

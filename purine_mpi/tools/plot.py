@@ -5,7 +5,7 @@ images/s. Each run has its colour (the legend names its folder); training
 rows are solid lines, test rows dashed lines with markers.
 
 The panels do not mislead: the learning rate is drawn as steps (a rate
-holds until the next row), the accuracy axis spans at least
+holds from the row before up to its own), the accuracy axis spans at least
 ``ACCURACY_SPAN`` (so one test sample is not a cliff) and all of [0, 1]
 once the values spread over half of it, and the loss axis is logarithmic
 (``--loss-scale auto``, the default) when every loss is positive and they
@@ -35,8 +35,9 @@ INSTALL = "pip install 'purine_mpi[plot]'"
 # (key, panel title, y label)
 PANELS = (("loss", "loss", "loss"), ("accuracy", "accuracy", "accuracy"),
           ("lr", "learning rate", "lr"), ("images_per_s", "throughput", "images/s"))
-#: drawstyle per panel key: a step schedule's rate holds until the next row
-DRAWSTYLE = {"lr": "steps-post"}
+#: drawstyle per panel key: a row holds the rate of the iterations since the row
+#: before, so a step drawn at the row before would come one display interval late
+DRAWSTYLE = {"lr": "steps-pre"}
 #: the accuracy axis spans at least this much (one test sample of 2,000 is 0.0005)
 ACCURACY_SPAN = 0.05
 #: --loss-scale auto: a log axis when the positive losses span more than this factor
