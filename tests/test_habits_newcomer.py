@@ -114,6 +114,8 @@ def test_item4_plot_panels_do_not_mislead(tmp_path):
     fig = draw([("run", _rows())])
     loss, acc, lr, _ = fig.axes[:4]
     assert all(line.get_drawstyle() == "steps-pre" for line in lr.get_lines())
+    smooth = [{"phase": "train", "iter": i, "loss": 1.0, "lr": 0.1 / (1 + i)} for i in range(5)]
+    assert draw([("run", smooth)]).axes[2].get_lines()[0].get_drawstyle() == "default"
     bottom, top = acc.get_ylim()
     assert top - bottom >= ACCURACY_SPAN and 0 <= bottom <= 0.978 and 0.9805 <= top <= 1
     assert loss.get_yscale() == "log"

@@ -4,8 +4,9 @@ A 2 x 2 figure against the iteration: loss, accuracy, learning rate and
 images/s. Each run has its colour (the legend names its folder); training
 rows are solid lines, test rows dashed lines with markers.
 
-The panels do not mislead: the learning rate is drawn as steps (a rate
-holds from the row before up to its own), the accuracy axis spans at least
+The panels do not mislead: a learning rate that holds its value (a step
+schedule) is drawn as steps, each row's rate from the row before up to its
+own (a smooth one stays a line), the accuracy axis spans at least
 ``ACCURACY_SPAN`` (so one test sample is not a cliff) and all of [0, 1]
 once the values spread over half of it, and the loss axis is logarithmic
 (``--loss-scale auto``, the default) when every loss is positive and they
@@ -35,9 +36,11 @@ INSTALL = "pip install 'purine_mpi[plot]'"
 # (key, panel title, y label)
 PANELS = (("loss", "loss", "loss"), ("accuracy", "accuracy", "accuracy"),
           ("lr", "learning rate", "lr"), ("images_per_s", "throughput", "images/s"))
-#: drawstyle per panel key: a row holds the rate of the iterations since the row
-#: before, so a step drawn at the row before would come one display interval late
-DRAWSTYLE = {"lr": "steps-pre"}
+#: panels drawn as steps where the values are piecewise constant (a value
+#: repeated by the next row): a row holds the rate of the iterations since the
+#: row before, so a step policy's drop shows at its iteration ("steps-pre");
+#: a smooth schedule (cosine, warm-up) stays a line between its rows
+STEPPED = ("lr",)
 #: the accuracy axis spans at least this much (one test sample of 2,000 is 0.0005)
 ACCURACY_SPAN = 0.05
 #: --loss-scale auto: a log axis when the positive losses span more than this factor
@@ -158,8 +161,9 @@ def draw(runs, loss_scale_choice="auto"):
                 xs, ys = series(rows, phase, key)
                 if not any(math.isfinite(y) for y in ys):
                     continue
+                stepped = key in STEPPED and any(a == b for a, b in zip(ys, ys[1:]))
                 ax.plot(xs, ys, color=f"C{i % 10}", label=f"{label} {phase}",
-                        drawstyle=DRAWSTYLE.get(key, "default"), **STYLE[phase])
+                        drawstyle="steps-pre" if stepped else "default", **STYLE[phase])
                 finite += [y for y in ys if math.isfinite(y)]
                 phases_seen.add(phase)
                 drawn = True
