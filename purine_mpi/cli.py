@@ -31,6 +31,7 @@ parser is purine_mpi/cli_args.py.
 Exit statuses (the same on every rank): the table in docs/formats.md, and
 ``--help``'s epilog.
 """
+import difflib
 import json
 import math
 import os
@@ -141,6 +142,17 @@ def _weights_file(path):
             raise UserError(f"--weights {path}: a folder without latest.h5 (not a run folder "
                             "with a finished checkpoint); give the checkpoint file")
         return latest
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.normpath(path)) or "."
+        try:
+            siblings = sorted(os.listdir(parent))
+        except OSError:
+            siblings = []
+        close = difflib.get_close_matches(os.path.basename(os.path.normpath(path)), siblings,
+                                          n=1, cutoff=0.6)
+        hint = f" (did you mean '{os.path.join(os.path.dirname(path), close[0])}'?)" \
+            if close else ""
+        raise UserError(f"--weights {path}: no such run folder or checkpoint{hint}")
     return path
 
 
@@ -243,7 +255,7 @@ def cmd_bench(args):
 
 def cmd_plot(args):
     from .tools.plot import plot_runs
-    plot_runs(args.runs, args.out)
+    plot_runs(args.runs, args.out, args.loss_scale)
     print(f"wrote {args.out}")
     return 0
 

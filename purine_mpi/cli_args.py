@@ -8,6 +8,10 @@ of the command at fault, not the top-level one; under a launcher only rank 0
 prints usage, help and usage errors (every rank exits with the same status).
 """
 import argparse
+import difflib
+import os
+import re
+import sys
 
 from . import __version__
 from .comm.launcher import launched_rank
@@ -25,6 +29,17 @@ class Parser(argparse.ArgumentParser):
             command = getattr(self, "commands", {}).get(getattr(args, "command", None), self)
             command.error(f"unrecognized arguments: {' '.join(extras)}")
         return args
+
+    def error(self, message):
+        """argparse's usage error, with "did you mean" for a mistyped choice
+        (a command ``trian``, a ``--format dotx``), as a config key gets."""
+        bad = re.search(r"invalid choice: (['\"]?)(.*?)\1 \(choose from (.*)\)$", message)
+        if bad:
+            choices = [c.strip(" '\"") for c in bad.group(3).split(",")]
+            close = difflib.get_close_matches(bad.group(2), choices, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean '{close[0]}'?)"
+        super().error(message)
 
     def _print_message(self, message, file=None):
         if launched_rank() == 0:  # under mpiexec -n N: one usage, one help, not N
@@ -56,9 +71,22 @@ def _common_config_args(p, optional=False):
                                                           "seed)")
 
 
+#: the console script setup.cfg installs (``[options.entry_points]``)
+CONSOLE_SCRIPT = "purine-mpi"
+
+
+def program_name(argv0=None):
+    """The name usage and help call the program by: the console script's
+    own name when it runs (``purine-mpi --help``), else ``python -m
+    purine_mpi``."""
+    argv0 = sys.argv[0] if argv0 is None and sys.argv else argv0 or ""
+    name = os.path.basename(argv0)
+    return name if name == CONSOLE_SCRIPT else "python -m purine_mpi"
+
+
 def build_parser():
     parser = Parser(
-        prog="python -m purine_mpi",
+        prog=program_name(),
         description="purine_mpi: bi-graph deep learning on MPI clusters. Run any command under "
                     "mpiexec -n N (or srun) for N ranks. The job YAML is described in "
                     "docs/config.md, the files a run writes and the exit statuses in "
@@ -239,6 +267,9 @@ def build_parser():
     p.add_argument("--out", default="curves.png", metavar="IMAGE",
                    help="the image to write; the format follows the extension (.png, .pdf, "
                         ".svg; default curves.png)")
+    p.add_argument("--loss-scale", choices=["auto", "log", "linear"], default="auto",
+                   help="the loss axis: auto (default) is log when every loss is positive and "
+                        "they span more than a factor of 10, else linear")
 
     p = sub.add_parser("convert", help="convert another framework's model into a job YAML")
     p.add_argument("format", choices=["caffe"], help="the source format")

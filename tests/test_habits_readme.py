@@ -235,3 +235,42 @@ def test_case6_every_relative_link_resolves():
             elif anchor and anchor not in _anchors(target_path):
                 bad.append((path, link))
     assert seen and bad == []
+
+
+# ------------------------------------------------- issue 46 §2, items 1 and 8
+def _section(text, heading):
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_issue46_readme_top_reads_in_five_minutes():
+    """Item 8: the set-up commands are lines a reader can take in (each
+    line at most 100 characters; command 1 may continue over lines with a
+    backslash and is still one command), and no paragraph of prose runs
+    over 8 lines (details live in docs/, a line and a link stay)."""
+    text = _readme()
+    setup = _section(text, "Set-up")
+    raw = [line for line in setup.splitlines() if line.startswith("    ")]
+    assert raw and max(len(line) for line in raw) <= 100, max(raw, key=len)
+    paragraphs, run = [], []
+    for line in text.splitlines() + [""]:
+        prose = line.strip() and not line.startswith(("    ", "#", "|", "- ", "  "))
+        if prose:
+            run.append(line)
+        elif run:
+            paragraphs.append(run)
+            run = []
+    longest = max(paragraphs, key=len)
+    assert len(longest) <= 8, "\n".join(longest)
+
+
+def test_issue46_readme_says_what_the_full_suite_starts():
+    """Item 1: the README says which services the full test suite starts
+    (SLURM's daemons, network namespaces) and gives the quick local run its
+    own line."""
+    setup = _section(_readme(), "Set-up")
+    prose = " ".join(line for line in setup.splitlines() if not line.startswith("    "))
+    assert "slurmctld" in prose and "slurmd" in prose and "network namespaces" in prose
+    assert 'python -m pytest -q -m "not slow"' in [c.split("#")[0].strip()
+                                                   for c in _code_lines(setup)]

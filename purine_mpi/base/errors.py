@@ -34,7 +34,7 @@ class ConfigError(UserError):
     """Bad configuration: ``ConfigError(path, key, message)``."""
 
     def __init__(self, path, key, message):
-        self.path, self.key = path, key
+        self.path, self.key, self.problem = path, key, message
         where = f"{path}: " if path else ""
         keytxt = f"key '{excerpt(key, quote=False)}': " if key else ""
         super().__init__(f"{where}{keytxt}{message}")

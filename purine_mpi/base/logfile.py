@@ -32,6 +32,7 @@ LOG_NAME = "train.log"
 _path = None
 _rank = 0
 _outcome = None  # what the training loop returned, in words (set_outcome)
+_end_hooks = []  # called once the run ends (at_end)
 
 
 def open_run_log(out_dir, rank=0):
@@ -109,9 +110,25 @@ _BY_STATUS = {0: "finished", 2: "user error", 3: "non-finite weights or figures"
               143: "stopped by SIGTERM"}
 
 
+def at_end(hook):
+    """Call ``hook()`` when this process's run ends (``end_run``), after the
+    log's last line: job/rundir.py frees the run folder's lock there."""
+    if hook not in _end_hooks:
+        _end_hooks.append(hook)
+
+
 def end_run(status, rank=None):
     """The log's last line, ``run ended: ... (exit STATUS)``, once; rank 0
-    writes it (``rank``: the rank that ends the job on its own, an abort)."""
+    writes it (``rank``: the rank that ends the job on its own, an abort).
+    Then the ``at_end`` hooks, on any rank."""
+    try:
+        _last_line(status, rank)
+    finally:
+        while _end_hooks:
+            _end_hooks.pop(0)()
+
+
+def _last_line(status, rank):
     global _path, _outcome
     if _path is None or (rank is None and _rank != 0):
         return

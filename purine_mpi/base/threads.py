@@ -21,7 +21,10 @@ affinity mask for ``LOAD_SAMPLE_S`` (``os.getloadavg()`` where there is no
 the job on this host (``busy_elsewhere``). By default the threads are then
 the free cores over the ranks; with a count the user chose, the start-up
 block says when the job's threads exceed the free cores and names
-``PURINE_THREADS=1``.
+``PURINE_THREADS=1``. The reason adds up: ``2 usable cores - 1 busy with
+other processes (1.2 measured) = 1 free``. A host that runs more ranks than
+it has usable cores gets a warning in the same line (rank 0's start-up
+block: once).
 
 Imports nothing but the standard library: it must run before NumPy.
 """
@@ -134,15 +137,18 @@ def decide(environ=os.environ, cores=None, busy=None):
         return user, "OMP_NUM_THREADS"
     cores = usable_cores() if cores is None else cores
     ranks, var = ranks_on_this_host(environ)
+    why = f"{cores} usable core{'s' if cores != 1 else ''}"
     free = cores
     if busy is not None and busy >= BUSY_MIN:
-        free = max(1, cores - round(busy))
-    threads = max(1, free // ranks)
-    why = f"{cores} usable core{'s' if cores != 1 else ''}"
+        taken = min(cores, round(busy))
+        free = cores - taken
+        why += f" - {taken} busy with other processes ({busy:.1f} measured) = {free} free"
     if var is not None:
         why += f" / {ranks} ranks on this host ({var})"
-    if free != cores:
-        why += f"; {busy:.1f} busy with other processes: {free} free"
+    threads = free // ranks
+    if threads < 1:
+        threads = 1
+        why += "; 1 is the least"
     return threads, why
 
 
@@ -193,5 +199,17 @@ def describe(environ=os.environ):
     ranks = ranks_on_this_host(environ)[0]
     if BUSY is None and not automatic(environ):
         BUSY = busy_elsewhere(ranks)
-    note = busy_note(threads, ranks, usable_cores(), BUSY)
-    return f"{threads} per rank ({why})" + (f"; {note}" if note else "")
+    cores = usable_cores()
+    notes = [n for n in (busy_note(threads, ranks, cores, BUSY), oversubscribed(ranks, cores))
+             if n]
+    return f"{threads} per rank ({why})" + "".join(f"; {n}" for n in notes)
+
+
+def oversubscribed(ranks, cores):
+    """The start-up block's warning when this host runs more ranks than it
+    has usable cores (``mpiexec -n 3`` on 2 cores), else None."""
+    if ranks <= cores:
+        return None
+    return (f"warning: {ranks} ranks on this host, which has {cores} usable "
+            f"core{'s' if cores != 1 else ''}: the ranks take turns on them, each runs slower "
+            "than alone (fewer ranks per host, or more hosts)")

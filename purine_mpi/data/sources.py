@@ -51,6 +51,23 @@ class DataSource:
         raise NotImplementedError
 
 
+def data_hint(data_path, what="data file"):
+    """How to make the missing data file ``data_path``, by the data set its
+    name suggests (a text data file: ``data text``)."""
+    name = os.path.basename(str(data_path)).lower()
+    if what == "text data file":
+        return (f"make it with 'python -m purine_mpi data text --from PATH --out {data_path}' "
+                "(PATH: a UTF-8 file or a folder, e.g. a package of Python's standard library "
+                "with --glob '*.py')")
+    if "cifar" in name:
+        return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
+                "(or --from DIR with the unpacked python batches)")
+    if "digit" in name:
+        return f"make it with 'python -m purine_mpi data digits --out {data_path}'"
+    return ("convert your data to the HDF5 layout of docs/formats.md ('HDF5 data files'); "
+            "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")
+
+
 def hdf5_info(path, split=None, external=False):
     """(n_samples, sample_shape) of an HDF5 data file's split, reading only
     metadata. Raises UserError naming the file and dataset when the file is
@@ -60,7 +77,7 @@ def hdf5_info(path, split=None, external=False):
     (the data spec's key), or with it from a file that is missing or short."""
     import h5py
     if not os.path.isfile(path):
-        raise UserError(f"data file '{path}' not found")
+        raise UserError(f"data file '{path}' not found; {data_hint(path)}")
     try:
         f = h5py.File(path, "r")
     except OSError as e:

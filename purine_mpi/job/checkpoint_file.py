@@ -279,7 +279,9 @@ def _run_lock_holder(path):
             text = f.read().strip()
     except OSError:
         return ""
-    return "" if not text or text.startswith(f"pid {os.getpid()} ") else f"the run: {text}"
+    if not text or text.startswith(f"pid {os.getpid()} ") or text.startswith("free:"):
+        return ""  # no run, this one, or one that has ended (job/rundir.py)
+    return f"the run: {text}"
 
 
 @names_the_file("checkpoint")

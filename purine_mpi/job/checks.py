@@ -141,8 +141,27 @@ def _check_keys(section, mapping, allowed, path):
                                          f"(valid keys: {', '.join(allowed)})")
 
 
+#: other frameworks' names of our keys (PyTorch, Hugging Face, nanoGPT, Keras),
+#: offered where difflib finds nothing alike: 'learning_rate' is not close
+#: to 'base_lr' as strings. An entry counts only where its key is allowed.
+COMMON_NAMES = {"learning_rate": "base_lr", "lr": "base_lr", "max_steps": "max_iter",
+                "max_iters": "max_iter", "epochs": "max_iter", "num_epochs": "max_iter",
+                "iterations": "max_iter", "batch": "batch_size", "bs": "batch_size",
+                "optimizer": "type", "eps": "delta", "epsilon": "delta",
+                "beta1": "momentum", "beta2": "momentum2", "warmup_steps": "warmup_iters",
+                "warmup": "warmup_iters", "grad_clip": "clip_gradients",
+                "gradient_clip_val": "clip_gradients", "max_grad_norm": "clip_gradients",
+                "lr_scheduler": "lr_policy", "scheduler": "lr_policy",
+                "eval_interval": "test_interval", "eval_iters": "test_iter",
+                "log_interval": "display", "save_interval": "interval"}
+
+
 def _suggest(value, choices):
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    choices = [str(c) for c in choices]
+    alias = COMMON_NAMES.get(str(value).lower())
+    if alias in choices:
+        return f" (did you mean {alias!r}?)"
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -24,6 +24,7 @@ docs/config.md is stale or a key has no meaning).
 """
 import copy
 import os
+import re
 
 import yaml
 
@@ -118,7 +119,43 @@ def resolve_config(raw, path="<config>", overrides=(), iters=None, check_files=T
         if not isinstance(config["solver"], dict):
             raise ConfigError(path, "solver", f"expected a mapping, got {_kind(config['solver'])}")
         config["solver"]["max_iter"] = _check_int("--iters", iters, path, minimum=0)
-    return validate_config(config, path, check_files)
+    try:
+        return validate_config(config, path, check_files)
+    except ConfigError as exc:
+        source = _override_at(exc.key, overrides, raw)
+        if source is None:
+            raise
+        raise ConfigError(f"--set {excerpt(source, quote=False)}", exc.key, exc.problem) from None
+
+
+def _override_at(key, overrides, raw):
+    """The last ``--set`` text that wrote the config key ``key`` (as an error
+    names it: ``solver.base_lr``, ``net[2].stride``) or the mapping that holds
+    it, where the file has no such mapping; None when the file is at fault."""
+    if not key:
+        return None
+    parts = re.sub(r"\[(\d+)\]", r".\1", str(key)).split(".")
+    for text in reversed(list(overrides or ())):
+        set_parts = [p.strip() for p in str(text).partition("=")[0].strip().split(".")]
+        if parts[:len(set_parts)] == set_parts:  # in the value --set gave
+            return text
+        if set_parts[:len(parts)] == parts and not _has_path(raw, parts):
+            return text  # a mapping --set made for its key (a mistyped section)
+    return None
+
+
+def _has_path(raw, parts):
+    """Whether the parsed file ``raw`` holds the dotted path ``parts``."""
+    node = raw
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.lstrip("-").isdigit() \
+                and -len(node) <= int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
 
 
 def apply_override(config, text, path="<config>"):

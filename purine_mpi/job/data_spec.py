@@ -6,6 +6,7 @@ command which makes a missing data file. Imports the schema and checks.
 import os
 
 from ..base.errors import ConfigError, excerpt
+from ..data.sources import data_hint
 from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
 from .schema import DATA_CHECKS, DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
 
@@ -205,20 +206,3 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
                                             f"{excerpt(data_path)} not found (looked for "
                                             f"{tried}); {hint}")
     return data_path
-
-
-def data_hint(data_path, what="data file"):
-    """How to make the missing data file ``data_path``, by the data set its
-    name suggests (a text data file: ``data text``)."""
-    name = os.path.basename(str(data_path)).lower()
-    if what == "text data file":
-        return (f"make it with 'python -m purine_mpi data text --from PATH --out {data_path}' "
-                "(PATH: a UTF-8 file or a folder, e.g. a package of Python's standard library "
-                "with --glob '*.py')")
-    if "cifar" in name:
-        return (f"make it with 'python -m purine_mpi data cifar10 --download --out {data_path}' "
-                "(or --from DIR with the unpacked python batches)")
-    if "digit" in name:
-        return f"make it with 'python -m purine_mpi data digits --out {data_path}'"
-    return ("convert your data to the HDF5 layout of docs/formats.md ('HDF5 data files'); "
-            "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")

@@ -14,6 +14,8 @@
 - A run holds an exclusive lock on its folder (``.purine.lock``, an
   ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
   started into the same folder exits 2 and names the first (pid, host, start).
+  A run that ends (any exit status) rewrites the file ``free: ...``; one that
+  was killed leaves ``pid ...``, and its lock went with it.
   The lock is taken before the folder's files are looked at, so ``--force``
   into a folder whose run is still going deletes nothing.
 
@@ -30,12 +32,14 @@ also a failure (a read-only folder, ``--out`` under a file, a full disk, a
 refused file), which every rank raises as the same UserError (exit 2) at
 once, under ``parallel.stall_timeout``.
 """
+import atexit
 import fcntl
 import os
 import re
 import socket
 import time
 
+from ..base import logfile
 from ..base.errors import UserError
 from ..base.runfiles import disk_error, open_run_file, refuse_link
 from .checkpoint_file import LATEST
@@ -46,7 +50,7 @@ LOCK_FILE = ".purine.lock"
 _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
                           r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
-_held = []  # open lock files of this process (closing one would release its lock)
+_held = []  # (open lock file, its text) of this process (closing one releases its lock)
 
 
 def run_files(folder):
@@ -169,11 +173,36 @@ def lock_run_dir(folder):
                         "it to end, or give another --out") from None
     f.seek(0)
     f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    holder = (f"pid {os.getpid()} on {socket.gethostname()}, started "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+    f.write(holder + "\n")
     f.flush()
-    _held.append(f)
+    if not _held:
+        logfile.at_end(release_run_dirs)  # every end, also the abort paths' os._exit
+    _held.append((f, holder))
     return path
+
+
+def release_run_dirs():
+    """At the end of this process's run: mark each run folder's lock file
+    free (``free: <what it said>, ended <date>``) and release the lock, so a
+    finished run's folder does not read as held by a dead pid. A killed run
+    cannot do this; its file keeps ``pid ...``, but the lock went with the
+    process, so the next run takes it all the same."""
+    while _held:
+        f, holder = _held.pop()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"free: {holder}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+        except OSError:
+            pass  # a full disk: the lock is released all the same
+        finally:
+            f.close()  # closing the file releases its flock
+
+
+atexit.register(release_run_dirs)  # a process that ends before its run's end_run
 
 
 def refuse_linked_run_files(folder):

@@ -4,6 +4,15 @@ A 2 x 2 figure against the iteration: loss, accuracy, learning rate and
 images/s. Each run has its colour (the legend names its folder); training
 rows are solid lines, test rows dashed lines with markers.
 
+The panels do not mislead: a learning rate that holds its value (a step
+schedule) is drawn as steps, each row's rate from the row before up to its
+own (a smooth one stays a line), the accuracy axis spans at least
+``ACCURACY_SPAN`` (so one test sample is not a cliff) and all of [0, 1]
+once the values spread over half of it, and the loss axis is logarithmic
+(``--loss-scale auto``, the default) when every loss is positive and they
+span more than a factor of ``LOG_LOSS_RATIO``; ``--loss-scale log|linear``
+chooses.
+
 A RUN is
 - a run folder holding ``metrics.jsonl`` (``runs/digits_lenet/2``, an ``--out``),
 - a metrics file itself (any name), or
@@ -27,6 +36,16 @@ INSTALL = "pip install 'purine_mpi[plot]'"
 # (key, panel title, y label)
 PANELS = (("loss", "loss", "loss"), ("accuracy", "accuracy", "accuracy"),
           ("lr", "learning rate", "lr"), ("images_per_s", "throughput", "images/s"))
+#: panels drawn as steps where the values are piecewise constant (a value
+#: repeated by the next row): a row holds the rate of the iterations since the
+#: row before, so a step policy's drop shows at its iteration ("steps-pre");
+#: a smooth schedule (cosine, warm-up) stays a line between its rows
+STEPPED = ("lr",)
+#: the accuracy axis spans at least this much (one test sample of 2,000 is 0.0005)
+ACCURACY_SPAN = 0.05
+#: --loss-scale auto: a log axis when the positive losses span more than this factor
+LOG_LOSS_RATIO = 10.0
+LOSS_SCALES = ("auto", "log", "linear")
 STYLE = {"train": {"linestyle": "-"},
          "test": {"linestyle": "--", "marker": "o", "markersize": 3}}
 
@@ -102,7 +121,31 @@ def _matplotlib():
     return Figure, FigureCanvasAgg, Line2D
 
 
-def draw(runs):
+def accuracy_limits(values):
+    """(bottom, top) of the accuracy axis for ``values`` (finite): at least
+    ACCURACY_SPAN wide, inside [0, 1], and all of [0, 1] when the values
+    spread over half of it."""
+    lo, hi = min(values), max(values)
+    if hi - lo > 0.5 or lo < 0 or hi > 1:
+        return min(0.0, lo), max(1.0, hi)
+    span = max(ACCURACY_SPAN, (hi - lo) * 1.2)
+    top = min(1.0, hi + (span - (hi - lo)) / 2)
+    bottom = max(0.0, top - span)
+    return bottom, bottom + span
+
+
+def loss_scale(values, choice="auto"):
+    """'log' or 'linear' for the loss panel of ``values`` (finite): ``choice``
+    unless 'auto', which is 'log' when every value is positive and they span
+    more than LOG_LOSS_RATIO."""
+    if choice != "auto":
+        return choice
+    if values and min(values) > 0 and max(values) / min(values) > LOG_LOSS_RATIO:
+        return "log"
+    return "linear"
+
+
+def draw(runs, loss_scale_choice="auto"):
     """A Figure of ``runs`` [(label, rows)]: one axes per PANELS entry, one
     line per (run, phase) that has the figure (its label '<run> <phase>')."""
     Figure, FigureCanvasAgg, Line2D = _matplotlib()
@@ -112,14 +155,26 @@ def draw(runs):
     phases_seen = set()
     for ax, (key, title, ylabel) in zip(axes, PANELS):
         drawn = False
+        finite = []
         for i, (label, rows) in enumerate(runs):
             for phase in ("train", "test"):
                 xs, ys = series(rows, phase, key)
                 if not any(math.isfinite(y) for y in ys):
                     continue
-                ax.plot(xs, ys, color=f"C{i % 10}", label=f"{label} {phase}", **STYLE[phase])
+                stepped = key in STEPPED and any(a == b for a, b in zip(ys, ys[1:]))
+                ax.plot(xs, ys, color=f"C{i % 10}", label=f"{label} {phase}",
+                        drawstyle="steps-pre" if stepped else "default", **STYLE[phase])
+                finite += [y for y in ys if math.isfinite(y)]
                 phases_seen.add(phase)
                 drawn = True
+        if key == "accuracy" and finite:
+            ax.set_ylim(*accuracy_limits(finite))
+        if key == "loss" and finite:
+            scale = loss_scale(finite, loss_scale_choice)
+            if scale == "log" and min(finite) <= 0:
+                raise UserError("plot: --loss-scale log needs positive losses; these runs "
+                                f"have {min(finite):g}")
+            ax.set_yscale(scale)
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.set_ylabel(ylabel)
@@ -138,16 +193,16 @@ def draw(runs):
     return fig
 
 
-def plot_runs(args, out):
-    """Read every RUN of ``args``, draw them and save the figure to ``out``.
-    Returns the Figure."""
+def plot_runs(args, out, loss_scale_choice="auto"):
+    """Read every RUN of ``args``, draw them and save the figure to ``out``
+    (``loss_scale_choice``: --loss-scale). Returns the Figure."""
     _matplotlib()  # the missing package is said before anything else
     runs = []
     for arg in args:
         label, path = resolve_run(arg)
         check_out(out, more=[("the metrics file", path)])  # nor a checkpoint
         runs.append((label, read_rows(path)))
-    fig = draw(runs)
+    fig = draw(runs, loss_scale_choice)
     folder = os.path.dirname(os.path.abspath(out))
     try:
         os.makedirs(folder, exist_ok=True)

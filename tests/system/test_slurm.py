@@ -2,12 +2,18 @@
 two ranks through ``srun --mpi=pmi2`` (the recipe in shared/recipes).
 
 Slow (starts slurmctld/slurmd); skipped when SLURM is not installed or we are
-not root. CI installs Debian's slurm-wlm in .ci/run."""
+not root. CI installs Debian's slurm-wlm in .ci/run. The cluster is the
+test's own: ports free when it starts (never fixed ones, which a SLURM of
+the machine may hold), every file under the test's temporary folder, and
+nothing left running or written when it ends (a test checks)."""
+import contextlib
 import json
 import random
 import re
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,45 +54,144 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
 
 
-@pytest.fixture
-def slurm_cluster(tmp_path):
+def free_port():
+    """A TCP port of 127.0.0.1 that nothing listens on now (the kernel's pick
+    for port 0): never a fixed one, which a SLURM of the machine's own, or
+    a second test run, may hold."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _daemons(conf):
+    """{pid: command line} of the processes started with our slurm.conf
+    (``-f CONF`` on their command line)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if str(conf).encode() in argv:
+            found[int(entry)] = b" ".join(argv).decode(errors="replace")
+    return found
+
+
+def _stop(pids, timeout=30):
+    """SIGTERM ``pids``, wait for them to end, SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        if not any(_alive(p) for p in pids):
+            return
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def one_node_cluster(d):
+    """A throw-away one-node SLURM cluster whose every file is under the
+    folder ``d`` (made here, removed at the end): slurmctld and slurmd on
+    ports free at start-up, started with ``-f d/slurm.conf``. Yields the
+    environment that reaches it (SLURM_CONF). At the end every process
+    started with that configuration is stopped (and waited for) and ``d``
+    is deleted."""
     if not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("sbatch")):
         pytest.skip("SLURM (Debian slurm-wlm) is not installed")
     if os.geteuid() != 0:
         pytest.skip("the throw-away SLURM cluster runs its daemons as root")
-    d = tmp_path / "slurm"
-    for sub in ("state", "spool"):
-        (d / sub).mkdir(parents=True)
+    d = Path(d)
     conf = d / "slurm.conf"
-    # job ids that no earlier cluster on this machine used: MPICH names a
-    # job's shared memory after its PMI kvs ("<job>.<step>"), and a segment
-    # left behind by a killed job 1 made the next cluster's job 1 hang in
-    # MPI_Init (seen after killing a test run)
-    first_job = random.SystemRandom().randrange(1000, 60_000_000)
-    conf.write_text(CONF.format(d=d, cpus=max(2, os.cpu_count() or 2), port=16817, port2=16818,
-                                first_job=first_job))
-    env = dict(os.environ, SLURM_CONF=str(conf))
-    subprocess.run(["slurmctld"], env=env, check=True)
-    subprocess.run(["slurmd", "-N", "localhost"], env=env, check=True)
     try:
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
-                                 text=True).stdout.strip()
-            if out.startswith("idle"):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("SLURM node never became idle: " + (d / "slurmctld.log").read_text()[-2000:])
-        yield env, d
+        for attempt in range(3):  # a port taken between our pick and the daemon's bind
+            shutil.rmtree(d, ignore_errors=True)
+            for sub in ("state", "spool"):
+                (d / sub).mkdir(parents=True)
+            # job ids that no earlier cluster on this machine used: MPICH names a
+            # job's shared memory after its PMI kvs ("<job>.<step>"), and a segment
+            # left behind by a killed job 1 made the next cluster's job 1 hang in
+            # MPI_Init (seen after killing a test run)
+            first_job = random.SystemRandom().randrange(1000, 60_000_000)
+            conf.write_text(CONF.format(d=d, cpus=max(2, os.cpu_count() or 2), port=free_port(),
+                                        port2=free_port(), first_job=first_job))
+            env = dict(os.environ, SLURM_CONF=str(conf))
+            subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True)
+            subprocess.run(["slurmd", "-f", str(conf), "-N", "localhost"], env=env, check=True)
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                     text=True).stdout.strip()
+                if out.startswith("idle"):
+                    break
+                time.sleep(0.2)
+            else:
+                log = (d / "slurmctld.log").read_text()[-2000:] \
+                    if (d / "slurmctld.log").exists() else ""
+                _stop(list(_daemons(conf)))
+                if attempt < 2 and "Address already in use" in log:
+                    continue
+                pytest.fail("SLURM node never became idle: " + log)
+            break
+        yield env
     finally:
-        for pid_file in ("slurmd.pid", "slurmctld.pid"):
-            p = d / pid_file
-            if p.exists():
-                try:
-                    os.kill(int(p.read_text().strip()), 15)
-                except (ProcessLookupError, ValueError):
-                    pass
+        _stop(list(_daemons(conf)))
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path):
+    with one_node_cluster(tmp_path / "slurm") as env:
+        yield env, tmp_path / "slurm"
+
+
+def test_two_clusters_at_once_take_free_ports_and_leave_nothing_behind(tmp_path):
+    """Two throw-away clusters side by side (two test runs on one machine, or
+    a SLURM of the user's own on its usual ports) both come up, each on
+    ports free at its start; at the end neither leaves a daemon, a file
+    beside its folder, or a network namespace."""
+    before_ns = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                               text=True).stdout if shutil.which("ip") else ""
+    parents = [tmp_path / "a", tmp_path / "b"]
+    for parent in parents:
+        parent.mkdir()
+    started = {}
+    with one_node_cluster(parents[0] / "slurm") as env_a, \
+            one_node_cluster(parents[1] / "slurm") as env_b:
+        ports = set()
+        for env, parent in ((env_a, parents[0]), (env_b, parents[1])):
+            conf = parent / "slurm" / "slurm.conf"
+            ports |= set(re.findall(r"^Slurm(?:ctld|d)Port=(\d+)$", conf.read_text(), re.M))
+            daemons = _daemons(conf)
+            assert any("slurmctld" in c for c in daemons.values()), daemons
+            assert any("slurmd" in c.split()[0] for c in daemons.values()), daemons
+            started[conf] = daemons
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                 text=True)
+            assert out.stdout.strip().startswith("idle"), out.stderr
+        assert len(ports) == 4, ports
+    for conf, daemons in started.items():
+        assert not [p for p in daemons if _alive(p)], daemons
+        assert _daemons(conf) == {}
+    for parent in parents:
+        assert os.listdir(parent) == [], os.listdir(parent)
+    after_ns = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                              text=True).stdout if shutil.which("ip") else ""
+    assert after_ns == before_ns
 
 
 def test_sbatch_two_ranks_trains_digits(slurm_cluster, tmp_path):
