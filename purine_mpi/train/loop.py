@@ -104,6 +104,7 @@ class RunState:
     stop_code: int = 0
     result: dict = dataclasses.field(default_factory=dict)
     early_stopped: object = None  # the iteration early stopping ended the run at
+    last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
 
 
 class Loop:
@@ -178,7 +179,7 @@ class Loop:
         st.early_stopped = None
         try:
             self.emit("on_start")
-            if self.job.solver.test_initialization and st.start_iter == 0:
+            if self.job.test_initially and st.start_iter == 0:
                 self.emit("on_test", 0)  # a test pass before training (Caffe's)
             st.t_start = time.perf_counter()
             st.window = Window(st.start_iter, st.t_start)
