@@ -179,8 +179,9 @@ class Loop:
         st.early_stopped = None
         try:
             self.emit("on_start")
-            if self.job.test_initially and st.start_iter == 0:
-                self.emit("on_test", 0)  # a test pass before training (Caffe's)
+            if self.job.test_initially and st.start_iter == 0 < max_iter:
+                self.emit("on_test", 0)  # a test pass before training (Caffe's; the end's
+                # own pass is the one of a run of no iteration)
             st.t_start = time.perf_counter()
             st.window = Window(st.start_iter, st.t_start)
             for it in range(st.start_iter, max_iter):
