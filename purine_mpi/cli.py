@@ -7,7 +7,8 @@ script ``purine-mpi`` is the same as ``python -m purine_mpi``. The argument
 parser is purine_mpi/cli_args.py.
 
     python -m purine_mpi train CONFIG.yaml [--out DIR] [--iters N] [--set K=V ...]
-                                           [--resume CKPT.h5|auto] [--init W.h5]
+                                           [--resume CKPT.h5|auto]
+                                           [--init W.h5|MODEL.caffemodel|MODEL.safetensors]
                                            [--init-skip LAYER[,LAYER] ...]
                                            [--seed S] [--profile] [--tensorboard]
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
@@ -26,6 +27,7 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi convert caffe NET.prototxt [--solver S.prototxt] [--data DATA.h5]
                                                     --out JOB.yaml
     python -m purine_mpi export onnx CONFIG.yaml --weights CKPT.h5 --out MODEL.onnx
+    python -m purine_mpi export hf CONFIG.yaml --weights CKPT.h5|RUN --out DIR
     python -m purine_mpi --version
 
 Exit statuses (the same on every rank): the table in docs/formats.md, and
@@ -271,6 +273,17 @@ def cmd_convert(args):
 
 
 def cmd_export(args):
+    if args.format == "hf":  # the weights and the net only: no data file is read
+        from .interop.hf_gpt2 import export_hf
+        if args.batch is not None:
+            raise UserError("export hf: --batch is an option of export onnx (a Hugging Face "
+                            "model takes any batch)")
+        job = _load(args, check_files=False)
+        args.weights = _weights_file(args.weights)
+        check_out(args.out, args.config, args.weights)
+        summary = export_hf(job, args.weights, args.out)
+        print(f"wrote {args.out}: {summary}")
+        return 0
     from .interop.onnx_export import export_onnx
     job = _load(args)
     check_out(args.out, args.config, args.weights, job)

@@ -113,10 +113,11 @@ def build_parser():
     p.add_argument("--resume", metavar="CKPT.h5|auto",
                    help="continue from a checkpoint (auto: latest.h5 of --out, or of the "
                         "newest runs/<name>/<N>; a fresh run if there is none)")
-    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel",
+    p.add_argument("--init", metavar="WEIGHTS.h5|MODEL.caffemodel|MODEL.safetensors",
                    help="initialise parameters from a file; every parameter of the net must "
                         "be in it, except those of the --init-skip layers; a Caffe .caffemodel "
-                        "loads by layer name and reports which blobs matched")
+                        "loads by layer name and reports which blobs matched; a .safetensors "
+                        "file holds a GPT-2 in Hugging Face's layout (docs/transformers.md)")
     p.add_argument("--init-skip", action=AppendList, default=[], metavar="LAYER[,LAYER]",
                    help="with --init: a layer that keeps its fresh initialisation (fine-tuning "
                         "a changed layer); repeat it or give a comma list for several")
@@ -280,14 +281,20 @@ def build_parser():
                    help="our HDF5 data file (groups train/test) that the net's data layers read")
     p.add_argument("--out", required=True, metavar="JOB.yaml", help="the job YAML to write")
 
-    p = sub.add_parser("export", help="export a trained net's inference graph")
-    p.add_argument("format", choices=["onnx"], help="the target format")
+    p = sub.add_parser("export", help="export a trained net's inference graph (onnx) or a "
+                                      "GPT's weights as a Hugging Face GPT-2 (hf)")
+    p.add_argument("format", choices=["onnx", "hf"],
+                   help="onnx: an ONNX model; hf: a folder of model.safetensors and "
+                        "config.json that transformers' GPT2LMHeadModel loads")
     p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
     p.add_argument("--weights", required=True, metavar="CKPT.h5",
-                   help="checkpoint or weights file (/params layout) with every parameter")
-    p.add_argument("--out", required=True, metavar="MODEL.onnx", help="the ONNX file to write")
+                   help="checkpoint or weights file (/params layout) with every parameter "
+                        "(hf: also a run folder, its latest.h5)")
+    p.add_argument("--out", required=True, metavar="MODEL.onnx|DIR",
+                   help="the ONNX file to write (onnx), or the model folder (hf)")
     p.add_argument("--batch", type=int, default=None,
-                   help="fixed batch size of the model input (default: a symbolic batch dim)")
+                   help="onnx: fixed batch size of the model input (default: a symbolic "
+                        "batch dim)")
     p.add_argument("--raw-input", action=argparse.BooleanOptionalAction, default=True,
                    help="the model takes samples as the data file holds them and applies the "
                         "test spec's transform (centre crop, mean, scale) as ONNX ops "

@@ -11,9 +11,10 @@ import h5py
 from tests.conftest import (run_cli_args, run_mpi_cli, small_net_config, tiny_fc_config,
                       write_config_file)
 
-#: a progress line made by the clock: no loss, no lr
-ALIVE = re.compile(r"^iter +(\d+)/(\d+)  [\d,]+ img/s  elapsed \d+:\d\d(:\d\d)?  "
-                   r"eta \d+:\d\d(:\d\d)?$")
+#: a progress line made by the clock: rank 0's loss of that iteration (issue 46: a
+#: line without it looked cut), no lr
+ALIVE = re.compile(r"^iter +(\d+)/(\d+)  loss \d+\.\d{4}  [\d,]+ img/s  "
+                   r"elapsed \d+:\d\d(:\d\d)?  eta \d+:\d\d(:\d\d)?$")
 ENDED = re.compile(r"^run ended: (.+) \(exit (\d+)\)$")
 
 
@@ -32,8 +33,9 @@ def _train(tmp_path, cfg, *more, ranks=1):
 
 def test_case1_progress_line_every_display_seconds(digits_h5, tmp_path):
     """Case 1: with display beyond max_iter and display_seconds tiny, lines
-    without the loss come from the clock before the display line, in
-    train.log too; metrics.jsonl keeps its display rows only."""
+    come from the clock before the display line, each with the loss of its
+    iteration (issue 46), in train.log too; metrics.jsonl keeps its display
+    rows only."""
     cfg = small_net_config(digits_h5)
     cfg["solver"].update(max_iter=300, display=1000, display_seconds=0.01)
     res, out, _ = _train(tmp_path, cfg)

@@ -1,4 +1,5 @@
-"""Models in and out: Caffe prototxt / solver / .caffemodel import and ONNX export.
+"""Models in and out: Caffe prototxt / solver / .caffemodel import, ONNX export,
+GPT-2 in Hugging Face's layout (safetensors) both ways.
 
     prototxt.py       protobuf text format: tokenizer + recursive-descent parser
     caffe_schema.py   the caffe.proto subset read (text) and field numbers (wire)
@@ -7,4 +8,5 @@
     caffe_solver.py   SolverParameter -> solver and checkpoint sections
     caffemodel.py     .caffemodel (protobuf wire format) -> our parameters
     onnx_export.py    the test-phase graph -> an ONNX model
+    hf_gpt2.py        a GPT <-> GPT-2's model.safetensors + config.json (--init, export hf)
 """

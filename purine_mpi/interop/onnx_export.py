@@ -51,24 +51,13 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     except ImportError:
         raise UserError("export onnx needs the onnx package: pip install "
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
-    from ..job.checkpoint_file import load_params
-    from ..job.replica import forward_graph
-    from ..job.replica import init_params
+    from ..job.replica import forward_graph, trained_values
     if job.data.test is None:
         raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "
                         "model's input shape)")
     graph = forward_graph(job, "test", job.data.test)
-    loaded = load_params(weights_path)
-    params = [b.name for b in graph.params()]
-    init_params(loaded, params, job, weights_path)
-    values = {}
-    for p in params:
-        value = np.asarray(loaded[p], dtype=np.float32)
-        if value.shape != tuple(graph.blobs[p].shape):
-            raise UserError(f"weights file '{weights_path}': '{p}' has shape {list(value.shape)}"
-                            f", the net expects {list(graph.blobs[p].shape)}")
-        values[p] = value
+    values = trained_values(graph, job, weights_path)
     spec = job.data.test.source_dict()  # the source and transform keys, as data/sources reads them
     pre = preprocessing(spec) if raw_input else None
     model = build_model(graph, values, job.name, batch, pre)

@@ -226,6 +226,15 @@ class Job:
     def stage_of(self, layer):
         return self.parallel.stages.get(layer)
 
+    @property
+    def test_initially(self):
+        """``solver.test_initialization`` with its null resolved: true for token
+        data (``data.test`` a text source, as nanoGPT evaluates at iteration 0)."""
+        value = self.solver.test_initialization
+        if value is None:
+            return self.data.test is not None and self.data.test.source == "text"
+        return bool(value)
+
     def with_training(self, **solver):
         """The job with some solver keys changed (``max_iter`` of bench, ...)."""
         return dataclasses.replace(self, solver=dataclasses.replace(self.solver, **solver))

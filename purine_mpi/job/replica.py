@@ -212,6 +212,25 @@ def init_params(loaded, params, job, path, skip=()):
     return wanted
 
 
+def trained_values(graph, job, path):
+    """{param: float32 array} of every parameter of ``graph`` from the weights
+    file ``path`` (export onnx, export hf): a missing one is init_params'
+    InitMismatch, a shape that differs a UserError naming both."""
+    import numpy as np
+    from .checkpoint_file import load_params
+    loaded = load_params(path)
+    params = [b.name for b in graph.params()]
+    init_params(loaded, params, job, path)
+    values = {}
+    for p in params:
+        value = np.asarray(loaded[p], dtype=np.float32)
+        if value.shape != tuple(graph.blobs[p].shape):
+            raise UserError(f"weights file '{path}': '{p}' has shape {list(value.shape)}, "
+                            f"the net expects {list(graph.blobs[p].shape)}")
+        values[p] = value
+    return values
+
+
 def check_fits_memory(graph, memory=None):
     """Raise a UserError naming the layer whose blobs (activations, weights,
     gradients) take the most memory when the graph's blobs would not fit in

@@ -69,17 +69,19 @@ SOLVER = (
         "split once, on any number of ranks)"),
     Key("display", _int(0), 20, "log the mean training loss every this many iterations (0: "
         "never)"),
-    Key("display_seconds", _num(0), 30.0, "also log a progress line (iteration, images/s, "
-        "ETA; no loss) when this many seconds have passed since the last line, for iterations "
-        "slower than `display` makes visible (0: never)"),
+    Key("display_seconds", _num(0), 30.0, "also log a progress line (iteration, the latest "
+        "loss rank 0 knows, images/s, ETA; no metrics row) when this many seconds have passed "
+        "since the last line, for iterations slower than `display` makes visible (0: never)"),
     Key("warmup_iters", _int(0), 0, "multiply the rate by a linear ramp (it + 1) / W over the "
         "first W iterations"),
     Key("momentum2", _num(0, below=1), 0.999, "β₂ of adam and adamw"),
     Key("delta", _num(0, strict=True), 1e-8, "ε of adagrad, rmsprop, adadelta, adam and adamw"),
     Key("rms_decay", _num(0, below=1), 0.99, "decay of the squared-gradient average of rmsprop"),
-    Key("test_initialization", _bool, False, "run a test pass before the first iteration (as "
-        "Caffe's `test_initialization`, Lightning's sanity check); it is row `iter` = the start "
-        "iteration of metrics.jsonl"),
+    Key("test_initialization", _optional(_bool), None, "run a test pass before the first "
+        "iteration (as Caffe's `test_initialization`, Lightning's sanity check, nanoGPT's "
+        "`eval` at iteration 0); it is row `iter` = the start iteration of metrics.jsonl. "
+        "null: true when `data.test` is a `text` source (a language model's val loss at "
+        "iteration 0, as nanoGPT prints it), false otherwise"),
     Key("early_stop", watch_check(EarlyStopSpec, "mapping {metric, patience, min_delta, mode} "
                                                  "or null"), None,
         "stop (with a checkpoint, exit 0) when the test figure `metric` (`accuracy`, `loss`, "

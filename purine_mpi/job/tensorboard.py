@@ -17,7 +17,7 @@ from ..base.runfiles import make_run_folder
 
 INSTALL = "pip install 'purine_mpi[tensorboard]'"
 # what a row holds besides figures
-_NOT_SCALARS = ("phase", "iter", "time", "timestamp", "samples")
+_NOT_SCALARS = ("phase", "iter", "time", "timestamp", "samples", "tokens")
 
 
 def require_tensorboard():

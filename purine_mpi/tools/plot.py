@@ -1,8 +1,9 @@
 """``plot RUN [RUN ...] --out curves.png``: training curves from metrics.jsonl.
 
 A 2 x 2 figure against the iteration: loss, accuracy, learning rate and
-images/s. Each run has its colour (the legend names its folder); training
-rows are solid lines, test rows dashed lines with markers.
+images/s (tokens/s when every run is on token data: its rows have
+``tokens_per_s``). Each run has its colour (the legend names its folder);
+training rows are solid lines, test rows dashed lines with markers.
 
 The panels do not mislead: a learning rate that holds its value (a step
 schedule) is drawn as steps, each row's rate from the row before up to its
@@ -155,6 +156,9 @@ def draw(runs, loss_scale_choice="auto"):
     phases_seen = set()
     for ax, (key, title, ylabel) in zip(axes, PANELS):
         drawn = False
+        if key == "images_per_s" and all(any("tokens_per_s" in r for r in rows)
+                                         for _, rows in runs):
+            key, ylabel = "tokens_per_s", "tokens/s"  # token data: tokens, not sequences
         finite = []
         for i, (label, rows) in enumerate(runs):
             for phase in ("train", "test"):

@@ -1,5 +1,5 @@
 """Checkpoints (a loop service) and the weights they hold: initialisation
-(fillers, ``--init`` HDF5 or .caffemodel), the run's checkpoints (at the
+(fillers, ``--init`` HDF5, .caffemodel or GPT-2's .safetensors), the run's checkpoints (at the
 interval, on a stop, at the end; rotation), checkpoints of their own (the
 best ones, watch.py), resume (validated as a whole first) and the per-rank
 state a resume needs. It reads the loop's graphs, workspace and world.
@@ -59,10 +59,14 @@ class Checkpoints(Service):
         if init and str(init).endswith(".caffemodel"):
             self._init_from_caffemodel(loop, init, init_skip)
         elif init:
-            params = load_params(init)
+            if str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
+                from ..interop.hf_gpt2 import hf_params
+                params, note = hf_params(init, loop.job, init_skip)
+            else:
+                params = load_params(init)
+                note = unused_note(params, loop.graphs.net_params, init)
             wanted = init_params(params, loop.graphs.params, loop.job, init, init_skip)
             check_finite({p: params[p] for p in wanted}, init)
-            note = unused_note(params, loop.graphs.net_params, init)
             if note:
                 loop.say(note)
             for p in wanted:

@@ -2,7 +2,9 @@
 split, sharded over the ranks (each sample of a one-pass test counted
 exactly once, whatever the number of ranks), its metrics row and log line; at the test
 interval, once at the end, and before training with
-``solver.test_initialization`` (Caffe's). ``loop.state.result`` holds its
+``solver.test_initialization`` (Caffe's; by default for token data, as
+nanoGPT). For token data (a ``text`` source) the line names the split
+(``val @ iter 100: ...``) and counts tokens, and the row adds ``tokens``. ``loop.state.result`` holds its
 figures for the services after it (watch.py) and the run's result.
 """
 import numpy as np
@@ -24,11 +26,16 @@ class Evaluation(Service):
             return
         row = {"phase": "test", "iter": done}
         row.update(res)
+        spec = loop.job.data.test
+        text = spec.source == "text"  # token data: its split's name, tokens counted
+        if text:
+            row["tokens"] = res["samples"] * int(spec.sequence_length)
         row["time"] = round(loop.elapsed(), 3)
         loop.record(row)
-        extra = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples"))
-        loop.say(f"test @ iter {done}: loss {res['loss']:.4f}  {extra}  "
-                 f"({res['samples']} samples)")
+        figures = "  ".join([f"loss {res['loss']:.4f}"] + [
+            f"{k} {v:.4f}" for k, v in res.items() if k not in ("loss", "samples")])
+        count = f"{row['tokens']:,} tokens" if text else f"{res['samples']} samples"
+        loop.say(f"{spec.split if text else 'test'} @ iter {done}: {figures}  ({count})")
 
     def evaluate(self, loop, test_iter=None):
         """Loss and metrics over the test split, sharded over the replicas.

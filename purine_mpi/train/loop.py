@@ -108,6 +108,7 @@ class RunState:
     stop_code: int = 0
     result: dict = dataclasses.field(default_factory=dict)
     early_stopped: object = None  # the iteration early stopping ended the run at
+    last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
 
 
 class Loop:
@@ -182,8 +183,9 @@ class Loop:
         st.early_stopped = None
         try:
             self.emit("on_start")
-            if self.job.solver.test_initialization and st.start_iter == 0:
-                self.emit("on_test", 0)  # a test pass before training (Caffe's)
+            if self.job.test_initially and st.start_iter == 0 < max_iter:
+                self.emit("on_test", 0)  # a test pass before training (Caffe's; the end's
+                # own pass is the one of a run of no iteration)
             st.t_start = time.perf_counter()
             st.window = Window(st.start_iter, st.t_start)
             for it in range(st.start_iter, max_iter):

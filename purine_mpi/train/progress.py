@@ -3,10 +3,13 @@ rank 0 writes config.yaml and metrics.jsonl (job/metrics.py; on a resume it
 goes on from the checkpoint's rows and time), one ``train`` row and one
 progress line per display interval (loss averaged over the window and the
 ranks, learning rate, images/s, elapsed time and ETA), and closes the log
-at the end. Between two display lines, rank 0 alone prints a line without
-the loss (no collective: iteration, images/s, elapsed, ETA) whenever
-``solver.display_seconds`` have passed since the last line, so a slow net's
-batch log never goes silent; it writes no metrics row. The elapsed time
+at the end. Between two display lines, rank 0 alone prints a line (no
+collective: iteration, the newest loss it knows, images/s, elapsed, ETA)
+whenever ``solver.display_seconds`` have passed since the last line, so a
+slow net's batch log never goes silent; it writes no metrics row. Its loss
+is rank 0's loss of that iteration on the CPU (nanoGPT's per-iteration
+line); where the loss is read back only at the display lines (a GPU), the
+last display line's, with its iteration. The elapsed time
 goes on across resumes (the checkpoint's ``elapsed``).
 """
 import os
@@ -88,6 +91,7 @@ class Progress(Service):
         now, w = time.perf_counter(), loop.state.window
         self.tick = (done, now)
         loss = loop.reduce(w.loss / w.n if w.n else 0.0)
+        loop.state.last_loss = (done, loss)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
         lr = float(loop.ws["lr"])
         row = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
@@ -116,7 +120,13 @@ def _times(loop, done, now):
 
 
 def alive_line(loop, done, ips, now, unit="img/s"):
-    """The time-based line: ``iter  37/900  212 img/s  elapsed 0:31  eta 6:40``."""
+    """The time-based line: ``iter  37/900  loss 2.3026  212 img/s  elapsed
+    0:31  eta 6:40``; the loss of an earlier iteration says which (``loss
+    2.3026 (iter 30)``), and none is said before one is known."""
     max_iter = loop.job.solver.max_iter
-    return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {ips:,.0f} {unit}  "
+    loss = ""
+    if loop.state.last_loss is not None:
+        it, value = loop.state.last_loss
+        loss = f"loss {value:.4f}  " if it == done else f"loss {value:.4f} (iter {it})  "
+    return (f"iter {done:>{len(str(max_iter))}}/{max_iter}  {loss}{ips:,.0f} {unit}  "
             f"{_times(loop, done, now)}")

@@ -48,7 +48,11 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     if init:
         from ..job.checkpoint_file import load_params
         from ..job.replica import init_params
-        loaded = load_params(init)
+        if str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
+            from ..interop.hf_gpt2 import hf_params
+            loaded, _ = hf_params(init, job, init_skip)
+        else:
+            loaded = load_params(init)
         wanted = init_params(loaded, owned, job, init, init_skip)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
     if resume:

@@ -1,0 +1,374 @@
+"""GPT-2 in Hugging Face's layout <-> our GPT's parameters:
+``train JOB --init model.safetensors`` and ``export hf JOB --weights W --out DIR``
+(docs/transformers.md, "Hugging Face"; docs/formats.md).
+
+The net must have GPT-2's structure, as jobs/gpt_*.yaml have: a token
+embedding, a position embedding, blocks of [layer_norm, attention, residual
+sum, layer_norm, fc, gelu, fc, residual sum], a final layer_norm and the head
+fc over the last axis. ``gpt2_layout(job)`` reads it from the test-phase
+net (any layer names; test-phase Dropout ops pass through) and gives the
+tensor map, GPT2Config's fields, and what of the net GPT2Config cannot say
+(``differences``: export refuses them, ``--init`` needs only the map):
+
+    transformer.wte.weight               <- the embedding's weight (V, C)
+    transformer.wpe.weight               <- the position embedding's weight (P, C)
+    transformer.h.N.ln_1.weight / .bias  <- block N's first layer_norm
+    transformer.h.N.attn.c_attn.weight   <- the attention's qkv_weight, transposed: (C, 3C)
+    transformer.h.N.attn.c_attn.bias     <- its qkv_bias
+    transformer.h.N.attn.c_proj.*        <- its proj_weight (transposed), proj_bias
+    transformer.h.N.ln_2.weight / .bias  <- block N's second layer_norm
+    transformer.h.N.mlp.c_fc.*           <- the block's first fc (weight transposed), bias
+    transformer.h.N.mlp.c_proj.*         <- its second fc (weight transposed), bias
+    transformer.ln_f.weight / .bias      <- the final layer_norm
+    lm_head.weight                       tied to wte: not written, ignored when read
+
+GPT-2's Conv1D keeps its weight as [in, out], the transpose of our fc's
+(out, in) (why interop/onnx_gpt.py's ``linear`` transposes too); q, k and v
+lie in that order along c_attn's output axis, heads contiguous, as in our
+qkv_weight's rows (layers/transformer.py). Files downloaded from the Hub
+name the tensors without ``transformer.`` and hold the causal-mask buffers
+``h.N.attn.bias`` / ``masked_bias``: both are read as well. Tensors are
+read and written with the ``safetensors`` package (its numpy API).
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..base.errors import InitMismatch, UserError
+from ..base.runfiles import disk_error
+
+INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
+#: the weights file of a Hugging Face model folder
+WEIGHTS = "model.safetensors"
+PREFIX = "transformer."
+#: ops of the test phase that hand their input on (a Dropout outside training)
+_PASS = ("Dropout",)
+#: ops that read the logits and are no part of the model
+_HEADLESS = ("SoftmaxLoss", "Accuracy", "Softmax")
+_ACTIVATION = {"tanh": "gelu_new", "none": "gelu"}
+
+
+@dataclass
+class Layout:
+    """``tensors`` [(HF name, our param, transposed)], ``config`` (GPT2Config's
+    fields), ``differences`` (what GPT2Config cannot express, one phrase each)."""
+    graph: object
+    tensors: list = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+    differences: list = field(default_factory=list)
+
+
+def _layer(op):
+    return op.name.rsplit(".", 1)[0]
+
+
+def _test_net(job):
+    """The test-phase net of ``job`` on one token (the data file is not read)."""
+    from ..graph import Graph
+    from ..layers import build_net
+    if job.graph is not None or not job.net:
+        raise UserError(f"{job.path}: GPT-2's layout needs a job with a net: list (a GPT as "
+                        "docs/transformers.md builds it)")
+    first = job.net[0]
+    if first.get("type") not in ("embedding", "embed"):
+        raise UserError(f"{job.path}: the net is not a GPT: GPT-2 starts with a token "
+                        f"embedding, this net with layer '{first.get('name')}' "
+                        f"({first.get('type')})")
+    g = Graph(job.name)
+    g.add_blob("data", (1, 1), "int32")
+    g.add_blob("label", (1, 1), "int32")
+    build_net(job.net, "test", (g, job.path))
+    g.infer_shapes()
+    return g
+
+
+class _Walk:
+    """The net's ops in order, taken one at a time against GPT-2's structure."""
+
+    def __init__(self, graph, path):
+        self.ops, self.alias, self.drops, self.path = [], {}, [], path
+        for op in graph.ops.values():
+            if op.op_type in _PASS:
+                self.alias[op.outputs[0]] = op.inputs[0]
+                self.drops.append(op)
+            elif op.op_type not in _HEADLESS:
+                self.ops.append(op)
+        self.i, self.last = 0, None
+
+    def src(self, blob):
+        while blob in self.alias:
+            blob = self.alias[blob]
+        return blob
+
+    def peek(self, k=0):
+        return self.ops[self.i + k] if self.i + k < len(self.ops) else None
+
+    def take(self, types, reads, what):
+        op = self.peek()
+        if op is None or op.op_type not in types or (reads is not None
+                                                      and self.src(op.inputs[0]) != reads):
+            found = "the end of the net" if op is None else \
+                f"layer '{_layer(op)}' ({op.op_type})"
+            after = f"after layer '{_layer(self.last)}' " if self.last is not None else ""
+            raise UserError(f"{self.path}: the net is not GPT-2's structure: {after}GPT-2 has "
+                            f"{what}, this net has {found}")
+        self.i += 1
+        self.last = op
+        return op
+
+    def residual(self, a, b, what):
+        op = self.take(("Eltwise",), None, what)
+        coeff = op.attrs.get("coeff")
+        if op.attrs.get("operation", "sum") != "sum" or len(op.inputs) != 2 or \
+                {self.src(x) for x in op.inputs} != {a, b} or \
+                (coeff is not None and any(float(c) != 1.0 for c in coeff)):
+            raise UserError(f"{self.path}: the net is not GPT-2's structure: layer "
+                            f"'{_layer(op)}' is not {what}")
+        return op.outputs[0]
+
+
+def _params(op, names, tensors, prefix, transposed=False):
+    """Map an op's parameters (inputs after the first) to ``prefix`` + names."""
+    for name, ours in zip(names, op.inputs[1:]):
+        tensors.append((prefix + name, ours, transposed and name == "weight"))
+
+
+def _uniform(values, what, differences):
+    """The one value of [(layer, value)], noting a difference when there are several."""
+    distinct = list(dict.fromkeys(v for _, v in values))
+    if len(distinct) > 1:
+        differences.append(f"{what} differs between layers ("
+                           + ", ".join(f"{name}: {v}" for name, v in values)
+                           + "); GPT2Config has one for the whole model")
+    return distinct[0] if distinct else None
+
+
+def gpt2_layout(job):
+    """The ``Layout`` of ``job``'s net; a UserError naming the layer where its
+    structure leaves GPT-2's."""
+    g = _test_net(job)
+    w = _Walk(g, job.path)
+    cfg = {layer["name"]: layer for layer in job.net}
+    out, diffs = Layout(g), []
+    t = out.tensors
+    emb = w.take(("Embedding",), "data", "the token embedding (wte)")
+    t.append((PREFIX + "wte.weight", emb.inputs[1], False))
+    pos = w.take(("PositionEmbedding",), emb.outputs[0], "the position embedding (wpe)")
+    t.append((PREFIX + "wpe.weight", pos.inputs[1], False))
+    x = pos.outputs[0]
+    eps, heads, inner, gelu, attn_drop, resid_drop, biases = [], [], [], [], [], [], []
+    causal = []
+    n = 0
+    while True:
+        ln = w.take(("LayerNorm",), x, f"a layer_norm ({'ln_1 of block ' + str(n)} or ln_f)")
+        eps.append((_layer(ln), float(ln.attrs.get("eps", 1e-5))))
+        nxt = w.peek(1)
+        if nxt is None or not nxt.op_type.startswith("Attention"):
+            break  # the final layer norm: the head follows
+        p = f"{PREFIX}h.{n}."
+        _params(ln, ("weight", "bias"), t, p + "ln_1.")
+        qkv = w.take(("InnerProduct",), ln.outputs[0], "the attention's c_attn")
+        att = w.take(("Attention", "AttentionScores"), qkv.outputs[0], "the attention")
+        if att.op_type == "AttentionScores":
+            sm = w.take(("Softmax",), att.outputs[0], "the attention's softmax")
+            att = w.take(("AttentionContext",), sm.outputs[0], "the attention's context")
+        proj = w.take(("InnerProduct",), att.outputs[0], "the attention's c_proj")
+        name = _layer(qkv)
+        heads.append((name, int(att.attrs["num_heads"])))
+        causal.append((name, bool(att.attrs.get("causal", True))))
+        layer = cfg.get(name, {})
+        attn_drop.append((name, float(layer.get("attn_dropout", 0.0))))
+        resid_drop.append((name, float(layer.get("resid_dropout", 0.0))))
+        _params(qkv, ("weight", "bias"), t, p + "attn.c_attn.", True)
+        _params(proj, ("weight", "bias"), t, p + "attn.c_proj.", True)
+        biases += [(name, len(qkv.inputs) == 3 and len(proj.inputs) == 3)]
+        r = w.residual(x, proj.outputs[0], "the residual sum after the attention")
+        ln2 = w.take(("LayerNorm",), r, f"ln_2 of block {n} (a layer_norm)")
+        eps.append((_layer(ln2), float(ln2.attrs.get("eps", 1e-5))))
+        _params(ln2, ("weight", "bias"), t, p + "ln_2.")
+        fc = w.take(("InnerProduct",), ln2.outputs[0], "the MLP's c_fc (an fc)")
+        act = w.take(("Gelu",), fc.outputs[0], "the MLP's GELU")
+        mp = w.take(("InnerProduct",), act.outputs[0], "the MLP's c_proj (an fc)")
+        inner.append((_layer(fc), int(g.blobs[fc.inputs[1]].shape[0])))
+        gelu.append((_layer(act), str(act.attrs.get("approximate", "none"))))
+        for op in (fc, mp):
+            biases.append((_layer(op), len(op.inputs) == 3))
+        _params(fc, ("weight", "bias"), t, p + "mlp.c_fc.", True)
+        _params(mp, ("weight", "bias"), t, p + "mlp.c_proj.", True)
+        for d in w.drops:
+            if w.src(d.inputs[0]) == mp.outputs[0]:
+                resid_drop.append((_layer(d), float(d.attrs.get("ratio", 0.0))))
+        x = w.residual(r, mp.outputs[0], "the residual sum after the MLP")
+        n += 1
+    if n == 0:
+        raise UserError(f"{job.path}: the net is not GPT-2's structure: it has no block "
+                        "(layer_norm, attention, ...) between the embeddings and ln_f")
+    _params(ln, ("weight", "bias"), t, PREFIX + "ln_f.")
+    head = w.take(("InnerProduct",), ln.outputs[0], "the head (lm_head, an fc)")
+    if w.peek() is not None:
+        extra = w.peek()
+        raise UserError(f"{job.path}: the net is not GPT-2's structure: after the head "
+                        f"'{_layer(head)}' GPT-2 has nothing, this net has layer "
+                        f"'{_layer(extra)}' ({extra.op_type})")
+    if head.inputs[1] != emb.inputs[1]:
+        diffs.append(f"layer '{_layer(head)}' is not tied to the embedding "
+                     f"(tie_weight: {_layer(emb)}); GPT-2's lm_head is")
+        t.append(("lm_head.weight", head.inputs[1], False))
+    if len(head.inputs) == 3:
+        diffs.append(f"layer '{_layer(head)}' has a bias; GPT-2's lm_head has none")
+    for name, has in biases:
+        if not has:
+            diffs.append(f"layer '{name}' has no bias (bias_term: false); GPT-2's c_attn, "
+                         "c_proj and c_fc have one")
+    for name, is_causal in causal:
+        if not is_causal:
+            diffs.append(f"layer '{name}' is not causal; GPT-2's attention is")
+    embd_drop = []
+    for d in w.drops:
+        where = w.src(d.inputs[0])
+        if where == pos.outputs[0]:
+            embd_drop.append((_layer(d), float(d.attrs.get("ratio", 0.0))))
+        elif not any(_layer(d) == name for name, _ in resid_drop):
+            diffs.append(f"dropout layer '{_layer(d)}' is where GPT-2 has none")
+    v, c = (int(s) for s in g.blobs[emb.inputs[1]].shape)
+    out.config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": v, "n_positions": int(g.blobs[pos.inputs[1]].shape[0]), "n_embd": c,
+        "n_layer": n, "n_head": _uniform(heads, "num_heads", diffs),
+        "n_inner": _uniform(inner, "the MLP width (num_output of c_fc)", diffs),
+        "activation_function": _ACTIVATION[_uniform(gelu, "gelu's approximate", diffs)],
+        "layer_norm_epsilon": _uniform(eps, "layer_norm's eps", diffs),
+        "embd_pdrop": _uniform(embd_drop, "the embedding dropout", diffs) or 0.0,
+        "attn_pdrop": _uniform(attn_drop, "attn_dropout", diffs),
+        "resid_pdrop": _uniform(resid_drop, "the residual dropout (resid_dropout and the "
+                                            "dropout after the MLP)", diffs) or 0.0,
+        "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+        "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+    }
+    out.differences = diffs
+    return out
+
+
+# ------------------------------------------------------------------ reading
+def _safetensors(what):
+    try:
+        import safetensors.numpy as st
+    except ImportError:
+        raise UserError(f"{what} needs the safetensors package: {INSTALL}") from None
+    return st
+
+
+def read_tensors(path):
+    """{HF name, with its ``transformer.`` prefix: array} of a safetensors file
+    (the Hub's unprefixed names and its causal-mask buffers handled)."""
+    st = _safetensors("--init MODEL.safetensors")
+    if not os.path.isfile(path):
+        raise UserError(f"weights file '{path}' not found" if not os.path.isdir(path) else
+                        f"weights file '{path}' is a directory; give its {WEIGHTS}")
+    try:
+        raw = st.load_file(path)
+    except Exception as e:  # the package's own error types: a damaged or foreign file
+        raise UserError(f"weights file '{path}' is not a safetensors file numpy can read "
+                        f"({type(e).__name__}: {e})") from None
+    out = {}
+    for name, value in raw.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # GPT-2's causal-mask buffers, not weights
+        if not name.startswith((PREFIX, "lm_head.")):
+            name = PREFIX + name
+        out[name] = value
+    return out
+
+
+def hf_params(path, job, skip=()):
+    """({our param: array}, note or None): the GPT-2 tensors of the safetensors
+    file ``path`` in our layout, for ``job``'s net; the layers of ``skip``
+    (``--init-skip``) are left out. A tensor the net needs that the file
+    lacks, or one of another shape, is an InitMismatch naming the tensor."""
+    layout = gpt2_layout(job)
+    tensors = read_tensors(path)
+    blobs = layout.graph.blobs
+    values, missing = {}, []
+    for hf, ours, transposed in layout.tensors:
+        layer = ours.split("/")[0]
+        if layer in skip:
+            continue
+        if hf not in tensors:
+            missing.append(f"{hf} (for {ours})")
+            continue
+        value = tensors[hf]
+        shape = tuple(blobs[ours].shape)
+        want = shape[::-1] if transposed else shape
+        if tuple(value.shape) != want:
+            how = ", Conv1D's [in, out]: our (out, in) transposed" if transposed else ""
+            raise InitMismatch(f"weights file '{path}': tensor '{hf}' has shape "
+                               f"{list(value.shape)}, this net expects {list(want)} (layer "
+                               f"'{layer}', {ours}{how})",
+                               f"; to start layer '{layer}' afresh instead (fine-tuning a "
+                               f"changed layer), give --init-skip {layer}")
+        value = value.T if transposed else value
+        values[ours] = np.ascontiguousarray(value, dtype=blobs[ours].dtype)
+    if missing:
+        raise InitMismatch(f"weights file '{path}' lacks {len(missing)} tensor(s) of this net: "
+                           f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}",
+                           "; to leave a layer at its fresh initialisation (fine-tuning), "
+                           "name it with --init-skip LAYER")
+    used = {hf for hf, _, _ in layout.tensors} | {"lm_head.weight"}
+    extra = sorted(set(tensors) - used)
+    note = (f"note: {path}: {len(extra)} tensor(s) of the file are not used by this net: "
+            f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}") if extra else None
+    return values, note
+
+
+# ------------------------------------------------------------------ writing
+def export_hf(job, weights_path, out_dir):
+    """Write ``out_dir``/model.safetensors and config.json (GPT2LMHeadModel)
+    of ``job``'s net with the params of ``weights_path``; returns a
+    one-line summary. A net GPT2Config cannot express is a UserError
+    naming each difference."""
+    from ..job.checkpoint_check import check_finite
+    from ..job.replica import trained_values
+    st = _safetensors("export hf")
+    layout = gpt2_layout(job)
+    if layout.differences:
+        raise UserError(f"export hf: {job.path}: GPT-2 (GPT2Config) cannot express this net: "
+                        + "; ".join(layout.differences))
+    values = trained_values(layout.graph, job, weights_path)
+    check_finite(values, weights_path)
+    tensors = {hf: np.ascontiguousarray(values[ours].T if transposed else values[ours])
+               for hf, ours, transposed in layout.tensors}
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} is a file; export hf writes a folder "
+                        f"({WEIGHTS} and config.json)")
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, WEIGHTS)
+    _write(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
+    text = json.dumps(layout.config, indent=2) + "\n"
+    _write(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
+    c = layout.config
+    return (f"{len(tensors)} tensors, GPT-2 of {c['n_layer']} layers, {c['n_head']} heads, "
+            f"width {c['n_embd']}, vocabulary {c['vocab_size']}, context {c['n_positions']} "
+            f"({c['activation_function']}); transformers.GPT2LMHeadModel.from_pretrained"
+            f"('{out_dir}') loads it")
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _write(path, write):
+    """``write(tmp)`` then rename over ``path`` (never a half-written file)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: one line naming the file
+        raise disk_error(path, exc) or exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
