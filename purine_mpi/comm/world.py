@@ -29,6 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
 from .mpi_init import import_mpi
+from ..runtime.stop import write_line
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -304,13 +305,13 @@ def report_user_error(exc, agree_s=3.0):
     from ..base import logfile  # the run folder's train.log, where a run has one
     if _wait_for(comm.Ibarrier(), agree_s):
         if rank == 0:
-            _write_line(f"error: {exc}")
+            write_line(f"error: {exc}")
             logfile.note_error(f"error: {exc}")
             logfile.end_run(code)
         if _wait_for(comm.Ibarrier(), agree_s):  # rank 0 has written before anyone ends
             _finalize_and_exit(MPI, code)
         os._exit(code)
-    _write_line(f"error: rank {rank}: {exc}")
+    write_line(f"error: rank {rank}: {exc}")
     logfile.note_error(f"error: rank {rank}: {exc}")
     logfile.end_run(code, rank)
     time.sleep(0.5)  # the launcher forwards our output through a pipe: let it pass
@@ -361,13 +362,6 @@ def _wait_for(request, seconds):
             return False
         time.sleep(0.002)
     return True
-
-
-def _write_line(line):
-    """One line to stderr in a single write (lines of ranks never mix)."""
-    data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
-    while data:
-        data = data[os.write(2, data):]
 
 
 def check_thread_level(MPI):
@@ -428,10 +422,10 @@ def install_abort_handler(world=None):
     def handle(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
             return sys.__excepthook__(exc_type, exc, tb)
-        if not isinstance(exc, UserError) and _debug():
-            traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         text = describe_exception(exc, world.rank)
-        print(text, file=sys.stderr)
+        trace = "".join(traceback.format_exception(exc_type, exc, tb)) \
+            if not isinstance(exc, UserError) and _debug() else ""
+        write_line(trace + text)  # one write: the ranks' lines never mix
         from ..base import logfile
         code = getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1
         logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
