@@ -29,7 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
 from .mpi_init import import_mpi
-from ..runtime.stop import write_line
+from ..runtime.stop import StopSignal, write_line
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -269,8 +269,7 @@ class World:
             # the launcher forwards our output through a pipe and stops doing
             # so once the job aborts: give it a moment to pass the message on
             time.sleep(0.3)
-            _silence_stderr()  # MPICH's "Abort(N) on node R ..." repeats what was said
-            self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
+            _abort_job(self.MPI, code)  # the whole job, also from a sub-world
         os._exit(code)
 
 
@@ -310,14 +309,12 @@ def report_user_error(exc, agree_s=3.0):
             logfile.end_run(code)
         if _wait_for(comm.Ibarrier(), agree_s):  # rank 0 has written before anyone ends
             _finalize_and_exit(MPI, code)
-        os._exit(code)
+        _exit_unfinalized(code)
     write_line(f"error: rank {rank}: {exc}")
     logfile.note_error(f"error: rank {rank}: {exc}")
     logfile.end_run(code, rank)
     time.sleep(0.5)  # the launcher forwards our output through a pipe: let it pass
-    _silence_stderr()  # "Abort(2) on node R ..." would only repeat the message
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
+    _abort_job(MPI, code)
 
 
 def _finalize_and_exit(MPI, code):
@@ -332,7 +329,7 @@ def _finalize_and_exit(MPI, code):
     if threading.active_count() == 1:  # no thread of ours may be inside MPI or C++ code
         # MPI_Finalize waits for the other ranks, which all came to this point
         # (the barriers before): a rank that died since must not hang it
-        watchdog = threading.Timer(10.0, os._exit, (code,))
+        watchdog = threading.Timer(10.0, _exit_unfinalized, (code,))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -343,6 +340,52 @@ def _finalize_and_exit(MPI, code):
             ctypes.CDLL(None).exit(code)
         except Exception:
             pass
+    _exit_unfinalized(code)
+
+
+#: the names the MPI library gives its shared-memory segments in /dev/shm
+#: (MPICH: mpich_shm_<hex>_<n>, one per node and job, 2-4 MiB)
+MPI_SHM_PREFIXES = ("mpich_shm_",)
+
+
+def remove_mpi_shm():
+    """Unlink the MPI library's /dev/shm segments this process maps (read
+    from /proc/self/maps: this job's, never another's), for a rank that ends
+    without MPI_Finalize -- MPI_Abort, ``os._exit`` -- where MPICH removes
+    its segment in MPI_Finalize only and it stayed in /dev/shm for good. The
+    ranks of the node map the same segment; their mappings stay valid, only
+    the name goes. A segment of another node is that node's ranks'."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(None, 5)
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/dev/shm/") and os.path.basename(path).startswith(MPI_SHM_PREFIXES) \
+                and not path.endswith(" (deleted)"):
+            try:
+                os.unlink(path)
+            except OSError:  # another rank of the node was first
+                pass
+
+
+def _exit_unfinalized(code):
+    """End this rank at once without MPI_Finalize (threads of ours may be
+    inside MPI), leaving nothing of the MPI library's in /dev/shm."""
+    _flush()
+    remove_mpi_shm()
+    os._exit(code)
+
+
+def _abort_job(MPI, code):
+    """MPI_Abort of the whole job with ``code``, MPICH's own "Abort(N) on
+    node R" line silenced (our message says it all) and its /dev/shm segment
+    removed first (MPI_Abort leaves it)."""
+    _silence_stderr()
+    remove_mpi_shm()
+    MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
 
@@ -436,3 +479,7 @@ def install_abort_handler(world=None):
     threading.excepthook = lambda args: handle(args.exc_type, args.exc_value,
                                                args.exc_traceback)
     return handle
+
+
+if remove_mpi_shm not in StopSignal.cleanups:  # a second Ctrl-C: os._exit, no MPI_Finalize
+    StopSignal.cleanups.append(remove_mpi_shm)
