@@ -364,8 +364,8 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
     ({"type": "position_embedding", "name": "wpe", "bottom": "data", "max_length": 3},
      "key 'net[0].max_length': layer 'wpe': sequences of 4 tokens need max_length >= 4"),
     ({"type": "attention", "name": "attn", "bottom": "data", "num_heads": 2,
-      "attn_dropout": 1.0}, "key 'net[0].attn_dropout': layer 'attn': expected 0 <= "
-                            "attn_dropout < 1"),
+      "attn_dropout": 1.0}, "key 'net[0].attn_dropout': layer 'attn' (attention): expected "
+                            "a number in [0, 1) (finite), got 1.0"),
 ])
 def test_transformer_layer_misuse_exits_2_naming_file_and_key(tmp_path, layer, message):
     from tests.conftest import run_cli_args, write_config_file

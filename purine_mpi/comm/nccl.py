@@ -33,7 +33,6 @@ Layer: comm (imports: NumPy, base, gpu, ops.registry; CuPy on first use).
 """
 import importlib
 import socket
-import sys
 import threading
 import time
 
@@ -42,6 +41,7 @@ import numpy as np
 from ..base.errors import UserError
 from ..ops.registry import OpKernel, register
 from .ops import _mb
+from ..runtime.stop import write_line
 
 #: the stream (thread) of a device's NCCL ops: one stream runs them in launch order
 NCCL_STREAM = "nccl"
@@ -222,7 +222,7 @@ class NcclWatchdog:
                       f"(parallel.stall_timeout; waited {waited:.1f} s): a peer is slow, "
                       "dead or launched its collectives in another order; ending the job "
                       "with ncclCommAbort")
-        print(self.fired, file=sys.stderr, flush=True)
+        write_line(self.fired)  # one write: the ranks' lines never mix
         abort_all()
         self.world.abort(1)
 

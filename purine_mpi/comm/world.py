@@ -29,6 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
 from .mpi_init import import_mpi
+from ..runtime.stop import StopSignal, write_line
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -282,8 +283,7 @@ class World:
             # the launcher forwards our output through a pipe and stops doing
             # so once the job aborts: give it a moment to pass the message on
             time.sleep(0.3)
-            _silence_stderr()  # MPICH's "Abort(N) on node R ..." repeats what was said
-            self.MPI.COMM_WORLD.Abort(code)  # the whole job, also from a sub-world
+            _abort_job(self.MPI, code)  # the whole job, also from a sub-world
         os._exit(code)
 
 
@@ -318,19 +318,17 @@ def report_user_error(exc, agree_s=3.0):
     from ..base import logfile  # the run folder's train.log, where a run has one
     if _wait_for(comm.Ibarrier(), agree_s):
         if rank == 0:
-            _write_line(f"error: {exc}")
+            write_line(f"error: {exc}")
             logfile.note_error(f"error: {exc}")
             logfile.end_run(code)
         if _wait_for(comm.Ibarrier(), agree_s):  # rank 0 has written before anyone ends
             _finalize_and_exit(MPI, code)
-        os._exit(code)
-    _write_line(f"error: rank {rank}: {exc}")
+        _exit_unfinalized(code)
+    write_line(f"error: rank {rank}: {exc}")
     logfile.note_error(f"error: rank {rank}: {exc}")
     logfile.end_run(code, rank)
     time.sleep(0.5)  # the launcher forwards our output through a pipe: let it pass
-    _silence_stderr()  # "Abort(2) on node R ..." would only repeat the message
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)
+    _abort_job(MPI, code)
 
 
 def _finalize_and_exit(MPI, code):
@@ -345,7 +343,7 @@ def _finalize_and_exit(MPI, code):
     if threading.active_count() == 1:  # no thread of ours may be inside MPI or C++ code
         # MPI_Finalize waits for the other ranks, which all came to this point
         # (the barriers before): a rank that died since must not hang it
-        watchdog = threading.Timer(10.0, os._exit, (code,))
+        watchdog = threading.Timer(10.0, _exit_unfinalized, (code,))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -356,6 +354,52 @@ def _finalize_and_exit(MPI, code):
             ctypes.CDLL(None).exit(code)
         except Exception:
             pass
+    _exit_unfinalized(code)
+
+
+#: the names the MPI library gives its shared-memory segments in /dev/shm
+#: (MPICH: mpich_shm_<hex>_<n>, one per node and job, 2-4 MiB)
+MPI_SHM_PREFIXES = ("mpich_shm_",)
+
+
+def remove_mpi_shm():
+    """Unlink the MPI library's /dev/shm segments this process maps (read
+    from /proc/self/maps: this job's, never another's), for a rank that ends
+    without MPI_Finalize -- MPI_Abort, ``os._exit`` -- where MPICH removes
+    its segment in MPI_Finalize only and it stayed in /dev/shm for good. The
+    ranks of the node map the same segment; their mappings stay valid, only
+    the name goes. A segment of another node is that node's ranks'."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(None, 5)
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/dev/shm/") and os.path.basename(path).startswith(MPI_SHM_PREFIXES) \
+                and not path.endswith(" (deleted)"):
+            try:
+                os.unlink(path)
+            except OSError:  # another rank of the node was first
+                pass
+
+
+def _exit_unfinalized(code):
+    """End this rank at once without MPI_Finalize (threads of ours may be
+    inside MPI), leaving nothing of the MPI library's in /dev/shm."""
+    _flush()
+    remove_mpi_shm()
+    os._exit(code)
+
+
+def _abort_job(MPI, code):
+    """MPI_Abort of the whole job with ``code``, MPICH's own "Abort(N) on
+    node R" line silenced (our message says it all) and its /dev/shm segment
+    removed first (MPI_Abort leaves it)."""
+    _silence_stderr()
+    remove_mpi_shm()
+    MPI.COMM_WORLD.Abort(code)
     os._exit(code)
 
 
@@ -375,13 +419,6 @@ def _wait_for(request, seconds):
             return False
         time.sleep(0.002)
     return True
-
-
-def _write_line(line):
-    """One line to stderr in a single write (lines of ranks never mix)."""
-    data = (line.rstrip("\n") + "\n").encode("utf-8", "replace")
-    while data:
-        data = data[os.write(2, data):]
 
 
 def check_thread_level(MPI):
@@ -442,10 +479,10 @@ def install_abort_handler(world=None):
     def handle(exc_type, exc, tb):
         if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) and world.size == 1:
             return sys.__excepthook__(exc_type, exc, tb)
-        if not isinstance(exc, UserError) and _debug():
-            traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         text = describe_exception(exc, world.rank)
-        print(text, file=sys.stderr)
+        trace = "".join(traceback.format_exception(exc_type, exc, tb)) \
+            if not isinstance(exc, UserError) and _debug() else ""
+        write_line(trace + text)  # one write: the ranks' lines never mix
         from ..base import logfile
         code = getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1
         logfile.note_error(text, world.rank)  # the run folder's train.log, from any rank
@@ -456,3 +493,7 @@ def install_abort_handler(world=None):
     threading.excepthook = lambda args: handle(args.exc_type, args.exc_value,
                                                args.exc_traceback)
     return handle
+
+
+if remove_mpi_shm not in StopSignal.cleanups:  # a second Ctrl-C: os._exit, no MPI_Finalize
+    StopSignal.cleanups.append(remove_mpi_shm)

@@ -5,7 +5,7 @@ package docstring). Imports ``errors`` and the registry.
 from collections.abc import Mapping
 
 from ..base.errors import ConfigError, excerpt
-from .registry import Required, check_layer, layer_spec
+from .registry import Required, check_layer, layer_spec, value_problem
 
 _DECLARED = object()
 
@@ -48,31 +48,9 @@ class NetBuilder:
                 self.fail(k, f"missing required field '{k}'{note}")
             return None if isinstance(default, Required) else default
         v = self.cfg[k]
-        is_int = isinstance(v, int) and not isinstance(v, bool)
-        if kind == "int" and not is_int:
-            self.fail(k, f"expected an integer, got {excerpt(v)}")
-        if kind == "posint" and not (is_int and v > 0):
-            self.fail(k, f"expected a positive integer, got {excerpt(v)}")
-        if kind == "nonneg" and not (is_int and v >= 0):
-            self.fail(k, f"expected a non-negative integer, got {excerpt(v)}")
-        if kind == "pair":
-            ok = (is_int and v >= 0) or (isinstance(v, list) and len(v) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
-            if not ok:
-                self.fail(k, f"expected a non-negative integer or [h, w], got {excerpt(v)}")
-        if kind == "number" and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            self.fail(k, f"expected a number, got {excerpt(v)}")
-        if kind == "numbers" and (not isinstance(v, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
-            self.fail(k, f"expected a list of numbers, got {excerpt(v)}")
-        if kind == "thread" and not ((is_int and v >= 0) or (isinstance(v, str) and v)):
-            self.fail(k, f"expected a thread number (>= 0) or name, got {excerpt(v)}")
-        if kind == "bool" and not isinstance(v, bool):
-            self.fail(k, f"expected true or false, got {excerpt(v)}")
-        if kind == "str" and not isinstance(v, str):
-            self.fail(k, f"expected a string, got {excerpt(v)}")
-        if isinstance(kind, tuple) and v not in kind:
-            self.fail(k, f"expected one of {', '.join(map(str, kind))}, got {excerpt(v)}")
+        problem = value_problem(kind, declared.range if declared is not None else None, v)
+        if problem:
+            self.fail(k, problem)
         return v
 
     def bottoms(self, n=None):

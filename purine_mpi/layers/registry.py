@@ -1,11 +1,13 @@
 """The layer registry: each layer type declares its keys (``Key``: name,
-kind, default, meaning) when it registers with ``@layer(..., keys=[...])``;
-``check_layer`` rejects a key no declaration names (exit 2, with a "did you
-mean"). docs/config.md is generated from these declarations. Imports
-``errors`` and ``layers.fillers``.
+kind, default, meaning, and for a numeric key its ``Range``) when it
+registers with ``@layer(..., keys=[...])``; ``check_layer`` rejects a key no
+declaration names (exit 2, with a "did you mean") and a value outside its
+kind or range, when the config is read. docs/config.md is generated from
+these declarations. Imports ``errors`` and ``layers.fillers``.
 """
 import difflib
-from typing import NamedTuple
+import math
+from typing import NamedTuple, Optional
 
 from ..base.errors import ConfigError, excerpt
 from .fillers import FILLERS
@@ -27,18 +29,77 @@ class Required:
 REQUIRED = Required()
 
 
+class Range(NamedTuple):
+    """The values a numeric key accepts (each element of a list or pair):
+    ``lo`` .. ``hi`` (None: unbounded on that side), each end closed unless
+    ``lo_open`` / ``hi_open``; always finite. ``note``: a bound only the
+    net's shapes decide (an axis), checked when the net is built."""
+    lo: object = None
+    hi: object = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""
+
+    def __contains__(self, v):
+        if not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    @property
+    def text(self):
+        """The range in the reference's terse words: ``> 0``, ``in [0, 1)``."""
+        if self.lo is not None and self.hi is not None:
+            return (f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}"
+                    f"{')' if self.hi_open else ']'}")
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi}"
+        return self.note or "finite"
+
+
+POSITIVE = Range(0, lo_open=True)     # > 0
+NON_NEGATIVE = Range(0)               # >= 0
+AT_LEAST_ONE = Range(1)               # >= 1
+RATIO = Range(0, 1, hi_open=True)     # in [0, 1): a dropout ratio
+FRACTION = Range(0, 1)                # in [0, 1]
+FINITE = Range()                      # any finite number
+
+
 class Key(NamedTuple):
     """One layer key: ``kind`` is what ``NetBuilder.get`` checks (see
     KIND_DOC), ``default`` its value when absent (``Required`` if it must be
-    given), ``meaning`` one line for docs/config.md. ``weights``: another
-    value changes what the layer's weights mean though their shapes stay
-    (attention's num_heads): weights saved with another value are refused
+    given), ``meaning`` one line for docs/config.md; ``range`` the values a
+    numeric kind accepts (``posint`` and ``nonneg`` imply theirs). ``weights``:
+    another value changes what the layer's weights mean though their shapes
+    stay (attention's num_heads): weights saved with another value are refused
     (job/checkpoint_check.py, ``check_same_meaning``)."""
     name: str
     kind: object
     default: object
     meaning: str
+    range: Optional[Range] = None
     weights: bool = False
+
+    @property
+    def value_range(self):
+        """The declared range, or the one the kind implies; None for a key
+        that is not numeric."""
+        return self.range or IMPLIED_RANGE.get(self.kind)
+
+    @property
+    def type_doc(self):
+        """The type column of docs/config.md: the kind and the range."""
+        if isinstance(self.kind, tuple):
+            return "one of " + ", ".join(map(str, self.kind))
+        doc = KIND_DOC[self.kind]
+        if self.range is None:
+            return doc
+        bounded = self.range.lo is not None or self.range.hi is not None
+        each = "each " if self.kind in LIST_KINDS else ""
+        return f"{doc}{' ' if bounded and not each else ', '}{each}{self.range.text}"
 
 
 class LayerSpec(NamedTuple):
@@ -66,6 +127,11 @@ KIND_DOC = {
     "filler": "filler", "thread": "integer >= 0 or a name",
     "params": "list of {lr_mult, decay_mult}",
 }
+#: the numeric kinds: each key of one declares its range (``Key.range``),
+#: or its kind implies it (IMPLIED_RANGE)
+NUMERIC_KINDS = ("int", "posint", "nonneg", "number", "pair", "ints", "numbers")
+IMPLIED_RANGE = {"posint": POSITIVE, "nonneg": NON_NEGATIVE}  # as KIND_DOC says
+LIST_KINDS = ("pair", "ints", "numbers")  # a range bounds each element
 
 COMMON_KEYS = (
     Key("type", "str", REQUIRED, "the layer type (or one of its aliases)"),
@@ -77,6 +143,9 @@ COMMON_KEYS = (
     Key("thread", "thread", 0, "worker thread (CUDA stream on a GPU) that runs its ops"),
 )
 PARAM_KEYS = {"lr_mult": 1.0, "decay_mult": 1.0}
+PARAM_RANGE = NON_NEGATIVE  # of each PARAM_KEYS value
+#: the range of a filler's number key (fillers.FILLERS), FINITE where absent
+FILLER_RANGES = {"std": NON_NEGATIVE}
 
 
 def layer(*names, keys=(), doc=None):
@@ -91,6 +160,10 @@ def layer(*names, keys=(), doc=None):
         clash = [k.name for k in spec.keys if k.name in common]
         if clash or len({k.name for k in spec.keys}) != len(spec.keys):
             raise ValueError(f"layer {names[0]!r}: keys declared twice: {clash or spec.keys}")
+        for k in spec.keys:
+            if k.kind in NUMERIC_KINDS and k.value_range is None:
+                raise ValueError(f"layer {names[0]!r}: numeric key {k.name!r} declares no "
+                                 "range (Key(..., range=Range(...)))")
         fn.spec = spec
         LAYER_SPECS[names[0]] = spec
         for n in names:
@@ -123,6 +196,12 @@ def check_layer(cfg, index, path):
             raise ConfigError(path, f"net[{index}].{k}",
                               f"layer '{name}' ({spec.type}): unknown key {excerpt(k)}"
                               f"{_suggest(k, valid)} (valid keys: {', '.join(valid)})")
+    for k, v in cfg.items():
+        key = spec.key(k)
+        problem = value_problem(key.kind, key.range, v)
+        if problem:
+            raise ConfigError(path, f"net[{index}].{k}", f"layer '{name}' ({spec.type}): "
+                                                         f"{problem}")
     for key in spec.keys:
         if key.kind == "filler" and isinstance(cfg.get(key.name), dict):
             _check_filler(cfg[key.name], f"net[{index}].{key.name}", name, path)
@@ -137,9 +216,9 @@ def check_layer(cfg, index, path):
                         raise ConfigError(path, f"{where}.{k}", f"layer '{name}': unknown "
                                           f"key {excerpt(k)}{_suggest(k, PARAM_KEYS)} (valid keys: "
                                           f"{', '.join(PARAM_KEYS)})")
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-                        raise ConfigError(path, f"{where}.{k}", f"layer '{name}': expected a "
-                                          f"number, got {excerpt(v)}")
+                    problem = value_problem("number", PARAM_RANGE, v)
+                    if problem:
+                        raise ConfigError(path, f"{where}.{k}", f"layer '{name}': {problem}")
 
 
 def _check_filler(filler, where, name, path):
@@ -152,11 +231,65 @@ def _check_filler(filler, where, name, path):
             raise ConfigError(path, f"{where}.{k}", f"layer '{name}': unknown key "
                               f"{excerpt(k)} in a {kind} filler{_suggest(k, valid)} (valid keys: "
                               f"{', '.join(valid)})")
-        if k != "type" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
-            raise ConfigError(path, f"{where}.{k}", f"layer '{name}': expected a number, "
-                                                    f"got {excerpt(v)}")
+        problem = k != "type" and value_problem("number", FILLER_RANGES.get(k, FINITE), v)
+        if problem:
+            raise ConfigError(path, f"{where}.{k}", f"layer '{name}': {problem}")
+    if kind == "uniform":
+        bounds = dict(FILLERS[kind], **filler)
+        if bounds["min"] > bounds["max"]:
+            raise ConfigError(path, f"{where}.max", f"layer '{name}': a uniform filler needs "
+                              f"min <= max, got min {bounds['min']}, max {bounds['max']}")
 
 
 def _suggest(value, choices):
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: what a value of each kind is, in an error message (before its range)
+_WANT = {"int": "an integer", "posint": "an integer", "nonneg": "an integer",
+         "number": "a number", "pair": "an integer or [h, w]", "ints": "a list of integers",
+         "numbers": "a list of numbers"}
+
+
+def value_problem(kind, rng, v):
+    """What a value of ``kind`` (see KIND_DOC) within range ``rng`` (a
+    ``Range``; None: the kind's own) must be, when ``v`` is not one; else
+    None. Kinds that other checks own (blobs, filler, params) pass."""
+    if kind in NUMERIC_KINDS:
+        rng = rng or IMPLIED_RANGE.get(kind)
+        if kind in ("number", "numbers"):
+            ok = _is_number
+        else:
+            ok = _is_int
+        if kind in ("ints", "numbers"):
+            elems = v if isinstance(v, list) and all(map(ok, v)) else None
+        elif kind == "pair":
+            elems = [v] if ok(v) else v if isinstance(v, list) and len(v) == 2 and all(
+                map(ok, v)) else None
+        else:
+            elems = [v] if ok(v) else None
+        if elems is not None and (rng is None or all(e in rng for e in elems)):
+            return None
+        bounded = rng is not None and (rng.lo is not None or rng.hi is not None)
+        want = _WANT[kind] + ((", each " if kind in LIST_KINDS else " ") + rng.text
+                              if bounded else "")
+        finite = " (finite)" if kind in ("number", "numbers") else ""
+        return f"expected {want}{finite}, got {excerpt(v)}"
+    if kind == "thread" and not ((_is_int(v) and v >= 0) or (isinstance(v, str) and v)):
+        return f"expected a thread number (>= 0) or name, got {excerpt(v)}"
+    if kind == "bool" and not isinstance(v, bool):
+        return f"expected true or false, got {excerpt(v)}"
+    if kind == "str" and not isinstance(v, str):
+        return f"expected a string, got {excerpt(v)}"
+    if isinstance(kind, tuple) and v not in kind:
+        return f"expected one of {', '.join(map(str, kind))}, got {excerpt(v)}"
+    return None

@@ -7,7 +7,8 @@ docs/config.md is generated from these declarations: after changing keys
 run ``python -m purine_mpi.tools.docgen --write``.
 """
 from ..base.errors import excerpt
-from .registry import REQUIRED, Key, Required, layer
+from .registry import (AT_LEAST_ONE, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, RATIO, REQUIRED,
+                       Key, Range, Required, layer)
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
@@ -45,10 +46,11 @@ def _filler(b, key):
 
 @layer("conv", "convolution", keys=(
     Key("num_output", "posint", REQUIRED, "output channels"),
-    Key("kernel", "pair", REQUIRED, "kernel size"),
-    Key("stride", "pair", 1, "stride"),
-    Key("pad", "pair", 0, "zero padding on each side"),
-    Key("dilation", "pair", 1, "dilation of the kernel", weights=True),
+    Key("kernel", "pair", REQUIRED, "kernel size", AT_LEAST_ONE),
+    Key("stride", "pair", 1, "stride", AT_LEAST_ONE),
+    Key("pad", "pair", 0, "zero padding on each side", NON_NEGATIVE),
+    Key("dilation", "pair", 1, "dilation of the kernel", AT_LEAST_ONE,
+        weights=True),
     Key("group", "posint", 1, "channel groups (divides the input channels and num_output)",
         weights=True),
     BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
@@ -81,7 +83,9 @@ def conv(b):
     Key("num_output", "posint", REQUIRED, "output features"),
     Key("axis", "int", 1, "the first axis flattened into the features (Caffe's): 1 flattens "
                           "(N, ...) to N rows; -1 (or 2 of an (N, T, C) blob) maps the last "
-                          "axis, giving (N, T, num_output)", weights=True),
+                          "axis, giving (N, T, num_output)", Range(note="an axis of the bottom "
+                                                                   "but 0"),
+        weights=True),
     Key("tie_weight", "str", None, "use that earlier layer's `weight` as this layer's weight "
                                    "(an embedding's (input_dim, C) table for an output "
                                    "projection with num_output = input_dim); its gradient is "
@@ -131,17 +135,19 @@ def _simple(op_type, doc, *keys):
 
 
 _simple("Relu", "Rectified linear unit; leaky with negative_slope.",
-        Key("negative_slope", "number", 0.0, "slope for x < 0 (leaky ReLU)"))
+        Key("negative_slope", "number", 0.0, "slope for x < 0 (leaky ReLU)", FINITE))
 _simple("Sigmoid", "Logistic sigmoid.")
 _simple("Tanh", "Hyperbolic tangent.")
 _simple("Softmax", "Softmax over an axis (probabilities; not a loss).",
         Key("axis", "nonneg", 1, "the axis normalised"))
 _simple("Flatten", "Merge the axes from axis to the end into one.",
-        Key("axis", "int", 1, "first axis merged (negative counts from the end)"))
+        Key("axis", "int", 1, "first axis merged (negative counts from the end)",
+            Range(note="an axis of the bottom")))
 
 
 @layer("reshape", keys=(
-    Key("shape", "ints", REQUIRED, "the new shape: 0 copies that input dim, -1 is inferred"),))
+    Key("shape", "ints", REQUIRED, "the new shape: 0 copies that input dim, -1 is inferred",
+        Range(-1)),))
 def reshape(b):
     """Reshape (Caffe's whole-shape form)."""
     (x,) = b.bottoms(1)
@@ -155,9 +161,9 @@ def reshape(b):
 
 @layer("pool", "pooling", keys=(
     Key("pool", ("max", "ave", "avg", "average"), "max", "max or average pooling"),
-    Key("kernel", "pair", Required("unless global"), "window size"),
-    Key("stride", "pair", 1, "stride"),
-    Key("pad", "pair", 0, "zero padding on each side"),
+    Key("kernel", "pair", Required("unless global"), "window size", AT_LEAST_ONE),
+    Key("stride", "pair", 1, "stride", AT_LEAST_ONE),
+    Key("pad", "pair", 0, "zero padding on each side", NON_NEGATIVE),
     Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding)"),
     Key("global", "bool", False, "pool each whole feature map to 1×1 (no kernel)"),
     Key("global_pooling", "bool", False, "Caffe's name for global")))
@@ -190,9 +196,9 @@ def global_pool(b):
 
 @layer("lrn", keys=(
     Key("local_size", "posint", 5, "channels in the window"),
-    Key("alpha", "number", 1e-4, "scale α"),
-    Key("beta", "number", 0.75, "exponent β"),
-    Key("k", "number", 1.0, "offset k"),
+    Key("alpha", "number", 1e-4, "scale α", NON_NEGATIVE),
+    Key("beta", "number", 0.75, "exponent β", NON_NEGATIVE),
+    Key("k", "number", 1.0, "offset k (k + α·Σx²/n stays > 0)", POSITIVE),
     Key("norm_region", ("across_channels", "within_channel"), "across_channels",
         "across_channels: a window of local_size channels; within_channel: a "
         "local_size × local_size window in each channel, α divided by local_size² "
@@ -212,17 +218,15 @@ def lrn(b):
 
 
 @layer("dropout", keys=(
-    Key("ratio", "number", 0.5, "probability of dropping a unit, in [0, 1)"),
-    Key("dropout_ratio", "number", None, "Caffe's name for ratio")))
+    Key("ratio", "number", 0.5, "probability of dropping a unit", RATIO),
+    Key("dropout_ratio", "number", None, "Caffe's name for ratio", RATIO)))
 def dropout(b):
     """Inverted dropout in training (kept units scaled by 1/(1−ratio)); identity in testing.
     The masks come from a counter-based generator (Philox4x32-10) keyed by `seed`, the
     rank, the layer and the iteration: the CPU and a GPU draw the same masks, and a resume
     draws the same masks as the uninterrupted run."""
     (x,) = b.bottoms(1)
-    ratio = float(b.get("ratio", b.get("dropout_ratio", 0.5)))
-    if not 0.0 <= ratio < 1.0:
-        b.fail("ratio", f"expected 0 <= ratio < 1, got {ratio}")
+    ratio = float(b.get("ratio", b.get("dropout_ratio", 0.5)))  # ranges: the declarations
     (y,) = b.tops(1)
     if b.phase == "train":
         # the iteration keys the mask (ops/dropout.py); the solver writes it
@@ -234,11 +238,11 @@ def dropout(b):
 
 
 @layer("batch_norm", "batchnorm", "bn", keys=(
-    Key("eps", "number", 1e-5, "added to the variance"),
+    Key("eps", "number", 1e-5, "added to the variance", POSITIVE),
     Key("momentum", "number", 0.1, "running-statistics update: r = (1−momentum)·r + "
-                                   "momentum·batch (PyTorch's convention)"),
+                                   "momentum·batch (PyTorch's convention)", FRACTION),
     Key("moving_average_fraction", "number", None, "instead of momentum: Caffe's normalised "
-                                                   "moving sums with this factor, in [0, 1]"),
+                                                   "moving sums with this factor", FRACTION),
     *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
 def batch_norm(b):
     """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and
@@ -253,10 +257,7 @@ def batch_norm(b):
     attrs = {"eps": float(b.get("eps")), "momentum": float(b.get("momentum"))}
     maf = b.get("moving_average_fraction")
     if maf is not None:  # Caffe's running average (ops/batchnorm.py)
-        maf = float(maf)
-        if not 0.0 <= maf <= 1.0:
-            b.fail("moving_average_fraction", f"expected a number in [0, 1], got {maf}")
-        attrs["moving_average_fraction"] = maf
+        attrs["moving_average_fraction"] = float(maf)  # in [0, 1]: its declaration
     (y,) = b.tops(1)
     name = b.cfg["name"]
     if b.phase == "train":
@@ -281,7 +282,7 @@ def concat(b):
 @layer("slice", keys=(
     Key("axis", "nonneg", 1, "the axis cut"),
     Key("slice_point", "ints", None, "increasing cut indices (default: equal parts, one per "
-                                     "top)")))
+                                     "top)", AT_LEAST_ONE)))
 def slice_(b):
     """Cut the bottom along an axis into the tops."""
     (x,) = b.bottoms(1)
@@ -302,7 +303,8 @@ def slice_(b):
 
 @layer("eltwise", keys=(
     Key("operation", ("sum", "prod", "max"), "sum", "element-wise sum, product or maximum"),
-    Key("coeff", "numbers", None, "sum only: one coefficient per bottom (default all 1)")))
+    Key("coeff", "numbers", None, "sum only: one coefficient per bottom (default all 1)",
+        FINITE)))
 def eltwise(b):
     """Element-wise combination of bottoms of one shape (a residual sum)."""
     xs = b.bottoms()
@@ -335,10 +337,10 @@ def _class_axis(b, x):
 @layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(
     Key("axis", "int", 1, "the class axis (Caffe's): 1 for (N, C, ...) scores; -1 for (N, T, V) "
                           "logits with (N, T) labels, the token-level loss: the mean over every "
-                          "position, in nats per token"),
+                          "position, in nats per token", Range(note="an axis of the scores")),
     Key("ignore_label", "nonneg", None, "a label value that adds no loss (excluded from the "
                                         "mean)"),
-    Key("loss_weight", "number", 1.0, "weight of this loss in the total")))
+    Key("loss_weight", "number", 1.0, "weight of this loss in the total", NON_NEGATIVE)))
 def softmax_loss(b):
     """Softmax cross-entropy (natural log: nats); bottoms [scores, label]; the mean over the
     counted positions."""
@@ -356,7 +358,8 @@ def softmax_loss(b):
     Key("top_k", "posint", 1, "a sample counts as right when its label is among the k best "
                               "scores"),
     Key("axis", "int", 1, "the class axis, as softmax_loss's (-1: the next-token accuracy "
-                          "of (N, T, V) logits over every position)")))
+                          "of (N, T, V) logits over every position)",
+        Range(note="an axis of the scores"))))
 def accuracy(b):
     """Top-k accuracy; bottoms [scores, label]; a non-finite score counts as wrong."""
     x, label = b.bottoms(2)

@@ -10,7 +10,7 @@ changing keys run ``python -m purine_mpi.tools.docgen --write``.
 """
 import numpy as np
 
-from .registry import REQUIRED, Key, layer
+from .registry import POSITIVE, RATIO, REQUIRED, Key, layer
 from .standard import ITER_BLOB, _filler, _param_key
 
 #: nanoGPT's initialisation of the embeddings and projections: N(0, 0.02²)
@@ -58,7 +58,7 @@ def position_embedding(b):
 
 
 @layer("layer_norm", "layernorm", keys=(
-    Key("eps", "number", 1e-5, "added to the variance"),
+    Key("eps", "number", 1e-5, "added to the variance", POSITIVE),
     Key("weight_filler", "filler", {"type": "constant", "value": 1.0},
         "initialisation of the scale"),
     Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
@@ -95,9 +95,9 @@ def gelu(b):
     Key("causal", "bool", True, "mask the future: position t attends to positions ≤ t",
         weights=True),
     Key("attn_dropout", "number", 0.0, "dropout ratio on the attention probabilities "
-                                       "(training only)"),
+                                       "(training only)", RATIO),
     Key("resid_dropout", "number", 0.0, "dropout ratio on the output projection (training "
-                                        "only)"),
+                                        "only)", RATIO),
     Key("bias_term", "bool", True, "learn `qkv_bias` and `proj_bias`"),
     Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v, keeping no "
                                "probabilities (its gradient recomputes them); false: the raw "
@@ -121,11 +121,7 @@ def attention(b):
     c, heads = shape[2], b.get("num_heads")
     if c % heads:
         b.fail("num_heads", f"num_heads {heads} must divide the width {c}")
-    ratios = {}
-    for k in ("attn_dropout", "resid_dropout"):
-        ratios[k] = float(b.get(k))
-        if not 0.0 <= ratios[k] < 1.0:
-            b.fail(k, f"expected 0 <= {k} < 1, got {ratios[k]}")
+    ratios = {k: float(b.get(k)) for k in ("attn_dropout", "resid_dropout")}  # in [0, 1)
     name, wf, bf = b.cfg["name"], _filler(b, "weight_filler"), _filler(b, "bias_filler")
     bias = b.get("bias_term")
     fused = b.get("fused")

@@ -441,12 +441,19 @@ class SerialDispatcher(Dispatcher):
         super().__init__(graph, Inline(), **kw)
 
 
+#: ops a stall message names (the rest counted), as the waiting list of the
+#: no-progress message
+STALL_OPS_SHOWN = 10
+
+
 def _stall_message(rank, pending, timeout, held=()):
     parts = []
     for op, p in pending:
         desc = p.describe() if hasattr(p, "describe") else ""
         parts.append(f"op '{op.name}' ({op.op_type}{', ' + desc if desc else ''})")
     parts += [f"op '{name}' (not posted: {why})" for name, why in held]
+    if len(parts) > STALL_OPS_SHOWN:  # one line under PIPE_BUF: written whole (write_line)
+        parts[STALL_OPS_SHOWN:] = [f"and {len(parts) - STALL_OPS_SHOWN} more"]
     return (f"rank {rank}: communication stalled for more than {timeout:.0f} s; "
             f"still waiting on: " + "; ".join(parts))
 

@@ -73,7 +73,7 @@ class StopSignal:
         from ..comm.launcher import launched_rank
         _flush_quietly()
         if launched_rank() == 0:
-            _write_stderr("interrupted again: stopping now without waiting for the checkpoint "
+            write_line("interrupted again: stopping now without waiting for the checkpoint "
                           "(latest.h5 stays the last complete one)")
         for cleanup in list(cls.cleanups):
             try:
@@ -138,13 +138,36 @@ def print_or_stop(msg):
 
 
 def print_err(msg):
-    """Print a line to stderr; when stderr is a closed pipe too (``train ...
-    2>&1 | head``), it goes to /dev/null from then on: the line is lost, the
-    exit status stands (a BrokenPipeError here ended the run with 1)."""
+    """Print a line to stderr in one write (``write_line``); when stderr is a
+    closed pipe too (``train ... 2>&1 | head``), it goes to /dev/null from
+    then on: the line is lost, the exit status stands (a BrokenPipeError
+    here ended the run with 1)."""
     try:
-        print(msg, file=sys.stderr, flush=True)
-    except (BrokenPipeError, ValueError):
+        write_line(msg, quiet=False)
+    except OSError:
         _to_devnull(2, sys.stderr)
+
+
+def write_line(text, quiet=True):
+    """``text`` and its newline to stderr in one ``os.write`` of the whole
+    line, after what Python's stream still holds. Lines of several ranks (or
+    threads) that share the launcher's pipe then mix only at line
+    boundaries: a pipe write under PIPE_BUF (4096) bytes is atomic, where
+    ``print`` writes the text and the newline apart (two writes without
+    line buffering: ``python -u``, PYTHONUNBUFFERED) and a long line in
+    8 KiB pieces. No buffered stream: a signal may have come in the middle
+    of a print. ``quiet``: an OSError (a closed pipe) is dropped."""
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    try:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        if not quiet:
+            raise
 
 
 def stdout_to_devnull():
@@ -172,12 +195,3 @@ def _flush_quietly():
             stream.flush()
         except Exception:  # a closed pipe, a stream in use by the interrupted code
             pass
-
-
-def _write_stderr(line):
-    """One line to stderr in one write (no buffered stream: the signal may
-    have come in the middle of a print)."""
-    try:
-        os.write(2, (line + "\n").encode("utf-8", "replace"))
-    except OSError:
-        pass

@@ -39,9 +39,9 @@ solver: {type: adamw, base_lr: 0.001, weight_decay: 0.01, lr_policy: cosine,
 
 
 CUSTOM_LAYER_EXAMPLE = '''\
-from purine_mpi.layers import Key, layer
+from purine_mpi.layers import POSITIVE, Key, layer
 
-@layer("scaled_relu", keys=(Key("scale", "number", 1.0, "factor after the ReLU"),))
+@layer("scaled_relu", keys=(Key("scale", "number", 1.0, "factor after the ReLU", POSITIVE),))
 def scaled_relu(b):
     """ReLU followed by a constant factor."""
     (x,) = b.bottoms(1)

@@ -246,11 +246,16 @@ def _data():
 def _layer_section():
     from ..layers import COMMON_KEYS, KIND_DOC, LAYER_SPECS, PARAM_KEYS
     from ..layers.fillers import FILLER_DOC, FILLERS
+    from ..layers.registry import FILLER_RANGES, FINITE, PARAM_RANGE
 
-    def kind_text(kind):
-        if isinstance(kind, tuple):
-            return "one of " + ", ".join(map(str, kind))
-        return _need(KIND_DOC, kind, "KIND_DOC in purine_mpi/layers/__init__.py")
+    def kind_text(key):
+        if not isinstance(key.kind, tuple):
+            _need(KIND_DOC, key.kind, "KIND_DOC in purine_mpi/layers/registry.py")
+        return key.type_doc
+
+    def filler_key(k, v):
+        rng = FILLER_RANGES.get(k)
+        return f"`{k}` ({v}{', ' + rng.text if rng else ''})"
 
     def default_text(key):
         if key.default is None:
@@ -260,7 +265,7 @@ def _layer_section():
         return _fmt(key.default)
 
     def key_rows(keys):
-        return [(_code(k.name), kind_text(k.kind), default_text(k),
+        return [(_code(k.name), kind_text(k), default_text(k),
                  k.meaning + ("; weights saved with another value are refused (they would "
                               "load but mean something else)" if k.weights else ""))
                 for k in keys]
@@ -285,10 +290,12 @@ def _layer_section():
         "",
         "`weight_filler` and `bias_filler` initialise a parameter from the run's seed and "
         "the parameter's name only (not the rank count or the layer order). "
-        "fan_in = the product of a weight's dimensions after the first.",
+        "fan_in = the product of a weight's dimensions after the first. Each key is a "
+        f"{FINITE.text} number (`std` {FILLER_RANGES['std'].text}); a uniform filler needs "
+        "min <= max.",
         "",
         _table(("type", "keys (default)", "draws"),
-               [(_code(kind), ", ".join(f"`{k}` ({v})" for k, v in FILLERS[kind].items()) or
+               [(_code(kind), ", ".join(filler_key(k, v) for k, v in FILLERS[kind].items()) or
                  "—", _need(FILLER_DOC, kind, "FILLER_DOC in purine_mpi/layers/fillers.py"))
                 for kind in FILLERS]),
         "",
@@ -296,8 +303,9 @@ def _layer_section():
         "",
         "A layer with parameters takes `param`, one entry per parameter in the order "
         "weight, bias: " + ", ".join(f"`{k}` (default {v})" for k, v in PARAM_KEYS.items())
-        + ". `lr_mult` scales the learning rate and `decay_mult` the weight decay of that "
-        "parameter (`lr_mult: 0` freezes it). Missing entries mean 1.0.",
+        + f", each a number {PARAM_RANGE.text}. `lr_mult` scales the learning rate and "
+        "`decay_mult` the weight decay of that parameter (`lr_mult: 0` freezes it). Missing "
+        "entries mean 1.0.",
         "",
         "### Layer types",
         "",
@@ -317,7 +325,12 @@ def _layer_section():
         "A layer is a Python function registered with `@layer(TYPE, *aliases, keys=...)`; "
         "it reads its keys with `b.get(KEY)` (checked against the declared kind, defaulted "
         "from the declaration) and emits ops with `b.op(...)`. Its declared keys are "
-        "checked like those of the built-in layers. Register it before the config is "
+        "checked like those of the built-in layers, when the config is read (exit 2 "
+        "naming the file, the layer and the key). A key of a numeric kind declares its "
+        "range, `Key(name, kind, default, meaning, Range(lo, hi, lo_open, hi_open))` "
+        "(`purine_mpi.layers`: `POSITIVE`, `NON_NEGATIVE`, `AT_LEAST_ONE`, `RATIO`, "
+        "`FRACTION`, `FINITE`); "
+        "`posint` and `nonneg` imply theirs. Register it before the config is "
         "loaded (train from Python, `purine_mpi.job.config.load_config` then "
         "`purine_mpi.train.trainer.run_training`):",
         "",
