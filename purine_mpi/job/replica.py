@@ -204,7 +204,7 @@ def init_params(loaded, params, job, path, skip=()):
                            f"(the file holds {', '.join(sorted(loaded)[:8]) or 'none'}"
                            f"{' ...' if len(loaded) > 8 else ''})", "; to leave a layer at its "
                            "fresh initialisation (fine-tuning), name it with --init-skip LAYER")
-    if not str(path).endswith(".caffemodel"):  # ours: the config it was saved with
+    if not str(path).endswith((".caffemodel", ".safetensors")):  # ours: saved with its config
         from .checkpoint_check import check_same_meaning
         from .checkpoint_file import saved_config_text
         check_same_meaning(saved_config_text(path), job.net, path,
