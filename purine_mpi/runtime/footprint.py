@@ -62,7 +62,7 @@ class WorkspacePlans:
     test_devices: dict = field(default_factory=dict)
 
 
-def test_shared(graphs):
+def shared_params(graphs):
     """The parameters the test graph reads from the training workspace
     (the trainer hands it those arrays rather than copies)."""
     tg, g = graphs.test_graph, graphs.graph
@@ -79,7 +79,7 @@ def workspace_plans(graphs, planned=True):
     tg = graphs.test_graph
     if tg is not None:
         out.test_keep = list(graphs.test_names) + batch_blobs(tg)
-        out.test_skip = list(window_arrays(tg)) + test_shared(graphs)
+        out.test_skip = list(window_arrays(tg)) + shared_params(graphs)
         if planned:
             out.test_host, out.test_devices = memory_plans(tg, keep=out.test_keep,
                                                            skip=out.test_skip)

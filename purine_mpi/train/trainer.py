@@ -29,7 +29,7 @@ from ..job.job import job_of
 from ..parallel.compose import Scheme, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
-from ..runtime.footprint import test_shared, workspace_plans
+from ..runtime.footprint import shared_params, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world
@@ -144,7 +144,7 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
     test = None
     if graphs.test_graph is not None:
         tg, ws = graphs.test_graph, train.workspace
-        shared = {p: ws[p] for p in test_shared(graphs)}
+        shared = {p: ws[p] for p in shared_params(graphs)}
         test = make_dispatcher(tg, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
                                workspace=workspace(tg, plans.test_keep, shared, arena=ws,
                                                    made=(plans.test_host, plans.test_devices)),
