@@ -13,6 +13,8 @@ parser is purine_mpi/cli_args.py.
                                            [--seed S] [--profile] [--tensorboard]
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
+    python -m purine_mpi plan CONFIG.yaml [--np N] [--host-memory SIZE] [--device-memory SIZE]
+                                          [--json]
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
@@ -101,9 +103,22 @@ def cmd_train(args):
     if args.tensorboard:  # before the run folder and the graphs: exit 2 at once
         from .job.tensorboard import require_tensorboard
         require_tensorboard()
+    limits = _memory_limits(args)  # a bad size: exit 2 before the run folder
     return run_training(job, _run_dir(args, job), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
-                        init_skip=args.init_skip, tensorboard=args.tensorboard)
+                        init_skip=args.init_skip, tensorboard=args.tensorboard,
+                        memory=limits)
+
+
+def _memory_limits(args):
+    """--host-memory, --device-memory, --no-memory-check (tools/plan.py)."""
+    from .tools.plan import MemoryLimits, parse_bytes
+    return MemoryLimits(
+        host=None if args.host_memory is None else parse_bytes(args.host_memory,
+                                                               "--host-memory"),
+        device=None if args.device_memory is None else parse_bytes(args.device_memory,
+                                                                   "--device-memory"),
+        check=getattr(args, "memory_check", True))
 
 
 def cmd_test(args):
@@ -197,6 +212,16 @@ def cmd_graph(args):
     job = _load(args, check_files=False)
     print(render_graph(job, args.np, args.rank, args.format, args.phase, memory=args.memory))
     return 0
+
+
+def cmd_plan(args):
+    from .tools.plan import run_plan
+    if args.np < 1:
+        raise UserError(f"--np {args.np}: give a number of ranks >= 1")
+    job = _load(args, check_files=False)
+    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json)
+    print(text)
+    return status
 
 
 def cmd_inspect(args):
@@ -293,7 +318,8 @@ def cmd_export(args):
     return 0
 
 
-COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect": cmd_inspect,
+COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "plan": cmd_plan,
+            "inspect": cmd_inspect,
             "data": cmd_data, "predict": cmd_predict, "bench": cmd_bench, "plot": cmd_plot,
             "convert": cmd_convert, "export": cmd_export, "generate": cmd_generate}
 
@@ -301,7 +327,7 @@ COMMANDS = {"train": cmd_train, "test": cmd_test, "graph": cmd_graph, "inspect":
 #: commands without a distributed meaning: under a launcher with several
 #: ranks rank 0 runs them, the others wait and exit with its status (and
 #: predict's scaling form, TRACE_DIR --np N, below)
-RANK0_COMMANDS = ("data", "inspect", "graph", "plot", "export", "convert", "generate")
+RANK0_COMMANDS = ("data", "inspect", "graph", "plan", "plot", "export", "convert", "generate")
 #: the tag of rank 0's exit status message
 STATUS_TAG = 36
 #: whether this process runs a rank-0 command for the whole job

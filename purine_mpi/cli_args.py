@@ -71,6 +71,14 @@ def _common_config_args(p, optional=False):
                                                           "seed)")
 
 
+def _memory_args(p, host_help):
+    p.add_argument("--host-memory", metavar="SIZE", default=None,
+                   help=host_help + "; e.g. 24GiB, 512MiB, 16GB")
+    p.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="the memory each rank may use on its GPU (default: the GPU's total, "
+                        "where there is one); e.g. 80GiB")
+
+
 #: the console script setup.cfg installs (``[options.entry_points]``)
 CONSOLE_SCRIPT = "purine-mpi"
 
@@ -129,6 +137,11 @@ def build_parser():
     p.add_argument("--dispatcher", choices=["event", "serial"], default=None,
                    help="event-driven (default) or the serial reference dispatcher (runs every "
                         "op one at a time in a fixed order; bit-identical results)")
+    _memory_args(p, "the memory this rank may use on the host, checked at start-up before "
+                    "anything big is allocated (default: the host's MemAvailable / the ranks "
+                    "on the host; python -m purine_mpi plan shows the figures)")
+    p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="skip the start-up check that the rank's planned bytes fit its memory")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to OUT/tb (rank 0; needs pip "
                         "install 'purine_mpi[tensorboard]')")
@@ -178,6 +191,18 @@ def build_parser():
                    help="text format: end with the host memory plan (memory_plan): each "
                         "planned blob's offset in the arena, size and lifetime, then the blobs "
                         "that keep their own memory and why")
+
+    p = sub.add_parser("plan", help="every byte each rank will hold (weights, gradients, "
+                                    "optimizer state, activations at their peak, buffers) and "
+                                    "whether it fits, without running an iteration")
+    _common_config_args(p)
+    p.add_argument("--np", type=int, default=1, metavar="N",
+                   help="number of ranks to plan for (default 1); the ranks alike are "
+                        "printed once, with their count")
+    _memory_args(p, "the memory each rank may use on the host (default: this host's "
+                    "MemAvailable now / N, as if the N ranks shared it)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object instead of the table (keys: docs/formats.md)")
 
     p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
     p.add_argument("checkpoint", metavar="CKPT.h5",

@@ -40,6 +40,11 @@ class ConfigError(UserError):
         super().__init__(f"{where}{keytxt}{message}")
 
 
+class MemoryTooSmall(UserError):
+    """A job whose footprint (runtime/footprint.py) exceeds the memory its
+    rank has: ``train`` refuses it before allocating (tools/plan.py)."""
+
+
 class GraphError(UserError):
     """An invalid graph: unknown op type, dangling input, cycle, double writer."""
 

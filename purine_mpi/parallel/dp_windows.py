@@ -15,7 +15,7 @@ the window is host memory, and the buckets' device staging
 
     to_window_allreduce(local, job, world) -> local
 """
-from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, node_groups
+from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, fake_host_of, node_groups
 from .one_sided import refuse_on_gpu
 from .placement import asks_for_gpu
 
@@ -33,9 +33,9 @@ def to_window_allreduce(local, job, world):
     # (parallel/rank_graphs.py), so its blobs are all on the CPU here
     if asks_for_gpu(job):
         refuse_on_gpu(job, "the gradient buckets")
-    if getattr(world, "comm", None) is None:  # graph --np: nothing to allocate
-        return local
-    node_of = node_groups(world)
+    live = getattr(world, "comm", None) is not None  # graph --np, plan: nothing to allocate
+    node_of = node_groups(world) if live else \
+        {r: fake_host_of(r) or 0 for r in range(world.size)}
     ops = sorted((op for op in local.ops.values() if op.op_type == "Allreduce"
                   and not op.attrs.get("group")), key=lambda op: int(op.attrs.get("seq", 0)))
     dtypes = {local.blobs[b].dtype for op in ops for b in op.outputs}
@@ -53,6 +53,10 @@ def to_window_allreduce(local, job, world):
             for word in ("arrived", "reduced"):
                 layout.add_word(f"{base}.{word}@r{q}", q, peers=everyone, writer=q)
         layout.add(f"{base}.sum", 0, (n,), "float32", peers=everyone)
+    # what each rank's windows hold (runtime/footprint.py counts it)
+    local.window_layout, local.window_nodes = layout, node_of
+    if not live:
+        return local
     try:
         local.windows = Windows.allocate(world, layout, node_of)
     except WindowsUnavailable as exc:

@@ -101,6 +101,8 @@ def to_windows(local, job, world):
             layout.add(name, owner, shape, dtype, peers=[peer]).read_only = read_only
             layout.add_word(name + ".written", owner, writer=peer)
             layout.add_word(name + ".free", peer, writer=owner)
+    # what each rank's windows hold (runtime/footprint.py counts it)
+    local.window_layout, local.window_nodes = layout, node_of
     if _live(world) and layout.regions:
         try:
             local.windows = Windows.allocate(world, layout, node_of)

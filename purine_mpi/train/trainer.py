@@ -29,7 +29,7 @@ from ..job.job import job_of
 from ..parallel.compose import Scheme, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
-from ..runtime.memory_plan import batch_blobs
+from ..runtime.footprint import shared_params, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world
@@ -41,6 +41,7 @@ from .signals import StopAgreement
 from .startup import StartupReport
 from .profiling import Traces
 from .watch import BestCheckpoints, EarlyStopping
+from ..tools.plan import check_memory
 
 
 class Trainer(Loop):
@@ -48,7 +49,7 @@ class Trainer(Loop):
 
     def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False,
-                 agreement=None):
+                 agreement=None, memory=None):
         created = time.perf_counter()  # the start-up block reports the set-up time
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
@@ -57,9 +58,13 @@ class Trainer(Loop):
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         try:
             graphs = build_rank_graphs(job, world, scheme)
+            # the memory plans, made once: counted by the start-up check
+            # (``memory``: train's limits, tools/plan.py), then laid out
+            plans = workspace_plans(graphs, job.memory_plan)
+            check_memory(job, graphs, plans, world, memory)
             traces = Traces(profile, out_dir, world)
             runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
-                                   lambda m: log(m) if world.rank == 0 else None)
+                                   lambda m: log(m) if world.rank == 0 else None, plans)
             self.checkpoints, self.evaluation = Checkpoints(), Evaluation()
             services = self._services(job, out_dir, created, tensorboard, traces,
                                       agreement or StopAgreement())
@@ -113,7 +118,7 @@ class Trainer(Loop):
         return self.evaluation.evaluate(self, test_iter)
 
 
-def _dispatchers(graphs, job, world, dispatcher, profiler, say):
+def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
     """The training graph's dispatcher and the test graph's (or None). With
     ``memory_plan`` (the default) the transient blobs of each share one
     arena per device (the host, each GPU), laid out from the static graph
@@ -127,27 +132,28 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say):
     seed = job.seed * 1000003 + world.rank // graphs.layout.tensor
     stall = float(job.parallel.stall_timeout)
 
-    def workspace(graph, keep=(), shared=None, arena=None):
-        return planned_workspace(graph, planned, keep=keep, shared=shared, arena=arena)
+    def workspace(graph, keep=(), shared=None, arena=None, made=None):
+        return planned_workspace(graph, planned, keep=keep, shared=shared, arena=arena,
+                                 plans=made if planned else None)
 
     g = graphs.graph
-    keep = ([graphs.watch] if graphs.watch else []) + batch_blobs(g)
     train = make_dispatcher(g, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
-                            defer_tail=graphs.defer_update, workspace=workspace(g, keep),
+                            defer_tail=graphs.defer_update,
+                            workspace=workspace(g, plans.keep, made=(plans.host, plans.devices)),
                             profiler=profiler, stall_timeout=stall, seed=seed)
     test = None
     if graphs.test_graph is not None:
         tg, ws = graphs.test_graph, train.workspace
-        shared = {p: ws[p] for p in tg.blobs if p in ws.arrays and g.blobs[p].kind == "param"}
+        shared = {p: ws[p] for p in shared_params(graphs)}
         test = make_dispatcher(tg, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
-                               workspace=workspace(tg, graphs.test_names + batch_blobs(tg),
-                                                   shared, arena=ws),
+                               workspace=workspace(tg, plans.test_keep, shared, arena=ws,
+                                                   made=(plans.test_host, plans.test_devices)),
                                seed=seed)
     return train, test
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
-                 init_skip=(), tensorboard=False):
+                 init_skip=(), tensorboard=False, memory=None):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for. ``config``: a
     job (job/job.py) or a validated config dict: the public Python API, an
@@ -170,15 +176,15 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,
                                 profile=profile, dispatcher=dispatcher, init_skip=init_skip,
-                                tensorboard=tensorboard)
+                                tensorboard=tensorboard, memory=memory)
     return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
-                                  tensorboard=tensorboard, log=say),
+                                  tensorboard=tensorboard, log=say, memory=memory),
                           world)
 
 
 def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
-                     dispatcher=None, log=None, init_skip=(), tensorboard=False):
+                     dispatcher=None, log=None, init_skip=(), tensorboard=False, memory=None):
     """``train`` on every rank of a parameter-server run: servers serve
     (train/ps_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker).
@@ -195,7 +201,7 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                                   profile=profile, log=log, dispatcher=dispatcher,
                                   init_skip=init_skip, scheme=WorkerScheme(job, world),
                                   agreement=WorkerStopAgreement(job, world),
-                                  tensorboard=tensorboard),
+                                  tensorboard=tensorboard, memory=memory),
                           world)
 
 

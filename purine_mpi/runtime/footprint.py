@@ -1,0 +1,277 @@
+"""Every byte a rank's workspaces hold, known before its first iteration:
+``plan JOB.yaml --np N`` prints it for each rank, and ``train`` checks it
+against the memory there is before it allocates anything big.
+
+The figures are not a second model of the run. ``workspace_plans`` makes
+the memory plans (runtime/memory_plan.py) that the trainer then lays its
+workspaces out by (train/trainer.py passes them on), and ``footprint``
+walks the storage roots as ``Workspace`` allocates them: a planned root
+is a view into its device's arena, every other root an array of its own
+(``_root_nbytes``, the arena's own rule, on the host; 256-byte aligned in
+a GPU's arena, ``plan_device_memory``). So the host total is the trainer's
+``Workspace.allocated_bytes`` to the byte (tests/test_plan.py checks it).
+
+Each root is counted in one row: its kind says which (a gradient bucket
+is where the gradients live, so it counts as gradients):
+
+- ``weights``: parameters (kinds ``param``, ``param_buffer``: running
+  statistics too);
+- ``gradients``: kinds ``grad`` and ``bucket`` that keep their own memory
+  (accumulated ones, buckets; a gradient written and read in one iteration
+  is planned into the arena, and ``peak`` says how much of it is live there);
+- ``optimizer_state``: state the solver's update ops read (momentum, Adam's
+  two moments);
+- ``activations``: the arena of the transient blobs (its size; ``peak``:
+  the bytes live at once and the op where they peak), and, with
+  ``memory_plan: false``, the transient blobs one buffer each;
+- ``data_batch``: the blobs the data readers fill;
+- ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
+- ``windows``: this rank's part of the one-sided transport's windows;
+- ``kept``: everything else that persists (losses, metrics, lr, the
+  iteration counter, a device loss watch).
+
+On a GPU the kernels' scratch (cuDNN and cuBLAS workspaces) is reserved by
+each kernel's ``setup`` and the CUDA-graph capture pools fill at the first
+capture: neither is known before the kernels are set up, so the device rows
+say so rather than guess (``bench --json`` measures both:
+``device_scratch_bytes``, ``cuda_graph.capture_pool_bytes``).
+"""
+from dataclasses import dataclass, field
+
+from .factory import memory_plans
+from .memory_plan import _root_nbytes, batch_blobs
+from .workspace import plan_device_memory, window_arrays
+
+#: the rows of a footprint, in the order they print
+ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
+        "comm_buffers", "windows", "kept")
+
+
+@dataclass
+class WorkspacePlans:
+    """The memory plans of a rank's two workspaces (training and test),
+    made once: the trainer lays the workspaces out by them, the estimate
+    counts them. ``host`` is None with ``memory_plan: false``."""
+
+    keep: list
+    host: object = None
+    devices: dict = field(default_factory=dict)
+    test_keep: list = field(default_factory=list)
+    test_skip: list = field(default_factory=list)
+    test_host: object = None
+    test_devices: dict = field(default_factory=dict)
+
+
+def shared_params(graphs):
+    """The parameters the test graph reads from the training workspace
+    (the trainer hands it those arrays rather than copies)."""
+    tg, g = graphs.test_graph, graphs.graph
+    return [p for p in tg.blobs if p in g.blobs and g.blobs[p].kind == "param"]
+
+
+def workspace_plans(graphs, planned=True):
+    """The plans of ``graphs`` (parallel/rank_graphs.RankGraphs) as the
+    trainer lays them out: ``planned`` is the job's ``memory_plan``."""
+    g = graphs.graph
+    out = WorkspacePlans(keep=([graphs.watch] if graphs.watch else []) + batch_blobs(g))
+    if planned:
+        out.host, out.devices = memory_plans(g, keep=out.keep, skip=list(window_arrays(g)))
+    tg = graphs.test_graph
+    if tg is not None:
+        out.test_keep = list(graphs.test_names) + batch_blobs(tg)
+        out.test_skip = list(window_arrays(tg)) + shared_params(graphs)
+        if planned:
+            out.test_host, out.test_devices = memory_plans(tg, keep=out.test_keep,
+                                                           skip=out.test_skip)
+    return out
+
+
+@dataclass
+class Footprint:
+    """What one rank holds: {row: bytes} on the host and on each GPU."""
+
+    rank: int
+    device: int
+    host: dict
+    devices: dict
+    #: the transient blobs at their peak: {"where", "op", "position", "ops",
+    #: "live_bytes", "arena_bytes", "gradients_bytes"} (None: nothing planned)
+    peak: object = None
+    #: what the rows leave out, in words
+    notes: list = field(default_factory=list)
+
+    @property
+    def host_total(self):
+        return sum(self.host.values())
+
+    def device_total(self, device):
+        return sum(self.devices.get(device, {}).values())
+
+    def as_dict(self):
+        return {"rank": self.rank, "device": self.device,
+                "host": {**{k: int(self.host.get(k, 0)) for k in ROWS},
+                         "total": int(self.host_total)},
+                "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
+                                     "total": int(self.device_total(d))}
+                            for d, rows in sorted(self.devices.items())},
+                "peak": self.peak, "notes": list(self.notes)}
+
+
+def _groups(graph):
+    groups = {}
+    for b in graph.blobs:
+        groups.setdefault(graph.storage_root(b), []).append(b)
+    return groups
+
+
+def _row_of(graph, names, batch, update_reads, comm_blobs, planned):
+    kinds = {graph.blobs[n].kind for n in names}
+    if kinds & {"param", "param_buffer"}:
+        return "weights"
+    if kinds & {"grad", "bucket"}:
+        return "gradients"
+    if "state" in kinds and update_reads.intersection(names):
+        return "optimizer_state"
+    if batch.intersection(names):
+        return "data_batch"
+    if comm_blobs.intersection(names):
+        return "comm_buffers"
+    return "activations" if planned else "kept"
+
+
+def _reads(graph):
+    """(blobs the solver's update ops read, blobs of Send/Recv ops)."""
+    from ..ops.catalog import get_kernel_class
+    update, comm = set(), set()
+    for op in graph.ops.values():
+        if get_kernel_class(op.op_type, op.name).category == "update":
+            update.update(op.inputs)
+        if op.op_type in ("Send", "Recv"):
+            comm.update(op.inputs + op.outputs)
+    return update, comm
+
+
+def _graph_rows(graph, keep, skip, host_plan, device_plans):
+    """({row: bytes} of the host, {device: {row: bytes}}) of the roots a
+    ``Workspace(graph, shared=skip, plan=host_plan, device_plans=...)``
+    gives arrays of their own, and each GPU arena's planned share; the
+    host arena is left to the caller (the test workspace may reuse it)."""
+    from ..gpu.scratch import ARENA_ALIGN
+    skip = set(skip)
+    batch = set(batch_blobs(graph))
+    update, comm = _reads(graph)
+    would = (host_plan, device_plans)
+    if host_plan is None:  # memory_plan: false: which roots a plan would call transient
+        would = memory_plans(graph, keep=keep, skip=list(skip), order_ops=False)
+    host, devices = {}, {}
+    for root, names in _groups(graph).items():
+        blob = graph.blobs[root]
+        if root in skip or blob.shape is None:
+            continue
+        device = blob.location.device
+        plan = host_plan if device < 0 else device_plans.get(device)
+        if plan is not None and root in plan.offsets:
+            continue  # a view into the arena
+        plan = would[0] if device < 0 else would[1].get(device)
+        row = _row_of(graph, names, batch, update, comm,
+                      plan is not None and root in plan.offsets)
+        if device < 0:
+            host[row] = host.get(row, 0) + _root_nbytes(blob)
+        else:
+            rows = devices.setdefault(device, {})
+            rows[row] = rows.get(row, 0) + -(-_root_nbytes(blob) // ARENA_ALIGN) * ARENA_ALIGN
+    for device in plan_device_memory(graph, skip=skip, plans=device_plans):
+        plan = device_plans.get(device)
+        if plan is not None and plan.offsets:  # the planned share of the device's arena
+            rows = devices.setdefault(device, {})
+            rows["activations"] = rows.get("activations", 0) + plan.total_bytes
+    return host, devices
+
+
+def arena_peak(graph, plan):
+    """The planned blobs at their peak: the most bytes live at once in the
+    schedule (a blob computed in place over another shares its bytes) and
+    the op where that falls. None when nothing is planned."""
+    if plan is None or not plan.offsets:
+        return None
+
+    def unit(r):
+        while r in plan.in_place:
+            r = plan.in_place[r][0]
+        return r
+    span = {}
+    for r, (a, b) in plan.lifetimes.items():
+        u = unit(r)
+        lo, hi = span.get(u, (a, b))
+        span[u] = (min(lo, a), max(hi, b))
+    diff = [0] * (len(plan.order) + 1)
+    for u, (a, b) in span.items():
+        diff[a] += plan.sizes[u]
+        diff[b + 1] -= plan.sizes[u]
+    live, best, at = 0, -1, 0
+    for i, d in enumerate(diff[:-1]):
+        live += d
+        if live > best:
+            best, at = live, i
+    grads = sum(plan.sizes[u] for u, (a, b) in span.items()
+                if a <= at <= b and graph.blobs[u].kind in ("grad", "bucket"))
+    return {"where": "host" if plan.device < 0 else f"GPU {plan.device}",
+            "op": plan.order[at], "position": at, "ops": len(plan.order),
+            "live_bytes": int(best), "arena_bytes": int(plan.total_bytes),
+            "gradients_bytes": int(grads)}
+
+
+def window_bytes(graph, rank):
+    """Bytes of the one-sided transport's windows that ``rank`` holds (its
+    segments of the window layout, ``comm/window_layout.py``), 0 without."""
+    layout = getattr(graph, "window_layout", None)
+    if layout is None:
+        return 0
+    sizes = layout.place(getattr(graph, "window_nodes", None) or
+                         {r: 0 for r in _layout_ranks(layout)})
+    return sum(n for (_, owner), n in sizes.items() if owner == rank)
+
+
+def _layout_ranks(layout):
+    ranks = set()
+    for group in (layout.words, layout.regions):
+        for r in group.values():
+            ranks.add(r.owner)
+            ranks.update(getattr(r, "peers", ()) or ())
+    return ranks
+
+
+def footprint(graphs, plans, rank=0):
+    """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
+    (``workspace_plans``): the training workspace, then the test workspace,
+    which reuses the host arena when the training arena holds it."""
+    g = graphs.graph
+    host, devices = _graph_rows(g, plans.keep, list(window_arrays(g)), plans.host,
+                                plans.devices)
+    if plans.host is not None:
+        host["activations"] = host.get("activations", 0) + plans.host.total_bytes
+    tg = graphs.test_graph
+    if tg is not None:
+        th, td = _graph_rows(tg, plans.test_keep, plans.test_skip, plans.test_host,
+                             plans.test_devices)
+        for row, n in th.items():
+            host[row] = host.get(row, 0) + n
+        for d, rows in td.items():
+            for row, n in rows.items():
+                devices.setdefault(d, {})[row] = devices.get(d, {}).get(row, 0) + n
+        arena = plans.host.total_bytes if plans.host is not None else 0
+        if plans.test_host is not None and plans.test_host.total_bytes > arena:
+            host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
+    host["windows"] = window_bytes(g, rank)
+    peak = arena_peak(g, plans.host)
+    for d, plan in sorted(plans.devices.items()):
+        device_peak = arena_peak(g, plan)
+        if device_peak is not None and (peak is None or graphs.device >= 0):
+            peak = device_peak
+    notes = []
+    if devices:
+        notes.append("GPU scratch (cuDNN/cuBLAS workspaces) and CUDA-graph capture pools "
+                     "are sized when the kernels are set up and first captured: not counted "
+                     "(bench --json: device_scratch_bytes, cuda_graph.capture_pool_bytes)")
+    return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
+                     peak=peak, notes=notes)

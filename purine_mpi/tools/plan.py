@@ -1,0 +1,320 @@
+"""``plan JOB.yaml --np N``: every byte each rank will hold, before launch,
+and whether it fits; ``train``'s start-up check (``check_memory``) is the
+same figure for its own rank, made before the workspaces are allocated.
+
+Each rank's graphs are built as the trainer builds them
+(``parallel.rank_graphs.build_rank_graphs``) for an offline world (no MPI,
+as ``graph --np N --rank R``), laid out by the trainer's memory plans, and
+counted by ``runtime/footprint.py``. With more than ``ALL_RANKS`` ranks only
+the ranks of the first two replicas are built: the other replicas hold what
+the second one holds (same stages, same shards, same buckets).
+
+The memory a rank may use: ``--host-memory`` / ``--device-memory`` when
+given, else the host's ``MemAvailable`` (/proc/meminfo) at the time shared
+by the ranks of the host, and the GPU's total memory when the rank has one.
+"""
+import dataclasses
+import os
+import re
+
+from ..base.errors import MemoryTooSmall, UserError
+from ..base.progress_bar import human_bytes
+
+#: up to this many ranks, ``plan`` builds every one
+ALL_RANKS = 8
+
+#: row labels as printed
+LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
+          "activations": "activations", "data_batch": "data batch",
+          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs"}
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10 ** 3, "m": 1 << 20,
+          "mib": 1 << 20, "mb": 10 ** 6, "g": 1 << 30, "gib": 1 << 30, "gb": 10 ** 9,
+          "t": 1 << 40, "tib": 1 << 40, "tb": 10 ** 12}
+
+
+def parse_bytes(text, option):
+    """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
+    (bytes): a byte count; a UserError naming ``option`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{option} {text}: expected a size such as 80GiB, 512MiB or 24G "
+                        "(KiB/MiB/GiB/TiB or K/M/G/T: powers of 1024; KB/MB/GB/TB: of 1000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclasses.dataclass
+class MemoryLimits:
+    """What ``train`` checks its rank against (``--host-memory``,
+    ``--device-memory``: bytes, None: the machine's); ``check`` False:
+    ``--no-memory-check``."""
+
+    host: object = None
+    device: object = None
+    check: bool = True
+
+
+def mem_available():
+    """Bytes of /proc/meminfo's MemAvailable (the free memory a new process
+    can take without swapping), else the free pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_total(device):
+    """The total memory of GPU ``device``, None without CuPy or a GPU."""
+    from ..base.backend import cupy_available
+    if device < 0 or not cupy_available():
+        return None
+    import cupy
+    return int(cupy.cuda.runtime.getDeviceProperties(int(device))["totalGlobalMem"])
+
+
+def limits_for(limits, ranks_per_host, devices):
+    """[(where, device, bytes, why)]: the memory each part of a rank may
+    use (``devices``: the GPUs the rank has blobs on)."""
+    out = []
+    if limits.host is not None:
+        out.append(("host", -1, limits.host, "--host-memory"))
+    else:
+        avail = mem_available()
+        if avail is not None:
+            why = "MemAvailable" + (f" / {ranks_per_host} ranks on the host"
+                                    if ranks_per_host > 1 else "")
+            out.append(("host", -1, avail // max(ranks_per_host, 1), why))
+    for d in devices:
+        if limits.device is not None:
+            out.append((f"GPU {d}", d, limits.device, "--device-memory"))
+        else:
+            total = device_total(d)
+            if total is not None:
+                out.append((f"GPU {d}", d, total, "the GPU's total memory"))
+    return out
+
+
+def need_of(fp, device):
+    return fp.host_total if device < 0 else fp.device_total(device)
+
+
+# ------------------------------------------------------------------ graphs
+def offline_footprint(job, size, rank):
+    """The footprint of ``rank`` of ``size``, built without MPI."""
+    from ..parallel.rank_graphs import build_rank_graphs
+    from ..runtime.footprint import footprint, workspace_plans
+    from .graph import _OfflineWorld, compose_for
+    offline = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
+    world = _OfflineWorld(rank, size)
+    if size > 1 and job.parallel.servers:
+        # a parameter-server rank: graph --np's slice (no test graph)
+        graph = compose_for(offline, size, rank)
+        graphs = _Graphs(graph=graph, device=_device_of(graph))
+    else:
+        graphs = build_rank_graphs(offline, world)
+    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank)
+
+
+@dataclasses.dataclass
+class _Graphs:
+    graph: object
+    device: int
+    watch: object = None
+    test_graph: object = None
+    test_names: tuple = ()
+
+
+def _device_of(graph):
+    devices = {b.location.device for b in graph.blobs.values() if b.location.device >= 0}
+    return min(devices) if devices else -1
+
+
+def ranks_to_build(job, size):
+    """The ranks ``plan`` builds, and {rank not built: the rank it is like}."""
+    if size <= ALL_RANKS:
+        return list(range(size)), {}
+    from ..parallel.compose import layout_of
+    from .graph import _OfflineWorld
+    lay = layout_of(job, _OfflineWorld(0, size))
+    per = max(lay.stages, lay.tensor, 1)  # the ranks of one replica
+    built = list(range(min(size, 2 * per)))
+    return built, {r: per + r % per for r in range(len(built), size)}
+
+
+# ------------------------------------------------------------- suggestions
+def _with_batch(job, batch):
+    train = dataclasses.replace(job.data.train, batch_size=int(batch))
+    return job.replace(data=dataclasses.replace(job.data, train=train))
+
+
+def fitting_batch(job, size, rank, device, limit, need):
+    """The largest ``data.train.batch_size`` (a multiple of the
+    micro-batches) under which ``rank`` needs at most ``limit`` bytes on
+    ``device`` (-1: the host), from the footprints at two batch sizes (the
+    bytes grow with the batch by a constant per sample), checked by
+    building it; None when even the smallest does not fit. At most four
+    builds."""
+    b0 = job.train_batch
+    m = job.parallel.micro_batches
+    if b0 is None or b0 <= m:
+        return None
+    b1 = max(m, b0 // 2 // m * m)
+    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank), device)
+    per = (need - n1) / (b0 - b1)
+    if n1 <= limit and per <= 0:
+        return b1
+    if per <= 0:
+        return None
+    b = min(int((limit - (n1 - per * b1)) // per) // m * m, b0 - m)
+    for _ in range(3):
+        if b < m:
+            return None
+        if need_of(offline_footprint(_with_batch(job, b), size, rank), device) <= limit:
+            return b
+        b = b * 3 // 4 // m * m
+    return None
+
+
+def advice(job, size, rank, device, limit, need):
+    """What would make ``rank`` fit, in words."""
+    parts = []
+    b = fitting_batch(job, size, rank, device, limit, need)
+    if b is not None:
+        parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
+    elif job.train_batch is not None:
+        parts.append("no smaller data.train.batch_size fits: the weights, gradients and "
+                     "optimizer state alone are too many")
+    from ..parallel.compose import layout_of
+    from .graph import _OfflineWorld
+    lay = layout_of(job, _OfflineWorld(rank, size))
+    if lay.staged:
+        parts.append("more pipeline stages (parallel.stages, more ranks) split the layers "
+                     "further")
+    elif lay.tensor > 1:
+        parts.append("a wider tensor-parallel group (parallel.tensor) splits the layers "
+                     "further")
+    else:
+        parts.append("more data-parallel ranks would not help (each holds the whole model "
+                     "and its own batch): a pipeline (parallel.scheme: pipeline) splits the "
+                     "layers")
+    return "; ".join(parts)
+
+
+def over(fp, limits, ranks_per_host):
+    """[(where, device, need, limit, why)] of the parts of ``fp`` that do not fit."""
+    out = []
+    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices)):
+        need = need_of(fp, d)
+        if need > limit:
+            out.append((where, d, need, limit, why))
+    return out
+
+
+def refusal(job, fp, size, problem, offline_rank=None):
+    """The one line ``train`` (and ``plan --check``) refuses a job with."""
+    where, device, need, limit, why = problem
+    rows = fp.host if device < 0 else fp.devices.get(device, {})
+    shown = ", ".join(f"{LABELS[k]} {human_bytes(v)}" for k, v in
+                      sorted(rows.items(), key=lambda kv: -kv[1]) if v)
+    text = (f"rank {fp.rank} needs {human_bytes(need)} of {where} memory ({shown}), more "
+            f"than the {human_bytes(limit)} it has ({why})")
+    if fp.peak is not None:
+        p = fp.peak
+        text += (f"; its transient blobs peak at {human_bytes(p['live_bytes'])} at op "
+                 f"'{p['op']}' ({p['position'] + 1} of {p['ops']} in the schedule)")
+    rank = fp.rank if offline_rank is None else offline_rank
+    return (f"{text}; {advice(job, size, rank, device, limit, need)}; or skip the check with "
+            "--no-memory-check")
+
+
+def check_memory(job, graphs, plans, world, limits):
+    """``train``'s start-up check: a MemoryTooSmall (exit 2, one line) when
+    this rank's footprint exceeds what it has, before the workspaces are
+    allocated. ``limits``: a MemoryLimits (None: no check)."""
+    if limits is None or not limits.check:
+        return
+    from ..base.threads import ranks_on_this_host
+    from ..runtime.footprint import footprint
+    fp = footprint(graphs, plans, world.rank)
+    problems = over(fp, limits, ranks_on_this_host()[0])
+    if problems:
+        ps = getattr(job.parallel, "servers", 0) and world.size > 1
+        raise MemoryTooSmall(refusal(job, fp, world.size + (job.parallel.servers if ps else 0),
+                                     problems[0]))
+
+
+# ------------------------------------------------------------------ output
+def run_plan(job, size, limits, as_json=False):
+    """``plan``: (text or JSON object, exit status): 0 when every rank fits."""
+    built, like = ranks_to_build(job, size)
+    fps = {r: offline_footprint(job, size, r) for r in built}
+    groups = {}
+    for r in range(size):
+        fp = fps[like.get(r, r)]
+        d = fp.as_dict()
+        d.pop("rank")
+        key = repr(d)
+        groups.setdefault(key, (fp, []))[1].append(r)
+    ranks_per_host = size
+    kinds = []
+    for fp, ranks in groups.values():
+        lims = limits_for(limits, ranks_per_host, sorted(fp.devices))
+        fits = {where: {"need_bytes": need_of(fp, d), "limit_bytes": int(lim), "limit_from": why,
+                        "fits": need_of(fp, d) <= lim} for where, d, lim, why in lims}
+        kinds.append((fp, ranks, fits))
+    ok = all(f["fits"] for _, _, fits in kinds for f in fits.values())
+    if as_json:
+        import json
+        out = {"config": job.name, "world_size": size, "fits": ok,
+               "ranks": [{**fp.as_dict(), "rank": ranks[0], "ranks": ranks, "fits": fits}
+                         for fp, ranks, fits in kinds]}
+        return json.dumps(out), 0 if ok else 2
+    from ..parallel.compose import layout_of
+    from .graph import _OfflineWorld
+    lay = layout_of(job, _OfflineWorld(0, size))
+    lines = [f"plan {job.name}: {size} rank{'s' if size != 1 else ''} {lay.describe()}, "
+             f"batch {job.train_batch} per rank; bytes each rank holds before its first "
+             "iteration"]
+    from ..train.runlog import ranges
+    for fp, ranks, fits in kinds:
+        head = f"rank {ranks[0]}" if len(ranks) == 1 else \
+            f"ranks {ranges(ranks)} ({len(ranks)} alike)"
+        cols = [("host", fp.host)] + [(f"GPU {d}", rows) for d, rows in sorted(fp.devices.items())]
+        lines.append(f"{head}:" + "".join(f"  {w:>12}" for w, _ in cols))
+        for k in (k for k in LABELS if any(rows.get(k) for _, rows in cols) or k in (
+                "weights", "gradients", "optimizer_state", "activations")):
+            lines.append(f"  {LABELS[k]:<18}" + "".join(f"  {human_bytes(rows.get(k, 0)):>12}"
+                                                        for _, rows in cols))
+        lines.append(f"  {'total':<18}" + "".join(
+            f"  {human_bytes(sum(rows.values())):>12}" for _, rows in cols))
+        p = fp.peak
+        if p is not None:
+            lines.append(f"  peak: the {p['where']} arena holds {human_bytes(p['arena_bytes'])}; "
+                         f"its blobs peak at {human_bytes(p['live_bytes'])} live at op "
+                         f"'{p['op']}' ({p['position'] + 1} of {p['ops']} in the schedule"
+                         + (f", {human_bytes(p['gradients_bytes'])} of it gradients"
+                            if p["gradients_bytes"] else "") + ")")
+        for where, f in fits.items():
+            verdict = "fits" if f["fits"] else "DOES NOT FIT"
+            lines.append(f"  {where}: {verdict}: {human_bytes(f['need_bytes'])} of "
+                         f"{human_bytes(f['limit_bytes'])} ({f['limit_from']})")
+            if not f["fits"]:
+                d = -1 if where == "host" else int(where.split()[1])
+                lines.append("    " + advice(job, size, ranks[0], d, f["limit_bytes"],
+                                             f["need_bytes"]))
+        if fp.devices and not any(w != "host" for w in fits):
+            lines.append("  no GPU here: give --device-memory to check the GPU's part")
+        for note in fp.notes:
+            lines.append(f"  note: {note}")
+    if like:
+        lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what the rank "
+                     "of the second replica at its place holds")
+    return "\n".join(lines), 0 if ok else 2

@@ -1,0 +1,172 @@
+"""``plan JOB --np N`` and train's start-up memory check (tools/plan.py,
+runtime/footprint.py): the figures are the workspaces' own bytes, a job
+whose numbers are known by hand gives them, and a job that cannot fit is
+refused before its first iteration with a setting that fits."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from purine_mpi.job.config import load_job
+from purine_mpi.runtime.factory import planned_workspace
+from purine_mpi.runtime.footprint import footprint, shared_params, workspace_plans
+from purine_mpi.tools.plan import parse_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOBS = os.path.join(ROOT, "jobs")
+PY = [sys.executable, "-m", "purine_mpi"]
+
+
+@pytest.fixture(scope="module")
+def email(tmp_path_factory):
+    """gpt_tiny's text data, made from the standard library's email package."""
+    import email as pkg
+    out = str(tmp_path_factory.mktemp("text") / "email.h5")
+    subprocess.run(PY + ["data", "text", "--from", os.path.dirname(pkg.__file__),
+                         "--glob", "*.py", "--out", out], check=True, capture_output=True)
+    return out
+
+
+def _job(name, email=None, *sets):
+    over = list(sets)
+    if email:
+        over += [f"data.train.path={email}", f"data.test.path={email}"]
+    return load_job(os.path.join(JOBS, f"{name}.yaml"), over, None, check_files=False)
+
+
+def _workspaces_bytes(job, size, rank):
+    """The bytes the trainer's two workspaces allocate for ``rank`` of
+    ``size`` (laid out as train/trainer.py's _dispatchers does), and the
+    footprint of the same graphs."""
+    import dataclasses
+    from purine_mpi.parallel.rank_graphs import build_rank_graphs
+    from purine_mpi.tools.graph import _OfflineWorld
+    job = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
+    graphs = build_rank_graphs(job, _OfflineWorld(rank, size))
+    plans = workspace_plans(graphs, job.memory_plan)
+    fp = footprint(graphs, plans, rank)
+    ws = planned_workspace(graphs.graph, job.memory_plan, keep=plans.keep,
+                           plans=(plans.host, plans.devices))
+    total = ws.allocated_bytes
+    if graphs.test_graph is not None:
+        tws = planned_workspace(graphs.test_graph, job.memory_plan, keep=plans.test_keep,
+                                shared={p: ws[p] for p in shared_params(graphs)}, arena=ws,
+                                plans=(plans.test_host, plans.test_devices))
+        total += tws.allocated_bytes
+    return fp, total, plans
+
+
+@pytest.mark.parametrize("name,size,sets", [
+    ("cifar10_quick", 1, ()),
+    ("cifar10_quick", 2, ()),                                   # data parallel
+    ("cifar10_quick", 2, ("parallel.scheme=pipeline",
+                          "parallel.stages={conv1: 0, pool1: 0, relu1: 0, conv2: 0, relu2: 0, "
+                          "pool2: 0, conv3: 1, relu3: 1, pool3: 1, ip1: 1, ip2: 1, loss: 1, "
+                          "accuracy: 1}")),
+    ("cifar10_quick", 2, ("memory_plan=false",)),
+    ("gpt_tiny", 1, ()),
+    ("gpt_tiny", 2, ()),
+    ("gpt_tiny", 2, ("parallel.scheme=tensor",)),
+    ("nin_cifar10", 2, ()),
+])
+def test_footprint_is_what_the_workspaces_allocate(name, size, sets, email):
+    """The estimate is the trainer's workspaces to the byte, on every rank
+    of each scheme (the arena by the same plan, every other root its array)."""
+    job = _job(name, email if name.startswith("gpt") else None, *sets)
+    for rank in range(size):
+        fp, allocated, plans = _workspaces_bytes(job, size, rank)
+        assert fp.host_total - fp.host["windows"] == allocated, (name, sets, rank)
+        if plans.host is not None:
+            assert fp.peak["arena_bytes"] == plans.host.total_bytes
+            assert 0 < fp.peak["live_bytes"] <= fp.peak["arena_bytes"]
+            assert fp.peak["op"] in plans.host.order
+
+
+def test_known_by_hand(tmp_path):
+    """One fc layer 100 -> 10 with AdamW on 2 data-parallel ranks: weights
+    (100x10 + 10) x 4 bytes, their gradients in the allreduce buckets, Adam's
+    two moments twice the weights, the batch 8 x 100 floats and 8 labels."""
+    cfg = {"name": "one_fc", "seed": 1,
+           "data": {"train": {"source": "synthetic", "shape": [100], "classes": 10,
+                              "num_samples": 64, "batch_size": 8}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                    "num_output": 10},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"],
+                    "top": "loss"}],
+           "solver": {"type": "adamw", "base_lr": 0.001, "max_iter": 2},
+           "parallel": {"scheme": "data"}}
+    path = tmp_path / "one_fc.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(PY + ["plan", str(path), "--np", "2", "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["fits"] is True and res["world_size"] == 2
+    (kind,) = res["ranks"]   # both ranks alike
+    assert kind["ranks"] == [0, 1]
+    host = kind["host"]
+    weights = (100 * 10 + 10) * 4
+    assert host["weights"] == weights
+    assert host["gradients"] == weights + 4  # + the loss's seed gradient, one float32
+    assert host["optimizer_state"] == 2 * weights
+    assert host["data_batch"] == 8 * 100 * 4 + 8 * 8  # float32 samples, int64 labels
+    assert host["total"] == sum(v for k, v in host.items() if k != "total")
+    assert kind["fits"]["host"]["need_bytes"] == host["total"]
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB", "--x") == 80 << 30
+    assert parse_bytes("10MiB", "--x") == 10 << 20
+    assert parse_bytes("16GB", "--x") == 16 * 10 ** 9
+    assert parse_bytes("24G", "--x") == 24 << 30
+    assert parse_bytes("4096", "--x") == 4096
+    for bad in ("ten", "10XB", "-1G", "0"):
+        with pytest.raises(Exception, match="--x"):
+            parse_bytes(bad, "--x")
+
+
+def test_refused_before_launch_with_a_setting_that_fits(tmp_path):
+    """train with too little host memory: exit 2 in under 5 s, one line
+    naming the peak op and a batch size; that batch size passes the check
+    (and trains)."""
+    job = os.path.join(JOBS, "cifar10_quick.yaml")
+    t0 = time.monotonic()
+    out = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "a"),
+                               "--host-memory", "10MiB"],
+                         capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0 needs"), out.stderr
+    assert "at op '" in lines[0] and "--no-memory-check" in lines[0]
+    assert "iter " not in out.stdout  # no iteration ran
+    assert took < 5.0, took
+    batch = int(re.search(r"--set data\.train\.batch_size=(\d+)", lines[0]).group(1))
+    assert 0 < batch < 100
+    ok = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "b"),
+                              "--host-memory", "10MiB", "--set",
+                              f"data.train.batch_size={batch}"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    skip = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "c"),
+                                "--host-memory", "10MiB", "--no-memory-check"],
+                          capture_output=True, text=True, timeout=120)
+    assert skip.returncode == 0, skip.stderr
+
+
+def test_plan_says_it_does_not_fit():
+    """plan exits 2 when a rank does not fit, and says what would."""
+    out = subprocess.run(PY + ["plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--np", "2",
+                               "--host-memory", "10MiB"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "DOES NOT FIT" in out.stdout and "data.train.batch_size" in out.stdout
+    bad = subprocess.run(PY + ["plan", os.path.join(JOBS, "cifar10_quick.yaml"),
+                               "--host-memory", "lots"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
