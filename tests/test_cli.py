@@ -233,8 +233,9 @@ def test_checkpoint_of_another_net(base):
 def test_missing_checkpoint_file(base):
     missing = base["dir"] / "nowhere.h5"
     for command in sorted(COMMANDS):
-        assert_user_error(run_cli_args(*COMMANDS[command](base, missing)), "nowhere.h5",
-                          "not found")
+        # --weights takes a run folder too, so it says both (issue 46)
+        said = "no such run folder or checkpoint" if command == "test" else "not found"
+        assert_user_error(run_cli_args(*COMMANDS[command](base, missing)), "nowhere.h5", said)
 
 
 # -------------------------------------------------------------------- help
