@@ -19,6 +19,7 @@ from purine_mpi.parallel.sharding import (add_shard_solver, compose_zero1,
                                           flatten_bucket_params)
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.workspace import Workspace
+from purine_mpi.tools.bench_transport import transport_figures
 from tests.mpi_scripts.launch import run_mpi
 
 
@@ -125,6 +126,9 @@ def test_allgather_and_reduce_scatter_check_their_shapes():
     sig = {e["kind"]: e["count"] for e in comm_signature(g)}
     assert sig == {"Allgather": 6, "ReduceScatter": 5}
     assert collective_bytes(g) == {"Allgather": 24, "ReduceScatter": 40}
+    # bench --json's bytes_two_sided_per_iter counts them as it counts an Allreduce
+    figures = transport_figures(object(), g, 1, {})
+    assert figures["transport"] == "two_sided" and figures["bytes_two_sided_per_iter"] == 64
 
 
 def test_a_graph_built_for_other_ranks_is_refused():

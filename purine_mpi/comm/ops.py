@@ -76,6 +76,18 @@ def is_collective(op):
     return op.op_type in _COLLECTIVES
 
 
+#: ops whose data are their outputs (what they receive), not their inputs
+_RECEIVING = ("Recv", "WaitWrite", "Allgather")
+
+
+def data_blobs(op):
+    """The blobs a comm op carries: what it receives for a Recv, a
+    WaitWrite and an Allgather (whose inputs are only this rank's shard),
+    what it sends or reduces otherwise -- the same count on every rank of a
+    collective (a ReduceScatter's and an Allgather's whole bucket)."""
+    return op.outputs if op.op_type in _RECEIVING else op.inputs
+
+
 class _CommDelay:
     """Seeded random sleeps in comm ops (``PURINE_COMM_DELAY``, see above)."""
 
@@ -510,8 +522,8 @@ def collective_bytes(graph):
     out = {}
     for op in graph.ops.values():
         if is_collective(op):
-            blobs = op.outputs if op.op_type == "Allgather" else op.inputs
-            out[op.op_type] = out.get(op.op_type, 0) + sum(graph.blobs[b].nbytes for b in blobs)
+            out[op.op_type] = out.get(op.op_type, 0) + sum(graph.blobs[b].nbytes
+                                                           for b in data_blobs(op))
     return out
 
 

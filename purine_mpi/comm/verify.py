@@ -17,7 +17,7 @@ region (its ``tag`` here).
 import numpy as np
 
 from ..base.errors import GraphError, UserError
-from .ops import is_collective, is_comm_op
+from .ops import data_blobs, is_collective, is_comm_op
 
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
@@ -39,9 +39,7 @@ def comm_signature(graph):
         if seq in seen:
             raise GraphError(f"communication ops '{seen[seq]}' and '{op.name}' share seq {seq}")
         seen[seq] = op.name
-        # what every rank of a collective agrees on: an Allgather's whole
-        # output (its inputs are this rank's shard, uneven across ranks)
-        blobs = op.inputs if op.op_type not in _RECEIVERS + ("Allgather",) else op.outputs
+        blobs = data_blobs(op)
         count = sum(int(np.prod(graph.blobs[b].shape)) for b in blobs)
         dtypes = sorted({graph.blobs[b].dtype for b in blobs})
         e = {"seq": seq, "op": op.name, "kind": op.op_type, "count": count,

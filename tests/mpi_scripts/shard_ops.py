@@ -18,7 +18,8 @@ equiv  ZeRO stage 1 (parallel/sharding.compose_zero1: reduce-scatter, the
        of the parameter's scale, max |difference| / max |weight| (3 and 4
        ranks: MPICH's allreduce and reduce-scatter add the ranks' values in
        different orders). The optimizer state a rank
-       holds is its shard's size, counted from the workspace's arrays.
+       holds is its shard's size, counted from the workspace's arrays. The
+       sharded graph runs on a memory-planned workspace, as the trainer's.
 stall  rank 1 stops itself (SIGSTOP) before its reduce-scatter; rank 0's
        watchdog (stall timeout 1 s) names the op.
 """
@@ -38,6 +39,8 @@ from purine_mpi.graph.solver_graph import add_solver
 from purine_mpi.parallel.data_parallel import compose_data_parallel, make_bucket
 from purine_mpi.parallel.sharding import compose_zero1
 from purine_mpi.runtime.factory import make_dispatcher
+from purine_mpi.runtime.memory_plan import plan_memory
+from purine_mpi.runtime.workspace import Workspace
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "ops"
 w = world()
@@ -134,7 +137,9 @@ def build(solver_type, dtype, sharded):
 
 def train(solver_type, dtype, sharded, exact, steps=6):
     g, plan = build(solver_type, dtype, sharded)
-    d = make_dispatcher(g, "event", rank=r, stall_timeout=60.0)
+    # the sharded graph's memory as the trainer plans it (runtime/memory_plan.py)
+    ws = Workspace(g, plan=plan_memory(g)) if sharded else None
+    d = make_dispatcher(g, "event", rank=r, stall_timeout=60.0, workspace=ws)
     ws = d.workspace
     for i, shape in enumerate(SHAPES):  # the same start on every rank
         ws.set(f"p{i}", np.random.default_rng([7, i]).standard_normal(shape).astype(dtype))
@@ -181,9 +186,10 @@ if mode == "equiv":
                     rel = float(np.abs(dp[p] - z1[p]).max() / np.abs(dp[p]).max())
                     assert rel <= 1e-6, (solver_type, dtype, p, rel)
                     worst = max(worst, rel)
-                print(f"rank {r} {solver_type} {dtype} {'exact' if exact else 'random'}: "
-                      f"{'bitwise' if bitwise else f'max rel {worst:.1e}'}; state bytes "
-                      f"{z1_state} of {dp_state}", flush=True)
+                if r == 0:  # one writer: the lines never interleave
+                    print(f"rank {r} {solver_type} {dtype} {'exact' if exact else 'random'}: "
+                          f"{'bitwise' if bitwise else f'max rel {worst:.1e}'}; state "
+                          f"bytes {z1_state} of {dp_state}", flush=True)
     ok(f"shard_ops equiv n={n}")
 
 
