@@ -17,6 +17,24 @@ Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
     whole bucket is reduced in place: one Iallreduce, no packing copy.
     With ``window`` (parallel/dp_windows.py) the sum goes through a shared
     window instead (comm/rma_reduce.py).
+ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
+               attrs seq, shards, shard, (shapes), (average), (group)
+    the concatenation s_0 .. s_m is this rank's shard (``shard_range``) of
+    the sum over ranks of the concatenation g_0 .. g_k (the mean with
+    ``average: true``); ``shards`` is the number of ranks and ``shard`` this
+    rank's index in the communicator (checked when the op is set up).
+    ``shapes``: the outputs' shapes (default: one output of the shard's
+    length; none where the shard is empty) -- so the readers of each part
+    of the shard (a weight's update) depend on the op that writes it. When
+    the inputs are consecutive views of one flat bucket, the bucket itself
+    is the send buffer (no packing copy); so is the receive side. One
+    MPI_Ireduce_scatter with counts.
+Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shapes, (group)
+    the concatenation w_0 .. w_k (shapes ``shapes``) on every rank is the
+    concatenation of every rank's x's, rank by rank: rank r's x's fill
+    ``shard_range(total, shards, r)``. When the inputs are already that
+    range of the flat buffer the outputs view, it is gathered in place
+    (MPI_IN_PLACE). One MPI_Iallgatherv.
 Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
@@ -35,12 +53,13 @@ import time
 import numpy as np
 
 from ..base import env
-from ..base.errors import ShapeError
+from ..base.errors import GraphError, ShapeError
+from ..base.backend import get_xp
 from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
 from .world import get_world
 
-_COLLECTIVES = {"Allreduce"}
+_COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather"}
 #: the sum of an Allreduce with ``window`` through a shared window:
 #: comm/rma_reduce.py registers it when imported (ops/catalog.py imports it)
 WINDOW_SUM = []
@@ -55,6 +74,18 @@ def is_comm_op(op):
 
 def is_collective(op):
     return op.op_type in _COLLECTIVES
+
+
+#: ops whose data are their outputs (what they receive), not their inputs
+_RECEIVING = ("Recv", "WaitWrite", "Allgather")
+
+
+def data_blobs(op):
+    """The blobs a comm op carries: what it receives for a Recv, a
+    WaitWrite and an Allgather (whose inputs are only this rank's shard),
+    what it sends or reduces otherwise -- the same count on every rank of a
+    collective (a ReduceScatter's and an Allgather's whole bucket)."""
+    return op.outputs if op.op_type in _RECEIVING else op.inputs
 
 
 class _CommDelay:
@@ -173,11 +204,86 @@ def _flat(array):
     return array.reshape(-1)
 
 
+def shard_range(total, shards, shard):
+    """The elements ``[start, stop)`` of a flat buffer of ``total`` elements
+    that rank ``shard`` of ``shards`` holds (ReduceScatter's output,
+    Allgather's contribution): equal contiguous chunks of
+    ``ceil(total / shards)`` elements in rank order, the last ones shorter
+    or empty, ``[r*c, min(total, (r+1)*c))`` with ``c = ceil(total/shards)``
+    -- the chunks of a buffer padded to a multiple of ``shards`` (as FSDP
+    and DeepSpeed pad), without the padding."""
+    chunk = -(-int(total) // int(shards))
+    return min(total, shard * chunk), min(total, (shard + 1) * chunk)
+
+
+def shard_counts(total, shards):
+    """(counts, displacements) of ``shard_range`` over every rank."""
+    ranges = [shard_range(total, shards, r) for r in range(shards)]
+    return [b - a for a, b in ranges], [a for a, _ in ranges]
+
+
+class CollectiveKernel(CommKernel):
+    """What the collectives (Allreduce, ReduceScatter, Allgather) share: the
+    description the stall watchdog prints (``<mpi call> <bucket> <size>
+    seq <n>``), the one-rank shortcut, the mean's scaling, and ``nbytes``
+    (the bytes of the whole buffer the collective reduces or gathers, the
+    same on every rank; set in ``setup``)."""
+
+    #: the MPI call named in descriptions ("Iallreduce", ...)
+    mpi_call = None
+    nbytes = 0
+
+    def _alone(self):
+        """One rank and no ``always_post``: nothing to exchange."""
+        return self.comm().Get_size() == 1 and not self.attrs.get("always_post", False)
+
+    def _pending(self, requests):
+        bucket = self.attrs.get("bucket", self.op.name)
+        return MPIPending(requests, f"{self.mpi_call} {bucket} {_mb(self.nbytes)} {self._what()}",
+                          self._finish)
+
+    def _finish(self):
+        pass
+
+    def _scale_mean(self, buffers):
+        """``average: true``: the sum becomes the mean, ``b *= 1/size`` (one
+        rounding more than folding 1/N into the update's ``grad_scale``, as
+        data parallelism does; docs/parallel.md, "Sharding building blocks")."""
+        if self.attrs.get("average", False):
+            size = self.comm().Get_size()
+            for b in buffers:
+                b *= 1.0 / size
+
+    def _shards(self):
+        """(shards, shard) of the attrs, checked against the communicator:
+        a graph built for another number of ranks would exchange the wrong
+        counts."""
+        comm = self.comm()
+        shards, shard = int(self.attrs["shards"]), int(self.attrs["shard"])
+        if (shards, shard) != (comm.Get_size(), comm.Get_rank()):
+            raise GraphError(f"{self.op_type} '{self.op.name}' was built as shard {shard} of "
+                             f"{shards}, but runs as rank {comm.Get_rank()} of "
+                             f"{comm.Get_size()}")
+        return shards, shard
+
+
+def _flat_shapes(attrs, ins, what):
+    """The dtype and element count of the concatenation of ``ins``."""
+    dtypes = {str(np.dtype(d)) for _, d in ins}
+    if len(dtypes) > 1:
+        raise ShapeError(f"{what} needs blobs of one dtype, got {', '.join(sorted(dtypes))}")
+    shards, shard = int(attrs["shards"]), int(attrs["shard"])
+    if not 0 <= shard < shards:
+        raise ShapeError(f"{what}: shard {shard} is not one of 0..{shards - 1}")
+    return dtypes.pop() if dtypes else None, sum(int(np.prod(s, dtype=np.int64)) for s, _ in ins)
+
+
 @register
-class Allreduce(CommKernel):
+class Allreduce(CollectiveKernel):
     """s_i = sum over ranks of g_i (mean with ``average``). Shapes pass through."""
 
     op_type = "Allreduce"
+    mpi_call = "Iallreduce"
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -212,22 +318,213 @@ class Allreduce(CommKernel):
                 o[...] = i
         if self.attrs.get("window"):  # one node, parallel.transport one_sided
             return WINDOW_SUM[0](self)
-        comm = self.comm()
-        if comm.Get_size() == 1 and not self.attrs.get("always_post", False):
+        if self._alone():
             return None
-        requests = [comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
-                    for st in self.stages]
-        bucket = self.attrs.get("bucket", self.op.name)
-        return MPIPending(requests, f"Iallreduce {bucket} {_mb(self.nbytes)} {self._what()}",
-                          self._finish)
+        comm = self.comm()
+        return self._pending([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
+                              for st in self.stages])
 
     def _finish(self):
         for st in self.stages:
             self._copy_back(st)
-        if self.attrs.get("average", False):
-            size = self.comm().Get_size()
-            for b in self.buffers:
-                b *= 1.0 / size
+        self._scale_mean(self.buffers)
+
+
+class _Concat:
+    """The flat concatenation of ``arrays`` that MPI reads or writes: the
+    run of the flat buffer ``flat`` they tile, in order (no copy), or else a
+    buffer of its own that ``pack`` fills from them and ``unpack`` copies
+    back to them."""
+
+    def __init__(self, arrays, flat, dtype):
+        self.arrays = list(arrays)
+        self.buffer = _tiled_run(flat, self.arrays)
+        self.copies = self.buffer is None
+        if self.copies:
+            total = sum(int(a.size) for a in self.arrays)
+            xp = get_xp(self.arrays[0]) if self.arrays else np
+            self.buffer = xp.zeros(total, dtype=dtype)
+
+    def pack(self):
+        if self.copies:
+            pos = 0
+            for a in self.arrays:
+                self.buffer[pos:pos + a.size] = a.reshape(-1)
+                pos += a.size
+
+    def unpack(self):
+        if self.copies:
+            pos = 0
+            for a in self.arrays:
+                a[...] = self.buffer[pos:pos + a.size].reshape(a.shape)
+                pos += a.size
+
+
+def _address(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _tiled_run(flat, arrays):
+    """``flat[i:j]`` when ``arrays`` are C-contiguous views of the 1-D
+    ``flat`` lying one after the other from element i to j, else None."""
+    if flat is None or not arrays or any(
+            not a.flags.c_contiguous or a.dtype != flat.dtype or type(a) is not type(flat)
+            for a in arrays):
+        return None
+    arrays = [a for a in arrays if a.size]  # an empty view may point anywhere
+    if not arrays:
+        return None
+    base, item = _address(flat), flat.itemsize
+    start = pos = _address(arrays[0]) - base
+    for a in arrays:
+        if _address(a) - base != pos:
+            return None
+        pos += a.nbytes
+    if start < 0 or start % item or pos > flat.nbytes:
+        return None
+    return flat[start // item:pos // item]
+
+
+def _storage_of(kernel, name):
+    storage = getattr(kernel.workspace, "storage", None)
+    try:
+        return storage(name) if storage is not None else None
+    except (KeyError, GraphError):
+        return None
+
+
+@register
+class ReduceScatter(CollectiveKernel):
+    """concat(s_0 .. s_m) = this rank's shard of the sum over ranks of
+    concat(g_0 .. g_k) (``shard_range``; the mean with ``average``)."""
+
+    op_type = "ReduceScatter"
+    mpi_call = "Ireduce_scatter"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        dtype, total = _flat_shapes(attrs, ins, "ReduceScatter")
+        if dtype is None:
+            raise ShapeError("ReduceScatter needs at least one input blob")
+        a, b = shard_range(total, int(attrs["shards"]), int(attrs["shard"]))
+        if "shapes" not in attrs:
+            return [((b - a,), dtype)]
+        shapes = [tuple(int(d) for d in s) for s in attrs["shapes"]]
+        if sum(int(np.prod(s, dtype=np.int64)) for s in shapes) != b - a:
+            raise ShapeError(f"ReduceScatter: shard {attrs['shard']} of {attrs['shards']} of "
+                             f"{total} elements holds {b - a}, the output shapes "
+                             f"{[list(s) for s in shapes]} do not")
+        return [(s, dtype) for s in shapes]
+
+    def setup(self, ins, outs):
+        shards, _ = self._shards()
+        dtype = ins[0].dtype
+        self.send = _Concat(ins, _storage_of(self, self.op.inputs[0]), dtype)
+        self.counts, self.displs = shard_counts(self.send.buffer.size, shards)
+        self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]) if outs else None, dtype)
+        self.send_stage = HostStage(self.send.buffer)
+        self.recv_stage = HostStage(self.recv.buffer)
+        self.nbytes = int(self.send.buffer.nbytes)
+        self._setup_done = True
+
+    def _stages_read(self):
+        return [self.send_stage]
+
+    def run(self, ins, outs):
+        if not hasattr(self, "send"):
+            self.setup(ins, outs)
+        from mpi4py import MPI
+        comm_delay()()
+        self.send.pack()
+        if self._alone():  # the one shard is the whole sum
+            self.recv.buffer[...] = self.send.buffer
+            self.recv.unpack()
+            return None
+        req = self.comm().Ireduce_scatter(self.send_stage.buffer(copy_in=True),
+                                          self.recv_stage.buffer(copy_in=False),
+                                          recvcounts=self.counts, op=MPI.SUM)
+        return self._pending([req])
+
+    def _finish(self):
+        self._copy_back(self.recv_stage)
+        self._scale_mean([self.recv.buffer])
+        self.recv.unpack()
+
+
+@register
+class Allgather(CollectiveKernel):
+    """concat(w_0 .. w_k) = every rank's concat(x_0 .. x_m), rank r's at
+    ``shard_range(total, shards, r)``; the outputs' shapes are attr ``shapes``."""
+
+    op_type = "Allgather"
+    mpi_call = "Iallgatherv"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        shapes = [tuple(int(d) for d in s) for s in attrs["shapes"]]
+        dtype, count = _flat_shapes(attrs, ins, "Allgather")
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        a, b = shard_range(total, int(attrs["shards"]), int(attrs["shard"]))
+        if count != b - a:
+            raise ShapeError(f"Allgather: shard {attrs['shard']} of {attrs['shards']} of "
+                             f"{total} elements holds {b - a}, the inputs hold {count}")
+        if dtype is None:
+            dtype = str(np.dtype(attrs.get("dtype", "float32")))
+        return [(s, dtype) for s in shapes]
+
+    def setup(self, ins, outs):
+        shards, shard = self._shards()
+        flat = _storage_of(self, self.op.outputs[0]) if outs else None
+        self.recv = _Concat(outs, flat, outs[0].dtype)
+        total = self.recv.buffer.size
+        self.counts, self.displs = shard_counts(total, shards)
+        a, b = shard_range(total, shards, shard)
+        mine = self.recv.buffer[a:b]
+        run = _tiled_run(flat, list(ins)) if not self.recv.copies else None
+        # in place: the inputs are this rank's range of the gathered buffer
+        self.in_place = b == a or (run is not None and _address(run) == _address(mine)
+                                   and run.size == mine.size)
+        self.send = None if self.in_place else _Concat(ins, None, outs[0].dtype)
+        self.mine = mine
+        self.recv_stage = HostStage(self.recv.buffer)
+        self.send_stage = None if self.in_place else HostStage(self.send.buffer)
+        self.nbytes = int(self.recv.buffer.nbytes)
+        self._setup_done = True
+
+    def _stages_read(self):
+        return [self.recv_stage] if self.in_place else [self.send_stage]
+
+    def run(self, ins, outs):
+        if not hasattr(self, "recv"):
+            self.setup(ins, outs)
+        from mpi4py import MPI
+        comm_delay()()
+        if not self.in_place:
+            self.send.pack()
+        if self._alone():  # the one shard is the whole buffer
+            if not self.in_place:
+                self.mine[...] = self.send.buffer
+            self.recv.unpack()
+            return None
+        recv = [self.recv_stage.buffer(copy_in=self.in_place), (self.counts, self.displs)]
+        send = MPI.IN_PLACE if self.in_place else self.send_stage.buffer(copy_in=True)
+        return self._pending([self.comm().Iallgatherv(send, recv)])
+
+    def _finish(self):
+        self._copy_back(self.recv_stage)
+        self.recv.unpack()
+
+
+def collective_bytes(graph):
+    """{op type: bytes} of the collectives of ``graph`` per iteration: each
+    op counts the whole buffer it reduces or gathers (the bucket), the same
+    figure on every rank -- what the kernels' ``nbytes`` holds once set up."""
+    out = {}
+    for op in graph.ops.values():
+        if is_collective(op):
+            out[op.op_type] = out.get(op.op_type, 0) + sum(graph.blobs[b].nbytes
+                                                           for b in data_blobs(op))
+    return out
 
 
 def _shares(a, b):

@@ -4,7 +4,8 @@ iteration, every rank compares the communication its graph will post.
 MPI matches collectives by call order only: if rank 1's third Allreduce is
 another bucket than rank 0's, the job silently reduces mismatched buffers or
 hangs. So each rank lists its comm ops in ``seq`` order as (kind, element
-count, dtype), the lists are gathered, and the first position where they
+count, dtype; a ReduceScatter counts its input, an Allgather its output:
+the whole bucket), the lists are gathered, and the first position where they
 differ is reported, naming both ops. A collective with a ``group`` (a
 hybrid run's stage: a sub-communicator of some ranks) is compared among the
 ranks of that group only, in ``seq`` order within the group, and every
@@ -16,7 +17,7 @@ region (its ``tag`` here).
 import numpy as np
 
 from ..base.errors import GraphError, UserError
-from .ops import is_collective, is_comm_op
+from .ops import data_blobs, is_collective, is_comm_op
 
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
@@ -38,7 +39,7 @@ def comm_signature(graph):
         if seq in seen:
             raise GraphError(f"communication ops '{seen[seq]}' and '{op.name}' share seq {seq}")
         seen[seq] = op.name
-        blobs = op.inputs if op.op_type not in _RECEIVERS else op.outputs
+        blobs = data_blobs(op)
         count = sum(int(np.prod(graph.blobs[b].shape)) for b in blobs)
         dtypes = sorted({graph.blobs[b].dtype for b in blobs})
         e = {"seq": seq, "op": op.name, "kind": op.op_type, "count": count,

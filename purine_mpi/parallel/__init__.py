@@ -4,6 +4,8 @@ graph a rank runs.
 - ``compose``         the config's scheme -> this rank's graph (the trainer's entry);
                       the replicas x stages layout of pipeline and hybrid runs
 - ``data_parallel``   synchronous data parallelism: gradient buckets + Allreduce
+- ``sharding``        ZeRO stage 1's pieces: a bucket's flat weights, the solver
+                      over one shard, ReduceScatter + Allgather (no scheme yet)
 - ``param_server``    the workers' and servers' graphs of a parameter-server run,
                       synchronous (sync_ps) or asynchronous (the servers' loop:
                       train/ps_server.py)

@@ -234,13 +234,12 @@ def format_plan(plan):
     return lines
 
 
-def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
-                          check_collectives=False, world=None, thread="comm", grad_first=True,
-                          min_buckets=4, split_params=True, split_min_bytes=SPLIT_MIN_BYTES):
-    """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
-    synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
-    param -> gradient blob (``build_backward``'s result). Returns the bucket
-    plan: a list of {"name", "op", "seq", "params", "grads", "bytes"}."""
+def prepare_replica(graph, grads, world_size, rank):
+    """Make ``graph`` (one replica's training graph) replica ``rank`` of
+    ``world_size``: its data readers read that replica's share of the
+    batch, and every op and blob is placed on ``rank``. Returns the
+    ``{param: grad}`` entries whose gradient is in the graph. A graph that
+    places ops on several locations is a UserError."""
     ranks = sorted({op.location.rank for op in graph.ops.values()})
     ips = sorted({op.location.ip for op in graph.ops.values()} - {None})
     spread = ranks if len(ranks) > 1 else ips
@@ -254,7 +253,43 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
             m, k = int(op.attrs.get("micro_batches", 1)), int(op.attrs.get("micro_batch", 0))
             op.attrs["rank"], op.attrs["world_size"] = int(rank) * m + k, int(world_size) * m
     place_on_rank(graph, rank)
-    grads = {p: g for p, g in grads.items() if g in graph.blobs}
+    return {p: g for p, g in grads.items() if g in graph.blobs}
+
+
+def make_bucket(graph, name, bucket, grads, producers):
+    """Make the flat gradient blob ``name`` (kind ``bucket``) of ``bucket``
+    (a ``plan_buckets`` entry) and turn its gradients into views of it, in
+    the bucket's order, so the backward ops write straight into the buffer
+    a collective sends. Returns ``[(param, view blob, element offset)]``."""
+    total = sum(graph.blobs[grads[p]].size for p in bucket["params"])
+    graph.add_blob(name, (total,), bucket["dtype"], bucket["location"], kind="bucket")
+    offset, out = 0, []
+    for p in bucket["params"]:
+        g = graph.blobs[grads[p]]
+        view = grads[p]
+        if g.alias_of is not None:
+            # already a view of other storage (an in-place op wrote it):
+            # copy it into the bucket, the one packing copy we cannot avoid
+            view = graph.free_name(f"{grads[p]}.bucketed")
+            graph.add_blob(view, g.shape, g.dtype, g.location, kind="grad")
+            owner = producers.get(grads[p], [None])[0]
+            graph.add_op(f"{view}.copy", "Copy", [grads[p]], [view], location=g.location,
+                         thread=owner.thread if owner is not None else 0)
+        blob = graph.blobs[view]
+        blob.alias_of, blob.offset = name, offset
+        out.append((p, view, offset))
+        offset += g.size
+    return out
+
+
+def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
+                          check_collectives=False, world=None, thread="comm", grad_first=True,
+                          min_buckets=4, split_params=True, split_min_bytes=SPLIT_MIN_BYTES):
+    """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
+    synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
+    param -> gradient blob (``build_backward``'s result). Returns the bucket
+    plan: a list of {"name", "op", "seq", "params", "grads", "bytes"}."""
+    grads = prepare_replica(graph, grads, world_size, rank)
     if split_params:
         grads = split_large_params(graph, grads, bucket_cap(graph, grads, bucket_mb, min_buckets),
                                    split_min_bytes)
@@ -265,28 +300,14 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
                                                 min_buckets)):
         name = graph.free_name(f"grad_bucket{i}")
         total = sum(graph.blobs[grads[p]].size for p in b["params"])
-        graph.add_blob(name, (total,), b["dtype"], b["location"], kind="bucket")
-        offset, ins, outs = 0, [], []
-        for p in b["params"]:
+        ins, outs = [], []
+        for p, view, offset in make_bucket(graph, name, b, grads, producers):
             g = graph.blobs[grads[p]]
-            view = grads[p]
-            if g.alias_of is not None:
-                # already a view of other storage (an in-place op wrote it):
-                # copy it into the bucket, the one packing copy we cannot avoid
-                view = graph.free_name(f"{grads[p]}.bucketed")
-                graph.add_blob(view, g.shape, g.dtype, g.location, kind="grad")
-                owner = producers.get(grads[p], [None])[0]
-                graph.add_op(f"{view}.copy", "Copy", [grads[p]], [view],
-                             location=g.location,
-                             thread=owner.thread if owner is not None else 0)
-            blob = graph.blobs[view]
-            blob.alias_of, blob.offset = name, offset
             total_name = graph.free_name(f"{grads[p]}.sum")
             graph.add_blob(total_name, g.shape, g.dtype, g.location, kind="grad",
                            alias_of=name, offset=offset)
             ins.append(view)
             outs.append(total_name)
-            offset += g.size
         op = graph.add_op(f"{name}.allreduce", "Allreduce", ins, outs,
                           {"seq": seq, "bucket": name}, location=b["location"], thread=thread)
         _rewire_updates(graph, dict(zip(ins, outs)), {grads[p]: v for p, v in

@@ -19,8 +19,9 @@ one-sided ops copied with the CPU (its rma trace events).
 
 Bytes per iteration, over the timed iterations: ``one_sided``: what this
 rank's Put and Get ops moved through MPI (``MPI_Rput``/``MPI_Get`` into or
-out of an RMA window); ``two_sided``: what its Send, Recv and Allreduce ops
-carry (each op's blobs, once per iteration); ``copied``: what its
+out of an RMA window); ``two_sided``: what its Send, Recv, Allreduce,
+ReduceScatter and Allgather ops carry (each op's blobs, once per iteration:
+``comm.ops.data_blobs``, a bucket whole for the collectives); ``copied``: what its
 one-sided ops copied with the CPU (a store into or a load out of a shared
 window, a region copied into a blob that does not live in it; a bucket
 summed through a shared window: its copy in and its copy out). 0 copied
@@ -29,8 +30,10 @@ WaitWrite): no copy at all.
 """
 import numpy as np
 
+from ..comm.ops import data_blobs
+
 _ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish")
-_TWO_SIDED = ("Send", "Recv", "Allreduce")
+_TWO_SIDED = ("Send", "Recv", "Allreduce", "ReduceScatter", "Allgather")
 #: a sync_ps server's ops that give the workers the weights, and that take
 #: their gradients (two-sided and one-sided)
 _SERVER_SENDS = ("Send", "Publish")
@@ -68,8 +71,7 @@ def transport_figures(dispatcher, graph, iters, before):
         if _one_sided(op):
             kinds.add("one_sided")
         elif op.op_type in _TWO_SIDED:
-            blobs = op.outputs if op.op_type == "Recv" else op.inputs
-            two += sum(int(graph.blobs[b].nbytes) for b in blobs)
+            two += sum(int(graph.blobs[b].nbytes) for b in data_blobs(op))
             kinds.add("two_sided")
     transport = ("none" if not kinds else "mixed" if len(kinds) == 2 else kinds.pop())
     lines = [f"{what}: {how} ({why})" for what, how, why in

@@ -1,0 +1,221 @@
+"""Building blocks of sharded data parallelism (ZeRO stage 1; issue 43,
+docs/parallel.md "Sharding building blocks"): the flat weights of a
+gradient bucket, the solver over one shard of it, and the stage-1 rewrite
+that joins them with the ``ReduceScatter`` and ``Allgather`` ops
+(comm/ops.py).
+
+Layout. A bucket (``data_parallel.plan_buckets``) is a flat gradient buffer
+whose per-parameter views the backward ops write (``make_bucket``). Here
+the bucket's weights get the same layout: one flat buffer (kind
+``param_buffer``, so checkpoints and ``Graph.params`` still see each weight
+by its name) of which every weight is a view at its gradient's offset. So
+element i of the gradient bucket is the gradient of element i of the weight
+buffer, and a shard -- ``comm.ops.shard_range``: rank r holds elements
+``[r*c, min(n, (r+1)*c))``, ``c = ceil(n/N)`` -- is one range of both.
+
+``flatten_bucket_params(graph, name, params, offsets)``
+    the flat weight buffer ``name`` of a bucket; the weights become views.
+``add_shard_solver(graph, ...)``
+    the update ops of the bucket's weights, cut to the shard: for each
+    weight that overlaps the shard, its update op (SGD, AdamW, any
+    ``solver.type``) on the views of its overlap, with its own ``lr_mult``
+    and ``decay_mult``; the solver state (momentum, Adam's moments) is one
+    flat blob per state sized to the shard, and the full-size state blobs
+    go.
+``compose_zero1(graph, grads, shards, shard, ...)``
+    stage 1 of one replica's training graph: per bucket a ReduceScatter of
+    the gradient bucket (``seq`` in bucket order, posted as soon as its
+    gradients exist), the shard solver, then an Allgather of the updated
+    shard into the weight buffer (``seq`` after every ReduceScatter, so a
+    bucket's reduce-scatter never waits behind an earlier bucket's update).
+
+The update divides the summed gradient by N through ``grad_scale``, as data
+parallelism's update does: with the same sum, the numbers are those of
+plain data parallelism bit for bit (see the docs for when the sums agree).
+"""
+from ..base.errors import GraphError
+from ..comm.ops import shard_range
+from ..ops.updates import UPDATE_OP_TYPES
+from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq,
+                            plan_buckets, prepare_replica)
+from .fuse import PARAM_BUFFER_KIND
+
+#: the kind of a view of a shard of a bucket's weights (not a checkpointed param)
+PARAM_SHARD_KIND = "param_shard"
+
+
+def flatten_bucket_params(graph, name, params, offsets):
+    """Make blob ``name`` (kind ``param_buffer``) hold ``params`` (blob
+    names, one dtype and location, each owning its storage) at element
+    ``offsets``, and make each param a view of it (``alias_of`` +
+    ``offset``; aliases of a param, such as ``p@new``, follow). Returns
+    ``name``."""
+    blobs = [graph.blobs[p] for p in params]
+    for b in blobs:
+        if b.alias_of is not None:
+            raise GraphError(f"weight '{b.name}' is a view of '{b.alias_of}'; a bucket's "
+                             "flat weight buffer needs weights that own their storage")
+        if b.shape is None:
+            raise GraphError(f"weight '{b.name}' has no shape; run shape inference first")
+    kinds = {(b.dtype, b.location) for b in blobs}
+    if len(kinds) != 1:
+        raise GraphError(f"the weights of one flat buffer must share dtype and location, "
+                         f"got {sorted(map(str, kinds))}")
+    spans = sorted(zip(offsets, (b.size for b in blobs)))
+    if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
+        raise GraphError(f"the weights of '{name}' overlap at the offsets given")
+    total = max((o + n for o, n in spans), default=0)
+    graph.add_blob(name, (total,), blobs[0].dtype, blobs[0].location, kind=PARAM_BUFFER_KIND)
+    for b, off in zip(blobs, offsets):
+        b.alias_of, b.offset = name, int(off)
+    return name
+
+
+def _update_op_of(graph, param):
+    ops = [op for op in graph.ops.values()
+           if op.op_type in UPDATE_OP_TYPES and op.inputs and op.inputs[0] == param]
+    if len(ops) != 1:
+        raise GraphError(f"weight '{param}' has {len(ops)} update ops; a shard solver "
+                         "needs exactly one")
+    return ops[0]
+
+
+def add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
+                     grad_divisor=None):
+    """Replace the update ops of ``params`` (views of the flat weight buffer
+    ``weights`` at ``offsets``) by update ops on shard ``shard`` of
+    ``shards`` of that buffer (``shard_range``). ``shard_grad`` is the
+    shard's gradient (shape (count,)); each update reads a view of it,
+    which the ReduceScatter must write (its outputs: ``grads`` below, so
+    each update depends on it); the updates
+    multiply their ``grad_scale`` by ``1 / grad_divisor`` (default
+    ``shards``: the ReduceScatter sums, the update makes it the mean, as
+    data parallelism's update does; 1 for a ReduceScatter with ``average``).
+
+    Each weight overlapping the shard gets its update op (same type and
+    attrs) on views of the overlap: ``<p>.shard[a:b]`` of the weight buffer,
+    of ``shard_grad`` and of one flat state blob per solver state,
+    ``<weights>.shard.<state>`` (kind ``state``, the shard's size: the only
+    optimizer state this rank holds). The full-size state blobs and the
+    replaced ops go. Returns a dict: ``ops`` (the new op names), ``states``
+    (the flat state blobs), ``grads`` (the views of ``shard_grad`` the
+    updates read, in buffer order: the ReduceScatter's outputs) and
+    ``written`` (the weight views the updates write, ``...@new``, in buffer
+    order: the Allgather's inputs)."""
+    total = graph.blobs[weights].size
+    lo, hi = shard_range(total, shards, shard)
+    divisor = float(shards if grad_divisor is None else grad_divisor)
+    ups = [_update_op_of(graph, p) for p in params]
+    kinds = {(op.op_type, len(op.outputs)) for op in ups}
+    if len(kinds) != 1:
+        raise GraphError(f"the weights of '{weights}' are updated by different solvers "
+                         f"({', '.join(sorted(k for k, _ in kinds))})")
+    n_states = len(ups[0].outputs) - 1
+    wb = graph.blobs[weights]
+    suffixes = [_state_suffix(ups[0], params[0], i) for i in range(n_states)]
+    state_names = [graph.free_name(f"{weights}.shard.{x}") for x in suffixes]
+    for s in state_names:
+        graph.add_blob(s, (hi - lo,), wb.dtype, wb.location, kind="state")
+    replaced, written, grad_parts = {}, [], []
+    for p, off, up in sorted(zip(params, offsets, ups), key=lambda t: t[1]):
+        size = graph.blobs[p].size
+        a, b = max(lo, off), min(hi, off + size)
+        extra = up.inputs[2 + n_states:]
+        replaced[up.name] = []
+        if a >= b:
+            continue
+        tag = f"[{a - off}:{b - off}]"
+
+        def view(base, of, at, kind):
+            name = graph.free_name(f"{base}.shard{tag}")
+            graph.add_blob(name, (b - a,), wb.dtype, wb.location, kind=kind, alias_of=of,
+                           offset=at)
+            return name
+
+        w = view(p, weights, a, PARAM_SHARD_KIND)
+        g = view(f"{p}.grad", shard_grad, a - lo, "grad")
+        states = [view(f"{p}.{x}", s, a - lo, "state") for x, s in zip(suffixes, state_names)]
+        outs = []
+        for src in [w] + states:
+            graph.add_blob(f"{src}@new", (b - a,), wb.dtype, wb.location,
+                           kind=graph.blobs[src].kind, alias_of=src)
+            outs.append(f"{src}@new")
+        attrs = dict(up.attrs, grad_scale=float(up.attrs.get("grad_scale", 1.0)) / divisor)
+        op = graph.add_op(f"{up.name}{tag}", up.op_type, [w, g] + states + list(extra), outs,
+                          attrs, location=up.location, thread=up.thread,
+                          control_inputs=up.control_inputs)
+        replaced[up.name].append(op)
+        written.append(outs[0])
+        grad_parts.append(g)
+    _replace_ops(graph, replaced)  # where the old updates stood; control edges follow
+    for up in ups:
+        for blob in list(up.outputs) + list(up.inputs[2:2 + n_states]):
+            _drop_blob(graph, blob)
+    return {"ops": [op.name for ops in replaced.values() for op in ops], "states": state_names,
+            "grads": grad_parts, "written": written}
+
+
+def _state_suffix(up, param, i):
+    """The state's name as solver_graph.state_name spells it (``<p>.<state>``)."""
+    name = up.inputs[2 + i]
+    return name[len(param) + 1:] if name.startswith(param + ".") else f"state{i}"
+
+
+def _drop_blob(graph, name):
+    """Delete blob ``name`` when no op uses it and no blob views it."""
+    if name in graph.blobs and not any(name in op.inputs or name in op.outputs
+                                       for op in graph.ops.values()) and \
+            not any(b.alias_of == name for b in graph.blobs.values()):
+        del graph.blobs[name]
+
+
+def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
+                  thread="comm", grad_first=True):
+    """Rewrite ``graph`` (one replica's training graph with its solver,
+    shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
+    ``shard``: the buckets of data parallelism (``plan_buckets``; weights
+    are not split in rows: the reduce-scatter cuts every bucket anyway),
+    each with its flat weight buffer, a ReduceScatter of its gradients, the
+    solver over this rank's shard and an Allgather of the updated weights.
+    Returns the plan: a list of {"name", "weights", "params", "offsets",
+    "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}."""
+    grads = prepare_replica(graph, grads, shards, shard)
+    producers = graph.producers()
+    seq = next_seq(graph)
+    plan = []
+    for i, b in enumerate(plan_buckets(graph, grads, bucket_mb, first_bucket_mb, min_buckets)):
+        name = graph.free_name(f"grad_bucket{i}")
+        views = make_bucket(graph, name, b, grads, producers)
+        params, offsets = [p for p, _, _ in views], [o for _, _, o in views]
+        weights = flatten_bucket_params(graph, graph.free_name(f"weight_bucket{i}"), params,
+                                        offsets)
+        total = graph.blobs[name].size
+        lo, hi = shard_range(total, shards, shard)
+        shard_grad = graph.free_name(f"{name}.shard")
+        graph.add_blob(shard_grad, (hi - lo,), b["dtype"], b["location"], kind="grad")
+        solver = add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard)
+        rs = graph.add_op(f"{name}.reduce_scatter", "ReduceScatter", [v for _, v, _ in views],
+                          solver["grads"],
+                          {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
+                           "shapes": [list(graph.blobs[x].shape) for x in solver["grads"]]},
+                          location=b["location"], thread=thread)
+        plan.append({"name": name, "weights": weights, "params": params, "offsets": offsets,
+                     "shard": [lo, hi], "reduce_scatter": rs.name, "states": solver["states"],
+                     "written": solver["written"], "seq": seq,
+                     "bytes": int(graph.blobs[name].nbytes)})
+        seq += 1
+    for entry in plan:  # the gathers after every reduce-scatter (module docstring)
+        weights = entry["weights"]
+        wb = graph.blobs[weights]
+        graph.add_blob(f"{weights}@new", wb.shape, wb.dtype, wb.location,
+                       kind=PARAM_BUFFER_KIND, alias_of=weights)
+        ag = graph.add_op(f"{weights}.allgather", "Allgather", entry.pop("written"),
+                          [f"{weights}@new"],
+                          {"seq": seq, "bucket": weights, "shards": shards, "shard": shard,
+                           "shapes": [list(wb.shape)], "dtype": wb.dtype},
+                          location=wb.location, thread=thread)
+        entry["allgather"], entry["gather_seq"] = ag.name, seq
+        seq += 1
+    if grad_first:
+        gradients_first(graph, grads)
+    return plan
