@@ -265,3 +265,30 @@ def _recompute_unit(graph, ops, forward, mode):
     graph.ops = reordered
     saved = {b for b in inputs_read if graph.blobs[b].kind not in PERSISTENT_KINDS}
     return saved, redo
+
+
+def describe_recompute(graph):
+    """One line on the recompute of ``graph`` (its ``recompute`` summary):
+    the mode, the units, the blobs recomputed in the backward instead of
+    kept from the forward, and the blobs their copies read (kept); None
+    for a graph without it."""
+    from ..base.progress_bar import human_bytes
+    summary = getattr(graph, "recompute", None)
+    if not summary or summary["mode"] == "none":
+        return None
+    units = summary["units"]
+    if not units:
+        return f"{summary['mode']}: nothing to recompute in the layers matched"
+
+    def size(names):
+        return sum(graph.blobs[b].nbytes for b in names if b in graph.blobs
+                   and graph.blobs[b].shape is not None)
+    layers = sum(len(u) for u in units)
+    redo, saved = summary["recomputed"], summary["saved"]
+    kind = "unit" if summary["mode"] == "full" else "attention layer"
+    return (f"{summary['mode']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
+            f"({layers} layer{'s' if layers != 1 else ''}); {len(redo)} activation blob(s) "
+            f"({human_bytes(size(redo))}) recomputed in the backward instead of kept; their "
+            f"copies read {len(saved)} kept blob(s) ({human_bytes(size(saved))}"
+            + (f": {', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved
+               else ")"))
