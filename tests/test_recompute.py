@@ -90,13 +90,17 @@ def test_recompute_graph_and_plan(email_h5):
     shrinks: by more than half under full, and under selective by the
     (N, H, T, T) tensors."""
     from purine_mpi.graph.recompute import SUFFIX
-    from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, plan_memory
-    arena = {}
+    from purine_mpi.graph.recompute import describe_recompute
+    from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, peak_live, plan_memory
+    arena, peak = {}, {}
     for mode in ("none", "full", "selective"):
         g = _graph(email_h5, mode)
         plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
         assert check_plan(g, plan) == []
         arena[mode] = plan.planned_bytes
+        peak[mode] = peak_live(g, plan)[2]["activations"]
+        line = describe_recompute(g)  # graph's and the start-up block's line
+        assert (line is None) == (mode == "none") and (line is None or line.startswith(mode))
         copies = [op for op in g.ops.values() if op.name.split("#")[0].endswith(SUFFIX)]
         assert bool(copies) == (mode != "none")
         redone = {b.attrs["recompute_of"] for b in g.blobs.values() if "recompute_of" in b.attrs}
@@ -122,6 +126,7 @@ def test_recompute_graph_and_plan(email_h5):
             assert {"x1", "h0_r", "h1_r"} <= set(g.recompute["saved"])
     assert arena["full"] <= 0.5 * arena["none"], arena
     assert arena["selective"] < arena["none"], arena
+    assert peak["full"] <= 0.5 * peak["none"] and peak["selective"] < peak["none"], peak
     # recompute_layers restricts it: only block 1's layers
     g = _graph(email_h5, "full", "recompute_layers=[h1_*]")
     assert g.recompute["units"] and all(n.startswith("h1_") for u in g.recompute["units"]

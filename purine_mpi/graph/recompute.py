@@ -278,7 +278,11 @@ def describe_recompute(graph):
         return None
     units = summary["units"]
     if not units:
-        return f"{summary['mode']}: nothing to recompute in the layers matched"
+        why = ("no attention layer matched keeps an (N, H, T, T) tensor (the fused Attention "
+               "op keeps none; attn_dropout > 0 takes the raw sub-graph)"
+               if summary["mode"] == "selective" else
+               "no unit of the layers matched has activations a copy could recompute")
+        return f"{summary['mode']}: nothing to recompute: {why}"
 
     def size(names):
         return sum(graph.blobs[b].nbytes for b in names if b in graph.blobs
