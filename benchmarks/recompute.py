@@ -88,6 +88,7 @@ def main():
         for m in MODES:
             times[m].append(got[m])
             ratios[m].append(got[m] / got["none"])
+        print(json.dumps({"round": r, "iter_ms": got}), file=sys.stderr, flush=True)
     base = plans["none"]
     out = {"config": a.config, "batch": a.batch, "rounds": a.rounds, "iters": a.iters,
            "modes": {}}
