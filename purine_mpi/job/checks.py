@@ -192,6 +192,20 @@ def _check_stages(key, value, path):
     return value
 
 
+@_described("list of strings or null")
+def _check_patterns(key, value, path):
+    """recompute_layers: layer name patterns (the net's rule checks that each matches)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or \
+            not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(path, key, f"expected a list of layer name patterns, e.g. "
+                                     f"['h*_attn'], got {excerpt(value)}")
+    return list(value)
+
+
 @_described("string or null")
 def _check_folder(key, value, path):
     if value is not None and (not isinstance(value, str) or not value.strip()):

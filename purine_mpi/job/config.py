@@ -235,8 +235,35 @@ def validate_config(config, path="<config>", check_files=True):
             _SECTION_RULES.get(name, lambda *a: None)(out, config.get(name), path)
         else:
             out[name] = key.check(name, value, path)
+    _recompute_rules(out, path)
     out["_path"] = path
     return out
+
+
+def _recompute_rules(out, path):
+    """``recompute`` with what it cannot rewrite (graph/recompute.py runs
+    on one replica's graph before the composition), and ``recompute_layers``
+    patterns that match no layer."""
+    mode, patterns = out.get("recompute", "none"), out.get("recompute_layers")
+    if mode == "none":
+        return
+    if out.get("net") is None:
+        raise ConfigError(path, "recompute", f"recompute: {mode} needs a 'net' (its layers), "
+                          "not a 'graph'")
+    par = out.get("parallel", {})
+    if par.get("scheme") in ("pipeline", "hybrid", "tensor"):
+        raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
+                          f"parallel.scheme: {par['scheme']}; use recompute: none or scheme: "
+                          "data")
+    if par.get("micro_batches", 1) > 1:
+        raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
+                          f"parallel.micro_batches: {par['micro_batches']}; use one of them")
+    import fnmatch
+    names = [layer["name"] for layer in out["net"]]
+    for p in patterns or ():
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            raise ConfigError(path, "recompute_layers", f"pattern {excerpt(p)} matches no "
+                              "layer of the net")
 
 
 def _check_net(net, path):

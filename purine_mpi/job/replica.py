@@ -9,6 +9,7 @@ arrays. The entry points take a ``Job`` (job/job.py).
 from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
 from ..graph.grad import build_backward
+from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.updates import UPDATE_OP_TYPES
 from ..layers import build_net
@@ -130,10 +131,23 @@ def build_train_graph(job, rank=0, world_size=1):
     grads = build_backward(g, losses)
     if not grads:
         raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss")
+    summary = add_recompute(g, job.recompute, net_layers(job), job.recompute_layers)
     sinks = add_solver(g, grads, job.solver)
     g = g.prune(sinks + list(losses) + metric_blobs(g))
     g.infer_shapes().validate()
+    g.recompute = summary
     return g, grads
+
+
+def net_layers(job):
+    """(name, canonical type, bottoms) of the net's layers, in order."""
+    from ..layers.registry import layer_spec
+    out = []
+    for layer in job.net or ():
+        bottoms = layer.get("bottom") or []
+        out.append((layer["name"], layer_spec(layer["type"]).type,
+                    [bottoms] if isinstance(bottoms, str) else list(bottoms)))
+    return out
 
 
 def graph_from_seed(job, rank=0, world_size=1):

@@ -11,9 +11,9 @@ the job's field where it is used); then run
 ``python -m purine_mpi.tools.docgen --write``. Imports ``job/keys``, ``job/checks``
 and ``data/transform`` (its keys).
 """
-from .checks import (_bool, _check_folder, _check_name, _check_stages, _choice, _int, _num,
-                     _optional, _stepvalues, check_seed)
-from .keys import (ENTRIES, INT_MAP, TUPLE, BestSpec, ConfigKey as Key, EarlyStopSpec,
+from .checks import (_bool, _check_folder, _check_name, _check_patterns, _check_stages, _choice,
+                     _int, _num, _optional, _stepvalues, check_seed)
+from .keys import (ENTRIES, INT_MAP, TUPLE, BestSpec, ConfigKey as Key, EarlyStopSpec, Typed,
                    defaults_of, typed_watch, watch_check)
 from ..data.transform import TRANSFORM_KEYS
 
@@ -35,6 +35,9 @@ TRANSPORTS = ("auto", "one_sided", "two_sided")
 
 
 BACKENDS = ("auto", "numpy", "cupy")
+
+
+RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 DATA_SOURCES = ("hdf5", "lmdb", "text", "synthetic")
@@ -198,6 +201,15 @@ TOP = (
         "parameters, solver state, losses, metrics and what runs on into the next iteration "
         "keep their own memory; `false`: one buffer per blob, for debugging (the results are "
         "bit-identical)"),
+    Key("recompute", _choice(RECOMPUTE_MODES), "none", "activation recompute: keep fewer "
+        "activations from the forward to the backward and compute them again just before "
+        "the backward that reads them (the recompute choices below; docs/performance.md, "
+        "\"Activation recompute\"); the results are bit-identical. Not with the pipeline, "
+        "hybrid or tensor schemes, nor micro-batches"),
+    Key("recompute_layers", _check_patterns, None, "the layers `recompute` applies to: "
+        "name patterns (fnmatch: `h*_attn`, `h[0-2]_*`); each must match a layer of the net",
+        shown="every layer", typed=Typed(lambda v: None if v is None else tuple(v),
+                                         lambda v: None if v is None else list(v))),
 )
 
 #: the resolved config (config.yaml) starts with these, then the rest of TOP in order
@@ -334,6 +346,18 @@ CHOICE_DOCS = {
                 "at each position",
         "synthetic": "random samples of `shape` with random labels below `classes` (benchmarks)",
     },
+    "recompute": {
+        "none": "every activation the backward reads is kept from the forward",
+        "full": "the matched layers keep only their inputs: in a net with residual adds "
+                "(`eltwise` layers of two or more bottoms) each run of layers up to the next "
+                "add is one unit (a transformer's attention and MLP halves), otherwise each "
+                "layer; a unit's forward runs again just before its backward, dropout "
+                "redrawing the same masks (Megatron-LM's full recompute, PyTorch's "
+                "`checkpoint`). Units that make a loss, and layers a copy could not repeat "
+                "exactly (batch norm's running statistics), keep their activations",
+        "selective": "only attention's (N, H, T, T) tensors, the softmax and its dropout, are "
+                     "recomputed (from the kept `qkv`), Megatron-LM's selective recompute",
+    },
     "backend": {
         "auto": "CuPy when device >= 0, else NumPy",
         "numpy": "the CPU",
@@ -345,4 +369,4 @@ CHOICE_DOCS = {
 #: the choices CHOICE_DOCS documents
 CHOICES = {"lr_policy": LR_POLICIES, "solver_type": SOLVER_TYPES, "scheme": PARALLEL_SCHEMES,
            "mode": PARALLEL_MODES, "schedule": PIPELINE_SCHEDULES, "source": DATA_SOURCES,
-           "backend": BACKENDS}
+           "backend": BACKENDS, "recompute": RECOMPUTE_MODES}

@@ -54,7 +54,9 @@ class Dropout(OpKernel):
     x's dtype; P(1) = 1 - ratio), y = x * mask / (1 - ratio).
     Test phase: [x] -> [y], y = x.
     Attrs ``ratio`` (default 0.5), ``phase`` (default "train"), ``seed``
-    (used only when no dispatcher provides the run seed).
+    (used only when no dispatcher provides the run seed), ``stream`` (the
+    op whose Philox stream it draws, default itself: a recomputed copy,
+    graph/recompute.py, names its original and draws the same mask).
     Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
 
     op_type = "Dropout"
@@ -82,8 +84,9 @@ class Dropout(OpKernel):
 
     @property
     def keys(self):
-        """(key0, key1, counter word 1) of this op's Philox stream."""
-        return dropout_keys(self._seed, self.op.name)
+        """(key0, key1, counter word 1) of this op's Philox stream (that of
+        the op its ``stream`` attr names, if any)."""
+        return dropout_keys(self._seed, self.op.attrs.get("stream", self.op.name))
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -471,6 +471,37 @@ def check_plan(graph, plan):
     return bad
 
 
+def peak_live(graph, plan):
+    """Where the plan's live bytes peak: (schedule position, op name,
+    {"activations": bytes, "gradients": bytes}) of the planned roots live
+    there (a root computed in place over another counts once; gradients:
+    roots of kind ``grad``). The arena is at least the peak; the activations
+    at the peak are what recompute (graph/recompute.py) shortens."""
+    units = {}  # base root -> (first, last, bytes, kind of its first root)
+    for r in plan.lifetimes:
+        base = r
+        while base in plan.in_place:
+            base = plan.in_place[base][0]
+        first, last = plan.lifetimes[r]
+        f, l, size, kind = units.get(base, (first, last, plan.sizes[base],
+                                            graph.blobs[base].kind))
+        units[base] = (min(f, first), max(l, last), size, kind)
+    events = {}
+    for first, last, size, _ in units.values():
+        events[first] = events.get(first, 0) + size
+        events[last + 1] = events.get(last + 1, 0) - size
+    live, best, at = 0, -1, 0
+    for position in sorted(events):
+        live += events[position]
+        if live > best and position < len(plan.order):
+            best, at = live, position
+    split = {"activations": 0, "gradients": 0}
+    for first, last, size, kind in units.values():
+        if first <= at <= last:
+            split["gradients" if kind == "grad" else "activations"] += size
+    return at, plan.order[at] if plan.order else None, split
+
+
 def format_plan(graph, plan):
     """Lines of ``graph --memory``: each planned root with its offset, size
     and lifetime (schedule positions of its first and last op), then the

@@ -169,7 +169,9 @@ def _top():
     rows = _key_rows(TOP, "TOP in purine_mpi/job/schema.py")
     return ["## Top-level keys", "", _table(("key", "type", "default", "meaning"), rows),
             "", "Backend choices (`backend`):", "",
-            _table(("value", "meaning"), [(_code(v), m) for v, m in _choices("backend")])]
+            _table(("value", "meaning"), [(_code(v), m) for v, m in _choices("backend")]),
+            "", "Recompute choices (`recompute`):", "",
+            _table(("value", "meaning"), [(_code(v), m) for v, m in _choices("recompute")])]
 
 
 def _data():

@@ -152,6 +152,9 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
             line = describe_tail(graph)
             if line:
                 lines.append(line)
+    from ..graph.recompute import describe_recompute
+    if describe_recompute(graph):
+        lines.append(f"recompute {describe_recompute(graph)}")
     from ..parallel.micro_memory import describe_plan
     if describe_plan(graph):
         lines.append(describe_plan(graph))

@@ -242,6 +242,10 @@ def startup_lines(trainer, infos, setup_seconds):
     rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
                  f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
     rows.append(("memory", memory_text(trainer)))
+    from ..graph.recompute import describe_recompute
+    recompute = describe_recompute(trainer.graphs.graph)
+    if recompute:
+        rows.append(("recompute", recompute))
     if data:
         rows.append(("data", data_text(data)))
     sol = job.solver

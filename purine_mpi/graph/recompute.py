@@ -1,0 +1,298 @@
+"""Activation recompute as a graph pass (the config's ``recompute`` and
+``recompute_layers``): activations of the chosen layers are not kept from
+the forward to the backward; a copy of the forward ops that made them runs
+again just before the backward that reads them, as Megatron-LM's full and
+selective recompute and PyTorch's ``checkpoint`` do.
+
+``add_recompute(graph, mode, layers, patterns)`` rewrites a training graph
+(forward and backward, from ``graph/grad.py``) in place, before any
+parallel composition (job/replica.py calls it):
+
+``full``
+    The matched layers are cut into *units*. In a net with residual adds
+    (``eltwise`` layers of two or more bottoms) a unit is a run of
+    consecutive matched layers up to and including the next residual add
+    (a transformer's attention half-block ``ln_1, attn, add``, then its MLP
+    half ``ln_2, fc, gelu, proj, dropout, add``); in any other net each
+    matched layer is a unit of its own. A unit keeps its inputs (the blobs
+    it reads from outside: the residual stream, the weights); every blob it
+    makes that its backward reads is recomputed.
+
+``selective``
+    Only attention's (N, H, T, T) tensors are recomputed: the ``Softmax``
+    output after ``AttentionScores`` and the ``Dropout`` of it (with
+    ``attn_dropout``), from the ``qkv`` blob the backward keeps anyway. The
+    fused ``Attention`` op keeps no such tensor: nothing to do there.
+
+For a unit, the backward ops that read a recomputed blob are redirected to
+its copy (``<blob>@recompute``), written by a copy of its producer
+(``<op>@recompute``); the copies read the originals where those stay
+saved. Each copy that reads no other copy waits (control edges) for the
+backward ops that feed the unit's backward from outside it, so it runs
+just before that backward, once the gradient reaches the unit; the copies
+take their place in the emission order just before the first op that
+reads them. The original activations' lifetimes then end in the forward,
+and the memory planner (runtime/memory_plan.py) sees the copies live only
+during the unit's backward.
+
+The results are bitwise those without recompute: the copies run the same
+kernels on the same bytes, and a ``Dropout`` copy draws its producer's mask
+(its ``stream`` attr names the op whose Philox stream it draws,
+ops/dropout.py). A unit is left as it is where a copy could not repeat its
+op exactly: an op that accumulates, keeps state in its outputs,
+communicates, or writes a blob that persists or views another (batch
+norm's running statistics), or a unit that makes a loss or a metric (its
+backward follows at once).
+"""
+import fnmatch
+
+from ..ops.catalog import get_kernel_class
+from ..runtime.memory_plan import PERSISTENT_KINDS
+
+#: the values of the ``recompute`` key
+RECOMPUTE_MODES = ("none", "full", "selective")
+#: the suffix of a recomputed blob's or op's name
+SUFFIX = "@recompute"
+#: layer types that close a unit (a residual add) when given two or more bottoms
+RESIDUAL_TYPES = ("eltwise",)
+
+
+def matched_layers(layers, patterns):
+    """The names of ``layers`` ((name, type, bottoms) in net order) that a
+    pattern of ``patterns`` matches (fnmatch; None: every layer)."""
+    if patterns is None:
+        return [name for name, _, _ in layers]
+    return [name for name, _, _ in layers if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+
+def units_of(layers, patterns):
+    """The layer units of full recompute (see the module docstring): lists
+    of layer names."""
+    chosen = set(matched_layers(layers, patterns))
+    residual = {name for name, kind, bottoms in layers
+                if kind in RESIDUAL_TYPES and len(bottoms) >= 2}
+    units, run = [], []
+    for name, _, _ in layers:
+        if name not in chosen:
+            if run:
+                units.append(run)
+            run = []
+            continue
+        run.append(name)
+        if not residual or name in residual:
+            units.append(run)
+            run = []
+    if run:
+        units.append(run)
+    return units
+
+
+def _layer_of(op_name, names):
+    """The layer an op belongs to: the longest layer name that prefixes
+    ``<layer>.``; None for an op of no layer."""
+    best = None
+    for n in names:
+        if op_name.startswith(n + ".") and (best is None or len(n) > len(best)):
+            best = n
+    return best
+
+
+def _forward_ops(graph, order):
+    """Names of the forward ops: the ancestors of the losses' producers."""
+    prod = graph.producers()
+    deps = graph.dependencies()
+    stack = [op.name for b in graph.blobs.values() if "loss_weight" in b.attrs
+             for op in prod.get(b.name, ())]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(deps[n])
+    return seen
+
+
+def _repeatable(graph, op):
+    """Whether a copy of ``op`` repeats it exactly and harmlessly."""
+    cls = get_kernel_class(op.op_type, op.name)
+    if op.accumulate or cls.category not in ("compute", "copy") or cls.keeps_outputs:
+        return False
+    if cls.needs_rng and op.op_type != "Dropout":
+        return False
+    for b in op.outputs:
+        blob = graph.blobs[b]
+        if blob.alias_of is not None or blob.kind in PERSISTENT_KINDS or \
+                "loss_weight" in blob.attrs or blob.attrs.get("metric"):
+            return False
+    return not any(graph.blobs[b].alias_of in op.outputs for b in graph.blobs)
+
+
+def _selective_targets(graph, ops):
+    """The (N, H, T, T) blobs of attention among ``ops``: Softmax outputs
+    of AttentionScores, and the Dropout outputs (with masks) of those."""
+    prod = graph.producers()
+    targets = set()
+    for op in ops:
+        if op.op_type == "Softmax" and any(
+                w.op_type == "AttentionScores" for w in prod.get(op.inputs[0], ())):
+            targets.update(op.outputs)
+    for op in ops:
+        if op.op_type == "Dropout" and op.inputs[0] in targets:
+            targets.update(op.outputs)
+    return targets
+
+
+def add_recompute(graph, mode, layers, patterns=None):
+    """Rewrite ``graph`` for ``recompute: mode`` (see the module docstring).
+    ``layers``: the net's (name, type, bottoms), in order; ``patterns``: the
+    ``recompute_layers`` (None: every layer). Returns a summary dict: the
+    mode, the units recomputed (lists of layer names), the blobs saved (the
+    units' inputs that their copies read) and the blobs recomputed."""
+    summary = {"mode": mode, "units": [], "saved": [], "recomputed": []}
+    if mode == "none":
+        return summary
+    order = graph.topo_order()
+    forward = _forward_ops(graph, order)
+    names = [name for name, _, _ in layers]
+    by_layer = {}
+    for op in order:
+        if op.name in forward:
+            layer = _layer_of(op.name, names)
+            if layer is not None:
+                by_layer.setdefault(layer, []).append(op)
+    if mode == "full":
+        units = units_of(layers, patterns)
+    else:
+        units = [[n] for n in matched_layers(layers, patterns)]
+    saved, recomputed = set(), set()
+    for unit in units:
+        ops = [op for layer in unit for op in by_layer.get(layer, ())]
+        if not ops:
+            continue
+        done = _recompute_unit(graph, ops, forward, mode)
+        if done is not None:
+            summary["units"].append(unit)
+            saved.update(done[0])
+            recomputed.update(done[1])
+    summary["saved"] = sorted(saved)
+    summary["recomputed"] = sorted(recomputed)
+    if summary["units"]:
+        graph.infer_shapes().validate()
+    graph.recompute = summary
+    return summary
+
+
+def _recompute_unit(graph, ops, forward, mode):
+    """Copy the ops of one unit that its backward needs; returns (blobs the
+    copies read from outside, blobs recomputed), or None where the unit is
+    left as it is."""
+    cons, prod = graph.consumers(), graph.producers()
+    made = {b for op in ops for b in op.outputs}
+    unit_ops = {op.name for op in ops}
+    backward_readers = {}
+    for b in made:
+        readers = [c for c in cons.get(b, ()) if c.name not in forward]
+        if readers:
+            backward_readers[b] = readers
+    if mode == "selective":
+        redo = _selective_targets(graph, ops) & set(backward_readers)
+        kept = set(backward_readers) - redo
+    else:
+        redo, kept = set(backward_readers), set()
+    if not redo:
+        return None
+    # the producers to copy: ancestors of the blobs to redo within the unit,
+    # through blobs that do not stay saved anyway
+    copy_ops, stack = set(), list(redo)
+    while stack:
+        b = stack.pop()
+        for w in prod.get(b, ()):
+            if w.name in unit_ops and w.name not in copy_ops:
+                copy_ops.add(w.name)
+                stack.extend(x for x in w.inputs if x in made and x not in kept)
+    clones = [op for op in ops if op.name in copy_ops]
+    if any(not _repeatable(graph, op) for op in clones):
+        return None
+    rename = {}
+    for op in clones:
+        for b in op.outputs:
+            rename[b] = graph.free_name(b + SUFFIX)
+    # the backward ops that will read a copy, and what feeds them from outside
+    readers = {c.name: c for b in redo for c in backward_readers[b]}
+    deps = graph.dependencies()
+    succ = {}
+    for n, d in deps.items():
+        for p in d:
+            succ.setdefault(p, set()).add(n)
+    below, stack = set(readers), list(readers)
+    while stack:
+        for s in succ.get(stack.pop(), ()):
+            if s not in below:
+                below.add(s)
+                stack.append(s)
+    triggers = sorted({p for r in readers for p in deps[r]
+                       if p not in forward and p not in below})
+    if not triggers:
+        return None
+    inputs_read = set()
+    new_ops = []
+    for op in clones:
+        ins = [rename.get(b, b) for b in op.inputs]
+        inputs_read.update(b for b in op.inputs if b not in rename)
+        for old in op.outputs:
+            src = graph.blobs[old]
+            graph.add_blob(rename[old], src.shape, src.dtype, src.location, "data",
+                           attrs={"recompute_of": old})
+        attrs = dict(op.attrs)
+        if op.op_type == "Dropout":
+            attrs["stream"] = op.attrs.get("stream", op.name)
+        roots = [] if any(b in rename for b in op.inputs) else list(triggers)
+        new_ops.append(graph.add_op(graph.free_name(op.name + SUFFIX), op.op_type, ins,
+                                    [rename[b] for b in op.outputs], attrs,
+                                    location=op.location, thread=op.thread,
+                                    control_inputs=roots))
+    for r in readers.values():
+        r.inputs = [rename[b] if b in redo else b for b in r.inputs]
+    # emission order: the copies just before the first op reading one
+    first = next(n for n in graph.ops if n in readers)
+    copies = {op.name for op in new_ops}
+    reordered = {}
+    for n, op in graph.ops.items():
+        if n == first:
+            reordered.update((c.name, c) for c in new_ops)
+        if n not in copies:
+            reordered[n] = op
+    graph.ops = reordered
+    saved = {b for b in inputs_read if graph.blobs[b].kind not in PERSISTENT_KINDS}
+    return saved, redo
+
+
+def describe_recompute(graph):
+    """One line on the recompute of ``graph`` (its ``recompute`` summary):
+    the mode, the units, the blobs recomputed in the backward instead of
+    kept from the forward, and the blobs their copies read (kept); None
+    for a graph without it."""
+    from ..base.progress_bar import human_bytes
+    summary = getattr(graph, "recompute", None)
+    if not summary or summary["mode"] == "none":
+        return None
+    units = summary["units"]
+    if not units:
+        why = ("no attention layer matched keeps an (N, H, T, T) tensor (the fused Attention "
+               "op keeps none; attn_dropout > 0 takes the raw sub-graph)"
+               if summary["mode"] == "selective" else
+               "no unit of the layers matched has activations a copy could recompute")
+        return f"{summary['mode']}: nothing to recompute: {why}"
+
+    def size(names):
+        return sum(graph.blobs[b].nbytes for b in names if b in graph.blobs
+                   and graph.blobs[b].shape is not None)
+    layers = sum(len(u) for u in units)
+    redo, saved = summary["recomputed"], summary["saved"]
+    kind = "unit" if summary["mode"] == "full" else "attention layer"
+    return (f"{summary['mode']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
+            f"({layers} layer{'s' if layers != 1 else ''}); {len(redo)} activation blob(s) "
+            f"({human_bytes(size(redo))}) recomputed in the backward instead of kept; their "
+            f"copies read {len(saved)} kept blob(s) ({human_bytes(size(saved))}"
+            + (f": {', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved
+               else ")"))

@@ -1,0 +1,166 @@
+"""Activation recompute (issue 44, item 1; graph/recompute.py): the weights
+after 20 AdamW steps are bitwise those without recompute, with dropout, on
+1 rank and on 2 ranks of data parallelism; the memory plan sees the shorter
+lifetimes; the combinations it cannot rewrite are refused with exit 2."""
+import email
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_cli_args, run_mpi_cli
+
+EMAIL = os.path.dirname(email.__file__)
+TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
+#: gpt_tiny's attention layers (net indices)
+ATTENTION = (3, 11)
+
+
+@pytest.fixture(scope="module")
+def email_h5(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recompute") / "email.h5"
+    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
+
+
+def _sets(email_h5, dropout=0.1, iters=20):
+    """gpt_tiny, small and fast: 4 sequences of 32 tokens, 20 AdamW steps
+    (warm-up, cosine, clipping as shipped), no test data."""
+    sets = [f"data.train.path={email_h5}", "data.test=null", "data.train.batch_size=4",
+            "data.train.sequence_length=32", f"solver.max_iter={iters}", "solver.display=0",
+            "checkpoint.interval=0"]
+    for i in ATTENTION:
+        sets += [f"net.{i}.attn_dropout={dropout}", f"net.{i}.resid_dropout={dropout}"]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _params(path):
+    from purine_mpi.job.checkpoint_file import load_params
+    return load_params(path)
+
+
+def _train(email_h5, out, mode, ranks=1, dropout=0.1):
+    args = ("train", TINY, *_sets(email_h5, dropout), "--set", f"recompute={mode}", "--out", out)
+    res = run_mpi_cli(ranks, *args, timeout=600) if ranks > 1 else run_cli_args(*args,
+                                                                                 timeout=300)
+    assert res.returncode == 0, res.stderr
+    return _params(os.path.join(out, "latest.h5"))
+
+
+def _assert_bitwise(a, b, what):
+    assert sorted(a) == sorted(b) and len(a) > 10
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not differ, f"{what}: {differ}"
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_recompute_is_bitwise_on_one_rank(email_h5, tmp_path, dropout):
+    """full and selective give the weights of no recompute, bit for bit,
+    after 20 AdamW steps: with dropout (the raw attention sub-graph, masks
+    replayed from the same Philox streams) and without (the fused
+    Attention op: selective has nothing to do, full recomputes the rest)."""
+    base = _train(email_h5, str(tmp_path / "none"), "none", dropout=dropout)
+    for mode in ("full", "selective"):
+        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, dropout=dropout),
+                        mode)
+
+
+@pytest.mark.mpi
+def test_recompute_is_bitwise_on_two_ranks(email_h5, tmp_path):
+    """The same on 2 ranks of data parallelism (mpiexec), dropout on."""
+    base = _train(email_h5, str(tmp_path / "none"), "none", ranks=2)
+    for mode in ("full", "selective"):
+        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, ranks=2), mode)
+
+
+def _graph(email_h5, mode, *extra):
+    from purine_mpi.job.config import load_config
+    from purine_mpi.job.job import job_of
+    from purine_mpi.job.replica import build_train_graph
+    # gpt_tiny's own sequences (128 tokens): the activations outweigh the weights
+    sets = _sets(email_h5)[1::2] + ["data.train.batch_size=16", "data.train.sequence_length=128",
+                                    f"recompute={mode}", *extra]
+    return build_train_graph(job_of(load_config(TINY, overrides=sets)))[0]
+
+
+def test_recompute_graph_and_plan(email_h5):
+    """The backward reads the copies, never the originals; the copies wait
+    for the backward; the trainer's plan (order_ops) is sound and its arena
+    shrinks: by more than half under full, and under selective by the
+    (N, H, T, T) tensors."""
+    from purine_mpi.graph.recompute import SUFFIX
+    from purine_mpi.graph.recompute import describe_recompute
+    from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, peak_live, plan_memory
+    arena, peak = {}, {}
+    for mode in ("none", "full", "selective"):
+        g = _graph(email_h5, mode)
+        plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
+        assert check_plan(g, plan) == []
+        arena[mode] = plan.planned_bytes
+        peak[mode] = peak_live(g, plan)[2]["activations"]
+        line = describe_recompute(g)  # graph's and the start-up block's line
+        assert (line is None) == (mode == "none") and (line is None or line.startswith(mode))
+        copies = [op for op in g.ops.values() if op.name.split("#")[0].endswith(SUFFIX)]
+        assert bool(copies) == (mode != "none")
+        redone = {b.attrs["recompute_of"] for b in g.blobs.values() if "recompute_of" in b.attrs}
+        assert set(g.recompute["recomputed"]) <= redone
+        deps = g.dependencies()
+        forward = {op.name for op in g.topo_order() if not any(
+            g.blobs[b].kind == "grad" for b in op.outputs)} - {op.name for op in copies}
+        for op in g.ops.values():
+            if op.name in forward or op in copies:
+                continue
+            assert not set(op.inputs) & redone, (op.name, set(op.inputs) & redone)
+        order = [op.name for op in g.topo_order(deps)]
+        first_grad = min(order.index(op.name) for op in g.ops.values()
+                         if op.name not in forward and op not in copies)
+        for op in copies:  # after the backward began
+            assert order.index(op.name) > first_grad, op.name
+            if op.op_type == "Dropout":
+                assert op.attrs["stream"] == op.name.split(SUFFIX)[0]
+        if mode == "selective":
+            assert redone and all(b.split(".")[1] in ("scores", "probs", "attn_drop", "attn_drop_mask")
+                                  for b in redone), redone
+        if mode == "full":
+            assert {"x1", "h0_r", "h1_r"} <= set(g.recompute["saved"])
+    assert arena["full"] <= 0.5 * arena["none"], arena
+    assert arena["selective"] < arena["none"], arena
+    assert peak["full"] <= 0.5 * peak["none"] and peak["selective"] < peak["none"], peak
+    # recompute_layers restricts it: only block 1's layers
+    g = _graph(email_h5, "full", "recompute_layers=[h1_*]")
+    assert g.recompute["units"] and all(n.startswith("h1_") for u in g.recompute["units"]
+                                        for n in u)
+    assert not any(b.startswith("h0_") for b in g.recompute["recomputed"])
+
+
+def test_dropout_copy_draws_its_originals_mask():
+    """A Dropout op whose ``stream`` attr names another op draws that op's
+    mask (the Philox stream is keyed by the named op), not its own."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.dropout import Dropout
+    x, it = np.ones((4, 64), np.float32), np.array(7, np.int64)
+
+    def mask(name, **attrs):
+        op = Op(name, "Dropout", ["x", "iter"], ["y", "m"], {"ratio": 0.5, "seed": 3, **attrs})
+        y, m = np.empty_like(x), np.empty_like(x)
+        Dropout(op).run([x, it], [y, m])
+        return m
+    assert np.array_equal(mask("a@recompute", stream="a"), mask("a"))
+    assert not np.array_equal(mask("a@recompute"), mask("a"))
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["recompute=full", "parallel.scheme=tensor", "parallel.tensor_parallel=2"], "recompute"),
+    (["recompute=selective", "parallel.micro_batches=2"], "recompute"),
+    (["recompute=full", "recompute_layers=[nope*]"], "recompute_layers"),
+    (["recompute=some"], "recompute"),
+])
+def test_recompute_refusals(email_h5, sets, key):
+    """What the pass cannot rewrite, a pattern matching no layer and an
+    unknown mode: exit 2, one line naming the key."""
+    args = [a for s in sets for a in ("--set", s)]
+    res = run_cli_args("train", TINY, *_sets(email_h5), *args, "--out", "/nonexistent/x")
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"'{key}'" in lines[0] and "Traceback" not in res.stderr, lines
