@@ -10,7 +10,7 @@ in a whole job its additions run on the ranks' compute cores, where
 ``MPI_Iallreduce`` on shared memory overlaps the backward pass; the
 whole-job comparison (``--jobs``) decides, see docs/performance.md.
 
-    to_window_allreduce(local, job, world) -> local
+    to_window_allreduce(local, job, world) -> (windows or None, transport lines or None)
 """
 from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, node_groups
 
@@ -21,18 +21,17 @@ def to_window_allreduce(local, job, world):
     """Give the whole-world Allreduce ops of ``local`` (a data-parallel
     rank's graph) window regions when ``parallel.transport`` is one_sided
     and every rank shares one node; allocate them (collective). Returns
-    ``local``; ``local.transport`` says what was chosen."""
+    (the Windows or None, the transport lines: what was chosen, or None)."""
     if job.parallel.transport != "one_sided" or getattr(world, "comm", None) is None:
-        return local
+        return None, None
     node_of = node_groups(world)
     ops = sorted((op for op in local.ops.values() if op.op_type == "Allreduce"
                   and not op.attrs.get("group")), key=lambda op: int(op.attrs.get("seq", 0)))
     dtypes = {local.blobs[b].dtype for op in ops for b in op.outputs}
     on_cpu = all(local.blobs[b].location.device < 0 for op in ops for b in op.outputs)
     if len(set(node_of.values())) != 1 or not ops or dtypes != {"float32"} or not on_cpu:
-        local.transport = [("gradients", "MPI allreduce", "ranks on several hosts, or "
-                            "buckets the shared-window sum does not take")]
-        return local
+        return None, [("gradients", "MPI allreduce", "ranks on several hosts, or "
+                       "buckets the shared-window sum does not take")]
     layout, size = WindowLayout(), world.size
     for op in ops:
         base = f"{PREFIX}{op.name}"
@@ -44,12 +43,10 @@ def to_window_allreduce(local, job, world):
                 layout.add_word(f"{base}.{word}@r{q}", q, peers=everyone, writer=q)
         layout.add(f"{base}.sum", 0, (n,), "float32", peers=everyone)
     try:
-        local.windows = Windows.allocate(world, layout, node_of)
+        windows = Windows.allocate(world, layout, node_of)
     except WindowsUnavailable as exc:
-        local.transport = [("gradients", "MPI allreduce", f"one_sided: {exc}")]
-        return local
+        return None, [("gradients", "MPI allreduce", f"one_sided: {exc}")]
     for op in ops:
         op.attrs.update(window=f"{PREFIX}{op.name}", window_ranks=size)
-    local.transport = [("gradients", "summed through a shared window",
-                        "parallel.transport: one_sided, ranks of one node")]
-    return local
+    return windows, [("gradients", "summed through a shared window",
+                      "parallel.transport: one_sided, ranks of one node")]

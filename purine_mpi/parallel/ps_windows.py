@@ -31,6 +31,7 @@ note says why). ``graph --np N`` converts the ops as on one node and
 allocates nothing.
 """
 from ..base.errors import UserError
+from .schemes.param_server import asynchronous, lockstep
 from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
                             node_groups, pair_transport)
 
@@ -60,7 +61,7 @@ def ps_window_layout(graph, plan, mode):
             layout.add(name, s, blob.shape, blob.dtype, peers=[w])
             layout.add_word(name + ".written", s, peers=[w])
             layout.add_word(name + ".free", w, peers=[s])
-            if mode == "async":
+            if asynchronous(mode):
                 layout.add_word(applied(p, w), s, peers=workers)
         layout.add(weights(p), s, blob.shape, blob.dtype, peers=workers)
         layout.add_word(weights(p) + ".version", s, peers=workers)
@@ -124,7 +125,7 @@ def windowed_worker(graph, plan, rank, mode, staleness, shared=False):
         pull.op_type = "Get"
         pull.attrs.pop("tag", None)
         pull.attrs.update(region=weights(p), version=weights(p) + ".version")
-        if mode == "async":
+        if asynchronous(mode):
             pull.attrs.update(applied=applied(p, rank), staleness=int(staleness),
                               applied_all=[applied(p, w) for w in plan["workers"]])
     if shared:
@@ -158,7 +159,7 @@ def in_place(graph, plan, rank, mode):
             _place(graph.blobs[g], window=region)
             op = graph.ops[f"{p}.push"]
             computed.append((g, region, plan["owner"][p], op.location, op.thread))
-        if mode != "sync_ps":
+        if not lockstep(mode):
             continue
         _place(graph.blobs[p], window=weights(p), window_views=True)
         push = graph.ops[f"{p}.push"]
