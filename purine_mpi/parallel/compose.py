@@ -13,8 +13,9 @@ and runs what comes back (nothing in ``parallel/`` imports the trainer):
     compose_stages(graph, job, world)          # a staged scheme's slice (train or test)
     plan_memory(graph, job, world)             # micro-batch copies share buffers (last)
 
-``job`` is job/job.py's ``Job``. ``Scheme`` (parallel/schemes/base.py) is
-importable from here: a bare ``Scheme()`` stands for the job's own scheme.
+``job`` is job/job.py's ``Job``. ``Scheme`` here is ``JobScheme``, the
+job's own scheme (the trainer's default); the interface every scheme
+implements is parallel/schemes/base.py's ``Scheme``.
 
 Rank layout of the staged schemes (``pipeline``, ``hybrid``): the world is
 R replicas x p stages and
@@ -32,9 +33,24 @@ over the replicas (``Layout.tensor``, ``Layout.shard``).
 
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
-from .schemes import Composition, Scheme, scheme_of  # noqa: F401  (Scheme: the job's own)
+from .schemes import Composition, scheme_of  # noqa: F401  (importable from here)
+from .schemes import Scheme as SchemeInterface
 from .schemes.base import BUCKET_KEYS, Layout  # noqa: F401  (importable from here)
 from .schemes.steps import compose_stages  # noqa: F401  (importable from here)
+
+
+class JobScheme(SchemeInterface):
+    """The job's own scheme, whichever its config names (the trainer's
+    default, ``Scheme()``): every method asks the job's registered scheme;
+    the micro-batch memory plan goes through this module's ``plan_memory``.
+    Subclass it to change one step of a run (a test's scheme without the plan)."""
+
+    def plan_memory(self, graph, job, world):
+        return plan_memory(graph, job, world)
+
+
+#: the name the trainer and the tests know it by
+Scheme = JobScheme
 
 
 def stage_count(job):

@@ -269,8 +269,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
     if train and job.parallel.check_collectives and split is not None:
         from ..comm.verify import check_collectives
         check_collectives(graph, world)
-    return Composition(graph, lay, bucket_plan=plan, tensor_plan=describe_splits(pairs, degree),
-                       deferrable=False)
+    return Composition(graph, lay, bucket_plan=plan, tensor_plan=describe_splits(pairs, degree))
 
 
 # ---------------------------------------------------------------- weights

@@ -192,7 +192,6 @@ class Composition:
     tensor_plan: tuple = ()        # scheme tensor: one line per split pair
     transport: list = None         # [(what, how, why)]: how the bytes travel
     windows: object = None         # the windows allocated for it (comm/windows.Windows)
-    deferrable: bool = True        # whether a deferred tail may run into the next iteration
 
 
 class Scheme:
@@ -225,6 +224,9 @@ class Scheme:
     nccl = False
     #: its transfers can go through windows (parallel.transport)
     one_sided = False
+    #: a deferred tail may run the last updates into the next iteration
+    #: (the composition marks its graph ``deferrable``, runtime/memory_plan.py)
+    deferrable = True
     #: on a GPU, the trainer reads the loss back only at the display, test and
     #: checkpoint intervals (and before a checkpoint a signal asks for)
     defer_loss_readback = True
@@ -270,9 +272,6 @@ class Scheme:
         composition that is not ``deferrable`` declines."""
         return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0 \
             and self._job_scheme(job).deferrable
-
-    #: whether a deferred tail may run into the next iteration
-    deferrable = True
 
     # ---- the settings
     def settings_without_effect(self, job, world_size):
