@@ -1,7 +1,7 @@
 """Data parallelism through a shared window (``parallel.transport:
 one_sided``, every rank on one node): each bucket's Allreduce gets window
 regions, allocated once at start-up, and sums through them
-(comm/rma_reduce.py) instead of ``MPI_Iallreduce``.
+(comm/rma_reduce.py's ``WindowAllreduce`` op) instead of ``MPI_Iallreduce``.
 
 Why only with ``one_sided`` (``auto`` keeps MPI's allreduce):
 benchmarks/transport.py's ``reduce`` rows measure the sum over a shared
@@ -12,7 +12,7 @@ whole-job comparison (``--jobs``) decides, see docs/performance.md.
 
     to_window_allreduce(local, job, world) -> (windows or None, transport lines or None)
 """
-from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, node_groups
+from ..comm.windows import WindowLayout, allocate_or_fall_back, node_groups
 
 PREFIX = "dp/"
 
@@ -42,11 +42,12 @@ def to_window_allreduce(local, job, world):
             for word in ("arrived", "reduced"):
                 layout.add_word(f"{base}.{word}@r{q}", q, peers=everyone, writer=q)
         layout.add(f"{base}.sum", 0, (n,), "float32", peers=everyone)
-    try:
-        windows = Windows.allocate(world, layout, node_of)
-    except WindowsUnavailable as exc:
-        return None, [("gradients", "MPI allreduce", f"one_sided: {exc}")]
+    windows, lines = allocate_or_fall_back(  # MPI's allreduce stands in for the window
+        world, layout, node_of, lambda exc: [("gradients", "MPI allreduce", f"one_sided: {exc}")])
+    if windows is None:
+        return None, lines
     for op in ops:
+        op.op_type = "WindowAllreduce"  # comm/rma_reduce.py: the sum through the window
         op.attrs.update(window=f"{PREFIX}{op.name}", window_ranks=size)
     return windows, [("gradients", "summed through a shared window",
                       "parallel.transport: one_sided, ranks of one node")]

@@ -39,8 +39,8 @@ its transport and why.
 import numpy as np
 
 from ..base.errors import UserError
-from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
-                            node_groups, pair_transport, rma_across_hosts)
+from ..comm.windows import (WindowLayout, allocate_or_fall_back, fake_host_of, node_groups,
+                            pair_transport, rma_across_hosts)
 
 
 def _live(world):
@@ -96,14 +96,12 @@ def to_windows(local, job, world):
             layout.add_word(name + ".free", peer, writer=owner)
     windows = None
     if _live(world) and layout.regions:
-        try:
-            windows = Windows.allocate(world, layout, node_of)
-        except WindowsUnavailable as exc:
-            if transport == "one_sided":
-                raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
-                                "use auto or two_sided") from None
-            return None, [("activations and gradients", "two-sided Send/Recv",
-                           f"auto: {exc}")]
+        windows, lines = allocate_or_fall_back(
+            world, layout, node_of,
+            lambda exc: [("activations and gradients", "two-sided Send/Recv", f"auto: {exc}")],
+            refuse=job.path if transport == "one_sided" else None)
+        if windows is None:
+            return None, lines
     _convert(local, prefix, chosen, world.rank, layout)
     return windows, _summary(why_seen)
 

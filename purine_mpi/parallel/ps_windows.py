@@ -30,10 +30,9 @@ gives every (worker, server) pair a window, else two-sided Send/Recv (a
 note says why). ``graph --np N`` converts the ops as on one node and
 allocates nothing.
 """
-from ..base.errors import UserError
 from .schemes.param_server import asynchronous, lockstep
-from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
-                            node_groups, pair_transport)
+from ..comm.windows import (WindowLayout, allocate_or_fall_back, fake_host_of, node_groups,
+                            pair_transport)
 
 PREFIX = "ps/"
 
@@ -92,14 +91,11 @@ def allocate(job, world, graph, plan):
     kind, why, node_of = choose(job, world, plan)
     if kind == "two_sided" or getattr(world, "comm", None) is None:
         return None, _line(kind, why)
-    try:
-        win = Windows.allocate(world, ps_window_layout(graph, plan, job.parallel.mode), node_of)
-    except WindowsUnavailable as exc:
-        if job.parallel.transport == "one_sided":
-            raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
-                            "use auto or two_sided") from None
-        return None, _line("two_sided", f"auto: {exc}")
-    return win, _line(kind, why)
+    win, lines = allocate_or_fall_back(
+        world, ps_window_layout(graph, plan, job.parallel.mode), node_of,
+        lambda exc: _line("two_sided", f"auto: {exc}"),
+        refuse=job.path if job.parallel.transport == "one_sided" else None)
+    return win, lines or _line(kind, why)
 
 
 def _line(kind, why):

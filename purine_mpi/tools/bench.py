@@ -144,7 +144,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         events = d.profiler.events
         report = d.capture_report()
         replicas = trainer.graphs.data_size
-        moved = transport_figures(d, trainer.graphs.graph, iters, moved_before)
+        moved = transport_figures(d, trainer.graphs, iters, moved_before)
     finally:
         trainer.close()
         peaks = peak.peak() if peak is not None else None

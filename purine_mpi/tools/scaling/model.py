@@ -131,7 +131,7 @@ class Template:
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario):
         g = self.graph
-        if op.op_type == "Allreduce":
+        if op.op_type in ("Allreduce", "WindowAllreduce"):
             nbytes = _nbytes(g, op.inputs)
             group = len(op.attrs.get("group") or ()) or scenario.replicas
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
