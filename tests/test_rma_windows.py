@@ -66,3 +66,22 @@ def test_put_waitwrite_release_protocols(kind):
     env = {"PURINE_RANKS_PER_HOST": "1"} if kind == "rma" else {}
     proc, _ = run_mpi("rma_protocol.py", 2, kind, env=env, timeout=60)
     assert proc.stdout.count(f"OK rma_protocol {kind}") == 2, proc.stdout + proc.stderr
+
+
+def test_allocate_or_fall_back_is_one_choice_for_every_transport(monkeypatch):
+    """The three transport passes share one "allocate, or fall back" (comm/
+    windows.allocate_or_fall_back): a library without windows gives the
+    pass's fallback lines, or under ``one_sided`` an exit-2 error naming the key."""
+    from purine_mpi.comm import windows
+    from purine_mpi.comm.windows import WindowsUnavailable, allocate_or_fall_back
+
+    def refuse(world, layout, node_of=None):
+        raise WindowsUnavailable("no RMA here")
+    monkeypatch.setattr(windows.Windows, "allocate", refuse)
+    win, lines = allocate_or_fall_back(None, WindowLayout(), {}, lambda e: [("x", "y", str(e))])
+    assert win is None and lines == [("x", "y", "no RMA here")]
+    with pytest.raises(UserError, match="cfg.yaml: key 'parallel.transport': one_sided, but "
+                                        "no RMA here; use auto or two_sided"):
+        allocate_or_fall_back(None, WindowLayout(), {}, lambda e: [], refuse="cfg.yaml")
+    monkeypatch.setattr(windows.Windows, "allocate", lambda world, layout, node_of=None: "W")
+    assert allocate_or_fall_back(None, WindowLayout(), {}, lambda e: []) == ("W", None)

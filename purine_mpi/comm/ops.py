@@ -15,8 +15,6 @@ Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
     sub-communicator made at start-up (``World.split_groups``).
     When the outputs are alias blobs of one flat bucket (data_parallel), the
     whole bucket is reduced in place: one Iallreduce, no packing copy.
-    With ``window`` (parallel/dp_windows.py) the sum goes through a shared
-    window instead (comm/rma_reduce.py).
 ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
                attrs seq, shards, shard, (shapes), (average), (group)
     the concatenation s_0 .. s_m is this rank's shard (``shard_range``) of
@@ -35,6 +33,9 @@ Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shap
     ``shard_range(total, shards, r)``. When the inputs are already that
     range of the flat buffer the outputs view, it is gathered in place
     (MPI_IN_PLACE). One MPI_Iallgatherv.
+WindowAllreduce  as Allreduce, attrs seq, window, window_ranks, (average)
+    the same sum through a shared window (comm/rma_reduce.py; one node,
+    parallel/dp_windows.py turns a bucket's Allreduce into one).
 Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
@@ -59,10 +60,8 @@ from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
 from .world import get_world
 
-_COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather"}
-#: the sum of an Allreduce with ``window`` through a shared window:
-#: comm/rma_reduce.py registers it when imported (ops/catalog.py imports it)
-WINDOW_SUM = []
+#: comm/rma_reduce.py registers WindowAllreduce (ops/catalog.py imports it)
+_COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather", "WindowAllreduce"}
 _POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
                    "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish"}
 
@@ -308,16 +307,18 @@ class Allreduce(CollectiveKernel):
     def _stages_read(self):
         return self.stages
 
-    def run(self, ins, outs):
+    def _prepare(self, ins, outs):
+        """Set up once, then the inputs into the buffers the sum runs in."""
         if not hasattr(self, "buffers"):
             self.setup(ins, outs)
-        from mpi4py import MPI
         comm_delay()()
         for i, o, same in zip(ins, outs, self.in_place):
             if not same:
                 o[...] = i
-        if self.attrs.get("window"):  # one node, parallel.transport one_sided
-            return WINDOW_SUM[0](self)
+
+    def run(self, ins, outs):
+        from mpi4py import MPI
+        self._prepare(ins, outs)
         if self._alone():
             return None
         comm = self.comm()

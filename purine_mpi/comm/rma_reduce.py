@@ -1,9 +1,10 @@
 """The sum of the data-parallel gradient buckets through a shared window
 (``parallel.transport: one_sided`` on one node; parallel/dp_windows.py
-places it): an ``Allreduce`` op whose ``attrs['window']`` names its regions
-runs here instead of ``MPI_Iallreduce`` -- same op, same ``seq``, same
-graph, so the posting order, the deferred tail and the reports are those of
-the allreduce.
+places it): a ``WindowAllreduce`` op, whose ``attrs['window']`` names its
+regions, runs here instead of ``MPI_Iallreduce``. It is an ``Allreduce``
+of its own type (as NCCL's is): the same inputs, outputs and ``seq``, so
+the posting order, the deferred tail and the reports are those of the
+allreduce.
 
 Its k-th run on rank r of P (regions ``<w>@r<q>`` of every rank q, the
 result ``<w>.sum`` of rank 0, words ``<w>.arrived@r<q>`` and
@@ -25,14 +26,27 @@ import time
 
 import numpy as np
 
-from .ops import WINDOW_SUM, _mb
+from ..ops.registry import register
+from .ops import Allreduce, _mb
 from .rma_ops import RMAPending
 from .windows import find_windows
 
 
+@register
+class WindowAllreduce(Allreduce):
+    """s_i = sum over the ``window_ranks`` ranks of g_i through the shared
+    window ``window`` (mean with ``average``). Shapes pass through."""
+
+    op_type = "WindowAllreduce"
+
+    def run(self, ins, outs):
+        self._prepare(ins, outs)
+        return post_window_allreduce(self)
+
+
 def post_window_allreduce(kernel):
-    """Start the windowed sum of ``kernel``'s buffers (an Allreduce kernel
-    after its setup): an RMAPending (comm/rma_ops.py)."""
+    """Start the windowed sum of ``kernel``'s buffers (a WindowAllreduce
+    kernel after its setup): an RMAPending (comm/rma_ops.py)."""
     attrs = kernel.attrs
     base = attrs["window"]
     win = find_windows(base + ".sum")
@@ -99,5 +113,3 @@ def post_window_allreduce(kernel):
 
     return RMAPending(step, describe, spans)
 
-
-WINDOW_SUM.append(post_window_allreduce)

@@ -28,7 +28,8 @@ Counters: ``bytes_put``, ``bytes_got``, ``bytes_accumulated`` (moved by MPI),
 ``bytes_copied`` (by the CPU). MPI calls hold ``comm.world.MPI_LOCK``. All is
 MPI-3.0 (windows, ``Lock_all``, ``Flush``, ``Fetch_and_op``, ``Win_sync``), not
 MPICH's own; a library that cannot allocate a window gives
-``WindowsUnavailable`` on every rank (``auto`` then keeps two-sided).
+``WindowsUnavailable`` on every rank (``auto`` then keeps two-sided):
+``allocate_or_fall_back`` is that choice, for every transport pass.
 """
 import atexit
 import os
@@ -47,6 +48,23 @@ TRANSPORTS = ("auto", "one_sided", "two_sided")
 
 class WindowsUnavailable(RuntimeError):
     """The MPI library could not allocate a window (no RMA support)."""
+
+
+def allocate_or_fall_back(world, layout, node_of, fallback, refuse=None):
+    """A transport pass's windows (parallel/one_sided.py, dp_windows.py,
+    ps_windows.py): ``(Windows, None)`` once ``layout``'s windows are
+    allocated (collective); where the MPI library cannot allocate them,
+    ``(None, fallback(exc))`` on every rank: the pass keeps its two-sided
+    ops and says why. ``refuse``: the config's path where windows were asked
+    for and nothing may stand in for them (``parallel.transport: one_sided``
+    on pairs of ranks): a UserError (exit 2) naming the key instead."""
+    try:
+        return Windows.allocate(world, layout, node_of), None
+    except WindowsUnavailable as exc:
+        if refuse is not None:
+            raise UserError(f"{refuse}: key 'parallel.transport': one_sided, but {exc}; "
+                            "use auto or two_sided") from None
+        return None, fallback(exc)
 
 
 # ------------------------------------------------------------------ transport

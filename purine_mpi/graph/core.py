@@ -77,6 +77,12 @@ class Op:
 class Graph:
     """Blobs and ops with the adjacency the dispatcher and passes need."""
 
+    #: whether a deferred tail (runtime/tail.py) may run the last updates into
+    #: the next iteration (a tensor-parallel composition: never)
+    deferrable = True
+    #: the micro-batch memory plan (parallel/micro_memory.py), or None
+    memory_plan = None
+
     def __init__(self, name="net"):
         self.name = name
         self.blobs = {}

@@ -1,8 +1,11 @@
 """Parallel compositions: each turns one replica's training graph into the
 graph a rank runs.
 
-- ``compose``         the config's scheme -> this rank's graph (the trainer's entry);
-                      the replicas x stages layout of pipeline and hybrid runs
+- ``schemes``         one ``Scheme`` per module and their registry: each scheme's
+                      layout, composition (a ``Composition``), notes, start-up
+                      lines, capabilities and checkpoint gather/split
+- ``compose``         the config's scheme -> this rank's graph (the registry's
+                      entry points: ``compose``, ``layout_of``, ...)
 - ``data_parallel``   synchronous data parallelism: gradient buckets + Allreduce
 - ``sharding``        ZeRO stage 1's pieces: a bucket's flat weights, the solver
                       over one shard, ReduceScatter + Allgather (no scheme yet)

@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from ..comm.ops import is_comm_op
+from ..comm.ops import is_collective, is_comm_op
 from ..base.errors import GraphError, UserError
 from ..ops.updates import UPDATE_OP_TYPES
 
@@ -335,7 +335,7 @@ def adopt_ready_order(dispatcher, world):
     if world.size == 1 or order is None:
         return None
     current = order()
-    if len(current) < 2 or any(dispatcher.graph.ops[n].op_type != "Allreduce" for n in current):
+    if len(current) < 2 or not all(is_collective(dispatcher.graph.ops[n]) for n in current):
         return None
     observed = dispatcher.comm_ready_order()
     index = np.array([current.index(n) for n in observed], dtype=np.int64)

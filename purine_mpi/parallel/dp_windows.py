@@ -1,7 +1,7 @@
 """Data parallelism through a shared window (``parallel.transport:
 one_sided``, every rank on one node): each bucket's Allreduce gets window
 regions, allocated once at start-up, and sums through them
-(comm/rma_reduce.py) instead of ``MPI_Iallreduce``.
+(comm/rma_reduce.py's ``WindowAllreduce`` op) instead of ``MPI_Iallreduce``.
 
 Why only with ``one_sided`` (``auto`` keeps MPI's allreduce):
 benchmarks/transport.py's ``reduce`` rows measure the sum over a shared
@@ -13,9 +13,9 @@ On GPUs (keys ``device``, ``backend``) ``one_sided`` is a user error:
 the window is host memory, and the buckets' device staging
 (comm/device.py) would be bypassed.
 
-    to_window_allreduce(local, job, world) -> local
+    to_window_allreduce(local, job, world) -> (windows, transport lines, placement)
 """
-from ..comm.windows import WindowLayout, Windows, WindowsUnavailable, fake_host_of, node_groups
+from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
 from .one_sided import refuse_on_gpu
 from .placement import asks_for_gpu
 
@@ -26,9 +26,12 @@ def to_window_allreduce(local, job, world):
     """Give the whole-world Allreduce ops of ``local`` (a data-parallel
     rank's graph) window regions when ``parallel.transport`` is one_sided
     and every rank shares one node; allocate them (collective). Returns
-    ``local``; ``local.transport`` says what was chosen."""
+    (the Windows or None, the transport lines: what was chosen, or None,
+    the window placement ``(layout, node_of)`` the footprint counts, or
+    None). Offline (``graph --np``, ``plan``: no communicator) the layout
+    is made and nothing is allocated."""
     if job.parallel.transport != "one_sided" or world.size == 1:
-        return local
+        return None, None, None
     # decided by the job: the graph is placed on its device only after this
     # (parallel/rank_graphs.py), so its blobs are all on the CPU here
     if asks_for_gpu(job):
@@ -40,9 +43,8 @@ def to_window_allreduce(local, job, world):
                   and not op.attrs.get("group")), key=lambda op: int(op.attrs.get("seq", 0)))
     dtypes = {local.blobs[b].dtype for op in ops for b in op.outputs}
     if len(set(node_of.values())) != 1 or not ops or dtypes != {"float32"}:
-        local.transport = [("gradients", "MPI allreduce", "ranks on several hosts, or "
-                            "buckets the shared-window sum does not take")]
-        return local
+        return None, [("gradients", "MPI allreduce", "ranks on several hosts, or "
+                       "buckets the shared-window sum does not take")], None
     layout, size = WindowLayout(), world.size
     for op in ops:
         base = f"{PREFIX}{op.name}"
@@ -53,17 +55,15 @@ def to_window_allreduce(local, job, world):
             for word in ("arrived", "reduced"):
                 layout.add_word(f"{base}.{word}@r{q}", q, peers=everyone, writer=q)
         layout.add(f"{base}.sum", 0, (n,), "float32", peers=everyone)
-    # what each rank's windows hold (runtime/footprint.py counts it)
-    local.window_layout, local.window_nodes = layout, node_of
+    placed = (layout, node_of)  # what each rank's windows hold (runtime/footprint.py)
     if not live:
-        return local
-    try:
-        local.windows = Windows.allocate(world, layout, node_of)
-    except WindowsUnavailable as exc:
-        local.transport = [("gradients", "MPI allreduce", f"one_sided: {exc}")]
-        return local
+        return None, None, placed
+    windows, lines = allocate_or_fall_back(  # MPI's allreduce stands in for the window
+        world, layout, node_of, lambda exc: [("gradients", "MPI allreduce", f"one_sided: {exc}")])
+    if windows is None:
+        return None, lines, None
     for op in ops:
+        op.op_type = "WindowAllreduce"  # comm/rma_reduce.py: the sum through the window
         op.attrs.update(window=f"{PREFIX}{op.name}", window_ranks=size)
-    local.transport = [("gradients", "summed through a shared window",
-                        "parallel.transport: one_sided, ranks of one node")]
-    return local
+    return windows, [("gradients", "summed through a shared window",
+                      "parallel.transport: one_sided, ranks of one node")], placed

@@ -180,7 +180,7 @@ def activation_bytes(graph, workspace=None):
 
 def describe_plan(graph):
     """One line for ``graph`` text output, or None without a plan."""
-    plan = getattr(graph, "memory_plan", None)
+    plan = graph.memory_plan
     if plan is None:
         return None
     return (f"memory plan: micro-batch activations in {plan['slots']} slot(s), "

@@ -13,6 +13,7 @@ Layer: parallel (imports: comm).
 """
 from ..base.errors import GraphError, UserError
 from ..comm.nccl import NCCL_STREAM, choose_backend
+from .schemes import scheme_of
 
 
 def apply_backend(graph, job, world, device):
@@ -23,7 +24,7 @@ def apply_backend(graph, job, world, device):
     requested = getattr(par, "backend", "mpi")
     if world.size == 1 and requested == "mpi":
         return None, None
-    if requested != "mpi" and (par.scheme != "data" or par.mode != "sync"):
+    if requested != "mpi" and not scheme_of(job).nccl:
         # decided from the config alone (no collective: parameter servers run
         # other trainers, and their ranks never get here)
         why = (f"NCCL reduces the buckets of scheme data, mode sync; this job runs scheme "

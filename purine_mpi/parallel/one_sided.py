@@ -2,7 +2,7 @@
 Put/WaitWrite pairs (comm/rma_ops.py) into window memory (comm/windows.py)
 where the pair of ranks gets a window.
 
-    windowed = to_windows(local, job, world)   # in compose_stages, per graph
+    windows, transport, placed = to_windows(local, job, world)   # in compose_stages, per graph
 
 For every Recv of blob b from rank p on this rank r (and every Send of b to
 rank r on rank p -- both sides compute the same names from their own
@@ -32,14 +32,15 @@ or the stages run on GPUs (windows of device memory, CUDA IPC, would fit
 ``comm/window_layout.MemoryDevice`` but are not built), ``auto`` keeps
 Send/Recv (the start-up block says why) and ``one_sided`` is a user error.
 
-``local.transport`` is the start-up block's line: each kind of transfer,
+The transport lines (the Composition's ``transport``) are the start-up
+block's: each kind of transfer,
 its transport and why.
 """
 import numpy as np
 
 from ..base.errors import UserError
-from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
-                            node_groups, pair_transport, rma_across_hosts)
+from ..comm.windows import (WindowLayout, allocate_or_fall_back, fake_host_of, node_groups,
+                            pair_transport, rma_across_hosts)
 from .placement import asks_for_gpu
 
 
@@ -58,22 +59,22 @@ def _live(world):
 
 def to_windows(local, job, world):
     """Convert ``local``'s Send/Recv pairs as ``parallel.transport`` says
-    (see the module docstring); returns ``local``."""
+    (see the module docstring), in place; returns (the Windows or None,
+    the transport lines or None, the window placement ``(layout, node_of)``
+    that runtime/footprint.py counts, or None)."""
     transport = job.parallel.transport
     pairs = [op for op in local.ops.values() if op.op_type in ("Send", "Recv")]
     if world.size == 1:
-        return local
+        return None, None, None
     if transport == "two_sided":
-        local.transport = [("activations and gradients", "two-sided Send/Recv",
-                            "parallel.transport: two_sided")]
-        return local
+        return None, [("activations and gradients", "two-sided Send/Recv",
+                       "parallel.transport: two_sided")], None
     if asks_for_gpu(job):  # device memory windows (CUDA IPC) are not built
         if transport == "one_sided":
             refuse_on_gpu(job, "the stages")
-        local.transport = [("activations and gradients", "two-sided Send/Recv",
-                            "auto: the stages run on GPUs, and windows of GPU memory (CUDA "
-                            "IPC) are not built; Send/Recv stage through host memory")]
-        return local
+        return None, [("activations and gradients", "two-sided Send/Recv",
+                       "auto: the stages run on GPUs, and windows of GPU memory (CUDA "
+                       "IPC) are not built; Send/Recv stage through host memory")], None
     node_of = node_groups(world) if _live(world) else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
     count = getattr(world, "windowed_graphs", 0)  # per world: the same on every rank
@@ -101,22 +102,18 @@ def to_windows(local, job, world):
             layout.add(name, owner, shape, dtype, peers=[peer]).read_only = read_only
             layout.add_word(name + ".written", owner, writer=peer)
             layout.add_word(name + ".free", peer, writer=owner)
-    # what each rank's windows hold (runtime/footprint.py counts it)
-    local.window_layout, local.window_nodes = layout, node_of
+    placed = (layout, node_of)  # what each rank's windows hold (runtime/footprint.py)
+    windows = None
     if _live(world) and layout.regions:
-        try:
-            local.windows = Windows.allocate(world, layout, node_of)
-        except WindowsUnavailable as exc:
-            if transport == "one_sided":
-                raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
-                                "use auto or two_sided") from None
-            local.transport = [("activations and gradients", "two-sided Send/Recv",
-                                f"auto: {exc}")]
-            return local
+        windows, lines = allocate_or_fall_back(
+            world, layout, node_of,
+            lambda exc: [("activations and gradients", "two-sided Send/Recv", f"auto: {exc}")],
+            refuse=job.path if transport == "one_sided" else None)
+        if windows is None:
+            return None, lines, None
     _convert(local, prefix, chosen, world.rank, layout)
     # the start-up block names every rank's pairs: each kind once
-    local.transport = _summary([rank_why for _, rank_why in everyone])
-    return local
+    return windows, _summary([rank_why for _, rank_why in everyone]), placed
 
 
 def _agreed_across_hosts(world, node_of):

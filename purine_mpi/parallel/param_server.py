@@ -44,7 +44,7 @@ Interface (every function takes the *global* World unless it says so):
         # (rank 0, a worker) hold the weights it pulled last and the servers'
         # momenta (sent to rank 0 at checkpoint iterations for sync_ps, at
         # the end for async), so --resume continues exactly in sync_ps.
-    compose_param_server(graph, grads, job, world) -> a worker's graph
+    compose_param_server(graph, grads, job, world) -> a worker's Composition
     compose_for_rank(graph, grads, job, world_size, rank) -> graph
         # any rank's graph without MPI (``graph --np N --rank R``)
     ps_layout(world_size, ps_ranks), plan_param_server(graph, grads, layout),
@@ -59,7 +59,8 @@ from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
 from ..base.errors import UserError
 from ..graph.core import Graph
 from ..graph.solver_graph import momentum_name
-from .compose import Scheme
+from .schemes.base import Layout
+from .schemes.param_server import ParameterServers, asynchronous, lockstep
 from .data_parallel import gradient_ready_order, gradients_first, next_seq, place_on_rank
 
 
@@ -136,16 +137,19 @@ def compose_param_server(graph, grads, job, world=None):
     build_worker_graph(graph, plan)
     # parallel.transport: the windows (collective with the servers' run_server)
     from .ps_windows import allocate, slot, windowed_worker
-    graph.windows, graph.transport = allocate(job, world, graph, plan)
-    if graph.windows is not None:
-        shared = graph.windows.where(slot(plan, plan["order"][0], world.rank)) == "shared" \
+    windows, transport = allocate(job, world, graph, plan)
+    if windows is not None:
+        shared = windows.where(slot(plan, plan["order"][0], world.rank)) == "shared" \
             if plan["order"] else False
         windowed_worker(graph, plan, world.rank, job.parallel.mode, job.parallel.max_staleness,
                         shared=shared)
     gradients_first(graph, plan["grads"])  # pushes start as early as possible
     place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
-    return graph
+    from .schemes.base import Composition
+    nw = len(layout["workers"])
+    lay = Layout(job.parallel.scheme, nw, 1, world.rank, 0, job.parallel.micro_batches)
+    return Composition(graph, lay, transport=transport, windows=windows)
 
 
 def synchronous_if_no_staleness(job):
@@ -155,7 +159,7 @@ def synchronous_if_no_staleness(job):
     synchronous SGD; the server instead sums the round and makes one update
     -- the synchronous protocol (mode sync_ps). Returns the job to run."""
     par = job.parallel
-    if par.mode == "async" and par.max_staleness == 0:
+    if asynchronous(par.mode) and par.max_staleness == 0:
         job = dataclasses.replace(job, parallel=dataclasses.replace(par, mode="sync_ps"))
     return job
 
@@ -186,7 +190,7 @@ def compose_for_rank(graph, grads, job, world_size, rank):
         gradients_first(graph, plan["grads"])
         place_on_rank(graph, rank)
         return graph.infer_shapes().validate()
-    if par.mode == "sync_ps":
+    if lockstep(par.mode):
         server = server_graph(graph, grads, plan, rank, job)
         return ps_windows.windowed_server(server, plan, rank).validate() if windowed else server
     owned = [p for p in plan["order"] if plan["owner"][p] == rank]
@@ -300,7 +304,7 @@ def _copy_blob(blob):
     return copy.deepcopy(blob)
 
 
-class WorkerScheme(Scheme):
+class WorkerScheme(ParameterServers):
     """A worker's part (the trainer runs it over the workers' World): the PS
     worker graph. ``world`` is the global World. The stop agreement with the
     servers and the checkpoints that carry the servers' momenta are a loop
@@ -314,7 +318,7 @@ class WorkerScheme(Scheme):
 
     def __init__(self, job, world):
         self.world = world
-        self.layout = ps_layout(world.size, job.parallel.ps_ranks)
+        self.ranks = ps_layout(world.size, job.parallel.ps_ranks)
 
     def compose(self, graph, grads, job, world):
         return compose_param_server(graph, grads, job, self.world)

@@ -30,9 +30,9 @@ gives every (worker, server) pair a window, else two-sided Send/Recv (a
 note says why). ``graph --np N`` converts the ops as on one node and
 allocates nothing.
 """
-from ..base.errors import UserError
-from ..comm.windows import (WindowLayout, Windows, WindowsUnavailable, fake_host_of,
-                            node_groups, pair_transport)
+from .schemes.param_server import asynchronous, lockstep
+from ..comm.windows import (WindowLayout, allocate_or_fall_back, fake_host_of, node_groups,
+                            pair_transport)
 
 PREFIX = "ps/"
 
@@ -60,7 +60,7 @@ def ps_window_layout(graph, plan, mode):
             layout.add(name, s, blob.shape, blob.dtype, peers=[w])
             layout.add_word(name + ".written", s, peers=[w])
             layout.add_word(name + ".free", w, peers=[s])
-            if mode == "async":
+            if asynchronous(mode):
                 layout.add_word(applied(p, w), s, peers=workers)
         layout.add(weights(p), s, blob.shape, blob.dtype, peers=workers)
         layout.add_word(weights(p) + ".version", s, peers=workers)
@@ -91,14 +91,11 @@ def allocate(job, world, graph, plan):
     kind, why, node_of = choose(job, world, plan)
     if kind == "two_sided" or getattr(world, "comm", None) is None:
         return None, _line(kind, why)
-    try:
-        win = Windows.allocate(world, ps_window_layout(graph, plan, job.parallel.mode), node_of)
-    except WindowsUnavailable as exc:
-        if job.parallel.transport == "one_sided":
-            raise UserError(f"{job.path}: key 'parallel.transport': one_sided, but {exc}; "
-                            "use auto or two_sided") from None
-        return None, _line("two_sided", f"auto: {exc}")
-    return win, _line(kind, why)
+    win, lines = allocate_or_fall_back(
+        world, ps_window_layout(graph, plan, job.parallel.mode), node_of,
+        lambda exc: _line("two_sided", f"auto: {exc}"),
+        refuse=job.path if job.parallel.transport == "one_sided" else None)
+    return win, lines or _line(kind, why)
 
 
 def _line(kind, why):
@@ -124,7 +121,7 @@ def windowed_worker(graph, plan, rank, mode, staleness, shared=False):
         pull.op_type = "Get"
         pull.attrs.pop("tag", None)
         pull.attrs.update(region=weights(p), version=weights(p) + ".version")
-        if mode == "async":
+        if asynchronous(mode):
             pull.attrs.update(applied=applied(p, rank), staleness=int(staleness),
                               applied_all=[applied(p, w) for w in plan["workers"]])
     if shared:
@@ -158,7 +155,7 @@ def in_place(graph, plan, rank, mode):
             _place(graph.blobs[g], window=region)
             op = graph.ops[f"{p}.push"]
             computed.append((g, region, plan["owner"][p], op.location, op.thread))
-        if mode != "sync_ps":
+        if not lockstep(mode):
             continue
         _place(graph.blobs[p], window=weights(p), window_views=True)
         push = graph.ops[f"{p}.push"]

@@ -2,8 +2,8 @@
 
 ``build_rank_graphs(job, world, scheme)`` is the one function that turns
 a job into what a rank runs: the single-replica training graph (job/replica.py),
-composed by the parallel scheme (``Scheme.compose``: data parallel,
-pipeline, hybrid, a parameter-server worker), placed on this rank's device
+composed by the parallel scheme (``Scheme.compose``, parallel/schemes/:
+data parallel, pipeline, hybrid, tensor, a parameter-server worker), placed on this rank's device
 and fused for it (parallel/placement.py), with the device loss watch on a GPU
 and the micro-batch memory plan; and the test graph, composed and placed
 the same way. The loop (train/loop.py) receives the result; it builds
@@ -17,14 +17,14 @@ from .nccl_backend import apply_backend
 from .placement import add_loss_watch, configure_device, prepare_for_device
 from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
                            check_fits_memory, loss_blobs, mark_padding, metric_blobs)
-from .compose import Scheme, compose_test, defer_update_applies, layout_of
+from .schemes import scheme_of
 
 
 @dataclasses.dataclass
 class RankGraphs:
     """What a rank runs and the facts about it the loop and its services read."""
 
-    layout: object            # parallel.compose.Layout: replicas x stages, this rank's place
+    layout: object            # parallel.schemes.Layout: replicas x stages, this rank's place
     graph: object             # the composed, placed training graph of this rank
     grads: dict               # parameter -> gradient blob (of the single-replica graph)
     device: int               # -1: the CPU; N >= 0: GPU N
@@ -44,6 +44,7 @@ class RankGraphs:
     test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
+    composition: object = None        # the scheme's Composition (parallel/schemes/base.py)
 
     @property
     def pipeline(self):
@@ -57,17 +58,18 @@ class RankGraphs:
 
 def build_rank_graphs(job, world, scheme=None):
     """This rank's training and test graphs for ``job`` (job/job.py) in
-    ``world`` under ``scheme`` (default: the job's own, ``Scheme()``)."""
-    scheme = scheme or Scheme()
+    ``world`` under ``scheme`` (default: the job's own, ``scheme_of(job)``)."""
+    scheme = scheme or scheme_of(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
-    layout = layout_of(job, world)
+    layout = scheme.layout(job, world)
     graph, grads = build_train_graph(job, layout.replica, layout.replicas)
     check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph)
     summary = param_summary(graph)  # the whole net's, before any split
     net_params = [b.name for b in graph.params()]
-    graph = scheme.compose(graph, grads, job, world)
+    composition = scheme.compose(graph, grads, job, world)
+    graph = composition.graph
     # device: -1 leaves the graph on the CPU; N >= 0 places it on a GPU
     # (the node-local rank picks among several) and the stream dispatcher runs it
     device = configure_device(job, graph)
@@ -78,7 +80,7 @@ def build_rank_graphs(job, world, scheme=None):
     shares = [graph.blobs[b].attrs.get("micro_batch_share", 1.0) for b in losses]
     # on a GPU the loss stays on the device between the display, test and
     # checkpoint intervals (ops/watch.py): the host reads it back only there
-    deferred = device >= 0 and getattr(scheme, "defer_loss_readback", True)
+    deferred = device >= 0 and scheme.defer_loss_readback
     watch = add_loss_watch(graph, losses, shares, device) if deferred and losses else None
     # micro-batch copies never live at once share their activation buffers
     # (after the device's fusions, which the plan must not block)
@@ -86,19 +88,19 @@ def build_rank_graphs(job, world, scheme=None):
     # parallel.defer_update: the last buckets' allreduce and update finish
     # while the next iteration's forward runs (runtime/tail.py; the CPU
     # event dispatcher, synchronous data parallelism)
-    defer_update = getattr(scheme, "defers_update", True) and \
-        defer_update_applies(job, layout.replicas, layout.staged)
+    defer_update = scheme.defers_update and \
+        scheme.defer_update_applies(job, layout.replicas, layout.staged)
     out = RankGraphs(layout=layout, graph=graph, grads=grads, device=device, losses=losses,
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
                      param_summary=summary, comm_backend=backend,
-                     comm_backend_note=backend_note)
-    _add_test_graph(out, job, world)
+                     comm_backend_note=backend_note, composition=composition)
+    _add_test_graph(out, job, world, scheme)
     return out
 
 
-def _add_test_graph(out, job, world):
+def _add_test_graph(out, job, world, scheme):
     test = build_test_graph(job, out.layout.replica, out.layout.replicas)
     if test is not None:
         check_data_labels(test)
@@ -113,7 +115,7 @@ def _add_test_graph(out, job, world):
         out.test_keys = ["loss"] * len(out.test_losses) + [
             "accuracy" if accuracy == [b] else b for b in metric_blobs(test)]
         out.test_names = out.test_losses + metric_blobs(test)
-    out.test_graph = compose_test(test, job, world)
+    out.test_graph = scheme.compose_test(test, job, world).graph if test is not None else None
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False)
 

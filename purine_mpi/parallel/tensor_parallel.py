@@ -238,7 +238,8 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
     """This rank's slice under ``scheme: tensor`` (see the module docstring):
     the split pairs, their allreduces over this rank's tensor group, then
     (with several replicas) the data-parallel buckets over the ranks that
-    hold the same shard. ``graph.tensor_plan`` keeps the pairs."""
+    hold the same shard. Returns the Composition (its ``tensor_plan``: the pairs)."""
+    from .schemes.base import Composition
     degree = lay.tensor
     pairs = find_splits(graph)
     check_degree(pairs, degree, job.path)
@@ -250,6 +251,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
         split(lay.tensor_groups())
         if lay.replicas > 1:
             split(lay.shard_groups())
+    plan = None
     if train and lay.replicas > 1:
         from .data_parallel import compose_data_parallel
         dp = lay.shard_ranks()
@@ -259,18 +261,15 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
         for b in plan:
             graph.ops[b["op"]].attrs["group"] = list(dp)
             b["group"] = list(dp)
-        graph.bucket_plan = plan
     place_on_rank(graph, world.rank)
-    graph.tensor_plan = describe_splits(pairs, degree)
     # nothing is deferred (compose.defer_update_applies): the memory plan
     # need not keep what a deferred tail would touch
     graph.deferrable = False
-    graph.layout = lay
     graph.infer_shapes().validate()
     if train and job.parallel.check_collectives and split is not None:
         from ..comm.verify import check_collectives
         check_collectives(graph, world)
-    return graph
+    return Composition(graph, lay, bucket_plan=plan, tensor_plan=describe_splits(pairs, degree))
 
 
 # ---------------------------------------------------------------- weights

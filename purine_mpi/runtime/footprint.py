@@ -221,14 +221,15 @@ def arena_peak(graph, plan):
             "gradients_bytes": int(grads)}
 
 
-def window_bytes(graph, rank):
+def window_bytes(composition, rank):
     """Bytes of the one-sided transport's windows that ``rank`` holds (its
-    segments of the window layout, ``comm/window_layout.py``), 0 without."""
-    layout = getattr(graph, "window_layout", None)
-    if layout is None:
+    segments of the window layout, ``comm/window_layout.py``, as the
+    scheme's Composition places them), 0 without."""
+    placed = getattr(composition, "window_placement", None)
+    if placed is None:
         return 0
-    sizes = layout.place(getattr(graph, "window_nodes", None) or
-                         {r: 0 for r in _layout_ranks(layout)})
+    layout, node_of = placed
+    sizes = layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
     return sum(n for (_, owner), n in sizes.items() if owner == rank)
 
 
@@ -262,7 +263,7 @@ def footprint(graphs, plans, rank=0):
         arena = plans.host.total_bytes if plans.host is not None else 0
         if plans.test_host is not None and plans.test_host.total_bytes > arena:
             host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
-    host["windows"] = window_bytes(g, rank)
+    host["windows"] = window_bytes(graphs.composition, rank)
     peak = arena_peak(g, plans.host)
     for d, plan in sorted(plans.devices.items()):
         device_peak = arena_peak(g, plan)

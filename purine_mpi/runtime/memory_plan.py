@@ -160,7 +160,7 @@ def _tail_ops(graph, deps):
     """The ops ``deferred_tail`` may run on into the next iteration (the
     classes' ``category`` and ``seq_ordered`` are what it reads); none
     where ``graph.deferrable`` is False (tensor parallelism never defers)."""
-    if getattr(graph, "deferrable", True) is False:
+    if not graph.deferrable:
         return frozenset()
     from ..ops.catalog import get_kernel_class
     from .tail import deferred_tail

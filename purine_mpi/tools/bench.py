@@ -27,6 +27,7 @@ from ..base.backend import cupy_available, xp_for_device
 from ..base.errors import UserError
 from ..gpu.memory import start_peak_memory
 from ..job.job import DataSpec
+from ..parallel.schemes import mode_class
 from ..runtime.trace import merge_intervals
 
 
@@ -99,7 +100,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     job = job if real_data else synthetic_config(job)
     job = job.with_training(max_iter=warmup + iters)
     scheme, gworld, servers = None, world, None
-    if job.parallel.mode in ("sync_ps", "async") and world.size > 1:
+    if world.size > 1 and mode_class(job.parallel.mode) is not None:
         # the parameter-server modes: the servers serve (bench_transport), the
         # workers are timed; no checkpoints, so the servers' momenta travel once
         from ..parallel.param_server import WorkerScheme, split_workers
@@ -108,7 +109,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         if sub is None:
             return ps_server(job, world, warmup, dispatcher)
         scheme, world = WorkerScheme(job, gworld), sub
-        servers = scheme.layout["servers"]
+        servers = scheme.ranks["servers"]
     peak = start_peak_memory(xp_for_device(0)) if cupy_available() else None   # before any allocation
     try:
         trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=world, profile=False,
@@ -143,7 +144,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         events = d.profiler.events
         report = d.capture_report()
         replicas = trainer.graphs.data_size
-        moved = transport_figures(d, trainer.graphs.graph, iters, moved_before)
+        moved = transport_figures(d, trainer.graphs, iters, moved_before)
     finally:
         trainer.close()
         peaks = peak.peak() if peak is not None else None

@@ -1,6 +1,6 @@
 """``bench``'s transport figures and its parameter-server modes.
 
-    transport_figures(dispatcher, graph, iters, before) -> the JSON fields
+    transport_figures(dispatcher, graphs, iters, before) -> the JSON fields
         transport, transport_lines, bytes_one_sided_per_iter,
         bytes_two_sided_per_iter, bytes_copied_per_iter (rank 0's ops)
     counters(dispatcher) -> the one-sided ops' byte counters now
@@ -32,7 +32,7 @@ import numpy as np
 
 from ..comm.ops import data_blobs
 
-_ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish")
+_ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish", "WindowAllreduce")
 _TWO_SIDED = ("Send", "Recv", "Allreduce", "ReduceScatter", "Allgather")
 #: a sync_ps server's ops that give the workers the weights, and that take
 #: their gradients (two-sided and one-sided)
@@ -45,8 +45,8 @@ BENCH_TAG = (1 << 20) + 3
 
 
 def _one_sided(op):
-    """A window op, or an Allreduce summed through a shared window."""
-    return op.op_type in _ONE_SIDED or (op.op_type == "Allreduce" and op.attrs.get("window"))
+    """A window op (an Allreduce summed through a shared window is one)."""
+    return op.op_type in _ONE_SIDED
 
 
 def counters(dispatcher):
@@ -59,9 +59,11 @@ def counters(dispatcher):
     return out
 
 
-def transport_figures(dispatcher, graph, iters, before):
-    """The transport fields of ``bench --json`` (see the module docstring);
-    ``before``: ``counters`` at the start of the timed iterations."""
+def transport_figures(dispatcher, graphs, iters, before):
+    """The transport fields of ``bench --json`` (see the module docstring) of
+    the trainer's ``graphs`` (RankGraphs); ``before``: ``counters`` at the
+    start of the timed iterations."""
+    graph = graphs.graph
     after = counters(dispatcher)
     moved = sum(a[0] - before.get(n, (0, 0))[0] for n, a in after.items())
     copied = sum(a[1] - before.get(n, (0, 0))[1] for n, a in after.items())
@@ -75,7 +77,7 @@ def transport_figures(dispatcher, graph, iters, before):
             kinds.add("two_sided")
     transport = ("none" if not kinds else "mixed" if len(kinds) == 2 else kinds.pop())
     lines = [f"{what}: {how} ({why})" for what, how, why in
-             getattr(graph, "transport", None) or ()]
+             graphs.composition.transport or ()]
     return {"transport": transport, "transport_lines": lines,
             "bytes_one_sided_per_iter": int(round(moved / max(iters, 1))),
             "bytes_two_sided_per_iter": two,

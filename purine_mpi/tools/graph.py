@@ -11,48 +11,52 @@ from ..graph import seed_yaml
 
 def compose_for(job, world_size, rank, phase="train"):
     """The graph ``rank`` of ``world_size`` would run, built without MPI."""
+    return composed(job, world_size, rank, phase)[0]
+
+
+def composed(job, world_size, rank, phase="train"):
+    """(the graph ``rank`` of ``world_size`` would run, built without MPI,
+    and its scheme's Composition; (None, None) without such a phase)."""
     from ..job.replica import build_test_graph, build_train_graph
-    from ..parallel.compose import compose, compose_test, data_window, layout_of
+    from ..parallel.schemes import Composition, scheme_of
     world = _OfflineWorld(rank, world_size)
     par = job.parallel
-    lay = layout_of(job, world)  # a world that does not fit the stages: exit 2 here
-    replica, replicas = data_window(job, world)
+    scheme = scheme_of(job)
+    lay = scheme.layout(job, world)  # a world that does not fit the stages: exit 2 here
+    replica, replicas = lay.replica, lay.replicas  # the data shard (compose.data_window)
     if phase == "test":
-        graph = compose_test(build_test_graph(job, replica, replicas), job, world)
-        if graph is not None:
-            graph.layout = lay
-        return graph
+        test = build_test_graph(job, replica, replicas)
+        if test is None:
+            return None, None
+        comp = scheme.compose_test(test, job, world)
+        comp.layout = lay
+        return comp.graph, comp
     graph, grads = build_train_graph(job, replica, replicas)
-    if world_size > 1 and not lay.staged and par.scheme != "none" and par.mode != "sync":
+    if world_size > 1 and scheme.servers:
         from ..parallel.param_server import compose_for_rank
         graph = compose_for_rank(graph, grads, job, world_size, rank).infer_shapes()
         graph.validate()
+        comp = Composition(graph, lay)
     else:  # the trainer's own composition; the cross-rank check needs MPI: skip it
         offline = job.replace(parallel=dataclasses.replace(par, check_collectives=False))
-        graph = compose(graph, grads, offline, world)
+        comp = scheme.compose(graph, grads, offline, world)
+        graph = comp.graph
     from ..parallel.placement import prepare_for_device
     # placed and fused as the trainer runs it (needs no CuPy)
     prepare_for_device(graph, job.device)
     from ..parallel.partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
-        graph = partition(graph, rank, size=world_size)
+        graph = comp.graph = partition(graph, rank, size=world_size)
     else:  # micro-batch copies share buffers as the trainer plans them
-        from ..parallel.compose import plan_memory
-        plan_memory(graph, job, world)
-    graph.layout = lay
-    return graph
+        scheme.plan_memory(graph, job, world)
+    comp.layout = lay
+    return graph, comp
 
 
 def describe_layout(lay, rank):
-    """Where ``rank`` sits in a staged scheme (``graph`` text header)."""
-    if not lay.staged:
-        return None
-    text = (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
-            f"replica {lay.replica}, stage {lay.stage}; transfers with ranks "
-            f"{lay.replica_ranks()} (this replica)")
-    if lay.scheme == "hybrid":
-        text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
-    return text
+    """Where ``rank`` sits in a staged scheme (``graph`` text header), or None."""
+    from ..parallel.schemes import scheme_class
+    return scheme_class(lay.scheme)().graph_notes(lay, rank)
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -119,7 +123,7 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     if not 0 <= rank < world_size:
         from ..base.errors import UserError
         raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
-    graph = compose_for(job, world_size, rank, phase)
+    graph, comp = composed(job, world_size, rank, phase)
     if graph is None:
         from ..base.errors import UserError
         raise UserError(f"the config has no {phase} graph")
@@ -134,20 +138,20 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     if fmt == "dot":
         return to_dot(graph)
     lines = [graph.summary()]
-    lay = getattr(graph, "layout", None)
-    if lay is not None and describe_layout(lay, rank):
+    lay = comp.layout
+    if describe_layout(lay, rank):
         lines.insert(0, describe_layout(lay, rank))
-    split = getattr(graph, "tensor_plan", None)
+    split = comp.tensor_plan
     if split:
         lines.append(f"tensor-parallel split over ranks {lay.tensor_ranks()} "
                      f"(rank {rank} = replica {lay.replica}, shard {lay.shard}):")
         lines += [f"  {line}" for line in split]
-    plan = getattr(graph, "bucket_plan", None)
+    plan = comp.bucket_plan
     if plan:
         from ..parallel.data_parallel import format_plan
         lines += format_plan(plan)
         from ..parallel.compose import defer_update_applies
-        if defer_update_applies(job, world_size, lay is not None and lay.staged):
+        if defer_update_applies(job, world_size, lay.staged):
             from ..runtime.tail import describe_tail
             line = describe_tail(graph)
             if line:

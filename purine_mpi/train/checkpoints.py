@@ -16,8 +16,8 @@ from ..job.checkpoint_check import check_finite, check_for_net, check_same_meani
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant
 from ..parallel.compose import Layout
-from ..parallel.tensor_parallel import (gather_whole, initial_value, param_split, take_shard,
-                                        whole_shape)
+from ..parallel.schemes import scheme_of
+from ..parallel.tensor_parallel import initial_value, whole_shape
 from ..runtime.stop import StopSignal
 from .collectives import _plain, world_gather
 from .loop import Service
@@ -102,9 +102,7 @@ class Checkpoints(Service):
                 k.factor = factors[layer]
 
     def _load_blob(self, loop, name, value, path, skip_hint=False):
-        split = param_split(loop.graphs.graph, name)
-        if split and tuple(value.shape) == tuple(split["shape"]):  # whole in the file
-            value = take_shard(split, value)
+        value = scheme_of(loop.job).split_checkpoint(loop.graphs, name, value)  # this rank's part
         try:
             loop.ws.set(name, value)
         except GraphError as e:  # a file from another net: name the file too
@@ -230,16 +228,11 @@ class Checkpoints(Service):
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         solver = {p: s for p, s in solver.items() if s}
-        if loop.graphs.layout.tensor > 1:  # each rank holds shards: whole blobs on file
+        scheme = scheme_of(loop.job)
+        if scheme.gathers_checkpoint(loop.graphs):  # whole blobs on file: shards or stages
             parts = world_gather(loop.world, (params, solver))
             if loop.world.rank == 0:
-                params, solver = gather_whole(loop.graphs.graph, loop.graphs.layout, parts)
-        if loop.graphs.pipeline:  # each stage holds its own layers' parameters
-            parts = world_gather(loop.world, (params, solver))
-            if loop.world.rank == 0:  # replica 0's stages (the replicas hold the same values)
-                for r in loop.graphs.layout.replica_ranks(0):
-                    params.update(parts[r][0])
-                    solver.update(parts[r][1])
+                params, solver = scheme.join_checkpoint(loop.graphs, parts)
         if loop.world.rank != 0:
             return
         payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,

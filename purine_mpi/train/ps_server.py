@@ -16,6 +16,7 @@ import numpy as np
 from ..graph.solver_graph import momentum_name
 from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
+from ..parallel.schemes.param_server import lockstep
 from ..runtime.stop import StopSignal
 from .async_server import AsyncServer
 
@@ -69,7 +70,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     # parallel.transport: the windows (collective with the workers' compose)
     from ..parallel.ps_windows import allocate, windowed_server
     windows, transport = allocate(job, world, graph, plan)
-    if mode == "sync_ps":
+    if lockstep(mode):
         from ..runtime.factory import make_dispatcher
         sg = server_graph(graph, grads, plan, world.rank, job)
         if windows is not None:

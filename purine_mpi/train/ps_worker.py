@@ -6,6 +6,7 @@ checkpoint rank 0 takes the momenta the servers hold.
 from ..graph.solver_graph import momentum_name
 from .async_server import STOP_REQUEST_TAG, STOP_TAG
 from ..parallel.param_server import ps_layout
+from ..parallel.schemes.param_server import asynchronous, lockstep
 from .ps_server import recv_state, state_transfer_due
 from ..runtime.stop import StopSignal
 from .signals import StopAgreement
@@ -27,7 +28,7 @@ class WorkerStopAgreement(StopAgreement):
         iteration before every worker wrote its last value (a barrier of the
         workers; the servers write the same values)."""
         graph = loop.graphs.graph
-        if self.mode == "sync_ps" and loop.world.size > 1 and any(
+        if lockstep(self.mode) and loop.world.size > 1 and any(
                 b.attrs.get("window_views") for b in graph.blobs.values()):
             loop.world.barrier()
 
@@ -37,7 +38,7 @@ class WorkerStopAgreement(StopAgreement):
         server sent, then telling the servers the outcome."""
         world, servers, stop = self.world, self.servers, loop.state.stop
         max_iter = self.job.solver.max_iter
-        if self.mode == "sync_ps":
+        if lockstep(self.mode):
             code = stop.agree(world, diverged)
         else:
             if world.rank == 0:
@@ -57,7 +58,7 @@ class WorkerStopAgreement(StopAgreement):
 
     def before_save(self, loop, iteration):
         due = self.stopping or state_transfer_due(self.job, iteration, loop.state.start_iter,
-                                                  final_only=(self.mode == "async"))
+                                                  final_only=asynchronous(self.mode))
         if due and self.world.rank == 0:
             # the servers hold the momenta: put them where save() looks
             for p, m in recv_state(self.world, self.servers).items():

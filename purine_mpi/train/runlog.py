@@ -33,6 +33,7 @@ from .. import __version__
 from ..base import env, threads
 from ..data.sources import source_info
 from ..base.progress_bar import human_bytes
+from ..parallel.schemes.base import counted as _count, ranges, ranks_word as _ranks_word  # noqa: F401
 
 #: hosts listed one by one in the devices line; the rest are counted
 MAX_HOSTS = 8
@@ -44,27 +45,6 @@ def rank_info(trainer):
     name = hosts.host_names[hosts.host_of[trainer.world.rank]] if hosts is not None \
         else socket.gethostname()
     return name, int(trainer.graphs.device)
-
-
-def ranges(ranks):
-    """``0-3, 6, 8-9`` from a list of ranks."""
-    ranks = sorted(ranks)
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(out)
-
-
-def _ranks_word(ranks):
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"
-
-
-def _count(n, one, many=None):
-    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def devices_line(infos, servers=()):
@@ -100,62 +80,11 @@ def devices_line(infos, servers=()):
 
 def scheme_lines(trainer):
     """[(label, text)] of the scheme: which ranks are workers, servers or
-    stages, and the micro-batches."""
+    stages, and the micro-batches (the scheme's ``startup_lines``)."""
     job = trainer.job
     par = job.parallel
     lay = trainer.graphs.layout
-    ps = getattr(trainer.scheme, "layout", None)  # a parameter-server worker
-    size = trainer.world.size
-    out = []
-    if ps is not None:
-        workers, servers = ps["workers"], ps["servers"]
-        mode = par.mode
-        how = (f"max_staleness {par.max_staleness}" if mode == "async" else
-               "the servers average each round")
-        out.append(("scheme", f"parameter servers (mode {mode}, {how}): "
-                    f"{_ranks_word(workers)} {'are workers' if len(workers) > 1 else 'is the worker'}, "
-                    f"{_ranks_word(servers)} {'are servers' if len(servers) > 1 else 'is the server'} "
-                    "holding the parameters (sharded)"))
-        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
-            out.append(("transport", f"{what}: {how} ({why})"))
-    elif size == 1:
-        out.append(("scheme", "one rank, no parallel scheme"))
-    elif lay.staged:
-        stages = job.stage_map
-        layers = job.layer_names
-        if lay.scheme == "pipeline":
-            out.append(("scheme", f"pipeline: {lay.stages} stages, rank s runs stage s; "
-                        "activations and gradients cross between them"))
-        else:
-            out.append(("scheme", f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
-                        f"(rank = replica x {lay.stages} + stage); each stage's gradients "
-                        f"allreduced over its {lay.replicas} ranks"))
-        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
-            out.append(("transport", f"{what}: {how} ({why})"))
-        for s in range(lay.stages):
-            names = [n for n in layers if stages.get(n) == s]
-            shown = ", ".join(names) if len(names) <= 6 else \
-                f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
-            out.append((f"stage {s}", f"{_ranks_word(lay.stage_ranks(s))}: "
-                        f"{_count(len(names), 'layer')} ({shown})"))
-    elif lay.tensor > 1:
-        plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
-        dp = (f"; each shard's gradients allreduced over its {lay.replicas} ranks in "
-              f"{_count(len(plan), 'bucket')}") if lay.replicas > 1 else ""
-        out.append(("scheme", f"tensor: {_count(lay.replicas, 'replica')} x {lay.tensor}-way "
-                    f"tensor parallel (rank = replica x {lay.tensor} + shard); split layers' "
-                    f"activations allreduced in each group of {lay.tensor} ranks{dp}"))
-        for line in getattr(trainer.graphs.graph, "tensor_plan", ()):
-            out.append(("split", line))
-    elif lay.scheme == "none":
-        out.append(("scheme", f"none: ranks {ranges(range(size))} each train their own "
-                    "replica on their shard, exchanging no gradients"))
-    else:
-        plan = getattr(trainer.graphs.graph, "bucket_plan", None) or []
-        out.append(("scheme", f"data parallel (mode sync): ranks {ranges(range(size))} are "
-                    f"workers, gradients allreduced in {_count(len(plan), 'bucket')}"))
-        for what, how, why in getattr(trainer.graphs.graph, "transport", None) or ():
-            out.append(("transport", f"{what}: {how} ({why})"))
+    out = trainer.scheme.startup_lines(trainer, trainer.graphs.composition)
     micro = par.micro_batches
     if micro > 1:
         use = "per stage, overlapped across stages" if lay.staged else "gradients accumulated"
@@ -205,7 +134,7 @@ def startup_lines(trainer, infos, setup_seconds):
     (host, device)} of the trainer's world."""
     job = trainer.job
     replicas = trainer.graphs.data_size
-    ps = getattr(trainer.scheme, "layout", None)
+    ps = trainer.scheme.server_ranks()  # a parameter-server worker's {workers, servers}
     size = trainer.world.size + (len(ps["servers"]) if ps else 0)
     head = f"purine_mpi {__version__}: train {job.name}"
     if job.path:

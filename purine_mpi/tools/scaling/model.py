@@ -50,11 +50,12 @@ class Scenario:
     def __init__(self, job, n):
         from ..graph import _OfflineWorld
         from ...parallel.compose import defer_update_applies, layout_of
+        from ...parallel.schemes import scheme_of
         self.n = n
         par = job.parallel
         lay = layout_of(job, _OfflineWorld(0, n))
         self.staged = lay.staged
-        self.ps = n > 1 and not lay.staged and par.scheme != "none" and par.servers
+        self.ps = n > 1 and not lay.staged and scheme_of(job).servers
         if self.ps:
             self.servers = par.ps_ranks
             self.workers = n - self.servers
@@ -130,7 +131,7 @@ class Template:
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario):
         g = self.graph
-        if op.op_type == "Allreduce":
+        if op.op_type in ("Allreduce", "WindowAllreduce"):
             nbytes = _nbytes(g, op.inputs)
             group = len(op.attrs.get("group") or ()) or scenario.replicas
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,

@@ -1,0 +1,397 @@
+"""The ``Scheme`` interface and its registry.
+
+A scheme is how the ranks of a run share one net: ``parallel.scheme`` (and,
+for the parameter servers, ``parallel.mode``) of the config names one. Each
+scheme is a ``Scheme`` subclass in a module of its own in this package,
+registered under its name::
+
+    @register_scheme("pipeline")
+    class Pipeline(Scheme):
+        staged = True                              # capabilities: class attributes
+        keys = ("stages", "schedule", ...)         # the parallel keys it reads
+
+        def layout(self, job, world): ...          # the ranks: a Layout
+        def compose(self, graph, grads, job, world): ...   # -> Composition
+        def scheme_lines(self, trainer, composition): ...  # the start-up block
+        def graph_notes(self, lay, rank): ...              # ``graph --np N`` header
+        def gathers_checkpoint(self, graphs): ...   # whether a save gathers the ranks' parts
+        def join_checkpoint(self, graphs, parts): ...  # rank 0: the whole blobs from them
+        def split_checkpoint(self, graphs, name, value): ...  # this rank's part, on load
+
+Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
+and ask it; nothing outside this package and the config language (job/,
+below parallel/: it validates names and their cross-key rules before any
+scheme is loaded) compares a scheme's name (tests/test_schemes.py checks).
+``SCHEMES`` is the registry, in registration order (the package's
+``__init__`` imports every module).
+
+The base class is also "the job's own scheme": a bare ``Scheme()`` (or a
+subclass not registered, e.g. a test's) composes, lays out and checkpoints
+as the job's registered scheme does. Imports ``base/errors`` only (the
+schemes import their compositions: steps.py and the modules of parallel/,
+which never import a scheme).
+"""
+import dataclasses
+
+
+#: registered name -> Scheme subclass, in registration order
+SCHEMES = {}
+
+#: the parallel keys the schemes' notes speak of (job/schema.py's PARALLEL):
+#: those that shape the allreduce of gradient buckets (scheme data, mode sync;
+#: hybrid), and the parameter servers'
+BUCKET_KEYS = ("bucket_mb", "first_bucket_mb", "min_buckets")
+SERVER_KEYS = ("ps_ranks", "max_staleness")
+
+
+def register_scheme(name, scheme=None, modes=("sync",)):
+    """Register a ``Scheme`` subclass under ``name``. ``scheme``: the
+    ``parallel.scheme`` value that selects it (default ``name``); ``modes``:
+    the ``parallel.mode`` values it runs."""
+    def deco(cls):
+        if name in SCHEMES:
+            raise ValueError(f"scheme {name!r} registered twice")
+        cls.name, cls.config_name, cls.modes = name, scheme or name, tuple(modes)
+        SCHEMES[name] = cls
+        return cls
+    return deco
+
+
+def scheme_names():
+    """The ``parallel.scheme`` values, in registration order, once each."""
+    return tuple(dict.fromkeys(cls.config_name for cls in SCHEMES.values()))
+
+
+def scheme_class(scheme, mode="sync"):
+    """The registered class that runs ``parallel.scheme: scheme`` with
+    ``parallel.mode: mode``, or None."""
+    for cls in SCHEMES.values():
+        if cls.config_name == scheme and mode in cls.modes:
+            return cls
+    return None
+
+
+def mode_class(mode):
+    """The registered class that owns a mode other than ``sync`` (the
+    parameter servers' ``async`` and ``sync_ps``), or None."""
+    return next((cls for cls in SCHEMES.values() if cls.servers and mode in cls.modes), None)
+
+
+def scheme_of(job):
+    """The scheme of ``job`` (job/job.py): an instance of its registered class."""
+    par = job.parallel
+    cls = scheme_class(par.scheme, par.mode) or mode_class(par.mode)
+    return cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a rank sits: ``replicas`` x ``stages`` ranks (see
+    parallel/compose.py); the data is sharded over the replicas (docs/config.md,
+    "Sample order")."""
+
+    scheme: str
+    replicas: int
+    stages: int
+    replica: int
+    stage: int
+    micro_batches: int = 1
+    tensor: int = 1           # scheme tensor: the ranks of a tensor-parallel group
+    shard: int = 0            # this rank's place in its group
+
+    def rank(self, replica, stage):
+        return replica * self.stages + stage
+
+    # scheme tensor: rank = replica * tensor + shard (parallel/tensor_parallel.py)
+    def tensor_ranks(self, replica=None):
+        """The ranks of one tensor-parallel group (default: this rank's)."""
+        r = self.replica if replica is None else replica
+        return [r * self.tensor + k for k in range(self.tensor)]
+
+    def shard_ranks(self, shard=None):
+        """The ranks holding shard ``shard`` (default: this rank's), one per replica."""
+        k = self.shard if shard is None else shard
+        return [r * self.tensor + k for r in range(self.replicas)]
+
+    def tensor_groups(self):
+        return [self.tensor_ranks(r) for r in range(self.replicas)]
+
+    def shard_groups(self):
+        return [self.shard_ranks(k) for k in range(self.tensor)]
+
+    def stage_ranks(self, stage=None):
+        """The ranks that hold stage ``stage`` (default: this rank's), one per replica."""
+        s = self.stage if stage is None else stage
+        return [self.rank(r, s) for r in range(self.replicas)]
+
+    def replica_ranks(self, replica=None):
+        """The ranks of one replica (default: this rank's), stage order."""
+        r = self.replica if replica is None else replica
+        return [self.rank(r, s) for s in range(self.stages)]
+
+    @property
+    def staged(self):
+        return self.stages > 1
+
+    def describe(self):
+        """E.g. ``[hybrid: 2 replicas x 2 stages, 4 micro-batches, 4 ranks]``."""
+        n = self.replicas * self.stages * self.tensor
+        parts = [f"{self.scheme}: {count(self.replicas, 'replica')}"
+                 + (f" x {count(self.stages, 'stage')}" if self.staged else "")
+                 + (f" x {self.tensor}-way tensor" if self.tensor > 1 else "")]
+        if self.micro_batches > 1:
+            parts.append(count(self.micro_batches, "micro-batch", "micro-batches"))
+        return "[" + ", ".join(parts + [count(n, "rank")]) + "]"
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def same_shape(self, other):
+        """Same scheme, replicas, stages and micro-batches (positions aside)."""
+        keys = ("scheme", "replicas", "stages", "micro_batches")
+        return all(getattr(self, k) == other.get(k) for k in keys) and \
+            self.tensor == other.get("tensor", 1)
+
+
+def count(n, one, many=None):
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def counted(n, one, many=None):
+    """``1 bucket``, ``1,024 layers`` (the start-up block's counts)."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def ranges(ranks):
+    """``0-3, 6, 8-9`` from a list of ranks."""
+    ranks = sorted(ranks)
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def ranks_word(ranks):
+    """``rank 3`` or ``ranks 0-2``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"
+
+
+@dataclasses.dataclass
+class Composition:
+    """What a scheme's composition gives the trainer: the graph this rank
+    runs and the facts about it that the start-up block, ``graph --np N``
+    and the memory plan read."""
+
+    graph: object                  # this rank's composed training graph
+    layout: Layout                 # this rank's place
+    bucket_plan: list = None       # the allreduce buckets (data_parallel.plan_buckets)
+    tensor_plan: tuple = ()        # scheme tensor: one line per split pair
+    transport: list = None         # [(what, how, why)]: how the bytes travel
+    windows: object = None         # the windows allocated for it (comm/windows.Windows)
+    #: (WindowLayout, {rank: node}) of the one-sided transport's windows, made
+    #: offline too (graph --np, plan): what runtime/footprint.py counts
+    window_placement: tuple = None
+
+
+class Scheme:
+    """How a trainer's rank takes part in its parallel scheme: its layout,
+    the graph it runs and what the start-up block says of it (the decisions
+    it shares with other ranks during the run, the stop agreement and the
+    checkpoints, are loop services: train/signals.py, train/ps_worker.py)."""
+
+    name = None                    # the registry's name (register_scheme)
+    config_name = None             # the parallel.scheme value that selects it
+    modes = ("sync",)              # the parallel.mode values it runs
+    #: the parallel keys it reads besides the common ones (the others that
+    #: are set get a "has no effect" note: settings_without_effect)
+    keys = ()
+
+    # ---- capabilities (callers ask these, never the name)
+    #: layers placed on ranks by parallel.stages (a staged layout)
+    staged = False
+    #: gradients summed over the ranks (allreduce buckets or servers)
+    exchanges_gradients = True
+    #: gradients summed by allreduce buckets (parallel.bucket_mb ...)
+    allreduces = True
+    #: workers and parameter-server ranks
+    servers = False
+    #: takes parallel.micro_batches > 1
+    micro_batches = True
+    #: runs on a GPU (job.device >= 0)
+    gpu = True
+    #: its buckets can go through NCCL (parallel.backend)
+    nccl = False
+    #: its transfers can go through windows (parallel.transport)
+    one_sided = False
+    #: a deferred tail may run the last updates into the next iteration
+    #: (the composition marks its graph ``deferrable``, runtime/memory_plan.py)
+    deferrable = True
+    #: on a GPU, the trainer reads the loss back only at the display, test and
+    #: checkpoint intervals (and before a checkpoint a signal asks for)
+    defer_loss_readback = True
+    #: the CPU event dispatcher may finish the last allreduces and updates
+    #: while the next iteration starts (parallel.defer_update)
+    defers_update = True
+
+    def _job_scheme(self, job):
+        """The registered scheme this one stands for: itself, or (a bare
+        ``Scheme`` or an unregistered subclass) the job's."""
+        return self if type(self).name is not None else scheme_of(job)
+
+    # ---- layout and composition
+    def layout(self, job, world):
+        """This rank's Layout: one rank per replica."""
+        own = self._job_scheme(job)
+        if own is not self:
+            return own.layout(job, world)
+        par = job.parallel
+        return Layout(par.scheme, world.size, 1, world.rank, 0, par.micro_batches)
+
+    def compose(self, graph, grads, job, world):
+        """This rank's training graph from one replica's: a Composition."""
+        return self._job_scheme(job).compose(graph, grads, job, world)
+
+    def compose_test(self, graph, job, world):
+        """This rank's test graph (each replica reads its own shard): a Composition."""
+        own = self._job_scheme(job)
+        if own is not self:
+            return own.compose_test(graph, job, world)
+        return Composition(graph, self.layout(job, world))
+
+    def plan_memory(self, graph, job, world):
+        """Share the buffers of micro-batch copies never live at once
+        (parallel/micro_memory.py), on the graph as it will run."""
+        from ..micro_memory import plan_for_layout
+        return plan_for_layout(graph, self.layout(job, world), job.parallel.schedule)
+
+    def defer_update_applies(self, job, replicas, staged):
+        """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
+        in the config, several replicas reducing gradients, no stages, on the CPU
+        (the GPU dispatchers end every iteration with every op done); a
+        composition that is not ``deferrable`` declines."""
+        return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0 \
+            and self._job_scheme(job).deferrable
+
+    # ---- the settings
+    def settings_without_effect(self, job, world_size):
+        """Notes (one line each) on the ``parallel`` settings that do nothing,
+        or something else than they say, in a run of ``world_size`` ranks, so
+        that none is ignored silently: a parameter-server mode or a staged
+        scheme on one rank, bucket keys where nothing is allreduced, keys of
+        another mode or scheme, ``mode: async`` with ``max_staleness: 0``. A key
+        counts as set when it differs from its default (docs/config.md)."""
+        par = job.parallel
+        notes = []
+        changed = par.changed()
+
+        def note(keys, one, many=None):
+            """A note on the keys that are set: ``one`` of one key, ``many`` of several."""
+            keys = [k for k in keys if k in changed]
+            if keys:
+                text = one if len(keys) == 1 or many is None else many
+                notes.append(f"note: parallel.{', parallel.'.join(keys)} {text}")
+                changed.difference_update(keys)
+
+        served = mode_class(par.mode)  # the parameter servers' mode, whatever the scheme
+        if world_size == 1:
+            if served is not None:
+                served.mode_notes(job, note, changed)
+            self.one_rank_notes(job, note, changed)
+            if self.exchanges_gradients:
+                note(list(BUCKET_KEYS) + ["check_collectives"],
+                     "has no effect on 1 rank: there are no gradients to allreduce",
+                     "have no effect on 1 rank: there are no gradients to allreduce")
+        elif served is not None:
+            notes += served.many_rank_notes(job)
+        why = self.why_no_buckets(par) or (served.why_no_buckets(par) if served else None)
+        if why:
+            what = "allreduce buckets (scheme data with mode sync, or hybrid)"
+            note(list(BUCKET_KEYS), f"shapes {what}; {why}, so it has no effect",
+                 f"shape {what}; {why}, so they have no effect")
+        if served is None:
+            what = f"parameter servers (mode {_or(_server_modes())}) only; mode {par.mode} has none"
+            note(list(SERVER_KEYS), f"applies to {what}, so it has no effect",
+                 f"apply to {what}, so they have no effect")
+        else:
+            served.served_key_notes(par, note)
+        self.key_notes(par, note)
+        if par.micro_batches == 1:
+            note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
+                 "micro-batch it has no effect")
+        return notes
+
+    def one_rank_notes(self, job, note, changed):
+        """The notes of a run on one rank, where the scheme does nothing."""
+
+    def why_no_buckets(self, par):
+        """Why the bucket keys have no effect under this scheme, or None."""
+        return None
+
+    def key_notes(self, par, note):
+        """The keys of other schemes (``keys``) this one ignores."""
+        for key in ("stages", "tensor_parallel"):
+            if key in self.keys:
+                continue
+            users = [n for n in scheme_names() if key in _keys_of(n)]
+            which = f"schemes {' and '.join(users)}" if len(users) > 1 else f"scheme {users[0]}"
+            note([key], f"applies to {which} only; scheme {par.scheme} ignores it")
+
+    # ---- reporting
+    def scheme_lines(self, trainer, composition):
+        """[(label, text)] of the start-up block on several ranks: which ranks
+        do what, and how the bytes travel."""
+        return transport_lines(composition)
+
+    def graph_notes(self, lay, rank):
+        """The ``graph --np N`` header line of this rank's place, or None."""
+        return None
+
+    def startup_lines(self, trainer, composition):
+        """The start-up block's scheme rows (one rank: no scheme)."""
+        own = self._job_scheme(trainer.job)
+        if own is not self:
+            return own.startup_lines(trainer, composition)
+        if trainer.world.size == 1:
+            return [("scheme", "one rank, no parallel scheme")]
+        return self.scheme_lines(trainer, composition)
+
+    def server_ranks(self):
+        """{"workers": [...], "servers": [...]} of a parameter-server worker, else None."""
+        return None
+
+    # ---- checkpoints (whole blobs on file: any scheme resumes any other's)
+    def gathers_checkpoint(self, graphs):
+        """Whether a save gathers every rank's (params, solver state) to
+        rank 0 (train/checkpoints.py; ``graphs``: the RankGraphs)."""
+        return False
+
+    def join_checkpoint(self, graphs, parts):
+        """Rank 0's whole (params, solver state) from every rank's
+        (``parts``, world order)."""
+        return parts[0]
+
+    def split_checkpoint(self, graphs, name, value):
+        """This rank's part of blob ``name``'s whole value from a checkpoint."""
+        return value
+
+
+def transport_lines(composition):
+    """The start-up block's transport rows of a composition."""
+    return [("transport", f"{what}: {how} ({why})")
+            for what, how, why in (composition.transport if composition else None) or ()]
+
+
+def _keys_of(config_name):
+    return {k for c in SCHEMES.values() if c.config_name == config_name for k in c.keys}
+
+
+def _server_modes():
+    return [m for c in SCHEMES.values() if c.servers for m in c.modes]
+
+
+def _or(words):
+    return " or ".join(words)

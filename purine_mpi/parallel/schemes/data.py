@@ -1,0 +1,42 @@
+"""``scheme: data``, ``mode: sync``: every rank runs a replica on its shard
+of the batch; its gradient buckets are summed by Allreduce ops in the graph
+(parallel/data_parallel.py), through MPI, NCCL (parallel.backend) or a
+shared window (parallel.transport: one_sided, parallel/dp_windows.py)."""
+from .base import BUCKET_KEYS, Composition, Scheme, register_scheme
+
+
+@register_scheme("data")
+class DataParallel(Scheme):
+    keys = BUCKET_KEYS + ("check_collectives", "split_params", "defer_update", "backend",
+                          "transport")
+    nccl = True
+    one_sided = True
+
+    def compose(self, graph, grads, job, world):
+        """Gradient buckets + allreduce (one rank: the replica as built, its
+        micro-batches accumulated); then ``solver.clip_gradients``."""
+        from .steps import accumulate, clipped
+        accumulate(graph, grads, job)
+        lay = self.layout(job, world)
+        if world.size == 1:
+            return clipped(Composition(graph.validate(), lay), job, world)
+        return clipped(self.allreduce(graph, grads, job, world, lay), job, world)
+
+    def allreduce(self, graph, grads, job, world, lay):
+        from ..data_parallel import compose_data_parallel
+        from ..dp_windows import to_window_allreduce  # parallel.transport: one_sided
+        par = job.parallel
+        plan = compose_data_parallel(graph, grads, world.size, world.rank,
+                                     check_collectives=par.check_collectives, world=world,
+                                     **par.bucket_settings())
+        graph.infer_shapes().validate()
+        windows, transport, placed = to_window_allreduce(graph, job, world)
+        return Composition(graph, lay, bucket_plan=plan, transport=transport, windows=windows,
+                           window_placement=placed)
+
+    def scheme_lines(self, trainer, composition):
+        from .base import counted as _count, ranges
+        plan = composition.bucket_plan or []
+        return [("scheme", f"data parallel (mode sync): ranks "
+                 f"{ranges(range(trainer.world.size))} are workers, gradients allreduced in "
+                 f"{_count(len(plan), 'bucket')}")] + super().scheme_lines(trainer, composition)

@@ -1,0 +1,116 @@
+"""The steps the schemes compose with (parallel/schemes/): micro-batch
+copies and their accumulation, a staged scheme's slice of the graph, the
+hybrid's allreduce of each stage, and gradient clipping on the reduced
+gradients. Each returns or completes a ``Composition`` (base.py)."""
+from ...base.errors import UserError
+from ..micro_batch import add_schedule, replicate_micro_batches
+from .base import Composition, scheme_of
+
+
+def _layout(job, world):
+    return scheme_of(job).layout(job, world)
+
+
+def micro_copies(graph, grads, job):
+    """The micro-batch copies of ``graph`` (parallel.micro_batches), or None."""
+    micro = job.parallel.micro_batches
+    return replicate_micro_batches(graph, grads, micro) if micro > 1 else None
+
+
+def accumulate(graph, grads, job):
+    """One stage: the micro-batch copies, their gradients accumulated."""
+    copies = micro_copies(graph, grads, job)
+    if copies:
+        par = job.parallel
+        add_schedule(graph, copies, par.micro_batches, par.schedule, lambda op: 0, 1)
+
+
+def clipped(comp, job, world):
+    """``solver.clip_gradients`` (graph/clip.py) on a composition's reduced
+    gradients: over a tensor group, a replica's stages, or this rank."""
+    clip = job.solver.clip_gradients
+    if clip is None:
+        return comp
+    from ...graph.clip import add_clip
+    lay, local = comp.layout, comp.graph
+    if lay.tensor > 1:
+        from ..tensor_parallel import add_tensor_clip
+        comp.graph = add_tensor_clip(local, clip, lay).validate()
+    elif not lay.staged:
+        comp.graph = add_clip(local, clip).validate()
+    else:
+        # a replica's stages hold its parameters between them: their norms add up
+        split = getattr(world, "split_groups", None)
+        if split is not None and lay.replicas > 1:
+            split([lay.replica_ranks(r) for r in range(lay.replicas)])
+        comp.graph = add_clip(local, clip, group=lay.replica_ranks()).validate()
+    return comp
+
+
+def compose_stages(graph, job, world, copies=None):
+    """This rank's slice of a graph whose layers ``parallel.stages`` places
+    on stages ({layer name: stage}); unlisted layers follow their input.
+    ``copies``: the micro-batch copies (replicate_micro_batches), ordered on
+    each stage by ``parallel.schedule``. The graph is cut by stage; its
+    Send/Recv go to the ranks of this rank's replica (``Layout``). Returns
+    the Composition."""
+    from ..model_parallel import compose_partitioned, layer_of, place_layers
+    from ..data_parallel import place_on_rank
+    lay = _layout(job, world)
+    stages = job.stage_map
+    unknown = sorted(set(stages) - set(job.layer_names))
+    if unknown:
+        raise UserError(f"{job.path}: key 'parallel.stages': no layer named "
+                        f"{', '.join(unknown)} in the net")
+    # a phase lacks some layers (accuracy is test-only, dropout masks train-only)
+    present = {k: v for k, v in stages.items() if any(layer_of(op, [k]) for op in graph.ops)}
+    place_layers(graph, present)
+    if copies:
+        add_schedule(graph, copies, job.parallel.micro_batches, job.parallel.schedule,
+                     lambda op: op.location.rank, lay.stages)
+    local = compose_partitioned(graph, size=lay.stages, rank=lay.stage)
+    # stage t of this replica is rank replica * p + t (a Send's name ends in
+    # its destination rank, ``<blob>.send@r<rank>``)
+    renamed = {}
+    for op in local.ops.values():
+        if op.op_type in ("Send", "Recv"):
+            op.attrs["peer"] = lay.rank(lay.replica, int(op.attrs["peer"]))
+        if op.op_type == "Send":
+            renamed[op.name] = f"{op.name.rsplit('@r', 1)[0]}@r{op.attrs['peer']}"
+            op.name = renamed[op.name]
+    if renamed:
+        local.ops = {op.name: op for op in local.ops.values()}
+        for op in local.ops.values():
+            op.control_inputs = [renamed.get(c, c) for c in op.control_inputs]
+    for blob in local.blobs.values():
+        if "received_from" in blob.attrs:
+            blob.attrs["received_from"] = lay.rank(lay.replica, blob.attrs["received_from"])
+    place_on_rank(local, world.rank)
+    from ..one_sided import to_windows  # parallel.transport: Put/WaitWrite into windows
+    windows, transport, placed = to_windows(local, job, world)
+    return Composition(local, lay, transport=transport, windows=windows, window_placement=placed)
+
+
+def allreduce_stage(comp, grads, par, world):
+    """Hybrid: sum this stage's gradient buckets over the replicas that hold
+    the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
+    start-up); ``seq`` numbers follow the slice's Send/Recv, the same on
+    every rank of the stage."""
+    from ..data_parallel import compose_data_parallel, place_on_rank
+    local, lay = comp.graph, comp.layout
+    group = lay.stage_ranks()
+    plan = compose_data_parallel(local, grads, lay.replicas, lay.replica,
+                                 check_collectives=False, **par.bucket_settings())
+    place_on_rank(local, world.rank)
+    for b in plan:
+        local.ops[b["op"]].attrs["group"] = list(group)
+        b["group"] = list(group)
+    comp.bucket_plan = plan
+    local.infer_shapes().validate()
+    split = getattr(world, "split_groups", None)
+    if split is not None:  # a live MPI world (graph --np composes offline)
+        split([lay.stage_ranks(s) for s in range(lay.stages)])
+    if par.check_collectives:
+        from ...comm.verify import check_collectives
+        check_collectives(local, world)
+    return comp
