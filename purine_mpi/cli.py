@@ -103,11 +103,12 @@ def cmd_train(args):
     if args.tensorboard:  # before the run folder and the graphs: exit 2 at once
         from .job.tensorboard import require_tensorboard
         require_tensorboard()
+    from .tools.plan import check_memory
     limits = _memory_limits(args)  # a bad size: exit 2 before the run folder
     return run_training(job, _run_dir(args, job), resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
-                        memory=limits)
+                        memory=lambda *built: check_memory(*built, limits))
 
 
 def _memory_limits(args):

@@ -128,7 +128,8 @@ def test_allgather_and_reduce_scatter_check_their_shapes():
     assert sig == {"Allgather": 6, "ReduceScatter": 5}
     assert collective_bytes(g) == {"Allgather": 24, "ReduceScatter": 40}
     # bench --json's bytes_two_sided_per_iter counts them as it counts an Allreduce
-    figures = transport_figures(object(), g, 1, {})
+    graphs = SimpleNamespace(graph=g, composition=SimpleNamespace(transport=None))  # RankGraphs
+    figures = transport_figures(object(), graphs, 1, {})
     assert figures["transport"] == "two_sided" and figures["bytes_two_sided_per_iter"] == 64
 
 

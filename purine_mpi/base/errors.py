@@ -2,8 +2,11 @@
 shape mismatch): the CLI prints its message as one paragraph and exits 2,
 with no traceback. Anything else is a bug or a runtime failure. ``excerpt(value)`` is how a
 message quotes a value the user gave: its repr, cut to a short excerpt with
-the whole size when it is long.
+the whole size when it is long. ``write_line(text)`` writes one whole
+line to stderr in one write (several ranks' lines never glue).
 """
+import os
+import sys
 
 #: the exit status when MPI itself cannot start (MPI_Init fails: comm/mpi_init.py)
 MPI_INIT_FAILED = 70
@@ -118,3 +121,25 @@ def _pieces(value, depth):
         yield f"<an integer of {value.bit_length()} bits>"
     else:
         yield repr(value)
+
+
+def write_line(text, quiet=True):
+    """``text`` and its newline to stderr in one ``os.write`` of the whole
+    line, after what Python's stream still holds. Lines of several ranks (or
+    threads) that share the launcher's pipe then mix only at line
+    boundaries: a pipe write under PIPE_BUF (4096) bytes is atomic, where
+    ``print`` writes the text and the newline apart (two writes without
+    line buffering: ``python -u``, PYTHONUNBUFFERED) and a long line in
+    8 KiB pieces. No buffered stream: a signal may have come in the middle
+    of a print. ``quiet``: an OSError (a closed pipe) is dropped."""
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    try:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        if not quiet:
+            raise

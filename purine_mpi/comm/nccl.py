@@ -41,7 +41,7 @@ import numpy as np
 from ..base.errors import UserError
 from ..ops.registry import OpKernel, register
 from .ops import _mb
-from ..runtime.stop import write_line
+from ..base.errors import write_line
 
 #: the stream (thread) of a device's NCCL ops: one stream runs them in launch order
 NCCL_STREAM = "nccl"

@@ -29,7 +29,7 @@ from ..base.errors import StallError, UserError
 from .hosts import HostTable, local_host_info  # noqa: F401  (HostTable: where it was)
 from .launcher import check_launcher, check_world_size
 from .mpi_init import import_mpi
-from ..runtime.stop import StopSignal, write_line
+from ..base.errors import write_line
 
 _WORLD = None
 _LOCK = threading.Lock()
@@ -494,6 +494,3 @@ def install_abort_handler(world=None):
                                                args.exc_traceback)
     return handle
 
-
-if remove_mpi_shm not in StopSignal.cleanups:  # a second Ctrl-C: os._exit, no MPI_Finalize
-    StopSignal.cleanups.append(remove_mpi_shm)

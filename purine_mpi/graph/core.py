@@ -74,6 +74,11 @@ class Op:
     control_inputs: list = field(default_factory=list)
 
 
+#: blob kinds whose storage persists across iterations (the memory plan
+#: gives them no arena slot; the recompute pass never recomputes them)
+PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
+
+
 class Graph:
     """Blobs and ops with the adjacency the dispatcher and passes need."""
 
@@ -82,6 +87,8 @@ class Graph:
     deferrable = True
     #: the micro-batch memory plan (parallel/micro_memory.py), or None
     memory_plan = None
+    #: the activation recompute pass's summary (graph/recompute.py), or None
+    recompute = None
 
     def __init__(self, name="net"):
         self.name = name

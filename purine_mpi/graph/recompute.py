@@ -4,7 +4,7 @@ the forward to the backward; a copy of the forward ops that made them runs
 again just before the backward that reads them, as Megatron-LM's full and
 selective recompute and PyTorch's ``checkpoint`` do.
 
-``add_recompute(graph, mode, layers, patterns)`` rewrites a training graph
+``add_recompute(graph, setting, layers, patterns)`` rewrites a training graph
 (forward and backward, from ``graph/grad.py``) in place, before any
 parallel composition (job/replica.py calls it):
 
@@ -47,7 +47,7 @@ backward follows at once).
 import fnmatch
 
 from ..ops.catalog import get_kernel_class
-from ..runtime.memory_plan import PERSISTENT_KINDS
+from .core import PERSISTENT_KINDS
 
 #: the values of the ``recompute`` key
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -142,14 +142,14 @@ def _selective_targets(graph, ops):
     return targets
 
 
-def add_recompute(graph, mode, layers, patterns=None):
-    """Rewrite ``graph`` for ``recompute: mode`` (see the module docstring).
+def add_recompute(graph, setting, layers, patterns=None):
+    """Rewrite ``graph`` for ``recompute: setting`` (see the module docstring).
     ``layers``: the net's (name, type, bottoms), in order; ``patterns``: the
     ``recompute_layers`` (None: every layer). Returns a summary dict: the
-    mode, the units recomputed (lists of layer names), the blobs saved (the
+    setting, the units recomputed (lists of layer names), the blobs saved (the
     units' inputs that their copies read) and the blobs recomputed."""
-    summary = {"mode": mode, "units": [], "saved": [], "recomputed": []}
-    if mode == "none":
+    summary = {"setting": setting, "units": [], "saved": [], "recomputed": []}
+    if setting == "none":
         return summary
     order = graph.topo_order()
     forward = _forward_ops(graph, order)
@@ -160,7 +160,7 @@ def add_recompute(graph, mode, layers, patterns=None):
             layer = _layer_of(op.name, names)
             if layer is not None:
                 by_layer.setdefault(layer, []).append(op)
-    if mode == "full":
+    if setting == "full":
         units = units_of(layers, patterns)
     else:
         units = [[n] for n in matched_layers(layers, patterns)]
@@ -169,7 +169,7 @@ def add_recompute(graph, mode, layers, patterns=None):
         ops = [op for layer in unit for op in by_layer.get(layer, ())]
         if not ops:
             continue
-        done = _recompute_unit(graph, ops, forward, mode)
+        done = _recompute_unit(graph, ops, forward, setting)
         if done is not None:
             summary["units"].append(unit)
             saved.update(done[0])
@@ -182,7 +182,7 @@ def add_recompute(graph, mode, layers, patterns=None):
     return summary
 
 
-def _recompute_unit(graph, ops, forward, mode):
+def _recompute_unit(graph, ops, forward, setting):
     """Copy the ops of one unit that its backward needs; returns (blobs the
     copies read from outside, blobs recomputed), or None where the unit is
     left as it is."""
@@ -194,7 +194,7 @@ def _recompute_unit(graph, ops, forward, mode):
         readers = [c for c in cons.get(b, ()) if c.name not in forward]
         if readers:
             backward_readers[b] = readers
-    if mode == "selective":
+    if setting == "selective":
         redo = _selective_targets(graph, ops) & set(backward_readers)
         kept = set(backward_readers) - redo
     else:
@@ -269,28 +269,28 @@ def _recompute_unit(graph, ops, forward, mode):
 
 def describe_recompute(graph):
     """One line on the recompute of ``graph`` (its ``recompute`` summary):
-    the mode, the units, the blobs recomputed in the backward instead of
+    the setting, the units, the blobs recomputed in the backward instead of
     kept from the forward, and the blobs their copies read (kept); None
     for a graph without it."""
     from ..base.progress_bar import human_bytes
-    summary = getattr(graph, "recompute", None)
-    if not summary or summary["mode"] == "none":
+    summary = graph.recompute
+    if not summary or summary["setting"] == "none":
         return None
     units = summary["units"]
     if not units:
         why = ("no attention layer matched keeps an (N, H, T, T) tensor (the fused Attention "
                "op keeps none; attn_dropout > 0 takes the raw sub-graph)"
-               if summary["mode"] == "selective" else
+               if summary["setting"] == "selective" else
                "no unit of the layers matched has activations a copy could recompute")
-        return f"{summary['mode']}: nothing to recompute: {why}"
+        return f"{summary['setting']}: nothing to recompute: {why}"
 
     def size(names):
         return sum(graph.blobs[b].nbytes for b in names if b in graph.blobs
                    and graph.blobs[b].shape is not None)
     layers = sum(len(u) for u in units)
     redo, saved = summary["recomputed"], summary["saved"]
-    kind = "unit" if summary["mode"] == "full" else "attention layer"
-    return (f"{summary['mode']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
+    kind = "unit" if summary["setting"] == "full" else "attention layer"
+    return (f"{summary['setting']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
             f"({layers} layer{'s' if layers != 1 else ''}); {len(redo)} activation blob(s) "
             f"({human_bytes(size(redo))}) recomputed in the backward instead of kept; their "
             f"copies read {len(saved)} kept blob(s) ({human_bytes(size(saved))}"

@@ -85,11 +85,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..graph.core import PERSISTENT_KINDS  # noqa: F401  (blob kinds kept across iterations)
+
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
-
-#: blob kinds whose storage persists across iterations
-PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
 
 
 @dataclass

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from ..base.errors import write_line  # noqa: F401  (this module's callers import it here)
+
 
 class StopSignal:
     """SIGUSR1 (e.g. SLURM's ``--signal=USR1@60`` before the time limit),
@@ -146,28 +148,6 @@ def print_err(msg):
         write_line(msg, quiet=False)
     except OSError:
         _to_devnull(2, sys.stderr)
-
-
-def write_line(text, quiet=True):
-    """``text`` and its newline to stderr in one ``os.write`` of the whole
-    line, after what Python's stream still holds. Lines of several ranks (or
-    threads) that share the launcher's pipe then mix only at line
-    boundaries: a pipe write under PIPE_BUF (4096) bytes is atomic, where
-    ``print`` writes the text and the newline apart (two writes without
-    line buffering: ``python -u``, PYTHONUNBUFFERED) and a long line in
-    8 KiB pieces. No buffered stream: a signal may have come in the middle
-    of a print. ``quiet``: an OSError (a closed pipe) is dropped."""
-    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
-    try:
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        while data:
-            data = data[os.write(2, data):]
-    except OSError:
-        if not quiet:
-            raise
 
 
 def stdout_to_devnull():

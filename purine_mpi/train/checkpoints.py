@@ -9,6 +9,7 @@ import os
 
 from ..base.backend import to_numpy
 from ..base.errors import GraphError, InitMismatch, UserError
+from ..comm.world import remove_mpi_shm
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import resolve_resume, save_run_checkpoint
@@ -27,6 +28,9 @@ from .progress import write_config
 # file goes, the checkpoint under its final name is the last complete one
 if remove_temp_files not in StopSignal.cleanups:
     StopSignal.cleanups.append(remove_temp_files)
+# ... and MPICH's /dev/shm segment goes too: os._exit skips MPI_Finalize
+if remove_mpi_shm not in StopSignal.cleanups:
+    StopSignal.cleanups.append(remove_mpi_shm)
 
 
 class Checkpoints(Service):

@@ -41,7 +41,6 @@ from .signals import StopAgreement
 from .startup import StartupReport
 from .profiling import Traces
 from .watch import BestCheckpoints, EarlyStopping
-from ..tools.plan import check_memory
 
 
 class Trainer(Loop):
@@ -59,9 +58,11 @@ class Trainer(Loop):
         try:
             graphs = build_rank_graphs(job, world, scheme)
             # the memory plans, made once: counted by the start-up check
-            # (``memory``: train's limits, tools/plan.py), then laid out
+            # (``memory(job, graphs, plans, world)``: the CLI's, tools/plan.py
+            # check_memory with train's limits), then laid out
             plans = workspace_plans(graphs, job.memory_plan)
-            check_memory(job, graphs, plans, world, memory)
+            if memory is not None:
+                memory(job, graphs, plans, world)
             traces = Traces(profile, out_dir, world)
             runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None, plans)
