@@ -182,3 +182,14 @@ def tiny_fc_config():
                     {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
                      "top": "l"}],
             "solver": {"max_iter": 1}}
+
+
+def checkpoint_arrays(path):
+    """{dataset path: array} of a checkpoint's ``params/`` and ``solver/``
+    groups: what two runs compare bitwise."""
+    import h5py
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset)
+                     and k.startswith(("params/", "solver/")) else None)
+    return out

@@ -4,7 +4,6 @@ weights of sync_ps are bitwise those of two-sided, through shared windows
 with the weights read by Get; the graphs show the window ops."""
 import os
 
-import h5py
 import numpy as np
 import pytest
 
@@ -14,14 +13,9 @@ from purine_mpi.parallel.param_server import compose_for_rank
 from tests.conftest import REPO, make_job
 from tests.mpi_scripts.common import mlp_config
 from tests.mpi_scripts.launch import run_mpi, run_python
+from tests.conftest import checkpoint_arrays as _weights
 
 
-def _weights(path):
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset)
-                     and k.startswith(("params/", "solver/")) else None)
-    return out
 
 
 def _train(tmp_path, cfg_path, name, n, *sets, env=None):

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 
-import h5py
 import numpy as np
 import pytest
 
@@ -16,6 +15,7 @@ from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job
 from tests.mpi_scripts.launch import run_mpi
+from tests.conftest import checkpoint_arrays as _weights
 
 PIPELINE = os.path.join(REPO, "jobs", "digits_pipeline.yaml")
 LENET = os.path.join(REPO, "jobs", "digits_lenet.yaml")
@@ -89,12 +89,6 @@ def test_the_old_rule_finds_the_cycle(digits_h5):
 
 
 # ------------------------------------------------------------ under MPI
-def _weights(path):
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset)
-                     and k.startswith(("params/", "solver/")) else None)
-    return out
 
 
 def _figures(path):

@@ -115,6 +115,23 @@ def disk_error(path, exc):
     return None
 
 
+def write_replacing(path, write):
+    """``write(tmp)`` into a temporary name beside ``path``, then rename it
+    over ``path``: never a half-written file under the final name (a full
+    disk: ``disk_error``'s one line; the temporary file goes)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)  # never written through a link left under that name
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: one line naming the file
+        raise disk_error(path, exc) or exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_all(fd, data, path):
     """Write ``data`` (bytes) at the end of ``fd`` completely, or cut the
     file back to its size before and raise (``disk_error``'s UserError for

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base.errors import InitMismatch, UserError
-from ..base.runfiles import disk_error
+from ..base.runfiles import write_replacing
 
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
@@ -344,9 +344,9 @@ def export_hf(job, weights_path, out_dir):
                         f"({WEIGHTS} and config.json)")
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, WEIGHTS)
-    _write(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"
-    _write(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
+    write_replacing(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
     c = layout.config
     return (f"{len(tensors)} tensors, GPT-2 of {c['n_layer']} layers, {c['n_head']} heads, "
             f"width {c['n_embd']}, vocabulary {c['vocab_size']}, context {c['n_positions']} "
@@ -357,18 +357,3 @@ def export_hf(job, weights_path, out_dir):
 def _write_text(path, text):
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def _write(path, write):
-    """``write(tmp)`` then rename over ``path`` (never a half-written file)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk: one line naming the file
-        raise disk_error(path, exc) or exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

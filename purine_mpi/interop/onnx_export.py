@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from ..base.errors import UserError
-from ..base.runfiles import disk_error
+from ..base.runfiles import write_replacing
 from .onnx_gpt import EMITTERS as GPT_EMITTERS, GPT_OPS, OPSET_GPT
 
 OPSET = 13
@@ -71,17 +71,7 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     onnx.checker.check_model(model)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    if os.path.lexists(tmp):
-        os.remove(tmp)  # never written through a link left under that name
-    try:
-        onnx.save(model, tmp)
-        os.replace(tmp, out_path)
-    except OSError as exc:  # a full disk: one line naming the file
-        raise disk_error(out_path, exc) or exc
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_replacing(out_path, lambda tmp: onnx.save(model, tmp))
     outputs = ", ".join(o.name for o in model.graph.output)
     return f"{len(model.graph.node)} nodes, outputs {outputs}; {said['line']}"
 
