@@ -17,6 +17,9 @@ registered under its name::
         def gathers_checkpoint(self, graphs): ...   # whether a save gathers the ranks' parts
         def join_checkpoint(self, graphs, parts): ...  # rank 0: the whole blobs from them
         def split_checkpoint(self, graphs, name, value): ...  # this rank's part, on load
+        def held_solver_state(self, graphs, ws): ...   # solver state in blobs of its own
+        def whole_solver_shapes(self, graphs): ...     # ... as the file holds it
+        def load_held_solver_state(self, graphs, ws, solver): ...  # ... set on load
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
