@@ -152,7 +152,7 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
     ({"parallel": {"mode": "sync_ps"}}, "parallel.mode", "parameter servers"),
     ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
     ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "pipeline"),
-    ({"device": 0}, "device", "GPU"),
+    ({"device": 0}, "device", "runs on the CPU (MPI) only"),
 ])
 def test_what_is_not_built_exits_2(tmp_path, change, key, words):
     cfg = _job("sharded", "sgd")

@@ -340,7 +340,9 @@ def _parallel_rules(out, parallel, path):
 
 
 def _check_sharded(out, path):
-    """What scheme sharded does not build yet is refused, naming the key."""
+    """What scheme sharded does not build yet is refused, naming the key (a
+    GPU, ``device`` or ``backend: cupy``, by the scheme's compose: the
+    top-level keys are not read yet here)."""
     par = out["parallel"]
     if par["shard"] > 3:
         raise ConfigError(path, "parallel.shard", f"ZeRO's stages are 1, 2 and 3, got "
@@ -357,9 +359,7 @@ def _check_sharded(out, path):
                ("parallel.transport", par["transport"] == "one_sided", "transport one_sided"),
                ("parallel.backend", par["backend"] == "nccl", "backend nccl"),
                ("parallel.stages", bool(par["stages"]), "pipeline stages"),
-               ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism"),
-               ("device", (out.get("device") or -1) >= 0, f"device {out.get('device')} (a GPU)"),
-               ("backend", out.get("backend") == "cupy", "backend cupy (a GPU)")]
+               ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]
     for key, bad, what in refused:
         if bad:
             raise ConfigError(path, key, f"{what} is refused: {why}; use scheme data for it")
