@@ -89,7 +89,8 @@ def test_no_module_outside_the_schemes_compares_a_scheme_name():
 
 
 def test_the_registry_lists_every_scheme():
-    assert list(SCHEMES) == ["data", "param_server", "none", "pipeline", "hybrid", "tensor"]
+    assert list(SCHEMES) == ["data", "param_server", "none", "pipeline", "hybrid", "tensor",
+                            "sharded"]
     # each choice of the config language (documented) has its scheme, and back
     assert scheme_names() == schema.PARALLEL_SCHEMES
     assert set(schema.CHOICE_DOCS["scheme"]) == set(schema.PARALLEL_SCHEMES)

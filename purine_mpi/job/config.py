@@ -328,6 +328,7 @@ def _parallel_rules(out, parallel, path):
                           f"(parameter servers) supports solver type 'sgd' only, got "
                           f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
     _check_pipeline(out, path)
+    _check_sharded(out, path)
     if out["solver"]["clip_gradients"] is not None and (
             out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
                                                    and out["parallel"]["ps_ranks"] > 1)):
@@ -336,6 +337,32 @@ def _parallel_rules(out, parallel, path):
                           "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
                           f"with mode {excerpt(out['parallel']['mode'])} and "
                           f"ps_ranks {out['parallel']['ps_ranks']}")
+
+
+def _check_sharded(out, path):
+    """What scheme sharded does not build yet is refused, naming the key (a
+    GPU, ``device`` or ``backend: cupy``, by the scheme's compose: the
+    top-level keys are not read yet here)."""
+    par = out["parallel"]
+    if par["shard"] > 3:
+        raise ConfigError(path, "parallel.shard", f"ZeRO's stages are 1, 2 and 3, got "
+                          f"{par['shard']}")
+    if par["scheme"] != "sharded":
+        return
+    why = "scheme sharded builds ZeRO stage 1 on MPI on the CPU only"
+    if par["shard"] != 1:
+        raise ConfigError(path, "parallel.shard", f"stage {par['shard']} is not built yet; "
+                          "stage 1 (the optimizer state sharded) is what is built: use "
+                          "parallel.shard: 1")
+    refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
+                "parameter servers"),
+               ("parallel.transport", par["transport"] == "one_sided", "transport one_sided"),
+               ("parallel.backend", par["backend"] == "nccl", "backend nccl"),
+               ("parallel.stages", bool(par["stages"]), "pipeline stages"),
+               ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]
+    for key, bad, what in refused:
+        if bad:
+            raise ConfigError(path, key, f"{what} is refused: {why}; use scheme data for it")
 
 
 def _check_pipeline(out, path):

@@ -24,7 +24,7 @@ LR_POLICIES = ("fixed", "step", "multistep", "poly", "exp", "inv", "cosine")
 SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "adamw")
 
 
-PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid", "tensor")
+PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid", "tensor", "sharded")
 
 
 PARALLEL_MODES = ("sync", "async", "sync_ps")
@@ -139,6 +139,9 @@ PARALLEL = (
     Key("tensor_parallel", _int(1), 1, "scheme tensor: the ranks of a tensor-parallel group "
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
         "(see [parallel.md](parallel.md))"),
+    Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
+        "sharded), 2 (and the gradients) or 3 (and the weights); stage 1 is built, 2 and 3 are "
+        "refused (see [parallel.md](parallel.md))"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),
@@ -324,6 +327,10 @@ CHOICE_DOCS = {
                   "per block forward and one backward; R = world / tensor_parallel replicas "
                   "(rank = replica·t + shard) allreduce the gradients of each shard "
                   "([parallel.md](parallel.md))",
+        "sharded": "ZeRO stage 1 (`shard: 1`): data-parallel replicas whose gradient buckets "
+                   "are reduce-scattered; each rank updates its 1/N shard of every bucket, "
+                   "holding the optimizer state of that shard only, then the weights are "
+                   "allgathered; MPI on the CPU ([parallel.md](parallel.md))",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",

@@ -276,3 +276,34 @@ def footprint(graphs, plans, rank=0):
                      "(bench --json: device_scratch_bytes, cuda_graph.capture_pool_bytes)")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes)
+
+
+#: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
+MODEL_STATE_ROWS = ("weights", "gradients", "optimizer_state")
+
+
+def model_state_bytes(graph):
+    """{row: bytes} of the model state ``graph`` holds on its rank, ZeRO's
+    sense: the storage roots of the weights (kinds ``param``,
+    ``param_buffer``), of the parameters' gradients (buckets, and the
+    gradient roots the update ops read: not the activations' gradients) and
+    of the optimizer state (what the updates read), each counted whole
+    whether or not a memory plan places it in the arena (what the scheme
+    makes the rank hold, not when it is live)."""
+    update, _ = _reads(graph)
+    out = dict.fromkeys(MODEL_STATE_ROWS, 0)
+    for root, names in _groups(graph).items():
+        blob = graph.blobs[root]
+        if blob.shape is None:
+            continue
+        kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
+        if kinds & {"param", "param_buffer"}:
+            row = "weights"
+        elif "bucket" in kinds or ("grad" in kinds and read):
+            row = "gradients"
+        elif "state" in kinds and read:
+            row = "optimizer_state"
+        else:
+            continue
+        out[row] += _root_nbytes(blob)
+    return out

@@ -7,6 +7,8 @@ state a resume needs. It reads the loop's graphs, workspace and world.
 
 import os
 
+import numpy as np
+
 from ..base.backend import to_numpy
 from ..base.errors import GraphError, InitMismatch, UserError
 from ..comm.world import remove_mpi_shm
@@ -179,10 +181,13 @@ class Checkpoints(Service):
         path = ck.path
         # the whole checkpoint is checked against the net before any of it is loaded
         params = loop.graphs.params
+        scheme = scheme_of(loop.job)
+        held = {key: np.broadcast_to(np.zeros((), dtype=dtype), shape)
+                for key, (shape, dtype) in scheme.whole_solver_shapes(loop.graphs).items()}
         check_for_net(ck, path, loop.graphs.net_params, {p: _whole(loop, p, p) for p in params},
-                      {(p, s): _whole(loop, p, state_name(p, s)) for p in params
-                       for s in solver_states(loop.job.solver.type)
-                       if state_name(p, s) in loop.ws.arrays})
+                      {**{(p, s): _whole(loop, p, state_name(p, s)) for p in params
+                          for s in solver_states(loop.job.solver.type)
+                          if state_name(p, s) in loop.ws.arrays}, **held})
         check_same_meaning(ck.attrs.get("config"), loop.job.net, path, what="checkpoint")
         fresh = set()
         for p in loop.graphs.params:
@@ -195,6 +200,7 @@ class Checkpoints(Service):
                     self._load_blob(loop, m, ck.solver[p][s], path)
                 else:
                     fresh.add(s)
+        fresh |= scheme.load_held_solver_state(loop.graphs, loop.ws, ck.solver)
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
                      f"solver type {loop.job.solver.type!r}; that state starts from zero")
@@ -233,6 +239,7 @@ class Checkpoints(Service):
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         solver = {p: s for p, s in solver.items() if s}
         scheme = scheme_of(loop.job)
+        solver.update(scheme.held_solver_state(loop.graphs, loop.ws))  # a shard's flat state
         if scheme.gathers_checkpoint(loop.graphs):  # whole blobs on file: shards or stages
             parts = world_gather(loop.world, (params, solver))
             if loop.world.rank == 0:
@@ -257,7 +264,6 @@ def _whole(loop, param, name):
     """What the checkpoint must hold for blob ``name`` (``param`` or its
     solver state): its array, or a zero-memory stand-in of the whole shape
     for a tensor-parallel shard."""
-    import numpy as np
     arr = loop.ws[name]
     blob = loop.graphs.graph.blobs[param]
     shape = whole_shape(blob)

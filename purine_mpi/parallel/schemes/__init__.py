@@ -7,4 +7,4 @@ meaning in job/schema.py: docs/DESIGN.md, "A new parallel scheme").
 """
 from .base import (SCHEMES, Composition, Layout, Scheme, mode_class,  # noqa: F401
                    register_scheme, scheme_class, scheme_names, scheme_of)
-from . import data, param_server, none, pipeline, hybrid, tensor  # noqa: F401,E402
+from . import data, param_server, none, pipeline, hybrid, tensor, sharded  # noqa: F401,E402

@@ -17,6 +17,9 @@ registered under its name::
         def gathers_checkpoint(self, graphs): ...   # whether a save gathers the ranks' parts
         def join_checkpoint(self, graphs, parts): ...  # rank 0: the whole blobs from them
         def split_checkpoint(self, graphs, name, value): ...  # this rank's part, on load
+        def held_solver_state(self, graphs, ws): ...   # solver state in blobs of its own
+        def whole_solver_shapes(self, graphs): ...     # ... as the file holds it
+        def load_held_solver_state(self, graphs, ws, solver): ...  # ... set on load
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
@@ -195,6 +198,8 @@ class Composition:
     #: (WindowLayout, {rank: node}) of the one-sided transport's windows, made
     #: offline too (graph --np, plan): what runtime/footprint.py counts
     window_placement: tuple = None
+    #: scheme sharded: the stage-1 buckets (parallel/sharding.compose_zero1's plan)
+    shard_plan: list = None
 
 
 class Scheme:
@@ -377,6 +382,24 @@ class Scheme:
     def split_checkpoint(self, graphs, name, value):
         """This rank's part of blob ``name``'s whole value from a checkpoint."""
         return value
+
+    # solver state not held per parameter (``state_name(p, s)`` blobs): a
+    # sharded run holds one flat blob per bucket and state, its shard's part
+    def held_solver_state(self, graphs, ws):
+        """{blob: array} of the solver state this rank holds in blobs of its
+        own layout, which a save gathers beside the per-parameter state."""
+        return {}
+
+    def whole_solver_shapes(self, graphs):
+        """{(param, state): (shape, dtype)} of the state held that way, as a
+        checkpoint holds it (whole, per parameter)."""
+        return {}
+
+    def load_held_solver_state(self, graphs, ws, solver):
+        """Set the state held that way from a checkpoint's whole
+        ``{param: {state: value}}``; returns the states it lacked (they start
+        from zero)."""
+        return set()
 
 
 def transport_lines(composition):

@@ -1,0 +1,173 @@
+"""Sharded training, ZeRO stage 1 (``parallel.scheme: sharded``,
+``parallel.shard: 1``; parallel/schemes/sharded.py): trains as plain data
+parallelism does (bitwise on 2 ranks, within 1e-5 / 2e-6 relative on 3),
+holds 1/N of its optimizer state per rank, writes whole checkpoints that
+resume under data parallelism and on any number of ranks (and takes any
+checkpoint), and refuses what is not built with exit 2 naming the key."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from purine_mpi.runtime.footprint import model_state_bytes
+from purine_mpi.tools.graph import compose_for
+from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.test_cli import assert_user_error
+from tests.test_micro_batches import _params
+from tests.test_tensor_parallel import _config
+
+
+def _job(scheme, solver="adamw", iters=30, **parallel):
+    """The residual MLP of test_tensor_parallel, small buckets (8 of them,
+    so shards cut weights apart), 30 steps."""
+    cfg = _config(scheme=scheme, iters=iters, solver=solver)
+    if solver == "sgd":
+        cfg["solver"]["momentum"] = 0.9
+    cfg["parallel"] = dict({"scheme": scheme, "bucket_mb": 0.0001, "first_bucket_mb": 0.00005},
+                           **parallel)
+    if scheme == "sharded":
+        cfg["parallel"].setdefault("shard", 1)
+    return cfg
+
+
+def _train(tmp_path, name, n, cfg, *extra):
+    path = write_config_file(tmp_path, cfg, f"{name}.yaml")
+    out = tmp_path / name
+    args = ("train", path, "--out", out, *extra)
+    res = run_mpi_cli(n, *args, timeout=300) if n > 1 else run_cli_args(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out, res.stdout + res.stderr
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return {r["iter"]: r["loss"] for r in rows if r.get("phase") == "train" and "loss" in r}
+
+
+def _model_state(text):
+    """The start-up block's bytes: (weights, gradients, optimizer state)."""
+    m = re.search(r"model state .*\((\d+) \+ (\d+) \+ (\d+) bytes held\)", text)
+    assert m, text
+    return tuple(int(x) for x in m.groups())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("solver,rtol", [("adamw", 1e-5), ("sgd", 2e-6)])
+def test_sharded_trains_as_data_parallel(tmp_path, n, solver, rtol):
+    """30 steps: weights and the (gathered) optimizer state equal data
+    parallelism's bit for bit on 2 ranks (a + b either way); on 3 within
+    ``rtol`` of each blob's largest magnitude (MPICH sums 3 ranks in
+    another order in reduce-scatter than in allreduce). Each rank holds
+    1/N of data parallelism's optimizer state (the start-up line, from the
+    graph's blobs), and the weights whole."""
+    data, _ = _train(tmp_path, "data", n, _job("data", solver))
+    shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver))
+    assert "sharded (ZeRO stage 1)" in text
+    a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
+    assert sorted(a) == sorted(b) and any(k.startswith("solver/") for k in a)
+    for k in a:
+        if n == 2:
+            assert np.array_equal(a[k], b[k]), k
+        else:
+            scale = max(float(np.abs(a[k]).max()), 1e-30)
+            assert float(np.abs(a[k] - b[k]).max()) <= rtol * scale, k
+    weights, _, state = _model_state(text)
+    plain = model_state_bytes(compose_for(make_job(_job("data", solver)), n, 0))
+    buckets = int(re.search(r"reduce-scattered in (\d+) buckets", text).group(1))
+    per_element = 8 if solver == "adamw" else 4
+    assert weights == plain["weights"]
+    # rank 0's shard of a bucket is ceil(n / N) elements: at most one more each
+    assert plain["optimizer_state"] / n <= state <= \
+        plain["optimizer_state"] / n + per_element * buckets
+
+
+@pytest.mark.mpi
+def test_micro_batches_and_clipping_as_data_parallel(tmp_path):
+    """Micro-batches accumulate before the reduce-scatter (bitwise on 3
+    ranks here); clip_gradients' global norm is one allreduce of the
+    shards' sums of squares (a clip acting every step; within 2e-6)."""
+    for name, extra, solver in (("mb", {"micro_batches": 2}, "adamw"), ("clip", {}, "sgd")):
+        runs = []
+        for scheme in ("data", "sharded"):
+            cfg = _job(scheme, solver, iters=20, **extra)
+            if name == "clip":
+                cfg["solver"]["clip_gradients"] = 0.05
+            runs.append(_params(_train(tmp_path, f"{name}_{scheme}", 3, cfg)[0] / "latest.h5"))
+        for k in runs[0]:
+            scale = float(np.abs(runs[0][k]).max())
+            assert float(np.abs(runs[0][k] - runs[1][k]).max()) <= 2e-6 * scale, (name, k)
+    g = compose_for(make_job(dict(_job("sharded", "sgd"), solver=dict(
+        _job("sharded", "sgd")["solver"], clip_gradients=0.05))), 3, 1)
+    seqs = {op.op_type: [] for op in g.ops.values() if "seq" in op.attrs}
+    for op in g.ops.values():
+        if "seq" in op.attrs:
+            seqs[op.op_type].append(op.attrs["seq"])
+    # the norm's allreduce between the reduce-scatters and the gathers
+    assert max(seqs["ReduceScatter"]) < min(seqs["Allreduce"]) < min(seqs["Allgather"])
+    assert g.ops["clip.sum"].attrs["group"] == [0, 1, 2]
+
+
+@pytest.mark.mpi
+def test_checkpoints_are_whole_and_reshard(tmp_path):
+    """A 2-rank sharded checkpoint at iteration 10 resumes under scheme
+    data on 2 ranks and on 1 rank (same global batch): the losses of
+    iterations 11-20 equal an uninterrupted 2-rank run's within 1e-6. A
+    data-parallel checkpoint starts a 3-rank sharded run whose weights
+    match data parallelism's resumed on 3 ranks (each rank's shard of the
+    whole moments was loaded)."""
+    ref, _ = _train(tmp_path, "ref", 2, _job("data", "adamw", iters=20))
+    half, _ = _train(tmp_path, "half", 2, _job("sharded", "adamw", iters=10))
+    ckpt = half / "latest.h5"
+    want = _losses(ref)
+    for name, n, cfg in (("data2", 2, _job("data", "adamw", iters=20)),
+                         ("one", 1, _job("data", "adamw", iters=20))):
+        if n == 1:
+            cfg["data"]["train"]["batch_size"] = 16
+        out, text = _train(tmp_path, name, n, cfg, "--resume", ckpt)
+        assert "resumed from" in text
+        got = _losses(out)
+        assert sorted(got) == list(range(11, 21))
+        for it, loss in got.items():
+            assert loss == pytest.approx(want[it], rel=1e-6), (name, it)
+    data_half, _ = _train(tmp_path, "data_half", 2, _job("data", "adamw", iters=10))
+    runs = [_params(_train(tmp_path, f"from_data_{s}", 3, _job(s, "adamw", iters=20),
+                           "--resume", data_half / "latest.h5")[0] / "latest.h5")
+            for s in ("data", "sharded")]
+    for k in runs[0]:
+        scale = max(float(np.abs(runs[0][k]).max()), 1e-30)
+        assert float(np.abs(runs[0][k] - runs[1][k]).max()) <= 1e-5 * scale, k
+    # --init: any weights file starts a sharded run
+    _, text = _train(tmp_path, "init", 2, _job("sharded", "adamw", iters=2), "--init", ckpt)
+    assert "loaded 8 blobs from" in text
+
+
+@pytest.mark.parametrize("change,key,words", [
+    ({"parallel": {"shard": 2}}, "parallel.shard", "stage 1"),
+    ({"parallel": {"shard": 3}}, "parallel.shard", "stage 1"),
+    ({"parallel": {"shard": 4}}, "parallel.shard", "1, 2 and 3"),
+    ({"parallel": {"transport": "one_sided"}}, "parallel.transport", "one_sided"),
+    ({"parallel": {"backend": "nccl"}}, "parallel.backend", "nccl"),
+    ({"parallel": {"mode": "sync_ps"}}, "parallel.mode", "parameter servers"),
+    ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
+    ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "pipeline"),
+    ({"device": 0}, "device", "runs on the CPU (MPI) only"),
+])
+def test_what_is_not_built_exits_2(tmp_path, change, key, words):
+    cfg = _job("sharded", "sgd")
+    for section, value in change.items():
+        if section == "parallel":
+            cfg["parallel"].update(value)
+        else:
+            cfg[section] = value
+    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    assert_user_error(res, key, words)
+
+
+def test_graph_np_composes_each_rank(tmp_path):
+    path = write_config_file(tmp_path, _job("sharded"), "s.yaml")
+    res = run_cli_args("graph", path, "--np", "3", "--rank", "2")
+    assert res.returncode == 0, res.stderr
+    assert "rank 2 holds shard 2 of 3" in res.stdout
+    assert "ReduceScatter" in res.stdout and "Allgather" in res.stdout
