@@ -90,7 +90,7 @@ class _Op:
 
 
 def test_the_watchdog_names_the_first_stalled_op_aborts_nccl_and_ends_the_job(
-        monkeypatch, capsys):
+        monkeypatch, capfd):
     aborted, ended = [], []
     world = types.SimpleNamespace(rank=1, stall_timeout=2.0, abort=ended.append)
     monkeypatch.setattr(nccl, "_ops", [_Op(2, 9.0), _Op(0, None), _Op(1, 5.0)])
@@ -103,7 +103,7 @@ def test_the_watchdog_names_the_first_stalled_op_aborts_nccl_and_ends_the_job(
     assert dog.stalled() is None                          # nothing past the timeout
     world.stall_timeout = 2.0
     dog.fire(kernel, waited)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.strip() == (
         "rank 1: NCCL allreduce 'grad_bucket1.allreduce' (bucket grad_bucket1, 1.0 KB, seq 1) "
         "stalled for more than 2 s (parallel.stall_timeout; waited 5.0 s): a peer is slow, "

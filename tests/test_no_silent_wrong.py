@@ -219,7 +219,7 @@ def test_diverged_run_exits_3_on_two_ranks(trained, tmp_path):
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_runtime_failure_is_one_line_per_rank_unless_debug(monkeypatch, capsys, debug):
+def test_runtime_failure_is_one_line_per_rank_unless_debug(monkeypatch, capfd, debug):
     """An op failing at run time: ``rank R: op 'name' (Type) failed: ...`` on
     one line, the traceback only with --debug (PURINE_DEBUG=1)."""
     import sys
@@ -245,7 +245,7 @@ def test_runtime_failure_is_one_line_per_rank_unless_debug(monkeypatch, capsys, 
         raise OpError(Op("conv1.fwd", "Conv", [], []), ValueError("boom"), rank=1)
     except OpError as e:
         handle(type(e), e, e.__traceback__)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert world.codes == [1]
     assert "rank 1: op 'conv1.fwd' (Conv) failed: ValueError: boom" in err
     assert ("Traceback" in err) == debug

@@ -236,7 +236,7 @@ class CollectiveKernel(CommKernel):
         """One rank and no ``always_post``: nothing to exchange."""
         return self.comm().Get_size() == 1 and not self.attrs.get("always_post", False)
 
-    def _pending(self, requests):
+    def _posted(self, requests):
         bucket = self.attrs.get("bucket", self.op.name)
         return MPIPending(requests, f"{self.mpi_call} {bucket} {_mb(self.nbytes)} {self._what()}",
                           self._finish)
@@ -322,7 +322,7 @@ class Allreduce(CollectiveKernel):
         if self._alone():
             return None
         comm = self.comm()
-        return self._pending([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
+        return self._posted([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
                               for st in self.stages])
 
     def _finish(self):
@@ -444,7 +444,7 @@ class ReduceScatter(CollectiveKernel):
         req = self.comm().Ireduce_scatter(self.send_stage.buffer(copy_in=True),
                                           self.recv_stage.buffer(copy_in=False),
                                           recvcounts=self.counts, op=MPI.SUM)
-        return self._pending([req])
+        return self._posted([req])
 
     def _finish(self):
         self._copy_back(self.recv_stage)
@@ -509,7 +509,7 @@ class Allgather(CollectiveKernel):
             return None
         recv = [self.recv_stage.buffer(copy_in=self.in_place), (self.counts, self.displs)]
         send = MPI.IN_PLACE if self.in_place else self.send_stage.buffer(copy_in=True)
-        return self._pending([self.comm().Iallgatherv(send, recv)])
+        return self._posted([self.comm().Iallgatherv(send, recv)])
 
     def _finish(self):
         self._copy_back(self.recv_stage)

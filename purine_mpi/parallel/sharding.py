@@ -193,15 +193,15 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         lo, hi = shard_range(total, shards, shard)
         shard_grad = graph.free_name(f"{name}.shard")
         graph.add_blob(shard_grad, (hi - lo,), b["dtype"], b["location"], kind="grad")
-        solver = add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard)
+        cut = add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard)
         rs = graph.add_op(f"{name}.reduce_scatter", "ReduceScatter", [v for _, v, _ in views],
-                          solver["grads"],
+                          cut["grads"],
                           {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
-                           "shapes": [list(graph.blobs[x].shape) for x in solver["grads"]]},
+                           "shapes": [list(graph.blobs[x].shape) for x in cut["grads"]]},
                           location=b["location"], thread=thread)
         plan.append({"name": name, "weights": weights, "params": params, "offsets": offsets,
-                     "shard": [lo, hi], "reduce_scatter": rs.name, "states": solver["states"],
-                     "written": solver["written"], "seq": seq,
+                     "shard": [lo, hi], "reduce_scatter": rs.name, "states": cut["states"],
+                     "written": cut["written"], "seq": seq,
                      "bytes": int(graph.blobs[name].nbytes)})
         seq += 1
     for entry in plan:  # the gathers after every reduce-scatter (module docstring)

@@ -106,6 +106,13 @@ class Trainer(Loop):
                     pending[1]["done"].wait(timeout)
 
     # the services' operations that tools and tests call on a trainer
+    def model_state(self):
+        """{weights, gradients, optimizer_state: bytes} this rank holds
+        (runtime/footprint.model_state_bytes; the schemes' start-up lines
+        read it here, below the runtime layer)."""
+        from ..runtime.footprint import model_state_bytes
+        return model_state_bytes(self.graphs.graph)
+
     def save(self, iteration, path=None):
         self.checkpoints.save(self, iteration, path)
 

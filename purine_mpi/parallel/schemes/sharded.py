@@ -62,10 +62,9 @@ class Sharded(Scheme):
     # ---- reporting
     def scheme_lines(self, trainer, composition):
         from ...base.progress_bar import human_bytes
-        from ...runtime.footprint import model_state_bytes
         plan = composition.shard_plan or []
         n = trainer.world.size
-        held = model_state_bytes(composition.graph)
+        held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
         return [("scheme", f"sharded (ZeRO stage 1): ranks {ranges(range(n))} are data-parallel "
                  f"replicas; gradients reduce-scattered in {counted(len(plan), 'bucket')}, each "
                  f"rank updates its 1/{n} shard of every bucket, the weights allgathered"),
@@ -90,15 +89,15 @@ class Sharded(Scheme):
     def join_checkpoint(self, graphs, parts):
         """Rank 0's weights; each bucket's state shards joined in rank order
         and cut into every parameter's whole state."""
-        params, solver = parts[0][0], {}
+        params, saved = parts[0][0], {}
         for entry in _plan(graphs):
             for flat, state in _states(entry):
                 whole = np.concatenate([part[1][flat] for part in parts])
                 for p, off in zip(entry["params"], entry["offsets"]):
                     shape = graphs.graph.blobs[p].shape
                     size = int(np.prod(shape, dtype=np.int64))
-                    solver.setdefault(p, {})[state] = whole[off:off + size].reshape(shape).copy()
-        return params, solver
+                    saved.setdefault(p, {})[state] = whole[off:off + size].reshape(shape).copy()
+        return params, saved
 
     def whole_solver_shapes(self, graphs):
         g = graphs.graph
@@ -106,7 +105,7 @@ class Sharded(Scheme):
                 for entry in _plan(graphs) for flat, state in _states(entry)
                 for p in entry["params"]}
 
-    def load_held_solver_state(self, graphs, ws, solver):
+    def load_held_solver_state(self, graphs, ws, saved):
         """Each bucket's whole state laid out from the parameters' (a
         checkpoint of any scheme, on any number of ranks); this rank's
         shard of it."""
@@ -114,13 +113,13 @@ class Sharded(Scheme):
         for entry in _plan(graphs):
             lo, hi = entry["shard"]
             for flat, state in _states(entry):
-                if not all(state in solver.get(p, {}) for p in entry["params"]):
+                if not all(state in saved.get(p, {}) for p in entry["params"]):
                     fresh.add(state)
                     continue
                 whole = np.zeros(graphs.graph.blobs[entry["weights"]].size,
                                  dtype=graphs.graph.blobs[flat].dtype)
                 for p, off in zip(entry["params"], entry["offsets"]):
-                    value = np.asarray(solver[p][state]).ravel()
+                    value = np.asarray(saved[p][state]).ravel()
                     whole[off:off + value.size] = value
                 ws.set(flat, whole[lo:hi])
         return fresh
