@@ -349,11 +349,11 @@ def _check_sharded(out, path):
                           f"{par['shard']}")
     if par["scheme"] != "sharded":
         return
-    why = "scheme sharded builds ZeRO stage 1 on MPI on the CPU only"
-    if par["shard"] != 1:
-        raise ConfigError(path, "parallel.shard", f"stage {par['shard']} is not built yet; "
-                          "stage 1 (the optimizer state sharded) is what is built: use "
-                          "parallel.shard: 1")
+    why = "scheme sharded builds ZeRO stages 1-3 on MPI on the CPU only"
+    if par["shard"] == 3:
+        raise ConfigError(path, "parallel.shard", "stage 3 is not built yet; stages 1 (the "
+                          "optimizer state sharded) and 2 (and the gradients) are: use "
+                          "parallel.shard: 1 or 2")
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided", "transport one_sided"),

@@ -140,8 +140,8 @@ PARALLEL = (
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
         "(see [parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
-        "sharded), 2 (and the gradients) or 3 (and the weights); stage 1 is built, 2 and 3 are "
-        "refused (see [parallel.md](parallel.md))"),
+        "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
+        "the weights); stages 1 and 2 are built, 3 is refused (see [parallel.md](parallel.md))"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),
@@ -330,7 +330,9 @@ CHOICE_DOCS = {
         "sharded": "ZeRO stage 1 (`shard: 1`): data-parallel replicas whose gradient buckets "
                    "are reduce-scattered; each rank updates its 1/N shard of every bucket, "
                    "holding the optimizer state of that shard only, then the weights are "
-                   "allgathered; MPI on the CPU ([parallel.md](parallel.md))",
+                   "allgathered; stage 2 (`shard: 2`) also frees each full gradient bucket "
+                   "after its reduce-scatter, holding the gradients' shard only; MPI on the "
+                   "CPU ([parallel.md](parallel.md))",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",

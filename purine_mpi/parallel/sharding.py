@@ -169,14 +169,25 @@ def _drop_blob(graph, name):
         del graph.blobs[name]
 
 
+#: blob attr of a full (gathered or not yet reduce-scattered) bucket that a
+#: ZeRO stage makes transient: the model state's working set, not held
+#: state (runtime/footprint.model_state_bytes counts it apart)
+WORKING_SET_ATTR = "model_state_working_set"
+
+
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
-                  thread="comm", grad_first=True):
+                  thread="comm", grad_first=True, stage=1):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
     are not split in rows: the reduce-scatter cuts every bucket anyway),
     each with its flat weight buffer, a ReduceScatter of its gradients, the
     solver over this rank's shard and an Allgather of the updated weights.
+    ``stage`` 2 (ZeRO stage 2) makes each gradient bucket transient (kind
+    ``grad``, not ``bucket``): written by the backward ops (or the
+    micro-batches' sums), read by its ReduceScatter alone, so the memory
+    plan gives its bytes to other blobs after the reduce-scatter, and the
+    rank holds only its shard of the gradients.
     Returns the plan: a list of {"name", "weights", "params", "offsets",
     "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}."""
     grads = prepare_replica(graph, grads, shards, shard)
@@ -189,6 +200,9 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         params, offsets = [p for p, _, _ in views], [o for _, _, o in views]
         weights = flatten_bucket_params(graph, graph.free_name(f"weight_bucket{i}"), params,
                                         offsets)
+        if stage >= 2:  # transient: its lifetime ends at the reduce-scatter
+            graph.blobs[name].kind = "grad"
+            graph.blobs[name].attrs[WORKING_SET_ATTR] = "gradients"
         total = graph.blobs[name].size
         lo, hi = shard_range(total, shards, shard)
         shard_grad = graph.free_name(f"{name}.shard")

@@ -282,19 +282,35 @@ def footprint(graphs, plans, rank=0):
 MODEL_STATE_ROWS = ("weights", "gradients", "optimizer_state")
 
 
-def model_state_bytes(graph):
+def model_state_bytes(graph, plan=None):
     """{row: bytes} of the model state ``graph`` holds on its rank, ZeRO's
     sense: the storage roots of the weights (kinds ``param``,
     ``param_buffer``), of the parameters' gradients (buckets, and the
     gradient roots the update ops read: not the activations' gradients) and
     of the optimizer state (what the updates read), each counted whole
     whether or not a memory plan places it in the arena (what the scheme
-    makes the rank hold, not when it is live)."""
+    makes the rank hold, not when it is live).
+
+    Besides the rows: ``held`` (their sum), ``working`` and ``peak``. The
+    working set is the full buckets a ZeRO stage makes transient
+    (parallel/sharding.WORKING_SET_ATTR: stage 2's gradient buckets before
+    their reduce-scatter, stage 3's gathered weights): with ``plan`` (the
+    host's memory plan) the most of their bytes live at once in its
+    schedule, without one (or for such a blob the plan does not place) the
+    bytes of every one; ``peak`` is ``held + working``."""
+    from ..parallel.sharding import WORKING_SET_ATTR
     update, _ = _reads(graph)
     out = dict.fromkeys(MODEL_STATE_ROWS, 0)
+    spans, working = [], 0
     for root, names in _groups(graph).items():
         blob = graph.blobs[root]
         if blob.shape is None:
+            continue
+        if any(WORKING_SET_ATTR in graph.blobs[n].attrs for n in names):
+            if plan is not None and root in plan.lifetimes:
+                spans.append(plan.lifetimes[root] + (_root_nbytes(blob),))
+            else:
+                working += _root_nbytes(blob)
             continue
         kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
         if kinds & {"param", "param_buffer"}:
@@ -306,4 +322,10 @@ def model_state_bytes(graph):
         else:
             continue
         out[row] += _root_nbytes(blob)
+    live = 0
+    for at in sorted({a for a, _, _ in spans}):  # the live bytes peak where one begins
+        live = max(live, sum(n for a, b, n in spans if a <= at <= b))
+    out["held"] = sum(out[row] for row in MODEL_STATE_ROWS)
+    out["working"] = working + live
+    out["peak"] = out["held"] + out["working"]
     return out

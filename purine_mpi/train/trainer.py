@@ -61,6 +61,7 @@ class Trainer(Loop):
             # (``memory(job, graphs, plans, world)``: the CLI's, tools/plan.py
             # check_memory with train's limits), then laid out
             plans = workspace_plans(graphs, job.memory_plan)
+            self.memory_plans = plans  # model_state's working set
             if memory is not None:
                 memory(job, graphs, plans, world)
             traces = Traces(profile, out_dir, world)
@@ -107,11 +108,14 @@ class Trainer(Loop):
 
     # the services' operations that tools and tests call on a trainer
     def model_state(self):
-        """{weights, gradients, optimizer_state: bytes} this rank holds
-        (runtime/footprint.model_state_bytes; the schemes' start-up lines
-        read it here, below the runtime layer)."""
+        """{weights, gradients, optimizer_state, held, working, peak: bytes}
+        of this rank's model state (runtime/footprint.model_state_bytes, the
+        working set's peak from the host's memory plan the workspace is laid
+        out by; the schemes' start-up lines read it here, below the runtime
+        layer)."""
         from ..runtime.footprint import model_state_bytes
-        return model_state_bytes(self.graphs.graph)
+        return model_state_bytes(self.graphs.graph, getattr(self, "memory_plans", None) and
+                                 self.memory_plans.host)
 
     def save(self, iteration, path=None):
         self.checkpoints.save(self, iteration, path)

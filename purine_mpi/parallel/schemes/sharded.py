@@ -1,4 +1,6 @@
-"""``scheme: sharded``, ``shard: 1``: ZeRO stage 1 (issue 43). Every rank is
+"""``scheme: sharded``, ``shard: 1``: ZeRO stage 1 (issue 43); ``shard: 2``:
+stage 2, the same with each full gradient bucket a transient blob (freed
+after its reduce-scatter: the rank holds its gradient shard only). Every rank is
 a data-parallel replica on its share of the batch; each gradient bucket is
 reduce-scattered, each rank runs the solver on its shard of every bucket
 (its optimizer state: that shard's only) and the updated weights are
@@ -8,7 +10,7 @@ Checkpoints hold whole blobs: rank 0's weights (every rank holds them all)
 and the optimizer state of every rank's shard, joined in rank order per
 bucket and cut back into each parameter's shape, so the file is the one
 plain data parallelism writes; on load each rank takes its shard of the
-whole state. Stages 2 and 3, GPUs, NCCL, the one-sided transport and
+whole state. Stage 3, GPUs, NCCL, the one-sided transport and
 combinations with other schemes are refused by the config rules
 (job/config.py's ``_check_sharded``).
 """
@@ -42,7 +44,7 @@ class Sharded(Scheme):
         par = job.parallel
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
-        plan = compose_zero1(graph, grads, world.size, world.rank, **settings)
+        plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
         graph.infer_shapes().validate()
         comp = Composition(graph, lay, shard_plan=plan)
         if job.solver.clip_gradients is not None:
@@ -65,17 +67,22 @@ class Sharded(Scheme):
         plan = composition.shard_plan or []
         n = trainer.world.size
         held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
-        return [("scheme", f"sharded (ZeRO stage 1): ranks {ranges(range(n))} are data-parallel "
-                 f"replicas; gradients reduce-scattered in {counted(len(plan), 'bucket')}, each "
-                 f"rank updates its 1/{n} shard of every bucket, the weights allgathered"),
+        stage = trainer.job.parallel.shard
+        what = {1: "", 2: "; the full gradient buckets are transient (freed after their "
+                "reduce-scatter)"}.get(stage, "")
+        return [("scheme", f"sharded (ZeRO stage {stage}): ranks {ranges(range(n))} are "
+                 f"data-parallel replicas; gradients reduce-scattered in "
+                 f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
+                 f"bucket, the weights allgathered{what}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
                  f"({held['weights']} + {held['gradients']} + {held['optimizer_state']} bytes "
-                 "held)")]
+                 f"held; peak {held['peak']} bytes with the transient buckets' "
+                 f"{held['working']})")]
 
     def graph_notes(self, lay, rank):
-        return (f"sharded (ZeRO stage 1): rank {rank} holds shard {rank} of "
+        return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
                 f"{lay.replicas} of every bucket's optimizer state")
 
     # ---- checkpoints: whole blobs on file
