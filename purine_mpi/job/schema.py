@@ -141,7 +141,12 @@ PARALLEL = (
         "(see [parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
-        "the weights); stages 1 and 2 are built, 3 is refused (see [parallel.md](parallel.md))"),
+        "the weights: each rank holds its shard, gathered before each bucket's forward and "
+        "backward readers) (see [parallel.md](parallel.md))"),
+    Key("prefetch", _int(0), 1, "scheme sharded, shard 3: how many buckets' weights are "
+        "gathered ahead of the computing one (each gather waits for the start of the bucket "
+        "this many before it, in the forward and in the backward): at most prefetch + 1 "
+        "buckets' full weights live at once in each pass"),
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),
@@ -331,8 +336,10 @@ CHOICE_DOCS = {
                    "are reduce-scattered; each rank updates its 1/N shard of every bucket, "
                    "holding the optimizer state of that shard only, then the weights are "
                    "allgathered; stage 2 (`shard: 2`) also frees each full gradient bucket "
-                   "after its reduce-scatter, holding the gradients' shard only; MPI on the "
-                   "CPU ([parallel.md](parallel.md))",
+                   "after its reduce-scatter, holding the gradients' shard only; stage 3 "
+                   "(`shard: 3`) holds only the weights' shard too, each bucket's weights "
+                   "allgathered into transient buffers before its forward and its backward "
+                   "readers; MPI on the CPU ([parallel.md](parallel.md))",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",

@@ -81,7 +81,7 @@ def _update_op_of(graph, param):
 
 
 def add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
-                     grad_divisor=None):
+                     grad_divisor=None, shard_weights=None):
     """Replace the update ops of ``params`` (views of the flat weight buffer
     ``weights`` at ``offsets``) by update ops on shard ``shard`` of
     ``shards`` of that buffer (``shard_range``). ``shard_grad`` is the
@@ -96,8 +96,10 @@ def add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
     attrs) on views of the overlap: ``<p>.shard[a:b]`` of the weight buffer,
     of ``shard_grad`` and of one flat state blob per solver state,
     ``<weights>.shard.<state>`` (kind ``state``, the shard's size: the only
-    optimizer state this rank holds). The full-size state blobs and the
-    replaced ops go. Returns a dict: ``ops`` (the new op names), ``states``
+    optimizer state this rank holds). With ``shard_weights`` (ZeRO stage 3:
+    the rank's persistent flat shard of ``weights``, shape (count,)) the
+    weight views are of it, so the update writes the shard in place. The
+    full-size state blobs and the replaced ops go. Returns a dict: ``ops`` (the new op names), ``states``
     (the flat state blobs), ``grads`` (the views of ``shard_grad`` the
     updates read, in buffer order: the ReduceScatter's outputs) and
     ``written`` (the weight views the updates write, ``...@new``, in buffer
@@ -132,7 +134,8 @@ def add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
                            offset=at)
             return name
 
-        w = view(p, weights, a, PARAM_SHARD_KIND)
+        w = view(p, weights, a, PARAM_SHARD_KIND) if shard_weights is None else \
+            view(p, shard_weights, a - lo, PARAM_SHARD_KIND)
         g = view(f"{p}.grad", shard_grad, a - lo, "grad")
         states = [view(f"{p}.{x}", s, a - lo, "state") for x, s in zip(suffixes, state_names)]
         outs = []
@@ -176,7 +179,7 @@ WORKING_SET_ATTR = "model_state_working_set"
 
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
-                  thread="comm", grad_first=True, stage=1):
+                  thread="comm", grad_first=True, stage=1, prefetch=1):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
@@ -187,9 +190,11 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     ``grad``, not ``bucket``): written by the backward ops (or the
     micro-batches' sums), read by its ReduceScatter alone, so the memory
     plan gives its bytes to other blobs after the reduce-scatter, and the
-    rank holds only its shard of the gradients.
+    rank holds only its shard of the gradients. ``stage`` 3 (``compose_zero3``)
+    also keeps the weights as this rank's shard alone.
     Returns the plan: a list of {"name", "weights", "params", "offsets",
-    "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}."""
+    "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}
+    (stage 3: "weight_shard", "gathers" instead of "allgather")."""
     grads = prepare_replica(graph, grads, shards, shard)
     producers = graph.producers()
     seq = next_seq(graph)
@@ -207,7 +212,13 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         lo, hi = shard_range(total, shards, shard)
         shard_grad = graph.free_name(f"{name}.shard")
         graph.add_blob(shard_grad, (hi - lo,), b["dtype"], b["location"], kind="grad")
-        cut = add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard)
+        own = None
+        if stage >= 3:  # the rank's persistent shard of the weights, updated in place
+            own = graph.free_name(f"{weights}.shard")
+            graph.add_blob(own, (hi - lo,), b["dtype"], b["location"], kind=PARAM_BUFFER_KIND)
+            graph.blobs[weights].attrs[WORKING_SET_ATTR] = "weights"
+        cut = add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
+                               shard_weights=own)
         rs = graph.add_op(f"{name}.reduce_scatter", "ReduceScatter", [v for _, v, _ in views],
                           cut["grads"],
                           {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
@@ -217,7 +228,17 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
                      "shard": [lo, hi], "reduce_scatter": rs.name, "states": cut["states"],
                      "written": cut["written"], "seq": seq,
                      "bytes": int(graph.blobs[name].nbytes)})
+        if own is not None:
+            plan[-1]["weight_shard"] = own
         seq += 1
+    if stage >= 3:
+        for entry in plan:
+            entry.pop("written")
+        _gather_units(graph, plan, shards, shard, prefetch, thread)
+        if grad_first:
+            gradients_first(graph, grads)
+        _collective_seq(graph, plan)
+        return plan
     for entry in plan:  # the gathers after every reduce-scatter (module docstring)
         weights = entry["weights"]
         wb = graph.blobs[weights]
@@ -233,3 +254,124 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     if grad_first:
         gradients_first(graph, grads)
     return plan
+
+
+#: the kind of the views of a bucket's weights gathered for the backward
+#: (stage 3): not ``param`` (``Graph.params``, checkpoints see each weight
+#: once, by its name: the forward's view), not persistent
+PARAM_GATHERED_KIND = "param_gathered"
+
+
+def compose_zero3(graph, grads, shards, shard, prefetch=1, **settings):
+    """ZeRO stage 3 of one replica's training graph: ``compose_zero1`` with
+    ``stage=3`` (see ``_gather_units``). Returns the plan."""
+    return compose_zero1(graph, grads, shards, shard, stage=3, prefetch=prefetch, **settings)
+
+
+def forward_ops(graph):
+    """The ops from which a loss is reachable (the forward; as
+    parallel/micro_batch.add_schedule tells them apart)."""
+    from ..job.replica import loss_blobs
+    prod, forward = graph.producers(), set()
+    stack = list(loss_blobs(graph))
+    while stack:
+        for op in prod.get(stack.pop(), ()):
+            if op.name not in forward:
+                forward.add(op.name)
+                stack.extend(op.inputs)
+    return forward
+
+
+def _gather_units(graph, plan, shards, shard, prefetch, thread):
+    """Stage 3's gathers. Each bucket is a unit (FSDP's): its flat weight
+    buffer (the weights are views of it) becomes transient, written by an
+    Allgather of the rank's shard before its first forward reader; the
+    backward readers of its weights read views ``<p>.bwd`` of a second
+    transient buffer ``<weights>.bwd`` that another Allgather fills. Both
+    buffers carry ``WORKING_SET_ATTR`` (the memory plan gives their bytes
+    away after their last reader). Prefetch: the forward gather of the
+    unit ``prefetch`` places after unit k in forward order waits for unit
+    k's first forward reader; in the backward the same over the order of
+    the units' first backward readers (the first ``prefetch`` gathers wait
+    for the first forward reader of the forward's last unit), so at most
+    ``prefetch + 1`` units' full weights are live in each pass."""
+    forward = forward_ops(graph)
+    cons = graph.consumers()
+    units = []
+    for entry in plan:
+        weights, own = entry["weights"], entry["weight_shard"]
+        wb = graph.blobs[weights]
+        fwd, bwd = [], []
+        for p in entry["params"]:
+            for op in cons.get(p, ()):
+                (fwd if op.name in forward else bwd).append((op, p))
+        attrs = {"bucket": weights, "shards": shards, "shard": shard,
+                 "shapes": [list(wb.shape)], "dtype": wb.dtype}
+        gathers = {}
+        if fwd:
+            gathers["forward"] = graph.add_op(f"{weights}.allgather", "Allgather", [own],
+                                              [weights], dict(attrs), location=wb.location,
+                                              thread=thread).name
+        if bwd:
+            back = graph.free_name(f"{weights}.bwd")
+            graph.add_blob(back, wb.shape, wb.dtype, wb.location, kind=PARAM_GATHERED_KIND)
+            graph.blobs[back].attrs[WORKING_SET_ATTR] = "weights"
+            views = {}
+            for op, p in bwd:
+                if p not in views:
+                    views[p] = graph.free_name(f"{p}.bwd")
+                    pb = graph.blobs[p]
+                    graph.add_blob(views[p], pb.shape, pb.dtype, pb.location,
+                                   kind=PARAM_GATHERED_KIND, alias_of=back, offset=pb.offset)
+                op.inputs = [views[p] if x == p else x for x in op.inputs]
+            gathers["backward"] = graph.add_op(f"{back}.allgather", "Allgather", [own], [back],
+                                               dict(attrs, bucket=back), location=wb.location,
+                                               thread=thread).name
+        entry["gathers"] = gathers
+        # the readers read views of the gathered buffer: data edges are by
+        # blob name, so each waits for its gather by a control edge
+        for key, readers in (("forward", fwd), ("backward", bwd)):
+            for op, _ in readers:
+                if gathers[key] not in op.control_inputs:
+                    op.control_inputs.append(gathers[key])
+        units.append((entry, [op.name for op, _ in fwd], [op.name for op, _ in bwd]))
+    pos = {op.name: i for i, op in enumerate(graph.topo_order())}
+    depth = max(int(prefetch), 0)
+    for key, which in (("forward", 1), ("backward", 2)):
+        order = sorted((min(pos[o] for o in u[which]), i) for i, u in enumerate(units)
+                       if u[which])
+        firsts = [min(units[i][which], key=pos.get) for _, i in order]
+        for j, (_, i) in enumerate(order):
+            # the nearest unit at least ``depth`` before whose first reader is
+            # another op (one op may read two units first: no edge to itself)
+            back = [k for k in range(j - depth + 1) if firsts[k] != firsts[j]]
+            if back:
+                after = firsts[back[-1]]
+            elif key == "backward" and fwd_last is not None:
+                after = fwd_last
+            else:
+                continue
+            op = graph.ops[units[i][0]["gathers"][key]]
+            if after not in op.control_inputs:
+                op.control_inputs.append(after)
+        if key == "forward":
+            fwd_last = firsts[-1] if firsts else None
+    graph.topo_order()  # no cycle
+
+
+def _collective_seq(graph, plan):
+    """The ``seq`` of every collective of the plan (gathers, reduce-scatters):
+    their order in the graph's topological order, which respects the data
+    and control edges between them and is the same on every rank (the ranks'
+    graphs differ in the shard solver's ops alone, which no collective
+    waits for)."""
+    names = {entry["reduce_scatter"] for entry in plan} | {
+        g for entry in plan for g in entry["gathers"].values()}
+    first = min(entry["seq"] for entry in plan)
+    order = [op for op in graph.topo_order() if op.name in names]
+    for k, op in enumerate(order):
+        op.attrs["seq"] = first + k
+    for entry in plan:
+        entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
+        entry["gather_seqs"] = {k: graph.ops[g].attrs["seq"]
+                                for k, g in entry["gathers"].items()}

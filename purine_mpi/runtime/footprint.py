@@ -64,9 +64,14 @@ class WorkspacePlans:
 
 def shared_params(graphs):
     """The parameters the test graph reads from the training workspace
-    (the trainer hands it those arrays rather than copies)."""
+    (the trainer hands it those arrays rather than copies): not the views
+    of a bucket a ZeRO stage gathers for the training graph alone
+    (parallel/sharding.WORKING_SET_ATTR: the test graph holds its own,
+    Scheme.test_weights fills them)."""
+    from ..parallel.sharding import WORKING_SET_ATTR
     tg, g = graphs.test_graph, graphs.graph
-    return [p for p in tg.blobs if p in g.blobs and g.blobs[p].kind == "param"]
+    return [p for p in tg.blobs if p in g.blobs and g.blobs[p].kind == "param" and
+            WORKING_SET_ATTR not in g.blobs[g.storage_root(p)].attrs]
 
 
 def workspace_plans(graphs, planned=True):

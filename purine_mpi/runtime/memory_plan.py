@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graph.core import PERSISTENT_KINDS  # noqa: F401  (blob kinds kept across iterations)
+from ..parallel.sharding import WORKING_SET_ATTR
 
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
@@ -381,8 +382,11 @@ def _persistent_reason(graph, names, keep, prod, cons, anc, pos, tail, kernel_cl
     """Why the storage of ``names`` (one root's group) must keep its own
     memory, or None when it is transient."""
     blobs = [graph.blobs[n] for n in names]
+    # a full bucket a ZeRO stage gathers (parallel/sharding.WORKING_SET_ATTR)
+    # is transient though the weights are views of it by their own kind
+    working = any(WORKING_SET_ATTR in b.attrs for b in blobs)
     for b in blobs:
-        if b.kind in PERSISTENT_KINDS:
+        if b.kind in PERSISTENT_KINDS and not working:
             return f"kind {b.kind} ({b.name})"
         if "loss_weight" in b.attrs:
             return f"a loss ({b.name})"

@@ -59,9 +59,12 @@ class Checkpoints(Service):
             self._resume(loop, resume)
 
     def _init_params(self, loop, init, init_skip=()):
+        scheme = scheme_of(loop.job)
         for p in loop.graphs.params:
-            # a tensor-parallel shard: its slice of the whole blob's value
-            loop.ws.set(p, initial_value(loop.graphs.graph.blobs[p], loop.job.seed))
+            # a tensor-parallel shard: its slice of the whole blob's value; a
+            # ZeRO-3 rank: its range of it, into its bucket's shard
+            scheme.set_weight(loop.graphs, loop.ws, p,
+                              initial_value(loop.graphs.graph.blobs[p], loop.job.seed))
         if init and str(init).endswith(".caffemodel"):
             self._init_from_caffemodel(loop, init, init_skip)
         elif init:
@@ -108,9 +111,10 @@ class Checkpoints(Service):
                 k.factor = factors[layer]
 
     def _load_blob(self, loop, name, value, path, skip_hint=False):
-        value = scheme_of(loop.job).split_checkpoint(loop.graphs, name, value)  # this rank's part
+        scheme = scheme_of(loop.job)
+        value = scheme.split_checkpoint(loop.graphs, name, value)  # this rank's part
         try:
-            loop.ws.set(name, value)
+            scheme.set_weight(loop.graphs, loop.ws, name, value)
         except GraphError as e:  # a file from another net: name the file too
             hint = (f"; to start layer '{name.split('/')[0]}' afresh instead (fine-tuning a "
                     f"changed layer), give --init-skip {name.split('/')[0]}") if skip_hint else ""
@@ -233,12 +237,14 @@ class Checkpoints(Service):
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)
-        params = {p: to_numpy(loop.ws[p]) for p in loop.graphs.params}
+        scheme = scheme_of(loop.job)
+        # the parameters, or the blobs holding this rank's part of them (a
+        # ZeRO-3 rank's weight shards: join_checkpoint makes them whole)
+        params = {p: to_numpy(loop.ws[p]) for p in scheme.held_weights(loop.graphs)}
         states = solver_states(loop.job.solver.type)
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         solver = {p: s for p, s in solver.items() if s}
-        scheme = scheme_of(loop.job)
         solver.update(scheme.held_solver_state(loop.graphs, loop.ws))  # a shard's flat state
         if scheme.gathers_checkpoint(loop.graphs):  # whole blobs on file: shards or stages
             parts = world_gather(loop.world, (params, solver))

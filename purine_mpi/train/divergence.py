@@ -10,6 +10,7 @@ import numpy as np
 from ..base.backend import get_xp, to_numpy
 from ..gpu.raw import array_device
 from ..graph.solver_graph import solver_states, state_name
+from ..parallel.schemes import scheme_of
 from ..runtime.stop import StopSignal
 from .loop import Service
 
@@ -73,7 +74,7 @@ class DivergenceWatch(Service):
 
     @staticmethod
     def params_finite(loop):
-        """Whether every parameter of this rank and its solver state (the
+        """Whether every weight this rank holds and its solver state (the
         momentum, Adam's moments: a checkpoint holds them too) is finite (no
         NaN or inf). The float32 blobs on a GPU are checked by our own
         kernel, one read-back per device (gpu/kernels ``all_finite``); the
@@ -81,7 +82,8 @@ class DivergenceWatch(Service):
         loop.train.drain()
         ws = loop.ws
         states = solver_states(loop.job.solver.type)
-        names = list(loop.graphs.params) + [
+        # the blobs that hold the weights (a ZeRO-3 rank: its shards)
+        names = scheme_of(loop.job).held_weights(loop.graphs) + [
             state_name(p, s) for p in loop.graphs.params for s in states
             if state_name(p, s) in ws.arrays]
         by_device, rest = {}, []

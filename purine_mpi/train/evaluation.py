@@ -10,6 +10,7 @@ figures for the services after it (watch.py) and the run's result.
 import numpy as np
 
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
+from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
 from .collectives import world_sum
 from .loop import Service
@@ -51,6 +52,9 @@ class Evaluation(Service):
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
+        whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
+        for p, value in (whole or {}).items():  # ZeRO-3: the shards gathered, once
+            loop.test.workspace.set(p, value)
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
         batch, replicas = spec.batch_size, loop.graphs.data_size

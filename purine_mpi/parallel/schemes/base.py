@@ -20,6 +20,9 @@ registered under its name::
         def held_solver_state(self, graphs, ws): ...   # solver state in blobs of its own
         def whole_solver_shapes(self, graphs): ...     # ... as the file holds it
         def load_held_solver_state(self, graphs, ws, solver): ...  # ... set on load
+        def held_weights(self, graphs): ...    # the blobs holding this rank's weights
+        def set_weight(self, graphs, ws, name, value): ...  # a whole weight, on init/load
+        def test_weights(self, graphs, ws, world): ...  # whole weights the test graph reads
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
@@ -400,6 +403,25 @@ class Scheme:
         ``{param: {state: value}}``; returns the states it lacked (they start
         from zero)."""
         return set()
+
+    # weights not held whole (ZeRO stage 3: each rank holds its shard of each
+    # bucket's flat weights; the parameters' own blobs are transient views)
+    def held_weights(self, graphs):
+        """The blobs that hold this rank's weights between iterations: what
+        a save reads (then ``join_checkpoint``) and the divergence check
+        tests for finite values. The parameters by default."""
+        return list(graphs.params)
+
+    def set_weight(self, graphs, ws, name, value):
+        """Set parameter ``name`` from its whole ``value`` (after
+        ``split_checkpoint``): fillers, ``--init``, ``--resume``."""
+        ws.set(name, value)
+
+    def test_weights(self, graphs, ws, world):
+        """{param: whole value} the test graph must be given before an
+        evaluation (collective on every rank), or None when it reads the
+        training workspace's parameters (runtime/footprint.shared_params)."""
+        return None
 
 
 def transport_lines(composition):

@@ -16,13 +16,13 @@ combinations with other schemes are refused by the config rules
 """
 import numpy as np
 
-from ...base.errors import UserError
+from ...base.errors import GraphError, UserError
 from .base import BUCKET_KEYS, Composition, Scheme, counted, ranges, register_scheme
 
 
 @register_scheme("sharded")
 class Sharded(Scheme):
-    keys = BUCKET_KEYS + ("check_collectives", "shard")
+    keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch")
     #: the deferred tail and NCCL know allreduce buckets only
     deferrable = False
     defers_update = False
@@ -44,6 +44,8 @@ class Sharded(Scheme):
         par = job.parallel
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
+        if par.shard >= 3:
+            settings["prefetch"] = par.prefetch
         plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
         graph.infer_shapes().validate()
         comp = Composition(graph, lay, shard_plan=plan)
@@ -96,7 +98,7 @@ class Sharded(Scheme):
     def join_checkpoint(self, graphs, parts):
         """Rank 0's weights; each bucket's state shards joined in rank order
         and cut into every parameter's whole state."""
-        params, saved = parts[0][0], {}
+        params, saved = _join_weights(graphs, [part[0] for part in parts]), {}
         for entry in _plan(graphs):
             for flat, state in _states(entry):
                 whole = np.concatenate([part[1][flat] for part in parts])
@@ -105,6 +107,45 @@ class Sharded(Scheme):
                     size = int(np.prod(shape, dtype=np.int64))
                     saved.setdefault(p, {})[state] = whole[off:off + size].reshape(shape).copy()
         return params, saved
+
+    # ---- stage 3: the weights held as each bucket's shard
+    def held_weights(self, graphs):
+        """Stage 3: each bucket's weight shard, and the parameters no bucket
+        holds (no gradient: held whole)."""
+        where = _zero3(graphs)
+        if not where:
+            return list(graphs.params)
+        shards = [entry["weight_shard"] for entry in _plan(graphs)]
+        return shards + [p for p in graphs.params if p not in where]
+
+    def set_weight(self, graphs, ws, name, value):
+        """Stage 3: this rank's range of the whole weight, into its bucket's
+        shard (the parameter's own blob is a transient view)."""
+        where = _zero3(graphs).get(name)
+        if where is None:
+            ws.set(name, value)
+            return
+        entry, off = where
+        shape = tuple(graphs.graph.blobs[name].shape)
+        value = np.asarray(value)
+        if tuple(value.shape) != shape:
+            raise GraphError(f"cannot load blob '{name}': shape {list(value.shape)} given, "
+                             f"the graph has {list(shape)}")
+        lo, hi = entry["shard"]
+        a, b = max(lo, off), min(hi, off + value.size)
+        if a < b:
+            ws[entry["weight_shard"]][a - lo:b - lo] = value.ravel()[a - off:b - off]
+
+    def test_weights(self, graphs, ws, world):
+        """Stage 3: every rank's weight shards gathered (one allgather) and
+        joined into whole weights, as a checkpoint joins them."""
+        if not _zero3(graphs):
+            return None
+        from ...base.backend import to_numpy
+        mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
+        parts = world.allgather_object(mine, "the weight shards for the test graph "
+                                             "(allgather)")
+        return _join_weights(graphs, parts)
 
     def whole_solver_shapes(self, graphs):
         g = graphs.graph
@@ -137,6 +178,31 @@ def _plan(graphs):
     return (comp.shard_plan if comp is not None else None) or []
 
 
+def _zero3(graphs):
+    """Stage 3: {param: (bucket entry, element offset in its bucket)}; {}
+    for stages 1 and 2."""
+    return {p: (entry, off) for entry in _plan(graphs) if "weight_shard" in entry
+            for p, off in zip(entry["params"], entry["offsets"])}
+
+
+def _join_weights(graphs, parts):
+    """Whole weights from every rank's ``held_weights`` arrays (world
+    order): stage 3's bucket shards joined in rank order and cut into each
+    parameter's shape; rank 0's array for a weight held whole."""
+    out = {k: v for k, v in parts[0].items() if k not in
+           {entry["weight_shard"] for entry in _plan(graphs) if "weight_shard" in entry}}
+    for entry in _plan(graphs):
+        if "weight_shard" not in entry:
+            continue
+        whole = np.concatenate([np.asarray(part[entry["weight_shard"]]).ravel()
+                                for part in parts])
+        for p, off in zip(entry["params"], entry["offsets"]):
+            shape = graphs.graph.blobs[p].shape
+            size = int(np.prod(shape, dtype=np.int64))
+            out[p] = whole[off:off + size].reshape(shape).copy()
+    return out
+
+
 def _states(entry):
     """(flat state blob, solver state name) of a bucket: ``<weights>.shard.<state>``."""
     prefix = f"{entry['weights']}.shard."
@@ -151,6 +217,10 @@ def _clip(comp, clip, shards):
     wait on the clipped updates)."""
     from ...graph.clip import add_clip
     graph, plan = comp.graph, comp.shard_plan
+    if not any("gather_seq" in entry for entry in plan):  # stage 3: after every collective
+        first = 1 + max(op.attrs["seq"] for op in graph.ops.values() if "seq" in op.attrs)
+        comp.graph = add_clip(graph, clip, group=list(range(shards)), seq=first).validate()
+        return
     first = min(entry["gather_seq"] for entry in plan)
     for entry in plan:
         graph.ops[entry["allgather"]].attrs["seq"] += 1
