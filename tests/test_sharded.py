@@ -144,7 +144,6 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
 
 
 @pytest.mark.parametrize("change,key,words", [
-    ({"parallel": {"shard": 3}}, "parallel.shard", "stage 3 is not built"),
     ({"parallel": {"shard": 4}}, "parallel.shard", "1, 2 and 3"),
     ({"parallel": {"transport": "one_sided"}}, "parallel.transport", "one_sided"),
     ({"parallel": {"backend": "nccl"}}, "parallel.backend", "nccl"),

@@ -143,7 +143,7 @@ PARALLEL = (
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
         "backward readers) (see [parallel.md](parallel.md))"),
-    Key("prefetch", _int(0), 1, "scheme sharded, shard 3: how many buckets' weights are "
+    Key("prefetch", _int(1), 1, "scheme sharded, shard 3: how many buckets' weights are "
         "gathered ahead of the computing one (each gather waits for the start of the bucket "
         "this many before it, in the forward and in the backward): at most prefetch + 1 "
         "buckets' full weights live at once in each pass"),

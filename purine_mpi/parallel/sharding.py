@@ -336,7 +336,7 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread):
                     op.control_inputs.append(gathers[key])
         units.append((entry, [op.name for op, _ in fwd], [op.name for op, _ in bwd]))
     pos = {op.name: i for i, op in enumerate(graph.topo_order())}
-    depth = max(int(prefetch), 0)
+    depth = max(int(prefetch), 1)
     for key, which in (("forward", 1), ("backward", 2)):
         order = sorted((min(pos[o] for o in u[which]), i) for i, u in enumerate(units)
                        if u[which])

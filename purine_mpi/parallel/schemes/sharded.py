@@ -10,9 +10,15 @@ Checkpoints hold whole blobs: rank 0's weights (every rank holds them all)
 and the optimizer state of every rank's shard, joined in rank order per
 bucket and cut back into each parameter's shape, so the file is the one
 plain data parallelism writes; on load each rank takes its shard of the
-whole state. Stage 3, GPUs, NCCL, the one-sided transport and
-combinations with other schemes are refused by the config rules
-(job/config.py's ``_check_sharded``).
+whole state. ``shard: 3``: stage 3, each rank holds its shard of every
+bucket's weights alone, gathered into transient buffers before the
+bucket's forward and backward readers (parallel/sharding.compose_zero3);
+the weights are written (fillers, ``--init``, ``--resume``) into the
+shards, saved joined whole, and gathered whole for the test graph
+(``held_weights``, ``set_weight``, ``test_weights``). GPUs, NCCL, the
+one-sided transport, combinations with other schemes and stage 3 with
+micro-batches are refused by the config rules (job/config.py's
+``_check_sharded``).
 """
 import numpy as np
 
@@ -70,12 +76,15 @@ class Sharded(Scheme):
         n = trainer.world.size
         held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
         stage = trainer.job.parallel.shard
-        what = {1: "", 2: "; the full gradient buckets are transient (freed after their "
-                "reduce-scatter)"}.get(stage, "")
+        grads = "; the full gradient buckets are transient (freed after their reduce-scatter)"
+        what = {1: ", the weights allgathered", 2: ", the weights allgathered" + grads}.get(
+            stage, f" (the only weights it holds){grads}; each bucket's weights are allgathered "
+            f"into transient buffers before its forward and its backward readers, "
+            f"{trainer.job.parallel.prefetch} bucket(s) ahead")
         return [("scheme", f"sharded (ZeRO stage {stage}): ranks {ranges(range(n))} are "
                  f"data-parallel replicas; gradients reduce-scattered in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
-                 f"bucket, the weights allgathered{what}"),
+                 f"bucket{what}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
