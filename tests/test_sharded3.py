@@ -52,8 +52,8 @@ def test_stage3_holds_16_psi_over_n(n):
         assert 0 < held["working"] and held["peak"] == held["held"] + held["working"]
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_stage3_live_full_buffers_bounded_by_prefetch(prefetch):
+@pytest.mark.parametrize("prefetch,solver", [(1, "adamw"), (2, "adamw"), (1, "sgd")])
+def test_stage3_live_full_buffers_bounded_by_prefetch(prefetch, solver):
     """From the memory plan's lifetimes: at no op are more than prefetch+1
     units' forward buffers live, nor more than prefetch+1 backward ones;
     the collectives' seq is the same on every rank and passes
@@ -61,11 +61,12 @@ def test_stage3_live_full_buffers_bounded_by_prefetch(prefetch):
     come before the updates that write it in place."""
     seqs, signatures = [], []
     for rank in range(3):
-        g = compose_for(make_job(_job("sharded", "adamw", shard=3, prefetch=prefetch)), 3, rank)
+        g = compose_for(make_job(_job("sharded", solver, shard=3, prefetch=prefetch)), 3, rank)
         plan = plan_memory(g)
         full = _gathered(g)
         assert sum(1 for v in full.values() if v == "forward") >= 2 * (prefetch + 1)
         for which in ("forward", "backward"):
+            assert not [r for r, v in full.items() if v == which and r in plan.persistent]
             spans = [plan.lifetimes[r] for r, v in full.items() if v == which]
             worst = max(sum(1 for a, b in spans if a <= at <= b) for at in range(len(plan.order)))
             assert 1 <= worst <= prefetch + 1, (which, worst)

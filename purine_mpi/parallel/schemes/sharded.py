@@ -53,6 +53,9 @@ class Sharded(Scheme):
         if par.shard >= 3:
             settings["prefetch"] = par.prefetch
         plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
+        # never deferred (``deferrable``): the memory plan must not keep the
+        # deferred tail's blobs (under SGD it reached the full buckets)
+        graph.deferrable = False
         graph.infer_shapes().validate()
         comp = Composition(graph, lay, shard_plan=plan)
         if job.solver.clip_gradients is not None:
