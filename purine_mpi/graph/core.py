@@ -78,6 +78,12 @@ class Op:
 #: gives them no arena slot; the recompute pass never recomputes them)
 PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
 
+#: blob attr of a full (gathered or not yet reduce-scattered) bucket that a
+#: ZeRO stage makes transient (parallel/sharding.py): the model state's
+#: working set, not held state; the memory plan places it in the arena
+#: though views of it (the weights) have a persistent kind
+WORKING_SET_ATTR = "model_state_working_set"
+
 
 class Graph:
     """Blobs and ops with the adjacency the dispatcher and passes need."""

@@ -35,6 +35,7 @@ plain data parallelism bit for bit (see the docs for when the sums agree).
 """
 from ..base.errors import GraphError
 from ..comm.ops import shard_range
+from ..graph.core import WORKING_SET_ATTR  # noqa: F401  (runtime/footprint counts it apart)
 from ..ops.updates import UPDATE_OP_TYPES
 from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq,
                             plan_buckets, prepare_replica)
@@ -172,10 +173,6 @@ def _drop_blob(graph, name):
         del graph.blobs[name]
 
 
-#: blob attr of a full (gathered or not yet reduce-scattered) bucket that a
-#: ZeRO stage makes transient: the model state's working set, not held
-#: state (runtime/footprint.model_state_bytes counts it apart)
-WORKING_SET_ATTR = "model_state_working_set"
 
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graph.core import PERSISTENT_KINDS  # noqa: F401  (blob kinds kept across iterations)
-from ..parallel.sharding import WORKING_SET_ATTR
+from ..graph.core import WORKING_SET_ATTR
 
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
