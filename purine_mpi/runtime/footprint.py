@@ -282,6 +282,25 @@ def footprint(graphs, plans, rank=0):
 MODEL_STATE_ROWS = ("weights", "gradients", "optimizer_state")
 
 
+def model_state_roots(graph):
+    """{storage root: row} of the model state ``graph`` holds on its rank
+    (``model_state_bytes``' rows)."""
+    update, _ = _reads(graph)
+    out = {}
+    for root, names in _groups(graph).items():
+        blob = graph.blobs[root]
+        if blob.shape is None:
+            continue
+        kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
+        if kinds & {"param", "param_buffer"}:
+            out[root] = "weights"
+        elif "bucket" in kinds or ("grad" in kinds and read):
+            out[root] = "gradients"
+        elif "state" in kinds and read:
+            out[root] = "optimizer_state"
+    return out
+
+
 def model_state_bytes(graph):
     """{row: bytes} of the model state ``graph`` holds on its rank, ZeRO's
     sense: the storage roots of the weights (kinds ``param``,
@@ -290,20 +309,55 @@ def model_state_bytes(graph):
     of the optimizer state (what the updates read), each counted whole
     whether or not a memory plan places it in the arena (what the scheme
     makes the rank hold, not when it is live)."""
-    update, _ = _reads(graph)
     out = dict.fromkeys(MODEL_STATE_ROWS, 0)
-    for root, names in _groups(graph).items():
-        blob = graph.blobs[root]
-        if blob.shape is None:
-            continue
-        kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
-        if kinds & {"param", "param_buffer"}:
-            row = "weights"
-        elif "bucket" in kinds or ("grad" in kinds and read):
-            row = "gradients"
-        elif "state" in kinds and read:
-            row = "optimizer_state"
-        else:
-            continue
-        out[row] += _root_nbytes(blob)
+    for root, row in model_state_roots(graph).items():
+        out[row] += _root_nbytes(graph.blobs[root])
+    return out
+
+
+def model_state_peak(graph, plans):
+    """The most model-state bytes live at once on the rank, and where:
+    {row: bytes, "total": bytes, "op": the op where they peak (None when no
+    model-state root is planned)}. A root with its own memory (not in any
+    of ``plans``, the rank's memory plans: MemoryPlan or None each) counts
+    all the time; one a plan places in its arena (a gradient written and
+    read in one iteration; gathered weights freed after their last reader)
+    only from its first to its last op in that plan's schedule. Several
+    plans (the host's, each GPU's) add their own peaks. So ``total`` <=
+    ``model_state_bytes``' total, equal when nothing of the model state is
+    planned (``memory_plan: false``)."""
+    rows = model_state_roots(graph)
+    out = dict.fromkeys(MODEL_STATE_ROWS, 0)
+    planned = {}
+    for plan in plans:
+        if plan is not None:
+            for root in plan.offsets:
+                planned[root] = plan
+    for root, row in rows.items():
+        if root not in planned:
+            out[row] += _root_nbytes(graph.blobs[root])
+    op = None
+    for plan in {id(p): p for p in planned.values()}.values():
+        diff = [[0] * len(MODEL_STATE_ROWS) for _ in range(len(plan.order) + 1)]
+        for root, row in rows.items():
+            if planned.get(root) is not plan or root not in plan.lifetimes:
+                continue
+            base = root
+            while base in plan.in_place:  # computed over another root: its bytes
+                base = plan.in_place[base][0]
+            a, b = plan.lifetimes[root]
+            i = MODEL_STATE_ROWS.index(row)
+            diff[a][i] += plan.sizes[base]
+            diff[b + 1][i] -= plan.sizes[base]
+        live, best, at = [0] * len(MODEL_STATE_ROWS), None, None
+        for pos, d in enumerate(diff[:-1]):
+            live = [x + y for x, y in zip(live, d)]
+            if best is None or sum(live) > sum(best):
+                best, at = list(live), pos
+        if best is not None and sum(best) > 0:
+            for row, n in zip(MODEL_STATE_ROWS, best):
+                out[row] += n
+            op = plan.order[at]
+    out["total"] = sum(out[row] for row in MODEL_STATE_ROWS)
+    out["op"] = op
     return out
