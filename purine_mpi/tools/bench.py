@@ -19,7 +19,9 @@ the start-up block's ``model state`` line) and live at once
 (``model_state_peak``, from the workspace's memory plans);
 ``bytes_reduce_scattered_per_iter``, ``bytes_allgathered_per_iter``,
 ``bytes_allreduced_per_iter``: the whole buffers of the composed graph's
-ReduceScatter, Allgather and Allreduce ops (comm.ops.collective_bytes).
+ReduceScatter, Allgather and Allreduce ops (comm.ops.collective_bytes);
+``max_rss_bytes_per_rank``, ``model_state_bytes_per_rank``: every timed
+rank's peak RSS and model-state totals.
 
 ``run_bench`` takes a job (job/job.py).
 """
@@ -163,6 +165,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
                  else no_servers())
     plan = trainer.ws.plan
     state = model_state_figures(trainer)
+    state.update(per_rank_figures(world, state))
     overlap = comm_overlap(events)
     in_flight_us, covered_us, comm_ops = comm_timeline(events)
     names = sorted(latencies)
@@ -254,6 +257,21 @@ def model_state_figures(trainer):
             "model_state_peak_bytes": {**{k: int(v) for k, v in peak.items() if k != "op"},
                                        "op": peak["op"]},
             **{key: int(moved.get(op_type, 0)) for op_type, key in COLLECTIVE_FIELDS}}
+
+
+def per_rank_figures(world, state):
+    """Every timed rank's peak resident memory and model-state totals (held,
+    live at once), rank order: ``max_rss_bytes_per_rank`` and
+    ``model_state_bytes_per_rank`` ({"held": [...], "peak": [...]}), summed
+    over ``world`` from each rank's own slot."""
+    mine = np.zeros((3, world.size), dtype=np.float64)
+    mine[:, world.rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           state["model_state_bytes"]["total"],
+                           state["model_state_peak_bytes"]["total"])
+    every = world.allreduce(mine, "sum", "the ranks' memory figures") if world.size > 1 else mine
+    rss, held, peak = ([int(v) for v in row] for row in every)
+    return {"max_rss_bytes_per_rank": rss,
+            "model_state_bytes_per_rank": {"held": held, "peak": peak}}
 
 
 def device_memory(ws, peaks=None, report=None):
