@@ -48,6 +48,30 @@ def test_auto_is_mpichs_choice_by_size():
         link.allreduce(4, 10, "butterfly")
 
 
+@pytest.mark.parametrize("n,nbytes", [(2, 1 << 20), (3, 1000), (4, 3 << 20), (1024, 1 << 22)])
+def test_reduce_scatter_and_allgather_are_half_a_ring_allreduce(n, nbytes):
+    """Ring: (N-1)·α + (N-1)/N · B/β each (the reduce-scatter adds the
+    reduction's (N-1)/N · B·γ, the allgather none), so the two together are
+    the ring allreduce; tree/auto: ⌈log2 N⌉ rounds of α, the same bytes."""
+    link = Link(A, B_S, G)
+    share = (n - 1) / n * nbytes
+    rs = link.reduce_scatter(n, nbytes, "ring")
+    ag = link.allgather(n, nbytes, "ring")
+    assert rs == pytest.approx((n - 1) * A + share / B_S + share * G, rel=1e-12)
+    assert ag == pytest.approx((n - 1) * A + share / B_S, rel=1e-12)
+    assert rs + ag == pytest.approx(link.allreduce(n, nbytes, "ring"), rel=1e-12)
+    rounds = math.ceil(math.log2(n))
+    for algorithm in ("tree", "auto"):
+        assert link.allgather(n, nbytes, algorithm) == pytest.approx(
+            rounds * A + share / B_S, rel=1e-12)
+        assert link.reduce_scatter(n, nbytes, algorithm) == pytest.approx(
+            rounds * A + share / B_S + share * G, rel=1e-12)
+    assert Link.sent_bytes(n, nbytes, halves=1) == pytest.approx(share)
+    assert link.reduce_scatter(1, nbytes) == link.allgather(1, nbytes) == 0.0
+    with pytest.raises(UserError, match="--algorithm"):
+        link.allgather(4, 10, "butterfly")
+
+
 def test_rates_times_and_rank_lists_parse():
     assert parse_rate("1gbit") == 125e6 and parse_rate("250mbit") == 31.25e6
     assert parse_rate("100gbit") == 12.5e9 and parse_rate("2gbps") == 2e9
@@ -289,3 +313,39 @@ def test_calibrate_writes_a_link_that_predict_reads(traced, tmp_path):
     res = run_cli_args("predict", traced, "--np", "4", "--link", link, "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["link"]["origin"].startswith("calibrated")
+
+
+@pytest.fixture(scope="module")
+def traced_sharded(tmp_path_factory):
+    """NET under ``parallel.scheme: sharded`` traced on one rank (the
+    replica as built: the scheme has no effect there)."""
+    folder = tmp_path_factory.mktemp("scaling_sharded")
+    cfg = write_config_file(folder, dict(NET, parallel={"scheme": "sharded", "shard": 1}))
+    run = folder / "run"
+    res = run_cli_args("train", cfg, "--out", run, "--profile-iters", "2:8")
+    assert res.returncode == 0, res.stderr
+    return run
+
+
+def test_predict_gives_the_closed_form_of_a_sharded_job(traced_sharded, tmp_path):
+    """At N ranks every bucket is reduce-scattered and allgathered once:
+    2 · 4·PARAMS bytes counted, and on a ring each op costs (N-1)·α +
+    (N-1)/N · bucket/β, so the whole is ops·(N-1)·α + 2(N-1)/N · 4·PARAMS/β
+    (the allreduce's bandwidth term, spread over twice the ops); the
+    shard updates take their elements' share of the traced updates, so
+    the compute does not grow with N."""
+    alpha, beta = 2e-5, 1.25e8
+    link = tmp_path / "link.json"
+    save_link(link, Link(alpha, beta, 0.0, "test"))
+    res = run_cli_args("predict", traced_sharded, "--np", "2,3,4,8", "--link", link,
+                       "--algorithm", "ring", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["np"]: r for r in json.loads(res.stdout)["rows"]}
+    total = 4 * PARAMS
+    for n, r in rows.items():
+        assert "error" not in r, r
+        assert r["comm_bytes"] == 2 * total and r["comm_ops"] % 2 == 0
+        want = r["comm_ops"] * (n - 1) * alpha + 2 * (n - 1) / n * total / beta
+        assert r["comm_ms"] == pytest.approx(1000 * want, abs=2e-3), n
+        assert r["untraced_ops"] == 0
+    assert rows[8]["compute_ms"] <= rows[2]["compute_ms"] + 1e-3

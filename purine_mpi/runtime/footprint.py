@@ -38,6 +38,7 @@ say so rather than guess (``bench --json`` measures both:
 """
 from dataclasses import dataclass, field
 
+from ..graph.core import WORKING_SET_ATTR
 from .factory import memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
 from .workspace import plan_device_memory, window_arrays
@@ -66,9 +67,8 @@ def shared_params(graphs):
     """The parameters the test graph reads from the training workspace
     (the trainer hands it those arrays rather than copies): not the views
     of a bucket a ZeRO stage gathers for the training graph alone
-    (parallel/sharding.WORKING_SET_ATTR: the test graph holds its own,
+    (graph/core.WORKING_SET_ATTR: the test graph holds its own,
     Scheme.test_weights fills them)."""
-    from ..parallel.sharding import WORKING_SET_ATTR
     tg, g = graphs.test_graph, graphs.graph
     return [p for p in tg.blobs if p in g.blobs and g.blobs[p].kind == "param" and
             WORKING_SET_ATTR not in g.blobs[g.storage_root(p)].attrs]
@@ -287,6 +287,30 @@ def footprint(graphs, plans, rank=0):
 MODEL_STATE_ROWS = ("weights", "gradients", "optimizer_state")
 
 
+def model_state_roots(graph, working=False):
+    """{storage root: row} of the model state ``graph`` holds on its rank
+    (``model_state_bytes``' rows); with ``working`` also the full buckets a
+    ZeRO stage makes transient (WORKING_SET_ATTR: stage 2's gradient
+    buckets before their reduce-scatter, stage 3's gathered weights)."""
+    update, _ = _reads(graph)
+    out = {}
+    for root, names in _groups(graph).items():
+        blob = graph.blobs[root]
+        if blob.shape is None:
+            continue
+        transient = any(WORKING_SET_ATTR in graph.blobs[n].attrs for n in names)
+        if transient and not working:
+            continue
+        kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
+        if kinds & {"param", "param_buffer"}:
+            out[root] = "weights"
+        elif "bucket" in kinds or ("grad" in kinds and (read or transient)):
+            out[root] = "gradients"
+        elif "state" in kinds and read:
+            out[root] = "optimizer_state"
+    return out
+
+
 def model_state_bytes(graph, plan=None):
     """{row: bytes} of the model state ``graph`` holds on its rank, ZeRO's
     sense: the storage roots of the weights (kinds ``param``,
@@ -298,39 +322,75 @@ def model_state_bytes(graph, plan=None):
 
     Besides the rows: ``held`` (their sum), ``working`` and ``peak``. The
     working set is the full buckets a ZeRO stage makes transient
-    (parallel/sharding.WORKING_SET_ATTR: stage 2's gradient buckets before
+    (graph/core.WORKING_SET_ATTR: stage 2's gradient buckets before
     their reduce-scatter, stage 3's gathered weights): with ``plan`` (the
     host's memory plan) the most of their bytes live at once in its
     schedule, without one (or for such a blob the plan does not place) the
     bytes of every one; ``peak`` is ``held + working``."""
-    from ..parallel.sharding import WORKING_SET_ATTR
-    update, _ = _reads(graph)
     out = dict.fromkeys(MODEL_STATE_ROWS, 0)
+    for root, row in model_state_roots(graph).items():
+        out[row] += _root_nbytes(graph.blobs[root])
     spans, working = [], 0
-    for root, names in _groups(graph).items():
+    held = model_state_roots(graph)
+    for root in model_state_roots(graph, working=True):
+        if root in held:
+            continue
         blob = graph.blobs[root]
-        if blob.shape is None:
-            continue
-        if any(WORKING_SET_ATTR in graph.blobs[n].attrs for n in names):
-            if plan is not None and root in plan.lifetimes:
-                spans.append(plan.lifetimes[root] + (_root_nbytes(blob),))
-            else:
-                working += _root_nbytes(blob)
-            continue
-        kinds, read = {graph.blobs[n].kind for n in names}, update.intersection(names)
-        if kinds & {"param", "param_buffer"}:
-            row = "weights"
-        elif "bucket" in kinds or ("grad" in kinds and read):
-            row = "gradients"
-        elif "state" in kinds and read:
-            row = "optimizer_state"
+        if plan is not None and root in plan.lifetimes:
+            spans.append(plan.lifetimes[root] + (_root_nbytes(blob),))
         else:
-            continue
-        out[row] += _root_nbytes(blob)
+            working += _root_nbytes(blob)
     live = 0
     for at in sorted({a for a, _, _ in spans}):  # the live bytes peak where one begins
         live = max(live, sum(n for a, b, n in spans if a <= at <= b))
     out["held"] = sum(out[row] for row in MODEL_STATE_ROWS)
     out["working"] = working + live
     out["peak"] = out["held"] + out["working"]
+    return out
+
+
+def model_state_peak(graph, plans):
+    """The most model-state bytes live at once on the rank, and where:
+    {row: bytes, "total": bytes, "op": the op where they peak (None when no
+    model-state root is planned)}. A root with its own memory (not in any
+    of ``plans``, the rank's memory plans: MemoryPlan or None each) counts
+    all the time; one a plan places in its arena (a gradient written and
+    read in one iteration; gathered weights freed after their last reader)
+    only from its first to its last op in that plan's schedule. Several
+    plans (the host's, each GPU's) add their own peaks."""
+    rows = model_state_roots(graph, working=True)
+    out = dict.fromkeys(MODEL_STATE_ROWS, 0)
+    planned = {}
+    for plan in plans:
+        if plan is not None:
+            for root in plan.offsets:
+                planned[root] = plan
+    for root, row in rows.items():
+        if root not in planned:
+            out[row] += _root_nbytes(graph.blobs[root])
+    op = None
+    for plan in {id(p): p for p in planned.values()}.values():
+        diff = [[0] * len(MODEL_STATE_ROWS) for _ in range(len(plan.order) + 1)]
+        for root, row in rows.items():
+            if planned.get(root) is not plan or root not in plan.lifetimes:
+                continue
+            base = root
+            while base in plan.in_place:  # computed over another root: its bytes
+                base = plan.in_place[base][0]
+            a, b = plan.lifetimes[root]
+            i = MODEL_STATE_ROWS.index(row)
+            diff[a][i] += plan.sizes[base]
+            diff[b + 1][i] -= plan.sizes[base]
+        live, best, at = [0] * len(MODEL_STATE_ROWS), None, None
+        for pos, d in enumerate(diff[:-1]):
+            live = [x + y for x, y in zip(live, d)]
+            if best is None or sum(live) > sum(best):
+                best, at = list(live), pos
+        if best is not None and sum(best) > 0:
+            for row, n in zip(MODEL_STATE_ROWS, best):
+                out[row] += n
+            op = plan.order[at]
+    out["total"] = sum(out[row] for row in MODEL_STATE_ROWS)
+    out["op"] = op
+    return out
     return out

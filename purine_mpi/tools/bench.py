@@ -13,6 +13,15 @@ per event: ``args.post_latency_us`` and ``args.ready_ts``).
 ``staging_ms_per_iter``: on a GPU with a non-CUDA-aware MPI, the device time
 of the buckets' asynchronous copies to and from their page-locked host
 mirrors (trace category ``staging``), per iteration; 0 elsewhere.
+``model_state_bytes`` / ``model_state_peak_bytes``: rank 0's weights,
+gradients and optimizer state, held (runtime/footprint.model_state_bytes:
+the start-up block's ``model state`` line) and live at once
+(``model_state_peak``, from the workspace's memory plans);
+``bytes_reduce_scattered_per_iter``, ``bytes_allgathered_per_iter``,
+``bytes_allreduced_per_iter``: the whole buffers of the composed graph's
+ReduceScatter, Allgather and Allreduce ops (comm.ops.collective_bytes);
+``max_rss_bytes_per_rank``, ``model_state_bytes_per_rank``: every timed
+rank's peak RSS and model-state totals.
 
 ``run_bench`` takes a job (job/job.py).
 """
@@ -25,9 +34,11 @@ import numpy as np
 
 from ..base.backend import cupy_available, xp_for_device
 from ..base.errors import UserError
+from ..comm.ops import collective_bytes
 from ..gpu.memory import start_peak_memory
 from ..job.job import DataSpec
 from ..parallel.schemes import mode_class
+from ..runtime.footprint import MODEL_STATE_ROWS, model_state_peak
 from ..runtime.trace import merge_intervals
 
 
@@ -153,6 +164,8 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     moved.update(ps_figures(gworld, servers) if servers is not None and gworld.rank == 0
                  else no_servers())
     plan = trainer.ws.plan
+    state = model_state_figures(trainer)
+    state.update(per_rank_figures(world, state))
     overlap = comm_overlap(events)
     in_flight_us, covered_us, comm_ops = comm_timeline(events)
     names = sorted(latencies)
@@ -202,6 +215,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         # each), the kernels' scratch, and what CuPy's pool holds (with
         # CuPy on a GPU); empty on the CPU
         **device_memory(trainer.ws, peaks, report),
+        **state,
         "backend": "cupy" if on_gpu else "numpy",
         "dispatcher": type(d).__name__,
         # parallel.backend: who reduced the buckets ("mpi", "nccl"; null: one rank, mpi) and why
@@ -216,6 +230,48 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
     return result if world.rank == 0 else None
+
+
+#: bench's fields of the bytes each collective type carries per iteration
+COLLECTIVE_FIELDS = (("ReduceScatter", "bytes_reduce_scattered_per_iter"),
+                     ("Allgather", "bytes_allgathered_per_iter"),
+                     ("Allreduce", "bytes_allreduced_per_iter"))
+
+
+def model_state_figures(trainer):
+    """The model-state and collective fields of ``bench --json`` for
+    ``trainer``'s rank: ``model_state_bytes`` ({weights, gradients,
+    optimizer_state, total}: held, as the start-up block's ``model state``
+    line counts them), ``model_state_peak_bytes`` (the same rows live at
+    once in the workspace's memory plans, and the op where they peak) and
+    the bytes of the training graph's ReduceScatter, Allgather and
+    Allreduce ops per iteration (each op's whole buffer)."""
+    held = trainer.model_state()
+    held = {**{row: int(held[row]) for row in MODEL_STATE_ROWS},
+            "total": int(sum(held[row] for row in MODEL_STATE_ROWS))}
+    ws = trainer.ws
+    plans = [ws.plan, *(getattr(ws, "device_plans", {}) or {}).values()]
+    peak = model_state_peak(trainer.graphs.graph, plans)
+    moved = collective_bytes(trainer.graphs.graph)
+    return {"model_state_bytes": held,
+            "model_state_peak_bytes": {**{k: int(v) for k, v in peak.items() if k != "op"},
+                                       "op": peak["op"]},
+            **{key: int(moved.get(op_type, 0)) for op_type, key in COLLECTIVE_FIELDS}}
+
+
+def per_rank_figures(world, state):
+    """Every timed rank's peak resident memory and model-state totals (held,
+    live at once), rank order: ``max_rss_bytes_per_rank`` and
+    ``model_state_bytes_per_rank`` ({"held": [...], "peak": [...]}), summed
+    over ``world`` from each rank's own slot."""
+    mine = np.zeros((3, world.size), dtype=np.float64)
+    mine[:, world.rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           state["model_state_bytes"]["total"],
+                           state["model_state_peak_bytes"]["total"])
+    every = world.allreduce(mine, "sum", "the ranks' memory figures") if world.size > 1 else mine
+    rss, held, peak = ([int(v) for v in row] for row in every)
+    return {"max_rss_bytes_per_rank": rss,
+            "model_state_bytes_per_rank": {"held": held, "peak": peak}}
 
 
 def device_memory(ws, peaks=None, report=None):
@@ -293,6 +349,31 @@ def _comm_rows(res, ms):
     ]
 
 
+def _state_rows(res, human_bytes):
+    """The model-state and collectives rows of ``format_bench`` (none for a
+    result without them)."""
+    held, peak = res.get("model_state_bytes"), res.get("model_state_peak_bytes")
+    rows = []
+    if held is not None:
+        text = (f"weights {human_bytes(held['weights'])}, gradients "
+                f"{human_bytes(held['gradients'])}, optimizer state "
+                f"{human_bytes(held['optimizer_state'])}: {human_bytes(held['total'])} held "
+                "(rank 0)")
+        if peak is not None:
+            text += (f", {human_bytes(peak['total'])} live at once at its peak"
+                     + (f" (at {peak['op']})" if peak.get("op") else ""))
+        rows.append(("model state", text))
+    moved = [(what, res.get(key)) for what, key in
+             (("reduce-scattered", "bytes_reduce_scattered_per_iter"),
+              ("allgathered", "bytes_allgathered_per_iter"),
+              ("allreduced", "bytes_allreduced_per_iter"))]
+    if any(v is not None for _, v in moved):
+        said = [f"{human_bytes(v)} {what}" for what, v in moved if v]
+        rows.append(("collectives", ", ".join(said) + " per iteration (whole buffers)"
+                     if said else "none"))
+    return rows
+
+
 def format_bench(res, warmup=None):
     """``bench`` without ``--json``: the result in human units (images/s with
     thousands separators, milliseconds, KiB/MiB), ``n/a`` where a figure
@@ -320,6 +401,7 @@ def format_bench(res, warmup=None):
                          "n/a (no communication)"),
         ("memory", f"{human_bytes(res['peak_mem_bytes'])} in blobs (rank 0), "
                    f"{human_bytes(res['max_rss_bytes'])} peak resident"),
+        *_state_rows(res, human_bytes),
     ]
     if res.get("blas"):
         rows.append(("matrix products", f"cuBLAS through {res['blas']}"))

@@ -156,6 +156,7 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
             line = describe_tail(graph)
             if line:
                 lines.append(line)
+    lines += shard_lines(job, graph)
     from ..graph.recompute import describe_recompute
     if describe_recompute(graph):
         lines.append(f"recompute {describe_recompute(graph)}")
@@ -165,6 +166,77 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     if memory:
         lines += memory_lines(job, graph)
     return "\n".join(lines)
+
+
+def shard_lines(job, graph):
+    """The gather and free points of a graph with ReduceScatter and
+    Allgather ops (the sharded scheme), one entry per op in ``seq`` order:
+    the bucket it reduce-scatters or gathers (its bytes, its parameters,
+    this rank's shard), the op after which it posts (the last writer of its
+    inputs), the ops that read the gathered buffer and after which op the
+    buffer's storage is free: its last op in the memory plan's schedule
+    when the plan the trainer makes (``memory_plans``, on a copy of the
+    graph) puts it in the arena, else "held" (storage of its own, kept
+    between iterations). Empty without such ops."""
+    from ..base.progress_bar import human_bytes
+    from ..comm.ops import data_blobs, shard_range
+    ops = sorted((op for op in graph.ops.values()
+                  if op.op_type in ("ReduceScatter", "Allgather")),
+                 key=lambda op: (int(op.attrs.get("seq", 0)), op.name))
+    if not ops:
+        return []
+    from ..runtime.factory import memory_plans
+    from ..runtime.memory_plan import batch_blobs
+    order = {op.name: i for i, op in enumerate(graph.topo_order())}
+    plans = []
+    if job.memory_plan:
+        host, devices = memory_plans(graph.copy(), keep=batch_blobs(graph), order_ops=True)
+        plans = [p for p in [host, *devices.values()] if p is not None]
+    producers = graph.producers()
+    readers = {}
+    for op in graph.ops.values():
+        for b in op.inputs:
+            readers.setdefault(graph.storage_root(b), []).append(op.name)
+
+    def last_writer(names):
+        ops_ = {w.name for b in names for w in producers.get(b, ())}
+        return max(ops_, key=order.get) if ops_ else None
+
+    def storage(root):
+        for plan in plans:
+            if root in plan.offsets and root in plan.lifetimes:
+                return f"free after {plan.order[plan.lifetimes[root][1]]} (memory plan)"
+        why = "memory_plan: false" if not job.memory_plan else "own memory"
+        return f"held between iterations ({why})"
+
+    shards, shard = int(ops[0].attrs["shards"]), int(ops[0].attrs["shard"])
+    lines = [f"sharded buckets (rank {shard}'s shard of {shards}; shard r of a bucket of n "
+             "elements is [r*c, min(n, (r+1)*c)), c = ceil(n/N)):"]
+    for op in ops:
+        data = data_blobs(op)
+        root = graph.storage_root(data[0])
+        total = sum(graph.blobs[b].size for b in data)
+        lo, hi = shard_range(total, int(op.attrs["shards"]), int(op.attrs["shard"]))
+        nbytes = sum(graph.blobs[b].nbytes for b in data)
+        after = last_writer(op.inputs)
+        if op.op_type == "ReduceScatter":
+            params = [b[:-len(".grad")] if b.endswith(".grad") else b for b in op.inputs]
+            lines.append(f"  {op.attrs.get('bucket', root)}: {human_bytes(nbytes)} "
+                         f"({', '.join(params)}), shard [{lo}:{hi}) of {total:,} elements")
+            lines.append(f"    reduce-scattered by {op.name} (seq {op.attrs.get('seq', 0)})"
+                         + (f" after {after}" if after else "")
+                         + f"; its storage {root}: {storage(root)}")
+            continue
+        reads = sorted({r for b in data for r in readers.get(graph.storage_root(b), ())
+                        if r != op.name}, key=order.get)
+        read = (f"; read by {len(reads)} op{'s' if len(reads) != 1 else ''}, "
+                f"{reads[0]} first, {reads[-1]} last" if reads else "; read by no op")
+        lines.append(f"  {op.attrs.get('bucket', root)}: {human_bytes(nbytes)}, shard "
+                     f"[{lo}:{hi}) of {total:,} elements")
+        lines.append(f"    gathered by {op.name} (seq {op.attrs.get('seq', 0)})"
+                     + (f" after {after}" if after else "")
+                     + f"{read}; its storage {root}: {storage(root)}")
+    return lines
 
 
 def memory_lines(job, graph):

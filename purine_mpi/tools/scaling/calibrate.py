@@ -14,6 +14,9 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
   reduced byte ((P-1)/P of the message): the reductions and the copies
   the transport makes on the rank's CPU. The CPU time the rank spent per
   allreduced byte (user + system, all threads) is written beside it.
+  The sharded scheme's ReduceScatter does the same reduction on the same
+  share of its buffer, so the model charges it the same γ
+  (``Link.reduce_scatter``); an Allgather reduces nothing (no γ).
 
 - the transfer's cost to the compute, and the link while computing: a
   4 MiB Iallreduce runs while the main thread computes (matrix products,
@@ -24,7 +27,8 @@ measure the link the ranks run on, for ``predict --link LINK.json``.
   on this host (TCP copies, the kernel's network stack, the polling) --
   close to 0 with free cores or RDMA, large on an oversubscribed host;
   ``beta_busy_bytes_per_s`` is the rate the allreduce moved its bytes at
-  meanwhile.
+  meanwhile. Both apply to a ReduceScatter's and an Allgather's bytes
+  too (each sends (N-1)/N of its buffer, half an allreduce's).
 
 The file (JSON, ``"format": "purine_mpi.link"``) holds ``alpha_s``,
 ``beta_bytes_per_s``, ``alpha_put_s``, ``beta_put_bytes_per_s``, ``gamma_s_per_byte``, ``cpu_s_per_byte``,

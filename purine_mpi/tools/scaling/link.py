@@ -15,7 +15,19 @@ of collective communication operations in MPICH", IJHPCA 2005):
                   (MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE), rabenseifner above
 
 where P is the largest power of two <= N; when P < N, tree and
-rabenseifner add the fold of the extra ranks, 2·(α + B/β). A
+rabenseifner add the fold of the extra ranks, 2·(α + B/β).
+
+ReduceScatter and Allgather of a buffer of B bytes over N ranks (the
+sharded scheme's collectives; B is the whole buffer, each rank ends with,
+or starts from, its B/N shard), each half of the allreduce's traffic:
+
+    ring          (N-1)·α + (N-1)/N · B/β [+ (N-1)/N · B·γ: reduce-scatter]
+    tree, auto    recursive halving (reduce-scatter) / doubling (allgather):
+                  ⌈log2 N⌉·α + (N-1)/N · B/β [+ (N-1)/N · B·γ]
+
+(MPICH's recursive halving and doubling for a power of two, its pairwise
+exchange or Bruck's algorithm otherwise: every one moves (N-1)/N · B per
+rank; the latency terms are these algorithms' rounds). A
 point-to-point message costs α + B/β; a one-sided transfer (Put, Get into
 or out of a window: no receive posted, no matching, no copy at the
 receiver) α_put + B/β_put, the figures ``predict --calibrate`` measures
@@ -69,10 +81,11 @@ class Link:
         return alpha + nbytes / (self.beta_put or self.beta)
 
     @staticmethod
-    def sent_bytes(n, nbytes):
+    def sent_bytes(n, nbytes, halves=2):
         """Bytes a rank sends in an allreduce of ``nbytes`` over ``n`` ranks
-        (ring or reduce-scatter + allgather): 2(N-1)/N of the message."""
-        return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+        (ring or reduce-scatter + allgather): 2(N-1)/N of the message;
+        ``halves=1``: a reduce-scatter's or an allgather's (N-1)/N."""
+        return halves * (n - 1) / n * nbytes if n > 1 else 0.0
 
     def p2p(self, nbytes):
         return self.alpha + nbytes / self.beta
@@ -96,6 +109,28 @@ class Link:
             return lg * (self.alpha + b / self.beta + b * self.gamma) + fold
         return 2 * lg * self.alpha + 2 * (pof2 - 1) / pof2 * b / self.beta + \
             (pof2 - 1) / pof2 * b * self.gamma + fold
+
+    def reduce_scatter(self, n, nbytes, algorithm="auto"):
+        """Seconds for a reduce-scatter of a ``nbytes`` buffer over ``n``
+        ranks (each rank's shard of the sum: the reduction's γ on
+        (N-1)/N of the bytes)."""
+        return self._half(n, nbytes, algorithm, self.gamma)
+
+    def allgather(self, n, nbytes, algorithm="auto"):
+        """Seconds for an allgather of a ``nbytes`` buffer (the whole,
+        every rank's shard) over ``n`` ranks: no reduction."""
+        return self._half(n, nbytes, algorithm, 0.0)
+
+    def _half(self, n, nbytes, algorithm, gamma):
+        n = int(n)
+        if n <= 1:
+            return 0.0
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, "
+                            f"got {algorithm!r}")
+        b = float(nbytes)
+        rounds = n - 1 if algorithm == "ring" else (n - 1).bit_length()  # ⌈log2 n⌉
+        return rounds * self.alpha + (n - 1) / n * b / self.beta + (n - 1) / n * b * gamma
 
     def as_dict(self):
         return asdict(self)

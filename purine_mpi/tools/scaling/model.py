@@ -7,6 +7,11 @@ their cost on the link model (``link.py``):
 
 - data parallel (``mode: sync``): each bucket's Allreduce over the N
   replicas; one rank is simulated (the replicas are symmetric);
+- sharded (``scheme: sharded``): each bucket's ReduceScatter and Allgather
+  over their ``shards`` ranks (``Link.reduce_scatter``, ``Link.allgather``:
+  (N-1)/N of the bucket each on a ring, against the allreduce's 2(N-1)/N),
+  rank 0 simulated; its graph is composed for every N (the shards' sizes
+  and the updates on them follow N);
 - pipeline / hybrid: every stage of one replica is simulated, its Send and
   Recv matched by tag (α + B/β each), a hybrid stage's buckets allreduced
   over the replicas;
@@ -25,20 +30,24 @@ the trace (``dispatch_overhead``): what the traced iterations took beyond
 the simulation of the traced rank count with its traced communication,
 spread over the ops of the busiest thread.
 
-A compute op absent from the trace (a row chunk of a split weight, a copy
-into a bucket) is estimated: a chunk takes its rows' share of the whole
-op; a Copy its bytes at the host's copy speed; other ops count as 0 and are
+A compute op absent from the trace (a row chunk of a split weight, a
+shard's update, a copy into a bucket) is estimated: a chunk takes its
+rows' share of the whole op, a shard's update its elements' share; a Copy its bytes at the host's copy speed; other ops count as 0 and are
 reported as ``untraced``.
 """
 import time
 
 from ...base.errors import UserError
+from ...comm.ops import data_blobs
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import split_chunk
 
 #: the point-to-point comm ops: two-sided, and one-sided (comm/rma_ops.py,
 #: comm/rma_pull.py: a Put matched with its WaitWrite by window region)
 _POINT_TO_POINT = ("Send", "Recv", "Put", "WaitWrite", "Get", "Publish")
+
+#: the collectives that move half an allreduce's bytes: op type -> Link method
+_HALVES = {"ReduceScatter": "reduce_scatter", "Allgather": "allgather"}
 
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
@@ -96,10 +105,15 @@ class Template:
         self.tail, self.cross = (deferred_tail(graph, self.kernels, self.deps)
                                  if scenario.defer else (frozenset(), {}))
         self.rows = {}
-        for name in graph.ops:
+        for name, op in graph.ops.items():
             base, _, b = split_chunk(name)
-            if base is not None:
-                self.rows[base] = max(self.rows.get(base, 0), b)
+            if base is None:
+                continue
+            whole = _shard_param(graph, op)
+            # a row chunk counts rows of the weight; a shard update
+            # (sharded scheme) elements of it: its share of the whole update
+            self.rows[base] = max(self.rows.get(base, 0),
+                                  b if whole is None else graph.blobs[whole].size)
 
     def rank_graph(self, durations, link, algorithm, scenario, copy_cost, no_comm=False,
                    overhead=0.0, traced_comm=False):
@@ -138,6 +152,15 @@ class Template:
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes))
+        if op.op_type in _HALVES:
+            nbytes = _nbytes(g, data_blobs(op))  # the whole bucket, as bench counts it
+            group = int(op.attrs.get("shards") or scenario.replicas)
+            cost = getattr(link, _HALVES[op.op_type])
+            return SimOp(op.name, cost(group, nbytes, algorithm), deps, kind="collective",
+                         seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
+                         busy_seconds=getattr(link.busy(), _HALVES[op.op_type])(
+                             group, nbytes, algorithm),
+                         cpu=link.cpu * link.sent_bytes(group, nbytes, halves=1))
         if op.op_type in ("Release", "WaitFree"):
             # a notify word raised (α_put) and a wait for one: no data moves;
             # the wait for the consumer's release of the last iteration's
@@ -167,10 +190,33 @@ class Template:
                      nbytes=nbytes, cpu=link.cpu * nbytes if send else 0.0)
 
 
+def _shard_param(graph, op):
+    """The weight whose shard ``op`` updates (its first input a view of kind
+    ``param_shard``, named ``<weight>.shard[a:b]``: parallel/sharding.py),
+    or None."""
+    from ...parallel.sharding import PARAM_SHARD_KIND
+    if not op.inputs or graph.blobs[op.inputs[0]].kind != PARAM_SHARD_KIND:
+        return None
+    param = op.inputs[0].rsplit(".shard[", 1)[0]
+    return param if param in graph.blobs else None
+
+
 def _templates(job, scenario, cache):
-    if scenario.key not in cache:
-        cache[scenario.key] = [Template(job, scenario, r) for r in scenario.ranks]
-    return cache[scenario.key]
+    """The rank graphs of ``scenario``, composed once per key: one data-
+    parallel graph serves every N unless its collectives are cut by the
+    rank count (ReduceScatter, Allgather: attr ``shards``), which is then
+    composed for each N."""
+    key = scenario.key
+    if key == ("dp",) and cache.get("per_n"):
+        key = (scenario.n,)
+    if key not in cache:
+        cache[key] = [Template(job, scenario, r) for r in scenario.ranks]
+        if key == ("dp",) and any("shards" in op.attrs for t in cache[key]
+                                  for name, op in t.graph.ops.items() if name in t.comm):
+            cache["per_n"] = True
+            cache[(scenario.n,)] = cache.pop(key)
+            key = (scenario.n,)
+    return cache[key]
 
 
 def dispatch_overhead(job, durations, link, algorithm, copy_cost, cache):

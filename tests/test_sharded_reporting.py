@@ -1,0 +1,151 @@
+"""What the tools report of the sharded scheme (issue 43): ``bench
+--json``'s model-state bytes and collective bytes, ``graph --np N``'s gather
+and free points, and ``benchmarks/sharded.py`` run tiny (data against
+sharded at each accepted ``parallel.shard``, the parameters after AdamW
+steps compared). The predictor's cost of the collectives is in
+test_scaling.py."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from purine_mpi.comm.ops import shard_range
+from purine_mpi.runtime.factory import memory_plans
+from purine_mpi.runtime.footprint import MODEL_STATE_ROWS, model_state_bytes, model_state_peak
+from purine_mpi.runtime.memory_plan import batch_blobs
+from purine_mpi.tools.graph import compose_for
+from tests.conftest import MPIEXEC, REPO, cli_env, make_job, run_cli_args, run_mpi_cli, \
+    write_config_file
+from tests.test_sharded import _job
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+
+def _bench(tmp_path, cfg, name):
+    path = write_config_file(tmp_path, cfg, f"{name}.yaml")
+    res = run_mpi_cli(2, "bench", path, "--iters", "2", "--warmup", "1", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    text = run_mpi_cli(2, "bench", path, "--iters", "1", "--warmup", "1", timeout=300)
+    assert text.returncode == 0, text.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1]), text.stdout
+
+
+@pytest.mark.mpi
+def test_bench_reports_model_state_and_collective_bytes(tmp_path):
+    """Held bytes are the graph's (runtime/footprint.model_state_bytes of
+    the rank's composed graph); sharded holds half of data parallelism's
+    AdamW state on 2 ranks (even buckets here, or one element more) and
+    reduce-scatters and allgathers the bytes data parallelism allreduces."""
+    data, _ = _bench(tmp_path, _job("data"), "data")
+    shard, text = _bench(tmp_path, _job("sharded"), "sharded")
+    for res, scheme in ((data, "data"), (shard, "sharded")):
+        want = model_state_bytes(compose_for(make_job(_job(scheme)), 2, 0))
+        held, peak = res["model_state_bytes"], res["model_state_peak_bytes"]
+        assert {k: held[k] for k in MODEL_STATE_ROWS} == want, scheme
+        assert held["total"] == sum(want.values())
+        assert 0 < peak["total"] <= held["total"]
+        assert peak["total"] == sum(peak[k] for k in MODEL_STATE_ROWS)
+        assert res["model_state_bytes_per_rank"]["held"][0] == held["total"]
+        assert res["model_state_bytes_per_rank"]["peak"][0] == peak["total"]
+        assert len(res["max_rss_bytes_per_rank"]) == 2
+        assert res["max_rss_bytes_per_rank"][0] == res["max_rss_bytes"]
+    grads = data["bytes_allreduced_per_iter"]
+    assert grads == data["model_state_bytes"]["weights"] > 0
+    assert data["bytes_reduce_scattered_per_iter"] == data["bytes_allgathered_per_iter"] == 0
+    assert shard["bytes_reduce_scattered_per_iter"] == shard["bytes_allgathered_per_iter"] == grads
+    assert shard["bytes_allreduced_per_iter"] == 0
+    assert shard["bytes_two_sided_per_iter"] == 2 * grads
+    state = data["model_state_bytes"]["optimizer_state"]
+    assert state / 2 <= shard["model_state_bytes"]["optimizer_state"] < state / 2 + 64
+    assert shard["model_state_bytes"]["weights"] == data["model_state_bytes"]["weights"]
+    assert re.search(r"model state +weights .* held \(rank 0\)", text), text
+    assert re.search(r"collectives +[\d.,]+ \w+ reduce-scattered, [\d.,]+ \w+ allgathered", text)
+
+
+def test_model_state_peak_follows_the_memory_plan():
+    """No plan: the peak is every model-state root, whole (the held bytes).
+    With the trainer's plan: roots in the arena count only while live, so
+    the peak lies between the roots of their own and the held bytes."""
+    g = compose_for(make_job(_job("sharded")), 2, 0)
+    held = model_state_bytes(g)
+    bare = model_state_peak(g, [None])
+    assert {k: bare[k] for k in MODEL_STATE_ROWS} == held and bare["op"] is None
+    host, devices = memory_plans(g.copy(), keep=batch_blobs(g))
+    peak = model_state_peak(g, [host, *devices.values()])
+    assert peak["total"] <= sum(held.values())
+    assert peak["weights"] == held["weights"]  # the flat weight buffers have memory of their own
+    assert peak["op"] is None or peak["op"] in host.order
+
+
+def test_graph_np_shows_the_gather_and_free_points(tmp_path):
+    cfg = _job("sharded")
+    path = write_config_file(tmp_path, cfg, "s.yaml")
+    res = run_cli_args("graph", path, "--np", "2", "--rank", "1")
+    assert res.returncode == 0, res.stderr
+    g = compose_for(make_job(cfg), 2, 1)
+    scatters = [op for op in g.ops.values() if op.op_type == "ReduceScatter"]
+    gathers = [op for op in g.ops.values() if op.op_type == "Allgather"]
+    assert scatters and len(scatters) == len(gathers)
+    out = res.stdout
+    assert "sharded buckets (rank 1's shard of 2" in out
+    for op in scatters + gathers:
+        n = sum(g.blobs[b].size for b in (op.outputs if op.op_type == "Allgather"
+                                          else op.inputs))
+        lo, hi = shard_range(n, 2, 1)
+        assert f"  {op.attrs['bucket']}: " in out and f"shard [{lo}:{hi}) of {n:,}" in out
+        verb = "gathered" if op.op_type == "Allgather" else "reduce-scattered"
+        line = next(x for x in out.splitlines() if f"{verb} by {op.name} " in x)
+        # a gather posts after the last shard update that writes its inputs
+        writers = [w.name for w in g.ops.values() if set(w.outputs) & set(op.inputs)]
+        assert any(f"after {w};" in line for w in writers), line
+        assert "held between iterations (own memory)" in line, line
+    off = run_cli_args("graph", path, "--np", "2", "--set", "memory_plan=false")
+    assert off.returncode == 0 and "held between iterations (memory_plan: false)" in off.stdout
+    plain = run_cli_args("graph", write_config_file(tmp_path, _job("data"), "d.yaml"),
+                         "--np", "2")
+    assert plain.returncode == 0 and "sharded buckets" not in plain.stdout
+
+
+def test_the_benchmark_reads_the_accepted_shard_values_from_the_config():
+    import sharded
+    cifar = os.path.join(REPO, "jobs", "cifar10_quick.yaml")
+    values = sharded.shard_values(cifar)
+    assert 1 in values and values == sorted(values)
+    for k in range(0, values[-1] + 2):
+        ok = sharded._loads(cifar, ["parallel.scheme=sharded", f"parallel.shard={k}"])
+        assert ok == (k in values), k
+    assert list(sharded.settings_of(cifar)) == ["data"] + [f"sharded_shard{k}" for k in values]
+
+
+@pytest.mark.mpi
+def test_the_sharded_benchmark_runs_tiny(tmp_path):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    res = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "sharded.py"),
+                          "--configs", "jobs/cifar10_quick.yaml", "--pairs", "1", "--iters", "1",
+                          "--warmup", "1", "--check-steps", "2",
+                          "--set", "data.train.batch_size=4"],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])["configs"]["jobs/cifar10_quick.yaml"]
+    import sharded
+    settings = out["settings"]
+    assert list(settings) == list(sharded.settings_of("jobs/cifar10_quick.yaml"))
+    data = settings["data"]
+    for name, s in settings.items():
+        assert s["images_per_s"] > 0 and len(s["max_rss_mib_per_rank"]) == 2
+        assert all(30 < m < 4096 for m in s["max_rss_mib_per_rank"]), s
+        assert 0 <= s["comm_hidden_ms_per_iter"] <= s["comm_in_flight_ms_per_iter"] + 1e-3
+        assert s["model_state_peak_bytes"]["total"] <= s["model_state_bytes"]["total"]
+        if name == "data":
+            continue
+        assert s["ratio_to_data"] == pytest.approx(s["images_per_s"] / data["images_per_s"],
+                                                   rel=1e-3)
+        assert s["bytes_reduce_scattered_per_iter"] == data["bytes_allreduced_per_iter"]
+        # 2 ranks: the reduce-scatter's sums are the allreduce's (a + b): bitwise
+        assert s["check"]["max_rel_diff"] == 0.0 and s["check"]["params"] == 10
