@@ -242,13 +242,15 @@ def model_state_figures(trainer):
     """The model-state and collective fields of ``bench --json`` for
     ``trainer``'s rank: ``model_state_bytes`` ({weights, gradients,
     optimizer_state, total}: held, as the start-up block's ``model state``
-    line counts them), ``model_state_peak_bytes`` (the same rows live at
+    line counts them; ``working``: the most bytes of a ZeRO stage's
+    transient full buckets live at once), ``model_state_peak_bytes`` (the same rows live at
     once in the workspace's memory plans, and the op where they peak) and
     the bytes of the training graph's ReduceScatter, Allgather and
     Allreduce ops per iteration (each op's whole buffer)."""
-    held = trainer.model_state()
-    held = {**{row: int(held[row]) for row in MODEL_STATE_ROWS},
-            "total": int(sum(held[row] for row in MODEL_STATE_ROWS))}
+    state = trainer.model_state()
+    held = {**{row: int(state[row]) for row in MODEL_STATE_ROWS},
+            "total": int(sum(state[row] for row in MODEL_STATE_ROWS)),
+            "working": int(state.get("working", 0))}
     ws = trainer.ws
     plans = [ws.plan, *(getattr(ws, "device_plans", {}) or {}).values()]
     peak = model_state_peak(trainer.graphs.graph, plans)
