@@ -16,7 +16,11 @@ parallel composition (job/replica.py calls it):
     half ``ln_2, fc, gelu, proj, dropout, add``); in any other net each
     matched layer is a unit of its own. A unit keeps its inputs (the blobs
     it reads from outside: the residual stream, the weights); every blob it
-    makes that its backward reads is recomputed.
+    makes that its backward reads is recomputed, but for its outputs (the
+    blobs it hands to forward ops outside it) in a net with residual adds:
+    the residual stream is the next unit's input, kept anyway, and
+    recomputing it would copy the whole unit for a reader (the next
+    LayerNorm's backward) that runs before the unit's own backward.
 
 ``selective``
     Only attention's (N, H, T, T) tensors are recomputed: the ``Softmax``
@@ -35,10 +39,18 @@ reads them. The original activations' lifetimes then end in the forward,
 and the memory planner (runtime/memory_plan.py) sees the copies live only
 during the unit's backward.
 
+A ``Dropout`` of a unit whose mask the backward reads keeps that mask
+bit-packed instead (ops/dropout.py, ``packed_mask``: uint8, 1 bit an
+element, 1/32 of a float32 mask, a ``<mask>.bits`` blob the memory plan
+counts from the forward to the backward): its ``DropoutGrad`` unpacks it,
+and where the backward also reads the Dropout's output, the copy is a
+``DropoutReplay`` of the packed mask. No copy draws Philox again (on the
+CPU a draw costs ~50 times an unpack), and a Dropout kept only for its
+mask (a transformer's residual dropout) is not copied, nor the projection
+before it.
+
 The results are bitwise those without recompute: the copies run the same
-kernels on the same bytes, and a ``Dropout`` copy draws its producer's mask
-(its ``stream`` attr names the op whose Philox stream it draws,
-ops/dropout.py). A unit is left as it is where a copy could not repeat its
+kernels on the same bytes, and the unpacked mask is the drawn one. A unit is left as it is where a copy could not repeat its
 op exactly: an op that accumulates, keeps state in its outputs,
 communicates, or writes a blob that persists or views another (batch
 norm's running statistics), or a unit that makes a loss or a metric (its
@@ -149,7 +161,8 @@ def add_recompute(graph, setting, layers, patterns=None):
     ``layers``: the net's (name, type, bottoms), in order; ``patterns``: the
     ``recompute_layers`` (None: every layer). Returns a summary dict: the
     setting, the units recomputed (lists of layer names), the blobs saved (the
-    units' inputs that their copies read) and the blobs recomputed."""
+    units' inputs that their copies read), the blobs recomputed and the
+    packed Dropout masks kept instead of float ones."""
     summary = {"setting": setting, "units": [], "saved": [], "recomputed": [], "packed": []}
     if setting == "none":
         return summary
@@ -340,10 +353,13 @@ def describe_recompute(graph):
                    and graph.blobs[b].shape is not None)
     layers = sum(len(u) for u in units)
     redo, saved = summary["recomputed"], summary["saved"]
+    packed = summary.get("packed", [])
     kind = "unit" if summary["setting"] == "full" else "attention layer"
     return (f"{summary['setting']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
             f"({layers} layer{'s' if layers != 1 else ''}); {len(redo)} activation blob(s) "
             f"({human_bytes(size(redo))}) recomputed in the backward instead of kept; their "
             f"copies read {len(saved)} kept blob(s) ({human_bytes(size(saved))}"
             + (f": {', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved
-               else ")"))
+               else ")")
+            + (f"; {len(packed)} dropout mask(s) kept bit-packed ({human_bytes(size(packed))})"
+               if packed else ""))
