@@ -117,13 +117,18 @@ def test_recompute_graph_and_plan(email_h5):
                          if op.name not in forward and op not in copies)
         for op in copies:  # after the backward began
             assert order.index(op.name) > first_grad, op.name
-            if op.op_type == "Dropout":
-                assert op.attrs["stream"] == op.name.split(SUFFIX)[0]
+            assert op.op_type != "Dropout", op.name  # masks are replayed, never redrawn
         if mode == "selective":
-            assert redone and all(b.split(".")[1] in ("scores", "probs", "attn_drop", "attn_drop_mask")
+            assert redone and all(b.split(".")[1] in ("scores", "probs", "attn_drop")
                                   for b in redone), redone
         if mode == "full":
             assert {"x1", "h0_r", "h1_r"} <= set(g.recompute["saved"])
+            # the residual stream is kept, never recomputed by the unit before
+            assert not {"x1", "x2", "h0_r", "h1_r"} & redone, redone
+            # a projection that feeds only a dropout and the residual add is not copied
+            assert not any(op.op_type == "InnerProduct" and op.name.split(".")[0] == "h0_proj"
+                           for op in copies)
+        _assert_packed_masks(g, plan, mode)
     assert arena["full"] <= 0.5 * arena["none"], arena
     assert arena["selective"] < arena["none"], arena
     assert peak["full"] <= 0.5 * peak["none"] and peak["selective"] < peak["none"], peak
@@ -132,6 +137,103 @@ def test_recompute_graph_and_plan(email_h5):
     assert g.recompute["units"] and all(n.startswith("h1_") for u in g.recompute["units"]
                                         for n in u)
     assert not any(b.startswith("h0_") for b in g.recompute["recomputed"])
+
+
+def _assert_packed_masks(g, plan, mode):
+    """Each Dropout mask a unit's backward reads is kept bit-packed: uint8,
+    ceil(n / 8) bytes, its float mask gone, planned from the forward to the
+    backward; the DropoutGrad ops and the copies read it."""
+    from purine_mpi.graph.recompute import PACKED
+    packed = g.recompute["packed"]
+    assert bool(packed) == (mode != "none"), packed
+    if mode == "selective":
+        assert all(b.endswith("attn_drop_mask" + PACKED) for b in packed), packed
+    cons = g.consumers()
+    for bits in packed:
+        blob, mask = g.blobs[bits], g.blobs[bits].attrs["packed_of"]
+        drop = next(op for op in g.ops.values() if bits in op.outputs)
+        assert drop.op_type == "Dropout" and drop.attrs["packed_mask"] and mask not in g.blobs
+        n = int(np.prod(g.blobs[drop.outputs[0]].shape))
+        assert blob.dtype == "uint8" and blob.shape == (-(-n // 8),), (bits, blob.shape)
+        root = g.storage_root(bits)
+        assert plan.sizes[root] >= blob.nbytes and plan.lifetimes[root][0] < \
+            plan.lifetimes[root][1], bits
+        readers = {c.op_type for c in cons[bits]}
+        assert "DropoutGrad" in readers and readers <= {"DropoutGrad", "DropoutReplay"}, readers
+        assert all(c.attrs.get("packed_mask") for c in cons[bits] if c.op_type == "DropoutGrad")
+
+
+def test_recompute_draws_no_philox(email_h5, tmp_path, monkeypatch):
+    """One training iteration draws each Dropout's mask once from Philox,
+    recompute or not: the copies and DropoutGrad unpack the packed mask."""
+    import purine_mpi.ops.dropout as dropout
+    from purine_mpi.job.config import load_config
+    from purine_mpi.job.job import job_of
+    from purine_mpi.train.trainer import Trainer
+    draws = {}
+
+    def counted(*args, **kw):
+        draws[mode] = draws.get(mode, 0) + 1
+        return keep_mask(*args, **kw)
+    keep_mask = dropout.keep_mask
+    monkeypatch.setattr(dropout, "keep_mask", counted)
+    params = {}
+    for mode in ("none", "full", "selective"):
+        sets = _sets(email_h5, iters=1)[1::2] + [f"recompute={mode}"]
+        job = job_of(load_config(TINY, overrides=sets))
+        trainer = Trainer(job, out_dir=str(tmp_path / mode), profile=False, log=lambda m: None)
+        try:
+            graph = trainer.graphs.graph
+            n_drop = sum(op.op_type == "Dropout" and len(op.outputs) == 2
+                         for op in graph.ops.values())
+            trainer.step(0)
+            trainer.train.drain()
+            trainer.save(1, str(tmp_path / f"{mode}.h5"))
+            params[mode] = _params(str(tmp_path / f"{mode}.h5"))
+        finally:
+            trainer.close()
+        assert n_drop > 0 and draws[mode] == n_drop, (mode, draws, n_drop)
+    for mode in ("full", "selective"):
+        _assert_bitwise(params["none"], params[mode], mode)
+
+
+def test_packed_dropout_replays_bitwise(monkeypatch):
+    """Dropout with packed_mask writes np.packbits of its keep-mask and the
+    y of the float-mask Dropout; DropoutReplay and DropoutGrad (packed) give
+    that y and dx bit for bit, without drawing Philox."""
+    import purine_mpi.ops.dropout as dropout
+    from purine_mpi.graph.core import Op
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((3, 5, 7), np.float32), rng.standard_normal((3, 5, 7), np.float32)
+    x[0, 0, :3] = [-0.0, np.inf, -2.0]
+    it, attrs = np.array(11, np.int64), {"ratio": 0.3, "seed": 5}
+
+    def run(op_type, ins, outs, **extra):
+        op = Op("d", op_type, [f"i{i}" for i in range(len(ins))],
+                [f"o{i}" for i in range(len(outs))], {**attrs, **extra})
+        _kernel(op).run(ins, outs)
+        return outs
+    y, m = run("Dropout", [x, it], [np.empty_like(x), np.empty_like(x)])
+    yp, bits = run("Dropout", [x, it], [np.empty_like(x),
+                                        np.empty(dropout.packed_shape(x.shape), np.uint8)],
+                   packed_mask=True)
+    assert np.array_equal(bits, np.packbits(m.reshape(-1) != 0))
+    assert y.tobytes() == yp.tobytes()
+    monkeypatch.setattr(dropout, "keep_mask", lambda *a, **k: pytest.fail("Philox drawn"))
+    (yr,) = run("DropoutReplay", [x, bits], [np.empty_like(x)])
+    assert y.tobytes() == yr.tobytes()
+    (dx,) = run("DropoutGrad", [dy, m], [np.empty_like(dy)])
+    (dxp,) = run("DropoutGrad", [dy, bits], [np.empty_like(dy)], packed_mask=True)
+    assert dx.tobytes() == dxp.tobytes()
+    from purine_mpi.base.errors import ShapeError
+    with pytest.raises(ShapeError, match="packed mask"):
+        _kernel(Op("d", "DropoutGrad", [], [], {"packed_mask": True})).infer(
+            {"packed_mask": True}, [((3, 5, 7), "float32"), ((13,), "uint8")])
+
+
+def _kernel(op):
+    from purine_mpi.ops.catalog import get_kernel_class
+    return get_kernel_class(op.op_type)(op)
 
 
 def test_dropout_copy_draws_its_originals_mask():

@@ -16,7 +16,11 @@ parallel composition (job/replica.py calls it):
     half ``ln_2, fc, gelu, proj, dropout, add``); in any other net each
     matched layer is a unit of its own. A unit keeps its inputs (the blobs
     it reads from outside: the residual stream, the weights); every blob it
-    makes that its backward reads is recomputed.
+    makes that its backward reads is recomputed, but for its outputs (the
+    blobs it hands to forward ops outside it) in a net with residual adds:
+    the residual stream is the next unit's input, kept anyway, and
+    recomputing it would copy the whole unit for a reader (the next
+    LayerNorm's backward) that runs before the unit's own backward.
 
 ``selective``
     Only attention's (N, H, T, T) tensors are recomputed: the ``Softmax``
@@ -35,10 +39,18 @@ reads them. The original activations' lifetimes then end in the forward,
 and the memory planner (runtime/memory_plan.py) sees the copies live only
 during the unit's backward.
 
+A ``Dropout`` of a unit whose mask the backward reads keeps that mask
+bit-packed instead (ops/dropout.py, ``packed_mask``: uint8, 1 bit an
+element, 1/32 of a float32 mask, a ``<mask>.bits`` blob the memory plan
+counts from the forward to the backward): its ``DropoutGrad`` unpacks it,
+and where the backward also reads the Dropout's output, the copy is a
+``DropoutReplay`` of the packed mask. No copy draws Philox again (on the
+CPU a draw costs ~50 times an unpack), and a Dropout kept only for its
+mask (a transformer's residual dropout) is not copied, nor the projection
+before it.
+
 The results are bitwise those without recompute: the copies run the same
-kernels on the same bytes, and a ``Dropout`` copy draws its producer's mask
-(its ``stream`` attr names the op whose Philox stream it draws,
-ops/dropout.py). A unit is left as it is where a copy could not repeat its
+kernels on the same bytes, and the unpacked mask is the drawn one. A unit is left as it is where a copy could not repeat its
 op exactly: an op that accumulates, keeps state in its outputs,
 communicates, or writes a blob that persists or views another (batch
 norm's running statistics), or a unit that makes a loss or a metric (its
@@ -53,6 +65,8 @@ from .core import PERSISTENT_KINDS
 RECOMPUTE_MODES = ("none", "full", "selective")
 #: the suffix of a recomputed blob's or op's name
 SUFFIX = "@recompute"
+#: the suffix of a bit-packed Dropout mask's blob
+PACKED = ".bits"
 #: layer types that close a unit (a residual add) when given two or more bottoms
 RESIDUAL_TYPES = ("eltwise",)
 
@@ -147,8 +161,9 @@ def add_recompute(graph, setting, layers, patterns=None):
     ``layers``: the net's (name, type, bottoms), in order; ``patterns``: the
     ``recompute_layers`` (None: every layer). Returns a summary dict: the
     setting, the units recomputed (lists of layer names), the blobs saved (the
-    units' inputs that their copies read) and the blobs recomputed."""
-    summary = {"setting": setting, "units": [], "saved": [], "recomputed": []}
+    units' inputs that their copies read), the blobs recomputed and the
+    packed Dropout masks kept instead of float ones."""
+    summary = {"setting": setting, "units": [], "saved": [], "recomputed": [], "packed": []}
     if setting == "none":
         return summary
     order = graph.topo_order()
@@ -160,32 +175,49 @@ def add_recompute(graph, setting, layers, patterns=None):
             layer = _layer_of(op.name, names)
             if layer is not None:
                 by_layer.setdefault(layer, []).append(op)
+    residual = any(kind in RESIDUAL_TYPES and len(bottoms) >= 2 for _, kind, bottoms in layers)
     if setting == "full":
         units = units_of(layers, patterns)
     else:
         units = [[n] for n in matched_layers(layers, patterns)]
-    saved, recomputed = set(), set()
+    saved, recomputed, packed = set(), set(), set()
     for unit in units:
         ops = [op for layer in unit for op in by_layer.get(layer, ())]
         if not ops:
             continue
-        done = _recompute_unit(graph, ops, forward, setting)
+        done = _recompute_unit(graph, ops, forward, setting,
+                               keep_outputs=setting == "full" and residual)
         if done is not None:
             summary["units"].append(unit)
             saved.update(done[0])
             recomputed.update(done[1])
+            packed.update(done[2])
     summary["saved"] = sorted(saved)
     summary["recomputed"] = sorted(recomputed)
+    summary["packed"] = sorted(packed)
     if summary["units"]:
         graph.infer_shapes().validate()
     graph.recompute = summary
     return summary
 
 
-def _recompute_unit(graph, ops, forward, setting):
+def _packable(op, backward_readers, redo):
+    """Whether ``op`` is a training Dropout whose mask the backward reads
+    (and only ``DropoutGrad`` reads it): its mask is kept bit-packed."""
+    if op.op_type != "Dropout" or len(op.outputs) != 2 or op.attrs.get("packed_mask"):
+        return False
+    mask = op.outputs[1]
+    return mask in redo and all(c.op_type == "DropoutGrad" and c.inputs[1] == mask
+                                and mask not in c.inputs[:1] for c in backward_readers[mask])
+
+
+def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
     """Copy the ops of one unit that its backward needs; returns (blobs the
-    copies read from outside, blobs recomputed), or None where the unit is
-    left as it is."""
+    copies read from outside, blobs recomputed, packed masks), or None where
+    the unit is left as it is. ``keep_outputs``: the blobs the unit hands to
+    forward ops outside it are kept, not recomputed (a residual net's
+    stream: the next unit keeps it as its input, or its backward reads it
+    before this unit's backward begins)."""
     cons, prod = graph.consumers(), graph.producers()
     made = {b for op in ops for b in op.outputs}
     unit_ops = {op.name for op in ops}
@@ -199,7 +231,15 @@ def _recompute_unit(graph, ops, forward, setting):
         kept = set(backward_readers) - redo
     else:
         redo, kept = set(backward_readers), set()
-    if not redo:
+        if keep_outputs:
+            leaving = {b for b in made if any(c.name in forward and c.name not in unit_ops
+                                              for c in cons.get(b, ()))}
+            redo -= leaving
+            kept |= leaving & set(backward_readers)
+    # the Dropout masks the backward reads are kept bit-packed, not recomputed
+    packs = [op for op in ops if _packable(op, backward_readers, redo)]
+    redo -= {op.outputs[1] for op in packs}
+    if not redo and not packs:
         return None
     # the producers to copy: ancestors of the blobs to redo within the unit,
     # through blobs that do not stay saved anyway
@@ -213,9 +253,10 @@ def _recompute_unit(graph, ops, forward, setting):
     clones = [op for op in ops if op.name in copy_ops]
     if any(not _repeatable(graph, op) for op in clones):
         return None
+    packed = {op.name for op in packs}
     rename = {}
     for op in clones:
-        for b in op.outputs:
+        for b in op.outputs[:1] if op.name in packed else op.outputs:
             rename[b] = graph.free_name(b + SUFFIX)
     # the backward ops that will read a copy, and what feeds them from outside
     readers = {c.name: c for b in redo for c in backward_readers[b]}
@@ -232,39 +273,62 @@ def _recompute_unit(graph, ops, forward, setting):
                 stack.append(s)
     triggers = sorted({p for r in readers for p in deps[r]
                        if p not in forward and p not in below})
-    if not triggers:
+    if redo and not triggers:
         return None
+    bits_of = {op.name: _pack_mask(graph, op, backward_readers[op.outputs[1]]) for op in packs}
     inputs_read = set()
     new_ops = []
     for op in clones:
-        ins = [rename.get(b, b) for b in op.inputs]
-        inputs_read.update(b for b in op.inputs if b not in rename)
-        for old in op.outputs:
+        if op.name in bits_of:  # replays the packed mask: no Philox draw
+            op_type, ins = "DropoutReplay", [rename.get(op.inputs[0], op.inputs[0]),
+                                             bits_of[op.name]]
+            attrs = {"ratio": op.attrs.get("ratio", 0.5)}
+        else:
+            op_type, ins, attrs = op.op_type, [rename.get(b, b) for b in op.inputs], \
+                dict(op.attrs)
+        inputs_read.update(b for b in ins if b not in rename.values())
+        outs = [b for b in op.outputs if b in rename]
+        for old in outs:
             src = graph.blobs[old]
             graph.add_blob(rename[old], src.shape, src.dtype, src.location, "data",
                            attrs={"recompute_of": old})
-        attrs = dict(op.attrs)
-        if op.op_type == "Dropout":
-            attrs["stream"] = op.attrs.get("stream", op.name)
         roots = [] if any(b in rename for b in op.inputs) else list(triggers)
-        new_ops.append(graph.add_op(graph.free_name(op.name + SUFFIX), op.op_type, ins,
-                                    [rename[b] for b in op.outputs], attrs,
+        new_ops.append(graph.add_op(graph.free_name(op.name + SUFFIX), op_type, ins,
+                                    [rename[b] for b in outs], attrs,
                                     location=op.location, thread=op.thread,
                                     control_inputs=roots))
     for r in readers.values():
         r.inputs = [rename[b] if b in redo else b for b in r.inputs]
-    # emission order: the copies just before the first op reading one
-    first = next(n for n in graph.ops if n in readers)
-    copies = {op.name for op in new_ops}
-    reordered = {}
-    for n, op in graph.ops.items():
-        if n == first:
-            reordered.update((c.name, c) for c in new_ops)
-        if n not in copies:
-            reordered[n] = op
-    graph.ops = reordered
+    if new_ops:
+        # emission order: the copies just before the first op reading one
+        first = next(n for n in graph.ops if n in readers)
+        copies = {op.name for op in new_ops}
+        reordered = {}
+        for n, op in graph.ops.items():
+            if n == first:
+                reordered.update((c.name, c) for c in new_ops)
+            if n not in copies:
+                reordered[n] = op
+        graph.ops = reordered
     saved = {b for b in inputs_read if graph.blobs[b].kind not in PERSISTENT_KINDS}
-    return saved, redo
+    return saved, redo, set(bits_of.values())
+
+
+def _pack_mask(graph, op, grads):
+    """Make Dropout ``op`` write its mask bit-packed (ops/dropout.py,
+    ``packed_mask``) and its ``DropoutGrad`` ops ``grads`` read that; the
+    float mask blob goes. Returns the packed blob's name."""
+    mask = op.outputs[1]
+    src = graph.blobs[mask]
+    bits = graph.free_name(mask + PACKED)
+    graph.add_blob(bits, None, "uint8", src.location, "data", attrs={"packed_of": mask})
+    op.outputs[1] = bits
+    op.attrs["packed_mask"] = True
+    for c in grads:
+        c.inputs[1] = bits
+        c.attrs["packed_mask"] = True
+    del graph.blobs[mask]
+    return bits
 
 
 def describe_recompute(graph):
@@ -289,10 +353,13 @@ def describe_recompute(graph):
                    and graph.blobs[b].shape is not None)
     layers = sum(len(u) for u in units)
     redo, saved = summary["recomputed"], summary["saved"]
+    packed = summary.get("packed", [])
     kind = "unit" if summary["setting"] == "full" else "attention layer"
     return (f"{summary['setting']}: {len(units)} {kind}{'s' if len(units) != 1 else ''} "
             f"({layers} layer{'s' if layers != 1 else ''}); {len(redo)} activation blob(s) "
             f"({human_bytes(size(redo))}) recomputed in the backward instead of kept; their "
             f"copies read {len(saved)} kept blob(s) ({human_bytes(size(saved))}"
             + (f": {', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved
-               else ")"))
+               else ")")
+            + (f"; {len(packed)} dropout mask(s) kept bit-packed ({human_bytes(size(packed))})"
+               if packed else ""))

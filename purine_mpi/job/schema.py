@@ -211,7 +211,7 @@ TOP = (
         "bit-identical)"),
     Key("recompute", _choice(RECOMPUTE_MODES), "none", "activation recompute: keep fewer "
         "activations from the forward to the backward and compute them again just before "
-        "the backward that reads them (the recompute choices below; docs/performance.md, "
+        "the backward that reads them (the recompute choices below; docs/running.md, "
         "\"Activation recompute\"); the results are bit-identical. Not with the pipeline, "
         "hybrid or tensor schemes, nor micro-batches"),
     Key("recompute_layers", _check_patterns, None, "the layers `recompute` applies to: "
@@ -366,13 +366,15 @@ CHOICE_DOCS = {
         "none": "every activation the backward reads is kept from the forward",
         "full": "the matched layers keep only their inputs: in a net with residual adds "
                 "(`eltwise` layers of two or more bottoms) each run of layers up to the next "
-                "add is one unit (a transformer's attention and MLP halves), otherwise each "
-                "layer; a unit's forward runs again just before its backward, dropout "
-                "redrawing the same masks (Megatron-LM's full recompute, PyTorch's "
+                "add is one unit (a transformer's attention and MLP halves, whose outputs, "
+                "the next unit's inputs, are kept), otherwise each layer; a unit's forward "
+                "runs again just before its backward, dropout replaying its masks, kept "
+                "bit-packed (1 bit an element) (Megatron-LM's full recompute, PyTorch's "
                 "`checkpoint`). Units that make a loss, and layers a copy could not repeat "
                 "exactly (batch norm's running statistics), keep their activations",
         "selective": "only attention's (N, H, T, T) tensors, the softmax and its dropout, are "
-                     "recomputed (from the kept `qkv`), Megatron-LM's selective recompute",
+                     "recomputed (from the kept `qkv`; the dropout mask kept bit-packed), "
+                     "Megatron-LM's selective recompute",
     },
     "backend": {
         "auto": "CuPy when device >= 0, else NumPy",

@@ -12,6 +12,13 @@ read from the iteration blob (an input of the op). So the masks:
 - need no generator state: a resumed run redraws the masks of the
   iterations it runs, so it stays bit-identical to an uninterrupted one.
 
+With the attr ``packed_mask`` (set by activation recompute,
+graph/recompute.py) the forward writes the mask bit-packed instead: one bit
+an element, ``np.packbits`` of the flat keep-mask (big bit order), a uint8
+blob of ceil(n / 8) bytes (1/32 of a float32 mask), that ``DropoutGrad``
+(same attr) and a recompute copy (``DropoutReplay``) unpack instead of
+drawing Philox again.
+
 The run seed is the dispatcher's per-rank seed (``seed`` of the config and
 the rank), handed over through the runtime's per-op generator hook
 (``needs_rng``); the kernel keeps only the two 32-bit words it derives from
@@ -42,6 +49,31 @@ def _train(attrs):
     return phase == "train"
 
 
+def packed_shape(shape):
+    """The shape of the bit-packed mask of a blob of ``shape``: (ceil(n / 8),)."""
+    return (-(-int(np.prod(shape, dtype=np.int64)) // 8),)
+
+
+def _check_packed(what, shape, bits):
+    """A ShapeError unless ``bits`` ((shape, dtype)) is the packed mask of ``shape``."""
+    if tuple(bits[0]) != packed_shape(shape) or np.dtype(bits[1]) != np.uint8:
+        raise ShapeError(f"{what}: the packed mask of {list(shape)} is uint8 of shape "
+                         f"{list(packed_shape(shape))}, got {bits[1]} of shape {list(bits[0])}")
+
+
+def pack_mask(keep):
+    """The bit-packed form of a keep-mask (bool or 0/1) array: uint8, flat."""
+    xp = get_xp(keep)
+    return xp.packbits(keep.reshape(-1) != 0)
+
+
+def unpack_mask(bits, shape, dtype):
+    """The keep-mask of ``shape`` in ``dtype`` (0 and 1) from its packed form."""
+    xp = get_xp(bits)
+    count = int(np.prod(shape, dtype=np.int64))
+    return xp.unpackbits(bits.reshape(-1))[:count].reshape(shape).astype(dtype)
+
+
 def _iteration_value(it):
     """The iteration held by a host blob (a NumPy scalar array)."""
     return int(np.asarray(it).reshape(()))
@@ -55,8 +87,9 @@ class Dropout(OpKernel):
     Test phase: [x] -> [y], y = x.
     Attrs ``ratio`` (default 0.5), ``phase`` (default "train"), ``seed``
     (used only when no dispatcher provides the run seed), ``stream`` (the
-    op whose Philox stream it draws, default itself: a recomputed copy,
-    graph/recompute.py, names its original and draws the same mask).
+    op whose Philox stream it draws, default itself), ``packed_mask``
+    (default false; true: the mask output is the bit-packed uint8 blob of
+    :func:`packed_shape`, see the module docstring).
     Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
 
     op_type = "Dropout"
@@ -102,6 +135,8 @@ class Dropout(OpKernel):
         if int(np.prod(shape, dtype=np.int64)) != 1 or np.dtype(dtype).kind not in "iu":
             raise ShapeError(f"Dropout's second input is the iteration, a scalar integer blob; "
                              f"got {dtype} of shape {list(shape)}")
+        if attrs.get("packed_mask"):
+            return [ins[0], (packed_shape(ins[0][0]), "uint8")]
         return [ins[0], ins[0]]
 
     def run(self, ins, outs):
@@ -112,6 +147,9 @@ class Dropout(OpKernel):
             return
         ratio = _ratio(self.attrs)
         y, mask = outs
+        packed = bool(self.attrs.get("packed_mask"))
+        if packed:  # the float mask is scratch; the packed bits are the output
+            bits, mask = mask, xp.empty_like(x)
         key0, key1, ctr1 = self.keys
         it = ins[1]
         k = raw_kernels(xp, x)
@@ -119,24 +157,60 @@ class Dropout(OpKernel):
             if get_xp(it) is np:
                 it = _iteration_value(it)
             k.dropout_forward(x, it, ratio, key0, key1, ctr1, out=(y, mask))
+            if packed:
+                bits[...] = pack_mask(mask)
             return
         keep = keep_mask(x.shape, ratio, key0, key1, ctr1, _iteration_value(to_numpy(it)))
         mask[...] = xp.asarray(keep)
+        if packed:
+            bits[...] = pack_mask(xp.asarray(keep))
         # x is read before y is written, so y may share x's storage
         xp.multiply(x, mask, out=y)
         y *= 1.0 / (1.0 - ratio)
 
 
 @register
+class DropoutReplay(OpKernel):
+    """[x, bits] -> [y]: y = x * mask / (1 - ratio), mask unpacked from
+    ``bits``, the packed mask of a ``Dropout`` with ``packed_mask`` (attr
+    ``ratio``, the same): the same y as that Dropout's, bit for bit, with no
+    Philox draw. Activation recompute's copy of such a Dropout
+    (graph/recompute.py)."""
+
+    op_type = "DropoutReplay"
+    in_place = ((0, 0),)  # y over x
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _ratio(attrs)
+        if len(ins) != 2:
+            raise ShapeError(f"DropoutReplay takes [x, bits], got {len(ins)} input(s)")
+        _check_packed("DropoutReplay", ins[0][0], ins[1])
+        return [ins[0]]
+
+    def run(self, ins, outs):
+        x, bits = ins
+        xp = get_xp(x)
+        mask = unpack_mask(bits, x.shape, x.dtype)
+        # as Dropout computes y: x * mask, then the scale
+        xp.multiply(x, mask, out=outs[0])
+        outs[0] *= 1.0 / (1.0 - _ratio(self.attrs))
+
+
+@register
 class DropoutGrad(OpKernel):
-    """[dy, mask] -> [dx]: dx = dy * mask / (1 - ratio)."""
+    """[dy, mask] -> [dx]: dx = dy * mask / (1 - ratio). With the attr
+    ``packed_mask``, mask is the bit-packed uint8 blob of a Dropout with
+    that attr (unpacked here)."""
 
     op_type = "DropoutGrad"
     in_place = ((0, 0),)  # dx over dy
 
     @classmethod
     def infer(cls, attrs, ins):
-        if tuple(ins[0][0]) != tuple(ins[1][0]):
+        if attrs.get("packed_mask"):
+            _check_packed("DropoutGrad", ins[0][0], ins[1])
+        elif tuple(ins[0][0]) != tuple(ins[1][0]):
             raise ShapeError(f"DropoutGrad: dy {list(ins[0][0])} and mask "
                              f"{list(ins[1][0])} differ")
         return [ins[0]]
@@ -144,6 +218,8 @@ class DropoutGrad(OpKernel):
     def run(self, ins, outs):
         dy, mask = ins
         ratio = _ratio(self.attrs)
+        if self.attrs.get("packed_mask"):
+            mask = unpack_mask(mask, dy.shape, dy.dtype)
         k = raw_kernels(get_xp(dy), dy, mask)
         if k is not None:
             k.dropout_backward(dy, mask, ratio, out=outs[0])
@@ -159,7 +235,9 @@ def _dropout_grad(g, op):
     if dy is None or not g.needs_grad(x):
         return
     if _train(op.attrs):
-        g.emit("DropoutGrad", [dy, op.outputs[1]], [g.grad_blob(x)],
-               {"ratio": op.attrs.get("ratio", 0.5)})
+        attrs = {"ratio": op.attrs.get("ratio", 0.5)}
+        if op.attrs.get("packed_mask"):
+            attrs["packed_mask"] = True
+        g.emit("DropoutGrad", [dy, op.outputs[1]], [g.grad_blob(x)], attrs)
     else:
         g.emit("Copy", [dy], [g.grad_blob(x)])
