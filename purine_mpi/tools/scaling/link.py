@@ -97,6 +97,16 @@ class Link:
         return 2 * lg * self.alpha + 2 * (pof2 - 1) / pof2 * b / self.beta + \
             (pof2 - 1) / pof2 * b * self.gamma + fold
 
+    def gather_or_scatter(self, n, nbytes, reduce=False):
+        """Seconds for a ring reduce-scatter (``reduce``) or allgather of a
+        whole message of ``nbytes`` over ``n`` ranks (scheme sharded):
+        (N-1)·α + (N-1)/N·B/β, plus γ per reduced byte; half an allreduce."""
+        n = int(n)
+        if n <= 1:
+            return 0.0
+        part = (n - 1) / n * float(nbytes)
+        return (n - 1) * self.alpha + part / self.beta + (part * self.gamma if reduce else 0.0)
+
     def as_dict(self):
         return asdict(self)
 

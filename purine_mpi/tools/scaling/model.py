@@ -14,6 +14,8 @@ their cost on the link model (``link.py``):
   push of B bytes to a server shard shares that server's link with the
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
   the push and the server's update of that shard (its traced ``.update``);
+- scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
+  each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
 - one-sided transfers (``parallel.transport``: Put/WaitWrite, Get) cost
   α_put + B/β_put (``Link.put``: the window's figures from ``predict
   --calibrate``), a Put matched with its WaitWrite by window region; the
@@ -138,6 +140,15 @@ class Template:
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes))
+        if op.op_type in ("ReduceScatter", "Allgather"):
+            # scheme sharded: the whole bucket is the larger side
+            nbytes = max(_nbytes(g, op.inputs), _nbytes(g, op.outputs))
+            group = len(op.attrs.get("group") or ()) or scenario.replicas
+            reduce = op.op_type == "ReduceScatter"
+            return SimOp(op.name, link.gather_or_scatter(group, nbytes, reduce), deps,
+                         kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
+                         busy_seconds=link.busy().gather_or_scatter(group, nbytes, reduce),
+                         cpu=link.cpu * link.sent_bytes(group, nbytes) / 2)
         if op.op_type in ("Release", "WaitFree"):
             # a notify word raised (α_put) and a wait for one: no data moves;
             # the wait for the consumer's release of the last iteration's
