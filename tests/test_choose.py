@@ -12,6 +12,7 @@ import json
 import yaml
 
 from tests.conftest import run_cli_args, run_mpi_cli
+from tests.test_recompute import email_h5  # noqa: F401  (a fixture)
 
 NET = """name: choose_net
 seed: 3
@@ -110,3 +111,35 @@ def test_choose_options_and_auto_elsewhere_are_user_errors(tmp_path):
     res = run_cli_args("graph", _job(tmp_path, "auto"), "--np", 2)
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "parallel.scheme" in res.stderr and "--choose" in res.stderr
+
+
+def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(email_h5):
+    """gpt_tiny's attention is the fused op (attn_dropout 0): it keeps no
+    (N, H, T, T) tensor, so ``recompute: selective`` is the run of
+    ``none`` and the candidate says so rather than rank a copy of it; with
+    attn_dropout > 0 (the raw sub-graph) selective is a setting of its own
+    and plan counts less memory for it than for none."""
+    import os
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Candidate, Choice, evaluate, format_choice, \
+        selective_no_effect
+    from purine_mpi.tools.plan import MemoryLimits, offline_footprint
+    from tests.conftest import REPO
+    tiny = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
+    small = (f"data.train.path={email_h5}", "data.test=null", "data.train.batch_size=4",
+             "data.train.sequence_length=32")
+    fused = load_job(tiny, small + ("recompute=selective",), check_files=False)
+    assert "fused Attention" in selective_no_effect(fused)
+    cand = evaluate(Candidate(("parallel.scheme=data", "recompute=selective"),
+                              "data, recompute selective"), tiny, small, 2,
+                    MemoryLimits(host=1 << 40), predictor=None)
+    assert cand.error.startswith("no effect: ") and "fused" in cand.error
+    line = format_choice(Choice(2, [cand], ("tokens", 32), "", 0.0)).splitlines()[-2]
+    assert "no effect: " in line and "not possible" not in line
+    raw = small + tuple(f"net.{i}.attn_dropout=0.1" for i in (3, 11))
+    need = {}
+    for mode in ("none", "selective"):
+        job = load_job(tiny, raw + (f"recompute={mode}",), check_files=False)
+        assert selective_no_effect(job) is None
+        need[mode] = offline_footprint(job, 2, 0).host_total
+    assert need["selective"] < need["none"]

@@ -4,7 +4,9 @@ at ``train``'s start-up (cli.py, ``resolve_auto``).
 
 The candidates (``candidates``): data parallelism; scheme sharded at each
 ZeRO stage the config language names (``job/schema.SHARD_STAGES``); each with
-recompute none and full (and selective where the net has attention layers);
+recompute none and full (and selective where the net has attention layers;
+listed as "no effect" where they keep no (N, H, T, T) tensor to recompute:
+the fused Attention op);
 pipelines of 2..N stages dividing N (hybrid when fewer stages than ranks),
 the layers cut into contiguous stages of about equal measured time, at a
 few micro-batch counts (1, S, 2S, 4S dividing the batch); tensor
@@ -46,6 +48,9 @@ CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micr
                     "parallel.stages={}", "parallel.tensor_parallel=1", "parallel.shard=1",
                     "recompute=none", "recompute_layers=null",
                     "solver.test_initialization=false")
+#: how a candidate that would run as another one is listed (``recompute:
+#: selective`` where the attention keeps no tensor for it to recompute)
+NO_EFFECT = "no effect"
 #: the parallel/recompute keys a candidate sets (the calibration ignores them)
 CHOSEN_KEYS = ("parallel", "recompute", "recompute_layers")
 #: the environment of an MPI launcher, left out of the calibration's process
@@ -151,6 +156,20 @@ def _quote(s):
 
 def has_attention(job):
     return any(layer.get("type") == "attention" for layer in job.net or ())
+
+
+def selective_no_effect(job):
+    """Why ``recompute: selective`` changes nothing in ``job`` (its
+    attention layers keep no (N, H, T, T) tensor: the fused Attention op),
+    in words; None where it recomputes something. The replica's training
+    graph built with it, as job/replica.py builds it."""
+    from ..graph.recompute import describe_recompute
+    from ..job.replica import build_train_graph
+    graph, _ = build_train_graph(job)
+    summary = graph.recompute or {}
+    if summary.get("setting") != "selective" or summary.get("units"):
+        return None
+    return describe_recompute(graph).split(": ", 2)[-1]
 
 
 def balanced_stages(job, stages, durations):
@@ -292,6 +311,10 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
+        if job.recompute == "selective":
+            why = selective_no_effect(job)
+            if why is not None:
+                raise UserError(f"{NO_EFFECT}: {why}")
         built, _ = ranks_to_build(job, n)
         fps = [offline_footprint(job, n, r) for r in built]
         need, lims = {}, {}
@@ -374,7 +397,8 @@ def format_choice(choice):
     rows = [("#", "setting", "memory/rank", "fits", "s/iter", f"{unit}/s")]
     for i, c in enumerate(choice.ranked, 1):
         if c.error is not None:
-            rows.append((str(i), c.label, "-", "-", "-", f"not possible: {c.error}"))
+            why = c.error if c.error.startswith(NO_EFFECT) else f"not possible: {c.error}"
+            rows.append((str(i), c.label, "-", "-", "-", why))
             continue
         mem = ", ".join(f"{w} {human_bytes(c.need.get(w, 0))}" for w in c.need)
         fits = "yes" if c.fits else "NO: " + ", ".join(

@@ -43,6 +43,10 @@ class Sharded(Scheme):
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         plan = compose_zero1(graph, grads, world.size, world.rank, **settings)
+        # nothing is deferred (``deferrable``): the memory plan need not keep
+        # what a deferred tail would touch (each bucket's shard of the
+        # gradients goes into the arena, as a transient blob)
+        graph.deferrable = False
         graph.infer_shapes().validate()
         comp = Composition(graph, lay, shard_plan=plan)
         if job.solver.clip_gradients is not None:
