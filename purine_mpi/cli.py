@@ -104,11 +104,55 @@ def cmd_train(args):
         from .job.tensorboard import require_tensorboard
         require_tensorboard()
     from .tools.plan import check_memory
+    from .job.schema import AUTO_SCHEME
     limits = _memory_limits(args)  # a bad size: exit 2 before the run folder
-    return run_training(job, _run_dir(args, job), resume=args.resume, init=args.init,
+    out_dir, notes = _run_dir(args, job), ()
+    if job.parallel.scheme == AUTO_SCHEME:
+        job, notes = _resolve_auto(args, out_dir, limits)
+    return run_training(job, out_dir, resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
-                        memory=lambda *built: check_memory(*built, limits))
+                        memory=lambda *built: check_memory(*built, limits), notes=notes)
+
+
+#: seconds the other ranks wait for rank 0's choice of parallel.scheme auto
+#: (its calibration runs the job for a few iterations)
+AUTO_WAIT_S = 3600.0
+
+
+def _resolve_auto(args, out_dir, limits):
+    """``parallel.scheme: auto``: rank 0 chooses as ``plan --choose`` does
+    (its calibration cached in OUT/calibration.json) and sends the chosen
+    ``--set`` overrides to every rank, which loads the job with them:
+    (job, the start-up block's lines: one, and the table with --debug)."""
+    from .tools.choose import choose, format_choice
+    from .train.collectives import get_world
+    world = get_world()
+    answer = None
+    if world.rank == 0:
+        try:
+            choice = choose(args.config, _seeded(args), world.size, limits, None,
+                            os.path.join(out_dir, "calibration.json"),
+                            log=lambda line: print(line, flush=True))
+            best = choice.best
+            lines = [f"parallel.scheme auto: {choice.why()}"]
+            if args.debug:
+                lines += format_choice(choice).splitlines()
+            answer = ("ok", list(best.sets), lines) if best is not None else \
+                ("error", "parallel.scheme auto: no setting fits the ranks' memory; "
+                 "python -m purine_mpi plan CONFIG --np N --choose shows the table", None)
+        except UserError as exc:
+            answer = ("error", f"parallel.scheme auto: {exc}", None)
+    if world.size > 1:
+        wait, world.stall_timeout = world.stall_timeout, AUTO_WAIT_S
+        answer = world.allgather_object(answer, "parallel.scheme auto's choice")[0]
+        world.stall_timeout = wait
+    status, value, lines = answer
+    if status != "ok":
+        raise UserError(value)
+    import argparse
+    chosen = argparse.Namespace(**{**vars(args), "overrides": list(args.overrides) + value})
+    return _load(chosen), tuple(lines)
 
 
 def _memory_limits(args):
@@ -219,10 +263,46 @@ def cmd_plan(args):
     from .tools.plan import run_plan
     if args.np < 1:
         raise UserError(f"--np {args.np}: give a number of ranks >= 1")
+    choosing = [f for f, v in (("--calibration", args.calibration), ("--network", args.network),
+                                 ("--bandwidth", args.bandwidth), ("--latency", args.latency),
+                                 ("--out", args.out)) if v]
+    if choosing and not args.choose:
+        raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose")
+    if args.choose:
+        return _plan_choose(args)
     job = _load(args, check_files=False)
     text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json)
     print(text)
     return status
+
+
+def _plan_choose(args):
+    from .tools.choose import best_yaml, choose, choice_json, default_calibration, format_choice
+    from .tools.scaling.link import make_link
+    job = _load(args, check_files=False)
+    link = make_link(args.bandwidth, args.latency, args.network)
+    calibration = args.calibration or default_calibration(job)
+    choice = choose(args.config, _seeded(args), args.np, _memory_limits(args), link,
+                    calibration, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(choice_json(choice)) if args.json else format_choice(choice))
+    if choice.best is None:
+        return 2
+    if args.out:
+        from .base.runfiles import write_replacing
+        text = best_yaml(choice)
+
+        def write(tmp):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+        write_replacing(args.out, write)
+        if not args.json:
+            print(f"wrote {args.out}")
+    return 0
+
+
+def _seeded(args):
+    """The --set overrides, with --seed as one."""
+    return list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
 
 
 def cmd_inspect(args):

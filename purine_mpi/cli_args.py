@@ -203,6 +203,26 @@ def build_parser():
                     "MemAvailable now / N, as if the N ranks shared it)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the table (keys: docs/formats.md)")
+    c = p.add_argument_group("choosing a setting (plan --np N --choose; docs/scaling.md)")
+    c.add_argument("--choose", action="store_true",
+                   help="rank the settings of N ranks (data parallel, sharded, pipeline "
+                        "stages and micro-batches, tensor parallel; recompute) by predicted "
+                        "time per iteration, from one measured trace of the job on one rank; "
+                        "print the table and the best as --set options")
+    c.add_argument("--calibration", metavar="FILE.json",
+                   help="--choose: the op times measured once, read from FILE.json when it "
+                        "holds this job's, else measured and written there (default: "
+                        "runs/<name>/calibration.json)")
+    c.add_argument("--network", metavar="LINK.json",
+                   help="--choose: the link model, a predict --calibrate file (default: "
+                        "100 Gbit/s InfiniBand, docs/scaling.md)")
+    c.add_argument("--bandwidth", metavar="RATE",
+                   help="--choose: link bandwidth, e.g. 10gbit (replaces --network's)")
+    c.add_argument("--latency", metavar="TIME",
+                   help="--choose: link latency, e.g. 5us (replaces --network's)")
+    c.add_argument("--out", metavar="BEST.yaml",
+                   help="--choose: write the job with the best setting there (it trains as "
+                        "it is; its first lines give the setting as --set options)")
 
     p = sub.add_parser("inspect", help="list a checkpoint's datasets with statistics")
     p.add_argument("checkpoint", metavar="CKPT.h5",

@@ -170,3 +170,55 @@ def test_plan_says_it_does_not_fit():
                                "--host-memory", "lots"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def _held_by_kind(graph):
+    """Trainer-free: bytes of the storage a composed graph's blobs own, per
+    model-state kind (weights: params and flat weight buffers; gradients:
+    the gradient buckets and the ReduceScatter's shards of them; optimizer
+    state: the solver's state blobs)."""
+    owned = [b for b in graph.blobs.values() if b.alias_of is None and b.shape is not None]
+    shards = {graph.storage_root(x) for op in graph.ops.values()
+              if op.op_type == "ReduceScatter" for x in op.outputs}
+    return {"weights": sum(b.nbytes for b in owned if b.kind in ("param", "param_buffer")),
+            "gradients": sum(b.nbytes for b in owned if b.kind == "bucket" or b.name in shards),
+            "optimizer_state": sum(b.nbytes for b in owned if b.kind == "state")}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("solver", ["sgd", "adamw"])
+def test_plan_of_sharded_is_the_start_up_model_state(n, solver):
+    """ZeRO stage 1: plan's model state of every rank is the start-up line's
+    (the composed graph's own bytes: 1/N of the optimizer state), and its
+    rows count each bucket's shard of the gradients in the arena, not as
+    memory of its own (the scheme defers nothing), so the rank holds less
+    than under data parallelism by about the state it does not keep."""
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.plan import MemoryLimits, run_plan
+    from tests.conftest import make_job
+    from tests.test_sharded import _job as sharded_job
+    limits = MemoryLimits(host=1 << 40)
+    plans = {}
+    for scheme in ("data", "sharded"):
+        job = make_job(sharded_job(scheme, solver))
+        text, status = run_plan(job, n, limits, as_json=True)
+        assert status == 0
+        ranks = {r: entry for entry in json.loads(text)["ranks"] for r in entry["ranks"]}
+        assert sorted(ranks) == list(range(n))
+        plans[scheme] = (job, ranks)
+    job, ranks = plans["sharded"]
+    data_job, data_ranks = plans["data"]
+    whole = _held_by_kind(compose_for(data_job, n, 0))
+    for r in range(n):
+        held = _held_by_kind(compose_for(job, n, r))
+        entry, plain = ranks[r], data_ranks[r]
+        assert entry["model_state"] == held, r
+        assert held["weights"] == whole["weights"]
+        assert whole["optimizer_state"] / n - 64 <= held["optimizer_state"] <= \
+            whole["optimizer_state"] / n + 64
+        assert entry["host"]["weights"] == held["weights"]
+        assert entry["host"]["optimizer_state"] == held["optimizer_state"]
+        # the shards are transient: the gradients row is the buckets, as data's
+        assert entry["host"]["gradients"] == plain["host"]["gradients"], r
+        saved = whole["optimizer_state"] - held["optimizer_state"]
+        assert entry["host"]["total"] <= plain["host"]["total"] - saved // 2, r

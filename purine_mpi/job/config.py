@@ -34,7 +34,7 @@ from .data_spec import _check_data
 from .job import Job, job_of
 from .keys import check_section
 from .yamlread import YamlRefused, read_yaml, where
-from .schema import RESOLVED_FIRST, SECTION_KEYS, TOP, TOP_KEYS
+from .schema import RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP, TOP_KEYS
 from ..layers import check_layer
 
 
@@ -344,7 +344,7 @@ def _check_sharded(out, path):
     GPU, ``device`` or ``backend: cupy``, by the scheme's compose: the
     top-level keys are not read yet here)."""
     par = out["parallel"]
-    if par["shard"] > 3:
+    if par["shard"] not in SHARD_STAGES:
         raise ConfigError(path, "parallel.shard", f"ZeRO's stages are 1, 2 and 3, got "
                           f"{par['shard']}")
     if par["scheme"] != "sharded":

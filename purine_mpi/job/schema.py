@@ -25,9 +25,17 @@ SOLVER_TYPES = ("sgd", "nesterov", "adagrad", "rmsprop", "adadelta", "adam", "ad
 
 
 PARALLEL_SCHEMES = ("data", "none", "pipeline", "hybrid", "tensor", "sharded")
+#: parallel.scheme: auto: train chooses one of the schemes at start-up (plan
+#: --choose's choice, tools/choose.py); no scheme of its own
+AUTO_SCHEME = "auto"
 
 
 PARALLEL_MODES = ("sync", "async", "sync_ps")
+
+
+#: parallel.shard: ZeRO's stages the config language names (job/config.py
+#: refuses those scheme sharded does not build yet; plan --choose tries each)
+SHARD_STAGES = (1, 2, 3)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -100,7 +108,7 @@ SOLVER = (
 )
 
 PARALLEL = (
-    Key("scheme", _choice(PARALLEL_SCHEMES), "data", "the composition (see [schemes](#schemes))"),
+    Key("scheme", _choice(PARALLEL_SCHEMES + (AUTO_SCHEME,)), "data", "the composition (see [schemes](#schemes))"),
     Key("mode", _choice(PARALLEL_MODES), "sync", "with scheme data on several ranks: allreduce "
         "or parameter servers (see [modes](#modes)); pipeline and hybrid run sync only"),
     Key("bucket_mb", _num(0, strict=True), 4, "largest gradient bucket, in MiB (sync data "
@@ -340,6 +348,12 @@ CHOICE_DOCS = {
                    "(`shard: 3`) holds only the weights' shard too, each bucket's weights "
                    "allgathered into transient buffers before its forward and its backward "
                    "readers; MPI on the CPU ([parallel.md](parallel.md))",
+        "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
+                "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
+                "tensor; `recompute`) predicted fastest among those whose bytes fit each "
+                "rank's memory, timed from one short traced run of the job on rank 0 (cached "
+                "in the run folder's `calibration.json`); the start-up block names it and why "
+                "([scaling.md](scaling.md#choosing-a-plan---choose))",
     },
     "mode": {
         "sync": "allreduce of gradient buckets, posted as soon as each is ready",
@@ -385,6 +399,7 @@ CHOICE_DOCS = {
 
 
 #: the choices CHOICE_DOCS documents
-CHOICES = {"lr_policy": LR_POLICIES, "solver_type": SOLVER_TYPES, "scheme": PARALLEL_SCHEMES,
+CHOICES = {"lr_policy": LR_POLICIES, "solver_type": SOLVER_TYPES,
+           "scheme": PARALLEL_SCHEMES + (AUTO_SCHEME,),
            "mode": PARALLEL_MODES, "schedule": PIPELINE_SCHEDULES, "source": DATA_SOURCES,
            "backend": BACKENDS, "recompute": RECOMPUTE_MODES}

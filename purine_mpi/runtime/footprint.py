@@ -104,6 +104,11 @@ class Footprint:
     peak: object = None
     #: what the rows leave out, in words
     notes: list = field(default_factory=list)
+    #: {weights, gradients, optimizer_state: bytes}: ``model_state_bytes`` of
+    #: the training graph, the figures of train's start-up ``model state`` line
+    #: (a gradient a memory plan places in the arena counts here whole, and
+    #: in the rows as part of the activations)
+    model_state: dict = field(default_factory=dict)
 
     @property
     def host_total(self):
@@ -119,6 +124,7 @@ class Footprint:
                 "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
                                      "total": int(self.device_total(d))}
                             for d, rows in sorted(self.devices.items())},
+                "model_state": {k: int(v) for k, v in self.model_state.items()},
                 "peak": self.peak, "notes": list(self.notes)}
 
 
@@ -280,7 +286,7 @@ def footprint(graphs, plans, rank=0):
                      "are sized when the kernels are set up and first captured: not counted "
                      "(bench --json: device_scratch_bytes, cuda_graph.capture_pool_bytes)")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
-                     peak=peak, notes=notes)
+                     peak=peak, notes=notes, model_state=model_state_bytes(g))
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)

@@ -295,6 +295,13 @@ def run_plan(job, size, limits, as_json=False):
                                                         for _, rows in cols))
         lines.append(f"  {'total':<18}" + "".join(
             f"  {human_bytes(sum(rows.values())):>12}" for _, rows in cols))
+        ms = fp.model_state
+        if ms:  # train's start-up ``model state`` figures (runtime/footprint.model_state_bytes)
+            lines.append(f"  model state: weights {human_bytes(ms['weights'])}, gradients "
+                         f"{human_bytes(ms['gradients'])}, optimizer state "
+                         f"{human_bytes(ms['optimizer_state'])} ({ms['weights']} + "
+                         f"{ms['gradients']} + {ms['optimizer_state']} bytes held, each whole "
+                         "even where the arena places it)")
         p = fp.peak
         if p is not None:
             lines.append(f"  peak: the {p['where']} arena holds {human_bytes(p['arena_bytes'])}; "

@@ -165,11 +165,13 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
 
 
 def run_training(config, out_dir, resume=None, init=None, profile=False, dispatcher=None,
-                 init_skip=(), tensorboard=False, memory=None):
+                 init_skip=(), tensorboard=False, memory=None, notes=()):
     """Entry point of ``train``: set up the world, check that every rank has
     the same config, and run the scheme the config asks for. ``config``: a
     job (job/job.py) or a validated config dict: the public Python API, an
-    edge where a config becomes a job (docs/config.md, "Custom layers")."""
+    edge where a config becomes a job (docs/config.md, "Custom layers").
+    ``notes``: rank 0's lines for the start-up block (the choice of
+    ``parallel.scheme: auto``)."""
     from ..comm.world import install_abort_handler
     job = job_of(config)  # once: everything below reads the job
     world = get_world()
@@ -183,7 +185,8 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     resume = resolve_resume(out_dir, resume, say if world.rank == 0 else None)
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
-        for note in settings_without_effect(job, world.size) + data_notes(job):
+        for note in tuple(notes) + tuple(settings_without_effect(job, world.size)) + \
+                tuple(data_notes(job)):
             say(note)
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,

@@ -87,6 +87,11 @@ def scheme_of(job):
     """The scheme of ``job`` (job/job.py): an instance of its registered class."""
     par = job.parallel
     cls = scheme_class(par.scheme, par.mode) or mode_class(par.mode)
+    if cls is None:  # parallel.scheme: auto, before train or plan --choose chose one
+        from ...base.errors import UserError
+        raise UserError(f"{job.path}: key 'parallel.scheme': {par.scheme} is chosen by train "
+                        "at start-up, or shown by plan --np N --choose; this command needs "
+                        "the scheme itself: give it with --set parallel.scheme=...")
     return cls()
 
 

@@ -19,6 +19,8 @@ their cost on the link model (``link.py``):
   push of B bytes to a server shard shares that server's link with the
   other workers' pushes (α + W·B/β for W workers), and the pull waits for
   the push and the server's update of that shard (its traced ``.update``);
+- scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
+  each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
 - one-sided transfers (``parallel.transport``: Put/WaitWrite, Get) cost
   α_put + B/β_put (``Link.put``: the window's figures from ``predict
   --calibrate``), a Put matched with its WaitWrite by window region; the

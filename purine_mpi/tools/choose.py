@@ -1,0 +1,458 @@
+"""``plan JOB.yaml --np N --choose``: the settings that fit, ranked by
+predicted time per iteration; ``parallel.scheme: auto`` makes the same choice
+at ``train``'s start-up (cli.py, ``resolve_auto``).
+
+The candidates (``candidates``): data parallelism; scheme sharded at each
+ZeRO stage the config language names (``job/schema.SHARD_STAGES``); each with
+recompute none and full (and selective where the net has attention layers;
+listed as "no effect" where they keep no (N, H, T, T) tensor to recompute:
+the fused Attention op);
+pipelines of 2..N stages dividing N (hybrid when fewer stages than ranks),
+the layers cut into contiguous stages of about equal measured time, at a
+few micro-batch counts (1, S, 2S, 4S dividing the batch); tensor
+parallelism of each degree t >= 2 dividing N where the net has attention
+layers. Each is a list of ``--set`` overrides of the job; a candidate the
+config rules or the scheme's layout refuse (a UserError) is listed as "not
+possible" with the reason.
+
+For each possible candidate: the bytes per rank (``plan``'s offline
+footprint, the largest rank) against the memory each rank has, and the
+predicted seconds per iteration of the scaling predictor
+(``scaling/model.py``: the composed graph of each simulated rank, the
+dispatcher's rule, the link model), its compute ops timed from ONE measured
+trace of the job on one rank (``calibrate``: data parallel, no recompute,
+no micro-batches; cached in a JSON file keyed by the job's net, data and
+solver). An op of a candidate that the trace names otherwise takes the
+traced op's time scaled by the bytes it touches: ``X@mbK`` (a micro-batch,
+about 1/M of the batch), ``X@recompute`` (the forward again), a row chunk
+``X[a:b]`` (a shard's update) and a tensor-parallel shard of ``X`` (its
+part of the weight and of the output).
+"""
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from ..base.errors import UserError
+from ..base.progress_bar import human_bytes
+
+#: the calibration run: iterations, and the traced window (the first ones warm up)
+CALIBRATION_ITERS = 8
+CALIBRATION_WINDOW = "3:8"
+#: the overrides that make the calibration run: one rank's plain data parallelism
+CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micro_batches=1",
+                    "parallel.stages={}", "parallel.tensor_parallel=1", "parallel.shard=1",
+                    "recompute=none", "recompute_layers=null",
+                    "solver.test_initialization=false")
+#: how a candidate that would run as another one is listed (``recompute:
+#: selective`` where the attention keeps no tensor for it to recompute)
+NO_EFFECT = "no effect"
+#: the parallel/recompute keys a candidate sets (the calibration ignores them)
+CHOSEN_KEYS = ("parallel", "recompute", "recompute_layers")
+#: the environment of an MPI launcher, left out of the calibration's process
+#: (it runs alone: a singleton MPI world)
+_LAUNCHER_ENV = re.compile(r"^(PMI_|PMIX_|OMPI_|HYDRA_|HYDI_|MPIR_|MPI_LOCAL|PALS_|SLURM_)")
+
+
+# ------------------------------------------------------------ calibration
+def calibration_key(job):
+    """A digest of what the op times depend on: the job without its
+    parallel and recompute keys (and without its name and seed)."""
+    cfg = job.to_config()
+    for k in CHOSEN_KEYS + ("name", "seed", "_path", "checkpoint"):
+        cfg.pop(k, None)
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def calibrate(job, path, overrides, cache, log=None):
+    """(Durations, the calibration job): op times of ``job`` measured once
+    on one rank, from ``cache`` (a JSON file) when it holds them for this
+    job, else measured by a short traced run of one rank
+    (``train --profile-iters``) and written there."""
+    from .scaling.trace_reader import Durations, read_traces
+    key = calibration_key(job)
+    if cache and os.path.isfile(cache):
+        try:
+            with open(cache, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        if data.get("key") == key:
+            per_rank = {int(r): ops for r, ops in data["per_rank"].items()}
+            iters = {int(r): v for r, v in data["iter_seconds"].items()}
+            return Durations(per_rank, iters, data["iterations"]), _calibration_job(path,
+                                                                                   overrides)
+    folder = os.path.join(os.path.dirname(os.path.abspath(cache)) if cache else "/tmp",
+                          f".calibration-{key}-{os.getpid()}")
+    if log:
+        log(f"calibration: timing the ops of {job.name} on one rank ({CALIBRATION_ITERS} "
+            f"iterations, data parallel) ...")
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "purine_mpi", "train", os.path.abspath(path)]
+    for s in tuple(overrides) + CALIBRATION_SETS:
+        cmd += ["--set", s]
+    cmd += ["--iters", str(CALIBRATION_ITERS), "--profile-iters", CALIBRATION_WINDOW,
+            "--out", folder, "--force", "--no-memory-check"]
+    env = {k: v for k, v in os.environ.items() if not _LAUNCHER_ENV.match(k)}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
+        raise UserError(f"plan --choose: the calibration run (one rank, data parallel) "
+                        f"failed with status {proc.returncode}: {tail}")
+    durations, _ = read_traces(folder)
+    if cache:
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        tmp = f"{cache}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"key": key, "job": job.name, "per_rank": durations.per_rank,
+                       "iter_seconds": durations.iter_seconds,
+                       "iterations": durations.iterations,
+                       "measured_s": round(time.perf_counter() - t0, 3)}, f)
+        os.replace(tmp, cache)
+    import shutil
+    shutil.rmtree(folder, ignore_errors=True)
+    return durations, _calibration_job(path, overrides)
+
+
+def _calibration_job(path, overrides):
+    from ..job.config import load_job
+    return load_job(path, tuple(overrides) + CALIBRATION_SETS, check_files=False)
+
+
+# ------------------------------------------------------------- candidates
+@dataclasses.dataclass
+class Candidate:
+    """One setting: its ``--set`` overrides and a short label."""
+
+    sets: tuple
+    label: str
+    job: object = None
+    error: str = None
+    need: dict = None          # {"host": bytes, "GPU d": bytes}: the largest rank's
+    limits: dict = None        # {where: (bytes, why)}
+    iter_s: float = None
+    samples: int = None
+    untraced: int = 0
+    after: object = None       # a Candidate whose refusal makes this one go unlisted
+
+    @property
+    def fits(self):
+        return self.error is None and all(self.need.get(w, 0) <= lim
+                                          for w, (lim, _) in self.limits.items())
+
+    def set_line(self):
+        return " ".join(f"--set {_quote(s)}" for s in self.sets)
+
+
+def _quote(s):
+    return f"'{s}'" if re.search(r"[\s{}:,]", s) else s
+
+
+def has_attention(job):
+    return any(layer.get("type") == "attention" for layer in job.net or ())
+
+
+def selective_no_effect(job):
+    """Why ``recompute: selective`` changes nothing in ``job`` (its
+    attention layers keep no (N, H, T, T) tensor: the fused Attention op),
+    in words; None where it recomputes something. The replica's training
+    graph built with it, as job/replica.py builds it."""
+    from ..graph.recompute import describe_recompute
+    from ..job.replica import build_train_graph
+    graph, _ = build_train_graph(job)
+    summary = graph.recompute or {}
+    if summary.get("setting") != "selective" or summary.get("units"):
+        return None
+    return describe_recompute(graph).split(": ", 2)[-1]
+
+
+def balanced_stages(job, stages, durations):
+    """{layer: stage}: the net's layers cut into ``stages`` contiguous runs
+    of about equal traced time (a layer's ops are named ``layer.*`` or
+    ``layer/*``; a layer without traced ops weighs as its share of the
+    least); a layer's middle past k/S of the whole starts stage k."""
+    names = list(job.layer_names)
+    ops = durations.per_rank.get(min(durations.per_rank), {}) if durations.per_rank else {}
+    weight = {n: 0.0 for n in names}
+    for op, s in ops.items():
+        layer = re.split(r"[./@\[]", op, 1)[0]
+        if layer in weight:
+            weight[layer] += s
+    floor = min((w for w in weight.values() if w > 0), default=1.0) * 0.01
+    w = [max(weight[n], floor) for n in names]
+    total, out, acc, stage = sum(w), {}, 0.0, 0
+    for i, n in enumerate(names):
+        left = len(names) - i  # every stage keeps at least one layer
+        # a new stage starts where the layer's middle passes the stage's share
+        if stage < stages - 1 and (acc + w[i] / 2 > total * (stage + 1) / stages or
+                                   left <= stages - 1 - stage) and \
+                any(v == stage for v in out.values()):
+            stage += 1
+        out[n] = stage
+        acc += w[i]
+    return out
+
+
+def _stages_label(stage_map, stages):
+    firsts = [next(n for n, s in stage_map.items() if s == k) for k in range(stages)]
+    return "|".join(firsts)
+
+
+def candidates(job, n, durations):
+    """The Candidates for ``n`` ranks (see the module docstring)."""
+    from ..job.schema import SHARD_STAGES
+    from ..parallel.schemes import scheme_class
+    out = []
+    modes = ["none", "full"] + (["selective"] if has_attention(job) else [])
+    for mode in modes:
+        out.append(Candidate(("parallel.scheme=data", f"recompute={mode}"),
+                             f"data, recompute {mode}"))
+    if n > 1 and scheme_class("sharded") is not None:
+        for stage in SHARD_STAGES:
+            # the other recompute modes are tried only when recompute none
+            # is possible (``evaluate``: ``Candidate.after``)
+            first = None
+            for mode in modes:
+                c = Candidate(("parallel.scheme=sharded", f"parallel.shard={stage}",
+                               f"recompute={mode}"), f"sharded stage {stage}, recompute {mode}",
+                              after=first)
+                first = first or c
+                out.append(c)
+    batch = job.train_batch or 1
+    for s in range(2, n + 1):
+        if n % s or len(job.layer_names) < s:
+            continue
+        scheme = "pipeline" if s == n else "hybrid"
+        stage_map = balanced_stages(job, s, durations)
+        text = "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
+        for m in sorted({1, s, 2 * s, 4 * s}):
+            if batch % m:
+                continue
+            out.append(Candidate((f"parallel.scheme={scheme}", f"parallel.stages={text}",
+                                  f"parallel.micro_batches={m}"),
+                                 f"{scheme} {s} stages ({_stages_label(stage_map, s)}), "
+                                 f"{m} micro-batch{'es' if m > 1 else ''}"))
+    if has_attention(job):
+        for t in range(2, n + 1):
+            if n % t == 0:
+                out.append(Candidate(("parallel.scheme=tensor", f"parallel.tensor_parallel={t}"),
+                                     f"tensor {t}-way"))
+    return out
+
+
+# ------------------------------------------------------------- evaluation
+class _Scaled:
+    """The calibration's Durations seen from a candidate's graph: an op the
+    trace names otherwise (``@mbK``, ``@recompute``, a row chunk, a tensor
+    shard) takes the traced op's time times the ratio of the bytes the two
+    ops touch."""
+
+    def __init__(self, durations, traced_graph, graph):
+        self.d, self.traced, self.graph = durations, traced_graph, graph
+
+    def lookup(self, name, rank=0, rows=None):
+        base = re.sub(r"@(recompute|mb\d+)$", "", name)
+        whole = re.sub(r"\[\d+:\d+\]$", "", base)
+        seconds = self.d.lookup(whole, 0)
+        if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
+            return self.d.lookup(name, 0, rows)
+        was, now = _touched(self.traced, whole), _touched(self.graph, name)
+        return seconds * (now / was) if was > 0 else seconds
+
+
+def _touched(graph, name):
+    op = graph.ops[name]
+    return sum(graph.blobs[b].nbytes for b in set(op.inputs) | set(op.outputs)
+               if b in graph.blobs and graph.blobs[b].shape is not None)
+
+
+class Predictor:
+    """The scaling predictor, calibrated once, for any candidate job."""
+
+    def __init__(self, calib_job, durations, link, algorithm="auto"):
+        from .graph import compose_for
+        from .scaling.link import reduce_cost_per_byte
+        from .scaling.model import dispatch_overhead
+        self.durations, self.link, self.algorithm = durations, link, algorithm
+        self.copy_cost = reduce_cost_per_byte()
+        self.overhead = dispatch_overhead(calib_job, durations, link, algorithm,
+                                          self.copy_cost, {})
+        self.traced = compose_for(calib_job, 1, 0)
+
+    def predict(self, job, n):
+        """(seconds per iteration, samples per iteration, untraced op count)."""
+        from .scaling.model import ITERATIONS, Scenario, Template
+        from .scaling.simulate import simulate
+        scenario = Scenario(job, n)
+        graphs, untraced = [], set()
+        for r in scenario.ranks:
+            t = Template(job, scenario, r)
+            g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph),
+                                         self.link, self.algorithm, scenario, self.copy_cost,
+                                         overhead=self.overhead)
+            graphs.append(g)
+            untraced.update(missing)
+        return simulate(graphs, ITERATIONS).period(), scenario.images, len(untraced)
+
+
+def evaluate(cand, path, overrides, n, limits, predictor):
+    """Fill ``cand``: its job, memory per rank and fit, predicted time; a
+    refusal (UserError) becomes ``cand.error``."""
+    from ..job.config import load_job
+    from ..parallel.compose import layout_of
+    from .graph import _OfflineWorld
+    from .plan import limits_for, need_of, offline_footprint, ranks_to_build
+    try:
+        job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
+        layout_of(job, _OfflineWorld(0, n))
+        if job.recompute == "selective":
+            why = selective_no_effect(job)
+            if why is not None:
+                raise UserError(f"{NO_EFFECT}: {why}")
+        built, _ = ranks_to_build(job, n)
+        fps = [offline_footprint(job, n, r) for r in built]
+        need, lims = {}, {}
+        for fp in fps:
+            for where, d, lim, why in limits_for(limits, n, sorted(fp.devices)):
+                need[where] = max(need.get(where, 0), need_of(fp, d))
+                lims[where] = (int(lim), why)
+            need.setdefault("host", max(f.host_total for f in fps))
+        cand.job, cand.need, cand.limits = job, need, lims
+        cand.iter_s, cand.samples, cand.untraced = predictor.predict(job, n)
+    except UserError as exc:
+        cand.error = str(exc).split("\n")[0]
+    return cand
+
+
+def samples_unit(job):
+    """("tokens", per sample) for text data, else ("images", 1)."""
+    train = job.data.train
+    if train is not None and train.source == "text":
+        return "tokens", int(train.sequence_length)
+    return "images", 1
+
+
+def rank(cands):
+    """Possible candidates that fit first, fastest first; then those that do
+    not fit (fastest first); then the refused ones, in order."""
+    ok = [c for c in cands if c.error is None]
+    ok.sort(key=lambda c: (not c.fits, c.iter_s / max(c.samples, 1) if c.iter_s else 0.0))
+    return ok + [c for c in cands if c.error is not None]
+
+
+@dataclasses.dataclass
+class Choice:
+    """The ranked candidates and the best one (None when none fits)."""
+
+    n: int
+    ranked: list
+    unit: tuple
+    calibration: str
+    seconds: float
+
+    @property
+    def best(self):
+        first = self.ranked[0] if self.ranked else None
+        return first if first is not None and first.fits else None
+
+    def why(self):
+        """The start-up block's line for ``scheme: auto``."""
+        b = self.best
+        if b is None:
+            return "no setting fits"
+        fit = [c for c in self.ranked if c.error is None and c.fits]
+        others = len(fit) - 1
+        refused = sum(1 for c in self.ranked if c.error is None and not c.fits)
+        return (f"{b.label}: the fastest predicted of {others + 1} setting(s) that fit "
+                f"({b.iter_s:.3g} s/iter, {human_bytes(b.need.get('host', 0))} per rank"
+                + (f"; {refused} did not fit" if refused else "") + ")")
+
+
+def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
+           algorithm="auto"):
+    """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks."""
+    from ..job.config import load_job
+    from .scaling.link import make_link
+    t0 = time.perf_counter()
+    job = load_job(path, tuple(overrides), check_files=False)
+    durations, calib_job = calibrate(job, path, overrides, calibration, log)
+    predictor = Predictor(calib_job, durations, link or make_link(None, None, None), algorithm)
+    cands = candidates(job, n, durations)
+    for c in cands:
+        if c.after is None or c.after.error is None:
+            evaluate(c, path, overrides, n, limits, predictor)
+    cands = [c for c in cands if c.after is None or c.after.error is None]
+    return Choice(n, rank(cands), samples_unit(job), calibration or "",
+                  time.perf_counter() - t0)
+
+
+def format_choice(choice):
+    unit, per = choice.unit
+    rows = [("#", "setting", "memory/rank", "fits", "s/iter", f"{unit}/s")]
+    for i, c in enumerate(choice.ranked, 1):
+        if c.error is not None:
+            why = c.error if c.error.startswith(NO_EFFECT) else f"not possible: {c.error}"
+            rows.append((str(i), c.label, "-", "-", "-", why))
+            continue
+        mem = ", ".join(f"{w} {human_bytes(c.need.get(w, 0))}" for w in c.need)
+        fits = "yes" if c.fits else "NO: " + ", ".join(
+            f"{w} over {human_bytes(lim)} ({why})" for w, (lim, why) in c.limits.items()
+            if c.need.get(w, 0) > lim)
+        rate = c.samples * per / c.iter_s if c.iter_s else float("nan")
+        rows.append((str(i), c.label, mem, fits, f"{c.iter_s:.4g}", f"{rate:,.0f}"))
+    widths = [max(len(r[k]) for r in rows if len(r[k]) < 60) for k in range(5)]
+    lines = [f"plan --choose: {choice.n} rank{'s' if choice.n != 1 else ''}, ranked by "
+             f"predicted {unit}/s (calibration: {choice.calibration or 'not cached'}; "
+             f"{choice.seconds:.1f} s)"]
+    for r in rows:
+        lines.append("  ".join(r[k].ljust(widths[k]) for k in range(5)) + "  " + r[5])
+    b = choice.best
+    if b is None:
+        lines.append("no setting fits: give the ranks more memory, or more ranks")
+    else:
+        lines.append(f"best: {b.set_line()}")
+        if b.untraced:
+            lines.append(f"note: {b.untraced} op(s) of the best setting were not in the "
+                         "calibration's trace and count 0 s")
+    return "\n".join(lines)
+
+
+def choice_json(choice):
+    """``plan --choose --json``: {"np", "unit", "calibration", "candidates":
+    [{"label", "set", "error" | "need_bytes", "limit_bytes", "fits", "iter_s",
+    "samples_per_s"}], "best": the best's --set options or null}."""
+    unit, per = choice.unit
+    rows = []
+    for c in choice.ranked:
+        row = {"label": c.label, "set": list(c.sets)}
+        if c.error is not None:
+            row["error"] = c.error
+        else:
+            row.update(need_bytes=c.need, limit_bytes={w: lim for w, (lim, _) in
+                                                       c.limits.items()},
+                       fits=c.fits, iter_s=c.iter_s,
+                       samples_per_s=c.samples * per / c.iter_s if c.iter_s else None)
+        rows.append(row)
+    return {"np": choice.n, "unit": unit, "calibration": choice.calibration,
+            "candidates": rows, "best": list(choice.best.sets) if choice.best else None}
+
+
+def best_yaml(choice):
+    """The job with the best setting, as YAML (``--out``): it loads and
+    trains as it is; its first lines say the setting as --set options."""
+    from ..job.config import dump_config
+    b = choice.best
+    return (f"# plan --choose on {choice.n} ranks: {b.label}; predicted {b.iter_s:.4g} s/iter\n"
+            f"# the same as the job with: {b.set_line()}\n" + dump_config(b.job))
+
+
+def default_calibration(job):
+    """The cache of ``plan --choose`` without --calibration: beside the job's runs."""
+    base = job.checkpoint.folder or os.path.join("runs", job.name)
+    return os.path.join(base, "calibration.json")

@@ -1,0 +1,145 @@
+"""plan --np N --choose (tools/choose.py) and parallel.scheme: auto.
+
+The net: two 1,536-wide fully connected layers of equal size (9 MiB of
+weights each, with their gradients and momentum 27 MiB), so a pipeline of
+2 stages cut between them (the cut of equal measured time) holds about half
+the model state per rank, while data parallelism and ZeRO stage 1 hold
+nearly all of it. With --host-memory between the two, the best setting is a
+pipeline by construction and the table marks data parallelism as not
+fitting."""
+import json
+
+import yaml
+
+from tests.conftest import run_cli_args, run_mpi_cli
+from tests.test_recompute import email_h5  # noqa: F401  (a fixture)
+
+NET = """name: choose_net
+seed: 3
+data:
+  train: {source: synthetic, shape: [1, 8, 8], classes: 10, num_samples: 256, batch_size: 16}
+net:
+  - {type: fc, name: fc1, bottom: data, top: fc1, num_output: 1536}
+  - {type: relu, name: relu1, bottom: fc1, top: fc1}
+  - {type: fc, name: fc2, bottom: fc1, top: fc2, num_output: 1536}
+  - {type: relu, name: relu2, bottom: fc2, top: fc2}
+  - {type: fc, name: fc3, bottom: fc2, top: fc3, num_output: 1536}
+  - {type: fc, name: fc4, bottom: fc3, top: fc4, num_output: 10}
+  - {type: softmax_loss, name: loss, bottom: [fc4, label], top: loss}
+solver: {type: sgd, base_lr: 0.01, momentum: 0.9, max_iter: 100, display: 1}
+parallel: {scheme: SCHEME}
+"""
+
+
+def _job(tmp_path, scheme="data"):
+    path = tmp_path / f"{scheme}.yaml"
+    path.write_text(NET.replace("SCHEME", scheme))
+    return path
+
+
+def _choose(job, cal, *extra):
+    res = run_cli_args("plan", job, "--np", 2, "--choose", "--json", "--calibration", cal,
+                       *extra, timeout=600)
+    assert res.returncode in (0, 2), res.stderr
+    return json.loads(res.stdout), res
+
+
+def test_choose_splits_a_net_too_big_for_one_rank(tmp_path):
+    job, cal = _job(tmp_path), tmp_path / "cal.json"
+    free, first = _choose(job, cal)
+    assert "calibration: timing" in first.stderr and cal.exists()
+    rows = [r for r in free["candidates"] if "error" not in r]
+    staged = [r for r in rows if r["label"].startswith("pipeline")]
+    whole = [r for r in rows if not r["label"].startswith("pipeline")]
+    assert staged and whole
+    least_staged = min(r["need_bytes"]["host"] for r in staged)
+    least_whole = min(r["need_bytes"]["host"] for r in whole)
+    assert least_staged < 0.6 * least_whole  # the model state split in two
+    limit = (least_staged + least_whole) // 2
+    # the second run reads the calibration from the cache: no new measurement
+    tight, second = _choose(job, cal, "--host-memory", limit, "--out", tmp_path / "best.yaml")
+    assert "calibration: timing" not in second.stderr
+    assert second.returncode == 0
+    cands = tight["candidates"]
+    by_label = {r["label"]: r for r in cands}
+    assert by_label["data, recompute none"]["fits"] is False
+    assert all(not r["fits"] for r in cands if "error" not in r and
+               not r["label"].startswith("pipeline"))
+    assert tight["best"][0] == "parallel.scheme=pipeline"
+    # sorted: what fits first, by predicted throughput; then what does not; then refusals
+    fits = [r["fits"] for r in cands if "error" not in r]
+    assert fits == sorted(fits, reverse=True)
+    rates = [r["samples_per_s"] for r in cands if r.get("fits")]
+    assert rates == sorted(rates, reverse=True)
+    errors = [i for i, r in enumerate(cands) if "error" in r]
+    assert errors == list(range(len(cands) - len(errors), len(cands)))
+    # the text table says the same, and the best as --set options
+    text = run_cli_args("plan", job, "--np", 2, "--choose", "--calibration", cal,
+                        "--host-memory", limit, timeout=600)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    dp = next(line for line in lines if "data, recompute none" in line)
+    assert "NO: host over" in dp
+    assert lines[-1].startswith("best: --set parallel.scheme=pipeline")
+    # --out: the job with the best setting, which trains
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["parallel"]["scheme"] == "pipeline"
+    assert sorted(set(best["parallel"]["stages"].values())) == [0, 1]
+    res = run_mpi_cli(2, "train", tmp_path / "best.yaml", "--iters", 2, "--out",
+                      tmp_path / "run", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "scheme       pipeline" in res.stdout
+
+
+def test_scheme_auto_chooses_the_same_on_every_rank_and_trains(tmp_path):
+    job = _job(tmp_path, "auto")
+    res = run_mpi_cli(2, "train", job, "--iters", 2, "--out", tmp_path / "run", timeout=600)
+    assert res.returncode == 0, res.stderr
+    chosen = [line for line in res.stdout.splitlines() if line.startswith("parallel.scheme auto:")]
+    assert len(chosen) == 1 and "fastest predicted" in chosen[0]
+    # the run's config is the chosen setting (the ranks agreed on it at start-up)
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert cfg["parallel"]["scheme"] != "auto"
+    assert chosen[0].split(": ")[1].startswith(cfg["parallel"]["scheme"])
+    assert (tmp_path / "run" / "calibration.json").exists()
+
+
+def test_choose_options_and_auto_elsewhere_are_user_errors(tmp_path):
+    res = run_cli_args("plan", _job(tmp_path), "--calibration", tmp_path / "c.json")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "belong to --choose" in res.stderr
+    res = run_cli_args("graph", _job(tmp_path, "auto"), "--np", 2)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "parallel.scheme" in res.stderr and "--choose" in res.stderr
+
+
+def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(email_h5):
+    """gpt_tiny's attention is the fused op (attn_dropout 0): it keeps no
+    (N, H, T, T) tensor, so ``recompute: selective`` is the run of
+    ``none`` and the candidate says so rather than rank a copy of it; with
+    attn_dropout > 0 (the raw sub-graph) selective is a setting of its own
+    and plan counts less memory for it than for none."""
+    import os
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Candidate, Choice, evaluate, format_choice, \
+        selective_no_effect
+    from purine_mpi.tools.plan import MemoryLimits, offline_footprint
+    from tests.conftest import REPO
+    tiny = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
+    small = (f"data.train.path={email_h5}", "data.test=null", "data.train.batch_size=4",
+             "data.train.sequence_length=32")
+    fused = load_job(tiny, small + ("recompute=selective",), check_files=False)
+    assert "fused Attention" in selective_no_effect(fused)
+    cand = evaluate(Candidate(("parallel.scheme=data", "recompute=selective"),
+                              "data, recompute selective"), tiny, small, 2,
+                    MemoryLimits(host=1 << 40), predictor=None)
+    assert cand.error.startswith("no effect: ") and "fused" in cand.error
+    line = format_choice(Choice(2, [cand], ("tokens", 32), "", 0.0)).splitlines()[-2]
+    assert "no effect: " in line and "not possible" not in line
+    raw = small + tuple(f"net.{i}.attn_dropout=0.1" for i in (3, 11))
+    need = {}
+    for mode in ("none", "selective"):
+        job = load_job(tiny, raw + (f"recompute={mode}",), check_files=False)
+        assert selective_no_effect(job) is None
+        need[mode] = offline_footprint(job, 2, 0).host_total
+    assert need["selective"] < need["none"]
