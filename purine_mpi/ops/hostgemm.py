@@ -14,8 +14,8 @@ then gives the bits one thread gives.
 
 - A 2-D product ``(M, K) @ (K, N)`` of at least ``SPLIT_MIN_WORK``
   multiply-adds is cut (``plan``) into at most ``MAX_PIECES`` pieces of at
-  least ``PIECE_MIN_WORK`` multiply-adds, their widths multiples of
-  ``ALIGN``: along M when M is at least ``2 * ALIGN`` (row pieces at
+  least ``PIECE_MIN_WORK`` multiply-adds (and ``INNER_MIN`` of K), their
+  widths multiples of ``ALIGN``: along M when M is at least ``2 * ALIGN`` (row pieces at
   multiples of 48 keep the bits of one call, measured); else, for the
   short wide products of weight gradients (``dy (O, N*L) @ cols``), along
   K when K >= N: each piece's product goes to a scratch stack and the
@@ -45,7 +45,10 @@ from ..base import threads as _threads
 #: products below this many multiply-adds are one BLAS call
 SPLIT_MIN_WORK = 1 << 22
 #: the least multiply-adds of one piece
-PIECE_MIN_WORK = 1 << 20
+PIECE_MIN_WORK = 1 << 21
+#: the least inner size of one piece of a cut along K (each piece writes
+#: and the sum reads an (M, N) partial product)
+INNER_MIN = 512
 #: the most pieces one 2-D product is cut into
 MAX_PIECES = 8
 #: piece widths are multiples of this (the kernels' tile sizes divide it)
@@ -68,22 +71,20 @@ def threads():
 def plan(m, n, k):
     """(axis, [slices]) of a 2-D product (m, k) @ (k, n): the side it is cut
     along (0: the rows m, 1: the columns n, 2: the inner size k) and the
-    pieces; one slice of the rows when it is not cut. Shapes only."""
+    pieces; one slice of the rows when it is not cut. Shapes only: the rows
+    when there are ``2 * ALIGN``, else K when K >= N, else (or when K is too
+    short to cut) the columns."""
     work = m * n * k
-    if m >= 2 * ALIGN:
-        axis, size = 0, m
-    elif k >= n and k >= 2 * ALIGN:
-        axis, size = 2, k
-    elif n >= 2 * ALIGN:
-        axis, size = 1, n
-    else:
-        axis, size = 0, m
-    if work < SPLIT_MIN_WORK or size < 2 * ALIGN:
-        return 0, [slice(0, m)]
-    count = min(MAX_PIECES, work // PIECE_MIN_WORK, size // ALIGN)
-    width = -(-size // count)
-    width = -(-width // ALIGN) * ALIGN
-    return axis, [slice(s, min(s + width, size)) for s in range(0, size, width)]
+    if work >= SPLIT_MIN_WORK:
+        sides = [(0, m)] if m >= 2 * ALIGN else [(2, k), (1, n)] if k >= n else [(1, n)]
+        for axis, size in sides:
+            count = min(MAX_PIECES, work // PIECE_MIN_WORK,
+                        size // (INNER_MIN if axis == 2 else ALIGN))
+            if count >= 2:
+                width = -(-size // count)
+                width = -(-width // ALIGN) * ALIGN
+                return axis, [slice(s, min(s + width, size)) for s in range(0, size, width)]
+    return 0, [slice(0, m)]
 
 
 def matmul(xp, a, b, out=None):
