@@ -9,9 +9,14 @@ threads). The default is the cores this rank may run on (its CPU affinity
 mask: SLURM's ``--cpus-per-task``, ``taskset``, a cgroup) divided among the
 ranks of this host, and at least 1. ``PURINE_THREADS`` overrides it; so does
 ``OMP_NUM_THREADS`` when the user set it. The decision is exported as
-``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` (a
-variable the user set keeps its value) and reported in the start-up block
-as ``threads N per rank (why)``.
+``OMP_NUM_THREADS`` (a variable the user set keeps its value) and reported
+in the start-up block as ``threads N per rank (why)``; those are the threads
+of the host products (``ops/hostgemm.py``), which cut each product by its
+shapes only. BLAS itself runs one thread (``OPENBLAS_NUM_THREADS`` and
+``MKL_NUM_THREADS`` are exported as 1, unless the user set them): OpenBLAS's
+threads split a GEMM where the thread count says, and its results then
+depend on that count, while ours are the same bits at any count
+(docs/running.md, "Reproducibility").
 
 Cores that other processes keep busy are not this job's: 2 threads on 2
 cores beside one busy process ran 1.7-18x slower than 1 thread (issue 36).
@@ -35,6 +40,8 @@ from . import env
 
 #: variables that limit the BLAS and OpenMP pools
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+#: the BLAS pools, held to one thread: the rank's threads are hostgemm's
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 #: how launchers tell a rank how many ranks share its host
 LOCAL_SIZE_VARS = ("PURINE_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
                    "PMI_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
@@ -171,9 +178,13 @@ def apply(environ=os.environ):
     except ValueError as exc:
         threads, why = 1, f"{exc}; using 1"
     for var in THREAD_VARS:
-        environ.setdefault(var, str(threads))
-    if "numpy" in sys.modules and "OMP_NUM_THREADS" not in _set_before:
+        environ.setdefault(var, "1" if var in BLAS_VARS else str(threads))
+    if "numpy" in sys.modules and not _set_before.issuperset(BLAS_VARS):
         why += "; NumPy was loaded first, so its BLAS may use other counts"
+    blas = [f"{v}={environ[v]}" for v in BLAS_VARS if v in _set_before and environ[v] != "1"]
+    if blas:
+        why += (f"; {' '.join(blas)} set: BLAS's own threads make the results depend on "
+                "the thread count")
     DECISION = (threads, why)
     return DECISION
 

@@ -48,6 +48,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
+from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
 
@@ -91,7 +92,7 @@ def bmm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0):
         for h in range(a.shape[1]):
             gemm(a[:, h], b[:, h], out[:, h], trans_a=trans_a, trans_b=trans_b, alpha=alpha)
         return
-    xp.matmul(a.swapaxes(-1, -2) if trans_a else a, b.swapaxes(-1, -2) if trans_b else b,
+    matmul(xp, a.swapaxes(-1, -2) if trans_a else a, b.swapaxes(-1, -2) if trans_b else b,
               out=out)
     if alpha != 1.0:
         out *= alpha

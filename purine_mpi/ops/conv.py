@@ -68,6 +68,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
+from .hostgemm import matmul
 from .im2col import (data_grad_col2im, forward_rows, im2col, im2col_batch, padded,
                      weight_grad_rows)
 from .im2col import buffer as host_buffer
@@ -175,7 +176,7 @@ def _forward_cpu(xp, x, wmat, geo, y, bias=None):
     y = y.reshape(geo["N"], G, geo["O"] // G, geo["OH"] * geo["OW"])
     b = None if bias is None else bias.reshape(G, geo["O"] // G, 1)
     if _pointwise(geo):
-        xp.matmul(wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
+        matmul(xp, wmat, x.reshape(geo["N"], G, geo["C"] // G, -1), out=y)
         if b is not None:
             y += b
         return
@@ -184,7 +185,7 @@ def _forward_cpu(xp, x, wmat, geo, y, bias=None):
         return
     for sl, xpad in _padded_chunks(xp, x, geo):
         # (G, O/G, K) @ (n, G, K, L) -> (n, G, O/G, L): y's own layout, no transpose
-        xp.matmul(wmat, im2col(xp, xpad, geo), out=y[sl])
+        matmul(xp, wmat, im2col(xp, xpad, geo), out=y[sl])
         if b is not None:
             y[sl] += b
 
@@ -375,7 +376,7 @@ class ConvGradData(OpKernel):
             return
         if _pointwise(geo):  # dx[n] = w^T dy[n], one GEMM per sample
             wT = xp.ascontiguousarray(w.reshape(G, O // G, C // G).transpose(0, 2, 1))
-            xp.matmul(wT, dy.reshape(N, G, O // G, -1), out=outs[0].reshape(N, G, C // G, -1))
+            matmul(xp, wT, dy.reshape(N, G, O // G, -1), out=outs[0].reshape(N, G, C // G, -1))
             return
         tgeo = _transposed_geometry(geo)
         if tgeo is not None:
@@ -424,7 +425,7 @@ class ConvGradWeight(OpKernel):
             xg = x.reshape(N, G, geo["C"] // G, L)
             dw.fill(0)
             for sl in _chunks(xp, geo, x.itemsize):
-                dw += xp.matmul(dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
+                dw += matmul(xp, dyg[sl], xg[sl].transpose(0, 1, 3, 2)).sum(axis=0)
             return
         if _by_rows(geo):
             weight_grad_rows(xp, dy, x, geo, outs[0], _chunks(xp, geo, x.itemsize))
@@ -436,7 +437,7 @@ class ConvGradWeight(OpKernel):
             for i, (sl, xpad) in enumerate(_padded_chunks(xp, x, geo)):
                 col = im2col(xp, xpad, geo)  # (n, G, K, L)
                 per = host_scratch(xp, "gemm", col.shape[:3] + (O // G,), dw.dtype)
-                xp.matmul(col, dyg[sl].transpose(0, 1, 3, 2), out=per)
+                matmul(xp, col, dyg[sl].transpose(0, 1, 3, 2), out=per)
                 if i == 0:
                     xp.sum(per, axis=0, out=acc)
                 else:
@@ -450,9 +451,9 @@ class ConvGradWeight(OpKernel):
             n = col.shape[2] // L
             dyt = xp.ascontiguousarray(dyg[sl].transpose(1, 2, 0, 3)).reshape(G, O // G, n * L)
             if i == 0:
-                xp.matmul(dyt, col.transpose(0, 2, 1), out=dw)
+                matmul(xp, dyt, col.transpose(0, 2, 1), out=dw)
             else:
-                dw += xp.matmul(dyt, col.transpose(0, 2, 1))
+                dw += matmul(xp, dyt, col.transpose(0, 2, 1))
 
 
 @register
@@ -485,7 +486,7 @@ class ConvGradBias(OpKernel):
         N, O = dy.shape[:2]
         planes = dy.reshape(N * O, -1)
         ones = host_buffer(xp, "ones", (planes.shape[1],), dy.dtype, fill=1)
-        xp.sum(xp.matmul(planes, ones).reshape(N, O), axis=0, out=outs[0])
+        xp.sum(matmul(xp, planes, ones).reshape(N, O), axis=0, out=outs[0])
 
 
 _GEOMETRY_ATTRS = ("stride", "pad", "dilation", "group")

@@ -26,6 +26,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
+from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
 
@@ -89,7 +90,7 @@ class InnerProduct(OpKernel):
         if _on_gpu(xp, x, w, y):  # cuBLAS straight on the blobs: y = x @ w^T
             gemm(x.reshape(M, K), w, y, trans_b=True)
         else:
-            xp.matmul(x.reshape(M, K), w.T, out=y)
+            matmul(xp, x.reshape(M, K), w.T, out=y)
         from .conv import _epilogue
         _epilogue(xp, raw_kernels(xp, x, w), y, bias, self.attrs)
 
@@ -111,7 +112,7 @@ class InnerProductGradData(OpKernel):
         if _on_gpu(xp, dy, w, outs[0]):
             gemm(dy.reshape(M, -1), w, outs[0].reshape(M, K))
             return
-        xp.matmul(dy.reshape(M, -1), w, out=outs[0].reshape(M, K))
+        matmul(xp, dy.reshape(M, -1), w, out=outs[0].reshape(M, K))
 
 
 @register
@@ -148,7 +149,7 @@ class InnerProductGradWeight(OpKernel):
         if _on_gpu(xp, dy, x, outs[0]):  # dy^T transposed by cuBLAS, not copied
             gemm(dy2, x.reshape(M, K), outs[0], trans_a=True)
             return
-        xp.matmul(dy2.T, x.reshape(M, K), out=outs[0])
+        matmul(xp, dy2.T, x.reshape(M, K), out=outs[0])
 
 
 @register

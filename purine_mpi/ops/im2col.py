@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from .hostgemm import matmul
+
 _LOCAL = threading.local()
 
 
@@ -129,7 +131,7 @@ def data_grad_col2im(xp, dy, w, geo, dx, chunks):
     for sl in chunks:
         n = sl.stop - sl.start
         dcol = scratch(xp, "col", (n, G, wT.shape[1], dyg.shape[3]), dy.dtype)
-        xp.matmul(wT, dyg[sl], out=dcol)
+        matmul(xp, wT, dyg[sl], out=dcol)
         dcol = dcol.reshape(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
         if ph or pw:
             dxpad = scratch(xp, "dxpad", (n, C, H + 2 * ph, W + 2 * pw), dy.dtype)
@@ -186,7 +188,7 @@ def forward_rows(xp, x, wmat, geo, y, chunks, bias=None):
     for sl in chunks:
         rows = im2col_rows(xp, x[sl], geo, cap)
         out = scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
-        xp.matmul(rows, wr.T, out=out)
+        matmul(xp, rows, wr.T, out=out)
         if bias is None:
             y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
         else:
@@ -207,7 +209,7 @@ def weight_grad_rows(xp, dy, x, geo, dw, chunks):
         dyt = scratch(xp, "dyt", (O, n, L), dy.dtype)
         dyt[...] = dyl[sl].transpose(1, 0, 2)
         if i == 0:
-            xp.matmul(dyt.reshape(O, n * L), rows, out=acc)
+            matmul(xp, dyt.reshape(O, n * L), rows, out=acc)
         else:
-            acc += xp.matmul(dyt.reshape(O, n * L), rows)
+            acc += matmul(xp, dyt.reshape(O, n * L), rows)
     dw[...] = acc.reshape(O, geo["kh"], geo["kw"], geo["C"]).transpose(0, 3, 1, 2)

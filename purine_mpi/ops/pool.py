@@ -40,6 +40,7 @@ from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
+from .hostgemm import matmul
 from .im2col import buffer, padded
 from .registry import OpKernel, gradient, register
 
@@ -286,7 +287,7 @@ class Pool(OpKernel):
         mat = _dense_matrix(xp, geo, y.dtype) if y.flags.c_contiguous else None
         if mat is not None:  # one GEMM over the N*C planes
             planes = geo["N"] * geo["C"]
-            xp.matmul(x.reshape(planes, -1), mat.T, out=y.reshape(planes, -1))
+            matmul(xp, x.reshape(planes, -1), mat.T, out=y.reshape(planes, -1))
         else:
             eh, ew = _extent(geo)
             div = _divisor(xp, geo, y.dtype)
@@ -343,7 +344,7 @@ class PoolGrad(OpKernel):
             return
         mat = _dense_matrix(xp, geo, dx.dtype) if dx.flags.c_contiguous else None
         if mat is not None:  # one GEMM over the N*C planes
-            xp.matmul(dy.reshape(N * C, -1), mat, out=dx.reshape(N * C, -1))
+            matmul(xp, dy.reshape(N * C, -1), mat, out=dx.reshape(N * C, -1))
             return
         # average: dy / size added into every window of a padded buffer, a
         # chunk of samples at a time (one buffer, in cache), then cropped
