@@ -33,6 +33,7 @@ from .checks import _check_int, _check_keys, _kind
 from .data_spec import _check_data
 from .job import Job, job_of
 from .keys import check_section
+from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
 from .schema import RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP, TOP_KEYS
 from ..layers import check_layer
@@ -267,11 +268,14 @@ def _recompute_rules(out, path):
 
 
 def _check_net(net, path):
+    """The net's layers, its ``repeat`` entries expanded (job/repeat.py); an
+    error names the entry of the file (``net.3.block.2.name``)."""
     if not isinstance(net, list):
         raise ConfigError(path, "net", f"expected a list of layers, got {_kind(net)}")
+    net, keys = expand_net(net, path)
     seen = {}
     for i, layer in enumerate(net):
-        key = f"net.{i}"
+        key = keys[i]
         if not isinstance(layer, dict):
             raise ConfigError(path, key, f"expected a layer mapping with 'type' and 'name', "
                                          f"got {_kind(layer)}")
@@ -281,9 +285,9 @@ def _check_net(net, path):
                                                           f"got {excerpt(layer.get(field))}")
         if layer["name"] in seen:
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
-                                                   f"(also net.{seen[layer['name']]})")
+                                                   f"(also {keys[seen[layer['name']]]})")
         seen[layer["name"]] = i
-        check_layer(layer, i, path)  # known type, declared keys (purine_mpi/layers)
+        check_layer(layer, i, path, where=key if ".block." in key else None)  # known type, declared keys (purine_mpi/layers)
     return copy.deepcopy(net)
 
 

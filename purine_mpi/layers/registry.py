@@ -178,36 +178,39 @@ def layer_spec(ltype):
     return getattr(fn, "spec", None)
 
 
-def check_layer(cfg, index, path):
+def check_layer(cfg, index, path, where=None):
     """Exit-2 checks of one net entry that need no shapes: a known type and
-    no key its type does not declare (nor in its fillers and ``param``)."""
+    no key its type does not declare (nor in its fillers and ``param``).
+    ``where``: the entry's key in the file (default ``net[index]``; a layer
+    of a ``repeat`` block is ``net.3.block.2``)."""
+    at = where or f"net[{index}]"
     name = excerpt(cfg.get("name"), quote=False)  # for the messages
     ltype = cfg.get("type")
     spec = layer_spec(ltype)
     if spec is None:
         close = difflib.get_close_matches(str(ltype).lower(), LAYERS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(path, f"net[{index}].type",
+        raise ConfigError(path, f"{at}.type",
                           f"layer '{name}': unknown layer type {excerpt(ltype)}{hint}; "
                           f"known: {', '.join(sorted(LAYERS))}")
     valid = [k.name for k in spec.all_keys()]
     for k in cfg:
         if k not in valid:
-            raise ConfigError(path, f"net[{index}].{k}",
+            raise ConfigError(path, f"{at}.{k}",
                               f"layer '{name}' ({spec.type}): unknown key {excerpt(k)}"
                               f"{_suggest(k, valid)} (valid keys: {', '.join(valid)})")
     for k, v in cfg.items():
         key = spec.key(k)
         problem = value_problem(key.kind, key.range, v)
         if problem:
-            raise ConfigError(path, f"net[{index}].{k}", f"layer '{name}' ({spec.type}): "
+            raise ConfigError(path, f"{at}.{k}", f"layer '{name}' ({spec.type}): "
                                                          f"{problem}")
     for key in spec.keys:
         if key.kind == "filler" and isinstance(cfg.get(key.name), dict):
-            _check_filler(cfg[key.name], f"net[{index}].{key.name}", name, path)
+            _check_filler(cfg[key.name], f"{at}.{key.name}", name, path)
         if key.kind == "params" and isinstance(cfg.get(key.name), list):
             for j, entry in enumerate(cfg[key.name]):
-                where = f"net[{index}].{key.name}[{j}]"
+                where = f"{at}.{key.name}[{j}]"
                 if not isinstance(entry, dict):
                     raise ConfigError(path, where, f"layer '{name}': expected a mapping "
                                       f"{{lr_mult: 1, decay_mult: 1}}, got {excerpt(entry)}")

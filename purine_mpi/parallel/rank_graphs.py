@@ -56,15 +56,19 @@ class RankGraphs:
         return self.layout.replicas
 
 
-def build_rank_graphs(job, world, scheme=None):
+def build_rank_graphs(job, world, scheme=None, check_memory=True):
     """This rank's training and test graphs for ``job`` (job/job.py) in
-    ``world`` under ``scheme`` (default: the job's own, ``scheme_of(job)``)."""
+    ``world`` under ``scheme`` (default: the job's own, ``scheme_of(job)``).
+    ``check_memory``: refuse a net whose blobs outgrow this host's memory
+    (false for ``plan``, which accounts every byte itself, for the device
+    the job names: a GPU job planned on a small host)."""
     scheme = scheme or scheme_of(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
     layout = scheme.layout(job, world)
     graph, grads = build_train_graph(job, layout.replica, layout.replicas)
-    check_fits_memory(graph)  # a layer too big is named, not a MemoryError
+    if check_memory:
+        check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph)
     summary = param_summary(graph)  # the whole net's, before any split
     net_params = [b.name for b in graph.params()]

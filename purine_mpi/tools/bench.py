@@ -229,6 +229,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     if job.data.train.source == "text":  # a sample is a sequence of tokens
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
+    if world.rank == 0:
+        result.update(throughput_flops(job, result, trainer.graphs.graph if on_gpu else None,
+                                       gworld.size))
     return result if world.rank == 0 else None
 
 
@@ -274,6 +277,40 @@ def per_rank_figures(world, state):
     rss, held, peak = ([int(v) for v in row] for row in every)
     return {"max_rss_bytes_per_rank": rss,
             "model_state_bytes_per_rank": {"held": held, "peak": peak}}
+
+
+def throughput_flops(job, result, gpu_graph=None, world_size=1):
+    """The FLOPs and MFU fields of ``bench --json`` (tools/flops.py): the
+    model FLOPs of a training sample (and token) counted from the ops of one
+    replica's graph, PaLM's closed form for a transformer, and the MFU
+    against the device's dense peak for the precision in use."""
+    from ..job.replica import build_train_graph
+    from .flops import device_peak, gpt_closed_form, gpt_figures, graph_flops, mfu_fields
+    graph, _ = build_train_graph(job)  # one micro-batch of one replica, before the scheme
+    micro = job.train_batch // max(1, job.parallel.micro_batches)
+    per_sample = graph_flops(graph) / micro
+    device, precision = None, "fp32"
+    if gpu_graph is not None:
+        from ..gpu.cudnn_tune import device_name
+        import cupy
+        dev = next(b.location.device for b in gpu_graph.blobs.values() if b.location.device >= 0)
+        device, precision = device_name(cupy, dev), "tf32" if job.tf32 else "fp32"
+    peak, source = device_peak(device, precision)
+    out = mfu_fields(per_sample, result["images_per_s"], peak, source, precision, world_size,
+                     per_device=device is not None)
+    out["flops_counted"] = ("matrix products of the training graph's ops (fc, conv, "
+                            "attention; forward and backward), per sample")
+    if "tokens_per_s" in result:
+        seq = job.data.train.sequence_length
+        out["model_flops_per_token"] = round(per_sample / seq, 1)
+        gpt = gpt_figures(graph)
+        if gpt is not None:
+            n, layers, width, t = gpt
+            out["model_flops_per_token_closed_form"] = gpt_closed_form(n, layers, width, t)
+            out["closed_form"] = (f"PaLM's 6N + 12*L*H*Q*T with N = {n:,} (the parameters "
+                                  f"without position embeddings, as nanoGPT's estimate_mfu), "
+                                  f"L = {layers}, H*Q = {width}, T = {t}")
+    return out
 
 
 def device_memory(ws, peaks=None, report=None):
@@ -391,9 +428,13 @@ def format_bench(res, warmup=None):
         return "n/a" if v is None else f"{v:,.2f} ms"
 
     lat = res.get("post_latency_ms") or {}
+    mfu = res.get("mfu")
     rows = [
         ("throughput", f"{res['images_per_s']:,.0f} images/s" if "tokens_per_s" not in res
          else f"{res['tokens_per_s']:,.0f} tokens/s ({res['images_per_s']:,.1f} sequences/s)"),
+        ("model FLOPs", "n/a" if "achieved_flops_per_s" not in res else
+         f"{res['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s, MFU "
+         + ("n/a" if mfu is None else f"{100 * mfu:.2f}%") + f" of {res['peak_source']}"),
         ("iteration", f"{ms(res['iter_ms_median'])} median, {ms(res['iter_ms_mean'])} mean"),
         ("compute", f"{ms(res['compute_ms_per_iter'])} per iteration (rank 0's ops, summed "
                     "over its threads)"),

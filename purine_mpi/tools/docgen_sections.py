@@ -123,7 +123,7 @@ def _intro():
         "- [An example](#an-example)",
         "- [Top-level keys](#top-level-keys)",
         "- [data](#data): data specs, sources, transforms, the sample order",
-        "- [net](#net): keys of every layer, fillers, `param`, the layer types, custom layers",
+        "- [net](#net): keys of every layer, `repeat` (a block written once), fillers, `param`, the layer types, custom layers",
         "- [graph](#graph): the low-level alternative to `net`",
         "- [solver](#solver): keys, [solver types](#solver-types), "
         "[lr policies](#lr-policies)",
@@ -287,6 +287,39 @@ def _layer_section():
         "### Keys of every layer",
         "",
         _table(("key", "type", "default", "meaning"), key_rows(COMMON_KEYS)),
+        "",
+        "### repeat",
+        "",
+        "A block of layers used several times (a transformer's blocks) is written once, as "
+        "an entry `repeat: N` (the count, an integer in [1, 10000]) with `block:` (its list "
+        "of layers) and optionally `start:` (the first index, default 0). It is expanded "
+        "into N copies of the block when the config is read, so every command (and the "
+        "config a checkpoint saves) sees the spelled-out layers. In every string of a "
+        "block's layers (`name`, `bottom`, `top`, `tie_weight`, ...) `{i}` is the block's "
+        "index and `{i+K}` / `{i-K}` that index plus or minus K: block i reads `x{i}`, the "
+        "previous block's output, and writes `x{i+1}`; `{{` and `}}` are literal braces. "
+        "Every layer name of a block holds a placeholder. A bad count or start, an unknown "
+        "placeholder (`{j}`), a name without one, or a repeat inside a block exits 2 naming "
+        "the file and the key (`net.3.repeat`, `net.3.block.2.top`); an error of a layer of "
+        "the block names it the same way. `--set` indexes the entries of the file "
+        "(`--set net.3.repeat=12`). jobs/gpt_small.yaml:",
+        "",
+        "```yaml",
+        "net:",
+        "  - {type: embedding, name: wte, bottom: data, top: tok, input_dim: 256, num_output: 384}",
+        "  - {type: position_embedding, name: wpe, bottom: tok, top: x0, max_length: 256}",
+        "  - repeat: 6                   # h0 .. h5: block i reads x{i}, writes x{i+1}",
+        "    block:",
+        "      - {type: layer_norm, name: \"h{i}_ln1\", bottom: \"x{i}\", top: \"h{i}_n1\"}",
+        "      - {type: attention, name: \"h{i}_attn\", bottom: \"h{i}_n1\", top: \"h{i}_a\", "
+        "num_heads: 6}",
+        "      - {type: eltwise, name: \"h{i}_res1\", bottom: [\"x{i}\", \"h{i}_a\"], top: "
+        "\"h{i}_r\"}",
+        "      # ... ln_2, the MLP ...",
+        "      - {type: eltwise, name: \"h{i}_res2\", bottom: [\"h{i}_r\", \"h{i}_p\"], top: "
+        "\"x{i+1}\"}",
+        "  - {type: layer_norm, name: ln_f, bottom: x6, top: xf}",
+        "```",
         "",
         "### Fillers",
         "",

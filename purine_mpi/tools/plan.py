@@ -119,7 +119,7 @@ def offline_footprint(job, size, rank):
         graph = compose_for(offline, size, rank)
         graphs = _Graphs(graph=graph, device=_device_of(graph))
     else:
-        graphs = build_rank_graphs(offline, world)
+        graphs = build_rank_graphs(offline, world, check_memory=False)
     return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank)
 
 
