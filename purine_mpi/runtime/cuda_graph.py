@@ -153,6 +153,16 @@ class GraphExecutor(StreamExecutor):
         super().planned()
         self._note_blocked()
 
+    def scratch_lanes(self):
+        """Each GPU op's stream; a captured op's names its segment's, since
+        segments not ordered by the graph replay at once on streams of their
+        own (inside a graph, the ops of one capture stream stay in order)."""
+        lanes = super().scratch_lanes()
+        for seg in self.segment_plan.values():
+            for n in seg.members:
+                lanes[n] = (seg.device, seg.name, self.streams[n][1])
+        return lanes
+
     def replans(self):
         """A new posting order changes the stages: plan (and capture) again."""
         return bool(self.segment_plan)
