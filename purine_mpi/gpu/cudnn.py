@@ -228,6 +228,7 @@ class ConvPlan:
             graph.build_plans()
             self.workspace_bytes = int(graph.get_workspace_size())
             tune.note("heuristic")
+            tune.note_choice(self.workspace_bytes)
             return
         self._choose(key, buffers)
 
@@ -247,6 +248,7 @@ class ConvPlan:
             self.index = index
             self.workspace_bytes = int(graph.get_workspace_size_plan_at_index(index))
             tune.note("cached", path=path)
+            self._noted(entry)
             return
         t0 = time.perf_counter()
         graph.build_plans(self.cudnn.build_plan_policy.ALL)
@@ -269,6 +271,17 @@ class ConvPlan:
         self.workspace_bytes = int(best["workspace"])
         tune.store(path, gpu_name, version, key, best)
         tune.note("timed", time.perf_counter() - t0, path=path)
+        self._noted(best)
+
+    def _noted(self, entry):
+        """Count the chosen plan's workspace and the time given up to the cap;
+        say once when no plan fitted it."""
+        over = bool(entry.get("over_cap"))
+        tune.note_choice(self.workspace_bytes, entry.get("ms"), entry.get("fastest_ms"), over)
+        if over:
+            _say_once(("over_cap",), f"purine_mpi: no cuDNN plan of some convolutions fits "
+                                     f"gpu.workspace_limit ({tune.workspace_limit()} bytes): "
+                                     "the plan with the smallest workspace is taken")
 
     def execute(self, arrays, workspace):
         """Run on ``arrays`` ({"x": ..., "w": ..., ...}: CuPy arrays, keys as
