@@ -91,3 +91,23 @@ def test_the_nets_take_one_slot_per_stream(net, cuda_graph, monkeypatch, host_bu
         assert sum(ws.scratch_bytes.values()) == sum(b for b, _ in before if b)
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("lanes", [
+    None,
+    {"a": (0, "s0"), "b1": (0, "s0"), "b2": (0, "s0"), "b3": (0, "s1")},
+    {"a": (0, "s1"), "b1": (0, "s0"), "b2": (0, "s0"), "b3": (0, "s1")}])
+def test_the_static_plan_binds_the_slots_as_the_workspace_does(lanes):
+    """``scratch_plan`` (what ``plan`` counts before anything is allocated)
+    and the workspace's binding share ``slot_for``: same slots, same sizes."""
+    from purine_mpi.runtime.workspace import ancestors_in, scratch_plan
+    g = _branches()
+    needs = {"a": 256, "b1": 4096, "b2": 1024, "b3": 512}
+    ws = Workspace(g)
+    for name, nbytes in needs.items():
+        ws.scratch_for(name, 0).reserve(((nbytes,), np.uint8))
+    ws.set_scratch_lanes(lanes)
+    deps, cache = g.dependencies(), {}
+    planned = scratch_plan(needs, lanes or {}, lambda n: ancestors_in(deps, cache, n))
+    assert planned == ws.scratch_slots()[0]
+    assert len(planned) == (3 if lanes is None else 2)

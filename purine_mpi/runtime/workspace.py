@@ -102,6 +102,59 @@ def _aligned_zeros(nbytes):
     return raw[start:start + int(nbytes)]
 
 
+def slot_for(name, slots, lanes, ancestors):
+    """The index in ``slots`` (lists of op names) of the scratch slot op
+    ``name`` joins, None: a slot of its own. It joins the first slot whose
+    every op runs on its stream (``lanes``: {op: stream}; a stream runs its
+    work one after the other) or is ordered with it by the graph
+    (``ancestors(op)``: the ops that run before ``op``). The workspace binds
+    its slots so (``Workspace.scratch_for``), and ``scratch_plan`` plans
+    them before anything is allocated."""
+    lane = lanes.get(name)
+    before = ancestors(name)
+    for i, ops in enumerate(slots):
+        if all((lane is not None and lanes.get(u) == lane) or u in before
+               or name in ancestors(u) for u in ops):
+            return i
+    return None
+
+
+def ancestors_in(deps, cache, name):
+    """The ops that run before ``name`` by ``deps`` ({op: its direct
+    predecessors}, ``Graph.dependencies``), memoised in ``cache``."""
+    found = cache.get(name)
+    if found is None:
+        found, stack = set(), list(deps.get(name, ()))
+        while stack:
+            p = stack.pop()
+            if p in found:
+                continue
+            found.add(p)
+            cached = cache.get(p)
+            if cached is not None:
+                found |= cached
+            else:
+                stack.extend(deps.get(p, ()))
+        cache[name] = found
+    return found
+
+
+def scratch_plan(needs, lanes, ancestors):
+    """[(bytes, [ops])] of one device's scratch slots, planned as the
+    workspace binds them: ``needs`` {op: bytes it reserves}, in the order
+    the ops are set up (a topological order), ``lanes`` and ``ancestors``
+    as for ``slot_for``. A slot is as large as its largest reservation."""
+    slots = []
+    for name, nbytes in needs.items():
+        i = slot_for(name, [ops for _, ops in slots], lanes, ancestors)
+        if i is None:
+            slots.append([0, []])
+        slot = slots[-1 if i is None else i]
+        slot[0] = max(slot[0], int(nbytes))
+        slot[1].append(name)
+    return [(n, ops) for n, ops in slots]
+
+
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
@@ -266,15 +319,10 @@ class Workspace:
         for name, op_scratch in self._scratch_of.items():
             if op_scratch.device != device or name in self._slot_of:
                 continue
-            lane = lanes.get(name)
-            ancestors = self._ancestors(name)
-            for slot in slots:
-                if all((lane is not None and lanes.get(u) == lane) or u in ancestors
-                       or name in self._ancestors(u) for u in slot[1]):
-                    break
-            else:
-                slot = [Scratch(device), []]
-                slots.append(slot)
+            i = slot_for(name, [s[1] for s in slots], lanes, self._ancestors)
+            if i is None:
+                slots.append([Scratch(device), []])
+            slot = slots[-1 if i is None else i]
             slot[1].append(name)
             if op_scratch.reserved:
                 slot[0].reserve(((op_scratch.reserved,), np.uint8))
@@ -288,21 +336,7 @@ class Workspace:
                 for d, slots in sorted(self._scratch_slots.items())}
 
     def _ancestors(self, name):
-        found = self._ancestor_cache.get(name)
-        if found is None:
-            found, stack = set(), list(self._deps.get(name, ()))
-            while stack:
-                p = stack.pop()
-                if p in found:
-                    continue
-                found.add(p)
-                cached = self._ancestor_cache.get(p)
-                if cached is not None:
-                    found |= cached
-                else:
-                    stack.extend(self._deps.get(p, ()))
-            self._ancestor_cache[name] = found
-        return found
+        return ancestors_in(self._deps, self._ancestor_cache, name)
 
     @property
     def scratch_bytes(self):
