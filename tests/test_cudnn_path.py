@@ -534,3 +534,17 @@ def test_a_cached_choice_is_not_reused_under_another_cap(device, monkeypatch):
         assert tune.stats()["timed"] == 2
     finally:
         tune.set_workspace_limit(None)
+
+
+def test_reset_forgets_the_workspace_cap(monkeypatch):
+    """``tune.reset()`` puts the default cap back: a job's
+    ``gpu.workspace_limit`` (set by configure_device) does not leak into the
+    next test in the process, nor into the plan keys it makes."""
+    geo = dict(N=2, C=3, H=8, W=8, O=4, kh=3, kw=3, sh=1, sw=1, ph=1, pw=1, dh=1, dw=1, G=1)
+    default_key = tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False)
+    tune.set_workspace_limit(1 << 20)
+    assert tune.workspace_limit() == 1 << 20
+    assert tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False) != default_key
+    tune.reset()
+    assert tune.workspace_limit() == tune.DEFAULT_WORKSPACE_LIMIT
+    assert tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False) == default_key

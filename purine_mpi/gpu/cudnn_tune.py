@@ -315,8 +315,10 @@ def stats():
 
 
 def reset():
-    """Forget the counts (tests; a new process)."""
+    """Forget the counts and the workspace cap (tests; a new process): the
+    cap ``configure_device`` set for one job does not outlive it."""
     with _lock:
+        _limit["bytes"] = DEFAULT_WORKSPACE_LIMIT
         _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[],
                       inaccurate=0, undecided=0, workspace_max=0, workspace_total=0,
                       ms_given_up=0.0, capped=0, over_cap=0)
