@@ -300,6 +300,26 @@ class ConvPlan:
                                              handle=handle)
 
 
+def expected_workspace(kind, geo, dtype, bias=False, relu=False, slope=0.0):
+    """Before any plan is built (``plan`` counts the device's bytes): the
+    workspace a convolution direction will take on the cuDNN path, as
+    ``(bytes, source, entry)`` -- ``source`` "tuner cache" with the cached
+    entry (its "ms" and "fastest_ms": the time given up to the cap) when a
+    cache file of ``cudnn_tune`` holds its key (for whichever GPU wrote it:
+    none is known here), else "gpu.workspace_limit cap" (the most a plan
+    may take) -- or None: the op takes the im2col path (``PURINE_CONV``,
+    no cuDNN, not float32, grouped)."""
+    if np.dtype(dtype) != np.dtype(np.float32) or geo["G"] != 1 or frontend() is None:
+        return None
+    from . import tf32_enabled
+    key = tune.plan_key(kind, geo, dtype, bias, relu, slope, tune.deterministic(),
+                        tf32_enabled())
+    entry = tune.cached_entry(key)
+    if entry is not None:
+        return int(entry["workspace"]), "tuner cache", entry
+    return int(tune.workspace_limit()), "gpu.workspace_limit cap", None
+
+
 def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):
     """A :class:`ConvPlan` for ``kernel``'s op, or None (the im2col path):
     cuDNN missing, the shape unsupported, or the op not float32/ungrouped.

@@ -142,6 +142,24 @@ def load(path, gpu_name, version):
     return doc["plans"]
 
 
+def cached_entry(key):
+    """The entry of ``key`` in any cache file of this cache folder (the
+    newest file first), or None: for a footprint made before a GPU is
+    chosen, where neither its name nor the cuDNN version is known."""
+    import glob
+    files = glob.glob(os.path.join(cache_dir(), "cudnn_plans", "*.json"))
+    for path in sorted(files, key=os.path.getmtime, reverse=True):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            entry = doc["plans"][key] if doc.get("format") == FORMAT else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("workspace"), int):
+            return entry
+    return None
+
+
 def store(path, gpu_name, version, key, entry):
     """Add ``entry`` under ``key`` to the cache file, atomically."""
     with _lock:

@@ -118,6 +118,28 @@ class OpKernel:
     def load_state_dict(self, state):
         pass
 
+    #: whether the kernel's device work calls cuBLAS (gpu/blas.gemm), so its
+    #: stream gets a cuBLAS handle and workspace (``runs_products``)
+    products = False
+
+    def scratch_specs(self, ins, outs):
+        """The ``(shape, dtype)`` arrays of scratch the kernel reserves on a
+        GPU for inputs ``ins`` and outputs ``outs`` (device arrays, or any
+        objects with ``shape``, ``dtype`` and ``size``: ``plan`` hands it
+        the blobs' shapes before anything is allocated); [] none. The one
+        copy of each size: ``setup`` reserves them, ``run`` takes them
+        (``temporaries``), runtime/footprint.py counts them."""
+        return []
+
+    def scratch_note(self, ins, outs):
+        """Where the scratch size comes from, in words (None: its shapes):
+        e.g. a cuDNN plan's workspace from the tuner's cache or the cap."""
+        return None
+
+    def runs_products(self, ins, outs):
+        """Whether the op's device work calls cuBLAS (``products``)."""
+        return self.products
+
     def temporaries(self, like, *specs):
         """Arrays of the given ``(shape, dtype)`` for the kernel's
         intermediate values (contents undefined, disjoint). On a GPU they are

@@ -64,6 +64,7 @@ import time
 from collections import defaultdict
 
 from ..base.errors import OpError
+from .cuda_runtime import stream_keys
 from .segments import MAX_CAPTURES, Segment, _Capture, capture_blocker, plan_segments, stage_order
 from .streams_dispatcher import StreamDispatcher, StreamExecutor
 
@@ -354,3 +355,38 @@ class GraphDispatcher(StreamDispatcher):
     def segments(self):
         """The current segments: [(name, [op names])], in launch order."""
         return self.executor.segments()
+
+
+def planned_lanes(graph, cuda_graph=True, deps=None):
+    """Before a dispatcher is built (``plan``): ({op: a kernel instance, not
+    set up}, {op: (device, stream): its scratch lane (a captured op's names
+    its segment, as ``GraphExecutor.scratch_lanes``)}, [(segment name,
+    [ops])]), by the functions the executors use: ``stream_keys``, and with
+    ``cuda_graph`` ``plan_segments`` on a topological order (comm ops in
+    it, posted as ready; a kernel that draws random numbers counts as one
+    with a generator). Host ops are left out."""
+    from ..ops.catalog import get_kernel_class
+    deps = deps or graph.dependencies()
+    keys = stream_keys(graph)
+    kernels = {}
+    for name, op in graph.ops.items():
+        if keys[name] is None:
+            continue
+        k = kernels[name] = get_kernel_class(op.op_type, name)(op)
+        if k.needs_rng:
+            k.rng = True
+    lanes = {n: keys[n] for n in kernels}
+    segments = []
+    if cuda_graph and kernels:
+        order = [op.name for op in graph.topo_order(deps)]
+        comm = [n for n in order if n in kernels and kernels[n].category == "comm"]
+        blockers = {n: why for n in order if n in kernels and n not in comm
+                    and (why := capture_blocker(graph, graph.ops[n], kernels[n])) is not None}
+        unordered = [c for c in comm if not getattr(kernels[c], "seq_ordered", True)]
+        groups, _ = plan_segments(order, deps, keys, stage_order(order, deps, comm, unordered),
+                                  blockers)
+        for i, names in enumerate(groups):
+            segments.append((f"graph{i}", names))
+            for n in names:
+                lanes[n] = (keys[n][0], f"graph{i}", keys[n][1])
+    return kernels, lanes, segments

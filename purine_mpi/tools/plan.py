@@ -25,7 +25,9 @@ ALL_RANKS = 8
 #: row labels as printed
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
           "activations": "activations", "data_batch": "data batch",
-          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs"}
+          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs",
+          "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
+          "capture_pools": "capture pools"}
 
 def parse_bytes(text, option):
     """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
@@ -113,7 +115,8 @@ def offline_footprint(job, size, rank):
         graphs = _Graphs(graph=graph, device=_device_of(graph))
     else:
         graphs = build_rank_graphs(offline, world)
-    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank)
+    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
+                     cuda_graph=job.cuda_graph)
 
 
 @dataclasses.dataclass
@@ -236,7 +239,7 @@ def check_memory(job, graphs, plans, world, limits):
         return
     from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
-    fp = footprint(graphs, plans, world.rank)
+    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph)
     problems = over(fp, limits, ranks_on_this_host()[0])
     if problems:
         ps = getattr(job.parallel, "servers", 0) and world.size > 1

@@ -46,10 +46,17 @@ class Allocations:
     #: bytes of every device allocation so far, counting or not (what the
     #: emulated memory pool says it holds: a pool that never reuses a block)
     total_bytes = 0
+    #: the allocator the emulated ``cupy.cuda.set_allocator`` installed (None:
+    #: the pool's own): called with each allocation's bytes after it is
+    #: counted, as CuPy calls its allocator (gpu/memory.PeakMemory reads the
+    #: pool's bytes in use there)
+    allocator = None
 
     @classmethod
     def note(cls, what, array):
         cls.total_bytes += int(getattr(array, "nbytes", 0))
+        if cls.allocator is not None:
+            cls.allocator(int(getattr(array, "nbytes", 0)))
         if cls.counting:
             cls.log.append((what, tuple(np.shape(array)), str(getattr(array, "dtype", ""))))
 
