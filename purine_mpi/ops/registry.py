@@ -96,6 +96,11 @@ class OpKernel:
     #: each input element before writing that output element): the host
     #: memory plan may then put the output on the input's bytes
     in_place = ()
+    #: whether a CUDA graph may capture the op's device work: True (its host
+    #: state moves in ``before_iteration``), None (no objection) or False
+    #: (``capture_note`` says why); a kernel whose answer depends on its
+    #: blobs overrides ``capturable_on``
+    capturable = None
 
     def __init__(self, op):
         self.op = op
@@ -121,6 +126,14 @@ class OpKernel:
     #: whether the kernel's device work calls cuBLAS (gpu/blas.gemm), so its
     #: stream gets a cuBLAS handle and workspace (``runs_products``)
     products = False
+
+    def capturable_on(self, ins, outs):
+        """``capturable`` for the op's input and output blobs ``ins`` and
+        ``outs`` (graph Blobs: ``shape``, ``dtype``, ``location``), answered
+        from them and the op's attrs, never from live arrays: the executor's
+        segment cut and ``plan`` (runtime/segments.capture_blocker) ask it
+        before anything is allocated or set up."""
+        return self.capturable
 
     def scratch_specs(self, ins, outs):
         """The ``(shape, dtype)`` arrays of scratch the kernel reserves on a

@@ -309,13 +309,18 @@ class Accuracy(OpKernel):
     op_type = "Accuracy"
     capture_note = "counts the valid labels on the host"
 
-    @property
-    def capturable(self):
-        """On a GPU with the raw kernels (float32/64, contiguous) the op
-        reads nothing back and may be captured (None: no objection); else
-        it counts on the host: False."""
-        ins = getattr(self, "ins", None)
-        return None if ins and self._on_device(ins[0]) else False
+    capturable = False
+
+    def capturable_on(self, ins, outs):
+        """Scores on a GPU in float32/64 (a blob is contiguous): the raw
+        kernels run there and read nothing back, so the op may be captured
+        (None: no objection); else it counts on the host: False. The
+        blob-level form of ``_on_device``, which ``run`` asks of its arrays."""
+        from ..gpu.raw import KERNEL_DTYPES
+        x = ins[0]
+        raw = (x.location.device >= 0 and np.dtype(x.dtype) in KERNEL_DTYPES
+               and np.dtype(outs[0].dtype) == np.dtype(x.dtype))
+        return None if raw else False
 
     @staticmethod
     def _on_device(x):

@@ -98,7 +98,13 @@ class GraphExecutor(StreamExecutor):
         comm = set(core.comm_order())
         return {op.name: reason for op in core.order
                 if self.streams.get(op.name) is not None and op.name not in comm
-                and (reason := capture_blocker(core.graph, op, core.kernels[op.name])) is not None}
+                and (reason := capture_blocker(core.graph, op, core.kernels[op.name],
+                                               self.device_arrays)) is not None}
+
+    @property
+    def device_arrays(self):
+        """Whether the kernels hold device arrays (``CudaRuntime.device_arrays``)."""
+        return getattr(self.runtime, "device_arrays", True)
 
     def units(self, ops, deps):
         """Segments replace their ops as scheduling units."""

@@ -114,6 +114,9 @@ class Footprint:
     peak: object = None
     #: what the rows leave out, in words
     notes: list = field(default_factory=list)
+    #: {device: ``device_extras``}: the plan behind its scratch and cuBLAS
+    #: rows (slots, each op's scratch and its note, the handles)
+    extras: dict = field(default_factory=dict)
 
     @property
     def host_total(self):
@@ -286,9 +289,9 @@ def footprint(graphs, plans, rank=0, cuda_graph=True):
         device_peak = arena_peak(g, plan)
         if device_peak is not None and (peak is None or graphs.device >= 0):
             peak = device_peak
-    notes = []
+    notes, extras = [], {}
     for d in sorted(devices):
-        extra = device_extras(g, d, cuda_graph)
+        extra = extras[d] = device_extras(g, d, cuda_graph)
         devices[d].update({k: extra[k] for k in ("scratch", "cublas_workspaces",
                                                   "capture_pools")})
         capped = [n for n, (_, note) in extra["ops"].items() if "cap" in (note or "")]
@@ -296,7 +299,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True):
             notes.append(f"GPU {d}: {len(capped)} cuDNN convolution(s) not in the tuner's "
                          "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
-                     peak=peak, notes=notes)
+                     peak=peak, notes=notes, extras=extras)
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
@@ -342,6 +345,7 @@ def device_extras(graph, device, cuda_graph=True):
     is allocated: {"scratch": bytes of the scratch slots, "slots": [(bytes,
     [ops])], "ops": {op: (its scratch bytes, where the size comes from)},
     "cublas_workspaces": bytes, "cublas_handles": [(stream, scope)],
+    "segments": [(name, [ops])] (every device's CUDA graphs),
     "capture_pools": bytes} (see the module docstring)."""
     from ..gpu.blas import workspace_bytes
     from ..gpu.scratch import Scratch
@@ -369,7 +373,7 @@ def device_extras(graph, device, cuda_graph=True):
     handles = cublas_handles(stream_keys(graph), segments, products, device)
     return {"scratch": sum(b for b, _ in slots), "slots": slots, "ops": ops,
             "cublas_workspaces": len(handles) * workspace_bytes(),
-            "cublas_handles": handles, "capture_pools": 0}
+            "cublas_handles": handles, "segments": segments, "capture_pools": 0}
 
 
 def cublas_handles(streams, segments, products, device):

@@ -85,7 +85,7 @@ def emulated_cupy(build_dir):
     # (free_all_blocks: nothing to give back, the emulated pool caches no block)
     # the pool's malloc hands out what ``Allocations.note`` counted already
     pool = types.SimpleNamespace(
-        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes,
+        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.in_use,
         free_all_blocks=lambda: None,
         malloc=lambda size: types.SimpleNamespace(device_id=0, size=size))   # one device
     fake.get_default_memory_pool = lambda: pool
