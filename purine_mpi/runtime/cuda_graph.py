@@ -254,11 +254,14 @@ class GraphExecutor(StreamExecutor):
         origin = rt.stream(device, CAPTURE_STREAM)
         allocator, pool = rt.capture_memory(device)
         try:
-            # cuBLAS handles and workspaces exist before the capture begins
+            # cuBLAS handles and workspaces exist before the capture begins,
+            # one per capture stream that runs ops (``_launch_members``; the
+            # origin only forks and joins them: it runs no product, so it
+            # gets no workspace) ...
             threads = dict.fromkeys(self.streams[n][1] for n in seg.members)
             # ... those of the stream the graph replays on (seg.key): graphs
             # replaying at once never share a cuBLAS workspace
-            rt.prepare_capture(device, [origin] + [
+            rt.prepare_capture(device, [
                 self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads],
                 scope=seg.key)
             with allocator, rt.capture_scope(seg.key):

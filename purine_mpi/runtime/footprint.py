@@ -42,8 +42,9 @@ the run uses:
 - ``cublas_workspaces``: one cuBLAS handle workspace (gpu/blas) per
   stream and capture scope, as gpu/blas makes them: each stream whose ops
   run products eagerly (the first iteration runs every segment eagerly),
-  and per CUDA-graph segment its capture origin and one capture stream per
-  stream of its ops (``CudaRuntime.prepare_capture``);
+  and per CUDA-graph segment one capture stream per stream of its ops
+  (``CudaRuntime.prepare_capture``; the capture's origin stream only forks
+  and joins them, so it has none);
 - ``capture_pools``: what captures allocate in their private pools: 0, as
   every kernel reserves its memory before a capture (an allocation inside
   one is refused: tests/test_gpu_no_alloc.py).
@@ -345,7 +346,8 @@ def device_extras(graph, device, cuda_graph=True):
     is allocated: {"scratch": bytes of the scratch slots, "slots": [(bytes,
     [ops])], "ops": {op: (its scratch bytes, where the size comes from)},
     "cublas_workspaces": bytes, "cublas_handles": [(stream, scope)],
-    "segments": [(name, [ops])] (every device's CUDA graphs),
+    "segments": [(name, [ops])] (every device's CUDA graphs), "streams": {op:
+    (device, thread)} (``stream_keys``),
     "capture_pools": bytes} (see the module docstring)."""
     from ..gpu.blas import workspace_bytes
     from ..gpu.scratch import Scratch
@@ -370,10 +372,12 @@ def device_extras(graph, device, cuda_graph=True):
             products.add(name)
     cache = {}
     slots = scratch_plan(needs, lanes, lambda n: ancestors_in(deps, cache, n))
-    handles = cublas_handles(stream_keys(graph), segments, products, device)
+    streams = stream_keys(graph)
+    handles = cublas_handles(streams, segments, products, device)
     return {"scratch": sum(b for b, _ in slots), "slots": slots, "ops": ops,
             "cublas_workspaces": len(handles) * workspace_bytes(),
-            "cublas_handles": handles, "segments": segments, "capture_pools": 0}
+            "cublas_handles": handles, "segments": segments, "streams": streams,
+            "capture_pools": 0}
 
 
 def cublas_handles(streams, segments, products, device):
@@ -382,8 +386,9 @@ def cublas_handles(streams, segments, products, device):
     ``segments`` [(name, [ops])] of its CUDA graphs, ``products`` the ops
     that call cuBLAS. The first iteration runs every op eagerly on its
     stream (scope None: one handle per stream with products); each
-    segment's capture then reserves its origin and one capture stream per
-    stream of its ops, in the scope of its replay stream."""
+    segment's capture then reserves one capture stream per stream of its
+    ops (not its origin, which runs none), in the scope of its replay
+    stream."""
     from .cuda_graph import CAPTURE_STREAM
     handles = sorted({(streams[n], None) for n in products if streams[n][0] == device},
                      key=str)
@@ -391,7 +396,6 @@ def cublas_handles(streams, segments, products, device):
         if not members or streams[members[0]][0] != device:
             continue
         scope = (device, name)
-        handles.append(((device, CAPTURE_STREAM), scope))
         for thread in dict.fromkeys(streams[n][1] for n in members):
             handles.append(((device, f"{CAPTURE_STREAM}:{thread}"), scope))
     return handles
