@@ -479,3 +479,72 @@ def test_plans_timed_then_read_from_the_cache_on_a_gpu(monkeypatch, tmp_path):
         s = tune.stats()
         assert (s["timed"], s["cached"]) == ((3, 0) if round_ == "cold" else (0, 3)), s
     assert chosen[0] == chosen[1]
+
+
+@pytest.mark.parametrize("limit,chosen,given_up", [
+    (1 << 20, "eng1_fft_flip_filter", 0.0),   # the fastest fits
+    (4096, "eng2_winograd", 1.0),             # eng1 (8192) does not: 3 ms, not 2
+    (2048, "eng2_winograd", 1.0),             # at the cap fits
+    (1500, "eng0_implicit_gemm", 3.0),
+    (100, "eng0_implicit_gemm", 3.0)])        # none fits: the smallest, said once
+def test_the_workspace_cap_picks_the_fastest_plan_that_fits(device, monkeypatch, capsys,
+                                                            limit, chosen, given_up):
+    """gpu.workspace_limit: the fastest kept plan whose workspace fits the
+    cap, never one above it while one below exists; the start-up line gives
+    the chosen workspace and the time given up against the fastest."""
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    tune.set_workspace_limit(limit)
+    try:
+        x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+        for name in ("c1", "c2"):
+            kernel = get_kernel_class("Conv")(Op(name, "Conv", [], [], {"pad": 1}))
+            y = _dev(np.zeros((2, 4, 6, 6), np.float32))
+            kernel.setup([_dev(x), _dev(w)], [y])
+            kernel.run([_dev(x), _dev(w)], [y])
+            plan = kernel._plan
+            assert plan.graph.plans[plan.index][0] == chosen
+            fits = [e for e in ENGINES[:3] if e[2] <= limit]
+            assert plan.workspace_bytes <= limit or not fits
+            assert plan.workspace_bytes == dict((e[0], e[2]) for e in ENGINES)[chosen]
+        s = tune.stats()
+        assert (s["timed"], s["cached"]) == (1, 1)   # the second from the cache, same cap
+        assert s["workspace_max"] == plan.workspace_bytes
+        assert s["ms_given_up"] == pytest.approx(2 * given_up)
+        line = tune.summary()
+        assert "gpu.workspace_limit" in line
+        assert ("slower than the fastest by" in line) == (given_up > 0)
+        err = capsys.readouterr().err
+        assert err.count("fits gpu.workspace_limit") == (0 if fits else 1)
+        assert ("no plan under the cap" in line) == (not fits)
+    finally:
+        tune.set_workspace_limit(None)
+
+
+def test_a_cached_choice_is_not_reused_under_another_cap(device, monkeypatch):
+    fake = FakeCudnn()
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    try:
+        for limit, name in ((1 << 20, "eng1_fft_flip_filter"), (4096, "eng2_winograd")):
+            tune.set_workspace_limit(limit)
+            kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], {"pad": 1}))
+            kernel.setup([_dev(x), _dev(w)], [_dev(np.zeros((2, 4, 6, 6), np.float32))])
+            assert kernel._plan.graph.plans[kernel._plan.index][0] == name
+        assert tune.stats()["timed"] == 2
+    finally:
+        tune.set_workspace_limit(None)
+
+
+def test_reset_forgets_the_workspace_cap(monkeypatch):
+    """``tune.reset()`` puts the default cap back: a job's
+    ``gpu.workspace_limit`` (set by configure_device) does not leak into the
+    next test in the process, nor into the plan keys it makes."""
+    geo = dict(N=2, C=3, H=8, W=8, O=4, kh=3, kw=3, sh=1, sw=1, ph=1, pw=1, dh=1, dw=1, G=1)
+    default_key = tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False)
+    tune.set_workspace_limit(1 << 20)
+    assert tune.workspace_limit() == 1 << 20
+    assert tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False) != default_key
+    tune.reset()
+    assert tune.workspace_limit() == tune.DEFAULT_WORKSPACE_LIMIT
+    assert tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False) == default_key

@@ -9,7 +9,7 @@ test pass by about 7 s; it also ran eagerly between the captured graphs."""
 import numpy as np
 import pytest
 
-from purine_mpi.graph.core import Op
+from purine_mpi.graph.core import Blob, Location, Op
 from purine_mpi.ops.catalog import get_kernel_class
 from tests.emulated_gpu.helpers import compare, run_kernel
 
@@ -65,11 +65,17 @@ def test_a_bad_label_is_nan_on_the_device_and_an_error_on_the_cpu(device):
     assert np.isnan(got)
 
 
-def test_capturable_on_the_device_only(device):
+def test_capturable_on_the_device_only():
+    """Answered from the blobs (device, dtype), before any array exists: the
+    executor's segment cut and ``plan`` ask the same question."""
     kernel = get_kernel_class("Accuracy")(Op("acc", "Accuracy", [], [], {}))
-    assert kernel.capturable is False          # nothing known yet: the host path
-    x = np.zeros((4, 5), np.float32)
-    kernel.ins = [x, np.zeros(4, np.int64)]
-    assert kernel.capturable is False          # NumPy arrays: counted on the host
-    kernel.ins = [device.to_device(x), device.to_device(np.zeros(4, np.int64))]
-    assert kernel.capturable is None           # no objection: captured with its segment
+    gpu, host = Location(device=0), Location()
+
+    def ask(location, dtype="float32"):
+        return kernel.capturable_on([Blob("x", (4, 5), dtype, location),
+                                     Blob("l", (4,), "int64", location)],
+                                    [Blob("a", (), dtype, location)])
+    assert ask(host) is False                  # counted on the host
+    assert ask(gpu) is None                    # no objection: captured with its segment
+    assert ask(gpu, "float64") is None
+    assert ask(gpu, "float16") is False        # the generic CuPy path reads back

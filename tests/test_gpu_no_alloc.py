@@ -129,14 +129,16 @@ def test_scratch_is_shared_only_by_ordered_ops():
     g.add_op("c", "Sum", ["b1", "b2"], ["c"])
     g.infer_shapes()
     ws = Workspace(g)
-    sa = ws.scratch_for("a", 0)
-    sb1 = ws.scratch_for("b1", 0)
-    sb2 = ws.scratch_for("b2", 0)
-    sc = ws.scratch_for("c", 0)
+    for name in ("a", "b1", "b2", "c"):   # the setups, in a topological order
+        ws.scratch_for(name, 0)
+    sa = ws.scratch_slot("a", 0)
+    sb1 = ws.scratch_slot("b1", 0)
+    sb2 = ws.scratch_slot("b2", 0)
+    sc = ws.scratch_slot("c", 0)
     assert sb1 is sa          # a runs before b1
     assert sb2 is not sb1     # b1 and b2 may run at once
     assert sc in (sb1, sb2)   # both run before c
-    assert ws.scratch_for("b1", 0) is sb1
+    assert ws.scratch_slot("b1", 0) is sb1
 
 
 # ---------------------------------------------------------------- real GPU

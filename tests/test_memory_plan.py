@@ -381,3 +381,33 @@ def test_parallel_jobs_bitwise_with_and_without_the_plan(tmp_path, digits_h5, jo
                        "solver.max_iter": 4, "solver.display": 2, "solver.test_interval": 2,
                        "checkpoint.interval": 2})
     _cli_runs(tmp_path, raw, ranks)
+
+
+def test_graph_memory_shows_each_ops_scratch_and_its_note():
+    """On a GPU, ``graph --memory`` ends with the device's scratch as
+    ``plan`` counts it (runtime/footprint.device_extras): each op's bytes,
+    its slot, and where the size comes from (``OpKernel.scratch_note``),
+    then the cuBLAS workspaces."""
+    from purine_mpi.runtime.footprint import device_extras
+    cfg = resolve_config(_job("cifar10_quick.yaml"), check_files=False)
+    cfg["device"] = 0
+    job = make_job(cfg)
+    text = render_graph(job, 1, 0, memory=True)
+    extra = device_extras(compose_for(job, 1, 0), 0, job.cuda_graph)
+    assert extra["ops"] and extra["slots"]
+    assert (f"GPU 0 scratch: {len(extra['slots'])} slot(s), {extra['scratch']:,} bytes"
+            in text)
+    rows = {line.split()[0]: line for line in text.splitlines() if " bytes  slot " in line}
+    assert set(rows) == set(extra["ops"])
+    noted = 0
+    for name, (nbytes, note) in extra["ops"].items():
+        assert rows[name].split()[1] == f"{nbytes:,}"
+        if note:
+            noted += 1
+            assert rows[name].endswith(f"({note})"), rows[name]
+    assert noted > 0   # the convolutions say where their columns' size comes from
+    assert (f"GPU 0 cuBLAS workspaces: {len(extra['cublas_handles'])} handle(s), "
+            f"{extra['cublas_workspaces']:,} bytes") in text
+    host = render_graph(make_job(resolve_config(_job("cifar10_quick.yaml"), check_files=False)),
+                        1, 0, memory=True)
+    assert "scratch:" not in host   # a CPU job has no device rows

@@ -137,3 +137,21 @@ def human_bytes(n):
             break
         n /= 1024
     return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+
+
+#: the units a size may name (``parse_size``): K/M/G/T and KiB/MiB/GiB/TiB
+#: are powers of 1024, KB/MB/GB/TB powers of 1000
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10 ** 3, "m": 1 << 20,
+              "mib": 1 << 20, "mb": 10 ** 6, "g": 1 << 30, "gib": 1 << 30, "gb": 10 ** 9,
+              "t": 1 << 40, "tib": 1 << 40, "tb": 10 ** 12}
+
+
+def parse_size(text):
+    """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
+    (bytes): a positive byte count, or None when ``text`` is no size."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in SIZE_UNITS or float(m.group(1)) <= 0:
+        return None
+    return int(float(m.group(1)) * SIZE_UNITS[unit])

@@ -139,6 +139,15 @@ def reset():
         _state.update(checked=False, cublas=None, reason=None, noted=False)
 
 
+def made_handles(device=None):
+    """The cuBLAS handles made so far (on ``device``; None: every device):
+    {(device, stream ptr, scope): bytes of its workspace}, what
+    runtime/footprint.cublas_handles plans before launch."""
+    with _lock:
+        return {key: int(getattr(entry.workspace, "nbytes", 0))
+                for key, entry in _handles.items() if device is None or key[0] == device}
+
+
 def workspace_bytes():
     """Each handle's workspace in bytes (``PURINE_CUBLAS_WORKSPACE_MB``, MiB)."""
     from ..base import env

@@ -18,6 +18,8 @@ nothing is copied or transposed by CuPy, nothing is allocated per iteration.
 Shapes follow ops/conv.py's geometry dict (N, C, H, W, O, kh, kw, sh, sw, ph,
 pw, dh, dw, G, OH, OW).
 """
+import numpy as np
+
 from . import kernels
 from .blas import gemm
 
@@ -71,9 +73,16 @@ def _specs(geo, which, dtype, n):
     return specs
 
 
+def scratch_specs(geo, which, dtype):
+    """The (shape, dtype) of the scratch ``which`` (forward / data / weight)
+    takes: the columns (and partial products) of one chunk of the batch."""
+    dtype = np.dtype(dtype)
+    return _specs(geo, which, dtype, chunk(geo, which, dtype.itemsize))
+
+
 def reserve(scratch, geo, which, dtype):
     """Reserve the scratch of ``which`` (forward / data / weight)."""
-    specs = _specs(geo, which, dtype, chunk(geo, which, dtype.itemsize))
+    specs = scratch_specs(geo, which, dtype)
     if specs:
         scratch.reserve(*specs)
 

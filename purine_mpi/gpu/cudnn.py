@@ -228,6 +228,7 @@ class ConvPlan:
             graph.build_plans()
             self.workspace_bytes = int(graph.get_workspace_size())
             tune.note("heuristic")
+            tune.note_choice(self.workspace_bytes)
             return
         self._choose(key, buffers)
 
@@ -247,6 +248,7 @@ class ConvPlan:
             self.index = index
             self.workspace_bytes = int(graph.get_workspace_size_plan_at_index(index))
             tune.note("cached", path=path)
+            self._noted(entry)
             return
         t0 = time.perf_counter()
         graph.build_plans(self.cudnn.build_plan_policy.ALL)
@@ -269,6 +271,17 @@ class ConvPlan:
         self.workspace_bytes = int(best["workspace"])
         tune.store(path, gpu_name, version, key, best)
         tune.note("timed", time.perf_counter() - t0, path=path)
+        self._noted(best)
+
+    def _noted(self, entry):
+        """Count the chosen plan's workspace and the time given up to the cap;
+        say once when no plan fitted it."""
+        over = bool(entry.get("over_cap"))
+        tune.note_choice(self.workspace_bytes, entry.get("ms"), entry.get("fastest_ms"), over)
+        if over:
+            _say_once(("over_cap",), f"purine_mpi: no cuDNN plan of some convolutions fits "
+                                     f"gpu.workspace_limit ({tune.workspace_limit()} bytes): "
+                                     "the plan with the smallest workspace is taken")
 
     def execute(self, arrays, workspace):
         """Run on ``arrays`` ({"x": ..., "w": ..., ...}: CuPy arrays, keys as
@@ -285,6 +298,26 @@ class ConvPlan:
         else:
             self.graph.execute_plan_at_index(pack, data_ptr(workspace), index=self.index,
                                              handle=handle)
+
+
+def expected_workspace(kind, geo, dtype, bias=False, relu=False, slope=0.0):
+    """Before any plan is built (``plan`` counts the device's bytes): the
+    workspace a convolution direction will take on the cuDNN path, as
+    ``(bytes, source, entry)`` -- ``source`` "tuner cache" with the cached
+    entry (its "ms" and "fastest_ms": the time given up to the cap) when a
+    cache file of ``cudnn_tune`` holds its key (for whichever GPU wrote it:
+    none is known here), else "gpu.workspace_limit cap" (the most a plan
+    may take) -- or None: the op takes the im2col path (``PURINE_CONV``,
+    no cuDNN, not float32, grouped)."""
+    if np.dtype(dtype) != np.dtype(np.float32) or geo["G"] != 1 or frontend() is None:
+        return None
+    from . import tf32_enabled
+    key = tune.plan_key(kind, geo, dtype, bias, relu, slope, tune.deterministic(),
+                        tf32_enabled())
+    entry = tune.cached_entry(key)
+    if entry is not None:
+        return int(entry["workspace"]), "tuner cache", entry
+    return int(tune.workspace_limit()), "gpu.workspace_limit cap", None
 
 
 def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):

@@ -27,8 +27,15 @@ parse, or names another GPU, cuDNN version or format, is ignored (and
 rewritten); an entry whose plan count or plan name at its index differs from
 this graph's, or whose plan does not build, is re-timed.
 
+A plan's workspace is capped (``set_workspace_limit``, the config's
+``gpu.workspace_limit``): the fastest kept plan whose workspace fits the cap
+is chosen; when none fits, the one with the smallest workspace (said once).
+Each choice keeps its workspace and how much slower it is than the fastest
+kept plan regardless of the cap; ``summary()`` reports both.
+
 ``summary()`` is the start-up block's line: plans timed, how long it took,
-plans from the cache.
+plans from the cache, the chosen plans' workspace and the time given up to
+the cap.
 """
 import json
 import os
@@ -50,9 +57,24 @@ FORMAT = 2
 #: implicit-GEMM engines agree within about 1e-6 on an H200)
 ACCURACY_TOL = 1e-4
 
+#: the default cap on one plan's workspace (bytes): ``gpu.workspace_limit``
+DEFAULT_WORKSPACE_LIMIT = 256 << 20
+
 _lock = threading.RLock()
+_limit = {"bytes": DEFAULT_WORKSPACE_LIMIT}
 _stats = {"timed": 0, "cached": 0, "heuristic": 0, "seconds": 0.0, "path": None,
-          "rejected": [], "inaccurate": 0, "undecided": 0}
+          "rejected": [], "inaccurate": 0, "undecided": 0, "workspace_max": 0,
+          "workspace_total": 0, "ms_given_up": 0.0, "capped": 0, "over_cap": 0}
+
+
+def set_workspace_limit(nbytes):
+    """Cap each chosen plan's workspace at ``nbytes`` (None: the default)."""
+    _limit["bytes"] = DEFAULT_WORKSPACE_LIMIT if nbytes is None else int(nbytes)
+
+
+def workspace_limit():
+    """The cap on one plan's workspace, in bytes."""
+    return _limit["bytes"]
 
 
 def _flag(name):
@@ -92,7 +114,7 @@ def plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32):
     return (f"{kind} x{g['N']}x{g['C']}x{g['H']}x{g['W']} w{g['O']}x{g['C']}x{g['kh']}x{g['kw']}"
             f" s{g['sh']},{g['sw']} p{g['ph']},{g['pw']} d{g['dh']},{g['dw']} g{g['G']}"
             f" {np.dtype(dtype).name} bias{int(bool(bias))} relu{int(bool(relu))}:{float(slope)}"
-            f" det{int(bool(determ))} tf32{int(bool(tf32))}")
+            f" det{int(bool(determ))} tf32{int(bool(tf32))} ws{workspace_limit()}")
 
 
 def _reject(why):
@@ -118,6 +140,24 @@ def load(path, gpu_name, version):
         _reject(f"{path}: for another GPU, cuDNN version or format")
         return {}
     return doc["plans"]
+
+
+def cached_entry(key):
+    """The entry of ``key`` in any cache file of this cache folder (the
+    newest file first), or None: for a footprint made before a GPU is
+    chosen, where neither its name nor the cuDNN version is known."""
+    import glob
+    files = glob.glob(os.path.join(cache_dir(), "cudnn_plans", "*.json"))
+    for path in sorted(files, key=os.path.getmtime, reverse=True):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            entry = doc["plans"][key] if doc.get("format") == FORMAT else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("workspace"), int):
+            return entry
+    return None
 
 
 def store(path, gpu_name, version, key, entry):
@@ -244,12 +284,38 @@ def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None):
         kept = _accurate(graph, pack, handle, cupy, output, runs, tol)
     rejected = [{"name": r["name"], "deviation": r["deviation"]} for r in runs
                 if r not in kept]
-    best = dict(min(kept, key=lambda r: r["ms"]))
+    best = dict(choose(kept, workspace_limit()))
     best.pop("deviation", None)
     best["rejected"] = rejected
     with _lock:
         _stats["inaccurate"] += len(rejected)
     return best
+
+
+def choose(runs, limit):
+    """The fastest of ``runs`` ({"ms", "workspace", ...}) whose workspace
+    is at most ``limit`` bytes, else the one with the smallest workspace
+    (then the fastest of those), with "fastest_ms" (the fastest regardless
+    of the cap) and "over_cap" (no run fitted)."""
+    fastest = min(runs, key=lambda r: r["ms"])
+    fits = [r for r in runs if r["workspace"] <= limit]
+    if fits:
+        best, over = min(fits, key=lambda r: r["ms"]), False
+    else:
+        best, over = min(runs, key=lambda r: (r["workspace"], r["ms"])), True
+    return dict(best, fastest_ms=fastest["ms"], over_cap=over)
+
+
+def note_choice(workspace, ms=None, fastest_ms=None, over_cap=False):
+    """Count a chosen plan's workspace and the time it gives up to the cap."""
+    with _lock:
+        _stats["workspace_max"] = max(_stats["workspace_max"], int(workspace))
+        _stats["workspace_total"] += int(workspace)
+        if ms is not None and fastest_ms is not None and ms > fastest_ms:
+            _stats["ms_given_up"] += float(ms) - float(fastest_ms)
+            _stats["capped"] += 1
+        if over_cap:
+            _stats["over_cap"] += 1
 
 
 def note(source, seconds=0.0, path=None):
@@ -267,10 +333,13 @@ def stats():
 
 
 def reset():
-    """Forget the counts (tests; a new process)."""
+    """Forget the counts and the workspace cap (tests; a new process): the
+    cap ``configure_device`` set for one job does not outlive it."""
     with _lock:
+        _limit["bytes"] = DEFAULT_WORKSPACE_LIMIT
         _stats.update(timed=0, cached=0, heuristic=0, seconds=0.0, path=None, rejected=[],
-                      inaccurate=0, undecided=0)
+                      inaccurate=0, undecided=0, workspace_max=0, workspace_total=0,
+                      ms_given_up=0.0, capped=0, over_cap=0)
 
 
 def summary():
@@ -293,4 +362,19 @@ def summary():
                  "(the fastest kept)")
     if s["rejected"]:
         text += f"; {len(s['rejected'])} cache file(s) ignored and rewritten"
+    return text + "; " + workspace_summary(s)
+
+
+def workspace_summary(s=None):
+    """The chosen plans' workspace against the cap, and the time given up."""
+    from ..base.progress_bar import human_bytes
+    s = s or stats()
+    text = (f"workspace up to {human_bytes(s['workspace_max'])} a plan "
+            f"({human_bytes(s['workspace_total'])} in all; cap {human_bytes(workspace_limit())}, "
+            "gpu.workspace_limit)")
+    if s["capped"]:
+        text += (f", {s['capped']} plan(s) slower than the fastest by "
+                 f"{s['ms_given_up']:.3f} ms a run in all")
+    if s["over_cap"]:
+        text += f", {s['over_cap']} with no plan under the cap (the smallest taken)"
     return text

@@ -211,3 +211,16 @@ def _check_folder(key, value, path):
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
     return value
+
+
+@_described("bytes, or a size such as 256MiB")
+def _size(key, value, path):
+    """A positive byte count: an integer, or a string ``parse_size`` reads."""
+    from ..base.progress_bar import parse_size
+    nbytes = value if _is_int(value) and value > 0 else \
+        (parse_size(value) if isinstance(value, str) else None)
+    if nbytes is None:
+        raise ConfigError(path, key, f"expected a positive byte count or a size such as 256MiB "
+                                     f"(KiB/MiB/GiB or K/M/G: powers of 1024; KB/MB/GB: of "
+                                     f"1000), got {excerpt(value)}")
+    return nbytes

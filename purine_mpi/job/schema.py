@@ -12,7 +12,7 @@ the job's field where it is used); then run
 and ``data/transform`` (its keys).
 """
 from .checks import (_bool, _check_folder, _check_name, _check_patterns, _check_stages, _choice,
-                     _int, _num, _optional, _stepvalues, check_seed)
+                     _int, _num, _optional, _size, _stepvalues, check_seed)
 from .keys import (ENTRIES, INT_MAP, TUPLE, BestSpec, ConfigKey as Key, EarlyStopSpec, Typed,
                    defaults_of, typed_watch, watch_check)
 from ..data.transform import TRANSFORM_KEYS
@@ -178,8 +178,16 @@ CHECKPOINT = (
         "working directory; `convert caffe` sets it from Caffe's snapshot_prefix)"),
 )
 
+GPU = (
+    Key("workspace_limit", _size, 256 << 20, "the most scratch one cuDNN convolution plan may "
+        "take: the fastest plan whose workspace fits is chosen (the smallest when none does, "
+        "said once); the start-up block's `cuDNN plans` row gives the chosen plans' workspace "
+        "and the time given up against the fastest (docs/gpu.md, \"Device memory\")",
+        shown="268435456 (256MiB)"),
+)
+
 #: the sections with declared keys, by top-level key
-SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT}
+SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT, "gpu": GPU}
 
 
 # ---------------------------------------------------------- top-level keys
@@ -200,6 +208,7 @@ TOP = (
         kind="mapping"),
     Key("checkpoint", None, {}, "how often to write checkpoints and how many to keep (see "
         "[checkpoint](#checkpoint))", kind="mapping"),
+    Key("gpu", None, {}, "the GPU's memory choices (see [gpu](#gpu))", kind="mapping"),
     Key("seed", check_seed, 0, "seeds the initial weights, the data order, the random crops "
         "and flips, and dropout", kind="integer in [0, 2^63)"),
     Key("backend", _choice(BACKENDS), None, "the array library: `numpy` forbids a device, "
@@ -297,6 +306,7 @@ TOP_DOC = {key.name: (key.type_doc, key.default if key.shown is None else key.sh
 SOLVER_DEFAULTS = defaults_of(SOLVER)
 PARALLEL_DEFAULTS = defaults_of(PARALLEL)
 CHECKPOINT_DEFAULTS = defaults_of(CHECKPOINT)
+GPU_DEFAULTS = defaults_of(GPU)
 DATA_KEYS = tuple(key.name for key in DATA)
 #: data spec key -> its declared checker (None: job/data_spec.py's own rule)
 DATA_CHECKS = {key.name: key.check for key in DATA}

@@ -303,8 +303,11 @@ class Gelu(OpKernel):
     op_type = "Gelu"
     in_place = ((0, 0),)  # y = x * t, t computed from x first
 
+    def scratch_specs(self, ins, outs):
+        return [(ins[0].shape, ins[0].dtype)] * 3
+
     def setup(self, ins, outs):
-        self.reserve_temporaries(ins[0], *[(ins[0].shape, ins[0].dtype)] * 3)
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -314,7 +317,7 @@ class Gelu(OpKernel):
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
-        t, e, f = self.temporaries(x, *[(x.shape, x.dtype)] * 3)
+        t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
         _gelu_factor(xp, x, _approximate(self.attrs), t, e=e, f=f)
         xp.multiply(x, t, out=outs[0])
 
@@ -326,8 +329,11 @@ class GeluGrad(OpKernel):
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
 
+    def scratch_specs(self, ins, outs):
+        return [(ins[1].shape, ins[1].dtype)] * 4
+
     def setup(self, ins, outs):
-        self.reserve_temporaries(ins[1], *[(ins[1].shape, ins[1].dtype)] * 4)
+        self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -336,7 +342,7 @@ class GeluGrad(OpKernel):
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(x)
-        t, d, e, f = self.temporaries(x, *[(x.shape, x.dtype)] * 4)
+        t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
         _gelu_factor(xp, x, _approximate(self.attrs), t, d, e, f)
         xp.multiply(dy, d, out=outs[0])
 

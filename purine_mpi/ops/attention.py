@@ -150,6 +150,7 @@ class AttentionScores(_AttentionKernel):
     """[qkv] -> [S]: S = q k^T / sqrt(D), -inf above the diagonal when causal."""
 
     op_type = "AttentionScores"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -170,6 +171,7 @@ class AttentionScoresGrad(OpKernel):
     """[dS, qkv] -> [dqkv]: dq = dS k / sqrt(D), dk = dS^T q / sqrt(D), dv = 0."""
 
     op_type = "AttentionScoresGrad"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -200,6 +202,7 @@ class AttentionContext(OpKernel):
     """[P, qkv] -> [ctx]: ctx[:, :, head h] = P_h v_h, heads side by side (N, T, C)."""
 
     op_type = "AttentionContext"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -223,6 +226,7 @@ class AttentionContextGrad(OpKernel):
     dP = dO v^T; dqkv: dv = P^T dO, dq = dk = 0."""
 
     op_type = "AttentionContextGrad"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -268,6 +272,7 @@ class Attention(_AttentionKernel):
     the probabilities in the op's scratch only; see the module docstring."""
 
     op_type = "Attention"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -276,14 +281,17 @@ class Attention(_AttentionKernel):
 
     def setup(self, ins, outs):
         self.setup_mask(ins[0], ins[0].shape[1])
-        self.reserve_temporaries(ins[0], _scores_spec(ins[0], int(self.attrs["num_heads"])))
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
+    def scratch_specs(self, ins, outs):
+        return [_scores_spec(ins[0], int(self.attrs["num_heads"]))]
 
     def run(self, ins, outs):
         qkv = ins[0]
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
-        (p,) = self.temporaries(qkv, _scores_spec(qkv, heads))
+        (p,) = self.temporaries(qkv, *self.scratch_specs(ins, outs))
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         bmm(xp, p, v, heads_view(outs[0], heads))
@@ -294,6 +302,7 @@ class AttentionGrad(_AttentionKernel):
     """[dctx, qkv] -> [dqkv], recomputing S and P; see the module docstring."""
 
     op_type = "AttentionGrad"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -301,8 +310,10 @@ class AttentionGrad(_AttentionKernel):
 
     def setup(self, ins, outs):
         self.setup_mask(ins[1], ins[1].shape[1])
-        spec = _scores_spec(ins[1], int(self.attrs["num_heads"]))
-        self.reserve_temporaries(ins[1], spec, spec)
+        self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
+
+    def scratch_specs(self, ins, outs):
+        return [_scores_spec(ins[1], int(self.attrs["num_heads"]))] * 2
 
     def run(self, ins, outs):
         dctx, qkv = ins
@@ -310,8 +321,7 @@ class AttentionGrad(_AttentionKernel):
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
-        spec = _scores_spec(qkv, heads)
-        p, dp = self.temporaries(qkv, spec, spec)
+        p, dp = self.temporaries(qkv, *self.scratch_specs(ins, outs))
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         do = heads_view(dctx, heads)

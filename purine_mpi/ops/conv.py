@@ -253,9 +253,59 @@ def _gpu_setup(kernel, kind, geo, arrays, buffers=None, **fusion):
     if kernel._plan is not None:
         scratch.reserve(((kernel._plan.workspace_bytes,), np.uint8))
     else:
-        gpu.reserve(scratch, geo, {"fprop": "forward", "dgrad": "data",
-                                   "wgrad": "weight"}[kind], arrays[0].dtype)
+        gpu.reserve(scratch, geo, _WHICH[kind], arrays[0].dtype)
     return kernel._plan
+
+
+_WHICH = {"fprop": "forward", "dgrad": "data", "wgrad": "weight"}
+
+
+class _ConvScratch:
+    """The scratch of one convolution direction (``OpKernel.scratch_specs``):
+    once set up on a GPU, its cuDNN plan's workspace or the im2col columns
+    (gpu/conv.scratch_specs); before (``plan``), the workspace cuDNN will
+    take (gpu/cudnn.expected_workspace: the tuner's cache, else the cap) or
+    the columns. Subclasses give ``_direction(ins, outs)``: (cuDNN kind,
+    geometry, dtype, fusion)."""
+
+    def _expected(self, ins, outs):
+        """(kind, geo, dtype, workspace bytes or None: im2col, source, entry)."""
+        kind, geo, dtype, fusion = self._direction(ins, outs)
+        if getattr(self, "_gpu_ready", False):   # set up: the plan it took
+            plan = self._plan
+            if plan is None:
+                return kind, geo, dtype, None, "im2col", None
+            return kind, geo, dtype, int(plan.workspace_bytes), "cuDNN plan", None
+        from ..gpu import cudnn as gpu_cudnn
+        found = gpu_cudnn.expected_workspace(kind, geo, dtype, **fusion)
+        if found is None:
+            return kind, geo, dtype, None, "im2col", None
+        return (kind, geo, dtype) + tuple(found)
+
+    def scratch_specs(self, ins, outs):
+        from ..gpu.raw import KERNEL_DTYPES
+        kind, geo, dtype, workspace, _, _ = self._expected(ins, outs)
+        if np.dtype(dtype) not in KERNEL_DTYPES:
+            return []
+        if workspace is not None:
+            return [((workspace,), np.uint8)] if workspace else []
+        from ..gpu import conv as gpu_conv
+        return gpu_conv.scratch_specs(geo, _WHICH[kind], dtype)
+
+    def scratch_note(self, ins, outs):
+        _, _, _, workspace, source, entry = self._expected(ins, outs)
+        if workspace is None:
+            return "im2col columns"
+        note = f"cuDNN workspace ({source}"
+        if entry is not None and entry.get("ms") is not None and \
+                entry.get("fastest_ms") is not None:
+            note += (f"; {float(entry['ms']) - float(entry['fastest_ms']):.3f} ms a run "
+                     "given up against the fastest plan")
+        return note + ")"
+
+    def runs_products(self, ins, outs):
+        """The im2col path's GEMMs go through cuBLAS; cuDNN's do not."""
+        return self._expected(ins, outs)[3] is None
 
 
 def _cudnn_run(kernel, scratch, arrays):
@@ -283,7 +333,7 @@ def _epilogue(xp, k, y, bias, attrs):
 
 
 @register
-class Conv(OpKernel):
+class Conv(_ConvScratch, OpKernel):
     """y = conv2d(x, w) + b, then a fused ReLU when attr ``relu`` is true;
     see the module docstring."""
 
@@ -322,6 +372,11 @@ class Conv(OpKernel):
                          ins[2] if len(ins) == 3 else None)
             _epilogue(xp, None, outs[0], None, self.attrs)
 
+    def _direction(self, ins, outs):
+        return ("fprop", _geometry(self.attrs, ins[0].shape, ins[1].shape), ins[0].dtype,
+                dict(bias=len(ins) == 3, relu=bool(self.attrs.get("relu", False)),
+                     slope=float(self.attrs.get("negative_slope", 0.0))))
+
     def setup(self, ins, outs):
         x, w = ins[0], ins[1]
         buffers = {"x": x, "w": w}
@@ -334,12 +389,16 @@ class Conv(OpKernel):
 
 
 @register
-class ConvGradData(OpKernel):
+class ConvGradData(_ConvScratch, OpKernel):
     """dx = col2im(w^T @ dy) (on the CPU at stride 1: the equal forward conv of dy
     with the flipped kernel). Inputs [dy, w] (+ m, the ReLU mask of the layer below,
     parallel/fuse.py: dx *= m > 0, or mask_slope); attr x_shape plus Conv's attrs."""
 
     op_type = "ConvGradData"
+
+    def _direction(self, ins, outs):
+        return ("dgrad", _geometry(self.attrs, outs[0].shape, ins[1].shape), ins[0].dtype,
+                dict(relu=len(ins) > 2, slope=float(self.attrs.get("mask_slope", 0))))
 
     def setup(self, ins, outs):
         dy, w, m = ins[0], ins[1], ins[2:]   # m: the fused ReLU mask
@@ -386,10 +445,13 @@ class ConvGradData(OpKernel):
 
 
 @register
-class ConvGradWeight(OpKernel):
+class ConvGradWeight(_ConvScratch, OpKernel):
     """dw = sum_n dy[n] @ im2col(x)[n]^T.  Inputs [dy, x]; Conv's attrs."""
 
     op_type = "ConvGradWeight"
+
+    def _direction(self, ins, outs):
+        return ("wgrad", _geometry(self.attrs, ins[1].shape, outs[0].shape), ins[0].dtype, {})
 
     def setup(self, ins, outs):
         dy, x = ins
@@ -466,17 +528,24 @@ class ConvGradBias(OpKernel):
     def infer(cls, attrs, ins):
         return [((ins[0][0][1],), ins[0][1])]
 
+    def scratch_specs(self, ins, outs):
+        """The partial sums of bias_grad's split channels (float32/64)."""
+        from ..gpu.raw import KERNEL_DTYPES
+        if np.dtype(ins[0].dtype) not in KERNEL_DTYPES:
+            return []
+        from ..gpu.kernels import bias_grad_scratch
+        return [bias_grad_scratch(ins[0].shape)]
+
     def setup(self, ins, outs):
-        k = raw_kernels(get_xp(ins[0]), ins[0])
-        if k is not None:   # the partial sums of bias_grad's split channels
-            self.reserve_temporaries(ins[0], k.bias_grad_scratch(ins[0].shape))
+        if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
+            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         dy = ins[0]
         k = raw_kernels(xp, dy)
         if k is not None:  # deterministic reduction kernels, coalesced loads
-            (partial,) = self.temporaries(dy, k.bias_grad_scratch(dy.shape))
+            (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
             k.bias_grad(dy, out=outs[0], partial=partial)
             return
         # one matrix-vector product against ones over the planes, then a sum

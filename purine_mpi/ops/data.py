@@ -199,13 +199,13 @@ class DataReader(OpKernel):
                             for _ in range(2)]
         self._start(self.position)
 
-    @property
-    def capturable(self):
-        """On a GPU (page-locked staging) the op's device work is the copy of
-        the pair ``before_iteration`` took: a CUDA graph may capture it.
-        Otherwise (host outputs) None: its run() moves host state, which
-        capture_blocker says as for any stateful kernel."""
-        return True if self._pinned is not None else None
+    def capturable_on(self, ins, outs):
+        """Outputs on a GPU (``setup`` stages through page-locked memory):
+        the op's device work is the copy of the pair ``before_iteration``
+        took, so a CUDA graph may capture it. Otherwise (host outputs) None:
+        its run() moves host state, which capture_blocker says as for any
+        stateful kernel."""
+        return True if outs and outs[0].location.device >= 0 else None
 
     def before_iteration(self, iteration, host_write):
         """On a GPU, from the stream dispatcher, every iteration: take the

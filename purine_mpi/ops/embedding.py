@@ -81,10 +81,19 @@ class EmbeddingGrad(OpKernel):
 
     _tokens = None
 
+    products = True   # dw = onehot(ids)^T @ dy on a GPU
+
+    def scratch_specs(self, ins, outs):
+        """The one-hot rows of the tokens (float32/64 tables: the raw path)."""
+        from ..gpu.raw import KERNEL_DTYPES
+        if np.dtype(outs[0].dtype) not in KERNEL_DTYPES:
+            return []
+        return [((ins[1].size, outs[0].shape[0]), outs[0].dtype)]
+
     def setup(self, ins, outs):
         if raw_kernels(get_xp(outs[0]), outs[0]) is not None:
             self._token_row(outs[0], ins[1].dtype)
-            self.reserve_temporaries(outs[0], ((ins[1].size, outs[0].shape[0]), outs[0].dtype))
+            self.reserve_temporaries(outs[0], *self.scratch_specs(ins, outs))
 
     def _token_row(self, dw, dtype):
         """The token ids 0..V-1 as a (1, V) device row, made once (in setup)."""
@@ -104,7 +113,7 @@ class EmbeddingGrad(OpKernel):
         rows = dy.reshape(-1, dw.shape[1])
         flat = ids.reshape(-1)
         if raw_kernels(xp, dw) is not None:  # one product: dw = onehot(ids)^T @ dy
-            (onehot,) = self.temporaries(dw, ((flat.size, dw.shape[0]), dw.dtype))
+            (onehot,) = self.temporaries(dw, *self.scratch_specs(ins, outs))
             xp.equal(flat[:, None], self._token_row(dw, flat.dtype), out=onehot)
             gemm(onehot, rows, dw, trans_a=True)
             return

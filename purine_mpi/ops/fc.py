@@ -62,6 +62,7 @@ class InnerProduct(OpKernel):
     true; see the module docstring."""
 
     op_type = "InnerProduct"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -100,6 +101,7 @@ class InnerProductGradData(OpKernel):
     """dx = (dy @ w).reshape(x_shape).  Inputs [dy, w]; attrs x_shape, axis."""
 
     op_type = "InnerProductGradData"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -125,6 +127,7 @@ class InnerProductGradWeight(OpKernel):
     starts before the last rows are computed (``parallel.split_params``)."""
 
     op_type = "InnerProductGradWeight"
+    products = True   # cuBLAS on a GPU (gpu/blas.py)
 
     @classmethod
     def infer(cls, attrs, ins):

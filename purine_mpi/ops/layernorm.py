@@ -53,8 +53,11 @@ class LayerNorm(OpKernel):
 
     op_type = "LayerNorm"
 
+    def scratch_specs(self, ins, outs):
+        return [(ins[0].shape, ins[0].dtype)]
+
     def setup(self, ins, outs):
-        self.reserve_temporaries(ins[0], (ins[0].shape, ins[0].dtype))
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -71,7 +74,7 @@ class LayerNorm(OpKernel):
         k = raw_kernels(xp, x)
         row_mean(xp, k, x, mean)
         xp.subtract(x, mean[..., None], out=y)
-        (sq,) = self.temporaries(x, (x.shape, x.dtype))
+        (sq,) = self.temporaries(x, *self.scratch_specs(ins, outs))
         xp.multiply(y, y, out=sq)
         row_mean(xp, k, sq, rstd)
         rstd += float(self.attrs.get("eps", 1e-5))
@@ -94,8 +97,11 @@ class LayerNormGrad(OpKernel):
 
     op_type = "LayerNormGrad"
 
+    def scratch_specs(self, ins, outs):
+        return list(_grad_specs(ins[1]))
+
     def setup(self, ins, outs):
-        self.reserve_temporaries(ins[1], *_grad_specs(ins[1]))
+        self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -107,7 +113,7 @@ class LayerNormGrad(OpKernel):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
         got = dict(zip(self.attrs["outputs"], outs))
-        xhat, dxhat, a, c = self.temporaries(x, *_grad_specs(x))
+        xhat, dxhat, a, c = self.temporaries(x, *self.scratch_specs(ins, outs))
         xp.subtract(x, mean[..., None], out=xhat)
         xhat *= rstd[..., None]
         k = raw_kernels(xp, dy, x)

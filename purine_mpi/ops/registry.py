@@ -96,6 +96,11 @@ class OpKernel:
     #: each input element before writing that output element): the host
     #: memory plan may then put the output on the input's bytes
     in_place = ()
+    #: whether a CUDA graph may capture the op's device work: True (its host
+    #: state moves in ``before_iteration``), None (no objection) or False
+    #: (``capture_note`` says why); a kernel whose answer depends on its
+    #: blobs overrides ``capturable_on``
+    capturable = None
 
     def __init__(self, op):
         self.op = op
@@ -117,6 +122,36 @@ class OpKernel:
 
     def load_state_dict(self, state):
         pass
+
+    #: whether the kernel's device work calls cuBLAS (gpu/blas.gemm), so its
+    #: stream gets a cuBLAS handle and workspace (``runs_products``)
+    products = False
+
+    def capturable_on(self, ins, outs):
+        """``capturable`` for the op's input and output blobs ``ins`` and
+        ``outs`` (graph Blobs: ``shape``, ``dtype``, ``location``), answered
+        from them and the op's attrs, never from live arrays: the executor's
+        segment cut and ``plan`` (runtime/segments.capture_blocker) ask it
+        before anything is allocated or set up."""
+        return self.capturable
+
+    def scratch_specs(self, ins, outs):
+        """The ``(shape, dtype)`` arrays of scratch the kernel reserves on a
+        GPU for inputs ``ins`` and outputs ``outs`` (device arrays, or any
+        objects with ``shape``, ``dtype`` and ``size``: ``plan`` hands it
+        the blobs' shapes before anything is allocated); [] none. The one
+        copy of each size: ``setup`` reserves them, ``run`` takes them
+        (``temporaries``), runtime/footprint.py counts them."""
+        return []
+
+    def scratch_note(self, ins, outs):
+        """Where the scratch size comes from, in words (None: its shapes):
+        e.g. a cuDNN plan's workspace from the tuner's cache or the cap."""
+        return None
+
+    def runs_products(self, ins, outs):
+        """Whether the op's device work calls cuBLAS (``products``)."""
+        return self.products
 
     def temporaries(self, like, *specs):
         """Arrays of the given ``(shape, dtype)`` for the kernel's

@@ -106,6 +106,13 @@ def _device_labels(label, buffers, shape):
     return buffers[0].reshape(shape)
 
 
+def _raw_specs(x, specs):
+    """``specs`` when the raw GPU kernels take ``x``'s dtype (float32/64),
+    else []: the generic path reserves nothing."""
+    from ..gpu.raw import KERNEL_DTYPES
+    return list(specs) if np.dtype(x.dtype) in KERNEL_DTYPES else []
+
+
 def _reserve(kernel, x, specs):
     if raw_kernels(get_xp(x), x) is not None:
         from ..gpu.raw import array_device, op_scratch
@@ -185,9 +192,12 @@ class SoftmaxLoss(OpKernel):
 
     op_type = "SoftmaxLoss"
 
-    def setup(self, ins, outs):
+    def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
-        _reserve(self, ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]))
+        return _raw_specs(ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]))
+
+    def setup(self, ins, outs):
+        _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -205,7 +215,7 @@ class SoftmaxLoss(OpKernel):
         if k is not None and _contiguous(x, prob):  # GPU: fused kernel, mean on the device
             # any axis: the (outer, C, inner) view is the kernel's axis-1 layout
             ignore = self.attrs.get("ignore_label")
-            nll, valid, *buf = self.temporaries(x, *_loss_specs(x, axis), *_label_specs(label))
+            nll, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, outs))
             pos = (outer, inner)
             k.softmax_loss_forward(x.reshape(outer, channels, inner),
                                    _device_labels(label, buf, pos), ignore,
@@ -232,8 +242,11 @@ class SoftmaxLossGrad(OpKernel):
 
     op_type = "SoftmaxLossGrad"
 
+    def scratch_specs(self, ins, outs):
+        return _raw_specs(ins[1], [((1,), ins[1].dtype)] + _label_specs(ins[2]))
+
     def setup(self, ins, outs):
-        _reserve(self, ins[1], [((1,), ins[1].dtype)] + _label_specs(ins[2]))
+        _reserve(self, ins[1], self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -250,7 +263,7 @@ class SoftmaxLossGrad(OpKernel):
         if k is not None and _contiguous(prob, outs[0]):  # GPU: fused kernel, scale on device
             ignore = self.attrs.get("ignore_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
-            count, *buf = self.temporaries(prob, ((1,), prob.dtype), *_label_specs(label))
+            count, *buf = self.temporaries(prob, *self.scratch_specs(ins, outs))
             planes = (outer, channels, inner)
             lab = _device_labels(label, buf, (outer, inner))
             p3, dx3 = prob.reshape(planes), outs[0].reshape(planes)
@@ -296,21 +309,29 @@ class Accuracy(OpKernel):
     op_type = "Accuracy"
     capture_note = "counts the valid labels on the host"
 
-    @property
-    def capturable(self):
-        """On a GPU with the raw kernels (float32/64, contiguous) the op
-        reads nothing back and may be captured (None: no objection); else
-        it counts on the host: False."""
-        ins = getattr(self, "ins", None)
-        return None if ins and self._on_device(ins[0]) else False
+    capturable = False
+
+    def capturable_on(self, ins, outs):
+        """Scores on a GPU in float32/64 (a blob is contiguous): the raw
+        kernels run there and read nothing back, so the op may be captured
+        (None: no objection); else it counts on the host: False. The
+        blob-level form of ``_on_device``, which ``run`` asks of its arrays."""
+        from ..gpu.raw import KERNEL_DTYPES
+        x = ins[0]
+        raw = (x.location.device >= 0 and np.dtype(x.dtype) in KERNEL_DTYPES
+               and np.dtype(outs[0].dtype) == np.dtype(x.dtype))
+        return None if raw else False
 
     @staticmethod
     def _on_device(x):
         return raw_kernels(get_xp(x), x) is not None and x.flags.c_contiguous
 
-    def setup(self, ins, outs):
+    def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
-        _reserve(self, ins[0], _accuracy_specs(ins[0], axis) + _label_specs(ins[1]))
+        return _raw_specs(ins[0], _accuracy_specs(ins[0], axis) + _label_specs(ins[1]))
+
+    def setup(self, ins, outs):
+        _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -327,8 +348,7 @@ class Accuracy(OpKernel):
         outer, channels, inner = _split_dims(x.shape, axis)
         if self._on_device(x) and np.dtype(outs[0].dtype) == np.dtype(x.dtype):
             # GPU: two raw kernels, nothing read back (a bad label gives NaN)
-            correct, valid, *buf = self.temporaries(x, *_accuracy_specs(x, axis),
-                                                    *_label_specs(label))
+            correct, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, outs))
             raw_kernels(get_xp(x), x).accuracy(
                 x.reshape(outer, channels, inner), _device_labels(label, buf, (outer, inner)),
                 outs[0], top_k=int(self.attrs.get("top_k", 1)),

@@ -195,7 +195,9 @@ def configure_device(job, graph, rank_on_node=None, train=True):
     device = select_device(job, rank_on_node)
     if device >= 0:
         from ..gpu import set_tf32
+        from ..gpu.cudnn_tune import set_workspace_limit
         set_tf32(job.tf32)
+        set_workspace_limit(job.gpu.workspace_limit)
         import cupy
         cupy.cuda.Device(device).use()  # CuPy's default device for this process
         prepare_for_device(graph, device, train=train)

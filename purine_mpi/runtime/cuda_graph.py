@@ -64,6 +64,7 @@ import time
 from collections import defaultdict
 
 from ..base.errors import OpError
+from .cuda_runtime import stream_keys
 from .segments import MAX_CAPTURES, Segment, _Capture, capture_blocker, plan_segments, stage_order
 from .streams_dispatcher import StreamDispatcher, StreamExecutor
 
@@ -97,7 +98,13 @@ class GraphExecutor(StreamExecutor):
         comm = set(core.comm_order())
         return {op.name: reason for op in core.order
                 if self.streams.get(op.name) is not None and op.name not in comm
-                and (reason := capture_blocker(core.graph, op, core.kernels[op.name])) is not None}
+                and (reason := capture_blocker(core.graph, op, core.kernels[op.name],
+                                               self.device_arrays)) is not None}
+
+    @property
+    def device_arrays(self):
+        """Whether the kernels hold device arrays (``CudaRuntime.device_arrays``)."""
+        return getattr(self.runtime, "device_arrays", True)
 
     def units(self, ops, deps):
         """Segments replace their ops as scheduling units."""
@@ -152,6 +159,16 @@ class GraphExecutor(StreamExecutor):
     def planned(self):
         super().planned()
         self._note_blocked()
+
+    def scratch_lanes(self):
+        """Each GPU op's stream; a captured op's names its segment's, since
+        segments not ordered by the graph replay at once on streams of their
+        own (inside a graph, the ops of one capture stream stay in order)."""
+        lanes = super().scratch_lanes()
+        for seg in self.segment_plan.values():
+            for n in seg.members:
+                lanes[n] = (seg.device, seg.name, self.streams[n][1])
+        return lanes
 
     def replans(self):
         """A new posting order changes the stages: plan (and capture) again."""
@@ -237,11 +254,14 @@ class GraphExecutor(StreamExecutor):
         origin = rt.stream(device, CAPTURE_STREAM)
         allocator, pool = rt.capture_memory(device)
         try:
-            # cuBLAS handles and workspaces exist before the capture begins
+            # cuBLAS handles and workspaces exist before the capture begins,
+            # one per capture stream that runs ops (``_launch_members``; the
+            # origin only forks and joins them: it runs no product, so it
+            # gets no workspace) ...
             threads = dict.fromkeys(self.streams[n][1] for n in seg.members)
             # ... those of the stream the graph replays on (seg.key): graphs
             # replaying at once never share a cuBLAS workspace
-            rt.prepare_capture(device, [origin] + [
+            rt.prepare_capture(device, [
                 self._stream((device, f"{CAPTURE_STREAM}:{t}")) for t in threads],
                 scope=seg.key)
             with allocator, rt.capture_scope(seg.key):
@@ -344,3 +364,38 @@ class GraphDispatcher(StreamDispatcher):
     def segments(self):
         """The current segments: [(name, [op names])], in launch order."""
         return self.executor.segments()
+
+
+def planned_lanes(graph, cuda_graph=True, deps=None):
+    """Before a dispatcher is built (``plan``): ({op: a kernel instance, not
+    set up}, {op: (device, stream): its scratch lane (a captured op's names
+    its segment, as ``GraphExecutor.scratch_lanes``)}, [(segment name,
+    [ops])]), by the functions the executors use: ``stream_keys``, and with
+    ``cuda_graph`` ``plan_segments`` on a topological order (comm ops in
+    it, posted as ready; a kernel that draws random numbers counts as one
+    with a generator). Host ops are left out."""
+    from ..ops.catalog import get_kernel_class
+    deps = deps or graph.dependencies()
+    keys = stream_keys(graph)
+    kernels = {}
+    for name, op in graph.ops.items():
+        if keys[name] is None:
+            continue
+        k = kernels[name] = get_kernel_class(op.op_type, name)(op)
+        if k.needs_rng:
+            k.rng = True
+    lanes = {n: keys[n] for n in kernels}
+    segments = []
+    if cuda_graph and kernels:
+        order = [op.name for op in graph.topo_order(deps)]
+        comm = [n for n in order if n in kernels and kernels[n].category == "comm"]
+        blockers = {n: why for n in order if n in kernels and n not in comm
+                    and (why := capture_blocker(graph, graph.ops[n], kernels[n])) is not None}
+        unordered = [c for c in comm if not getattr(kernels[c], "seq_ordered", True)]
+        groups, _ = plan_segments(order, deps, keys, stage_order(order, deps, comm, unordered),
+                                  blockers)
+        for i, names in enumerate(groups):
+            segments.append((f"graph{i}", names))
+            for n in names:
+                lanes[n] = (keys[n][0], f"graph{i}", keys[n][1])
+    return kernels, lanes, segments

@@ -73,6 +73,11 @@ class CudaRuntime:
     for op kernels, ``call`` for host work that may queue device work (comm
     ops). Events record the work queued so far on a stream."""
 
+    #: whether the kernels hold CuPy arrays for device blobs (a simulated
+    #: device of the tests hands them NumPy arrays: False), what
+    #: ``segments.capture_blocker`` tells the kernels' ``capturable_on``
+    device_arrays = True
+
     def __init__(self, pool=None):
         from ..gpu.streams import StreamPool
         self.pool = pool or StreamPool()

@@ -67,6 +67,11 @@ class Executor:
     def planned(self):
         pass
 
+    def scratch_lanes(self):
+        """{op: the stream it runs on}, for the workspace's scratch slots
+        (``Workspace.set_scratch_lanes``); None: host threads, no streams."""
+        return None
+
     def replans(self):
         return False
 

@@ -30,11 +30,27 @@ is where the gradients live, so it counts as gradients):
 - ``kept``: everything else that persists (losses, metrics, lr, the
   iteration counter, a device loss watch).
 
-On a GPU the kernels' scratch (cuDNN and cuBLAS workspaces) is reserved by
-each kernel's ``setup`` and the CUDA-graph capture pools fill at the first
-capture: neither is known before the kernels are set up, so the device rows
-say so rather than guess (``bench --json`` measures both:
-``device_scratch_bytes``, ``cuda_graph.capture_pool_bytes``).
+On a GPU three more rows (``device_extras``), from the same functions
+the run uses:
+
+- ``scratch``: the kernels' scratch slots (runtime/workspace.scratch_plan
+  on each op's ``OpKernel.scratch_specs``, the sizes its ``setup``
+  reserves, with the streams ``stream_keys`` and, with ``cuda_graph``, the
+  segments ``plan_segments`` give: ``planned_lanes``); a cuDNN plan's
+  workspace is the tuner cache's entry when there is one, else the cap
+  ``gpu.workspace_limit``;
+- ``cublas_workspaces``: one cuBLAS handle workspace (gpu/blas) per
+  stream and capture scope, as gpu/blas makes them: each stream whose ops
+  run products eagerly (the first iteration runs every segment eagerly),
+  and per CUDA-graph segment one capture stream per stream of its ops
+  (``CudaRuntime.prepare_capture``; the capture's origin stream only forks
+  and joins them, so it has none);
+- ``capture_pools``: what captures allocate in their private pools: 0, as
+  every kernel reserves its memory before a capture (an allocation inside
+  one is refused: tests/test_gpu_no_alloc.py).
+
+The test graph's scratch and segments are not counted (a test pass in the
+same process adds its own slots and captures).
 """
 from dataclasses import dataclass, field
 
@@ -45,7 +61,7 @@ from .workspace import plan_device_memory, window_arrays
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
-        "comm_buffers", "windows", "kept")
+        "comm_buffers", "windows", "kept", "scratch", "cublas_workspaces", "capture_pools")
 
 
 @dataclass
@@ -109,6 +125,9 @@ class Footprint:
     #: (a gradient a memory plan places in the arena counts here whole, and
     #: in the rows as part of the activations)
     model_state: dict = field(default_factory=dict)
+    #: {device: ``device_extras``}: the plan behind its scratch and cuBLAS
+    #: rows (slots, each op's scratch and its note, the handles)
+    extras: dict = field(default_factory=dict)
 
     @property
     def host_total(self):
@@ -253,10 +272,12 @@ def _layout_ranks(layout):
     return ranks
 
 
-def footprint(graphs, plans, rank=0):
+def footprint(graphs, plans, rank=0, cuda_graph=True):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
-    which reuses the host arena when the training arena holds it."""
+    which reuses the host arena when the training arena holds it; on a GPU
+    the scratch, cuBLAS workspaces and capture pools (``device_extras``;
+    ``cuda_graph``: the job's)."""
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, list(window_arrays(g)), plans.host,
                                 plans.devices)
@@ -280,13 +301,18 @@ def footprint(graphs, plans, rank=0):
         device_peak = arena_peak(g, plan)
         if device_peak is not None and (peak is None or graphs.device >= 0):
             peak = device_peak
-    notes = []
-    if devices:
-        notes.append("GPU scratch (cuDNN/cuBLAS workspaces) and CUDA-graph capture pools "
-                     "are sized when the kernels are set up and first captured: not counted "
-                     "(bench --json: device_scratch_bytes, cuda_graph.capture_pool_bytes)")
+    notes, extras = [], {}
+    for d in sorted(devices):
+        extra = extras[d] = device_extras(g, d, cuda_graph)
+        devices[d].update({k: extra[k] for k in ("scratch", "cublas_workspaces",
+                                                  "capture_pools")})
+        capped = [n for n, (_, note) in extra["ops"].items() if "cap" in (note or "")]
+        if capped:
+            notes.append(f"GPU {d}: {len(capped)} cuDNN convolution(s) not in the tuner's "
+                         "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
-                     peak=peak, notes=notes, model_state=model_state_bytes(g))
+                     peak=peak, notes=notes, model_state=model_state_bytes(g),
+                     extras=extras)
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)
@@ -399,4 +425,70 @@ def model_state_peak(graph, plans):
     out["total"] = sum(out[row] for row in MODEL_STATE_ROWS)
     out["op"] = op
     return out
-    return out
+
+
+def _stand_in(blob):
+    """An array of the blob's shape and dtype holding no memory (what
+    ``OpKernel.scratch_specs`` reads: shape, dtype, size, ndim)."""
+    import numpy as np
+    return np.broadcast_to(np.zeros((), dtype=blob.dtype), tuple(blob.shape))
+
+
+def device_extras(graph, device, cuda_graph=True):
+    """What GPU ``device`` holds beyond the blobs, planned before anything
+    is allocated: {"scratch": bytes of the scratch slots, "slots": [(bytes,
+    [ops])], "ops": {op: (its scratch bytes, where the size comes from)},
+    "cublas_workspaces": bytes, "cublas_handles": [(stream, scope)],
+    "segments": [(name, [ops])] (every device's CUDA graphs), "streams": {op:
+    (device, thread)} (``stream_keys``),
+    "capture_pools": bytes} (see the module docstring)."""
+    from ..gpu.blas import workspace_bytes
+    from ..gpu.scratch import Scratch
+    from .cuda_graph import planned_lanes
+    from .cuda_runtime import stream_keys
+    from .workspace import ancestors_in, scratch_plan
+    deps = graph.dependencies()
+    kernels, lanes, segments = planned_lanes(graph, cuda_graph, deps)
+    needs, ops, products = {}, {}, set()
+    for name in [op.name for op in graph.topo_order(deps)]:
+        k = kernels.get(name)
+        if k is None or lanes.get(name, (None,))[0] != device:
+            continue
+        op = graph.ops[name]
+        ins = [_stand_in(graph.blobs[b]) for b in op.inputs]
+        outs = [_stand_in(graph.blobs[b]) for b in op.outputs]
+        specs = k.scratch_specs(ins, outs)
+        if specs:
+            needs[name] = Scratch._layout(specs)[1]
+            ops[name] = (needs[name], k.scratch_note(ins, outs))
+        if k.runs_products(ins, outs):
+            products.add(name)
+    cache = {}
+    slots = scratch_plan(needs, lanes, lambda n: ancestors_in(deps, cache, n))
+    streams = stream_keys(graph)
+    handles = cublas_handles(streams, segments, products, device)
+    return {"scratch": sum(b for b, _ in slots), "slots": slots, "ops": ops,
+            "cublas_workspaces": len(handles) * workspace_bytes(),
+            "cublas_handles": handles, "segments": segments, "streams": streams,
+            "capture_pools": 0}
+
+
+def cublas_handles(streams, segments, products, device):
+    """The (stream, scope) of each cuBLAS handle gpu/blas makes on
+    ``device``: ``streams`` {op: (device, thread)} (``stream_keys``),
+    ``segments`` [(name, [ops])] of its CUDA graphs, ``products`` the ops
+    that call cuBLAS. The first iteration runs every op eagerly on its
+    stream (scope None: one handle per stream with products); each
+    segment's capture then reserves one capture stream per stream of its
+    ops (not its origin, which runs none), in the scope of its replay
+    stream."""
+    from .cuda_graph import CAPTURE_STREAM
+    handles = sorted({(streams[n], None) for n in products if streams[n][0] == device},
+                     key=str)
+    for name, members in segments:
+        if not members or streams[members[0]][0] != device:
+            continue
+        scope = (device, name)
+        for thread in dict.fromkeys(streams[n][1] for n in members):
+            handles.append(((device, f"{CAPTURE_STREAM}:{thread}"), scope))
+    return handles

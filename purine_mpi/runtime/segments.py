@@ -5,6 +5,7 @@
 ``runtime/cuda_graph.GraphExecutor``; imports only the stream naming of
 ``runtime/cuda_runtime``.
 """
+import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -59,16 +60,31 @@ class _Capture:
     arrays: list  # the arrays it was captured on (kept alive: their ids key it)
 
 
-def capture_blocker(graph, op, kernel):
+def _as_held(blob, device_arrays):
+    """``blob`` as the kernel holds it: on the host when device blobs are
+    host arrays (``device_arrays`` False: a simulated device)."""
+    if device_arrays or blob.location.device < 0:
+        return blob
+    return dataclasses.replace(blob, location=dataclasses.replace(blob.location, device=-1))
+
+
+def capture_blocker(graph, op, kernel, device_arrays=True):
     """Why GPU op ``op`` (with kernel instance ``kernel``) cannot be
     captured into a CUDA graph, or None when it can. A kernel says
     ``capturable = True`` when its host state moves in ``before_iteration``
-    (run every iteration, also with a replay), not in ``run``."""
+    (run every iteration, also with a replay), not in ``run``; its answer is
+    ``kernel.capturable_on(input blobs, output blobs)`` (static: the same
+    before set-up, in ``plan``, as in the executor; ``device_arrays``
+    False, a simulated device holding device blobs in host arrays, hands
+    it those blobs as host blobs)."""
     if op.accumulate:
         return "adds into a blob that other ops write too"
     if getattr(kernel, "rng", None) is not None:  # a generator kept on the host
         return "draws random numbers on the host"
-    capturable = getattr(kernel, "capturable", None)
+    ask = getattr(kernel, "capturable_on", None)
+    capturable = (ask([_as_held(graph.blobs[b], device_arrays) for b in op.inputs],
+                      [_as_held(graph.blobs[b], device_arrays) for b in op.outputs])
+                  if ask is not None else getattr(kernel, "capturable", None))
     if capturable is False:
         return getattr(kernel, "capture_note", None) or "its kernel cannot be captured"
     if getattr(kernel, "stateful", False) and capturable is not True:

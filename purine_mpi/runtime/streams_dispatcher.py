@@ -175,6 +175,15 @@ class StreamExecutor(Executor):
         #: units whose completion someone outside their stream waits for
         self._needs_event = {n: keys[n] is not None and any(keys[s] != keys[n] for s in succ[n])
                              for n in deps}
+        ws = getattr(self.core, "workspace", None)
+        if hasattr(ws, "set_scratch_lanes"):
+            ws.set_scratch_lanes(self.scratch_lanes())
+
+    def scratch_lanes(self):
+        """Each GPU op's stream (device, thread): the ops of one stream run
+        one after the other, so they share one scratch slot."""
+        return {n: key for n, key in self.streams.items()
+                if key is not None and n in self.core.graph.ops}
 
     # ------------------------------------------------------------ set-up
     def _swap_copy_kernels(self):

@@ -16,9 +16,11 @@ memory plan (``memory_plan.plan_memory(graph, device=d)``) the roots that
 persist take the front of the arena and the transient ones share the rest
 at their planned offsets; without one every root has bytes of its own. What kernels need
 beyond their outputs (im2col columns, GEMM partials, a library's workspace)
-is *scratch* (``Workspace.scratch_for``): buffers shared by ops the graph
-orders, reserved in the kernels' ``setup`` and allocated in the first
-iteration, so a steady-state iteration allocates nothing on the device;
+is *scratch* (``Workspace.scratch_for``): slots shared by every op the
+stream order or the graph serialises (one slot per stream that runs
+scratch-using ops concurrently, sized by the largest of its ops), reserved
+in the kernels' ``setup`` and allocated in the first iteration, so a
+steady-state iteration allocates nothing on the device;
 CuPy's ``CUPY_GPU_MEMORY_LIMIT`` caps the pool. Host blobs that feed host-to-device
 copies (``attrs['pinned']``, set by ``place_on_device``) are page-locked, so
 those copies run asynchronously.
@@ -100,6 +102,59 @@ def _aligned_zeros(nbytes):
     return raw[start:start + int(nbytes)]
 
 
+def slot_for(name, slots, lanes, ancestors):
+    """The index in ``slots`` (lists of op names) of the scratch slot op
+    ``name`` joins, None: a slot of its own. It joins the first slot whose
+    every op runs on its stream (``lanes``: {op: stream}; a stream runs its
+    work one after the other) or is ordered with it by the graph
+    (``ancestors(op)``: the ops that run before ``op``). The workspace binds
+    its slots so (``Workspace.scratch_for``), and ``scratch_plan`` plans
+    them before anything is allocated."""
+    lane = lanes.get(name)
+    before = ancestors(name)
+    for i, ops in enumerate(slots):
+        if all((lane is not None and lanes.get(u) == lane) or u in before
+               or name in ancestors(u) for u in ops):
+            return i
+    return None
+
+
+def ancestors_in(deps, cache, name):
+    """The ops that run before ``name`` by ``deps`` ({op: its direct
+    predecessors}, ``Graph.dependencies``), memoised in ``cache``."""
+    found = cache.get(name)
+    if found is None:
+        found, stack = set(), list(deps.get(name, ()))
+        while stack:
+            p = stack.pop()
+            if p in found:
+                continue
+            found.add(p)
+            cached = cache.get(p)
+            if cached is not None:
+                found |= cached
+            else:
+                stack.extend(deps.get(p, ()))
+        cache[name] = found
+    return found
+
+
+def scratch_plan(needs, lanes, ancestors):
+    """[(bytes, [ops])] of one device's scratch slots, planned as the
+    workspace binds them: ``needs`` {op: bytes it reserves}, in the order
+    the ops are set up (a topological order), ``lanes`` and ``ancestors``
+    as for ``slot_for``. A slot is as large as its largest reservation."""
+    slots = []
+    for name, nbytes in needs.items():
+        i = slot_for(name, [ops for _, ops in slots], lanes, ancestors)
+        if i is None:
+            slots.append([0, []])
+        slot = slots[-1 if i is None else i]
+        slot[0] = max(slot[0], int(nbytes))
+        slot[1].append(name)
+    return [(n, ops) for n, ops in slots]
+
+
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
@@ -136,8 +191,11 @@ class Workspace:
         self.device_bytes = {}
         self._arena = {}
         self._offsets = {}
-        self._scratch_slots = {}   # device -> [[Scratch, last op that took it], ...]
-        self._scratch_of = {}
+        self._scratch_slots = {}   # device -> [[Scratch, [its ops]], ...]
+        self._scratch_of = {}      # op -> its _OpScratch
+        self._slot_of = {}         # op -> its slot's Scratch (once bound)
+        #: {op: the stream it runs on} (``set_scratch_lanes``), None: unknown
+        self.scratch_lanes = None
         self._deps = None
         self._ancestor_cache = {}
         plans = plan_device_memory(graph, skip=self.arrays, plans=self.device_plans)
@@ -209,47 +267,76 @@ class Workspace:
         return self.arrays[name]
 
     def scratch_for(self, op_name, device):
-        """The :class:`gpu.scratch.Scratch` op ``op_name`` uses on GPU ``device``.
+        """The scratch (``reserve``/``take``, like :class:`gpu.scratch.Scratch`)
+        op ``op_name`` uses on GPU ``device``: a view of one shared slot.
 
-        Ops share a scratch buffer only when the graph orders them: an op
-        gets the buffer of an earlier user that is one of its ancestors (a
-        path of data, write-after-read or control edges), so the dispatcher
-        -- on one stream or several, eager or replaying CUDA graphs -- never
-        runs two users of one buffer at once. Call in a topological order
-        (the dispatchers call ``setup`` so)."""
+        An op's reservation is kept; the slots are bound at the first
+        ``take`` (the first iteration, after the dispatcher's executor has
+        said which stream runs each op, ``set_scratch_lanes``), every op set
+        up by then at once, in the order they were set up: an op joins a
+        slot when each op already there runs on the same stream (a stream
+        runs its work one after the other, whether or not the graph orders
+        it) or is ordered with it by the graph (a path of data,
+        write-after-read or control edges). So the slots are at most one per
+        stream that runs scratch-using ops concurrently, each sized by the
+        largest reservation among its ops; without lanes only the graph's
+        order shares a slot."""
         device = int(device)
-        if op_name in self._scratch_of:
-            return self._scratch_of[op_name]
-        if self._deps is None:
-            self._deps = self.graph.dependencies()
-        ancestors = self._ancestors(op_name)
-        for slot in self._scratch_slots.setdefault(device, []):
-            if slot[1] in ancestors:
-                slot[1] = op_name
-                scratch = slot[0]
-                break
-        else:
-            scratch = Scratch(device)
-            self._scratch_slots[device].append([scratch, op_name])
-        self._scratch_of[op_name] = scratch
+        scratch = self._scratch_of.get(op_name)
+        if scratch is None:
+            scratch = self._scratch_of[op_name] = _OpScratch(self, op_name, device)
         return scratch
 
+    def set_scratch_lanes(self, lanes):
+        """{op: the stream it runs on (any hashable), or None}: the
+        executor's streams (a CUDA-graph segment replays on a stream of its
+        own: its ops' lanes name it). When they differ from those the slots
+        were bound with, the slots are bound again at the next ``take``
+        (the old buffers go with the captures that held them)."""
+        lanes = {n: lane for n, lane in (lanes or {}).items() if lane is not None} or None
+        if lanes == self.scratch_lanes:
+            return
+        self.scratch_lanes = lanes
+        if self._slot_of:
+            self._scratch_slots = {}
+            self._slot_of = {}
+
+    def scratch_slot(self, op_name, device):
+        """The shared :class:`gpu.scratch.Scratch` of ``op_name``'s slot
+        (binds the slots of ``device`` first, see ``scratch_for``)."""
+        self.scratch_for(op_name, device)
+        slot = self._slot_of.get(op_name)
+        if slot is None:
+            self._bind(int(device))
+            slot = self._slot_of[op_name]
+        return slot
+
+    def _bind(self, device):
+        if self._deps is None:
+            self._deps = self.graph.dependencies()
+        lanes = self.scratch_lanes or {}
+        slots = self._scratch_slots.setdefault(device, [])
+        for name, op_scratch in self._scratch_of.items():
+            if op_scratch.device != device or name in self._slot_of:
+                continue
+            i = slot_for(name, [s[1] for s in slots], lanes, self._ancestors)
+            if i is None:
+                slots.append([Scratch(device), []])
+            slot = slots[-1 if i is None else i]
+            slot[1].append(name)
+            if op_scratch.reserved:
+                slot[0].reserve(((op_scratch.reserved,), np.uint8))
+            self._slot_of[name] = slot[0]
+
+    def scratch_slots(self):
+        """{device: [(bytes reserved, [its ops])]} of the slots (bound now)."""
+        for device in sorted({s.device for s in self._scratch_of.values()}):
+            self._bind(device)
+        return {d: [(s[0].reserved, list(s[1])) for s in slots]
+                for d, slots in sorted(self._scratch_slots.items())}
+
     def _ancestors(self, name):
-        found = self._ancestor_cache.get(name)
-        if found is None:
-            found, stack = set(), list(self._deps.get(name, ()))
-            while stack:
-                p = stack.pop()
-                if p in found:
-                    continue
-                found.add(p)
-                cached = self._ancestor_cache.get(p)
-                if cached is not None:
-                    found |= cached
-                else:
-                    stack.extend(self._deps.get(p, ()))
-            self._ancestor_cache[name] = found
-        return found
+        return ancestors_in(self._deps, self._ancestor_cache, name)
 
     @property
     def scratch_bytes(self):
@@ -276,3 +363,27 @@ class Workspace:
             with arr.device:
                 value = xp.asarray(value, dtype=arr.dtype)
         arr[...] = value
+
+
+class _OpScratch:
+    """One op's handle on its shared scratch slot (``Workspace.scratch_for``):
+    ``reserve`` is kept for the slot's size, ``take`` binds the slots and
+    takes from the op's."""
+
+    def __init__(self, workspace, op_name, device):
+        self._ws, self.op_name, self.device = workspace, op_name, int(device)
+        self.reserved = 0
+
+    def reserve(self, *specs):
+        self.reserved = max(self.reserved, Scratch._layout(specs)[1])
+        slot = self._ws._slot_of.get(self.op_name)
+        if slot is not None:
+            slot.reserve(*specs)
+
+    def take(self, *specs):
+        return self._ws.scratch_slot(self.op_name, self.device).take(*specs)
+
+    @property
+    def nbytes(self):
+        slot = self._ws._slot_of.get(self.op_name)
+        return 0 if slot is None else slot.nbytes

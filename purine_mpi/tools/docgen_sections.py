@@ -130,6 +130,7 @@ def _intro():
         "- [parallel](#parallel): keys, [schemes](#schemes), [modes](#modes), "
         "[schedules](#schedules)",
         "- [checkpoint](#checkpoint)",
+        "- [gpu](#gpu)",
         "",
         "## An example",
         "",
@@ -530,8 +531,21 @@ def _checkpoint():
     ]
 
 
+def _gpu():
+    return [
+        "## gpu",
+        "",
+        _section_rows("gpu"),
+        "",
+        "Read only on a GPU. Each cuDNN convolution's plan is the fastest whose workspace "
+        "fits `workspace_limit`; the ops of one CUDA stream share one scratch slot, so the "
+        "scratch is at most one slot per concurrent stream, each the largest workspace among "
+        "its ops ([gpu.md](gpu.md#device-memory)).",
+    ]
+
+
 def sections():
     """The parts of docs/config.md below its header, in order: each a list
     of lines."""
     return [_intro(), _top(), _data(), _layer_section(), _graph(), _solver(), _parallel(),
-            _checkpoint()]
+            _checkpoint(), _gpu()]

@@ -242,7 +242,7 @@ def shard_lines(job, graph):
 def memory_lines(job, graph):
     """``graph --memory``: the memory plans the trainer lays this graph out
     by (runtime/memory_plan.py), the host's then each GPU's, or a line each
-    saying it is off."""
+    saying it is off; then each GPU's scratch (``scratch_lines``)."""
     from ..runtime.factory import memory_plans
     from ..runtime.memory_plan import batch_blobs, format_plan
     on = job.memory_plan
@@ -255,4 +255,29 @@ def memory_lines(job, graph):
         lines.append(f"{plan.title}: off (memory_plan: false): one buffer per blob; the "
                      f"plan would put {plan.unplanned_bytes:,} bytes of {len(plan.offsets)} "
                      f"transient blob(s) in a {plan.total_bytes:,}-byte arena")
+    for device in sorted(devices):
+        lines += scratch_lines(graph, device, job.cuda_graph)
+    return lines
+
+
+def scratch_lines(graph, device, cuda_graph=True):
+    """GPU ``device``'s memory beyond the blobs, as ``plan`` counts it
+    (runtime/footprint.device_extras): the scratch slots, each op's scratch
+    bytes with where its size comes from (``OpKernel.scratch_note``), and
+    the cuBLAS handle workspaces."""
+    from ..base.progress_bar import human_bytes
+    from ..runtime.footprint import device_extras
+    extra = device_extras(graph, device, cuda_graph)
+    slots, ops = extra["slots"], extra["ops"]
+    lines = [f"GPU {device} scratch: {len(slots)} slot(s), {extra['scratch']:,} bytes "
+             f"({human_bytes(extra['scratch'])}); {len(ops)} op(s) reserve scratch"]
+    slot_of = {n: i for i, (_, members) in enumerate(slots) for n in members}
+    width = max((len(n) for n in ops), default=0)
+    for name, (nbytes, note) in ops.items():
+        where = f"slot {slot_of[name]}" if name in slot_of else "no slot"
+        lines.append(f"  {name:<{width}}  {nbytes:>14,} bytes  {where}"
+                     + (f"  ({note})" if note else ""))
+    handles = extra["cublas_handles"]
+    lines.append(f"GPU {device} cuBLAS workspaces: {len(handles)} handle(s), "
+                 f"{extra['cublas_workspaces']:,} bytes ({human_bytes(extra['cublas_workspaces'])})")
     return lines

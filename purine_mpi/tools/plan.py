@@ -15,10 +15,9 @@ by the ranks of the host, and the GPU's total memory when the rank has one.
 """
 import dataclasses
 import os
-import re
 
 from ..base.errors import MemoryTooSmall, UserError
-from ..base.progress_bar import human_bytes
+from ..base.progress_bar import human_bytes, parse_size
 
 #: up to this many ranks, ``plan`` builds every one
 ALL_RANKS = 8
@@ -26,22 +25,18 @@ ALL_RANKS = 8
 #: row labels as printed
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
           "activations": "activations", "data_batch": "data batch",
-          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs"}
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10 ** 3, "m": 1 << 20,
-          "mib": 1 << 20, "mb": 10 ** 6, "g": 1 << 30, "gib": 1 << 30, "gb": 10 ** 9,
-          "t": 1 << 40, "tib": 1 << 40, "tb": 10 ** 12}
-
+          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs",
+          "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
+          "capture_pools": "capture pools"}
 
 def parse_bytes(text, option):
     """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
     (bytes): a byte count; a UserError naming ``option`` otherwise."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m and m.group(2).lower()
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+    nbytes = parse_size(text)
+    if nbytes is None:
         raise UserError(f"{option} {text}: expected a size such as 80GiB, 512MiB or 24G "
                         "(KiB/MiB/GiB/TiB or K/M/G/T: powers of 1024; KB/MB/GB/TB: of 1000)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return nbytes
 
 
 @dataclasses.dataclass
@@ -120,7 +115,8 @@ def offline_footprint(job, size, rank):
         graphs = _Graphs(graph=graph, device=_device_of(graph))
     else:
         graphs = build_rank_graphs(offline, world, check_memory=False)
-    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank)
+    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
+                     cuda_graph=job.cuda_graph)
 
 
 @dataclasses.dataclass
@@ -243,7 +239,7 @@ def check_memory(job, graphs, plans, world, limits):
         return
     from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
-    fp = footprint(graphs, plans, world.rank)
+    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph)
     problems = over(fp, limits, ranks_on_this_host()[0])
     if problems:
         ps = getattr(job.parallel, "servers", 0) and world.size > 1

@@ -3,6 +3,7 @@ for a CuPy array), the allocation log (``Allocations``) and the log of
 CuPy's synchronous copies (``SYNC_COPIES``). Inside a capture they record
 device work or refuse, as CuPy does (``capture.py``)."""
 import threading
+import weakref
 
 import numpy as np
 
@@ -46,12 +47,33 @@ class Allocations:
     #: bytes of every device allocation so far, counting or not (what the
     #: emulated memory pool says it holds: a pool that never reuses a block)
     total_bytes = 0
+    #: the allocator the emulated ``cupy.cuda.set_allocator`` installed (None:
+    #: the pool's own): called with each allocation's bytes after it is
+    #: counted, as CuPy calls its allocator (gpu/memory.PeakMemory reads the
+    #: pool's bytes in use there)
+    allocator = None
+    #: bytes of the device allocations still alive (the pool's ``used_bytes``:
+    #: an allocation is given back when the array owning it is collected, as
+    #: CuPy's pool takes a block back when its last array goes)
+    in_use = 0
+    _lock = threading.RLock()   # a finalizer may run inside ``note`` (a collection)
 
     @classmethod
     def note(cls, what, array):
-        cls.total_bytes += int(getattr(array, "nbytes", 0))
+        nbytes = int(getattr(array, "nbytes", 0))
+        with cls._lock:
+            cls.total_bytes += nbytes
+            cls.in_use += nbytes
+        weakref.finalize(array, cls._free, nbytes)
+        if cls.allocator is not None:
+            cls.allocator(nbytes)
         if cls.counting:
             cls.log.append((what, tuple(np.shape(array)), str(getattr(array, "dtype", ""))))
+
+    @classmethod
+    def _free(cls, nbytes):
+        with cls._lock:
+            cls.in_use -= nbytes
 
 
 def plain(x):
@@ -123,8 +145,9 @@ class DeviceArray(np.ndarray):
             return None
         wrapped = []
         for r in result if isinstance(result, tuple) else (result,):
-            Allocations.note(f"{ufunc.__name__}.{method}", r)
-            wrapped.append(np.asarray(r).view(DeviceArray))   # 0-d, as CuPy returns
+            owner = np.asarray(r)   # 0-d, as CuPy returns (a NumPy scalar: a new array)
+            Allocations.note(f"{ufunc.__name__}.{method}", owner)
+            wrapped.append(owner.view(DeviceArray))
         if capture.recording():  # a new array, computed when the launch's work runs
             args = [captured_value(x) for x in inputs]
             targets = tuple(np.asarray(w) for w in wrapped)

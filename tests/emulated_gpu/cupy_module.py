@@ -83,11 +83,18 @@ def emulated_cupy(build_dir):
     fake.asnumpy = asnumpy
     # CuPy's pool (bench --json reports what it holds)
     # (free_all_blocks: nothing to give back, the emulated pool caches no block)
-    fake.get_default_memory_pool = lambda: types.SimpleNamespace(
-        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.total_bytes,
-        free_all_blocks=lambda: None)
+    # the pool's malloc hands out what ``Allocations.note`` counted already
+    pool = types.SimpleNamespace(
+        total_bytes=lambda: Allocations.total_bytes, used_bytes=lambda: Allocations.in_use,
+        free_all_blocks=lambda: None,
+        malloc=lambda size: types.SimpleNamespace(device_id=0, size=size))   # one device
+    fake.get_default_memory_pool = lambda: pool
     # what the workspace needs: a device context, a device count, pinned memory
     fake.cuda.Device = NoDevice
+    # CuPy's allocator hook (gpu/memory.PeakMemory: ``device_peak_bytes``)
+    fake.cuda.get_allocator = lambda: Allocations.allocator or pool.malloc
+    fake.cuda.set_allocator = lambda fn=None: setattr(
+        Allocations, "allocator", None if fn is pool.malloc else fn)
     cuda_namespace(fake.cuda)   # Stream, Event, ...; the default stream is the device's
     runtime = fake.cuda.runtime
     runtime.getDeviceCount = lambda: 1

@@ -90,6 +90,7 @@ class SimulatedRuntime(CudaRuntime):
         if not faithful:   # no emulated CuPy: the device's own cupy.cuda
             self._cupy = types.SimpleNamespace(cuda=cuda_namespace())
         self.faithful = faithful
+        self.device_arrays = faithful   # without the emulated CuPy: NumPy arrays
         self.poll_steps = poll_steps
         self.stalled_polls = stalled_polls
         self.rng = self.device.rng
