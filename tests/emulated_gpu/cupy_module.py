@@ -98,6 +98,7 @@ def emulated_cupy(build_dir):
     cuda_namespace(fake.cuda)   # Stream, Event, ...; the default stream is the device's
     runtime = fake.cuda.runtime
     runtime.getDeviceCount = lambda: 1
+    runtime.getDeviceProperties = lambda device: {"name": b"Emulated GPU", "major": 9, "minor": 0}
     runtime.memcpyHostToDevice, runtime.memcpyDeviceToHost = 1, 2
     runtime.memcpyAsync = memcpy_async
     runtime.deviceSynchronize = device_synchronize
