@@ -50,7 +50,7 @@ class Sharded(Scheme):
         par = job.parallel
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
-        if par.shard >= 3:
+        if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
         plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
         # never deferred (``deferrable``): the memory plan must not keep the
