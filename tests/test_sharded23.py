@@ -167,8 +167,6 @@ def test_stage2_micro_batches_and_clipping_as_data_parallel(tmp_path):
 
 
 @pytest.mark.parametrize("change,key,words", [
-    ({"parallel": {"shard": 3, "micro_batches": 2}}, "parallel.micro_batches",
-     "not built for stage 3"),
     ({"parallel": {"shard": 2, "transport": "one_sided"}}, "parallel.transport", "one_sided"),
     ({"parallel": {"shard": 2, "backend": "nccl"}}, "parallel.backend", "nccl"),
     ({"parallel": {"shard": 2, "tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
