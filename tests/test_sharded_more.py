@@ -73,8 +73,8 @@ def test_every_stage_as_data_parallel_on_4_ranks(tmp_path):
     """4 ranks, 10 AdamW steps: stages 1, 2 and 3 within 1e-5 of each blob's
     largest magnitude of data parallelism's weights and moments (MPICH may
     add 4 ranks' values in another order in reduce-scatter than in
-    allreduce; ``BITWISE_ON_4`` says which stages matched bit for bit
-    here)."""
+    allreduce: none of the three matched bit for bit in this net; the
+    test prints which do)."""
     runs = {}
     for name, scheme, par in (("data", "data", {}), ("s1", "sharded", {"shard": 1}),
                               ("s2", "sharded", {"shard": 2}), ("s3", "sharded", {"shard": 3})):
