@@ -48,6 +48,40 @@ def test_ops_match_torch_clip_grad_norm(clip):
     assert (clip < norm) == (clip == 0.3)  # one case clips, the other leaves g alone
 
 
+
+def test_float32_norm_of_pieces_is_the_whole_norm():
+    """GradNormSq accumulates in float64: a float32 gradient cut into
+    pieces (ZeRO's shards; the pieces' sums added, as the Allreduce adds
+    them) has the squared norm of the whole to 1e-14 relative, against
+    the float64 sum of exact squares; the float32 clip factor is the same.
+    (A float32 dot differed by ~1e-7: the sharded clip was not data
+    parallelism's.)"""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.catalog import get_kernel_class
+    from purine_mpi.ops.clip import SUMSQ_CHUNK, clip_factor
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal(3 * SUMSQ_CHUNK + 12345) * 1e-2).astype(np.float32)
+    exact = float(np.sum(g.astype(np.float64) ** 2))
+    op = get_kernel_class("GradNormSq")(Op("n", "GradNormSq", [], [], {"scales": [1.0]}))
+
+    def norm(pieces):
+        total = 0.0
+        for piece in pieces:
+            sumsq = np.zeros(1)
+            op.attrs["scales"] = [1.0] * len(piece)
+            op.run(piece, [sumsq, np.zeros(32 * len(piece))])
+            total += float(sumsq[0])
+        return total
+
+    cuts = sorted([0, 7, 20001, SUMSQ_CHUNK + 3, 2 * SUMSQ_CHUNK + 999, g.size])
+    whole = norm([[g]])
+    for got in (norm([[g[a:b] for a, b in zip(cuts, cuts[1:])]]),  # one rank, many views
+                norm([[g[a:b]] for a, b in zip(cuts, cuts[1:])])):  # ranks' sums added
+        assert abs(got - exact) <= 1e-14 * exact and abs(whole - exact) <= 1e-14 * exact
+        f32 = [np.float32(clip_factor(x, 0.01)) for x in (whole, got)]
+        assert f32[0] == f32[1] and f32[0] < 1
+
+
 def _config(clip=None, micro=1, **solver):
     raw = {"name": "clip", "seed": 2,
            "data": {"train": {"source": "synthetic", "shape": [1, 3, 4], "classes": 3,

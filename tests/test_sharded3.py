@@ -156,10 +156,3 @@ def test_stage3_checkpoints_are_whole_and_reshard(tmp_path):
                      ckpt)
     assert "loaded 8 blobs from" in text
 
-
-def test_stage3_micro_batches_refused_exit_2(tmp_path):
-    from tests.conftest import run_cli_args, write_config_file
-    from tests.test_cli import assert_user_error
-    cfg = _job("sharded", "sgd", shard=3, micro_batches=2)
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
-    assert_user_error(res, "parallel.micro_batches", "not built for stage 3")

@@ -354,11 +354,6 @@ def _check_sharded(out, path):
     if par["scheme"] != "sharded":
         return
     why = "scheme sharded builds ZeRO stages 1-3 on MPI on the CPU only"
-    if par["shard"] == 3 and par["micro_batches"] > 1:
-        raise ConfigError(path, "parallel.micro_batches", "micro-batches are not built for "
-                          "stage 3 (parallel.shard: 3: each micro-batch would gather the "
-                          "weights again); use parallel.shard: 2 with micro-batches, or "
-                          "micro_batches: 1")
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided", "transport one_sided"),

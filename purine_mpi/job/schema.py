@@ -151,7 +151,10 @@ PARALLEL = (
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
         "backward readers) (see [parallel.md](parallel.md))"),
-    Key("prefetch", _int(1), 1, "scheme sharded, shard 3: how many buckets' weights are "
+    Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "
+        "buckets the backward writes ahead of the oldest one not yet reduce-scattered (the "
+        "writers of bucket k + 1 + prefetch wait for bucket k's reduce-scatter: at most "
+        "prefetch + 1 live at once); shard 3: and how many buckets' weights are "
         "gathered ahead of the computing one (each gather waits for the start of the bucket "
         "this many before it, in the forward and in the backward): at most prefetch + 1 "
         "buckets' full weights live at once in each pass"),

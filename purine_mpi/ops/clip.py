@@ -7,7 +7,12 @@ GradNormSq  ins [g_1 .. g_n]  outs [sumsq (1,) float64, partial (n*S,) float64]
     sumsq = sum_i s_i^2 * ||g_i||^2: the squared L2 norm of the gradients the
     updates apply (s_i is update i's ``grad_scale``: 1/N for a sum over N
     ranks, 1/M over M micro-batches). ``partial`` is the device's scratch
-    (S = CLIP_SLOTS partial sums per gradient; unused on the CPU).
+    (S = CLIP_SLOTS partial sums per gradient; unused on the CPU). Every
+    squared norm is accumulated in float64 (the device kernel's
+    per-element double sums; on the CPU ``sumsq64``), so a parameter cut
+    into pieces (ZeRO's shards, whose sums an Allreduce adds) gives the
+    norm its whole gives to ~1e-16, and ClipScale's float32 factor with it
+    (but where the two straddle a float32 rounding: ~1e-9 of the cases).
 ClipScale   ins [g, sumsq]  outs [g@clip] (an alias of g)   attrs clip
     g@clip = g * clip / sqrt(sumsq) when sqrt(sumsq) > clip, else g.
 
@@ -27,6 +32,9 @@ from .registry import OpKernel, register
 
 #: partial sums per gradient on a GPU (cuda/clip.cu; the CPU ignores them)
 CLIP_SLOTS = 32
+#: elements per float64 chunk of ``sumsq64`` (128 KiB of scratch; the
+#: fastest of 4K..64K on gpt_small's gradients, docs/parallel.md)
+SUMSQ_CHUNK = 16384
 
 
 @register
@@ -53,10 +61,10 @@ class GradNormSq(OpKernel):
                 k.grad_sumsq(g, partial[i * CLIP_SLOTS:(i + 1) * CLIP_SLOTS], s * s)
             k.clip_total(partial, sumsq, ins[0].dtype)
             return
-        total = 0.0
+        total, scratch = 0.0, None
         for g, s in zip(ins, scales):
-            flat = g.reshape(-1)
-            total += s * s * float(xp.dot(flat, flat))
+            part, scratch = sumsq64(xp, g, scratch)
+            total += s * s * part
         sumsq[...] = total
 
 
@@ -90,6 +98,31 @@ class ClipScale(OpKernel):
         factor = clip_factor(sumsq.reshape(-1)[0], clip)
         if factor != 1.0:
             out *= out.dtype.type(factor)
+
+
+def sumsq64(xp, g, scratch=None):
+    """(||g||^2 accumulated in float64, the scratch used): each chunk of
+    ``SUMSQ_CHUNK`` elements of g cast into a float64 scratch buffer (made
+    when ``scratch`` is None; never a float64 copy of the whole of g) and
+    dotted with itself, the chunks' sums added in order. A float32 square
+    is exact in float64, so the sum is good to ~1e-16 relative, whatever
+    the pieces g comes in."""
+    flat = g.reshape(-1)
+    total = 0.0
+    if flat.dtype == np.float64:
+        for a in range(0, flat.size, SUMSQ_CHUNK):
+            c = flat[a:a + SUMSQ_CHUNK]
+            total += float(xp.dot(c, c))
+        return total, scratch
+    if scratch is None:
+        scratch = xp.empty(min(SUMSQ_CHUNK, max(flat.size, 1)), dtype=np.float64)
+    elif scratch.size < min(SUMSQ_CHUNK, flat.size):
+        scratch = xp.empty(min(SUMSQ_CHUNK, flat.size), dtype=np.float64)
+    for a in range(0, flat.size, SUMSQ_CHUNK):
+        c = scratch[:min(SUMSQ_CHUNK, flat.size - a)]
+        c[...] = flat[a:a + SUMSQ_CHUNK]
+        total += float(xp.dot(c, c))
+    return total, scratch
 
 
 def clip_factor(sumsq, clip):

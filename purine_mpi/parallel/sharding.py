@@ -228,6 +228,8 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         if own is not None:
             plan[-1]["weight_shard"] = own
         seq += 1
+    if stage >= 2:
+        bound_live_buckets(graph, plan, prefetch)
     if stage >= 3:
         for entry in plan:
             entry.pop("written")
@@ -251,6 +253,39 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     if grad_first:
         gradients_first(graph, grads)
     return plan
+
+
+def bound_live_buckets(graph, plan, depth=1):
+    """Stages 2 and 3: at most ``depth + 1`` full gradient buckets live at
+    once in the backward. Each writer of bucket ``k + 1 + depth`` (the ops
+    writing its storage: the backward's, or the micro-batches' sums) waits
+    by a control edge for the reduce-scatter of bucket ``k`` (the plan's
+    order: the gradients' ready order), so the memory plan can give bucket
+    k's bytes to bucket k + 1 + depth. A writer the reduce-scatter already
+    depends on (an earlier micro-batch's backward: every bucket accumulates
+    across the micro-batches) gets no edge: no cycle. Returns the edges
+    added, [(reduce-scatter, writer)]."""
+    depth = max(int(depth), 0)
+    writers = {}
+    for op in graph.ops.values():
+        for out in op.outputs:
+            writers.setdefault(graph.storage_root(out), []).append(op)
+    added = []
+    for j in range(1 + depth, len(plan)):
+        rs = plan[j - 1 - depth]["reduce_scatter"]
+        deps = graph.dependencies()
+        before, stack = set(), [rs]  # the reduce-scatter's ancestors
+        while stack:
+            for d in deps[stack.pop()]:
+                if d not in before:
+                    before.add(d)
+                    stack.append(d)
+        for op in writers.get(plan[j]["name"], ()):
+            if op.name not in before and rs not in op.control_inputs:
+                op.control_inputs.append(rs)
+                added.append((rs, op.name))
+    graph.topo_order()  # no cycle
+    return added
 
 
 #: the kind of the views of a bucket's weights gathered for the backward

@@ -15,10 +15,10 @@ bucket's weights alone, gathered into transient buffers before the
 bucket's forward and backward readers (parallel/sharding.compose_zero3);
 the weights are written (fillers, ``--init``, ``--resume``) into the
 shards, saved joined whole, and gathered whole for the test graph
-(``held_weights``, ``set_weight``, ``test_weights``). GPUs, NCCL, the
-one-sided transport, combinations with other schemes and stage 3 with
-micro-batches are refused by the config rules (job/config.py's
-``_check_sharded``).
+(``held_weights``, ``set_weight``, ``test_weights``); with micro-batches
+each buffer is gathered once per iteration and held across them. GPUs,
+NCCL, the one-sided transport and combinations with other schemes are
+refused by the config rules (job/config.py's ``_check_sharded``).
 """
 import numpy as np
 
@@ -50,7 +50,7 @@ class Sharded(Scheme):
         par = job.parallel
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
-        if par.shard >= 3:
+        if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
         plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
         # never deferred (``deferrable``): the memory plan must not keep the
