@@ -164,11 +164,12 @@ def build_parser():
     p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
                    help="a checkpoint train wrote, or a run folder (its latest.h5)")
     p.add_argument("--prompt", required=True, metavar="TEXT",
-                   help="the text to continue (its UTF-8 bytes are the first tokens)")
+                   help="the text to continue (its UTF-8 bytes are the first tokens, or its ids "
+                        "in the vocabulary the checkpoint keeps)")
     p.add_argument("--no-prompt", action="store_true",
                    help="print the continuation alone, without the prompt before it")
     p.add_argument("--tokens", type=int, required=True, metavar="N",
-                   help="how many tokens (bytes) to draw")
+                   help="how many tokens to draw (bytes, or the checkpoint's vocabulary's ids)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divide the scores by T before the softmax (0: always the most "
                         "likely token; default 1)")
