@@ -20,6 +20,7 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
     python -m purine_mpi data lmdb-to-h5 --from TRAIN_LMDB [--test-from TEST_LMDB] --out PATH.h5
     python -m purine_mpi data text --from PATH [--glob PATTERN] --out PATH.h5 [--val-fraction F]
+                                   [--tokenizer TOKENIZER.json | --bpe-vocab N]
     python -m purine_mpi generate [CONFIG.yaml] --weights CKPT.h5|RUN --prompt TEXT --tokens N
                                   [--temperature T] [--top-k K] [--seed S] [--no-prompt]
     python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
@@ -313,9 +314,11 @@ def cmd_inspect(args):
 
 def cmd_data(args):
     from .data import datasets
-    check_out(args.out, more=[("--from", args.source)])  # never an input or a checkpoint
-    if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1):
-        raise UserError(f"data {args.dataset}: --glob and --val-fraction apply to data text")
+    check_out(args.out, more=[("--from", args.source), ("--tokenizer", args.tokenizer)])
+    if args.dataset != "text" and (args.glob is not None or args.val_fraction != 0.1 or
+                                   args.tokenizer is not None or args.bpe_vocab is not None):
+        raise UserError(f"data {args.dataset}: --glob, --val-fraction, --tokenizer and "
+                        "--bpe-vocab apply to data text")
     if args.dataset == "digits":
         datasets.write_digits(args.out)
     elif args.dataset == "text":
@@ -324,7 +327,8 @@ def cmd_data(args):
             raise UserError("data text needs --from PATH (a UTF-8 text file or a folder of "
                             "them; --glob '*.py' picks files)")
         log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-        write_text(args.source, args.out, args.glob, args.val_fraction, log=log)
+        write_text(args.source, args.out, args.glob, args.val_fraction, log=log,
+                   tokenizer=args.tokenizer, bpe_vocab=args.bpe_vocab)
     elif args.dataset == "lmdb-to-h5":
         if not args.source:
             raise UserError("data lmdb-to-h5 needs --from TRAIN_LMDB (and optionally "

@@ -164,11 +164,12 @@ def build_parser():
     p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
                    help="a checkpoint train wrote, or a run folder (its latest.h5)")
     p.add_argument("--prompt", required=True, metavar="TEXT",
-                   help="the text to continue (its UTF-8 bytes are the first tokens)")
+                   help="the text to continue (its UTF-8 bytes are the first tokens, or its ids "
+                        "in the vocabulary the checkpoint keeps)")
     p.add_argument("--no-prompt", action="store_true",
                    help="print the continuation alone, without the prompt before it")
     p.add_argument("--tokens", type=int, required=True, metavar="N",
-                   help="how many tokens (bytes) to draw")
+                   help="how many tokens to draw (bytes, or the checkpoint's vocabulary's ids)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="divide the scores by T before the softmax (0: always the most "
                         "likely token; default 1)")
@@ -239,7 +240,8 @@ def build_parser():
                         "CIFAR-10 python batches given by --from, or fetched by --download; "
                         "lmdb-to-h5: a Caffe LMDB (--from, the train split; --test-from, the "
                         "test split) as our HDF5 layout; text: UTF-8 text (--from a file or a "
-                        "folder) as byte-level tokens (groups train and val)")
+                        "folder) as byte-level tokens, or with --tokenizer/--bpe-vocab "
+                        "subword tokens (groups train and val)")
     p.add_argument("--out", required=True, metavar="PATH.h5",
                    help="the HDF5 data file to write (groups train and test; text: train and "
                         "val)")
@@ -254,6 +256,14 @@ def build_parser():
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                    help="text: the last F of the token stream is the validation split "
                         "(default 0.1)")
+    p.add_argument("--tokenizer", metavar="TOKENIZER.json",
+                   help="text: encode with this Hugging Face tokenizer file (e.g. GPT-2's "
+                        "tokenizer.json) instead of bytes; the file keeps its JSON (needs "
+                        "pip install 'purine_mpi[text]')")
+    p.add_argument("--bpe-vocab", type=int, metavar="N",
+                   help="text: train a byte-level BPE of N tokens (>= 256) on the text and "
+                        "encode with it; the file keeps it (needs pip install "
+                        "'purine_mpi[text]')")
     p.add_argument("--test-from", dest="test_source", metavar="DIR",
                    help="lmdb-to-h5: the test split's LMDB folder")
     p.add_argument("--download", action="store_true",

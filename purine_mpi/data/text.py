@@ -1,10 +1,16 @@
-"""Token data: UTF-8 text as a byte-level token stream (docs/formats.md,
-"HDF5 text files"), and the ``text`` data source that reads windows of it.
+"""Token data: UTF-8 text as a token stream (docs/formats.md, "HDF5 text
+files"), and the ``text`` data source that reads windows of it.
 
-    write_text(src, out_path, glob, val_fraction)   a file, or a folder's files
+    write_text(src, out_path, glob, val_fraction, tokenizer, bpe_vocab)
+                                                     a file, or a folder's files
 
-The vocabulary is the 256 byte values (no tokenizer to download): token i of
-a stream is byte i of the text. A folder's files matching ``glob`` (a
+By default the vocabulary is the 256 byte values (no tokenizer to download):
+token i of a stream is byte i of the text. With ``tokenizer`` (a Hugging
+Face tokenizer.json the user has) or ``bpe_vocab`` N (a byte-level BPE of N
+tokens trained here on the text itself) each file is encoded with that
+vocabulary (data/tokenizer.py; the ``tokenizers`` extra) and its JSON is
+stored as the dataset ``/tokenizer``, so the file (and every checkpoint
+trained on it) decodes its tokens. A folder's files matching ``glob`` (a
 pattern without '/' matches the file name at any depth; one with '/' the
 path relative to the folder, as ``pathlib`` matches it: ``*`` within one
 name, ``**`` zero or more folders: ``glob_match``; default every file) are read in sorted
@@ -14,11 +20,16 @@ names). The last ``val_fraction`` of the stream
 is the validation split, the rest the train split (nanoGPT's rule). The
 file holds
 
-    /train/tokens, /val/tokens   uint8 (n,)  the two streams
+    /train/tokens, /val/tokens   uint8 (n,) (bytes), uint16 or uint32 (a
+                                 vocabulary's ids): the two streams
     /files                       the source files, in order (relative paths)
     /file_bytes                  int64: their sizes
-    attrs: format "purine_mpi.text", vocab_size 256, source, glob, bytes,
-           val_fraction, version (of purine_mpi), sha256 (of the whole stream)
+    /file_tokens                 int64: their token counts (with a vocabulary)
+    /tokenizer                   the vocabulary's JSON (with a vocabulary)
+    attrs: format "purine_mpi.text", vocab_size (256, or the vocabulary's),
+           encoding, tokenizer ("bytes", "file" or "bpe"), source, glob,
+           bytes, tokens, val_fraction, version (of purine_mpi), sha256 (of
+           the whole stream's bytes as stored)
 
 ``TextSource`` turns a split of it into samples for the DataReader: sample i
 is the window of ``sequence_length + 1`` tokens starting at ``i * stride``;
@@ -122,36 +133,63 @@ def read_text(files):
     return parts
 
 
-def write_text(src, out_path, glob=None, val_fraction=0.1, log=None):
-    """Write the byte-level token file of ``src`` (see the module docstring)
-    atomically; returns a summary dict."""
+def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=None,
+               bpe_vocab=None):
+    """Write the token file of ``src`` (see the module docstring) atomically:
+    byte-level, or encoded with the tokenizer.json ``tokenizer`` or with a
+    byte-level BPE of ``bpe_vocab`` tokens trained on the text; returns a
+    summary dict."""
     import h5py
     from .. import __version__
     if not 0.0 < float(val_fraction) < 1.0:
         raise UserError(f"data text: --val-fraction must lie in (0, 1), got {val_fraction}")
+    if tokenizer is not None and bpe_vocab is not None:
+        raise UserError("data text: give --tokenizer FILE or --bpe-vocab N, not both")
     files = text_files(src, glob)
     if os.path.exists(out_path):
         for _, path in files:
             if os.path.samefile(path, out_path):
                 raise UserError(f"--out {out_path} is one of the --from files read: writing the "
                                 "output there would replace it; give another --out")
+    vocab = None
+    if tokenizer is not None:  # before the text is read: a bad file fails at once
+        from .tokenizer import from_file
+        vocab = from_file(tokenizer)
     parts = read_text(files)
-    stream = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    n_bytes = sum(len(p) for p in parts)
+    if bpe_vocab is not None:
+        from .tokenizer import train_bpe
+        vocab = train_bpe([p.decode("utf-8") for p in parts], int(bpe_vocab))
+        if log:
+            log(f"trained a byte-level BPE of {_vocab_size(vocab):,} tokens"
+                + ("" if _vocab_size(vocab) == int(bpe_vocab) else
+                   f" (--bpe-vocab {bpe_vocab}: the text has no more pairs to merge)"))
+    if vocab is None:
+        stream, vocab_size, json_text, per_file = \
+            np.frombuffer(b"".join(parts), dtype=np.uint8), VOCAB_SIZE, None, None
+    else:
+        stream, per_file = _encode(vocab, parts)
+        vocab_size, json_text = _vocab_size(vocab), vocab.to_str()
     n_val = int(round(len(stream) * float(val_fraction)))
     if n_val < 2 or len(stream) - n_val < 2:
-        raise UserError(f"data text: {src} holds {len(stream)} bytes: too few for a train and "
+        raise UserError(f"data text: {src} holds {len(stream)} tokens: too few for a train and "
                         f"a validation split with --val-fraction {val_fraction}")
     splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out_path}.tmp.{os.getpid()}"
+    kind = "bytes" if vocab is None else ("file" if tokenizer is not None else "bpe")
+    encoding = {"bytes": "bytes of UTF-8 text, one token per byte",
+                "file": f"ids of the tokenizer.json {os.path.abspath(str(tokenizer))} "
+                        "(Hugging Face tokenizers; its JSON: /tokenizer)",
+                "bpe": f"ids of a byte-level BPE of {vocab_size} tokens trained on this text "
+                       "(Hugging Face tokenizers; its JSON: /tokenizer)"}[kind]
     try:
         with h5py.File(tmp, "w") as f:
-            attrs = {"format": FORMAT, "vocab_size": VOCAB_SIZE,
-                     "encoding": "bytes of UTF-8 text, one token per byte",
-                     "source": os.path.abspath(src), "glob": glob or "",
-                     "bytes": len(stream), "val_fraction": float(val_fraction),
-                     "version": __version__,
+            attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
+                     "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
+                     "bytes": n_bytes, "tokens": len(stream),
+                     "val_fraction": float(val_fraction), "version": __version__,
                      "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
             for key, value in attrs.items():
                 f.attrs[key] = value
@@ -162,18 +200,78 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None):
             f.create_dataset("files", data=[rel.encode("utf-8") for rel, _ in files],
                              dtype=h5py.string_dtype("utf-8"))
             f.create_dataset("file_bytes", data=np.array([len(p) for p in parts], np.int64))
+            if json_text is not None:
+                from .tokenizer import write_json
+                f.create_dataset("file_tokens", data=np.array(per_file, np.int64))
+                write_json(f, json_text)
         os.replace(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    summary = {"path": out_path, "files": len(files), "bytes": int(len(stream)),
-               "train": int(len(splits["train"])), "val": int(len(splits["val"])),
-               "vocab_size": VOCAB_SIZE}
+    summary = {"path": out_path, "files": len(files), "bytes": int(n_bytes),
+               "tokens": int(len(stream)), "train": int(len(splits["train"])),
+               "val": int(len(splits["val"])), "vocab_size": int(vocab_size),
+               "tokenizer": kind}
     if log:
-        log(f"read {len(files)} file(s), {len(stream):,} bytes: {summary['train']:,} train and "
-            f"{summary['val']:,} validation tokens")
+        log(f"read {len(files)} file(s), {n_bytes:,} bytes: {summary['train']:,} train and "
+            f"{summary['val']:,} validation tokens"
+            + ("" if vocab is None else f" of a vocabulary of {vocab_size:,}"))
     return summary
+
+
+def _vocab_size(tokenizer):
+    from .tokenizer import vocab_size_of
+    return vocab_size_of(tokenizer)
+
+
+def _encode(tokenizer, parts):
+    """(the concatenated ids of each part, each part's id count): each file
+    is encoded on its own, without special tokens, in the smallest unsigned
+    dtype that holds the vocabulary."""
+    texts = [p.decode("utf-8") for p in parts]
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+    size = _vocab_size(tokenizer)
+    dtype = np.uint8 if size <= 1 << 8 else np.uint16 if size <= 1 << 16 else np.uint32
+    ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
+    stream = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    return stream.astype(dtype), [len(i) for i in ids]
+
+
+def text_vocabulary(path):
+    """(vocab_size, the vocabulary's JSON or None for bytes) of the text
+    data file ``path``; (None, None) when it cannot be read (the source's
+    own checks name the problem)."""
+    import h5py
+    from .tokenizer import read_json
+    try:
+        with h5py.File(path, "r") as f:
+            size = f.attrs.get("vocab_size")
+            return (None if size is None else int(size)), read_json(f)
+    except (OSError, KeyError, ValueError):
+        return None, None
+
+
+def shared_vocabulary(paths):
+    """The vocabulary JSON (None: bytes) of the text data files ``paths``
+    ([(key, path)], e.g. ('data.train', 'x.h5')), which must all have the
+    same one: a UserError names the two that differ. Unreadable files are
+    skipped (the source names them)."""
+    from .tokenizer import digest
+    seen = None
+    for key, path in paths:
+        size, text = text_vocabulary(path)
+        if size is None:
+            continue
+        mine = (key, path, None if text is None else digest(text), text)
+        if seen is not None and seen[2] != mine[2]:
+            def say(k, p, d):
+                return f"{k} '{p}' is " + ("byte-level" if d is None else f"vocabulary {d[:12]}")
+            raise UserError(f"text data files disagree on the vocabulary: "
+                            f"{say(*seen[:3])}, {say(*mine[:3])}; make both with the same "
+                            "--tokenizer (or the same file: train and val splits)")
+        seen = seen or mine
+    return None if seen is None else seen[3]
 
 
 # ------------------------------------------------------------------ reading

@@ -103,8 +103,10 @@ def replaced_atomically(path):
 
 
 def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_size=1, seed=0,
-                    config_text="", run_id="", elapsed=None):
-    """Write a checkpoint atomically (temp file, fsync, rename, fsync dir)."""
+                    config_text="", run_id="", elapsed=None, tokenizer=None):
+    """Write a checkpoint atomically (temp file, fsync, rename, fsync dir);
+    ``tokenizer``: the JSON of the vocabulary of the run's token data
+    (data/tokenizer.py), kept as the dataset ``/tokenizer``."""
     import h5py
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -127,6 +129,9 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             # the digest of what a reader gets back, so JSON-held values
             # (positions, RNG states) are covered exactly as they will be read
             f["state"].attrs[CHECKSUM] = state_digest(_read_group(f["state"], ["state"]))
+            if tokenizer:  # generate decodes with it: the checkpoint alone suffices
+                from ..data.tokenizer import write_json
+                write_json(f, tokenizer)
             f.flush()
         raw.check()
     return path
@@ -327,6 +332,20 @@ def saved_config_text(path):
     with open_h5(path, "weights file") as f:
         text = plain_attr(f.attrs.get("config"))
     return text if isinstance(text, str) else ""
+
+
+@names_the_file("weights file")
+def saved_tokenizer(path):
+    """The vocabulary JSON a weights file holds (``/tokenizer``, written
+    when the run's token data has one), or None (byte-level)."""
+    from ..data.tokenizer import DATASET, digest, read_json
+    with open_h5(path, "weights file") as f:
+        text = read_json(f)
+        want = plain_attr(f[DATASET].attrs.get("sha256")) if text is not None else None
+    if text is not None and want is not None and digest(text) != want:
+        raise UserError(f"weights file '{path}' is corrupt: '/{DATASET}' does not match its "
+                        "sha256 attribute; it was damaged or edited")
+    return text
 
 
 def _read_section(f, section, path, checksummed=False):

@@ -35,12 +35,16 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
     return g
 
 
-def check_data_labels(graph):
+def check_data_labels(graph, job=None):
     """At load time, before any iteration: every label a loss or accuracy
     op reads straight from the data op must lie in [0, C), C being the
-    class count of its predictions. The data file and dataset are named."""
+    class count of its predictions. The data file and dataset are named.
+    With ``job``, token data with a vocabulary also needs an embedding and
+    scores as large as it (``check_vocabulary``)."""
     from ..data.sources import check_labels
     from ..ops.softmax import _axis
+    if job is not None:
+        check_vocabulary(graph, job)
     producers = graph.producers()
     for op in graph.ops.values():
         if op.op_type not in ("SoftmaxLoss", "Accuracy") or len(op.inputs) < 2:
@@ -52,6 +56,70 @@ def check_data_labels(graph):
         classes = int(x.shape[_axis(op.attrs, len(x.shape))])
         check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
                      layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+
+
+def check_vocabulary(graph, job):
+    """A text data file whose tokens are a vocabulary's ids
+    (data/tokenizer.py: V = its ``vocab_size``): the embedding reading the
+    tokens needs V rows and the scores a loss or accuracy compares with
+    its labels V classes; fewer is a ConfigError naming the layer's key
+    (``net[i].input_dim``, ``net[i].num_output``) and V. Byte-level files
+    keep the label check alone (a net for ASCII text may have 128 rows)."""
+    from ..data.text import text_vocabulary
+    from ..ops.softmax import _axis
+    producers = graph.producers()
+    index = {layer["name"]: i for i, layer in enumerate(job.net or ())}
+    for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
+        spec = reader.attrs.get("source") or {}
+        if spec.get("source") != "text":
+            continue
+        size, text = text_vocabulary(spec["path"])
+        if text is None or not size:
+            continue
+        data, label = _passed_on(graph, reader.outputs[0]), _passed_on(graph, reader.outputs[1])
+        for op in graph.ops.values():
+            if op.op_type == "Embedding" and op.inputs[0] in data:
+                have, key = graph.blobs[op.inputs[1]].shape, "input_dim"
+                have = None if have is None else int(have[0])
+            elif op.op_type in ("SoftmaxLoss", "Accuracy") and len(op.inputs) > 1 and \
+                    op.inputs[1] in label and graph.blobs[op.inputs[0]].shape is not None:
+                x = graph.blobs[op.inputs[0]]
+                have = int(x.shape[_axis(op.attrs, len(x.shape))])
+                op = next(iter(producers.get(op.inputs[0], [])), op)  # the scores' layer
+                key = "num_output" if op.op_type == "InnerProduct" else None
+            else:
+                continue
+            if have is None or have >= size:
+                continue
+            layer = op.name.split(".")[0]
+            where = f"net[{index[layer]}]" if layer in index else "net"
+            what = "rows" if key == "input_dim" else "classes"
+            raise ConfigError(job.path, f"{where}.{key}" if key else where,
+                              f"layer '{layer}' has {have} {what}, but text data file "
+                              f"'{spec['path']}' holds ids of a vocabulary of {size} tokens "
+                              f"(its /tokenizer): set it to at least {size}")
+
+
+def job_vocabulary(job):
+    """The vocabulary JSON of the job's text data (None: byte-level, or no
+    text data); its train and test files must agree (UserError)."""
+    from ..data.text import shared_vocabulary
+    return shared_vocabulary([(f"data.{phase}.path", spec.path)
+                              for phase, spec in (("train", job.data.train),
+                                                  ("test", job.data.test))
+                              if spec is not None and spec.source == "text"])
+
+
+def _passed_on(graph, blob):
+    """``blob`` and the blobs ops that hand it on unchanged make of it."""
+    found, todo = {blob}, [blob]
+    while todo:
+        b = todo.pop()
+        for op in graph.ops.values():
+            if op.op_type in _LABEL_PASSING and b in op.inputs:
+                todo.extend(o for o in op.outputs if o not in found)
+                found.update(op.outputs)
+    return found
 
 
 #: the label of a padding position when no loss or accuracy sets an ignore_label

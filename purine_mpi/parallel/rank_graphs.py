@@ -16,6 +16,7 @@ import numpy as np
 from .nccl_backend import apply_backend
 from .placement import add_loss_watch, configure_device, prepare_for_device
 from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
+                           job_vocabulary,
                            check_fits_memory, loss_blobs, mark_padding, metric_blobs)
 from .schemes import scheme_of
 
@@ -45,6 +46,7 @@ class RankGraphs:
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
     composition: object = None        # the scheme's Composition (parallel/schemes/base.py)
+    vocabulary: object = None  # the token data's vocabulary JSON (data/tokenizer.py), None: bytes
 
     @property
     def pipeline(self):
@@ -69,7 +71,8 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     graph, grads = build_train_graph(job, layout.replica, layout.replicas)
     if check_memory:
         check_fits_memory(graph)  # a layer too big is named, not a MemoryError
-    check_data_labels(graph)
+    check_data_labels(graph, job)
+    vocabulary = job_vocabulary(job)  # train and test agree; checkpoints keep it
     summary = param_summary(graph)  # the whole net's, before any split
     net_params = [b.name for b in graph.params()]
     composition = scheme.compose(graph, grads, job, world)
@@ -99,7 +102,8 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
                      defer_update=defer_update, memory_plan=plan,
                      params=[b.name for b in graph.params()], net_params=net_params,
                      param_summary=summary, comm_backend=backend,
-                     comm_backend_note=backend_note, composition=composition)
+                     comm_backend_note=backend_note, composition=composition,
+                     vocabulary=vocabulary)
     _add_test_graph(out, job, world, scheme)
     return out
 
@@ -107,7 +111,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
 def _add_test_graph(out, job, world, scheme):
     test = build_test_graph(job, out.layout.replica, out.layout.replicas)
     if test is not None:
-        check_data_labels(test)
+        check_data_labels(test, job)
         # a one-pass test pads its last batch: the padding counts in no figure
         out.test_pad = mark_padding(test)
         # names from the whole test graph: in a pipeline one rank holds

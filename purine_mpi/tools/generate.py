@@ -4,16 +4,19 @@ nanoGPT's ``sample.py``.
 
 The config may be left out: a checkpoint (or a run folder's ``latest.h5``)
 holds the resolved config it was trained with (docs/formats.md). Only the
-weights are read: the vocabulary of byte-level text is fixed (the 256 byte
-values), so the training data file is never needed. Non-finite weights exit
+weights file is read: the vocabulary of byte-level text is fixed (the 256
+byte values), and a run on subword tokens (``data text --tokenizer`` or
+``--bpe-vocab``) kept its vocabulary's JSON in the checkpoint
+(``/tokenizer``, data/tokenizer.py), so the training data file is never
+needed. A weights file without one is byte-level. Non-finite weights exit
 3 naming the blob (as ``test`` and ``--init``); ``device: D >= 0`` runs on
 that GPU, and is refused (exit 2) where there is none, as ``train`` refuses
 it.
 
 The test phase of the config's net (no dropout) runs on one sequence of the
 data spec's ``sequence_length`` T (``data.test``, else ``data.train``). The
-context is the byte tokens of the prompt, then of every token drawn so far,
-cropped to its last T (nanoGPT's rule); it fills the first positions of the
+context is the tokens of the prompt (its UTF-8 bytes, or its ids in the
+vocabulary), then every token drawn so far, cropped to its last T (nanoGPT's rule); it fills the first positions of the
 input and the rest are zeros, which the causal attention never lets the
 earlier positions see, so the scores at the context's last position are
 the model's prediction of the next token. Each token is drawn from
@@ -21,13 +24,17 @@ the model's prediction of the next token. Each token is drawn from
     softmax(logits / temperature), restricted to the top_k largest logits
 
 (``temperature`` 0: the largest logit, greedy), with NumPy's PCG64 seeded by
-``seed``: the same seed, weights and prompt give the same text.
+``seed``: the same seed, weights and prompt give the same text. Only the
+vocabulary's ids are drawn (256 for bytes): the rows a net pads its
+vocabulary with (GPT-2's 50,257 to 50,304) never are.
 
 ``write_stream`` prints the prompt (unless ``--no-prompt``), then each token
 as it is drawn (flushed), its bytes decoded as UTF-8 by an incremental
 decoder: a character whose bytes span several tokens is printed once whole,
-an invalid byte sequence as U+FFFD; a newline ends the text, also when
-Ctrl-C stops it (exit 130, the tokens drawn already shown).
+an invalid byte sequence as U+FFFD (a vocabulary's ids through its own
+decoder, incrementally in the same way: ``Vocabulary.stream``); a newline
+ends the text, also when Ctrl-C stops it (exit 130, the tokens drawn
+already shown).
 """
 import codecs
 import os
@@ -105,6 +112,7 @@ class Generator:
                             f"{list(shape or ())}; generate needs token scores (N, T, vocab): "
                             "a softmax_loss with axis: -1")
         self.vocab = int(shape[2])
+        self.vocabulary = _vocabulary(weights, self.vocab)  # None: byte-level
         self.graph = g.prune([self.logits])
         params = [b.name for b in self.graph.params()]
         # device: D >= 0 places the net on a GPU; refused where there is none
@@ -133,20 +141,47 @@ class Generator:
         out = to_numpy(self.dispatcher.workspace[self.logits])
         return np.asarray(out[0, len(context) - 1], dtype=np.float64)
 
+    def encode(self, prompt):
+        """The prompt's tokens: its UTF-8 bytes, or its ids in the vocabulary."""
+        if self.vocabulary is None:
+            return list(prompt.encode("utf-8"))
+        return self.vocabulary.encode(prompt)
+
     def generate(self, prompt, tokens, temperature=1.0, top_k=None, seed=0):
-        """The ``tokens`` token ids drawn after the bytes of ``prompt``,
+        """The ``tokens`` token ids drawn after the tokens of ``prompt``,
         yielded one by one as they are drawn."""
-        context = list(prompt.encode("utf-8"))
+        context = self.encode(prompt)
+        if not context:
+            raise UserError(f"generate: --prompt {prompt!r} encodes to no token of the "
+                            "vocabulary; give a longer prompt")
         if max(context) >= self.vocab:
-            raise UserError(f"generate: --prompt holds byte {max(context)}, outside the "
+            what = "byte" if self.vocabulary is None else "token"
+            raise UserError(f"generate: --prompt holds {what} {max(context)}, outside the "
                             f"model's vocabulary of {self.vocab} tokens")
         return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed))
 
     def _draw(self, context, tokens, temperature, top_k, rng):
+        n = 256 if self.vocabulary is None else self.vocabulary.size  # not the padding rows
         for _ in range(tokens):
-            token = pick(self.next_scores(context)[:256], temperature, top_k, rng)  # bytes
+            token = pick(self.next_scores(context)[:n], temperature, top_k, rng)
             context.append(token)
             yield token
+
+
+def _vocabulary(weights, rows):
+    """The ``Vocabulary`` the weights file keeps (None: byte-level); its
+    ids must fit the net's ``rows`` token scores."""
+    from ..data.tokenizer import Vocabulary
+    from ..job.checkpoint_file import saved_tokenizer
+    text = saved_tokenizer(weights)
+    if text is None:
+        return None
+    vocab = Vocabulary(text, f"generate --weights {weights} (a checkpoint holding a "
+                             "tokenizer's vocabulary)")
+    if vocab.size > rows:
+        raise UserError(f"weights file '{weights}' holds a vocabulary of {vocab.size} tokens, "
+                        f"but the net scores {rows}: give the config it was trained with")
+    return vocab
 
 
 def pick(scores, temperature, top_k, rng):
@@ -162,22 +197,33 @@ def pick(scores, temperature, top_k, rng):
     return int(rng.choice(len(p), p=p))
 
 
-def write_stream(tokens, prompt="", out=None):
-    """Print ``prompt``, then the byte tokens of the iterable ``tokens`` as
-    UTF-8 text as they come, flushed each time (see the module docstring); a
-    newline ends the text, also when the iteration is interrupted."""
+def write_stream(tokens, prompt="", out=None, vocabulary=None):
+    """Print ``prompt``, then the tokens of the iterable ``tokens`` as text
+    as they come (bytes as UTF-8, or ids through ``vocabulary``'s decoder),
+    flushed each time (see the module docstring); a newline ends the text,
+    also when the iteration is interrupted."""
     out = out or sys.stdout
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if vocabulary is None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        def step(token):
+            return decoder.decode(bytes((token,)))
+
+        def flush():
+            return decoder.decode(b"", final=True)
+    else:
+        stream = vocabulary.stream()
+        step, flush = stream.step, stream.flush
     out.write(prompt)
     out.flush()
     try:
         for token in tokens:
-            text = decoder.decode(bytes((token,)))
+            text = step(token)
             if text:
                 out.write(text)
                 out.flush()
     finally:  # Ctrl-C too: what was drawn stays shown, on a line of its own
-        out.write(decoder.decode(b"", final=True) + "\n")
+        out.write(flush() + "\n")
         out.flush()
 
 
@@ -193,4 +239,4 @@ def generate_text(job, weights, prompt, tokens, temperature=1.0, top_k=None, sho
     if note and log:
         log(f"note: {note}")
     write_stream(generator.generate(prompt, tokens, temperature, top_k, job.seed),
-                 prompt if show_prompt else "")
+                 prompt if show_prompt else "", vocabulary=generator.vocabulary)

@@ -254,7 +254,8 @@ class Checkpoints(Service):
             return
         payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,
                        seed=loop.job.seed, config_text=dump_config(loop.job),
-                       run_id=loop.state.run_id, elapsed=loop.elapsed())
+                       run_id=loop.state.run_id, elapsed=loop.elapsed(),
+                       tokenizer=getattr(loop.graphs, "vocabulary", None))
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
             return

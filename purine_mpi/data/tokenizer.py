@@ -1,0 +1,168 @@
+"""Subword vocabularies for token data (docs/formats.md, "HDF5 text files";
+docs/transformers.md, "Tokenizers"), through Hugging Face's ``tokenizers``
+library, an optional extra (``pip install 'purine_mpi[text]'``), imported
+only when a vocabulary is asked for:
+
+    from_file(path)            a tokenizer.json the user has (e.g. GPT-2's)
+    train_bpe(texts, n)        a byte-level BPE of n tokens trained on texts
+    Vocabulary(json_text)      encode, decode, and decode a stream of ids
+
+A vocabulary travels as the tokenizer's own JSON (``Tokenizer.to_str()``):
+the data file holds it as the dataset ``/tokenizer`` and a checkpoint as
+well, so a checkpoint alone decodes (``generate``). Files without it are
+byte-level: the 256 byte values (data/text.py).
+
+``train_bpe`` is the GPT-2 recipe: the ByteLevel pre-tokenizer (GPT-2's
+split regex, each byte mapped to one of 256 printable characters), a BPE
+model whose initial alphabet is all 256 of them, and the ByteLevel decoder,
+so every byte sequence is encoded and every UTF-8 text decodes to itself.
+Training runs offline on the given texts; it is deterministic (the same
+texts and n give the same JSON).
+"""
+import hashlib
+
+from ..base.errors import UserError
+
+#: where the optional library comes from (named by the exit-2 line)
+INSTALL = "pip install 'purine_mpi[text]' (or pip install tokenizers)"
+#: the name of the dataset holding a vocabulary's JSON (data file, checkpoint)
+DATASET = "tokenizer"
+#: the smallest byte-level BPE: its alphabet, the 256 byte values
+MIN_BPE = 256
+
+
+def tokenizers_module(what):
+    """The ``tokenizers`` package, or a UserError naming the extra that
+    brings it (``what``: the option that needs it)."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise UserError(f"{what} needs the Hugging Face tokenizers library: "
+                        f"{INSTALL}") from None
+    return tokenizers
+
+
+def from_file(path):
+    """The tokenizer.json at ``path`` as a ``tokenizers.Tokenizer``
+    (UserError naming the file when it is missing or not a tokenizer)."""
+    import os
+    tk = tokenizers_module("data text --tokenizer")
+    if not os.path.isfile(path):
+        raise UserError(f"data text: --tokenizer {path} not found (expected a tokenizer.json "
+                        "saved by Hugging Face tokenizers)")
+    try:
+        return tk.Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own parse errors (a Rust Exception)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"data text: --tokenizer {path} is not a Hugging Face tokenizer.json "
+                        f"({first})") from None
+
+
+def train_bpe(texts, vocab_size):
+    """A byte-level BPE of ``vocab_size`` tokens (at most: a text with fewer
+    distinct merges gives fewer) trained on the strings ``texts``."""
+    if vocab_size < MIN_BPE:
+        raise UserError(f"data text: --bpe-vocab must be at least {MIN_BPE} (the byte "
+                        f"alphabet), got {vocab_size}")
+    tk = tokenizers_module("data text --bpe-vocab")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tokenizer = tk.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(list(texts), trainer)
+    return tokenizer
+
+
+def vocab_size_of(tokenizer):
+    """Rows an embedding needs for ``tokenizer``: its largest id + 1 (added
+    tokens included)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max(vocab.values()) + 1 if vocab else 0
+
+
+def digest(json_text):
+    """SHA-256 (hex) of a vocabulary's JSON: two files agree when it does."""
+    return hashlib.sha256(json_text.encode("utf-8")).hexdigest()
+
+
+def write_json(h5obj, json_text):
+    """Store ``json_text`` as the UTF-8 string dataset ``DATASET`` of an open
+    h5py group, with its ``sha256`` and ``vocab_size`` as attributes."""
+    import h5py
+    import json
+    d = h5obj.create_dataset(DATASET, data=json_text, dtype=h5py.string_dtype("utf-8"))
+    d.attrs["sha256"] = digest(json_text)
+    d.attrs["vocab_size"] = _json_vocab_size(json.loads(json_text))
+    return d
+
+
+def _json_vocab_size(spec):
+    """Largest id + 1 of a tokenizer's JSON (model vocab and added tokens),
+    read without the library."""
+    ids = [t.get("id", -1) for t in spec.get("added_tokens") or ()]
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        ids.extend(vocab.values())
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        ids.append(len(vocab) - 1)
+    return max(ids) + 1 if ids else 0
+
+
+def read_json(h5obj):
+    """The vocabulary JSON an open h5py file or group holds (``DATASET``),
+    or None when it holds none (byte-level)."""
+    if DATASET not in h5obj:
+        return None
+    value = h5obj[DATASET][()]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class Vocabulary:
+    """A vocabulary's JSON as a tokenizer: ``encode`` a prompt, ``decode``
+    ids, and ``stream`` (the text of each id as it comes)."""
+
+    def __init__(self, json_text, what="the checkpoint's vocabulary"):
+        tk = tokenizers_module(what)
+        self.json = json_text
+        self.tokenizer = tk.Tokenizer.from_str(json_text)
+        self.size = vocab_size_of(self.tokenizer)
+
+    def encode(self, text):
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids):
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def stream(self):
+        """An incremental decoder: ``step(id)`` returns the text that id
+        completes ('' while a character's bytes are still incomplete: a
+        decoded tail ending in U+FFFD waits for the next id); ``flush()`` the
+        rest, an incomplete character as U+FFFD."""
+        return _Stream(self)
+
+
+class _Stream:
+    """Text generation's incremental detokenization: the text of the ids
+    since ``prefix`` minus that of the ids up to ``read`` (a few ids of
+    context, so a decoder that joins tokens, e.g. with spaces, is kept)."""
+
+    def __init__(self, vocab):
+        self.vocab, self.ids, self.prefix, self.read = vocab, [], 0, 0
+
+    def step(self, token):
+        self.ids.append(int(token))
+        before = self.vocab.decode(self.ids[self.prefix:self.read])
+        text = self.vocab.decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self):
+        before = self.vocab.decode(self.ids[self.prefix:self.read])
+        text = self.vocab.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
