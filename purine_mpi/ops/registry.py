@@ -168,5 +168,39 @@ def get_kernel_class(op_type, op_name=None):
 
 
 def make_kernel(op):
-    return get_kernel_class(op.op_type, op.name)(op)
+    """The kernel of ``op``. An op the precision pass (parallel/precision.py)
+    marked with a low ``compute_dtype`` (bfloat16, float16) rounds its
+    outputs to it after each run, as a GPU's bf16/fp16 GEMM writes its fp32
+    accumulator out in the low type (its inputs are low already: Cast ops);
+    an accumulating writer adds its float32 result unrounded."""
+    kernel = get_kernel_class(op.op_type, op.name)(op)
+    dtype = op.attrs.get("compute_dtype")
+    if dtype not in (None, "float32") and not op.accumulate and op.op_type != "Cast":
+        _round_outputs(kernel, dtype)
+    return kernel
+
+
+def _round_outputs(kernel, dtype):
+    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run,
+    through scratch reserved in its setup (nothing allocated in a capture)."""
+    from ..base.precision import round_to, scratch_spec
+    setup, run = kernel.setup, kernel.run
+
+    def specs(outs):
+        return [scratch_spec(o.shape, dtype) for o in outs if o.dtype == np.float32]
+
+    def rounded_setup(ins, outs):
+        setup(ins, outs)
+        if specs(outs):
+            kernel.reserve_temporaries(outs[0], *specs(outs))
+
+    def rounded_run(ins, outs):
+        result = run(ins, outs)
+        floats = [o for o in outs if o.dtype == np.float32]
+        if floats:
+            for out, scratch in zip(floats, kernel.temporaries(floats[0], *specs(floats))):
+                round_to(out, dtype, scratch)
+        return result
+
+    kernel.setup, kernel.run = rounded_setup, rounded_run
 
