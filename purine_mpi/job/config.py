@@ -285,6 +285,10 @@ def _precision_rules(out, given, path):
         raise ConfigError(path, "precision", f"precision: {out['precision']} is a GPU setting "
                           "(the GEMMs of a GPU's tensor cores); the CPU computes in fp32: set "
                           "device: 0 (a GPU) or precision: fp32")
+    if out["precision"] == "fp16":
+        raise ConfigError(path, "precision", "precision: fp16 needs dynamic loss scaling (its "
+                          "gradients underflow float16 without it), which is not built yet; "
+                          "use precision: bf16 (float32's range, no scaling needed)")
     if out["parallel"]["grad_dtype"] != "fp32":
         raise ConfigError(path, "parallel.grad_dtype", f"grad_dtype: "
                           f"{out['parallel']['grad_dtype']} is not built yet (the gradient "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .keys import FrozenMap, Typed, spec_of
-from .schema import (CHECKPOINT, DATA, LOSS_SCALE, PARALLEL, PARALLEL_DEFAULTS, RESOLVED_FIRST, SOLVER,
+from .schema import (CHECKPOINT, DATA, PARALLEL, PARALLEL_DEFAULTS, RESOLVED_FIRST, SOLVER,
                      SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
 
 #: schemes that place layers on ranks by ``parallel.stages``
@@ -74,12 +74,6 @@ class ParallelSpec:
 @spec_of(CHECKPOINT)
 class CheckpointSpec:
     """The ``checkpoint`` section (job/schema.py's CHECKPOINT)."""
-
-
-@spec_of(LOSS_SCALE)
-class LossScaleSpec:
-    """The ``loss_scale`` section (job/schema.py's LOSS_SCALE): fp16's
-    dynamic loss scaling."""
 
 
 #: the keys of a validated data spec before the source's own (SOURCE_KEYS),
@@ -167,7 +161,7 @@ class DataSpecs:
 
 #: the Job's part of each section (the rest of TOP are plain values)
 _PARTS = {"data": DataSpecs, "solver": SolverSpec, "parallel": ParallelSpec,
-          "checkpoint": CheckpointSpec, "loss_scale": LossScaleSpec}
+          "checkpoint": CheckpointSpec}
 _JOB_KEYS = tuple(key._replace(typed=Typed(_PARTS[key.name].from_config,
                                            _PARTS[key.name].to_config))
                   if key.name in _PARTS else key for key in TOP)
