@@ -11,8 +11,6 @@ from purine_mpi.base.precision import round_to, scratch_spec
 from purine_mpi.job.config import validate_config
 from tests.gpt_oracle import gpt_graph, gpt_net
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-
 SOLVER = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
           "weight_decay": 1e-2, "max_iter": 10}
 
@@ -30,6 +28,7 @@ def _raw(**top):
 # ------------------------------------------------------------------ rounding
 @pytest.mark.parametrize("dtype,ref", [("bfloat16", "bfloat16"), ("float16", "float16")])
 def test_rounding_is_ml_dtypes_round_to_nearest_even(dtype, ref):
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # the test extra's
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(20000) * np.exp(rng.uniform(-80, 80, 20000))).astype(np.float32)
     x[:5] = [np.inf, -np.inf, np.nan, 3.4e38, -0.0]
