@@ -83,12 +83,8 @@ def test_low_precision_on_the_cpu_exits_2_with_one_line(tmp_path, precision):
     assert len(lines) == 1, proc.stderr
     assert f"precision: {precision} is a GPU setting" in lines[0] and "device" in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    # on a GPU bf16 is accepted; fp16 is refused until loss scaling is built
-    if precision == "bf16":
-        assert validate_config(_raw(precision=precision, device=0))["precision"] == precision
-    else:
-        with pytest.raises(ConfigError, match="dynamic loss scaling"):
-            validate_config(_raw(precision=precision, device=0))
+    # on a GPU both are accepted (fp16 with its loss scaling: tests/test_loss_scale.py)
+    assert validate_config(_raw(precision=precision, device=0))["precision"] == precision
 
 
 def test_the_pass_in_fp16_rounds_to_float16():

@@ -267,6 +267,10 @@ def _recompute_rules(out, path):
                               "layer of the net")
 
 
+#: the schemes fp16's loss scaling is built for (graph/loss_scale.py)
+FP16_SCHEMES = ("data", "none")
+
+
 def _precision_rules(out, given, path):
     """``precision`` against ``tf32`` (the older key: ``tf32: true`` means
     ``precision: tf32``), the device (bf16 and fp16 are GPU settings) and
@@ -285,10 +289,12 @@ def _precision_rules(out, given, path):
         raise ConfigError(path, "precision", f"precision: {out['precision']} is a GPU setting "
                           "(the GEMMs of a GPU's tensor cores); the CPU computes in fp32: set "
                           "device: 0 (a GPU) or precision: fp32")
-    if out["precision"] == "fp16":
-        raise ConfigError(path, "precision", "precision: fp16 needs dynamic loss scaling (its "
-                          "gradients underflow float16 without it), which is not built yet; "
-                          "use precision: bf16 (float32's range, no scaling needed)")
+    par = out["parallel"]
+    if out["precision"] == "fp16" and (par["scheme"] not in FP16_SCHEMES or par["mode"] != "sync"):
+        raise ConfigError(path, "precision", f"precision: fp16 scales the loss dynamically, "
+                          f"which is built for parallel.scheme {' or '.join(FP16_SCHEMES)} with "
+                          f"mode sync, not scheme {par['scheme']} with mode {par['mode']}; use "
+                          "precision: bf16 (float32's range, no scaling needed)")
     if out["parallel"]["grad_dtype"] != "fp32":
         raise ConfigError(path, "parallel.grad_dtype", f"grad_dtype: "
                           f"{out['parallel']['grad_dtype']} is not built yet (the gradient "

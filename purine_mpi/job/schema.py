@@ -172,8 +172,21 @@ CHECKPOINT = (
         "working directory; `convert caffe` sets it from Caffe's snapshot_prefix)"),
 )
 
+LOSS_SCALE = (
+    Key("init_scale", _num(0, strict=True), 65536.0, "the first scale (PyTorch GradScaler's "
+        "names and defaults): the loss gradient is multiplied by it, the gradients divided "
+        "by it before clipping and the update"),
+    Key("growth_factor", _num(1, strict=True), 2.0, "the scale is multiplied by it after "
+        "`growth_interval` steps in a row without an inf/nan gradient"),
+    Key("backoff_factor", _num(0, strict=True, below=1), 0.5, "a step with an inf/nan "
+        "gradient on any rank is skipped on every rank (weights and solver state unchanged) "
+        "and the scale multiplied by it"),
+    Key("growth_interval", _int(1), 2000, "finite steps in a row before the scale grows"),
+)
+
 #: the sections with declared keys, by top-level key
-SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT}
+SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT,
+                "loss_scale": LOSS_SCALE}
 
 
 # ---------------------------------------------------------- top-level keys
@@ -206,8 +219,9 @@ TOP = (
         "`tf32` (float32 GEMMs may use TensorFloat-32); `bf16` or `fp16`: GEMMs, convolutions "
         "and attention in bfloat16/float16 with float32 accumulation, the rest and the "
         "float32 master weights as in fp32 (docs/gpu.md, \"Precision\"); bf16 and fp16 are "
-        "GPU settings, refused on the CPU; fp16 is refused until dynamic loss scaling is "
-        "built"),
+        "GPU settings, refused on the CPU; fp16 scales the loss dynamically (`loss_scale`)"),
+    Key("loss_scale", None, {}, "fp16's dynamic loss scaling (see [loss_scale](#loss_scale)); "
+        "under the other precisions it has no effect (a note says so)", kind="mapping"),
     Key("cuda_graph", _bool, True, "on a GPU, replay each iteration as captured CUDA graphs "
         "(the runs of GPU ops between host and communication ops); `false`: eager stream "
         "dispatch, for debugging (per-op trace events); ignored on a CPU"),

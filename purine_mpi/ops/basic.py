@@ -134,7 +134,8 @@ class Scaled(OpKernel):
         return [ins[1]]
 
     def run(self, ins, outs):
-        get_xp(outs[0]).multiply(ins[1], ins[0], out=outs[0])
+        s = ins[0].reshape(()) if ins[0].size == 1 else ins[0]  # a (1,) blob too
+        get_xp(outs[0]).multiply(ins[1], s, out=outs[0])
 
 
 @gradient("WeightedSum")

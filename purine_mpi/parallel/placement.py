@@ -38,7 +38,7 @@ import os
 from ..base.errors import ConfigError, UserError
 
 #: op types that run on the host whatever the device
-HOST_OP_TYPES = ()
+HOST_OP_TYPES = ("LossScaleUpdate", "AdamStep")  # fp16's decisions (ops/loss_scale.py)
 #: op types that go onto the copy thread (they stage and copy host data themselves)
 STAGING_OP_TYPES = ("DataReader",)
 #: blob kinds that stay host scalars (the trainer writes them directly)
