@@ -45,12 +45,13 @@ def error_of(path, **kw):
 def test_defaults_are_filled(cfg_dir):
     config = load_config(write(cfg_dir, BASE))
     assert config["name"] == "tiny" and config["seed"] == 0 and config["device"] == -1
+    assert config["precision"] == "fp32" and config["tf32"] is False
     assert config["solver"]["momentum"] == 0.9 and config["solver"]["type"] == "sgd"
     assert config["solver"]["test_iter"] is None and config["solver"]["display"] == 20
     assert config["parallel"] == {"scheme": "data", "mode": "sync", "bucket_mb": 4,
                                   "first_bucket_mb": 1, "min_buckets": 4, "split_params": True,
                                   "defer_update": True, "backend": "mpi",
-                                  "ps_ranks": 1,
+                                  "grad_dtype": "fp32", "ps_ranks": 1,
                                   "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,
                                   "stages": {}, "tensor_parallel": 1, "shard": 1, "prefetch": 1, "micro_batches": 1,

@@ -9,8 +9,9 @@ tag) at once. ``run`` posts the request(s) and returns a ``Pending`` that is
 polled (``test()``) and completed (``finish()``) between ops. Comm ops have
 no gradient: they are inserted after the backward pass.
 
-Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group)
-    s_i = sum over ranks of g_i  (or the mean, with ``average: true``);
+Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group), (reduce)
+    s_i = sum over ranks of g_i  (or the mean, with ``average: true``; the
+    maximum with ``reduce: max``);
     with ``group`` (a list of ranks) over those ranks only, on the
     sub-communicator made at start-up (``World.split_groups``).
     When the outputs are alias blobs of one flat bucket (data_parallel), the
@@ -279,7 +280,8 @@ def _flat_shapes(attrs, ins, what):
 
 @register
 class Allreduce(CollectiveKernel):
-    """s_i = sum over ranks of g_i (mean with ``average``). Shapes pass through."""
+    """s_i = sum over ranks of g_i (mean with ``average``; the maximum with
+    ``reduce: max``, fp16's overflow flag). Shapes pass through."""
 
     op_type = "Allreduce"
     mpi_call = "Iallreduce"
@@ -322,7 +324,8 @@ class Allreduce(CollectiveKernel):
         if self._alone():
             return None
         comm = self.comm()
-        return self._posted([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=MPI.SUM)
+        op = MPI.MAX if self.attrs.get("reduce", "sum") == "max" else MPI.SUM
+        return self._posted([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=op)
                               for st in self.stages])
 
     def _finish(self):

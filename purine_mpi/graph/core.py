@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from ..base.errors import GraphError, ShapeError
+from ..base.precision import SHORT
 
 
 @dataclass(frozen=True)
@@ -365,14 +366,25 @@ class Graph:
     def summary(self):
         """Human-readable listing (``graph --format text``)."""
         lines = [f"graph {self.name}: {len(self.blobs)} blobs, {len(self.ops)} ops"]
+        # the compute dtype of every op, once the precision pass marked some
+        mixed = any(op_precision(op) != "float32" for op in self.ops.values())
         for op in self.topo_order():
             ins = ", ".join(op.inputs)
             outs = ", ".join(op.outputs)
             loc = f"rank {op.location.rank}" + (f" gpu {op.location.device}"
                                                if op.location.device >= 0 else "")
+            dtype = f", {SHORT.get(op_precision(op), op_precision(op))}" if mixed else ""
             lines.append(f"  {op.name:<32} {op.op_type:<22} [{ins}] -> [{outs}]  "
-                         f"({loc}, thread {op.thread})")
+                         f"({loc}, thread {op.thread}{dtype})")
         return "\n".join(lines)
+
+
+def op_precision(op):
+    """The dtype ``op`` computes in (parallel/precision.py marks it): its
+    ``compute_dtype``, a Cast's target dtype, else float32."""
+    if op.op_type == "Cast":
+        return op.attrs.get("dtype", "float32")
+    return op.attrs.get("compute_dtype", "float32")
 
 
 def _reachable(start, succ):

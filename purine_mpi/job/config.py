@@ -237,6 +237,7 @@ def validate_config(config, path="<config>", check_files=True):
         else:
             out[name] = key.check(name, value, path)
     _recompute_rules(out, path)
+    _precision_rules(out, config, path)
     out["_path"] = path
     return out
 
@@ -265,6 +266,41 @@ def _recompute_rules(out, path):
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
             raise ConfigError(path, "recompute_layers", f"pattern {excerpt(p)} matches no "
                               "layer of the net")
+
+
+#: the schemes fp16's loss scaling is built for (graph/loss_scale.py)
+FP16_SCHEMES = ("data", "none")
+
+
+def _precision_rules(out, given, path):
+    """``precision`` against ``tf32`` (the older key: ``tf32: true`` means
+    ``precision: tf32``), the device (bf16 and fp16 are GPU settings) and
+    ``parallel.grad_dtype``. Resolved, ``tf32`` says whether the precision
+    is tf32."""
+    tf32, precision = given.get("tf32"), given.get("precision")
+    if tf32 is not None and precision is not None and bool(tf32) != (precision == "tf32"):
+        raise ConfigError(path, "precision", f"precision: {precision} contradicts tf32: "
+                          f"{str(bool(tf32)).lower()}; give one of the two keys (precision "
+                          "takes tf32 over: precision: tf32 is tf32: true)")
+    if precision is None and out["tf32"]:
+        out["precision"] = "tf32"
+    out["tf32"] = out["precision"] == "tf32"
+    if out["precision"] in ("bf16", "fp16") and out.get("device", -1) < 0 and \
+            out.get("backend") != "cupy":
+        raise ConfigError(path, "precision", f"precision: {out['precision']} is a GPU setting "
+                          "(the GEMMs of a GPU's tensor cores); the CPU computes in fp32: set "
+                          "device: 0 (a GPU) or precision: fp32")
+    par = out["parallel"]
+    if out["precision"] == "fp16" and (par["scheme"] not in FP16_SCHEMES or par["mode"] != "sync"):
+        raise ConfigError(path, "precision", f"precision: fp16 scales the loss dynamically, "
+                          f"which is built for parallel.scheme {' or '.join(FP16_SCHEMES)} with "
+                          f"mode sync, not scheme {par['scheme']} with mode {par['mode']}; use "
+                          "precision: bf16 (float32's range, no scaling needed)")
+    if out["parallel"]["grad_dtype"] != "fp32":
+        raise ConfigError(path, "parallel.grad_dtype", f"grad_dtype: "
+                          f"{out['parallel']['grad_dtype']} is not built yet (the gradient "
+                          "buckets hold float32 storage, so a bf16 allreduce would move as "
+                          "many bytes); use grad_dtype: fp32")
 
 
 def _check_net(net, path):

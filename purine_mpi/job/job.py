@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .keys import FrozenMap, Typed, spec_of
-from .schema import (CHECKPOINT, DATA, GPU, PARALLEL, PARALLEL_DEFAULTS, RESOLVED_FIRST, SOLVER,
-                     SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
+from .schema import (CHECKPOINT, DATA, GPU, LOSS_SCALE, PARALLEL, PARALLEL_DEFAULTS,
+                     RESOLVED_FIRST, SOLVER, SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
 
 #: schemes that place layers on ranks by ``parallel.stages``
 STAGED_SCHEMES = ("pipeline", "hybrid")
@@ -79,6 +79,28 @@ class CheckpointSpec:
 @spec_of(GPU)
 class GpuSpec:
     """The ``gpu`` section (job/schema.py's GPU)."""
+
+
+@spec_of(LOSS_SCALE)
+class LossScaleSpec:
+    """The ``loss_scale`` section (job/schema.py's LOSS_SCALE): fp16's
+    dynamic loss scaling (graph/loss_scale.py)."""
+
+    def changed(self):
+        """The keys set to something else than their default."""
+        return sorted(k.name for k in LOSS_SCALE if getattr(self, k.name) != k.default)
+
+
+def precision_notes(job):
+    """One line when ``loss_scale`` keys are set under a precision other
+    than fp16, where they have no effect (none scales the loss)."""
+    changed = job.loss_scale.changed()
+    if job.precision == "fp16" or not changed:
+        return []
+    keys = ", ".join(f"loss_scale.{k}" for k in changed)
+    verb = "has" if len(changed) == 1 else "have"
+    return [f"note: {keys} {verb} no effect: precision is {job.precision}, and only fp16 "
+            "scales the loss"]
 
 
 #: the keys of a validated data spec before the source's own (SOURCE_KEYS),
@@ -166,7 +188,7 @@ class DataSpecs:
 
 #: the Job's part of each section (the rest of TOP are plain values)
 _PARTS = {"data": DataSpecs, "solver": SolverSpec, "parallel": ParallelSpec,
-          "checkpoint": CheckpointSpec, "gpu": GpuSpec}
+          "checkpoint": CheckpointSpec, "gpu": GpuSpec, "loss_scale": LossScaleSpec}
 _JOB_KEYS = tuple(key._replace(typed=Typed(_PARTS[key.name].from_config,
                                            _PARTS[key.name].to_config))
                   if key.name in _PARTS else key for key in TOP)

@@ -15,6 +15,7 @@ from .checks import (_bool, _check_folder, _check_name, _check_patterns, _check_
                      _int, _num, _optional, _size, _stepvalues, check_seed)
 from .keys import (ENTRIES, INT_MAP, TUPLE, BestSpec, ConfigKey as Key, EarlyStopSpec, Typed,
                    defaults_of, typed_watch, watch_check)
+from ..base.precision import PRECISIONS
 from ..data.transform import TRANSFORM_KEYS
 
 
@@ -46,6 +47,9 @@ BACKENDS = ("auto", "numpy", "cupy")
 
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+GRAD_DTYPES = ("fp32", "bf16")
 
 
 DATA_SOURCES = ("hdf5", "lmdb", "text", "synthetic")
@@ -130,6 +134,9 @@ PARALLEL = (
         "MPI is CUDA-aware), nccl (an ncclAllReduce per bucket on the device, inside the "
         "captured iteration; CuPy with NCCL and one GPU per rank, else an error) or auto (nccl "
         "where it can run, else mpi; the start-up block says which and why)"),
+    Key("grad_dtype", _choice(GRAD_DTYPES), "fp32", "the dtype the gradients are reduced "
+        "in: fp32; bf16 (half the allreduce bytes) is refused until the buckets hold "
+        "bfloat16 storage (docs/gpu.md, \"Precision\")"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
     Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "
         "(0: synchronous SGD)"),
@@ -189,8 +196,21 @@ GPU = (
         shown="268435456 (256MiB)"),
 )
 
+LOSS_SCALE = (
+    Key("init_scale", _num(0, strict=True), 65536.0, "the first scale (PyTorch GradScaler's "
+        "names and defaults): the loss gradient is multiplied by it, the gradients divided "
+        "by it before clipping and the update"),
+    Key("growth_factor", _num(1, strict=True), 2.0, "the scale is multiplied by it after "
+        "`growth_interval` steps in a row without an inf/nan gradient"),
+    Key("backoff_factor", _num(0, strict=True, below=1), 0.5, "a step with an inf/nan "
+        "gradient on any rank is skipped on every rank (weights and solver state unchanged) "
+        "and the scale multiplied by it"),
+    Key("growth_interval", _int(1), 2000, "finite steps in a row before the scale grows"),
+)
+
 #: the sections with declared keys, by top-level key
-SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT, "gpu": GPU}
+SECTION_KEYS = {"solver": SOLVER, "parallel": PARALLEL, "checkpoint": CHECKPOINT, "gpu": GPU,
+                "loss_scale": LOSS_SCALE}
 
 
 # ---------------------------------------------------------- top-level keys
@@ -219,7 +239,14 @@ TOP = (
     Key("device", _int(-1), -1, "-1: the CPU; D >= 0: GPU D + the rank's index on its node "
         "(modulo the node's GPUs); needs CuPy"),
     Key("tf32", _bool, False, "GPU float32 GEMMs may use TensorFloat-32 (faster, about 1e-3 "
-        "relative error)"),
+        "relative error); the same as `precision: tf32`, which takes it over"),
+    Key("precision", _choice(PRECISIONS), "fp32", "the GPU's compute precision: `fp32`; "
+        "`tf32` (float32 GEMMs may use TensorFloat-32); `bf16` or `fp16`: GEMMs, convolutions "
+        "and attention in bfloat16/float16 with float32 accumulation, the rest and the "
+        "float32 master weights as in fp32 (docs/gpu.md, \"Precision\"); bf16 and fp16 are "
+        "GPU settings, refused on the CPU; fp16 scales the loss dynamically (`loss_scale`)"),
+    Key("loss_scale", None, {}, "fp16's dynamic loss scaling (see [loss_scale](#loss_scale)); "
+        "under the other precisions it has no effect (a note says so)", kind="mapping"),
     Key("cuda_graph", _bool, True, "on a GPU, replay each iteration as captured CUDA graphs "
         "(the runs of GPU ops between host and communication ops); `false`: eager stream "
         "dispatch, for debugging (per-op trace events); ignored on a CPU"),

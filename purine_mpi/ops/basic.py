@@ -134,7 +134,8 @@ class Scaled(OpKernel):
         return [ins[1]]
 
     def run(self, ins, outs):
-        get_xp(outs[0]).multiply(ins[1], ins[0], out=outs[0])
+        s = ins[0].reshape(()) if ins[0].size == 1 else ins[0]  # a (1,) blob too
+        get_xp(outs[0]).multiply(ins[1], s, out=outs[0])
 
 
 @gradient("WeightedSum")
@@ -143,3 +144,33 @@ def _weighted_sum_grad(g, op):
     x, w = op.inputs
     if g.needs_grad(x):
         g.emit("Scaled", [dloss, w], [g.grad_blob(x)])
+
+
+@register
+class Cast(OpKernel):
+    """y = x rounded to attr ``dtype`` (``bfloat16`` or ``float16``), kept in
+    float32 storage (base/precision.py): the low-precision copy the
+    precision pass (parallel/precision.py) gives a GEMM's, convolution's or
+    attention's float32 input -- a weight's ``<w>@bf16``, made once per
+    iteration. No gradient: the pass runs on a graph whose backward is
+    built."""
+
+    op_type = "Cast"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [ins[0]]
+
+    def _spec(self, shape):
+        from ..base.precision import scratch_spec
+        return scratch_spec(shape, self.attrs["dtype"])
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(outs[0], self._spec(outs[0].shape))
+
+    def run(self, ins, outs):
+        from ..base.precision import round_to
+        dst = outs[0]
+        dst[...] = ins[0]
+        (scratch,) = self.temporaries(dst, self._spec(dst.shape))
+        round_to(dst, self.attrs["dtype"], scratch)

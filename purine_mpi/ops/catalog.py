@@ -11,7 +11,8 @@ imported never matters and no family imports another. Look kernels up
 through this module (``get_kernel_class``, ``make_kernel``, ``GRADIENTS``).
 """
 from . import (activation, attention, basic, batchnorm, clip, conv, data,  # noqa: F401
-               dropout, embedding, fc, layernorm, lrn, iteration, lr_policy, pool, softmax, tensor, updates, watch)
+               dropout, embedding, fc, layernorm, loss_scale, lrn, iteration, lr_policy, pool, softmax,
+               tensor, updates, watch)
 from ..comm import nccl as comm_nccl, ops as comm_ops  # noqa: F401
 from ..comm import rma_ops  # noqa: F401  (Put, WaitWrite)
 from ..comm import rma_pull  # noqa: F401  (Get, Publish)

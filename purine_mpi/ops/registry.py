@@ -203,5 +203,67 @@ def get_kernel_class(op_type, op_name=None):
 
 
 def make_kernel(op):
-    return get_kernel_class(op.op_type, op.name)(op)
+    """The kernel of ``op``. An op the precision pass (parallel/precision.py)
+    marked with a low ``compute_dtype`` (bfloat16, float16) rounds its
+    outputs to it after each run, as a GPU's bf16/fp16 GEMM writes its fp32
+    accumulator out in the low type (its inputs are low already: Cast ops);
+    an accumulating writer adds its float32 result unrounded. An update op
+    with attr ``skip_if`` does nothing on a step whose overflow flag is set
+    (fp16's loss scaling, graph/loss_scale.py)."""
+    kernel = get_kernel_class(op.op_type, op.name)(op)
+    dtype = op.attrs.get("compute_dtype")
+    if dtype not in (None, "float32") and not op.accumulate and op.op_type != "Cast":
+        _round_outputs(kernel, dtype)
+    if op.attrs.get("skip_if"):
+        _skippable(kernel, op.attrs["skip_if"])
+    return kernel
+
+
+def flag_set(array):
+    """Whether the overflow flag ``array`` (NumPy or device; ops/loss_scale.py)
+    is set: on a device, one read back."""
+    from ..base.backend import to_numpy
+    return bool(np.asarray(to_numpy(array)).reshape(-1)[0] > 0)
+
+
+def _skippable(kernel, flag):
+    """Make ``kernel`` (an update op) do nothing on a step whose overflow
+    flag, the blob ``flag`` (ops/loss_scale.py), is set: fp16's skipped
+    step leaves the weights and the solver state bit for bit as they were.
+    The flag is read on the host, so the op runs eagerly (not captured)."""
+    run = kernel.run
+
+    def skipping_run(ins, outs):
+        if flag_set(kernel.workspace[flag]):
+            return None
+        return run(ins, outs)
+
+    kernel.run = skipping_run
+    kernel.capturable = False
+    kernel.capture_note = "skipped on the host when fp16's overflow flag is set"
+
+
+def _round_outputs(kernel, dtype):
+    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run,
+    through scratch reserved in its setup (nothing allocated in a capture)."""
+    from ..base.precision import round_to, scratch_spec
+    setup, run = kernel.setup, kernel.run
+
+    def specs(outs):
+        return [scratch_spec(o.shape, dtype) for o in outs if o.dtype == np.float32]
+
+    def rounded_setup(ins, outs):
+        setup(ins, outs)
+        if specs(outs):
+            kernel.reserve_temporaries(outs[0], *specs(outs))
+
+    def rounded_run(ins, outs):
+        result = run(ins, outs)
+        floats = [o for o in outs if o.dtype == np.float32]
+        if floats:
+            for out, scratch in zip(floats, kernel.temporaries(floats[0], *specs(floats))):
+                round_to(out, dtype, scratch)
+        return result
+
+    kernel.setup, kernel.run = rounded_setup, rounded_run
 

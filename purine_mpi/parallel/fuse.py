@@ -110,7 +110,7 @@ def _update_group_key(graph, op):
     a = op.attrs
     return (op.location, op.thread, op.inputs[3], graph.blobs[op.inputs[0]].dtype,
             float(a.get("momentum", 0.0)), float(a.get("weight_decay", 0.0)),
-            float(a.get("grad_scale", 1.0)))
+            float(a.get("grad_scale", 1.0)), a.get("skip_if"))
 
 
 def _fusable_update(graph, op, producers):
@@ -139,7 +139,7 @@ def fuse_sgd_updates(graph):
         if _fusable_update(graph, op, producers):
             groups.setdefault(_update_group_key(graph, op), []).append(op)
     created = []
-    for k, ((location, thread, lr, dtype, momentum, decay, scale), ops) in \
+    for k, ((location, thread, lr, dtype, momentum, decay, scale, skip_if), ops) in \
             enumerate(groups.items()):
         if len(ops) < 2:
             continue
@@ -166,12 +166,20 @@ def fuse_sgd_updates(graph):
                  "offsets": offsets, "sizes": [graph.blobs[op.inputs[0]].size for op in ops],
                  "lr_mults": [float(op.attrs.get("lr_mult", 1.0)) for op in ops],
                  "decay_mults": [float(op.attrs.get("decay_mult", 1.0)) for op in ops]}
+        if skip_if:  # fp16's overflow flag (graph/loss_scale.py): skipped as one
+            attrs["skip_if"] = skip_if
+        controls = list(dict.fromkeys(c for op in ops for c in op.control_inputs))
         name = "solver.update" + suffix
         graph.add_op(name, "MultiSGDUpdate",
                      [params_name, momenta_name, lr] + [op.inputs[1] for op in ops],
                      [f"{params_name}@new", f"{momenta_name}@new"], attrs,
                      location=Location(location.rank, location.device, location.ip),
-                     thread=thread)
+                     thread=thread, control_inputs=controls)
+        gone = {op.name for op in ops}  # an op that waited for a fused update waits for it
+        for other in graph.ops.values():
+            if gone.intersection(other.control_inputs):
+                other.control_inputs = list(dict.fromkeys(
+                    name if c in gone else c for c in other.control_inputs))
         created.append(name)
     return created
 

@@ -38,7 +38,7 @@ import os
 from ..base.errors import ConfigError, UserError
 
 #: op types that run on the host whatever the device
-HOST_OP_TYPES = ()
+HOST_OP_TYPES = ("LossScaleUpdate", "AdamStep")  # fp16's decisions (ops/loss_scale.py)
 #: op types that go onto the copy thread (they stage and copy host data themselves)
 STAGING_OP_TYPES = ("DataReader",)
 #: blob kinds that stay host scalars (the trainer writes them directly)
@@ -187,7 +187,7 @@ def select_device(job, rank_on_node=None):
 
 
 def configure_device(job, graph, rank_on_node=None, train=True):
-    """Select this rank's GPU from ``job``, apply ``tf32``, place
+    """Select this rank's GPU from ``job``, apply ``tf32`` (``precision``), place
     ``graph`` there and fuse it for the device (``parallel/fuse.py``: ReLUs into
     their producers, the SGD updates into one for a ``train`` graph). Returns
     the device (-1: the CPU, graph unchanged); a UserError when the job asks
@@ -200,16 +200,20 @@ def configure_device(job, graph, rank_on_node=None, train=True):
         set_workspace_limit(job.gpu.workspace_limit)
         import cupy
         cupy.cuda.Device(device).use()  # CuPy's default device for this process
-        prepare_for_device(graph, device, train=train)
+        prepare_for_device(graph, device, train=train, precision=job.precision)
     return device
 
 
-def prepare_for_device(graph, device, train=True):
-    """``place_on_device``, then (``device >= 0``) the fusions of
+def prepare_for_device(graph, device, train=True, precision="fp32"):
+    """``place_on_device``, then (``device >= 0``) the precision pass
+    (``parallel/precision.py``: the GEMMs, convolutions and attention in
+    bf16/fp16 for such a ``precision``) and the fusions of
     ``parallel/fuse.py`` (the SGD one for a training graph). Returns the graph."""
     place_on_device(graph, device)
     if int(device) >= 0:
         from .fuse import fuse_for_device
+        from .precision import apply_precision
+        apply_precision(graph, precision)
         fuse_for_device(graph, train=train)
     return graph
 

@@ -125,7 +125,8 @@ def _add_test_graph(out, job, world, scheme):
         out.test_names = out.test_losses + metric_blobs(test)
     out.test_graph = scheme.compose_test(test, job, world).graph if test is not None else None
     if out.test_graph is not None:
-        prepare_for_device(out.test_graph, out.device, train=False)
+        prepare_for_device(out.test_graph, out.device, train=False,
+                           precision=job.precision)
 
 
 def param_summary(graph):

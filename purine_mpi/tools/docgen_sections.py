@@ -544,8 +544,22 @@ def _gpu():
     ]
 
 
+def _loss_scale():
+    return [
+        "## loss_scale",
+        "",
+        _section_rows("loss_scale"),
+        "",
+        "fp16's dynamic loss scaling (PyTorch GradScaler's names and defaults; "
+        "[gpu.md](gpu.md#precision)); under another `precision` the keys have no effect and "
+        "a note says so. A skipped step is one line of the log; `loss_scale` and "
+        "`skipped_steps` are in metrics.jsonl ([formats.md](formats.md)); checkpoints hold "
+        "the scale and its counters.",
+    ]
+
+
 def sections():
     """The parts of docs/config.md below its header, in order: each a list
     of lines."""
     return [_intro(), _top(), _data(), _layer_section(), _graph(), _solver(), _parallel(),
-            _checkpoint(), _gpu()]
+            _checkpoint(), _gpu(), _loss_scale()]

@@ -6,7 +6,9 @@ import dataclasses
 import yaml
 
 from ..ops.catalog import get_kernel_class
+from ..base.precision import SHORT
 from ..graph import seed_yaml
+from ..graph.core import op_precision
 
 
 def compose_for(job, world_size, rank, phase="train"):
@@ -43,7 +45,7 @@ def composed(job, world_size, rank, phase="train"):
         graph = comp.graph
     from ..parallel.placement import prepare_for_device
     # placed and fused as the trainer runs it (needs no CuPy)
-    prepare_for_device(graph, job.device)
+    prepare_for_device(graph, job.device, precision=job.precision)
     from ..parallel.partition import partition, ranks_used
     if len(ranks_used(graph, size=world_size)) > 1:  # a seed graph placed on several ranks
         graph = comp.graph = partition(graph, rank, size=world_size)
@@ -76,6 +78,8 @@ class _OfflineWorld:
 
 
 NL = "\\n"  # a DOT line break inside a label
+#: DOT fill colours of the ops computing in a low precision (parallel/precision.py)
+LOW_COLORS = {"bfloat16": "#ffb870", "float16": "#ff9ec4"}
 
 
 def to_dot(graph):
@@ -107,7 +111,9 @@ def to_dot(graph):
     for op in graph.ops.values():
         category = get_kernel_class(op.op_type, op.name).category
         color = {"comm": "#a8d8ff", "update": "#c8f0c8", "io": "#f0d0f0"}.get(category, "#eeeeee")
-        label = q(op.name + NL + op.op_type)
+        dtype = op_precision(op)
+        color = LOW_COLORS.get(dtype, color)  # the precision pass's bf16/fp16 ops
+        label = q(op.name + NL + op.op_type + (NL + SHORT[dtype] if dtype in LOW_COLORS else ""))
         lines.append(f"  {q('o:' + op.name)} [label={label}, "
                      f"shape=box, style=filled, fillcolor={q(color)}];")
         for b in op.inputs:

@@ -20,6 +20,7 @@ from ..job.config import dump_config
 from ..job.metrics import MetricsLog
 from ..base.runfiles import disk_error, open_run_fd, write_all
 from .loop import Service
+from .loss_scale import scale_values
 
 
 def write_config(loop):
@@ -98,6 +99,9 @@ class Progress(Service):
                "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)}
         if self.per_sample > 1:  # a text source: its samples are sequences of tokens
             row["tokens_per_s"] = round(ips * self.per_sample, 1)
+        scale = scale_values(loop)  # fp16's loss scaling (train/loss_scale.py)
+        if scale is not None:
+            row["loss_scale"], row["skipped_steps"] = scale[0], scale[2]
         loop.record(row)
         max_iter = loop.job.solver.max_iter
         loop.say(f"iter {done:>{len(str(max_iter))}}/{max_iter}  loss {loss:.4f}  "

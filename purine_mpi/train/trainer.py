@@ -25,7 +25,7 @@ from ..job.inputs import run_inputs
 from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
-from ..job.job import job_of
+from ..job.job import job_of, precision_notes
 from ..parallel.compose import Scheme, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
@@ -36,6 +36,7 @@ from .collectives import get_world
 from .divergence import DivergenceWatch
 from .evaluation import Evaluation
 from .loop import Loop
+from .loss_scale import LossScaleLog
 from .progress import Progress
 from .signals import StopAgreement
 from .startup import StartupReport
@@ -88,6 +89,7 @@ class Trainer(Loop):
         return [StartupReport(created),
                 agreement,
                 DivergenceWatch(),
+                LossScaleLog(),
                 Progress(tensorboard),
                 self.evaluation,
                 *([BestCheckpoints(best, out_dir, lambda path, it: self.save(it, path),
@@ -186,7 +188,7 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in tuple(notes) + tuple(settings_without_effect(job, world.size)) + \
-                tuple(data_notes(job)):
+                tuple(data_notes(job)) + tuple(precision_notes(job)):
             say(note)
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,

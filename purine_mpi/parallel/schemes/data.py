@@ -14,13 +14,16 @@ class DataParallel(Scheme):
 
     def compose(self, graph, grads, job, world):
         """Gradient buckets + allreduce (one rank: the replica as built, its
-        micro-batches accumulated); then ``solver.clip_gradients``."""
-        from .steps import accumulate, clipped
+        micro-batches accumulated); then fp16's loss scaling (every rank skips
+        the same steps) and ``solver.clip_gradients``."""
+        from .steps import accumulate, clipped, loss_scaled
         accumulate(graph, grads, job)
         lay = self.layout(job, world)
         if world.size == 1:
-            return clipped(Composition(graph.validate(), lay), job, world)
-        return clipped(self.allreduce(graph, grads, job, world, lay), job, world)
+            return clipped(loss_scaled(Composition(graph.validate(), lay), job, world), job,
+                           world)
+        comp = self.allreduce(graph, grads, job, world, lay)
+        return clipped(loss_scaled(comp, job, world, group=list(range(world.size))), job, world)
 
     def allreduce(self, graph, grads, job, world, lay):
         from ..data_parallel import compose_data_parallel

@@ -11,9 +11,10 @@ class NoScheme(Scheme):
     allreduces = False
 
     def compose(self, graph, grads, job, world):
-        from .steps import accumulate, clipped
+        from .steps import accumulate, clipped, loss_scaled
         accumulate(graph, grads, job)
-        return clipped(self.composition(graph.validate(), job, world), job, world)
+        return clipped(loss_scaled(self.composition(graph.validate(), job, world), job, world),
+                       job, world)
 
     def composition(self, graph, job, world):
         from .base import Composition

@@ -1,7 +1,7 @@
 """The steps the schemes compose with (parallel/schemes/): micro-batch
 copies and their accumulation, a staged scheme's slice of the graph, the
-hybrid's allreduce of each stage, and gradient clipping on the reduced
-gradients. Each returns or completes a ``Composition`` (base.py)."""
+hybrid's allreduce of each stage, fp16's loss scaling and gradient clipping
+on the reduced gradients. Each returns or completes a ``Composition`` (base.py)."""
 from ...base.errors import UserError
 from ..micro_batch import add_schedule, replicate_micro_batches
 from .base import Composition, scheme_of
@@ -23,6 +23,17 @@ def accumulate(graph, grads, job):
     if copies:
         par = job.parallel
         add_schedule(graph, copies, par.micro_batches, par.schedule, lambda op: 0, 1)
+
+
+def loss_scaled(comp, job, world, group=None):
+    """fp16's dynamic loss scaling (graph/loss_scale.py) on a composition's
+    reduced gradients, before clipping; ``group``: the ranks that skip a
+    step together (their overflow flags allreduced), None: this rank."""
+    if job.precision != "fp16":
+        return comp
+    from ...graph.loss_scale import add_loss_scale
+    comp.graph = add_loss_scale(comp.graph, job.loss_scale, group=group).validate()
+    return comp
 
 
 def clipped(comp, job, world):

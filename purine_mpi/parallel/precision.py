@@ -1,0 +1,102 @@
+"""The precision pass: which ops of a placed graph compute in bfloat16 or
+float16 (config key ``precision``; docs/gpu.md, "Precision").
+
+``apply_precision(graph, precision)`` rewrites a composed, placed graph in
+place, op by op, after PyTorch autocast's lists:
+
+- the GEMMs (``InnerProduct`` and its data and weight gradients), the
+  convolutions (``Conv``, ``ConvGradData``, ``ConvGradWeight``) and the
+  attention products (``Attention``, ``AttentionScores``,
+  ``AttentionContext`` and their gradients) get ``compute_dtype``
+  ``bfloat16`` (``float16``): their float32 inputs are replaced by rounded
+  copies ``<blob>@bf16`` (``@fp16``) written by a ``Cast`` op (one per blob,
+  shared by its readers), they accumulate in float32 and round their
+  outputs (ops/registry.py's ``make_kernel``);
+- everything else stays float32: softmax, layer norm, the loss, the
+  reductions (a bias gradient, the gradient sums), the element-wise ops,
+  the gradient allreduce and the optimizer update.
+
+The master weights stay float32 (a checkpoint holds them: a bf16 run
+resumes in fp32 and back). A weight read by a low-precision op gets its
+copy ``<w>@bf16``, cast once per iteration before the forward -- that is,
+after the previous iteration's update -- and read by the forward GEMM and
+by its data gradient: a copy rather than a rounding on every read. Being
+made from the masters each iteration, the copy is no state of its own
+(nothing to checkpoint, nothing stale after ``--init``).
+
+The storage stays float32: the copies and outputs hold bfloat16 (float16)
+values, the numbers a GPU's bf16 GEMM with float32 accumulation gives.
+
+Each op records its dtype in ``attrs["compute_dtype"]`` and each blob
+holding low-precision values in ``attrs["precision"]``; ``dtype_table``
+lists them (the ``graph`` command shows them).
+"""
+from ..base.precision import SHORT, low_dtype
+from ..graph.core import op_precision as op_dtype
+
+#: op types that compute in the low precision (autocast's lower-precision list)
+LOW_OP_TYPES = ("InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
+                "Conv", "ConvGradData", "ConvGradWeight",
+                "Attention", "AttentionGrad", "AttentionScores", "AttentionScoresGrad",
+                "AttentionContext", "AttentionContextGrad")
+#: inputs (by op type) that are not operands of the product: left as they are
+#: (a fused ReLU's mask: a float16 rounding could zero a tiny positive value)
+_NOT_OPERANDS = {"ConvGradData": slice(2, None)}
+#: the op type of the copies
+CAST = "Cast"
+
+
+def apply_precision(graph, precision):
+    """Mark and rewrite ``graph`` for ``precision`` (see the module
+    docstring); fp32 and tf32 leave it unchanged. Returns the names of the
+    ops marked low-precision."""
+    dtype = low_dtype(precision)
+    if dtype is None:
+        return []
+    suffix = "@" + SHORT[dtype]
+    twins, marked = {}, []
+    for name in list(graph.ops):
+        op = graph.ops[name]
+        if op.op_type not in LOW_OP_TYPES:
+            continue
+        op.attrs["compute_dtype"] = dtype
+        marked.append(name)
+        skip = range(len(op.inputs))[_NOT_OPERANDS.get(op.op_type, slice(0, 0))]
+        for i, b in enumerate(op.inputs):
+            blob = graph.blobs[b]
+            if i in skip or blob.dtype != "float32" or blob.attrs.get("precision") == dtype:
+                continue
+            op.inputs[i] = _twin(graph, twins, b, dtype, suffix, op)
+        if not op.accumulate:
+            for b in op.outputs:
+                if graph.blobs[b].dtype == "float32":
+                    graph.blobs[b].attrs["precision"] = dtype
+    graph.infer_shapes()
+    return marked
+
+
+def _twin(graph, twins, name, dtype, suffix, reader):
+    """The rounded copy of blob ``name``, made once (by the first reader's
+    stream, where that reader lives)."""
+    if name in twins:
+        return twins[name]
+    src = graph.blobs[name]
+    twin = graph.free_name(name + suffix)
+    graph.add_blob(twin, src.shape, "float32", reader.location, kind="data",
+                   attrs={"precision": dtype, "cast_of": name})
+    graph.add_op(graph.free_name(f"{name}.cast"), CAST, [name], [twin], {"dtype": dtype},
+                 location=reader.location, thread=reader.thread)
+    twins[name] = twin
+    return twin
+
+
+def blob_dtype(blob):
+    """The dtype of the values ``blob`` holds (its storage dtype unless the
+    pass marked low-precision values)."""
+    return blob.attrs.get("precision", blob.dtype)
+
+
+def dtype_table(graph):
+    """[(op name, op type, dtype short name)] in the graph's op order."""
+    return [(op.name, op.op_type, SHORT.get(op_dtype(op), op_dtype(op)))
+            for op in graph.ops.values()]

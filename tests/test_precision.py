@@ -1,0 +1,335 @@
+"""Mixed precision (issue 45): the ``precision`` key, the precision pass
+(parallel/precision.py), bf16/fp16 on the emulated device against
+ml_dtypes and PyTorch's CPU autocast, and checkpoints holding the float32
+masters."""
+import numpy as np
+import pytest
+import yaml
+
+from purine_mpi.base.errors import ConfigError
+from purine_mpi.base.precision import round_to, scratch_spec
+from purine_mpi.job.config import validate_config
+from tests.gpt_oracle import gpt_graph, gpt_net
+
+SOLVER = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
+          "weight_decay": 1e-2, "max_iter": 10}
+
+
+def _raw(**top):
+    raw = {"data": {"train": {"source": "synthetic", "shape": [4], "classes": 3,
+                              "batch_size": 2}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                    "num_output": 3},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}]}
+    raw.update(top)
+    return raw
+
+
+# ------------------------------------------------------------------ rounding
+@pytest.mark.parametrize("dtype,ref", [("bfloat16", "bfloat16"), ("float16", "float16")])
+def test_rounding_is_ml_dtypes_round_to_nearest_even(dtype, ref):
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # the test extra's
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20000) * np.exp(rng.uniform(-80, 80, 20000))).astype(np.float32)
+    x[:5] = [np.inf, -np.inf, np.nan, 3.4e38, -0.0]
+    # ties: halfway between two bf16 (fp16) neighbours, both parities
+    x[5:9] = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F800001], np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        want = x.astype(getattr(ml_dtypes, ref) if ref == "bfloat16" else np.float16)
+    got = x.copy()
+    shape, sdt = scratch_spec(got.shape, dtype)
+    with np.errstate(over="ignore"):
+        round_to(got, dtype, np.empty(shape, sdt))
+        np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+# -------------------------------------------------------------------- config
+def test_precision_defaults_to_fp32_and_tf32_true_means_precision_tf32():
+    assert validate_config(_raw())["precision"] == "fp32"
+    out = validate_config(_raw(tf32=True))
+    assert out["precision"] == "tf32" and out["tf32"] is True
+    out = validate_config(_raw(precision="tf32"))
+    assert out["tf32"] is True
+    # the resolved config validates again to itself (config.yaml of a run)
+    assert validate_config({k: v for k, v in out.items() if k != "_path"})["precision"] == "tf32"
+
+
+@pytest.mark.parametrize("tf32,precision", [(True, "fp32"), (True, "bf16"), (False, "tf32")])
+def test_contradicting_precision_and_tf32_name_both_keys(tf32, precision):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_raw(tf32=tf32, precision=precision, device=0))
+    assert e.value.key == "precision" and "tf32" in str(e.value)
+    assert f"precision: {precision}" in str(e.value)
+
+
+def test_grad_dtype_bf16_is_refused_naming_the_key():
+    assert validate_config(_raw())["parallel"]["grad_dtype"] == "fp32"
+    with pytest.raises(ConfigError) as e:
+        validate_config(_raw(device=0, parallel={"grad_dtype": "bf16"}))
+    assert e.value.key == "parallel.grad_dtype"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_on_the_cpu_exits_2_with_one_line(tmp_path, precision):
+    import subprocess
+    import sys
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(_raw(precision=precision)))
+    proc = subprocess.run([sys.executable, "-m", "purine_mpi", "train", str(cfg),
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"precision: {precision} is a GPU setting" in lines[0] and "device" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # on a GPU both are accepted (fp16 with its loss scaling: tests/test_loss_scale.py)
+    assert validate_config(_raw(precision=precision, device=0))["precision"] == precision
+
+
+def test_the_pass_in_fp16_rounds_to_float16():
+    """The pass and the kernels take fp16 as they take bf16 (the config
+    refuses it until loss scaling is built): Cast ops ``@fp16``, GEMM
+    outputs rounded to float16."""
+    from purine_mpi.parallel.precision import apply_precision
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=1, max_length=6)
+    g, _, _ = gpt_graph(net, SOLVER, 2, 6, phase="test")
+    apply_precision(g, "fp16")  # on the host: the same kernels, NumPy arrays
+    assert g.ops["h0_fc.fwd"].attrs["compute_dtype"] == "float16"
+    assert "h0_fc/weight@fp16" in g.ops["h0_fc.fwd"].inputs
+    from purine_mpi.layers.fillers import fill
+    d = SerialDispatcher(g, seed=0)
+    try:
+        for p in g.params():
+            d.workspace.set(p.name, fill(p, 1))
+        d.workspace.set("data", np.arange(12, dtype=np.int32).reshape(2, 6) % 16)
+        d.workspace.set("label", np.zeros((2, 6), np.int32))
+        d.run(0)
+        for blob in ("h0_fc/weight@fp16", "h0_m", "logits"):
+            x = np.asarray(d.workspace[blob])
+            assert np.array_equal(x, x.astype(np.float16).astype(np.float32)), blob
+        n2 = np.asarray(d.workspace["h0_n2"])  # a layer norm's output: float32
+        assert not np.array_equal(n2, n2.astype(np.float16).astype(np.float32))
+    finally:
+        d.close()
+
+
+# ---------------------------------------------------------------------- pass
+def _bf16_gpt_graph(fused_first=True):
+    from purine_mpi.parallel.placement import prepare_for_device
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, approximate="tanh")
+    # block 0 fused attention, block 1 the raw sub-graph (scores, softmax, context)
+    [a for a in net if a["type"] == "attention"][1]["fused"] = False
+    g, _, _ = gpt_graph(net, SOLVER, 2, 6)
+    params = [p.name for p in g.params()]
+    prepare_for_device(g, 0, precision="bf16")
+    return g, params
+
+
+def test_the_pass_marks_gemms_and_attention_bf16_and_the_rest_fp32():
+    from purine_mpi.parallel.precision import LOW_OP_TYPES, dtype_table
+    g, params = _bf16_gpt_graph()
+    table = dtype_table(g)
+    by_type = {}
+    for _, op_type, dtype in table:
+        by_type.setdefault(op_type, set()).add(dtype)
+    low = {t for t, d in by_type.items() if d == {"bf16"}}
+    assert low == {"InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
+                   "Attention", "AttentionGrad", "AttentionScores", "AttentionScoresGrad",
+                   "AttentionContext", "AttentionContextGrad", "Cast"}
+    assert low - {"Cast"} <= set(LOW_OP_TYPES)
+    for fp32 in ("LayerNorm", "LayerNormGrad", "Softmax", "SoftmaxGrad", "SoftmaxLoss",
+                 "SoftmaxLossGrad", "Gelu", "Eltwise", "Sum", "InnerProductGradBias",
+                 "Embedding", "EmbeddingGrad", "AdamWUpdate", "LearningRate"):
+        assert by_type[fp32] == {"fp32"}, fp32
+    # master weights stay float32; each weight a GEMM reads has its copy
+    # <w>@bf16, cast once (by one Cast op) from the master and read by the
+    # forward GEMM and its data gradient
+    for p in params:
+        assert g.blobs[p].dtype == "float32" and "precision" not in g.blobs[p].attrs
+    producers, consumers = g.producers(), g.consumers()
+    for w in ("h0_attn/qkv_weight", "h1_fc/weight", "wte/weight"):
+        twin = f"{w}@bf16"
+        assert g.blobs[twin].attrs["precision"] == "bfloat16"
+        (cast,) = producers[twin]
+        assert cast.op_type == "Cast" and cast.inputs == [w]
+        readers = sorted(op.op_type for op in consumers[twin])
+        assert readers == ["InnerProduct", "InnerProductGradData"], (w, readers)
+    # the embedding reads the tied weight's master, the head its copy
+    assert "wte/weight" in g.ops["wte.fwd"].inputs
+    assert "wte/weight@bf16" in g.ops["lm_head.fwd"].inputs
+    # the loss gradient reaches the head's GEMMs rounded
+    assert "logits.grad@bf16" in g.ops["lm_head.bwd.inner_product_grad_weight"].inputs
+    # no Cast without a low-precision reader, none of a blob twice
+    casts = [op for op in g.ops.values() if op.op_type == "Cast"]
+    assert len({c.inputs[0] for c in casts}) == len(casts)
+    assert all(all(op_precision_of(r) == "bf16" for r in consumers[c.outputs[0]]) for c in casts)
+
+
+def op_precision_of(op):
+    from purine_mpi.base.precision import SHORT
+    from purine_mpi.graph.core import op_precision
+    return SHORT[op_precision(op)]
+
+
+def test_fp32_and_tf32_graphs_are_unchanged_and_the_listing_shows_dtypes():
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.tools.graph import to_dot
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=1, max_length=6)
+    plain, _, _ = gpt_graph(net, SOLVER, 2, 6)
+    prepare_for_device(plain, 0)
+    for precision in ("fp32", "tf32"):
+        g, _, _ = gpt_graph(net, SOLVER, 2, 6)
+        prepare_for_device(g, 0, precision=precision)
+        assert g.summary() == plain.summary() and to_dot(g) == to_dot(plain)
+    assert "fp32" not in plain.summary()
+    g, _ = _bf16_gpt_graph()
+    text = g.summary()
+    assert "h0_attn.qkv" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("h0_attn.qkv "))
+    assert line.rstrip().endswith("bf16)")
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("h0_ln1.fwd "))
+    assert line.rstrip().endswith("fp32)")
+    dot = to_dot(g)
+    qkv = next(ln for ln in dot.splitlines() if ln.startswith('  "o:h0_attn.qkv"'))
+    ln1 = next(ln for ln in dot.splitlines() if ln.startswith('  "o:h0_ln1.fwd"'))
+    assert "#ffb870" in qkv and "bf16" in qkv and "#ffb870" not in ln1
+
+
+# -------------------------------------------- emulated device against torch
+def _ours_on_the_emulated_device(monkeypatch, host_build_dir, precision, toks, iters,
+                                 blocks=2, cuda_graph=False):
+    """Losses of ``iters`` AdamW steps of the 2-block GPT on the emulated
+    device at ``precision``, and the initial parameters."""
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.runtime.factory import make_dispatcher
+    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    net = gpt_net(vocab=16, width=16, heads=2, blocks=blocks, max_length=8, approximate="tanh")
+    g, _, _ = gpt_graph(net, dict(SOLVER, max_iter=iters), 2, 8)
+    prepare_for_device(g, 0, precision=precision)
+    d = make_dispatcher(g, runtime=SimulatedRuntime(1), seed=1, cuda_graph=cuda_graph)
+    try:
+        init = {}
+        for p in g.params():
+            init[p.name] = fill(p, 1)
+            d.workspace.set(p.name, init[p.name])
+        losses = []
+        for it in range(iters):
+            d.workspace.set("data", toks[it, :, :-1].astype(np.int32))
+            d.workspace.set("label", toks[it, :, 1:].astype(np.int32))
+            d.workspace["iter"][...] = it
+            d.run(it)
+            losses.append(float(d.workspace["loss"]))
+        return net, losses, init
+    finally:
+        d.close()
+
+
+def _torch_autocast_losses(net, init, toks, iters, dtype):
+    import torch
+    from tests.gpt_oracle import torch_adamw, torch_gpt_from_net
+    model, _ = torch_gpt_from_net(net, init)
+    opt, sched = torch_adamw(model, dict(SOLVER, max_iter=iters))
+    losses = []
+    for it in range(iters):
+        idx = torch.from_numpy(toks[it, :, :-1].astype(np.int64))
+        tgt = torch.from_numpy(toks[it, :, 1:].astype(np.int64))
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            _, loss = model(idx, tgt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_ten_adamw_steps_in_bf16_track_torch_cpu_autocast(host_build_dir, monkeypatch):
+    """Our bf16 GPT on the emulated device against PyTorch's
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` from the same weights:
+    every step's loss within 2e-2 relative. And the precision is really
+    applied: our bf16 losses differ from our fp32 ones (by more than the
+    fp32 run differs from PyTorch in fp32)."""
+    import torch
+    iters = 10
+    toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
+    net, bf16, init = _ours_on_the_emulated_device(monkeypatch, host_build_dir, "bf16",
+                                                   toks, iters)
+    _, fp32, _ = _ours_on_the_emulated_device(monkeypatch, host_build_dir, "fp32", toks, iters)
+    theirs = _torch_autocast_losses(net, init, toks, iters, torch.bfloat16)
+    theirs32 = _torch_autocast_losses(net, init, toks, iters, None)
+    np.testing.assert_allclose(bf16, theirs, rtol=2e-2)
+    np.testing.assert_allclose(fp32, theirs32, rtol=1e-4)
+    assert np.max(np.abs(np.subtract(bf16, fp32))) > 10 * np.max(np.abs(np.subtract(fp32, theirs32)))
+
+
+# ----------------------------------------------- the trainer, checkpoints
+def _train(tmp_path, name, precision, iters, resume=None, interval=0):
+    import json
+    from tests.conftest import FakeWorld, make_job
+    from tests.gpt_nets import gpt_config, text_h5
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    raw = gpt_config(text_h5(tmp_path), layers=2, width=16, heads=2, length=8, batch=4,
+                     iters=iters)
+    raw.update(device=0, precision=precision, cuda_graph=False)
+    raw["data"].pop("test")
+    raw["solver"].update(base_lr=0.01, test_interval=0)
+    raw["checkpoint"] = {"interval": interval, "keep": 0}
+    out = tmp_path / name
+    t = Trainer(make_job(validate_config(raw, check_files=False)), str(out), world=FakeWorld(),
+                log=lambda line: None, resume=resume)
+    from purine_mpi.base.backend import to_numpy
+    t.loaded = {p: np.array(to_numpy(t.train.workspace[p])) for p in t.graphs.params}
+    assert run_and_report(t, FakeWorld()) == 0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return t, out, {r["iter"]: r["loss"] for r in rows if r["phase"] == "train"}
+
+
+BF16_TRACKS_FP32 = 5e-3  # relative, per iteration (measured: 4.6e-4 at most)
+
+
+def test_a_bf16_run_tracks_fp32_and_resumes_in_fp32_and_back(host_build_dir, monkeypatch,
+                                                             tmp_path):
+    """The trainer on the emulated device: a tiny GPT's bf16 losses track its
+    fp32 losses over 24 iterations within BF16_TRACKS_FP32 (and differ from
+    them: the precision is applied). Its checkpoint holds the float32
+    masters, bit for bit what the bf16 run trained, no @bf16 copy; an fp32
+    run resumes from it, and a bf16 run from the fp32 run's checkpoint."""
+    import h5py
+    from tests.emulated_gpu import emulated_trainer_env
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    t16, out16, bf16 = _train(tmp_path, "bf16", "bf16", 24, interval=12)
+    assert any(op.op_type == "Cast" for op in t16.graphs.graph.ops.values())
+    _, _, fp32 = _train(tmp_path, "fp32", "fp32", 24)
+    assert sorted(bf16) == sorted(fp32) == list(range(1, 25))
+    its = sorted(bf16)
+    np.testing.assert_allclose([bf16[i] for i in its], [fp32[i] for i in its],
+                               rtol=BF16_TRACKS_FP32)
+    assert bf16 != fp32
+    assert fp32[24] < fp32[1] - 0.5 and bf16[24] < bf16[1] - 0.5  # both learn
+    ckpt = out16 / "ckpt_12.h5"
+    with h5py.File(ckpt, "r") as f:
+        names = []
+        f["params"].visit(lambda n: names.append(n) if isinstance(f["params"][n], h5py.Dataset)
+                          else None)
+        assert names and not any("@" in n for n in names)
+        assert all(f["params"][n].dtype == np.float32 for n in names)
+        saved = {n: f["params"][n][()] for n in names}
+    # bf16 -> fp32: the masters come back bit for bit and training goes on
+    t32, _, resumed = _train(tmp_path, "to_fp32", "fp32", 24, resume=str(ckpt))
+    assert not any(op.op_type == "Cast" for op in t32.graphs.graph.ops.values())
+    assert sorted(t32.loaded) == sorted(saved)
+    for n, v in saved.items():
+        assert t32.loaded[n].tobytes() == v.tobytes(), n
+    assert sorted(resumed) == list(range(13, 25))
+    np.testing.assert_allclose([resumed[i] for i in range(13, 25)],
+                               [bf16[i] for i in range(13, 25)], rtol=BF16_TRACKS_FP32)
+    # fp32 -> bf16 (the fp32 run's own checkpoint: its end)
+    _, _, back = _train(tmp_path, "to_bf16", "bf16", 30, resume=str(tmp_path / "to_fp32" /
+                                                                    "latest.h5"))
+    assert sorted(back) == list(range(25, 31)) and all(np.isfinite(list(back.values())))
+    rel = max(abs(bf16[i] - fp32[i]) / fp32[i] for i in its)
+    print(f"bf16 vs fp32 over 24 iterations: max relative loss difference {rel:.2e}")
