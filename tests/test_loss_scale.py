@@ -116,21 +116,92 @@ def test_fp16_trains_tracks_fp32_grows_the_scale_and_resumes_it(host_build_dir, 
     assert "loss_scale" not in t_bf.train.workspace.arrays
 
 
-@pytest.mark.xfail(strict=True, reason="open: on the emulated device the first step of a "
-                   "2^40 scale is not flagged (its weights go non-finite), later ones are")
 def test_an_overflow_at_a_huge_scale_skips_steps_and_backs_off(host_build_dir, monkeypatch,
                                                                tmp_path):
     """An init_scale that overflows float16 (the seed times 2^40): the
-    first steps are skipped, each halving the scale, until the gradients
-    fit; each skip is one log line and counted in metrics.jsonl; then the
-    run learns."""
+    first step is flagged already (its flag read back after this step's
+    check, not the last one's), and the steps are skipped, each halving the
+    scale, until the gradients fit; each skip is one log line and counted
+    in metrics.jsonl; the weights stay finite and the run learns."""
     from tests.emulated_gpu import emulated_trainer_env
     emulated_trainer_env(monkeypatch, host_build_dir)
-    _, _, rows, lines = _train(tmp_path, "huge", "fp16", 16,
-                               loss_scale={"init_scale": 2.0 ** 40})
-    skipped = rows[16]["skipped_steps"]
-    assert skipped >= 1 and rows[16]["loss_scale"] == 2.0 ** (40 - skipped)
-    assert [rows[i]["skipped_steps"] for i in range(1, skipped + 1)] == list(
-        range(1, skipped + 1))
-    assert sum("step skipped on every rank" in line for line in lines) == skipped
-    assert rows[16]["loss"] < rows[skipped + 1]["loss"]
+    iters, init = 36, 40
+    _, _, rows, lines = _train(tmp_path, "huge", "fp16", iters,
+                               loss_scale={"init_scale": 2.0 ** init})
+    skipped = [rows[i]["skipped_steps"] for i in range(1, iters + 1)]
+    # metrics.jsonl writes 7 significant digits
+    assert skipped[0] == 1 and rows[1]["loss_scale"] == pytest.approx(2.0 ** (init - 1), rel=1e-6)
+    # the first step applied: the skips before it are steps 1, 2, ... in a row
+    first = next(i for i in range(1, iters + 1) if skipped[i - 1] != i)
+    assert 1 < first < iters - 8, skipped  # the prefix of skips ends, with room to learn
+    assert all(b - a in (0, 1) for a, b in zip(skipped, skipped[1:])), skipped
+    for i in rows:  # growth_interval 2000: the scale only halves
+        assert rows[i]["loss_scale"] == pytest.approx(
+            2.0 ** (init - rows[i]["skipped_steps"]), rel=1e-6), i
+    assert sum("step skipped on every rank" in line for line in lines) == skipped[-1]
+    losses = [rows[i]["loss"] for i in range(1, iters + 1)]
+    assert np.isfinite(losses).all()
+    assert np.mean(losses[-4:]) < losses[first - 1] - 0.3, losses
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("step", [3])
+def test_an_overflow_on_one_rank_skips_that_step_on_both(host_build_dir, tmp_path, step):
+    """2 ranks (mpiexec), data parallelism, each on its own emulated GPU in
+    fp16 with AdamW; PURINE_FP16_INJECT_INF makes one gradient of step
+    ``step`` inf on rank 1 alone: both ranks skip exactly that step
+    (weights, AdamW moments and step count bitwise unchanged), the scale is
+    halved, metrics.jsonl counts one skipped step, and the run goes on
+    finite (tests/mpi_scripts/loss_scale_skip.py)."""
+    from tests.gpt_nets import text_h5
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("loss_scale_skip.py", 2, host_build_dir, text_h5(tmp_path),
+                      tmp_path / "run", timeout=600,
+                      env={"PURINE_FP16_INJECT_INF": f"{step}:1", "PURINE_COMM_DELAY": "2:7"})
+    assert proc.stdout.count(f"OK loss_scale_skip step={step} rank=1") == 2, \
+        proc.stdout + proc.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("step skipped on every rank") == 1 and f"iter {step}: an inf/nan" in log
+
+
+def _composed_ops(raw, bypass=False, monkeypatch=None):
+    """The op list (name, type, inputs, outputs, attrs) of ``raw``'s
+    composed training graph placed on GPU 0 (its precision applied); with
+    ``bypass`` the loss-scaling step of the schemes does nothing."""
+    from purine_mpi.job.job import job_of
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.parallel.compose import scheme_of
+    from purine_mpi.parallel.placement import prepare_for_device
+    from purine_mpi.parallel.schemes import steps
+    from tests.conftest import FakeWorld
+    if bypass:
+        monkeypatch.setattr(steps, "loss_scaled", lambda comp, job, world, group=None: comp)
+    job = job_of(validate_config(raw))
+    graph, grads = build_train_graph(job, 0, 1)
+    graph = scheme_of(job).compose(graph, grads, job, FakeWorld()).graph
+    prepare_for_device(graph, 0, precision=job.precision)
+    if bypass:
+        monkeypatch.undo()
+    return [(n, op.op_type, list(op.inputs), list(op.outputs), sorted(op.attrs.items(), key=str),
+             list(op.control_inputs)) for n, op in graph.ops.items()]
+
+
+@pytest.mark.parametrize("scheme", ["none", "data"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_other_precisions_get_no_loss_scale_op(monkeypatch, precision, scheme):
+    """fp32 and bf16 graphs are the graphs without the loss-scaling step,
+    op for op (so their runs are bitwise what they were), even with
+    loss_scale keys and PURINE_FP16_INJECT_INF set; fp16's differs by the
+    loss-scaling ops alone."""
+    from purine_mpi.graph.loss_scale import LOSS_SCALE_OPS
+    raw = _raw(device=0, precision=precision, solver={"type": "adamw"},
+               parallel={"scheme": scheme}, loss_scale={"init_scale": 8.0})
+    without = _composed_ops(raw, bypass=True, monkeypatch=monkeypatch)
+    monkeypatch.setenv("PURINE_FP16_INJECT_INF", "1")
+    assert _composed_ops(raw) == without
+    assert not [op for op in without if op[1] in LOSS_SCALE_OPS + ("InjectInf",)
+                or "loss_scale" in op[0]]
+    fp16 = _composed_ops(dict(raw, precision="fp16"))
+    added = {op[1] for op in fp16} - {op[1] for op in without}
+    assert set(LOSS_SCALE_OPS) | {"InjectInf"} <= added <= set(LOSS_SCALE_OPS) | {
+        "InjectInf", "Scaled", "Copy", "Cast"}, added

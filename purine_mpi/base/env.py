@@ -82,6 +82,15 @@ def _md5(text):
     return text.lower()
 
 
+def _step_on_ranks(text):
+    """``STEP[:RANK]`` -> (step >= 1, rank or None: every rank)."""
+    step, sep, rank = text.partition(":")
+    if sep and not rank.strip():
+        raise ValueError
+    step = _positive_int(step)
+    return step, _non_negative_int(rank) if sep else None
+
+
 def _text(text):
     return text
 
@@ -110,6 +119,10 @@ VARS = {v.name: v for v in [
         "tests, emulation: every N consecutive ranks count as one host for the transport"),
     Var("PURINE_DEBUG_WINDOWS", FLAG, False, _flag,
         "developers, tests: each rank says on stderr when it freed its windows"),
+    Var("PURINE_FP16_INJECT_INF", "STEP[:RANK] (integers, STEP >= 1)", None, _step_on_ranks,
+        "developers, tests: under `precision: fp16`, a gradient of step STEP (as the log "
+        "counts) holds an inf on rank RANK (every rank without it): that step is skipped",
+        gpu_only=True),
     Var("PURINE_RMA_ACROSS_HOSTS", FLAG, None, _flag,
         "whether `parallel.transport: auto` uses RMA windows between hosts"),
     Var("PURINE_MPI_CUDA_AWARE", FLAG, None, _flag,

@@ -309,6 +309,16 @@ class Allreduce(CollectiveKernel):
     def _stages_read(self):
         return self.stages
 
+    def copy_out(self):
+        """With asynchronous host staging the stages are copied before
+        ``run``: an input that is not its output goes into the buffer first
+        (on the copy stream, after its writer), or MPI reduced the buffer's
+        last value (fp16's overflow flag, read one iteration late)."""
+        for i, o, same in zip(self.ins, self.outs, self.in_place):
+            if not same:
+                o[...] = i
+        super().copy_out()
+
     def _prepare(self, ins, outs):
         """Set up once, then the inputs into the buffers the sum runs in."""
         if not hasattr(self, "buffers"):

@@ -14,6 +14,8 @@ gradients are reduced and before ``graph/clip.py``'s clipping.
                           -> their @new aliases, loss_scale.skip
     u_i                   reads g_i@unscale; after loss_scale.update; attr
                           skip_if: loss_scale.skip (runs not at all when set)
+    loss_scale.inject     InjectInf [g_1] -> g_1@inject   (``inject``
+                          only: developers, tests; PURINE_FP16_INJECT_INF)
 
 On a GPU the two deciding ops (LossScaleUpdate, AdamStep) are host ops
 (parallel/placement.py): the flag comes back by one copy, the scale goes
@@ -41,16 +43,20 @@ def seed_ops(graph):
             if op.op_type == "Constant" and ".grad_seed" in op.name]
 
 
-def add_loss_scale(graph, settings, group=None, seq=None, thread=0):
+def add_loss_scale(graph, settings, group=None, seq=None, thread=0, inject=None):
     """Scale ``graph``'s loss gradient and unscale its gradients in place,
     skipping the updates of a step with an inf/nan gradient (see the module
     docstring). ``settings``: the ``loss_scale`` section (init_scale,
     growth_factor, backoff_factor, growth_interval); ``group``: the ranks
     that decide together (None: this rank alone); ``seq``: their
-    Allreduce's. Returns the graph."""
+    Allreduce's; ``inject``: an iteration (0-based) on which the first
+    gradient is made +inf (developers, tests: ``PURINE_FP16_INJECT_INF``).
+    Returns the graph."""
     from .core import CPU
     updates = update_ops(graph)
     grads = [op.inputs[1] for op in updates]
+    if inject is not None and grads:
+        grads[0] = _inject(graph, grads[0], int(inject), updates[0].thread)
     location = graph.blobs[grads[0]].location if grads else CPU
     for name, dtype in ((SCALE, "float32"), (GOOD, "int64"), (SKIPPED, "int64")):
         graph.add_blob(name, (1,), dtype, location, kind="state")
@@ -107,4 +113,17 @@ def _adam_step(graph, iteration, location, thread):
     graph.add_blob(name, src.shape, src.dtype, location, kind="grad")
     graph.add_op("loss_scale.step", "AdamStep", [iteration, SKIPPED], [name],
                  location=location, thread=thread)
+    return name
+
+
+def _inject(graph, grad, iteration, thread):
+    """``grad`` with +inf in its first element on ``iteration``
+    (InjectInf): the name of the alias the loss scaling reads instead."""
+    blob = graph.blobs[grad]
+    it = next(n for n, b in graph.blobs.items() if b.kind == "iter")
+    name = f"{grad}@inject"
+    graph.add_blob(name, blob.shape, blob.dtype, blob.location, kind="grad", alias_of=grad)
+    graph.add_op("loss_scale.inject", "InjectInf", [grad], [name],
+                 {"iteration": int(iteration), "iter_blob": it}, location=blob.location,
+                 thread=thread)
     return name

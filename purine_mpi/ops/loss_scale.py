@@ -21,6 +21,12 @@ LossScaleUpdate ins [flag, scale, good, skipped]  outs [scale@new, good@new,
     blobs (kind state) are set to ``init_scale``, 0, 0 at set-up, and it
     is stateful: a checkpoint holds the three values.
 
+InjectInf       ins [g]  outs [g@inject] (an alias of g)   attrs iteration, iter_blob
+    developers, tests (``PURINE_FP16_INJECT_INF``, graph/loss_scale.py):
+    when the host blob ``iter_blob`` (the trainer's 0-based iteration) is
+    ``iteration``, the first element of g becomes +inf, so that step
+    overflows; a graph has the op only while the variable names this rank.
+
 The update ops themselves are skipped by ops/registry.py's ``make_kernel``
 (attr ``skip_if``: the host blob ``skip``): on a flagged step they run not
 at all, so the weights and the solver state stay bit for bit. The flag
@@ -61,6 +67,30 @@ class FoundInf(OpKernel):
         for g in ins:  # on a device: device work only, no read back
             bad = xp.logical_not(xp.isfinite(g)).any()
             xp.maximum(flag, bad.astype(flag.dtype), out=flag)
+
+
+@register
+class InjectInf(OpKernel):
+    """[g] -> [g@inject] (an alias of g): g[0] = inf on one iteration."""
+
+    op_type = "InjectInf"
+    category = "update"
+    capturable = False
+    capture_note = "a test's injected overflow (PURINE_FP16_INJECT_INF)"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [tuple(ins[0])]
+
+    def run(self, ins, outs):
+        g, out = ins[0], outs[0]
+        if not same_buffer(g, out):
+            out[...] = g
+        # the host's iteration blob, written before the run (no edge: no
+        # device twin, whose value a host decision could not read)
+        it = int(np.asarray(self.workspace[self.attrs["iter_blob"]]).reshape(-1)[0])
+        if it == int(self.attrs["iteration"]):
+            out.reshape(-1)[:1] = np.inf
 
 
 @register

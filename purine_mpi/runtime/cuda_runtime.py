@@ -219,7 +219,14 @@ class HostDeviceCopy(OpKernel):
     what the buffer holds at each replay). Not CuPy's ``ndarray.set``,
     which CuPy refuses inside any capture. With a dtype conversion or a
     strided side, CuPy's own copy (not capturable: ``capture_blocker`` says
-    so). Device to host: CuPy's ``get`` (the host reads it next)."""
+    so). Device to host, the same: one ``cudaMemcpyAsync``
+    (``copy_to_host_async``) queued on the copy's stream, which waits for the
+    producer's event; the host op that reads the copy synchronises on the
+    event recorded after it (streams_dispatcher.py), so it reads this
+    iteration's value. (CuPy's blocking ``get`` read, on the simulated
+    device, the memory as it was when the copy was launched: fp16's
+    overflow flag one iteration late.) With a conversion or a strided side,
+    ``cupy.asnumpy``."""
 
     op_type = "Copy"
     category = "copy"
@@ -232,7 +239,7 @@ class HostDeviceCopy(OpKernel):
 
     def run(self, ins, outs):
         from ..gpu import import_cupy
-        from ..gpu.streams import copy_to_device_async
+        from ..gpu.streams import copy_to_device_async, copy_to_host_async
         cupy = import_cupy()
         src, dst = ins[0], outs[0]
         stream = cupy.cuda.get_current_stream()
@@ -242,7 +249,8 @@ class HostDeviceCopy(OpKernel):
                 copy_to_device_async(dst, np.asarray(src))
             else:
                 dst[...] = cupy.asarray(np.asarray(src, dtype=dst.dtype))
-        elif direct:  # device -> host: the host reads it next, so blocking
-            src.get(stream=stream, out=dst)
+        elif direct:  # device -> host: queued after the producers' events; the
+            # host op reading dst waits for the event recorded after it
+            copy_to_host_async(dst, src)
         else:
             dst[...] = cupy.asnumpy(src, stream=stream)

@@ -31,8 +31,12 @@ def loss_scaled(comp, job, world, group=None):
     step together (their overflow flags allreduced), None: this rank."""
     if job.precision != "fp16":
         return comp
+    from ...base import env
     from ...graph.loss_scale import add_loss_scale
-    comp.graph = add_loss_scale(comp.graph, job.loss_scale, group=group).validate()
+    inject = env.get("PURINE_FP16_INJECT_INF")  # developers, tests: (step, rank or None)
+    rank = getattr(world, "rank", 0)
+    at = inject[0] - 1 if inject and inject[1] in (None, rank) else None
+    comp.graph = add_loss_scale(comp.graph, job.loss_scale, group=group, inject=at).validate()
     return comp
 
 
