@@ -188,10 +188,17 @@ def describe_plan(graph):
             f"{activation_bytes(graph)} bytes allocated, {plan['saved_bytes']} saved")
 
 
-def plan_for_layout(graph, layout, schedule):
+def plan_for_layout(graph, layout, schedule, arena=False):
     """The plan of a rank at ``layout`` (parallel/compose.Layout) running
-    ``schedule``; nothing without micro-batches."""
-    if int(layout.micro_batches) <= 1:
+    ``schedule``; nothing without micro-batches. ``arena``: the job's
+    ``memory_plan`` lays the transient blobs out (runtime/memory_plan.py);
+    then one stage (gradient accumulation) gets no plan here: its schedule
+    orders every op of copy k before every op of copy k + 1 already, so the
+    arena reuses copy k's bytes for copy k + 1 blob by blob, while a blob
+    made to alias the buffer of an earlier copy would be one root live from
+    copy k's first op to copy k + 1's last, bytes the arena could not give
+    to anything in between (about M times one copy's activations)."""
+    if int(layout.micro_batches) <= 1 or (arena and not layout.staged):
         return None
     return plan_micro_batch_memory(
         graph, live_slots(schedule, layout.stages, layout.stage, layout.micro_batches))
