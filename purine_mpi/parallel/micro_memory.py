@@ -12,7 +12,10 @@ gradients) take the buffers of copy k mod L: ``<blob>@mb<k>`` becomes an
 alias of ``<blob>@mb<k mod L>`` and the workspace allocates L copies, not
 M. ``gpipe`` runs every forward before any backward, so its L is M (its
 documented cost); gradient accumulation (``scheme: data``, one stage) is
-``1f1b`` with L = 1: forward k + 1 after backward k.
+``1f1b`` with L = 1: forward k + 1 after backward k. With the job's
+``memory_plan`` (the default) one stage gets no plan here: the arena
+(runtime/memory_plan.py) reuses copy k's bytes for copy k + 1 blob by blob
+(``plan_for_layout``).
 
 What is shared: a copy's storage roots (and their views) that only ops of
 that copy touch (``<op>@mb<k>`` and its Send/Recv/Copy ``<blob>@mb<k>.…``),
