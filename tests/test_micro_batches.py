@@ -77,6 +77,59 @@ def test_gradient_accumulation_equals_the_whole_batch(micro, schedule):
     np.testing.assert_allclose(ref_loss, got_loss, rtol=1e-5)
 
 
+def _one_sum(graph, grads, micro):
+    """replicate_micro_batches as it was: each parameter's M gradients added
+    by one M-input Sum after the last copy, not by running sums."""
+    from purine_mpi.parallel.micro_batch import micro_name, replicate_micro_batches, sum_name
+    copies = replicate_micro_batches(graph, grads, micro)
+    for grad in grads.values():
+        thread = graph.ops[f"{grad}.micro_sum"].thread
+        for k in range(1, micro):
+            name = f"{grad}.micro_sum" if k == micro - 1 else sum_name(grad, k)
+            del graph.ops[name]
+            copies.pop(name)
+            if k < micro - 1:
+                del graph.blobs[name]
+        graph.add_op(f"{grad}.micro_sum", "Sum", [micro_name(grad, k) for k in range(micro)],
+                     [grad], location=graph.blobs[grad].location, thread=thread)
+    graph.ops = {op.name: op for op in graph.topo_order()}
+    return copies
+
+
+@pytest.mark.parametrize("memory_plan", [True, False])
+def test_running_sums_train_bitwise_like_one_sum(monkeypatch, memory_plan):
+    """Copy k adds its gradient to the running sum of copies 0..k-1: the
+    M-input Sum's order of additions, so weights and losses after 5
+    iterations are those of one Sum after the last copy, bit for bit."""
+    import purine_mpi.parallel.schemes.steps as steps
+    par = {"scheme": "data", "micro_batches": 4, "schedule": "1f1b"}
+
+    def train():
+        from purine_mpi.train.trainer import Trainer
+        cfg = _config(**par)
+        cfg["memory_plan"] = memory_plan
+        t = Trainer(make_job(cfg), "/nonexistent-unused", log=lambda m: None)
+        try:
+            losses = []
+            for it in range(5):
+                t.ws["iter"][...] = it
+                t.train.run(it)
+                losses.append([t.ws[b].copy() for b in t.graphs.losses])
+            ops = set(t.graphs.graph.ops)
+            return {p: t.ws[p].copy() for p in t.graphs.params}, losses, ops
+        finally:
+            t.close()
+    got, got_loss, got_ops = train()
+    monkeypatch.setattr(steps, "replicate_micro_batches", _one_sum)
+    ref, ref_loss, ref_ops = train()
+    assert any(n.endswith(".micro_sum1") for n in got_ops - ref_ops)
+    assert sorted(got) == sorted(ref) and got
+    for name in ref:
+        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+    for a, b in zip(got_loss, ref_loss):
+        assert len(a) == len(b) == 4 and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def test_schedule_orders():
     assert stage_order(0, 2, 4, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
                                            ("F", 3), ("B", 2), ("B", 3)]

@@ -3,6 +3,7 @@ s of p allocates the activations of min(p − s, M) micro-batches, not M
 (gradient accumulation on one stage: 1), the copies that share a buffer
 are ordered by control edges, a plan the schedule cannot honour is refused
 (a cycle, not a race), and training is bitwise the same as without it."""
+import os
 import re
 
 import numpy as np
@@ -14,13 +15,16 @@ from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_memory import (activation_bytes, copy_index, live_slots,
                                               plan_micro_batch_memory, shareable_roots)
 from purine_mpi.runtime.workspace import Workspace
-from tests.conftest import make_job
+from tests.conftest import REPO, make_job, run_cli_args
 from tests.mpi_scripts.launch import run_mpi
 from tests.test_micro_batches import STAGES, _config
 
 
-def _slice(np_, rank, **parallel):
-    return compose_for(make_job(_config(**parallel)), np_, rank)
+def _slice(np_, rank, memory_plan=None, **parallel):
+    cfg = _config(**parallel)
+    if memory_plan is not None:
+        cfg["memory_plan"] = memory_plan
+    return compose_for(make_job(cfg), np_, rank)
 
 
 def _per_copy_bytes(graph):
@@ -38,8 +42,10 @@ def test_live_slots():
 @pytest.mark.parametrize("np_,parallel,slots", [
     (2, {"scheme": "pipeline", "stages": STAGES}, [2, 1]),
     (4, {"scheme": "hybrid", "stages": STAGES}, [2, 1, 2, 1]),
-    (1, {"scheme": "data"}, [1]),
-    (2, {"scheme": "data"}, [1, 1]),
+    # one stage: the plan of ``memory_plan: false`` (with the arena plan the
+    # arena reuses the copies' bytes, test_accumulation_keeps_activations_flat)
+    (1, {"scheme": "data", "memory_plan": False}, [1]),
+    (2, {"scheme": "data", "memory_plan": False}, [1, 1]),
 ])
 def test_workspace_allocates_live_micro_batches_only(np_, parallel, slots):
     """Real allocation: 1F1B's workspace is smaller than GPipe's by exactly
@@ -70,11 +76,11 @@ def test_workspace_allocates_live_micro_batches_only(np_, parallel, slots):
 
 
 def test_losses_and_weight_gradients_keep_their_own_buffers():
-    g = _slice(1, 0, scheme="data", micro_batches=4)
+    g = _slice(1, 0, scheme="data", micro_batches=4, memory_plan=False)
     kept = [n for n in g.blobs if copy_index(n) is not None and n not in g.memory_plan["shared"]
             and copy_index(n) > 0 and g.blobs[n].alias_of is None]
     assert any(n.startswith("loss@") for n in kept)
-    assert any("weight" in n for n in kept)  # per-copy weight gradients, summed at the end
+    assert any("weight" in n for n in kept)  # per-copy weight gradients, read by the sums
     shared = g.memory_plan["shared"]
     assert not any(n.startswith("loss@") or "weight" in n or "bias" in n for n in shared)
 
@@ -191,3 +197,77 @@ def test_plan_on_the_emulated_gpu_is_bitwise_the_same(tmp_path, monkeypatch, hos
     assert got[0] == ref[0]
     for name, value in ref[1].items():
         np.testing.assert_array_equal(got[1][name], value, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def text_h5(tmp_path_factory):
+    """Text data for gpt_tiny (its graph reads the vocabulary from the file)."""
+    import json
+    path = tmp_path_factory.mktemp("text") / "json.h5"
+    res = run_cli_args("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
+                       "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
+
+
+def _planned(name, micro, text_h5):
+    """``plan``'s activation row and live peak for one rank of ``jobs/<name>.yaml``
+    with ``micro`` micro-batches of the job's own batch (nanoGPT's
+    ``gradient_accumulation_steps``: the batch grows with them), and the
+    bytes of the job's weights."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import offline_footprint
+    path = os.path.join(REPO, "jobs", f"{name}.yaml")
+    sets = [f"data.train.path={text_h5}", f"data.test.path={text_h5}"] \
+        if name.startswith("gpt") else []
+    one = load_job(path, sets, None, check_files=False).train_batch
+    job = load_job(path, sets + [f"parallel.micro_batches={micro}",
+                                 f"data.train.batch_size={one * micro}"], None, check_files=False)
+    fp = offline_footprint(job, 1, 0)
+    return fp.host["activations"], fp.peak["live_bytes"], fp.model_state["weights"]
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "cifar10_quick"])
+def test_accumulation_keeps_activations_flat(name, text_h5):
+    """Gradient accumulation (one stage, the arena plan): copy k + 1's forward
+    runs after copy k's backward and the arena gives it copy k's bytes, so
+    M micro-batches cost the activations of one, plus one running gradient
+    sum (at most the weights' bytes). Before: a copy's blobs aliased the
+    buffers of copy 0 (one root live across every copy, nothing shared in
+    between) and the M per-copy weight gradients lived until one final Sum:
+    M = 2 planned 2.4x (gpt_tiny) and 2.8x (cifar10_quick) the bytes of M = 1."""
+    act1, peak1, weights = _planned(name, 1, text_h5)
+    for m in (2, 4):
+        act, peak, _ = _planned(name, m, text_h5)
+        assert act <= 1.05 * act1, (m, act, act1)
+        assert peak <= 1.05 * peak1 and peak - peak1 <= weights, (m, peak, peak1, weights)
+
+
+def test_each_copy_adds_its_gradient_before_the_next_copy_starts():
+    """Copy k's weight gradients are read by one running sum only, which the
+    schedule runs before every op of copy k + 1 (so the arena may reuse
+    them); with the arena plan nothing aliases another copy's buffer."""
+    g = _slice(1, 0, scheme="data", micro_batches=4)
+    assert g.memory_plan is None
+    deps = g.dependencies()
+
+    def ancestors(name):
+        seen, stack = set(), [name]
+        while stack:
+            for p in deps[stack.pop()]:
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return seen
+    cons = g.consumers()
+    grads = [b for b in g.blobs if b.endswith("@mb1") and g.blobs[b].kind == "grad"
+             and any(op.op_type == "Sum" and "micro_sum" in op.name for op in cons.get(b, ()))]
+    assert grads
+    copy2 = [n for n in g.ops if copy_index(n) == 2]
+    for grad in grads:
+        (reader,) = cons[grad]
+        assert reader.name == grad[:-len("@mb1")] + ".micro_sum1"
+        assert reader.inputs == [grad[:-len("@mb1")] + "@mb0", grad]
+        assert all(reader.name in ancestors(n) for n in copy2)
+    assert not any(b.alias_of and copy_index(b.alias_of) != copy_index(n)
+                   for n, b in g.blobs.items() if copy_index(n) is not None)

@@ -11,8 +11,14 @@ shared. The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly
-those of the batch without micro-batches. Each parameter's M gradients meet in one ``Sum`` op
-(``<grad>.micro_sum``) that writes the gradient the update reads, and the
+those of the batch without micro-batches. Each parameter's M gradients are
+added up as the copies finish, in copy order: ``<grad>.micro_sum<k>`` =
+``<grad>.micro_sum<k-1>`` + ``<grad>@mb<k>`` (copy 0's gradient starts the
+sum; the last ``Sum``, ``<grad>.micro_sum``, writes the gradient the update
+reads). That is the M-input ``Sum``'s own order, so the result is the
+same bit for bit, but copy k's gradient dies with copy k: the rank holds
+one running sum and the gradients of one copy, not M (the running sums
+belong to copy k's backward in the schedule). The
 update's ``grad_scale`` is divided by M once: every copy's loss is its
 micro-batch mean, so the update sees the mean over the whole batch. Each
 copy's loss blob keeps its ``loss_weight`` and gets ``micro_batch_share``
@@ -60,7 +66,9 @@ def per_sample_ops(graph, grads):
 
 def replicate_micro_batches(graph, grads, micro_batches):
     """Copy the per-sample sub-graph ``micro_batches`` times (in place);
-    returns {op name of copy: (k, original op name)}."""
+    returns {op name of copy: (k, original op name)}, the running sums of
+    the gradients among them as (k, None): they belong to copy k's backward
+    (``add_schedule``)."""
     m = int(micro_batches)
     names = per_sample_ops(graph, grads)
     ops = [graph.ops[n] for n in names]
@@ -96,16 +104,46 @@ def replicate_micro_batches(graph, grads, micro_batches):
                          op.accumulate,
                          [micro_name(c, k) for c in op.control_inputs if c in names])
             copies[name] = (k, op.name)
+    after = {}  # {op writing a copy's gradient: the running sum that reads it}
+    prod = graph.producers()
+    index = {n: i for i, n in enumerate(graph.ops)}
     for grad in sorted(grad_blobs):  # the gradient the update reads, summed over copies
         blob = copy.deepcopy(old_blobs[grad])
         graph.blobs[grad] = blob
-        graph.add_op(f"{grad}.micro_sum", "Sum", [micro_name(grad, k) for k in range(m)],
-                     [grad], location=blob.location, thread=thread_of[grad])
+        total = micro_name(grad, 0)
+        for k in range(1, m):
+            out = grad if k == m - 1 else sum_name(grad, k)
+            if out != grad:
+                part = copy.deepcopy(blob)
+                part.name = out
+                graph.blobs[out] = part
+            name = f"{grad}.micro_sum" if k == m - 1 else sum_name(grad, k)
+            graph.add_op(name, "Sum", [total, micro_name(grad, k)], [out],
+                         location=blob.location, thread=thread_of[grad])
+            copies[name] = (k, None)
+            writers = [op.name for op in prod.get(micro_name(grad, k), ())]
+            if writers:
+                after.setdefault(max(writers, key=index.get), []).append(name)
+            total = out
     for op in graph.ops.values():  # scaled once, before the update
         if op.op_type in UPDATE_OP_TYPES and op.inputs[1] in grad_blobs:
             op.attrs["grad_scale"] = float(op.attrs.get("grad_scale", 1.0)) / m
+    # each running sum right after the op that writes its copy's gradient:
+    # the copy's gradient dies there (the order breaks the topological ties)
+    moved = {n for names in after.values() for n in names}
+    order = []
+    for name in graph.ops:
+        if name not in moved:
+            order.append(name)
+            order.extend(after.get(name, ()))
+    graph.ops = {n: graph.ops[n] for n in order}
     _reorder(graph)
     return copies
+
+
+def sum_name(grad, k):
+    """The running sum of copies 0..k of gradient ``grad`` (op and blob)."""
+    return f"{grad}.micro_sum{k}"
 
 
 def _reorder(graph):

@@ -12,7 +12,10 @@ gradients) take the buffers of copy k mod L: ``<blob>@mb<k>`` becomes an
 alias of ``<blob>@mb<k mod L>`` and the workspace allocates L copies, not
 M. ``gpipe`` runs every forward before any backward, so its L is M (its
 documented cost); gradient accumulation (``scheme: data``, one stage) is
-``1f1b`` with L = 1: forward k + 1 after backward k.
+``1f1b`` with L = 1: forward k + 1 after backward k. With the job's
+``memory_plan`` (the default) one stage gets no plan here: the arena
+(runtime/memory_plan.py) reuses copy k's bytes for copy k + 1 blob by blob
+(``plan_for_layout``).
 
 What is shared: a copy's storage roots (and their views) that only ops of
 that copy touch (``<op>@mb<k>`` and its Send/Recv/Copy ``<blob>@mb<k>.…``),
@@ -188,10 +191,17 @@ def describe_plan(graph):
             f"{activation_bytes(graph)} bytes allocated, {plan['saved_bytes']} saved")
 
 
-def plan_for_layout(graph, layout, schedule):
+def plan_for_layout(graph, layout, schedule, arena=False):
     """The plan of a rank at ``layout`` (parallel/compose.Layout) running
-    ``schedule``; nothing without micro-batches."""
-    if int(layout.micro_batches) <= 1:
+    ``schedule``; nothing without micro-batches. ``arena``: the job's
+    ``memory_plan`` lays the transient blobs out (runtime/memory_plan.py);
+    then one stage (gradient accumulation) gets no plan here: its schedule
+    orders every op of copy k before every op of copy k + 1 already, so the
+    arena reuses copy k's bytes for copy k + 1 blob by blob, while a blob
+    made to alias the buffer of an earlier copy would be one root live from
+    copy k's first op to copy k + 1's last, bytes the arena could not give
+    to anything in between (about M times one copy's activations)."""
+    if int(layout.micro_batches) <= 1 or (arena and not layout.staged):
         return None
     return plan_micro_batch_memory(
         graph, live_slots(schedule, layout.stages, layout.stage, layout.micro_batches))

@@ -246,13 +246,14 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
             units[u] = unit + (unit_keys, cand[unit[5][0]][5])
+    reach = _ordered_before(units, len(order))
     best = None
     for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
                 lambda u: (units[u][2], -units[u][4], u),           # first used first
                 lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
         for best_fit in (False, True):
             offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link,
-                                            plan.align)
+                                            plan.align, reach)
             if best is None or (total, len(edges)) < (best[1], len(best[2])):
                 best = (offsets, total, edges)
     offsets, plan.total_bytes, edges = best
@@ -287,7 +288,30 @@ def _bits(mask):
         mask ^= low
 
 
-def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN):
+def _ordered_before(units, n_ops):
+    """{unit: (z, last)}, a test that spares ``_colour`` most pairs of units:
+    ``last`` is the unit's last op in the schedule, ``z`` the first position
+    in the schedule that holds an op touching some unit and not an ancestor
+    of all the unit's writers (ancestors come before an op in the schedule,
+    so every unit-touching op before ``z`` is one). A unit p whose ``last``
+    is below u's ``z`` is therefore ordered before u (p's ops are all
+    ancestors of u's writers): the bit-set test of ``_colour`` would find
+    them ordered too, and only pairs with p's last >= u's z and u's last >=
+    p's z need it. Where the graph runs its parts one after another (the
+    copies of gradient accumulation) that leaves the units of a part and
+    its neighbours: the plan's cost grows with the copies, not their square."""
+    full = (1 << n_ops) - 1
+    touched = 0
+    for unit in units.values():
+        touched |= unit[0]
+    out = {}
+    for u, unit in units.items():
+        y = (unit[1] & full) | (full & ~touched)
+        out[u] = ((~y & (y + 1)).bit_length() - 1, unit[0].bit_length() - 1)
+    return out
+
+
+def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN, reach=None):
     """Greedy interval colouring: each unit, in ``order``, at an aligned
     offset where it overlaps no unit placed before it that it may not share
     with: the lowest such offset, or with ``best_fit`` the smallest free gap
@@ -295,15 +319,25 @@ def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN):
     graph orders one before the other, or -- with ``link`` (``order_ops``)
     -- when control edges can: the ops of one not yet before the other's
     first writers all precede them in the schedule and run on their thread.
+    ``reach`` (``_ordered_before``): the pairs it finds ordered are skipped
+    untested (the same plan, sooner).
     Returns ({unit: offset}, total bytes, [(source ops, target ops)] as
     bit sets of the edges to add)."""
     placed, offsets, total, edges = [], {}, 0, []
+    reach = reach or _ordered_before(units, max(max(u[0].bit_length(), 1)
+                                                for u in units.values()) if units else 1)
+    z_of = np.empty(len(order), dtype=np.int64)    # of the units placed, in order
+    last_of = np.empty(len(order), dtype=np.int64)
     for unit in order:
         touch, before, first, _, nbytes, _ = units[unit][:6]
         size = _aligned(nbytes, align)
         busy, soft = [], []
-        for p in placed:
-            off, end, t, b, p_first, p_key, p_writers = p
+        z, last = reach[unit]
+        n = len(placed)
+        maybe = np.flatnonzero((last_of[:n] >= z) & (z_of[:n] <= last))
+        z_of[n], last_of[n] = z, last
+        for i in maybe.tolist():
+            off, end, t, b, p_first, p_key, p_writers = placed[i]
             late, early = t & ~before, touch & ~b  # ops that break "p before u", "u before p"
             if not late or not early:
                 continue  # ordered already

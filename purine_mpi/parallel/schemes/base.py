@@ -279,7 +279,8 @@ class Scheme:
         """Share the buffers of micro-batch copies never live at once
         (parallel/micro_memory.py), on the graph as it will run."""
         from ..micro_memory import plan_for_layout
-        return plan_for_layout(graph, self.layout(job, world), job.parallel.schedule)
+        return plan_for_layout(graph, self.layout(job, world), job.parallel.schedule,
+                               arena=job.memory_plan)
 
     def defer_update_applies(self, job, replicas, staged):
         """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
