@@ -37,6 +37,9 @@ Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shap
 WindowAllreduce  as Allreduce, attrs seq, window, window_ranks, (average)
     the same sum through a shared window (comm/rma_reduce.py; one node,
     parallel/dp_windows.py turns a bucket's Allreduce into one).
+WindowSync  ins []  outs []  attrs seq, window, (phase)
+    stage 3's gather on one node, where the gathered buffer is a shared
+    window (comm/window_sync.py; parallel/zero3_windows.py): a barrier.
 Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
@@ -61,8 +64,9 @@ from ..ops.registry import OpKernel, Pending, register
 from .device import HostStage
 from .world import get_world
 
-#: comm/rma_reduce.py registers WindowAllreduce (ops/catalog.py imports it)
-_COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather", "WindowAllreduce"}
+#: comm/rma_reduce.py registers WindowAllreduce, comm/window_sync.py WindowSync
+#: (ops/catalog.py imports them)
+_COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather", "WindowAllreduce", "WindowSync"}
 _POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
                    "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish"}
 

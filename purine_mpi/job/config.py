@@ -392,7 +392,9 @@ def _check_sharded(out, path):
     why = "scheme sharded builds ZeRO stages 1-3 on MPI on the CPU only"
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
-               ("parallel.transport", par["transport"] == "one_sided", "transport one_sided"),
+               ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
+                f"transport one_sided with shard {par['shard']} (built for shard 3: one "
+                "shared copy of the weights per node)"),
                ("parallel.backend", par["backend"] == "nccl", "backend nccl"),
                ("parallel.stages", bool(par["stages"]), "pipeline stages"),
                ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]

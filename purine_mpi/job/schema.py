@@ -157,7 +157,8 @@ PARALLEL = (
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
-        "backward readers) (see [parallel.md](parallel.md))"),
+        "backward readers; with transport one_sided on one node, one shared copy per node "
+        "read in place) (see [parallel.md](parallel.md))"),
     Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "
         "buckets the backward writes ahead of the oldest one not yet reduce-scattered (the "
         "writers of bucket k + 1 + prefetch wait for bucket k's reduce-scatter: at most "

@@ -17,4 +17,5 @@ from ..comm import nccl as comm_nccl, ops as comm_ops  # noqa: F401
 from ..comm import rma_ops  # noqa: F401  (Put, WaitWrite)
 from ..comm import rma_pull  # noqa: F401  (Get, Publish)
 from ..comm import rma_reduce  # noqa: F401  (an Allreduce through a shared window)
+from ..comm import window_sync  # noqa: F401  (stage 3's gathers on one node: a barrier)
 from .registry import GRADIENTS, KERNELS, get_kernel_class, make_kernel  # noqa: F401,E402

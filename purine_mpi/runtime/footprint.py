@@ -343,6 +343,15 @@ def model_state_roots(graph, working=False):
     return out
 
 
+def held_nbytes(blob):
+    """The bytes of root ``blob`` its rank holds: a shared window's region
+    that says ``attrs['window_held']`` (stage 3's weights on one node,
+    parallel/zero3_windows.py: the whole region on its owner, 0 on the
+    ranks that read it in place), else the whole blob."""
+    held = blob.attrs.get("window_held")
+    return _root_nbytes(blob) if held is None else int(held)
+
+
 def model_state_bytes(graph, plan=None):
     """{row: bytes} of the model state ``graph`` holds on its rank, ZeRO's
     sense: the storage roots of the weights (kinds ``param``,
@@ -361,7 +370,7 @@ def model_state_bytes(graph, plan=None):
     bytes of every one; ``peak`` is ``held + working``."""
     out = dict.fromkeys(MODEL_STATE_ROWS, 0)
     for root, row in model_state_roots(graph).items():
-        out[row] += _root_nbytes(graph.blobs[root])
+        out[row] += held_nbytes(graph.blobs[root])
     spans, working = [], 0
     held = model_state_roots(graph)
     for root in model_state_roots(graph, working=True):

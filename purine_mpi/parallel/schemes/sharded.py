@@ -16,9 +16,13 @@ bucket's forward and backward readers (parallel/sharding.compose_zero3);
 the weights are written (fillers, ``--init``, ``--resume``) into the
 shards, saved joined whole, and gathered whole for the test graph
 (``held_weights``, ``set_weight``, ``test_weights``); with micro-batches
-each buffer is gathered once per iteration and held across them. GPUs,
-NCCL, the one-sided transport and combinations with other schemes are
-refused by the config rules (job/config.py's ``_check_sharded``).
+each buffer is gathered once per iteration and held across them. Stage 3
+with ``parallel.transport: one_sided`` on one node holds each bucket's
+weights once per node, in a shared window every rank reads in place
+(parallel/zero3_windows.py); across hosts it keeps the gathers. GPUs,
+NCCL, the one-sided transport of stages 1 and 2 and combinations with
+other schemes are refused by the config rules (job/config.py's
+``_check_sharded``).
 """
 import numpy as np
 
@@ -28,7 +32,9 @@ from .base import BUCKET_KEYS, Composition, Scheme, counted, ranges, register_sc
 
 @register_scheme("sharded")
 class Sharded(Scheme):
-    keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch")
+    keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport")
+    #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
+    one_sided = True
     #: the deferred tail and NCCL know allreduce buckets only
     deferrable = False
     defers_update = False
@@ -53,11 +59,15 @@ class Sharded(Scheme):
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
         plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
+        # stage 3, parallel.transport one_sided, one node: one shared copy
+        from ..zero3_windows import to_shared_weights
+        windows, transport, placed = to_shared_weights(graph, plan, job, world)
         # never deferred (``deferrable``): the memory plan must not keep the
         # deferred tail's blobs (under SGD it reached the full buckets)
         graph.deferrable = False
         graph.infer_shapes().validate()
-        comp = Composition(graph, lay, shard_plan=plan)
+        comp = Composition(graph, lay, shard_plan=plan, transport=transport, windows=windows,
+                           window_placement=placed)
         if job.solver.clip_gradients is not None:
             _clip(comp, job.solver.clip_gradients, world.size)
         if par.check_collectives:
@@ -80,10 +90,15 @@ class Sharded(Scheme):
         held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
         stage = trainer.job.parallel.shard
         grads = "; the full gradient buckets are transient (freed after their reduce-scatter)"
+        shared = any("window" in entry for entry in plan)
         what = {1: ", the weights allgathered", 2: ", the weights allgathered" + grads}.get(
             stage, f" (the only weights it holds){grads}; each bucket's weights are allgathered "
             f"into transient buffers before its forward and its backward readers, "
             f"{trainer.job.parallel.prefetch} bucket(s) ahead")
+        if shared:
+            what = (f" in place{grads}; each bucket's weights are one shared window of the "
+                    "node (one copy, read in place by every rank), synchronised before its "
+                    "readers and before the updates")
         return [("scheme", f"sharded (ZeRO stage {stage}): ranks {ranges(range(n))} are "
                  f"data-parallel replicas; gradients reduce-scattered in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
@@ -93,7 +108,7 @@ class Sharded(Scheme):
                  f"{human_bytes(held['optimizer_state'])} "
                  f"({held['weights']} + {held['gradients']} + {held['optimizer_state']} bytes "
                  f"held; peak {held['peak']} bytes with the transient buckets' "
-                 f"{held['working']})")]
+                 f"{held['working']})")] + super().scheme_lines(trainer, composition)
 
     def graph_notes(self, lay, rank):
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "

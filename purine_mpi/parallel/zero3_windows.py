@@ -1,0 +1,128 @@
+"""ZeRO stage 3 with one shared copy of the weights per node
+(``parallel.scheme: sharded``, ``parallel.shard: 3``,
+``parallel.transport: one_sided``, every rank on one node; issue 43).
+
+Stage 3 on MPI (parallel/sharding.compose_zero3) keeps each rank's shard
+of a bucket's flat weights and gathers the whole bucket into two transient
+buffers before its forward and its backward readers. On one node the
+gathers need not copy anything: each bucket's flat weights live in one
+region of a shared window (``MPI.Win.Allocate_shared``, comm/windows.py),
+``z3/<weights>``, owned by the node's first rank, laid out as the bucket is
+(rank r's shard at ``shard_range(n, N, r)``). Every rank's shard blob is a
+view of its range of it (the shard solver updates it in place), and the
+forward and backward readers read the region itself: the node holds one
+copy of the weights, however many ranks it runs.
+
+The two gathers of a bucket become two ``WindowSync`` ops
+(comm/window_sync.py, a barrier with the window's memory syncs, in the
+collectives' ``seq`` order):
+
+- ``<weights>.acquire`` before the bucket's readers (where its forward
+  gather stood): every rank's update of its slice in the last iteration
+  is complete and visible;
+- ``<weights>.release`` after every reader of the bucket on this rank and
+  before this rank's updates of its slice: no rank updates while another
+  still reads the weights of this iteration.
+
+Across hosts, or where the library allocates no shared window, the
+two-sided gathers stay (the start-up block says why, once). Offline
+(``graph --np N``: no communicator) the graph is converted as on one node
+(``PURINE_RANKS_PER_HOST`` splits it) and nothing is allocated.
+
+    to_shared_weights(graph, plan, job, world) -> (windows, transport lines, placement)
+"""
+from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
+from ..graph.core import WORKING_SET_ATTR
+from .sharding import _collective_seq
+
+PREFIX = "z3/"
+GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
+
+
+def to_shared_weights(graph, plan, job, world):
+    """Put the stage-3 buckets of ``plan`` (compose_zero3's) into one
+    shared window per node when ``parallel.transport`` is one_sided and
+    every rank shares one node (see the module docstring); allocate it
+    (collective). Returns (the Windows or None, the transport lines or
+    None, the window placement ``(layout, node_of)`` or None)."""
+    if job.parallel.transport != "one_sided" or world.size == 1 or \
+            not any("weight_shard" in entry for entry in plan):
+        return None, None, None
+    live = getattr(world, "comm", None) is not None
+    node_of = node_groups(world) if live else \
+        {r: fake_host_of(r) or 0 for r in range(world.size)}
+    hosts = len(set(node_of.values()))
+    if hosts != 1:
+        return None, [GATHERED + (f"parallel.transport: one_sided, but the ranks run on "
+                                  f"{hosts} nodes: one shared copy needs every rank on one "
+                                  "node",)], None
+    owner = min(node_of)
+    layout = WindowLayout()
+    for entry in plan:
+        wb = graph.blobs[entry["weights"]]
+        layout.add(PREFIX + entry["weights"], owner, wb.shape, wb.dtype,
+                   peers=range(world.size))
+    placed = (layout, node_of)  # what each rank's windows hold (runtime/footprint.py)
+    windows = None
+    if live:
+        windows, lines = allocate_or_fall_back(
+            world, layout, node_of, lambda exc: [GATHERED + (f"one_sided: {exc}",)])
+        if windows is None:
+            return None, lines, None
+    share_weights(graph, plan, world.rank, owner)
+    return windows, [("weights", "one shared copy per node: each bucket's weights in one "
+                      "shared window, read in place (the gathers only synchronise)",
+                      "parallel.transport: one_sided, ranks of one node")], placed
+
+
+def share_weights(graph, plan, rank, owner):
+    """Rewrite stage 3's gathers of ``graph`` (rank ``rank``'s) for the
+    shared window of ``owner`` (see the module docstring); renumber the
+    collectives' ``seq``. Each plan entry gets ``window`` (its region) and
+    ``gathers`` {"acquire", "release"}."""
+    for entry in plan:
+        weights, own = entry["weights"], entry["weight_shard"]
+        region = PREFIX + weights
+        wb = graph.blobs[weights]
+        attrs = {k: v for k, v in wb.attrs.items() if k != WORKING_SET_ATTR}
+        # the region is the buffer; its views (the weights) view it; the
+        # rank holds its bytes only where its segment holds them
+        wb.attrs = dict(attrs, window=region, window_views=True,
+                        window_held=int(wb.nbytes) if rank == owner else 0)
+        ob = graph.blobs[own]
+        ob.alias_of, ob.offset = weights, int(entry["shard"][0])
+        old = entry["gathers"]
+        thread = graph.ops[next(iter(old.values()))].thread if old else \
+            graph.ops[entry["reduce_scatter"]].thread
+        back = graph.ops[old["backward"]].outputs[0] if "backward" in old else None
+        if back is not None:  # the backward readers' views: of the window too
+            for b in graph.blobs.values():
+                if b.alias_of == back:
+                    b.alias_of = weights
+        for name in old.values():
+            del graph.ops[name]
+        if back is not None:
+            del graph.blobs[back]
+        rooted = {n for n in graph.blobs if graph.storage_root(n) == weights}
+        writers = [op for op in graph.ops.values() if rooted.intersection(op.outputs)]
+        readers = [op for op in graph.ops.values() if op not in writers
+                   and rooted.intersection(op.inputs)]
+        for op in graph.ops.values():
+            op.control_inputs = [c for c in op.control_inputs if c not in old.values()]
+        common = {"window": region, "bucket": weights}
+        acquire = graph.add_op(graph.free_name(f"{weights}.acquire"), "WindowSync", [], [],
+                               dict(common, phase="acquire"), location=wb.location,
+                               thread=thread)
+        release = graph.add_op(graph.free_name(f"{weights}.release"), "WindowSync", [], [],
+                               dict(common, phase="release"), location=wb.location,
+                               thread=thread)
+        release.control_inputs = [acquire.name] + [op.name for op in readers]
+        for op in readers:
+            op.control_inputs.append(acquire.name)
+        for op in writers:
+            op.control_inputs.append(release.name)
+        entry["gathers"] = {"acquire": acquire.name, "release": release.name}
+        entry["window"] = region
+    graph.topo_order()  # no cycle
+    _collective_seq(graph, plan)
+    return plan
