@@ -389,11 +389,13 @@ def bench_torch_graph(config, device, iters, warmup, tf32):
     return _timed(torch, dev, step, iters, warmup)
 
 
-def kernel_stats(step, iters):
+def kernel_stats(step, iters, match=None):
     """{kernels_per_iter, kernel_ms_per_iter} of ``iters`` calls of
     ``step(i)``, from CUPTI through PyTorch's profiler: every kernel the
     process runs (CuPy's, cuBLAS's, cuDNN's, inside CUDA graphs too);
     kernel time is the union of the kernel intervals (overlaps once).
+    ``match`` (a regular expression): also ``matched_ms_per_iter`` and
+    ``matched_kernels``, the kernels whose names it finds (case ignored).
     None without a CUDA build of PyTorch."""
     try:
         import torch
@@ -423,7 +425,14 @@ def kernel_stats(step, iters):
         total[0] += float(k.get("dur", 0))
         total[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return {"kernels_per_iter": round(len(kernels) / iters, 1),
+    matched = {}
+    if match is not None:
+        import re
+        matched = {"matched_ms_per_iter": round(sum(
+            us for name, (us, _) in by_name.items() if re.search(match, name, re.I))
+            / 1e3 / iters, 4), "matched_kernels": sorted(
+            name[:120] for name in by_name if re.search(match, name, re.I))}
+    return {**matched,"kernels_per_iter": round(len(kernels) / iters, 1),
             "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4),
             # where the kernel time goes: [name (cut to 120 characters),
             # ms per iteration, launches per iteration], the longest first
