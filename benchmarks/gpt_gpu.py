@@ -42,13 +42,15 @@ torch.profiler's kernels named like an attention kernel, listed in
 timed by CUDA events in an eager run; null with ``attention_note`` saying
 why when not measured). ``purine_vs_torch_eager`` / ``_compile``: the
 tokens/s ratios. ``--budget-s``: rounds after the first are skipped once
-that many seconds have passed (``cut_short``), so the JSON always comes
-back inside a session stage's budget.
+that many seconds have passed (``cut_short``: "budget"), and a SIGTERM (a
+stage's ``timeout``) ends the run with the JSON of what was measured
+(``cut_short``: "terminated"), so the JSON comes back inside a session
+stage's budget.
 
 Without CuPy, a CUDA device and a CUDA PyTorch it exits 1 saying so (it
 never reports CPU figures as GPU ones); ``--dry-run`` runs every side but
 ``torch_compile`` for one step on the CPU in fp32 (bf16 is a GPU setting of
-ours; PyTorch's CPU autocast), prints the same JSON with ``"dry_run": true``.
+ours, so no autocast either), prints the same JSON with ``"dry_run": true``.
 """
 import argparse
 import contextlib
@@ -70,6 +72,14 @@ sys.path.insert(0, HERE)
 SIDES = ("purine", "torch_eager", "torch_compile")
 #: kernel names of an attention in PyTorch (flash, memory-efficient, cuDNN SDPA)
 ATTENTION_KERNELS = r"flash|fmha|attention|sdpa|attn"
+
+
+class Terminated(Exception):
+    """A SIGTERM: report what was measured."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def fail(message):
@@ -195,7 +205,7 @@ class TorchSide:
         gen = torch.Generator().manual_seed(0)
         w = torch.randint(0, min(256, d["vocab"]), (micro_batches, batch, seq + 1), generator=gen)
         self.x, self.y = w[..., :-1].to(dev), w[..., 1:].to(dev)
-        self.dtype = torch.bfloat16 if precision == "bf16" or dev.type == "cpu" else None
+        self.dtype = torch.bfloat16 if precision == "bf16" else None   # the dry run: fp32
         self.held_before, self.it = before, 0
 
     def step(self):
@@ -279,6 +289,8 @@ def main(argv=None):
                     help="CPU smoke run at a tiny size (one step of each side but torch.compile)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    import signal
+    signal.signal(signal.SIGTERM, _terminated)
     sides = [s for s in args.sides if not (s == "torch_compile" and
                                            (args.no_compile or args.dry_run))]
     import torch
@@ -307,25 +319,30 @@ def main(argv=None):
         if args.dry_run:
             peak, peak_source = None, "dry run on the CPU: no peak, mfu is null"
         torch_sides, rounds = {}, {s: [] for s in sides}
-        cut_short = False
-        for r in range(args.rounds):
-            if r and args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
-                cut_short = True
-                break
-            for side in sides:
-                print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
-                if side == "purine":
-                    rounds[side].append(run_purine(config, args))
-                    continue
-                if side not in torch_sides:
-                    torch_sides[side] = TorchSide(torch, config, dev, args.micro_batches,
-                                                  args.batch, side == "torch_compile", precision)
-                res = torch_sides[side].run(args.iters, args.warmup)
-                if r == 0:
-                    res["peak_memory_bytes"] = torch_sides[side].peak_memory()
-                rounds[side].append(res)
+        cut_short = None
+        try:
+            for r in range(args.rounds):
+                if r and args.budget_s is not None and \
+                        time.perf_counter() - t_start > args.budget_s:
+                    cut_short = "budget"
+                    break
+                for side in sides:
+                    print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
+                    if side == "purine":
+                        rounds[side].append(run_purine(config, args))
+                        continue
+                    if side not in torch_sides:
+                        torch_sides[side] = TorchSide(torch, config, dev, args.micro_batches,
+                                                      args.batch, side == "torch_compile",
+                                                      precision)
+                    res = torch_sides[side].run(args.iters, args.warmup)
+                    if r == 0:
+                        res["peak_memory_bytes"] = torch_sides[side].peak_memory()
+                    rounds[side].append(res)
+        except Terminated:
+            cut_short = "terminated"
         out_sides = {}
-        for side in sides:
+        for side in [s for s in sides if rounds[s]]:
             runs = rounds[side]
             tps = [r["tokens_per_s"] for r in runs]
             med = statistics.median(tps)
@@ -346,19 +363,24 @@ def main(argv=None):
                 entry["last_loss"] = runs[-1]["last_loss"]
             out_sides[side] = entry
         # the attention's time, after the timed rounds (profiling slows what it watches)
-        for side in sides:
+        for side in out_sides:
             entry = out_sides[side]
+            if not cut_short and args.budget_s is not None and \
+                    time.perf_counter() - t_start > args.budget_s:
+                cut_short = "budget"
             if not args.profile_iters:
                 entry["attention_note"] = "not measured (--profile-iters 0)"
                 continue
             if cut_short:
-                entry["attention_note"] = "not measured: --budget-s ran out"
+                entry["attention_note"] = f"not measured: the run was cut short ({cut_short})"
                 continue
             try:
                 if side == "purine":
                     ms, note = purine_attention(config, args)
                 else:
                     ms, note = torch_sides[side].attention(args.profile_iters)
+            except Terminated:
+                cut_short, ms, note = "terminated", None, "not measured: terminated"
             except Exception as exc:  # a profile that fails is reported, not fatal
                 ms, note = None, f"not measured: {type(exc).__name__}: {exc}".splitlines()[0]
             entry["attention_ms_per_iter"], entry["attention_note"] = ms, note
