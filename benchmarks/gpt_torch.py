@@ -103,8 +103,9 @@ def torch_gpt(config):
     return GPT()
 
 
-def adamw(model, solver):
-    """AdamW with the job's betas and eps; decay on the 2-D weights only."""
+def adamw(model, solver, fused=False):
+    """AdamW with the job's betas and eps; decay on the 2-D weights only
+    (``fused``: PyTorch's fused CUDA kernel, as nanoGPT on a GPU)."""
     import torch
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -112,7 +113,7 @@ def adamw(model, solver):
                               {"params": rest, "weight_decay": 0.0}],
                              lr=solver["base_lr"], betas=(solver.get("momentum", 0.9),
                                                           solver.get("momentum2", 0.999)),
-                             eps=solver.get("delta", 1e-8))
+                             eps=solver.get("delta", 1e-8), **({"fused": True} if fused else {}))
 
 
 def lr_at(solver, it):

@@ -19,18 +19,24 @@
 #                      GPU path rests on (interpreter, wheels, pip check, nvmath
 #                      capture, cuDNN inside a capture, pinned cudaMemcpyAsync
 #                      replay, the abort of a failed capture, MPI world size 2)
-#   tests       150 s  python -m pytest -m gpu (4 workers where pytest-xdist is
+#   tests       120 s  python -m pytest -m gpu (4 workers where pytest-xdist is
 #                      installed)                      -> pytest_gpu.txt, .xml
-#   bench-quick  90 s  gpu_throughput.py, cifar10_quick at batch 128, no
+#   bench-quick  45 s  gpu_throughput.py, cifar10_quick at batch 128, no
 #                      torch.compile: the first figures  -> bench_quick.json
-#   bench       180 s  gpu_throughput.py, each config and batch (128, 512) in its
+#   bench       150 s  gpu_throughput.py, each config and batch (128, 512) in its
 #                      own run, torch.compile included    -> bench_<config>_<batch>.json
-#   dp           90 s  bench --json of cifar10_quick on 1 rank and 2 ranks
+#   dp           45 s  bench --json of cifar10_quick on 1 rank and 2 ranks
 #                      (parallel.backend mpi), then 2 ranks with auto (on one GPU:
 #                      mpi, comm_backend_note says why)            -> gpu_dp.json
 #   plans        30 s  benchmarks/cudnn_plans.py: every cuDNN plan of two convolutions
 #                      against a float64 reference, and the plan the set-up chose
 #                                                         -> cudnn_plans.json
+#   gpt         150 s  bf16 against PyTorch autocast: gpu_throughput.py --precision bf16
+#                      (cifar10_quick and NIN at batch 128, channels-last, eager and
+#                      whole-step CUDA graph; 40 s at most) -> bench_bf16.json, then
+#                      benchmarks/gpt_gpu.py, jobs/gpt2_124m.yaml with precision bf16
+#                      (16 x 1024 tokens a step) against nanoGPT's model in PyTorch,
+#                      eager and torch.compile, interleaved  -> gpt_gpu.json
 #
 # Every stage first installs what is missing from the pinned wheels
 # (benchmarks/gpu_wheels.txt, the one list `fetch` downloads) from $WHEELS
@@ -53,14 +59,15 @@ set -u
 
 # stage  budget_s  what (the --plan table; the budgets sum to at most 600 s)
 PLAN="probe|60|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
-tests|150|pytest -m gpu
-bench-quick|90|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
-bench|180|both configs, batches 128 and 512, torch.compile too
-dp|90|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
-plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)"
+tests|120|pytest -m gpu
+bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
+bench|150|both configs, batches 128 and 512, torch.compile too
+dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto
+plans|30|every cuDNN plan's deviation from a float64 reference (cudnn_plans.py)
+gpt|150|bf16: both CNNs against autocast, GPT-2 124M against PyTorch eager and compile"
 
 usage() {
-  echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp plans)" >&2
+  echo "usage: $0 --plan | fetch | all | STAGE... (stages: probe tests bench-quick bench dp plans gpt)" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -243,6 +250,17 @@ case "$MODE" in
   plans)
     limit "$PYTHON" benchmarks/cudnn_plans.py > "$OUT/cudnn_plans.json" 2> "$OUT/cudnn_plans.log"
     step cudnn_plans $? ;;
+  gpt)
+    # shellcheck disable=SC2086
+    timeout --kill-after=5 40 "$PYTHON" benchmarks/gpu_throughput.py \
+        --configs jobs/cifar10_quick.yaml jobs/nin_cifar10.yaml --batches 128 --iters 30 \
+        --warmup 5 --no-compile --precision bf16 $BENCH_ARGS \
+        > "$OUT/bench_bf16.json" 2> "$OUT/bench_bf16.log"
+    step gpu_throughput_bf16 $?
+    # the rounds after the first stop 20 s before the stage's end (its JSON comes back)
+    limit "$PYTHON" benchmarks/gpt_gpu.py --iters 10 --warmup 3 --rounds 2 \
+        --budget-s $(( $(left) - 20 )) > "$OUT/gpt_gpu.json" 2> "$OUT/gpt_gpu.log"
+    step gpt_gpu $? ;;
 esac
 
 grep "^$MODE " "$OUT/status.txt" 2>/dev/null

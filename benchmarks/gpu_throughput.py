@@ -61,7 +61,10 @@ CUDA graphs) over ``--profile-iters`` further iterations; the busy fraction
 divides the union of the kernel intervals per iteration by the unprofiled
 wall time per iteration. Without PyTorch (``--no-torch``) those are null.
 
-Float32 math uses TF32 in both frameworks only with ``--tf32``. Without CuPy
+Float32 math uses TF32 in both frameworks only with ``--tf32``. ``--precision
+bf16``: ours with the job's ``precision: bf16`` (the convolutions and GEMMs
+in bf16), PyTorch channels-last under ``torch.autocast(bfloat16)`` in every
+way it runs (eager, the captured whole step, torch.compile). Without CuPy
 and a CUDA device, or without a CUDA build of PyTorch, the script stops with
 exit status 1 and says why: it never reports CPU numbers as GPU ones.
 ``--dry-run`` builds every net of both frameworks and runs one iteration of
@@ -109,9 +112,13 @@ def require_gpu(device, need_torch):
     return cupy
 
 
-def load(path, batch):
+def load(path, batch, precision="fp32", device=0):
+    """The config at ``batch``; ``precision`` bf16 (a GPU setting: on ``device``)."""
     from purine_mpi.job.config import load_config
-    config = load_config(path, overrides=[f"data.train.batch_size={batch}"], check_files=False)
+    sets = [f"data.train.batch_size={batch}"]
+    if precision != "fp32":
+        sets += [f"precision={precision}", f"device={device}"]
+    config = load_config(path, overrides=sets, check_files=False)
     spec = config["data"]["train"]
     if spec.get("source") != "synthetic":
         from purine_mpi.tools.bench import synthetic_config
@@ -146,7 +153,8 @@ def bench_purine(config, device, iters, warmup, tf32, cuda_graph=False, profile_
     from purine_mpi.gpu.memory import start_peak_memory
     peak = start_peak_memory(cupy)      # the most bytes in use at once, from here on
     graph, _ = build_train_graph(job_of(config))
-    prepare_for_device(graph, device)   # placed and fused, as train does
+    # placed, in the job's precision and fused, as train does
+    prepare_for_device(graph, device, precision=config.get("precision", "fp32"))
     notes = []
     # the memory as train lays it out: planned on the host and the GPU
     ws = planned_workspace(graph, bool(config.get("memory_plan", True)),
@@ -306,9 +314,21 @@ def _torch_setup(config, device, tf32):
     gen = torch.Generator().manual_seed(0)
     x_host = torch.randn((batch,) + tuple(spec["shape"]), generator=gen)
     y_host = torch.randint(0, int(spec.get("classes", 10)), (batch,), generator=gen)
+    if config.get("precision") == "bf16":   # channels-last, as autocast's convolutions like
+        model = model.to(memory_format=torch.channels_last)
+        x_host = x_host.contiguous(memory_format=torch.channels_last)
     if dev.type == "cuda":
         x_host, y_host = x_host.pin_memory(), y_host.pin_memory()
     return torch, dev, model, criterion, optimizer, x_host, y_host
+
+
+def autocast(torch, dev, config):
+    """``torch.autocast(bfloat16)`` for a bf16 config (its cast cache off:
+    a captured graph replays the casts), else nothing."""
+    import contextlib
+    if config.get("precision") != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 def _timed(torch, dev, step, iters, warmup, profile_iters=0):
@@ -345,7 +365,8 @@ def bench_torch(config, device, iters, warmup, tf32, compile_model=False, profil
         x = x_host.to(dev, non_blocking=True)
         y = y_host.to(dev, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = criterion(model(x), y)
+        with autocast(torch, dev, config):
+            loss = criterion(model(x), y)
         loss.backward()
         optimizer.step()
         return loss
@@ -370,7 +391,9 @@ def bench_torch_graph(config, device, iters, warmup, tf32):
             static_x.copy_(x_host, non_blocking=True)
             static_y.copy_(y_host, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            criterion(model(static_x), static_y).backward()
+            with autocast(torch, dev, config):
+                warm_loss = criterion(model(static_x), static_y)
+            warm_loss.backward()
             optimizer.step()
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -378,7 +401,8 @@ def bench_torch_graph(config, device, iters, warmup, tf32):
     with torch.cuda.graph(graph):
         static_x.copy_(x_host, non_blocking=True)
         static_y.copy_(y_host, non_blocking=True)
-        static_loss = criterion(model(static_x), static_y)
+        with autocast(torch, dev, config):
+            static_loss = criterion(model(static_x), static_y)
         static_loss.backward()
         optimizer.step()
 
@@ -389,11 +413,13 @@ def bench_torch_graph(config, device, iters, warmup, tf32):
     return _timed(torch, dev, step, iters, warmup)
 
 
-def kernel_stats(step, iters):
+def kernel_stats(step, iters, match=None):
     """{kernels_per_iter, kernel_ms_per_iter} of ``iters`` calls of
     ``step(i)``, from CUPTI through PyTorch's profiler: every kernel the
     process runs (CuPy's, cuBLAS's, cuDNN's, inside CUDA graphs too);
     kernel time is the union of the kernel intervals (overlaps once).
+    ``match`` (a regular expression): also ``matched_ms_per_iter`` and
+    ``matched_kernels``, the kernels whose names it finds (case ignored).
     None without a CUDA build of PyTorch."""
     try:
         import torch
@@ -423,7 +449,14 @@ def kernel_stats(step, iters):
         total[0] += float(k.get("dur", 0))
         total[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return {"kernels_per_iter": round(len(kernels) / iters, 1),
+    matched = {}
+    if match is not None:
+        import re
+        matched = {"matched_ms_per_iter": round(sum(
+            us for name, (us, _) in by_name.items() if re.search(match, name, re.I))
+            / 1e3 / iters, 4), "matched_kernels": sorted(
+            name[:120] for name in by_name if re.search(match, name, re.I))}
+    return {**matched,"kernels_per_iter": round(len(kernels) / iters, 1),
             "kernel_ms_per_iter": round(busy_us / 1e3 / iters, 4),
             # where the kernel time goes: [name (cut to 120 characters),
             # ms per iteration, launches per iteration], the longest first
@@ -437,7 +470,7 @@ TOP_KERNELS = 15
 
 # ------------------------------------------------------------------ main ---
 
-def dry_run(configs, batches):
+def dry_run(configs, batches, precision="fp32"):
     """Build every net of both frameworks and run one iteration of each on
     the CPU; the JSON has the real keys and null figures."""
     from purine_mpi.job.job import job_of
@@ -447,7 +480,7 @@ def dry_run(configs, batches):
     results = []
     for path in configs:
         for batch in batches:
-            config = load(path, batch)
+            config = load(path, batch)   # the CPU computes ours in fp32
             graph, _ = build_train_graph(job_of(config))
             d = make_dispatcher(graph, seed=0)
             try:
@@ -463,8 +496,10 @@ def dry_run(configs, batches):
             torch_loss = None
             try:
                 import torch  # noqa: F401
-                torch_, dev, model, criterion, optimizer, x, y = _torch_setup(config, None, False)
-                loss_t = criterion(model(x), y)
+                torch_, dev, model, criterion, optimizer, x, y = _torch_setup(
+                    dict(config, precision=precision), None, False)
+                with autocast(torch_, dev, dict(config, precision=precision)):
+                    loss_t = criterion(model(x), y)
                 loss_t.backward()
                 optimizer.step()
                 torch_loss = float(loss_t.detach())
@@ -475,7 +510,7 @@ def dry_run(configs, batches):
                          dry_run_torch_loss=torch_loss)
             results.append(entry)
     return {"benchmark": "gpu_throughput", "dry_run": True, "device": "cpu (dry run: no "
-            "figures)", "batches": batches, "results": results}
+            "figures)", "precision": precision, "batches": batches, "results": results}
 
 
 #: the keys every entry of ``results`` has
@@ -495,6 +530,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--tf32", action="store_true", help="allow TF32 float32 math in both")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: ours in precision bf16, PyTorch channels-last under autocast")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines "
                     "(and the kernel profile, which needs PyTorch's profiler)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
@@ -509,7 +546,7 @@ def main(argv=None):
     if args.iters < 1 or args.warmup < 1 or min(batches) < 1:
         fail("--iters, --warmup and the batch sizes must be >= 1")
     if args.dry_run:
-        print(json.dumps(dry_run(args.configs, batches), indent=1))
+        print(json.dumps(dry_run(args.configs, batches, args.precision), indent=1))
         return 0
     cupy = require_gpu(args.device, not args.no_torch)
     props = cupy.cuda.runtime.getDeviceProperties(args.device)
@@ -534,15 +571,17 @@ def main(argv=None):
         versions["cudnn"] = torch.backends.cudnn.version()
     print(json.dumps({"benchmark": "gpu_throughput", "device": name, "device_index": args.device,
                       "batches": batches, "iters": args.iters, "warmup": args.warmup,
-                      "tf32": args.tf32, "versions": versions, "results": results}, indent=1))
+                      "tf32": args.tf32, "precision": args.precision, "versions": versions, "results": results}, indent=1))
     return 0
 
 
 def _entry(args, path, batch, profile):
     from purine_mpi.tools.bench import json_safe
-    config = load(path, batch)
+    precision = getattr(args, "precision", "fp32")
+    config = load(path, batch, precision, args.device)
     entry = {key: None for key in RESULT_KEYS}
-    entry.update(config=config["name"], batch=batch, path=os.path.relpath(path, REPO))
+    entry.update(config=config["name"], batch=batch, path=os.path.relpath(path, REPO),
+                 precision=precision)
     default = "graph" if "graph" in args.modes else "eager"
     for mode in args.modes:
         graph = mode == "graph"

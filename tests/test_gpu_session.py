@@ -16,7 +16,7 @@ from tests.conftest import REPO, cli_env
 
 BENCH = pathlib.Path(REPO) / "benchmarks"
 SCRIPT, PROBE, PINS = BENCH / "gpu_session.sh", BENCH / "gpu_probe.py", BENCH / "gpu_wheels.txt"
-STAGES = ["probe", "tests", "bench-quick", "bench", "dp", "plans"]
+STAGES = ["probe", "tests", "bench-quick", "bench", "dp", "plans", "gpt"]
 
 
 def _session(*args, env=None, timeout=120):

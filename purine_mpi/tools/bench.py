@@ -294,7 +294,8 @@ def throughput_flops(job, result, gpu_graph=None, world_size=1):
         from ..gpu.cudnn_tune import device_name
         import cupy
         dev = next(b.location.device for b in gpu_graph.blobs.values() if b.location.device >= 0)
-        device, precision = device_name(cupy, dev), "tf32" if job.tf32 else "fp32"
+        # the precision of the GEMMs (bf16, fp16, tf32, fp32): the peak of that kind
+        device, precision = device_name(cupy, dev), job.precision
     peak, source = device_peak(device, precision)
     out = mfu_fields(per_sample, result["images_per_s"], peak, source, precision, world_size,
                      per_device=device is not None)

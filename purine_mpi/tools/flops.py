@@ -24,9 +24,9 @@ import os
 import re
 
 #: dense peak FLOP/s per GPU by precision (NVIDIA's H100 SXM and H200
-#: datasheets, without sparsity): bf16, TF32 tensor cores and plain fp32
-GPU_PEAKS = {"H100": {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12},
-             "H200": {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}}
+#: datasheets, without sparsity): bf16 and fp16, TF32 tensor cores and plain fp32
+GPU_PEAKS = {"H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12},
+             "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 495e12, "fp32": 67e12}}
 
 
 def _size(shape):

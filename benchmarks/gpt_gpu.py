@@ -1,0 +1,418 @@
+#!/usr/bin/env python
+"""GPT training speed on one GPU in bf16: purine_mpi's ``jobs/gpt2_124m.yaml``
+against PyTorch with the same model, side by side in one run (issue 45).
+
+    python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
+        [--micro-batches 1] [--seq T] [--iters 10] [--warmup 3] [--rounds 2]
+        [--sides purine torch_eager torch_compile] [--profile-iters 3]
+        [--budget-s S] [--device 0]
+    python benchmarks/gpt_gpu.py --dry-run --config jobs/gpt_tiny.yaml
+        CPU smoke run at a tiny size: every side but torch.compile, no figures
+
+The sides, interleaved (round 1: each side once, in order; round 2: again;
+...), each ``--warmup`` untimed then ``--iters`` timed training steps of
+``--micro-batches`` micro-batches of ``--batch`` sequences of ``--seq``
+tokens (the job shortened: its 32 micro-batches of 16 would make one step
+take seconds):
+
+- ``purine``: ``bench``'s own timing loop (tools/bench.run_bench) of the job
+  with ``--set precision=bf16 device=N parallel.micro_batches=M
+  data.train.batch_size=B*M``, CUDA-graph replay as ``train`` runs it, on
+  a token file written from this repository's own sources (nothing is read
+  from the network);
+- ``torch_eager``: nanoGPT's model.py (benchmarks/gpt_torch.py's
+  ``torch_gpt``: the same sizes, ``F.scaled_dot_product_attention`` with
+  ``is_causal``, a tied lm_head) under ``torch.autocast(bfloat16)``, the job's
+  AdamW as ``torch.optim.AdamW(fused=True)``, clipping at the job's norm,
+  gradient accumulation over the micro-batches;
+- ``torch_compile``: the same under ``torch.compile`` (default mode).
+
+Every step is timed as ``bench`` times ours (to the end of the step, the
+median of the steps). One JSON object on stdout; per side in ``sides``:
+``tokens_per_s`` (median over the rounds; ``tokens_per_s_rounds`` each),
+``iter_ms_median``, ``mfu`` (the same model FLOPs per token for every side:
+PaLM's closed form from purine_mpi/tools/flops.py, ``model_flops_per_token``;
+against ``peak_flops_per_s``, the device's dense bf16 peak, named in
+``peak_source``), ``peak_memory_bytes`` (ours: ``bench --json``'s
+``device_peak_bytes``; PyTorch's: ``torch.cuda.max_memory_allocated`` over
+the side's set-up and steps, less what the other sides hold) and
+``attention_ms_per_iter`` (the attention's GPU time per step: PyTorch's from
+torch.profiler's kernels named like an attention kernel, listed in
+``attention_kernels``; ours from our own trace, the Attention ops' spans
+timed by CUDA events in an eager run; null with ``attention_note`` saying
+why when not measured). ``purine_vs_torch_eager`` / ``_compile``: the
+tokens/s ratios. ``--budget-s``: rounds after the first are skipped once
+that many seconds have passed (``cut_short``: "budget"), and a SIGTERM (a
+stage's ``timeout``) ends the run with the JSON of what was measured
+(``cut_short``: "terminated"), so the JSON comes back inside a session
+stage's budget.
+
+Without CuPy, a CUDA device and a CUDA PyTorch it exits 1 saying so (it
+never reports CPU figures as GPU ones); ``--dry-run`` runs every side but
+``torch_compile`` for one step on the CPU in fp32 (bf16 is a GPU setting of
+ours, so no autocast either), prints the same JSON with ``"dry_run": true``.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+SIDES = ("purine", "torch_eager", "torch_compile")
+#: kernel names of an attention in PyTorch (flash, memory-efficient, cuDNN SDPA)
+ATTENTION_KERNELS = r"flash|fmha|attention|sdpa|attn"
+
+
+class Terminated(Exception):
+    """A SIGTERM: report what was measured."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
+def fail(message):
+    print(f"gpt_gpu: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def token_file(directory):
+    """A byte-token file of this repository's Python sources (ids < 256 fit
+    any vocabulary): the data of our side, written here, nothing fetched."""
+    from purine_mpi.data.text import write_text
+    path = os.path.join(directory, "tokens.h5")
+    write_text(os.path.join(REPO, "purine_mpi"), path, glob="*.py", val_fraction=0.1)
+    return path
+
+
+def load(args, tokens, device, precision):
+    from purine_mpi.job.config import load_config
+    sets = [f"data.train.path={tokens}", f"data.test.path={tokens}",
+            f"parallel.micro_batches={args.micro_batches}",
+            f"data.train.batch_size={args.batch * args.micro_batches}",
+            f"device={device}", f"precision={precision}", "checkpoint.interval=0"]
+    if args.seq:
+        sets.append(f"data.train.sequence_length={args.seq}")
+    return load_config(args.config, overrides=sets, check_files=False)
+
+
+def flops_per_token(config):
+    """PaLM's closed form (tools/flops.py) of the job's one-micro-batch graph, and its words."""
+    from purine_mpi.job.job import job_of
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.tools.flops import gpt_closed_form, gpt_figures
+    graph, _ = build_train_graph(job_of(config))
+    n, layers, width, t = gpt_figures(graph)
+    return gpt_closed_form(n, layers, width, t), (
+        f"PaLM's 6N + 12*L*H*Q*T with N = {n:,} (the parameters without position "
+        f"embeddings, as nanoGPT's estimate_mfu), L = {layers}, H*Q = {width}, T = {t}")
+
+
+# ----------------------------------------------------------- purine_mpi ---
+
+def run_purine(config, args):
+    """``bench``'s loop: {tokens_per_s, iter_ms_median, peak_memory_bytes}."""
+    from purine_mpi.job.job import job_of
+    from purine_mpi.tools.bench import run_bench
+    res = run_bench(job_of(config), args.iters, args.warmup)
+    seq = config["data"]["train"]["sequence_length"]
+    peaks = res.get("device_peak_bytes") or {}
+    out = {"tokens_per_s": round(res["images_per_s"] * seq, 1),
+           "iter_ms_median": res["iter_ms_median"],
+           "peak_memory_bytes": int(peaks[str(args.device)]) if str(args.device) in peaks
+           else None, "peak_memory_source": "bench --json device_peak_bytes",
+           "cuda_graph": bool((res.get("cuda_graph") or {}).get("segments")),
+           "bench_mfu": res.get("mfu")}
+    _free_cupy()
+    return out
+
+
+def purine_attention(config, args):
+    """The Attention ops' time per step from our trace: an eager run (no
+    CUDA graphs: the stream dispatcher times each op with CUDA events)."""
+    from purine_mpi.comm.world import get_world
+    from purine_mpi.job.job import job_of
+    from purine_mpi.runtime.trace import Profiler
+    from purine_mpi.tools.bench import synthetic_config
+    from purine_mpi.train.trainer import Trainer
+    job = synthetic_config(job_of(dict(config, cuda_graph=False)))
+    steps = max(1, args.profile_iters)
+    job = job.with_training(max_iter=args.warmup + steps)
+    trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=get_world(),
+                      profile=False, log=lambda m: None)
+    try:
+        d = trainer.train
+        for it in range(args.warmup):
+            trainer.step(it)
+        d.drain()
+        d.profiler = Profiler(0)
+        for it in range(args.warmup, args.warmup + steps):
+            trainer.step(it)
+        d.drain()
+        events = d.profiler.events
+    finally:
+        trainer.close()
+        _free_cupy()
+    spans = [e for e in events if str(e.get("args", {}).get("op_type", "")).startswith(
+        "Attention")]
+    if not spans:
+        return None, "our trace has no Attention op spans"
+    where = "GPU (CUDA events)" if args.device >= 0 else "host (the CPU dry run)"
+    return round(sum(e["dur"] for e in spans) / 1e3 / steps, 4), (
+        f"our trace: the Attention ops' spans, timed on the {where}, eager dispatch, "
+        f"{steps} step(s)")
+
+
+def _free_cupy():
+    try:
+        from purine_mpi.base.backend import cupy_available
+        if cupy_available():
+            import cupy
+            cupy.get_default_memory_pool().free_all_blocks()
+    except ImportError:
+        pass
+
+
+# -------------------------------------------------------------- PyTorch ---
+
+class TorchSide:
+    """nanoGPT's model and fused AdamW on ``dev``, bf16 autocast; built once,
+    stepped in every round (``compiled``: under torch.compile)."""
+
+    def __init__(self, torch, config, dev, micro_batches, batch, compiled, precision):
+        import gpt_torch
+        self.torch, self.dev, self.config = torch, dev, config
+        self.solver = config["solver"]
+        before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        torch.manual_seed(int(config.get("seed", 0)))
+        self.model = gpt_torch.torch_gpt(config).to(dev).train()
+        self.opt = gpt_torch.adamw(self.model, self.solver, fused=dev.type == "cuda")
+        self.forward = torch.compile(self.model) if compiled else self.model
+        d, seq = gpt_torch.dims(config), config["data"]["train"]["sequence_length"]
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randint(0, min(256, d["vocab"]), (micro_batches, batch, seq + 1), generator=gen)
+        self.x, self.y = w[..., :-1].to(dev), w[..., 1:].to(dev)
+        self.dtype = torch.bfloat16 if precision == "bf16" else None   # the dry run: fp32
+        self.held_before, self.it = before, 0
+
+    def step(self):
+        torch = self.torch
+        for group in self.opt.param_groups:
+            group["lr"] = __import__("gpt_torch").lr_at(self.solver, self.it)
+        self.it += 1
+        m = self.x.shape[0]
+        for i in range(m):
+            ctx = torch.autocast(self.dev.type, dtype=self.dtype) if self.dtype else \
+                contextlib.nullcontext()
+            with ctx:
+                loss = self.forward(self.x[i], self.y[i]) / m
+            loss.backward()
+        if self.solver.get("clip_gradients"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.solver["clip_gradients"])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            self.torch.cuda.synchronize(self.dev)
+
+    def run(self, iters, warmup):
+        """Steps timed as bench times ours: each to its end, the median."""
+        for _ in range(warmup):
+            self.step()
+        self.sync()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            loss = self.step()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        x = self.x
+        return {"tokens_per_s": round(x.shape[0] * x.shape[1] * x.shape[2] / med, 1),
+                "iter_ms_median": round(1e3 * med, 3), "last_loss": float(loss.detach()) * x.shape[0]}
+
+    def peak_memory(self):
+        """The side's own peak: max_memory_allocated since its set-up, less what was held then."""
+        if self.dev.type != "cuda":
+            return None
+        return int(self.torch.cuda.max_memory_allocated(self.dev) - self.held_before)
+
+    def attention(self, steps):
+        """torch.profiler's attention kernels per step, or (None, why)."""
+        if self.dev.type != "cuda":
+            return None, "not measured: torch.profiler's CUDA kernels need a GPU"
+        from gpu_throughput import kernel_stats
+        stats = kernel_stats(lambda i: self.step(), steps, match=ATTENTION_KERNELS)
+        if not stats or not stats.get("matched_kernels"):
+            return None, "not measured: no kernel named like an attention kernel in the profile"
+        return stats["matched_ms_per_iter"], (
+            f"torch.profiler (CUPTI): kernels matching /{ATTENTION_KERNELS}/i, {steps} step(s): "
+            + ", ".join(stats["matched_kernels"]))
+
+
+# ------------------------------------------------------------------ main ---
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(REPO, "jobs", "gpt2_124m.yaml"))
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences per micro-batch (default 16, nanoGPT's; 2 with --dry-run)")
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None,
+                    help="tokens per sequence (default: the job's; 32 with --dry-run)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every side")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--no-compile", action="store_true", help="drop torch_compile")
+    ap.add_argument("--profile-iters", type=int, default=3,
+                    help="steps profiled for the attention's time (0: not measured)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the rounds after the first once this many seconds have passed")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke run at a tiny size (one step of each side but torch.compile)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    import signal
+    signal.signal(signal.SIGTERM, _terminated)
+    sides = [s for s in args.sides if not (s == "torch_compile" and
+                                           (args.no_compile or args.dry_run))]
+    import torch
+    if args.dry_run:
+        args.batch, args.seq = args.batch or 2, args.seq or 32
+        args.iters, args.warmup, args.rounds, args.device = 1, 1, 1, -1
+        args.profile_iters = min(args.profile_iters, 1)
+        dev, precision, device_name = torch.device("cpu"), "fp32", "cpu (dry run: no figures)"
+    else:
+        args.batch = args.batch or 16
+        from purine_mpi.base.backend import cupy_available
+        if not cupy_available():
+            fail("needs CuPy and a CUDA device (purine_mpi[gpu]); none found, so there is "
+                 "nothing to measure (--dry-run: the CPU smoke run)")
+        if not torch.cuda.is_available():
+            fail(f"torch {torch.__version__} sees no CUDA device (a CPU-only build?)")
+        dev, precision = torch.device("cuda", args.device), "bf16"
+        device_name = torch.cuda.get_device_name(dev)
+    if min(args.iters, args.warmup, args.rounds, args.batch, args.micro_batches) < 1:
+        fail("--iters, --warmup, --rounds, --batch and --micro-batches must be >= 1")
+    from purine_mpi.tools.flops import device_peak
+    with tempfile.TemporaryDirectory(prefix="gpt_gpu_") as tmp:
+        config = load(args, token_file(tmp), args.device, precision)
+        per_token, closed_form = flops_per_token(config)
+        peak, peak_source = device_peak(None if args.dry_run else device_name, "bf16")
+        if args.dry_run:
+            peak, peak_source = None, "dry run on the CPU: no peak, mfu is null"
+        torch_sides, rounds = {}, {s: [] for s in sides}
+        cut_short = None
+        try:
+            for r in range(args.rounds):
+                if r and args.budget_s is not None and \
+                        time.perf_counter() - t_start > args.budget_s:
+                    cut_short = "budget"
+                    break
+                for side in sides:
+                    print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
+                    if side == "purine":
+                        rounds[side].append(run_purine(config, args))
+                        continue
+                    if side not in torch_sides:
+                        torch_sides[side] = TorchSide(torch, config, dev, args.micro_batches,
+                                                      args.batch, side == "torch_compile",
+                                                      precision)
+                    res = torch_sides[side].run(args.iters, args.warmup)
+                    if r == 0:
+                        res["peak_memory_bytes"] = torch_sides[side].peak_memory()
+                    rounds[side].append(res)
+        except Terminated:
+            cut_short = "terminated"
+        out_sides = {}
+        for side in [s for s in sides if rounds[s]]:
+            runs = rounds[side]
+            tps = [r["tokens_per_s"] for r in runs]
+            med = statistics.median(tps)
+            entry = {"tokens_per_s": round(med, 1), "tokens_per_s_rounds": tps,
+                     "iter_ms_median": statistics.median(r["iter_ms_median"] for r in runs),
+                     "model_flops_per_token": per_token,
+                     "achieved_flops_per_s": round(per_token * med, 1),
+                     "mfu": None if not peak else round(per_token * med / peak, 4),
+                     "peak_memory_bytes": runs[0].get("peak_memory_bytes"),
+                     "peak_memory_source": runs[0].get(
+                         "peak_memory_source", "torch.cuda.max_memory_allocated over the "
+                         "side's set-up and steps, less what was held before it"),
+                     "attention_ms_per_iter": None, "attention_note": None}
+            if side == "purine":
+                entry["cuda_graph"] = runs[0]["cuda_graph"]
+                entry["bench_mfu"] = runs[0]["bench_mfu"]
+            else:
+                entry["last_loss"] = runs[-1]["last_loss"]
+            out_sides[side] = entry
+        # the attention's time, after the timed rounds (profiling slows what it watches)
+        for side in out_sides:
+            entry = out_sides[side]
+            if not cut_short and args.budget_s is not None and \
+                    time.perf_counter() - t_start > args.budget_s:
+                cut_short = "budget"
+            if not args.profile_iters:
+                entry["attention_note"] = "not measured (--profile-iters 0)"
+                continue
+            if cut_short:
+                entry["attention_note"] = f"not measured: the run was cut short ({cut_short})"
+                continue
+            try:
+                if side == "purine":
+                    ms, note = purine_attention(config, args)
+                else:
+                    ms, note = torch_sides[side].attention(args.profile_iters)
+            except Terminated:
+                cut_short, ms, note = "terminated", None, "not measured: terminated"
+            except Exception as exc:  # a profile that fails is reported, not fatal
+                ms, note = None, f"not measured: {type(exc).__name__}: {exc}".splitlines()[0]
+            entry["attention_ms_per_iter"], entry["attention_note"] = ms, note
+    spec = config["data"]["train"]
+    report = {"benchmark": "gpt_gpu", "dry_run": bool(args.dry_run), "device": device_name,
+              "config": os.path.relpath(os.path.abspath(args.config), REPO),
+              "precision": precision, "batch": args.batch, "micro_batches": args.micro_batches,
+              "sequence_length": spec["sequence_length"],
+              "tokens_per_step": args.batch * args.micro_batches * spec["sequence_length"],
+              "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+              "cut_short": cut_short, "model_flops_per_token": per_token,
+              "closed_form": closed_form, "peak_flops_per_s": peak, "peak_source": peak_source,
+              "versions": _versions(torch), "sides": out_sides}
+    for theirs in ("torch_eager", "torch_compile"):
+        if "purine" in out_sides and theirs in out_sides and out_sides[theirs]["tokens_per_s"]:
+            report[f"purine_vs_{theirs}"] = round(
+                out_sides["purine"]["tokens_per_s"] / out_sides[theirs]["tokens_per_s"], 3)
+    print(json.dumps(report, indent=1))
+    torch_sides.clear()
+    gc.collect()
+    return 0
+
+
+def _versions(torch):
+    out = {"torch": torch.__version__, "numpy": np.__version__}
+    try:
+        import cupy
+        out["cupy"] = cupy.__version__
+    except ImportError:
+        out["cupy"] = None
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
