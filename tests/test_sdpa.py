@@ -95,7 +95,8 @@ def test_the_emulated_sdpa_matches_torch_in_float64(host_build_dir, monkeypatch,
     assert fwd["q"].stride == [t * 3 * c, d, 3 * c, 1] and fwd["q"].data_type == "bfloat16"
 
 
-def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6):
+def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6,
+            cuda_graph=False):
     """The losses of a 2-block GPT in bf16 on the emulated device, with the
     emulated frontend (``sdpa_on``) or PURINE_SDPA=0; and the log."""
     from tests.test_precision import _ours_on_the_emulated_device
@@ -113,7 +114,7 @@ def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6)
                                                                      heads=heads)))
     capsys.readouterr()
     _, losses, _ = _ours_on_the_emulated_device(monkeypatch, host_build_dir, "bf16", toks,
-                                                iters)
+                                                iters, cuda_graph=cuda_graph)
     return losses, capsys.readouterr().err, fake
 
 
@@ -129,6 +130,20 @@ def test_a_bf16_gpt_runs_cudnn_sdpa_and_tracks_the_cublas_path(host_build_dir, m
     assert log_off.count("not cuDNN's fused attention (PURINE_SDPA=0)") == 2  # per op type
     np.testing.assert_allclose(on, off, rtol=2e-2)
     assert on != off   # another kernel: another rounding
+
+
+def test_the_sdpa_plans_are_built_before_the_capture_and_replayed(host_build_dir,
+                                                                   monkeypatch, capsys):
+    """In the whole-iteration CUDA graph: the plans are built at setup (the
+    emulated frontend refuses building inside a capture), the executions
+    are captured and replayed with the iteration: the same losses, bit for
+    bit, as the eager run."""
+    eager, _, _ = _losses(monkeypatch, host_build_dir, capsys, 16, 2, True, iters=4)
+    graphed, log, fake = _losses(monkeypatch, host_build_dir, capsys, 16, 2, True, iters=4,
+                                 cuda_graph=True)
+    assert "fused attention (SDPA" in log and fake.executed
+    assert [g.ops[0][0] for g in fake.graphs] == ["sdpa", "sdpa_backward"]
+    assert graphed == eager
 
 
 def test_the_pass_keeps_the_statistics_for_the_gradient():

@@ -48,7 +48,6 @@ says so, once per op type and reason. ``PURINE_SDPA=0`` turns the path off.
 Nothing here imports ``cudnn`` or CuPy at import time.
 """
 import math
-import os
 import sys
 import threading
 
@@ -87,7 +86,8 @@ def frontend():
         if _state["checked"]:
             return _state["module"]
     module, why = None, None
-    if os.environ.get("PURINE_SDPA", "1") == "0":
+    from ..base import env
+    if not env.get("PURINE_SDPA"):
         why = "PURINE_SDPA=0"
     else:
         try:
