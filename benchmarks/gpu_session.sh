@@ -59,7 +59,7 @@ set -u
 
 # stage  budget_s  what (the --plan table; the budgets sum to at most 600 s)
 PLAN="probe|60|install the carried wheels, then the assumptions, PASS/FAIL each (gpu_probe.py, under a minute)
-tests|120|pytest -m gpu
+tests|120|pytest -m gpu (cuDNN SDPA fwd/bwd against float64 included: tests/test_sdpa.py)
 bench-quick|45|cifar10_quick, batch 128, against PyTorch eager and CUDA graph
 bench|150|both configs, batches 128 and 512, torch.compile too
 dp|45|bench on 1 and 2 ranks (MPI), 2 ranks with backend auto

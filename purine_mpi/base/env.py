@@ -129,6 +129,9 @@ VARS = {v.name: v for v in [
         "whether MPI moves GPU memory directly", gpu_only=True),
     Var("PURINE_CONV", "one of auto, cudnn, im2col", "auto", _choice("auto", "cudnn", "im2col"),
         "the GPU convolution path", gpu_only=True),
+    Var("PURINE_SDPA", FLAG, True, _flag,
+        "bf16/fp16 fused attention through cuDNN's SDPA where it takes the shape (0: the "
+        "cuBLAS + softmax-kernel path)", gpu_only=True),
     Var("PURINE_FC_EPILOGUE", "one of kernel, cublaslt", "kernel", _choice("kernel", "cublaslt"),
         "a fully connected layer's bias and ReLU when run eagerly: our kernel, or the "
         "cuBLASLt epilogue (nvmath allocates its result at each call)", gpu_only=True),

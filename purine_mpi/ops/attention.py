@@ -266,28 +266,71 @@ def _scores_spec(qkv, heads):
     return ((n, heads, t, t), qkv.dtype)
 
 
+def _sdpa_key(kernel, qkv):
+    """The SDPA plan key of an op marked ``sdpa`` (parallel/precision.py) in
+    bf16/fp16 whose arrays live on a GPU, else None (today's path)."""
+    dtype = kernel.attrs.get("compute_dtype")
+    if not kernel.attrs.get("sdpa") or dtype not in ("bfloat16", "float16") \
+            or get_xp(qkv) is np or qkv.dtype != np.float32:
+        return None
+    n, t, _, h, d = _dims(kernel.attrs, qkv.shape)
+    return (n, h, t, d, dtype, bool(kernel.attrs.get("causal", True)), 0.0)
+
+
+def _sdpa_plans(kernel, qkv):
+    """The op's cuDNN SDPA plans (gpu/sdpa.py), or None: today's path."""
+    key = _sdpa_key(kernel, qkv)
+    if key is None:
+        return None
+    from ..gpu import sdpa
+    from ..gpu.raw import array_device
+    return sdpa.plans(kernel.op_type, array_device(qkv), key)
+
+
 @register
 class Attention(_AttentionKernel):
-    """[qkv] -> [ctx]: the fused path, softmax(q k^T / sqrt(D)) v in one op,
-    the probabilities in the op's scratch only; see the module docstring."""
+    """[qkv] -> [ctx] (or [ctx, stats] when marked ``sdpa``): the fused
+    path, softmax(q k^T / sqrt(D)) v in one op, the probabilities in the
+    op's scratch only; see the module docstring. In bf16/fp16 on a GPU,
+    cuDNN's fused attention (gpu/sdpa.py) where it takes the shape, writing
+    the softmax statistics (log-sum-exp, (N, H, T, 1) float32) to ``stats``
+    for the gradient; elsewhere ``stats`` is not written (the gradient
+    recomputes the probabilities)."""
 
     op_type = "Attention"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
+    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
+    _sdpa = None
+
+    def __init__(self, op):
+        super().__init__(op)
+        if op.attrs.get("sdpa"):
+            self.fp32_outputs = (1,)   # the statistics stay float32 (ops/registry.py)
 
     @classmethod
     def infer(cls, attrs, ins):
-        n, t, c, _, _ = _dims(attrs, ins[0][0])
-        return [((n, t, c), ins[0][1])]
+        n, t, c, h, _ = _dims(attrs, ins[0][0])
+        outs = [((n, t, c), ins[0][1])]
+        if attrs.get("sdpa"):
+            outs.append(((n, h, t, 1), "float32"))
+        return outs
 
     def setup(self, ins, outs):
-        self.setup_mask(ins[0], ins[0].shape[1])
+        self._sdpa = _sdpa_plans(self, ins[0])
+        if self._sdpa is None:
+            self.setup_mask(ins[0], ins[0].shape[1])
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
+        if self._sdpa is not None:
+            return self._sdpa.scratch_specs(backward=False)
         return [_scores_spec(ins[0], int(self.attrs["num_heads"]))]
 
     def run(self, ins, outs):
         qkv = ins[0]
+        if self._sdpa is not None:
+            self._sdpa.forward(qkv, outs[0], outs[1],
+                               self.temporaries(qkv, *self.scratch_specs(ins, outs)))
+            return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
@@ -299,24 +342,37 @@ class Attention(_AttentionKernel):
 
 @register
 class AttentionGrad(_AttentionKernel):
-    """[dctx, qkv] -> [dqkv], recomputing S and P; see the module docstring."""
+    """[dctx, qkv] (or [dctx, qkv, ctx, stats] when marked ``sdpa``) ->
+    [dqkv], recomputing S and P; see the module docstring. On the SDPA path
+    (gpu/sdpa.py; the same plans as its forward op's, so both take it or
+    neither) cuDNN's backward from the forward's ctx and statistics."""
 
     op_type = "AttentionGrad"
-    products = True   # cuBLAS on a GPU (gpu/blas.py)
+    products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
+    _sdpa = None
 
     @classmethod
     def infer(cls, attrs, ins):
         return [ins[1]]
 
     def setup(self, ins, outs):
-        self.setup_mask(ins[1], ins[1].shape[1])
+        self._sdpa = _sdpa_plans(self, ins[1])
+        if self._sdpa is None:
+            self.setup_mask(ins[1], ins[1].shape[1])
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
+        if self._sdpa is not None:
+            return self._sdpa.scratch_specs(backward=True)
         return [_scores_spec(ins[1], int(self.attrs["num_heads"]))] * 2
 
     def run(self, ins, outs):
-        dctx, qkv = ins
+        dctx, qkv = ins[:2]
+        if self._sdpa is not None:
+            ctx, stats = ins[2:4]
+            self._sdpa.backward(dctx, qkv, ctx, stats, outs[0],
+                                self.temporaries(qkv, *self.scratch_specs(ins, outs)))
+            return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)

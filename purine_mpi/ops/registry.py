@@ -245,12 +245,19 @@ def _skippable(kernel, flag):
 
 def _round_outputs(kernel, dtype):
     """Make ``kernel`` round its float32 outputs to ``dtype`` after each run,
-    through scratch reserved in its setup (nothing allocated in a capture)."""
+    through scratch reserved in its setup (nothing allocated in a capture),
+    but those whose indices the kernel lists in ``fp32_outputs`` (the
+    attention statistics: float32 by definition)."""
     from ..base.precision import round_to, scratch_spec
     setup, run = kernel.setup, kernel.run
 
+    keep = set(getattr(kernel, "fp32_outputs", ()))   # outputs that stay float32
+
+    def rounded(outs):
+        return [o for i, o in enumerate(outs) if o.dtype == np.float32 and i not in keep]
+
     def specs(outs):
-        return [scratch_spec(o.shape, dtype) for o in outs if o.dtype == np.float32]
+        return [scratch_spec(o.shape, dtype) for o in rounded(outs)]
 
     def rounded_setup(ins, outs):
         setup(ins, outs)
@@ -259,7 +266,7 @@ def _round_outputs(kernel, dtype):
 
     def rounded_run(ins, outs):
         result = run(ins, outs)
-        floats = [o for o in outs if o.dtype == np.float32]
+        floats = rounded(outs)
         if floats:
             for out, scratch in zip(floats, kernel.temporaries(floats[0], *specs(floats))):
                 round_to(out, dtype, scratch)

@@ -27,6 +27,11 @@ made from the masters each iteration, the copy is no state of its own
 The storage stays float32: the copies and outputs hold bfloat16 (float16)
 values, the numbers a GPU's bf16 GEMM with float32 accumulation gives.
 
+A fused ``Attention`` op in bf16/fp16 and its gradient are marked ``sdpa``
+(``keep_attention_stats``): on a GPU they run cuDNN's fused attention
+where it takes the shape (gpu/sdpa.py), the forward keeping the softmax
+statistics as a second output for the backward.
+
 Each op records its dtype in ``attrs["compute_dtype"]`` and each blob
 holding low-precision values in ``attrs["precision"]``; ``dtype_table``
 lists them (the ``graph`` command shows them).
@@ -71,7 +76,40 @@ def apply_precision(graph, precision):
             for b in op.outputs:
                 if graph.blobs[b].dtype == "float32":
                     graph.blobs[b].attrs["precision"] = dtype
+    keep_attention_stats(graph)
     graph.infer_shapes()
+    return marked
+
+
+def keep_attention_stats(graph):
+    """Mark each low-precision fused ``Attention`` op and its gradient
+    ``sdpa`` (gpu/sdpa.py: cuDNN's fused attention where it takes the
+    shape): the forward gets a second output ``<ctx>.stats``, the softmax
+    statistics ((N, H, T, 1) float32, no ``precision``: they stay float32),
+    which the gradient reads with ctx, so the memory planner keeps both live
+    from the forward to the backward. Returns the names of the ops marked."""
+    readers = {}
+    for op in graph.ops.values():
+        if op.op_type == "AttentionGrad":
+            readers.setdefault(op.inputs[1], []).append(op)
+    marked = []
+    for op in list(graph.ops.values()):
+        if op.op_type != "Attention" or op_dtype(op) == "float32" or op.attrs.get("sdpa") \
+                or len(op.outputs) != 1:
+            continue
+        ctx = op.outputs[0]
+        stats = graph.free_name(f"{ctx}.stats")
+        graph.add_blob(stats, None, "float32", op.location, kind="data",
+                       attrs={"stats_of": ctx})
+        op.outputs.append(stats)
+        op.attrs["sdpa"] = True
+        marked.append(op.name)
+        for grad in readers.get(op.inputs[0], []):
+            if len(grad.inputs) == 2 and grad.attrs.get("causal", True) == \
+                    op.attrs.get("causal", True):
+                grad.inputs += [ctx, stats]
+                grad.attrs["sdpa"] = True
+                marked.append(grad.name)
     return marked
 
 

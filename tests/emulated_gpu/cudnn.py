@@ -67,13 +67,17 @@ class FakeCudnn(types.ModuleType):
 
     def __init__(self, unsupported=(), engines=ENGINES, version=91900):
         super().__init__("cudnn")
-        self.data_type = types.SimpleNamespace(FLOAT="float32")
+        self.data_type = types.SimpleNamespace(FLOAT="float32", BFLOAT16="bfloat16",
+                                               HALF="float16", INT64="int64")
+        self.diagonal_alignment = types.SimpleNamespace(TOP_LEFT="TOP_LEFT",
+                                                        BOTTOM_RIGHT="BOTTOM_RIGHT")
         self.heur_mode = types.SimpleNamespace(A="A", FALLBACK="FALLBACK")
         self.numerical_note = types.SimpleNamespace(NONDETERMINISTIC="NONDETERMINISTIC",
                                                     TENSOR_CORE="TENSOR_CORE")
         self.build_plan_policy = types.SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE",
                                                        ALL="ALL")
         self.unsupported = set(unsupported)   # op names whose graphs have no plan
+        self.sdpa_max_head = 128   # Ampere's backward bound (Hopper: 256)
         self.engines, self.version = list(engines), version
         self.graphs, self.streams, self.executed = [], [], []
         outer = self
@@ -81,6 +85,7 @@ class FakeCudnn(types.ModuleType):
         class Tensor:
             def __init__(self, name, dim=None, stride=None, data_type=None, op=None):
                 self.name, self.dim, self.stride, self.op = name, dim, stride, op
+                self.data_type = data_type or "float32"
                 self.output = False
 
             def set_output(self, flag):
@@ -96,6 +101,7 @@ class FakeCudnn(types.ModuleType):
                 return self
 
             def set_data_type(self, data_type):
+                self.data_type = data_type
                 return self
 
         class PyGraph:
@@ -138,6 +144,24 @@ class FakeCudnn(types.ModuleType):
             def leaky_relu_backward(self, loss, input, negative_slope, name=""):
                 return self._op("relu_backward", loss=loss, input=input, slope=negative_slope)
 
+            def sdpa(self, q, k, v, attn_scale=None, generate_stats=None,
+                     diagonal_alignment="TOP_LEFT", diagonal_band_right_bound=None,
+                     dropout=None, name=""):
+                """[O, stats] (the real one's signature, the arguments used here)."""
+                kw = dict(q=q, k=k, v=v, scale=attn_scale, causal=diagonal_band_right_bound == 0,
+                          align=diagonal_alignment, dropout=dropout, stats=bool(generate_stats))
+                self.ops.append(("sdpa", kw))
+                return [Tensor("O", op=("sdpa", kw)), Tensor("Stats", op=("sdpa", kw))]
+
+            def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None,
+                              diagonal_alignment="TOP_LEFT", diagonal_band_right_bound=None,
+                              dropout=None, use_deterministic_algorithm=False, name=""):
+                kw = dict(q=q, k=k, v=v, o=o, do=dO, stats=stats, scale=attn_scale,
+                          causal=diagonal_band_right_bound == 0, align=diagonal_alignment,
+                          dropout=dropout, deterministic=use_deterministic_algorithm)
+                self.ops.append(("sdpa_backward", kw))
+                return [Tensor(n, op=("sdpa_backward", kw)) for n in ("dQ", "dK", "dV")]
+
             def validate(self):
                 self.calls.append("validate")
 
@@ -157,6 +181,12 @@ class FakeCudnn(types.ModuleType):
                 _refuse_in_capture("check_support")
                 self.calls.append("check_support")
                 kinds = {k for k, _ in self.ops}
+                for kind, kw in self.ops:   # cuDNN's SDPA support surface (Attention.md)
+                    if kind.startswith("sdpa"):
+                        d = kw["q"].dim[3]
+                        if d % 8 or d > outer.sdpa_max_head:
+                            raise RuntimeError(f"cudnn: SDPA head dim {d} unsupported (a "
+                                               f"multiple of 8, at most {outer.sdpa_max_head})")
                 if kinds & outer.unsupported or not self.plans:
                     raise RuntimeError(f"no plan for {sorted(kinds & outer.unsupported)}")
 
@@ -211,6 +241,9 @@ class FakeCudnn(types.ModuleType):
                     GPU_CLOCK["ms"] += cost
                     if stream is not None:
                         stream.device.busy_ms += cost
+                    if self.ops and self.ops[0][0].startswith("sdpa"):
+                        sdpa_execute(self, pack)
+                        return
                     arrays = {t: from_address(p, t.dim, np.float32) for t, p in pack.items()
                               if t.op is None or t.output}
                     (out,) = [t for t in pack if t.output]
@@ -266,3 +299,120 @@ class FakeCudnn(types.ModuleType):
 def _refuse_in_capture(what):
     if capture.is_capturing():
         raise RuntimeError(f"{BUILD_REFUSED}: {what}")
+
+
+# ---------------------------------------------------------------- SDPA
+def strided(ptr, dim, stride, data_type):
+    """The host memory at ``ptr`` as an array of ``dim`` with element
+    ``stride``, in the storage of ``data_type`` (bfloat16: uint16)."""
+    storage = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32,
+               "int64": np.int64}[data_type]
+    span = 1 + sum((int(d) - 1) * int(s) for d, s in zip(dim, stride))
+    base = from_address(ptr, (span,), storage)
+    item = np.dtype(storage).itemsize
+    return np.lib.stride_tricks.as_strided(base, tuple(dim),
+                                           tuple(int(s) * item for s in stride))
+
+
+def decode(x, data_type):
+    """float32 values of 16-bit storage (bfloat16: the upper half)."""
+    if data_type == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def encode(x, data_type):
+    """16-bit storage of float32 values, rounded to nearest even."""
+    from purine_mpi.base.precision import round_to, scratch_spec
+    x = np.array(x, dtype=np.float32)
+    if data_type == "bfloat16":
+        shape, dt = scratch_spec(x.shape, "bfloat16")
+        round_to(x, "bfloat16", np.empty(shape, dt))
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(np.float16)
+
+
+def sdpa_reference(q, k, v, scale, causal, data_type, dropout=None):
+    """cuDNN's SDPA forward on float32 values of ``data_type`` (B, H, T, D):
+    S = scale q k^T in float32, -inf where j > i (top-left causal), stats =
+    max + ln sum exp(S - max), P = exp(S - stats) rounded to the io type for
+    the second product (FlashAttention-2 feeds P to it in the io type), then
+    dropout (mask / (1 - p)), O = P v accumulated in float32 and rounded."""
+    s = np.einsum("bhid,bhjd->bhij", q, k, dtype=np.float32) * np.float32(scale)
+    if causal:
+        t = s.shape[-1]
+        s = np.where(np.triu(np.ones((t, t), bool), 1), np.float32(-np.inf), s)
+    m = s.max(axis=-1, keepdims=True)
+    stats = m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True))
+    p = np.exp(s - stats)
+    if dropout is not None:
+        p = p * dropout
+    p16 = decode(encode(p, data_type), data_type)
+    o = np.einsum("bhij,bhjd->bhid", p16, v, dtype=np.float32)
+    return o.astype(np.float32), stats.astype(np.float32), p
+
+
+def sdpa_backward_reference(q, k, v, o, do, stats, scale, causal, data_type, dropout=None):
+    """cuDNN's SDPA backward from the forward's stats: P = exp(S - stats)
+    (S recomputed, masked), D = rowsum(dO * O), dP = dO v^T (times the
+    dropout mask / (1 - p)), dS = P (dP - D), dq = scale dS k,
+    dk = scale dS^T q, dv = (P with dropout)^T dO, in float32."""
+    s = np.einsum("bhid,bhjd->bhij", q, k, dtype=np.float32) * np.float32(scale)
+    if causal:
+        t = s.shape[-1]
+        s = np.where(np.triu(np.ones((t, t), bool), 1), np.float32(-np.inf), s)
+    p = np.exp(s - stats)
+    pd = p if dropout is None else p * dropout
+    dv = np.einsum("bhij,bhid->bhjd", decode(encode(pd, data_type), data_type), do)
+    dp = np.einsum("bhid,bhjd->bhij", do, v, dtype=np.float32)
+    if dropout is not None:
+        dp = dp * dropout
+    delta = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = np.einsum("bhij,bhjd->bhid", ds, k) * np.float32(scale)
+    dk = np.einsum("bhij,bhid->bhjd", ds, q) * np.float32(scale)
+    return dq.astype(np.float32), dk.astype(np.float32), dv.astype(np.float32)
+
+
+def dropout_mask(shape, ratio, seed, offset):
+    """The emulation's keep-mask scaled by 1/(1 - p): drawn from our Philox
+    (base/philox.py) keyed by the seed and counted by the offset. A
+    stand-in: the real one's bits are cuDNN's Philox mapping; what is
+    emulated is that the forward and the backward of one (seed, offset)
+    draw the same mask and another offset another one."""
+    from purine_mpi.base.philox import keep_mask
+    seed = int(seed)
+    keep = keep_mask(shape, ratio, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, 0,
+                     int(offset))
+    return keep.astype(np.float32) / np.float32(1.0 - ratio)
+
+
+def sdpa_execute(graph, pack):
+    """Run an SDPA forward or backward graph on the pack's host memory."""
+    kind, kw = graph.ops[0]
+    by_name = {t.name: (t, p) for t, p in pack.items()}
+    view = {}
+    for t, p in pack.items():
+        view[t.name] = strided(p, t.dim, t.stride, t.data_type)
+    io = kw["q"].data_type
+
+    def value(t):
+        return decode(view[t.name], io)
+
+    q, k, v = value(kw["q"]), value(kw["k"]), value(kw["v"])
+    mask = None
+    if kw["dropout"] is not None:
+        ratio, seed_t, offset_t = kw["dropout"]
+        mask = dropout_mask(q.shape[:3] + (k.shape[2],), ratio,
+                            view[seed_t.name].reshape(-1)[0], view[offset_t.name].reshape(-1)[0])
+    if kind == "sdpa":
+        o, stats, _ = sdpa_reference(q, k, v, kw["scale"], kw["causal"], io, mask)
+        view["O"][...] = encode(o, io)
+        if "Stats" in by_name:
+            view["Stats"][...] = stats
+        return
+    o, do = value(kw["o"]), value(kw["do"])
+    stats = view[kw["stats"].name].astype(np.float32)
+    grads = sdpa_backward_reference(q, k, v, o, do, stats, kw["scale"], kw["causal"], io, mask)
+    for name, g in zip(("dQ", "dK", "dV"), grads):
+        view[name][...] = encode(g, io)
