@@ -84,6 +84,9 @@ CASES = [
     ("one call", (30, 40), (40, 50)),              # too small to cut
     ("batched", (1, 32, 800), (9, 1, 800, 64)),    # conv forward: w against each sample
     ("batch of 1", (1, 2, 300, 200), (2, 200, 120)),
+    # a batch of one whose matrix is cut along K: the pieces add into out[0]
+    # (AlexNet-style conv1 weight gradient under micro-batches)
+    ("batch of 1, inner", (1, 32, 20000), (1, 20000, 75)),
     ("transposed view", (2000, 640), (2000, 48)),  # a.T @ b: fc's weight gradient
 ]
 

@@ -97,36 +97,36 @@ def matmul(xp, a, b, out=None):
         shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
         out = np.empty(shape, dtype=np.result_type(a, b))
     count = threads()
-    jobs, stack = _jobs(a, b, out, count)
+    jobs, stack, target = _jobs(a, b, out, count)
     if count == 1 or len(jobs) == 1:
         for x, y, o in jobs:
             np.matmul(x, y, out=o)
     else:
         _run(jobs, count)
     if stack is not None:  # the inner size's pieces, added in their order
-        np.add.reduce(stack, axis=0, out=out)
+        np.add.reduce(stack, axis=0, out=target)
     return out
 
 
 def _jobs(a, b, out, count):
-    """([(a part, b part, out part)], stack): a 2-D product cut by
+    """([(a part, b part, out part)], stack, target): a 2-D product cut by
     ``plan`` (``stack``: where the pieces of an inner-size cut go, else
-    None); a batched one's leading batch axis in ``count`` consecutive
-    parts."""
+    None; ``target``: the 2-D array they add up into); a batched one's
+    leading batch axis in ``count`` consecutive parts."""
     if out.ndim == 2:
         axis, cuts = plan(out.shape[0], out.shape[1], a.shape[-1])
         if axis == 0:
-            return [(a[s], b, out[s]) for s in cuts], None
+            return [(a[s], b, out[s]) for s in cuts], None, out
         if axis == 1:
-            return [(a, b[:, s], out[:, s]) for s in cuts], None
+            return [(a, b[:, s], out[:, s]) for s in cuts], None, out
         stack = _scratch((len(cuts),) + out.shape, out.dtype)
-        return [(a[:, s], b[s], stack[i]) for i, s in enumerate(cuts)], stack
+        return [(a[:, s], b[s], stack[i]) for i, s in enumerate(cuts)], stack, out
     batch = out.shape[0]
     if batch == 1:  # the matrices of the next axis, or one 2-D product
         return _jobs(_part(a, out, 0), _part(b, out, 0), out[0], count)
     size = -(-batch // count)
     return [(_part(a, out, slice(s, s + size)), _part(b, out, slice(s, s + size)),
-             out[s:s + size]) for s in range(0, batch, size)], None
+             out[s:s + size]) for s in range(0, batch, size)], None, out
 
 
 def _scratch(shape, dtype):
