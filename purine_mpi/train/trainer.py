@@ -180,8 +180,9 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world = get_world()
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
-    # the baseline of memory.json: after the imports and MPI's initialisation,
-    # before any graph is built
+    # the baseline of memory.json: after the imports (h5py: the data files and
+    # checkpoints load it later) and MPI's initialisation, before any graph
+    import h5py  # noqa: F401
     baseline = rss_bytes()
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
