@@ -80,7 +80,8 @@ def test_footprint_is_what_the_workspaces_allocate(name, size, sets, email):
     job = _job(name, email if name.startswith("gpt") else None, *sets)
     for rank in range(size):
         fp, allocated, plans = _workspaces_bytes(job, size, rank)
-        assert fp.host_total - fp.host["windows"] == allocated, (name, sets, rank)
+        assert fp.host_total - fp.host["windows"] - fp.host["data_pool"] == allocated, \
+            (name, sets, rank)
         if plans.host is not None:
             assert fp.peak["arena_bytes"] == plans.host.total_bytes
             assert 0 < fp.peak["live_bytes"] <= fp.peak["arena_bytes"]
@@ -135,9 +136,10 @@ def test_refused_before_launch_with_a_setting_that_fits(tmp_path):
     naming the peak op and a batch size; that batch size passes the check
     (and trains)."""
     job = os.path.join(JOBS, "cifar10_quick.yaml")
+    small = ["--set", "data.train.num_samples=200"]  # a 2.3 MiB data pool, not 59 MiB
     t0 = time.monotonic()
     out = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "a"),
-                               "--host-memory", "10MiB"],
+                               "--host-memory", "10MiB"] + small,
                          capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     assert out.returncode == 2, out.stderr
@@ -150,11 +152,11 @@ def test_refused_before_launch_with_a_setting_that_fits(tmp_path):
     assert 0 < batch < 100
     ok = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "b"),
                               "--host-memory", "10MiB", "--set",
-                              f"data.train.batch_size={batch}"],
+                              f"data.train.batch_size={batch}"] + small,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     skip = subprocess.run(PY + ["train", job, "--iters", "1", "--out", str(tmp_path / "c"),
-                                "--host-memory", "10MiB", "--no-memory-check"],
+                                "--host-memory", "10MiB", "--no-memory-check"] + small,
                           capture_output=True, text=True, timeout=120)
     assert skip.returncode == 0, skip.stderr
 

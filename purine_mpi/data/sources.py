@@ -37,6 +37,8 @@ from .h5links import check_sources, link_outside
 #: synthetic sources hold at most this many bytes of distinct samples and
 #: repeat them beyond (benchmarks with ImageNet-sized shapes stay small)
 SYNTHETIC_POOL_BYTES = 64 << 20
+#: the block of samples a synthetic pool is made in (its one temporary)
+SYNTHETIC_BLOCK_BYTES = 4 << 20
 
 
 # ------------------------------------------------------------------ sources
@@ -304,7 +306,12 @@ class SyntheticSource(DataSource):
         self.labels = rng.integers(0, self.classes, size=self.n_samples, dtype=np.int64)
         noise = rng.standard_normal((pool,) + self.sample_shape, dtype=np.float32)
         self.pool = noise
-        self.pool += centers[self.labels[:pool]]
+        # the centers added a block of samples at a time: a whole-pool
+        # temporary would double the source's peak (plan's data pool row
+        # counts the pool once)
+        step = max(1, SYNTHETIC_BLOCK_BYTES // max(sample_bytes, 1))
+        for i in range(0, pool, step):
+            self.pool[i:i + step] += centers[self.labels[i:i + step]]
         self.pool_size = pool
         if pool < self.n_samples:  # repeated samples keep their pool sample's label
             self.labels = self.labels[np.arange(self.n_samples) % pool]
@@ -404,6 +411,39 @@ def source_info(spec):
         return int(spec.get("num_samples", 1024)), tuple(int(s) for s in spec["shape"])
     raise UserError(f"unknown data source {kind!r}; expected 'hdf5', 'lmdb', 'text' or "
                     "'synthetic'")
+
+
+def resident_bytes(spec):
+    """(key, bytes) of what the source of data spec ``spec`` holds in memory
+    for the whole run, by the rules of its class, reading only metadata:
+    an HDF5 split loaded into memory (``HDF5Source``: its data, uint8 or
+    float32, when it fits ``memory_budget``; else h5py's chunk cache) and
+    its int64 labels; a synthetic source's pool of distinct samples and its
+    labels; a text source's tokens (``text_resident_bytes``); an LMDB: 0
+    (memory-mapped, read in pages). ``key``: sources with the same key
+    share these bytes (HDF5Source's per-process cache), None: never."""
+    kind = spec.get("source", "hdf5")
+    if kind == "synthetic":
+        n, shape = source_info(spec)
+        sample = 4 * int(np.prod(shape))
+        pool = max(1, min(n, SYNTHETIC_POOL_BYTES // max(sample, 1)))
+        return None, pool * sample + n * 8
+    if kind == "text":
+        from .text import text_resident_bytes
+        return None, text_resident_bytes(spec)
+    if kind == "hdf5":
+        import h5py
+        path, split = spec["path"], spec.get("split")
+        n, shape = hdf5_info(path, split, bool(spec.get("external")))
+        with h5py.File(path, "r") as f:
+            stored = (f if split is None else f[split])["data"].dtype
+        item = 1 if stored == np.uint8 else 4
+        decoded = n * int(np.prod(shape)) * 4
+        mode = spec.get("in_memory", "auto")
+        loaded = mode is True or (mode in ("auto", None) and decoded <= memory_budget())
+        data = n * int(np.prod(shape)) * item if loaded else HDF5Source.CHUNK_CACHE_BYTES
+        return (os.path.abspath(path), split, loaded), data + n * 8
+    return None, 0
 
 
 def batch_types(spec, dtype="float32"):

@@ -315,6 +315,16 @@ def text_info(spec):
     return _count(spec, n_tokens), (int(spec["sequence_length"]),)
 
 
+def text_resident_bytes(spec):
+    """Bytes a ``TextSource`` of ``spec`` holds from its construction on
+    (its tokens, in the file's dtype, and the window offsets), reading
+    only metadata."""
+    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
+    with f:
+        held = int(tokens.shape[0]) * tokens.dtype.itemsize
+    return held + (int(spec["sequence_length"]) + 1) * 8
+
+
 def _count(spec, n_tokens):
     length = int(spec["sequence_length"])
     if n_tokens < length + 1:

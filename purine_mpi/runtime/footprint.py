@@ -61,7 +61,8 @@ from .workspace import plan_device_memory, window_arrays
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
-        "comm_buffers", "windows", "kept", "scratch", "cublas_workspaces", "capture_pools")
+        "comm_buffers", "windows", "kept", "data_pool", "scratch", "cublas_workspaces",
+        "capture_pools")
 
 
 @dataclass
@@ -272,6 +273,29 @@ def _layout_ranks(layout):
     return ranks
 
 
+def data_pool_bytes(graphs):
+    """Host bytes the data readers of ``graphs`` hold besides their output
+    blobs (ops/data.py): each source's resident data (data/sources.
+    resident_bytes: an HDF5 split in memory is shared by the readers of the
+    same file and split, every other source is the reader's own) and the
+    one batch its prefetch thread gathers ahead (``DataReader._start``:
+    one request in flight, the prepared data and labels kept until
+    ``run`` copies them into the outputs)."""
+    from ..data.sources import resident_bytes
+    shared, total = {}, 0
+    for graph in graphs:
+        for op in graph.ops.values():
+            if op.op_type != "DataReader":
+                continue
+            key, held = resident_bytes(op.attrs["source"])
+            if key is None:
+                total += held
+            else:
+                shared[key] = held
+            total += sum(_root_nbytes(graph.blobs[b]) for b in op.outputs)
+    return total + sum(shared.values())
+
+
 def footprint(graphs, plans, rank=0, cuda_graph=True):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
@@ -296,6 +320,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True):
         if plans.test_host is not None and plans.test_host.total_bytes > arena:
             host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
     host["windows"] = window_bytes(graphs.composition, rank)
+    host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
     peak = arena_peak(g, plans.host)
     for d, plan in sorted(plans.devices.items()):
         device_peak = arena_peak(g, plan)

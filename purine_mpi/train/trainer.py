@@ -20,6 +20,7 @@ import sys
 import time
 
 from ..base import logfile
+from ..base.rss import peak_rss_bytes, rss_bytes
 from ..job.checkpoint_file import LATEST
 from ..job.inputs import run_inputs
 from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
@@ -32,7 +33,7 @@ from ..runtime.factory import make_dispatcher, planned_workspace
 from ..runtime.footprint import shared_params, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
-from .collectives import get_world
+from .collectives import get_world, world_gather
 from .divergence import DivergenceWatch
 from .evaluation import Evaluation
 from .loop import Loop
@@ -179,6 +180,10 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world = get_world()
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
+    # the baseline of memory.json: after the imports (h5py: the data files and
+    # checkpoints load it later) and MPI's initialisation, before any graph
+    import h5py  # noqa: F401
+    baseline = rss_bytes()
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
     say = logfile.tee(print_or_stop)
@@ -193,15 +198,16 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     if world.size > 1 and job.parallel.servers:
         return run_param_server(job, out_dir, world, resume=resume, init=init,
                                 profile=profile, dispatcher=dispatcher, init_skip=init_skip,
-                                tensorboard=tensorboard, memory=memory)
+                                tensorboard=tensorboard, memory=memory, baseline=baseline)
     return run_and_report(Trainer(job, out_dir, world, resume=resume, init=init,
                                   profile=profile, dispatcher=dispatcher, init_skip=init_skip,
                                   tensorboard=tensorboard, log=say, memory=memory),
-                          world)
+                          world, baseline)
 
 
 def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
-                     dispatcher=None, log=None, init_skip=(), tensorboard=False, memory=None):
+                     dispatcher=None, log=None, init_skip=(), tensorboard=False, memory=None,
+                     baseline=None):
     """``train`` on every rank of a parameter-server run: servers serve
     (train/ps_server.run_server_rank), workers train a Trainer over the
     workers' World (metrics and checkpoints from rank 0, a worker).
@@ -219,7 +225,22 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
                                   init_skip=init_skip, scheme=WorkerScheme(job, world),
                                   agreement=WorkerStopAgreement(job, world),
                                   tensorboard=tensorboard, memory=memory),
-                          world)
+                          world, baseline)
+
+
+def write_memory(trainer, baseline):
+    """OUT/memory.json on rank 0: each rank's resident bytes before its
+    graphs were built (``baseline_rss_bytes``), at their high-water mark
+    (``peak_rss_bytes``) and the difference (``above_baseline_bytes``: what
+    ``plan``'s host total predicts). A gather over the trainer's world."""
+    peak = peak_rss_bytes()
+    mine = {"rank": trainer.world.rank, "baseline_rss_bytes": baseline,
+            "peak_rss_bytes": peak,
+            "above_baseline_bytes": None if baseline is None else peak - baseline}
+    every = world_gather(trainer.world, mine, "the ranks' memory figures")
+    if trainer.world.rank == 0:
+        with open(os.path.join(trainer.out_dir, "memory.json"), "w") as f:
+            json.dump({"ranks": every}, f, indent=1)
 
 
 def _last_finite(last, out_dir):
@@ -233,13 +254,15 @@ def _last_finite(last, out_dir):
     return f"{name} stays the last finite checkpoint (iteration {iteration})"
 
 
-def run_and_report(trainer, world):
+def run_and_report(trainer, world, baseline=None):
     """Run ``trainer`` to the end, print the final figures on global rank 0,
-    and return the exit status."""
+    and return the exit status. ``baseline``: this rank's resident bytes
+    before the graphs were built (``write_memory``)."""
     try:
         result = trainer.run()
     finally:
         trainer.close()
+    write_memory(trainer, baseline)
     # train.log's last line (logfile.end_run)
     logfile.set_outcome(result, trainer.job.solver.max_iter, trainer.state.start_iter)
     if "diverged_at" in result:

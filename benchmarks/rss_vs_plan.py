@@ -1,0 +1,119 @@
+"""``plan``'s predicted host peak against the measured one, per rank.
+
+For each (job, scheme) it runs ``plan JOB --np N --json`` (the host total of
+each rank) and ``mpiexec -n N python -m purine_mpi train JOB --iters K``,
+whose OUT/memory.json (train/trainer.write_memory) holds each rank's
+resident bytes before its graphs were built and at their high-water mark.
+The table in docs/running.md ("Will it fit?") is its output:
+
+    python benchmarks/rss_vs_plan.py --out /tmp/rss [--cases cifar10_quick:data,...]
+
+The data: synthetic for the CNNs (their yaml's own), and the standard
+library's email package as text for the GPTs (as tests/test_plan.py makes it).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = [sys.executable, "-m", "purine_mpi"]
+JOBS = ("cifar10_quick", "nin_cifar10", "gpt_tiny", "gpt_small")
+SCHEMES = ("data", "pipeline", "tensor", "sharded1", "sharded2", "sharded3")
+
+
+def text_data(out):
+    """gpt's data: the email package's sources, as tests/test_plan.py makes them."""
+    import email as pkg
+    path = os.path.join(out, "email.h5")
+    if not os.path.exists(path):
+        subprocess.run(PY + ["data", "text", "--from", os.path.dirname(pkg.__file__), "--glob",
+                             "*.py", "--out", path], check=True, capture_output=True)
+    return path
+
+
+def sets_for(job, scheme, out):
+    """The --set overrides of ``job`` under ``scheme`` on 2 ranks."""
+    path = os.path.join(ROOT, "jobs", f"{job}.yaml")
+    sets = ["solver.test_interval=0", "checkpoint.interval=0", "solver.display=1"]
+    if job.startswith("gpt"):
+        data = text_data(out)
+        sets += [f"data.train.path={data}", f"data.test.path={data}"]
+    if scheme == "pipeline":
+        net = yaml.safe_load(open(path))["net"]
+        names = [layer["name"] for layer in net]
+        half = len(names) // 2
+        stages = ", ".join(f"{n}: {0 if i < half else 1}" for i, n in enumerate(names))
+        sets += ["parallel.scheme=pipeline", f"parallel.stages={{{stages}}}"]
+    elif scheme == "tensor":
+        sets += ["parallel.scheme=tensor"]
+    elif scheme.startswith("sharded"):
+        sets += ["parallel.scheme=sharded", f"parallel.shard={scheme[-1]}"]
+    else:
+        sets += ["parallel.scheme=data"]
+    return path, sets
+
+
+def measure(job, scheme, out, np_=2, iters=5, env=None):
+    """{"predicted": [bytes per rank], "measured": [...], "baseline": [...],
+    "plan": the plan's JSON}, or {"error": text}."""
+    path, sets = sets_for(job, scheme, out)
+    args = [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, **(env or {})}
+    p = subprocess.run(PY + ["plan", path, "--np", str(np_), "--json"] + args,
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode not in (0, 2):
+        return {"error": "plan: " + p.stderr.strip().splitlines()[-1]}
+    plan = json.loads(p.stdout)
+    predicted = [0] * np_
+    for kind in plan["ranks"]:
+        for r in kind["ranks"]:
+            predicted[r] = kind["host"]["total"]
+    run = os.path.join(out, f"{job}-{scheme}")
+    shutil.rmtree(run, ignore_errors=True)
+    t = subprocess.run(["mpiexec", "-n", str(np_)] + PY + ["train", path, "--out", run,
+                                                            "--iters", str(iters)] + args,
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if t.returncode != 0:
+        return {"error": "train: " + (t.stderr.strip().splitlines() or ["?"])[-1]}
+    with open(os.path.join(run, "memory.json")) as f:
+        ranks = json.load(f)["ranks"]
+    return {"predicted": predicted, "plan": plan,
+            "measured": [r["above_baseline_bytes"] for r in ranks],
+            "baseline": [r["baseline_rss_bytes"] for r in ranks]}
+
+
+def mib(n):
+    return f"{n / 2**20:.1f}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="/tmp/rss_vs_plan")
+    ap.add_argument("--cases", default=None,
+                    help="job:scheme,... (default: every job under every scheme)")
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    cases = [c.split(":") for c in args.cases.split(",")] if args.cases else \
+        [(j, s) for j in JOBS for s in SCHEMES]
+    print("| job | scheme | rank | baseline MiB | predicted MiB | measured MiB | gap |")
+    print("|---|---|---|---|---|---|---|")
+    for job, scheme in cases:
+        res = measure(job, scheme, args.out, iters=args.iters)
+        if "error" in res:
+            print(f"| {job} | {scheme} | - | - | - | - | {res['error']} |", flush=True)
+            continue
+        for r, (p, m, b) in enumerate(zip(res["predicted"], res["measured"], res["baseline"])):
+            print(f"| {job} | {scheme} | {r} | {mib(b)} | {mib(p)} | {mib(m)} | "
+                  f"{100 * (p - m) / m:+.1f}% |", flush=True)
+        with open(os.path.join(args.out, f"{job}-{scheme}.json"), "w") as f:
+            json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
