@@ -23,10 +23,12 @@ dispatcher's rule, the link model), its compute ops timed from ONE measured
 trace of the job on one rank (``calibrate``: data parallel, no recompute,
 no micro-batches; cached in a JSON file keyed by the job's net, data and
 solver). An op of a candidate that the trace names otherwise takes the
-traced op's time scaled by the bytes it touches: ``X@mbK`` (a micro-batch,
-about 1/M of the batch), ``X@recompute`` (the forward again), a row chunk
-``X[a:b]`` (a shard's update) and a tensor-parallel shard of ``X`` (its
-part of the weight and of the output).
+traced op's time scaled by its work (``scaling/work.py``: the FLOPs of a
+matrix product, else the bytes of the batch's blobs it touches, not the
+weights'): ``X@mbK`` (a micro-batch: 1/M of the batch), ``X@recompute``
+(the forward again), a row chunk ``X[a:b]`` (a shard's update, a chunk of
+a weight gradient) and a tensor-parallel shard of ``X`` (its part of the
+weight and of the output).
 """
 import dataclasses
 import hashlib
@@ -250,11 +252,16 @@ def candidates(job, n, durations):
 class _Scaled:
     """The calibration's Durations seen from a candidate's graph: an op the
     trace names otherwise (``@mbK``, ``@recompute``, a row chunk, a tensor
-    shard) takes the traced op's time times the ratio of the bytes the two
-    ops touch."""
+    shard) takes the traced op's time times the ratio of the two ops' work
+    (``scaling/work.op_work``: FLOPs of a matrix product, else the bytes of
+    the batch's blobs it touches; the weights' bytes do not scale with a
+    micro-batch); ops whose work is counted in different units, the ratio
+    of all the bytes they touch."""
 
     def __init__(self, durations, traced_graph, graph):
+        from .scaling.work import weight_blobs
         self.d, self.traced, self.graph = durations, traced_graph, graph
+        self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
     def lookup(self, name, rank=0, rows=None):
         base = re.sub(r"@(recompute|mb\d+)$", "", name)
@@ -262,8 +269,20 @@ class _Scaled:
         seconds = self.d.lookup(whole, 0)
         if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
             return self.d.lookup(name, 0, rows)
-        was, now = _touched(self.traced, whole), _touched(self.graph, name)
-        return seconds * (now / was) if was > 0 else seconds
+        return scaled_seconds(seconds, self.traced, whole, self.graph, name, self._weights)
+
+
+def scaled_seconds(seconds, traced, whole, graph, name, weights=None):
+    """``seconds`` of op ``whole`` of the graph ``traced``, scaled to op
+    ``name`` of ``graph`` by their work (``_Scaled``). ``weights``: {id of
+    a graph: its ``weight_blobs``}, computed when not given."""
+    from .scaling.work import op_work
+    weights = weights or {}
+    was = op_work(traced, whole, weights.get(id(traced)))
+    now = op_work(graph, name, weights.get(id(graph)))
+    if was[0] != now[0]:
+        was, now = ("bytes", _touched(traced, whole)), ("bytes", _touched(graph, name))
+    return seconds * (now[1] / was[1]) if was[1] > 0 else seconds
 
 
 def _touched(graph, name):

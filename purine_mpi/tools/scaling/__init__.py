@@ -7,6 +7,8 @@ iteration will take on N ranks, from a trace of a real run.
     simulate.py   the dispatcher's scheduling core run over a virtual clock
     traces.py     reading ``trace.rank<R>.json``: per-op median durations
     model.py      from a run folder and N to the simulated ranks' graphs, the table
+    work.py       an op's work (FLOPs, or the batch's bytes), to price an op
+                  from a traced one of another size (``plan --choose``)
     report.py     the table as text or JSON, and the scaling curve (``--plot``)
     command.py    the ``predict`` command's forms told apart, and its options
 
