@@ -15,8 +15,10 @@ then gives the bits one thread gives.
 - A 2-D product ``(M, K) @ (K, N)`` of at least ``SPLIT_MIN_WORK``
   multiply-adds is cut (``plan``) into at most ``MAX_PIECES`` pieces of at
   least ``PIECE_MIN_WORK`` multiply-adds (and ``INNER_MIN`` of K), their
-  widths multiples of ``ALIGN``: along M when M is at least ``2 * ALIGN`` (row pieces at
-  multiples of 48 keep the bits of one call, measured); else, for the
+  widths multiples of ``ALIGN``: along M when M is at least ``2 * ALIGN`` (the pieces' bits are
+  the pieces' calls', which are not always one whole call's: a
+  ``(640, 300) @ (300, 40)`` cut at rows 240 and 480 differs from one call
+  in its last bits, so even one thread runs the cuts); else, for the
   short wide products of weight gradients (``dy (O, N*L) @ cols``), along
   K when K >= N: each piece's product goes to a scratch stack and the
   stack is summed in its order (``np.add.reduce`` over its first axis adds
