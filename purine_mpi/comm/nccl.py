@@ -217,7 +217,8 @@ class NcclWatchdog:
 
     def fire(self, kernel, waited):
         timeout = float(getattr(self.world, "stall_timeout", 300.0))
-        self.fired = (f"rank {self.world.rank}: NCCL {kernel.nccl_call} '{kernel.op.name}' "
+        self.fired = (f"rank {self.world.rank}: NCCL {getattr(kernel, 'nccl_call', 'allreduce')} "
+                      f"'{kernel.op.name}' "
                       f"({kernel.describe()}) stalled for more than {timeout:g} s "
                       f"(parallel.stall_timeout; waited {waited:.1f} s): a peer is slow, "
                       "dead or launched its collectives in another order; ending the job "

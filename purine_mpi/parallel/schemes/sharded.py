@@ -55,7 +55,7 @@ class Sharded(Scheme):
         shards' sums of squares (``_clip``)."""
         from .steps import accumulate, clipped
         par = job.parallel
-        if job.device >= 0 and world.size > 1 and par.backend != "nccl":
+        if job.device >= 0 and par.backend != "nccl":
             # --device given on the command line, past the config rules: the
             # collectives of a GPU run through NCCL, inside the captured iteration
             raise UserError(f"{job.path}: key 'parallel.backend': scheme sharded on GPU "
