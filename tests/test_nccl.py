@@ -170,7 +170,8 @@ def test_nccl_serves_sync_data_parallelism_only_decided_from_the_config():
 
     g = _bucketed_graph()
     assert apply_backend(g, job(mode="async"), Two(), 0) == (
-        "mpi", "auto: NCCL reduces the buckets of scheme data, mode sync; this job runs "
+        "mpi", "auto: NCCL reduces the buckets of schemes data and sharded, mode sync; this "
+               "job runs "
                "scheme data, mode async")
     assert apply_backend(g, job(backend="mpi", scheme="pipeline"), Two(), 0) == \
         ("mpi", "parallel.backend: mpi")

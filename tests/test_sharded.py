@@ -150,13 +150,17 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
     ({"parallel": {"mode": "sync_ps"}}, "parallel.mode", "parameter servers"),
     ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
     ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "pipeline"),
-    ({"device": 0}, "device", "runs on the CPU (MPI) only"),
+    ({"device": 0}, "parallel.backend", "runs its collectives through NCCL"),
+    ({"parallel": {"shard": 3, "transport": "one_sided", "backend": "nccl"}},
+     "parallel.transport", "one_sided with backend nccl"),
+    ({"parallel": {"backend": "nccl"}, "solver": {"clip_gradients": 1.0}},
+     "solver.clip_gradients", "backend nccl"),
 ])
 def test_what_is_not_built_exits_2(tmp_path, change, key, words):
     cfg = _job("sharded", "sgd")
     for section, value in change.items():
-        if section == "parallel":
-            cfg["parallel"].update(value)
+        if section in ("parallel", "solver"):
+            cfg[section].update(value)
         else:
             cfg[section] = value
     res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")

@@ -38,9 +38,9 @@ import time
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import GraphError, UserError
 from ..ops.registry import OpKernel, register
-from .ops import _mb
+from .ops import Allgather, ReduceScatter, _Concat, _mb, _storage_of
 from ..base.errors import write_line
 
 #: the stream (thread) of a device's NCCL ops: one stream runs them in launch order
@@ -165,7 +165,7 @@ def reset():
 
 
 _NCCL_DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
-_ops = []   # the NcclAllreduce kernels of this process, in seq order
+_ops = []   # the NCCL kernels of this process (any collective), in seq order
 
 
 class NcclWatchdog:
@@ -217,7 +217,8 @@ class NcclWatchdog:
 
     def fire(self, kernel, waited):
         timeout = float(getattr(self.world, "stall_timeout", 300.0))
-        self.fired = (f"rank {self.world.rank}: NCCL allreduce '{kernel.op.name}' "
+        self.fired = (f"rank {self.world.rank}: NCCL {getattr(kernel, 'nccl_call', 'allreduce')} "
+                      f"'{kernel.op.name}' "
                       f"({kernel.describe()}) stalled for more than {timeout:g} s "
                       f"(parallel.stall_timeout; waited {waited:.1f} s): a peer is slow, "
                       "dead or launched its collectives in another order; ending the job "
@@ -227,52 +228,30 @@ class NcclWatchdog:
         self.world.abort(1)
 
 
-@register
-class NcclAllreduce(OpKernel):
-    """s_i = sum over ranks of g_i through ncclAllReduce on the current
-    stream (in place on a data-parallel bucket: one call). Shapes pass through."""
+class _NcclKernel(OpKernel):
+    """What the NCCL collectives share: the communicator of the op's GPU,
+    the dtype, and the watchdog's view (launches counted on the host in
+    ``before_iteration``, completions by a device counter copied to
+    page-locked memory after the collective, both captured with it)."""
 
-    op_type = "NcclAllreduce"
     capturable = True   # the host work of each iteration is before_iteration's
+    #: the collective's name in the watchdog's line
+    nccl_call = None
 
-    @classmethod
-    def infer(cls, attrs, ins):
-        return list(ins)
-
-    def setup(self, ins, outs):
+    def _setup_comm(self, outs):
         from ..gpu import import_cupy
-        from ..gpu.raw import data_ptr
         from ..gpu.streams import pinned_empty
         from .world import get_world
         cupy = import_cupy()
-        if len(ins) != len(outs):
-            raise ValueError(f"NcclAllreduce '{self.op.name}' needs one output per input")
         device = int(self.op.location.device)
         self.nccl_comm = get_comm(get_world(), device)
         nccl = self.nccl_comm.nccl
-        dtype = np.dtype(outs[0].dtype)
+        dtype = np.dtype(outs[0].dtype) if outs else None
         if dtype not in _NCCL_DTYPES or any(np.dtype(o.dtype) != dtype for o in outs):
-            raise ValueError(f"NcclAllreduce '{self.op.name}': float32 or float64 "
+            raise ValueError(f"{self.op_type} '{self.op.name}': float32 or float64 "
                              f"buffers of one dtype, got {sorted({str(o.dtype) for o in outs})}")
         self.nccl_dtype, self.op_sum = getattr(nccl, _NCCL_DTYPES[dtype]), nccl.NCCL_SUM
-        for o in outs:
-            if not o.flags.c_contiguous:
-                raise ValueError(f"NcclAllreduce '{self.op.name}': a buffer is not contiguous")
-        self.copies = [(i, o) for i, o in zip(ins, outs) if data_ptr(i) != data_ptr(o)]
-        # the outputs side by side in one buffer (a bucket's alias blobs): one call
-        spans, ptr = [], None
-        for o in outs:
-            p = data_ptr(o)
-            if spans and p == ptr:
-                spans[-1][1] += int(o.size)
-            else:
-                spans.append([p, int(o.size)])
-            ptr = p + o.nbytes
-        self.spans = [tuple(s) for s in spans]
-        self.nbytes = sum(o.nbytes for o in outs)
-        self.average = bool(self.attrs.get("average", False))
-        self.outs = outs
-        # the watchdog's view: launches counted here, completions on the device
+        self.dtype = dtype
         with cupy.cuda.Device(device):
             self.done_device = cupy.zeros((1,), dtype=np.int64)
         self.done_host = pinned_empty((1,), np.int64)
@@ -280,6 +259,7 @@ class NcclAllreduce(OpKernel):
         self.launched, self.launched_at = 0, None
         with _lock:
             _ops.append(self)
+        return cupy
 
     def before_iteration(self, iteration, host_write):
         """Every iteration, also a replayed one: one more launch to complete."""
@@ -297,18 +277,169 @@ class NcclAllreduce(OpKernel):
         bucket = self.attrs.get("bucket", self.op.name)
         return f"bucket {bucket}, {_mb(self.nbytes)}, seq {self.attrs.get('seq', '?')}"
 
-    def run(self, ins, outs):
+    def _stream(self):
         from ..gpu import import_cupy
+        return import_cupy().cuda.get_current_stream().ptr
+
+    def _done(self):
         from ..gpu.streams import copy_to_host_async
-        cupy = import_cupy()
+        self.done_device += 1   # the watchdog: this launch is complete on the device
+        copy_to_host_async(self.done_host, self.done_device)
+
+    def _shards(self):
+        """(shards, shard) of the attrs, checked against the communicator (a
+        graph built for another number of ranks would exchange wrong counts)."""
+        comm = self.nccl_comm
+        shards, shard = int(self.attrs["shards"]), int(self.attrs["shard"])
+        if (shards, shard) != (comm.size, comm.world.rank):
+            raise GraphError(f"{self.op_type} '{self.op.name}' was built as shard {shard} of "
+                             f"{shards}, but runs as rank {comm.world.rank} of {comm.size}")
+        return shards, shard
+
+
+@register
+class NcclAllreduce(_NcclKernel):
+    """s_i = sum over ranks of g_i through ncclAllReduce on the current
+    stream (in place on a data-parallel bucket: one call). Shapes pass through."""
+
+    op_type = "NcclAllreduce"
+    nccl_call = "allreduce"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return list(ins)
+
+    def setup(self, ins, outs):
+        from ..gpu.raw import data_ptr
+        if len(ins) != len(outs):
+            raise ValueError(f"NcclAllreduce '{self.op.name}' needs one output per input")
+        self._setup_comm(outs)
+        for o in outs:
+            if not o.flags.c_contiguous:
+                raise ValueError(f"NcclAllreduce '{self.op.name}': a buffer is not contiguous")
+        self.copies = [(i, o) for i, o in zip(ins, outs) if data_ptr(i) != data_ptr(o)]
+        # the outputs side by side in one buffer (a bucket's alias blobs): one call
+        spans, ptr = [], None
+        for o in outs:
+            p = data_ptr(o)
+            if spans and p == ptr:
+                spans[-1][1] += int(o.size)
+            else:
+                spans.append([p, int(o.size)])
+            ptr = p + o.nbytes
+        self.spans = [tuple(s) for s in spans]
+        self.nbytes = sum(o.nbytes for o in outs)
+        self.average = bool(self.attrs.get("average", False))
+        self.outs = outs
+
+    def run(self, ins, outs):
         for i, o in self.copies:
             o[...] = i
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = self._stream()
         comm = self.nccl_comm
         for ptr, count in self.spans:
             comm.comm.allReduce(ptr, ptr, count, self.nccl_dtype, self.op_sum, stream)
         if self.average:
             for o in outs:
                 o *= 1.0 / comm.size
-        self.done_device += 1   # the watchdog: this launch is complete on the device
-        copy_to_host_async(self.done_host, self.done_device)
+        self._done()
+
+
+def _padded(cupy, buffer, size, dtype):
+    """``buffer`` itself when it holds ``size`` elements, else a zeroed
+    buffer of ``size`` made now (at set-up): NCCL's reduce-scatter and
+    all-gather take equal counts per rank, ``shard_range``'s chunks padded
+    (the padding is zeros: it adds nothing to any sum and is never read)."""
+    if buffer.size == size and not isinstance(buffer, np.ndarray):
+        return buffer, False
+    return cupy.zeros((size,), dtype=dtype), True
+
+
+@register
+class NcclReduceScatter(_NcclKernel):
+    """ReduceScatter (comm/ops.py) through ncclReduceScatter on the current
+    stream: concat(s_0 .. s_m) = this rank's ``shard_range`` of the sum over
+    ranks of concat(g_0 .. g_k). NCCL cuts the buffer into equal chunks of
+    ``ceil(total / N)``: a bucket that N does not divide is sent from a
+    zero-padded copy and the last shards received into a chunk-sized one
+    (both made at set-up: the iteration allocates nothing)."""
+
+    op_type = "NcclReduceScatter"
+    nccl_call = "reduce-scatter"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return ReduceScatter.infer(attrs, ins)
+
+    def setup(self, ins, outs):
+        cupy = self._setup_comm(ins)
+        shards, shard = self._shards()
+        dtype = self.dtype
+        self.send = _Concat(ins, _storage_of(self, self.op.inputs[0]), dtype)
+        total = int(self.send.buffer.size)
+        self.chunk = -(-total // shards)
+        self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]) if outs else None, dtype)
+        self.send_buf, self.send_pad = _padded(cupy, self.send.buffer, self.chunk * shards,
+                                               dtype)
+        self.recv_buf, self.recv_pad = _padded(cupy, self.recv.buffer, self.chunk, dtype)
+        self.total, self.mine = total, int(self.recv.buffer.size)
+        self.nbytes = int(self.send.buffer.nbytes)
+        self.average = bool(self.attrs.get("average", False))
+
+    def run(self, ins, outs):
+        from ..gpu.raw import data_ptr
+        self.send.pack()
+        if self.send_pad:
+            self.send_buf[:self.total] = self.send.buffer
+        comm = self.nccl_comm
+        comm.comm.reduceScatter(data_ptr(self.send_buf), data_ptr(self.recv_buf), self.chunk,
+                                self.nccl_dtype, self.op_sum, self._stream())
+        if self.recv_pad and self.mine:
+            self.recv.buffer[...] = self.recv_buf[:self.mine]
+        if self.average and self.mine:
+            self.recv.buffer *= 1.0 / comm.size
+        self.recv.unpack()
+        self._done()
+
+
+@register
+class NcclAllgather(_NcclKernel):
+    """Allgather (comm/ops.py) through ncclAllGather on the current stream:
+    concat(w_0 .. w_k) on every rank is every rank's concat(x_0 .. x_m),
+    rank r's at ``shard_range(total, N, r)``. Equal chunks of
+    ``ceil(total / N)``, as NcclReduceScatter: a zero-padded send copy for
+    a short shard, a chunk-multiple receive buffer where N does not divide
+    the total (made at set-up)."""
+
+    op_type = "NcclAllgather"
+    nccl_call = "all-gather"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return Allgather.infer(attrs, ins)
+
+    def setup(self, ins, outs):
+        cupy = self._setup_comm(outs)
+        shards, shard = self._shards()
+        dtype = self.dtype
+        self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]), dtype)
+        total = int(self.recv.buffer.size)
+        self.chunk = -(-total // shards)
+        self.send = _Concat(ins, _storage_of(self, self.op.inputs[0]) if ins else None, dtype)
+        self.send_buf, self.send_pad = _padded(cupy, self.send.buffer, self.chunk, dtype)
+        self.recv_buf, self.recv_pad = _padded(cupy, self.recv.buffer, self.chunk * shards,
+                                               dtype)
+        self.total, self.count = total, int(self.send.buffer.size)
+        self.nbytes = int(self.recv.buffer.nbytes)
+
+    def run(self, ins, outs):
+        from ..gpu.raw import data_ptr
+        self.send.pack()
+        if self.send_pad and self.count:
+            self.send_buf[:self.count] = self.send.buffer
+        self.nccl_comm.comm.allGather(data_ptr(self.send_buf), data_ptr(self.recv_buf),
+                                      self.chunk, self.nccl_dtype, self._stream())
+        if self.recv_pad:
+            self.recv.buffer[...] = self.recv_buf[:self.total]
+        self.recv.unpack()
+        self._done()

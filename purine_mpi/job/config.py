@@ -389,13 +389,19 @@ def _check_sharded(out, path):
                           f"{par['shard']}")
     if par["scheme"] != "sharded":
         return
-    why = "scheme sharded builds ZeRO stages 1-3 on MPI on the CPU only"
+    why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
+           "(transport two_sided, no gradient clipping)")
+    nccl = par["backend"] == "nccl"
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
                 f"transport one_sided with shard {par['shard']} (built for shard 3: one "
                 "shared copy of the weights per node)"),
-               ("parallel.backend", par["backend"] == "nccl", "backend nccl"),
+               ("parallel.transport", par["transport"] == "one_sided" and nccl,
+                "transport one_sided with backend nccl"),
+               ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,
+                "clip_gradients with backend nccl (its allreduce of the shards' norms runs "
+                "on MPI)"),
                ("parallel.stages", bool(par["stages"]), "pipeline stages"),
                ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]
     for key, bad, what in refused:

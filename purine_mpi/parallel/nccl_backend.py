@@ -3,7 +3,9 @@
 ``apply_backend(graph, job, world, device)`` asks comm/nccl.choose_backend
 (the same answer on every rank) and, for nccl, turns each bucket's
 ``Allreduce`` (comm/ops.py, posted by the host) into an ``NcclAllreduce``
-(comm/nccl.py): a GPU op on the device's ``nccl`` stream, so the CUDA-graph
+(comm/nccl.py), and scheme sharded's ``ReduceScatter`` and ``Allgather``
+into ``NcclReduceScatter`` and ``NcclAllgather``: GPU ops on the device's
+``nccl`` stream, so the CUDA-graph
 capture takes it with the rest of the iteration, right after its bucket's
 gradients. The ops keep their ``seq`` and get a chain of control edges in
 ``seq`` order: one stream launches them in that order on every rank, as NCCL
@@ -13,7 +15,7 @@ Layer: parallel (imports: comm).
 """
 from ..base.errors import GraphError, UserError
 from ..comm.nccl import NCCL_STREAM, choose_backend
-from .schemes import scheme_of
+from .schemes import SCHEMES, scheme_of
 
 
 def apply_backend(graph, job, world, device):
@@ -27,7 +29,9 @@ def apply_backend(graph, job, world, device):
     if requested != "mpi" and not scheme_of(job).nccl:
         # decided from the config alone (no collective: parameter servers run
         # other trainers, and their ranks never get here)
-        why = (f"NCCL reduces the buckets of scheme data, mode sync; this job runs scheme "
+        served = sorted({cls.config_name for cls in SCHEMES.values() if cls.nccl})
+        why = (f"NCCL reduces the buckets of scheme{'s' * (len(served) > 1)} "
+               f"{' and '.join(served)}, mode sync; this job runs scheme "
                f"{par.scheme}, mode {par.mode}")
         if requested == "nccl":
             raise UserError(f"{job.path}: key 'parallel.backend': nccl cannot run here: {why}; "
@@ -39,20 +43,26 @@ def apply_backend(graph, job, world, device):
     return backend, why
 
 
+#: the MPI collectives NCCL takes over, and the NCCL op each becomes
+NCCL_OPS = {"Allreduce": "NcclAllreduce", "ReduceScatter": "NcclReduceScatter",
+            "Allgather": "NcclAllgather"}
+
+
 def use_nccl(graph):
-    """Each ungrouped Allreduce of ``graph`` becomes an NcclAllreduce on its
-    device's ``nccl`` stream, chained in ``seq`` order. Returns their names."""
+    """Each ungrouped Allreduce, ReduceScatter and Allgather of ``graph``
+    becomes its NCCL op (``NCCL_OPS``) on its device's ``nccl`` stream, all
+    chained in ``seq`` order. Returns their names."""
     ops = sorted((op for op in graph.ops.values()
-                  if op.op_type == "Allreduce" and op.attrs.get("group") is None),
+                  if op.op_type in NCCL_OPS and op.attrs.get("group") is None),
                  key=lambda op: op.attrs.get("seq", 0))
     previous = None
     for op in ops:
         devices = {graph.blobs[graph.storage_root(b)].location.device
                    for b in op.inputs + op.outputs}
         if len(devices) != 1 or min(devices) < 0:
-            raise GraphError(f"parallel.backend nccl: Allreduce '{op.name}' reduces blobs on "
-                             f"{sorted(devices)}, NCCL needs them on one GPU")
-        op.op_type, op.thread = "NcclAllreduce", NCCL_STREAM
+            raise GraphError(f"parallel.backend nccl: {op.op_type} '{op.name}' reduces blobs "
+                             f"on {sorted(devices)}, NCCL needs them on one GPU")
+        op.op_type, op.thread = NCCL_OPS[op.op_type], NCCL_STREAM
         if previous is not None and previous.name not in op.control_inputs:
             op.control_inputs.append(previous.name)
         previous = op

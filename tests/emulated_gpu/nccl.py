@@ -1,5 +1,6 @@
 """The stand-in for ``cupy.cuda.nccl`` on the emulated device: a
-communicator whose ``allReduce`` really sums across the MPI ranks (each
+communicator whose ``allReduce``, ``reduceScatter`` and ``allGather``
+really sum and gather across the MPI ranks (each
 rank a process with its own emulated GPU), through MPI underneath, as
 device work of the stream it is queued on -- so a CUDA-graph capture
 records it, and every replay reduces again.
@@ -15,7 +16,9 @@ It refuses what NCCL refuses, with CuPy's ``NcclError`` text:
 And where a real NCCL would hang or mix up buffers -- the ranks calling
 their collectives in different orders or with different counts -- it
 raises (every call first checks with the other ranks what they call).
-``CALLS`` logs (rank, count, dtype, stream key) of each reduction as it runs.
+``CALLS`` logs (rank, count, dtype, stream key, call) of each collective as
+it runs (``allReduce``, ``reduceScatter`` (count: the block each rank
+receives), ``allGather`` (count: each rank's block)).
 """
 import ctypes
 import os
@@ -32,7 +35,7 @@ INVALID_USAGE = "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WA
 available = True
 #: this process's GPU, as NCCL identifies it (bus id); tests set one per rank
 DEVICE = {0: 0}
-#: (rank, count, dtype name, stream key) of every reduction run, in order
+#: (rank, count, dtype name, stream key, call) of every collective run, in order
 CALLS = []
 
 
@@ -95,32 +98,57 @@ class NcclCommunicator:
         if self._state != "live":
             raise NcclError(f"NCCL_ERROR_INVALID_ARGUMENT: the communicator is {self._state}")
 
-    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
-        """Queue the reduction on ``stream`` (a cudaStream_t): device work that
-        runs when the stream gets to it (recorded into a capture)."""
+    def _queue(self, call, sendbuf, recvbuf, count, datatype, op, stream, exchange):
+        """Queue collective ``call`` on ``stream`` (a cudaStream_t): device
+        work that runs when the stream gets to it (recorded into a capture).
+        ``exchange(comm, send array, recv array)`` moves the data; the send
+        side is read (copied) first, so in-place calls are exact."""
         self._check()
         if op != NCCL_SUM or datatype not in _NUMPY:
             raise NcclError("NCCL_ERROR_INVALID_ARGUMENT: the emulated NCCL sums float32 "
                             "and float64")
         dtype = np.dtype(_NUMPY[datatype])
         count, sendbuf, recvbuf = int(count), int(sendbuf), int(recvbuf)
+        send_n, recv_n = {"allReduce": (count, count),
+                          "reduceScatter": (count * self._size, count),
+                          "allGather": (count, count * self._size)}[call]
         target = capture.stream_of(stream) or capture.DEFAULT_STREAM
 
-        def reduce():
+        def run():
             self._check()
             # what every rank calls now: NCCL matches calls by order alone
-            calls = self._comm.allgather((count, dtype.str))
+            calls = self._comm.allgather((call, count, dtype.str))
             if len(set(calls)) != 1:
                 raise NcclError("NCCL_ERROR_INVALID_USAGE: the ranks called their "
                                 f"collectives in different orders or sizes: {calls} (a real "
                                 "NCCL hangs or mixes the buffers)")
-            nbytes = count * dtype.itemsize
-            send = np.frombuffer((ctypes.c_char * nbytes).from_address(sendbuf), dtype).copy()
-            recv = np.frombuffer((ctypes.c_char * nbytes).from_address(recvbuf), dtype)
-            self._comm.Allreduce(send, recv, op=_mpi().SUM)
-            CALLS.append((self._rank, count, dtype.name, getattr(target, "key", "default")))
+            send = np.frombuffer((ctypes.c_char * (send_n * dtype.itemsize)).from_address(
+                sendbuf), dtype).copy()
+            recv = np.frombuffer((ctypes.c_char * (recv_n * dtype.itemsize)).from_address(
+                recvbuf), dtype)
+            exchange(self._comm, send, recv)
+            CALLS.append((self._rank, count, dtype.name, getattr(target, "key", "default"),
+                          call))
 
-        capture.device_work(reduce, target)
+        capture.device_work(run, target)
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        """``ncclAllReduce``: recvbuf (count) = the sum of every rank's sendbuf."""
+        self._queue("allReduce", sendbuf, recvbuf, count, datatype, op, stream,
+                    lambda comm, send, recv: comm.Allreduce(send, recv, op=_mpi().SUM))
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        """``ncclReduceScatter``: recvbuf (recvcount) = block ``rank`` of the
+        sum of every rank's sendbuf (recvcount x nranks)."""
+        self._queue("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, stream,
+                    lambda comm, send, recv: comm.Reduce_scatter_block(send, recv,
+                                                                       op=_mpi().SUM))
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        """``ncclAllGather``: recvbuf (count x nranks) = every rank's sendbuf
+        (count), rank by rank; in place when sendbuf is recvbuf's block ``rank``."""
+        self._queue("allGather", sendbuf, recvbuf, count, datatype, NCCL_SUM, stream,
+                    lambda comm, send, recv: comm.Allgather(send, recv))
 
     def abort(self):
         """``ncclCommAbort``."""

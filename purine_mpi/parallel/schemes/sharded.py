@@ -19,10 +19,16 @@ shards, saved joined whole, and gathered whole for the test graph
 each buffer is gathered once per iteration and held across them. Stage 3
 with ``parallel.transport: one_sided`` on one node holds each bucket's
 weights once per node, in a shared window every rank reads in place
-(parallel/zero3_windows.py); across hosts it keeps the gathers. GPUs,
-NCCL, the one-sided transport of stages 1 and 2 and combinations with
-other schemes are refused by the config rules (job/config.py's
-``_check_sharded``).
+(parallel/zero3_windows.py); across hosts it keeps the gathers.
+
+On GPUs (``device >= 0``) with ``parallel.backend: nccl``, every stage:
+parallel/nccl_backend.use_nccl turns the reduce-scatters and gathers into
+NcclReduceScatter and NcclAllgather (comm/nccl.py), on the device's one
+``nccl`` stream in ``seq`` order, captured with the rest of the iteration.
+A GPU with another backend (more than one rank), NCCL with the one-sided
+transport or with ``solver.clip_gradients``, the one-sided transport of
+stages 1 and 2 and combinations with other schemes are refused (the config
+rules, job/config.py's ``_check_sharded``; the GPU by ``compose``).
 """
 import numpy as np
 
@@ -35,25 +41,31 @@ class Sharded(Scheme):
     keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport")
     #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
     one_sided = True
-    #: the deferred tail and NCCL know allreduce buckets only
+    #: the deferred tail knows allreduce buckets only
     deferrable = False
     defers_update = False
-    gpu = False
+    #: on GPUs through NCCL: the reduce-scatters and gathers become
+    #: NcclReduceScatter and NcclAllgather (parallel/nccl_backend.use_nccl)
+    gpu = True
+    nccl = True
 
     def compose(self, graph, grads, job, world):
         """Micro-batches accumulated, then the stage-1 rewrite (one rank: the
         replica as built); ``solver.clip_gradients`` by one allreduce of the
         shards' sums of squares (``_clip``)."""
         from .steps import accumulate, clipped
-        if job.device >= 0:  # --device given on the command line, past the config rules
-            raise UserError(f"{job.path}: key 'device': parallel.scheme sharded runs on the CPU "
-                            f"(MPI) only, not on GPU {job.device}; use device: -1 or scheme data")
+        par = job.parallel
+        if job.device >= 0 and par.backend != "nccl":
+            # --device given on the command line, past the config rules: the
+            # collectives of a GPU run through NCCL, inside the captured iteration
+            raise UserError(f"{job.path}: key 'parallel.backend': scheme sharded on GPU "
+                            f"{job.device} runs its collectives through NCCL, not "
+                            f"{par.backend}; use parallel.backend: nccl (or device: -1)")
         accumulate(graph, grads, job)
         lay = self.layout(job, world)
         if world.size == 1:
             return clipped(Composition(graph.validate(), lay), job, world)
         from ..sharding import compose_zero1
-        par = job.parallel
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
