@@ -23,12 +23,32 @@ share a padded buffer. The memory is bounded by the chunk sizes
 geometries a thread runs.
 """
 import threading
+import weakref
 
 import numpy as np
 
 from .hostgemm import matmul
 
 _LOCAL = threading.local()
+#: every live thread's caches (``held_bytes``), registered when a thread
+#: makes one (weakly: a finished thread's buffers are freed as before)
+_ALL = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+class _Cache(dict):
+    """A thread's cache (a dict that a WeakSet can hold)."""
+
+
+def _cache(name):
+    """This thread's cache ``name`` ("buffers", "flat"), made and registered once."""
+    cache = getattr(_LOCAL, name, None)
+    if cache is None:
+        cache = _Cache()
+        setattr(_LOCAL, name, cache)
+        with _LOCK:
+            _ALL.add(cache)
+    return cache
 
 
 def buffer(xp, slot, shape, dtype, fill=None, key=()):
@@ -36,9 +56,7 @@ def buffer(xp, slot, shape, dtype, fill=None, key=()):
     content is whatever the last user left, or ``fill`` everywhere when it
     is new (only when ``fill`` is given is it part of the key). ``key``:
     extra hashables that must match (e.g. where the interior lies)."""
-    cache = getattr(_LOCAL, "buffers", None)
-    if cache is None:
-        cache = _LOCAL.buffers = {}
+    cache = _cache("buffers")
     ident = (slot, xp.__name__, tuple(shape), np.dtype(dtype).str, fill, tuple(key))
     arr = cache.get(ident)
     if arr is None:
@@ -93,9 +111,7 @@ def _flat(xp, slot, shape, dtype):
     """A contiguous array of ``shape`` on the front of this thread's growing
     flat buffer ``slot`` (one buffer however the shapes vary)."""
     size = int(np.prod(shape))
-    cache = getattr(_LOCAL, "flat", None)
-    if cache is None:
-        cache = _LOCAL.flat = {}
+    cache = _cache("flat")
     ident = (slot, xp.__name__, np.dtype(dtype).str)
     flat = cache.get(ident)
     if flat is None or flat.size < size:
@@ -107,6 +123,48 @@ def scratch(xp, slot, shape, dtype):
     """A contiguous array of ``shape`` from this thread's flat buffer
     ``slot``, content undefined (GEMM outputs, transposed copies)."""
     return _flat(xp, slot, shape, dtype)
+
+
+#: the alignment of each view ``host_temporaries`` hands out (a cache line)
+TEMPORARY_ALIGN = 64
+
+
+def temporaries_layout(specs):
+    """([byte offset of each ``(shape, dtype)``], bytes in all) of the host
+    temporaries of one ``OpKernel.temporaries`` call: the views side by
+    side, each at a multiple of ``TEMPORARY_ALIGN``."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        end = -(-end // TEMPORARY_ALIGN) * TEMPORARY_ALIGN
+        offsets.append(end)
+        end += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return offsets, end
+
+
+def host_temporaries(specs):
+    """Arrays of the ``(shape, dtype)`` specs, disjoint views of this
+    thread's flat buffer ``temporaries`` (``_flat``: it grows to the
+    largest call the thread makes and is kept), contents undefined. A new
+    array per call was new pages each time (gpt_tiny: 196 calls, 1.4 GB per
+    3 iterations on a rank) that glibc then keeps."""
+    offsets, total = temporaries_layout(specs)
+    flat = _flat(np, "temporaries", (total + TEMPORARY_ALIGN,), np.uint8)
+    shift = (-flat.ctypes.data) % TEMPORARY_ALIGN
+    out = []
+    for (shape, dtype), off in zip(specs, offsets):
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        start = shift + off
+        out.append(flat[start:start + n * dt.itemsize].view(dt).reshape(shape))
+    return out
+
+
+def held_bytes():
+    """Bytes of every thread's buffers (``buffer``, ``_flat``) held now:
+    what the host-scratch row of ``plan`` predicts (tests compare them)."""
+    with _LOCK:
+        caches = list(_ALL)
+    return sum(a.nbytes for c in caches for a in list(c.values()))
 
 
 def col2im(xp, col, geo, dxpad):
