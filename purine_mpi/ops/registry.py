@@ -158,15 +158,11 @@ class OpKernel:
         intermediate values (contents undefined, disjoint). On a GPU they are
         views of the scratch of the op's stream, allocated once and kept, so
         a run inside a CUDA-graph capture allocates nothing (an allocation
-        during a capture breaks it); on the host, views of this thread's
-        reusable buffer (``im2col.host_temporaries``: as large as the
-        largest call the thread made, not a new array each call). ``like``:
-        an array on the device the temporaries are for. Take them all in one
-        call: the next call on the same stream (thread) may hand out the
-        same bytes."""
+        during a capture breaks it); on the host, new arrays. ``like``: an
+        array on the device the temporaries are for. Take them all in one
+        call: the next call on the same stream may hand out the same bytes."""
         if get_xp(like) is np:
-            from .im2col import host_temporaries
-            return host_temporaries(specs)
+            return [np.empty(shape, dtype) for shape, dtype in specs]
         from ..gpu.raw import array_device, op_scratch
         return op_scratch(self, array_device(like)).take(*specs)
 
