@@ -208,3 +208,30 @@ def test_conv_bias_added_chunk_by_chunk(monkeypatch, x_shape, w_shape, attrs, pe
     without, _ = run_op("Conv", attrs, {"x": x, "w": w})
     np.testing.assert_allclose(with_b[0], without[0] + b.reshape(1, -1, 1, 1), rtol=1e-12,
                                atol=1e-12)
+
+
+def test_held_bytes_counts_every_threads_buffers():
+    """im2col.held_bytes sums the buffers of every live thread (the
+    measurement behind the host-scratch figures of docs/running.md)."""
+    import threading
+
+    import numpy as np
+
+    from purine_mpi.ops import im2col
+    before = im2col.held_bytes()
+    done, release = threading.Event(), threading.Event()
+
+    def work():
+        im2col.buffer(np, "held_test", (1000,), np.float32)
+        im2col.scratch(np, "held_test_flat", (500,), np.float64)
+        done.set()
+        release.wait(10)
+
+    t = threading.Thread(target=work)
+    t.start()
+    done.wait(10)
+    try:
+        assert im2col.held_bytes() - before == 4000 + 4000
+    finally:
+        release.set()
+        t.join()
