@@ -263,3 +263,25 @@ def test_cifar_pickle_cli_exit_2(tmp_path):
     assert res.returncode == 2, res.stderr
     assert "test_batch" in res.stderr and "Traceback" not in res.stderr
     assert not marker.exists()
+
+
+def test_synthetic_pool_smaller_than_the_samples_builds_block_by_block(monkeypatch):
+    """A pool of fewer samples than ``num_samples`` (ImageNet-size samples),
+    its last block short: each pool sample gets its own label's center, and a
+    repeated sample keeps its pool sample's label (GoogLeNet's synthetic data
+    once broke here: the last block read labels past the pool)."""
+    from purine_mpi.data import sources
+    sample = [3, 8, 8]
+    nbytes = 4 * 3 * 8 * 8
+    monkeypatch.setattr(sources, "SYNTHETIC_POOL_BYTES", 7 * nbytes)   # pool of 7
+    monkeypatch.setattr(sources, "SYNTHETIC_BLOCK_BYTES", 3 * nbytes)  # blocks 3, 3, 1
+    s = SyntheticSource(sample, classes=4, num_samples=20, seed=1, split="train")
+    assert s.pool_size == 7 and s.labels.shape == (20,)
+    centers = np.random.default_rng([1, 0x5EED]).standard_normal((4, *sample), dtype=np.float32)
+    rng = np.random.default_rng([1, 0xDA7A, int.from_bytes(b"train".ljust(8, b"\0"), "little")])
+    labels = rng.integers(0, 4, size=20, dtype=np.int64)
+    noise = rng.standard_normal((7, *sample), dtype=np.float32)
+    np.testing.assert_array_equal(s.pool, noise + centers[labels[:7]])
+    x, y = s.gather(np.arange(20))
+    np.testing.assert_array_equal(y, labels[np.arange(20) % 7])
+    np.testing.assert_array_equal(x, s.pool[np.arange(20) % 7])

@@ -377,6 +377,7 @@ def test_bench_human_output():
         "bench tiny: 2 ranks, batch 8 per rank, 5 timed iterations after 3 warm-up, backend "
         "numpy, EventDispatcher",
         "  throughput     31,181 images/s",
+        "  model FLOPs    n/a",
         "  iteration      5.03 ms median, 5.78 ms mean",
         "  compute        1.00 ms per iteration (rank 0's ops, summed over its threads)",
         "  communication  8.53 ms per iteration, 11% overlapped with compute",

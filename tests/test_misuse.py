@@ -124,7 +124,8 @@ def test_metrics_are_replaced_only_by_the_resumed_runs_first_checkpoint(trained,
     assert res.returncode == 3, res.stderr
     assert (out / "metrics.jsonl").read_bytes() == before
     assert sorted(os.listdir(out)) == [".purine.lock", "ckpt_10.h5", "ckpt_20.h5", "latest.h5",
-                                       "metrics.jsonl", "train.log"]  # the log only grew
+                                       "memory.json", "metrics.jsonl", "train.log"]
+    # the log only grew; memory.json is the new run's resident-memory figures
     res = run_cli_args("train", trained["path"], "--out", out, "--resume", out / "ckpt_10.h5")
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -311,7 +311,8 @@ class SyntheticSource(DataSource):
         # counts the pool once)
         step = max(1, SYNTHETIC_BLOCK_BYTES // max(sample_bytes, 1))
         for i in range(0, pool, step):
-            self.pool[i:i + step] += centers[self.labels[i:i + step]]
+            end = min(i + step, pool)  # labels run on past the pool (repeated samples)
+            self.pool[i:end] += centers[self.labels[i:end]]
         self.pool_size = pool
         if pool < self.n_samples:  # repeated samples keep their pool sample's label
             self.labels = self.labels[np.arange(self.n_samples) % pool]
