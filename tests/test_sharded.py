@@ -18,6 +18,18 @@ from tests.test_micro_batches import _params
 from tests.test_tensor_parallel import _config
 
 
+
+def _same(a, b, rtol=0.0):
+    """Every blob of b equals a's, bit for bit with ``rtol`` 0, else within
+    ``rtol`` of a's largest magnitude; a holds solver state."""
+    assert sorted(a) == sorted(b) and any(k.startswith("solver/") for k in a)
+    for k in a:
+        if rtol == 0:
+            assert np.array_equal(a[k], b[k]), k
+        else:
+            scale = max(float(np.abs(a[k]).max()), 1e-30)
+            assert float(np.abs(a[k] - b[k]).max()) <= rtol * scale, k
+
 def _job(scheme, solver="adamw", iters=30, **parallel):
     """The residual MLP of test_tensor_parallel, small buckets (8 of them,
     so shards cut weights apart), 30 steps."""
@@ -66,13 +78,7 @@ def test_sharded_trains_as_data_parallel(tmp_path, n, solver, rtol):
     shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver))
     assert "sharded (ZeRO stage 1)" in text
     a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
-    assert sorted(a) == sorted(b) and any(k.startswith("solver/") for k in a)
-    for k in a:
-        if n == 2:
-            assert np.array_equal(a[k], b[k]), k
-        else:
-            scale = max(float(np.abs(a[k]).max()), 1e-30)
-            assert float(np.abs(a[k] - b[k]).max()) <= rtol * scale, k
+    _same(a, b, 0.0 if n == 2 else rtol)
     weights, _, state = _model_state(text)
     plain = model_state_bytes(compose_for(make_job(_job("data", solver)), n, 0))
     buckets = int(re.search(r"reduce-scattered in (\d+) buckets", text).group(1))

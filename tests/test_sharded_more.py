@@ -16,19 +16,8 @@ from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import make_job
 from tests.test_micro_batches import _params
-from tests.test_sharded import _job, _train
+from tests.test_sharded import _job, _same, _train
 from tests.test_sharded3 import _gathered
-
-
-def _same(a, b, rtol=0.0):
-    """Every blob of b equals a's (within rtol of a's largest magnitude)."""
-    assert sorted(a) == sorted(b) and any(k.startswith("solver/") for k in a)
-    for k in a:
-        if rtol == 0:
-            assert np.array_equal(a[k], b[k]), k
-        else:
-            scale = max(float(np.abs(a[k]).max()), 1e-30)
-            assert float(np.abs(a[k] - b[k]).max()) <= rtol * scale, k
 
 
 def test_stage3_micro_batches_gather_once_and_hold_the_weights():

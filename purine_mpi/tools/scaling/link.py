@@ -95,9 +95,7 @@ class Link:
         n = int(n)
         if n <= 1:
             return 0.0
-        if algorithm not in ALGORITHMS:
-            raise UserError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, "
-                            f"got {algorithm!r}")
+        _check_algorithm(algorithm)
         b = float(nbytes)
         if algorithm == "ring":
             return 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * b / self.beta + \
@@ -125,15 +123,20 @@ class Link:
         n = int(n)
         if n <= 1:
             return 0.0
-        if algorithm not in ALGORITHMS:
-            raise UserError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, "
-                            f"got {algorithm!r}")
+        _check_algorithm(algorithm)
         b = float(nbytes)
         rounds = n - 1 if algorithm == "ring" else (n - 1).bit_length()  # ⌈log2 n⌉
         return rounds * self.alpha + (n - 1) / n * b / self.beta + (n - 1) / n * b * gamma
 
     def as_dict(self):
         return asdict(self)
+
+
+def _check_algorithm(algorithm):
+    """A UserError naming ``--algorithm`` unless it is one of ALGORITHMS."""
+    if algorithm not in ALGORITHMS:
+        raise UserError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, "
+                        f"got {algorithm!r}")
 
 
 _RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
