@@ -24,6 +24,7 @@ The sources are looked up in ``$PURINE_CUDA_DIR`` if set, else in the
 """
 import os
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -37,6 +38,29 @@ _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _lock = threading.Lock()       # the dispatcher loads kernels from many threads
 _modules = {}                  # (name, device, options) -> cupy.RawModule
 _functions = {}                # (name, func, suffix, device, options) -> RawKernel
+
+
+class SaidOnce:
+    """``say(key, line)``: ``line`` on standard error the first time ``key``
+    comes (thread-safe; a None line says nothing); ``clear()`` forgets the
+    keys (the modules' ``reset()``, tests). The GPU paths' fallback notes."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._said = set()
+
+    def __call__(self, key, line):
+        if line is None:
+            return
+        with self._lock:
+            if key in self._said:
+                return
+            self._said.add(key)
+        print(line, file=sys.stderr, flush=True)
+
+    def clear(self):
+        with self._lock:
+            self._said.clear()
 
 
 def import_cupy():

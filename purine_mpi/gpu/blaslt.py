@@ -43,18 +43,17 @@ product's result into ``y`` (the allocation comes from CuPy's pool).
 Layer: gpu (imports: nothing at import time; CuPy and nvmath are imported
 when a product is made).
 """
-import sys
 import threading
 
 import numpy as np
 
 from ..base import env
-from . import import_cupy
+from . import SaidOnce, import_cupy
 from .blas import _is_capturing
 from .raw import data_ptr
 
 _lock = threading.Lock()
-_state = {"checked": False, "advanced": None, "reason": None, "said": set()}
+_state = {"checked": False, "advanced": None, "reason": None}
 _plans = {}    # key -> a planned Matmul
 
 
@@ -88,12 +87,7 @@ CAPTURE_NOTE = ("purine_mpi: fully connected layers inside a CUDA-graph capture 
                 "call (nvmath-python takes no output buffer), which a captured graph cannot")
 
 
-def _say_once(what, line):
-    with _lock:
-        if what in _state["said"] or line is None:
-            return
-        _state["said"].add(what)
-    print(line, file=sys.stderr, flush=True)
+_say_once = SaidOnce()
 
 
 def reset():
@@ -105,7 +99,8 @@ def reset():
             except Exception:
                 pass
         _plans.clear()
-        _state.update(checked=False, advanced=None, reason=None, said=set(), refused=False)
+        _state.update(checked=False, advanced=None, reason=None, refused=False)
+        _say_once.clear()
 
 
 def plan_count():

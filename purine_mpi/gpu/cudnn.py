@@ -32,27 +32,19 @@ it can; the same fallback otherwise, also said once).
 
 Nothing here imports ``cudnn`` or CuPy at import time.
 """
-import sys
 import threading
 import time
 
 import numpy as np
 
 from ..base import env
+from . import SaidOnce
 from . import cudnn_tune as tune
 
 _lock = threading.Lock()
 _state = {"checked": False, "module": None, "reason": None}
-_said = set()
+_say_once = SaidOnce()
 _handles = {}   # (device, thread id) -> cudnn handle
-
-
-def _say_once(key, message):
-    with _lock:
-        if key in _said:
-            return
-        _said.add(key)
-    print(message, file=sys.stderr, flush=True)
 
 
 def mode():
@@ -106,7 +98,7 @@ def reset():
     """Forget the availability check and the notes (tests)."""
     with _lock:
         _state.update(checked=False, module=None, reason=None)
-        _said.clear()
+        _say_once.clear()
         _handles.clear()
 
 

@@ -48,13 +48,15 @@ says so, once per op type and reason. ``PURINE_SDPA=0`` turns the path off.
 Nothing here imports ``cudnn`` or CuPy at import time.
 """
 import math
-import sys
 import threading
 
 import numpy as np
 
+from . import SaidOnce
+
 _lock = threading.Lock()
-_said = set()
+#: one line on standard error, once per key
+say_once = SaidOnce()
 _plans = {}   # key -> SdpaPlans or the exception that refused it
 _state = {"checked": False, "module": None, "reason": None}
 
@@ -62,19 +64,10 @@ _state = {"checked": False, "module": None, "reason": None}
 STORAGE = {"bfloat16": np.uint16, "float16": np.float16}
 
 
-def say_once(key, message):
-    """One line on standard error, once per ``key``."""
-    with _lock:
-        if key in _said:
-            return
-        _said.add(key)
-    print(message, file=sys.stderr, flush=True)
-
-
 def reset():
     """Forget the plans, the availability check and the notes (tests)."""
     with _lock:
-        _said.clear()
+        say_once.clear()
         _plans.clear()
         _state.update(checked=False, module=None, reason=None)
 

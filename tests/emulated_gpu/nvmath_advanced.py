@@ -155,9 +155,10 @@ class Matmul:
 def use_emulated_nvmath_advanced(monkeypatch, enabled=True):
     """Install the emulated ``nvmath.linalg.advanced`` for this test (or make
     it fail to import); gpu/blaslt.py forgets its plans and its check."""
-    from purine_mpi.gpu import blaslt
+    from purine_mpi.gpu import SaidOnce, blaslt
     monkeypatch.setattr(blaslt, "_state", {"checked": False, "advanced": None,
-                                           "reason": None, "said": set()})
+                                           "reason": None})
+    monkeypatch.setattr(blaslt, "_say_once", SaidOnce())
     monkeypatch.setattr(blaslt, "_plans", {})
     LOG.clear()
     if not enabled:
