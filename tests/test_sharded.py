@@ -73,17 +73,19 @@ def test_sharded_trains_as_data_parallel(tmp_path, n, solver, rtol):
     ``rtol`` of each blob's largest magnitude (MPICH sums 3 ranks in
     another order in reduce-scatter than in allreduce). Each rank holds
     1/N of data parallelism's optimizer state (the start-up line, from the
-    graph's blobs), and the weights whole."""
+    graph's blobs), and the weights and gradients whole (no more)."""
     data, _ = _train(tmp_path, "data", n, _job("data", solver))
     shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver))
     assert "sharded (ZeRO stage 1)" in text
     a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
     _same(a, b, 0.0 if n == 2 else rtol)
-    weights, _, state = _model_state(text)
+    weights, grads, state = _model_state(text)
     plain = model_state_bytes(compose_for(make_job(_job("data", solver)), n, 0))
     buckets = int(re.search(r"reduce-scattered in (\d+) buckets", text).group(1))
     per_element = 8 if solver == "adamw" else 4
     assert weights == plain["weights"]
+    # the gradient shard is the bucket's range (reduced in place): no bytes of its own
+    assert grads == plain["gradients"]
     # rank 0's shard of a bucket is ceil(n / N) elements: at most one more each
     assert plain["optimizer_state"] / n <= state <= \
         plain["optimizer_state"] / n + per_element * buckets
@@ -179,3 +181,46 @@ def test_graph_np_composes_each_rank(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "rank 2 holds shard 2 of 3" in res.stdout
     assert "ReduceScatter" in res.stdout and "Allgather" in res.stdout
+
+
+@pytest.mark.parametrize("extra", [{}, {"micro_batches": 2}, {"clip": 0.05}])
+def test_stage1_gradient_shard_is_the_buckets_range(extra):
+    """Stage 1 reduce-scatters in place: each ReduceScatter's outputs are
+    views of its bucket's range [lo, hi) (no storage of their own, so the
+    memory plan and the model state count no shard bytes), and after it
+    only the bucket's range is read (MPI_IN_PLACE leaves the rest
+    undefined): by the shard updates and clip_gradients' norm."""
+    from purine_mpi.comm.ops import shard_range
+    extra = dict(extra)
+    clip = extra.pop("clip", None)
+    for n, rank in ((2, 1), (3, 2)):
+        cfg = _job("sharded", "adamw", **extra)
+        if clip is not None:
+            cfg["solver"]["clip_gradients"] = clip
+        g = compose_for(make_job(cfg), n, rank)
+        order = {op.name: i for i, op in enumerate(g.topo_order())}
+        rs = [op for op in g.ops.values() if op.op_type == "ReduceScatter"]
+        assert len(rs) == 8
+        for op in rs:
+            bucket = op.attrs["bucket"]
+            total = g.blobs[bucket].size
+            lo, hi = shard_range(total, n, rank)
+            assert op.outputs and all(g.storage_root(o) == bucket for o in op.outputs)
+            assert g.blobs[f"{bucket}.shard"].alias_of == bucket
+            spans = sorted((g._abs_offset(o), g.blobs[o].size) for o in op.outputs)
+            assert spans[0][0] == lo and sum(s for _, s in spans) == hi - lo
+            after = [c for c in g.ops.values() if order[c.name] > order[op.name]]
+            readers = {c.name for c in after for b in c.inputs
+                       if g.storage_root(b) == bucket}
+            assert readers, bucket
+            for c in after:
+                for b in c.inputs:
+                    if g.storage_root(b) == bucket:
+                        at = g._abs_offset(b)
+                        assert lo <= at and at + g.blobs[b].size <= hi, (c.name, b)
+            if clip is not None:
+                assert "clip.norm" in readers
+        data = _job("data", "adamw", **extra)
+        data["solver"] = cfg["solver"]
+        assert model_state_bytes(g)["gradients"] == \
+            model_state_bytes(compose_for(make_job(data), n, rank))["gradients"]

@@ -32,10 +32,10 @@ def _psi(graph):
 
 
 #: ZeRO's bytes per rank for Ψ float32 weights on N ranks under AdamW (4
-#: weight, 4 gradient, 8 moments per weight). Stage 1 holds 4Ψ/N more
-#: gradient than ZeRO's 8Ψ + 8Ψ/N: the reduce-scatter's shard has a buffer
-#: of its own beside the whole bucket (docs/parallel.md, "Sharded").
-FORMULAS = {"data": lambda n: 16.0, 1: lambda n: 8 + 12.0 / n, 2: lambda n: 4 + 12.0 / n}
+#: weight, 4 gradient, 8 moments per weight): stage 1 8Ψ + 8Ψ/N (its
+#: gradient shard is the bucket's own range, reduced in place), stage 2
+#: 4Ψ + 12Ψ/N (docs/parallel.md, "Sharded").
+FORMULAS = {"data": lambda n: 16.0, 1: lambda n: 8 + 8.0 / n, 2: lambda n: 4 + 12.0 / n}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -62,6 +62,8 @@ def test_held_model_state_matches_zero_formulas(n):
                 assert 0 < held["working"] <= 4 * psi + 64 * len(buckets)
             else:
                 assert held["working"] == 0
+            if stage == 1:  # the gradients: the buckets alone, no shard of their own
+                assert held["gradients"] == 4 * psi, (n, rank, held)
 
 
 def test_stage2_bucket_dies_at_its_reduce_scatter():

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..base.errors import GraphError, UserError
 from ..ops.registry import OpKernel, register
+from .device import is_device_array
 from .ops import Allgather, ReduceScatter, _Concat, _mb, _storage_of
 from ..base.errors import write_line
 
@@ -346,11 +347,12 @@ class NcclAllreduce(_NcclKernel):
 
 
 def _padded(cupy, buffer, size, dtype):
-    """``buffer`` itself when it holds ``size`` elements, else a zeroed
-    buffer of ``size`` made now (at set-up): NCCL's reduce-scatter and
-    all-gather take equal counts per rank, ``shard_range``'s chunks padded
-    (the padding is zeros: it adds nothing to any sum and is never read)."""
-    if buffer.size == size and not isinstance(buffer, np.ndarray):
+    """``buffer`` itself when it is a device array of ``size`` elements,
+    else a zeroed buffer of ``size`` made now (at set-up): NCCL's
+    reduce-scatter and all-gather take equal counts per rank,
+    ``shard_range``'s chunks padded (the padding is zeros: it adds nothing
+    to any sum and is never read)."""
+    if buffer.size == size and is_device_array(buffer):
         return buffer, False
     return cupy.zeros((size,), dtype=dtype), True
 
@@ -362,7 +364,11 @@ class NcclReduceScatter(_NcclKernel):
     ranks of concat(g_0 .. g_k). NCCL cuts the buffer into equal chunks of
     ``ceil(total / N)``: a bucket that N does not divide is sent from a
     zero-padded copy and the last shards received into a chunk-sized one
-    (both made at set-up: the iteration allocates nothing)."""
+    (both made at set-up: the iteration allocates nothing). Where the
+    outputs are this rank's range of the unpadded bucket (stage 1's
+    gradient shard), the receive buffer is the send buffer plus rank times
+    the chunk: NCCL's in-place reduce-scatter (``in_place``); any other
+    overlap of the two is refused at set-up."""
 
     op_type = "NcclReduceScatter"
     nccl_call = "reduce-scatter"
@@ -385,6 +391,16 @@ class NcclReduceScatter(_NcclKernel):
         self.total, self.mine = total, int(self.recv.buffer.size)
         self.nbytes = int(self.send.buffer.nbytes)
         self.average = bool(self.attrs.get("average", False))
+        # NCCL reduces in place only with recvbuff == sendbuff + rank * recvcount
+        from ..gpu.raw import data_ptr
+        item = np.dtype(dtype).itemsize
+        send_at, recv_at = data_ptr(self.send_buf), data_ptr(self.recv_buf)
+        self.in_place = recv_at == send_at + shard * self.chunk * item
+        if not self.in_place and send_at < recv_at + self.chunk * item and \
+                recv_at < send_at + self.chunk * shards * item:
+            raise GraphError(f"NcclReduceScatter '{self.op.name}': its receive buffer "
+                             "overlaps its send buffer other than at this rank's chunk "
+                             "(NCCL's in-place rule: recvbuff = sendbuff + rank * recvcount)")
 
     def run(self, ins, outs):
         from ..gpu.raw import data_ptr

@@ -26,8 +26,10 @@ ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
     length; none where the shard is empty) -- so the readers of each part
     of the shard (a weight's update) depend on the op that writes it. When
     the inputs are consecutive views of one flat bucket, the bucket itself
-    is the send buffer (no packing copy); so is the receive side. One
-    MPI_Ireduce_scatter with counts.
+    is the send buffer (no packing copy); so is the receive side. When the
+    outputs are this rank's range of that bucket (ZeRO stage 1), it reduces
+    in place: MPI_IN_PLACE (MPI puts the rank's result at the start of the
+    bucket, copied to its range after). One MPI_Ireduce_scatter with counts.
 Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shapes, (group)
     the concatenation w_0 .. w_k (shapes ``shapes``) on every rank is the
     concatenation of every rank's x's, rank by rank: rank r's x's fill
@@ -382,6 +384,13 @@ def _address(a):
     return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
 
 
+def _is_range(part, whole, start):
+    """True when ``part`` is ``whole[start:start + part.size]`` (same memory)."""
+    return type(part) is type(whole) and part.dtype == whole.dtype and \
+        start + part.size <= whole.size and \
+        _address(part) == _address(whole) + start * whole.itemsize
+
+
 def _tiled_run(flat, arrays):
     """``flat[i:j]`` when ``arrays`` are C-contiguous views of the 1-D
     ``flat`` lying one after the other from element i to j, else None."""
@@ -435,11 +444,18 @@ class ReduceScatter(CollectiveKernel):
         return [(s, dtype) for s in shapes]
 
     def setup(self, ins, outs):
-        shards, _ = self._shards()
+        shards, shard = self._shards()
         dtype = ins[0].dtype
         self.send = _Concat(ins, _storage_of(self, self.op.inputs[0]), dtype)
         self.counts, self.displs = shard_counts(self.send.buffer.size, shards)
         self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]) if outs else None, dtype)
+        self.lo = self.displs[shard]
+        self.in_place = _is_range(self.recv.buffer, self.send.buffer, self.lo) \
+            if outs and not (self.send.copies or self.recv.copies) else False
+        if not self.in_place and outs and _shares(self.send.buffer, self.recv.buffer):
+            raise GraphError(f"ReduceScatter '{self.op.name}': its outputs overlap its "
+                             "inputs other than as this rank's range of the bucket (MPI "
+                             "forbids aliased send and receive buffers)")
         self.send_stage = HostStage(self.send.buffer)
         self.recv_stage = HostStage(self.recv.buffer)
         self.nbytes = int(self.send.buffer.nbytes)
@@ -455,15 +471,30 @@ class ReduceScatter(CollectiveKernel):
         comm_delay()()
         self.send.pack()
         if self._alone():  # the one shard is the whole sum
-            self.recv.buffer[...] = self.send.buffer
-            self.recv.unpack()
+            if not self.in_place:  # in place it is the bucket already
+                self.recv.buffer[...] = self.send.buffer
+                self.recv.unpack()
             return None
-        req = self.comm().Ireduce_scatter(self.send_stage.buffer(copy_in=True),
-                                          self.recv_stage.buffer(copy_in=False),
-                                          recvcounts=self.counts, op=MPI.SUM)
+        if self.in_place:
+            self._sum = self.send_stage.buffer(copy_in=True)
+            req = self.comm().Ireduce_scatter(MPI.IN_PLACE, self._sum, recvcounts=self.counts,
+                                              op=MPI.SUM)
+        else:
+            req = self.comm().Ireduce_scatter(self.send_stage.buffer(copy_in=True),
+                                              self.recv_stage.buffer(copy_in=False),
+                                              recvcounts=self.counts, op=MPI.SUM)
         return self._posted([req])
 
     def _finish(self):
+        if self.in_place:
+            # MPI left the shard at the start of the buffer it reduced (the
+            # bucket, or its host mirror): move it to the shard's range. The
+            # two do not overlap: lo = r*c >= c >= the shard's count for r >= 1
+            count = self.recv.buffer.size
+            if self.recv_stage.staged:
+                self.recv_stage.host[...] = self._sum[:count]
+            elif self.lo:
+                self._sum[self.lo:self.lo + count] = self._sum[:count]
         self._copy_back(self.recv_stage)
         self._scale_mean([self.recv.buffer])
         self.recv.unpack()

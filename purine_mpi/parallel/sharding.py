@@ -25,7 +25,8 @@ buffer, and a shard -- ``comm.ops.shard_range``: rank r holds elements
 ``compose_zero1(graph, grads, shards, shard, ...)``
     stage 1 of one replica's training graph: per bucket a ReduceScatter of
     the gradient bucket (``seq`` in bucket order, posted as soon as its
-    gradients exist), the shard solver, then an Allgather of the updated
+    gradients exist; in place: the shard's gradient is the bucket's own
+    range), the shard solver, then an Allgather of the updated
     shard into the weight buffer (``seq`` after every ReduceScatter, so a
     bucket's reduce-scatter never waits behind an earlier bucket's update).
 
@@ -183,6 +184,9 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     are not split in rows: the reduce-scatter cuts every bucket anyway),
     each with its flat weight buffer, a ReduceScatter of its gradients, the
     solver over this rank's shard and an Allgather of the updated weights.
+    Stage 1: the gradient shard ``<bucket>.shard`` is a view of the
+    bucket's range ``shard_range`` (the ReduceScatter writes it in place,
+    comm/ops.py), so the rank holds 4Ψ of gradients, not 4Ψ + 4Ψ/N.
     ``stage`` 2 (ZeRO stage 2) makes each gradient bucket transient (kind
     ``grad``, not ``bucket``): written by the backward ops (or the
     micro-batches' sums), read by its ReduceScatter alone, so the memory
@@ -207,8 +211,13 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
             graph.blobs[name].attrs[WORKING_SET_ATTR] = "gradients"
         total = graph.blobs[name].size
         lo, hi = shard_range(total, shards, shard)
+        # the gradient shard: stage 1 keeps the whole bucket, so the shard is
+        # its range [lo, hi) (the ReduceScatter runs in place: no bytes of
+        # its own); stage 2 frees the bucket after the reduce-scatter, so
+        # the shard outlives it in a blob of its own
         shard_grad = graph.free_name(f"{name}.shard")
-        graph.add_blob(shard_grad, (hi - lo,), b["dtype"], b["location"], kind="grad")
+        graph.add_blob(shard_grad, (hi - lo,), b["dtype"], b["location"], kind="grad",
+                       alias_of=name if stage < 2 else None, offset=lo if stage < 2 else 0)
         own = None
         if stage >= 3:  # the rank's persistent shard of the weights, updated in place
             own = graph.free_name(f"{weights}.shard")

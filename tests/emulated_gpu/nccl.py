@@ -112,6 +112,18 @@ class NcclCommunicator:
         send_n, recv_n = {"allReduce": (count, count),
                           "reduceScatter": (count * self._size, count),
                           "allGather": (count, count * self._size)}[call]
+        # NCCL's in-place rule: buffers that overlap must be exactly in place
+        # (recvbuff = sendbuff + rank * recvcount for a reduce-scatter,
+        # sendbuff = recvbuff + rank * sendcount for an all-gather); any other
+        # overlap gives a real NCCL undefined results
+        item = dtype.itemsize
+        in_place = {"allReduce": recvbuf == sendbuf,
+                    "reduceScatter": recvbuf == sendbuf + self._rank * count * item,
+                    "allGather": sendbuf == recvbuf + self._rank * count * item}[call]
+        if not in_place and sendbuf < recvbuf + recv_n * item and \
+                recvbuf < sendbuf + send_n * item:
+            raise NcclError(f"NCCL_ERROR_INVALID_USAGE: {call}'s buffers overlap other than "
+                            "in place (undefined in a real NCCL)")
         target = capture.stream_of(stream) or capture.DEFAULT_STREAM
 
         def run():

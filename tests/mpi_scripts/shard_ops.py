@@ -6,8 +6,10 @@ parallel/sharding.py) at any number of ranks, through the real dispatcher.
 ops    ReduceScatter and Allgather against closed forms: sizes divisible and
        not divisible by K (and smaller than K: empty shards), float32 and
        float64, inputs that tile one flat bucket (no packing copy) and
-       separate blobs (packed), the mean (``average``), an Allgather in
-       place and from a blob of its own. Integer-valued data: every sum is
+       separate blobs (packed), a ReduceScatter in place (its output the
+       rank's range of the bucket: MPI_IN_PLACE, then the shard moved from
+       the bucket's start to its range), the mean (``average``), an
+       Allgather in place and from a blob of its own. Integer-valued data: every sum is
        exact, so results are compared with ==.
 equiv  ZeRO stage 1 (parallel/sharding.compose_zero1: reduce-scatter, the
        solver on the shard, allgather) against data parallelism
@@ -53,7 +55,7 @@ def ints(rank, size, i):
 
 
 # --- ops: closed forms --------------------------------------------------------
-def check_ops(dtype, sizes, tiled, average):
+def check_ops(dtype, sizes, tiled, average, in_place=False):
     g = Graph("rs")
     names = []
     for i, size in enumerate(sizes):
@@ -64,6 +66,8 @@ def check_ops(dtype, sizes, tiled, average):
                                   "params": names}, {x: x for x in names}, {})
     total = sum(sizes)
     lo, hi = shard_range(total, n, r)
+    if in_place:  # the shard is the bucket's range [lo, hi), as stage 1 lays it out
+        g.add_blob("s", (hi - lo,), dtype, kind="grad", alias_of="bucket", offset=lo)
     g.add_op("rs", "ReduceScatter", names, ["s"],
              {"seq": 0, "shards": n, "shard": r, "average": average})
     # Allgather from a blob of its own (x) and in place (the shard of y's buffer)
@@ -92,11 +96,14 @@ def check_ops(dtype, sizes, tiled, average):
         expect *= 1.0 / n  # as the op scales: b *= 1/size
     s = ws["s"]
     assert s.dtype == np.dtype(dtype) and np.array_equal(s, expect[lo:hi]), (s, expect[lo:hi])
+    if in_place:  # the result lies in the bucket's range: no buffer of the op's own
+        assert np.array_equal(ws.storage("bucket")[lo:hi], expect[lo:hi])
     assert np.array_equal(ws["y"], np.arange(total) + 0.5), ws["y"]
     assert np.array_equal(ws["z"], np.arange(total) * 2.0), ws["z"]
     k = d.kernels
     # separate blobs are packed into a buffer of the op's own (one blob is its own run)
     assert k["rs"].send.copies == (not tiled and len(sizes) > 1), (tiled, sizes)
+    assert k["rs"].in_place == (in_place and hi > lo), (in_place, lo, hi)
     assert k["agz"].in_place and (not k["ag"].in_place or hi == lo)
     assert k["rs"].nbytes == total * np.dtype(dtype).itemsize == k["ag"].nbytes
     d.close()
@@ -107,7 +114,9 @@ if mode == "ops":
         for sizes in ([12 * n], [5, 3 * n + 1], [1], [n + 1, 2]):
             for tiled in (True, False):
                 check_ops(dtype, sizes, tiled, average=False)
+            check_ops(dtype, sizes, True, average=False, in_place=True)
         check_ops(dtype, [3, 2 * n + 1], True, average=True)
+        check_ops(dtype, [3, 2 * n + 1], True, average=True, in_place=True)
     ok(f"shard_ops ops n={n}")
 
 

@@ -146,6 +146,14 @@ if not real:
     assert calls == expect * ITERS, (calls, expect)
     streams = {c[3] for c in emu_nccl.CALLS[-len(names):]}
     assert streams == {(0, "capture:nccl")}, streams   # the last iteration: a replay
+# stage 1: the gradient shard is the bucket's range, so NCCL reduces in
+# place (recvbuff = sendbuff + rank * chunk) wherever N divides the bucket
+# (no padded copies); stage 3's shard is a blob of its own
+shard_ops = [d.kernels[x] for x in names if graph.ops[x].op_type == "NcclReduceScatter"]
+assert [k.in_place for k in shard_ops] == [stage == 1 and k.total % n == 0
+                                           for k in shard_ops], \
+    [(k.total, k.in_place, k.send_pad, k.recv_pad) for k in shard_ops]
+assert stage != 1 or any(k.in_place for k in shard_ops), "no bucket N divides"
 mine = held(d, graph, plan)
 d.close()
 patch.undo()
