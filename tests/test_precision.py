@@ -62,11 +62,13 @@ def test_contradicting_precision_and_tf32_name_both_keys(tf32, precision):
     assert f"precision: {precision}" in str(e.value)
 
 
-def test_grad_dtype_bf16_is_refused_naming_the_key():
+def test_grad_dtype_defaults_to_fp32_and_bf16_is_accepted_where_it_is_built():
+    """What grad_dtype: bf16 refuses: tests/test_grad_dtype.py."""
     assert validate_config(_raw())["parallel"]["grad_dtype"] == "fp32"
-    with pytest.raises(ConfigError) as e:
-        validate_config(_raw(device=0, parallel={"grad_dtype": "bf16"}))
-    assert e.value.key == "parallel.grad_dtype"
+    assert validate_config(_raw(parallel={"grad_dtype": "bf16"}))["parallel"]["grad_dtype"] \
+        == "bf16"
+    out = validate_config(_raw(device=0, parallel={"grad_dtype": "bf16", "backend": "nccl"}))
+    assert out["parallel"]["grad_dtype"] == "bf16"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

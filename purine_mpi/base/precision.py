@@ -15,7 +15,12 @@ float32 storage. bfloat16 is the upper half of a float32, so rounding is
 integer arithmetic on the float32's bits (no bfloat16 type needed: neither
 NumPy nor CuPy has one); float16 goes through a float16 array. ``scratch``
 is an array of ``scratch_spec(x.shape, dtype)``: the rounding allocates
-nothing (a captured CUDA graph may hold it)."""
+nothing (a captured CUDA graph may hold it).
+
+``parallel.grad_dtype: bf16`` moves gradient buckets as bfloat16 bits
+(``GRAD_WIRE``): ``to_bf16_bits`` rounds float32 into a uint16 copy the
+same way, ``from_bf16_bits`` widens it back, ``add_bf16_bits`` is one step
+of a bfloat16 sum (comm/ops.bf16_sum_op, MPI's user op)."""
 import numpy as np
 
 #: the values of the config key ``precision``
@@ -54,8 +59,14 @@ def round_to(x, dtype, scratch):
         return x
     if dtype != "bfloat16":
         raise ValueError(f"round_to: bfloat16 or float16, got {dtype!r}")
-    xp = _xp(x)
-    bits, inc, finite = x.view(np.uint32), scratch[0], scratch[1]
+    _round_bits(_xp(x), x.view(np.uint32), scratch[0], scratch[1])
+    return x
+
+
+def _round_bits(xp, bits, inc, finite):
+    """Round the float32 bit patterns ``bits`` (uint32) in place to the
+    nearest bfloat16 (ties to even; ``inc`` and ``finite`` are uint32
+    scratch of its shape): the low 16 bits end zero."""
     xp.right_shift(bits, 16, out=inc)               # the bit that decides a tie
     xp.bitwise_and(inc, 1, out=inc)
     xp.add(inc, _BF16_ROUND, out=inc)
@@ -67,7 +78,58 @@ def round_to(x, dtype, scratch):
     xp.multiply(inc, finite, out=inc)
     xp.add(bits, inc, out=bits)
     xp.bitwise_and(bits, _BF16_MASK, out=bits)
+
+
+#: ``parallel.grad_dtype`` -> the dtype the gradient buckets cross the ranks
+#: in (None: their own, float32), and the bytes of one element of it
+GRAD_WIRE = {"fp32": None, "bf16": "bfloat16"}
+WIRE_ITEMSIZE = {"bfloat16": 2}
+#: elements ``to_bf16_bits`` rounds per step (its scratch: 3 uint32 of each)
+WIRE_CHUNK = 1 << 16
+
+
+def wire_scratch(size, xp=np):
+    """The scratch ``to_bf16_bits`` needs for ``size`` elements (a bounded
+    chunk, allocated once: the rounding allocates nothing)."""
+    return xp.empty((3, max(1, min(int(size), WIRE_CHUNK))), dtype=np.uint32)
+
+
+def to_bf16_bits(x, out, scratch):
+    """``out`` (uint16, ``x``'s size) = the bits of the bfloat16 nearest each
+    float32 of ``x`` (ties to even; ``x`` is not changed), a chunk of
+    ``scratch`` (``wire_scratch``) at a time."""
+    xp = _xp(x)
+    src, dst, step = x.reshape(-1).view(np.uint32), out.reshape(-1), scratch.shape[1]
+    for a in range(0, src.size, step):
+        b = min(src.size, a + step)
+        bits, inc, finite = scratch[0, :b - a], scratch[1, :b - a], scratch[2, :b - a]
+        bits[...] = src[a:b]
+        _round_bits(xp, bits, inc, finite)
+        xp.right_shift(bits, 16, out=bits)
+        dst[a:b] = bits
+    return out
+
+
+def from_bf16_bits(bits, x):
+    """``x`` (float32) = the bfloat16 values whose bits are ``bits`` (uint16),
+    widened exactly."""
+    wide = x.reshape(-1).view(np.uint32)
+    wide[...] = bits.reshape(-1)
+    _xp(x).left_shift(wide, 16, out=wide)
     return x
+
+
+def add_bf16_bits(a, b):
+    """``b += a`` for bfloat16 values held as their uint16 bits (NumPy): both
+    widened to float32, added, the sum rounded back to bfloat16 -- one
+    reduction step of a bfloat16 sum, as NCCL's."""
+    with np.errstate(over="ignore"):
+        total = (a.astype(np.uint32) << 16).view(np.float32) + \
+            (b.astype(np.uint32) << 16).view(np.float32)
+    bits = total.view(np.uint32)
+    _round_bits(np, bits, np.empty_like(bits), np.empty_like(bits))
+    b[...] = bits >> 16
+    return b
 
 
 def _xp(x):

@@ -21,6 +21,12 @@ after its bucket's gradients (cross-stream events). Nothing in it
 synchronises, allocates or reads back, so a CUDA-graph capture takes it
 with the rest of the iteration.
 
+``parallel.grad_dtype: bf16`` (attr ``wire_dtype``): ``NcclAllreduce``
+and ``NcclReduceScatter`` round their float32 buffers into uint16 copies
+made at set-up (``base/precision.to_bf16_bits``, on the stream, captured),
+reduce them as ``ncclBfloat16`` (NCCL adds in float32 and rounds each step)
+and widen the result back into the float32 buffer: half the bytes.
+
 The watchdog: after each allreduce the op adds one to its slot of a device
 counter and copies it to page-locked host memory (both captured with it);
 ``before_iteration`` counts the launches on the host. A thread
@@ -40,6 +46,7 @@ import numpy as np
 
 from ..base.errors import GraphError, UserError
 from ..ops.registry import OpKernel, register
+from ..base.precision import from_bf16_bits, to_bf16_bits, wire_scratch
 from .device import is_device_array
 from .ops import Allgather, ReduceScatter, _Concat, _mb, _storage_of
 from ..base.errors import write_line
@@ -166,6 +173,8 @@ def reset():
 
 
 _NCCL_DTYPES = {np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64"}
+#: ``ncclBfloat16`` (NCCL 2.10 on), where CuPy's binding does not name it
+NCCL_BFLOAT16 = 9
 _ops = []   # the NCCL kernels of this process (any collective), in seq order
 
 
@@ -253,6 +262,14 @@ class _NcclKernel(OpKernel):
                              f"buffers of one dtype, got {sorted({str(o.dtype) for o in outs})}")
         self.nccl_dtype, self.op_sum = getattr(nccl, _NCCL_DTYPES[dtype]), nccl.NCCL_SUM
         self.dtype = dtype
+        # attr wire_dtype (parallel.grad_dtype: bf16): float32 buckets rounded
+        # into bfloat16 copies, reduced by ncclBfloat16 and widened back
+        self.wire = self.attrs.get("wire_dtype")
+        if self.wire is not None:
+            if self.wire != "bfloat16" or dtype != np.float32:
+                raise ValueError(f"{self.op_type} '{self.op.name}': wire_dtype bfloat16 of "
+                                 f"float32 buffers, got {self.wire} of {dtype}")
+            self.nccl_dtype = getattr(nccl, "NCCL_BFLOAT16", NCCL_BFLOAT16)
         with cupy.cuda.Device(device):
             self.done_device = cupy.zeros((1,), dtype=np.int64)
         self.done_host = pinned_empty((1,), np.int64)
@@ -287,6 +304,14 @@ class _NcclKernel(OpKernel):
         self.done_device += 1   # the watchdog: this launch is complete on the device
         copy_to_host_async(self.done_host, self.done_device)
 
+    def _wire_buffers(self, cupy, *sizes):
+        """The uint16 device buffers of ``sizes`` elements the bfloat16
+        collective moves and the rounding's scratch (made at set-up)."""
+        device = int(self.op.location.device)
+        with cupy.cuda.Device(device):
+            return ([cupy.zeros((n,), dtype=np.uint16) for n in sizes],
+                    wire_scratch(max(sizes), cupy))
+
     def _shards(self):
         """(shards, shard) of the attrs, checked against the communicator (a
         graph built for another number of ranks would exchange wrong counts)."""
@@ -311,6 +336,7 @@ class NcclAllreduce(_NcclKernel):
         return list(ins)
 
     def setup(self, ins, outs):
+        from ..gpu import import_cupy
         from ..gpu.raw import data_ptr
         if len(ins) != len(outs):
             raise ValueError(f"NcclAllreduce '{self.op.name}' needs one output per input")
@@ -330,16 +356,33 @@ class NcclAllreduce(_NcclKernel):
             ptr = p + o.nbytes
         self.spans = [tuple(s) for s in spans]
         self.nbytes = sum(o.nbytes for o in outs)
+        if self.wire is not None:   # the outputs rounded side by side into one copy
+            total = sum(int(o.size) for o in outs)
+            (self.wire_buf,), self.scratch = self._wire_buffers(import_cupy(), total)
+            self.spans = [(data_ptr(self.wire_buf), total)] if total else []
+            self.nbytes = int(self.wire_buf.nbytes)
         self.average = bool(self.attrs.get("average", False))
         self.outs = outs
+
+    def _wire_parts(self, outs):
+        pos = 0
+        for o in outs:
+            yield o, self.wire_buf[pos:pos + o.size]
+            pos += int(o.size)
 
     def run(self, ins, outs):
         for i, o in self.copies:
             o[...] = i
         stream = self._stream()
         comm = self.nccl_comm
+        if self.wire is not None:
+            for o, part in self._wire_parts(outs):
+                to_bf16_bits(o, part, self.scratch)
         for ptr, count in self.spans:
             comm.comm.allReduce(ptr, ptr, count, self.nccl_dtype, self.op_sum, stream)
+        if self.wire is not None:
+            for o, part in self._wire_parts(outs):
+                from_bf16_bits(part, o)
         if self.average:
             for o in outs:
                 o *= 1.0 / comm.size
@@ -396,7 +439,12 @@ class NcclReduceScatter(_NcclKernel):
         item = np.dtype(dtype).itemsize
         send_at, recv_at = data_ptr(self.send_buf), data_ptr(self.recv_buf)
         self.in_place = recv_at == send_at + shard * self.chunk * item
-        if not self.in_place and send_at < recv_at + self.chunk * item and \
+        if self.wire is not None:   # the padded send and the chunk, as bfloat16
+            # (NCCL reads and writes these: the float32 buffers may overlap)
+            (self.wire_send, self.wire_recv), self.scratch = self._wire_buffers(
+                cupy, self.chunk * shards, self.chunk)
+            self.nbytes //= 2
+        elif not self.in_place and send_at < recv_at + self.chunk * item and \
                 recv_at < send_at + self.chunk * shards * item:
             raise GraphError(f"NcclReduceScatter '{self.op.name}': its receive buffer "
                              "overlaps its send buffer other than at this rank's chunk "
@@ -408,9 +456,16 @@ class NcclReduceScatter(_NcclKernel):
         if self.send_pad:
             self.send_buf[:self.total] = self.send.buffer
         comm = self.nccl_comm
-        comm.comm.reduceScatter(data_ptr(self.send_buf), data_ptr(self.recv_buf), self.chunk,
+        send, recv = self.send_buf, self.recv_buf
+        if self.wire is not None:
+            send, recv = self.wire_send, self.wire_recv
+            to_bf16_bits(self.send_buf, send, self.scratch)
+        comm.comm.reduceScatter(data_ptr(send), data_ptr(recv), self.chunk,
                                 self.nccl_dtype, self.op_sum, self._stream())
-        if self.recv_pad and self.mine:
+        if self.wire is not None:
+            if self.mine:
+                from_bf16_bits(recv[:self.mine], self.recv.buffer)
+        elif self.recv_pad and self.mine:
             self.recv.buffer[...] = self.recv_buf[:self.mine]
         if self.average and self.mine:
             self.recv.buffer *= 1.0 / comm.size

@@ -16,6 +16,12 @@ Allreduce   ins [g_0 .. g_k]  outs [s_0 .. s_k]   attrs seq, (average), (group),
     sub-communicator made at start-up (``World.split_groups``).
     When the outputs are alias blobs of one flat bucket (data_parallel), the
     whole bucket is reduced in place: one Iallreduce, no packing copy.
+    With ``wire_dtype: bfloat16`` (``parallel.grad_dtype: bf16``) the
+    buffers cross the ranks as bfloat16: each float32 is rounded (to
+    nearest, ties to even) into a uint16 copy, summed by ``bf16_sum_op``
+    (every reduction step widens, adds in float32 and rounds back, as
+    NCCL's bfloat16 sum), and widened back into the float32 buffer before
+    the mean and the update -- half the bytes.
 ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
                attrs seq, shards, shard, (shapes), (average), (group)
     the concatenation s_0 .. s_m is this rank's shard (``shard_range``) of
@@ -29,7 +35,9 @@ ReduceScatter  ins [g_0 .. g_k]  outs [s_0 .. s_m]
     is the send buffer (no packing copy); so is the receive side. When the
     outputs are this rank's range of that bucket (ZeRO stage 1), it reduces
     in place: MPI_IN_PLACE (MPI puts the rank's result at the start of the
-    bucket, copied to its range after). One MPI_Ireduce_scatter with counts.
+    bucket, copied to its range after); with ``wire_dtype`` (as Allreduce's)
+    the bfloat16 copies are MPI's buffers instead. One MPI_Ireduce_scatter
+    with counts.
 Allgather   ins [x_0 .. x_m]  outs [w_0 .. w_k]   attrs seq, shards, shard, shapes, (group)
     the concatenation w_0 .. w_k (shapes ``shapes``) on every rank is the
     concatenation of every rank's x's, rank by rank: rank r's x's fill
@@ -53,6 +61,7 @@ epilogue, drawn from a generator seeded by (SEED, rank) -- a reproducible
 way to shake the timing of posts and completions (tests run with it: results
 and completion must not change).
 """
+import atexit
 import os
 import threading
 import time
@@ -62,8 +71,10 @@ import numpy as np
 from ..base import env
 from ..base.errors import GraphError, ShapeError
 from ..base.backend import get_xp
+from ..base.precision import (WIRE_ITEMSIZE, add_bf16_bits, from_bf16_bits, to_bf16_bits,
+                              wire_scratch)
 from ..ops.registry import OpKernel, Pending, register
-from .device import HostStage
+from .device import HostStage, is_device_array
 from .world import get_world
 
 #: comm/rma_reduce.py registers WindowAllreduce, comm/window_sync.py WindowSync
@@ -198,6 +209,53 @@ class CommKernel(OpKernel):
         return f"seq {self.attrs.get('seq', '?')}"
 
 
+_OP_LOCK = threading.Lock()
+_BF16_SUM = []
+
+
+def bf16_sum_op():
+    """The MPI op that sums bfloat16 values sent as their uint16 bits (MPI
+    has no bfloat16 type): commutative, each step widening both operands to
+    float32, adding and rounding back (``add_bf16_bits``). Made once per
+    process, freed at exit (before mpi4py finalizes MPI)."""
+    with _OP_LOCK:
+        if not _BF16_SUM:
+            from mpi4py import MPI
+
+            def add(invec, inoutvec, datatype):
+                add_bf16_bits(np.frombuffer(invec, np.uint16), np.frombuffer(inoutvec, np.uint16))
+
+            _BF16_SUM.append(MPI.Op.Create(add, commute=True))
+            atexit.register(_free_ops)
+        return _BF16_SUM[0]
+
+
+def _free_ops():
+    from mpi4py import MPI
+    while _BF16_SUM:
+        op = _BF16_SUM.pop()
+        if not MPI.Is_finalized():
+            op.Free()
+
+
+def _wire(kernel, buffers):
+    """Attr ``wire_dtype`` (None or ``bfloat16``) of a reducing collective,
+    with the uint16 copies of ``buffers`` it moves and the rounding's
+    scratch, made once at set-up (host buffers: a device bucket reduces in
+    bfloat16 through NCCL only)."""
+    wire = kernel.attrs.get("wire_dtype")
+    if wire is None:
+        return None, None, None
+    if wire not in WIRE_ITEMSIZE or kernel.attrs.get("reduce", "sum") != "sum":
+        raise GraphError(f"{kernel.op_type} '{kernel.op.name}': wire_dtype {wire!r} sums in "
+                         f"{', '.join(WIRE_ITEMSIZE)} only")
+    if any(is_device_array(b) for b in buffers):
+        raise GraphError(f"{kernel.op_type} '{kernel.op.name}': a bfloat16 reduction of GPU "
+                         "buffers runs through NCCL (parallel.backend: nccl), not MPI")
+    copies = [np.empty(int(b.size), dtype=np.uint16) for b in buffers]
+    return wire, copies, wire_scratch(max([int(b.size) for b in buffers] or [1]))
+
+
 def _mb(nbytes):
     if nbytes < 2 ** 17:
         return f"{nbytes / 2 ** 10:.1f} KB"
@@ -308,8 +366,9 @@ class Allreduce(CollectiveKernel):
         self.in_place = [_shares(i, o) for i, o in zip(ins, outs)]
         if self.buffers is None:
             self.buffers = [_flat(o) for o in outs]
-        self.stages = [HostStage(b) for b in self.buffers]
-        self.nbytes = sum(b.nbytes for b in self.buffers)
+        self.wire, self.wires, self.scratch = _wire(self, self.buffers)
+        self.stages = [HostStage(b) for b in (self.wires or self.buffers)]
+        self.nbytes = sum(st.array.nbytes for st in self.stages)
         self._setup_done = True
 
     def _stages_read(self):
@@ -341,12 +400,18 @@ class Allreduce(CollectiveKernel):
             return None
         comm = self.comm()
         op = MPI.MAX if self.attrs.get("reduce", "sum") == "max" else MPI.SUM
+        if self.wire:
+            for b, w in zip(self.buffers, self.wires):
+                to_bf16_bits(b, w, self.scratch)
+            op = bf16_sum_op()
         return self._posted([comm.Iallreduce(MPI.IN_PLACE, st.buffer(copy_in=True), op=op)
                               for st in self.stages])
 
     def _finish(self):
         for st in self.stages:
             self._copy_back(st)
+        for w, b in zip(self.wires or (), self.buffers):
+            from_bf16_bits(w, b)
         self._scale_mean(self.buffers)
 
 
@@ -450,15 +515,18 @@ class ReduceScatter(CollectiveKernel):
         self.counts, self.displs = shard_counts(self.send.buffer.size, shards)
         self.recv = _Concat(outs, _storage_of(self, self.op.outputs[0]) if outs else None, dtype)
         self.lo = self.displs[shard]
+        self.wire, wires, self.scratch = _wire(self, [self.send.buffer, self.recv.buffer])
+        # in bfloat16 MPI reduces the separate wire copies: nothing aliases
         self.in_place = _is_range(self.recv.buffer, self.send.buffer, self.lo) \
-            if outs and not (self.send.copies or self.recv.copies) else False
-        if not self.in_place and outs and _shares(self.send.buffer, self.recv.buffer):
+            if outs and not (self.wire or self.send.copies or self.recv.copies) else False
+        if not (self.in_place or self.wire) and outs and \
+                _shares(self.send.buffer, self.recv.buffer):
             raise GraphError(f"ReduceScatter '{self.op.name}': its outputs overlap its "
                              "inputs other than as this rank's range of the bucket (MPI "
                              "forbids aliased send and receive buffers)")
-        self.send_stage = HostStage(self.send.buffer)
-        self.recv_stage = HostStage(self.recv.buffer)
-        self.nbytes = int(self.send.buffer.nbytes)
+        send, recv = wires or (self.send.buffer, self.recv.buffer)
+        self.send_stage, self.recv_stage = HostStage(send), HostStage(recv)
+        self.nbytes = int(send.nbytes)
         self._setup_done = True
 
     def _stages_read(self):
@@ -475,14 +543,18 @@ class ReduceScatter(CollectiveKernel):
                 self.recv.buffer[...] = self.send.buffer
                 self.recv.unpack()
             return None
+        op = MPI.SUM
+        if self.wire:
+            to_bf16_bits(self.send.buffer, self.send_stage.array, self.scratch)
+            op = bf16_sum_op()
         if self.in_place:
             self._sum = self.send_stage.buffer(copy_in=True)
             req = self.comm().Ireduce_scatter(MPI.IN_PLACE, self._sum, recvcounts=self.counts,
-                                              op=MPI.SUM)
+                                              op=op)
         else:
             req = self.comm().Ireduce_scatter(self.send_stage.buffer(copy_in=True),
                                               self.recv_stage.buffer(copy_in=False),
-                                              recvcounts=self.counts, op=MPI.SUM)
+                                              recvcounts=self.counts, op=op)
         return self._posted([req])
 
     def _finish(self):
@@ -496,6 +568,8 @@ class ReduceScatter(CollectiveKernel):
             elif self.lo:
                 self._sum[self.lo:self.lo + count] = self._sum[:count]
         self._copy_back(self.recv_stage)
+        if self.wire:
+            from_bf16_bits(self.recv_stage.array, self.recv.buffer)
         self._scale_mean([self.recv.buffer])
         self.recv.unpack()
 
@@ -567,13 +641,33 @@ class Allgather(CollectiveKernel):
 def collective_bytes(graph):
     """{op type: bytes} of the collectives of ``graph`` per iteration: each
     op counts the whole buffer it reduces or gathers (the bucket), the same
-    figure on every rank -- what the kernels' ``nbytes`` holds once set up."""
+    figure on every rank -- what the kernels' ``nbytes`` holds once set up
+    (a bucket reduced in bfloat16, attr ``wire_dtype``: 2 bytes an element)."""
     out = {}
     for op in graph.ops.values():
         if is_collective(op):
-            out[op.op_type] = out.get(op.op_type, 0) + sum(graph.blobs[b].nbytes
+            out[op.op_type] = out.get(op.op_type, 0) + sum(wire_bytes(op, graph.blobs[b])
                                                            for b in data_blobs(op))
     return out
+
+
+#: the collectives that reduce gradient buckets (attr ``bucket``), MPI's and NCCL's
+_BUCKET_REDUCTIONS = ("Allreduce", "ReduceScatter", "WindowAllreduce", "NcclAllreduce",
+                      "NcclReduceScatter")
+
+
+def bucket_reductions(graph):
+    """The ops of ``graph`` that reduce a gradient bucket (their inputs: the
+    bucket's gradients)."""
+    return [op for op in graph.ops.values()
+            if op.op_type in _BUCKET_REDUCTIONS and "bucket" in op.attrs]
+
+
+def wire_bytes(op, blob):
+    """The bytes collective ``op`` moves for ``blob``: its own, or 2 an
+    element where the op reduces in bfloat16 (attr ``wire_dtype``)."""
+    wire = op.attrs.get("wire_dtype")
+    return blob.nbytes if wire is None else int(blob.size) * WIRE_ITEMSIZE[wire]
 
 
 def _shares(a, b):

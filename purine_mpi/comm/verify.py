@@ -41,7 +41,9 @@ def comm_signature(graph):
         seen[seq] = op.name
         blobs = data_blobs(op)
         count = sum(int(np.prod(graph.blobs[b].shape)) for b in blobs)
-        dtypes = sorted({graph.blobs[b].dtype for b in blobs})
+        # a bucket reduced in bfloat16 crosses the ranks as such (attr wire_dtype)
+        dtypes = [op.attrs["wire_dtype"]] if "wire_dtype" in op.attrs else \
+            sorted({graph.blobs[b].dtype for b in blobs})
         e = {"seq": seq, "op": op.name, "kind": op.op_type, "count": count,
              "dtype": ",".join(dtypes)}
         if not is_collective(op):

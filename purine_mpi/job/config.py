@@ -296,11 +296,36 @@ def _precision_rules(out, given, path):
                           f"which is built for parallel.scheme {' or '.join(FP16_SCHEMES)} with "
                           f"mode sync, not scheme {par['scheme']} with mode {par['mode']}; use "
                           "precision: bf16 (float32's range, no scaling needed)")
-    if out["parallel"]["grad_dtype"] != "fp32":
-        raise ConfigError(path, "parallel.grad_dtype", f"grad_dtype: "
-                          f"{out['parallel']['grad_dtype']} is not built yet (the gradient "
-                          "buckets hold float32 storage, so a bf16 allreduce would move as "
-                          "many bytes); use grad_dtype: fp32")
+    _grad_dtype_rules(out, path)
+
+
+#: the schemes whose gradient buckets may be reduced in bfloat16 (mode sync)
+GRAD_DTYPE_SCHEMES = ("data", "sharded")
+
+
+def _grad_dtype_rules(out, path):
+    """``parallel.grad_dtype: bf16`` reduces the buckets of schemes data and
+    sharded (mode sync) through MPI's two-sided collectives on the CPU or
+    NCCL on GPUs (parallel/nccl_backend.py checks backend auto's choice)."""
+    par = out["parallel"]
+    if par["grad_dtype"] == "fp32":
+        return
+    gpu = out.get("device", -1) >= 0 or out.get("backend") == "cupy"
+    refused = [("parallel.scheme", par["scheme"] not in GRAD_DTYPE_SCHEMES,
+                f"scheme {par['scheme']}"),
+               ("parallel.mode", par["mode"] != "sync",
+                f"mode {par['mode']} (parameter servers)"),
+               ("parallel.transport", par["transport"] == "one_sided",
+                "transport one_sided (its windows sum float32)"),
+               ("parallel.backend", gpu and par["backend"] == "mpi",
+                "backend mpi on a GPU (its host staging moves float32; use backend nccl)")]
+    for key, bad, what in refused:
+        if bad:
+            raise ConfigError(path, key, f"grad_dtype: {par['grad_dtype']} with {what} is "
+                              f"refused: the gradient buckets are reduced in bfloat16 by "
+                              f"scheme {' or '.join(GRAD_DTYPE_SCHEMES)}, mode sync, through "
+                              "MPI's two-sided collectives on the CPU or NCCL on GPUs; use "
+                              "grad_dtype: fp32")
 
 
 def _check_net(net, path):

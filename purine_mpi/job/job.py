@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ..base.precision import GRAD_WIRE
 from .keys import FrozenMap, Typed, spec_of
 from .schema import (CHECKPOINT, DATA, GPU, LOSS_SCALE, PARALLEL, PARALLEL_DEFAULTS,
                      RESOLVED_FIRST, SOLVER, SOURCE_KEYS, SYNTHETIC_NUM_SAMPLES, TOP)
@@ -65,6 +66,11 @@ class ParallelSpec:
         """compose_data_parallel's bucket-plan arguments."""
         return {"bucket_mb": self.bucket_mb, "first_bucket_mb": self.first_bucket_mb,
                 "min_buckets": self.min_buckets, "split_params": self.split_params}
+
+    def wire_dtype(self):
+        """The dtype the gradient buckets cross the ranks in (``grad_dtype``:
+        None for float32, ``bfloat16`` for bf16)."""
+        return GRAD_WIRE[self.grad_dtype]
 
     def changed(self):
         """The keys set to something else than their default."""

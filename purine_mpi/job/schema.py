@@ -134,9 +134,12 @@ PARALLEL = (
         "MPI is CUDA-aware), nccl (an ncclAllReduce per bucket on the device, inside the "
         "captured iteration; CuPy with NCCL and one GPU per rank, else an error) or auto (nccl "
         "where it can run, else mpi; the start-up block says which and why)"),
-    Key("grad_dtype", _choice(GRAD_DTYPES), "fp32", "the dtype the gradients are reduced "
-        "in: fp32; bf16 (half the allreduce bytes) is refused until the buckets hold "
-        "bfloat16 storage (docs/gpu.md, \"Precision\")"),
+    Key("grad_dtype", _choice(GRAD_DTYPES), "fp32", "the dtype the gradient buckets cross "
+        "the ranks in: fp32, or bf16 (each bucket rounded to bfloat16, reduced, widened back "
+        "before the mean and the update: half the bytes of the allreduce or reduce-scatter; "
+        "the master weights, local gradients and optimizer stay float32). Schemes data and "
+        "sharded, mode sync, two-sided MPI on the CPU or NCCL on GPUs; each add of the "
+        "reduction rounds to bfloat16 (docs/parallel.md, \"Gradients in bfloat16\")"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
     Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "
         "(0: synchronous SGD)"),

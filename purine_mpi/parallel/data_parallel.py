@@ -284,11 +284,14 @@ def make_bucket(graph, name, bucket, grads, producers):
 
 def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_bucket_mb=1,
                           check_collectives=False, world=None, thread="comm", grad_first=True,
-                          min_buckets=4, split_params=True, split_min_bytes=SPLIT_MIN_BYTES):
+                          min_buckets=4, split_params=True, split_min_bytes=SPLIT_MIN_BYTES,
+                          wire_dtype=None):
     """Rewrite ``graph`` (one replica's training graph, shapes inferred) for
     synchronous data parallelism over ``world_size`` ranks. ``grads`` maps
-    param -> gradient blob (``build_backward``'s result). Returns the bucket
-    plan: a list of {"name", "op", "seq", "params", "grads", "bytes"}."""
+    param -> gradient blob (``build_backward``'s result). ``wire_dtype``:
+    ``bfloat16`` reduces the buckets in it (``parallel.grad_dtype: bf16``;
+    the Allreduce's attr, comm/ops.py). Returns the bucket plan: a list of
+    {"name", "op", "seq", "params", "grads", "bytes"}."""
     grads = prepare_replica(graph, grads, world_size, rank)
     if split_params:
         grads = split_large_params(graph, grads, bucket_cap(graph, grads, bucket_mb, min_buckets),
@@ -309,7 +312,8 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
             ins.append(view)
             outs.append(total_name)
         op = graph.add_op(f"{name}.allreduce", "Allreduce", ins, outs,
-                          {"seq": seq, "bucket": name}, location=b["location"], thread=thread)
+                          {"seq": seq, "bucket": name, **wire_attrs(wire_dtype)},
+                          location=b["location"], thread=thread)
         _rewire_updates(graph, dict(zip(ins, outs)), {grads[p]: v for p, v in
                                                      zip(b["params"], ins)}, world_size)
         plan.append({"name": name, "op": op.name, "seq": seq, "params": list(b["params"]),
@@ -321,6 +325,12 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
         from ..comm.verify import check_collectives as _check
         _check(graph, world)
     return plan
+
+
+def wire_attrs(wire_dtype):
+    """The attrs that make a bucket's collective reduce in ``wire_dtype``
+    (none for float32, the buckets' own dtype)."""
+    return {} if wire_dtype is None else {"wire_dtype": wire_dtype}
 
 
 def adopt_ready_order(dispatcher, world):

@@ -38,6 +38,11 @@ def apply_backend(graph, job, world, device):
                             "use mpi or auto")
         return "mpi", f"auto: {why}"
     backend, why = choose_backend(requested, world, device)
+    if backend != "nccl" and device >= 0 and getattr(par, "grad_dtype", "fp32") != "fp32":
+        # backend auto's choice, or --device past the config rules
+        raise UserError(f"{job.path}: key 'parallel.grad_dtype': {par.grad_dtype} on GPU "
+                        f"{device} reduces the buckets through NCCL, and this job's go through "
+                        f"{backend} ({why}); use parallel.backend: nccl or grad_dtype: fp32")
     if backend == "nccl":
         use_nccl(graph)
     return backend, why

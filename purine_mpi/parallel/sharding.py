@@ -38,7 +38,7 @@ from ..base.errors import GraphError
 from ..comm.ops import shard_range
 from ..graph.core import WORKING_SET_ATTR  # noqa: F401  (runtime/footprint counts it apart)
 from ..ops.updates import UPDATE_OP_TYPES
-from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq,
+from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq, wire_attrs,
                             plan_buckets, prepare_replica)
 from .fuse import PARAM_BUFFER_KIND
 
@@ -177,7 +177,7 @@ def _drop_blob(graph, name):
 
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
-                  thread="comm", grad_first=True, stage=1, prefetch=1):
+                  thread="comm", grad_first=True, stage=1, prefetch=1, wire_dtype=None):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
@@ -228,7 +228,8 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         rs = graph.add_op(f"{name}.reduce_scatter", "ReduceScatter", [v for _, v, _ in views],
                           cut["grads"],
                           {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
-                           "shapes": [list(graph.blobs[x].shape) for x in cut["grads"]]},
+                           "shapes": [list(graph.blobs[x].shape) for x in cut["grads"]],
+                           **wire_attrs(wire_dtype)},
                           location=b["location"], thread=thread)
         plan.append({"name": name, "weights": weights, "params": params, "offsets": offsets,
                      "shard": [lo, hi], "reduce_scatter": rs.name, "states": cut["states"],

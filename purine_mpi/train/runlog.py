@@ -7,6 +7,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
       devices     node1: ranks 0-1 on the CPU
       threads     1 per rank (2 usable cores / 2 ranks on this host (MPI_LOCALNRANKS))
       scheme      data parallel (mode sync): ranks 0-1 are workers, gradients allreduced in 4 buckets
+      gradients   reduced in float32 (parallel.grad_dtype: fp32)
       batch       32 per rank x 2 ranks = 64 global; test 60 per rank
       parameters  23,466 in 8 blobs (91.7 KiB, float32)
       memory      584.9 KiB of blobs on rank 0: 22 transient blobs planned into a 416.0 KiB arena (947.8 KiB one buffer each), 168.9 KiB kept
@@ -33,6 +34,7 @@ from .. import __version__
 from ..base import env, threads
 from ..data.sources import source_info
 from ..base.progress_bar import human_bytes
+from ..comm.ops import bucket_reductions, wire_bytes
 from ..parallel.schemes.base import counted as _count, ranges, ranks_word as _ranks_word  # noqa: F401
 
 #: hosts listed one by one in the devices line; the rest are counted
@@ -129,6 +131,21 @@ def memory_text(trainer):
     return text
 
 
+def gradient_line(graph, grad_dtype):
+    """The start-up block's ``gradients`` row: the dtype the gradient
+    buckets are reduced in (``parallel.grad_dtype``), or None where the
+    graph reduces no bucket (one rank, parameter servers, pipelines)."""
+    ops = bucket_reductions(graph)
+    if not ops:
+        return None
+    if grad_dtype == "fp32":
+        return "reduced in float32 (parallel.grad_dtype: fp32)"
+    wire = sum(wire_bytes(op, graph.blobs[b]) for op in ops for b in op.inputs)
+    return (f"reduced in bfloat16 (parallel.grad_dtype: {grad_dtype}): "
+            f"{human_bytes(wire)} per iteration, half of float32's; the master weights, the "
+            "local gradients and the update stay float32")
+
+
 def startup_lines(trainer, infos, setup_seconds):
     """The start-up block (see the module docstring). ``infos``: {rank:
     (host, device)} of the trainer's world."""
@@ -157,6 +174,9 @@ def startup_lines(trainer, infos, setup_seconds):
     backend = getattr(trainer.graphs, "comm_backend", None)
     if backend is not None:   # parallel.backend: which reduces the buckets, and why
         rows.append(("collectives", f"{backend} ({trainer.graphs.comm_backend_note})"))
+    grads = gradient_line(trainer.graphs.graph, job.parallel.grad_dtype)
+    if grads:   # parallel.grad_dtype: what the gradient buckets cross the ranks in
+        rows.append(("gradients", grads))
     data = job.data
     if data.train is not None:
         per = "worker" if ps else ("pipeline" if trainer.graphs.layout.staged else "rank")

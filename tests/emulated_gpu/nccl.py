@@ -29,8 +29,10 @@ import numpy as np
 from . import capture
 
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
-NCCL_FLOAT32, NCCL_FLOAT64 = 7, 8
-_NUMPY = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 7, 8, 9
+#: bfloat16 travels as its uint16 bits, summed as NCCL does (each step in
+#: float32, rounded back: comm/ops.bf16_sum_op, the project's MPI op)
+_NUMPY = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64, NCCL_BFLOAT16: np.uint16}
 INVALID_USAGE = "NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN for details)"
 available = True
 #: this process's GPU, as NCCL identifies it (bus id); tests set one per rank
@@ -61,6 +63,13 @@ def get_unique_id():
 def _mpi():
     from mpi4py import MPI
     return MPI
+
+
+def _sum(datatype):
+    if datatype == NCCL_BFLOAT16:
+        from purine_mpi.comm.ops import bf16_sum_op
+        return bf16_sum_op()
+    return _mpi().SUM
 
 
 class NcclCommunicator:
@@ -105,8 +114,8 @@ class NcclCommunicator:
         side is read (copied) first, so in-place calls are exact."""
         self._check()
         if op != NCCL_SUM or datatype not in _NUMPY:
-            raise NcclError("NCCL_ERROR_INVALID_ARGUMENT: the emulated NCCL sums float32 "
-                            "and float64")
+            raise NcclError("NCCL_ERROR_INVALID_ARGUMENT: the emulated NCCL sums float32, "
+                            "float64 and bfloat16")
         dtype = np.dtype(_NUMPY[datatype])
         count, sendbuf, recvbuf = int(count), int(sendbuf), int(recvbuf)
         send_n, recv_n = {"allReduce": (count, count),
@@ -147,14 +156,14 @@ class NcclCommunicator:
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         """``ncclAllReduce``: recvbuf (count) = the sum of every rank's sendbuf."""
         self._queue("allReduce", sendbuf, recvbuf, count, datatype, op, stream,
-                    lambda comm, send, recv: comm.Allreduce(send, recv, op=_mpi().SUM))
+                    lambda comm, send, recv: comm.Allreduce(send, recv, op=_sum(datatype)))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         """``ncclReduceScatter``: recvbuf (recvcount) = block ``rank`` of the
         sum of every rank's sendbuf (recvcount x nranks)."""
         self._queue("reduceScatter", sendbuf, recvbuf, recvcount, datatype, op, stream,
-                    lambda comm, send, recv: comm.Reduce_scatter_block(send, recv,
-                                                                       op=_mpi().SUM))
+                    lambda comm, send, recv: comm.Reduce_scatter_block(
+                        send, recv, op=_sum(datatype)))
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         """``ncclAllGather``: recvbuf (count x nranks) = every rank's sendbuf

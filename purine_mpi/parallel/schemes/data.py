@@ -31,7 +31,7 @@ class DataParallel(Scheme):
         par = job.parallel
         plan = compose_data_parallel(graph, grads, world.size, world.rank,
                                      check_collectives=par.check_collectives, world=world,
-                                     **par.bucket_settings())
+                                     wire_dtype=par.wire_dtype(), **par.bucket_settings())
         graph.infer_shapes().validate()
         windows, transport, placed = to_window_allreduce(graph, job, world)
         return Composition(graph, lay, bucket_plan=plan, transport=transport, windows=windows,

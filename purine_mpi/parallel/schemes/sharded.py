@@ -70,7 +70,8 @@ class Sharded(Scheme):
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
-        plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard, **settings)
+        plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard,
+                             wire_dtype=par.wire_dtype(), **settings)
         # stage 3, parallel.transport one_sided, one node: one shared copy
         from ..zero3_windows import to_shared_weights
         windows, transport, placed = to_shared_weights(graph, plan, job, world)
