@@ -17,6 +17,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import rss_vs_plan  # noqa: E402
 
+#: run in a fresh process: one training iteration, then what the kernels
+#: hold (ops/im2col.held_bytes) and the largest new arrays any host kernel
+#: took from ``OpKernel.temporaries`` at once per worker thread, against the
+#: footprint's rows for the same graph
+_PROBE = """
+import json, sys, threading
+from purine_mpi.job.config import load_job
+from purine_mpi.ops import im2col
+from purine_mpi.ops.registry import OpKernel
+from purine_mpi.runtime.footprint import host_kernel_bytes
+from purine_mpi.train.trainer import Trainer
+biggest, lock, orig = {}, threading.Lock(), OpKernel.temporaries
+def temporaries(self, like, *specs):
+    out = orig(self, like, *specs)
+    with lock:
+        lane = threading.current_thread().name
+        biggest[lane] = max(biggest.get(lane, 0), sum(a.nbytes for a in out))
+    return out
+OpKernel.temporaries = temporaries
+t = Trainer(load_job(sys.argv[1], sys.argv[3:], None, check_files=False), sys.argv[2],
+            log=lambda m: None)
+try:
+    t.step(0)
+    t.train.drain()
+    print(json.dumps({"held": im2col.held_bytes(), "temporaries": sum(biggest.values()),
+                      "planned": host_kernel_bytes(t.graphs.graph)}))
+finally:
+    t.close()
+"""
+
 
 def test_resident_bytes_are_what_the_sources_hold(tmp_path):
     spec = {"source": "synthetic", "shape": [3, 32, 32], "classes": 10, "num_samples": 700}
@@ -26,6 +56,28 @@ def test_resident_bytes_are_what_the_sources_hold(tmp_path):
     text = {"source": "text", "path": path, "split": "train", "sequence_length": 64}
     t = TextSource(text)
     assert resident_bytes(text) == (None, t.tokens.nbytes + t._offsets.nbytes)
+
+
+@pytest.mark.parametrize("job,sets", [
+    ("cifar10_quick", ["data.train.batch_size=20"]),
+    ("nin_cifar10", ["data.train.batch_size=4"]),
+    ("gpt_tiny", ["data.train.batch_size=8"]),
+])
+def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
+    """plan's host scratch row is the bytes the conv/pool kernels' buffers
+    hold after an iteration (im2col.held_bytes), to the byte, and its kernel
+    temporaries row the largest temporaries a host kernel took."""
+    if job.startswith("gpt"):
+        path = rss_vs_plan.text_data(str(tmp_path))
+        sets = sets + [f"data.train.path={path}", f"data.test.path={path}"]
+    p = subprocess.run([sys.executable, "-c", _PROBE, os.path.join(ROOT, "jobs", f"{job}.yaml"),
+                        str(tmp_path / "out")] + sets, capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["planned"]["host_scratch"] == got["held"], got
+    assert got["planned"]["kernel_temporaries"] == got["temporaries"], got
+    assert got["held"] > 0 or got["temporaries"] > 0
 
 
 @pytest.mark.slow
