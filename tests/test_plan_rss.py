@@ -1,7 +1,9 @@
 """``plan``'s host figures against what the run holds: the data pool row is
 the readers' own bytes, and train's OUT/memory.json (the measured resident
 bytes above the baseline) is at least the predicted host total on every
-rank (docs/running.md, "Will it fit?", has the table and the gap)."""
+rank and within 20% of it (docs/running.md, "Will it fit?", has the table
+and the gap); the host scratch and kernel temporaries rows are what the
+kernels hold after an iteration."""
 import json
 import os
 import shutil
@@ -85,11 +87,41 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
 @pytest.mark.parametrize("job", ["cifar10_quick", "gpt_tiny"])
 def test_predicted_host_total_is_held(job, tmp_path):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
-    measured peak above the baseline is at least plan's host total."""
+    measured peak above the baseline is at least plan's host total, and the
+    total is within 20% of it (measured: 13-17% below, docs/running.md)."""
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3)
     assert "error" not in res, res
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
         assert m >= p, (job, p, m)
+        assert p >= 0.8 * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
+
+
+_FREED = """
+import numpy as np
+import purine_mpi
+from purine_mpi.base.rss import rss_bytes
+base = rss_bytes()
+for _ in range(5):
+    a = np.ones(8 << 20, np.float32)   # 32 MiB: mapped; its free raises glibc's threshold
+    del a
+    b = np.ones(2 << 20, np.float32)   # 8 MiB: from the heap once the threshold is raised
+    del b
+print(rss_bytes() - base)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc only")
+def test_fixed_mmap_threshold_gives_freed_arrays_back():
+    """PURINE_MMAP_THRESHOLD fixes glibc's threshold at start-up: a freed
+    8 MiB array no longer stays resident (glibc's dynamic one keeps it)."""
+    def kept(value):
+        env = dict(os.environ, PURINE_MMAP_THRESHOLD=value)
+        p = subprocess.run([sys.executable, "-c", _FREED], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return int(p.stdout.split()[-1])
+    assert kept("0") >= 7 << 20
+    assert kept("131072") < 2 << 20

@@ -227,7 +227,6 @@ def _max_pool_cpu(xp, x, geo, y, mask):
     of the equal slots (int8, into reused buffers), its plane offset read
     from a lookup table -- several times faster than NumPy's
     argmax over a short axis."""
-    N, C, OH, OW = geo["N"], geo["C"], geo["OH"], geo["OW"]
     kh, kw = geo["kh"], geo["kw"]
     K = kh * kw
     origins = _window_origins(xp, geo)
