@@ -235,3 +235,83 @@ def test_held_bytes_counts_every_threads_buffers():
     finally:
         release.set()
         t.join()
+
+
+# (x shape, w shape, attrs): the rows path, the (C, kh, kw) columns with
+# padding and groups, a strided conv (col2im data gradient with padding), a
+# 1x1 conv, a small-K weight gradient (per sample) and a large-K one
+HOLD_CASES = [
+    ((3, 16, 9, 7), (5, 16, 3, 3), {"stride": 2, "pad": 2}),
+    ((4, 4, 8, 8), (6, 2, 3, 3), {"pad": 1, "group": 2}),
+    ((3, 3, 11, 9), (4, 3, 5, 5), {"stride": 2, "pad": 2}),
+    ((2, 8, 5, 5), (4, 8, 1, 1), {}),
+    ((5, 3, 8, 8), (4, 3, 3, 3), {"pad": 1}),
+    ((2, 12, 8, 8), (4, 12, 5, 5), {"pad": 2}),
+]
+
+POOL_CASES = [
+    ((3, 4, 9, 9), {"pool": "max", "kernel": 3, "stride": 2, "ceil_mode": True}),
+    ((2, 3, 8, 8), {"pool": "max", "kernel": 2, "stride": 2}),
+    ((3, 4, 20, 20), {"pool": "ave", "kernel": 3, "stride": 2, "pad": 1}),  # not dense
+    ((3, 4, 7, 7), {"pool": "ave", "kernel": 3, "stride": 2}),             # dense GEMM
+]
+
+
+def _held_after(kernel, ins, outs):
+    """Bytes a fresh thread's im2col caches hold after ``kernel.run``."""
+    got = []
+
+    def work():
+        kernel.run(ins, outs)
+        got.append(sum(a.nbytes for name in ("buffers", "flat")
+                       for a in im2col_module._cache(name).values()))
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    return got[0]
+
+
+def _kernel(op_type, attrs):
+    from types import SimpleNamespace
+
+    from purine_mpi.ops.registry import get_kernel_class
+    return get_kernel_class(op_type)(SimpleNamespace(attrs=attrs, name=op_type))
+
+
+@pytest.mark.parametrize("chunk", [None, 2000])
+@pytest.mark.parametrize("x_shape,w_shape,attrs", HOLD_CASES)
+def test_host_scratch_is_what_the_conv_kernels_hold(x_shape, w_shape, attrs, chunk,
+                                                   monkeypatch):
+    """Each direction's ``host_scratch`` (plan's host scratch row) is the
+    bytes its CPU run leaves in its thread's buffers, with one chunk and with
+    several (a small ``COL_CHUNK_BYTES``)."""
+    if chunk is not None:
+        monkeypatch.setattr(conv_module, "COL_CHUNK_BYTES", chunk)
+    geo = conv_module._geometry(attrs, x_shape, w_shape)
+    x, w = randn(*x_shape), randn(*w_shape)
+    y = np.empty((geo["N"], geo["O"], geo["OH"], geo["OW"]), np.float32)
+    dy = randn(*y.shape)
+    runs = [("Conv", attrs, [x, w, randn(w_shape[0])], [y]),
+            ("ConvGradData", dict(attrs, x_shape=list(x_shape)), [dy, w], [np.empty_like(x)]),
+            ("ConvGradWeight", dict(attrs, w_shape=list(w_shape)), [dy, x],
+             [np.empty_like(w)]),
+            ("ConvGradBias", attrs, [dy], [np.empty(w_shape[0], np.float32)])]
+    for op_type, a, ins, outs in runs:
+        k = _kernel(op_type, a)
+        want = im2col_module.held_by(k.host_scratch(ins, outs))
+        assert _held_after(k, ins, outs) == want, op_type
+
+
+@pytest.mark.parametrize("x_shape,attrs", POOL_CASES)
+def test_host_scratch_is_what_the_pool_kernels_hold(x_shape, attrs):
+    from purine_mpi.ops.pool import _geometry
+    geo = _geometry(attrs, x_shape)
+    x = randn(*x_shape)
+    y = np.empty((geo["N"], geo["C"], geo["OH"], geo["OW"]), np.float32)
+    outs = [y] + ([np.empty(y.shape, np.int32)] if geo["kind"] == "max" else [])
+    k = _kernel("Pool", attrs)
+    assert _held_after(k, [x], outs) == im2col_module.held_by(k.host_scratch([x], outs))
+    grad = _kernel("PoolGrad", dict(attrs, x_shape=list(x_shape)))
+    ins = [randn(*y.shape)] + outs[1:]
+    dx = [np.empty_like(x)]
+    assert _held_after(grad, ins, dx) == im2col_module.held_by(grad.host_scratch(ins, dx))

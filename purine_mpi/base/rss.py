@@ -20,3 +20,37 @@ def rss_bytes():
 def peak_rss_bytes():
     """The most bytes this process has had resident (ru_maxrss, KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def fix_mmap_threshold(environ=None):
+    """Fix glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``) at
+    ``PURINE_MMAP_THRESHOLD`` bytes, so that every allocation at least that
+    large is its own mapping, given back to the system when it is freed.
+    glibc's threshold is dynamic otherwise: freeing a mapped block raises it
+    to that block's size (up to 32 MiB), and later allocations below it come
+    from the heap, which keeps their pages after the free: a host kernel's
+    temporaries stay resident after the op, so the peak depends on the order
+    in which sizes came (docs/running.md, "Will it fit?"). Fixed, the
+    resident bytes are the live ones, what ``plan`` counts. Off by default
+    (0): fixed at glibc's default, 128 KiB, cifar10_quick's iteration ran
+    about 35% slower (every large temporary a fresh mapping, faulted in
+    anew). Returns the threshold set, None where nothing was set (not glibc,
+    0, or a value the variable does not take: the CLI's check says so)."""
+    import ctypes
+    import platform
+
+    from .env import EnvError, get
+    try:
+        nbytes = get("PURINE_MMAP_THRESHOLD", environ)
+    except EnvError:
+        return None
+    if not nbytes or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        ok = ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(nbytes, 2**31 - 1)))
+    except (OSError, AttributeError):
+        return None
+    return nbytes if ok == 1 else None

@@ -301,6 +301,7 @@ class Gelu(OpKernel):
     u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x."""
 
     op_type = "Gelu"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
     in_place = ((0, 0),)  # y = x * t, t computed from x first
 
     def scratch_specs(self, ins, outs):
@@ -327,6 +328,7 @@ class GeluGrad(OpKernel):
     """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``)."""
 
     op_type = "GeluGrad"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
     in_place = ((0, 0),)  # dx over dy
 
     def scratch_specs(self, ins, outs):

@@ -298,6 +298,7 @@ class Attention(_AttentionKernel):
     recomputes the probabilities)."""
 
     op_type = "Attention"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
     products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
     _sdpa = None
 
@@ -348,6 +349,7 @@ class AttentionGrad(_AttentionKernel):
     neither) cuDNN's backward from the forward's ctx and statistics."""
 
     op_type = "AttentionGrad"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
     products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
     _sdpa = None
 

@@ -69,10 +69,9 @@ from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .hostgemm import matmul
-from .im2col import (data_grad_col2im, forward_rows, im2col, im2col_batch, padded,
-                     weight_grad_rows)
-from .im2col import buffer as host_buffer
-from .im2col import scratch as host_scratch
+from .im2col import (cols_hold, data_grad_col2im, data_grad_holds, flat_hold,
+                     forward_rows, forward_rows_holds, hold, im2col, im2col_batch,
+                     pad_hold, padded, take, weight_grad_rows, weight_grad_rows_holds)
 from .registry import OpKernel, gradient, register
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
@@ -136,11 +135,77 @@ def _geometry(attrs, x_shape, w_shape):
                 dh=dh, dw=dw, G=group, OH=OH, OW=OW)
 
 
+def _step(geo, itemsize):
+    """Samples per chunk: as many as keep the columns under the chunk size."""
+    per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * itemsize
+    return max(1, COL_CHUNK_BYTES // max(per_sample, 1))
+
+
 def _chunks(xp, geo, itemsize):
     """Batch slices whose column buffers stay under the chunk size."""
-    per_sample = geo["C"] * geo["kh"] * geo["kw"] * geo["OH"] * geo["OW"] * itemsize
-    step = max(1, COL_CHUNK_BYTES // max(per_sample, 1))
+    step = _step(geo, itemsize)
     return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
+
+
+def _cap(geo, itemsize):
+    """The most samples a chunk has (``_chunks``' first)."""
+    return min(_step(geo, itemsize), geo["N"])
+
+
+def _pad_holds(geo, dtype):
+    """``_padded_chunks``' buffer ([] without padding)."""
+    ph, pw, H, W = geo["ph"], geo["pw"], geo["H"], geo["W"]
+    if ph == 0 and pw == 0:
+        return []
+    return [pad_hold(_cap(geo, np.dtype(dtype).itemsize), geo["C"], H, W, ph, pw,
+                     (H + 2 * ph, W + 2 * pw), dtype, 0)]
+
+
+def _forward_holds(geo, dtype):
+    """[Hold] ``_forward_cpu`` takes for geometry ``geo`` (ops/im2col.Hold)."""
+    if _pointwise(geo):
+        return []
+    cap = _cap(geo, np.dtype(dtype).itemsize)
+    if _by_rows(geo):
+        return forward_rows_holds(cap, geo, dtype)
+    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype)]
+
+
+def _data_grad_holds(geo, dtype):
+    """[Hold] ConvGradData's CPU path takes."""
+    if _pointwise(geo):
+        return []
+    tgeo = _transposed_geometry(geo)
+    if tgeo is not None:
+        return _forward_holds(tgeo, dtype)
+    return data_grad_holds(_cap(geo, np.dtype(dtype).itemsize), geo, dtype)
+
+
+def _wgrad_small_holds(n, geo, dw_dtype):
+    """The per-sample weight gradient's accumulator (G, K, O/G) and the GEMM
+    output (n, G, K, O/G) of a chunk of ``n`` samples."""
+    G, O = geo["G"], geo["O"]
+    K = geo["C"] // G * geo["kh"] * geo["kw"]
+    return [flat_hold("dw_acc", (G, K, O // G), dw_dtype),
+            flat_hold("gemm", (n, G, K, O // G), dw_dtype)]
+
+
+def _weight_grad_holds(geo, dtype, dw_dtype):
+    """[Hold] ConvGradWeight's CPU path takes."""
+    if _pointwise(geo):
+        return []
+    cap = _cap(geo, np.dtype(dtype).itemsize)
+    if _by_rows(geo):
+        return weight_grad_rows_holds(cap, geo, dtype, dw_dtype)
+    if geo["C"] // geo["G"] * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
+        return (_wgrad_small_holds(cap, geo, dw_dtype) + _pad_holds(geo, dtype)
+                + [cols_hold(cap, geo, dtype)])
+    return _pad_holds(geo, dtype) + [cols_hold(cap, geo, dtype, "batch")]
+
+
+def _ones_hold(dy_shape, dtype):
+    """ConvGradBias' CPU vector of ones, one per plane element."""
+    return hold("ones", (int(np.prod(dy_shape[2:], dtype=np.int64)),), dtype, fill=1)
 
 
 def _padded_chunks(xp, x, geo):
@@ -377,6 +442,9 @@ class Conv(_ConvScratch, OpKernel):
                 dict(bias=len(ins) == 3, relu=bool(self.attrs.get("relu", False)),
                      slope=float(self.attrs.get("negative_slope", 0.0))))
 
+    def host_scratch(self, ins, outs):
+        return _forward_holds(_geometry(self.attrs, ins[0].shape, ins[1].shape), ins[0].dtype)
+
     def setup(self, ins, outs):
         x, w = ins[0], ins[1]
         buffers = {"x": x, "w": w}
@@ -405,6 +473,10 @@ class ConvGradData(_ConvScratch, OpKernel):
         _gpu_setup(self, "dgrad", _geometry(self.attrs, outs[0].shape, w.shape), (dy, w),
                    buffers=dict(dy=dy, w=w, **({"m": m[0]} if m else {})), relu=bool(m),
                    slope=float(self.attrs.get("mask_slope", 0)))
+
+    def host_scratch(self, ins, outs):
+        return _data_grad_holds(_geometry(self.attrs, outs[0].shape, ins[1].shape),
+                                ins[0].dtype)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -458,6 +530,10 @@ class ConvGradWeight(_ConvScratch, OpKernel):
         _gpu_setup(self, "wgrad", _geometry(self.attrs, x.shape, outs[0].shape), (dy, x),
                    buffers={"x": x, "dy": dy})
 
+    def host_scratch(self, ins, outs):
+        return _weight_grad_holds(_geometry(self.attrs, ins[1].shape, outs[0].shape),
+                                  ins[1].dtype, outs[0].dtype)
+
     @classmethod
     def infer(cls, attrs, ins):
         w_shape = tuple(attrs["w_shape"])
@@ -495,10 +571,10 @@ class ConvGradWeight(_ConvScratch, OpKernel):
         if geo["C"] // G * geo["kh"] * geo["kw"] < WGRAD_GEMM_MIN_K:
             # per sample dw^T (K, O/G) = col (K, L) @ dy^T (L, O/G): OpenBLAS
             # runs this orientation faster than dy @ col^T (conv1: 12.1 -> 11.2 ms)
-            acc = host_scratch(xp, "dw_acc", (G, dw.shape[2], O // G), dw.dtype)
+            acc = take(xp, _wgrad_small_holds(0, geo, dw.dtype)[0])
             for i, (sl, xpad) in enumerate(_padded_chunks(xp, x, geo)):
                 col = im2col(xp, xpad, geo)  # (n, G, K, L)
-                per = host_scratch(xp, "gemm", col.shape[:3] + (O // G,), dw.dtype)
+                per = take(xp, _wgrad_small_holds(col.shape[0], geo, dw.dtype)[1])
                 matmul(xp, col, dyg[sl].transpose(0, 1, 3, 2), out=per)
                 if i == 0:
                     xp.sum(per, axis=0, out=acc)
@@ -540,6 +616,9 @@ class ConvGradBias(OpKernel):
         if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
             self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
+    def host_scratch(self, ins, outs):
+        return [_ones_hold(ins[0].shape, ins[0].dtype)]
+
     def run(self, ins, outs):
         xp = get_xp(ins[0])
         dy = ins[0]
@@ -554,7 +633,7 @@ class ConvGradBias(OpKernel):
         # axes (0, 2) walks it in short strided runs
         N, O = dy.shape[:2]
         planes = dy.reshape(N * O, -1)
-        ones = host_buffer(xp, "ones", (planes.shape[1],), dy.dtype, fill=1)
+        ones = take(xp, _ones_hold(dy.shape, dy.dtype))
         xp.sum(matmul(xp, planes, ones).reshape(N, O), axis=0, out=outs[0])
 
 

@@ -24,6 +24,7 @@ geometries a thread runs.
 """
 import threading
 import weakref
+from collections import namedtuple
 
 import numpy as np
 
@@ -68,13 +69,82 @@ def buffer(xp, slot, shape, dtype, fill=None, key=()):
     return arr
 
 
+class Hold(namedtuple("Hold", "slot shape dtype fill key flat")):
+    """One array a kernel's host path takes from this thread's caches:
+    ``buffer``'s (slot, shape, dtype, fill, key), or with ``flat`` the front
+    of the growing flat buffer ``slot`` (``_flat``). The one copy of each
+    buffer's size: the kernels take their arrays by it (``take``) and state
+    them before anything runs (``OpKernel.host_scratch``, which ``plan``'s
+    host scratch row sums by ``held_by``)."""
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self):
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def hold(slot, shape, dtype, fill=None, key=()):
+    """A ``buffer`` Hold."""
+    return Hold(slot, tuple(int(d) for d in shape), np.dtype(dtype), fill, tuple(key), False)
+
+
+def flat_hold(slot, shape, dtype):
+    """A ``_flat`` Hold (``scratch``)."""
+    return Hold(slot, tuple(int(d) for d in shape), np.dtype(dtype), None, (), True)
+
+
+def take(xp, h):
+    """This thread's array of Hold ``h``."""
+    if h.flat:
+        return _flat(xp, h.slot, h.shape, h.dtype)
+    return buffer(xp, h.slot, h.shape, h.dtype, fill=h.fill, key=h.key)
+
+
+def held_by(holds):
+    """Bytes one thread's caches hold once it has taken ``holds``: each
+    distinct buffer once, each flat slot at its largest (``_flat`` grows to
+    the largest request and keeps it)."""
+    bufs, flats = {}, {}
+    for h in holds:
+        if h.flat:
+            k = (h.slot, h.dtype.str)
+            flats[k] = max(flats.get(k, 0), h.nbytes)
+        else:
+            bufs[(h.slot, h.shape, h.dtype.str, h.fill, h.key)] = h.nbytes
+    return sum(bufs.values()) + sum(flats.values())
+
+
+def pad_hold(cap, C, H, W, ph, pw, extent, dtype, fill, slot="pad"):
+    """The padded buffer of ``padded``: (cap, C) + ``extent``, keyed by the
+    interior's place."""
+    return hold(slot, (cap, C) + tuple(extent), dtype, fill=fill, key=(ph, pw, H, W))
+
+
+#: the column layouts of ``cols_hold``: im2col's (n, C, kh, kw, OH, OW),
+#: im2col_batch's (C, kh, kw, n, OH, OW), im2col_rows' (n, OH, OW, kh, kw, C)
+def cols_hold(n, geo, dtype, order="nchw"):
+    """The column buffer of a chunk of ``n`` samples (flat slot "col")."""
+    C, kh, kw, OH, OW = geo["C"], geo["kh"], geo["kw"], geo["OH"], geo["OW"]
+    shape = {"nchw": (n, C, kh, kw, OH, OW), "batch": (C, kh, kw, n, OH, OW),
+             "rows": (n, OH, OW, kh, kw, C)}[order]
+    return flat_hold("col", shape, dtype)
+
+
+def rows_pad_hold(cap, geo, dtype):
+    """``im2col_rows``' channels-last padded buffer (cap, H+2ph, W+2pw, C)."""
+    ph, pw, H, W = geo["ph"], geo["pw"], geo["H"], geo["W"]
+    return hold("pad_nhwc", (cap, H + 2 * ph, W + 2 * pw, geo["C"]), dtype, fill=0,
+                key=(ph, pw, H, W))
+
+
 def padded(xp, part, ph, pw, extent, fill, slot="pad", capacity=None):
     """``part`` (n, C, H, W) copied into the interior of this thread's buffer
     of (capacity, C) + ``extent`` whose border holds ``fill``: a view of its
     first n samples. ``capacity``: the most samples any chunk has (default n)."""
     n, C, H, W = part.shape
     cap = n if capacity is None else capacity
-    buf = buffer(xp, slot, (cap, C) + tuple(extent), part.dtype, fill=fill, key=(ph, pw, H, W))
+    buf = take(xp, pad_hold(cap, C, H, W, ph, pw, extent, part.dtype, fill, slot))
     chunk = buf[:n]
     chunk[:, :, ph:ph + H, pw:pw + W] = part
     return chunk
@@ -85,12 +155,11 @@ def im2col(xp, xpad, geo):
     one strided copy into this thread's column buffer."""
     n, C = xpad.shape[:2]
     s = xpad.strides
-    shape = (n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
+    col = take(xp, cols_hold(n, dict(geo, C=C), xpad.dtype))
     view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=shape,
+        xpad, shape=col.shape,
         strides=(s[0], s[1], s[2] * geo["dh"], s[3] * geo["dw"],
                  s[2] * geo["sh"], s[3] * geo["sw"]))
-    col = _flat(xp, "col", shape, xpad.dtype)
     xp.copyto(col, view)
     return col.reshape(n, geo["G"], -1, geo["OH"] * geo["OW"])
 
@@ -100,12 +169,11 @@ def im2col_batch(xp, xpad, geo):
     (G, C/G*kh*kw, n*OH*OW), one strided copy into the column buffer."""
     n, C = xpad.shape[:2]
     s = xpad.strides
-    shape = (C, geo["kh"], geo["kw"], n, geo["OH"], geo["OW"])
+    col = take(xp, cols_hold(n, dict(geo, C=C), xpad.dtype, "batch"))
     view = xp.lib.stride_tricks.as_strided(
-        xpad, shape=shape,
+        xpad, shape=col.shape,
         strides=(s[1], s[2] * geo["dh"], s[3] * geo["dw"], s[0],
                  s[2] * geo["sh"], s[3] * geo["sw"]))
-    col = _flat(xp, "col", shape, xpad.dtype)
     xp.copyto(col, view)
     return col.reshape(geo["G"], -1, n * geo["OH"] * geo["OW"])
 
@@ -147,6 +215,17 @@ def col2im(xp, col, geo, dxpad):
                   q * dw:q * dw + sw * (OW - 1) + 1:sw] += col[:, :, p, q]
 
 
+def data_grad_holds(n, geo, dtype):
+    """``data_grad_col2im``'s buffers for a chunk of ``n`` samples: its
+    columns (n, G, C/G*kh*kw, OH*OW) and, with padding, the padded gradient."""
+    G, C, H, W, ph, pw = geo["G"], geo["C"], geo["H"], geo["W"], geo["ph"], geo["pw"]
+    out = [flat_hold("col", (n, G, C // G * geo["kh"] * geo["kw"], geo["OH"] * geo["OW"]),
+                     dtype)]
+    if ph or pw:
+        out.append(flat_hold("dxpad", (n, C, H + 2 * ph, W + 2 * pw), dtype))
+    return out
+
+
 def data_grad_col2im(xp, dy, w, geo, dx, chunks):
     """dx = col2im(w^T @ dy), a chunk of the batch at a time (``chunks``):
     the GEMM writes the chunk's columns, col2im adds them into a zeroed
@@ -158,11 +237,12 @@ def data_grad_col2im(xp, dy, w, geo, dx, chunks):
     dyg = dy.reshape(N, G, O // G, geo["OH"] * geo["OW"])
     for sl in chunks:
         n = sl.stop - sl.start
-        dcol = scratch(xp, "col", (n, G, wT.shape[1], dyg.shape[3]), dy.dtype)
+        holds = data_grad_holds(n, geo, dy.dtype)
+        dcol = take(xp, holds[0])
         matmul(xp, wT, dyg[sl], out=dcol)
         dcol = dcol.reshape(n, C, geo["kh"], geo["kw"], geo["OH"], geo["OW"])
         if ph or pw:
-            dxpad = scratch(xp, "dxpad", (n, C, H + 2 * ph, W + 2 * pw), dy.dtype)
+            dxpad = take(xp, holds[1])
             dxpad.fill(0)
             col2im(xp, dcol, geo, dxpad)
             dx[sl] = dxpad[:, :, ph:ph + H, pw:pw + W]
@@ -182,17 +262,15 @@ def im2col_rows(xp, part, geo, capacity):
     most samples any chunk has."""
     n, C, H, W = part.shape
     ph, pw = geo["ph"], geo["pw"]
-    buf = buffer(xp, "pad_nhwc", (capacity, H + 2 * ph, W + 2 * pw, C), part.dtype, fill=0,
-                 key=(ph, pw, H, W))
+    buf = take(xp, rows_pad_hold(capacity, geo, part.dtype))
     chunk = buf[:n]
     chunk[:, ph:ph + H, pw:pw + W, :] = part.transpose(0, 2, 3, 1)
     s = chunk.strides
     OH, OW, kh, kw = geo["OH"], geo["OW"], geo["kh"], geo["kw"]
-    shape = (n, OH, OW, kh, kw, C)
+    rows = take(xp, cols_hold(n, geo, part.dtype, "rows"))
     view = xp.lib.stride_tricks.as_strided(
-        chunk, shape=shape, strides=(s[0], s[1] * geo["sh"], s[2] * geo["sw"],
-                                     s[1] * geo["dh"], s[2] * geo["dw"], s[3]))
-    rows = _flat(xp, "col", shape, part.dtype)
+        chunk, shape=rows.shape, strides=(s[0], s[1] * geo["sh"], s[2] * geo["sw"],
+                                          s[1] * geo["dh"], s[2] * geo["dw"], s[3]))
     xp.copyto(rows, view)
     return rows.reshape(n * OH * OW, kh * kw * C)
 
@@ -201,6 +279,33 @@ def _weight_rows(xp, w, geo):
     """A (O, C*kh*kw) weight matrix -> (O, kh*kw*C): the rows' column order."""
     O, C, kh, kw = geo["O"], geo["C"], geo["kh"], geo["kw"]
     return xp.ascontiguousarray(w.reshape(O, C, kh, kw).transpose(0, 2, 3, 1)).reshape(O, -1)
+
+
+def gemm_rows_hold(n, geo, dtype):
+    """``forward_rows``' GEMM output of a chunk of ``n`` samples: (n*OH*OW, O)."""
+    return flat_hold("gemm", (n * geo["OH"] * geo["OW"], geo["O"]), dtype)
+
+
+def forward_rows_holds(cap, geo, dtype):
+    """``forward_rows``' buffers, chunks of at most ``cap`` samples."""
+    return [rows_pad_hold(cap, geo, dtype), cols_hold(cap, geo, dtype, "rows"),
+            gemm_rows_hold(cap, geo, dtype)]
+
+
+def dw_rows_hold(geo, dtype):
+    """``weight_grad_rows``' accumulator (O, kh*kw*C)."""
+    return flat_hold("dw_rows", (geo["O"], geo["kh"] * geo["kw"] * geo["C"]), dtype)
+
+
+def dyt_hold(n, geo, dtype):
+    """``weight_grad_rows``' dy of a chunk of ``n`` samples as (O, n, OH*OW)."""
+    return flat_hold("dyt", (geo["O"], n, geo["OH"] * geo["OW"]), dtype)
+
+
+def weight_grad_rows_holds(cap, geo, dtype, dw_dtype):
+    """``weight_grad_rows``' buffers, chunks of at most ``cap`` samples."""
+    return [dw_rows_hold(geo, dw_dtype), rows_pad_hold(cap, geo, dtype),
+            cols_hold(cap, geo, dtype, "rows"), dyt_hold(cap, geo, dtype)]
 
 
 def forward_rows(xp, x, wmat, geo, y, chunks, bias=None):
@@ -215,7 +320,7 @@ def forward_rows(xp, x, wmat, geo, y, chunks, bias=None):
     y = y.reshape(geo["N"], O, L)
     for sl in chunks:
         rows = im2col_rows(xp, x[sl], geo, cap)
-        out = scratch(xp, "gemm", (rows.shape[0], O), x.dtype)
+        out = take(xp, gemm_rows_hold(sl.stop - sl.start, geo, x.dtype))
         matmul(xp, rows, wr.T, out=out)
         if bias is None:
             y[sl] = out.reshape(-1, L, O).transpose(0, 2, 1)
@@ -229,12 +334,12 @@ def weight_grad_rows(xp, dy, x, geo, dw, chunks):
     reordered into dw (O, C, kh, kw) at the end."""
     O, L = geo["O"], geo["OH"] * geo["OW"]
     cap = chunks[0].stop - chunks[0].start
-    acc = scratch(xp, "dw_rows", (O, geo["kh"] * geo["kw"] * geo["C"]), dw.dtype)
+    acc = take(xp, dw_rows_hold(geo, dw.dtype))
     dyl = dy.reshape(geo["N"], O, L)
     for i, sl in enumerate(chunks):
         rows = im2col_rows(xp, x[sl], geo, cap)
         n = sl.stop - sl.start
-        dyt = scratch(xp, "dyt", (O, n, L), dy.dtype)
+        dyt = take(xp, dyt_hold(n, geo, dy.dtype))
         dyt[...] = dyl[sl].transpose(1, 0, 2)
         if i == 0:
             matmul(xp, dyt.reshape(O, n * L), rows, out=acc)

@@ -52,6 +52,7 @@ class LayerNorm(OpKernel):
     ``eps``, default 1e-5); see the module docstring."""
 
     op_type = "LayerNorm"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
 
     def scratch_specs(self, ins, outs):
         return [(ins[0].shape, ins[0].dtype)]
@@ -96,6 +97,7 @@ class LayerNormGrad(OpKernel):
     (a subset of dx, dg, db, in that order)."""
 
     op_type = "LayerNormGrad"
+    temporaries_on_host = True   # new arrays of scratch_specs each host run
 
     def scratch_specs(self, ins, outs):
         return list(_grad_specs(ins[1]))

@@ -41,7 +41,7 @@ from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from .conv import pair
 from .hostgemm import matmul
-from .im2col import buffer, padded
+from .im2col import hold, pad_hold, padded, take
 from .registry import OpKernel, gradient, register
 
 _KINDS = {"max": "max", "ave": "ave", "avg": "ave", "average": "ave"}
@@ -110,6 +110,51 @@ def _padded_chunks(xp, x, geo, fill, step):
                         capacity=min(step, N))
 
 
+def _pad_holds(geo, dtype, fill, step):
+    """``_padded_chunks``' buffer ([] where every window lies inside)."""
+    if _unpadded(geo):
+        return []
+    return [pad_hold(min(step, geo["N"]), geo["C"], geo["H"], geo["W"], geo["ph"], geo["pw"],
+                     _extent(geo), dtype, fill, slot="pool")]
+
+
+def _max_step(geo, dtype):
+    """Samples per chunk of ``_max_pool_cpu``'s window stack."""
+    return _step(geo["C"] * geo["OH"] * geo["OW"] * geo["kh"] * geo["kw"] *
+                 np.dtype(dtype).itemsize)
+
+
+def _max_holds(geo, dtype):
+    """``_max_pool_cpu``'s stack (K, n, C, OH, OW) and, for K <= 127, its
+    equality, rank and code buffers (ops/im2col.Hold)."""
+    K, step = geo["kh"] * geo["kw"], _max_step(geo, dtype)
+    shape = (K, min(step, geo["N"]), geo["C"], geo["OH"], geo["OW"])
+    out = [hold("pool_stack", shape, dtype)]
+    if K <= 127:
+        out += [hold("pool_eq", shape, np.bool_), hold("pool_rank_k", shape, np.int8),
+                hold("pool_rank", shape[1:], np.int8)]
+    return out
+
+
+def _ave_step(geo, dtype):
+    eh, ew = _extent(geo)
+    return _step(geo["C"] * eh * ew * np.dtype(dtype).itemsize)
+
+
+def _scatter_hold(geo, dtype):
+    """``_max_pool_grad_cpu``'s index buffer: (cap, C, OH, OW) of int32/64."""
+    N, C = geo["N"], geo["C"]
+    plane = geo["H"] * geo["W"]
+    cap = min(_step(C * plane * np.dtype(dtype).itemsize), N)
+    itype = np.int32 if cap * C * plane < 2 ** 31 else np.int64
+    return hold("pool_scatter", (cap, C, geo["OH"], geo["OW"]), itype)
+
+
+def _dense(geo):
+    """Whether CPU average pooling is one GEMM (``_dense_matrix``)."""
+    return geo["H"] * geo["W"] <= DENSE_MAX_PLANE
+
+
 def _step(per_sample_bytes):
     """Samples per chunk: as many as fit in ``_CHUNK_BYTES`` (at least one)."""
     return max(1, _CHUNK_BYTES // max(per_sample_bytes, 1))
@@ -153,7 +198,7 @@ def _dense_matrix(xp, geo, dtype):
     """The (OH*OW, H*W) matrix of CPU average pooling (``DENSE_MAX_PLANE``),
     or None where the plane is larger: row (i, j) holds 1/size on the inputs
     of window (i, j), Caffe's divisor (``_divisor``). Made once per geometry."""
-    if geo["H"] * geo["W"] > DENSE_MAX_PLANE:
+    if not _dense(geo):
         return None
     key = tuple(geo[k] for k in ("H", "W", "kh", "kw", "sh", "sw", "ph", "pw", "OH", "OW"))
     ident = (key, xp.__name__, np.dtype(dtype).str)
@@ -182,19 +227,16 @@ def _max_pool_cpu(xp, x, geo, y, mask):
     of the equal slots (int8, into reused buffers), its plane offset read
     from a lookup table -- several times faster than NumPy's
     argmax over a short axis."""
-    N, C, OH, OW = geo["N"], geo["C"], geo["OH"], geo["OW"]
     kh, kw = geo["kh"], geo["kw"]
     K = kh * kw
     origins = _window_origins(xp, geo)
-    step = _step(C * OH * OW * K * x.itemsize)
-    stack = buffer(xp, "pool_stack", (K, min(step, N), C, OH, OW), x.dtype)
+    step = _max_step(geo, x.dtype)
+    stack, *rest = (take(xp, h) for h in _max_holds(geo, x.dtype))
     if K <= 127:  # flat plane offset of the first maximum, looked up by its rank
         first = K - np.arange(K + 1)  # rank r -> slot K - r (rank 0: unused)
         offset = xp.asarray(((first // kw) * geo["W"] + first % kw).astype(np.int32))
         weights = xp.asarray(np.arange(K, 0, -1, dtype=np.int8).reshape(K, 1, 1, 1, 1))
-        eq_b = buffer(xp, "pool_eq", stack.shape, np.bool_)
-        t8_b = buffer(xp, "pool_rank_k", stack.shape, np.int8)
-        rank_b = buffer(xp, "pool_rank", stack.shape[1:], np.int8)
+        eq_b, t8_b, rank_b = rest
     for n, part in _padded_chunks(xp, x, geo, -xp.inf, step):
         st = stack[:, :part.shape[0]]
         for k in range(K):
@@ -226,10 +268,9 @@ def _max_pool_grad_cpu(xp, dy, mask, geo, dx):
     N, C = geo["N"], geo["C"]
     plane = geo["H"] * geo["W"]
     step = _step(C * plane * dx.itemsize)
-    cap = min(step, N)
-    itype = np.int32 if cap * C * plane < 2 ** 31 else np.int64
+    idx_b = take(xp, _scatter_hold(geo, dx.dtype))
+    cap, itype = idx_b.shape[0], idx_b.dtype.type
     planes = xp.arange(cap * C, dtype=itype).reshape(-1, C, 1, 1) * itype(plane)
-    idx_b = buffer(xp, "pool_scatter", (cap,) + tuple(mask.shape[1:]), itype)
     for n in range(0, N, step):
         m = mask[n:n + step]
         part, idx = dx[n:n + step], idx_b[:m.shape[0]]
@@ -260,6 +301,18 @@ class Pool(OpKernel):
         y = ((geo["N"], geo["C"], geo["OH"], geo["OW"]), ins[0][1])
         return [y, (y[0], "int32")] if geo["kind"] == "max" else [y]
 
+    def host_scratch(self, ins, outs):
+        geo = _geometry(self.attrs, ins[0].shape)
+        dtype = ins[0].dtype
+        if geo["whole"]:
+            return []
+        if geo["kind"] == "max":
+            return _max_holds(geo, dtype) + _pad_holds(geo, dtype, -np.inf,
+                                                       _max_step(geo, dtype))
+        if _dense(geo):
+            return []
+        return _pad_holds(geo, dtype, 0, _ave_step(geo, dtype))
+
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
@@ -289,9 +342,8 @@ class Pool(OpKernel):
             planes = geo["N"] * geo["C"]
             matmul(xp, x.reshape(planes, -1), mat.T, out=y.reshape(planes, -1))
         else:
-            eh, ew = _extent(geo)
             div = _divisor(xp, geo, y.dtype)
-            for n, part in _padded_chunks(xp, x, geo, 0, _step(geo["C"] * eh * ew * x.itemsize)):
+            for n, part in _padded_chunks(xp, x, geo, 0, _ave_step(geo, x.dtype)):
                 top = y[n:n + part.shape[0]]
                 top.fill(0)
                 for p in range(geo["kh"]):
@@ -317,6 +369,16 @@ class PoolGrad(OpKernel):
         if geo["kind"] == "max" and (len(ins) != 2 or tuple(ins[1][0]) != want):
             raise ShapeError("PoolGrad of max pooling needs inputs [dy, mask] of one shape")
         return [(x_shape, ins[0][1])]
+
+    def host_scratch(self, ins, outs):
+        geo = _geometry(self.attrs, outs[0].shape)
+        if geo["whole"]:
+            return []
+        if geo["kind"] == "max":
+            return [_scatter_hold(geo, outs[0].dtype)]
+        if _dense(geo) or _unpadded(geo):
+            return []
+        return [_ave_grad_hold(geo, outs[0].dtype)]
 
     def run(self, ins, outs):
         dy = ins[0]
@@ -348,12 +410,11 @@ class PoolGrad(OpKernel):
             return
         # average: dy / size added into every window of a padded buffer, a
         # chunk of samples at a time (one buffer, in cache), then cropped
-        eh, ew = _extent(geo)
         H, W, ph, pw = geo["H"], geo["W"], geo["ph"], geo["pw"]
         direct = _unpadded(geo)
-        step = _step(C * eh * ew * dx.itemsize)
+        step = _ave_step(geo, dx.dtype)
         div = _divisor(xp, geo, dy.dtype)
-        buf = None if direct else buffer(xp, "pool_grad", (min(step, N), C, eh, ew), dx.dtype)
+        buf = None if direct else take(xp, _ave_grad_hold(geo, dx.dtype))
         for n in range(0, N, step):
             share = dy[n:n + step] / div
             part = dx[n:n + step] if direct else buf[:share.shape[0]]
@@ -363,6 +424,12 @@ class PoolGrad(OpKernel):
                     _window(part, geo, p, q)[...] += share
             if not direct:
                 dx[n:n + step] = part[:, :, ph:ph + H, pw:pw + W]
+
+
+def _ave_grad_hold(geo, dtype):
+    """Average pooling's padded gradient buffer (cap, C) + extent."""
+    return hold("pool_grad", (min(_ave_step(geo, dtype), geo["N"]), geo["C"]) + _extent(geo),
+                dtype)
 
 
 _POOL_ATTRS = ("pool", "kernel", "stride", "pad", "ceil_mode", "global")

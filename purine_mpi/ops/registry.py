@@ -144,6 +144,25 @@ class OpKernel:
         (``temporaries``), runtime/footprint.py counts them."""
         return []
 
+    def host_scratch(self, ins, outs):
+        """The arrays the kernel's host ``run`` keeps in its thread's caches
+        (ops/im2col.Hold: im2col columns, padded copies) for inputs ``ins``
+        and outputs ``outs`` (arrays or stand-ins with ``shape`` and
+        ``dtype``); [] none. The one copy of each size: ``run`` takes its
+        buffers by these Holds, ``plan``'s host scratch row sums them per
+        worker lane (im2col.held_by)."""
+        return []
+
+    #: whether the host ``run`` takes ``temporaries`` of ``scratch_specs``'
+    #: sizes (``host_temporaries``)
+    temporaries_on_host = False
+
+    def host_temporaries(self, ins, outs):
+        """The ``(shape, dtype)`` arrays the kernel's host ``run`` takes from
+        ``temporaries`` (new arrays each run, freed when it ends): ``plan``'s
+        kernel temporaries row; [] none."""
+        return self.scratch_specs(ins, outs) if self.temporaries_on_host else []
+
     def scratch_note(self, ins, outs):
         """Where the scratch size comes from, in words (None: its shapes):
         e.g. a cuDNN plan's workspace from the tuner's cache or the cap."""

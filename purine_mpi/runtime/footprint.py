@@ -30,6 +30,20 @@ is where the gradients live, so it counts as gradients):
 - ``kept``: everything else that persists (losses, metrics, lr, the
   iteration counter, a device loss watch).
 
+Two more host rows, what the CPU kernels hold besides the blobs (the
+training graph's host ops, ``host_kernel_bytes``):
+
+- ``host_scratch``: the buffers the convolution and pooling kernels keep in
+  their worker thread's caches (ops/im2col.py: padded copies, im2col
+  columns, GEMM outputs), from each op's ``OpKernel.host_scratch``, the
+  Holds its ``run`` takes: per dispatcher lane (one worker thread per
+  ``thread`` value of the ops) each distinct buffer once and each growing
+  flat buffer at its largest (``im2col.held_by``), the lanes added;
+- ``kernel_temporaries``: the new arrays a host kernel takes from
+  ``OpKernel.temporaries`` while it runs (``host_temporaries``: attention's
+  scores, GELU's and layer norm's intermediates), freed when it ends: the
+  largest op's per lane, the lanes added (they may run at once).
+
 On a GPU three more rows (``device_extras``), from the same functions
 the run uses:
 
@@ -54,6 +68,8 @@ same process adds its own slots and captures).
 """
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..graph.core import WORKING_SET_ATTR
 from .factory import memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
@@ -61,7 +77,8 @@ from .workspace import plan_device_memory, window_arrays
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
-        "comm_buffers", "windows", "kept", "data_pool", "scratch", "cublas_workspaces",
+        "comm_buffers", "windows", "kept", "data_pool", "host_scratch",
+        "kernel_temporaries", "scratch", "cublas_workspaces",
         "capture_pools")
 
 
@@ -321,6 +338,9 @@ def footprint(graphs, plans, rank=0, cuda_graph=True):
             host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
     host["windows"] = window_bytes(graphs.composition, rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
+    kernel_bytes = host_kernel_bytes(g)
+    host["host_scratch"] = kernel_bytes["host_scratch"]
+    host["kernel_temporaries"] = kernel_bytes["kernel_temporaries"]
     peak = arena_peak(g, plans.host)
     for d, plan in sorted(plans.devices.items()):
         device_peak = arena_peak(g, plan)
@@ -464,8 +484,34 @@ def model_state_peak(graph, plans):
 def _stand_in(blob):
     """An array of the blob's shape and dtype holding no memory (what
     ``OpKernel.scratch_specs`` reads: shape, dtype, size, ndim)."""
-    import numpy as np
     return np.broadcast_to(np.zeros((), dtype=blob.dtype), tuple(blob.shape))
+
+
+def host_kernel_bytes(graph):
+    """What the CPU kernels of ``graph``'s host ops hold besides the blobs
+    (the module docstring's ``host_scratch`` and ``kernel_temporaries``):
+    {"host_scratch": bytes, "kernel_temporaries": bytes, "temporaries_ops":
+    {lane: the op whose temporaries are the lane's largest}}."""
+    from ..ops.catalog import get_kernel_class
+    from ..ops.im2col import held_by
+    from .cuda_runtime import op_device
+    holds, temps = {}, {}
+    for op in graph.ops.values():
+        if op_device(graph, op) >= 0 or any(graph.blobs[b].shape is None
+                                            for b in op.inputs + op.outputs):
+            continue
+        k = get_kernel_class(op.op_type, op.name)(op)
+        ins = [_stand_in(graph.blobs[b]) for b in op.inputs]
+        outs = [_stand_in(graph.blobs[b]) for b in op.outputs]
+        lane = str(op.thread)
+        holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
+        t = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                for shape, dtype in k.host_temporaries(ins, outs))
+        if t > temps.get(lane, (0, None))[0]:
+            temps[lane] = (t, op.name)
+    return {"host_scratch": sum(held_by(h) for h in holds.values()),
+            "kernel_temporaries": sum(t for t, _ in temps.values()),
+            "temporaries_ops": {lane: name for lane, (_, name) in temps.items()}}
 
 
 def device_extras(graph, device, cuda_graph=True):

@@ -26,7 +26,8 @@ ALL_RANKS = 8
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
           "activations": "activations", "data_batch": "data batch",
           "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs",
-          "data_pool": "data pool",
+          "data_pool": "data pool", "host_scratch": "host scratch",
+          "kernel_temporaries": "kernel temporaries",
           "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
           "capture_pools": "capture pools"}
 
