@@ -36,7 +36,11 @@ parser is purine_mpi/cli_args.py.
 Exit statuses (the same on every rank): the table in docs/formats.md, and
 ``--help``'s epilog.
 """
-import difflib
+# first: a rank that dies before MPI is up must still end the job (comm/early_abort.py)
+from .comm import early_abort as _early_abort
+_early_abort.install()
+
+import difflib  # noqa: E402
 import json
 import math
 import os

@@ -212,3 +212,31 @@ def test_mpi_below_serialized_thread_support_is_refused(tmp_path):
     assert res.returncode == 2, res.stderr
     assert "MPI_THREAD_FUNNELED" in res.stderr and "MPI_THREAD_SERIALIZED" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_rank_that_dies_before_mpi_starts_ends_the_job(tmp_path):
+    """Rank 1 raises at start-up, before MPI_Init (a module missing on its
+    node): Hydra alone would leave rank 0 blocked in MPI_Init for ever; the
+    hook the command line installs first (comm/early_abort.py) initialises MPI
+    on the dying rank and aborts the job, so both end, with the traceback
+    and one line naming the rank."""
+    cfg = {"name": "early", "data": {"train": {"source": "synthetic", "shape": [1, 8, 8],
+                                               "classes": 3, "batch_size": 4}},
+           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
+                    "num_output": 3},
+                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
+                    "top": "l"}],
+           "solver": {"max_iter": 100000}}
+    script = tmp_path / "die_on_rank1.py"
+    script.write_text(
+        "import os, sys\n"
+        "from purine_mpi.cli import main  # installs the hook before its other imports\n"
+        "if os.environ.get('PMI_RANK') == '1':\n"
+        "    raise ImportError('simulated: a module missing on this node')\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    res = subprocess.run([MPIEXEC, "-n", "2", PYTHON, str(script), "train",
+                          str(write_config_file(tmp_path, cfg)), "--out", str(tmp_path / "o")],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=90)
+    assert res.returncode != 0
+    assert "ImportError: simulated: a module missing on this node" in res.stderr
+    assert "error: rank 1: ImportError before the job started; ending every rank" in res.stderr
