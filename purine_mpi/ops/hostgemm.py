@@ -36,11 +36,12 @@ then gives the bits one thread gives.
   axis, or a 2-D product, cut as above).
 
 Cost at one thread against plain ``np.matmul`` (``benchmarks/hostgemm_cost.py``,
-cifar10_quick's products; docs/running.md has the figures): the whole
-iteration ran 0.86-0.87x before the in-place K sum and the one-call paths, and
-0.97-1.01x after (medians of 7-11 interleaved pairs on a loaded machine).
-Fewer, larger pieces (``PIECE_MIN_WORK = 1 << 23``: 3 row pieces instead
-of 7) measured 0.95-0.96x, so the constants stay.
+cifar10_quick's products; docs/running.md has the figures): whole
+iterations, medians of runs on a loaded machine, 0.87x before the in-place
+K sum and the one-call paths and 0.97x after, with runs of the same code
+scattering by more than that. Fewer, larger pieces (``PIECE_MIN_WORK =
+1 << 23``: 3 row pieces instead of 7) measured 0.95-0.96x, so the
+constants stay.
 
 The thread that calls ``matmul`` computes pieces too and takes back those
 no pool thread has started; the pool's threads (``threads - 1`` of them,
