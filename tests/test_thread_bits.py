@@ -88,6 +88,13 @@ CASES = [
     # (AlexNet-style conv1 weight gradient under micro-batches)
     ("batch of 1, inner", (1, 32, 20000), (1, 20000, 75)),
     ("transposed view", (2000, 640), (2000, 48)),  # a.T @ b: fc's weight gradient
+    # cifar10_quick's products (benchmarks/hostgemm_cost.py): conv2's forward
+    # rows (w a transposed view), its weight gradient (K in 2 pieces), conv1's
+    # forward at one thread one NumPy call, fc2 below the split size
+    ("cifar rows", (1280, 800), (32, 800)),
+    ("cifar inner", (32, 1280), (1280, 800)),
+    ("cifar batched", (1, 32, 75), (13, 1, 75, 1024)),
+    ("cifar one call", (100, 64), (64, 10)),
 ]
 
 
@@ -96,6 +103,8 @@ def test_matmul_has_the_same_bits_at_any_thread_count(pool_threads, name, sa, sb
     a, b = randn(*sa), randn(*sb)
     if name == "transposed view":
         a = a.T
+    if name == "cifar rows":
+        b = b.T
     results = []
     for n in (1, 2, 3, 5):
         pool_threads(n)
@@ -125,6 +134,34 @@ def test_the_cuts_follow_the_shapes():
     assert hostgemm.plan(32, 75, 20000)[0] == 2
     assert hostgemm.plan(40, 2000, 200)[0] == 1
     assert len(hostgemm.plan(30, 50, 40)[1]) == 1
+
+
+@pytest.mark.parametrize("sa,sb", [((32, 1280), (1280, 800)), ((32, 20000), (20000, 75))])
+def test_a_cut_along_k_adds_its_pieces_in_order_into_out(pool_threads, sa, sb):
+    """The pieces' products add into out in their order, whatever the thread
+    count and out's layout (a transposed view BLAS cannot write goes through
+    scratch); one thread keeps one scratch matrix, not one per piece."""
+    a, b = randn(*sa), randn(*sb)
+    axis, cuts = hostgemm.plan(sa[0], sb[1], sa[1])
+    assert axis == 2 and len(cuts) >= 2
+    want = np.matmul(a[:, cuts[0]], b[cuts[0]])
+    for s in cuts[1:]:
+        want += np.matmul(a[:, s], b[s])
+    for n in (1, 2, 3):
+        pool_threads(n)
+        hostgemm._LOCAL.flat = {}  # this thread's scratch, to see what the product takes
+        assert np.array_equal(hostgemm.matmul(np, a, b), want)
+        if n == 1:
+            assert hostgemm._LOCAL.flat["<f4"].size == want.size
+        for out in (np.full_like(want, np.nan), np.full(want.shape[::-1], np.nan, np.float32).T):
+            assert hostgemm.matmul(np, a, b, out=out) is out
+            assert np.array_equal(out, want)
+
+
+def test_a_product_below_the_split_size_is_one_call_without_a_plan(monkeypatch):
+    a, b = randn(100, 64), randn(64, 10)
+    monkeypatch.setattr(hostgemm, "plan", None)  # not consulted
+    assert np.array_equal(hostgemm.matmul(np, a, b), np.matmul(a, b))
 
 
 def test_concurrent_callers_each_get_their_product(pool_threads):

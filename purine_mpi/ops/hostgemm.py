@@ -12,23 +12,36 @@ product into pieces that depend on the shapes only, each piece one
 single-threaded BLAS call, and runs them on its pool. Any number of threads
 then gives the bits one thread gives.
 
-- A 2-D product ``(M, K) @ (K, N)`` of at least ``SPLIT_MIN_WORK``
-  multiply-adds is cut (``plan``) into at most ``MAX_PIECES`` pieces of at
+- A 2-D product ``(M, K) @ (K, N)`` of fewer than ``SPLIT_MIN_WORK``
+  multiply-adds is one ``np.matmul`` call, made before any other Python
+  work (no plan, no thread count).
+- A larger one is cut (``plan``) into at most ``MAX_PIECES`` pieces of at
   least ``PIECE_MIN_WORK`` multiply-adds (and ``INNER_MIN`` of K), their
   widths multiples of ``ALIGN``: along M when M is at least ``2 * ALIGN`` (the pieces' bits are
   the pieces' calls', which are not always one whole call's: a
   ``(640, 300) @ (300, 40)`` cut at rows 240 and 480 differs from one call
   in its last bits, so even one thread runs the cuts); else, for the
   short wide products of weight gradients (``dy (O, N*L) @ cols``), along
-  K when K >= N: each piece's product goes to a scratch stack and the
-  stack is summed in its order (``np.add.reduce`` over its first axis adds
-  the pieces one after the other); else along N. Cutting N into narrow
-  pieces ran such a product 1.5-1.9x slower on one thread; cutting K cost
-  about nothing. A smaller product is one call.
+  K when K >= N: the first piece's product goes straight to out, each
+  other's to a scratch matrix, and out adds them in their order (one
+  thread: one scratch matrix, added as soon as it is made; several: one
+  per piece, added after the last; the same additions, so the same bits,
+  which are also those of the stack summed by ``np.add.reduce`` that this
+  replaced); else along N. Cutting N into narrow pieces ran such a
+  product 1.5-1.9x slower on one thread; cutting K cost about nothing.
 - A batched product (``(B, ..., M, K) @ (..., K, N)``) is already one
-  BLAS call per matrix in NumPy, so its leading batch axis is shared among
-  the threads: each matrix's bits are those of its own call however the
-  batch is grouped (a batch of 1 is its next axis, or a 2-D product).
+  BLAS call per matrix in NumPy, so each matrix's bits are those of its own
+  call however the batch is grouped: one thread makes it one ``np.matmul``
+  call; several share its leading batch axis (a batch of 1 is its next
+  axis, or a 2-D product, cut as above).
+
+Cost at one thread against plain ``np.matmul`` (``benchmarks/hostgemm_cost.py``,
+cifar10_quick's products; docs/running.md has the figures): whole
+iterations, medians of runs on a loaded machine, 0.87x before the in-place
+K sum and the one-call paths and 0.97x after, with runs of the same code
+scattering by more than that. Fewer, larger pieces (``PIECE_MIN_WORK =
+1 << 23``: 3 row pieces instead of 7) measured 0.95-0.96x, so the
+constants stay.
 
 The thread that calls ``matmul`` computes pieces too and takes back those
 no pool thread has started; the pool's threads (``threads - 1`` of them,
@@ -95,40 +108,72 @@ def matmul(xp, a, b, out=None):
     thread count."""
     if xp is not np or a.ndim < 2 or b.ndim < 2:  # CuPy; a vector: gemv or dot, one call
         return xp.matmul(a, b, out=out)
+    if a.ndim == 2 and b.ndim == 2:
+        if a.shape[0] * a.shape[1] * b.shape[1] < SPLIT_MIN_WORK:  # one call, as plan says
+            return np.matmul(a, b, out=out)
+        if out is None:
+            out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+        _product(a, b, out, threads())
+        return out
     if out is None:
         shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
         out = np.empty(shape, dtype=np.result_type(a, b))
     count = threads()
-    jobs, stack, target = _jobs(a, b, out, count)
+    if out.shape[0] == 1:  # the matrices of the next axis, or one 2-D product
+        matmul(np, _part(a, out, 0), _part(b, out, 0), out[0])
+    elif count == 1:  # one BLAS call per matrix, as the parts below make them
+        np.matmul(a, b, out=out)
+    else:
+        size = -(-out.shape[0] // count)
+        _run([(_part(a, out, slice(s, s + size)), _part(b, out, slice(s, s + size)),
+               out[s:s + size]) for s in range(0, out.shape[0], size)], count)
+    return out
+
+
+def _product(a, b, out, count):
+    """A 2-D product of at least ``SPLIT_MIN_WORK`` cut by ``plan``, on
+    ``count`` threads. A cut along K: the first piece's product goes to out
+    (through a scratch array when out is a view BLAS cannot write), each
+    other's to its own scratch matrix, and out adds them in their order; one
+    thread adds each as soon as it is made (one scratch matrix, still in
+    cache), several add them after the last: the same sums either way."""
+    axis, cuts = plan(out.shape[0], out.shape[1], a.shape[1])
+    if axis == 0:
+        jobs = [(a[s], b, out[s]) for s in cuts]
+    elif axis == 1:
+        jobs = [(a, b[:, s], out[:, s]) for s in cuts]
+    elif count == 1:
+        first = out if _blasable(out) else _scratch(out.shape, out.dtype)
+        np.matmul(a[:, cuts[0]], b[cuts[0]], out=first)
+        if first is not out:
+            out[...] = first
+        part = first if first is not out else _scratch(out.shape, out.dtype)
+        for s in cuts[1:]:
+            np.matmul(a[:, s], b[s], out=part)
+            np.add(out, part, out=out)
+        return
+    else:
+        stack = _scratch((len(cuts),) + out.shape, out.dtype)
+        first = out if _blasable(out) else stack[0]
+        _run([(a[:, cuts[0]], b[cuts[0]], first)]
+             + [(a[:, s], b[s], stack[i]) for i, s in enumerate(cuts) if i], count)
+        if first is not out:
+            out[...] = first
+        for part in stack[1:]:
+            np.add(out, part, out=out)
+        return
     if count == 1 or len(jobs) == 1:
         for x, y, o in jobs:
             np.matmul(x, y, out=o)
     else:
         _run(jobs, count)
-    if stack is not None:  # the inner size's pieces, added in their order
-        np.add.reduce(stack, axis=0, out=target)
-    return out
 
 
-def _jobs(a, b, out, count):
-    """([(a part, b part, out part)], stack, target): a 2-D product cut by
-    ``plan`` (``stack``: where the pieces of an inner-size cut go, else
-    None; ``target``: the 2-D array they add up into); a batched one's
-    leading batch axis in ``count`` consecutive parts."""
-    if out.ndim == 2:
-        axis, cuts = plan(out.shape[0], out.shape[1], a.shape[-1])
-        if axis == 0:
-            return [(a[s], b, out[s]) for s in cuts], None, out
-        if axis == 1:
-            return [(a, b[:, s], out[:, s]) for s in cuts], None, out
-        stack = _scratch((len(cuts),) + out.shape, out.dtype)
-        return [(a[:, s], b[s], stack[i]) for i, s in enumerate(cuts)], stack, out
-    batch = out.shape[0]
-    if batch == 1:  # the matrices of the next axis, or one 2-D product
-        return _jobs(_part(a, out, 0), _part(b, out, 0), out[0], count)
-    size = -(-batch // count)
-    return [(_part(a, out, slice(s, s + size)), _part(b, out, slice(s, s + size)),
-             out[s:s + size]) for s in range(0, batch, size)], None, out
+def _blasable(o):
+    """Whether NumPy's matmul hands the 2-D ``o`` to BLAS as it is (rows of
+    unit-stride elements), as it does a fresh array."""
+    item = o.itemsize
+    return o.strides[1] == item and o.strides[0] % item == 0 and o.strides[0] >= o.shape[1] * item
 
 
 def _scratch(shape, dtype):
