@@ -104,6 +104,70 @@ def test_bench_json_shows_the_reduced_bytes_halved(tmp_path, digits_h5):
             fp32[halved] // 2
 
 
+# ---------------------------------------------------- the scaling predictor
+class _NoDurations:
+    """Traced durations of none of the ops: the prediction is its communication."""
+
+    def lookup(self, name, rank=0, rows=None):
+        return None
+
+
+def _predicted(digits_h5, scheme, grad_dtype, n=4):
+    """predict's row for jobs/digits_lenet.yaml at ``n`` ranks on a link of
+    bandwidth only (α = 0), the ring algorithm: {comm_s, comm_bytes, ...}
+    and {op type: bytes} of rank 0's collectives."""
+    import os
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.scaling.link import Link
+    from purine_mpi.tools.scaling.model import Scenario, Template, predict_one
+    from tests.conftest import REPO
+    job = load_job(os.path.join(REPO, "jobs", "digits_lenet.yaml"),
+                   [f"data.train.path={digits_h5}", f"data.test.path={digits_h5}",
+                    f"parallel.scheme={scheme}", f"parallel.grad_dtype={grad_dtype}",
+                    "parallel.bucket_mb=0.01"], None)
+    link = Link(0.0, 1.25e8, 0.0, "test")
+    row = predict_one(job, n, _NoDurations(), link, "ring", 0.0, {})
+    scenario = Scenario(job, n)
+    template = Template(job, scenario, 0)
+    sims = [template._comm_op(op, (), _NoDurations(), link, "ring", scenario)
+            for name, op in template.graph.ops.items() if name in template.comm]
+    by_type = {}
+    for sim in sims:
+        kind = template.graph.ops[sim.name].op_type
+        by_type[kind] = by_type.get(kind, 0) + sim.nbytes
+    return row, by_type, link
+
+
+@pytest.mark.parametrize("scheme", ["data", "sharded"])
+def test_the_predictor_prices_bf16_buckets_at_half_the_bytes(digits_h5, scheme):
+    """predict and plan --choose (both price comm ops by
+    scaling/model.py's Template) count a collective's bytes at its wire
+    dtype, as bench does: with grad_dtype bf16 the data-parallel job's
+    allreduced bytes and its predicted communication time on the link
+    model are half those of fp32; sharded, the reduce-scatter is halved
+    and the weights' allgather stays float32."""
+    n = 4
+    row32, bytes32, link = _predicted(digits_h5, scheme, "fp32", n)
+    row16, bytes16, _ = _predicted(digits_h5, scheme, "bf16", n)
+    reduced = "Allreduce" if scheme == "data" else "ReduceScatter"
+    assert bytes32[reduced] > 0 and bytes16[reduced] * 2 == bytes32[reduced]
+    for kind in bytes32:
+        if kind != reduced:
+            assert bytes16[kind] == bytes32[kind], kind
+    assert row32["comm_bytes"] == sum(bytes32.values())
+    assert row16["comm_bytes"] == sum(bytes16.values())
+    # a ring of α = 0: 2(N-1)/N of an allreduced byte, (N-1)/N of a
+    # reduce-scattered or allgathered one, at β
+    share = {"Allreduce": 2 * (n - 1) / n, "ReduceScatter": (n - 1) / n,
+             "Allgather": (n - 1) / n}
+    for row, by_type in ((row32, bytes32), (row16, bytes16)):
+        want = sum(share[k] * b for k, b in by_type.items()) / link.beta
+        assert row["comm_s"] == pytest.approx(want, rel=1e-9)
+    if scheme == "data":
+        assert row16["comm_s"] == pytest.approx(row32["comm_s"] / 2, rel=1e-9)
+        assert row16["comm_bytes"] * 2 == row32["comm_bytes"]
+
+
 # ------------------------------------------------------------- refusals
 def _raw(**parallel):
     return {"data": {"train": {"source": "synthetic", "shape": [4], "classes": 3,

@@ -646,8 +646,7 @@ def collective_bytes(graph):
     out = {}
     for op in graph.ops.values():
         if is_collective(op):
-            out[op.op_type] = out.get(op.op_type, 0) + sum(wire_bytes(op, graph.blobs[b])
-                                                           for b in data_blobs(op))
+            out[op.op_type] = out.get(op.op_type, 0) + moved_bytes(graph, op)
     return out
 
 
@@ -661,6 +660,13 @@ def bucket_reductions(graph):
     bucket's gradients)."""
     return [op for op in graph.ops.values()
             if op.op_type in _BUCKET_REDUCTIONS and "bucket" in op.attrs]
+
+
+def moved_bytes(graph, op):
+    """The bytes comm ``op`` of ``graph`` carries: those of its data blobs
+    (``data_blobs``), each at the op's wire dtype (``wire_bytes``) -- what
+    bench, the start-up block and the scaling predictor count."""
+    return sum(wire_bytes(op, graph.blobs[b]) for b in data_blobs(op))
 
 
 def wire_bytes(op, blob):

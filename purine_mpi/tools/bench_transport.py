@@ -30,7 +30,7 @@ WaitWrite): no copy at all.
 """
 import numpy as np
 
-from ..comm.ops import data_blobs, wire_bytes
+from ..comm.ops import moved_bytes
 
 _ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish", "WindowAllreduce")
 _TWO_SIDED = ("Send", "Recv", "Allreduce", "ReduceScatter", "Allgather")
@@ -73,7 +73,7 @@ def transport_figures(dispatcher, graphs, iters, before):
         if _one_sided(op):
             kinds.add("one_sided")
         elif op.op_type in _TWO_SIDED:
-            two += sum(wire_bytes(op, graph.blobs[b]) for b in data_blobs(op))
+            two += moved_bytes(graph, op)
             kinds.add("two_sided")
     transport = ("none" if not kinds else "mixed" if len(kinds) == 2 else kinds.pop())
     lines = [f"{what}: {how} ({why})" for what, how, why in

@@ -34,7 +34,7 @@ from .. import __version__
 from ..base import env, threads
 from ..data.sources import source_info
 from ..base.progress_bar import human_bytes
-from ..comm.ops import bucket_reductions, wire_bytes
+from ..comm.ops import bucket_reductions, moved_bytes
 from ..parallel.schemes.base import counted as _count, ranges, ranks_word as _ranks_word  # noqa: F401
 
 #: hosts listed one by one in the devices line; the rest are counted
@@ -140,7 +140,7 @@ def gradient_line(graph, grad_dtype):
         return None
     if grad_dtype == "fp32":
         return "reduced in float32 (parallel.grad_dtype: fp32)"
-    wire = sum(wire_bytes(op, graph.blobs[b]) for op in ops for b in op.inputs)
+    wire = sum(moved_bytes(graph, op) for op in ops)
     return (f"reduced in bfloat16 (parallel.grad_dtype: {grad_dtype}): "
             f"{human_bytes(wire)} per iteration, half of float32's; the master weights, the "
             "local gradients and the update stay float32")

@@ -7,6 +7,8 @@ their cost on the link model (``link.py``):
 
 - data parallel (``mode: sync``): each bucket's Allreduce over the N
   replicas; one rank is simulated (the replicas are symmetric);
+- a collective's bytes are counted at its wire dtype (``comm.ops.moved_bytes``,
+  as bench counts them): ``parallel.grad_dtype: bf16`` halves a bucket's;
 - sharded (``scheme: sharded``): each bucket's ReduceScatter and Allgather
   over their ``shards`` ranks (``Link.reduce_scatter``, ``Link.allgather``:
   (N-1)/N of the bucket each on a ring, against the allreduce's 2(N-1)/N),
@@ -40,7 +42,7 @@ reported as ``untraced``.
 import time
 
 from ...base.errors import UserError
-from ...comm.ops import data_blobs
+from ...comm.ops import moved_bytes
 from .simulate import RankGraph, SimOp, simulate
 from .trace_reader import split_chunk
 
@@ -147,15 +149,17 @@ class Template:
 
     def _comm_op(self, op, deps, durations, link, algorithm, scenario):
         g = self.graph
+        # a collective's bytes at its wire dtype (a bucket reduced in
+        # bfloat16, parallel.grad_dtype: bf16, moves 2 bytes an element)
         if op.op_type in ("Allreduce", "WindowAllreduce"):
-            nbytes = _nbytes(g, op.inputs)
+            nbytes = moved_bytes(g, op)
             group = len(op.attrs.get("group") or ()) or scenario.replicas
             return SimOp(op.name, link.allreduce(group, nbytes, algorithm), deps,
                          kind="collective", seq=int(op.attrs.get("seq", 0)), nbytes=nbytes,
                          busy_seconds=link.busy().allreduce(group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes))
         if op.op_type in _HALVES:
-            nbytes = _nbytes(g, data_blobs(op))  # the whole bucket, as bench counts it
+            nbytes = moved_bytes(g, op)  # the whole bucket, as bench counts it
             group = int(op.attrs.get("shards") or scenario.replicas)
             cost = getattr(link, _HALVES[op.op_type])
             return SimOp(op.name, cost(group, nbytes, algorithm), deps, kind="collective",
