@@ -58,6 +58,20 @@ def sets_for(job, scheme, out):
     return path, sets
 
 
+def train_memory(path, args, run, np_=2, iters=5, env=None, mpiexec="mpiexec"):
+    """``mpiexec -n NP python -m purine_mpi train PATH --out RUN --iters
+    ITERS ARGS`` (RUN emptied first): its OUT/memory.json's ranks
+    (train/trainer.write_memory), or the error as one line."""
+    shutil.rmtree(run, ignore_errors=True)
+    t = subprocess.run([mpiexec, "-n", str(np_)] + PY + ["train", path, "--out", run,
+                                                          "--iters", str(iters)] + list(args),
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if t.returncode != 0:
+        return "train: " + (t.stderr.strip().splitlines() or ["?"])[-1]
+    with open(os.path.join(run, "memory.json")) as f:
+        return json.load(f)["ranks"]
+
+
 def measure(job, scheme, out, np_=2, iters=5, env=None):
     """{"predicted": [bytes per rank], "measured": [...], "baseline": [...],
     "plan": the plan's JSON}, or {"error": text}."""
@@ -73,15 +87,9 @@ def measure(job, scheme, out, np_=2, iters=5, env=None):
     for kind in plan["ranks"]:
         for r in kind["ranks"]:
             predicted[r] = kind["host"]["total"]
-    run = os.path.join(out, f"{job}-{scheme}")
-    shutil.rmtree(run, ignore_errors=True)
-    t = subprocess.run(["mpiexec", "-n", str(np_)] + PY + ["train", path, "--out", run,
-                                                            "--iters", str(iters)] + args,
-                       capture_output=True, text=True, env=env, cwd=ROOT)
-    if t.returncode != 0:
-        return {"error": "train: " + (t.stderr.strip().splitlines() or ["?"])[-1]}
-    with open(os.path.join(run, "memory.json")) as f:
-        ranks = json.load(f)["ranks"]
+    ranks = train_memory(path, args, os.path.join(out, f"{job}-{scheme}"), np_, iters, env)
+    if isinstance(ranks, str):
+        return {"error": ranks}
     return {"predicted": predicted, "plan": plan,
             "measured": [r["above_baseline_bytes"] for r in ranks],
             "baseline": [r["baseline_rss_bytes"] for r in ranks]}

@@ -47,6 +47,25 @@ compared with data parallelism's: ``max_rel_diff`` = the largest over the
 parameters of max |sharded - data| / max |data| (0: bitwise), with the
 parameter where it falls. Timing is wall clock on a shared machine:
 compare the ratios of one run, not figures across runs.
+
+``--rss``: memory instead of time. Each setting trains ``--iters``
+iterations (``train --iters``, no test, a checkpoint at the end only; ``--pairs`` runs
+each, the order rotating, and each rank's figures are the medians) and its
+OUT/memory.json gives every rank's peak resident bytes and the model state
+its memory plan holds (``held``: weights, gradients, optimizer state) and
+has live at its peak (``peak``: held plus the transient buckets' working
+set); rss_vs_plan.train_memory runs it. The RSS compared is
+``loop_peak_rss_bytes``, the high-water mark after the last iteration
+(``peak_rss_bytes``, beside it, also holds the end's checkpoint, which a
+sharded run gathers on rank 0). Against ``data``, per rank: the
+saving in that peak RSS, in held and in peak model state, and
+``rss_per_peak_saving`` = (RSS saving) / (peak model-state saving) and
+``rss_per_held_saving`` = (RSS saving) / (held model-state saving); their
+least over the ranks beside them. Prints one JSON object: the job, the
+solver, the settings (``--settings`` picks some), each with those figures.
+
+    .venv/bin/python benchmarks/sharded.py --rss --configs jobs/gpt_small.yaml --ranks 4 \
+        --iters 3 --pairs 1 --settings data sharded_shard3
 """
 import argparse
 import email
@@ -60,6 +79,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # rss_vs_plan
 
 #: per config: what shortens it to a benchmark (``--set`` goes after these)
 SHORTEN = {
@@ -68,6 +88,8 @@ SHORTEN = {
 }
 #: the variables taken out of the ranks' environment (see the docstring)
 OPENBLAS_PINS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+#: the venv's own mpiexec (the MPICH of its mpi4py)
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 #: where shard_values stops when the key refuses no value (a safety bound)
 MAX_SHARD_PROBE = 64
 
@@ -145,7 +167,7 @@ def base_sets(config, extra, folder):
 def mpi_cmd(ranks, args):
     cmd = [sys.executable, "-m", "purine_mpi", *args]
     if ranks > 1:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] + cmd
+        cmd = [MPIEXEC, "-n", str(ranks)] + cmd
     return cmd
 
 
@@ -177,6 +199,70 @@ def trained_params(config, sets, ranks, steps, out):
     run(ranks, args, f"train {' '.join(sets[-2:])}")
     return {k: v for k, v in load_params(os.path.join(out, "latest.h5")).items()
             if not k.startswith("solver/")}
+
+
+def memory_once(config, sets, ranks, iters, run_dir):
+    """Every rank's OUT/memory.json figures after ``iters`` iterations of
+    ``train`` (no test; a checkpoint at the end only), rank order."""
+    from rss_vs_plan import train_memory
+    args = ["--set", "solver.display=0", "--set", "solver.test_interval=0",
+            "--set", "data.test=null", "--set", "checkpoint.interval=0"]
+    for s in sets:
+        args += ["--set", s]
+    got = train_memory(config, args, run_dir, ranks, iters, rank_env(), MPIEXEC)
+    if isinstance(got, str):
+        sys.exit(f"train {' '.join(sets[-2:])} failed: {got}")
+    return got
+
+
+def memory_figures(runs):
+    """One setting's per-rank figures (medians over the runs) from its
+    memory.json ranks."""
+    def per_rank(get):
+        return [int(_median([get(run[i]) for run in runs])) for i in range(len(runs[0]))]
+    return {"loop_peak_rss_bytes_per_rank": per_rank(lambda r: r["loop_peak_rss_bytes"]),
+            "peak_rss_bytes_per_rank": per_rank(lambda r: r["peak_rss_bytes"]),
+            "baseline_rss_bytes_per_rank": per_rank(lambda r: r["baseline_rss_bytes"]),
+            "model_state_held_bytes_per_rank": per_rank(lambda r: r["model_state"]["held"]),
+            "model_state_peak_bytes_per_rank": per_rank(lambda r: r["model_state"]["peak"]),
+            "model_state_working_bytes_per_rank":
+                per_rank(lambda r: r["model_state"]["working"])}
+
+
+def savings(data, other):
+    """``other``'s savings against ``data`` (memory_figures of each), per
+    rank, and the ratios of the RSS saving to the model-state savings."""
+    def less(key):
+        return [d - o for d, o in zip(data[key], other[key])]
+    rss = less("loop_peak_rss_bytes_per_rank")
+    held = less("model_state_held_bytes_per_rank")
+    peak = less("model_state_peak_bytes_per_rank")
+    out = {"rss_saving_bytes_per_rank": rss, "model_state_held_saving_bytes_per_rank": held,
+           "model_state_peak_saving_bytes_per_rank": peak}
+    for name, by in (("rss_per_peak_saving", peak), ("rss_per_held_saving", held)):
+        ratios = [round(r / m, 4) if m > 0 else None for r, m in zip(rss, by)]
+        out[name] = ratios
+        out[f"{name}_min"] = min(ratios) if None not in ratios else None
+    return out
+
+
+def rss_config(config, a, folder):
+    """``--rss``: every setting's memory figures and savings against data."""
+    from purine_mpi.job.config import load_config
+    sets = base_sets(config, a.sets, folder)
+    settings = settings_of(config, sets)
+    names = [n for n in settings if not a.settings or n in a.settings or n == "data"]
+    runs = {n: [] for n in names}
+    for p in range(a.pairs):
+        for n in names[p % len(names):] + names[:p % len(names)]:
+            runs[n].append(memory_once(config, sets + settings[n], a.ranks, a.iters,
+                                       os.path.join(folder, f"rss.{n}")))
+    figs = {n: memory_figures(runs[n]) for n in names}
+    for n in names[1:]:
+        figs[n].update(savings(figs["data"], figs[n]))
+    return {"sets": sets, "solver": load_config(config, overrides=sets,
+                                                check_files=False)["solver"]["type"],
+            "settings": figs}
 
 
 def max_rel_diff(ref, got):
@@ -274,9 +360,20 @@ def main(argv=None):
     ap.add_argument("--check-steps", type=int, default=5,
                     help="AdamW steps of the parameter check against data (0: no check)")
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--rss", action="store_true",
+                    help="peak resident memory against the planned model state (see above)")
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="with --rss: the settings to run (data always runs)")
     a = ap.parse_args(argv)
     if a.pairs < 1:
         ap.error("--pairs must be at least 1")
+    if a.rss:
+        out = {"ranks": a.ranks, "pairs": a.pairs, "iters": a.iters, "configs": {}}
+        with tempfile.TemporaryDirectory(prefix="sharded_rss_") as folder:
+            for config in a.configs:
+                out["configs"][config] = rss_config(config, a, folder)
+        print(json.dumps(out))
+        return
     out = {"ranks": a.ranks, "pairs": a.pairs, "iters": a.iters, "warmup": a.warmup,
            "check_steps": a.check_steps,
            "openblas_unset": [v for v in OPENBLAS_PINS if v in os.environ], "configs": {}}

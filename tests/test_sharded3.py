@@ -4,6 +4,7 @@ weights, gradients and optimizer state (16Ψ/N under AdamW), each bucket's
 weights gathered into transient buffers before its forward and backward
 readers, at most ``prefetch + 1`` of them live per pass; trains as plain
 data parallelism does; its checkpoints are whole and reshard."""
+import json
 import re
 
 import numpy as np
@@ -118,6 +119,17 @@ def test_stage3_trains_as_data_parallel(tmp_path, n, solver, rtol):
     peak, working = map(int, re.search(r"peak (\d+) bytes with the transient buckets' (\d+)",
                                        texts[1]).groups())
     assert working > 0 and peak == sum(_model_state(texts[1])) + working
+    # memory.json holds rank 0's start-up figures beside its resident bytes
+    # (benchmarks/sharded.py --rss sets the one against the other)
+    ranks = json.loads((runs[1] / "memory.json").read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(n))
+    assert ranks[0]["model_state"] == {
+        "weights": weights, "gradients": grads, "optimizer_state": _model_state(texts[1])[2],
+        "held": sum(_model_state(texts[1])), "working": working, "peak": peak}
+    assert all(r["model_state"]["held"] <= data_weights * 4 / n + 16 * buckets for r in ranks)
+    # the high-water mark after the last iteration, before the end's checkpoint
+    assert all(r["baseline_rss_bytes"] < r["loop_peak_rss_bytes"] <= r["peak_rss_bytes"]
+               for r in ranks)
 
 
 @pytest.mark.mpi

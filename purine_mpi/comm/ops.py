@@ -607,7 +607,10 @@ class Allgather(CollectiveKernel):
         # in place: the inputs are this rank's range of the gathered buffer
         self.in_place = b == a or (run is not None and _address(run) == _address(mine)
                                    and run.size == mine.size)
-        self.send = None if self.in_place else _Concat(ins, None, outs[0].dtype)
+        # the send buffer is the inputs' own storage where they tile a run of
+        # it (stage 3's weight shard, one blob): no copy held per gather
+        self.send = None if self.in_place else _Concat(
+            ins, _storage_of(self, self.op.inputs[0]) if ins else None, outs[0].dtype)
         self.mine = mine
         self.recv_stage = HostStage(self.recv.buffer)
         self.send_stage = None if self.in_place else HostStage(self.send.buffer)

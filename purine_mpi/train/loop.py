@@ -36,6 +36,7 @@ import os
 import time
 import uuid
 
+from ..base.rss import peak_rss_bytes
 from ..runtime.stop import StopSignal
 
 
@@ -109,6 +110,9 @@ class RunState:
     result: dict = dataclasses.field(default_factory=dict)
     early_stopped: object = None  # the iteration early stopping ended the run at
     last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
+    # the resident high-water mark after the last iteration, before the end's
+    # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
+    loop_peak_rss: object = None
 
 
 class Loop:
@@ -214,6 +218,7 @@ class Loop:
                     return {"stopped_by": st.stop.name, "iter": done}
             # the last evaluation and checkpoint (also after a resume past max_iter
             # into a folder without that run's latest.h5)
+            st.loop_peak_rss = peak_rss_bytes()
             st.result = {}
             self.emit("on_test", max_iter)
             self.emit("on_end")

@@ -232,11 +232,20 @@ def write_memory(trainer, baseline):
     """OUT/memory.json on rank 0: each rank's resident bytes before its
     graphs were built (``baseline_rss_bytes``), at their high-water mark
     (``peak_rss_bytes``) and the difference (``above_baseline_bytes``: what
-    ``plan``'s host total predicts). A gather over the trainer's world."""
+    ``plan``'s host total predicts), the high-water mark after the last
+    iteration, before the end's test pass and checkpoint
+    (``loop_peak_rss_bytes``: None when the run stopped early; a sharded
+    checkpoint gathers every rank's shards on rank 0) and the rank's model state from its
+    memory plan (``model_state``: ``Trainer.model_state``'s weights,
+    gradients, optimizer state, held, working and peak bytes, the start-up
+    line's figures), to set the measured bytes against the planned ones
+    (benchmarks/sharded.py ``--rss``). A gather over the trainer's world."""
     peak = peak_rss_bytes()
     mine = {"rank": trainer.world.rank, "baseline_rss_bytes": baseline,
             "peak_rss_bytes": peak,
-            "above_baseline_bytes": None if baseline is None else peak - baseline}
+            "above_baseline_bytes": None if baseline is None else peak - baseline,
+            "loop_peak_rss_bytes": trainer.state.loop_peak_rss,
+            "model_state": {k: int(v) for k, v in trainer.model_state().items()}}
     every = world_gather(trainer.world, mine, "the ranks' memory figures")
     if trainer.world.rank == 0:
         with open(os.path.join(trainer.out_dir, "memory.json"), "w") as f:

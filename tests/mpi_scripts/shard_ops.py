@@ -105,6 +105,10 @@ def check_ops(dtype, sizes, tiled, average, in_place=False):
     assert k["rs"].send.copies == (not tiled and len(sizes) > 1), (tiled, sizes)
     assert k["rs"].in_place == (in_place and hi > lo), (in_place, lo, hi)
     assert k["agz"].in_place and (not k["ag"].in_place or hi == lo)
+    # a blob of its own (stage 3's weight shard) is sent from where it lies:
+    # no copy of it held per gather
+    assert k["ag"].in_place or (not k["ag"].send.copies and
+                                np.shares_memory(k["ag"].send.buffer, ws.storage("x")))
     assert k["rs"].nbytes == total * np.dtype(dtype).itemsize == k["ag"].nbytes
     d.close()
 
