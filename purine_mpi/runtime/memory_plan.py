@@ -61,7 +61,11 @@ aligned offset (``HOST_ALIGN`` bytes on the host, ``ARENA_ALIGN`` on a GPU)
 where they overlap no unit already placed that
 they may not share with (the lowest such offset, or the tightest gap);
 three orders (largest first, first used first, longest lived first) times
-the two placements are tried and the smallest arena kept. The results are
+the two placements are tried and the smallest arena kept. Which units may
+not share is found once for the six (``_interference``): lifetimes that
+overlap in the schedule, an interval query, and of the others only the
+neighbours in the schedule, tested on windows of their bit sets; so the
+cost grows with the micro-batch copies, not their square. The results are
 bit-identical to one buffer per blob: every kernel writes the whole of its
 outputs before reading them, so a buffer's earlier contents never reach a
 result (as between iterations, which reuse every buffer already).
@@ -81,6 +85,7 @@ host's does between those of one thread: a stream runs its work in order
 anyway. ``memory_plan: false`` gives every root
 its own bytes of the arena, on the host and the devices alike.
 """
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -246,24 +251,25 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
             units[u] = unit + (unit_keys, cand[unit[5][0]][5])
-    reach = _ordered_before(units, len(order))
+    pairs = _interference(units, len(order), link)
     best = None
     for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
                 lambda u: (units[u][2], -units[u][4], u),           # first used first
                 lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
         for best_fit in (False, True):
-            offsets, total, edges = _colour(units, sorted(units, key=key), best_fit, link,
-                                            plan.align, reach)
+            offsets, total, edges = _colour(units, sorted(units, key=key), pairs, best_fit,
+                                            plan.align)
             if best is None or (total, len(edges)) < (best[1], len(best[2])):
                 best = (offsets, total, edges)
     offsets, plan.total_bytes, edges = best
-    for src, dst in edges:
+    for src, shift, dst in edges:
         for i in _bits(src):
-            for j in _bits(dst):
+            a = order[i + shift]
+            for j in dst:
                 w = graph.ops[order[j]]
-                if order[i] not in w.control_inputs:
-                    w.control_inputs.append(order[i])
-                    plan.edges.append((order[i], order[j]))
+                if a not in w.control_inputs:
+                    w.control_inputs.append(a)
+                    plan.edges.append((a, order[j]))
     for unit, members in ((u, units[u][5]) for u in units):
         for root in members:
             plan.offsets[root] = offsets[unit]
@@ -288,85 +294,185 @@ def _bits(mask):
         mask ^= low
 
 
-def _ordered_before(units, n_ops):
-    """{unit: (z, last)}, a test that spares ``_colour`` most pairs of units:
+def _windows(units, n_ops, link=None):
+    """{unit: (z, last, lo, touch, before, thread)}: each unit's bit sets cut
+    to the part of the schedule where the tests of ``_interference`` can
+    find anything, so that a test costs the span of the units it compares,
+    not the whole schedule (the bit sets of M micro-batch copies are M
+    times as long).
+
     ``last`` is the unit's last op in the schedule, ``z`` the first position
     in the schedule that holds an op touching some unit and not an ancestor
     of all the unit's writers (ancestors come before an op in the schedule,
-    so every unit-touching op before ``z`` is one). A unit p whose ``last``
-    is below u's ``z`` is therefore ordered before u (p's ops are all
-    ancestors of u's writers): the bit-set test of ``_colour`` would find
-    them ordered too, and only pairs with p's last >= u's z and u's last >=
-    p's z need it. Where the graph runs its parts one after another (the
-    copies of gradient accumulation) that leaves the units of a part and
-    its neighbours: the plan's cost grows with the copies, not their square."""
+    so every unit-touching op before ``z`` is one; ``z`` is at most the
+    unit's first writer). A unit p whose ``last`` is below u's ``z`` is
+    therefore ordered before u (p's ops are all ancestors of u's writers).
+
+    ``touch`` is the unit's ops from ``lo``, its first (bit i: position
+    lo + i); ``before`` the ancestors of all its writers from ``z`` to its
+    first writer (bit i: position z + i): the ops of p that are not
+    ancestors of all u's writers are p's ops from ``z`` on less u's
+    ``before`` (none below ``z`` is, every one from the first writer on
+    is). ``thread`` (with ``link``): the positions of the ops of the
+    unit's thread from ``z`` to its first writer, as ``before``; None
+    where its writers run on more than one thread or cannot take edges."""
     full = (1 << n_ops) - 1
     touched = 0
     for unit in units.values():
         touched |= unit[0]
     out = {}
     for u, unit in units.items():
-        y = (unit[1] & full) | (full & ~touched)
-        out[u] = ((~y & (y + 1)).bit_length() - 1, unit[0].bit_length() - 1)
+        touch, before, first = unit[0], unit[1], unit[2]
+        y = (before & full) | (full & ~touched)
+        z = (~y & (y + 1)).bit_length() - 1
+        lo = (touch & -touch).bit_length() - 1
+        width = (1 << (first - z)) - 1
+        key = unit[6] if link is not None else None
+        thread = None if key is None else (link["mask"][key] >> z) & width
+        out[u] = (z, touch.bit_length() - 1, lo, touch >> lo, (before >> z) & width, thread)
     return out
 
 
-def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN, reach=None):
+def _not_before(touch, lo, z, before):
+    """The ops of a unit (``touch`` from position ``lo``) that are not
+    ancestors of all another unit's writers (its ``_windows`` ``z`` and
+    ``before``), as a bit set from position ``z``."""
+    t = touch << (lo - z) if lo >= z else touch >> (z - lo)
+    return t & ~before
+
+
+@dataclass
+class _Pairs:
+    """Which units may not share bytes (``_interference``), by index."""
+
+    index: dict        # {unit: i}
+    windows: list      # [_windows of unit i]
+    first: object      # np.int64 arrays by i: the units' lifetimes
+    last: object
+    by_first: object   # by_first, first_sorted, last_by_first: the units
+    first_sorted: object   # whose lifetimes are at most ``span`` long, by first op
+    last_by_first: object
+    span: int
+    long: object       # the other units' indices
+    ptr: object        # the pairs of disjoint lifetimes not ordered, CSR:
+    other: object      # unit i's are other[ptr[i]:ptr[i + 1]], and
+    soft: object       # soft[...]: control edges may order them
+    writers: list      # [positions of unit i's writers]: where edges go
+
+
+def _interference(units, n_ops, link=None):
+    """The pairs of units whose bytes may not meet, once for the six
+    colourings. Two units whose lifetimes overlap in the schedule are
+    never ordered (each has an op at or after the other's first writer,
+    which no ancestor of that writer is) and control edges cannot order
+    them either (the ops to move are not all before the writer): an
+    interval-overlap query on the lifetimes. Of two units with disjoint
+    lifetimes, p ending before u's first writer, the graph orders p before
+    u when every op of p is an ancestor of all u's writers (tested on the
+    ``_windows``: only the p ending at or after u's ``z`` need it); if not,
+    with ``link`` (``order_ops``), control edges may: when those ops of p
+    all run on u's thread. The cost: the pairs of neighbouring units, not
+    of all units (M micro-batch copies run one after another: M times the
+    pairs of one copy and its neighbours, not M squared)."""
+    names = list(units)
+    reach = _windows(units, n_ops, link)
+    win = [reach[u] for u in names]
+    first = np.array([units[u][2] for u in names], dtype=np.int64)
+    last = np.array([w[1] for w in win], dtype=np.int64)
+    length = last - first
+    # short: up to the 95th percentile, which the lifetimes of one copy set
+    span = int(np.percentile(length, 95)) if len(names) else 0
+    short = np.flatnonzero(length <= span)
+    by_first = short[np.argsort(first[short], kind="stable")]
+    # the disjoint pairs: for each u, the p whose last op is in [z of u, first of u)
+    by_last = np.argsort(last, kind="stable")
+    last_sorted = last[by_last]
+    z = np.array([w[0] for w in win], dtype=np.int64)
+    lo_at = np.searchsorted(last_sorted, z, "left")
+    hi_at = np.searchsorted(last_sorted, first, "left")
+    pi, pj, ps = array("l"), array("l"), array("b")   # each pair once
+    for i, w in enumerate(win):
+        zi, _, _, _, before, thread = w
+        for j in by_last[lo_at[i]:hi_at[i]].tolist():
+            wj = win[j]
+            late = _not_before(wj[3], wj[2], zi, before)
+            if late:
+                pi.append(i)
+                pj.append(j)
+                ps.append(thread is not None and not late & ~thread)
+    mine = np.frombuffer(pi, dtype=np.int64) if pi else np.zeros(0, np.int64)
+    theirs = np.frombuffer(pj, dtype=np.int64) if pj else np.zeros(0, np.int64)
+    soft = np.frombuffer(ps, dtype=np.int8).astype(bool) if ps else np.zeros(0, bool)
+    by_unit = np.argsort(np.concatenate((mine, theirs)), kind="stable")
+    ptr = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(np.concatenate((mine, theirs)), minlength=len(names)), out=ptr[1:])
+    other = np.concatenate((theirs, mine))[by_unit]
+    soft = np.concatenate((soft, soft))[by_unit]
+    return _Pairs(index={u: i for i, u in enumerate(names)}, windows=win, first=first,
+                  last=last, by_first=by_first, first_sorted=first[by_first],
+                  last_by_first=last[by_first], span=span,
+                  long=np.flatnonzero(length > span), ptr=ptr, other=other, soft=soft,
+                  writers=[list(_bits(units[u][7])) if link is not None else [] for u in names])
+
+
+def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     """Greedy interval colouring: each unit, in ``order``, at an aligned
     offset where it overlaps no unit placed before it that it may not share
-    with: the lowest such offset, or with ``best_fit`` the smallest free gap
-    that holds it (the end, if none does). Two units may share when the
-    graph orders one before the other, or -- with ``link`` (``order_ops``)
-    -- when control edges can: the ops of one not yet before the other's
-    first writers all precede them in the schedule and run on their thread.
-    ``reach`` (``_ordered_before``): the pairs it finds ordered are skipped
-    untested (the same plan, sooner).
-    Returns ({unit: offset}, total bytes, [(source ops, target ops)] as
-    bit sets of the edges to add)."""
-    placed, offsets, total, edges = [], {}, 0, []
-    reach = reach or _ordered_before(units, max(max(u[0].bit_length(), 1)
-                                                for u in units.values()) if units else 1)
-    z_of = np.empty(len(order), dtype=np.int64)    # of the units placed, in order
-    last_of = np.empty(len(order), dtype=np.int64)
-    for unit in order:
-        touch, before, first, _, nbytes, _ = units[unit][:6]
-        size = _aligned(nbytes, align)
-        busy, soft = [], []
-        z, last = reach[unit]
-        n = len(placed)
-        maybe = np.flatnonzero((last_of[:n] >= z) & (z_of[:n] <= last))
-        z_of[n], last_of[n] = z, last
-        for i in maybe.tolist():
-            off, end, t, b, p_first, p_key, p_writers = placed[i]
-            late, early = t & ~before, touch & ~b  # ops that break "p before u", "u before p"
-            if not late or not early:
-                continue  # ordered already
-            if link is not None:
-                key, writers = units[unit][6], units[unit][7]
-                if key is not None and late.bit_length() <= first and \
-                        not late & ~link["mask"][key]:
-                    soft.append((off, end, late, writers))
-                    continue
-                if p_key is not None and early.bit_length() <= p_first and \
-                        not early & ~link["mask"][p_key]:
-                    soft.append((off, end, early, p_writers))
-                    continue
-            busy.append((off, end))
-        busy.sort()
-        offset, at, gap = None, 0, None
-        for off, end in busy:
-            if off - at >= size and (gap is None or (best_fit and off - at < gap)):
-                offset, gap = at, off - at
-                if not best_fit:
-                    break
-            at = max(at, end)
-        if offset is None:
-            offset = at
-        for off, end, src, dst in soft:
-            if off < offset + size and offset < end:
-                edges.append((src, dst))
-        key_writers = units[unit][6:8] if link is not None else (None, 0)
-        placed.append((offset, offset + size, touch, before, first) + tuple(key_writers))
+    with (``pairs``, ``_interference``): the lowest such offset, or with
+    ``best_fit`` the smallest free gap that holds it (the end, if none
+    does). Two units may share when the graph orders one before the other,
+    or -- with ``link`` (``order_ops``) -- when control edges can: the ops
+    of one not yet before the other's first writers all precede them in
+    the schedule and run on their thread (they get the edges when their
+    bytes meet).
+    Returns ({unit: offset}, total bytes, [(source ops, shift, target ops)]:
+    the edges to add, from the ops of the bit set shifted by ``shift``
+    positions to the target positions)."""
+    offsets, total, edges = {}, 0, []
+    n = len(pairs.index)
+    where = np.full(n, -1, dtype=np.int64)      # placement index, -1: not yet placed
+    off_of = np.zeros(n, dtype=np.int64)
+    end_of = np.zeros(n, dtype=np.int64)
+    win, first, last = pairs.windows, pairs.first, pairs.last
+    for k, unit in enumerate(order):
+        i = pairs.index[unit]
+        size = _aligned(units[unit][4], align)
+        f, l_ = first[i], last[i]
+        # lifetimes that overlap: the short units by first op, then the long ones
+        a = np.searchsorted(pairs.first_sorted, f - pairs.span, "left")
+        b = np.searchsorted(pairs.first_sorted, l_, "right")
+        near = pairs.by_first[a:b][pairs.last_by_first[a:b] >= f]
+        other = pairs.other[pairs.ptr[i]:pairs.ptr[i + 1]]
+        soft = pairs.soft[pairs.ptr[i]:pairs.ptr[i + 1]]
+        busy = (near, other[~soft])
+        if len(pairs.long):
+            busy += (pairs.long[(first[pairs.long] <= l_) & (last[pairs.long] >= f)],)
+        busy = np.concatenate(busy)
+        busy = busy[where[busy] >= 0]
+        offset = 0
+        if len(busy):
+            s = np.lexsort((end_of[busy], off_of[busy]))
+            o, e = off_of[busy][s], end_of[busy][s]
+            run = np.maximum.accumulate(e)
+            at = np.concatenate(([0], run[:-1]))
+            gaps = o - at
+            fits = gaps >= size
+            if not fits.any():
+                offset = int(run[-1])
+            elif best_fit:
+                offset = int(at[np.argmin(np.where(fits, gaps, np.iinfo(np.int64).max))])
+            else:
+                offset = int(at[np.argmax(fits)])
+        other = other[soft]
+        other = other[where[other] >= 0]
+        meet = other[(off_of[other] < offset + size) & (offset < end_of[other])]
+        for j in meet[np.argsort(where[meet], kind="stable")].tolist():
+            (zi, _, lo, touch, before, _), (zj, _, lj, tj, bj, _) = win[i], win[j]
+            if last[j] < f:  # j before i: j's ops into i's writers
+                edges.append((_not_before(tj, lj, zi, before), zi, pairs.writers[i]))
+            else:
+                edges.append((_not_before(touch, lo, zj, bj), zj, pairs.writers[j]))
+        where[i], off_of[i], end_of[i] = k, offset, offset + size
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
