@@ -232,8 +232,16 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
     units = _in_place_units(graph, cand, order, pos, anc, get_kernel_class, plan)
     link = None
     if order_ops:
-        # ops that may get a control edge: compute ops, by (location, thread)
-        link = {"key": {}, "mask": {}}
+        # ops that may get a control edge: compute ops, by (location, thread);
+        # "waits": the point-to-point transfers (Send/Recv, window ops) each
+        # one waits for, which the edge's target must
+        # already wait for (``_colour``)
+        from ..comm.ops import is_point_to_point
+        link = {"key": {}, "mask": {}, "waits": {}}
+        p2p = 0
+        for n in order:
+            if is_point_to_point(graph.ops[n]):
+                p2p |= 1 << pos[n]
         for n in order:
             op = graph.ops[n]
             if get_kernel_class(op.op_type, n).category == "comm" or n in tail or \
@@ -242,6 +250,8 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             k = (op.location, str(op.thread))
             link["key"][n] = k
             link["mask"][k] = link["mask"].get(k, 0) | (1 << pos[n])
+            if anc[n] & p2p:
+                link["waits"][pos[n]] = anc[n] & p2p
         for u, unit in units.items():
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
@@ -318,7 +328,10 @@ def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN, reach=Non
     that holds it (the end, if none does). Two units may share when the
     graph orders one before the other, or -- with ``link`` (``order_ops``)
     -- when control edges can: the ops of one not yet before the other's
-    first writers all precede them in the schedule and run on their thread.
+    first writers all precede them in the schedule and run on their thread,
+    and wait for no point-to-point transfer the writers do not already
+    wait for (a Recv behind them may wait, on another rank, for a Send
+    behind the writers: a pipeline's stage would wait for itself).
     ``reach`` (``_ordered_before``): the pairs it finds ordered are skipped
     untested (the same plan, sooner).
     Returns ({unit: offset}, total bytes, [(source ops, target ops)] as
@@ -344,11 +357,11 @@ def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN, reach=Non
             if link is not None:
                 key, writers = units[unit][6], units[unit][7]
                 if key is not None and late.bit_length() <= first and \
-                        not late & ~link["mask"][key]:
+                        not late & ~link["mask"][key] and not _waits(link, late) & ~before:
                     soft.append((off, end, late, writers))
                     continue
                 if p_key is not None and early.bit_length() <= p_first and \
-                        not early & ~link["mask"][p_key]:
+                        not early & ~link["mask"][p_key] and not _waits(link, early) & ~b:
                     soft.append((off, end, early, p_writers))
                     continue
             busy.append((off, end))
@@ -370,6 +383,17 @@ def _colour(units, order, best_fit=False, link=None, align=HOST_ALIGN, reach=Non
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
+
+
+def _waits(link, ops):
+    """The point-to-point transfers the ops of bit set ``ops`` wait for
+    (bit set; 0 without any in the graph)."""
+    waits = link["waits"]
+    out = 0
+    if waits:
+        for i in _bits(ops):
+            out |= waits.get(i, 0)
+    return out
 
 
 def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):
