@@ -185,6 +185,7 @@ def _raw(**parallel):
     ({"mode": "sync_ps"}, {}, "parallel.mode"),
     ({"scheme": "pipeline", "stages": {"fc": 0, "loss": 1}}, {}, "parallel.scheme"),
     ({"scheme": "tensor", "tensor_parallel": 2}, {}, "parallel.scheme"),
+    ({"scheme": "sharded", "stages": {"fc": 0, "loss": 1}}, {}, "parallel.stages"),
     ({"backend": "mpi"}, {"device": 0}, "parallel.backend"),
 ])
 def test_combinations_not_built_are_refused_naming_the_key(parallel, top, key):

@@ -157,7 +157,7 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
     ({"parallel": {"backend": "nccl"}}, "parallel.backend", "nccl"),
     ({"parallel": {"mode": "sync_ps"}}, "parallel.mode", "parameter servers"),
     ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
-    ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "pipeline"),
+    ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "have no stage"),
     ({"device": 0}, "parallel.backend", "runs its collectives through NCCL"),
     ({"parallel": {"shard": 3, "transport": "one_sided", "backend": "nccl"}},
      "parallel.transport", "one_sided with backend nccl"),

@@ -93,6 +93,12 @@ def is_collective(op):
     return op.op_type in _COLLECTIVES
 
 
+def is_point_to_point(op):
+    """A transfer with one peer (Send/Recv, the window ops): what it waits
+    for is another rank's graph, which no pass on this rank's sees."""
+    return op.op_type in _POINT_TO_POINT
+
+
 #: ops whose data are their outputs (what they receive), not their inputs
 _RECEIVING = ("Recv", "WaitWrite", "Allgather")
 

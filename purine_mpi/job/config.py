@@ -317,6 +317,8 @@ def _grad_dtype_rules(out, path):
                 f"mode {par['mode']} (parameter servers)"),
                ("parallel.transport", par["transport"] == "one_sided",
                 "transport one_sided (its windows sum float32)"),
+               ("parallel.stages", par["scheme"] == "sharded" and bool(par["stages"]),
+                "scheme sharded with pipeline stages (not built yet)"),
                ("parallel.backend", gpu and par["backend"] == "mpi",
                 "backend mpi on a GPU (its host staging moves float32; use backend nccl)")]
     for key, bad, what in refused:
@@ -415,8 +417,17 @@ def _check_sharded(out, path):
     if par["scheme"] != "sharded":
         return
     why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
-           "(transport two_sided, no gradient clipping)")
+           "(transport two_sided, no gradient clipping), and with parallel.stages stages 1 "
+           "and 2 on MPI on the CPU")
     nccl = par["backend"] == "nccl"
+    if par["stages"] and par["shard"] == 3:
+        # stage 3 gathers a bucket's weights before its forward and backward
+        # readers of one whole net; a pipeline stage's slice, its test graph
+        # and its checkpoint join are not built for it
+        raise ConfigError(path, "parallel.shard", "shard 3 with parallel.stages (pipeline "
+                          "stages) is refused: each stage's replicas shard its optimizer "
+                          "state (shard 1) and gradients (shard 2), not its weights; use "
+                          "shard 1 or 2, or drop parallel.stages")
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
@@ -427,7 +438,8 @@ def _check_sharded(out, path):
                ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,
                 "clip_gradients with backend nccl (its allreduce of the shards' norms runs "
                 "on MPI)"),
-               ("parallel.stages", bool(par["stages"]), "pipeline stages"),
+               ("parallel.backend", nccl and bool(par["stages"]), "backend nccl with "
+                "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
                ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]
     for key, bad, what in refused:
         if bad:
@@ -456,7 +468,7 @@ def _check_pipeline(out, path):
         if micro > 1:
             raise ConfigError(path, "parallel.micro_batches", "scheme tensor takes no "
                               f"micro-batches (got {micro}); use 1")
-    if scheme not in ("pipeline", "hybrid"):
+    if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
         return
     if par["mode"] != "sync":
         raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
@@ -480,10 +492,11 @@ def _check_pipeline(out, path):
     if empty:
         raise ConfigError(path, "parallel.stages", f"stage(s) {', '.join(map(str, empty))} "
                           f"have no layers; number the stages 0..{count - 1 - len(empty)}")
-    if scheme == "hybrid" and count < 2:
-        raise ConfigError(path, "parallel.stages", "scheme hybrid needs at least 2 stages "
-                          "(replicas x stages), but every layer is on stage 0; with one stage "
-                          "use scheme: data")
+    if scheme in ("hybrid", "sharded") and count < 2:
+        alone = "use scheme: data" if scheme == "hybrid" else "drop parallel.stages"
+        raise ConfigError(path, "parallel.stages", f"scheme {scheme} with stages needs at least "
+                          "2 stages (replicas x stages), but every layer is on stage 0; with "
+                          f"one stage {alone}")
 
 
 _STRUCTURE = {"net": _check_net, "graph": _check_graph}

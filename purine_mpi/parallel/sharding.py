@@ -273,8 +273,13 @@ def bound_live_buckets(graph, plan, depth=1):
     order: the gradients' ready order), so the memory plan can give bucket
     k's bytes to bucket k + 1 + depth. A writer the reduce-scatter already
     depends on (an earlier micro-batch's backward: every bucket accumulates
-    across the micro-batches) gets no edge: no cycle. Returns the edges
-    added, [(reduce-scatter, writer)]."""
+    across the micro-batches) gets no edge: no cycle. Nor does a writer
+    that would wait, through the reduce-scatter, for a point-to-point
+    transfer (a pipeline stage's Recv) it does not wait for already: what
+    that transfer waits for on the other rank may be behind the writer
+    (scheme sharded with stages; the bound is then looser). Returns the
+    edges added, [(reduce-scatter, writer)]."""
+    from ..comm.ops import is_point_to_point
     depth = max(int(depth), 0)
     writers = {}
     for op in graph.ops.values():
@@ -284,18 +289,26 @@ def bound_live_buckets(graph, plan, depth=1):
     for j in range(1 + depth, len(plan)):
         rs = plan[j - 1 - depth]["reduce_scatter"]
         deps = graph.dependencies()
-        before, stack = set(), [rs]  # the reduce-scatter's ancestors
-        while stack:
-            for d in deps[stack.pop()]:
-                if d not in before:
-                    before.add(d)
-                    stack.append(d)
+        before = _ancestors(deps, rs)
+        waits = {d for d in before if is_point_to_point(graph.ops[d])}
         for op in writers.get(plan[j]["name"], ()):
-            if op.name not in before and rs not in op.control_inputs:
+            if op.name not in before and rs not in op.control_inputs and \
+                    not (waits and waits - _ancestors(deps, op.name)):
                 op.control_inputs.append(rs)
                 added.append((rs, op.name))
     graph.topo_order()  # no cycle
     return added
+
+
+def _ancestors(deps, name):
+    """The ops ``name`` waits for (data and control edges, transitively)."""
+    out, stack = set(), [name]
+    while stack:
+        for d in deps[stack.pop()]:
+            if d not in out:
+                out.add(d)
+                stack.append(d)
+    return out
 
 
 #: the kind of the views of a bucket's weights gathered for the backward

@@ -237,8 +237,16 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
     units = _in_place_units(graph, cand, order, pos, anc, get_kernel_class, plan)
     link = None
     if order_ops:
-        # ops that may get a control edge: compute ops, by (location, thread)
-        link = {"key": {}, "mask": {}}
+        # ops that may get a control edge: compute ops, by (location, thread);
+        # "waits": the point-to-point transfers (Send/Recv, window ops) each
+        # one waits for, which the edge's target must
+        # already wait for (``_colour``)
+        from ..comm.ops import is_point_to_point
+        link = {"key": {}, "mask": {}, "waits": {}}
+        p2p = 0
+        for n in order:
+            if is_point_to_point(graph.ops[n]):
+                p2p |= 1 << pos[n]
         for n in order:
             op = graph.ops[n]
             if get_kernel_class(op.op_type, n).category == "comm" or n in tail or \
@@ -247,6 +255,8 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             k = (op.location, str(op.thread))
             link["key"][n] = k
             link["mask"][k] = link["mask"].get(k, 0) | (1 << pos[n])
+            if anc[n] & p2p:
+                link["waits"][pos[n]] = anc[n] & p2p
         for u, unit in units.items():
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
@@ -399,7 +409,13 @@ def _interference(units, n_ops, link=None):
             if late:
                 pi.append(i)
                 pj.append(j)
-                ps.append(thread is not None and not late & ~thread)
+                # control edges may order them when the late ops run on u's
+                # thread and wait for no point-to-point transfer u's writers
+                # do not already wait for (a Recv behind them may wait, on
+                # another rank, for a Send behind the writers: a pipeline's
+                # stage would wait for itself)
+                ps.append(thread is not None and not late & ~thread and
+                          not _waits(link, late << zi) & ~units[names[i]][1])
     mine = np.frombuffer(pi, dtype=np.int64) if pi else np.zeros(0, np.int64)
     theirs = np.frombuffer(pj, dtype=np.int64) if pj else np.zeros(0, np.int64)
     soft = np.frombuffer(ps, dtype=np.int8).astype(bool) if ps else np.zeros(0, bool)
@@ -423,8 +439,9 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
     does). Two units may share when the graph orders one before the other,
     or -- with ``link`` (``order_ops``) -- when control edges can: the ops
     of one not yet before the other's first writers all precede them in
-    the schedule and run on their thread (they get the edges when their
-    bytes meet).
+    the schedule, run on their thread and wait for no point-to-point
+    transfer the writers do not already wait for (they get the edges when
+    their bytes meet).
     Returns ({unit: offset}, total bytes, [(source ops, shift, target ops)]:
     the edges to add, from the ops of the bit set shifted by ``shift``
     positions to the target positions)."""
@@ -476,6 +493,17 @@ def _colour(units, order, pairs, best_fit=False, align=HOST_ALIGN):
         offsets[unit] = offset
         total = max(total, offset + size)
     return offsets, total, edges
+
+
+def _waits(link, ops):
+    """The point-to-point transfers the ops of bit set ``ops`` wait for
+    (bit set; 0 without any in the graph)."""
+    waits = link["waits"]
+    out = 0
+    if waits:
+        for i in _bits(ops):
+            out |= waits.get(i, 0)
+    return out
 
 
 def _in_place_units(graph, cand, order, pos, anc, kernel_class, plan):

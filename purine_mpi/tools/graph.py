@@ -216,7 +216,10 @@ def shard_lines(job, graph):
         return f"held between iterations ({why})"
 
     shards, shard = int(ops[0].attrs["shards"]), int(ops[0].attrs["shard"])
-    lines = [f"sharded buckets (rank {shard}'s shard of {shards}; shard r of a bucket of n "
+    group = ops[0].attrs.get("group")  # scheme sharded with stages: the stage's ranks
+    whose = f"rank {shard}'s shard of {shards}" if group is None else \
+        f"shard {shard} of {shards}, over ranks {list(group)}"
+    lines = [f"sharded buckets ({whose}; shard r of a bucket of n "
              "elements is [r*c, min(n, (r+1)*c)), c = ceil(n/N)):"]
     for op in ops:
         data = data_blobs(op)

@@ -14,10 +14,11 @@ class Hybrid(Pipeline):
     def check_world(self, job, size, count):
         path = job.path
         if count < 2:
-            raise UserError(f"{path}: key 'parallel.stages': scheme hybrid needs at least 2 "
-                            f"stages, got {count}; with one stage use scheme: data")
+            raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} needs "
+                            f"at least 2 stages, got {count}; with one stage use scheme: data")
         if size % count:
-            raise UserError(f"{path}: key 'parallel.stages': scheme hybrid runs replicas x "
+            raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} runs "
+                            "replicas x "
                             f"{count} stages, but the world size {size} is not a "
                             f"multiple of the {count} stage(s); start a multiple of {count} "
                             "ranks or change the stages")

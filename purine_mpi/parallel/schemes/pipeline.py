@@ -72,9 +72,14 @@ class Pipeline(Scheme):
 
     # ---- reporting
     def scheme_lines(self, trainer, composition):
+        return [("scheme", self.describe(composition.layout))] + \
+            Scheme.scheme_lines(self, trainer, composition) + \
+            self.stage_lines(composition.layout, trainer.job)
+
+    def stage_lines(self, lay, job):
+        """The start-up block's row of each stage: its ranks and layers."""
         from .base import counted as _count, ranks_word as _ranks_word
-        lay, job = composition.layout, trainer.job
-        out = [("scheme", self.describe(lay))] + Scheme.scheme_lines(self, trainer, composition)
+        out = []
         stages, layers = job.stage_map, job.layer_names
         for s in range(lay.stages):
             names = [n for n in layers if stages.get(n) == s]

@@ -25,20 +25,35 @@ On GPUs (``device >= 0``) with ``parallel.backend: nccl``, every stage:
 parallel/nccl_backend.use_nccl turns the reduce-scatters and gathers into
 NcclReduceScatter and NcclAllgather (comm/nccl.py), on the device's one
 ``nccl`` stream in ``seq`` order, captured with the rest of the iteration.
+With ``parallel.stages`` (stages 1 and 2, on the CPU): R replicas x p
+pipeline stages as scheme hybrid lays them out (rank = replica * p + stage,
+this class is a ``Hybrid``), each replica a pipeline on its share of the
+batch; instead of hybrid's allreduce, each stage's slice gets the same
+rewrite (``compose_zero1`` over the stage's R ranks, its shard the rank's
+replica) with every ReduceScatter and Allgather on the stage's
+sub-communicator (``group``: ``Layout.stage_ranks``, the one hybrid's
+allreduce uses). A checkpoint joins each parameter's state pieces in world
+order (a stage's ranks in replica order: its shards' order), so the file is
+hybrid's and data parallelism's.
+
 A GPU with another backend (more than one rank), NCCL with the one-sided
-transport or with ``solver.clip_gradients``, the one-sided transport of
-stages 1 and 2 and combinations with other schemes are refused (the config
-rules, job/config.py's ``_check_sharded``; the GPU by ``compose``).
+transport, with ``solver.clip_gradients`` or with stages, the one-sided
+transport of stages 1 and 2, stage 3 with stages and combinations with
+other schemes are refused (the config rules, job/config.py's
+``_check_sharded``; the GPU by ``compose``).
 """
 import numpy as np
 
 from ...base.errors import GraphError, UserError
 from .base import BUCKET_KEYS, Composition, Scheme, counted, ranges, register_scheme
+from .hybrid import Hybrid
+from .pipeline import Pipeline
 
 
 @register_scheme("sharded")
-class Sharded(Scheme):
-    keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport")
+class Sharded(Hybrid):
+    keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport", "stages",
+                          "schedule")
     #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
     one_sided = True
     #: the deferred tail knows allreduce buckets only
@@ -49,38 +64,58 @@ class Sharded(Scheme):
     gpu = True
     nccl = True
 
+    def layout(self, job, world):
+        """Hybrid's R replicas x p stages with ``parallel.stages``, else one
+        replica per rank."""
+        if job.parallel.stages:
+            return Pipeline.layout(self, job, world)
+        return Scheme.layout(self, job, world)
+
     def compose(self, graph, grads, job, world):
-        """Micro-batches accumulated, then the stage-1 rewrite (one rank: the
-        replica as built); ``solver.clip_gradients`` by one allreduce of the
-        shards' sums of squares (``_clip``)."""
-        from .steps import accumulate, clipped
+        """Micro-batches accumulated (with stages: this rank's slice, its
+        micro-batches scheduled), then the stage-1 rewrite over the replicas
+        (one rank: the replica as built); ``solver.clip_gradients`` by one
+        allreduce of the shards' sums of squares over every rank (``_clip``)."""
+        from .steps import accumulate, clipped, compose_stages, micro_copies
         par = job.parallel
-        if job.device >= 0 and par.backend != "nccl":
+        if job.device >= 0 and (par.backend != "nccl" or par.stages):
             # --device given on the command line, past the config rules: the
             # collectives of a GPU run through NCCL, inside the captured iteration
+            # (with stages: refused, the stages' groups reduce on MPI)
             raise UserError(f"{job.path}: key 'parallel.backend': scheme sharded on GPU "
                             f"{job.device} runs its collectives through NCCL, not "
-                            f"{par.backend}; use parallel.backend: nccl (or device: -1)")
-        accumulate(graph, grads, job)
+                            f"{par.backend}; use parallel.backend: nccl (or device: -1)"
+                            if not par.stages else
+                            f"{job.path}: key 'parallel.stages': scheme sharded with stages "
+                            f"runs on the CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
-        if world.size == 1:
-            return clipped(Composition(graph.validate(), lay), job, world)
+        if lay.staged:
+            comp = compose_stages(graph, job, world, micro_copies(graph, grads, job))
+            graph = comp.graph
+        else:
+            accumulate(graph, grads, job)
+            if world.size == 1:
+                return clipped(Composition(graph.validate(), lay), job, world)
+            comp = Composition(graph, lay)
         from ..sharding import compose_zero1
         settings = par.bucket_settings()
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
-        plan = compose_zero1(graph, grads, world.size, world.rank, stage=par.shard,
+        plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), **settings)
-        # stage 3, parallel.transport one_sided, one node: one shared copy
-        from ..zero3_windows import to_shared_weights
-        windows, transport, placed = to_shared_weights(graph, plan, job, world)
+        if lay.staged:
+            _on_stage_group(graph, plan, lay, world)
+        else:
+            # stage 3, parallel.transport one_sided, one node: one shared copy
+            from ..zero3_windows import to_shared_weights
+            comp.windows, comp.transport, comp.window_placement = \
+                to_shared_weights(graph, plan, job, world)
         # never deferred (``deferrable``): the memory plan must not keep the
         # deferred tail's blobs (under SGD it reached the full buckets)
         graph.deferrable = False
         graph.infer_shapes().validate()
-        comp = Composition(graph, lay, shard_plan=plan, transport=transport, windows=windows,
-                           window_placement=placed)
+        comp.shard_plan = plan
         if job.solver.clip_gradients is not None:
             _clip(comp, job.solver.clip_gradients, world.size)
         if par.check_collectives:
@@ -92,6 +127,9 @@ class Sharded(Scheme):
         return None
 
     def one_rank_notes(self, job, note, changed):
+        if job.parallel.stages:
+            Pipeline.one_rank_notes(self, job, note, changed)
+            return
         note(["scheme"], "sharded has no effect on 1 rank: the one rank holds the whole model "
              "state")
 
@@ -99,7 +137,8 @@ class Sharded(Scheme):
     def scheme_lines(self, trainer, composition):
         from ...base.progress_bar import human_bytes
         plan = composition.shard_plan or []
-        n = trainer.world.size
+        lay = composition.layout
+        n = lay.replicas
         held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
         stage = trainer.job.parallel.shard
         grads = "; the full gradient buckets are transient (freed after their reduce-scatter)"
@@ -112,40 +151,80 @@ class Sharded(Scheme):
             what = (f" in place{grads}; each bucket's weights are one shared window of the "
                     "node (one copy, read in place by every rank), synchronised before its "
                     "readers and before the updates")
-        return [("scheme", f"sharded (ZeRO stage {stage}): ranks {ranges(range(n))} are "
-                 f"data-parallel replicas; gradients reduce-scattered in "
+        who = f"ranks {ranges(range(n))} are data-parallel replicas; gradients reduce-scattered"
+        if lay.staged:
+            who = (f"{lay.replicas} replicas x {lay.stages} stages (rank = replica x "
+                   f"{lay.stages} + stage); each stage's gradients reduce-scattered over its "
+                   f"{n} ranks (this rank's: {ranges(lay.stage_ranks())})")
+        rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
-                 f"bucket{what}"),
+                 f"bucket{' of its stage' if lay.staged else ''}{what}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
                  f"({held['weights']} + {held['gradients']} + {held['optimizer_state']} bytes "
                  f"held; peak {held['peak']} bytes with the transient buckets' "
-                 f"{held['working']})")] + super().scheme_lines(trainer, composition)
+                 f"{held['working']})")] + Scheme.scheme_lines(self, trainer, composition)
+        return rows + (self.stage_lines(lay, trainer.job) if lay.staged else [])
 
     def graph_notes(self, lay, rank):
+        if lay.staged:
+            return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): rank {rank} "
+                    f"holds shard {lay.replica} of {lay.replicas} of every bucket's optimizer "
+                    f"state of this stage, reduce-scattered and gathered over ranks "
+                    f"{lay.stage_ranks()} (this stage)")
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
                 f"{lay.replicas} of every bucket's optimizer state")
 
     # ---- checkpoints: whole blobs on file
     def gathers_checkpoint(self, graphs):
-        return bool(_plan(graphs))
+        # the same answer on every rank (a stage without buckets too): collective
+        return graphs.layout.staged or bool(_plan(graphs))
 
     def held_solver_state(self, graphs, ws):
+        """{param: {state: 1-D piece}}: each parameter's part of this rank's
+        shard of every bucket's state (the shard's range of its flattened
+        state; a parameter outside the shard has none)."""
         from ...base.backend import to_numpy
-        return {s: to_numpy(ws[s]) for entry in _plan(graphs) for s in entry["states"]}
+        out = {}
+        for entry in _plan(graphs):
+            lo, hi = entry["shard"]
+            for flat, state in _states(entry):
+                arr = to_numpy(ws[flat])
+                for p, off in zip(entry["params"], entry["offsets"]):
+                    a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
+                    if a < b:
+                        out.setdefault(p, {})[state] = np.array(arr[a - lo:b - lo])
+        return out
 
     def join_checkpoint(self, graphs, parts):
-        """Rank 0's weights; each bucket's state shards joined in rank order
-        and cut into every parameter's whole state."""
-        params, saved = _join_weights(graphs, [part[0] for part in parts]), {}
-        for entry in _plan(graphs):
-            for flat, state in _states(entry):
-                whole = np.concatenate([part[1][flat] for part in parts])
-                for p, off in zip(entry["params"], entry["offsets"]):
-                    shape = graphs.graph.blobs[p].shape
-                    size = int(np.prod(shape, dtype=np.int64))
-                    saved.setdefault(p, {})[state] = whole[off:off + size].reshape(shape).copy()
+        """The weights: stage 3's bucket shards joined, else each parameter's
+        first holder in world order (rank 0; with stages, replica 0's stage
+        ranks). The state: each parameter's pieces (``held_solver_state``)
+        joined in world order -- a stage's ranks in replica order, the order
+        of its shards -- and cut into the weight's shape; a piece already
+        the whole is taken as it is (a parameter inside one shard)."""
+        params = _join_weights(graphs, [part[0] for part in parts]) if _zero3(graphs) else {}
+        if not params:
+            for part in parts:
+                for p, value in part[0].items():
+                    params.setdefault(p, value)
+        pieces = {}
+        for part in parts:
+            for p, states in part[1].items():
+                for state, value in states.items():
+                    pieces.setdefault(p, {}).setdefault(state, []).append(np.asarray(value))
+        saved = {}
+        for p, states in pieces.items():
+            shape = np.shape(params[p])
+            size = int(np.prod(shape, dtype=np.int64))
+            for state, got in states.items():
+                whole = got[0] if got[0].size == size else np.concatenate(
+                    [x.ravel() for x in got])
+                if whole.size != size:
+                    raise GraphError(f"the state '{state}' of '{p}' joins to {whole.size} "
+                                     f"elements from the ranks' shards, the weight has {size}")
+                saved.setdefault(p, {})[state] = whole.reshape(shape)
         return params, saved
 
     # ---- stage 3: the weights held as each bucket's shard
@@ -247,6 +326,24 @@ def _states(entry):
     """(flat state blob, solver state name) of a bucket: ``<weights>.shard.<state>``."""
     prefix = f"{entry['weights']}.shard."
     return [(flat, flat[len(prefix):]) for flat in entry["states"]]
+
+
+def _on_stage_group(graph, plan, lay, world):
+    """Scheme sharded with stages: the plan's ReduceScatter and Allgather
+    ops on this stage's sub-communicator (the ranks ``lay.stage_ranks()``,
+    made at start-up as hybrid's allreduce makes it: ``split_groups``, one
+    group per stage), every op placed back on this rank (compose_zero1
+    placed the replica's slice on its shard index)."""
+    from ..data_parallel import place_on_rank
+    group = list(lay.stage_ranks())
+    for entry in plan:
+        for op in [entry["reduce_scatter"], entry["allgather"]]:
+            graph.ops[op].attrs["group"] = list(group)
+        entry["group"] = list(group)
+    place_on_rank(graph, world.rank)
+    split = getattr(world, "split_groups", None)
+    if split is not None:  # a live MPI world (graph --np composes offline)
+        split([lay.stage_ranks(s) for s in range(lay.stages)])
 
 
 def _clip(comp, clip, shards):
