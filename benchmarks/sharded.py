@@ -57,7 +57,7 @@ has live at its peak (``peak``: held plus the transient buckets' working
 set); rss_vs_plan.train_memory runs it. The RSS compared is
 ``loop_peak_rss_bytes``, the high-water mark after the last iteration
 (``peak_rss_bytes``, beside it, also holds the end's checkpoint, which a
-sharded run gathers on rank 0). Against ``data``, per rank: the
+sharded run streams to rank 0 a bucket at a time). Against ``data``, per rank: the
 saving in that peak RSS, in held and in peak model state, and
 ``rss_per_peak_saving`` = (RSS saving) / (peak model-state saving) and
 ``rss_per_held_saving`` = (RSS saving) / (held model-state saving); their

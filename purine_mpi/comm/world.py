@@ -266,15 +266,29 @@ class World:
         offsets = np.cumsum([0] + counts)
         receives = root is None or self.rank == root
         out = np.empty(int(offsets[-1]) if receives else 0, dtype=np.uint8)
-        recv = [out, (counts, [int(o) for o in offsets[:-1]]), self.MPI.BYTE]
         if root is None:
+            recv = [out, (counts, [int(o) for o in offsets[:-1]]), self.MPI.BYTE]
             self.wait(_call(self.comm.Iallgatherv, data, recv), what)
         else:
-            self.wait(_call(self.comm.Igatherv, data, recv if receives else None, root=root), what)
+            self.gatherv(data, out if receives else None, counts, root, what)
         if not receives:
             return None
         return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes())
                 for r in range(self.size)]
+
+    def gatherv(self, send, recv, counts, root=0, what="a gather"):
+        """Every rank's contiguous array ``send`` into ``recv`` on ``root``,
+        in rank order, as bytes (no pickling): ``counts[r]`` is rank r's
+        number of bytes (``recv`` None off the root); one Igatherv under
+        the stall watchdog."""
+        data = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
+        if recv is not None:
+            if not recv.flags.c_contiguous:  # the bytes must land in the caller's buffer
+                raise ValueError("gatherv: the receive buffer must be C-contiguous")
+            offsets = np.cumsum([0] + [int(c) for c in counts[:-1]])
+            recv = [recv.reshape(-1).view(np.uint8),
+                    ([int(c) for c in counts], [int(o) for o in offsets]), self.MPI.BYTE]
+        self.wait(_call(self.comm.Igatherv, data, recv, root=root), what)
 
     def abort(self, code=1):
         """End the whole job: every rank exits with a non-zero status."""

@@ -59,6 +59,21 @@ class Checkpoint:
 
 
 # -------------------------------------------------------------------- write
+class Streamed:
+    """A section (``/params``, ``/solver``) whose ``(key, value)`` pairs
+    come one at a time as the file is written, in the order they are
+    written (a sharded save gathers each bucket as its turn comes:
+    parallel/schemes/sharded.py): ``items()`` runs ``pairs``, once. The
+    file is the one the same pairs in a dict make."""
+
+    def __init__(self, pairs):
+        self._pairs = pairs
+
+    def items(self):
+        pairs, self._pairs = self._pairs, ()
+        return pairs
+
+
 #: the temp files this process is writing now (``remove_temp_files``)
 _IN_PROGRESS = set()
 
@@ -138,7 +153,7 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
 
 
 def _write_dict(group, values, where):
-    if not isinstance(values, dict):
+    if not isinstance(values, (dict, Streamed)):
         raise TypeError(f"checkpoint: {where} must be a dict, got {type(values).__name__}")
     for key, value in values.items():
         _write_value(group, key, value, f"{where}/{key}")

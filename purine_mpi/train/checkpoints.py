@@ -237,20 +237,14 @@ class Checkpoints(Service):
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)
-        scheme = scheme_of(loop.job)
-        # the parameters, or the blobs holding this rank's part of them (a
-        # ZeRO-3 rank's weight shards: join_checkpoint makes them whole)
-        params = {p: to_numpy(loop.ws[p]) for p in scheme.held_weights(loop.graphs)}
-        states = solver_states(loop.job.solver.type)
-        solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
-                      if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
-        solver = {p: s for p, s in solver.items() if s}
-        solver.update(scheme.held_solver_state(loop.graphs, loop.ws))  # a shard's flat state
-        if scheme.gathers_checkpoint(loop.graphs):  # whole blobs on file: shards or stages
-            parts = world_gather(loop.world, (params, solver))
-            if loop.world.rank == 0:
-                params, solver = scheme.join_checkpoint(loop.graphs, parts)
+        # whole blobs on file (shards, stages): gathered and joined on rank
+        # 0, or streamed to it bucket by bucket as the file is written
+        params, solver = scheme_of(loop.job).checkpoint_sections(
+            loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:
+            for section in (params, solver):  # a streamed section's collectives
+                for _ in section.items():
+                    pass
             return
         payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,
                        seed=loop.job.seed, config_text=dump_config(loop.job),
@@ -265,6 +259,18 @@ class Checkpoints(Service):
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)
+
+
+    @staticmethod
+    def _held(loop):
+        """This rank's (params, solver) part: the parameters, or the blobs
+        holding its part of them (``held_weights``: a ZeRO-3 rank's weight
+        shards), and their per-parameter solver state."""
+        params = {p: to_numpy(loop.ws[p]) for p in scheme_of(loop.job).held_weights(loop.graphs)}
+        states = solver_states(loop.job.solver.type)
+        solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
+                      if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
+        return params, {p: s for p, s in solver.items() if s}
 
 
 def _whole(loop, param, name):

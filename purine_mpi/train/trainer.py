@@ -235,7 +235,7 @@ def write_memory(trainer, baseline):
     ``plan``'s host total predicts), the high-water mark after the last
     iteration, before the end's test pass and checkpoint
     (``loop_peak_rss_bytes``: None when the run stopped early; a sharded
-    checkpoint gathers every rank's shards on rank 0) and the rank's model state from its
+    checkpoint streams every rank's shards to rank 0, a bucket at a time) and the rank's model state from its
     memory plan (``model_state``: ``Trainer.model_state``'s weights,
     gradients, optimizer state, held, working and peak bytes, the start-up
     line's figures), to set the measured bytes against the planned ones

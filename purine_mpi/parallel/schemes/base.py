@@ -14,11 +14,11 @@ registered under its name::
         def compose(self, graph, grads, job, world): ...   # -> Composition
         def scheme_lines(self, trainer, composition): ...  # the start-up block
         def graph_notes(self, lay, rank): ...              # ``graph --np N`` header
+        def checkpoint_sections(self, graphs, ws, world, local): ...  # what a save writes
         def gathers_checkpoint(self, graphs): ...   # whether a save gathers the ranks' parts
         def join_checkpoint(self, graphs, parts): ...  # rank 0: the whole blobs from them
         def split_checkpoint(self, graphs, name, value): ...  # this rank's part, on load
-        def held_solver_state(self, graphs, ws): ...   # solver state in blobs of its own
-        def whole_solver_shapes(self, graphs): ...     # ... as the file holds it
+        def whole_solver_shapes(self, graphs): ...     # solver state in blobs of its own
         def load_held_solver_state(self, graphs, ws, solver): ...  # ... set on load
         def held_weights(self, graphs): ...    # the blobs holding this rank's weights
         def set_weight(self, graphs, ws, name, value): ...  # a whole weight, on init/load
@@ -378,6 +378,24 @@ class Scheme:
         return None
 
     # ---- checkpoints (whole blobs on file: any scheme resumes any other's)
+    def checkpoint_sections(self, graphs, ws, world, local):
+        """The ``/params`` and ``/solver`` sections a save writes, whole
+        (train/checkpoints.py). ``local()``: this rank's part, ``(params,
+        solver)`` dicts of ``held_weights`` and the per-parameter solver
+        state. On rank 0 each section is a dict or a ``Streamed`` one
+        (job/checkpoint_file.py: its pairs come, and their collectives run,
+        as the file is written); every other rank iterates its sections'
+        ``items()`` for their collectives, in the same order, and writes
+        nothing. Collective: by default, when ``gathers_checkpoint``, every
+        rank's part is gathered to rank 0 (pickled) and joined there
+        (``join_checkpoint``)."""
+        params, solver = local()
+        if not self.gathers_checkpoint(graphs):
+            return params, solver
+        parts = world.gather_object((params, solver), 0, "a checkpoint gather") \
+            if world.size > 1 else [(params, solver)]
+        return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
+
     def gathers_checkpoint(self, graphs):
         """Whether a save gathers every rank's (params, solver state) to
         rank 0 (train/checkpoints.py; ``graphs``: the RankGraphs)."""
@@ -394,11 +412,7 @@ class Scheme:
 
     # solver state not held per parameter (``state_name(p, s)`` blobs): a
     # sharded run holds one flat blob per bucket and state, its shard's part
-    def held_solver_state(self, graphs, ws):
-        """{blob: array} of the solver state this rank holds in blobs of its
-        own layout, which a save gathers beside the per-parameter state."""
-        return {}
-
+    # (a save writes it through ``checkpoint_sections``)
     def whole_solver_shapes(self, graphs):
         """{(param, state): (shape, dtype)} of the state held that way, as a
         checkpoint holds it (whole, per parameter)."""
@@ -414,7 +428,7 @@ class Scheme:
     # bucket's flat weights; the parameters' own blobs are transient views)
     def held_weights(self, graphs):
         """The blobs that hold this rank's weights between iterations: what
-        a save reads (then ``join_checkpoint``) and the divergence check
+        a save reads (then ``checkpoint_sections``) and the divergence check
         tests for finite values. The parameters by default."""
         return list(graphs.params)
 

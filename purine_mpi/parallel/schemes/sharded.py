@@ -176,7 +176,37 @@ class Sharded(Hybrid):
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
                 f"{lay.replicas} of every bucket's optimizer state")
 
-    # ---- checkpoints: whole blobs on file
+    # ---- checkpoints: whole blobs on file, streamed bucket by bucket
+    def checkpoint_sections(self, graphs, ws, world, local):
+        """Streamed (``Streamed``): rank 0 writes the weights, then the
+        solver state, bucket by bucket in plan order, each bucket's shards
+        gathered as its turn comes (one Igatherv of bytes per bucket and
+        blob, ``World.gatherv``) into a buffer of the largest bucket's size
+        that the next bucket reuses; the datasets are views of it, cut into
+        each parameter's shape. Stages 1 and 2: every rank holds the whole
+        weights, rank 0 writes its own (nobody sends them). So rank 0 holds
+        one bucket's whole state at a time beyond its own, never the
+        model's; the file is the one a join of every rank's parts made (the
+        same datasets in the same order). One rank: no buckets, the plain
+        sections. With pipeline stages (each stage's buckets sharded over its
+        own replicas): every rank's weights and pieces of state
+        (``held_solver_state``) gathered to rank 0 and joined there
+        (``join_checkpoint``), not streamed."""
+        plan = _plan(graphs)
+        if graphs.layout.staged:
+            params, solver = local()
+            solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
+            parts = world.gather_object((params, solver), 0, "a checkpoint gather") \
+                if world.size > 1 else [(params, solver)]
+            return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
+        if not plan:
+            return super().checkpoint_sections(graphs, ws, world, local)
+        from ...job.checkpoint_file import Streamed
+        pool = _Buffers()
+        return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
+                Streamed(_streamed_states(graphs, ws, world, plan, pool)))
+
+    # ---- checkpoints with pipeline stages: every rank's pieces joined on rank 0
     def gathers_checkpoint(self, graphs):
         # the same answer on every rank (a stage without buckets too): collective
         return graphs.layout.staged or bool(_plan(graphs))
@@ -302,6 +332,80 @@ def _zero3(graphs):
     for stages 1 and 2."""
     return {p: (entry, off) for entry in _plan(graphs) if "weight_shard" in entry
             for p, off in zip(entry["params"], entry["offsets"])}
+
+
+class _Buffers:
+    """Rank 0's receive buffers of a streamed save: slot i, a byte buffer
+    kept at the largest size asked of it, each bucket's gather a view."""
+
+    def __init__(self):
+        self.slots = []
+
+    def view(self, slot, size, dtype):
+        dtype = np.dtype(dtype)
+        while len(self.slots) <= slot:
+            self.slots.append(np.empty(0, np.uint8))
+        if self.slots[slot].size < size * dtype.itemsize:
+            self.slots[slot] = np.empty(size * dtype.itemsize, np.uint8)
+        return self.slots[slot][:size * dtype.itemsize].view(dtype)
+
+
+def _gathered(graphs, ws, world, entry, blob, what, pool, slot):
+    """Bucket ``entry``'s whole flat array on rank 0 (None elsewhere) from
+    every rank's shard ``blob``: one Igatherv of bytes into ``pool``'s
+    ``slot``, under the stall watchdog naming ``what``."""
+    from ...base.backend import to_numpy
+    from ...comm.ops import shard_range
+    dtype = np.dtype(graphs.graph.blobs[blob].dtype)
+    total = int(graphs.graph.blobs[entry["weights"]].size)
+    mine = np.ascontiguousarray(to_numpy(ws[blob]), dtype=dtype).reshape(-1)
+    counts = [(hi - lo) * dtype.itemsize
+              for lo, hi in (shard_range(total, world.size, r) for r in range(world.size))]
+    recv = pool.view(slot, total, dtype) if world.rank == 0 else None
+    world.gatherv(mine, recv, counts, 0, f"the checkpoint's gather of {what} of bucket "
+                                         f"{entry['weights']} (Igatherv)")
+    return recv
+
+
+def _cut(graphs, entry, whole):
+    """(parameter, view of ``whole`` in its shape) of a bucket, in order."""
+    for p, off in zip(entry["params"], entry["offsets"]):
+        shape = graphs.graph.blobs[p].shape
+        size = int(np.prod(shape, dtype=np.int64))
+        yield p, whole[off:off + size].reshape(shape)
+
+
+def _streamed_weights(graphs, ws, world, plan, pool):
+    """``/params``: the weights held whole first (all of them under stages
+    1 and 2, rank 0's own), then stage 3's buckets, each gathered."""
+    from ...base.backend import to_numpy
+    where = _zero3(graphs)
+    if world.rank == 0:
+        for p in graphs.params:
+            if p not in where:
+                yield p, to_numpy(ws[p])
+    for entry in plan:
+        if "weight_shard" in entry:
+            whole = _gathered(graphs, ws, world, entry, entry["weight_shard"], "the weights",
+                              pool, 0)
+            if whole is not None:
+                yield from _cut(graphs, entry, whole)
+
+
+def _streamed_states(graphs, ws, world, plan, pool):
+    """``/solver``: per bucket, each state gathered into a slot of its own,
+    then every parameter's ``{state: value}``."""
+    for entry in plan:
+        states = _states(entry)  # none: SGD without momentum
+        if not states:
+            continue
+        wholes = [_gathered(graphs, ws, world, entry, flat, f"the solver state '{state}'",
+                            pool, i) for i, (flat, state) in enumerate(states)]
+        if world.rank != 0:
+            continue
+        cuts = [dict(_cut(graphs, entry, whole)) for whole in wholes]
+        for p in entry["params"]:
+            yield p, {state: cut[p] for (_, state), cut in zip(states, cuts)}
 
 
 def _join_weights(graphs, parts):
