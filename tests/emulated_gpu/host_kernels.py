@@ -3,6 +3,7 @@ through ctypes (every argument checked against the kernel's C signature),
 a host cuBLAS, and the emulated ``nvmath.bindings.cublas``."""
 import ctypes
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -15,17 +16,28 @@ from . import capture
 
 _HOST_PRELUDE = r"""
 // Stand-ins for the CUDA built-ins used by cuda/*.cu, so they compile as host
-// C++. A launch runs serially over (block, thread), set by purine_emu_set.
-// Kernels with __syncthreads run each block's threads as concurrent host
-// threads (__shared__ is a static shared by them; blocks run one by one).
+// C++. A launch of a kernel without __syncthreads in its source runs serially
+// over (block, thread), set by purine_emu_set. A kernel whose source has
+// __syncthreads runs its blocks one by one, the threads of a block as
+// cooperative fibers on the launching host thread (ucontext, each with its
+// own stack; purine_emu_grid_<kernel>, one call per launch): a barrier
+// switches to the next fiber, and the threads of a block run in index order
+// between two barriers. __shared__ is a thread_local static, so launches
+// from several host threads do not share it. Without <ucontext.h>, or built
+// with -DPURINE_EMU_THREADED (PURINE_EMU_THREADED=1), the threads of a block
+// are concurrent host threads and __shared__ a static shared by them.
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
-#include <condition_variable>
-#include <mutex>
+#if !defined(PURINE_EMU_THREADED) && defined(__has_include)
+#if __has_include(<ucontext.h>)
+#define PURINE_EMU_FIBERS 1
+#endif
+#endif
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
 struct purine_dim3 { unsigned int x, y, z; };
 static thread_local purine_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
 static thread_local purine_dim3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
@@ -33,6 +45,128 @@ extern "C" void purine_emu_set(unsigned int block, unsigned int thread,
                                unsigned int blocks, unsigned int threads) {
   blockIdx.x = block; threadIdx.x = thread; gridDim.x = blocks; blockDim.x = threads;
 }
+#ifdef PURINE_EMU_FIBERS
+#include <sys/mman.h>
+#include <ucontext.h>
+#define __shared__ static thread_local
+extern "C" int purine_emu_fibers(void) { return 1; }
+enum { PURINE_EMU_READY, PURINE_EMU_WAITING, PURINE_EMU_DONE };
+struct purine_emu_fiber { ucontext_t context; int state; };
+// One launch on this host thread: its fibers, the scheduler's context, and
+// the barrier's count (every thread of the block must arrive, as in the
+// threaded emulation: a thread that returns while others wait at a barrier
+// keeps it shut for ever -- detected here, a message and abort()).
+struct purine_emu_launch {
+  ucontext_t scheduler;
+  purine_emu_fiber *fibers;
+  unsigned int threads, current, arrived;
+  void (*body)(void *);
+  void *arg;
+};
+static thread_local purine_emu_launch *purine_emu_current = nullptr;
+// The fibers' stacks, kept for the host thread's next launches; a
+// PROT_NONE page under each stack turns an overflow into a fault.
+static const size_t purine_emu_stack_bytes = 256 * 1024, purine_emu_guard_bytes = 4096;
+struct purine_emu_stacks {
+  char *base = nullptr;
+  size_t bytes = 0;
+  char *get(unsigned int threads) {
+    const size_t each = purine_emu_stack_bytes + purine_emu_guard_bytes;
+    if (bytes < threads * each) {
+      if (base) munmap(base, bytes);
+      bytes = threads * each;
+      void *map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+      if (map == MAP_FAILED) { perror("purine_emu fiber stacks"); abort(); }
+      base = (char *)map;
+      for (unsigned int t = 0; t < threads; ++t) mprotect(base + t * each, purine_emu_guard_bytes,
+                                                          PROT_NONE);
+    }
+    return base;
+  }
+  ~purine_emu_stacks() { if (base) munmap(base, bytes); }
+};
+static thread_local purine_emu_stacks purine_emu_stack_pool;
+// The next thread to run after thread `from`: the first ready one after it,
+// in index order, wrapping round (after a barrier opens: from thread 0).
+static unsigned int purine_emu_next(purine_emu_launch *launch, unsigned int from) {
+  for (unsigned int i = 1; i <= launch->threads; ++i) {
+    const unsigned int t = (from + i) % launch->threads;
+    if (launch->fibers[t].state == PURINE_EMU_READY) return t;
+  }
+  fprintf(stderr, "purine emulated GPU: block %u: %u of its %u threads wait at __syncthreads, "
+          "the others have returned: the barrier never opens\n",
+          blockIdx.x, launch->arrived, launch->threads);
+  abort();
+}
+static void purine_emu_fiber_main() {
+  purine_emu_launch *launch = purine_emu_current;
+  launch->body(launch->arg);
+  launch->fibers[launch->current].state = PURINE_EMU_DONE;
+}   // returns to uc_link: the scheduler
+static inline void __syncthreads() {
+  purine_emu_launch *launch = purine_emu_current;
+  if (launch == nullptr) abort();   // only fiber launches reach a barrier
+  const unsigned int self = launch->current;
+  unsigned int next;
+  if (++launch->arrived == launch->threads) {   // the last one opens it
+    launch->arrived = 0;
+    for (unsigned int t = 0; t < launch->threads; ++t) {
+      if (launch->fibers[t].state == PURINE_EMU_WAITING) launch->fibers[t].state = PURINE_EMU_READY;
+    }
+    next = purine_emu_next(launch, launch->threads - 1);   // from thread 0 again
+    if (next == self) return;
+  } else {
+    launch->fibers[self].state = PURINE_EMU_WAITING;
+    next = purine_emu_next(launch, self);
+  }
+  launch->current = next; threadIdx.x = next;
+  swapcontext(&launch->fibers[self].context, &launch->fibers[next].context);
+}
+// Runs body(arg) as every thread of `blocks` blocks of `threads` threads:
+// the threads of a block in index order until each reaches a barrier or
+// returns; the barrier opens when every thread of the block has reached it.
+static void purine_emu_fiber_grid(unsigned int blocks, unsigned int threads,
+                                  void (*body)(void *), void *arg) {
+  if (threads == 0 || threads > 1024 || purine_emu_current != nullptr) abort();
+  const size_t each = purine_emu_stack_bytes + purine_emu_guard_bytes;
+  char *stacks = purine_emu_stack_pool.get(threads);
+  purine_emu_fiber *fibers = (purine_emu_fiber *)calloc(threads, sizeof(purine_emu_fiber));
+  if (fibers == nullptr) abort();
+  purine_emu_launch launch;
+  launch.fibers = fibers; launch.threads = threads; launch.body = body; launch.arg = arg;
+  purine_emu_current = &launch;
+  gridDim.x = blocks; blockDim.x = threads;
+  for (unsigned int b = 0; b < blocks; ++b) {
+    blockIdx.x = b;
+    for (unsigned int t = 0; t < threads; ++t) {
+      ucontext_t *context = &fibers[t].context;
+      if (getcontext(context) != 0) abort();
+      context->uc_stack.ss_sp = stacks + t * each + purine_emu_guard_bytes;
+      context->uc_stack.ss_size = purine_emu_stack_bytes;
+      context->uc_link = &launch.scheduler;   // where a returning thread goes
+      makecontext(context, purine_emu_fiber_main, 0);
+      fibers[t].state = PURINE_EMU_READY;
+    }
+    launch.arrived = 0;
+    launch.current = 0;
+    for (unsigned int done = 0;;) {
+      threadIdx.x = launch.current;
+      swapcontext(&launch.scheduler, &fibers[launch.current].context);
+      if (++done == threads) break;   // a thread returned; the next ready one runs
+      launch.current = purine_emu_next(&launch, launch.current);
+    }
+  }
+  purine_emu_current = nullptr;
+  free(fibers);
+}
+template <typename F>
+static void purine_emu_call(void *body) { (*static_cast<F *>(body))(); }
+#else
+#include <condition_variable>
+#include <mutex>
+#define __shared__ static
+extern "C" int purine_emu_fibers(void) { return 0; }
 static std::mutex purine_emu_mutex;
 static std::condition_variable purine_emu_cv;
 static unsigned int purine_emu_waiting = 0, purine_emu_generation = 0, purine_emu_count = 1;
@@ -49,6 +183,7 @@ static inline void __syncthreads() {
     purine_emu_cv.wait(lock, [&] { return generation != purine_emu_generation; });
   }
 }
+#endif
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, sizeof f); return f; }
 static inline double __longlong_as_double(long long i) {
   double d; memcpy(&d, &i, sizeof d); return d;
@@ -64,7 +199,7 @@ static inline double __dmul_rn(double a, double b) { return a * b; }
 #define warpSize 32
 template <typename T>
 static inline T __shfl_down_sync(unsigned int mask, T var, unsigned int delta) {
-  static T lanes[1024];
+  __shared__ T lanes[1024];
   if (mask != 0xffffffffu || blockDim.x > 1024) abort();
   lanes[threadIdx.x] = var;
   __syncthreads();
@@ -83,21 +218,33 @@ _C_POINTEES = {"float": np.float32, "double": np.float64, "int": np.int32,
                "long long": np.int64, "unsigned int": np.uint32,
                "unsigned long long": np.uint64}
 _SIGNATURE = re.compile(r'extern "C" void (\w+)\s*\(([^)]*)\)')
+_PARAM_NAME = re.compile(r"(\w+)\s*$")
+#: set to 1: kernels with __syncthreads run each CUDA thread as a host thread
+#: (the emulator's former way, slower), not as fibers on the launching one
+THREADED_ENV = "PURINE_EMU_THREADED"
 
-
+# the threaded emulation's __syncthreads is one barrier per library: kernels
+# that use it run one at a time, whichever host threads launch them (fibers
+# keep a launch's barrier and __shared__ on the launching thread: no lock)
 _THREADED_KERNEL = threading.Lock()
 
 
 class _HostKernel:
     """One extern "C" entry point; checks arguments like a strict CuPy."""
 
-    def __init__(self, library, name, params, threaded=False, warps=False):
+    def __init__(self, library, name, params, threaded=False, warps=False, fibers=False):
         self.name, self.params, self.threaded = name, params, threaded
         self.threads = _EMU_WARP_THREADS if warps else _EMU_THREADS
         self._func = getattr(library, name)
         self._func.restype = None
         self._set = library.purine_emu_set
-        self._barrier = library.purine_emu_barrier_init
+        # a kernel with barriers: one call runs the whole grid as fibers
+        self._fiber_grid = getattr(library, f"purine_emu_grid_{name}") if (
+            threaded and fibers) else None
+        if self._fiber_grid is not None:
+            self._fiber_grid.restype = None
+        else:
+            self._barrier = getattr(library, "purine_emu_barrier_init", None)
 
     def _convert(self, index, arg, param):
         kind, ctype_name = param
@@ -126,13 +273,14 @@ class _HostKernel:
             self._func(*c_args)   # ctypes releases the GIL: the threads run at once
 
         def grid():
+            if self._fiber_grid is not None:
+                self._fiber_grid(ctypes.c_uint(_EMU_BLOCKS), ctypes.c_uint(self.threads), *c_args)
+                return
             if not self.threaded:
                 for b in range(_EMU_BLOCKS):
                     for t in range(self.threads):
                         run(b, t)
                 return
-            # the emulated __syncthreads is one barrier per library: kernels that
-            # use it run one at a time, whichever host threads launch them
             with _THREADED_KERNEL:
                 threaded_grid()
 
@@ -175,6 +323,26 @@ def _shuffling(expanded):
                 reach.add(name)
                 grown = True
     return reach
+
+
+def _grid_wrappers(signatures):
+    """For each extern "C" kernel (name, parameter text), the fibers' entry
+    point: ``purine_emu_grid_<name>(blocks, threads, <its parameters>)``
+    runs the kernel as every thread of the grid (the prelude's
+    purine_emu_fiber_grid); compiled only where fibers are."""
+    out = ["#ifdef PURINE_EMU_FIBERS"]
+    for name, params in signatures:
+        declarations = [d for d in params.split(",") if d.strip() not in ("", "void")]
+        names = ", ".join(_PARAM_NAME.search(d).group(1) for d in declarations)
+        head = ", ".join(["unsigned int purine_emu_blocks", "unsigned int purine_emu_threads"]
+                         + [d.strip() for d in declarations])
+        out.append(f'extern "C" void purine_emu_grid_{name}({head}) {{\n'
+                   f"  auto purine_emu_body = [&]() {{ {name}({names}); }};\n"
+                   "  purine_emu_fiber_grid(purine_emu_blocks, purine_emu_threads,\n"
+                   "                        purine_emu_call<decltype(purine_emu_body)>,"
+                   " &purine_emu_body);\n}")
+    out.append("#endif")
+    return "\n".join(out) + "\n"
 
 
 def _parse_params(text):
@@ -400,29 +568,41 @@ def host_cupy(build_dir):
 
     class RawModule:
         def __init__(self, code, options=()):
-            digest = hashlib.sha1(code.encode()).hexdigest()[:16]
+            # read at each build: a test may build both ways in one process
+            defines = ["-DPURINE_EMU_THREADED"] if os.environ.get(THREADED_ENV) == "1" else []
+            digest = hashlib.sha1("\0".join([_HOST_PRELUDE, *defines, code]).encode()
+                                  ).hexdigest()[:16]
             source = build_dir / f"{digest}.cu"
             library_path = build_dir / f"{digest}.so"
             prelude = build_dir / "prelude.h"
             prelude.write_text(_HOST_PRELUDE)
             source.write_text(code)
-            base = ["g++", "-std=c++14", "-include", str(prelude), "-x", "c++", str(source)]
-            if not library_path.exists():
-                subprocess.run(base + ["-O1", "-fPIC", "-shared", "-o", str(library_path)],
-                               check=True, capture_output=True, text=True)
-            expanded = subprocess.run(base + ["-E", "-P"], check=True, capture_output=True,
-                                      text=True).stdout
-            self._signatures = {name: _parse_params(params)
-                                for name, params in _SIGNATURE.findall(expanded)}
-            self._library = ctypes.CDLL(str(library_path))
+            base = ["g++", "-std=c++14", "-include", str(prelude), *defines, "-x", "c++"]
+            expanded = subprocess.run(base + [str(source), "-E", "-P"], check=True,
+                                      capture_output=True, text=True).stdout
+            signatures = _SIGNATURE.findall(expanded)
             self._threaded = "__syncthreads" in code
+            if not library_path.exists():
+                built = source
+                if self._threaded:   # the kernels, then their fibers' entry points
+                    built = build_dir / f"{digest}_grid.cu"
+                    built.write_text(code + "\n" + _grid_wrappers(signatures))
+                # -fno-gnu-unique: a template kernel's __shared__ (a static of a
+                # template) stays this library's own, not bound process-wide to
+                # the same name in another build of the source (the other mode)
+                subprocess.run(base + [str(built), "-O1", "-fPIC", "-fno-gnu-unique", "-shared",
+                                       "-o", str(library_path)],
+                               check=True, capture_output=True, text=True)
+            self._signatures = {name: _parse_params(params) for name, params in signatures}
+            self._library = ctypes.CDLL(str(library_path))
+            self._fibers = bool(self._library.purine_emu_fibers())
             self._warps = _shuffling(expanded) if "__shfl" in code else set()
 
         def get_function(self, name):
             if name not in self._signatures:
                 raise AttributeError(f"no extern \"C\" kernel {name}")
             return _HostKernel(self._library, name, self._signatures[name], self._threaded,
-                               name in self._warps)
+                               name in self._warps, self._fibers)
 
     fake = types.ModuleType("cupy")
     fake.ndarray = np.ndarray
