@@ -220,13 +220,8 @@ def test_a_rank_that_dies_before_mpi_starts_ends_the_job(tmp_path):
     hook the command line installs first (comm/early_abort.py) initialises MPI
     on the dying rank and aborts the job, so both end, with the traceback
     and one line naming the rank."""
-    cfg = {"name": "early", "data": {"train": {"source": "synthetic", "shape": [1, 8, 8],
-                                               "classes": 3, "batch_size": 4}},
-           "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc",
-                    "num_output": 3},
-                   {"type": "softmax_loss", "name": "l", "bottom": ["fc", "label"],
-                    "top": "l"}],
-           "solver": {"max_iter": 100000}}
+    cfg = tiny_fc_config()
+    cfg["solver"]["max_iter"] = 100000  # rank 0 would train on without the abort
     script = tmp_path / "die_on_rank1.py"
     script.write_text(
         "import os, sys\n"

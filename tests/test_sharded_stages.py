@@ -160,16 +160,16 @@ def _waits_it_adds(graph):
     Recv or window wait) that ``b`` would not wait for without the edge:
     such an edge may close a cycle through the other stage's rank."""
     from purine_mpi.comm.ops import is_point_to_point
-    from purine_mpi.parallel.sharding import _ancestors
+    from purine_mpi.graph.core import reachable
     deps = graph.dependencies()
     bad = []
     for b in graph.ops.values():
         for a in b.control_inputs:
             if is_point_to_point(graph.ops[a]) or is_point_to_point(b):
                 continue
-            need = {d for d in _ancestors(deps, a) if is_point_to_point(graph.ops[d])}
+            need = {d for d in reachable(a, deps) if is_point_to_point(graph.ops[d])}
             rest = dict(deps, **{b.name: [d for d in deps[b.name] if d != a]})
-            if need - _ancestors(rest, b.name):
+            if need - reachable(b.name, rest):
                 bad.append((a, b.name))
     return bad
 

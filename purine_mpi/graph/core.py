@@ -202,7 +202,7 @@ class Graph:
                         if reader.name == op.name:
                             continue
                         if downstream is None:
-                            downstream = _reachable(op.name, succ)
+                            downstream = reachable(op.name, succ)
                         if reader.name not in downstream:
                             war[op.name].add(reader.name)
         for n, extra in war.items():
@@ -387,7 +387,10 @@ def op_precision(op):
     return op.attrs.get("compute_dtype", "float32")
 
 
-def _reachable(start, succ):
+def reachable(start, succ):
+    """The names reachable from ``start`` through ``succ`` ({name: [next
+    names]}), transitively, ``start`` itself only through a cycle: the
+    successors with an op's consumers, its ancestors with its dependencies."""
     seen, stack = set(), [start]
     while stack:
         for s in succ[stack.pop()]:

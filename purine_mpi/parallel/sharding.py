@@ -36,7 +36,7 @@ plain data parallelism bit for bit (see the docs for when the sums agree).
 """
 from ..base.errors import GraphError
 from ..comm.ops import shard_range
-from ..graph.core import WORKING_SET_ATTR  # noqa: F401  (runtime/footprint counts it apart)
+from ..graph.core import WORKING_SET_ATTR, reachable  # noqa: F401  (runtime/footprint counts it apart)
 from ..ops.updates import UPDATE_OP_TYPES
 from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq, wire_attrs,
                             plan_buckets, prepare_replica)
@@ -289,26 +289,15 @@ def bound_live_buckets(graph, plan, depth=1):
     for j in range(1 + depth, len(plan)):
         rs = plan[j - 1 - depth]["reduce_scatter"]
         deps = graph.dependencies()
-        before = _ancestors(deps, rs)
+        before = reachable(rs, deps)  # the ops it waits for
         waits = {d for d in before if is_point_to_point(graph.ops[d])}
         for op in writers.get(plan[j]["name"], ()):
             if op.name not in before and rs not in op.control_inputs and \
-                    not (waits and waits - _ancestors(deps, op.name)):
+                    not (waits and waits - reachable(op.name, deps)):
                 op.control_inputs.append(rs)
                 added.append((rs, op.name))
     graph.topo_order()  # no cycle
     return added
-
-
-def _ancestors(deps, name):
-    """The ops ``name`` waits for (data and control edges, transitively)."""
-    out, stack = set(), [name]
-    while stack:
-        for d in deps[stack.pop()]:
-            if d not in out:
-                out.add(d)
-                stack.append(d)
-    return out
 
 
 #: the kind of the views of a bucket's weights gathered for the backward
