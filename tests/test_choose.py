@@ -54,7 +54,12 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path):
     assert staged and whole
     least_staged = min(r["need_bytes"]["host"] for r in staged)
     least_whole = min(r["need_bytes"]["host"] for r in whole)
-    assert least_staged < 0.6 * least_whole  # the model state split in two
+    # the model state split in two, against data parallelism's whole copy
+    # (sharded stage 1 holds less than data since its gradient shard is the
+    # bucket's own range: 48.8 against 58.5 MB here, pipeline 30.0)
+    data = min(r["need_bytes"]["host"] for r in whole if r["label"].startswith("data"))
+    assert least_staged < 0.6 * data
+    assert least_staged < least_whole
     limit = (least_staged + least_whole) // 2
     # the second run reads the calibration from the cache: no new measurement
     tight, second = _choose(job, cal, "--host-memory", limit, "--out", tmp_path / "best.yaml")
