@@ -21,7 +21,9 @@ from .test_micro_memory import text_h5  # noqa: F401  (the fixture)
 
 def _reference_colour(units, order, best_fit, link, align):
     """The colouring of git 1fd8de4^: each unit against every unit placed
-    before it, on whole-schedule bit sets."""
+    before it, on whole-schedule bit sets; with the rule the pipeline's
+    stages added since (control edges only where the ops they move wait for
+    no point-to-point transfer the writers do not already wait for)."""
     placed, offsets, total, edges = [], {}, 0, []
     for unit in order:
         touch, before, first, _, nbytes, _ = units[unit][:6]
@@ -35,11 +37,11 @@ def _reference_colour(units, order, best_fit, link, align):
             if link is not None:
                 key, writers = units[unit][6], units[unit][7]
                 if key is not None and late.bit_length() <= first and \
-                        not late & ~link["mask"][key]:
+                        not late & ~link["mask"][key] and not mp._waits(link, late) & ~before:
                     soft.append((off, end, late, writers))
                     continue
                 if p_key is not None and early.bit_length() <= p_first and \
-                        not early & ~link["mask"][p_key]:
+                        not early & ~link["mask"][p_key] and not mp._waits(link, early) & ~b:
                     soft.append((off, end, early, p_writers))
                     continue
             busy.append((off, end))
