@@ -193,24 +193,19 @@ class Sharded(Hybrid):
         (``held_solver_state``) gathered to rank 0 and joined there
         (``join_checkpoint``), not streamed."""
         plan = _plan(graphs)
-        if graphs.layout.staged:
-            params, solver = local()
-            solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
-            parts = world.gather_object((params, solver), 0, "a checkpoint gather") \
-                if world.size > 1 else [(params, solver)]
-            return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
-        if not plan:
-            return super().checkpoint_sections(graphs, ws, world, local)
+        if graphs.layout.staged or not plan:  # the base's gather and join, or local
+            def held():
+                params, solver = local()
+                solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
+                return params, solver
+            return super().checkpoint_sections(graphs, ws, world, held)
         from ...job.checkpoint_file import Streamed
         pool = _Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
     # ---- checkpoints with pipeline stages: every rank's pieces joined on rank 0
-    def gathers_checkpoint(self, graphs):
-        # the same answer on every rank (a stage without buckets too): collective
-        return graphs.layout.staged or bool(_plan(graphs))
-
+    # (``gathers_checkpoint``: Pipeline's, with stages)
     def held_solver_state(self, graphs, ws):
         """{param: {state: 1-D piece}}: each parameter's part of this rank's
         shard of every bucket's state (the shard's range of its flattened
