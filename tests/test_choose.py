@@ -9,6 +9,7 @@ pipeline by construction and the table marks data parallelism as not
 fitting."""
 import json
 
+import pytest
 import yaml
 
 from tests.conftest import run_cli_args, run_mpi_cli
@@ -37,16 +38,24 @@ def _job(tmp_path, scheme="data"):
     return path
 
 
-def _choose(job, cal, *extra):
-    res = run_cli_args("plan", job, "--np", 2, "--choose", "--json", "--calibration", cal,
+def _choose(job, cal, *extra, np=2):
+    res = run_cli_args("plan", job, "--np", np, "--choose", "--json", "--calibration", cal,
                        *extra, timeout=600)
     assert res.returncode in (0, 2), res.stderr
     return json.loads(res.stdout), res
 
 
-def test_choose_splits_a_net_too_big_for_one_rank(tmp_path):
-    job, cal = _job(tmp_path), tmp_path / "cal.json"
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """The job, its calibration file and the first (calibrating) --np 2 choice."""
+    tmp = tmp_path_factory.mktemp("choose")
+    job, cal = _job(tmp), tmp / "cal.json"
     free, first = _choose(job, cal)
+    return job, cal, free, first
+
+
+def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
+    job, cal, free, first = calibrated
     assert "calibration: timing" in first.stderr and cal.exists()
     rows = [r for r in free["candidates"] if "error" not in r]
     staged = [r for r in rows if r["label"].startswith("pipeline")]
@@ -94,6 +103,28 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path):
                       tmp_path / "run", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "scheme       pipeline" in res.stdout
+
+
+def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
+    """With fewer stages than ranks, each hybrid setting also appears with
+    its stage's replicas sharded; shards 1 and 2 hold less than the hybrid
+    setting they shard (its replicas' whole optimizer state)."""
+    job, cal, _, _ = calibrated
+    out, res = _choose(job, cal, np=4)
+    assert res.returncode == 0 and "calibration: timing" not in res.stderr
+    rows = {r["label"]: r for r in out["candidates"]}
+    hybrid = [label for label in rows if label.startswith("hybrid 2 stages")]
+    assert hybrid
+    for label in hybrid:
+        what = label[len("hybrid "):]
+        assert "error" not in rows[label], rows[label]
+        for stage in (1, 2, 3):
+            assert f"sharded stage {stage} x {what}" in rows
+        for stage in (1, 2):
+            row = rows[f"sharded stage {stage} x {what}"]
+            assert "error" not in row, row
+            assert row["need_bytes"]["host"] < rows[label]["need_bytes"]["host"]
+            assert row["set"][:2] == ["parallel.scheme=sharded", f"parallel.shard={stage}"]
 
 
 def test_scheme_auto_chooses_the_same_on_every_rank_and_trains(tmp_path):

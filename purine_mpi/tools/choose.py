@@ -9,7 +9,9 @@ listed as "no effect" where they keep no (N, H, T, T) tensor to recompute:
 the fused Attention op);
 pipelines of 2..N stages dividing N (hybrid when fewer stages than ranks),
 the layers cut into contiguous stages of about equal measured time, at a
-few micro-batch counts (1, S, 2S, 4S dividing the batch); tensor
+few micro-batch counts (1, S, 2S, 4S dividing the batch); where fewer
+stages than ranks, the same stages with each stage's replicas sharded at
+each ZeRO stage (listed where the hybrid setting is possible); tensor
 parallelism of each degree t >= 2 dividing N where the net has attention
 layers. Each is a list of ``--set`` overrides of the job; a candidate the
 config rules or the scheme's layout refuse (a UserError) is listed as "not
@@ -215,7 +217,8 @@ def candidates(job, n, durations):
     for mode in modes:
         out.append(Candidate(("parallel.scheme=data", f"recompute={mode}"),
                              f"data, recompute {mode}"))
-    if n > 1 and scheme_class("sharded") is not None:
+    sharded = n > 1 and scheme_class("sharded") is not None
+    if sharded:
         for stage in SHARD_STAGES:
             # the other recompute modes are tried only when recompute none
             # is possible (``evaluate``: ``Candidate.after``)
@@ -236,10 +239,19 @@ def candidates(job, n, durations):
         for m in sorted({1, s, 2 * s, 4 * s}):
             if batch % m:
                 continue
-            out.append(Candidate((f"parallel.scheme={scheme}", f"parallel.stages={text}",
-                                  f"parallel.micro_batches={m}"),
-                                 f"{scheme} {s} stages ({_stages_label(stage_map, s)}), "
-                                 f"{m} micro-batch{'es' if m > 1 else ''}"))
+            what = (f"{s} stages ({_stages_label(stage_map, s)}), "
+                    f"{m} micro-batch{'es' if m > 1 else ''}")
+            staged = Candidate((f"parallel.scheme={scheme}", f"parallel.stages={text}",
+                                f"parallel.micro_batches={m}"), f"{scheme} {what}")
+            out.append(staged)
+            if scheme == "hybrid" and sharded:
+                # each stage's n/s replicas shard that stage's model state
+                # (listed where the same hybrid setting is possible)
+                for stage in SHARD_STAGES:
+                    out.append(Candidate(("parallel.scheme=sharded", f"parallel.shard={stage}",
+                                          f"parallel.stages={text}",
+                                          f"parallel.micro_batches={m}"),
+                                         f"sharded stage {stage} x {what}", after=staged))
     if has_attention(job):
         for t in range(2, n + 1):
             if n % t == 0:
