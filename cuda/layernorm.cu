@@ -18,8 +18,8 @@
 // 1 / sqrt(var + eps), the two backward means) are computed in double and
 // rounded once to T; the element-wise parts are in T. Reading an element
 // and writing its result is done by the same thread after the row's sums,
-// so y may be x and dx may be dy or x (in place). Replaces 9 (forward) and
-// 12 (backward) launches of element-wise CuPy and per-row reductions.
+// so y may be x and dx may be dy or x (in place). Replaces 12 (forward) and
+// 15 (backward) launches of element-wise CuPy and per-row reductions.
 // Launched with at most PURINE_LN_THREADS threads per block.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("layernorm"); one
