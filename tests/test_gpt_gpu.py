@@ -71,17 +71,75 @@ def test_embedding_gpu_branch(device, dtype, products):
 @pytest.mark.parametrize("dtype", [F64, F32])
 def test_layer_norm_and_gelu_gpu_branches(device, dtype):
     x, g, b = _rand((2, 3, 8), dtype, scale=3.0), _rand((8,), dtype, 1), _rand((8,), dtype, 2)
-    # the means and sums: the deterministic reduction kernel, never CuPy's
+    # one kernel each way (cuda/layernorm.cu), its sums fixed-order trees;
+    # dg and db the deterministic column sums, never CuPy's reductions
     (y, mean, rstd), _ = _compare(device, "LayerNorm", {"eps": 1e-5}, [x, g, b],
-                                  ["channel_sum"], dtype)
-    assert device.launched.count("channel_sum") == 2
+                                  ["layernorm_forward"], dtype)
+    assert device.launched == ["layernorm_forward"]
     dy = _rand(y.shape, dtype, 3)
     _compare(device, "LayerNormGrad", {"outputs": ["dx", "dg", "db"]},
-             [dy, x, g, mean, rstd], ["channel_sum"], dtype)
-    assert device.launched.count("channel_sum") == 4
+             [dy, x, g, mean, rstd], ["layernorm_backward"], dtype)
+    assert sorted(device.launched) == ["channel_sum", "channel_sum", "layernorm_backward"]
     for approximate in ("none", "tanh"):
         _compare(device, "Gelu", {"approximate": approximate}, [x], [], dtype)
         _compare(device, "GeluGrad", {"approximate": approximate}, [dy, x], [], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("outputs", [["dx", "dg", "db"], ["dx"], ["dg", "db"], ["db"]])
+def test_layer_norm_kernels_on_rows_wider_than_a_block(device, dtype, outputs):
+    """cuda/layernorm.cu on 600-wide rows (each of the 256 threads takes 2-3
+    elements) with an offset of 80 standard deviations, each requested
+    gradient alone: every output within rounding of the float64 NumPy path,
+    and in float32 no further from it than the float32 NumPy path (the
+    kernel's sums are in double)."""
+    from tests.emulated_gpu import run_kernel
+
+    def check(op_type, attrs, ins, kernels):
+        truth = run_kernel(op_type, attrs, [a.astype(F64) for a in ins])
+        cpu = run_kernel(op_type, attrs, ins)
+        device.launched.clear()
+        got = run_kernel(op_type, attrs, ins, device.to_device)
+        assert set(kernels) <= set(device.launched), device.launched
+        for t, c, d in zip(truth, cpu, got):
+            assert d.dtype == dtype
+            scale = np.abs(t).max()
+            err, cpu_err = np.abs(d - t).max() / scale, np.abs(c - t).max() / scale
+            assert err <= (1e-5 if dtype == F32 else 1e-13), (op_type, err)
+            if dtype == F32:  # (in float64 the NumPy path is the truth)
+                assert err <= cpu_err * 1.01 + np.finfo(dtype).eps, (op_type, err, cpu_err)
+        return cpu
+
+    x = _rand((3, 5, 600), dtype, 4, scale=0.5) + 40.0
+    g, b = _rand((600,), dtype, 5), _rand((600,), dtype, 6)
+    y, mean, rstd = check("LayerNorm", {"eps": 1e-5}, [x, g, b], ["layernorm_forward"])
+    check("LayerNormGrad", {"outputs": outputs}, [_rand(x.shape, dtype, 7), x, g, mean, rstd],
+          ["layernorm_backward"] if {"dx", "dg"} & set(outputs) else [])
+    assert device.launched.count("channel_sum") == len({"dg", "db"} & set(outputs))
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_layer_norm_kernels_in_place(device, dtype):
+    """y over x, and dx over dy, give what separate buffers give (each
+    element is read and written by one thread after its row's sums)."""
+    from purine_mpi.gpu import kernels
+    x, g, b = _rand((4, 300), dtype, 8, scale=2.0), _rand((300,), dtype, 9), \
+        _rand((300,), dtype, 10)
+    d = device.to_device
+    out = [d(np.zeros_like(x)), d(np.zeros(4, dtype)), d(np.zeros(4, dtype))]
+    kernels.layernorm_forward(d(x), d(g), d(b), 1e-5, *out)
+    xin = d(x)
+    mean, rstd = d(np.zeros(4, dtype)), d(np.zeros(4, dtype))
+    kernels.layernorm_forward(xin, d(g), d(b), 1e-5, xin, mean, rstd)
+    np.testing.assert_array_equal(device.to_host(xin), device.to_host(out[0]))
+    dy = _rand(x.shape, dtype, 11)
+    dx, dyxhat = d(np.zeros_like(x)), d(np.zeros_like(x))
+    kernels.layernorm_backward(d(dy), d(x), d(g), mean, rstd, dx=dx, dyxhat=dyxhat)
+    dyin = d(dy)
+    kernels.layernorm_backward(dyin, d(x), d(g), mean, rstd, dx=dyin)
+    np.testing.assert_array_equal(device.to_host(dyin), device.to_host(dx))
+    xhat = (x - device.to_host(mean)[:, None]) * device.to_host(rstd)[:, None]
+    np.testing.assert_allclose(device.to_host(dyxhat), dy * xhat, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [F64, F32])

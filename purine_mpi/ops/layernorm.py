@@ -14,14 +14,20 @@ Gradient ("LayerNormGrad", [dy, x, g, mean, rstd] -> the requested ones of
     dg = sum over the leading axes of dy * xhat
     db = sum over the leading axes of dy
 
-On a GPU the means and sums are the deterministic reduction kernel of the
-bias gradients (cuda/reduce.cu), the rest element-wise CuPy into the blobs
-and the op's scratch (reserved at setup): nothing allocates, and a CUDA
-graph captures it.
+On a GPU, in float32 and float64, each direction is one kernel
+(cuda/layernorm.cu: a block per row, the row's sums in double in a fixed
+order) and dg, db the deterministic column sums of dy * xhat (the backward
+kernel writes it to the op's scratch) and of dy (cuda/reduce.cu): 1 launch
+forward, at most 3 backward. Other dtypes (float16) take the generic path:
+the reduction kernel for the means and sums, the rest element-wise CuPy
+into the blobs and the op's scratch. Either way the scratch is reserved at
+setup: nothing allocates, and a CUDA graph captures it.
 """
+import numpy as np
+
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, raw_kernels
 from .registry import OpKernel, gradient, register
 
 
@@ -52,10 +58,12 @@ class LayerNorm(OpKernel):
     ``eps``, default 1e-5); see the module docstring."""
 
     op_type = "LayerNorm"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
+
+    def host_temporaries(self, ins, outs):
+        return [(ins[0].shape, ins[0].dtype)]    # the generic path's squares
 
     def scratch_specs(self, ins, outs):
-        return [(ins[0].shape, ins[0].dtype)]
+        return [] if _fused(ins[0]) else self.host_temporaries(ins, outs)
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -72,10 +80,13 @@ class LayerNorm(OpKernel):
         x, g, b = ins
         y, mean, rstd = outs
         xp = get_xp(x)
-        k = raw_kernels(xp, x)
+        k = raw_kernels(xp, x, g, b)
+        if k is not None:
+            k.layernorm_forward(x, g, b, float(self.attrs.get("eps", 1e-5)), y, mean, rstd)
+            return
         row_mean(xp, k, x, mean)
         xp.subtract(x, mean[..., None], out=y)
-        (sq,) = self.temporaries(x, *self.scratch_specs(ins, outs))
+        (sq,) = self.temporaries(x, *self.host_temporaries(ins, outs))
         xp.multiply(y, y, out=sq)
         row_mean(xp, k, sq, rstd)
         rstd += float(self.attrs.get("eps", 1e-5))
@@ -84,6 +95,12 @@ class LayerNorm(OpKernel):
         y *= rstd[..., None]
         y *= g
         y += b
+
+
+def _fused(x):
+    """Whether a GPU runs the op as cuda/layernorm.cu's kernels (the dtypes
+    of ``raw_kernels``)."""
+    return np.dtype(x.dtype) in KERNEL_DTYPES
 
 
 def _grad_specs(x):
@@ -97,10 +114,15 @@ class LayerNormGrad(OpKernel):
     (a subset of dx, dg, db, in that order)."""
 
     op_type = "LayerNormGrad"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
+
+    def host_temporaries(self, ins, outs):
+        return list(_grad_specs(ins[1]))     # the generic path's
 
     def scratch_specs(self, ins, outs):
-        return list(_grad_specs(ins[1]))
+        if not _fused(ins[1]):
+            return self.host_temporaries(ins, outs)
+        # the fused kernel's dy * xhat, for dg's column sums
+        return [(ins[1].shape, ins[1].dtype)] if "dg" in self.attrs["outputs"] else []
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
@@ -115,10 +137,18 @@ class LayerNormGrad(OpKernel):
         dy, x, g, mean, rstd = ins
         xp = get_xp(dy)
         got = dict(zip(self.attrs["outputs"], outs))
-        xhat, dxhat, a, c = self.temporaries(x, *self.scratch_specs(ins, outs))
+        k = raw_kernels(xp, dy, x, g, mean, rstd)
+        if k is not None:
+            (dyxhat,) = self.temporaries(x, *self.scratch_specs(ins, outs)) or (None,)
+            k.layernorm_backward(dy, x, g, mean, rstd, dx=got.get("dx"), dyxhat=dyxhat)
+            if "db" in got:
+                column_sum(xp, k, dy, got["db"])
+            if "dg" in got:
+                column_sum(xp, k, dyxhat, got["dg"])
+            return
+        xhat, dxhat, a, c = self.temporaries(x, *self.host_temporaries(ins, outs))
         xp.subtract(x, mean[..., None], out=xhat)
         xhat *= rstd[..., None]
-        k = raw_kernels(xp, dy, x)
         if "db" in got:
             column_sum(xp, k, dy, got["db"])
         if "dg" in got:

@@ -23,6 +23,7 @@ ENTRY_POINTS = {
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
     "reduce": ("channel_sum", "sum_rows", "bias_grad", "bias_grad_finish"),
+    "layernorm": ("layernorm_forward", "layernorm_backward"),
     "loss_watch": ("loss_watch",),
     "clip": ("grad_sumsq", "clip_total", "clip_scale"),
 }
@@ -34,7 +35,8 @@ PLAIN_ENTRY_POINTS = {
 
 _BLOCK = 256
 _MAX_BLOCKS = 65535   # kernels use grid-stride loops, so any grid covers all
-_REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu (and PURINE_CLIP_THREADS)
+_REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu (PURINE_CLIP_THREADS,
+#                       PURINE_LN_THREADS of cuda/layernorm.cu)
 
 
 # ----------------------------------------------------------------- sizes ---

@@ -1,5 +1,5 @@
-"""Dropout (Philox masks), activations and the reductions (cuda/dropout.cu,
-activation.cu, reduce.cu).
+"""Dropout (Philox masks), activations, the reductions and layer norm
+(cuda/dropout.cu, activation.cu, reduce.cu, layernorm.cu).
 """
 import numpy as np
 
@@ -222,3 +222,58 @@ def sum_rows(x, out, accumulate=False):
     _base._launch("reduce", "sum_rows", x.dtype, cols,
             (x, np.int64(rows), _int(bool(accumulate)), out))
     return out
+
+
+# ------------------------------------------------------------ layer norm ---
+
+def _ln_rows(cupy, what, x, **arrays):
+    """x (..., C) as (rows, C) and the arrays named in ``arrays`` checked:
+    C-contiguous CuPy arrays of x's dtype with the given element counts
+    (they are written in place, never through a copy)."""
+    x = _input(cupy, x, f"{what}: x")
+    if x.ndim < 1:
+        raise ValueError(f"{what}: x must have a last axis, got shape {tuple(x.shape)}")
+    cols = int(x.shape[-1])
+    rows = int(x.size // cols) if cols else 0
+    for name, (array, size) in arrays.items():
+        if not isinstance(array, cupy.ndarray) or array.size != size or \
+                array.dtype != x.dtype or not array.flags.c_contiguous:
+            raise ValueError(f"{what}: {name} must be a C-contiguous {x.dtype} CuPy array of "
+                             f"{size} elements")
+    return x, rows, cols
+
+
+def layernorm_forward(x, g, b, eps, y, mean, rstd):
+    """Layer norm over the last axis of ``x`` (..., C) in one kernel
+    (cuda/layernorm.cu): ``y`` = (x - mean) * rstd * g + b, and the rows'
+    ``mean`` and ``rstd`` = 1 / sqrt(var + eps) (x.shape[:-1]), written in
+    place; ``y`` may be ``x``. Sums in double, fixed-order trees."""
+    cupy = import_cupy()
+    n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
+    c = int(x.shape[-1]) if x.ndim else 0
+    x, rows, cols = _ln_rows(cupy, "layernorm_forward", x, g=(g, c), b=(b, c), y=(y, x.size),
+                             mean=(mean, n), rstd=(rstd, n))
+    if rows and cols:
+        _base._launch_blocks("layernorm", "layernorm_forward", x.dtype, min(rows, _MAX_BLOCKS),
+                             _REDUCE_THREADS, (np.int64(rows), np.int64(cols), x, g, b,
+                                               np.float64(eps), y, mean, rstd))
+    return y
+
+
+def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
+    """Layer norm's input gradient in one kernel (cuda/layernorm.cu): into
+    ``dx`` (x's shape; may be ``dy`` or ``x``), and into ``dyxhat`` dy *
+    xhat, whose column sums are the weight gradient; either may be None."""
+    cupy = import_cupy()
+    n = int(np.prod(x.shape[:-1], dtype=np.int64)) if x.ndim else 0
+    c = int(x.shape[-1]) if x.ndim else 0
+    outs = {name: (a, x.size) for name, a in (("dx", dx), ("dyxhat", dyxhat)) if a is not None}
+    x, rows, cols = _ln_rows(cupy, "layernorm_backward", x, dy=(dy, x.size), g=(g, c),
+                             mean=(mean, n), rstd=(rstd, n), **outs)
+    if rows and cols and outs:
+        _base._launch_blocks("layernorm", "layernorm_backward", x.dtype,
+                             min(rows, _MAX_BLOCKS), _REDUCE_THREADS,
+                             (np.int64(rows), np.int64(cols), dy, x, g, mean, rstd,
+                              x if dx is None else dx, _int(dx is not None),
+                              x if dyxhat is None else dyxhat, _int(dyxhat is not None)))
+    return dx, dyxhat
