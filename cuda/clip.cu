@@ -17,6 +17,8 @@
 // Compiled at run time by purine_mpi.gpu.load_kernel("clip"); one extern
 // "C" entry point per gradient dtype: <name>_f32, <name>_f64.
 
+#include "block_sum.cuh"
+
 #define PURINE_CLIP_THREADS 256
 
 template <typename T>
@@ -31,16 +33,8 @@ __device__ void grad_sumsq_impl(long long n, const T* g, double scale2, int slot
       const double v = (double)g[i];
       sum += v * v;
     }
-    part[tid] = sum;
-    __syncthreads();
-    for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
-      if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) {
-        part[tid] += part[tid + stride];
-      }
-      __syncthreads();
-    }
-    if (tid == 0) partial[s] = scale2 * part[0];
-    __syncthreads();  // part is reused by the next slot
+    const double total = purine_block_sum(sum, part);
+    if (tid == 0) partial[s] = scale2 * total;
   }
 }
 

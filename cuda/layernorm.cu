@@ -27,22 +27,7 @@
 
 #define PURINE_LN_THREADS 256
 
-// The sum of every thread's `v` over the block, in a fixed tree order, on
-// every thread (shared: blockDim.x doubles; reused by the next call).
-__device__ double block_sum(double v, double* shared) {
-  const unsigned int tid = threadIdx.x;
-  shared[tid] = v;
-  __syncthreads();
-  for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
-    if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) {
-      shared[tid] += shared[tid + stride];
-    }
-    __syncthreads();
-  }
-  const double total = shared[0];
-  __syncthreads();  // shared is reused by the next sum
-  return total;
-}
+#include "block_sum.cuh"
 
 template <typename T>
 __device__ void layernorm_forward_impl(long long rows, long long cols, const T* x, const T* g,
@@ -54,13 +39,13 @@ __device__ void layernorm_forward_impl(long long rows, long long cols, const T* 
     T* yr = y + r * cols;
     double s = 0.0;
     for (long long c = tid; c < cols; c += blockDim.x) s += (double)xr[c];
-    const T mu = (T)(block_sum(s, shared) / (double)cols);
+    const T mu = (T)(purine_block_sum(s, shared) / (double)cols);
     double q = 0.0;
     for (long long c = tid; c < cols; c += blockDim.x) {
       const double d = (double)(T)(xr[c] - mu);
       q += d * d;
     }
-    const T rs = (T)(1.0 / sqrt(block_sum(q, shared) / (double)cols + eps));
+    const T rs = (T)(1.0 / sqrt(purine_block_sum(q, shared) / (double)cols + eps));
     for (long long c = tid; c < cols; c += blockDim.x) {
       yr[c] = (T)((T)((T)(xr[c] - mu) * rs) * g[c]) + b[c];
     }
@@ -89,8 +74,8 @@ __device__ void layernorm_backward_impl(long long rows, long long cols, const T*
       if (has_dyxhat) dyxhat[at + c] = dy[at + c] * xhat;
     }
     if (!has_dx) continue;  // uniform over the block: no thread waits at a barrier alone
-    const T a = (T)(block_sum(sa, shared) / (double)cols);
-    const T k = (T)(block_sum(sk, shared) / (double)cols);
+    const T a = (T)(purine_block_sum(sa, shared) / (double)cols);
+    const T k = (T)(purine_block_sum(sk, shared) / (double)cols);
     for (long long c = tid; c < cols; c += blockDim.x) {
       const T xhat = (T)(x[at + c] - mu) * rs;
       const T dxhat = dy[at + c] * g[c];

@@ -11,6 +11,8 @@
 // Compiled at run time by purine_mpi.gpu.load_kernel("reduce"); one
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
 
+#include "block_sum.cuh"
+
 #define PURINE_REDUCE_THREADS 256
 
 template <typename T>
@@ -25,16 +27,8 @@ __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
       const long long sample = k / inner, s = k - sample * inner;
       sum += (double)dy[(sample * channels + c) * inner + s];
     }
-    partial[tid] = sum;
-    __syncthreads();
-    for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
-      if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) {
-        partial[tid] += partial[tid + stride];
-      }
-      __syncthreads();
-    }
-    if (tid == 0) out[c] = (T)partial[0];
-    __syncthreads();  // partial is reused by the next channel
+    const double total = purine_block_sum(sum, partial);
+    if (tid == 0) out[c] = (T)total;
   }
 }
 
@@ -110,17 +104,11 @@ __device__ void bias_grad_impl(long long channels, const T* dy, long long n, lon
       s += step_s;
       if (s >= inner) { s -= inner; ++sample; }
     }
-    sums[tid] = sum;
-    __syncthreads();
-    for (unsigned int stride = 1; stride < blockDim.x; stride <<= 1) {
-      if (tid % (2 * stride) == 0 && tid + stride < blockDim.x) sums[tid] += sums[tid + stride];
-      __syncthreads();
-    }
+    const double total = purine_block_sum(sum, sums);
     if (tid == 0) {
-      if (splits == 1) out[c] = (T)sums[0];
-      else partial[job] = sums[0];
+      if (splits == 1) out[c] = (T)total;
+      else partial[job] = total;
     }
-    __syncthreads();  // sums is reused by the next job
   }
 }
 

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from purine_mpi.gpu import kernel_source
 from tests.emulated_gpu.host_kernels import THREADED_ENV, host_cupy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -70,7 +71,7 @@ def _run_all(build_dir):
         outputs += [first, out]
         launched.append(kernel)
         inputs.append(x)
-    reduce = cupy.RawModule(code=(ROOT / "cuda" / "reduce.cu").read_text())
+    reduce = cupy.RawModule(code=kernel_source("reduce"))
     dy = rng.standard_normal((5, 6, 9)).astype(np.float32)
     kernel = reduce.get_function("channel_sum_f32")
     out = np.zeros(6, np.float32)
@@ -114,7 +115,7 @@ def test_a_launch_with_barriers_is_one_call_on_the_launching_thread(host_build_d
     launch's barrier and __shared__ memory are its own thread's."""
     monkeypatch.delenv(THREADED_ENV, raising=False)
     reduce = host_cupy(host_build_dir).RawModule(
-        code=(ROOT / "cuda" / "reduce.cu").read_text())
+        code=kernel_source("reduce"))
     kernel = reduce.get_function("channel_sum_f64")
     rng = np.random.default_rng(5)
     dys = [rng.standard_normal((4, 40, 6)) for _ in range(2)]
