@@ -68,7 +68,9 @@ def test_resident_bytes_are_what_the_sources_hold(tmp_path):
 def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
     """plan's host scratch row is the bytes the conv/pool kernels' buffers
     hold after an iteration (im2col.held_bytes), to the byte, and its kernel
-    temporaries row the largest temporaries a host kernel took."""
+    temporaries row at least the largest temporaries a host kernel took
+    (``host_temporaries`` also counts a run's NumPy temporaries:
+    tests/test_host_temporaries.py)."""
     if job.startswith("gpt"):
         path = rss_vs_plan.text_data(str(tmp_path))
         sets = sets + [f"data.train.path={path}", f"data.test.path={path}"]
@@ -78,7 +80,7 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["planned"]["host_scratch"] == got["held"], got
-    assert got["planned"]["kernel_temporaries"] == got["temporaries"], got
+    assert got["planned"]["kernel_temporaries"] >= got["temporaries"], got
     assert got["held"] > 0 or got["temporaries"] > 0
 
 

@@ -73,6 +73,15 @@ class ReluGrad(OpKernel):
     def run(self, ins, outs):
         relu_backward(ins[0], ins[1], float(self.attrs.get("negative_slope", 0.0)), outs[0])
 
+    def host_temporaries(self, ins, outs):
+        """``relu_backward``'s NumPy temporaries: the mask ``x > 0``, and
+        with a slope ``dy * slope`` and ``where``'s result."""
+        dy = ins[0]
+        mask = [(dy.shape, np.bool_)]
+        if float(self.attrs.get("negative_slope", 0.0)) == 0.0:
+            return mask
+        return mask + [(dy.shape, dy.dtype)] * 2
+
 
 def relu_backward(dy, x, slope, out):
     """out = dy * (1 if x > 0 else slope); ``out`` may be ``dy`` (ReluGrad,
@@ -120,8 +129,15 @@ class Sigmoid(OpKernel):
         y *= 0.5
 
 
+class _OneTemporary(OpKernel):
+    """A gradient whose run takes one temporary of ``dy``'s shape."""
+
+    def host_temporaries(self, ins, outs):
+        return [(ins[0].shape, ins[0].dtype)]
+
+
 @register
-class SigmoidGrad(OpKernel):
+class SigmoidGrad(_OneTemporary):
     """[dy, y] -> [dx]: dx = dy * y * (1 - y)."""
 
     op_type = "SigmoidGrad"
@@ -133,7 +149,7 @@ class SigmoidGrad(OpKernel):
     def run(self, ins, outs):
         dy, y = ins
         xp, dx = get_xp(dy), outs[0]
-        (t,) = self.temporaries(dy, (dy.shape, dy.dtype))  # no new array: capturable
+        (t,) = self.temporaries(dy, *self.host_temporaries(ins, outs))  # capturable
         xp.subtract(1, y, out=t)
         xp.multiply(dy, y, out=dx)
         dx *= t
@@ -161,7 +177,7 @@ class Tanh(OpKernel):
 
 
 @register
-class TanhGrad(OpKernel):
+class TanhGrad(_OneTemporary):
     """[dy, y] -> [dx]: dx = dy * (1 - y^2)."""
 
     op_type = "TanhGrad"
@@ -173,7 +189,7 @@ class TanhGrad(OpKernel):
     def run(self, ins, outs):
         dy, y = ins
         xp = get_xp(dy)
-        (t,) = self.temporaries(dy, (dy.shape, dy.dtype))  # no new array: capturable
+        (t,) = self.temporaries(dy, *self.host_temporaries(ins, outs))  # capturable
         xp.multiply(y, y, out=t)
         xp.subtract(1, t, out=t)
         xp.multiply(dy, t, out=outs[0])

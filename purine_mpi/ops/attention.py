@@ -390,6 +390,11 @@ class AttentionGrad(_AttentionKernel):
         bmm(xp, dp, k, dq, alpha=scale)
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
+    def host_temporaries(self, ins, outs):
+        """P and dP, and on the host path ``softmax_rows_grad``'s dP * P."""
+        specs = self.scratch_specs(ins, outs)
+        return specs if self._sdpa is not None else specs + specs[:1]
+
 
 @gradient("Attention")
 def _attention_grad(g, op):

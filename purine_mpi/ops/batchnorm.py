@@ -101,10 +101,7 @@ class BatchNorm(OpKernel):
         eps = float(self.attrs.get("eps", 1e-5))
         _, bshape = _axes(x)
         y, C = outs[0], x.shape[1]
-        # per-channel temporaries, and one of x's size: no new array, so a
-        # CUDA graph captures the op
-        scale, stat, sq = self.temporaries(x, ((C,), x.dtype), ((C,), x.dtype),
-                                           (x.shape, x.dtype))
+        scale, stat, sq = self.temporaries(x, *self.host_temporaries(ins, outs))
         if _phase(self.attrs) == "test":
             _invstd(xp, running_var, eps, out=stat)
             xp.subtract(x, running_mean.reshape(bshape), out=y)
@@ -130,6 +127,12 @@ class BatchNorm(OpKernel):
         _blend(xp, outs[3], running_mean, mean, m, scale)
         var *= count / max(count - 1, 1)               # unbiased
         _blend(xp, outs[4], running_var, var, m, scale)
+
+    def host_temporaries(self, ins, outs):
+        """Two per-channel temporaries, and one of x's size: no new array on
+        a GPU, so a CUDA graph captures the op."""
+        x = ins[0]
+        return [((x.shape[1],), x.dtype)] * 2 + [(x.shape, x.dtype)]
 
 
 def _channel_sum(xp, a, out):
@@ -180,9 +183,8 @@ class BatchNormGrad(OpKernel):
         C = x.shape[1]
         grads = self.attrs.get("grads", list(_GRAD_NAMES))
         out = dict(zip([n for n in _GRAD_NAMES if n in grads], outs))
-        # temporaries, not new arrays, so a CUDA graph captures the op
         invstd, dbeta, dgamma, scale, xhat, prod = self.temporaries(
-            dy, *([((C,), dy.dtype)] * 4 + [(x.shape, dy.dtype)] * 2))
+            dy, *self.host_temporaries(ins, outs))
         if _phase(self.attrs) == "test":
             _invstd(xp, stat, float(self.attrs.get("eps", 1e-5)), out=invstd)
         else:
@@ -209,6 +211,12 @@ class BatchNormGrad(OpKernel):
             xp.subtract(dy, xhat, out=dx)
             dx -= dbeta.reshape(bshape)
             dx *= scale.reshape(bshape)
+
+    def host_temporaries(self, ins, outs):
+        """Four per-channel temporaries and two of x's size (x-hat, dy *
+        x-hat): temporaries, not new arrays, so a CUDA graph captures the op."""
+        dy, x = ins[:2]
+        return [((x.shape[1],), dy.dtype)] * 4 + [(x.shape, dy.dtype)] * 2
 
 
 @gradient("BatchNorm")

@@ -69,7 +69,10 @@ class Embedding(OpKernel):
         ids, w = ins
         _check_ids(ids, w.shape[0])
         xp = get_xp(w)
-        xp.take(w, ids.reshape(-1), axis=0, out=outs[0].reshape(-1, w.shape[1]))
+        # NumPy's mode "raise" buffers ``out`` (a temporary of y's size); the
+        # ids are checked above, so "wrap" takes the same rows without it
+        mode = {"mode": "wrap"} if xp is np else {}
+        xp.take(w, ids.reshape(-1), axis=0, out=outs[0].reshape(-1, w.shape[1]), **mode)
 
 
 @register
@@ -124,6 +127,17 @@ class EmbeddingGrad(OpKernel):
             return
         starts = np.flatnonzero(np.r_[True, tokens[1:] != tokens[:-1]])
         dw[tokens[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+
+    def host_temporaries(self, ins, outs):
+        """The host run's sort (order and the sorted tokens: int64 per
+        token; the boundaries, one per distinct token, at most dw's rows) and
+        dy's rows in token order, and ``reduceat``'s sums (a row per distinct
+        token: at most dw's size)."""
+        dy, ids = ins
+        n, width = ids.size, outs[0].shape[1]
+        distinct = min(n, outs[0].shape[0])
+        return [((n,), np.int64)] * 2 + [((distinct,), np.int64), (dy.shape, dy.dtype),
+                                         ((distinct, width), dy.dtype)]
 
 
 @gradient("Embedding")

@@ -67,6 +67,17 @@ def _plane_specs(x, size):
     return ((n, c, h + 2 * r, w + 2 * r), x.dtype), ((n, c, h + 2 * r, w), x.dtype)
 
 
+def _host_specs(x, size, within, grad):
+    """What a host run of LRN (``grad``: LRNGrad) allocates at its peak:
+    within a channel its temporaries (``_plane_specs``, and the gradient's
+    ``dy * scale^-beta``); across channels the product it sums (x^2; dy y /
+    scale) and ``_window_sum``'s zero-padded copy of it, (N, C+2r, ...)."""
+    if within:
+        return list(_plane_specs(x, size)) + ([(x.shape, x.dtype)] if grad else [])
+    padded = (x.shape[0], x.shape[1] + 2 * (size // 2)) + tuple(x.shape[2:])
+    return [(x.shape, x.dtype), (padded, x.dtype)]
+
+
 def _plane_window_sum(xp, padded, rows, size, out):
     """out[..., h, w] = sum of padded's interior over the size x size window
     centred on (h, w); ``padded``'s border holds zeros. Writes only into
@@ -138,6 +149,9 @@ class LRN(OpKernel):
         xp.power(scale, -beta, out=y)
         y *= x
 
+    def host_temporaries(self, ins, outs):
+        return _host_specs(ins[0], _params(self.attrs)[0], _within(self.attrs), False)
+
 
 @register
 class LRNGrad(OpKernel):
@@ -155,7 +169,7 @@ class LRNGrad(OpKernel):
         size, alpha, beta, _ = _params(self.attrs)
         dx = outs[0]
         if _within(self.attrs):
-            padded, rows, t = self.temporaries(x, *_plane_specs(x, size), (x.shape, x.dtype))
+            padded, rows, t = self.temporaries(x, *_host_specs(x, size, True, True))
             padded.fill(0)
             inner = _interior(padded, size, x.shape)
             xp.multiply(dy, y, out=inner)
@@ -174,6 +188,9 @@ class LRNGrad(OpKernel):
         _window_sum(xp, dy * y / scale, size, dx)
         dx *= x * (-2.0 * alpha * beta / size)
         dx += dy * xp.power(scale, -beta)
+
+    def host_temporaries(self, ins, outs):
+        return _host_specs(ins[1], _params(self.attrs)[0], _within(self.attrs), True)
 
 
 @gradient("LRN")

@@ -158,9 +158,12 @@ class OpKernel:
     temporaries_on_host = False
 
     def host_temporaries(self, ins, outs):
-        """The ``(shape, dtype)`` arrays the kernel's host ``run`` takes from
-        ``temporaries`` (new arrays each run, freed when it ends): ``plan``'s
-        kernel temporaries row; [] none."""
+        """The ``(shape, dtype)`` arrays live at the peak of the kernel's
+        host ``run`` besides its inputs and outputs: those it takes from
+        ``temporaries`` and the NumPy temporaries its expressions make (new
+        arrays each run, freed when it ends), from the shapes, as the code
+        allocates them (tests/test_host_temporaries.py measures them):
+        ``plan``'s kernel temporaries row; [] none."""
         return self.scratch_specs(ins, outs) if self.temporaries_on_host else []
 
     def scratch_note(self, ins, outs):

@@ -225,14 +225,23 @@ class SoftmaxLoss(OpKernel):
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
-        shifted = x3 - x3.max(axis=1, keepdims=True)  # no overflow in exp
         p3 = prob.reshape(outer, channels, inner)
-        xp.exp(shifted, out=p3)
+        # shifted (no overflow in exp) in prob's bytes: no temporary of x's size
+        xp.subtract(x3, x3.max(axis=1, keepdims=True), out=p3)
+        picked = xp.take_along_axis(p3, lab[:, None, :], axis=1)[:, 0, :]
+        xp.exp(p3, out=p3)
         sumexp = p3.sum(axis=1, keepdims=True)
         p3 /= sumexp
-        picked = xp.take_along_axis(shifted, lab[:, None, :], axis=1)[:, 0, :]
         nll = xp.log(sumexp[:, 0, :]) - picked  # -log softmax at the label
         loss[...] = (nll * valid).sum() / count
+
+    def host_temporaries(self, ins, outs):
+        """The host run's per-position arrays at its peak: the labels as
+        int64 and the valid mask (``_labels``), the picked shifted score,
+        the sum of exponentials, its log and the loss."""
+        outer, _, inner = _split_dims(ins[0].shape, _axis(self.attrs, ins[0].ndim))
+        pos = (outer * inner,)
+        return [(pos, np.int64), (pos, np.bool_)] + [(pos, ins[0].dtype)] * 4
 
 
 @register
@@ -281,6 +290,14 @@ class SoftmaxLossGrad(OpKernel):
         xp.subtract(prob.reshape(outer, channels, inner), onehot, out=dx)
         dx *= valid[:, None, :]
         dx *= dloss / count
+
+    def host_temporaries(self, ins, outs):
+        """The host run's labels as int64, the valid mask, and the one-hot
+        mask of prob's shape."""
+        prob = ins[1]
+        outer, _, inner = _split_dims(prob.shape, _axis(self.attrs, prob.ndim))
+        pos = (outer * inner,)
+        return [(pos, np.int64), (pos, np.bool_), (prob.shape, np.bool_)]
 
 
 @gradient("SoftmaxLoss")

@@ -225,11 +225,7 @@ class Eltwise(OpKernel):
         xp = get_xp(ins[0])
         operation, coeff = _eltwise_attrs(self.attrs, len(ins))
         y = outs[0]
-        # the result is built in a temporary, so y may share an input's
-        # storage; temporaries, not new arrays, so a CUDA graph captures it
-        # (and a second for coeff_i * x_i where a coefficient is not 1)
-        scaled = operation == "sum" and any(c != 1.0 for c in coeff[1:])
-        acc, *term = self.temporaries(y, *[(y.shape, y.dtype)] * (1 + scaled))
+        acc, *term = self.temporaries(y, *self.host_temporaries(ins, outs))
         if operation == "sum" and coeff[0] != 1.0:
             xp.multiply(ins[0], coeff[0], out=acc)
         else:
@@ -244,6 +240,14 @@ class Eltwise(OpKernel):
             else:
                 xp.maximum(acc, x, out=acc)
         xp.copyto(y, acc)
+
+    def host_temporaries(self, ins, outs):
+        """The result is built in a temporary, so y may share an input's
+        storage; temporaries, not new arrays, so a CUDA graph captures it
+        (and a second for coeff_i * x_i where a coefficient is not 1)."""
+        operation, coeff = _eltwise_attrs(self.attrs, len(ins))
+        scaled = operation == "sum" and any(c != 1.0 for c in coeff[1:])
+        return [(outs[0].shape, outs[0].dtype)] * (1 + scaled)
 
 
 @register
@@ -267,7 +271,7 @@ class EltwiseGrad(OpKernel):
             c = float(coeff[index]) if coeff else 1.0
             xp.multiply(dy, c, out=dx)
         elif operation == "prod":
-            (acc,) = self.temporaries(dy, (dy.shape, dy.dtype))  # dx may share an input
+            (acc,) = self.temporaries(dy, *self.host_temporaries(ins, outs))  # dx may share an input
             xp.copyto(acc, dy)
             for j, x in enumerate(xs):
                 if j != index:  # the product of the others: no division by x_i, so 0 is safe
@@ -276,13 +280,23 @@ class EltwiseGrad(OpKernel):
         else:
             # x_index wins where it beats every earlier input strictly and
             # equals-or-beats every later one: ties go to the lowest index
-            win, beats = self.temporaries(dy, (dy.shape, np.bool_), (dy.shape, np.bool_))
+            win, beats = self.temporaries(dy, *self.host_temporaries(ins, outs))
             win.fill(True)
             for j, x in enumerate(xs):
                 if j != index:
                     (xp.greater if j < index else xp.greater_equal)(xs[index], x, out=beats)
                     win &= beats
             xp.multiply(dy, win, out=dx)
+
+    def host_temporaries(self, ins, outs):
+        """sum: none; prod: the product of the others; max: two masks."""
+        operation = str(self.attrs.get("operation", "sum")).lower()
+        dy = ins[0]
+        if operation == "sum":
+            return []
+        if operation == "prod":
+            return [(dy.shape, dy.dtype)]
+        return [(dy.shape, np.bool_)] * 2
 
 
 @gradient("Eltwise")

@@ -39,10 +39,12 @@ training graph's host ops, ``host_kernel_bytes``):
   Holds its ``run`` takes: per dispatcher lane (one worker thread per
   ``thread`` value of the ops) each distinct buffer once and each growing
   flat buffer at its largest (``im2col.held_by``), the lanes added;
-- ``kernel_temporaries``: the new arrays a host kernel takes from
-  ``OpKernel.temporaries`` while it runs (``host_temporaries``: attention's
-  scores, GELU's and layer norm's intermediates), freed when it ends: the
-  largest op's per lane, the lanes added (they may run at once).
+- ``kernel_temporaries``: the new arrays a host kernel makes while it runs
+  (``host_temporaries``: those it takes from ``OpKernel.temporaries`` --
+  attention's scores, GELU's and layer norm's intermediates -- and its
+  NumPy expression temporaries -- a ReLU gradient's mask, the loss's
+  per-position arrays), freed when it ends: the largest op's per lane, the
+  lanes added (they may run at once).
 
 On a GPU three more rows (``device_extras``), from the same functions
 the run uses:

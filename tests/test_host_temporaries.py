@@ -1,0 +1,118 @@
+"""Each kernel's ``host_temporaries`` (plan's kernel temporaries row) against
+the peak a host run of it allocates, measured by tracemalloc (NumPy reports
+its array memory to it) over a second run (the first makes what is kept:
+the causal mask, caches).
+
+The bound: the declared bytes are allocated (measured >= declared), and
+nothing material is missed: measured <= declared + 10% + 256 KiB. The
+slack is what no shape formula follows: NumPy's casting buffers (a bool or
+int operand of a float ufunc is cast in chunks of np.getbufsize() = 8192
+elements, a few per operand), the small arrays of per-position counts and
+Python's own objects; 256 KiB is 8 such buffers of float64. Every case
+allocates at least 1 MiB, so a method that returns [] fails."""
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from purine_mpi.ops import catalog  # noqa: F401 (registers the kernels)
+from purine_mpi.ops.registry import get_kernel_class
+
+SLACK = 256 << 10
+
+
+def _f(*shape):
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def _ids(high, shape):
+    return np.random.default_rng(1).integers(0, high, shape)
+
+
+def _run_peak(op_type, attrs, ins, outs):
+    """(measured peak bytes of the second run, declared bytes)."""
+    k = get_kernel_class(op_type)(SimpleNamespace(attrs=attrs, name=op_type))
+    k.setup(ins, outs)
+    k.run(ins, outs)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        k.run(ins, outs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    declared = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                   for shape, dtype in k.host_temporaries(ins, outs))
+    return peak - before, declared
+
+
+X = (16, 32, 24, 24)
+C = X[1]
+
+
+def _cases():
+    x, s = _f(*X), np.abs(_f(*X)) + 1
+    like = lambda: np.empty(X, np.float32)  # noqa: E731
+    stats = lambda n: [np.empty(C, np.float32) for _ in range(n)]  # noqa: E731
+    within = {"norm_region": "within_channel", "local_size": 3}
+    big = _f(4 * X[0], *X[1:])   # the masks: a byte an element
+    return [
+        ("ReluGrad", {}, [big, big], [np.empty_like(big)]),
+        ("ReluGrad", {"negative_slope": 0.1}, [x, x], [like()]),
+        ("SigmoidGrad", {}, [x, x], [like()]),
+        ("TanhGrad", {}, [x, x], [like()]),
+        ("Eltwise", {}, [x, x], [like()]),
+        ("Eltwise", {"coeff": [1, -1]}, [x, x], [like()]),
+        ("EltwiseGrad", {"operation": "prod", "index": 0}, [x, x, x], [like()]),
+        ("EltwiseGrad", {"operation": "max", "index": 1}, [big, big, big],
+         [np.empty_like(big)]),
+        ("LRN", {}, [x], [like(), like()]),
+        ("LRN", within, [x], [like(), like()]),
+        ("LRNGrad", {}, [x, x, x, s], [like()]),
+        ("LRNGrad", within, [x, x, x, s], [like()]),
+        ("BatchNorm", {}, [x, _f(C), _f(C), np.zeros(C, np.float32), np.ones(C, np.float32)],
+         [like()] + stats(4)),
+        ("BatchNormGrad", {}, [x, x, _f(C), _f(C), np.ones(C, np.float32)], [like()] + stats(2)),
+        ("Cast", {"dtype": "bfloat16"}, [x], [like()]),
+        ("SoftmaxLoss", {}, [_f(1024, 4, 256), _ids(4, (1024, 256))],
+         [np.empty((), np.float32), np.empty((1024, 4, 256), np.float32)]),
+        ("SoftmaxLossGrad", {"axis": -1}, [np.float32(1), np.abs(_f(32, 128, 256)),
+                                           _ids(256, (32, 128))],
+         [np.empty((32, 128, 256), np.float32)]),
+        ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
+         [np.empty((256, 128), np.float32)]),
+        ("AttentionGrad", {"num_heads": 4}, [_f(8, 128, 128), _f(8, 128, 384)],
+         [np.empty((8, 128, 384), np.float32)]),
+    ]
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_host_temporaries_are_what_the_run_allocates(case):
+    measured, declared = _run_peak(*case)
+    assert measured >= 1 << 20, (case[0], measured)
+    assert declared <= measured <= declared * 1.1 + SLACK, (case[0], measured, declared)
+
+
+def test_embedding_takes_its_rows_without_a_buffer():
+    """Embedding's take writes the rows straight into y (NumPy's mode
+    "raise" buffered y's size, 2 MiB here): nothing to declare."""
+    ins = [_ids(256, (32, 128)), _f(256, 128)]
+    measured, declared = _run_peak("Embedding", {}, ins, [np.empty((32, 128, 128), np.float32)])
+    assert declared == 0 and measured < SLACK, measured
+
+
+def test_softmax_loss_values_unchanged():
+    """The loss computed in prob's bytes (no shifted copy of x) is the
+    reference softmax cross-entropy."""
+    x, lab = _f(6, 5, 7), _ids(5, (6, 7))
+    loss, prob = np.empty((), np.float32), np.empty((6, 5, 7), np.float32)
+    k = get_kernel_class("SoftmaxLoss")(SimpleNamespace(attrs={}, name="l"))
+    k.run([x, lab], [loss, prob])
+    shifted = x - x.max(axis=1, keepdims=True)
+    want = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    np.testing.assert_array_equal(prob, want)
+    picked = np.take_along_axis(shifted, lab[:, None, :], axis=1)[:, 0, :]
+    nll = np.log(np.exp(shifted).sum(axis=1)) - picked
+    assert loss == np.float32(nll.sum() / nll.size)
