@@ -60,3 +60,66 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
 
 PURINE_ADAM_ENTRY(f32, float)
 PURINE_ADAM_ENTRY(f64, double)
+
+// The same update over every parameter at once (a multi-tensor apply, as
+// torch.optim.AdamW(fused=True) does): the weights and both moments are
+// views into three flat buffers w, m and v; parameter s holds
+// `starts[s+1] - starts[s]` elements at offset `offsets[s]` of each, and its
+// gradient (anywhere: e.g. a view into an all-reduce bucket) at the address
+// `grads[s]`. Element i of the concatenation finds its parameter by a binary
+// search over `starts` (ascending, starts[0] = 0). Per parameter, the
+// arithmetic of adam_update with rate = lr * lr_mults[s] and decay =
+// decays[s] (weight_decay * decay_mult), both in double as there: bit for
+// bit the single-parameter kernel's result. lr = lr_value, or *lr_ptr when
+// has_lr_ptr (the lr blob on the device, without lr_mult).
+template <typename T>
+__device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
+                                const unsigned long long* grads, const long long* starts,
+                                const long long* offsets, const double* lr_mults,
+                                const double* decays, int segments, double lr_value,
+                                const T* lr_ptr, int has_lr_ptr, long long it_value,
+                                const long long* it_ptr, int has_it_ptr, double b1, double b2,
+                                T delta, T grad_scale, int decoupled) {
+  const double lr = has_lr_ptr ? (double)lr_ptr[0] : lr_value;
+  const double s = (double)((has_it_ptr ? it_ptr[0] : it_value) + 1);
+  const double correction1 = 1.0 - pow(b1, s);
+  const T correction2 = (T)sqrt(1.0 - pow(b2, s));
+  const T tb1 = (T)b1, tb2 = (T)b2, ob1 = (T)(1.0 - b1), ob2 = (T)(1.0 - b2);
+  CUDA_KERNEL_LOOP(index, total) {
+    int lo = 0, hi = segments - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (starts[mid] <= index) lo = mid; else hi = mid - 1;
+    }
+    const long long at = offsets[lo] + (index - starts[lo]);
+    const T* g = (const T*)grads[lo];
+    const double rate = lr_mults[lo] * lr;
+    const double decay = decays[lo];
+    const T step = (T)(rate / correction1);
+    T wi = w[at];
+    T gi = grad_scale * g[index - starts[lo]];
+    if (!decoupled && decay != 0.0) gi = gi + wi * (T)decay;
+    if (decoupled && decay != 0.0) wi = wi * (T)(1.0 - rate * decay);
+    const T mi = tb1 * m[at] + ob1 * gi;
+    const T vi = tb2 * v[at] + (ob2 * gi) * gi;
+    m[at] = mi;
+    v[at] = vi;
+    const T denom = sqrt(vi) / correction2 + delta;
+    w[at] = wi - (step * mi) / denom;
+  }
+}
+
+#define PURINE_ADAM_MULTI_ENTRY(SUFFIX, T)                                               \
+  extern "C" __global__ void adam_multi_##SUFFIX(                                        \
+      long long total, T* w, T* m, T* v, const unsigned long long* grads,                \
+      const long long* starts, const long long* offsets, const double* lr_mults,         \
+      const double* decays, int segments, double lr_value, const T* lr_ptr,              \
+      int has_lr_ptr, long long it_value, const long long* it_ptr, int has_it_ptr,       \
+      double b1, double b2, T delta, T grad_scale, int decoupled) {                      \
+    adam_multi_impl<T>(total, w, m, v, grads, starts, offsets, lr_mults, decays,         \
+                       segments, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr,         \
+                       has_it_ptr, b1, b2, delta, grad_scale, decoupled);                \
+  }
+
+PURINE_ADAM_MULTI_ENTRY(f32, float)
+PURINE_ADAM_MULTI_ENTRY(f64, double)

@@ -152,6 +152,121 @@ def test_multi_sgd_op_on_the_cpu_equals_sgd_update_ops():
     np.testing.assert_array_equal(w[12:64], flat_w[12:64])
 
 
+# ----------------------------------------------------- multi-tensor Adam ---
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_multi_tensor_adam_equals_one_update_per_parameter(backend, dtype, decoupled,  # noqa: F811
+                                                          on_device):
+    """adam_multi over flat weight/moment buffers == adam_update per
+    parameter, bit for bit, with per-parameter lr_mult and decay_mult, the
+    lr and iteration as device blobs or as numbers; the padding between
+    the parameters' views untouched."""
+    rng = np.random.default_rng(2)
+    shapes = [(4, 3, 3, 3), (4,), (7, 5), (1,), (130,)]
+    lr_mults, decay_mults = [1.0, 2.0, 1.0, 0.5, 3.0], [1.0, 0.0, 1.0, 2.0, 0.25]
+    weights = _params(rng, shapes, dtype)
+    firsts = _params(rng, shapes, dtype)
+    seconds = [np.abs(a) for a in _params(rng, shapes, dtype)]
+    offsets, total = [], 0
+    for w in weights:
+        offsets.append(total)
+        total += -(-w.size // 64) * 64
+    flat = [np.zeros(total, dtype) for _ in range(3)]
+    for arrays, buf in zip((weights, firsts, seconds), flat):
+        for a, off in zip(arrays, offsets):
+            buf[off:off + a.size] = a.reshape(-1)
+    dev = [backend.to_device(b) for b in flat]
+    singles = [[backend.to_device(a) for a in arrays]
+               for arrays in zip(weights, firsts, seconds)]
+    wd = 0.1
+    for step in range(3):
+        lr = backend.to_device(np.array(0.01 * (step + 1), np.float32)) if on_device \
+            else 0.01 * (step + 1)
+        it = backend.to_device(np.array([step + 4], np.int64)) if on_device else step + 4
+        grads = [backend.to_device(g) for g in _params(rng, shapes, dtype)]
+        table = kernels.MultiTensorTable(grads, offsets, lr_mults,
+                                         [wd * m for m in decay_mults], dtype,
+                                         factor_dtype=np.float64)
+        kw = dict(beta1=0.9, beta2=0.95, delta=1e-8, grad_scale=0.5)
+        kernels.adam_multi(*dev, table, lr, it, decoupled=decoupled, **kw)
+        for (w, m, v), g, lm, dm in zip(singles, grads, lr_mults, decay_mults):
+            kernels.adam_update(w, g, m, v, lr, it, weight_decay=wd * dm,
+                                decoupled=decoupled, lr_mult=lm, **kw)
+    got = [backend.to_host(b) for b in dev]
+    for arrays, off in zip(singles, offsets):
+        for buf, a in zip(got, arrays):
+            a = backend.to_host(a).reshape(-1)
+            np.testing.assert_array_equal(buf[off:off + a.size], a)
+    padding = np.ones(total, bool)
+    for w, off in zip(weights, offsets):
+        padding[off:off + w.size] = False
+    assert not any(buf[padding].any() for buf in got)  # untouched
+
+
+@pytest.mark.parametrize("op_type", ["AdamUpdate", "AdamWUpdate"])
+def test_multi_adam_op_on_the_cpu_equals_adam_update_ops(op_type):
+    """MultiAdamUpdate's CPU path is the single op's arithmetic per parameter."""
+    rng = np.random.default_rng(3)
+    shapes, offsets = [(3, 4), (5,)], [0, 64]
+    lr, it = np.asarray(0.1, np.float32), np.asarray(6, np.int64)
+    shared = {"momentum": 0.9, "momentum2": 0.95, "delta": 1e-8, "weight_decay": 1e-2,
+              "grad_scale": 0.5}
+    attrs = dict(shared, decoupled=op_type == "AdamWUpdate", sizes=[12, 5], offsets=offsets,
+                 lr_mults=[1.0, 2.0], decay_mults=[1.0, 0.0], params=["a", "b"])
+    flat = [rng.standard_normal(128).astype(np.float32) for _ in range(2)] + \
+        [np.abs(rng.standard_normal(128)).astype(np.float32)]
+    grads = _params(rng, shapes, np.float32)
+    multi = get_kernel_class("MultiAdamUpdate")(Op("u", "MultiAdamUpdate", [], [], attrs))
+    out = [b.copy() for b in flat]
+    multi.setup(out + [lr, it] + grads, out)
+    multi.run(out + [lr, it] + grads, out)
+    for k, (g, off) in enumerate(zip(grads, offsets)):
+        single = dict(shared, lr_mult=attrs["lr_mults"][k], decay_mult=attrs["decay_mults"][k])
+        views = [b[off:off + g.size].reshape(g.shape).copy() for b in flat]
+        get_kernel_class(op_type)(Op("s", op_type, [], [], single)).run(
+            [views[0], g, views[1], views[2], lr, it], views)
+        for buf, view in zip(out, views):
+            np.testing.assert_array_equal(buf[off:off + g.size], view.reshape(-1))
+    for buf, old in zip(out, flat):
+        np.testing.assert_array_equal(buf[12:64], old[12:64])
+
+
+def test_the_fuse_pass_makes_one_adam_update_per_setting():
+    """AdamW updates of one device, lr, iteration and settings become one
+    MultiAdamUpdate whose weights and moments are views of solver.params,
+    solver.m and solver.v; an update with other betas stays apart."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.core import Location
+    from purine_mpi.parallel.fuse import fuse_updates
+    g = Graph("n")
+    loc = Location(0, 0)
+    g.add_blob("lr", (1,), "float32", loc, kind="lr")
+    g.add_blob("it", (1,), "int64", loc, kind="iter")
+    for name, shape, betas in (("a", (3, 4), 0.95), ("b", (5,), 0.95), ("c", (2,), 0.99)):
+        g.add_blob(name, shape, "float32", loc, kind="param")
+        g.add_blob(f"{name}.grad", shape, "float32", loc, kind="grad")
+        for st in ("m", "v"):
+            g.add_blob(f"{name}/{st}", shape, "float32", loc, kind="state")
+        for b in (name, f"{name}/m", f"{name}/v"):
+            g.add_blob(f"{b}@new", shape, "float32", loc, kind=g.blobs[b].kind, alias_of=b)
+        g.add_op(f"{name}.update", "AdamWUpdate",
+                 [name, f"{name}.grad", f"{name}/m", f"{name}/v", "lr", "it"],
+                 [f"{name}@new", f"{name}/m@new", f"{name}/v@new"],
+                 {"momentum": 0.9, "momentum2": betas, "weight_decay": 0.1,
+                  "lr_mult": 1.0, "decay_mult": 0.0 if name == "b" else 1.0}, location=loc)
+    (made,) = fuse_updates(g)
+    op = g.ops[made]
+    assert op.op_type == "MultiAdamUpdate" and op.attrs["decoupled"] is True
+    assert op.inputs[:5] == ["solver.params", "solver.m", "solver.v", "lr", "it"]
+    assert op.inputs[5:] == ["a.grad", "b.grad"] and op.attrs["decay_mults"] == [1.0, 0.0]
+    assert [g.blobs[n].alias_of for n in ("a", "a/m", "b/v")] == \
+        ["solver.params", "solver.m", "solver.v"]
+    assert g.blobs["b"].offset == 64 and "c.update" in g.ops   # other betas: not fused
+    g.infer_shapes().validate()
+
+
 # ------------------------------------------------------------- fusions ---
 
 def _relu_net(extra_reader=False, slope=0.0, producer="Conv"):

@@ -143,7 +143,7 @@ def test_the_pass_marks_gemms_and_attention_bf16_and_the_rest_fp32():
     assert low - {"Cast"} <= set(LOW_OP_TYPES)
     for fp32 in ("LayerNorm", "LayerNormGrad", "Softmax", "SoftmaxGrad", "SoftmaxLoss",
                  "SoftmaxLossGrad", "Gelu", "Eltwise", "Sum", "InnerProductGradBias",
-                 "Embedding", "EmbeddingGrad", "AdamWUpdate", "LearningRate"):
+                 "Embedding", "EmbeddingGrad", "MultiAdamUpdate", "LearningRate"):
         assert by_type[fp32] == {"fp32"}, fp32
     # master weights stay float32; each weight a GEMM reads has its copy
     # <w>@bf16, cast once (by one Cast op) from the master and read by the

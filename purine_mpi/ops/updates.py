@@ -6,11 +6,14 @@ which the graph orders after every other reader of the old values).
 
 On a GPU (CuPy weights of float32/float64) the SGD update is one fused raw
 kernel (cuda/sgd.cu) instead of four element-wise passes, and so are Adam
-and AdamW (cuda/adam.cu): nothing allocates in a captured iteration. The learning rate
+and AdamW (cuda/adam.cu): nothing allocates in a captured iteration; the
+fuse pass (parallel/fuse.py) then makes the updates of a device one
+multi-tensor op (MultiSGDUpdate, MultiAdamUpdate): one launch for them all. The learning rate
 may be a host blob (read as a number: no sync) or a device blob (read by the
 kernel: no host round trip either).
 """
 import math
+import types
 
 import numpy as np
 
@@ -94,41 +97,50 @@ class MultiSGDUpdate(OpKernel):
 
     op_type = "MultiSGDUpdate"
     category = "update"
+    #: the flat buffers (weights, then the states) and the scalar inputs
+    #: after them, before the gradients
+    flat, scalars = ("weights", "momenta"), ("learning rate",)
 
     @classmethod
     def infer(cls, attrs, ins):
         sizes, offsets = list(attrs["sizes"]), list(attrs["offsets"])
-        n = len(sizes)
-        if len(ins) != 3 + n or not n == len(offsets) == len(attrs["lr_mults"]) == \
+        n, head = len(sizes), len(cls.flat) + len(cls.scalars)
+        if len(ins) != head + n or not n == len(offsets) == len(attrs["lr_mults"]) == \
                 len(attrs["decay_mults"]):
-            raise ShapeError(f"MultiSGDUpdate takes the flat weights, the flat momenta, the lr "
-                             f"and one gradient per parameter ({n}), with one size, offset, "
-                             f"lr_mult and decay_mult each; got {len(ins)} inputs")
-        (ws, wd), (vs, vd), (ls, _) = ins[:3]
-        if tuple(ws) != tuple(vs) or len(ws) != 1:
-            raise ShapeError(f"MultiSGDUpdate needs flat weight and momentum buffers of one "
-                             f"length, got {list(ws)} and {list(vs)}")
-        if int(np.prod(ls, dtype=np.int64)) != 1:
-            raise ShapeError(f"MultiSGDUpdate's learning rate must be a scalar, got {list(ls)}")
-        for k, ((gs, _), size, off) in enumerate(zip(ins[3:], sizes, offsets)):
+            raise ShapeError(f"{cls.op_type} takes the flat {', the flat '.join(cls.flat)}, "
+                             f"the {' and the '.join(cls.scalars)} and one gradient per "
+                             f"parameter ({n}), with one size, offset, lr_mult and "
+                             f"decay_mult each; got {len(ins)} inputs")
+        flat = ins[:len(cls.flat)]
+        ws = flat[0][0]
+        if len({tuple(s) for s, _ in flat}) != 1 or len(ws) != 1:
+            raise ShapeError(f"{cls.op_type} needs flat {' and '.join(cls.flat)} buffers of "
+                             f"one length, got {', '.join(str(list(s)) for s, _ in flat)}")
+        for what, (ls, _) in zip(cls.scalars, ins[len(cls.flat):head]):
+            if int(np.prod(ls, dtype=np.int64)) != 1:
+                raise ShapeError(f"{cls.op_type}'s {what} must be a scalar, got {list(ls)}")
+        for k, ((gs, _), size, off) in enumerate(zip(ins[head:], sizes, offsets)):
             if int(np.prod(gs, dtype=np.int64)) != int(size) or off < 0 or \
                     off + size > ws[0]:
-                raise ShapeError(f"MultiSGDUpdate: gradient {k} has shape {list(gs)}, its "
+                raise ShapeError(f"{cls.op_type}: gradient {k} has shape {list(gs)}, its "
                                  f"parameter {size} elements at offset {off} of {ws[0]}")
-        return [(tuple(ws), wd), (tuple(vs), vd)]
+        return [(tuple(s), d) for s, d in flat]
+
+    #: the dtype of the table's lr_mults and decays (None: the weights')
+    factor_dtype = None
 
     def setup(self, ins, outs):
         self._table = None
-        w, v = outs
-        xp = get_xp(w)
-        k = raw_kernels(xp, w, v, *ins[3:])
-        if k is not None and w.flags.c_contiguous and v.flags.c_contiguous and \
-                all(g.flags.c_contiguous for g in ins[3:]):
+        grads = ins[len(self.flat) + len(self.scalars):]
+        xp = get_xp(outs[0])
+        k = raw_kernels(xp, *outs, *grads)
+        if k is not None and all(a.flags.c_contiguous for a in list(outs) + list(grads)):
             a = self.attrs
             wd = float(a.get("weight_decay", 0.0))
             self._table = k.MultiTensorTable(
-                list(ins[3:]), a["offsets"], [float(m) for m in a["lr_mults"]],
-                [wd * float(m) for m in a["decay_mults"]], w.dtype)
+                list(grads), a["offsets"], [float(m) for m in a["lr_mults"]],
+                [wd * float(m) for m in a["decay_mults"]], outs[0].dtype,
+                factor_dtype=self.factor_dtype)
 
     def run(self, ins, outs):
         w, v, lr = ins[:3]
@@ -399,6 +411,54 @@ class AdamWUpdate(AdamUpdate):
         if decay:
             w *= t(1 - rate * decay) if isinstance(rate, float) else 1 - rate * t(decay)
         super().step(xp, w, g, states, t, rate, decay, it)
+
+
+@register
+class MultiAdamUpdate(MultiSGDUpdate):
+    """[w_flat, m_flat, v_flat, lr, iter, grad_0, ..., grad_{n-1}] ->
+    [w_flat_new, m_flat_new, v_flat_new] (aliases of the flat buffers):
+    AdamUpdate (attr ``decoupled`` false) or AdamWUpdate (true) of n
+    parameters at once, laid out as MultiSGDUpdate's (parallel/fuse.py), each
+    with its own ``lr_mults[k]`` and ``decay_mults[k]``; ``momentum``,
+    ``momentum2``, ``delta``, ``weight_decay`` and ``grad_scale`` shared.
+
+    On a GPU one kernel updates everything (cuda/adam.cu, adam_multi: the
+    arithmetic of the single-parameter kernel, bit for bit; torch's
+    ``fused=True`` multi-tensor apply); on the CPU each parameter is updated
+    by the single op's code. No gradient."""
+
+    op_type = "MultiAdamUpdate"
+    flat, scalars = ("weights", "first moments", "second moments"), \
+        ("learning rate", "iteration")
+    factor_dtype = np.float64
+
+    def run(self, ins, outs):
+        a = self.attrs
+        for old, new in zip(ins[:3], outs):
+            if not same_buffer(old, new):
+                new[...] = old
+        lr, it = ins[3:5]
+        table = getattr(self, "_table", None)
+        if table is not None:
+            from ..gpu import kernels
+            kernels.adam_multi(*outs, table, float(lr.reshape(())) if get_xp(lr) is np else lr,
+                               int(it.reshape(())) if get_xp(it) is np else it,
+                               beta1=float(a.get("momentum", 0.9)),
+                               beta2=float(a.get("momentum2", 0.999)),
+                               delta=float(a.get("delta", 1e-8)),
+                               grad_scale=float(a.get("grad_scale", 1.0)),
+                               decoupled=bool(a.get("decoupled")))
+            return
+        single = AdamWUpdate if a.get("decoupled") else AdamUpdate
+        shared = {k: a[k] for k in ("momentum", "momentum2", "delta", "weight_decay",
+                                    "grad_scale") if k in a}
+        for grad, off, size, lr_mult, decay_mult in zip(
+                ins[5:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
+            views = [o[int(off):int(off) + int(size)].reshape(grad.shape) for o in outs]
+            kernel = single(types.SimpleNamespace(
+                name=self.op.name, op_type=single.op_type,
+                attrs=dict(shared, lr_mult=lr_mult, decay_mult=decay_mult)))
+            kernel.run([views[0], grad, views[1], views[2], lr, it], views)
 
 
 #: update op type and state names of each ``solver.type``

@@ -16,15 +16,18 @@ numbers as the graph it rewrites, up to float summation order at most):
     data-gradient convolution applies the mask (cuDNN's dgrad + drelu graph,
     or one kernel after the im2col path). The intermediate gradient goes.
 
-``fuse_sgd_updates(graph)``
+``fuse_updates(graph)``
     The SGDUpdate ops of one device that share the learning rate, momentum,
     weight decay and gradient scale become one ``MultiSGDUpdate``: the
     weights become views into one flat buffer ``solver.params`` (kind
     ``param_buffer``; each view 256-byte aligned), the momenta views into
     ``solver.momentum`` (kind ``state_buffer``), and one kernel updates them
-    all, each with its own lr_mult and decay_mult. Blob names stay, so
-    checkpoints, ``--init`` and the test graph's shared weights are
-    unchanged.
+    all, each with its own lr_mult and decay_mult. Likewise AdamUpdate and
+    AdamWUpdate ops sharing the learning rate, iteration, betas, delta,
+    weight decay and gradient scale become one ``MultiAdamUpdate`` over
+    ``solver.params``, ``solver.m`` and ``solver.v`` (torch's fused AdamW).
+    Blob names stay, so checkpoints, ``--init`` and the test graph's shared
+    weights are unchanged.
 
 ``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
@@ -34,7 +37,7 @@ from ..graph.core import Location
 #: producers a ReLU fuses into (their kernels apply it in the bias epilogue)
 RELU_PRODUCERS = ("Conv", "InnerProduct")
 #: flat buffers of the fused solver, and their blob kinds
-PARAM_BUFFER, MOMENTUM_BUFFER = "solver.params", "solver.momentum"
+PARAM_BUFFER, MOMENTUM_BUFFER = "solver.params", "solver.momentum"   # solver.<state>
 PARAM_BUFFER_KIND, STATE_BUFFER_KIND = "param_buffer", "state_buffer"
 #: element alignment of each view in a flat buffer (256 bytes of float32)
 FLAT_ALIGN = 64
@@ -106,20 +109,42 @@ def fuse_dgrad_relu(graph):
     return fused
 
 
+#: the update ops the pass fuses: {op type: (the multi-tensor op, its
+#: states' names, the attrs that must agree within a group, attrs of the
+#: multi op fixed by the op type)}
+FUSED_UPDATES = {
+    "SGDUpdate": ("MultiSGDUpdate", ("momentum",),
+                  (("momentum", 0.0), ("weight_decay", 0.0), ("grad_scale", 1.0)), {}),
+    "AdamUpdate": ("MultiAdamUpdate", ("m", "v"),
+                   (("momentum", 0.9), ("momentum2", 0.999), ("delta", 1e-8),
+                    ("weight_decay", 0.0), ("grad_scale", 1.0)), {"decoupled": False}),
+    "AdamWUpdate": ("MultiAdamUpdate", ("m", "v"),
+                    (("momentum", 0.9), ("momentum2", 0.999), ("delta", 1e-8),
+                     ("weight_decay", 0.0), ("grad_scale", 1.0)), {"decoupled": True}),
+}
+
+
 def _update_group_key(graph, op):
-    a = op.attrs
-    return (op.location, op.thread, op.inputs[3], graph.blobs[op.inputs[0]].dtype,
-            float(a.get("momentum", 0.0)), float(a.get("weight_decay", 0.0)),
-            float(a.get("grad_scale", 1.0)), a.get("skip_if"))
+    _, states, shared, _ = FUSED_UPDATES[op.op_type]
+    return (op.op_type, op.location, op.thread, tuple(op.inputs[2 + len(states):]),
+            graph.blobs[op.inputs[0]].dtype,
+            tuple(float(op.attrs.get(k, d)) for k, d in shared), op.attrs.get("skip_if"))
 
 
 def _fusable_update(graph, op, producers):
-    """An SGDUpdate whose weight and momentum own their storage and are
-    written by it alone, through whole-blob aliases."""
-    if op.op_type != "SGDUpdate" or op.accumulate or op.location.device is None \
-            or op.location.device < 0 or len(op.inputs) != 4 or len(op.outputs) != 2:
+    """An update of FUSED_UPDATES whose weight and states own their storage
+    and are written by it alone, through whole-blob aliases, all of one
+    dtype."""
+    spec = FUSED_UPDATES.get(op.op_type)
+    if spec is None or op.accumulate or op.location.device is None \
+            or op.location.device < 0:
         return False
-    for src, new in zip(op.inputs[:3:2], op.outputs):
+    states = spec[1]
+    scalars = 2 if op.op_type != "SGDUpdate" else 1   # lr (and the iteration)
+    if len(op.inputs) != 2 + len(states) + scalars or len(op.outputs) != 1 + len(states):
+        return False
+    held = [op.inputs[0]] + op.inputs[2:2 + len(states)]
+    for src, new in zip(held, op.outputs):
         sb, nb = graph.blobs[src], graph.blobs[new]
         if sb.alias_of is not None or nb.alias_of != src or nb.offset != 0 \
                 or nb.size != sb.size or sb.dtype != nb.dtype:
@@ -127,52 +152,54 @@ def _fusable_update(graph, op, producers):
         if [w.name for w in producers.get(src, ())] or \
                 [w.name for w in producers.get(new, ())] != [op.name]:
             return False
-    return graph.blobs[op.inputs[0]].dtype == graph.blobs[op.inputs[2]].dtype
+    return len({graph.blobs[b].dtype for b in held}) == 1
 
 
-def fuse_sgd_updates(graph):
-    """Replace same-setting SGDUpdate ops by one MultiSGDUpdate per group
-    (see the module docstring). Returns the names of the new ops."""
+def fuse_updates(graph):
+    """Replace same-setting update ops (SGDUpdate; AdamUpdate, AdamWUpdate)
+    by one multi-tensor op per group (MultiSGDUpdate, MultiAdamUpdate; see
+    the module docstring). Returns the names of the new ops."""
     producers = graph.producers()
     groups = {}
     for op in graph.ops.values():
         if _fusable_update(graph, op, producers):
             groups.setdefault(_update_group_key(graph, op), []).append(op)
     created = []
-    for k, ((location, thread, lr, dtype, momentum, decay, scale, skip_if), ops) in \
-            enumerate(groups.items()):
+    for k, (key, ops) in enumerate(groups.items()):
         if len(ops) < 2:
             continue
+        op_type, location, thread, scalars, dtype, _, skip_if = key
+        multi_type, states, shared, fixed = FUSED_UPDATES[op_type]
         suffix = "" if k == 0 else f"#{k}"
-        params_name, momenta_name = PARAM_BUFFER + suffix, MOMENTUM_BUFFER + suffix
+        buffers = [PARAM_BUFFER + suffix] + [f"solver.{s}{suffix}" for s in states]
         offsets, total = [], 0
         for op in ops:
             offsets.append(total)
             size = graph.blobs[op.inputs[0]].size
             total += -(-size // FLAT_ALIGN) * FLAT_ALIGN
-        for name, kind in ((params_name, PARAM_BUFFER_KIND), (momenta_name, STATE_BUFFER_KIND)):
+        for name, kind in zip(buffers, [PARAM_BUFFER_KIND] + [STATE_BUFFER_KIND] * len(states)):
             graph.add_blob(name, (total,), dtype, location, kind=kind)
             graph.add_blob(f"{name}@new", (total,), dtype, location, kind=kind, alias_of=name)
         for op, off in zip(ops, offsets):
-            w, _, v, _ = op.inputs
-            for blob, root in ((w, params_name), (v, momenta_name)):
+            held = [op.inputs[0]] + op.inputs[2:2 + len(states)]
+            for blob, root in zip(held, buffers):
                 b = graph.blobs[blob]
                 b.alias_of, b.offset = root, off
             for new in op.outputs:
                 del graph.blobs[new]
             graph.remove_op(op.name)
-        attrs = {"momentum": momentum, "weight_decay": decay, "grad_scale": scale,
-                 "params": [op.inputs[0] for op in ops],
-                 "offsets": offsets, "sizes": [graph.blobs[op.inputs[0]].size for op in ops],
-                 "lr_mults": [float(op.attrs.get("lr_mult", 1.0)) for op in ops],
-                 "decay_mults": [float(op.attrs.get("decay_mult", 1.0)) for op in ops]}
+        first = ops[0].attrs
+        attrs = dict({key: float(first.get(key, d)) for key, d in shared}, **fixed,
+                     params=[op.inputs[0] for op in ops], offsets=offsets,
+                     sizes=[graph.blobs[op.inputs[0]].size for op in ops],
+                     lr_mults=[float(op.attrs.get("lr_mult", 1.0)) for op in ops],
+                     decay_mults=[float(op.attrs.get("decay_mult", 1.0)) for op in ops])
         if skip_if:  # fp16's overflow flag (graph/loss_scale.py): skipped as one
             attrs["skip_if"] = skip_if
         controls = list(dict.fromkeys(c for op in ops for c in op.control_inputs))
         name = "solver.update" + suffix
-        graph.add_op(name, "MultiSGDUpdate",
-                     [params_name, momenta_name, lr] + [op.inputs[1] for op in ops],
-                     [f"{params_name}@new", f"{momenta_name}@new"], attrs,
+        graph.add_op(name, multi_type, buffers + list(scalars) + [op.inputs[1] for op in ops],
+                     [f"{b}@new" for b in buffers], attrs,
                      location=Location(location.rank, location.device, location.ip),
                      thread=thread, control_inputs=controls)
         gone = {op.name for op in ops}  # an op that waited for a fused update waits for it
@@ -190,6 +217,6 @@ def fuse_for_device(graph, train=True):
     fuse_relu(graph)
     if train:
         fuse_dgrad_relu(graph)
-        fuse_sgd_updates(graph)
+        fuse_updates(graph)
     graph.infer_shapes().validate()
     return graph

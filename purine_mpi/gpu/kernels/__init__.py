@@ -25,6 +25,7 @@ from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mea
                    softmax_loss_count, softmax_forward, softmax_backward, LossTable, accuracy,
                    loss_watch)  # noqa: F401
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
+                   adam_multi,
                    learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale,
                    all_finite, adaptive_update)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,  # noqa: F401

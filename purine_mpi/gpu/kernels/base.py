@@ -18,7 +18,7 @@ ENTRY_POINTS = {
                      "softmax_loss_count", "softmax_forward", "softmax_backward",
                      "accuracy_forward", "accuracy_mean"),
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
-    "adam": ("adam_update",),
+    "adam": ("adam_update", "adam_multi"),
     "adaptive": ("adaptive_update",),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),

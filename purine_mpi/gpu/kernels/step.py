@@ -103,9 +103,10 @@ class MultiTensorTable:
     ``grads``: the gradient arrays (C-contiguous, any addresses, kept alive
     here); ``offsets``: each parameter's element offset in the flat buffers;
     ``lr_mults``/``decays``: per-parameter rate multiplier and weight decay
-    (weight_decay * decay_mult)."""
+    (weight_decay * decay_mult), kept in ``factor_dtype`` (default the
+    weights' dtype; float64 for :func:`adam_multi`, whose rate is a double)."""
 
-    def __init__(self, grads, offsets, lr_mults, decays, dtype):
+    def __init__(self, grads, offsets, lr_mults, decays, dtype, factor_dtype=None):
         cupy = import_cupy()
         dtype = np.dtype(dtype)
         dtype_suffix(dtype)
@@ -125,9 +126,29 @@ class MultiTensorTable:
         self.starts = cupy.asarray(starts)
         self.offsets = cupy.asarray(np.asarray(self.offsets_host, np.int64))
         self.pointers = cupy.asarray(np.asarray([data_ptr(g) for g in grads], np.uint64))
-        self.lr_mults = cupy.asarray(np.asarray(lr_mults, dtype))
-        self.decays = cupy.asarray(np.asarray(decays, dtype))
+        factor_dtype = dtype if factor_dtype is None else np.dtype(factor_dtype)
+        self.lr_mults = cupy.asarray(np.asarray(lr_mults, factor_dtype))
+        self.decays = cupy.asarray(np.asarray(decays, factor_dtype))
+        self.factor_dtype = factor_dtype
         self.dtype = dtype
+
+
+def _check_flat(cupy, what, table, factor_dtype, **flat):
+    """The flat buffers of a multi-tensor update: C-contiguous CuPy arrays
+    of the table's dtype, long enough for every parameter's view."""
+    if table.factor_dtype != np.dtype(factor_dtype):
+        raise ValueError(f"{what}: the table's factors are {table.factor_dtype}, the kernel "
+                         f"takes {np.dtype(factor_dtype)}")
+    for name, array in flat.items():
+        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous or \
+                array.dtype != table.dtype:
+            raise ValueError(f"{what}: {name} must be a C-contiguous "
+                             f"{table.dtype} CuPy array (it is updated in place)")
+    end = max(o + n for o, n in zip(table.offsets_host, table.sizes))
+    if any(a.size < end for a in flat.values()):
+        raise ValueError(f"{what}: the flat buffers hold "
+                         f"{' and '.join(str(a.size) for a in flat.values())} elements, the "
+                         f"parameters reach {end}")
 
 
 def sgd_momentum_multi(w, v, table, lr, momentum=0.9, grad_scale=1.0):
@@ -135,21 +156,40 @@ def sgd_momentum_multi(w, v, table, lr, momentum=0.9, grad_scale=1.0):
     :class:`MultiTensorTable`) in one kernel, in place on the flat weight
     and momentum buffers ``w`` and ``v`` (1-D, C-contiguous)."""
     cupy = import_cupy()
-    for name, array in (("w", w), ("v", v)):
-        if not isinstance(array, cupy.ndarray) or not array.flags.c_contiguous or \
-                array.dtype != table.dtype:
-            raise ValueError(f"sgd_momentum_multi: {name} must be a C-contiguous "
-                             f"{table.dtype} CuPy array (it is updated in place)")
-    end = max(o + n for o, n in zip(table.offsets_host, table.sizes))
-    if w.size < end or v.size < end:
-        raise ValueError(f"sgd_momentum_multi: the flat buffers hold {w.size} and {v.size} "
-                         f"elements, the parameters reach {end}")
+    _check_flat(cupy, "sgd_momentum_multi", table, table.dtype, w=w, v=v)
     t = w.dtype.type
     lr_value, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, 1.0, w, "sgd_momentum_multi")
     _base._launch("sgd", "sgd_momentum_multi", w.dtype, table.total,
             (w, v, table.pointers, table.starts, table.offsets, table.lr_mults,
              table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
              t(momentum), t(grad_scale)))
+
+
+def adam_multi(w, m, v, table, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
+               grad_scale=1.0, decoupled=False):
+    """:func:`adam_update` of every parameter in ``table`` (a
+    :class:`MultiTensorTable` with float64 factors: each parameter's
+    lr_mult and weight_decay * decay_mult) in one kernel, in place on the
+    flat weight and moment buffers ``w``, ``m`` and ``v`` (1-D,
+    C-contiguous): bit for bit the single-parameter kernel's result.
+    ``lr`` and ``iteration`` as for :func:`adam_update` (without lr_mult)."""
+    cupy = import_cupy()
+    _check_flat(cupy, "adam_multi", table, np.float64, w=w, m=m, v=v)
+    t = w.dtype.type
+    if isinstance(lr, cupy.ndarray):
+        _, lr_ptr, has_lr_ptr = _lr_arg(cupy, lr, 1.0, w, "adam_multi")
+        lr_value = np.float64(0.0)
+    else:
+        lr_value, lr_ptr, has_lr_ptr = np.float64(float(lr)), w, _int(0)
+    if isinstance(iteration, cupy.ndarray):
+        it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    else:
+        it_value, it_ptr, has_it_ptr = np.int64(int(iteration)), _unread_int64(cupy), _int(0)
+    _base._launch("adam", "adam_multi", w.dtype, table.total,
+                  (w, m, v, table.pointers, table.starts, table.offsets, table.lr_mults,
+                   table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
+                   it_value, it_ptr, has_it_ptr, np.float64(beta1), np.float64(beta2),
+                   t(delta), t(grad_scale), _int(bool(decoupled))))
 
 
 # --------------------------------------------------------- learning rate ---
