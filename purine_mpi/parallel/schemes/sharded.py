@@ -89,8 +89,13 @@ class Sharded(Hybrid):
                             f"{job.path}: key 'parallel.stages': scheme sharded with stages "
                             f"runs on the CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
+        forward = None
         if lay.staged:
-            comp = compose_stages(graph, job, world, micro_copies(graph, grads, job))
+            copies = micro_copies(graph, grads, job)
+            if par.shard >= 3:  # told apart on the whole net: stage 0's slice has no loss
+                from ..sharding import forward_ops
+                forward = forward_ops(graph)
+            comp = compose_stages(graph, job, world, copies)
             graph = comp.graph
         else:
             accumulate(graph, grads, job)
@@ -102,6 +107,8 @@ class Sharded(Hybrid):
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
+        if forward is not None:
+            settings["forward"] = forward
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), **settings)
         if lay.staged:
@@ -197,6 +204,9 @@ class Sharded(Hybrid):
             def held():
                 params, solver = local()
                 solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
+                if _zero3(graphs):  # stage 3: each parameter's piece of the weight shards
+                    params = {p: v for p, v in params.items() if p in graphs.params}
+                    params.update(self.held_weight_pieces(graphs, ws))
                 return params, solver
             return super().checkpoint_sections(graphs, ws, world, held)
         from ...job.checkpoint_file import Streamed
@@ -213,27 +223,38 @@ class Sharded(Hybrid):
         from ...base.backend import to_numpy
         out = {}
         for entry in _plan(graphs):
-            lo, hi = entry["shard"]
             for flat, state in _states(entry):
-                arr = to_numpy(ws[flat])
-                for p, off in zip(entry["params"], entry["offsets"]):
-                    a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
-                    if a < b:
-                        out.setdefault(p, {})[state] = np.array(arr[a - lo:b - lo])
+                for p, piece in _pieces(graphs, entry, to_numpy(ws[flat])):
+                    out.setdefault(p, {})[state] = piece
         return out
 
+    def held_weight_pieces(self, graphs, ws):
+        """Stage 3 with stages: {param: (its whole shape, its 1-D piece of
+        this rank's weight shard)}, as ``held_solver_state`` cuts the state
+        (rank 0 joins the pieces of every stage's parameters: the shapes of
+        another stage's are not in its graph)."""
+        from ...base.backend import to_numpy
+        return {p: (tuple(graphs.graph.blobs[p].shape), piece) for entry in _plan(graphs)
+                for p, piece in _pieces(graphs, entry, to_numpy(ws[entry["weight_shard"]]))}
+
     def join_checkpoint(self, graphs, parts):
-        """The weights: stage 3's bucket shards joined, else each parameter's
-        first holder in world order (rank 0; with stages, replica 0's stage
-        ranks). The state: each parameter's pieces (``held_solver_state``)
-        joined in world order -- a stage's ranks in replica order, the order
-        of its shards -- and cut into the weight's shape; a piece already
-        the whole is taken as it is (a parameter inside one shard)."""
-        params = _join_weights(graphs, [part[0] for part in parts]) if _zero3(graphs) else {}
-        if not params:
-            for part in parts:
-                for p, value in part[0].items():
+        """The weights: each parameter's first holder in world order (rank
+        0; with stages, replica 0's stage ranks); at stage 3 each bucketed
+        parameter's pieces (``held_weight_pieces``) joined in world order
+        into its shape. The state: each parameter's pieces
+        (``held_solver_state``) joined in world order -- a stage's ranks in
+        replica order, the order of its shards -- and cut into the weight's
+        shape; a piece already the whole is taken as it is (a parameter
+        inside one shard)."""
+        params, weight_pieces = {}, {}
+        for part in parts:
+            for p, value in part[0].items():
+                if isinstance(value, tuple):  # (whole shape, piece): stage 3
+                    weight_pieces.setdefault(p, (value[0], []))[1].append(value[1])
+                else:
                     params.setdefault(p, value)
+        for p, (shape, got) in weight_pieces.items():
+            params[p] = _joined(f"the weight '{p}'", got, shape)
         pieces = {}
         for part in parts:
             for p, states in part[1].items():
@@ -241,15 +262,9 @@ class Sharded(Hybrid):
                     pieces.setdefault(p, {}).setdefault(state, []).append(np.asarray(value))
         saved = {}
         for p, states in pieces.items():
-            shape = np.shape(params[p])
-            size = int(np.prod(shape, dtype=np.int64))
             for state, got in states.items():
-                whole = got[0] if got[0].size == size else np.concatenate(
-                    [x.ravel() for x in got])
-                if whole.size != size:
-                    raise GraphError(f"the state '{state}' of '{p}' joins to {whole.size} "
-                                     f"elements from the ranks' shards, the weight has {size}")
-                saved.setdefault(p, {})[state] = whole.reshape(shape)
+                saved.setdefault(p, {})[state] = _joined(f"the state '{state}' of '{p}'", got,
+                                                         np.shape(params[p]))
         return params, saved
 
     # ---- stage 3: the weights held as each bucket's shard
@@ -289,6 +304,9 @@ class Sharded(Hybrid):
         mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
         parts = world.allgather_object(mine, "the weight shards for the test graph "
                                              "(allgather)")
+        lay = graphs.layout
+        if lay.staged:  # this stage's ranks, in replica order: its shards'
+            parts = [parts[r] for r in lay.stage_ranks()]
         return _join_weights(graphs, parts)
 
     def whole_solver_shapes(self, graphs):
@@ -403,6 +421,29 @@ def _streamed_states(graphs, ws, world, plan, pool):
             yield p, {state: cut[p] for (_, state), cut in zip(states, cuts)}
 
 
+def _pieces(graphs, entry, arr):
+    """(param, 1-D copy of its part of ``arr``), ``arr`` this rank's shard of
+    a bucket's flat array (weights or a state); a parameter outside the
+    shard has none."""
+    lo, hi = entry["shard"]
+    for p, off in zip(entry["params"], entry["offsets"]):
+        a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
+        if a < b:
+            yield p, np.array(arr[a - lo:b - lo])
+
+
+def _joined(what, got, shape):
+    """The pieces ``got`` (world order) joined into ``shape``; a piece
+    already the whole is taken as it is."""
+    got = [np.asarray(x) for x in got]
+    size = int(np.prod(shape, dtype=np.int64))
+    whole = got[0] if got[0].size == size else np.concatenate([x.ravel() for x in got])
+    if whole.size != size:
+        raise GraphError(f"{what} joins to {whole.size} elements from the ranks' shards, "
+                         f"the weight has {size}")
+    return whole.reshape(shape)
+
+
 def _join_weights(graphs, parts):
     """Whole weights from every rank's ``held_weights`` arrays (world
     order): stage 3's bucket shards joined in rank order and cut into each
@@ -436,7 +477,9 @@ def _on_stage_group(graph, plan, lay, world):
     from ..data_parallel import place_on_rank
     group = list(lay.stage_ranks())
     for entry in plan:
-        for op in [entry["reduce_scatter"], entry["allgather"]]:
+        gathers = list(entry["gathers"].values()) if "gathers" in entry else \
+            [entry["allgather"]]
+        for op in [entry["reduce_scatter"]] + gathers:
             graph.ops[op].attrs["group"] = list(group)
         entry["group"] = list(group)
     place_on_rank(graph, world.rank)
