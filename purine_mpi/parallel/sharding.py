@@ -386,6 +386,8 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
                 if gathers[key] not in op.control_inputs:
                     op.control_inputs.append(gathers[key])
         units.append((entry, [op.name for op, _ in fwd], [op.name for op, _ in bwd]))
+    from ..comm.ops import is_point_to_point
+    transfers = any(is_point_to_point(op) for op in graph.ops.values())  # a pipeline stage
     pos = {op.name: i for i, op in enumerate(graph.topo_order())}
     depth = max(int(prefetch), 1)
     for key, which in (("forward", 1), ("backward", 2)):
@@ -403,11 +405,26 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
             else:
                 continue
             op = graph.ops[units[i][0]["gathers"][key]]
+            if transfers and not _delays_the_gather_alone(graph, after, units[i][which]):
+                continue
             if after not in op.control_inputs:
                 op.control_inputs.append(after)
         if key == "forward":
             fwd_last = firsts[-1] if firsts else None
     graph.topo_order()  # no cycle
+
+
+def _delays_the_gather_alone(graph, after, readers):
+    """Whether each of a gather's ``readers`` waits already for every
+    point-to-point transfer (a pipeline stage's Recv, a window's wait) op
+    ``after`` waits for: a prefetch edge from ``after`` then delays the
+    gather alone, no op behind it waits for a transfer from the other
+    stage it did not wait for (scheme sharded with stages; the bound on the
+    live buffers is looser where it is not, as in ``bound_live_buckets``)."""
+    from ..comm.ops import is_point_to_point
+    deps = graph.dependencies()
+    need = {d for d in reachable(after, deps) | {after} if is_point_to_point(graph.ops[d])}
+    return all(need <= reachable(r, deps) for r in readers)
 
 
 def _collective_seq(graph, plan):

@@ -25,20 +25,23 @@ On GPUs (``device >= 0``) with ``parallel.backend: nccl``, every stage:
 parallel/nccl_backend.use_nccl turns the reduce-scatters and gathers into
 NcclReduceScatter and NcclAllgather (comm/nccl.py), on the device's one
 ``nccl`` stream in ``seq`` order, captured with the rest of the iteration.
-With ``parallel.stages`` (stages 1 and 2, on the CPU): R replicas x p
+With ``parallel.stages`` (every stage, on the CPU): R replicas x p
 pipeline stages as scheme hybrid lays them out (rank = replica * p + stage,
 this class is a ``Hybrid``), each replica a pipeline on its share of the
 batch; instead of hybrid's allreduce, each stage's slice gets the same
 rewrite (``compose_zero1`` over the stage's R ranks, its shard the rank's
 replica) with every ReduceScatter and Allgather on the stage's
 sub-communicator (``group``: ``Layout.stage_ranks``, the one hybrid's
-allreduce uses). A checkpoint joins each parameter's state pieces in world
-order (a stage's ranks in replica order: its shards' order), so the file is
-hybrid's and data parallelism's.
+allreduce uses); stage 3 gathers each bucket once per iteration for the
+forward and once for the backward of all the stage's micro-batches (the
+forward ops told apart on the whole net: stage 0's slice has no loss). A
+checkpoint joins each parameter's state pieces (stage 3: and weight
+pieces) in world order (a stage's ranks in replica order: its shards'
+order), so the file is hybrid's and data parallelism's.
 
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients`` or with stages, the one-sided
-transport of stages 1 and 2, stage 3 with stages and combinations with
+transport of stages 1 and 2 and of stage 3 with stages, and combinations with
 other schemes are refused (the config rules, job/config.py's
 ``_check_sharded``; the GPU by ``compose``).
 """
@@ -153,16 +156,18 @@ class Sharded(Hybrid):
         what = {1: ", the weights allgathered", 2: ", the weights allgathered" + grads}.get(
             stage, f" (the only weights it holds){grads}; each bucket's weights are allgathered "
             f"into transient buffers before its forward and its backward readers, "
-            f"{trainer.job.parallel.prefetch} bucket(s) ahead")
+            f"{trainer.job.parallel.prefetch} bucket(s) ahead" + (
+                f", each gathered once per iteration and read by all {lay.micro_batches} "
+                "micro-batches" if lay.micro_batches > 1 else ""))
         if shared:
             what = (f" in place{grads}; each bucket's weights are one shared window of the "
                     "node (one copy, read in place by every rank), synchronised before its "
                     "readers and before the updates")
         who = f"ranks {ranges(range(n))} are data-parallel replicas; gradients reduce-scattered"
         if lay.staged:
-            who = (f"{lay.replicas} replicas x {lay.stages} stages (rank = replica x "
-                   f"{lay.stages} + stage); each stage's gradients reduce-scattered over its "
-                   f"{n} ranks (this rank's: {ranges(lay.stage_ranks())})")
+            who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages (rank = "
+                   f"replica x {lay.stages} + stage); each stage's gradients reduce-scattered "
+                   f"over its {counted(n, 'rank')} (this rank's: {ranges(lay.stage_ranks())})")
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
                  f"bucket{' of its stage' if lay.staged else ''}{what}"),
@@ -174,14 +179,19 @@ class Sharded(Hybrid):
                  f"{held['working']})")] + Scheme.scheme_lines(self, trainer, composition)
         return rows + (self.stage_lines(lay, trainer.job) if lay.staged else [])
 
-    def graph_notes(self, lay, rank):
+    def graph_notes(self, lay, rank, comp=None):
+        plan = getattr(comp, "shard_plan", None) or []
+        what = "optimizer state"  # stage 2's gradient buckets are transient; stage 3's weights
+        if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
+            what = "weights, gradients and optimizer state" if "weight_shard" in plan[0] else \
+                "gradients and optimizer state"
         if lay.staged:
             return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): rank {rank} "
-                    f"holds shard {lay.replica} of {lay.replicas} of every bucket's optimizer "
-                    f"state of this stage, reduce-scattered and gathered over ranks "
+                    f"holds shard {lay.replica} of {lay.replicas} of every bucket's {what} "
+                    f"of this stage, reduce-scattered and gathered over ranks "
                     f"{lay.stage_ranks()} (this stage)")
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
-                f"{lay.replicas} of every bucket's optimizer state")
+                f"{lay.replicas} of every bucket's {what}")
 
     # ---- checkpoints: whole blobs on file, streamed bucket by bucket
     def checkpoint_sections(self, graphs, ws, world, local):
