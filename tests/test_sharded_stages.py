@@ -5,12 +5,18 @@ buckets reduce-scattered over its R ranks, the solver over the rank's shard
 and the weights allgathered. 4 ranks = 2 replicas x 2 stages train as plain
 hybrid does bit for bit (a + b either way), each rank holds ZeRO's share of
 its own stage's model state, the checkpoints are hybrid's (whole blobs) and
-resume under data parallelism on 1 rank; stage 3 with stages is refused."""
+resume under data parallelism on 1 rank. Stage 3 with stages: each stage's
+ranks hold their shard of its weights too, gathered once per iteration for
+every micro-batch of the stage, and train as hybrid does bit for bit."""
 import re
 
+import numpy as np
 import pytest
 
+from purine_mpi.comm.verify import comm_signature, compare_signatures
+from purine_mpi.parallel.sharding import PARAM_GATHERED_KIND, WORKING_SET_ATTR
 from purine_mpi.runtime.footprint import model_state_bytes
+from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import make_job, run_cli_args, write_config_file
 from tests.test_cli import assert_user_error
@@ -132,7 +138,9 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 
 
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"shard": 3}, 4, "parallel.shard", "parallel.stages"),
+    ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport", "parallel.stages"),
+    ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
+    ({"shard": 3, "grad_dtype": "bf16"}, 4, "parallel.stages", "pipeline stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
     ({"stages": {k: v for k, v in STAGES.items() if k != "act"}}, 4, "parallel.stages", "act"),
@@ -158,7 +166,9 @@ def _waits_it_adds(graph):
     """The control edges (a -> b) between ops that are not point-to-point
     transfers where ``a`` waits for a point-to-point transfer (a stage's
     Recv or window wait) that ``b`` would not wait for without the edge:
-    such an edge may close a cycle through the other stage's rank."""
+    such an edge may close a cycle through the other stage's rank. Not an
+    edge into a stage-3 gather whose readers all wait for those transfers
+    already (its prefetch edge delays the gather alone)."""
     from purine_mpi.comm.ops import is_point_to_point
     from purine_mpi.graph.core import reachable
     deps = graph.dependencies()
@@ -169,24 +179,161 @@ def _waits_it_adds(graph):
                 continue
             need = {d for d in reachable(a, deps) if is_point_to_point(graph.ops[d])}
             rest = dict(deps, **{b.name: [d for d in deps[b.name] if d != a]})
-            if need - reachable(b.name, rest):
+            if need - reachable(b.name, rest) and not (
+                    b.op_type == "Allgather" and "group" in b.attrs and
+                    all(need <= reachable(r, deps) for r in deps if b.name in deps[r])):
                 bad.append((a, b.name))
     return bad
 
 
-@pytest.mark.parametrize("transport", ["two_sided", "auto"])
-def test_no_edge_waits_for_the_other_stage(transport):
+@pytest.mark.parametrize("transport,shard", [("two_sided", 2), ("auto", 2), ("two_sided", 3),
+                                             ("auto", 3)])
+def test_no_edge_waits_for_the_other_stage(transport, shard):
     """Stage 2 bounds the live gradient buckets by edges from a reduce-
     scatter to a later bucket's writers, and the memory plan orders
     lifetimes apart by edges between compute ops: neither may make an op
     wait for a transfer from the other stage it did not wait for (the
     residual's gradient crosses the stages twice; such an edge deadlocked
-    the 4 ranks)."""
+    the 4 ranks). Nor may stage 3's prefetch edges (a gather waits for an
+    earlier unit's first reader)."""
     from purine_mpi.runtime.factory import memory_plans
     from purine_mpi.runtime.memory_plan import batch_blobs
     for rank in range(4):
-        g = compose_for(make_job(_staged("sharded", "sgd", shard=2, transport=transport)), 4,
-                        rank)
+        g = compose_for(make_job(_staged("sharded", "sgd", shard=shard, transport=transport)),
+                        4, rank)
         assert _waits_it_adds(g) == [], rank
         memory_plans(g, keep=batch_blobs(g), order_ops=True)  # its edges, on g
         assert _waits_it_adds(g) == [], rank
+
+
+# ---- stage 3 with stages: each stage's weights sharded over its replicas too
+
+def _stage3(scheme, solver, n, tmp_path, name, clip=None, **parallel):
+    """Train ``scheme`` (hybrid, or sharded at stage 3) on ``n`` ranks, 10
+    steps in 2 micro-batches, a test pass at 5 and 10; (run dir, text)."""
+    par = dict(parallel, micro_batches=2)
+    if scheme == "sharded":
+        par.update(shard=3, check_collectives=True)
+    cfg = _staged(scheme, solver, **par)
+    cfg["solver"]["test_interval"] = 5
+    if clip is not None:
+        cfg["solver"]["clip_gradients"] = clip
+    return _train(tmp_path, name, n, cfg)
+
+
+def _test_losses(text):
+    return re.findall(r"test @ iter \d+: loss (\S+)", text)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,solver,schedule", [(4, "adamw", "1f1b"), (4, "sgd", "gpipe"),
+                                               (2, "adamw", "1f1b")])
+def test_stage3_with_stages_trains_as_hybrid(tmp_path, n, solver, schedule):
+    """10 steps in 2 micro-batches (1F1B, GPipe) on 2 replicas x 2 stages
+    (4 ranks) and on 1 replica x 2 stages (2 ranks: each stage's one shard
+    is the whole), the test passes through the weights gathered over each
+    stage's ranks: every weight and the gathered optimizer state equal
+    plain hybrid's bit for bit (the 2-rank reduce-scatter adds a + b as
+    hybrid's allreduce does; one rank adds nothing), the same test losses,
+    and the collectives agree across each stage's ranks (check_collectives).
+    The start-up block's bytes are rank 0's composed graph's."""
+    ref, ref_text = _stage3("hybrid", solver, n, tmp_path, "hybrid", schedule=schedule)
+    out, text = _stage3("sharded", solver, n, tmp_path, "s3", schedule=schedule)
+    _same(_params(ref / "latest.h5"), _params(out / "latest.h5"))
+    assert len(_test_losses(ref_text)) == 2 and _test_losses(text) == _test_losses(ref_text)
+    replicas = n // 2
+    assert (f"sharded (ZeRO stage 3): {replicas} replica{'s' if replicas > 1 else ''} x 2 "
+            "stages") in text
+    assert "each gathered once per iteration and read by all 2 micro-batches" in text
+    cfg = _staged("sharded", solver, shard=3, micro_batches=2, schedule=schedule)
+    assert _model_state(text) == tuple(
+        _bytes(cfg, n, 0)[k] for k in ("weights", "gradients", "optimizer_state"))
+
+
+@pytest.mark.mpi
+def test_stage3_with_stages_clips_as_hybrid(tmp_path):
+    """SGD with momentum clipped to a global norm of 0.05 (far below the
+    gradients': the clip acts, the weights differ from the unclipped
+    run's): the norm from every rank's shards of every stage (one
+    allreduce over the world) clips as hybrid's norm over a replica's
+    stages does, bit for bit."""
+    plain, _ = _stage3("hybrid", "sgd", 4, tmp_path, "plain")
+    ref, _ = _stage3("hybrid", "sgd", 4, tmp_path, "hybrid", clip=0.05)
+    out, _ = _stage3("sharded", "sgd", 4, tmp_path, "s3", clip=0.05)
+    want = _params(ref / "latest.h5")
+    _same(want, _params(out / "latest.h5"))
+    unclipped = _params(plain / "latest.h5")
+    assert any(not np.array_equal(want[k], unclipped[k]) for k in want)
+
+
+@pytest.mark.mpi
+def test_stage3_with_stages_checkpoint_resumes_elsewhere(tmp_path):
+    """A 2 x 2 stage-3 checkpoint (iteration 5, AdamW, 2 micro-batches) is
+    hybrid's file: the same whole blobs, bit for bit, as hybrid's
+    checkpoint of iteration 5; continued on 1 rank under scheme data with
+    the same global batch it gives the losses of hybrid's checkpoint
+    continued so; continued under stage 3 with stages it ends where an
+    uninterrupted hybrid run does."""
+    sh, _ = _train(tmp_path, "sh", 4, _staged("sharded", iters=5, shard=3, micro_batches=2))
+    full_cfg = _staged("hybrid", iters=8, micro_batches=2)
+    full_cfg["checkpoint"] = {"interval": 5, "keep": 0}
+    full, _ = _train(tmp_path, "full", 4, full_cfg)
+    hy = full / "ckpt_5.h5"
+    _same(_params(hy), _params(sh / "latest.h5"))
+    one = _job("data", "adamw", iters=8)
+    one["data"]["train"]["batch_size"] = 16
+    runs = []
+    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_hy", hy)):
+        out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
+        assert "resumed from" in text
+        runs.append(_losses(out))
+    assert sorted(runs[0]) == [6, 7, 8] and runs[0] == runs[1]
+    more, _ = _train(tmp_path, "more", 4, _staged("sharded", iters=8, shard=3, micro_batches=2),
+                     "--resume", sh / "latest.h5")
+    _same(_params(full / "latest.h5"), _params(more / "latest.h5"))
+
+
+@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("solver", ["adamw", "sgd"])
+def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
+    """From each rank's composed graph (graphs plan's count): weights,
+    gradients and optimizer state held are hybrid's (the stage's whole
+    share) / R, within one element per bucket (1 replica: equal); the
+    gathered weights are transient in the memory plan. Each bucket is
+    gathered once per pass whatever the micro-batches (the same gathers as
+    with one), every forward gather posted before any backward gather or
+    reduce-scatter (seq: a reduce-scatter behind a receive posted ahead of
+    a forward gather deadlocks the stages), and the stage's ranks post the
+    same collectives on the stage's ranks; graph --np says what the rank
+    holds."""
+    replicas = n // 2
+    per_element = 8 if solver == "adamw" else 4
+    signatures = []
+    for rank in range(n):
+        plain = _bytes(_staged("hybrid", solver, micro_batches=2), n, rank)
+        g = compose_for(make_job(_staged("sharded", solver, shard=3, micro_batches=2)), n, rank)
+        held = model_state_bytes(g)
+        buckets = sum(op.op_type == "ReduceScatter" for op in g.ops.values())
+        for key, each in (("weights", 4), ("gradients", 4), ("optimizer_state", per_element)):
+            assert abs(held[key] - plain[key] / replicas) <= each * buckets * (replicas - 1), \
+                (rank, key, held, plain)
+        plan = plan_memory(g)
+        full = [b for b, blob in g.blobs.items() if blob.alias_of is None and
+                blob.attrs.get(WORKING_SET_ATTR) == "weights"]
+        assert full and not [b for b in full if b in plan.persistent]
+        one = compose_for(make_job(_staged("sharded", solver, shard=3)), n, rank)
+        count = [sum(op.op_type == "Allgather" for op in x.ops.values()) for x in (g, one)]
+        assert count[0] == count[1] and buckets <= count[0] <= 2 * buckets, (rank, count)
+        coll = [op for op in g.ops.values() if op.op_type in ("Allgather", "ReduceScatter")]
+        forward = [op.attrs["seq"] for op in coll if op.op_type == "Allgather" and
+                   g.blobs[op.outputs[0]].kind != PARAM_GATHERED_KIND]
+        later = [op.attrs["seq"] for op in coll if op.attrs["seq"] not in forward]
+        assert forward and later and max(forward) < min(later), rank
+        assert {tuple(op.attrs["group"]) for op in coll} == {tuple(range(rank % 2, n, 2))}
+        signatures.append(comm_signature(g))
+    assert compare_signatures(signatures) == []  # world order: each stage's group agrees
+    path = write_config_file(tmp_path, _staged("sharded", solver, shard=3), "s.yaml")
+    res = run_cli_args("graph", path, "--np", str(n), "--rank", str(n - 1))
+    assert res.returncode == 0, res.stderr
+    assert (f"holds shard {replicas - 1} of {replicas} of every bucket's weights, gradients "
+            "and optimizer state of this stage") in res.stdout

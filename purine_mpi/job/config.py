@@ -417,17 +417,9 @@ def _check_sharded(out, path):
     if par["scheme"] != "sharded":
         return
     why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
-           "(transport two_sided, no gradient clipping), and with parallel.stages stages 1 "
-           "and 2 on MPI on the CPU")
+           "(transport two_sided, no gradient clipping), and with parallel.stages stages 1-3 "
+           "on MPI on the CPU")
     nccl = par["backend"] == "nccl"
-    if par["stages"] and par["shard"] == 3:
-        # stage 3 gathers a bucket's weights before its forward and backward
-        # readers of one whole net; a pipeline stage's slice, its test graph
-        # and its checkpoint join are not built for it
-        raise ConfigError(path, "parallel.shard", "shard 3 with parallel.stages (pipeline "
-                          "stages) is refused: each stage's replicas shard its optimizer "
-                          "state (shard 1) and gradients (shard 2), not its weights; use "
-                          "shard 1 or 2, or drop parallel.stages")
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
@@ -435,6 +427,11 @@ def _check_sharded(out, path):
                 "shared copy of the weights per node)"),
                ("parallel.transport", par["transport"] == "one_sided" and nccl,
                 "transport one_sided with backend nccl"),
+               ("parallel.transport", par["transport"] == "one_sided" and par["shard"] == 3
+                and bool(par["stages"]), "transport one_sided with parallel.stages (shard "
+                "3's one shared window of the weights per node is built for one replica per "
+                "rank, not for a stage's ranks; transport auto or two_sided keep the "
+                "gathers)"),
                ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,
                 "clip_gradients with backend nccl (its allreduce of the shards' norms runs "
                 "on MPI)"),

@@ -152,8 +152,8 @@ PARALLEL = (
         "where the network does RDMA, else two-sided (see docs/parallel.md)"),
     Key("check_collectives", _bool, False, "verify at start-up that every rank posts the same "
         "sequence of collectives"),
-    Key("stages", _check_stages, {}, "schemes pipeline, hybrid and sharded (shard 1 and 2: "
-        "each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1",
+    Key("stages", _check_stages, {}, "schemes pipeline, hybrid and sharded (shard 1, 2 and "
+        "3: each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1",
         typed=INT_MAP),
     Key("tensor_parallel", _int(1), 1, "scheme tensor: the ranks of a tensor-parallel group "
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
@@ -162,7 +162,8 @@ PARALLEL = (
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
         "backward readers; with transport one_sided on one node, one shared copy per node "
-        "read in place); with parallel.stages, 1 or 2, over each stage's replicas (see "
+        "read in place); with parallel.stages any of them, over each stage's replicas (shard 3: "
+        "each stage's weights gathered once per iteration for all its micro-batches; see "
         "[parallel.md](parallel.md))"),
     Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "
         "buckets the backward writes ahead of the oldest one not yet reduce-scattered (the "
@@ -393,7 +394,7 @@ CHOICE_DOCS = {
                    "after its reduce-scatter, holding the gradients' shard only; stage 3 "
                    "(`shard: 3`) holds only the weights' shard too, each bucket's weights "
                    "allgathered into transient buffers before its forward and its backward "
-                   "readers; MPI on the CPU; with `stages` (shard 1 or 2), R replicas × p "
+                   "readers; MPI on the CPU; with `stages` (shard 1, 2 or 3), R replicas × p "
                    "stages as under hybrid, each stage sharded over its R ranks "
                    "([parallel.md](parallel.md))",
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "

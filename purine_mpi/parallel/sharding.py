@@ -177,7 +177,8 @@ def _drop_blob(graph, name):
 
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
-                  thread="comm", grad_first=True, stage=1, prefetch=1, wire_dtype=None):
+                  thread="comm", grad_first=True, stage=1, prefetch=1, wire_dtype=None,
+                  forward=None):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
@@ -192,7 +193,9 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     micro-batches' sums), read by its ReduceScatter alone, so the memory
     plan gives its bytes to other blobs after the reduce-scatter, and the
     rank holds only its shard of the gradients. ``stage`` 3 (``compose_zero3``)
-    also keeps the weights as this rank's shard alone.
+    also keeps the weights as this rank's shard alone; ``forward``: the
+    names of the forward ops (``forward_ops`` of the whole graph: a
+    pipeline stage's slice may hold no loss), by default this graph's.
     Returns the plan: a list of {"name", "weights", "params", "offsets",
     "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}
     (stage 3: "weight_shard", "gathers" instead of "allgather")."""
@@ -243,7 +246,7 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     if stage >= 3:
         for entry in plan:
             entry.pop("written")
-        _gather_units(graph, plan, shards, shard, prefetch, thread)
+        _gather_units(graph, plan, shards, shard, prefetch, thread, forward)
         if grad_first:
             gradients_first(graph, grads)
         _collective_seq(graph, plan)
@@ -326,7 +329,7 @@ def forward_ops(graph):
     return forward
 
 
-def _gather_units(graph, plan, shards, shard, prefetch, thread):
+def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
     """Stage 3's gathers. Each bucket is a unit (FSDP's): its flat weight
     buffer (the weights are views of it) becomes transient, written by an
     Allgather of the rank's shard before its first forward reader; the
@@ -338,8 +341,12 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread):
     k's first forward reader; in the backward the same over the order of
     the units' first backward readers (the first ``prefetch`` gathers wait
     for the first forward reader of the forward's last unit), so at most
-    ``prefetch + 1`` units' full weights are live in each pass."""
-    forward = forward_ops(graph)
+    ``prefetch + 1`` units' full weights are live in each pass. With
+    micro-batches every copy's readers read the same two buffers: each
+    is gathered once per iteration and lives from its first reader (the
+    first micro-batch's) to its last (the last micro-batch's). ``forward``:
+    the forward ops' names (default ``forward_ops(graph)``)."""
+    forward = forward_ops(graph) if forward is None else set(forward)
     cons = graph.consumers()
     units = []
     for entry in plan:
@@ -379,6 +386,8 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread):
                 if gathers[key] not in op.control_inputs:
                     op.control_inputs.append(gathers[key])
         units.append((entry, [op.name for op, _ in fwd], [op.name for op, _ in bwd]))
+    from ..comm.ops import is_point_to_point
+    transfers = any(is_point_to_point(op) for op in graph.ops.values())  # a pipeline stage
     pos = {op.name: i for i, op in enumerate(graph.topo_order())}
     depth = max(int(prefetch), 1)
     for key, which in (("forward", 1), ("backward", 2)):
@@ -396,6 +405,8 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread):
             else:
                 continue
             op = graph.ops[units[i][0]["gathers"][key]]
+            if transfers and not _delays_the_gather_alone(graph, after, units[i][which]):
+                continue
             if after not in op.control_inputs:
                 op.control_inputs.append(after)
         if key == "forward":
@@ -403,19 +414,78 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread):
     graph.topo_order()  # no cycle
 
 
+def _delays_the_gather_alone(graph, after, readers):
+    """Whether each of a gather's ``readers`` waits already for every
+    point-to-point transfer (a pipeline stage's Recv, a window's wait) op
+    ``after`` waits for: a prefetch edge from ``after`` then delays the
+    gather alone, no op behind it waits for a transfer from the other
+    stage it did not wait for (scheme sharded with stages; the bound on the
+    live buffers is looser where it is not, as in ``bound_live_buckets``)."""
+    from ..comm.ops import is_point_to_point
+    deps = graph.dependencies()
+    need = {d for d in reachable(after, deps) | {after} if is_point_to_point(graph.ops[d])}
+    return all(need <= reachable(r, deps) for r in readers)
+
+
 def _collective_seq(graph, plan):
     """The ``seq`` of every collective of the plan (gathers, reduce-scatters):
-    their order in the graph's topological order, which respects the data
-    and control edges between them and is the same on every rank (the ranks'
-    graphs differ in the shard solver's ops alone, which no collective
-    waits for)."""
+    their order in emission order, each first put in its place there
+    (``_in_place``: by the ops it waits for or that wait for it), a
+    collective never before one it waits for. The same on every rank (the
+    ranks' graphs differ in the shard solver's ops alone, which no
+    collective waits for). Not the topological order's: an op waiting for
+    another stage's transfer (scheme sharded with stages; a Recv, a
+    window's wait, no inputs) is ready there from the start and pulls the
+    collectives behind it ahead of a forward gather the other stage waits
+    for."""
     names = {entry["reduce_scatter"] for entry in plan} | {
         g for entry in plan for g in entry["gathers"].values()}
+    _in_place(graph, names)
     first = min(entry["seq"] for entry in plan)
-    order = [op for op in graph.topo_order() if op.name in names]
+    deps = graph.dependencies()
+    waits = {n: reachable(n, deps) & names for n in names}
+    pending, order = [n for n in graph.ops if n in names], []
+    while pending:  # emission order, each after the collectives it waits for
+        n = next(n for n in pending if not waits[n] - set(order))
+        pending.remove(n)
+        order.append(n)
+    order = [graph.ops[n] for n in order]
     for k, op in enumerate(order):
         op.attrs["seq"] = first + k
     for entry in plan:
         entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
         entry["gather_seqs"] = {k: graph.ops[g].attrs["seq"]
                                 for k, g in entry["gathers"].items()}
+
+
+def _in_place(graph, names):
+    """Move the collectives ``names`` in emission order: a reduce-scatter
+    right after the last op it waits for, a gather right before the first
+    op that waits for it. The collectives are posted in ``seq`` order, so
+    that order must be one the ranks can run; the emission order of a
+    pipeline stage's slice is the whole net's (compose_stages), one every
+    stage runs in."""
+    deps = graph.dependencies()
+    index = {n: i for i, n in enumerate(graph.ops)}
+    succ = {}
+    for n, d in deps.items():
+        for p in d:
+            succ.setdefault(p, []).append(n)
+    before, after, last = {}, {}, []
+    for n in [n for n in graph.ops if n in names]:
+        if graph.ops[n].op_type == "ReduceScatter":
+            anchor = max((p for p in deps[n] if p not in names), key=index.get, default=None)
+            (after.setdefault(anchor, []) if anchor else last).append(n)
+        else:
+            anchor = min((s for s in succ.get(n, ()) if s not in names), key=index.get,
+                         default=None)
+            (before.setdefault(anchor, []) if anchor else last).append(n)
+    ops = dict(graph.ops)
+    graph.ops = {}
+    for n, op in ops.items():
+        if n in names:
+            continue
+        for m in before.get(n, []) + [n] + after.get(n, []):
+            graph.ops[m] = ops[m]
+    for m in last:
+        graph.ops[m] = ops[m]

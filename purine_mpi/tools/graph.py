@@ -55,10 +55,10 @@ def composed(job, world_size, rank, phase="train"):
     return graph, comp
 
 
-def describe_layout(lay, rank):
+def describe_layout(lay, rank, comp=None):
     """Where ``rank`` sits in a staged scheme (``graph`` text header), or None."""
     from ..parallel.schemes import scheme_class
-    return scheme_class(lay.scheme)().graph_notes(lay, rank)
+    return scheme_class(lay.scheme)().graph_notes(lay, rank, comp)
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -145,8 +145,8 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
         return to_dot(graph)
     lines = [graph.summary()]
     lay = comp.layout
-    if describe_layout(lay, rank):
-        lines.insert(0, describe_layout(lay, rank))
+    if describe_layout(lay, rank, comp):
+        lines.insert(0, describe_layout(lay, rank, comp))
     split = comp.tensor_plan
     if split:
         lines.append(f"tensor-parallel split over ranks {lay.tensor_ranks()} "

@@ -13,7 +13,7 @@ registered under its name::
         def layout(self, job, world): ...          # the ranks: a Layout
         def compose(self, graph, grads, job, world): ...   # -> Composition
         def scheme_lines(self, trainer, composition): ...  # the start-up block
-        def graph_notes(self, lay, rank): ...              # ``graph --np N`` header
+        def graph_notes(self, lay, rank, comp=None): ...   # ``graph --np N`` header
         def checkpoint_sections(self, graphs, ws, world, local): ...  # what a save writes
         def gathers_checkpoint(self, graphs): ...   # whether a save gathers the ranks' parts
         def join_checkpoint(self, graphs, parts): ...  # rank 0: the whole blobs from them
@@ -360,8 +360,9 @@ class Scheme:
         do what, and how the bytes travel."""
         return transport_lines(composition)
 
-    def graph_notes(self, lay, rank):
-        """The ``graph --np N`` header line of this rank's place, or None."""
+    def graph_notes(self, lay, rank, comp=None):
+        """The ``graph --np N`` header line of this rank's place (``comp``:
+        its Composition, when there is one), or None."""
         return None
 
     def startup_lines(self, trainer, composition):

@@ -38,8 +38,8 @@ class Hybrid(Pipeline):
                 f"(rank = replica x {lay.stages} + stage); each stage's gradients "
                 f"allreduced over its {lay.replicas} ranks")
 
-    def graph_notes(self, lay, rank):
-        text = super().graph_notes(lay, rank)
+    def graph_notes(self, lay, rank, comp=None):
+        text = super().graph_notes(lay, rank, comp)
         if text is not None:
             text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
         return text

@@ -93,7 +93,7 @@ class Pipeline(Scheme):
         return (f"pipeline: {lay.stages} stages, rank s runs stage s; "
                 "activations and gradients cross between them")
 
-    def graph_notes(self, lay, rank):
+    def graph_notes(self, lay, rank, comp=None):
         if not lay.staged:
             return None
         return (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "

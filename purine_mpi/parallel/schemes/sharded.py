@@ -25,20 +25,23 @@ On GPUs (``device >= 0``) with ``parallel.backend: nccl``, every stage:
 parallel/nccl_backend.use_nccl turns the reduce-scatters and gathers into
 NcclReduceScatter and NcclAllgather (comm/nccl.py), on the device's one
 ``nccl`` stream in ``seq`` order, captured with the rest of the iteration.
-With ``parallel.stages`` (stages 1 and 2, on the CPU): R replicas x p
+With ``parallel.stages`` (every stage, on the CPU): R replicas x p
 pipeline stages as scheme hybrid lays them out (rank = replica * p + stage,
 this class is a ``Hybrid``), each replica a pipeline on its share of the
 batch; instead of hybrid's allreduce, each stage's slice gets the same
 rewrite (``compose_zero1`` over the stage's R ranks, its shard the rank's
 replica) with every ReduceScatter and Allgather on the stage's
 sub-communicator (``group``: ``Layout.stage_ranks``, the one hybrid's
-allreduce uses). A checkpoint joins each parameter's state pieces in world
-order (a stage's ranks in replica order: its shards' order), so the file is
-hybrid's and data parallelism's.
+allreduce uses); stage 3 gathers each bucket once per iteration for the
+forward and once for the backward of all the stage's micro-batches (the
+forward ops told apart on the whole net: stage 0's slice has no loss). A
+checkpoint joins each parameter's state pieces (stage 3: and weight
+pieces) in world order (a stage's ranks in replica order: its shards'
+order), so the file is hybrid's and data parallelism's.
 
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients`` or with stages, the one-sided
-transport of stages 1 and 2, stage 3 with stages and combinations with
+transport of stages 1 and 2 and of stage 3 with stages, and combinations with
 other schemes are refused (the config rules, job/config.py's
 ``_check_sharded``; the GPU by ``compose``).
 """
@@ -89,8 +92,13 @@ class Sharded(Hybrid):
                             f"{job.path}: key 'parallel.stages': scheme sharded with stages "
                             f"runs on the CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
+        forward = None
         if lay.staged:
-            comp = compose_stages(graph, job, world, micro_copies(graph, grads, job))
+            copies = micro_copies(graph, grads, job)
+            if par.shard >= 3:  # told apart on the whole net: stage 0's slice has no loss
+                from ..sharding import forward_ops
+                forward = forward_ops(graph)
+            comp = compose_stages(graph, job, world, copies)
             graph = comp.graph
         else:
             accumulate(graph, grads, job)
@@ -102,6 +110,8 @@ class Sharded(Hybrid):
         settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
         if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
             settings["prefetch"] = par.prefetch
+        if forward is not None:
+            settings["forward"] = forward
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), **settings)
         if lay.staged:
@@ -146,16 +156,18 @@ class Sharded(Hybrid):
         what = {1: ", the weights allgathered", 2: ", the weights allgathered" + grads}.get(
             stage, f" (the only weights it holds){grads}; each bucket's weights are allgathered "
             f"into transient buffers before its forward and its backward readers, "
-            f"{trainer.job.parallel.prefetch} bucket(s) ahead")
+            f"{trainer.job.parallel.prefetch} bucket(s) ahead" + (
+                f", each gathered once per iteration and read by all {lay.micro_batches} "
+                "micro-batches" if lay.micro_batches > 1 else ""))
         if shared:
             what = (f" in place{grads}; each bucket's weights are one shared window of the "
                     "node (one copy, read in place by every rank), synchronised before its "
                     "readers and before the updates")
         who = f"ranks {ranges(range(n))} are data-parallel replicas; gradients reduce-scattered"
         if lay.staged:
-            who = (f"{lay.replicas} replicas x {lay.stages} stages (rank = replica x "
-                   f"{lay.stages} + stage); each stage's gradients reduce-scattered over its "
-                   f"{n} ranks (this rank's: {ranges(lay.stage_ranks())})")
+            who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages (rank = "
+                   f"replica x {lay.stages} + stage); each stage's gradients reduce-scattered "
+                   f"over its {counted(n, 'rank')} (this rank's: {ranges(lay.stage_ranks())})")
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
                  f"bucket{' of its stage' if lay.staged else ''}{what}"),
@@ -167,14 +179,19 @@ class Sharded(Hybrid):
                  f"{held['working']})")] + Scheme.scheme_lines(self, trainer, composition)
         return rows + (self.stage_lines(lay, trainer.job) if lay.staged else [])
 
-    def graph_notes(self, lay, rank):
+    def graph_notes(self, lay, rank, comp=None):
+        plan = getattr(comp, "shard_plan", None) or []
+        what = "optimizer state"  # stage 2's gradient buckets are transient; stage 3's weights
+        if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
+            what = "weights, gradients and optimizer state" if "weight_shard" in plan[0] else \
+                "gradients and optimizer state"
         if lay.staged:
             return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): rank {rank} "
-                    f"holds shard {lay.replica} of {lay.replicas} of every bucket's optimizer "
-                    f"state of this stage, reduce-scattered and gathered over ranks "
+                    f"holds shard {lay.replica} of {lay.replicas} of every bucket's {what} "
+                    f"of this stage, reduce-scattered and gathered over ranks "
                     f"{lay.stage_ranks()} (this stage)")
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
-                f"{lay.replicas} of every bucket's optimizer state")
+                f"{lay.replicas} of every bucket's {what}")
 
     # ---- checkpoints: whole blobs on file, streamed bucket by bucket
     def checkpoint_sections(self, graphs, ws, world, local):
@@ -197,6 +214,9 @@ class Sharded(Hybrid):
             def held():
                 params, solver = local()
                 solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
+                if _zero3(graphs):  # stage 3: each parameter's piece of the weight shards
+                    params = {p: v for p, v in params.items() if p in graphs.params}
+                    params.update(self.held_weight_pieces(graphs, ws))
                 return params, solver
             return super().checkpoint_sections(graphs, ws, world, held)
         from ...job.checkpoint_file import Streamed
@@ -213,27 +233,38 @@ class Sharded(Hybrid):
         from ...base.backend import to_numpy
         out = {}
         for entry in _plan(graphs):
-            lo, hi = entry["shard"]
             for flat, state in _states(entry):
-                arr = to_numpy(ws[flat])
-                for p, off in zip(entry["params"], entry["offsets"]):
-                    a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
-                    if a < b:
-                        out.setdefault(p, {})[state] = np.array(arr[a - lo:b - lo])
+                for p, piece in _pieces(graphs, entry, to_numpy(ws[flat])):
+                    out.setdefault(p, {})[state] = piece
         return out
 
+    def held_weight_pieces(self, graphs, ws):
+        """Stage 3 with stages: {param: (its whole shape, its 1-D piece of
+        this rank's weight shard)}, as ``held_solver_state`` cuts the state
+        (rank 0 joins the pieces of every stage's parameters: the shapes of
+        another stage's are not in its graph)."""
+        from ...base.backend import to_numpy
+        return {p: (tuple(graphs.graph.blobs[p].shape), piece) for entry in _plan(graphs)
+                for p, piece in _pieces(graphs, entry, to_numpy(ws[entry["weight_shard"]]))}
+
     def join_checkpoint(self, graphs, parts):
-        """The weights: stage 3's bucket shards joined, else each parameter's
-        first holder in world order (rank 0; with stages, replica 0's stage
-        ranks). The state: each parameter's pieces (``held_solver_state``)
-        joined in world order -- a stage's ranks in replica order, the order
-        of its shards -- and cut into the weight's shape; a piece already
-        the whole is taken as it is (a parameter inside one shard)."""
-        params = _join_weights(graphs, [part[0] for part in parts]) if _zero3(graphs) else {}
-        if not params:
-            for part in parts:
-                for p, value in part[0].items():
+        """The weights: each parameter's first holder in world order (rank
+        0; with stages, replica 0's stage ranks); at stage 3 each bucketed
+        parameter's pieces (``held_weight_pieces``) joined in world order
+        into its shape. The state: each parameter's pieces
+        (``held_solver_state``) joined in world order -- a stage's ranks in
+        replica order, the order of its shards -- and cut into the weight's
+        shape; a piece already the whole is taken as it is (a parameter
+        inside one shard)."""
+        params, weight_pieces = {}, {}
+        for part in parts:
+            for p, value in part[0].items():
+                if isinstance(value, tuple):  # (whole shape, piece): stage 3
+                    weight_pieces.setdefault(p, (value[0], []))[1].append(value[1])
+                else:
                     params.setdefault(p, value)
+        for p, (shape, got) in weight_pieces.items():
+            params[p] = _joined(f"the weight '{p}'", got, shape)
         pieces = {}
         for part in parts:
             for p, states in part[1].items():
@@ -241,15 +272,9 @@ class Sharded(Hybrid):
                     pieces.setdefault(p, {}).setdefault(state, []).append(np.asarray(value))
         saved = {}
         for p, states in pieces.items():
-            shape = np.shape(params[p])
-            size = int(np.prod(shape, dtype=np.int64))
             for state, got in states.items():
-                whole = got[0] if got[0].size == size else np.concatenate(
-                    [x.ravel() for x in got])
-                if whole.size != size:
-                    raise GraphError(f"the state '{state}' of '{p}' joins to {whole.size} "
-                                     f"elements from the ranks' shards, the weight has {size}")
-                saved.setdefault(p, {})[state] = whole.reshape(shape)
+                saved.setdefault(p, {})[state] = _joined(f"the state '{state}' of '{p}'", got,
+                                                         np.shape(params[p]))
         return params, saved
 
     # ---- stage 3: the weights held as each bucket's shard
@@ -289,6 +314,9 @@ class Sharded(Hybrid):
         mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
         parts = world.allgather_object(mine, "the weight shards for the test graph "
                                              "(allgather)")
+        lay = graphs.layout
+        if lay.staged:  # this stage's ranks, in replica order: its shards'
+            parts = [parts[r] for r in lay.stage_ranks()]
         return _join_weights(graphs, parts)
 
     def whole_solver_shapes(self, graphs):
@@ -403,6 +431,29 @@ def _streamed_states(graphs, ws, world, plan, pool):
             yield p, {state: cut[p] for (_, state), cut in zip(states, cuts)}
 
 
+def _pieces(graphs, entry, arr):
+    """(param, 1-D copy of its part of ``arr``), ``arr`` this rank's shard of
+    a bucket's flat array (weights or a state); a parameter outside the
+    shard has none."""
+    lo, hi = entry["shard"]
+    for p, off in zip(entry["params"], entry["offsets"]):
+        a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
+        if a < b:
+            yield p, np.array(arr[a - lo:b - lo])
+
+
+def _joined(what, got, shape):
+    """The pieces ``got`` (world order) joined into ``shape``; a piece
+    already the whole is taken as it is."""
+    got = [np.asarray(x) for x in got]
+    size = int(np.prod(shape, dtype=np.int64))
+    whole = got[0] if got[0].size == size else np.concatenate([x.ravel() for x in got])
+    if whole.size != size:
+        raise GraphError(f"{what} joins to {whole.size} elements from the ranks' shards, "
+                         f"the weight has {size}")
+    return whole.reshape(shape)
+
+
 def _join_weights(graphs, parts):
     """Whole weights from every rank's ``held_weights`` arrays (world
     order): stage 3's bucket shards joined in rank order and cut into each
@@ -436,7 +487,9 @@ def _on_stage_group(graph, plan, lay, world):
     from ..data_parallel import place_on_rank
     group = list(lay.stage_ranks())
     for entry in plan:
-        for op in [entry["reduce_scatter"], entry["allgather"]]:
+        gathers = list(entry["gathers"].values()) if "gathers" in entry else \
+            [entry["allgather"]]
+        for op in [entry["reduce_scatter"]] + gathers:
             graph.ops[op].attrs["group"] = list(group)
         entry["group"] = list(group)
     place_on_rank(graph, world.rank)
