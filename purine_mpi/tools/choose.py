@@ -244,7 +244,7 @@ def candidates(job, n, durations):
             staged = Candidate((f"parallel.scheme={scheme}", f"parallel.stages={text}",
                                 f"parallel.micro_batches={m}"), f"{scheme} {what}")
             out.append(staged)
-            if scheme == "hybrid" and sharded:
+            if s < n and sharded:
                 # each stage's n/s replicas shard that stage's model state
                 # (listed where the same hybrid setting is possible)
                 for stage in SHARD_STAGES:
