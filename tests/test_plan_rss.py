@@ -1,7 +1,7 @@
 """``plan``'s host figures against what the run holds: the data pool row is
 the readers' own bytes, and train's OUT/memory.json (the measured resident
 bytes above the baseline) is at least the predicted host total on every
-rank and within 20% of it (docs/running.md, "Will it fit?", has the table
+rank and within 15% of it (docs/running.md, "Will it fit?", has the table
 and the gap); the host scratch and kernel temporaries rows are what the
 kernels hold after an iteration."""
 import json
@@ -146,14 +146,16 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
 def test_predicted_host_total_is_held(job, tmp_path):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total, and the
-    total is within 20% of it (measured: 13-17% below, docs/running.md)."""
+    total is within 15% of it (measured: 9.6-11.6% below, docs/running.md;
+    within 20% before the baseline followed the deferred imports and the
+    data pool counted the epoch order)."""
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3)
     assert "error" not in res, res
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
         assert m >= p, (job, p, m)
-        assert p >= 0.8 * m, (job, p, m)
+        assert p >= 0.85 * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
 
