@@ -25,7 +25,8 @@ is where the gradients live, so it counts as gradients):
   the bytes live at once and the op where they peak), and, with
   ``memory_plan: false``, the transient blobs one buffer each;
 - ``data_batch``: the blobs the data readers fill;
-- ``data_pool`` (host): what the readers hold besides (``data_pool_bytes``);
+- ``data_pool`` (host): what the data readers hold besides their output
+  blobs (``data_pool_bytes``);
 - ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
 - ``windows``: this rank's part of the one-sided transport's windows;
 - ``kept``: everything else that persists (losses, metrics, lr, the
