@@ -1,7 +1,7 @@
 """``plan``'s host figures against what the run holds: the data pool row is
 the readers' own bytes, and train's OUT/memory.json (the measured resident
 bytes above the baseline) is at least the predicted host total on every
-rank and within 20% of it (docs/running.md, "Will it fit?", has the table
+rank and within 15% of it (docs/running.md, "Will it fit?", has the table
 and the gap); the host scratch and kernel temporaries rows are what the
 kernels hold after an iteration."""
 import json
@@ -60,6 +60,62 @@ def test_resident_bytes_are_what_the_sources_hold(tmp_path):
     assert resident_bytes(text) == (None, t.tokens.nbytes + t._offsets.nbytes)
 
 
+def test_data_pool_counts_the_epoch_order(tmp_path):
+    """A shuffled source's reader holds its epoch's permutation of the
+    samples (data/sources.EpochOrder): plan's data pool row counts it, from
+    the job (the text split's windows), and the array is that size."""
+    from purine_mpi.data.sources import EpochOrder, order_bytes
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import offline_footprint
+    path = rss_vs_plan.text_data(str(tmp_path))
+    spec = {"source": "text", "path": path, "split": "train", "sequence_length": 128,
+            "shuffle": True}
+    held = EpochOrder(TextSource(spec).n_samples, True)(0).nbytes
+    assert order_bytes(spec) == held > 0
+    assert order_bytes(dict(spec, shuffle=False)) == 0
+
+    def pool(shuffle):
+        job = load_job(os.path.join(ROOT, "jobs", "gpt_tiny.yaml"),
+                       [f"data.train.path={path}", f"data.test.path={path}",
+                        f"data.train.shuffle={shuffle}"], None, check_files=False)
+        return offline_footprint(job, 1, 0).host["data_pool"]
+    assert pool("true") - pool("false") == held
+
+
+#: run in a fresh process: ``train`` for one iteration on one rank, and the
+#: extension modules first imported after memory.json's baseline was read
+_AFTER_BASELINE = """
+import sys
+import purine_mpi.train.trainer as T
+from purine_mpi.cli import main
+seen, real = [], T.rss_bytes
+def rss_bytes():
+    seen.append(set(sys.modules))
+    return real()
+T.rss_bytes = rss_bytes
+code = main(sys.argv[1:])
+new = [m for m in set(sys.modules) - seen[0]
+       if str(getattr(sys.modules[m], "__file__", "") or "").endswith((".so", ".pyd"))]
+print("after:", sorted(new))
+sys.exit(code)
+"""
+
+
+def test_no_library_is_loaded_after_the_baseline(tmp_path):
+    """memory.json's baseline is read after the imports the run defers
+    (base/rss.DEFERRED_IMPORTS: numpy.random's extension modules, ...): no
+    extension module's code joins the resident bytes above it."""
+    p = subprocess.run([sys.executable, "-c", _AFTER_BASELINE, "train",
+                        os.path.join(ROOT, "jobs", "gpt_tiny.yaml"), "--out", str(tmp_path / "o"),
+                        "--iters", "1", "--set", "data.train.batch_size=2",
+                        "--set", f"data.train.path={rss_vs_plan.text_data(str(tmp_path))}",
+                        "--set", f"data.test.path={rss_vs_plan.text_data(str(tmp_path))}",
+                        "--set", "solver.test_interval=0", "--set", "checkpoint.interval=0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "after: []" in p.stdout, p.stdout[-2000:]
+
+
 @pytest.mark.parametrize("job,sets", [
     ("cifar10_quick", ["data.train.batch_size=20"]),
     ("nin_cifar10", ["data.train.batch_size=4"]),
@@ -90,14 +146,16 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
 def test_predicted_host_total_is_held(job, tmp_path):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total, and the
-    total is within 20% of it (measured: 13-17% below, docs/running.md)."""
+    total is within 15% of it (measured: 9.6-11.6% below, docs/running.md;
+    within 20% before the baseline followed the deferred imports and the
+    data pool counted the epoch order)."""
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3)
     assert "error" not in res, res
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
         assert m >= p, (job, p, m)
-        assert p >= 0.8 * m, (job, p, m)
+        assert p >= 0.85 * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
 

@@ -457,9 +457,20 @@ def batch_types(spec, dtype="float32"):
 
 
 # ----------------------------------------------------------------- batching
+def order_bytes(spec):
+    """Bytes of one epoch's order an ``EpochOrder`` of data spec ``spec``
+    holds (a permutation of the sample indices, int64; 0 without
+    ``shuffle``), reading only metadata: plan's data pool row counts one
+    per reader (a second joins it once the run crosses an epoch)."""
+    if not spec.get("shuffle", False):
+        return 0
+    return 8 * int(source_info(spec)[0])
+
+
 class EpochOrder:
     """The permutation of each epoch: depends only on (seed, epoch) when
-    ``shuffle``, the identity otherwise. Keeps the last few epochs' orders."""
+    ``shuffle``, the identity otherwise. Keeps the last few epochs' orders
+    (``cache``; each ``order_bytes``)."""
 
     def __init__(self, n_samples, shuffle, seed=0, cache=2):
         self.n, self.shuffle, self.seed = int(n_samples), bool(shuffle), int(seed)

@@ -25,6 +25,8 @@ is where the gradients live, so it counts as gradients):
   the bytes live at once and the op where they peak), and, with
   ``memory_plan: false``, the transient blobs one buffer each;
 - ``data_batch``: the blobs the data readers fill;
+- ``data_pool`` (host): what the data readers hold besides their output
+  blobs (``data_pool_bytes``);
 - ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
 - ``windows``: this rank's part of the one-sided transport's windows;
 - ``kept``: everything else that persists (losses, metrics, lr, the
@@ -296,11 +298,13 @@ def data_pool_bytes(graphs):
     """Host bytes the data readers of ``graphs`` hold besides their output
     blobs (ops/data.py): each source's resident data (data/sources.
     resident_bytes: an HDF5 split in memory is shared by the readers of the
-    same file and split, every other source is the reader's own) and the
-    one batch its prefetch thread gathers ahead (``DataReader._start``:
-    one request in flight, the prepared data and labels kept until
-    ``run`` copies them into the outputs)."""
-    from ..data.sources import resident_bytes
+    same file and split, every other source is the reader's own), the
+    reader's epoch order (data/sources.order_bytes: a shuffled source's
+    permutation of its samples, one epoch's) and the one batch its
+    prefetch thread gathers ahead (``DataReader._start``: one request in
+    flight, the prepared data and labels kept until ``run`` copies them
+    into the outputs)."""
+    from ..data.sources import order_bytes, resident_bytes
     shared, total = {}, 0
     for graph in graphs:
         for op in graph.ops.values():
@@ -311,6 +315,7 @@ def data_pool_bytes(graphs):
                 total += held
             else:
                 shared[key] = held
+            total += order_bytes(op.attrs["source"])
             total += sum(_root_nbytes(graph.blobs[b]) for b in op.outputs)
     return total + sum(shared.values())
 

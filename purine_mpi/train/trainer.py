@@ -20,7 +20,7 @@ import sys
 import time
 
 from ..base import logfile
-from ..base.rss import peak_rss_bytes, rss_bytes
+from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes
 from ..job.checkpoint_file import LATEST
 from ..job.inputs import run_inputs
 from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
@@ -180,9 +180,9 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     world = get_world()
     install_abort_handler(world)
     world.stall_timeout = float(job.parallel.stall_timeout)
-    # the baseline of memory.json: after the imports (h5py: the data files and
-    # checkpoints load it later) and MPI's initialisation, before any graph
-    import h5py  # noqa: F401
+    # the baseline of memory.json: after MPI's initialisation and the imports
+    # the run would otherwise make later (base/rss.DEFERRED_IMPORTS), before any graph
+    preload_deferred_imports()
     baseline = rss_bytes()
     # rank 0's lines, and any rank's errors, go to OUT/train.log too (base/logfile.py)
     logfile.open_run_log(out_dir, world.rank)
