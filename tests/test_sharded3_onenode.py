@@ -4,7 +4,8 @@ parallel/zero3_windows.py): each bucket's weights are one region of a
 shared window every rank reads in place, the gathers are WindowSync
 barriers (before the readers; after the readers and before the updates),
 the node holds the weights once, the training is stage 3's two-sided one
-bit for bit, the windows are freed; across hosts the gathers stay."""
+bit for bit, the windows are freed; across hosts no shared copy (RMA Gets instead:
+tests/test_sharded3_rma.py)."""
 import re
 
 import numpy as np
@@ -83,16 +84,20 @@ def test_one_copy_of_the_weights_per_node(n):
     assert all(s == seqs[0] for s in seqs) and compare_signatures(signatures) == []
 
 
-def test_across_hosts_keeps_the_gathers(monkeypatch):
-    """Ranks on two (emulated) hosts: the two-sided gathers stay, no
-    window, and the transport line says why."""
+def test_across_hosts_no_shared_copy(monkeypatch):
+    """Ranks on two (emulated) hosts: no shared copy; the gathers are RMA
+    Gets of the owners' shards (tests/test_sharded3_rma.py), each rank's
+    region its shard alone, and the transport line says so."""
     monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
     g, comp = _one_node(2, 0)
-    assert [op for op in g.ops.values() if op.op_type == "Allgather"]
-    assert not [op for op in g.ops.values() if op.op_type == "WindowSync"]
-    assert comp.window_placement is None and comp.windows is None
+    assert not [op for op in g.ops.values() if op.op_type == "Allgather"]
+    assert [op for op in g.ops.values() if op.op_type == "GetShards"]
+    assert not [e for e in comp.shard_plan if "window" in e]
+    layout, node_of = comp.window_placement
+    layout.place(node_of)
+    assert {r.where for r in layout.regions.values()} == {"rma"}
     (what, how, why), = comp.transport
-    assert what == "weights" and "allgathered" in how and "2 nodes" in why
+    assert what == "weights" and "RMA Get" in how and "2 nodes" in why
 
 
 @pytest.mark.parametrize("shard", [1, 2])
@@ -110,8 +115,8 @@ def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, n):
     only the gathers' copies are gone), with comm ops shaken by
     PURINE_COMM_DELAY; the start-up block names the transport and holds
     the weights on rank 0 alone (the window's owner); every rank frees its
-    shared window on exit. On 2 (emulated) hosts the gathers stay, said
-    once."""
+    shared window on exit. On 2 (emulated) hosts the gathers are RMA Gets
+    (tests/test_sharded3_rma.py), said once, the same weights."""
     monkeypatch.setenv("PURINE_DEBUG_WINDOWS", "1")
     runs, texts = [], []
     for name, par in (("two", {}), ("one", {"transport": "one_sided",
@@ -146,7 +151,7 @@ def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, n):
         cfg["solver"]["test_interval"] = 10
         out, text = _train(tmp_path, "hosts", n, cfg)
         lines = re.findall(r"^\s*transport\s+(.*)$", text, re.M)
-        assert len(lines) == 1 and "allgathered" in lines[0] and "2 nodes" in lines[0], text
-        assert "windows freed" not in text
+        assert len(lines) == 1 and "RMA Get" in lines[0] and "2 nodes" in lines[0], text
+        assert "windows freed (rma)" in text
         c = _params(out / "latest.h5")
         assert all(np.array_equal(a[k], c[k]) for k in a)

@@ -50,6 +50,9 @@ WindowAllreduce  as Allreduce, attrs seq, window, window_ranks, (average)
 WindowSync  ins []  outs []  attrs seq, window, (phase)
     stage 3's gather on one node, where the gathered buffer is a shared
     window (comm/window_sync.py; parallel/zero3_windows.py): a barrier.
+GetShards   ins [x]  outs [w]     attrs seq, region, regions, shards, shard, shapes
+    stage 3's gather across hosts: an MPI_Rget of every owner's shard from
+    its RMA window (comm/rma_pull.py; parallel/zero3_windows.py).
 Send        ins [x]  outs []      attrs seq, peer, tag
     posts Isend(x) to rank ``peer``; done when MPI may reuse x.
 Recv        ins []   outs [y]     attrs seq, peer, tag, shape, dtype
@@ -81,7 +84,8 @@ from .world import get_world
 #: (ops/catalog.py imports them)
 _COLLECTIVES = {"Allreduce", "ReduceScatter", "Allgather", "WindowAllreduce", "WindowSync"}
 _POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
-                   "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish"}
+                   "Put", "WaitWrite", "Release", "WaitFree", "Get", "Publish",
+                   "GetShards"}
 
 
 def is_comm_op(op):

@@ -20,6 +20,16 @@ Get      ins []   outs [y]  attrs seq, peer, region, version, shape, dtype,
     owner changes the region while it updates, so the read is retried until
     ``version`` is even and the same before and after it (a sequence lock:
     the owner makes it odd while it writes).
+GetShards  ins [x]  outs [w]  attrs seq, region, regions, shards, shard, shapes, dtype,
+                              (bucket), peer (-1: every owner)
+    stage 3's gather across hosts (parallel/zero3_windows.py): w, the whole
+    flat bucket, gets every rank r's shard, region ``regions[r]`` of r's
+    RMA window, at ``shard_range(total, shards, r)``: one ``MPI_Rget`` per
+    other owner, posted at once, tested by the poller (a Get's request is
+    complete once the data is in w: no flush); this rank's own shard x
+    (its region ``region``) is copied. What the owners hold then is ordered
+    by the WindowSync barriers around it (comm/window_sync.py): it reads no
+    notify word.
 
 Their parts show in the trace as rma events (comm/rma_ops.py's kinds):
 ``<op>:notify`` for a Publish, ``<op>:wait_write`` (the wait for fresh
@@ -133,5 +143,64 @@ class Get(_WindowKernel):
                      "read": "reading", "done": "done"}[state["stage"]]
             return (f"Get {self.op.outputs[0]} {_mb(y.nbytes)} from rank {self.attrs['peer']} "
                     f"({doing}, get #{k}) {self._what()}")
+
+        return RMAPending(step, describe, spans)
+
+
+@register
+class GetShards(_WindowKernel):
+    """w <- every owner's shard of a bucket, read from its RMA window (see
+    the module docstring)."""
+
+    op_type = "GetShards"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        from .ops import Allgather
+        return Allgather.infer(attrs, ins)
+
+    def prepare(self, ins, outs):
+        from .ops import shard_range
+        a = self.attrs
+        regions, shards, shard = list(a["regions"]), int(a["shards"]), int(a["shard"])
+        if len(regions) != shards or regions[shard] != a["region"] or len(outs) != 1 or \
+                not outs[0].flags.c_contiguous:
+            raise ValueError(f"GetShards '{self.op.name}': one contiguous output and one "
+                             f"region per shard ({shards}), this rank's ({shard}) its own")
+        total = outs[0].size
+        self.parts = [(r, regions[r], slice(*shard_range(total, shards, r)))
+                      for r in range(shards)]
+
+    def run(self, ins, outs):
+        from mpi4py import MPI
+        k, w, win = self._begin(ins, outs), outs[0].reshape(-1), self.win
+        shard = int(self.attrs["shard"])
+        t0 = time.perf_counter()
+        reqs, before = [], (win.bytes_got, win.bytes_copied)
+        for r, region, cut in self.parts:
+            if cut.stop == cut.start:
+                continue
+            if r == shard:
+                np.copyto(w[cut], np.asarray(ins[0]).reshape(-1))
+                self.bytes_copied += w[cut].nbytes
+                continue
+            req = win.rget(region, w[cut])
+            if req is not None:
+                reqs.append((r, req))
+        self.bytes_got += win.bytes_got - before[0]
+        self.bytes_copied += win.bytes_copied - before[1]
+        spans, owners = [], [r for r, _ in reqs]
+        requests = [q for _, q in reqs]
+
+        def step():
+            if requests and not MPI.Request.Testall(requests):
+                return False
+            spans.append(("get", t0, time.perf_counter(),
+                          {"bytes_got": win.bytes_got - before[0]}))
+            return True
+
+        def describe():
+            return (f"GetShards {self.op.outputs[0]} {_mb(w.nbytes)} (get #{k}: reading the "
+                    f"shards of ranks {owners}) {self._what()}")
 
         return RMAPending(step, describe, spans)

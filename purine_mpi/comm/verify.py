@@ -22,7 +22,7 @@ from .ops import data_blobs, is_collective, is_comm_op
 _SENDERS = ("Send", "Put")          # point-to-point: the writing side
 _RECEIVERS = ("Recv", "WaitWrite")  # and the side that receives
 # no partner op: comm/rma_ops.py's Release and WaitFree, comm/rma_pull.py's reads
-_UNPAIRED = ("Release", "WaitFree", "Get", "Publish")
+_UNPAIRED = ("Release", "WaitFree", "Get", "Publish", "GetShards")
 
 
 def comm_signature(graph):

@@ -14,6 +14,11 @@ WindowSync  ins []  outs []  attrs seq, window, (phase), (bucket)
     readers (``acquire``), every rank's update of its slice is complete;
     after them and before the updates (``release``), no rank still reads
     the old weights.
+
+The same op orders stage 3's gathers across hosts (each rank's weight
+shard in its own RMA window, read by the others' ``GetShards``,
+comm/rma_pull.py): ``Win_sync`` there makes the owner's stores into its
+shard the window's public copy before the barrier lets the others read it.
 """
 from ..ops.registry import register
 from .ops import CollectiveKernel, comm_delay
@@ -42,9 +47,8 @@ class WindowSync(CollectiveKernel):
         self._setup_done = True
 
     def _sync(self):
-        win = self.win.wins.get("shared")
-        if win is not None:
-            with MPI_LOCK:
+        with MPI_LOCK:
+            for win in self.win.wins.values():  # shared, and RMA (its public copy)
                 win.Sync()
 
     def run(self, ins, outs):

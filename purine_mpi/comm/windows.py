@@ -11,7 +11,7 @@ interface of the RDMA paper, Xue et al., EuroSys 2019).
   library registers for RDMA) for the others, and opens one passive-target
   epoch on each (``Lock_all``, closed only by ``free``); ``pair_transport``
   says which pairs of ranks get windows at all;
-- ``put`` / ``rput`` / ``get`` / ``accumulate`` move data into or out of a
+- ``put`` / ``rput`` / ``get`` / ``rget`` / ``accumulate`` move data into or out of a
   region of any rank; ``view(name)`` is the owner's memory itself where this
   rank can address it (one node: a producer may compute straight into it),
   else None;
@@ -331,6 +331,27 @@ class Windows(MemoryDevice):
             win.Flush(rank)
         self.bytes_got += out.nbytes
         return out
+
+    def rget(self, name, out, offset=0):
+        """Start reading region ``name`` (from element ``offset``) into
+        ``out``: a request (``MPI_Rget``; the data is in ``out`` once it
+        completes, no flush needed) to test; None when it was a load from
+        shared memory (done)."""
+        r = self.region(name)
+        if not out.flags.c_contiguous or out.dtype != r.dtype:
+            raise ValueError(f"rget '{name}': out must be a contiguous {r.dtype} array")
+        view = self.view(name)
+        if view is not None and (r.where == "shared" or r.owner == self.rank):
+            with MPI_LOCK:
+                self.wins[r.where].Sync()
+            np.copyto(out.reshape(-1), view.reshape(-1)[offset:offset + out.size])
+            self.bytes_copied += out.nbytes
+            return None
+        win, rank, target = self._target(r, offset, out.size)
+        with MPI_LOCK:
+            req = win.Rget(_bytes(out), rank, target)
+        self.bytes_got += out.nbytes
+        return req
 
     def accumulate(self, name, src, offset=0):
         """Region ``name`` += ``src`` element-wise, atomically per element

@@ -162,7 +162,8 @@ PARALLEL = (
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
         "backward readers; with transport one_sided on one node, one shared copy per node "
-        "read in place); with parallel.stages any of them, over each stage's replicas (shard 3: "
+        "read in place; across hosts with one_sided, or auto where the network does RDMA, "
+        "gathered by MPI_Rget of the owners' shards from their RMA windows); with parallel.stages any of them, over each stage's replicas (shard 3: "
         "each stage's weights gathered once per iteration for all its micro-batches; see "
         "[parallel.md](parallel.md))"),
     Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "

@@ -24,19 +24,34 @@ collectives' ``seq`` order):
   before this rank's updates of its slice: no rank updates while another
   still reads the weights of this iteration.
 
-Across hosts, or where the library allocates no shared window, the
-two-sided gathers stay (the start-up block says why, once). Offline
-(``graph --np N``: no communicator) the graph is converted as on one node
+Across hosts (``parallel.transport: one_sided``, or ``auto`` where the
+ranks agree the network does RDMA: comm/windows.rma_across_hosts) each
+rank's weight shard of every bucket is region ``z3/<weights>@<r>`` of its
+own RMA window (``MPI.Win.Allocate``, the shard blob lives there and the
+shard solver updates it in place), and each of a bucket's two gathers
+becomes a ``GetShards`` (comm/rma_pull.py): an ``MPI_Rget`` of every other
+owner's shard into the transient buffer, its own shard copied. The same
+two WindowSyncs order them (``Win_sync`` on the RMA window makes the
+owner's stores public): ``acquire`` before both GetShards (every owner
+finished last iteration's update of its shard), ``release`` after both
+and before this rank's updates of its shard (no owner writes a shard
+another rank may still be reading). Where the library allocates no
+window, or ``auto`` finds no RDMA, the two-sided gathers stay (the
+start-up block says why, once). Offline (``graph --np N``: no
+communicator) the graph is converted as the node table says
 (``PURINE_RANKS_PER_HOST`` splits it) and nothing is allocated.
 
     to_shared_weights(graph, plan, job, world) -> (windows, transport lines, placement)
 """
+from ..comm.ops import shard_range
 from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
 from ..graph.core import WORKING_SET_ATTR
 from .sharding import _collective_seq
 
 PREFIX = "z3/"
 GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
+GOT = ("weights", "RMA Get of the owners' shards: each rank's weight shard in its RMA "
+       "window, each gather an MPI_Rget of every owner's shard into a transient buffer")
 
 
 def to_shared_weights(graph, plan, job, world):
@@ -45,7 +60,8 @@ def to_shared_weights(graph, plan, job, world):
     every rank shares one node (see the module docstring); allocate it
     (collective). Returns (the Windows or None, the transport lines or
     None, the window placement ``(layout, node_of)`` or None)."""
-    if job.parallel.transport != "one_sided" or world.size == 1 or \
+    transport = job.parallel.transport
+    if transport not in ("one_sided", "auto") or world.size == 1 or job.device >= 0 or \
             not any("weight_shard" in entry for entry in plan):
         return None, None, None
     live = getattr(world, "comm", None) is not None
@@ -53,9 +69,9 @@ def to_shared_weights(graph, plan, job, world):
         {r: fake_host_of(r) or 0 for r in range(world.size)}
     hosts = len(set(node_of.values()))
     if hosts != 1:
-        return None, [GATHERED + (f"parallel.transport: one_sided, but the ranks run on "
-                                  f"{hosts} nodes: one shared copy needs every rank on one "
-                                  "node",)], None
+        return _rma_weights(graph, plan, transport, world, node_of, live)
+    if transport != "one_sided":
+        return None, None, None
     owner = min(node_of)
     layout = WindowLayout()
     for entry in plan:
@@ -73,6 +89,85 @@ def to_shared_weights(graph, plan, job, world):
     return windows, [("weights", "one shared copy per node: each bucket's weights in one "
                       "shared window, read in place (the gathers only synchronise)",
                       "parallel.transport: one_sided, ranks of one node")], placed
+
+
+def _rma_weights(graph, plan, transport, world, node_of, live):
+    """Across hosts: each rank's weight shards in its RMA window, the
+    gathers Gets (see the module docstring), where ``transport`` is
+    one_sided or ``auto`` and the ranks agree the network does RDMA."""
+    from .one_sided import _agreed_across_hosts
+    hosts = len(set(node_of.values()))
+    why = f"parallel.transport: {transport}, ranks on {hosts} nodes"
+    if transport == "auto":
+        ok, rdma = _agreed_across_hosts(world, node_of)
+        why = f"{why}, {rdma}"
+        if not ok:
+            return None, [GATHERED + (why,)], None
+    layout = WindowLayout()
+    for entry in plan:
+        wb = graph.blobs[entry["weights"]]
+        for r in range(world.size):
+            lo, hi = shard_range(wb.size, world.size, r)
+            layout.add(shard_region(entry["weights"], r), r, (hi - lo,), wb.dtype,
+                       peers=range(world.size))
+    windows = None
+    if live:
+        windows, lines = allocate_or_fall_back(
+            world, layout, node_of, lambda exc: [GATHERED + (f"{why}: {exc}",)])
+        if windows is None:
+            return None, lines, None
+    get_weights(graph, plan, world.rank, world.size)
+    return windows, [GOT + (why,)], (layout, node_of)
+
+
+def shard_region(weights, rank):
+    """The window region of rank ``rank``'s shard of bucket ``weights``."""
+    return f"{PREFIX}{weights}@{rank}"
+
+
+def get_weights(graph, plan, rank, shards):
+    """Rewrite stage 3's gathers of ``graph`` (rank ``rank``'s of
+    ``shards``) into GetShards from the owners' RMA windows, between a
+    bucket's two WindowSyncs (see the module docstring); renumber the
+    collectives' ``seq`` (the GetShards after them). Each plan entry gets
+    ``windows`` (its regions, rank by rank), ``gets`` (the GetShards, by
+    pass) and ``gathers`` {"acquire", "release"}."""
+    for entry in plan:
+        weights, own = entry["weights"], entry["weight_shard"]
+        regions = [shard_region(weights, r) for r in range(shards)]
+        ob = graph.blobs[own]  # the shard lives in the window; its views view it
+        ob.attrs = dict(ob.attrs, window=regions[rank], window_views=True)
+        gets = entry["gathers"]
+        first = graph.ops[next(iter(gets.values()))]
+        common = {"window": regions[rank], "bucket": weights}
+        acquire = graph.add_op(graph.free_name(f"{weights}.acquire"), "WindowSync", [], [],
+                               dict(common, phase="acquire"), location=first.location,
+                               thread=first.thread)
+        release = graph.add_op(graph.free_name(f"{weights}.release"), "WindowSync", [], [],
+                               dict(common, phase="release"), location=first.location,
+                               thread=first.thread)
+        for name in gets.values():
+            op = graph.ops[name]
+            op.op_type = "GetShards"
+            op.attrs = dict({k: v for k, v in op.attrs.items() if k != "seq"},
+                            region=regions[rank], regions=regions, peer=-1)
+            op.control_inputs.append(acquire.name)
+        release.control_inputs = [acquire.name] + list(gets.values())
+        rooted = {n for n in graph.blobs if graph.storage_root(n) == own}
+        for op in graph.ops.values():
+            if rooted.intersection(op.outputs):  # the updates of the shard
+                op.control_inputs.append(release.name)
+        entry["gathers"] = {"acquire": acquire.name, "release": release.name}
+        entry["gets"], entry["windows"] = dict(gets), regions
+    graph.topo_order()  # no cycle
+    _collective_seq(graph, plan)
+    seq = 1 + max(op.attrs["seq"] for op in graph.ops.values()
+                  if "seq" in op.attrs and op.op_type != "GetShards")
+    for entry in plan:
+        for name in entry["gets"].values():
+            graph.ops[name].attrs["seq"] = seq
+            seq += 1
+    return plan
 
 
 def share_weights(graph, plan, rank, owner):

@@ -19,7 +19,9 @@ shards, saved joined whole, and gathered whole for the test graph
 each buffer is gathered once per iteration and held across them. Stage 3
 with ``parallel.transport: one_sided`` on one node holds each bucket's
 weights once per node, in a shared window every rank reads in place
-(parallel/zero3_windows.py); across hosts it keeps the gathers.
+(parallel/zero3_windows.py); across hosts (``one_sided``, or ``auto``
+where the network does RDMA) each rank's weight shards lie in its RMA
+window and the gathers are MPI_Rget of every owner's shard.
 
 On GPUs (``device >= 0``) with ``parallel.backend: nccl``, every stage:
 parallel/nccl_backend.use_nccl turns the reduce-scatters and gathers into
@@ -163,6 +165,10 @@ class Sharded(Hybrid):
             what = (f" in place{grads}; each bucket's weights are one shared window of the "
                     "node (one copy, read in place by every rank), synchronised before its "
                     "readers and before the updates")
+        elif any("gets" in entry for entry in plan):
+            what = what.replace("allgathered into transient buffers",
+                                "read (MPI_Rget of every owner's shard, from the owners' RMA "
+                                "windows) into transient buffers")
         who = f"ranks {ranges(range(n))} are data-parallel replicas; gradients reduce-scattered"
         if lay.staged:
             who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages (rank = "
