@@ -327,6 +327,53 @@ def traced_sharded(tmp_path_factory):
     return run
 
 
+@pytest.mark.parametrize("hosts", ["one node", "across hosts"])
+def test_predict_models_stage_3_over_windows(tmp_path_factory, tmp_path, monkeypatch, hosts):
+    """Stage 3 with parallel.transport: one_sided: on one node each bucket's
+    two gathers become two WindowSync barriers (⌈log2 N⌉·α each, no bytes:
+    the node reads one shared copy); across hosts (emulated, RDMA forced)
+    the barriers stay and each gather becomes a GetShards: one α of the
+    window plus (N-1)/N of the bucket at its rate. The reduce-scatters are
+    as without windows."""
+    folder = tmp_path_factory.mktemp("scaling_z3")
+    cfg = write_config_file(folder, dict(NET, parallel={"scheme": "sharded", "shard": 3,
+                                                         "transport": "one_sided"}))
+    run = folder / "run"
+    res = run_cli_args("train", cfg, "--out", run, "--profile-iters", "2:6", "--iters", 6)
+    assert res.returncode == 0, res.stderr
+    alpha, beta = 2e-5, 1.25e8
+    link = tmp_path / "link.json"
+    save_link(link, Link(alpha, beta, 0.0, "test"))
+    if hosts == "across hosts":
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
+        monkeypatch.setenv("PURINE_RMA_ACROSS_HOSTS", "1")
+    res = run_cli_args("predict", run, "--np", "2,3,4", "--link", link, "--algorithm", "ring",
+                       "--json")
+    assert res.returncode == 0, res.stderr
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.graph import compose_for
+    job = load_job(run / "config.yaml", check_files=False)
+    total = 4 * PARAMS
+    for r in json.loads(res.stdout)["rows"]:
+        n = r["np"]
+        assert "error" not in r, r
+        g = compose_for(job, n, 0)
+        ops = list(g.ops.values())
+        count = {t: sum(op.op_type == t for op in ops)
+                 for t in ("ReduceScatter", "WindowSync", "GetShards", "Allgather")}
+        assert count["Allgather"] == 0 and count["WindowSync"] == 2 * count["ReduceScatter"]
+        assert (count["GetShards"] > 0) == (hosts == "across hosts")
+        assert r["comm_ops"] == sum(count.values())
+        got = sum(4 * math.prod(g.blobs[op.outputs[0]].shape) for op in ops
+                  if op.op_type == "GetShards")   # the gathered buckets' bytes
+        scatter = count["ReduceScatter"] * (n - 1) * alpha + (n - 1) / n * total / beta
+        barriers = count["WindowSync"] * (n - 1).bit_length() * alpha
+        gets = count["GetShards"] * alpha + (n - 1) / n * got / beta
+        assert r["comm_bytes"] == pytest.approx(total + (n - 1) / n * got, abs=8)
+        want = scatter + barriers + gets
+        assert r["comm_ms"] == pytest.approx(1000 * want, abs=1e-3), n   # ms, 3 decimals
+
+
 def test_predict_gives_the_closed_form_of_a_sharded_job(traced_sharded, tmp_path):
     """At N ranks every bucket is reduce-scattered and allgathered once:
     2 · 4·PARAMS bytes counted, and on a ring each op costs (N-1)·α +

@@ -80,6 +80,20 @@ class Link:
         alpha = self.alpha if self.alpha_put is None else self.alpha_put
         return alpha + nbytes / (self.beta_put or self.beta)
 
+    def get_shards(self, n, nbytes):
+        """Seconds for a rank to read the other ``n - 1`` owners' shards of
+        a ``nbytes`` buffer by one-sided Gets posted at once (ZeRO stage 3
+        across hosts): one latency, (N-1)/N of the bytes at the window's
+        rate; the owners spend nothing."""
+        n = int(n)
+        return self.put((n - 1) / n * float(nbytes)) if n > 1 else 0.0
+
+    def barrier(self, n):
+        """Seconds for a barrier over ``n`` ranks (MPICH's dissemination
+        barrier: ⌈log2 n⌉ rounds of a zero-byte message)."""
+        n = int(n)
+        return (n - 1).bit_length() * self.alpha if n > 1 else 0.0
+
     @staticmethod
     def sent_bytes(n, nbytes, halves=2):
         """Bytes a rank sends in an allreduce of ``nbytes`` over ``n`` ranks

@@ -23,6 +23,10 @@ their cost on the link model (``link.py``):
   the push and the server's update of that shard (its traced ``.update``);
 - scheme sharded: a bucket's ReduceScatter and the weights' Allgather,
   each (N-1)·α + (N-1)/N·B/β over the replicas (half a ring allreduce);
+- scheme sharded, stage 3 with windows: a ``WindowSync`` (one shared copy
+  per node; or across hosts around the Gets) is a barrier, ⌈log2 N⌉·α; a
+  ``GetShards`` (the gather across hosts) α_put + (N-1)/N·B/β_put, its
+  Gets posted at once, no owner taking part;
 - one-sided transfers (``parallel.transport``: Put/WaitWrite, Get) cost
   α_put + B/β_put (``Link.put``: the window's figures from ``predict
   --calibrate``), a Put matched with its WaitWrite by window region; the
@@ -167,6 +171,20 @@ class Template:
                          busy_seconds=getattr(link.busy(), _HALVES[op.op_type])(
                              group, nbytes, algorithm),
                          cpu=link.cpu * link.sent_bytes(group, nbytes, halves=1))
+        if op.op_type == "WindowSync":
+            # ZeRO stage 3's window barrier (one shared copy per node, or
+            # the RMA windows across hosts): a barrier in the collectives' order
+            group = scenario.replicas
+            return SimOp(op.name, link.barrier(group), deps, kind="collective",
+                         seq=int(op.attrs.get("seq", 0)), nbytes=0,
+                         busy_seconds=link.busy().barrier(group))
+        if op.op_type == "GetShards":
+            # stage 3 across hosts: the other owners' shards read by Gets
+            # posted at once; no owner takes part, so nothing to match
+            nbytes = _nbytes(g, op.outputs)
+            shards = int(op.attrs.get("shards") or scenario.replicas)
+            return SimOp(op.name, link.get_shards(shards, nbytes), deps, lane=str(op.thread),
+                         nbytes=int((shards - 1) * nbytes // shards))
         if op.op_type in ("Release", "WaitFree"):
             # a notify word raised (α_put) and a wait for one: no data moves;
             # the wait for the consumer's release of the last iteration's
