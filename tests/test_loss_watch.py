@@ -226,3 +226,61 @@ def test_all_finite_finds_a_nan_or_an_infinity_in_one_read_back(device):
         c[777] = bad
         assert not kernels.all_finite([big, device.to_device(c), ramp]), bad
     assert device.launched.count("grad_sumsq") == 2 + 3 * 3
+
+
+def _rows_with_test_data(out, device, cuda_graph):
+    """The tiny net with a test split: display every 3 iterations, a test
+    pass every 2 (between two display rows, on the one at 6, and the end's
+    at 9), a checkpoint at 6 and at the end."""
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    raw = tiny_raw(device=device, checkpoint={"interval": 6, "keep": 5}, cuda_graph=cuda_graph)
+    raw["data"]["test"] = {"source": "synthetic", "shape": [3, 8, 8], "classes": 5,
+                           "num_samples": 16, "batch_size": 8}
+    raw["solver"].update(max_iter=9, display=3, test_interval=2)
+    t = Trainer(make_job(validate_config(raw, check_files=False)), str(out), world=FakeWorld(),
+                log=lambda line: None)
+    assert run_and_report(t, FakeWorld()) == 0
+    assert (t.graphs.watch is not None) == (device >= 0)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "train"], [r for r in rows if r["phase"] == "test"]
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_every_train_row_with_test_passes_and_checkpoints_is_the_cpu_one(
+        host_build_dir, monkeypatch, tmp_path, cuda_graph):
+    """Every ``train`` row of a run with a test split (whose test graph has
+    its own dispatcher on the same GPU) is the CPU run's: the iteration, the
+    loss over the whole display window and the lr of the row's iteration,
+    also where a test pass, a checkpoint or the end falls on the row. (Until
+    the emulated trainer's dispatchers shared one simulated device, the
+    training graph's streams were made on the test graph's device, its
+    drain waited for nothing, and each row was read while iterations were
+    still queued: a window sum short of its last losses divided by all of
+    them, and an earlier iteration's lr.)"""
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    train, test = _rows_with_test_data(tmp_path / "gpu", 0, cuda_graph)
+    cpu_train, cpu_test = _rows_with_test_data(tmp_path / "cpu", -1, cuda_graph)
+    assert [r["iter"] for r in train] == [r["iter"] for r in cpu_train] == [3, 6, 9]
+    assert [r["iter"] for r in test] == [r["iter"] for r in cpu_test] == [2, 4, 6, 8, 9]
+    # float32 rounding: the emulated kernels sum in another order than the CPU's
+    np.testing.assert_allclose([r["loss"] for r in train], [r["loss"] for r in cpu_train],
+                               rtol=1e-6)
+    np.testing.assert_allclose([r["lr"] for r in train], [r["lr"] for r in cpu_train],
+                               rtol=1e-7)
+    np.testing.assert_allclose([r["loss"] for r in test], [r["loss"] for r in cpu_test],
+                               rtol=1e-6)
+
+
+def test_the_runtimes_of_one_gpu_share_its_simulated_device(host_build_dir, monkeypatch):
+    """The emulator itself: a stream made while another runtime's device is
+    the active one is refused (its synchronisation would wait for nothing);
+    runtimes given one device make their streams there."""
+    from tests.emulated_gpu import SimulatedRuntime, use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    first = SimulatedRuntime(4)
+    SimulatedRuntime(4)  # a fresh device, now the active one
+    with pytest.raises(RuntimeError, match="another simulated device"):
+        first.stream(0, 0)
+    a = SimulatedRuntime(4)
+    b = SimulatedRuntime(4, device=a.device)
+    assert a.stream(0, 0).device is b.stream(0, 1).device is a.device

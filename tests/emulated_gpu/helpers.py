@@ -151,13 +151,30 @@ def run_graph_on_gpu(op_type, attrs, inputs, wrt):
         d.close()
 
 
+def one_gpu(seed):
+    """A stand-in for ``CudaRuntime`` (the stream dispatcher's): every
+    runtime it makes is on one simulated device, made by the first with
+    ``seed``, as a trainer's dispatchers (its training and test graphs)
+    share GPU 0. (A fresh device each made the second dispatcher's device
+    the active one, on which the first one's streams were then made: its
+    synchronisations waited for nothing, and the trainer read the device's
+    loss window and lr before the iterations had run.)"""
+    made = []
+
+    def runtime(*args, **kw):
+        rt = SimulatedRuntime(seed, device=made[0].device if made else None)
+        made.append(rt)
+        return rt
+    return runtime
+
+
 def emulated_trainer_env(monkeypatch, host_build_dir):
     """The trainer's own GPU path on the emulated device: device selection,
     placement and fusion, the device arena, the stream dispatcher on the
     simulated runtime."""
     import purine_mpi.runtime.streams_dispatcher as sd
     use_emulated_cupy(monkeypatch, host_build_dir)
-    monkeypatch.setattr(sd, "CudaRuntime", lambda *a, **k: SimulatedRuntime(4))
+    monkeypatch.setattr(sd, "CudaRuntime", one_gpu(4))
 
 
 def emulated_gpu_env(monkeypatch, build_dir):
@@ -168,7 +185,7 @@ def emulated_gpu_env(monkeypatch, build_dir):
     import purine_mpi.gpu as gpu
     import purine_mpi.runtime.streams_dispatcher as streams
     use_emulated_cupy(monkeypatch, build_dir)
-    monkeypatch.setattr(streams, "CudaRuntime", lambda *a, **k: SimulatedRuntime(1))
+    monkeypatch.setattr(streams, "CudaRuntime", one_gpu(1))
     monkeypatch.setattr(gpu, "set_tf32", lambda flag: None)
 
 

@@ -77,12 +77,19 @@ class using_allocator:  # noqa: N801  (CuPy's name)
 
 
 class SimulatedRuntime(CudaRuntime):
-    """``CudaRuntime`` on a fresh simulated device (made the active one)."""
+    """``CudaRuntime`` on a fresh simulated device, or on ``device`` (an
+    ``EmulatedDevice`` another runtime made: one GPU that several
+    dispatchers of a process share, as a trainer's training and test
+    graphs do); made the active one. Its streams must live on that device:
+    the stand-in ``cupy.cuda.Stream`` makes a stream on the device active
+    when it is made, and a stream on another device would not run when
+    this runtime synchronises (``stream`` refuses it)."""
 
-    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0, faithful=None):
+    def __init__(self, seed=0, poll_steps=(0, 3), stalled_polls=0, faithful=None,
+                 device=None):
         faithful = getattr(sys.modules.get("cupy"), "_emulated", False) \
             if faithful is None else faithful
-        self.device = EmulatedDevice(seed, faithful)
+        self.device = device if device is not None else EmulatedDevice(seed, faithful)
         set_active_device(self.device)
         super().__init__()
         if not faithful:   # (an empty pool is falsy: set here, not passed)
@@ -108,6 +115,11 @@ class SimulatedRuntime(CudaRuntime):
 
     def stream(self, device, thread):
         stream = super().stream(device, thread)
+        if stream.device is not self.device:
+            raise RuntimeError(
+                f"stream {(device, thread)} was made on another simulated device than "
+                "its runtime's (a second SimulatedRuntime made the active device in "
+                "between): give the runtimes of one GPU one device (device=)")
         stream.key = (device, thread)
         return stream
 
