@@ -12,6 +12,7 @@
 - ``make_job``: the one way the tests make the ``Job`` that the package's
   entry points take.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -157,6 +158,25 @@ def host_build_dir(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (needed to run the CUDA kernels on the host)")
     return tmp_path_factory.mktemp("host_kernels")
+
+
+def final_figures(res):
+    """The figures of a train run's last ``final {...}`` line (its stdout)."""
+    final = [line for line in res.stdout.splitlines() if line.startswith("final ")]
+    return json.loads(final[-1][len("final "):])
+
+
+@pytest.fixture(scope="session")
+def digits_lenet_final(digits_h5, tmp_path_factory):
+    """The final figures of jobs/digits_lenet.yaml trained whole on the
+    session's digits file: the "ours" side of the Caffe comparisons
+    (tests/test_caffe_convert.py, tests/test_caffe_tree.py), trained once."""
+    res = run_cli_args("train", os.path.join(REPO, "jobs", "digits_lenet.yaml"),
+                       "--out", tmp_path_factory.mktemp("digits_lenet") / "run",
+                       "--set", f"data.train.path={digits_h5}",
+                       "--set", f"data.test.path={digits_h5}", timeout=300)
+    assert res.returncode == 0, res.stderr
+    return final_figures(res)
 
 
 def train_small_run(digits_h5, tmp_path_factory, name):
