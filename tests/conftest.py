@@ -12,6 +12,7 @@
 - ``make_job``: the one way the tests make the ``Job`` that the package's
   entry points take.
 """
+import email
 import json
 import os
 import shutil
@@ -58,6 +59,20 @@ def run_mpi_cli(n, *args, timeout=180):
 @pytest.fixture
 def run_cli():
     return run_cli_args
+
+
+#: the email package of the standard library: the text the GPT tests train on
+EMAIL = os.path.dirname(email.__file__)
+
+
+@pytest.fixture(scope="session")
+def email_h5(tmp_path_factory):
+    """The byte-level token file ``data text`` makes of EMAIL's *.py files,
+    once a session (the tests only read it)."""
+    path = tmp_path_factory.mktemp("text") / "email.h5"
+    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
 
 
 @pytest.fixture(scope="session")
