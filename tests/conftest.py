@@ -194,11 +194,14 @@ def digits_lenet_final(digits_h5, tmp_path_factory):
     return final_figures(res)
 
 
-def train_small_run(digits_h5, tmp_path_factory, name):
+@pytest.fixture(scope="session")
+def small_run(digits_h5, tmp_path_factory):
     """A 20-iteration run of the small digits net with checkpoints at 10 and
-    20 (tests/test_misuse.py, tests/test_no_silent_wrong.py):
+    20, trained once a session (tests/test_misuse.py,
+    tests/test_no_silent_wrong.py, tests/test_trust_h5.py: they read its
+    files, copy them, and write only new names in its ``dir``):
     {dir, cfg, path, out}."""
-    d = tmp_path_factory.mktemp(name)
+    d = tmp_path_factory.mktemp("small_run")
     cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
     path = write_config_file(d, cfg)
     out = d / "run"
