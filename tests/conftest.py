@@ -2,6 +2,9 @@
 
 - ``digits_h5``: the digits data set as HDF5, made once per session with the
   real ``data digits`` command (tests never rely on ``data/`` in the repo).
+- ``email_h5``, ``small_run``, ``digits_lenet_final``: a token file, a short
+  run of the small net and the figures of jobs/digits_lenet.yaml, each made
+  once per session for the tests that only read them.
 - ``write_config``: writes a config mapping (or YAML text) to a file in
   ``tmp_path`` and returns its path.
 - ``run_cli``: runs ``python -m purine_mpi ...`` as a subprocess from the repo
