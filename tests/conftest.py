@@ -2,6 +2,9 @@
 
 - ``digits_h5``: the digits data set as HDF5, made once per session with the
   real ``data digits`` command (tests never rely on ``data/`` in the repo).
+- ``email_h5``, ``small_run``, ``digits_lenet_final``: a token file, a short
+  run of the small net and the figures of jobs/digits_lenet.yaml, each made
+  once per session for the tests that only read them.
 - ``write_config``: writes a config mapping (or YAML text) to a file in
   ``tmp_path`` and returns its path.
 - ``run_cli``: runs ``python -m purine_mpi ...`` as a subprocess from the repo
@@ -12,6 +15,8 @@
 - ``make_job``: the one way the tests make the ``Job`` that the package's
   entry points take.
 """
+import email
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +62,20 @@ def run_mpi_cli(n, *args, timeout=180):
 @pytest.fixture
 def run_cli():
     return run_cli_args
+
+
+#: the email package of the standard library: the text the GPT tests train on
+EMAIL = os.path.dirname(email.__file__)
+
+
+@pytest.fixture(scope="session")
+def email_h5(tmp_path_factory):
+    """The byte-level token file ``data text`` makes of EMAIL's *.py files,
+    once a session (the tests only read it)."""
+    path = tmp_path_factory.mktemp("text") / "email.h5"
+    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    assert res.returncode == 0, res.stderr
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -159,11 +178,33 @@ def host_build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("host_kernels")
 
 
-def train_small_run(digits_h5, tmp_path_factory, name):
+def final_figures(res):
+    """The figures of a train run's last ``final {...}`` line (its stdout)."""
+    final = [line for line in res.stdout.splitlines() if line.startswith("final ")]
+    return json.loads(final[-1][len("final "):])
+
+
+@pytest.fixture(scope="session")
+def digits_lenet_final(digits_h5, tmp_path_factory):
+    """The final figures of jobs/digits_lenet.yaml trained whole on the
+    session's digits file: the "ours" side of the Caffe comparisons
+    (tests/test_caffe_convert.py, tests/test_caffe_tree.py), trained once."""
+    res = run_cli_args("train", os.path.join(REPO, "jobs", "digits_lenet.yaml"),
+                       "--out", tmp_path_factory.mktemp("digits_lenet") / "run",
+                       "--set", f"data.train.path={digits_h5}",
+                       "--set", f"data.test.path={digits_h5}", timeout=300)
+    assert res.returncode == 0, res.stderr
+    return final_figures(res)
+
+
+@pytest.fixture(scope="session")
+def small_run(digits_h5, tmp_path_factory):
     """A 20-iteration run of the small digits net with checkpoints at 10 and
-    20 (tests/test_misuse.py, tests/test_no_silent_wrong.py):
+    20, trained once a session (tests/test_misuse.py,
+    tests/test_no_silent_wrong.py, tests/test_trust_h5.py: they read its
+    files, copy them, and write only new names in its ``dir``):
     {dir, cfg, path, out}."""
-    d = tmp_path_factory.mktemp(name)
+    d = tmp_path_factory.mktemp("small_run")
     cfg = small_net_config(digits_h5, checkpoint={"interval": 10, "keep": 5})
     path = write_config_file(d, cfg)
     out = d / "run"

@@ -1,7 +1,6 @@
 """``generate`` (issue 37): a continuation drawn from a trained GPT, checked
 against the same weights in a PyTorch GPT (tests/gpt_oracle.py) that runs
 on the cropped context itself (no padding), reproducible for a seed."""
-import email
 import io
 import os
 import shutil
@@ -16,19 +15,15 @@ import pytest
 from tests.conftest import REPO, cli_env, run_cli_args, run_mpi_cli, write_config_file
 from tests.gpt_oracle import gpt_net, torch_gpt_from_net
 
-EMAIL = os.path.dirname(email.__file__)
 T = 16
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, email_h5):
     """A 1-block GPT trained 40 iterations on the email package: (config, run folder, net)."""
     d = tmp_path_factory.mktemp("gen")
-    data = d / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", data)
-    assert res.returncode == 0, res.stderr
     net = gpt_net(vocab=256, width=32, heads=2, blocks=1, max_length=T, approximate="tanh")
-    spec = {"source": "text", "path": str(data), "batch_size": 8, "sequence_length": T}
+    spec = {"source": "text", "path": email_h5, "batch_size": 8, "sequence_length": T}
     config = write_config_file(d, {
         "name": "gen", "seed": 3, "net": net,
         "data": {"train": dict(spec, shuffle=True), "test": spec},

@@ -2,7 +2,6 @@
 ``mpiexec`` gives the weights of one rank with the global batch, the shipped
 gpt_tiny net starts at the uniform loss and trains, and (slow) it learns
 beyond the data's unigram statistics within a short budget."""
-import email
 import json
 import os
 
@@ -12,16 +11,7 @@ import pytest
 from tests.conftest import REPO, run_cli_args, run_mpi_cli, write_config_file
 from tests.gpt_oracle import gpt_net
 
-EMAIL = os.path.dirname(email.__file__)
 TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
-
-
-@pytest.fixture(scope="module")
-def email_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gptjobs") / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
 
 
 def _params(path):

@@ -35,18 +35,6 @@ def cifar_shaped_h5(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def text_h5(tmp_path_factory):
-    """The token file the GPT jobs' headers make (the email package of the standard library)."""
-    import email
-    from tests.conftest import run_cli_args
-    path = tmp_path_factory.mktemp("text") / "email.h5"
-    res = run_cli_args("data", "text", "--from", os.path.dirname(email.__file__), "--glob",
-                       "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
-
-
 def _with_local_data(job, digits_h5, cifar_h5, text_h5=None):
     """--set overrides pointing the job's HDF5 files at test data."""
     import yaml
@@ -63,8 +51,9 @@ def _with_local_data(job, digits_h5, cifar_h5, text_h5=None):
 
 
 @pytest.mark.parametrize("job", JOBS, ids=os.path.basename)
-def test_job_composes(job, digits_h5, cifar_shaped_h5, text_h5):
-    cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5, text_h5))
+def test_job_composes(job, digits_h5, cifar_shaped_h5, email_h5):
+    """(email_h5: the token file the GPT jobs' headers make, conftest.)"""
+    cfg = load_config(job, overrides=_with_local_data(job, digits_h5, cifar_shaped_h5, email_h5))
     ranks = {"pipeline": 2, "hybrid": 4}.get(cfg["parallel"]["scheme"], 1)
     for rank in range(ranks):
         graph = compose_for(make_job(cfg), ranks, rank)

@@ -11,15 +11,15 @@ import pytest
 from purine_mpi.base.errors import UserError
 from purine_mpi.job.checkpoint_file import load_checkpoint
 
-from .conftest import (run_cli_args, small_net_config, tiny_fc_config, train_small_run,
+from .conftest import (run_cli_args, small_net_config, tiny_fc_config,
                        write_config_file)
 from .test_cli import assert_user_error
 
 
 @pytest.fixture(scope="module")
-def trained(digits_h5, tmp_path_factory):
-    """A 20-iteration run with checkpoints at 10 and 20."""
-    return train_small_run(digits_h5, tmp_path_factory, "misuse")
+def trained(small_run):
+    """A 20-iteration run with checkpoints at 10 and 20 (conftest's, shared)."""
+    return small_run
 
 
 def _copy(trained, tmp_path, edit, name="edited.h5", src="latest.h5"):

@@ -14,15 +14,15 @@ import pytest
 
 from purine_mpi.job.metrics import write_row
 
-from .conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config, train_small_run,
+from .conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config,
                        write_config_file)
 from .test_cli import assert_user_error
 
 
 @pytest.fixture(scope="module")
-def trained(digits_h5, tmp_path_factory):
-    """A 20-iteration run with checkpoints at 10 and 20."""
-    return train_small_run(digits_h5, tmp_path_factory, "wrong")
+def trained(small_run):
+    """A 20-iteration run with checkpoints at 10 and 20 (conftest's, shared)."""
+    return small_run
 
 
 def _copy_data(src, dst, mutate):

@@ -2,7 +2,6 @@
 after 20 AdamW steps are bitwise those without recompute, with dropout, on
 1 rank and on 2 ranks of data parallelism; the memory plan sees the shorter
 lifetimes; the combinations it cannot rewrite are refused with exit 2."""
-import email
 import os
 
 import numpy as np
@@ -10,18 +9,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli_args, run_mpi_cli
 
-EMAIL = os.path.dirname(email.__file__)
 TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
 #: gpt_tiny's attention layers (net indices)
 ATTENTION = (3, 11)
-
-
-@pytest.fixture(scope="module")
-def email_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("recompute") / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
 
 
 def _sets(email_h5, dropout=0.1, iters=20):

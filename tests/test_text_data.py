@@ -1,6 +1,5 @@
 """Token data (issue 37): ``data text`` writes byte-level token files, the
 ``text`` source reads windows of them with the data-parallel sample rule."""
-import email
 import hashlib
 import os
 
@@ -9,17 +8,7 @@ import pytest
 
 from purine_mpi.data.sources import EpochOrder, batch_indices, make_source, source_info
 from purine_mpi.data.text import TextSource
-from tests.conftest import make_job, run_cli_args
-
-EMAIL = os.path.dirname(email.__file__)
-
-
-@pytest.fixture(scope="module")
-def email_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
-    assert res.returncode == 0, res.stderr
-    return str(path)
+from tests.conftest import EMAIL, make_job, run_cli_args
 
 
 def _stdlib_stream(folder, pattern):

@@ -12,14 +12,13 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import (PYTHON, REPO, cli_env, run_cli_args, train_small_run,
-                            write_config_file)
+from tests.conftest import PYTHON, REPO, cli_env, run_cli_args, write_config_file
 
 
 @pytest.fixture(scope="module")
-def run(digits_h5, tmp_path_factory):
-    """A finished run with ckpt_10.h5, ckpt_20.h5 and latest.h5."""
-    return train_small_run(digits_h5, tmp_path_factory, "trust_h5")
+def run(small_run):
+    """A finished run with ckpt_10.h5, ckpt_20.h5 and latest.h5 (conftest's, shared)."""
+    return small_run
 
 
 def _copy_run(run, tmp_path):
