@@ -179,3 +179,35 @@ def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(e
         assert selective_no_effect(job) is None
         need[mode] = offline_footprint(job, 2, 0).host_total
     assert need["selective"] < need["none"]
+
+
+def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
+    """Where tensor t-way is listed with replicas (t < N), sharded stage 1
+    and 2 x tensor t-way follow it (ZeRO's stage 3 is not built with tensor
+    parallelism: not listed); each composes offline on N ranks, each rank
+    holding less optimizer state than the tensor setting it shards."""
+    import yaml as _yaml
+
+    from purine_mpi.runtime.footprint import model_state_bytes
+    from purine_mpi.tools.choose import candidates
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    from tests.conftest import make_job
+    from tests.gpt_nets import gpt_config, text_h5
+    cfg = gpt_config(text_h5(tmp_path), parallel={"scheme": "data"})
+    labels = {c.label: c for c in candidates(make_job(cfg), 4, Durations({}))}
+    assert {"tensor 2-way", "tensor 4-way"} <= set(labels)
+    ours = sorted(label for label in labels if " x tensor " in label)
+    assert ours == ["sharded stage 1 x tensor 2-way", "sharded stage 2 x tensor 2-way"]
+
+    def job_of(label):
+        par = dict(cfg["parallel"])
+        for item in labels[label].sets:
+            key, value = item.split("=", 1)
+            par[key.split(".", 1)[1]] = _yaml.safe_load(value)
+        return make_job(dict(cfg, parallel=par))
+    for label in ours:
+        assert labels[label].after is labels["tensor 2-way"]
+        held = model_state_bytes(compose_for(job_of(label), 4, 0))
+        plain = model_state_bytes(compose_for(job_of("tensor 2-way"), 4, 0))
+        assert held["optimizer_state"] < plain["optimizer_state"]

@@ -165,7 +165,8 @@ def test_stage2_micro_batches_and_clipping_as_data_parallel(tmp_path):
 @pytest.mark.parametrize("change,key,words", [
     ({"parallel": {"shard": 2, "transport": "one_sided"}}, "parallel.transport", "one_sided"),
     ({"parallel": {"shard": 2, "backend": "nccl"}}, "parallel.backend", "nccl"),
-    ({"parallel": {"shard": 2, "tensor_parallel": 2}}, "parallel.tensor_parallel", "tensor"),
+    ({"parallel": {"shard": 2, "tensor_parallel": 2, "micro_batches": 2}},
+     "parallel.micro_batches", "tensor_parallel takes no micro-batches"),
     ({"parallel": {"shard": 2, "stages": {"fc0": 0}}}, "parallel.stages", "have no stage"),
     ({"parallel": {"shard": 2}, "device": 0}, "parallel.backend", "through NCCL"),
 ])

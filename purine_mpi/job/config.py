@@ -35,7 +35,8 @@ from .job import Job, job_of
 from .keys import check_section
 from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
-from .schema import RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP, TOP_KEYS
+from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, SHARD_TENSOR_STAGES, TOP,
+                     TOP_KEYS)
 from ..layers import check_layer
 
 
@@ -253,7 +254,8 @@ def _recompute_rules(out, path):
         raise ConfigError(path, "recompute", f"recompute: {mode} needs a 'net' (its layers), "
                           "not a 'graph'")
     par = out.get("parallel", {})
-    if par.get("scheme") in ("pipeline", "hybrid", "tensor"):
+    if par.get("scheme") in ("pipeline", "hybrid", "tensor") or (
+            par.get("scheme") == "sharded" and par.get("tensor_parallel", 1) > 1):
         raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
                           f"parallel.scheme: {par['scheme']}; use recompute: none or scheme: "
                           "data")
@@ -319,6 +321,9 @@ def _grad_dtype_rules(out, path):
                 "transport one_sided (its windows sum float32)"),
                ("parallel.stages", par["scheme"] == "sharded" and bool(par["stages"]),
                 "scheme sharded with pipeline stages (not built yet)"),
+               ("parallel.tensor_parallel", par["scheme"] == "sharded" and
+                par["tensor_parallel"] > 1, "scheme sharded with tensor parallelism (not built "
+                "yet)"),
                ("parallel.backend", gpu and par["backend"] == "mpi",
                 "backend mpi on a GPU (its host staging moves float32; use backend nccl)")]
     for key, bad, what in refused:
@@ -417,9 +422,11 @@ def _check_sharded(out, path):
     if par["scheme"] != "sharded":
         return
     why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
-           "(transport two_sided, no gradient clipping), and with parallel.stages stages 1-3 "
-           "on MPI on the CPU")
+           "(transport two_sided, no gradient clipping), with parallel.stages stages 1-3 "
+           "on MPI on the CPU, and with parallel.tensor_parallel stages 1 and 2 on MPI on the "
+           "CPU")
     nccl = par["backend"] == "nccl"
+    tensor = par["tensor_parallel"] > 1
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
@@ -437,7 +444,18 @@ def _check_sharded(out, path):
                 "on MPI)"),
                ("parallel.backend", nccl and bool(par["stages"]), "backend nccl with "
                 "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
-               ("parallel.tensor_parallel", par["tensor_parallel"] > 1, "tensor parallelism")]
+               ("parallel.tensor_parallel", tensor and bool(par["stages"]), "tensor "
+                "parallelism with parallel.stages together (one or the other)"),
+               ("parallel.shard", tensor and par["shard"] not in SHARD_TENSOR_STAGES,
+                f"shard {par['shard']} with "
+                "parallel.tensor_parallel (its weight gathers would interleave with the tensor "
+                "groups' allreduces; shard 1 or 2 shard the optimizer state, and the "
+                "gradients, of each tensor shard)"),
+               ("parallel.backend", nccl and tensor, "backend nccl with "
+                "parallel.tensor_parallel (each tensor shard's reduce-scatters run on MPI "
+                "sub-communicators)"),
+               ("parallel.transport", par["transport"] == "one_sided" and tensor,
+                "transport one_sided with parallel.tensor_parallel")]
     for key, bad, what in refused:
         if bad:
             raise ConfigError(path, key, f"{what} is refused: {why}; use scheme data for it")
@@ -457,13 +475,15 @@ def _check_pipeline(out, path):
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
                               f"divide data.train.batch_size {batch}; choose a divisor")
     scheme = par["scheme"]
-    if scheme == "tensor":
+    if scheme == "tensor" or (scheme == "sharded" and par["tensor_parallel"] > 1):
+        what = "scheme tensor" if scheme == "tensor" else \
+            "scheme sharded with parallel.tensor_parallel"
         if par["mode"] != "sync":
-            raise ConfigError(path, "parallel.mode", f"scheme tensor runs with mode: sync, not "
+            raise ConfigError(path, "parallel.mode", f"{what} runs with mode: sync, not "
                               f"{excerpt(par['mode'])} (parameter servers serve data-parallel "
                               "workers)")
         if micro > 1:
-            raise ConfigError(path, "parallel.micro_batches", "scheme tensor takes no "
+            raise ConfigError(path, "parallel.micro_batches", f"{what} takes no "
                               f"micro-batches (got {micro}); use 1")
     if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
         return

@@ -37,6 +37,9 @@ PARALLEL_MODES = ("sync", "async", "sync_ps")
 #: parallel.shard: ZeRO's stages the config language names (job/config.py
 #: refuses those scheme sharded does not build yet; plan --choose tries each)
 SHARD_STAGES = (1, 2, 3)
+#: those built with parallel.tensor_parallel (each tensor shard's model state
+#: sharded over its replicas)
+SHARD_TENSOR_STAGES = (1, 2)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -155,7 +158,8 @@ PARALLEL = (
     Key("stages", _check_stages, {}, "schemes pipeline, hybrid and sharded (shard 1, 2 and "
         "3: each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1",
         typed=INT_MAP),
-    Key("tensor_parallel", _int(1), 1, "scheme tensor: the ranks of a tensor-parallel group "
+    Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1 and 2: each "
+        "tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
         "(see [parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
@@ -163,8 +167,10 @@ PARALLEL = (
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
         "backward readers; with transport one_sided on one node, one shared copy per node "
         "read in place; across hosts with one_sided, or auto where the network does RDMA, "
-        "gathered by MPI_Rget of the owners' shards from their RMA windows); with parallel.stages any of them, over each stage's replicas (shard 3: "
-        "each stage's weights gathered once per iteration for all its micro-batches; see "
+        "gathered by MPI_Rget of the owners' shards from their RMA windows); with "
+        "parallel.stages any of them, over each stage's replicas (shard 3: each stage's "
+        "weights gathered once per iteration for all its micro-batches); with "
+        "parallel.tensor_parallel, 1 or 2, over each tensor shard's replicas (see "
         "[parallel.md](parallel.md))"),
     Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "
         "buckets the backward writes ahead of the oldest one not yet reduce-scattered (the "
@@ -396,8 +402,9 @@ CHOICE_DOCS = {
                    "(`shard: 3`) holds only the weights' shard too, each bucket's weights "
                    "allgathered into transient buffers before its forward and its backward "
                    "readers; MPI on the CPU; with `stages` (shard 1, 2 or 3), R replicas × p "
-                   "stages as under hybrid, each stage sharded over its R ranks "
-                   "([parallel.md](parallel.md))",
+                   "stages as under hybrid, each stage sharded over its R ranks; with "
+                   "`tensor_parallel` t (shard 1 or 2), R replicas × t shards as under tensor, "
+                   "each tensor shard sharded over its R ranks ([parallel.md](parallel.md))",
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
                 "tensor; `recompute`) predicted fastest among those whose bytes fit each "

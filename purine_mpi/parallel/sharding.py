@@ -427,8 +427,12 @@ def _delays_the_gather_alone(graph, after, readers):
     return all(need <= reachable(r, deps) for r in readers)
 
 
-def _collective_seq(graph, plan):
-    """The ``seq`` of every collective of the plan (gathers, reduce-scatters):
+def _collective_seq(graph, plan, others=()):
+    """The ``seq`` of every collective of the plan (gathers, reduce-scatters),
+    and of the collectives ``others`` (scheme sharded with tensor
+    parallelism at stage 2: the tensor groups' allreduces, which a bucket's
+    writer may wait behind while it waits, by ``bound_live_buckets``'s
+    edge, for an earlier bucket's reduce-scatter):
     their order in emission order, each first put in its place there
     (``_in_place``: by the ops it waits for or that wait for it), a
     collective never before one it waits for. The same on every rank (the
@@ -439,9 +443,10 @@ def _collective_seq(graph, plan):
     collectives behind it ahead of a forward gather the other stage waits
     for."""
     names = {entry["reduce_scatter"] for entry in plan} | {
-        g for entry in plan for g in entry["gathers"].values()}
+        g for entry in plan for g in entry_gathers(entry)} | set(others)
     _in_place(graph, names)
-    first = min(entry["seq"] for entry in plan)
+    first = min(graph.ops[n].attrs["seq"] for n in names  # stage 3's gathers: none yet
+                if "seq" in graph.ops[n].attrs)
     deps = graph.dependencies()
     waits = {n: reachable(n, deps) & names for n in names}
     pending, order = [n for n in graph.ops if n in names], []
@@ -454,8 +459,23 @@ def _collective_seq(graph, plan):
         op.attrs["seq"] = first + k
     for entry in plan:
         entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
-        entry["gather_seqs"] = {k: graph.ops[g].attrs["seq"]
-                                for k, g in entry["gathers"].items()}
+        if "gathers" in entry:
+            entry["gather_seqs"] = {k: graph.ops[g].attrs["seq"]
+                                    for k, g in entry["gathers"].items()}
+        else:
+            entry["gather_seq"] = graph.ops[entry["allgather"]].attrs["seq"]
+
+
+def sequence_collectives(graph, plan, others):
+    """Stages 1 and 2 (``compose_zero1``'s plan): the collectives of the
+    plan and ``others`` numbered (``seq``) in one emission order in which
+    none is posted before a collective it waits for (``_collective_seq``)."""
+    _collective_seq(graph, plan, others)
+
+
+def entry_gathers(entry):
+    """A plan entry's gather ops: stage 3's two, else the one allgather."""
+    return list(entry["gathers"].values()) if "gathers" in entry else [entry["allgather"]]
 
 
 def _in_place(graph, names):

@@ -234,11 +234,16 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
     return added
 
 
-def compose_tensor(graph, grads, job, world, lay, train=True):
+def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     """This rank's slice under ``scheme: tensor`` (see the module docstring):
     the split pairs, their allreduces over this rank's tensor group, then
     (with several replicas) the data-parallel buckets over the ranks that
-    hold the same shard. Returns the Composition (its ``tensor_plan``: the pairs)."""
+    hold the same shard. ``reduce(graph, grads, group)``: another reduction
+    of the split gradients over ``group`` (the ranks holding this shard, one
+    per replica; also with one replica) in place of the buckets' allreduce,
+    returning the Composition's fields it fills (scheme sharded: its ZeRO
+    rewrite, ``shard_plan``). Returns the Composition (its ``tensor_plan``:
+    the pairs)."""
     from .schemes.base import Composition
     degree = lay.tensor
     pairs = find_splits(graph)
@@ -246,13 +251,16 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
     group = lay.tensor_ranks()
     split_graph(graph, pairs, degree, lay.shard, group,
                 job.solver.type if train else None)
+    reduces = train and (lay.replicas > 1 or reduce is not None)
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline): same order everywhere
         split(lay.tensor_groups())
-        if lay.replicas > 1:
+        if reduces:
             split(lay.shard_groups())
-    plan = None
-    if train and lay.replicas > 1:
+    fields = {}
+    if reduces and reduce is not None:
+        fields = reduce(graph, grads, lay.shard_ranks())
+    elif reduces:
         from .data_parallel import compose_data_parallel
         dp = lay.shard_ranks()
         plan = compose_data_parallel(graph, grads, lay.replicas, lay.replica,
@@ -261,6 +269,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
         for b in plan:
             graph.ops[b["op"]].attrs["group"] = list(dp)
             b["group"] = list(dp)
+        fields = {"bucket_plan": plan}
     place_on_rank(graph, world.rank)
     # nothing is deferred (compose.defer_update_applies): the memory plan
     # need not keep what a deferred tail would touch
@@ -269,7 +278,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True):
     if train and job.parallel.check_collectives and split is not None:
         from ..comm.verify import check_collectives
         check_collectives(graph, world)
-    return Composition(graph, lay, bucket_plan=plan, tensor_plan=describe_splits(pairs, degree))
+    return Composition(graph, lay, tensor_plan=describe_splits(pairs, degree), **fields)
 
 
 # ---------------------------------------------------------------- weights
@@ -360,8 +369,16 @@ def add_tensor_clip(graph, clip, lay):
     from ..graph.clip import add_clip, update_ops
     param_of = {op.inputs[1]: graph.storage_root(op.inputs[0]) for op in update_ops(graph)}
     add_clip(graph, clip, group=lay.tensor_ranks())
+    count_whole_once(graph, lay, param_of)
+    return graph
+
+
+def count_whole_once(graph, lay, param_of):
+    """The clip norm (``clip.norm``, graph/clip.add_clip) of shard > 0 of a
+    tensor group counts the split parameters' gradients alone: a whole
+    (replicated) parameter is counted on shard 0 only (its scale is 0
+    elsewhere). ``param_of``: {gradient the norm reads: its parameter}."""
     norm = graph.ops.get("clip.norm")
     if norm is not None and lay.shard:
         norm.attrs["scales"] = [s if split_of(graph.blobs[param_of[g]]) else 0.0
                                 for g, s in zip(norm.inputs, norm.attrs["scales"])]
-    return graph

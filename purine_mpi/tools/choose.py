@@ -13,7 +13,9 @@ few micro-batch counts (1, S, 2S, 4S dividing the batch); where fewer
 stages than ranks, the same stages with each stage's replicas sharded at
 each ZeRO stage (listed where the hybrid setting is possible); tensor
 parallelism of each degree t >= 2 dividing N where the net has attention
-layers. Each is a list of ``--set`` overrides of the job; a candidate the
+layers, and where t < N the same with each tensor shard's replicas sharded
+at ZeRO stages 1 and 2 (``job/schema.SHARD_TENSOR_STAGES``; listed where the
+tensor setting is possible). Each is a list of ``--set`` overrides of the job; a candidate the
 config rules or the scheme's layout refuse (a UserError) is listed as "not
 possible" with the reason.
 
@@ -210,7 +212,7 @@ def _stages_label(stage_map, stages):
 
 def candidates(job, n, durations):
     """The Candidates for ``n`` ranks (see the module docstring)."""
-    from ..job.schema import SHARD_STAGES
+    from ..job.schema import SHARD_STAGES, SHARD_TENSOR_STAGES
     from ..parallel.schemes import scheme_class
     out = []
     modes = ["none", "full"] + (["selective"] if has_attention(job) else [])
@@ -255,8 +257,18 @@ def candidates(job, n, durations):
     if has_attention(job):
         for t in range(2, n + 1):
             if n % t == 0:
-                out.append(Candidate(("parallel.scheme=tensor", f"parallel.tensor_parallel={t}"),
-                                     f"tensor {t}-way"))
+                tensor = Candidate(("parallel.scheme=tensor", f"parallel.tensor_parallel={t}"),
+                                   f"tensor {t}-way")
+                out.append(tensor)
+                if t < n and sharded:
+                    # each tensor shard's n/t replicas shard its model state
+                    # (listed where the same tensor setting is possible)
+                    for stage in SHARD_TENSOR_STAGES:
+                        out.append(Candidate(("parallel.scheme=sharded",
+                                              f"parallel.shard={stage}",
+                                              f"parallel.tensor_parallel={t}"),
+                                             f"sharded stage {stage} x tensor {t}-way",
+                                             after=tensor))
     return out
 
 

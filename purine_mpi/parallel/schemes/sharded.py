@@ -41,11 +41,22 @@ checkpoint joins each parameter's state pieces (stage 3: and weight
 pieces) in world order (a stage's ranks in replica order: its shards'
 order), so the file is hybrid's and data parallelism's.
 
+With ``parallel.tensor_parallel`` t (stages 1 and 2, on the CPU): R
+replicas x t shards as scheme tensor lays them out (rank = replica * t +
+shard), the net split as tensor splits it (parallel/tensor_parallel.
+compose_tensor); instead of tensor's allreduce of each tensor shard's
+buckets, the same rewrite over its R replicas (``Layout.shard_ranks``, the
+sub-communicator that allreduce uses), stage 2's collectives numbered with
+the tensor groups' allreduces in one order (``sharding.
+sequence_collectives``). A checkpoint joins each tensor shard's pieces over
+its replicas, then the tensor shards as tensor joins them: tensor's file.
+
 A GPU with another backend (more than one rank), NCCL with the one-sided
-transport, with ``solver.clip_gradients`` or with stages, the one-sided
-transport of stages 1 and 2 and of stage 3 with stages, and combinations with
-other schemes are refused (the config rules, job/config.py's
-``_check_sharded``; the GPU by ``compose``).
+transport, with ``solver.clip_gradients``, with stages or with tensor
+parallelism, the one-sided transport of stages 1 and 2 and of stage 3 with
+stages or tensor parallelism, stage 3 with tensor parallelism, stages with
+tensor parallelism, and combinations with other schemes are refused (the
+config rules, job/config.py's ``_check_sharded``; the GPU by ``compose``).
 """
 import numpy as np
 
@@ -53,12 +64,13 @@ from ...base.errors import GraphError, UserError
 from .base import BUCKET_KEYS, Composition, Scheme, counted, ranges, register_scheme
 from .hybrid import Hybrid
 from .pipeline import Pipeline
+from .tensor import TensorParallel
 
 
 @register_scheme("sharded")
 class Sharded(Hybrid):
     keys = BUCKET_KEYS + ("check_collectives", "shard", "prefetch", "transport", "stages",
-                          "schedule")
+                          "schedule", "tensor_parallel")
     #: stage 3 on one node: the weights in one shared window (parallel/zero3_windows.py)
     one_sided = True
     #: the deferred tail knows allreduce buckets only
@@ -70,10 +82,13 @@ class Sharded(Hybrid):
     nccl = True
 
     def layout(self, job, world):
-        """Hybrid's R replicas x p stages with ``parallel.stages``, else one
-        replica per rank."""
+        """Hybrid's R replicas x p stages with ``parallel.stages``, scheme
+        tensor's R replicas x t shards with ``parallel.tensor_parallel``,
+        else one replica per rank."""
         if job.parallel.stages:
             return Pipeline.layout(self, job, world)
+        if job.parallel.tensor_parallel > 1:
+            return TensorParallel.layout(self, job, world)
         return Scheme.layout(self, job, world)
 
     def compose(self, graph, grads, job, world):
@@ -83,17 +98,22 @@ class Sharded(Hybrid):
         allreduce of the shards' sums of squares over every rank (``_clip``)."""
         from .steps import accumulate, clipped, compose_stages, micro_copies
         par = job.parallel
-        if job.device >= 0 and (par.backend != "nccl" or par.stages):
+        tensor = par.tensor_parallel > 1
+        if job.device >= 0 and (par.backend != "nccl" or par.stages or tensor):
             # --device given on the command line, past the config rules: the
             # collectives of a GPU run through NCCL, inside the captured iteration
-            # (with stages: refused, the stages' groups reduce on MPI)
+            # (with stages or tensor parallelism: refused, their groups reduce on MPI)
+            key = "stages" if par.stages else "tensor_parallel"
             raise UserError(f"{job.path}: key 'parallel.backend': scheme sharded on GPU "
                             f"{job.device} runs its collectives through NCCL, not "
                             f"{par.backend}; use parallel.backend: nccl (or device: -1)"
-                            if not par.stages else
-                            f"{job.path}: key 'parallel.stages': scheme sharded with stages "
-                            f"runs on the CPU (device -1), not on GPU {job.device}")
+                            if not (par.stages or tensor) else
+                            f"{job.path}: key 'parallel.{key}': scheme sharded with "
+                            f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
+                            f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
+        if lay.tensor > 1:
+            return self._compose_tensor(graph, grads, job, world, lay)
         forward = None
         if lay.staged:
             copies = micro_copies(graph, grads, job)
@@ -108,14 +128,8 @@ class Sharded(Hybrid):
                 return clipped(Composition(graph.validate(), lay), job, world)
             comp = Composition(graph, lay)
         from ..sharding import compose_zero1
-        settings = par.bucket_settings()
-        settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
-        if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
-            settings["prefetch"] = par.prefetch
-        if forward is not None:
-            settings["forward"] = forward
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
-                             wire_dtype=par.wire_dtype(), **settings)
+                             wire_dtype=par.wire_dtype(), **_zero_settings(par, forward))
         if lay.staged:
             _on_stage_group(graph, plan, lay, world)
         else:
@@ -135,12 +149,53 @@ class Sharded(Hybrid):
             check_collectives(graph, world)
         return comp
 
+    def _compose_tensor(self, graph, grads, job, world, lay):
+        """With ``parallel.tensor_parallel`` (stages 1 and 2): scheme
+        tensor's split of the net (parallel/tensor_parallel.compose_tensor),
+        each tensor shard's gradients then rewritten by ``compose_zero1``
+        over its R replicas (the ranks ``lay.shard_ranks()``: the
+        sub-communicator tensor's bucket allreduce uses) in place of that
+        allreduce; ``solver.clip_gradients`` by ``_clip``."""
+        from ..sharding import compose_zero1, sequence_collectives
+        from ..tensor_parallel import compose_tensor
+        par = job.parallel
+
+        def reduce(graph, grads, group):
+            tensor = [op.name for op in graph.ops.values() if op.op_type == "Allreduce"]
+            plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
+                                 wire_dtype=par.wire_dtype(), **_zero_settings(par))
+            if par.shard >= 2:
+                # a bucket's writers wait for an earlier bucket's reduce-scatter
+                # (bound_live_buckets): posted in seq order, that reduce-scatter
+                # must not come after a tensor allreduce behind those writers
+                sequence_collectives(graph, plan, tensor)
+            _on_group(graph, plan, group)
+            return {"shard_plan": plan}
+
+        comp = compose_tensor(graph, grads, job, world, lay, reduce=reduce)
+        if job.solver.clip_gradients is not None:
+            _clip(comp, job.solver.clip_gradients, world.size)
+        return comp
+
+    def compose_test(self, graph, job, world):
+        """With ``parallel.tensor_parallel``: scheme tensor's split test graph."""
+        if self.layout(job, world).tensor > 1:
+            return TensorParallel.compose_test(self, graph, job, world)
+        return super().compose_test(graph, job, world)
+
     def why_no_buckets(self, par):
         return None
 
     def one_rank_notes(self, job, note, changed):
         if job.parallel.stages:
             Pipeline.one_rank_notes(self, job, note, changed)
+            return
+        t = job.parallel.tensor_parallel
+        if t > 1:
+            note(["scheme"], f"sharded has no effect on 1 rank: the net runs unsplit on this "
+                 f"rank and holds the whole model state (start a multiple of {t} ranks, "
+                 f"mpiexec -n {t} or more, to split it {t} ways)")
+            changed.discard("tensor_parallel")
             return
         note(["scheme"], "sharded has no effect on 1 rank: the one rank holds the whole model "
              "state")
@@ -170,20 +225,29 @@ class Sharded(Hybrid):
                                 "read (MPI_Rget of every owner's shard, from the owners' RMA "
                                 "windows) into transient buffers")
         who = f"ranks {ranges(range(n))} are data-parallel replicas; gradients reduce-scattered"
+        where = " of its stage" if lay.staged else ""
+        if lay.tensor > 1:
+            t = lay.tensor
+            who = (f"{counted(lay.replicas, 'replica')} x {t}-way tensor parallel (rank = "
+                   f"replica x {t} + shard; split layers' activations allreduced in each "
+                   f"group of {t} ranks); each tensor shard's gradients reduce-scattered over "
+                   f"its {counted(n, 'rank')} (this rank's: {ranges(lay.shard_ranks())})")
+            where = " of its tensor shard"
         if lay.staged:
             who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages (rank = "
                    f"replica x {lay.stages} + stage); each stage's gradients reduce-scattered "
                    f"over its {counted(n, 'rank')} (this rank's: {ranges(lay.stage_ranks())})")
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
-                 f"bucket{' of its stage' if lay.staged else ''}{what}"),
+                 f"bucket{where}{what}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
                  f"({held['weights']} + {held['gradients']} + {held['optimizer_state']} bytes "
                  f"held; peak {held['peak']} bytes with the transient buckets' "
                  f"{held['working']})")] + Scheme.scheme_lines(self, trainer, composition)
-        return rows + (self.stage_lines(lay, trainer.job) if lay.staged else [])
+        return rows + (self.stage_lines(lay, trainer.job) if lay.staged else []) + \
+            [("split", line) for line in composition.tensor_plan]
 
     def graph_notes(self, lay, rank, comp=None):
         plan = getattr(comp, "shard_plan", None) or []
@@ -191,6 +255,12 @@ class Sharded(Hybrid):
         if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
             what = "weights, gradients and optimizer state" if "weight_shard" in plan[0] else \
                 "gradients and optimizer state"
+        if lay.tensor > 1:
+            return (f"layout {lay.describe()}; rank = replica * {lay.tensor} + shard; rank "
+                    f"{rank} = replica {lay.replica}, tensor shard {lay.shard}; sharded (ZeRO): "
+                    f"rank {rank} holds shard {lay.replica} of {lay.replicas} of every bucket's "
+                    f"{what} of its tensor shard, reduce-scattered and gathered over ranks "
+                    f"{lay.shard_ranks()} (its tensor shard's replicas)")
         if lay.staged:
             return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): rank {rank} "
                     f"holds shard {lay.replica} of {lay.replicas} of every bucket's {what} "
@@ -214,9 +284,11 @@ class Sharded(Hybrid):
         sections. With pipeline stages (each stage's buckets sharded over its
         own replicas): every rank's weights and pieces of state
         (``held_solver_state``) gathered to rank 0 and joined there
-        (``join_checkpoint``), not streamed."""
+        (``join_checkpoint``), not streamed; so with tensor parallelism (each
+        tensor shard's buckets sharded over its replicas)."""
         plan = _plan(graphs)
-        if graphs.layout.staged or not plan:  # the base's gather and join, or local
+        # the base's gather and join, or local
+        if graphs.layout.staged or graphs.layout.tensor > 1 or not plan:
             def held():
                 params, solver = local()
                 solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
@@ -230,8 +302,11 @@ class Sharded(Hybrid):
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
-    # ---- checkpoints with pipeline stages: every rank's pieces joined on rank 0
-    # (``gathers_checkpoint``: Pipeline's, with stages)
+    # ---- checkpoints with pipeline stages or tensor parallelism: every rank's
+    # pieces joined on rank 0
+    def gathers_checkpoint(self, graphs):
+        return graphs.layout.staged or graphs.layout.tensor > 1
+
     def held_solver_state(self, graphs, ws):
         """{param: {state: 1-D piece}}: each parameter's part of this rank's
         shard of every bucket's state (the shard's range of its flattened
@@ -261,7 +336,26 @@ class Sharded(Hybrid):
         (``held_solver_state``) joined in world order -- a stage's ranks in
         replica order, the order of its shards -- and cut into the weight's
         shape; a piece already the whole is taken as it is (a parameter
-        inside one shard)."""
+        inside one shard). With tensor parallelism: each tensor shard's
+        pieces joined so over its replicas (``Layout.shard_ranks``), then
+        the tensor shards joined into whole blobs as scheme tensor joins
+        them (``tensor_parallel.gather_whole``): scheme tensor's file."""
+        lay = graphs.layout
+        if lay.tensor > 1:
+            from ..tensor_parallel import gather_whole
+            joined = [self._join_pieces([parts[r] for r in lay.shard_ranks(k)])
+                      for k in range(lay.tensor)]
+            return gather_whole(graphs.graph, lay, joined)
+        return self._join_pieces(parts)
+
+    def split_checkpoint(self, graphs, name, value):
+        """With tensor parallelism: this rank's tensor shard of a whole blob."""
+        if graphs.layout.tensor > 1:
+            return TensorParallel.split_checkpoint(self, graphs, name, value)
+        return value
+
+    @staticmethod
+    def _join_pieces(parts):
         params, weight_pieces = {}, {}
         for part in parts:
             for p, value in part[0].items():
@@ -326,14 +420,16 @@ class Sharded(Hybrid):
         return _join_weights(graphs, parts)
 
     def whole_solver_shapes(self, graphs):
+        from ..tensor_parallel import whole_shape
         g = graphs.graph
-        return {(p, state): (g.blobs[p].shape, g.blobs[flat].dtype)
+        return {(p, state): (whole_shape(g.blobs[p]), g.blobs[flat].dtype)
                 for entry in _plan(graphs) for flat, state in _states(entry)
                 for p in entry["params"]}
 
     def load_held_solver_state(self, graphs, ws, saved):
         """Each bucket's whole state laid out from the parameters' (a
-        checkpoint of any scheme, on any number of ranks); this rank's
+        checkpoint of any scheme, on any number of ranks; with tensor
+        parallelism each parameter's tensor shard of it first); this rank's
         shard of it."""
         fresh = set()
         for entry in _plan(graphs):
@@ -345,7 +441,8 @@ class Sharded(Hybrid):
                 whole = np.zeros(graphs.graph.blobs[entry["weights"]].size,
                                  dtype=graphs.graph.blobs[flat].dtype)
                 for p, off in zip(entry["params"], entry["offsets"]):
-                    value = np.asarray(saved[p][state]).ravel()
+                    value = np.asarray(self.split_checkpoint(
+                        graphs, p, np.asarray(saved[p][state]))).ravel()
                     whole[off:off + value.size] = value
                 ws.set(flat, whole[lo:hi])
         return fresh
@@ -491,17 +588,48 @@ def _on_stage_group(graph, plan, lay, world):
     group per stage), every op placed back on this rank (compose_zero1
     placed the replica's slice on its shard index)."""
     from ..data_parallel import place_on_rank
-    group = list(lay.stage_ranks())
-    for entry in plan:
-        gathers = list(entry["gathers"].values()) if "gathers" in entry else \
-            [entry["allgather"]]
-        for op in [entry["reduce_scatter"]] + gathers:
-            graph.ops[op].attrs["group"] = list(group)
-        entry["group"] = list(group)
+    _on_group(graph, plan, lay.stage_ranks())
     place_on_rank(graph, world.rank)
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline)
         split([lay.stage_ranks(s) for s in range(lay.stages)])
+
+
+def _on_group(graph, plan, group):
+    """The plan's ReduceScatter and Allgather ops on the sub-communicator of
+    the ranks ``group`` (a stage's, or a tensor shard's, replicas)."""
+    from ..sharding import entry_gathers
+    for entry in plan:
+        for op in [entry["reduce_scatter"]] + entry_gathers(entry):
+            graph.ops[op].attrs["group"] = list(group)
+        entry["group"] = list(group)
+
+
+def _zero_settings(par, forward=None):
+    """``compose_zero1``'s keyword settings from the parallel section."""
+    settings = par.bucket_settings()
+    settings.pop("split_params")  # the reduce-scatter cuts every bucket anyway
+    if par.shard >= 2:  # the live gradient buckets (and stage 3's gathered weights)
+        settings["prefetch"] = par.prefetch
+    if forward is not None:
+        settings["forward"] = forward
+    return settings
+
+
+def _params_of_updates(graph, plan):
+    """{gradient an update op reads: the parameter its weight view is part
+    of} (the shard solver's weight views are of a bucket's flat weight
+    buffer, at the element's offset)."""
+    from ...graph.clip import update_ops
+    where = {entry["weights"]: entry for entry in plan}
+    out = {}
+    for op in update_ops(graph):
+        w = graph.blobs[op.inputs[0]]
+        entry = where.get(w.alias_of)
+        out[op.inputs[1]] = graph.storage_root(op.inputs[0]) if entry is None else next(
+            p for p, off in zip(entry["params"], entry["offsets"])
+            if off <= w.offset < off + graph.blobs[p].size)
+    return out
 
 
 def _clip(comp, clip, shards):
@@ -509,15 +637,22 @@ def _clip(comp, clip, shards):
     its shard's (scaled) gradients, one Allreduce of the sums over every
     rank, then each shard scaled. The Allreduce goes between the last
     reduce-scatter and the first allgather in ``seq`` order (the gathers
-    wait on the clipped updates)."""
+    wait on the clipped updates); stage 3: after every collective. With
+    tensor parallelism a whole (replicated) weight counts on tensor shard 0
+    only (``tensor_parallel.count_whole_once``, as scheme tensor's clip
+    counts it), the split weights' shards on every rank."""
     from ...graph.clip import add_clip
     graph, plan = comp.graph, comp.shard_plan
+    param_of = _params_of_updates(graph, plan) if comp.layout.tensor > 1 else None
     if not any("gather_seq" in entry for entry in plan):  # stage 3: after every collective
         first = 1 + max(op.attrs["seq"] for op in graph.ops.values() if "seq" in op.attrs)
-        comp.graph = add_clip(graph, clip, group=list(range(shards)), seq=first).validate()
-        return
-    first = min(entry["gather_seq"] for entry in plan)
-    for entry in plan:
-        graph.ops[entry["allgather"]].attrs["seq"] += 1
-        entry["gather_seq"] += 1
-    comp.graph = add_clip(graph, clip, group=list(range(shards)), seq=first).validate()
+    else:
+        first = min(entry["gather_seq"] for entry in plan)
+        for entry in plan:
+            graph.ops[entry["allgather"]].attrs["seq"] += 1
+            entry["gather_seq"] += 1
+    comp.graph = add_clip(graph, clip, group=list(range(shards)), seq=first)
+    if param_of is not None:
+        from ..tensor_parallel import count_whole_once
+        count_whole_once(comp.graph, comp.layout, param_of)
+    comp.graph.validate()

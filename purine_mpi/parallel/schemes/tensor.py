@@ -24,10 +24,10 @@ class TensorParallel(DataParallel):
             return Scheme.layout(self, job, world)
         t = par.tensor_parallel
         if world.size % t:
-            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme tensor runs "
-                            f"replicas x {t} ranks, but the world size {world.size} is not a "
-                            f"multiple of {t}; start a multiple of {t} ranks or change the "
-                            "degree")
+            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme "
+                            f"{self.config_name} runs replicas x {t} ranks, but the world "
+                            f"size {world.size} is not a multiple of {t}; start a multiple of "
+                            f"{t} ranks or change the degree")
         return Layout(par.scheme, world.size // t, 1, world.rank // t, 0, par.micro_batches, t,
                       world.rank % t)
 
