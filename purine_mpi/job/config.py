@@ -458,7 +458,9 @@ def _check_sharded(out, path):
                 "transport one_sided with parallel.tensor_parallel")]
     for key, bad, what in refused:
         if bad:
-            raise ConfigError(path, key, f"{what} is refused: {why}; use scheme data for it")
+            hint = " (parameter servers run under scheme data)" if key == "parallel.mode" \
+                else ""
+            raise ConfigError(path, key, f"{what} is refused: {why}; change this key{hint}")
 
 
 def _check_pipeline(out, path):
