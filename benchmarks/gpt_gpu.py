@@ -293,6 +293,11 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, _terminated)
     sides = [s for s in args.sides if not (s == "torch_compile" and
                                            (args.no_compile or args.dry_run))]
+    if not args.dry_run:   # refused before torch's seconds-long import
+        from purine_mpi.base.backend import cupy_available
+        if not cupy_available():
+            fail("needs CuPy and a CUDA device (purine_mpi[gpu]); none found, so there is "
+                 "nothing to measure (--dry-run: the CPU smoke run)")
     import torch
     if args.dry_run:
         args.batch, args.seq = args.batch or 2, args.seq or 32
@@ -301,10 +306,6 @@ def main(argv=None):
         dev, precision, device_name = torch.device("cpu"), "fp32", "cpu (dry run: no figures)"
     else:
         args.batch = args.batch or 16
-        from purine_mpi.base.backend import cupy_available
-        if not cupy_available():
-            fail("needs CuPy and a CUDA device (purine_mpi[gpu]); none found, so there is "
-                 "nothing to measure (--dry-run: the CPU smoke run)")
         if not torch.cuda.is_available():
             fail(f"torch {torch.__version__} sees no CUDA device (a CPU-only build?)")
         dev, precision = torch.device("cuda", args.device), "bf16"

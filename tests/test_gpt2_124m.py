@@ -58,9 +58,12 @@ def test_parameter_count_is_gpt2_124m(text_h5):
     closed = V * C + T * C + L * (4 * C + 3 * C * C + 3 * C + C * C + C + 8 * C * C + 5 * C) + 2 * C
     assert count == closed
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=T,
-                                                                 n_embd=C, n_layer=L, n_head=12))
+    torch = pytest.importorskip("torch")
+    # built on the meta device: the parameters' shapes without 124M random
+    # initial values (their count is all this compares)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_positions=T, n_embd=C, n_layer=L, n_head=12))
     assert count == sum(p.numel() for p in model.parameters())  # tied: lm_head counted once
     assert count == 124_475_904  # the figure nanoGPT prints for this config
 

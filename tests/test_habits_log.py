@@ -5,8 +5,10 @@ gets a note, "already finished" without rank-change notes first)."""
 import json
 import os
 import re
+import shutil
 
 import h5py
+import pytest
 
 from tests.conftest import (run_cli_args, run_mpi_cli, small_net_config, tiny_fc_config,
                       write_config_file)
@@ -95,10 +97,19 @@ def test_case2_user_error_two_ranks(digits_h5, tmp_path):
     assert lines[-1] == "run ended: user error (exit 2)", lines
 
 
-def test_case2_normal_end_line(digits_h5, tmp_path):
-    """Case 2: a run that finishes ends its log with the iteration and exit 0."""
-    res, out, _ = _train(tmp_path, small_net_config(digits_h5))
+@pytest.fixture(scope="module")
+def finished(digits_h5, tmp_path_factory):
+    """The small digits net trained to its end (iteration 20) on one rank:
+    (its run folder, its config file). Read only; a test that resumes
+    copies the folder."""
+    res, out, path = _train(tmp_path_factory.mktemp("finished"), small_net_config(digits_h5))
     assert res.returncode == 0, res.stderr
+    return out, path
+
+
+def test_case2_normal_end_line(finished):
+    """Case 2: a run that finishes ends its log with the iteration and exit 0."""
+    out, _ = finished
     lines = _log_lines(out)
     assert lines[-1] == "run ended: finished at iteration 20 (exit 0)", lines
     assert lines[-2].startswith("final {"), lines
@@ -134,11 +145,11 @@ def test_case12_synthetic_source_with_path_gets_a_note(tmp_path):
     assert notes[0] in _log_lines(out)
 
 
-def test_case12_already_finished_comes_first(digits_h5, tmp_path):
+def test_case12_already_finished_comes_first(finished, tmp_path):
     """Case 12: a finished 1-rank run resumed on 2 ranks says "already
     finished" with no rank-change note before it."""
-    res, out, path = _train(tmp_path, small_net_config(digits_h5))
-    assert res.returncode == 0, res.stderr
+    out, path = tmp_path / "run", finished[1]
+    shutil.copytree(finished[0], out, symlinks=True)
     res = run_mpi_cli(2, "train", path, "--out", out, "--resume", "auto")
     assert res.returncode == 0, res.stderr
     text = res.stdout + res.stderr

@@ -5,6 +5,7 @@ bit-exact on the same layout, resume by name on another layout; the stage
 groups' collectives are checked per sub-communicator; ``graph --np N --rank R``
 shows every slice; bad layouts exit 2 naming the key."""
 import json
+import shutil
 
 import h5py
 import numpy as np
@@ -153,29 +154,40 @@ def test_bad_hybrid_config_exits_2(tmp_path, parallel, np_, key, words):
 
 
 # --------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
+    """The runs both training tests start from, made once: the one-rank
+    job of batch 16 trained to the end (``one``), and the 2 x 2 hybrid job
+    (2 micro-batches, its collectives checked) stopped at iteration 3
+    (``half3``, copied by each test before it resumes)."""
+    d = tmp_path_factory.mktemp("hybrid")
+    cfg1 = _config(scheme="data")
+    cfg1["data"]["train"]["batch_size"] = 16
+    one = write_config_file(d, cfg1, "one.yaml")
+    many = write_config_file(d, _hybrid(micro_batches=2, check_collectives=True), "many.yaml")
+    r1 = run_cli_args("train", one, "--out", d / "one")
+    assert r1.returncode == 0, r1.stderr
+    half = run_mpi_cli(4, "train", many, "--out", d / "half3", "--iters", "3")
+    assert half.returncode == 0, half.stderr
+    return {"one_cfg": one, "many_cfg": many, "one": d / "one", "half3": d / "half3"}
+
+
 @pytest.mark.mpi
-def test_hybrid_2x2_matches_one_rank_and_resumes_bit_exact(tmp_path):
+def test_hybrid_2x2_matches_one_rank_and_resumes_bit_exact(hybrid_runs, tmp_path):
     """2 replicas x 2 stages x batch 8 (2 micro-batches) on 4 ranks == 1 rank
     x batch 16; a run stopped at iteration 3 and resumed on the same layout
     ends bit-identical to the uninterrupted one."""
-    cfg1 = _config(scheme="data")
-    cfg1["data"]["train"]["batch_size"] = 16
-    one = write_config_file(tmp_path, cfg1, "one.yaml")
-    many = write_config_file(tmp_path, _hybrid(micro_batches=2, check_collectives=True),
-                             "many.yaml")
-    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
-    assert r1.returncode == 0, r1.stderr
+    many = hybrid_runs["many_cfg"]
     r4 = run_mpi_cli(4, "train", many, "--out", tmp_path / "many")
     assert r4.returncode == 0, r4.stderr
-    _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
+    _close(_params(hybrid_runs["one"] / "latest.h5"), _params(tmp_path / "many" / "latest.h5"))
     # the logged losses agree too (summed over stages, averaged over replicas)
-    log1 = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
+    log1 = [json.loads(x) for x in open(hybrid_runs["one"] / "metrics.jsonl")]
     log4 = [json.loads(x) for x in open(tmp_path / "many" / "metrics.jsonl")]
     assert [x["iter"] for x in log1] == [x["iter"] for x in log4]
     np.testing.assert_allclose([x["loss"] for x in log1], [x["loss"] for x in log4], rtol=1e-5)
     # resume on the same layout: 3 iterations, then 3 more from the checkpoint
-    half = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
-    assert half.returncode == 0, half.stderr
+    shutil.copytree(hybrid_runs["half3"], tmp_path / "half", symlinks=True)
     rest = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--resume", "auto")
     assert rest.returncode == 0, rest.stderr
     a = _all_params(tmp_path / "many" / "latest.h5")
@@ -186,21 +198,15 @@ def test_hybrid_2x2_matches_one_rank_and_resumes_bit_exact(tmp_path):
 
 
 @pytest.mark.mpi
-def test_hybrid_checkpoint_resumes_on_one_rank(tmp_path):
+def test_hybrid_checkpoint_resumes_on_one_rank(hybrid_runs, tmp_path):
     """Another layout: a 2 x 2 hybrid checkpoint (iteration 3) continued on
     one rank with the same global batch loads every stage's weights and
     momenta by name, keeps the data position, says so, and ends where an
     uninterrupted one-rank run ends (float32 tolerance)."""
-    cfg1 = _config(scheme="data")
-    cfg1["data"]["train"]["batch_size"] = 16
-    one = write_config_file(tmp_path, cfg1, "one.yaml")
-    many = write_config_file(tmp_path, _hybrid(micro_batches=2), "many.yaml")
-    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
-    assert r1.returncode == 0, r1.stderr
-    half = run_mpi_cli(4, "train", many, "--out", tmp_path / "half", "--iters", "3")
-    assert half.returncode == 0, half.stderr
-    rest = run_cli_args("train", one, "--out", tmp_path / "half", "--resume", "auto")
+    shutil.copytree(hybrid_runs["half3"], tmp_path / "half", symlinks=True)
+    rest = run_cli_args("train", hybrid_runs["one_cfg"], "--out", tmp_path / "half",
+                        "--resume", "auto")
     assert rest.returncode == 0, rest.stderr
     assert ("resuming a 4-rank checkpoint on 1 rank(s), layout [hybrid: 2 replicas x 2 "
             "stages, 2 micro-batches, 4 ranks] -> [data: 1 replica, 1 rank]") in rest.stdout
-    _close(_params(tmp_path / "one" / "latest.h5"), _params(tmp_path / "half" / "latest.h5"))
+    _close(_params(hybrid_runs["one"] / "latest.h5"), _params(tmp_path / "half" / "latest.h5"))
