@@ -20,6 +20,24 @@
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
        i < (n); i += (long long)blockDim.x * gridDim.x)
 
+// One element of the step, in place on w, m, v from the raw gradient g
+// (adam_update and adam_multi: the same arithmetic, so the same bits).
+template <typename T>
+__device__ void adam_element(T* w, T* m, T* v, T g, T grad_scale, double rate, double decay,
+                             int decoupled, T step, T correction2, T tb1, T ob1, T tb2, T ob2,
+                             T delta) {
+  T wi = *w;
+  T gi = grad_scale * g;
+  if (!decoupled && decay != 0.0) gi = gi + wi * (T)decay;
+  if (decoupled && decay != 0.0) wi = wi * (T)(1.0 - rate * decay);
+  const T mi = tb1 * *m + ob1 * gi;
+  const T vi = tb2 * *v + (ob2 * gi) * gi;
+  *m = mi;
+  *v = vi;
+  const T denom = sqrt(vi) / correction2 + delta;
+  *w = wi - (step * mi) / denom;
+}
+
 template <typename T>
 __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
                           double lr_value, const T* lr_ptr, int has_lr_ptr,
@@ -30,21 +48,10 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
   const double s = (double)((has_it_ptr ? it_ptr[0] : it_value) + 1);
   const T step = (T)(rate / (1.0 - pow(b1, s)));
   const T correction2 = (T)sqrt(1.0 - pow(b2, s));
-  const T keep = (T)(1.0 - rate * decay);
   const T tb1 = (T)b1, tb2 = (T)b2, ob1 = (T)(1.0 - b1), ob2 = (T)(1.0 - b2);
-  const T tdecay = (T)decay;
-  const bool shrink = decoupled && decay != 0.0;
   CUDA_KERNEL_LOOP(index, total) {
-    T wi = w[index];
-    T gi = grad_scale * g[index];
-    if (!decoupled && decay != 0.0) gi = gi + wi * tdecay;
-    if (shrink) wi = wi * keep;
-    const T mi = tb1 * m[index] + ob1 * gi;
-    const T vi = tb2 * v[index] + (ob2 * gi) * gi;
-    m[index] = mi;
-    v[index] = vi;
-    const T denom = sqrt(vi) / correction2 + delta;
-    w[index] = wi - (step * mi) / denom;
+    adam_element<T>(w + index, m + index, v + index, g[index], grad_scale, rate, decay,
+                    decoupled, step, correction2, tb1, ob1, tb2, ob2, delta);
   }
 }
 
@@ -94,18 +101,9 @@ __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
     const long long at = offsets[lo] + (index - starts[lo]);
     const T* g = (const T*)grads[lo];
     const double rate = lr_mults[lo] * lr;
-    const double decay = decays[lo];
-    const T step = (T)(rate / correction1);
-    T wi = w[at];
-    T gi = grad_scale * g[index - starts[lo]];
-    if (!decoupled && decay != 0.0) gi = gi + wi * (T)decay;
-    if (decoupled && decay != 0.0) wi = wi * (T)(1.0 - rate * decay);
-    const T mi = tb1 * m[at] + ob1 * gi;
-    const T vi = tb2 * v[at] + (ob2 * gi) * gi;
-    m[at] = mi;
-    v[at] = vi;
-    const T denom = sqrt(vi) / correction2 + delta;
-    w[at] = wi - (step * mi) / denom;
+    adam_element<T>(w + at, m + at, v + at, g[index - starts[lo]], grad_scale, rate,
+                    decays[lo], decoupled, (T)(rate / correction1), correction2, tb1, ob1,
+                    tb2, ob2, delta);
   }
 }
 

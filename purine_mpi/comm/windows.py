@@ -313,17 +313,26 @@ class Windows(MemoryDevice):
         self.bytes_put += a.nbytes
         return req
 
-    def get(self, name, out, offset=0):
-        """Read region ``name`` (from element ``offset``) into ``out``."""
+    def _read_here(self, what, name, out, offset, own=False):
+        """(region ``name``, whether it was read into ``out`` here): a load
+        where the region is in shared memory (or, with ``own``, this rank's
+        own RMA region), after a ``Win_sync``; ``out`` checked first."""
         r = self.region(name)
         if not out.flags.c_contiguous or out.dtype != r.dtype:
-            raise ValueError(f"get '{name}': out must be a contiguous {r.dtype} array")
+            raise ValueError(f"{what} '{name}': out must be a contiguous {r.dtype} array")
         view = self.view(name)
-        if view is not None and r.where == "shared":
-            with MPI_LOCK:
-                self.wins["shared"].Sync()
-            np.copyto(out.reshape(-1), view.reshape(-1)[offset:offset + out.size])
-            self.bytes_copied += out.nbytes
+        if view is None or not (r.where == "shared" or (own and r.owner == self.rank)):
+            return r, False
+        with MPI_LOCK:
+            self.wins[r.where].Sync()
+        np.copyto(out.reshape(-1), view.reshape(-1)[offset:offset + out.size])
+        self.bytes_copied += out.nbytes
+        return r, True
+
+    def get(self, name, out, offset=0):
+        """Read region ``name`` (from element ``offset``) into ``out``."""
+        r, done = self._read_here("get", name, out, offset)
+        if done:
             return out
         win, rank, target = self._target(r, offset, out.size)
         with MPI_LOCK:
@@ -337,15 +346,8 @@ class Windows(MemoryDevice):
         ``out``: a request (``MPI_Rget``; the data is in ``out`` once it
         completes, no flush needed) to test; None when it was a load from
         shared memory (done)."""
-        r = self.region(name)
-        if not out.flags.c_contiguous or out.dtype != r.dtype:
-            raise ValueError(f"rget '{name}': out must be a contiguous {r.dtype} array")
-        view = self.view(name)
-        if view is not None and (r.where == "shared" or r.owner == self.rank):
-            with MPI_LOCK:
-                self.wins[r.where].Sync()
-            np.copyto(out.reshape(-1), view.reshape(-1)[offset:offset + out.size])
-            self.bytes_copied += out.nbytes
+        r, done = self._read_here("rget", name, out, offset, own=True)
+        if done:
             return None
         win, rank, target = self._target(r, offset, out.size)
         with MPI_LOCK:
