@@ -83,6 +83,20 @@ def _params(rng, shapes, dtype):
     return [rng.standard_normal(s).astype(dtype) for s in shapes]
 
 
+def _flat(dtype, *per_param):
+    """(offsets, total, flat buffers): each list of per-parameter arrays laid
+    out in one buffer as parallel/fuse.py does (views 64 elements apart)."""
+    offsets, total = [], 0
+    for a in per_param[0]:
+        offsets.append(total)
+        total += -(-a.size // 64) * 64
+    flat = [np.zeros(total, dtype) for _ in per_param]
+    for arrays, buf in zip(per_param, flat):
+        for a, off in zip(arrays, offsets):
+            buf[off:off + a.size] = a.reshape(-1)
+    return offsets, total, flat
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_multi_tensor_sgd_equals_one_update_per_parameter(backend, dtype):  # noqa: F811
     """One kernel over flat weight/momentum buffers (parameters at aligned
@@ -93,15 +107,7 @@ def test_multi_tensor_sgd_equals_one_update_per_parameter(backend, dtype):  # no
     lr_mults, decay_mults = [1.0, 2.0, 1.0, 0.5, 3.0], [1.0, 0.0, 1.0, 2.0, 0.25]
     weights = _params(rng, shapes, dtype)
     momenta = [np.abs(a) for a in _params(rng, shapes, dtype)]
-    offsets, total = [], 0
-    for w in weights:
-        offsets.append(total)
-        total += -(-w.size // 64) * 64
-    flat_w = np.zeros(total, dtype)
-    flat_v = np.zeros(total, dtype)
-    for w, v, off in zip(weights, momenta, offsets):
-        flat_w[off:off + w.size] = w.reshape(-1)
-        flat_v[off:off + v.size] = v.reshape(-1)
+    offsets, total, (flat_w, flat_v) = _flat(dtype, weights, momenta)
     dev_w, dev_v = backend.to_device(flat_w), backend.to_device(flat_v)
     singles = [(backend.to_device(w), backend.to_device(v)) for w, v in zip(weights, momenta)]
     lr = backend.to_device(np.array(0.05, np.float32))
@@ -169,14 +175,7 @@ def test_multi_tensor_adam_equals_one_update_per_parameter(backend, dtype, decou
     weights = _params(rng, shapes, dtype)
     firsts = _params(rng, shapes, dtype)
     seconds = [np.abs(a) for a in _params(rng, shapes, dtype)]
-    offsets, total = [], 0
-    for w in weights:
-        offsets.append(total)
-        total += -(-w.size // 64) * 64
-    flat = [np.zeros(total, dtype) for _ in range(3)]
-    for arrays, buf in zip((weights, firsts, seconds), flat):
-        for a, off in zip(arrays, offsets):
-            buf[off:off + a.size] = a.reshape(-1)
+    offsets, total, flat = _flat(dtype, weights, firsts, seconds)
     dev = [backend.to_device(b) for b in flat]
     singles = [[backend.to_device(a) for a in arrays]
                for arrays in zip(weights, firsts, seconds)]
