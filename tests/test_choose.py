@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from tests.conftest import run_cli_args, run_mpi_cli
-from tests.test_recompute import email_h5  # noqa: F401  (a fixture)
 
 NET = """name: choose_net
 seed: 3
