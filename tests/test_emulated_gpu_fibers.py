@@ -153,7 +153,7 @@ def test_a_barrier_switches_fibers_without_a_system_call(host_build_dir, monkeyp
     passes, and the sums are right."""
     monkeypatch.delenv(THREADED_ENV, raising=False)
     reduce = host_cupy(host_build_dir).RawModule(
-        code=(ROOT / "cuda" / "reduce.cu").read_text())
+        code=kernel_source("reduce"))
     entries = reduce._library.purine_emu_fiber_entries
     entries.restype = ctypes.c_ulonglong
     kernel = reduce.get_function("channel_sum_f64")
