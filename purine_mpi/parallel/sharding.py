@@ -249,7 +249,7 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
         _gather_units(graph, plan, shards, shard, prefetch, thread, forward)
         if grad_first:
             gradients_first(graph, grads)
-        _collective_seq(graph, plan)
+        sequence_collectives(graph, plan)
         return plan
     for entry in plan:  # the gathers after every reduce-scatter (module docstring)
         weights = entry["weights"]
@@ -427,7 +427,7 @@ def _delays_the_gather_alone(graph, after, readers):
     return all(need <= reachable(r, deps) for r in readers)
 
 
-def _collective_seq(graph, plan, others=()):
+def sequence_collectives(graph, plan, others=()):
     """The ``seq`` of every collective of the plan (gathers, reduce-scatters),
     and of the collectives ``others`` (scheme sharded with tensor
     parallelism at stage 2: the tensor groups' allreduces, which a bucket's
@@ -451,12 +451,11 @@ def _collective_seq(graph, plan, others=()):
     waits = {n: reachable(n, deps) & names for n in names}
     pending, order = [n for n in graph.ops if n in names], []
     while pending:  # emission order, each after the collectives it waits for
-        n = next(n for n in pending if not waits[n] - set(order))
+        n = next(n for n in pending if waits[n] <= set(order))
         pending.remove(n)
         order.append(n)
-    order = [graph.ops[n] for n in order]
-    for k, op in enumerate(order):
-        op.attrs["seq"] = first + k
+    for k, n in enumerate(order):
+        graph.ops[n].attrs["seq"] = first + k
     for entry in plan:
         entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
         if "gathers" in entry:
@@ -464,13 +463,6 @@ def _collective_seq(graph, plan, others=()):
                                     for k, g in entry["gathers"].items()}
         else:
             entry["gather_seq"] = graph.ops[entry["allgather"]].attrs["seq"]
-
-
-def sequence_collectives(graph, plan, others):
-    """Stages 1 and 2 (``compose_zero1``'s plan): the collectives of the
-    plan and ``others`` numbered (``seq``) in one emission order in which
-    none is posted before a collective it waits for (``_collective_seq``)."""
-    _collective_seq(graph, plan, others)
 
 
 def entry_gathers(entry):

@@ -46,7 +46,7 @@ communicator) the graph is converted as the node table says
 from ..comm.ops import shard_range
 from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
 from ..graph.core import WORKING_SET_ATTR
-from .sharding import _collective_seq
+from .sharding import sequence_collectives
 
 PREFIX = "z3/"
 GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
@@ -139,13 +139,8 @@ def get_weights(graph, plan, rank, shards):
         ob.attrs = dict(ob.attrs, window=regions[rank], window_views=True)
         gets = entry["gathers"]
         first = graph.ops[next(iter(gets.values()))]
-        common = {"window": regions[rank], "bucket": weights}
-        acquire = graph.add_op(graph.free_name(f"{weights}.acquire"), "WindowSync", [], [],
-                               dict(common, phase="acquire"), location=first.location,
-                               thread=first.thread)
-        release = graph.add_op(graph.free_name(f"{weights}.release"), "WindowSync", [], [],
-                               dict(common, phase="release"), location=first.location,
-                               thread=first.thread)
+        acquire, release = _window_syncs(graph, weights, regions[rank], first.location,
+                                         first.thread)
         for name in gets.values():
             op = graph.ops[name]
             op.op_type = "GetShards"
@@ -160,7 +155,7 @@ def get_weights(graph, plan, rank, shards):
         entry["gathers"] = {"acquire": acquire.name, "release": release.name}
         entry["gets"], entry["windows"] = dict(gets), regions
     graph.topo_order()  # no cycle
-    _collective_seq(graph, plan)
+    sequence_collectives(graph, plan)
     seq = 1 + max(op.attrs["seq"] for op in graph.ops.values()
                   if "seq" in op.attrs and op.op_type != "GetShards")
     for entry in plan:
@@ -168,6 +163,15 @@ def get_weights(graph, plan, rank, shards):
             graph.ops[name].attrs["seq"] = seq
             seq += 1
     return plan
+
+
+def _window_syncs(graph, weights, region, location, thread):
+    """A bucket's two WindowSync ops on ``region`` (see the module
+    docstring): (``acquire``, ``release``), no edges yet."""
+    common = {"window": region, "bucket": weights}
+    return tuple(graph.add_op(graph.free_name(f"{weights}.{phase}"), "WindowSync", [], [],
+                              dict(common, phase=phase), location=location, thread=thread)
+                 for phase in ("acquire", "release"))
 
 
 def share_weights(graph, plan, rank, owner):
@@ -204,13 +208,7 @@ def share_weights(graph, plan, rank, owner):
                    and rooted.intersection(op.inputs)]
         for op in graph.ops.values():
             op.control_inputs = [c for c in op.control_inputs if c not in old.values()]
-        common = {"window": region, "bucket": weights}
-        acquire = graph.add_op(graph.free_name(f"{weights}.acquire"), "WindowSync", [], [],
-                               dict(common, phase="acquire"), location=wb.location,
-                               thread=thread)
-        release = graph.add_op(graph.free_name(f"{weights}.release"), "WindowSync", [], [],
-                               dict(common, phase="release"), location=wb.location,
-                               thread=thread)
+        acquire, release = _window_syncs(graph, weights, region, wb.location, thread)
         release.control_inputs = [acquire.name] + [op.name for op in readers]
         for op in readers:
             op.control_inputs.append(acquire.name)
@@ -219,5 +217,5 @@ def share_weights(graph, plan, rank, owner):
         entry["gathers"] = {"acquire": acquire.name, "release": release.name}
         entry["window"] = region
     graph.topo_order()  # no cycle
-    _collective_seq(graph, plan)
+    sequence_collectives(graph, plan)
     return plan
