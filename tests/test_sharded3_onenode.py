@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.comm.verify import comm_signature, compare_signatures
+from purine_mpi.graph.core import reachable
 from purine_mpi.ops.updates import UPDATE_OP_TYPES
 from purine_mpi.runtime.footprint import model_state_bytes, window_bytes
 from purine_mpi.runtime.memory_plan import check_plan, plan_memory
@@ -26,16 +27,6 @@ from tests.test_sharded23 import _psi
 def _one_node(n, rank, solver="adamw", **par):
     return composed(make_job(_job("sharded", solver, shard=3, transport="one_sided", **par)),
                     n, rank)
-
-
-def _ancestors(g, name, deps):
-    seen, stack = set(), [name]
-    while stack:
-        for d in deps[stack.pop()]:
-            if d not in seen:
-                seen.add(d)
-                stack.append(d)
-    return seen
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -70,12 +61,12 @@ def test_one_copy_of_the_weights_per_node(n):
                        and rooted.intersection(op.inputs)]
             assert readers and all(g.ops[u].op_type in UPDATE_OP_TYPES for u in updates)
             acquire, release = entry["gathers"]["acquire"], entry["gathers"]["release"]
-            before_release = _ancestors(g, release, deps)
+            before_release = reachable(release, deps)
             assert set(readers) <= before_release and acquire in before_release
             for r in readers:
-                assert acquire in _ancestors(g, r, deps), r
+                assert acquire in reachable(r, deps), r
             for u in updates:
-                assert release in _ancestors(g, u, deps), u
+                assert release in reachable(u, deps), u
         signatures.append(comm_signature(g))
         seqs.append(sorted((op.attrs["seq"], op.name) for op in g.ops.values()
                            if op.op_type in ("WindowSync", "ReduceScatter")))

@@ -14,13 +14,13 @@ import pytest
 
 from purine_mpi.comm.ops import shard_range
 from purine_mpi.comm.verify import comm_signature, compare_signatures
+from purine_mpi.graph.core import reachable
 from purine_mpi.ops.updates import UPDATE_OP_TYPES
 from purine_mpi.runtime.memory_plan import check_plan, plan_memory
 from purine_mpi.tools.graph import composed
 from tests.conftest import make_job
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _losses, _train
-from tests.test_sharded3_onenode import _ancestors
 
 GOT = "RMA Get of the owners' shards"
 
@@ -59,20 +59,20 @@ def test_gathers_become_gets_between_the_barriers(monkeypatch, n):
             acquire, release = entry["gathers"]["acquire"], entry["gathers"]["release"]
             gets = list(entry["gets"].values())
             assert "forward" in entry["gets"] and all(g.ops[x].op_type == "GetShards" for x in gets)
-            before_release = _ancestors(g, release, deps)
+            before_release = reachable(release, deps)
             for x in gets:
                 assert g.ops[x].attrs["regions"] == regions
-                assert acquire in _ancestors(g, x, deps) and x in before_release
+                assert acquire in reachable(x, deps) and x in before_release
             rooted = {b for b in g.blobs if g.storage_root(b) == own}
             updates = [op.name for op in g.ops.values() if rooted.intersection(op.outputs)]
             assert updates and all(g.ops[u].op_type in UPDATE_OP_TYPES for u in updates)
             for u in updates:
-                assert release in _ancestors(g, u, deps), u
+                assert release in reachable(u, deps), u
             for x in gets:
                 out = g.ops[x].outputs[0]
                 readers = [op.name for op in g.ops.values() if op.name not in gets and
                            {b for b in g.blobs if g.storage_root(b) == out} & set(op.inputs)]
-                assert readers and all(x in _ancestors(g, r, deps) for r in readers)
+                assert readers and all(x in reachable(r, deps) for r in readers)
         signatures.append(comm_signature(g))
         seqs.append(sorted((op.attrs["seq"], op.name) for op in g.ops.values()
                            if op.op_type in ("WindowSync", "ReduceScatter")))

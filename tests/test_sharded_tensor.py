@@ -21,6 +21,7 @@ from tests.gpt_nets import gpt_config, text_h5
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_sharded import _losses, _model_state, _same, _train
+from tests.test_sharded_stages import _bytes
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,6 @@ def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
     if clip is not None:
         cfg["solver"]["clip_gradients"] = clip
     return cfg
-
-
-def _bytes(cfg, n, rank):
-    return model_state_bytes(compose_for(make_job(cfg), n, rank))
 
 
 @pytest.mark.mpi
