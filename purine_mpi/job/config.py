@@ -256,9 +256,10 @@ def _recompute_rules(out, path):
     par = out.get("parallel", {})
     if par.get("scheme") in ("pipeline", "hybrid", "tensor") or (
             par.get("scheme") == "sharded" and par.get("tensor_parallel", 1) > 1):
+        with_tensor = " with parallel.tensor_parallel" if par["scheme"] == "sharded" else ""
         raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
-                          f"parallel.scheme: {par['scheme']}; use recompute: none or scheme: "
-                          "data")
+                          f"parallel.scheme: {par['scheme']}{with_tensor}; use recompute: none "
+                          "or scheme: data")
     if par.get("micro_batches", 1) > 1:
         raise ConfigError(path, "recompute", f"recompute: {mode} does not combine with "
                           f"parallel.micro_batches: {par['micro_batches']}; use one of them")
