@@ -117,7 +117,8 @@ def cmd_train(args):
     return run_training(job, out_dir, resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
-                        memory=lambda *built: check_memory(*built, limits), notes=notes)
+                        memory=lambda *built: check_memory(*built, limits, args.dispatcher),
+                        notes=notes)
 
 
 #: seconds the other ranks wait for rank 0's choice of parallel.scheme auto

@@ -19,15 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import rss_vs_plan  # noqa: E402
 
-#: run in a fresh process: one training iteration, then what the kernels
-#: hold (ops/im2col.held_bytes) and the largest new arrays any host kernel
-#: took from ``OpKernel.temporaries`` at once per worker thread, against the
-#: footprint's rows for the same graph
+#: run in a fresh process: one training iteration and, where the job has a
+#: test split, one test batch; then what the kernels hold
+#: (ops/im2col.held_bytes) and the largest new arrays any host kernel took
+#: from ``OpKernel.temporaries`` at once per worker thread, against the
+#: footprint's rows for the same graphs
 _PROBE = """
 import json, sys, threading
 from purine_mpi.job.config import load_job
 from purine_mpi.ops import im2col
 from purine_mpi.ops.registry import OpKernel
+from purine_mpi.runtime.factory import dispatcher_kind
 from purine_mpi.runtime.footprint import host_kernel_bytes
 from purine_mpi.train.trainer import Trainer
 biggest, lock, orig = {}, threading.Lock(), OpKernel.temporaries
@@ -43,8 +45,12 @@ t = Trainer(load_job(sys.argv[1], sys.argv[3:], None, check_files=False), sys.ar
 try:
     t.step(0)
     t.train.drain()
+    tg = t.graphs.test_graph
+    if tg is not None:
+        t.evaluate(1)
     print(json.dumps({"held": im2col.held_bytes(), "temporaries": sum(biggest.values()),
-                      "planned": host_kernel_bytes(t.graphs.graph)}))
+                      "planned": host_kernel_bytes(t.graphs.graph, tg, dispatcher_kind() == "serial"),
+                      "test": tg is not None}))
 finally:
     t.close()
 """
@@ -116,28 +122,42 @@ def test_no_library_is_loaded_after_the_baseline(tmp_path):
     assert "after: []" in p.stdout, p.stdout[-2000:]
 
 
+#: a test split for the CNN jobs (they have none): its graph's kernels run on
+#: the test dispatcher's own worker threads, whose buffers are held beside
+#: the training graph's
+_CNN_TEST = ["data.test={source: synthetic, shape: [3, 32, 32], classes: 10, num_samples: 100, "
+             "batch_size: 50}", "solver.test_interval=1"]
+
+
 @pytest.mark.parametrize("job,sets", [
     ("cifar10_quick", ["data.train.batch_size=20"]),
+    ("cifar10_quick", ["data.train.batch_size=20"] + _CNN_TEST),
+    ("cifar10_quick serial", ["data.train.batch_size=20"] + _CNN_TEST),
     ("nin_cifar10", ["data.train.batch_size=4"]),
     ("gpt_tiny", ["data.train.batch_size=8"]),
 ])
 def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
     """plan's host scratch row is the bytes the conv/pool kernels' buffers
-    hold after an iteration (im2col.held_bytes), to the byte, and its kernel
+    hold after an iteration and a test batch (im2col.held_bytes), to the
+    byte (the test graph's kernels' too, on its dispatcher's threads: 9.4 of
+    cifar10_quick's 20.2 MB with the test split here), and its kernel
     temporaries row at least the largest temporaries a host kernel took
     (``host_temporaries`` also counts a run's NumPy temporaries:
     tests/test_host_temporaries.py)."""
     if job.startswith("gpt"):
         path = rss_vs_plan.text_data(str(tmp_path))
         sets = sets + [f"data.train.path={path}", f"data.test.path={path}"]
+    job, _, serial = job.partition(" ")  # "serial": the serial dispatcher, one thread
+    env = dict(os.environ, PURINE_DISPATCHER=serial or "event")
     p = subprocess.run([sys.executable, "-c", _PROBE, os.path.join(ROOT, "jobs", f"{job}.yaml"),
                         str(tmp_path / "out")] + sets, capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
+                       cwd=ROOT, timeout=600, env=env)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["planned"]["host_scratch"] == got["held"], got
     assert got["planned"]["kernel_temporaries"] >= got["temporaries"], got
     assert got["held"] > 0 or got["temporaries"] > 0
+    assert got["test"] == any(s.startswith("data.test") for s in sets)
 
 
 @pytest.mark.slow

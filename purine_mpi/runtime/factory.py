@@ -36,9 +36,7 @@ def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
     ``defer_tail`` (``parallel.defer_update``) is the CPU event dispatcher's:
     the others end every iteration with every op done."""
     defer_tail = kw.pop("defer_tail", False)  # the CPU event dispatcher's alone
-    kind = env.get("PURINE_DISPATCHER") or kind or "event"  # EnvError when not one of KINDS
-    if kind not in KINDS:
-        raise UserError(f"dispatcher must be 'event', 'serial' or 'stream', got '{kind}'")
+    kind = dispatcher_kind(kind)
     if kind == "serial":
         return SerialDispatcher(graph, **kw)
     gpu = on_gpu(graph)
@@ -47,6 +45,16 @@ def make_dispatcher(graph, kind=None, cuda_graph=True, log=None, **kw):
     if kind == "stream" or gpu:
         return StreamDispatcher(graph, **kw)
     return EventDispatcher(graph, defer_tail=defer_tail, **kw)
+
+
+def dispatcher_kind(kind=None):
+    """The kind of dispatcher ``make_dispatcher`` makes for ``kind``:
+    PURINE_DISPATCHER first, then ``kind``, then 'event' (EnvError or
+    UserError when not one of KINDS)."""
+    kind = env.get("PURINE_DISPATCHER") or kind or "event"
+    if kind not in KINDS:
+        raise UserError(f"dispatcher must be 'event', 'serial' or 'stream', got '{kind}'")
+    return kind
 
 
 def on_gpu(graph):

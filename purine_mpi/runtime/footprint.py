@@ -33,20 +33,24 @@ is where the gradients live, so it counts as gradients):
   iteration counter, a device loss watch).
 
 Two more host rows, what the CPU kernels hold besides the blobs (the
-training graph's host ops, ``host_kernel_bytes``):
+host ops of the training graph and the test graph, ``host_kernel_bytes``):
 
 - ``host_scratch``: the buffers the convolution and pooling kernels keep in
   their worker thread's caches (ops/im2col.py: padded copies, im2col
   columns, GEMM outputs), from each op's ``OpKernel.host_scratch``, the
   Holds its ``run`` takes: per dispatcher lane (one worker thread per
   ``thread`` value of the ops) each distinct buffer once and each growing
-  flat buffer at its largest (``im2col.held_by``), the lanes added;
+  flat buffer at its largest (``im2col.held_by``), the lanes added; the
+  test graph's dispatcher has worker threads of its own, whose caches are
+  held beside the training graph's (with the serial dispatcher every
+  kernel runs on the calling thread: one lane, one set of caches);
 - ``kernel_temporaries``: the new arrays a host kernel makes while it runs
   (``host_temporaries``: those it takes from ``OpKernel.temporaries`` --
   attention's scores, GELU's and layer norm's intermediates -- and its
   NumPy expression temporaries -- a ReLU gradient's mask, the loss's
   per-position arrays), freed when it ends: the largest op's per lane, the
-  lanes added (they may run at once).
+  lanes added (they may run at once), of the graph whose sum is larger
+  (the training and test graphs never run at once).
 
 On a GPU three more rows (``device_extras``), from the same functions
 the run uses:
@@ -75,7 +79,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graph.core import WORKING_SET_ATTR
-from .factory import memory_plans
+from .factory import dispatcher_kind, memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
 from .workspace import plan_device_memory, window_arrays
 
@@ -320,12 +324,14 @@ def data_pool_bytes(graphs):
     return total + sum(shared.values())
 
 
-def footprint(graphs, plans, rank=0, cuda_graph=True):
+def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
     which reuses the host arena when the training arena holds it; on a GPU
     the scratch, cuBLAS workspaces and capture pools (``device_extras``;
-    ``cuda_graph``: the job's)."""
+    ``cuda_graph``: the job's). ``dispatcher``: the kind ``train`` is given
+    (factory.dispatcher_kind: the serial one runs every kernel on one
+    thread, ``host_kernel_bytes``)."""
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, list(window_arrays(g)), plans.host,
                                 plans.devices)
@@ -345,7 +351,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True):
             host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
     host["windows"] = window_bytes(graphs.composition, rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
-    kernel_bytes = host_kernel_bytes(g)
+    kernel_bytes = host_kernel_bytes(g, tg, serial=dispatcher_kind(dispatcher) == "serial")
     host["host_scratch"] = kernel_bytes["host_scratch"]
     host["kernel_temporaries"] = kernel_bytes["kernel_temporaries"]
     peak = arena_peak(g, plans.host)
@@ -494,28 +500,41 @@ def _stand_in(blob):
     return np.broadcast_to(np.zeros((), dtype=blob.dtype), tuple(blob.shape))
 
 
-def host_kernel_bytes(graph):
-    """What the CPU kernels of ``graph``'s host ops hold besides the blobs
-    (the module docstring's ``host_scratch`` and ``kernel_temporaries``):
-    {"host_scratch": bytes, "kernel_temporaries": bytes, "temporaries_ops":
-    {lane: the op whose temporaries are the lane's largest}}."""
+def host_kernel_bytes(graph, test_graph=None, serial=False):
+    """What the CPU kernels of ``graph``'s host ops (and ``test_graph``'s)
+    hold besides the blobs (the module docstring's ``host_scratch`` and
+    ``kernel_temporaries``): {"host_scratch": bytes, "kernel_temporaries":
+    bytes, "temporaries_ops": {lane: the op whose temporaries are the
+    lane's largest}}. The test graph runs under a dispatcher of its own:
+    the event dispatcher's worker threads are its own too, so its kernels'
+    buffers are held beside the training graph's (lanes "test THREAD");
+    with the serial dispatcher (``serial``) every op of both runs on the
+    calling thread (lane "main") and shares its caches. The temporaries
+    are the larger graph's: the two never run at once."""
     from ..ops.catalog import get_kernel_class
     from ..ops.im2col import held_by
     from .cuda_runtime import op_device
-    holds, temps = {}, {}
-    for op in graph.ops.values():
-        if op_device(graph, op) >= 0 or any(graph.blobs[b].shape is None
-                                            for b in op.inputs + op.outputs):
+    from .executors import INLINE_LANE
+    holds, by_graph = {}, []
+    for prefix, g in (("", graph), ("test ", test_graph)):
+        if g is None:
             continue
-        k = get_kernel_class(op.op_type, op.name)(op)
-        ins = [_stand_in(graph.blobs[b]) for b in op.inputs]
-        outs = [_stand_in(graph.blobs[b]) for b in op.outputs]
-        lane = str(op.thread)
-        holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
-        t = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                for shape, dtype in k.host_temporaries(ins, outs))
-        if t > temps.get(lane, (0, None))[0]:
-            temps[lane] = (t, op.name)
+        temps = {}
+        for op in g.ops.values():
+            if op_device(g, op) >= 0 or any(g.blobs[b].shape is None
+                                            for b in op.inputs + op.outputs):
+                continue
+            k = get_kernel_class(op.op_type, op.name)(op)
+            ins = [_stand_in(g.blobs[b]) for b in op.inputs]
+            outs = [_stand_in(g.blobs[b]) for b in op.outputs]
+            lane = INLINE_LANE if serial else f"{prefix}{op.thread}"
+            holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
+            t = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                    for shape, dtype in k.host_temporaries(ins, outs))
+            if t > temps.get(lane, (0, None))[0]:
+                temps[lane] = (t, op.name)
+        by_graph.append(temps)
+    temps = max(by_graph, key=lambda t: sum(n for n, _ in t.values()), default={})
     return {"host_scratch": sum(held_by(h) for h in holds.values()),
             "kernel_temporaries": sum(t for t, _ in temps.values()),
             "temporaries_ops": {lane: name for lane, (_, name) in temps.items()}}

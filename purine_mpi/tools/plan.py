@@ -233,15 +233,16 @@ def refusal(job, fp, size, problem, offline_rank=None):
             "--no-memory-check")
 
 
-def check_memory(job, graphs, plans, world, limits):
+def check_memory(job, graphs, plans, world, limits, dispatcher=None):
     """``train``'s start-up check: a MemoryTooSmall (exit 2, one line) when
     this rank's footprint exceeds what it has, before the workspaces are
-    allocated. ``limits``: a MemoryLimits (None: no check)."""
+    allocated. ``limits``: a MemoryLimits (None: no check); ``dispatcher``:
+    train's --dispatcher."""
     if limits is None or not limits.check:
         return
     from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
-    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph)
+    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph, dispatcher=dispatcher)
     problems = over(fp, limits, ranks_on_this_host()[0])
     if problems:
         ps = getattr(job.parallel, "servers", 0) and world.size > 1
