@@ -181,10 +181,10 @@ def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(e
 
 
 def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
-    """Where tensor t-way is listed with replicas (t < N), sharded stage 1
-    and 2 x tensor t-way follow it (ZeRO's stage 3 is not built with tensor
-    parallelism: not listed); each composes offline on N ranks, each rank
-    holding less optimizer state than the tensor setting it shards."""
+    """Where tensor t-way is listed with replicas (t < N), sharded stage 1,
+    2 and 3 x tensor t-way follow it; each composes offline on N ranks,
+    each rank holding less optimizer state than the tensor setting it
+    shards (stage 3: fewer weight bytes too)."""
     import yaml as _yaml
 
     from purine_mpi.runtime.footprint import model_state_bytes
@@ -197,7 +197,7 @@ def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
     labels = {c.label: c for c in candidates(make_job(cfg), 4, Durations({}))}
     assert {"tensor 2-way", "tensor 4-way"} <= set(labels)
     ours = sorted(label for label in labels if " x tensor " in label)
-    assert ours == ["sharded stage 1 x tensor 2-way", "sharded stage 2 x tensor 2-way"]
+    assert ours == [f"sharded stage {s} x tensor 2-way" for s in (1, 2, 3)]
 
     def job_of(label):
         par = dict(cfg["parallel"])
@@ -210,3 +210,4 @@ def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
         held = model_state_bytes(compose_for(job_of(label), 4, 0))
         plain = model_state_bytes(compose_for(job_of("tensor 2-way"), 4, 0))
         assert held["optimizer_state"] < plain["optimizer_state"]
+        assert (held["weights"] < plain["weights"]) == label.startswith("sharded stage 3")

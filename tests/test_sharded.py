@@ -156,8 +156,6 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
     ({"parallel": {"transport": "one_sided"}}, "parallel.transport", "one_sided"),
     ({"parallel": {"backend": "nccl"}}, "parallel.backend", "nccl"),
     ({"parallel": {"mode": "sync_ps"}}, "parallel.mode", "parameter servers"),
-    ({"parallel": {"tensor_parallel": 2, "shard": 3}}, "parallel.shard",
-     "shard 3 with parallel.tensor_parallel"),
     ({"parallel": {"stages": {"fc0": 0}}}, "parallel.stages", "have no stage"),
     ({"device": 0}, "parallel.backend", "runs its collectives through NCCL"),
     ({"parallel": {"shard": 3, "transport": "one_sided", "backend": "nccl"}},

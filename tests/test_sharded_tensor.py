@@ -1,5 +1,5 @@
 """Scheme sharded with tensor parallelism (``parallel.scheme: sharded``,
-``parallel.shard: 1 | 2``, ``parallel.tensor_parallel: t``;
+``parallel.shard: 1 | 2`` (stage 3: test_sharded3_tensor.py), ``parallel.tensor_parallel: t``;
 parallel/schemes/sharded.py): R replicas x t shards as scheme tensor lays
 them out (rank = replica * t + shard), the net split as scheme tensor splits
 it, each tensor shard's gradient buckets reduce-scattered over its R
@@ -212,8 +212,8 @@ def test_one_rank_notes_the_tensor_split(tokens):
                    for n in settings_without_effect(make_job(_gpt(tokens, "sharded")), 4))
 
 
+@pytest.mark.parametrize("shard", [1, 3])
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"shard": 3}, 4, "parallel.shard", "shard 3 with parallel.tensor_parallel"),
     ({"stages": "all"}, 4, "parallel.tensor_parallel", "with parallel.stages together"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.tensor_parallel"),
     ({"transport": "one_sided"}, 4, "parallel.transport", "one_sided"),
@@ -226,8 +226,10 @@ def test_one_rank_notes_the_tensor_split(tokens):
     ({"recompute": "full"}, 4, "recompute", "does not combine"),
     ({"device": 0}, 4, "parallel.tensor_parallel", "runs on the CPU"),
 ])
-def test_what_is_not_built_exits_2(tmp_path, tokens, change, np_, key, words):
-    cfg = _gpt(tokens, "sharded", "sgd")
+def test_what_is_not_built_exits_2(tmp_path, tokens, change, np_, key, words, shard):
+    """The same refusals at every ZeRO stage (1; 3, which gathers the
+    weights too)."""
+    cfg = _gpt(tokens, "sharded", "sgd", shard=shard)
     change = dict(change)
     if change.get("stages") == "all":
         change["stages"] = {layer["name"]: int(i >= len(cfg["net"]) // 2)

@@ -35,7 +35,7 @@ from .job import Job, job_of
 from .keys import check_section
 from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
-from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, SHARD_TENSOR_STAGES, TOP,
+from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
                      TOP_KEYS)
 from ..layers import check_layer
 
@@ -424,7 +424,7 @@ def _check_sharded(out, path):
         return
     why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
            "(transport two_sided, no gradient clipping), with parallel.stages stages 1-3 "
-           "on MPI on the CPU, and with parallel.tensor_parallel stages 1 and 2 on MPI on the "
+           "on MPI on the CPU, and with parallel.tensor_parallel stages 1-3 on MPI on the "
            "CPU")
     nccl = par["backend"] == "nccl"
     tensor = par["tensor_parallel"] > 1
@@ -447,11 +447,6 @@ def _check_sharded(out, path):
                 "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
                ("parallel.tensor_parallel", tensor and bool(par["stages"]), "tensor "
                 "parallelism with parallel.stages together (one or the other)"),
-               ("parallel.shard", tensor and par["shard"] not in SHARD_TENSOR_STAGES,
-                f"shard {par['shard']} with "
-                "parallel.tensor_parallel (its weight gathers would interleave with the tensor "
-                "groups' allreduces; shard 1 or 2 shard the optimizer state, and the "
-                "gradients, of each tensor shard)"),
                ("parallel.backend", nccl and tensor, "backend nccl with "
                 "parallel.tensor_parallel (each tensor shard's reduce-scatters run on MPI "
                 "sub-communicators)"),

@@ -37,9 +37,6 @@ PARALLEL_MODES = ("sync", "async", "sync_ps")
 #: parallel.shard: ZeRO's stages the config language names (job/config.py
 #: refuses those scheme sharded does not build yet; plan --choose tries each)
 SHARD_STAGES = (1, 2, 3)
-#: those built with parallel.tensor_parallel (each tensor shard's model state
-#: sharded over its replicas)
-SHARD_TENSOR_STAGES = (1, 2)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -403,7 +400,7 @@ CHOICE_DOCS = {
                    "allgathered into transient buffers before its forward and its backward "
                    "readers; MPI on the CPU; with `stages` (shard 1, 2 or 3), R replicas × p "
                    "stages as under hybrid, each stage sharded over its R ranks; with "
-                   "`tensor_parallel` t (shard 1 or 2), R replicas × t shards as under tensor, "
+                   "`tensor_parallel` t (shard 1, 2 or 3), R replicas × t shards as under tensor, "
                    "each tensor shard sharded over its R ranks ([parallel.md](parallel.md))",
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "

@@ -430,18 +430,20 @@ def _delays_the_gather_alone(graph, after, readers):
 def sequence_collectives(graph, plan, others=()):
     """The ``seq`` of every collective of the plan (gathers, reduce-scatters),
     and of the collectives ``others`` (scheme sharded with tensor
-    parallelism at stage 2: the tensor groups' allreduces, which a bucket's
-    writer may wait behind while it waits, by ``bound_live_buckets``'s
-    edge, for an earlier bucket's reduce-scatter):
+    parallelism at stages 2 and 3: the tensor groups' allreduces, which a
+    bucket's writer may wait behind while it waits, by
+    ``bound_live_buckets``'s edge, for an earlier bucket's reduce-scatter,
+    and among which stage 3's gathers go before their readers):
     their order in emission order, each first put in its place there
     (``_in_place``: by the ops it waits for or that wait for it), a
     collective never before one it waits for. The same on every rank (the
     ranks' graphs differ in the shard solver's ops alone, which no
-    collective waits for). Not the topological order's: an op waiting for
-    another stage's transfer (scheme sharded with stages; a Recv, a
-    window's wait, no inputs) is ready there from the start and pulls the
-    collectives behind it ahead of a forward gather the other stage waits
-    for."""
+    collective waits for; with tensor parallelism also in which tensor
+    shard adds a row-split layer's bias, which none waits for either).
+    Not the topological order's: an op waiting for another stage's
+    transfer (scheme sharded with stages; a Recv, a window's wait, no
+    inputs) is ready there from the start and pulls the collectives behind
+    it ahead of a forward gather the other stage waits for."""
     names = {entry["reduce_scatter"] for entry in plan} | {
         g for entry in plan for g in entry_gathers(entry)} | set(others)
     _in_place(graph, names)

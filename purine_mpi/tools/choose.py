@@ -14,10 +14,10 @@ stages than ranks, the same stages with each stage's replicas sharded at
 each ZeRO stage (listed where the hybrid setting is possible); tensor
 parallelism of each degree t >= 2 dividing N where the net has attention
 layers, and where t < N the same with each tensor shard's replicas sharded
-at ZeRO stages 1 and 2 (``job/schema.SHARD_TENSOR_STAGES``; listed where the
-tensor setting is possible). Each is a list of ``--set`` overrides of the job; a candidate the
-config rules or the scheme's layout refuse (a UserError) is listed as "not
-possible" with the reason.
+at each ZeRO stage (listed where the tensor setting is possible). Each is a
+list of ``--set`` overrides of the job; a candidate the config rules or the
+scheme's layout refuse (a UserError) is listed as "not possible" with the
+reason.
 
 For each possible candidate: the bytes per rank (``plan``'s offline
 footprint, the largest rank) against the memory each rank has, and the
@@ -212,7 +212,7 @@ def _stages_label(stage_map, stages):
 
 def candidates(job, n, durations):
     """The Candidates for ``n`` ranks (see the module docstring)."""
-    from ..job.schema import SHARD_STAGES, SHARD_TENSOR_STAGES
+    from ..job.schema import SHARD_STAGES
     from ..parallel.schemes import scheme_class
     out = []
     modes = ["none", "full"] + (["selective"] if has_attention(job) else [])
@@ -263,7 +263,7 @@ def candidates(job, n, durations):
                 if t < n and sharded:
                     # each tensor shard's n/t replicas shard its model state
                     # (listed where the same tensor setting is possible)
-                    for stage in SHARD_TENSOR_STAGES:
+                    for stage in SHARD_STAGES:
                         out.append(Candidate(("parallel.scheme=sharded",
                                               f"parallel.shard={stage}",
                                               f"parallel.tensor_parallel={t}"),

@@ -41,22 +41,24 @@ checkpoint joins each parameter's state pieces (stage 3: and weight
 pieces) in world order (a stage's ranks in replica order: its shards'
 order), so the file is hybrid's and data parallelism's.
 
-With ``parallel.tensor_parallel`` t (stages 1 and 2, on the CPU): R
+With ``parallel.tensor_parallel`` t (every stage, on the CPU): R
 replicas x t shards as scheme tensor lays them out (rank = replica * t +
 shard), the net split as tensor splits it (parallel/tensor_parallel.
 compose_tensor); instead of tensor's allreduce of each tensor shard's
 buckets, the same rewrite over its R replicas (``Layout.shard_ranks``, the
-sub-communicator that allreduce uses), stage 2's collectives numbered with
-the tensor groups' allreduces in one order (``sharding.
-sequence_collectives``). A checkpoint joins each tensor shard's pieces over
-its replicas, then the tensor shards as tensor joins them: tensor's file.
+sub-communicator that allreduce uses; stage 3: each tensor shard's weights
+sharded and gathered over them), stage 2's and 3's collectives numbered
+with the tensor groups' allreduces in one order, the same on every rank
+(``sharding.sequence_collectives``). A checkpoint joins each tensor shard's
+pieces (stage 3: of weights too) over its replicas, then the tensor shards
+as tensor joins them: tensor's file.
 
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 and of stage 3 with
-stages or tensor parallelism, stage 3 with tensor parallelism, stages with
-tensor parallelism, and combinations with other schemes are refused (the
-config rules, job/config.py's ``_check_sharded``; the GPU by ``compose``).
+stages or tensor parallelism, stages with tensor parallelism, and
+combinations with other schemes are refused (the config rules,
+job/config.py's ``_check_sharded``; the GPU by ``compose``).
 """
 import numpy as np
 
@@ -150,7 +152,7 @@ class Sharded(Hybrid):
         return comp
 
     def _compose_tensor(self, graph, grads, job, world, lay):
-        """With ``parallel.tensor_parallel`` (stages 1 and 2): scheme
+        """With ``parallel.tensor_parallel`` (stages 1-3): scheme
         tensor's split of the net (parallel/tensor_parallel.compose_tensor),
         each tensor shard's gradients then rewritten by ``compose_zero1``
         over its R replicas (the ranks ``lay.shard_ranks()``: the
@@ -167,7 +169,8 @@ class Sharded(Hybrid):
             if par.shard >= 2:
                 # a bucket's writers wait for an earlier bucket's reduce-scatter
                 # (bound_live_buckets): posted in seq order, that reduce-scatter
-                # must not come after a tensor allreduce behind those writers
+                # must not come after a tensor allreduce behind those writers;
+                # stage 3's gathers go before their readers, among the allreduces
                 sequence_collectives(graph, plan, tensor)
             _on_group(graph, plan, group)
             return {"shard_plan": plan}
@@ -417,6 +420,8 @@ class Sharded(Hybrid):
         lay = graphs.layout
         if lay.staged:  # this stage's ranks, in replica order: its shards'
             parts = [parts[r] for r in lay.stage_ranks()]
+        elif lay.tensor > 1:  # this tensor shard's replicas: its ZeRO shards, in order
+            parts = [parts[r] for r in lay.shard_ranks()]
         return _join_weights(graphs, parts)
 
     def whole_solver_shapes(self, graphs):
@@ -619,16 +624,19 @@ def _zero_settings(par, forward=None):
 def _params_of_updates(graph, plan):
     """{gradient an update op reads: the parameter its weight view is part
     of} (the shard solver's weight views are of a bucket's flat weight
-    buffer, at the element's offset)."""
+    buffer, at the element's offset; at stage 3 of the rank's weight shard,
+    at the offset less the shard's start)."""
     from ...graph.clip import update_ops
-    where = {entry["weights"]: entry for entry in plan}
+    where = {entry["weights"]: (entry, 0) for entry in plan}
+    where.update({entry["weight_shard"]: (entry, entry["shard"][0]) for entry in plan
+                  if "weight_shard" in entry})
     out = {}
     for op in update_ops(graph):
         w = graph.blobs[op.inputs[0]]
-        entry = where.get(w.alias_of)
+        entry, start = where.get(w.alias_of, (None, 0))
         out[op.inputs[1]] = graph.storage_root(op.inputs[0]) if entry is None else next(
             p for p, off in zip(entry["params"], entry["offsets"])
-            if off <= w.offset < off + graph.blobs[p].size)
+            if off <= start + w.offset < off + graph.blobs[p].size)
     return out
 
 

@@ -1,0 +1,220 @@
+"""ZeRO stage 3 with tensor parallelism (``parallel.scheme: sharded``,
+``parallel.shard: 3``, ``parallel.tensor_parallel: t``;
+parallel/schemes/sharded.py): R replicas x t shards as scheme tensor lays
+them out, the net split as scheme tensor splits it, and each tensor shard's
+weights, gradients and optimizer state sharded over its R replicas (the
+ranks holding that slice); each bucket's weights gathered within them
+before its forward and backward readers. Every collective -- the data
+groups' gathers and reduce-scatters, the tensor groups' allreduces -- is
+numbered in one order the same on every rank. On 2 replicas x 2-way (4
+ranks) and 1 x 2-way (2 ranks) the tiny GPT trains as scheme tensor does
+bit for bit (weights, optimizer state, losses, test losses through the
+gathered test weights; SGD clipped too); each rank holds tensor's model
+state / R; its checkpoints are tensor's files and resume under scheme data
+on 1 rank."""
+import re
+
+import pytest
+
+from purine_mpi.comm.verify import comm_signature, compare_signatures
+from purine_mpi.graph.core import reachable
+from purine_mpi.parallel.sharding import PARAM_GATHERED_KIND, WORKING_SET_ATTR
+from purine_mpi.runtime.footprint import model_state_bytes
+from purine_mpi.runtime.memory_plan import plan_memory
+from purine_mpi.tools.graph import compose_for
+from tests.conftest import make_job
+from tests.test_micro_batches import _params
+from tests.test_sharded import _losses, _model_state, _same, _train
+from tests.test_sharded_stages import _bytes
+from tests.test_sharded_tensor import _gpt, tokens  # noqa: F401  (the fixture)
+
+COLLECTIVES = ("ReduceScatter", "Allgather", "Allreduce")
+
+
+def _cfg(tokens, scheme, solver, n):
+    """10 steps, a test pass and a checkpoint at 5 and 10; SGD (momentum)
+    on 4 ranks clipped to a global norm of 0.05 (test_sharded_tensor's
+    test_clipping_as_tensor: on this net and layout the clip acts)."""
+    cfg = _gpt(tokens, scheme, solver, clip=0.05 if (solver, n) == ("sgd", 4) else None,
+               **({"shard": 3, "check_collectives": True} if scheme == "sharded" else {}))
+    cfg["solver"]["test_interval"] = 5
+    cfg["checkpoint"]["interval"] = 5
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tokens):  # noqa: F811
+    """{(n, solver): ((tensor's run folder, output), (stage 3's, output))},
+    each pair trained once for the tests that read it."""
+    done = {}
+
+    def get(n, solver):
+        if (n, solver) not in done:
+            where = tmp_path_factory.mktemp(f"z3tp_{n}_{solver}")
+            done[n, solver] = tuple(_train(where, scheme, n, _cfg(tokens, scheme, solver, n))
+                                    for scheme in ("tensor", "sharded"))
+        return done[n, solver]
+    return get
+
+
+def _tests(text):
+    return re.findall(r"val @ iter \d+: loss (\S+)", text)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,solver", [(4, "adamw"), (4, "sgd"), (2, "adamw"), (2, "sgd")])
+def test_stage3_tensor_trains_as_tensor(runs, tokens, n, solver):  # noqa: F811
+    """10 steps: the weights and optimizer state at 5 and 10 (whole blobs,
+    the files) and the train and test losses equal scheme tensor's bit for
+    bit; the start-up block says what each rank holds, its bytes those of
+    rank 0's composed graph."""
+    (ref, ref_text), (out, text) = runs(n, solver)
+    replicas = n // 2
+    for name in ("ckpt_5.h5", "latest.h5"):
+        _same(_params(ref / name), _params(out / name))
+    assert _losses(out) == _losses(ref) and sorted(_losses(out)) == list(range(1, 11))
+    assert len(_tests(text)) == 3 and _tests(text) == _tests(ref_text)  # at 0, 5 and 10
+    assert (f"sharded (ZeRO stage 3): {replicas} replica{'s' if replicas > 1 else ''} x "
+            "2-way tensor parallel") in text
+    assert "(the only weights it holds)" in text
+    assert "b0_attn (heads, 4 -> 2 per rank" in text
+    assert _model_state(text) == tuple(_bytes(_cfg(tokens, "sharded", solver, n), n, 0)[k]
+                                       for k in ("weights", "gradients", "optimizer_state"))
+
+
+@pytest.mark.mpi
+def test_stage3_tensor_checkpoint_resumes_on_one_rank(tmp_path, runs, tokens):  # noqa: F811
+    """The 2 x 2-way stage-3 checkpoint of iteration 5 continued on 1 rank
+    under scheme data with the same global batch gives the losses of
+    tensor's checkpoint continued so, bit for bit (the files are the same:
+    test_stage3_tensor_trains_as_tensor)."""
+    (ref, _), (out, _) = runs(4, "adamw")
+    from tests.gpt_nets import gpt_config
+    one = gpt_config(tokens, iters=8, batch=8)
+    got = []
+    for name, run in (("from_sharded", out), ("from_tensor", ref)):
+        res, text = _train(tmp_path, name, 1, one, "--resume", run / "ckpt_5.h5")
+        assert "resumed from" in text
+        got.append(_losses(res))
+    assert sorted(got[0]) == [6, 7, 8] and got[0] == got[1]
+
+
+@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("solver", ["adamw", "sgd"])
+def test_stage3_tensor_holds_tensors_over_r(tokens, n, solver):  # noqa: F811
+    """From each rank's composed graph (offline): weights, gradients and
+    optimizer state held are scheme tensor's / R within one element per
+    bucket (R = n / 2); the full weight buffers (gathered) are the working
+    set, transient in the memory plan; the gathers and reduce-scatters go
+    to the rank's tensor shard's replicas, the activations' allreduces to
+    its tensor group."""
+    replicas = n // 2
+    state_per_element = 8 if solver == "adamw" else 4
+    for rank in range(n):
+        plain = _bytes(_gpt(tokens, "tensor", solver), n, rank)
+        g = compose_for(make_job(_gpt(tokens, "sharded", solver, shard=3)), n, rank)
+        held = model_state_bytes(g)
+        buckets = sum(op.op_type == "ReduceScatter" for op in g.ops.values())
+        assert buckets > 1
+        for key, per_element in (("weights", 4), ("gradients", 4),
+                                 ("optimizer_state", state_per_element)):
+            assert abs(held[key] - plain[key] / replicas) <= \
+                per_element * buckets * (replicas - 1), (rank, key, held, plain)
+            if replicas > 1:
+                assert held[key] < plain[key]
+        assert held["working"] > 0 and held["peak"] == held["held"] + held["working"]
+        plan = plan_memory(g)
+        full = [name for name, b in g.blobs.items()
+                if b.alias_of is None and b.attrs.get(WORKING_SET_ATTR) == "weights"]
+        assert {g.blobs[b].kind == PARAM_GATHERED_KIND for b in full} == {True, False}
+        assert not [b for b in full if b in plan.persistent]
+        groups = {(op.op_type, tuple(op.attrs["group"])) for op in g.ops.values()
+                  if op.op_type in COLLECTIVES}
+        mine = tuple(range(rank % 2, n, 2))
+        group = tuple(range(rank - rank % 2, rank - rank % 2 + 2))
+        assert groups == {("ReduceScatter", mine), ("Allgather", mine),
+                          ("Allreduce", group)}, rank
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_stage3_tensor_collectives_in_one_order(tokens, clip):  # noqa: F811
+    """The collectives are posted in ``seq`` order, each blocking its
+    group's ranks until all of them post it. On every rank of 2 x 2-way:
+    none waits for one of a later ``seq``, the gathers interleave with the
+    tensor allreduces (the forward's gathers are not all first), and the
+    collectives in ``seq`` order are the same names on every rank (one
+    order, rank-independent); each group's ranks post the same collectives
+    (check_collectives' signature); and posting them so, every rank at
+    once, never waits forever: at each point some collective is next on
+    every rank of its group."""
+    cfg = make_job(_gpt(tokens, "sharded", "adamw", shard=3, clip=clip))
+    signatures, orders = [], []
+    for rank in range(4):
+        g = compose_for(cfg, 4, rank)
+        deps = g.dependencies()
+        coll = {n: op.attrs["seq"] for n, op in g.ops.items() if op.op_type in COLLECTIVES}
+        late = [(a, b) for a in coll for b in reachable(a, deps) & set(coll)
+                if coll[b] > coll[a]]
+        assert late == [], (rank, late[:3])
+        assert len(set(coll.values())) == len(coll)
+        order = [(n, tuple(g.ops[n].attrs.get("group") or range(4)))
+                 for n in sorted(coll, key=coll.get)]
+        kinds = [g.ops[n].op_type for n, _ in order]
+        first_rs = kinds.index("ReduceScatter")
+        assert "Allreduce" in kinds[:first_rs] and "Allgather" in kinds[:first_rs]
+        gathers = [i for i, k in enumerate(kinds[:first_rs]) if k == "Allgather"]
+        assert any(kinds[i] == "Allreduce" for i in range(gathers[0], gathers[-1])), kinds
+        orders.append(order)
+        signatures.append(comm_signature(g))
+    assert compare_signatures(signatures) == []
+    assert all([n for n, _ in o] == [n for n, _ in orders[0]] for o in orders)
+    heads = [0] * 4
+    while any(h < len(o) for h, o in zip(heads, orders)):
+        ready = [orders[r][heads[r]] for r in range(4) if heads[r] < len(orders[r])
+                 and all(heads[m] < len(orders[m]) and orders[m][heads[m]] == orders[r][heads[r]]
+                         for m in orders[r][heads[r]][1])]
+        assert ready, [o[h] if h < len(o) else None for h, o in zip(heads, orders)]
+        for m in ready[0][1]:
+            heads[m] += 1
+
+
+def test_stage3_tensor_clip_counts_each_weight_once(tokens):  # noqa: F811
+    """Offline, 2 x 2-way SGD clipped: the clip's allreduce of the squared
+    norms is over every rank, after every gather and reduce-scatter; on
+    tensor shard 1 the whole (replicated) weights' ZeRO shards count 0, the
+    split weights' their scale; on tensor shard 0 every one counts."""
+    from purine_mpi.parallel.tensor_parallel import split_of
+    cfg = make_job(_gpt(tokens, "sharded", "sgd", clip=0.05, shard=3))
+    for rank in range(4):
+        g = compose_for(cfg, 4, rank)
+        assert g.ops["clip.sum"].attrs["group"] == [0, 1, 2, 3]
+        seq = g.ops["clip.sum"].attrs["seq"]
+        assert seq > max(op.attrs["seq"] for op in g.ops.values()
+                         if op.op_type in COLLECTIVES and op.name != "clip.sum")
+        norm = g.ops["clip.norm"]
+        params = [b for b, blob in g.blobs.items() if blob.kind == "param"]
+        split = {p for p in params if split_of(g.blobs[p])}
+        assert split and len(split) < len(params)
+        scales = {}
+        for gr, scale in zip(norm.inputs, norm.attrs["scales"]):  # <param>.grad.shard[a:b]
+            scales.setdefault(gr.split(".grad.shard[")[0] in split, set()).add(scale)
+        assert scales == {True: {0.5}, False: {0.0 if rank % 2 else 0.5}}, rank
+
+
+def test_graph_np_says_what_each_rank_holds_and_gathers(tmp_path, tokens):  # noqa: F811
+    """``graph --np 4 --rank 3``: the rank's weights, gradients and
+    optimizer state are its ZeRO shard of its tensor shard's, gathered
+    over that shard's replicas; each bucket's forward and backward gather
+    is listed with its seq and readers."""
+    from tests.conftest import run_cli_args, write_config_file
+    path = write_config_file(tmp_path, _gpt(tokens, "sharded", shard=3), "s.yaml")
+    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    assert res.returncode == 0, res.stderr
+    assert ("rank 3 = replica 1, tensor shard 1; sharded (ZeRO): rank 3 holds shard 1 of 2 of "
+            "every bucket's weights, gradients and optimizer state of its tensor shard, "
+            "reduce-scattered and gathered over ranks [1, 3]") in res.stdout
+    assert "tensor-parallel split over ranks [2, 3] (rank 3 = replica 1, shard 1)" \
+        in res.stdout
+    assert re.search(r"gathered by weight_bucket\d+\.allgather \(seq \d+\); read by", res.stdout)
+    assert re.search(r"gathered by weight_bucket\d+\.bwd\.allgather \(seq \d+\); read by",
+                     res.stdout)
