@@ -162,6 +162,18 @@ def test_one_rank_notes_the_stages(tmp_path):
     assert not any("stages" in n and "ignores it" in n for n in notes), notes
 
 
+def test_one_replica_notes_that_sharding_divides_nothing():
+    """As many ranks as stages are one replica: sharding each stage over its
+    one rank divides nothing; the start-up notes say so (not at 4 ranks)."""
+    from purine_mpi.parallel.compose import settings_without_effect
+    job = make_job(_staged("sharded"))
+    notes = settings_without_effect(job, 2)
+    assert any(n.startswith("note: parallel.scheme sharded has no effect with 1 replica: the 2 "
+                            "ranks are its 2 stages, each stage's model state sharded over its "
+                            "one rank") and "as scheme pipeline does" in n for n in notes), notes
+    assert not any("1 replica" in n for n in settings_without_effect(job, 4))
+
+
 def _waits_it_adds(graph):
     """The control edges (a -> b) between ops that are not point-to-point
     transfers where ``a`` waits for a point-to-point transfer (a stage's

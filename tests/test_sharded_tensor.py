@@ -212,6 +212,21 @@ def test_one_rank_notes_the_tensor_split(tokens):
                    for n in settings_without_effect(make_job(_gpt(tokens, "sharded")), 4))
 
 
+def test_one_replica_notes_that_sharding_divides_nothing(tokens):
+    """2 ranks of a 2-way tensor split are one replica: each tensor shard's
+    state is 'sharded' over its one rank, which divides nothing (and holds
+    the gathered buffers besides): the start-up notes say so; 4 ranks (2
+    replicas) say nothing of it."""
+    from purine_mpi.parallel.compose import settings_without_effect
+    job = make_job(_gpt(tokens, "sharded"))
+    notes = settings_without_effect(job, 2)
+    assert ["note: parallel.scheme sharded has no effect with 1 replica: the 2 ranks are its 2 "
+            "tensor shards, each tensor shard's model state sharded over its one rank, so each "
+            "rank holds it whole as scheme tensor does (start mpiexec -n 4 or more to shard "
+            "it)"] == notes, notes
+    assert not any("1 replica" in n for n in settings_without_effect(job, 4))
+
+
 @pytest.mark.parametrize("shard", [1, 3])
 @pytest.mark.parametrize("change,np_,key,words", [
     ({"stages": "all"}, 4, "parallel.tensor_parallel", "with parallel.stages together"),

@@ -203,6 +203,22 @@ class Sharded(Hybrid):
         note(["scheme"], "sharded has no effect on 1 rank: the one rank holds the whole model "
              "state")
 
+    def settings_without_effect(self, job, world_size):
+        """Scheme's notes, and where the ranks make one replica (as many
+        ranks as stages or tensor shards): each stage's or tensor shard's
+        model state is sharded over its one rank, which divides nothing."""
+        notes = super().settings_without_effect(job, world_size)
+        par = job.parallel
+        ways, what, like = (
+            (par.stage_count, "stages", "scheme pipeline") if par.stages else
+            (par.tensor_parallel, "tensor shards", "scheme tensor"))
+        if world_size > 1 and ways > 1 and world_size // ways == 1:
+            notes.append(f"note: parallel.scheme sharded has no effect with 1 replica: the "
+                         f"{world_size} ranks are its {ways} {what}, each {what[:-1]}'s model "
+                         f"state sharded over its one rank, so each rank holds it whole as "
+                         f"{like} does (start mpiexec -n {2 * ways} or more to shard it)")
+        return notes
+
     # ---- reporting
     def scheme_lines(self, trainer, composition):
         from ...base.progress_bar import human_bytes
