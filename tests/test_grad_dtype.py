@@ -183,10 +183,10 @@ def _raw(**parallel):
     ({"scheme": "sharded", "shard": 3, "transport": "one_sided"}, {}, "parallel.transport"),
     ({"mode": "async"}, {}, "parallel.mode"),
     ({"mode": "sync_ps"}, {}, "parallel.mode"),
-    ({"scheme": "pipeline", "stages": {"fc": 0, "loss": 1}}, {}, "parallel.scheme"),
-    ({"scheme": "tensor", "tensor_parallel": 2}, {}, "parallel.scheme"),
-    ({"scheme": "sharded", "stages": {"fc": 0, "loss": 1}}, {}, "parallel.stages"),
     ({"backend": "mpi"}, {"device": 0}, "parallel.backend"),
+    # hybrid's and tensor's buckets are reduced over rank groups, on MPI only
+    ({"scheme": "hybrid", "stages": {"fc": 0, "loss": 1}}, {"device": 0}, "parallel.scheme"),
+    ({"scheme": "tensor", "tensor_parallel": 2}, {"device": 0}, "parallel.scheme"),
 ])
 def test_combinations_not_built_are_refused_naming_the_key(parallel, top, key):
     raw = _raw(**parallel)
@@ -194,6 +194,42 @@ def test_combinations_not_built_are_refused_naming_the_key(parallel, top, key):
     with pytest.raises(ConfigError) as e:
         validate_config(raw)
     assert e.value.key == key and "grad_dtype: bf16" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("parallel", [
+    {"scheme": "hybrid", "stages": {"fc": 0, "loss": 1}},
+    {"scheme": "hybrid", "stages": {"fc": 0, "loss": 1}, "transport": "one_sided"},
+    {"scheme": "tensor", "tensor_parallel": 2},
+    {"scheme": "sharded", "stages": {"fc": 0, "loss": 1}},
+    {"scheme": "sharded", "shard": 3, "stages": {"fc": 0, "loss": 1}},
+    {"scheme": "sharded", "tensor_parallel": 2},
+    {"scheme": "sharded", "shard": 2, "tensor_parallel": 2},
+    # no gradient reduced: accepted, the start-up notes say it has no effect
+    # (tests/test_grad_dtype_schemes.py)
+    {"scheme": "pipeline", "stages": {"fc": 0, "loss": 1}},
+    {"scheme": "pipeline", "stages": {"fc": 0, "loss": 1}, "transport": "one_sided"},
+    {"scheme": "none"},
+])
+def test_the_schemes_built_since_are_accepted(parallel):
+    """Issue 45's second part: the data-parallel reduction of hybrid,
+    tensor (with replicas), sharded with stages (every ZeRO stage) and
+    with tensor parallelism (stages 1 and 2); refused before."""
+    assert validate_config(_raw(**parallel))["parallel"]["grad_dtype"] == "bf16"
+
+
+def test_sharded_stage_3_with_tensor_parallelism_stays_refused_in_bf16():
+    """Stage 3 with tensor parallelism is not built in bfloat16: the rule
+    refuses it whatever the sharded rules (job/config._check_sharded, which
+    refuses it today in any dtype) come to accept."""
+    from purine_mpi.job.config import _grad_dtype_rules
+    out = {"parallel": {"grad_dtype": "bf16", "scheme": "sharded", "shard": 3,
+                        "tensor_parallel": 2, "mode": "sync", "transport": "auto",
+                        "backend": "auto", "stages": {}}}
+    with pytest.raises(ConfigError) as e:
+        _grad_dtype_rules(out, "job.yaml")
+    assert e.value.key == "parallel.shard" and "shard 3 with tensor parallelism" in str(e.value)
+    out["parallel"]["shard"] = 2
+    _grad_dtype_rules(out, "job.yaml")
 
 
 def test_a_gpu_whose_backend_auto_falls_back_to_mpi_is_refused():
@@ -208,6 +244,25 @@ def test_a_gpu_whose_backend_auto_falls_back_to_mpi_is_refused():
         apply_backend(_bucketed_graph(), job, _World(), 0)
     job.parallel.grad_dtype = "fp32"
     assert apply_backend(_bucketed_graph(), job, _World(), 0)[0] == "mpi"
+
+
+
+@pytest.mark.parametrize("scheme", ["hybrid", "tensor"])
+def test_a_gpu_under_a_scheme_nccl_does_not_reduce_is_refused(scheme):
+    """Hybrid's and tensor's buckets (over rank groups) go through MPI
+    whatever parallel.backend auto finds: on a GPU given past the config
+    rules (--device), bf16 ends naming the key; a graph without buckets (a
+    pipeline's) passes, grad_dtype having no effect there."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.parallel.nccl_backend import apply_backend
+    from tests.test_nccl import _World, _bucketed_graph
+    job = types.SimpleNamespace(path="job.yaml", parallel=types.SimpleNamespace(
+        backend="auto", scheme=scheme, mode="sync", grad_dtype="bf16"))
+    with pytest.raises(UserError, match=r"key 'parallel.grad_dtype': bf16 on GPU 0 reduces the "
+                                        r"buckets through NCCL, and this job's go through mpi "
+                                        rf"\(auto: NCCL reduces the buckets of .*scheme {scheme}"):
+        apply_backend(_bucketed_graph(), job, _World(), 0)
+    assert apply_backend(Graph("no buckets"), job, _World(), 0)[0] == "mpi"
 
 
 def test_a_refused_combination_exits_2_with_one_line(tmp_path, digits_h5):

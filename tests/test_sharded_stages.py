@@ -140,7 +140,6 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 @pytest.mark.parametrize("change,np_,key,words", [
     ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport", "parallel.stages"),
     ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
-    ({"shard": 3, "grad_dtype": "bf16"}, 4, "parallel.stages", "pipeline stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
     ({"stages": {k: v for k, v in STAGES.items() if k != "act"}}, 4, "parallel.stages", "act"),

@@ -232,8 +232,6 @@ def test_one_replica_notes_that_sharding_divides_nothing(tokens):
     ({"stages": "all"}, 4, "parallel.tensor_parallel", "with parallel.stages together"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.tensor_parallel"),
     ({"transport": "one_sided"}, 4, "parallel.transport", "one_sided"),
-    ({"grad_dtype": "bf16"}, 4, "parallel.tensor_parallel",
-     "scheme sharded with tensor parallelism"),
     ({"micro_batches": 2}, 4, "parallel.micro_batches",
      "scheme sharded with parallel.tensor_parallel takes no micro-batches"),
     ({"mode": "sync_ps"}, 4, "parallel.mode", "parameter servers"),

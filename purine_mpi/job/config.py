@@ -302,36 +302,59 @@ def _precision_rules(out, given, path):
     _grad_dtype_rules(out, path)
 
 
-#: the schemes whose gradient buckets may be reduced in bfloat16 (mode sync)
-GRAD_DTYPE_SCHEMES = ("data", "sharded")
+#: the schemes whose gradient buckets may be reduced in bfloat16 (mode sync):
+#: data's allreduce, hybrid's allreduce of each stage over its replicas,
+#: tensor's allreduce of each tensor shard over its replicas (the tensor
+#: groups' allreduces of activations stay float32), sharded's reduce-scatter
+#: (with parallel.stages; with parallel.tensor_parallel at shard 1 and 2)
+GRAD_DTYPE_SCHEMES = ("data", "hybrid", "tensor", "sharded")
+#: the schemes that reduce no gradients: grad_dtype has no effect there, as
+#: the start-up notes say (Scheme.settings_without_effect)
+GRAD_DTYPE_NO_EFFECT = ("pipeline", "none")
+#: the ZeRO stages of scheme sharded with tensor parallelism whose buckets
+#: may be reduced in bfloat16 (stage 3 with tensor parallelism is not built
+#: in bfloat16: refused here even once job/schema.py's SHARD_TENSOR_STAGES
+#: takes it)
+GRAD_DTYPE_TENSOR_SHARDS = (1, 2)
+#: the schemes whose buckets are reduced on MPI only (over rank groups: NCCL
+#: takes no group), so in bfloat16 on the CPU only
+GRAD_DTYPE_MPI_ONLY = ("hybrid", "tensor")
 
 
 def _grad_dtype_rules(out, path):
-    """``parallel.grad_dtype: bf16`` reduces the buckets of schemes data and
-    sharded (mode sync) through MPI's two-sided collectives on the CPU or
-    NCCL on GPUs (parallel/nccl_backend.py checks backend auto's choice)."""
+    """``parallel.grad_dtype: bf16`` reduces the buckets of the
+    ``GRAD_DTYPE_SCHEMES`` (mode sync) through MPI's two-sided collectives
+    on the CPU or NCCL on GPUs (parallel/nccl_backend.py checks backend
+    auto's choice); under ``GRAD_DTYPE_NO_EFFECT`` it is accepted and noted
+    as having no effect."""
     par = out["parallel"]
     if par["grad_dtype"] == "fp32":
         return
     gpu = out.get("device", -1) >= 0 or out.get("backend") == "cupy"
-    refused = [("parallel.scheme", par["scheme"] not in GRAD_DTYPE_SCHEMES,
-                f"scheme {par['scheme']}"),
+    scheme = par["scheme"]
+    refused = [("parallel.scheme", scheme not in GRAD_DTYPE_SCHEMES + GRAD_DTYPE_NO_EFFECT,
+                f"scheme {scheme}"),
                ("parallel.mode", par["mode"] != "sync",
                 f"mode {par['mode']} (parameter servers)"),
-               ("parallel.transport", par["transport"] == "one_sided",
-                "transport one_sided (its windows sum float32)"),
-               ("parallel.stages", par["scheme"] == "sharded" and bool(par["stages"]),
-                "scheme sharded with pipeline stages (not built yet)"),
-               ("parallel.tensor_parallel", par["scheme"] == "sharded" and
-                par["tensor_parallel"] > 1, "scheme sharded with tensor parallelism (not built "
-                "yet)"),
+               # hybrid's and pipeline's windows carry activations, not the buckets
+               ("parallel.transport", par["transport"] == "one_sided" and
+                scheme in ("data", "sharded"), "transport one_sided (its windows sum "
+                "float32)"),
+               ("parallel.shard", scheme == "sharded" and par["tensor_parallel"] > 1 and
+                par["shard"] not in GRAD_DTYPE_TENSOR_SHARDS, f"scheme sharded at shard "
+                f"{par['shard']} with tensor parallelism (not built yet)"),
+               ("parallel.scheme", gpu and scheme in GRAD_DTYPE_MPI_ONLY, f"scheme {scheme} "
+                "on a GPU (its buckets are reduced over rank groups on MPI, whose host staging "
+                "moves float32; NCCL reduces those of schemes data and sharded)"),
                ("parallel.backend", gpu and par["backend"] == "mpi",
                 "backend mpi on a GPU (its host staging moves float32; use backend nccl)")]
     for key, bad, what in refused:
         if bad:
             raise ConfigError(path, key, f"grad_dtype: {par['grad_dtype']} with {what} is "
                               f"refused: the gradient buckets are reduced in bfloat16 by "
-                              f"scheme {' or '.join(GRAD_DTYPE_SCHEMES)}, mode sync, through "
+                              f"scheme {', '.join(GRAD_DTYPE_SCHEMES)} (mode sync; scheme "
+                              f"sharded with tensor parallelism at shard "
+                              f"{' or '.join(map(str, GRAD_DTYPE_TENSOR_SHARDS))}), through "
                               "MPI's two-sided collectives on the CPU or NCCL on GPUs; use "
                               "grad_dtype: fp32")
 

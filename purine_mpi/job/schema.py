@@ -137,9 +137,13 @@ PARALLEL = (
     Key("grad_dtype", _choice(GRAD_DTYPES), "fp32", "the dtype the gradient buckets cross "
         "the ranks in: fp32, or bf16 (each bucket rounded to bfloat16, reduced, widened back "
         "before the mean and the update: half the bytes of the allreduce or reduce-scatter; "
-        "the master weights, local gradients and optimizer stay float32). Schemes data and "
-        "sharded, mode sync, two-sided MPI on the CPU or NCCL on GPUs; each add of the "
-        "reduction rounds to bfloat16 (docs/parallel.md, \"Gradients in bfloat16\")"),
+        "the master weights, local gradients and optimizer stay float32). Mode sync: schemes "
+        "data and sharded through two-sided MPI on the CPU or NCCL on GPUs; hybrid (each "
+        "stage's buckets), tensor (each tensor shard's, over the replicas; the tensor groups' "
+        "activations stay float32) and sharded with stages or with tensor_parallel (shard 1, "
+        "2) on the CPU; no effect, noted, where nothing is reduced (pipeline, none, tensor on one "
+        "replica); each add of the reduction rounds to bfloat16 (docs/parallel.md, "
+        "\"Gradients in bfloat16\")"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
     Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "
         "(0: synchronous SGD)"),

@@ -15,6 +15,7 @@ Layer: parallel (imports: comm).
 """
 from ..base.errors import GraphError, UserError
 from ..comm.nccl import NCCL_STREAM, choose_backend
+from ..comm.ops import bucket_reductions
 from .schemes import SCHEMES, scheme_of
 
 
@@ -36,10 +37,13 @@ def apply_backend(graph, job, world, device):
         if requested == "nccl":
             raise UserError(f"{job.path}: key 'parallel.backend': nccl cannot run here: {why}; "
                             "use mpi or auto")
-        return "mpi", f"auto: {why}"
-    backend, why = choose_backend(requested, world, device)
-    if backend != "nccl" and device >= 0 and getattr(par, "grad_dtype", "fp32") != "fp32":
-        # backend auto's choice, or --device past the config rules
+        backend, why = "mpi", f"auto: {why}"
+    else:
+        backend, why = choose_backend(requested, world, device)
+    if backend != "nccl" and device >= 0 and getattr(par, "grad_dtype", "fp32") != "fp32" \
+            and bucket_reductions(graph):
+        # backend auto's choice (a scheme NCCL does not reduce: hybrid,
+        # tensor), or --device past the config rules
         raise UserError(f"{job.path}: key 'parallel.grad_dtype': {par.grad_dtype} on GPU "
                         f"{device} reduces the buckets through NCCL, and this job's go through "
                         f"{backend} ({why}); use parallel.backend: nccl or grad_dtype: fp32")

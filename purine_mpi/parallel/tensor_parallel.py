@@ -263,8 +263,11 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     elif reduces:
         from .data_parallel import compose_data_parallel
         dp = lay.shard_ranks()
+        # parallel.grad_dtype: bf16 reduces these buckets in bfloat16; the
+        # tensor group's allreduces of activations (split_graph) stay float32
         plan = compose_data_parallel(graph, grads, lay.replicas, lay.replica,
                                      check_collectives=False,
+                                     wire_dtype=job.parallel.wire_dtype(),
                                      **job.parallel.bucket_settings())
         for b in plan:
             graph.ops[b["op"]].attrs["group"] = list(dp)

@@ -316,16 +316,21 @@ class Scheme:
                 served.mode_notes(job, note, changed)
             self.one_rank_notes(job, note, changed)
             if self.exchanges_gradients:
-                note(list(BUCKET_KEYS) + ["check_collectives"],
+                note(list(BUCKET_KEYS) + ["check_collectives", "grad_dtype"],
                      "has no effect on 1 rank: there are no gradients to allreduce",
                      "have no effect on 1 rank: there are no gradients to allreduce")
         elif served is not None:
             notes += served.many_rank_notes(job)
-        why = self.why_no_buckets(par) or (served.why_no_buckets(par) if served else None)
+        why = self.why_no_buckets(par) or (served.why_no_buckets(par) if served else None) \
+            or (self.why_none_reduced(job, world_size) if world_size > 1 else None)
         if why:
             what = "allreduce buckets (scheme data with mode sync, or hybrid)"
             note(list(BUCKET_KEYS), f"shapes {what}; {why}, so it has no effect",
                  f"shape {what}; {why}, so they have no effect")
+            # parallel.grad_dtype: the dtype the buckets are reduced in (the
+            # config rules accept it where nothing is reduced: job/config.py)
+            note(["grad_dtype"], f"sets the dtype the gradient buckets are reduced in; {why}, "
+                 "so it has no effect: the gradients stay float32")
         if served is None:
             what = f"parameter servers (mode {_or(_server_modes())}) only; mode {par.mode} has none"
             note(list(SERVER_KEYS), f"applies to {what}, so it has no effect",
@@ -343,6 +348,12 @@ class Scheme:
 
     def why_no_buckets(self, par):
         """Why the bucket keys have no effect under this scheme, or None."""
+        return None
+
+    def why_none_reduced(self, job, world_size):
+        """Why no gradient bucket is reduced in a run of ``world_size`` > 1
+        ranks under this scheme's layout (so the bucket keys and
+        ``grad_dtype`` have no effect), or None."""
         return None
 
     def key_notes(self, par, note):

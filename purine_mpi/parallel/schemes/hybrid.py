@@ -1,6 +1,7 @@
 """``scheme: hybrid``: R replicas x p stages (rank = replica * p + stage):
 each replica is a pipeline on its shard of the batch, and each stage
-allreduces its gradient buckets over the R ranks that hold it."""
+allreduces its gradient buckets over the R ranks that hold it (in bfloat16
+with ``parallel.grad_dtype: bf16``: steps.allreduce_stage)."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline

@@ -109,13 +109,15 @@ def compose_stages(graph, job, world, copies=None):
 def allreduce_stage(comp, grads, par, world):
     """Hybrid: sum this stage's gradient buckets over the replicas that hold
     the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
-    start-up); ``seq`` numbers follow the slice's Send/Recv, the same on
-    every rank of the stage."""
+    start-up), in bfloat16 with ``parallel.grad_dtype: bf16``; ``seq``
+    numbers follow the slice's Send/Recv, the same on every rank of the
+    stage."""
     from ..data_parallel import compose_data_parallel, place_on_rank
     local, lay = comp.graph, comp.layout
     group = lay.stage_ranks()
     plan = compose_data_parallel(local, grads, lay.replicas, lay.replica,
-                                 check_collectives=False, **par.bucket_settings())
+                                 check_collectives=False, wire_dtype=par.wire_dtype(),
+                                 **par.bucket_settings())
     place_on_rank(local, world.rank)
     for b in plan:
         local.ops[b["op"]].attrs["group"] = list(group)

@@ -2,7 +2,10 @@
 rank = replica * t + shard: a group of t consecutive ranks splits the net's
 MLPs and attention layers, and each shard's gradients are allreduced over
 the replicas (``Layout.tensor``, ``Layout.shard``). Checkpoints hold whole
-blobs: the shards are joined on save and split on load."""
+blobs: the shards are joined on save and split on load. With
+``parallel.grad_dtype: bf16`` the replicas' bucket allreduces run in
+bfloat16; the tensor groups' allreduces of activations and partial sums
+stay float32 (they are no gradient buckets)."""
 from ...base.errors import UserError
 from .base import Layout, Scheme, register_scheme
 from .data import DataParallel
@@ -45,6 +48,13 @@ class TensorParallel(DataParallel):
             return Scheme.compose_test(self, graph, job, world)
         from ..tensor_parallel import compose_tensor
         return compose_tensor(graph, {}, job, world, lay, train=False)
+
+    def why_none_reduced(self, job, world_size):
+        t = job.parallel.tensor_parallel
+        if world_size == t:
+            return (f"parallel.tensor_parallel {t} on {world_size} ranks is one replica, whose "
+                    "gradients no other rank shares")
+        return None
 
     def one_rank_notes(self, job, note, changed):
         t = job.parallel.tensor_parallel
