@@ -217,21 +217,6 @@ def test_the_schemes_built_since_are_accepted(parallel):
     assert validate_config(_raw(**parallel))["parallel"]["grad_dtype"] == "bf16"
 
 
-def test_sharded_stage_3_with_tensor_parallelism_stays_refused_in_bf16():
-    """Stage 3 with tensor parallelism is not built in bfloat16: the rule
-    refuses it whatever the sharded rules (job/config._check_sharded, which
-    refuses it today in any dtype) come to accept."""
-    from purine_mpi.job.config import _grad_dtype_rules
-    out = {"parallel": {"grad_dtype": "bf16", "scheme": "sharded", "shard": 3,
-                        "tensor_parallel": 2, "mode": "sync", "transport": "auto",
-                        "backend": "auto", "stages": {}}}
-    with pytest.raises(ConfigError) as e:
-        _grad_dtype_rules(out, "job.yaml")
-    assert e.value.key == "parallel.shard" and "shard 3 with tensor parallelism" in str(e.value)
-    out["parallel"]["shard"] = 2
-    _grad_dtype_rules(out, "job.yaml")
-
-
 def test_a_gpu_whose_backend_auto_falls_back_to_mpi_is_refused():
     """backend auto on a GPU passes the config rules; without NCCL it picks
     MPI, whose host staging moves float32: the job ends naming the key."""

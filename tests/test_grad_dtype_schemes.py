@@ -17,7 +17,7 @@ against NumPy; both sum a + b in bfloat16 per element, the stage cut
 changes no float op), and sharded x stages at shard 1, 2 and 3 end bitwise
 where hybrid does (as in float32: tests/test_sharded_stages.py); 2
 replicas x 2-way tensor in bf16 ends bitwise where sharded x tensor at
-shard 1 and 2 does (an allreduce against a reduce-scatter, both bfloat16,
+shard 1, 2 and 3 does (an allreduce against a reduce-scatter, both bfloat16,
 of the same 2 ranks); each trains as float32 does (the loss) with other
 weights. A pipeline (and scheme none, and tensor on one replica) reduces
 no gradient: bf16 is accepted there, and the start-up notes say it has no
@@ -50,7 +50,7 @@ def _configs(tokens):
                for s in (1, 2, 3)},
             "tensor": (_gpt(tokens, "tensor", grad_dtype="bf16"), 4),
             **{f"sharded{s}_tensor": (_gpt(tokens, "sharded", shard=s, grad_dtype="bf16"), 4)
-               for s in (1, 2)}}
+               for s in (1, 2, 3)}}
 
 
 def _fp32(cfg):
@@ -62,7 +62,7 @@ def _fp32(cfg):
 # ------------------------------------------------- the composed graphs
 @pytest.mark.parametrize("name", ["hybrid", "sharded1_stages", "sharded2_stages",
                                   "sharded3_stages", "tensor", "sharded1_tensor",
-                                  "sharded2_tensor"])
+                                  "sharded2_tensor", "sharded3_tensor"])
 def test_the_buckets_are_reduced_in_bf16_and_nothing_else(tokens, name):
     """Every rank: each bucket reduction (Allreduce or ReduceScatter of a
     bucket) reduces in bfloat16, over this rank's replicas, at half its
@@ -154,12 +154,12 @@ def staged_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tensor_runs(tmp_path_factory, tokens):
     """10 steps of AdamW on the tiny GPT, 2 replicas x 2-way tensor: scheme
-    tensor in fp32 and in bf16, sharded x tensor at shard 1 and 2 in bf16."""
+    tensor in fp32 and in bf16, sharded x tensor at shard 1, 2 and 3 in bf16."""
     return _runs(tmp_path_factory.mktemp("bf16_tensor"), {
         "tensor32": (4, _gpt(tokens, "tensor")),
         "tensor": (4, _gpt(tokens, "tensor", grad_dtype="bf16")),
         **{f"shard{s}": (4, _gpt(tokens, "sharded", shard=s, grad_dtype="bf16"))
-           for s in (1, 2)}})
+           for s in (1, 2, 3)}})
 
 
 def _trains_as_fp32(runs, fp32, bf16):
@@ -200,10 +200,10 @@ def test_sharded_stages_in_bf16_train_as_hybrid_in_bf16(staged_runs, shard):
 @pytest.mark.mpi
 def test_tensor_in_bf16_trains_as_sharded_tensor_in_bf16(tensor_runs):
     """Scheme tensor's bfloat16 allreduce of each tensor shard's buckets
-    and sharded's bfloat16 reduce-scatter of them (shard 1 and 2) end
+    and sharded's bfloat16 reduce-scatter of them (shard 1, 2 and 3) end
     bitwise equal, as their float32 runs do (tests/test_sharded_tensor.py);
     tensor trains as its float32 run does, within the rounding."""
-    for shard in (1, 2):
+    for shard in (1, 2, 3):
         w, _, text = tensor_runs[f"shard{shard}"]
         assert f"sharded (ZeRO stage {shard}): 2 replicas x 2-way tensor parallel" in text
         assert "reduced in bfloat16 (parallel.grad_dtype: bf16): " in text

@@ -306,16 +306,11 @@ def _precision_rules(out, given, path):
 #: data's allreduce, hybrid's allreduce of each stage over its replicas,
 #: tensor's allreduce of each tensor shard over its replicas (the tensor
 #: groups' allreduces of activations stay float32), sharded's reduce-scatter
-#: (with parallel.stages; with parallel.tensor_parallel at shard 1 and 2)
+#: (with parallel.stages; with parallel.tensor_parallel)
 GRAD_DTYPE_SCHEMES = ("data", "hybrid", "tensor", "sharded")
 #: the schemes that reduce no gradients: grad_dtype has no effect there, as
 #: the start-up notes say (Scheme.settings_without_effect)
 GRAD_DTYPE_NO_EFFECT = ("pipeline", "none")
-#: the ZeRO stages of scheme sharded with tensor parallelism whose buckets
-#: may be reduced in bfloat16 (stage 3 with tensor parallelism is not built
-#: in bfloat16: refused here even once job/schema.py's SHARD_TENSOR_STAGES
-#: takes it)
-GRAD_DTYPE_TENSOR_SHARDS = (1, 2)
 #: the schemes whose buckets are reduced on MPI only (over rank groups: NCCL
 #: takes no group), so in bfloat16 on the CPU only
 GRAD_DTYPE_MPI_ONLY = ("hybrid", "tensor")
@@ -340,9 +335,6 @@ def _grad_dtype_rules(out, path):
                ("parallel.transport", par["transport"] == "one_sided" and
                 scheme in ("data", "sharded"), "transport one_sided (its windows sum "
                 "float32)"),
-               ("parallel.shard", scheme == "sharded" and par["tensor_parallel"] > 1 and
-                par["shard"] not in GRAD_DTYPE_TENSOR_SHARDS, f"scheme sharded at shard "
-                f"{par['shard']} with tensor parallelism (not built yet)"),
                ("parallel.scheme", gpu and scheme in GRAD_DTYPE_MPI_ONLY, f"scheme {scheme} "
                 "on a GPU (its buckets are reduced over rank groups on MPI, whose host staging "
                 "moves float32; NCCL reduces those of schemes data and sharded)"),
@@ -352,9 +344,7 @@ def _grad_dtype_rules(out, path):
         if bad:
             raise ConfigError(path, key, f"grad_dtype: {par['grad_dtype']} with {what} is "
                               f"refused: the gradient buckets are reduced in bfloat16 by "
-                              f"scheme {', '.join(GRAD_DTYPE_SCHEMES)} (mode sync; scheme "
-                              f"sharded with tensor parallelism at shard "
-                              f"{' or '.join(map(str, GRAD_DTYPE_TENSOR_SHARDS))}), through "
+                              f"scheme {', '.join(GRAD_DTYPE_SCHEMES)} (mode sync), through "
                               "MPI's two-sided collectives on the CPU or NCCL on GPUs; use "
                               "grad_dtype: fp32")
 

@@ -159,8 +159,8 @@ PARALLEL = (
     Key("stages", _check_stages, {}, "schemes pipeline, hybrid and sharded (shard 1, 2 and "
         "3: each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1",
         typed=INT_MAP),
-    Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1 and 2: each "
-        "tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "
+    Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1, 2 and 3: "
+        "each tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
         "(see [parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
