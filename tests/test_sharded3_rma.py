@@ -4,9 +4,11 @@ RDMA; parallel/zero3_windows.py): each rank's weight shard of every bucket
 lies in its own RMA window, each gather is a ``GetShards`` (an MPI_Rget of
 every owner's shard) between the bucket's acquire and release WindowSyncs;
 the training is two-sided stage 3's bit for bit, the windows are freed;
-``auto`` without RDMA keeps the two-sided gathers and says why. Separate
-hosts are emulated: ``PURINE_RANKS_PER_HOST=1``, and
-``PURINE_RMA_ACROSS_HOSTS`` says whether the network does RDMA."""
+``auto`` without RDMA keeps the two-sided gathers and says why; a stopped
+rank ends the job within the stall timeout, the others naming the Get (and
+the owner) or the barrier they wait in. Separate hosts are emulated:
+``PURINE_RANKS_PER_HOST=1``, and ``PURINE_RMA_ACROSS_HOSTS`` says whether
+the network does RDMA."""
 import re
 
 import numpy as np
@@ -183,3 +185,135 @@ def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path):
     freed = re.findall(r"^rank (\d+): windows freed \(rma\)$", stderr, re.M)
     assert sorted(set(map(int, freed))) == [0, 1], stderr[-3000:]
     assert "warning" not in stderr.lower() and "leak" not in stderr.lower(), stderr[-3000:]
+
+
+#: separate hosts as MPICH sees them: no shared memory between the ranks
+#: (``MPIR_CVAR_NOLOCAL``), the network's RMA over TCP (libfabric's tcp
+#: provider), so an owner's own progress engine serves the Gets of its
+#: shard, as on two hosts without RDMA offload (through shared memory a
+#: stopped owner's shard is read anyway: no Get would ever wait)
+ACROSS_HOSTS = {"PURINE_RANKS_PER_HOST": "1", "MPIR_CVAR_NOLOCAL": "1",
+                "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+STALL = 2
+#: a line of the graph's watchdog, and one of a wait outside the graph
+GRAPH_STALL = re.compile(rf"^rank (\d+): communication stalled for more than {STALL} s; "
+                         r"still waiting on: (.+)$")
+OTHER_STALL = re.compile(rf"^rank (\d+): (.+?) stalled for more than {STALL} s "
+                         r"\(parallel\.stall_timeout\)(: a peer rank stopped responding)?$")
+#: what a waiting op of this graph says (comm/rma_pull.py, window_sync.py, ops.py)
+WAITING = {
+    "GetShards": re.compile(r"^op '([^']+)' \(GetShards, GetShards \S+ [\d.]+ [KMG]?B \(get #\d+: "
+                            r"waiting for the shards of ranks \[([\d, ]*)\] of \[([\d, ]+)\]\) "
+                            r"window rma region z3/\S+ seq \d+\)$"),
+    "WindowSync": re.compile(r"^op '([^']+)' \(WindowSync, Ibarrier \S+ [\d.]+ [KMG]?B "
+                             r"\((acquire|release)\) seq \d+\)$"),
+    "ReduceScatter": re.compile(r"^op '([^']+)' \(ReduceScatter, Ireduce_scatter \S+ [\d.]+ "
+                                r"[KMG]?B seq \d+\)$"),
+    "not posted": re.compile(r"^op '([^']+)' \(not posted: [^()]*(\([^()]*\))?[^()]*\)$"),
+    "more": re.compile(r"^and \d+ more$"),
+}
+
+
+def _landing(stderr, victim, n):
+    """Where each rank's watchdog found itself waiting, from its one whole
+    line (checked): {rank: set of op types, or the wait outside the graph}.
+    A GetShards names the victim, and only it, as the owner not read yet."""
+    found = {}
+    for line in stderr.splitlines():
+        if "stalled" not in line:
+            continue
+        m = GRAPH_STALL.match(line)
+        if m:
+            kinds = set()
+            for part in m.group(2).split("; "):
+                kind = [k for k, rx in WAITING.items() if rx.match(part)]
+                assert kind, f"rank {m.group(1)}: {part!r} in\n{line}"
+                kinds.add(kind[0])
+                if kind == ["GetShards"]:
+                    _, waiting, owners = WAITING["GetShards"].match(part).groups()
+                    assert waiting == str(victim), f"victim {victim}: {part}"
+                    others = set(range(n)) - {int(m.group(1))}
+                    assert set(map(int, owners.split(", "))) <= others, part
+        else:
+            m = OTHER_STALL.match(line)
+            assert m, f"not one whole line: {line!r}"
+            kinds = {m.group(2)}
+        rank = int(m.group(1))
+        assert rank != victim and rank not in found, stderr[-3000:]
+        found[rank] = kinds
+    assert found, stderr[-3000:]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_stopped_owner_ends_the_job_naming_the_get(tmp_path, n):
+    """SIGSTOP of one rank at a random moment of a stage-3 run on n
+    emulated hosts (RMA Gets over the network, ``parallel.stall_timeout``
+    2 s): every rank ends within the timeout + 5 s, exit non-zero, no rank
+    process left; each other rank says where it waited in one whole line
+    -- a GetShards naming the stopped rank as the one owner whose shard
+    has not arrived, a WindowSync (acquire or release), a ReduceScatter, or
+    a wait outside the graph (the stop agreement, a metric mean). At least
+    2 trials, and until one lands in a GetShards (up to 8). The job's
+    /dev/shm segments are removed afterwards: MPICH keeps a killed rank's
+    node segment, and here every rank is a node of its own."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
+    from tests.test_ps_stop import _rank_of
+    from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
+    from tests.test_trust5_shm import _left, _mapped
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    rng = random.Random(4300 + n)
+    cfg = _job("sharded", "adamw", iters=100000, shard=3, transport="one_sided",
+               stall_timeout=STALL)
+    cfg["solver"].update(display=5, test_interval=0)
+    path = write_config_file(tmp_path, cfg, "run.yaml")
+    env = {**cli_env(), **ACROSS_HOSTS, "PURINE_DEBUG_WINDOWS": "1"}
+    landed, took = [], []
+    for trial in range(8):
+        out = str(tmp_path / f"t{trial}")
+        proc = subprocess.Popen([MPIEXEC, "-n", str(n), PYTHON, "-m", "purine_mpi", "train",
+                                 path, "--out", out], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ranks, names = {}, set()
+        try:
+            _wait_for_metrics(out, time.time() + 120)
+            ranks = {_rank_of(pid): pid for pid in _rank_pids(out)}
+            assert sorted(ranks) == list(range(n)), ranks
+            names = _mapped(ranks.values())
+            time.sleep(rng.uniform(0, 0.5))
+            victim = rng.randrange(n)
+            os.kill(ranks[victim], signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                stdout, stderr = proc.communicate(timeout=STALL + 5)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"trial {trial}: rank {victim} stopped, the job still runs "
+                            f"{STALL + 5} s later")
+            took.append(time.monotonic() - stopped)
+            deadline = time.monotonic() + 2
+            while _rank_pids(out) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the launcher reaps what it killed
+            assert not _rank_pids(out), f"trial {trial}: a rank outlived the job"
+        finally:
+            kill_ranks(proc, ranks.values())
+            for name in _left(names):
+                os.unlink(os.path.join("/dev/shm", name))
+        assert proc.returncode not in (0, None), stderr[-3000:]
+        assert re.search(r"^\s*transport\s+weights: " + GOT, stdout, re.M), stdout[-3000:]
+        assert "windows freed" not in stderr  # no collective free with a stopped rank
+        found = _landing(stderr, victim, n)
+        landed.append(sorted(set().union(*found.values())))
+        if trial >= 1 and any("GetShards" in k for k in landed):
+            break
+    print(f"{n} ranks: SIGSTOP -> exit in {min(took):.2f}..{max(took):.2f} s; waited in "
+          f"{landed}")
+    assert any("GetShards" in k for k in landed), landed

@@ -25,8 +25,9 @@ GetShards  ins [x]  outs [w]  attrs seq, region, regions, shards, shard, shapes,
     stage 3's gather across hosts (parallel/zero3_windows.py): w, the whole
     flat bucket, gets every rank r's shard, region ``regions[r]`` of r's
     RMA window, at ``shard_range(total, shards, r)``: one ``MPI_Rget`` per
-    other owner, posted at once, tested by the poller (a Get's request is
-    complete once the data is in w: no flush); this rank's own shard x
+    other owner, posted at once, tested by the poller (``MPI_Testsome``: a
+    Get's request is complete once the data is in w, no flush; the stall
+    watchdog names the owners whose shard has not arrived); this rank's own shard x
     (its region ``region``) is copied. What the owners hold then is ordered
     by the WindowSync barriers around it (comm/window_sync.py): it reads no
     notify word.
@@ -191,16 +192,23 @@ class GetShards(_WindowKernel):
         self.bytes_copied += win.bytes_copied - before[1]
         spans, owners = [], [r for r, _ in reqs]
         requests = [q for _, q in reqs]
+        #: the owners whose shard has not arrived (replaced whole: the
+        #: watchdog's describe() reads it from another thread)
+        state = {"waiting": owners}
 
         def step():
-            if requests and not MPI.Request.Testall(requests):
-                return False
+            if state["waiting"]:
+                done = set(MPI.Request.Testsome(requests) or ())  # completed now
+                state["waiting"] = [r for i, r in enumerate(owners)
+                                    if r in state["waiting"] and i not in done]
+                if state["waiting"]:
+                    return False
             spans.append(("get", t0, time.perf_counter(),
                           {"bytes_got": win.bytes_got - before[0]}))
             return True
 
         def describe():
-            return (f"GetShards {self.op.outputs[0]} {_mb(w.nbytes)} (get #{k}: reading the "
-                    f"shards of ranks {owners}) {self._what()}")
+            return (f"GetShards {self.op.outputs[0]} {_mb(w.nbytes)} (get #{k}: waiting for "
+                    f"the shards of ranks {state['waiting']} of {owners}) {self._what()}")
 
         return RMAPending(step, describe, spans)
