@@ -148,6 +148,37 @@ def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, n):
 
 
 @pytest.mark.mpi
+def test_bench_counts_the_gets_as_one_sided(tmp_path, monkeypatch):
+    """``bench --json`` on 2 emulated hosts with RDMA: the weights' Gets are
+    one-sided transfers (``transport`` mixed: the gradients' reduce-scatters
+    stay two-sided), and ``bytes_one_sided_per_iter`` is what rank 0's
+    GetShards read of the other owner's shards each iteration, counted from
+    its composed graph; ``bytes_copied_per_iter`` its own shards copied in
+    (they said two_sided, 0 and 0)."""
+    import json
+
+    from tests.conftest import run_mpi_cli, write_config_file
+    monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
+    monkeypatch.setenv("PURINE_RMA_ACROSS_HOSTS", "1")
+    g, _ = _hosts(2, 0)
+    got = copied = 0
+    for op in g.ops.values():
+        if op.op_type == "GetShards":
+            whole = g.blobs[op.outputs[0]]
+            lo, hi = shard_range(whole.size, 2, 0)
+            own = (hi - lo) * np.dtype(whole.dtype).itemsize
+            copied, got = copied + own, got + whole.nbytes - own
+    assert got > 0 and copied > 0
+    path = write_config_file(tmp_path, _job("sharded", "adamw", shard=3, transport="one_sided"))
+    res = run_mpi_cli(2, "bench", path, "--iters", "2", "--warmup", "1", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["transport"] == "mixed" and out["transport_lines"][0].startswith("weights: " + GOT)
+    assert (out["bytes_one_sided_per_iter"], out["bytes_copied_per_iter"]) == (got, copied)
+    assert out["bytes_allgathered_per_iter"] == 0 and out["bytes_reduce_scattered_per_iter"] > 0
+
+
+@pytest.mark.mpi
 def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path):
     """SIGTERM to rank 1 mid-run (2 emulated hosts, RMA Gets): every rank
     stops with a checkpoint (exit 143) and frees its RMA window on the way

@@ -18,13 +18,15 @@ gradients (Recv or WaitWrite), ``server_bytes_copied_per_iter`` what its
 one-sided ops copied with the CPU (its rma trace events).
 
 Bytes per iteration, over the timed iterations: ``one_sided``: what this
-rank's Put and Get ops moved through MPI (``MPI_Rput``/``MPI_Get`` into or
-out of an RMA window); ``two_sided``: what its Send, Recv, Allreduce,
+rank's Put, Get and GetShards ops moved through MPI (``MPI_Rput``/``MPI_Get``
+into or out of an RMA window; GetShards: ZeRO stage 3's gathers across
+hosts, an ``MPI_Rget`` of every other owner's shard); ``two_sided``: what its Send, Recv, Allreduce,
 ReduceScatter and Allgather ops carry (each op's blobs, once per iteration:
 ``comm.ops.data_blobs``, a bucket whole for the collectives); ``copied``: what its
 one-sided ops copied with the CPU (a store into or a load out of a shared
 window, a region copied into a blob that does not live in it; a bucket
-summed through a shared window: its copy in and its copy out). 0 copied
+summed through a shared window: its copy in and its copy out; a GetShards:
+the rank's own shard into the gathered buffer). 0 copied
 for a blob that lives in the window its peer writes (the pipeline's
 WaitWrite): no copy at all.
 """
@@ -32,7 +34,7 @@ import numpy as np
 
 from ..comm.ops import moved_bytes
 
-_ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish", "WindowAllreduce")
+_ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish", "WindowAllreduce", "GetShards")
 _TWO_SIDED = ("Send", "Recv", "Allreduce", "ReduceScatter", "Allgather")
 #: a sync_ps server's ops that give the workers the weights, and that take
 #: their gradients (two-sided and one-sided)
