@@ -209,6 +209,42 @@ def test_no_checkpoint_follows_a_non_finite_solver_state(digits_h5, tmp_path):
         t.close()
 
 
+class _Arrays:
+    """A workspace's ``arrays`` and ``ws[name]``."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __getitem__(self, name):
+        return self.arrays[name]
+
+
+def test_a_zero_ranks_solver_state_shard_is_checked_too(digits_h5):
+    """Scheme sharded (stages 1 and 3, rank 0 of 2, from the composed
+    graph): the check before a checkpoint reads the rank's flat shard of
+    each bucket's optimizer state (named by no parameter: it was skipped,
+    and an inf momentum went into the checkpoint)."""
+    from types import SimpleNamespace
+
+    from purine_mpi.tools.graph import composed
+    from purine_mpi.train.divergence import DivergenceWatch
+    for shard in (1, 3):
+        cfg = small_net_config(digits_h5, parallel={"scheme": "sharded", "shard": shard,
+                                                    "bucket_mb": 0.001})
+        job = make_job(cfg)
+        g, comp = composed(job, 2, 0)
+        states = [b for b in g.blobs if ".shard." in b]
+        assert states
+        ws = _Arrays({b: np.zeros(g.blobs[b].shape, np.float32)
+                      for b in g.blobs if g.blobs[b].shape is not None})
+        loop = SimpleNamespace(job=job, ws=ws, train=SimpleNamespace(drain=lambda: None),
+                               graphs=SimpleNamespace(graph=g, composition=comp, params=[
+                                   b for b in g.blobs if g.blobs[b].kind == "param"]))
+        assert DivergenceWatch.params_finite(loop)
+        ws.arrays[states[-1]][0] = np.inf
+        assert not DivergenceWatch.params_finite(loop), (shard, states[-1])
+
+
 # ------------------------------------------------- a doubt: 4 heads into 2
 @pytest.fixture(scope="module")
 def four_heads(tmp_path_factory):

@@ -11,6 +11,7 @@ from ..base.backend import get_xp, to_numpy
 from ..gpu.raw import array_device
 from ..graph.solver_graph import solver_states, state_name
 from ..parallel.schemes import scheme_of
+from ..runtime.footprint import model_state_roots
 from ..runtime.stop import StopSignal
 from .loop import Service
 
@@ -82,10 +83,13 @@ class DivergenceWatch(Service):
         loop.train.drain()
         ws = loop.ws
         states = solver_states(loop.job.solver.type)
-        # the blobs that hold the weights (a ZeRO-3 rank: its shards)
+        # the blobs that hold the weights (a ZeRO-3 rank: its shards) and the
+        # optimizer state (a ZeRO rank: its flat shards, named by no parameter)
         names = scheme_of(loop.job).held_weights(loop.graphs) + [
             state_name(p, s) for p in loop.graphs.params for s in states
             if state_name(p, s) in ws.arrays]
+        names += [root for root, row in model_state_roots(loop.graphs.graph).items()
+                  if row == "optimizer_state" and root in ws.arrays and root not in names]
         by_device, rest = {}, []
         for a in (ws[n] for n in names):
             if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
