@@ -219,10 +219,10 @@ def test_no_edge_waits_for_the_other_stage(transport, shard):
 
 # ---- stage 3 with stages: each stage's weights sharded over its replicas too
 
-def _stage3(scheme, solver, n, tmp_path, name, clip=None, **parallel):
+def _stage3(scheme, solver, n, tmp_path, name, clip=None, micro_batches=2, **parallel):
     """Train ``scheme`` (hybrid, or sharded at stage 3) on ``n`` ranks, 10
-    steps in 2 micro-batches, a test pass at 5 and 10; (run dir, text)."""
-    par = dict(parallel, micro_batches=2)
+    steps in ``micro_batches``, a test pass at 5 and 10; (run dir, text)."""
+    par = dict(parallel, micro_batches=micro_batches)
     if scheme == "sharded":
         par.update(shard=3, check_collectives=True)
     cfg = _staged(scheme, solver, **par)
@@ -237,26 +237,33 @@ def _test_losses(text):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,solver,schedule", [(4, "adamw", "1f1b"), (4, "sgd", "gpipe"),
-                                               (2, "adamw", "1f1b")])
-def test_stage3_with_stages_trains_as_hybrid(tmp_path, n, solver, schedule):
-    """10 steps in 2 micro-batches (1F1B, GPipe) on 2 replicas x 2 stages
-    (4 ranks) and on 1 replica x 2 stages (2 ranks: each stage's one shard
-    is the whole), the test passes through the weights gathered over each
-    stage's ranks: every weight and the gathered optimizer state equal
-    plain hybrid's bit for bit (the 2-rank reduce-scatter adds a + b as
-    hybrid's allreduce does; one rank adds nothing), the same test losses,
-    and the collectives agree across each stage's ranks (check_collectives).
-    The start-up block's bytes are rank 0's composed graph's."""
-    ref, ref_text = _stage3("hybrid", solver, n, tmp_path, "hybrid", schedule=schedule)
-    out, text = _stage3("sharded", solver, n, tmp_path, "s3", schedule=schedule)
+@pytest.mark.parametrize("n,solver,schedule,m", [(4, "adamw", "1f1b", 4), (4, "sgd", "gpipe", 2),
+                                                 (2, "adamw", "1f1b", 2)])
+def test_stage3_with_stages_trains_as_hybrid(tmp_path, n, solver, schedule, m):
+    """10 steps in 4 micro-batches under 1F1B and 2 under GPipe on 2
+    replicas x 2 stages (4 ranks), in 2 under 1F1B on 1 replica x 2 stages
+    (2 ranks: each stage's one shard is the whole), the test passes through
+    the weights gathered over each stage's ranks: every weight and the
+    gathered optimizer state equal plain hybrid's bit for bit (the 2-rank
+    reduce-scatter adds a + b as hybrid's allreduce does; one rank adds
+    nothing), the same test losses, and the collectives agree across each
+    stage's ranks (check_collectives). Under 1F1B the backward of the
+    stages that interleave (both at M = 4, stage 1 at M = 2) reads the
+    forward's gathered buffer (test_stage3_1f1b_backward_reads_the_forward_
+    buffer); rank 0's start-up line says so at M = 4. The start-up block's
+    bytes are rank 0's composed graph's."""
+    ref, ref_text = _stage3("hybrid", solver, n, tmp_path, "hybrid", micro_batches=m,
+                            schedule=schedule)
+    out, text = _stage3("sharded", solver, n, tmp_path, "s3", micro_batches=m,
+                        schedule=schedule)
     _same(_params(ref / "latest.h5"), _params(out / "latest.h5"))
     assert len(_test_losses(ref_text)) == 2 and _test_losses(text) == _test_losses(ref_text)
     replicas = n // 2
     assert (f"sharded (ZeRO stage 3): {replicas} replica{'s' if replicas > 1 else ''} x 2 "
             "stages") in text
-    assert "each gathered once per iteration and read by all 2 micro-batches" in text
-    cfg = _staged("sharded", solver, shard=3, micro_batches=2, schedule=schedule)
+    assert f"each gathered once per iteration and read by all {m} micro-batches" in text
+    assert ("gathered once for both (1F1B interleaves" in text) == (schedule == "1f1b" and m > 2)
+    cfg = _staged("sharded", solver, shard=3, micro_batches=m, schedule=schedule)
     assert _model_state(text) == tuple(
         _bytes(cfg, n, 0)[k] for k in ("weights", "gradients", "optimizer_state"))
 
@@ -311,10 +318,12 @@ def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
     gradients and optimizer state held are hybrid's (the stage's whole
     share) / R, within one element per bucket (1 replica: equal); the
     gathered weights are transient in the memory plan. Each bucket is
-    gathered once per pass whatever the micro-batches (the same gathers as
-    with one), every forward gather posted before any backward gather or
-    reduce-scatter (seq: a reduce-scatter behind a receive posted ahead of
-    a forward gather deadlocks the stages), and the stage's ranks post the
+    gathered at most once per pass whatever the micro-batches (no more
+    gathers than with one; fewer where 1F1B interleaves the passes: test_
+    stage3_1f1b_backward_reads_the_forward_buffer), every forward gather
+    posted before any backward gather or reduce-scatter (seq: a
+    reduce-scatter behind a receive posted ahead of a forward gather
+    deadlocks the stages), and the stage's ranks post the
     same collectives on the stage's ranks; graph --np says what the rank
     holds."""
     replicas = n // 2
@@ -334,7 +343,7 @@ def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
         assert full and not [b for b in full if b in plan.persistent]
         one = compose_for(make_job(_staged("sharded", solver, shard=3)), n, rank)
         count = [sum(op.op_type == "Allgather" for op in x.ops.values()) for x in (g, one)]
-        assert count[0] == count[1] and buckets <= count[0] <= 2 * buckets, (rank, count)
+        assert buckets <= count[0] <= count[1] <= 2 * buckets, (rank, count)
         coll = [op for op in g.ops.values() if op.op_type in ("Allgather", "ReduceScatter")]
         forward = [op.attrs["seq"] for op in coll if op.op_type == "Allgather" and
                    g.blobs[op.outputs[0]].kind != PARAM_GATHERED_KIND]
@@ -348,3 +357,75 @@ def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
     assert res.returncode == 0, res.stderr
     assert (f"holds shard {replicas - 1} of {replicas} of every bucket's weights, gradients "
             "and optimizer state of this stage") in res.stdout
+
+
+def _interleaves(stage, m, schedule):
+    """Whether stage ``stage`` of 2 runs a forward after a backward in
+    ``schedule``'s order of its ``m`` micro-batches (micro_batch.stage_order)."""
+    from purine_mpi.parallel.micro_batch import stage_order
+    kinds = [kind for kind, _ in stage_order(stage, 2, m, schedule)]
+    return "B" in kinds and "F" in kinds[kinds.index("B"):]
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 2), ("1f1b", 4), ("gpipe", 2), ("1f1b", 1)])
+def test_stage3_1f1b_backward_reads_the_forward_buffer(monkeypatch, schedule, m):
+    """On 2 replicas x 2 stages, where the schedule runs a stage's forward
+    after one of its backwards (1F1B: stage 1 at M = 2, F0 B0 F1 B1; both
+    stages at M = 4), the forward gather's buffer is still live when the
+    backward readers run: the backward reads it (no backward gather, no
+    second copy of the weights), so the stage posts one allgather per
+    bucket and moves fewer bytes, and its planned arena and peak are no
+    higher than with the two gathers (``_interleaved`` off: today's
+    graph). GPipe, M = 1 and stage 0 at M = 2 (F0 F1 B0 B1) keep the two
+    gathers: the same graph. Either way the forward gathers come before
+    every reduce-scatter in ``seq``, no edge beyond the schedule's makes an
+    op wait for a transfer from the other stage (``_waits_it_adds``: the
+    same as with two gathers), and each stage's ranks post the same
+    collectives."""
+    from purine_mpi.comm.ops import collective_bytes
+    from purine_mpi.parallel import sharding
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs, peak_live
+    cfg = make_job(_staged("sharded", "adamw", shard=3, micro_batches=m, schedule=schedule))
+    shared, signatures = [], []
+    for rank in range(4):
+        g = compose_for(cfg, 4, rank)
+        with monkeypatch.context() as mp:  # the two gathers of every bucket
+            mp.setattr(sharding, "_interleaved", lambda *a: False)
+            two = compose_for(cfg, 4, rank)
+        interleaves = _interleaves(rank % 2, m, schedule)
+        if interleaves:
+            shared.append(rank)
+        count = [sum(op.op_type == "Allgather" for op in x.ops.values()) for x in (g, two)]
+        moved = [collective_bytes(x)["Allgather"] for x in (g, two)]
+        buckets = sum(op.op_type == "ReduceScatter" for op in g.ops.values())
+        gathered = [b for b, blob in g.blobs.items() if blob.kind == PARAM_GATHERED_KIND]
+        if interleaves:  # every bucket gathered once: fewer gathers, fewer bytes
+            assert count[0] == buckets < count[1] and moved[0] < moved[1], (rank, count, moved)
+            assert gathered == [], rank
+        else:  # today's graph
+            assert count[0] == count[1] and moved[0] == moved[1] and gathered, (rank, count)
+            assert sorted(g.ops) == sorted(two.ops) and sorted(g.blobs) == sorted(two.blobs)
+        coll = [op for op in g.ops.values() if op.op_type in ("Allgather", "ReduceScatter")]
+        forward = [op.attrs["seq"] for op in coll if op.op_type == "Allgather" and
+                   g.blobs[op.outputs[0]].kind != PARAM_GATHERED_KIND]
+        assert max(forward) < min(op.attrs["seq"] for op in coll
+                                  if op.op_type == "ReduceScatter"), rank
+        signatures.append(comm_signature(g))
+        # the schedule's own edges between micro-batches aside, none new: none
+        # from a gather (to the backward readers it now has), before or after
+        # the memory plan's edges
+        waits = [set(_waits_it_adds(x)) for x in (g, two)]
+        plans = [memory_plans(x, keep=batch_blobs(x), order_ops=True)[0] for x in (g, two)]
+        for x, before in zip((g, two), waits):
+            after = set(_waits_it_adds(x))
+            assert not (after - before) and not [a for a, _ in after if "allgather" in a]
+        assert not (waits[0] - waits[1]), rank
+        full = [b for b, blob in g.blobs.items() if blob.alias_of is None and
+                blob.attrs.get(WORKING_SET_ATTR) == "weights"]
+        assert full and not [b for b in full if b in plans[0].persistent], rank
+        assert plans[0].total_bytes <= plans[1].total_bytes, rank
+        peaks = [sum(peak_live(x, p)[2].values()) for x, p in zip((g, two), plans)]
+        assert peaks[0] <= peaks[1], (rank, peaks)
+    assert compare_signatures(signatures) == []
+    assert shared == {("1f1b", 2): [1, 3], ("1f1b", 4): [0, 1, 2, 3]}.get((schedule, m), [])

@@ -387,6 +387,20 @@ def op_precision(op):
     return op.attrs.get("compute_dtype", "float32")
 
 
+def ancestor_bits(order, deps):
+    """Each op's ancestors as a bit set over its position in ``order`` (a
+    topological order of the op names; ``deps``: {op: its direct
+    predecessors}, ``Graph.dependencies``): ({op: position}, {op: bits})."""
+    pos = {n: i for i, n in enumerate(order)}
+    anc = {}
+    for n in order:
+        a = 0
+        for p in deps[n]:
+            a |= anc[p] | (1 << pos[p])
+        anc[n] = a
+    return pos, anc
+
+
 def reachable(start, succ):
     """The names reachable from ``start`` through ``succ`` ({name: [next
     names]}), transitively, ``start`` itself only through a cycle: the

@@ -37,6 +37,7 @@ plain data parallelism bit for bit (see the docs for when the sums agree).
 from ..base.errors import GraphError
 from ..comm.ops import shard_range
 from ..graph.core import WORKING_SET_ATTR, reachable  # noqa: F401  (runtime/footprint counts it apart)
+from ..graph.core import ancestor_bits
 from ..ops.updates import UPDATE_OP_TYPES
 from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq, wire_attrs,
                             plan_buckets, prepare_replica)
@@ -178,7 +179,7 @@ def _drop_blob(graph, name):
 
 def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4,
                   thread="comm", grad_first=True, stage=1, prefetch=1, wire_dtype=None,
-                  forward=None):
+                  forward=None, reuse_forward=False):
     """Rewrite ``graph`` (one replica's training graph with its solver,
     shapes inferred) for ZeRO stage 1 over ``shards`` ranks, as rank
     ``shard``: the buckets of data parallelism (``plan_buckets``; weights
@@ -195,9 +196,11 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     rank holds only its shard of the gradients. ``stage`` 3 (``compose_zero3``)
     also keeps the weights as this rank's shard alone; ``forward``: the
     names of the forward ops (``forward_ops`` of the whole graph: a
-    pipeline stage's slice may hold no loss), by default this graph's.
-    Returns the plan: a list of {"name", "weights", "params", "offsets",
-    "shard", "reduce_scatter", "allgather", "seq", "states", "bytes"}
+    pipeline stage's slice may hold no loss), by default this graph's;
+    ``reuse_forward``: a bucket's backward reads its forward buffer where
+    the schedule interleaves them (``_gather_units``). Returns the plan:
+    a list of {"name", "weights", "params", "offsets", "shard",
+    "reduce_scatter", "allgather", "seq", "states", "bytes"}
     (stage 3: "weight_shard", "gathers" instead of "allgather")."""
     grads = prepare_replica(graph, grads, shards, shard)
     producers = graph.producers()
@@ -246,7 +249,7 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     if stage >= 3:
         for entry in plan:
             entry.pop("written")
-        _gather_units(graph, plan, shards, shard, prefetch, thread, forward)
+        _gather_units(graph, plan, shards, shard, prefetch, thread, forward, reuse_forward)
         if grad_first:
             gradients_first(graph, grads)
         sequence_collectives(graph, plan)
@@ -329,7 +332,7 @@ def forward_ops(graph):
     return forward
 
 
-def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
+def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None, reuse=False):
     """Stage 3's gathers. Each bucket is a unit (FSDP's): its flat weight
     buffer (the weights are views of it) becomes transient, written by an
     Allgather of the rank's shard before its first forward reader; the
@@ -345,9 +348,21 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
     micro-batches every copy's readers read the same two buffers: each
     is gathered once per iteration and lives from its first reader (the
     first micro-batch's) to its last (the last micro-batch's). ``forward``:
-    the forward ops' names (default ``forward_ops(graph)``)."""
+    the forward ops' names (default ``forward_ops(graph)``). ``reuse``
+    (scheme sharded with stages): a unit whose forward buffer is still
+    read after a backward reader may run (``_interleaved``: 1F1B's
+    forward of a later micro-batch after an earlier one's backward) gets
+    no backward gather: its backward readers read the forward's views,
+    and the forward buffer lives to their last (the weights do not change
+    before the updates, which come after every backward); the entry says
+    ``backward_reads_forward``. Under GPipe, or with one micro-batch,
+    every forward reader goes before every backward reader: two gathers,
+    the forward buffer freed before the backward's."""
     forward = forward_ops(graph) if forward is None else set(forward)
     cons = graph.consumers()
+    if reuse:  # the readers' order, as the schedule's control edges fix it
+        deps = graph.dependencies()
+        pos, anc = ancestor_bits([op.name for op in graph.topo_order(deps)], deps)
     units = []
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
@@ -359,11 +374,14 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
         attrs = {"bucket": weights, "shards": shards, "shard": shard,
                  "shapes": [list(wb.shape)], "dtype": wb.dtype}
         gathers = {}
+        if reuse and fwd and bwd and _interleaved([op.name for op, _ in fwd],
+                                                  [op.name for op, _ in bwd], pos, anc):
+            entry["backward_reads_forward"] = True
         if fwd:
             gathers["forward"] = graph.add_op(f"{weights}.allgather", "Allgather", [own],
                                               [weights], dict(attrs), location=wb.location,
                                               thread=thread).name
-        if bwd:
+        if bwd and not entry.get("backward_reads_forward"):
             back = graph.free_name(f"{weights}.bwd")
             graph.add_blob(back, wb.shape, wb.dtype, wb.location, kind=PARAM_GATHERED_KIND)
             graph.blobs[back].attrs[WORKING_SET_ATTR] = "weights"
@@ -382,10 +400,12 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
         # the readers read views of the gathered buffer: data edges are by
         # blob name, so each waits for its gather by a control edge
         for key, readers in (("forward", fwd), ("backward", bwd)):
+            gather = gathers.get(key, gathers.get("forward"))
             for op, _ in readers:
-                if gathers[key] not in op.control_inputs:
-                    op.control_inputs.append(gathers[key])
-        units.append((entry, [op.name for op, _ in fwd], [op.name for op, _ in bwd]))
+                if gather not in op.control_inputs:
+                    op.control_inputs.append(gather)
+        units.append((entry, [op.name for op, _ in fwd],
+                      [op.name for op, _ in bwd] if "backward" in gathers else []))
     from ..comm.ops import is_point_to_point
     transfers = any(is_point_to_point(op) for op in graph.ops.values())  # a pipeline stage
     pos = {op.name: i for i, op in enumerate(graph.topo_order())}
@@ -412,6 +432,17 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None):
         if key == "forward":
             fwd_last = firsts[-1] if firsts else None
     graph.topo_order()  # no cycle
+
+
+def _interleaved(fwd, bwd, pos, anc):
+    """Whether some of the backward readers ``bwd`` may run before one of
+    the forward readers ``fwd`` (op names) is done, by the graph's order
+    (``pos``, ``anc``: ``graph.core.ancestor_bits``): a backward reader
+    not behind every forward reader, so the forward buffer is live then."""
+    need = 0
+    for n in fwd:
+        need |= 1 << pos[n]
+    return any(anc[n] & need != need for n in bwd)
 
 
 def _delays_the_gather_alone(graph, after, readers):

@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graph.core import PERSISTENT_KINDS  # noqa: F401  (blob kinds kept across iterations)
-from ..graph.core import WORKING_SET_ATTR
+from ..graph.core import WORKING_SET_ATTR, ancestor_bits
 
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
@@ -187,14 +187,7 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
     device = int(device)
     deps = graph.dependencies()
     order = [op.name for op in graph.topo_order(deps)]
-    pos = {n: i for i, n in enumerate(order)}
-    # ancestors as bit sets over schedule positions
-    anc = {}
-    for n in order:
-        a = 0
-        for p in deps[n]:
-            a |= anc[p] | (1 << pos[p])
-        anc[n] = a
+    pos, anc = ancestor_bits(order, deps)  # ancestors as bit sets over schedule positions
     prod, cons = graph.producers(), graph.consumers()
     root_of = {b: graph.storage_root(b) for b in graph.blobs}
     groups = {}

@@ -36,7 +36,9 @@ replica) with every ReduceScatter and Allgather on the stage's
 sub-communicator (``group``: ``Layout.stage_ranks``, the one hybrid's
 allreduce uses); stage 3 gathers each bucket once per iteration for the
 forward and once for the backward of all the stage's micro-batches (the
-forward ops told apart on the whole net: stage 0's slice has no loss). A
+forward ops told apart on the whole net: stage 0's slice has no loss), or
+once for both where the schedule (1F1B) runs a forward reader after a
+backward reader (``sharding._gather_units``, ``reuse``). A
 checkpoint joins each parameter's state pieces (stage 3: and weight
 pieces) in world order (a stage's ranks in replica order: its shards'
 order), so the file is hybrid's and data parallelism's.
@@ -131,7 +133,8 @@ class Sharded(Hybrid):
             comp = Composition(graph, lay)
         from ..sharding import compose_zero1
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
-                             wire_dtype=par.wire_dtype(), **_zero_settings(par, forward))
+                             wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
+                             **_zero_settings(par, forward))
         if lay.staged:
             _on_stage_group(graph, plan, lay, world)
         else:
@@ -235,6 +238,11 @@ class Sharded(Hybrid):
             f"{trainer.job.parallel.prefetch} bucket(s) ahead" + (
                 f", each gathered once per iteration and read by all {lay.micro_batches} "
                 "micro-batches" if lay.micro_batches > 1 else ""))
+        reused = sum(bool(entry.get("backward_reads_forward")) for entry in plan)
+        if reused:  # stages under 1F1B: the forward buffer read by the backward too
+            what += (f"; {reused} of {len(plan)} bucket(s) gathered once for both (1F1B "
+                     "interleaves the forwards and backwards: the backward reads the "
+                     "forward's buffer)")
         if shared:
             what = (f" in place{grads}; each bucket's weights are one shared window of the "
                     "node (one copy, read in place by every rank), synchronised before its "
