@@ -410,6 +410,7 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None, re
     transfers = any(is_point_to_point(op) for op in graph.ops.values())  # a pipeline stage
     pos = {op.name: i for i, op in enumerate(graph.topo_order())}
     depth = max(int(prefetch), 1)
+    fwd_last = None  # the forward's last first reader: the backward's first gather waits for it
     for key, which in (("forward", 1), ("backward", 2)):
         order = sorted((min(pos[o] for o in u[which]), i) for i, u in enumerate(units)
                        if u[which])
