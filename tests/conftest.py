@@ -213,6 +213,34 @@ def small_run(digits_h5, tmp_path_factory):
     return {"dir": d, "cfg": cfg, "path": path, "out": out}
 
 
+@pytest.fixture(scope="session")
+def train_once(tmp_path_factory):
+    """``train_once(n, cfg, *extra)`` -> (run dir, stdout + stderr): ``train``
+    of config ``cfg`` on ``n`` ranks (``mpiexec`` from 2) with the extra
+    arguments, run once a session for every test that asks for the same
+    ranks, config text, arguments and PURINE_* environment: the reference
+    runs that several sharded tests compare against (tests/test_sharded*.py).
+    The tests only read its files and text (a resume from it writes another
+    folder); a test that means to run a job twice (determinism) calls
+    run_cli_args / run_mpi_cli itself."""
+    runs = {}
+
+    def train(n, cfg, *extra, timeout=300):
+        text = cfg if isinstance(cfg, str) else yaml.safe_dump(cfg, sort_keys=False)
+        key = (n, text, tuple(map(str, extra)),
+               tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PURINE_"))))
+        if key not in runs:
+            d = tmp_path_factory.mktemp("train_once")
+            out = d / "run"
+            args = ("train", write_config_file(d, text), "--out", out, *extra)
+            res = run_mpi_cli(n, *args, timeout=timeout) if n > 1 else \
+                run_cli_args(*args, timeout=timeout)
+            assert res.returncode == 0, res.stdout + res.stderr
+            runs[key] = (out, res.stdout + res.stderr)
+        return runs[key]
+    return train
+
+
 def tiny_fc_config():
     """One fc layer on synthetic 1x4x4 data, one iteration: the smallest job
     that starts MPI and the graph (the thread-level tests)."""

@@ -67,14 +67,14 @@ def _model_state(text):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("solver,rtol", [("adamw", 1e-5), ("sgd", 2e-6)])
-def test_sharded_trains_as_data_parallel(tmp_path, n, solver, rtol):
+def test_sharded_trains_as_data_parallel(tmp_path, train_once, n, solver, rtol):
     """30 steps: weights and the (gathered) optimizer state equal data
     parallelism's bit for bit on 2 ranks (a + b either way); on 3 within
     ``rtol`` of each blob's largest magnitude (MPICH sums 3 ranks in
     another order in reduce-scatter than in allreduce). Each rank holds
     1/N of data parallelism's optimizer state (the start-up line, from the
     graph's blobs), and the weights and gradients whole (no more)."""
-    data, _ = _train(tmp_path, "data", n, _job("data", solver))
+    data, _ = train_once(n, _job("data", solver))  # test_sharded23's reference too
     shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver))
     assert "sharded (ZeRO stage 1)" in text
     a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
@@ -92,7 +92,7 @@ def test_sharded_trains_as_data_parallel(tmp_path, n, solver, rtol):
 
 
 @pytest.mark.mpi
-def test_micro_batches_and_clipping_as_data_parallel(tmp_path):
+def test_micro_batches_and_clipping_as_data_parallel(tmp_path, train_once):
     """Micro-batches accumulate before the reduce-scatter (bitwise on 3
     ranks here); clip_gradients' global norm is one allreduce of the
     shards' sums of squares (a clip acting every step; within 2e-6)."""
@@ -102,7 +102,9 @@ def test_micro_batches_and_clipping_as_data_parallel(tmp_path):
             cfg = _job(scheme, solver, iters=20, **extra)
             if name == "clip":
                 cfg["solver"]["clip_gradients"] = 0.05
-            runs.append(_params(_train(tmp_path, f"{name}_{scheme}", 3, cfg)[0] / "latest.h5"))
+            out = train_once(3, cfg)[0] if scheme == "data" else \
+                _train(tmp_path, f"{name}_{scheme}", 3, cfg)[0]  # data: test_sharded23's too
+            runs.append(_params(out / "latest.h5"))
         for k in runs[0]:
             scale = float(np.abs(runs[0][k]).max())
             assert float(np.abs(runs[0][k] - runs[1][k]).max()) <= 2e-6 * scale, (name, k)
@@ -118,7 +120,7 @@ def test_micro_batches_and_clipping_as_data_parallel(tmp_path):
 
 
 @pytest.mark.mpi
-def test_checkpoints_are_whole_and_reshard(tmp_path):
+def test_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     """A 2-rank sharded checkpoint at iteration 10 resumes under scheme
     data on 2 ranks and on 1 rank (same global batch): the losses of
     iterations 11-20 equal an uninterrupted 2-rank run's within 1e-6. A
@@ -139,7 +141,7 @@ def test_checkpoints_are_whole_and_reshard(tmp_path):
         assert sorted(got) == list(range(11, 21))
         for it, loss in got.items():
             assert loss == pytest.approx(want[it], rel=1e-6), (name, it)
-    data_half, _ = _train(tmp_path, "data_half", 2, _job("data", "adamw", iters=10))
+    data_half, _ = train_once(2, _job("data", "adamw", iters=10))  # test_sharded3's too
     runs = [_params(_train(tmp_path, f"from_data_{s}", 3, _job(s, "adamw", iters=20),
                            "--resume", data_half / "latest.h5")[0] / "latest.h5")
             for s in ("data", "sharded")]

@@ -124,14 +124,14 @@ def test_stage2_live_buckets_bounded_by_prefetch(prefetch):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("solver,rtol", [("adamw", 1e-5), ("sgd", 2e-6)])
-def test_stage2_trains_as_data_parallel(tmp_path, n, solver, rtol):
+def test_stage2_trains_as_data_parallel(tmp_path, train_once, n, solver, rtol):
     """30 steps: weights and optimizer state equal data parallelism's bit
     for bit on 2 ranks (the reduce-scatter's a + b is the allreduce's); on
     3 ranks within ``rtol`` of each blob's largest magnitude (MPICH may add
     3 ranks' values in another order in reduce-scatter than in
     allreduce). The start-up line: the gradients held are 1/N of the
     buckets (up to an element per bucket), the peak adds the buckets."""
-    data, _ = _train(tmp_path, "data", n, _job("data", solver))
+    data, _ = train_once(n, _job("data", solver))  # test_sharded's reference too
     shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver, shard=2))
     assert "sharded (ZeRO stage 2)" in text
     a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
@@ -145,7 +145,7 @@ def test_stage2_trains_as_data_parallel(tmp_path, n, solver, rtol):
 
 
 @pytest.mark.mpi
-def test_stage2_micro_batches_and_clipping_as_data_parallel(tmp_path):
+def test_stage2_micro_batches_and_clipping_as_data_parallel(tmp_path, train_once):
     """3 ranks, 20 steps: micro-batches summed into the transient bucket
     before its reduce-scatter (AdamW), and clip_gradients on the gradient
     shards (SGD, a clip acting every step): within 2e-6 of data
@@ -156,7 +156,9 @@ def test_stage2_micro_batches_and_clipping_as_data_parallel(tmp_path):
             cfg = _job(scheme, solver, iters=20, **extra, **par)
             if name == "clip":
                 cfg["solver"]["clip_gradients"] = 0.05
-            runs.append(_params(_train(tmp_path, f"{name}_{scheme}", 3, cfg)[0] / "latest.h5"))
+            out = train_once(3, cfg)[0] if scheme == "data" else \
+                _train(tmp_path, f"{name}_{scheme}", 3, cfg)[0]  # data: test_sharded's too
+            runs.append(_params(out / "latest.h5"))
         for k in runs[0]:
             scale = float(np.abs(runs[0][k]).max())
             assert float(np.abs(runs[0][k] - runs[1][k]).max()) <= 2e-6 * scale, (name, k)

@@ -133,7 +133,7 @@ def test_stage3_trains_as_data_parallel(tmp_path, n, solver, rtol):
 
 
 @pytest.mark.mpi
-def test_stage3_checkpoints_are_whole_and_reshard(tmp_path):
+def test_stage3_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     """A 3-rank stage-3 checkpoint at iteration 10 resumes on 2 ranks under
     stage 3 and stage 1 and on 1 rank (same global batch, 24): the losses
     of iterations 11-20 equal an uninterrupted 3-rank stage-3 run's within
@@ -152,7 +152,7 @@ def test_stage3_checkpoints_are_whole_and_reshard(tmp_path):
         assert sorted(got) == list(range(11, 21))
         for it, loss in got.items():
             assert loss == pytest.approx(want[it], rel=1e-6), (name, it)
-    data_half, _ = _train(tmp_path, "data_half", 2, _job("data", "adamw", iters=10))
+    data_half, _ = train_once(2, _job("data", "adamw", iters=10))  # test_sharded's too
     runs = [_params(_train(tmp_path, f"from_data_{s}", 2, _job(s, "adamw", iters=20, **par),
                            "--resume", data_half / "latest.h5")[0] / "latest.h5")
             for s, par in (("data", {}), ("sharded", {"shard": 3}))]

@@ -105,7 +105,7 @@ def test_auto_follows_rdma(monkeypatch):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
-def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, n):
+def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, train_once, n):
     """10 AdamW steps (a test pass at 10) on n emulated hosts with RDMA:
     the weights, the moments and the losses equal two-sided stage 3's bit
     for bit (the Gets copy the same bytes), with comm ops shaken by
@@ -115,7 +115,7 @@ def test_trains_as_two_sided_stage_3(tmp_path, monkeypatch, n):
     monkeypatch.setenv("PURINE_DEBUG_WINDOWS", "1")
     cfg = _job("sharded", "adamw", iters=10, shard=3)
     cfg["solver"]["test_interval"] = 10
-    two, two_text = _train(tmp_path, "two", n, cfg)
+    two, two_text = train_once(n, cfg)  # test_sharded3_onenode's too
     monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
     monkeypatch.setenv("PURINE_RMA_ACROSS_HOSTS", "1")
     monkeypatch.setenv("PURINE_COMM_DELAY", "3:7")

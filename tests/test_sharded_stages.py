@@ -50,16 +50,27 @@ def _zero_bounds(plain, sharded, shard, replicas, buckets, per_element):
         assert abs(sharded["gradients"] - plain["gradients"] / replicas) <= 4 * buckets
 
 
+def _hybrid_ref(train_once, solver):
+    """Plain hybrid's 10 steps on 2 replicas x 2 stages, a checkpoint at 5
+    (which changes no bit of the run), trained once a session: the
+    reference of test_sharded_stages_train_as_hybrid and the uninterrupted
+    run and iteration-5 checkpoint of
+    test_checkpoint_resumes_under_data_on_one_rank."""
+    cfg = _staged("hybrid", solver)
+    cfg["checkpoint"] = {"interval": 5, "keep": 0}
+    return train_once(4, cfg)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("solver", ["sgd", "adamw"])
-def test_sharded_stages_train_as_hybrid(tmp_path, solver):
+def test_sharded_stages_train_as_hybrid(tmp_path, train_once, solver):
     """10 steps (SGD with momentum, AdamW) at shard 1 and 2 on 2 replicas x
     2 stages: every weight and the gathered optimizer state equal plain
     hybrid's bit for bit (the 2-rank reduce-scatter sums a + b as the
     allreduce does); the start-up block says it; the model state each rank
     holds follows ZeRO's formula over its own stage's parameters (train's
     start-up line on rank 0, the offline graphs plan counts on every rank)."""
-    ref, _ = _train(tmp_path, "hybrid", 4, _staged("hybrid", solver))
+    ref, _ = _hybrid_ref(train_once, solver)
     want = _params(ref / "latest.h5")
     per_element = 8 if solver == "adamw" else 4
     for shard in (1, 2):
@@ -81,25 +92,25 @@ def test_sharded_stages_train_as_hybrid(tmp_path, solver):
 
 
 @pytest.mark.mpi
-def test_checkpoint_resumes_under_data_on_one_rank(tmp_path):
+def test_checkpoint_resumes_under_data_on_one_rank(tmp_path, train_once):
     """A 2 x 2 sharded checkpoint (iteration 5, AdamW) is hybrid's file:
     continued on 1 rank under scheme data with the same global batch it
     gives the losses of hybrid's checkpoint continued so, bit for bit; and
     continued under sharded stages (each rank loads its shard of its
-    stage's whole moments) it ends where an uninterrupted hybrid run does."""
+    stage's whole moments) to iteration 10 it ends where an uninterrupted
+    hybrid run does. (Hybrid's checkpoint and uninterrupted run are
+    _hybrid_ref's.)"""
     sh, _ = _train(tmp_path, "sh", 4, _staged("sharded", iters=5))
-    hy, _ = _train(tmp_path, "hy", 4, _staged("hybrid", iters=5))
+    full, _ = _hybrid_ref(train_once, "adamw")
     one = _job("data", "adamw", iters=8)
     one["data"]["train"]["batch_size"] = 16
     runs = []
-    for name, ckpt in (("from_sh", sh), ("from_hy", hy)):
-        out, text = _train(tmp_path, name, 1, one, "--resume", ckpt / "latest.h5")
+    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_hy", full / "ckpt_5.h5")):
+        out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
     assert sorted(runs[0]) == [6, 7, 8] and runs[0] == runs[1]
-    full, _ = _train(tmp_path, "full", 4, _staged("hybrid", iters=8))
-    more, _ = _train(tmp_path, "more", 4, _staged("sharded", iters=8), "--resume",
-                     sh / "latest.h5")
+    more, _ = _train(tmp_path, "more", 4, _staged("sharded"), "--resume", sh / "latest.h5")
     _same(_params(full / "latest.h5"), _params(more / "latest.h5"))
 
 

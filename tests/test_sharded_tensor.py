@@ -45,15 +45,27 @@ def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
     return cfg
 
 
+def _tensor_ref(train_once, tokens, n, solver):
+    """Scheme tensor's 10 steps on ``n`` ranks, a checkpoint at 5 (which
+    changes no bit of the run), trained once a session: the reference of
+    test_sharded_tensor_trains_as_tensor, the unclipped run of
+    test_clipping_as_tensor and tensor's iteration-5 checkpoint of
+    test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank."""
+    cfg = _gpt(tokens, "tensor", solver)
+    cfg["checkpoint"] = {"interval": 5, "keep": 0}
+    return train_once(n, cfg)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,solver", [(4, "adamw"), (4, "sgd"), (2, "adamw"),
                                       pytest.param(2, "sgd", marks=pytest.mark.slow)])
-def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, n, solver):
+def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, train_once, n, solver):
     """10 steps (AdamW; SGD with momentum) at shard 1 and 2: every weight
     and the gathered optimizer state equal scheme tensor's on the same
     layout bit for bit; the start-up block says what each rank holds, and
-    its bytes are rank 0's composed graph's."""
-    ref, _ = _train(tmp_path, "tensor", n, _gpt(tokens, "tensor", solver))
+    its bytes are rank 0's composed graph's. (Scheme tensor's run is
+    _tensor_ref's, shared with the clipping and checkpoint tests.)"""
+    ref, _ = _tensor_ref(train_once, tokens, n, solver)
     want = _params(ref / "latest.h5")
     replicas = n // 2
     for shard in (1, 2):
@@ -104,18 +116,20 @@ def test_held_model_state_is_tensors_over_r(tokens, n, solver):
 
 
 @pytest.mark.mpi
-def test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank(tmp_path, tokens):
+def test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank(tmp_path, tokens,
+                                                                  train_once):
     """A 2 x 2-way sharded checkpoint (iteration 5, AdamW) is scheme
     tensor's file, the same whole blobs bit for bit; continued on 1 rank
     under scheme data with the same global batch it gives the losses of
-    tensor's checkpoint continued so, bit for bit."""
+    tensor's checkpoint continued so, bit for bit. (Tensor's iteration-5
+    checkpoint is the one its shared 10-step run writes.)"""
     sh, _ = _train(tmp_path, "sh", 4, _gpt(tokens, "sharded", iters=5))
-    te, _ = _train(tmp_path, "te", 4, _gpt(tokens, "tensor", iters=5))
-    _same(_params(te / "latest.h5"), _params(sh / "latest.h5"))
+    te = _tensor_ref(train_once, tokens, 4, "adamw")[0] / "ckpt_5.h5"
+    _same(_params(te), _params(sh / "latest.h5"))
     one = gpt_config(tokens, iters=8, batch=8)
     runs = []
-    for name, ckpt in (("from_sh", sh), ("from_te", te)):
-        out, text = _train(tmp_path, name, 1, one, "--resume", ckpt / "latest.h5")
+    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_te", te)):
+        out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
     assert sorted(runs[0]) == [6, 7, 8] and runs[0] == runs[1]
@@ -139,7 +153,7 @@ def test_checkpoint_resumes_under_sharded_tensor(tmp_path, tokens):
 
 
 @pytest.mark.mpi
-def test_clipping_as_tensor(tmp_path, tokens):
+def test_clipping_as_tensor(tmp_path, tokens, train_once):
     """SGD with momentum clipped to a global norm of 0.05 (the clip acts:
     the weights differ from the unclipped run's) on 2 replicas x 2-way: the
     norm over every rank's ZeRO shards of its tensor shard's gradients (a
@@ -149,7 +163,7 @@ def test_clipping_as_tensor(tmp_path, tokens):
     over the world, against per tensor rank, then over the group), but in
     float64 (ops/clip.py), which moves the norm by ~1e-16, below the
     float32 clip factor's rounding."""
-    plain, _ = _train(tmp_path, "plain", 4, _gpt(tokens, "tensor", "sgd"))
+    plain, _ = _tensor_ref(train_once, tokens, 4, "sgd")
     ref, _ = _train(tmp_path, "tensor", 4, _gpt(tokens, "tensor", "sgd", clip=0.05))
     out, _ = _train(tmp_path, "sharded", 4, _gpt(tokens, "sharded", "sgd", clip=0.05))
     want = _params(ref / "latest.h5")
