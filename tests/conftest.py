@@ -22,6 +22,15 @@ import shutil
 import subprocess
 import sys
 
+# The product holds the BLAS pool to one thread before NumPy loads
+# (purine_mpi/base/threads.py: every entry point imports it first); in this
+# process NumPy may load before purine_mpi does, so the in-process tests
+# would run OpenBLAS's own pool: other bits than a run's, and on a loaded
+# 2-core machine small GEMMs up to 30x slower (measured on the emulated
+# device's attention). A count the user set is kept.
+for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 import pytest
 import yaml
 
