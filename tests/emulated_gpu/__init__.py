@@ -19,7 +19,9 @@ a GPU (docs/gpu.md, "The emulated device").
   simulated device plus the logs and knobs the tests need;
 - ``helpers`` and ``fixtures``: what the GPU tests share (the fixtures
   ``device``, ``backend`` and ``host_device`` are a pytest plugin,
-  registered in tests/conftest.py).
+  registered in tests/conftest.py);
+- ``train``: a job trained on the emulated device in a process of its own
+  (``python -m tests.emulated_gpu.train``, one BLAS thread).
 """
 from .arrays import SYNC_COPIES, Allocations, DeviceArray
 from .capture import CUDARuntimeError
