@@ -345,6 +345,7 @@ GPT_TINY_ITERS = 300
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpt_tiny_bf16_validation_within_0_03_nats_of_fp32_at_300_iterations(
         email_h5, host_build_dir, tmp_path):
     """jobs/gpt_tiny.yaml for 300 iterations (``solver.max_iter``: the cosine
