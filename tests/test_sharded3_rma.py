@@ -292,13 +292,12 @@ def test_a_stopped_owner_ends_the_job_naming_the_get(tmp_path, n):
     node segment, and here every rank is a node of its own."""
     import os
     import random
-    import signal
     import subprocess
     import time
 
     from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
     from tests.test_ps_stop import _rank_of
-    from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
+    from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks, sigstop_and_wait
     from tests.test_trust5_shm import _left, _mapped
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
@@ -322,14 +321,9 @@ def test_a_stopped_owner_ends_the_job_naming_the_get(tmp_path, n):
             names = _mapped(ranks.values())
             time.sleep(rng.uniform(0, 0.5))
             victim = rng.randrange(n)
-            os.kill(ranks[victim], signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
-                stdout, stderr = proc.communicate(timeout=STALL + 5)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"trial {trial}: rank {victim} stopped, the job still runs "
-                            f"{STALL + 5} s later")
-            took.append(time.monotonic() - stopped)
+            stdout, stderr, seconds = sigstop_and_wait(proc, ranks[victim], STALL + 5, trial,
+                                                       f"rank {victim}")
+            took.append(seconds)
             deadline = time.monotonic() + 2
             while _rank_pids(out) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the launcher reaps what it killed

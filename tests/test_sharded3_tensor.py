@@ -26,7 +26,7 @@ from tests.conftest import make_job
 from tests.test_micro_batches import _params
 from tests.test_sharded import _losses, _model_state, _same, _train
 from tests.test_sharded_stages import _bytes
-from tests.test_sharded_tensor import _gpt, tokens  # noqa: F401  (the fixture)
+from tests.test_sharded_tensor import _gpt, assert_clip_scales, tokens  # noqa: F401  (the fixture)
 
 COLLECTIVES = ("ReduceScatter", "Allgather", "Allreduce")
 
@@ -183,7 +183,6 @@ def test_stage3_tensor_clip_counts_each_weight_once(tokens):  # noqa: F811
     norms is over every rank, after every gather and reduce-scatter; on
     tensor shard 1 the whole (replicated) weights' ZeRO shards count 0, the
     split weights' their scale; on tensor shard 0 every one counts."""
-    from purine_mpi.parallel.tensor_parallel import split_of
     cfg = make_job(_gpt(tokens, "sharded", "sgd", clip=0.05, shard=3))
     for rank in range(4):
         g = compose_for(cfg, 4, rank)
@@ -191,14 +190,7 @@ def test_stage3_tensor_clip_counts_each_weight_once(tokens):  # noqa: F811
         seq = g.ops["clip.sum"].attrs["seq"]
         assert seq > max(op.attrs["seq"] for op in g.ops.values()
                          if op.op_type in COLLECTIVES and op.name != "clip.sum")
-        norm = g.ops["clip.norm"]
-        params = [b for b, blob in g.blobs.items() if blob.kind == "param"]
-        split = {p for p in params if split_of(g.blobs[p])}
-        assert split and len(split) < len(params)
-        scales = {}
-        for gr, scale in zip(norm.inputs, norm.attrs["scales"]):  # <param>.grad.shard[a:b]
-            scales.setdefault(gr.split(".grad.shard[")[0] in split, set()).add(scale)
-        assert scales == {True: {0.5}, False: {0.0 if rank % 2 else 0.5}}, rank
+        assert_clip_scales(g, rank)
 
 
 def test_graph_np_says_what_each_rank_holds_and_gathers(tmp_path, tokens):  # noqa: F811

@@ -178,7 +178,6 @@ def test_clip_norm_counts_each_weight_once(tokens, shard):
     rank, between the last reduce-scatter and the first gather; on tensor
     shard 1 the whole (replicated) weights' shards count 0, the split
     weights' their scale; on tensor shard 0 every one counts."""
-    from purine_mpi.parallel.tensor_parallel import split_of
     cfg = make_job(_gpt(tokens, "sharded", "sgd", clip=0.05, shard=shard))
     for rank in range(4):
         g = compose_for(cfg, 4, rank)
@@ -187,14 +186,22 @@ def test_clip_norm_counts_each_weight_once(tokens, shard):
         rs = [op.attrs["seq"] for op in g.ops.values() if op.op_type == "ReduceScatter"]
         ag = [op.attrs["seq"] for op in g.ops.values() if op.op_type == "Allgather"]
         assert max(rs) < seq < min(ag)
-        norm = g.ops["clip.norm"]
-        params = [b for b, blob in g.blobs.items() if blob.kind == "param"]
-        split = {p for p in params if split_of(g.blobs[p])}
-        assert split and len(split) < len(params)
-        scales = {}
-        for gr, scale in zip(norm.inputs, norm.attrs["scales"]):  # <param>.grad.shard[a:b]
-            scales.setdefault(gr.split(".grad.shard[")[0] in split, set()).add(scale)
-        assert scales == {True: {0.5}, False: {0.0 if rank % 2 else 0.5}}, rank
+        assert_clip_scales(g, rank)
+
+
+def assert_clip_scales(g, rank):
+    """Rank ``rank`` of 2 x 2-way's clip norm: every split weight's square
+    counts half (the tensor shards' sums are added), a whole weight's only
+    on tensor shard 0 (0 on shard 1, not counted twice)."""
+    from purine_mpi.parallel.tensor_parallel import split_of
+    norm = g.ops["clip.norm"]
+    params = [b for b, blob in g.blobs.items() if blob.kind == "param"]
+    split = {p for p in params if split_of(g.blobs[p])}
+    assert split and len(split) < len(params)
+    scales = {}
+    for gr, scale in zip(norm.inputs, norm.attrs["scales"]):  # <param>.grad.shard[a:b]
+        scales.setdefault(gr.split(".grad.shard[")[0] in split, set()).add(scale)
+    assert scales == {True: {0.5}, False: {0.0 if rank % 2 else 0.5}}, rank
 
 
 def test_graph_np_and_plan_say_what_each_rank_holds(tmp_path, tokens):

@@ -25,6 +25,20 @@ def kill_ranks(proc, pids):
         proc.wait()
 
 
+def sigstop_and_wait(proc, pid, timeout, trial, who):
+    """Freeze ``pid`` (``who``, e.g. "rank 1") with SIGSTOP, then wait at
+    most ``timeout`` seconds for the job to end: (stdout, stderr, seconds
+    from the stop to the end); fails the test, naming the trial, when the
+    job still runs."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"trial {trial}: {who} stopped, the job still runs {timeout} s later")
+    return stdout, stderr, time.monotonic() - stopped
+
+
 def finish_ranks(proc, pids, timeout):
     """The launcher's (stdout, stderr) within ``timeout`` seconds; every
     rank and the launcher are killed afterwards, however it ended."""

@@ -12,16 +12,14 @@ the whole window -- the early iterations, the checkpoints every 5, the test
 passes every 7, the display means -- where random draws over the window
 could bunch. What is checked less: a hang that strikes one stop in 40 was
 caught with probability 0.64, now 0.40."""
-import os
 import random
-import signal
 import subprocess
 import time
 
 import pytest
 
 from tests.conftest import PYTHON, REPO, cli_env, small_net_config, write_config_file
-from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, kill_ranks
+from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, kill_ranks, sigstop_and_wait
 
 STALL_TIMEOUT = 3.0
 TRIALS = 10
@@ -52,14 +50,8 @@ def test_sigstop_of_one_rank_ends_the_job_within_the_stall_timeout(tmp_path, dig
             assert len(pids) == ranks, pids
             time.sleep(rng.uniform(trial, trial + 1) * 0.5 / TRIALS)
             victim = rng.choice(pids)
-            os.kill(victim, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            try:
-                _, stderr = proc.communicate(timeout=STALL_TIMEOUT + 5)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"trial {trial}: rank pid {victim} stopped, the job still runs "
-                            f"after {STALL_TIMEOUT + 5} s")
-            took = time.monotonic() - stopped_at
+            _, stderr, took = sigstop_and_wait(proc, victim, STALL_TIMEOUT + 5, trial,
+                                               f"rank pid {victim}")
             times.append(took)
             assert proc.returncode != 0, stderr
             assert "stalled" in stderr, stderr[-2000:]
