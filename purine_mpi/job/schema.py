@@ -141,7 +141,7 @@ PARALLEL = (
         "data and sharded through two-sided MPI on the CPU or NCCL on GPUs; hybrid (each "
         "stage's buckets), tensor (each tensor shard's, over the replicas; the tensor groups' "
         "activations stay float32) and sharded with stages or with tensor_parallel (shard 1, "
-        "2) on the CPU; no effect, noted, where nothing is reduced (pipeline, none, tensor on one "
+        "2 or 3) on the CPU; no effect, noted, where nothing is reduced (pipeline, none, tensor on one "
         "replica); each add of the reduction rounds to bfloat16 (docs/parallel.md, "
         "\"Gradients in bfloat16\")"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),

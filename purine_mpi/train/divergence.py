@@ -88,8 +88,10 @@ class DivergenceWatch(Service):
         names = scheme_of(loop.job).held_weights(loop.graphs) + [
             state_name(p, s) for p in loop.graphs.params for s in states
             if state_name(p, s) in ws.arrays]
-        names += [root for root, row in model_state_roots(loop.graphs.graph).items()
-                  if row == "optimizer_state" and root in ws.arrays and root not in names]
+        g = loop.graphs.graph
+        covered = {g.storage_root(n) for n in names if n in g.blobs}  # read once, not twice
+        names += [root for root, row in model_state_roots(g).items()
+                  if row == "optimizer_state" and root in ws.arrays and root not in covered]
         by_device, rest = {}, []
         for a in (ws[n] for n in names):
             if get_xp(a) is not np and np.dtype(a.dtype) == np.float32 and a.flags.c_contiguous:
