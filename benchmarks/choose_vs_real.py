@@ -1,0 +1,156 @@
+"""``plan --choose``'s ranking against the same settings run for real (issue
+44's "the choice" target): the setting ranked first, run for real, within
+10 % of the fastest of the ranked settings also run for real, interleaved.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/choose_vs_real.py \\
+        [--configs benchmarks/cifar10_quick_wide.yaml jobs/gpt_small.yaml] [--ranks 2] \\
+        [--rounds 3] [--top K] [--iters 10] [--warmup 3] [--set KEY=VALUE ...]
+
+Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
+``--set``):
+
+1. ``plan CONFIG --np RANKS --choose --json`` ranks the settings (its
+   calibration, one traced run on one rank, written to a temporary folder,
+   so every run of this script calibrates afresh on the machine as it is);
+2. every ranked setting that fits (or the first ``--top``) runs ``mpiexec -n
+   RANKS python -m purine_mpi bench CONFIG --json`` with that setting's
+   ``--set`` options; each round runs every setting once, the order rotating
+   from round to round, so load on the shared machine falls on each alike;
+3. a setting's measured throughput is the median over the rounds of
+   ``bench``'s images/s (global batch over the median iteration; tokens/s
+   for a text job are the same ratio times the sequence length).
+
+Prints one JSON object: per config, each setting's predicted and measured
+time per iteration and throughput, its predicted and measured rank, the
+setting ranked first and the fastest measured, ``first_vs_fastest`` (the
+first-ranked setting's measured throughput over the fastest's: the target
+is ≥ 0.90), and the rank correlation (Spearman) of prediction and
+measurement. The ranks' environment is benchmarks/sharded.py's (one BLAS
+thread a rank, OpenBLAS's core-type pins taken out). Timing is wall clock:
+compare within one run.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import sharded  # noqa: E402  (benchmarks/sharded.py: the ranks' environment, bench runs)
+
+DEFAULT_CONFIGS = [os.path.join("benchmarks", "cifar10_quick_wide.yaml"),
+                   os.path.join("jobs", "gpt_small.yaml")]
+
+
+def ranked(config, sets, ranks, folder):
+    """``plan --choose --json``'s candidates that fit, best first."""
+    name = os.path.splitext(os.path.basename(config))[0]
+    args = ["plan", config, "--np", str(ranks), "--choose", "--json",
+            "--calibration", os.path.join(folder, f"calibration_{name}.json")]
+    for s in sets:
+        args += ["--set", s]
+    res = subprocess.run([sys.executable, "-m", "purine_mpi", *args], cwd=sharded.ROOT,
+                         env=sharded.rank_env(), capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        sys.exit(f"plan --choose {config} failed ({res.returncode}): "
+                 f"{res.stderr.strip()[-600:]}")
+    plan = json.loads(res.stdout)
+    return [c for c in plan["candidates"] if c.get("fits")], plan.get("unit", "images")
+
+
+def spearman(a, b):
+    """Spearman's rank correlation of two equally long lists (no ties assumed
+    beyond their order of appearance)."""
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0] * len(xs)
+        for r, i in enumerate(order):
+            out[i] = r
+        return out
+    n = len(a)
+    if n < 2:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def measure(config, base, candidates, a):
+    """{label: [bench JSON per round]}, rounds interleaved, order rotating."""
+    runs = {c["label"]: [] for c in candidates}
+    for r in range(a.rounds):
+        k = r % len(candidates)
+        for c in candidates[k:] + candidates[:k]:
+            got = sharded.bench_once(config, base + list(c["set"]), a.ranks, a.iters, a.warmup)
+            runs[c["label"]].append(got)
+            print(f"  round {r + 1}: {c['label']}: {got['images_per_s']:.1f} images/s, "
+                  f"{got['iter_ms_median']:.1f} ms/iter", file=sys.stderr, flush=True)
+    return runs
+
+
+def config_figures(config, a, folder):
+    if not os.path.exists(config):   # a path relative to the repository
+        config = os.path.join(sharded.ROOT, config)
+    config = os.path.abspath(config)
+    base = sharded.base_sets(config, a.set, folder)
+    candidates, unit = ranked(config, base, a.ranks, folder)
+    if a.top:
+        candidates = candidates[:a.top]
+    if len(candidates) < 2:
+        sys.exit(f"plan --choose ranked {len(candidates)} fitting settings of {config}")
+    print(f"{config}: {len(candidates)} settings, {a.rounds} rounds", file=sys.stderr)
+    runs = measure(config, base, candidates, a)
+    rows = []
+    for rank, c in enumerate(candidates, 1):
+        got = runs[c["label"]]
+        per_s = statistics.median(g["images_per_s"] for g in got)
+        rows.append({
+            "label": c["label"], "set": c["set"], "predicted_rank": rank,
+            "predicted_iter_s": round(c["iter_s"], 5),
+            "predicted_samples_per_s": round(c["samples_per_s"], 2),
+            "measured_iter_s": round(statistics.median(g["iter_ms_median"] for g in got) / 1e3, 5),
+            "measured_samples_per_s": round(per_s, 2),
+            "measured_samples_per_s_rounds": [round(g["images_per_s"], 2) for g in got],
+            "predicted_over_measured": round(c["samples_per_s"] / per_s, 3),
+        })
+    by_speed = sorted(rows, key=lambda r: -r["measured_samples_per_s"])
+    for i, r in enumerate(by_speed, 1):
+        r["measured_rank"] = i
+    first, fastest = rows[0], by_speed[0]
+    return {
+        "unit": unit, "ranks": a.ranks, "sets": base, "rounds": a.rounds, "iters": a.iters,
+        "settings": rows,
+        "first_ranked": first["label"], "fastest_measured": fastest["label"],
+        "first_vs_fastest": round(first["measured_samples_per_s"]
+                                  / fastest["measured_samples_per_s"], 3),
+        "within_10_percent": first["measured_samples_per_s"]
+        >= 0.9 * fastest["measured_samples_per_s"],
+        "spearman": spearman([-r["predicted_samples_per_s"] for r in rows],
+                             [-r["measured_samples_per_s"] for r in rows]),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--top", type=int, default=0,
+                   help="run only the first K ranked settings that fit (default: all)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    a = p.parse_args(argv)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="choose_vs_real_") as folder:
+        for config in a.configs:
+            out[os.path.splitext(os.path.basename(config))[0]] = config_figures(config, a, folder)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
