@@ -23,16 +23,20 @@ For each possible candidate: the bytes per rank (``plan``'s offline
 footprint, the largest rank) against the memory each rank has, and the
 predicted seconds per iteration of the scaling predictor
 (``scaling/model.py``: the composed graph of each simulated rank, the
-dispatcher's rule, the link model), its compute ops timed from ONE measured
-trace of the job on one rank (``calibrate``: data parallel, no recompute,
-no micro-batches; cached in a JSON file keyed by the job's net, data and
-solver). An op of a candidate that the trace names otherwise takes the
-traced op's time scaled by its work (``scaling/work.py``: the FLOPs of a
-matrix product, else the bytes of the batch's blobs it touches, not the
-weights'): ``X@mbK`` (a micro-batch: 1/M of the batch), ``X@recompute``
-(the forward again), a row chunk ``X[a:b]`` (a shard's update, a chunk of
-a weight gradient) and a tensor-parallel shard of ``X`` (its part of the
-weight and of the output).
+dispatcher's rule, the link model), its compute ops timed from TWO measured
+traces of the job on one rank (``calibrate``: data parallel, no recompute,
+no micro-batches; at the job's batch B and at ``small_batch``, B/4; cached
+in a JSON file keyed by the job's net, data and solver). An op of a
+candidate that the trace names otherwise takes the traced op's cost at its
+work (``scaling/work.py``: the FLOPs of a matrix product, else the bytes of
+the batch's blobs it touches, not the weights'): ``X@mbK`` (a micro-batch:
+1/M of the batch), ``X@recompute`` (the forward again), a row chunk
+``X[a:b]`` (a shard's update, a chunk of a weight gradient) and a
+tensor-parallel shard of ``X`` (its part of the weight and of the output);
+the cost is affine in the work, fixed + rate * work, fitted per op from its
+two traced times (``affine_costs``: a micro-batch pays the op's cost per
+call M times), and proportional to the work where the two traces fit no
+line (equal work, an op of one trace, an odd batch).
 """
 import dataclasses
 import hashlib
