@@ -211,3 +211,69 @@ def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
         plain = model_state_bytes(compose_for(job_of("tensor 2-way"), 4, 0))
         assert held["optimizer_state"] < plain["optimizer_state"]
         assert (held["weights"] < plain["weights"]) == label.startswith("sharded stage 3")
+
+
+def test_the_calibration_prices_its_own_job_as_traced(calibrated):
+    """The two traced runs (the job's batch and a quarter of it) in the
+    cache, and an affine cost fitted from them; the calibration job itself
+    is still predicted at its traced iteration: its ops keep their traced
+    times (the affine law passes through them) and the dispatch overhead is
+    the rest of the iteration, not counted twice with the ops' fixed parts
+    (those are inside the ops' durations). (The small job is not compared
+    with its own trace here: the updates, of equal work at both batches,
+    vary by a third between two runs on a loaded machine.)"""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Predictor, calibrate, small_batch
+    from purine_mpi.tools.scaling.link import make_link
+    job, cal, _, _ = calibrated
+    data = json.loads(cal.read_text())
+    assert data["small"]["batch"] == small_batch(16) == 4
+    durations, small, calib_job = calibrate(load_job(job, (), check_files=False), job, (),
+                                            str(cal))
+    assert small[1].train_batch == 4 and calib_job.train_batch == 16
+    link = make_link(None, None, None)
+    affine = Predictor(calib_job, durations, link, small=small)
+    proportional = Predictor(calib_job, durations, link)
+    assert {"fc2.fwd", "fc3.bwd.inner_product_grad_data"} <= set(affine.fit)
+    assert not proportional.fit
+    traced = durations.iter_seconds[0]
+    assert affine.overhead == proportional.overhead
+    assert affine.predict(calib_job, 1)[0] == pytest.approx(traced, rel=0.05)
+    assert affine.predict(calib_job, 1)[0] == pytest.approx(proportional.predict(calib_job, 1)[0])
+
+
+def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
+    """A cache of the format before the second trace (no "format", no
+    "small") under the job's own key is not read with half the law: it is
+    measured again, both runs, and rewritten; the new file is then read."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools import choose
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    path = _job(tmp_path)
+    job = load_job(path, (), check_files=False)
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"key": choose.calibration_key(job), "job": job.name,
+                               "per_rank": {"0": {"fc1.fwd": 9.0}}, "iter_seconds": {"0": 9.0},
+                               "iterations": 5, "measured_s": 1.0}))
+    runs = []
+
+    def traced_run(path, overrides, sets, folder):
+        runs.append(tuple(sets))
+        t = 0.25 if sets else 1.0
+        return Durations({0: {"fc1.fwd": t}}, {0: t}, 5)
+    monkeypatch.setattr(choose, "_traced_run", traced_run)
+    lines = []
+    durations, small, calib_job = choose.calibrate(job, path, (), str(cal), lines.append)
+    assert runs == [(), ("data.train.batch_size=4",)]
+    assert "at batch 16 and 4" in lines[0]
+    assert durations.lookup("fc1.fwd") == 1.0 and small[0].lookup("fc1.fwd") == 0.25
+    data = json.loads(cal.read_text())
+    assert data["format"] == choose.CALIBRATION_FORMAT and data["small"]["batch"] == 4
+    # the rewritten file is read: no third run
+    durations, small, _ = choose.calibrate(job, path, (), str(cal), lines.append)
+    assert len(runs) == 2 and len(lines) == 1 and small[0].lookup("fc1.fwd") == 0.25
+    # an odd batch: one trace, and the proportional rule
+    odd = load_job(path, ("data.train.batch_size=15",), check_files=False)
+    _, small, _ = choose.calibrate(odd, path, ("data.train.batch_size=15",),
+                                   str(tmp_path / "odd.json"))
+    assert small is None and runs[-1] == ()

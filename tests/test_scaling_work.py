@@ -1,6 +1,8 @@
 """Pricing an op from a traced op of another size (tools/scaling/work.py,
 tools/choose.py ``_Scaled``): ``plan --choose`` times every candidate's ops
-from one trace of the whole batch on one rank.
+from two traces on one rank, of the whole batch and of a quarter of it
+(``affine_costs``: each op's time as fixed + rate * work), or from the
+whole batch's alone (the proportional rule).
 
 The net has a wide fully connected layer (a 1,536 x 1,536 weight, 9 MiB,
 against 16 x 1,536 activations, 96 KiB), so an op of a micro-batch priced
@@ -9,10 +11,12 @@ its work (FLOPs, or the batch's bytes) it costs 1/M of it."""
 import pytest
 
 from purine_mpi.job.config import load_job
-from purine_mpi.tools.choose import CALIBRATION_SETS, _Scaled
+from purine_mpi.tools.choose import CALIBRATION_SETS, Predictor, _Scaled, affine_costs, \
+    small_batch
 from purine_mpi.tools.graph import compose_for
+from purine_mpi.tools.scaling.link import make_link
 from purine_mpi.tools.scaling.trace_reader import Durations
-from purine_mpi.tools.scaling.work import op_work, weight_blobs
+from purine_mpi.tools.scaling.work import affine_fit, op_work, weight_blobs
 
 BATCH = 16
 NET = f"""name: work_net
@@ -32,32 +36,123 @@ solver: {{type: sgd, base_lr: 0.01, momentum: 0.9, max_iter: 10}}
 STAGES = "parallel.stages={fc1: 0, relu1: 0, fc2: 1, relu2: 1, fc3: 1, loss: 1}"
 
 
+#: the second trace's batch (``small_batch``: a quarter of 16)
+SMALL = small_batch(BATCH)
+#: the synthetic law of both traces: the share of an op's time at the
+#: whole batch that is its cost per call; at the small batch it takes that
+#: plus the rest times its share of the work
+FIXED = 0.2
+
+
+def _small_trace(traced, small_graph, durations, fixed=FIXED):
+    """Durations of ``small_graph`` (at SMALL) under the affine law through
+    the whole batch's ``durations``; an op of equal work takes its time."""
+    ops = {}
+    for name in small_graph.ops:
+        t = durations.lookup(name, 0)
+        was, now = op_work(traced, name)[1], op_work(small_graph, name)[1]
+        ops[name] = t * (fixed + (1.0 - fixed) * now / was) if was else t
+    return Durations({0: ops})
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("work") / "net.yaml"
     path.write_text(NET)
     traced = compose_for(load_job(path, CALIBRATION_SETS, check_files=False), 1, 0)
+    small_graph = compose_for(load_job(path, CALIBRATION_SETS + (
+        f"data.train.batch_size={SMALL}",), check_files=False), 1, 0)
     # every traced op took 1 s: a candidate's op costs its share of the work
     durations = Durations({0: {name: 1.0 for name in traced.ops}})
-    return path, traced, durations
+    return path, traced, durations, small_graph
 
 
-def _scaled(setup, sets, n, rank):
-    path, traced, durations = setup
+def _scaled(setup, sets, n, rank, small=None):
+    """The candidate's graph and its _Scaled: proportional, or with the
+    affine costs fitted from the ``small`` trace (Durations at SMALL)."""
+    path, traced, durations, small_graph = setup
     graph = compose_for(load_job(path, sets, check_files=False), n, rank)
-    return graph, _Scaled(durations, traced, graph)
+    fit = affine_costs(durations, traced, small, small_graph) if small else None
+    return graph, _Scaled(durations, traced, graph, fit)
+
+
+MICRO_OPS = ("fc2.fwd", "fc2.bwd.inner_product_grad_data",
+             "fc2.bwd.inner_product_grad_weight", "relu2.fwd", "relu2.bwd.relu_grad")
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
-def test_an_op_of_a_micro_batch_costs_its_share_of_the_batch(setup, m):
-    graph, scaled = _scaled(setup, ("parallel.scheme=pipeline", STAGES,
-                                    f"parallel.micro_batches={m}"), 2, 1)
-    for op in ("fc2.fwd", "fc2.bwd.inner_product_grad_data",
-               "fc2.bwd.inner_product_grad_weight", "relu2.fwd", "relu2.bwd.relu_grad"):
+def test_an_op_of_a_micro_batch_costs_fixed_plus_its_share_of_the_rest(setup, m):
+    """With the second trace, an op of a micro-batch costs its fixed part
+    plus the rest times 1/M (here 0.2 + 0.8 / M of the whole batch's
+    second); with the whole batch's trace alone, exactly 1/M (the
+    proportional rule). The update runs once per iteration on the whole
+    weight: 1 s either way."""
+    sets = ("parallel.scheme=pipeline", STAGES, f"parallel.micro_batches={m}")
+    _, traced, durations, small_graph = setup
+    _, proportional = _scaled(setup, sets, 2, 1)
+    _, affine = _scaled(setup, sets, 2, 1, _small_trace(traced, small_graph, durations))
+    for op in MICRO_OPS:
         for k in range(m):
-            assert scaled.lookup(f"{op}@mb{k}") == pytest.approx(1.0 / m), (op, k)
-    # the update runs once per iteration on the whole weight
-    assert scaled.lookup("fc2/weight.update") == pytest.approx(1.0)
+            assert proportional.lookup(f"{op}@mb{k}") == pytest.approx(1.0 / m), (op, k)
+            assert affine.lookup(f"{op}@mb{k}") == pytest.approx(FIXED + (1 - FIXED) / m), \
+                (op, k)
+    for scaled in (proportional, affine):
+        assert scaled.lookup("fc2/weight.update") == pytest.approx(1.0)
+
+
+def test_the_affine_fit_recovers_its_law_and_clamps_a_noisy_small_trace():
+    # two points of t = 0.3 + 0.01 w: the law itself; between and beyond them too
+    fixed, rate = affine_fit(0.3 + 0.01 * 100, 100, 0.3 + 0.01 * 25, 25)
+    assert (fixed, rate) == (pytest.approx(0.3), pytest.approx(0.01))
+    assert affine_fit(2.0, 64, 2.0, 64) is None  # equal work: nothing to fit
+    # the small batch slower than the whole (noise): its time at any size
+    assert affine_fit(1.0, 100, 1.2, 25) == (1.0, 0.0)
+    # faster than its share of the work: no negative fixed part (proportional)
+    assert affine_fit(1.0, 100, 0.1, 25) == (0.0, pytest.approx(0.01))
+
+
+def test_a_noisy_small_trace_is_clamped_op_by_op(setup):
+    _, traced, durations, small_graph = setup
+    small = _small_trace(traced, small_graph, durations)
+    small.per_rank[0]["fc2.fwd"] = 1.5  # slower at a quarter of the batch
+    small.per_rank[0]["relu2.fwd"] = 0.01  # faster than its quarter
+    del small.per_rank[0]["fc1.fwd"]  # in one trace only
+    _, scaled = _scaled(setup, ("parallel.scheme=pipeline", STAGES,
+                                "parallel.micro_batches=4"), 2, 1, small)
+    _, first = _scaled(setup, ("parallel.scheme=pipeline", STAGES,
+                               "parallel.micro_batches=4"), 2, 0, small)
+    assert scaled.lookup("fc2.fwd@mb0") == pytest.approx(1.0)
+    assert scaled.lookup("relu2.fwd@mb0") == pytest.approx(0.25)
+    assert first.lookup("fc1.fwd@mb0") == pytest.approx(0.25)
+    assert scaled.lookup("fc2.bwd.inner_product_grad_data@mb0") == pytest.approx(0.4)
+
+
+def test_the_affine_law_ranks_micro_batches_of_call_bound_ops_right(setup):
+    """By construction every op of the batch is almost all cost per call
+    (0.9 of its 1 s at the whole batch; the updates, of equal work in both
+    traces, 0.01 s): cutting the batch into 4 micro-batches runs each op 4
+    times at nearly its whole cost, so a pipeline of 2 stages is slower at
+    4 micro-batches than at 1. The proportional rule prices each micro-
+    batch's op at 1/4 of the batch's and ranks 4 micro-batches first; the
+    affine costs fitted from the two traces rank 1 first."""
+    path, traced, _, small_graph = setup
+    calib = load_job(path, CALIBRATION_SETS, check_files=False)
+    small_job = load_job(path, CALIBRATION_SETS + (f"data.train.batch_size={SMALL}",),
+                         check_files=False)
+    durations = Durations({0: {name: 1.0 if op_work(traced, name) != op_work(small_graph, name)
+                               else 0.01 for name in traced.ops}})
+    small = _small_trace(traced, small_graph, durations, fixed=0.9)
+    link = make_link(None, None, None)
+    period = {}
+    for law, pair in (("proportional", None), ("affine", (small, small_job))):
+        predictor = Predictor(calib, durations, link, small=pair)
+        for m in (1, 4):
+            job = load_job(path, ("parallel.scheme=pipeline", STAGES,
+                                  f"parallel.micro_batches={m}"), check_files=False)
+            period[law, m] = predictor.predict(job, 2)[0]
+    assert period["proportional", 1] == pytest.approx(period["affine", 1])
+    assert period["proportional", 4] < period["proportional", 1]
+    assert period["affine", 4] > period["affine", 1]
 
 
 def test_a_matrix_product_counts_flops_and_other_ops_the_batchs_bytes(setup):

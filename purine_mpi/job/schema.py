@@ -409,7 +409,8 @@ CHOICE_DOCS = {
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
                 "tensor; `recompute`) predicted fastest among those whose bytes fit each "
-                "rank's memory, timed from one short traced run of the job on rank 0 (cached "
+                "rank's memory, timed from two short traced runs of the job on rank 0, at its "
+                "batch and at a quarter of it (cached "
                 "in the run folder's `calibration.json`); the start-up block names it and why "
                 "([scaling.md](scaling.md#choosing-a-plan---choose))",
     },

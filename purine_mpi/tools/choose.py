@@ -23,16 +23,20 @@ For each possible candidate: the bytes per rank (``plan``'s offline
 footprint, the largest rank) against the memory each rank has, and the
 predicted seconds per iteration of the scaling predictor
 (``scaling/model.py``: the composed graph of each simulated rank, the
-dispatcher's rule, the link model), its compute ops timed from ONE measured
-trace of the job on one rank (``calibrate``: data parallel, no recompute,
-no micro-batches; cached in a JSON file keyed by the job's net, data and
-solver). An op of a candidate that the trace names otherwise takes the
-traced op's time scaled by its work (``scaling/work.py``: the FLOPs of a
-matrix product, else the bytes of the batch's blobs it touches, not the
-weights'): ``X@mbK`` (a micro-batch: 1/M of the batch), ``X@recompute``
-(the forward again), a row chunk ``X[a:b]`` (a shard's update, a chunk of
-a weight gradient) and a tensor-parallel shard of ``X`` (its part of the
-weight and of the output).
+dispatcher's rule, the link model), its compute ops timed from TWO measured
+traces of the job on one rank (``calibrate``: data parallel, no recompute,
+no micro-batches; at the job's batch B and at ``small_batch``, B/4; cached
+in a JSON file keyed by the job's net, data and solver). An op of a
+candidate that the trace names otherwise takes the traced op's cost at its
+work (``scaling/work.py``: the FLOPs of a matrix product, else the bytes of
+the batch's blobs it touches, not the weights'): ``X@mbK`` (a micro-batch:
+1/M of the batch), ``X@recompute`` (the forward again), a row chunk
+``X[a:b]`` (a shard's update, a chunk of a weight gradient) and a
+tensor-parallel shard of ``X`` (its part of the weight and of the output);
+the cost is affine in the work, fixed + rate * work, fitted per op from its
+two traced times (``affine_costs``: a micro-batch pays the op's cost per
+call M times), and proportional to the work where the two traces fit no
+line (equal work, an op of one trace, an odd batch).
 """
 import dataclasses
 import hashlib
@@ -49,6 +53,9 @@ from ..base.progress_bar import human_bytes
 #: the calibration run: iterations, and the traced window (the first ones warm up)
 CALIBRATION_ITERS = 8
 CALIBRATION_WINDOW = "3:8"
+#: the calibration cache's format: 2 holds a second trace at a smaller batch
+#: (``small``: the affine op cost); a file of another format is measured again
+CALIBRATION_FORMAT = 2
 #: the overrides that make the calibration run: one rank's plain data parallelism
 CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micro_batches=1",
                     "parallel.stages={}", "parallel.tensor_parallel=1", "parallel.shard=1",
@@ -75,32 +82,100 @@ def calibration_key(job):
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def small_batch(batch):
+    """The calibration's second batch: B/4 where 4 divides B, else B/2 where
+    2 does (the micro-batches ``candidates`` lists are B/S .. B/4S); None
+    (one trace: the proportional rule) for an odd or unknown batch."""
+    for d in (4, 2):
+        if batch and batch % d == 0:
+            return batch // d
+    return None
+
+
+def read_calibration(cache, key, small_b):
+    """(Durations at the job's batch, Durations at ``small_b`` or None)
+    from the JSON file ``cache`` when it holds this job's (``key``) in this
+    format (``CALIBRATION_FORMAT``) with its second trace at ``small_b``
+    (``small_batch``); None otherwise: a file of another job, unreadable,
+    or of an older format (one trace: measured again rather than read
+    without its second run)."""
+    from .scaling.trace_reader import Durations
+    if not cache or not os.path.isfile(cache):
+        return None
+    try:
+        with open(cache, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT \
+            or data.get("key") != key:
+        return None
+
+    def durations(d):
+        return Durations({int(r): ops for r, ops in d["per_rank"].items()},
+                         {int(r): v for r, v in d["iter_seconds"].items()}, d["iterations"])
+    small = data.get("small")
+    if (small or {}).get("batch") != small_b:
+        return None
+    return durations(data), (durations(small) if small else None)
+
+
 def calibrate(job, path, overrides, cache, log=None):
-    """(Durations, the calibration job): op times of ``job`` measured once
-    on one rank, from ``cache`` (a JSON file) when it holds them for this
-    job, else measured by a short traced run of one rank
-    (``train --profile-iters``) and written there."""
-    from .scaling.trace_reader import Durations, read_traces
+    """(Durations at the job's batch, (Durations, job) at ``small_batch`` or
+    None, the calibration job): op times of ``job`` measured on one rank, from
+    ``cache`` (a JSON file) when it holds them for this job
+    (``read_calibration``), else measured by two short traced runs of one
+    rank (``train --profile-iters``: at the job's batch and at the smaller
+    one) and written there."""
     key = calibration_key(job)
-    if cache and os.path.isfile(cache):
-        try:
-            with open(cache, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            data = {}
-        if data.get("key") == key:
-            per_rank = {int(r): ops for r, ops in data["per_rank"].items()}
-            iters = {int(r): v for r, v in data["iter_seconds"].items()}
-            return Durations(per_rank, iters, data["iterations"]), _calibration_job(path,
-                                                                                   overrides)
-    folder = os.path.join(os.path.dirname(os.path.abspath(cache)) if cache else "/tmp",
-                          f".calibration-{key}-{os.getpid()}")
+    small_b = small_batch(job.train_batch)
+    small_sets = (f"data.train.batch_size={small_b}",)
+    found = read_calibration(cache, key, small_b)
+    if found is not None:
+        durations, small = found
+    else:
+        durations, small = _measure(job, path, overrides, cache, key, small_b, small_sets, log)
+    return (durations, (small, _calibration_job(path, overrides, small_sets)) if small else None,
+            _calibration_job(path, overrides))
+
+
+def _measure(job, path, overrides, cache, key, small_b, small_sets, log):
+    """``calibrate``'s two traced runs, written to ``cache``."""
     if log:
-        log(f"calibration: timing the ops of {job.name} on one rank ({CALIBRATION_ITERS} "
-            f"iterations, data parallel) ...")
+        batches = f"batch {job.train_batch}" + (f" and {small_b}" if small_b else "")
+        log(f"calibration: timing the ops of {job.name} on one rank at {batches} "
+            f"({CALIBRATION_ITERS} iterations each, data parallel) ...")
     t0 = time.perf_counter()
+    base = os.path.dirname(os.path.abspath(cache)) if cache else "/tmp"
+    durations = _traced_run(path, overrides, (), os.path.join(
+        base, f".calibration-{key}-{os.getpid()}"))
+    small = None
+    if small_b:
+        small = _traced_run(path, overrides, small_sets,
+                            os.path.join(base, f".calibration-{key}-{os.getpid()}-small"))
+    if cache:
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        tmp = f"{cache}.tmp{os.getpid()}"
+
+        def entry(d):
+            return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
+                    "iterations": d.iterations}
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
+                       **entry(durations),
+                       "small": dict(entry(small), batch=small_b) if small else None,
+                       "measured_s": round(time.perf_counter() - t0, 3)}, f)
+        os.replace(tmp, cache)
+    return durations, small
+
+
+def _traced_run(path, overrides, sets, folder):
+    """The Durations of one traced run of one rank (the calibration's
+    settings, then ``sets``), written to ``folder`` and removed after."""
+    import shutil
+    from .scaling.trace_reader import read_traces
     cmd = [sys.executable, "-m", "purine_mpi", "train", os.path.abspath(path)]
-    for s in tuple(overrides) + CALIBRATION_SETS:
+    for s in tuple(overrides) + CALIBRATION_SETS + tuple(sets):
         cmd += ["--set", s]
     cmd += ["--iters", str(CALIBRATION_ITERS), "--profile-iters", CALIBRATION_WINDOW,
             "--out", folder, "--force", "--no-memory-check"]
@@ -109,26 +184,19 @@ def calibrate(job, path, overrides, cache, log=None):
                           text=True)
     if proc.returncode != 0:
         tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
-        raise UserError(f"plan --choose: the calibration run (one rank, data parallel) "
-                        f"failed with status {proc.returncode}: {tail}")
-    durations, _ = read_traces(folder)
-    if cache:
-        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        tmp = f"{cache}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"key": key, "job": job.name, "per_rank": durations.per_rank,
-                       "iter_seconds": durations.iter_seconds,
-                       "iterations": durations.iterations,
-                       "measured_s": round(time.perf_counter() - t0, 3)}, f)
-        os.replace(tmp, cache)
-    import shutil
-    shutil.rmtree(folder, ignore_errors=True)
-    return durations, _calibration_job(path, overrides)
+        raise UserError(f"plan --choose: the calibration run (one rank, data parallel"
+                        + (f", {', '.join(sets)}" if sets else "")
+                        + f") failed with status {proc.returncode}: {tail}")
+    try:
+        durations, _ = read_traces(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return durations
 
 
-def _calibration_job(path, overrides):
+def _calibration_job(path, overrides, sets=()):
     from ..job.config import load_job
-    return load_job(path, tuple(overrides) + CALIBRATION_SETS, check_files=False)
+    return load_job(path, tuple(overrides) + CALIBRATION_SETS + tuple(sets), check_files=False)
 
 
 # ------------------------------------------------------------- candidates
@@ -276,15 +344,15 @@ def candidates(job, n, durations):
 class _Scaled:
     """The calibration's Durations seen from a candidate's graph: an op the
     trace names otherwise (``@mbK``, ``@recompute``, a row chunk, a tensor
-    shard) takes the traced op's time times the ratio of the two ops' work
-    (``scaling/work.op_work``: FLOPs of a matrix product, else the bytes of
+    shard) takes the traced op's cost at its work (``scaled_seconds``:
+    ``scaling/work.op_work``, FLOPs of a matrix product, else the bytes of
     the batch's blobs it touches; the weights' bytes do not scale with a
-    micro-batch); ops whose work is counted in different units, the ratio
-    of all the bytes they touch."""
+    micro-batch): the affine law ``fit`` where the two traces fit one
+    (``affine_costs``), else the proportional rule."""
 
-    def __init__(self, durations, traced_graph, graph):
+    def __init__(self, durations, traced_graph, graph, fit=None):
         from .scaling.work import weight_blobs
-        self.d, self.traced, self.graph = durations, traced_graph, graph
+        self.d, self.traced, self.graph, self.fit = durations, traced_graph, graph, fit
         self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
     def lookup(self, name, rank=0, rows=None):
@@ -293,17 +361,47 @@ class _Scaled:
         seconds = self.d.lookup(whole, 0)
         if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
             return self.d.lookup(name, 0, rows)
-        return scaled_seconds(seconds, self.traced, whole, self.graph, name, self._weights)
+        return scaled_seconds(seconds, self.traced, whole, self.graph, name, self._weights,
+                              self.fit)
 
 
-def scaled_seconds(seconds, traced, whole, graph, name, weights=None):
-    """``seconds`` of op ``whole`` of the graph ``traced``, scaled to op
-    ``name`` of ``graph`` by their work (``_Scaled``). ``weights``: {id of
-    a graph: its ``weight_blobs``}, computed when not given."""
+def affine_costs(durations, traced, small, small_graph):
+    """{op name: (unit, fixed, rate)}: the affine cost (``scaling/work.
+    affine_fit``) of each op that both traces time, ``durations`` of the
+    graph ``traced`` at the job's batch and ``small`` of ``small_graph`` at
+    a smaller one, where its work differs between them in one unit; ops of
+    equal work (a weight's update) and ops of one trace are left out (the
+    proportional rule). Empty without a small trace."""
+    from .scaling.work import affine_fit, op_work, weight_blobs
+    if small is None or small_graph is None:
+        return {}
+    weights = (weight_blobs(traced), weight_blobs(small_graph))
+    out = {}
+    for name in traced.ops:
+        t_big, t_small = durations.lookup(name, 0), small.lookup(name, 0)
+        if name not in small_graph.ops or t_big is None or t_small is None:
+            continue
+        big, little = op_work(traced, name, weights[0]), op_work(small_graph, name, weights[1])
+        fit = affine_fit(t_big, big[1], t_small, little[1]) if big[0] == little[0] else None
+        if fit is not None:
+            out[name] = (big[0],) + fit
+    return out
+
+
+def scaled_seconds(seconds, traced, whole, graph, name, weights=None, fit=None):
+    """``seconds`` of op ``whole`` of the graph ``traced``, priced for op
+    ``name`` of ``graph`` at its work: ``fixed + rate * work`` where ``fit``
+    (``affine_costs``) holds ``whole`` in the unit ``name``'s work is
+    counted in, else ``seconds`` times the ratio of the two ops' work
+    (``_Scaled``). ``weights``: {id of a graph: its ``weight_blobs``},
+    computed when not given."""
     from .scaling.work import op_work
     weights = weights or {}
-    was = op_work(traced, whole, weights.get(id(traced)))
     now = op_work(graph, name, weights.get(id(graph)))
+    law = (fit or {}).get(whole)
+    if law is not None and law[0] == now[0]:
+        return law[1] + law[2] * now[1]
+    was = op_work(traced, whole, weights.get(id(traced)))
     if was[0] != now[0]:
         was, now = ("bytes", _touched(traced, whole)), ("bytes", _touched(graph, name))
     return seconds * (now[1] / was[1]) if was[1] > 0 else seconds
@@ -318,7 +416,9 @@ def _touched(graph, name):
 class Predictor:
     """The scaling predictor, calibrated once, for any candidate job."""
 
-    def __init__(self, calib_job, durations, link, algorithm="auto"):
+    def __init__(self, calib_job, durations, link, algorithm="auto", small=None):
+        """``small``: (Durations, job) of the calibration's second trace at
+        a smaller batch (``calibrate``), or None: the proportional rule."""
         from .graph import compose_for
         from .scaling.link import reduce_cost_per_byte
         from .scaling.model import dispatch_overhead
@@ -327,6 +427,9 @@ class Predictor:
         self.overhead = dispatch_overhead(calib_job, durations, link, algorithm,
                                           self.copy_cost, {})
         self.traced = compose_for(calib_job, 1, 0)
+        small_d, small_job = small or (None, None)
+        self.fit = affine_costs(durations, self.traced, small_d,
+                                compose_for(small_job, 1, 0) if small_job else None)
 
     def predict(self, job, n):
         """(seconds per iteration, samples per iteration, untraced op count)."""
@@ -336,7 +439,7 @@ class Predictor:
         graphs, untraced = [], set()
         for r in scenario.ranks:
             t = Template(job, scenario, r)
-            g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph),
+            g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit),
                                          self.link, self.algorithm, scenario, self.copy_cost,
                                          overhead=self.overhead)
             graphs.append(g)
@@ -424,8 +527,9 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     from .scaling.link import make_link
     t0 = time.perf_counter()
     job = load_job(path, tuple(overrides), check_files=False)
-    durations, calib_job = calibrate(job, path, overrides, calibration, log)
-    predictor = Predictor(calib_job, durations, link or make_link(None, None, None), algorithm)
+    durations, small, calib_job = calibrate(job, path, overrides, calibration, log)
+    predictor = Predictor(calib_job, durations, link or make_link(None, None, None), algorithm,
+                          small)
     cands = candidates(job, n, durations)
     for c in cands:
         if c.after is None or c.after.error is None:

@@ -57,3 +57,20 @@ def op_work(graph, name, weights=None):
         return "bytes", batch
     return "all bytes", sum(graph.blobs[b].nbytes for b in blobs)
 
+
+
+def affine_fit(t_big, w_big, t_small, w_small):
+    """``(fixed, rate)`` of the op cost t(w) = fixed + rate * w through two
+    measured points, the op's time ``t_big`` at work ``w_big`` (the job's
+    batch) and ``t_small`` at ``w_small`` (a smaller batch): ``fixed`` is
+    the cost per call that does not shrink with the work (Python and NumPy
+    call overhead, a small product's lower FLOP rate), clamped to [0,
+    min(t_small, t_big)] (a noisy small trace: not below the proportional
+    rule, nor above either time); ``rate`` then makes t(w_big) = t_big
+    exactly, so the job's own ops keep their measured times. None where the
+    work is equal (an update: nothing to fit) or not positive."""
+    if w_big <= 0 or w_small <= 0 or w_big == w_small:
+        return None
+    fixed = (t_small * w_big - t_big * w_small) / (w_big - w_small)
+    fixed = min(max(fixed, 0.0), t_small, t_big)
+    return fixed, (t_big - fixed) / w_big
