@@ -312,7 +312,7 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
             ins.append(view)
             outs.append(total_name)
         op = graph.add_op(f"{name}.allreduce", "Allreduce", ins, outs,
-                          {"seq": seq, "bucket": name, **wire_attrs(wire_dtype)},
+                          {"seq": seq, "bucket": name, **wire_attrs(wire_dtype, world_size)},
                           location=b["location"], thread=thread)
         _rewire_updates(graph, dict(zip(ins, outs)), {grads[p]: v for p, v in
                                                      zip(b["params"], ins)}, world_size)
@@ -327,10 +327,12 @@ def compose_data_parallel(graph, grads, world_size, rank, bucket_mb=4, first_buc
     return plan
 
 
-def wire_attrs(wire_dtype):
-    """The attrs that make a bucket's collective reduce in ``wire_dtype``
-    (none for float32, the buckets' own dtype)."""
-    return {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+def wire_attrs(wire_dtype, ranks):
+    """The attrs that make a bucket's collective over ``ranks`` ranks reduce
+    in ``wire_dtype`` (none for float32, the buckets' own dtype; none over
+    one rank, which sums nothing: its gradients are not rounded for nothing,
+    and the start-up notes say grad_dtype has no effect there)."""
+    return {} if wire_dtype is None or ranks == 1 else {"wire_dtype": wire_dtype}
 
 
 def adopt_ready_order(dispatcher, world):

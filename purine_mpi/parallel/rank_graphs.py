@@ -95,8 +95,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     # parallel.defer_update: the last buckets' allreduce and update finish
     # while the next iteration's forward runs (runtime/tail.py; the CPU
     # event dispatcher, synchronous data parallelism)
-    defer_update = scheme.defers_update and \
-        scheme.defer_update_applies(job, layout.replicas, layout.staged)
+    defer_update = scheme.update_deferred(job, layout)
     out = RankGraphs(layout=layout, graph=graph, grads=grads, device=device, losses=losses,
                      loss_shares=shares, watch=watch, deferred=deferred,
                      defer_update=defer_update, memory_plan=plan,

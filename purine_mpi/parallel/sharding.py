@@ -235,7 +235,7 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
                           cut["grads"],
                           {"seq": seq, "bucket": name, "shards": shards, "shard": shard,
                            "shapes": [list(graph.blobs[x].shape) for x in cut["grads"]],
-                           **wire_attrs(wire_dtype)},
+                           **wire_attrs(wire_dtype, shards)},
                           location=b["location"], thread=thread)
         plan.append({"name": name, "weights": weights, "params": params, "offsets": offsets,
                      "shard": [lo, hi], "reduce_scatter": rs.name, "states": cut["states"],

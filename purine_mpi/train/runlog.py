@@ -133,13 +133,17 @@ def memory_text(trainer):
 
 def gradient_line(graph, grad_dtype):
     """The start-up block's ``gradients`` row: the dtype the gradient
-    buckets are reduced in (``parallel.grad_dtype``), or None where the
+    buckets are reduced in (``parallel.grad_dtype``; float32 where each is
+    reduced over one rank: data_parallel.wire_attrs), or None where the
     graph reduces no bucket (one rank, parameter servers, pipelines)."""
     ops = bucket_reductions(graph)
     if not ops:
         return None
     if grad_dtype == "fp32":
         return "reduced in float32 (parallel.grad_dtype: fp32)"
+    if not any("wire_dtype" in op.attrs for op in ops):  # over one rank each: not rounded
+        return (f"reduced in float32 (parallel.grad_dtype: {grad_dtype} has no effect: each "
+                "bucket is reduced over one rank)")
     wire = sum(moved_bytes(graph, op) for op in ops)
     return (f"reduced in bfloat16 (parallel.grad_dtype: {grad_dtype}): "
             f"{human_bytes(wire)} per iteration, half of float32's; the master weights, the "

@@ -38,6 +38,7 @@ schemes import their compositions: steps.py and the modules of parallel/,
 which never import a scheme).
 """
 import dataclasses
+import types
 
 
 #: registered name -> Scheme subclass, in registration order
@@ -290,6 +291,12 @@ class Scheme:
         return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0 \
             and self._job_scheme(job).deferrable
 
+    def update_deferred(self, job, lay):
+        """Whether the dispatcher defers the last updates into the next
+        iteration (runtime/tail.py) on layout ``lay``: the scheme
+        ``defers_update`` and ``defer_update_applies``."""
+        return self.defers_update and self.defer_update_applies(job, lay.replicas, lay.staged)
+
     # ---- the settings
     def settings_without_effect(self, job, world_size):
         """Notes (one line each) on the ``parallel`` settings that do nothing,
@@ -316,21 +323,29 @@ class Scheme:
                 served.mode_notes(job, note, changed)
             self.one_rank_notes(job, note, changed)
             if self.exchanges_gradients:
-                note(list(BUCKET_KEYS) + ["check_collectives", "grad_dtype"],
+                note(list(BUCKET_KEYS) + ["split_params", "check_collectives", "grad_dtype"],
                      "has no effect on 1 rank: there are no gradients to allreduce",
                      "have no effect on 1 rank: there are no gradients to allreduce")
+            note(["transport"], "has no effect on 1 rank: no bytes travel between ranks")
         elif served is not None:
             notes += served.many_rank_notes(job)
         why = self.why_no_buckets(par) or (served.why_no_buckets(par) if served else None) \
             or (self.why_none_reduced(job, world_size) if world_size > 1 else None)
         if why:
             what = "allreduce buckets (scheme data with mode sync, or hybrid)"
-            note(list(BUCKET_KEYS), f"shapes {what}; {why}, so it has no effect",
-                 f"shape {what}; {why}, so they have no effect")
-            # parallel.grad_dtype: the dtype the buckets are reduced in (the
-            # config rules accept it where nothing is reduced: job/config.py)
+            note(list(BUCKET_KEYS) + ["split_params"], f"shapes {what}; {why}, so it has no "
+                 "effect", f"shape {what}; {why}, so they have no effect")
+        # parallel.grad_dtype: the dtype the buckets are reduced in (the config
+        # rules accept it where nothing is reduced: job/config.py); a group of
+        # one rank reduces nothing either (its buckets are never rounded)
+        why = why or (self.why_none_rounded(job, world_size) if world_size > 1 else None)
+        if why:
             note(["grad_dtype"], f"sets the dtype the gradient buckets are reduced in; {why}, "
                  "so it has no effect: the gradients stay float32")
+        why = self.why_no_transport(job, world_size) if world_size > 1 else None
+        if why:
+            note(["transport"], "chooses windows or two-sided Send/Recv for the bytes between "
+                 f"ranks; {why}, so it has no effect")
         if served is None:
             what = f"parameter servers (mode {_or(_server_modes())}) only; mode {par.mode} has none"
             note(list(SERVER_KEYS), f"applies to {what}, so it has no effect",
@@ -338,10 +353,30 @@ class Scheme:
         else:
             served.served_key_notes(par, note)
         self.key_notes(par, note)
+        if "defer_update" in changed and not self.defers_anything(job, world_size):
+            which = " and ".join(dict.fromkeys(c.config_name for c in SCHEMES.values()
+                                               if c.defers_update and c.deferrable
+                                               and not c.staged))
+            note(["defer_update"], f"false keeps every update inside its iteration; with "
+                 f"scheme {par.scheme} on {count(world_size, 'rank')} none is deferred anyway "
+                 "(updates are deferred on the CPU, with several replicas and no stages, under "
+                 f"schemes {which}), so it has no effect")
         if par.micro_batches == 1:
             note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
                  "micro-batch it has no effect")
         return notes
+
+    def defers_anything(self, job, world_size):
+        """Whether ``parallel.defer_update: true`` (the default) defers any
+        update in a run of ``world_size`` ranks (``update_deferred``)."""
+        from ...base.errors import UserError
+        own = self._job_scheme(job)
+        default = job.replace(parallel=dataclasses.replace(job.parallel, defer_update=True))
+        try:
+            lay = own.layout(default, types.SimpleNamespace(size=world_size, rank=0))
+        except UserError:  # a world the layout refuses (exit 2 when it runs): no note
+            return True
+        return own.update_deferred(default, lay)
 
     def one_rank_notes(self, job, note, changed):
         """The notes of a run on one rank, where the scheme does nothing."""
@@ -356,9 +391,23 @@ class Scheme:
         ``grad_dtype`` have no effect), or None."""
         return None
 
+    def why_none_rounded(self, job, world_size):
+        """Why ``grad_dtype`` has no effect in a run of ``world_size`` > 1
+        ranks where buckets are built but each is reduced over one rank (no
+        other rank shares its gradients: nothing is summed, so nothing is
+        rounded), or None; ``why_none_reduced`` says it of the bucket keys
+        too."""
+        return None
+
+    def why_no_transport(self, job, world_size):
+        """Why ``parallel.transport`` has no effect in a run of
+        ``world_size`` > 1 ranks under this scheme (no transfer it shapes),
+        or None."""
+        return None
+
     def key_notes(self, par, note):
         """The keys of other schemes (``keys``) this one ignores."""
-        for key in ("stages", "tensor_parallel"):
+        for key in ("stages", "tensor_parallel", "shard", "prefetch"):
             if key in self.keys:
                 continue
             users = [n for n in scheme_names() if key in _keys_of(n)]

@@ -1,7 +1,8 @@
 """``scheme: hybrid``: R replicas x p stages (rank = replica * p + stage):
 each replica is a pipeline on its shard of the batch, and each stage
 allreduces its gradient buckets over the R ranks that hold it (in bfloat16
-with ``parallel.grad_dtype: bf16``: steps.allreduce_stage)."""
+with ``parallel.grad_dtype: bf16``: steps.allreduce_stage); one replica
+(R = 1) allreduces nothing: it runs as scheme pipeline does."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
@@ -25,6 +26,12 @@ class Hybrid(Pipeline):
                             "ranks or change the stages")
 
     def reduce_stages(self, comp, grads, job, world):
+        """Each stage's buckets allreduced over its replicas; one replica (as
+        many ranks as stages) shares its gradients with no other rank: the
+        pipeline's slice as it is, no bucket (so neither rounded to
+        ``grad_dtype`` nor shaped by the bucket keys: ``why_none_reduced``)."""
+        if comp.layout.replicas == 1:
+            return comp
         from .steps import allreduce_stage
         return allreduce_stage(comp, grads, job.parallel, world)
 
@@ -34,13 +41,21 @@ class Hybrid(Pipeline):
     def why_no_buckets(self, par):
         return None
 
+    def why_none_reduced(self, job, world_size):
+        count = job.parallel.stage_count
+        if world_size == count:
+            return (f"the {count} stages of parallel.stages on {world_size} ranks are one "
+                    "replica, whose gradients no other rank shares")
+        return None
+
     def describe(self, lay):
+        what = (f"each stage's gradients allreduced over its {lay.replicas} ranks"
+                if lay.replicas > 1 else "one replica: no gradient is allreduced")
         return (f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
-                f"(rank = replica x {lay.stages} + stage); each stage's gradients "
-                f"allreduced over its {lay.replicas} ranks")
+                f"(rank = replica x {lay.stages} + stage); {what}")
 
     def graph_notes(self, lay, rank, comp=None):
         text = super().graph_notes(lay, rank, comp)
-        if text is not None:
+        if text is not None and lay.replicas > 1:
             text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
         return text

@@ -23,6 +23,12 @@ class NoScheme(Scheme):
     def why_no_buckets(self, par):
         return "scheme none exchanges no gradients"
 
+    def why_no_transport(self, job, world_size):
+        from .base import mode_class
+        if mode_class(job.parallel.mode) is None:  # no parameter servers either
+            return "scheme none exchanges nothing between ranks"
+        return None
+
     def scheme_lines(self, trainer, composition):
         from .base import ranges
         return [("scheme", f"none: ranks {ranges(range(trainer.world.size))} each train their "

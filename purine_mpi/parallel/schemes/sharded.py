@@ -192,6 +192,39 @@ class Sharded(Hybrid):
     def why_no_buckets(self, par):
         return None
 
+    def why_none_reduced(self, job, world_size):
+        """None: one replica still builds its buckets (the bucket keys shape
+        them), only never rounds them (``why_none_rounded``)."""
+        return None
+
+    def why_no_transport(self, job, world_size):
+        par = job.parallel
+        if par.tensor_parallel > 1:
+            return ("scheme sharded with parallel.tensor_parallel reduces and gathers through "
+                    "two-sided MPI collectives")
+        if not par.stages and par.shard < 3:
+            return (f"scheme sharded at shard {par.shard} reduce-scatters and gathers through "
+                    "two-sided MPI collectives (windows hold shard 3's weights only)")
+        return None
+
+    def key_notes(self, par, note):
+        super().key_notes(par, note)
+        note(["split_params"], "splits large weights into row chunks for the allreduce "
+             "buckets; scheme sharded's reduce-scatter cuts every bucket anyway, so it has no "
+             "effect")
+        if par.shard == 1:
+            note(["prefetch"], "bounds the buckets live at once at shard 2 and 3 (the full "
+                 "gradient buckets; shard 3: the gathered weights); with shard 1 it has no "
+                 "effect")
+
+    def why_none_rounded(self, job, world_size):
+        one = _one_replica(job.parallel, world_size)
+        if one is None:
+            return None
+        ways, what, _ = one
+        return (f"the {world_size} ranks are one replica ({ways} {what}), each bucket "
+                "reduce-scattered over its one rank")
+
     def one_rank_notes(self, job, note, changed):
         if job.parallel.stages:
             Pipeline.one_rank_notes(self, job, note, changed)
@@ -211,11 +244,9 @@ class Sharded(Hybrid):
         ranks as stages or tensor shards): each stage's or tensor shard's
         model state is sharded over its one rank, which divides nothing."""
         notes = super().settings_without_effect(job, world_size)
-        par = job.parallel
-        ways, what, like = (
-            (par.stage_count, "stages", "scheme pipeline") if par.stages else
-            (par.tensor_parallel, "tensor shards", "scheme tensor"))
-        if world_size > 1 and ways > 1 and world_size // ways == 1:
+        one = _one_replica(job.parallel, world_size)
+        if one is not None:
+            ways, what, like = one
             notes.append(f"note: parallel.scheme sharded has no effect with 1 replica: the "
                          f"{world_size} ranks are its {ways} {what}, each {what[:-1]}'s model "
                          f"state sharded over its one rank, so each rank holds it whole as "
@@ -475,6 +506,16 @@ class Sharded(Hybrid):
                     whole[off:off + value.size] = value
                 ws.set(flat, whole[lo:hi])
         return fresh
+
+
+def _one_replica(par, world_size):
+    """(ways, "stages" or "tensor shards", the scheme that lays them out
+    alike) where the ``world_size`` > 1 ranks are one replica (as many as
+    stages or tensor shards: each bucket is reduce-scattered over one rank),
+    else None."""
+    ways, what, like = ((par.stage_count, "stages", "scheme pipeline") if par.stages else
+                        (par.tensor_parallel, "tensor shards", "scheme tensor"))
+    return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
 
 
 def _plan(graphs):

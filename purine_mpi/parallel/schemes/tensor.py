@@ -56,6 +56,11 @@ class TensorParallel(DataParallel):
                     "gradients no other rank shares")
         return None
 
+    def why_no_transport(self, job, world_size):
+        if job.parallel.tensor_parallel == 1:  # scheme data's allreduce (compose)
+            return None
+        return "scheme tensor's allreduces are two-sided MPI collectives, never windows"
+
     def one_rank_notes(self, job, note, changed):
         t = job.parallel.tensor_parallel
         note(["scheme"], f"tensor has no effect on 1 rank: the net runs unsplit on this "
