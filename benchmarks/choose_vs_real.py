@@ -17,14 +17,16 @@ Per config (shortened as benchmarks/sharded.py's ``SHORTEN`` says, then
    ``--set`` options; each round runs every setting once, the order rotating
    from round to round, so load on the shared machine falls on each alike;
 3. a setting's measured throughput is the median over the rounds of
-   ``bench``'s images/s (global batch over the median iteration; tokens/s
-   for a text job are the same ratio times the sequence length).
+   ``bench``'s images/s (global batch over the median iteration), or its
+   tokens/s for a text job (``plan``'s unit: the sequences times their
+   length).
 
 Prints one JSON object: per config, each setting's predicted and measured
 time per iteration and throughput, its predicted and measured rank, the
 setting ranked first and the fastest measured, ``first_vs_fastest`` (the
 first-ranked setting's measured throughput over the fastest's: the target
-is ≥ 0.90), and the rank correlation (Spearman) of prediction and
+is ≥ 0.90; ``first_vs_round_best``: the same within each round, against
+that round's best, and its median), and the rank correlation (Spearman) of prediction and
 measurement. The ranks' environment is benchmarks/sharded.py's (one BLAS
 thread a rank, OpenBLAS's core-type pins taken out). Timing is wall clock:
 compare within one run.
@@ -104,23 +106,29 @@ def config_figures(config, a, folder):
         sys.exit(f"plan --choose ranked {len(candidates)} fitting settings of {config}")
     print(f"{config}: {len(candidates)} settings, {a.rounds} rounds", file=sys.stderr)
     runs = measure(config, base, candidates, a)
+    key = "tokens_per_s" if unit == "tokens" else "images_per_s"   # plan's unit
     rows = []
     for rank, c in enumerate(candidates, 1):
         got = runs[c["label"]]
-        per_s = statistics.median(g["images_per_s"] for g in got)
+        per_s = statistics.median(g[key] for g in got)
         rows.append({
             "label": c["label"], "set": c["set"], "predicted_rank": rank,
             "predicted_iter_s": round(c["iter_s"], 5),
             "predicted_samples_per_s": round(c["samples_per_s"], 2),
             "measured_iter_s": round(statistics.median(g["iter_ms_median"] for g in got) / 1e3, 5),
             "measured_samples_per_s": round(per_s, 2),
-            "measured_samples_per_s_rounds": [round(g["images_per_s"], 2) for g in got],
+            "measured_samples_per_s_rounds": [round(g[key], 2) for g in got],
             "predicted_over_measured": round(c["samples_per_s"] / per_s, 3),
         })
     by_speed = sorted(rows, key=lambda r: -r["measured_samples_per_s"])
     for i, r in enumerate(by_speed, 1):
         r["measured_rank"] = i
     first, fastest = rows[0], by_speed[0]
+    # per round: the first-ranked setting's figure over that round's best
+    # (the rounds' load differs; within a round every setting ran back to back)
+    per_round = [first["measured_samples_per_s_rounds"][r]
+                 / max(row["measured_samples_per_s_rounds"][r] for row in rows)
+                 for r in range(a.rounds)]
     return {
         "unit": unit, "ranks": a.ranks, "sets": base, "rounds": a.rounds, "iters": a.iters,
         "settings": rows,
@@ -129,6 +137,8 @@ def config_figures(config, a, folder):
                                   / fastest["measured_samples_per_s"], 3),
         "within_10_percent": first["measured_samples_per_s"]
         >= 0.9 * fastest["measured_samples_per_s"],
+        "first_vs_round_best": [round(x, 3) for x in per_round],
+        "first_vs_round_best_median": round(statistics.median(per_round), 3),
         "spearman": spearman([-r["predicted_samples_per_s"] for r in rows],
                              [-r["measured_samples_per_s"] for r in rows]),
     }
