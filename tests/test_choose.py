@@ -149,11 +149,12 @@ def test_choose_options_and_auto_elsewhere_are_user_errors(tmp_path):
 
 
 def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(email_h5):
-    """gpt_tiny's attention is the fused op (attn_dropout 0): it keeps no
-    (N, H, T, T) tensor, so ``recompute: selective`` is the run of
-    ``none`` and the candidate says so rather than rank a copy of it; with
-    attn_dropout > 0 (the raw sub-graph) selective is a setting of its own
-    and plan counts less memory for it than for none."""
+    """gpt_tiny's attention is the fused op: it keeps no (N, H, T, T)
+    tensor (with attn_dropout or without), so ``recompute: selective`` is
+    the run of ``none`` and the candidate says so rather than rank a copy
+    of it; with the raw sub-graph (fused: false, attn_dropout > 0)
+    selective is a setting of its own and plan counts less memory for it
+    than for none."""
     import os
     from purine_mpi.job.config import load_job
     from purine_mpi.tools.choose import Candidate, Choice, evaluate, format_choice, \
@@ -171,7 +172,10 @@ def test_selective_recompute_is_listed_without_effect_where_attention_is_fused(e
     assert cand.error.startswith("no effect: ") and "fused" in cand.error
     line = format_choice(Choice(2, [cand], ("tokens", 32), "", 0.0)).splitlines()[-2]
     assert "no effect: " in line and "not possible" not in line
-    raw = small + tuple(f"net.{i}.attn_dropout=0.1" for i in (3, 11))
+    dropped = small + tuple(f"net.{i}.attn_dropout=0.1" for i in (3, 11))
+    assert "fused Attention" in selective_no_effect(
+        load_job(tiny, dropped + ("recompute=selective",), check_files=False))
+    raw = dropped + tuple(f"net.{i}.fused=false" for i in (3, 11))
     need = {}
     for mode in ("none", "selective"):
         job = load_job(tiny, raw + (f"recompute={mode}",), check_files=False)

@@ -85,6 +85,11 @@ def _cases():
          [np.empty((256, 128), np.float32)]),
         ("AttentionGrad", {"num_heads": 4}, [_f(8, 128, 128), _f(8, 128, 384)],
          [np.empty((8, 128, 384), np.float32)]),
+        # with dropout: the mask, and the host Philox draw's temporaries
+        ("Attention", {"num_heads": 4, "dropout": 0.1}, [_f(8, 128, 384), np.array(3)],
+         [np.empty((8, 128, 128), np.float32)]),
+        ("AttentionGrad", {"num_heads": 4, "dropout": 0.1},
+         [_f(8, 128, 128), _f(8, 128, 384), np.array(3)], [np.empty((8, 128, 384), np.float32)]),
     ]
 
 

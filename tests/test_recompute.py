@@ -14,14 +14,17 @@ TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
 ATTENTION = (3, 11)
 
 
-def _sets(email_h5, dropout=0.1, iters=20):
+def _sets(email_h5, dropout=0.1, iters=20, fused=False):
     """gpt_tiny, small and fast: 4 sequences of 32 tokens, 20 AdamW steps
-    (warm-up, cosine, clipping as shipped), no test data."""
+    (warm-up, cosine, clipping as shipped), no test data; the attention's
+    raw sub-graph (its (N, H, T, T) tensors and attention Dropout ops)
+    unless ``fused``."""
     sets = [f"data.train.path={email_h5}", "data.test=null", "data.train.batch_size=4",
             "data.train.sequence_length=32", f"solver.max_iter={iters}", "solver.display=0",
             "checkpoint.interval=0"]
     for i in ATTENTION:
-        sets += [f"net.{i}.attn_dropout={dropout}", f"net.{i}.resid_dropout={dropout}"]
+        sets += [f"net.{i}.attn_dropout={dropout}", f"net.{i}.resid_dropout={dropout}",
+                 f"net.{i}.fused={'true' if fused else 'false'}"]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -30,8 +33,9 @@ def _params(path):
     return load_params(path)
 
 
-def _train(email_h5, out, mode, ranks=1, dropout=0.1):
-    args = ("train", TINY, *_sets(email_h5, dropout), "--set", f"recompute={mode}", "--out", out)
+def _train(email_h5, out, mode, ranks=1, dropout=0.1, fused=False):
+    args = ("train", TINY, *_sets(email_h5, dropout, fused=fused), "--set", f"recompute={mode}",
+            "--out", out)
     res = run_mpi_cli(ranks, *args, timeout=600) if ranks > 1 else run_cli_args(*args,
                                                                                  timeout=300)
     assert res.returncode == 0, res.stderr
@@ -44,16 +48,23 @@ def _assert_bitwise(a, b, what):
     assert not differ, f"{what}: {differ}"
 
 
-@pytest.mark.parametrize("dropout", [0.1, 0.0])
-def test_recompute_is_bitwise_on_one_rank(email_h5, tmp_path, dropout):
+@pytest.mark.parametrize("dropout, fused", [(0.1, False), (0.1, True), (0.0, True)])
+def test_recompute_is_bitwise_on_one_rank(email_h5, tmp_path, dropout, fused):
     """full and selective give the weights of no recompute, bit for bit,
-    after 20 AdamW steps: with dropout (the raw attention sub-graph, masks
-    replayed from the same Philox streams) and without (the fused
-    Attention op: selective has nothing to do, full recomputes the rest)."""
-    base = _train(email_h5, str(tmp_path / "none"), "none", dropout=dropout)
+    after 20 AdamW steps: with dropout on the raw attention sub-graph
+    (masks replayed from the same Philox streams), with dropout in the
+    fused Attention op (selective has nothing to do; full's copy of the op
+    draws the original's mask: the same stream, the same iteration) and
+    without dropout (the fused op)."""
+    if dropout and fused:   # the fused op draws the dropout; full copies it
+        g = _graph(email_h5, "full", *(f"net.{i}.fused=true" for i in ATTENTION))
+        copies = [op for op in g.ops.values() if op.op_type == "Attention"]
+        assert len(copies) == 4 and all(op.attrs["dropout"] == dropout for op in copies)
+        assert not any(op.op_type in ("AttentionScores", "Softmax") for op in g.ops.values())
+    base = _train(email_h5, str(tmp_path / "none"), "none", dropout=dropout, fused=fused)
     for mode in ("full", "selective"):
-        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, dropout=dropout),
-                        mode)
+        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, dropout=dropout,
+                                     fused=fused), mode)
 
 
 @pytest.mark.mpi

@@ -98,3 +98,13 @@ def keep_mask(shape, ratio, key0, key1, ctr1, iteration):
     count = int(np.prod(shape, dtype=np.int64))
     bits = random_bits(count, key0, key1, ctr1, iteration)
     return (bits >= _U32(keep_threshold(ratio))).reshape(shape)
+
+
+def keep_mask_temporaries(shape):
+    """The ``(shape, dtype)`` arrays live at the peak of a host
+    :func:`keep_mask` of ``shape`` besides its result, from the shapes as
+    the code allocates them (tests/test_host_temporaries.py measures them):
+    in the last rounds the four counter words, two 32-bit halves of a
+    product and the 64-bit product with its shifted copy, a quarter of the
+    elements each, with the block numbers: 14 bytes an element."""
+    return [(tuple(shape), np.uint32)] * 3 + [(tuple(shape), np.uint16)]

@@ -30,10 +30,16 @@ half of each float32, exact since the values are bfloat16 already) and
 widens the results back; the copies, the plans' workspace and nothing else
 are the op's scratch, reserved at setup.
 
-Dropout (``dropout=(p, seed, offset)``): cuDNN's Philox, the seed a device
-int64 made once from our run seed and the op (base/philox.py's keys), the
-offset the device iteration blob, read at each replay; the backward redraws
-the same mask. (Its bits are cuDNN's, not those of ops/dropout.py.)
+Dropout (the ops' attr ``dropout`` > 0, the layer's ``attn_dropout``;
+``dropout=(p, seed, offset)`` in both graphs): cuDNN's Philox, the seed a
+device int64 of each op made once from our run seed and the op's stream
+(:func:`dropout_seed`, base/philox.py's keys; the plans are shared by the
+ops of one shape, the seeds are not), the offset a device int64 of the op
+written on its stream each run, iteration * B H T T (ops/attention.py
+``_sdpa_dropout``), read at each replay; the backward redraws the same
+mask. Its bits are cuDNN's, not those of ops/dropout.py: the SDPA path's
+masks differ from the host's and the cuBLAS path's (which are the Dropout
+op's), as its rounding does.
 
 Plans are built in the op's ``setup`` (before any capture, as cuDNN
 requires: building allocates and synchronises), for both directions at once
@@ -116,7 +122,6 @@ class SdpaPlans:
     either graph is refused (the caller falls back)."""
 
     def __init__(self, cudnn, device, key):
-        from . import import_cupy
         from .cudnn import _handle
         b, h, t, d, dtype, causal, ratio = key
         self.cudnn, self.device, self.key = cudnn, int(device), key
@@ -131,9 +136,6 @@ class SdpaPlans:
         self.handle = _handle(cudnn, device)
         io = {"bfloat16": cudnn.data_type.BFLOAT16, "float16": cudnn.data_type.HALF}[dtype]
         self.io = io
-        self.seed = None
-        if self.ratio > 0:
-            self.seed = import_cupy().zeros((1,), dtype=np.int64)   # set by set_seed
         self.fwd, self.fwd_t = self._graph(backward=False)
         self.bwd, self.bwd_t = self._graph(backward=True)
         self.workspace_bytes = max(int(self.fwd.get_workspace_size()),
@@ -184,11 +186,6 @@ class SdpaPlans:
         g.build_plans()
         return g, t
 
-    def set_seed(self, seed):
-        """The dropout seed (a device int64), written once at setup."""
-        if self.seed is not None:
-            self.seed[...] = np.int64(seed)
-
     # -- execution: 16-bit copies in the op's scratch, then the graph
     def scratch_specs(self, backward):
         """(shape, dtype) of the scratch of one direction, in ``take`` order:
@@ -213,33 +210,47 @@ class SdpaPlans:
     def _packed(self, qkv16):
         return {n: (qkv16, off) for n, off in zip(("q", "k", "v"), self.offsets)}
 
-    def _dropout(self, iteration):
-        if self.seed is None:
+    def _dropout(self, dropout):
+        if self.ratio <= 0:
             return {}
-        return {"seed": (self.seed, 0), "offset": (iteration, 0)}
+        if dropout is None:
+            raise ValueError("SDPA plans with dropout need the op's (seed, offset) device int64s")
+        seed, offset = dropout
+        return {"seed": (seed, 0), "offset": (offset, 0)}
 
-    def forward(self, qkv, ctx, stats, scratch, iteration=None):
+    def forward(self, qkv, ctx, stats, scratch, dropout=None):
         """ctx, stats <- SDPA(qkv): qkv, ctx float32 device arrays holding
         ``dtype`` values; stats (B, H, T, 1) float32; ``scratch``: arrays of
-        ``scratch_specs(False)``."""
+        ``scratch_specs(False)``; ``dropout``: (seed, offset), one-element
+        device int64 arrays, with a dropout ratio (read when it runs)."""
         qkv16, o16, workspace = scratch
         narrow(qkv, qkv16, self.dtype)
         arrays = dict(self._packed(qkv16), o=(o16, 0), stats=(stats, 0))
-        arrays.update(self._dropout(iteration))
+        arrays.update(self._dropout(dropout))
         self._run(self.fwd, self.fwd_t, arrays, workspace)
         widen(o16, ctx, self.dtype)
 
-    def backward(self, dctx, qkv, ctx, stats, dqkv, scratch, iteration=None):
-        """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats."""
+    def backward(self, dctx, qkv, ctx, stats, dqkv, scratch, dropout=None):
+        """dqkv <- SDPA's gradient from dctx, qkv, the forward's ctx and stats
+        (and with dropout the forward's seed and offset: the same mask)."""
         qkv16, o16, do16, dqkv16, workspace = scratch
         narrow(qkv, qkv16, self.dtype)
         narrow(ctx, o16, self.dtype)
         narrow(dctx, do16, self.dtype)
         arrays = dict(self._packed(qkv16), o=(o16, 0), do=(do16, 0), stats=(stats, 0))
         arrays.update({n: (dqkv16, off) for n, off in zip(("dq", "dk", "dv"), self.offsets)})
-        arrays.update(self._dropout(iteration))
+        arrays.update(self._dropout(dropout))
         self._run(self.bwd, self.bwd_t, arrays, workspace)
         widen(dqkv16, dqkv, self.dtype)
+
+
+def dropout_seed(key0, key1, ctr1=0):
+    """The int64 SDPA dropout seed of a Philox stream's keys
+    (base/philox.dropout_keys: the op's crc32, the run seed's words): key0
+    in the low word, key1 (the run seed's low word) xor the high word's
+    counter word in the high one, as a signed int64."""
+    value = (int(key0) & 0xFFFFFFFF) | (((int(key1) ^ int(ctr1)) & 0xFFFFFFFF) << 32)
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def narrow(x, out, dtype):

@@ -25,8 +25,10 @@ parallel composition (job/replica.py calls it):
 ``selective``
     Only attention's (N, H, T, T) tensors are recomputed: the ``Softmax``
     output after ``AttentionScores`` and the ``Dropout`` of it (with
-    ``attn_dropout``), from the ``qkv`` blob the backward keeps anyway. The
-    fused ``Attention`` op keeps no such tensor: nothing to do there.
+    ``attn_dropout``), from the ``qkv`` blob the backward keeps anyway: the
+    raw sub-graph (``fused: false``). The fused ``Attention`` op keeps no
+    such tensor, with dropout or without (its gradient redraws the mask):
+    nothing to do there.
 
 For a unit, the backward ops that read a recomputed blob are redirected to
 its copy (``<blob>@recompute``), written by a copy of its producer
@@ -38,6 +40,11 @@ take their place in the emission order just before the first op that
 reads them. The original activations' lifetimes then end in the forward,
 and the memory planner (runtime/memory_plan.py) sees the copies live only
 during the unit's backward.
+
+A copy of an op that draws a counter-based Philox stream (``counter_rng``:
+the fused ``Attention`` op with ``attn_dropout``) draws its original's
+stream (attr ``stream``, set to the original's name where absent) at the
+same iteration: the same mask, bit for bit.
 
 A ``Dropout`` of a unit whose mask the backward reads keeps that mask
 bit-packed instead (ops/dropout.py, ``packed_mask``: uint8, 1 bit an
@@ -131,7 +138,7 @@ def _repeatable(graph, op):
     cls = get_kernel_class(op.op_type, op.name)
     if op.accumulate or cls.category not in ("compute", "copy") or cls.keeps_outputs:
         return False
-    if cls.needs_rng and op.op_type != "Dropout":
+    if cls.needs_rng and not getattr(cls, "counter_rng", False):
         return False
     for b in op.outputs:
         blob = graph.blobs[b]
@@ -286,6 +293,8 @@ def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
         else:
             op_type, ins, attrs = op.op_type, [rename.get(b, b) for b in op.inputs], \
                 dict(op.attrs)
+            if getattr(get_kernel_class(op.op_type, op.name), "counter_rng", False):
+                attrs.setdefault("stream", op.name)   # the original's mask stream
         inputs_read.update(b for b in ins if b not in rename.values())
         outs = [b for b in op.outputs if b in rename]
         for old in outs:
@@ -343,7 +352,8 @@ def describe_recompute(graph):
     units = summary["units"]
     if not units:
         why = ("no attention layer matched keeps an (N, H, T, T) tensor (the fused Attention "
-               "op keeps none; attn_dropout > 0 takes the raw sub-graph)"
+               "op keeps none, with attn_dropout or without; fused: false takes the raw "
+               "sub-graph)"
                if summary["setting"] == "selective" else
                "no unit of the layers matched has activations a copy could recompute")
         return f"{summary['setting']}: nothing to recompute: {why}"

@@ -448,7 +448,9 @@ CHOICE_DOCS = {
                 "exactly (batch norm's running statistics), keep their activations",
         "selective": "only attention's (N, H, T, T) tensors, the softmax and its dropout, are "
                      "recomputed (from the kept `qkv`; the dropout mask kept bit-packed), "
-                     "Megatron-LM's selective recompute",
+                     "Megatron-LM's selective recompute: the raw sub-graph's (`fused: "
+                     "false`); the fused Attention op keeps none, with attn_dropout or "
+                     "without",
     },
     "backend": {
         "auto": "CuPy when device >= 0, else NumPy",

@@ -100,11 +100,13 @@ def gelu(b):
                                         "only)", RATIO),
     Key("bias_term", "bool", True, "learn `qkv_bias` and `proj_bias`"),
     Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v, keeping no "
-                               "probabilities (its gradient recomputes them); false: the raw "
-                               "sub-graph "
-                               "AttentionScores → Softmax → AttentionContext, which keeps the "
-                               "(N, H, T, T) probabilities. With attn_dropout > 0 training "
-                               "takes the raw sub-graph"),
+                               "probabilities (its gradient recomputes them), with "
+                               "attn_dropout > 0 also the dropout, its mask redrawn by the "
+                               "gradient from the same Philox stream (the raw path's mask, "
+                               "bit for bit); false: the raw sub-graph AttentionScores → "
+                               "Softmax → (Dropout →) AttentionContext, which keeps the "
+                               "(N, H, T, T) probabilities (and the mask and the dropped "
+                               "probabilities)"),
     Key("weight_filler", "filler", GPT_NORMAL, "initialisation of qkv_weight and proj_weight"),
     Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
         "initialisation of qkv_bias and proj_bias"),
@@ -136,7 +138,13 @@ def attention(b):
     attrs = {"num_heads": heads, "causal": b.get("causal")}
     ctx = g.free_name(f"{name}.ctx")
     train = b.phase == "train"
-    if fused and not (train and ratios["attn_dropout"] > 0):
+    if fused and train and ratios["attn_dropout"] > 0:
+        # the raw path's Dropout op's stream (<name>.attn_drop): the same mask
+        g.add_blob(ITER_BLOB, (), "int64", kind="iter", exist_ok=True)
+        b.op("Attention", [qkv, ITER_BLOB], [ctx],
+             dict(attrs, dropout=ratios["attn_dropout"], stream=f"{name}.attn_drop"),
+             tag="attn")
+    elif fused:
         b.op("Attention", [qkv], [ctx], attrs, tag="attn")
     else:
         s, p = g.free_name(f"{name}.scores"), g.free_name(f"{name}.probs")

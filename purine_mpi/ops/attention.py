@@ -33,6 +33,22 @@ Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
 gradient 0; the diagonal is never masked, so no row is all -inf.
 
+Dropout on the probabilities (the layer's ``attn_dropout`` in training):
+the fused ops take attr ``dropout`` (the ratio) and ``stream`` (the op
+whose Philox stream they draw: the name the raw sub-graph's Dropout op
+gets, ``<layer>.attn_drop``) and the iteration blob as their last input,
+and compute exactly what the raw sub-graph's Dropout op does between the
+softmax and the context (ops/dropout.py: the same mask, keyed by (run seed,
+stream) and counted by (element, iteration), the same products)::
+
+    forward   P' = P * mask / (1 - ratio),  O = P' v
+    gradient  dv = P'^T dO,  dP = (dO v^T) * mask / (1 - ratio),  then dS as above
+
+The gradient redraws the mask (same stream, same iteration) instead of
+keeping it: on the host and the cuBLAS path of a GPU nothing of (N, H, T,
+T) outlives the op; so the fused and the raw paths give the same bits on
+the CPU. On the SDPA path cuDNN draws its own mask (gpu/sdpa.py).
+
 On a GPU the products are cuBLAS calls through gpu/blas.py (nvmath's
 binding, capturable in a CUDA graph): one strided-batched GEMM per head,
 batched over the N sequences, reading q, k, v where they lie in ``qkv`` and
@@ -48,6 +64,8 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
+from ..base.philox import keep_mask_temporaries
+from .dropout import PhiloxStream, _ratio, check_iteration, dropout_backward, dropout_forward
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
@@ -102,6 +120,11 @@ class _AttentionKernel(OpKernel):
     """What the attention ops share: the causal mask, made once per length."""
 
     _mask = None
+
+    @property
+    def ratio(self):
+        """The dropout ratio on the probabilities (attr ``dropout``, default 0)."""
+        return _ratio(self.attrs, "dropout", 0.0)
 
     def mask(self, xp, t, dtype):
         """The (T, T) causal mask as an addend: 0 on and below the diagonal,
@@ -274,33 +297,89 @@ def _sdpa_key(kernel, qkv):
             or get_xp(qkv) is np or qkv.dtype != np.float32:
         return None
     n, t, _, h, d = _dims(kernel.attrs, qkv.shape)
-    return (n, h, t, d, dtype, bool(kernel.attrs.get("causal", True)), 0.0)
+    return (n, h, t, d, dtype, bool(kernel.attrs.get("causal", True)), kernel.ratio)
 
 
 def _sdpa_plans(kernel, qkv):
-    """The op's cuDNN SDPA plans (gpu/sdpa.py), or None: today's path."""
+    """The op's cuDNN SDPA plans (gpu/sdpa.py), or None: today's path. With
+    dropout the op's own device seed (made here, once) and offset: see
+    ``_sdpa_dropout``."""
     key = _sdpa_key(kernel, qkv)
     if key is None:
         return None
     from ..gpu import sdpa
     from ..gpu.raw import array_device
-    return sdpa.plans(kernel.op_type, array_device(qkv), key)
+    plans = sdpa.plans(kernel.op_type, array_device(qkv), key)
+    if plans is not None and kernel.ratio > 0:
+        xp = get_xp(qkv)
+        kernel._sdpa_rng = (xp.asarray(np.array([sdpa.dropout_seed(*kernel.keys)], np.int64)),
+                            xp.zeros((1,), np.int64))
+    return plans
+
+
+def _sdpa_dropout(kernel, it):
+    """(seed, offset) device int64s of the op's SDPA dropout at iteration
+    blob ``it`` (None without dropout): the seed made once from (run seed,
+    stream); the offset iteration * (B H T T), written on the device by
+    the op's own stream each run (captured with it), so the Philox
+    counters of two iterations never overlap (cuDNN offsets a counter per
+    element; the iteration itself would shift the same stream by one)."""
+    if kernel.ratio <= 0:
+        return None
+    seed, offset = kernel._sdpa_rng
+    n, h, t = kernel._sdpa.dims[:3]
+    stride = np.int64(n * h * t * t)
+    if get_xp(it) is np:
+        offset[...] = np.int64(int(np.asarray(it).reshape(())) * int(stride))
+    else:
+        get_xp(offset).multiply(it.reshape((1,)), stride, out=offset)
+    return seed, offset
+
+
+def _check_dropout_inputs(what, attrs, ins, base):
+    """The iteration input of a fused op with dropout: ``ins[base]``, the
+    last; none without."""
+    ratio = _ratio(attrs, "dropout", 0.0)
+    want = base + (1 if ratio > 0 else 0)
+    if len(ins) != want:
+        raise ShapeError(f"{what} takes {base} input(s)" + (
+            " and the iteration blob (its dropout mask is counted by it)" if ratio > 0 else "")
+            + f", got {len(ins)}")
+    if ratio > 0:
+        check_iteration(what, ins[base])
+
+
+def _probs_specs(kernel, qkv, count):
+    """``count`` (N, H, T, T) arrays, and with dropout one more: the mask."""
+    spec = _scores_spec(qkv, int(kernel.attrs["num_heads"]))
+    return [spec] * (count + (1 if kernel.ratio > 0 else 0))
+
+
+def _dropout_temporaries(kernel, qkv):
+    """The host draw's temporaries (base/philox.py) of a fused op with
+    dropout; [] without."""
+    if kernel.ratio <= 0:
+        return []
+    return keep_mask_temporaries(_scores_spec(qkv, int(kernel.attrs["num_heads"]))[0])
 
 
 @register
-class Attention(_AttentionKernel):
+class Attention(PhiloxStream, _AttentionKernel):
     """[qkv] -> [ctx] (or [ctx, stats] when marked ``sdpa``): the fused
     path, softmax(q k^T / sqrt(D)) v in one op, the probabilities in the
     op's scratch only; see the module docstring. In bf16/fp16 on a GPU,
     cuDNN's fused attention (gpu/sdpa.py) where it takes the shape, writing
     the softmax statistics (log-sum-exp, (N, H, T, 1) float32) to ``stats``
     for the gradient; elsewhere ``stats`` is not written (the gradient
-    recomputes the probabilities)."""
+    recomputes the probabilities). With attr ``dropout`` > 0: [qkv, iter],
+    dropout on the probabilities drawn from the Philox stream of attr
+    ``stream`` (the module docstring; ``seed`` as the Dropout op's)."""
 
     op_type = "Attention"
     temporaries_on_host = True   # new arrays of scratch_specs each host run
     products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
     _sdpa = None
+    _sdpa_rng = None
 
     def __init__(self, op):
         super().__init__(op)
@@ -309,6 +388,7 @@ class Attention(_AttentionKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
+        _check_dropout_inputs("Attention", attrs, ins, 1)
         n, t, c, h, _ = _dims(attrs, ins[0][0])
         outs = [((n, t, c), ins[0][1])]
         if attrs.get("sdpa"):
@@ -322,39 +402,51 @@ class Attention(_AttentionKernel):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
+        """P (and with dropout its mask), or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=False)
-        return [_scores_spec(ins[0], int(self.attrs["num_heads"]))]
+        return _probs_specs(self, ins[0], 1)
+
+    def host_temporaries(self, ins, outs):
+        """P, the mask and the draw's temporaries (dropout)."""
+        return self.scratch_specs(ins, outs) + _dropout_temporaries(self, ins[0])
 
     def run(self, ins, outs):
         qkv = ins[0]
         if self._sdpa is not None:
             self._sdpa.forward(qkv, outs[0], outs[1],
-                               self.temporaries(qkv, *self.scratch_specs(ins, outs)))
+                               self.temporaries(qkv, *self.scratch_specs(ins, outs)),
+                               dropout=_sdpa_dropout(self, ins[-1]))
             return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
-        (p,) = self.temporaries(qkv, *self.scratch_specs(ins, outs))
+        p, *mask = self.temporaries(qkv, *self.scratch_specs(ins, outs))
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
+        if mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
+            dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0])
         bmm(xp, p, v, heads_view(outs[0], heads))
 
 
 @register
-class AttentionGrad(_AttentionKernel):
+class AttentionGrad(PhiloxStream, _AttentionKernel):
     """[dctx, qkv] (or [dctx, qkv, ctx, stats] when marked ``sdpa``) ->
     [dqkv], recomputing S and P; see the module docstring. On the SDPA path
     (gpu/sdpa.py; the same plans as its forward op's, so both take it or
-    neither) cuDNN's backward from the forward's ctx and statistics."""
+    neither) cuDNN's backward from the forward's ctx and statistics. With
+    attr ``dropout`` > 0 the iteration blob is the last input and the mask
+    is redrawn from the forward's stream (attrs ``stream``, ``dropout``)."""
 
     op_type = "AttentionGrad"
     temporaries_on_host = True   # new arrays of scratch_specs each host run
     products = True   # cuBLAS on a GPU (gpu/blas.py), or cuDNN's SDPA
     _sdpa = None
+    _sdpa_rng = None
 
     @classmethod
     def infer(cls, attrs, ins):
+        _check_dropout_inputs("AttentionGrad", attrs, ins, 4 if attrs.get("sdpa") else 2)
         return [ins[1]]
 
     def setup(self, ins, outs):
@@ -364,36 +456,48 @@ class AttentionGrad(_AttentionKernel):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
 
     def scratch_specs(self, ins, outs):
+        """P, dP (and with dropout the mask), or the SDPA plans' scratch."""
         if self._sdpa is not None:
             return self._sdpa.scratch_specs(backward=True)
-        return [_scores_spec(ins[1], int(self.attrs["num_heads"]))] * 2
+        return _probs_specs(self, ins[1], 2)
 
     def run(self, ins, outs):
         dctx, qkv = ins[:2]
         if self._sdpa is not None:
             ctx, stats = ins[2:4]
             self._sdpa.backward(dctx, qkv, ctx, stats, outs[0],
-                                self.temporaries(qkv, *self.scratch_specs(ins, outs)))
+                                self.temporaries(qkv, *self.scratch_specs(ins, outs)),
+                                dropout=_sdpa_dropout(self, ins[-1]))
             return
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
-        p, dp = self.temporaries(qkv, *self.scratch_specs(ins, outs))
+        p, dp, *mask = self.temporaries(qkv, *self.scratch_specs(ins, outs))
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         do = heads_view(dctx, heads)
-        bmm(xp, p, do, dv, trans_a=True)
+        if mask:   # the forward's P' (in dP's bytes until dP is made) and mask
+            dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0])
+            bmm(xp, dp, do, dv, trans_a=True)
+        else:
+            bmm(xp, p, do, dv, trans_a=True)
         bmm(xp, do, v, dp, trans_b=True)
+        if mask:   # the Dropout op's gradient
+            dropout_backward(dp, mask[0], self.ratio, dp)
         softmax_rows_grad(xp, dp, p)                   # dS
         scale = 1.0 / math.sqrt(q.shape[-1])
         bmm(xp, dp, k, dq, alpha=scale)
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_temporaries(self, ins, outs):
-        """P and dP, and on the host path ``softmax_rows_grad``'s dP * P."""
+        """P and dP (and the mask), and on the host path the larger of
+        ``softmax_rows_grad``'s dP * P and the dropout draw's temporaries
+        (they are not live at once)."""
         specs = self.scratch_specs(ins, outs)
-        return specs if self._sdpa is not None else specs + specs[:1]
+        if self._sdpa is not None:
+            return specs
+        return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])
 
 
 @gradient("Attention")
@@ -401,5 +505,9 @@ def _attention_grad(g, op):
     dctx = g.grad_of(op.outputs[0])
     qkv = op.inputs[0]
     if dctx is not None and g.needs_grad(qkv):
-        g.emit("AttentionGrad", [dctx, qkv], [g.grad_blob(qkv)],
-               {k: op.attrs[k] for k in ("num_heads", "causal") if k in op.attrs})
+        # with dropout: the same stream (and seed attr), and the iteration
+        attrs = {k: op.attrs[k] for k in ("num_heads", "causal", "dropout", "stream", "seed")
+                 if k in op.attrs}
+        if "dropout" in attrs and "stream" not in attrs:
+            attrs["stream"] = op.name   # the forward's own stream
+        g.emit("AttentionGrad", [dctx, qkv] + op.inputs[1:2], [g.grad_blob(qkv)], attrs)

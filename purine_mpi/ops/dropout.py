@@ -35,8 +35,8 @@ from ..base.philox import dropout_keys, keep_mask
 from .registry import OpKernel, gradient, register
 
 
-def _ratio(attrs):
-    ratio = float(attrs.get("ratio", 0.5))
+def _ratio(attrs, key="ratio", default=0.5):
+    ratio = float(attrs.get(key, default))
     if not 0.0 <= ratio < 1.0:
         raise ShapeError(f"dropout ratio must lie in [0, 1), got {ratio}")
     return ratio
@@ -79,24 +79,68 @@ def _iteration_value(it):
     return int(np.asarray(it).reshape(()))
 
 
-@register
-class Dropout(OpKernel):
-    """Train phase: [x, iter] -> [y, mask], mask_i = 1 when Philox word i of
-    the op's stream at iteration ``iter`` is >= floor(ratio 2^32), else 0 (in
-    x's dtype; P(1) = 1 - ratio), y = x * mask / (1 - ratio).
-    Test phase: [x] -> [y], y = x.
-    Attrs ``ratio`` (default 0.5), ``phase`` (default "train"), ``seed``
-    (used only when no dispatcher provides the run seed), ``stream`` (the
-    op whose Philox stream it draws, default itself), ``packed_mask``
-    (default false; true: the mask output is the bit-packed uint8 blob of
-    :func:`packed_shape`, see the module docstring).
-    Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
+def check_iteration(what, spec):
+    """A ShapeError unless ``spec`` ((shape, dtype)) is the iteration blob's:
+    a scalar integer (the input that counts a Philox mask stream)."""
+    shape, dtype = spec
+    if int(np.prod(shape, dtype=np.int64)) != 1 or np.dtype(dtype).kind not in "iu":
+        raise ShapeError(f"{what}'s iteration input is a scalar integer blob; got {dtype} of "
+                         f"shape {list(shape)}")
 
-    op_type = "Dropout"
-    in_place = ((0, 0),)  # y over x
+
+def dropout_forward(x, it, ratio, keys, y, mask=None):
+    """Dropout's train forward: y = x * keep / (1 - ratio), keep the Philox
+    keep-mask of the stream ``keys`` ((key0, key1, counter word 1),
+    :func:`purine_mpi.base.philox.dropout_keys`) at iteration ``it`` (the
+    iteration blob), and mask <- keep in x's dtype (0 and 1) where given. y
+    may be x. On a GPU the raw kernel of cuda/dropout.cu (``mask`` required),
+    on the host NumPy: the same bits, the same products, in the same order.
+    Used by the Dropout op and by the fused Attention op's dropout
+    (ops/attention.py)."""
+    xp = get_xp(x)
+    key0, key1, ctr1 = keys
+    k = raw_kernels(xp, x)
+    if k is not None:
+        if get_xp(it) is np:
+            it = _iteration_value(it)
+        k.dropout_forward(x, it, ratio, key0, key1, ctr1, out=(y, mask))
+        return
+    keep = xp.asarray(keep_mask(x.shape, ratio, key0, key1, ctr1,
+                                _iteration_value(to_numpy(it))))
+    if mask is not None:
+        mask[...] = keep
+        keep = mask
+    # x * keep is x or 0 exactly (the mask's 0/1 or the bools alike); x is
+    # read before y is written, so y may share x's storage
+    xp.multiply(x, keep, out=y)
+    y *= 1.0 / (1.0 - ratio)
+
+
+def dropout_backward(dy, mask, ratio, out):
+    """out = dy * mask / (1 - ratio) (Dropout's gradient; out may be dy):
+    on a GPU the raw kernel, else NumPy in the same order."""
+    k = raw_kernels(get_xp(dy), dy, mask)
+    if k is not None:
+        k.dropout_backward(dy, mask, ratio, out=out)
+        return
+    get_xp(dy).multiply(dy, mask, out=out)
+    out *= 1.0 / (1.0 - ratio)
+
+
+class PhiloxStream:
+    """What a kernel drawing Dropout's Philox masks shares (a mixin before
+    OpKernel): the run seed from the dispatcher's per-op generator hook
+    (``needs_rng``), kept as a number, the generator dropped (nothing to
+    save); ``keys`` of the stream the ``stream`` attr names (default the
+    op itself). A copy of such an op (activation recompute) redraws the
+    same masks: ``counter_rng``."""
+
     #: the dispatcher's per-op generator hook carries the run seed (see the
     #: module docstring); no generator is kept
     needs_rng = True
+    #: the draws are a function of (seed, stream, iteration): a copy of the
+    #: op repeats them bit for bit (graph/recompute.py)
+    counter_rng = True
 
     def __init__(self, op):
         self._seed = int(op.attrs.get("seed", 0))
@@ -111,7 +155,7 @@ class Dropout(OpKernel):
     def rng(self, generator):
         # The runtime seeds its per-op generators with [run seed, crc32(op)]:
         # keep the run seed, the op id comes from the name (philox.op_id).
-        if generator is not None:
+        if generator is not None and hasattr(generator, "bit_generator"):
             entropy = generator.bit_generator.seed_seq.entropy
             self._seed = int(entropy[0] if isinstance(entropy, (list, tuple)) else entropy)
 
@@ -120,6 +164,23 @@ class Dropout(OpKernel):
         """(key0, key1, counter word 1) of this op's Philox stream (that of
         the op its ``stream`` attr names, if any)."""
         return dropout_keys(self._seed, self.op.attrs.get("stream", self.op.name))
+
+
+@register
+class Dropout(PhiloxStream, OpKernel):
+    """Train phase: [x, iter] -> [y, mask], mask_i = 1 when Philox word i of
+    the op's stream at iteration ``iter`` is >= floor(ratio 2^32), else 0 (in
+    x's dtype; P(1) = 1 - ratio), y = x * mask / (1 - ratio).
+    Test phase: [x] -> [y], y = x.
+    Attrs ``ratio`` (default 0.5), ``phase`` (default "train"), ``seed``
+    (used only when no dispatcher provides the run seed), ``stream`` (the
+    op whose Philox stream it draws, default itself), ``packed_mask``
+    (default false; true: the mask output is the bit-packed uint8 blob of
+    :func:`packed_shape`, see the module docstring).
+    Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
+
+    op_type = "Dropout"
+    in_place = ((0, 0),)  # y over x
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -131,10 +192,7 @@ class Dropout(OpKernel):
         if len(ins) != 2:
             raise ShapeError("Dropout (train phase) takes [x, iter]: the iteration blob keys "
                              f"its random mask; got {len(ins)} input(s)")
-        shape, dtype = ins[1]
-        if int(np.prod(shape, dtype=np.int64)) != 1 or np.dtype(dtype).kind not in "iu":
-            raise ShapeError(f"Dropout's second input is the iteration, a scalar integer blob; "
-                             f"got {dtype} of shape {list(shape)}")
+        check_iteration("Dropout", ins[1])
         if attrs.get("packed_mask"):
             return [ins[0], (packed_shape(ins[0][0]), "uint8")]
         return [ins[0], ins[0]]
@@ -150,23 +208,9 @@ class Dropout(OpKernel):
         packed = bool(self.attrs.get("packed_mask"))
         if packed:  # the float mask is scratch; the packed bits are the output
             bits, mask = mask, xp.empty_like(x)
-        key0, key1, ctr1 = self.keys
-        it = ins[1]
-        k = raw_kernels(xp, x)
-        if k is not None:
-            if get_xp(it) is np:
-                it = _iteration_value(it)
-            k.dropout_forward(x, it, ratio, key0, key1, ctr1, out=(y, mask))
-            if packed:
-                bits[...] = pack_mask(mask)
-            return
-        keep = keep_mask(x.shape, ratio, key0, key1, ctr1, _iteration_value(to_numpy(it)))
-        mask[...] = xp.asarray(keep)
+        dropout_forward(x, ins[1], ratio, self.keys, y, mask)
         if packed:
-            bits[...] = pack_mask(xp.asarray(keep))
-        # x is read before y is written, so y may share x's storage
-        xp.multiply(x, mask, out=y)
-        y *= 1.0 / (1.0 - ratio)
+            bits[...] = pack_mask(mask)
 
 
 @register
@@ -220,12 +264,7 @@ class DropoutGrad(OpKernel):
         ratio = _ratio(self.attrs)
         if self.attrs.get("packed_mask"):
             mask = unpack_mask(mask, dy.shape, dy.dtype)
-        k = raw_kernels(get_xp(dy), dy, mask)
-        if k is not None:
-            k.dropout_backward(dy, mask, ratio, out=outs[0])
-            return
-        get_xp(dy).multiply(dy, mask, out=outs[0])
-        outs[0] *= 1.0 / (1.0 - ratio)
+        dropout_backward(dy, mask, ratio, outs[0])
 
 
 @gradient("Dropout")

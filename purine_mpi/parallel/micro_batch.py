@@ -7,7 +7,10 @@ sub-graph copied once per micro-batch over shared weights
 
 Copy k of every op between the data and the gradients is named
 ``<op>@mb<k>`` and writes ``<blob>@mb<k>``; weights, ``iter`` and ``lr`` are
-shared. The graph comes built for one micro-batch (job/replica.build_train_graph
+shared; an op whose attr ``stream`` names the op whose Philox stream it
+draws (the fused attention's dropout: its raw path's Dropout op) draws
+``<stream>@mb<k>`` in copy k, as copy k of that Dropout op would: each
+micro-batch its own masks. The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly
@@ -97,6 +100,10 @@ def replicate_micro_batches(graph, grads, micro_batches):
                 attrs["rank"] = int(attrs.get("rank", 0)) * m + k
                 attrs["world_size"] = int(attrs.get("world_size", 1)) * m
                 attrs["micro_batch"], attrs["micro_batches"] = k, m
+            if "stream" in attrs:   # a Philox stream named by an op (the fused
+                # attention's dropout: its raw path's Dropout op), per copy as
+                # that op's copy's own: each micro-batch draws its own masks
+                attrs["stream"] = micro_name(attrs["stream"], k)
             name = micro_name(op.name, k)
             graph.add_op(name, op.op_type,
                          [micro_name(b, k) if b in made else b for b in op.inputs],

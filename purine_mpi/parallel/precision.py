@@ -86,7 +86,8 @@ def keep_attention_stats(graph):
     ``sdpa`` (gpu/sdpa.py: cuDNN's fused attention where it takes the
     shape): the forward gets a second output ``<ctx>.stats``, the softmax
     statistics ((N, H, T, 1) float32, no ``precision``: they stay float32),
-    which the gradient reads with ctx, so the memory planner keeps both live
+    which the gradient reads with ctx (after qkv: [dctx, qkv, ctx, stats],
+    the iteration last with dropout), so the memory planner keeps both live
     from the forward to the backward. Returns the names of the ops marked."""
     readers = {}
     for op in graph.ops.values():
@@ -105,9 +106,12 @@ def keep_attention_stats(graph):
         op.attrs["sdpa"] = True
         marked.append(op.name)
         for grad in readers.get(op.inputs[0], []):
-            if len(grad.inputs) == 2 and grad.attrs.get("causal", True) == \
-                    op.attrs.get("causal", True):
-                grad.inputs += [ctx, stats]
+            # [dctx, qkv(, iter)]: ctx and stats go after qkv (the iteration,
+            # with dropout, stays last)
+            if grad.inputs[2:] == op.inputs[1:] and all(
+                    grad.attrs.get(k, d) == op.attrs.get(k, d)
+                    for k, d in (("causal", True), ("dropout", 0.0))):
+                grad.inputs[2:2] = [ctx, stats]
                 grad.attrs["sdpa"] = True
                 marked.append(grad.name)
     return marked

@@ -52,13 +52,20 @@ def op_flops(op, shape):
         return 2 * _size(shape(ins[0])) * _size(shape(outs[0])[1:])
     if t in ("Attention", "AttentionGrad", "AttentionScores", "AttentionScoresGrad",
              "AttentionContext", "AttentionContextGrad"):
-        qkv = shape(ins[-1])  # the last input of each: (N, T, 3C)
+        # the (N, T, 3C) qkv input (not the last: the fused ops' iteration
+        # with dropout, the SDPA gradient's statistics)
+        qkv = shape(ins[QKV_INPUT[t]])
         n, seq, width = int(qkv[0]), int(qkv[1]), int(qkv[2]) // 3
         one = 2 * n * seq * seq * width  # one of q·kᵀ, P·v (all heads)
         return one * {"Attention": 2, "AttentionGrad": 4, "AttentionScores": 1,
                       "AttentionScoresGrad": 2, "AttentionContext": 1,
                       "AttentionContextGrad": len(op.attrs.get("outputs") or (0, 0))}[t]
     return 0
+
+
+#: the index of the qkv input of each attention op
+QKV_INPUT = {"Attention": 0, "AttentionGrad": 1, "AttentionScores": 0, "AttentionScoresGrad": 1,
+             "AttentionContext": 1, "AttentionContextGrad": 2}
 
 
 def graph_flops(graph):
@@ -81,7 +88,7 @@ def gpt_figures(graph):
     attn = [op for op in graph.ops.values() if op.op_type in ("Attention", "AttentionScores")]
     if not attn:
         return None
-    qkv = graph.blobs[attn[0].inputs[-1]].shape
+    qkv = graph.blobs[attn[0].inputs[QKV_INPUT[attn[0].op_type]]].shape
     positional = {b for op in graph.ops.values() if op.op_type == "PositionEmbedding"
                   for b in op.inputs[1:]}
     n = sum(_size(b.shape) for b in graph.params() if b.name not in positional)
