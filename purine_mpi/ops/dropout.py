@@ -79,12 +79,6 @@ def unpack_mask(bits, shape, dtype, out=None):
     return out
 
 
-def pack_temporaries(shape):
-    """The ``(shape, dtype)`` arrays :func:`pack_mask` of a float mask of
-    ``shape`` allocates besides its result: the bool comparison."""
-    return [(tuple(shape), np.bool_)]
-
-
 def unpack_temporaries(shape):
     """The ``(shape, dtype)`` arrays :func:`unpack_mask` with ``out`` of
     ``shape`` allocates: the unpacked bytes (a whole number of bytes' bits)."""
