@@ -139,6 +139,66 @@ def test_a_gpt_trains_bit_for_bit_fused_or_raw_with_attention_dropout():
     assert not differ, differ
 
 
+def _attention_draws(monkeypatch, graph_pass=None, iters=2):
+    """Train the 2-block fused GPT with attn_dropout (seed 3) for ``iters``
+    steps, ``graph_pass`` applied to its graph first, counting the host
+    Philox draws of each attention layer's stream (base/philox.py's
+    ``random_bits`` by its key: the stream's op id). Returns (draws per
+    layer, the graph, the weights)."""
+    from purine_mpi.base import philox
+    from purine_mpi.layers.fillers import fill
+    from purine_mpi.runtime.dispatcher import SerialDispatcher
+    streams = {philox.op_id(f"h{i}_attn.attn_drop"): f"h{i}_attn" for i in range(2)}
+    draws = {name: 0 for name in streams.values()}
+    real = philox.random_bits
+
+    def counted(count, key0, *rest):
+        if key0 in streams:
+            draws[streams[key0]] += 1
+        return real(count, key0, *rest)
+    monkeypatch.setattr(philox, "random_bits", counted)
+    solver = {"type": "adamw", "base_lr": 1e-2, "weight_decay": 0.1, "max_iter": iters}
+    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, dropout=0.2)
+    g, _, _ = gpt_graph(net, solver, 2, 6)
+    assert sorted(op.name.split(".")[0] for op in g.ops.values()
+                  if op.op_type == "Attention") == sorted(draws)
+    if graph_pass is not None:
+        graph_pass(g)
+    d = SerialDispatcher(g, seed=3)
+    for b in g.params():
+        d.workspace.set(b.name, fill(b, 3))
+    for b in g.blobs.values():
+        if b.kind == "state" and b.alias_of is None:
+            d.workspace.set(b.name, np.zeros(b.shape, b.dtype))
+    toks = np.random.default_rng(0).integers(0, 16, (iters, 2, 7))
+    for it in range(iters):
+        step_ours(d, toks[it, :, :-1], toks[it, :, 1:], it)
+    return draws, g, {p.name: d.workspace[p.name].copy() for p in g.params()}
+
+
+def test_the_gradient_unpacks_the_forwards_mask_without_a_second_draw(monkeypatch):
+    """On the host the fused op keeps its keep-mask bit-packed (uint8,
+    ceil(N H T T / 8) bytes, the forward's second output) and AttentionGrad
+    unpacks it: one Philox draw of the layer's stream an iteration (the
+    forward's), none in the gradient. Placement on a GPU
+    (``redraw_attention_masks``) drops the packed mask and the gradient
+    redraws (two draws) -- the same weights, bit for bit."""
+    draws, g, packed = _attention_draws(monkeypatch)
+    assert draws == {"h0_attn": 2, "h1_attn": 2}, draws   # forward only, 2 iterations
+    for op in g.ops.values():
+        if op.op_type == "Attention":
+            bits = g.blobs[op.outputs[1]]
+            assert bits.dtype == "uint8" and bits.shape == (-(-(2 * 2 * 6 * 6) // 8),)
+            (grad,) = [c for c in g.ops.values() if c.op_type == "AttentionGrad"
+                       and c.inputs[1] == op.inputs[0]]
+            assert grad.inputs[2] == op.outputs[1] and grad.inputs[-1] == "iter"
+    from purine_mpi.parallel.placement import redraw_attention_masks
+    draws, g, redrawn = _attention_draws(monkeypatch, redraw_attention_masks)
+    assert draws == {"h0_attn": 4, "h1_attn": 4}, draws
+    assert not any(b.dtype == "uint8" for b in g.blobs.values())
+    assert all(np.array_equal(packed[k], redrawn[k]) for k in packed)
+
+
 # ------------------------------------------------- (b) finite differences
 def test_fused_dropout_gradient_matches_finite_differences():
     """At a fixed iteration the mask is fixed: the loss sum(ctx * w) is

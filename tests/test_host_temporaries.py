@@ -90,6 +90,13 @@ def _cases():
          [np.empty((8, 128, 128), np.float32)]),
         ("AttentionGrad", {"num_heads": 4, "dropout": 0.1},
          [_f(8, 128, 128), _f(8, 128, 384), np.array(3)], [np.empty((8, 128, 384), np.float32)]),
+        # the host path: the forward packs its mask, the gradient unpacks it
+        ("Attention", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
+         [_f(8, 128, 384), np.array(3)],
+         [np.empty((8, 128, 128), np.float32), np.empty(8 * 4 * 128 * 128 // 8, np.uint8)]),
+        ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
+         [_f(8, 128, 128), _f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
+          np.array(3)], [np.empty((8, 128, 384), np.float32)]),
     ]
 
 

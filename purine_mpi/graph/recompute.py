@@ -27,8 +27,9 @@ parallel composition (job/replica.py calls it):
     output after ``AttentionScores`` and the ``Dropout`` of it (with
     ``attn_dropout``), from the ``qkv`` blob the backward keeps anyway: the
     raw sub-graph (``fused: false``). The fused ``Attention`` op keeps no
-    such tensor, with dropout or without (its gradient redraws the mask):
-    nothing to do there.
+    such tensor, with dropout or without (its gradient unpacks the
+    forward's bit-packed mask on the host, redraws it on a GPU): nothing
+    to do there.
 
 For a unit, the backward ops that read a recomputed blob are redirected to
 its copy (``<blob>@recompute``), written by a copy of its producer
@@ -44,7 +45,9 @@ during the unit's backward.
 A copy of an op that draws a counter-based Philox stream (``counter_rng``:
 the fused ``Attention`` op with ``attn_dropout``) draws its original's
 stream (attr ``stream``, set to the original's name where absent) at the
-same iteration: the same mask, bit for bit.
+same iteration: the same mask, bit for bit (on the host it also writes
+its own copy of the bit-packed mask, ``<bits>@recompute``, which the
+gradient then reads).
 
 A ``Dropout`` of a unit whose mask the backward reads keeps that mask
 bit-packed instead (ops/dropout.py, ``packed_mask``: uint8, 1 bit an

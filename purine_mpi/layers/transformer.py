@@ -101,9 +101,10 @@ def gelu(b):
     Key("bias_term", "bool", True, "learn `qkv_bias` and `proj_bias`"),
     Key("fused", "bool", True, "one Attention op computing softmax(q·kᵀ/√D)·v, keeping no "
                                "probabilities (its gradient recomputes them), with "
-                               "attn_dropout > 0 also the dropout, its mask redrawn by the "
-                               "gradient from the same Philox stream (the raw path's mask, "
-                               "bit for bit); false: the raw sub-graph AttentionScores → "
+                               "attn_dropout > 0 also the dropout (the raw path's mask, bit "
+                               "for bit, from the same Philox stream), its mask kept "
+                               "bit-packed for the gradient on the host (1/32 of a float "
+                               "mask), redrawn by the gradient on a GPU; false: the raw sub-graph AttentionScores → "
                                "Softmax → (Dropout →) AttentionContext, which keeps the "
                                "(N, H, T, T) probabilities (and the mask and the dropped "
                                "probabilities)"),
@@ -139,10 +140,13 @@ def attention(b):
     ctx = g.free_name(f"{name}.ctx")
     train = b.phase == "train"
     if fused and train and ratios["attn_dropout"] > 0:
-        # the raw path's Dropout op's stream (<name>.attn_drop): the same mask
+        # the raw path's Dropout op's stream (<name>.attn_drop): the same mask,
+        # kept bit-packed for the gradient (a GPU's placement drops it: the
+        # gradient redraws there; ops/attention.py)
         g.add_blob(ITER_BLOB, (), "int64", kind="iter", exist_ok=True)
-        b.op("Attention", [qkv, ITER_BLOB], [ctx],
-             dict(attrs, dropout=ratios["attn_dropout"], stream=f"{name}.attn_drop"),
+        b.op("Attention", [qkv, ITER_BLOB], [ctx, g.free_name(f"{name}.attn_mask.bits")],
+             dict(attrs, dropout=ratios["attn_dropout"], stream=f"{name}.attn_drop",
+                  packed_mask=True),
              tag="attn")
     elif fused:
         b.op("Attention", [qkv], [ctx], attrs, tag="attn")

@@ -44,10 +44,17 @@ stream) and counted by (element, iteration), the same products)::
     forward   P' = P * mask / (1 - ratio),  O = P' v
     gradient  dv = P'^T dO,  dP = (dO v^T) * mask / (1 - ratio),  then dS as above
 
-The gradient redraws the mask (same stream, same iteration) instead of
-keeping it: on the host and the cuBLAS path of a GPU nothing of (N, H, T,
-T) outlives the op; so the fused and the raw paths give the same bits on
-the CPU. On the SDPA path cuDNN draws its own mask (gpu/sdpa.py).
+On the host the forward keeps the mask bit-packed (attr ``packed_mask``,
+set by the layer: a second output ``<layer>.attn_mask.bits``, uint8, 1 bit
+an element, ceil(N H T T / 8) bytes, 1/32 of a float32 mask; the packing of
+ops/dropout.py's ``packed_mask``) and the gradient reads it (before the
+iteration: [dctx, qkv, bits, iter]) and unpacks it instead of drawing
+Philox again (a host draw costs ~50 times an unpack). On a GPU a Philox
+draw is one cheap kernel: placement (parallel/placement.py,
+``redraw_attention_masks``) drops the packed mask and the gradient redraws
+it (same stream, same iteration), so nothing of (N, H, T, T) outlives the
+op there. Either way the fused and the raw paths give the same bits on the
+CPU. On the SDPA path cuDNN draws its own mask (gpu/sdpa.py).
 
 On a GPU the products are cuBLAS calls through gpu/blas.py (nvmath's
 binding, capturable in a CUDA graph): one strided-batched GEMM per head,
@@ -65,7 +72,8 @@ from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
 from ..base.philox import keep_mask_temporaries
-from .dropout import PhiloxStream, _ratio, check_iteration, dropout_backward, dropout_forward
+from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
+                      dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
@@ -289,6 +297,12 @@ def _scores_spec(qkv, heads):
     return ((n, heads, t, t), qkv.dtype)
 
 
+def _scores_spec_of(attrs, qkv_shape):
+    """The (N, H, T, T) shape of the probabilities of a qkv of ``qkv_shape``."""
+    n, t, _, h, _ = _dims(attrs, qkv_shape)
+    return (n, h, t, t)
+
+
 def _sdpa_key(kernel, qkv):
     """The SDPA plan key of an op marked ``sdpa`` (parallel/precision.py) in
     bf16/fp16 whose arrays live on a GPU, else None (today's path)."""
@@ -334,6 +348,12 @@ def _sdpa_dropout(kernel, it):
     else:
         get_xp(offset).multiply(it.reshape((1,)), stride, out=offset)
     return seed, offset
+
+
+def packed(attrs):
+    """Whether a fused op with dropout keeps its mask bit-packed (attr
+    ``packed_mask``; the host path, see the module docstring)."""
+    return bool(attrs.get("packed_mask")) and _ratio(attrs, "dropout", 0.0) > 0
 
 
 def _check_dropout_inputs(what, attrs, ins, base):
@@ -393,6 +413,8 @@ class Attention(PhiloxStream, _AttentionKernel):
         outs = [((n, t, c), ins[0][1])]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
+        if packed(attrs):   # the bit-packed keep-mask, for the gradient
+            outs.append((packed_shape((n, h, t, t)), "uint8"))
         return outs
 
     def setup(self, ins, outs):
@@ -426,6 +448,8 @@ class Attention(PhiloxStream, _AttentionKernel):
         softmax_rows(xp, p)
         if mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
             dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0])
+            if packed(self.attrs):   # kept for the gradient (no second draw)
+                outs[-1][...] = pack_mask(mask[0])
         bmm(xp, p, v, heads_view(outs[0], heads))
 
 
@@ -436,7 +460,9 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
     (gpu/sdpa.py; the same plans as its forward op's, so both take it or
     neither) cuDNN's backward from the forward's ctx and statistics. With
     attr ``dropout`` > 0 the iteration blob is the last input and the mask
-    is redrawn from the forward's stream (attrs ``stream``, ``dropout``)."""
+    is redrawn from the forward's stream (attrs ``stream``, ``dropout``),
+    or with attr ``packed_mask`` unpacked from the forward's bit-packed mask,
+    the input before the iteration."""
 
     op_type = "AttentionGrad"
     temporaries_on_host = True   # new arrays of scratch_specs each host run
@@ -446,7 +472,10 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        _check_dropout_inputs("AttentionGrad", attrs, ins, 4 if attrs.get("sdpa") else 2)
+        base = (4 if attrs.get("sdpa") else 2) + (1 if packed(attrs) else 0)
+        _check_dropout_inputs("AttentionGrad", attrs, ins, base)
+        if packed(attrs):
+            _check_packed("AttentionGrad", _scores_spec_of(attrs, ins[1][0]), ins[base - 1])
         return [ins[1]]
 
     def setup(self, ins, outs):
@@ -477,7 +506,11 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         do = heads_view(dctx, heads)
-        if mask:   # the forward's P' (in dP's bytes until dP is made) and mask
+        if mask and packed(self.attrs):   # the forward's mask, unpacked; P' as
+            unpack_mask(ins[-2], p.shape, p.dtype, out=mask[0])   # Dropout makes it
+            dropout_backward(p, mask[0], self.ratio, dp)
+            bmm(xp, dp, do, dv, trans_a=True)
+        elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
             dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0])
             bmm(xp, dp, do, dv, trans_a=True)
         else:
@@ -491,13 +524,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_temporaries(self, ins, outs):
-        """P and dP (and the mask), and on the host path the larger of
-        ``softmax_rows_grad``'s dP * P and the dropout draw's temporaries
-        (they are not live at once)."""
+        """P and dP (and the mask), and on the host path the largest of
+        ``softmax_rows_grad``'s dP * P and the dropout draw's temporaries, or
+        with a packed mask its unpacking's (they are not live at once)."""
         specs = self.scratch_specs(ins, outs)
         if self._sdpa is not None:
             return specs
+        if packed(self.attrs):
+            return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=_nbytes)
         return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])
+
+
+def _nbytes(specs):
+    return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in specs)
 
 
 @gradient("Attention")
@@ -506,8 +545,10 @@ def _attention_grad(g, op):
     qkv = op.inputs[0]
     if dctx is not None and g.needs_grad(qkv):
         # with dropout: the same stream (and seed attr), and the iteration
-        attrs = {k: op.attrs[k] for k in ("num_heads", "causal", "dropout", "stream", "seed")
-                 if k in op.attrs}
+        attrs = {k: op.attrs[k] for k in ("num_heads", "causal", "dropout", "stream", "seed",
+                                          "packed_mask") if k in op.attrs}
         if "dropout" in attrs and "stream" not in attrs:
             attrs["stream"] = op.name   # the forward's own stream
-        g.emit("AttentionGrad", [dctx, qkv] + op.inputs[1:2], [g.grad_blob(qkv)], attrs)
+        # with a packed mask: [dctx, qkv, bits, iter] (the forward's last output)
+        bits = op.outputs[-1:] if packed(op.attrs) else []
+        g.emit("AttentionGrad", [dctx, qkv] + bits + op.inputs[1:2], [g.grad_blob(qkv)], attrs)

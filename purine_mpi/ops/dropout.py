@@ -67,11 +67,22 @@ def pack_mask(keep):
     return xp.packbits(keep.reshape(-1) != 0)
 
 
-def unpack_mask(bits, shape, dtype):
-    """The keep-mask of ``shape`` in ``dtype`` (0 and 1) from its packed form."""
+def unpack_mask(bits, shape, dtype, out=None):
+    """The keep-mask of ``shape`` in ``dtype`` (0 and 1) from its packed
+    form; written into ``out`` (of ``shape``) where given."""
     xp = get_xp(bits)
     count = int(np.prod(shape, dtype=np.int64))
-    return xp.unpackbits(bits.reshape(-1))[:count].reshape(shape).astype(dtype)
+    keep = xp.unpackbits(bits.reshape(-1))[:count].reshape(shape)
+    if out is None:
+        return keep.astype(dtype)
+    out[...] = keep
+    return out
+
+
+def unpack_temporaries(shape):
+    """The ``(shape, dtype)`` arrays :func:`unpack_mask` with ``out`` of
+    ``shape`` allocates: the unpacked bytes (a whole number of bytes' bits)."""
+    return [((8 * packed_shape(shape)[0],), np.uint8)]
 
 
 def _iteration_value(it):

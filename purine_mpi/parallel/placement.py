@@ -213,9 +213,35 @@ def prepare_for_device(graph, device, train=True, precision="fp32"):
     if int(device) >= 0:
         from .fuse import fuse_for_device
         from .precision import apply_precision
+        redraw_attention_masks(graph)
         apply_precision(graph, precision)
         fuse_for_device(graph, train=train)
     return graph
+
+
+def redraw_attention_masks(graph):
+    """On a GPU the fused ``Attention`` ops with dropout keep no mask: drop
+    each one's bit-packed mask output (attr ``packed_mask``, the host path:
+    ops/attention.py) and its readers' input (``AttentionGrad``, a recompute
+    copy's gradient alike), so the gradient redraws the mask from the same
+    Philox stream and iteration (one device kernel; no (N, H, T, T)/8 bytes
+    kept from the forward to the backward). Returns the names of the ops
+    changed."""
+    cons = graph.consumers()
+    changed = []
+    for op in list(graph.ops.values()):
+        if op.op_type != "Attention" or not op.attrs.pop("packed_mask", False):
+            continue
+        bits = op.outputs.pop()
+        changed.append(op.name)
+        for reader in cons.get(bits, ()):
+            reader.inputs = [b for b in reader.inputs if b != bits]
+            reader.attrs.pop("packed_mask", None)
+            changed.append(reader.name)
+        del graph.blobs[bits]
+    if changed:
+        graph.infer_shapes()
+    return changed
 
 
 #: the blob (and op) of the loss watch (ops/watch.py) in a GPU training graph
