@@ -8,3 +8,6 @@ __version__ = "0.1.0"
 _threads.apply()
 # freed large arrays go back to the system (base/rss.fix_mmap_threshold)
 _rss.fix_mmap_threshold()
+# one malloc arena: worker threads' freed temporaries serve every thread
+# (base/rss.limit_malloc_arenas), before any worker thread starts
+_rss.limit_malloc_arenas()

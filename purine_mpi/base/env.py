@@ -112,6 +112,9 @@ VARS = {v.name: v for v in [
     Var("PURINE_MMAP_THRESHOLD", "an integer number of bytes >= 0", 0, _non_negative_int,
         "glibc's mmap threshold, fixed at start-up: freed arrays of at least that many "
         "bytes go back to the system (0: glibc's dynamic threshold)"),
+    Var("PURINE_MALLOC_ARENAS", "an integer number of arenas >= 0", 1, _non_negative_int,
+        "glibc's malloc arenas at most, set at start-up (0: glibc's default; "
+        "MALLOC_ARENA_MAX in the environment wins)"),
     Var("PURINE_PROGRESS_SECONDS", "a number of seconds >= 0", 10.0, _non_negative_number,
         "seconds between two plain progress lines"),
     Var("PURINE_DEBUG", FLAG, False, _flag,

@@ -69,3 +69,39 @@ def fix_mmap_threshold(environ=None):
     except (OSError, AttributeError):
         return None
     return nbytes if ok == 1 else None
+
+
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(environ=None):
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``) at
+    ``PURINE_MALLOC_ARENAS`` (default 1), before any worker thread starts.
+    glibc gives each thread that allocates while another holds the main
+    arena an arena of its own (up to 8 per core), and the temporaries a
+    worker thread frees stay in its arena, reused by no other thread: with
+    one arena every thread's freed bytes serve the next allocation, so less
+    is kept resident beyond what ``plan`` counts (docs/running.md, "Will it
+    fit?"; not slower there). 0 leaves glibc's default; so does
+    ``MALLOC_ARENA_MAX`` in the environment (glibc's own variable: the
+    user's setting wins). Returns the cap set, None where nothing was set
+    (not glibc, 0, the user's ``MALLOC_ARENA_MAX``, or a value the variable
+    does not take: the CLI's check says so)."""
+    import ctypes
+    import platform
+
+    from .env import EnvError, get
+    env = os.environ if environ is None else environ
+    if "MALLOC_ARENA_MAX" in env:
+        return None
+    try:
+        arenas = get("PURINE_MALLOC_ARENAS", environ)
+    except EnvError:
+        return None
+    if not arenas or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        ok = ctypes.CDLL(None).mallopt(_M_ARENA_MAX, ctypes.c_int(min(arenas, 2**31 - 1)))
+    except (OSError, AttributeError):
+        return None
+    return arenas if ok == 1 else None
