@@ -165,8 +165,11 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
 @pytest.mark.parametrize("job", ["cifar10_quick", "gpt_tiny"])
 def test_predicted_host_total_is_held(job, tmp_path):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
-    measured peak above the baseline is at least plan's host total, and the
-    total is within 15% of it (measured with one malloc arena, the default:
+    measured peak above the baseline is at least plan's host total less 3%
+    (its kernel temporaries row adds each lane's largest op, which need not
+    all be live at one moment: with one malloc arena gpt_tiny's plan was
+    1.2% above the measured peak in 1 run of 13), and the total is within
+    15% of it (measured with one malloc arena, the default:
     4.9-7.3% below, docs/running.md, 9.6-11.6% with glibc's arena per
     thread; within 20% before the baseline followed the deferred imports
     and the data pool counted the epoch order)."""
@@ -175,7 +178,7 @@ def test_predicted_host_total_is_held(job, tmp_path):
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
         assert b > 0 and p > 0
-        assert m >= p, (job, p, m)
+        assert m >= 0.97 * p, (job, p, m)
         assert p >= 0.85 * m, (job, p, m)
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
