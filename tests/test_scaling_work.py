@@ -176,3 +176,100 @@ def test_the_row_chunks_of_a_weight_gradient_sum_to_the_whole(setup):
     chunks = [n for n in graph.ops if n.startswith("fc2.bwd.inner_product_grad_weight[")]
     assert len(chunks) > 1  # cut into the buckets' rows
     assert sum(scaled.lookup(n) for n in chunks) == pytest.approx(1.0)
+
+
+#: the net with a residual sum (an Eltwise forward, a Sum of fc1's two
+#: gradients backward): the calibration traces element-wise sums
+RESIDUAL = NET.replace(
+    "  - {type: fc, name: fc3, bottom: fc2,",
+    "  - {type: eltwise, name: res, bottom: [fc1, fc2], top: res}\n"
+    "  - {type: fc, name: fc3, bottom: res,")
+RES_STAGES = "parallel.stages={fc1: 0, relu1: 0, fc2: 1, relu2: 1, res: 1, fc3: 1, loss: 1}"
+
+
+def test_a_micro_batchs_gradient_sums_cost_their_bytes_at_the_traced_sum_rate(tmp_path):
+    """The M-1 sums per weight gradient of M micro-batches (``<grad>.
+    micro_sum...``) are in no calibration trace: each costs its bytes
+    written at the seconds per byte of the traced sums (the Eltwise and the
+    Sum, 0.3 s and 0.5 s here), and they leave the untraced count. Before,
+    they counted 0 s and as untraced."""
+    from purine_mpi.tools.choose import elementwise_rates
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    path = tmp_path / "res.yaml"
+    path.write_text(RESIDUAL)
+    calib = load_job(path, CALIBRATION_SETS, check_files=False)
+    traced = compose_for(calib, 1, 0)
+    sums = {n: op for n, op in traced.ops.items() if op.op_type in ("Sum", "Eltwise")}
+    assert {op.op_type for op in sums.values()} == {"Sum", "Eltwise"}
+    times = {n: (0.3 if op.op_type == "Eltwise" else 0.5) for n, op in sums.items()}
+    durations = Durations({0: {n: times.get(n, 0.01) for n in traced.ops}})
+    written = sum(traced.blobs[op.outputs[0]].nbytes for op in sums.values())
+    rate = sum(times.values()) / written
+    assert elementwise_rates(durations, traced) == {"sum": pytest.approx(rate)}
+    predictor = Predictor(calib, durations, make_link(None, None, None))
+    untraced = {}
+    for m in (1, 4):
+        job = load_job(path, ("parallel.scheme=pipeline", RES_STAGES,
+                              f"parallel.micro_batches={m}"), check_files=False)
+        untraced[m] = predictor.predict(job, 2)[2]
+        scenario = Scenario(job, 2)
+        t = Template(job, scenario, 1)
+        scaled = _Scaled(durations, traced, t.graph, predictor.fit, predictor.rates)
+        micro = [n for n in t.graph.ops if ".micro_sum" in n]
+        assert len(micro) == (m - 1) * 4  # fc2's and fc3's weight and bias (stage 1)
+        for name in micro:
+            nbytes = t.graph.blobs[t.graph.ops[name].outputs[0]].nbytes
+            assert scaled.lookup(name) == pytest.approx(nbytes * rate) and nbytes > 0, name
+        if m == 4:
+            assert scaled.lookup("fc2/weight.grad.micro_sum") == pytest.approx(
+                1536 * 1536 * 4 * rate)
+    assert untraced[4] == untraced[1]  # before: 12 more, the sums (at 0 s)
+
+
+def test_a_replicas_clipping_of_its_summed_gradient_costs_the_traced_clip_rate(setup):
+    """Data parallelism on 2 ranks clips the replicas' summed gradients
+    (``<grad>.sum.clip``), named otherwise than the one rank's trace
+    (``<grad>.clip``): each costs its bytes written at the traced clipping
+    ops' seconds per byte, and none is untraced. Before: 0 s, untraced."""
+    path, _, _, _ = setup
+    clip = ("solver.clip_gradients=1.0",)
+    calib = load_job(path, CALIBRATION_SETS + clip, check_files=False)
+    traced = compose_for(calib, 1, 0)
+    clips = [n for n, op in traced.ops.items() if op.op_type == "ClipScale"]
+    assert clips and all(n.endswith(".grad.clip") for n in clips)
+    durations = Durations({0: {n: (0.2 if n in clips else 0.01) for n in traced.ops}})
+    rate = 0.2 * len(clips) / sum(traced.blobs[traced.ops[n].outputs[0]].nbytes for n in clips)
+    predictor = Predictor(calib, durations, make_link(None, None, None))
+    job = load_job(path, ("parallel.scheme=data",) + clip, check_files=False)
+    graph = compose_for(job, 2, 0)
+    scaled = _Scaled(durations, traced, graph, predictor.fit, predictor.rates)
+    summed = [n for n, op in graph.ops.items() if op.op_type == "ClipScale"]
+    assert summed and not set(summed) & set(clips)
+    for name in summed:
+        nbytes = graph.blobs[graph.ops[name].outputs[0]].nbytes
+        assert scaled.lookup(name) == pytest.approx(nbytes * rate) and nbytes > 0, name
+    assert predictor.predict(job, 2)[2] == 0
+
+
+def test_with_no_traced_sum_a_micro_batchs_gradient_sums_cost_the_host_add_rate(setup):
+    """The net traces no Sum: a micro-batch's gradient sums keep no
+    calibration rate, so the predictor prices each at its bytes written
+    times the host's measured add rate (``copy_cost``, as an untraced
+    Copy) and still counts it as untraced. Before: 0 s."""
+    from purine_mpi.tools.scaling.model import Scenario, Template
+    path, traced, durations, _ = setup
+    predictor = Predictor(load_job(path, CALIBRATION_SETS, check_files=False), durations,
+                          make_link(None, None, None))
+    assert "sum" not in predictor.rates
+    job = load_job(path, ("parallel.scheme=pipeline", STAGES, "parallel.micro_batches=2"),
+                   check_files=False)
+    scenario = Scenario(job, 2)
+    t = Template(job, scenario, 1)
+    scaled = _Scaled(durations, traced, t.graph, predictor.fit, predictor.rates)
+    rate = 1e-9  # any host rate: the op costs its bytes at it
+    g, _, missing = t.rank_graph(scaled, predictor.link, "auto", scenario, rate)
+    micro = [n for n in t.graph.ops if ".micro_sum" in n]
+    assert micro and set(micro) <= set(missing)
+    for name in micro:
+        nbytes = t.graph.blobs[t.graph.ops[name].outputs[0]].nbytes
+        assert g.ops[name].seconds == pytest.approx(nbytes * rate) and nbytes > 0, name

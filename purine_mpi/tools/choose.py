@@ -37,6 +37,17 @@ the cost is affine in the work, fixed + rate * work, fitted per op from its
 two traced times (``affine_costs``: a micro-batch pays the op's cost per
 call M times), and proportional to the work where the two traces fit no
 line (equal work, an op of one trace, an odd batch).
+
+An element-wise op the trace does not name at all (a micro-batch's
+gradient sum ``<grad>.micro_sum``, a copy or cast, the clipping of a
+replica's summed gradient ``<grad>.sum.clip``: ``scaling/work.
+ELEMENTWISE_KINDS``) takes its bytes written at the seconds per byte the
+traced ops of its kind took (``elementwise_rates``: a sum at the traced
+Sum and Eltwise ops' rate, a copy at the traced Copy and Cast ops', a
+clipping at the traced ClipScale ops'); with
+no traced op of its kind it is left to the predictor (``scaling/model.py``:
+a Sum or Copy at the host's measured add rate, any other op 0 s) and
+counted as untraced.
 """
 import dataclasses
 import hashlib
@@ -348,11 +359,14 @@ class _Scaled:
     ``scaling/work.op_work``, FLOPs of a matrix product, else the bytes of
     the batch's blobs it touches; the weights' bytes do not scale with a
     micro-batch): the affine law ``fit`` where the two traces fit one
-    (``affine_costs``), else the proportional rule."""
+    (``affine_costs``), else the proportional rule. An element-wise op the
+    trace does not name: its bytes written at ``rates`` of its kind
+    (``elementwise_rates``); None (untraced) without one."""
 
-    def __init__(self, durations, traced_graph, graph, fit=None):
+    def __init__(self, durations, traced_graph, graph, fit=None, rates=None):
         from .scaling.work import weight_blobs
         self.d, self.traced, self.graph, self.fit = durations, traced_graph, graph, fit
+        self.rates = rates or {}
         self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
     def lookup(self, name, rank=0, rows=None):
@@ -360,9 +374,40 @@ class _Scaled:
         whole = re.sub(r"\[\d+:\d+\]$", "", base)
         seconds = self.d.lookup(whole, 0)
         if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
-            return self.d.lookup(name, 0, rows)
+            seconds = self.d.lookup(name, 0, rows)
+            if seconds is None and name in self.graph.ops:
+                seconds = elementwise_seconds(self.graph, name, self.rates)
+            return seconds
         return scaled_seconds(seconds, self.traced, whole, self.graph, name, self._weights,
                               self.fit)
+
+
+def elementwise_rates(durations, traced):
+    """{kind: seconds per byte written} of the element-wise ops the graph
+    ``traced`` holds and ``durations`` times (``scaling/work.
+    ELEMENTWISE_KINDS``): their total time over their total bytes written,
+    per kind; a kind with no traced op is absent."""
+    from .scaling.model import _nbytes
+    from .scaling.work import ELEMENTWISE_KINDS
+    seconds, nbytes = {}, {}
+    for name, op in traced.ops.items():
+        kind, t = ELEMENTWISE_KINDS.get(op.op_type), durations.lookup(name, 0)
+        written = _nbytes(traced, op.outputs) if kind and t is not None else 0
+        if written > 0:
+            seconds[kind] = seconds.get(kind, 0.0) + t
+            nbytes[kind] = nbytes.get(kind, 0) + written
+    return {k: seconds[k] / nbytes[k] for k in seconds}
+
+
+def elementwise_seconds(graph, name, rates):
+    """Op ``name`` of ``graph`` priced at ``rates`` (``elementwise_rates``):
+    its bytes written times the rate of its kind; None where it is no
+    element-wise op or its kind has no rate."""
+    from .scaling.model import _nbytes
+    from .scaling.work import ELEMENTWISE_KINDS
+    op = graph.ops[name]
+    rate = rates.get(ELEMENTWISE_KINDS.get(op.op_type))
+    return None if rate is None else _nbytes(graph, op.outputs) * rate
 
 
 def affine_costs(durations, traced, small, small_graph):
@@ -430,6 +475,7 @@ class Predictor:
         small_d, small_job = small or (None, None)
         self.fit = affine_costs(durations, self.traced, small_d,
                                 compose_for(small_job, 1, 0) if small_job else None)
+        self.rates = elementwise_rates(durations, self.traced)
 
     def predict(self, job, n):
         """(seconds per iteration, samples per iteration, untraced op count)."""
@@ -439,7 +485,8 @@ class Predictor:
         graphs, untraced = [], set()
         for r in scenario.ranks:
             t = Template(job, scenario, r)
-            g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit),
+            g, _, missing = t.rank_graph(_Scaled(self.durations, self.traced, t.graph, self.fit,
+                                                 self.rates),
                                          self.link, self.algorithm, scenario, self.copy_cost,
                                          overhead=self.overhead)
             graphs.append(g)
@@ -566,14 +613,16 @@ def format_choice(choice):
         lines.append(f"best: {b.set_line()}")
         if b.untraced:
             lines.append(f"note: {b.untraced} op(s) of the best setting were not in the "
-                         "calibration's trace and count 0 s")
+                         "calibration's trace: a sum or copy at the host's measured add "
+                         "rate, any other op 0 s")
     return "\n".join(lines)
 
 
 def choice_json(choice):
     """``plan --choose --json``: {"np", "unit", "calibration", "candidates":
     [{"label", "set", "error" | "need_bytes", "limit_bytes", "fits", "iter_s",
-    "samples_per_s"}], "best": the best's --set options or null}."""
+    "samples_per_s", "untraced_ops"}], "best": the best's --set options or null}
+    (``untraced_ops``: the setting's ops not in the calibration's trace)."""
     unit, per = choice.unit
     rows = []
     for c in choice.ranked:
@@ -584,7 +633,8 @@ def choice_json(choice):
             row.update(need_bytes=c.need, limit_bytes={w: lim for w, (lim, _) in
                                                        c.limits.items()},
                        fits=c.fits, iter_s=c.iter_s,
-                       samples_per_s=c.samples * per / c.iter_s if c.iter_s else None)
+                       samples_per_s=c.samples * per / c.iter_s if c.iter_s else None,
+                       untraced_ops=c.untraced)
         rows.append(row)
     return {"np": choice.n, "unit": unit, "calibration": choice.calibration,
             "candidates": rows, "best": list(choice.best.sets) if choice.best else None}

@@ -40,8 +40,10 @@ spread over the ops of the busiest thread.
 
 A compute op absent from the trace (a row chunk of a split weight, a
 shard's update, a copy into a bucket) is estimated: a chunk takes its
-rows' share of the whole op, a shard's update its elements' share; a Copy its bytes at the host's copy speed; other ops count as 0 and are
-reported as ``untraced``.
+rows' share of the whole op, a shard's update its elements' share; a Copy
+or a Sum (a micro-batch's gradient sum) its bytes written at the host's
+measured add rate (``link.reduce_cost_per_byte``); other ops count as 0.
+All of these are reported as ``untraced``.
 """
 import time
 
@@ -56,6 +58,10 @@ _POINT_TO_POINT = ("Send", "Recv", "Put", "WaitWrite", "Get", "Publish")
 
 #: the collectives that move half an allreduce's bytes: op type -> Link method
 _HALVES = {"ReduceScatter": "reduce_scatter", "Allgather": "allgather"}
+
+#: the untraced compute ops priced at their bytes written times the host's
+#: measured add rate (``copy_cost``: ``link.reduce_cost_per_byte``)
+HOST_RATE_TYPES = ("Copy", "Sum")
 
 #: simulated iterations per prediction (the first is a warm-up)
 ITERATIONS = 6
@@ -145,7 +151,8 @@ class Template:
                 seconds = durations.lookup(name, self.rank, self.rows.get(base))
                 if seconds is None:
                     untraced.append(name)
-                    seconds = _nbytes(g, op.outputs) * copy_cost if op.op_type == "Copy" else 0.0
+                    seconds = (_nbytes(g, op.outputs) * copy_cost
+                               if op.op_type in HOST_RATE_TYPES else 0.0)
                 sim = SimOp(name, seconds + overhead, deps, lane=str(op.thread))
             sim.priority = self.priority[name]
             ops[name] = sim

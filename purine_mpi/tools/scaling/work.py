@@ -23,6 +23,15 @@ from ..flops import op_flops
 WEIGHT_KINDS = frozenset(("param", "param_buffer", "state", "state_buffer", "lr", "iter",
                           "bucket", "param_shard", "param_gathered"))
 
+#: element-wise op types whose time follows the bytes they write, by kind:
+#: an op of a candidate that the trace does not hold (a micro-batch's
+#: gradient sum ``<grad>.micro_sum``, a staging copy, a replica's clipping
+#: of its summed gradient ``<grad>.sum.clip``) is priced at the seconds per
+#: byte of the traced ops of its kind (``plan --choose``: tools/choose.py
+#: ``elementwise_rates``)
+ELEMENTWISE_KINDS = {"Sum": "sum", "Eltwise": "sum", "Copy": "copy", "Cast": "copy",
+                     "ClipScale": "clip"}
+
 
 def weight_blobs(graph):
     """The blobs of ``graph`` that hold weights, their gradients or the
