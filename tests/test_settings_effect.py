@@ -17,11 +17,12 @@ a layout (exit 2, naming the key) are left out there. Keys read at run time
 only (``check_collectives``, ``stall_timeout``, ``backend`` on the CPU) are
 not swept.
 
-A group of one rank reduces nothing: hybrid on one replica (as many ranks
-as stages) builds no bucket, sharded on one replica reduce-scatters each
-bucket over its one rank without rounding it, so ``grad_dtype: bf16`` leaves
-the gradients float32 -- bitwise the float32 run's weights after a few
-steps on 2 ranks (MPI) -- and the notes and the start-up block say so."""
+A group of one rank reduces nothing: hybrid and sharded on one replica (as
+many ranks as stages or tensor shards) build no bucket (they run as scheme
+pipeline or tensor), so the bucket keys, ``shard`` and ``prefetch`` shape
+nothing and ``grad_dtype: bf16`` leaves the gradients float32 -- bitwise
+the float32 run's weights after a few steps on 2 ranks (MPI) -- and the
+notes and the start-up block say so."""
 import contextlib
 import os
 import re
@@ -34,7 +35,9 @@ from purine_mpi.comm.ops import bucket_reductions
 from purine_mpi.graph.seed_yaml import dump
 from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.parallel.schemes import scheme_of
-from purine_mpi.tools.graph import composed
+from purine_mpi.runtime.footprint import model_state_bytes
+from purine_mpi.runtime.memory_plan import plan_memory
+from purine_mpi.tools.graph import composed, describe_layout
 from purine_mpi.train.runlog import gradient_line
 from tests.conftest import make_job
 from tests.gpt_nets import gpt_config, text_h5
@@ -58,6 +61,12 @@ def _wide(cfg):
         phase["shape"] = [524288]
     cfg["parallel"]["min_buckets"] = 1
     return cfg
+
+
+def _gpt(tokens, scheme, **parallel):
+    """The tiny GPT of the tensor tests with one block, split 2 ways."""
+    return gpt_config(tokens, layers=1, parallel={"scheme": scheme, "tensor_parallel": 2,
+                                                  **parallel})
 
 
 def _gpt1(tokens, scheme):
@@ -231,22 +240,19 @@ def test_a_setting_is_noted_as_without_effect_where_it_changes_nothing(tokens, g
 
 
 def test_grad_dtype_over_a_group_of_one_rank_rounds_nothing():
-    """Hybrid and sharded x stages with one replica: no bucket reduction
-    carries wire_dtype bfloat16 (hybrid builds none at all), and the notes
-    say grad_dtype has no effect; with 2 replicas they reduce in bfloat16."""
+    """Hybrid and sharded x stages with one replica build no bucket
+    reduction (they run as a pipeline), and the notes say grad_dtype has
+    no effect; with 2 replicas they reduce in bfloat16."""
     for scheme in ("hybrid", "sharded"):
         cfg = _staged(scheme, grad_dtype="bf16")
         for rank in (0, 1):
             graph, _ = composed(make_job(cfg), 2, rank)
             ops = bucket_reductions(graph)
-            assert (not ops) if scheme == "hybrid" else ops, (scheme, rank)
-            assert not any("wire_dtype" in op.attrs for op in ops), (scheme, rank)
+            assert not ops, (scheme, rank)
         notes = [x for x in settings_without_effect(make_job(cfg), 2) if "grad_dtype" in x]
         assert len(notes) == 1 and "one replica" in notes[0] and \
             notes[0].endswith("so it has no effect: the gradients stay float32"), notes
-        row = gradient_line(graph, "bf16")  # the start-up block's
-        assert row is None if scheme == "hybrid" else row.startswith(
-            "reduced in float32 (parallel.grad_dtype: bf16 has no effect"), row
+        assert gradient_line(graph, "bf16") is None  # no start-up row of a reduction
         four, _ = composed(make_job(cfg), 4, 0)
         assert all(op.attrs.get("wire_dtype") == "bfloat16" for op in bucket_reductions(four))
         assert not any("grad_dtype" in x for x in settings_without_effect(make_job(cfg), 4))
@@ -270,3 +276,46 @@ def test_one_replica_in_bf16_ends_bitwise_as_fp32(tmp_path, scheme):
     assert "note: parallel.grad_dtype sets the dtype the gradient buckets are reduced in; " \
         in text and "so it has no effect: the gradients stay float32" in text, text
     assert "reduced in bfloat16" not in text
+
+
+@pytest.mark.parametrize("name", ["sharded, 1 replica x 2 stages",
+                                  "sharded, 1 replica x 2-way tensor"])
+def test_sharded_on_one_replica_notes_its_sharding_keys(tokens, graphs, name):
+    """Sharded on one replica runs as scheme pipeline or tensor: shard,
+    prefetch and the bucket keys change no rank's graph, and the notes say
+    so (before: the buckets were reduce-scattered over one rank, so they
+    shaped the graph)."""
+    swept = {key: (effect, noted) for key, effect, noted in _sweep(name, tokens, graphs)}
+    for key in ("shard", "prefetch", "bucket_mb", "first_bucket_mb", "min_buckets",
+                "grad_dtype"):
+        assert key in swept and swept[key][0] is False and all(swept[key][1]), (key, swept)
+
+
+@pytest.mark.parametrize("shard", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["stages", "tensor"])
+def test_sharded_with_one_replica_composes_as_the_plain_scheme(tokens, layout, shard):
+    """2 ranks of 2 stages (2 tensor shards) under scheme sharded at every
+    ZeRO stage compose every rank's graph as scheme pipeline (tensor) does:
+    no reduce-scatter or allgather over a group of one, no gathered buffer,
+    the same memory plan (arena, persistent bytes, model state and peak);
+    graph --np says it runs as the plain scheme. On 1 rank scheme sharded
+    builds the replica as scheme data does."""
+    cfg, like = ((_staged("sharded", shard=shard), _staged("pipeline")) if layout == "stages"
+                 else (_gpt(tokens, "sharded", shard=shard), _gpt(tokens, "tensor")))
+    for n in (1, 2):
+        plain = like if n == 2 else dict(cfg, parallel={"scheme": "data"})
+        for rank in range(n):
+            g, comp = composed(make_job(cfg), n, rank)
+            want, _ = composed(make_job(plain), n, rank)
+            assert dump(g) == dump(want), (n, rank)
+            assert not [op for op in g.ops.values()
+                        if op.op_type in ("ReduceScatter", "Allgather")]
+            plans = [plan_memory(x) for x in (g, want)]
+            assert [(p.total_bytes, p.persistent_bytes) for p in plans[:1]] == \
+                [(p.total_bytes, p.persistent_bytes) for p in plans[1:]]
+            assert model_state_bytes(g, plans[0]) == model_state_bytes(want, plans[1])
+            if n == 2:
+                what = "pipeline" if layout == "stages" else "tensor"
+                assert describe_layout(comp.layout, rank, comp).startswith(
+                    f"sharded with 1 replica: runs as scheme {what}; layout [sharded: 1 "
+                    "replica x 2"), rank

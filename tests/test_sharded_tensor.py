@@ -63,7 +63,8 @@ def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, train_once, n, solver
     """10 steps (AdamW; SGD with momentum) at shard 1 and 2: every weight
     and the gathered optimizer state equal scheme tensor's on the same
     layout bit for bit; the start-up block says what each rank holds, and
-    its bytes are rank 0's composed graph's. (Scheme tensor's run is
+    its bytes are rank 0's composed graph's; on 2 ranks (one replica) it
+    runs as scheme tensor and its block says so. (Scheme tensor's run is
     _tensor_ref's, shared with the clipping and checkpoint tests.)"""
     ref, _ = _tensor_ref(train_once, tokens, n, solver)
     want = _params(ref / "latest.h5")
@@ -71,21 +72,25 @@ def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, train_once, n, solver
     for shard in (1, 2):
         cfg = _gpt(tokens, "sharded", solver, shard=shard, check_collectives=True)
         out, text = _train(tmp_path, f"shard{shard}", n, cfg)
-        assert (f"sharded (ZeRO stage {shard}): {replicas} replica"
-                f"{'s' if replicas > 1 else ''} x 2-way tensor parallel") in text
-        assert (f"each tensor shard's gradients reduce-scattered over its {replicas} "
-                f"rank{'s' if replicas > 1 else ''} (this rank's: "
-                f"{'0, 2' if replicas > 1 else '0'})") in text
         assert "b0_attn (heads, 4 -> 2 per rank" in text
         _same(want, _params(out / "latest.h5"))
+        if replicas == 1:
+            assert "sharded with 1 replica: runs as scheme tensor: 1 replica x 2-way" in text
+            assert "ZeRO" not in text and "reduce-scattered" not in text
+            continue
+        assert f"sharded (ZeRO stage {shard}): 2 replicas x 2-way tensor parallel" in text
+        assert ("each tensor shard's gradients reduce-scattered over its 2 ranks (this "
+                "rank's: 0, 2)") in text
         assert _model_state(text) == tuple(
             _bytes(cfg, n, 0)[k] for k in ("weights", "gradients", "optimizer_state"))
 
 
-@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("n", [4])
 @pytest.mark.parametrize("solver", ["adamw", "sgd"])
 def test_held_model_state_is_tensors_over_r(tokens, n, solver):
-    """From each rank's composed graph (offline): the weights held are
+    """(One replica, 2 ranks, runs as scheme tensor:
+    test_settings_effect.test_sharded_with_one_replica_composes_as_the_plain_scheme.)
+    From each rank's composed graph (offline): the weights held are
     scheme tensor's (its shard of the split weights, the whole of the
     others), the optimizer state tensor's / R (within one element per
     bucket), and from stage 2 the gradients too; each rank's reduce-scatters
@@ -234,17 +239,24 @@ def test_one_rank_notes_the_tensor_split(tokens):
 
 
 def test_one_replica_notes_that_sharding_divides_nothing(tokens):
-    """2 ranks of a 2-way tensor split are one replica: each tensor shard's
-    state is 'sharded' over its one rank, which divides nothing (and holds
-    the gathered buffers besides): the start-up notes say so; 4 ranks (2
-    replicas) say nothing of it."""
+    """2 ranks of a 2-way tensor split are one replica: no other rank
+    shares a tensor shard's state, so it runs as scheme tensor: the
+    start-up notes say so (and that shard and the bucket keys have no
+    effect); 4 ranks (2 replicas) say nothing of it."""
     from purine_mpi.parallel.compose import settings_without_effect
-    job = make_job(_gpt(tokens, "sharded"))
+    job = make_job(_gpt(tokens, "sharded", shard=2))
     notes = settings_without_effect(job, 2)
-    assert ["note: parallel.scheme sharded has no effect with 1 replica: the 2 ranks are its 2 "
-            "tensor shards, each tensor shard's model state sharded over its one rank, so each "
-            "rank holds it whole as scheme tensor does (start mpiexec -n 4 or more to shard "
-            "it)"] == notes, notes
+    assert notes[0].startswith("note: parallel.bucket_mb, parallel.first_bucket_mb shape "
+                               "allreduce buckets") and notes[0].endswith(
+        "the 2 ranks are one replica (2 tensor shards), whose gradients no other rank shares: "
+        "it runs as scheme tensor, with no bucket, so they have no effect"), notes
+    assert ["note: parallel.shard shapes how each replica's model state is sharded; the 2 "
+            "ranks are one replica (2 tensor shards), which runs as scheme tensor: nothing is "
+            "sharded, so it has no effect",
+            "note: parallel.scheme sharded has no effect with 1 replica: the 2 ranks are its 2 "
+            "tensor shards, whose model state no other rank shares, so it runs as scheme tensor "
+            "(each rank holds its tensor shard's whole; start mpiexec -n 4 or more to shard "
+            "it)"] == notes[1:], notes
     assert not any("1 replica" in n for n in settings_without_effect(job, 4))
 
 

@@ -141,9 +141,8 @@ PARALLEL = (
         "data and sharded through two-sided MPI on the CPU or NCCL on GPUs; hybrid (each "
         "stage's buckets), tensor (each tensor shard's, over the replicas; the tensor groups' "
         "activations stay float32) and sharded with stages or with tensor_parallel (shard 1, "
-        "2 or 3) on the CPU; no effect, noted, where nothing is reduced (pipeline, none, tensor on one "
-        "replica) or each bucket is reduced over one rank (hybrid and sharded on one replica: "
-        "never rounded); each add of the reduction rounds to bfloat16 (docs/parallel.md, "
+        "2 or 3) on the CPU; no effect, noted, where nothing is reduced (pipeline, none, tensor, hybrid "
+        "and sharded on one replica); each add of the reduction rounds to bfloat16 (docs/parallel.md, "
         "\"Gradients in bfloat16\")"),
     Key("ps_ranks", _int(1), 1, "parameter-server modes: the last K ranks are servers"),
     Key("max_staleness", _int(0), 0, "mode async: how many updates a worker's weights may lag "

@@ -336,9 +336,7 @@ class Scheme:
             note(list(BUCKET_KEYS) + ["split_params"], f"shapes {what}; {why}, so it has no "
                  "effect", f"shape {what}; {why}, so they have no effect")
         # parallel.grad_dtype: the dtype the buckets are reduced in (the config
-        # rules accept it where nothing is reduced: job/config.py); a group of
-        # one rank reduces nothing either (its buckets are never rounded)
-        why = why or (self.why_none_rounded(job, world_size) if world_size > 1 else None)
+        # rules accept it where nothing is reduced: job/config.py)
         if why:
             note(["grad_dtype"], f"sets the dtype the gradient buckets are reduced in; {why}, "
                  "so it has no effect: the gradients stay float32")
@@ -352,7 +350,7 @@ class Scheme:
                  f"apply to {what}, so they have no effect")
         else:
             served.served_key_notes(par, note)
-        self.key_notes(par, note)
+        self.key_notes(par, note, world_size)
         if "defer_update" in changed and not self.defers_anything(job, world_size):
             which = " and ".join(dict.fromkeys(c.config_name for c in SCHEMES.values()
                                                if c.defers_update and c.deferrable
@@ -391,22 +389,15 @@ class Scheme:
         ``grad_dtype`` have no effect), or None."""
         return None
 
-    def why_none_rounded(self, job, world_size):
-        """Why ``grad_dtype`` has no effect in a run of ``world_size`` > 1
-        ranks where buckets are built but each is reduced over one rank (no
-        other rank shares its gradients: nothing is summed, so nothing is
-        rounded), or None; ``why_none_reduced`` says it of the bucket keys
-        too."""
-        return None
-
     def why_no_transport(self, job, world_size):
         """Why ``parallel.transport`` has no effect in a run of
         ``world_size`` > 1 ranks under this scheme (no transfer it shapes),
         or None."""
         return None
 
-    def key_notes(self, par, note):
-        """The keys of other schemes (``keys``) this one ignores."""
+    def key_notes(self, par, note, world_size):
+        """The keys of other schemes (``keys``) this one ignores (in a run of
+        ``world_size`` ranks)."""
         for key in ("stages", "tensor_parallel", "shard", "prefetch"):
             if key in self.keys:
                 continue

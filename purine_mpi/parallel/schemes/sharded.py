@@ -55,6 +55,12 @@ with the tensor groups' allreduces in one order, the same on every rank
 pieces (stage 3: of weights too) over its replicas, then the tensor shards
 as tensor joins them: tensor's file.
 
+One replica (as many ranks as stages or tensor shards: no other rank
+shares a stage's or tensor shard's model state) has nothing to shard: it
+composes as scheme pipeline or tensor does (``_plain``: no bucket, no
+reduce-scatter or gather over a group of one), its start-up block, ``graph
+--np`` header and checkpoints are that scheme's, and the notes say so.
+
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 and of stage 3 with
@@ -98,7 +104,8 @@ class Sharded(Hybrid):
     def compose(self, graph, grads, job, world):
         """Micro-batches accumulated (with stages: this rank's slice, its
         micro-batches scheduled), then the stage-1 rewrite over the replicas
-        (one rank: the replica as built); ``solver.clip_gradients`` by one
+        (one rank: the replica as built; one replica of stages or tensor
+        shards: scheme pipeline's or tensor's composition, ``_plain``); ``solver.clip_gradients`` by one
         allreduce of the shards' sums of squares over every rank (``_clip``)."""
         from .steps import accumulate, clipped, compose_stages, micro_copies
         par = job.parallel
@@ -116,6 +123,9 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
+        plain = _plain(lay)
+        if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
+            return plain.compose(self, graph, grads, job, world)
         if lay.tensor > 1:
             return self._compose_tensor(graph, grads, job, world, lay)
         forward = None
@@ -193,9 +203,14 @@ class Sharded(Hybrid):
         return None
 
     def why_none_reduced(self, job, world_size):
-        """None: one replica still builds its buckets (the bucket keys shape
-        them), only never rounds them (``why_none_rounded``)."""
-        return None
+        """Where the ranks make one replica (``_one_replica``): it runs as
+        the plain scheme, no bucket built."""
+        one = _one_replica(job.parallel, world_size)
+        if one is None:
+            return None
+        ways, what, like = one
+        return (f"the {world_size} ranks are one replica ({ways} {what}), whose gradients no "
+                f"other rank shares: it runs as {like}, with no bucket")
 
     def why_no_transport(self, job, world_size):
         par = job.parallel
@@ -207,23 +222,24 @@ class Sharded(Hybrid):
                     "two-sided MPI collectives (windows hold shard 3's weights only)")
         return None
 
-    def key_notes(self, par, note):
-        super().key_notes(par, note)
+    def key_notes(self, par, note, world_size):
+        super().key_notes(par, note, world_size)
         note(["split_params"], "splits large weights into row chunks for the allreduce "
              "buckets; scheme sharded's reduce-scatter cuts every bucket anyway, so it has no "
              "effect")
+        one = _one_replica(par, world_size)
+        if one is not None:
+            ways, what, like = one
+            note(["shard", "prefetch"], f"shapes how each replica's model state is sharded; "
+                 f"the {world_size} ranks are one replica ({ways} {what}), which runs as "
+                 f"{like}: nothing is sharded, so it has no effect",
+                 f"shape how each replica's model state is sharded; the {world_size} ranks "
+                 f"are one replica ({ways} {what}), which runs as {like}: nothing is sharded, "
+                 "so they have no effect")
         if par.shard == 1:
             note(["prefetch"], "bounds the buckets live at once at shard 2 and 3 (the full "
                  "gradient buckets; shard 3: the gathered weights); with shard 1 it has no "
                  "effect")
-
-    def why_none_rounded(self, job, world_size):
-        one = _one_replica(job.parallel, world_size)
-        if one is None:
-            return None
-        ways, what, _ = one
-        return (f"the {world_size} ranks are one replica ({ways} {what}), each bucket "
-                "reduce-scattered over its one rank")
 
     def one_rank_notes(self, job, note, changed):
         if job.parallel.stages:
@@ -241,16 +257,18 @@ class Sharded(Hybrid):
 
     def settings_without_effect(self, job, world_size):
         """Scheme's notes, and where the ranks make one replica (as many
-        ranks as stages or tensor shards): each stage's or tensor shard's
-        model state is sharded over its one rank, which divides nothing."""
+        ranks as stages or tensor shards): no other rank shares a stage's or
+        tensor shard's model state, so it runs as the plain scheme
+        (``compose``: ``_plain``)."""
         notes = super().settings_without_effect(job, world_size)
         one = _one_replica(job.parallel, world_size)
         if one is not None:
             ways, what, like = one
             notes.append(f"note: parallel.scheme sharded has no effect with 1 replica: the "
-                         f"{world_size} ranks are its {ways} {what}, each {what[:-1]}'s model "
-                         f"state sharded over its one rank, so each rank holds it whole as "
-                         f"{like} does (start mpiexec -n {2 * ways} or more to shard it)")
+                         f"{world_size} ranks are its {ways} {what}, whose model state no "
+                         f"other rank shares, so it runs as {like} (each rank holds its "
+                         f"{what[:-1]}'s whole; start mpiexec -n {2 * ways} or more to shard "
+                         "it)")
         return notes
 
     # ---- reporting
@@ -258,6 +276,11 @@ class Sharded(Hybrid):
         from ...base.progress_bar import human_bytes
         plan = composition.shard_plan or []
         lay = composition.layout
+        plain = _plain(lay)
+        if plain is not None:  # one replica: the plain scheme's rows
+            rows = plain.scheme_lines(self, trainer, composition)
+            what = Pipeline.describe(self, lay) if lay.staged else rows[0][1]
+            return [("scheme", f"sharded with 1 replica: runs as scheme {what}")] + rows[1:]
         n = lay.replicas
         held = trainer.model_state()  # the graph's storage (runtime/footprint.py)
         stage = trainer.job.parallel.shard
@@ -308,6 +331,13 @@ class Sharded(Hybrid):
             [("split", line) for line in composition.tensor_plan]
 
     def graph_notes(self, lay, rank, comp=None):
+        plain = _plain(lay)
+        if plain is not None:
+            return (f"sharded with 1 replica: runs as scheme {plain.config_name}; layout "
+                    f"{lay.describe()}; " + (
+                        Pipeline.graph_notes(self, lay, rank).split("; ", 1)[1]
+                        if lay.staged else f"rank = replica * {lay.tensor} + shard; rank "
+                        f"{rank} = replica {lay.replica}, tensor shard {lay.shard}"))
         plan = getattr(comp, "shard_plan", None) or []
         what = "optimizer state"  # stage 2's gradient buckets are transient; stage 3's weights
         if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
@@ -399,6 +429,9 @@ class Sharded(Hybrid):
         the tensor shards joined into whole blobs as scheme tensor joins
         them (``tensor_parallel.gather_whole``): scheme tensor's file."""
         lay = graphs.layout
+        plain = _plain(lay)
+        if plain is not None:  # one replica: the plain scheme's join
+            return plain.join_checkpoint(self, graphs, parts)
         if lay.tensor > 1:
             from ..tensor_parallel import gather_whole
             joined = [self._join_pieces([parts[r] for r in lay.shard_ranks(k)])
@@ -516,6 +549,15 @@ def _one_replica(par, world_size):
     ways, what, like = ((par.stage_count, "stages", "scheme pipeline") if par.stages else
                         (par.tensor_parallel, "tensor shards", "scheme tensor"))
     return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
+
+
+def _plain(lay):
+    """The plain scheme (class) a layout of one replica of stages or tensor
+    shards runs as: Pipeline or TensorParallel, else None (several replicas,
+    or one rank)."""
+    if lay.replicas != 1:
+        return None
+    return Pipeline if lay.staged else TensorParallel if lay.tensor > 1 else None
 
 
 def _plan(graphs):
