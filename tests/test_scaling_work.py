@@ -273,3 +273,33 @@ def test_with_no_traced_sum_a_micro_batchs_gradient_sums_cost_the_host_add_rate(
     for name in micro:
         nbytes = t.graph.blobs[t.graph.ops[name].outputs[0]].nbytes
         assert g.ops[name].seconds == pytest.approx(nbytes * rate) and nbytes > 0, name
+
+
+def test_every_recomputed_op_of_a_gpt_is_priced_from_its_traced_original(tmp_path):
+    """Full recompute copies each op of a block as ``<op>@recompute``, or
+    ``<op>@recompute#1`` where a blob already has that name (the attention
+    scores, the dropout replay and the qkv product of a GPT, whose op and
+    output share a name): each copy is priced from its traced original (its
+    time where the op is the same, scaled by work for the dropout's replay
+    of its packed mask), none is left untraced (0 s). Before: the ``#1`` copies,
+    18 ops of jobs/gpt_small.yaml, were untraced."""
+    from tests.gpt_nets import gpt_config, text_h5
+    import yaml
+    cfg = gpt_config(text_h5(tmp_path), layers=2, fused=False)
+    for layer in cfg["net"]:
+        if layer["type"] == "attention":
+            layer["attn_dropout"] = 0.1
+    path = tmp_path / "gpt.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    traced = compose_for(load_job(path, CALIBRATION_SETS, check_files=False), 1, 0)
+    durations = Durations({0: {name: 1.0 for name in traced.ops}})
+    graph = compose_for(load_job(path, ("recompute=full",), check_files=False), 1, 0)
+    copies = [n for n in graph.ops if "@recompute" in n]
+    assert any("#" in n for n in copies), copies   # the case this test is about
+    scaled = _Scaled(durations, traced, graph)
+    for name in copies:
+        seconds = scaled.lookup(name)
+        assert seconds is not None and seconds > 0, name
+        original = name.split("@recompute")[0]
+        if graph.ops[name].op_type == traced.ops[original].op_type:
+            assert seconds == pytest.approx(1.0), name   # the same op on the same work

@@ -370,7 +370,8 @@ class _Scaled:
         self._weights = {id(g): weight_blobs(g) for g in (traced_graph, graph)}
 
     def lookup(self, name, rank=0, rows=None):
-        base = re.sub(r"@(recompute|mb\d+)$", "", name)
+        # a copy named apart from a blob of its name: ``X@recompute#1`` (graph/core.free_name)
+        base = re.sub(r"@(recompute|mb\d+)(#\d+)?$", "", name)
         whole = re.sub(r"\[\d+:\d+\]$", "", base)
         seconds = self.d.lookup(whole, 0)
         if seconds is None or whole not in self.traced.ops or name not in self.graph.ops:
