@@ -520,3 +520,72 @@ def test_micro_batch_copies_draw_their_own_masks():
                      if op.op_type in ("Attention", "AttentionGrad"))
     assert streams == [(t, f"h0_attn.attn_drop@mb{k}") for t in ("Attention", "AttentionGrad")
                        for k in (0, 1)], streams
+
+
+# ------------------------------------------- a tensor-parallel shard of heads
+def _head_shard(qkv, heads, parts, index):
+    """The columns of qkv (N, T, 3C) that hold heads index·H/parts.. of
+    each of q, k and v (the split of parallel/tensor_parallel.py)."""
+    n, t, c3 = qkv.shape
+    c = c3 // 3
+    w = c // parts
+    return np.concatenate([qkv[:, :, b * c + index * w:b * c + (index + 1) * w]
+                           for b in range(3)], axis=2)
+
+
+@pytest.mark.parametrize("t", [5, 8])
+def test_a_head_shards_mask_is_the_unsplit_masks_slice(t):
+    """With attr mask_split {axis 1, parts, index} (set by scheme tensor's
+    split) each op draws its heads' part of the unsplit op's mask, the
+    element counted at its index in the whole (N, H, T, T) array: the
+    Dropout op's mask, the fused op's packed mask and the gradient's redraw
+    (its dqkv) are the unsplit ones' slices; T = 5 puts the shards' runs
+    off the 4-word Philox blocks. Without the attr two shards draw alike."""
+    from purine_mpi.ops.dropout import unpack_mask
+    n, heads, d, parts, it = 3, 4, 2, 2, 6
+    qkv = _qkv(n, t, heads * d, seed=3)
+    dctx = np.random.default_rng(4).standard_normal((n, t, heads * d)).astype(np.float32)
+    it_blob = np.array(it, np.int64)
+
+    def dropout_mask(x, **attrs):
+        k = get_kernel_class("Dropout")(Op("l.attn_drop", "Dropout", [], [], dict(
+            ratio=RATIO, phase="train", seed=5, **attrs)))
+        y, mask = np.empty_like(x), np.empty_like(x)
+        k.run([x, it_blob], [y, mask])
+        return mask
+
+    def fused(q, do, h, **attrs):
+        """The forward's packed mask, unpacked, and the gradient's dqkv
+        (redrawing the mask: no packed_mask)."""
+        fwd, _ = _kernels(h, packed_mask=True, **attrs)
+        _, bwd = _kernels(h, **attrs)
+        ctx = np.empty((n, t, q.shape[2] // 3), np.float32)
+        bits = np.empty((-(-n * h * t * t // 8),), np.uint8)
+        fwd.setup([q, it_blob], [ctx, bits])
+        fwd.run([q, it_blob], [ctx, bits])
+        dq = np.empty_like(q)
+        bwd.setup([do, q, it_blob], [dq])
+        bwd.run([do, q, it_blob], [dq])
+        return unpack_mask(bits, (n, h, t, t), np.float32), dq
+
+    p = np.random.default_rng(1).random((n, heads, t, t)).astype(np.float32)
+    whole = dropout_mask(p)
+    whole_fused, whole_dq = fused(qkv, dctx, heads)
+    assert np.array_equal(whole, whole_fused)
+    h = heads // parts
+    got = []
+    for index in range(parts):
+        split = {"axis": 1, "parts": parts, "index": index}
+        heads_of = slice(index * h, (index + 1) * h)
+        mask = dropout_mask(np.ascontiguousarray(p[:, heads_of]), mask_split=split)
+        assert np.array_equal(mask, whole[:, heads_of])
+        shard = _head_shard(qkv, heads, parts, index)
+        do = np.ascontiguousarray(dctx[:, :, index * h * d:(index + 1) * h * d])
+        fused_mask, dq = fused(shard, do, h, mask_split=split)
+        assert np.array_equal(fused_mask, whole[:, heads_of])
+        np.testing.assert_allclose(dq, _head_shard(whole_dq, heads, parts, index),
+                                   rtol=1e-5, atol=1e-6)
+        got.append(dropout_mask(np.ascontiguousarray(p[:, heads_of])))
+    # without the attr: each shard draws its local array's mask, the same
+    # on both, not the unsplit heads' of shard 1
+    assert np.array_equal(got[0], got[1]) and not np.array_equal(got[1], whole[:, h:])

@@ -353,3 +353,58 @@ def test_an_activation_read_elsewhere_is_not_split():
     graph, _ = build_train_graph(make_job(cfg), 0, 1)
     assert [(p["column"], p["row"]) for p in find_splits(graph)] == \
         [("attn.qkv", "attn.proj")]
+
+
+# ------------------------------------------------ attention dropout by heads
+def _with_attn_dropout(cfg, ratio=0.2):
+    for layer in cfg["net"]:
+        if layer["type"] == "attention":
+            layer["attn_dropout"] = ratio
+    return cfg
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_dropout_split_by_heads_agrees(tmp_path, tokens, fused):
+    """attn_dropout on a layer split by heads: each shard draws its heads'
+    part of the unsplit layer's mask (attr mask_split, counted at the
+    element's index in the whole (N, H, T, T) array), so 2-way tensor
+    parallel trains as 1 rank does, within the tolerance of the other
+    dropout test (before: every shard drew the mask of its local array,
+    the same on both shards and not the 1-rank run's)."""
+    sgd = {"solver": "sgd", "fused": fused}
+    one, _ = _train(tmp_path, "one", 1, _with_attn_dropout(gpt_config(tokens, **sgd)))
+    two, _ = _train(tmp_path, "two", 2, _with_attn_dropout(gpt_config(
+        tokens, parallel={"scheme": "tensor", "tensor_parallel": 2}, **sgd)))
+    _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
+    np.testing.assert_allclose(_losses(one), _losses(two), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_dropout_ops_get_their_heads_offline(tokens, fused):
+    """The split marks the ops that draw the probabilities' mask (the fused
+    op and its gradient, or the raw path's Dropout) with their shard, and
+    nothing else (the resid_dropout of the whole output stays unmarked)."""
+    cfg = _with_attn_dropout(gpt_config(tokens, fused=fused, parallel={
+        "scheme": "tensor", "tensor_parallel": 2}))
+    cfg["net"][3]["resid_dropout"] = 0.1
+    for rank in range(2):
+        g = compose_for(make_job(cfg), 2, rank)
+        marked = sorted((op.op_type, op.name.split(".")[0]) for op in g.ops.values()
+                        if "mask_split" in op.attrs)
+        want = ["Attention", "AttentionGrad"] if fused else ["Dropout"]
+        assert marked == sorted((t, b) for t in want for b in ("b0_attn", "b1_attn"))
+        assert all(op.attrs["mask_split"] == {"axis": 1, "parts": 2, "index": rank}
+                   for op in g.ops.values() if "mask_split" in op.attrs)
+
+
+def test_attention_dropout_on_a_gpu_is_refused(tokens):
+    """The device kernels count a shard's local elements: a GPU with
+    attention dropout split by heads exits 2 naming the layer's key."""
+    cfg = _with_attn_dropout(gpt_config(tokens, parallel={
+        "scheme": "tensor", "tensor_parallel": 2}))
+    cfg["device"] = 0
+    with pytest.raises(UserError, match=r"key 'net\[3\]\.attn_dropout': layer 'b0_attn': "
+                                        "attention dropout split by heads"):
+        compose_for(make_job(cfg), 2, 0)
+    cfg = _with_attn_dropout(cfg, 0.0)   # no attention dropout: composed as before
+    compose_for(make_job(cfg), 2, 0)

@@ -20,9 +20,11 @@ The stream of an op (see :func:`dropout_keys`)::
     counter = (block, seed >> 32 mod 2^32, iteration mod 2^32, iteration >> 32)
 
 and element ``i`` of the op's output takes word ``i % 4`` of the block
-``i // 4``. An element is kept when its 32-bit word is ``>= threshold``,
-``threshold = floor(ratio * 2^32)``: an exact integer test, the same on every
-device (P(keep) = 1 - threshold / 2^32, within 2^-32 of 1 - ratio).
+``i // 4`` (``i`` counted in the unsplit op's output for a tensor-parallel
+shard of it, attr ``mask_split``: see :func:`keep_mask`). An element is
+kept when its 32-bit word is ``>= threshold``, ``threshold = floor(ratio *
+2^32)``: an exact integer test, the same on every device (P(keep) = 1 -
+threshold / 2^32, within 2^-32 of 1 - ratio).
 """
 import zlib
 
@@ -80,24 +82,45 @@ def keep_threshold(ratio):
     return min(int(ratio * 4294967296.0), 0xFFFFFFFF)
 
 
-def random_bits(count, key0, key1, ctr1, iteration):
-    """The first ``count`` 32-bit words of the stream (see the module
-    docstring) at ``iteration``: a uint32 array of length ``count``."""
-    count = int(count)
+def random_bits(count, key0, key1, ctr1, iteration, start=0):
+    """The ``count`` 32-bit words of the stream (see the module docstring)
+    at ``iteration`` from element ``start`` on (elements start ..
+    start + count - 1): a uint32 array of length ``count``."""
+    count, start = int(count), int(start)
     iteration = int(iteration) % (1 << 64)
-    blocks = -(-count // 4)
-    if blocks > (1 << 32):
-        raise ValueError(f"a Philox dropout stream holds at most 2^34 elements, got {count}")
-    block = np.arange(blocks, dtype=np.uint64).astype(_U32)
+    first, end = start // 4, -(-(start + count) // 4)
+    if end > (1 << 32):
+        raise ValueError("a Philox dropout stream holds at most 2^34 elements, got "
+                         f"{start + count}")
+    block = np.arange(first, end, dtype=np.uint64).astype(_U32)
     words = philox4x32((block, ctr1, iteration & 0xFFFFFFFF, iteration >> 32), (key0, key1))
-    return words.T.reshape(-1)[:count]
+    skip = start - 4 * first
+    return words.T.reshape(-1)[skip:skip + count]
 
 
-def keep_mask(shape, ratio, key0, key1, ctr1, iteration):
-    """Boolean keep-mask of ``shape``: element i kept iff its word >= threshold."""
-    count = int(np.prod(shape, dtype=np.int64))
-    bits = random_bits(count, key0, key1, ctr1, iteration)
-    return (bits >= _U32(keep_threshold(ratio))).reshape(shape)
+def keep_mask(shape, ratio, key0, key1, ctr1, iteration, split=None):
+    """Boolean keep-mask of ``shape``: element i kept iff its word >= threshold.
+
+    ``split`` ({"axis", "parts", "index"}, a tensor-parallel shard's op:
+    parallel/tensor_parallel.py): the array of ``shape`` is part ``index``
+    of ``parts`` equal parts along ``axis`` of the unsplit op's array, and
+    each element takes the word of its flat index in that whole array, so
+    the shard's mask is the unsplit mask's slice (drawn run by run: the
+    elements of one index before ``axis`` are contiguous in the whole)."""
+    threshold = _U32(keep_threshold(ratio))
+    shape = tuple(int(s) for s in shape)
+    if not split or int(split["parts"]) == 1:
+        count = int(np.prod(shape, dtype=np.int64))
+        return (random_bits(count, key0, key1, ctr1, iteration) >= threshold).reshape(shape)
+    axis, parts, index = (int(split[k]) for k in ("axis", "parts", "index"))
+    axis = axis + len(shape) if axis < 0 else axis
+    runs = int(np.prod(shape[:axis], dtype=np.int64))
+    run = int(np.prod(shape[axis:], dtype=np.int64))
+    keep = np.empty((runs, run), dtype=bool)
+    for r in range(runs):
+        keep[r] = random_bits(run, key0, key1, ctr1, iteration,
+                              start=(r * parts + index) * run) >= threshold
+    return keep.reshape(shape)
 
 
 def keep_mask_temporaries(shape):

@@ -39,7 +39,10 @@ whose Philox stream they draw: the name the raw sub-graph's Dropout op
 gets, ``<layer>.attn_drop``) and the iteration blob as their last input,
 and compute exactly what the raw sub-graph's Dropout op does between the
 softmax and the context (ops/dropout.py: the same mask, keyed by (run seed,
-stream) and counted by (element, iteration), the same products)::
+stream) and counted by (element, iteration), the same products; a
+tensor-parallel shard's ops, attr ``mask_split`` {axis 1, parts t, index
+k}, count the element in the unsplit (N, H, T, T) array, so heads
+k·H/t.. get the unsplit model's masks of those heads)::
 
     forward   P' = P * mask / (1 - ratio),  O = P' v
     gradient  dv = P'^T dO,  dP = (dO v^T) * mask / (1 - ratio),  then dS as above
@@ -447,7 +450,7 @@ class Attention(PhiloxStream, _AttentionKernel):
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         if mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
-            dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0])
+            dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
             if packed(self.attrs):   # kept for the gradient (no second draw)
                 outs[-1][...] = pack_mask(mask[0])
         bmm(xp, p, v, heads_view(outs[0], heads))
@@ -511,7 +514,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
             dropout_backward(p, mask[0], self.ratio, dp)
             bmm(xp, dp, do, dv, trans_a=True)
         elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
-            dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0])
+            dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)
             bmm(xp, dp, do, dv, trans_a=True)
         else:
             bmm(xp, p, do, dv, trans_a=True)
@@ -546,7 +549,7 @@ def _attention_grad(g, op):
     if dctx is not None and g.needs_grad(qkv):
         # with dropout: the same stream (and seed attr), and the iteration
         attrs = {k: op.attrs[k] for k in ("num_heads", "causal", "dropout", "stream", "seed",
-                                          "packed_mask") if k in op.attrs}
+                                          "packed_mask", "mask_split") if k in op.attrs}
         if "dropout" in attrs and "stream" not in attrs:
             attrs["stream"] = op.name   # the forward's own stream
         # with a packed mask: [dctx, qkv, bits, iter] (the forward's last output)

@@ -99,7 +99,7 @@ def check_iteration(what, spec):
                          f"shape {list(shape)}")
 
 
-def dropout_forward(x, it, ratio, keys, y, mask=None):
+def dropout_forward(x, it, ratio, keys, y, mask=None, split=None):
     """Dropout's train forward: y = x * keep / (1 - ratio), keep the Philox
     keep-mask of the stream ``keys`` ((key0, key1, counter word 1),
     :func:`purine_mpi.base.philox.dropout_keys`) at iteration ``it`` (the
@@ -107,17 +107,23 @@ def dropout_forward(x, it, ratio, keys, y, mask=None):
     may be x. On a GPU the raw kernel of cuda/dropout.cu (``mask`` required),
     on the host NumPy: the same bits, the same products, in the same order.
     Used by the Dropout op and by the fused Attention op's dropout
-    (ops/attention.py)."""
+    (ops/attention.py). ``split``: the op's attr ``mask_split`` (a
+    tensor-parallel shard's: x is a part of the unsplit op's input and
+    takes that part of its mask, :func:`purine_mpi.base.philox.keep_mask`;
+    the host only, scheme tensor refuses a GPU there)."""
     xp = get_xp(x)
     key0, key1, ctr1 = keys
     k = raw_kernels(xp, x)
+    if k is not None and split:
+        raise ShapeError("a tensor-parallel shard's dropout mask (attr mask_split) is drawn "
+                         "on the host only; the device kernels count the local elements")
     if k is not None:
         if get_xp(it) is np:
             it = _iteration_value(it)
         k.dropout_forward(x, it, ratio, key0, key1, ctr1, out=(y, mask))
         return
     keep = xp.asarray(keep_mask(x.shape, ratio, key0, key1, ctr1,
-                                _iteration_value(to_numpy(it))))
+                                _iteration_value(to_numpy(it)), split))
     if mask is not None:
         mask[...] = keep
         keep = mask
@@ -171,6 +177,12 @@ class PhiloxStream:
             self._seed = int(entropy[0] if isinstance(entropy, (list, tuple)) else entropy)
 
     @property
+    def split(self):
+        """The attr ``mask_split`` (a tensor-parallel shard's op, drawing its
+        part of the unsplit op's mask; see ``dropout_forward``), or None."""
+        return self.op.attrs.get("mask_split")
+
+    @property
     def keys(self):
         """(key0, key1, counter word 1) of this op's Philox stream (that of
         the op its ``stream`` attr names, if any)."""
@@ -187,7 +199,10 @@ class Dropout(PhiloxStream, OpKernel):
     (used only when no dispatcher provides the run seed), ``stream`` (the
     op whose Philox stream it draws, default itself), ``packed_mask``
     (default false; true: the mask output is the bit-packed uint8 blob of
-    :func:`packed_shape`, see the module docstring).
+    :func:`packed_shape`, see the module docstring), ``mask_split`` (set
+    by scheme tensor's split, parallel/tensor_parallel.py: {axis, parts,
+    index}, x is that part of the unsplit op's input and draws that part
+    of its mask).
     Gradient: dx = dy * mask / (1 - ratio) (train), dx = dy (test)."""
 
     op_type = "Dropout"
@@ -219,7 +234,7 @@ class Dropout(PhiloxStream, OpKernel):
         packed = bool(self.attrs.get("packed_mask"))
         if packed:  # the float mask is scratch; the packed bits are the output
             bits, mask = mask, xp.empty_like(x)
-        dropout_forward(x, ins[1], ratio, self.keys, y, mask)
+        dropout_forward(x, ins[1], ratio, self.keys, y, mask, self.split)
         if packed:
             bits[...] = pack_mask(mask)
 

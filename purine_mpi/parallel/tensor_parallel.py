@@ -22,7 +22,10 @@ updates) on each of the t ranks of a tensor-parallel group:
   rows [i·C/t, (i+1)·C/t) of each of the three blocks and of ``qkv_bias``,
   every attention op of the layer runs H/t heads, and the output
   projection (``proj_weight``) keeps the matching columns, then one
-  ``Allreduce``.
+  ``Allreduce``. The ops drawing its ``attn_dropout`` mask get attr
+  ``mask_split`` (``attention_dropouts``): shard i draws its heads' part
+  of the unsplit layer's mask (base/philox.keep_mask), on the CPU only
+  (``check_device``).
 * In the backward pass the gradient reaching A's input from A (the qkv
   projection's input) is partial on each rank; one ``Allreduce``
   (Megatron's f) sums it. Everything outside
@@ -43,7 +46,7 @@ of a 2-way run loads on 1 rank and back).
 """
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import ConfigError, UserError
 from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
 from .data_parallel import next_seq, place_on_rank
@@ -209,6 +212,8 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
             for op in graph.ops.values():
                 if op.name.startswith(p["layer"] + ".") and "num_heads" in op.attrs:
                     op.attrs["num_heads"] = p["heads"] // degree
+            for op in attention_dropouts(graph, p["layer"]):
+                op.attrs["mask_split"] = {"axis": 1, "parts": degree, "index": index}
         _shard(graph, b_fwd.inputs[1], 1, degree, index, states)
         if len(b_fwd.inputs) == 3 and index:  # the bias is added once, by shard 0
             b_fwd.inputs = b_fwd.inputs[:2]
@@ -234,6 +239,42 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
     return added
 
 
+def attention_dropouts(graph, layer):
+    """The ops of attention layer ``layer`` that draw the dropout mask of
+    its (N, H, T, T) probabilities: the fused ``Attention`` and
+    ``AttentionGrad`` with attr ``dropout`` > 0, and the raw path's
+    ``Dropout`` whose output the ``AttentionContext`` reads. Split by heads,
+    each gets attr ``mask_split`` (axis 1): it draws its heads' part of the
+    unsplit layer's mask (base/philox.keep_mask), not the mask of a whole
+    array of H/t heads, which every shard would draw alike."""
+    ops = [op for op in graph.ops.values() if op.name.startswith(layer + ".")]
+    probs = {op.inputs[0] for op in ops if op.op_type == "AttentionContext"}
+    return [op for op in ops
+            if (op.op_type in ("Attention", "AttentionGrad")
+                and float(op.attrs.get("dropout", 0.0)) > 0)
+            or (op.op_type == "Dropout" and op.outputs[0] in probs
+                and op.attrs.get("phase", "train") == "train")]
+
+
+def check_device(graph, pairs, job):
+    """A UserError (exit 2) naming the layer's ``attn_dropout`` when an
+    attention layer split by heads drops its probabilities on a GPU: the
+    device kernels (cuda/dropout.cu, cuDNN's SDPA) count a shard's local
+    elements, which would give every shard the same masks."""
+    from .placement import asks_for_gpu
+    if not asks_for_gpu(job):
+        return
+    for p in pairs:
+        if "heads" in p and attention_dropouts(graph, p["layer"]):
+            names = list(job.layer_names)
+            key = (f"net[{names.index(p['layer'])}].attn_dropout" if p["layer"] in names
+                   else "attn_dropout")
+            raise ConfigError(job.path, key, f"layer '{p['layer']}': attention dropout "
+                              "split by heads (parallel.tensor_parallel) draws each shard's "
+                              "part of the unsplit mask on the CPU only, not on a GPU; set "
+                              "attn_dropout: 0 or device: -1")
+
+
 def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     """This rank's slice under ``scheme: tensor`` (see the module docstring):
     the split pairs, their allreduces over this rank's tensor group, then
@@ -248,6 +289,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     degree = lay.tensor
     pairs = find_splits(graph)
     check_degree(pairs, degree, job.path)
+    check_device(graph, pairs, job)
     group = lay.tensor_ranks()
     split_graph(graph, pairs, degree, lay.shard, group,
                 job.solver.type if train else None)
