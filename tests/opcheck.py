@@ -58,6 +58,18 @@ def run_op(op_type, attrs, inputs, wrt=(), loss_weights=None, seed=0, rng_seed=0
     return result, {p: d.workspace[gname].copy() for p, gname in grads.items()}
 
 
+def central_differences(loss, x, eps=1e-6):
+    """d loss / d x by central differences, element by element (``loss``: a
+    function of an array like ``x`` returning a scalar)."""
+    num = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += eps
+        down[i] -= eps
+        num[i] = (loss(up) - loss(down)) / (2 * eps)
+    return num
+
+
 def numeric_grad(op_type, attrs, inputs, wrt_name, loss_weights, eps=1e-6, rng_seed=0):
     """Central differences of the same loss with respect to one input."""
     inputs = {k: np.array(v, copy=True) for k, v in inputs.items()}

@@ -12,7 +12,6 @@ the cuBLAS path (the Dropout op's own kernel) bit for bit against the raw
 path, and cuDNN's SDPA with dropout (the emulated frontend, its masks the
 emulator's) against a float64 reference with the same mask, per-op seeds,
 offsets per iteration, replayed in a CUDA graph. A real GPU: marked ``gpu``."""
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from purine_mpi.base.philox import dropout_keys, keep_mask
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
 from tests.gpt_oracle import build_ours, gpt_graph, gpt_net, step_ours
+from tests.opcheck import central_differences
 
 RATIO = 0.25
 
@@ -211,14 +211,7 @@ def test_fused_dropout_gradient_matches_finite_differences():
     assert np.abs(dqkv).max() > 0.1
     plain_ctx, plain_dqkv = _fused(qkv, w, heads, it, ratio=0.0)
     assert not np.allclose(ctx, plain_ctx) and not np.allclose(dqkv, plain_dqkv)
-    num = np.zeros_like(qkv)
-    eps = 1e-6
-    for i in np.ndindex(qkv.shape):
-        up, down = qkv.copy(), qkv.copy()
-        up[i] += eps
-        down[i] -= eps
-        num[i] = (np.sum(_fused(up, w, heads, it, ratio=0.4)[0] * w)
-                  - np.sum(_fused(down, w, heads, it, ratio=0.4)[0] * w)) / (2 * eps)
+    num = central_differences(lambda x: np.sum(_fused(x, w, heads, it, ratio=0.4)[0] * w), qkv)
     np.testing.assert_allclose(dqkv, num, rtol=1e-6, atol=1e-8)
 
 
@@ -355,15 +348,9 @@ def _emulated_losses(monkeypatch, host_build_dir, precision, fused, sdpa_on=True
     """Losses of the 2-block GPT with attention dropout on the emulated
     device (tests/test_precision.py's runner), with the emulated cuDNN."""
     from purine_mpi.gpu import sdpa
-    from tests.emulated_gpu.cudnn import FakeCudnn
+    from tests.test_sdpa import emulate_cudnn
     import tests.test_precision as tp
-    sdpa.reset()
-    fake = FakeCudnn()
-    monkeypatch.setitem(sys.modules, "cudnn", fake)
-    if sdpa_on:
-        monkeypatch.delenv("PURINE_SDPA", raising=False)
-    else:
-        monkeypatch.setenv("PURINE_SDPA", "0")
+    fake = emulate_cudnn(monkeypatch, sdpa_on)
     net_orig = tp.gpt_net
     monkeypatch.setattr(tp, "gpt_net", lambda **kw: net_orig(**dict(kw, width=16, heads=2,
                                                                     dropout=dropout,
@@ -420,13 +407,10 @@ def test_the_emulated_sdpa_takes_dropout_with_per_op_seeds_and_offsets(host_buil
     pytest.importorskip("torch")
     from purine_mpi.gpu import sdpa
     from tests.emulated_gpu import DeviceArray, use_emulated_cupy
-    from tests.emulated_gpu.cudnn import FakeCudnn, dropout_mask
-    from tests.test_sdpa import BF16_TOL, _bf16
+    from tests.emulated_gpu.cudnn import dropout_mask
+    from tests.test_sdpa import BF16_TOL, _bf16, emulate_cudnn
     use_emulated_cupy(monkeypatch, host_build_dir)
-    sdpa.reset()
-    fake = FakeCudnn()
-    monkeypatch.setitem(sys.modules, "cudnn", fake)
-    monkeypatch.delenv("PURINE_SDPA", raising=False)
+    fake = emulate_cudnn(monkeypatch)
     n, t, heads, d = 2, 7, 2, 8
     qkv = _bf16(np.random.default_rng(0).standard_normal((n, t, 3 * heads * d)))
     dctx = _bf16(np.random.default_rng(1).standard_normal((n, t, heads * d)))
@@ -461,7 +445,7 @@ def test_the_emulated_sdpa_takes_dropout_with_per_op_seeds_and_offsets(host_buil
     # the mask matters: the reference without it is far
     plain_ctx, _ = _torch_dropped(qkv, heads, np.ones_like(mask), dctx)
     assert float(np.abs(ctx - plain_ctx).max()) > 10 * BF16_TOL * float(np.abs(plain_ctx).max())
-    (fwd_kind, fkw), (bwd_kind, bkw) = fake.graphs[0].ops[0], fake.graphs[1].ops[0]
+    (_, fkw), (_, bkw) = fake.graphs[0].ops[0], fake.graphs[1].ops[0]
     assert fkw["dropout"][0] == RATIO and bkw["dropout"][0] == RATIO
     for other in (run("a.attn_drop", 4), run("b.attn_drop", 3)):
         assert not np.array_equal(other[2], mask) and not np.array_equal(other[0], ctx)

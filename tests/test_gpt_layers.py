@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from purine_mpi.base.errors import ShapeError
-from tests.opcheck import close, numeric_grad, run_op, torch_grads
+from tests.opcheck import central_differences, close, numeric_grad, run_op, torch_grads
 
 RNG = np.random.default_rng(37)
 
@@ -261,14 +261,8 @@ def test_attention_numeric_grad(path):
     qkv = randn(1, 4, 3 * 4, dtype=np.float64)
     lw = randn(1, 4, 4, dtype=np.float64)
     _, dqkv, _ = run_attention(path, qkv, heads=2, loss_weights=lw)
-    num = np.zeros_like(qkv)
-    eps = 1e-6
-    for i in np.ndindex(qkv.shape):
-        up, down = qkv.copy(), qkv.copy()
-        up[i] += eps
-        down[i] -= eps
-        num[i] = (np.sum(run_attention(path, up, 2, loss_weights=lw)[0] * lw)
-                  - np.sum(run_attention(path, down, 2, loss_weights=lw)[0] * lw)) / (2 * eps)
+    num = central_differences(lambda x: np.sum(run_attention(path, x, 2, loss_weights=lw)[0] * lw),
+                              qkv)
     fd_close(dqkv, num)
 
 

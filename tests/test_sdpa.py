@@ -95,11 +95,9 @@ def test_the_emulated_sdpa_matches_torch_in_float64(host_build_dir, monkeypatch,
     assert fwd["q"].stride == [t * 3 * c, d, 3 * c, 1] and fwd["q"].data_type == "bfloat16"
 
 
-def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6,
-            cuda_graph=False):
-    """The losses of a 2-block GPT in bf16 on the emulated device, with the
-    emulated frontend (``sdpa_on``) or PURINE_SDPA=0; and the log."""
-    from tests.test_precision import _ours_on_the_emulated_device
+def emulate_cudnn(monkeypatch, sdpa_on=True):
+    """The emulated cuDNN frontend as ``cudnn`` (returned), the SDPA path's
+    state forgotten, on (``sdpa_on``) or off by PURINE_SDPA=0."""
     sdpa.reset()
     fake = FakeCudnn()
     monkeypatch.setitem(sys.modules, "cudnn", fake)
@@ -107,6 +105,15 @@ def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6,
         monkeypatch.delenv("PURINE_SDPA", raising=False)
     else:
         monkeypatch.setenv("PURINE_SDPA", "0")
+    return fake
+
+
+def _losses(monkeypatch, host_build_dir, capsys, width, heads, sdpa_on, iters=6,
+            cuda_graph=False):
+    """The losses of a 2-block GPT in bf16 on the emulated device, with the
+    emulated frontend (``sdpa_on``) or PURINE_SDPA=0; and the log."""
+    from tests.test_precision import _ours_on_the_emulated_device
+    fake = emulate_cudnn(monkeypatch, sdpa_on)
     toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
     import tests.test_precision as tp
     net_orig = tp.gpt_net
