@@ -54,21 +54,28 @@ def fix_mmap_threshold(environ=None):
     about 35% slower (every large temporary a fresh mapping, faulted in
     anew). Returns the threshold set, None where nothing was set (not glibc,
     0, or a value the variable does not take: the CLI's check says so)."""
+    return _mallopt(_M_MMAP_THRESHOLD, "PURINE_MMAP_THRESHOLD", environ)
+
+
+def _mallopt(param, variable, environ):
+    """``mallopt(param, value)`` of glibc, the value the integer variable
+    ``variable`` holds; returns it, or None where nothing was set (not
+    glibc, 0, a value the variable does not take, mallopt refused)."""
     import ctypes
     import platform
 
     from .env import EnvError, get
     try:
-        nbytes = get("PURINE_MMAP_THRESHOLD", environ)
+        value = get(variable, environ)
     except EnvError:
         return None
-    if not nbytes or platform.libc_ver()[0] != "glibc":
+    if not value or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        ok = ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(min(nbytes, 2**31 - 1)))
+        ok = ctypes.CDLL(None).mallopt(param, ctypes.c_int(min(value, 2**31 - 1)))
     except (OSError, AttributeError):
         return None
-    return nbytes if ok == 1 else None
+    return value if ok == 1 else None
 
 
 _M_ARENA_MAX = -8
@@ -87,21 +94,7 @@ def limit_malloc_arenas(environ=None):
     user's setting wins). Returns the cap set, None where nothing was set
     (not glibc, 0, the user's ``MALLOC_ARENA_MAX``, or a value the variable
     does not take: the CLI's check says so)."""
-    import ctypes
-    import platform
-
-    from .env import EnvError, get
     env = os.environ if environ is None else environ
     if "MALLOC_ARENA_MAX" in env:
         return None
-    try:
-        arenas = get("PURINE_MALLOC_ARENAS", environ)
-    except EnvError:
-        return None
-    if not arenas or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        ok = ctypes.CDLL(None).mallopt(_M_ARENA_MAX, ctypes.c_int(min(arenas, 2**31 - 1)))
-    except (OSError, AttributeError):
-        return None
-    return arenas if ok == 1 else None
+    return _mallopt(_M_ARENA_MAX, "PURINE_MALLOC_ARENAS", environ)
