@@ -78,7 +78,7 @@ from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, specs_nbytes
 
 
 def gemm(*args, **kwargs):
@@ -534,12 +534,8 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         if self._sdpa is not None:
             return specs
         if packed(self.attrs):
-            return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=_nbytes)
+            return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=specs_nbytes)
         return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])
-
-
-def _nbytes(specs):
-    return sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in specs)
 
 
 @gradient("Attention")

@@ -197,6 +197,13 @@ class OpKernel:
             op_scratch(self, array_device(like)).reserve(*specs)
 
 
+def specs_nbytes(specs):
+    """The bytes of a list of ``(shape, dtype)`` (an op's scratch or host
+    temporaries specs)."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+               for shape, dtype in specs)
+
+
 def register(cls):
     """Class decorator: register a kernel under its ``op_type``."""
     if not cls.op_type:

@@ -512,6 +512,7 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
     calling thread (lane "main") and shares its caches. The temporaries
     are the larger graph's: the two never run at once."""
     from ..ops.catalog import get_kernel_class
+    from ..ops.registry import specs_nbytes
     from ..ops.im2col import held_by
     from .cuda_runtime import op_device
     from .executors import INLINE_LANE
@@ -529,8 +530,7 @@ def host_kernel_bytes(graph, test_graph=None, serial=False):
             outs = [_stand_in(g.blobs[b]) for b in op.outputs]
             lane = INLINE_LANE if serial else f"{prefix}{op.thread}"
             holds.setdefault(lane, []).extend(k.host_scratch(ins, outs))
-            t = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                    for shape, dtype in k.host_temporaries(ins, outs))
+            t = specs_nbytes(k.host_temporaries(ins, outs))
             if t > temps.get(lane, (0, None))[0]:
                 temps[lane] = (t, op.name)
         by_graph.append(temps)
