@@ -139,6 +139,22 @@ def test_a_gpt_trains_bit_for_bit_fused_or_raw_with_attention_dropout():
     assert not differ, differ
 
 
+#: the 2-block fused GPT with attention (and residual) dropout of these tests
+GPT = dict(vocab=16, width=8, heads=2, blocks=2, max_length=6, dropout=0.2)
+
+
+def _layers(net):
+    """(name, type, bottoms) of a net's layers: graph/recompute.py's ``layers``."""
+    return [(n["name"], n["type"], n["bottom"] if isinstance(n["bottom"], list)
+             else [n["bottom"]]) for n in net]
+
+
+def _full_recompute(g):
+    """``recompute: full`` on the GPT's graph (every layer)."""
+    from purine_mpi.graph.recompute import add_recompute
+    assert add_recompute(g, "full", _layers(gpt_net(**GPT)))["units"]
+
+
 def _attention_draws(monkeypatch, graph_pass=None, iters=2):
     """Train the 2-block fused GPT with attn_dropout (seed 3) for ``iters``
     steps, ``graph_pass`` applied to its graph first, counting the host
@@ -158,8 +174,7 @@ def _attention_draws(monkeypatch, graph_pass=None, iters=2):
         return real(count, key0, *rest)
     monkeypatch.setattr(philox, "random_bits", counted)
     solver = {"type": "adamw", "base_lr": 1e-2, "weight_decay": 0.1, "max_iter": iters}
-    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, dropout=0.2)
-    g, _, _ = gpt_graph(net, solver, 2, 6)
+    g, _, _ = gpt_graph(gpt_net(**GPT), solver, 2, 6)
     assert sorted(op.name.split(".")[0] for op in g.ops.values()
                   if op.op_type == "Attention") == sorted(draws)
     if graph_pass is not None:
@@ -197,6 +212,36 @@ def test_the_gradient_unpacks_the_forwards_mask_without_a_second_draw(monkeypatc
     assert draws == {"h0_attn": 4, "h1_attn": 4}, draws
     assert not any(b.dtype == "uint8" for b in g.blobs.values())
     assert all(np.array_equal(packed[k], redrawn[k]) for k in packed)
+
+
+def test_full_recompute_draws_the_mask_once_a_layer_a_step(monkeypatch):
+    """Under full recompute the copy of the fused op draws nothing on the
+    host: it unpacks the original's packed mask (attr ``replay_mask``), as
+    the gradient does, so one Philox draw a layer an iteration, the
+    forward's (before: 2, the copy redrew the mask and packed it again),
+    and the weights are those without recompute, bit for bit. On a GPU
+    (``redraw_attention_masks`` after the recompute pass) the copy and
+    the gradient redraw, as before: 3 draws a layer an iteration, the
+    same weights."""
+    _, _, plain = _attention_draws(monkeypatch)
+    draws, g, full = _attention_draws(monkeypatch, _full_recompute)
+    assert draws == {"h0_attn": 2, "h1_attn": 2}, draws   # forward only, 2 iterations
+    copies = [op for op in g.ops.values() if op.op_type == "Attention" and op.attrs.get(
+        "replay_mask")]
+    assert len(copies) == 2 and all("packed_mask" not in op.attrs for op in copies)
+    assert all(np.array_equal(plain[k], full[k]) for k in plain)
+    from purine_mpi.parallel.placement import redraw_attention_masks
+
+    def on_a_gpu(graph):
+        _full_recompute(graph)
+        redraw_attention_masks(graph)
+    draws, g, redrawn = _attention_draws(monkeypatch, on_a_gpu)
+    assert draws == {"h0_attn": 6, "h1_attn": 6}, draws
+    # the residual Dropouts' packed masks (recompute's) stay; no attention's
+    assert not any(b.dtype == "uint8" and "packed_of" not in b.attrs for b in g.blobs.values())
+    assert not any(op.attrs.get("replay_mask") or op.attrs.get("packed_mask")
+                   for op in g.ops.values() if op.op_type.startswith("Attention"))
+    assert all(np.array_equal(plain[k], redrawn[k]) for k in plain)
 
 
 # ------------------------------------------------- (b) finite differences
@@ -306,28 +351,37 @@ def test_the_fused_layer_with_dropout_keeps_no_square_blob():
 
 # -------------------------------------------------------- (f) recompute
 def test_full_recompute_copies_the_fused_op_on_its_stream():
-    """Full recompute copies a fused Attention op with dropout (a
-    counter-based stream: the copy draws the original's mask, attr
-    ``stream``), and the weights after 3 AdamW steps are bitwise those
-    without recompute."""
+    """Full recompute copies a fused Attention op with dropout: the copy
+    reads the original's packed mask (attr ``replay_mask``, [qkv, bits,
+    iter] -> [ctx]: no mask of its own) and the gradient reads the
+    original's too; the copy keeps the original's stream (attr ``stream``,
+    which a GPU's redraw draws); the weights after 3 AdamW steps are
+    bitwise those without recompute."""
     from purine_mpi.graph.recompute import SUFFIX, add_recompute
     from purine_mpi.layers.fillers import fill
     from purine_mpi.runtime.dispatcher import SerialDispatcher
     solver = {"type": "adamw", "base_lr": 1e-2, "weight_decay": 0.1, "max_iter": 3}
-    net = gpt_net(vocab=16, width=8, heads=2, blocks=2, max_length=6, dropout=0.2)
-    layers = [(n["name"], n["type"], n["bottom"] if isinstance(n["bottom"], list)
-               else [n["bottom"]]) for n in net]
+    net = gpt_net(**GPT)
     toks = np.random.default_rng(0).integers(0, 16, (3, 2, 7))
     params = {}
     for mode in ("none", "full"):
         g, _, _ = gpt_graph(net, solver, 2, 6)
         if mode == "full":
-            summary = add_recompute(g, "full", layers)
+            summary = add_recompute(g, "full", _layers(net))
             copies = [op for op in g.ops.values() if op.op_type == "Attention"
                       and op.name.endswith(SUFFIX)]
             assert summary["units"] and len(copies) == 2, summary
             assert all(op.attrs["stream"] == op.name.split(".")[0] + ".attn_drop"
                        for op in copies)
+            for copy in copies:
+                original = g.ops[copy.name[:-len(SUFFIX)]]
+                bits = original.outputs[-1]
+                assert original.attrs["packed_mask"] and bits in summary["packed"]
+                assert copy.inputs[1:] == [bits, "iter"] and len(copy.outputs) == 1
+                (grad,) = [c for c in g.ops.values() if c.op_type == "AttentionGrad"
+                           and bits in c.inputs]
+                assert grad.inputs[2] == bits
+            assert not any(b.dtype == "uint8" and SUFFIX in n for n, b in g.blobs.items())
         d = SerialDispatcher(g, seed=3)
         for b in g.params():   # as tests/gpt_oracle.build_ours
             d.workspace.set(b.name, fill(b, 3))
@@ -342,23 +396,72 @@ def test_full_recompute_copies_the_fused_op_on_its_stream():
     assert not differ, differ
 
 
+def test_full_recompute_plans_the_packed_mask_across_the_boundary():
+    """The memory plan under full recompute holds each fused layer's packed
+    mask (uint8, ceil(N H T T / 8) bytes) from the forward op to its
+    gradient, past the copy, and no (N, H, T, T) blob nor a second packed
+    mask; the activation peak is below that without recompute."""
+    from purine_mpi.graph.recompute import SUFFIX
+    from purine_mpi.runtime.memory_plan import batch_blobs, check_plan, peak_live, plan_memory
+    batch, seq, heads = 4, 32, 4
+    peak = {}
+    for mode in ("none", "full"):
+        net = gpt_net(vocab=16, width=32, heads=heads, blocks=2, max_length=seq, dropout=0.1)
+        g, _, _ = gpt_graph(net, {"type": "adamw", "base_lr": 1e-3, "max_iter": 1}, batch, seq)
+        if mode == "full":
+            from purine_mpi.graph.recompute import add_recompute
+            add_recompute(g, "full", _layers(net))
+        plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
+        assert check_plan(g, plan) == []
+        peak[mode] = peak_live(g, plan)[2]["activations"]
+        assert not [n for n, b in g.blobs.items() if b.shape is not None
+                    and tuple(b.shape) == (batch, heads, seq, seq)]
+        if mode == "none":
+            continue
+        at = {n: i for i, n in enumerate(plan.order)}
+        masks = [b for b in g.blobs.values() if b.name.endswith("attn_mask.bits")]
+        assert len(masks) == 2 and not any(SUFFIX in b.name for b in masks)
+        for bits in masks:
+            assert bits.dtype == "uint8" and bits.shape == (-(-batch * heads * seq * seq // 8),)
+            (writer,) = [op for op in g.ops.values() if bits.name in op.outputs]
+            readers = {op.op_type: op for op in g.ops.values() if bits.name in op.inputs}
+            assert sorted(readers) == ["Attention", "AttentionGrad"], readers
+            assert readers["Attention"].name == writer.name + SUFFIX
+            root = g.storage_root(bits.name)
+            first, last = plan.lifetimes[root]
+            assert plan.sizes[root] >= bits.nbytes
+            assert first <= at[writer.name] < at[readers["Attention"].name] <= \
+                at[readers["AttentionGrad"].name] <= last, (bits.name, first, last)
+    assert peak["full"] < peak["none"], peak
+
+
 # ------------------------------------------------- (e) the emulated device
 def _emulated_losses(monkeypatch, host_build_dir, precision, fused, sdpa_on=True, iters=3,
-                     cuda_graph=False, dropout=0.2):
+                     cuda_graph=False, dropout=0.2, recompute="none"):
     """Losses of the 2-block GPT with attention dropout on the emulated
-    device (tests/test_precision.py's runner), with the emulated cuDNN."""
+    device (tests/test_precision.py's runner), with the emulated cuDNN;
+    the graph rewritten for ``recompute`` before its placement."""
     from purine_mpi.gpu import sdpa
+    from purine_mpi.graph.recompute import add_recompute
     from tests.test_sdpa import emulate_cudnn
     import tests.test_precision as tp
     fake = emulate_cudnn(monkeypatch, sdpa_on)
-    net_orig = tp.gpt_net
+    net_orig, graph_orig = tp.gpt_net, tp.gpt_graph
     monkeypatch.setattr(tp, "gpt_net", lambda **kw: net_orig(**dict(kw, width=16, heads=2,
                                                                     dropout=dropout,
                                                                     fused=fused)))
+
+    def graph(net, *args):
+        g, grads, losses = graph_orig(net, *args)
+        add_recompute(g, recompute, _layers(net))
+        fake.graph = g
+        return g, grads, losses
+    monkeypatch.setattr(tp, "gpt_graph", graph)
     toks = np.random.default_rng(3).integers(0, 16, (iters, 2, 9))
     _, losses, _ = tp._ours_on_the_emulated_device(monkeypatch, host_build_dir, precision,
                                                    toks, iters, cuda_graph=cuda_graph)
     monkeypatch.setattr(tp, "gpt_net", net_orig)
+    monkeypatch.setattr(tp, "gpt_graph", graph_orig)
     sdpa.reset()
     return losses, fake
 
@@ -377,6 +480,22 @@ def test_the_cublas_path_applies_the_dropout_kernel_bit_for_bit(host_build_dir, 
     assert fused == raw
     plain, _ = _emulated_losses(monkeypatch, host_build_dir, "fp32", True, dropout=0.0)
     assert plain != fused
+
+
+def test_full_recompute_on_the_emulated_device_redraws_as_before(host_build_dir,
+                                                                 monkeypatch):
+    """fp32 on the emulated device under full recompute: placement
+    (``redraw_attention_masks``) drops the kept packed mask and the copy's
+    ``replay_mask``, so the copy and the gradient draw the mask on the
+    device (the Dropout op's kernel), and the losses are those without
+    recompute, bit for bit."""
+    plain, _ = _emulated_losses(monkeypatch, host_build_dir, "fp32", True)
+    full, fake = _emulated_losses(monkeypatch, host_build_dir, "fp32", True, recompute="full")
+    attention = [op for op in fake.graph.ops.values() if op.op_type.startswith("Attention")]
+    assert len(attention) == 6 and sum("@recompute" in op.name for op in attention) == 2
+    assert not any(op.attrs.get(k) for op in attention for k in ("packed_mask", "replay_mask"))
+    assert all(fake.graph.blobs[b].dtype != "uint8" for op in attention for b in op.inputs)
+    assert full == plain
 
 
 def _torch_dropped(qkv, heads, mask, dctx):

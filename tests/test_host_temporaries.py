@@ -97,6 +97,10 @@ def _cases():
         ("AttentionGrad", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
          [_f(8, 128, 128), _f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8),
           np.array(3)], [np.empty((8, 128, 384), np.float32)]),
+        # a recompute copy of the forward: it unpacks the kept mask, no draw
+        ("Attention", {"num_heads": 4, "dropout": 0.1, "replay_mask": True},
+         [_f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8), np.array(3)],
+         [np.empty((8, 128, 128), np.float32)]),
     ]
 
 

@@ -54,8 +54,8 @@ def test_recompute_is_bitwise_on_one_rank(email_h5, tmp_path, dropout, fused):
     after 20 AdamW steps: with dropout on the raw attention sub-graph
     (masks replayed from the same Philox streams), with dropout in the
     fused Attention op (selective has nothing to do; full's copy of the op
-    draws the original's mask: the same stream, the same iteration) and
-    without dropout (the fused op)."""
+    unpacks the original's packed mask, attr ``replay_mask``) and without
+    dropout (the fused op)."""
     if dropout and fused:   # the fused op draws the dropout; full copies it
         g = _graph(email_h5, "full", *(f"net.{i}.fused=true" for i in ATTENTION))
         copies = [op for op in g.ops.values() if op.op_type == "Attention"]
@@ -164,10 +164,16 @@ def _assert_packed_masks(g, plan, mode):
         assert all(c.attrs.get("packed_mask") for c in cons[bits] if c.op_type == "DropoutGrad")
 
 
-def test_recompute_draws_no_philox(email_h5, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_recompute_draws_no_philox(email_h5, tmp_path, monkeypatch, fused):
     """One training iteration draws each Dropout's mask once from Philox,
-    recompute or not: the copies and DropoutGrad unpack the packed mask."""
+    recompute or not: the copies and DropoutGrad unpack the packed mask.
+    The same with the fused Attention op's attention dropout: its
+    gradient and full recompute's copy of it (attr ``replay_mask``) unpack
+    the forward's packed mask (before: the copy drew it again, one draw
+    more a layer)."""
     import purine_mpi.ops.dropout as dropout
+    from purine_mpi.graph.recompute import SUFFIX
     from purine_mpi.job.config import load_config
     from purine_mpi.job.job import job_of
     from purine_mpi.train.trainer import Trainer
@@ -180,13 +186,16 @@ def test_recompute_draws_no_philox(email_h5, tmp_path, monkeypatch):
     monkeypatch.setattr(dropout, "keep_mask", counted)
     params = {}
     for mode in ("none", "full", "selective"):
-        sets = _sets(email_h5, iters=1)[1::2] + [f"recompute={mode}"]
+        sets = _sets(email_h5, iters=1, fused=fused)[1::2] + [f"recompute={mode}"]
         job = job_of(load_config(TINY, overrides=sets))
         trainer = Trainer(job, out_dir=str(tmp_path / mode), profile=False, log=lambda m: None)
         try:
             graph = trainer.graphs.graph
-            n_drop = sum(op.op_type == "Dropout" and len(op.outputs) == 2
-                         for op in graph.ops.values())
+            # the forward's masks: the Dropout ops' and the fused ops' (not their copies')
+            n_drop = sum((op.op_type == "Dropout" and len(op.outputs) == 2) or (
+                op.op_type == "Attention" and op.attrs.get("dropout") and SUFFIX not in op.name)
+                for op in graph.ops.values())
+            assert fused == any(op.op_type == "Attention" for op in graph.ops.values())
             trainer.step(0)
             trainer.train.drain()
             trainer.save(1, str(tmp_path / f"{mode}.h5"))

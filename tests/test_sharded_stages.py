@@ -150,6 +150,8 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 
 @pytest.mark.parametrize("change,np_,key,words", [
     ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport", "parallel.stages"),
+    ({"transport": "one_sided"}, 4, "parallel.transport", "with parallel.stages on one replica"),
+    ({"shard": 2, "transport": "one_sided"}, 4, "parallel.transport", "on 2 replicas"),
     ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
@@ -184,6 +186,54 @@ def test_one_replica_notes_that_sharding_divides_nothing():
             "(each rank holds its stage's whole; start mpiexec -n 4 or more to shard it)"
             in notes), notes
     assert not any("1 replica" in n for n in settings_without_effect(job, 4))
+
+
+@pytest.mark.parametrize("transport", ["one_sided", "auto", "two_sided"])
+def test_one_replica_takes_the_transport_as_pipeline(transport):
+    """Stages on one replica (2 ranks) run as scheme pipeline whatever
+    parallel.transport says: at every ZeRO stage each rank's graph, its
+    transport rows and the notes on transport are the pipeline's with the
+    same transport (one_sided: the stage transfers through windows; before:
+    one_sided exited 2 at shard 1 and 2 and at 3 with stages). On 4 ranks
+    (2 replicas) one_sided stays refused (test_what_is_not_built_exits_2)."""
+    from purine_mpi.graph.seed_yaml import dump
+    from purine_mpi.parallel.compose import settings_without_effect
+    from purine_mpi.tools.graph import composed
+    pipe = make_job(_staged("pipeline", transport=transport))
+    want = [composed(pipe, 2, rank) for rank in (0, 1)]
+    assert any(op.op_type in ("Put", "WaitWrite") for op in want[1][0].ops.values()) == \
+        (transport != "two_sided")
+    for shard in (1, 2, 3):
+        job = make_job(_staged("sharded", shard=shard, transport=transport))
+        for rank in (0, 1):
+            g, comp = composed(job, 2, rank)
+            assert dump(g) == dump(want[rank][0]), (shard, rank)
+            assert comp.transport == want[rank][1].transport, (shard, rank)
+        assert not any("transport" in n for n in settings_without_effect(job, 2))
+    # grad_dtype: bf16 is accepted with one_sided as under pipeline (nothing reduced)
+    job = make_job(_staged("sharded", transport=transport, grad_dtype="bf16"))
+    assert any(n.startswith("note: parallel.grad_dtype") and "no effect" in n
+               for n in settings_without_effect(job, 2))
+
+
+@pytest.mark.mpi
+def test_one_replica_one_sided_trains_as_pipeline(tmp_path, train_once):
+    """2 ranks, 2 stages (one replica), 10 steps of AdamW with
+    ``transport: one_sided``: scheme sharded trains through the shared
+    windows (its start-up block says it runs as scheme pipeline, its
+    transport row one-sided) and ends with every weight and the optimizer
+    state of scheme pipeline with one_sided and with two_sided, bit for bit
+    (before: exit 2, "transport one_sided with shard 1 ... is refused")."""
+    runs = {}
+    for scheme, transport in (("pipeline", "two_sided"), ("pipeline", "one_sided")):
+        runs[scheme, transport], _ = train_once(2, _staged(scheme, transport=transport))
+    out, text = _train(tmp_path, "s", 2, _staged("sharded", transport="one_sided"))
+    assert "sharded with 1 replica: runs as scheme pipeline: 2 stages" in text
+    assert "activations and gradients: one-sided, shared windows" in text
+    assert "ZeRO" not in text
+    mine = _params(out / "latest.h5")
+    for ref in runs.values():
+        _same(_params(ref / "latest.h5"), mine)
 
 
 def _waits_it_adds(graph):

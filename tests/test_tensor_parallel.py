@@ -408,3 +408,110 @@ def test_attention_dropout_on_a_gpu_is_refused(tokens):
         compose_for(make_job(cfg), 2, 0)
     cfg = _with_attn_dropout(cfg, 0.0)   # no attention dropout: composed as before
     compose_for(make_job(cfg), 2, 0)
+
+
+# ------------------------------------------- dropout of a split MLP activation
+def _with_mlp_dropout(cfg, ratio=0.2):
+    """A dropout layer on the hidden activation between the MLP's split fc
+    layers (after its relu or gelu): (N, O) in ``_config``, (N, T, O) in
+    ``_block_config``."""
+    at = next(i for i, layer in enumerate(cfg["net"]) if layer["type"] in ("relu", "gelu"))
+    cfg["net"].insert(at + 1, {"type": "dropout", "name": "drop_h", "bottom": "h",
+                               "top": "h", "ratio": ratio})
+    return cfg
+
+
+# (N, O) with O/t = 5 (its shards' rows off the 4-word Philox blocks), and a
+# GPT-shaped (N, T, 4C) block
+MLP_NETS = {"2d": lambda **kw: _config(hidden=10, **kw), "sequences": _block_config}
+
+
+@pytest.mark.parametrize("net", sorted(MLP_NETS))
+def test_mlp_dropout_ops_get_their_columns_offline(net):
+    """The split marks the Dropout of the column-split activation with its
+    shard on the activation's last axis, and its gradient reads that op's
+    mask; a dropout layer of a whole activation stays unmarked."""
+    cfg = _with_mlp_dropout(MLP_NETS[net](solver="sgd"))
+    cfg["net"].insert(-2, {"type": "dropout", "name": "drop_y", "bottom": "y", "top": "y",
+                           "ratio": 0.1})
+    for rank in range(2):
+        g = compose_for(make_job(cfg), 2, rank)
+        marked = {op.name: op.attrs["mask_split"] for op in g.ops.values()
+                  if "mask_split" in op.attrs}
+        drop = g.ops["drop_h.fwd"]
+        axis = len(g.blobs[drop.inputs[0]].shape) - 1
+        assert marked == {"drop_h.fwd": {"axis": axis, "parts": 2, "index": rank}}
+        grad = next(op for op in g.ops.values() if op.op_type == "DropoutGrad"
+                    and op.name.startswith("drop_h."))
+        assert grad.inputs[1] == drop.outputs[1]
+
+
+@pytest.mark.parametrize("net", sorted(MLP_NETS))
+def test_a_column_shards_dropout_is_the_unsplit_ones_slice(net):
+    """The Dropout op of each shard's composed graph (its attrs: the split's
+    mask_split) draws the unsplit op's mask on its columns [k·O/t,
+    (k+1)·O/t) of the last axis, and its gradient (DropoutGrad on that
+    mask) is the unsplit gradient's slice; both shards drew the mask of
+    their local array before, the same on each."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.ops.catalog import get_kernel_class
+    cfg = _with_mlp_dropout(MLP_NETS[net](solver="sgd"))
+    whole_graph, _ = build_train_graph(make_job(cfg), 0, 1)
+    it = np.array(3, np.int64)
+
+    def run(op, x, dy):
+        fwd = get_kernel_class("Dropout")(Op(op.name, "Dropout", [], [],
+                                             dict(op.attrs, seed=11)))
+        y, mask = np.empty_like(x), np.empty_like(x)
+        fwd.run([x, it], [y, mask])
+        dx = np.empty_like(dy)
+        get_kernel_class("DropoutGrad")(Op("g", "DropoutGrad", [], [], {
+            "ratio": op.attrs["ratio"]})).run([dy, mask], [dx])
+        return mask, y, dx
+
+    op = whole_graph.ops["drop_h.fwd"]
+    shape = whole_graph.blobs[op.inputs[0]].shape
+    rng = np.random.default_rng(0)
+    x, dy = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    whole = run(op, x, dy)
+    cols = shape[-1] // 2
+    masks = []
+    for k in range(2):
+        shard = compose_for(make_job(dict(cfg, parallel={"scheme": "tensor",
+                                                         "tensor_parallel": 2})), 2, k)
+        part = np.s_[..., k * cols:(k + 1) * cols]
+        got = run(shard.ops["drop_h.fwd"], np.ascontiguousarray(x[part]),
+                  np.ascontiguousarray(dy[part]))
+        for a, b in zip(got, whole):
+            assert np.array_equal(a, b[part])
+        masks.append(got[0])
+    assert not np.array_equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("net", sorted(MLP_NETS))
+def test_mlp_dropout_split_by_columns_agrees(tmp_path, net):
+    """A dropout layer between the column-split fc and the row-split fc:
+    each shard draws its columns of the unsplit mask, so 2-way tensor
+    parallel trains as 1 rank does (SGD, 4 iterations: every weight and
+    the loss of every iteration within 1e-5; before: both shards drew the
+    mask of their local (N, O/t) array, and the weights differed from 1
+    rank's by far more)."""
+    cfg = _with_mlp_dropout(MLP_NETS[net](solver="sgd"))
+    one, _ = _train(tmp_path, "one", 1, dict(cfg, parallel={"scheme": "data"}))
+    two, res = _train(tmp_path, "two", 2, cfg)
+    assert "drop_h" in res.stdout + res.stderr   # the split goes through the dropout
+    _close(_params(one / "latest.h5"), _params(two / "latest.h5"))
+    np.testing.assert_allclose(_losses(one), _losses(two), rtol=1e-5)
+
+
+def test_mlp_dropout_on_a_gpu_is_refused():
+    """The device kernels count a shard's local elements: a GPU with a
+    dropout layer on a column-split activation exits 2 naming its ratio."""
+    cfg = _with_mlp_dropout(_block_config(solver="sgd"))
+    cfg["device"] = 0
+    with pytest.raises(UserError, match=r"key 'net\[3\]\.ratio': layer 'drop_h': dropout of "
+                                        "the activation of 'c_fc' split by columns"):
+        compose_for(make_job(cfg), 2, 0)
+    cfg["net"][3]["ratio"] = 0.0   # no dropout: composed as before
+    compose_for(make_job(cfg), 2, 0)

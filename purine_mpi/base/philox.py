@@ -87,15 +87,22 @@ def random_bits(count, key0, key1, ctr1, iteration, start=0):
     at ``iteration`` from element ``start`` on (elements start ..
     start + count - 1): a uint32 array of length ``count``."""
     count, start = int(count), int(start)
-    iteration = int(iteration) % (1 << 64)
     first, end = start // 4, -(-(start + count) // 4)
-    if end > (1 << 32):
-        raise ValueError("a Philox dropout stream holds at most 2^34 elements, got "
-                         f"{start + count}")
-    block = np.arange(first, end, dtype=np.uint64).astype(_U32)
-    words = philox4x32((block, ctr1, iteration & 0xFFFFFFFF, iteration >> 32), (key0, key1))
+    words = _block_words(np.arange(first, end, dtype=np.uint64), start + count,
+                         key0, key1, ctr1, iteration)
     skip = start - 4 * first
     return words.T.reshape(-1)[skip:skip + count]
+
+
+def _block_words(blocks, elements, key0, key1, ctr1, iteration):
+    """The (4, n) words of the stream's blocks ``blocks`` (uint64, flat) at
+    ``iteration``, of a stream of ``elements`` elements (at most 2^34)."""
+    if -(-int(elements) // 4) > (1 << 32):
+        raise ValueError("a Philox dropout stream holds at most 2^34 elements, got "
+                         f"{elements}")
+    iteration = int(iteration) % (1 << 64)
+    return philox4x32((blocks.astype(_U32), ctr1, iteration & 0xFFFFFFFF, iteration >> 32),
+                      (key0, key1))
 
 
 def keep_mask(shape, ratio, key0, key1, ctr1, iteration, split=None):
@@ -105,8 +112,11 @@ def keep_mask(shape, ratio, key0, key1, ctr1, iteration, split=None):
     parallel/tensor_parallel.py): the array of ``shape`` is part ``index``
     of ``parts`` equal parts along ``axis`` of the unsplit op's array, and
     each element takes the word of its flat index in that whole array, so
-    the shard's mask is the unsplit mask's slice (drawn run by run: the
-    elements of one index before ``axis`` are contiguous in the whole)."""
+    the shard's mask is the unsplit mask's slice. The elements of one index
+    before ``axis`` (a run) are contiguous in the whole, run r from element
+    (r·parts + index)·run on: every run's blocks are drawn at once, and the
+    runs starting at the same word of a block (at most 4 groups) are taken
+    together."""
     threshold = _U32(keep_threshold(ratio))
     shape = tuple(int(s) for s in shape)
     if not split or int(split["parts"]) == 1:
@@ -116,10 +126,17 @@ def keep_mask(shape, ratio, key0, key1, ctr1, iteration, split=None):
     axis = axis + len(shape) if axis < 0 else axis
     runs = int(np.prod(shape[:axis], dtype=np.int64))
     run = int(np.prod(shape[axis:], dtype=np.int64))
+    starts = (np.arange(runs, dtype=np.uint64) * parts + index) * run
+    skips = (starts % 4).astype(np.int64)
+    blocks = -(-(run + int(skips.max(initial=0))) // 4)  # the blocks a run spans
+    first = starts // 4
+    words = _block_words((first[:, None] + np.arange(blocks, dtype=np.uint64)).reshape(-1),
+                         runs * parts * run, key0, key1, ctr1, iteration)
+    words = words.T.reshape(runs, 4 * blocks)
     keep = np.empty((runs, run), dtype=bool)
-    for r in range(runs):
-        keep[r] = random_bits(run, key0, key1, ctr1, iteration,
-                              start=(r * parts + index) * run) >= threshold
+    for skip in np.unique(skips):
+        rows = skips == skip
+        keep[rows] = words[rows, skip:skip + run] >= threshold
     return keep.reshape(shape)
 
 

@@ -42,12 +42,19 @@ reads them. The original activations' lifetimes then end in the forward,
 and the memory planner (runtime/memory_plan.py) sees the copies live only
 during the unit's backward.
 
-A copy of an op that draws a counter-based Philox stream (``counter_rng``:
-the fused ``Attention`` op with ``attn_dropout``) draws its original's
-stream (attr ``stream``, set to the original's name where absent) at the
-same iteration: the same mask, bit for bit (on the host it also writes
-its own copy of the bit-packed mask, ``<bits>@recompute``, which the
-gradient then reads).
+A fused ``Attention`` op with ``attn_dropout`` writes its keep-mask
+bit-packed on the host (ops/attention.py, ``packed_mask``:
+``<layer>.attn_mask.bits``, N·H·T·T/8 bytes). That blob is kept across
+the boundary, not recomputed: the gradient reads the original's, the
+memory plan counts it from the forward to the gradient, and the copy
+reads it too (attr ``replay_mask``, [qkv, bits, iter] -> [ctx]) and
+unpacks it instead of drawing Philox (one draw a layer an iteration, the
+forward's; the copy writes no mask). A copy of an op that draws a
+counter-based Philox stream (``counter_rng``) keeps its original's
+stream (attr ``stream``, set to the original's name where absent): on a
+GPU placement (parallel/placement.py, ``redraw_attention_masks``) drops
+the packed mask and the copy's ``replay_mask``, and the copy and the
+gradient draw the original's mask at the same iteration, bit for bit.
 
 A ``Dropout`` of a unit whose mask the backward reads keeps that mask
 bit-packed instead (ops/dropout.py, ``packed_mask``: uint8, 1 bit an
@@ -172,7 +179,8 @@ def add_recompute(graph, setting, layers, patterns=None):
     ``recompute_layers`` (None: every layer). Returns a summary dict: the
     setting, the units recomputed (lists of layer names), the blobs saved (the
     units' inputs that their copies read), the blobs recomputed and the
-    packed Dropout masks kept instead of float ones."""
+    packed dropout masks kept (the Dropout ops' instead of float ones, the
+    fused Attention ops' instead of a copy's redraw)."""
     summary = {"setting": setting, "units": [], "saved": [], "recomputed": [], "packed": []}
     if setting == "none":
         return summary
@@ -223,7 +231,7 @@ def _packable(op, backward_readers, redo):
 
 def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
     """Copy the ops of one unit that its backward needs; returns (blobs the
-    copies read from outside, blobs recomputed, packed masks), or None where
+    copies read from outside, blobs recomputed, packed masks kept), or None where
     the unit is left as it is. ``keep_outputs``: the blobs the unit hands to
     forward ops outside it are kept, not recomputed (a residual net's
     stream: the next unit keeps it as its input, or its backward reads it
@@ -246,9 +254,11 @@ def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
                                               for c in cons.get(b, ()))}
             redo -= leaving
             kept |= leaving & set(backward_readers)
-    # the Dropout masks the backward reads are kept bit-packed, not recomputed
+    # the Dropout masks the backward reads are kept bit-packed, not recomputed,
+    # and so are the fused Attention ops' packed masks (their copies replay them)
     packs = [op for op in ops if _packable(op, backward_readers, redo)]
-    redo -= {op.outputs[1] for op in packs}
+    kept_bits = {op.outputs[-1] for op in ops if _attention_bits(op)} & redo
+    redo -= {op.outputs[1] for op in packs} | kept_bits
     if not redo and not packs:
         return None
     # the producers to copy: ancestors of the blobs to redo within the unit,
@@ -267,7 +277,8 @@ def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
     rename = {}
     for op in clones:
         for b in op.outputs[:1] if op.name in packed else op.outputs:
-            rename[b] = graph.free_name(b + SUFFIX)
+            if b not in kept_bits:
+                rename[b] = graph.free_name(b + SUFFIX)
     # the backward ops that will read a copy, and what feeds them from outside
     readers = {c.name: c for b in redo for c in backward_readers[b]}
     deps = graph.dependencies()
@@ -298,6 +309,10 @@ def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
                 dict(op.attrs)
             if getattr(get_kernel_class(op.op_type, op.name), "counter_rng", False):
                 attrs.setdefault("stream", op.name)   # the original's mask stream
+            if op.outputs[-1] in kept_bits:   # reads the original's packed mask: no draw
+                ins.insert(len(ins) - 1, op.outputs[-1])   # [qkv, bits, iter]
+                del attrs["packed_mask"]
+                attrs["replay_mask"] = True
         inputs_read.update(b for b in ins if b not in rename.values())
         outs = [b for b in op.outputs if b in rename]
         for old in outs:
@@ -322,8 +337,15 @@ def _recompute_unit(graph, ops, forward, setting, keep_outputs=False):
             if n not in copies:
                 reordered[n] = op
         graph.ops = reordered
-    saved = {b for b in inputs_read if graph.blobs[b].kind not in PERSISTENT_KINDS}
-    return saved, redo, set(bits_of.values())
+    saved = {b for b in inputs_read if graph.blobs[b].kind not in PERSISTENT_KINDS} - kept_bits
+    return saved, redo, set(bits_of.values()) | kept_bits
+
+
+def _attention_bits(op):
+    """Whether ``op`` is a fused ``Attention`` op writing its dropout mask
+    bit-packed (its last output; ops/attention.py, ``packed_mask``)."""
+    from ..ops.attention import packed
+    return op.op_type == "Attention" and packed(op.attrs)
 
 
 def _pack_mask(graph, op, grads):

@@ -332,9 +332,10 @@ def _grad_dtype_rules(out, path):
                ("parallel.mode", par["mode"] != "sync",
                 f"mode {par['mode']} (parameter servers)"),
                # hybrid's and pipeline's windows carry activations, not the buckets
+               # (sharded with stages: one_sided on one replica only, a pipeline)
                ("parallel.transport", par["transport"] == "one_sided" and
-                scheme in ("data", "sharded"), "transport one_sided (its windows sum "
-                "float32)"),
+                (scheme == "data" or scheme == "sharded" and not par["stages"]),
+                "transport one_sided (its windows sum float32)"),
                ("parallel.scheme", gpu and scheme in GRAD_DTYPE_MPI_ONLY, f"scheme {scheme} "
                 "on a GPU (its buckets are reduced over rank groups on MPI, whose host staging "
                 "moves float32; NCCL reduces those of schemes data and sharded)"),
@@ -443,16 +444,15 @@ def _check_sharded(out, path):
     tensor = par["tensor_parallel"] > 1
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
-               ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3,
-                f"transport one_sided with shard {par['shard']} (built for shard 3: one "
-                "shared copy of the weights per node)"),
+               # with parallel.stages the world decides (the scheme's compose): one
+               # replica runs as scheme pipeline, its transfers through windows
+               ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3
+                and not par["stages"], f"transport one_sided with shard {par['shard']} "
+                "(built for shard 3: one shared copy of the weights per node; and for "
+                "parallel.stages on one replica, as many ranks as stages, which runs as "
+                "scheme pipeline)"),
                ("parallel.transport", par["transport"] == "one_sided" and nccl,
                 "transport one_sided with backend nccl"),
-               ("parallel.transport", par["transport"] == "one_sided" and par["shard"] == 3
-                and bool(par["stages"]), "transport one_sided with parallel.stages (shard "
-                "3's one shared window of the weights per node is built for one replica per "
-                "rank, not for a stage's ranks; transport auto or two_sided keep the "
-                "gathers)"),
                ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,
                 "clip_gradients with backend nccl (its allreduce of the shards' norms runs "
                 "on MPI)"),

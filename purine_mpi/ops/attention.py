@@ -56,8 +56,13 @@ Philox again (a host draw costs ~50 times an unpack). On a GPU a Philox
 draw is one cheap kernel: placement (parallel/placement.py,
 ``redraw_attention_masks``) drops the packed mask and the gradient redraws
 it (same stream, same iteration), so nothing of (N, H, T, T) outlives the
-op there. Either way the fused and the raw paths give the same bits on the
-CPU. On the SDPA path cuDNN draws its own mask (gpu/sdpa.py).
+op there. Activation recompute's copy of the op (graph/recompute.py) draws
+nothing on the host either: attr ``replay_mask``, it reads the original's
+packed mask ([qkv, bits, iter] -> [ctx]) and unpacks it as the gradient
+does, writing no mask of its own (placement on a GPU drops the input and
+the attr with the packed output: the copy redraws there). Either way the
+fused and the raw paths give the same bits on the CPU. On the SDPA path
+cuDNN draws its own mask (gpu/sdpa.py).
 
 On a GPU the products are cuBLAS calls through gpu/blas.py (nvmath's
 binding, capturable in a CUDA graph): one strided-batched GEMM per head,
@@ -359,6 +364,13 @@ def packed(attrs):
     return bool(attrs.get("packed_mask")) and _ratio(attrs, "dropout", 0.0) > 0
 
 
+def replays(attrs):
+    """Whether a fused forward op with dropout reads a kept bit-packed mask
+    instead of drawing one (attr ``replay_mask``: activation recompute's
+    copy, graph/recompute.py; the input before the iteration)."""
+    return bool(attrs.get("replay_mask")) and _ratio(attrs, "dropout", 0.0) > 0
+
+
 def _check_dropout_inputs(what, attrs, ins, base):
     """The iteration input of a fused op with dropout: ``ins[base]``, the
     last; none without."""
@@ -378,12 +390,21 @@ def _probs_specs(kernel, qkv, count):
     return [spec] * (count + (1 if kernel.ratio > 0 else 0))
 
 
-def _dropout_temporaries(kernel, qkv):
+def _dropout_temporaries(kernel, qkv, unpacks=False):
     """The host draw's temporaries (base/philox.py) of a fused op with
-    dropout; [] without."""
+    dropout, or with ``unpacks`` (a kept packed mask) its unpacking's; []
+    without dropout."""
     if kernel.ratio <= 0:
         return []
-    return keep_mask_temporaries(_scores_spec(qkv, int(kernel.attrs["num_heads"]))[0])
+    shape = _scores_spec(qkv, int(kernel.attrs["num_heads"]))[0]
+    return unpack_temporaries(shape) if unpacks else keep_mask_temporaries(shape)
+
+
+def _kept_mask(kernel, bits, p, mask, out):
+    """out = P' = p * mask / (1 - ratio), ``mask`` unpacked from ``bits`` (a
+    kept packed mask): the Dropout op's product, with no Philox draw."""
+    unpack_mask(bits, p.shape, p.dtype, out=mask)
+    dropout_backward(p, mask, kernel.ratio, out)
 
 
 @register
@@ -396,7 +417,9 @@ class Attention(PhiloxStream, _AttentionKernel):
     for the gradient; elsewhere ``stats`` is not written (the gradient
     recomputes the probabilities). With attr ``dropout`` > 0: [qkv, iter],
     dropout on the probabilities drawn from the Philox stream of attr
-    ``stream`` (the module docstring; ``seed`` as the Dropout op's)."""
+    ``stream`` (the module docstring; ``seed`` as the Dropout op's), or
+    with attr ``replay_mask`` ([qkv, bits, iter]) unpacked from ``bits``,
+    the packed mask an original op wrote (a recompute copy: no draw)."""
 
     op_type = "Attention"
     temporaries_on_host = True   # new arrays of scratch_specs each host run
@@ -411,8 +434,14 @@ class Attention(PhiloxStream, _AttentionKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        _check_dropout_inputs("Attention", attrs, ins, 1)
+        replay = replays(attrs)
+        if replay and packed(attrs):
+            raise ShapeError("Attention: attrs replay_mask (read a packed mask) and packed_mask "
+                             "(write one) exclude each other")
+        _check_dropout_inputs("Attention", attrs, ins, 2 if replay else 1)
         n, t, c, h, _ = _dims(attrs, ins[0][0])
+        if replay:
+            _check_packed("Attention", (n, h, t, t), ins[1])
         outs = [((n, t, c), ins[0][1])]
         if attrs.get("sdpa"):
             outs.append(((n, h, t, 1), "float32"))
@@ -433,8 +462,10 @@ class Attention(PhiloxStream, _AttentionKernel):
         return _probs_specs(self, ins[0], 1)
 
     def host_temporaries(self, ins, outs):
-        """P, the mask and the draw's temporaries (dropout)."""
-        return self.scratch_specs(ins, outs) + _dropout_temporaries(self, ins[0])
+        """P, the mask and the draw's (or the kept mask's unpacking's)
+        temporaries (dropout)."""
+        return self.scratch_specs(ins, outs) + _dropout_temporaries(self, ins[0],
+                                                                    replays(self.attrs))
 
     def run(self, ins, outs):
         qkv = ins[0]
@@ -449,7 +480,9 @@ class Attention(PhiloxStream, _AttentionKernel):
         p, *mask = self.temporaries(qkv, *self.scratch_specs(ins, outs))
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
-        if mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
+        if mask and replays(self.attrs):   # the original's kept mask, in place
+            _kept_mask(self, ins[-2], p, mask[0], p)
+        elif mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
             dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
             if packed(self.attrs):   # kept for the gradient (no second draw)
                 outs[-1][...] = pack_mask(mask[0])
@@ -509,9 +542,8 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         self.scores(xp, q, k, p)
         softmax_rows(xp, p)
         do = heads_view(dctx, heads)
-        if mask and packed(self.attrs):   # the forward's mask, unpacked; P' as
-            unpack_mask(ins[-2], p.shape, p.dtype, out=mask[0])   # Dropout makes it
-            dropout_backward(p, mask[0], self.ratio, dp)
+        if mask and packed(self.attrs):   # the forward's mask, unpacked: P' in dP
+            _kept_mask(self, ins[-2], p, mask[0], dp)
             bmm(xp, dp, do, dv, trans_a=True)
         elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
             dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)

@@ -222,11 +222,11 @@ def prepare_for_device(graph, device, train=True, precision="fp32"):
 def redraw_attention_masks(graph):
     """On a GPU the fused ``Attention`` ops with dropout keep no mask: drop
     each one's bit-packed mask output (attr ``packed_mask``, the host path:
-    ops/attention.py) and its readers' input (``AttentionGrad``, a recompute
-    copy's gradient alike), so the gradient redraws the mask from the same
-    Philox stream and iteration (one device kernel; no (N, H, T, T)/8 bytes
-    kept from the forward to the backward). Returns the names of the ops
-    changed."""
+    ops/attention.py) and its readers' input (``AttentionGrad``, and a
+    recompute copy, attr ``replay_mask``), so the gradient (and the copy)
+    redraws the mask from the same Philox stream and iteration (one device
+    kernel; no (N, H, T, T)/8 bytes kept from the forward to the backward).
+    Returns the names of the ops changed."""
     cons = graph.consumers()
     changed = []
     for op in list(graph.ops.values()):
@@ -237,6 +237,7 @@ def redraw_attention_masks(graph):
         for reader in cons.get(bits, ()):
             reader.inputs = [b for b in reader.inputs if b != bits]
             reader.attrs.pop("packed_mask", None)
+            reader.attrs.pop("replay_mask", None)
             changed.append(reader.name)
         del graph.blobs[bits]
     if changed:

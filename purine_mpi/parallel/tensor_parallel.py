@@ -25,7 +25,9 @@ updates) on each of the t ranks of a tensor-parallel group:
   ``Allreduce``. The ops drawing its ``attn_dropout`` mask get attr
   ``mask_split`` (``attention_dropouts``): shard i draws its heads' part
   of the unsplit layer's mask (base/philox.keep_mask), on the CPU only
-  (``check_device``).
+  (``check_device``). So does a ``Dropout`` between an MLP's fc A and fc
+  B (``column_dropouts``): shard i draws columns [i·O/t, (i+1)·O/t) of
+  the unsplit activation's mask (attr ``mask_split`` on the last axis).
 * In the backward pass the gradient reaching A's input from A (the qkv
   projection's input) is partial on each rank; one ``Allreduce``
   (Megatron's f) sums it. Everything outside
@@ -212,8 +214,8 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
             for op in graph.ops.values():
                 if op.name.startswith(p["layer"] + ".") and "num_heads" in op.attrs:
                     op.attrs["num_heads"] = p["heads"] // degree
-            for op in attention_dropouts(graph, p["layer"]):
-                op.attrs["mask_split"] = {"axis": 1, "parts": degree, "index": index}
+        for op, axis in split_dropouts(graph, p):  # before the shapes are re-derived
+            op.attrs["mask_split"] = {"axis": axis, "parts": degree, "index": index}
         _shard(graph, b_fwd.inputs[1], 1, degree, index, states)
         if len(b_fwd.inputs) == 3 and index:  # the bias is added once, by shard 0
             b_fwd.inputs = b_fwd.inputs[:2]
@@ -256,23 +258,62 @@ def attention_dropouts(graph, layer):
                 and op.attrs.get("phase", "train") == "train")]
 
 
+def column_dropouts(graph, pair):
+    """The training ``Dropout`` ops (ratio > 0) among the element-wise
+    layers between the split fc layers of MLP pair ``pair`` (its
+    ``through``): they drop the column-split activation, (N, O/t) or (N, T,
+    O/t), and each gets attr ``mask_split`` on its last axis: its columns'
+    part of the unsplit layer's mask (base/philox.keep_mask), not the mask
+    of a whole array of O/t columns, which every shard would draw alike."""
+    through = set(pair.get("through", ()))
+    return [op for op in graph.topo_order()
+            if op.op_type == "Dropout" and op_base(op.name) in through
+            and op.attrs.get("phase", "train") == "train"
+            and float(op.attrs.get("ratio", 0.5)) > 0]
+
+
+def split_dropouts(graph, pair):
+    """(op, axis) of each op drawing a dropout mask of ``pair``'s split
+    activation, the axis its shards split: an attention layer's
+    (``attention_dropouts``, its (N, H, T, T) probabilities by heads, axis
+    1) or an MLP's (``column_dropouts``, the last axis)."""
+    if "heads" in pair:
+        return [(op, 1) for op in attention_dropouts(graph, pair["layer"])]
+    return [(op, len(graph.blobs[op.inputs[0]].shape) - 1)
+            for op in column_dropouts(graph, pair)]
+
+
 def check_device(graph, pairs, job):
-    """A UserError (exit 2) naming the layer's ``attn_dropout`` when an
-    attention layer split by heads drops its probabilities on a GPU: the
-    device kernels (cuda/dropout.cu, cuDNN's SDPA) count a shard's local
-    elements, which would give every shard the same masks."""
+    """A UserError (exit 2) naming the layer's key when a dropout of a
+    split activation runs on a GPU: an attention layer's ``attn_dropout``
+    (split by heads), a ``dropout`` layer's ``ratio`` between an MLP's
+    split fc layers. The device kernels (cuda/dropout.cu, cuDNN's SDPA)
+    count a shard's local elements, which would give every shard the same
+    masks."""
     from .placement import asks_for_gpu
     if not asks_for_gpu(job):
         return
+    names = list(job.layer_names)
     for p in pairs:
-        if "heads" in p and attention_dropouts(graph, p["layer"]):
-            names = list(job.layer_names)
-            key = (f"net[{names.index(p['layer'])}].attn_dropout" if p["layer"] in names
-                   else "attn_dropout")
-            raise ConfigError(job.path, key, f"layer '{p['layer']}': attention dropout "
-                              "split by heads (parallel.tensor_parallel) draws each shard's "
-                              "part of the unsplit mask on the CPU only, not on a GPU; set "
-                              "attn_dropout: 0 or device: -1")
+        ops = split_dropouts(graph, p)
+        if not ops:
+            continue
+        if "heads" in p:
+            layer, key, what = p["layer"], "attn_dropout", "attention dropout split by heads"
+        else:
+            layer, _, tag = op_base(ops[0][0].name).partition(".")
+            cfg = job.net[names.index(layer)] if layer in names else {}
+            if tag:  # a layer's own dropout (transformer's <layer>.resid_drop)
+                key = tag.replace("_drop", "_dropout")
+            else:    # a dropout layer
+                key = "dropout_ratio" if "dropout_ratio" in cfg and "ratio" not in cfg \
+                    else "ratio"
+            what = f"dropout of the activation of '{p['column']}' split by columns"
+        full = f"net[{names.index(layer)}].{key}" if layer in names else key
+        raise ConfigError(job.path, full, f"layer '{layer}': {what} "
+                          "(parallel.tensor_parallel) draws each shard's part of the "
+                          f"unsplit mask on the CPU only, not on a GPU; set {key}: 0 or "
+                          "device: -1")
 
 
 def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):

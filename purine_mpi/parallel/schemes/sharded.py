@@ -63,10 +63,13 @@ reduce-scatter or gather over a group of one), its start-up block, ``graph
 
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
-parallelism, the one-sided transport of stages 1 and 2 and of stage 3 with
-stages or tensor parallelism, stages with tensor parallelism, and
-combinations with other schemes are refused (the config rules,
-job/config.py's ``_check_sharded``; the GPU by ``compose``).
+parallelism, the one-sided transport of stages 1 and 2 without stages, with
+tensor parallelism, and with stages on several replicas (one replica of
+stages takes it: scheme pipeline's windows), stages with tensor
+parallelism, and combinations with other schemes are refused (the config
+rules, job/config.py's ``_check_sharded``; the GPU, and the one-sided
+transport with stages on several replicas -- the world size decides them
+-- by ``compose``).
 """
 import numpy as np
 
@@ -123,6 +126,8 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
+        if lay.staged and lay.replicas > 1 and par.transport == "one_sided":
+            _refuse_one_sided_stages(job, lay)
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
@@ -549,6 +554,22 @@ def _one_replica(par, world_size):
     ways, what, like = ((par.stage_count, "stages", "scheme pipeline") if par.stages else
                         (par.tensor_parallel, "tensor shards", "scheme tensor"))
     return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
+
+
+def _refuse_one_sided_stages(job, lay):
+    """``parallel.transport: one_sided`` with ``parallel.stages`` on several
+    replicas: a user error naming both keys and the layouts that take it
+    (the config rules cannot: the world size decides the replicas)."""
+    raise UserError(
+        f"{job.path}: key 'parallel.transport': one_sided with parallel.stages on "
+        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks, parallel.shard "
+        f"{job.parallel.shard}) is refused: each stage's reduce-scatters and gathers over its "
+        "replicas run two-sided (shard 3's one shared window of the weights per node is built "
+        "for one replica per rank, not for a stage's ranks); scheme sharded takes one_sided "
+        "at parallel.shard: 3 without parallel.stages, and with parallel.stages on one replica "
+        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
+        "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
+        "share a node) or two_sided")
 
 
 def _plain(lay):
