@@ -31,6 +31,32 @@ def data_file(tmp_path):
     return path
 
 
+
+def test_hdf5_info_reads_a_file_once_and_again_when_it_changes(data_file, tmp_path, monkeypatch):
+    """A start-up asks hdf5_info ~25 times of one file: the answer is read
+    once (one h5py open), read again for a file rewritten or replaced, and
+    an error is never kept (a file made after a miss is read)."""
+    from purine_mpi.data import sources
+    opened = []
+    real = h5py.File
+    monkeypatch.setattr(h5py, "File", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    assert hdf5_info(data_file, "train") == (N_TRAIN, (2, 3, 3))
+    assert hdf5_info(data_file, "train") == (N_TRAIN, (2, 3, 3))
+    assert hdf5_info(data_file, "test") == (3, (2, 3, 3))
+    assert len(opened) == 2
+    with real(data_file, "a") as f:  # rewritten in place: a new size and mtime
+        del f["train/data"], f["train/label"]
+        f.create_dataset("train/data", data=np.zeros((4, 1, 2, 2), np.float32))
+        f.create_dataset("train/label", data=np.zeros(4, np.int64))
+    os.utime(data_file, ns=(1, 1))  # even an mtime set back is another identity
+    assert hdf5_info(data_file, "train") == (4, (1, 2, 2))
+    later = str(tmp_path / "later.h5")
+    with pytest.raises(UserError, match="not found"):
+        hdf5_info(later, "train")
+    os.replace(data_file, later)
+    assert hdf5_info(later, "train") == (4, (1, 2, 2))
+    assert len(opened) == 4 and len(sources._HDF5_INFO) >= 3
+
 def reader(spec, batch, rank=0, world=1, seed=0, name="data"):
     attrs = {"source": spec, "batch_size": batch, "rank": rank, "world_size": world,
              "seed": seed}

@@ -107,6 +107,22 @@ def test_case4_startup_line_names_purine_threads(monkeypatch):
     assert threads.busy_note(1, 1, 2, 1.5) is None  # 1 thread: nothing to give up
 
 
+def test_one_thread_per_rank_samples_no_load(monkeypatch):
+    """One thread per rank has nothing to give up (busy_note), so the
+    start-up line does not spend busy_elsewhere's 0.1 s sample on it; a
+    count above one still measures."""
+    calls = []
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda ranks: calls.append(ranks) or 1.0)
+    monkeypatch.setattr(threads, "BUSY", None)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "DECISION", (1, "OMP_NUM_THREADS"))
+    assert threads.describe({"OMP_NUM_THREADS": "1"}) == "1 per rank (OMP_NUM_THREADS)"
+    assert calls == []
+    monkeypatch.setattr(threads, "DECISION", (2, "PURINE_THREADS"))
+    assert "the cores are shared: 1.0 of 2 busy" in threads.describe({"PURINE_THREADS": "2"})
+    assert calls == [1]
+
+
 def test_case4_busy_elsewhere_leaves_out_this_job(monkeypatch):
     """Case 4: the measured load (injected /proc/stat figures) less this
     process's own CPU and one core per other rank of the job."""

@@ -208,7 +208,8 @@ def describe(environ=os.environ):
     global BUSY
     threads, why = DECISION or apply(environ)
     ranks = ranks_on_this_host(environ)[0]
-    if BUSY is None and not automatic(environ):
+    if BUSY is None and threads > 1 and not automatic(environ):
+        # one thread per rank has nothing to give up (busy_note): no 0.1 s sample
         BUSY = busy_elsewhere(ranks)
     cores = usable_cores()
     notes = [n for n in (busy_note(threads, ranks, cores, BUSY), oversubscribed(ranks, cores))

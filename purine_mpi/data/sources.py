@@ -23,6 +23,7 @@ and the positions there wrap around as above but are padding, not samples:
 positions < n), so every sample counts exactly once on any number of ranks.
 """
 import os
+import stat
 import resource
 import threading
 from collections import OrderedDict
@@ -70,6 +71,13 @@ def data_hint(data_path, what="data file"):
             "'python -m purine_mpi data digits|cifar10 --out PATH.h5' writes the bundled sets")
 
 
+#: hdf5_info's answers in this process, by the file's identity (device,
+#: inode, size, mtime): a start-up asks it ~25 times of the same file (each
+#: op's shapes, the plan, the notes), 5 ms an open; a file replaced or
+#: rewritten is read again. Only answers are kept, never errors.
+_HDF5_INFO = {}
+
+
 def hdf5_info(path, split=None, external=False):
     """(n_samples, sample_shape) of an HDF5 data file's split, reading only
     metadata. Raises UserError naming the file and dataset when the file is
@@ -77,9 +85,21 @@ def hdf5_info(path, split=None, external=False):
     float, label 1-D integer of the same N), or when the split's data or
     label reads from another file (data/h5links.py) without ``external``
     (the data spec's key), or with it from a file that is missing or short."""
-    import h5py
-    if not os.path.isfile(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
+    key = (os.path.realpath(path), split, bool(external), st.st_dev, st.st_ino, st.st_size,
+           st.st_mtime_ns)
+    if key not in _HDF5_INFO:
+        _HDF5_INFO[key] = _read_hdf5_info(path, split, external)
+    return _HDF5_INFO[key]
+
+
+def _read_hdf5_info(path, split, external):
+    import h5py
     try:
         f = h5py.File(path, "r")
     except OSError as e:
