@@ -3,7 +3,8 @@ precision or setting is changed behind the user's back").
 
 For every scheme and layout the project runs (those of the scheme tests:
 data and sharded on 1 and 2 ranks, scheme none, a pipeline, hybrid,
-sharded x stages, tensor and sharded x tensor on 1 and 2 replicas) and
+sharded x stages, tensor and sharded x tensor on 1 and 2 replicas, a
+pipeline of 2 stages x 2 tensor shards) and
 every ``parallel`` key some scheme notes as having no effect, every rank's
 composed training graph is built offline (``tools.graph.composed``, no
 MPI) with the key at its default and set to each other value: where no
@@ -40,7 +41,7 @@ from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import composed, describe_layout
 from purine_mpi.train.runlog import gradient_line
 from tests.conftest import make_job
-from tests.gpt_nets import gpt_config, text_h5
+from tests.gpt_nets import block_stages, gpt_config, text_h5
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _same, _train
 from tests.test_sharded_stages import STAGES, _staged
@@ -74,6 +75,13 @@ def _gpt1(tokens, scheme):
     return gpt_config(tokens, layers=1, parallel={"scheme": scheme, "tensor_parallel": 2})
 
 
+def _gpt_stages(tokens):
+    """The one-block GPT in 2 stages (the embeddings; the block and the
+    head), each split 2 ways (scheme pipeline with tensor_parallel)."""
+    return gpt_config(tokens, layers=1, parallel={
+        "scheme": "pipeline", "stages": block_stages(1), "tensor_parallel": 2})
+
+
 #: name -> (config maker (the tokens file), ranks); the keys that make the
 #: layout (stages, tensor_parallel) are not swept in it
 LAYOUTS = {
@@ -91,6 +99,7 @@ LAYOUTS = {
     "sharded, 2 replicas x 2 stages": (lambda t: _wide(_staged("sharded")), 4),
     "sharded, 1 replica x 2-way tensor": (lambda t: _gpt1(t, "sharded"), 2),
     "sharded, 2 replicas x 2-way tensor": (lambda t: _gpt1(t, "sharded"), 4),
+    "pipeline, 2 stages x 2-way tensor": (lambda t: _gpt_stages(t), 4),
 }
 
 #: (key, the values other than its default): the keys the notes speak of;

@@ -161,8 +161,9 @@ PARALLEL = (
         typed=INT_MAP),
     Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1, 2 and 3: "
         "each tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "
-        "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks "
-        "(see [parallel.md](parallel.md))"),
+        "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks; "
+        "scheme pipeline: each stage split across this many ranks, the world stages x this "
+        "many, rank = stage·t + shard (see [parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
@@ -386,7 +387,8 @@ CHOICE_DOCS = {
         "none": "no composition: each rank trains its own replica on its shard of the data, "
                 "exchanging no gradients (tests, debugging)",
         "pipeline": "layers are placed on ranks by `stages` (one rank per stage); each edge "
-                    "between ranks becomes a Send/Recv pair",
+                    "between ranks becomes a Send/Recv pair; with `tensor_parallel` t each "
+                    "stage is split across t ranks as scheme tensor splits a net (p·t ranks)",
         "hybrid": "R replicas × p stages (rank = replica·p + stage): each replica is a "
                   "pipeline on its shard of the batch, and each stage allreduces its "
                   "gradients over the R replicas; the world size is a multiple of p >= 2",

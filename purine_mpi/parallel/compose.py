@@ -31,6 +31,11 @@ rank = replica * t + shard: a group of t consecutive ranks splits the
 net's MLPs and attention layers, and each shard's gradients are allreduced
 over the replicas (``Layout.tensor``, ``Layout.shard``).
 
+Scheme ``pipeline`` with ``parallel.tensor_parallel`` t (one replica)
+splits each stage across t ranks; all three orders are one:
+
+    rank = (replica * p + stage) * t + shard   # Layout.rank
+
 The parameter-server worker (param_server.WorkerScheme) is a Scheme too.
 """
 from .schemes import Composition, scheme_of  # noqa: F401  (importable from here)

@@ -316,6 +316,19 @@ def check_device(graph, pairs, job):
                           "device: -1")
 
 
+def split_for(graph, job, lay, train=True):
+    """Split ``graph`` (one replica's, whole) in place for this rank's
+    shard (``lay.shard`` of ``lay.tensor``), its allreduces over its tensor
+    group (``lay.tensor_ranks()``): the pairs of ``find_splits``, checked
+    (exit 2 naming the key). Returns the pairs."""
+    pairs = find_splits(graph)
+    check_degree(pairs, lay.tensor, job.path)
+    check_device(graph, pairs, job)
+    split_graph(graph, pairs, lay.tensor, lay.shard, lay.tensor_ranks(),
+                job.solver.type if train else None)
+    return pairs
+
+
 def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     """This rank's slice under ``scheme: tensor`` (see the module docstring):
     the split pairs, their allreduces over this rank's tensor group, then
@@ -328,12 +341,7 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
     the pairs)."""
     from .schemes.base import Composition
     degree = lay.tensor
-    pairs = find_splits(graph)
-    check_degree(pairs, degree, job.path)
-    check_device(graph, pairs, job)
-    group = lay.tensor_ranks()
-    split_graph(graph, pairs, degree, lay.shard, group,
-                job.solver.type if train else None)
+    pairs = split_for(graph, job, lay, train)
     reduces = train and (lay.replicas > 1 or reduce is not None)
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline): same order everywhere
@@ -431,30 +439,38 @@ def param_split(graph, name):
     return split
 
 
-def gather_whole(graph, layout, parts):
+def gather_whole(graph, layout, parts, splits=None):
     """Rank 0's whole params and solver state from every rank's
-    ``(params, solver)`` (``parts``, world order): the shards of tensor
-    group 0 joined, the other blobs from rank 0."""
-    params, state = (dict(x) for x in parts[0])   # the weights, the solver's state
-    ranks = layout.tensor_ranks(0)
-    for p in params:
-        split = split_of(graph.blobs[p])
-        if split:
-            params[p] = join_shards(split, [parts[r][0][p] for r in ranks])
-            if p in state:
-                state[p] = {s: join_shards(split, [parts[r][1][p][s] for r in ranks])
-                            for s in state[p]}
+    ``(params, solver)`` (``parts``, world order): the shards of each of
+    replica 0's tensor groups (one per stage) joined, the other blobs from
+    the group's shard 0. ``splits``: {param: its ``tensor_split`` or None}
+    of the params rank 0's ``graph`` does not hold (other stages')."""
+    params, state = {}, {}   # the weights, the solver's state
+    for s in range(layout.stages):
+        ranks = [layout.rank(0, s, k) for k in range(layout.tensor)]
+        first_params, first_state = parts[ranks[0]][:2]
+        params.update(first_params)
+        state.update(first_state)
+        for p in first_params:
+            split = splits.get(p) if splits and p in splits else split_of(graph.blobs[p])
+            if split:
+                params[p] = join_shards(split, [parts[r][0][p] for r in ranks])
+                if p in state:
+                    state[p] = {x: join_shards(split, [parts[r][1][p][x] for r in ranks])
+                                for x in state[p]}
     return params, state
 
 
-def add_tensor_clip(graph, clip, lay):
+def add_tensor_clip(graph, clip, lay, group=None):
     """``solver.clip_gradients`` under tensor parallelism: the squared norms
-    of a group's ranks add up (one Allreduce over the group), a split
+    of a group's ranks add up (one Allreduce over ``group``, default the
+    tensor group; with stages every rank of the replica), a split
     parameter's shards each counted on their rank, a whole (replicated)
-    parameter only on shard 0 of the group (its norm scale is 0 elsewhere)."""
+    parameter only on shard 0 of its tensor group (its norm scale is 0
+    elsewhere)."""
     from ..graph.clip import add_clip, update_ops
     param_of = {op.inputs[1]: graph.storage_root(op.inputs[0]) for op in update_ops(graph)}
-    add_clip(graph, clip, group=lay.tensor_ranks())
+    add_clip(graph, clip, group=lay.tensor_ranks() if group is None else group)
     count_whole_once(graph, lay, param_of)
     return graph
 

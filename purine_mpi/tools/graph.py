@@ -150,7 +150,8 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     split = comp.tensor_plan
     if split:
         lines.append(f"tensor-parallel split over ranks {lay.tensor_ranks()} "
-                     f"(rank {rank} = replica {lay.replica}, shard {lay.shard}):")
+                     f"(rank {rank} = replica {lay.replica}, "
+                     + (f"stage {lay.stage}, " if lay.staged else "") + f"shard {lay.shard}):")
         lines += [f"  {line}" for line in split]
     plan = comp.bucket_plan
     if plan:

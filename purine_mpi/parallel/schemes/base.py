@@ -108,38 +108,56 @@ class Layout:
     replica: int
     stage: int
     micro_batches: int = 1
-    tensor: int = 1           # scheme tensor: the ranks of a tensor-parallel group
+    tensor: int = 1           # the ranks of a tensor-parallel group (scheme tensor;
+    #                           scheme pipeline with parallel.tensor_parallel)
     shard: int = 0            # this rank's place in its group
 
-    def rank(self, replica, stage):
-        return replica * self.stages + stage
+    # rank = (replica * stages + stage) * tensor + shard: the tensor shards
+    # fastest, then the stages, then the replicas; with one shard it is the
+    # staged schemes' replica * p + stage, with one stage scheme tensor's
+    # replica * t + shard (parallel/compose.py)
+    def rank(self, replica, stage, shard=None):
+        """The rank of ``replica``'s stage ``stage`` that holds tensor shard
+        ``shard`` (default: this rank's)."""
+        k = self.shard if shard is None else shard
+        return (replica * self.stages + stage) * self.tensor + k
 
-    # scheme tensor: rank = replica * tensor + shard (parallel/tensor_parallel.py)
     def tensor_ranks(self, replica=None):
-        """The ranks of one tensor-parallel group (default: this rank's)."""
+        """The ranks of one tensor-parallel group (default: this rank's
+        replica; this rank's stage)."""
         r = self.replica if replica is None else replica
-        return [r * self.tensor + k for k in range(self.tensor)]
+        return [self.rank(r, self.stage, k) for k in range(self.tensor)]
 
     def shard_ranks(self, shard=None):
-        """The ranks holding shard ``shard`` (default: this rank's), one per replica."""
-        k = self.shard if shard is None else shard
-        return [r * self.tensor + k for r in range(self.replicas)]
+        """The ranks holding shard ``shard`` (default: this rank's) of this
+        rank's stage, one per replica."""
+        return [self.rank(r, self.stage, shard) for r in range(self.replicas)]
 
     def tensor_groups(self):
-        return [self.tensor_ranks(r) for r in range(self.replicas)]
+        """Every tensor-parallel group (each replica's, each stage's)."""
+        return [[self.rank(r, s, k) for k in range(self.tensor)]
+                for r in range(self.replicas) for s in range(self.stages)]
 
     def shard_groups(self):
-        return [self.shard_ranks(k) for k in range(self.tensor)]
+        """Every group of the ranks holding one shard of one stage."""
+        return [[self.rank(r, s, k) for r in range(self.replicas)]
+                for s in range(self.stages) for k in range(self.tensor)]
 
     def stage_ranks(self, stage=None):
-        """The ranks that hold stage ``stage`` (default: this rank's), one per replica."""
+        """The ranks that hold stage ``stage`` (default: this rank's) and this
+        rank's tensor shard, one per replica."""
         s = self.stage if stage is None else stage
         return [self.rank(r, s) for r in range(self.replicas)]
 
+    def all_stage_ranks(self, stage):
+        """Every rank of stage ``stage``: its replicas' tensor groups."""
+        return [self.rank(r, stage, k) for r in range(self.replicas) for k in range(self.tensor)]
+
     def replica_ranks(self, replica=None):
-        """The ranks of one replica (default: this rank's), stage order."""
+        """The ranks of one replica (default: this rank's), stage order (and
+        in a stage its tensor shards)."""
         r = self.replica if replica is None else replica
-        return [self.rank(r, s) for s in range(self.stages)]
+        return [self.rank(r, s, k) for s in range(self.stages) for k in range(self.tensor)]
 
     @property
     def staged(self):

@@ -10,8 +10,14 @@ from .pipeline import Pipeline
 
 @register_scheme("hybrid")
 class Hybrid(Pipeline):
-    keys = Pipeline.keys + BUCKET_KEYS + ("check_collectives", "split_params")
+    keys = tuple(k for k in Pipeline.keys if k != "tensor_parallel") + BUCKET_KEYS + \
+        ("check_collectives", "split_params")
     allreduces = True
+
+    def tensor_degree(self, job):
+        """No tensor shards (tensor parallelism within the stages is scheme
+        pipeline's, one replica: the config rules refuse it here)."""
+        return 1
 
     def check_world(self, job, size, count):
         path = job.path

@@ -2,30 +2,59 @@
 rank per stage); each edge between ranks becomes a Send/Recv pair, or a
 window transfer (parallel.transport, parallel/one_sided.py). The staged
 layout is R replicas x p stages, rank = replica * p + stage
-(parallel/compose.py); a pipeline is R = 1 (``scheme: hybrid``: R >= 1)."""
+(parallel/compose.py); a pipeline is R = 1 (``scheme: hybrid``: R >= 1).
+
+With ``parallel.tensor_parallel`` t (on the CPU, one replica): p stages x
+t tensor shards, rank = stage * t + shard (``Layout.rank``: (replica * p +
+stage) * t + shard, the tensor shards fastest), so stage s is the t
+consecutive ranks s·t .. s·t + t - 1. The whole replica's graph is split as
+scheme tensor splits a net (parallel/tensor_parallel.split_for: each
+rank's shard, its allreduces over its stage's tensor group), then cut into
+stages; shard k of stage s sends to shard k of stage s + 1 (and the
+gradients back). With micro-batches the copies of the tensor allreduces are
+posted in each stage's schedule order (``_post_in_schedule_order``);
+``solver.clip_gradients`` adds the squared norms of every rank, a
+replicated weight counted on shard 0 of its stage only. Checkpoints hold
+whole blobs: each stage's shards joined on save, split on load."""
 from ...base.errors import UserError
 from .base import Composition, Layout, Scheme, register_scheme
 
 
 @register_scheme("pipeline")
 class Pipeline(Scheme):
-    keys = ("stages", "schedule", "transport")
+    keys = ("stages", "schedule", "transport", "tensor_parallel")
     staged = True
     allreduces = False
     one_sided = True
 
     def layout(self, job, world):
         """This rank's Layout; a UserError (exit 2) naming ``parallel.stages``
-        when the world does not fit the stages."""
+        when the world does not fit the stages (x the tensor shards)."""
         par = job.parallel
         if world.size == 1:
             return Scheme.layout(self, job, world)
-        self.check_world(job, world.size, par.stage_count)
-        count = par.stage_count
+        count, t = par.stage_count, self.tensor_degree(job)
+        self.check_world(job, world.size, count)
+        if t > 1:
+            return Layout(par.scheme, 1, count, 0, world.rank // t, par.micro_batches, t,
+                          world.rank % t)
         return Layout(par.scheme, world.size // count, count, world.rank // count,
                       world.rank % count, par.micro_batches)
 
+    def tensor_degree(self, job):
+        """The tensor shards of each stage (``parallel.tensor_parallel``)."""
+        return job.parallel.tensor_parallel
+
     def check_world(self, job, size, count):
+        t = self.tensor_degree(job)
+        if t > 1 and size != count * t:
+            raise UserError(f"{job.path}: keys 'parallel.stages', 'parallel.tensor_parallel': "
+                            f"scheme pipeline with tensor parallelism runs one replica of "
+                            f"{count} stage(s) x {t} tensor shards, but the world size is "
+                            f"{size}; start {count * t} ranks (mpiexec -n {count * t}) "
+                            "(several replicas of it are not built)")
+        if t > 1:
+            return
         if not count or size != count:
             why = ("is more than" if count and size % count == 0 else
                    "is not a multiple of") + f" the {count} stage(s)"
@@ -42,8 +71,47 @@ class Pipeline(Scheme):
         if not lay.staged:
             accumulate(graph, grads, job)
             return clipped(Composition(graph.validate(), lay), job, world)
+        pairs = self._split(graph, job, world, lay)
         comp = compose_stages(graph, job, world, micro_copies(graph, grads, job))
+        self._tensor_done(comp, pairs, lay, job)
         return clipped(self.reduce_stages(comp, grads, job, world), job, world)
+
+    # ---- tensor parallelism within the stages
+    def _split(self, graph, job, world, lay, train=True):
+        """With tensor shards: the whole replica's graph split for this
+        rank's shard (tensor_parallel.split_for), the tensor groups'
+        sub-communicators made (the same call on every rank); else None."""
+        if lay.tensor == 1:
+            return None
+        from ..placement import asks_for_gpu
+        if asks_for_gpu(job):  # device or backend: cupy (also given on the command line)
+            raise UserError(f"{job.path}: key 'parallel.tensor_parallel': scheme pipeline with "
+                            "tensor parallelism runs on the CPU (device -1), not on a GPU; "
+                            "set device: -1, or tensor_parallel: 1")
+        from ..tensor_parallel import split_for
+        pairs = split_for(graph, job, lay, train)
+        split = getattr(world, "split_groups", None)
+        if split is not None:  # a live MPI world (graph --np composes offline)
+            split(lay.tensor_groups())
+        return pairs
+
+    def _tensor_done(self, comp, pairs, lay, job):
+        """The slice's tensor allreduces posted in its topological order
+        (``_post_in_schedule_order``), the split's lines (every stage's, for
+        the start-up block and ``graph --np``)."""
+        if pairs is None:
+            return
+        from ..tensor_parallel import describe_splits
+        _post_in_schedule_order(comp.graph, lay.tensor_ranks())
+        from .base import ranks_word
+        stage_of = job.stage_map
+        plan = []
+        for s in range(lay.stages):  # each stage's pairs, with the ranks that split them
+            here = [p for p in pairs if stage_of.get(p.get("layer", p["column"])) == s]
+            plan += [f"stage {s} ({ranks_word(lay.all_stage_ranks(s))}): {line}"
+                     for line in describe_splits(here, lay.tensor)]
+        comp.tensor_plan = plan
+        comp.graph.infer_shapes().validate()
 
     def reduce_stages(self, comp, grads, job, world):
         """What follows the slicing: nothing in a pipeline (scheme hybrid
@@ -52,13 +120,24 @@ class Pipeline(Scheme):
 
     def compose_test(self, graph, job, world):
         from .steps import compose_stages
-        if not self.layout(job, world).staged:
+        lay = self.layout(job, world)
+        if not lay.staged:
             return Scheme.compose_test(self, graph, job, world)
-        return compose_stages(graph, job, world)
+        pairs = self._split(graph, job, world, lay, train=False)
+        comp = compose_stages(graph, job, world)
+        self._tensor_done(comp, pairs, lay, job)
+        return comp
 
     # ---- notes
     def one_rank_notes(self, job, note, changed):
-        count = job.parallel.stage_count
+        count, t = job.parallel.stage_count, self.tensor_degree(job)
+        if t > 1:
+            note(["scheme"], f"{self.config_name} has no effect on 1 rank: the {count} stages "
+                 f"of parallel.stages x the {t} tensor shards of parallel.tensor_parallel "
+                 f"need {count * t} ranks, so the net runs unsplit on this rank (start "
+                 f"mpiexec -n {count * t} to split it)")
+            changed.difference_update(("stages", "tensor_parallel"))
+            return
         note(["scheme"], f"{self.config_name} has no effect on 1 rank: the {count} stages of "
              f"parallel.stages need {self.ranks_needed(count)} ranks, so the net runs unsplit "
              f"on this rank (start mpiexec -n {count} to split it)")
@@ -74,7 +153,8 @@ class Pipeline(Scheme):
     def scheme_lines(self, trainer, composition):
         return [("scheme", self.describe(composition.layout))] + \
             Scheme.scheme_lines(self, trainer, composition) + \
-            self.stage_lines(composition.layout, trainer.job)
+            self.stage_lines(composition.layout, trainer.job) + \
+            [("split", line) for line in composition.tensor_plan]
 
     def stage_lines(self, lay, job):
         """The start-up block's row of each stage: its ranks and layers."""
@@ -85,17 +165,28 @@ class Pipeline(Scheme):
             names = [n for n in layers if stages.get(n) == s]
             shown = ", ".join(names) if len(names) <= 6 else \
                 f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
-            out.append((f"stage {s}", f"{_ranks_word(lay.stage_ranks(s))}: "
+            out.append((f"stage {s}", f"{_ranks_word(lay.all_stage_ranks(s))}: "
                         f"{_count(len(names), 'layer')} ({shown})"))
         return out
 
     def describe(self, lay):
+        if lay.tensor > 1:
+            return (f"pipeline: {lay.stages} stages x {lay.tensor}-way tensor parallel (rank = "
+                    f"stage x {lay.tensor} + shard); split layers' activations allreduced in "
+                    f"each stage's group of {lay.tensor} ranks; shard k of a stage sends to "
+                    "shard k of the next (gradients back)")
         return (f"pipeline: {lay.stages} stages, rank s runs stage s; "
                 "activations and gradients cross between them")
 
     def graph_notes(self, lay, rank, comp=None):
         if not lay.staged:
             return None
+        if lay.tensor > 1:
+            return (f"layout {lay.describe()}; rank = stage * {lay.tensor} + shard; rank "
+                    f"{rank} = stage {lay.stage}, tensor shard {lay.shard} of {lay.tensor}; "
+                    f"transfers with ranks {[lay.rank(0, s) for s in range(lay.stages)]} "
+                    f"(shard {lay.shard} of each stage); activations allreduced over ranks "
+                    f"{lay.tensor_ranks()} (this stage's tensor group)")
         return (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
                 f"replica {lay.replica}, stage {lay.stage}; transfers with ranks "
                 f"{lay.replica_ranks()} (this replica)")
@@ -105,10 +196,52 @@ class Pipeline(Scheme):
         """Each stage holds its own layers' parameters."""
         return graphs.layout.staged
 
+    def checkpoint_sections(self, graphs, ws, world, local):
+        """With tensor shards, each rank's part goes with the splits of its
+        parameters (rank 0 holds stage 0's only): ``join_checkpoint`` joins
+        each stage's shards whole."""
+        if graphs.layout.tensor == 1:
+            return Scheme.checkpoint_sections(self, graphs, ws, world, local)
+        from ..tensor_parallel import split_of
+        params, solver = local()
+        part = (params, solver, {p: split_of(graphs.graph.blobs[p]) for p in params})
+        parts = world.gather_object(part, 0, "a checkpoint gather")
+        return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
+
     def join_checkpoint(self, graphs, parts):
-        """Replica 0's stages (the replicas hold the same values)."""
+        """Replica 0's stages (the replicas hold the same values); with
+        tensor shards, each stage's shards joined (tensor_parallel.gather_whole)."""
+        lay = graphs.layout
+        if lay.tensor > 1:
+            from ..tensor_parallel import gather_whole
+            splits = {p: split for part in parts for p, split in
+                      (part[2] if len(part) > 2 else {}).items()}
+            return gather_whole(graphs.graph, lay, parts, splits)
         params, solver = (dict(x) for x in parts[0])
-        for r in graphs.layout.replica_ranks(0):
+        for r in lay.replica_ranks(0):
             params.update(parts[r][0])
             solver.update(parts[r][1])
         return params, solver
+
+    def split_checkpoint(self, graphs, name, value):
+        """A whole blob from the file: this rank's shard of it (with tensor
+        shards; scheme tensor's ``split_checkpoint``)."""
+        from .tensor import TensorParallel
+        return TensorParallel.split_checkpoint(self, graphs, name, value)
+
+
+def _post_in_schedule_order(graph, group):
+    """Number the tensor group's allreduces of a stage's slice (``group``)
+    in its topological order: the micro-batch copies of one allreduce share
+    the whole graph's ``seq``, and posted by ``seq`` every copy's forward
+    allreduce would go before any backward one, which under 1F1B waits for
+    a later copy's forward that waits for it. The slice's order is its
+    schedule's, the same on every rank of the group."""
+    ops = [op for op in graph.topo_order()
+           if op.op_type == "Allreduce" and op.attrs.get("group") == list(group)]
+    if not ops:
+        return
+    from ..data_parallel import next_seq
+    seq = next_seq(graph)
+    for k, op in enumerate(ops):
+        op.attrs["seq"] = seq + k

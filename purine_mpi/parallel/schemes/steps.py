@@ -42,13 +42,15 @@ def loss_scaled(comp, job, world, group=None):
 
 def clipped(comp, job, world):
     """``solver.clip_gradients`` (graph/clip.py) on a composition's reduced
-    gradients: over a tensor group, a replica's stages, or this rank."""
+    gradients: over a tensor group, a replica's stages (with tensor shards:
+    every rank of the replica, a replicated weight counted on shard 0 of its
+    stage's group only), or this rank."""
     clip = job.solver.clip_gradients
     if clip is None:
         return comp
     from ...graph.clip import add_clip
     lay, local = comp.layout, comp.graph
-    if lay.tensor > 1:
+    if lay.tensor > 1 and not lay.staged:
         from ..tensor_parallel import add_tensor_clip
         comp.graph = add_tensor_clip(local, clip, lay).validate()
     elif not lay.staged:
@@ -58,7 +60,11 @@ def clipped(comp, job, world):
         split = getattr(world, "split_groups", None)
         if split is not None and lay.replicas > 1:
             split([lay.replica_ranks(r) for r in range(lay.replicas)])
-        comp.graph = add_clip(local, clip, group=lay.replica_ranks()).validate()
+        if lay.tensor > 1:
+            from ..tensor_parallel import add_tensor_clip
+            comp.graph = add_tensor_clip(local, clip, lay, lay.replica_ranks()).validate()
+        else:
+            comp.graph = add_clip(local, clip, group=lay.replica_ranks()).validate()
     return comp
 
 
