@@ -157,7 +157,8 @@ def test_a_new_scheme_is_one_module_and_one_registry_line(monkeypatch):
     assert isinstance(scheme_of(job), Solo)
     notes = compose.settings_without_effect(job, 2)
     assert any("bucket_mb" in n and "scheme solo sums nothing" in n for n in notes), notes
-    assert any("tensor_parallel applies to schemes pipeline and tensor and sharded only; "
+    assert any("tensor_parallel applies to schemes pipeline and hybrid and tensor and "
+               "sharded only; "
                "scheme solo "
                "ignores it" in n
                for n in notes), notes

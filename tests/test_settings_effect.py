@@ -4,7 +4,7 @@ precision or setting is changed behind the user's back").
 For every scheme and layout the project runs (those of the scheme tests:
 data and sharded on 1 and 2 ranks, scheme none, a pipeline, hybrid,
 sharded x stages, tensor and sharded x tensor on 1 and 2 replicas, a
-pipeline of 2 stages x 2 tensor shards) and
+pipeline of 2 stages x 2 tensor shards and 2 replicas of it under hybrid) and
 every ``parallel`` key some scheme notes as having no effect, every rank's
 composed training graph is built offline (``tools.graph.composed``, no
 MPI) with the key at its default and set to each other value: where no
@@ -75,11 +75,11 @@ def _gpt1(tokens, scheme):
     return gpt_config(tokens, layers=1, parallel={"scheme": scheme, "tensor_parallel": 2})
 
 
-def _gpt_stages(tokens):
+def _gpt_stages(tokens, scheme="pipeline"):
     """The one-block GPT in 2 stages (the embeddings; the block and the
-    head), each split 2 ways (scheme pipeline with tensor_parallel)."""
+    head), each split 2 ways (scheme pipeline or hybrid with tensor_parallel)."""
     return gpt_config(tokens, layers=1, parallel={
-        "scheme": "pipeline", "stages": block_stages(1), "tensor_parallel": 2})
+        "scheme": scheme, "stages": block_stages(1), "tensor_parallel": 2})
 
 
 #: name -> (config maker (the tokens file), ranks); the keys that make the
@@ -100,6 +100,7 @@ LAYOUTS = {
     "sharded, 1 replica x 2-way tensor": (lambda t: _gpt1(t, "sharded"), 2),
     "sharded, 2 replicas x 2-way tensor": (lambda t: _gpt1(t, "sharded"), 4),
     "pipeline, 2 stages x 2-way tensor": (lambda t: _gpt_stages(t), 4),
+    "hybrid, 2 replicas x 2 stages x 2-way tensor": (lambda t: _gpt_stages(t, "hybrid"), 8),
 }
 
 #: (key, the values other than its default): the keys the notes speak of;

@@ -8,11 +8,18 @@ the next. On 4 ranks (2 stages x 2 shards) a 2-block GPT and a residual MLP
 train as 1 rank does (SGD, AdamW, 2 micro-batches under 1F1B with
 clipping), the checkpoints hold whole blobs (a 4-rank checkpoint resumes
 on 1 rank with the same losses, and back), the start-up block and
-``graph --np 4`` say what each rank holds, and what is not built (several
-replicas, a GPU, the other schemes' spellings) exits 2 naming the keys.
+``graph --np 4`` say what each rank holds, and what is not built (a GPU,
+scheme tensor with stages, a world that is not whole replicas) exits 2
+naming the keys.
 
-The 4-rank runs are few (each costs ~10 s on 2 cores): one module fixture
-trains each configuration once, the tests assert over its outputs."""
+Replicas of it (``scheme: hybrid`` with both keys, Megatron-LM's 3-D
+layout): 8 ranks = 2 replicas x 2 stages x 2 shards train a one-block GPT
+(SGD, 2 micro-batches, clipping) and the MLP (AdamW, clipping) as 1 rank
+on the global batch, and the 8-rank checkpoint resumes on 1 rank.
+
+The 4- and 8-rank runs are few (each costs ~5-30 s on 2 cores): one module
+fixture per layout trains each configuration once, the tests assert over
+its outputs."""
 import numpy as np
 import pytest
 
@@ -35,8 +42,8 @@ def _tp_pp(stages, **more):
     return {"scheme": "pipeline", "stages": stages, "tensor_parallel": 2, **more}
 
 
-def _gpt(tokens, parallel=None, **solver):
-    cfg = gpt_config(tokens, solver="sgd", iters=ITERS, parallel=parallel)
+def _gpt(tokens, parallel=None, layers=2, **solver):
+    cfg = gpt_config(tokens, layers=layers, solver="sgd", iters=ITERS, parallel=parallel)
     cfg["solver"].update(solver)
     return cfg
 
@@ -221,32 +228,206 @@ def test_clipping_adds_every_rank_and_counts_replicated_weights_once():
 
 
 # ------------------------------------------------------------ refusals
-@pytest.mark.parametrize("parallel,key", [
-    ({"scheme": "hybrid"}, "parallel.tensor_parallel"),
-    ({"scheme": "tensor"}, "parallel.stages"),
-])
-def test_other_spellings_exit_2(tmp_path, parallel, key):
-    """Scheme hybrid with tensor_parallel and scheme tensor with stages
-    (before: each ran, ignoring the other key) exit 2 pointing at scheme
-    pipeline."""
-    cfg = _mlp(dict(_tp_pp(dict(STAGES)), **parallel))
+def test_scheme_tensor_with_stages_exits_2(tmp_path):
+    """Scheme tensor with stages (before: it ran, ignoring the stages) exits
+    2 pointing at schemes pipeline and hybrid."""
+    key = "parallel.stages"
+    cfg = _mlp(dict(_tp_pp(dict(STAGES)), scheme="tensor"))
     res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
-    assert_user_error(res, key, f"scheme {parallel['scheme']} with {key} is refused",
-                      "use scheme: pipeline")
+    assert_user_error(res, key, f"scheme tensor with {key} is refused",
+                      "use scheme: pipeline or hybrid")
 
 
-@pytest.mark.parametrize("world", [2, 8])
-def test_a_world_other_than_stages_times_shards_is_a_user_error(world):
-    """One replica of 2 stages x 2 shards is 4 ranks: 8 (two replicas) is
-    not built, 2 is too few; the error names both keys."""
+@pytest.mark.parametrize("world,words", [
+    (2, "does not fit it; start 4 ranks"),
+    (8, "is several replicas of it: use scheme: hybrid .* start 4 ranks"),
+])
+def test_a_world_other_than_stages_times_shards_is_a_user_error(world, words):
+    """Scheme pipeline is one replica of 2 stages x 2 shards, 4 ranks: 8
+    (two replicas) is scheme hybrid's, 2 is too few; the error names both
+    keys."""
     with pytest.raises(UserError, match="keys 'parallel.stages', 'parallel.tensor_parallel'"
-                                        ".*start 4 ranks"):
+                                        f".*world size {world} {words}"):
         compose_for(make_job(_mlp(_tp_pp(dict(STAGES)))), world, 0)
 
 
-def test_a_gpu_is_refused():
-    cfg = _mlp(_tp_pp(dict(STAGES)))
+@pytest.mark.parametrize("scheme", ["pipeline", "hybrid"])
+def test_a_gpu_is_refused(scheme):
+    cfg = _mlp(dict(_tp_pp(dict(STAGES)), scheme=scheme))
     cfg["device"] = 0
     with pytest.raises(UserError, match="key 'parallel.tensor_parallel': scheme pipeline with "
                                         "tensor parallelism runs on the CPU"):
-        compose_for(make_job(cfg), 4, 0)
+        compose_for(make_job(cfg), 4 if scheme == "pipeline" else 8, 0)
+
+
+# ------------------------------------------------------------ 3-D: R replicas x p x t
+def _three_d(stages, **more):
+    return dict(_tp_pp(stages, **more), scheme="hybrid")
+
+
+def _global_twin(cfg, replicas=2):
+    """The same job on 1 rank with the global batch (R x the per-rank batch)."""
+    twin = dict(cfg, parallel={}, data=dict(cfg["data"]))
+    twin["data"]["train"] = dict(cfg["data"]["train"])
+    twin["data"]["train"]["batch_size"] *= replicas
+    return twin
+
+
+@pytest.fixture(scope="module")
+def runs3d(tmp_path_factory, tokens):
+    """Each 3-D configuration (2 replicas x 2 stages x 2 shards) trained
+    once on 8 ranks, and its 1-rank twin on the global batch: {name: (run
+    folder, stdout + stderr)}. Each 8-rank run costs ~30 s on 2 cores."""
+    tmp = tmp_path_factory.mktemp("tp_pp_3d")
+    jobs = {
+        # SGD with a clip, 2 micro-batches under 1F1B: each replica's copies
+        # and its buckets
+        "gpt_sgd": _gpt(tokens, _three_d(block_stages(1), micro_batches=2), layers=1,
+                        base_lr=0.05, clip_gradients=0.5),
+        # AdamW with a clip, the stages cut inside a split pair
+        "mlp_adamw": _mlp(_three_d(dict(STAGES), transport="two_sided")),
+    }
+    out = {}
+
+    def train(name, n, cfg, *extra):
+        path = write_config_file(tmp, cfg, f"{name}.yaml")
+        args = ("train", path, "--out", tmp / name, *extra)
+        res = run_mpi_cli(n, *args, timeout=900) if n > 1 else run_cli_args(*args)
+        assert res.returncode == 0, res.stdout + res.stderr
+        out[name] = (tmp / name, res.stdout + res.stderr)
+
+    for name, cfg in jobs.items():
+        train(name, 8, cfg)
+        train(f"{name}_one", 1, _global_twin(cfg))
+        # without the clip: it acts (the twin's weights differ)
+        train(f"{name}_unclipped_one", 1, dict(_global_twin(cfg), solver=dict(
+            cfg["solver"], clip_gradients=None)))
+    # the 8-rank run's checkpoint of iteration 3 continued on 1 rank
+    train("mlp_resumed_one", 1, _global_twin(jobs["mlp_adamw"]), "--resume",
+          out["mlp_adamw"][0] / "ckpt_3.h5")
+    return out
+
+
+def _clip_acts(runs3d, name):
+    """The 1-rank twin without the clip ends elsewhere: the clip acted."""
+    a = _weights(runs3d[f"{name}_one"][0])
+    b = _weights(runs3d[f"{name}_unclipped_one"][0])
+    assert max(np.abs(a[k] - b[k]).max() for k in a) > 1e-3
+
+
+@pytest.mark.mpi
+def test_3d_gpt_sgd_micro_batches_clipping_trains_as_one_rank_on_the_global_batch(runs3d):
+    """8 ranks = 2 replicas x (2 stages x 2 shards), batch 4 per replica, 2
+    micro-batches, SGD with a clip that acts (its norm over one replica's 4
+    ranks after the replicas' average): the losses and every weight as 1
+    rank on batch 8 within 1e-5 (the sums go in another order: not bitwise)."""
+    eight, one = runs3d["gpt_sgd"][0], runs3d["gpt_sgd_one"][0]
+    assert len(_losses(eight)) == ITERS
+    np.testing.assert_allclose(_losses(one), _losses(eight), rtol=1e-5)
+    _close(_params(one / "latest.h5"), _params(eight / "latest.h5"))
+    _clip_acts(runs3d, "gpt_sgd")
+
+
+@pytest.mark.mpi
+def test_3d_mlp_adamw_with_clipping_trains_as_one_rank_on_the_global_batch(runs3d):
+    """AdamW with clip_gradients 0.5 (it acts), the stages cut inside a split
+    pair: as 1 rank on the global batch within 1e-5."""
+    eight, one = runs3d["mlp_adamw"][0], runs3d["mlp_adamw_one"][0]
+    np.testing.assert_allclose(_losses(one), _losses(eight), rtol=1e-5)
+    _close(_params(one / "latest.h5"), _params(eight / "latest.h5"))
+    _clip_acts(runs3d, "mlp_adamw")
+
+
+@pytest.mark.mpi
+def test_3d_checkpoint_resumes_on_one_rank(runs3d):
+    """The 8-rank checkpoint of iteration 3 holds whole blobs (replica 0's
+    shards joined): on 1 rank with the global batch it gives iterations 4
+    and 5 the 1-rank run's losses (1e-6 relative)."""
+    ref = _losses(runs3d["mlp_adamw_one"][0])
+    resumed = _losses(runs3d["mlp_resumed_one"][0])
+    assert "resumed from" in runs3d["mlp_resumed_one"][1]
+    assert len(resumed) == 2
+    np.testing.assert_allclose(resumed, ref[3:], rtol=1e-6)
+
+
+@pytest.mark.mpi
+def test_3d_start_up_block_says_what_each_rank_holds(runs3d):
+    text = runs3d["gpt_sgd"][1]
+    assert ("hybrid: 2 replicas x 2 stages x 2-way tensor parallel (rank = (replica x 2 + "
+            "stage) x 2 + shard)") in text
+    assert "each (stage, shard)'s gradients allreduced over its 2 ranks" in text
+    assert "batch          4 per pipeline x 2 pipelines = 8 global" in text
+    assert "stage 0        ranks 0-1, 4-5: 2 layers (wte, wpe)" in text
+    assert "stage 1        ranks 2-3, 6-7: 11 layers" in text
+    assert "stage 1 (ranks 2-3, 6-7): b0_fc (columns, 64 -> 32 per rank)" in text
+
+
+def test_3d_each_rank_holds_its_position_offline(tmp_path):
+    """Rank = (replica * 2 + stage) * 2 + shard: the split allreduces stay in
+    the replica's stage group, the buckets go over the 2 ranks of the same
+    (stage, shard), the clip's sum over the replica's 4 ranks, a replicated
+    weight counted on shard 0 only; each replica reads its half of the data
+    (shard r of 2); graph --np 8 says it."""
+    job = make_job(_mlp(_three_d(dict(STAGES), transport="two_sided")))
+    for rank in range(8):
+        g, comp = composed(job, 8, rank)
+        lay = comp.layout
+        replica, rest = divmod(rank, 4)
+        stage, shard = divmod(rest, 2)
+        assert (lay.replica, lay.stage, lay.shard, lay.replicas) == (replica, stage, shard, 2)
+        tensor = (4 * replica + 2 * stage, 4 * replica + 2 * stage + 1)
+        position = (2 * stage + shard, 4 + 2 * stage + shard)
+        groups = {tuple(op.attrs["group"]) for op in g.ops.values()
+                  if op.op_type == "Allreduce"}
+        assert groups == {tensor, position, tuple(range(4 * replica, 4 * replica + 4))}
+        assert comp.bucket_plan and all(b["group"] == list(position) for b in comp.bucket_plan)
+        assert g.ops["clip.sum"].attrs["group"] == list(range(4 * replica, 4 * replica + 4))
+        norm = g.ops["clip.norm"]
+        scales = dict(zip(norm.inputs, norm.attrs["scales"]))
+        whole = [k for k in scales if k.startswith(("fc0/", "out/", "fc2/bias"))]
+        assert whole and all((scales[k] == 0.0) == (shard == 1) for k in whole)
+        peers = {op.attrs["peer"] for op in g.ops.values() if op.op_type in ("Send", "Recv")}
+        assert peers == {4 * replica + 2 * (1 - stage) + shard}
+        readers = {(int(op.attrs["rank"]), int(op.attrs["world_size"]))
+                   for op in g.ops.values() if op.op_type == "DataReader"}
+        assert readers == ({(replica, 2)} if stage == 0 else set())
+    path = write_config_file(tmp_path, _mlp(_three_d(dict(STAGES))), "g.yaml")
+    res = run_cli_args("graph", path, "--np", "8", "--rank", "7")
+    assert res.returncode == 0, res.stderr
+    assert ("rank = (replica * 2 + stage) * 2 + shard; rank 7 = replica 1, stage 1, tensor "
+            "shard 1 of 2; transfers with ranks [5, 7]") in res.stdout
+    assert "gradients allreduced over ranks [3, 7] (this stage, this shard)" in res.stdout
+
+
+def test_3d_buckets_in_bf16(tmp_path):
+    """parallel.grad_dtype: bf16 rounds the replicas' buckets (not the
+    tensor groups' activations) to bfloat16, as hybrid does."""
+    job = make_job(_mlp(_three_d(dict(STAGES), grad_dtype="bf16")))
+    g, comp = composed(job, 8, 5)
+    wire = {op.attrs.get("wire_dtype") for op in g.ops.values()
+            if op.op_type == "Allreduce" and op.attrs["group"] == [1, 5]}
+    assert wire == {job.parallel.wire_dtype()} and None not in wire
+    tensor = {op.attrs.get("wire_dtype") for op in g.ops.values()
+              if op.op_type == "Allreduce" and op.attrs["group"] == [4, 5]}
+    assert tensor == {None}
+
+
+def test_3d_one_replica_is_scheme_pipeline(tokens):
+    """Scheme hybrid with tensor_parallel on p·t ranks is one replica: the
+    same graphs as scheme pipeline with tensor_parallel (no bucket)."""
+    cfg = _gpt(tokens, _tp_pp(block_stages(1)), layers=1)
+    for rank in range(4):
+        a = compose_for(make_job(cfg), 4, rank)
+        b = compose_for(make_job(dict(cfg, parallel=_three_d(block_stages(1)))), 4, rank)
+        assert sorted(a.ops) == sorted(b.ops)
+        assert {n: op.attrs.get("group") for n, op in a.ops.items()} == \
+            {n: op.attrs.get("group") for n, op in b.ops.items()}
+
+
+@pytest.mark.parametrize("world", [4 * 3 - 2, 6])
+def test_3d_a_world_not_a_multiple_of_stages_times_shards_is_a_user_error(world):
+    """2 stages x 2 shards: 10 or 6 ranks are not whole replicas."""
+    with pytest.raises(UserError, match="keys 'parallel.stages', 'parallel.tensor_parallel': "
+                                        f"scheme hybrid .* world size {world} is not a "
+                                        "multiple of 4"):
+        compose_for(make_job(_mlp(_three_d(dict(STAGES)))), world, 0)

@@ -501,14 +501,13 @@ def _check_pipeline(out, path):
         if micro > 1:
             raise ConfigError(path, "parallel.micro_batches", f"{what} takes no "
                               f"micro-batches (got {micro}); use 1")
-    if par["tensor_parallel"] > 1 and ((scheme == "tensor" and par["stages"])
-                                       or scheme == "hybrid"):
-        key = "parallel.stages" if scheme == "tensor" else "parallel.tensor_parallel"
+    if par["tensor_parallel"] > 1 and scheme == "tensor" and par["stages"]:
+        key = "parallel.stages"
         raise ConfigError(path, key, f"scheme {scheme} with {key} is refused: tensor "
                           "parallelism within pipeline stages (parallel.stages and "
-                          "parallel.tensor_parallel) is scheme pipeline's, one replica of p "
-                          "stages x t tensor shards (several replicas of it are not built); "
-                          f"use scheme: pipeline, or drop {key}")
+                          "parallel.tensor_parallel) is scheme pipeline's (one replica of p "
+                          "stages x t tensor shards) and scheme hybrid's (R replicas of it); "
+                          f"use scheme: pipeline or hybrid, or drop {key}")
     if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
         return
     if par["mode"] != "sync":

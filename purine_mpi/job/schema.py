@@ -162,8 +162,9 @@ PARALLEL = (
     Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1, 2 and 3: "
         "each tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "
         "(Megatron-LM's tensor_model_parallel_size); the world is replicas x this many ranks; "
-        "scheme pipeline: each stage split across this many ranks, the world stages x this "
-        "many, rank = stage·t + shard (see [parallel.md](parallel.md))"),
+        "schemes pipeline and hybrid: each stage split across this many ranks, the world "
+        "(replicas x) stages x this many, rank = (replica·p + stage)·t + shard (see "
+        "[parallel.md](parallel.md))"),
     Key("shard", _int(1), 1, "scheme sharded: ZeRO's stage, 1 (the optimizer state "
         "sharded), 2 (and the gradients: the full gradient buckets are transient) or 3 (and "
         "the weights: each rank holds its shard, gathered before each bucket's forward and "
@@ -391,7 +392,10 @@ CHOICE_DOCS = {
                     "stage is split across t ranks as scheme tensor splits a net (p·t ranks)",
         "hybrid": "R replicas × p stages (rank = replica·p + stage): each replica is a "
                   "pipeline on its shard of the batch, and each stage allreduces its "
-                  "gradients over the R replicas; the world size is a multiple of p >= 2",
+                  "gradients over the R replicas; the world size is a multiple of p >= 2; "
+                  "with `tensor_parallel` t (Megatron-LM's 3-D layout, CPU) each replica is "
+                  "a pipeline of p stages x t shards, rank = (replica·p + stage)·t + shard, "
+                  "each (stage, shard)'s gradients allreduced over the R replicas",
         "tensor": "Megatron-LM's tensor parallelism: groups of `tensor_parallel` ranks split "
                   "each MLP (fc, element-wise layers, fc) by columns then rows, one allreduce "
                   "per block forward and one backward; R = world / tensor_parallel replicas "

@@ -32,7 +32,8 @@ net's MLPs and attention layers, and each shard's gradients are allreduced
 over the replicas (``Layout.tensor``, ``Layout.shard``).
 
 Scheme ``pipeline`` with ``parallel.tensor_parallel`` t (one replica)
-splits each stage across t ranks; all three orders are one:
+splits each stage across t ranks, scheme ``hybrid`` with it runs R replicas
+of that (data x pipeline x tensor); all three orders are one:
 
     rank = (replica * p + stage) * t + shard   # Layout.rank
 

@@ -2,7 +2,16 @@
 each replica is a pipeline on its shard of the batch, and each stage
 allreduces its gradient buckets over the R ranks that hold it (in bfloat16
 with ``parallel.grad_dtype: bf16``: steps.allreduce_stage); one replica
-(R = 1) allreduces nothing: it runs as scheme pipeline does."""
+(R = 1) allreduces nothing: it runs as scheme pipeline does.
+
+With ``parallel.tensor_parallel`` t (on the CPU): Megatron-LM's 3-D layout,
+R replicas x p stages x t tensor shards, rank = (replica * p + stage) * t +
+shard (``Layout.rank``): each replica is scheme pipeline's tensor-parallel
+pipeline (pipeline.py owns the split, the transfers, the clip and the
+checkpoints), and each (stage, shard) position's buckets are allreduced
+over the R ranks that hold it (``Layout.stage_ranks``, one sub-communicator
+per position: ``Layout.shard_groups``). One replica is scheme pipeline with
+tensor_parallel, the same graphs."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
@@ -10,20 +19,21 @@ from .pipeline import Pipeline
 
 @register_scheme("hybrid")
 class Hybrid(Pipeline):
-    keys = tuple(k for k in Pipeline.keys if k != "tensor_parallel") + BUCKET_KEYS + \
-        ("check_collectives", "split_params")
+    keys = Pipeline.keys + BUCKET_KEYS + ("check_collectives", "split_params")
     allreduces = True
-
-    def tensor_degree(self, job):
-        """No tensor shards (tensor parallelism within the stages is scheme
-        pipeline's, one replica: the config rules refuse it here)."""
-        return 1
 
     def check_world(self, job, size, count):
         path = job.path
         if count < 2:
             raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} needs "
                             f"at least 2 stages, got {count}; with one stage use scheme: data")
+        t = self.tensor_degree(job)
+        if t > 1 and size % (count * t):
+            raise UserError(f"{path}: keys 'parallel.stages', 'parallel.tensor_parallel': "
+                            f"scheme {self.config_name} with tensor parallelism runs replicas "
+                            f"x {count} stages x {t} tensor shards, but the world size {size} "
+                            f"is not a multiple of {count * t}; start a multiple of {count * t} "
+                            "ranks or change the stages or the tensor shards")
         if size % count:
             raise UserError(f"{path}: key 'parallel.stages': scheme {self.config_name} runs "
                             "replicas x "
@@ -48,20 +58,29 @@ class Hybrid(Pipeline):
         return None
 
     def why_none_reduced(self, job, world_size):
-        count = job.parallel.stage_count
-        if world_size == count:
-            return (f"the {count} stages of parallel.stages on {world_size} ranks are one "
-                    "replica, whose gradients no other rank shares")
+        count, t = job.parallel.stage_count, self.tensor_degree(job)
+        if world_size == count * t:
+            shards = f" x the {t} tensor shards" if t > 1 else ""
+            return (f"the {count} stages of parallel.stages{shards} on {world_size} ranks are "
+                    "one replica, whose gradients no other rank shares")
         return None
 
     def describe(self, lay):
         what = (f"each stage's gradients allreduced over its {lay.replicas} ranks"
                 if lay.replicas > 1 else "one replica: no gradient is allreduced")
+        if lay.tensor > 1:
+            from .pipeline import TENSOR_WORDS, tensor_order
+            what = (f"each (stage, shard)'s gradients allreduced over its {lay.replicas} ranks"
+                    if lay.replicas > 1 else "one replica: no gradient is allreduced")
+            return (f"hybrid: {lay.replicas} replicas x {lay.stages} stages x {lay.tensor}-way "
+                    f"tensor parallel ({tensor_order(lay)}); "
+                    f"{TENSOR_WORDS.format(t=lay.tensor)}; {what}")
         return (f"hybrid: {lay.replicas} replicas x {lay.stages} stages "
                 f"(rank = replica x {lay.stages} + stage); {what}")
 
     def graph_notes(self, lay, rank, comp=None):
         text = super().graph_notes(lay, rank, comp)
         if text is not None and lay.replicas > 1:
-            text += f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage)"
+            text += (f"; gradients allreduced over ranks {lay.stage_ranks()} (this stage"
+                     + (", this shard)" if lay.tensor > 1 else ")"))
         return text

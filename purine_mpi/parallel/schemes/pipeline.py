@@ -4,17 +4,18 @@ window transfer (parallel.transport, parallel/one_sided.py). The staged
 layout is R replicas x p stages, rank = replica * p + stage
 (parallel/compose.py); a pipeline is R = 1 (``scheme: hybrid``: R >= 1).
 
-With ``parallel.tensor_parallel`` t (on the CPU, one replica): p stages x
-t tensor shards, rank = stage * t + shard (``Layout.rank``: (replica * p +
-stage) * t + shard, the tensor shards fastest), so stage s is the t
-consecutive ranks s·t .. s·t + t - 1. The whole replica's graph is split as
+With ``parallel.tensor_parallel`` t (on the CPU, one replica; scheme
+hybrid, a subclass, builds R replicas of it): p stages x t tensor shards,
+rank = stage * t + shard (``Layout.rank``: (replica * p + stage) * t +
+shard, the tensor shards fastest), so stage s is the t consecutive ranks
+s·t .. s·t + t - 1. The whole replica's graph is split as
 scheme tensor splits a net (parallel/tensor_parallel.split_for: each
 rank's shard, its allreduces over its stage's tensor group), then cut into
 stages; shard k of stage s sends to shard k of stage s + 1 (and the
 gradients back). With micro-batches the copies of the tensor allreduces are
 posted in each stage's schedule order (``_post_in_schedule_order``);
-``solver.clip_gradients`` adds the squared norms of every rank, a
-replicated weight counted on shard 0 of its stage only. Checkpoints hold
+``solver.clip_gradients`` adds the squared norms of every rank of the
+replica, a replicated weight counted on shard 0 of its stage only. Checkpoints hold
 whole blobs: each stage's shards joined on save, split on load."""
 from ...base.errors import UserError
 from .base import Composition, Layout, Scheme, register_scheme
@@ -28,18 +29,17 @@ class Pipeline(Scheme):
     one_sided = True
 
     def layout(self, job, world):
-        """This rank's Layout; a UserError (exit 2) naming ``parallel.stages``
-        when the world does not fit the stages (x the tensor shards)."""
+        """This rank's Layout, rank = (replica * p + stage) * t + shard
+        (``Layout.rank``); a UserError (exit 2) naming ``parallel.stages``
+        (and ``parallel.tensor_parallel``) when the world does not fit."""
         par = job.parallel
         if world.size == 1:
             return Scheme.layout(self, job, world)
         count, t = par.stage_count, self.tensor_degree(job)
         self.check_world(job, world.size, count)
-        if t > 1:
-            return Layout(par.scheme, 1, count, 0, world.rank // t, par.micro_batches, t,
-                          world.rank % t)
-        return Layout(par.scheme, world.size // count, count, world.rank // count,
-                      world.rank % count, par.micro_batches)
+        per = count * t   # the ranks of one replica
+        return Layout(par.scheme, world.size // per, count, world.rank // per,
+                      world.rank // t % count, par.micro_batches, t, world.rank % t)
 
     def tensor_degree(self, job):
         """The tensor shards of each stage (``parallel.tensor_parallel``)."""
@@ -48,11 +48,12 @@ class Pipeline(Scheme):
     def check_world(self, job, size, count):
         t = self.tensor_degree(job)
         if t > 1 and size != count * t:
+            why = ("is several replicas of it: use scheme: hybrid (R replicas x stages x "
+                   "tensor shards), or" if size % (count * t) == 0 else "does not fit it;")
             raise UserError(f"{job.path}: keys 'parallel.stages', 'parallel.tensor_parallel': "
                             f"scheme pipeline with tensor parallelism runs one replica of "
-                            f"{count} stage(s) x {t} tensor shards, but the world size is "
-                            f"{size}; start {count * t} ranks (mpiexec -n {count * t}) "
-                            "(several replicas of it are not built)")
+                            f"{count} stage(s) x {t} tensor shards, but the world size {size} "
+                            f"{why} start {count * t} ranks (mpiexec -n {count * t})")
         if t > 1:
             return
         if not count or size != count:
@@ -134,8 +135,8 @@ class Pipeline(Scheme):
         if t > 1:
             note(["scheme"], f"{self.config_name} has no effect on 1 rank: the {count} stages "
                  f"of parallel.stages x the {t} tensor shards of parallel.tensor_parallel "
-                 f"need {count * t} ranks, so the net runs unsplit on this rank (start "
-                 f"mpiexec -n {count * t} to split it)")
+                 f"need {self.ranks_needed(count * t)} ranks, so the net runs unsplit on this "
+                 f"rank (start mpiexec -n {count * t} to split it)")
             changed.difference_update(("stages", "tensor_parallel"))
             return
         note(["scheme"], f"{self.config_name} has no effect on 1 rank: the {count} stages of "
@@ -171,10 +172,8 @@ class Pipeline(Scheme):
 
     def describe(self, lay):
         if lay.tensor > 1:
-            return (f"pipeline: {lay.stages} stages x {lay.tensor}-way tensor parallel (rank = "
-                    f"stage x {lay.tensor} + shard); split layers' activations allreduced in "
-                    f"each stage's group of {lay.tensor} ranks; shard k of a stage sends to "
-                    "shard k of the next (gradients back)")
+            return (f"pipeline: {lay.stages} stages x {lay.tensor}-way tensor parallel "
+                    f"({tensor_order(lay)}); {TENSOR_WORDS.format(t=lay.tensor)}")
         return (f"pipeline: {lay.stages} stages, rank s runs stage s; "
                 "activations and gradients cross between them")
 
@@ -182,9 +181,11 @@ class Pipeline(Scheme):
         if not lay.staged:
             return None
         if lay.tensor > 1:
-            return (f"layout {lay.describe()}; rank = stage * {lay.tensor} + shard; rank "
-                    f"{rank} = stage {lay.stage}, tensor shard {lay.shard} of {lay.tensor}; "
-                    f"transfers with ranks {[lay.rank(0, s) for s in range(lay.stages)]} "
+            where = f"replica {lay.replica}, " if lay.replicas > 1 else ""
+            return (f"layout {lay.describe()}; {tensor_order(lay).replace(' x ', ' * ')}; "
+                    f"rank {rank} = {where}stage {lay.stage}, tensor shard {lay.shard} of "
+                    f"{lay.tensor}; transfers with ranks "
+                    f"{[lay.rank(lay.replica, s) for s in range(lay.stages)]} "
                     f"(shard {lay.shard} of each stage); activations allreduced over ranks "
                     f"{lay.tensor_ranks()} (this stage's tensor group)")
         return (f"layout {lay.describe()}; rank = replica * {lay.stages} + stage; rank {rank} = "
@@ -228,6 +229,19 @@ class Pipeline(Scheme):
         shards; scheme tensor's ``split_checkpoint``)."""
         from .tensor import TensorParallel
         return TensorParallel.split_checkpoint(self, graphs, name, value)
+
+
+#: what a rank of a stage split t ways does (the start-up block's scheme row)
+TENSOR_WORDS = ("split layers' activations allreduced in each stage's group of {t} ranks; "
+                "shard k of a stage sends to shard k of the next (gradients back)")
+
+
+def tensor_order(lay):
+    """``rank = stage x t + shard`` (one replica) or ``rank = (replica x p +
+    stage) x t + shard``: Layout.rank in words."""
+    if lay.replicas > 1:
+        return f"rank = (replica x {lay.stages} + stage) x {lay.tensor} + shard"
+    return f"rank = stage x {lay.tensor} + shard"
 
 
 def _post_in_schedule_order(graph, group):

@@ -114,8 +114,9 @@ def compose_stages(graph, job, world, copies=None):
 
 def allreduce_stage(comp, grads, par, world):
     """Hybrid: sum this stage's gradient buckets over the replicas that hold
-    the same stage (ranks ``lay.stage_ranks()``, one sub-communicator made at
-    start-up), in bfloat16 with ``parallel.grad_dtype: bf16``; ``seq``
+    the same stage (and with tensor shards the same shard: ranks
+    ``lay.stage_ranks()``, one sub-communicator per position made at
+    start-up, ``lay.shard_groups()``), in bfloat16 with ``parallel.grad_dtype: bf16``; ``seq``
     numbers follow the slice's Send/Recv, the same on every rank of the
     stage."""
     from ..data_parallel import compose_data_parallel, place_on_rank
@@ -132,7 +133,7 @@ def allreduce_stage(comp, grads, par, world):
     local.infer_shapes().validate()
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline)
-        split([lay.stage_ranks(s) for s in range(lay.stages)])
+        split(lay.shard_groups())
     if par.check_collectives:
         from ...comm.verify import check_collectives
         check_collectives(local, world)
