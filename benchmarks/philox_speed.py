@@ -5,6 +5,7 @@ temporaries a round; tests/test_philox.py checks the two bit for bit).
 
     .venv/bin/python benchmarks/philox_speed.py [--sizes 2097152 8388608]
         [--split 32,2,128,128] [--rounds 3] [--chunk BLOCKS]
+        [--train-pairs N --config jobs/gpt_tiny.yaml --set KEY=VALUE ...]
 
 Cases: a 1-D keep_mask of each of ``--sizes`` elements, and a
 tensor-parallel shard's (``--split``: the shard's shape, heads axis 1 of 2
@@ -18,12 +19,14 @@ old / new of the best and of each round's pair.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from purine_mpi.base import philox  # noqa: E402
 
@@ -103,6 +106,40 @@ def _time(fn, args):
     return time.perf_counter() - t0
 
 
+def train_pairs(config, overrides, pairs):
+    """Per-pair step times of ``config``, the reference draw and the chunked
+    one alternating (the order too), in one process."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.ops import dropout
+    from purine_mpi.tools.bench import synthetic_config
+    from purine_mpi.train.trainer import Trainer
+    job = synthetic_config(load_job(config, overrides, None, check_files=False))
+    trainer = Trainer(job.with_training(max_iter=3 + 2 * pairs), out_dir="/nonexistent",
+                      profile=False, log=lambda m: None)
+    sides = {"old": reference_keep_mask, "new": philox.keep_mask}
+    ms = {"old": [], "new": []}
+    try:
+        for it in range(3):
+            trainer.step(it)
+        for p in range(pairs):
+            for side in (("old", "new") if p % 2 == 0 else ("new", "old")):
+                dropout.keep_mask = sides[side]
+                it += 1
+                t0 = time.perf_counter()
+                trainer.step(it)
+                trainer.train.drain()
+                ms[side].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        dropout.keep_mask = philox.keep_mask
+        trainer.close()
+    ratios = [n / o for o, n in zip(ms["old"], ms["new"])]
+    return {"config": config, "overrides": overrides,
+            "old_step_ms": [round(v, 1) for v in ms["old"]],
+            "new_step_ms": [round(v, 1) for v in ms["new"]],
+            "new_over_old_pairs": [round(r, 3) for r in ratios],
+            "new_over_old_median": round(statistics.median(ratios), 3)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2 << 20, 8 << 20])
@@ -110,6 +147,10 @@ def main():
                    help="a shard's shape (comma-separated), split on axis 1 in 2 parts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chunk", type=int, default=philox.CHUNK)
+    p.add_argument("--train-pairs", type=int, default=0)
+    p.add_argument("--config", default=os.path.join(ROOT, "jobs", "gpt_tiny.yaml"))
+    p.add_argument("--set", dest="overrides", action="append",
+                   default=["net.3.attn_dropout=0.1", "net.11.attn_dropout=0.1"])
     args = p.parse_args()
     philox.CHUNK = args.chunk
     keys = philox.dropout_keys(1, "h0_attn.attn_drop")
@@ -137,6 +178,8 @@ def main():
                                    "pairs": [round(a / b, 2)
                                              for a, b in zip(ns["old"], ns["new"])]},
         }
+    if args.train_pairs:
+        out["train"] = train_pairs(args.config, args.overrides, args.train_pairs)
     print(json.dumps(out))
 
 
