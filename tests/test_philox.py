@@ -220,6 +220,17 @@ def test_chunked_draw_equals_the_reference(monkeypatch, chunk):
     assert paths == {False, True}   # chunks of whole runs, and runs drawn as ranges
 
 
+@pytest.mark.parametrize("shape, split", [
+    ((0,), None), ((0, 4), {"axis": 1, "parts": 2, "index": 1}),
+    ((3, 0, 2), {"axis": 1, "parts": 2, "index": 0}), ((4, 0), {"axis": 0, "parts": 2, "index": 1}),
+    ((5, 1), {"axis": -1, "parts": 3, "index": 2})])
+def test_empty_and_one_word_runs_equal_the_reference(shape, split):
+    """Shapes with an empty axis (runs of no element) and runs of one."""
+    got = philox.keep_mask(shape, 0.3, 1, 2, 3, 1 << 33, split)
+    assert got.shape == shape and got.dtype == bool
+    np.testing.assert_array_equal(got, reference_keep_mask(shape, 0.3, 1, 2, 3, 1 << 33, split))
+
+
 def test_halves_follow_the_byte_order():
     """The 32-bit halves of a uint64 are its words in memory order on either
     byte order (the low word second on a big-endian array), and the rounds

@@ -233,7 +233,7 @@ def _plan(shape, split):
     runs, run, parts, index = _runs(shape, split)
     skips = [((r * parts + index) * run) % 4 for r in range(4)]
     span = -(-(run + max(skips)) // 4)
-    grouped = runs > 1 and span <= CHUNK
+    grouped = runs > 1 and 0 < span <= CHUNK
     blocks = chunk_blocks(runs * span if grouped else span)
     return runs, run, parts, index, span, skips, grouped, blocks
 
