@@ -159,13 +159,21 @@ class Stream:
 
     def draw(self, m):
         """The four words (uint32 views, m each) of the ``m`` blocks numbered
-        by ``numbers[:m]`` (which the draw overwrites)."""
+        by ``numbers[:m]`` (which the draw overwrites). The first round
+        apart: the counter words 1 to 3 are the same in every block, so only
+        word 0's product varies (word 0 after it is one number, word 2 =
+        hi(M0·c0) ^ c3 ^ k1, word 3 = lo(M0·c0), word 1 = lo(M1·c2))."""
         x0, x2, p0, p1, q0, q1 = (b[:m] for b in self.buffers)
         c1, c2, c3 = self.counter
-        x2.fill(c2)
-        p1.fill(c1)
-        p0.fill(c3)
-        return _rounds(x0, x2, p0, p1, q0, q1, self.key, ROUNDS)
+        keys = _round_keys(self.key, 2)
+        k0, k1 = next(keys)
+        np.multiply(x0, _U64(M0), out=p0)
+        np.right_shift(p0, _U64(32), out=x2)
+        np.bitwise_xor(x2, _U64(c3 ^ k1), out=x2)
+        product = M1 * c2
+        x0.fill((product >> 32) ^ c1 ^ k0)
+        p1.fill(product & _MASK32)
+        return _rounds(x0, x2, p0, p1, q0, q1, next(keys), ROUNDS - 1)
 
 
 def open_stream(key0, key1, ctr1, iteration, elements, blocks):
