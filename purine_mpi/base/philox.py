@@ -33,8 +33,10 @@ counter words 0 and 2 are kept in uint64 arrays (high halves 0, the
 multiplies' operands), the 32-bit halves of a 64-bit product are read as
 strided uint32 views of it (by its byte order, :func:`halves`), and a
 round's key is XORed into the last round's products (whose low halves are
-the words 1 and 3 the round reads). keep_mask compares a chunk's words with
-the threshold as they come: no array of all the words exists.
+the words 1 and 3 the round reads); a chunk's first round is cheaper (the
+counter words 1 to 3 are the same in every block: :meth:`Stream.draw`).
+keep_mask compares a chunk's words with the threshold as they come: no
+array of all the words exists.
 """
 import sys
 import zlib
