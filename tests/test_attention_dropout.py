@@ -159,20 +159,20 @@ def _attention_draws(monkeypatch, graph_pass=None, iters=2):
     """Train the 2-block fused GPT with attn_dropout (seed 3) for ``iters``
     steps, ``graph_pass`` applied to its graph first, counting the host
     Philox draws of each attention layer's stream (base/philox.py's
-    ``random_bits`` by its key: the stream's op id). Returns (draws per
-    layer, the graph, the weights)."""
+    ``open_stream``, which every host draw calls once, by its key: the
+    stream's op id). Returns (draws per layer, the graph, the weights)."""
     from purine_mpi.base import philox
     from purine_mpi.layers.fillers import fill
     from purine_mpi.runtime.dispatcher import SerialDispatcher
     streams = {philox.op_id(f"h{i}_attn.attn_drop"): f"h{i}_attn" for i in range(2)}
     draws = {name: 0 for name in streams.values()}
-    real = philox.random_bits
+    real = philox.open_stream
 
-    def counted(count, key0, *rest):
+    def counted(key0, *rest):
         if key0 in streams:
             draws[streams[key0]] += 1
-        return real(count, key0, *rest)
-    monkeypatch.setattr(philox, "random_bits", counted)
+        return real(key0, *rest)
+    monkeypatch.setattr(philox, "open_stream", counted)
     solver = {"type": "adamw", "base_lr": 1e-2, "weight_decay": 0.1, "max_iter": iters}
     g, _, _ = gpt_graph(gpt_net(**GPT), solver, 2, 6)
     assert sorted(op.name.split(".")[0] for op in g.ops.values()

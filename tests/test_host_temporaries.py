@@ -90,6 +90,10 @@ def _cases():
          [np.empty((8, 128, 128), np.float32)]),
         ("AttentionGrad", {"num_heads": 4, "dropout": 0.1},
          [_f(8, 128, 128), _f(8, 128, 384), np.array(3)], [np.empty((8, 128, 384), np.float32)]),
+        # a tensor-parallel shard's: its heads' part of the unsplit mask
+        ("Attention", {"num_heads": 4, "dropout": 0.1,
+                       "mask_split": {"axis": 1, "parts": 2, "index": 1}},
+         [_f(8, 128, 384), np.array(3)], [np.empty((8, 128, 128), np.float32)]),
         # the host path: the forward packs its mask, the gradient unpacks it
         ("Attention", {"num_heads": 4, "dropout": 0.1, "packed_mask": True},
          [_f(8, 128, 384), np.array(3)],
@@ -109,6 +113,31 @@ def test_host_temporaries_are_what_the_run_allocates(case):
     measured, declared = _run_peak(*case)
     assert measured >= 1 << 20, (case[0], measured)
     assert declared <= measured <= declared * 1.1 + SLACK, (case[0], measured, declared)
+
+
+@pytest.mark.parametrize("shape, split", [
+    ((4 << 20,), None),                                        # one range of chunks
+    ((32, 2, 128, 128), {"axis": 1, "parts": 2, "index": 1}),  # chunks of whole runs
+    ((2, 3, 60000), {"axis": 1, "parts": 2, "index": 0}),      # runs longer than a chunk
+], ids=["unsplit", "short-runs", "long-runs"])
+def test_keep_mask_temporaries_are_what_the_draw_allocates(shape, split):
+    """The host Philox draw (base/philox.py's keep_mask) against its
+    declaration, keep_mask_temporaries: the result and a chunk's buffers."""
+    from purine_mpi.base.philox import keep_mask, keep_mask_temporaries
+    keep_mask(shape, 0.1, 1, 2, 3, 4, split)
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        keep_mask(shape, 0.1, 1, 2, 3, 4, split)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    measured = peak - before
+    declared = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
+                   for s, d in keep_mask_temporaries(shape, split))
+    assert measured >= 1 << 20, measured
+    assert declared <= measured <= declared * 1.1 + SLACK, (measured, declared)
 
 
 def test_embedding_takes_its_rows_without_a_buffer():

@@ -5,8 +5,14 @@
   against Random123's published known-answer vectors;
 - the CPU and (emulated) GPU Dropout ops draw the same masks, bit for bit;
 - the masks' statistics, and their dependence on seed, op, iteration only;
-- the dropout op keeps no generator state (nothing to checkpoint).
+- the dropout op keeps no generator state (nothing to checkpoint);
+- the chunked host draw against the whole-array draw it replaced (kept in
+  benchmarks/philox_speed.py), bit for bit, and its memory: a chunk's.
 """
+import os
+import sys
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -14,6 +20,7 @@ from purine_mpi.base import philox
 from purine_mpi.graph.core import Op
 from purine_mpi.gpu import kernels
 from purine_mpi.ops.catalog import get_kernel_class
+from tests.conftest import REPO
 
 # Random123 tests/kat_vectors (github.com/DEShawResearch/random123): name,
 # rounds, counter (4 words), key (2 words), expected output (4 words).
@@ -148,3 +155,131 @@ def test_dropout_needs_the_iteration_input():
         cls.infer({"ratio": 0.5}, [((3, 4), "float32"), ((2,), "int64")])
     assert cls.infer({"ratio": 0.5, "phase": "test"}, [((3, 4), "float32")]) == \
         [((3, 4), "float32")]
+
+
+# ------------------------------------------- the chunked draw against the reference
+# benchmarks/philox_speed.py keeps the draw the chunked one replaced (the whole
+# array at once) as its reference: the two must give the same words everywhere.
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from philox_speed import (reference_keep_mask, reference_philox4x32,  # noqa: E402
+                          reference_random_bits)
+
+
+def _random_stream(rng):
+    """Keys, counter word 1 and an iteration (often >= 2^32, some near 2^64)."""
+    key0, key1, ctr1 = (int(v) for v in rng.integers(0, 1 << 32, 3, dtype=np.uint64))
+    iteration = int(rng.choice([rng.integers(0, 1 << 20), rng.integers(1 << 32, 1 << 63),
+                                (1 << 64) - 1 - int(rng.integers(0, 9))]))
+    return key0, key1, ctr1, iteration
+
+
+def test_philox4x32_equals_the_reference():
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 1000):
+        counter = rng.integers(0, 1 << 32, (4, n), dtype=np.uint64).astype(np.uint32)
+        key = [int(k) for k in rng.integers(0, 1 << 32, 2, dtype=np.uint64)]
+        for rounds in (0, 1, 7, 10):
+            np.testing.assert_array_equal(philox.philox4x32(counter, key, rounds),
+                                          reference_philox4x32(counter, key, rounds))
+    # scalars broadcast against arrays, as the stream's counters are
+    blocks = np.arange(10, dtype=np.uint32)
+    np.testing.assert_array_equal(philox.philox4x32((blocks, 5, 6, 7), (8, 9)),
+                                  reference_philox4x32((blocks, 5, 6, 7), (8, 9)))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, None])
+def test_chunked_draw_equals_the_reference(monkeypatch, chunk):
+    """random_bits and keep_mask (unsplit and tensor-parallel shards: runs
+    longer than a chunk, and chunks of whole runs) give the reference's
+    words over odd sizes, starts, splits and iterations >= 2^32; a chunk
+    of 1, 3 and 7 blocks puts chunk edges everywhere, the default one is
+    crossed by the larger cases."""
+    if chunk is not None:
+        monkeypatch.setattr(philox, "CHUNK", chunk)
+    rng = np.random.default_rng(chunk or 0)
+    big, paths = 4 * philox.CHUNK, set()
+    for _ in range(12):
+        stream = _random_stream(rng)
+        count = int(rng.integers(0, 3 * big))
+        start = int(rng.choice([rng.integers(0, 9), rng.integers(0, 1 << 33)]))
+        np.testing.assert_array_equal(philox.random_bits(count, *stream, start=start),
+                                      reference_random_bits(count, *stream, start=start))
+        ratio = float(rng.choice([0.0, 0.1, 0.5, rng.random() * 0.999]))
+        shape = tuple(int(s) for s in rng.integers(1, 12, int(rng.integers(1, 4))))
+        grow = max(1, 3 * big // int(np.prod(shape)))   # about 3 chunks at most
+        shape = shape[:-1] + (shape[-1] * int(rng.integers(1, 1 + grow)),)
+        np.testing.assert_array_equal(philox.keep_mask(shape, ratio, *stream),
+                                      reference_keep_mask(shape, ratio, *stream))
+        for axis in range(-len(shape), len(shape)):
+            parts = int(rng.integers(1, 6))
+            split = {"axis": axis, "parts": parts, "index": int(rng.integers(0, parts))}
+            np.testing.assert_array_equal(philox.keep_mask(shape, ratio, *stream, split),
+                                          reference_keep_mask(shape, ratio, *stream, split),
+                                          err_msg=f"{shape} {split}")
+            paths.add(philox._plan(shape, split)[6])
+    assert paths == {False, True}   # chunks of whole runs, and runs drawn as ranges
+
+
+@pytest.mark.parametrize("shape, split", [
+    ((0,), None), ((0, 4), {"axis": 1, "parts": 2, "index": 1}),
+    ((3, 0, 2), {"axis": 1, "parts": 2, "index": 0}), ((4, 0), {"axis": 0, "parts": 2, "index": 1}),
+    ((5, 1), {"axis": -1, "parts": 3, "index": 2})])
+def test_empty_and_one_word_runs_equal_the_reference(shape, split):
+    """Shapes with an empty axis (runs of no element) and runs of one."""
+    got = philox.keep_mask(shape, 0.3, 1, 2, 3, 1 << 33, split)
+    assert got.shape == shape and got.dtype == bool
+    np.testing.assert_array_equal(got, reference_keep_mask(shape, 0.3, 1, 2, 3, 1 << 33, split))
+
+
+def test_halves_follow_the_byte_order():
+    """The 32-bit halves of a uint64 are its words in memory order on either
+    byte order (the low word second on a big-endian array), and the rounds
+    on big-endian buffers give Random123's answers."""
+    values = [0x0123456789ABCDEF, 0xFFFFFFFF00000001]
+    for order in ("<", ">", "="):
+        a = np.array(values, dtype=np.dtype(np.uint64).newbyteorder(order))
+        hi, lo = philox.halves(a)
+        assert [int(v) for v in hi] == [v >> 32 for v in values], order
+        assert [int(v) for v in lo] == [v & 0xFFFFFFFF for v in values], order
+    big = np.dtype(np.uint64).newbyteorder(">")
+    for rounds, counter, key, expected in KAT_CASES:
+        x0, x2, p0, p1, q0, q1 = (np.zeros(1, big) for _ in range(6))
+        for buffer, word in ((x0, 0), (p1, 1), (x2, 2), (p0, 3)):
+            buffer[0] = counter[word]
+        got = philox._rounds(x0, x2, p0, p1, q0, q1, key, rounds)
+        assert [int(w[0]) for w in got] == expected
+
+
+def test_keep_mask_holds_a_chunk_not_the_words():
+    """keep_mask compares each chunk's words as they come: besides its
+    result it holds a chunk's buffers (under 2 MiB), whatever the size; the
+    whole-array draw held ~14 bytes an element (56 MiB for 4 Mi elements)."""
+    n = 4 << 20
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        keep = philox.keep_mask((n,), 0.1, 1, 2, 3, 4)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert keep.nbytes == n
+    assert peak - before - keep.nbytes < 2 << 20, peak - before
+
+
+def test_speed_benchmark_prints_both_sides():
+    """benchmarks/philox_speed.py end to end, tiny: each case's ns an element
+    of both sides in every round and their ratios (figures not asserted)."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "philox_speed.py"),
+                          "--sizes", "1001", "--split", "2,3,5,7", "--rounds", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cases = json.loads(out.stdout)["cases"]
+    assert sorted(cases) == ["keep_mask_1001", "keep_mask_split_2x3x5x7_of_2"]
+    for case in cases.values():
+        old, new = case["old_ns_per_element"], case["new_ns_per_element"]
+        assert len(old["rounds"]) == len(new["rounds"]) == 2
+        assert case["ratio_old_over_new"]["pairs"] == [
+            pytest.approx(a / b, rel=0.05) for a, b in zip(old["rounds"], new["rounds"])]

@@ -397,7 +397,7 @@ def _dropout_temporaries(kernel, qkv, unpacks=False):
     if kernel.ratio <= 0:
         return []
     shape = _scores_spec(qkv, int(kernel.attrs["num_heads"]))[0]
-    return unpack_temporaries(shape) if unpacks else keep_mask_temporaries(shape)
+    return unpack_temporaries(shape) if unpacks else keep_mask_temporaries(shape, kernel.split)
 
 
 def _kept_mask(kernel, bits, p, mask, out):
