@@ -23,7 +23,10 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = [sys.executable, "-m", "purine_mpi"]
 JOBS = ("cifar10_quick", "nin_cifar10", "gpt_tiny", "gpt_small")
-SCHEMES = ("data", "pipeline", "tensor", "sharded1", "sharded2", "sharded3")
+SCHEMES = ("data", "pipeline", "tensor", "sharded1", "sharded2", "sharded3", "tppp")
+#: the ranks of a scheme's run: 2; tensor x pipeline (``tppp``: 2 stages x 2
+#: tensor shards, scheme pipeline with parallel.tensor_parallel 2) 4
+RANKS = {"tppp": 4}
 
 
 def text_data(out):
@@ -37,18 +40,20 @@ def text_data(out):
 
 
 def sets_for(job, scheme, out):
-    """The --set overrides of ``job`` under ``scheme`` on 2 ranks."""
+    """The --set overrides of ``job`` under ``scheme`` (on ``RANKS`` of it, else 2)."""
     path = os.path.join(ROOT, "jobs", f"{job}.yaml")
     sets = ["solver.test_interval=0", "checkpoint.interval=0", "solver.display=1"]
     if job.startswith("gpt"):
         data = text_data(out)
         sets += [f"data.train.path={data}", f"data.test.path={data}"]
-    if scheme == "pipeline":
+    if scheme in ("pipeline", "tppp"):
         net = yaml.safe_load(open(path))["net"]
         names = [layer["name"] for layer in net]
         half = len(names) // 2
         stages = ", ".join(f"{n}: {0 if i < half else 1}" for i, n in enumerate(names))
         sets += ["parallel.scheme=pipeline", f"parallel.stages={{{stages}}}"]
+        if scheme == "tppp":
+            sets += ["parallel.tensor_parallel=2"]
     elif scheme == "tensor":
         sets += ["parallel.scheme=tensor"]
     elif scheme.startswith("sharded"):
@@ -72,9 +77,11 @@ def train_memory(path, args, run, np_=2, iters=5, env=None, mpiexec="mpiexec"):
         return json.load(f)["ranks"]
 
 
-def measure(job, scheme, out, np_=2, iters=5, env=None):
+def measure(job, scheme, out, np_=None, iters=5, env=None):
     """{"predicted": [bytes per rank], "measured": [...], "baseline": [...],
-    "plan": the plan's JSON}, or {"error": text}."""
+    "plan": the plan's JSON}, or {"error": text}; on ``np_`` ranks, by
+    default the scheme's (``RANKS``, else 2)."""
+    np_ = np_ or RANKS.get(scheme, 2)
     path, sets = sets_for(job, scheme, out)
     args = [a for s in sets for a in ("--set", s)]
     env = {**os.environ, **(env or {})}

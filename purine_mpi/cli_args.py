@@ -207,7 +207,8 @@ def build_parser():
     c = p.add_argument_group("choosing a setting (plan --np N --choose; docs/scaling.md)")
     c.add_argument("--choose", action="store_true",
                    help="rank the settings of N ranks (data parallel, sharded, pipeline "
-                        "stages and micro-batches, tensor parallel; recompute) by predicted "
+                        "stages and micro-batches, tensor parallel, tensor within pipeline "
+                        "stages; recompute) by predicted "
                         "time per iteration, from one measured trace of the job on one rank; "
                         "print the table and the best as --set options")
     c.add_argument("--calibration", metavar="FILE.json",

@@ -200,7 +200,8 @@ def test_candidates_list_sharded_x_tensor_where_tensor_has_replicas(tmp_path):
     cfg = gpt_config(text_h5(tmp_path), parallel={"scheme": "data"})
     labels = {c.label: c for c in candidates(make_job(cfg), 4, Durations({}))}
     assert {"tensor 2-way", "tensor 4-way"} <= set(labels)
-    ours = sorted(label for label in labels if " x tensor " in label)
+    ours = sorted(label for label in labels if " x tensor " in label
+                  and label.startswith("sharded"))
     assert ours == [f"sharded stage {s} x tensor 2-way" for s in (1, 2, 3)]
 
     def job_of(label):
@@ -342,3 +343,88 @@ def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
     _, small, _ = choose.calibrate(odd, path, ("data.train.batch_size=15",),
                                    str(tmp_path / "odd.json"))
     assert small is None and runs[-1] == ()
+
+
+def test_choose_lists_tensor_x_pipeline_prices_it_and_its_best_trains(tmp_path):
+    """On 4 ranks a GPT gets scheme pipeline with 2 stages x 2-way tensor
+    (parallel.tensor_parallel 2) at each micro-batch count of the 2-stage
+    settings, cut where those are (here before b1_attn, the heaviest layer
+    of a constructed calibration trace: the column-split attention's input
+    crosses the cut, its gradient an allreduce's output sent back through a
+    window). Each is priced by the predictor over all 4 ranks (Scenario):
+    the tensor allreduces inside each stage are on its path (a slower link
+    latency costs each of them at least the added latency), and it holds
+    less per rank than tensor 2-way and than the hybrid of the same stages;
+    under a host limit only it fits, it is the best, and the YAML written
+    for it trains on 4 ranks."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Choice, Predictor, _calibration_job, best_yaml, \
+        candidates, evaluate, format_choice, rank, small_batch
+    from purine_mpi.tools.plan import MemoryLimits
+    from purine_mpi.tools.scaling.link import make_link
+    from purine_mpi.tools.scaling.model import Scenario
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    from tests.gpt_nets import gpt_config, text_h5
+    path = tmp_path / "gpt.yaml"
+    path.write_text(yaml.safe_dump(gpt_config(text_h5(tmp_path), parallel={"scheme": "data"})))
+    calib_job = _calibration_job(path, ())
+    small_job = _calibration_job(path, (), (f"data.train.batch_size={small_batch(4)}",))
+
+    def trace(job, seconds):
+        d = _calibration_trace(job, seconds)
+        return Durations({0: {k: v * (2 if k.startswith("b1_attn") else 1)
+                              for k, v in d.per_rank[0].items()}}, d.iter_seconds, d.iterations)
+    durations = trace(calib_job, 1e-3)
+    small = (trace(small_job, 0.5e-3), small_job)
+    job = load_job(path, (), check_files=False)
+    cands = {c.label: c for c in candidates(job, 4, durations)}
+    cut = "2 stages (wte|b1_attn)"
+    ours = [label for label in cands if label.endswith(" x tensor 2-way")
+            and label.startswith("pipeline")]
+    assert ours == [f"pipeline {cut}, {m} micro-batch{'es' if m > 1 else ''} x tensor 2-way"
+                    for m in (1, 2, 4)]
+    hybrid = cands[f"hybrid {cut}, 1 micro-batch"]
+    tppp = cands[ours[0]]
+    assert tppp.sets == ("parallel.scheme=pipeline", hybrid.sets[1],
+                         "parallel.micro_batches=1", "parallel.tensor_parallel=2")
+    link = make_link(None, None, None)
+    predictor = Predictor(calib_job, durations, link, small=small)
+    free = MemoryLimits(host=1 << 40)
+    for c in (tppp, hybrid, cands["tensor 2-way"]):
+        evaluate(c, path, (), 4, free, predictor)
+        assert c.error is None and c.iter_s > 0, c.error
+    assert tppp.samples == 4  # one replica: the batch
+    assert Scenario(tppp.job, 4).ranks == [0, 1, 2, 3]
+    assert tppp.need["host"] < min(hybrid.need["host"], cands["tensor 2-way"].need["host"])
+    # the tensor allreduces of both stages are on the iteration's path
+    groups = {}
+    from purine_mpi.tools.graph import compose_for
+    for r in (0, 2):
+        g = compose_for(tppp.job, 4, r)
+        groups[r] = [op for op in g.ops.values() if op.op_type == "Allreduce"
+                     and len(op.attrs.get("group") or ()) == 2]
+    assert groups[0] and groups[2]
+    slow = make_link(None, None, None)
+    slow.alpha += 1e-3
+    late = Predictor(calib_job, durations, slow, small=small)
+    late.overhead = predictor.overhead
+    added = late.predict(tppp.job, 4)[0] - tppp.iter_s
+    assert added >= 0.99 * 1e-3 * (len(groups[0]) + len(groups[2]))
+    # under a host limit only it fits: the best, its --set line and YAML
+    limit = (tppp.need["host"] + min(hybrid.need["host"],
+                                     cands["tensor 2-way"].need["host"])) // 2
+    for c in (tppp, hybrid, cands["tensor 2-way"]):
+        c.limits = {"host": (limit, "--host-memory")}
+    choice = Choice(4, rank([hybrid, cands["tensor 2-way"], tppp]), ("tokens", 8), "", 0.0)
+    assert choice.best is tppp
+    text = format_choice(choice)
+    row = next(line for line in text.splitlines() if ours[0] in line)
+    assert "host " in row and " yes " in row
+    assert text.splitlines()[-1] == f"best: {tppp.set_line()}"
+    (tmp_path / "best.yaml").write_text(best_yaml(choice))
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["parallel"]["tensor_parallel"] == 2 and best["parallel"]["scheme"] == "pipeline"
+    res = run_mpi_cli(4, "train", tmp_path / "best.yaml", "--iters", 2, "--out",
+                      tmp_path / "run", timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "2 stages x 2-way tensor parallel" in res.stdout

@@ -347,8 +347,12 @@ class Workspace:
         return total
 
     def storage(self, name):
-        """The flat 1-D array that holds ``name``'s storage root."""
-        return self._flat[self.graph.storage_root(name)]
+        """The flat 1-D array that holds ``name``'s storage root (a root
+        owned elsewhere that no blob views, e.g. a one-sided window's region
+        an Allreduce writes: its own array, flat)."""
+        root = self.graph.storage_root(name)
+        flat = self._flat.get(root)
+        return self.arrays[root].reshape(-1) if flat is None else flat
 
     def set(self, name, value):
         """Copy ``value`` into blob ``name`` (shape-checked)."""

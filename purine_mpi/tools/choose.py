@@ -14,7 +14,13 @@ stages than ranks, the same stages with each stage's replicas sharded at
 each ZeRO stage (listed where the hybrid setting is possible); tensor
 parallelism of each degree t >= 2 dividing N where the net has attention
 layers, and where t < N the same with each tensor shard's replicas sharded
-at each ZeRO stage (listed where the tensor setting is possible). Each is a
+at each ZeRO stage (listed where the tensor setting is possible); and
+tensor parallelism within pipeline stages (scheme pipeline with
+``parallel.tensor_parallel``: one replica of p >= 2 stages x t >= 2 tensor
+shards, N = p·t) where the net has attention layers, at the stage cut and
+micro-batch counts of the pipelines of p stages (``staged_settings``),
+priced by the same predictor (every rank simulated: each stage's tensor
+allreduces over its group, the transfers between the stages). Each is a
 list of ``--set`` overrides of the job; a candidate the config rules or the
 scheme's layout refuse (a UserError) is listed as "not possible" with the
 reason.
@@ -310,18 +316,11 @@ def candidates(job, n, durations):
                               after=first)
                 first = first or c
                 out.append(c)
-    batch = job.train_batch or 1
     for s in range(2, n + 1):
-        if n % s or len(job.layer_names) < s:
+        if n % s:
             continue
         scheme = "pipeline" if s == n else "hybrid"
-        stage_map = balanced_stages(job, s, durations)
-        text = "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
-        for m in sorted({1, s, 2 * s, 4 * s}):
-            if batch % m:
-                continue
-            what = (f"{s} stages ({_stages_label(stage_map, s)}), "
-                    f"{m} micro-batch{'es' if m > 1 else ''}")
+        for text, m, what in staged_settings(job, s, durations):
             staged = Candidate((f"parallel.scheme={scheme}", f"parallel.stages={text}",
                                 f"parallel.micro_batches={m}"), f"{scheme} {what}")
             out.append(staged)
@@ -348,7 +347,34 @@ def candidates(job, n, durations):
                                               f"parallel.tensor_parallel={t}"),
                                              f"sharded stage {stage} x tensor {t}-way",
                                              after=tensor))
+        # tensor parallelism within pipeline stages: one replica of p >= 2
+        # stages x t >= 2 tensor shards (scheme pipeline), the stages and
+        # micro-batches those of the pipeline of p stages
+        for t in range(2, n // 2 + 1):
+            if n % t:
+                continue
+            for text, m, what in staged_settings(job, n // t, durations):
+                out.append(Candidate(("parallel.scheme=pipeline", f"parallel.stages={text}",
+                                      f"parallel.micro_batches={m}",
+                                      f"parallel.tensor_parallel={t}"),
+                                     f"pipeline {what} x tensor {t}-way"))
     return out
+
+
+def staged_settings(job, s, durations):
+    """The staged settings of ``s`` stages ``candidates`` lists: (the
+    ``parallel.stages`` text, micro-batches, its words) for the layers cut
+    into ``s`` stages of about equal traced time (``balanced_stages``) at
+    each micro-batch count 1, s, 2s, 4s dividing the batch; none where the
+    net has fewer layers than ``s``."""
+    if s < 2 or len(job.layer_names) < s:
+        return []
+    batch = job.train_batch or 1
+    stage_map = balanced_stages(job, s, durations)
+    text = "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
+    return [(text, m, f"{s} stages ({_stages_label(stage_map, s)}), "
+                         f"{m} micro-batch{'es' if m > 1 else ''}")
+            for m in sorted({1, s, 2 * s, 4 * s}) if batch % m == 0]
 
 
 # ------------------------------------------------------------- evaluation
