@@ -105,6 +105,19 @@ def _cases():
         ("Attention", {"num_heads": 4, "dropout": 0.1, "replay_mask": True},
          [_f(8, 128, 384), np.full(8 * 4 * 128 * 128 // 8, 0xB7, np.uint8), np.array(3)],
          [np.empty((8, 128, 128), np.float32)]),
+        # the Dropout op: the host Philox draw's temporaries (the bool mask
+        # and a chunk's buffers), a shard's part of the unsplit mask, and
+        # with a packed mask the float mask scratch and the packing, or the
+        # kept bits unpacked (the gradient, a recompute copy)
+        ("Dropout", {"ratio": 0.1}, [big, np.array(3)], [np.empty_like(big)] * 2),
+        ("Dropout", {"ratio": 0.1, "mask_split": {"axis": 1, "parts": 2, "index": 1}},
+         [big, np.array(3)], [np.empty_like(big)] * 2),
+        ("Dropout", {"ratio": 0.1, "packed_mask": True}, [big, np.array(3)],
+         [np.empty_like(big), np.empty(big.size // 8, np.uint8)]),
+        ("DropoutGrad", {"ratio": 0.1, "packed_mask": True},
+         [big, np.full(big.size // 8, 0xB7, np.uint8)], [np.empty_like(big)]),
+        ("DropoutReplay", {"ratio": 0.1}, [big, np.full(big.size // 8, 0xB7, np.uint8)],
+         [np.empty_like(big)]),
     ]
 
 
@@ -145,6 +158,16 @@ def test_embedding_takes_its_rows_without_a_buffer():
     "raise" buffered y's size, 2 MiB here): nothing to declare."""
     ins = [_ids(256, (32, 128)), _f(256, 128)]
     measured, declared = _run_peak("Embedding", {}, ins, [np.empty((32, 128, 128), np.float32)])
+    assert declared == 0 and measured < SLACK, measured
+
+
+@pytest.mark.parametrize("op_type, attrs, count", [
+    ("Dropout", {"phase": "test"}, 1), ("DropoutGrad", {"ratio": 0.1}, 2)])
+def test_dropout_without_a_draw_or_unpacking_allocates_nothing(op_type, attrs, count):
+    """Dropout's test phase copies x into y, and the gradient of an
+    unpacked mask writes dy * mask into dx: nothing to declare."""
+    x = _f(64, 32, 24, 24)
+    measured, declared = _run_peak(op_type, attrs, [x] * count, [np.empty_like(x)])
     assert declared == 0 and measured < SLACK, measured
 
 

@@ -122,6 +122,33 @@ def test_known_by_hand(tmp_path):
     assert kind["fits"]["host"]["need_bytes"] == host["total"]
 
 
+def test_kernel_temporaries_count_the_dropout_draw(tmp_path):
+    """A net whose largest host op is a Dropout (64 x 4096 units): plan's
+    kernel temporaries row is that op's host Philox draw, the bool mask and
+    a chunk's buffers (base/philox.keep_mask_temporaries), not the loss's
+    small arrays."""
+    from purine_mpi.base.philox import keep_mask_temporaries
+    from purine_mpi.ops.registry import specs_nbytes
+    from purine_mpi.tools.plan import offline_footprint
+    cfg = {"name": "drop_fc", "seed": 1,
+           "data": {"train": {"source": "synthetic", "shape": [100], "classes": 10,
+                              "num_samples": 64, "batch_size": 64}},
+           "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                    "num_output": 4096},
+                   {"type": "dropout", "name": "drop", "bottom": "fc1", "top": "fc1",
+                    "ratio": 0.5},
+                   {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2",
+                    "num_output": 10},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                    "top": "loss"}],
+           "solver": {"type": "sgd", "base_lr": 0.01, "max_iter": 2}}
+    path = tmp_path / "drop_fc.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    host = offline_footprint(load_job(str(path), [], None, check_files=False), 1, 0).host
+    assert host["kernel_temporaries"] == specs_nbytes(keep_mask_temporaries((64, 4096))) \
+        > 64 * 4096
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB", "--x") == 80 << 30
     assert parse_bytes("10MiB", "--x") == 10 << 20

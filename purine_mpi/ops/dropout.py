@@ -31,8 +31,8 @@ import numpy as np
 from ..base.backend import get_xp, to_numpy
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
-from ..base.philox import dropout_keys, keep_mask
-from .registry import OpKernel, gradient, register
+from ..base.philox import dropout_keys, keep_mask, keep_mask_temporaries
+from .registry import OpKernel, gradient, register, specs_nbytes
 
 
 def _ratio(attrs, key="ratio", default=0.5):
@@ -67,6 +67,12 @@ def pack_mask(keep):
     return xp.packbits(keep.reshape(-1) != 0)
 
 
+def pack_temporaries(shape):
+    """The ``(shape, dtype)`` arrays :func:`pack_mask` of a mask of
+    ``shape`` allocates: the comparison (bool) and the packed bits."""
+    return [(tuple(shape), np.bool_), (packed_shape(shape), np.uint8)]
+
+
 def unpack_mask(bits, shape, dtype, out=None):
     """The keep-mask of ``shape`` in ``dtype`` (0 and 1) from its packed
     form; written into ``out`` (of ``shape``) where given."""
@@ -79,10 +85,12 @@ def unpack_mask(bits, shape, dtype, out=None):
     return out
 
 
-def unpack_temporaries(shape):
+def unpack_temporaries(shape, dtype=None):
     """The ``(shape, dtype)`` arrays :func:`unpack_mask` with ``out`` of
-    ``shape`` allocates: the unpacked bytes (a whole number of bytes' bits)."""
-    return [((8 * packed_shape(shape)[0],), np.uint8)]
+    ``shape`` allocates: the unpacked bytes (a whole number of bytes' bits);
+    with ``dtype`` (no ``out``) the mask it returns too, live with them."""
+    return [((8 * packed_shape(shape)[0],), np.uint8)] + (
+        [] if dtype is None else [(tuple(shape), np.dtype(dtype))])
 
 
 def _iteration_value(it):
@@ -223,6 +231,21 @@ class Dropout(PhiloxStream, OpKernel):
             return [ins[0], (packed_shape(ins[0][0]), "uint8")]
         return [ins[0], ins[0]]
 
+    def host_temporaries(self, ins, outs):
+        """Train phase: the host Philox draw's temporaries (the bool
+        keep-mask and a chunk's buffers, ``keep_mask_temporaries``; the
+        mask output takes the bools, which are freed before the product).
+        With ``packed_mask`` the float mask scratch (x's shape and dtype),
+        live through the draw and the packing, and the larger of the two
+        (``pack_mask``'s comparison and bits, ``pack_temporaries``)."""
+        if not _train(self.attrs):
+            return []
+        shape = tuple(ins[0].shape)
+        draw = keep_mask_temporaries(shape, self.split)
+        if not self.attrs.get("packed_mask"):
+            return draw
+        return [(shape, ins[0].dtype)] + max(draw, pack_temporaries(shape), key=specs_nbytes)
+
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
@@ -258,6 +281,10 @@ class DropoutReplay(OpKernel):
         _check_packed("DropoutReplay", ins[0][0], ins[1])
         return [ins[0]]
 
+    def host_temporaries(self, ins, outs):
+        """The mask unpacked from ``bits``: its bytes and x's dtype copy."""
+        return unpack_temporaries(ins[0].shape, ins[0].dtype)
+
     def run(self, ins, outs):
         x, bits = ins
         xp = get_xp(x)
@@ -284,6 +311,13 @@ class DropoutGrad(OpKernel):
             raise ShapeError(f"DropoutGrad: dy {list(ins[0][0])} and mask "
                              f"{list(ins[1][0])} differ")
         return [ins[0]]
+
+    def host_temporaries(self, ins, outs):
+        """With ``packed_mask`` the mask unpacked (its bytes and dy's dtype
+        copy); else none (dy * mask is written into dx)."""
+        if self.attrs.get("packed_mask"):
+            return unpack_temporaries(ins[0].shape, ins[0].dtype)
+        return []
 
     def run(self, ins, outs):
         dy, mask = ins

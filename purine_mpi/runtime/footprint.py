@@ -48,7 +48,8 @@ host ops of the training graph and the test graph, ``host_kernel_bytes``):
   (``host_temporaries``: those it takes from ``OpKernel.temporaries`` --
   attention's scores, GELU's and layer norm's intermediates -- and its
   NumPy expression temporaries -- a ReLU gradient's mask, the loss's
-  per-position arrays), freed when it ends: the largest op's per lane, the
+  per-position arrays, a dropout draw's keep-mask and chunk buffers),
+  freed when it ends: the largest op's per lane, the
   lanes added (they may run at once), of the graph whose sum is larger
   (the training and test graphs never run at once).
 
