@@ -145,6 +145,20 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
+def close_in_norm(one, two, rtol=1e-5):
+    """Each weight of ``two`` within ``rtol`` of ``one``'s norm; the k third
+    of a ``qkv_bias`` (its gradient is 0: AdamW follows rounding noise
+    there) is checked to stay near 0 on both sides instead."""
+    assert sorted(one) == sorted(two) and one
+    for name in one:
+        a, b = one[name], two[name]
+        if name.endswith("qkv_bias"):
+            a, b = a.reshape(3, -1), b.reshape(3, -1)
+            assert np.abs(a[1]).max() < 1e-5 and np.abs(b[1]).max() < 1e-5, name
+            a, b = a[[0, 2]], b[[0, 2]]
+        assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(a), name
+
+
 def test_block_on_sequences_split_offline():
     """(N, T, C) activations: the fc over the last axis splits; the
     layer norm and the residual stay whole."""
@@ -329,14 +343,7 @@ def test_two_way_gpt_with_gpt_tiny_solver(tmp_path, tokens):
         cfg = dict(gpt_config(tokens, parallel=parallel), solver=solver)
         runs.append(_train(tmp_path, f"r{n}", n, cfg)[0])
     np.testing.assert_allclose(_losses(runs[0]), _losses(runs[1]), rtol=1e-5)
-    one, two = (_params(r / "latest.h5") for r in runs)
-    for name in one:
-        a, b = one[name], two[name]
-        if name.endswith("qkv_bias"):
-            a, b = a.reshape(3, -1), b.reshape(3, -1)
-            assert np.abs(a[1]).max() < 1e-5 and np.abs(b[1]).max() < 1e-5, name
-            a, b = a[[0, 2]], b[[0, 2]]
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), name
+    close_in_norm(*(_params(r / "latest.h5") for r in runs))
 
 
 def test_an_activation_read_elsewhere_is_not_split():
