@@ -26,7 +26,12 @@ from tests.test_sharded_stages import _bytes
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    return text_h5(tmp_path_factory.mktemp("shtp_tokens"))
+    """The token file, at one path a session (test_sharded3_tensor and
+    test_grad_dtype_schemes take this fixture too): their configs are the
+    same text, so train_once trains scheme tensor's references once."""
+    where = tmp_path_factory.getbasetemp() / "gpt_tokens"
+    where.mkdir(exist_ok=True)
+    return text_h5(where)
 
 
 def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
@@ -45,13 +50,16 @@ def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
     return cfg
 
 
-def _tensor_ref(train_once, tokens, n, solver):
-    """Scheme tensor's 10 steps on ``n`` ranks, a checkpoint at 5 (which
-    changes no bit of the run), trained once a session: the reference of
-    test_sharded_tensor_trains_as_tensor, the unclipped run of
-    test_clipping_as_tensor and tensor's iteration-5 checkpoint of
-    test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank."""
-    cfg = _gpt(tokens, "tensor", solver)
+def _tensor_ref(train_once, tokens, n, solver, clip=None):
+    """Scheme tensor's 10 steps on ``n`` ranks, a test pass and a
+    checkpoint at 5 and 10 (which change no bit of the run), trained once a
+    session: the reference of test_sharded_tensor_trains_as_tensor, the
+    unclipped and (``clip``) clipped runs of test_clipping_as_tensor,
+    tensor's iteration-5 checkpoint of
+    test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank, and
+    test_sharded3_tensor's and test_grad_dtype_schemes' scheme-tensor runs."""
+    cfg = _gpt(tokens, "tensor", solver, clip=clip)
+    cfg["solver"]["test_interval"] = 5
     cfg["checkpoint"] = {"interval": 5, "keep": 0}
     return train_once(n, cfg)
 
@@ -192,7 +200,7 @@ def test_clipping_as_tensor(tmp_path, tokens, train_once):
     float64 (ops/clip.py), which moves the norm by ~1e-16, below the
     float32 clip factor's rounding."""
     plain, _ = _tensor_ref(train_once, tokens, 4, "sgd")
-    ref, _ = _train(tmp_path, "tensor", 4, _gpt(tokens, "tensor", "sgd", clip=0.05))
+    ref, _ = _tensor_ref(train_once, tokens, 4, "sgd", clip=0.05)
     out, _ = _train(tmp_path, "sharded", 4, _gpt(tokens, "sharded", "sgd", clip=0.05))
     want = _params(ref / "latest.h5")
     _same(want, _params(out / "latest.h5"))
