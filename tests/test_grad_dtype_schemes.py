@@ -11,7 +11,8 @@ Offline, every rank's composed graph: the bucket reductions carry
 --json`` counts: ``comm.ops.collective_bytes``), everything else (the
 tensor groups' allreduces, sharded's weight allgathers) stays float32.
 Trained on MPI (one launch per run, shared by the assertions through two
-module fixtures): 2 replicas x 2 stages in bf16 end bitwise where scheme
+module fixtures; the float32 references trained once a session, with
+test_sharded_stages' and test_sharded_tensor's tests): 2 replicas x 2 stages in bf16 end bitwise where scheme
 data in bf16 on 2 ranks does (tests/test_grad_dtype.py checks that one
 against NumPy; both sum a + b in bfloat16 per element, the stage cut
 changes no float op), and sharded x stages at shard 1, 2 and 3 end bitwise
@@ -29,18 +30,12 @@ from purine_mpi.comm.ops import bucket_reductions, collective_bytes, is_collecti
 from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import make_job
-from tests.gpt_nets import text_h5
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _losses, _same, _train
-from tests.test_sharded_stages import _staged
-from tests.test_sharded_tensor import _gpt
+from tests.test_sharded_stages import _hybrid_ref, _staged
+from tests.test_sharded_tensor import _gpt, _tensor_ref, tokens  # noqa: F401  (the fixture)
 
 BF16 = "bfloat16"
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    return text_h5(tmp_path_factory.mktemp("bf16_tokens"))
 
 
 def _configs(tokens):
@@ -63,7 +58,7 @@ def _fp32(cfg):
 @pytest.mark.parametrize("name", ["hybrid", "sharded1_stages", "sharded2_stages",
                                   "sharded3_stages", "tensor", "sharded1_tensor",
                                   "sharded2_tensor", "sharded3_tensor"])
-def test_the_buckets_are_reduced_in_bf16_and_nothing_else(tokens, name):
+def test_the_buckets_are_reduced_in_bf16_and_nothing_else(tokens, name):  # noqa: F811
     """Every rank: each bucket reduction (Allreduce or ReduceScatter of a
     bucket) reduces in bfloat16, over this rank's replicas, at half its
     float32 bytes; the float32 graph's are the same ops without the attr;
@@ -104,7 +99,7 @@ def _notes(cfg, n):
     return settings_without_effect(make_job(cfg), n)
 
 
-def test_without_a_gradient_reduction_bf16_is_noted_as_without_effect(tokens):
+def test_without_a_gradient_reduction_bf16_is_noted_as_without_effect(tokens):  # noqa: F811
     """A pipeline reduces no gradient (each stage holds its parameters
     once), nor does scheme none, nor tensor on one replica: bf16 is
     accepted and noted, its graphs have no bucket reduction; with
@@ -129,37 +124,41 @@ def test_without_a_gradient_reduction_bf16_is_noted_as_without_effect(tokens):
 
 
 # ---------------------------------------------------------- trained on MPI
+def _read(path, text):
+    """(checkpoint params, losses by iteration, output) of a train run."""
+    return _params(path / "latest.h5"), _losses(path), text
+
+
 def _runs(tmp, runs):
-    """{name: (checkpoint params, losses by iteration, output)}: each a train run."""
-    out = {}
-    for name, (n, cfg) in runs.items():
-        path, text = _train(tmp, name, n, cfg)
-        out[name] = (_params(path / "latest.h5"), _losses(path), text)
-    return out
+    """{name: _read's}: each a train run."""
+    return {name: _read(*_train(tmp, name, n, cfg)) for name, (n, cfg) in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def staged_runs(tmp_path_factory):
+def staged_runs(tmp_path_factory, train_once):
     """10 steps of AdamW: scheme data in bf16 on 2 ranks; hybrid in fp32
-    and in bf16 (transport one_sided: its windows carry the activations,
-    the buckets are MPI's) and sharded x stages at shard 1-3 in bf16 on
-    2 replicas x 2 stages."""
-    return _runs(tmp_path_factory.mktemp("bf16_staged"), {
-        "data": (2, _job("data", "adamw", iters=10, grad_dtype="bf16")),
-        "hybrid32": (4, _staged("hybrid")),
-        "hybrid": (4, _staged("hybrid", grad_dtype="bf16", transport="one_sided")),
-        **{f"shard{s}": (4, _staged("sharded", shard=s, grad_dtype="bf16")) for s in (1, 2, 3)}})
+    (test_sharded_stages' _hybrid_ref, trained once a session) and in bf16
+    (transport one_sided: its windows carry the activations, the buckets
+    are MPI's) and sharded x stages at shard 1-3 in bf16 on 2 replicas x 2
+    stages."""
+    return {"hybrid32": _read(*_hybrid_ref(train_once, "adamw")),
+            **_runs(tmp_path_factory.mktemp("bf16_staged"), {
+                "data": (2, _job("data", "adamw", iters=10, grad_dtype="bf16")),
+                "hybrid": (4, _staged("hybrid", grad_dtype="bf16", transport="one_sided")),
+                **{f"shard{s}": (4, _staged("sharded", shard=s, grad_dtype="bf16"))
+                   for s in (1, 2, 3)}})}
 
 
 @pytest.fixture(scope="module")
-def tensor_runs(tmp_path_factory, tokens):
+def tensor_runs(tmp_path_factory, tokens, train_once):  # noqa: F811
     """10 steps of AdamW on the tiny GPT, 2 replicas x 2-way tensor: scheme
-    tensor in fp32 and in bf16, sharded x tensor at shard 1, 2 and 3 in bf16."""
-    return _runs(tmp_path_factory.mktemp("bf16_tensor"), {
-        "tensor32": (4, _gpt(tokens, "tensor")),
-        "tensor": (4, _gpt(tokens, "tensor", grad_dtype="bf16")),
-        **{f"shard{s}": (4, _gpt(tokens, "sharded", shard=s, grad_dtype="bf16"))
-           for s in (1, 2, 3)}})
+    tensor in fp32 (test_sharded_tensor's _tensor_ref, trained once a
+    session) and in bf16, sharded x tensor at shard 1, 2 and 3 in bf16."""
+    return {"tensor32": _read(*_tensor_ref(train_once, tokens, 4, "adamw")),
+            **_runs(tmp_path_factory.mktemp("bf16_tensor"), {
+                "tensor": (4, _gpt(tokens, "tensor", grad_dtype="bf16")),
+                **{f"shard{s}": (4, _gpt(tokens, "sharded", shard=s, grad_dtype="bf16"))
+                   for s in (1, 2, 3)}})}
 
 
 def _trains_as_fp32(runs, fp32, bf16):

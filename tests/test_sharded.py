@@ -119,6 +119,22 @@ def test_micro_batches_and_clipping_as_data_parallel(tmp_path, train_once):
     assert g.ops["clip.sum"].attrs["group"] == [0, 1, 2]
 
 
+def _data_20(train_once):
+    """Scheme data's 20 AdamW steps on 2 ranks, a checkpoint at 10 (which
+    changes no bit of the run), trained once a session: the uninterrupted
+    run and the data-parallel checkpoint of
+    test_checkpoints_are_whole_and_reshard, that checkpoint
+    test_sharded3's too."""
+    cfg = _job("data", "adamw", iters=20)
+    cfg["checkpoint"] = {"interval": 10, "keep": 0}
+    return train_once(2, cfg)
+
+
+def data_ckpt_10(train_once):
+    """_data_20's iteration-10 checkpoint: a data-parallel checkpoint."""
+    return _data_20(train_once)[0] / "ckpt_10.h5"
+
+
 @pytest.mark.mpi
 def test_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     """A 2-rank sharded checkpoint at iteration 10 resumes under scheme
@@ -126,8 +142,9 @@ def test_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     iterations 11-20 equal an uninterrupted 2-rank run's within 1e-6. A
     data-parallel checkpoint starts a 3-rank sharded run whose weights
     match data parallelism's resumed on 3 ranks (each rank's shard of the
-    whole moments was loaded)."""
-    ref, _ = _train(tmp_path, "ref", 2, _job("data", "adamw", iters=20))
+    whole moments was loaded). (The uninterrupted run and the data-parallel
+    checkpoint at 10 are one run, _data_20's.)"""
+    ref, _ = _data_20(train_once)
     half, _ = _train(tmp_path, "half", 2, _job("sharded", "adamw", iters=10))
     ckpt = half / "latest.h5"
     want = _losses(ref)
@@ -141,9 +158,9 @@ def test_checkpoints_are_whole_and_reshard(tmp_path, train_once):
         assert sorted(got) == list(range(11, 21))
         for it, loss in got.items():
             assert loss == pytest.approx(want[it], rel=1e-6), (name, it)
-    data_half, _ = train_once(2, _job("data", "adamw", iters=10))  # test_sharded3's too
+    data_half = data_ckpt_10(train_once)  # test_sharded3's too
     runs = [_params(_train(tmp_path, f"from_data_{s}", 3, _job(s, "adamw", iters=20),
-                           "--resume", data_half / "latest.h5")[0] / "latest.h5")
+                           "--resume", data_half)[0] / "latest.h5")
             for s in ("data", "sharded")]
     for k in runs[0]:
         scale = max(float(np.abs(runs[0][k]).max()), 1e-30)

@@ -18,7 +18,7 @@ from purine_mpi.runtime.memory_plan import check_plan, plan_memory
 from purine_mpi.tools.graph import compose_for
 from tests.conftest import make_job
 from tests.test_micro_batches import _params
-from tests.test_sharded import _job, _losses, _model_state, _same, _train
+from tests.test_sharded import _job, _losses, _model_state, _same, _train, data_ckpt_10
 from tests.test_sharded23 import _big, _psi
 
 
@@ -138,10 +138,14 @@ def test_stage3_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     stage 3 and stage 1 and on 1 rank (same global batch, 24): the losses
     of iterations 11-20 equal an uninterrupted 3-rank stage-3 run's within
     1e-6. A data-parallel checkpoint starts a 2-rank stage-3 run whose
-    weights match data parallelism's resumed the same way."""
-    ref, _ = _train(tmp_path, "ref", 3, _job("sharded", "adamw", iters=20, shard=3))
-    half, _ = _train(tmp_path, "half", 3, _job("sharded", "adamw", iters=10, shard=3))
-    ckpt, want = half / "latest.h5", _losses(ref)
+    weights match data parallelism's resumed the same way. (The iteration-10
+    checkpoints are those the uninterrupted 20-step runs write: one 3-rank
+    stage-3 run is both the checkpoint and the reference; the data-parallel
+    one is test_sharded's, trained once.)"""
+    cfg = _job("sharded", "adamw", iters=20, shard=3)
+    cfg["checkpoint"] = {"interval": 10, "keep": 0}
+    ref, _ = _train(tmp_path, "ref", 3, cfg)
+    ckpt, want = ref / "ckpt_10.h5", _losses(ref)
     for name, n, cfg in (("s3", 2, _job("sharded", "adamw", iters=20, shard=3)),
                          ("s1", 2, _job("sharded", "adamw", iters=20, shard=1)),
                          ("one", 1, _job("data", "adamw", iters=20))):
@@ -152,9 +156,9 @@ def test_stage3_checkpoints_are_whole_and_reshard(tmp_path, train_once):
         assert sorted(got) == list(range(11, 21))
         for it, loss in got.items():
             assert loss == pytest.approx(want[it], rel=1e-6), (name, it)
-    data_half, _ = train_once(2, _job("data", "adamw", iters=10))  # test_sharded's too
+    data_half = data_ckpt_10(train_once)  # test_sharded's too
     runs = [_params(_train(tmp_path, f"from_data_{s}", 2, _job(s, "adamw", iters=20, **par),
-                           "--resume", data_half / "latest.h5")[0] / "latest.h5")
+                           "--resume", data_half)[0] / "latest.h5")
             for s, par in (("data", {}), ("sharded", {"shard": 3}))]
     for k in runs[0]:
         assert np.array_equal(runs[0][k], runs[1][k]), k

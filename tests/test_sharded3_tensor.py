@@ -26,33 +26,41 @@ from tests.conftest import make_job
 from tests.test_micro_batches import _params
 from tests.test_sharded import _losses, _model_state, _same, _train
 from tests.test_sharded_stages import _bytes
-from tests.test_sharded_tensor import _gpt, assert_clip_scales, tokens  # noqa: F401  (the fixture)
+from tests.test_sharded_tensor import _gpt, _tensor_ref, assert_clip_scales, \
+    tokens  # noqa: F401  (the fixture)
 
 COLLECTIVES = ("ReduceScatter", "Allgather", "Allreduce")
 
 
-def _cfg(tokens, scheme, solver, n):
-    """10 steps, a test pass and a checkpoint at 5 and 10; SGD (momentum)
-    on 4 ranks clipped to a global norm of 0.05 (test_sharded_tensor's
-    test_clipping_as_tensor: on this net and layout the clip acts)."""
-    cfg = _gpt(tokens, scheme, solver, clip=0.05 if (solver, n) == ("sgd", 4) else None,
-               **({"shard": 3, "check_collectives": True} if scheme == "sharded" else {}))
+def _clip(solver, n):
+    """SGD (momentum) on 4 ranks clipped to a global norm of 0.05
+    (test_sharded_tensor's test_clipping_as_tensor: on this net and layout
+    the clip acts)."""
+    return 0.05 if (solver, n) == ("sgd", 4) else None
+
+
+def _cfg(tokens, solver, n):
+    """Stage 3's 10 steps, a test pass and a checkpoint at 5 and 10, as
+    scheme tensor's reference (_tensor_ref) has them."""
+    cfg = _gpt(tokens, "sharded", solver, clip=_clip(solver, n), shard=3,
+               check_collectives=True)
     cfg["solver"]["test_interval"] = 5
     cfg["checkpoint"]["interval"] = 5
     return cfg
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tokens):  # noqa: F811
+def runs(tmp_path_factory, tokens, train_once):  # noqa: F811
     """{(n, solver): ((tensor's run folder, output), (stage 3's, output))},
-    each pair trained once for the tests that read it."""
+    each pair trained once for the tests that read it (tensor's once a
+    session: test_sharded_tensor's _tensor_ref)."""
     done = {}
 
     def get(n, solver):
         if (n, solver) not in done:
             where = tmp_path_factory.mktemp(f"z3tp_{n}_{solver}")
-            done[n, solver] = tuple(_train(where, scheme, n, _cfg(tokens, scheme, solver, n))
-                                    for scheme in ("tensor", "sharded"))
+            done[n, solver] = (_tensor_ref(train_once, tokens, n, solver, _clip(solver, n)),
+                               _train(where, "sharded", n, _cfg(tokens, solver, n)))
         return done[n, solver]
     return get
 
@@ -82,7 +90,7 @@ def test_stage3_tensor_trains_as_tensor(runs, tokens, n, solver):  # noqa: F811
         return
     assert "sharded (ZeRO stage 3): 2 replicas x 2-way tensor parallel" in text
     assert "(the only weights it holds)" in text
-    assert _model_state(text) == tuple(_bytes(_cfg(tokens, "sharded", solver, n), n, 0)[k]
+    assert _model_state(text) == tuple(_bytes(_cfg(tokens, solver, n), n, 0)[k]
                                        for k in ("weights", "gradients", "optimizer_state"))
 
 

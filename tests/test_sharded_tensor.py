@@ -26,7 +26,12 @@ from tests.test_sharded_stages import _bytes
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
-    return text_h5(tmp_path_factory.mktemp("shtp_tokens"))
+    """The token file, at one path a session (test_sharded3_tensor and
+    test_grad_dtype_schemes take this fixture too): their configs are the
+    same text, so train_once trains scheme tensor's references once."""
+    where = tmp_path_factory.getbasetemp() / "gpt_tokens"
+    where.mkdir(exist_ok=True)
+    return text_h5(where)
 
 
 def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
@@ -45,33 +50,56 @@ def _gpt(tokens, scheme, solver="adamw", iters=10, clip=None, **parallel):
     return cfg
 
 
-def _tensor_ref(train_once, tokens, n, solver):
-    """Scheme tensor's 10 steps on ``n`` ranks, a checkpoint at 5 (which
-    changes no bit of the run), trained once a session: the reference of
-    test_sharded_tensor_trains_as_tensor, the unclipped run of
-    test_clipping_as_tensor and tensor's iteration-5 checkpoint of
-    test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank."""
-    cfg = _gpt(tokens, "tensor", solver)
+def _tensor_ref(train_once, tokens, n, solver, clip=None):
+    """Scheme tensor's 10 steps on ``n`` ranks, a test pass and a
+    checkpoint at 5 and 10 (which change no bit of the run), trained once a
+    session: the reference of test_sharded_tensor_trains_as_tensor, the
+    unclipped and (``clip``) clipped runs of test_clipping_as_tensor,
+    tensor's iteration-5 checkpoint of
+    test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank, and
+    test_sharded3_tensor's and test_grad_dtype_schemes' scheme-tensor runs."""
+    cfg = _gpt(tokens, "tensor", solver, clip=clip)
+    cfg["solver"]["test_interval"] = 5
     cfg["checkpoint"] = {"interval": 5, "keep": 0}
     return train_once(n, cfg)
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, tokens):
+    """``get(n, solver, shard)`` -> (run folder, output): sharded x tensor's
+    10 steps on ``n`` ranks (collectives checked, a checkpoint at 5, which
+    changes no bit of the run), trained once for the tests that read it:
+    test_sharded_tensor_trains_as_tensor's runs, the 2 x 2-way AdamW one at
+    shard 1 also test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank's
+    iteration-5 checkpoint."""
+    done = {}
+
+    def get(n, solver, shard):
+        if (n, solver, shard) not in done:
+            cfg = _gpt(tokens, "sharded", solver, shard=shard, check_collectives=True)
+            cfg["checkpoint"] = {"interval": 5, "keep": 0}
+            done[n, solver, shard] = _train(tmp_path_factory.mktemp(f"shtp_{n}_{solver}"),
+                                            f"shard{shard}", n, cfg)
+        return done[n, solver, shard]
+    return get
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,solver", [(4, "adamw"), (4, "sgd"), (2, "adamw"),
                                       pytest.param(2, "sgd", marks=pytest.mark.slow)])
-def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, train_once, n, solver):
+def test_sharded_tensor_trains_as_tensor(tokens, train_once, sharded_runs, n, solver):
     """10 steps (AdamW; SGD with momentum) at shard 1 and 2: every weight
     and the gathered optimizer state equal scheme tensor's on the same
     layout bit for bit; the start-up block says what each rank holds, and
     its bytes are rank 0's composed graph's; on 2 ranks (one replica) it
     runs as scheme tensor and its block says so. (Scheme tensor's run is
-    _tensor_ref's, shared with the clipping and checkpoint tests.)"""
+    _tensor_ref's, shared with the clipping and checkpoint tests; the 2 x
+    2-way AdamW run at shard 1, sharded_runs', with the checkpoint test.)"""
     ref, _ = _tensor_ref(train_once, tokens, n, solver)
     want = _params(ref / "latest.h5")
     replicas = n // 2
     for shard in (1, 2):
-        cfg = _gpt(tokens, "sharded", solver, shard=shard, check_collectives=True)
-        out, text = _train(tmp_path, f"shard{shard}", n, cfg)
+        out, text = sharded_runs(n, solver, shard)
         assert "b0_attn (heads, 4 -> 2 per rank" in text
         _same(want, _params(out / "latest.h5"))
         if replicas == 1:
@@ -81,6 +109,7 @@ def test_sharded_tensor_trains_as_tensor(tmp_path, tokens, train_once, n, solver
         assert f"sharded (ZeRO stage {shard}): 2 replicas x 2-way tensor parallel" in text
         assert ("each tensor shard's gradients reduce-scattered over its 2 ranks (this "
                 "rank's: 0, 2)") in text
+        cfg = _gpt(tokens, "sharded", solver, shard=shard, check_collectives=True)
         assert _model_state(text) == tuple(
             _bytes(cfg, n, 0)[k] for k in ("weights", "gradients", "optimizer_state"))
 
@@ -98,9 +127,10 @@ def test_held_model_state_is_tensors_over_r(tokens, n, solver):
     allreduces to its tensor group."""
     replicas = n // 2
     per_element = 8 if solver == "adamw" else 4
+    plain_of = [_bytes(_gpt(tokens, "tensor", solver), n, rank) for rank in range(n)]
     for shard in (1, 2):
         for rank in range(n):
-            plain = _bytes(_gpt(tokens, "tensor", solver), n, rank)
+            plain = plain_of[rank]
             g = compose_for(make_job(_gpt(tokens, "sharded", solver, shard=shard)), n, rank)
             held = model_state_bytes(g)
             buckets = sum(op.op_type == "ReduceScatter" for op in g.ops.values())
@@ -122,18 +152,19 @@ def test_held_model_state_is_tensors_over_r(tokens, n, solver):
 
 @pytest.mark.mpi
 def test_checkpoint_is_tensors_and_resumes_under_data_on_one_rank(tmp_path, tokens,
-                                                                  train_once):
+                                                                  train_once, sharded_runs):
     """A 2 x 2-way sharded checkpoint (iteration 5, AdamW) is scheme
     tensor's file, the same whole blobs bit for bit; continued on 1 rank
     under scheme data with the same global batch it gives the losses of
-    tensor's checkpoint continued so, bit for bit. (Tensor's iteration-5
-    checkpoint is the one its shared 10-step run writes.)"""
-    sh, _ = _train(tmp_path, "sh", 4, _gpt(tokens, "sharded", iters=5))
+    tensor's checkpoint continued so, bit for bit. (Both iteration-5
+    checkpoints are the ones their shared 10-step runs write: _tensor_ref's
+    and sharded_runs'.)"""
+    sh = sharded_runs(4, "adamw", 1)[0] / "ckpt_5.h5"
     te = _tensor_ref(train_once, tokens, 4, "adamw")[0] / "ckpt_5.h5"
-    _same(_params(te), _params(sh / "latest.h5"))
+    _same(_params(te), _params(sh))
     one = gpt_config(tokens, iters=8, batch=8)
     runs = []
-    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_te", te)):
+    for name, ckpt in (("from_sh", sh), ("from_te", te)):
         out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
@@ -169,7 +200,7 @@ def test_clipping_as_tensor(tmp_path, tokens, train_once):
     float64 (ops/clip.py), which moves the norm by ~1e-16, below the
     float32 clip factor's rounding."""
     plain, _ = _tensor_ref(train_once, tokens, 4, "sgd")
-    ref, _ = _train(tmp_path, "tensor", 4, _gpt(tokens, "tensor", "sgd", clip=0.05))
+    ref, _ = _tensor_ref(train_once, tokens, 4, "sgd", clip=0.05)
     out, _ = _train(tmp_path, "sharded", 4, _gpt(tokens, "sharded", "sgd", clip=0.05))
     want = _params(ref / "latest.h5")
     _same(want, _params(out / "latest.h5"))
