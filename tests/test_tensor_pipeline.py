@@ -20,6 +20,7 @@ on the global batch, and the 8-rank checkpoint resumes on 1 rank.
 The 4- and 8-rank runs are few (each costs ~5-30 s on 2 cores): one module
 fixture per layout trains each configuration once, the tests assert over
 its outputs."""
+import h5py
 import numpy as np
 import pytest
 
@@ -27,6 +28,7 @@ from purine_mpi.base.errors import UserError
 from purine_mpi.tools.graph import compose_for, composed
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
 from tests.gpt_nets import block_stages, gpt_config, text_h5
+from tests.test_checkpoint_stream import written_order
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_sharded_stages import STAGES
@@ -139,6 +141,18 @@ def test_mlp_adamw_cut_inside_a_split_pair_trains_as_one_rank(runs):
     four, one = runs["mlp_adamw"][0], runs["mlp_adamw_one"][0]
     _close(_params(one / "latest.h5"), _params(four / "latest.h5"))
     np.testing.assert_allclose(_losses(one), _losses(four), rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_the_streamed_checkpoint_is_the_one_rank_files_datasets_in_order(runs):
+    """The save streams each parameter's shards to rank 0 as its turn comes
+    (parallel/schemes/base.py ``streamed_join``): the 4-rank file holds the
+    1-rank twin's datasets (weights and AdamW state), written in its order
+    (the values: the tests above)."""
+    for name in ("gpt_micro", "mlp_adamw"):
+        with h5py.File(runs[name][0] / "latest.h5") as four, \
+                h5py.File(runs[f"{name}_one"][0] / "latest.h5") as one:
+            assert written_order(four) == written_order(one), name
 
 
 @pytest.mark.mpi

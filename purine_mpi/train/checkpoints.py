@@ -237,8 +237,9 @@ class Checkpoints(Service):
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)
-        # whole blobs on file (shards, stages): gathered and joined on rank
-        # 0, or streamed to it bucket by bucket as the file is written
+        # whole blobs on file (shards, stages): streamed to rank 0 parameter
+        # by parameter or bucket by bucket as the file is written (sharded
+        # with stages or tensor shards: gathered and joined there at once)
         params, solver = scheme_of(loop.job).checkpoint_sections(
             loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:

@@ -40,6 +40,8 @@ which never import a scheme).
 import dataclasses
 import types
 
+import numpy as np
+
 
 #: registered name -> Scheme subclass, in registration order
 SCHEMES = {}
@@ -456,14 +458,30 @@ class Scheme:
         (job/checkpoint_file.py: its pairs come, and their collectives run,
         as the file is written); every other rank iterates its sections'
         ``items()`` for their collectives, in the same order, and writes
-        nothing. Collective: by default, when ``gathers_checkpoint``, every
-        rank's part is gathered to rank 0 (pickled) and joined there
-        (``join_checkpoint``)."""
+        nothing. Collective: by default, when ``gathers_checkpoint`` (the
+        stages' and tensor shards' layouts), streamed parameter by parameter
+        (``streamed_join``): rank 0 holds one parameter's whole weight and
+        state at a time beyond its own, and the file is the one
+        ``join_checkpoint`` makes of every rank's parts."""
         params, solver = local()
         if not self.gathers_checkpoint(graphs):
             return params, solver
-        parts = world.gather_object((params, solver), 0, "a checkpoint gather") \
-            if world.size > 1 else [(params, solver)]
+        if world.size == 1:
+            return self.join_checkpoint(graphs, [(params, solver)])
+        return streamed_join(graphs, world, params, solver)
+
+    def gather_and_join(self, graphs, world, local):
+        """Every rank's part (``local()``; with tensor shards, with the
+        splits of its parameters) gathered to rank 0 at once (pickled) and
+        joined there (``join_checkpoint``): the sharded scheme's pieces of
+        a stage's or tensor shard's buckets."""
+        params, solver = local()
+        part = (params, solver)
+        if graphs.layout.tensor > 1:  # rank 0 lacks the other stages' blobs
+            from ..tensor_parallel import split_of
+            part += ({p: split_of(graphs.graph.blobs[p]) for p in params},)
+        parts = world.gather_object(part, 0, "a checkpoint gather") \
+            if world.size > 1 else [part]
         return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
 
     def gathers_checkpoint(self, graphs):
@@ -512,6 +530,119 @@ class Scheme:
         evaluation (collective on every rank), or None when it reads the
         training workspace's parameters (runtime/footprint.shared_params)."""
         return None
+
+
+class Buffers:
+    """Rank 0's receive buffers of a streamed save: slot i, a byte buffer
+    kept at the largest size asked of it, each gather a view of it."""
+
+    def __init__(self):
+        self.slots = []
+
+    def view(self, slot, size, dtype):
+        dtype = np.dtype(dtype)
+        while len(self.slots) <= slot:
+            self.slots.append(np.empty(0, np.uint8))
+        if self.slots[slot].size < size * dtype.itemsize:
+            self.slots[slot] = np.empty(size * dtype.itemsize, np.uint8)
+        return self.slots[slot][:size * dtype.itemsize].view(dtype)
+
+
+def streamed_join(graphs, world, params, solver):
+    """``Streamed`` ``/params`` and ``/solver`` sections of a staged or
+    tensor-split layout: the datasets ``join_checkpoint`` makes of every
+    rank's ``(params, solver)`` (Pipeline's, TensorParallel's:
+    ``tensor_parallel.gather_whole``), in its order, each parameter's
+    pieces sent to rank 0 as its turn comes. One allgather of every rank's
+    list of names, shapes, dtypes and splits (``_stream_plan``: the same
+    order on every rank); then per parameter and array one Igatherv of
+    bytes over the world (``World.gatherv``, under the stall watchdog
+    naming it), every rank taking part, those holding none of it with
+    nothing to send; a parameter rank 0 alone holds needs none. Rank 0's
+    buffers (``Buffers``) are reused parameter after parameter."""
+    from ...job.checkpoint_file import Streamed
+    from ..tensor_parallel import split_of
+    meta = ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
+                 if p in graphs.graph.blobs else None) for p, v in params.items()},
+            {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
+             for p, states in solver.items()})
+    everyone = world.allgather_object(meta, "the checkpoint's list of parameters (Iallgatherv)")
+    weights, states = _stream_plan(graphs.layout, everyone)
+    pool = Buffers()
+
+    def weight_pairs():
+        for p, (split, holders) in weights.items():
+            got = _fetch(world, pool, 0, holders, {r: everyone[r][0][p][:2] for r in holders},
+                         params.get(p), f"the checkpoint's gather of the weight '{p}' from "
+                         f"ranks {holders} (Igatherv)")
+            if got is not None:
+                yield p, _whole(split, got)
+
+    def state_pairs():
+        for p, (split, holders, names) in states.items():
+            values = {}
+            for i, s in enumerate(names):
+                got = _fetch(world, pool, i, holders,
+                             {r: everyone[r][1][p][s] for r in holders},
+                             solver.get(p, {}).get(s), f"the checkpoint's gather of the "
+                             f"solver state '{s}' of '{p}' from ranks {holders} (Igatherv)")
+                if got is not None:
+                    values[s] = _whole(split, got)
+            if world.rank == 0:
+                yield p, values
+
+    return Streamed(weight_pairs()), Streamed(state_pairs())
+
+
+def _stream_plan(lay, everyone):
+    """What ``join_checkpoint`` does with every rank's parts, from their
+    lists (``everyone``: per rank ``({param: (shape, dtype, split)},
+    {param: {state: (shape, dtype)}})``): ``({param: (split, holders)},
+    {param: (split, holders, states)})`` in the joined file's order. Replica
+    0's groups, stage by stage: a group's shard 0 lists the parameters; a
+    split one is joined from every shard of its group (tensor shards), any
+    other taken from shard 0; a parameter listed by a later stage's group
+    too is that group's (a dict's update)."""
+    weights, states = {}, {}
+    for s in range(lay.stages):
+        group = [lay.rank(0, s, k) for k in range(lay.tensor)]
+        first_params, first_state = everyone[group[0]]
+        for p, (_, _, split) in first_params.items():
+            whole = split if lay.tensor > 1 else None
+            weights[p] = (whole, group if whole else group[:1])
+        for p, names in first_state.items():
+            whole = first_params[p][2] if lay.tensor > 1 and p in first_params else None
+            states[p] = (whole, group if whole else group[:1], list(names))
+    return weights, states
+
+
+def _fetch(world, pool, slot, holders, shapes, mine, what):
+    """Rank 0's pieces (in ``holders``' order; None elsewhere) of one array
+    held by ``holders`` (``shapes``: {rank: (shape, dtype)}; ``mine``: this
+    rank's piece): one Igatherv into ``pool``'s ``slot``, or none when rank
+    0 alone holds it."""
+    if holders == [0]:
+        return [mine] if world.rank == 0 else None
+    dtype = np.dtype(shapes[holders[0]][1])
+    sizes = {r: int(np.prod(shapes[r][0], dtype=np.int64)) for r in holders}
+    counts = [sizes.get(r, 0) * dtype.itemsize for r in range(world.size)]
+    send = np.ascontiguousarray(mine, dtype=dtype) if world.rank in sizes \
+        else np.empty(0, np.uint8)
+    recv = pool.view(slot, sum(sizes.values()), dtype) if world.rank == 0 else None
+    world.gatherv(send, recv, counts, 0, what)
+    if recv is None:
+        return None
+    offsets = dict(zip(sorted(sizes), np.cumsum([0] + [sizes[r] for r in sorted(sizes)])))
+    return [recv[offsets[r]:offsets[r] + sizes[r]].reshape(shapes[r][0]) for r in holders]
+
+
+def _whole(split, pieces):
+    """A parameter's whole array from its pieces: a tensor split's shards
+    joined (``tensor_parallel.join_shards``), else its one piece."""
+    if split and len(pieces) > 1:
+        from ..tensor_parallel import join_shards
+        return join_shards(split, pieces)
+    return pieces[0]
 
 
 def transport_lines(composition):

@@ -197,18 +197,6 @@ class Pipeline(Scheme):
         """Each stage holds its own layers' parameters."""
         return graphs.layout.staged
 
-    def checkpoint_sections(self, graphs, ws, world, local):
-        """With tensor shards, each rank's part goes with the splits of its
-        parameters (rank 0 holds stage 0's only): ``join_checkpoint`` joins
-        each stage's shards whole."""
-        if graphs.layout.tensor == 1:
-            return Scheme.checkpoint_sections(self, graphs, ws, world, local)
-        from ..tensor_parallel import split_of
-        params, solver = local()
-        part = (params, solver, {p: split_of(graphs.graph.blobs[p]) for p in params})
-        parts = world.gather_object(part, 0, "a checkpoint gather")
-        return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
-
     def join_checkpoint(self, graphs, parts):
         """Replica 0's stages (the replicas hold the same values); with
         tensor shards, each stage's shards joined (tensor_parallel.gather_whole)."""

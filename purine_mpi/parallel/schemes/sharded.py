@@ -74,7 +74,7 @@ transport with stages on several replicas -- the world size decides them
 import numpy as np
 
 from ...base.errors import GraphError, UserError
-from .base import BUCKET_KEYS, Composition, Scheme, counted, ranges, register_scheme
+from .base import BUCKET_KEYS, Buffers, Composition, Scheme, counted, ranges, register_scheme
 from .hybrid import Hybrid
 from .pipeline import Pipeline
 from .tensor import TensorParallel
@@ -377,10 +377,11 @@ class Sharded(Hybrid):
         sections. With pipeline stages (each stage's buckets sharded over its
         own replicas): every rank's weights and pieces of state
         (``held_solver_state``) gathered to rank 0 and joined there
-        (``join_checkpoint``), not streamed; so with tensor parallelism (each
-        tensor shard's buckets sharded over its replicas)."""
+        (``join_checkpoint``, ``gather_and_join``), not streamed; so with
+        tensor parallelism (each tensor shard's buckets sharded over its
+        replicas)."""
         plan = _plan(graphs)
-        # the base's gather and join, or local
+        # every rank's pieces gathered and joined, or local
         if graphs.layout.staged or graphs.layout.tensor > 1 or not plan:
             def held():
                 params, solver = local()
@@ -389,9 +390,11 @@ class Sharded(Hybrid):
                     params = {p: v for p, v in params.items() if p in graphs.params}
                     params.update(self.held_weight_pieces(graphs, ws))
                 return params, solver
-            return super().checkpoint_sections(graphs, ws, world, held)
+            if not self.gathers_checkpoint(graphs):
+                return held()
+            return self.gather_and_join(graphs, world, held)
         from ...job.checkpoint_file import Streamed
-        pool = _Buffers()
+        pool = Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
@@ -591,22 +594,6 @@ def _zero3(graphs):
     for stages 1 and 2."""
     return {p: (entry, off) for entry in _plan(graphs) if "weight_shard" in entry
             for p, off in zip(entry["params"], entry["offsets"])}
-
-
-class _Buffers:
-    """Rank 0's receive buffers of a streamed save: slot i, a byte buffer
-    kept at the largest size asked of it, each bucket's gather a view."""
-
-    def __init__(self):
-        self.slots = []
-
-    def view(self, slot, size, dtype):
-        dtype = np.dtype(dtype)
-        while len(self.slots) <= slot:
-            self.slots.append(np.empty(0, np.uint8))
-        if self.slots[slot].size < size * dtype.itemsize:
-            self.slots[slot] = np.empty(size * dtype.itemsize, np.uint8)
-        return self.slots[slot][:size * dtype.itemsize].view(dtype)
 
 
 def _gathered(graphs, ws, world, entry, blob, what, pool, slot):

@@ -1,0 +1,200 @@
+"""The streamed gathered save of the staged and tensor-split layouts
+(parallel/schemes/base.py ``streamed_join``): every rank's part sent to
+rank 0 parameter by parameter gives the datasets ``join_checkpoint`` makes
+of all the parts at once, in its order. In process: one thread a rank, a
+world whose collectives meet at a barrier."""
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from purine_mpi.parallel.schemes.base import Layout, streamed_join
+from purine_mpi.parallel.schemes.pipeline import Pipeline
+from purine_mpi.parallel.schemes.tensor import TensorParallel
+from purine_mpi.parallel.tensor_parallel import take_shard
+
+
+class _ThreadWorld:
+    """Rank ``rank`` of ``size`` threads: allgather_object and gatherv
+    (the collectives a streamed save runs), each a meeting of every rank;
+    ``calls`` records the ops rank 0 waited on."""
+
+    def __init__(self, hub, rank):
+        self.hub, self.rank, self.size = hub, rank, hub["size"]
+        self.calls = []
+
+    def _meet(self, value):
+        hub = self.hub
+        hub["box"][self.rank] = value
+        hub["barrier"].wait()
+        got = list(hub["box"])
+        hub["barrier"].wait()
+        return got
+
+    def allgather_object(self, obj, what=""):
+        return self._meet(obj)
+
+    def gatherv(self, send, recv, counts, root=0, what=""):
+        data = np.ascontiguousarray(send).reshape(-1).view(np.uint8).copy()
+        assert data.size == counts[self.rank], (what, self.rank)
+        got = self._meet(data)
+        if self.rank == root:
+            self.calls.append(what)
+            recv.reshape(-1).view(np.uint8)[:] = np.concatenate(got)
+
+
+def _split(axis, parts, index, shape):
+    return {"axis": axis, "parts": parts, "index": index, "shape": list(shape)}
+
+
+def _parts(lay, rng):
+    """Every rank's (params, solver) and graph: replica 0 and 1 hold the
+    same values; stage s holds ``s<s>/w`` (split on axis 0 with tensor
+    shards), ``s<s>/b`` (whole) and AdamW's two states of each."""
+    wholes = {}
+    for s in range(lay.stages):
+        wholes[f"s{s}/w"] = rng.standard_normal((4 * lay.tensor, 3)).astype(np.float32)
+        wholes[f"s{s}/b"] = rng.standard_normal(5).astype(np.float32)
+    states = {(p, x): rng.standard_normal(v.shape).astype(v.dtype)
+              for p, v in wholes.items() for x in ("m", "v")}
+    out = []
+    for rank in range(lay.replicas * lay.stages * lay.tensor):
+        replica, rest = divmod(rank, lay.stages * lay.tensor)
+        stage, shard = divmod(rest, lay.tensor)
+        blobs, params, solver = {}, {}, {}
+        for p in (f"s{stage}/w", f"s{stage}/b"):
+            split = _split(0, lay.tensor, shard, wholes[p].shape) \
+                if lay.tensor > 1 and p.endswith("/w") else None
+            piece = (lambda a: take_shard(split, a)) if split else (lambda a: a.copy())
+            blobs[p] = types.SimpleNamespace(attrs={"tensor_split": split} if split else {})
+            params[p] = piece(wholes[p])
+            solver[p] = {x: piece(states[(p, x)]) for x in ("m", "v")}
+        out.append((types.SimpleNamespace(graph=types.SimpleNamespace(blobs=blobs),
+                                          layout=Layout("x", lay.replicas, lay.stages,
+                                                        replica, stage, tensor=lay.tensor,
+                                                        shard=shard)),
+                    params, solver))
+    return out
+
+
+def _stream(parts):
+    hub = {"size": len(parts), "box": [None] * len(parts),
+           "barrier": threading.Barrier(len(parts))}
+    worlds = [_ThreadWorld(hub, r) for r in range(len(parts))]
+    written, errors = {}, []
+
+    def rank(r):
+        try:
+            graphs, params, solver = parts[r]
+            sections = streamed_join(graphs, worlds[r], params, solver)
+            # as the writer does: each pair used before the next is drawn
+            got = [[(k, {s: np.array(x) for s, x in v.items()} if isinstance(v, dict)
+                     else np.array(v)) for k, v in section.items()] for section in sections]
+            written[r] = got
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            hub["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return written, worlds[0].calls
+
+
+@pytest.mark.parametrize("replicas,stages,tensor,scheme", [
+    (1, 2, 1, Pipeline), (2, 2, 1, Pipeline), (1, 2, 2, Pipeline), (2, 2, 2, Pipeline),
+    (1, 1, 2, TensorParallel), (2, 1, 2, TensorParallel)])
+def test_the_stream_writes_the_join_in_its_order(replicas, stages, tensor, scheme):
+    """Pipeline, hybrid (replicas x stages), tensor x pipeline, 3-D and
+    scheme tensor: rank 0's pairs are the join's, key for key in its order
+    and bit for bit; the other ranks yield none; every weight and state
+    rank 0 does not hold alone came by one gather naming it."""
+    lay = Layout("x", replicas, stages, 0, 0, tensor=tensor)
+    parts = _parts(lay, np.random.default_rng(stages * 10 + tensor))
+    graphs0 = parts[0][0]
+    if scheme is Pipeline and tensor > 1:  # Pipeline's join reads each rank's splits
+        joined = scheme().join_checkpoint(graphs0, [
+            (p, s, {k: g.graph.blobs[k].attrs.get("tensor_split") for k in p})
+            for g, p, s in parts])
+    else:
+        graph0 = types.SimpleNamespace(blobs={k: v for g, _, _ in parts[:tensor]
+                                              for k, v in g.graph.blobs.items()})
+        joined = scheme().join_checkpoint(types.SimpleNamespace(graph=graph0, layout=lay),
+                                          [(p, s) for _, p, s in parts])
+    written, calls = _stream(parts)
+    params, solver = written[0]
+    assert [k for k, _ in params] == list(joined[0])
+    assert [k for k, _ in solver] == list(joined[1])
+    for k, v in params:
+        assert v.dtype == joined[0][k].dtype and np.array_equal(v, joined[0][k]), k
+    for k, v in solver:
+        assert list(v) == list(joined[1][k])
+        for x in v:
+            assert np.array_equal(v[x], joined[1][k][x]), (k, x)
+    assert all(written[r] == [[], []] for r in range(1, len(parts)))
+    # stage 0's whole weights are rank 0's own: gathered only with shards
+    sent = [f"'{p}'" for p in joined[0] if tensor > 1 and p.endswith("/w") or
+            not p.startswith("s0/")]
+    assert len(calls) == 3 * len(sent), calls
+    for p in sent:
+        assert sum(p in c and "weight" in c for c in calls) == 1
+        assert sum(p in c and "solver state" in c for c in calls) == 2
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_end_checkpoint_of_two_stages_adds_about_a_parameter_to_the_peak_rss(tmp_path):
+    """8 fc layers of 768 x 768 cut into 2 stages, AdamW: the end's
+    checkpoint streams stage 1's parameters to rank 0 one at a time, so on
+    every rank the peak RSS of the whole run (memory.json's
+    ``peak_rss_bytes``) exceeds the loop's (``loop_peak_rss_bytes``, before
+    that checkpoint) by less than twice the largest parameter's whole
+    weight and AdamW state (2 x 3 x 2.25 MiB: the receive buffers and a
+    tensor split's join) and 16 MiB. The pickled gather of every rank's
+    parts and their join on rank 0 it replaces (stage 1's 27 MiB, pickled,
+    received and unpickled there) exceeds that bound. The file is the
+    1-rank run's datasets, in its order."""
+    import json
+    import h5py
+    from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+    from tests.test_sharded_rss import _deep_mlp
+    cfg = _deep_mlp()
+    stage_of = {layer["name"]: int(i >= 8) for i, layer in enumerate(cfg["net"])}
+    cfg["parallel"] = {"scheme": "pipeline", "stages": stage_of}
+    path = write_config_file(tmp_path, cfg, "deep_mlp.yaml")
+    res = run_mpi_cli(2, "train", path, "--out", tmp_path / "run", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    one = write_config_file(tmp_path, dict(cfg, parallel={"scheme": "data"}), "one.yaml")
+    res = run_cli_args("train", one, "--out", tmp_path / "one")
+    assert res.returncode == 0, res.stdout + res.stderr
+    biggest = 3 * 768 * 768 * 4  # fc weight + AdamW's two states, float32
+    ranks = json.loads((tmp_path / "run" / "memory.json").read_text())["ranks"]
+    for r in ranks:
+        assert r["peak_rss_bytes"] - r["loop_peak_rss_bytes"] < 2 * biggest + (16 << 20), r
+
+    with h5py.File(tmp_path / "run" / "latest.h5") as two, \
+            h5py.File(tmp_path / "one" / "latest.h5") as ref:
+        assert written_order(two) == written_order(ref)
+        for k in written_order(ref):
+            np.testing.assert_allclose(two[k][()], ref[k][()], rtol=1e-5, atol=1e-7)
+
+
+def written_order(f):
+    """The paths of a checkpoint's /params and /solver datasets in the order
+    they were written (its groups track creation order)."""
+    import h5py
+    out = []
+
+    def walk(group, at):
+        for k in group.keys():
+            if isinstance(group[k], h5py.Dataset):
+                out.append(f"{at}/{k}")
+            else:
+                walk(group[k], f"{at}/{k}")
+    for section in ("params", "solver"):
+        walk(f[section], section)
+    return out
