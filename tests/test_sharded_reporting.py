@@ -67,6 +67,23 @@ def test_bench_reports_model_state_and_collective_bytes(tmp_path):
     assert re.search(r"collectives +[\d.,]+ \w+ reduce-scattered, [\d.,]+ \w+ allgathered", text)
 
 
+
+def test_max_rss_is_one_reading_of_the_peak(monkeypatch):
+    """``max_rss_bytes`` is this rank's entry of ``max_rss_bytes_per_rank``,
+    not a second reading: the peak grows between two readings (seen once
+    under load: 66,723,840 against 66,916,352 bytes on rank 0)."""
+    import resource
+    from purine_mpi.tools import bench
+    readings = iter(range(1000, 10 ** 6, 1000))  # a peak that grows at every reading
+
+    class Usage:
+        def __init__(self):
+            self.ru_maxrss = next(readings)
+    monkeypatch.setattr(bench.resource, "getrusage", lambda who: Usage())
+    assert bench.resource is resource
+    res = bench.run_bench(make_job(_job("data")), iters=1, warmup=0)
+    assert res["max_rss_bytes"] == res["max_rss_bytes_per_rank"][0] > 0
+
 def test_model_state_peak_follows_the_memory_plan():
     """No plan: the peak is every model-state root, whole (the held bytes).
     With the trainer's plan: roots in the arena count only while live, so

@@ -209,7 +209,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         # the same blobs take one buffer each (null with memory_plan: false)
         "planned_bytes": None if plan is None else int(plan.planned_bytes),
         "unplanned_bytes": None if plan is None else int(plan.unplanned_bytes),
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # this rank's figure in max_rss_bytes_per_rank: one reading, so the
+        # two never disagree (the peak can grow between two readings)
+        "max_rss_bytes": state["max_rss_bytes_per_rank"][world.rank],
         # each GPU's memory, {device: bytes}: the arena of its blobs, the
         # plan's share of it (transient blobs; what they take one buffer
         # each), the kernels' scratch, and what CuPy's pool holds (with
