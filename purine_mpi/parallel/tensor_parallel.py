@@ -52,6 +52,7 @@ from ..base.errors import ConfigError, UserError
 from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
 from .data_parallel import next_seq, place_on_rank
+from .tensor_split import join_shards, split_of, take_shard  # noqa: F401
 
 #: op types that map each element of their input to the same place of
 #: their output (a column split passes through them)
@@ -376,40 +377,6 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
 
 
 # ---------------------------------------------------------------- weights
-def split_of(blob):
-    """A param blob's ``tensor_split`` attrs, or None when it is whole."""
-    return blob.attrs.get("tensor_split")
-
-
-def take_shard(split, whole):
-    """This rank's slice of the whole array ``whole`` of a split param."""
-    axis, parts, index = split["axis"], split["parts"], split["index"]
-    blocks = _blocks(split, whole)
-    n = blocks.shape[axis + 1] // parts
-    sl = [slice(None)] * blocks.ndim
-    sl[axis + 1] = slice(index * n, (index + 1) * n)
-    part = blocks[tuple(sl)]
-    shape = list(whole.shape)
-    shape[axis] //= parts
-    return np.ascontiguousarray(part).reshape(shape)
-
-
-def join_shards(split, shards):
-    """The whole array from the shards of every index (in order)."""
-    axis = split["axis"]
-    joined = np.concatenate([_blocks(split, s) for s in shards], axis=axis + 1)
-    shape = list(shards[0].shape)
-    shape[axis] *= len(shards)
-    return joined.reshape(shape)
-
-
-def _blocks(split, array):
-    """``array`` with its split axis viewed as (blocks, rows of a block)."""
-    axis, k = split["axis"], int(split.get("blocks", 1))
-    shape = array.shape
-    return array.reshape(shape[:axis] + (k, shape[axis] // k) + shape[axis + 1:])
-
-
 def whole_shape(blob):
     """The shape of a param's whole blob (its own when it is not split)."""
     split = split_of(blob)

@@ -478,7 +478,7 @@ class Scheme:
         params, solver = local()
         part = (params, solver)
         if graphs.layout.tensor > 1:  # rank 0 lacks the other stages' blobs
-            from ..tensor_parallel import split_of
+            from ..tensor_split import split_of
             part += ({p: split_of(graphs.graph.blobs[p]) for p in params},)
         parts = world.gather_object(part, 0, "a checkpoint gather") \
             if world.size > 1 else [part]
@@ -548,7 +548,7 @@ class Buffers:
         return self.slots[slot][:size * dtype.itemsize].view(dtype)
 
 
-def streamed_join(graphs, world, params, solver):
+def streamed_join(graphs, world, params, held_states):
     """``Streamed`` ``/params`` and ``/solver`` sections of a staged or
     tensor-split layout: the datasets ``join_checkpoint`` makes of every
     rank's ``(params, solver)`` (Pipeline's, TensorParallel's:
@@ -561,11 +561,11 @@ def streamed_join(graphs, world, params, solver):
     nothing to send; a parameter rank 0 alone holds needs none. Rank 0's
     buffers (``Buffers``) are reused parameter after parameter."""
     from ...job.checkpoint_file import Streamed
-    from ..tensor_parallel import split_of
+    from ..tensor_split import split_of
     meta = ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
                  if p in graphs.graph.blobs else None) for p, v in params.items()},
             {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
-             for p, states in solver.items()})
+             for p, states in held_states.items()})
     everyone = world.allgather_object(meta, "the checkpoint's list of parameters (Iallgatherv)")
     weights, states = _stream_plan(graphs.layout, everyone)
     pool = Buffers()
@@ -584,7 +584,7 @@ def streamed_join(graphs, world, params, solver):
             for i, s in enumerate(names):
                 got = _fetch(world, pool, i, holders,
                              {r: everyone[r][1][p][s] for r in holders},
-                             solver.get(p, {}).get(s), f"the checkpoint's gather of the "
+                             held_states.get(p, {}).get(s), f"the checkpoint's gather of the "
                              f"solver state '{s}' of '{p}' from ranks {holders} (Igatherv)")
                 if got is not None:
                     values[s] = _whole(split, got)
@@ -640,7 +640,7 @@ def _whole(split, pieces):
     """A parameter's whole array from its pieces: a tensor split's shards
     joined (``tensor_parallel.join_shards``), else its one piece."""
     if split and len(pieces) > 1:
-        from ..tensor_parallel import join_shards
+        from ..tensor_split import join_shards
         return join_shards(split, pieces)
     return pieces[0]
 
