@@ -23,8 +23,8 @@ and the positions there wrap around as above but are padding, not samples:
 positions < n), so every sample counts exactly once on any number of ranks.
 """
 import os
-import stat
 import resource
+import stat
 import threading
 from collections import OrderedDict
 

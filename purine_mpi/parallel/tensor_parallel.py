@@ -414,7 +414,7 @@ def gather_whole(graph, layout, parts, splits=None):
     of the params rank 0's ``graph`` does not hold (other stages')."""
     params, state = {}, {}   # the weights, the solver's state
     for s in range(layout.stages):
-        ranks = [layout.rank(0, s, k) for k in range(layout.tensor)]
+        ranks = layout.tensor_ranks(0, s)
         first_params, first_state = parts[ranks[0]][:2]
         params.update(first_params)
         state.update(first_state)

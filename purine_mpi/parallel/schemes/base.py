@@ -124,11 +124,12 @@ class Layout:
         k = self.shard if shard is None else shard
         return (replica * self.stages + stage) * self.tensor + k
 
-    def tensor_ranks(self, replica=None):
+    def tensor_ranks(self, replica=None, stage=None):
         """The ranks of one tensor-parallel group (default: this rank's
         replica; this rank's stage)."""
         r = self.replica if replica is None else replica
-        return [self.rank(r, self.stage, k) for k in range(self.tensor)]
+        s = self.stage if stage is None else stage
+        return [self.rank(r, s, k) for k in range(self.tensor)]
 
     def shard_ranks(self, shard=None):
         """The ranks holding shard ``shard`` (default: this rank's) of this
@@ -137,8 +138,7 @@ class Layout:
 
     def tensor_groups(self):
         """Every tensor-parallel group (each replica's, each stage's)."""
-        return [[self.rank(r, s, k) for k in range(self.tensor)]
-                for r in range(self.replicas) for s in range(self.stages)]
+        return [self.tensor_ranks(r, s) for r in range(self.replicas) for s in range(self.stages)]
 
     def shard_groups(self):
         """Every group of the ranks holding one shard of one stage."""
@@ -605,7 +605,7 @@ def _stream_plan(lay, everyone):
     too is that group's (a dict's update)."""
     weights, states = {}, {}
     for s in range(lay.stages):
-        group = [lay.rank(0, s, k) for k in range(lay.tensor)]
+        group = lay.tensor_ranks(0, s)
         first_params, first_state = everyone[group[0]]
         for p, (_, _, split) in first_params.items():
             whole = split if lay.tensor > 1 else None
