@@ -536,7 +536,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, offline_footprint, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, ranks_to_build
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -545,7 +545,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, _ = ranks_to_build(job, n)
-        fps = [offline_footprint(job, n, r) for r in built]
+        fps = list(offline_footprints(job, n, built)[0].values())
         need, lims = {}, {}
         for fp in fps:
             for where, d, lim, why in limits_for(limits, n, sorted(fp.devices)):

@@ -23,6 +23,8 @@ registered under its name::
         def held_weights(self, graphs): ...    # the blobs holding this rank's weights
         def set_weight(self, graphs, ws, name, value): ...  # a whole weight, on init/load
         def test_weights(self, graphs, ws, world): ...  # whole weights the test graph reads
+        def save_meta(self, graphs): ...       # this rank's part of a save, from its blobs
+        def save_bytes(self, graphs, everyone): ...  # the host bytes a save adds (plan)
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
@@ -470,6 +472,37 @@ class Scheme:
             return self.join_checkpoint(graphs, [(params, solver)])
         return streamed_join(graphs, world, params, solver)
 
+    # ---- what a save holds (``plan``'s "checkpoint save" row)
+    def save_meta(self, graphs):
+        """This rank's part of a save as ``save_bytes`` reads it, from the
+        graph's blobs (no workspace): ``stream_meta`` of ``held_weights`` and
+        the per-parameter solver state blobs (``<param>.<state>``)."""
+        blobs = graphs.graph.blobs
+        params = set(graphs.params)
+        held = {}
+        for name, blob in blobs.items():
+            owner, _, state = name.rpartition(".")
+            if blob.kind == "state" and "@" not in name and owner in params:
+                held.setdefault(owner, {})[state] = blob
+        return stream_meta(graphs, {p: blobs[p] for p in self.held_weights(graphs)}, held)
+
+    def save_bytes(self, graphs, everyone):
+        """The host bytes this rank holds beyond its footprint while a save
+        runs (``checkpoint_sections`` then the writer), at their most:
+        ``everyone`` is {rank: ``save_meta``} of at least replica 0's ranks
+        (the ranks rank 0 gathers from). A rank whose weights or solver
+        state are on a GPU copies its part to the host (``local()``:
+        ``to_numpy``); on rank 0 of a layout that ``gathers_checkpoint``,
+        ``stream_bytes`` (the receive buffers, the tensor splits' joins);
+        every other rank sends its own arrays (nothing more)."""
+        lay = graphs.layout
+        out = host_copies(graphs, self.held_weights(graphs))
+        rank = lay.rank(lay.replica, lay.stage)
+        if rank == 0 and self.gathers_checkpoint(graphs) and \
+                lay.replicas * lay.stages * lay.tensor > 1:
+            out += stream_bytes(lay, everyone)
+        return out
+
     def gather_and_join(self, graphs, world, local):
         """Every rank's part (``local()``; with tensor shards, with the
         splits of its parameters) gathered to rank 0 at once (pickled) and
@@ -532,6 +565,18 @@ class Scheme:
         return None
 
 
+def host_copies(graphs, weights):
+    """The bytes of the host copies a save makes of this rank's part
+    (``to_numpy`` of ``weights`` and their solver state): those on a GPU."""
+    blobs, out = graphs.graph.blobs, 0
+    for name, blob in blobs.items():
+        owner = name.rpartition(".")[0]
+        if blob.location.device >= 0 and "@" not in name and blob.shape is not None and (
+                name in weights or blob.kind == "state" and owner in graphs.params):
+            out += int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
+    return out
+
+
 class Buffers:
     """Rank 0's receive buffers of a streamed save: slot i, a byte buffer
     kept at the largest size asked of it, each gather a view of it."""
@@ -561,12 +606,8 @@ def streamed_join(graphs, world, params, held_states):
     nothing to send; a parameter rank 0 alone holds needs none. Rank 0's
     buffers (``Buffers``) are reused parameter after parameter."""
     from ...job.checkpoint_file import Streamed
-    from ..tensor_split import split_of
-    meta = ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
-                 if p in graphs.graph.blobs else None) for p, v in params.items()},
-            {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
-             for p, states in held_states.items()})
-    everyone = world.allgather_object(meta, "the checkpoint's list of parameters (Iallgatherv)")
+    everyone = world.allgather_object(stream_meta(graphs, params, held_states),
+                                      "the checkpoint's list of parameters (Iallgatherv)")
     weights, states = _stream_plan(graphs.layout, everyone)
     pool = Buffers()
 
@@ -592,6 +633,53 @@ def streamed_join(graphs, world, params, held_states):
                 yield p, values
 
     return Streamed(weight_pairs()), Streamed(state_pairs())
+
+
+def stream_meta(graphs, params, held_states):
+    """This rank's list of its part of a streamed save (``streamed_join``
+    allgathers it): ``({param: (shape, dtype, split)}, {param: {state:
+    (shape, dtype)}})`` of ``params`` {name: array} and ``held_states``
+    {param: {state: array}}; anything with a shape and a dtype stands for
+    an array (``Scheme.save_meta``: the graph's blobs, before any
+    workspace)."""
+    from ..tensor_split import split_of
+    return ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
+                 if p in graphs.graph.blobs else None) for p, v in params.items()},
+            {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
+             for p, states in held_states.items()})
+
+
+def stream_bytes(lay, everyone):
+    """The bytes rank 0 holds beyond its own while ``streamed_join``
+    streams a save (``everyone``: {rank: ``stream_meta``} of at least
+    replica 0's ranks): its receive buffers (``Buffers``: slot i at the
+    largest whole array gathered into it, the weights into slot 0, a
+    parameter's i-th state into slot i) and the tensor splits' joins
+    (``_whole``: a new whole array; the writer still holds the previous
+    pair while the next is made, so two parameters' joined arrays at once).
+    A parameter rank 0 alone holds takes neither: its own array is
+    written."""
+    weights, states = _stream_plan(lay, everyone)
+    slots = {}
+
+    def take(slot, holders, shapes):
+        n = sum(int(np.prod(shapes[r][0], dtype=np.int64)) * np.dtype(shapes[r][1]).itemsize
+                for r in holders)
+        slots[slot] = max(slots.get(slot, 0), n)
+        return n if len(holders) > 1 else 0  # joined (a split's shards): a new array
+
+    joined = [[], []]
+    for p, (split, holders) in weights.items():
+        n = take(0, holders, {r: everyone[r][0][p][:2] for r in holders}) \
+            if holders != [0] else 0
+        joined[0].append(n if split else 0)
+    for p, (split, holders, names) in states.items():
+        n = sum(take(i, holders, {r: everyone[r][1][p][s] for r in holders})
+                for i, s in enumerate(names)) if holders != [0] else 0
+        joined[1].append(n if split else 0)
+    pairs = max((a + b for section in joined for a, b in zip([0] + section, section)),
+                default=0)
+    return sum(slots.values()) + pairs
 
 
 def _stream_plan(lay, everyone):

@@ -74,7 +74,8 @@ transport with stages on several replicas -- the world size decides them
 import numpy as np
 
 from ...base.errors import GraphError, UserError
-from .base import BUCKET_KEYS, Buffers, Composition, Scheme, counted, ranges, register_scheme
+from .base import BUCKET_KEYS, Buffers, Composition, Scheme, counted, host_copies, ranges, \
+    register_scheme
 from .hybrid import Hybrid
 from .pipeline import Pipeline
 from .tensor import TensorParallel
@@ -398,6 +399,66 @@ class Sharded(Hybrid):
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
+    # ---- what a save holds, as ``checkpoint_sections`` does it
+    def save_meta(self, graphs):
+        """The streamed lists of the base class, and the bytes of this
+        rank's part a gathered save pickles (``held_weights`` and the flat
+        state shards: ``gathered_part_bytes``)."""
+        meta = super().save_meta(graphs)
+        blobs = graphs.graph.blobs
+        flat = [blobs[f] for entry in _plan(graphs) for f, _ in _states(entry)]
+        return meta + (sum(_nbytes(blobs[w]) for w in self.held_weights(graphs))
+                       + sum(_nbytes(b) for b in flat),)
+
+    def save_bytes(self, graphs, everyone):
+        """Streamed bucket by bucket (no stages, no tensor shards): on rank 0
+        the receive buffers, slot i at the largest bucket gathered into it
+        (stage 3's weights and each bucket's first state into slot 0, its
+        i-th state into slot i); on a GPU each rank's host copy of the shard
+        it sends (the largest) and rank 0's of a whole weight it writes
+        (``to_numpy``: this one and the one written before it). With stages
+        or tensor shards (``gather_and_join``): every rank pickles its part
+        (``save_meta``'s bytes) after copying its pieces of the state out of
+        the flat shards; rank 0 receives every rank's pickled part (the
+        parts' bytes) and unpickles each from a copy of its bytes
+        (``World.gather_object``: the parts' bytes again, and the largest
+        part's once more); its join (at most the parts' bytes, the received
+        ones freed by then) holds less."""
+        lay, plan = graphs.layout, _plan(graphs)
+        rank = lay.rank(lay.replica, lay.stage)
+        blobs = graphs.graph.blobs
+        if lay.staged or lay.tensor > 1 or not plan:
+            if not self.gathers_checkpoint(graphs):
+                return 0
+            part = everyone[rank][2]
+            pieces = sum(_nbytes(blobs[f]) for entry in plan for f, _ in _states(entry))
+            if _zero3(graphs):
+                pieces += sum(_nbytes(blobs[entry["weight_shard"]]) for entry in plan)
+            parts = [m[2] for m in everyone.values()]
+            gathered = 2 * sum(parts) + max(parts) if rank == 0 else 0
+            return pieces + part + gathered + host_copies(graphs, self.held_weights(graphs))
+        slots = {}
+        for entry in plan:
+            total = int(blobs[entry["weights"]].size)
+            # _streamed_weights: stage 3's weights into slot 0;
+            # _streamed_states: a bucket's i-th state into slot i
+            named = ([(0, entry["weight_shard"])] if "weight_shard" in entry else []) + \
+                list(enumerate(f for f, _ in _states(entry)))
+            for slot, f in named:
+                n = total * np.dtype(blobs[f].dtype).itemsize
+                slots[slot] = max(slots.get(slot, 0), n)
+        out = sum(slots.values()) if rank == 0 else 0
+        shards = [blobs[f] for entry in plan for f in
+                  ([entry["weight_shard"]] if "weight_shard" in entry else [])
+                  + [f for f, _ in _states(entry)]]
+        on_gpu = [_nbytes(b) for b in shards if b.location.device >= 0]
+        out += max(on_gpu, default=0)
+        if rank == 0:
+            whole = [_nbytes(blobs[p]) for p in graphs.params if p not in _zero3(graphs)
+                     and blobs[p].location.device >= 0]
+            out += sum(sorted(whole)[-2:])
+        return out
+
     # ---- checkpoints with pipeline stages or tensor parallelism: every rank's
     # pieces joined on rank 0
     def gathers_checkpoint(self, graphs):
@@ -573,6 +634,10 @@ def _refuse_one_sided_stages(job, lay):
         f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
         "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
         "share a node) or two_sided")
+
+
+def _nbytes(blob):
+    return int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
 
 
 def _plain(lay):
