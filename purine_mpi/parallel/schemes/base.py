@@ -464,7 +464,8 @@ class Scheme:
         stages' and tensor shards' layouts), streamed parameter by parameter
         (``streamed_join``): rank 0 holds one parameter's whole weight and
         state at a time beyond its own, and the file is the one
-        ``join_checkpoint`` makes of every rank's parts."""
+        ``join_checkpoint`` makes of every rank's parts. What each rank
+        holds meanwhile is ``save_bytes``'s figure: change them together."""
         params, solver = local()
         if not self.gathers_checkpoint(graphs):
             return params, solver

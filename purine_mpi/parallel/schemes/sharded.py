@@ -380,7 +380,8 @@ class Sharded(Hybrid):
         (``held_solver_state``) gathered to rank 0 and joined there
         (``join_checkpoint``, ``gather_and_join``), not streamed; so with
         tensor parallelism (each tensor shard's buckets sharded over its
-        replicas)."""
+        replicas). What each rank holds meanwhile is ``save_bytes``'s
+        figure (``plan``'s "checkpoint save" row): change them together."""
         plan = _plan(graphs)
         # every rank's pieces gathered and joined, or local
         if graphs.layout.staged or graphs.layout.tensor > 1 or not plan:
@@ -401,9 +402,9 @@ class Sharded(Hybrid):
 
     # ---- what a save holds, as ``checkpoint_sections`` does it
     def save_meta(self, graphs):
-        """The streamed lists of the base class, and the bytes of this
-        rank's part a gathered save pickles (``held_weights`` and the flat
-        state shards: ``gathered_part_bytes``)."""
+        """The streamed lists of the base class and, third, the bytes of
+        this rank's part a gathered save pickles (``held_weights`` and its
+        flat state shards)."""
         meta = super().save_meta(graphs)
         blobs = graphs.graph.blobs
         flat = [blobs[f] for entry in _plan(graphs) for f, _ in _states(entry)]
