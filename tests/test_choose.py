@@ -64,9 +64,12 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     least_whole = min(r["need_bytes"]["host"] for r in whole)
     # the model state split in two, against data parallelism's whole copy
     # (sharded stage 1 holds less than data since its gradient shard is the
-    # bucket's own range: 48.8 against 58.5 MB here, pipeline 30.0)
+    # bucket's own range: 48.9 against 58.5 MB here, pipeline 30.0); rank
+    # 0's checkpoint save adds the buffer stage 1's parameters stream
+    # through (fc3's weight and momentum, one at a time: 9.4 MB; sharded's
+    # largest bucket's momentum, 9.4): pipeline 39.4, sharded 58.3
     data = min(r["need_bytes"]["host"] for r in whole if r["label"].startswith("data"))
-    assert least_staged < 0.6 * data
+    assert least_staged < 0.7 * data
     assert least_staged < least_whole
     limit = (least_staged + least_whole) // 2
     # the second run reads the calibration from the cache: no new measurement
@@ -106,8 +109,16 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
 
 def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
     """With fewer stages than ranks, each hybrid setting also appears with
-    its stage's replicas sharded; shards 1 and 2 hold less than the hybrid
-    setting they shard (its replicas' whole optimizer state)."""
+    its stage's replicas sharded; in an iteration shards 1 and 2 hold less
+    than the hybrid setting they shard (its replicas' whole optimizer
+    state). (Their need, the table's bytes, is rank 0's at a save: sharded
+    with stages gathers every rank's part to it at once.)"""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.plan import offline_footprints
+
+    def iteration_bytes(sets):
+        fps, _ = offline_footprints(load_job(job, tuple(sets), check_files=False), 4, range(4))
+        return max(fp.loop_total for fp in fps.values())
     job, cal, _, _ = calibrated
     out, res = _choose(job, cal, np=4)
     assert res.returncode == 0 and "calibration: timing" not in res.stderr
@@ -122,7 +133,7 @@ def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
         for stage in (1, 2):
             row = rows[f"sharded stage {stage} x {what}"]
             assert "error" not in row, row
-            assert row["need_bytes"]["host"] < rows[label]["need_bytes"]["host"]
+            assert iteration_bytes(row["set"]) < iteration_bytes(rows[label]["set"])
             assert row["set"][:2] == ["parallel.scheme=sharded", f"parallel.shard={stage}"]
 
 
