@@ -548,71 +548,89 @@ class Buffers:
         return self.slots[slot][:size * dtype.itemsize].view(dtype)
 
 
-def streamed_join(graphs, world, params, held_states):
+def streamed_join(graphs, world, params, held_states, plan=None):
     """``Streamed`` ``/params`` and ``/solver`` sections of a staged or
     tensor-split layout: the datasets ``join_checkpoint`` makes of every
     rank's ``(params, solver)`` (Pipeline's, TensorParallel's:
-    ``tensor_parallel.gather_whole``), in its order, each parameter's
-    pieces sent to rank 0 as its turn comes. One allgather of every rank's
-    list of names, shapes, dtypes and splits (``_stream_plan``: the same
-    order on every rank); then per parameter and array one Igatherv of
+    ``tensor_parallel.gather_whole``; ``plan``: another join's), in its
+    order, each parameter's pieces sent to rank 0 as its turn comes. One
+    allgather of every rank's list of names, shapes, dtypes and splits;
+    from it ``plan`` (default ``_stream_plan``) makes the same order and
+    holders on every rank. Then per parameter and array one Igatherv of
     bytes over the world (``World.gatherv``, under the stall watchdog
     naming it), every rank taking part, those holding none of it with
     nothing to send; a parameter rank 0 alone holds needs none. Rank 0's
-    buffers (``Buffers``) are reused parameter after parameter."""
+    buffers (``Buffers``) are reused parameter after parameter. A weight's
+    value may be a pair ``(whole shape, 1-D piece)``: a piece of it,
+    joined with the other holders' (scheme sharded's stage-3 weight
+    shards)."""
     from ...job.checkpoint_file import Streamed
     from ..tensor_split import split_of
-    meta = ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
-                 if p in graphs.graph.blobs else None) for p, v in params.items()},
+    meta = ({p: (tuple(np.shape(_piece(v))), np.dtype(_piece(v).dtype).str,
+                 split_of(graphs.graph.blobs[p]) if p in graphs.graph.blobs else None,
+                 tuple(v[0]) if isinstance(v, tuple) else None) for p, v in params.items()},
             {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
              for p, states in held_states.items()})
     everyone = world.allgather_object(meta, "the checkpoint's list of parameters (Iallgatherv)")
-    weights, states = _stream_plan(graphs.layout, everyone)
+    weights, states = (plan or _stream_plan)(graphs.layout, everyone)
     pool = Buffers()
 
     def weight_pairs():
-        for p, (split, holders) in weights.items():
+        for p, (split, groups) in weights.items():
+            holders = [r for ranks, _ in groups for r in ranks]
             got = _fetch(world, pool, 0, holders, {r: everyone[r][0][p][:2] for r in holders},
-                         params.get(p), f"the checkpoint's gather of the weight '{p}' from "
-                         f"ranks {holders} (Igatherv)")
+                         _piece(params.get(p)), f"the checkpoint's gather of the weight '{p}' "
+                         f"from ranks {holders} (Igatherv)")
             if got is not None:
-                yield p, _whole(split, got)
+                yield p, _whole(split, groups, got)
 
     def state_pairs():
-        for p, (split, holders, names) in states.items():
+        for p, named in states.items():
             values = {}
-            for i, s in enumerate(names):
+            for i, (s, (split, groups)) in enumerate(named.items()):
+                holders = [r for ranks, _ in groups for r in ranks]
                 got = _fetch(world, pool, i, holders,
                              {r: everyone[r][1][p][s] for r in holders},
                              held_states.get(p, {}).get(s), f"the checkpoint's gather of the "
                              f"solver state '{s}' of '{p}' from ranks {holders} (Igatherv)")
                 if got is not None:
-                    values[s] = _whole(split, got)
+                    values[s] = _whole(split, groups, got)
             if world.rank == 0:
                 yield p, values
 
     return Streamed(weight_pairs()), Streamed(state_pairs())
 
 
+def _piece(value):
+    """A listed weight's array: itself, or of a ``(whole shape, piece)``
+    pair the piece."""
+    return value[1] if isinstance(value, tuple) else value
+
+
 def _stream_plan(lay, everyone):
     """What ``join_checkpoint`` does with every rank's parts, from their
-    lists (``everyone``: per rank ``({param: (shape, dtype, split)},
-    {param: {state: (shape, dtype)}})``): ``({param: (split, holders)},
-    {param: (split, holders, states)})`` in the joined file's order. Replica
-    0's groups, stage by stage: a group's shard 0 lists the parameters; a
-    split one is joined from every shard of its group (tensor shards), any
-    other taken from shard 0; a parameter listed by a later stage's group
-    too is that group's (a dict's update)."""
+    lists (``everyone``: per rank ``({param: (shape, dtype, split, whole
+    shape of a piece)}, {param: {state: (shape, dtype)}})``): ``({param:
+    (split, groups)}, {param: {state: (split, groups)}})`` in the joined
+    file's order, ``groups`` a list of ``(ranks, shape)``: the ranks whose
+    pieces, in order, make an array of that shape; a split parameter's
+    groups are its tensor shards, joined. Replica 0's groups, stage by
+    stage: a group's shard 0 lists the parameters; a split one is joined
+    from every shard of its group (tensor shards), any other taken from
+    shard 0; a parameter listed by a later stage's group too is that
+    group's (a dict's update)."""
     weights, states = {}, {}
     for s in range(lay.stages):
         group = lay.tensor_ranks(0, s)
         first_params, first_state = everyone[group[0]]
-        for p, (_, _, split) in first_params.items():
+        for p, (shape, _, split, _) in first_params.items():
             whole = split if lay.tensor > 1 else None
-            weights[p] = (whole, group if whole else group[:1])
+            weights[p] = (whole, [([r], everyone[r][0][p][0]) for r in group] if whole
+                          else [([group[0]], shape)])
         for p, names in first_state.items():
             whole = first_params[p][2] if lay.tensor > 1 and p in first_params else None
-            states[p] = (whole, group if whole else group[:1], list(names))
+            states[p] = {x: (whole, [([r], everyone[r][1][p][x][0]) for r in group] if whole
+                             else [([group[0]], shape)]) for x, (shape, _) in names.items()}
     return weights, states
 
 
@@ -636,13 +654,21 @@ def _fetch(world, pool, slot, holders, shapes, mine, what):
     return [recv[offsets[r]:offsets[r] + sizes[r]].reshape(shapes[r][0]) for r in holders]
 
 
-def _whole(split, pieces):
-    """A parameter's whole array from its pieces: a tensor split's shards
-    joined (``tensor_parallel.join_shards``), else its one piece."""
-    if split and len(pieces) > 1:
+def _whole(split, groups, pieces):
+    """A parameter's whole array from its pieces (``groups``' ranks, in
+    order): each group's pieces made one array of its shape (one piece: a
+    view of it), then a tensor split's groups, its shards, joined
+    (``tensor_split.join_shards``), else the one group's array."""
+    arrays, at = [], 0
+    for ranks, shape in groups:
+        got = pieces[at:at + len(ranks)]
+        at += len(ranks)
+        arrays.append(got[0].reshape(shape) if len(got) == 1 else
+                      np.concatenate([x.reshape(-1) for x in got]).reshape(shape))
+    if split and len(arrays) > 1:
         from ..tensor_split import join_shards
-        return join_shards(split, pieces)
-    return pieces[0]
+        return join_shards(split, arrays)
+    return arrays[0]
 
 
 def transport_lines(composition):
