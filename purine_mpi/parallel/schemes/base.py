@@ -470,20 +470,6 @@ class Scheme:
             return self.join_checkpoint(graphs, [(params, solver)])
         return streamed_join(graphs, world, params, solver)
 
-    def gather_and_join(self, graphs, world, local):
-        """Every rank's part (``local()``; with tensor shards, with the
-        splits of its parameters) gathered to rank 0 at once (pickled) and
-        joined there (``join_checkpoint``): the sharded scheme's pieces of
-        a stage's or tensor shard's buckets."""
-        params, solver = local()
-        part = (params, solver)
-        if graphs.layout.tensor > 1:  # rank 0 lacks the other stages' blobs
-            from ..tensor_split import split_of
-            part += ({p: split_of(graphs.graph.blobs[p]) for p in params},)
-        parts = world.gather_object(part, 0, "a checkpoint gather") \
-            if world.size > 1 else [part]
-        return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
-
     def gathers_checkpoint(self, graphs):
         """Whether a save gathers every rank's (params, solver state) to
         rank 0 (train/checkpoints.py; ``graphs``: the RankGraphs)."""
