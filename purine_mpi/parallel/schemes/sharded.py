@@ -41,7 +41,10 @@ once for both where the schedule (1F1B) runs a forward reader after a
 backward reader (``sharding._gather_units``, ``reuse``). A
 checkpoint joins each parameter's state pieces (stage 3: and weight
 pieces) in world order (a stage's ranks in replica order: its shards'
-order), so the file is hybrid's and data parallelism's.
+order), so the file is hybrid's and data parallelism's; the save streams
+it a parameter at a time (``checkpoint_sections``: base.streamed_join with
+``_join_plan``), rank 0 holding one parameter's whole weight and state
+beyond its own.
 
 With ``parallel.tensor_parallel`` t (every stage, on the CPU): R
 replicas x t shards as scheme tensor lays them out (rank = replica * t +
@@ -53,7 +56,8 @@ sharded and gathered over them), stage 2's and 3's collectives numbered
 with the tensor groups' allreduces in one order, the same on every rank
 (``sharding.sequence_collectives``). A checkpoint joins each tensor shard's
 pieces (stage 3: of weights too) over its replicas, then the tensor shards
-as tensor joins them: tensor's file.
+as tensor joins them: tensor's file, streamed a parameter at a time as
+with stages.
 
 One replica (as many ranks as stages or tensor shards: no other rank
 shares a stage's or tensor shard's model state) has nothing to shard: it
