@@ -564,23 +564,23 @@ def streamed_join(graphs, world, params, held_states, plan=None):
     def weight_pairs():
         for p, (split, groups) in weights.items():
             holders = [r for ranks, _ in groups for r in ranks]
-            got = _fetch(world, pool, 0, holders, {r: everyone[r][0][p][:2] for r in holders},
+            got = _fetch(world, pool, 0, groups, {r: everyone[r][0][p][:2] for r in holders},
                          _piece(params.get(p)), f"the checkpoint's gather of the weight '{p}' "
                          f"from ranks {holders} (Igatherv)")
             if got is not None:
-                yield p, _whole(split, groups, got)
+                yield p, _whole(split, got)
 
     def state_pairs():
         for p, named in states.items():
             values = {}
             for i, (s, (split, groups)) in enumerate(named.items()):
                 holders = [r for ranks, _ in groups for r in ranks]
-                got = _fetch(world, pool, i, holders,
+                got = _fetch(world, pool, i, groups,
                              {r: everyone[r][1][p][s] for r in holders},
                              held_states.get(p, {}).get(s), f"the checkpoint's gather of the "
                              f"solver state '{s}' of '{p}' from ranks {holders} (Igatherv)")
                 if got is not None:
-                    values[s] = _whole(split, groups, got)
+                    values[s] = _whole(split, got)
             if world.rank == 0:
                 yield p, values
 
@@ -620,13 +620,17 @@ def _stream_plan(lay, everyone):
     return weights, states
 
 
-def _fetch(world, pool, slot, holders, shapes, mine, what):
-    """Rank 0's pieces (in ``holders``' order; None elsewhere) of one array
-    held by ``holders`` (``shapes``: {rank: (shape, dtype)}; ``mine``: this
-    rank's piece): one Igatherv into ``pool``'s ``slot``, or none when rank
-    0 alone holds it."""
+def _fetch(world, pool, slot, groups, shapes, mine, what):
+    """Rank 0's arrays (None elsewhere) of one array held in pieces by the
+    ranks of ``groups`` (``[(ranks, shape)]``: pieces that, in that order,
+    make one array of that shape; ``shapes``: {rank: (piece shape, dtype)};
+    ``mine``: this rank's piece): one Igatherv into ``pool``'s ``slot``
+    (rank order), or none when rank 0 alone holds it. A group whose ranks
+    lie in rank order, one after the other in the buffer, is a view of it;
+    another's pieces are copied together."""
+    holders = [r for ranks, _ in groups for r in ranks]
     if holders == [0]:
-        return [mine] if world.rank == 0 else None
+        return [np.reshape(mine, groups[0][1])] if world.rank == 0 else None
     dtype = np.dtype(shapes[holders[0]][1])
     sizes = {r: int(np.prod(shapes[r][0], dtype=np.int64)) for r in holders}
     counts = [sizes.get(r, 0) * dtype.itemsize for r in range(world.size)]
@@ -636,21 +640,24 @@ def _fetch(world, pool, slot, holders, shapes, mine, what):
     world.gatherv(send, recv, counts, 0, what)
     if recv is None:
         return None
-    offsets = dict(zip(sorted(sizes), np.cumsum([0] + [sizes[r] for r in sorted(sizes)])))
-    return [recv[offsets[r]:offsets[r] + sizes[r]].reshape(shapes[r][0]) for r in holders]
-
-
-def _whole(split, groups, pieces):
-    """A parameter's whole array from its pieces (``groups``' ranks, in
-    order): each group's pieces made one array of its shape (one piece: a
-    view of it), then a tensor split's groups, its shards, joined
-    (``tensor_split.join_shards``), else the one group's array."""
-    arrays, at = [], 0
+    order = sorted(sizes)
+    offsets = dict(zip(order, np.cumsum([0] + [sizes[r] for r in order])))
+    arrays = []
     for ranks, shape in groups:
-        got = pieces[at:at + len(ranks)]
-        at += len(ranks)
-        arrays.append(got[0].reshape(shape) if len(got) == 1 else
-                      np.concatenate([x.reshape(-1) for x in got]).reshape(shape))
+        at = order.index(ranks[0])
+        if ranks == order[at:at + len(ranks)]:  # one span of the buffer
+            arrays.append(recv[offsets[ranks[0]]:offsets[ranks[0]] +
+                               sum(sizes[r] for r in ranks)].reshape(shape))
+        else:
+            arrays.append(np.concatenate([recv[offsets[r]:offsets[r] + sizes[r]]
+                                          for r in ranks]).reshape(shape))
+    return arrays
+
+
+def _whole(split, arrays):
+    """A parameter's whole array from its groups' arrays (``_fetch``): a
+    tensor split's shards joined (``tensor_split.join_shards``), else the
+    one group's array."""
     if split and len(arrays) > 1:
         from ..tensor_split import join_shards
         return join_shards(split, arrays)
