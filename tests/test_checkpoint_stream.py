@@ -1,8 +1,9 @@
 """The streamed gathered save of the staged and tensor-split layouts
-(parallel/schemes/base.py ``streamed_join``): every rank's part sent to
-rank 0 parameter by parameter gives the datasets ``join_checkpoint`` makes
-of all the parts at once, in its order. In process: one thread a rank, a
-world whose collectives meet at a barrier."""
+(parallel/schemes/base.py ``streamed_join``; scheme sharded's with stages
+or tensor shards, with its ``_join_plan``): every rank's part sent to rank
+0 parameter by parameter gives the datasets ``join_checkpoint`` makes of
+all the parts at once, in its order. In process: one thread a rank, a
+world whose collectives meet at a barrier (the peak RSS tests: mpiexec)."""
 import threading
 import types
 
@@ -158,6 +159,18 @@ def test_the_stream_writes_the_join_in_its_order(replicas, stages, tensor, schem
         assert sum(p in c and "solver state" in c for c in calls) == 2
 
 
+@pytest.mark.mpi
+def test_the_sharded_stream_on_4_ranks_writes_the_files_of_the_join(tmp_path):
+    """Scheme sharded as 2 replicas x 2 stages (ZeRO stages 1 and 3) and 2
+    replicas x 2-way tensor (stage 3), AdamW, trained on 4 ranks: each
+    checkpoint file holds the datasets ``join_checkpoint`` makes of every
+    rank's ``checkpoint_parts`` gathered at once, bit for bit and in its
+    order, with their checksums (tests/mpi_scripts/sharded_save_split.py)."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("sharded_save_split.py", 4, tmp_path, timeout=600)
+    assert proc.stdout.count("OK sharded_save_split n=4 rank") == 4, proc.stdout + proc.stderr
+
+
 class _RandomBlobs(dict):
     """A rank's workspace: each blob of ``graph`` asked for made at once,
     random values of its shape and dtype from ``rng`` (every rank its own:
@@ -261,6 +274,42 @@ def test_the_end_checkpoint_of_two_stages_adds_about_a_parameter_to_the_peak_rss
         assert written_order(two) == written_order(ref)
         for k in written_order(ref):
             np.testing.assert_allclose(two[k][()], ref[k][()], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_end_checkpoint_of_sharded_stages_adds_about_a_parameter_to_the_peak_rss(tmp_path):
+    """The 8 fc layers of 768 x 768 above as scheme sharded at ZeRO stage
+    3 on 2 replicas x 2 stages (4 ranks), AdamW: the end's checkpoint
+    streams each parameter's pieces -- its weight's and each state's, from
+    its stage's two ranks -- to rank 0 as its turn comes, so on every rank
+    the peak RSS of the whole run exceeds the loop's by less than the
+    bound above (twice the largest parameter's weight and AdamW state, and
+    16 MiB). The gather of every rank's pieces to rank 0 at once (the
+    whole model's weights and state, 54 MiB, pickled, received, unpickled
+    and joined there) it replaces exceeds it. The file holds every
+    parameter of the net whole, with both AdamW states."""
+    import json
+    import h5py
+    from tests.conftest import run_mpi_cli, write_config_file
+    from tests.test_sharded_rss import _deep_mlp
+    cfg = _deep_mlp()
+    stage_of = {layer["name"]: int(i >= 8) for i, layer in enumerate(cfg["net"])}
+    cfg["parallel"] = {"scheme": "sharded", "shard": 3, "stages": stage_of, "bucket_mb": 2.5}
+    path = write_config_file(tmp_path, cfg, "deep_mlp.yaml")
+    res = run_mpi_cli(4, "train", path, "--out", tmp_path / "run", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    biggest = 3 * 768 * 768 * 4  # fc weight + AdamW's two states, float32
+    ranks = json.loads((tmp_path / "run" / "memory.json").read_text())["ranks"]
+    assert len(ranks) == 4
+    for r in ranks:
+        assert r["peak_rss_bytes"] - r["loop_peak_rss_bytes"] < 2 * biggest + (16 << 20), r
+    with h5py.File(tmp_path / "run" / "latest.h5") as f:
+        names = [k for k in written_order(f) if k.startswith("params/")]
+        assert len(names) == 18 and all(
+            f[f"solver/{k[len('params/'):]}/{x}"].shape == f[k].shape for k in names
+            for x in ("m", "v"))
+        assert f["params/fc4/weight"].shape == (768, 768)
 
 
 def written_order(f):
