@@ -238,8 +238,7 @@ class Checkpoints(Service):
             loop.state.last_saved = iteration
         state = self.state_dict(loop)
         # whole blobs on file (shards, stages): streamed to rank 0 parameter
-        # by parameter or bucket by bucket as the file is written (sharded
-        # with stages or tensor shards: gathered and joined there at once)
+        # by parameter or bucket by bucket as the file is written
         params, solver = scheme_of(loop.job).checkpoint_sections(
             loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:
