@@ -122,7 +122,8 @@ class Checkpoints(Service):
 
     def state_dict(self, loop):
         """Everything beyond params and momenta that a resume needs: each
-        stateful kernel's state and each random stream, per rank."""
+        stateful kernel's state and each random stream, per rank; the
+        watch services' decisions (train/watch.py: the same on every rank)."""
         local = {}
         for name, k in loop.train.kernels.items():
             s = {}
@@ -133,8 +134,13 @@ class Checkpoints(Service):
             if s:
                 local[name] = s
         states = world_gather(loop.world, local)
-        return {"ranks": {str(r): s for r, s in enumerate(states)},
-                "layout": loop.graphs.layout.as_dict()} if states else None
+        if not states:
+            return None
+        out = {"ranks": {str(r): s for r, s in enumerate(states)},
+               "layout": loop.graphs.layout.as_dict()}
+        if loop.state.watch:
+            out["watch"] = loop.state.watch
+        return out
 
     def load_state_dict(self, loop, state, notes=True):
         """Per-rank state of a checkpoint. On the layout it was written on
@@ -214,6 +220,12 @@ class Checkpoints(Service):
         if ck.state:
             self.load_state_dict(loop, ck.state, notes)
         st, size = loop.state, loop.world.size
+        # what the test passes decided (train/watch.py); the best files are
+        # the checkpoint's folder's: another folder starts its own best list
+        st.watch = dict((ck.state or {}).get("watch") or {})
+        if os.path.realpath(os.path.dirname(os.path.abspath(path))) != \
+                os.path.realpath(os.path.abspath(loop.out_dir)):
+            st.watch.pop("best", None)
         st.start_iter = int(ck.attrs["iteration"])
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id

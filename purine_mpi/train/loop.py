@@ -88,8 +88,8 @@ class RunState:
     This iteration: the display ``window`` (divergence.py adds the loss,
     progress.py shows and resets it), ``first_bad`` and ``diverged``
     (divergence.py), the agreed ``stop_code`` (signals.py, divergence.py),
-    the test pass's ``result`` (evaluation.py) and ``early_stopped``
-    (watch.py)."""
+    the test pass's ``result`` (evaluation.py), ``early_stopped`` and
+    ``watch`` (watch.py; a checkpoint holds it)."""
 
     start_iter: int = 0
     elapsed0: float = 0.0
@@ -109,6 +109,9 @@ class RunState:
     stop_code: int = 0
     result: dict = dataclasses.field(default_factory=dict)
     early_stopped: object = None  # the iteration early stopping ended the run at
+    # the watch services' decisions so far ({"best": ..., "early_stop": ...},
+    # watch.py): the checkpoints carry them, a resume gives them back
+    watch: dict = dataclasses.field(default_factory=dict)
     last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
     # the resident high-water mark after the last iteration, before the end's
     # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
