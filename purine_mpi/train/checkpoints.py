@@ -122,8 +122,10 @@ class Checkpoints(Service):
 
     def state_dict(self, loop):
         """Everything beyond params and momenta that a resume needs: each
-        stateful kernel's state and each random stream, per rank; the
-        watch services' decisions (train/watch.py: the same on every rank)."""
+        stateful kernel's state and each random stream, per rank; each
+        rank's display window between two rows (its loss sum and
+        iterations); the watch services' decisions (train/watch.py: the same
+        on every rank)."""
         local = {}
         for name, k in loop.train.kernels.items():
             s = {}
@@ -133,11 +135,16 @@ class Checkpoints(Service):
                 s["rng"] = k.rng.bit_generator.state
             if s:
                 local[name] = s
-        states = world_gather(loop.world, local)
-        if not states:
+        w = loop.state.window
+        window = [w.total(), w.n] if w is not None and w.n else None
+        gathered = world_gather(loop.world, (local, window))
+        if not gathered:
             return None
+        states = [s for s, _ in gathered]
         out = {"ranks": {str(r): s for r, s in enumerate(states)},
                "layout": loop.graphs.layout.as_dict()}
+        if any(win is not None for _, win in gathered):
+            out["window"] = {str(r): win for r, (_, win) in enumerate(gathered)}
         if loop.state.watch:
             out["watch"] = loop.state.watch
         return out
@@ -160,6 +167,8 @@ class Checkpoints(Service):
                             f"{sorted(ranks) or 'none'})")
         if same_world:
             mine = ranks[str(loop.world.rank)]
+            # the display window between two rows (another layout starts a new one)
+            loop.state.window_carry = (state.get("window") or {}).get(str(loop.world.rank))
         else:
             mine = {}
             for r in sorted(ranks, key=int):
