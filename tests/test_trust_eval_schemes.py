@@ -112,3 +112,22 @@ def test_an_async_checkpoint_between_the_ends_holds_the_servers_state(digits_h5,
     final = final_figures(res)
     assert final["loss"] == pytest.approx(loss, rel=1e-5)
     assert final["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_early_stopping_with_parameter_servers_is_refused(digits_h5, tmp_path, mode):
+    """solver.early_stop with parameter servers exits 2 naming the key, before
+    anything runs. Before: the workers stopped after a test pass and printed
+    a ``final`` line with ``early_stop``, while the servers, which take no
+    part in test passes, waited for the next gradients until the stall
+    timeout ended the job with exit 1 (after 300 s by default)."""
+    parallel = dict(SCHEMES[mode][1], stall_timeout=10)
+    cfg = _config(digits_h5, parallel)
+    cfg["solver"].update(max_iter=40, test_interval=4,
+                         early_stop={"metric": "accuracy", "patience": 1, "min_delta": 1})
+    res = run_mpi_cli(3, "train", write_config_file(tmp_path, cfg), "--out", tmp_path / "run",
+                      timeout=120)
+    assert res.returncode == 2, f"exit {res.returncode}: {res.stdout[-600:]} {res.stderr[-600:]}"
+    assert "solver.early_stop" in res.stderr and mode in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "final " not in res.stdout
