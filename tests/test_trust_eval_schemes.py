@@ -2,7 +2,7 @@
 every scheme the ``final`` line and the last test row of metrics.jsonl equal
 a NumPy evaluation of ``latest.h5``'s weights over the whole test split
 (360 samples, which no global test batch here divides: the last batch is
-padded), every sample counted once.
+padded), every sample counted once, the loss times its ``loss_weight``.
 
 The reference is NumPy (a two-layer MLP in float64). Before the fix, under
 ``parallel.mode: async`` (max_staleness > 0) each worker evaluated its shard
@@ -17,6 +17,9 @@ import pytest
 
 from tests.conftest import final_figures, run_cli_args, run_mpi_cli, write_config_file
 
+#: the reported loss is the objective: loss_weight x the cross-entropy
+#: (tests/test_trust_loss_weight.py), under every scheme's composition
+LOSS_WEIGHT = 0.5
 STAGES = {"fc1": 0, "relu1": 0, "fc2": 1, "loss": 1, "acc": 1}
 #: name -> (ranks, parallel section)
 SCHEMES = {
@@ -42,7 +45,7 @@ def _config(digits_h5, parallel):
                     {"type": "fc", "name": "fc2", "bottom": "h", "top": "fc2",
                      "num_output": 10},
                     {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
-                     "top": "loss"},
+                     "top": "loss", "loss_weight": LOSS_WEIGHT},
                     {"type": "accuracy", "name": "acc", "bottom": ["fc2", "label"],
                      "top": "acc", "phase": "test"}],
             "solver": {"base_lr": 0.1, "momentum": 0.9, "max_iter": 12, "display": 4,
@@ -52,8 +55,8 @@ def _config(digits_h5, parallel):
 
 
 def numpy_figures(digits_h5, ckpt):
-    """(mean cross-entropy, accuracy, samples) of the checkpoint's MLP over
-    the whole test split, in float64."""
+    """(LOSS_WEIGHT x mean cross-entropy, accuracy, samples) of the
+    checkpoint's MLP over the whole test split, in float64."""
     with h5py.File(ckpt, "r") as f:
         w1, b1, w2, b2 = (f[f"params/{n}"][()].astype(np.float64) for n in
                           ("fc1/weight", "fc1/bias", "fc2/weight", "fc2/bias"))
@@ -63,8 +66,8 @@ def numpy_figures(digits_h5, ckpt):
     z = h @ w2.T + b2
     z -= z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return float(-logp[np.arange(len(y)), y].mean()), float((z.argmax(axis=1) == y).mean()), \
-        len(y)
+    return LOSS_WEIGHT * float(-logp[np.arange(len(y)), y].mean()), \
+        float((z.argmax(axis=1) == y).mean()), len(y)
 
 
 @pytest.mark.mpi
