@@ -419,6 +419,16 @@ def _parallel_rules(out, parallel, path):
         raise ConfigError(path, "solver.type", f"parallel.mode {excerpt(out['parallel']['mode'])} "
                           f"(parameter servers) supports solver type 'sgd' only, got "
                           f"{excerpt(out['solver']['type'])}; use parallel.mode: sync")
+    if out["solver"]["early_stop"] is not None and out["parallel"]["mode"] in ("async",
+                                                                               "sync_ps"):
+        # the workers' test passes decide it after the iteration's stop
+        # agreement, which the servers took part in: they would wait for the
+        # next iteration's gradients until the stall timeout
+        raise ConfigError(path, "solver.early_stop", "early stopping works with "
+                          "parallel.mode sync (any scheme), not with "
+                          f"{excerpt(out['parallel']['mode'])} (parameter servers: they take "
+                          "no part in the test passes that decide it); use "
+                          "checkpoint.best to keep the best test passes instead")
     _check_pipeline(out, path)
     _check_sharded(out, path)
     if out["solver"]["clip_gradients"] is not None and (

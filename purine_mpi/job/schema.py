@@ -101,7 +101,8 @@ SOLVER = (
                                                  "or null"), None,
         "stop (with a checkpoint, exit 0) when the test figure `metric` (`accuracy`, `loss`, "
         "...) has not improved by more than `min_delta` (default 0) in `patience` test passes "
-        "in a row (default 5); `mode` `max` or `min` (default: min for a loss, else max)",
+        "in a row (default 5); `mode` `max` or `min` (default: min for a loss, else max); "
+        "not with parameter servers (`parallel.mode` sync_ps, async)",
         typed=typed_watch(EarlyStopSpec)),
     Key("clip_gradients", _optional(_num(0, strict=True)), None,
         "scale the gradients by min(1, C / ‖g‖) before the update, ‖g‖ the global L2 norm of "

@@ -30,7 +30,7 @@ class RankGraphs:
     grads: dict               # parameter -> gradient blob (of the single-replica graph)
     device: int               # -1: the CPU; N >= 0: GPU N
     losses: list              # the loss blobs of the training graph
-    loss_shares: list         # each loss's share (a micro-batch copy's 1/m)
+    loss_shares: list         # each loss's factor: its loss_weight (x a micro-batch copy's 1/m)
     watch: object             # the device loss watch's blob (GPU), else None
     deferred: bool            # the loss is read back only at the intervals (GPU)
     defer_update: bool        # the last updates finish during the next forward (CPU)
@@ -42,6 +42,7 @@ class RankGraphs:
     test_losses: list = dataclasses.field(default_factory=list)
     test_names: list = dataclasses.field(default_factory=list)  # blobs a test pass reduces
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
+    test_scales: list = dataclasses.field(default_factory=list)  # their factors (loss_weight)
     test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
@@ -82,9 +83,13 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     device = configure_device(job, graph)
     # parallel.backend: the buckets through MPI or NCCL (the same choice on every rank)
     backend, backend_note = apply_backend(graph, job, world, device)
-    losses = list(loss_blobs(graph))
-    # with micro-batches each copy's loss is its micro-batch's mean
-    shares = [graph.blobs[b].attrs.get("micro_batch_share", 1.0) for b in losses]
+    losses = loss_blobs(graph)
+    # the reported loss is the objective: each loss blob times its
+    # loss_weight (docs/formats.md); with micro-batches each copy's loss is
+    # its micro-batch's mean
+    shares = [float(w) * graph.blobs[b].attrs.get("micro_batch_share", 1.0)
+              for b, w in losses.items()]
+    losses = list(losses)
     # on a GPU the loss stays on the device between the display, test and
     # checkpoint intervals (ops/watch.py): the host reads it back only there
     deferred = device >= 0 and scheme.defer_loss_readback
@@ -115,13 +120,18 @@ def _add_test_graph(out, job, world, scheme):
         out.test_pad = mark_padding(test)
         # names from the whole test graph: in a pipeline one rank holds
         # them, yet every rank reduces the same vector
-        out.test_losses = list(loss_blobs(test))
+        weights = loss_blobs(test)
+        out.test_losses = list(weights)
         accuracy = [op.outputs[0] for op in test.ops.values() if op.op_type == "Accuracy"]
         # metrics.jsonl (docs/formats.md) names the accuracy "accuracy", whatever the
         # layer's top is called; further metrics keep their blob names
         out.test_keys = ["loss"] * len(out.test_losses) + [
             "accuracy" if accuracy == [b] else b for b in metric_blobs(test)]
         out.test_names = out.test_losses + metric_blobs(test)
+        # the test "loss" is the objective, as the train rows': the sum of
+        # the loss blobs times their loss_weight
+        out.test_scales = [float(weights[b]) for b in out.test_losses] + \
+            [1.0] * (len(out.test_names) - len(out.test_losses))
     out.test_graph = scheme.compose_test(test, job, world).graph if test is not None else None
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False,

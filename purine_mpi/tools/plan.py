@@ -143,9 +143,10 @@ def _footprint_of(job, graphs, rank, everyone):
 def save_metas(job, size, built):
     """{rank: its part of a save} (``Scheme.save_meta``) for every rank of
     ``size``: those of ``built`` ({rank: graphs}), the others built here
-    when their part is needed (replica 0's ranks, whose parts rank 0
-    gathers), else taken from the rank of ``ranks_to_build`` they are
-    like."""
+    when their part is needed (``Scheme.save_ranks``: those whose parts
+    rank 0's figure reads, replica 0's; scheme sharded's with stages or
+    tensor shards, every rank's), else taken from the rank of
+    ``ranks_to_build`` they are like."""
     from ..parallel.schemes import scheme_of
     if job.parallel.servers and size > 1:
         return {}
@@ -155,7 +156,7 @@ def save_metas(job, size, built):
     if not scheme.gathers_checkpoint(first):  # each rank's figure is its own
         return metas
     per = first.layout.stages * first.layout.tensor  # the ranks of one replica
-    for r in range(min(size, per)):
+    for r in scheme.save_ranks(first):
         if r not in metas:
             metas[r] = scheme.save_meta(_offline_graphs(job, size, r))
     _, like = ranks_to_build(job, size)

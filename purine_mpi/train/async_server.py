@@ -15,8 +15,19 @@ import numpy as np
 from ..base.errors import StallError
 from ..graph.core import Op
 
+STATE_TAG = 1 << 20  # server -> rank 0: its state (above every push/pull tag)
 STOP_TAG = (1 << 20) + 1  # rank 0 -> server: the workers' stop code
 STOP_REQUEST_TAG = (1 << 20) + 2  # server -> rank 0: a signal reached a server
+STATE_REQUEST_TAG = (1 << 20) + 3  # rank 0 -> server: its state now (a test pass, a checkpoint)
+
+
+def send_state(world, momenta, weights=None):
+    """To rank 0 (STATE_TAG): a server's momenta and, from an async server
+    (at its end, a stop, or asked), its weights."""
+    from ..base.backend import to_numpy
+    world.send_object({"momenta": {p: to_numpy(m) for p, m in momenta.items()},
+                       "weights": {p: to_numpy(w) for p, w in (weights or {}).items()}},
+                      0, STATE_TAG, "sending the server state (momenta)")
 
 
 class AsyncServer:
@@ -29,7 +40,9 @@ class AsyncServer:
 
     Stops: a signal to this rank is sent to rank 0 (STOP_REQUEST_TAG), which
     makes it part of the workers' stop agreement; the workers' decision comes
-    back (STOP_TAG) and ends the loop, ``stats["stop_code"]`` saying why. A
+    back (STOP_TAG) and ends the loop, ``stats["stop_code"]`` saying why.
+    Rank 0 may ask for the state between two pushes (STATE_REQUEST_TAG, a
+    test pass or a checkpoint): the weights and momenta go to it then. A
     loop that gets no push and completes no reply for ``world.stall_timeout``
     seconds raises StallError naming the workers it waits for."""
 
@@ -89,6 +102,7 @@ class AsyncServer:
                     if r != MPI.REQUEST_NULL:
                         r.Cancel()
                 return self.stats
+            self._state_asked(self.params)
             idx = MPI.Request.Testsome(recv) if done_pushes < total else None
             progressed = False
             for i in idx or ():
@@ -130,6 +144,14 @@ class AsyncServer:
                 time.sleep(self.poll)
         return self.stats
 
+    def _state_asked(self, weights):
+        """Rank 0 asked for the state (STATE_REQUEST_TAG): send it, between
+        two pushes (``weights``: where the owned weights live now)."""
+        comm = self.world.comm
+        if comm.Iprobe(source=0, tag=STATE_REQUEST_TAG):
+            comm.recv(source=0, tag=STATE_REQUEST_TAG)
+            send_state(self.world, self.momenta, {p: weights[p] for p in self.owned})
+
     def _stop_requested(self, state):
         """Pass a signal here on to rank 0 once; True when the workers'
         stop decision came (``stats["stop_code"]``)."""
@@ -160,6 +182,7 @@ class AsyncServer:
             while done < total:
                 if self._stop_requested(state):
                     return self.stats
+                self._state_asked(region)
                 progressed = False
                 for w, p in keys:
                     n = self.count[(w, p)]

@@ -122,7 +122,10 @@ class Checkpoints(Service):
 
     def state_dict(self, loop):
         """Everything beyond params and momenta that a resume needs: each
-        stateful kernel's state and each random stream, per rank."""
+        stateful kernel's state and each random stream, per rank; each
+        rank's display window between two rows (its loss sum and
+        iterations); the watch services' decisions (train/watch.py: the same
+        on every rank)."""
         local = {}
         for name, k in loop.train.kernels.items():
             s = {}
@@ -132,9 +135,19 @@ class Checkpoints(Service):
                 s["rng"] = k.rng.bit_generator.state
             if s:
                 local[name] = s
-        states = world_gather(loop.world, local)
-        return {"ranks": {str(r): s for r, s in enumerate(states)},
-                "layout": loop.graphs.layout.as_dict()} if states else None
+        w = loop.state.window
+        window = [w.total(), w.n] if w is not None and w.n else None
+        gathered = world_gather(loop.world, (local, window))
+        if not gathered:
+            return None
+        states = [s for s, _ in gathered]
+        out = {"ranks": {str(r): s for r, s in enumerate(states)},
+               "layout": loop.graphs.layout.as_dict()}
+        if any(win is not None for _, win in gathered):
+            out["window"] = {str(r): win for r, (_, win) in enumerate(gathered)}
+        if loop.state.watch:
+            out["watch"] = loop.state.watch
+        return out
 
     def load_state_dict(self, loop, state, notes=True):
         """Per-rank state of a checkpoint. On the layout it was written on
@@ -154,6 +167,8 @@ class Checkpoints(Service):
                             f"{sorted(ranks) or 'none'})")
         if same_world:
             mine = ranks[str(loop.world.rank)]
+            # the display window between two rows (another layout starts a new one)
+            loop.state.window_carry = (state.get("window") or {}).get(str(loop.world.rank))
         else:
             mine = {}
             for r in sorted(ranks, key=int):
@@ -214,6 +229,12 @@ class Checkpoints(Service):
         if ck.state:
             self.load_state_dict(loop, ck.state, notes)
         st, size = loop.state, loop.world.size
+        # what the test passes decided (train/watch.py); the best files are
+        # the checkpoint's folder's: another folder starts its own best list
+        st.watch = dict((ck.state or {}).get("watch") or {})
+        if os.path.realpath(os.path.dirname(os.path.abspath(path))) != \
+                os.path.realpath(os.path.abspath(loop.out_dir)):
+            st.watch.pop("best", None)
         st.start_iter = int(ck.attrs["iteration"])
         st.elapsed0 = float(ck.attrs.get("elapsed", 0.0))
         st.run_id = str(ck.attrs.get("run_id") or "") or st.run_id
@@ -238,8 +259,7 @@ class Checkpoints(Service):
             loop.state.last_saved = iteration
         state = self.state_dict(loop)
         # whole blobs on file (shards, stages): streamed to rank 0 parameter
-        # by parameter or bucket by bucket as the file is written (sharded
-        # with stages or tensor shards: gathered and joined there at once)
+        # by parameter or bucket by bucket as the file is written
         params, solver = scheme_of(loop.job).checkpoint_sections(
             loop.graphs, loop.ws, loop.world, lambda: self._held(loop))
         if loop.world.rank != 0:

@@ -48,7 +48,8 @@ class DivergenceWatch(Service):
         code = loop.state.stop_code
         if not loop.graphs.deferred or self.checked or not code or code == StopSignal.DIVERGED:
             return
-        _, loop.state.first_bad = self.read_losses(loop)
+        # the window's sum too: the checkpoint that follows holds it
+        loop.state.window.loss, loop.state.first_bad = self.read_losses(loop)
         diverged = loop.state.first_bad is not None or not self.params_finite(loop)
         if loop.world.size > 1:
             diverged = bool(loop.world.allreduce(

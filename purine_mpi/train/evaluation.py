@@ -83,7 +83,8 @@ class Evaluation(Service):
                 # a tensor-parallel group's ranks hold the same figures: shard 0 counts
                 lay = loop.graphs.layout
                 mine = float(counts[lay.replica]) if lay.shard == 0 else 0.0
-                sums += [mine * float(ws[b]) if b in ws.arrays else 0.0 for b in names]
+                sums += [mine * scale * float(ws[b]) if b in ws.arrays else 0.0
+                         for b, scale in zip(names, loop.graphs.test_scales)]
                 bar.update(int(counts.sum()))
         out = {}
         # every replica holds each figure on one of its ranks (a pipeline's

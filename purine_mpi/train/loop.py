@@ -66,10 +66,17 @@ class Service:
 
 class Window:
     """The display window: the loss summed since the last display line, its
-    iterations, and where (iteration, time) it started."""
+    iterations, and where (iteration, time) this process started it.
+    ``carried``: the loss sum of its iterations before the checkpoint a
+    resume started from (they count in ``n``, not in the speed)."""
 
     def __init__(self, start, now):
         self.loss, self.n, self.start, self.t = 0.0, 0, start, now
+        self.carried = 0.0
+
+    def total(self):
+        """The loss summed over the window's ``n`` iterations."""
+        return self.loss + self.carried
 
     def reset(self, start, now):
         self.__init__(start, now)
@@ -88,8 +95,8 @@ class RunState:
     This iteration: the display ``window`` (divergence.py adds the loss,
     progress.py shows and resets it), ``first_bad`` and ``diverged``
     (divergence.py), the agreed ``stop_code`` (signals.py, divergence.py),
-    the test pass's ``result`` (evaluation.py) and ``early_stopped``
-    (watch.py)."""
+    the test pass's ``result`` (evaluation.py), ``early_stopped`` and
+    ``watch`` (watch.py; a checkpoint holds it)."""
 
     start_iter: int = 0
     elapsed0: float = 0.0
@@ -109,6 +116,12 @@ class RunState:
     stop_code: int = 0
     result: dict = dataclasses.field(default_factory=dict)
     early_stopped: object = None  # the iteration early stopping ended the run at
+    # (loss sum, iterations) of this rank's display window at the checkpoint
+    # resumed from (Window.carried): its first row averages the whole window
+    window_carry: object = None
+    # the watch services' decisions so far ({"best": ..., "early_stop": ...},
+    # watch.py): the checkpoints carry them, a resume gives them back
+    watch: dict = dataclasses.field(default_factory=dict)
     last_loss: object = None      # (iteration, loss): the newest loss known (progress.py)
     # the resident high-water mark after the last iteration, before the end's
     # test pass and checkpoint (memory.json's ``loop_peak_rss_bytes``)
@@ -192,6 +205,9 @@ class Loop:
                 # own pass is the one of a run of no iteration)
             st.t_start = time.perf_counter()
             st.window = Window(st.start_iter, st.t_start)
+            if st.window_carry:
+                st.window.carried, st.window.n = float(st.window_carry[0]), \
+                    int(st.window_carry[1])
             for it in range(st.start_iter, max_iter):
                 self.step(it)
                 done = it + 1

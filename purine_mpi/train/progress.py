@@ -91,7 +91,7 @@ class Progress(Service):
     def on_display(self, loop, done):
         now, w = time.perf_counter(), loop.state.window
         self.tick = (done, now)
-        loss = loop.reduce(w.loss / w.n if w.n else 0.0)
+        loss = loop.reduce(w.total() / w.n if w.n else 0.0)
         loop.state.last_loss = (done, loss)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
         lr = float(loop.ws["lr"])

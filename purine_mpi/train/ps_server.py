@@ -8,8 +8,9 @@ stop agreement and send their momenta to rank 0 for its checkpoints
     run_server_rank(job, out_dir, world, resume=None, init=None, dispatcher=None) -> status
     run_server(job, world, resume=None, init=None, log=None, dispatcher=None)
         -> {"params", "momenta", "stats", "plan"}   # one server rank's work
-    recv_state(world, servers), state_transfer_due(job, done, start,
-    final_only): the momenta's way to rank 0.
+    recv_state(world, servers) -> (momenta, weights),
+    state_transfer_due(job, done, start, final_only): the momenta's way to
+    rank 0 (and an async server's weights: the model the run ends with).
 """
 import numpy as np
 
@@ -18,7 +19,7 @@ from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
 from ..parallel.schemes.param_server import lockstep
 from ..runtime.stop import StopSignal
-from .async_server import AsyncServer
+from .async_server import STATE_TAG, AsyncServer, send_state
 
 
 # ------------------------------------------------------------- server rank
@@ -94,7 +95,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
                     break
                 stopping = bool(code) and it + 1 != max_iter
                 if stopping or state_transfer_due(job, it + 1, start, final_only=False):
-                    _send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
+                    send_state(world, {p: d.workspace[momentum_name(p)] for p in owned})
                 if stopping:
                     break
                 code = 0
@@ -115,7 +116,9 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
                 code or state_transfer_due(job, max_iter, start, final_only=True)):
-            _send_state(world, momenta)
+            # the weights too: each worker holds the copy it last pulled, which
+            # misses the pushes applied after it; the run's model is these
+            send_state(world, momenta, values)
     if log:
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
     stats["transport"] = transport[0][1]
@@ -124,10 +127,11 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
 
 
 # ------------------------------------------------- checkpoints and the run
-STATE_TAG = 1 << 20  # above every push/pull tag
-# async stops (async_server.py, train/ps_worker.py): rank 0 tells the servers
-# the workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
-# stop (STOP_REQUEST_TAG)
+# the servers' state goes to rank 0 (STATE_TAG, async_server.send_state); async
+# stops (async_server.py, train/ps_worker.py): rank 0 tells the servers the
+# workers' stop code (STOP_TAG); a server that got a signal asks rank 0 to
+# stop (STOP_REQUEST_TAG); rank 0 asks an async server for its state between
+# two pushes (STATE_REQUEST_TAG)
 
 
 def state_transfer_due(job, done, start, final_only):
@@ -141,17 +145,15 @@ def state_transfer_due(job, done, start, final_only):
     return not final_only and interval > 0 and done % interval == 0
 
 
-def _send_state(world, momenta):
-    from ..base.backend import to_numpy
-    world.send_object({p: to_numpy(m) for p, m in momenta.items()}, 0, STATE_TAG,
-                      "sending the server state (momenta)")
-
-
 def recv_state(world, servers):
-    out = {}
+    """(momenta, weights) of every server, by parameter (weights: empty but
+    from async servers)."""
+    momenta, weights = {}, {}
     for s in servers:
-        out.update(world.recv_object(s, STATE_TAG, "the server state (momenta)"))
-    return out
+        got = world.recv_object(s, STATE_TAG, "the server state (momenta)")
+        momenta.update(got["momenta"])
+        weights.update(got["weights"])
+    return momenta, weights
 
 
 def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),

@@ -2,9 +2,18 @@
 service, in the place of ``StopAgreement``): the workers and the servers
 agree on the stop (train/ps_server.py, async_server.py), and before a
 checkpoint rank 0 takes the momenta the servers hold.
+
+Under async each worker holds the weights it last pulled: they differ
+between workers, and none holds the pushes applied after its last pull.
+So where the model is read -- a test pass, a checkpoint -- rank 0 takes
+the servers' weights with their momenta (asked for between two pushes;
+sent unasked at the end and on a stop) and every worker adopts those
+weights (as a pull would: the next push is a gradient at them). The
+figures of a test pass, the checkpoints and the final line are then those
+of one model, the servers'.
 """
 from ..graph.solver_graph import momentum_name
-from .async_server import STOP_REQUEST_TAG, STOP_TAG
+from .async_server import STATE_REQUEST_TAG, STOP_REQUEST_TAG, STOP_TAG
 from ..parallel.param_server import ps_layout
 from ..parallel.schemes.param_server import asynchronous, lockstep
 from .ps_server import recv_state, state_transfer_due
@@ -20,6 +29,9 @@ class WorkerStopAgreement(StopAgreement):
         self.servers = ps_layout(world.size, job.parallel.ps_ranks)["servers"]
         self.mode = job.parallel.mode
         self.stopping = False  # a stop (not a divergence) before max_iter was agreed
+        # async: the iteration whose servers' state the workers hold, and (rank
+        # 0) the servers' momenta of it, for the checkpoint
+        self.synced, self.momenta = None, {}
 
     def on_start(self, loop):
         """sync_ps on one node: the weights are the servers' regions, which
@@ -56,10 +68,44 @@ class WorkerStopAgreement(StopAgreement):
         self.stopping = bool(code) and code != StopSignal.DIVERGED and done != max_iter
         return code
 
+    def on_test(self, loop, done):
+        """async: the servers' weights on every worker before the pass
+        (the evaluation comes next in the list)."""
+        if asynchronous(self.mode) and done != loop.state.start_iter and loop.test is not None:
+            self.sync(loop, done)
+
+    def sync(self, loop, done):
+        """async, after iteration ``done``: rank 0 takes the servers' state
+        (asked for, or sent unasked at the end and on a stop), and every
+        worker sets the servers' weights. Collective over the workers; once
+        an iteration."""
+        if self.synced == done:
+            return
+        self.synced = done
+        loop.train.drain()  # the last pulls are in: nothing writes the weights now
+        weights = None
+        if self.world.rank == 0:
+            unasked = self.stopping or done == self.job.solver.max_iter
+            if not unasked:
+                for s in self.servers:
+                    self.world.send_object(None, s, STATE_REQUEST_TAG, "a state request")
+            self.momenta, weights = recv_state(self.world, self.servers)
+        if loop.world.size > 1:
+            weights = loop.world.allgather_object(weights, "the servers' weights")[0]
+        for p, value in weights.items():
+            loop.ws.set(p, value)
+
     def before_save(self, loop, iteration):
-        due = self.stopping or state_transfer_due(self.job, iteration, loop.state.start_iter,
-                                                  final_only=asynchronous(self.mode))
+        if asynchronous(self.mode):
+            self.sync(loop, iteration)
+            due = self.world.rank == 0
+            momenta = self.momenta
+        else:
+            due = self.stopping or state_transfer_due(self.job, iteration,
+                                                      loop.state.start_iter, final_only=False)
+            momenta = recv_state(self.world, self.servers)[0] if due and \
+                self.world.rank == 0 else {}
         if due and self.world.rank == 0:
             # the servers hold the momenta: put them where save() looks
-            for p, m in recv_state(self.world, self.servers).items():
+            for p, m in momenta.items():
                 loop.ws.arrays[momentum_name(p)] = m

@@ -93,9 +93,10 @@ class Trainer(Loop):
                 LossScaleLog(),
                 Progress(tensorboard),
                 self.evaluation,
+                # early stopping first: a best checkpoint holds its decision on the pass
+                *([EarlyStopping(early, self.say)] if early else []),
                 *([BestCheckpoints(best, out_dir, lambda path, it: self.save(it, path),
                                    self.say)] if best else []),
-                *([EarlyStopping(early, self.say)] if early else []),
                 self.checkpoints,
                 traces]
 

@@ -6,6 +6,13 @@ Both read the figures of the pass (``loop.state.result``, the mean over the
 ranks, the same on every rank), so every rank takes the same decision with
 no collective. A non-finite figure never counts as an improvement. They
 follow the evaluation (evaluation.py) in the list of services.
+
+What they decided so far (the best passes kept; early stopping's best
+figure and patience) is in ``loop.state.watch``, which the checkpoints
+carry (checkpoints.py): a resumed run goes on deciding as the uninterrupted
+one, unless the metric or its direction changed (then it starts afresh).
+The best files are those of the run folder: a resume from another folder's
+checkpoint keeps early stopping's state, not its best list.
 """
 import math
 import os
@@ -30,6 +37,15 @@ def _figure(results, metric, where):
     return float(results[metric])
 
 
+def _restored(loop, key, metric, mode):
+    """The state ``key`` of ``loop.state.watch`` a resume gave back, when it
+    was decided on the same metric in the same direction; else None."""
+    saved = loop.state.watch.get(key)
+    if isinstance(saved, dict) and saved.get("metric") == metric and saved.get("mode") == mode:
+        return saved
+    return None
+
+
 class BestCheckpoints(Service):
     """``best_<iter>.h5`` for the ``keep`` best test passes by ``metric``
     (every rank calls ``write(path, iteration)``, a collective checkpoint
@@ -43,11 +59,23 @@ class BestCheckpoints(Service):
         self.out_dir, self.write, self.say = out_dir, write, say
         self.kept = []  # [(figure, iteration, path)], best first
 
+    def on_start(self, loop):
+        saved = _restored(loop, "best", self.metric, self.mode)
+        if saved is not None:  # [figure, iteration, file name in the run folder]
+            self.kept = [(float(v), int(it), os.path.join(self.out_dir, name))
+                         for v, it, name in saved["kept"]][:self.keep]
+
     def on_test(self, loop, done):
         if loop.state.result:
-            self.after_test(done, loop.state.result)
+            self.after_test(done, loop.state.result, loop.state.watch)
+        loop.state.watch["best"] = self.state()
 
-    def after_test(self, iteration, results):
+    def state(self):
+        """What a checkpoint keeps of the best list (file names: the run folder's)."""
+        return {"metric": self.metric, "mode": self.mode,
+                "kept": [[v, it, os.path.basename(path)] for v, it, path in self.kept]}
+
+    def after_test(self, iteration, results, watch=None):
         value = _figure(results, self.metric, "checkpoint.best.metric")
         if not math.isfinite(value):
             return
@@ -55,15 +83,17 @@ class BestCheckpoints(Service):
         if worst is not None and not _better(value, worst, self.mode):
             return
         path = os.path.join(self.out_dir, f"best_{int(iteration)}.h5")
-        self.write(path, iteration)
         self.kept.append((value, iteration, path))
         self.kept.sort(key=lambda t: (-t[0] if self.mode == "max" else t[0], t[1]))
-        for _, _, old in self.kept[self.keep:]:
+        dropped, self.kept = self.kept[self.keep:], self.kept[:self.keep]
+        if watch is not None:  # the file holds the list with itself in it
+            watch["best"] = self.state()
+        self.write(path, iteration)
+        for _, _, old in dropped:
             try:
                 os.remove(old)
             except OSError:
                 pass
-        self.kept = self.kept[:self.keep]
         best = self.kept[0]
         self.say(f"best {self.metric} {best[0]:.4f} at iteration {best[1]} "
                  f"({os.path.basename(best[2])}; keeping the {self.keep} best)")
@@ -81,9 +111,21 @@ class EarlyStopping(Service):
         self.say = say
         self.best, self.best_iter, self.waited = None, None, 0
 
+    def on_start(self, loop):
+        saved = _restored(loop, "early_stop", self.metric, self.mode)
+        if saved is not None:
+            self.best, self.best_iter, self.waited = saved["best"], saved["best_iter"], \
+                int(saved["waited"])
+
     def on_test(self, loop, done):
         if loop.state.result and self.after_test(done, loop.state.result):
             loop.state.early_stopped = done
+        loop.state.watch["early_stop"] = self.state()
+
+    def state(self):
+        """What a checkpoint keeps: the best figure, its iteration, the passes waited."""
+        return {"metric": self.metric, "mode": self.mode, "best": self.best,
+                "best_iter": self.best_iter, "waited": self.waited}
 
     def after_test(self, iteration, results):
         """True when the run should stop here."""

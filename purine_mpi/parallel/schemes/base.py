@@ -477,15 +477,15 @@ class Scheme:
     def save_meta(self, graphs):
         """This rank's part of a save as ``save_bytes`` reads it, from the
         graph's blobs (no workspace): ``stream_meta`` of ``held_weights`` and
-        the per-parameter solver state blobs (``<param>.<state>``)."""
+        the per-parameter solver state blobs (``state_blobs``)."""
         blobs = graphs.graph.blobs
-        params = set(graphs.params)
-        held = {}
-        for name, blob in blobs.items():
-            owner, _, state = name.rpartition(".")
-            if blob.kind == "state" and "@" not in name and owner in params:
-                held.setdefault(owner, {})[state] = blob
-        return stream_meta(graphs, {p: blobs[p] for p in self.held_weights(graphs)}, held)
+        return stream_meta(graphs, {p: blobs[p] for p in self.held_weights(graphs)},
+                           state_blobs(graphs))
+
+    def save_ranks(self, graphs):
+        """The ranks whose part (``save_meta``) rank 0's ``save_bytes``
+        reads: replica 0's (``plan`` builds them where it builds fewer)."""
+        return range(graphs.layout.stages * graphs.layout.tensor)
 
     def save_bytes(self, graphs, everyone):
         """The host bytes this rank holds beyond its footprint while a save
@@ -503,20 +503,6 @@ class Scheme:
                 lay.replicas * lay.stages * lay.tensor > 1:
             out += stream_bytes(lay, everyone)
         return out
-
-    def gather_and_join(self, graphs, world, local):
-        """Every rank's part (``local()``; with tensor shards, with the
-        splits of its parameters) gathered to rank 0 at once (pickled) and
-        joined there (``join_checkpoint``): the sharded scheme's pieces of
-        a stage's or tensor shard's buckets."""
-        params, solver = local()
-        part = (params, solver)
-        if graphs.layout.tensor > 1:  # rank 0 lacks the other stages' blobs
-            from ..tensor_split import split_of
-            part += ({p: split_of(graphs.graph.blobs[p]) for p in params},)
-        parts = world.gather_object(part, 0, "a checkpoint gather") \
-            if world.size > 1 else [part]
-        return self.join_checkpoint(graphs, parts) if world.rank == 0 else ({}, {})
 
     def gathers_checkpoint(self, graphs):
         """Whether a save gathers every rank's (params, solver state) to
@@ -566,6 +552,17 @@ class Scheme:
         return None
 
 
+def state_blobs(graphs):
+    """{param: {state: blob}}: the graph's per-parameter solver state blobs
+    (``<param>.<state>``), what a save's ``local()`` lists of them."""
+    params, held = set(graphs.params), {}
+    for name, blob in graphs.graph.blobs.items():
+        owner, _, state = name.rpartition(".")
+        if blob.kind == "state" and "@" not in name and owner in params:
+            held.setdefault(owner, {})[state] = blob
+    return held
+
+
 def host_copies(graphs, weights):
     """The bytes of the host copies a save makes of this rank's part
     (``to_numpy`` of ``weights`` and their solver state): those on a GPU."""
@@ -594,37 +591,43 @@ class Buffers:
         return self.slots[slot][:size * dtype.itemsize].view(dtype)
 
 
-def streamed_join(graphs, world, params, held_states):
+def streamed_join(graphs, world, params, held_states, plan=None):
     """``Streamed`` ``/params`` and ``/solver`` sections of a staged or
     tensor-split layout: the datasets ``join_checkpoint`` makes of every
     rank's ``(params, solver)`` (Pipeline's, TensorParallel's:
-    ``tensor_parallel.gather_whole``), in its order, each parameter's
-    pieces sent to rank 0 as its turn comes. One allgather of every rank's
-    list of names, shapes, dtypes and splits (``_stream_plan``: the same
-    order on every rank); then per parameter and array one Igatherv of
+    ``tensor_parallel.gather_whole``; ``plan``: another join's), in its
+    order, each parameter's pieces sent to rank 0 as its turn comes. One
+    allgather of every rank's list of names, shapes, dtypes and splits;
+    from it ``plan`` (default ``_stream_plan``) makes the same order and
+    holders on every rank. Then per parameter and array one Igatherv of
     bytes over the world (``World.gatherv``, under the stall watchdog
     naming it), every rank taking part, those holding none of it with
     nothing to send; a parameter rank 0 alone holds needs none. Rank 0's
-    buffers (``Buffers``) are reused parameter after parameter."""
+    buffers (``Buffers``) are reused parameter after parameter. A weight's
+    value may be a pair ``(whole shape, 1-D piece)``: a piece of it,
+    joined with the other holders' (scheme sharded's stage-3 weight
+    shards)."""
     from ...job.checkpoint_file import Streamed
     everyone = world.allgather_object(stream_meta(graphs, params, held_states),
                                       "the checkpoint's list of parameters (Iallgatherv)")
-    weights, states = _stream_plan(graphs.layout, everyone)
+    weights, states = (plan or _stream_plan)(graphs.layout, everyone)
     pool = Buffers()
 
     def weight_pairs():
-        for p, (split, holders) in weights.items():
-            got = _fetch(world, pool, 0, holders, {r: everyone[r][0][p][:2] for r in holders},
-                         params.get(p), f"the checkpoint's gather of the weight '{p}' from "
-                         f"ranks {holders} (Igatherv)")
+        for p, (split, groups) in weights.items():
+            holders = [r for ranks, _ in groups for r in ranks]
+            got = _fetch(world, pool, 0, groups, {r: everyone[r][0][p][:2] for r in holders},
+                         _piece(params.get(p)), f"the checkpoint's gather of the weight '{p}' "
+                         f"from ranks {holders} (Igatherv)")
             if got is not None:
                 yield p, _whole(split, got)
 
     def state_pairs():
-        for p, (split, holders, names) in states.items():
+        for p, named in states.items():
             values = {}
-            for i, s in enumerate(names):
-                got = _fetch(world, pool, i, holders,
+            for i, (s, (split, groups)) in enumerate(named.items()):
+                holders = [r for ranks, _ in groups for r in ranks]
+                got = _fetch(world, pool, i, groups,
                              {r: everyone[r][1][p][s] for r in holders},
                              held_states.get(p, {}).get(s), f"the checkpoint's gather of the "
                              f"solver state '{s}' of '{p}' from ranks {holders} (Igatherv)")
@@ -638,80 +641,112 @@ def streamed_join(graphs, world, params, held_states):
 
 def stream_meta(graphs, params, held_states):
     """This rank's list of its part of a streamed save (``streamed_join``
-    allgathers it): ``({param: (shape, dtype, split)}, {param: {state:
-    (shape, dtype)}})`` of ``params`` {name: array} and ``held_states``
-    {param: {state: array}}; anything with a shape and a dtype stands for
-    an array (``Scheme.save_meta``: the graph's blobs, before any
-    workspace)."""
+    allgathers it): ``({param: (shape, dtype, split, whole shape of a
+    piece)}, {param: {state: (shape, dtype)}})`` of ``params`` {name:
+    array, or ``(whole shape, 1-D piece)``} and ``held_states`` {param:
+    {state: array}}; anything with a shape and a dtype stands for an array
+    (``Scheme.save_meta``: the graph's blobs, before any workspace)."""
     from ..tensor_split import split_of
-    return ({p: (tuple(v.shape), np.dtype(v.dtype).str, split_of(graphs.graph.blobs[p])
-                 if p in graphs.graph.blobs else None) for p, v in params.items()},
+    return ({p: (tuple(_piece(v).shape), np.dtype(_piece(v).dtype).str,
+                 split_of(graphs.graph.blobs[p]) if p in graphs.graph.blobs else None,
+                 tuple(v[0]) if isinstance(v, tuple) else None) for p, v in params.items()},
             {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
              for p, states in held_states.items()})
 
 
-def stream_bytes(lay, everyone):
+def stream_bytes(lay, everyone, plan=None):
     """The bytes rank 0 holds beyond its own while ``streamed_join``
-    streams a save (``everyone``: {rank: ``stream_meta``} of at least
-    replica 0's ranks): its receive buffers (``Buffers``: slot i at the
-    largest whole array gathered into it, the weights into slot 0, a
-    parameter's i-th state into slot i) and the tensor splits' joins
-    (``_whole``: a new whole array; the writer still holds the previous
-    pair while the next is made, so two parameters' joined arrays at once).
-    A parameter rank 0 alone holds takes neither: its own array is
-    written."""
-    weights, states = _stream_plan(lay, everyone)
+    streams a save with ``plan`` (default ``_stream_plan``; ``everyone``:
+    {rank: ``stream_meta``} of the ranks the plan reads): its receive
+    buffers (``Buffers``: slot i at the largest array gathered into it, the
+    weights into slot 0, a parameter's i-th state into slot i) and the
+    arrays ``_fetch`` and ``_whole`` make anew: a group's pieces not one
+    span of the buffer copied together, a tensor split's shards joined
+    (the copies freed once joined). The writer still holds the previous
+    parameter's arrays while the next is made, and a parameter's earlier
+    states while its next one is. A parameter rank 0 alone holds takes
+    none of it: its own array is written."""
+    weights, states = (plan or _stream_plan)(lay, everyone)
     slots = {}
 
-    def take(slot, holders, shapes):
-        n = sum(int(np.prod(shapes[r][0], dtype=np.int64)) * np.dtype(shapes[r][1]).itemsize
-                for r in holders)
-        slots[slot] = max(slots.get(slot, 0), n)
-        return n if len(holders) > 1 else 0  # joined (a split's shards): a new array
+    def take(slot, split, groups, shapes):
+        """(bytes made while this array is, bytes its array keeps)."""
+        size = {r: int(np.prod(shapes[r][0], dtype=np.int64)) * np.dtype(shapes[r][1]).itemsize
+                for ranks, _ in groups for r in ranks}
+        if list(size) == [0]:
+            return 0, 0
+        slots[slot] = max(slots.get(slot, 0), sum(size.values()))
+        order = sorted(size)
+        copies = sum(sum(size[r] for r in ranks) for ranks, _ in groups
+                     if ranks != order[order.index(ranks[0]):order.index(ranks[0]) + len(ranks)])
+        joined = sum(size.values()) if split and len(groups) > 1 else 0
+        return copies + joined, joined if joined else copies
 
-    joined = [[], []]
-    for p, (split, holders) in weights.items():
-        n = take(0, holders, {r: everyone[r][0][p][:2] for r in holders}) \
-            if holders != [0] else 0
-        joined[0].append(n if split else 0)
-    for p, (split, holders, names) in states.items():
-        n = sum(take(i, holders, {r: everyone[r][1][p][s] for r in holders})
-                for i, s in enumerate(names)) if holders != [0] else 0
-        joined[1].append(n if split else 0)
-    pairs = max((a + b for section in joined for a, b in zip([0] + section, section)),
-                default=0)
-    return sum(slots.values()) + pairs
+    def peak(items):
+        """The most a section's parameters hold at once, the previous one's kept."""
+        most, before = 0, 0
+        for arrays in items:
+            kept = 0
+            for made, keeps in arrays:
+                most = max(most, before + kept + made)
+                kept += keeps
+            before = kept
+        return most
+
+    held = peak([take(0, split, groups, {r: everyone[r][0][p][:2] for ranks, _ in groups
+                                         for r in ranks})]
+                for p, (split, groups) in weights.items())
+    held = max(held, peak([take(i, split, groups, {r: everyone[r][1][p][s] for ranks, _ in groups
+                                                   for r in ranks})
+                           for i, (s, (split, groups)) in enumerate(named.items())]
+                          for p, named in states.items()))
+    return sum(slots.values()) + held
+
+
+def _piece(value):
+    """A listed weight's array: itself, or of a ``(whole shape, piece)``
+    pair the piece."""
+    return value[1] if isinstance(value, tuple) else value
 
 
 def _stream_plan(lay, everyone):
     """What ``join_checkpoint`` does with every rank's parts, from their
-    lists (``everyone``: per rank ``({param: (shape, dtype, split)},
-    {param: {state: (shape, dtype)}})``): ``({param: (split, holders)},
-    {param: (split, holders, states)})`` in the joined file's order. Replica
-    0's groups, stage by stage: a group's shard 0 lists the parameters; a
-    split one is joined from every shard of its group (tensor shards), any
-    other taken from shard 0; a parameter listed by a later stage's group
-    too is that group's (a dict's update)."""
+    lists (``everyone``: per rank ``({param: (shape, dtype, split, whole
+    shape of a piece)}, {param: {state: (shape, dtype)}})``): ``({param:
+    (split, groups)}, {param: {state: (split, groups)}})`` in the joined
+    file's order, ``groups`` a list of ``(ranks, shape)``: the ranks whose
+    pieces, in order, make an array of that shape; a split parameter's
+    groups are its tensor shards, joined. Replica 0's groups, stage by
+    stage: a group's shard 0 lists the parameters; a split one is joined
+    from every shard of its group (tensor shards), any other taken from
+    shard 0; a parameter listed by a later stage's group too is that
+    group's (a dict's update)."""
     weights, states = {}, {}
     for s in range(lay.stages):
         group = lay.tensor_ranks(0, s)
         first_params, first_state = everyone[group[0]]
-        for p, (_, _, split) in first_params.items():
+        for p, (shape, _, split, _) in first_params.items():
             whole = split if lay.tensor > 1 else None
-            weights[p] = (whole, group if whole else group[:1])
+            weights[p] = (whole, [([r], everyone[r][0][p][0]) for r in group] if whole
+                          else [([group[0]], shape)])
         for p, names in first_state.items():
             whole = first_params[p][2] if lay.tensor > 1 and p in first_params else None
-            states[p] = (whole, group if whole else group[:1], list(names))
+            states[p] = {x: (whole, [([r], everyone[r][1][p][x][0]) for r in group] if whole
+                             else [([group[0]], shape)]) for x, (shape, _) in names.items()}
     return weights, states
 
 
-def _fetch(world, pool, slot, holders, shapes, mine, what):
-    """Rank 0's pieces (in ``holders``' order; None elsewhere) of one array
-    held by ``holders`` (``shapes``: {rank: (shape, dtype)}; ``mine``: this
-    rank's piece): one Igatherv into ``pool``'s ``slot``, or none when rank
-    0 alone holds it."""
+def _fetch(world, pool, slot, groups, shapes, mine, what):
+    """Rank 0's arrays (None elsewhere) of one array held in pieces by the
+    ranks of ``groups`` (``[(ranks, shape)]``: pieces that, in that order,
+    make one array of that shape; ``shapes``: {rank: (piece shape, dtype)};
+    ``mine``: this rank's piece): one Igatherv into ``pool``'s ``slot``
+    (rank order), or none when rank 0 alone holds it. A group whose ranks
+    lie in rank order, one after the other in the buffer, is a view of it;
+    another's pieces are copied together."""
+    holders = [r for ranks, _ in groups for r in ranks]
     if holders == [0]:
-        return [mine] if world.rank == 0 else None
+        return [np.reshape(mine, groups[0][1])] if world.rank == 0 else None
     dtype = np.dtype(shapes[holders[0]][1])
     sizes = {r: int(np.prod(shapes[r][0], dtype=np.int64)) for r in holders}
     counts = [sizes.get(r, 0) * dtype.itemsize for r in range(world.size)]
@@ -721,17 +756,28 @@ def _fetch(world, pool, slot, holders, shapes, mine, what):
     world.gatherv(send, recv, counts, 0, what)
     if recv is None:
         return None
-    offsets = dict(zip(sorted(sizes), np.cumsum([0] + [sizes[r] for r in sorted(sizes)])))
-    return [recv[offsets[r]:offsets[r] + sizes[r]].reshape(shapes[r][0]) for r in holders]
+    order = sorted(sizes)
+    offsets = dict(zip(order, np.cumsum([0] + [sizes[r] for r in order])))
+    arrays = []
+    for ranks, shape in groups:
+        at = order.index(ranks[0])
+        if ranks == order[at:at + len(ranks)]:  # one span of the buffer
+            arrays.append(recv[offsets[ranks[0]]:offsets[ranks[0]] +
+                               sum(sizes[r] for r in ranks)].reshape(shape))
+        else:
+            arrays.append(np.concatenate([recv[offsets[r]:offsets[r] + sizes[r]]
+                                          for r in ranks]).reshape(shape))
+    return arrays
 
 
-def _whole(split, pieces):
-    """A parameter's whole array from its pieces: a tensor split's shards
-    joined (``tensor_parallel.join_shards``), else its one piece."""
-    if split and len(pieces) > 1:
+def _whole(split, arrays):
+    """A parameter's whole array from its groups' arrays (``_fetch``): a
+    tensor split's shards joined (``tensor_split.join_shards``), else the
+    one group's array."""
+    if split and len(arrays) > 1:
         from ..tensor_split import join_shards
-        return join_shards(split, pieces)
-    return pieces[0]
+        return join_shards(split, arrays)
+    return arrays[0]
 
 
 def transport_lines(composition):

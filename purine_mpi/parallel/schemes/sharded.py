@@ -41,7 +41,10 @@ once for both where the schedule (1F1B) runs a forward reader after a
 backward reader (``sharding._gather_units``, ``reuse``). A
 checkpoint joins each parameter's state pieces (stage 3: and weight
 pieces) in world order (a stage's ranks in replica order: its shards'
-order), so the file is hybrid's and data parallelism's.
+order), so the file is hybrid's and data parallelism's; the save streams
+it a parameter at a time (``checkpoint_sections``: base.streamed_join with
+``_join_plan``), rank 0 holding one parameter's whole weight and state
+beyond its own.
 
 With ``parallel.tensor_parallel`` t (every stage, on the CPU): R
 replicas x t shards as scheme tensor lays them out (rank = replica * t +
@@ -53,7 +56,8 @@ sharded and gathered over them), stage 2's and 3's collectives numbered
 with the tensor groups' allreduces in one order, the same on every rank
 (``sharding.sequence_collectives``). A checkpoint joins each tensor shard's
 pieces (stage 3: of weights too) over its replicas, then the tensor shards
-as tensor joins them: tensor's file.
+as tensor joins them: tensor's file, streamed a parameter at a time as
+with stages.
 
 One replica (as many ranks as stages or tensor shards: no other rank
 shares a stage's or tensor shard's model state) has nothing to shard: it
@@ -74,8 +78,8 @@ transport with stages on several replicas -- the world size decides them
 import numpy as np
 
 from ...base.errors import GraphError, UserError
-from .base import BUCKET_KEYS, Buffers, Composition, Scheme, counted, host_copies, ranges, \
-    register_scheme
+from .base import (BUCKET_KEYS, Buffers, Composition, Scheme, counted, host_copies, ranges,
+                   register_scheme, state_blobs, stream_bytes, stream_meta, streamed_join)
 from .hybrid import Hybrid
 from .pipeline import Pipeline
 from .tensor import TensorParallel
@@ -374,27 +378,23 @@ class Sharded(Hybrid):
         weights, rank 0 writes its own (nobody sends them). So rank 0 holds
         one bucket's whole state at a time beyond its own, never the
         model's; the file is the one a join of every rank's parts made (the
-        same datasets in the same order). One rank: no buckets, the plain
-        sections. With pipeline stages (each stage's buckets sharded over its
-        own replicas): every rank's weights and pieces of state
-        (``held_solver_state``) gathered to rank 0 and joined there
-        (``join_checkpoint``, ``gather_and_join``), not streamed; so with
-        tensor parallelism (each tensor shard's buckets sharded over its
-        replicas). What each rank holds meanwhile is ``save_bytes``'s
+        same datasets in the same order). One rank, or one replica of
+        stages or tensor shards (no buckets): the plain scheme's sections.
+        With pipeline stages (each stage's buckets sharded over its own
+        replicas) or tensor parallelism (each tensor shard's over its
+        replicas): streamed parameter by parameter (``streamed_join`` with
+        ``_join_plan``, the plan of ``join_checkpoint``): each parameter's
+        pieces of state (stage 3: and of weight) sent to rank 0 from the
+        ranks holding them (``checkpoint_parts``) as its turn comes, so
+        rank 0 holds one parameter's whole weight and state at a time
+        beyond its own. What each rank holds meanwhile is ``save_bytes``'s
         figure (``plan``'s "checkpoint save" row): change them together."""
         plan = _plan(graphs)
-        # every rank's pieces gathered and joined, or local
-        if graphs.layout.staged or graphs.layout.tensor > 1 or not plan:
-            def held():
-                params, solver = local()
-                solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
-                if _zero3(graphs):  # stage 3: each parameter's piece of the weight shards
-                    params = {p: v for p, v in params.items() if p in graphs.params}
-                    params.update(self.held_weight_pieces(graphs, ws))
-                return params, solver
-            if not self.gathers_checkpoint(graphs):
-                return held()
-            return self.gather_and_join(graphs, world, held)
+        if not plan:  # one rank, one replica of stages or tensor shards: no bucket
+            return Scheme.checkpoint_sections(self, graphs, ws, world, local)
+        if self.gathers_checkpoint(graphs):
+            params, solver = self.checkpoint_parts(graphs, ws, local)
+            return streamed_join(graphs, world, params, solver, _join_plan)
         from ...job.checkpoint_file import Streamed
         pool = Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
@@ -402,42 +402,59 @@ class Sharded(Hybrid):
 
     # ---- what a save holds, as ``checkpoint_sections`` does it
     def save_meta(self, graphs):
-        """The streamed lists of the base class and, third, the bytes of
-        this rank's part a gathered save pickles (``held_weights`` and its
-        flat state shards)."""
-        meta = super().save_meta(graphs)
+        """``checkpoint_parts``'s lists (``stream_meta``, what the save's
+        ``streamed_join`` allgathers) from the graph's blobs, no workspace:
+        the weights no bucket holds at stage 3 (else every one), the
+        per-parameter state blobs, and each parameter's pieces of this
+        rank's flat state shards (stage 3: of its weight shards), cut from
+        zero-memory stand-ins of the shards as ``_pieces`` cuts them. No
+        bucket: the base class's, the plain scheme's part."""
         blobs = graphs.graph.blobs
-        flat = [blobs[f] for entry in _plan(graphs) for f, _ in _states(entry)]
-        return meta + (sum(_nbytes(blobs[w]) for w in self.held_weights(graphs))
-                       + sum(_nbytes(b) for b in flat),)
+        where = _zero3(graphs)
+        params = {p: blobs[p] for p in self.held_weights(graphs) if p in graphs.params}
+        states = state_blobs(graphs)
+        for entry in _plan(graphs):
+            for flat, state in _states(entry):
+                for p, piece in _pieces(graphs, entry, _stand_in(blobs[flat])):
+                    states.setdefault(p, {})[state] = piece
+            if where:
+                params.update((p, (tuple(blobs[p].shape), piece)) for p, piece in
+                              _pieces(graphs, entry, _stand_in(blobs[entry["weight_shard"]])))
+        return stream_meta(graphs, params, states)
+
+    def save_ranks(self, graphs):
+        """With stages or tensor shards and buckets, every rank: each holds
+        its own pieces (``_join_plan`` reads them all)."""
+        lay = graphs.layout
+        if self.gathers_checkpoint(graphs) and _plan(graphs):
+            return range(lay.replicas * lay.stages * lay.tensor)
+        return super().save_ranks(graphs)
 
     def save_bytes(self, graphs, everyone):
-        """Streamed bucket by bucket (no stages, no tensor shards): on rank 0
-        the receive buffers, slot i at the largest bucket gathered into it
-        (stage 3's weights and each bucket's first state into slot 0, its
-        i-th state into slot i); on a GPU each rank's host copy of the shard
-        it sends (the largest) and rank 0's of a whole weight it writes
-        (``to_numpy``: this one and the one written before it). With stages
-        or tensor shards (``gather_and_join``): every rank pickles its part
-        (``save_meta``'s bytes) after copying its pieces of the state out of
-        the flat shards; rank 0 receives every rank's pickled part (the
-        parts' bytes) and unpickles each from a copy of its bytes
-        (``World.gather_object``: the parts' bytes again, and the largest
-        part's once more); its join (at most the parts' bytes, the received
-        ones freed by then) holds less."""
+        """As ``checkpoint_sections`` saves. No bucket (one rank, one
+        replica of stages or tensor shards): the plain scheme's figure.
+        With stages or tensor shards: each rank's host copies on a GPU
+        (``checkpoint_parts``: ``to_numpy`` of its weights, flat state
+        shards and stage 3's weight shards); on rank 0 ``stream_bytes``
+        with ``_join_plan`` over every rank's ``save_meta`` (``everyone``):
+        its receive buffers, one parameter's whole weight and states, and
+        with tensor shards each shard's pieces copied together (not one
+        span of the buffer) and the shards joined, a parameter's size
+        each. Else streamed bucket by bucket: on rank 0 the receive
+        buffers, slot i at the largest bucket gathered into it (stage 3's
+        weights and each bucket's first state into slot 0, its i-th state
+        into slot i); on a GPU each rank's host copy of the shard it sends
+        (the largest) and rank 0's of a whole weight it writes
+        (``to_numpy``: this one and the one written before it)."""
         lay, plan = graphs.layout, _plan(graphs)
         rank = lay.rank(lay.replica, lay.stage)
         blobs = graphs.graph.blobs
-        if lay.staged or lay.tensor > 1 or not plan:
-            if not self.gathers_checkpoint(graphs):
-                return 0
-            part = everyone[rank][2]
-            pieces = sum(_nbytes(blobs[f]) for entry in plan for f, _ in _states(entry))
-            if _zero3(graphs):
-                pieces += sum(_nbytes(blobs[entry["weight_shard"]]) for entry in plan)
-            parts = [m[2] for m in everyone.values()]
-            gathered = 2 * sum(parts) + max(parts) if rank == 0 else 0
-            return pieces + part + gathered + host_copies(graphs, self.held_weights(graphs))
+        if not plan:
+            return Scheme.save_bytes(self, graphs, everyone)
+        if self.gathers_checkpoint(graphs):
+            flat = [f for entry in plan for f, _ in _states(entry)]
+            out = host_copies(graphs, self.held_weights(graphs) + flat)
+            return out + (stream_bytes(lay, everyone, _join_plan) if rank == 0 else 0)
         slots = {}
         for entry in plan:
             total = int(blobs[entry["weights"]].size)
@@ -460,10 +477,23 @@ class Sharded(Hybrid):
             out += sum(sorted(whole)[-2:])
         return out
 
-    # ---- checkpoints with pipeline stages or tensor parallelism: every rank's
-    # pieces joined on rank 0
+    # ---- checkpoints with pipeline stages or tensor parallelism: each
+    # parameter's pieces joined on rank 0
     def gathers_checkpoint(self, graphs):
         return graphs.layout.staged or graphs.layout.tensor > 1
+
+    def checkpoint_parts(self, graphs, ws, local):
+        """This rank's part of a save with stages or tensor shards, what
+        ``join_checkpoint`` joins: ``local()``'s weights (stage 3: those no
+        bucket holds, and each parameter's piece of the weight shards,
+        ``held_weight_pieces``) and each parameter's pieces of the state
+        shards (``held_solver_state``); views of the rank's own blobs."""
+        params, solver = local()
+        solver.update(self.held_solver_state(graphs, ws))  # a shard's flat state
+        if _zero3(graphs):  # stage 3: each parameter's piece of the weight shards
+            params = {p: v for p, v in params.items() if p in graphs.params}
+            params.update(self.held_weight_pieces(graphs, ws))
+        return params, solver
 
     def held_solver_state(self, graphs, ws):
         """{param: {state: 1-D piece}}: each parameter's part of this rank's
@@ -641,6 +671,11 @@ def _nbytes(blob):
     return int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
 
 
+def _stand_in(blob):
+    """A zero-memory array of ``blob``'s shape and dtype (``save_meta``)."""
+    return np.broadcast_to(np.zeros((), np.dtype(blob.dtype)), tuple(blob.shape))
+
+
 def _plain(lay):
     """The plain scheme (class) a layout of one replica of stages or tensor
     shards runs as: Pipeline or TensorParallel, else None (several replicas,
@@ -721,14 +756,14 @@ def _streamed_states(graphs, ws, world, plan, pool):
 
 
 def _pieces(graphs, entry, arr):
-    """(param, 1-D copy of its part of ``arr``), ``arr`` this rank's shard of
+    """(param, 1-D view of its part of ``arr``), ``arr`` this rank's shard of
     a bucket's flat array (weights or a state); a parameter outside the
     shard has none."""
     lo, hi = entry["shard"]
     for p, off in zip(entry["params"], entry["offsets"]):
         a, b = max(lo, off), min(hi, off + graphs.graph.blobs[p].size)
         if a < b:
-            yield p, np.array(arr[a - lo:b - lo])
+            yield p, arr[a - lo:b - lo]
 
 
 def _joined(what, got, shape):
@@ -741,6 +776,75 @@ def _joined(what, got, shape):
         raise GraphError(f"{what} joins to {whole.size} elements from the ranks' shards, "
                          f"the weight has {size}")
     return whole.reshape(shape)
+
+
+def _join_plan(lay, everyone):
+    """``join_checkpoint``'s plan for ``streamed_join`` from every rank's
+    lists (``everyone``, world order; base ``_stream_plan`` says their
+    form): ``_pieces_plan`` over every rank, or with tensor parallelism
+    over each tensor shard's replicas, their tensor shards then joined as
+    ``tensor_parallel.gather_whole`` joins them (shard 0's order; a split
+    parameter's weight and states from every shard, any other from shard
+    0)."""
+    if lay.tensor == 1:
+        return _pieces_plan(everyone, range(len(everyone)))
+    if lay.staged:  # refused by the config rules (stages with tensor parallelism)
+        raise GraphError("scheme sharded joins tensor shards without pipeline stages only")
+    shards = [_pieces_plan(everyone, lay.shard_ranks(k)) for k in range(lay.tensor)]
+    first_weights, first_states = shards[0]
+    # a parameter's split, as its first holder lists it (the shards differ in their index only)
+    split = {p: everyone[groups[0][0][0]][0][p][2] for p, (_, groups) in first_weights.items()}
+    weights = {p: (split[p], [w[p][1][0] for w, _ in shards]) if split[p] else v
+               for p, v in first_weights.items()}
+    states = {p: {x: (split[p], [s[p][x][1][0] for _, s in shards])
+                  if split.get(p) else v for x, v in named.items()}
+              for p, named in first_states.items()}
+    return weights, states
+
+
+def _pieces_plan(everyone, ranks):
+    """``Sharded._join_pieces``'s plan over the lists of ``ranks`` (world
+    order), in its order: the weights held whole from their first holder,
+    then stage 3's pieces of each parameter from every rank holding one;
+    each parameter's pieces of each state from every rank holding one, in
+    the weight's shape; a first piece already the whole alone. A parameter
+    whose pieces do not make its size is refused on every rank, before any
+    gather."""
+    weights, pieces = {}, {}
+    for r in ranks:
+        for p, (shape, _, _, whole) in everyone[r][0].items():
+            if whole is None:
+                weights.setdefault(p, (None, [([r], shape)]))
+            else:
+                pieces.setdefault(p, (whole, []))[1].append(r)
+    for p, (shape, got) in pieces.items():
+        weights[p] = (None, [(_holders(f"the weight '{p}'", got, [everyone[r][0][p][0]
+                                                                 for r in got], shape), shape)])
+    held = {}
+    for r in ranks:
+        for p, named in everyone[r][1].items():
+            for x in named:
+                held.setdefault(p, {}).setdefault(x, []).append(r)
+    states = {}
+    for p, named in held.items():
+        shape = weights[p][1][0][1]
+        states[p] = {x: (None, [(_holders(f"the state '{x}' of '{p}'", got,
+                                          [everyone[r][1][p][x][0] for r in got], shape),
+                                 shape)]) for x, got in named.items()}
+    return weights, states
+
+
+def _holders(what, ranks, shapes, shape):
+    """The ranks whose pieces (of ``shapes``) make an array of ``shape``, as
+    ``_joined`` joins them: the first alone where its piece is the whole."""
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    size = int(np.prod(shape, dtype=np.int64))
+    if sizes[0] == size:
+        return list(ranks[:1])
+    if sum(sizes) != size:
+        raise GraphError(f"{what} joins to {sum(sizes)} elements from the ranks' shards, "
+                         f"the weight has {size}")
+    return list(ranks)
 
 
 def _join_weights(graphs, parts):
