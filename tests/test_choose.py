@@ -64,9 +64,12 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     least_whole = min(r["need_bytes"]["host"] for r in whole)
     # the model state split in two, against data parallelism's whole copy
     # (sharded stage 1 holds less than data since its gradient shard is the
-    # bucket's own range: 48.8 against 58.5 MB here, pipeline 30.0)
+    # bucket's own range: 48.9 against 58.5 MB here, pipeline 30.0); rank
+    # 0's checkpoint save adds the buffer stage 1's parameters stream
+    # through (fc3's weight and momentum, one at a time: 9.4 MB; sharded's
+    # largest bucket's momentum, 9.4): pipeline 39.4, sharded 58.3
     data = min(r["need_bytes"]["host"] for r in whole if r["label"].startswith("data"))
-    assert least_staged < 0.6 * data
+    assert least_staged < 0.7 * data
     assert least_staged < least_whole
     limit = (least_staged + least_whole) // 2
     # the second run reads the calibration from the cache: no new measurement
@@ -106,8 +109,10 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
 
 def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
     """With fewer stages than ranks, each hybrid setting also appears with
-    its stage's replicas sharded; shards 1 and 2 hold less than the hybrid
-    setting they shard (its replicas' whole optimizer state)."""
+    its stage's replicas sharded; shards 1 and 2 need less than the hybrid
+    setting they shard (its replicas' whole optimizer state), a save
+    counted: sharded with stages streams it to rank 0 a parameter at a
+    time, as hybrid's pipeline does."""
     job, cal, _, _ = calibrated
     out, res = _choose(job, cal, np=4)
     assert res.returncode == 0 and "calibration: timing" not in res.stderr
@@ -428,3 +433,55 @@ def test_choose_lists_tensor_x_pipeline_prices_it_and_its_best_trains(tmp_path):
                       tmp_path / "run", timeout=600)
     assert res.returncode == 0, res.stderr
     assert "2 stages x 2-way tensor parallel" in res.stdout
+
+
+def test_tensor_rows_are_listed_where_tensor_parallelism_splits_a_layer(tmp_path):
+    """Tensor parallelism splits an MLP's fc pair, not only attention: this
+    module's fc-only net (fc1 -> relu1 -> fc2, a pair ``find_splits`` finds)
+    gets tensor 2-way and 4-way, sharded x tensor 2-way and pipeline x
+    tensor 2-way on 4 ranks; a net of convolutions (nothing the scheme
+    splits) gets no tensor row. Priced from a constructed calibration (no
+    MPI for the prediction), tensor 2-way on 2 ranks is possible, and the
+    YAML written for it as the choice trains on 2 ranks."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.choose import Choice, Predictor, _calibration_job, best_yaml, \
+        candidates, evaluate, rank, small_batch
+    from purine_mpi.tools.plan import MemoryLimits
+    from purine_mpi.tools.scaling.link import make_link
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    from tests.conftest import make_job
+    path = _job(tmp_path)
+    job = load_job(path, (), check_files=False)
+    labels = [c.label for c in candidates(job, 4, Durations({}))]
+    assert {"tensor 2-way", "tensor 4-way", "sharded stage 1 x tensor 2-way"} <= set(labels)
+    assert any(label.startswith("pipeline") and label.endswith(" x tensor 2-way")
+               for label in labels)
+    conv = yaml.safe_load(NET.replace("SCHEME", "data"))
+    conv["data"]["train"]["shape"] = [3, 8, 8]
+    conv["net"] = [
+        {"type": "conv", "name": "c1", "bottom": "data", "top": "c1", "num_output": 8,
+         "kernel": 3},
+        {"type": "relu", "name": "r1", "bottom": "c1", "top": "c1"},
+        {"type": "conv", "name": "c2", "bottom": "c1", "top": "c2", "num_output": 10,
+         "kernel": 6},
+        {"type": "softmax_loss", "name": "loss", "bottom": ["c2", "label"], "top": "loss"}]
+    conv_labels = [c.label for c in candidates(make_job(conv), 4, Durations({}))]
+    assert conv_labels and not [label for label in conv_labels if "tensor" in label]
+
+    calib_job = _calibration_job(path, ())
+    small_job = _calibration_job(path, (), (f"data.train.batch_size={small_batch(2)}",))
+    durations = _calibration_trace(calib_job, 1e-3)
+    predictor = Predictor(calib_job, durations, make_link(None, None, None),
+                          small=(_calibration_trace(small_job, 0.5e-3), small_job))
+    tensor = next(c for c in candidates(job, 2, durations) if c.label == "tensor 2-way")
+    evaluate(tensor, path, (), 2, MemoryLimits(host=1 << 40), predictor)
+    assert tensor.error is None and tensor.iter_s > 0, tensor.error
+    choice = Choice(2, rank([tensor]), ("samples", 16), "", 0.0)
+    assert choice.best is tensor
+    (tmp_path / "best.yaml").write_text(best_yaml(choice))
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["parallel"]["scheme"] == "tensor" and best["parallel"]["tensor_parallel"] == 2
+    res = run_mpi_cli(2, "train", tmp_path / "best.yaml", "--iters", 2, "--out",
+                      tmp_path / "run", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "2-way tensor" in res.stdout

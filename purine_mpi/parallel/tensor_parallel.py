@@ -115,6 +115,17 @@ def find_splits(graph):
                                              else p["column"] + ".fwd"])
 
 
+def splits_of(job):
+    """The pairs tensor parallelism would split in ``job``'s net
+    (``find_splits`` on one replica's training graph, as ``split_for``
+    finds them when the scheme composes): empty where it splits nothing
+    (``plan --choose`` lists tensor-parallel settings only where it splits
+    something)."""
+    from ..job.replica import build_train_graph
+    graph, _ = build_train_graph(job)
+    return find_splits(graph)
+
+
 def _forward(graph, op):
     """Whether ``op`` is of the forward pass (not a gradient, update or
     solver op): every reader of an activation counts when a split is

@@ -32,6 +32,14 @@ is where the gradients live, so it counts as gradients):
 - ``kept``: everything else that persists (losses, metrics, lr, the
   iteration counter, a device loss watch).
 
+Beside the rows, ``save`` (``plan``'s "checkpoint save" row): the host
+bytes a checkpoint save holds beyond them while it runs, the scheme's
+figure (``Scheme.save_bytes``: rank 0's receive buffers and joins, a GPU
+rank's host copies of its part). The save runs between iterations, when
+no kernel runs: ``save_total`` is the rows less the kernel temporaries
+plus it, and ``host_total`` (the host's need) the larger of that and the
+rows' sum (``loop_total``).
+
 Two more host rows, what the CPU kernels hold besides the blobs (the
 host ops of the training graph and the test graph, ``host_kernel_bytes``):
 
@@ -155,10 +163,28 @@ class Footprint:
     #: {device: ``device_extras``}: the plan behind its scratch and cuBLAS
     #: rows (slots, each op's scratch and its note, the handles)
     extras: dict = field(default_factory=dict)
+    #: the host bytes a checkpoint save holds beyond the rows while it runs
+    #: (``Scheme.save_bytes``: rank 0's receive buffers and joins, a GPU
+    #: rank's host copies of its part)
+    save: int = 0
+
+    @property
+    def loop_total(self):
+        """The host bytes held during an iteration: every row."""
+        return sum(self.host.values())
+
+    @property
+    def save_total(self):
+        """The host bytes held while a save runs: it runs between
+        iterations (train/checkpoints.py, after the dispatcher drained), when
+        no kernel runs, so without the kernel temporaries; every other row
+        stays allocated (the arenas, the caches), and the save's own bytes."""
+        return self.loop_total - self.host.get("kernel_temporaries", 0) + self.save
 
     @property
     def host_total(self):
-        return sum(self.host.values())
+        """The most host bytes held at once: the iteration's or the save's."""
+        return max(self.loop_total, self.save_total)
 
     def device_total(self, device):
         return sum(self.devices.get(device, {}).values())
@@ -166,6 +192,9 @@ class Footprint:
     def as_dict(self):
         return {"rank": self.rank, "device": self.device,
                 "host": {**{k: int(self.host.get(k, 0)) for k in ROWS},
+                         "checkpoint_save": int(self.save),
+                         "loop_total": int(self.loop_total),
+                         "save_total": int(self.save_total),
                          "total": int(self.host_total)},
                 "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
                                      "total": int(self.device_total(d))}
@@ -325,14 +354,16 @@ def data_pool_bytes(graphs):
     return total + sum(shared.values())
 
 
-def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None):
+def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
     which reuses the host arena when the training arena holds it; on a GPU
     the scratch, cuBLAS workspaces and capture pools (``device_extras``;
     ``cuda_graph``: the job's). ``dispatcher``: the kind ``train`` is given
     (factory.dispatcher_kind: the serial one runs every kernel on one
-    thread, ``host_kernel_bytes``)."""
+    thread, ``host_kernel_bytes``). ``save``: the host bytes a checkpoint
+    save adds (``Scheme.save_bytes``), counted where the save holds more
+    than an iteration (``Footprint.host_total``)."""
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, list(window_arrays(g)), plans.host,
                                 plans.devices)
@@ -371,7 +402,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None):
                          "cache: their workspace counted at the cap gpu.workspace_limit")
     return Footprint(rank=rank, device=int(graphs.device), host=host, devices=devices,
                      peak=peak, notes=notes, model_state=model_state_bytes(g),
-                     extras=extras)
+                     extras=extras, save=int(save))
 
 
 #: the rows of the model state (ZeRO's sense: what a sharding scheme divides)

@@ -12,18 +12,21 @@ the layers cut into contiguous stages of about equal measured time, at a
 few micro-batch counts (1, S, 2S, 4S dividing the batch); where fewer
 stages than ranks, the same stages with each stage's replicas sharded at
 each ZeRO stage (listed where the hybrid setting is possible); tensor
-parallelism of each degree t >= 2 dividing N where the net has attention
-layers, and where t < N the same with each tensor shard's replicas sharded
-at each ZeRO stage (listed where the tensor setting is possible); and
-tensor parallelism within pipeline stages (scheme pipeline with
-``parallel.tensor_parallel``: one replica of p >= 2 stages x t >= 2 tensor
-shards, N = p·t) where the net has attention layers, at the stage cut and
-micro-batch counts of the pipelines of p stages (``staged_settings``),
-priced by the same predictor (every rank simulated: each stage's tensor
-allreduces over its group, the transfers between the stages). Each is a
-list of ``--set`` overrides of the job; a candidate the config rules or the
-scheme's layout refuse (a UserError) is listed as "not possible" with the
-reason.
+parallelism of each degree t >= 2 dividing N where it splits something in
+the net (``tensor_parallel.splits_of``: an MLP's pair of fully connected
+layers, an attention layer), and where t < N the same with each tensor
+shard's replicas sharded at each ZeRO stage (listed where the tensor
+setting is possible); and tensor parallelism within pipeline stages (scheme
+pipeline with ``parallel.tensor_parallel``: one replica of p >= 2 stages x
+t >= 2 tensor shards, N = p·t) where tensor parallelism splits something,
+at the stage cut and micro-batch counts of the pipelines of p stages
+(``staged_settings``), priced by the same predictor (every rank simulated:
+each stage's tensor allreduces over its group, the transfers between the
+stages). A degree that does not divide a split layer's width (or an
+attention layer's heads) is listed as "not possible" with the reason. Each
+is a list of ``--set`` overrides of the job; a candidate the config rules
+or the scheme's layout refuse (a UserError) is listed as "not possible"
+with the reason.
 
 For each possible candidate: the bytes per rank (``plan``'s offline
 footprint, the largest rank) against the memory each rank has, and the
@@ -299,6 +302,7 @@ def candidates(job, n, durations):
     """The Candidates for ``n`` ranks (see the module docstring)."""
     from ..job.schema import SHARD_STAGES
     from ..parallel.schemes import scheme_class
+    from ..parallel.tensor_parallel import splits_of
     out = []
     modes = ["none", "full"] + (["selective"] if has_attention(job) else [])
     for mode in modes:
@@ -332,7 +336,9 @@ def candidates(job, n, durations):
                                           f"parallel.stages={text}",
                                           f"parallel.micro_batches={m}"),
                                          f"sharded stage {stage} x {what}", after=staged))
-    if has_attention(job):
+    # tensor parallelism where it splits something: an MLP's fc pair or an
+    # attention layer (tensor_parallel.find_splits, what the scheme splits)
+    if n > 1 and splits_of(job):
         for t in range(2, n + 1):
             if n % t == 0:
                 tensor = Candidate(("parallel.scheme=tensor", f"parallel.tensor_parallel={t}"),
@@ -530,7 +536,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, offline_footprint, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, ranks_to_build
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -539,7 +545,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, _ = ranks_to_build(job, n)
-        fps = [offline_footprint(job, n, r) for r in built]
+        fps = list(offline_footprints(job, n, built)[0].values())
         need, lims = {}, {}
         for fp in fps:
             for where, d, lim, why in limits_for(limits, n, sorted(fp.devices)):

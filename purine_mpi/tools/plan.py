@@ -104,21 +104,78 @@ def need_of(fp, device):
 
 
 # ------------------------------------------------------------------ graphs
-def offline_footprint(job, size, rank):
-    """The footprint of ``rank`` of ``size``, built without MPI."""
+def offline_footprint(job, size, rank, everyone=None):
+    """The footprint of ``rank`` of ``size``, built without MPI;
+    ``everyone``: the ranks' ``save_meta`` (``save_metas``) its checkpoint
+    save's bytes are figured from (None: ``save_metas`` builds them)."""
+    graphs = _offline_graphs(job, size, rank)
+    if everyone is None:
+        everyone = save_metas(job, size, {rank: graphs})
+    return _footprint_of(job, graphs, rank, everyone)
+
+
+def offline_footprints(job, size, ranks):
+    """({rank: footprint} of ``ranks`` of ``size`` (``offline_footprint``),
+    every rank's part of a save (``save_metas``) their save's bytes come from)."""
+    built = {r: _offline_graphs(job, size, r) for r in ranks}
+    everyone = save_metas(job, size, built)
+    return {r: _footprint_of(job, g, r, everyone) for r, g in built.items()}, everyone
+
+
+def _offline_graphs(job, size, rank):
     from ..parallel.rank_graphs import build_rank_graphs
-    from ..runtime.footprint import footprint, workspace_plans
     from .graph import _OfflineWorld, compose_for
     offline = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
     world = _OfflineWorld(rank, size)
     if size > 1 and job.parallel.servers:
         # a parameter-server rank: graph --np's slice (no test graph)
         graph = compose_for(offline, size, rank)
-        graphs = _Graphs(graph=graph, device=_device_of(graph))
-    else:
-        graphs = build_rank_graphs(offline, world, check_memory=False)
+        return _Graphs(graph=graph, device=_device_of(graph))
+    return build_rank_graphs(offline, world, check_memory=False)
+
+
+def _footprint_of(job, graphs, rank, everyone):
+    from ..runtime.footprint import footprint, workspace_plans
     return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
-                     cuda_graph=job.cuda_graph)
+                     cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone))
+
+
+def save_metas(job, size, built):
+    """{rank: its part of a save} (``Scheme.save_meta``) for every rank of
+    ``size``: those of ``built`` ({rank: graphs}), the others built here
+    when their part is needed (``Scheme.save_ranks``: those whose parts
+    rank 0's figure reads, replica 0's; scheme sharded's with stages or
+    tensor shards, every rank's), else taken from the rank of
+    ``ranks_to_build`` they are like."""
+    from ..parallel.schemes import scheme_of
+    if job.parallel.servers and size > 1:
+        return {}
+    scheme = scheme_of(job)
+    first = next(iter(built.values()))
+    metas = {r: scheme.save_meta(g) for r, g in built.items()}
+    if not scheme.gathers_checkpoint(first):  # each rank's figure is its own
+        return metas
+    per = first.layout.stages * first.layout.tensor  # the ranks of one replica
+    for r in scheme.save_ranks(first):
+        if r not in metas:
+            metas[r] = scheme.save_meta(_offline_graphs(job, size, r))
+    _, like = ranks_to_build(job, size)
+    for r in range(size):
+        if r not in metas:
+            src = like.get(r, per + r % per)
+            if src not in metas:
+                metas[src] = scheme.save_meta(_offline_graphs(job, size, src))
+            metas[r] = metas[src]
+    return metas
+
+
+def save_bytes(job, graphs, everyone):
+    """The host bytes this rank's checkpoint save adds (``Scheme.save_bytes``),
+    0 for a parameter server's rank (it writes nothing)."""
+    from ..parallel.schemes import scheme_of
+    if getattr(graphs, "layout", None) is None or not everyone:
+        return 0
+    return scheme_of(job).save_bytes(graphs, everyone)
 
 
 @dataclasses.dataclass
@@ -153,19 +210,20 @@ def _with_batch(job, batch):
     return job.replace(data=dataclasses.replace(job.data, train=train))
 
 
-def fitting_batch(job, size, rank, device, limit, need):
+def fitting_batch(job, size, rank, device, limit, need, everyone=None):
     """The largest ``data.train.batch_size`` (a multiple of the
     micro-batches) under which ``rank`` needs at most ``limit`` bytes on
     ``device`` (-1: the host), from the footprints at two batch sizes (the
     bytes grow with the batch by a constant per sample), checked by
     building it; None when even the smallest does not fit. At most four
-    builds."""
+    builds. ``everyone``: the ranks' parts of a save (``save_metas``: the
+    batch does not change them)."""
     b0 = job.train_batch
     m = job.parallel.micro_batches
     if b0 is None or b0 <= m:
         return None
     b1 = max(m, b0 // 2 // m * m)
-    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank), device)
+    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone), device)
     per = (need - n1) / (b0 - b1)
     if n1 <= limit and per <= 0:
         return b1
@@ -175,16 +233,17 @@ def fitting_batch(job, size, rank, device, limit, need):
     for _ in range(3):
         if b < m:
             return None
-        if need_of(offline_footprint(_with_batch(job, b), size, rank), device) <= limit:
+        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone),
+                   device) <= limit:
             return b
         b = b * 3 // 4 // m * m
     return None
 
 
-def advice(job, size, rank, device, limit, need):
+def advice(job, size, rank, device, limit, need, everyone=None):
     """What would make ``rank`` fit, in words."""
     parts = []
-    b = fitting_batch(job, size, rank, device, limit, need)
+    b = fitting_batch(job, size, rank, device, limit, need, everyone)
     if b is not None:
         parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
     elif job.train_batch is not None:
@@ -216,7 +275,7 @@ def over(fp, limits, ranks_per_host):
     return out
 
 
-def refusal(job, fp, size, problem, offline_rank=None):
+def refusal(job, fp, size, problem, offline_rank=None, everyone=None):
     """The one line ``train`` (and ``plan --check``) refuses a job with."""
     where, device, need, limit, why = problem
     rows = fp.host if device < 0 else fp.devices.get(device, {})
@@ -229,8 +288,11 @@ def refusal(job, fp, size, problem, offline_rank=None):
         text += (f"; its transient blobs peak at {human_bytes(p['live_bytes'])} at op "
                  f"'{p['op']}' ({p['position'] + 1} of {p['ops']} in the schedule)")
     rank = fp.rank if offline_rank is None else offline_rank
-    return (f"{text}; {advice(job, size, rank, device, limit, need)}; or skip the check with "
-            "--no-memory-check")
+    if fp.save and device < 0 and fp.save_total > fp.loop_total:
+        text += (f"; its checkpoint save holds {human_bytes(fp.save)} more between "
+                 "iterations")
+    return (f"{text}; {advice(job, size, rank, device, limit, need, everyone)}; or skip the "
+            "check with --no-memory-check")
 
 
 def check_memory(job, graphs, plans, world, limits, dispatcher=None):
@@ -242,19 +304,37 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None):
         return
     from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
-    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph, dispatcher=dispatcher)
+    everyone = train_save_metas(job, graphs, world)
+    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph, dispatcher=dispatcher,
+                   save=save_bytes(job, graphs, everyone))
     problems = over(fp, limits, ranks_on_this_host()[0])
     if problems:
         ps = getattr(job.parallel, "servers", 0) and world.size > 1
         raise MemoryTooSmall(refusal(job, fp, world.size + (job.parallel.servers if ps else 0),
-                                     problems[0]))
+                                     problems[0], everyone=everyone))
+
+
+def train_save_metas(job, graphs, world):
+    """``save_metas`` in a run: this rank's part, and where a save gathers
+    the ranks' parts (``Scheme.gathers_checkpoint``, the same on every rank)
+    every rank's, by one allgather (each rank's lists of names and shapes,
+    what the save itself allgathers first)."""
+    from ..parallel.schemes import scheme_of
+    if getattr(graphs, "layout", None) is None or (job.parallel.servers and world.size > 1):
+        return {}
+    scheme = scheme_of(job)
+    mine = scheme.save_meta(graphs)
+    if world.size == 1 or not scheme.gathers_checkpoint(graphs):
+        return {world.rank: mine}
+    return dict(enumerate(world.allgather_object(
+        mine, "the ranks' parts of a checkpoint, for the memory check (Iallgatherv)")))
 
 
 # ------------------------------------------------------------------ output
 def run_plan(job, size, limits, as_json=False):
     """``plan``: (text or JSON object, exit status): 0 when every rank fits."""
     built, like = ranks_to_build(job, size)
-    fps = {r: offline_footprint(job, size, r) for r in built}
+    fps, everyone = offline_footprints(job, size, built)
     groups = {}
     for r in range(size):
         fp = fps[like.get(r, r)]
@@ -294,6 +374,15 @@ def run_plan(job, size, limits, as_json=False):
                                                         for _, rows in cols))
         lines.append(f"  {'total':<18}" + "".join(
             f"  {human_bytes(sum(rows.values())):>12}" for _, rows in cols))
+        # the save runs between iterations (host memory only): rank 0's
+        # receive buffers and joins, a GPU rank's host copies of its part
+        lines.append(f"  {'checkpoint save':<18}  {human_bytes(fp.save):>12}")
+        if fp.save:
+            lines.append(f"  {'at a save':<18}  {human_bytes(fp.save_total):>12}  (between "
+                         "iterations: the total less the kernel temporaries, plus the save; "
+                         + ("more than an iteration holds: the host's need)"
+                            if fp.save_total > fp.loop_total else "no more than an "
+                            "iteration holds)"))
         ms = fp.model_state
         if ms:  # train's start-up ``model state`` figures (runtime/footprint.model_state_bytes)
             lines.append(f"  model state: weights {human_bytes(ms['weights'])}, gradients "
@@ -315,7 +404,7 @@ def run_plan(job, size, limits, as_json=False):
             if not f["fits"]:
                 d = -1 if where == "host" else int(where.split()[1])
                 lines.append("    " + advice(job, size, ranks[0], d, f["limit_bytes"],
-                                             f["need_bytes"]))
+                                             f["need_bytes"], everyone))
         if fp.devices and not any(w != "host" for w in fits):
             lines.append("  no GPU here: give --device-memory to check the GPU's part")
         for note in fp.notes:

@@ -23,6 +23,8 @@ registered under its name::
         def held_weights(self, graphs): ...    # the blobs holding this rank's weights
         def set_weight(self, graphs, ws, name, value): ...  # a whole weight, on init/load
         def test_weights(self, graphs, ws, world): ...  # whole weights the test graph reads
+        def save_meta(self, graphs): ...       # this rank's part of a save, from its blobs
+        def save_bytes(self, graphs, everyone): ...  # the host bytes a save adds (plan)
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
@@ -462,13 +464,45 @@ class Scheme:
         stages' and tensor shards' layouts), streamed parameter by parameter
         (``streamed_join``): rank 0 holds one parameter's whole weight and
         state at a time beyond its own, and the file is the one
-        ``join_checkpoint`` makes of every rank's parts."""
+        ``join_checkpoint`` makes of every rank's parts. What each rank
+        holds meanwhile is ``save_bytes``'s figure: change them together."""
         params, solver = local()
         if not self.gathers_checkpoint(graphs):
             return params, solver
         if world.size == 1:
             return self.join_checkpoint(graphs, [(params, solver)])
         return streamed_join(graphs, world, params, solver)
+
+    # ---- what a save holds (``plan``'s "checkpoint save" row)
+    def save_meta(self, graphs):
+        """This rank's part of a save as ``save_bytes`` reads it, from the
+        graph's blobs (no workspace): ``stream_meta`` of ``held_weights`` and
+        the per-parameter solver state blobs (``state_blobs``)."""
+        blobs = graphs.graph.blobs
+        return stream_meta(graphs, {p: blobs[p] for p in self.held_weights(graphs)},
+                           state_blobs(graphs))
+
+    def save_ranks(self, graphs):
+        """The ranks whose part (``save_meta``) rank 0's ``save_bytes``
+        reads: replica 0's (``plan`` builds them where it builds fewer)."""
+        return range(graphs.layout.stages * graphs.layout.tensor)
+
+    def save_bytes(self, graphs, everyone):
+        """The host bytes this rank holds beyond its footprint while a save
+        runs (``checkpoint_sections`` then the writer), at their most:
+        ``everyone`` is {rank: ``save_meta``} of at least replica 0's ranks
+        (the ranks rank 0 gathers from). A rank whose weights or solver
+        state are on a GPU copies its part to the host (``local()``:
+        ``to_numpy``); on rank 0 of a layout that ``gathers_checkpoint``,
+        ``stream_bytes`` (the receive buffers, the tensor splits' joins);
+        every other rank sends its own arrays (nothing more)."""
+        lay = graphs.layout
+        out = host_copies(graphs, self.held_weights(graphs))
+        rank = lay.rank(lay.replica, lay.stage)
+        if rank == 0 and self.gathers_checkpoint(graphs) and \
+                lay.replicas * lay.stages * lay.tensor > 1:
+            out += stream_bytes(lay, everyone)
+        return out
 
     def gathers_checkpoint(self, graphs):
         """Whether a save gathers every rank's (params, solver state) to
@@ -518,6 +552,29 @@ class Scheme:
         return None
 
 
+def state_blobs(graphs):
+    """{param: {state: blob}}: the graph's per-parameter solver state blobs
+    (``<param>.<state>``), what a save's ``local()`` lists of them."""
+    params, held = set(graphs.params), {}
+    for name, blob in graphs.graph.blobs.items():
+        owner, _, state = name.rpartition(".")
+        if blob.kind == "state" and "@" not in name and owner in params:
+            held.setdefault(owner, {})[state] = blob
+    return held
+
+
+def host_copies(graphs, weights):
+    """The bytes of the host copies a save makes of this rank's part
+    (``to_numpy`` of ``weights`` and their solver state): those on a GPU."""
+    blobs, out = graphs.graph.blobs, 0
+    for name, blob in blobs.items():
+        owner = name.rpartition(".")[0]
+        if blob.location.device >= 0 and "@" not in name and blob.shape is not None and (
+                name in weights or blob.kind == "state" and owner in graphs.params):
+            out += int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
+    return out
+
+
 class Buffers:
     """Rank 0's receive buffers of a streamed save: slot i, a byte buffer
     kept at the largest size asked of it, each gather a view of it."""
@@ -551,13 +608,8 @@ def streamed_join(graphs, world, params, held_states, plan=None):
     joined with the other holders' (scheme sharded's stage-3 weight
     shards)."""
     from ...job.checkpoint_file import Streamed
-    from ..tensor_split import split_of
-    meta = ({p: (tuple(np.shape(_piece(v))), np.dtype(_piece(v).dtype).str,
-                 split_of(graphs.graph.blobs[p]) if p in graphs.graph.blobs else None,
-                 tuple(v[0]) if isinstance(v, tuple) else None) for p, v in params.items()},
-            {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
-             for p, states in held_states.items()})
-    everyone = world.allgather_object(meta, "the checkpoint's list of parameters (Iallgatherv)")
+    everyone = world.allgather_object(stream_meta(graphs, params, held_states),
+                                      "the checkpoint's list of parameters (Iallgatherv)")
     weights, states = (plan or _stream_plan)(graphs.layout, everyone)
     pool = Buffers()
 
@@ -585,6 +637,70 @@ def streamed_join(graphs, world, params, held_states, plan=None):
                 yield p, values
 
     return Streamed(weight_pairs()), Streamed(state_pairs())
+
+
+def stream_meta(graphs, params, held_states):
+    """This rank's list of its part of a streamed save (``streamed_join``
+    allgathers it): ``({param: (shape, dtype, split, whole shape of a
+    piece)}, {param: {state: (shape, dtype)}})`` of ``params`` {name:
+    array, or ``(whole shape, 1-D piece)``} and ``held_states`` {param:
+    {state: array}}; anything with a shape and a dtype stands for an array
+    (``Scheme.save_meta``: the graph's blobs, before any workspace)."""
+    from ..tensor_split import split_of
+    return ({p: (tuple(_piece(v).shape), np.dtype(_piece(v).dtype).str,
+                 split_of(graphs.graph.blobs[p]) if p in graphs.graph.blobs else None,
+                 tuple(v[0]) if isinstance(v, tuple) else None) for p, v in params.items()},
+            {p: {s: (tuple(v.shape), np.dtype(v.dtype).str) for s, v in states.items()}
+             for p, states in held_states.items()})
+
+
+def stream_bytes(lay, everyone, plan=None):
+    """The bytes rank 0 holds beyond its own while ``streamed_join``
+    streams a save with ``plan`` (default ``_stream_plan``; ``everyone``:
+    {rank: ``stream_meta``} of the ranks the plan reads): its receive
+    buffers (``Buffers``: slot i at the largest array gathered into it, the
+    weights into slot 0, a parameter's i-th state into slot i) and the
+    arrays ``_fetch`` and ``_whole`` make anew: a group's pieces not one
+    span of the buffer copied together, a tensor split's shards joined
+    (the copies freed once joined). The writer still holds the previous
+    parameter's arrays while the next is made, and a parameter's earlier
+    states while its next one is. A parameter rank 0 alone holds takes
+    none of it: its own array is written."""
+    weights, states = (plan or _stream_plan)(lay, everyone)
+    slots = {}
+
+    def take(slot, split, groups, shapes):
+        """(bytes made while this array is, bytes its array keeps)."""
+        size = {r: int(np.prod(shapes[r][0], dtype=np.int64)) * np.dtype(shapes[r][1]).itemsize
+                for ranks, _ in groups for r in ranks}
+        if list(size) == [0]:
+            return 0, 0
+        slots[slot] = max(slots.get(slot, 0), sum(size.values()))
+        order = sorted(size)
+        copies = sum(sum(size[r] for r in ranks) for ranks, _ in groups
+                     if ranks != order[order.index(ranks[0]):order.index(ranks[0]) + len(ranks)])
+        joined = sum(size.values()) if split and len(groups) > 1 else 0
+        return copies + joined, joined if joined else copies
+
+    def peak(items):
+        """The most a section's parameters hold at once, the previous one's kept."""
+        most, before = 0, 0
+        for arrays in items:
+            kept = 0
+            for made, keeps in arrays:
+                most = max(most, before + kept + made)
+                kept += keeps
+            before = kept
+        return most
+
+    held = peak([take(0, split, groups, {r: everyone[r][0][p][:2] for ranks, _ in groups
+                                         for r in ranks})]
+                for p, (split, groups) in weights.items())
+    held = max(held, peak([take(i, split, groups, {r: everyone[r][1][p][s] for ranks, _ in groups
+                                                   for r in ranks})
+                           for i, (s, (split, groups)) in enumerate(named.items())]
+                          for p, named in states.items()))
+    return sum(slots.values()) + held
 
 
 def _piece(value):

@@ -78,8 +78,8 @@ transport with stages on several replicas -- the world size decides them
 import numpy as np
 
 from ...base.errors import GraphError, UserError
-from .base import (BUCKET_KEYS, Buffers, Composition, Scheme, counted, ranges,
-                   register_scheme, streamed_join)
+from .base import (BUCKET_KEYS, Buffers, Composition, Scheme, counted, host_copies, ranges,
+                   register_scheme, state_blobs, stream_bytes, stream_meta, streamed_join)
 from .hybrid import Hybrid
 from .pipeline import Pipeline
 from .tensor import TensorParallel
@@ -387,7 +387,8 @@ class Sharded(Hybrid):
         pieces of state (stage 3: and of weight) sent to rank 0 from the
         ranks holding them (``checkpoint_parts``) as its turn comes, so
         rank 0 holds one parameter's whole weight and state at a time
-        beyond its own."""
+        beyond its own. What each rank holds meanwhile is ``save_bytes``'s
+        figure (``plan``'s "checkpoint save" row): change them together."""
         plan = _plan(graphs)
         if not plan:  # one rank, one replica of stages or tensor shards: no bucket
             return Scheme.checkpoint_sections(self, graphs, ws, world, local)
@@ -398,6 +399,83 @@ class Sharded(Hybrid):
         pool = Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
+
+    # ---- what a save holds, as ``checkpoint_sections`` does it
+    def save_meta(self, graphs):
+        """``checkpoint_parts``'s lists (``stream_meta``, what the save's
+        ``streamed_join`` allgathers) from the graph's blobs, no workspace:
+        the weights no bucket holds at stage 3 (else every one), the
+        per-parameter state blobs, and each parameter's pieces of this
+        rank's flat state shards (stage 3: of its weight shards), cut from
+        zero-memory stand-ins of the shards as ``_pieces`` cuts them. No
+        bucket: the base class's, the plain scheme's part."""
+        blobs = graphs.graph.blobs
+        where = _zero3(graphs)
+        params = {p: blobs[p] for p in self.held_weights(graphs) if p in graphs.params}
+        states = state_blobs(graphs)
+        for entry in _plan(graphs):
+            for flat, state in _states(entry):
+                for p, piece in _pieces(graphs, entry, _stand_in(blobs[flat])):
+                    states.setdefault(p, {})[state] = piece
+            if where:
+                params.update((p, (tuple(blobs[p].shape), piece)) for p, piece in
+                              _pieces(graphs, entry, _stand_in(blobs[entry["weight_shard"]])))
+        return stream_meta(graphs, params, states)
+
+    def save_ranks(self, graphs):
+        """With stages or tensor shards and buckets, every rank: each holds
+        its own pieces (``_join_plan`` reads them all)."""
+        lay = graphs.layout
+        if self.gathers_checkpoint(graphs) and _plan(graphs):
+            return range(lay.replicas * lay.stages * lay.tensor)
+        return super().save_ranks(graphs)
+
+    def save_bytes(self, graphs, everyone):
+        """As ``checkpoint_sections`` saves. No bucket (one rank, one
+        replica of stages or tensor shards): the plain scheme's figure.
+        With stages or tensor shards: each rank's host copies on a GPU
+        (``checkpoint_parts``: ``to_numpy`` of its weights, flat state
+        shards and stage 3's weight shards); on rank 0 ``stream_bytes``
+        with ``_join_plan`` over every rank's ``save_meta`` (``everyone``):
+        its receive buffers, one parameter's whole weight and states, and
+        with tensor shards each shard's pieces copied together (not one
+        span of the buffer) and the shards joined, a parameter's size
+        each. Else streamed bucket by bucket: on rank 0 the receive
+        buffers, slot i at the largest bucket gathered into it (stage 3's
+        weights and each bucket's first state into slot 0, its i-th state
+        into slot i); on a GPU each rank's host copy of the shard it sends
+        (the largest) and rank 0's of a whole weight it writes
+        (``to_numpy``: this one and the one written before it)."""
+        lay, plan = graphs.layout, _plan(graphs)
+        rank = lay.rank(lay.replica, lay.stage)
+        blobs = graphs.graph.blobs
+        if not plan:
+            return Scheme.save_bytes(self, graphs, everyone)
+        if self.gathers_checkpoint(graphs):
+            flat = [f for entry in plan for f, _ in _states(entry)]
+            out = host_copies(graphs, self.held_weights(graphs) + flat)
+            return out + (stream_bytes(lay, everyone, _join_plan) if rank == 0 else 0)
+        slots = {}
+        for entry in plan:
+            total = int(blobs[entry["weights"]].size)
+            # _streamed_weights: stage 3's weights into slot 0;
+            # _streamed_states: a bucket's i-th state into slot i
+            named = ([(0, entry["weight_shard"])] if "weight_shard" in entry else []) + \
+                list(enumerate(f for f, _ in _states(entry)))
+            for slot, f in named:
+                n = total * np.dtype(blobs[f].dtype).itemsize
+                slots[slot] = max(slots.get(slot, 0), n)
+        out = sum(slots.values()) if rank == 0 else 0
+        shards = [blobs[f] for entry in plan for f in
+                  ([entry["weight_shard"]] if "weight_shard" in entry else [])
+                  + [f for f, _ in _states(entry)]]
+        on_gpu = [_nbytes(b) for b in shards if b.location.device >= 0]
+        out += max(on_gpu, default=0)
+        if rank == 0:
+            whole = [_nbytes(blobs[p]) for p in graphs.params if p not in _zero3(graphs)
+                     and blobs[p].location.device >= 0]
+            out += sum(sorted(whole)[-2:])
+        return out
 
     # ---- checkpoints with pipeline stages or tensor parallelism: each
     # parameter's pieces joined on rank 0
@@ -587,6 +665,15 @@ def _refuse_one_sided_stages(job, lay):
         f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
         "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
         "share a node) or two_sided")
+
+
+def _nbytes(blob):
+    return int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
+
+
+def _stand_in(blob):
+    """A zero-memory array of ``blob``'s shape and dtype (``save_meta``)."""
+    return np.broadcast_to(np.zeros((), np.dtype(blob.dtype)), tuple(blob.shape))
 
 
 def _plain(lay):

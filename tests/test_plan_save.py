@@ -1,0 +1,254 @@
+"""``plan``'s "checkpoint save" row (``Scheme.save_bytes``, the
+footprint's ``save``): the host bytes a save holds beyond an iteration's
+rows, on rank 0 its receive buffers and joins; counted in the host's need
+where the save (between iterations: no kernel temporaries) holds more than
+an iteration. The figure against closed forms of the layouts of
+tests/test_sharded_rss.py's 8 fc layers of 768 x 768 (AdamW), and against
+the bytes a save makes resident in a run on 2 ranks."""
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from purine_mpi.job.config import load_job
+from purine_mpi.tools.plan import MemoryLimits, offline_footprints, run_plan
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
+from tests.test_sharded_rss import _deep_mlp
+
+W = 768 * 768 * 4   # an fc layer's weight (and each of its AdamW states), float32
+B = 768 * 4         # its bias
+
+#: the layouts on 2 ranks: config's parallel section
+LAYOUTS = {
+    "data": {"scheme": "data"},
+    "pipeline": {"scheme": "pipeline", "stages": {f"fc{i}": int(i >= 4) for i in range(8)}
+                 | {"out": 1, "loss": 1} | {f"a{i}": int(i >= 4) for i in range(8)}},
+    "tensor": {"scheme": "tensor", "tensor_parallel": 2},
+    "sharded": {"scheme": "sharded", "shard": 1, "bucket_mb": 2.5},
+}
+
+
+def _config(tmp_path, name):
+    cfg = _deep_mlp()
+    cfg["parallel"] = LAYOUTS[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _saves(tmp_path, name, size=2):
+    job = load_job(_config(tmp_path, name), (), None, check_files=False)
+    fps, _ = offline_footprints(job, size, list(range(size)))
+    return [fps[r].save for r in range(size)], fps
+
+
+@pytest.mark.parametrize("name,rank0", [
+    ("data", 0),
+    # stage 1's weights into slot 0, their 2 states into slots 0 and 1
+    ("pipeline", 2 * W),
+    # the same slots, and two split parameters' joined states at once (fc0's
+    # weight then its bias: column split, both joined from the shards)
+    ("tensor", 2 * W + 2 * W + 2 * B),
+    # one bucket a layer: its two states gathered into slots 0 and 1
+    ("sharded", 2 * (W + B)),
+])
+def test_the_save_row_is_rank_0s_buffers_and_joins(tmp_path, name, rank0):
+    """On the CPU only rank 0 holds more while a save runs (the others send
+    their own arrays); data parallelism writes rank 0's own arrays (0)."""
+    saves, fps = _saves(tmp_path, name)
+    assert saves == [rank0, 0]
+    for fp in fps.values():
+        loop = sum(fp.host.values())
+        assert fp.loop_total == loop
+        assert fp.save_total == loop - fp.host["kernel_temporaries"] + fp.save
+        assert fp.host_total == max(loop, fp.save_total)
+
+
+#: scheme sharded on 4 ranks, streamed a parameter at a time
+#: (``streamed_join`` with ``_join_plan``): 2 stages x 2 replicas; and 2
+#: replicas x 2 tensor shards of 3 fc layers in one bucket, so that a
+#: split parameter's state pieces lie on both replicas of each shard
+FOUR = {
+    "staged": (8, dict(LAYOUTS["pipeline"], scheme="sharded", shard=1)),
+    "sharded_tensor": (3, {"scheme": "sharded", "shard": 1, "tensor_parallel": 2,
+                           "bucket_mb": 100}),
+}
+
+
+def _four(tmp_path, name):
+    layers, parallel = FOUR[name]
+    cfg = _deep_mlp(layers=layers)
+    cfg["parallel"] = parallel
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("name,rank0", [
+    # stage 1's weights, then each parameter's first state, into slot 0
+    # (one weight's size), its second state into slot 1; each a view of
+    # the buffer (a stage's replicas are one span of it)
+    ("staged", 2 * W),
+    # the same slots; a split weight's state pieces on ranks 0, 2 (shard 0)
+    # and 1, 3 (shard 1) are not one span: each shard's copied together
+    # (a weight's size) then the shards joined (another), while fc2's two
+    # joined states (the previous parameter) and fc1's first are held:
+    # 2 W + 2 W + W + 2 W
+    ("sharded_tensor", 7 * W),
+])
+def test_one_rank_and_sharded_with_stages_or_tensor_shards(tmp_path, name, rank0):
+    """One rank writes its own arrays (0 of every scheme); scheme sharded
+    with stages or tensor shards streams each parameter's pieces to rank 0
+    (about one parameter's whole weight and state beyond its own), the
+    other ranks send views of their own arrays (0)."""
+    assert _saves(tmp_path, "data", 1)[0] == [0]
+    job = load_job(_four(tmp_path, name), (), None, check_files=False)
+    fps, _ = offline_footprints(job, 4, range(4))
+    assert [fps[r].save for r in range(4)] == [rank0, 0, 0, 0]
+
+
+def test_plan_shows_the_row_and_counts_it_in_the_need(tmp_path):
+    """Text and --json: the row on each rank; rank 0's need is the save's
+    total where that is the larger, and a --host-memory between the
+    iteration's total and the save's refuses it."""
+    job = load_job(_config(tmp_path, "pipeline"), (), None, check_files=False)
+    out, code = run_plan(job, 2, MemoryLimits(host=1 << 40), as_json=True)
+    ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
+    host = ranks[0]["host"]
+    assert host["checkpoint_save"] == 2 * W and ranks[1]["host"]["checkpoint_save"] == 0
+    assert host["save_total"] == host["loop_total"] - host["kernel_temporaries"] + 2 * W
+    assert host["total"] == max(host["loop_total"], host["save_total"]) == host["save_total"]
+    assert ranks[0]["fits"]["host"]["need_bytes"] == host["total"]
+    text, _ = run_plan(job, 2, MemoryLimits(host=1 << 40))
+    assert "checkpoint save" in text and "at a save" in text
+    limit = (host["loop_total"] + host["save_total"]) // 2
+    _, code = run_plan(job, 2, MemoryLimits(host=limit), as_json=True)
+    assert code == 2
+
+
+#: under ``mpiexec -n 2``: for each layout a trainer, one iteration, then
+#: (the resident peak reset before each, /proc/self/clear_refs) the save's
+#: sections drained through the checkpoint writer's own loop into a group
+#: that only reads each array (the scheme's bytes, no HDF5), then a real
+#: save; each rank prints the resident bytes each added and its figure
+_PROBE = """
+import json, os, sys
+import numpy as np
+from purine_mpi.job.checkpoint_file import _write_dict, save_checkpoint
+from purine_mpi.job.config import load_job
+from purine_mpi.parallel.schemes import scheme_of
+from purine_mpi.tools.plan import save_bytes, train_save_metas
+from purine_mpi.train.checkpoints import Checkpoints
+from purine_mpi.train.trainer import Trainer
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+def added(run):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    run()
+    return status("VmHWM") - before
+
+class Reading:
+    attrs = {}
+    def __contains__(self, key):
+        return False
+    def create_group(self, name, **kw):
+        return Reading()
+    def create_dataset(self, name, data=None, **kw):
+        np.asarray(data).sum()
+
+out = sys.argv[1]
+for path in sys.argv[2:]:
+    job = load_job(path, (), None, check_files=False)
+    name = os.path.basename(path)[:-5]
+    t = Trainer(job, os.path.join(out, name), log=lambda m: None)
+    try:
+        t.step(0)
+        t.train.drain()
+        save_checkpoint(os.path.join(out, f"warm{t.world.rank}.h5"), {"x": np.ones(4)})
+        figure = save_bytes(job, t.graphs, train_save_metas(job, t.graphs, t.world))
+        def sections():
+            params, solver = scheme_of(job).checkpoint_sections(
+                t.graphs, t.ws, t.world, lambda: Checkpoints._held(t))
+            for section, values in (("params", params), ("solver", solver)):
+                if t.world.rank == 0:
+                    _write_dict(Reading(), values, section)
+                else:
+                    for _ in values.items():
+                        pass
+        streamed = added(sections)
+        saved = added(lambda: t.save(1, os.path.join(out, name, "probe.h5")))
+        print(json.dumps({"layout": name, "rank": t.world.rank, "figure": figure,
+                          "streamed": streamed, "saved": saved}), flush=True)
+    finally:
+        t.close()
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_figure_is_what_a_save_makes_resident(tmp_path):
+    """One mpiexec of 2 ranks, each layout in turn (glibc's mmap threshold
+    fixed at 128 KiB, PURINE_MMAP_THRESHOLD, so a freed buffer leaves the
+    resident set and the next one is counted anew): the resident bytes the
+    scheme's part of a save adds (its sections drained through the
+    writer's loop) are the figure within 0.5 MiB on every rank; a real
+    save adds at least the figure less 0.5 MiB (HDF5's own buffers come
+    on top: not in the figure, docs/running.md). Then scheme sharded with
+    stages and with tensor shards on 4 ranks (``FOUR``, streamed a
+    parameter at a time): within 0.5 MiB too."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    paths = [str(_config(tmp_path, name)) for name in LAYOUTS]
+    env = dict(cli_env(), PURINE_MMAP_THRESHOLD=str(128 << 10))
+    p = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-c", _PROBE, str(tmp_path), *paths],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * len(LAYOUTS), p.stdout
+    print("\n".join(json.dumps(r) for r in rows))
+    for r in rows:
+        assert abs(r["streamed"] - r["figure"]) <= (512 << 10), r
+        assert r["saved"] >= r["figure"] - (512 << 10), r
+    assert {r["layout"]: r["figure"] for r in rows if r["rank"] == 0} == {
+        "data": 0, "pipeline": 2 * W, "tensor": 4 * W + 2 * B, "sharded": 2 * (W + B)}
+    # scheme sharded with stages (2 stages x 2 replicas) and with tensor
+    # shards (2 replicas x 2 shards), 4 ranks: each parameter's pieces
+    # streamed to rank 0 (before: every rank's part pickled and gathered at
+    # once, rank 0 +189.6 MiB measured with stages)
+    paths = [str(_four(tmp_path, name)) for name in FOUR]
+    p = subprocess.run([MPIEXEC, "-n", "4", PYTHON, "-c", _PROBE, str(tmp_path), *paths],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    print("\n".join(json.dumps(r) for r in rows))
+    assert len(rows) == 4 * len(FOUR)
+    for r in rows:
+        assert abs(r["streamed"] - r["figure"]) <= (512 << 10), r
+        assert r["saved"] >= r["figure"] - (512 << 10), r
+    assert {r["layout"]: r["figure"] for r in rows if r["rank"] == 0} == {
+        "staged": 2 * W, "sharded_tensor": 7 * W}
+
+
+def test_on_a_gpu_each_rank_copies_its_part_to_the_host(monkeypatch, host_build_dir):
+    """On the (emulated) GPU a save's ``to_numpy`` copies each rank's
+    weights and solver state to the host: data parallelism's figure on 1
+    rank is the whole model state (3 fc layers' weights and biases and
+    AdamW's two states of each: 3 x the weights)."""
+    from tests.conftest import make_job
+    from tests.emulated_gpu.helpers import emulated_gpu_env
+    emulated_gpu_env(monkeypatch, host_build_dir)
+    from purine_mpi.tools.plan import offline_footprint
+    cfg = _deep_mlp(layers=2, width=64)
+    cfg["device"] = 0
+    fp = offline_footprint(make_job(cfg), 1, 0)
+    weights = (2 * (64 * 64 + 64) + 10 * 64 + 10) * 4
+    assert fp.save == 3 * weights
+    assert fp.host_total == max(fp.loop_total, fp.save_total)
