@@ -52,5 +52,9 @@ def test_a_rewound_resume_rotates_the_replaced_best_files(digits_h5, tmp_path):
     assert ckpts == ["ckpt_20.h5", "ckpt_30.h5"], \
         f"checkpoints {ckpts} after the resume from ckpt_20.h5 to 30"
     assert "removed ckpt_40.h5, ckpt_60.h5, best_40.h5: written after iteration 20 " in res.stdout
+    # the list of ckpt_20.h5 named the best pass so far, whose file the run
+    # to 60 deleted as a better pass came: said, not hidden
+    gone = load_checkpoint(str(out / "ckpt_20.h5")).state["watch"]["best"]["kept"][0][2]
+    assert f"names {gone}, not in {out}" in res.stdout, res.stdout
     os.remove(out / "latest.h5")  # --resume auto's fallback: the run's newest checkpoint
     assert os.path.basename(find_latest(str(out))) == "ckpt_30.h5"
