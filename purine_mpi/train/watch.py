@@ -67,8 +67,9 @@ class BestCheckpoints(Service):
             gone = [os.path.basename(path) for _, _, path in self.kept if not os.path.exists(path)]
             if gone:  # the list decides as the uninterrupted run; the files are what they are
                 self.say(f"note: the best list of the checkpoint resumed from names "
-                         f"{', '.join(gone)}, not in {self.out_dir} (deleted after that checkpoint, "
-                         f"as a better pass came); the list keeps their figures, so fewer than "
+                         f"{', '.join(gone)}, not in {self.out_dir} (deleted after that "
+                         f"checkpoint, as a better pass came); the list keeps their figures, so "
+                         f"fewer than "
                          f"{self.keep} best files may be on disk until better passes replace them")
 
     def on_test(self, loop, done):
