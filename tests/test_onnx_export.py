@@ -187,3 +187,73 @@ def test_raw_input_model_carries_the_transform(uint8_digits, tmp_path):
     ours = our_forward(config, str(tmp_path / "run" / "latest.h5"))
     batch = config["data"]["test"]["batch_size"]
     np.testing.assert_allclose(logits[:batch], ours["fc2"], rtol=1e-4, atol=1e-4)
+
+
+def _numpy_axes_net(x, p):
+    """NumPy reference of the net of test_axes_past_the_batch_keep_the_leading_axes
+    (Caffe's semantics: a flatten or fc at axis k keeps axes 0..k-1)."""
+    w, b = p["conv1/weight"], p["conv1/bias"]
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    n, _, h, wd = x.shape
+    conv = np.zeros((n, w.shape[0], h, wd))
+    for i in range(3):
+        for j in range(3):
+            conv += np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + wd], w[:, :, i, j])
+    conv += b[None, :, None, None]
+    fca = conv.reshape(n, 4, -1) @ p["fca/weight"].T + p["fca/bias"]        # (N, 4, 5)
+    flat = conv.reshape(n, 4, -1)                                            # flatten axis 2
+    fcb = flat @ p["fcb/weight"].T + p["fcb/bias"]                          # (N, 4, 3)
+    cat = np.concatenate([fca, fcb], axis=2)                                 # (N, 4, 8)
+    e = np.exp(cat - cat.max(axis=1, keepdims=True))
+    prob = e / e.sum(axis=1, keepdims=True)                                  # softmax axis 1
+    return prob.reshape(n, -1) @ p["fc2/weight"].T + p["fc2/bias"]
+
+
+def test_axes_past_the_batch_keep_the_leading_axes(tmp_path, digits_h5):
+    """fc and flatten at axis 2 of a 4-D blob keep axes 0 and 1 (Caffe's
+    InnerProduct and Flatten): the ONNX model equals a NumPy forward of the
+    checkpoint. Before, fc at axis 2 became Flatten(axis 1) + Gemm (a model
+    onnxruntime refuses: 'Dimension mismatch ... between 64 and 256') and
+    flatten at axis 2 ONNX's Flatten, which merges axes 0 and 1 as well."""
+    net = [{"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1",
+            "num_output": 4, "kernel": 3, "pad": 1},
+           {"type": "fc", "name": "fca", "bottom": "conv1", "top": "fca", "num_output": 5,
+            "axis": 2},
+           {"type": "flatten", "name": "flat", "bottom": "conv1", "top": "flat", "axis": 2},
+           {"type": "fc", "name": "fcb", "bottom": "flat", "top": "fcb", "num_output": 3,
+            "axis": 2},
+           {"type": "concat", "name": "cat", "bottom": ["fca", "fcb"], "top": "cat", "axis": 2},
+           {"type": "softmax", "name": "prob", "bottom": "cat", "top": "prob", "axis": 1},
+           {"type": "fc", "name": "fc2", "bottom": "prob", "top": "fc2", "num_output": 10},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"}]
+    path = write_config_file(tmp_path, {"name": "axes", "seed": 1, "net": net, "data": {
+        "train": {"source": "hdf5", "path": digits_h5, "split": "train", "batch_size": 16},
+        "test": {"source": "hdf5", "path": digits_h5, "split": "test", "batch_size": 6}},
+        "solver": {"base_lr": 0.05, "max_iter": 3}})
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    weights = tmp_path / "run" / "latest.h5"
+    res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx")
+    assert res.returncode == 0, res.stderr
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    import h5py
+    with h5py.File(digits_h5, "r") as f:
+        x = f["test/data"][:6].astype(np.float32)
+    want = _numpy_axes_net(x, {k: v.astype(np.float64)
+                               for k, v in load_params(str(weights)).items()})
+    got, = ort.InferenceSession(str(tmp_path / "m.onnx")).run(["fc2"], {"data": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # a mapping ONNX reads otherwise (the Flatten of before) is refused, not written
+    from purine_mpi.interop import onnx_export
+    old = onnx_export._EMITTERS["Flatten"]
+    onnx_export._EMITTERS["Flatten"] = lambda op, graph, const, helper: [helper.make_node(
+        "Flatten", [op.inputs[0]], [op.outputs[0]], name=op.name, axis=int(op.attrs["axis"]))]
+    try:
+        with pytest.raises(UserError, match=r"ONNX's shape inference refuses the model .*"
+                                             r"nothing written"):
+            onnx_export.export_onnx(make_job(load_config(path)), str(weights),
+                                    str(tmp_path / "bad.onnx"))
+    finally:
+        onnx_export._EMITTERS["Flatten"] = old
+    assert not (tmp_path / "bad.onnx").exists()

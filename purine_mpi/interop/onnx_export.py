@@ -7,13 +7,15 @@ are left out. Parameters become initializers with their trained values.
 Ops are mapped one by one (opset 13; a transformer's ops, interop/onnx_gpt.py,
 take opset 23 and a token input of free batch and sequence length):
 
-    Conv -> Conv               InnerProduct -> Flatten + Gemm (transB)
+    Conv -> Conv               InnerProduct -> Flatten + Gemm (transB); with
+                               axis k > 1: Reshape (axes k.. merged) + MatMul, Add
     Pool -> MaxPool / AveragePool (+ Mul for Caffe's divisor) / Global*Pool
     Relu -> Relu / LeakyRelu   Sigmoid, Tanh, Softmax, LRN, Concat, Flatten
     BatchNorm (test) -> BatchNormalization   Dropout (test) -> Identity
     Slice -> Split             Split -> Identity per output
     Eltwise -> Sum (with Mul for coefficients) / Mul / Max
     Reshape -> Reshape         Scale -> Mul
+    Flatten with axis k > 1 -> Reshape (ONNX's Flatten merges axes 0..k-1 too)
     LRN within_channel -> Mul (x^2) + AveragePool + Mul, Add, Pow + Mul
 
 Any other op is a UserError naming the op and its layer.
@@ -69,6 +71,14 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
     entry = model.metadata_props.add()
     entry.key, entry.value = "purine.preprocessing", json.dumps(said["meta"])
     onnx.checker.check_model(model)
+    try:  # the shapes ONNX infers op by op must be ours: a file that loads, as declared
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except onnx.shape_inference.InferenceError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"export onnx: {job.path}: ONNX's shape inference refuses the model "
+                        f"built from this net ({first}); nothing written: an op is mapped "
+                        "in a way ONNX reads otherwise (an exporter bug: report it with the "
+                        "config)") from None
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     write_replacing(out_path, lambda tmp: onnx.save(model, tmp))
@@ -262,12 +272,33 @@ def _conv(op, graph, const, helper):
                              group=int(op.attrs.get("group", 1)))]
 
 
+def _merged(x, axis, name, const, helper, out=None):
+    """A Reshape node merging the axes of ``x`` from ``axis`` to the end into
+    one (the leading axes kept: ONNX's Flatten would merge them too)."""
+    shape = np.array([0] * axis + [-1], np.int64)
+    return helper.make_node("Reshape", [x, const(shape, name)], [out or f"{name}/merged"],
+                            name=f"{name}.merge" if out is None else name)
+
+
+def _flatten(op, graph, const, helper):
+    ndim = len(graph.blobs[op.inputs[0]].shape)
+    axis = int(op.attrs.get("axis", 1)) % ndim
+    if axis <= 1:
+        return [helper.make_node("Flatten", [op.inputs[0]], [op.outputs[0]], name=op.name,
+                                 axis=axis)]
+    return [_merged(op.inputs[0], axis, op.name, const, helper, op.outputs[0])]
+
+
 def _fc(op, graph, const, helper):
     x = op.inputs[0]
     ndim = len(graph.blobs[x].shape)
-    if ndim > 2 and int(op.attrs.get("axis", 1)) % ndim == ndim - 1:  # (N, T, C) -> (N, T, O)
-        from .onnx_gpt import last_axis_fc
-        return last_axis_fc(op, graph, const, helper)
+    axis = int(op.attrs.get("axis", 1)) % ndim if ndim > 2 else 1
+    if axis > 1:  # y = x.shape[:axis] + (O,): a product over the merged last axis
+        from .onnx_gpt import linear
+        nodes = [] if axis == ndim - 1 else [_merged(x, axis, op.name, const, helper)]
+        b = op.inputs[2] if len(op.inputs) == 3 else None
+        return nodes + linear(nodes[0].output[0] if nodes else x, op.inputs[1], b,
+                              op.outputs[0], op.name, helper)
     nodes = []
     if len(graph.blobs[x].shape) != 2:
         flat = f"{op.name}/flat"
@@ -423,7 +454,7 @@ _EMITTERS = {
     "Concat": lambda op, g, const, helper: [helper.make_node(
         "Concat", list(op.inputs), [op.outputs[0]], name=op.name,
         axis=int(op.attrs.get("axis", 1)))],
-    "Flatten": _unary("Flatten", axis=lambda a: int(a.get("axis", 1))),
+    "Flatten": _flatten,
     "Slice": _slice, "Split": _split, "Eltwise": _eltwise, "Reshape": _reshape,
     "Scale": _scale, "Copy": _unary("Identity"),
 }

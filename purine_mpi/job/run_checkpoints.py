@@ -13,18 +13,21 @@ from .checkpoint_file import (LATEST, Checkpoint, FileHeld, load_checkpoint, rep
                               save_checkpoint)
 
 _CKPT_RE = re.compile(r"^ckpt_(\d+)\.h5$")
+_BEST_RE = re.compile(r"^best_(\d+)\.h5$")
 _TMP_RE = re.compile(r"^.+\.h5\.tmp\.(\d+)$")
 
 
-def save_run_checkpoint(out_dir, iteration, keep=3, **kw):
+def save_run_checkpoint(out_dir, iteration, keep=3, replaced=None, **kw):
     """Write ``out_dir/ckpt_<iteration>.h5`` (atomically), point
     ``latest.h5`` at it (atomically) and delete checkpoints beyond the
-    ``keep`` newest. ``kw`` are ``save_checkpoint``'s other arguments."""
+    ``keep`` newest, and the run's checkpoints of later iterations (a
+    replaced continuation: ``rotate_checkpoints``; ``replaced``, a list,
+    gets their paths). ``kw`` are ``save_checkpoint``'s other arguments."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"ckpt_{int(iteration)}.h5")
     save_checkpoint(path, iteration=iteration, **kw)
     write_latest(out_dir, path)
-    rotate_checkpoints(out_dir, keep, kw.get("run_id"))
+    rotate_checkpoints(out_dir, keep, kw.get("run_id"), iteration, replaced)
     return path
 
 
@@ -49,19 +52,58 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def rotate_checkpoints(out_dir, keep, run_id=None):
+def rotate_checkpoints(out_dir, keep, run_id=None, iteration=None, replaced=None):
     """Delete ``ckpt_<iter>.h5`` files beyond the ``keep`` newest (keep <= 0:
     keep all). ``latest.h5`` is never deleted. With ``run_id``, only that
     run's checkpoints (attribute ``run_id``) count and are deleted: another
-    run's files in the folder are left alone. Returns the deleted paths."""
+    run's files in the folder are left alone. With ``run_id`` and
+    ``iteration`` (the checkpoint just written) that run's checkpoints of
+    later iterations are a continuation a resume from an earlier one
+    replaced (``replaced_files``): deleted, whatever ``keep``, and added to
+    the list ``replaced`` when given. Returns the deleted paths."""
+    doomed = replaced_files(out_dir, _CKPT_RE, run_id, iteration) \
+        if run_id and iteration is not None else []
+    for path in doomed:
+        os.remove(path)
+    if replaced is not None:
+        replaced.extend(doomed)
     if keep is None or keep <= 0:
-        return []
+        return doomed
     ours = list_checkpoints(out_dir)
     if run_id:
         ours = [(it, path) for it, path in ours if checkpoint_run_id(path) == run_id]
-    doomed = [path for _, path in ours[:-keep]]
-    for path in doomed:
+    old = [path for _, path in ours[:-keep]]
+    for path in old:
         os.remove(path)
+    return doomed + old
+
+
+def replaced_files(out_dir, pattern, run_id, after, kept=None):
+    """Paths of run ``run_id``'s files in ``out_dir`` named by ``pattern``
+    (a regex whose group 1 is the iteration) of iterations above ``after``
+    and not named in ``kept`` (file names). A run's iterations only grow,
+    so once it resumed from iteration ``after``, such files were written
+    by the continuation the resume replaced (another run's files stay)."""
+    if not os.path.isdir(out_dir):
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(out_dir)
+                   for m in [pattern.match(name)] if m and int(m.group(1)) > int(after)
+                   and name not in (kept or ()))
+    return [os.path.join(out_dir, name) for _, name in found
+            if checkpoint_run_id(os.path.join(out_dir, name)) == run_id]
+
+
+def remove_replaced_best(out_dir, run_id, after, kept):
+    """Delete run ``run_id``'s ``best_<iter>.h5`` of iterations above
+    ``after`` (the checkpoint the run resumed from) that its best list
+    ``kept`` (file names) does not hold: a replaced continuation's.
+    Returns the deleted paths."""
+    doomed = replaced_files(out_dir, _BEST_RE, run_id, after, kept) if run_id else []
+    for path in doomed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
     return doomed
 
 

@@ -14,7 +14,7 @@ from ..base.errors import GraphError, InitMismatch, UserError
 from ..comm.world import remove_mpi_shm
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
-from ..job.run_checkpoints import resolve_resume, save_run_checkpoint
+from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
 from ..job.checkpoint_check import check_finite, check_for_net, check_same_meaning, unused_note
 from ..job.config import dump_config
 from ..job.replica import init_params, kept_constant
@@ -274,8 +274,16 @@ class Checkpoints(Service):
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
             return
-        save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep,
+        replaced = []
+        save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep, replaced,
                             **payload)
+        if loop.state.start_iter:  # a resumed run: what the continuation it replaces wrote
+            best = ((state or {}).get("watch") or {}).get("best") or {}
+            replaced += remove_replaced_best(loop.out_dir, loop.state.run_id, loop.state.start_iter,
+                                             [name for _, _, name in best.get("kept", [])])
+        if replaced:
+            loop.say(f"removed {', '.join(os.path.basename(p) for p in replaced)}: written after "
+                     f"iteration {loop.state.start_iter} by the run this resume replaces")
         loop.state.last_finite = (os.path.join(loop.out_dir, LATEST), iteration)
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones

@@ -64,6 +64,13 @@ class BestCheckpoints(Service):
         if saved is not None:  # [figure, iteration, file name in the run folder]
             self.kept = [(float(v), int(it), os.path.join(self.out_dir, name))
                          for v, it, name in saved["kept"]][:self.keep]
+            gone = [os.path.basename(path) for _, _, path in self.kept if not os.path.exists(path)]
+            if gone:  # the list decides as the uninterrupted run; the files are what they are
+                self.say(f"note: the best list of the checkpoint resumed from names "
+                         f"{', '.join(gone)}, not in {self.out_dir} (deleted after that "
+                         f"checkpoint, as a better pass came); the list keeps their figures, so "
+                         f"fewer than "
+                         f"{self.keep} best files may be on disk until better passes replace them")
 
     def on_test(self, loop, done):
         if loop.state.result:
