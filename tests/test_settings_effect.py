@@ -4,7 +4,8 @@ precision or setting is changed behind the user's back").
 For every scheme and layout the project runs (those of the scheme tests:
 data and sharded on 1 and 2 ranks, scheme none, a pipeline, hybrid,
 sharded x stages, tensor and sharded x tensor on 1 and 2 replicas, a
-pipeline of 2 stages x 2 tensor shards and 2 replicas of it under hybrid) and
+pipeline of 2 stages x 2 tensor shards and 2 replicas of it under hybrid
+and sharded) and
 every ``parallel`` key some scheme notes as having no effect, every rank's
 composed training graph is built offline (``tools.graph.composed``, no
 MPI) with the key at its default and set to each other value: where no
@@ -101,6 +102,7 @@ LAYOUTS = {
     "sharded, 2 replicas x 2-way tensor": (lambda t: _gpt1(t, "sharded"), 4),
     "pipeline, 2 stages x 2-way tensor": (lambda t: _gpt_stages(t), 4),
     "hybrid, 2 replicas x 2 stages x 2-way tensor": (lambda t: _gpt_stages(t, "hybrid"), 8),
+    "sharded, 2 replicas x 2 stages x 2-way tensor": (lambda t: _gpt_stages(t, "sharded"), 8),
 }
 
 #: (key, the values other than its default): the keys the notes speak of;

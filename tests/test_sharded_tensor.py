@@ -293,7 +293,8 @@ def test_one_replica_notes_that_sharding_divides_nothing(tokens):
 
 @pytest.mark.parametrize("shard", [1, 3])
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"stages": "all"}, 4, "parallel.tensor_parallel", "with parallel.stages together"),
+    ({"stages": "all", "transport": "one_sided"}, 8, "parallel.transport",
+     "one_sided with parallel.tensor_parallel"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.tensor_parallel"),
     ({"transport": "one_sided"}, 4, "parallel.transport", "one_sided"),
     ({"micro_batches": 2}, 4, "parallel.micro_batches",

@@ -15,7 +15,11 @@ naming the keys.
 Replicas of it (``scheme: hybrid`` with both keys, Megatron-LM's 3-D
 layout): 8 ranks = 2 replicas x 2 stages x 2 shards train a one-block GPT
 (SGD, 2 micro-batches, clipping) and the MLP (AdamW, clipping) as 1 rank
-on the global batch, and the 8-rank checkpoint resumes on 1 rank.
+on the global batch, and the 8-rank checkpoint resumes on 1 rank. The
+same layout under ``scheme: sharded`` (ZeRO over each (stage, shard)'s
+replicas, Megatron's distributed optimizer): stage 1 and stage 3 (with
+micro-batches) train as the same 1-rank twins within 1e-5, their
+checkpoints resume on 1 rank, each rank holds hybrid's model state / R.
 
 The 4- and 8-rank runs are few (each costs ~5-30 s on 2 cores): one module
 fixture per layout trains each configuration once, the tests assert over
@@ -25,6 +29,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.base.errors import UserError
+from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for, composed
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
 from tests.gpt_nets import block_stages, gpt_config, text_h5
@@ -311,7 +316,34 @@ def runs3d(tmp_path_factory, tokens):
     # the 8-rank run's checkpoint of iteration 3 continued on 1 rank
     train("mlp_resumed_one", 1, _global_twin(jobs["mlp_adamw"]), "--resume",
           out["mlp_adamw"][0] / "ckpt_3.h5")
+    # scheme sharded on the same layout (Megatron's distributed optimizer:
+    # each (stage, shard)'s 2 replicas shard its buckets): the twins above
+    # are theirs too, the global batch's 1-rank runs
+    for name, (cfg, twin) in _ZERO.items():
+        train(name, 8, cfg(tokens))
+        if name.startswith("mlp"):
+            train(f"{name}_resumed_one", 1, _global_twin(jobs[twin]), "--resume",
+                  out[name][0] / "ckpt_3.h5")
     return out
+
+
+def _zero3d(stages, shard, **more):
+    return dict(_three_d(stages, **more), scheme="sharded", shard=shard)
+
+
+#: {run: (its config from the tokens, the hybrid run whose 1-rank twin it trains as)}
+_ZERO = {
+    # AdamW with a clip that acts, the stages cut inside a split pair
+    "mlp_zero1": (lambda tokens: _mlp(_zero3d(dict(STAGES), 1, transport="two_sided")),
+                  "mlp_adamw"),
+    # the weights sharded too, 2 micro-batches under 1F1B (each bucket
+    # gathered once per iteration, the tensor allreduces among the gathers)
+    "mlp_zero3": (lambda tokens: _mlp(_zero3d(dict(STAGES), 3, transport="two_sided",
+                                              micro_batches=2, schedule="1f1b")), "mlp_adamw"),
+    # attention split by heads, SGD with a clip, 2 micro-batches
+    "gpt_zero3": (lambda tokens: _gpt(tokens, _zero3d(block_stages(1), 3, micro_batches=2),
+                                      layers=1, base_lr=0.05, clip_gradients=0.5), "gpt_sgd"),
+}
 
 
 def _clip_acts(runs3d, name):
@@ -437,3 +469,125 @@ def test_3d_a_world_not_a_multiple_of_stages_times_shards_is_a_user_error(world)
                                         f"scheme hybrid .* world size {world} is not a "
                                         "multiple of 4"):
         compose_for(make_job(_mlp(_three_d(dict(STAGES)))), world, 0)
+
+
+# -------------------------------------- 3-D with ZeRO: scheme sharded, stages, tensor
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", sorted(_ZERO))
+def test_3d_sharded_trains_as_one_rank_on_the_global_batch(runs3d, name):
+    """8 ranks = 2 replicas x 2 stages x 2 tensor shards under scheme
+    sharded (ZeRO stage 1: the optimizer state of each (stage, shard)
+    halved over its 2 replicas; stage 3: its weights and gradients too):
+    the losses, every weight and the saved optimizer state (AdamW's
+    moments, SGD's momenta: joined whole) as the 1-rank twin on the global
+    batch within 1e-5, as the hybrid runs; the start-up block says it."""
+    stage = int(name[-1])
+    eight, text = runs3d[name]
+    one = runs3d[f"{_ZERO[name][1]}_one"][0]
+    np.testing.assert_allclose(_losses(one), _losses(eight), rtol=1e-5)
+    _close(_params(one / "latest.h5"), _params(eight / "latest.h5"))
+    assert (f"sharded (ZeRO stage {stage}): 2 replicas x 2 stages x 2-way tensor parallel "
+            "(rank = (replica x 2 + stage) x 2 + shard;") in text
+    assert ("each (stage, tensor shard)'s gradients reduce-scattered over its 2 ranks (this "
+            "rank's: 0, 4)") in text
+    assert "of every bucket of its stage and tensor shard" in text
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["mlp_zero1", "mlp_zero3"])
+def test_3d_sharded_checkpoint_resumes_on_one_rank(runs3d, name):
+    """The sharded 8-rank checkpoint of iteration 3 (each position's shards
+    joined, then the tensor shards, streamed to rank 0) holds the whole
+    weights and AdamW moments: continued on 1 rank it gives the twin's
+    last losses."""
+    ref = _losses(runs3d["mlp_adamw_one"][0])
+    resumed, text = runs3d[f"{name}_resumed_one"]
+    assert "resumed from" in text
+    np.testing.assert_allclose(_losses(resumed), ref[3:], rtol=1e-6)
+
+
+@pytest.mark.parametrize("shard", [1, 3])
+def test_3d_sharded_model_state_is_the_3d_layouts_over_r(tmp_path, shard):
+    """From each rank's composed graph (offline) and ``plan --np 8``: the
+    model state a rank holds is ZeRO's formula over its (stage, shard)'s
+    2 replicas, against the unsharded 3-D layout (scheme hybrid) of the
+    same rank: stage 1 the optimizer state halved (within one element per
+    bucket), stage 3 the weights and gradients too; the buckets go over
+    the rank's position's replicas, the activations' allreduces over its
+    tensor group."""
+    sharded = _mlp(_zero3d(dict(STAGES), shard, transport="two_sided"))
+    plain = _mlp(_three_d(dict(STAGES), transport="two_sided"))
+    held = {}
+    for rank in range(8):
+        g, comp = composed(make_job(sharded), 8, rank)
+        lay = comp.layout
+        base = model_state_bytes(composed(make_job(plain), 8, rank)[0])
+        mine = held[rank] = model_state_bytes(g)
+        buckets = len(comp.shard_plan)
+        assert buckets > 1
+        assert all(e["group"] == lay.stage_ranks() == [rank % 4, rank % 4 + 4]
+                   for e in comp.shard_plan)
+        assert abs(mine["optimizer_state"] - base["optimizer_state"] / 2) <= 8 * buckets
+        for k in ("weights", "gradients"):
+            if shard == 1:
+                assert mine[k] == base[k], (rank, k)
+            else:
+                assert abs(mine[k] - base[k] / 2) <= 4 * buckets, (rank, k, mine, base)
+        tensor = {tuple(op.attrs["group"]) for op in g.ops.values()
+                  if op.op_type == "Allreduce" and op.name != "clip.sum"}
+        assert tensor == {tuple(lay.tensor_ranks())}
+    res = run_cli_args("plan", write_config_file(tmp_path, sharded, "s.yaml"), "--np", "8")
+    assert res.returncode == 0, res.stderr
+    assert "[sharded: 2 replicas x 2 stages x 2-way tensor, 8 ranks]" in res.stdout
+    for rank, ms in held.items():
+        assert (f"({ms['weights']} + {ms['gradients']} + {ms['optimizer_state']} bytes held"
+                in res.stdout), rank
+    res = run_cli_args("graph", tmp_path / "s.yaml", "--np", "8", "--rank", "7")
+    assert res.returncode == 0, res.stderr
+    what = "optimizer state" if shard == 1 else "weights, gradients and optimizer state"
+    assert ("rank 7 = replica 1, stage 1, tensor shard 1 of 2; transfers with ranks [5, 7]"
+            in res.stdout)
+    assert (f"sharded (ZeRO): rank 7 holds shard 1 of 2 of every bucket's {what} of this "
+            "stage and tensor shard, reduce-scattered and gathered over ranks [3, 7] (this "
+            "stage's replicas of this tensor shard)") in res.stdout
+
+
+@pytest.mark.parametrize("change,key,words", [
+    ({"device": 0}, "parallel.stages", "runs on the CPU"),
+    ({"backend": "nccl"}, "parallel.backend", "parallel.stages"),
+    ({"transport": "one_sided"}, "parallel.transport", "parallel.tensor_parallel"),
+    ({"recompute": "full"}, "recompute", "does not combine"),
+])
+def test_3d_sharded_what_is_not_built_exits_2(tmp_path, change, key, words):
+    """The refusals of sharded x stages and TP x PP stand on the 3-D layout."""
+    cfg = _mlp(_zero3d(dict(STAGES), 3), clip_gradients=None)  # nccl refuses a clip first
+    change = dict(change)
+    for top in ("recompute", "device"):
+        if top in change:
+            cfg[top] = change.pop(top)
+    cfg["parallel"].update(change)
+    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", "8")
+    assert_user_error(res, key, words)
+
+
+@pytest.mark.parametrize("shard", [2, 3])
+def test_3d_sharded_collectives_post_in_the_schedules_order(tokens, shard):
+    """Stages 2 and 3 number the buckets' reduce-scatters and gathers among
+    the tensor groups' allreduces: the allreduces keep the 1F1B order
+    pipeline gives them (stage 0 holds a block, whose forward and backward
+    allreduces interleave: F0 F1 B0 F2 B1 ..., not the emission order's F0
+    B0 F1 B1), and no collective is posted before one it waits for."""
+    from purine_mpi.graph.core import reachable
+    job = make_job(_gpt(tokens, _zero3d(block_stages(), shard, micro_batches=4,
+                                        schedule="1f1b")))
+    for rank in (0, 3):
+        g = compose_for(job, 8, rank)
+        group = [rank - rank % 2, rank - rank % 2 + 1]
+        topo = [op.name for op in g.topo_order() if op.op_type == "Allreduce"
+                and op.attrs["group"] == group]
+        assert topo == sorted(topo, key=lambda n: g.ops[n].attrs["seq"]), rank
+        seq = {n: op.attrs["seq"] for n, op in g.ops.items()
+               if op.op_type in ("Allreduce", "ReduceScatter", "Allgather")}
+        deps = g.dependencies()
+        assert not [(n, m) for n in seq for m in reachable(n, deps) & set(seq)
+                    if seq[m] > seq[n]], rank

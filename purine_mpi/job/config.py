@@ -453,8 +453,8 @@ def _check_sharded(out, path):
         return
     why = ("scheme sharded builds ZeRO stages 1-3 on MPI on the CPU and on NCCL on GPUs "
            "(transport two_sided, no gradient clipping), with parallel.stages stages 1-3 "
-           "on MPI on the CPU, and with parallel.tensor_parallel stages 1-3 on MPI on the "
-           "CPU")
+           "on MPI on the CPU, and with parallel.tensor_parallel (with or without "
+           "parallel.stages) stages 1-3 on MPI on the CPU")
     nccl = par["backend"] == "nccl"
     tensor = par["tensor_parallel"] > 1
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
@@ -473,8 +473,6 @@ def _check_sharded(out, path):
                 "on MPI)"),
                ("parallel.backend", nccl and bool(par["stages"]), "backend nccl with "
                 "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
-               ("parallel.tensor_parallel", tensor and bool(par["stages"]), "tensor "
-                "parallelism with parallel.stages together (one or the other)"),
                ("parallel.backend", nccl and tensor, "backend nccl with "
                 "parallel.tensor_parallel (each tensor shard's reduce-scatters run on MPI "
                 "sub-communicators)"),
@@ -508,7 +506,7 @@ def _check_pipeline(out, path):
             raise ConfigError(path, "parallel.mode", f"{what} runs with mode: sync, not "
                               f"{excerpt(par['mode'])} (parameter servers serve data-parallel "
                               "workers)")
-        if micro > 1:
+        if micro > 1 and not par["stages"]:  # with stages: the pipeline's micro-batches
             raise ConfigError(path, "parallel.micro_batches", f"{what} takes no "
                               f"micro-batches (got {micro}); use 1")
     if par["tensor_parallel"] > 1 and scheme == "tensor" and par["stages"]:

@@ -174,7 +174,8 @@ PARALLEL = (
         "gathered by MPI_Rget of the owners' shards from their RMA windows); with "
         "parallel.stages any of them, over each stage's replicas (shard 3: each stage's "
         "weights gathered once per iteration for all its micro-batches); with "
-        "parallel.tensor_parallel, 1 or 2, over each tensor shard's replicas (see "
+        "parallel.tensor_parallel any of them, over each tensor shard's replicas (with "
+        "parallel.stages too: each (stage, tensor shard)'s) (see "
         "[parallel.md](parallel.md))"),
     Key("prefetch", _int(1), 1, "scheme sharded, shard 2 and 3: how many full gradient "
         "buckets the backward writes ahead of the oldest one not yet reduce-scattered (the "
@@ -412,7 +413,9 @@ CHOICE_DOCS = {
                    "readers; MPI on the CPU; with `stages` (shard 1, 2 or 3), R replicas × p "
                    "stages as under hybrid, each stage sharded over its R ranks; with "
                    "`tensor_parallel` t (shard 1, 2 or 3), R replicas × t shards as under tensor, "
-                   "each tensor shard sharded over its R ranks ([parallel.md](parallel.md))",
+                   "each tensor shard sharded over its R ranks; with both, R replicas × p "
+                   "stages × t shards as under hybrid, each (stage, shard) sharded over its R "
+                   "ranks ([parallel.md](parallel.md))",
         "auto": "`train` chooses at start-up, as `plan --np N --choose` does: the setting of "
                 "the scheme and its keys (data, sharded, pipeline stages and micro-batches, "
                 "tensor, tensor within pipeline stages; `recompute`) predicted fastest among those whose bytes fit each "

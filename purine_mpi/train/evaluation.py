@@ -53,8 +53,10 @@ class Evaluation(Service):
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
         whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
+        held = loop.test.workspace.graph.blobs
         for p, value in (whole or {}).items():  # ZeRO-3: the shards gathered, once
-            loop.test.workspace.set(p, value)
+            if p in held:  # a row-split layer's bias: one tensor shard's test graph adds it
+                loop.test.workspace.set(p, value)
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
         batch, replicas = spec.batch_size, loop.graphs.data_size

@@ -59,6 +59,18 @@ pieces (stage 3: of weights too) over its replicas, then the tensor shards
 as tensor joins them: tensor's file, streamed a parameter at a time as
 with stages.
 
+With both (every stage, on the CPU; Megatron's distributed optimizer in
+its 3-D layout): R replicas x p stages x t shards as scheme hybrid lays
+them out (rank = (replica * p + stage) * t + shard), each replica
+pipeline's tensor-split pipeline (``Pipeline._split`` before the slicing,
+``_tensor_done`` after); the stages' path, each (stage, tensor shard)
+position's buckets sharded over its R replicas (``Layout.stage_ranks``:
+that position's ranks; the groups ``Layout.shard_groups``), stage 2's and
+3's collectives numbered among the tensor allreduces
+(``sequence_collectives``, as with tensor parallelism alone). A checkpoint
+joins each position's pieces over its replicas, then each stage's tensor
+shards: hybrid's file, streamed as above.
+
 One replica (as many ranks as stages or tensor shards: no other rank
 shares a stage's or tensor shard's model state) has nothing to shard: it
 composes as scheme pipeline or tensor does (``_plain``: no bucket, no
@@ -69,11 +81,10 @@ A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 without stages, with
 tensor parallelism, and with stages on several replicas (one replica of
-stages takes it: scheme pipeline's windows), stages with tensor
-parallelism, and combinations with other schemes are refused (the config
-rules, job/config.py's ``_check_sharded``; the GPU, and the one-sided
-transport with stages on several replicas -- the world size decides them
--- by ``compose``).
+stages takes it: scheme pipeline's windows), and combinations with other
+schemes are refused (the config rules, job/config.py's ``_check_sharded``;
+the GPU, and the one-sided transport with stages on several replicas --
+the world size decides them -- by ``compose``).
 """
 import numpy as np
 
@@ -136,15 +147,17 @@ class Sharded(Hybrid):
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
-        if lay.tensor > 1:
+        if lay.tensor > 1 and not lay.staged:
             return self._compose_tensor(graph, grads, job, world, lay)
         forward = None
-        if lay.staged:
+        if lay.staged:  # with tensor shards: the replica's graph split first, as pipeline's
+            pairs = self._split(graph, job, world, lay)
             copies = micro_copies(graph, grads, job)
             if par.shard >= 3:  # told apart on the whole net: stage 0's slice has no loss
                 from ..sharding import forward_ops
                 forward = forward_ops(graph)
             comp = compose_stages(graph, job, world, copies)
+            self._tensor_done(comp, pairs, lay, job)
             graph = comp.graph
         else:
             accumulate(graph, grads, job)
@@ -156,6 +169,14 @@ class Sharded(Hybrid):
                              wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
                              **_zero_settings(par, forward))
         if lay.staged:
+            if lay.tensor > 1 and par.shard >= 2:
+                # the plan's collectives numbered among the tensor group's
+                # allreduces (``_compose_tensor`` says why); the slice's emission
+                # order is its schedule's, as ``_post_in_schedule_order`` numbered them
+                from ..sharding import sequence_collectives
+                sequence_collectives(graph, plan, [
+                    op.name for op in graph.ops.values() if op.op_type == "Allreduce"
+                    and op.attrs.get("group") == lay.tensor_ranks()])
             _on_stage_group(graph, plan, lay, world)
         else:
             # stage 3, parallel.transport one_sided, one node: one shared copy
@@ -204,8 +225,10 @@ class Sharded(Hybrid):
         return comp
 
     def compose_test(self, graph, job, world):
-        """With ``parallel.tensor_parallel``: scheme tensor's split test graph."""
-        if self.layout(job, world).tensor > 1:
+        """With ``parallel.tensor_parallel``: scheme tensor's split test graph
+        (with stages too: scheme pipeline's)."""
+        lay = self.layout(job, world)
+        if lay.tensor > 1 and not lay.staged:
             return TensorParallel.compose_test(self, graph, job, world)
         return super().compose_test(graph, job, world)
 
@@ -224,7 +247,7 @@ class Sharded(Hybrid):
 
     def why_no_transport(self, job, world_size):
         par = job.parallel
-        if par.tensor_parallel > 1:
+        if par.tensor_parallel > 1 and not par.stages:  # with stages: the stage transfers
             return ("scheme sharded with parallel.tensor_parallel reduces and gathers through "
                     "two-sided MPI collectives")
         if not par.stages and par.shard < 3:
@@ -325,9 +348,16 @@ class Sharded(Hybrid):
                    f"its {counted(n, 'rank')} (this rank's: {ranges(lay.shard_ranks())})")
             where = " of its tensor shard"
         if lay.staged:
-            who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages (rank = "
-                   f"replica x {lay.stages} + stage); each stage's gradients reduce-scattered "
-                   f"over its {counted(n, 'rank')} (this rank's: {ranges(lay.stage_ranks())})")
+            from .pipeline import tensor_order
+            t = lay.tensor
+            split, position = ((f" x {t}-way tensor parallel ({tensor_order(lay)}; split "
+                                f"layers' activations allreduced in each stage's group of {t} "
+                                "ranks)", "(stage, tensor shard)") if t > 1 else
+                               (f" (rank = replica x {lay.stages} + stage)", "stage"))
+            who = (f"{counted(lay.replicas, 'replica')} x {lay.stages} stages{split}; each "
+                   f"{position}'s gradients reduce-scattered over its {counted(n, 'rank')} "
+                   f"(this rank's: {ranges(lay.stage_ranks())})")
+            where = " of its stage and tensor shard" if t > 1 else where
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
                  f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
                  f"bucket{where}{what}"),
@@ -353,17 +383,19 @@ class Sharded(Hybrid):
         if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
             what = "weights, gradients and optimizer state" if "weight_shard" in plan[0] else \
                 "gradients and optimizer state"
-        if lay.tensor > 1:
+        if lay.tensor > 1 and not lay.staged:
             return (f"layout {lay.describe()}; rank = replica * {lay.tensor} + shard; rank "
                     f"{rank} = replica {lay.replica}, tensor shard {lay.shard}; sharded (ZeRO): "
                     f"rank {rank} holds shard {lay.replica} of {lay.replicas} of every bucket's "
                     f"{what} of its tensor shard, reduce-scattered and gathered over ranks "
                     f"{lay.shard_ranks()} (its tensor shard's replicas)")
         if lay.staged:
+            whose, who = ((" and tensor shard", "this stage's replicas of this tensor shard")
+                          if lay.tensor > 1 else ("", "this stage"))
             return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): rank {rank} "
                     f"holds shard {lay.replica} of {lay.replicas} of every bucket's {what} "
-                    f"of this stage, reduce-scattered and gathered over ranks "
-                    f"{lay.stage_ranks()} (this stage)")
+                    f"of this stage{whose}, reduce-scattered and gathered over ranks "
+                    f"{lay.stage_ranks()} ({who})")
         return (f"sharded (ZeRO): rank {rank} holds shard {rank} of "
                 f"{lay.replicas} of every bucket's {what}")
 
@@ -533,10 +565,17 @@ class Sharded(Hybrid):
         if plain is not None:  # one replica: the plain scheme's join
             return plain.join_checkpoint(self, graphs, parts)
         if lay.tensor > 1:
+            # replica 0's rank of each (stage, tensor shard) position: its
+            # replicas' pieces joined; then its stage's tensor shards, with
+            # stages as scheme pipeline joins them (a part's third item: the
+            # splits of the parameters rank 0's graph does not hold)
             from ..tensor_parallel import gather_whole
-            joined = [self._join_pieces([parts[r] for r in lay.shard_ranks(k)])
-                      for k in range(lay.tensor)]
-            return gather_whole(graphs.graph, lay, joined)
+            joined = {lay.rank(0, s, k): self._join_pieces(
+                [parts[lay.rank(r, s, k)] for r in range(lay.replicas)])
+                for s in range(lay.stages) for k in range(lay.tensor)}
+            splits = {p: split for part in parts for p, split in
+                      (part[2] if len(part) > 2 else {}).items()}
+            return gather_whole(graphs.graph, lay, joined, splits)
         return self._join_pieces(parts)
 
     def split_checkpoint(self, graphs, name, value):
@@ -646,8 +685,11 @@ def _one_replica(par, world_size):
     alike) where the ``world_size`` > 1 ranks are one replica (as many as
     stages or tensor shards: each bucket is reduce-scattered over one rank),
     else None."""
-    ways, what, like = ((par.stage_count, "stages", "scheme pipeline") if par.stages else
-                        (par.tensor_parallel, "tensor shards", "scheme tensor"))
+    t = par.tensor_parallel
+    ways, what, like = ((par.stage_count * t, "stage x tensor shard positions",
+                         "scheme pipeline with tensor_parallel") if par.stages and t > 1 else
+                        (par.stage_count, "stages", "scheme pipeline") if par.stages else
+                        (t, "tensor shards", "scheme tensor"))
     return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
 
 
@@ -782,15 +824,17 @@ def _join_plan(lay, everyone):
     """``join_checkpoint``'s plan for ``streamed_join`` from every rank's
     lists (``everyone``, world order; base ``_stream_plan`` says their
     form): ``_pieces_plan`` over every rank, or with tensor parallelism
-    over each tensor shard's replicas, their tensor shards then joined as
+    over each tensor shard's ranks (its replicas; with stages too, each
+    stage's replicas of it), their tensor shards then joined as
     ``tensor_parallel.gather_whole`` joins them (shard 0's order; a split
     parameter's weight and states from every shard, any other from shard
     0)."""
     if lay.tensor == 1:
         return _pieces_plan(everyone, range(len(everyone)))
-    if lay.staged:  # refused by the config rules (stages with tensor parallelism)
-        raise GraphError("scheme sharded joins tensor shards without pipeline stages only")
-    shards = [_pieces_plan(everyone, lay.shard_ranks(k)) for k in range(lay.tensor)]
+    # tensor shard k's ranks in world order: with stages, each stage's
+    # replicas of it in replica order (a parameter lies in one stage)
+    shards = [_pieces_plan(everyone, range(k, len(everyone), lay.tensor))
+              for k in range(lay.tensor)]
     first_weights, first_states = shards[0]
     # a parameter's split, as its first holder lists it (the shards differ in their index only)
     split = {p: everyone[groups[0][0][0]][0][p][2] for p, (_, groups) in first_weights.items()}
@@ -882,7 +926,7 @@ def _on_stage_group(graph, plan, lay, world):
     place_on_rank(graph, world.rank)
     split = getattr(world, "split_groups", None)
     if split is not None:  # a live MPI world (graph --np composes offline)
-        split([lay.stage_ranks(s) for s in range(lay.stages)])
+        split(lay.shard_groups())  # with one tensor shard: each stage's ranks
 
 
 def _on_group(graph, plan, group):
