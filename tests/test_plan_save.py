@@ -185,11 +185,22 @@ for path in sys.argv[2:]:
                         pass
         streamed = added(sections)
         saved = added(lambda: t.save(1, os.path.join(out, name, "probe.h5")))
-        print(json.dumps({"layout": name, "rank": t.world.rank, "figure": figure,
-                          "streamed": streamed, "saved": saved}), flush=True)
+        # a file a rank (mpiexec may cut the ranks' stdout lines into each other)
+        with open(os.path.join(out, f"rows{t.world.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"layout": name, "rank": t.world.rank, "figure": figure,
+                                "streamed": streamed, "saved": saved}) + "\\n")
     finally:
         t.close()
 """
+
+
+def _rows(out):
+    """The probe's rows of every rank (``rows<rank>.jsonl``), read and removed."""
+    rows = []
+    for path in sorted(out.glob("rows*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+        path.unlink()
+    return rows
 
 
 @pytest.mark.mpi
@@ -211,7 +222,7 @@ def test_the_figure_is_what_a_save_makes_resident(tmp_path):
     p = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-c", _PROBE, str(tmp_path), *paths],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = _rows(tmp_path)
     assert len(rows) == 2 * len(LAYOUTS), p.stdout
     print("\n".join(json.dumps(r) for r in rows))
     for r in rows:
@@ -227,7 +238,7 @@ def test_the_figure_is_what_a_save_makes_resident(tmp_path):
     p = subprocess.run([MPIEXEC, "-n", "4", PYTHON, "-c", _PROBE, str(tmp_path), *paths],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = _rows(tmp_path)
     print("\n".join(json.dumps(r) for r in rows))
     assert len(rows) == 4 * len(FOUR)
     for r in rows:
