@@ -139,3 +139,80 @@ def test_imported_caffe_net_forward_is_caffes(tmp_path):
             off.append(f"{b} {err:.3g}")
     # conv1 is written in place by bn1 and relu1: Caffe's blob conv1 is relu1's output
     assert not off, f"off Caffe's forward (max abs / max(1, |ref|)): {', '.join(off)}"
+
+
+PROTOTXT2 = """
+name: "fwd2"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label"
+        hdf5_data_param { source: "x.txt" batch_size: 4 } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 6 kernel_size: 3 pad: 2 dilation: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "r1" relu_param { negative_slope: 0.1 } }
+layer { name: "slice" type: "Slice" bottom: "r1" top: "s1" top: "s2" slice_param { slice_point: 3 } }
+layer { name: "sig" type: "Sigmoid" bottom: "s1" top: "g1" }
+layer { name: "tanh" type: "TanH" bottom: "s2" top: "t2" }
+layer { name: "norm" type: "LRN" bottom: "t2" top: "n2"
+        lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 3 norm_region: WITHIN_CHANNEL } }
+layer { name: "sum" type: "Eltwise" bottom: "g1" bottom: "n2" top: "e1"
+        eltwise_param { operation: SUM coeff: 0.5 coeff: -2 } }
+layer { name: "prod" type: "Eltwise" bottom: "g1" bottom: "n2" top: "e2" eltwise_param { operation: PROD } }
+layer { name: "max" type: "Eltwise" bottom: "g1" bottom: "n2" top: "e3" eltwise_param { operation: MAX } }
+layer { name: "cat" type: "Concat" bottom: "e1" bottom: "e2" bottom: "e3" top: "c" }
+layer { name: "gpool" type: "Pooling" bottom: "c" top: "gp" pooling_param { pool: AVE global_pooling: true } }
+layer { name: "ip" type: "InnerProduct" bottom: "gp" top: "ip" inner_product_param { num_output: 5 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_imported_caffe_net_forward_is_caffes_more_layers(tmp_path):
+    """Dilated convolution, leaky ReLU, Slice, Sigmoid, TanH, LRN within a
+    channel (Caffe adds 1, whatever its k), Eltwise SUM with coeff, PROD and
+    MAX, Concat, global AVE pooling."""
+    rng = np.random.default_rng(11)
+    data = rng.standard_normal((5, 4, 7, 7)).astype(np.float32)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        for split in ("train", "test"):
+            f[f"{split}/data"] = data
+            f[f"{split}/label"] = rng.integers(0, 5, 5)
+    (tmp_path / "net.prototxt").write_text(PROTOTXT2)
+    res = run_cli_args("convert", "caffe", tmp_path / "net.prototxt", "--data", tmp_path / "d.h5",
+                       "--out", tmp_path / "job.yaml")
+    assert res.returncode == 0, res.stderr
+    w = {k: rng.standard_normal(s).astype(np.float32) for k, s in
+         {"conv1/w": (6, 4, 3, 3), "conv1/b": (6,), "ip/w": (5, 9), "ip/b": (5,)}.items()}
+    model = string(1, "fwd2")
+    model += layer("conv1", "Convolution", ["data"], ["conv1"], [blob(w["conv1/w"]),
+                                                                  blob(w["conv1/b"])])
+    model += layer("ip", "InnerProduct", ["gp"], ["ip"], [blob(w["ip/w"]), blob(w["ip/b"])])
+    (tmp_path / "w.caffemodel").write_bytes(model)
+    blobs = ("r1", "g1", "n2", "e1", "e2", "e3", "c", "gp", "ip")
+    args = [a for b in blobs for a in ("--blob", b)]
+    res = run_cli_args("predict", tmp_path / "job.yaml", "--weights", tmp_path / "w.caffemodel",
+                       "--out", tmp_path / "p.h5", *args)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(tmp_path / "p.h5", "r") as out:
+        got = {b: out[f"outputs/{b}"][...] for b in blobs}
+
+    x = data.astype(np.float64)
+    wd = w["conv1/w"].astype(np.float64)
+    dil = np.zeros((6, 4, 5, 5))
+    dil[:, :, ::2, ::2] = wd                    # a dilated kernel is a sparse larger one
+    ref = {}
+    y = conv(x, dil, w["conv1/b"], pad=2, stride=1, group=1)
+    ref["r1"] = y = np.where(y > 0, y, 0.1 * y)
+    ref["g1"] = g1 = 1 / (1 + np.exp(-y[:, :3]))
+    t2 = np.tanh(y[:, 3:])
+    sq = np.pad(t2 * t2, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    window = sum(sq[:, :, i:i + 7, j:j + 7] for i in range(3) for j in range(3))
+    ref["n2"] = n2 = t2 * (1 + 0.5 / 9 * window) ** -0.75
+    ref["e1"], ref["e2"], ref["e3"] = 0.5 * g1 - 2 * n2, g1 * n2, np.maximum(g1, n2)
+    ref["c"] = c = np.concatenate([ref["e1"], ref["e2"], ref["e3"]], axis=1)
+    ref["gp"] = gp = c.mean(axis=(2, 3), keepdims=True)
+    ref["ip"] = gp.reshape(5, -1) @ w["ip/w"].T.astype(np.float64) + w["ip/b"]
+    off = []
+    for b in blobs:
+        assert got[b].shape == ref[b].shape, f"{b}: shape {got[b].shape}, Caffe's {ref[b].shape}"
+        err = np.max(np.abs(got[b] - ref[b])) / max(1.0, np.max(np.abs(ref[b])))
+        if not err < 1e-5:
+            off.append(f"{b} {err:.3g}")
+    assert not off, f"off Caffe's forward (max abs / max(1, |ref|)): {', '.join(off)}"
