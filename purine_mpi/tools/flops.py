@@ -17,7 +17,8 @@ without the position embedding (nanoGPT's ``get_num_params(non_embedding=
 True)``: the token embedding stays, it is also the lm_head's weight).
 
 ``device_peak(...)``: the dense peak FLOP/s MFU divides by, with the words
-saying where it came from (``peak_source``).
+saying where it came from (``peak_source``); ``occupied(places)``: how
+many of it the job occupies (its GPUs, or its ranks' cores).
 """
 import math
 import os
