@@ -10,7 +10,7 @@ import pytest
 
 from purine_mpi.tools.flops import (cpu_peak, device_peak, gpt_closed_form, gpt_figures,
                                     graph_flops)
-from tests.conftest import make_job, run_cli_args, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
 from tests.gpt_oracle import gpt_net
 
 V, C, H, L, T, B = 96, 48, 4, 3, 24, 2
@@ -116,3 +116,41 @@ def test_bench_json_fields_are_consistent(text_h5, tmp_path):
                             rel_tol=1e-3)
     else:
         assert out["mfu"] is None and "unknown" in out["peak_source"]
+
+
+def test_mfu_peak_is_the_hardware_the_ranks_occupy(text_h5, tmp_path):
+    """MFU divides by the peak of the hardware the job occupies: two ranks
+    bound to a core each (``mpiexec -bind-to core``) occupy two cores, not
+    rank 0's one (before: its affinity's, half the peak, MFU doubled)."""
+    import os
+    import subprocess
+    if MPIEXEC is None or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs mpiexec and two CPUs")
+    net = gpt_net(vocab=256, width=C, heads=H, blocks=L, max_length=T, approximate="tanh")
+    path = write_config_file(tmp_path, {"name": "g", "net": net, "data": {"train": {
+        "source": "text", "path": text_h5, "batch_size": B, "sequence_length": T}}})
+    res = subprocess.run([MPIEXEC, "-n", "2", "-bind-to", "core", PYTHON, "-m", "purine_mpi",
+                          "bench", path, "--iters", "2", "--warmup", "1", "--json"],
+                         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    two_cores, _ = cpu_peak(cores=2)    # this host's ISA and clock, two physical cores
+    if two_cores is None:
+        pytest.skip("no clock known: the peak is null")
+    assert out["peak_flops_per_s"] == two_cores, (
+        f"peak {out['peak_flops_per_s']} for two ranks bound to a core each, "
+        f"two cores' is {two_cores}: {out['peak_source']}")
+    assert math.isclose(out["mfu"], out["achieved_flops_per_s"] / two_cores, rel_tol=1e-3)
+    assert "2 core(s)" in out["peak_source"] and "2 rank(s)" in out["peak_source"]
+
+
+def test_occupied_counts_gpus_once_and_not_the_servers_cores():
+    from purine_mpi.tools.flops import occupied
+    a = [("0", "0"), ("0", "1")]
+    # two workers on GPUs 0 and 1 of host a, a parameter server on a's CPU: two GPUs
+    assert occupied([("a", 0, a), ("a", 1, a), ("a", -1, a)]) == ("gpu", 2)
+    # two ranks sharing GPU 0, one on host b's GPU 0: two GPUs
+    assert occupied([("a", 0, a), ("a", 0, a), ("b", 0, a)]) == ("gpu", 2)
+    # the CPU: unbound ranks share the host's cores; two hosts add theirs
+    assert occupied([("a", -1, a), ("a", -1, a)]) == ("cpu", 2)
+    assert occupied([("a", -1, a[:1]), ("a", -1, a[1:]), ("b", -1, a)]) == ("cpu", 4)

@@ -125,16 +125,20 @@ def shared_params(graphs):
             WORKING_SET_ATTR not in g.blobs[g.storage_root(p)].attrs]
 
 
-def workspace_plans(graphs, planned=True):
+def workspace_plans(graphs, planned=True, test_reads=None):
     """The plans of ``graphs`` (parallel/rank_graphs.RankGraphs) as the
-    trainer lays them out: ``planned`` is the job's ``memory_plan``."""
+    trainer lays them out: ``planned`` is the job's ``memory_plan``;
+    ``test_reads(test_graph)``: the blobs the host reads after a test
+    iteration besides its losses and metrics (``predict --blob``): they keep
+    memory of their own, as a transient blob's is another's by then."""
     g = graphs.graph
     out = WorkspacePlans(keep=([graphs.watch] if graphs.watch else []) + batch_blobs(g))
     if planned:
         out.host, out.devices = memory_plans(g, keep=out.keep, skip=list(window_arrays(g)))
     tg = graphs.test_graph
     if tg is not None:
-        out.test_keep = list(graphs.test_names) + batch_blobs(tg)
+        out.test_keep = list(graphs.test_names) + batch_blobs(tg) + \
+            list(test_reads(tg) if test_reads else ())
         out.test_skip = list(window_arrays(tg)) + shared_params(graphs)
         if planned:
             out.test_host, out.test_devices = memory_plans(tg, keep=out.test_keep,

@@ -106,6 +106,7 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     from ..train.collectives import world_mean
     from ..train.trainer import Trainer
     from .bench_transport import counters, no_servers, ps_figures, ps_server, transport_figures
+    from .flops import rank_place
     world = get_world()
     install_abort_handler(world)
     job = job if real_data else synthetic_config(job)
@@ -161,8 +162,9 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
         peaks = peak.peak() if peak is not None else None
         if peak is not None:
             peak.close()
-    moved.update(ps_figures(gworld, servers) if servers is not None and gworld.rank == 0
-                 else no_servers())
+    server_places = []
+    moved.update(ps_figures(gworld, servers, server_places)
+                 if servers is not None and gworld.rank == 0 else no_servers())
     plan = trainer.ws.plan
     state = model_state_figures(trainer)
     state.update(per_rank_figures(world, state))
@@ -231,9 +233,13 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     if job.data.train.source == "text":  # a sample is a sequence of tokens
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
+    # where every rank runs: the peak MFU divides by is the hardware the job occupies
+    place = rank_place(trainer.graphs.device)
+    places = world.gather_object(place, 0, "the ranks' devices and cores") \
+        if world.size > 1 else [place]
     if world.rank == 0:
         result.update(throughput_flops(job, result, trainer.graphs.graph if on_gpu else None,
-                                       gworld.size))
+                                       places + server_places))
     return result if world.rank == 0 else None
 
 
@@ -281,13 +287,16 @@ def per_rank_figures(world, state):
             "model_state_bytes_per_rank": {"held": held, "peak": peak}}
 
 
-def throughput_flops(job, result, gpu_graph=None, world_size=1):
+def throughput_flops(job, result, gpu_graph=None, places=None):
     """The FLOPs and MFU fields of ``bench --json`` (tools/flops.py): the
     model FLOPs of a training sample (and token) counted from the ops of one
     replica's graph, PaLM's closed form for a transformer, and the MFU
-    against the device's dense peak for the precision in use."""
+    against the dense peak, for the precision in use, of the hardware the
+    job occupies: ``places``, every rank's ``(host, device, cores)``
+    (flops.occupied: the GPUs the ranks run on, else every rank's cores)."""
     from ..job.replica import build_train_graph
-    from .flops import device_peak, gpt_closed_form, gpt_figures, graph_flops, mfu_fields
+    from .flops import (device_peak, gpt_closed_form, gpt_figures, graph_flops, mfu_fields,
+                        occupied, rank_place)
     graph, _ = build_train_graph(job)  # one micro-batch of one replica, before the scheme
     micro = job.train_batch // max(1, job.parallel.micro_batches)
     per_sample = graph_flops(graph) / micro
@@ -298,9 +307,16 @@ def throughput_flops(job, result, gpu_graph=None, world_size=1):
         dev = next(b.location.device for b in gpu_graph.blobs.values() if b.location.device >= 0)
         # the precision of the GEMMs (bf16, fp16, tf32, fp32): the peak of that kind
         device, precision = device_name(cupy, dev), job.precision
-    peak, source = device_peak(device, precision)
-    out = mfu_fields(per_sample, result["images_per_s"], peak, source, precision, world_size,
-                     per_device=device is not None)
+    kind, units = occupied(places or [rank_place(-1 if device is None else 0)])
+    hosts = len({p[0] for p in places or [()]})
+    if kind == "gpu":
+        peak, source = device_peak(device, precision)
+        source += f" x {units} GPU(s) the ranks run on"
+    else:
+        peak, source = device_peak(None, precision, cores=units)
+        source += f" (the cores the {len(places or [0])} rank(s) may run on, {hosts} host(s))"
+        units = 1
+    out = mfu_fields(per_sample, result["images_per_s"], peak, source, precision, units)
     out["flops_counted"] = ("matrix products of the training graph's ops (fc, conv, "
                             "attention; forward and backward), per sample")
     if "tokens_per_s" in result:

@@ -33,6 +33,7 @@ WaitWrite): no copy at all.
 import numpy as np
 
 from ..comm.ops import moved_bytes
+from .flops import rank_place
 
 _ONE_SIDED = ("Put", "WaitWrite", "Get", "Publish", "WindowAllreduce", "GetShards")
 _TWO_SIDED = ("Send", "Recv", "Allreduce", "ReduceScatter", "Allgather")
@@ -97,7 +98,8 @@ def ps_server(job, world, warmup, dispatcher=None):
     stats = res["stats"]
     events = stats.pop("events", None)
     timed = max(stats.get("iterations", 0) - warmup, 1)
-    figures = {"transport": stats.get("transport")}
+    # what it occupies: the job's peak FLOP/s counts its cores (tools/flops.py occupied)
+    figures = {"transport": stats.get("transport"), "place": rank_place(-1)}
     if events is not None:
         in_flight = sum(b - a for a, b in merge_intervals(
             [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "comm"]))
@@ -116,12 +118,14 @@ def ps_server(job, world, warmup, dispatcher=None):
     world.send_object(figures, 0, BENCH_TAG, "the server's bench figures")
 
 
-def ps_figures(world, servers):
+def ps_figures(world, servers, places):
     """Rank 0: take the servers' final state (the end of run_server) and
-    their figures: the fields ``server_*`` of ``bench --json``."""
+    their figures: the fields ``server_*`` of ``bench --json``; each
+    server's ``(host, device, cores)`` is appended to ``places``."""
     from ..train.ps_server import recv_state
     recv_state(world, servers)
     got = [world.recv_object(s, BENCH_TAG, "a server's bench figures") for s in servers]
+    places.extend(g["place"] for g in got)
     out = {"server_transport": got[0]["transport"] if got else None}
     for key in _SERVER_KEYS:
         values = [g[key] for g in got if g.get(key) is not None]

@@ -17,11 +17,13 @@ without the position embedding (nanoGPT's ``get_num_params(non_embedding=
 True)``: the token embedding stays, it is also the lm_head's weight).
 
 ``device_peak(...)``: the dense peak FLOP/s MFU divides by, with the words
-saying where it came from (``peak_source``).
+saying where it came from (``peak_source``); ``occupied(places)``: how
+many of it the job occupies (its GPUs, or its ranks' cores).
 """
 import math
 import os
 import re
+import socket
 
 #: dense peak FLOP/s per GPU by precision (NVIDIA's H100 SXM and H200
 #: datasheets, without sparsity): bf16 and fp16, TF32 tensor cores and plain fp32
@@ -163,10 +165,22 @@ def cpu_peak(cpuinfo="/proc/cpuinfo", cores=None):
 def _physical_cores(text):
     """The physical cores among the CPUs this process may run on (hyper-threads
     share a core's FMA units)."""
+    return len(physical_core_ids(text))
+
+
+def _allowed_cpus():
     try:
-        allowed = os.sched_getaffinity(0)
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        allowed = set(range(os.cpu_count() or 1))
+        return set(range(os.cpu_count() or 1))
+
+
+def physical_core_ids(text=None):
+    """The (physical id, core id) pairs of the CPUs this process may run on
+    (/proc/cpuinfo; ``text`` its contents), sorted; where it names none,
+    one per CPU the process may run on."""
+    text = _cpuinfo("/proc/cpuinfo") if text is None else text
+    allowed = _allowed_cpus()
     cores = set()
     for block in text.split("\n\n"):
         proc = re.search(r"^processor\s*:\s*(\d+)", block, re.M)
@@ -174,16 +188,37 @@ def _physical_cores(text):
         pkg = re.search(r"^physical id\s*:\s*(\d+)", block, re.M)
         if proc and int(proc.group(1)) in allowed:
             cores.add((pkg.group(1) if pkg else "0", core.group(1) if core else proc.group(1)))
-    return len(cores) or len(allowed)
+    # no processor blocks (/proc/cpuinfo unread, or without them): a core per allowed CPU
+    return sorted(cores or {("cpu", str(c)) for c in _allowed_cpus()})
 
 
-def mfu_fields(flops_per_sample, samples_per_s, peak, peak_source, precision, world_size=1,
-               per_device=True):
+def rank_place(device):
+    """This rank's ``(host, device, cores)`` for ``occupied`` (device -1: the CPU)."""
+    return socket.gethostname(), int(device), physical_core_ids()
+
+
+def occupied(places):
+    """What a job's ranks occupy, from each rank's ``(host, device, cores)``
+    (device -1: the CPU; ``cores``: its ``physical_core_ids()``): ``("gpu",
+    n)`` with the distinct (host, GPU) pairs the ranks run on where any runs
+    on a GPU (ranks on the CPU beside them -- parameter servers -- hold no
+    GPU and are not counted, as a GPU job's host cores are not), else
+    ``("cpu", n)`` with the distinct (host, physical core) pairs of every
+    rank's core set (ranks bound to cores hold theirs, unbound ones the
+    host's: a core two ranks share counts once)."""
+    gpus = {(h, d) for h, d, _ in places if d >= 0}
+    if gpus:
+        return "gpu", len(gpus)
+    return "cpu", len({(h, c) for h, d, cores in places for c in map(tuple, cores)})
+
+
+def mfu_fields(flops_per_sample, samples_per_s, peak, peak_source, precision, devices=1):
     """The FLOPs/MFU fields of ``bench --json``: achieved FLOP/s = flops per
-    sample × samples/s; mfu = achieved / (peak × devices) (a GPU per rank:
-    ``per_device``; the CPU's peak is the host's, shared by its ranks)."""
+    sample × samples/s; mfu = achieved / (peak × devices): ``peak`` one
+    GPU's and ``devices`` the GPUs the job occupies, or ``peak`` the CPU
+    cores' the job occupies (already every core's: ``devices`` 1)."""
     achieved = flops_per_sample * samples_per_s
-    total_peak = None if peak is None else peak * (world_size if per_device else 1)
+    total_peak = None if peak is None else peak * devices
     return {"model_flops_per_iter_sample": flops_per_sample,
             "achieved_flops_per_s": round(achieved, 1),
             "peak_flops_per_s": total_peak,

@@ -12,7 +12,9 @@ ranks as evaluation is; rank 0 gathers every batch and writes, atomically:
 
 The default blob is the net's last output: the scores the loss layer reads.
 A blob must be computed in the test phase (an input of the loss or a
-metric, or of what they read); ``--blob`` names others.
+metric, or of what they read); ``--blob`` names others: a blob written in
+place is its newest version (``newest_version``), and each requested blob
+keeps memory of its own in the test graph's memory plan.
 """
 import dataclasses
 import os
@@ -34,6 +36,16 @@ def default_blob(graph):
                     "output; name a blob with --blob")
 
 
+def newest_version(graph, name):
+    """The blob a layer reading ``name`` after the whole net would read: a
+    top written in place (equal to its bottom) is a new version of the blob,
+    ``name@<layer>`` (layers/build.py), the last written the newest -- what
+    Caffe's blob of that name holds after the forward pass."""
+    writes = [o for op in graph.ops.values() for o in op.outputs
+              if o == name or o.startswith(name + "@")]
+    return writes[-1] if writes else name
+
+
 def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
     """``predict``: ``job``'s ``split`` through its test phase, in file order
     (the test-phase transform), with ``weights``; see ``predict``."""
@@ -45,7 +57,11 @@ def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
     order = job.data.order + (() if "test" in job.data.order else ("test",))
     job = job.replace(data=dataclasses.replace(
         job.data, test=dataclasses.replace(spec, shuffle=False), order=order))
-    t = Trainer(job, "/nonexistent-predict-output", init=weights, log=log)
+    # the blobs read after each iteration keep their own memory: with the
+    # memory plan a transient blob's is another blob's by the iteration's end
+    t = Trainer(job, "/nonexistent-predict-output", init=weights, log=log,
+                test_reads=lambda graph: [newest_version(graph, b)
+                                          for b in blobs or [default_blob(graph)]])
     try:
         return predict(t, out_path, weights, blobs, split)
     finally:
@@ -64,7 +80,8 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     graph, dispatcher = trainer.graphs.test_graph, trainer.test
     ws = dispatcher.workspace
     blobs = list(blobs or [default_blob(graph)])
-    missing = [b for b in blobs if b not in graph.blobs]
+    reads = {b: newest_version(graph, b) for b in blobs}
+    missing = [b for b in blobs if reads[b] not in graph.blobs]
     if missing:
         raise UserError(f"predict: blob(s) {', '.join(missing)} are not computed in the test "
                         f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
@@ -81,7 +98,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     parts = {b: [] for b in blobs + ["label"]}
     for i in range(iters):
         dispatcher.run(i)
-        mine = {b: _host(ws[b]) for b in blobs}
+        mine = {b: _host(ws[reads[b]]) for b in blobs}
         mine["label"] = _host(ws[label_blob]) if label_blob else np.zeros(batch, np.int64)
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
             if trainer.world.size > 1 else [mine]

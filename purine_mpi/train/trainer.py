@@ -50,7 +50,7 @@ class Trainer(Loop):
 
     def __init__(self, job, out_dir, world=None, resume=None, init=None, profile=False,
                  log=None, dispatcher=None, init_skip=(), scheme=None, tensorboard=False,
-                 agreement=None, memory=None):
+                 agreement=None, memory=None, test_reads=None):
         created = time.perf_counter()  # the start-up block reports the set-up time
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
@@ -62,7 +62,8 @@ class Trainer(Loop):
             # the memory plans, made once: counted by the start-up check
             # (``memory(job, graphs, plans, world)``: the CLI's, tools/plan.py
             # check_memory with train's limits), then laid out
-            plans = workspace_plans(graphs, job.memory_plan)
+            # test_reads: what predict reads of the test graph (runtime/footprint.py)
+            plans = workspace_plans(graphs, job.memory_plan, test_reads)
             self.memory_plans = plans  # model_state's working set
             if memory is not None:
                 memory(job, graphs, plans, world)
