@@ -82,17 +82,46 @@ def lrn_across(x, size, alpha, beta, k):
     return x * (k + alpha / size * window) ** -beta
 
 
-def test_imported_caffe_net_forward_is_caffes(tmp_path):
-    rng = np.random.default_rng(7)
-    data = rng.standard_normal((6, 4, 9, 9)).astype(np.float32)
+def _convert(tmp_path, prototxt, data, labels):
+    """``convert caffe`` of ``prototxt`` with ``data``/``labels`` as both
+    splits of an HDF5 file: ``tmp_path/job.yaml``."""
     with h5py.File(tmp_path / "d.h5", "w") as f:
         for split in ("train", "test"):
             f[f"{split}/data"] = data
-            f[f"{split}/label"] = rng.integers(0, 3, 6)
-    (tmp_path / "net.prototxt").write_text(PROTOTXT)
+            f[f"{split}/label"] = labels
+    (tmp_path / "net.prototxt").write_text(prototxt)
     res = run_cli_args("convert", "caffe", tmp_path / "net.prototxt", "--data", tmp_path / "d.h5",
                        "--out", tmp_path / "job.yaml")
     assert res.returncode == 0, res.stderr
+
+
+def _predict(tmp_path, blobs):
+    """``predict --blob`` of each of ``blobs`` with ``tmp_path/w.caffemodel``:
+    ({blob: array}, the samples' index)."""
+    args = [a for b in blobs for a in ("--blob", b)]
+    res = run_cli_args("predict", tmp_path / "job.yaml", "--weights", tmp_path / "w.caffemodel",
+                       "--out", tmp_path / "p.h5", *args)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(tmp_path / "p.h5", "r") as out:
+        return {b: out[f"outputs/{b}"][...] for b in blobs}, out["index"][...].tolist()
+
+
+def _off(got, ref, blobs):
+    """The blobs off Caffe's forward by more than 1e-5 of max(1, |ref|)
+    (each with its figure); a shape that differs fails at once."""
+    off = []
+    for b in blobs:
+        assert got[b].shape == ref[b].shape, f"{b}: shape {got[b].shape}, Caffe's {ref[b].shape}"
+        err = np.max(np.abs(got[b] - ref[b])) / max(1.0, np.max(np.abs(ref[b])))
+        if not err < 1e-5:
+            off.append(f"{b} {err:.3g}")
+    return off
+
+
+def test_imported_caffe_net_forward_is_caffes(tmp_path):
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal((6, 4, 9, 9)).astype(np.float32)
+    _convert(tmp_path, PROTOTXT, data, rng.integers(0, 3, 6))
 
     w = {"conv1/w": rng.standard_normal((6, 2, 3, 3)), "conv1/b": rng.standard_normal(6),
          "mean": rng.standard_normal(6), "var": rng.random(6) + 0.5,
@@ -110,13 +139,8 @@ def test_imported_caffe_net_forward_is_caffes(tmp_path):
     (tmp_path / "w.caffemodel").write_bytes(model)
 
     blobs = ("conv1", "pool1", "norm1", "pool2", "pool3", "ip")
-    args = [a for b in blobs for a in ("--blob", b)]
-    res = run_cli_args("predict", tmp_path / "job.yaml", "--weights", tmp_path / "w.caffemodel",
-                       "--out", tmp_path / "p.h5", *args)
-    assert res.returncode == 0, res.stderr
-    with h5py.File(tmp_path / "p.h5", "r") as out:
-        got = {b: out[f"outputs/{b}"][...] for b in blobs}
-        assert out["index"][...].tolist() == list(range(6))
+    got, index = _predict(tmp_path, blobs)
+    assert index == list(range(6))
 
     x = data.astype(np.float64)
     ref = {}
@@ -131,12 +155,7 @@ def test_imported_caffe_net_forward_is_caffes(tmp_path):
     ref["pool3"] = y = caffe_pool(y, "max", 2, 2, 1)             # 2 x 2, the last window dropped
     ref["ip"] = y.reshape(6, -1) @ w["ip/w"].T.astype(np.float64) + w["ip/b"]
     assert ref["pool2"].shape[2:] == (3, 3) and ref["pool3"].shape[2:] == (2, 2)
-    off = []
-    for b in blobs:
-        assert got[b].shape == ref[b].shape, f"{b}: shape {got[b].shape}, Caffe's {ref[b].shape}"
-        err = np.max(np.abs(got[b] - ref[b])) / max(1.0, np.max(np.abs(ref[b])))
-        if not err < 1e-5:
-            off.append(f"{b} {err:.3g}")
+    off = _off(got, ref, blobs)
     # conv1 is written in place by bn1 and relu1: Caffe's blob conv1 is relu1's output
     assert not off, f"off Caffe's forward (max abs / max(1, |ref|)): {', '.join(off)}"
 
@@ -170,14 +189,7 @@ def test_imported_caffe_net_forward_is_caffes_more_layers(tmp_path):
     MAX, Concat, global AVE pooling."""
     rng = np.random.default_rng(11)
     data = rng.standard_normal((5, 4, 7, 7)).astype(np.float32)
-    with h5py.File(tmp_path / "d.h5", "w") as f:
-        for split in ("train", "test"):
-            f[f"{split}/data"] = data
-            f[f"{split}/label"] = rng.integers(0, 5, 5)
-    (tmp_path / "net.prototxt").write_text(PROTOTXT2)
-    res = run_cli_args("convert", "caffe", tmp_path / "net.prototxt", "--data", tmp_path / "d.h5",
-                       "--out", tmp_path / "job.yaml")
-    assert res.returncode == 0, res.stderr
+    _convert(tmp_path, PROTOTXT2, data, rng.integers(0, 5, 5))
     w = {k: rng.standard_normal(s).astype(np.float32) for k, s in
          {"conv1/w": (6, 4, 3, 3), "conv1/b": (6,), "ip/w": (5, 9), "ip/b": (5,)}.items()}
     model = string(1, "fwd2")
@@ -186,12 +198,7 @@ def test_imported_caffe_net_forward_is_caffes_more_layers(tmp_path):
     model += layer("ip", "InnerProduct", ["gp"], ["ip"], [blob(w["ip/w"]), blob(w["ip/b"])])
     (tmp_path / "w.caffemodel").write_bytes(model)
     blobs = ("r1", "g1", "n2", "e1", "e2", "e3", "c", "gp", "ip")
-    args = [a for b in blobs for a in ("--blob", b)]
-    res = run_cli_args("predict", tmp_path / "job.yaml", "--weights", tmp_path / "w.caffemodel",
-                       "--out", tmp_path / "p.h5", *args)
-    assert res.returncode == 0, res.stderr
-    with h5py.File(tmp_path / "p.h5", "r") as out:
-        got = {b: out[f"outputs/{b}"][...] for b in blobs}
+    got, _ = _predict(tmp_path, blobs)
 
     x = data.astype(np.float64)
     wd = w["conv1/w"].astype(np.float64)
@@ -209,10 +216,5 @@ def test_imported_caffe_net_forward_is_caffes_more_layers(tmp_path):
     ref["c"] = c = np.concatenate([ref["e1"], ref["e2"], ref["e3"]], axis=1)
     ref["gp"] = gp = c.mean(axis=(2, 3), keepdims=True)
     ref["ip"] = gp.reshape(5, -1) @ w["ip/w"].T.astype(np.float64) + w["ip/b"]
-    off = []
-    for b in blobs:
-        assert got[b].shape == ref[b].shape, f"{b}: shape {got[b].shape}, Caffe's {ref[b].shape}"
-        err = np.max(np.abs(got[b] - ref[b])) / max(1.0, np.max(np.abs(ref[b])))
-        if not err < 1e-5:
-            off.append(f"{b} {err:.3g}")
+    off = _off(got, ref, blobs)
     assert not off, f"off Caffe's forward (max abs / max(1, |ref|)): {', '.join(off)}"
