@@ -9,7 +9,9 @@
   ``tmp_path`` and returns its path.
 - ``run_cli``: runs ``python -m purine_mpi ...`` as a subprocess from the repo
   root and returns the CompletedProcess (text mode); ``run_mpi_cli`` the
-  same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's).
+  same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's);
+  ``run_cli_here`` the same inside the pytest process, for a usage or config
+  error found before MPI starts.
 - ``FakeWorld``: a one-rank world for in-process Trainer runs, so the pytest
   process never initialises MPI.
 - ``make_job``: the one way the tests make the ``Job`` that the package's
@@ -76,6 +78,57 @@ def cli_env():
 def run_cli_args(*args, timeout=120, cwd=REPO):
     return subprocess.run([PYTHON, "-m", "purine_mpi", *map(str, args)], cwd=cwd,
                           env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli_here(*args, cwd=REPO):
+    """``python -m purine_mpi ARGS`` run inside this process (``cli.main``,
+    its environment and folder as ``run_cli_args`` gives them), for the
+    tests of a usage or config error that the command finds before it
+    starts MPI: the same CompletedProcess (the status ``main`` returns or
+    exits with, stdout, stderr), without a new interpreter's ~0.5 s of
+    imports. What only a process shows (its exit status, nothing printed at
+    exit, no traceback) is checked by the tests that still run such errors
+    as subprocesses (test_cli.py's malformed and missing config files and
+    top-level --help). A call that reaches MPI fails the test (the pytest
+    process keeps MPI out, ``FakeWorld``: ``mpi4py.MPI`` cannot be imported
+    meanwhile); where MPI is up in this process already the command runs as
+    a subprocess."""
+    args = [str(a) for a in args]
+    if "mpi4py.MPI" in sys.modules:  # the error report would go through the world
+        return run_cli_args(*args, cwd=cwd)
+    import contextlib
+    import io
+    import signal
+
+    from purine_mpi import cli
+    from purine_mpi.runtime.stop import StopSignal
+    env, here, run_env = dict(os.environ), os.getcwd(), cli_env()
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
+    out, err = io.StringIO(), io.StringIO()
+    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    try:
+        os.environ.clear()
+        os.environ.update(run_env)
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = cli.main(args)
+            except SystemExit as exc:  # argparse's usage errors and --help
+                status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except ImportError as exc:
+        if "mpi4py.MPI" not in str(exc):
+            raise
+        raise AssertionError(f"purine_mpi {' '.join(args)} reached MPI: run it with "
+                             "run_cli_args") from exc
+    finally:
+        del sys.modules["mpi4py.MPI"]
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+    return subprocess.CompletedProcess([PYTHON, "-m", "purine_mpi", *args], status,
+                                       out.getvalue(), err.getvalue())
 
 
 def run_mpi_cli(n, *args, timeout=180):
