@@ -20,6 +20,7 @@
 import email
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+#: session fixtures whose runs are costly (minutes of training, several MPI
+#: launches): the test files that use one run on the same pytest-xdist
+#: worker, so that it is made once per session as without workers
+SHARED_RUN_FIXTURES = ("digits_lenet_final", "train_once")
+
+
+def _shared_run_groups(folder):
+    """{test file's path relative to the repo: the SHARED_RUN_FIXTURES name
+    it uses} for the test files under ``folder``."""
+    groups = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            path = os.path.join(root, name)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            for fixture in SHARED_RUN_FIXTURES:
+                if re.search(rf"\b{fixture}\b", text):
+                    groups[os.path.relpath(path, REPO).replace(os.sep, "/")] = fixture
+                    break
+    return groups
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``, the README's command): each test file
+    runs whole on one worker (its module fixtures made once, its tests in
+    order), and the files that share a costly session run
+    (SHARED_RUN_FIXTURES) run on one worker together. Each worker makes its
+    own session fixtures; the cheap ones (the digits file, the 20-iteration
+    small_run) are then made once per worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = _shared_run_groups(os.path.join(REPO, "tests"))
+
+    class FilesAndSharedRuns(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return groups.get(path, path)
+
+    return FilesAndSharedRuns(config, log)
 
 
 @pytest.fixture
