@@ -9,7 +9,9 @@
   ``tmp_path`` and returns its path.
 - ``run_cli``: runs ``python -m purine_mpi ...`` as a subprocess from the repo
   root and returns the CompletedProcess (text mode); ``run_mpi_cli`` the
-  same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's).
+  same under ``mpiexec -n N`` (``MPIEXEC``: the venv's launcher, else PATH's);
+  ``run_cli_here`` the same inside the pytest process, for a usage or config
+  error found before MPI starts.
 - ``FakeWorld``: a one-rank world for in-process Trainer runs, so the pytest
   process never initialises MPI.
 - ``make_job``: the one way the tests make the ``Job`` that the package's
@@ -18,6 +20,7 @@
 import email
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +81,57 @@ def run_cli_args(*args, timeout=120, cwd=REPO):
                           env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_cli_here(*args, cwd=REPO):
+    """``python -m purine_mpi ARGS`` run inside this process (``cli.main``,
+    its environment and folder as ``run_cli_args`` gives them), for the
+    tests of a usage or config error that the command finds before it
+    starts MPI: the same CompletedProcess (the status ``main`` returns or
+    exits with, stdout, stderr), without a new interpreter's ~0.5 s of
+    imports. What only a process shows (its exit status, nothing printed at
+    exit, no traceback) is checked by the tests that still run such errors
+    as subprocesses (test_cli.py's malformed and missing config files and
+    top-level --help). A call that reaches MPI fails the test (the pytest
+    process keeps MPI out, ``FakeWorld``: ``mpi4py.MPI`` cannot be imported
+    meanwhile); where MPI is up in this process already the command runs as
+    a subprocess."""
+    args = [str(a) for a in args]
+    if "mpi4py.MPI" in sys.modules:  # the error report would go through the world
+        return run_cli_args(*args, cwd=cwd)
+    import contextlib
+    import io
+    import signal
+
+    from purine_mpi import cli
+    from purine_mpi.runtime.stop import StopSignal
+    env, here, run_env = dict(os.environ), os.getcwd(), cli_env()
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
+    out, err = io.StringIO(), io.StringIO()
+    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    try:
+        os.environ.clear()
+        os.environ.update(run_env)
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = cli.main(args)
+            except SystemExit as exc:  # argparse's usage errors and --help
+                status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except ImportError as exc:
+        if "mpi4py.MPI" not in str(exc):
+            raise
+        raise AssertionError(f"purine_mpi {' '.join(args)} reached MPI: run it with "
+                             "run_cli_args") from exc
+    finally:
+        del sys.modules["mpi4py.MPI"]
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+    return subprocess.CompletedProcess([PYTHON, "-m", "purine_mpi", *args], status,
+                                       out.getvalue(), err.getvalue())
+
+
 def run_mpi_cli(n, *args, timeout=180):
     """``mpiexec -n N python -m purine_mpi ARGS`` from the repo root; skips the
     test when there is no mpiexec."""
@@ -100,6 +154,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+#: session fixtures whose runs are costly (minutes of training, several MPI
+#: launches): the test files that use one run on the same pytest-xdist
+#: worker, so that it is made once per session as without workers
+SHARED_RUN_FIXTURES = ("digits_lenet_final", "train_once")
+
+
+def _shared_run_groups(folder):
+    """{test file's path relative to the repo: the SHARED_RUN_FIXTURES name
+    it uses} for the test files under ``folder``."""
+    groups = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            path = os.path.join(root, name)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            for fixture in SHARED_RUN_FIXTURES:
+                if re.search(rf"\b{fixture}\b", text):
+                    groups[os.path.relpath(path, REPO).replace(os.sep, "/")] = fixture
+                    break
+    return groups
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``, the README's command): each test file
+    runs whole on one worker (its module fixtures made once, its tests in
+    order), and the files that share a costly session run
+    (SHARED_RUN_FIXTURES) run on one worker together. Each worker makes its
+    own session fixtures; the cheap ones (the digits file, the 20-iteration
+    small_run) are then made once per worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = _shared_run_groups(os.path.join(REPO, "tests"))
+
+    class FilesAndSharedRuns(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return groups.get(path, path)
+
+    return FilesAndSharedRuns(config, log)
 
 
 @pytest.fixture

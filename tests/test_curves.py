@@ -18,7 +18,8 @@ import pytest
 from purine_mpi.job.checkpoint_file import load_checkpoint
 from purine_mpi.job.metrics import float32_value, row_text
 
-from .conftest import PYTHON, REPO, cli_env, run_cli_args, small_net_config, write_config_file
+from .conftest import (PYTHON, REPO, cli_env, run_cli_args, run_cli_here, small_net_config,
+                       write_config_file)
 
 
 def read_rows(path):
@@ -301,26 +302,26 @@ def assert_exit_2(res, *needles):
 def test_plot_bad_inputs_exit_2(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "c.png"
-    assert_exit_2(run_cli_args("plot", tmp_path / "nowhere", "--out", out),
+    assert_exit_2(run_cli_here("plot", tmp_path / "nowhere", "--out", out),
                   "nowhere", "not found")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
-    assert_exit_2(run_cli_args("plot", empty, "--out", out), "metrics.jsonl", "no metrics rows")
-    assert_exit_2(run_cli_args("plot", tmp_path, "--out", out), "holds no metrics.jsonl")
+    assert_exit_2(run_cli_here("plot", empty, "--out", out), "metrics.jsonl", "no metrics rows")
+    assert_exit_2(run_cli_here("plot", tmp_path, "--out", out), "holds no metrics.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"phase": "train", "iter": 5, "loss": 1.0}\nhello\n')
-    assert_exit_2(run_cli_args("plot", bad, "--out", out), "bad.jsonl", "line 2")
+    assert_exit_2(run_cli_here("plot", bad, "--out", out), "bad.jsonl", "line 2")
     binary = tmp_path / "w.h5"
     binary.write_bytes(b"\x89HDF\r\n\x1a\n\xff\xfe" * 10)
-    assert_exit_2(run_cli_args("plot", binary, "--out", out), "w.h5")
+    assert_exit_2(run_cli_here("plot", binary, "--out", out), "w.h5")
     assert not out.exists()
     # a last line cut short by a kill is ignored
     cut = tmp_path / "cut.jsonl"
     cut.write_text('{"phase": "train", "iter": 5, "loss": 1.0, "lr": 0.1}\n{"phase": "tr')
     res = run_cli_args("plot", cut, "--out", out)
     assert res.returncode == 0, res.stderr
-    assert_exit_2(run_cli_args("plot", cut, "--out", tmp_path / "c.nosuchformat"),
+    assert_exit_2(run_cli_here("plot", cut, "--out", tmp_path / "c.nosuchformat"),
                   "c.nosuchformat")
 
 

@@ -22,7 +22,8 @@ import pytest
 
 from purine_mpi.base import threads
 
-from .conftest import REPO, cli_env, run_cli_args, small_net_config, write_config_file
+from .conftest import (REPO, cli_env, run_cli_args, run_cli_here, small_net_config,
+                       write_config_file)
 
 
 def assert_exit_2(res, *needles):
@@ -38,7 +39,7 @@ def assert_exit_2(res, *needles):
 # ------------------------------------------------------------- item 2
 def test_item2_a_set_typo_names_set_and_the_key_it_meant(digits_h5, tmp_path):
     cfg = write_config_file(tmp_path, small_net_config(digits_h5))
-    line = assert_exit_2(run_cli_args("train", cfg, "--set", "solver.learning_rate=0.1",
+    line = assert_exit_2(run_cli_here("train", cfg, "--set", "solver.learning_rate=0.1",
                                       "--out", tmp_path / "run"),
                          "--set solver.learning_rate=0.1:", "did you mean 'base_lr'?")
     assert str(cfg) not in line, line  # the file is not at fault

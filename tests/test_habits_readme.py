@@ -103,7 +103,7 @@ SETUP_MAIN = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e "
               "'.[mpi,examples,plot]' && python -m purine_mpi data digits --out data/digits.h5 "
               "&& python -m purine_mpi train jobs/digits_lenet.yaml")
 SETUP_TESTS = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
-               "python -m pytest -q")
+               "python -m pytest -q -n 2")
 
 
 def _readme():
@@ -168,7 +168,7 @@ def test_case6_setup_extras_cover_the_quick_start():
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
         ci = f.read()
     assert re.search(r"^python -m pip install -q -e '\.\[test\]'$", ci, re.M)
-    assert re.search(r"^python -m pytest -q$", ci, re.M)
+    assert re.search(r"^python -m pytest -q -n 2$", ci, re.M)
     assert SETUP_TESTS in _code_lines(_readme())
 
 
@@ -272,5 +272,5 @@ def test_issue46_readme_says_what_the_full_suite_starts():
     setup = _section(_readme(), "Set-up")
     prose = " ".join(line for line in setup.splitlines() if not line.startswith("    "))
     assert "slurmctld" in prose and "slurmd" in prose and "network namespaces" in prose
-    assert 'python -m pytest -q -m "not slow"' in [c.split("#")[0].strip()
+    assert 'python -m pytest -q -n 2 -m "not slow"' in [c.split("#")[0].strip()
                                                    for c in _code_lines(setup)]

@@ -17,7 +17,8 @@ from purine_mpi.job.job import job_of
 from purine_mpi.layers import COMMON_KEYS, LAYER_SPECS, LAYERS
 from purine_mpi.job.replica import forward_graph
 
-from .conftest import REPO, make_job, run_cli_args, small_net_config, write_config_file
+from .conftest import (REPO, make_job, run_cli_args, run_cli_here, small_net_config,
+                       write_config_file)
 from .test_caffe_convert import fixture, random_h5
 from .test_cli import assert_user_error
 
@@ -39,7 +40,7 @@ def test_typo_on_pool_exits_2_with_did_you_mean(base):
         cfg["net"][2]["stide"] = 2
         del cfg["net"][2]["stride"]
     path = _variant(base, "stide.yaml", mutate)
-    text = assert_user_error(run_cli_args("train", path, "--iters", "1"), "stide.yaml",
+    text = assert_user_error(run_cli_here("train", path, "--iters", "1"), "stide.yaml",
                              "net[2].stide", "pool1", "unknown key 'stide'")
     assert "did you mean 'stride'?" in text
     assert not os.path.exists(os.path.join(REPO, "runs", "tiny", "stide"))
@@ -48,7 +49,7 @@ def test_typo_on_pool_exits_2_with_did_you_mean(base):
 def test_unknown_key_on_conv_exits_2(base):
     def mutate(cfg):
         cfg["net"][0]["foo"] = 3
-    text = assert_user_error(run_cli_args("graph", _variant(base, "foo.yaml", mutate)),
+    text = assert_user_error(run_cli_here("graph", _variant(base, "foo.yaml", mutate)),
                              "foo.yaml", "net[0].foo", "conv1", "unknown key 'foo'")
     assert "num_output" in text  # the valid keys are listed
 
@@ -56,7 +57,7 @@ def test_unknown_key_on_conv_exits_2(base):
 def test_underscore_top_level_key_exits_2(base):
     def mutate(cfg):
         cfg["_foo"] = {"x": 1}
-    text = assert_user_error(run_cli_args("train", _variant(base, "underscore.yaml", mutate)),
+    text = assert_user_error(run_cli_here("train", _variant(base, "underscore.yaml", mutate)),
                              "underscore.yaml", "key '_foo'", "'_'")
     assert "valid keys: name" in text
 
@@ -74,7 +75,7 @@ def test_underscore_top_level_key_exits_2(base):
 ])
 def test_unknown_keys_anywhere_in_a_layer(base, where, mutate, needles):
     path = _variant(base, f"bad_{where}.yaml", mutate)
-    assert_user_error(run_cli_args("graph", path), f"bad_{where}.yaml", *needles)
+    assert_user_error(run_cli_here("graph", path), f"bad_{where}.yaml", *needles)
 
 
 def test_load_time_check_covers_both_phases(base, tmp_path):

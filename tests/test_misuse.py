@@ -11,7 +11,7 @@ import pytest
 from purine_mpi.base.errors import UserError
 from purine_mpi.job.checkpoint_file import load_checkpoint
 
-from .conftest import (run_cli_args, small_net_config, tiny_fc_config,
+from .conftest import (run_cli_args, run_cli_here, small_net_config, tiny_fc_config,
                        write_config_file)
 from .test_cli import assert_user_error
 
@@ -264,9 +264,9 @@ def test_a_data_error_met_while_running_exits_2(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ case 7
 def test_seed_is_checked_on_the_command_line_as_in_the_config(trained, tmp_path):
-    assert_user_error(run_cli_args("train", trained["path"], "--seed", "-3", "--out",
+    assert_user_error(run_cli_here("train", trained["path"], "--seed", "-3", "--out",
                                    tmp_path / "a"), "--seed", "-3")
-    assert_user_error(run_cli_args("train", trained["path"], "--set", "seed=-3", "--out",
+    assert_user_error(run_cli_here("train", trained["path"], "--set", "seed=-3", "--out",
                                    tmp_path / "a"), "seed", "-3")
     big = "99999999999999999999999"
     for args in (["--seed", big], ["--set", f"seed={big}"]):  # refused before training
@@ -283,7 +283,7 @@ def test_seed_is_checked_on_the_command_line_as_in_the_config(trained, tmp_path)
 def test_a_string_is_not_a_number(trained, tmp_path):
     cfg = dict(trained["cfg"], solver=dict(trained["cfg"]["solver"], base_lr="0.05"))
     path = write_config_file(tmp_path, cfg)
-    assert_user_error(run_cli_args("graph", path), "solver.base_lr", "'0.05'", "string")
+    assert_user_error(run_cli_here("graph", path), "solver.base_lr", "'0.05'", "string")
     # 1e-3 without a dot is a number, as in YAML 1.2
     text = open(trained["path"]).read().replace("base_lr: 0.05", "base_lr: 5e-2")
     assert "5e-2" in text
@@ -329,7 +329,7 @@ def _flip_root_header(src, dst):
 
 def test_damaged_hdf5_metadata_is_one_message_naming_the_file(trained, tmp_path):
     bad = _flip_root_header(trained["out"] / "latest.h5", tmp_path / "flipped.h5")
-    assert_user_error(run_cli_args("test", trained["path"], "--weights", bad),
+    assert_user_error(run_cli_here("test", trained["path"], "--weights", bad),
                       "flipped.h5", "corrupt")
     assert_user_error(run_cli_args("train", trained["path"], "--init", bad, "--out",
                                    tmp_path / "i"), "flipped.h5", "corrupt")

@@ -14,8 +14,8 @@ import pytest
 
 from purine_mpi.job.metrics import write_row
 
-from .conftest import (PYTHON, REPO, cli_env, run_cli_args, small_net_config,
-                       write_config_file)
+from .conftest import (PYTHON, REPO, cli_env, run_cli_args, run_cli_here,
+                       small_net_config, write_config_file)
 from .test_cli import assert_user_error
 
 
@@ -166,9 +166,9 @@ def test_resume_auto_falls_back_from_a_corrupt_latest(trained, tmp_path, damage)
 def test_binary_config_and_non_finite_numbers(trained, tmp_path):
     binary = tmp_path / "cfg.yaml"
     binary.write_bytes(bytes(range(256)) * 4)
-    assert_user_error(run_cli_args("train", binary), "cfg.yaml", "UTF-8")
+    assert_user_error(run_cli_here("train", binary), "cfg.yaml", "UTF-8")
     for value in (".inf", ".nan", "-.inf"):
-        assert_user_error(run_cli_args("graph", trained["path"], "--set",
+        assert_user_error(run_cli_here("graph", trained["path"], "--set",
                                        f"solver.base_lr={value}"),
                           "solver.base_lr", "finite")
 

@@ -23,7 +23,6 @@ import re
 import stat
 
 from ..base.errors import UserError
-from .yamlread import read_yaml
 
 _LOG_HEAD = re.compile(rb"^--- \d{4}-\d\d-\d\d \d\d:\d\d:\d\d pid \d+ ---\n")
 _CKPT_NAME = re.compile(r"^(latest|ckpt_\d+|best_\d+)\.h5$")
@@ -101,7 +100,9 @@ def _is_tb_folder(path):
 def _is_config(path):
     if not _regular(path):
         return False
-    import yaml
+    import yaml  # here: the command line's start-up (--help, usage errors) reads no YAML
+
+    from .yamlread import read_yaml
     try:
         with open(path) as f:
             cfg = read_yaml(f, path)  # the strict, bounded reader: the file is not ours yet
