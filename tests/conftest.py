@@ -156,6 +156,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: tests/durations.json: each test file's seconds in a whole run on one
+#: worker (its tests' setup, call and teardown summed), the pytest-xdist
+#: scheduler's estimate of a file's cost; a file it lacks counts this much.
+#: Refresh it from a run's ``--durations=0`` (or per-test timings) when files
+#: are added or get much slower: it orders work, it decides no result
+DEFAULT_FILE_SECONDS = 5.0
+
 #: session fixtures whose runs are costly (minutes of training, several MPI
 #: launches): the test files that use one run on the same pytest-xdist
 #: worker, so that it is made once per session as without workers
@@ -191,11 +198,32 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     groups = _shared_run_groups(os.path.join(REPO, "tests"))
+    with open(os.path.join(REPO, "tests", "durations.json"), encoding="utf-8") as f:
+        seconds = json.load(f)
 
     class FilesAndSharedRuns(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
             return groups.get(path, path)
+
+        def schedule(self):
+            # the costliest units first (tests/durations.json), so the workers end
+            # together instead of one running a long file alone at the end;
+            # within a unit the collection's order
+            if self.collection is None and self.collection_is_completed:
+                cost = {}
+                for nodes in self.registered_collections.values():
+                    for nodeid in nodes:
+                        path = nodeid.split("::", 1)[0]
+                        cost.setdefault(self._split_scope(nodeid), {})[path] = \
+                            seconds.get(path, DEFAULT_FILE_SECONDS)
+                    break
+                unit_cost = {unit: sum(files.values()) for unit, files in cost.items()}
+                for node, nodes in self.registered_collections.items():
+                    self.registered_collections[node] = sorted(
+                        nodes, key=lambda n: -unit_cost[self._split_scope(n)])
+                self.config.option.loadscopereorder = False
+            super().schedule()
 
     return FilesAndSharedRuns(config, log)
 
