@@ -271,26 +271,15 @@ def balanced_stages(job, stages, durations):
     of about equal traced time (a layer's ops are named ``layer.*`` or
     ``layer/*``; a layer without traced ops weighs as its share of the
     least); a layer's middle past k/S of the whole starts stage k."""
+    from ..job.stage_cut import contiguous_cut, op_layer
     names = list(job.layer_names)
     ops = durations.per_rank.get(min(durations.per_rank), {}) if durations.per_rank else {}
     weight = {n: 0.0 for n in names}
     for op, s in ops.items():
-        layer = re.split(r"[./@\[]", op, 1)[0]
+        layer = op_layer(op)
         if layer in weight:
             weight[layer] += s
-    floor = min((w for w in weight.values() if w > 0), default=1.0) * 0.01
-    w = [max(weight[n], floor) for n in names]
-    total, out, acc, stage = sum(w), {}, 0.0, 0
-    for i, n in enumerate(names):
-        left = len(names) - i  # every stage keeps at least one layer
-        # a new stage starts where the layer's middle passes the stage's share
-        if stage < stages - 1 and (acc + w[i] / 2 > total * (stage + 1) / stages or
-                                   left <= stages - 1 - stage) and \
-                any(v == stage for v in out.values()):
-            stage += 1
-        out[n] = stage
-        acc += w[i]
-    return out
+    return contiguous_cut(names, [weight[n] for n in names], stages)
 
 
 def _stages_label(stage_map, stages):
