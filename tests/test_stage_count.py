@@ -13,7 +13,8 @@ import yaml
 from purine_mpi.base.errors import ConfigError
 from purine_mpi.job.config import load_job
 from purine_mpi.job.stage_cut import layer_flops, stage_lines
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args,
+                            write_config_file)
 from tests.gpt_nets import text_h5 as make_text_h5
 
 B = 32
@@ -90,6 +91,25 @@ def test_refused_counts(digits_h5, parallel, problem):
         make_job(cfg, "m.yaml")
     assert e.value.key == "parallel.stages" and problem in str(e.value), str(e.value)
     assert str(e.value).startswith("m.yaml: key 'parallel.stages'")
+
+
+def test_graph_and_plan_print_the_resolved_map(tmp_path, digits_h5):
+    cfg = write_config_file(tmp_path, _mlp(digits_h5, 2), "m.yaml")
+    # fc1 4·B·64·256 of 4·B·64·256 + 6·B·256·256 + 6·B·256·10 FLOPs
+    share = 100 * 4 * 64 * 256 / (4 * 64 * 256 + 6 * 256 * 256 + 6 * 256 * 10)
+    lines = [f"stage 0: fc1..relu1 (2 layers, {share:.1f}% of the FLOPs)",
+             f"stage 1: fc2..loss (4 layers, {100 - share:.1f}% of the FLOPs)"]
+    graph = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    assert graph.returncode == 0, graph.stderr
+    assert graph.stdout.splitlines()[1:3] == lines, graph.stdout[:400]
+    plan = run_cli_args("plan", cfg, "--np", "2")
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.splitlines()[1:3] == [f"  {line}" for line in lines], plan.stdout[:400]
+    bad = run_cli_args("train", write_config_file(tmp_path, _mlp(digits_h5, 9), "bad.yaml"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'bad.yaml'}: key 'parallel.stages': 9 stages for a net of 6 "
+        "layers; give at most 6 (each stage holds a layer)"], bad.stderr
 
 
 def _params(path):

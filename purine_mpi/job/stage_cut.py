@@ -68,18 +68,31 @@ def flop_stages(out):
     return contiguous_cut(list(flops), list(flops.values()), count)
 
 
-def stage_lines(stages, flops):
-    """Compact lines of a stage map: each stage's first..last layer and its
-    share of the FLOPs (``flops``: ``layer_flops``)."""
+def stage_spans(stages, flops):
+    """[(stage, its layers in order, its share of the FLOPs in %)] of the map
+    ``stages`` (``flops``: ``layer_flops``)."""
     by_stage = {}
     for name, stage in stages.items():
         by_stage.setdefault(stage, []).append(name)
     total = sum(flops.values()) or 1
-    lines = []
-    for s in sorted(by_stage):
-        names = by_stage[s]
-        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-        share = 100.0 * sum(flops.get(n, 0) for n in names) / total
-        lines.append(f"stage {s}: {span} ({len(names)} layer{'s' if len(names) > 1 else ''}, "
-                     f"{share:.1f}% of the FLOPs)")
-    return lines
+    return [(s, by_stage[s], 100.0 * sum(flops.get(n, 0) for n in by_stage[s]) / total)
+            for s in sorted(by_stage)]
+
+
+def span_text(names):
+    """``first..last`` of a stage's layers (the one name of a one-layer stage)."""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def stage_lines(stages, flops):
+    """Compact lines of a stage map: each stage's first..last layer and its
+    share of the FLOPs (``graph --np N``, ``plan``)."""
+    return [f"stage {s}: {span_text(names)} ({len(names)} layer{'s' if len(names) > 1 else ''}"
+            f", {share:.1f}% of the FLOPs)" for s, names, share in stage_spans(stages, flops)]
+
+
+def job_stage_lines(job):
+    """``stage_lines`` of a staged job's map (none for a ``graph:`` job)."""
+    if not job.layer_names or not job.stage_map:
+        return []
+    return stage_lines(job.stage_map, layer_flops(job))
