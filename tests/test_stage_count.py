@@ -144,3 +144,19 @@ def test_pipeline_run_with_a_count_equals_the_map(tmp_path, digits_h5):
     for name in a:
         assert np.array_equal(a[name], b[name]), name
     assert runs["map"].stdout.splitlines()[-1] == runs["count"].stdout.splitlines()[-1]
+
+
+def test_plan_choose_writes_the_integer_where_its_cut_is_the_flop_cut(digits_h5):
+    from purine_mpi.graph.flops import op_flops
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.tools.choose import staged_settings
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    job = make_job(_mlp(digits_h5, {}, "data"))
+    graph, _ = build_train_graph(job)
+    # traced times proportional to the FLOPs: the balanced cut is parallel.stages: 2's
+    timed = Durations({0: {name: 1e-12 * op_flops(op, lambda b: graph.blobs[b].shape)
+                           for name, op in graph.ops.items()}})
+    assert {text for text, _, _ in staged_settings(job, 2, timed)} == {"2"}
+    # no trace: every layer weighs alike, fc1..fc2 | relu2..loss, not the FLOP cut
+    texts = {text for text, _, _ in staged_settings(job, 2, Durations({}))}
+    assert texts == {"{fc1: 0, relu1: 0, fc2: 0, relu2: 1, fc3: 1, loss: 1}"}

@@ -162,7 +162,7 @@ PARALLEL = (
         "or the number of stages S (Megatron-LM's pipeline_model_parallel_size): the layers "
         "in the net's order cut into S contiguous stages of about equal forward+backward "
         "FLOPs, resolved at load into the map (the start-up block, `graph --np` and `plan` "
-        "print it; see [parallel.md](parallel.md#pipeline-parallelism))",
+        "print it; see [parallel.md](parallel.md))",
         typed=INT_MAP),
     Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1, 2 and 3: "
         "each tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "

@@ -62,9 +62,13 @@ def flop_stages(out):
     ``parallel.stages`` is an integer (config.py checked it against the
     scheme and the net's length)."""
     from .job import job_of
-    count = out["parallel"]["stages"]
     plain = dict(out, parallel=dict(out["parallel"], stages={}, scheme="data"))
-    flops = layer_flops(job_of(plain))
+    return flop_cut(job_of(plain), out["parallel"]["stages"])
+
+
+def flop_cut(job, count):
+    """{layer: stage}: ``job``'s layers cut into ``count`` stages by their FLOPs."""
+    flops = layer_flops(job)
     return contiguous_cut(list(flops), list(flops.values()), count)
 
 

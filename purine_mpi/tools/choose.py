@@ -361,12 +361,16 @@ def staged_settings(job, s, durations):
     ``parallel.stages`` text, micro-batches, its words) for the layers cut
     into ``s`` stages of about equal traced time (``balanced_stages``) at
     each micro-batch count 1, s, 2s, 4s dividing the batch; none where the
-    net has fewer layers than ``s``."""
+    net has fewer layers than ``s``. The text is the integer ``s`` where the
+    cut is the one ``parallel.stages: s`` makes (job/stage_cut.py: balanced
+    by the layers' FLOPs), else the map."""
     if s < 2 or len(job.layer_names) < s:
         return []
+    from ..job.stage_cut import flop_cut
     batch = job.train_batch or 1
     stage_map = balanced_stages(job, s, durations)
-    text = "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
+    text = str(s) if flop_cut(job, s) == stage_map else \
+        "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
     return [(text, m, f"{s} stages ({_stages_label(stage_map, s)}), "
                          f"{m} micro-batch{'es' if m > 1 else ''}")
             for m in sorted({1, s, 2 * s, 4 * s}) if batch % m == 0]
