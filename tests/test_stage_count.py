@@ -93,6 +93,17 @@ def test_refused_counts(digits_h5, parallel, problem):
     assert str(e.value).startswith("m.yaml: key 'parallel.stages'")
 
 
+def test_a_count_without_the_data_names_the_key(tmp_path):
+    """A command that reads no data (check_files off) still needs the data's
+    shapes for the cut: one line naming parallel.stages and the data file."""
+    cfg = _mlp(str(tmp_path / "absent.h5"), 2)
+    with pytest.raises(ConfigError) as e:
+        make_job(cfg, "m.yaml", check_files=False)
+    assert e.value.key == "parallel.stages" and "absent.h5" in str(e.value)
+    assert "give the map {layer: stage}" in str(e.value)
+    assert make_job(_mlp(str(tmp_path / "absent.h5"), {}, "data"), check_files=False)
+
+
 def test_graph_and_plan_print_the_resolved_map(tmp_path, digits_h5):
     cfg = write_config_file(tmp_path, _mlp(digits_h5, 2), "m.yaml")
     # fc1 4·B·64·256 of 4·B·64·256 + 6·B·256·256 + 6·B·256·10 FLOPs

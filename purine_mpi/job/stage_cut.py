@@ -61,9 +61,18 @@ def flop_stages(out):
     """The {layer: stage} map of a validated config dict ``out`` whose
     ``parallel.stages`` is an integer (config.py checked it against the
     scheme and the net's length)."""
+    from ..base.errors import ConfigError, UserError
     from .job import job_of
+    count = out["parallel"]["stages"]
     plain = dict(out, parallel=dict(out["parallel"], stages={}, scheme="data"))
-    return flop_cut(job_of(plain), out["parallel"]["stages"])
+    try:
+        return flop_cut(job_of(plain), count)
+    except ConfigError:
+        raise
+    except UserError as e:  # the data's shapes unread (a command that reads no data)
+        raise ConfigError(out["_path"], "parallel.stages", f"{count} stages are cut by the "
+                          "layers' FLOPs, which need the data's shapes, but: " + str(e) +
+                          "; make the data, or give the map {layer: stage}") from None
 
 
 def flop_cut(job, count):
