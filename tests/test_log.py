@@ -449,8 +449,13 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
     assert res.returncode == 0, res.stderr
     rows, _ = _block(res.stdout)
     assert rows["scheme"].startswith("pipeline: 2 stages, rank s runs stage s")
-    assert rows["stage 0"] == "rank 0: 3 layers (conv1, relu1, pool1)"
-    assert rows["stage 1"] == "rank 1: 3 layers (fc1, loss, acc)"
+    # first..last layer and the stage's share of the FLOPs (conv1 against fc1)
+    assert re.fullmatch(r"rank 0: 3 layers \(conv1\.\.pool1\), \d+\.\d% of the FLOPs",
+                        rows["stage 0"]), rows["stage 0"]
+    assert re.fullmatch(r"rank 1: 3 layers \(fc1\.\.acc\), \d+\.\d% of the FLOPs",
+                        rows["stage 1"]), rows["stage 1"]
+    shares = [float(rows[f"stage {s}"].split(", ")[-1].split("%")[0]) for s in (0, 1)]
+    assert abs(sum(shares) - 100) < 0.11
     assert rows["micro-batches"] == "2 of 8 samples, schedule 1f1b (per stage, overlapped " \
                                     "across stages)"
     assert rows["batch"] == "16 per pipeline; test 60 per pipeline"

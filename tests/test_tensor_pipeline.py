@@ -395,7 +395,8 @@ def test_3d_start_up_block_says_what_each_rank_holds(runs3d):
             "stage) x 2 + shard)") in text
     assert "each (stage, shard)'s gradients allreduced over its 2 ranks" in text
     assert "batch          4 per pipeline x 2 pipelines = 8 global" in text
-    assert "stage 0        ranks 0-1, 4-5: 2 layers (wte, wpe)" in text
+    # the embeddings' lookups count no FLOPs (job/stage_cut.py: matrix products only)
+    assert "stage 0        ranks 0-1, 4-5: 2 layers (wte..wpe), 0.0% of the FLOPs" in text
     assert "stage 1        ranks 2-3, 6-7: 11 layers" in text
     assert "stage 1 (ranks 2-3, 6-7): b0_fc (columns, 64 -> 32 per rank)" in text
 

@@ -182,9 +182,15 @@ def _check_name(key, name, path):
     return name
 
 
-@_described("mapping layer → stage")
+@_described("mapping layer → stage, or integer > 0")
 def _check_stages(key, value, path):
-    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid."""
+    """parallel.stages: {layer name: stage} for scheme pipeline or hybrid,
+    or the number of stages (config.py resolves it into the map)."""
+    if _is_int(value):
+        if value < 1:
+            raise ConfigError(path, key, f"expected a number of stages >= 1 (or a mapping of "
+                                         f"layer name to stage), got {excerpt(value)}")
+        return value
     if not isinstance(value, dict) or not all(
             isinstance(k, str) and _is_int(v) and v >= 0 for k, v in value.items()):
         raise ConfigError(path, key, f"expected a mapping of layer name to stage, e.g. "

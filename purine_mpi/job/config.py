@@ -29,7 +29,7 @@ import re
 import yaml
 
 from ..base.errors import ConfigError, excerpt
-from .checks import _check_int, _check_keys, _kind
+from .checks import _check_int, _check_keys, _is_int, _kind
 from .data_spec import _check_data
 from .job import Job, job_of
 from .keys import check_section
@@ -245,6 +245,11 @@ def validate_config(config, path="<config>", check_files=True):
     _recompute_rules(out, path)
     _precision_rules(out, config, path)
     out["_path"] = path
+    if _is_int(out["parallel"]["stages"]):
+        # parallel.stages: S, cut by the layers' FLOPs into the map every consumer reads
+        from .stage_cut import flop_stages
+        out["parallel"]["stages"] = flop_stages(out)
+        _check_pipeline(out, path)
     return out
 
 
@@ -516,13 +521,26 @@ def _check_pipeline(out, path):
                           "parallel.tensor_parallel) is scheme pipeline's (one replica of p "
                           "stages x t tensor shards) and scheme hybrid's (R replicas of it); "
                           f"use scheme: pipeline or hybrid, or drop {key}")
+    count = par["stages"] if _is_int(par["stages"]) else None
     if scheme not in ("pipeline", "hybrid") and not (scheme == "sharded" and par["stages"]):
+        if count is not None:
+            raise ConfigError(path, "parallel.stages", f"scheme {scheme} takes no stages (got "
+                              f"{count}); the schemes pipeline, hybrid and sharded do")
         return
     if par["mode"] != "sync":
         raise ConfigError(path, "parallel.mode", f"scheme {scheme} runs with mode: sync, not "
                           f"{excerpt(par['mode'])} (parameter servers serve data-parallel workers)")
     if out.get("net") is None:
+        if count is not None:
+            raise ConfigError(path, "parallel.stages", f"{count} stages cut a 'net' (its "
+                              "layers); with a 'graph' give no parallel.stages")
         return
+    if count is not None:
+        layers = len(out["net"])
+        if count > layers:
+            raise ConfigError(path, "parallel.stages", f"{count} stages for a net of {layers} "
+                              f"layers; give at most {layers} (each stage holds a layer)")
+        return  # validate_config resolves it into the map (job/stage_cut.py), checked again
     if not par["stages"]:
         raise ConfigError(path, "parallel.stages", f"scheme {scheme} needs a mapping layer -> "
                           "stage for every layer, e.g. {conv1: 0, fc1: 1}")

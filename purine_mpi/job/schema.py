@@ -158,7 +158,11 @@ PARALLEL = (
     Key("check_collectives", _bool, False, "verify at start-up that every rank posts the same "
         "sequence of collectives"),
     Key("stages", _check_stages, {}, "schemes pipeline, hybrid and sharded (shard 1, 2 and "
-        "3: each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1",
+        "3: each stage's replicas shard it): {layer name: stage}, every layer, stages 0..S-1; "
+        "or the number of stages S (Megatron-LM's pipeline_model_parallel_size): the layers "
+        "in the net's order cut into S contiguous stages of about equal forward+backward "
+        "FLOPs, resolved at load into the map (the start-up block, `graph --np` and `plan` "
+        "print it; see [parallel.md](parallel.md))",
         typed=INT_MAP),
     Key("tensor_parallel", _int(1), 1, "schemes tensor and sharded (shard 1, 2 and 3: "
         "each tensor shard's replicas shard its model state): the ranks of a tensor-parallel group "

@@ -271,26 +271,15 @@ def balanced_stages(job, stages, durations):
     of about equal traced time (a layer's ops are named ``layer.*`` or
     ``layer/*``; a layer without traced ops weighs as its share of the
     least); a layer's middle past k/S of the whole starts stage k."""
+    from ..job.stage_cut import contiguous_cut, op_layer
     names = list(job.layer_names)
     ops = durations.per_rank.get(min(durations.per_rank), {}) if durations.per_rank else {}
     weight = {n: 0.0 for n in names}
     for op, s in ops.items():
-        layer = re.split(r"[./@\[]", op, 1)[0]
+        layer = op_layer(op)
         if layer in weight:
             weight[layer] += s
-    floor = min((w for w in weight.values() if w > 0), default=1.0) * 0.01
-    w = [max(weight[n], floor) for n in names]
-    total, out, acc, stage = sum(w), {}, 0.0, 0
-    for i, n in enumerate(names):
-        left = len(names) - i  # every stage keeps at least one layer
-        # a new stage starts where the layer's middle passes the stage's share
-        if stage < stages - 1 and (acc + w[i] / 2 > total * (stage + 1) / stages or
-                                   left <= stages - 1 - stage) and \
-                any(v == stage for v in out.values()):
-            stage += 1
-        out[n] = stage
-        acc += w[i]
-    return out
+    return contiguous_cut(names, [weight[n] for n in names], stages)
 
 
 def _stages_label(stage_map, stages):
@@ -372,12 +361,16 @@ def staged_settings(job, s, durations):
     ``parallel.stages`` text, micro-batches, its words) for the layers cut
     into ``s`` stages of about equal traced time (``balanced_stages``) at
     each micro-batch count 1, s, 2s, 4s dividing the batch; none where the
-    net has fewer layers than ``s``."""
+    net has fewer layers than ``s``. The text is the integer ``s`` where the
+    cut is the one ``parallel.stages: s`` makes (job/stage_cut.py: balanced
+    by the layers' FLOPs), else the map."""
     if s < 2 or len(job.layer_names) < s:
         return []
+    from ..job.stage_cut import flop_cut
     batch = job.train_batch or 1
     stage_map = balanced_stages(job, s, durations)
-    text = "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
+    text = str(s) if flop_cut(job, s) == stage_map else \
+        "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
     return [(text, m, f"{s} stages ({_stages_label(stage_map, s)}), "
                          f"{m} micro-batch{'es' if m > 1 else ''}")
             for m in sorted({1, s, 2 * s, 4 * s}) if batch % m == 0]

@@ -147,6 +147,9 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
     lay = comp.layout
     if describe_layout(lay, rank, comp):
         lines.insert(0, describe_layout(lay, rank, comp))
+    if lay.staged:  # the stage map (parallel.stages: S resolved at load: job/stage_cut.py)
+        from ..job.stage_cut import job_stage_lines
+        lines[1:1] = job_stage_lines(job)
     split = comp.tensor_plan
     if split:
         lines.append(f"tensor-parallel split over ranks {lay.tensor_ranks()} "

@@ -362,6 +362,9 @@ def run_plan(job, size, limits, as_json=False):
     lines = [f"plan {job.name}: {size} rank{'s' if size != 1 else ''} {lay.describe()}, "
              f"batch {job.train_batch} per rank; bytes each rank holds before its first "
              "iteration"]
+    if lay.staged:  # the stage map (parallel.stages: S resolved at load: job/stage_cut.py)
+        from ..job.stage_cut import job_stage_lines
+        lines += [f"  {line}" for line in job_stage_lines(job)]
     from ..train.runlog import ranges
     for fp, ranks, fits in kinds:
         head = f"rank {ranks[0]}" if len(ranks) == 1 else \

@@ -158,17 +158,17 @@ class Pipeline(Scheme):
             [("split", line) for line in composition.tensor_plan]
 
     def stage_lines(self, lay, job):
-        """The start-up block's row of each stage: its ranks and layers."""
+        """The start-up block's row of each stage: its ranks, its layers
+        (first..last) and its share of the FLOPs (job/stage_cut.py)."""
+        from ...job.stage_cut import layer_flops, span_text, stage_spans
         from .base import counted as _count, ranks_word as _ranks_word
-        out = []
-        stages, layers = job.stage_map, job.layer_names
-        for s in range(lay.stages):
-            names = [n for n in layers if stages.get(n) == s]
-            shown = ", ".join(names) if len(names) <= 6 else \
-                f"{', '.join(names[:3])}, ..., {', '.join(names[-2:])}"
-            out.append((f"stage {s}", f"{_ranks_word(lay.all_stage_ranks(s))}: "
-                        f"{_count(len(names), 'layer')} ({shown})"))
-        return out
+        layers = job.layer_names
+        stages = {n: job.stage_map[n] for n in layers if n in job.stage_map}
+        if not stages:  # a graph: job places its ops itself
+            return []
+        return [(f"stage {s}", f"{_ranks_word(lay.all_stage_ranks(s))}: "
+                 f"{_count(len(names), 'layer')} ({span_text(names)}), {share:.1f}% of the "
+                 "FLOPs") for s, names, share in stage_spans(stages, layer_flops(job))]
 
     def describe(self, lay):
         if lay.tensor > 1:
