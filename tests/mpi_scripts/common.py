@@ -106,3 +106,14 @@ def assert_like_one_rank_with_batch(w, mine, params, batch, iters, rtol=2e-5, at
     ref = run(ref_graph, iters)
     assert_like_one_rank(w, mine, ref.workspace, params, rtol=rtol, atol=atol)
     ref.close()
+
+
+def datasets(group, prefix=""):
+    """(path, dataset) under an h5py ``group`` in the file's order (creation
+    order: the checkpoint's groups are written with track_order)."""
+    import h5py
+    for name in group:
+        if isinstance(group[name], h5py.Group):
+            yield from datasets(group[name], f"{prefix}{name}/")
+        else:
+            yield f"{prefix}{name}", group[name]

@@ -20,7 +20,7 @@ import sys
 import h5py
 import numpy as np
 
-from common import ok, world
+from common import datasets, ok, world
 
 import pytest  # noqa: E402  (MonkeyPatch)
 
@@ -59,16 +59,6 @@ def joined(graphs, parts):
         cuts = [(flat[len(prefix):], dict(cut(entry, flat))) for flat in entry["states"]]
         solver += [(f"{p}/{state}", c[p]) for p in entry["params"] for state, c in cuts]
     return params, solver
-
-
-def datasets(group, prefix=""):
-    """(path, dataset) under ``group`` in the file's order (creation order:
-    the groups are written with track_order)."""
-    for name in group:
-        if isinstance(group[name], h5py.Group):
-            yield from datasets(group[name], f"{prefix}{name}/")
-        else:
-            yield f"{prefix}{name}", group[name]
 
 
 def stall_check(loop):

@@ -18,7 +18,7 @@ import sys
 
 import h5py
 
-from common import ok, world
+from common import datasets, ok, world
 
 import pytest  # noqa: E402  (MonkeyPatch)
 
@@ -34,15 +34,6 @@ from tests.test_sharded_tensor import _gpt  # noqa: E402
 w = world()
 root = pathlib.Path(sys.argv[1])
 saves = []
-
-
-def datasets(group, prefix=""):
-    """(path, dataset) under ``group`` in the file's order (creation order)."""
-    for name in group:
-        if isinstance(group[name], h5py.Group):
-            yield from datasets(group[name], f"{prefix}{name}/")
-        else:
-            yield f"{prefix}{name}", group[name]
 
 
 def walked(keys):
