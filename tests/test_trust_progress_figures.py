@@ -8,8 +8,9 @@ micro-batches and in a pipeline; the time-based progress lines of a
 pipeline never show a loss rank 0 does not hold.
 
 Before the fix a pipeline's time-based lines (``solver.display_seconds``)
-said ``loss 0.0000``: rank 0, the first stage, holds no loss blob, and its
-empty sum was shown as that iteration's loss.
+showed rank 0's own sum of losses as that iteration's loss: rank 0, the
+first stage, holds no loss blob (``loss 0.0000``) or a part of the
+objective (here an aux head's: ``loss 0.6090``, the whole being about 2.9).
 """
 import json
 import re
@@ -25,6 +26,11 @@ MLP = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output
        {"type": "relu", "name": "relu1", "bottom": "fc1", "top": "fc1"},
        {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 10},
        {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"], "top": "loss"}]
+#: an aux head on the first stage: rank 0 holds a part of the objective
+AUX = [{"type": "fc", "name": "aux", "bottom": "data", "top": "aux", "num_output": 10},
+       {"type": "softmax_loss", "name": "aux_loss", "bottom": ["aux", "label"],
+        "top": "aux_loss", "loss_weight": 0.25}]
+AUX_WEIGHT = 0.25
 ALIVE = re.compile(r"^iter +(\d+)/\d+  (?:loss (\d+\.\d{4})(?: \(iter (\d+)\))?  )?[\d,]+ img/s")
 
 
@@ -43,11 +49,21 @@ def _rows(out):
         return {r["iter"]: r for r in map(json.loads, f) if r["phase"] == "train"}
 
 
+def _cross_entropy(z, y):
+    """(mean cross-entropy in float64, d mean / d z) of logits ``z``."""
+    z = z - z.max(axis=1, keepdims=True)
+    prob = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    loss = float(-np.log(prob[np.arange(len(y)), y]).mean())
+    prob[np.arange(len(y)), y] -= 1.0
+    return loss, prob / len(y)
+
+
 def _numpy(digits_h5, before, after, it, replicas=1):
     """(loss, applied lr) of iteration ``it`` (counted from 1): the float64
-    mean cross-entropy of its global batch under ``before``'s weights, and
-    the lr that moved the last fc layer's weight from ``before`` to
-    ``after`` (least squares of Δw = −lr·g)."""
+    objective of its global batch under ``before``'s weights (the mean
+    cross-entropy, plus AUX_WEIGHT times the aux head's where the net has
+    one), and the lr that moved the last fc layer's weight from ``before``
+    to ``after`` (least squares of Δw = −lr·g)."""
     with h5py.File(digits_h5, "r") as f:
         x, y = f["train/data"][()], f["train/label"][()]
     n = replicas * B
@@ -58,32 +74,36 @@ def _numpy(digits_h5, before, after, it, replicas=1):
         with h5py.File(path, "r") as f:
             return f[f"params/{layer}/{k}"][()].astype(np.float64)
     with h5py.File(before, "r") as f:
-        last = "fc2" if "fc2" in f["params"] else "fc1"
+        layers = set(f["params"])
+    last, aux = ("fc2" if "fc2" in layers else "fc1"), 0.0
+    if "aux" in layers:
+        aux = AUX_WEIGHT * _cross_entropy(h @ p(before, "aux", "weight").T
+                                          + p(before, "aux", "bias"), y[idx])[0]
     if last == "fc2":
         h = np.maximum(h @ p(before, "fc1", "weight").T + p(before, "fc1", "bias"), 0.0)
     w = p(before, last, "weight")
-    z = h @ w.T + p(before, last, "bias")
-    z -= z.max(axis=1, keepdims=True)
-    prob = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
-    loss = float(-np.log(prob[np.arange(n), y[idx]]).mean())
-    prob[np.arange(n), y[idx]] -= 1.0
-    g = (prob / n).T @ h
+    loss, dz = _cross_entropy(h @ w.T + p(before, last, "bias"), y[idx])
+    loss += aux
+    g = dz.T @ h
     dw = p(after, last, "weight") - w
     return loss, float(-(dw * g).sum() / (g * g).sum())
 
 
 @pytest.mark.mpi
 def test_pipeline_rows_and_lines_against_numpy(digits_h5, tmp_path):
-    """2 stages, 2 micro-batches, warm-up 3 then cosine, a row every 3
-    iterations, a time-based line after every other: each row's lr is the
-    one its last iteration applied; the rows of whole windows (6, 8) hold
-    the mean of their iterations' NumPy losses; a time-based line shows the
-    last display row's loss with its iteration, or none before the first."""
-    cfg = _config(digits_h5, MLP,
+    """2 stages (an aux head of loss_weight 0.25 on the first: rank 0 holds
+    that part of the objective), 2 micro-batches, warm-up 3 then cosine, a
+    row every 3 iterations, a time-based line after each other iteration:
+    each row's lr is the one its last iteration applied; the rows of whole
+    windows (6, 8) hold the mean of their iterations' NumPy objectives; a
+    time-based line shows the last row's loss with its iteration, or none
+    before the first row."""
+    cfg = _config(digits_h5, MLP + AUX,
                   {"base_lr": 0.05, "lr_policy": "cosine", "warmup_iters": 3, "display": 3,
                    "display_seconds": 1e-6},
                   {"scheme": "pipeline", "micro_batches": 2,
-                   "stages": {"fc1": 0, "relu1": 0, "fc2": 1, "loss": 1}}, 8)
+                   "stages": {"fc1": 0, "relu1": 0, "aux": 0, "aux_loss": 0, "fc2": 1,
+                              "loss": 1}}, 8)
     out = tmp_path / "run"
     res = run_mpi_cli(2, "train", write_config_file(tmp_path, cfg), "--out", out)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -28,8 +28,8 @@ class DivergenceWatch(Service):
         if not loop.graphs.deferred:
             value, finite = loop.loss_now()
             loop.state.window.loss += value
-            if loop.graphs.losses:  # this rank's: the time-based line shows it; a rank
-                # that holds no loss (a pipeline's earlier stages) has none to show
+            if loop.graphs.layout.stages == 1:  # this rank's: the time-based line shows
+                # it; a stage of a pipeline holds none of the objective, or a part
                 loop.state.last_loss = (done, value)
             loop.state.first_bad = None if finite else done
         elif self.checked:
