@@ -156,3 +156,27 @@ def test_lr_rows_after_a_resume_from_an_earlier_checkpoint(digits_h5, tmp_path):
             f"row {i}: loss {rows[i]['loss']} is not the NumPy {loss:.6f}"
         lrs.append(lr)
     assert lrs == pytest.approx([0.5, 0.25, 0.25, 0.25], rel=1e-4)  # the step at 3 applies at 4
+
+
+def test_ignore_label_under_micro_batches_is_the_mean_of_their_means(digits_h5, tmp_path):
+    """As docs/config.md ("Schedules") says: with an ``ignore_label`` the
+    loss of 4 micro-batches is the mean of their means over their counted
+    positions (NumPy), not the mean over the batch's counted positions
+    (here 2 of 16 samples ignored, in 2 of the 4 micro-batches: the two differ)."""
+    net = [dict(MLP[0], num_output=10), dict(MLP[3], bottom=["fc1", "label"], ignore_label=3)]
+    cfg = _config(digits_h5, net, {"base_lr": 0.5, "lr_policy": "fixed", "display": 1},
+                  {"micro_batches": 4}, 3)
+    out = tmp_path / "run"
+    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with h5py.File(digits_h5, "r") as f:
+        x, y = f["train/data"][2 * B:3 * B], f["train/label"][2 * B:3 * B]
+    with h5py.File(out / "ckpt_2.h5", "r") as f:
+        w, b = f["params/fc1/weight"][()], f["params/fc1/bias"][()]
+    z = x.reshape(B, -1).astype(np.float64) @ w.T.astype(np.float64) + b
+    counted = y != 3
+    means = [_cross_entropy(z[k:k + 4][counted[k:k + 4]], y[k:k + 4][counted[k:k + 4]])[0]
+             for k in range(0, B, 4)]
+    whole = _cross_entropy(z[counted], y[counted])[0]
+    assert abs(np.mean(means) - whole) > 1e-3  # the case tells the two apart
+    assert _rows(out)[3]["loss"] == pytest.approx(np.mean(means), rel=1e-5)
