@@ -1,7 +1,9 @@
 """Activation recompute (issue 44, item 1; graph/recompute.py): the weights
 after 20 AdamW steps are bitwise those without recompute, with dropout, on
-1 rank and on 2 ranks of data parallelism; the memory plan sees the shorter
-lifetimes; the combinations it cannot rewrite are refused with exit 2."""
+1 rank and on 2 ranks of data parallelism (there the train rows' losses
+too); the memory plan sees the shorter lifetimes; the combinations it
+cannot rewrite are refused with exit 2."""
+import json
 import os
 
 import numpy as np
@@ -14,13 +16,14 @@ TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
 ATTENTION = (3, 11)
 
 
-def _sets(email_h5, dropout=0.1, iters=20, fused=False):
+def _sets(email_h5, dropout=0.1, iters=20, fused=False, display=0):
     """gpt_tiny, small and fast: 4 sequences of 32 tokens, 20 AdamW steps
-    (warm-up, cosine, clipping as shipped), no test data; the attention's
-    raw sub-graph (its (N, H, T, T) tensors and attention Dropout ops)
-    unless ``fused``."""
+    (warm-up, cosine, clipping as shipped), no test data, a train row every
+    ``display`` iterations (0: none); the attention's raw sub-graph (its
+    (N, H, T, T) tensors and attention Dropout ops) unless ``fused``."""
     sets = [f"data.train.path={email_h5}", "data.test=null", "data.train.batch_size=4",
-            "data.train.sequence_length=32", f"solver.max_iter={iters}", "solver.display=0",
+            "data.train.sequence_length=32", f"solver.max_iter={iters}",
+            f"solver.display={display}",
             "checkpoint.interval=0"]
     for i in ATTENTION:
         sets += [f"net.{i}.attn_dropout={dropout}", f"net.{i}.resid_dropout={dropout}",
@@ -33,9 +36,9 @@ def _params(path):
     return load_params(path)
 
 
-def _train(email_h5, out, mode, ranks=1, dropout=0.1, fused=False):
-    args = ("train", TINY, *_sets(email_h5, dropout, fused=fused), "--set", f"recompute={mode}",
-            "--out", out)
+def _train(email_h5, out, mode, ranks=1, dropout=0.1, fused=False, display=0):
+    args = ("train", TINY, *_sets(email_h5, dropout, fused=fused, display=display),
+            "--set", f"recompute={mode}", "--out", out)
     res = run_mpi_cli(ranks, *args, timeout=600) if ranks > 1 else run_cli_args(*args,
                                                                                  timeout=300)
     assert res.returncode == 0, res.stderr
@@ -69,10 +72,22 @@ def test_recompute_is_bitwise_on_one_rank(email_h5, tmp_path, dropout, fused):
 
 @pytest.mark.mpi
 def test_recompute_is_bitwise_on_two_ranks(email_h5, tmp_path):
-    """The same on 2 ranks of data parallelism (mpiexec), dropout on."""
-    base = _train(email_h5, str(tmp_path / "none"), "none", ranks=2)
+    """The same on 2 ranks of data parallelism (mpiexec), dropout on; the
+    reported figures too: the train rows' losses (the mean over the window
+    and the ranks) are those of no recompute, bit for bit."""
+    base = _train(email_h5, str(tmp_path / "none"), "none", ranks=2, display=5)
+    rows = _losses(tmp_path / "none")
+    assert [i for i, _ in rows] == [5, 10, 15, 20]
     for mode in ("full", "selective"):
-        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, ranks=2), mode)
+        _assert_bitwise(base, _train(email_h5, str(tmp_path / mode), mode, ranks=2, display=5),
+                        mode)
+        assert _losses(tmp_path / mode) == rows, f"{mode}: the train rows' losses differ"
+
+
+def _losses(out):
+    """(iter, loss) of the train rows of the run folder ``out``."""
+    with open(os.path.join(str(out), "metrics.jsonl")) as f:
+        return [(r["iter"], r["loss"]) for r in map(json.loads, f) if r["phase"] == "train"]
 
 
 def _graph(email_h5, mode, *extra):

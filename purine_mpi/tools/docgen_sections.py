@@ -233,8 +233,11 @@ def _data():
         "[t·N·B, (t+1)·N·B) of the data order and rank r takes [r·B, (r+1)·B) of that "
         "window. Position p is sample `order(epoch)[p mod n]` of epoch `p div n`, where "
         "`order` is a permutation drawn from (seed, epoch) when `shuffle` is true and the "
-        "identity otherwise. So N ranks × batch B train like 1 rank × batch N·B, and the "
-        "order does not depend on how the run is split over ranks. Parameter-server "
+        "identity otherwise. So N ranks × batch B train like 1 rank × batch N·B (except "
+        "where a loss has an `ignore_label`: each rank's loss is the mean over its own "
+        "counted positions and the gradients are averaged over the ranks, as PyTorch's "
+        "DDP does, so a rank with fewer counted positions weighs each of them more), and "
+        "the order does not depend on how the run is split over ranks. Parameter-server "
         "workers shard the data over the workers only; the stages of a pipeline all read "
         "the same batch, and with scheme hybrid the data is sharded over the replicas. "
         "A resume on another number of ranks continues at the same global sample "
@@ -504,7 +507,10 @@ def _parallel():
         "With `micro_batches: M` each rank's batch B is split into M micro-batches of B/M; "
         "the forward and backward ops are copied per micro-batch over shared weights, each "
         "parameter's M gradients are summed and the update scales them once by 1/M, so "
-        "training equals the whole batch up to float summation order. Not with the "
+        "training equals the whole batch up to float summation order (except where a "
+        "loss has an `ignore_label`: the loss, the train rows' and the one the gradient "
+        "is of, is then the mean of the micro-batches' means over their counted "
+        "positions). Not with the "
         "parameter-server modes; batch norm statistics are per micro-batch.",
         "",
         _table(("schedule", "order on each stage"),

@@ -28,7 +28,9 @@ class DivergenceWatch(Service):
         if not loop.graphs.deferred:
             value, finite = loop.loss_now()
             loop.state.window.loss += value
-            loop.state.last_loss = (done, value)  # this rank's: the time-based line shows it
+            if loop.graphs.layout.stages == 1:  # this rank's: the time-based line shows
+                # it; a stage of a pipeline holds none of the objective, or a part
+                loop.state.last_loss = (done, value)
             loop.state.first_bad = None if finite else done
         elif self.checked:
             loop.state.window.loss, loop.state.first_bad = self.read_losses(loop)

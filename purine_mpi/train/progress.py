@@ -8,9 +8,11 @@ collective: iteration, the newest loss it knows, images/s, elapsed, ETA)
 whenever ``solver.display_seconds`` have passed since the last line, so a
 slow net's batch log never goes silent; it writes no metrics row. Its loss
 is rank 0's loss of that iteration on the CPU (nanoGPT's per-iteration
-line); where the loss is read back only at the display lines (a GPU), the
-last display line's, with its iteration. The elapsed time
-goes on across resumes (the checkpoint's ``elapsed``).
+line); where the loss is read back only at the display lines (a GPU), or
+rank 0 is a pipeline's first stage (it holds no loss, or a part), the
+last display line's, with its iteration, and none before the first
+display line. The elapsed time goes on across resumes (the checkpoint's
+``elapsed``).
 """
 import os
 import time
