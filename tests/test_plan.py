@@ -291,3 +291,18 @@ def test_plan_of_a_pipeline_is_train_s_check_to_the_byte(digits_h5, tmp_path):
         res = run_mpi_cli(2, "train", cfg, "--iters", "1", "--out", str(tmp_path / str(limit)),
                           "--host-memory", str(limit), *sets)
         assert res.returncode == status, (limit, need, res.stderr[-600:])
+
+
+def test_plan_of_a_parameter_server_mode_is_refused_not_a_traceback(digits_h5):
+    """plan --np 3 of parallel.mode async died in a traceback (exit 1,
+    AttributeError: '_Graphs' object has no attribute 'composition'), and
+    its figure, once built, said 2.0 MiB fits where train needs 3.9 MiB:
+    exit 2 naming the key instead."""
+    from tests.conftest import run_cli_here
+    from tests.test_cli import assert_user_error
+    for mode in ("async", "sync_ps"):
+        assert_user_error(run_cli_here(
+            "plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "3", "--set",
+            f"parallel.mode={mode}", "--set", "parallel.ps_ranks=1", "--set",
+            f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"),
+            "parallel.mode", mode)
