@@ -362,6 +362,10 @@ def cmd_data(args):
 
 def cmd_bench(args):
     from .tools.bench import format_bench, run_bench
+    if args.iters < 1:  # no timed iteration: no figure to report
+        raise UserError(f"--iters {args.iters}: give a number of timed iterations >= 1")
+    if args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup}: give a number of untimed iterations >= 0")
     job = _load(args, check_files=args.real_data)
     res = run_bench(job, args.iters, args.warmup, real_data=args.real_data,
                     dispatcher=args.dispatcher)

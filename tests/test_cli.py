@@ -167,6 +167,18 @@ def test_bad_set_override(base, override, needles):
     assert_user_error(run_cli_here("train", base["path"], "--set", override), *needles)
 
 
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--iters", "0"], ["--iters 0", ">= 1"]),
+    (["--iters", "-3"], ["--iters -3", ">= 1"]),
+    (["--warmup", "-1"], ["--warmup -1", ">= 0"]),
+])
+def test_bench_bad_iteration_counts(base, flags, needles):
+    """bench --iters 0 (or --warmup -1) timed nothing and died in a traceback
+    (exit 1, 'AttributeError: 'NoneType' object has no attribute 'events'');
+    refused before the job is built."""
+    assert_user_error(run_cli_here("bench", base["path"], *flags), *needles)
+
 # corrupt files: not HDF5, truncated, a flipped bit in a parameter's data
 @pytest.fixture(scope="module")
 def corrupt_files(base):

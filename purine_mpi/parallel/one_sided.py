@@ -94,8 +94,15 @@ def to_windows(local, job, world):
         read_only = not any(b.name in o.outputs for o in local.ops.values() if o is not op)
         specs.append((prefix + f"{b.name}@r{world.rank}", world.rank, peer, list(b.shape),
                       str(b.dtype), read_only))
-    everyone = world.allgather_object((specs, why_seen), "the window layout exchange") \
-        if _live(world) else [(specs, why_seen)]
+    if _live(world):
+        everyone = world.allgather_object((specs, why_seen), "the window layout exchange")
+    else:  # offline (plan, graph --np): the peers' regions this rank sends into, as the
+        # exchange would bring them: their ".free" words are this rank's to hold
+        sent = [(prefix + f"{op.inputs[0]}@r{op.attrs['peer']}", int(op.attrs["peer"]),
+                 world.rank, list(local.blobs[op.inputs[0]].shape),
+                 str(local.blobs[op.inputs[0]].dtype), True)
+                for op in pairs if op.op_type == "Send" and chosen[op.name] != "two_sided"]
+        everyone = [(specs, why_seen), (sent, {})]
     layout = WindowLayout()
     for rank_specs, _ in everyone:
         for name, owner, peer, shape, dtype, read_only in rank_specs:

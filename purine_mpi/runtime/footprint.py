@@ -90,7 +90,7 @@ import numpy as np
 from ..graph.core import WORKING_SET_ATTR
 from .factory import dispatcher_kind, memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
-from .workspace import plan_device_memory, window_arrays
+from .workspace import plan_device_memory, window_blobs
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
@@ -134,12 +134,12 @@ def workspace_plans(graphs, planned=True, test_reads=None):
     g = graphs.graph
     out = WorkspacePlans(keep=([graphs.watch] if graphs.watch else []) + batch_blobs(g))
     if planned:
-        out.host, out.devices = memory_plans(g, keep=out.keep, skip=list(window_arrays(g)))
+        out.host, out.devices = memory_plans(g, keep=out.keep, skip=window_blobs(g))
     tg = graphs.test_graph
     if tg is not None:
         out.test_keep = list(graphs.test_names) + batch_blobs(tg) + \
             list(test_reads(tg) if test_reads else ())
-        out.test_skip = list(window_arrays(tg)) + shared_params(graphs)
+        out.test_skip = window_blobs(tg) + shared_params(graphs)
         if planned:
             out.test_host, out.test_devices = memory_plans(tg, keep=out.test_keep,
                                                            skip=out.test_skip)
@@ -369,7 +369,7 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0):
     save adds (``Scheme.save_bytes``), counted where the save holds more
     than an iteration (``Footprint.host_total``)."""
     g = graphs.graph
-    host, devices = _graph_rows(g, plans.keep, list(window_arrays(g)), plans.host,
+    host, devices = _graph_rows(g, plans.keep, window_blobs(g), plans.host,
                                 plans.devices)
     if plans.host is not None:
         host["activations"] = host.get("activations", 0) + plans.host.total_bytes

@@ -72,21 +72,37 @@ def window_arrays(graph):
     (its WaitWrite then copies the region into it), unless it says
     ``attrs['window_views']`` (the parameter servers' weights: their views
     view the region)."""
-    marked = [b for b in graph.blobs.values() if b.attrs.get("window")]
-    if not marked:
-        return {}
     from ..comm.windows import find_windows
-    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of is not None}
     out = {}
-    for b in marked:
+    for b in _window_candidates(graph):
         win = find_windows(b.attrs["window"])
-        if win is None or b.alias_of is not None or b.location.device >= 0 or \
-                (b.name in viewed and not b.attrs.get("window_views")):
-            continue
-        view = win.view(b.attrs["window"])  # the owner's, or a peer's on one node
-        if view is not None:
+        view = None if win is None else win.view(b.attrs["window"])  # the owner's, or a
+        if view is not None:                                          # peer's on one node
             out[b.name] = view
     return out
+
+
+def window_blobs(graph):
+    """The names of the blobs of ``graph`` that live in window memory, not
+    in the arena (``window_arrays``'). Where none of this process's windows
+    is allocated (``plan``'s offline build, without MPI) those the windows
+    would hold with every rank on one node, as ``footprint.window_bytes``
+    places them: every region is then shared, so every blob
+    ``window_arrays`` would consider (the same figure ``train`` counts)."""
+    from ..comm.windows import live_windows
+    if live_windows():
+        return list(window_arrays(graph))
+    return [b.name for b in _window_candidates(graph)]
+
+
+def _window_candidates(graph):
+    """The blobs marked ``attrs['window']`` that keep no memory of their own."""
+    marked = [b for b in graph.blobs.values() if b.attrs.get("window")]
+    if not marked:
+        return []
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of is not None}
+    return [b for b in marked if not (b.alias_of is not None or b.location.device >= 0 or
+                                      (b.name in viewed and not b.attrs.get("window_views")))]
 
 
 def _elements(blob):

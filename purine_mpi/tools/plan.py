@@ -124,13 +124,15 @@ def offline_footprints(job, size, ranks):
 
 def _offline_graphs(job, size, rank):
     from ..parallel.rank_graphs import build_rank_graphs
-    from .graph import _OfflineWorld, compose_for
+    from .graph import _OfflineWorld
     offline = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
     world = _OfflineWorld(rank, size)
     if size > 1 and job.parallel.servers:
-        # a parameter-server rank: graph --np's slice (no test graph)
-        graph = compose_for(offline, size, rank)
-        return _Graphs(graph=graph, device=_device_of(graph))
+        # a parameter-server rank is not figured offline (its windows, its
+        # worker's test graph and kernels): no figure rather than a wrong one
+        raise UserError(f"{job.path}: key 'parallel.mode': plan does not figure the ranks of "
+                        f"a parameter-server mode ({job.parallel.mode}); train's start-up check "
+                        "(--host-memory) checks each rank")
     return build_rank_graphs(offline, world, check_memory=False)
 
 
@@ -176,20 +178,6 @@ def save_bytes(job, graphs, everyone):
     if getattr(graphs, "layout", None) is None or not everyone:
         return 0
     return scheme_of(job).save_bytes(graphs, everyone)
-
-
-@dataclasses.dataclass
-class _Graphs:
-    graph: object
-    device: int
-    watch: object = None
-    test_graph: object = None
-    test_names: tuple = ()
-
-
-def _device_of(graph):
-    devices = {b.location.device for b in graph.blobs.values() if b.location.device >= 0}
-    return min(devices) if devices else -1
 
 
 def ranks_to_build(job, size):
