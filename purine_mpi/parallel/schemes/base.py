@@ -565,14 +565,14 @@ def state_blobs(graphs):
 
 def host_copies(graphs, weights):
     """The bytes of the host copies a save makes of this rank's part
-    (``to_numpy`` of ``weights`` and their solver state): those on a GPU."""
-    blobs, out = graphs.graph.blobs, 0
-    for name, blob in blobs.items():
-        owner = name.rpartition(".")[0]
-        if blob.location.device >= 0 and "@" not in name and blob.shape is not None and (
-                name in weights or blob.kind == "state" and owner in graphs.params):
-            out += int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
-    return out
+    (``to_numpy`` of ``weights`` and the solver state, ``state_blobs``):
+    those on a GPU."""
+    blobs = graphs.graph.blobs
+    held = {name: blobs[name] for name in weights if "@" not in name}
+    held.update((blob.name, blob) for states in state_blobs(graphs).values()
+                for blob in states.values())
+    return sum(blob.nbytes for blob in held.values()
+               if blob.location.device >= 0 and blob.shape is not None)
 
 
 class Buffers:
@@ -678,7 +678,7 @@ def stream_bytes(lay, everyone, plan=None):
         slots[slot] = max(slots.get(slot, 0), sum(size.values()))
         order = sorted(size)
         copies = sum(sum(size[r] for r in ranks) for ranks, _ in groups
-                     if ranks != order[order.index(ranks[0]):order.index(ranks[0]) + len(ranks)])
+                     if not _one_span(order, ranks))
         joined = sum(size.values()) if split and len(groups) > 1 else 0
         return copies + joined, joined if joined else copies
 
@@ -760,14 +760,21 @@ def _fetch(world, pool, slot, groups, shapes, mine, what):
     offsets = dict(zip(order, np.cumsum([0] + [sizes[r] for r in order])))
     arrays = []
     for ranks, shape in groups:
-        at = order.index(ranks[0])
-        if ranks == order[at:at + len(ranks)]:  # one span of the buffer
+        if _one_span(order, ranks):
             arrays.append(recv[offsets[ranks[0]]:offsets[ranks[0]] +
                                sum(sizes[r] for r in ranks)].reshape(shape))
         else:
             arrays.append(np.concatenate([recv[offsets[r]:offsets[r] + sizes[r]]
                                           for r in ranks]).reshape(shape))
     return arrays
+
+
+def _one_span(order, ranks):
+    """Whether the pieces of ``ranks`` lie one after the other in a buffer
+    gathered in rank ``order`` (``_fetch`` then takes a view of it;
+    ``stream_bytes`` counts no copy)."""
+    at = order.index(ranks[0])
+    return ranks == order[at:at + len(ranks)]
 
 
 def _whole(split, arrays):

@@ -487,7 +487,7 @@ class Sharded(Hybrid):
             flat = [f for entry in plan for f, _ in _states(entry)]
             out = host_copies(graphs, self.held_weights(graphs) + flat)
             return out + (stream_bytes(lay, everyone, _join_plan) if rank == 0 else 0)
-        slots = {}
+        slots, on_gpu = {}, []
         for entry in plan:
             total = int(blobs[entry["weights"]].size)
             # _streamed_weights: stage 3's weights into slot 0;
@@ -497,14 +497,12 @@ class Sharded(Hybrid):
             for slot, f in named:
                 n = total * np.dtype(blobs[f].dtype).itemsize
                 slots[slot] = max(slots.get(slot, 0), n)
+                if blobs[f].location.device >= 0:  # the shard a GPU rank copies to send
+                    on_gpu.append(blobs[f].nbytes)
         out = sum(slots.values()) if rank == 0 else 0
-        shards = [blobs[f] for entry in plan for f in
-                  ([entry["weight_shard"]] if "weight_shard" in entry else [])
-                  + [f for f, _ in _states(entry)]]
-        on_gpu = [_nbytes(b) for b in shards if b.location.device >= 0]
         out += max(on_gpu, default=0)
         if rank == 0:
-            whole = [_nbytes(blobs[p]) for p in graphs.params if p not in _zero3(graphs)
+            whole = [blobs[p].nbytes for p in graphs.params if p not in _zero3(graphs)
                      and blobs[p].location.device >= 0]
             out += sum(sorted(whole)[-2:])
         return out
@@ -707,10 +705,6 @@ def _refuse_one_sided_stages(job, lay):
         f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
         "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
         "share a node) or two_sided")
-
-
-def _nbytes(blob):
-    return int(np.prod(blob.shape, dtype=np.int64)) * np.dtype(blob.dtype).itemsize
 
 
 def _stand_in(blob):
