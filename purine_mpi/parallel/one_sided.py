@@ -57,6 +57,14 @@ def _live(world):
     return getattr(world, "comm", None) is not None
 
 
+def _region_spec(prefix, blob, owner, peer, read_only):
+    """One Recv region of the window layout exchange: (name, owner, the
+    peer that writes it, shape, dtype, read_only); the region of ``blob``
+    (the same name on both sides of a Send/Recv pair) on rank ``owner``."""
+    return (prefix + f"{blob.name}@r{owner}", owner, peer, list(blob.shape), str(blob.dtype),
+            read_only)
+
+
 def to_windows(local, job, world):
     """Convert ``local``'s Send/Recv pairs as ``parallel.transport`` says
     (see the module docstring), in place; returns (the Windows or None,
@@ -92,15 +100,13 @@ def to_windows(local, job, world):
         b = local.blobs[op.outputs[0]]
         # the producer may compute into this region when nothing here writes it
         read_only = not any(b.name in o.outputs for o in local.ops.values() if o is not op)
-        specs.append((prefix + f"{b.name}@r{world.rank}", world.rank, peer, list(b.shape),
-                      str(b.dtype), read_only))
+        specs.append(_region_spec(prefix, b, world.rank, peer, read_only))
     if _live(world):
         everyone = world.allgather_object((specs, why_seen), "the window layout exchange")
     else:  # offline (plan, graph --np): the peers' regions this rank sends into, as the
         # exchange would bring them: their ".free" words are this rank's to hold
-        sent = [(prefix + f"{op.inputs[0]}@r{op.attrs['peer']}", int(op.attrs["peer"]),
-                 world.rank, list(local.blobs[op.inputs[0]].shape),
-                 str(local.blobs[op.inputs[0]].dtype), True)
+        sent = [_region_spec(prefix, local.blobs[op.inputs[0]], int(op.attrs["peer"]),
+                             world.rank, True)
                 for op in pairs if op.op_type == "Send" and chosen[op.name] != "two_sided"]
         everyone = [(specs, why_seen), (sent, {})]
     layout = WindowLayout()
