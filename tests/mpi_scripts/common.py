@@ -117,3 +117,11 @@ def datasets(group, prefix=""):
             yield from datasets(group[name], f"{prefix}{name}/")
         else:
             yield f"{prefix}{name}", group[name]
+
+
+def check_dataset(path, section, key, dset, value):
+    """Dataset ``key`` of ``section`` in checkpoint ``path`` holds ``value``
+    bit for bit, with its Fletcher-32 checksum."""
+    assert dset.fletcher32 and dset.dtype == value.dtype, (path, key)
+    assert dset.shape == value.shape, (path, key)
+    assert dset[()].tobytes() == value.tobytes(), (path, section, key)

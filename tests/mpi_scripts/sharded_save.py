@@ -20,7 +20,7 @@ import sys
 import h5py
 import numpy as np
 
-from common import datasets, ok, world
+from common import check_dataset, datasets, ok, world
 
 import pytest  # noqa: E402  (MonkeyPatch)
 
@@ -123,9 +123,7 @@ if w.rank == 0:
                 got = list(datasets(f[section]))
                 assert [k for k, _ in got] == [k for k, _ in want], (path, section)
                 for (k, dset), (_, value) in zip(got, want):
-                    assert dset.fletcher32 and dset.dtype == value.dtype, (path, k)
-                    assert dset.shape == value.shape, (path, k)
-                    assert dset[()].tobytes() == value.tobytes(), (path, section, k)
+                    check_dataset(path, section, k, dset, value)
         assert params and solver, path
         load_checkpoint(path)  # the /state digest, the checksums
 ok(f"sharded_save n={w.size}")

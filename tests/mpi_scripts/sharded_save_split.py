@@ -18,7 +18,7 @@ import sys
 
 import h5py
 
-from common import datasets, ok, world
+from common import check_dataset, datasets, ok, world
 
 import pytest  # noqa: E402  (MonkeyPatch)
 
@@ -92,10 +92,7 @@ if w.rank == 0:
                 assert [k for k, _ in got] == walked([k for k, _ in want]), (path, section)
                 want = dict(want)
                 for k, dset in got:
-                    value = want[k]
-                    assert dset.fletcher32 and dset.dtype == value.dtype, (path, k)
-                    assert dset.shape == value.shape, (path, k)
-                    assert dset[()].tobytes() == value.tobytes(), (path, section, k)
+                    check_dataset(path, section, k, dset, want[k])
         assert params and solver, path
         load_checkpoint(path)  # the /state digest, the checksums
 ok(f"sharded_save_split n={w.size}")
