@@ -4,8 +4,9 @@ two ranks through ``srun --mpi=pmi2`` (the recipe in shared/recipes).
 Slow (starts slurmctld/slurmd); skipped when SLURM is not installed or we are
 not root. CI installs Debian's slurm-wlm in .ci/run. The cluster is the
 test's own: ports free when it starts (never fixed ones, which a SLURM of
-the machine may hold), every file under the test's temporary folder, and
-nothing left running or written when it ends (a test checks)."""
+the machine may hold), every file under the test's temporary folder (but
+slurmd's spool, see ``short_spool``), and nothing left running or written
+when it ends (a test checks)."""
 import contextlib
 import json
 import random
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +34,7 @@ AuthType=auth/none
 AuthInfo=cred_expire=10
 CredType=cred/none
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd.pid
 SlurmctldLogFile={d}/slurmctld.log
@@ -103,10 +105,32 @@ def _alive(pid):
         return False
 
 
+# slurmd listens for each job step on a unix socket in its spool folder,
+# "<node>_<job>.<step>" (localhost_59999999.4294967291: 30 characters), and a
+# socket's path holds at most 107 bytes (sun_path). Under pytest-xdist the
+# test's folder alone is ~80 (/tmp/pytest-of-root/pytest-223/popen-gw1/
+# test_sbatch_two_ranks_trains_d0/slurm/spool): every launch failed
+# (PENDING, launch_failed_requeued_held) and the job never ran.
+SOCKET_NAME = "/localhost_59999999.4294967291"
+SUN_PATH_MAX = 107
+
+
+def short_spool():
+    """A fresh folder for slurmd's spool whose step sockets' paths fit in
+    ``sun_path`` wherever the test's own folder is (the caller removes it)."""
+    spool = tempfile.mkdtemp(prefix="purine-slurmd-")
+    if len(spool + SOCKET_NAME) > SUN_PATH_MAX:
+        os.rmdir(spool)
+        spool = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
+    assert len(spool + SOCKET_NAME) <= SUN_PATH_MAX, spool
+    return spool
+
+
 @contextlib.contextmanager
 def one_node_cluster(d):
     """A throw-away one-node SLURM cluster whose every file is under the
-    folder ``d`` (made here, removed at the end): slurmctld and slurmd on
+    folder ``d`` (made here, removed at the end) but slurmd's spool (a short
+    folder of its own, ``short_spool``, removed too): slurmctld and slurmd on
     ports free at start-up, started with ``-f d/slurm.conf``. Yields the
     environment that reaches it (SLURM_CONF). At the end every process
     started with that configuration is stopped (and waited for) and ``d``
@@ -117,17 +141,20 @@ def one_node_cluster(d):
         pytest.skip("the throw-away SLURM cluster runs its daemons as root")
     d = Path(d)
     conf = d / "slurm.conf"
+    spool = short_spool()
     try:
         for attempt in range(3):  # a port taken between our pick and the daemon's bind
             shutil.rmtree(d, ignore_errors=True)
-            for sub in ("state", "spool"):
-                (d / sub).mkdir(parents=True)
+            (d / "state").mkdir(parents=True)
+            shutil.rmtree(spool, ignore_errors=True)
+            os.mkdir(spool)
             # job ids that no earlier cluster on this machine used: MPICH names a
             # job's shared memory after its PMI kvs ("<job>.<step>"), and a segment
             # left behind by a killed job 1 made the next cluster's job 1 hang in
             # MPI_Init (seen after killing a test run)
             first_job = random.SystemRandom().randrange(1000, 60_000_000)
-            conf.write_text(CONF.format(d=d, cpus=max(2, os.cpu_count() or 2), port=free_port(),
+            conf.write_text(CONF.format(d=d, spool=spool, cpus=max(2, os.cpu_count() or 2),
+                                        port=free_port(),
                                         port2=free_port(), first_job=first_job))
             env = dict(os.environ, SLURM_CONF=str(conf))
             subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True)
@@ -151,6 +178,7 @@ def one_node_cluster(d):
     finally:
         _stop(list(_daemons(conf)))
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 @pytest.fixture
@@ -169,7 +197,7 @@ def test_two_clusters_at_once_take_free_ports_and_leave_nothing_behind(tmp_path)
     parents = [tmp_path / "a", tmp_path / "b"]
     for parent in parents:
         parent.mkdir()
-    started = {}
+    started, spools = {}, []
     with one_node_cluster(parents[0] / "slurm") as env_a, \
             one_node_cluster(parents[1] / "slurm") as env_b:
         ports = set()
@@ -180,6 +208,9 @@ def test_two_clusters_at_once_take_free_ports_and_leave_nothing_behind(tmp_path)
             assert any("slurmctld" in c for c in daemons.values()), daemons
             assert any("slurmd" in c.split()[0] for c in daemons.values()), daemons
             started[conf] = daemons
+            spool = re.search(r"^SlurmdSpoolDir=(.+)$", conf.read_text(), re.M).group(1)
+            spools.append(spool)
+            assert len(spool + SOCKET_NAME) <= SUN_PATH_MAX, spool
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
                                  text=True)
             assert out.stdout.strip().startswith("idle"), out.stderr
@@ -189,6 +220,7 @@ def test_two_clusters_at_once_take_free_ports_and_leave_nothing_behind(tmp_path)
         assert _daemons(conf) == {}
     for parent in parents:
         assert os.listdir(parent) == [], os.listdir(parent)
+    assert len(set(spools)) == 2 and not any(os.path.exists(s) for s in spools), spools
     after_ns = subprocess.run(["ip", "netns", "list"], capture_output=True,
                               text=True).stdout if shutil.which("ip") else ""
     assert after_ns == before_ns
