@@ -1,0 +1,192 @@
+"""Trust audit of the data pipeline: what the readers of real composed
+graphs deliver, checked against NumPy written from docs/config.md ("Sample
+order", the data keys), never against data/sources.py's own helpers.
+
+Sample i of the file holds the value i (and the label i), so a batch names
+its samples. The split has 23 samples: no global batch below divides it.
+
+On the code before this file (1822932):
+
+- a data spec's ``seed`` did not seed its shuffle (the run's seed did):
+  ``assert [4, 10, 5, 7, 0, 13, ...] == [12, 5, 21, 0, 22, 1, ...]``;
+- ``predict`` under scheme tensor on 2 replicas x 2 shards wrote replica
+  0's batch twice and never replica 1's: ``Arrays are not equal,
+  Mismatched elements: 16 / 40``, rows 12..23 holding samples 0..11.
+"""
+import types
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from purine_mpi.job.config import load_job
+from purine_mpi.ops.data import DataReader
+from purine_mpi.parallel.schemes import scheme_of
+from purine_mpi.tools.graph import _OfflineWorld, composed
+
+N = 23  # samples of the train split
+N_TEST = 40
+NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "h", "num_output": 8},
+       {"type": "relu", "name": "act", "bottom": "h", "top": "h"},
+       {"type": "fc", "name": "fc2", "bottom": "h", "top": "out", "num_output": 64},
+       {"type": "softmax_loss", "name": "loss", "bottom": ["out", "label"], "top": "loss"}]
+STAGES = {"fc1": 0, "act": 0, "fc2": 1, "loss": 1}
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("trust_data") / "d.h5")
+    with h5py.File(path, "w") as f:
+        for split, n in (("train", N), ("test", N_TEST)):
+            v = np.arange(n, dtype=np.float32)
+            f.create_dataset(f"{split}/data", data=np.broadcast_to(
+                v[:, None, None, None], (n, 1, 2, 2)).copy())
+            f.create_dataset(f"{split}/label", data=np.arange(n, dtype=np.int64))
+    return path
+
+
+def job_of(tmp_path, data_file, parallel, batch, shuffle=True, seed=5, data_seed=None,
+           test_batch=None):
+    train = {"source": "hdf5", "path": data_file, "split": "train", "batch_size": batch,
+             "shuffle": shuffle}
+    if data_seed is not None:
+        train["seed"] = data_seed
+    data = {"train": train}
+    if test_batch:
+        data["test"] = {"source": "hdf5", "path": data_file, "split": "test",
+                        "batch_size": test_batch}
+    cfg = {"name": "trust_data", "seed": seed, "data": data, "net": NET,
+           "solver": {"base_lr": 0.1, "max_iter": 10, "test_interval": 0},
+           "parallel": parallel}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return load_job(str(path))
+
+
+def readers(job, world, phase="train"):
+    """[(rank, DataReader kernel)] of every rank's composed graph, each rank's
+    readers in name order (micro-batch copy k: ``data@mb<k>``)."""
+    out = []
+    for r in range(world):
+        graph, _ = composed(job, world, r, phase)
+        ops = sorted((op for op in graph.ops.values() if op.op_type == "DataReader"),
+                     key=lambda op: op.name)
+        out += [(r, DataReader(op)) for op in ops]
+    return out
+
+
+def global_batches(job, world, samples):
+    """(iterations, global batch) sample indices of the first iterations that
+    read at least ``samples`` samples: each data replica's batch once
+    (a tensor group's shards and a pipeline's stages read the same one), in
+    replica order, micro-batch copies in copy order."""
+    kernels = readers(job, world)
+    g = kernels[0][1].batch_size * kernels[0][1].world_size
+    rows = []
+    for t in range(-(-samples // g)):
+        parts = {}
+        for _, k in kernels:
+            key = (k.rank, k.world_size)
+            got = k.prepare(t)[0][:, 0, 0, 0].astype(np.int64)
+            if key in parts:  # another shard of the same replica: the same batch
+                np.testing.assert_array_equal(parts[key], got)
+            parts[key] = got
+        worlds = {w for _, w in parts}
+        assert len(worlds) == 1 and sorted(r for r, _ in parts) == list(range(worlds.pop()))
+        rows.append(np.concatenate([parts[key] for key in sorted(parts)]))
+    return np.array(rows)
+
+
+PARALLEL = [  # (parallel section, ranks, per-rank batch, data replicas)
+    ({"scheme": "data"}, 2, 4, 2),
+    ({"scheme": "data"}, 3, 4, 3),
+    ({"scheme": "data", "micro_batches": 2}, 3, 4, 3),
+    ({"scheme": "data", "mode": "sync_ps", "ps_ranks": 1}, 3, 4, 2),  # 2 workers
+    ({"scheme": "pipeline", "stages": STAGES, "micro_batches": 2}, 2, 4, 1),
+    ({"scheme": "hybrid", "stages": STAGES, "micro_batches": 2}, 4, 4, 2),
+    ({"scheme": "tensor", "tensor_parallel": 2}, 4, 4, 2),  # 2 replicas x 2 shards
+]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("parallel,world,batch,replicas", PARALLEL,
+                         ids=[f"{p['scheme']}{p.get('mode', '')}{p.get('micro_batches', '')}-{w}"
+                              for p, w, _, _ in PARALLEL])
+def test_every_sample_once_per_epoch_and_the_one_rank_batch(tmp_path, data_file, parallel,
+                                                            world, batch, replicas, shuffle):
+    """Global position p of the run is sample order(p // n)[p % n]: each epoch
+    (n consecutive positions, epochs crossing inside a batch) reads every
+    sample exactly once, in file order without shuffle, and the global batch
+    of t is the one rank's batch t of the same global size."""
+    job = job_of(tmp_path, data_file, parallel, batch, shuffle)
+    rows = global_batches(job, world, 3 * N)  # three epochs and a part
+    g = rows.shape[1]
+    assert g == replicas * batch
+    got = rows.ravel()
+    if not shuffle:
+        np.testing.assert_array_equal(got, np.arange(len(got)) % N)
+    for e in range(3):
+        assert sorted(got[e * N:(e + 1) * N].tolist()) == list(range(N)), f"epoch {e}"
+    if shuffle:
+        assert not np.array_equal(got[:N], np.arange(N))
+        assert not np.array_equal(got[:N], got[N:2 * N])  # a new order each epoch
+    (tmp_path / "one").mkdir()
+    one = job_of(tmp_path / "one", data_file, {"scheme": "data"}, g, shuffle)
+    np.testing.assert_array_equal(global_batches(one, 1, 3 * N).ravel(), got)
+
+
+def test_a_data_specs_seed_orders_its_shuffle(tmp_path, data_file):
+    """docs/config.md, data.*.seed: 'seed of the shuffle and of synthetic data'
+    (default: the config's seed). The spec's seed 9 under run seed 5 shuffles
+    as run seed 9 does; the run seed no longer matters then."""
+    def first(run_seed, data_seed, sub):
+        (tmp_path / sub).mkdir()
+        job = job_of(tmp_path / sub, data_file, {"scheme": "data"}, 8, True, run_seed,
+                     data_seed)
+        (_, k), = readers(job, 1)
+        return k.prepare(0)[0][:, 0, 0, 0].astype(int).tolist()
+    own = first(5, 9, "a")
+    assert own == first(9, None, "b")
+    assert own == first(6, 9, "c")
+    assert own != first(5, 10, "d")
+    assert first(5, None, "e") != own
+
+
+def test_predict_writes_each_replicas_batch_in_sample_order_under_tensor(tmp_path, data_file):
+    """``predict`` on 2 replicas x 2 tensor shards (4 ranks), run in one
+    process: every rank's test reader of its composed graph, rank 0's
+    gather as MPI's gather_object gives it. Row i must be test sample i
+    (40 samples, 2 x 12 per iteration: the last iteration padded)."""
+    from purine_mpi.tools import predict as predict_mod
+    world = 4
+    job = job_of(tmp_path, data_file, {"scheme": "tensor", "tensor_parallel": 2}, 4,
+                 test_batch=12)
+    graphs = [composed(job, world, r, "test")[0] for r in range(world)]
+    kernels = [next(DataReader(op) for op in g.ops.values() if op.op_type == "DataReader")
+               for g in graphs]
+    layout = scheme_of(job).layout(job, _OfflineWorld(0, world))
+    assert (layout.replicas, layout.tensor) == (2, 2)
+    ws, batches = {}, []
+
+    def run(i):
+        batches[:] = [k.prepare(i) for k in kernels]
+        ws["data"], ws["label"] = batches[0]
+
+    dispatcher = types.SimpleNamespace(kernels={"data": kernels[0]}, workspace=ws, run=run)
+
+    def gather_object(mine, root, what):
+        return [mine] + [{"data": d, "label": lab} for d, lab in batches[1:]]
+
+    trainer = types.SimpleNamespace(
+        test=dispatcher, job=job, train=types.SimpleNamespace(drain=lambda: None),
+        graphs=types.SimpleNamespace(pipeline=False, test_graph=graphs[0],
+                                     data_size=layout.replicas, layout=layout),
+        world=types.SimpleNamespace(size=world, rank=0, gather_object=gather_object))
+    out = tmp_path / "preds.h5"
+    res = predict_mod.predict(trainer, str(out), "w.h5", blobs=["data"])
+    assert res["samples"] == N_TEST
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(f["label"][...], np.arange(N_TEST))
+        np.testing.assert_array_equal(f["outputs/data"][:, 0, 0, 0], np.arange(N_TEST))
+        np.testing.assert_array_equal(f["index"][...], np.arange(N_TEST))
