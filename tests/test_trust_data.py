@@ -190,3 +190,55 @@ def test_predict_writes_each_replicas_batch_in_sample_order_under_tensor(tmp_pat
         np.testing.assert_array_equal(f["label"][...], np.arange(N_TEST))
         np.testing.assert_array_equal(f["outputs/data"][:, 0, 0, 0], np.arange(N_TEST))
         np.testing.assert_array_equal(f["index"][...], np.arange(N_TEST))
+
+
+def _loop(job, world, rank, kernels):
+    """What Checkpoints.state_dict/load_state_dict read of a loop, for one
+    rank of ``world`` (a one-rank world's gather)."""
+    layout = scheme_of(job).layout(job, _OfflineWorld(rank, world))
+    return types.SimpleNamespace(
+        world=types.SimpleNamespace(rank=rank, size=world),
+        graphs=types.SimpleNamespace(layout=layout),
+        train=types.SimpleNamespace(kernels={k.op.name: k for k in kernels}),
+        state=types.SimpleNamespace(window=None, watch=None, window_carry=None),
+        log=lambda msg: None)
+
+
+@pytest.mark.parametrize("after", [({"scheme": "data", "micro_batches": 2}, 3, 4),
+                                   ({"scheme": "data"}, 2, 4),
+                                   ({"scheme": "data"}, 1, 12)])
+def test_a_resume_mid_epoch_reads_what_the_uninterrupted_run_reads(tmp_path, data_file, after):
+    """A shuffled run of 3 ranks x 2 micro-batches x 4 (global 12) saves its
+    readers' state after 5 iterations (60 samples, mid-epoch 3 of 23); the
+    checkpoint's per-rank state is loaded as train/checkpoints.py loads it
+    into the same layout, into 2 ranks x 4 (global 8: 60 rounds down to
+    56) and into 1 rank x 12; from there every global batch is the
+    uninterrupted run's samples at those positions."""
+    from purine_mpi.train.checkpoints import Checkpoints
+    before = job_of(tmp_path, data_file, {"scheme": "data", "micro_batches": 2}, 4)
+    saved = readers(before, 3)
+    for t in range(5):
+        for _, k in saved:
+            k.prepare(t)
+            k.position += 1  # as run() leaves it
+    ranks = {}
+    for r, k in saved:
+        ranks.setdefault(r, []).append(k)
+    state = {"ranks": {str(r): {k.op.name: {"state": k.state_dict()} for k in ks}
+                       for r, ks in ranks.items()},
+             "layout": _loop(before, 3, 0, []).graphs.layout.as_dict()}
+    parallel, world, batch = after
+    (tmp_path / "after").mkdir()
+    job = job_of(tmp_path / "after", data_file, parallel, batch)
+    resumed = readers(job, world)
+    for r in range(world):
+        Checkpoints().load_state_dict(_loop(job, world, r, [k for q, k in resumed if q == r]),
+                                      state, notes=False)
+    start = 60 // (world * batch) * world * batch
+    (tmp_path / "one").mkdir()
+    one = job_of(tmp_path / "one", data_file, {"scheme": "data"}, 1)
+    straight = global_batches(one, 1, start + 4 * world * batch).ravel()
+    for t in range(4):
+        got = np.concatenate([k.prepare(k.position + t)[0][:, 0, 0, 0] for _, k in resumed])
+        g = world * batch
+        np.testing.assert_array_equal(got, straight[start + t * g:start + (t + 1) * g])
