@@ -242,3 +242,44 @@ def test_a_resume_mid_epoch_reads_what_the_uninterrupted_run_reads(tmp_path, dat
         got = np.concatenate([k.prepare(k.position + t)[0][:, 0, 0, 0] for _, k in resumed])
         g = world * batch
         np.testing.assert_array_equal(got, straight[start + t * g:start + (t + 1) * g])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_val_pass_predicts_each_token_at_most_once(tmp_path, world):
+    """docs/formats.md, HDF5 text files: an unshuffled text split of n tokens
+    is ⌊(n - 1) / T⌋ disjoint windows whose labels are tokens 1 .. ⌊(n - 1) / T⌋ T
+    (each input shifted by one), the first and the last (n - 1) mod T
+    tokens unpredicted; a one-pass read on 1-3 ranks with its padding
+    dropped (positions >= the windows, evaluation's pass_counts) gives
+    exactly those windows once, in order. The train split is the stream
+    before the val split."""
+    from purine_mpi.data.text import write_text
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(np.random.default_rng(0).integers(32, 127, 1000, dtype=np.uint8)))
+    path = str(tmp_path / "t.h5")
+    write_text(str(text), path, val_fraction=0.3)
+    stream = np.frombuffer(text.read_bytes(), np.uint8)
+    with h5py.File(path, "r") as f:
+        train, val = f["train/tokens"][...], f["val/tokens"][...]
+    np.testing.assert_array_equal(np.concatenate([train, val]), stream)
+    assert len(val) == 300
+    T, B = 16, 3
+    spec = {"source": "text", "path": path, "split": "val", "sequence_length": T,
+            "shuffle": False}
+    windows = (len(val) - 1) // T  # 18: 288 tokens predicted, 11 not
+    kernels = [DataReader(types.SimpleNamespace(name="data", attrs={
+        "source": spec, "batch_size": B, "rank": r, "world_size": world, "seed": 0,
+        "train": False})) for r in range(world)]
+    data, labels = [], []
+    for t in range(-(-windows // (B * world))):
+        for r, k in enumerate(kernels):
+            d, lab = k.prepare(t)
+            first = (t * world + r) * B
+            keep = max(0, min(B, windows - first))
+            data.append(d[:keep])
+            labels.append(lab[:keep])
+    data, labels = np.concatenate(data), np.concatenate(labels)
+    assert data.shape == labels.shape == (windows, T)
+    np.testing.assert_array_equal(data.ravel(), val[:windows * T])
+    np.testing.assert_array_equal(labels.ravel(), val[1:windows * T + 1])
+    assert len(val) - 1 - windows * T == (len(val) - 1) % T == 11
