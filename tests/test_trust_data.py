@@ -283,3 +283,55 @@ def test_a_val_pass_predicts_each_token_at_most_once(tmp_path, world):
     np.testing.assert_array_equal(data.ravel(), val[:windows * T])
     np.testing.assert_array_equal(labels.ravel(), val[1:windows * T + 1])
     assert len(val) - 1 - windows * T == (len(val) - 1) % T == 11
+
+
+@pytest.mark.mpi
+def test_a_val_pass_of_token_data_gives_the_numpy_figures_on_1_2_3_ranks(tmp_path):
+    """``test`` of a bigram net (embedding -> fc over the last axis -> token
+    loss and accuracy) on the json package's byte tokens: the val split's
+    1208 disjoint windows of 8 (not a multiple of 7 x 2 or 7 x 3: the last
+    batch is padded) give the loss and accuracy NumPy computes in float64
+    from the checkpoint over tokens 1 .. 1208 x 8, on 1, 2 and 3 ranks."""
+    import json
+    from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+    from tests.gpt_nets import text_h5
+    path, T = text_h5(tmp_path), 8
+    data = {"source": "text", "path": path, "sequence_length": T}
+    cfg = {"name": "bigram", "seed": 3,
+           "data": {"train": dict(data, split="train", batch_size=4, shuffle=True),
+                    "test": dict(data, split="val", batch_size=7, shuffle=False)},
+           "net": [{"type": "embedding", "name": "wte", "bottom": "data", "top": "e",
+                    "input_dim": 256, "num_output": 8},
+                   {"type": "fc", "name": "head", "bottom": "e", "top": "logits",
+                    "num_output": 256, "axis": -1},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"],
+                    "top": "loss", "axis": -1},
+                   {"type": "accuracy", "name": "acc", "bottom": ["logits", "label"],
+                    "top": "acc", "axis": -1, "phase": "test"}],
+           "solver": {"type": "sgd", "base_lr": 0.5, "max_iter": 5, "test_interval": 0,
+                      "test_iter": None},
+           "checkpoint": {"interval": 0}}
+    config = write_config_file(tmp_path, cfg)
+    res = run_cli_args("train", config, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    weights = tmp_path / "run" / "latest.h5"
+    with h5py.File(path, "r") as f:
+        val = f["val/tokens"][...].astype(np.int64)
+    with h5py.File(weights, "r") as f:
+        emb, w, b = (f[f"params/{n}"][...].astype(np.float64)
+                     for n in ("wte/weight", "head/weight", "head/bias"))
+    windows = (len(val) - 1) // T
+    assert windows == 1208
+    x, y = val[:windows * T], val[1:windows * T + 1]
+    z = emb[x] @ w.T + b
+    z -= z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    loss, acc = -logp[np.arange(len(y)), y].mean(), (z.argmax(axis=1) == y).mean()
+    for ranks in (1, 2, 3):
+        res = (run_mpi_cli(ranks, "test", config, "--weights", weights) if ranks > 1 else
+               run_cli_args("test", config, "--weights", weights))
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout)
+        assert got["samples"] == windows, (ranks, got)
+        assert abs(got["loss"] - loss) < 2e-6 and abs(got["accuracy"] - acc) < 1e-6, \
+            (ranks, got, loss, acc)
