@@ -2,8 +2,8 @@
 graphs deliver, checked against NumPy written from docs/config.md ("Sample
 order", the data keys), never against data/sources.py's own helpers.
 
-Sample i of the file holds the value i (and the label i), so a batch names
-its samples. The split has 23 samples: no global batch below divides it.
+Sample i of the file holds the pixels 100 i + 4 h + w (and the label i),
+so a batch names its samples and shows any crop or flip. The split has 23 samples: no global batch below divides it.
 
 On the code before this file (1822932):
 
@@ -34,28 +34,36 @@ NET = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "h", "num_output":
 STAGES = {"fc1": 0, "act": 0, "fc2": 1, "loss": 1}
 
 
+def images(n):
+    """Sample i: 1 x 4 x 4 pixels 100 i + 4 h + w (``sample_ids`` reads i back)."""
+    i, h, w = np.ogrid[:n, :4, :4]
+    return (100 * i + 4 * h + w).astype(np.float32)[:, None]
+
+
+def sample_ids(data):
+    return (data[:, 0, 0, 0] // 100).astype(np.int64)
+
+
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("trust_data") / "d.h5")
     with h5py.File(path, "w") as f:
         for split, n in (("train", N), ("test", N_TEST)):
-            v = np.arange(n, dtype=np.float32)
-            f.create_dataset(f"{split}/data", data=np.broadcast_to(
-                v[:, None, None, None], (n, 1, 2, 2)).copy())
+            f.create_dataset(f"{split}/data", data=images(n))
             f.create_dataset(f"{split}/label", data=np.arange(n, dtype=np.int64))
     return path
 
 
 def job_of(tmp_path, data_file, parallel, batch, shuffle=True, seed=5, data_seed=None,
-           test_batch=None):
+           test_batch=None, transform=None):
     train = {"source": "hdf5", "path": data_file, "split": "train", "batch_size": batch,
-             "shuffle": shuffle}
+             "shuffle": shuffle, **(transform or {})}
     if data_seed is not None:
         train["seed"] = data_seed
     data = {"train": train}
     if test_batch:
         data["test"] = {"source": "hdf5", "path": data_file, "split": "test",
-                        "batch_size": test_batch}
+                        "batch_size": test_batch, **(transform or {})}
     cfg = {"name": "trust_data", "seed": seed, "data": data, "net": NET,
            "solver": {"base_lr": 0.1, "max_iter": 10, "test_interval": 0},
            "parallel": parallel}
@@ -88,7 +96,7 @@ def global_batches(job, world, samples):
         parts = {}
         for _, k in kernels:
             key = (k.rank, k.world_size)
-            got = k.prepare(t)[0][:, 0, 0, 0].astype(np.int64)
+            got = sample_ids(k.prepare(t)[0])
             if key in parts:  # another shard of the same replica: the same batch
                 np.testing.assert_array_equal(parts[key], got)
             parts[key] = got
@@ -136,6 +144,30 @@ def test_every_sample_once_per_epoch_and_the_one_rank_batch(tmp_path, data_file,
     np.testing.assert_array_equal(global_batches(one, 1, 3 * N).ravel(), got)
 
 
+@pytest.mark.parametrize("parallel,world,batch,replicas", PARALLEL,
+                         ids=[f"{p['scheme']}{p.get('mode', '')}{p.get('micro_batches', '')}-{w}"
+                              for p, w, _, _ in PARALLEL])
+def test_test_phase_data_is_the_center_crop_unflipped(tmp_path, data_file, parallel, world,
+                                                      batch, replicas):
+    """crop_size 2 and mirror on both specs (docs/config.md: 'Testing crops the
+    centre and never flips', Caffe's offset (H - crop) // 2): every test-graph
+    reader of every rank gives each sample's pixels [1:3, 1:3] as they are;
+    the train readers of the same spec crop elsewhere or flip some."""
+    transform = {"crop_size": 2, "mirror": True}
+    job = job_of(tmp_path, data_file, parallel, batch, test_batch=5, transform=transform)
+    pixels = images(N_TEST)
+    test_readers = readers(job, world, "test")
+    assert test_readers
+    for _, k in test_readers:
+        assert k.attrs["train"] is False
+        for t in range(3):
+            data = k.prepare(t)[0]
+            np.testing.assert_array_equal(data, pixels[sample_ids(data)][:, :, 1:3, 1:3])
+    trained = [k.prepare(t)[0] for _, k in readers(job, world) for t in range(3)]
+    assert any(not np.array_equal(d, images(N)[sample_ids(d)][:, :, 1:3, 1:3])
+               for d in trained)
+
+
 def test_a_data_specs_seed_orders_its_shuffle(tmp_path, data_file):
     """docs/config.md, data.*.seed: 'seed of the shuffle and of synthetic data'
     (default: the config's seed). The spec's seed 9 under run seed 5 shuffles
@@ -145,7 +177,7 @@ def test_a_data_specs_seed_orders_its_shuffle(tmp_path, data_file):
         job = job_of(tmp_path / sub, data_file, {"scheme": "data"}, 8, True, run_seed,
                      data_seed)
         (_, k), = readers(job, 1)
-        return k.prepare(0)[0][:, 0, 0, 0].astype(int).tolist()
+        return sample_ids(k.prepare(0)[0]).tolist()
     own = first(5, 9, "a")
     assert own == first(9, None, "b")
     assert own == first(6, 9, "c")
@@ -188,7 +220,7 @@ def test_predict_writes_each_replicas_batch_in_sample_order_under_tensor(tmp_pat
     assert res["samples"] == N_TEST
     with h5py.File(out, "r") as f:
         np.testing.assert_array_equal(f["label"][...], np.arange(N_TEST))
-        np.testing.assert_array_equal(f["outputs/data"][:, 0, 0, 0], np.arange(N_TEST))
+        np.testing.assert_array_equal(f["outputs/data"][...], images(N_TEST))
         np.testing.assert_array_equal(f["index"][...], np.arange(N_TEST))
 
 
@@ -239,7 +271,7 @@ def test_a_resume_mid_epoch_reads_what_the_uninterrupted_run_reads(tmp_path, dat
     one = job_of(tmp_path / "one", data_file, {"scheme": "data"}, 1)
     straight = global_batches(one, 1, start + 4 * world * batch).ravel()
     for t in range(4):
-        got = np.concatenate([k.prepare(k.position + t)[0][:, 0, 0, 0] for _, k in resumed])
+        got = np.concatenate([sample_ids(k.prepare(k.position + t)[0]) for _, k in resumed])
         g = world * batch
         np.testing.assert_array_equal(got, straight[start + t * g:start + (t + 1) * g])
 
