@@ -38,7 +38,8 @@ its data are the first ``sequence_length`` tokens and its label the last
 stride is 1 for a shuffled spec (every offset is a sample: a shuffled epoch
 visits every window once, in the seeded order of data/sources.py) and
 ``sequence_length`` otherwise (a test pass reads disjoint windows in order,
-so each token of the split is predicted once). Which windows a rank reads is
+so each token of the split is predicted at most once: all but the first
+and the last (n - 1) % sequence_length). Which windows a rank reads is
 the rule of data/sources.py (``batch_indices``), so N ranks x B read the
 windows of 1 rank x N*B.
 """

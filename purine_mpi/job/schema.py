@@ -255,8 +255,8 @@ TOP = (
     Key("checkpoint", None, {}, "how often to write checkpoints and how many to keep (see "
         "[checkpoint](#checkpoint))", kind="mapping"),
     Key("gpu", None, {}, "the GPU's memory choices (see [gpu](#gpu))", kind="mapping"),
-    Key("seed", check_seed, 0, "seeds the initial weights, the data order, the random crops "
-        "and flips, and dropout", kind="integer in [0, 2^63)"),
+    Key("seed", check_seed, 0, "seeds the initial weights, the data order (a data spec's "
+        "own `seed` replaces it there), the random crops and flips, and dropout", kind="integer in [0, 2^63)"),
     Key("backend", _choice(BACKENDS), None, "the array library: `numpy` forbids a device, "
         "`cupy` without a device means device 0", shown="`auto`"),
     Key("device", _int(-1), -1, "-1: the CPU; D >= 0: GPU D + the rank's index on its node "

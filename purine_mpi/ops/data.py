@@ -13,8 +13,9 @@ Attrs:
                 split, shape, classes, num_samples, shuffle, seed}
     batch_size  per-rank batch size B
     rank, world_size   this replica's index among the data-parallel replicas
-    seed        run seed: the shuffle order (and synthetic data, unless the
-                spec gives its own ``seed``) derive from it
+    seed        run seed: the shuffle order and synthetic data derive from it,
+                unless the spec gives its own ``seed``; the transform's random
+                crops and flips always do
     dtype       data dtype (default float32)
     train       training phase (default true): random crops and mirroring;
                 false gives center crops and no mirroring
@@ -112,8 +113,9 @@ class DataReader(OpKernel):
         if self._source is None:
             spec = self.attrs["source"]
             self._source = make_source(spec, self.seed)
+            own = spec.get("seed")  # the spec's seed of the shuffle, else the run's
             self._order = EpochOrder(self._source.n_samples, spec.get("shuffle", False),
-                                     self.seed)
+                                     self.seed if own is None else own)
 
     def prepare(self, iteration, pad_limit=None):
         """(data, labels) NumPy arrays of batch ``iteration`` (no prefetch);

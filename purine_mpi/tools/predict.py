@@ -103,7 +103,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
             if trainer.world.size > 1 else [mine]
         if trainer.world.rank == 0:
-            for rank_part in every[:ranks]:  # replica order is sample order
+            for rank_part in replica_parts(every, trainer.graphs.layout):
                 for b in parts:
                     parts[b].append(rank_part[b])
     if trainer.world.rank != 0:
@@ -111,6 +111,15 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     rows = {b: np.concatenate(v)[:n] for b, v in parts.items()}
     _write(out_path, rows, blobs, trainer, weights, split, n)
     return {"samples": int(n), "blobs": blobs, "out": out_path}
+
+
+def replica_parts(every, layout):
+    """Each data replica's part of ``every`` (one per rank, in rank order),
+    in replica order, which is sample order (docs/config.md, "Sample
+    order"): the rank holding the replica's tensor shard 0 (the ranks of a
+    tensor-parallel group read the same batch; parameter servers, the last
+    ranks, read none)."""
+    return [every[k] for k in layout.shard_ranks(0)]
 
 
 def _outputs(graph):
