@@ -23,10 +23,13 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = [sys.executable, "-m", "purine_mpi"]
 JOBS = ("cifar10_quick", "nin_cifar10", "gpt_tiny", "gpt_small")
-SCHEMES = ("data", "pipeline", "tensor", "sharded1", "sharded2", "sharded3", "tppp")
+SCHEMES = ("data", "pipeline", "tensor", "sharded1", "sharded2", "sharded3", "tppp",
+           "sync_ps", "async")
 #: the ranks of a scheme's run: 2; tensor x pipeline (``tppp``: 2 stages x 2
-#: tensor shards, scheme pipeline with parallel.tensor_parallel 2) 4
-RANKS = {"tppp": 4}
+#: tensor shards, scheme pipeline with parallel.tensor_parallel 2) 4; the
+#: parameter servers' modes 3 (2 workers, 1 server: ``ps_ranks`` more servers
+#: with ``measure``'s ``sets``)
+RANKS = {"tppp": 4, "sync_ps": 3, "async": 3}
 
 
 def text_data(out):
@@ -58,6 +61,13 @@ def sets_for(job, scheme, out):
         sets += ["parallel.scheme=tensor"]
     elif scheme.startswith("sharded"):
         sets += ["parallel.scheme=sharded", f"parallel.shard={scheme[-1]}"]
+    elif scheme in ("sync_ps", "async"):
+        # two-sided: a shared window's pages count in the resident bytes of
+        # every rank that touches them (plan counts them once, on the owner);
+        # async with max_staleness 1 (0 runs as sync_ps)
+        sets += ["parallel.scheme=data", f"parallel.mode={scheme}", "parallel.ps_ranks=1",
+                 "parallel.transport=two_sided"] + \
+            (["parallel.max_staleness=1"] if scheme == "async" else [])
     else:
         sets += ["parallel.scheme=data"]
     return path, sets
@@ -77,13 +87,16 @@ def train_memory(path, args, run, np_=2, iters=5, env=None, mpiexec="mpiexec"):
         return json.load(f)["ranks"]
 
 
-def measure(job, scheme, out, np_=None, iters=5, env=None):
+def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None):
     """{"predicted": [bytes per rank], "measured": [...], "baseline": [...],
     "plan": the plan's JSON}, or {"error": text}; on ``np_`` ranks, by
-    default the scheme's (``RANKS``, else 2)."""
+    default the scheme's (``RANKS``, else 2). ``sets``: more --set values
+    (after the scheme's); ``path``: a config file in the place of
+    jobs/JOB.yaml."""
     np_ = np_ or RANKS.get(scheme, 2)
-    path, sets = sets_for(job, scheme, out)
-    args = [a for s in sets for a in ("--set", s)]
+    own, more = sets_for(job, scheme, out)
+    path = path or own
+    args = [a for s in list(more) + list(sets) for a in ("--set", s)]
     env = {**os.environ, **(env or {})}
     p = subprocess.run(PY + ["plan", path, "--np", str(np_), "--json"] + args,
                        capture_output=True, text=True, env=env, cwd=ROOT)

@@ -58,6 +58,7 @@ def _cases():
     stats = lambda n: [np.empty(C, np.float32) for _ in range(n)]  # noqa: E731
     within = {"norm_region": "within_channel", "local_size": 3}
     big = _f(4 * X[0], *X[1:])   # the masks: a byte an element
+    w, v = _f(*X), _f(*X)
     return [
         ("ReluGrad", {}, [big, big], [np.empty_like(big)]),
         ("ReluGrad", {"negative_slope": 0.1}, [x, x], [like()]),
@@ -76,6 +77,9 @@ def _cases():
          [like()] + stats(4)),
         ("BatchNormGrad", {}, [x, x, _f(C), _f(C), np.ones(C, np.float32)], [like()] + stats(2)),
         ("Cast", {"dtype": "bfloat16"}, [x], [like()]),
+        # the scaled gradient, then the scaled weights (a parameter server's update)
+        ("SGDUpdate", {"momentum": 0.9, "weight_decay": 5e-4}, [w, x, v, np.float32(0.1)],
+         [w, v]),
         ("SoftmaxLoss", {}, [_f(1024, 4, 256), _ids(4, (1024, 256))],
          [np.empty((), np.float32), np.empty((1024, 4, 256), np.float32)]),
         ("SoftmaxLossGrad", {"axis": -1}, [np.float32(1), np.abs(_f(32, 128, 256)),

@@ -17,6 +17,7 @@ from purine_mpi.job.config import load_job
 from purine_mpi.runtime.factory import planned_workspace
 from purine_mpi.runtime.footprint import footprint, shared_params, workspace_plans
 from purine_mpi.runtime.workspace import window_blobs
+from purine_mpi.base.progress_bar import human_bytes
 from purine_mpi.tools.plan import parse_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,12 +137,13 @@ def test_kernel_temporaries_count_the_dropout_draw(tmp_path):
     """A net whose largest host op is a Dropout (64 x 4096 units): plan's
     kernel temporaries row is that op's host Philox draw, the bool mask and
     a chunk's buffers (base/philox.keep_mask_temporaries), not the loss's
-    small arrays."""
+    small arrays nor fc1's SGD update (16 x 4096 weights: its scaled
+    gradient, 256 KiB; with 100 inputs, 1.6 MiB, it was the largest)."""
     from purine_mpi.base.philox import keep_mask_temporaries
     from purine_mpi.ops.registry import specs_nbytes
     from purine_mpi.tools.plan import offline_footprint
     cfg = {"name": "drop_fc", "seed": 1,
-           "data": {"train": {"source": "synthetic", "shape": [100], "classes": 10,
+           "data": {"train": {"source": "synthetic", "shape": [16], "classes": 10,
                               "num_samples": 64, "batch_size": 64}},
            "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
                     "num_output": 4096},
@@ -293,16 +295,90 @@ def test_plan_of_a_pipeline_is_train_s_check_to_the_byte(digits_h5, tmp_path):
         assert res.returncode == status, (limit, need, res.stderr[-600:])
 
 
-def test_plan_of_a_parameter_server_mode_is_refused_not_a_traceback(digits_h5):
-    """plan --np 3 of parallel.mode async died in a traceback (exit 1,
-    AttributeError: '_Graphs' object has no attribute 'composition'), and
-    its figure, once built, said 2.0 MiB fits where train needs 3.9 MiB:
-    exit 2 naming the key instead."""
-    from tests.conftest import run_cli_here
-    from tests.test_cli import assert_user_error
-    for mode in ("async", "sync_ps"):
-        assert_user_error(run_cli_here(
-            "plan", os.path.join(JOBS, "digits_lenet.yaml"), "--np", "3", "--set",
-            f"parallel.mode={mode}", "--set", "parallel.ps_ranks=1", "--set",
-            f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"),
-            "parallel.mode", mode)
+def _digits_ps(digits_h5, tmp_path, mode, wide=False):
+    """digits_lenet as a parameter-server job (async with max_staleness 1:
+    0 runs as sync_ps), written to a file (``wide``: fc1 4096 wide, 2 MiB of
+    weights, so that the server needs more than a worker)."""
+    cfg = yaml.safe_load(open(os.path.join(JOBS, "digits_lenet.yaml")))
+    cfg["data"]["train"]["path"] = cfg["data"]["test"]["path"] = digits_h5
+    cfg["parallel"] = {"scheme": "data", "mode": mode, "ps_ranks": 1, "max_staleness": 1}
+    if wide:
+        cfg["net"] = [dict(layer, num_output=4096) if layer["name"] == "fc1" else layer
+                      for layer in cfg["net"]]
+    path = tmp_path / f"digits_{mode}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_parameter_server_ranks_are_what_they_allocate(mode, digits_h5, tmp_path):
+    """plan --np 3 of a parameter-server job (it refused with exit 2, and
+    before that died in a traceback and, patched, said 2.0 MiB fits where
+    train needs 3.9 MiB): a row per rank, each worker's workspaces to the
+    byte (as train's WorkerScheme builds them over the workers' world), a
+    sync_ps server's workspace (its server graph) to the byte; the server
+    holds the weights, their momenta and a receive buffer per worker
+    (async: and a reply's snapshot per worker), rank 0's save the servers'
+    momenta (async: and weights)."""
+    from purine_mpi.runtime.workspace import Workspace
+    from purine_mpi.tools.plan import _offline_graphs, offline_footprints
+    job = _job("digits_lenet", None, f"data.train.path={digits_h5}",
+               f"data.test.path={digits_h5}", f"parallel.mode={mode}",
+               "parallel.max_staleness=1", "parallel.ps_ranks=1",
+               "parallel.transport=two_sided")
+    fps, _ = offline_footprints(job, 3, [0, 1, 2])
+    from purine_mpi.job.replica import build_train_graph
+    graph, _ = build_train_graph(job, 0, 2)
+    weights = sum(b.nbytes for b in graph.params())
+    for rank in (0, 1):
+        graphs = _offline_graphs(job, 3, rank)
+        fp = fps[rank]
+        plans = workspace_plans(graphs, job.memory_plan)
+        ws = planned_workspace(graphs.graph, job.memory_plan, keep=plans.keep,
+                               plans=(plans.host, plans.devices))
+        tws = planned_workspace(graphs.test_graph, job.memory_plan, keep=plans.test_keep,
+                                shared={p: ws[p] for p in shared_params(graphs)}, arena=ws,
+                                plans=(plans.test_host, plans.test_devices))
+        held = weights if mode == "async" and rank == 0 else 0  # the last sync's momenta
+        h = fp.host
+        assert fp.loop_total - h["data_pool"] - h["host_scratch"] - h["kernel_temporaries"] \
+            - held == ws.allocated_bytes + tws.allocated_bytes, (mode, rank)
+        assert h["weights"] == weights and not h.get("optimizer_state")
+    server = fps[2].host
+    assert server["weights"] == server["optimizer_state"] == weights
+    assert fps[2].save == 2 * weights  # send_state's pickle, the end's copies
+    if mode == "sync_ps":
+        sg = _offline_graphs(job, 3, 2).server_graph
+        assert fps[2].loop_total - server["kernel_temporaries"] == \
+            Workspace(sg).allocated_bytes
+        assert server["gradients"] == 3 * weights  # a receive buffer per worker, their sum
+        assert fps[0].save == 2 * weights  # the momenta's message, then its arrays
+        assert fps[1].save == 0
+    else:
+        assert server["comm_buffers"] == 4 * weights  # 2 workers: gradients, replies
+        assert fps[0].save == 5 * weights  # the weights received, sent on, the copies
+        assert fps[1].save == 3 * weights  # the allgather's buffer, bytes, arrays
+
+
+@pytest.mark.parametrize("mode,biggest", [("sync_ps", 2), ("async", 0)])
+def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, biggest, digits_h5,
+                                                                     tmp_path):
+    """plan's figure of the rank that needs the most (sync_ps: the server,
+    with a 4096-wide fc1; async: rank 0, whose saves take the servers'
+    state and send the weights on) is what train's start-up check compares:
+    train starts at it and refuses one byte below, naming that rank (a
+    server's check is new: it had none)."""
+    from tests.conftest import run_mpi_cli
+    cfg = _digits_ps(digits_h5, tmp_path, mode, wide=True)
+    out = subprocess.run(PY + ["plan", cfg, "--np", "3", "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    need = {r: k["host"]["total"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    assert sorted(need) == [0, 1, 2] and max(need, key=need.get) == biggest, need
+    for limit, status in ((need[biggest], 0), (need[biggest] - 1, 2)):
+        res = run_mpi_cli(3, "train", cfg, "--iters", "2", "--out", str(tmp_path / str(limit)),
+                          "--host-memory", str(limit))
+        assert res.returncode == status, (limit, need, res.stderr[-600:])
+        if status:
+            assert f"rank {biggest} needs {human_bytes(need[biggest])}" in res.stderr, \
+                res.stderr[-600:]

@@ -183,6 +183,61 @@ def test_predicted_host_total_is_held(job, tmp_path):
     assert json.loads(json.dumps(res["plan"]))["ranks"][0]["host"]["data_pool"] > 0
 
 
+def _wide_cifar(tmp_path):
+    """cifar10_quick with two wide fc layers (ip1 1024 -> 4096, ip1b 4096 ->
+    1024: 16 MiB of weights each) and 200 samples a batch: a parameter
+    server holds several copies of its share of the weights (tens of MiB
+    beside the ~7 MiB a process adds above the baseline unplanned), a
+    worker the activations of cifar10_quick, two servers one wide layer
+    each."""
+    import yaml
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "jobs", "cifar10_quick.yaml")))
+    net = []
+    for layer in cfg["net"]:
+        if layer["name"] == "ip1":
+            net += [dict(layer, num_output=4096),
+                    {"type": "relu", "name": "relu_ip1", "bottom": "ip1", "top": "ip1"},
+                    {"type": "fc", "name": "ip1b", "bottom": "ip1", "top": "ip1b",
+                     "num_output": 1024}]
+        else:
+            net.append(dict(layer, bottom="ip1b") if layer["name"] == "ip2" else layer)
+    cfg["net"] = net
+    cfg["data"]["train"]["batch_size"] = 200
+    path = tmp_path / "cifar10_wide.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
+@pytest.mark.parametrize("mode,ranks,servers", [("sync_ps", 3, 1), ("async", 3, 1),
+                                                ("sync_ps", 4, 2), ("async", 4, 2)])
+def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_path):
+    """Every rank of a parameter-server run, workers and servers (their
+    figures in memory.json since issue 44), holds at least plan's host total
+    less 3% and the total is within 15% of it, as test_predicted_host_total_is_held
+    asks of scheme data; with a save at iteration 2 of 3 (rank 0 takes the
+    servers' momenta, an async server sends its state between two pushes)
+    and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
+    save frees leave the resident bytes; with the dynamic threshold rank 0
+    kept 28 MiB of the first save's arrays and measured 13-14% above the
+    figure). Measured: 2.3-8.6% above plan (sync_ps rank 0 the most). Before,
+    plan refused these modes (exit 2), and memory.json had no server."""
+    res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
+                              env={"PURINE_MMAP_THRESHOLD": "131072"},
+                              sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
+                              path=_wide_cifar(tmp_path))
+    assert "error" not in res, res
+    assert len(res["measured"]) == ranks
+    for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
+        assert m >= 0.97 * p, (mode, r, p, m)
+        assert p >= 0.85 * m, (mode, r, p, m)
+    kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
+    server = kinds[ranks - 1]["host"]
+    assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
+    assert kinds[0]["host"]["checkpoint_save"] > 0  # the servers' momenta (async: weights)
+
+
 _FREED = """
 import numpy as np
 import purine_mpi

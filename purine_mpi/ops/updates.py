@@ -60,6 +60,15 @@ class SGDUpdate(OpKernel):
             return
         _sgd_step(xp, w, grad, v, lr, a, w_new, v_new)
 
+    def host_temporaries(self, ins, outs):
+        """``_sgd_step``'s NumPy temporaries, one at a time: the scaled
+        gradient, then (with weight decay) the scaled weights."""
+        a = self.attrs
+        decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
+        big = max([ins[1]] + ([ins[0]] if decay else []),
+                  key=lambda x: x.size * np.dtype(x.dtype).itemsize)
+        return [(tuple(big.shape), big.dtype)]
+
     def _run_gpu(self, k, xp, ins, outs):
         """The fused kernel updates in place, so it works on the outputs
         (normally the aliases ``w@new``/``v@new``, i.e. ``w`` and ``v``

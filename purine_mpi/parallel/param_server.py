@@ -136,20 +136,20 @@ def compose_param_server(graph, grads, job, world=None):
     plan = plan_param_server(graph, grads, layout)
     build_worker_graph(graph, plan)
     # parallel.transport: the windows (collective with the servers' run_server)
-    from .ps_windows import allocate, slot, windowed_worker
-    windows, transport = allocate(job, world, graph, plan)
-    if windows is not None:
-        shared = windows.where(slot(plan, plan["order"][0], world.rank)) == "shared" \
-            if plan["order"] else False
+    # offline (plan) nothing is allocated, and the graph is converted as a run's
+    from .ps_windows import allocate, shared_slots, windowed_worker
+    windows, transport, placed = allocate(job, world, graph, plan)
+    if placed is not None:
         windowed_worker(graph, plan, world.rank, job.parallel.mode, job.parallel.max_staleness,
-                        shared=shared)
+                        shared=shared_slots(placed, plan, world.rank))
     gradients_first(graph, plan["grads"])  # pushes start as early as possible
     place_on_rank(graph, world.rank)
     graph.infer_shapes().validate()
     from .schemes.base import Composition
     nw = len(layout["workers"])
     lay = Layout(job.parallel.scheme, nw, 1, world.rank, 0, job.parallel.micro_batches)
-    return Composition(graph, lay, transport=transport, windows=windows)
+    return Composition(graph, lay, transport=transport, windows=windows, window_placement=placed,
+                       server_plan=dict(plan, mode=job.parallel.mode))
 
 
 def synchronous_if_no_staleness(job):

@@ -86,16 +86,31 @@ def choose(job, world, plan):
 
 
 def allocate(job, world, graph, plan):
-    """The run's PS windows, or None (two-sided): (Windows or None, the
-    start-up line). Collective on the global world."""
+    """The run's PS windows: (Windows or None, the start-up line, the
+    placement ``(WindowLayout, node_of)`` runtime/footprint.py counts, or
+    None: two-sided). Collective on the global world. Offline (a world
+    without MPI: ``plan``) nothing is allocated, but the placement is the
+    one a run on those nodes makes (``windowed`` says whether the graphs
+    are converted)."""
     kind, why, node_of = choose(job, world, plan)
-    if kind == "two_sided" or getattr(world, "comm", None) is None:
-        return None, _line(kind, why)
+    if kind == "two_sided":
+        return None, _line(kind, why), None
+    layout = ps_window_layout(graph, plan, job.parallel.mode)
+    if getattr(world, "comm", None) is None:
+        layout.place(node_of)
+        return None, _line(kind, why), (layout, node_of)
     win, lines = allocate_or_fall_back(
-        world, ps_window_layout(graph, plan, job.parallel.mode), node_of,
-        lambda exc: _line("two_sided", f"auto: {exc}"),
+        world, layout, node_of, lambda exc: _line("two_sided", f"auto: {exc}"),
         refuse=job.path if job.parallel.transport == "one_sided" else None)
-    return win, lines or _line(kind, why)
+    return win, lines or _line(kind, why), (layout, node_of) if win is not None else None
+
+
+def shared_slots(placement, plan, rank):
+    """Whether worker ``rank``'s gradient slots are shared memory (one node):
+    the gradients are then computed into them (``in_place``)."""
+    if placement is None or not plan["order"]:
+        return False
+    return placement[0].regions[slot(plan, plan["order"][0], rank)].where == "shared"
 
 
 def _line(kind, why):

@@ -358,7 +358,7 @@ def data_pool_bytes(graphs):
     return total + sum(shared.values())
 
 
-def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0):
+def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, held=0):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
     which reuses the host arena when the training arena holds it; on a GPU
@@ -367,7 +367,9 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0):
     (factory.dispatcher_kind: the serial one runs every kernel on one
     thread, ``host_kernel_bytes``). ``save``: the host bytes a checkpoint
     save adds (``Scheme.save_bytes``), counted where the save holds more
-    than an iteration (``Footprint.host_total``)."""
+    than an iteration (``Footprint.host_total``). ``held``: host bytes the
+    loop's services keep besides the workspaces (``Scheme.held_bytes``),
+    counted in the ``kept`` row."""
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, window_blobs(g), plans.host,
                                 plans.devices)
@@ -385,6 +387,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0):
         arena = plans.host.total_bytes if plans.host is not None else 0
         if plans.test_host is not None and plans.test_host.total_bytes > arena:
             host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
+    if held:
+        host["kept"] = host.get("kept", 0) + int(held)
     host["windows"] = window_bytes(graphs.composition, rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
     kernel_bytes = host_kernel_bytes(g, tg, serial=dispatcher_kind(dispatcher) == "serial")

@@ -128,18 +128,39 @@ def _offline_graphs(job, size, rank):
     offline = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
     world = _OfflineWorld(rank, size)
     if size > 1 and job.parallel.servers:
-        # a parameter-server rank is not figured offline (its windows, its
-        # worker's test graph and kernels): no figure rather than a wrong one
-        raise UserError(f"{job.path}: key 'parallel.mode': plan does not figure the ranks of "
-                        f"a parameter-server mode ({job.parallel.mode}); train's start-up check "
-                        "(--host-memory) checks each rank")
+        return _server_mode_rank(offline, world)
     return build_rank_graphs(offline, world, check_memory=False)
+
+
+def _server_mode_rank(job, world):
+    """A parameter-server rank as ``train`` builds it (trainer.run_param_server):
+    a worker's graphs over the workers' world with the worker's scheme, a
+    server's ``ServerRank`` (train/ps_server.py)."""
+    from ..parallel.param_server import WorkerScheme, ps_layout, synchronous_if_no_staleness
+    from ..parallel.rank_graphs import build_rank_graphs
+    from ..train.ps_server import ServerRank
+    from .graph import _OfflineWorld
+    job = synchronous_if_no_staleness(job)
+    workers = ps_layout(world.size, job.parallel.ps_ranks)["workers"]
+    if world.rank not in workers:
+        return ServerRank(job, world)
+    return build_rank_graphs(job, _OfflineWorld(world.rank, len(workers)),
+                             WorkerScheme(job, world), check_memory=False)
 
 
 def _footprint_of(job, graphs, rank, everyone):
     from ..runtime.footprint import footprint, workspace_plans
+    if is_server(graphs):
+        return graphs.footprint()
     return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
-                     cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone))
+                     cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone),
+                     held=held_bytes(job, graphs))
+
+
+def is_server(graphs):
+    """Whether ``graphs`` is a parameter server's rank (a ``ServerRank``,
+    train/ps_server.py: it counts its own footprint), not a RankGraphs."""
+    return hasattr(graphs, "server_graph")
 
 
 def save_metas(job, size, built):
@@ -150,8 +171,7 @@ def save_metas(job, size, built):
     tensor shards, every rank's), else taken from the rank of
     ``ranks_to_build`` they are like."""
     from ..parallel.schemes import scheme_of
-    if job.parallel.servers and size > 1:
-        return {}
+    built = {r: g for r, g in built.items() if not is_server(g)}  # a server writes nothing
     scheme = scheme_of(job)
     first = next(iter(built.values()))
     metas = {r: scheme.save_meta(g) for r, g in built.items()}
@@ -172,18 +192,31 @@ def save_metas(job, size, built):
 
 
 def save_bytes(job, graphs, everyone):
-    """The host bytes this rank's checkpoint save adds (``Scheme.save_bytes``),
-    0 for a parameter server's rank (it writes nothing)."""
+    """The host bytes this rank's checkpoint save adds (``Scheme.save_bytes``;
+    a parameter server's rank counts its own: ``ServerRank.footprint``)."""
     from ..parallel.schemes import scheme_of
     if getattr(graphs, "layout", None) is None or not everyone:
         return 0
     return scheme_of(job).save_bytes(graphs, everyone)
 
 
+def held_bytes(job, graphs):
+    """The host bytes this rank's loop services keep (``Scheme.held_bytes``)."""
+    from ..parallel.schemes import scheme_of
+    if getattr(graphs, "layout", None) is None:
+        return 0
+    return scheme_of(job).held_bytes(graphs)
+
+
 def ranks_to_build(job, size):
     """The ranks ``plan`` builds, and {rank not built: the rank it is like}."""
     if size <= ALL_RANKS:
         return list(range(size)), {}
+    if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
+        from ..parallel.param_server import ps_layout
+        lay = ps_layout(size, job.parallel.ps_ranks)
+        built = lay["workers"][:2] + lay["servers"]
+        return built, {r: 1 for r in lay["workers"][2:]}
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
     lay = layout_of(job, _OfflineWorld(0, size))
@@ -230,6 +263,13 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None):
 
 def advice(job, size, rank, device, limit, need, everyone=None):
     """What would make ``rank`` fit, in words."""
+    if size > 1 and job.parallel.servers:
+        from ..parallel.param_server import ps_layout
+        servers = ps_layout(size, job.parallel.ps_ranks)["servers"]
+        if rank in servers:
+            return (f"rank {rank} is a parameter server: more servers (parallel.ps_ranks, "
+                    "more ranks) split the parameters further; the batch does not change "
+                    "what it holds")
     parts = []
     b = fitting_batch(job, size, rank, device, limit, need, everyone)
     if b is not None:
@@ -292,14 +332,20 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None):
         return
     from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
-    everyone = train_save_metas(job, graphs, world)
-    fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph, dispatcher=dispatcher,
-                   save=save_bytes(job, graphs, everyone))
+    if is_server(graphs):  # a parameter server (train/ps_server.py), world the global one
+        everyone, fp, size = None, graphs.footprint(dispatcher), world.size
+    else:
+        everyone = train_save_metas(job, graphs, world)
+        fp = footprint(graphs, plans, world.rank, cuda_graph=job.cuda_graph,
+                       dispatcher=dispatcher, save=save_bytes(job, graphs, everyone),
+                       held=held_bytes(job, graphs))
+        # a parameter-server worker's world is the workers'
+        comp = getattr(graphs, "composition", None)
+        plan = getattr(comp, "server_plan", None)
+        size = world.size + (len(plan["servers"]) if plan else 0)
     problems = over(fp, limits, ranks_on_this_host()[0])
     if problems:
-        ps = getattr(job.parallel, "servers", 0) and world.size > 1
-        raise MemoryTooSmall(refusal(job, fp, world.size + (job.parallel.servers if ps else 0),
-                                     problems[0], everyone=everyone))
+        raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone))
 
 
 def train_save_metas(job, graphs, world):
@@ -308,7 +354,7 @@ def train_save_metas(job, graphs, world):
     every rank's, by one allgather (each rank's lists of names and shapes,
     what the save itself allgathers first)."""
     from ..parallel.schemes import scheme_of
-    if getattr(graphs, "layout", None) is None or (job.parallel.servers and world.size > 1):
+    if getattr(graphs, "layout", None) is None:
         return {}
     scheme = scheme_of(job)
     mine = scheme.save_meta(graphs)
@@ -347,8 +393,17 @@ def run_plan(job, size, limits, as_json=False):
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
     lay = layout_of(job, _OfflineWorld(0, size))
-    lines = [f"plan {job.name}: {size} rank{'s' if size != 1 else ''} {lay.describe()}, "
-             f"batch {job.train_batch} per rank; bytes each rank holds before its first "
+    shape, per = lay.describe(), "rank"
+    if size > 1 and job.parallel.servers:  # trainer.run_param_server's ranks
+        from ..parallel.param_server import ps_layout, synchronous_if_no_staleness
+        from ..parallel.schemes.base import ranks_word
+        ps = ps_layout(size, job.parallel.ps_ranks)
+        shape = (f"[parameter servers, mode {synchronous_if_no_staleness(job).parallel.mode}: "
+                 f"{ranks_word(ps['workers'])} workers, {ranks_word(ps['servers'])} "
+                 f"server{'s' if len(ps['servers']) > 1 else ''}]")
+        per = "worker"
+    lines = [f"plan {job.name}: {size} rank{'s' if size != 1 else ''} {shape}, "
+             f"batch {job.train_batch} per {per}; bytes each rank holds before its first "
              "iteration"]
     if lay.staged:  # the stage map (parallel.stages: S resolved at load: job/stage_cut.py)
         from ..job.stage_cut import job_stage_lines
@@ -401,6 +456,7 @@ def run_plan(job, size, limits, as_json=False):
         for note in fp.notes:
             lines.append(f"  note: {note}")
     if like:
-        lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what the rank "
-                     "of the second replica at its place holds")
+        lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
+                     ("worker rank 1 holds" if per == "worker" else
+                      "the rank of the second replica at its place holds"))
     return "\n".join(lines), 0 if ok else 2

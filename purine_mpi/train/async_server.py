@@ -19,6 +19,7 @@ STATE_TAG = 1 << 20  # server -> rank 0: its state (above every push/pull tag)
 STOP_TAG = (1 << 20) + 1  # rank 0 -> server: the workers' stop code
 STOP_REQUEST_TAG = (1 << 20) + 2  # server -> rank 0: a signal reached a server
 STATE_REQUEST_TAG = (1 << 20) + 3  # rank 0 -> server: its state now (a test pass, a checkpoint)
+MEMORY_TAG = (1 << 20) + 4  # server -> rank 0: its resident bytes, at the end (memory.json)
 
 
 def send_state(world, momenta, weights=None):
@@ -81,11 +82,15 @@ class AsyncServer:
             return self._serve_windows()
         grad_buf = {(w, p): np.empty_like(self.params[p]) for w in self.workers
                     for p in self.owned}
+        # a reply's snapshot of the weights (later pushes change them), one per
+        # (worker, param): a worker pushes p again only once it received the
+        # last reply of p (ServerRank counts both sets of buffers)
+        reply = {k: np.empty_like(self.params[k[1]]) for k in grad_buf}
         keys = list(grad_buf)
         recv = [comm.Irecv(grad_buf[k], source=k[0], tag=self.plan["tags"][k[1]][0])
                 for k in keys]
         waiting = []   # (w, p) pushes whose reply is held back by the staleness bound
-        sends = []     # (request, buffer) in flight
+        sends = {}     # (w, p): the Isend of its reply in flight
         lr = np.zeros((), np.float32)
         done_pushes = 0
         total = len(keys) * self.iters
@@ -125,14 +130,17 @@ class AsyncServer:
                 lead = self.count[(w, p)] - slowest
                 if lead <= self.staleness:
                     self.stats["max_lead"] = max(self.stats["max_lead"], lead)
-                    buf = self.params[p].copy()  # a snapshot: later pushes change p
-                    sends.append((comm.Isend(buf, dest=w, tag=self.plan["tags"][p][1]), buf))
+                    if (w, p) in sends:  # received by w (it pushed again): done here too
+                        sends.pop((w, p)).Wait()
+                    np.copyto(reply[(w, p)], self.params[p])
+                    sends[(w, p)] = comm.Isend(reply[(w, p)], dest=w,
+                                               tag=self.plan["tags"][p][1])
                     progressed = True
                 else:
                     still.append((w, p))
             waiting = still
             before = len(sends)
-            sends = [(r, b) for r, b in sends if not r.Test()]
+            sends = {k: r for k, r in sends.items() if not r.Test()}
             if progressed or len(sends) < before:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > timeout:

@@ -266,6 +266,7 @@ class Checkpoints(Service):
             for section in (params, solver):  # a streamed section's collectives
                 for _ in section.items():
                     pass
+            loop.emit("after_save", iteration)
             return
         payload = dict(params=params, solver=solver, state=state, world_size=loop.world.size,
                        seed=loop.job.seed, config_text=dump_config(loop.job),
@@ -273,6 +274,7 @@ class Checkpoints(Service):
                        tokenizer=getattr(loop.graphs, "vocabulary", None))
         if path is not None:  # a checkpoint of its own (checkpoint.best): no rotation
             save_checkpoint(path, iteration=iteration, **payload)
+            loop.emit("after_save", iteration)
             return
         replaced = []
         save_run_checkpoint(loop.out_dir, iteration, loop.job.checkpoint.keep, replaced,
@@ -285,6 +287,7 @@ class Checkpoints(Service):
             loop.say(f"removed {', '.join(os.path.basename(p) for p in replaced)}: written after "
                      f"iteration {loop.state.start_iter} by the run this resume replaces")
         loop.state.last_finite = (os.path.join(loop.out_dir, LATEST), iteration)
+        loop.emit("after_save", iteration)  # e.g. the servers' momenta let go (ps_worker.py)
         if loop.state.metrics is not None and loop.state.start_iter:
             loop.state.metrics.commit()  # the resumed run's rows and config replace the old ones
             write_config(loop)

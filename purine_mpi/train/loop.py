@@ -63,6 +63,8 @@ class Service:
 
     def before_save(self, loop, iteration): pass
 
+    def after_save(self, loop, iteration): pass
+
 
 class Window:
     """The display window: the loss summed since the last display line, its

@@ -19,33 +19,116 @@ from ..job.run_checkpoints import resolve_resume
 from ..parallel.param_server import plan_param_server, ps_layout, served_params, server_graph
 from ..parallel.schemes.param_server import lockstep
 from ..runtime.stop import StopSignal
-from .async_server import STATE_TAG, AsyncServer, send_state
+from .async_server import MEMORY_TAG, STATE_TAG, AsyncServer, send_state
 
 
 # ------------------------------------------------------------- server rank
+class ServerRank:
+    """What server rank ``world.rank`` of a parameter-server run holds,
+    built as ``run_server`` builds it (the single-replica graph, the plan,
+    the windows and, in sync_ps, the server graph) before any array is
+    allocated: ``plan`` (tools/plan.py, offline) and train's start-up check
+    count it through ``footprint`` (the same figure).
+
+    sync_ps: the server graph runs in a Workspace of its own (every root an
+    array: its weights, momenta, one receive buffer per worker and owned
+    gradient, their sum; in window memory the slots and the weights), the
+    dispatcher's kernels; runtime/footprint.py counts it as a worker's.
+    async: the loop's arrays (``AsyncServer``): the owned weights and
+    momenta, without windows a receive buffer and a reply buffer (the
+    weights' snapshot a reply sends) per (worker, param), over windows the
+    window's regions (slots and weights) instead; the SGD updates' host
+    temporaries, one at a time. The ``save`` (between iterations): the state
+    a checkpoint sends to rank 0 (``send_state``: the momenta pickled, with
+    the weights in async) and, at the end, the weights and momenta
+    ``run_server`` returns (sync_ps: copied out of the workspace)."""
+
+    def __init__(self, job, world):
+        from ..job.replica import build_train_graph
+        from ..parallel.ps_windows import allocate, windowed_server
+        par = job.parallel
+        self.job, self.rank = job, world.rank
+        layout = ps_layout(world.size, par.ps_ranks)
+        self.graph, self.grads = build_train_graph(job, 0, len(layout["workers"]))
+        self.plan = plan_param_server(self.graph, self.grads, layout)
+        self.owned = [p for p in self.plan["order"] if self.plan["owner"][p] == world.rank]
+        # parallel.transport: the windows (collective with the workers' compose)
+        self.windows, self.transport, self.placement = allocate(job, world, self.graph,
+                                                                self.plan)
+        self.server_graph = None
+        if lockstep(par.mode):
+            self.server_graph = server_graph(self.graph, self.grads, self.plan, world.rank, job)
+            if self.placement is not None:
+                windowed_server(self.server_graph, self.plan, world.rank).validate()
+
+    def owned_bytes(self):
+        return sum(self.graph.blobs[p].nbytes for p in self.owned)
+
+    def footprint(self, dispatcher=None):
+        """This rank's runtime/footprint.Footprint (see the class docstring)."""
+        from types import SimpleNamespace
+        from ..parallel.schemes.base import Composition
+        from ..runtime.footprint import Footprint, WorkspacePlans, footprint, host_kernel_bytes, \
+            window_bytes
+        comp = Composition(self.server_graph, None, window_placement=self.placement)
+        owned = self.owned_bytes()
+        # between iterations: send_state's pickle of the momenta (async: and the
+        # weights), and at the end run_server's copies of both (async: the pickle)
+        save = 2 * owned
+        if self.server_graph is not None:  # Workspace(graph): no memory plan
+            graphs = SimpleNamespace(graph=self.server_graph, test_graph=None, device=-1,
+                                     composition=comp)
+            return footprint(graphs, WorkspacePlans(keep=[]), self.rank, save=save,
+                             dispatcher=dispatcher)
+        nw = len(self.plan["workers"])
+        updates = self._updates()
+        host = {"weights": owned, "optimizer_state": owned,
+                "comm_buffers": 0 if self.placement is not None else 2 * nw * owned,
+                "windows": window_bytes(comp, self.rank),
+                "kernel_temporaries": host_kernel_bytes(updates, serial=True)[
+                    "kernel_temporaries"]}
+        return Footprint(rank=self.rank, device=-1, host=host, devices={},
+                         model_state={"weights": owned, "gradients": 0,
+                                      "optimizer_state": owned},
+                         save=save)
+
+    def _updates(self):
+        """A graph of the owned parameters' SGDUpdate ops (what the async
+        loop's kernels run, one at a time on its thread)."""
+        from ..graph.core import Graph
+        from ..parallel.param_server import build_server_graph
+        full = build_server_graph(self.graph, self.grads, self.plan, self.rank)
+        g = Graph(full.name)
+        g.blobs = full.blobs
+        for op in full.ops.values():
+            if op.op_type == "SGDUpdate":
+                g.add_op(op.name, op.op_type, op.inputs, op.outputs, op.attrs, op.location,
+                         op.thread)
+        return g
+
+
 def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
-               profile_from=None, dispatcher=None):
+               profile_from=None, dispatcher=None, memory=None):
     """Everything a server rank does in a parameter-server run. Returns
     {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
     agreement (the ``train`` command); None when workers that make no
     agreement drive the server (tests). ``dispatcher``: the kind that runs
     a sync_ps server's graph (runtime/factory.make_dispatcher; default
-    event)."""
+    event). ``memory(server)``: train's start-up memory check of this rank
+    (a ``ServerRank``), before the server's arrays are allocated."""
     from ..layers.fillers import fill
-    from ..job.replica import build_train_graph
     if world is None:
         from ..comm.world import get_world
         world = get_world()
     par = job.parallel
-    layout = ps_layout(world.size, par.ps_ranks)
-    nw = len(layout["workers"])
-    graph, grads = build_train_graph(job, 0, nw)
-    plan = plan_param_server(graph, grads, layout)
+    server = ServerRank(job, world)
+    if memory is not None:
+        memory(server)
+    graph, plan, owned = server.graph, server.plan, server.owned
+    windows, transport = server.windows, server.transport
     seed = job.seed
-    owned = [p for p in plan["order"] if plan["owner"][p] == world.rank]
-    values = {p: fill(graph.blobs[p], seed) for p in owned}
-    momenta = {p: np.zeros(graph.blobs[p].shape, graph.blobs[p].dtype) for p in owned}
+    values, momenta = {}, {}  # the starting values --init and --resume give
     start = 0
     if init:
         from ..job.checkpoint_file import load_params
@@ -57,6 +140,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             loaded = load_params(init)
         wanted = init_params(loaded, owned, job, init, init_skip)
         values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
+        del loaded
     if resume:
         ck = resolve_resume(None, resume)  # a path, or the Checkpoint already read
         start = int(ck.attrs["iteration"])
@@ -65,23 +149,28 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             m = (ck.solver or {}).get(p, {}).get("momentum")
             if m is not None:
                 momenta[p] = np.asarray(m, graph.blobs[p].dtype)
+
+    def starting(p):
+        """(weight, momentum) of ``p`` to start from: given, else the
+        filler's and zeros; made one parameter at a time (a sync_ps server
+        copies each into its workspace before the next: ServerRank counts
+        the workspace alone)."""
+        blob = graph.blobs[p]
+        return (values.pop(p) if p in values else fill(blob, seed),
+                momenta.pop(p) if p in momenta else np.zeros(blob.shape, blob.dtype))
     max_iter = job.solver.max_iter
     mode = par.mode
     code = 0
-    # parallel.transport: the windows (collective with the workers' compose)
-    from ..parallel.ps_windows import allocate, windowed_server
-    windows, transport = allocate(job, world, graph, plan)
     if lockstep(mode):
         from ..runtime.factory import make_dispatcher
-        sg = server_graph(graph, grads, plan, world.rank, job)
-        if windows is not None:
-            windowed_server(sg, plan, world.rank).validate()
-        d = make_dispatcher(sg, dispatcher, rank=world.rank,
+        d = make_dispatcher(server.server_graph, dispatcher, rank=world.rank,
                             stall_timeout=float(par.stall_timeout))
         try:
             for p in owned:
-                d.workspace.set(p, values[p])
-                d.workspace.set(momentum_name(p), momenta[p])
+                w, m = starting(p)
+                d.workspace.set(p, w)
+                d.workspace.set(momentum_name(p), m)
+                w = m = None
             for it in range(start, max_iter):
                 if profile_from is not None and it == start + profile_from:
                     from ..runtime.trace import Profiler
@@ -108,11 +197,13 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         if events is not None:
             stats["events"] = events
     else:
+        values, momenta = (dict(zip(owned, v)) for v in zip(*map(starting, owned))) \
+            if owned else ({}, {})
         lr_op = next(op for op in graph.ops.values() if op.op_type == "LearningRate")
-        server = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
-                             par.max_staleness, start, max_iter - start, stop=stop,
-                             windows=windows)
-        stats = server.serve()
+        loop = AsyncServer(world, plan, values, momenta, served_params(graph), lr_op.attrs,
+                           par.max_staleness, start, max_iter - start, stop=stop,
+                           windows=windows)
+        stats = loop.serve()
         code = stats.get("stop_code", 0)
         if code != StopSignal.DIVERGED and (
                 code or state_transfer_due(job, max_iter, start, final_only=True)):
@@ -157,14 +248,27 @@ def recv_state(world, servers):
 
 
 def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
-                    dispatcher=None):
+                    dispatcher=None, memory=None, baseline=None):
     """``train`` on a server rank: serve (``dispatcher``: as the workers'),
-    take part in the stop agreement, and return the same exit status as the
-    workers (trainer.run_and_report)."""
+    take part in the stop agreement, send rank 0 this rank's resident bytes
+    for its OUT/memory.json (MEMORY_TAG: ``baseline``, its resident bytes
+    before the graphs were built, and the high-water mark;
+    trainer.write_memory) and return the same exit status as the workers
+    (trainer.run_and_report). ``memory``: train's start-up check (tools/plan.py
+    check_memory), given this rank's ``ServerRank``."""
+    from ..base.rss import peak_rss_bytes
     # the same checkpoint the workers' Trainer resumes from
     resumed = resolve_resume(out_dir, resume)
     res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
-                     stop=StopSignal(), dispatcher=dispatcher)
+                     stop=StopSignal(), dispatcher=dispatcher,
+                     memory=None if memory is None else
+                     lambda server: memory(job, server, None, world))
+    peak = peak_rss_bytes()
+    world.send_object({"rank": world.rank, "server": True, "baseline_rss_bytes": baseline,
+                       "peak_rss_bytes": peak,
+                       "above_baseline_bytes": None if baseline is None else peak - baseline,
+                       "loop_peak_rss_bytes": None}, 0, MEMORY_TAG,
+                      "sending the server's memory figures")
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3
     return StopSignal.exit_status(res["stopped_by"])

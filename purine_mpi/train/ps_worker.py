@@ -109,3 +109,10 @@ class WorkerStopAgreement(StopAgreement):
             # the servers hold the momenta: put them where save() looks
             for p, m in momenta.items():
                 loop.ws.arrays[momentum_name(p)] = m
+
+    def after_save(self, loop, iteration):
+        """The momenta put for the save let go (the servers' keep changing):
+        rank 0 holds them only while it saves (async: the agreement keeps
+        the last sync's, ``ParameterServers.held_bytes``)."""
+        for p in loop.graphs.composition.server_plan["order"]:
+            loop.ws.arrays.pop(momentum_name(p), None)

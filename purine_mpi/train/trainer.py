@@ -221,7 +221,8 @@ def run_param_server(job, out_dir, world, resume=None, init=None, profile=False,
     job, sub = split_workers(job, world)
     if sub is None:
         return run_server_rank(job, out_dir, world, resume=resume, init=init,
-                               init_skip=init_skip, dispatcher=dispatcher)
+                               init_skip=init_skip, dispatcher=dispatcher, memory=memory,
+                               baseline=baseline)
     return run_and_report(Trainer(job, out_dir, world=sub, resume=resume, init=init,
                                   profile=profile, log=log, dispatcher=dispatcher,
                                   init_skip=init_skip, scheme=WorkerScheme(job, world),
@@ -241,7 +242,9 @@ def write_memory(trainer, baseline):
     memory plan (``model_state``: ``Trainer.model_state``'s weights,
     gradients, optimizer state, held, working and peak bytes, the start-up
     line's figures), to set the measured bytes against the planned ones
-    (benchmarks/sharded.py ``--rss``). A gather over the trainer's world."""
+    (benchmarks/sharded.py ``--rss``). A gather over the trainer's world; in
+    a parameter-server run the servers' figures follow the workers' (without
+    ``model_state``: ``"server": true``)."""
     peak = peak_rss_bytes()
     mine = {"rank": trainer.world.rank, "baseline_rss_bytes": baseline,
             "peak_rss_bytes": peak,
@@ -250,6 +253,12 @@ def write_memory(trainer, baseline):
             "model_state": {k: int(v) for k, v in trainer.model_state().items()}}
     every = world_gather(trainer.world, mine, "the ranks' memory figures")
     if trainer.world.rank == 0:
+        # a parameter-server run's servers send theirs (ps_server.run_server_rank)
+        servers = (getattr(trainer.scheme, "ranks", None) or {}).get("servers", ())
+        if servers:
+            from .async_server import MEMORY_TAG
+            every += [trainer.scheme.world.recv_object(s, MEMORY_TAG, "a server's memory "
+                                                       "figures") for s in servers]
         with open(os.path.join(trainer.out_dir, "memory.json"), "w") as f:
             json.dump({"ranks": every}, f, indent=1)
 

@@ -25,6 +25,7 @@ registered under its name::
         def test_weights(self, graphs, ws, world): ...  # whole weights the test graph reads
         def save_meta(self, graphs): ...       # this rank's part of a save, from its blobs
         def save_bytes(self, graphs, everyone): ...  # the host bytes a save adds (plan)
+        def held_bytes(self, graphs): ...   # what the loop's services keep (plan)
 
 Callers look a scheme up (``scheme_of(job)``, ``scheme_class(name, mode)``)
 and ask it; nothing outside this package and the config language (job/,
@@ -231,6 +232,8 @@ class Composition:
     window_placement: tuple = None
     #: scheme sharded: the stage-1 buckets (parallel/sharding.compose_zero1's plan)
     shard_plan: list = None
+    #: a parameter-server worker: the servers' plan (parallel/param_server.plan_param_server)
+    server_plan: dict = None
 
 
 class Scheme:
@@ -503,6 +506,12 @@ class Scheme:
                 lay.replicas * lay.stages * lay.tensor > 1:
             out += stream_bytes(lay, everyone)
         return out
+
+    def held_bytes(self, graphs):
+        """Host bytes this rank's loop services keep between iterations
+        besides its workspaces, from a save or a test pass on (``plan``'s
+        "other kept blobs" row counts them): none by default."""
+        return 0
 
     def gathers_checkpoint(self, graphs):
         """Whether a save gathers every rank's (params, solver state) to

@@ -80,6 +80,55 @@ class ParameterServers(DataParallel):
             note(["max_staleness"], "applies to mode async only; mode sync_ps is synchronous, "
                  "so it has no effect")
 
+    # ---- what rank 0 holds of the servers' state (``plan``'s figures)
+    # A save (and, in async, a test pass) brings the servers' state to rank 0
+    # (train/ps_worker.py): each server's momenta (async: and weights) pickled
+    # (async_server.send_state), received one server after the other
+    # (ps_server.recv_state: the message, then its arrays), put in the
+    # workspace for the save and let go after it (async: the agreement keeps
+    # the last sync's momenta until the next); in async the weights then go
+    # from rank 0 to every worker (one allgather of the pickled weights,
+    # World.allgather_object: rank 0's pickle, and on every worker the
+    # receive buffer, the bytes of rank 0's part copied out of it and the
+    # arrays unpickled from them).
+    @staticmethod
+    def _server_bytes(graphs):
+        """{server: bytes of the weights it owns} (its momenta are as many),
+        or None (one rank: no servers)."""
+        plan = getattr(graphs.composition, "server_plan", None)
+        if plan is None:
+            return None
+        out = dict.fromkeys(plan["servers"], 0)
+        for p, s in plan["owner"].items():
+            out[s] += graphs.graph.blobs[p].nbytes
+        return out
+
+    def held_bytes(self, graphs):
+        owned = self._server_bytes(graphs)
+        if owned is None or graphs.layout.replica != 0 or \
+                lockstep(graphs.composition.server_plan["mode"]):
+            return super().held_bytes(graphs)
+        return sum(owned.values())  # async rank 0: the last sync's momenta
+
+    def save_bytes(self, graphs, everyone):
+        own = super().save_bytes(graphs, everyone)
+        owned = self._server_bytes(graphs)
+        if owned is None:
+            return own
+        every = sum(owned.values())
+        both = 1 if lockstep(graphs.composition.server_plan["mode"]) else 2
+        if graphs.layout.replica != 0:
+            return own + (0 if both == 1 else 3 * every)
+        got, most = 0, 0
+        for s in sorted(owned):  # recv_state: the message and its arrays, the earlier kept
+            most = max(most, got + 2 * both * owned[s])
+            got += both * owned[s]
+        if both == 2:  # then the allgather: the weights received, their pickle, and
+            # the receive buffer, bytes and arrays (the momenta received are counted
+            # in ``held_bytes``: the previous sync's let go once these are in)
+            most = max(most, 5 * every)
+        return own + most
+
     # ---- reporting
     def scheme_lines(self, trainer, composition):
         par = trainer.job.parallel
