@@ -75,14 +75,17 @@ def replicate_micro_batches(graph, grads, micro_batches):
     m = int(micro_batches)
     names = per_sample_ops(graph, grads)
     ops = [graph.ops[n] for n in names]
-    made = {b for op in ops for b in op.outputs}
+    # the blobs the copied ops write, in op order (a set's order follows the
+    # Python hash seed: the copies' blobs, and so a printed graph, would
+    # differ between two processes of the same job)
+    old_blobs = {b: graph.blobs[b] for op in ops for b in op.outputs}
+    made = set(old_blobs)
     grad_blobs = set(grads.values())
     losses = loss_blobs(graph)
-    old_blobs = {b: graph.blobs[b] for b in made}
     thread_of = {b: op.thread for op in ops for b in op.outputs}
     for n in names:
         del graph.ops[n]
-    for b in made:
+    for b in old_blobs:
         del graph.blobs[b]
     copies = {}
     for k in range(m):
