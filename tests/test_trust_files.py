@@ -1,0 +1,60 @@
+"""Trust audit of files and faults (session 55): what a run writes and
+what it reports when something goes wrong. A test pass never runs on
+non-finite weights (no accuracy of a diverged net in metrics.jsonl, no
+``best_<iter>.h5`` holding NaN); early stopping on passes without a finite
+figure ends in its one line, not a TypeError; ``memory.json`` is never
+written through a link; a write that fails for any reason of the disk
+(EFBIG of ``ulimit -f`` too) is one line naming the file; ``graph
+--format dot`` quotes every name so that Graphviz reads it."""
+import json
+import os
+
+from purine_mpi.train.trainer import Trainer
+from tests.conftest import FakeWorld, make_job, small_net_config
+
+
+def _trainer(tmp_path, digits_h5, checkpoint=None, **solver):
+    cfg = small_net_config(str(digits_h5))
+    cfg["solver"].update(solver)
+    cfg["checkpoint"].update(checkpoint or {})
+    return Trainer(make_job(cfg), str(tmp_path / "run"), world=FakeWorld(), log=lambda m: None)
+
+
+def _run(trainer):
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_no_test_pass_and_no_best_checkpoint_on_non_finite_weights(tmp_path, digits_h5):
+    """base_lr 1e39 is inf in float32: iteration 1's loss is finite (the
+    initial weights), its update makes the weights inf/NaN. The test pass
+    due after it must not run: its accuracy of a NaN net was recorded as a
+    figure and, with checkpoint.best on accuracy, best_1.h5 was written
+    holding NaN weights (no checkpoint is ever written with non-finite
+    weights: docs/failures.md, exit 3)."""
+    t = _trainer(tmp_path, digits_h5, {"best": {"metric": "accuracy"}}, base_lr=1e39,
+                 max_iter=4, display=1, test_interval=1)
+    result = _run(t)
+    run = tmp_path / "run"
+    assert not list(run.glob("*.h5")), sorted(p.name for p in run.iterdir())
+    assert result.get("diverged_at") == 1, result
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if r["phase"] == "test"] == [], rows
+
+
+def test_early_stopping_without_a_finite_figure_says_so():
+    """A metric that was never finite (every pass NaN: an overflow of the
+    test data only) leaves no best figure: the stop's line said
+    ``{self.best:.4f}`` of None, a TypeError (exit 1) instead of the stop."""
+    from purine_mpi.job.keys import EarlyStopSpec
+    from purine_mpi.train.watch import EarlyStopping
+    said = []
+    stop = EarlyStopping(EarlyStopSpec(metric="loss", patience=2), said.append)
+    nan = {"loss": float("nan"), "samples": 60}
+    assert stop.after_test(1, nan) is False
+    assert stop.after_test(2, nan) is True
+    assert said == ["early stop at iteration 2: loss has not improved by more than 0 in 2 "
+                    "test pass(es) (no pass gave a finite figure)"], said
+    assert stop.state()["best"] is None
