@@ -294,13 +294,8 @@ def _plan_choose(args):
     if choice.best is None:
         return 2
     if args.out:
-        from .base.runfiles import write_replacing
-        text = best_yaml(choice)
-
-        def write(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-        write_replacing(args.out, write)
+        from .base.runfiles import write_text_replacing
+        write_text_replacing(args.out, best_yaml(choice))
         if not args.json:
             print(f"wrote {args.out}")
     return 0

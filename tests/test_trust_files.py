@@ -58,3 +58,35 @@ def test_early_stopping_without_a_finite_figure_says_so():
     assert said == ["early stop at iteration 2: loss has not improved by more than 0 in 2 "
                     "test pass(es) (no pass gave a finite figure)"], said
     assert stop.state()["best"] is None
+
+
+def test_memory_json_is_never_written_through_a_link(tmp_path):
+    """memory.json (and parallel.scheme auto's calibration.json) planted as
+    a link to a file outside the run folder: the set-up refuses it (exit 2
+    naming it), as it does every run file; and the end's write replaces the
+    name, it never writes through (``open(..., "w")`` overwrote the file
+    outside)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.rundir import prepare_run_dir, release_run_dirs
+    from purine_mpi.train.trainer import write_memory
+    victim = tmp_path / "victim.txt"
+    victim.write_text("another user's file\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("memory.json", "calibration.json"):
+        (run / name).symlink_to(victim)
+        with pytest.raises(UserError, match=f"{name}: is a symbolic link"):
+            prepare_run_dir(FakeWorld(), "trust", out=str(run))
+        release_run_dirs()  # the process would end here (exit 2)
+        (run / name).unlink()
+    (run / "memory.json").symlink_to(victim)  # planted after the set-up
+    trainer = SimpleNamespace(world=FakeWorld(), out_dir=str(run), model_state=dict,
+                              state=SimpleNamespace(loop_peak_rss=None))
+    write_memory(trainer, None)
+    assert victim.read_text() == "another user's file\n"
+    assert not (run / "memory.json").is_symlink()
+    assert json.loads((run / "memory.json").read_text())["ranks"][0]["rank"] == 0

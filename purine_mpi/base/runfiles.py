@@ -132,6 +132,16 @@ def write_replacing(path, write):
             os.remove(tmp)
 
 
+def write_text_replacing(path, text):
+    """``text`` (UTF-8) into ``path`` by ``write_replacing``: the temporary
+    name is created anew (never a link's target) and renamed over ``path``,
+    so a link planted there is replaced, never written through."""
+    def write(tmp):
+        with open_run_file(tmp) as f:
+            f.write(text)
+    write_replacing(path, write)
+
+
 def write_all(fd, data, path):
     """Write ``data`` (bytes) at the end of ``fd`` completely, or cut the
     file back to its size before and raise (``disk_error``'s UserError for

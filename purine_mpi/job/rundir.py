@@ -50,6 +50,9 @@ LOCK_FILE = ".purine.lock"
 _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
                           r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
+#: files a run writes by a rename over the name (``write_text_replacing``), which
+#: are no run of their own (``run_files`` leaves them out, ``--force`` keeps them)
+_REPLACED_FILES = ("memory.json", "calibration.json")
 _held = []  # (open lock file, its text) of this process (closing one releases its lock)
 
 
@@ -214,6 +217,8 @@ def refuse_linked_run_files(folder):
         if name == LOCK_FILE or _RUN_FILE_RE.match(name):
             refuse_link(os.path.join(folder, name), folder=name == "tb",
                         in_place=name != "tb" and not name.endswith(".h5"))  # latest.h5: a link
+        elif name in _REPLACED_FILES:
+            refuse_link(os.path.join(folder, name))
 
 
 def _set_up(name, out, resume, force, runs_root):

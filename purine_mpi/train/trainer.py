@@ -20,6 +20,7 @@ import sys
 import time
 
 from ..base import logfile
+from ..base.runfiles import write_text_replacing
 from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes
 from ..job.checkpoint_file import LATEST
 from ..job.inputs import run_inputs
@@ -249,9 +250,9 @@ def write_memory(trainer, baseline):
             "loop_peak_rss_bytes": trainer.state.loop_peak_rss,
             "model_state": {k: int(v) for k, v in trainer.model_state().items()}}
     every = world_gather(trainer.world, mine, "the ranks' memory figures")
-    if trainer.world.rank == 0:
-        with open(os.path.join(trainer.out_dir, "memory.json"), "w") as f:
-            json.dump({"ranks": every}, f, indent=1)
+    if trainer.world.rank == 0:  # by a rename over the name: never through a link there
+        write_text_replacing(os.path.join(trainer.out_dir, "memory.json"),
+                             json.dumps({"ranks": every}, indent=1))
 
 
 def _last_finite(last, out_dir):
