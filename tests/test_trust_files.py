@@ -90,3 +90,58 @@ def test_memory_json_is_never_written_through_a_link(tmp_path):
     assert victim.read_text() == "another user's file\n"
     assert not (run / "memory.json").is_symlink()
     assert json.loads((run / "memory.json").read_text())["ranks"][0]["rank"] == 0
+
+
+def test_a_checkpoint_over_the_file_size_limit_is_one_line_naming_it(tmp_path):
+    """``ulimit -f`` (RLIMIT_FSIZE, set in a real process: Python ignores
+    SIGXFSZ, so the write fails with EFBIG): the checkpoint is one
+    UserError naming the file (it was ``OSError: [Errno 27] File too
+    large``, no file named, exit 1), the previous checkpoint stays whole
+    and loadable, and no temporary file is left. Another error of a write
+    (EIO) keeps its own exit but names the file."""
+    import resource
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from purine_mpi.job.checkpoint_file import load_checkpoint, save_checkpoint
+    from tests.conftest import REPO, cli_env
+    path = tmp_path / "latest.h5"
+    save_checkpoint(path, {"w": np.ones(4, np.float32)}, iteration=1)
+    before = path.read_bytes()
+    code = ("import sys, numpy as np\n"
+            "from purine_mpi.base.errors import UserError\n"
+            "from purine_mpi.job.checkpoint_file import save_checkpoint\n"
+            "try:\n"
+            "    save_checkpoint(sys.argv[1], {'w': np.zeros(1 << 18, np.float32)}, iteration=2)\n"
+            "except UserError as e:\n"
+            "    print('UserError:', e)\n")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    res = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    assert res.stdout.startswith(f"UserError: {path}: file too large"), (res.stdout, res.stderr)
+    assert res.returncode == 0 and "\n" not in res.stdout.strip()
+    assert sorted(os.listdir(tmp_path)) == ["latest.h5"]
+    assert path.read_bytes() == before and load_checkpoint(path).iteration == 1
+
+
+def test_another_write_error_of_a_checkpoint_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    import numpy as np
+    import pytest
+
+    from purine_mpi.job.checkpoint_file import save_checkpoint
+    path = tmp_path / "ckpt_2.h5"
+
+    def write(fd, data):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(OSError) as err:
+        save_checkpoint(path, {"w": np.zeros(1000, np.float32)}, iteration=2)
+    monkeypatch.undo()
+    assert err.value.errno == errno.EIO and err.value.filename == str(path), err.value
+    assert os.listdir(tmp_path) == []

@@ -14,7 +14,8 @@ folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
   failure it cuts the file back to where it was, so a record is never left
   cut mid-line, and a full disk is reported by ``disk_error``.
 - ``disk_error`` turns an ``OSError`` of a write into one line naming the
-  file (``no space left on device`` for ENOSPC/EDQUOT), a ``UserError``.
+  file (``no space left on device`` for ENOSPC/EDQUOT, ``file too large``
+  for EFBIG), a ``UserError``.
 
 Standard library only: the log file (foundation) uses it too.
 """
@@ -107,11 +108,16 @@ def make_run_folder(path):
 def disk_error(path, exc):
     """The ``UserError`` for an ``OSError`` ``exc`` of writing ``path``:
     one line naming the file, ``no space left on device`` when it is
-    ENOSPC/EDQUOT. Returns None for other errors."""
+    ENOSPC/EDQUOT, ``file too large`` when it is EFBIG (the file-size
+    limit, ``ulimit -f``: Python ignores SIGXFSZ, so the write fails).
+    Returns None for other errors."""
     if getattr(exc, "errno", None) in _FULL or "No space left on device" in str(exc) \
             or "errno = 28," in str(exc):
         return UserError(f"{path}: no space left on device; free space there or give another "
                          "--out")
+    if getattr(exc, "errno", None) == errno.EFBIG:
+        return UserError(f"{path}: file too large for this process's file-size limit ('ulimit "
+                         "-f') or the file system; raise the limit or give another --out")
     return None
 
 
