@@ -145,3 +145,40 @@ def test_another_write_error_of_a_checkpoint_names_the_file(tmp_path, monkeypatc
     monkeypatch.undo()
     assert err.value.errno == errno.EIO and err.value.filename == str(path), err.value
     assert os.listdir(tmp_path) == []
+
+
+def test_a_trace_over_the_file_size_limit_is_one_line_and_stays_json(tmp_path):
+    """``ulimit -f`` (or a full disk) while ``--profile`` streams the trace:
+    one UserError naming the file (it was ``OSError: [Errno 27] File too
+    large`` naming none, exit 1, and the file cut mid-event at the limit),
+    and the file keeps its whole chunks and ends as JSON Perfetto reads."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+    path = tmp_path / "trace.rank0.json"
+    code = ("import sys\n"
+            "from purine_mpi.graph.core import Op\n"
+            "from purine_mpi.runtime.trace import TraceFile\n"
+            "tf = TraceFile(sys.argv[1], chunk=64)\n"
+            "op = Op('conv1.fwd', 'Conv', [], [])\n"
+            "try:\n"
+            "    for it in range(10000):\n"
+            "        tf.record(op, 'compute', 1.0 + it, 1.5 + it, it, 0)\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__ + ':', e)\n"
+            "try:\n"
+            "    tf.close()\n"
+            "except Exception as e:\n"
+            "    print('close:', type(e).__name__)\n")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+    res = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    assert res.stdout.startswith(f"UserError: {path}: file too large"), (res.stdout, res.stderr)
+    events = json.loads(path.read_text())["traceEvents"]  # whole chunks, then ]}
+    spans = [e["args"]["iter"] for e in events if e["ph"] == "X"]
+    assert spans and spans == list(range(len(spans))), spans
+    assert path.stat().st_size <= 16 << 10

@@ -151,7 +151,8 @@ def write_text_replacing(path, text):
 def write_all(fd, data, path):
     """Write ``data`` (bytes) at the end of ``fd`` completely, or cut the
     file back to its size before and raise (``disk_error``'s UserError for
-    a full disk, the ``OSError`` otherwise)."""
+    a full disk or the file-size limit, the ``OSError``, naming ``path``,
+    otherwise)."""
     start = os.lseek(fd, 0, os.SEEK_END)
     view = memoryview(data)
     try:
@@ -165,6 +166,8 @@ def write_all(fd, data, path):
         err = disk_error(path, exc)
         if err is not None:
             raise err from None
+        if exc.errno and not exc.filename:  # os.write names no file: name it
+            raise OSError(exc.errno, exc.strerror, path) from None
         raise
 
 

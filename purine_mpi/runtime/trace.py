@@ -23,7 +23,7 @@ import threading
 import time
 
 from ..base.errors import UserError
-from ..base.runfiles import open_run_file
+from ..base.runfiles import open_run_fd, write_all
 
 
 class Profiler:
@@ -99,8 +99,8 @@ class TraceFile(Profiler):
         self._threads = set()
         self._io_lock = threading.Lock()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open_run_file(path, "w")  # never through a link (base/runfiles.py)
-        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._fd = open_run_fd(path)  # never through a link (base/runfiles.py)
+        self._write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",
                     "args": {"name": f"rank {rank} ({socket.gethostname()}, pid {os.getpid()})"}})
@@ -136,22 +136,31 @@ class TraceFile(Profiler):
         if not events:
             return
         with self._io_lock:
-            if self._file is None:
+            if self._fd is None:
                 return
             text = ",\n".join(json.dumps(e, allow_nan=False) for e in events)
-            self._file.write(text if self._first else ",\n" + text)
+            self._write(text if self._first else ",\n" + text)
             self._first = False
             self.written += len(events)
-            self._file.flush()
+
+    def _write(self, text):
+        """Append ``text`` whole or not at all (``write_all``: a full disk or
+        the file-size limit cuts the file back to its last whole chunk and is
+        one line naming it), so the file always reads with ``]}`` added."""
+        write_all(self._fd, text.encode(), self.path)
 
     def close(self):
         """Write what is buffered and end the JSON; returns the path."""
-        self.flush()
-        with self._io_lock:
-            if self._file is not None:
-                self._file.write("\n]}\n")
-                self._file.close()
-                self._file = None
+        try:
+            self.flush()
+        finally:
+            with self._io_lock:
+                if self._fd is not None:
+                    fd, self._fd = self._fd, None
+                    try:  # after a failed chunk too: the events before it, a whole file
+                        write_all(fd, b"\n]}\n", self.path)
+                    finally:
+                        os.close(fd)
         return self.path
 
 
