@@ -182,3 +182,47 @@ def test_a_trace_over_the_file_size_limit_is_one_line_and_stays_json(tmp_path):
     spans = [e["args"]["iter"] for e in events if e["ph"] == "X"]
     assert spans and spans == list(range(len(spans))), spans
     assert path.stat().st_size <= 16 << 10
+
+
+def _dot_strings(text):
+    """The quoted strings of DOT ``text`` as Graphviz reads them (only
+    ``\\"`` is an escape inside quotes); an AssertionError where a string
+    does not end (a name's backslash made ``\\"`` of the closing quote)."""
+    out, i = [], 0
+    while True:
+        i = text.find('"', i)
+        if i < 0:
+            return out
+        j = i + 1
+        while j < len(text) and text[j] != '"':
+            j += 2 if text[j] == "\\" else 1
+        assert j < len(text), f"unterminated DOT string at {text[i:i + 60]!r}"
+        assert "\n" not in text[i:j], f"a DOT string ran past its line: {text[i:j][:80]!r}"
+        out.append(text[i + 1:j])
+        i = j + 1
+
+
+def test_graph_dot_quotes_backslashes_and_quotes_of_names():
+    """Layer and blob names are free strings: one ending in a backslash
+    (``fc\\``) made the closing quote an escaped one, and ``dot`` refused
+    the file (``syntax error in line 8 near '\\'``)."""
+    import shutil
+    import subprocess
+
+    from purine_mpi.tools.graph import render_graph
+    cfg = {"name": "odd",
+           "data": {"train": {"source": "synthetic", "shape": [4], "classes": 3,
+                              "batch_size": 2}},
+           "net": [{"type": "fc", "name": "fc\\", "bottom": "data", "top": 'h"x\\',
+                    "num_output": 3},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ['h"x\\', "label"],
+                    "top": "loss"}]}
+    text = render_graph(make_job(cfg), fmt="dot")
+    strings = _dot_strings(text)
+    assert "b:fc\\\\/weight" in strings and 'b:h\\"x\\\\' in strings, strings
+    assert 'h\\"x\\\\\\n[2, 3]' in strings  # the label: the name, then DOT's line break
+    if shutil.which("dot"):
+        res = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert "fc\\.fwd" in res.stdout  # the label as drawn: one backslash
