@@ -281,3 +281,40 @@ def test_trace_rows_nest_as_perfetto_needs(tmp_path):
     row = {e["name"]: e["tid"] for e in spans if e["args"]["iter"] == 1}
     assert all(row[f"grad_bucket{k}.allreduce:part"] == row[f"grad_bucket{k}.allreduce"]
                for k in range(4)), row
+
+
+def test_a_data_path_that_names_two_files_is_refused(tmp_path, digits_h5, monkeypatch):
+    """A relative data path resolves against the working directory or the
+    config's folder (docs/config.md). Where both hold a file and they
+    differ, the working directory's was read without a word, so the same
+    config trained on another file by the folder it was started from (and
+    a ``--resume`` from elsewhere went on with the other one): exit 2
+    naming both. The same file reached both ways (a run from the config's
+    folder), or two copies of the same bytes, is no ambiguity."""
+    import shutil
+
+    import pytest
+
+    from purine_mpi.base.errors import ConfigError
+    from tests.conftest import write_config_file
+    import h5py
+    jobs = tmp_path / "jobs"
+    for folder in (tmp_path, jobs):
+        (folder / "data").mkdir(parents=True)
+        shutil.copy(digits_h5, folder / "data" / "digits.h5")
+    with h5py.File(jobs / "data" / "digits.h5", "a") as f:  # another version of the data
+        f.attrs["version"] = 2
+    cfg = small_net_config("data/digits.h5")
+    path = str(write_config_file(jobs, cfg))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        make_job(cfg, path)
+    text = str(err.value)
+    assert "key 'data.train.path': 'data/digits.h5' names two different data files" in text, text
+    assert f"'{tmp_path}/data/digits.h5' (from the working directory)" in text, text
+    assert f"'{jobs}/data/digits.h5' (beside the config)" in text, text
+    monkeypatch.chdir(jobs)
+    assert make_job(cfg, path).data.train.path == str(jobs / "data" / "digits.h5")
+    shutil.copy(jobs / "data" / "digits.h5", tmp_path / "data" / "digits.h5")
+    monkeypatch.chdir(tmp_path)  # the same bytes: the working directory's, as before
+    assert make_job(cfg, path).data.train.path == str(tmp_path / "data" / "digits.h5")
