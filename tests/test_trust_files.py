@@ -318,3 +318,24 @@ def test_a_data_path_that_names_two_files_is_refused(tmp_path, digits_h5, monkey
     shutil.copy(jobs / "data" / "digits.h5", tmp_path / "data" / "digits.h5")
     monkeypatch.chdir(tmp_path)  # the same bytes: the working directory's, as before
     assert make_job(cfg, path).data.train.path == str(tmp_path / "data" / "digits.h5")
+
+
+def test_a_resume_onto_another_data_file_says_so(tmp_path, digits_h5):
+    """A resume whose data path resolves to another file than the one the
+    checkpoint's run read (a relative path from another folder or host)
+    went on without a word: a note names both paths."""
+    import shutil
+    first, second = tmp_path / "a.h5", tmp_path / "b.h5"
+    shutil.copy(digits_h5, first)
+    shutil.copy(digits_h5, second)
+    said = []
+    for data, resume in ((first, None), (second, str(tmp_path / "run" / "latest.h5"))):
+        cfg = small_net_config(str(data))
+        cfg["solver"].update(max_iter=2 if resume is None else 4, display=0)
+        _run(Trainer(make_job(cfg), str(tmp_path / "run"), world=FakeWorld(), resume=resume,
+                     log=said.append))
+    notes = [line for line in said if line.startswith("note: resuming from")]
+    assert notes == [f"note: resuming from {tmp_path}/run/latest.h5: data.train.path is "
+                     f"'{second}', the run that wrote it read '{first}'; data.test.path is "
+                     f"'{second}', the run that wrote it read '{first}' (another file, or the "
+                     "same one under another path)"], said
