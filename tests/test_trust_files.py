@@ -339,3 +339,25 @@ def test_a_resume_onto_another_data_file_says_so(tmp_path, digits_h5):
                      f"'{second}', the run that wrote it read '{first}'; data.test.path is "
                      f"'{second}', the run that wrote it read '{first}' (another file, or the "
                      "same one under another path)"], said
+
+
+def test_force_resume_of_a_bad_checkpoint_deletes_nothing(tmp_path, digits_h5):
+    """``--force --resume FILE`` deletes the folder's run (FILE kept) and
+    starts from FILE: a FILE that is missing or damaged was found only
+    after the deletion (exit 2, and the previous run was gone). Now exit 2
+    first, every file in place."""
+    import pytest
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.rundir import choose_run_dir
+    t = _trainer(tmp_path, digits_h5, max_iter=2, display=1)
+    _run(t)
+    run = tmp_path / "run"
+    before = sorted(p.name for p in run.iterdir())
+    assert "latest.h5" in before and "metrics.jsonl" in before, before
+    bad = tmp_path / "cut.h5"
+    bad.write_bytes((run / "latest.h5").read_bytes()[:4096])
+    for resume in (bad, tmp_path / "missing.h5"):
+        with pytest.raises(UserError, match=f"checkpoint '{resume}'"):
+            choose_run_dir("tiny", out=str(run), resume=str(resume), force=True)
+        assert sorted(p.name for p in run.iterdir()) == before

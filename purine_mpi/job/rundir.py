@@ -10,7 +10,8 @@
   ``--resume FILE`` continues that run only if FILE is one of the folder's
   checkpoints or carries the folder's ``run_id``; a checkpoint of another
   run is refused (exit 2) unless ``--force`` (the folder's files are deleted,
-  FILE itself is kept, and the run starts there from FILE).
+  FILE itself is kept, and the run starts there from FILE; a FILE that is
+  missing or does not load is exit 2 before anything is deleted).
 - A run holds an exclusive lock on its folder (``.purine.lock``, an
   ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
   started into the same folder exits 2 and names the first (pid, host, start).
@@ -42,7 +43,7 @@ import time
 from ..base import logfile
 from ..base.errors import UserError
 from ..base.runfiles import disk_error, open_run_file, refuse_link
-from .checkpoint_file import LATEST
+from .checkpoint_file import LATEST, load_checkpoint
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
 from .rundir_force import delete_our_run
 
@@ -108,6 +109,7 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
                 check_resume_continues(out, resume, held)
                 return out, None
             keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
+            load_checkpoint(resume)  # missing or damaged: exit 2 before anything is deleted
         if held and force:
             delete_our_run(out, held, keep)
             return out, f"--force: deleted the previous run's files in {out}"
