@@ -341,11 +341,11 @@ def test_a_resume_onto_another_data_file_says_so(tmp_path, digits_h5):
                      "same one under another path)"], said
 
 
-def test_force_resume_of_a_bad_checkpoint_deletes_nothing(tmp_path, digits_h5):
-    """``--force --resume FILE`` deletes the folder's run (FILE kept) and
-    starts from FILE: a FILE that is missing or damaged was found only
-    after the deletion (exit 2, and the previous run was gone). Now exit 2
-    first, every file in place."""
+def test_force_with_a_bad_resume_or_init_file_deletes_nothing(tmp_path, digits_h5):
+    """``--force --resume FILE`` (or ``--force --init W``) deletes the
+    folder's run and starts from FILE: a FILE that is missing or damaged
+    was found only after the deletion (exit 2, and the previous run was
+    gone). Now exit 2 first, every file in place."""
     import pytest
 
     from purine_mpi.base.errors import UserError
@@ -360,4 +360,8 @@ def test_force_resume_of_a_bad_checkpoint_deletes_nothing(tmp_path, digits_h5):
     for resume in (bad, tmp_path / "missing.h5"):
         with pytest.raises(UserError, match=f"checkpoint '{resume}'"):
             choose_run_dir("tiny", out=str(run), resume=str(resume), force=True)
+        assert sorted(p.name for p in run.iterdir()) == before
+    for init in (bad, tmp_path / "missing.h5", tmp_path / "missing.safetensors"):
+        with pytest.raises(UserError, match=f"weights file '{init}'"):
+            choose_run_dir("tiny", out=str(run), force=True, init=str(init))
         assert sorted(p.name for p in run.iterdir()) == before
