@@ -3,9 +3,12 @@ what it reports when something goes wrong. A test pass never runs on
 non-finite weights (no accuracy of a diverged net in metrics.jsonl, no
 ``best_<iter>.h5`` holding NaN); early stopping on passes without a finite
 figure ends in its one line, not a TypeError; ``memory.json`` is never
-written through a link; a write that fails for any reason of the disk
-(EFBIG of ``ulimit -f`` too) is one line naming the file; ``graph
---format dot`` quotes every name so that Graphviz reads it."""
+written through a link; a checkpoint or trace over ``ulimit -f`` is one
+line naming the file (the trace stays JSON), another write error names it
+too; a trace's rows nest as Perfetto needs; ``graph --format dot`` quotes
+every name so that Graphviz reads it; a relative data path naming two
+different files is refused, a resume onto another data file says so; and
+``--force`` with a bad ``--resume``/``--init`` file deletes nothing."""
 import json
 import os
 
