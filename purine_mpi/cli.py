@@ -86,7 +86,7 @@ def _run_dir(args, job):
     world.stall_timeout = float(job.parallel.stall_timeout)  # the set-up waits no longer
     return prepare_run_dir(world, os.path.basename(os.path.normpath(base)), args.out,
                            args.resume, args.force,
-                           runs_root=os.path.dirname(os.path.normpath(base)))
+                           runs_root=os.path.dirname(os.path.normpath(base)), init=args.init)
 
 
 def _profile(args):
@@ -294,13 +294,8 @@ def _plan_choose(args):
     if choice.best is None:
         return 2
     if args.out:
-        from .base.runfiles import write_replacing
-        text = best_yaml(choice)
-
-        def write(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-        write_replacing(args.out, write)
+        from .base.runfiles import write_text_replacing
+        write_text_replacing(args.out, best_yaml(choice))
         if not args.json:
             print(f"wrote {args.out}")
     return 0

@@ -14,7 +14,8 @@ folder goes through (``.purine.lock``, ``train.log``, ``config.yaml``,
   failure it cuts the file back to where it was, so a record is never left
   cut mid-line, and a full disk is reported by ``disk_error``.
 - ``disk_error`` turns an ``OSError`` of a write into one line naming the
-  file (``no space left on device`` for ENOSPC/EDQUOT), a ``UserError``.
+  file (``no space left on device`` for ENOSPC/EDQUOT, ``file too large``
+  for EFBIG), a ``UserError``.
 
 Standard library only: the log file (foundation) uses it too.
 """
@@ -107,11 +108,16 @@ def make_run_folder(path):
 def disk_error(path, exc):
     """The ``UserError`` for an ``OSError`` ``exc`` of writing ``path``:
     one line naming the file, ``no space left on device`` when it is
-    ENOSPC/EDQUOT. Returns None for other errors."""
+    ENOSPC/EDQUOT, ``file too large`` when it is EFBIG (the file-size
+    limit, ``ulimit -f``: Python ignores SIGXFSZ, so the write fails).
+    Returns None for other errors."""
     if getattr(exc, "errno", None) in _FULL or "No space left on device" in str(exc) \
             or "errno = 28," in str(exc):
         return UserError(f"{path}: no space left on device; free space there or give another "
                          "--out")
+    if getattr(exc, "errno", None) == errno.EFBIG:
+        return UserError(f"{path}: file too large for this process's file-size limit ('ulimit "
+                         "-f') or the file system; raise the limit or give another --out")
     return None
 
 
@@ -132,10 +138,21 @@ def write_replacing(path, write):
             os.remove(tmp)
 
 
+def write_text_replacing(path, text):
+    """``text`` (UTF-8) into ``path`` by ``write_replacing``: the temporary
+    name is created anew (never a link's target) and renamed over ``path``,
+    so a link planted there is replaced, never written through."""
+    def write(tmp):
+        with open_run_file(tmp) as f:
+            f.write(text)
+    write_replacing(path, write)
+
+
 def write_all(fd, data, path):
     """Write ``data`` (bytes) at the end of ``fd`` completely, or cut the
     file back to its size before and raise (``disk_error``'s UserError for
-    a full disk, the ``OSError`` otherwise)."""
+    a full disk or the file-size limit, the ``OSError``, naming ``path``,
+    otherwise)."""
     start = os.lseek(fd, 0, os.SEEK_END)
     view = memoryview(data)
     try:
@@ -149,6 +166,8 @@ def write_all(fd, data, path):
         err = disk_error(path, exc)
         if err is not None:
             raise err from None
+        if exc.errno and not exc.filename:  # os.write names no file: name it
+            raise OSError(exc.errno, exc.strerror, path) from None
         raise
 
 

@@ -97,6 +97,27 @@ def _saved_config(config_text):
     return cfg if isinstance(cfg, dict) else None
 
 
+def changed_data_note(config_text, data, path):
+    """A note naming each data split of ``data`` (the job's DataSpecs) whose
+    file is not the one the run that wrote checkpoint ``path`` read (its
+    saved config holds the absolute path), or None: a resume from another
+    folder or host may reach other data under the same relative path."""
+    saved = (_saved_config(config_text) or {}).get("data")
+    if not isinstance(saved, dict):
+        return None
+    changed = []
+    for phase, spec in data.items():
+        then = saved.get(phase)
+        then = then.get("path") if isinstance(then, dict) else None
+        if isinstance(then, str) and spec.path is not None and then != spec.path:
+            changed.append(f"data.{phase}.path is {spec.path!r}, the run that wrote it "
+                           f"read {then!r}")
+    if not changed:
+        return None
+    return (f"note: resuming from {path}: {'; '.join(changed)} (another file, or the same one "
+            "under another path)")
+
+
 def _max_iter(config_text):
     """solver.max_iter of the config text a checkpoint was written with, or
     None when it does not say."""

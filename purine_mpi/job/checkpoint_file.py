@@ -95,8 +95,9 @@ def replaced_atomically(path):
     """Yield a temporary name beside ``path``; when the block succeeds, fsync
     it, rename it over ``path`` and fsync the folder, so a crash leaves
     either the old file or the complete new one. On failure the temporary
-    file is removed, whatever the failure (a full disk: a UserError naming
-    the file). A link at ``path`` is replaced, never written through."""
+    file is removed, whatever the failure (a full disk, the file-size limit:
+    a UserError naming the file; another error of the disk names it too).
+    A link at ``path`` is replaced, never written through."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
     if os.path.lexists(tmp):
@@ -112,6 +113,9 @@ def replaced_atomically(path):
             os.remove(tmp)
         if isinstance(exc, OSError) and disk_error(path, exc) is not None:
             raise disk_error(path, exc) from None
+        if isinstance(exc, OSError) and exc.errno and not exc.filename:
+            # a write's error (os.write names no file): the runtime failure's line names it
+            raise OSError(exc.errno, exc.strerror, path) from None
         raise
     finally:
         _IN_PROGRESS.discard(tmp)

@@ -8,6 +8,7 @@ import os
 from ..base.errors import ConfigError, excerpt
 from ..data.sources import data_hint
 from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
+from .inputs import data_file_digest
 from .schema import DATA_CHECKS, DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
 
 
@@ -185,18 +186,41 @@ def _check_transform(key, spec, path, check_files=True):
     return out
 
 
+def _same_content(a, b, folder=False):
+    """Whether data files (or LMDB folders: their ``data.mdb``) ``a`` and
+    ``b`` are one file or hold the same bytes (``inputs.data_file_digest``,
+    the start-up agreement's: a bounded read)."""
+    if os.path.samefile(a, b):
+        return True
+    if folder:
+        a, b = os.path.join(a, "data.mdb"), os.path.join(b, "data.mdb")
+    return data_file_digest(a)[0] == data_file_digest(b)[0] != "not found"
+
+
 def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
                        what="data file"):
-    """The data file relative to the working directory first, then to the
-    config file's directory (so a config works from the repo root and from
-    its own folder). Returns an absolute path when the file was found.
-    ``folder``: a folder counts too (an LMDB)."""
+    """The data file relative to the working directory or to the config
+    file's directory (so a config works from the repo root and from its own
+    folder), the working directory's first where both hold the same bytes;
+    a ConfigError where their bytes differ (which one a run read would
+    depend on where it started). Returns an
+    absolute path when the file was found. ``folder``: a folder counts too
+    (an LMDB)."""
     candidates = [data_path]
     if not os.path.isabs(data_path) and config_path and not config_path.startswith("<"):
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_path)), data_path))
-    for candidate in candidates:
-        if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
-            return os.path.abspath(candidate)
+    found = [c for c in candidates if os.path.isfile(c) or (folder and os.path.isdir(c))]
+    if len(found) == 2 and not _same_content(*found, folder=folder):
+        # the run would read one or the other by the folder it starts from
+        raise ConfigError(config_path, key, f"{excerpt(data_path)} names two "
+                                            f"different {'lmdb folder' if folder else what}s: "
+                                            f"{excerpt(os.path.abspath(found[0]))} (from the "
+                                            "working directory) and "
+                                            f"{excerpt(os.path.abspath(found[1]))} (beside the "
+                                            "config); give the one to read by an absolute "
+                                            "path, or remove the other")
+    if found:
+        return os.path.abspath(found[0])
     if check_files:
         tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path, what) if what.endswith("data file") and not folder else (

@@ -10,7 +10,9 @@
   ``--resume FILE`` continues that run only if FILE is one of the folder's
   checkpoints or carries the folder's ``run_id``; a checkpoint of another
   run is refused (exit 2) unless ``--force`` (the folder's files are deleted,
-  FILE itself is kept, and the run starts there from FILE).
+  FILE itself is kept, and the run starts there from FILE); a ``--resume``
+  FILE or ``--init`` weights that are missing or do not load are exit 2
+  before ``--force`` deletes anything.
 - A run holds an exclusive lock on its folder (``.purine.lock``, an
   ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
   started into the same folder exits 2 and names the first (pid, host, start).
@@ -42,7 +44,7 @@ import time
 from ..base import logfile
 from ..base.errors import UserError
 from ..base.runfiles import disk_error, open_run_file, refuse_link
-from .checkpoint_file import LATEST
+from .checkpoint_file import LATEST, load_checkpoint, load_params
 from .run_checkpoints import checkpoint_run_id, list_checkpoints
 from .rundir_force import delete_our_run
 
@@ -50,6 +52,9 @@ LOCK_FILE = ".purine.lock"
 _RUN_FILE_RE = re.compile(r"^(metrics\.jsonl(\.resumed\.\d+)?|latest\.h5|ckpt_\d+\.h5|"
                           r"best_\d+\.h5|train\.log|trace\.rank\d+\.json|"
                           r"config\.yaml|events\.out\.tfevents\..*|tb)$")
+#: files a run writes by a rename over the name (``write_text_replacing``), which
+#: are no run of their own (``run_files`` leaves them out, ``--force`` keeps them)
+_REPLACED_FILES = ("memory.json", "calibration.json")
 _held = []  # (open lock file, its text) of this process (closing one releases its lock)
 
 
@@ -84,11 +89,14 @@ def _new_numbered(base):
             n += 1
 
 
-def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", lock=None):
+def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", lock=None,
+                   init=None):
     """The folder this run writes to (see the module docstring); creates it.
     ``lock`` (a callable taking the folder) is called on an ``--out`` before
     anything in it is looked at or deleted, so a folder in use by a running
-    run is refused before its files are touched. Returns (path, note or None)."""
+    run is refused before its files are touched; the files the run starts
+    from (``resume`` FILE, ``init``) are read before ``--force`` deletes
+    anything. Returns (path, note or None)."""
     if out:
         os.makedirs(out, exist_ok=True)
         if lock is not None:
@@ -106,6 +114,7 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
                 return out, None
             keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
         if held and force:
+            check_sources(resume, init)  # missing or damaged: exit 2, nothing deleted
             delete_our_run(out, held, keep)
             return out, f"--force: deleted the previous run's files in {out}"
         return out, None
@@ -117,6 +126,20 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
         if os.path.isfile(os.path.join(base, LATEST)) or list_checkpoints(base):
             return _locked(base, lock), None  # a run from before numbered folders
     return _locked(_new_numbered(base), lock), None
+
+
+def check_sources(resume=None, init=None):
+    """A UserError (exit 2) unless ``resume`` (a checkpoint, not ``auto``)
+    and ``init`` (weights: our HDF5 read whole, a .caffemodel or
+    .safetensors found) can be read: asked before ``--force`` deletes a
+    run, so a mistyped or damaged file loses nothing."""
+    if resume and resume != "auto":
+        load_checkpoint(resume)
+    if init and str(init).endswith((".caffemodel", ".safetensors")):
+        if not os.path.isfile(init):
+            raise UserError(f"weights file '{init}' not found")
+    elif init:
+        load_params(init)
 
 
 def _locked(path, lock):
@@ -214,15 +237,17 @@ def refuse_linked_run_files(folder):
         if name == LOCK_FILE or _RUN_FILE_RE.match(name):
             refuse_link(os.path.join(folder, name), folder=name == "tb",
                         in_place=name != "tb" and not name.endswith(".h5"))  # latest.h5: a link
+        elif name in _REPLACED_FILES:
+            refuse_link(os.path.join(folder, name))
 
 
-def _set_up(name, out, resume, force, runs_root):
+def _set_up(name, out, resume, force, runs_root, init=None):
     """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
     where = out or os.path.join(runs_root, name)
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
-                                    lock=_lock_and_check)
+                                    lock=_lock_and_check, init=init)
     except UserError as exc:
         return None, str(exc)
     except OSError as exc:  # a read-only folder, --out under a file, a full disk
@@ -240,13 +265,14 @@ def _lock_and_check(folder):
     refuse_linked_run_files(folder)
 
 
-def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs"):
+def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs",
+                    init=None):
     """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
     of ``runs_root/name``) and locks the folder; every rank gets the path, or
     rank 0's error: every rank then raises the same UserError (exit 2), so
     a failed set-up ends the job at once instead of leaving the other ranks
     waiting. Returns the path."""
-    answer = _set_up(name, out, resume, force, runs_root) if world.rank == 0 else None
+    answer = _set_up(name, out, resume, force, runs_root, init) if world.rank == 0 else None
     if world.size > 1:
         answer = world.allgather_object(answer, "the run folder")[0]
     path, error = answer

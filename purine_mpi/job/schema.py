@@ -305,7 +305,8 @@ DATA = (
         "synthetic with a shape"),
     Key("path", None, None, "hdf5: the data file; lmdb: the database folder (holding "
         "data.mdb); text: the token file of `data text`; relative to the working directory "
-        "or to the config's folder", kind="string", shown="—"),
+        "or to the config's folder (the working directory's first where both hold the same "
+        "bytes; where they differ, exit 2 naming both: give an absolute path)", kind="string", shown="—"),
     Key("split", None, None, "hdf5: the group holding data and label (null: the file's top "
         "level); text: `train` or `val`", kind="string or null",
         shown="`null` (hdf5), `train` for train and `val` for test (text), the phase "

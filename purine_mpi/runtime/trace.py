@@ -11,7 +11,10 @@ only iterations ``A <= iter < B``. The file is Chrome's JSON object format
 the process (``rank R``) and each thread the first time it appears: worker
 threads by number, ``comm`` (the MPI progress thread), CUDA streams
 (``gpu<d>:<thread>``), the copy streams ``h2d``/``d2h`` and the replays of
-captured CUDA graphs (``gpu<d>:graph``, one event per segment). The trainer
+captured CUDA graphs (``gpu<d>:graph``, one event per segment); ops of a
+thread that overlap without nesting (comm ops in flight at once) go on more
+rows of it, ``<tid>.<k>`` (``TraceFile._lane``: Perfetto drops a complete
+event that partly overlaps another of its row). The trainer
 gives every rank the same time origin (rank 0's start), so the ranks'
 files share one time axis: their ``traceEvents`` concatenated are one
 trace of the job (a pipeline's stages are seen computing at once).
@@ -23,7 +26,7 @@ import threading
 import time
 
 from ..base.errors import UserError
-from ..base.runfiles import open_run_file
+from ..base.runfiles import open_run_fd, write_all
 
 
 class Profiler:
@@ -73,6 +76,9 @@ def parse_window(text):
 
 def thread_label(tid):
     tid = str(tid)
+    base, _, lane = tid.rpartition(".")
+    if base and lane.isdigit():  # TraceFile._lane: a row of ops overlapping those of ``base``
+        return f"{thread_label(base)} {lane}"
     if tid.isdigit():
         return f"worker thread {tid}"
     if tid == "comm":
@@ -86,6 +92,10 @@ def thread_label(tid):
     return tid
 
 
+#: recent events a row keeps to place the next ones (``TraceFile._lane``)
+_LANE_SPANS = 32
+
+
 class TraceFile(Profiler):
     """A Profiler that streams to ``path`` (see the module docstring).
 
@@ -97,10 +107,12 @@ class TraceFile(Profiler):
         self.path, self.window, self.chunk = path, window, int(chunk)
         self.written = 0
         self._threads = set()
+        self._lanes = {}  # tid: [(recent (start, end) spans, their last end)] per row
+        self._last_row = (None, 0)  # the last op recorded and the index of its row
         self._io_lock = threading.Lock()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open_run_file(path, "w")  # never through a link (base/runfiles.py)
-        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._fd = open_run_fd(path)  # never through a link (base/runfiles.py)
+        self._write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._first = True
         self._meta({"name": "process_name", "ph": "M", "pid": rank, "tid": "0",
                     "args": {"name": f"rank {rank} ({socket.gethostname()}, pid {os.getpid()})"}})
@@ -109,6 +121,35 @@ class TraceFile(Profiler):
 
     def _meta(self, event):
         self.events.append(event)
+
+    def _lane(self, tid, start, end, first=0):
+        """The row of an event on thread ``tid``: ``tid`` itself where the
+        event nests with, or keeps clear of, every recent event of that row;
+        else the first row ``<tid>.<k>`` (k = 2, 3, ...) where it does. Ops
+        in flight at once (a comm thread's allreduces of several buckets)
+        overlap without nesting, and Perfetto drops a complete event that
+        partly overlaps another of its row. Returns the row's index (0:
+        ``tid``); ``first``: the index to try first. Called under ``_lock``."""
+        lanes = self._lanes.setdefault(tid, [])
+        order = list(range(len(lanes)))
+        if 0 < first < len(lanes):
+            order.insert(0, order.pop(first))
+        for k in order:
+            spans, last_end = lanes[k]
+            if start >= last_end:  # after all of the row: the common case
+                break
+            if all(b <= start or end <= a or (a <= start and end <= b) or
+                   (start <= a and b <= end) for a, b in reversed(spans)):
+                break
+        else:
+            k = len(lanes)
+            lanes.append(([], end))
+        spans, last_end = lanes[k]
+        spans.append((start, end))
+        if len(spans) > 2 * _LANE_SPANS:  # the oldest ones are long done
+            del spans[:_LANE_SPANS]
+        lanes[k] = (spans, max(last_end, end))
+        return k
 
     def wants(self, iteration):
         if self.window is None:
@@ -120,6 +161,15 @@ class TraceFile(Profiler):
         if not self.wants(iteration):
             return
         tid = str(tid)
+        with self._lock:
+            # a one-sided op's parts (``<op>:<kind>``, recorded right after
+            # it) go on their op's row where they nest there
+            last, row = self._last_row
+            part = last is not None and op.name.startswith(f"{last}:")
+            k = self._lane(tid, t_start, t_end, row if part else 0)
+            if not part:
+                self._last_row = op.name, k
+        tid = tid if k == 0 else f"{tid}.{k + 1}"
         if tid not in self._threads:
             with self._lock:
                 if tid not in self._threads:
@@ -136,22 +186,31 @@ class TraceFile(Profiler):
         if not events:
             return
         with self._io_lock:
-            if self._file is None:
+            if self._fd is None:
                 return
             text = ",\n".join(json.dumps(e, allow_nan=False) for e in events)
-            self._file.write(text if self._first else ",\n" + text)
+            self._write(text if self._first else ",\n" + text)
             self._first = False
             self.written += len(events)
-            self._file.flush()
+
+    def _write(self, text):
+        """Append ``text`` whole or not at all (``write_all``: a full disk or
+        the file-size limit cuts the file back to its last whole chunk and is
+        one line naming it), so the file always reads with ``]}`` added."""
+        write_all(self._fd, text.encode(), self.path)
 
     def close(self):
         """Write what is buffered and end the JSON; returns the path."""
-        self.flush()
-        with self._io_lock:
-            if self._file is not None:
-                self._file.write("\n]}\n")
-                self._file.close()
-                self._file = None
+        try:
+            self.flush()
+        finally:
+            with self._io_lock:
+                if self._fd is not None:
+                    fd, self._fd = self._fd, None
+                    try:  # after a failed chunk too: the events before it, a whole file
+                        write_all(fd, b"\n]}\n", self.path)
+                    finally:
+                        os.close(fd)
         return self.path
 
 

@@ -68,6 +68,7 @@ import sys
 import time
 
 from ..base.errors import UserError
+from ..base.runfiles import write_text_replacing
 from ..base.progress_bar import human_bytes
 
 #: the calibration run: iterations, and the traced window (the first ones warm up)
@@ -175,17 +176,15 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, log):
                             os.path.join(base, f".calibration-{key}-{os.getpid()}-small"))
     if cache:
         os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        tmp = f"{cache}.tmp{os.getpid()}"
 
         def entry(d):
             return {"per_rank": d.per_rank, "iter_seconds": d.iter_seconds,
                     "iterations": d.iterations}
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
-                       **entry(durations),
-                       "small": dict(entry(small), batch=small_b) if small else None,
-                       "measured_s": round(time.perf_counter() - t0, 3)}, f)
-        os.replace(tmp, cache)
+        text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
+                           **entry(durations),
+                           "small": dict(entry(small), batch=small_b) if small else None,
+                           "measured_s": round(time.perf_counter() - t0, 3)})
+        write_text_replacing(cache, text)  # renamed over it: never through a link
     return durations, small
 
 

@@ -88,8 +88,9 @@ def to_dot(graph):
     bucket: one flat buffer whose views are the gradients it holds, which
     the allreduce reads): it is drawn with a dashed edge labelled "view" to
     each blob that views it, so no blob floats unconnected."""
-    def q(s):
-        return '"' + str(s).replace('"', r'\"') + '"'
+    def q(*lines):  # a DOT string of lines: their backslashes and quotes escaped
+        return '"' + NL.join(str(s).replace("\\", "\\\\").replace('"', r'\"')
+                             for s in lines) + '"'
     touched = {b for op in graph.ops.values() for b in (*op.inputs, *op.outputs)}
     views = {}
     for b in graph.blobs.values():
@@ -99,11 +100,11 @@ def to_dot(graph):
     for b in graph.blobs.values():
         shape = list(b.shape) if b.shape is not None else "?"
         style = ', style=filled, fillcolor="#ffe9a8"' if b.kind == "param" else ""
-        text = f"{b.name}{NL}{shape}"
+        text = [b.name, shape]
         if b.name in views:
-            text += f"{NL}flat buffer, {len(views[b.name])} views"
+            text.append(f"flat buffer, {len(views[b.name])} views")
             style = ", style=dashed"
-        lines.append(f"  {q('b:' + b.name)} [label={q(text)}, shape=ellipse{style}];")
+        lines.append(f"  {q('b:' + b.name)} [label={q(*text)}, shape=ellipse{style}];")
     for owner, names in views.items():
         for v in names:
             lines.append(f"  {q('b:' + owner)} -> {q('b:' + v)} "
@@ -113,7 +114,7 @@ def to_dot(graph):
         color = {"comm": "#a8d8ff", "update": "#c8f0c8", "io": "#f0d0f0"}.get(category, "#eeeeee")
         dtype = op_precision(op)
         color = LOW_COLORS.get(dtype, color)  # the precision pass's bf16/fp16 ops
-        label = q(op.name + NL + op.op_type + (NL + SHORT[dtype] if dtype in LOW_COLORS else ""))
+        label = q(op.name, op.op_type, *([SHORT[dtype]] if dtype in LOW_COLORS else []))
         lines.append(f"  {q('o:' + op.name)} [label={label}, "
                      f"shape=box, style=filled, fillcolor={q(color)}];")
         for b in op.inputs:

@@ -2,8 +2,9 @@
 the first non-finite iteration, read from the host blobs every iteration
 on the CPU, or back from the device loss watch (ops/watch.py) only at the
 display, test and checkpoint iterations on a GPU; and the check that every
-weight and its solver state are finite before a checkpoint may follow. A non-finite loss or
-weight makes the agreed stop code DIVERGED (runtime/stop.py).
+weight and its solver state are finite before a checkpoint or a test pass
+may follow. A non-finite loss or weight makes the agreed stop code DIVERGED
+(runtime/stop.py).
 """
 import numpy as np
 
@@ -34,10 +35,11 @@ class DivergenceWatch(Service):
             loop.state.first_bad = None if finite else done
         elif self.checked:
             loop.state.window.loss, loop.state.first_bad = self.read_losses(loop)
-        # a checkpoint is never written with non-finite weights: where one
-        # may follow, the parameters are checked too
+        # a checkpoint is never written with non-finite weights, nor a test
+        # pass run on them (its accuracy would be reported, a best_<iter>.h5
+        # written): where either may follow, the parameters are checked too
         loop.state.diverged = loop.state.first_bad is not None or (
-            loop.checkpoint_due(done) and not self.params_finite(loop))
+            (loop.checkpoint_due(done) or loop.test_due(done)) and not self.params_finite(loop))
 
     def on_display(self, loop, done):
         if loop.graphs.watch is not None:  # the device window starts again

@@ -20,6 +20,7 @@ import sys
 import time
 
 from ..base import logfile
+from ..base.runfiles import write_text_replacing
 from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes
 from ..job.checkpoint_file import LATEST
 from ..job.inputs import run_inputs
@@ -259,8 +260,9 @@ def write_memory(trainer, baseline):
             from .async_server import MEMORY_TAG
             every += [trainer.scheme.world.recv_object(s, MEMORY_TAG, "a server's memory "
                                                        "figures") for s in servers]
-        with open(os.path.join(trainer.out_dir, "memory.json"), "w") as f:
-            json.dump({"ranks": every}, f, indent=1)
+        # by a rename over the name: never through a link there
+        write_text_replacing(os.path.join(trainer.out_dir, "memory.json"),
+                             json.dumps({"ranks": every}, indent=1))
 
 
 def _last_finite(last, out_dir):

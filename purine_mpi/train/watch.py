@@ -143,7 +143,8 @@ class EarlyStopping(Service):
         self.waited += 1
         if self.waited < self.patience:
             return False
+        best = (f"best {self.best:.4f} at iteration {self.best_iter}" if self.best is not None
+                else "no pass gave a finite figure")
         self.say(f"early stop at iteration {iteration}: {self.metric} has not improved by more "
-                 f"than {self.min_delta:g} in {self.patience} test pass(es) (best "
-                 f"{self.best:.4f} at iteration {self.best_iter})")
+                 f"than {self.min_delta:g} in {self.patience} test pass(es) ({best})")
         return True
