@@ -44,6 +44,7 @@ of the group before it on the same stage.
 import copy
 
 from ..job.replica import loss_blobs
+from ..ops.catalog import get_kernel_class
 from ..ops.updates import UPDATE_OP_TYPES
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -79,6 +80,11 @@ def replicate_micro_batches(graph, grads, micro_batches):
     grad_blobs = set(grads.values())
     losses = loss_blobs(graph)
     old_blobs = {b: graph.blobs[b] for b in made}
+    # state a copied op updates in place (a batch norm's running statistics:
+    # an output aliasing a blob no copied op makes): copy k reads what copy
+    # k-1 wrote, so the copies update it one after another, in copy order
+    updated = {blob.alias_of: b for b, blob in old_blobs.items()
+               if blob.alias_of is not None and blob.alias_of not in made}
     thread_of = {b: op.thread for op in ops for b in op.outputs}
     for n in names:
         del graph.ops[n]
@@ -100,13 +106,17 @@ def replicate_micro_batches(graph, grads, micro_batches):
                 attrs["rank"] = int(attrs.get("rank", 0)) * m + k
                 attrs["world_size"] = int(attrs.get("world_size", 1)) * m
                 attrs["micro_batch"], attrs["micro_batches"] = k, m
+            if get_kernel_class(op.op_type).micro_batch_attrs:
+                attrs["micro_batch"], attrs["micro_batches"] = k, m
             if "stream" in attrs:   # a Philox stream named by an op (the fused
                 # attention's dropout: its raw path's Dropout op), per copy as
                 # that op's copy's own: each micro-batch draws its own masks
                 attrs["stream"] = micro_name(attrs["stream"], k)
             name = micro_name(op.name, k)
             graph.add_op(name, op.op_type,
-                         [micro_name(b, k) if b in made else b for b in op.inputs],
+                         [micro_name(b, k) if b in made else
+                          micro_name(updated[b], k - 1) if k and b in updated else b
+                          for b in op.inputs],
                          [micro_name(b, k) for b in op.outputs], attrs, op.location, op.thread,
                          op.accumulate,
                          [micro_name(c, k) for c in op.control_inputs if c in names])

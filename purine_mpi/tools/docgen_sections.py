@@ -511,7 +511,10 @@ def _parallel():
         "loss has an `ignore_label`: the loss, the train rows' and the one the gradient "
         "is of, is then the mean of the micro-batches' means over their counted "
         "positions). Not with the "
-        "parameter-server modes; batch norm statistics are per micro-batch.",
+        "parameter-server modes; batch norm statistics are per micro-batch, and its running "
+        "statistics take the micro-batches' updates one after another, as that many "
+        "iterations of batch B/M would (with `moving_average_fraction`, Caffe's "
+        "`iter_size`).",
         "",
         _table(("schedule", "order on each stage"),
                [(_code(v), m) for v, m in _choices("schedule")]),
