@@ -177,6 +177,8 @@ def _loss(c, layer, e, _):
         c.fail(p.line, layer, "only VALID (Caffe's default) or BATCH_SIZE normalization")
     if p.get("normalization") == "BATCH_SIZE" and p.has("ignore_label"):
         c.fail(p.line, layer, "BATCH_SIZE normalization with ignore_label is not supported")
+    if p.get("normalization") == "BATCH_SIZE":  # the sum over a sample's positions
+        e["normalization"] = "batch_size"
     if p.has("ignore_label"):
         e["ignore_label"] = p.get("ignore_label")
     if c.sub(layer, "softmax_param").get("axis", 1) != 1:
