@@ -164,7 +164,9 @@ def reshape(b):
     Key("kernel", "pair", Required("unless global"), "window size", AT_LEAST_ONE),
     Key("stride", "pair", 1, "stride", AT_LEAST_ONE),
     Key("pad", "pair", 0, "zero padding on each side", NON_NEGATIVE),
-    Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding)"),
+    Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding), less the "
+                                    "last window if it would start at or past H + pad "
+                                    "(torch's rule; Caffe drops it only with pad > 0)"),
     Key("global", "bool", False, "pool each whole feature map to 1×1 (no kernel)"),
     Key("global_pooling", "bool", False, "Caffe's name for global")))
 def pool(b):
