@@ -81,10 +81,11 @@ def replicate_micro_batches(graph, grads, micro_batches):
     losses = loss_blobs(graph)
     old_blobs = {b: graph.blobs[b] for b in made}
     # state a copied op updates in place (a batch norm's running statistics:
-    # an output aliasing a blob no copied op makes): copy k reads what copy
-    # k-1 wrote, so the copies update it one after another, in copy order
-    updated = {blob.alias_of: b for b, blob in old_blobs.items()
-               if blob.alias_of is not None and blob.alias_of not in made}
+    # a state output aliasing an input no copied op makes): copy k reads what
+    # copy k-1 wrote, so the copies update it one after another, in copy order
+    updated = {graph.blobs[b].alias_of: b for op in ops for b in op.outputs
+               if graph.blobs[b].kind == "state" and graph.blobs[b].alias_of in op.inputs
+               and graph.blobs[b].alias_of not in made}
     thread_of = {b: op.thread for op in ops for b in op.outputs}
     for n in names:
         del graph.ops[n]
