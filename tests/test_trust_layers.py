@@ -521,3 +521,17 @@ def test_export_onnx_ends_at_the_logits_of_a_normalized_loss(tmp_path):
     assert res.returncode == 0, res.stderr
     import onnx
     assert [o.name for o in onnx.load(str(tmp_path / "m.onnx")).graph.output] == ["fc"]
+
+
+@pytest.mark.parametrize("key,value", [("pad", 2), ("stride", [1, 3])])
+def test_global_pool_with_a_pad_or_stride_exits_2(key, value):
+    """Caffe refuses them (global pooling: pad 0, stride 1); before they were
+    silently ignored: the (2, 3, 1, 1) top of a plain global pool."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.graph import Graph
+    from purine_mpi.layers import build_net
+    g = Graph("pool")
+    g.add_blob("data", (2, 3, 5, 5), "float32", kind="data")
+    with pytest.raises(ConfigError, match=f"net\\[0\\].{key}.*a global pool takes {key}"):
+        build_net([{"type": "pool", "name": "p", "bottom": "data", "global": True,
+                    key: value}], "train", (g, "job.yaml"))

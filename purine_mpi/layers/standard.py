@@ -182,6 +182,11 @@ def pool(b):
         attrs["kernel"] = _pair(b.get("kernel"))
     elif "kernel" in b.cfg:
         b.fail("kernel", "a global pool takes no kernel (it pools each whole feature map)")
+    else:
+        for k, none in (("stride", [1, 1]), ("pad", [0, 0])):  # as Caffe's check
+            if attrs[k] != none:
+                b.fail(k, f"a global pool takes {k} {none[0]} (it pools each whole feature "
+                          f"map), got {excerpt(b.get(k))}")
     (y,) = b.tops(1)
     outs = [y, f"{b.cfg['name']}.mask"] if kind == "max" else [y]
     b.op("Pool", [x], outs, attrs)
