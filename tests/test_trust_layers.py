@@ -251,6 +251,18 @@ def test_caffe_batch_size_normalization_converts_to_the_key(tmp_path):
     assert config["net"][-1]["normalization"] == "batch_size"
 
 
+def test_caffe_accuracy_ignore_label_converts_to_the_key(tmp_path):
+    """Before: 'accuracy supports top_k only (axis 1, no ignore_label)'."""
+    from purine_mpi.interop.caffe_convert import convert
+    path = tmp_path / "n.prototxt"
+    path.write_text('layer { name: "in" type: "HDF5Data" top: "data" top: "label"\n'
+                    '        hdf5_data_param { source: "x" batch_size: 2 } }\n'
+                    'layer { name: "acc" type: "Accuracy" bottom: "data" bottom: "label" '
+                    'top: "acc" accuracy_param { top_k: 2 ignore_label: 255 } }\n')
+    config, _ = convert(str(path), data_path="/x.h5")
+    assert (config["net"][-1]["top_k"], config["net"][-1]["ignore_label"]) == (2, 255)
+
+
 # -------------------------------------------------------- eltwise, concat
 def test_eltwise_three_bottoms_match_torch():
     a, b, c = randn(2, 3, 4), randn(2, 3, 4), randn(2, 3, 4)

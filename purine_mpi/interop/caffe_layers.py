@@ -148,9 +148,11 @@ def _softmax(c, layer, p, e):
 
 
 def _accuracy(c, layer, p, e):
-    if p.get("axis", 1) != 1 or p.has("ignore_label"):
-        c.fail(p.line, layer, "accuracy supports top_k only (axis 1, no ignore_label)")
+    if p.get("axis", 1) != 1:
+        c.fail(p.line, layer, "accuracy supports axis 1 only")
     e["top_k"] = p.get("top_k", 1)
+    if p.has("ignore_label"):
+        e["ignore_label"] = p.get("ignore_label")
 
 
 def _flatten(c, layer, p, e):
