@@ -10,7 +10,11 @@ Copy k of every op between the data and the gradients is named
 shared; an op whose attr ``stream`` names the op whose Philox stream it
 draws (the fused attention's dropout: its raw path's Dropout op) draws
 ``<stream>@mb<k>`` in copy k, as copy k of that Dropout op would: each
-micro-batch its own masks. The graph comes built for one micro-batch (job/replica.build_train_graph
+micro-batch its own masks. State an op updates in place (a batch norm's
+running statistics: a ``state`` output aliasing one of its inputs) is
+updated by the copies in turn: copy k reads copy k−1's output, and a kernel
+with ``micro_batch_attrs`` learns its copy from attrs ``micro_batch`` and
+``micro_batches`` (a Caffe running average counts the M updates). The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly
