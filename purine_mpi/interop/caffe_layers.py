@@ -148,9 +148,11 @@ def _softmax(c, layer, p, e):
 
 
 def _accuracy(c, layer, p, e):
-    if p.get("axis", 1) != 1 or p.has("ignore_label"):
-        c.fail(p.line, layer, "accuracy supports top_k only (axis 1, no ignore_label)")
+    if p.get("axis", 1) != 1:
+        c.fail(p.line, layer, "accuracy supports axis 1 only")
     e["top_k"] = p.get("top_k", 1)
+    if p.has("ignore_label"):
+        e["ignore_label"] = p.get("ignore_label")
 
 
 def _flatten(c, layer, p, e):
@@ -177,6 +179,8 @@ def _loss(c, layer, e, _):
         c.fail(p.line, layer, "only VALID (Caffe's default) or BATCH_SIZE normalization")
     if p.get("normalization") == "BATCH_SIZE" and p.has("ignore_label"):
         c.fail(p.line, layer, "BATCH_SIZE normalization with ignore_label is not supported")
+    if p.get("normalization") == "BATCH_SIZE":  # the sum over a sample's positions
+        e["normalization"] = "batch_size"
     if p.has("ignore_label"):
         e["ignore_label"] = p.get("ignore_label")
     if c.sub(layer, "softmax_param").get("axis", 1) != 1:

@@ -203,12 +203,17 @@ def build_model(graph, values, name, batch=None, pre=None):
         return cname
 
     data_shape = None
+    # the loss's and the accuracy's ops, and what reads their figures (a
+    # softmax_loss normalization's Scale): the model ends at their logits
+    dropped = set()
     for op in order:
         if op.op_type == "DataReader":
             data_shape = list(graph.blobs[op.outputs[0]].shape)
             continue
-        if op.op_type in _DROPPED:
-            outputs += [x for x in op.inputs[:1] if x not in outputs]
+        if op.op_type in _DROPPED or dropped.intersection(op.inputs):
+            if op.op_type in _DROPPED:
+                outputs += [x for x in op.inputs[:1] if x not in outputs]
+            dropped.update(op.outputs)
             continue
         emit = _EMITTERS.get(op.op_type)
         if emit is None:
@@ -218,7 +223,7 @@ def build_model(graph, values, name, batch=None, pre=None):
                             f"{', '.join(sorted(_EMITTERS))}")
         nodes += emit(op, graph, const, helper)
     for op in order:  # blobs nobody reads (e.g. a softmax output)
-        if op.op_type in _DROPPED or op.op_type == "DataReader":
+        if op.op_type == "DataReader" or dropped.intersection(op.outputs):
             continue
         main = op.outputs if op.op_type in ("Split", "Slice") else op.outputs[:1]
         for blob in main:

@@ -164,7 +164,9 @@ def reshape(b):
     Key("kernel", "pair", Required("unless global"), "window size", AT_LEAST_ONE),
     Key("stride", "pair", 1, "stride", AT_LEAST_ONE),
     Key("pad", "pair", 0, "zero padding on each side", NON_NEGATIVE),
-    Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding)"),
+    Key("ceil_mode", "bool", False, "round the output size up (Caffe's rounding), less the "
+                                    "last window if it would start at or past H + pad "
+                                    "(torch's rule; Caffe drops it only with pad > 0)"),
     Key("global", "bool", False, "pool each whole feature map to 1×1 (no kernel)"),
     Key("global_pooling", "bool", False, "Caffe's name for global")))
 def pool(b):
@@ -180,6 +182,11 @@ def pool(b):
         attrs["kernel"] = _pair(b.get("kernel"))
     elif "kernel" in b.cfg:
         b.fail("kernel", "a global pool takes no kernel (it pools each whole feature map)")
+    else:
+        for k, none in (("stride", [1, 1]), ("pad", [0, 0])):  # as Caffe's check
+            if attrs[k] != none:
+                b.fail(k, f"a global pool takes {k} {none[0]} (it pools each whole feature "
+                          f"map), got {excerpt(b.get(k))}")
     (y,) = b.tops(1)
     outs = [y, f"{b.cfg['name']}.mask"] if kind == "max" else [y]
     b.op("Pool", [x], outs, attrs)
@@ -340,17 +347,36 @@ def _class_axis(b, x):
                           "position, in nats per token", Range(note="an axis of the scores")),
     Key("ignore_label", "nonneg", None, "a label value that adds no loss (excluded from the "
                                         "mean)"),
+    Key("normalization", ("valid", "batch_size", "full", "none"), "valid",
+        "Caffe's loss normalization, what the sum of the positions' losses is divided by: "
+        "valid: the counted positions; batch_size: the samples (the scores' axes before "
+        "`axis`); full: all positions; none: 1. Other than valid only without ignore_label"),
     Key("loss_weight", "number", 1.0, "weight of this loss in the total", NON_NEGATIVE)))
 def softmax_loss(b):
     """Softmax cross-entropy (natural log: nats); bottoms [scores, label]; the mean over the
-    counted positions."""
+    counted positions (or as `normalization` says)."""
     x, label = b.bottoms(2)
     (loss,) = b.tops(1)
     attrs = _class_axis(b, x)
     ignore = b.get("ignore_label")
     if ignore is not None:
         attrs["ignore_label"] = ignore
-    b.op("SoftmaxLoss", [x, label], [loss, f"{b.cfg['name']}.prob"], attrs)
+    norm = b.get("normalization")
+    if norm != "valid" and ignore is not None:
+        b.fail("normalization", f"normalization {norm} with ignore_label is not supported "
+                                "(valid divides by the counted positions)")
+    # without ignored positions every normalization is the mean's static multiple
+    shape, axis = b.shape(x), attrs.get("axis", 1)
+    outer = inner = 1
+    for s in shape[:axis]:
+        outer *= s
+    for s in shape[axis + 1:]:
+        inner *= s
+    scale = {"valid": 1, "full": 1, "batch_size": inner, "none": outer * inner}[norm]
+    mean = b.graph.free_name(f"{b.cfg['name']}.mean") if scale != 1 else loss
+    b.op("SoftmaxLoss", [x, label], [mean, f"{b.cfg['name']}.prob"], attrs)
+    if mean != loss:
+        b.op("Scale", [mean], [loss], {"scale": float(scale)}, tag="norm")
     b.graph.blobs[loss].attrs["loss_weight"] = float(b.get("loss_weight"))
 
 
@@ -359,11 +385,16 @@ def softmax_loss(b):
                               "scores"),
     Key("axis", "int", 1, "the class axis, as softmax_loss's (-1: the next-token accuracy "
                           "of (N, T, V) logits over every position)",
-        Range(note="an axis of the scores"))))
+        Range(note="an axis of the scores")),
+    Key("ignore_label", "nonneg", None, "a label value that is not counted (excluded from the "
+                                        "mean; Caffe's), e.g. the softmax_loss's")))
 def accuracy(b):
     """Top-k accuracy; bottoms [scores, label]; a non-finite score counts as wrong."""
     x, label = b.bottoms(2)
     (acc,) = b.tops(1)
     attrs = dict(_class_axis(b, x), top_k=b.get("top_k"))
+    ignore = b.get("ignore_label")
+    if ignore is not None:
+        attrs["ignore_label"] = ignore
     b.op("Accuracy", [x, label], [acc], attrs)
     b.graph.blobs[acc].attrs["metric"] = True

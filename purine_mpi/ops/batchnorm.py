@@ -19,7 +19,11 @@ are sum_i maf^(t-i) * stat_i / sum_i maf^(t-i), i.e. the update above with
 momentum = 1 / factor, where the kernel's ``factor`` (Caffe's third blob,
 saved in checkpoints, set from a .caffemodel) grows as factor = maf *
 factor + 1 from 0. So the first step takes the batch statistics as they are,
-as Caffe does, instead of blending them with the initial 0 and 1.
+as Caffe does, instead of blending them with the initial 0 and 1. Under
+``parallel.micro_batches: M`` each copy's update counts (Caffe's
+``iter_size``): copy k (attr ``micro_batch``) blends with 1 / factor after
+the iteration's first k+1 updates, and every copy keeps the factor after all
+M, so a checkpoint's factor is the same with or without micro-batches.
 
 Test, outputs [y]: y = gamma * (x - running_mean) / sqrt(running_var + eps) + beta.
 
@@ -59,6 +63,7 @@ class BatchNorm(OpKernel):
     """y = gamma * normalised x + beta; see the module docstring."""
 
     op_type = "BatchNorm"
+    micro_batch_attrs = True  # Caffe's factor counts each micro-batch's update
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -86,8 +91,14 @@ class BatchNorm(OpKernel):
     def _momentum(self):
         if not self.caffe_average:
             return float(self.attrs.get("momentum", 0.1))
-        self.factor = float(self.attrs["moving_average_fraction"]) * self.factor + 1.0
-        return 1.0 / self.factor
+        # copy k of M (micro-batches) makes the (k+1)-th of the iteration's M
+        # updates: factor(n + j) = maf^j * factor(n) + sum_{i<j} maf^i; every
+        # copy keeps the factor after all M (that of the op without copies)
+        maf = float(self.attrs["moving_average_fraction"])
+        k, m = int(self.attrs.get("micro_batch", 0)), int(self.attrs.get("micro_batches", 1))
+        before = self.factor
+        self.factor = maf ** m * before + _powers(maf, m)
+        return 1.0 / (maf ** (k + 1) * before + _powers(maf, k + 1))
 
     def state_dict(self):
         return {"factor": float(self.factor)}
@@ -133,6 +144,11 @@ class BatchNorm(OpKernel):
         a GPU, so a CUDA graph captures the op."""
         x = ins[0]
         return [((x.shape[1],), x.dtype)] * 2 + [(x.shape, x.dtype)]
+
+
+def _powers(maf, n):
+    """1 + maf + ... + maf^(n-1): the factor of n updates from 0."""
+    return sum(maf ** i for i in range(n))
 
 
 def _channel_sum(xp, a, out):

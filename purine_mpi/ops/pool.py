@@ -14,7 +14,9 @@ Attrs: ``pool`` ("max" | "ave"), ``kernel``, ``stride`` (default 1), ``pad``
 
 Output size: ``OH = floor((H + 2*pad - k) / s) + 1``, or with ``ceil_mode``
 ``ceil(...) + 1`` less one when the last window would start at or past
-``H + pad`` (Caffe's and torch's rule).
+``H + pad`` (torch's rule; Caffe's with pad > 0: without padding Caffe keeps
+that window, wholly past the input when stride > kernel, its max -FLT_MAX
+and its average 0/0 -- an extra row no net means to have).
 
 Gradient ("PoolGrad", inputs [dy, mask] for max, [dy] for average, attr
 ``x_shape``): max routes dy to the argmax of each window; average spreads

@@ -87,6 +87,11 @@ class OpKernel:
     #: ``after_launch(event)``: the CUDA event recorded after the op's device
     #: work of this iteration (after the graph holding it, when captured)
     after_launch = None
+    #: kernels whose copies under micro-batches (parallel/micro_batch.py)
+    #: must know which copy they are: each copy gets attrs ``micro_batch``
+    #: (k) and ``micro_batches`` (M), e.g. a Caffe batch norm's running
+    #: average, which counts every micro-batch's update
+    micro_batch_attrs = False
     #: kernels that read their outputs' earlier values (state kept in an
     #: output across iterations): those outputs keep their own memory in the
     #: host memory plan (runtime/memory_plan.py)

@@ -52,7 +52,8 @@ def _check_label(attrs, x_shape, label_shape, op_type):
     axis = _axis(attrs, len(x_shape))
     outer, _, inner = _split_dims(x_shape, axis)
     size = int(np.prod(label_shape, dtype=np.int64))
-    if size != outer * inner or (len(label_shape) and label_shape[0] != x_shape[0]):
+    # one label per sample row unless the classes are axis 0 (no batch axis)
+    if size != outer * inner or (axis and len(label_shape) and label_shape[0] != x_shape[0]):
         expect = list(x_shape[:axis]) + list(x_shape[axis + 1:])
         raise ShapeError(f"{op_type}: the label has shape {list(label_shape)} but the predictions "
                          f"{list(x_shape)} need one label per position, i.e. shape {expect}")

@@ -10,7 +10,11 @@ Copy k of every op between the data and the gradients is named
 shared; an op whose attr ``stream`` names the op whose Philox stream it
 draws (the fused attention's dropout: its raw path's Dropout op) draws
 ``<stream>@mb<k>`` in copy k, as copy k of that Dropout op would: each
-micro-batch its own masks. The graph comes built for one micro-batch (job/replica.build_train_graph
+micro-batch its own masks. State an op updates in place (a batch norm's
+running statistics: a ``state`` output aliasing one of its inputs) is
+updated by the copies in turn: copy k reads copy k−1's output, and a kernel
+with ``micro_batch_attrs`` learns its copy from attrs ``micro_batch`` and
+``micro_batches`` (a Caffe running average counts the M updates). The graph comes built for one micro-batch (job/replica.build_train_graph
 reads B/M samples); copy k's DataReader reads rows ``[k·B/M, (k+1)·B/M)``
 of the rank's batch B: it is replica ``r·M + k`` of ``W·M`` in the sample
 order of docs/config.md, so the samples (and their transforms) are exactly
@@ -44,6 +48,7 @@ of the group before it on the same stage.
 import copy
 
 from ..job.replica import loss_blobs
+from ..ops.catalog import get_kernel_class
 from ..ops.updates import UPDATE_OP_TYPES
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -82,6 +87,12 @@ def replicate_micro_batches(graph, grads, micro_batches):
     made = set(old_blobs)
     grad_blobs = set(grads.values())
     losses = loss_blobs(graph)
+    # state a copied op updates in place (a batch norm's running statistics:
+    # a state output aliasing an input no copied op makes): copy k reads what
+    # copy k-1 wrote, so the copies update it one after another, in copy order
+    updated = {graph.blobs[b].alias_of: b for op in ops for b in op.outputs
+               if graph.blobs[b].kind == "state" and graph.blobs[b].alias_of in op.inputs
+               and graph.blobs[b].alias_of not in made}
     thread_of = {b: op.thread for op in ops for b in op.outputs}
     for n in names:
         del graph.ops[n]
@@ -103,13 +114,17 @@ def replicate_micro_batches(graph, grads, micro_batches):
                 attrs["rank"] = int(attrs.get("rank", 0)) * m + k
                 attrs["world_size"] = int(attrs.get("world_size", 1)) * m
                 attrs["micro_batch"], attrs["micro_batches"] = k, m
+            if get_kernel_class(op.op_type).micro_batch_attrs:
+                attrs["micro_batch"], attrs["micro_batches"] = k, m
             if "stream" in attrs:   # a Philox stream named by an op (the fused
                 # attention's dropout: its raw path's Dropout op), per copy as
                 # that op's copy's own: each micro-batch draws its own masks
                 attrs["stream"] = micro_name(attrs["stream"], k)
             name = micro_name(op.name, k)
             graph.add_op(name, op.op_type,
-                         [micro_name(b, k) if b in made else b for b in op.inputs],
+                         [micro_name(b, k) if b in made else
+                          micro_name(updated[b], k - 1) if k and b in updated else b
+                          for b in op.inputs],
                          [micro_name(b, k) for b in op.outputs], attrs, op.location, op.thread,
                          op.accumulate,
                          [micro_name(c, k) for c in op.control_inputs if c in names])

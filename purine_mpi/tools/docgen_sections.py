@@ -236,7 +236,11 @@ def _data():
         "identity otherwise. So N ranks × batch B train like 1 rank × batch N·B (except "
         "where a loss has an `ignore_label`: each rank's loss is the mean over its own "
         "counted positions and the gradients are averaged over the ranks, as PyTorch's "
-        "DDP does, so a rank with fewer counted positions weighs each of them more), and "
+        "DDP does, so a rank with fewer counted positions weighs each of them more; and "
+        "a `batch_norm` normalises with each rank's own batch statistics, not synchronised: "
+        "its running statistics, each replica's own, are set to their mean over the ranks "
+        "before every test pass and save, so the test figures are those of the saved "
+        "model, and the running mean is that of 1 rank × batch N·B), and "
         "the order does not depend on how the run is split over ranks. Parameter-server "
         "workers shard the data over the workers only; the stages of a pipeline all read "
         "the same batch, and with scheme hybrid the data is sharded over the replicas. "
@@ -511,7 +515,10 @@ def _parallel():
         "loss has an `ignore_label`: the loss, the train rows' and the one the gradient "
         "is of, is then the mean of the micro-batches' means over their counted "
         "positions). Not with the "
-        "parameter-server modes; batch norm statistics are per micro-batch.",
+        "parameter-server modes; batch norm statistics are per micro-batch, and its running "
+        "statistics take the micro-batches' updates one after another, as that many "
+        "iterations of batch B/M would (with `moving_average_fraction`, Caffe's "
+        "`iter_size`).",
         "",
         _table(("schedule", "order on each stage"),
                [(_code(v), m) for v, m in _choices("schedule")]),

@@ -23,7 +23,7 @@ from ..parallel.compose import Layout
 from ..parallel.schemes import scheme_of
 from ..parallel.tensor_parallel import initial_value, whole_shape
 from ..runtime.stop import StopSignal
-from .collectives import _plain, world_gather
+from .collectives import _plain, average_running_stats, world_gather
 from .loop import Service
 from .progress import write_config
 
@@ -259,6 +259,8 @@ class Checkpoints(Service):
         rotation), or with ``path`` a checkpoint file of its own. Collective."""
         loop.train.drain()  # the weights of this iteration, updated
         loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
+        average_running_stats(loop.world, loop.graphs.graph, loop.ws,
+                              getattr(loop.graphs.layout, "shard", 0))
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)

@@ -41,3 +41,40 @@ def _plain(obj):
     if isinstance(obj, np.ndarray) and obj.ndim == 0:
         return obj.item()
     return obj
+
+
+def average_running_stats(world, graph, ws, shard=0):
+    """Set every rank's running statistics (the parameters no gradient
+    moves: a batch norm's ``running_mean`` and ``running_var``) to their
+    mean over the ranks that hold them (those of tensor shard ``shard``),
+    before a test pass and a save. Each replica updates its own from its
+    part of the batch; their mean is what one rank with the whole batch
+    keeps (the running averages are linear in the batch statistics: exact
+    for the mean, the variance the replicas' mean), and the test pass and the
+    checkpoint then use one model. Collective over ``world``, at the same
+    point on every rank; nothing on one rank."""
+    if world.size == 1:
+        return
+    from ..base.backend import to_numpy
+    mine = {f"{shard}/{b.name}": (b.name, tuple(b.shape)) for b in graph.params()
+            if not b.attrs.get("learnable", True) and b.name in ws.arrays}
+    union = {}
+    for held in world.allgather_object({k: s for k, (_, s) in mine.items()},
+                                       "the running statistics' names"):
+        union.update(held)
+    if not union:
+        return
+    keys = sorted(union)  # the same order on every rank
+    sizes = [int(np.prod(union[k], dtype=np.int64)) for k in keys]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    send = np.zeros(int(starts[-1]) + len(keys))  # the values, then the holders
+    for i, k in enumerate(keys):
+        if k in mine:
+            send[starts[i]:starts[i + 1]] = to_numpy(ws[mine[k][0]]).ravel()
+            send[starts[-1] + i] = 1.0
+    total = world.allreduce(send, "sum", "the running statistics' mean")
+    for i, k in enumerate(keys):
+        if k in mine:
+            name, shape = mine[k]
+            mean = total[starts[i]:starts[i + 1]] / total[starts[-1] + i]
+            ws.set(name, mean.reshape(shape).astype(ws[name].dtype))

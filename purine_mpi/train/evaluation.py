@@ -12,7 +12,7 @@ import numpy as np
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
-from .collectives import world_sum
+from .collectives import average_running_stats, world_sum
 from .loop import Service
 
 
@@ -52,6 +52,8 @@ class Evaluation(Service):
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
+        average_running_stats(loop.world, loop.graphs.graph, loop.ws,
+                              getattr(loop.graphs.layout, "shard", 0))
         whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
         held = loop.test.workspace.graph.blobs
         for p, value in (whole or {}).items():  # ZeRO-3: the shards gathered, once
