@@ -91,6 +91,12 @@ class Converter:
         scale_of = self._batchnorm_scales(layers)
         fused = {id(scale) for scale in scale_of.values()}
         for layer in layers:
+            if layer.type != "SoftmaxWithLoss" and any(layer.msg.all("loss_weight")):
+                # Caffe adds loss_weight x the sum of the top to the loss: not a layer's here
+                self.fail(layer.msg.line_of("loss_weight"), layer,
+                          f"loss_weight {layer.msg.all('loss_weight')[0]:g} on a layer that is "
+                          "not a loss: Caffe adds that times the sum of its top to the loss; "
+                          "only SoftmaxWithLoss takes a loss_weight here (0 elsewhere)")
             if layer.type in DATA_TYPES:
                 self.data_layer(layer)
             elif id(layer) in fused:

@@ -89,12 +89,13 @@ class _Walk:
 
     def __init__(self, graph, path):
         self.ops, self.alias, self.drops, self.path = [], {}, [], path
+        scores = {op.outputs[0] for op in graph.ops.values() if op.op_type == "AttentionScores"}
         for op in graph.ops.values():
             if op.op_type in _PASS:
                 self.alias[op.outputs[0]] = op.inputs[0]
                 self.drops.append(op)
-            elif op.op_type not in _HEADLESS:
-                self.ops.append(op)
+            elif op.op_type not in _HEADLESS or op.inputs[0] in scores:
+                self.ops.append(op)  # the softmax of fused: false attention is the model's
         self.i, self.last = 0, None
 
     def src(self, blob):
@@ -315,11 +316,53 @@ def hf_params(path, job, skip=()):
                            f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}",
                            "; to leave a layer at its fresh initialisation (fine-tuning), "
                            "name it with --init-skip LAYER")
+    _check_hf_config(path, layout)
     used = {hf for hf, _, _ in layout.tensors} | {"lm_head.weight"}
     extra = sorted(set(tensors) - used)
     note = (f"note: {path}: {len(extra)} tensor(s) of the file are not used by this net: "
             f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}") if extra else None
     return values, note
+
+
+#: GPT2Config's activation_function values of each of our gelu's approximate
+_SAME_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def _check_hf_config(path, layout):
+    """The config.json beside ``path`` (a GPT2LMHeadModel folder, a Hub
+    download), when there is one, must describe the net's computation: what
+    the tensor shapes cannot tell apart (heads, eps, GELU, the attention's
+    scaling) differing is a UserError naming each field, never a model
+    that loads and computes something else."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    if not os.path.isfile(cfg_path):
+        return
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return  # not a model's config: the tensors alone are read
+    if not isinstance(theirs, dict) or theirs.get("model_type") != "gpt2":
+        return
+    ours, diffs = layout.config, []
+    approximate = {"gelu_new": "tanh", "gelu": "none"}[ours["activation_function"]]
+    activation = theirs.get("activation_function", "gelu_new")
+    if _SAME_GELU.get(activation) != approximate:
+        diffs.append(f"activation_function {activation!r}, this net's gelu has approximate: "
+                     f"{approximate}")
+    for key, default, what in (("n_head", 12, "num_heads"),
+                               ("layer_norm_epsilon", 1e-5, "layer_norm eps")):
+        if theirs.get(key, default) != ours[key]:
+            diffs.append(f"{key} {theirs.get(key, default)}, this net has {what} {ours[key]}")
+    for key, default, want in (("scale_attn_weights", True, True),
+                               ("scale_attn_by_inverse_layer_idx", False, False)):
+        if bool(theirs.get(key, default)) != want:
+            diffs.append(f"{key} {theirs.get(key, default)}, this net's attention scales by "
+                         "1/sqrt(head width) in every layer")
+    if diffs:
+        raise UserError(f"weights file '{path}': its {cfg_path} describes another GPT-2 than "
+                        f"this net computes: {'; '.join(diffs)} (the tensors fit, the results "
+                        "would not: set the net's keys to the model's)")
 
 
 # ------------------------------------------------------------------ writing

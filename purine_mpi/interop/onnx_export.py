@@ -241,9 +241,13 @@ def build_model(graph, values, name, batch=None, pre=None):
             data_shape[1] = "sequence"
     inputs = [helper.make_tensor_value_info("data", elem, data_shape)]
     outs = []
+    rows = graph.blobs["data"].shape[0]  # the batch the graph was built with
     for blob in outputs:
         shape = list(graph.blobs[blob].shape)
-        shape[0] = batch if batch else "batch"
+        if shape[0] == rows:
+            shape[0] = batch if batch else "batch"
+        elif batch != rows:  # axis 0 is not the batch (a concat along it): left unnamed
+            shape[0] = None
         if tokens and not batch and len(shape) > 2:
             shape[1] = "sequence"
         outs.append(helper.make_tensor_value_info(blob, TensorProto.FLOAT, shape))
