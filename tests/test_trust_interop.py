@@ -142,6 +142,37 @@ def test_onnxruntime_equals_our_forward_at_other_batches(net):
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
 
 
+def test_reshape_to_a_fixed_first_axis_needs_the_configs_batch():
+    """A reshape to shape [3, -1] of a batch of 3 mixes the samples of any
+    other batch: exported with a free batch (or --batch 5) it is refused
+    naming the layer; with --batch 3 it is exported and equals our forward.
+    Before, the free-batch model ran at batch 6 and gave a (3, 64) output
+    declared (batch, 32), onnxruntime only warning ('DID NOT RAISE')."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from purine_mpi.interop.onnx_export import build_model
+    shape = {"source": "synthetic", "shape": [1, 4, 4], "classes": 3}
+    net = [_conv("c", "data", channels=2),
+           _layer("reshape", "rs", "c", "rs", shape=[3, -1]),
+           _layer("softmax", "sm", "rs", "sm"),
+           _layer("reshape", "head_in", "c", "head_in", shape=[0, -1])] + _HEAD
+    config = {"name": "rs", "seed": 1, "net": net,
+              "data": {"train": dict(shape, batch_size=3), "test": dict(shape, batch_size=3)}}
+    job = make_job(copy.deepcopy(config))
+    graph = forward_graph(job, "test", job.data.test)
+    values = _values(graph, 0)
+    for batch, said in ((None, "a free batch"), (5, "--batch 5")):
+        with pytest.raises(UserError, match=rf"layer 'rs' reshapes to a fixed first axis of 3 "
+                                            rf"\(shape \[3, -1\]\): with {said} .* write 0 "
+                                            rf"there .* or export with --batch 3"):
+            build_model(graph, values, "rs", batch)
+    model = build_model(graph, values, "rs", 3)
+    ours = _forward(config, 3, values)
+    (sm,) = ort.InferenceSession(model.SerializeToString()).run(
+        ["sm"], {"data": np.array(ours["data"])})
+    np.testing.assert_allclose(sm, np.array(ours["sm"]), rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------- Hugging Face GPT-2
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):

@@ -14,7 +14,8 @@ take opset 23 and a token input of free batch and sequence length):
     BatchNorm (test) -> BatchNormalization   Dropout (test) -> Identity
     Slice -> Split             Split -> Identity per output
     Eltwise -> Sum (with Mul for coefficients) / Mul / Max
-    Reshape -> Reshape         Scale -> Mul
+    Reshape -> Reshape (a fixed first axis, not 0: only at the config's batch)
+    Scale -> Mul
     Flatten with axis k > 1 -> Reshape (ONNX's Flatten merges axes 0..k-1 too)
     LRN within_channel -> Mul (x^2) + AveragePool + Mul, Add, Pow + Mul
 
@@ -203,6 +204,7 @@ def build_model(graph, values, name, batch=None, pre=None):
         return cname
 
     data_shape = None
+    rows = graph.blobs["data"].shape[0]  # the batch the graph was built with
     for op in order:
         if op.op_type == "DataReader":
             data_shape = list(graph.blobs[op.outputs[0]].shape)
@@ -210,6 +212,14 @@ def build_model(graph, values, name, batch=None, pre=None):
         if op.op_type in _DROPPED:
             outputs += [x for x in op.inputs[:1] if x not in outputs]
             continue
+        if op.op_type == "Reshape" and batch != rows and int(op.attrs["shape"][0]) > 0:
+            layer = op.name.split(".")[0]
+            given = f"--batch {batch}" if batch else "a free batch (no --batch)"
+            raise UserError(f"export onnx: layer '{layer}' reshapes to a fixed first axis of "
+                            f"{op.attrs['shape'][0]} (shape {list(op.attrs['shape'])}): with "
+                            f"{given} the model would mix or drop samples of a batch other "
+                            f"than the config's {rows}; write 0 there (the batch axis "
+                            f"kept), or export with --batch {rows}")
         emit = _EMITTERS.get(op.op_type)
         if emit is None:
             layer = op.name.split(".")[0]
@@ -241,7 +251,6 @@ def build_model(graph, values, name, batch=None, pre=None):
             data_shape[1] = "sequence"
     inputs = [helper.make_tensor_value_info("data", elem, data_shape)]
     outs = []
-    rows = graph.blobs["data"].shape[0]  # the batch the graph was built with
     for blob in outputs:
         shape = list(graph.blobs[blob].shape)
         if shape[0] == rows:
