@@ -237,6 +237,46 @@ def test_export_hf_logits_generate_and_round_trip(tokens, tmp_path, change):
         assert value.dtype == values[name].dtype and value.tobytes() == values[name].tobytes()
 
 
+def test_export_hf_carries_the_subword_vocabulary(tokens, tmp_path):
+    """A run on a byte-level BPE of 300 tokens (its vocabulary in the
+    checkpoint): export hf writes tokenizer.json, which transformers'
+    AutoTokenizer loads with our ids for a text, and GPT2LMHeadModel's
+    greedy generate, decoded by it, is the text of our generate. Before,
+    the folder held no vocabulary (the test printed "assert 'its vocabulary
+    in tokenizer.json' in '28 tensors, GPT-2 of 2 layers, ... loads it'")."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors.numpy")
+    pytest.importorskip("tokenizers")
+    from purine_mpi.data.tokenizer import Vocabulary, train_bpe
+    from purine_mpi.interop.hf_gpt2 import export_hf
+    from purine_mpi.tools.generate import Generator
+    import json as json_module
+    vocabulary = train_bpe([json_module.__doc__ * 3], 300).to_str()
+    config = _gpt(tokens)
+    for layer in config["net"]:
+        if layer["type"] == "embedding":
+            layer["input_dim"] = 300
+        if layer["name"] == "lm_head":
+            layer["num_output"] = 300
+    job = make_job(copy.deepcopy(config))
+    values = _values(forward_graph(job, "test", job.data.test), 2)
+    weights = save_checkpoint(tmp_path / "w.h5", values, config_text=yaml.safe_dump(config),
+                              tokenizer=vocabulary)
+    line = export_hf(job, weights, str(tmp_path / "hf"))
+    assert "its vocabulary in tokenizer.json" in line, line
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = 'Encode a "JSON" object:\n    {"a": [1, 2]}'
+    ours = Vocabulary(vocabulary)
+    assert tokenizer(text)["input_ids"] == ours.encode(text)
+    drawn = list(Generator(job, weights).generate("JSON", 4, temperature=0))
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    prompt = ours.encode("JSON")
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                        pad_token_id=0)[0, len(prompt):].tolist()
+    assert hf == drawn and tokenizer.decode(hf) == ours.decode(drawn)
+
+
 def test_init_from_a_transformers_gpt2_and_its_config(tokens, tmp_path):
     """A GPT2LMHeadModel of a random GPT2Config (2 heads, eps 1e-6, exact
     GELU, n_inner from n_embd) saved by transformers: read into a net of

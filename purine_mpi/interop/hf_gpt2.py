@@ -42,6 +42,8 @@ from ..base.runfiles import write_replacing
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
 WEIGHTS = "model.safetensors"
+#: the vocabulary of a run on subword tokens (Hugging Face tokenizers' JSON)
+TOKENIZER = "tokenizer.json"
 PREFIX = "transformer."
 #: ops of the test phase that hand their input on (a Dropout outside training)
 _PASS = ("Dropout",)
@@ -368,10 +370,11 @@ def _check_hf_config(path, layout):
 # ------------------------------------------------------------------ writing
 def export_hf(job, weights_path, out_dir):
     """Write ``out_dir``/model.safetensors and config.json (GPT2LMHeadModel)
-    of ``job``'s net with the params of ``weights_path``; returns a
-    one-line summary. A net GPT2Config cannot express is a UserError
+    of ``job``'s net with the params of ``weights_path``, and tokenizer.json
+    when the weights file holds a vocabulary; returns a one-line summary. A net GPT2Config cannot express is a UserError
     naming each difference."""
     from ..job.checkpoint_check import check_finite
+    from ..job.checkpoint_file import saved_tokenizer
     from ..job.replica import trained_values
     st = _safetensors("export hf")
     layout = gpt2_layout(job)
@@ -390,11 +393,17 @@ def export_hf(job, weights_path, out_dir):
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"
     write_replacing(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
+    vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
+    if vocabulary is not None:  # AutoTokenizer.from_pretrained(out_dir) reads it
+        write_replacing(os.path.join(out_dir, TOKENIZER),
+                        lambda tmp: _write_text(tmp, vocabulary))
     c = layout.config
+    tokens = (f"; its vocabulary in {TOKENIZER}" if vocabulary is not None else
+              "; byte-level: token ids are the text's UTF-8 bytes (no tokenizer file)")
     return (f"{len(tensors)} tensors, GPT-2 of {c['n_layer']} layers, {c['n_head']} heads, "
             f"width {c['n_embd']}, vocabulary {c['vocab_size']}, context {c['n_positions']} "
-            f"({c['activation_function']}); transformers.GPT2LMHeadModel.from_pretrained"
-            f"('{out_dir}') loads it")
+            f"({c['activation_function']}){tokens}; transformers.GPT2LMHeadModel."
+            f"from_pretrained('{out_dir}') loads it")
 
 
 def _write_text(path, text):
