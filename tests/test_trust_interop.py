@@ -314,6 +314,37 @@ def test_init_from_a_transformers_gpt2_and_its_config(tokens, tmp_path):
         hf_params(path, make_job(_gpt(tokens, heads=2)))
 
 
+def test_init_of_an_untied_gpt2_needs_an_untied_head(tokens, tmp_path):
+    """A GPT2LMHeadModel of tie_word_embeddings false stores its own
+    lm_head.weight: read into our net with a tied head it is refused naming
+    the tensor (before, the head was dropped without a word and the net
+    computed the embedding's logits: 'DID NOT RAISE'); into a net whose head
+    has its own weight, our logits are transformers' within 1e-5."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors.numpy")
+    from purine_mpi.interop.hf_gpt2 import hf_params
+    torch.manual_seed(6)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=8, n_embd=16, n_layer=2, n_head=4,
+        tie_word_embeddings=False))
+    model.save_pretrained(str(tmp_path / "hf"))
+    path = str(tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(UserError, match=r"its lm_head.weight is not its transformer.wte.weight "
+                                        r".* this net's head is tied to the embedding"):
+        hf_params(path, make_job(_gpt(tokens)))
+    config = _gpt(tokens)
+    for layer in config["net"]:
+        if layer["name"] == "lm_head":
+            del layer["tie_weight"]
+    values, note = hf_params(path, make_job(copy.deepcopy(config)))
+    assert note is None
+    ours = _forward(config, 3, values)
+    want = _hf_logits(model, np.array(ours["data"]))
+    got = np.array(ours["logits"])
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 # -------------------------------------------------------------------- Caffe
 _LOSS_WEIGHT = """name: "lw"
 layer { name: "data" type: "HDF5Data" top: "data" top: "label"

@@ -20,7 +20,8 @@ tensor map, GPT2Config's fields, and what of the net GPT2Config cannot say
     transformer.h.N.mlp.c_fc.*           <- the block's first fc (weight transposed), bias
     transformer.h.N.mlp.c_proj.*         <- its second fc (weight transposed), bias
     transformer.ln_f.weight / .bias      <- the final layer_norm
-    lm_head.weight                       tied to wte: not written, ignored when read
+    lm_head.weight                       tied to wte: not written; when read into a
+                                         tied net, it must equal wte (refused else)
 
 GPT-2's Conv1D keeps its weight as [in, out], the transpose of our fc's
 (out, in) (why interop/onnx_gpt.py's ``linear`` transposes too); q, k and v
@@ -319,6 +320,14 @@ def hf_params(path, job, skip=()):
                            "; to leave a layer at its fresh initialisation (fine-tuning), "
                            "name it with --init-skip LAYER")
     _check_hf_config(path, layout)
+    wte, head = tensors.get(PREFIX + "wte.weight"), tensors.get("lm_head.weight")
+    tied = all(hf != "lm_head.weight" for hf, _, _ in layout.tensors)
+    if tied and head is not None and wte is not None and not np.array_equal(head, wte):
+        raise UserError(f"weights file '{path}': its lm_head.weight is not its "
+                        "transformer.wte.weight (a model of tie_word_embeddings false), and "
+                        "this net's head is tied to the embedding (tie_weight): the file's "
+                        "head would be dropped; give the head layer its own weight (no "
+                        "tie_weight, bias_term: false) to read it")
     used = {hf for hf, _, _ in layout.tensors} | {"lm_head.weight"}
     extra = sorted(set(tensors) - used)
     note = (f"note: {path}: {len(extra)} tensor(s) of the file are not used by this net: "
