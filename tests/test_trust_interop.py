@@ -345,6 +345,33 @@ def test_init_of_an_untied_gpt2_needs_an_untied_head(tokens, tmp_path):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_init_of_a_bfloat16_gpt2(tokens, tmp_path):
+    """A GPT2LMHeadModel saved in bfloat16 (as models on the Hub often are):
+    every tensor is read as torch widens it to float32, bit for bit, and our
+    logits are the float32 model's within 1e-5. Before, the file was
+    refused: "is not a safetensors file numpy can read (TypeError: data
+    type 'bfloat16' not understood)"."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors.numpy")
+    from purine_mpi.interop.hf_gpt2 import hf_params
+    torch.manual_seed(7)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=8, n_embd=16, n_layer=2, n_head=4)).to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "hf"))
+    config = _gpt(tokens)
+    values, _ = hf_params(str(tmp_path / "hf" / "model.safetensors"),
+                          make_job(copy.deepcopy(config)))
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    assert values["wte/weight"].tobytes() == state["transformer.wte.weight"].tobytes()
+    assert values["b1_fc/weight"].tobytes() == \
+        np.ascontiguousarray(state["transformer.h.1.mlp.c_fc.weight"].T).tobytes()
+    ours = _forward(config, 3, values)
+    want = _hf_logits(model.float(), np.array(ours["data"]))
+    got = np.array(ours["logits"])
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 # -------------------------------------------------------------------- Caffe
 _LOSS_WEIGHT = """name: "lw"
 layer { name: "data" type: "HDF5Data" top: "data" top: "label"

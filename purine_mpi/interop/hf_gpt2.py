@@ -272,7 +272,7 @@ def read_tensors(path):
         raise UserError(f"weights file '{path}' not found" if not os.path.isdir(path) else
                         f"weights file '{path}' is a directory; give its {WEIGHTS}")
     try:
-        raw = st.load_file(path)
+        raw = _load_bfloat16(path) if "BF16" in _dtypes(path) else st.load_file(path)
     except Exception as e:  # the package's own error types: a damaged or foreign file
         raise UserError(f"weights file '{path}' is not a safetensors file numpy can read "
                         f"({type(e).__name__}: {e})") from None
@@ -283,6 +283,56 @@ def read_tensors(path):
         if not name.startswith((PREFIX, "lm_head.")):
             name = PREFIX + name
         out[name] = value
+    return out
+
+
+#: safetensors' dtype names -> NumPy's (little-endian, as the format stores them)
+_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+          "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def _header(f):
+    """The JSON header of an open safetensors file and the offset of its data."""
+    size = int.from_bytes(f.read(8), "little")
+    if not 2 <= size <= 100 * 2 ** 20:
+        raise ValueError(f"a header of {size} bytes")
+    return json.loads(f.read(size).decode("utf-8")), 8 + size
+
+
+def _dtypes(path):
+    """The dtype names the file's header gives its tensors (none when it has
+    no readable header: the package then says why)."""
+    try:
+        with open(path, "rb") as f:
+            header, _ = _header(f)
+        return {t.get("dtype") for name, t in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _load_bfloat16(path):
+    """{name: array} of a safetensors file holding bfloat16 tensors, which
+    NumPy (safetensors.numpy) has no dtype for: each is widened to float32
+    exactly (a bfloat16's 16 bits are the top half of a float32's), the
+    other dtypes read as they are."""
+    out = {}
+    with open(path, "rb") as f:
+        header, base = _header(f)
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = t["data_offsets"]
+            f.seek(base + start)
+            data = f.read(end - start)
+            if len(data) != end - start:
+                raise ValueError(f"tensor '{name}' runs past the end of the file")
+            if t["dtype"] == "BF16":
+                value = (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32)
+            elif t["dtype"] in _NUMPY:
+                value = np.frombuffer(data, _NUMPY[t["dtype"]]).copy()
+            else:
+                raise ValueError(f"tensor '{name}' has dtype {t['dtype']}")
+            out[name] = value.reshape(t["shape"])
     return out
 
 
