@@ -173,6 +173,26 @@ def test_reshape_to_a_fixed_first_axis_needs_the_configs_batch():
     np.testing.assert_allclose(sm, np.array(ours["sm"]), rtol=1e-5, atol=1e-7)
 
 
+def test_export_onnx_of_a_graph_config_is_refused(tmp_path):
+    """A config of a `graph:` (no net: list) has no test phase to export:
+    exit 2 naming the key, nothing written. Before, export wrote a model of
+    0 nodes and no outputs and said so as a success ('DID NOT RAISE')."""
+    pytest.importorskip("onnx")
+    import h5py
+    from purine_mpi.interop.onnx_export import export_onnx
+    spec = {"source": "synthetic", "shape": [3], "classes": 2, "batch_size": 4}
+    job = make_job({"name": "g", "data": {"train": spec, "test": spec}, "graph": [
+        {"type": "blob", "name": "x", "size": [4, 3]},
+        {"type": "blob", "name": "y", "size": [4, 3]},
+        {"type": "op", "name": "act", "op_type": "Relu", "inputs": ["x"], "outputs": ["y"]}]})
+    with h5py.File(tmp_path / "w.h5", "w") as f:
+        f.create_group("params")
+    with pytest.raises(UserError, match=r"key 'graph': export onnx writes the test phase of "
+                                        r"a net: list"):
+        export_onnx(job, str(tmp_path / "w.h5"), str(tmp_path / "m.onnx"))
+    assert not (tmp_path / "m.onnx").exists()
+
+
 # ---------------------------------------------------------- Hugging Face GPT-2
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):

@@ -55,6 +55,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
         raise UserError("export onnx needs the onnx package: pip install "
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
     from ..job.replica import forward_graph, trained_values
+    if job.graph is not None:  # forward_graph builds the net: list only
+        raise UserError(f"{job.path}: key 'graph': export onnx writes the test phase of a "
+                        "net: list (docs/config.md); a graph config has none, and its ops "
+                        "would not be in the model")
     if job.data.test is None:
         raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "
@@ -236,6 +240,9 @@ def build_model(graph, values, name, batch=None, pre=None):
                 outputs.append(blob)
     if data_shape is None:
         raise UserError("export onnx: the net has no data input")
+    if not outputs:
+        raise UserError(f"export onnx: the net '{name}' has no output (no loss or accuracy "
+                        "input, no blob that nothing reads): nothing to export")
     data_shape[0] = batch if batch else "batch"
     elem = TensorProto.FLOAT
     if pre is not None:
