@@ -417,3 +417,36 @@ def test_caffe_loss_weight_on_a_layer_that_is_not_a_loss(tmp_path):
     net.write_text(_LOSS_WEIGHT % "0")
     config, _ = convert(str(net), data_path=data)
     assert [layer.get("loss_weight") for layer in config["net"]] == [None, 2.0]
+
+
+_OWN_PHASE = """name: "ph"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label"
+        hdf5_data_param { source: "x" batch_size: 4 } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 3 } }
+layer { name: "act" type: "%s" bottom: "ip" top: "ip" phase: TEST }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_caffe_layer_own_phase_is_a_mode_not_a_filter(tmp_path):
+    """Caffe builds a layer with its own `phase: TEST` (not `include {
+    phase: TEST }`) into both nets, computed as in testing (net.cpp sets a
+    layer's phase only where it has none). A ReLU computes alike in both:
+    it stays in the training net (before, it was converted as test-only and
+    the net trained without it: "assert 'test' is None"); a Dropout would
+    be identity in Caffe's training net: refused at its line."""
+    data = random_h5(tmp_path / "d.h5", (2, 3, 3), 3)
+    net = tmp_path / "ph.prototxt"
+    net.write_text(_OWN_PHASE % "ReLU")
+    config, notes = convert(str(net), data_path=data)
+    relu = next(layer for layer in config["net"] if layer["name"] == "act")
+    assert relu.get("phase") is None
+    assert any("its phase: TEST is Caffe's mode of computation, not a filter: the layer is in "
+               "both nets" in note for note in notes), notes
+    net.write_text(_OWN_PHASE % "Dropout")
+    with pytest.raises(PrototxtError, match=r"ph.prototxt:6: layer 'act' \(type Dropout\): "
+                                            r"phase: TEST \(the layer's own field, not include "
+                                            r"\{ phase \}\) makes Caffe compute it as in "
+                                            r"testing in the train net too"):
+        convert(str(net), data_path=data)
