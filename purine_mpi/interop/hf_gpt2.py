@@ -430,8 +430,8 @@ def _check_hf_config(path, layout):
 def export_hf(job, weights_path, out_dir):
     """Write ``out_dir``/model.safetensors and config.json (GPT2LMHeadModel)
     of ``job``'s net with the params of ``weights_path``, and tokenizer.json
-    when the weights file holds a vocabulary; returns a one-line summary. A net GPT2Config cannot express is a UserError
-    naming each difference."""
+    when the weights file holds a vocabulary; returns a one-line summary.
+    A net GPT2Config cannot express is a UserError naming each difference."""
     from ..job.checkpoint_check import check_finite
     from ..job.checkpoint_file import saved_tokenizer
     from ..job.replica import trained_values
