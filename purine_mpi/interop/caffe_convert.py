@@ -42,6 +42,8 @@ class _Layer:
         self.name = msg.get("name") or f"{self.type}@{self.line}"
         self.bottoms, self.tops = msg.all("bottom"), msg.all("top")
         self.phase = _phase(msg)
+        # the layer's own phase field: Caffe's mode of computation, not a filter
+        self.mode = str(msg.get("phase")).lower() if msg.has("phase") else None
 
     def where(self):
         return f"layer '{self.name}' (type {self.type})"
@@ -50,8 +52,6 @@ class _Layer:
 def _phase(msg):
     include = [rule.get("phase") for rule in msg.all("include") if rule.has("phase")]
     exclude = [rule.get("phase") for rule in msg.all("exclude") if rule.has("phase")]
-    if msg.has("phase"):
-        include.append(msg.get("phase"))
     phases = set(include or PHASES) - set(exclude)
     if len(phases) == 2:
         return None
@@ -78,6 +78,8 @@ class Converter:
         if not layers:
             raise PrototxtError(self.path, None, "the net has no 'layer { }' entries")
         layers = [layer for layer in layers if layer.phase != "never"]
+        for layer in layers:
+            self.check_mode(layer)
         check_graph(layers, self.path)
         seen = {}
         for layer in layers:
@@ -91,6 +93,12 @@ class Converter:
         scale_of = self._batchnorm_scales(layers)
         fused = {id(scale) for scale in scale_of.values()}
         for layer in layers:
+            if layer.type != "SoftmaxWithLoss" and any(layer.msg.all("loss_weight")):
+                # Caffe adds loss_weight x the sum of the top to the loss: not a layer's here
+                self.fail(layer.msg.line_of("loss_weight"), layer,
+                          f"loss_weight {layer.msg.all('loss_weight')[0]:g} on a layer that is "
+                          "not a loss: Caffe adds that times the sum of its top to the loss; "
+                          "only SoftmaxWithLoss takes a loss_weight here (0 elsewhere)")
             if layer.type in DATA_TYPES:
                 self.data_layer(layer)
             elif id(layer) in fused:
@@ -203,6 +211,30 @@ class Converter:
                           f"(source {source!r}, resolved against the working directory "
                           f"{os.getcwd()}, as Caffe does)" + _missing(path))
         return {"source": "lmdb", "path": path}
+
+    def check_mode(self, layer):
+        """A layer's own ``phase: P`` (not ``include { phase: P }``) does not
+        keep it out of the other net: Caffe builds it in both and computes
+        it as in phase P in both. Layers computed alike in both phases take
+        it as it is (a note); a Dropout, BatchNorm or data layer that would
+        compute as in the other phase is refused."""
+        if layer.mode is None:
+            return
+        other = [p for p in ([layer.phase] if layer.phase else ["train", "test"])
+                 if p != layer.mode]
+        if not other:
+            return
+        if layer.type in ("Dropout", "BatchNorm") + DATA_TYPES:
+            self.fail(layer.msg.line_of("phase"), layer,
+                      f"phase: {layer.mode.upper()} (the layer's own field, not include "
+                      f"{{ phase }}) makes Caffe compute it as in {layer.mode}ing in the "
+                      f"{other[0]} net too, which is not supported; to have the layer in the "
+                      f"{layer.mode} net only, write include {{ phase: {layer.mode.upper()} }}")
+        nets = "both nets" if layer.phase is None else f"the {layer.phase} net"
+        self.notes.append(f"{layer.where()} (line {layer.line}): its phase: "
+                          f"{layer.mode.upper()} is Caffe's mode of computation, not a filter: "
+                          f"the layer is in {nets}, as in Caffe (include {{ phase }} keeps a "
+                          "layer out of a net)")
 
     # ------------------------------------------------------------ helpers
     def param_mults(self, layer, entry, count):

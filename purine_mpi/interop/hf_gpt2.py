@@ -20,7 +20,8 @@ tensor map, GPT2Config's fields, and what of the net GPT2Config cannot say
     transformer.h.N.mlp.c_fc.*           <- the block's first fc (weight transposed), bias
     transformer.h.N.mlp.c_proj.*         <- its second fc (weight transposed), bias
     transformer.ln_f.weight / .bias      <- the final layer_norm
-    lm_head.weight                       tied to wte: not written, ignored when read
+    lm_head.weight                       tied to wte: not written; when read into a
+                                         tied net, it must equal wte (refused else)
 
 GPT-2's Conv1D keeps its weight as [in, out], the transpose of our fc's
 (out, in) (why interop/onnx_gpt.py's ``linear`` transposes too); q, k and v
@@ -42,6 +43,8 @@ from ..base.runfiles import write_replacing
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
 WEIGHTS = "model.safetensors"
+#: the vocabulary of a run on subword tokens (Hugging Face tokenizers' JSON)
+TOKENIZER = "tokenizer.json"
 PREFIX = "transformer."
 #: ops of the test phase that hand their input on (a Dropout outside training)
 _PASS = ("Dropout",)
@@ -89,12 +92,13 @@ class _Walk:
 
     def __init__(self, graph, path):
         self.ops, self.alias, self.drops, self.path = [], {}, [], path
+        scores = {op.outputs[0] for op in graph.ops.values() if op.op_type == "AttentionScores"}
         for op in graph.ops.values():
             if op.op_type in _PASS:
                 self.alias[op.outputs[0]] = op.inputs[0]
                 self.drops.append(op)
-            elif op.op_type not in _HEADLESS:
-                self.ops.append(op)
+            elif op.op_type not in _HEADLESS or op.inputs[0] in scores:
+                self.ops.append(op)  # the softmax of fused: false attention is the model's
         self.i, self.last = 0, None
 
     def src(self, blob):
@@ -268,7 +272,7 @@ def read_tensors(path):
         raise UserError(f"weights file '{path}' not found" if not os.path.isdir(path) else
                         f"weights file '{path}' is a directory; give its {WEIGHTS}")
     try:
-        raw = st.load_file(path)
+        raw = _load_bfloat16(path) if "BF16" in _dtypes(path) else st.load_file(path)
     except Exception as e:  # the package's own error types: a damaged or foreign file
         raise UserError(f"weights file '{path}' is not a safetensors file numpy can read "
                         f"({type(e).__name__}: {e})") from None
@@ -279,6 +283,56 @@ def read_tensors(path):
         if not name.startswith((PREFIX, "lm_head.")):
             name = PREFIX + name
         out[name] = value
+    return out
+
+
+#: safetensors' dtype names -> NumPy's (little-endian, as the format stores them)
+_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+          "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def _header(f):
+    """The JSON header of an open safetensors file and the offset of its data."""
+    size = int.from_bytes(f.read(8), "little")
+    if not 2 <= size <= 100 * 2 ** 20:
+        raise ValueError(f"a header of {size} bytes")
+    return json.loads(f.read(size).decode("utf-8")), 8 + size
+
+
+def _dtypes(path):
+    """The dtype names the file's header gives its tensors (none when it has
+    no readable header: the package then says why)."""
+    try:
+        with open(path, "rb") as f:
+            header, _ = _header(f)
+        return {t.get("dtype") for name, t in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _load_bfloat16(path):
+    """{name: array} of a safetensors file holding bfloat16 tensors, which
+    NumPy (safetensors.numpy) has no dtype for: each is widened to float32
+    exactly (a bfloat16's 16 bits are the top half of a float32's), the
+    other dtypes read as they are."""
+    out = {}
+    with open(path, "rb") as f:
+        header, base = _header(f)
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = t["data_offsets"]
+            f.seek(base + start)
+            data = f.read(end - start)
+            if len(data) != end - start:
+                raise ValueError(f"tensor '{name}' runs past the end of the file")
+            if t["dtype"] == "BF16":
+                value = (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32)
+            elif t["dtype"] in _NUMPY:
+                value = np.frombuffer(data, _NUMPY[t["dtype"]]).copy()
+            else:
+                raise ValueError(f"tensor '{name}' has dtype {t['dtype']}")
+            out[name] = value.reshape(t["shape"])
     return out
 
 
@@ -315,6 +369,15 @@ def hf_params(path, job, skip=()):
                            f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}",
                            "; to leave a layer at its fresh initialisation (fine-tuning), "
                            "name it with --init-skip LAYER")
+    _check_hf_config(path, layout)
+    wte, head = tensors.get(PREFIX + "wte.weight"), tensors.get("lm_head.weight")
+    tied = all(hf != "lm_head.weight" for hf, _, _ in layout.tensors)
+    if tied and head is not None and wte is not None and not np.array_equal(head, wte):
+        raise UserError(f"weights file '{path}': its lm_head.weight is not its "
+                        "transformer.wte.weight (a model of tie_word_embeddings false), and "
+                        "this net's head is tied to the embedding (tie_weight): the file's "
+                        "head would be dropped; give the head layer its own weight (no "
+                        "tie_weight, bias_term: false) to read it")
     used = {hf for hf, _, _ in layout.tensors} | {"lm_head.weight"}
     extra = sorted(set(tensors) - used)
     note = (f"note: {path}: {len(extra)} tensor(s) of the file are not used by this net: "
@@ -322,13 +385,55 @@ def hf_params(path, job, skip=()):
     return values, note
 
 
+#: GPT2Config's activation_function values of each of our gelu's approximate
+_SAME_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def _check_hf_config(path, layout):
+    """The config.json beside ``path`` (a GPT2LMHeadModel folder, a Hub
+    download), when there is one, must describe the net's computation: what
+    the tensor shapes cannot tell apart (heads, eps, GELU, the attention's
+    scaling) differing is a UserError naming each field, never a model
+    that loads and computes something else."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    if not os.path.isfile(cfg_path):
+        return
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return  # not a model's config: the tensors alone are read
+    if not isinstance(theirs, dict) or theirs.get("model_type") != "gpt2":
+        return
+    ours, diffs = layout.config, []
+    approximate = {"gelu_new": "tanh", "gelu": "none"}[ours["activation_function"]]
+    activation = theirs.get("activation_function", "gelu_new")
+    if _SAME_GELU.get(activation) != approximate:
+        diffs.append(f"activation_function {activation!r}, this net's gelu has approximate: "
+                     f"{approximate}")
+    for key, default, what in (("n_head", 12, "num_heads"),
+                               ("layer_norm_epsilon", 1e-5, "layer_norm eps")):
+        if theirs.get(key, default) != ours[key]:
+            diffs.append(f"{key} {theirs.get(key, default)}, this net has {what} {ours[key]}")
+    for key, default, want in (("scale_attn_weights", True, True),
+                               ("scale_attn_by_inverse_layer_idx", False, False)):
+        if bool(theirs.get(key, default)) != want:
+            diffs.append(f"{key} {theirs.get(key, default)}, this net's attention scales by "
+                         "1/sqrt(head width) in every layer")
+    if diffs:
+        raise UserError(f"weights file '{path}': its {cfg_path} describes another GPT-2 than "
+                        f"this net computes: {'; '.join(diffs)} (the tensors fit, the results "
+                        "would not: set the net's keys to the model's)")
+
+
 # ------------------------------------------------------------------ writing
 def export_hf(job, weights_path, out_dir):
     """Write ``out_dir``/model.safetensors and config.json (GPT2LMHeadModel)
-    of ``job``'s net with the params of ``weights_path``; returns a
-    one-line summary. A net GPT2Config cannot express is a UserError
-    naming each difference."""
+    of ``job``'s net with the params of ``weights_path``, and tokenizer.json
+    when the weights file holds a vocabulary; returns a one-line summary.
+    A net GPT2Config cannot express is a UserError naming each difference."""
     from ..job.checkpoint_check import check_finite
+    from ..job.checkpoint_file import saved_tokenizer
     from ..job.replica import trained_values
     st = _safetensors("export hf")
     layout = gpt2_layout(job)
@@ -347,11 +452,17 @@ def export_hf(job, weights_path, out_dir):
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"
     write_replacing(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
+    vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
+    if vocabulary is not None:  # AutoTokenizer.from_pretrained(out_dir) reads it
+        write_replacing(os.path.join(out_dir, TOKENIZER),
+                        lambda tmp: _write_text(tmp, vocabulary))
     c = layout.config
+    tokens = (f"; its vocabulary in {TOKENIZER}" if vocabulary is not None else
+              "; byte-level: token ids are the text's UTF-8 bytes (no tokenizer file)")
     return (f"{len(tensors)} tensors, GPT-2 of {c['n_layer']} layers, {c['n_head']} heads, "
             f"width {c['n_embd']}, vocabulary {c['vocab_size']}, context {c['n_positions']} "
-            f"({c['activation_function']}); transformers.GPT2LMHeadModel.from_pretrained"
-            f"('{out_dir}') loads it")
+            f"({c['activation_function']}){tokens}; transformers.GPT2LMHeadModel."
+            f"from_pretrained('{out_dir}') loads it")
 
 
 def _write_text(path, text):

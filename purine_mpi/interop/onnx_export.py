@@ -14,7 +14,8 @@ take opset 23 and a token input of free batch and sequence length):
     BatchNorm (test) -> BatchNormalization   Dropout (test) -> Identity
     Slice -> Split             Split -> Identity per output
     Eltwise -> Sum (with Mul for coefficients) / Mul / Max
-    Reshape -> Reshape         Scale -> Mul
+    Reshape -> Reshape (a fixed first axis, not 0: only at the config's batch)
+    Scale -> Mul
     Flatten with axis k > 1 -> Reshape (ONNX's Flatten merges axes 0..k-1 too)
     LRN within_channel -> Mul (x^2) + AveragePool + Mul, Add, Pow + Mul
 
@@ -54,6 +55,10 @@ def export_onnx(job, weights_path, out_path, batch=None, raw_input=True):
         raise UserError("export onnx needs the onnx package: pip install "
                         "'purine_mpi[onnx]' (or pip install onnx)") from None
     from ..job.replica import forward_graph, trained_values
+    if job.graph is not None:  # forward_graph builds the net: list only
+        raise UserError(f"{job.path}: key 'graph': export onnx writes the test phase of a "
+                        "net: list (docs/config.md); a graph config has none, and its ops "
+                        "would not be in the model")
     if job.data.test is None:
         raise UserError(f"{job.path}: key 'data.test': export onnx writes the test "
                         "phase: the config needs a data.test section (its sample shape is the "
@@ -203,6 +208,7 @@ def build_model(graph, values, name, batch=None, pre=None):
         return cname
 
     data_shape = None
+    rows = graph.blobs["data"].shape[0]  # the batch the graph was built with
     # the loss's and the accuracy's ops, and what reads their figures (a
     # softmax_loss normalization's Scale): the model ends at their logits
     dropped = set()
@@ -215,6 +221,14 @@ def build_model(graph, values, name, batch=None, pre=None):
                 outputs += [x for x in op.inputs[:1] if x not in outputs]
             dropped.update(op.outputs)
             continue
+        if op.op_type == "Reshape" and batch != rows and int(op.attrs["shape"][0]) > 0:
+            layer = op.name.split(".")[0]
+            given = f"--batch {batch}" if batch else "a free batch (no --batch)"
+            raise UserError(f"export onnx: layer '{layer}' reshapes to a fixed first axis of "
+                            f"{op.attrs['shape'][0]} (shape {list(op.attrs['shape'])}): with "
+                            f"{given} the model would mix or drop samples of a batch other "
+                            f"than the config's {rows}; write 0 there (the batch axis "
+                            f"kept), or export with --batch {rows}")
         emit = _EMITTERS.get(op.op_type)
         if emit is None:
             layer = op.name.split(".")[0]
@@ -231,6 +245,9 @@ def build_model(graph, values, name, batch=None, pre=None):
                 outputs.append(blob)
     if data_shape is None:
         raise UserError("export onnx: the net has no data input")
+    if not outputs:
+        raise UserError(f"export onnx: the net '{name}' has no output (no loss or accuracy "
+                        "input, no blob that nothing reads): nothing to export")
     data_shape[0] = batch if batch else "batch"
     elem = TensorProto.FLOAT
     if pre is not None:
@@ -248,7 +265,10 @@ def build_model(graph, values, name, batch=None, pre=None):
     outs = []
     for blob in outputs:
         shape = list(graph.blobs[blob].shape)
-        shape[0] = batch if batch else "batch"
+        if shape[0] == rows:
+            shape[0] = batch if batch else "batch"
+        elif batch != rows:  # axis 0 is not the batch (a concat along it): left unnamed
+            shape[0] = None
         if tokens and not batch and len(shape) > 2:
             shape[1] = "sequence"
         outs.append(helper.make_tensor_value_info(blob, TensorProto.FLOAT, shape))
