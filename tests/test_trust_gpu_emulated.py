@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from purine_mpi.job.config import validate_config
-from purine_mpi.ops.catalog import get_kernel_class  # noqa: F401  (registers the ops)
 from tests.conftest import FakeWorld, make_job
 from tests.emulated_gpu import compare, emulated_trainer_env, reporting_raw
 from tests.emulated_gpu.fixtures import device  # noqa: F401  (a fixture)
@@ -40,14 +39,15 @@ def _job(device, cuda_graph=False, **solver):
                                     check_files=False))
 
 
-def _train(out, device, cuda_graph=False, resume=None, **solver):
+def _train(out, device, cuda_graph=False, resume=None, job=None, **solver):
     """-> (exit status, metrics.jsonl's rows without timings, the final line)"""
     from purine_mpi.train.trainer import Trainer, run_and_report
-    t = Trainer(_job(device, cuda_graph, **solver), str(out), world=FakeWorld(), resume=resume,
-                log=lambda line: None)
+    t = Trainer(job or _job(device, cuda_graph, **solver), str(out), world=FakeWorld(),
+                resume=resume, log=lambda line: None)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = run_and_report(t, FakeWorld())
+    assert (t.graphs.watch is not None) == (device >= 0)  # the GPU's own path: its loss watch
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keep = ("phase", "iter", "loss", "accuracy", "lr", "samples", "early_stop")
     final = [line for line in printed.getvalue().splitlines() if line.startswith("final ")]
@@ -84,8 +84,8 @@ def _close(got, want, where, rtol, atol=1e-7):
             _close(g, w, f"{where}[{i}]", rtol, atol)
     elif isinstance(want, (float, np.floating)) or (
             isinstance(want, np.ndarray) and want.dtype.kind == "f"):
-        assert np.shape(got) == np.shape(want) and np.asarray(got).dtype == np.asarray(want).dtype, \
-            (where, np.shape(got), np.shape(want))
+        g, w = np.asarray(got), np.asarray(want)
+        assert g.shape == w.shape and g.dtype == w.dtype, (where, g.shape, w.shape, g.dtype)
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=where)
     else:
         assert np.array_equal(got, want) if isinstance(want, np.ndarray) else got == want, \
@@ -156,9 +156,8 @@ def test_every_reported_figure_and_checkpoint_is_the_cpus(
     names = _same_files(tmp_path / "gpu1", tmp_path / "cpu", rtol=1e-5,
                         atol=1e-4 if solver else 1e-7)
     assert "best_4.h5" in names or solver
-    gpu_ckpt = _h5(tmp_path / "gpu0" / "ckpt_8.h5")
-    for k, v in _h5(tmp_path / "gpu1" / "ckpt_8.h5").items():
-        _close(v, gpu_ckpt[k], k, rtol=0, atol=0)
+    # and the captured run's checkpoints are the eager run's, bit for bit
+    assert _same_files(tmp_path / "gpu1", tmp_path / "gpu0", rtol=0, atol=0) == names
 
 
 def test_early_stop_and_best_on_the_gpu_are_the_cpus(host_build_dir, monkeypatch, tmp_path):
@@ -205,3 +204,48 @@ def test_a_checkpoint_moves_between_the_gpu_and_the_cpu(host_build_dir, monkeypa
     _close(figures[0], {k: full[0][2][k] for k in figures[0]}, "test on the GPU", rtol=2e-6)
     assert outputs[-1]["fc1"].shape == (20, 5)
     _close(outputs[-1], outputs[0], "predict on the CPU", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_two_ranks_of_data_parallelism_on_the_gpu_report_the_cpus(host_build_dir, tmp_path):
+    """2 ranks, each on its own emulated GPU (captured iterations, buckets
+    staged through the host), against the same 2 ranks on the CPU
+    (tests/mpi_scripts/trust_gpu_dp.py): every row, the final line, every
+    checkpoint. The test pass of 20 samples is one batch of 2 x 8 and one
+    padded one; the gradients are averaged by the allreduce on both."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("trust_gpu_dp.py", 2, host_build_dir, tmp_path, timeout=240)
+    assert proc.stdout.count("OK trust_gpu_dp") == 2, proc.stdout + proc.stderr
+    finals = [json.loads(line[6:]) for line in proc.stdout.splitlines()
+              if line.startswith("final ")]
+    assert len(finals) == 2 and finals[0]["samples"] == 20, proc.stdout
+    _close(finals[0], finals[1], "final", rtol=2e-6)
+    rows = {d: [json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text()
+                .splitlines()] for d in ("gpu", "cpu")}
+    keep = ("phase", "iter", "loss", "accuracy", "lr", "samples")
+    gpu, cpu = ([{k: r[k] for k in keep if k in r} for r in rows[d]] for d in ("gpu", "cpu"))
+    assert [r["iter"] for r in gpu if r["phase"] == "test"] == [2, 4, 6, 8, 10]
+    _close(gpu, cpu, "metrics.jsonl", rtol=2e-6)
+    _same_files(tmp_path / "gpu", tmp_path / "cpu", rtol=1e-5, atol=1e-7)
+
+
+def test_a_tiny_gpt_on_the_gpu_reports_the_cpus(host_build_dir, monkeypatch, tmp_path):
+    """A 1-block GPT (the token-level loss over (N, T, V) logits, AdamW,
+    warmup then cosine), captured: its train and validation rows, final
+    line and checkpoints (AdamW's moments, the Adam step count in /state)
+    against the CPU's."""
+    from tests.gpt_nets import gpt_config, text_h5
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    tokens = text_h5(tmp_path)
+    runs = {}
+    for device in (0, -1):
+        raw = gpt_config(tokens, layers=1, width=16, heads=2, length=8, batch=2, iters=6)
+        raw.update(device=device, cuda_graph=device >= 0, checkpoint={"interval": 3, "keep": 3})
+        raw["solver"].update(lr_policy="cosine", warmup_iters=2, display=2, test_interval=3)
+        job = make_job(validate_config(raw, check_files=False))
+        runs[device] = _train(tmp_path / f"d{device}", device, job=job)
+        assert runs[device][0] == 0
+    assert [r["iter"] for r in runs[0][1] if r["phase"] == "test"] == [0, 3, 6]
+    _close(runs[0], runs[-1], "run", rtol=2e-6)
+    assert _same_files(tmp_path / "d0", tmp_path / "d-1", rtol=1e-4, atol=2e-5) == [
+        "ckpt_3.h5", "ckpt_6.h5", "latest.h5"]
