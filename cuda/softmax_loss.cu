@@ -3,7 +3,7 @@
 // x is viewed as (N, C, inner) with inner = prod(shape[2:]) (1 for (N, C));
 // labels as (N, inner), int64 (the data reader's). For each position (n, s):
 //   prob[n, :, s] = exp(x - max) / sum(exp(x - max))
-//   loss[n, s]    = -log(max(prob[n, label, s], FLT_MIN))
+//   loss[n, s]    = log(sum(exp(x - max))) - (x[label] - max)
 //   valid[n, s]   = 1
 // except where label == ignore_label (when has_ignore): loss = valid = 0.
 // A label outside [0, C) gives loss = NaN (valid = 1), so a bad label file
@@ -29,9 +29,6 @@ __device__ __forceinline__ double exponential(double a) { return exp(a); }
 __device__ __forceinline__ float logarithm(float a) { return logf(a); }
 __device__ __forceinline__ double logarithm(double a) { return log(a); }
 
-// Smallest normal float: Caffe clamps prob with FLT_MIN (for both dtypes).
-#define PURINE_FLT_MIN 1.175494351e-38
-
 template <typename T> __device__ __forceinline__ T quiet_nan();
 template <> __device__ __forceinline__ float quiet_nan<float>() {
   return __int_as_float(0x7fc00000);
@@ -49,9 +46,12 @@ __device__ __forceinline__ long long position_base(long long index, int channels
 // The softmax of one position (n, s) over the C classes (stride inner),
 // max-shifted so exp never overflows: y[j] = exp(x[j] - max) / sum. y may be
 // x (each x[j] is read before y[j] is written, the maximum before any write).
+// Returns log(sum), with *largest_out the maximum (when not null): the
+// cross-entropy at class j is then log(sum) - (x[j] - max), exact however
+// small prob[j] is.
 template <typename T>
-__device__ __forceinline__ void softmax_at(const T* x, long long base, int channels,
-                                           int inner, T* y) {
+__device__ __forceinline__ T softmax_at(const T* x, long long base, int channels,
+                                        int inner, T* y, T* largest_out = nullptr) {
   T largest = x[base];
   for (int c = 1; c < channels; ++c) {
     const T v = x[base + (long long)c * inner];
@@ -68,6 +68,8 @@ __device__ __forceinline__ void softmax_at(const T* x, long long base, int chann
   for (int c = 0; c < channels; ++c) {
     y[base + (long long)c * inner] *= inv_sum;
   }
+  if (largest_out) *largest_out = largest;
+  return logarithm(sum);
 }
 
 // One thread per position (n, s); loops over the C classes (stride inner).
@@ -79,8 +81,13 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
                                           T* valid) {
   CUDA_KERNEL_LOOP(index, total) {
     const long long base = position_base(index, channels, inner);
-    softmax_at(x, base, channels, inner, prob);
+    // x[label] is read before softmax_at overwrites it (prob may be x)
     const long long label = labels[index];
+    const bool counted = !(has_ignore && label == ignore_label) && label >= 0 &&
+                         label < channels;
+    const T picked = counted ? x[base + label * inner] : T(0);
+    T largest;
+    const T log_sum = softmax_at(x, base, channels, inner, prob, &largest);
     if (has_ignore && label == ignore_label) {
       loss[index] = T(0);
       valid[index] = T(0);
@@ -88,9 +95,9 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
       loss[index] = quiet_nan<T>();
       valid[index] = T(1);
     } else {
-      T p = prob[base + (long long)label * inner];
-      p = p > T(PURINE_FLT_MIN) ? p : T(PURINE_FLT_MIN);
-      loss[index] = -logarithm(p);
+      // -log softmax at the label as the CPU op computes it (no clamp of
+      // prob: a clamp at FLT_MIN capped each position's loss at 87.3 nats)
+      loss[index] = log_sum - (picked - largest);
       valid[index] = T(1);
     }
   }

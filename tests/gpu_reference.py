@@ -8,8 +8,6 @@ compiling the kernels as host C++).
 """
 import numpy as np
 
-FLT_MIN = np.float32(np.finfo(np.float32).tiny)  # Caffe clamps prob with FLT_MIN
-
 
 def _out_size(size, kernel, stride, pad, dilation=1):
     return (size + 2 * pad - (dilation * (kernel - 1) + 1)) // stride + 1
@@ -163,7 +161,9 @@ def softmax_backward(dy, y):
 
 
 def softmax_loss_forward(x, labels, ignore_label=None):
-    """-> (prob, loss, valid); softmax over axis 1, per-position loss."""
+    """-> (prob, loss, valid); softmax over axis 1, per-position loss
+    log(sum(exp(shifted))) - shifted[label], exact (torch's cross_entropy,
+    the CPU op; not Caffe's -log(max(prob, FLT_MIN)), which caps it at 87.3)."""
     n, channels = x.shape[:2]
     logits = x.reshape(n, channels, -1)
     shifted = logits - logits.max(axis=1, keepdims=True)
@@ -179,7 +179,7 @@ def softmax_loss_forward(x, labels, ignore_label=None):
                 continue
             valid[b, s] = 1
             if 0 <= label < channels:
-                loss[b, s] = -np.log(max(prob[b, label, s], FLT_MIN))
+                loss[b, s] = np.log(e[b, :, s].sum()) - shifted[b, label, s]
             else:
                 loss[b, s] = np.nan
     pos_shape = (n,) + x.shape[2:]

@@ -100,6 +100,24 @@ def tiny_raw(**overrides):
     return cfg
 
 
+def reporting_raw(device, cuda_graph=False, **solver):
+    """``tiny_raw`` with everything a run reports: a test split of 20
+    samples (a pass of 3 batches, the last padded) with an accuracy layer,
+    a display row every 3 iterations, a test pass every 2, a checkpoint
+    every 4, the 2 best by test accuracy kept, early stopping watched on
+    the test loss (``solver`` overrides, e.g. its patience)."""
+    raw = tiny_raw(device=device, cuda_graph=cuda_graph,
+                   checkpoint={"interval": 4, "keep": 5, "best": {"metric": "accuracy", "keep": 2}})
+    raw["data"]["test"] = {"source": "synthetic", "shape": [3, 8, 8], "classes": 5,
+                           "num_samples": 20, "batch_size": 8}
+    raw["net"].append({"type": "accuracy", "name": "accuracy", "bottom": ["fc1", "label"],
+                       "top": "accuracy", "phase": "test"})
+    raw["solver"].update(max_iter=10, display=3, test_interval=2, test_iter=None,
+                         early_stop={"metric": "loss", "patience": 50})
+    raw["solver"].update(solver)
+    return raw
+
+
 def init_params(ws, graph, seed):
     for p in graph.params():
         ws.set(p.name, fill(p, seed))

@@ -40,7 +40,8 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None):
 
     ``x`` is (N, C, ...), ``labels`` holds one class per position (N, ...).
     prob has x's shape; loss and valid have shape (N, ...) (x without axis 1):
-    loss = -log(max(prob[label], FLT_MIN)), valid = 1, both 0 where
+    loss = log(sum(exp(x - max))) - (x[label] - max) (-log prob[label],
+    exact however small prob[label] is, as the CPU op), valid = 1, both 0 where
     label == ignore_label. The batch-mean loss is sum(loss) / sum(valid)."""
     cupy = import_cupy()
     x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
