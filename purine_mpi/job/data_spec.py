@@ -197,6 +197,11 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
     for candidate in candidates:
         if os.path.isfile(candidate) or (folder and os.path.isdir(candidate)):
             return os.path.abspath(candidate)
+    if check_files and not folder and any(os.path.isdir(c) for c in candidates):
+        found = next(c for c in candidates if os.path.isdir(c))
+        raise ConfigError(config_path, key, f"{what} {excerpt(data_path)} is a folder "
+                                            f"({excerpt(os.path.abspath(found))}), not a file; "
+                                            "give the file's path")
     if check_files:
         tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path, what) if what.endswith("data file") and not folder else (

@@ -6,7 +6,7 @@ parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
 arrays. The entry points take a ``Job`` (job/job.py).
 """
-from ..base.errors import ConfigError, InitMismatch, UserError
+from ..base.errors import ConfigError, DataSpecError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
 from ..graph.grad import build_backward
 from ..graph.recompute import add_recompute
@@ -29,7 +29,14 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
     g = Graph(job.name)
     g.add_op("data", "DataReader", [], ["data", "label"],
              data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
-    g.infer_shapes()
+    try:
+        g.infer_shapes()
+    except ConfigError:
+        raise
+    except UserError as exc:  # the data file, or a spec's key that does not fit it
+        key = exc.key if isinstance(exc, DataSpecError) else "path"
+        raise ConfigError(job.path, f"data.{phase}.{key}",
+                          str(exc)) from None
     build_net(job.net or (), phase, (g, job.path))
     g.infer_shapes()
     return g

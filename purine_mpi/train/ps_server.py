@@ -38,7 +38,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         from ..comm.world import get_world
         world = get_world()
     par = job.parallel
-    layout = ps_layout(world.size, par.ps_ranks)
+    layout = ps_layout(world.size, par.ps_ranks, job.path)
     nw = len(layout["workers"])
     graph, grads = build_train_graph(job, 0, nw)
     plan = plan_param_server(graph, grads, layout)
