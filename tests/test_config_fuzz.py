@@ -159,3 +159,22 @@ def test_cosine_with_max_iter_zero_is_a_valid_job(folder, jobs):
                                                                         max_iter=0))
         status, err = _err(folder, cfg, "graph")
         assert status == 0, err
+
+
+def test_a_test_spec_that_does_not_fit_names_its_key(folder, jobs, digits_h5):
+    """The test split's spec, read at train's start-up (data_notes) and by
+    graph --phase test. Before (train --iters 1, split: null): ``error:
+    data file '.../digits.h5' has no top-level 'data' dataset; it has the
+    groups test, train: set the data spec's 'split' to one`` (no file, no
+    key); graph --phase test the same."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.data_spec import data_notes
+    from tests.conftest import make_job
+    def change(c):
+        c["data"]["train"]["path"] = digits_h5
+        c["data"]["test"].update(split=None, path=digits_h5)
+    cfg = _job(jobs, "digits_lenet", change)
+    with pytest.raises(ConfigError) as e:
+        data_notes(make_job(cfg, "job.yaml"))
+    assert str(e.value).startswith("job.yaml: key 'data.test.split': data file"), str(e.value)
+    _one_line(*_err(folder, cfg, "graph", "--phase", "test"), "key 'data.test.split'")

@@ -5,7 +5,7 @@ command which makes a missing data file. Imports the schema and checks.
 """
 import os
 
-from ..base.errors import ConfigError, excerpt
+from ..base.errors import ConfigError, DataSpecError, UserError, excerpt
 from ..data.sources import data_hint
 from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
 from .schema import DATA_CHECKS, DATA_KEYS, DATA_SOURCES, SYNTHETIC_NUM_SAMPLES
@@ -138,12 +138,26 @@ def data_notes(job):
             notes.append(f"note: data.{phase}.path {spec.path!r} is ignored: source synthetic "
                          f"makes random samples of data.{phase}.shape; set source: hdf5 (or "
                          "lmdb) to read the file, or drop the path")
-        n = source_info(spec.source_dict())[0]
+        try:
+            n = source_info(spec.source_dict())[0]
+        except UserError as exc:
+            raise data_error(job.path, phase, exc) from None
         if spec.batch_size > n:
             notes.append(f"note: data.{phase}.batch_size {spec.batch_size} is larger than the "
                          f"{n} samples of the {phase} data: each batch holds samples several "
                          "times over")
     return notes
+
+
+def data_error(path, phase, exc):
+    """A UserError of reading the data of ``data.<phase>`` as a ConfigError
+    naming the config ``path`` and the spec's key: the one a DataSpecError
+    names (split, crop_size, mean, ...), else ``path`` (the file); a
+    ConfigError as it is."""
+    if isinstance(exc, ConfigError):
+        return exc
+    key = exc.key if isinstance(exc, DataSpecError) else "path"
+    return ConfigError(path, f"data.{phase}.{key}", str(exc))
 
 
 def _check_transform(key, spec, path, check_files=True):

@@ -6,13 +6,14 @@ parameter-server variant) rewrites it for this rank. The test graph is the
 forward net of the ``test`` phase; it shares the train graph's parameter
 arrays. The entry points take a ``Job`` (job/job.py).
 """
-from ..base.errors import ConfigError, DataSpecError, InitMismatch, UserError
+from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
 from ..graph.grad import build_backward
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.updates import UPDATE_OP_TYPES
 from ..layers import build_net
+from .data_spec import data_error
 
 DATA_THREAD = "io"
 
@@ -31,12 +32,8 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
              data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
     try:
         g.infer_shapes()
-    except ConfigError:
-        raise
     except UserError as exc:  # the data file, or a spec's key that does not fit it
-        key = exc.key if isinstance(exc, DataSpecError) else "path"
-        raise ConfigError(job.path, f"data.{phase}.{key}",
-                          str(exc)) from None
+        raise data_error(job.path, phase, exc) from None
     build_net(job.net or (), phase, (g, job.path))
     g.infer_shapes()
     return g
