@@ -15,6 +15,7 @@ test_config_fuzz.py runs a seeded sample; ``python -m tests.config_fuzz``
 runs them all and prints the counts per class.
 """
 import copy
+import functools
 import math
 import os
 import re
@@ -49,6 +50,7 @@ SHAPE_WHATS = ("stride-too-large", "pad-larger-than-kernel", "num-output-changed
 
 
 # ------------------------------------------------------------ the oracle
+@functools.lru_cache(maxsize=None)
 def doc_types(path=os.path.join(REPO, "docs", "config.md")):
     """{section: {key: type column}} of docs/config.md's key tables; the
     sections are 'top', 'data', 'layer' (every layer's keys), 'layer:TYPE',
@@ -168,7 +170,7 @@ class Mutation:
         return yaml.dump(self.config, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
     """Quotes a string that reads as a number (PyYAML writes '1e-08' bare,
     which the config reader, as YAML 1.2 does, reads as a float)."""
 
@@ -245,7 +247,7 @@ def load_jobs():
     for name in sorted(os.listdir(JOBS)):
         if name.endswith(".yaml"):
             with open(os.path.join(JOBS, name), encoding="utf-8") as f:
-                raw = yaml.safe_load(f)
+                raw = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             for key, value in SHRINK.get(name[:-5], ()):
                 _set(raw, tuple(int(p) if p.isdigit() else p for p in key.split(".")), value)
             jobs[name[:-5]] = raw

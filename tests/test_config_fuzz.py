@@ -8,6 +8,7 @@ level, broken layer entries, shapes that cannot work, parallel keys against
 gives the key. ``python -m tests.config_fuzz`` runs every mutation (about
 10,000); this test a seeded sample, and one case per bug the fuzzer found,
 each quoting what the code before printed."""
+import copy
 import random
 
 import pytest
@@ -19,7 +20,7 @@ from tests.conftest import run_cli_here
 #: the jobs the sample draws from: small graphs (GoogLeNet's and NIN's
 #: builds take 0.1-0.5 s each; their keys are cifar10_quick's)
 SAMPLED_JOBS = ("cifar10_quick", "digits_hybrid", "digits_lenet", "digits_pipeline", "gpt_tiny")
-SAMPLE = 150
+SAMPLE = 100
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_seeded_sample_keeps_the_promise(folder, jobs):
 
 # ------------------------------------------------- one case per bug found
 def _job(jobs, name, change):
-    cfg = yaml.safe_load(yaml.safe_dump(jobs[name]))
+    cfg = copy.deepcopy(jobs[name])
     change(cfg)
     return cfg
 
