@@ -18,6 +18,17 @@ class UserError(Exception):
     exit_code = 2
 
 
+class DataSpecError(UserError):
+    """A data spec's value that does not fit its data (a split the file
+    lacks, a crop larger than the samples, a mean of the wrong length):
+    ``key`` is the spec's key (``split``, ``crop_size``); the graph's
+    builder (job/replica.py) names the config and ``data.<phase>.<key>``."""
+
+    def __init__(self, message, key):
+        super().__init__(message)
+        self.key = key
+
+
 class InitMismatch(UserError):
     """A weights file that does not fit the net (parameters missing, a shape
     that differs): ``message`` ends with ``hint``, train's way out (``--init-skip
@@ -53,7 +64,13 @@ class GraphError(UserError):
 
 
 class ShapeError(GraphError):
-    """Shape inference failed; the message names the op and the blobs."""
+    """Shape inference failed; the message names the op and the blobs
+    (``op``: the op's name, where inference names it, so that a net's
+    builder can name the layer and key that made it)."""
+
+    def __init__(self, message, op=None):
+        super().__init__(message)
+        self.op = op
 
 
 class StallError(RuntimeError):

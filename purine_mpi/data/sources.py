@@ -31,7 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..base import env
-from ..base.errors import UserError
+from ..base.errors import DataSpecError, UserError
 from ..base.progress_bar import human_bytes
 from .h5links import check_sources, link_outside
 
@@ -89,6 +89,8 @@ def hdf5_info(path, split=None, external=False):
         st = os.stat(path)
     except OSError:
         st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise UserError(f"data file '{path}' is a folder, not a file; give the file's path")
     if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(f"data file '{path}' not found; {data_hint(path)}")
     key = (os.path.realpath(path), split, bool(external), st.st_dev, st.st_ino, st.st_size,
@@ -159,13 +161,14 @@ def _split_group(f, path, split):
     if split is None:
         groups = sorted(k for k in f if hasattr(f[k], "keys"))
         if "data" not in f and groups:
-            raise UserError(f"data file '{path}' has no top-level 'data' dataset; it has the "
-                            f"groups {', '.join(groups)}: set the data spec's 'split' to one")
+            raise DataSpecError(f"data file '{path}' has no top-level 'data' dataset; it has "
+                                f"the groups {', '.join(groups)}: set the data spec's 'split' "
+                                "to one", "split")
         return f, "/"
     if split not in f or not hasattr(f[split], "keys"):
         groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
-        raise UserError(f"data file '{path}' has no group '/{split}' (groups: {groups}); "
-                        "check the data spec's 'split'")
+        raise DataSpecError(f"data file '{path}' has no group '/{split}' (groups: {groups}); "
+                            "check the data spec's 'split'", "split")
     return f[split], f"/{split}/"
 
 

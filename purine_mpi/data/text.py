@@ -49,7 +49,7 @@ import os
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import DataSpecError, UserError
 
 FORMAT = "purine_mpi.text"
 VOCAB_SIZE = 256
@@ -286,6 +286,9 @@ def _open_tokens(path, split):
     """The split's token dataset of the text file ``path`` (an open h5py
     object, and the file); UserError naming the file and dataset."""
     import h5py
+    if os.path.isdir(path):
+        raise UserError(f"text data file '{path}' is a folder, not a file; give the file's "
+                        "path")
     if not os.path.isfile(path):
         raise UserError(f"text data file '{path}' not found; make it with 'python -m "
                         "purine_mpi data text --from PATH --out FILE.h5'")
@@ -297,9 +300,9 @@ def _open_tokens(path, split):
     if name not in f or not hasattr(f[name], "shape"):
         groups = ", ".join(sorted(k for k in f if hasattr(f[k], "keys"))) or "none"
         f.close()
-        raise UserError(f"text data file '{path}' has no dataset '/{name}' (groups: {groups}); "
-                        "check the data spec's 'split' (train or val), or make the file with "
-                        "'python -m purine_mpi data text'")
+        raise DataSpecError(f"text data file '{path}' has no dataset '/{name}' (groups: "
+                            f"{groups}); check the data spec's 'split' (train or val), or make "
+                            "the file with 'python -m purine_mpi data text'", "split")
     tokens = f[name]
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         f.close()
@@ -329,9 +332,10 @@ def text_resident_bytes(spec):
 def _count(spec, n_tokens):
     length = int(spec["sequence_length"])
     if n_tokens < length + 1:
-        raise UserError(f"text data file '{spec['path']}': split '{spec.get('split')}' holds "
-                        f"{n_tokens} tokens, fewer than sequence_length + 1 = {length + 1}: "
-                        "use a shorter sequence_length or more text")
+        raise DataSpecError(f"text data file '{spec['path']}': split '{spec.get('split')}' "
+                            f"holds {n_tokens} tokens, fewer than sequence_length + 1 = "
+                            f"{length + 1}: use a shorter sequence_length or more text",
+                            "sequence_length")
     return (n_tokens - length - 1) // window_stride(spec) + 1
 
 

@@ -30,7 +30,7 @@ uninterrupted one would have drawn.
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import DataSpecError, UserError
 from .filecache import per_file_version
 from .protowire import read_mean_file
 
@@ -54,23 +54,27 @@ def output_shape(spec, sample_shape):
     crop = spec.get("crop_size")
     mean = spec.get("mean")
     if spec.get("mean_file") is not None:
-        image = mean_image(spec["mean_file"])
+        try:
+            image = mean_image(spec["mean_file"])
+        except UserError as exc:  # missing or damaged: named against its key
+            raise DataSpecError(str(exc), "mean_file") from None
         if image.shape != shape:
-            raise UserError(f"data spec: mean file '{spec['mean_file']}' holds a mean image of "
+            raise DataSpecError(f"data spec: mean file '{spec['mean_file']}' holds a mean image of "
                             f"shape {list(image.shape)} but the samples of "
                             f"{_source_name(spec)} have shape {list(shape)} (C x H x W before "
-                            "the crop); they must agree")
+                            "the crop); they must agree", "mean_file")
     if (crop is not None or spec.get("mirror")) and len(shape) != 3:
-        raise UserError(f"data spec: crop_size and mirror need C x H x W samples, "
-                        f"the source's samples have shape {list(shape)}")
+        raise DataSpecError(f"data spec: crop_size and mirror need C x H x W samples, "
+                            f"the source's samples have shape {list(shape)}",
+                            "crop_size" if crop is not None else "mirror")
     if isinstance(mean, (list, tuple)) and len(mean) != 1 and (not shape or len(mean) != shape[0]):
-        raise UserError(f"data spec: key 'mean' has {len(mean)} values but the samples have "
-                        f"{shape[0] if shape else 0} channels (shape {list(shape)}); give one "
-                        "value per channel or a single number")
+        raise DataSpecError(f"data spec: key 'mean' has {len(mean)} values but the samples "
+                            f"have {shape[0] if shape else 0} channels (shape {list(shape)}); "
+                            "give one value per channel or a single number", "mean")
     if crop is not None:
         if crop > shape[1] or crop > shape[2]:
-            raise UserError(f"data spec: crop_size {crop} is larger than the samples' "
-                            f"H x W = {shape[1]} x {shape[2]}")
+            raise DataSpecError(f"data spec: crop_size {crop} is larger than the samples' "
+                                f"H x W = {shape[1]} x {shape[2]}", "crop_size")
         shape = (shape[0], crop, crop)
     return shape
 

@@ -292,26 +292,27 @@ class Graph:
                 blob = self.blobs[b]
                 if blob.shape is None:
                     raise ShapeError(f"op '{op.name}' ({op.op_type}): input blob '{b}' has no "
-                                     "known shape (no producer and no size)")
+                                     "known shape (no producer and no size)", op=op.name)
                 ins.append((blob.shape, blob.dtype))
             cls = get_kernel_class(op.op_type, op.name)
             try:
                 outs = cls.infer(op.attrs, ins)
             except ShapeError as e:
                 raise ShapeError(f"op '{op.name}' ({op.op_type}) with inputs "
-                                 f"{_fmt_ins(op, ins)}: {e}") from None
+                                 f"{_fmt_ins(op, ins)}: {e}", op=op.name) from None
             except (ValueError, IndexError, KeyError, TypeError) as e:
                 raise ShapeError(f"op '{op.name}' ({op.op_type}) with inputs "
-                                 f"{_fmt_ins(op, ins)}: {e}") from None
+                                 f"{_fmt_ins(op, ins)}: {e}", op=op.name) from None
             if len(outs) != len(op.outputs):
                 raise ShapeError(f"op '{op.name}' ({op.op_type}) has {len(op.outputs)} outputs, "
-                                 f"its kernel produces {len(outs)}")
+                                 f"its kernel produces {len(outs)}", op=op.name)
             for b, (shape, dtype) in zip(op.outputs, outs):
                 blob = self.blobs[b]
                 shape = tuple(int(s) for s in shape)
                 if blob.shape is not None and tuple(blob.shape) != shape:
                     raise ShapeError(f"op '{op.name}' ({op.op_type}) produces blob '{b}' of shape "
-                                     f"{list(shape)}, but the blob is declared {list(blob.shape)}")
+                                     f"{list(shape)}, but the blob is declared {list(blob.shape)}",
+                                     op=op.name)
                 blob.shape, blob.dtype = shape, str(np.dtype(dtype))
         return self
 

@@ -364,7 +364,8 @@ def check_builds(config, converter):
         if layer is None:
             raise PrototxtError(converter.path, None, f"the converted net does not build: {e}") \
                 from None
-        raise PrototxtError(converter.path, layer.line, f"{layer.where()}: {e}") from None
+        shown = getattr(e, "shape_error", e)  # a shape: the op's words, not our net[i] key
+        raise PrototxtError(converter.path, layer.line, f"{layer.where()}: {shown}") from None
 
 
 # ------------------------------------------------------------------ entry

@@ -5,6 +5,7 @@ whose ``doc`` is the type column of docs/config.md. Imports ``errors``.
 """
 import difflib
 import math
+import os
 
 from ..base.errors import ConfigError, excerpt
 
@@ -86,11 +87,13 @@ def check_seed(key, value, path):
 
 def _check_int(key, value, path, minimum=None):
     ok = _is_int(value) or (isinstance(value, float) and value.is_integer())
-    if ok and (minimum is None or value >= minimum):
+    # below 2^63: counts and sizes are 64-bit integers in arrays, files and shapes
+    if ok and (minimum is None or value >= minimum) and abs(value) < SEED_LIMIT:
         return int(value)
     want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
         minimum, f"an integer >= {minimum}")
-    raise ConfigError(path, key, f"expected {want}, got {excerpt(value)}")
+    limit = " below 2^63" if ok and abs(value) >= SEED_LIMIT else ""
+    raise ConfigError(path, key, f"expected {want}{limit}, got {excerpt(value)}")
 
 
 def _check_number(key, value, path, minimum=None, strict=False, below=None):
@@ -216,6 +219,9 @@ def _check_patterns(key, value, path):
 def _check_folder(key, value, path):
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}")
+    if value is not None and os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(path, key, f"expected a folder path or null, got {excerpt(value)}, "
+                                     "which is a file")
     return value
 
 

@@ -37,7 +37,7 @@ from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
 from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
                      TOP_KEYS)
-from ..layers import check_layer
+from ..layers import check_layer, layer_spec
 
 
 # ------------------------------------------------------------------ loading
@@ -503,6 +503,14 @@ def _check_pipeline(out, path):
         if batch is not None and batch % micro:
             raise ConfigError(path, "parallel.micro_batches", f"{micro} micro-batches do not "
                               f"divide data.train.batch_size {batch}; choose a divisor")
+        for i, layer in enumerate(out.get("net") or ()):
+            # a train-phase metric is not copied per micro-batch (parallel/micro_batch.py)
+            if layer_spec(layer["type"]).type == "accuracy" and layer.get("phase") != "test":
+                raise ConfigError(path, f"net[{i}].phase", f"layer '{layer['name']}' "
+                                  "(accuracy) runs in the train phase, which parallel."
+                                  f"micro_batches {micro} does not build (each micro-batch "
+                                  "would need its own accuracy); give it phase: test, or use "
+                                  "micro_batches: 1")
     scheme = par["scheme"]
     if scheme == "tensor" or (scheme == "sharded" and par["tensor_parallel"] > 1):
         what = "scheme tensor" if scheme == "tensor" else \
@@ -558,11 +566,34 @@ def _check_pipeline(out, path):
     if empty:
         raise ConfigError(path, "parallel.stages", f"stage(s) {', '.join(map(str, empty))} "
                           f"have no layers; number the stages 0..{count - 1 - len(empty)}")
+    _check_stage_order(out["net"], par["stages"], path)
     if scheme in ("hybrid", "sharded") and count < 2:
         alone = "use scheme: data" if scheme == "hybrid" else "drop parallel.stages"
         raise ConfigError(path, "parallel.stages", f"scheme {scheme} with stages needs at least "
                           "2 stages (replicas x stages), but every layer is on stage 0; with "
                           f"one stage {alone}")
+
+
+def _check_stage_order(net, stages, path):
+    """Each layer's stage is at least that of the layers whose tops it reads:
+    a pipeline's stages run in order (a later stage never feeds an earlier
+    one, which would make the stages wait for each other)."""
+    writer = {}  # blob -> (layer, stage) of its latest writer
+    for layer in net:
+        stage = stages[layer["name"]]
+        for blob in _blob_names(layer.get("bottom")):
+            if blob in writer and writer[blob][1] > stage:
+                before, at = writer[blob]
+                raise ConfigError(path, "parallel.stages", f"layer {layer['name']} on stage "
+                                  f"{stage} reads '{blob}' of layer {before} on stage {at}: "
+                                  "the stages run in order; give each layer a stage at least "
+                                  "that of the layers it reads")
+        for blob in _blob_names(layer.get("top", layer["name"])):
+            writer[blob] = (layer["name"], stage)
+
+
+def _blob_names(value):
+    return [value] if isinstance(value, str) else [b for b in value or () if isinstance(b, str)]
 
 
 _STRUCTURE = {"net": _check_net, "graph": _check_graph}

@@ -5,7 +5,7 @@ command which makes a missing data file. Imports the schema and checks.
 """
 import os
 
-from ..base.errors import ConfigError, excerpt
+from ..base.errors import ConfigError, DataSpecError, UserError, excerpt
 from ..data.sources import data_hint
 from .checks import _check_choice, _check_keys, _is_int, _is_number, _kind
 from .inputs import data_file_digest
@@ -139,12 +139,26 @@ def data_notes(job):
             notes.append(f"note: data.{phase}.path {spec.path!r} is ignored: source synthetic "
                          f"makes random samples of data.{phase}.shape; set source: hdf5 (or "
                          "lmdb) to read the file, or drop the path")
-        n = source_info(spec.source_dict())[0]
+        try:
+            n = source_info(spec.source_dict())[0]
+        except UserError as exc:
+            raise data_error(job.path, phase, exc) from None
         if spec.batch_size > n:
             notes.append(f"note: data.{phase}.batch_size {spec.batch_size} is larger than the "
                          f"{n} samples of the {phase} data: each batch holds samples several "
                          "times over")
     return notes
+
+
+def data_error(path, phase, exc):
+    """A UserError of reading the data of ``data.<phase>`` as a ConfigError
+    naming the config ``path`` and the spec's key: the one a DataSpecError
+    names (split, crop_size, mean, ...), else ``path`` (the file); a
+    ConfigError as it is."""
+    if isinstance(exc, ConfigError):
+        return exc
+    key = exc.key if isinstance(exc, DataSpecError) else "path"
+    return ConfigError(path, f"data.{phase}.{key}", str(exc))
 
 
 def _check_transform(key, spec, path, check_files=True):
@@ -221,6 +235,11 @@ def _resolve_data_path(data_path, config_path, key, check_files, folder=False,
                                             "path, or remove the other")
     if found:
         return os.path.abspath(found[0])
+    if check_files and not folder and any(os.path.isdir(c) for c in candidates):
+        found = next(c for c in candidates if os.path.isdir(c))
+        raise ConfigError(config_path, key, f"{what} {excerpt(data_path)} is a folder "
+                                            f"({excerpt(os.path.abspath(found))}), not a file; "
+                                            "give the file's path")
     if check_files:
         tried = " or ".join(excerpt(os.path.abspath(c)) for c in candidates)
         hint = data_hint(data_path, what) if what.endswith("data file") and not folder else (

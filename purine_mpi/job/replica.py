@@ -13,6 +13,7 @@ from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.updates import UPDATE_OP_TYPES
 from ..layers import build_net
+from .data_spec import data_error
 
 DATA_THREAD = "io"
 
@@ -29,7 +30,10 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
     g = Graph(job.name)
     g.add_op("data", "DataReader", [], ["data", "label"],
              data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
-    g.infer_shapes()
+    try:
+        g.infer_shapes()
+    except UserError as exc:  # the data file, or a spec's key that does not fit it
+        raise data_error(job.path, phase, exc) from None
     build_net(job.net or (), phase, (g, job.path))
     g.infer_shapes()
     return g

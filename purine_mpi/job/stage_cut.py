@@ -67,11 +67,12 @@ def flop_stages(out):
     plain = dict(out, parallel=dict(out["parallel"], stages={}, scheme="data"))
     try:
         return flop_cut(job_of(plain), count)
-    except ConfigError:
-        raise
     except UserError as e:  # the data's shapes unread (a command that reads no data)
+        if isinstance(e, ConfigError) and not str(e.key or "").startswith("data."):
+            raise
+        why = e.problem if isinstance(e, ConfigError) else str(e)  # (replica.forward_graph)
         raise ConfigError(out["_path"], "parallel.stages", f"{count} stages are cut by the "
-                          "layers' FLOPs, which need the data's shapes, but: " + str(e) +
+                          "layers' FLOPs, which need the data's shapes, but: " + why +
                           "; make the data, or give the map {layer: stage}") from None
 
 

@@ -4,10 +4,14 @@ package docstring). Imports ``errors`` and the registry.
 """
 from collections.abc import Mapping
 
-from ..base.errors import ConfigError, excerpt
+from ..base.errors import ConfigError, ShapeError, excerpt
 from .registry import Required, check_layer, layer_spec, value_problem
 
 _DECLARED = object()
+
+#: the layer key a shape that cannot work is named by, by the op type whose
+#: shape inference refused it (the others: ``bottom``, the inputs' shapes)
+SHAPE_KEYS = {"Conv": "kernel", "Pool": "kernel", "Reshape": "shape", "Slice": "slice_point"}
 
 
 class NetBuilder:
@@ -18,6 +22,7 @@ class NetBuilder:
         self.graph, self.phase, self.path = graph, phase, path
         self.current = {}
         self.cfg, self.index, self.spec = None, index, None
+        self.layer_of = {}  # op name -> (index, layer entry) of the layer that added it
 
     # -- config access with errors that name file and key ----------------
     def key(self, k):
@@ -102,8 +107,23 @@ class NetBuilder:
         return name
 
     def op(self, op_type, inputs, outputs, attrs=None, tag="fwd"):
+        self.layer_of[f"{self.cfg['name']}.{tag}"] = (self.index, self.cfg)
         return self.graph.add_op(f"{self.cfg['name']}.{tag}", op_type, inputs, outputs, attrs,
                                  thread=self.get("thread"))
+
+    def shape_failure(self, exc):
+        """A ShapeError of an op a layer added as a ConfigError naming the
+        file, the layer's key (SHAPE_KEYS) and the op's shapes; another
+        ShapeError as it is."""
+        if exc.op not in self.layer_of:
+            return exc
+        index, cfg = self.layer_of[exc.op]
+        key = SHAPE_KEYS.get(self.graph.ops[exc.op].op_type, "bottom")
+        name = excerpt(cfg.get("name"), quote=False)
+        err = ConfigError(self.path, f"net[{index}].{key}",
+                          f"layer '{name}' ({cfg.get('type')}): {exc}")
+        err.shape_error = exc  # the op's own words (convert caffe names the prototxt's layer)
+        return err
 
     def shape(self, blob):
         self.graph.infer_shapes()
@@ -136,5 +156,12 @@ def build_net(net, phase, data_blobs):
         layer_phase = b.get("phase")
         if layer_phase is not None and layer_phase != phase:
             continue
-        b.spec.fn(b)
+        try:
+            b.spec.fn(b)
+        except ShapeError as exc:  # an earlier layer's op, inferred for this one's shapes
+            raise b.shape_failure(exc) from None
+    try:
+        graph.infer_shapes()
+    except ShapeError as exc:
+        raise b.shape_failure(exc) from None
     return b

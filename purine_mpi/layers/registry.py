@@ -226,7 +226,7 @@ def check_layer(cfg, index, path, where=None):
 
 def _check_filler(filler, where, name, path):
     kind = filler.get("type")
-    if kind not in FILLERS:
+    if not isinstance(kind, str) or kind not in FILLERS:
         return  # NetBuilder's filler check names the valid types
     valid = ["type", *FILLERS[kind]]
     for k, v in filler.items():
@@ -266,7 +266,7 @@ _WANT = {"int": "an integer", "posint": "an integer", "nonneg": "an integer",
 def value_problem(kind, rng, v):
     """What a value of ``kind`` (see KIND_DOC) within range ``rng`` (a
     ``Range``; None: the kind's own) must be, when ``v`` is not one; else
-    None. Kinds that other checks own (blobs, filler, params) pass."""
+    None. A filler passes: _check_filler and the layer's build own it."""
     if kind in NUMERIC_KINDS:
         rng = rng or IMPLIED_RANGE.get(kind)
         if kind in ("number", "numbers"):
@@ -293,6 +293,12 @@ def value_problem(kind, rng, v):
         return f"expected true or false, got {excerpt(v)}"
     if kind == "str" and not isinstance(v, str):
         return f"expected a string, got {excerpt(v)}"
+    if kind == "blobs" and not (isinstance(v, str) and v or isinstance(v, list) and all(
+            isinstance(x, str) and x for x in v)):
+        return f"expected a blob name or a list of names, got {excerpt(v)}"
+    if kind == "params" and not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+        return f"expected a list of {{lr_mult, decay_mult}} mappings, one per parameter, got " \
+               f"{excerpt(v)}"
     if isinstance(kind, tuple) and v not in kind:
         return f"expected one of {', '.join(map(str, kind))}, got {excerpt(v)}"
     return None

@@ -37,7 +37,8 @@ def _pair(v):
 
 def _filler(b, key):
     f = b.get(key)
-    if not isinstance(f, dict) or f.get("type") not in FILLERS:
+    if not isinstance(f, dict) or not isinstance(f.get("type"), str) \
+            or f["type"] not in FILLERS:
         b.fail(key, "expected a filler such as {type: xavier}, {type: gaussian, std: 0.01}, "
                     f"{{type: msra}}, {{type: uniform, min: -a, max: a}}, or {{type: constant, "
                     f"value: 0}}; got {excerpt(f)}")

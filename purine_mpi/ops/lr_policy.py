@@ -74,9 +74,10 @@ def learning_rate(attrs, iteration):
             rate = base * 0.0
     elif policy in ("poly", "cosine"):
         max_iter = _need(attrs, "max_iter", policy)
-        if max_iter <= 0:
-            raise ConfigError(None, "solver.max_iter", f"must be > 0, got {max_iter}")
-        frac = min(it, max_iter) / max_iter
+        if max_iter < 0:
+            raise ConfigError(None, "solver.max_iter", f"must be >= 0, got {max_iter}")
+        # max_iter 0 (nothing to train, e.g. --iters 0): the horizon is passed
+        frac = min(it, max_iter) / max_iter if max_iter else 1.0
         if policy == "poly":
             rate = base * (1.0 - frac) ** _need(attrs, "power", policy)
         else:

@@ -56,7 +56,7 @@ Interface (every function takes the *global* World unless it says so):
 import dataclasses
 
 from ..comm import ops as _comm_ops  # noqa: F401  (registers Send/Recv)
-from ..base.errors import UserError
+from ..base.errors import ConfigError, UserError
 from ..graph.core import Graph
 from ..graph.solver_graph import momentum_name
 from .schemes.base import Layout
@@ -65,13 +65,14 @@ from .data_parallel import gradient_ready_order, gradients_first, next_seq, plac
 
 
 # ----------------------------------------------------------------- layout
-def ps_layout(world_size, ps_ranks):
-    """Ranks of the workers and the servers (the last ``ps_ranks``)."""
+def ps_layout(world_size, ps_ranks, path=None):
+    """Ranks of the workers and the servers (the last ``ps_ranks``);
+    ``path``: the config's, which a wrong count names."""
     ps_ranks = int(ps_ranks)
     if ps_ranks < 1 or ps_ranks >= world_size:
-        raise UserError(f"parallel.ps_ranks is {ps_ranks}, but a parameter-server run needs "
-                        f"at least one server and one worker: start at least {ps_ranks + 1} "
-                        f"ranks (this job has {world_size})")
+        raise ConfigError(path, "parallel.ps_ranks", f"{ps_ranks} server rank(s), but a "
+                          "parameter-server run needs at least one server and one worker: "
+                          f"start at least {ps_ranks + 1} ranks (this job has {world_size})")
     return {"workers": list(range(world_size - ps_ranks)),
             "servers": list(range(world_size - ps_ranks, world_size))}
 
@@ -129,7 +130,7 @@ def compose_param_server(graph, grads, job, world=None):
     ``graph`` is the single-replica graph built for (worker index, number of
     workers); ``world`` is the global World (default: get_world())."""
     world = _global_world(world)
-    layout = ps_layout(world.size, job.parallel.ps_ranks)
+    layout = ps_layout(world.size, job.parallel.ps_ranks, job.path)
     if world.rank not in layout["workers"]:
         raise UserError(f"rank {world.rank} is a parameter server; it runs run_server(), "
                         "not a training graph")
@@ -172,7 +173,7 @@ def compose_for_rank(graph, grads, job, world_size, rank):
     says so in its name."""
     job = synchronous_if_no_staleness(job)
     par = job.parallel
-    layout = ps_layout(world_size, par.ps_ranks)
+    layout = ps_layout(world_size, par.ps_ranks, job.path)
     nw = len(layout["workers"])
     plan = plan_param_server(graph, grads, layout)
     from . import ps_windows
@@ -318,7 +319,7 @@ class WorkerScheme(ParameterServers):
 
     def __init__(self, job, world):
         self.world = world
-        self.ranks = ps_layout(world.size, job.parallel.ps_ranks)
+        self.ranks = ps_layout(world.size, job.parallel.ps_ranks, job.path)
 
     def compose(self, graph, grads, job, world):
         return compose_param_server(graph, grads, job, self.world)

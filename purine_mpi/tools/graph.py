@@ -131,9 +131,13 @@ def render_graph(job, world_size=None, rank=0, fmt="text", phase="train", memory
         from ..base.errors import UserError
         raise UserError(f"--rank {rank} is outside 0..{world_size - 1} (--np {world_size})")
     graph, comp = composed(job, world_size, rank, phase)
-    if graph is None:
-        from ..base.errors import UserError
-        raise UserError(f"the config has no {phase} graph")
+    if graph is None:  # graph --phase test of a job without test data (or with a 'graph:')
+        from ..base.errors import ConfigError
+        if job.data.get(phase) is None:
+            raise ConfigError(job.path, f"data.{phase}", f"the config has no {phase} graph "
+                              f"(graph --phase {phase} shows the net on data.{phase}, which "
+                              "is not given)")
+        raise ConfigError(job.path, None, f"the config has no {phase} graph")
     if fmt == "yaml":
         # the solver section too: the loop's keys (max_iter, display, ...) and
         # the start-up block then match the lr op the graph carries

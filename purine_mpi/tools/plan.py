@@ -141,7 +141,7 @@ def _server_mode_rank(job, world):
     from ..train.ps_server import ServerRank
     from .graph import _OfflineWorld
     job = synchronous_if_no_staleness(job)
-    workers = ps_layout(world.size, job.parallel.ps_ranks)["workers"]
+    workers = ps_layout(world.size, job.parallel.ps_ranks, job.path)["workers"]
     if world.rank not in workers:
         return ServerRank(job, world)
     return build_rank_graphs(job, _OfflineWorld(world.rank, len(workers)),
@@ -214,7 +214,7 @@ def ranks_to_build(job, size):
         return list(range(size)), {}
     if job.parallel.servers:  # two workers (the others hold what rank 1 holds), every server
         from ..parallel.param_server import ps_layout
-        lay = ps_layout(size, job.parallel.ps_ranks)
+        lay = ps_layout(size, job.parallel.ps_ranks, job.path)
         built = lay["workers"][:2] + lay["servers"]
         return built, {r: 1 for r in lay["workers"][2:]}
     from ..parallel.compose import layout_of
@@ -265,7 +265,7 @@ def advice(job, size, rank, device, limit, need, everyone=None):
     """What would make ``rank`` fit, in words."""
     if size > 1 and job.parallel.servers:
         from ..parallel.param_server import ps_layout
-        servers = ps_layout(size, job.parallel.ps_ranks)["servers"]
+        servers = ps_layout(size, job.parallel.ps_ranks, job.path)["servers"]
         if rank in servers:
             return (f"rank {rank} is a parameter server: more servers (parallel.ps_ranks, "
                     "more ranks) split the parameters further; the batch does not change "
@@ -397,7 +397,7 @@ def run_plan(job, size, limits, as_json=False):
     if size > 1 and job.parallel.servers:  # trainer.run_param_server's ranks
         from ..parallel.param_server import ps_layout, synchronous_if_no_staleness
         from ..parallel.schemes.base import ranks_word
-        ps = ps_layout(size, job.parallel.ps_ranks)
+        ps = ps_layout(size, job.parallel.ps_ranks, job.path)
         shape = (f"[parameter servers, mode {synchronous_if_no_staleness(job).parallel.mode}: "
                  f"{ranks_word(ps['workers'])} workers, {ranks_word(ps['servers'])} "
                  f"server{'s' if len(ps['servers']) > 1 else ''}]")

@@ -48,7 +48,7 @@ class ServerRank:
         from ..parallel.ps_windows import allocate, windowed_server
         par = job.parallel
         self.job, self.rank = job, world.rank
-        layout = ps_layout(world.size, par.ps_ranks)
+        layout = ps_layout(world.size, par.ps_ranks, job.path)
         self.graph, self.grads = build_train_graph(job, 0, len(layout["workers"]))
         self.plan = plan_param_server(self.graph, self.grads, layout)
         self.owned = [p for p in self.plan["order"] if self.plan["owner"][p] == world.rank]

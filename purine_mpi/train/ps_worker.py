@@ -26,7 +26,7 @@ class WorkerStopAgreement(StopAgreement):
 
     def __init__(self, job, world):
         self.world, self.job = world, job
-        self.servers = ps_layout(world.size, job.parallel.ps_ranks)["servers"]
+        self.servers = ps_layout(world.size, job.parallel.ps_ranks, job.path)["servers"]
         self.mode = job.parallel.mode
         self.stopping = False  # a stop (not a divergence) before max_iter was agreed
         # async: the iteration whose servers' state the workers hold, and (rank
