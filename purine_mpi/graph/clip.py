@@ -14,8 +14,9 @@ parameters (one rank, scheme data or none, a parameter server holding all),
 the norm is local. Where a rank holds part of them (the stages of a
 pipeline or of a hybrid replica), ``group`` names the ranks that hold the
 rest and one Allreduce of the single squared norm (``seq`` after the
-graph's other comm ops) makes it global. Imports the graph and the solver
-table (the graph layer).
+graph's other comm ops) makes it global; a stage that holds no parameter
+(the loss alone) takes part with a zero (``clip.norm`` a Constant, on its
+own rank's host). Imports the graph and the solver table (the graph layer).
 """
 from ..ops.updates import SOLVER_UPDATES
 
@@ -39,13 +40,19 @@ def add_clip(graph, clip, group=None, seq=None, thread=0):
     grads = [op.inputs[1] for op in updates]
     scales = [float(op.attrs.get("grad_scale", 1.0)) for op in updates]
     location = graph.blobs[grads[0]].location if grads else None
-    if location is None:  # a stage without parameters still adds its zero
-        from .core import CPU
-        location = CPU
+    if location is None:  # a stage without parameters still adds its zero, on its rank's host
+        from .core import Location
+        here = next((op.location for op in graph.ops.values() if op.location is not None), None)
+        location = Location(here.rank, -1, here.ip) if here is not None else Location()
     graph.add_blob("clip.sumsq", (1,), "float64", location, kind="grad")
-    graph.add_blob("clip.partial", None, "float64", location, kind="grad")
-    graph.add_op("clip.norm", "GradNormSq", grads, ["clip.sumsq", "clip.partial"],
-                 {"scales": scales}, location=location, thread=thread)
+    if grads:
+        graph.add_blob("clip.partial", None, "float64", location, kind="grad")
+        graph.add_op("clip.norm", "GradNormSq", grads, ["clip.sumsq", "clip.partial"],
+                     {"scales": scales}, location=location, thread=thread)
+    else:  # a stage without parameters (the loss alone): its share of the norm is 0
+        graph.add_op("clip.norm", "Constant", [], ["clip.sumsq"],
+                     {"shape": [1], "value": 0.0, "dtype": "float64"}, location=location,
+                     thread=thread)
     total = "clip.sumsq"
     if group is not None and len(group) > 1:
         total = "clip.sumsq.all"

@@ -39,16 +39,21 @@ def solver_states(solver_type):
     return SOLVER_UPDATES[solver_type or "sgd"][1]
 
 
+def lr_attrs(solver):
+    """The LearningRate op's attrs of the job's ``solver`` (read by
+    attribute): ``ops.lr_policy.learning_rate(lr_attrs(solver), it)`` is
+    the rate the op gives at iteration ``it``."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in ((k, getattr(solver, k, None)) for k in LR_KEYS) if v is not None}
+
+
 def add_solver(graph, grads, solver, thread=0):
     """Emit the lr and update ops for ``grads`` ({param: grad blob}) as the
     job's ``solver`` (job/job.py's SolverSpec, read by attribute) says.
     Returns the list of sink blobs (updated params and momenta)."""
-    lr_attrs = {k: getattr(solver, k, None) for k in LR_KEYS}
     graph.add_blob("iter", (), "int64", kind="iter", exist_ok=True)  # dropout may add it
     graph.add_blob("lr", (), "float32", kind="lr")
-    graph.add_op("solver.lr", "LearningRate", ["iter"], ["lr"],
-                 {k: list(v) if isinstance(v, tuple) else v for k, v in lr_attrs.items()
-                  if v is not None}, thread=thread)
+    graph.add_op("solver.lr", "LearningRate", ["iter"], ["lr"], lr_attrs(solver), thread=thread)
     kind = solver.type or "sgd"
     op_type, states = SOLVER_UPDATES[kind]
     extra = ["lr"] + (["iter"] if op_type in ("AdamUpdate", "AdamWUpdate") else [])

@@ -17,9 +17,13 @@ display line. The elapsed time goes on across resumes (the checkpoint's
 import os
 import time
 
+import numpy as np
+
 from ..base.progress_bar import hms
 from ..job.config import dump_config
 from ..job.metrics import MetricsLog
+from ..graph.solver_graph import lr_attrs
+from ..ops.lr_policy import learning_rate
 from ..base.runfiles import disk_error, open_run_fd, write_all
 from .loop import Service
 from .loss_scale import scale_values
@@ -96,7 +100,7 @@ class Progress(Service):
         loss = loop.reduce(w.total() / w.n if w.n else 0.0)
         loop.state.last_loss = (done, loss)
         ips = (done - w.start) * self.batch / max(now - w.t, 1e-9)
-        lr = float(loop.ws["lr"])
+        lr = shown_lr(loop, done)
         row = {"phase": "train", "iter": done, "loss": loss, "lr": lr,
                "images_per_s": round(ips, 1), "time": round(loop.elapsed(now), 3)}
         if self.per_sample > 1:  # a text source: its samples are sequences of tokens
@@ -123,6 +127,16 @@ def _times(loop, done, now):
     st = loop.state
     eta = (loop.job.solver.max_iter - done) * (now - st.t_start) / max(done - st.start_iter, 1)
     return f"elapsed {hms(loop.elapsed(now))}  eta {hms(eta)}"
+
+
+def shown_lr(loop, done):
+    """The rate iteration ``done`` (1-based) trained at: the solver's
+    ``lr`` blob, or on a rank that holds no update (a pipeline stage
+    without parameters: the loss alone) the same policy at its iteration,
+    in the blob's float32."""
+    if "lr" in loop.ws.arrays:
+        return float(loop.ws["lr"])
+    return float(np.float32(learning_rate(lr_attrs(loop.job.solver), done - 1)))
 
 
 def alive_line(loop, done, ips, now, unit="img/s"):

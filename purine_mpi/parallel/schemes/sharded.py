@@ -157,6 +157,7 @@ class Sharded(Hybrid):
                 from ..sharding import forward_ops
                 forward = forward_ops(graph)
             comp = compose_stages(graph, job, world, copies)
+            _refuse_stage_without_parameters(graph, job, lay)
             self._tensor_done(comp, pairs, lay, job)
             graph = comp.graph
         else:
@@ -942,6 +943,24 @@ def _zero_settings(par, forward=None):
     if forward is not None:
         settings["forward"] = forward
     return settings
+
+
+def _refuse_stage_without_parameters(whole, job, lay):
+    """Exit 2 naming ``parallel.stages`` when a stage holds no parameter
+    (the loss alone): it has no bucket to shard, and its ranks' part in the
+    run's collectives is not built (each rank finds it in the whole graph,
+    placed by stage: the same answer on every rank). Schemes pipeline and
+    hybrid take such a stage."""
+    from ...graph.clip import update_ops
+    held = {op.location.rank for op in update_ops(whole) if op.location is not None}
+    empty = [s for s in range(lay.stages) if s not in held]
+    if empty:
+        raise UserError(f"{job.path}: key 'parallel.stages': scheme sharded shards each "
+                        f"stage's parameters over its replicas, but "
+                        f"{'stages' if len(empty) > 1 else 'stage'} "
+                        f"{', '.join(map(str, empty))} {'hold' if len(empty) > 1 else 'holds'} "
+                        "none (only layers without weights, such as the loss); put a layer "
+                        "with weights on every stage, or use scheme hybrid")
 
 
 def _params_of_updates(graph, plan):
