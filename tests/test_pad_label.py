@@ -94,6 +94,7 @@ def _evaluate(device, ignores, out):
     from purine_mpi.train.trainer import Trainer
     job = pad_job(device, ignores)
     t = Trainer(job, str(out), world=FakeWorld(), log=lambda line: None)
+    assert (t.graphs.watch is not None) == (device >= 0)  # the GPU's own path
     check_figures(t.evaluate(), reference(job, t, ignores))
     assert t.graphs.test_pad == -1  # padded: PAD_LABEL, whatever the losses ignore
 
