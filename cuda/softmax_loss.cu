@@ -5,7 +5,8 @@
 //   prob[n, :, s] = exp(x - max) / sum(exp(x - max))
 //   loss[n, s]    = log(sum(exp(x - max))) - (x[label] - max)
 //   valid[n, s]   = 1
-// except where label == ignore_label (when has_ignore): loss = valid = 0.
+// except where label == ignore_label (when has_ignore) or label == pad_label
+// (when has_pad: a test graph's padding sample): loss = valid = 0.
 // A label outside [0, C) gives loss = NaN (valid = 1), so a bad label file
 // shows up in the loss instead of reading out of bounds.
 // softmax_loss_mean then takes the batch mean, sum(loss) / max(sum(valid), 1),
@@ -35,6 +36,13 @@ template <> __device__ __forceinline__ float quiet_nan<float>() {
 }
 template <> __device__ __forceinline__ double quiet_nan<double>() {
   return __longlong_as_double(0x7ff8000000000000LL);
+}
+
+// Whether a position's label is not counted: the layer's ignore_label or the
+// padding label of a test graph's last batch (never a class).
+__device__ __forceinline__ bool skipped(long long label, int ignore_label, int has_ignore,
+                                        int pad_label, int has_pad) {
+  return (has_ignore && label == ignore_label) || (has_pad && label == pad_label);
 }
 
 // Where position index = n * inner + s of (N, inner) starts in an (N, C,
@@ -77,18 +85,18 @@ template <typename T>
 __device__ void softmax_loss_forward_impl(long long total, const T* x,
                                           const long long* labels, int channels,
                                           int inner, int ignore_label,
-                                          int has_ignore, T* prob, T* loss,
-                                          T* valid) {
+                                          int has_ignore, int pad_label, int has_pad,
+                                          T* prob, T* loss, T* valid) {
   CUDA_KERNEL_LOOP(index, total) {
     const long long base = position_base(index, channels, inner);
     // x[label] is read before softmax_at overwrites it (prob may be x)
     const long long label = labels[index];
-    const bool counted = !(has_ignore && label == ignore_label) && label >= 0 &&
-                         label < channels;
+    const bool skip = skipped(label, ignore_label, has_ignore, pad_label, has_pad);
+    const bool counted = !skip && label >= 0 && label < channels;
     const T picked = counted ? x[base + label * inner] : T(0);
     T largest;
     const T log_sum = softmax_at(x, base, channels, inner, prob, &largest);
-    if (has_ignore && label == ignore_label) {
+    if (skip) {
       loss[index] = T(0);
       valid[index] = T(0);
     } else if (label < 0 || label >= channels) {
@@ -108,7 +116,8 @@ template <typename T>
 __device__ void softmax_loss_backward_impl(long long total, const T* prob,
                                            const long long* labels, int channels,
                                            int inner, int ignore_label,
-                                           int has_ignore, T scale_value,
+                                           int has_ignore, int pad_label, int has_pad,
+                                           T scale_value,
                                            const T* scale_ptr,
                                            int has_scale_ptr, const T* count_ptr,
                                            int has_count_ptr, T* dx) {
@@ -119,7 +128,7 @@ __device__ void softmax_loss_backward_impl(long long total, const T* prob,
     const int c = (int)((index / inner) % channels);
     const long long n = index / ((long long)inner * channels);
     const long long label = labels[n * inner + s];
-    if (has_ignore && label == ignore_label) {
+    if (skipped(label, ignore_label, has_ignore, pad_label, has_pad)) {
       dx[index] = T(0);
     } else {
       dx[index] = scale * (prob[index] - (c == label ? T(1) : T(0)));
@@ -179,16 +188,19 @@ __device__ void softmax_loss_mean_impl(long long total, const T* loss, const T* 
 }
 
 // The loss normaliser alone, from the labels (the backward of a loss with an
-// ignore_label): out_count = max(number of labels != ignore_label, 1).
+// ignore_label or a pad_label): out_count = max(number of labels counted, 1).
 template <typename T>
 __device__ void softmax_loss_count_impl(long long total, const long long* labels,
-                                        int ignore_label, T* out_count) {
+                                        int ignore_label, int has_ignore, int pad_label,
+                                        int has_pad, T* out_count) {
   __shared__ double counted[PURINE_SOFTMAX_THREADS];
   __shared__ double unused[PURINE_SOFTMAX_THREADS];
   const unsigned int tid = threadIdx.x;
   double a = 0.0;
   if (blockIdx.x == 0) {
-    for (long long i = tid; i < total; i += blockDim.x) a += labels[i] != ignore_label;
+    for (long long i = tid; i < total; i += blockDim.x) {
+      a += !skipped(labels[i], ignore_label, has_ignore, pad_label, has_pad);
+    }
   }
   counted[tid] = a;
   unused[tid] = 0.0;
@@ -231,15 +243,17 @@ __device__ void softmax_backward_impl(long long total, const T* dy, const T* y, 
 // correct = 1 when fewer than top_k classes besides the true one score at
 // least the true class's score (a tie counts against it, as Caffe) and
 // every score of the position is finite; valid = 1; both 0 where label ==
-// ignore_label; a label outside [0, C) gives valid = NaN, so the accuracy
-// is NaN (never a number) for a bad label file.
+// ignore_label or pad_label (when has_ignore, has_pad); a label outside
+// [0, C) gives valid = NaN, so the accuracy is NaN (never a number) for a
+// bad label file.
 template <typename T>
 __device__ void accuracy_forward_impl(long long total, const T* x, const long long* labels,
                                       int channels, int inner, int ignore_label,
-                                      int has_ignore, int top_k, T* correct, T* valid) {
+                                      int has_ignore, int pad_label, int has_pad, int top_k,
+                                      T* correct, T* valid) {
   CUDA_KERNEL_LOOP(index, total) {
     const long long label = labels[index];
-    if (has_ignore && label == ignore_label) {
+    if (skipped(label, ignore_label, has_ignore, pad_label, has_pad)) {
       correct[index] = T(0);
       valid[index] = T(0);
       continue;
@@ -279,9 +293,10 @@ __device__ void accuracy_mean_impl(long long total, const T* correct, const T* v
 #define PURINE_ACCURACY_ENTRY(SUFFIX, T)                                                \
   extern "C" __global__ void accuracy_forward_##SUFFIX(                                 \
       long long total, const T* x, const long long* labels, int channels, int inner,    \
-      int ignore_label, int has_ignore, int top_k, T* correct, T* valid) {              \
+      int ignore_label, int has_ignore, int pad_label, int has_pad, int top_k,          \
+      T* correct, T* valid) {                                                           \
     accuracy_forward_impl<T>(total, x, labels, channels, inner, ignore_label,           \
-                             has_ignore, top_k, correct, valid);                        \
+                             has_ignore, pad_label, has_pad, top_k, correct, valid);    \
   }                                                                                     \
   extern "C" __global__ void accuracy_mean_##SUFFIX(long long total, const T* correct,  \
                                                     const T* valid, T* out) {           \
@@ -294,17 +309,20 @@ PURINE_ACCURACY_ENTRY(f64, double)
 #define PURINE_SOFTMAX_LOSS_ENTRY(SUFFIX, T)                                    \
   extern "C" __global__ void softmax_loss_forward_##SUFFIX(                     \
       long long total, const T* x, const long long* labels, int channels, int inner,  \
-      int ignore_label, int has_ignore, T* prob, T* loss, T* valid) {           \
+      int ignore_label, int has_ignore, int pad_label, int has_pad, T* prob,    \
+      T* loss, T* valid) {                                                      \
     softmax_loss_forward_impl<T>(total, x, labels, channels, inner,             \
-                                 ignore_label, has_ignore, prob, loss, valid);  \
+                                 ignore_label, has_ignore, pad_label, has_pad,  \
+                                 prob, loss, valid);                            \
   }                                                                             \
   extern "C" __global__ void softmax_loss_backward_##SUFFIX(                    \
       long long total, const T* prob, const long long* labels, int channels,          \
-      int inner, int ignore_label, int has_ignore, T scale_value,               \
-      const T* scale_ptr, int has_scale_ptr, const T* count_ptr,                \
+      int inner, int ignore_label, int has_ignore, int pad_label, int has_pad,  \
+      T scale_value, const T* scale_ptr, int has_scale_ptr, const T* count_ptr, \
       int has_count_ptr, T* dx) {                                               \
     softmax_loss_backward_impl<T>(total, prob, labels, channels, inner,         \
-                                  ignore_label, has_ignore, scale_value,        \
+                                  ignore_label, has_ignore, pad_label, has_pad, \
+                                  scale_value,                                  \
                                   scale_ptr, has_scale_ptr, count_ptr,          \
                                   has_count_ptr, dx);                           \
   }                                                                             \
@@ -315,8 +333,10 @@ PURINE_ACCURACY_ENTRY(f64, double)
                               has_count);                                       \
   }                                                                             \
   extern "C" __global__ void softmax_loss_count_##SUFFIX(                       \
-      long long total, const long long* labels, int ignore_label, T* out_count) {     \
-    softmax_loss_count_impl<T>(total, labels, ignore_label, out_count);         \
+      long long total, const long long* labels, int ignore_label, int has_ignore,     \
+      int pad_label, int has_pad, T* out_count) {                               \
+    softmax_loss_count_impl<T>(total, labels, ignore_label, has_ignore,         \
+                               pad_label, has_pad, out_count);                  \
   }
 
 #define PURINE_SOFTMAX_ENTRY(SUFFIX, T)                                         \

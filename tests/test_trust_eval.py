@@ -198,11 +198,12 @@ def test_case6_train_evaluations_on_4_ranks_count_the_split_once(trained):
 
 
 def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
-    """Case 6, which label the padding carries (job/replica.mark_padding): -1,
-    ignored by the loss and the accuracy; the loss's ignore_label when it
-    has one (the accuracy then ignores it too); none (a one-pass test that
-    wraps, with its note) when two losses ignore different labels or the
-    label reaches another op."""
+    """Case 6, which label the padding carries (job/replica.mark_padding): -1
+    (PAD_LABEL), which every loss and accuracy skips as attr pad_label,
+    apart from their own ignore_label (an accuracy without one still counts
+    every class: tests/test_pad_label.py), also when two losses ignore
+    different labels; none (a one-pass test that wraps, with its note) when
+    the label reaches another op."""
     from purine_mpi.job.replica import build_test_graph, mark_padding
 
     def graph(net_extra=(), **loss_keys):
@@ -211,20 +212,22 @@ def test_case6_padding_label_is_one_the_loss_and_accuracy_ignore(digits_h5):
         cfg["net"].extend(net_extra)
         return build_test_graph(make_job(cfg))
 
-    def ignored(g):
-        return {op.op_type: op.attrs.get("ignore_label") for op in g.ops.values()
-                if op.op_type in ("SoftmaxLoss", "Accuracy")}
+    def skipped(g):
+        return {op.name: (op.attrs.get("ignore_label"), op.attrs.get("pad_label"))
+                for op in g.ops.values() if op.op_type in ("SoftmaxLoss", "Accuracy")}
 
     g = graph()
     assert mark_padding(g) == -1
     assert g.ops["data"].attrs["pad_label"] == -1
-    assert ignored(g) == {"SoftmaxLoss": -1, "Accuracy": -1}
+    assert set(skipped(g).values()) == {(None, -1)}
     g = graph(ignore_label=255)
-    assert mark_padding(g) == 255 and ignored(g) == {"SoftmaxLoss": 255, "Accuracy": 255}
+    assert mark_padding(g) == -1 and g.ops["data"].attrs["pad_label"] == -1
+    assert sorted(skipped(g).values(), key=str) == [(255, -1), (None, -1)]
     second = {"type": "softmax_loss", "name": "loss2", "bottom": ["fc1", "label"],
               "top": "loss2", "ignore_label": 9}
     g = graph([second], ignore_label=8)
-    assert mark_padding(g) is None and "pad_label" not in g.ops["data"].attrs
+    assert mark_padding(g) == -1 and g.ops["data"].attrs["pad_label"] == -1
+    assert sorted(skipped(g).values(), key=str) == [(8, -1), (9, -1), (None, -1)]
     g = graph()
     g.add_op("odd", "Scale", ["label"], ["label2"], {"scale": 1.0})
     assert mark_padding(g) is None and "pad_label" not in g.ops["data"].attrs

@@ -126,8 +126,8 @@ def _passed_on(graph, blob):
     return found
 
 
-#: the label of a padding position when no loss or accuracy sets an ignore_label
-#: (never a class: the labels are checked to lie in [0, C) at load time)
+#: the label of a padding position: never a class (the labels are checked to
+#: lie in [0, C) at load time) nor a layer's ignore_label (those are >= 0)
 PAD_LABEL = -1
 #: ops that hand their input on unchanged (a label may pass them on its way)
 _LABEL_PASSING = ("Split", "Copy", "Reshape", "Flatten")
@@ -137,14 +137,14 @@ def mark_padding(graph):
     """Let a test graph's data op pad the last batch of a one-pass test
     (data/sources.py, ``pass_counts``): when its label reaches only the label
     inputs of SoftmaxLoss and Accuracy ops (through copies and reshapes),
-    which ignore at most one label value between them, that value (or
-    PAD_LABEL) becomes the data op's attr ``pad_label`` and every such op
-    without an ``ignore_label`` gets it as one. Then a padding sample counts
-    in neither the loss mean nor the accuracy, and nothing else of the test
-    graph mixes the samples of a batch (dropout is off and batch norm uses
-    its running statistics in the test phase). Returns the label, or None
-    when the graph does not allow it (its one-pass test then wraps around,
-    and says so)."""
+    PAD_LABEL becomes the data op's attr ``pad_label`` and every such op's
+    attr ``pad_label`` too (apart from its own ``ignore_label``, which still
+    means what the layer says: an accuracy without one counts every real
+    sample of every class). Then a padding sample counts in neither the
+    loss mean nor the accuracy, and nothing else of the test graph mixes the
+    samples of a batch (dropout is off and batch norm uses its running
+    statistics in the test phase). Returns the label, or None when the graph
+    does not allow it (its one-pass test then wraps around, and says so)."""
     readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
     if len(readers) != 1:
         return None
@@ -162,16 +162,10 @@ def mark_padding(graph):
                 consumers.append(op)
             else:
                 return None
-    ignored = {int(op.attrs["ignore_label"]) for op in consumers
-               if op.attrs.get("ignore_label") is not None}
-    if len(ignored) > 1:
-        return None
-    pad = ignored.pop() if ignored else PAD_LABEL
     for op in consumers:
-        if op.attrs.get("ignore_label") is None:
-            op.attrs["ignore_label"] = pad
-    readers[0].attrs["pad_label"] = pad
-    return pad
+        op.attrs["pad_label"] = PAD_LABEL
+    readers[0].attrs["pad_label"] = PAD_LABEL
+    return PAD_LABEL
 
 
 def loss_blobs(graph):

@@ -19,8 +19,9 @@ Attrs:
     dtype       data dtype (default float32)
     train       training phase (default true): random crops and mirroring;
                 false gives center crops and no mirroring
-    pad_label   the label of a padding position (test graphs whose loss and
-                accuracy ops ignore that label, job/replica.py ``mark_padding``):
+    pad_label   the label of a padding position (-1 in a test graph, whose loss
+                and accuracy ops skip it as their own attr ``pad_label``,
+                job/replica.py ``mark_padding``):
                 after ``pad_from(n)`` every position at or past n of the
                 data order (the wrapped-around tail of one pass) delivers
                 its sample with this label, so it counts in no figure

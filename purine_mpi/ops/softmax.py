@@ -63,16 +63,21 @@ def _check_label(attrs, x_shape, label_shape, op_type):
 def _labels(attrs, label, outer, channels, inner):
     """Labels as int64 (outer, inner), the mask of counted positions, and
     the count (at least 1, as Caffe's normalizer, so an all-ignored batch
-    gives loss 0 rather than NaN)."""
+    gives loss 0 rather than NaN). A position is not counted when its label
+    is attr ``ignore_label`` (the layer's) or attr ``pad_label`` (a padding
+    sample of a test graph's last batch, job/replica.py ``mark_padding``)."""
     xp = get_xp(label)
     lab = label.reshape(outer, inner).astype(np.int64)
-    ignore = attrs.get("ignore_label")
-    valid = lab != int(ignore) if ignore is not None else xp.ones(lab.shape, dtype=bool)
+    skipped = {k: attrs.get(k) for k in ("ignore_label", "pad_label")
+               if attrs.get(k) is not None}
+    valid = xp.ones(lab.shape, dtype=bool)
+    for value in skipped.values():
+        valid &= lab != int(value)
     lab = xp.where(valid, lab, 0)
     if bool(((lab < 0) | (lab >= channels)).any()):
         bad = int(lab[(lab < 0) | (lab >= channels)][0])
         raise ValueError(f"label value {bad} is outside [0, {channels}) for {channels} classes"
-                         + ("" if ignore is None else f" (and is not ignore_label {ignore})"))
+                         + "".join(f" (and is not {k} {v})" for k, v in skipped.items()))
     count = max(int(valid.sum()), 1)
     return lab, valid, count
 
@@ -187,7 +192,8 @@ class SoftmaxLoss(OpKernel):
     """[x, label] -> [loss, prob]:  prob = softmax(x) over ``axis``;
     loss = -sum_{counted positions} log prob[label] / count, a 0-d scalar
     (the batch mean over N*H*W positions, Caffe's VALID normalization;
-    positions whose label equals attr ``ignore_label`` are not counted).
+    positions whose label equals attr ``ignore_label`` or attr ``pad_label``
+    (a test graph's padding, job/replica.py ``mark_padding``) are not counted).
     Gradient (x only, never label): dx = dloss * (prob - onehot(label)) / count,
     0 at ignored positions (plus the softmax gradient of d prob, if any)."""
 
@@ -215,13 +221,13 @@ class SoftmaxLoss(OpKernel):
         k = raw_kernels(xp, x)
         if k is not None and _contiguous(x, prob):  # GPU: fused kernel, mean on the device
             # any axis: the (outer, C, inner) view is the kernel's axis-1 layout
-            ignore = self.attrs.get("ignore_label")
+            ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             nll, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, outs))
             pos = (outer, inner)
             k.softmax_loss_forward(x.reshape(outer, channels, inner),
                                    _device_labels(label, buf, pos), ignore,
                                    out=(prob.reshape(outer, channels, inner),
-                                        nll.reshape(pos), valid.reshape(pos)))
+                                        nll.reshape(pos), valid.reshape(pos)), pad_label=pad)
             k.softmax_loss_mean(nll, valid, loss)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
@@ -248,7 +254,7 @@ class SoftmaxLoss(OpKernel):
 @register
 class SoftmaxLossGrad(OpKernel):
     """[dloss, prob, label] -> [dx]: dx = dloss * (prob - onehot(label)) / count
-    (attrs ``axis``, ``ignore_label`` as the forward op)."""
+    (attrs ``axis``, ``ignore_label``, ``pad_label`` as the forward op)."""
 
     op_type = "SoftmaxLossGrad"
 
@@ -271,18 +277,18 @@ class SoftmaxLossGrad(OpKernel):
         outer, channels, inner = _split_dims(prob.shape, axis)
         k = raw_kernels(xp, prob)
         if k is not None and _contiguous(prob, outs[0]):  # GPU: fused kernel, scale on device
-            ignore = self.attrs.get("ignore_label")
+            ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             scale = dloss if get_xp(dloss) is not np else float(np.asarray(dloss))
             count, *buf = self.temporaries(prob, *self.scratch_specs(ins, outs))
             planes = (outer, channels, inner)
             lab = _device_labels(label, buf, (outer, inner))
             p3, dx3 = prob.reshape(planes), outs[0].reshape(planes)
-            if ignore is None:  # the normaliser is the number of positions
+            if ignore is None and pad is None:  # the normaliser is the number of positions
                 k.softmax_loss_backward(p3, lab, scale, None, out=dx3,
                                         scale_factor=1.0 / (outer * inner))
                 return
-            k.softmax_loss_count(lab, int(ignore), count)
-            k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count)
+            k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+            k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count, pad_label=pad)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         classes = xp.arange(channels, dtype=np.int64)[None, :, None]
@@ -308,7 +314,8 @@ def _softmax_loss_grad(g, op):
     if not g.needs_grad(x):
         return
     if dloss is not None:
-        attrs = {k: op.attrs[k] for k in ("axis", "ignore_label") if k in op.attrs}
+        attrs = {k: op.attrs[k] for k in ("axis", "ignore_label", "pad_label")
+                 if k in op.attrs}
         g.emit("SoftmaxLossGrad", [dloss, op.outputs[1], label], [g.grad_blob(x)], attrs)
     if dprob is not None:  # rare: the probabilities feed another loss
         g.emit("SoftmaxGrad", [dprob, op.outputs[1]], [g.grad_blob(x)],
@@ -319,7 +326,8 @@ def _softmax_loss_grad(g, op):
 class Accuracy(OpKernel):
     """[x, label] -> [acc]: the fraction of counted positions whose label is
     among the ``top_k`` (default 1) highest scores of ``x`` over ``axis``,
-    a 0-d scalar. As Caffe, a tie with the true class counts against it.
+    a 0-d scalar (counted: label neither attr ``ignore_label`` nor attr
+    ``pad_label``, as SoftmaxLoss). As Caffe, a tie with the true class counts against it.
     A position with any non-finite score (NaN, +-inf: a diverged net) counts
     as wrong, never as right.
     A test-time metric: no gradient."""
@@ -370,7 +378,8 @@ class Accuracy(OpKernel):
             raw_kernels(get_xp(x), x).accuracy(
                 x.reshape(outer, channels, inner), _device_labels(label, buf, (outer, inner)),
                 outs[0], top_k=int(self.attrs.get("top_k", 1)),
-                ignore_label=self.attrs.get("ignore_label"), buffers=(correct, valid))
+                ignore_label=self.attrs.get("ignore_label"), buffers=(correct, valid),
+                pad_label=self.attrs.get("pad_label"))
             return
         lab, valid, _ = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)

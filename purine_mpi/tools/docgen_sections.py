@@ -247,7 +247,8 @@ def _data():
         "A resume on another number of ranks continues at the same global sample "
         "(rounded down to a whole batch). A test pass with `solver.test_iter: null` is one "
         "pass: ⌈n / (N·B)⌉ iterations of this rule, whose positions at or past n are "
-        "padding (their label is ignored by the loss and the accuracy), so each test "
+        "padding (their label, -1, is never a class: every loss and accuracy skips it "
+        "apart from its own `ignore_label`), so each test "
         "sample counts exactly once on any number of ranks; `predict` reads the same "
         "batches and drops the padding.",
     ]

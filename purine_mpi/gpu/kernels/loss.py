@@ -24,6 +24,13 @@ def _ignore(ignore_label):
     return _int(ignore_label), _int(1)
 
 
+def _skipped(ignore_label, pad_label):
+    """The kernels' (ignore_label, has_ignore, pad_label, has_pad): a
+    position whose label is either is not counted (``pad_label``: a test
+    graph's padding, job/replica.py ``mark_padding``)."""
+    return _ignore(ignore_label) + _ignore(pad_label)
+
+
 def _class_layout(cupy, a, labels, func, arg, what):
     """(a, labels, N, C, positions per sample) of an (N, C, ...) array and its
     one-label-per-position labels, checked."""
@@ -35,14 +42,15 @@ def _class_layout(cupy, a, labels, func, arg, what):
     return a, _labels(cupy, labels, n * inner, func), n, channels, inner
 
 
-def softmax_loss_forward(x, labels, ignore_label=None, out=None):
+def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None):
     """Fused softmax over axis 1 and cross-entropy -> ``(prob, loss, valid)``.
 
     ``x`` is (N, C, ...), ``labels`` holds one class per position (N, ...).
     prob has x's shape; loss and valid have shape (N, ...) (x without axis 1):
     loss = log(sum(exp(x - max))) - (x[label] - max) (-log prob[label],
     exact however small prob[label] is, as the CPU op), valid = 1, both 0 where
-    label == ignore_label. The batch-mean loss is sum(loss) / sum(valid)."""
+    label == ignore_label or pad_label. The batch-mean loss is
+    sum(loss) / sum(valid)."""
     cupy = import_cupy()
     x, labels, n, channels, inner = _class_layout(cupy, x, labels, "softmax_loss_forward",
                                                   "x", "logits")
@@ -52,19 +60,19 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None):
     loss, loss_t = _output(cupy, loss_out, pos_shape, x.dtype, "softmax_loss_forward (loss)")
     valid, valid_t = _output(cupy, valid_out, pos_shape, x.dtype,
                              "softmax_loss_forward (valid)")
-    ignore_value, has_ignore = _ignore(ignore_label)
     _base._launch("softmax_loss", "softmax_loss_forward", x.dtype, n * inner,
-            (x, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+            (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
              prob, loss, valid))
     return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
 
 
 def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, count=None,
-                          scale_factor=1.0):
+                          scale_factor=1.0, pad_label=None):
     """Gradient of the summed loss times ``scale * scale_factor / count``:
     dx = scale * scale_factor / count * (prob - onehot), 0 at ignored
-    positions. ``scale`` is a number or a one-element CuPy array (e.g. the
-    top gradient; ``scale_factor`` a number, e.g. 1 / positions), ``count``
+    positions (label ``ignore_label`` or ``pad_label``). ``scale`` is a
+    number or a one-element CuPy array (e.g. the top gradient;
+    ``scale_factor`` a number, e.g. 1 / positions), ``count``
     None or a one-element CuPy array (the valid count of
     :func:`softmax_loss_count`): both stay on the device."""
     cupy = import_cupy()
@@ -78,9 +86,8 @@ def softmax_loss_backward(prob, labels, scale=1.0, ignore_label=None, out=None, 
     else:
         _, count_ptr, has_count = _scalar_or_device(cupy, count, prob.dtype, prob,
                                                     "softmax_loss_backward: count")
-    ignore_value, has_ignore = _ignore(ignore_label)
     _base._launch("softmax_loss", "softmax_loss_backward", prob.dtype, prob.size,
-            (prob, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+            (prob, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
              scale_value, scale_ptr, has_scale_ptr, count_ptr, has_count, dx))
     return _finish(dx, target)
 
@@ -137,9 +144,10 @@ def softmax_loss_mean(loss, valid, out, count=None):
     return out
 
 
-def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None):
+def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None, pad_label=None):
     """Top-``top_k`` accuracy over axis 1 on the device, into the
     one-element array ``out`` (x's dtype): the fraction of counted positions
+    (label neither ``ignore_label`` nor ``pad_label``)
     whose label is among the top_k scores (a tie counts against it; a
     position with a non-finite score is wrong); 0 without a counted
     position, NaN with a label outside [0, C) (cuda/softmax_loss.cu
@@ -158,23 +166,24 @@ def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None):
     correct, valid = (b.reshape(-1) for b in buffers)
     if correct.size != total or valid.size != total:
         raise ValueError(f"accuracy: buffers of {total} elements needed")
-    ignore_value, has_ignore = _ignore(ignore_label)
     _base._launch("softmax_loss", "accuracy_forward", x.dtype, total,
-                  (x, labels, _int(channels), _int(inner), ignore_value, has_ignore,
+                  (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
                    _int(top_k), correct, valid))
     _base._launch_blocks("softmax_loss", "accuracy_mean", x.dtype, 1, _REDUCE_THREADS,
                          (np.int64(total), correct, valid, out.reshape(1)))
     return out
 
 
-def softmax_loss_count(labels, ignore_label, out):
-    """out = max(number of labels != ignore_label, 1), one block on the device."""
+def softmax_loss_count(labels, ignore_label, out, pad_label=None):
+    """out = max(number of labels that are neither ``ignore_label`` nor
+    ``pad_label`` (each None: none), 1), one block on the device."""
     cupy = import_cupy()
     labels = _labels(cupy, labels, labels.size, "softmax_loss_count")
     if not isinstance(out, cupy.ndarray) or out.size != 1:
         raise ValueError("softmax_loss_count: out must be a one-element CuPy array")
     _base._launch_blocks("softmax_loss", "softmax_loss_count", out.dtype, 1, _REDUCE_THREADS,
-                   (np.int64(labels.size), labels, _int(ignore_label), out.reshape(1)))
+                   (np.int64(labels.size), labels, *_skipped(ignore_label, pad_label),
+                    out.reshape(1)))
     return out
 
 
