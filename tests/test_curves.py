@@ -205,9 +205,18 @@ def test_tensorboard_scalars_equal_metrics_jsonl(runs, run):
     assert purges == ([11] if run == "split" else [])
 
 
+def _not_installed(monkeypatch, package):
+    """As if ``package`` were not installed, for commands run in this
+    process: importing it or any module of it raises ImportError (the
+    modules an earlier test imported included)."""
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")] + \
+            [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_tensorboard_without_tensorboardx_exits_2_before_training(runs, tmp_path,
                                                                    monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # importing it raises ImportError
+    _not_installed(monkeypatch, "tensorboardX")
     res = run_cli_here("train", runs["cfg"], "--tensorboard", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
@@ -323,6 +332,6 @@ def test_plot_bad_inputs_exit_2(tmp_path):
 
 
 def test_plot_without_matplotlib_exits_2_with_the_install_line(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it raises ImportError
+    _not_installed(monkeypatch, "matplotlib")
     res = run_cli_here("plot", tmp_path, "--out", tmp_path / "c.png")
     assert_exit_2(res, "pip install 'purine_mpi[plot]'")
