@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from tests.conftest import run_cli_args, run_mpi_cli
+from tests.conftest import run_cli_args, run_cli_here, run_mpi_cli
 
 NET = """name: choose_net
 seed: 3
@@ -145,10 +145,10 @@ def test_scheme_auto_chooses_the_same_on_every_rank_and_trains(tmp_path):
 
 
 def test_choose_options_and_auto_elsewhere_are_user_errors(tmp_path):
-    res = run_cli_args("plan", _job(tmp_path), "--calibration", tmp_path / "c.json")
+    res = run_cli_here("plan", _job(tmp_path), "--calibration", tmp_path / "c.json")
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "belong to --choose" in res.stderr
-    res = run_cli_args("graph", _job(tmp_path, "auto"), "--np", 2)
+    res = run_cli_here("graph", _job(tmp_path, "auto"), "--np", 2)
     assert res.returncode == 2 and res.stderr.count("\n") == 1
     assert "parallel.scheme" in res.stderr and "--choose" in res.stderr
 

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import run_cli_args
+from tests.conftest import run_cli_args, run_cli_here
 
 
 def test_a_graph_yaml_job_reports_its_own_lr_and_speed(tmp_path, digits_h5):
@@ -52,7 +52,7 @@ def test_test_takes_a_run_folder_and_prints_figures_as_train_does(lenet_run, tmp
     assert got == final  # the same figures, rounded the same way
     empty = tmp_path / "empty"
     empty.mkdir()
-    bad = run_cli_args("test", "jobs/digits_lenet.yaml", "--weights", empty,
+    bad = run_cli_here("test", "jobs/digits_lenet.yaml", "--weights", empty,
                        *_digits_sets(digits_h5))
     assert bad.returncode == 2 and "without latest.h5" in bad.stderr
 

@@ -33,7 +33,7 @@ from purine_mpi.runtime.cuda_graph import (MAX_CAPTURES, GraphDispatcher, plan_s
 from purine_mpi.runtime.factory import make_dispatcher
 from purine_mpi.runtime.streams_dispatcher import StreamDispatcher
 from purine_mpi.runtime.trace import Profiler
-from tests.conftest import make_job
+from tests.conftest import make_job, run_cli_here
 from tests.emulated_gpu import (SimulatedRuntime, check_order, cpu_workspace, emulated_gpu_env,
                                 init_params, log_kernels, tiny_config, tiny_raw)
 
@@ -661,9 +661,7 @@ def test_cuda_graph_false_on_the_command_line_and_a_bad_value_exits_2(tmp_path):
     raw = tiny_raw()
     raw["solver"]["max_iter"] = 1
     path.write_text(yaml.safe_dump(raw))
-    bad = subprocess.run([sys.executable, "-m", "purine_mpi", "train", str(path), "--out",
-                          str(tmp_path / "run"), "--set", "cuda_graph=maybe"],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_cli_here("train", path, "--out", tmp_path / "run", "--set", "cuda_graph=maybe")
     assert bad.returncode == 2, bad.stderr
     assert "cuda_graph" in bad.stderr and "expected true or false" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -2,7 +2,6 @@
 data set converters."""
 import os
 import pickle
-import subprocess
 
 import h5py
 import numpy as np
@@ -13,7 +12,7 @@ from purine_mpi.graph.core import Op
 from purine_mpi.data.sources import EpochOrder, HDF5Source, SyntheticSource, hdf5_info
 from purine_mpi.data.datasets import write_cifar10, write_digits
 from purine_mpi.ops.data import DataReader
-from tests.conftest import PYTHON, REPO, cli_env
+from tests.conftest import run_cli_here
 
 N_TRAIN = 10
 
@@ -283,9 +282,7 @@ def test_cifar_pickle_cli_exit_2(tmp_path):
 
     with open(src / "test_batch", "wb") as f:
         pickle.dump(Evil(), f)
-    res = subprocess.run([PYTHON, "-m", "purine_mpi", "data", "cifar10", "--from", str(src),
-                          "--out", str(tmp_path / "out.h5")], cwd=REPO, env=cli_env(),
-                         capture_output=True, text=True, timeout=60)
+    res = run_cli_here("data", "cifar10", "--from", src, "--out", tmp_path / "out.h5")
     assert res.returncode == 2, res.stderr
     assert "test_batch" in res.stderr and "Traceback" not in res.stderr
     assert not marker.exists()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.job.data_spec import data_hint
-from tests.conftest import cli_env, run_cli_args
+from tests.conftest import cli_env, run_cli_args, run_cli_here
 
 
 def _batch(n, seed):
@@ -99,6 +99,6 @@ def test_missing_data_files_name_the_command_of_their_data_set():
 
 
 def test_the_cifar_job_without_its_file_says_how_to_make_it(tmp_path):
-    res = run_cli_args("train", "jobs/cifar10_quick_hdf5.yaml", "--set",
+    res = run_cli_here("train", "jobs/cifar10_quick_hdf5.yaml", "--set",
                        f"data.train.path={tmp_path}/cifar10.h5", "--out", tmp_path / "r")
     assert res.returncode == 2 and "data cifar10 --download" in res.stderr, res.stderr

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import REPO, cli_env, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.gpt_oracle import gpt_net, torch_gpt_from_net
 
 T = 16
@@ -109,7 +109,7 @@ def test_bad_arguments_exit_2(trained, extra, word):
     config, run, _ = trained
     args = {"--prompt": "x", "--tokens": "5"}
     args.update(dict(zip(extra[::2], extra[1::2])))
-    res = run_cli_args("generate", config, "--weights", run,
+    res = run_cli_here("generate", config, "--weights", run,
                        *[v for kv in args.items() for v in kv])
     assert res.returncode == 2, res.stderr
     assert word in res.stderr and "Traceback" not in res.stderr
@@ -122,7 +122,7 @@ def test_generate_needs_a_text_model(digits_h5, tmp_path, trained):
         "net": [{"type": "fc", "name": "fc", "bottom": "data", "top": "fc", "num_output": 10},
                 {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"]}],
         "data": {"train": {"path": digits_h5, "split": "train", "batch_size": 4}}})
-    res = run_cli_args("generate", other, "--weights", run, "--prompt", "x", "--tokens", "2")
+    res = run_cli_here("generate", other, "--weights", run, "--prompt", "x", "--tokens", "2")
     assert res.returncode == 2 and "data.train.source" in res.stderr, res.stderr
 
 
@@ -175,7 +175,7 @@ def test_nan_weights_exit_3_naming_the_blob(trained, tmp_path):
 def test_a_prompt_that_is_not_utf8_exits_2(trained):
     config, run, _ = trained
     prompt = os.fsdecode(b"\xff abc")  # as Python gives a non-UTF-8 argument
-    res = run_cli_args("generate", config, "--weights", run, "--prompt", prompt, "--tokens", "3")
+    res = run_cli_here("generate", config, "--weights", run, "--prompt", prompt, "--tokens", "3")
     assert res.returncode == 2, res.stderr
     assert "--prompt" in res.stderr and "UTF-8" in res.stderr and "0xff" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -217,7 +217,7 @@ def test_the_weights_alone_suffice(trained, tmp_path):
     with h5py.File(bare, "w") as f:
         for name, value in load_params(os.path.join(run, "latest.h5")).items():
             f.create_dataset(f"params/{name}", data=value)
-    res = run_cli_args("generate", "--weights", bare, "--prompt", "x", "--tokens", "2")
+    res = run_cli_here("generate", "--weights", bare, "--prompt", "x", "--tokens", "2")
     assert res.returncode == 2 and "config" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert _generate(config, bare, *args) == want  # with the config it is a weights file
@@ -270,7 +270,7 @@ def test_device_0_on_a_machine_without_gpu_exits_2(trained):
     if cupy_available():
         pytest.skip("this machine has a GPU: device 0 runs there")
     config, run, _ = trained
-    res = run_cli_args("generate", config, "--weights", run, "--prompt", "x", "--tokens", "2",
+    res = run_cli_here("generate", config, "--weights", run, "--prompt", "x", "--tokens", "2",
                        "--set", "device=0")
     assert res.returncode == 2, res.stderr
     assert "device" in res.stderr and "Traceback" not in res.stderr

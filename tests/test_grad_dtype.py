@@ -15,7 +15,7 @@ import pytest
 
 from purine_mpi.base.errors import ConfigError, UserError
 from purine_mpi.job.config import validate_config
-from tests.conftest import (checkpoint_arrays, run_cli_args, run_mpi_cli, small_net_config,
+from tests.conftest import (checkpoint_arrays, run_cli_here, run_mpi_cli, small_net_config,
                             write_config_file)
 from tests.mpi_scripts.launch import run_mpi
 from tests.test_log import _block
@@ -253,7 +253,7 @@ def test_a_gpu_under_a_scheme_nccl_does_not_reduce_is_refused(scheme):
 def test_a_refused_combination_exits_2_with_one_line(tmp_path, digits_h5):
     cfg = small_net_config(digits_h5)
     cfg["parallel"] = {"grad_dtype": "bf16", "transport": "one_sided"}
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "run")
+    res = run_cli_here("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "run")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.transport" in lines[0] and \

@@ -63,7 +63,7 @@ def test_item2_a_set_typo_names_set_and_the_key_it_meant(digits_h5, tmp_path):
 
 
 def test_item2_a_mistyped_command_gets_did_you_mean():
-    res = run_cli_args("trian", "jobs/digits_lenet.yaml")
+    res = run_cli_here("trian", "jobs/digits_lenet.yaml")
     assert res.returncode == 2
     assert "invalid choice: 'trian'" in res.stderr and "did you mean 'train'?" in res.stderr, \
         res.stderr
@@ -136,7 +136,7 @@ def test_item4_plot_loss_scale_option(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     res = run_cli_args("plot", metrics, "--out", tmp_path / "c.png", "--loss-scale", "linear")
     assert res.returncode == 0, res.stderr
-    res = run_cli_args("plot", metrics, "--out", tmp_path / "c.png", "--loss-scale", "lg")
+    res = run_cli_here("plot", metrics, "--out", tmp_path / "c.png", "--loss-scale", "lg")
     assert res.returncode == 2 and "did you mean 'log'?" in res.stderr, res.stderr
 
 

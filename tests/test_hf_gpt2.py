@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.job.config import load_config
-from tests.conftest import run_cli_args, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, write_config_file
 from tests.gpt_nets import gpt_config, text_h5
 from tests.test_onnx_export import our_forward
 
@@ -148,7 +148,7 @@ def test_export_hf_refuses_what_gpt2_cannot_express(trained, tmp_path, change, s
     change(net)
     path = write_config_file(tmp_path, dict(cfg, net=net))
     # the net is judged before any weight is read
-    res = run_cli_args("export", "hf", path, "--weights", weights, "--out", tmp_path / "hf")
+    res = run_cli_here("export", "hf", path, "--weights", weights, "--out", tmp_path / "hf")
     assert res.returncode == 2, res.stdout + res.stderr
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and "GPT-2 (GPT2Config) cannot express this net" in err[0], err

@@ -14,7 +14,7 @@ import pytest
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.tools.graph import compose_for
 from purine_mpi.job.config import resolve_config
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.test_micro_batches import STAGES, _close, _config, _params
 
 
@@ -147,7 +147,7 @@ def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):
 ])
 def test_bad_hybrid_config_exits_2(tmp_path, parallel, np_, key, words):
     cfg = write_config_file(tmp_path, _config(**parallel))
-    res = run_cli_args("graph", cfg, "--np", str(np_))
+    res = run_cli_here("graph", cfg, "--np", str(np_))
     assert res.returncode == 2, res.stderr
     assert f"'{key}'" in res.stderr and words in res.stderr and "Traceback" not in res.stderr
     assert "cfg.yaml" in res.stderr

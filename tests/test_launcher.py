@@ -8,7 +8,7 @@ import pytest
 
 from purine_mpi.comm import launcher
 from purine_mpi.base.errors import UserError
-from tests.conftest import run_cli_args
+from tests.conftest import run_cli_here
 
 OPEN_MPI_ENV = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
                 "PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-host-1234@1"}
@@ -59,7 +59,7 @@ def test_train_under_a_foreign_launcher_says_so_and_exits_2(tmp_path):
     env_backup = dict(os.environ)
     try:
         os.environ.update(OPEN_MPI_ENV)
-        res = run_cli_args("train", "jobs/digits_lenet.yaml", "--iters", "1",
+        res = run_cli_here("train", "jobs/digits_lenet.yaml", "--iters", "1",
                            "--out", tmp_path / "run", "--set", "data.train.source=synthetic",
                            "--set", "data.train.shape=[1,8,8]",
                            "--set", "data.train.classes=10", "--set", "data.test=null",

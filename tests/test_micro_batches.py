@@ -10,7 +10,8 @@ import pytest
 
 from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_batch import stage_order
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+                            write_config_file)
 
 STAGES = {"conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "relu3": 1, "fc2": 1, "loss": 1}
 
@@ -224,6 +225,6 @@ def test_data_parallel_with_micro_batches_matches_one_rank(tmp_path):
 ])
 def test_bad_pipeline_config_exits_2(tmp_path, parallel, np_, key, words):
     cfg = write_config_file(tmp_path, _config(**parallel))
-    res = run_cli_args("graph", cfg, "--np", str(np_))
+    res = run_cli_here("graph", cfg, "--np", str(np_))
     assert res.returncode == 2, res.stderr
     assert f"'{key}'" in res.stderr and words in res.stderr and "Traceback" not in res.stderr

@@ -270,7 +270,7 @@ def test_seed_is_checked_on_the_command_line_as_in_the_config(trained, tmp_path)
                                    tmp_path / "a"), "seed", "-3")
     big = "99999999999999999999999"
     for args in (["--seed", big], ["--set", f"seed={big}"]):  # refused before training
-        res = run_cli_args("train", trained["path"], *args, "--out", tmp_path / "b")
+        res = run_cli_here("train", trained["path"], *args, "--out", tmp_path / "b")
         assert_user_error(res, "seed", big, "2^63")
         assert not (tmp_path / "b" / "metrics.jsonl").exists()
     res = run_cli_args("train", trained["path"], "--seed", str(2 ** 63 - 1), "--iters", "2",

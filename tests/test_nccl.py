@@ -15,7 +15,7 @@ from purine_mpi.base.errors import GraphError, UserError
 from purine_mpi.comm import nccl
 from purine_mpi.graph.core import Graph, Location
 from purine_mpi.parallel.nccl_backend import use_nccl
-from tests.conftest import run_cli_args
+from tests.conftest import run_cli_args, run_cli_here
 from tests.mpi_scripts.launch import run_mpi
 
 
@@ -149,7 +149,7 @@ def test_the_config_key_and_the_start_up_line(tmp_path, digits_h5):
     rows, _ = _block(res.stdout)
     assert rows["collectives"] == "mpi (auto: rank 0: the model runs on the CPU)"
     cfg["parallel"] = {"backend": "infiniband"}
-    res = run_cli_args("train", _write(tmp_path, cfg), "--out", tmp_path / "bad")
+    res = run_cli_here("train", _write(tmp_path, cfg), "--out", tmp_path / "bad")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "parallel.backend" in res.stderr and "nccl" in res.stderr, res.stderr
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, run_cli_args, run_cli_here,
+                            write_config_file)
 
 
 
@@ -70,5 +71,5 @@ def test_graph_shows_each_stage(tmp_path, digits_h5):
 def test_bad_stage_is_a_config_error(tmp_path, digits_h5):
     cfg = yaml.safe_load(open(_config(digits_h5, tmp_path)))
     cfg["parallel"]["stages"]["nosuchlayer"] = 1
-    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", "2")
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", "2")
     assert res.returncode == 2 and "nosuchlayer" in res.stderr and "Traceback" not in res.stderr

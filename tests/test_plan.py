@@ -19,6 +19,7 @@ from purine_mpi.runtime.footprint import footprint, shared_params, workspace_pla
 from purine_mpi.runtime.workspace import window_blobs
 from purine_mpi.base.progress_bar import human_bytes
 from purine_mpi.tools.plan import parse_bytes
+from tests.conftest import run_cli_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = os.path.join(ROOT, "jobs")
@@ -209,14 +210,11 @@ def test_refused_before_launch_with_a_setting_that_fits(tmp_path):
 
 def test_plan_says_it_does_not_fit():
     """plan exits 2 when a rank does not fit, and says what would."""
-    out = subprocess.run(PY + ["plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--np", "2",
-                               "--host-memory", "10MiB"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_cli_here("plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--np", "2",
+                       "--host-memory", "10MiB")
     assert out.returncode == 2
     assert "DOES NOT FIT" in out.stdout and "data.train.batch_size" in out.stdout
-    bad = subprocess.run(PY + ["plan", os.path.join(JOBS, "cifar10_quick.yaml"),
-                               "--host-memory", "lots"], capture_output=True, text=True,
-                         timeout=120)
+    bad = run_cli_here("plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--host-memory", "lots")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 

@@ -9,6 +9,7 @@ import yaml
 from purine_mpi.base.errors import ConfigError
 from purine_mpi.base.precision import round_to, scratch_spec
 from purine_mpi.job.config import validate_config
+from tests.conftest import run_cli_here
 from tests.gpt_oracle import gpt_graph, gpt_net
 
 SOLVER = {"type": "adamw", "base_lr": 0.01, "momentum": 0.9, "momentum2": 0.99,
@@ -73,13 +74,9 @@ def test_grad_dtype_defaults_to_fp32_and_bf16_is_accepted_where_it_is_built():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_on_the_cpu_exits_2_with_one_line(tmp_path, precision):
-    import subprocess
-    import sys
     cfg = tmp_path / "p.yaml"
     cfg.write_text(yaml.safe_dump(_raw(precision=precision)))
-    proc = subprocess.run([sys.executable, "-m", "purine_mpi", "train", str(cfg),
-                           "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_cli_here("train", cfg, "--out", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -3,7 +3,12 @@ ranks (workers 0 and 1, server 2) in ``async`` and ``sync_ps`` mode: SIGTERM
 or SIGUSR1 to a worker, to the server or to ``mpiexec`` stops every rank at
 one iteration with one checkpoint that holds the server's momenta, and the
 job exits 143 (TERM) or 0 (USR1); SIGKILL or SIGSTOP of a rank ends the job
-with a failure status within the stall timeout. Every case under 60 s."""
+with a failure status within the stall timeout. Every case under 60 s.
+
+The signal cases run with a 5 s stall timeout (a stop agreement and a
+checkpoint on a loaded 2-core machine stay well inside it); a dead or
+frozen rank, whose case waits the whole timeout out, with 3 s, as
+test_stall.py's 20 SIGSTOPs of 2 and 3 ranks do."""
 import os
 import signal
 import subprocess
@@ -18,6 +23,7 @@ from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, finish_ra
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 STALL_TIMEOUT = 5
+FROZEN_STALL_TIMEOUT = 3
 TARGETS = {"worker": 1, "server": 2, "launcher": None}
 EXPECT = {signal.SIGTERM: 143, signal.SIGUSR1: 0}
 
@@ -28,12 +34,12 @@ def _rank_of(pid):
     return int(env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK", b"-1")))
 
 
-def _start(tmp_path, digits_h5, mode, name):
+def _start(tmp_path, digits_h5, mode, name, stall_timeout=STALL_TIMEOUT):
     cfg = small_net_config(digits_h5)
     cfg["solver"].update(max_iter=100000, display=5, test_interval=0)
     cfg["checkpoint"] = {"interval": 0, "keep": 2}
     cfg["parallel"] = {"scheme": "data", "mode": mode, "ps_ranks": 1, "max_staleness": 1,
-                       "stall_timeout": STALL_TIMEOUT}
+                       "stall_timeout": stall_timeout}
     path = write_config_file(tmp_path, cfg, f"{name}.yaml")
     out = str(tmp_path / name)
     cmd = [MPIEXEC, "-n", "3", PYTHON, "-m", "purine_mpi", "train", path, "--out", out]
@@ -78,10 +84,10 @@ def test_signal_stops_every_rank_with_one_checkpoint(tmp_path, digits_h5, mode, 
 def test_dead_or_frozen_rank_ends_the_job(tmp_path, digits_h5, mode, target, sig):
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    proc, out, ranks, _ = _start(tmp_path, digits_h5, mode, "run")
+    proc, out, ranks, _ = _start(tmp_path, digits_h5, mode, "run", FROZEN_STALL_TIMEOUT)
     os.kill(ranks[TARGETS[target]], sig)
     sent = time.monotonic()
-    stdout, stderr = finish_ranks(proc, ranks.values(), STALL_TIMEOUT + 5)
+    stdout, stderr = finish_ranks(proc, ranks.values(), FROZEN_STALL_TIMEOUT + 5)
     took = time.monotonic() - sent
     print(f"{mode} {sig.name} to {target}: exit {proc.returncode} in {took:.2f} s")
     assert proc.returncode not in (0, None)

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_cli_args, run_mpi_cli
+from tests.conftest import REPO, run_cli_args, run_cli_here, run_mpi_cli
 
 TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
 #: gpt_tiny's attention layers (net indices)
@@ -287,7 +287,7 @@ def test_recompute_refusals(email_h5, sets, key):
     """What the pass cannot rewrite, a pattern matching no layer and an
     unknown mode: exit 2, one line naming the key."""
     args = [a for s in sets for a in ("--set", s)]
-    res = run_cli_args("train", TINY, *_sets(email_h5), *args, "--out", "/nonexistent/x")
+    res = run_cli_here("train", TINY, *_sets(email_h5), *args, "--out", "/nonexistent/x")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f"'{key}'" in lines[0] and "Traceback" not in res.stderr, lines

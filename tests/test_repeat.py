@@ -12,7 +12,7 @@ from purine_mpi.base.errors import ConfigError
 from purine_mpi.job.config import load_config, resolve_config
 from purine_mpi.tools.graph import compose_for
 from purine_mpi.train.trainer import Trainer
-from tests.conftest import REPO, FakeWorld, make_job, run_cli_args, write_config_file
+from tests.conftest import REPO, FakeWorld, make_job, run_cli_args, run_cli_here, write_config_file
 
 NEW = os.path.join(REPO, "jobs", "gpt_small.yaml")
 OLD = os.path.join(REPO, "tests", "fixtures", "jobs", "gpt_small_spelled_out.yaml")
@@ -135,7 +135,7 @@ def test_duplicate_names_across_entries_name_the_block():
 
 def test_cli_exits_2_naming_file_and_key(tmp_path):
     path = write_config_file(tmp_path, _config(_net(repeat=-2)), "bad.yaml")
-    res = run_cli_args("plan", path)
+    res = run_cli_here("plan", path)
     assert res.returncode == 2, res.stderr
     line = res.stderr.strip().splitlines()[-1]
     assert "bad.yaml" in line and "'net.1.repeat'" in line and "got -2" in line

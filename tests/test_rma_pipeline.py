@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, write_config_file
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_here, write_config_file
 from tests.test_signals import _rank_pids, _wait_for_metrics, kill_ranks
 
 pytestmark = pytest.mark.mpi
@@ -151,8 +151,8 @@ def test_gpu_stages_keep_send_recv(tmp_path, digits_h5, run_cli):
     cfg = _config(tmp_path, digits_h5)
     res = run_cli("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0")
     assert res.returncode == 0 and " Recv " in res.stdout and " WaitWrite " not in res.stdout
-    res = run_cli("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0", "--set",
-                  "parallel.transport=one_sided")
+    res = run_cli_here("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0", "--set",
+                       "parallel.transport=one_sided")
     assert res.returncode == 2 and "key 'parallel.transport': one_sided needs the stages on " \
         "the CPU" in res.stderr and "Traceback" not in res.stderr, res.stderr
 

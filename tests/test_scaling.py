@@ -12,7 +12,7 @@ from purine_mpi.base.errors import UserError
 from purine_mpi.tools.scaling.link import Link, load_link, parse_rate, parse_time, save_link
 from purine_mpi.tools.scaling.report import parse_np
 from purine_mpi.tools.scaling.simulate import RankGraph, SimOp, simulate
-from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 
 A, B_S, G = 5e-6, 1e9, 1e-10  # α, β, γ of the closed-form checks
 
@@ -286,7 +286,7 @@ def test_an_infinitely_fast_link_loses_nothing(traced, tmp_path):
     (["--np", "2", "--weights", "w.h5"], "takes no --weights"),
 ])
 def test_mixing_the_forms_is_a_usage_error(traced, args, message):
-    res = run_cli_args("predict", traced, *args)
+    res = run_cli_here("predict", traced, *args)
     assert res.returncode == 2
     assert message in res.stderr and "three forms" in res.stderr
     assert "Traceback" not in res.stderr
@@ -297,7 +297,7 @@ def test_help_describes_both_forms_and_a_folder_without_traces_is_named(tmp_path
     assert res.returncode == 0
     for words in ("--weights", "--np", "TRACE_DIR", "--calibrate", "--bandwidth"):
         assert words in res.stdout
-    res = run_cli_args("predict", tmp_path, "--np", "2")
+    res = run_cli_here("predict", tmp_path, "--np", "2")
     assert res.returncode == 2 and "no trace.rank<R>.json" in res.stderr
 
 

@@ -13,7 +13,7 @@ import yaml
 from purine_mpi.base.errors import ConfigError
 from purine_mpi.job.config import load_job
 from purine_mpi.job.stage_cut import layer_flops, stage_lines
-from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args,
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
                             write_config_file)
 from tests.gpt_nets import text_h5 as make_text_h5
 
@@ -116,7 +116,7 @@ def test_graph_and_plan_print_the_resolved_map(tmp_path, digits_h5):
     plan = run_cli_args("plan", cfg, "--np", "2")
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.splitlines()[1:3] == [f"  {line}" for line in lines], plan.stdout[:400]
-    bad = run_cli_args("train", write_config_file(tmp_path, _mlp(digits_h5, 9), "bad.yaml"))
+    bad = run_cli_here("train", write_config_file(tmp_path, _mlp(digits_h5, 9), "bad.yaml"))
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'bad.yaml'}: key 'parallel.stages': 9 stages for a net of 6 "

@@ -8,7 +8,7 @@ import pytest
 
 from purine_mpi.data.sources import EpochOrder, batch_indices, make_source, source_info
 from purine_mpi.data.text import TextSource
-from tests.conftest import EMAIL, make_job, run_cli_args
+from tests.conftest import EMAIL, make_job, run_cli_args, run_cli_here
 
 
 def _stdlib_stream(folder, pattern):
@@ -80,7 +80,7 @@ def test_data_text_bad_input_exits_2(tmp_path, args, words):
     out = [] if "--out" in args else ["--out", str(tmp_path / "o.h5")]
     if "--out" in args and "--glob" not in args:  # the output is the input file: refused
         args = ["--from", str(folder / "ok.txt"), "--out", str(folder / "ok.txt")]
-    res = run_cli_args("data", "text", *args, *out)
+    res = run_cli_here("data", "text", *args, *out)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert all(w in res.stderr for w in words), res.stderr
@@ -202,7 +202,7 @@ def test_a_file_name_that_is_not_utf8_exits_2(tmp_path):
     (folder / "ok.txt").write_text("some text\n" * 20)
     with open(os.path.join(os.fsencode(folder), b"bad\xff.txt"), "w") as f:
         f.write("more text\n" * 20)
-    res = run_cli_args("data", "text", "--from", folder, "--out", tmp_path / "o.h5")
+    res = run_cli_here("data", "text", "--from", folder, "--out", tmp_path / "o.h5")
     assert res.returncode == 2, res.stderr
     assert "not UTF-8" in res.stderr and "bad\\xff.txt" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -218,7 +218,7 @@ def test_out_naming_a_folder_exits_2(tmp_path, dataset):
     out = tmp_path / "out"
     out.mkdir()
     args = ["--from", tmp_path / "in.txt"] if dataset == "text" else []
-    res = run_cli_args("data", dataset, *args, "--out", out)
+    res = run_cli_here("data", dataset, *args, "--out", out)
     assert res.returncode == 2, res.stderr
     assert "--out" in res.stderr and "folder" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli_args, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, write_config_file
 from tests.gpt_oracle import gpt_net
 
 pytest.importorskip("tokenizers")
@@ -110,7 +110,7 @@ def test_a_tokenizer_file_gives_the_ids_tokenizers_gives(tmp_path):
     # a file that is not a tokenizer.json: one line, exit 2
     bad = tmp_path / "bad.json"
     bad.write_text('{"model": 3}')
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--tokenizer", bad,
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--tokenizer", bad,
                        "--out", tmp_path / "x.h5")
     assert res.returncode == 2 and "bad.json" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
