@@ -60,6 +60,30 @@ def _check_label(attrs, x_shape, label_shape, op_type):
     return axis
 
 
+def _skipped(attrs):
+    """{attr: label value} of the labels a position is not counted for."""
+    return {k: attrs.get(k) for k in ("ignore_label", "pad_label")
+            if attrs.get(k) is not None}
+
+
+def _valid(lab, skipped):
+    """The mask of ``lab``'s (int64) positions whose label is none of ``skipped``."""
+    valid = get_xp(lab).ones(lab.shape, dtype=bool)
+    for value in skipped.values():
+        valid &= lab != int(value)
+    return valid
+
+
+def counted_positions(attrs, label):
+    """How many positions of ``label`` a SoftmaxLoss or Accuracy with
+    ``attrs`` counts (label neither ``ignore_label`` nor ``pad_label``):
+    the number its batch figure is the mean over, as an int (0 when none;
+    a host array, e.g. read back from a GPU). The test pass weights each
+    batch's figure by it (train/evaluation.py)."""
+    lab = np.asarray(label).reshape(-1).astype(np.int64)
+    return int(_valid(lab, _skipped(attrs)).sum())
+
+
 def _labels(attrs, label, outer, channels, inner):
     """Labels as int64 (outer, inner), the mask of counted positions, and
     the count (at least 1, as Caffe's normalizer, so an all-ignored batch
@@ -68,11 +92,8 @@ def _labels(attrs, label, outer, channels, inner):
     sample of a test graph's last batch, job/replica.py ``mark_padding``)."""
     xp = get_xp(label)
     lab = label.reshape(outer, inner).astype(np.int64)
-    skipped = {k: attrs.get(k) for k in ("ignore_label", "pad_label")
-               if attrs.get(k) is not None}
-    valid = xp.ones(lab.shape, dtype=bool)
-    for value in skipped.values():
-        valid &= lab != int(value)
+    skipped = _skipped(attrs)
+    valid = _valid(lab, skipped)
     lab = xp.where(valid, lab, 0)
     if bool(((lab < 0) | (lab >= channels)).any()):
         bad = int(lab[(lab < 0) | (lab >= channels)][0])

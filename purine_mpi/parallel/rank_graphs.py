@@ -44,6 +44,10 @@ class RankGraphs:
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
     test_scales: list = dataclasses.field(default_factory=list)  # their factors (loss_weight)
     test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
+    # per test_names entry: None (a mean over the batch's samples), or, for a
+    # SoftmaxLoss/Accuracy with an ignore_label (a mean over its counted
+    # positions), (its label blob on this rank or None, its attrs)
+    test_counts: list = dataclasses.field(default_factory=list)
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
     composition: object = None        # the scheme's Composition (parallel/schemes/base.py)
@@ -136,6 +140,23 @@ def _add_test_graph(out, job, world, scheme):
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False,
                            precision=job.precision)
+    if out.test_graph is not None:  # after the device's changes: the label the op reads there
+        out.test_counts = [_counted_by(test, b) and _counted_by(out.test_graph, b, attrs=True)
+                           for b in out.test_names]
+
+
+def _counted_by(graph, blob, attrs=False):
+    """Whether ``blob`` is the output of a SoftmaxLoss or Accuracy of
+    ``graph`` with an ``ignore_label`` (its batch figure is the mean over
+    the positions it counts, ops/softmax.py ``counted_positions``); with
+    ``attrs``: (its label blob, its attrs), or (None, None) when ``graph``
+    (this rank's composed test graph: a pipeline's other stages) lacks it."""
+    for op in graph.ops.values():
+        if op.op_type in ("SoftmaxLoss", "Accuracy") and op.outputs[0] == blob:
+            if op.attrs.get("ignore_label") is None:
+                return False
+            return (op.inputs[1], dict(op.attrs)) if attrs else True
+    return (None, None) if attrs else False
 
 
 def param_summary(graph):

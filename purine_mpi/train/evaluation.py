@@ -9,7 +9,10 @@ figures for the services after it (watch.py) and the run's result.
 """
 import numpy as np
 
+from ..base.backend import to_numpy
+
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
+from ..ops.softmax import counted_positions
 from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
 from .collectives import average_running_stats, world_sum
@@ -47,8 +50,14 @@ class Evaluation(Service):
         (data/sources.py, ``pass_batches``): the last batch is padded and its
         padding counts in no figure (job/replica.py, ``mark_padding``), so every
         sample counts exactly once on any number of ranks. Each figure is
-        the mean over the counted samples: the sum over ranks and batches of
-        a batch's figure times its counted samples, over their number."""
+        the mean over what it counts in the whole pass: the sum over ranks
+        and batches of a batch's figure times its count, over the counts'
+        sum. A batch's figure is a mean over its counted samples, or, for a
+        SoftmaxLoss or Accuracy with an ``ignore_label``, over its counted
+        positions (``counted_positions``, read from its label right after
+        the batch): so the loss is the sum of the positions' losses over
+        their number (PyTorch's ``ignore_index``, Caffe's VALID over the
+        whole pass), the accuracy the right positions over the counted."""
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
@@ -78,7 +87,9 @@ class Evaluation(Service):
             loop.say(note)
         ws, names = loop.test.workspace, loop.graphs.test_names
         counted = min(limit, n * batch * replicas)
-        sums = np.zeros(len(names))
+        # per figure: the weighted sum, and for those counting positions their count
+        sums, positions = np.zeros(len(names)), np.zeros(len(names))
+        by_position = [bool(c) for c in loop.graphs.test_counts] or [False] * len(names)
         with progress(counted, "test", "samples", log=loop.log,
                       enabled=loop.world.rank == 0) as bar:
             for i in range(n):
@@ -87,14 +98,25 @@ class Evaluation(Service):
                 # a tensor-parallel group's ranks hold the same figures: shard 0 counts
                 lay = loop.graphs.layout
                 mine = float(counts[lay.replica]) if lay.shard == 0 else 0.0
-                sums += [mine * scale * float(ws[b]) if b in ws.arrays else 0.0
-                         for b, scale in zip(names, loop.graphs.test_scales)]
+                for j, (b, scale) in enumerate(zip(names, loop.graphs.test_scales)):
+                    if b not in ws.arrays:
+                        continue
+                    weight = mine
+                    if by_position[j] and mine:  # the label read now: the next batch rewrites it
+                        label, attrs = loop.graphs.test_counts[j]
+                        weight = float(counted_positions(attrs, to_numpy(ws[label])))
+                        positions[j] += weight
+                    sums[j] += weight * scale * float(ws[b])
                 bar.update(int(counts.sum()))
         out = {}
         # every replica holds each figure on one of its ranks (a pipeline's
-        # last stage), the others add 0: the world's sum is the replicas' sum
-        for key, v in zip(loop.graphs.test_keys,
-                          world_sum(loop.world, sums, "the test figures") / counted):
+        # last stage), the others add 0: the world's sum is the replicas'
+        # sum; one collective, the same on every rank
+        total = world_sum(loop.world, np.concatenate([sums, positions]), "the test figures")
+        # nothing counted (every position ignored): 0, as a batch's loss (Caffe's)
+        over = [max(c, 1.0) if p else counted
+                for c, p in zip(total[len(names):], by_position)]
+        for key, v in zip(loop.graphs.test_keys, total[:len(names)] / np.array(over)):
             out[key] = out.get(key, 0.0) + float(v)
         out["samples"] = int(counted)
         return out
