@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import struct
-import sys
+import subprocess
 
 import h5py
 import numpy as np
@@ -18,7 +18,8 @@ import pytest
 from purine_mpi.job.checkpoint_file import load_checkpoint
 from purine_mpi.job.metrics import float32_value, row_text
 
-from .conftest import run_cli_args, run_cli_here, small_net_config, write_config_file
+from .conftest import (PYTHON, REPO, cli_env, run_cli_args, run_cli_here, small_net_config,
+                       write_config_file)
 
 
 def read_rows(path):
@@ -205,19 +206,12 @@ def test_tensorboard_scalars_equal_metrics_jsonl(runs, run):
     assert purges == ([11] if run == "split" else [])
 
 
-def _not_installed(monkeypatch, package):
-    """As if ``package`` were not installed, for commands run in this
-    process: importing it or any module of it raises ImportError (the
-    modules an earlier test imported included)."""
-    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")] + \
-            [package]:
-        monkeypatch.setitem(sys.modules, name, None)
-
-
-def test_tensorboard_without_tensorboardx_exits_2_before_training(runs, tmp_path,
-                                                                   monkeypatch):
-    _not_installed(monkeypatch, "tensorboardX")
-    res = run_cli_here("train", runs["cfg"], "--tensorboard", cwd=tmp_path)
+def test_tensorboard_without_tensorboardx_exits_2_before_training(runs, tmp_path):
+    code = ("import sys; sys.modules['tensorboardX'] = None; from purine_mpi.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([PYTHON, "-c", code, "train", str(runs["cfg"]), "--tensorboard"],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
         "error: --tensorboard needs the tensorboardX package: "
@@ -331,7 +325,10 @@ def test_plot_bad_inputs_exit_2(tmp_path):
                   "c.nosuchformat")
 
 
-def test_plot_without_matplotlib_exits_2_with_the_install_line(tmp_path, monkeypatch):
-    _not_installed(monkeypatch, "matplotlib")
-    res = run_cli_here("plot", tmp_path, "--out", tmp_path / "c.png")
+def test_plot_without_matplotlib_exits_2_with_the_install_line(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from purine_mpi.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([PYTHON, "-c", code, "plot", str(tmp_path), "--out",
+                          str(tmp_path / "c.png")], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=60)
     assert_exit_2(res, "pip install 'purine_mpi[plot]'")
