@@ -23,6 +23,27 @@ def world():
     return w
 
 
+def emulated_gpu_rank(build_root):
+    """This rank on the emulated GPU (tests/emulated_gpu) as a trainer runs
+    it: host staging of device buffers (the mpich wheel is not CUDA-aware),
+    the kernels compiled under ``build_root``/rank<R>. Returns (the world,
+    the pytest MonkeyPatch holding the emulated CuPy for this process)."""
+    import pathlib
+
+    import pytest
+
+    from purine_mpi.comm import device as comm_device
+    from tests import emulated_gpu as emu
+    os.environ["PURINE_MPI_CUDA_AWARE"] = "0"
+    comm_device.cuda_aware.cache_clear()
+    w = world()
+    build = pathlib.Path(build_root) / f"rank{w.rank}"
+    build.mkdir(parents=True, exist_ok=True)
+    patch = pytest.MonkeyPatch()
+    emu.emulated_trainer_env(patch, build)
+    return w, patch
+
+
 def ok(name):
     w = get_world()
     print(f"OK {name} rank {w.rank}", flush=True)

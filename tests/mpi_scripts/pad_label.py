@@ -8,29 +8,17 @@ class and for two losses ignoring different ones.
 
 ``BUILD_DIR``: where each rank compiles the kernels (a folder per rank).
 """
-import os
-import pathlib
 import sys
 import tempfile
 
-from common import ok, world
+from common import emulated_gpu_rank, ok
 
-import pytest  # noqa: E402  (MonkeyPatch: the emulated CuPy for this process)
-
-from purine_mpi.comm import device as comm_device  # noqa: E402
 from purine_mpi.job.config import validate_config  # noqa: E402
 from purine_mpi.train.trainer import Trainer  # noqa: E402
-from tests import emulated_gpu as emu  # noqa: E402
 from tests.conftest import make_job  # noqa: E402
 from tests.test_pad_label import CASES, check_figures, pad_raw, reference  # noqa: E402
 
-os.environ["PURINE_MPI_CUDA_AWARE"] = "0"  # the mpich wheel's: host staging
-comm_device.cuda_aware.cache_clear()
-w = world()
-build = pathlib.Path(sys.argv[1]) / f"rank{w.rank}"
-build.mkdir(parents=True, exist_ok=True)
-patch = pytest.MonkeyPatch()
-emu.emulated_trainer_env(patch, build)
+w, patch = emulated_gpu_rank(sys.argv[1])
 for device in (-1, 0):
     for ignores in CASES:
         raw = pad_raw(device, ignores)

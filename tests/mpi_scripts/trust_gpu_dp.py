@@ -9,27 +9,17 @@ folders and the two ``final`` lines (rank 0 prints them in that order).
 
 ``BUILD_DIR``: where each rank compiles the kernels (a folder per rank).
 """
-import os
 import pathlib
 import sys
 
-from common import ok, world
+from common import emulated_gpu_rank, ok
 
-import pytest  # noqa: E402  (MonkeyPatch: the emulated CuPy for this process)
-
-from purine_mpi.comm import device as comm_device  # noqa: E402
 from purine_mpi.job.config import validate_config  # noqa: E402
 from purine_mpi.train.trainer import run_training  # noqa: E402
 from tests import emulated_gpu as emu  # noqa: E402
 
-os.environ["PURINE_MPI_CUDA_AWARE"] = "0"  # the mpich wheel's: host staging
-comm_device.cuda_aware.cache_clear()
-w = world()
-build = pathlib.Path(sys.argv[1]) / f"rank{w.rank}"
-build.mkdir(parents=True, exist_ok=True)
+w, patch = emulated_gpu_rank(sys.argv[1])
 out = pathlib.Path(sys.argv[2])
-patch = pytest.MonkeyPatch()
-emu.emulated_trainer_env(patch, build)
 for name, device in (("gpu", 0), ("cpu", -1)):
     raw = emu.reporting_raw(device, cuda_graph=device >= 0)
     raw["parallel"] = {"scheme": "data"}
