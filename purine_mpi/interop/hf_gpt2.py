@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..base.errors import InitMismatch, UserError
-from ..base.runfiles import write_replacing
+from ..base.runfiles import write_replacing, write_text_replacing
 
 INSTALL = "pip install 'purine_mpi[hf]' (or pip install safetensors)"
 #: the weights file of a Hugging Face model folder
@@ -451,11 +451,10 @@ def export_hf(job, weights_path, out_dir):
     weights = os.path.join(out_dir, WEIGHTS)
     write_replacing(weights, lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(layout.config, indent=2) + "\n"
-    write_replacing(os.path.join(out_dir, "config.json"), lambda tmp: _write_text(tmp, text))
+    write_text_replacing(os.path.join(out_dir, "config.json"), text)
     vocabulary = saved_tokenizer(weights_path)  # the run's subword vocabulary, or None: bytes
     if vocabulary is not None:  # AutoTokenizer.from_pretrained(out_dir) reads it
-        write_replacing(os.path.join(out_dir, TOKENIZER),
-                        lambda tmp: _write_text(tmp, vocabulary))
+        write_text_replacing(os.path.join(out_dir, TOKENIZER), vocabulary)
     c = layout.config
     tokens = (f"; its vocabulary in {TOKENIZER}" if vocabulary is not None else
               "; byte-level: token ids are the text's UTF-8 bytes (no tokenizer file)")
@@ -463,8 +462,3 @@ def export_hf(job, weights_path, out_dir):
             f"width {c['n_embd']}, vocabulary {c['vocab_size']}, context {c['n_positions']} "
             f"({c['activation_function']}){tokens}; transformers.GPT2LMHeadModel."
             f"from_pretrained('{out_dir}') loads it")
-
-
-def _write_text(path, text):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
