@@ -83,7 +83,6 @@ def _test_net(job):
     g.add_blob("data", (1, 1), "int32")
     g.add_blob("label", (1, 1), "int32")
     build_net(job.net, "test", (g, job.path))
-    g.infer_shapes()
     return g
 
 

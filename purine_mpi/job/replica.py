@@ -35,7 +35,6 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
     except UserError as exc:  # the data file, or a spec's key that does not fit it
         raise data_error(job.path, phase, exc) from None
     build_net(job.net or (), phase, (g, job.path))
-    g.infer_shapes()
     return g
 
 

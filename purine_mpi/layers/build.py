@@ -136,7 +136,8 @@ def build_net(net, phase, data_blobs):
 
     ``data_blobs`` maps names the net may read (``data``, ``label``) to blobs
     already in a graph; returns (graph, builder) with the data op added by
-    the caller beforehand."""
+    the caller beforehand, every blob's shape inferred (a shape that cannot
+    work: a ConfigError naming the layer's key, ``shape_failure``)."""
     graph, path = data_blobs
     b = NetBuilder(graph, phase, path)
     b.current = {n: n for n in graph.blobs}
