@@ -95,6 +95,21 @@ def test_memory_json_is_never_written_through_a_link(tmp_path):
     assert json.loads((run / "memory.json").read_text())["ranks"][0]["rank"] == 0
 
 
+def _under_file_size_limit(code, path, limit):
+    """``python -c code path`` in a process whose file-size limit
+    (``ulimit -f``, RLIMIT_FSIZE) is ``limit`` bytes: the CompletedProcess."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=60, preexec_fn=preexec)
+
+
 def test_a_checkpoint_over_the_file_size_limit_is_one_line_naming_it(tmp_path):
     """``ulimit -f`` (RLIMIT_FSIZE, set in a real process: Python ignores
     SIGXFSZ, so the write fails with EFBIG): the checkpoint is one
@@ -102,14 +117,9 @@ def test_a_checkpoint_over_the_file_size_limit_is_one_line_naming_it(tmp_path):
     large``, no file named, exit 1), the previous checkpoint stays whole
     and loadable, and no temporary file is left. Another error of a write
     (EIO) keeps its own exit but names the file."""
-    import resource
-    import subprocess
-    import sys
-
     import numpy as np
 
     from purine_mpi.job.checkpoint_file import load_checkpoint, save_checkpoint
-    from tests.conftest import REPO, cli_env
     path = tmp_path / "latest.h5"
     save_checkpoint(path, {"w": np.ones(4, np.float32)}, iteration=1)
     before = path.read_bytes()
@@ -120,11 +130,7 @@ def test_a_checkpoint_over_the_file_size_limit_is_one_line_naming_it(tmp_path):
             "    save_checkpoint(sys.argv[1], {'w': np.zeros(1 << 18, np.float32)}, iteration=2)\n"
             "except UserError as e:\n"
             "    print('UserError:', e)\n")
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
-    res = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=cli_env(),
-                         capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    res = _under_file_size_limit(code, path, 64 << 10)
     assert res.stdout.startswith(f"UserError: {path}: file too large"), (res.stdout, res.stderr)
     assert res.returncode == 0 and "\n" not in res.stdout.strip()
     assert sorted(os.listdir(tmp_path)) == ["latest.h5"]
@@ -155,11 +161,6 @@ def test_a_trace_over_the_file_size_limit_is_one_line_and_stays_json(tmp_path):
     one UserError naming the file (it was ``OSError: [Errno 27] File too
     large`` naming none, exit 1, and the file cut mid-event at the limit),
     and the file keeps its whole chunks and ends as JSON Perfetto reads."""
-    import resource
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO, cli_env
     path = tmp_path / "trace.rank0.json"
     code = ("import sys\n"
             "from purine_mpi.graph.core import Op\n"
@@ -175,11 +176,7 @@ def test_a_trace_over_the_file_size_limit_is_one_line_and_stays_json(tmp_path):
             "    tf.close()\n"
             "except Exception as e:\n"
             "    print('close:', type(e).__name__)\n")
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
-    res = subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=cli_env(),
-                         capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    res = _under_file_size_limit(code, path, 16 << 10)
     assert res.stdout.startswith(f"UserError: {path}: file too large"), (res.stdout, res.stderr)
     events = json.loads(path.read_text())["traceEvents"]  # whole chunks, then ]}
     spans = [e["args"]["iter"] for e in events if e["ph"] == "X"]
