@@ -214,6 +214,27 @@ def _gpt(tokens, **change):
     return config
 
 
+def _hf_stack():
+    """(torch, transformers); the test skips without them or safetensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors.numpy")
+    return torch, transformers
+
+
+def _random_gpt2(transformers, **config):
+    """A GPT2LMHeadModel of a small random GPT2Config: vocabulary 256, 8
+    positions, width 16, 2 layers; ``config`` adds to it or replaces."""
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **{"vocab_size": 256, "n_positions": 8, "n_embd": 16, "n_layer": 2, **config}))
+
+
+def _save_pretrained(model, tmp_path):
+    """``model`` saved by transformers into tmp_path/hf: its model.safetensors."""
+    model.save_pretrained(str(tmp_path / "hf"))
+    return str(tmp_path / "hf" / "model.safetensors")
+
+
 def _hf_logits(model, ids):
     import torch
     model.eval()
@@ -232,9 +253,7 @@ def test_export_hf_logits_generate_and_round_trip(tokens, tmp_path, change):
     'the net is not GPT-2's structure: after layer 'b0_attn' GPT-2 has the
     attention's softmax, this net has layer 'b0_attn' (AttentionContext)'
     (the walk dropped every Softmax as if it read the head's logits)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors.numpy")
+    torch, transformers = _hf_stack()
     from purine_mpi.interop.hf_gpt2 import export_hf, hf_params
     from purine_mpi.tools.generate import Generator
     config = _gpt(tokens, **change)
@@ -264,9 +283,7 @@ def test_export_hf_carries_the_subword_vocabulary(tokens, tmp_path):
     greedy generate, decoded by it, is the text of our generate. Before,
     the folder held no vocabulary (the test printed "assert 'its vocabulary
     in tokenizer.json' in '28 tensors, GPT-2 of 2 layers, ... loads it'")."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors.numpy")
+    torch, transformers = _hf_stack()
     pytest.importorskip("tokenizers")
     from purine_mpi.data.tokenizer import Vocabulary, train_bpe
     from purine_mpi.interop.hf_gpt2 import export_hf
@@ -304,20 +321,16 @@ def test_init_from_a_transformers_gpt2_and_its_config(tokens, tmp_path):
     folder read into a net of 4 heads (tensors of the same shapes) is
     refused naming n_head; before, it loaded and computed another model
     (the test printed 'DID NOT RAISE')."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors.numpy")
+    torch, transformers = _hf_stack()
     from purine_mpi.interop.hf_gpt2 import hf_params
     torch.manual_seed(5)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_positions=8, n_embd=16, n_layer=2, n_head=2,
-        activation_function="gelu", layer_norm_epsilon=1e-6))
+    model = _random_gpt2(transformers, n_head=2, activation_function="gelu",
+                         layer_norm_epsilon=1e-6)
     with torch.no_grad():  # layer norms and biases off their init, so a mix-up shows
         for name, p in model.named_parameters():
             if "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(tmp_path / "hf"))
-    path = str(tmp_path / "hf" / "model.safetensors")
+    path = _save_pretrained(model, tmp_path)
     config = _gpt(tokens, heads=2, approximate="none", eps=1e-6)
     values, note = hf_params(path, make_job(copy.deepcopy(config)))
     assert note is None
@@ -340,16 +353,11 @@ def test_init_of_an_untied_gpt2_needs_an_untied_head(tokens, tmp_path):
     the tensor (before, the head was dropped without a word and the net
     computed the embedding's logits: 'DID NOT RAISE'); into a net whose head
     has its own weight, our logits are transformers' within 1e-5."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors.numpy")
+    torch, transformers = _hf_stack()
     from purine_mpi.interop.hf_gpt2 import hf_params
     torch.manual_seed(6)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_positions=8, n_embd=16, n_layer=2, n_head=4,
-        tie_word_embeddings=False))
-    model.save_pretrained(str(tmp_path / "hf"))
-    path = str(tmp_path / "hf" / "model.safetensors")
+    model = _random_gpt2(transformers, n_head=4, tie_word_embeddings=False)
+    path = _save_pretrained(model, tmp_path)
     with pytest.raises(UserError, match=r"its lm_head.weight is not its transformer.wte.weight "
                                         r".* this net's head is tied to the embedding"):
         hf_params(path, make_job(_gpt(tokens)))
@@ -371,17 +379,12 @@ def test_init_of_a_bfloat16_gpt2(tokens, tmp_path):
     logits are the float32 model's within 1e-5. Before, the file was
     refused: "is not a safetensors file numpy can read (TypeError: data
     type 'bfloat16' not understood)"."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors.numpy")
+    torch, transformers = _hf_stack()
     from purine_mpi.interop.hf_gpt2 import hf_params
     torch.manual_seed(7)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_positions=8, n_embd=16, n_layer=2, n_head=4)).to(torch.bfloat16)
-    model.save_pretrained(str(tmp_path / "hf"))
+    model = _random_gpt2(transformers, n_head=4).to(torch.bfloat16)
     config = _gpt(tokens)
-    values, _ = hf_params(str(tmp_path / "hf" / "model.safetensors"),
-                          make_job(copy.deepcopy(config)))
+    values, _ = hf_params(_save_pretrained(model, tmp_path), make_job(copy.deepcopy(config)))
     state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     assert values["wte/weight"].tobytes() == state["transformer.wte.weight"].tobytes()
     assert values["b1_fc/weight"].tobytes() == \
