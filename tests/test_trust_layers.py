@@ -240,27 +240,30 @@ def test_softmax_loss_normalization_with_ignore_label_exits_2():
         run_net(net, randn(2, 3).astype(np.float32), np.zeros(2, np.float32), params={})
 
 
-def test_caffe_batch_size_normalization_converts_to_the_key(tmp_path):
+def _converted_layer(tmp_path, layer):
+    """Our entry of Caffe's ``layer`` (prototxt text reading ``data`` and
+    ``label`` of an HDF5Data layer) by ``convert caffe``."""
     from purine_mpi.interop.caffe_convert import convert
     path = tmp_path / "n.prototxt"
     path.write_text('layer { name: "in" type: "HDF5Data" top: "data" top: "label"\n'
-                    '        hdf5_data_param { source: "x" batch_size: 2 } }\n'
-                    'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "data" '
-                    'bottom: "label" top: "loss" loss_param { normalization: BATCH_SIZE } }\n')
+                    '        hdf5_data_param { source: "x" batch_size: 2 } }\n' + layer + "\n")
     config, _ = convert(str(path), data_path="/x.h5")
-    assert config["net"][-1]["normalization"] == "batch_size"
+    return config["net"][-1]
+
+
+def test_caffe_batch_size_normalization_converts_to_the_key(tmp_path):
+    layer = _converted_layer(tmp_path, 'layer { name: "loss" type: "SoftmaxWithLoss" '
+                                       'bottom: "data" bottom: "label" top: "loss" '
+                                       'loss_param { normalization: BATCH_SIZE } }')
+    assert layer["normalization"] == "batch_size"
 
 
 def test_caffe_accuracy_ignore_label_converts_to_the_key(tmp_path):
     """Before: 'accuracy supports top_k only (axis 1, no ignore_label)'."""
-    from purine_mpi.interop.caffe_convert import convert
-    path = tmp_path / "n.prototxt"
-    path.write_text('layer { name: "in" type: "HDF5Data" top: "data" top: "label"\n'
-                    '        hdf5_data_param { source: "x" batch_size: 2 } }\n'
-                    'layer { name: "acc" type: "Accuracy" bottom: "data" bottom: "label" '
-                    'top: "acc" accuracy_param { top_k: 2 ignore_label: 255 } }\n')
-    config, _ = convert(str(path), data_path="/x.h5")
-    assert (config["net"][-1]["top_k"], config["net"][-1]["ignore_label"]) == (2, 255)
+    layer = _converted_layer(tmp_path, 'layer { name: "acc" type: "Accuracy" bottom: "data" '
+                                       'bottom: "label" top: "acc" '
+                                       'accuracy_param { top_k: 2 ignore_label: 255 } }')
+    assert (layer["top_k"], layer["ignore_label"]) == (2, 255)
 
 
 # -------------------------------------------------------- eltwise, concat
