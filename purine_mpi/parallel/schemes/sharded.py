@@ -157,7 +157,6 @@ class Sharded(Hybrid):
                 from ..sharding import forward_ops
                 forward = forward_ops(graph)
             comp = compose_stages(graph, job, world, copies)
-            _refuse_stage_without_parameters(graph, job, lay)
             self._tensor_done(comp, pairs, lay, job)
             graph = comp.graph
         else:
@@ -188,7 +187,7 @@ class Sharded(Hybrid):
         # deferred tail's blobs (under SGD it reached the full buckets)
         graph.deferrable = False
         graph.infer_shapes().validate()
-        comp.shard_plan = plan
+        comp.shard_plan, comp.shard = plan, par.shard
         if job.solver.clip_gradients is not None:
             _clip(comp, job.solver.clip_gradients, world.size)
         if par.check_collectives:
@@ -218,7 +217,7 @@ class Sharded(Hybrid):
                 # stage 3's gathers go before their readers, among the allreduces
                 sequence_collectives(graph, plan, tensor)
             _on_group(graph, plan, group)
-            return {"shard_plan": plan}
+            return {"shard_plan": plan, "shard": par.shard}
 
         comp = compose_tensor(graph, grads, job, world, lay, reduce=reduce)
         if job.solver.clip_gradients is not None:
@@ -422,14 +421,13 @@ class Sharded(Hybrid):
         rank 0 holds one parameter's whole weight and state at a time
         beyond its own. What each rank holds meanwhile is ``save_bytes``'s
         figure (``plan``'s "checkpoint save" row): change them together."""
-        plan = _plan(graphs)
-        if not plan:  # one rank, one replica of stages or tensor shards: no bucket
+        if not _sharding(graphs):  # one rank, one replica of stages or tensor shards
             return Scheme.checkpoint_sections(self, graphs, ws, world, local)
         if self.gathers_checkpoint(graphs):
             params, solver = self.checkpoint_parts(graphs, ws, local)
             return streamed_join(graphs, world, params, solver, _join_plan)
         from ...job.checkpoint_file import Streamed
-        pool = Buffers()
+        plan, pool = _plan(graphs), Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
@@ -459,7 +457,7 @@ class Sharded(Hybrid):
         """With stages or tensor shards and buckets, every rank: each holds
         its own pieces (``_join_plan`` reads them all)."""
         lay = graphs.layout
-        if self.gathers_checkpoint(graphs) and _plan(graphs):
+        if self.gathers_checkpoint(graphs) and _sharding(graphs):
             return range(lay.replicas * lay.stages * lay.tensor)
         return super().save_ranks(graphs)
 
@@ -482,7 +480,7 @@ class Sharded(Hybrid):
         lay, plan = graphs.layout, _plan(graphs)
         rank = lay.rank(lay.replica, lay.stage)
         blobs = graphs.graph.blobs
-        if not plan:
+        if not _sharding(graphs):
             return Scheme.save_bytes(self, graphs, everyone)
         if self.gathers_checkpoint(graphs):
             flat = [f for entry in plan for f, _ in _states(entry)]
@@ -636,8 +634,9 @@ class Sharded(Hybrid):
 
     def test_weights(self, graphs, ws, world):
         """Stage 3: every rank's weight shards gathered (one allgather) and
-        joined into whole weights, as a checkpoint joins them."""
-        if not _zero3(graphs):
+        joined into whole weights, as a checkpoint joins them (every rank
+        takes part, a pipeline stage without parameters with nothing)."""
+        if _sharding(graphs) < 3:
             return None
         from ...base.backend import to_numpy
         mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
@@ -725,6 +724,16 @@ def _plain(lay):
 def _plan(graphs):
     comp = getattr(graphs, "composition", None)
     return (comp.shard_plan if comp is not None else None) or []
+
+
+def _sharding(graphs):
+    """The ZeRO stage the run shards at, 0 where nothing is sharded (one
+    rank, one replica of stages or tensor shards). What decides a save's
+    and a test pass's collectives: the same on every rank, unlike this
+    rank's ``_plan`` (a pipeline stage without parameters has no bucket,
+    yet takes part in the other stages' gathers)."""
+    comp = getattr(graphs, "composition", None)
+    return comp.shard if comp is not None else 0
 
 
 def _zero3(graphs):
@@ -943,24 +952,6 @@ def _zero_settings(par, forward=None):
     if forward is not None:
         settings["forward"] = forward
     return settings
-
-
-def _refuse_stage_without_parameters(whole, job, lay):
-    """Exit 2 naming ``parallel.stages`` when a stage holds no parameter
-    (the loss alone): it has no bucket to shard, and its ranks' part in the
-    run's collectives is not built (each rank finds it in the whole graph,
-    placed by stage: the same answer on every rank). Schemes pipeline and
-    hybrid take such a stage."""
-    from ...graph.clip import update_ops
-    held = {op.location.rank for op in update_ops(whole) if op.location is not None}
-    empty = [s for s in range(lay.stages) if s not in held]
-    if empty:
-        raise UserError(f"{job.path}: key 'parallel.stages': scheme sharded shards each "
-                        f"stage's parameters over its replicas, but "
-                        f"{'stages' if len(empty) > 1 else 'stage'} "
-                        f"{', '.join(map(str, empty))} {'hold' if len(empty) > 1 else 'holds'} "
-                        "none (only layers without weights, such as the loss); put a layer "
-                        "with weights on every stage, or use scheme hybrid")
 
 
 def _params_of_updates(graph, plan):
