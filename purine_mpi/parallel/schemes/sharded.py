@@ -80,11 +80,17 @@ reduce-scatter or gather over a group of one), its start-up block, ``graph
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 without stages, with
-tensor parallelism, and with stages on several replicas (one replica of
-stages takes it: scheme pipeline's windows), and combinations with other
-schemes are refused (the config rules, job/config.py's ``_check_sharded``;
-the GPU, and the one-sided transport with stages on several replicas --
-the world size decides them -- by ``compose``).
+tensor parallelism, and at stage 3 with stages on several replicas (one
+replica of stages takes it: scheme pipeline's windows; stages 1 and 2 on
+several replicas take it as hybrid does: the stage transfers through
+windows, each stage's reduce-scatters and gathers two-sided), and
+combinations with other schemes are refused (the config rules,
+job/config.py's ``_check_sharded``; the GPU, and the one-sided transport
+at stage 3 with stages on several replicas -- the world size decides
+them -- by ``compose``). A pipeline stage that holds no parameter (the
+loss alone) has no bucket: its ranks take part in the collectives over
+every rank only (the clip's, a save's gathers, stage 3's test weights),
+which every rank decides from ``Composition.shard``, never its own plan.
 """
 import numpy as np
 
@@ -142,8 +148,8 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
-        if lay.staged and lay.replicas > 1 and par.transport == "one_sided":
-            _refuse_one_sided_stages(job, lay)
+        if lay.staged and lay.replicas > 1 and par.transport == "one_sided" and par.shard >= 3:
+            _refuse_one_sided_stages(job, lay)  # shards 1, 2: the stage transfers in windows
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
@@ -692,19 +698,24 @@ def _one_replica(par, world_size):
 
 
 def _refuse_one_sided_stages(job, lay):
-    """``parallel.transport: one_sided`` with ``parallel.stages`` on several
-    replicas: a user error naming both keys and the layouts that take it
-    (the config rules cannot: the world size decides the replicas)."""
+    """``parallel.transport: one_sided`` at shard 3 with ``parallel.stages``
+    on several replicas: a user error naming both keys and the layouts that
+    take it (the config rules cannot: the world size decides the replicas).
+    At shard 3 one_sided means the weights in windows
+    (parallel/zero3_windows.py), whose layout, owners and WindowSync
+    barriers are the world's ranks as the replicas: a stage's ranks (a
+    sub-communicator, its own buckets) are not built. Shards 1 and 2 take
+    it: the stage transfers through windows, the reduce-scatters and
+    gathers two-sided on each stage's ranks, as hybrid's allreduce."""
     raise UserError(
         f"{job.path}: key 'parallel.transport': one_sided with parallel.stages on "
-        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks, parallel.shard "
-        f"{job.parallel.shard}) is refused: each stage's reduce-scatters and gathers over its "
-        "replicas run two-sided (shard 3's one shared window of the weights per node is built "
-        "for one replica per rank, not for a stage's ranks); scheme sharded takes one_sided "
-        "at parallel.shard: 3 without parallel.stages, and with parallel.stages on one replica "
-        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
-        "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
-        "share a node) or two_sided")
+        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks) at parallel.shard 3 is "
+        "refused: at shard 3 one_sided puts the weights in windows (one shared copy per node, "
+        "or each rank's shard in its RMA window), built for one replica per rank, not for a "
+        "stage's ranks; parallel.shard 1 and 2 take it (the stage transfers through windows, "
+        "each stage's reduce-scatters and gathers two-sided), and so does one replica "
+        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline); use parallel.transport: auto "
+        "(windows for the stage transfers where ranks share a node) or two_sided")
 
 
 def _stand_in(blob):
