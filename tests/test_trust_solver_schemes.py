@@ -188,9 +188,11 @@ def test_sharded_stage_without_parameters_trains_as_one_rank(tmp_path, one_rank,
     got, _ = _train(tmp_path, "sharded", 4,
                     make({"scheme": "sharded", "shard": shard, "stages": stages}, batch=4))
     _close(got, ref)
-    if stages is RELU_FIRST:
+    if stages is RELU_FIRST:  # rank 0, whose start-up block it is, holds no parameter
         want = _test_loss(tmp_path / "one")
         assert want and _test_loss(tmp_path / "sharded") == pytest.approx(want, rel=1e-5)
+        assert "stage 0 (this rank's) holds no parameter: no bucket" in \
+            (tmp_path / "sharded" / "train.log").read_text()
 
 
 @pytest.mark.mpi

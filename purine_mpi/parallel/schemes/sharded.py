@@ -364,9 +364,11 @@ class Sharded(Hybrid):
                    f"{position}'s gradients reduce-scattered over its {counted(n, 'rank')} "
                    f"(this rank's: {ranges(lay.stage_ranks())})")
             where = " of its stage and tensor shard" if t > 1 else where
-        rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
-                 f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
-                 f"bucket{where}{what}"),
+        body = (f"{who} in {counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard "
+                f"of every bucket{where}{what}")
+        if lay.staged and not plan:  # a stage without parameters (the loss alone)
+            body = f"{who}; stage {lay.stage} (this rank's) holds no parameter: no bucket"
+        rows = [("scheme", f"sharded (ZeRO stage {stage}): {body}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
@@ -395,6 +397,9 @@ class Sharded(Hybrid):
                     f"rank {rank} holds shard {lay.replica} of {lay.replicas} of every bucket's "
                     f"{what} of its tensor shard, reduce-scattered and gathered over ranks "
                     f"{lay.shard_ranks()} (its tensor shard's replicas)")
+        if lay.staged and not plan:  # a stage without parameters (the loss alone)
+            return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): stage "
+                    f"{lay.stage} holds no parameter: rank {rank} holds no bucket")
         if lay.staged:
             whose, who = ((" and tensor shard", "this stage's replicas of this tensor shard")
                           if lay.tensor > 1 else ("", "this stage"))
