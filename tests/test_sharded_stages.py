@@ -149,9 +149,8 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 
 
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport", "parallel.stages"),
-    ({"transport": "one_sided"}, 4, "parallel.transport", "with parallel.stages on one replica"),
-    ({"shard": 2, "transport": "one_sided"}, 4, "parallel.transport", "on 2 replicas"),
+    ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport",
+     "parallel.stages on 2 replicas (4 ranks) at parallel.shard 3"),
     ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
@@ -195,7 +194,9 @@ def test_one_replica_takes_the_transport_as_pipeline(transport):
     transport rows and the notes on transport are the pipeline's with the
     same transport (one_sided: the stage transfers through windows; before:
     one_sided exited 2 at shard 1 and 2 and at 3 with stages). On 4 ranks
-    (2 replicas) one_sided stays refused (test_what_is_not_built_exits_2)."""
+    (2 replicas) one_sided is refused at shard 3 only
+    (test_what_is_not_built_exits_2; shards 1 and 2:
+    test_several_replicas_one_sided_trains_as_hybrid)."""
     from purine_mpi.graph.seed_yaml import dump
     from purine_mpi.parallel.compose import settings_without_effect
     from purine_mpi.tools.graph import composed
@@ -234,6 +235,42 @@ def test_one_replica_one_sided_trains_as_pipeline(tmp_path, train_once):
     mine = _params(out / "latest.h5")
     for ref in runs.values():
         _same(_params(ref / "latest.h5"), mine)
+
+
+def test_several_replicas_take_one_sided_as_auto_on_one_node():
+    """2 replicas x 2 stages at shard 1 and 2, ranks of one node: one_sided
+    composes every rank's graph as auto does (the stage transfers through
+    shared windows, the reduce-scatters and gathers on each stage's ranks);
+    its transport row says so. (Before: exit 2 naming parallel.transport.)"""
+    from purine_mpi.graph.seed_yaml import dump
+    from purine_mpi.tools.graph import composed
+    for shard in (1, 2):
+        for rank in range(4):
+            want = composed(make_job(_staged("sharded", shard=shard, transport="auto")), 4, rank)
+            g, comp = composed(make_job(_staged("sharded", shard=shard,
+                                                transport="one_sided")), 4, rank)
+            assert dump(g) == dump(want[0]), (shard, rank)
+            assert any(op.op_type == "Put" for op in g.ops.values())
+            assert any(op.op_type == "ReduceScatter" for op in g.ops.values())
+            assert [row[:2] for row in comp.transport] == [
+                ("activations and gradients", "one-sided, shared windows")], comp.transport
+
+
+@pytest.mark.mpi
+def test_several_replicas_one_sided_trains_as_hybrid(tmp_path, train_once, monkeypatch):
+    """2 replicas x 2 stages at shard 2 with ``transport: one_sided``, each
+    rank a host of its own (``PURINE_RANKS_PER_HOST=1``: the stage transfers
+    through RMA windows, Rput and Fetch_and_op), 10 steps of AdamW: every
+    weight and the gathered optimizer state equal plain hybrid's
+    (_hybrid_ref, shared windows) bit for bit; the transport row says RMA
+    windows. (Before: exit 2, "one_sided with parallel.stages on 2
+    replicas ... is refused".)"""
+    ref, _ = _hybrid_ref(train_once, "adamw")
+    monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
+    out, text = _train(tmp_path, "rma", 4, _staged("sharded", shard=2, transport="one_sided"))
+    assert "sharded (ZeRO stage 2): 2 replicas x 2 stages" in text
+    assert "activations and gradients: one-sided, RMA windows" in text
+    _same(_params(ref / "latest.h5"), _params(out / "latest.h5"))
 
 
 def _waits_it_adds(graph):

@@ -8,10 +8,12 @@ its own rank (before: ``GradNormSq`` refused zero gradients, exit 1 at
 start-up, and the op was placed on rank 0's host, so partitioning dropped
 the stage's Allreduce); and its progress line's rate comes from the
 solver's policy (before: ``KeyError: 'lr'`` on that rank after iteration
-1). Scheme sharded with such a stage exits 2 naming ``parallel.stages``
-(before: shard 3 failed at start-up on ``min()`` of nothing, shard 1 and 2
-trained, then stalled at the end's gathers). And a guard of what the audit
-found right: per-parameter ``lr_mult`` / ``decay_mult`` (biases and norms
+1). Scheme sharded with such a stage (the loss alone, or the relu that reads
+the data) trains as one rank, its checkpoints resuming either way (before:
+exit 2; past that refusal shard 3 failed at start-up on ``min()`` of nothing
+and shard 1 and 2 trained, then stalled at the end: the stage's ranks, with
+no bucket, skipped the save's gathers the other stage's ranks posted).
+And a guard of what the audit found right: per-parameter ``lr_mult`` / ``decay_mult`` (biases and norms
 at decay_mult 0) with AdamW's decoupled decay and a clip that acts, under
 sharded stage 1 (one flat bucket mixes parameters of several multipliers)
 and tensor parallelism (split weights and biases, a row-split layer's
@@ -21,8 +23,7 @@ import json
 import numpy as np
 import pytest
 
-from purine_mpi.base.errors import UserError
-from purine_mpi.tools.graph import compose_for
+from purine_mpi.tools.graph import compose_for, composed
 from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
 from tests.test_micro_batches import _params
 
@@ -66,9 +67,9 @@ def _config(parallel=None, batch=8, clip=0.5, iters=4):
             "parallel": parallel or {}}
 
 
-def _train(tmp_path, name, n, cfg):
+def _train(tmp_path, name, n, cfg, *more):
     out = tmp_path / name
-    args = ("train", write_config_file(tmp_path, cfg, f"{name}.yaml"), "--out", out)
+    args = ("train", write_config_file(tmp_path, cfg, f"{name}.yaml"), "--out", out, *more)
     res = run_mpi_cli(n, *args) if n > 1 else run_cli_args(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -121,14 +122,117 @@ def test_pipeline_stage_without_parameters_trains_as_one_rank(tmp_path, one_rank
     assert lr == ref_lr and [v for _, v in lr] == pytest.approx([0.01, 0.01, 0.005, 0.005])
 
 
-@pytest.mark.parametrize("shard", [1, 3])
-def test_sharded_stage_without_parameters_exits_2(shard):
-    """Scheme sharded shards each stage's parameters: a stage of none is
-    refused on every rank, naming parallel.stages and the stage."""
-    job = make_job(_config({"scheme": "sharded", "shard": shard, "stages": LOSS_ALONE}))
+def _relu_first(parallel=None, batch=8, iters=4):
+    """``_config`` behind a relu of the data (``pre``: no parameter), with
+    a test split: under ``RELU_FIRST`` the stage that reads the data holds
+    no parameter, and the end's test pass reads stage 3's gathered weights."""
+    cfg = _config(parallel, batch=batch, iters=iters)
+    cfg["net"] = [{"type": "relu", "name": "pre", "bottom": "data", "top": "pre"}] + [
+        dict(layer, bottom="pre") if layer["name"] == "fc0" else layer for layer in cfg["net"]]
+    cfg["data"]["test"] = {"source": "synthetic", "shape": [6], "classes": 5, "batch_size": 8,
+                           "num_samples": 32, "shuffle": False}
+    return cfg
+
+
+#: the relu of the data alone on stage 0, every layer with weights on stage 1
+RELU_FIRST = {"pre": 0, **{k: 1 for k in LOSS_ALONE}}
+
+
+def _test_loss(out):
+    return [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl"))
+            if r.get("phase") == "test"]
+
+
+@pytest.mark.parametrize("stages,shard", [(LOSS_ALONE, 1), (RELU_FIRST, 3)],
+                         ids=["loss_alone-shard1", "relu_first-shard3"])
+def test_sharded_stage_without_parameters_composes(stages, shard):
+    """Offline, 2 replicas x 2 stages: the stage holding no parameter has
+    no bucket and no collective of the plan (its clip Allreduce over every
+    rank only), the other stage's ranks reduce-scatter and gather over
+    their 2 ranks in the same seq order, and every rank's Composition says
+    the run shards (what a save's and a test pass's collectives follow,
+    on every rank alike)."""
+    make = _relu_first if stages is RELU_FIRST else _config
+    job = make_job(make({"scheme": "sharded", "shard": shard, "stages": stages}, batch=4))
+    empty = 1 if stages is LOSS_ALONE else 0
+    seqs = []
     for rank in range(4):
-        with pytest.raises(UserError, match=r"key 'parallel.stages'.*stage 1 holds none"):
-            compose_for(job, 4, rank)
+        comp = composed(job, 4, rank)[1]
+        coll = sorted((op.attrs["seq"], op.op_type, op.attrs["group"])
+                      for op in comp.graph.ops.values()
+                      if op.op_type in ("ReduceScatter", "Allgather", "Allreduce"))
+        assert comp.shard == shard
+        if rank % 2 == empty:
+            assert not comp.shard_plan and [c[1:] for c in coll] == [
+                ("Allreduce", [0, 1, 2, 3])]
+        else:
+            assert comp.shard_plan and {tuple(c[2]) for c in coll if c[1] != "Allreduce"} \
+                == {(rank % 2, 2 + rank % 2)}
+            seqs.append(coll)
+    assert seqs[0] == seqs[1]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stages,shard", [(LOSS_ALONE, 2), (RELU_FIRST, 3)],
+                         ids=["loss_alone-shard2", "relu_first-shard3"])
+def test_sharded_stage_without_parameters_trains_as_one_rank(tmp_path, one_rank, stages,
+                                                              shard):
+    """Scheme sharded on 2 replicas x 2 stages, one stage without
+    parameters (the loss alone; the relu reading the data), clipped, a
+    batch of 4 per replica: the weights and Adam's moments after 4 steps,
+    and the end's test loss, are one rank's at a batch of 8 (1e-5). Before,
+    refused with exit 2; past the refusal the stage's ranks skipped the
+    save's gathers and every rank stalled."""
+    make = _relu_first if stages is RELU_FIRST else _config
+    ref = _train(tmp_path, "one", 1, make())[0] if stages is RELU_FIRST else one_rank[0][0]
+    got, _ = _train(tmp_path, "sharded", 4,
+                    make({"scheme": "sharded", "shard": shard, "stages": stages}, batch=4))
+    _close(got, ref)
+    if stages is RELU_FIRST:  # rank 0, whose start-up block it is, holds no parameter
+        want = _test_loss(tmp_path / "one")
+        assert want and _test_loss(tmp_path / "sharded") == pytest.approx(want, rel=1e-5)
+        assert "stage 0 (this rank's) holds no parameter: no bucket" in \
+            (tmp_path / "sharded" / "train.log").read_text()
+
+
+@pytest.mark.mpi
+def test_tensor_stages_with_a_stage_without_parameters_clip_as_one_rank(tmp_path, one_rank):
+    """2 stages x 2 tensor shards, the loss alone on stage 1, clipped: the
+    loss's second tensor shard had no norm to rescale (``KeyError:
+    'scales'`` at start-up, before; on every scheme with both keys):
+    pipeline on 4 ranks trains as one rank (1e-5), and sharded's 8 ranks
+    compose offline, each (stage, tensor shard) position's replicas
+    posting the same collectives in the same order."""
+    (ref, _), _ = one_rank
+    got, _ = _train(tmp_path, "pipe", 4, _config({"scheme": "pipeline", "stages": LOSS_ALONE,
+                                                  "tensor_parallel": 2}))
+    _close(got, ref)
+    job = make_job(_config({"scheme": "sharded", "shard": 2, "stages": LOSS_ALONE,
+                            "tensor_parallel": 2}, batch=4))
+    coll = [sorted((op.attrs["seq"], op.op_type, op.attrs["group"])
+                   for op in compose_for(job, 8, rank).ops.values()
+                   if op.op_type in ("ReduceScatter", "Allgather", "Allreduce"))
+            for rank in range(8)]
+    assert all([c[:2] for c in coll[r]] == [c[:2] for c in coll[r + 4]] for r in range(4))
+    assert coll[2] == coll[3] == [(coll[2][0][0], "Allreduce", list(range(8)))]
+    assert sum(c[1] == "ReduceScatter" for c in coll[0]) > 0
+
+
+@pytest.mark.mpi
+def test_sharded_stage_without_parameters_checkpoints_resume_on_one_rank(tmp_path, one_rank):
+    """The streamed split checkpoint of that layout (shard 3: weight
+    shards joined) at iteration 2 continues on 1 rank, and one rank's
+    checkpoint at 2 continues under it (each stage's ranks load their
+    shards; the loss's none): both end where 4 uninterrupted steps on one
+    rank do (1e-5)."""
+    par = {"scheme": "sharded", "shard": 3, "stages": LOSS_ALONE}
+    (ref, _), _ = one_rank
+    _train(tmp_path, "sharded2", 4, _config(par, batch=4, iters=2))
+    _train(tmp_path, "one2", 1, _config(iters=2))
+    for name, n, cfg, ckpt in (("to_one", 1, _config(), "sharded2"),
+                               ("to_sharded", 4, _config(par, batch=4), "one2")):
+        got, _ = _train(tmp_path, name, n, cfg, "--resume", tmp_path / ckpt / "latest.h5")
+        _close(got, ref)
 
 
 @pytest.mark.mpi

@@ -342,7 +342,7 @@ def _grad_dtype_rules(out, path):
                ("parallel.mode", par["mode"] != "sync",
                 f"mode {par['mode']} (parameter servers)"),
                # hybrid's and pipeline's windows carry activations, not the buckets
-               # (sharded with stages: one_sided on one replica only, a pipeline)
+               # (sharded with stages too: its windows carry the stage transfers)
                ("parallel.transport", par["transport"] == "one_sided" and
                 (scheme == "data" or scheme == "sharded" and not par["stages"]),
                 "transport one_sided (its windows sum float32)"),
@@ -465,12 +465,12 @@ def _check_sharded(out, path):
     refused = [("parallel.mode", par["mode"] != "sync", f"mode {excerpt(par['mode'])}: "
                 "parameter servers"),
                # with parallel.stages the world decides (the scheme's compose): one
-               # replica runs as scheme pipeline, its transfers through windows
+               # replica runs as scheme pipeline, its transfers through windows; several
+               # take it at shards 1 and 2 (the stage transfers through windows)
                ("parallel.transport", par["transport"] == "one_sided" and par["shard"] != 3
                 and not par["stages"], f"transport one_sided with shard {par['shard']} "
                 "(built for shard 3: one shared copy of the weights per node; and for "
-                "parallel.stages on one replica, as many ranks as stages, which runs as "
-                "scheme pipeline)"),
+                "parallel.stages, whose stage transfers go through windows)"),
                ("parallel.transport", par["transport"] == "one_sided" and nccl,
                 "transport one_sided with backend nccl"),
                ("solver.clip_gradients", nccl and out["solver"]["clip_gradients"] is not None,

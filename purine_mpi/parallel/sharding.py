@@ -478,6 +478,8 @@ def sequence_collectives(graph, plan, others=()):
     it ahead of a forward gather the other stage waits for."""
     names = {entry["reduce_scatter"] for entry in plan} | {
         g for entry in plan for g in entry_gathers(entry)} | set(others)
+    if not names:  # a pipeline stage without parameters (the loss alone): none to number
+        return
     _in_place(graph, names)
     first = min(graph.ops[n].attrs["seq"] for n in names  # stage 3's gathers: none yet
                 if "seq" in graph.ops[n].attrs)

@@ -457,8 +457,10 @@ def count_whole_once(graph, lay, param_of):
     """The clip norm (``clip.norm``, graph/clip.add_clip) of shard > 0 of a
     tensor group counts the split parameters' gradients alone: a whole
     (replicated) parameter is counted on shard 0 only (its scale is 0
-    elsewhere). ``param_of``: {gradient the norm reads: its parameter}."""
+    elsewhere). ``param_of``: {gradient the norm reads: its parameter}. A
+    pipeline stage without parameters adds a zero (a Constant): nothing to
+    count."""
     norm = graph.ops.get("clip.norm")
-    if norm is not None and lay.shard:
+    if norm is not None and norm.op_type == "GradNormSq" and lay.shard:
         norm.attrs["scales"] = [s if split_of(graph.blobs[param_of[g]]) else 0.0
                                 for g, s in zip(norm.inputs, norm.attrs["scales"])]

@@ -232,6 +232,10 @@ class Composition:
     window_placement: tuple = None
     #: scheme sharded: the stage-1 buckets (parallel/sharding.compose_zero1's plan)
     shard_plan: list = None
+    #: scheme sharded: the ZeRO stage it shards at (parallel.shard), 0 where
+    #: nothing is sharded (one rank, one replica); the same on every rank,
+    #: unlike ``shard_plan`` (a pipeline stage without parameters has no bucket)
+    shard: int = 0
     #: a parameter-server worker: the servers' plan (parallel/param_server.plan_param_server)
     server_plan: dict = None
 

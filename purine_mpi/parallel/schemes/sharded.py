@@ -80,11 +80,17 @@ reduce-scatter or gather over a group of one), its start-up block, ``graph
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 without stages, with
-tensor parallelism, and with stages on several replicas (one replica of
-stages takes it: scheme pipeline's windows), and combinations with other
-schemes are refused (the config rules, job/config.py's ``_check_sharded``;
-the GPU, and the one-sided transport with stages on several replicas --
-the world size decides them -- by ``compose``).
+tensor parallelism, and at stage 3 with stages on several replicas (one
+replica of stages takes it: scheme pipeline's windows; stages 1 and 2 on
+several replicas take it as hybrid does: the stage transfers through
+windows, each stage's reduce-scatters and gathers two-sided), and
+combinations with other schemes are refused (the config rules,
+job/config.py's ``_check_sharded``; the GPU, and the one-sided transport
+at stage 3 with stages on several replicas -- the world size decides
+them -- by ``compose``). A pipeline stage that holds no parameter (the
+loss alone) has no bucket: its ranks take part in the collectives over
+every rank only (the clip's, a save's gathers, stage 3's test weights),
+which every rank decides from ``Composition.shard``, never its own plan.
 """
 import numpy as np
 
@@ -142,8 +148,8 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
-        if lay.staged and lay.replicas > 1 and par.transport == "one_sided":
-            _refuse_one_sided_stages(job, lay)
+        if lay.staged and lay.replicas > 1 and par.transport == "one_sided" and par.shard >= 3:
+            _refuse_one_sided_stages(job, lay)  # shards 1, 2: the stage transfers in windows
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
@@ -157,7 +163,6 @@ class Sharded(Hybrid):
                 from ..sharding import forward_ops
                 forward = forward_ops(graph)
             comp = compose_stages(graph, job, world, copies)
-            _refuse_stage_without_parameters(graph, job, lay)
             self._tensor_done(comp, pairs, lay, job)
             graph = comp.graph
         else:
@@ -188,7 +193,7 @@ class Sharded(Hybrid):
         # deferred tail's blobs (under SGD it reached the full buckets)
         graph.deferrable = False
         graph.infer_shapes().validate()
-        comp.shard_plan = plan
+        comp.shard_plan, comp.shard = plan, par.shard
         if job.solver.clip_gradients is not None:
             _clip(comp, job.solver.clip_gradients, world.size)
         if par.check_collectives:
@@ -218,7 +223,7 @@ class Sharded(Hybrid):
                 # stage 3's gathers go before their readers, among the allreduces
                 sequence_collectives(graph, plan, tensor)
             _on_group(graph, plan, group)
-            return {"shard_plan": plan}
+            return {"shard_plan": plan, "shard": par.shard}
 
         comp = compose_tensor(graph, grads, job, world, lay, reduce=reduce)
         if job.solver.clip_gradients is not None:
@@ -359,9 +364,11 @@ class Sharded(Hybrid):
                    f"{position}'s gradients reduce-scattered over its {counted(n, 'rank')} "
                    f"(this rank's: {ranges(lay.stage_ranks())})")
             where = " of its stage and tensor shard" if t > 1 else where
-        rows = [("scheme", f"sharded (ZeRO stage {stage}): {who} in "
-                 f"{counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard of every "
-                 f"bucket{where}{what}"),
+        body = (f"{who} in {counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard "
+                f"of every bucket{where}{what}")
+        if lay.staged and not plan:  # a stage without parameters (the loss alone)
+            body = f"{who}; stage {lay.stage} (this rank's) holds no parameter: no bucket"
+        rows = [("scheme", f"sharded (ZeRO stage {stage}): {body}"),
                 ("model state", f"per rank: weights {human_bytes(held['weights'])}, gradients "
                  f"{human_bytes(held['gradients'])}, optimizer state "
                  f"{human_bytes(held['optimizer_state'])} "
@@ -390,6 +397,9 @@ class Sharded(Hybrid):
                     f"rank {rank} holds shard {lay.replica} of {lay.replicas} of every bucket's "
                     f"{what} of its tensor shard, reduce-scattered and gathered over ranks "
                     f"{lay.shard_ranks()} (its tensor shard's replicas)")
+        if lay.staged and not plan:  # a stage without parameters (the loss alone)
+            return (f"{Pipeline.graph_notes(self, lay, rank)}; sharded (ZeRO): stage "
+                    f"{lay.stage} holds no parameter: rank {rank} holds no bucket")
         if lay.staged:
             whose, who = ((" and tensor shard", "this stage's replicas of this tensor shard")
                           if lay.tensor > 1 else ("", "this stage"))
@@ -422,14 +432,13 @@ class Sharded(Hybrid):
         rank 0 holds one parameter's whole weight and state at a time
         beyond its own. What each rank holds meanwhile is ``save_bytes``'s
         figure (``plan``'s "checkpoint save" row): change them together."""
-        plan = _plan(graphs)
-        if not plan:  # one rank, one replica of stages or tensor shards: no bucket
+        if not _sharding(graphs):  # one rank, one replica of stages or tensor shards
             return Scheme.checkpoint_sections(self, graphs, ws, world, local)
         if self.gathers_checkpoint(graphs):
             params, solver = self.checkpoint_parts(graphs, ws, local)
             return streamed_join(graphs, world, params, solver, _join_plan)
         from ...job.checkpoint_file import Streamed
-        pool = Buffers()
+        plan, pool = _plan(graphs), Buffers()
         return (Streamed(_streamed_weights(graphs, ws, world, plan, pool)),
                 Streamed(_streamed_states(graphs, ws, world, plan, pool)))
 
@@ -459,7 +468,7 @@ class Sharded(Hybrid):
         """With stages or tensor shards and buckets, every rank: each holds
         its own pieces (``_join_plan`` reads them all)."""
         lay = graphs.layout
-        if self.gathers_checkpoint(graphs) and _plan(graphs):
+        if self.gathers_checkpoint(graphs) and _sharding(graphs):
             return range(lay.replicas * lay.stages * lay.tensor)
         return super().save_ranks(graphs)
 
@@ -482,7 +491,7 @@ class Sharded(Hybrid):
         lay, plan = graphs.layout, _plan(graphs)
         rank = lay.rank(lay.replica, lay.stage)
         blobs = graphs.graph.blobs
-        if not plan:
+        if not _sharding(graphs):
             return Scheme.save_bytes(self, graphs, everyone)
         if self.gathers_checkpoint(graphs):
             flat = [f for entry in plan for f, _ in _states(entry)]
@@ -636,8 +645,9 @@ class Sharded(Hybrid):
 
     def test_weights(self, graphs, ws, world):
         """Stage 3: every rank's weight shards gathered (one allgather) and
-        joined into whole weights, as a checkpoint joins them."""
-        if not _zero3(graphs):
+        joined into whole weights, as a checkpoint joins them (every rank
+        takes part, a pipeline stage without parameters with nothing)."""
+        if _sharding(graphs) < 3:
             return None
         from ...base.backend import to_numpy
         mine = {n: to_numpy(ws[n]) for n in self.held_weights(graphs)}
@@ -693,19 +703,24 @@ def _one_replica(par, world_size):
 
 
 def _refuse_one_sided_stages(job, lay):
-    """``parallel.transport: one_sided`` with ``parallel.stages`` on several
-    replicas: a user error naming both keys and the layouts that take it
-    (the config rules cannot: the world size decides the replicas)."""
+    """``parallel.transport: one_sided`` at shard 3 with ``parallel.stages``
+    on several replicas: a user error naming both keys and the layouts that
+    take it (the config rules cannot: the world size decides the replicas).
+    At shard 3 one_sided means the weights in windows
+    (parallel/zero3_windows.py), whose layout, owners and WindowSync
+    barriers are the world's ranks as the replicas: a stage's ranks (a
+    sub-communicator, its own buckets) are not built. Shards 1 and 2 take
+    it: the stage transfers through windows, the reduce-scatters and
+    gathers two-sided on each stage's ranks, as hybrid's allreduce."""
     raise UserError(
         f"{job.path}: key 'parallel.transport': one_sided with parallel.stages on "
-        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks, parallel.shard "
-        f"{job.parallel.shard}) is refused: each stage's reduce-scatters and gathers over its "
-        "replicas run two-sided (shard 3's one shared window of the weights per node is built "
-        "for one replica per rank, not for a stage's ranks); scheme sharded takes one_sided "
-        "at parallel.shard: 3 without parallel.stages, and with parallel.stages on one replica "
-        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline, the stage transfers through "
-        "windows); use parallel.transport: auto (windows for the stage transfers where ranks "
-        "share a node) or two_sided")
+        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks) at parallel.shard 3 is "
+        "refused: at shard 3 one_sided puts the weights in windows (one shared copy per node, "
+        "or each rank's shard in its RMA window), built for one replica per rank, not for a "
+        "stage's ranks; parallel.shard 1 and 2 take it (the stage transfers through windows, "
+        "each stage's reduce-scatters and gathers two-sided), and so does one replica "
+        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline); use parallel.transport: auto "
+        "(windows for the stage transfers where ranks share a node) or two_sided")
 
 
 def _stand_in(blob):
@@ -725,6 +740,16 @@ def _plain(lay):
 def _plan(graphs):
     comp = getattr(graphs, "composition", None)
     return (comp.shard_plan if comp is not None else None) or []
+
+
+def _sharding(graphs):
+    """The ZeRO stage the run shards at, 0 where nothing is sharded (one
+    rank, one replica of stages or tensor shards). What decides a save's
+    and a test pass's collectives: the same on every rank, unlike this
+    rank's ``_plan`` (a pipeline stage without parameters has no bucket,
+    yet takes part in the other stages' gathers)."""
+    comp = getattr(graphs, "composition", None)
+    return comp.shard if comp is not None else 0
 
 
 def _zero3(graphs):
@@ -943,24 +968,6 @@ def _zero_settings(par, forward=None):
     if forward is not None:
         settings["forward"] = forward
     return settings
-
-
-def _refuse_stage_without_parameters(whole, job, lay):
-    """Exit 2 naming ``parallel.stages`` when a stage holds no parameter
-    (the loss alone): it has no bucket to shard, and its ranks' part in the
-    run's collectives is not built (each rank finds it in the whole graph,
-    placed by stage: the same answer on every rank). Schemes pipeline and
-    hybrid take such a stage."""
-    from ...graph.clip import update_ops
-    held = {op.location.rank for op in update_ops(whole) if op.location is not None}
-    empty = [s for s in range(lay.stages) if s not in held]
-    if empty:
-        raise UserError(f"{job.path}: key 'parallel.stages': scheme sharded shards each "
-                        f"stage's parameters over its replicas, but "
-                        f"{'stages' if len(empty) > 1 else 'stage'} "
-                        f"{', '.join(map(str, empty))} {'hold' if len(empty) > 1 else 'holds'} "
-                        "none (only layers without weights, such as the loss); put a layer "
-                        "with weights on every stage, or use scheme hybrid")
 
 
 def _params_of_updates(graph, plan):
