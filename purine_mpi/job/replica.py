@@ -61,6 +61,19 @@ def check_data_labels(graph, job=None):
                      layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
 
 
+def check_graphs(job):
+    """The single-replica train and test graphs of ``job`` built (rank 0 of
+    one) and their labels checked: the data files read and checked (NaN or
+    inf, labels out of range), every layer's shape inferred: what the run's
+    start-up finds first, asked before ``--force`` deletes a run
+    (job/rundir.py), so a bad data file or layer loses nothing."""
+    graph, _ = build_train_graph(job)
+    check_data_labels(graph, job)
+    test = build_test_graph(job)
+    if test is not None:
+        check_data_labels(test, job)
+
+
 def check_vocabulary(graph, job):
     """A text data file whose tokens are a vocabulary's ids
     (data/tokenizer.py: V = its ``vocab_size``): the embedding reading the
