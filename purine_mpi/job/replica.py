@@ -254,9 +254,24 @@ def graph_from_seed(job, rank=0, world_size=1):
     return g, grads
 
 
+def check_test_phase(job, rank=0, world_size=1):
+    """A net with layers of one phase (``phase: test`` or ``train``) has its
+    test phase built once on the train data's shapes, so that a layer of it
+    that cannot work is a ConfigError naming its key also where no test
+    graph is built (no ``data.test``; ``graph`` of the train phase, which
+    reads no test file) rather than never reported."""
+    if job.graph is None and job.data.train is not None and \
+            any(layer.get("phase") for layer in job.net or ()):
+        forward_graph(job, "test", job.data.train, rank, world_size)
+
+
 def build_test_graph(job, rank=0, world_size=1):
-    """The evaluation graph (test phase), or None when no test data is set."""
-    if job.data.test is None or job.graph is not None:
+    """The evaluation graph (test phase), or None when no test data is set
+    (then ``check_test_phase``)."""
+    if job.graph is not None:
+        return None
+    if job.data.test is None:
+        check_test_phase(job, rank, world_size)
         return None
     g = forward_graph(job, "test", job.data.test, rank, world_size)
     sinks = list(loss_blobs(g)) + metric_blobs(g)

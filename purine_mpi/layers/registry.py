@@ -139,7 +139,9 @@ COMMON_KEYS = (
                                  "and `<name>/bias`"),
     Key("bottom", "blobs", REQUIRED, "input blob(s): data, label or an earlier layer's top"),
     Key("top", "blobs", "<name>", "output blob(s); the same name as bottom means in place"),
-    Key("phase", ("train", "test"), None, "build the layer in this phase only (default both)"),
+    Key("phase", ("train", "test"), None, "build the layer in this phase only (default "
+        "both); the test phase of a net with such layers is checked by train and graph "
+        "also without data.test"),
     Key("thread", "thread", 0, "worker thread (CUDA stream on a GPU) that runs its ops"),
 )
 PARAM_KEYS = {"lr_mult": 1.0, "decay_mult": 1.0}
