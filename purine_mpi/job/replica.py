@@ -12,7 +12,7 @@ from ..graph.grad import build_backward
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.updates import UPDATE_OP_TYPES
-from ..layers import build_net
+from ..layers import build_net, layer_key
 from .data_spec import data_error
 
 DATA_THREAD = "io"
@@ -34,7 +34,7 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
         g.infer_shapes()
     except UserError as exc:  # the data file, or a spec's key that does not fit it
         raise data_error(job.path, phase, exc) from None
-    build_net(job.net or (), phase, (g, job.path))
+    build_net(job.net or (), phase, (g, job.path, job.net_keys))
     return g
 
 
@@ -108,7 +108,7 @@ def check_vocabulary(graph, job):
             if have is None or have >= size:
                 continue
             layer = op.name.split(".")[0]
-            where = f"net[{index[layer]}]" if layer in index else "net"
+            where = layer_key(job.net_keys, index[layer]) if layer in index else "net"
             what = "rows" if key == "input_dim" else "classes"
             raise ConfigError(job.path, f"{where}.{key}" if key else where,
                               f"layer '{layer}' has {have} {what}, but text data file "

@@ -180,6 +180,18 @@ def layer_spec(ltype):
     return getattr(fn, "spec", None)
 
 
+def layer_key(keys, index):
+    """The file's key of layer ``index`` of the net as built (its ``repeat``
+    entries expanded): ``net.3.block.2`` for a layer of a repeat's block
+    (``keys``: job/repeat.py expand_net's, the Job's ``net_keys``; None
+    when the file has no repeat), else ``net[i]``, i the layer's position
+    in the file (after a repeat, not ``index``)."""
+    if keys and 0 <= index < len(keys):
+        key = keys[index]
+        return key if ".block." in key else f"net[{key.split('.')[1]}]"
+    return f"net[{index}]"
+
+
 def check_layer(cfg, index, path, where=None):
     """Exit-2 checks of one net entry that need no shapes: a known type and
     no key its type does not declare (nor in its fillers and ``param``).
