@@ -85,3 +85,37 @@ def test_adam_kernels_take_the_step_from_step0(backend, on_device):
         got, same, global_step = run(7, 5), run(2, 0), run(7, 0)
         np.testing.assert_array_equal(got[0], same[0])
         assert not np.array_equal(got[0], global_step[0])
+
+
+def test_on_the_device_with_skipped_fp16_steps(host_build_dir, monkeypatch, tmp_path):
+    """The emulated GPU (cuda/adam.cu reading the device iteration) under
+    fp16's loss scaling, whose overflowed SGD steps before the resume are
+    skipped: Adam's step blob is iteration - skipped, so its origin is the
+    resume's iteration less those skips, and the first Adam step after the
+    resume is again a fresh Adam's first (every weight moves by lr)."""
+    from purine_mpi.job.checkpoint_file import load_checkpoint
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    cfg = tiny_fc_config()
+    cfg["solver"].update(max_iter=10, base_lr=LR, momentum=0.9, display=1)
+    cfg.update(device=0, precision="fp16", cuda_graph=False,
+               loss_scale={"init_scale": 2.0 ** 24},
+               checkpoint={"interval": 0, "keep": 5})
+    out = tmp_path / "run"
+
+    def train(resume=None, **solver):
+        job = make_job(dict(cfg, solver=dict(cfg["solver"], **solver)))
+        t = Trainer(job, str(out), world=FakeWorld(), log=lambda line: None, resume=resume)
+        assert run_and_report(t, FakeWorld()) == 0
+
+    train()
+    skipped = load_checkpoint(str(out / "ckpt_10.h5")).state["ranks"]["0"][
+        "loss_scale.update"]["state"]["skipped_steps"]
+    assert 0 < skipped < 10, skipped  # some SGD steps overflowed, later ones applied
+    train(resume="auto", type="adamw", max_iter=11)
+    before, first = (checkpoint_arrays(out / f"ckpt_{i}.h5") for i in (10, 11))
+    for key in ("params/fc/weight", "params/fc/bias"):
+        np.testing.assert_allclose(np.abs(first[key] - before[key]), LR, rtol=1e-3,
+                                   err_msg=key)
