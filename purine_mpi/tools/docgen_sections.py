@@ -469,8 +469,9 @@ def _solver():
         "regularisation; `adamw` alone decouples the decay), and rate = lr · `lr_mult`. "
         "Each parameter's state is the blobs `<param>.<state>`, saved in checkpoints "
         "under `/solver/<param>/<state>` and resumed bit-exact. Resuming with another type "
-        "starts the new type's state from zero, and says so (Adam's step count, its bias correction, "
-        "then counts from the resume, as a fresh torch optimizer's). The parameter-server modes "
+        "starts the new type's state from zero, and says so (Adam's step count, its bias "
+        "correction, then counts from the resume, as a fresh torch optimizer's). The "
+        "parameter-server modes "
         "(`parallel.mode: async | sync_ps`) take `sgd` only.",
         "",
         _table(("type", "update", "keys", "state", "op"), rows),
