@@ -9,9 +9,11 @@
 //   w -= (rate / (1 - b1^s)) * m / (sqrt(v) / sqrt(1 - b2^s) + delta)
 // in the order the CPU update computes it (its float32 roundings; the bias
 // corrections, rate and decay factor in double, as Python computes them).
-// rate = lr_value * (*lr_ptr if has_lr_ptr); the iteration is it_value or
-// *it_ptr (the iteration blob on the device): the kernel reads both itself,
-// so a captured graph replays with each iteration's values.
+// rate = lr_value * (*lr_ptr if has_lr_ptr); the step is s = it_value + 1, or
+// with has_it_ptr s = *it_ptr + it_value + 1 (the iteration blob on the
+// device, it_value then minus the iteration the moments started at: a resume
+// that starts them afresh): the kernel reads both itself, so a captured graph
+// replays with each iteration's values.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("adam") (NVRTC, so no
 // #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
@@ -45,7 +47,7 @@ __device__ void adam_impl(long long total, T* w, const T* g, T* m, T* v,
                           double b1, double b2, T delta, T grad_scale, double decay,
                           int decoupled) {
   const double rate = has_lr_ptr ? lr_value * (double)lr_ptr[0] : lr_value;
-  const double s = (double)((has_it_ptr ? it_ptr[0] : it_value) + 1);
+  const double s = (double)((has_it_ptr ? it_ptr[0] : 0) + it_value + 1);
   const T step = (T)(rate / (1.0 - pow(b1, s)));
   const T correction2 = (T)sqrt(1.0 - pow(b2, s));
   const T tb1 = (T)b1, tb2 = (T)b2, ob1 = (T)(1.0 - b1), ob2 = (T)(1.0 - b2);
@@ -88,7 +90,7 @@ __device__ void adam_multi_impl(long long total, T* w, T* m, T* v,
                                 const long long* it_ptr, int has_it_ptr, double b1, double b2,
                                 T delta, T grad_scale, int decoupled) {
   const double lr = has_lr_ptr ? (double)lr_ptr[0] : lr_value;
-  const double s = (double)((has_it_ptr ? it_ptr[0] : it_value) + 1);
+  const double s = (double)((has_it_ptr ? it_ptr[0] : 0) + it_value + 1);
   const double correction1 = 1.0 - pow(b1, s);
   const T correction2 = (T)sqrt(1.0 - pow(b2, s));
   const T tb1 = (T)b1, tb2 = (T)b2, ob1 = (T)(1.0 - b1), ob2 = (T)(1.0 - b2);

@@ -86,7 +86,8 @@ def _run_dir(args, job):
     world.stall_timeout = float(job.parallel.stall_timeout)  # the set-up waits no longer
     return prepare_run_dir(world, os.path.basename(os.path.normpath(base)), args.out,
                            args.resume, args.force,
-                           runs_root=os.path.dirname(os.path.normpath(base)), init=args.init)
+                           runs_root=os.path.dirname(os.path.normpath(base)), init=args.init,
+                           job=job)
 
 
 def _profile(args):

@@ -3,6 +3,7 @@ written with one repeated block builds the graph of the spelled-out file it
 replaced (tests/fixtures/jobs/gpt_small_spelled_out.yaml): the same blob
 names and shapes, and the same bits after training iterations; a repeat's
 errors exit 2 naming the file and the key."""
+import copy
 import os
 
 import numpy as np
@@ -139,3 +140,30 @@ def test_cli_exits_2_naming_file_and_key(tmp_path):
     assert res.returncode == 2, res.stderr
     line = res.stderr.strip().splitlines()[-1]
     assert "bad.yaml" in line and "'net.1.repeat'" in line and "got -2" in line
+
+
+@pytest.mark.parametrize("change,key,words", [
+    # a shape of a block's layer that cannot work: the block's key in the file
+    (lambda n: n[1]["block"][0].update(axis=2), "net.1.block.0.axis", "layer 'fc1'"),
+    (lambda n: n[1]["block"][1].update(type="eltwise", bottom=["x{i+1}", "label"]),
+     "net.1.block.1.bottom", "Eltwise needs inputs of one shape"),
+    (lambda n: n[1]["block"][0].update(bottom="x{i+5}"), "net.1.block.0.bottom",
+     "bottom blob 'x6'"),
+    # a layer after the repeat: its position in the file (net[2]), not the
+    # expanded net's (net[7])
+    (lambda n: n[2].update(bottom=["x9", "label"]), "net[2].bottom", "bottom blob 'x9'"),
+    (lambda n: n.append({"type": "accuracy", "name": "acc", "bottom": ["x4", "label"],
+                         "top": "acc"}) or n.insert(0, {"type": "relu", "name": "r",
+                                                         "bottom": "data", "top": "data"}),
+     "net[4].phase", "micro_batches 2"),
+])
+def test_graph_errors_after_a_repeat_name_the_files_key(change, key, words):
+    """The graph's errors (a shape that cannot work, a missing bottom, a
+    rule of micro-batches) named the layer's index in the expanded net
+    (``net[7]`` for the file's ``net.2``); now the file's key."""
+    net = copy.deepcopy(_net())
+    change(net)
+    cfg = dict(_config(net), parallel={"micro_batches": 2})
+    with pytest.raises(ConfigError) as e:
+        compose_for(make_job(cfg, "job.yaml"), 1, 0)
+    assert e.value.key == key and words in str(e.value), str(e.value)

@@ -13,7 +13,8 @@ import json
 import os
 
 from purine_mpi.train.trainer import Trainer
-from tests.conftest import FakeWorld, make_job, small_net_config
+from tests.conftest import (FakeWorld, make_job, run_cli_args, small_net_config,
+                            write_config_file)
 
 
 def _trainer(tmp_path, digits_h5, checkpoint=None, **solver):
@@ -365,3 +366,53 @@ def test_force_with_a_bad_resume_or_init_file_deletes_nothing(tmp_path, digits_h
         with pytest.raises(UserError, match=f"weights file '{init}'"):
             choose_run_dir("tiny", out=str(run), force=True, init=str(init))
         assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_force_with_bad_data_or_a_bad_layer_deletes_nothing(tmp_path, digits_h5):
+    """``--force`` deleted the folder's run before the graphs were built: a
+    data file with a NaN, a test label out of range or a layer that does not
+    fit was exit 2 after the deletion (only train.log and memory.json of
+    the failed start-up left). Now the graphs are built on the data first
+    (rundir.check_sources: replica.check_graphs), every file in place."""
+    import h5py
+    import numpy as np
+    import pytest
+
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.job.rundir import choose_run_dir
+    _run(_trainer(tmp_path, digits_h5, max_iter=2, display=1))
+    run = tmp_path / "run"
+    before = sorted(p.name for p in run.iterdir())
+    assert "latest.h5" in before and "metrics.jsonl" in before, before
+    nan, labels = tmp_path / "nan.h5", tmp_path / "labels.h5"
+    with h5py.File(digits_h5, "r") as f, h5py.File(nan, "w") as a, h5py.File(labels, "w") as b:
+        for split in f:
+            for key in f[split]:
+                a[f"{split}/{key}"] = b[f"{split}/{key}"] = f[split][key][()]
+        data = a["train/data"][()].astype(np.float32)
+        data[5, 0, 0, 0] = np.nan
+        del a["train/data"]
+        a["train/data"] = data
+        label = b["test/label"][()]
+        label[3] = 11
+        del b["test/label"]
+        b["test/label"] = label
+    cases = [({"data": {"train": {"path": str(nan)}}}, "non-finite values"),
+             ({"data": {"test": {"path": str(labels)}}}, "holds label 11"),
+             ({"net": {2: {"kernel": 20}}}, r"key 'net\[2\].kernel'")]
+    for change, said in cases:
+        cfg = small_net_config(str(digits_h5))
+        for section, entries in change.items():
+            for key, value in entries.items():
+                cfg[section][key].update(value)
+        with pytest.raises(UserError, match=said):
+            choose_run_dir("tiny", out=str(run), force=True, job=make_job(cfg))
+        assert sorted(p.name for p in run.iterdir()) == before, change
+    # the command passes its job: exit 2 naming the file, nothing deleted
+    cfg = small_net_config(str(digits_h5))
+    cfg["data"]["train"]["path"] = str(nan)
+    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", run, "--force")
+    assert res.returncode == 2 and "non-finite values" in res.stderr, res.stdout + res.stderr
+    assert sorted(p.name for p in run.iterdir() if p.name != ".purine.lock") == before
+    choose_run_dir("tiny", out=str(run), force=True, job=make_job(small_net_config(digits_h5)))
+    assert "latest.h5" not in [p.name for p in run.iterdir()]  # a good job: deleted

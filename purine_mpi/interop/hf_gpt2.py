@@ -82,7 +82,7 @@ def _test_net(job):
     g = Graph(job.name)
     g.add_blob("data", (1, 1), "int32")
     g.add_blob("label", (1, 1), "int32")
-    build_net(job.net, "test", (g, job.path))
+    build_net(job.net, "test", (g, job.path, job.net_keys))
     return g
 
 

@@ -37,7 +37,7 @@ from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
 from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
                      TOP_KEYS)
-from ..layers import check_layer, layer_spec
+from ..layers import check_layer, layer_key, layer_spec
 
 
 # ------------------------------------------------------------------ loading
@@ -235,6 +235,10 @@ def validate_config(config, path="<config>", check_files=True):
             continue  # net or graph not given, backend auto
         if name == "data":
             out[name] = _check_data(value, path, check_files)
+        elif name == "net":
+            out[name], net_keys = _check_net(value, path)
+            if any(".block." in k for k in net_keys):  # a repeat: the file's key of each layer
+                out["_net_keys"] = net_keys  # (the rules name a layer by it)
         elif name in _STRUCTURE:
             out[name] = _STRUCTURE[name](value, path)
         elif name in SECTION_KEYS:
@@ -244,7 +248,10 @@ def validate_config(config, path="<config>", check_files=True):
             out[name] = key.check(name, value, path)
     _recompute_rules(out, path)
     _precision_rules(out, config, path)
+    net_keys = out.pop("_net_keys", None)
     out["_path"] = path
+    if net_keys:
+        out["_net_keys"] = net_keys  # after _path, as Job.to_config writes them
     if _is_int(out["parallel"]["stages"]):
         # parallel.stages: S, cut by the layers' FLOPs into the map every consumer reads
         from .stage_cut import flop_stages
@@ -361,8 +368,9 @@ def _grad_dtype_rules(out, path):
 
 
 def _check_net(net, path):
-    """The net's layers, its ``repeat`` entries expanded (job/repeat.py); an
-    error names the entry of the file (``net.3.block.2.name``)."""
+    """(the net's layers, its ``repeat`` entries expanded (job/repeat.py),
+    the file's key of each); an error names the entry of the file
+    (``net.3.block.2.name``)."""
     if not isinstance(net, list):
         raise ConfigError(path, "net", f"expected a list of layers, got {_kind(net)}")
     net, keys = expand_net(net, path)
@@ -380,8 +388,8 @@ def _check_net(net, path):
             raise ConfigError(path, f"{key}.name", f"duplicate layer name {excerpt(layer['name'])} "
                                                    f"(also {keys[seen[layer['name']]]})")
         seen[layer["name"]] = i
-        check_layer(layer, i, path, where=key if ".block." in key else None)  # known type, declared keys (purine_mpi/layers)
-    return copy.deepcopy(net)
+        check_layer(layer, i, path, where=layer_key(keys, i))  # known type, declared keys (purine_mpi/layers)
+    return copy.deepcopy(net), keys
 
 
 def _check_graph(graph, path):
@@ -506,7 +514,8 @@ def _check_pipeline(out, path):
         for i, layer in enumerate(out.get("net") or ()):
             # a train-phase metric is not copied per micro-batch (parallel/micro_batch.py)
             if layer_spec(layer["type"]).type == "accuracy" and layer.get("phase") != "test":
-                raise ConfigError(path, f"net[{i}].phase", f"layer '{layer['name']}' "
+                raise ConfigError(path, f"{layer_key(out.get('_net_keys'), i)}.phase",
+                                  f"layer '{layer['name']}' "
                                   "(accuracy) runs in the train phase, which parallel."
                                   f"micro_batches {micro} does not build (each micro-batch "
                                   "would need its own accuracy); give it phase: test, or use "
@@ -596,7 +605,7 @@ def _blob_names(value):
     return [value] if isinstance(value, str) else [b for b in value or () if isinstance(b, str)]
 
 
-_STRUCTURE = {"net": _check_net, "graph": _check_graph}
+_STRUCTURE = {"graph": _check_graph}
 _SECTION_RULES = {"solver": _solver_rules, "parallel": _parallel_rules}
 
 #: the sections with declared keys: name -> ({key: default}, {key: checker})

@@ -203,14 +203,19 @@ _JOB_KEYS = tuple(key._replace(typed=Typed(_PARTS[key.name].from_config,
 @spec_of(_JOB_KEYS)
 class Job:
     """A training job, resolved once from its config (``job_of``): one field
-    per top-level key of job/schema.py's TOP, and ``path`` (the config file)."""
+    per top-level key of job/schema.py's TOP, ``path`` (the config file) and
+    ``net_keys`` (the file's key of each layer when its net has a ``repeat``)."""
     path: Optional[str] = None
+    #: the file's key of each layer of ``net`` when the file has a ``repeat``
+    #: (``net.4``, ``net.3.block.2``: job/repeat.py), else None
+    net_keys: Optional[tuple] = None
 
     @classmethod
     def from_config(cls, config):
         """A job from a validated config dict (a missing section takes the
         schema's defaults)."""
-        return cls(path=config.get("_path"), **{
+        keys = config.get("_net_keys")
+        return cls(path=config.get("_path"), net_keys=tuple(keys) if keys else None, **{
             key.name: key.job_value(config.get(key.name, key.default)) for key in cls.KEYS})
 
     def to_config(self):
@@ -223,6 +228,8 @@ class Job:
                 continue  # net, graph, backend: absent
             out[key.name] = key.config_value(value)
         out["_path"] = self.path
+        if self.net_keys:
+            out["_net_keys"] = list(self.net_keys)
         return out
 
     def replace(self, **changes):

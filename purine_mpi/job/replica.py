@@ -12,7 +12,7 @@ from ..graph.grad import build_backward
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.updates import UPDATE_OP_TYPES
-from ..layers import build_net
+from ..layers import build_net, layer_key
 from .data_spec import data_error
 
 DATA_THREAD = "io"
@@ -34,7 +34,7 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
         g.infer_shapes()
     except UserError as exc:  # the data file, or a spec's key that does not fit it
         raise data_error(job.path, phase, exc) from None
-    build_net(job.net or (), phase, (g, job.path))
+    build_net(job.net or (), phase, (g, job.path, job.net_keys))
     return g
 
 
@@ -59,6 +59,19 @@ def check_data_labels(graph, job=None):
         classes = int(x.shape[_axis(op.attrs, len(x.shape))])
         check_labels(readers[0].attrs["source"], classes, op.attrs.get("ignore_label"),
                      layer=op.name[:-len(".fwd")] if op.name.endswith(".fwd") else op.name)
+
+
+def check_graphs(job):
+    """The single-replica train and test graphs of ``job`` built (rank 0 of
+    one) and their labels checked: the data files read and checked (NaN or
+    inf, labels out of range), every layer's shape inferred: what the run's
+    start-up finds first, asked before ``--force`` deletes a run
+    (job/rundir.py), so a bad data file or layer loses nothing."""
+    graph, _ = build_train_graph(job)
+    check_data_labels(graph, job)
+    test = build_test_graph(job)
+    if test is not None:
+        check_data_labels(test, job)
 
 
 def check_vocabulary(graph, job):
@@ -95,7 +108,7 @@ def check_vocabulary(graph, job):
             if have is None or have >= size:
                 continue
             layer = op.name.split(".")[0]
-            where = f"net[{index[layer]}]" if layer in index else "net"
+            where = layer_key(job.net_keys, index[layer]) if layer in index else "net"
             what = "rows" if key == "input_dim" else "classes"
             raise ConfigError(job.path, f"{where}.{key}" if key else where,
                               f"layer '{layer}' has {have} {what}, but text data file "
@@ -241,9 +254,24 @@ def graph_from_seed(job, rank=0, world_size=1):
     return g, grads
 
 
+def check_test_phase(job, rank=0, world_size=1):
+    """A net with layers of one phase (``phase: test`` or ``train``) has its
+    test phase built once on the train data's shapes, so that a layer of it
+    that cannot work is a ConfigError naming its key also where no test
+    graph is built (no ``data.test``; ``graph`` of the train phase, which
+    reads no test file) rather than never reported."""
+    if job.graph is None and job.data.train is not None and \
+            any(layer.get("phase") for layer in job.net or ()):
+        forward_graph(job, "test", job.data.train, rank, world_size)
+
+
 def build_test_graph(job, rank=0, world_size=1):
-    """The evaluation graph (test phase), or None when no test data is set."""
-    if job.data.test is None or job.graph is not None:
+    """The evaluation graph (test phase), or None when no test data is set
+    (then ``check_test_phase``)."""
+    if job.graph is not None:
+        return None
+    if job.data.test is None:
+        check_test_phase(job, rank, world_size)
         return None
     g = forward_graph(job, "test", job.data.test, rank, world_size)
     sinks = list(loss_blobs(g)) + metric_blobs(g)

@@ -11,8 +11,10 @@
   checkpoints or carries the folder's ``run_id``; a checkpoint of another
   run is refused (exit 2) unless ``--force`` (the folder's files are deleted,
   FILE itself is kept, and the run starts there from FILE); a ``--resume``
-  FILE or ``--init`` weights that are missing or do not load are exit 2
-  before ``--force`` deletes anything.
+  FILE or ``--init`` weights that are missing or do not load, and a job
+  whose graphs do not build on its data (NaN in a data file, a label out of
+  range, a layer that does not fit), are exit 2 before ``--force`` deletes
+  anything.
 - A run holds an exclusive lock on its folder (``.purine.lock``, an
   ``fcntl.flock`` taken by rank 0 for the life of the process): a second run
   started into the same folder exits 2 and names the first (pid, host, start).
@@ -90,13 +92,13 @@ def _new_numbered(base):
 
 
 def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", lock=None,
-                   init=None):
+                   init=None, job=None):
     """The folder this run writes to (see the module docstring); creates it.
     ``lock`` (a callable taking the folder) is called on an ``--out`` before
     anything in it is looked at or deleted, so a folder in use by a running
     run is refused before its files are touched; the files the run starts
-    from (``resume`` FILE, ``init``) are read before ``--force`` deletes
-    anything. Returns (path, note or None)."""
+    from (``resume`` FILE, ``init``) are read, and ``job``'s graphs built on
+    its data, before ``--force`` deletes anything. Returns (path, note or None)."""
     if out:
         os.makedirs(out, exist_ok=True)
         if lock is not None:
@@ -114,7 +116,7 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
                 return out, None
             keep = os.path.realpath(resume)  # --force --resume FILE: afresh from FILE
         if held and force:
-            check_sources(resume, init)  # missing or damaged: exit 2, nothing deleted
+            check_sources(resume, init, job)  # missing or damaged: exit 2, nothing deleted
             delete_our_run(out, held, keep)
             return out, f"--force: deleted the previous run's files in {out}"
         return out, None
@@ -128,11 +130,16 @@ def choose_run_dir(name, out=None, resume=None, force=False, runs_root="runs", l
     return _locked(_new_numbered(base), lock), None
 
 
-def check_sources(resume=None, init=None):
+def check_sources(resume=None, init=None, job=None):
     """A UserError (exit 2) unless ``resume`` (a checkpoint, not ``auto``)
     and ``init`` (weights: our HDF5 read whole, a .caffemodel or
-    .safetensors found) can be read: asked before ``--force`` deletes a
-    run, so a mistyped or damaged file loses nothing."""
+    .safetensors found) can be read, and ``job``'s graphs build on its data
+    (replica.check_graphs: data files with NaN or labels out of range, a
+    layer that does not fit): asked before ``--force`` deletes a run, so a
+    mistyped or damaged file loses nothing."""
+    if job is not None:
+        from .replica import check_graphs
+        check_graphs(job)
     if resume and resume != "auto":
         load_checkpoint(resume)
     if init and str(init).endswith((".caffemodel", ".safetensors")):
@@ -241,13 +248,13 @@ def refuse_linked_run_files(folder):
             refuse_link(os.path.join(folder, name))
 
 
-def _set_up(name, out, resume, force, runs_root, init=None):
+def _set_up(name, out, resume, force, runs_root, init=None, job=None):
     """Rank 0's part of ``prepare_run_dir``: (path, None) or (None, message)."""
     where = out or os.path.join(runs_root, name)
     try:
         # the lock is taken before the folder's files are looked at or deleted
         path, note = choose_run_dir(name, out, resume, force, runs_root=runs_root,
-                                    lock=_lock_and_check, init=init)
+                                    lock=_lock_and_check, init=init, job=job)
     except UserError as exc:
         return None, str(exc)
     except OSError as exc:  # a read-only folder, --out under a file, a full disk
@@ -266,13 +273,13 @@ def _lock_and_check(folder):
 
 
 def prepare_run_dir(world, name, out=None, resume=None, force=False, runs_root="runs",
-                    init=None):
+                    init=None, job=None):
     """Rank 0 chooses (``choose_run_dir``; without ``out``, a numbered folder
     of ``runs_root/name``) and locks the folder; every rank gets the path, or
     rank 0's error: every rank then raises the same UserError (exit 2), so
     a failed set-up ends the job at once instead of leaving the other ranks
     waiting. Returns the path."""
-    answer = _set_up(name, out, resume, force, runs_root, init) if world.rank == 0 else None
+    answer = _set_up(name, out, resume, force, runs_root, init, job) if world.rank == 0 else None
     if world.size > 1:
         answer = world.allgather_object(answer, "the run folder")[0]
     path, error = answer

@@ -5,7 +5,7 @@ package docstring). Imports ``errors`` and the registry.
 from collections.abc import Mapping
 
 from ..base.errors import ConfigError, ShapeError, excerpt
-from .registry import Required, check_layer, layer_spec, value_problem
+from .registry import Required, check_layer, layer_key, layer_spec, value_problem
 
 _DECLARED = object()
 
@@ -18,15 +18,17 @@ class NetBuilder:
     """State while emitting one net: the graph and the current version of
     every top name."""
 
-    def __init__(self, graph, phase, path, index=0):
+    def __init__(self, graph, phase, path, index=0, keys=None):
         self.graph, self.phase, self.path = graph, phase, path
+        self.keys = keys  # the file's key of each layer (repeats: layer_key)
         self.current = {}
         self.cfg, self.index, self.spec = None, index, None
         self.layer_of = {}  # op name -> (index, layer entry) of the layer that added it
 
     # -- config access with errors that name file and key ----------------
-    def key(self, k):
-        return f"net[{self.index}].{k}" if k else f"net[{self.index}]"
+    def key(self, k, index=None):
+        at = layer_key(self.keys, self.index if index is None else index)
+        return f"{at}.{k}" if k else at
 
     def fail(self, k, msg):
         name = excerpt(self.cfg.get("name"), quote=False)
@@ -120,7 +122,7 @@ class NetBuilder:
         index, cfg = self.layer_of[exc.op]
         key = SHAPE_KEYS.get(self.graph.ops[exc.op].op_type, "bottom")
         name = excerpt(cfg.get("name"), quote=False)
-        err = ConfigError(self.path, f"net[{index}].{key}",
+        err = ConfigError(self.path, self.key(key, index),
                           f"layer '{name}' ({cfg.get('type')}): {exc}")
         err.shape_error = exc  # the op's own words (convert caffe names the prototxt's layer)
         return err
@@ -134,25 +136,27 @@ def build_net(net, phase, data_blobs):
     """Forward graph of ``net`` (the job's layer entries, mappings read by
     key) for ``phase`` ('train' or 'test').
 
-    ``data_blobs`` maps names the net may read (``data``, ``label``) to blobs
-    already in a graph; returns (graph, builder) with the data op added by
-    the caller beforehand, every blob's shape inferred (a shape that cannot
-    work: a ConfigError naming the layer's key, ``shape_failure``)."""
-    graph, path = data_blobs
-    b = NetBuilder(graph, phase, path)
+    ``data_blobs``: (the graph holding the blobs the net may read, ``data``
+    and ``label``, the config's path[, the Job's ``net_keys``: a layer of a
+    ``repeat`` is named by its key in the file, ``net.3.block.2``]); returns
+    (graph, builder) with the data op added by the caller beforehand, every
+    blob's shape inferred (a shape that cannot work: a ConfigError naming
+    the layer's key, ``shape_failure``)."""
+    graph, path, *keys = data_blobs
+    b = NetBuilder(graph, phase, path, keys=keys[0] if keys else None)
     b.current = {n: n for n in graph.blobs}
     names = set()
     for i, cfg in enumerate(net or ()):
         b.cfg, b.index, b.spec = cfg, i, None
         if not isinstance(cfg, Mapping):
-            raise ConfigError(path, f"net[{i}]", f"expected a mapping, got {excerpt(cfg)}")
+            raise ConfigError(path, b.key(None), f"expected a mapping, got {excerpt(cfg)}")
         name = cfg.get("name")
         if not isinstance(name, str) or not name:
-            raise ConfigError(path, f"net[{i}].name", "every layer needs a non-empty name")
+            raise ConfigError(path, b.key("name"), "every layer needs a non-empty name")
         if name in names:
-            raise ConfigError(path, f"net[{i}].name", f"layer name '{name}' is used twice")
+            raise ConfigError(path, b.key("name"), f"layer name '{name}' is used twice")
         names.add(name)
-        check_layer(cfg, i, path)
+        check_layer(cfg, i, path, where=b.key(None))
         b.spec = layer_spec(cfg["type"])
         layer_phase = b.get("phase")
         if layer_phase is not None and layer_phase != phase:

@@ -139,7 +139,9 @@ COMMON_KEYS = (
                                  "and `<name>/bias`"),
     Key("bottom", "blobs", REQUIRED, "input blob(s): data, label or an earlier layer's top"),
     Key("top", "blobs", "<name>", "output blob(s); the same name as bottom means in place"),
-    Key("phase", ("train", "test"), None, "build the layer in this phase only (default both)"),
+    Key("phase", ("train", "test"), None, "build the layer in this phase only (default "
+        "both); the test phase of a net with such layers is checked by train and graph "
+        "also without data.test"),
     Key("thread", "thread", 0, "worker thread (CUDA stream on a GPU) that runs its ops"),
 )
 PARAM_KEYS = {"lr_mult": 1.0, "decay_mult": 1.0}
@@ -176,6 +178,18 @@ def layer_spec(ltype):
     """The LayerSpec of a type name or alias, or None."""
     fn = LAYERS.get(str(ltype).lower())
     return getattr(fn, "spec", None)
+
+
+def layer_key(keys, index):
+    """The file's key of layer ``index`` of the net as built (its ``repeat``
+    entries expanded): ``net.3.block.2`` for a layer of a repeat's block
+    (``keys``: job/repeat.py expand_net's, the Job's ``net_keys``; None
+    when the file has no repeat), else ``net[i]``, i the layer's position
+    in the file (after a repeat, not ``index``)."""
+    if keys and 0 <= index < len(keys):
+        key = keys[index]
+        return key if ".block." in key else f"net[{key.split('.')[1]}]"
+    return f"net[{index}]"
 
 
 def check_layer(cfg, index, path, where=None):

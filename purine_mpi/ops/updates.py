@@ -357,8 +357,8 @@ class AdaDeltaUpdate(_AdaptiveUpdate):
 
 @register
 class AdamUpdate(_AdaptiveUpdate):
-    """Adam (Kingma & Ba), step ``s = iter + 1``, with Caffe's key names
-    (momentum = beta1, momentum2 = beta2, delta = epsilon)::
+    """Adam (Kingma & Ba), step ``s = iter - step0 + 1``, with Caffe's key
+    names (momentum = beta1, momentum2 = beta2, delta = epsilon)::
 
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g^2
@@ -366,7 +366,11 @@ class AdamUpdate(_AdaptiveUpdate):
 
     as torch.optim.Adam computes it (Caffe adds delta before the bias
     correction of v instead, a difference of delta * sqrt(1 - b2^s)). The
-    weight decay is L2 added to the gradient, as in torch.optim.Adam."""
+    weight decay is L2 added to the gradient, as in torch.optim.Adam.
+    Attr ``step0`` (default 0): the iteration the moments started at, set
+    by a resume that starts them from zero (a checkpoint of another solver
+    type: train/checkpoints.py), so that s counts the steps they have seen,
+    as a fresh torch optimizer's state does."""
 
     op_type = "AdamUpdate"
     states = ("m", "v")
@@ -392,12 +396,13 @@ class AdamUpdate(_AdaptiveUpdate):
                       beta1=float(a.get("momentum", 0.9)), beta2=float(a.get("momentum2", 0.999)),
                       delta=float(a.get("delta", 1e-8)), grad_scale=float(a.get("grad_scale", 1.0)),
                       weight_decay=float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0)),
-                      decoupled=self.decoupled, lr_mult=float(a.get("lr_mult", 1.0)))
+                      decoupled=self.decoupled, lr_mult=float(a.get("lr_mult", 1.0)),
+                      step0=int(a.get("step0", 0)))
 
     def step(self, xp, w, g, states, t, rate, decay, it):
         m, v = states
         b1, b2 = float(self.attrs.get("momentum", 0.9)), float(self.attrs.get("momentum2", 0.999))
-        s = it + 1
+        s = it - int(self.attrs.get("step0", 0)) + 1
         m *= t(b1)
         m += t(1 - b1) * g
         v *= t(b2)
@@ -456,11 +461,11 @@ class MultiAdamUpdate(MultiSGDUpdate):
                                beta2=float(a.get("momentum2", 0.999)),
                                delta=float(a.get("delta", 1e-8)),
                                grad_scale=float(a.get("grad_scale", 1.0)),
-                               decoupled=bool(a.get("decoupled")))
+                               decoupled=bool(a.get("decoupled")), step0=int(a.get("step0", 0)))
             return
         single = AdamWUpdate if a.get("decoupled") else AdamUpdate
         shared = {k: a[k] for k in ("momentum", "momentum2", "delta", "weight_decay",
-                                    "grad_scale") if k in a}
+                                    "grad_scale", "step0") if k in a}
         for grad, off, size, lr_mult, decay_mult in zip(
                 ins[5:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
             views = [o[int(off):int(off) + int(size)].reshape(grad.shape) for o in outs]

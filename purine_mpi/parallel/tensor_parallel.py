@@ -51,6 +51,7 @@ import numpy as np
 from ..base.errors import ConfigError, UserError
 from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
+from ..layers import layer_key
 from .data_parallel import next_seq, place_on_rank
 from .tensor_split import join_shards, split_of, take_shard  # noqa: F401
 
@@ -321,7 +322,7 @@ def check_device(graph, pairs, job):
                 key = "dropout_ratio" if "dropout_ratio" in cfg and "ratio" not in cfg \
                     else "ratio"
             what = f"dropout of the activation of '{p['column']}' split by columns"
-        full = f"net[{names.index(layer)}].{key}" if layer in names else key
+        full = f"{layer_key(job.net_keys, names.index(layer))}.{key}" if layer in names else key
         raise ConfigError(job.path, full, f"layer '{layer}': {what} "
                           "(parallel.tensor_parallel) draws each shard's part of the "
                           f"unsplit mask on the CPU only, not on a GPU; set {key}: 0 or "

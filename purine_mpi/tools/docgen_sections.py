@@ -310,7 +310,10 @@ def _layer_section():
         "Every layer name of a block holds a placeholder. A bad count or start, an unknown "
         "placeholder (`{j}`), a name without one, or a repeat inside a block exits 2 naming "
         "the file and the key (`net.3.repeat`, `net.3.block.2.top`); an error of a layer of "
-        "the block names it the same way. `--set` indexes the entries of the file "
+        "the block names it the same way, its shapes' too (`net.3.block.2.bottom` and the "
+        "layer's name, which holds its block's index), and a layer after the repeat by its "
+        "position in the file (`net[4]`), not in the expanded net. `--set` indexes the "
+        "entries of the file "
         "(`--set net.3.repeat=12`). jobs/gpt_small.yaml:",
         "",
         "```yaml",
@@ -466,7 +469,9 @@ def _solver():
         "regularisation; `adamw` alone decouples the decay), and rate = lr · `lr_mult`. "
         "Each parameter's state is the blobs `<param>.<state>`, saved in checkpoints "
         "under `/solver/<param>/<state>` and resumed bit-exact. Resuming with another type "
-        "starts the new type's state from zero, and says so. The parameter-server modes "
+        "starts the new type's state from zero, and says so (Adam's step count, its bias "
+        "correction, then counts from the resume, as a fresh torch optimizer's). The "
+        "parameter-server modes "
         "(`parallel.mode: async | sync_ps`) take `sgd` only.",
         "",
         _table(("type", "update", "keys", "state", "op"), rows),

@@ -98,7 +98,7 @@ class Generator:
         g = Graph(job.name)
         g.add_blob("data", (1, self.length), "int32")
         g.add_blob("label", (1, self.length), "int32")
-        build_net(job.net or (), "test", (g, job.path))
+        build_net(job.net or (), "test", (g, job.path, job.net_keys))
         for op in g.ops.values():
             if op.op_type.startswith("Attention") and not op.attrs.get("causal", True):
                 raise UserError(f"{job.path}: layer '{op.name.split('.')[0]}' is not causal "

@@ -148,6 +148,9 @@ class Checkpoints(Service):
             out["window"] = {str(r): win for r, (_, win) in enumerate(gathered)}
         if loop.state.watch:
             out["watch"] = loop.state.watch
+        step0 = {int(k.attrs.get("step0", 0)) for k in _adam_kernels(loop)}
+        if step0 - {0}:  # the iteration Adam's moments started at (_resume)
+            out["adam_step0"] = max(step0)
         return out
 
     def load_state_dict(self, loop, state, notes=True):
@@ -232,6 +235,7 @@ class Checkpoints(Service):
         notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
             self.load_state_dict(loop, ck.state, notes)
+        self._adam_step0(loop, ck, fresh)
         st, size = loop.state, loop.world.size
         # what the test passes decided (train/watch.py); the best files are
         # the checkpoint's folder's: another folder starts its own best list
@@ -253,6 +257,30 @@ class Checkpoints(Service):
                      f"({b} per rank x {replicas}); the data order goes on at the same "
                      "sample, but the learning-rate schedule counts iterations, not samples "
                      "(keep the global batch with --set data.train.batch_size=G/N)")
+
+    @staticmethod
+    def _adam_step0(loop, ck, fresh):
+        """Adam's step counts the updates its moments have seen, as a fresh
+        torch optimizer's state does: moments started from zero by this
+        resume (a checkpoint of another solver type) count from its
+        iteration (less the steps fp16's loss scaling skipped before it, which
+        the step blob already leaves out); moments resumed count from where
+        the checkpoint's did (``adam_step0``, 0 when it has none)."""
+        kernels = _adam_kernels(loop)
+        if not kernels:
+            return
+        if fresh & {"m", "v"}:
+            scaler = [k for k in loop.train.kernels.values()
+                      if k.op.op_type == "LossScaleUpdate"]
+            step0 = int(ck.attrs["iteration"]) - (
+                scaler[0].state_dict()["skipped_steps"] if scaler else 0)
+        else:
+            step0 = int((ck.state or {}).get("adam_step0", 0))
+        for k in kernels:
+            k.attrs["step0"] = step0
+        if step0 and loop.world.rank == 0 and fresh & {"m", "v"}:
+            loop.say(f"note: {loop.job.solver.type}'s step count (its bias correction) "
+                     f"starts at 1 with its moments at iteration {int(ck.attrs['iteration'])}")
 
     def save(self, loop, iteration, path=None):
         """The run's checkpoint of ``iteration`` (ckpt_<iter>.h5, latest.h5,
@@ -309,6 +337,12 @@ class Checkpoints(Service):
         solver = {p: {s: to_numpy(loop.ws[state_name(p, s)]) for s in states
                       if state_name(p, s) in loop.ws.arrays} for p in loop.graphs.params}
         return params, {p: s for p, s in solver.items() if s}
+
+
+def _adam_kernels(loop):
+    """The loop's Adam and AdamW update kernels (fused or not)."""
+    return [k for k in loop.train.kernels.values()
+            if k.op.op_type in ("AdamUpdate", "AdamWUpdate", "MultiAdamUpdate")]
 
 
 def _whole(loop, param, name):

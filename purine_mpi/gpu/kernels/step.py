@@ -48,10 +48,11 @@ def _unread_int64(cupy):
 
 
 def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
-                grad_scale=1.0, weight_decay=0.0, decoupled=False, lr_mult=1.0):
+                grad_scale=1.0, weight_decay=0.0, decoupled=False, lr_mult=1.0, step0=0):
     """In place, Adam (``decoupled=False``: the weight decay is L2 added to
     the gradient) or AdamW (``decoupled=True``: ``w *= 1 - rate *
-    weight_decay`` first), step ``iteration + 1``, rate = lr * lr_mult, in
+    weight_decay`` first), step ``iteration - step0 + 1`` (``step0``: the
+    iteration the moments started at), rate = lr * lr_mult, in
     one kernel that allocates nothing (cuda/adam.cu; ops/updates.py
     AdamUpdate gives the formulas).
 
@@ -72,14 +73,20 @@ def adam_update(w, g, m, v, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
         lr_value = np.float64(lr_mult)
     else:
         lr_value, lr_ptr, has_lr_ptr = np.float64(float(lr) * float(lr_mult)), w, _int(0)
-    if isinstance(iteration, cupy.ndarray):
-        it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
-    else:
-        it_value, it_ptr, has_it_ptr = np.int64(int(iteration)), _unread_int64(cupy), _int(0)
+    it_value, it_ptr, has_it_ptr = _adam_iteration(cupy, iteration, step0)
     _base._launch("adam", "adam_update", w.dtype, w.size,
                   (w, g, m, v, lr_value, lr_ptr, has_lr_ptr, it_value, it_ptr, has_it_ptr,
                    np.float64(beta1), np.float64(beta2), t(delta), t(grad_scale),
                    np.float64(weight_decay), _int(bool(decoupled))))
+
+
+def _adam_iteration(cupy, iteration, step0):
+    """(value, pointer, flag) of cuda/adam.cu's step ``iteration - step0 +
+    1``: the kernel adds the value to the device iteration it reads."""
+    if isinstance(iteration, cupy.ndarray):
+        _, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+        return np.int64(-int(step0)), it_ptr, has_it_ptr
+    return np.int64(int(iteration) - int(step0)), _unread_int64(cupy), _int(0)
 
 
 def _lr_arg(cupy, lr, lr_mult, like, what):
@@ -166,13 +173,13 @@ def sgd_momentum_multi(w, v, table, lr, momentum=0.9, grad_scale=1.0):
 
 
 def adam_multi(w, m, v, table, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8,
-               grad_scale=1.0, decoupled=False):
+               grad_scale=1.0, decoupled=False, step0=0):
     """:func:`adam_update` of every parameter in ``table`` (a
     :class:`MultiTensorTable` with float64 factors: each parameter's
     lr_mult and weight_decay * decay_mult) in one kernel, in place on the
     flat weight and moment buffers ``w``, ``m`` and ``v`` (1-D,
     C-contiguous): bit for bit the single-parameter kernel's result.
-    ``lr`` and ``iteration`` as for :func:`adam_update` (without lr_mult)."""
+    ``lr``, ``iteration`` and ``step0`` as for :func:`adam_update` (without lr_mult)."""
     cupy = import_cupy()
     _check_flat(cupy, "adam_multi", table, np.float64, w=w, m=m, v=v)
     t = w.dtype.type
@@ -181,10 +188,7 @@ def adam_multi(w, m, v, table, lr, iteration, beta1=0.9, beta2=0.999, delta=1e-8
         lr_value = np.float64(0.0)
     else:
         lr_value, lr_ptr, has_lr_ptr = np.float64(float(lr)), w, _int(0)
-    if isinstance(iteration, cupy.ndarray):
-        it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
-    else:
-        it_value, it_ptr, has_it_ptr = np.int64(int(iteration)), _unread_int64(cupy), _int(0)
+    it_value, it_ptr, has_it_ptr = _adam_iteration(cupy, iteration, step0)
     _base._launch("adam", "adam_multi", w.dtype, table.total,
                   (w, m, v, table.pointers, table.starts, table.offsets, table.lr_mults,
                    table.decays, _int(table.segments), lr_value, lr_ptr, has_lr_ptr,
