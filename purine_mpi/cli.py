@@ -117,7 +117,8 @@ def cmd_train(args):
     return run_training(job, out_dir, resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
-                        memory=lambda *built: check_memory(*built, limits, args.dispatcher),
+                        memory=lambda *built, **restore: check_memory(*built, limits,
+                                                                      args.dispatcher, **restore),
                         notes=notes)
 
 
@@ -277,7 +278,8 @@ def cmd_plan(args):
     if args.choose:
         return _plan_choose(args)
     job = _load(args, check_files=False)
-    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json)
+    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
+                            restore={"init": args.init, "resume": True if args.resume else None})
     print(text)
     return status
 

@@ -8,12 +8,13 @@ the bytes a save makes resident in a run on 2 ranks."""
 import json
 import subprocess
 
+import numpy as np
 import pytest
 import yaml
 
 from purine_mpi.job.config import load_job
 from purine_mpi.tools.plan import MemoryLimits, offline_footprints, run_plan
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli_here
 from tests.test_sharded_rss import _deep_mlp
 
 W = 768 * 768 * 4   # an fc layer's weight (and each of its AdamW states), float32
@@ -263,3 +264,61 @@ def test_on_a_gpu_each_rank_copies_its_part_to_the_host(monkeypatch, host_build_
     weights = (2 * (64 * 64 + 64) + 10 * 64 + 10) * 4
     assert fp.save == 3 * weights
     assert fp.host_total == max(fp.loop_total, fp.save_total)
+
+
+#: the whole net's parameters of ``_deep_mlp``: 8 fc layers and the 10-way output
+P = 8 * (W + B) + 768 * 10 * 4 + 10 * 4
+
+
+def test_the_start_up_load_row(tmp_path):
+    """The start-up load (``Footprint.load``): the first fill of the
+    largest parameter (a 768 x 768 weight drawn in float64, then cast to
+    float32: 12 bytes an element, 3 W) on every rank; with ``--resume``
+    this job's whole checkpoint besides (every parameter and its two AdamW
+    states, read whole on each rank, a pipeline stage's too: 3 P) and the
+    stage's optimizer state it sets (zeros untouched until then); with
+    ``--init`` the file's /params when larger than the fill. Before the
+    first iteration no op has run: ``load_total`` is the rows written by
+    then (weights, data, kept blobs, buffers: ``STARTUP_ROWS``) plus the
+    load; the host's need the largest total. Stage 1 of the pipeline holds
+    half the model: a resume's whole checkpoint is its need, and a
+    --host-memory between its iteration's total and that refuses the
+    resume only."""
+    from purine_mpi.runtime.footprint import STARTUP_ROWS
+    from purine_mpi.job.checkpoint_file import save_checkpoint
+    job = load_job(_config(tmp_path, "pipeline"), (), None, check_files=False)
+    fresh, _ = offline_footprints(job, 2, [0, 1])
+    resumed, _ = offline_footprints(job, 2, [0, 1], {"resume": True})
+    # each stage's two AdamW states: fc0-3; fc4-7 and the output layer
+    state = {0: 2 * 4 * (W + B), 1: 2 * (4 * (W + B) + 768 * 10 * 4 + 10 * 4)}
+    for r in (0, 1):
+        assert fresh[r].load == 3 * W
+        fp = resumed[r]
+        assert fp.host["optimizer_state"] == state[r]
+        assert fp.load == 3 * P + state[r]
+        assert fp.load_total == sum(fp.host.get(k, 0) for k in STARTUP_ROWS) + fp.load
+        assert fp.host_total == max(fp.loop_total, fp.save_total, fp.load_total)
+    one = resumed[1]
+    assert one.host_total == one.load_total > one.loop_total
+    limit = (fresh[1].host_total + one.load_total) // 2
+    assert fresh[1].host_total < limit
+    out, code = run_plan(job, 2, MemoryLimits(host=limit), as_json=True)
+    assert json.loads(out)["ranks"][1]["host"]["startup_load"] == 3 * W
+    out, code_resumed = run_plan(job, 2, MemoryLimits(host=limit), as_json=True,
+                                 restore={"resume": True})
+    ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
+    assert ranks[1]["host"]["load_total"] == ranks[1]["host"]["total"] == one.load_total
+    assert (code, code_resumed) == (0, 2)
+    text, _ = run_plan(job, 2, MemoryLimits(host=1 << 40), restore={"resume": True})
+    assert "start-up load" in text and "at start-up" in text
+    # --init: the file's /params, read whole (here every parameter: P > 3 W)
+    rng = np.random.default_rng(0)
+    weights = {f"fc{i}/{k}": rng.standard_normal(s).astype(np.float32)
+               for i in range(8) for k, s in (("weight", (768, 768)), ("bias", (768,)))}
+    weights.update({"out/weight": np.zeros((10, 768), np.float32),
+                    "out/bias": np.zeros(10, np.float32)})
+    path = save_checkpoint(str(tmp_path / "w.h5"), weights)
+    out = run_cli_here("plan", _config(tmp_path, "pipeline"), "--np", "2", "--init", path,
+                       "--json")
+    assert out.returncode == 0, out.stderr
+    assert {r["host"]["startup_load"] for r in json.loads(out.stdout)["ranks"]} == {P}

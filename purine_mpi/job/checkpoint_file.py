@@ -40,6 +40,12 @@ VERSION = 1
 KIND = "purine_kind"
 LATEST = "latest.h5"
 CHECKSUM = "sha256"  # attribute of /state: its datasets have no Fletcher-32 of their own
+#: HDF5's chunk cache of a checkpoint or weights file, read or written
+#: (``rdcc_nbytes``): none. Every chunk is read or written once, whole, so
+#: the cache (8 MiB a dataset by default) only held chunks that the heap
+#: then kept: reading a 65 MiB checkpoint added 9.2 MiB above its arrays
+#: with it, 3.1 without (docs/running.md, "Will it fit?")
+CHUNK_CACHE_BYTES = 0
 
 
 @dataclass
@@ -52,10 +58,21 @@ class Checkpoint:
     solver: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)
+    #: the run read it for itself (train/trainer.run_training): ``loaded``
+    #: lets its arrays go once the weights are set, so the run does not hold
+    #: a second copy of the model and its solver state to its end
+    transient: bool = False
 
     @property
     def iteration(self):
         return int(self.attrs.get("iteration", 0))
+
+    def loaded(self):
+        """The weights and solver state are set from it: a ``transient``
+        checkpoint drops its arrays (``params``, ``solver``; the small
+        ``state`` and ``attrs`` stay)."""
+        if self.transient:
+            self.params, self.solver = {}, {}
 
 
 # -------------------------------------------------------------------- write
@@ -132,7 +149,7 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
     with replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
         # HDF5 writes through ``raw`` (created anew, never through a link): a
         # full disk is one line naming the file, not HDF5's errors
-        with h5py.File(raw, "w", track_order=True) as f:
+        with h5py.File(raw, "w", track_order=True, rdcc_nbytes=CHUNK_CACHE_BYTES) as f:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
             f.attrs["iteration"] = int(iteration)
@@ -266,7 +283,7 @@ def open_h5(path, what="checkpoint"):
     if os.path.isdir(path):
         raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
     except OSError as e:
         if is_lock_error(e):
             holder = held_by(path) or _run_lock_holder(path)
@@ -342,6 +359,20 @@ def load_params(path):
             raise UserError(f"weights file '{path}' has no /params group; expected the "
                             "checkpoint layout (/params/<layer>/weight, ...)")
         return _read_section(f, "params", path)
+
+
+@names_the_file("weights file")
+def params_nbytes(path):
+    """The bytes ``load_params`` reads into memory from ``path``: its
+    ``/params`` datasets' sizes (their metadata: no data is read); 0 where
+    it has no /params (``load_params`` refuses it, naming the file)."""
+    import h5py
+    total = []
+    with open_h5(path, "weights file") as f:
+        if "params" in f and hasattr(f["params"], "visititems"):
+            f["params"].visititems(lambda name, obj: total.append(
+                (obj.size or 0) * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else None)
+    return int(sum(total))
 
 
 @names_the_file("weights file")
