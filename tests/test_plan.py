@@ -127,9 +127,12 @@ def test_known_by_hand(tmp_path):
     assert host["gradients"] == weights + 4  # + the loss's seed gradient, one float32
     assert host["optimizer_state"] == 2 * weights
     assert host["data_batch"] == 8 * 100 * 4 + 8 * 8  # float32 samples, int64 labels
-    totals = ("total", "loop_total", "save_total", "checkpoint_save")
+    totals = ("total", "loop_total", "save_total", "checkpoint_save", "load_total",
+              "startup_load")
     assert host["loop_total"] == sum(v for k, v in host.items() if k not in totals)
     assert host["checkpoint_save"] == 0  # data parallel: rank 0 writes its own arrays
+    # the first fill: the 100 x 10 weight drawn in float64, then cast to float32
+    assert host["startup_load"] == 100 * 10 * (8 + 4)
     assert host["total"] == host["loop_total"]
     assert kind["fits"]["host"]["need_bytes"] == host["total"]
 
