@@ -221,8 +221,9 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
-    figure). Measured: 2.3-8.6% above plan (sync_ps rank 0 the most). Before,
-    plan refused these modes (exit 2), and memory.json had no server."""
+    figure). Measured: 2.2-6.2% above plan (2.3-8.6% before HDF5's buffers
+    at rank 0's save were bounded). Before, plan refused these modes (exit
+    2), and memory.json had no server."""
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
                               sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],

@@ -47,11 +47,28 @@ def parse_bytes(text, option):
 class MemoryLimits:
     """What ``train`` checks its rank against (``--host-memory``,
     ``--device-memory``: bytes, None: the machine's); ``check`` False:
-    ``--no-memory-check``."""
+    ``--no-memory-check``; ``ranks_per_node``: ``plan --ranks-per-node``
+    (None: ``node_ranks``' default)."""
 
     host: object = None
     device: object = None
     check: bool = True
+    ranks_per_node: object = None
+
+
+def node_ranks(limits, size):
+    """(the ranks of a ``size``-rank job that share a node, what says so)
+    for ``plan``, whose ranks share the node's MemAvailable:
+    ``--ranks-per-node``, else the launcher's count of the ranks on this
+    node (base/threads.LOCAL_SIZE_VARS: SLURM_NTASKS_PER_NODE in an
+    allocation, ...), else all of them; at most ``size``."""
+    from ..base.threads import ranks_on_this_host
+    if limits is not None and limits.ranks_per_node is not None:
+        return min(limits.ranks_per_node, size), "--ranks-per-node"
+    n, var = ranks_on_this_host()
+    if var is not None:
+        return min(n, size), var
+    return size, None
 
 
 def mem_available():
@@ -79,9 +96,10 @@ def device_total(device):
     return int(cupy.cuda.runtime.getDeviceProperties(int(device))["totalGlobalMem"])
 
 
-def limits_for(limits, ranks_per_host, devices):
+def limits_for(limits, ranks_per_host, devices, source=None):
     """[(where, device, bytes, why)]: the memory each part of a rank may
-    use (``devices``: the GPUs the rank has blobs on)."""
+    use (``devices``: the GPUs the rank has blobs on; ``source``: what
+    gave ``ranks_per_host``, said in ``why``)."""
     out = []
     if limits.host is not None:
         out.append(("host", -1, limits.host, "--host-memory"))
@@ -89,7 +107,8 @@ def limits_for(limits, ranks_per_host, devices):
         avail = mem_available()
         if avail is not None:
             why = "MemAvailable" + (f" / {ranks_per_host} ranks on the host"
-                                    if ranks_per_host > 1 else "")
+                                    if ranks_per_host > 1 else "") + \
+                (f", from {source}" if source else "")
             out.append(("host", -1, avail // max(ranks_per_host, 1), why))
     for d in devices:
         if limits.device is not None:
@@ -465,10 +484,10 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         d.pop("rank")
         key = repr(d)
         groups.setdefault(key, (fp, []))[1].append(r)
-    ranks_per_host = size
+    ranks_per_host, source = node_ranks(limits, size)
     kinds = []
     for fp, ranks in groups.values():
-        lims = limits_for(limits, ranks_per_host, sorted(fp.devices))
+        lims = limits_for(limits, ranks_per_host, sorted(fp.devices), source)
         fits = {where: {"need_bytes": need_of(fp, d), "limit_bytes": int(lim), "limit_from": why,
                         "fits": need_of(fp, d) <= lim} for where, d, lim, why in lims}
         kinds.append((fp, ranks, fits))
