@@ -374,3 +374,27 @@ def test_hdf5_holds_little_beyond_the_arrays(tmp_path):
     assert p.returncode == 0, p.stderr
     saved, loaded = (int(x) for x in p.stdout.split())
     assert saved < 6 << 20 and loaded < 6 << 20, (saved / 2**20, loaded / 2**20)
+
+
+def test_train_refuses_a_resume_whose_start_up_does_not_fit(tmp_path):
+    """One rank of the 8 fc layers (scheme data): a --host-memory between
+    an iteration's need and a resume's start-up (the checkpoint read, 3 P,
+    held while the optimizer state is set) trains from scratch, and
+    refuses --resume before its first iteration, naming the start-up load
+    (train's check counts the arrays of the file it read). Before, the
+    check counted no load: the resume ran."""
+    cfg = _config(tmp_path, "data")
+    job = load_job(cfg, (), None, check_files=False)
+    (fresh,) = offline_footprints(job, 1, [0])[0].values()
+    (resumed,) = offline_footprints(job, 1, [0], {"resume": True})[0].values()
+    assert fresh.host_total == fresh.loop_total < resumed.load_total
+    limit = str((fresh.host_total + resumed.load_total) // 2)
+    run = ["-m", "purine_mpi", "train", str(cfg), "--out", str(tmp_path / "run"),
+           "--host-memory", limit]
+    first = subprocess.run([PYTHON] + run + ["--iters", "1"], cwd=REPO, env=cli_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([PYTHON] + run + ["--iters", "2", "--resume", "auto"], cwd=REPO,
+                           env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "start-up load" in again.stderr and "iter 2" not in again.stdout

@@ -414,8 +414,9 @@ def refusal(job, fp, size, problem, offline_rank=None, everyone=None, restore=No
         text += (f"; its checkpoint save holds {human_bytes(fp.save)} more between "
                  "iterations")
     if fp.load and device < 0 and fp.load_total == fp.host_total > fp.loop_total:
-        text += (f"; its start-up load (the weights' first fill, --init, --resume) holds "
-                 f"{human_bytes(fp.load)} more before the first iteration")
+        text += (f"; before its first iteration it holds {human_bytes(fp.load_total)}: the "
+                 f"weights and data, and its start-up load of {human_bytes(fp.load)} (the "
+                 "weights' first fill, --init's weights, the --resume checkpoint read whole)")
     return (f"{text}; {advice(job, size, rank, device, limit, need, everyone, restore)}; or "
             "skip the check with --no-memory-check")
 
