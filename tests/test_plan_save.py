@@ -398,3 +398,35 @@ def test_train_refuses_a_resume_whose_start_up_does_not_fit(tmp_path):
                            env=cli_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 2, again.stdout + again.stderr
     assert "start-up load" in again.stderr and "iter 2" not in again.stdout
+
+
+def test_the_check_adds_back_the_checkpoint_it_holds(tmp_path, monkeypatch):
+    """train's check reads MemAvailable after --resume has read the
+    checkpoint: the rank's own copy, counted in its need, is out of it
+    already, so the rank's share is MemAvailable / K plus those bytes
+    (without --host-memory). With MemAvailable a little above the need
+    less the checkpoint, the resume passes (before: refused)."""
+    import dataclasses
+    from purine_mpi.base.errors import MemoryTooSmall
+    from purine_mpi.job.checkpoint_file import Checkpoint
+    from purine_mpi.parallel.rank_graphs import build_rank_graphs
+    from purine_mpi.runtime.footprint import workspace_plans
+    from purine_mpi.tools import plan
+    from purine_mpi.tools.graph import _OfflineWorld
+    job = load_job(_config(tmp_path, "data"), (), None, check_files=False)
+    job = job.replace(parallel=dataclasses.replace(job.parallel, check_collectives=False))
+    graphs = build_rank_graphs(job, _OfflineWorld(0, 1), check_memory=False)
+    plans = workspace_plans(graphs, job.memory_plan)
+    ck = Checkpoint("ck.h5", params={"w": np.zeros(3 * P // 4, np.uint8)},
+                    solver={"w": {"m": np.zeros(3 * P // 4, np.uint8)}})
+    (fp,) = offline_footprints(job, 1, [0], {"resume": True})[0].values()
+    held = plan.arrays_nbytes(ck)
+    need = fp.host_total - 3 * P + held  # this checkpoint in the place of the job's own
+    monkeypatch.setattr("purine_mpi.base.threads.ranks_on_this_host", lambda: (1, None))
+    monkeypatch.setattr(plan, "mem_available", lambda: need - held + (1 << 20))
+    plan.check_memory(job, graphs, plans, _OfflineWorld(0, 1), plan.MemoryLimits(),
+                      resume=ck)
+    monkeypatch.setattr(plan, "mem_available", lambda: need - held - (1 << 20))
+    with pytest.raises(MemoryTooSmall, match="it holds already"):
+        plan.check_memory(job, graphs, plans, _OfflineWorld(0, 1), plan.MemoryLimits(),
+                          resume=ck)

@@ -96,10 +96,11 @@ def device_total(device):
     return int(cupy.cuda.runtime.getDeviceProperties(int(device))["totalGlobalMem"])
 
 
-def limits_for(limits, ranks_per_host, devices, source=None):
+def limits_for(limits, ranks_per_host, devices, source=None, held=0):
     """[(where, device, bytes, why)]: the memory each part of a rank may
     use (``devices``: the GPUs the rank has blobs on; ``source``: what
-    gave ``ranks_per_host``, said in ``why``)."""
+    gave ``ranks_per_host``, said in ``why``; ``held``: host bytes of the
+    rank's need it holds already, which MemAvailable no longer has)."""
     out = []
     if limits.host is not None:
         out.append(("host", -1, limits.host, "--host-memory"))
@@ -109,7 +110,9 @@ def limits_for(limits, ranks_per_host, devices, source=None):
             why = "MemAvailable" + (f" / {ranks_per_host} ranks on the host"
                                     if ranks_per_host > 1 else "") + \
                 (f", from {source}" if source else "")
-            out.append(("host", -1, avail // max(ranks_per_host, 1), why))
+            if held:
+                why += f" + the {human_bytes(held)} it holds already"
+            out.append(("host", -1, avail // max(ranks_per_host, 1) + held, why))
     for d in devices:
         if limits.device is not None:
             out.append((f"GPU {d}", d, limits.device, "--device-memory"))
@@ -387,10 +390,12 @@ def advice(job, size, rank, device, limit, need, everyone=None, restore=None):
     return "; ".join(parts)
 
 
-def over(fp, limits, ranks_per_host):
-    """[(where, device, need, limit, why)] of the parts of ``fp`` that do not fit."""
+def over(fp, limits, ranks_per_host, held=0):
+    """[(where, device, need, limit, why)] of the parts of ``fp`` that do not
+    fit (``held``: ``limits_for``'s)."""
     out = []
-    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices)):
+    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices),
+                                           held=held):
         need = need_of(fp, d)
         if need > limit:
             out.append((where, d, need, limit, why))
@@ -443,7 +448,10 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
         plan = getattr(comp, "server_plan", None)
         size = world.size + (len(plan["servers"]) if plan else 0)
     fp.load = load_bytes(job, graphs, fp, init, resume)
-    problems = over(fp, limits, ranks_on_this_host()[0])
+    # the checkpoint --resume read is resident already (in the load, and out
+    # of the MemAvailable read now)
+    held = arrays_nbytes(resume) if resume is not None else 0
+    problems = over(fp, limits, ranks_on_this_host()[0], held)
     if problems:
         raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone,
                                      restore={"init": init, "resume": resume}))
