@@ -14,7 +14,7 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi test CONFIG.yaml --weights CKPT.h5 [--out DIR]
     python -m purine_mpi graph CONFIG.yaml [--np N] [--rank R] [--format text|yaml|dot]
     python -m purine_mpi plan CONFIG.yaml [--np N] [--host-memory SIZE] [--device-memory SIZE]
-                                          [--json]
+                                          [--ranks-per-node K] [--resume] [--init W.h5] [--json]
     python -m purine_mpi inspect CKPT.h5 [--diff OTHER.h5] [--json]
     python -m purine_mpi data digits --out PATH.h5
     python -m purine_mpi data cifar10 --download|--from PATH --out PATH.h5
@@ -118,7 +118,8 @@ def cmd_train(args):
     return run_training(job, out_dir, resume=args.resume, init=args.init,
                         profile=_profile(args), dispatcher=args.dispatcher,
                         init_skip=args.init_skip, tensorboard=args.tensorboard,
-                        memory=lambda *built: check_memory(*built, limits, args.dispatcher),
+                        memory=lambda *built, **restore: check_memory(*built, limits,
+                                                                      args.dispatcher, **restore),
                         notes=notes)
 
 
@@ -170,7 +171,16 @@ def _memory_limits(args):
                                                                "--host-memory"),
         device=None if args.device_memory is None else parse_bytes(args.device_memory,
                                                                    "--device-memory"),
-        check=getattr(args, "memory_check", True))
+        check=getattr(args, "memory_check", True),
+        ranks_per_node=_ranks_per_node(args))
+
+
+def _ranks_per_node(args):
+    """plan's --ranks-per-node (None: not given; train has none: its launcher says)."""
+    k = getattr(args, "ranks_per_node", None)
+    if k is not None and k < 1:
+        raise UserError(f"--ranks-per-node {k}: give a number of ranks >= 1")
+    return k
 
 
 def cmd_test(args):
@@ -276,9 +286,14 @@ def cmd_plan(args):
     if choosing and not args.choose:
         raise UserError(f"plan {', '.join(choosing)}: these options belong to --choose")
     if args.choose:
+        if args.resume or args.init:
+            raise UserError("plan --choose ranks settings for a fresh start: without "
+                            "--resume and --init (plan JOB --np N --resume shows a setting's "
+                            "start-up load)")
         return _plan_choose(args)
     job = _load(args, check_files=False)
-    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json)
+    text, status = run_plan(job, args.np, _memory_limits(args), as_json=args.json,
+                            restore={"init": args.init, "resume": True if args.resume else None})
     print(text)
     return status
 

@@ -204,6 +204,16 @@ def build_parser():
                     "MemAvailable now / N, as if the N ranks shared it)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the table (keys: docs/formats.md)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="the ranks that share a node's memory: MemAvailable / K is each "
+                        "rank's when --host-memory is not given (default: the launcher's "
+                        "count of the ranks on this node, e.g. SLURM_NTASKS_PER_NODE, else N)")
+    p.add_argument("--resume", action="store_true",
+                   help="count a --resume of this job's checkpoint: train reads it whole on "
+                        "every rank before the first iteration (the start-up load)")
+    p.add_argument("--init", metavar="W.h5", default=None,
+                   help="count --init W.h5: its /params, read whole on every rank before the "
+                        "first iteration (the start-up load)")
     c = p.add_argument_group("choosing a setting (plan --np N --choose; docs/scaling.md)")
     c.add_argument("--choose", action="store_true",
                    help="rank the settings of N ranks (data parallel, sharded, pipeline "

@@ -127,9 +127,12 @@ def test_known_by_hand(tmp_path):
     assert host["gradients"] == weights + 4  # + the loss's seed gradient, one float32
     assert host["optimizer_state"] == 2 * weights
     assert host["data_batch"] == 8 * 100 * 4 + 8 * 8  # float32 samples, int64 labels
-    totals = ("total", "loop_total", "save_total", "checkpoint_save")
+    totals = ("total", "loop_total", "save_total", "checkpoint_save", "load_total",
+              "startup_load")
     assert host["loop_total"] == sum(v for k, v in host.items() if k not in totals)
     assert host["checkpoint_save"] == 0  # data parallel: rank 0 writes its own arrays
+    # the first fill: the 100 x 10 weight drawn in float64, then cast to float32
+    assert host["startup_load"] == 100 * 10 * (8 + 4)
     assert host["total"] == host["loop_total"]
     assert kind["fits"]["host"]["need_bytes"] == host["total"]
 
@@ -380,3 +383,34 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
         if status:
             assert f"rank {biggest} needs {human_bytes(need[biggest])}" in res.stderr, \
                 res.stderr[-600:]
+
+
+def test_ranks_share_their_node_s_memory(monkeypatch):
+    """Without --host-memory each rank may use MemAvailable / K, K the
+    ranks on a node: --ranks-per-node, else the launcher's count of the
+    ranks on this node (SLURM_NTASKS_PER_NODE in an allocation), else all
+    N (one node). A 4-rank job on 2 nodes of 2 fits a node with 3 ranks'
+    bytes (before, plan divided by the 4 ranks and refused it)."""
+    from purine_mpi.base.threads import LOCAL_SIZE_VARS
+    from purine_mpi.tools import plan
+    for var in LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    job = _job("cifar10_quick")
+    need = plan.offline_footprint(job, 4, 0).host_total
+    monkeypatch.setattr(plan, "mem_available", lambda: 3 * need)
+
+    def host(**limits):
+        out, code = plan.run_plan(job, 4, plan.MemoryLimits(**limits), as_json=True)
+        fits = json.loads(out)["ranks"][0]["fits"]["host"]
+        return code, fits["limit_bytes"], fits["limit_from"]
+    assert host() == (2, 3 * need // 4, "MemAvailable / 4 ranks on the host")
+    assert host(ranks_per_node=2) == (0, 3 * need // 2, "MemAvailable / 2 ranks on the host, "
+                                      "from --ranks-per-node")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    assert host() == (0, 3 * need // 2, "MemAvailable / 2 ranks on the host, "
+                      "from SLURM_NTASKS_PER_NODE")
+    assert host(ranks_per_node=8)[:2] == (2, 3 * need // 4)  # at most the N ranks
+    assert host(host=need - 1)[:2] == (2, need - 1)  # --host-memory: per rank, as given
+    bad = run_cli_here("plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--np", "4",
+                       "--ranks-per-node", "0")
+    assert bad.returncode == 2 and "--ranks-per-node 0" in bad.stderr

@@ -40,6 +40,21 @@ VERSION = 1
 KIND = "purine_kind"
 LATEST = "latest.h5"
 CHECKSUM = "sha256"  # attribute of /state: its datasets have no Fletcher-32 of their own
+#: HDF5's chunk cache of a checkpoint or weights file, read or written
+#: (``rdcc_nbytes``): none. Every chunk is read or written once, whole, so
+#: the cache (8 MiB a dataset by default) only held chunks that the heap
+#: then kept: reading a 65 MiB checkpoint added 9.2 MiB above its arrays
+#: with it, 3.1 without (docs/running.md, "Will it fit?")
+CHUNK_CACHE_BYTES = 0
+#: HDF5's metadata cache of the same files (object headers, chunk indexes):
+#: a fixed size, not the default's adaptive 1-32 MiB, which grew with the
+#: datasets a save wrote (1,200 of them: 16 MiB) and stayed
+METADATA_CACHE_BYTES = 256 << 10
+#: a checkpoint's array larger than this is written a slab of rows at a
+#: time: HDF5 holds a few KiB per chunk a write touches until it ends (its
+#: chunk map), 16.7 MiB for a 256 MiB array written whole (4,096 chunks of
+#: 64 KiB), 2 MiB in slabs of this size (docs/running.md, "Will it fit?")
+WRITE_SLAB_BYTES = 4 << 20
 
 
 @dataclass
@@ -52,10 +67,21 @@ class Checkpoint:
     solver: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)
+    #: the run read it for itself (train/trainer.run_training): ``loaded``
+    #: lets its arrays go once the weights are set, so the run does not hold
+    #: a second copy of the model and its solver state to its end
+    transient: bool = False
 
     @property
     def iteration(self):
         return int(self.attrs.get("iteration", 0))
+
+    def loaded(self):
+        """The weights and solver state are set from it: a ``transient``
+        checkpoint drops its arrays (``params``, ``solver``; the small
+        ``state`` and ``attrs`` stay)."""
+        if self.transient:
+            self.params, self.solver = {}, {}
 
 
 # -------------------------------------------------------------------- write
@@ -132,7 +158,8 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
     with replaced_atomically(path) as tmp, GuardedFile(tmp) as raw:
         # HDF5 writes through ``raw`` (created anew, never through a link): a
         # full disk is one line naming the file, not HDF5's errors
-        with h5py.File(raw, "w", track_order=True) as f:
+        with h5py.File(raw, "w", track_order=True, rdcc_nbytes=CHUNK_CACHE_BYTES) as f:
+            small_metadata_cache(f)
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
             f.attrs["iteration"] = int(iteration)
@@ -154,6 +181,15 @@ def save_checkpoint(path, params, solver=None, state=None, iteration=0, world_si
             f.flush()
         raw.check()
     return path
+
+
+def small_metadata_cache(f):
+    """Fix the metadata cache of the open file ``f`` at ``METADATA_CACHE_BYTES``."""
+    config = f.id.get_mdc_config()
+    config.set_initial_size = True
+    config.initial_size = config.min_size = config.max_size = METADATA_CACHE_BYTES
+    config.incr_mode = config.flash_incr_mode = config.decr_mode = 0  # off: the size stays
+    f.id.set_mdc_config(config)
 
 
 def _write_dict(group, values, where):
@@ -180,7 +216,14 @@ def _write_value(group, key, value, where):
                             "hold; store numbers, or a list of strings (JSON)")
         # a Fletcher-32 checksum per chunk turns silent corruption into a read error
         checksum = value.ndim > 0 and value.size > 0
-        group.create_dataset(name, data=value, fletcher32=checksum)
+        if not checksum or value.nbytes <= WRITE_SLAB_BYTES:
+            group.create_dataset(name, data=value, fletcher32=checksum)
+            return
+        # the same chunks (h5py guesses them from the shape), written a slab at a time
+        dset = group.create_dataset(name, shape=value.shape, dtype=value.dtype, fletcher32=True)
+        rows = max(1, WRITE_SLAB_BYTES // max(1, value[:1].nbytes))
+        for i in range(0, value.shape[0], rows):
+            dset[i:i + rows] = value[i:i + rows]
     elif isinstance(value, np.generic):
         group.create_dataset(name, data=np.asarray(value)).attrs[KIND] = "scalar"
     elif isinstance(value, dict) and not _json_pure(value):
@@ -266,7 +309,7 @@ def open_h5(path, what="checkpoint"):
     if os.path.isdir(path):
         raise UserError(f"{what} '{path}' is a directory, not an HDF5 file")
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
     except OSError as e:
         if is_lock_error(e):
             holder = held_by(path) or _run_lock_holder(path)
@@ -284,6 +327,7 @@ def open_h5(path, what="checkpoint"):
         raise UserError(f"{what} '{path}' is truncated or corrupt and cannot be opened "
                         f"({e})") from None
     try:
+        small_metadata_cache(f)
         refuse_outside(f, path, what)
     except (OSError, KeyError, RuntimeError, ValueError) as e:  # damaged links or headers
         f.close()
@@ -342,6 +386,20 @@ def load_params(path):
             raise UserError(f"weights file '{path}' has no /params group; expected the "
                             "checkpoint layout (/params/<layer>/weight, ...)")
         return _read_section(f, "params", path)
+
+
+@names_the_file("weights file")
+def params_nbytes(path):
+    """The bytes ``load_params`` reads into memory from ``path``: its
+    ``/params`` datasets' sizes (their metadata: no data is read); 0 where
+    it has no /params (``load_params`` refuses it, naming the file)."""
+    import h5py
+    total = []
+    with open_h5(path, "weights file") as f:
+        if "params" in f and hasattr(f["params"], "visititems"):
+            f["params"].visititems(lambda name, obj: total.append(
+                (obj.size or 0) * obj.dtype.itemsize) if isinstance(obj, h5py.Dataset) else None)
+    return int(sum(total))
 
 
 @names_the_file("weights file")

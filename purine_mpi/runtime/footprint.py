@@ -40,6 +40,13 @@ no kernel runs: ``save_total`` is the rows less the kernel temporaries
 plus it, and ``host_total`` (the host's need) the larger of that and the
 rows' sum (``loop_total``).
 
+``load`` (``plan``'s "start-up load" row): the host bytes the weights'
+fill and load hold before the first iteration beyond the rows written by
+then (the first fill of the largest parameter, an ``--init`` file's
+weights, a ``--resume`` checkpoint and the optimizer state it sets:
+tools/plan.load_bytes); ``load_total`` is those rows (``STARTUP_ROWS``)
+plus it, and ``host_total`` the largest of the three totals.
+
 Two more host rows, what the CPU kernels hold besides the blobs (the
 host ops of the training graph and the test graph, ``host_kernel_bytes``):
 
@@ -97,6 +104,9 @@ ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
         "comm_buffers", "windows", "kept", "data_pool", "host_scratch",
         "kernel_temporaries", "scratch", "cublas_workspaces",
         "capture_pools")
+
+#: the host rows resident before the first iteration (``Footprint.load_total``)
+STARTUP_ROWS = ("weights", "data_batch", "comm_buffers", "windows", "kept", "data_pool")
 
 
 @dataclass
@@ -173,6 +183,10 @@ class Footprint:
     #: (``Scheme.save_bytes``: rank 0's receive buffers and joins, a GPU
     #: rank's host copies of its part)
     save: int = 0
+    #: the host bytes the start-up load holds beyond the rows before the
+    #: first iteration (``plan.load_bytes``: the first fill of the largest
+    #: parameter, an ``--init`` file's weights, a ``--resume`` checkpoint)
+    load: int = 0
 
     @property
     def loop_total(self):
@@ -188,9 +202,21 @@ class Footprint:
         return self.loop_total - self.host.get("kernel_temporaries", 0) + self.save
 
     @property
+    def load_total(self):
+        """The host bytes held while the weights are filled and loaded,
+        before the first iteration: the rows written by then
+        (``STARTUP_ROWS``: the weights, the data readers' and the kept
+        blobs, the transport's buffers) and the load's bytes. No op has run:
+        the gradients, the optimizer state (a resume's load counts it), the
+        arena and the kernels' buffers are zeros from the system, not
+        resident until an iteration writes them."""
+        return sum(self.host.get(k, 0) for k in STARTUP_ROWS) + self.load
+
+    @property
     def host_total(self):
-        """The most host bytes held at once: the iteration's or the save's."""
-        return max(self.loop_total, self.save_total)
+        """The most host bytes held at once: the iteration's, the save's or
+        the start-up load's."""
+        return max(self.loop_total, self.save_total, self.load_total)
 
     def device_total(self, device):
         return sum(self.devices.get(device, {}).values())
@@ -199,8 +225,10 @@ class Footprint:
         return {"rank": self.rank, "device": self.device,
                 "host": {**{k: int(self.host.get(k, 0)) for k in ROWS},
                          "checkpoint_save": int(self.save),
+                         "startup_load": int(self.load),
                          "loop_total": int(self.loop_total),
                          "save_total": int(self.save_total),
+                         "load_total": int(self.load_total),
                          "total": int(self.host_total)},
                 "devices": {str(d): {**{k: int(rows.get(k, 0)) for k in ROWS},
                                      "total": int(self.device_total(d))}
@@ -371,7 +399,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
     save adds (``Scheme.save_bytes``), counted where the save holds more
     than an iteration (``Footprint.host_total``). ``held``: host bytes the
     loop's services keep besides the workspaces (``Scheme.held_bytes``),
-    counted in the ``kept`` row."""
+    counted in the ``kept`` row. The start-up load's bytes (``load``) are
+    the caller's to set (tools/plan.load_bytes)."""
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, window_blobs(g), plans.host,
                                 plans.devices)

@@ -528,7 +528,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, offline_footprints, ranks_to_build
+    from .plan import limits_for, need_of, node_ranks, offline_footprints, ranks_to_build
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -539,8 +539,9 @@ def evaluate(cand, path, overrides, n, limits, predictor):
         built, _ = ranks_to_build(job, n)
         fps = list(offline_footprints(job, n, built)[0].values())
         need, lims = {}, {}
+        per_node, source = node_ranks(limits, n)
         for fp in fps:
-            for where, d, lim, why in limits_for(limits, n, sorted(fp.devices)):
+            for where, d, lim, why in limits_for(limits, per_node, sorted(fp.devices), source):
                 need[where] = max(need.get(where, 0), need_of(fp, d))
                 lims[where] = (int(lim), why)
             need.setdefault("host", max(f.host_total for f in fps))

@@ -16,6 +16,8 @@ by the ranks of the host, and the GPU's total memory when the rank has one.
 import dataclasses
 import os
 
+import numpy as np
+
 from ..base.errors import MemoryTooSmall, UserError
 from ..base.progress_bar import human_bytes, parse_size
 
@@ -45,11 +47,28 @@ def parse_bytes(text, option):
 class MemoryLimits:
     """What ``train`` checks its rank against (``--host-memory``,
     ``--device-memory``: bytes, None: the machine's); ``check`` False:
-    ``--no-memory-check``."""
+    ``--no-memory-check``; ``ranks_per_node``: ``plan --ranks-per-node``
+    (None: ``node_ranks``' default)."""
 
     host: object = None
     device: object = None
     check: bool = True
+    ranks_per_node: object = None
+
+
+def node_ranks(limits, size):
+    """(the ranks of a ``size``-rank job that share a node, what says so)
+    for ``plan``, whose ranks share the node's MemAvailable:
+    ``--ranks-per-node``, else the launcher's count of the ranks on this
+    node (base/threads.LOCAL_SIZE_VARS: SLURM_NTASKS_PER_NODE in an
+    allocation, ...), else all of them; at most ``size``."""
+    from ..base.threads import ranks_on_this_host
+    if limits is not None and limits.ranks_per_node is not None:
+        return min(limits.ranks_per_node, size), "--ranks-per-node"
+    n, var = ranks_on_this_host()
+    if var is not None:
+        return min(n, size), var
+    return size, None
 
 
 def mem_available():
@@ -77,9 +96,11 @@ def device_total(device):
     return int(cupy.cuda.runtime.getDeviceProperties(int(device))["totalGlobalMem"])
 
 
-def limits_for(limits, ranks_per_host, devices):
+def limits_for(limits, ranks_per_host, devices, source=None, held=0):
     """[(where, device, bytes, why)]: the memory each part of a rank may
-    use (``devices``: the GPUs the rank has blobs on)."""
+    use (``devices``: the GPUs the rank has blobs on; ``source``: what
+    gave ``ranks_per_host``, said in ``why``; ``held``: host bytes of the
+    rank's need it holds already, which MemAvailable no longer has)."""
     out = []
     if limits.host is not None:
         out.append(("host", -1, limits.host, "--host-memory"))
@@ -87,8 +108,11 @@ def limits_for(limits, ranks_per_host, devices):
         avail = mem_available()
         if avail is not None:
             why = "MemAvailable" + (f" / {ranks_per_host} ranks on the host"
-                                    if ranks_per_host > 1 else "")
-            out.append(("host", -1, avail // max(ranks_per_host, 1), why))
+                                    if ranks_per_host > 1 else "") + \
+                (f", from {source}" if source else "")
+            if held:
+                why += f" + the {human_bytes(held)} it holds already"
+            out.append(("host", -1, avail // max(ranks_per_host, 1) + held, why))
     for d in devices:
         if limits.device is not None:
             out.append((f"GPU {d}", d, limits.device, "--device-memory"))
@@ -104,22 +128,23 @@ def need_of(fp, device):
 
 
 # ------------------------------------------------------------------ graphs
-def offline_footprint(job, size, rank, everyone=None):
+def offline_footprint(job, size, rank, everyone=None, restore=None):
     """The footprint of ``rank`` of ``size``, built without MPI;
     ``everyone``: the ranks' ``save_meta`` (``save_metas``) its checkpoint
-    save's bytes are figured from (None: ``save_metas`` builds them)."""
+    save's bytes are figured from (None: ``save_metas`` builds them);
+    ``restore``: ``load_bytes``' init and resume ({}: a fresh start)."""
     graphs = _offline_graphs(job, size, rank)
     if everyone is None:
         everyone = save_metas(job, size, {rank: graphs})
-    return _footprint_of(job, graphs, rank, everyone)
+    return _footprint_of(job, graphs, rank, everyone, restore)
 
 
-def offline_footprints(job, size, ranks):
+def offline_footprints(job, size, ranks, restore=None):
     """({rank: footprint} of ``ranks`` of ``size`` (``offline_footprint``),
     every rank's part of a save (``save_metas``) their save's bytes come from)."""
     built = {r: _offline_graphs(job, size, r) for r in ranks}
     everyone = save_metas(job, size, built)
-    return {r: _footprint_of(job, g, r, everyone) for r, g in built.items()}, everyone
+    return {r: _footprint_of(job, g, r, everyone, restore) for r, g in built.items()}, everyone
 
 
 def _offline_graphs(job, size, rank):
@@ -148,13 +173,83 @@ def _server_mode_rank(job, world):
                              WorkerScheme(job, world), check_memory=False)
 
 
-def _footprint_of(job, graphs, rank, everyone):
+def _footprint_of(job, graphs, rank, everyone, restore=None):
     from ..runtime.footprint import footprint, workspace_plans
     if is_server(graphs):
-        return graphs.footprint()
-    return footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
-                     cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone),
-                     held=held_bytes(job, graphs))
+        fp = graphs.footprint()
+    else:
+        fp = footprint(graphs, workspace_plans(graphs, job.memory_plan), rank,
+                       cuda_graph=job.cuda_graph, save=save_bytes(job, graphs, everyone),
+                       held=held_bytes(job, graphs))
+    fp.load = load_bytes(job, graphs, fp, **(restore or {}))
+    return fp
+
+
+# ------------------------------------------------------- the start-up load
+def load_bytes(job, graphs, fp, init=None, resume=None):
+    """The host bytes the weights' start-up fill and load hold beyond the
+    rows written by then (runtime/footprint.STARTUP_ROWS), at their most
+    (``Footprint.load``; train/checkpoints.restore, a server's
+    ``run_server``): ``resume``'s arrays (read before the graphs are built
+    and held until the weights are set) and the largest of the first fill
+    of the largest parameter (``fill_bytes``), ``init``'s weights
+    (``init_bytes``) and, on a resume, the optimizer state it sets (``fp``'s
+    row: untouched zeros until then). ``resume``: the Checkpoint read
+    (``train``), True for a checkpoint of this job (``plan --resume``:
+    ``own_checkpoint_bytes``) or None; ``init``: an ``--init`` weights file
+    or None."""
+    if resume is True:
+        held = own_checkpoint_bytes(job, graphs)
+    else:
+        held = arrays_nbytes(resume) if resume is not None else 0
+    params = graphs.owned if is_server(graphs) else graphs.params
+    state = fp.host.get("optimizer_state", 0) if resume is not None else 0
+    return held + max(fill_bytes(graphs.graph, params), init_bytes(init) if init else 0, state)
+
+
+def fill_bytes(graph, params):
+    """What the first fill of ``params`` (layers/fillers.fill, one at a
+    time) holds at its most: the largest parameter's whole value drawn in
+    float64 and its cast to the blob's dtype (a tensor shard's whole
+    parameter is drawn, then sliced: parallel/tensor_parallel.initial_value)."""
+    from ..parallel.tensor_split import split_of
+    most = 0
+    for p in params:
+        blob = graph.blobs[p]
+        split = split_of(blob)
+        n = int(np.prod(split["shape"] if split else blob.shape, dtype=np.int64))
+        most = max(most, n * (8 + np.dtype(blob.dtype).itemsize))
+    return most
+
+
+def own_checkpoint_bytes(job, graphs):
+    """The arrays a checkpoint of this job holds, as ``--resume`` reads
+    them whole on every rank (job/checkpoint_file.load_checkpoint): every
+    parameter of the net and each of its solver states (the parameter's
+    dtype: graph/solver_graph.py)."""
+    from ..graph.solver_graph import solver_states
+    from ..parallel.rank_graphs import param_summary
+    summary = param_summary(graphs.graph) if is_server(graphs) else graphs.param_summary
+    return summary[1] * (1 + len(solver_states(job.solver.type)))
+
+
+def arrays_nbytes(value):
+    """The bytes of the arrays in a Checkpoint's sections or a nested dict."""
+    if hasattr(value, "params") and hasattr(value, "solver"):
+        return sum(arrays_nbytes(v) for v in (value.params, value.solver, value.state))
+    if isinstance(value, dict):
+        return sum(arrays_nbytes(v) for v in value.values())
+    return int(value.nbytes) if isinstance(value, (np.ndarray, np.generic)) else 0
+
+
+def init_bytes(init):
+    """The bytes ``--init``'s weights take in memory: an HDF5 file's
+    ``/params`` datasets (read whole: job/checkpoint_file.load_params); 0
+    for a .caffemodel or .safetensors file (not counted: docs/running.md)."""
+    if str(init).endswith((".caffemodel", ".safetensors")):
+        return 0
+    from ..job.checkpoint_file import params_nbytes
+    return params_nbytes(init)
 
 
 def is_server(graphs):
@@ -231,20 +326,22 @@ def _with_batch(job, batch):
     return job.replace(data=dataclasses.replace(job.data, train=train))
 
 
-def fitting_batch(job, size, rank, device, limit, need, everyone=None):
+def fitting_batch(job, size, rank, device, limit, need, everyone=None, restore=None):
     """The largest ``data.train.batch_size`` (a multiple of the
     micro-batches) under which ``rank`` needs at most ``limit`` bytes on
     ``device`` (-1: the host), from the footprints at two batch sizes (the
     bytes grow with the batch by a constant per sample), checked by
     building it; None when even the smallest does not fit. At most four
     builds. ``everyone``: the ranks' parts of a save (``save_metas``: the
-    batch does not change them)."""
+    batch does not change them); ``restore``: the start-up load's
+    (``offline_footprint``)."""
     b0 = job.train_batch
     m = job.parallel.micro_batches
     if b0 is None or b0 <= m:
         return None
     b1 = max(m, b0 // 2 // m * m)
-    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone), device)
+    n1 = need_of(offline_footprint(_with_batch(job, b1), size, rank, everyone, restore),
+                 device)
     per = (need - n1) / (b0 - b1)
     if n1 <= limit and per <= 0:
         return b1
@@ -254,14 +351,14 @@ def fitting_batch(job, size, rank, device, limit, need, everyone=None):
     for _ in range(3):
         if b < m:
             return None
-        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone),
+        if need_of(offline_footprint(_with_batch(job, b), size, rank, everyone, restore),
                    device) <= limit:
             return b
         b = b * 3 // 4 // m * m
     return None
 
 
-def advice(job, size, rank, device, limit, need, everyone=None):
+def advice(job, size, rank, device, limit, need, everyone=None, restore=None):
     """What would make ``rank`` fit, in words."""
     if size > 1 and job.parallel.servers:
         from ..parallel.param_server import ps_layout
@@ -271,7 +368,7 @@ def advice(job, size, rank, device, limit, need, everyone=None):
                     "more ranks) split the parameters further; the batch does not change "
                     "what it holds")
     parts = []
-    b = fitting_batch(job, size, rank, device, limit, need, everyone)
+    b = fitting_batch(job, size, rank, device, limit, need, everyone, restore)
     if b is not None:
         parts.append(f"data.train.batch_size {b} would fit (--set data.train.batch_size={b})")
     elif job.train_batch is not None:
@@ -293,17 +390,19 @@ def advice(job, size, rank, device, limit, need, everyone=None):
     return "; ".join(parts)
 
 
-def over(fp, limits, ranks_per_host):
-    """[(where, device, need, limit, why)] of the parts of ``fp`` that do not fit."""
+def over(fp, limits, ranks_per_host, held=0):
+    """[(where, device, need, limit, why)] of the parts of ``fp`` that do not
+    fit (``held``: ``limits_for``'s)."""
     out = []
-    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices)):
+    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices),
+                                           held=held):
         need = need_of(fp, d)
         if need > limit:
             out.append((where, d, need, limit, why))
     return out
 
 
-def refusal(job, fp, size, problem, offline_rank=None, everyone=None):
+def refusal(job, fp, size, problem, offline_rank=None, everyone=None, restore=None):
     """The one line ``train`` (and ``plan --check``) refuses a job with."""
     where, device, need, limit, why = problem
     rows = fp.host if device < 0 else fp.devices.get(device, {})
@@ -319,15 +418,20 @@ def refusal(job, fp, size, problem, offline_rank=None, everyone=None):
     if fp.save and device < 0 and fp.save_total > fp.loop_total:
         text += (f"; its checkpoint save holds {human_bytes(fp.save)} more between "
                  "iterations")
-    return (f"{text}; {advice(job, size, rank, device, limit, need, everyone)}; or skip the "
-            "check with --no-memory-check")
+    if fp.load and device < 0 and fp.load_total == fp.host_total > fp.loop_total:
+        text += (f"; before its first iteration it holds {human_bytes(fp.load_total)}: the "
+                 f"weights and data, and its start-up load of {human_bytes(fp.load)} (the "
+                 "weights' first fill, --init's weights, the --resume checkpoint read whole)")
+    return (f"{text}; {advice(job, size, rank, device, limit, need, everyone, restore)}; or "
+            "skip the check with --no-memory-check")
 
 
-def check_memory(job, graphs, plans, world, limits, dispatcher=None):
+def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, resume=None):
     """``train``'s start-up check: a MemoryTooSmall (exit 2, one line) when
     this rank's footprint exceeds what it has, before the workspaces are
     allocated. ``limits``: a MemoryLimits (None: no check); ``dispatcher``:
-    train's --dispatcher."""
+    train's --dispatcher; ``init``, ``resume``: the run's --init file and
+    the Checkpoint it resumes from (``load_bytes``)."""
     if limits is None or not limits.check:
         return
     from ..base.threads import ranks_on_this_host
@@ -343,9 +447,14 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None):
         comp = getattr(graphs, "composition", None)
         plan = getattr(comp, "server_plan", None)
         size = world.size + (len(plan["servers"]) if plan else 0)
-    problems = over(fp, limits, ranks_on_this_host()[0])
+    fp.load = load_bytes(job, graphs, fp, init, resume)
+    # the checkpoint --resume read is resident already (in the load, and out
+    # of the MemAvailable read now)
+    held = arrays_nbytes(resume) if resume is not None else 0
+    problems = over(fp, limits, ranks_on_this_host()[0], held)
     if problems:
-        raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone))
+        raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone,
+                                     restore={"init": init, "resume": resume}))
 
 
 def train_save_metas(job, graphs, world):
@@ -365,10 +474,18 @@ def train_save_metas(job, graphs, world):
 
 
 # ------------------------------------------------------------------ output
-def run_plan(job, size, limits, as_json=False):
-    """``plan``: (text or JSON object, exit status): 0 when every rank fits."""
+def _need_word(fp, total):
+    """The end of an ``at a save`` / ``at start-up`` line holding more than an iteration."""
+    return "more than an iteration holds" + (": the host's need)" if total == fp.host_total
+                                             else ")")
+
+
+def run_plan(job, size, limits, as_json=False, restore=None):
+    """``plan``: (text or JSON object, exit status): 0 when every rank fits.
+    ``restore``: {"init": the --init file, "resume": True}: the run's
+    start-up load (``load_bytes``; None: a fresh start)."""
     built, like = ranks_to_build(job, size)
-    fps, everyone = offline_footprints(job, size, built)
+    fps, everyone = offline_footprints(job, size, built, restore)
     groups = {}
     for r in range(size):
         fp = fps[like.get(r, r)]
@@ -376,10 +493,10 @@ def run_plan(job, size, limits, as_json=False):
         d.pop("rank")
         key = repr(d)
         groups.setdefault(key, (fp, []))[1].append(r)
-    ranks_per_host = size
+    ranks_per_host, source = node_ranks(limits, size)
     kinds = []
     for fp, ranks in groups.values():
-        lims = limits_for(limits, ranks_per_host, sorted(fp.devices))
+        lims = limits_for(limits, ranks_per_host, sorted(fp.devices), source)
         fits = {where: {"need_bytes": need_of(fp, d), "limit_bytes": int(lim), "limit_from": why,
                         "fits": need_of(fp, d) <= lim} for where, d, lim, why in lims}
         kinds.append((fp, ranks, fits))
@@ -426,9 +543,17 @@ def run_plan(job, size, limits, as_json=False):
         if fp.save:
             lines.append(f"  {'at a save':<18}  {human_bytes(fp.save_total):>12}  (between "
                          "iterations: the total less the kernel temporaries, plus the save; "
-                         + ("more than an iteration holds: the host's need)"
-                            if fp.save_total > fp.loop_total else "no more than an "
-                            "iteration holds)"))
+                         + (_need_word(fp, fp.save_total) if fp.save_total > fp.loop_total
+                            else "no more than an iteration holds)"))
+        # before the first iteration: the weights' first fill, --init's
+        # weights, the --resume checkpoint (read whole on every rank)
+        lines.append(f"  {'start-up load':<18}  {human_bytes(fp.load):>12}")
+        if fp.load:
+            lines.append(f"  {'at start-up':<18}  {human_bytes(fp.load_total):>12}  (before "
+                         "the first iteration: the weights, data, kept blobs and buffers, "
+                         "plus the load; "
+                         + (_need_word(fp, fp.load_total) if fp.load_total > fp.loop_total
+                            else "no more than an iteration holds)"))
         ms = fp.model_state
         if ms:  # train's start-up ``model state`` figures (runtime/footprint.model_state_bytes)
             lines.append(f"  model state: weights {human_bytes(ms['weights'])}, gradients "
@@ -450,7 +575,7 @@ def run_plan(job, size, limits, as_json=False):
             if not f["fits"]:
                 d = -1 if where == "host" else int(where.split()[1])
                 lines.append("    " + advice(job, size, ranks[0], d, f["limit_bytes"],
-                                             f["need_bytes"], everyone))
+                                             f["need_bytes"], everyone, restore))
         if fp.devices and not any(w != "host" for w in fits):
             lines.append("  no GPU here: give --device-memory to check the GPU's part")
         for note in fp.notes:

@@ -227,6 +227,7 @@ class Checkpoints(Service):
                 else:
                     fresh.add(s)
         fresh |= scheme.load_held_solver_state(loop.graphs, loop.ws, ck.solver)
+        ck.loaded()  # a checkpoint the run read itself lets its arrays go
         if fresh:
             loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
                      f"solver type {loop.job.solver.type!r}; that state starts from zero")

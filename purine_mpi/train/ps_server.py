@@ -149,6 +149,8 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
             m = (ck.solver or {}).get(p, {}).get("momentum")
             if m is not None:
                 momenta[p] = np.asarray(m, graph.blobs[p].dtype)
+        ck.loaded()  # the owned arrays are kept above; the others go (a run's own read)
+        ck = None
 
     def starting(p):
         """(weight, momentum) of ``p`` to start from: given, else the
@@ -262,7 +264,7 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
                      stop=StopSignal(), dispatcher=dispatcher,
                      memory=None if memory is None else
-                     lambda server: memory(job, server, None, world))
+                     lambda server: memory(job, server, None, world, init=init, resume=resumed))
     peak = peak_rss_bytes()
     world.send_object({"rank": world.rank, "server": True, "baseline_rss_bytes": baseline,
                        "peak_rss_bytes": peak,

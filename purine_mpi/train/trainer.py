@@ -22,7 +22,7 @@ import time
 from ..base import logfile
 from ..base.runfiles import write_text_replacing
 from ..base.rss import peak_rss_bytes, preload_deferred_imports, rss_bytes
-from ..job.checkpoint_file import LATEST
+from ..job.checkpoint_file import LATEST, Checkpoint
 from ..job.inputs import run_inputs
 from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
@@ -66,8 +66,8 @@ class Trainer(Loop):
             # test_reads: what predict reads of the test graph (runtime/footprint.py)
             plans = workspace_plans(graphs, job.memory_plan, test_reads)
             self.memory_plans = plans  # model_state's working set
-            if memory is not None:
-                memory(job, graphs, plans, world)
+            if memory is not None:  # resume: the Checkpoint read, held until restored
+                memory(job, graphs, plans, world, init=init, resume=resume)
             traces = Traces(profile, out_dir, world)
             runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None, plans)
@@ -192,7 +192,10 @@ def run_training(config, out_dir, resume=None, init=None, profile=False, dispatc
     say = logfile.tee(print_or_stop)
     # the start-up agreement: every input that shapes the run, in one
     # allgather (job/inputs.py); --resume is read once, here
+    read_here = not isinstance(resume, Checkpoint)
     resume = resolve_resume(out_dir, resume, say if world.rank == 0 else None)
+    if resume is not None and read_here:  # its arrays go once the weights are set
+        resume.transient = True
     world.check_agreed(run_inputs(dump_config(job), job, init, init_skip, resume))
     if world.rank == 0:  # parallel settings that do nothing at this world size
         for note in tuple(notes) + tuple(settings_without_effect(job, world.size)) + \
