@@ -380,3 +380,49 @@ def test_batchnorm_running_average_is_caffes():
         sums = maf * sums + np.stack([mean, var])
         np.testing.assert_allclose(running[0], sums[0] / factor, rtol=1e-12)
         np.testing.assert_allclose(running[1], sums[1] / factor, rtol=1e-12)
+
+
+NEGATIVE_AXES = """layer { name: "in" type: "HDF5Data" top: "data" top: "label"
+        hdf5_data_param { source: "x" batch_size: 8 } }
+layer { name: "cut" type: "Slice" bottom: "data" top: "a" top: "b"
+        slice_param { axis: %(s)d slice_point: 1 } }
+layer { name: "join" type: "Concat" bottom: "b" bottom: "a" top: "ba"
+        concat_param { axis: %(c)d } }
+layer { name: "sm" type: "Softmax" bottom: "ba" top: "p" softmax_param { axis: %(c)d } }
+layer { name: "ip" type: "InnerProduct" bottom: "p" top: "ip"
+        inner_product_param { num_output: 4 axis: %(c)d } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+        softmax_param { axis: %(k)d } }
+layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "acc"
+        accuracy_param { axis: %(k)d } include { phase: TEST } }
+"""
+
+
+def test_a_negative_caffe_axis_is_its_positive_axis(tmp_path, small_h5):
+    """Caffe counts a negative axis from the end: Slice/Concat/Softmax/
+    InnerProduct axis -3 of (N, 3, 12, 12) is 1, SoftmaxWithLoss/Accuracy
+    axis -1 of (N, 4) scores is 1. They were refused (our concat, slice and
+    softmax took axis >= 0; the converter took InnerProduct, loss and
+    accuracy axis 1 only); the graphs must be the positive axes' ones."""
+    def graphs(**axes):
+        path = tmp_path / "n.prototxt"
+        path.write_text(NEGATIVE_AXES % axes)
+        job = make_job(resolve_config(convert(str(path), data_path=small_h5)[0]))
+        return build_train_graph(job)[0], build_test_graph(job)
+
+    def ops(g):
+        return {name: (op.op_type, op.attrs, [g.blobs[b].shape for b in op.outputs])
+                for name, op in g.ops.items()}
+
+    for ours, positive in zip(graphs(s=-3, c=-3, k=-1), graphs(s=1, c=1, k=1)):
+        assert ops(ours) == ops(positive)
+    assert ours.blobs["p"].shape == (8, 3, 12, 12) and ours.blobs["ip"].shape == (8, 4)
+    path = tmp_path / "n.prototxt"
+    for axes, line, needle in (({"s": 1, "c": -5, "k": 1}, 5, "layer 'join' (type Concat)"),
+                               ({"s": -5, "c": 1, "k": 1}, 3, "layer 'cut' (type Slice)"),
+                               ({"s": 1, "c": 1, "k": -3}, 10, "layer 'loss'")):
+        path.write_text(NEGATIVE_AXES % axes)
+        with pytest.raises(PrototxtError) as info:
+            convert(str(path), data_path=small_h5)
+        assert info.value.line == line and needle in str(info.value), str(info.value)
+        assert "got -" in str(info.value)

@@ -315,3 +315,23 @@ def test_device_0_runs_on_the_gpu(trained, monkeypatch, host_build_dir):
     gpu = Generator(load_job(config, ["device=0"], check_files=False), weights)
     assert gpu.device == 0
     assert list(gpu.generate("import ", 12, 0.9, None, 5)) == want
+
+
+def test_a_tiny_temperature_draws_the_greedy_token():
+    """scores / 1e-310 overflowed to inf, and inf - inf made the
+    probabilities NaN (a traceback); temperature -> 0 tends to greedy."""
+    from purine_mpi.tools.generate import pick
+    scores = np.array([1.0, 3.0, 2.0, -1.0, 2.5])
+    for temperature in (1e-3, 1e-300, 1e-310, 5e-324):
+        for top_k in (None, 2):
+            assert pick(scores, temperature, top_k, np.random.default_rng(7)) == 1
+    # a normal temperature draws as the rule says: NumPy on the same draws
+    for temperature, top_k in ((0.7, None), (1.3, 3)):
+        s = scores / temperature
+        if top_k:
+            s[s < np.sort(s)[-top_k]] = -np.inf
+        p = np.exp(s - s.max())
+        want = np.random.default_rng(5).choice(len(p), size=40, p=p / p.sum())
+        rng = np.random.default_rng(5)
+        got = [pick(scores, temperature, top_k, rng) for _ in range(40)]
+        assert got == [int(t) for t in want]

@@ -208,3 +208,25 @@ def test_train_and_test_files_must_share_the_vocabulary(bpe_h5, email_h5, tmp_pa
                        "--out", tmp_path / "r")
     assert res.returncode == 2, res.stderr
     assert os.path.basename(email_h5) in res.stderr and "email_bpe.h5" in res.stderr, res.stderr
+
+
+def test_a_prompt_character_the_tokenizer_drops_exits_2():
+    """A BPE without byte fallback nor unknown token drops a character it
+    has no token for: generate continued from 'helloworld' as if the prompt
+    were that. Now a UserError names the character; whitespace a
+    pre-tokenizer splits on is the tokenizer's own rule, and a byte-level
+    vocabulary encodes every character."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data.tokenizer import Vocabulary, train_bpe
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world abc"] * 10, trainers.BpeTrainer(vocab_size=40))
+    vocab = Vocabulary(tok.to_str())
+    assert vocab.encode("hello  world\n") == vocab.encode("hello world")
+    with pytest.raises(UserError) as info:
+        vocab.encode("hello é world")
+    assert "--prompt character 'é' (U+00E9, character 7)" in str(info.value)
+    byte_level = Vocabulary(train_bpe(["héllo wörld 日本"] * 20, 300).to_str())
+    text = "日本 zzz 🙂 \x00é"
+    assert byte_level.decode(byte_level.encode(text)) == text

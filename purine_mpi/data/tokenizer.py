@@ -130,8 +130,22 @@ class Vocabulary:
         self.tokenizer = tk.Tokenizer.from_str(json_text)
         self.size = vocab_size_of(self.tokenizer)
 
-    def encode(self, text):
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text, what="--prompt"):
+        """The ids of ``text``; a character the tokenizer drops (no token
+        covers it: not in a vocabulary without byte fallback or an unknown
+        token) is a UserError naming it, rather than a context silently
+        shorter than ``text``; dropped whitespace (a pre-tokenizer's split) is
+        the tokenizer's own rule."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        covered = [False] * len(text)
+        for start, end in encoding.offsets:
+            covered[start:end] = [True] * (end - start)
+        for i, ch in enumerate(text):
+            if not covered[i] and not ch.isspace():
+                raise UserError(f"{what} character {ch!r} (U+{ord(ch):04X}, character {i + 1}) "
+                                "is not in the model's vocabulary: its tokenizer drops it; "
+                                "leave it out or spell it with the vocabulary's characters")
+        return list(encoding.ids)
 
     def decode(self, ids):
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -83,10 +83,12 @@ def _fc(c, layer, e, _):
     p = c.sub(layer, "inner_product_param")
     if not p.has("num_output"):
         c.fail(layer.line, layer, "inner_product_param needs num_output")
-    if p.get("axis", 1) != 1 or p.get("transpose", False):
-        c.fail(p.line, layer, "only axis 1 and transpose false are supported")
+    if p.get("transpose", False):
+        c.fail(p.line_of("transpose"), layer, "only transpose false is supported")
     e.update(type="fc", num_output=p.get("num_output"), bias_term=p.get("bias_term", True),
              weight_filler=c.filler(layer, p.get("weight_filler")))
+    if p.get("axis", 1) != 1:  # our fc's axis is Caffe's (a negative one counts from the end)
+        e["axis"] = p.get("axis")
     if e["bias_term"]:
         e["bias_filler"] = c.filler(layer, p.get("bias_filler"))
     c.param_mults(layer, e, 2 if e["bias_term"] else 1)
@@ -149,7 +151,7 @@ def _softmax(c, layer, p, e):
 
 def _accuracy(c, layer, p, e):
     if p.get("axis", 1) != 1:
-        c.fail(p.line, layer, "accuracy supports axis 1 only")
+        e["axis"] = p.get("axis")
     e["top_k"] = p.get("top_k", 1)
     if p.has("ignore_label"):
         e["ignore_label"] = p.get("ignore_label")
@@ -184,7 +186,7 @@ def _loss(c, layer, e, _):
     if p.has("ignore_label"):
         e["ignore_label"] = p.get("ignore_label")
     if c.sub(layer, "softmax_param").get("axis", 1) != 1:
-        c.fail(layer.line, layer, "softmax axis other than 1")
+        e["axis"] = c.sub(layer, "softmax_param").get("axis")
     weights = layer.msg.all("loss_weight")
     if weights:
         e["loss_weight"] = weights[0]

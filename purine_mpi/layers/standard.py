@@ -139,8 +139,17 @@ _simple("Relu", "Rectified linear unit; leaky with negative_slope.",
         Key("negative_slope", "number", 0.0, "slope for x < 0 (leaky ReLU)", FINITE))
 _simple("Sigmoid", "Logistic sigmoid.")
 _simple("Tanh", "Hyperbolic tangent.")
-_simple("Softmax", "Softmax over an axis (probabilities; not a loss).",
-        Key("axis", "nonneg", 1, "the axis normalised"))
+
+
+@layer("softmax", keys=(Key("axis", "int", 1, "the axis normalised (negative counts from the "
+                                              "end)", Range(note="an axis of the bottom")),))
+def softmax(b):
+    """Softmax over an axis (probabilities; not a loss)."""
+    (x,) = b.bottoms(1)
+    (y,) = b.tops(1)
+    b.op("Softmax", [x], [y], {"axis": _axis(b, x)})
+
+
 _simple("Flatten", "Merge the axes from axis to the end into one.",
         Key("axis", "int", 1, "first axis merged (negative counts from the end)",
             Range(note="an axis of the bottom")))
@@ -279,22 +288,24 @@ def batch_norm(b):
         b.op("BatchNorm", [x, gamma, beta, mean, var], [y], dict(attrs, phase="test"))
 
 
-@layer("concat", keys=(Key("axis", "nonneg", 1, "the axis joined along"),))
+@layer("concat", keys=(Key("axis", "int", 1, "the axis joined along (negative counts from the "
+                                             "end)", Range(note="an axis of the bottoms")),))
 def concat(b):
     """Join the bottoms along an axis (an inception block's branches)."""
     xs = b.bottoms()
     (y,) = b.tops(1)
-    b.op("Concat", xs, [y], {"axis": b.get("axis")})
+    b.op("Concat", xs, [y], {"axis": _axis(b, xs[0])})
 
 
 @layer("slice", keys=(
-    Key("axis", "nonneg", 1, "the axis cut"),
+    Key("axis", "int", 1, "the axis cut (negative counts from the end)",
+        Range(note="an axis of the bottom")),
     Key("slice_point", "ints", None, "increasing cut indices (default: equal parts, one per "
                                      "top)", AT_LEAST_ONE)))
 def slice_(b):
     """Cut the bottom along an axis into the tops."""
     (x,) = b.bottoms(1)
-    attrs = {"axis": b.get("axis")}
+    attrs = {"axis": _axis(b, x)}
     points = b.get("slice_point")
     if points is not None:
         if not isinstance(points, list) or not all(isinstance(p, int) and p > 0 for p in points) \
@@ -332,14 +343,21 @@ def split(b):
     b.op("Split", [x], ys, {"n_outputs": len(ys)})
 
 
+def _axis(b, x, what="an input"):
+    """The layer's ``axis`` of blob ``x`` counted from 0 (Caffe's: a negative
+    axis counts from the end), or exit 2 naming the key."""
+    axis, ndim = b.get("axis"), len(b.shape(x))
+    if not -ndim <= axis < ndim:
+        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for {what} of shape "
+                       f"{list(b.shape(x))}, got {axis}")
+    return axis % ndim
+
+
 def _class_axis(b, x):
     """The op attrs of the layer's class ``axis`` over scores ``x``: {} for
     Caffe's default 1, else {"axis": the axis counted from 0}."""
-    axis, ndim = b.get("axis"), len(b.shape(x))
-    if not -ndim <= axis < ndim:
-        b.fail("axis", f"expected an axis in -{ndim}..{ndim - 1} for scores of shape "
-                       f"{list(b.shape(x))}, got {axis}")
-    return {"axis": axis % ndim} if axis % ndim != 1 else {}
+    axis = _axis(b, x, "scores")
+    return {"axis": axis} if axis != 1 else {}
 
 
 @layer("softmax_loss", "softmaxwithloss", "softmax_with_loss", keys=(

@@ -187,7 +187,10 @@ def pick(scores, temperature, top_k, rng):
     """One token id from float64 ``scores`` (see the module docstring)."""
     if temperature == 0:
         return int(np.argmax(scores))
-    scores = scores / temperature
+    # shifted first: the largest is 0, so a tiny temperature tends to greedy
+    # (its quotient -inf elsewhere) instead of overflowing to inf - inf = NaN
+    with np.errstate(over="ignore"):
+        scores = (scores - scores.max()) / temperature
     if top_k is not None and top_k < len(scores):
         kth = np.partition(scores, -top_k)[-top_k]
         scores = np.where(scores < kth, -np.inf, scores)
