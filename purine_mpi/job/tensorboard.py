@@ -30,9 +30,9 @@ def require_tensorboard():
     That import was 2.5-5 s of a ``--tensorboard`` run's start-up (measured
     on 2 cores: 6.1 s against 1.0 s for 20 iterations of a small net) and
     torch's libraries in rank 0's resident bytes, so torch is hidden while
-    tensorboardX loads, unless something imported it already; a later
+    tensorboardX first loads, unless something imported it already; a later
     ``import torch`` works as before."""
-    hide = "torch" not in sys.modules
+    hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # tensorboardX catches the ImportError
     try:
