@@ -219,6 +219,24 @@ def test_tensorboard_without_tensorboardx_exits_2_before_training(runs, tmp_path
     assert not os.path.exists(tmp_path / "runs")  # no run folder made, nothing trained
 
 
+def test_tensorboardx_loads_without_torch():
+    """``require_tensorboard`` leaves torch unimported (tensorboardX's writer
+    imports it where it is installed: 2.5-5 s of a --tensorboard run's
+    start-up, torch's libraries in rank 0's resident bytes) and a later
+    ``import torch`` unblocked: the spec is found where torch is installed."""
+    pytest.importorskip("tensorboardX")
+    import importlib.util
+    code = ("import importlib.util, sys; from purine_mpi.job.tensorboard import "
+            "require_tensorboard; require_tensorboard(); "
+            "print(sum(m.split('.')[0] == 'torch' for m in sys.modules), "
+            "importlib.util.find_spec('torch') is not None)")
+    res = subprocess.run([PYTHON, "-c", code], cwd=REPO, env=cli_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    installed = importlib.util.find_spec("torch") is not None
+    assert res.stdout.split() == ["0", str(installed)], res.stdout  # torch modules loaded
+
+
 def test_force_deletes_the_tensorboard_folder(runs, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(runs["straight"] / "tb", out / "tb")

@@ -56,24 +56,32 @@ finally:
 """
 
 
-def test_resident_bytes_are_what_the_sources_hold(tmp_path):
+def _text_data(tmp_path, email_h5):
+    """rss_vs_plan.text_data's token file in ``tmp_path``: the session's
+    (conftest.email_h5 runs the same ``data text`` command on the email
+    package), copied there so that it is not made again (0.8 s a test)."""
+    shutil.copyfile(email_h5, tmp_path / "email.h5")
+    return rss_vs_plan.text_data(str(tmp_path))
+
+
+def test_resident_bytes_are_what_the_sources_hold(tmp_path, email_h5):
     spec = {"source": "synthetic", "shape": [3, 32, 32], "classes": 10, "num_samples": 700}
     src = make_source(spec, 0)
     assert resident_bytes(spec) == (None, src.pool.nbytes + src.labels.nbytes)
-    path = rss_vs_plan.text_data(str(tmp_path))
+    path = _text_data(tmp_path, email_h5)
     text = {"source": "text", "path": path, "split": "train", "sequence_length": 64}
     t = TextSource(text)
     assert resident_bytes(text) == (None, t.tokens.nbytes + t._offsets.nbytes)
 
 
-def test_data_pool_counts_the_epoch_order(tmp_path):
+def test_data_pool_counts_the_epoch_order(tmp_path, email_h5):
     """A shuffled source's reader holds its epoch's permutation of the
     samples (data/sources.EpochOrder): plan's data pool row counts it, from
     the job (the text split's windows), and the array is that size."""
     from purine_mpi.data.sources import EpochOrder, order_bytes
     from purine_mpi.job.config import load_job
     from purine_mpi.tools.plan import offline_footprint
-    path = rss_vs_plan.text_data(str(tmp_path))
+    path = _text_data(tmp_path, email_h5)
     spec = {"source": "text", "path": path, "split": "train", "sequence_length": 128,
             "shuffle": True}
     held = EpochOrder(TextSource(spec).n_samples, True)(0).nbytes
@@ -107,16 +115,20 @@ sys.exit(code)
 """
 
 
-def test_no_library_is_loaded_after_the_baseline(tmp_path):
+def test_no_library_is_loaded_after_the_baseline(tmp_path, email_h5):
     """memory.json's baseline is read after the imports the run defers
     (base/rss.DEFERRED_IMPORTS: numpy.random's extension modules, ...): no
-    extension module's code joins the resident bytes above it."""
+    extension module's code joins the resident bytes above it. The test
+    passes (before training and at the end) read one batch each
+    (``solver.test_iter``: the same graph and code as the whole split's 10,
+    7 s less)."""
+    data = _text_data(tmp_path, email_h5)
     p = subprocess.run([sys.executable, "-c", _AFTER_BASELINE, "train",
                         os.path.join(ROOT, "jobs", "gpt_tiny.yaml"), "--out", str(tmp_path / "o"),
                         "--iters", "1", "--set", "data.train.batch_size=2",
-                        "--set", f"data.train.path={rss_vs_plan.text_data(str(tmp_path))}",
-                        "--set", f"data.test.path={rss_vs_plan.text_data(str(tmp_path))}",
-                        "--set", "solver.test_interval=0", "--set", "checkpoint.interval=0"],
+                        "--set", f"data.train.path={data}", "--set", f"data.test.path={data}",
+                        "--set", "solver.test_interval=0", "--set", "solver.test_iter=1",
+                        "--set", "checkpoint.interval=0"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "after: []" in p.stdout, p.stdout[-2000:]
@@ -136,7 +148,7 @@ _CNN_TEST = ["data.test={source: synthetic, shape: [3, 32, 32], classes: 10, num
     ("nin_cifar10", ["data.train.batch_size=4"]),
     ("gpt_tiny", ["data.train.batch_size=8"]),
 ])
-def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
+def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path, email_h5):
     """plan's host scratch row is the bytes the conv/pool kernels' buffers
     hold after an iteration and a test batch (im2col.held_bytes), to the
     byte (the test graph's kernels' too, on its dispatcher's threads: 9.4 of
@@ -145,7 +157,7 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
     (``host_temporaries`` also counts a run's NumPy temporaries:
     tests/test_host_temporaries.py)."""
     if job.startswith("gpt"):
-        path = rss_vs_plan.text_data(str(tmp_path))
+        path = _text_data(tmp_path, email_h5)
         sets = sets + [f"data.train.path={path}", f"data.test.path={path}"]
     job, _, serial = job.partition(" ")  # "serial": the serial dispatcher, one thread
     env = dict(os.environ, PURINE_DISPATCHER=serial or "event")
@@ -163,7 +175,7 @@ def test_host_rows_are_what_the_kernels_hold(job, sets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
 @pytest.mark.parametrize("job", ["cifar10_quick", "gpt_tiny"])
-def test_predicted_host_total_is_held(job, tmp_path):
+def test_predicted_host_total_is_held(job, tmp_path, email_h5):
     """Under mpiexec -n 2 (scheme data) every counted byte is resident: the
     measured peak above the baseline is at least plan's host total less 3%
     (its kernel temporaries row adds each lane's largest op, which need not
@@ -173,6 +185,8 @@ def test_predicted_host_total_is_held(job, tmp_path):
     4.9-7.3% below, docs/running.md, 9.6-11.6% with glibc's arena per
     thread; within 20% before the baseline followed the deferred imports
     and the data pool counted the epoch order)."""
+    if job.startswith("gpt"):
+        _text_data(tmp_path, email_h5)
     res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3)
     assert "error" not in res, res
     assert len(res["measured"]) == 2

@@ -7,7 +7,7 @@ with a failure status within the stall timeout. Every case under 60 s.
 
 The signal cases run with a 5 s stall timeout (a stop agreement and a
 checkpoint on a loaded 2-core machine stay well inside it); a dead or
-frozen rank, whose case waits the whole timeout out, with 3 s, as
+frozen rank, whose case waits the whole timeout out, with 2 s, as
 test_stall.py's 20 SIGSTOPs of 2 and 3 ranks do."""
 import os
 import signal
@@ -23,7 +23,7 @@ from tests.test_signals import MPIEXEC, _rank_pids, _wait_for_metrics, finish_ra
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 STALL_TIMEOUT = 5
-FROZEN_STALL_TIMEOUT = 3
+FROZEN_STALL_TIMEOUT = 2
 TARGETS = {"worker": 1, "server": 2, "launcher": None}
 EXPECT = {signal.SIGTERM: 143, signal.SIGUSR1: 0}
 

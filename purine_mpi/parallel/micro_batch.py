@@ -101,7 +101,7 @@ def replicate_micro_batches(graph, grads, micro_batches):
     copies = {}
     for k in range(m):
         for b, blob in old_blobs.items():
-            new = copy.deepcopy(blob)
+            new = blob.copy()
             new.name = micro_name(b, k)
             if new.alias_of in made:
                 new.alias_of = micro_name(new.alias_of, k)
@@ -133,13 +133,13 @@ def replicate_micro_batches(graph, grads, micro_batches):
     prod = graph.producers()
     index = {n: i for i, n in enumerate(graph.ops)}
     for grad in sorted(grad_blobs):  # the gradient the update reads, summed over copies
-        blob = copy.deepcopy(old_blobs[grad])
+        blob = old_blobs[grad].copy()
         graph.blobs[grad] = blob
         total = micro_name(grad, 0)
         for k in range(1, m):
             out = grad if k == m - 1 else sum_name(grad, k)
             if out != grad:
-                part = copy.deepcopy(blob)
+                part = blob.copy()
                 part.name = out
                 graph.blobs[out] = part
             name = f"{grad}.micro_sum" if k == m - 1 else sum_name(grad, k)

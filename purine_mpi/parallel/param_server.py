@@ -301,8 +301,7 @@ def build_server_graph(graph, grads, plan, server_rank, thread="comm"):
 
 
 def _copy_blob(blob):
-    import copy
-    return copy.deepcopy(blob)
+    return blob.copy()
 
 
 class WorkerScheme(ParameterServers):

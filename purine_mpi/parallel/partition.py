@@ -29,7 +29,6 @@ A partitioned slice must not be pruned again with data sinks only: a Send
 has no outputs (pass its op name as a sink, or prune before partitioning).
 """
 import copy
-import dataclasses
 
 from ..base.errors import GraphError, UserError
 from ..graph.core import Graph, Location
@@ -180,14 +179,13 @@ def _slice(graph, rank, op_rank, blob_rank, transfers):
             frontier.append(graph.blobs[b].alias_of)
     for name, blob in graph.blobs.items():
         if name in keep:
-            local.blobs[name] = dataclasses.replace(
-                copy.deepcopy(blob), location=_at(blob.location, rank))
+            local.blobs[name] = blob.copy(location=_at(blob.location, rank))
         elif name in received:
             src = next(t["src"] for t in recvs if t["blob"] == name)
             attrs = dict(copy.deepcopy(blob.attrs))
             attrs["received_from"] = src
-            local.blobs[name] = dataclasses.replace(
-                copy.deepcopy(blob), location=_consumer_location(graph, name, local_ops, rank),
+            local.blobs[name] = blob.copy(
+                location=_consumer_location(graph, name, local_ops, rank),
                 kind="data", alias_of=None, offset=0, attrs=attrs)
     # Emit in the global order (a Recv just before its first reader, a Send
     # just after its producer) so a serial, topological run posts them in a
@@ -205,8 +203,7 @@ def _slice(graph, rank, op_rank, blob_rank, transfers):
             t = recv_of.pop(b, None)
             if t is not None:
                 _add_recv(local, graph, t)
-        local.ops[op.name] = dataclasses.replace(copy.deepcopy(op),
-                                                 location=_at(op.location, rank))
+        local.ops[op.name] = op.copy(location=_at(op.location, rank))
         for b in op.outputs:
             for t in sends_of.get(b, ()):
                 _add_send(local, t)
