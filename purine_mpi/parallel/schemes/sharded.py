@@ -148,8 +148,9 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
-        if lay.staged and lay.replicas > 1 and par.transport == "one_sided" and par.shard >= 3:
-            _refuse_one_sided_stages(job, lay)  # shards 1, 2: the stage transfers in windows
+        if lay.staged and lay.tensor > 1 and lay.replicas > 1 and par.transport == "one_sided" \
+                and par.shard >= 3:
+            _refuse_one_sided_stages(job, lay)  # without tensor shards: each stage's windows
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
@@ -184,6 +185,12 @@ class Sharded(Hybrid):
                     op.name for op in graph.ops.values() if op.op_type == "Allreduce"
                     and op.attrs.get("group") == lay.tensor_ranks()])
             _on_stage_group(graph, plan, lay, world)
+            if par.shard >= 3 and lay.tensor == 1:
+                # one_sided (auto across RDMA hosts): each stage's weights in
+                # windows over its ranks, beside the stage transfers' windows;
+                # every rank (a stage without parameters too: the exchange)
+                from ..zero3_windows import to_shared_weights
+                _beside(comp, *to_shared_weights(graph, plan, job, world, lay.stage_ranks()))
         else:
             # stage 3, parallel.transport one_sided, one node: one shared copy
             from ..zero3_windows import to_shared_weights
@@ -700,6 +707,19 @@ def _one_replica(par, world_size):
                         (par.stage_count, "stages", "scheme pipeline") if par.stages else
                         (t, "tensor shards", "scheme tensor"))
     return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
+
+
+def _beside(comp, windows, lines, placed):
+    """Stage 3's weight windows with stages (``zero3_windows``) beside the
+    stage transfers' (``compose_stages``): their transport rows after
+    theirs; ``windows`` and ``window_placement`` a list where both hold
+    some (runtime/footprint.window_bytes counts each placement)."""
+    comp.transport = (comp.transport or []) + (lines or [])
+    if windows is not None:
+        comp.windows = windows if comp.windows is None else [comp.windows, windows]
+    if placed is not None:
+        comp.window_placement = placed if comp.window_placement is None else \
+            [comp.window_placement, placed]
 
 
 def _refuse_one_sided_stages(job, lay):
