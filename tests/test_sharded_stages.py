@@ -149,8 +149,8 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 
 
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"shard": 3, "transport": "one_sided"}, 4, "parallel.transport",
-     "parallel.stages on 2 replicas (4 ranks) at parallel.shard 3"),
+    ({"shard": 3, "transport": "one_sided", "tensor_parallel": 2}, 8, "parallel.transport",
+     "one_sided with parallel.tensor_parallel is refused"),
     ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
@@ -194,9 +194,10 @@ def test_one_replica_takes_the_transport_as_pipeline(transport):
     transport rows and the notes on transport are the pipeline's with the
     same transport (one_sided: the stage transfers through windows; before:
     one_sided exited 2 at shard 1 and 2 and at 3 with stages). On 4 ranks
-    (2 replicas) one_sided is refused at shard 3 only
-    (test_what_is_not_built_exits_2; shards 1 and 2:
-    test_several_replicas_one_sided_trains_as_hybrid)."""
+    (2 replicas) one_sided is taken at every shard
+    (test_several_replicas_one_sided_trains_as_hybrid,
+    test_stage3_one_sided_puts_each_stage_in_windows), refused at shard 3
+    with tensor parallelism too (test_what_is_not_built_exits_2)."""
     from purine_mpi.graph.seed_yaml import dump
     from purine_mpi.parallel.compose import settings_without_effect
     from purine_mpi.tools.graph import composed
@@ -257,20 +258,81 @@ def test_several_replicas_take_one_sided_as_auto_on_one_node():
 
 
 @pytest.mark.mpi
-def test_several_replicas_one_sided_trains_as_hybrid(tmp_path, train_once, monkeypatch):
+@pytest.mark.parametrize("shard,per_host", [(2, "1"), (3, "1"), (3, None)])
+def test_several_replicas_one_sided_trains_as_hybrid(tmp_path, train_once, monkeypatch, shard,
+                                                     per_host):
     """2 replicas x 2 stages at shard 2 with ``transport: one_sided``, each
     rank a host of its own (``PURINE_RANKS_PER_HOST=1``: the stage transfers
     through RMA windows, Rput and Fetch_and_op), 10 steps of AdamW: every
     weight and the gathered optimizer state equal plain hybrid's
     (_hybrid_ref, shared windows) bit for bit; the transport row says RMA
-    windows. (Before: exit 2, "one_sided with parallel.stages on 2
-    replicas ... is refused".)"""
+    windows. At shard 3 the same, each stage's weights in windows over
+    its ranks: each rank's shard in its RMA window, the gathers Rgets (a
+    host per rank), or one shared region per bucket read in place (one
+    node). (Before: exit 2, "one_sided with parallel.stages on 2 replicas
+    ... is refused"; shard 3 until this test's second and third cases.)"""
     ref, _ = _hybrid_ref(train_once, "adamw")
-    monkeypatch.setenv("PURINE_RANKS_PER_HOST", "1")
-    out, text = _train(tmp_path, "rma", 4, _staged("sharded", shard=2, transport="one_sided"))
-    assert "sharded (ZeRO stage 2): 2 replicas x 2 stages" in text
-    assert "activations and gradients: one-sided, RMA windows" in text
+    if per_host:
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
+    out, text = _train(tmp_path, "rma", 4, _staged("sharded", shard=shard,
+                                                   transport="one_sided"))
+    assert f"sharded (ZeRO stage {shard}): 2 replicas x 2 stages" in text
+    assert ("activations and gradients: one-sided, RMA windows" in text) == bool(per_host)
+    if shard == 3:
+        how = "RMA Get of the owners' shards" if per_host else "one shared copy per node"
+        for group in ("[0, 2]", "[1, 3]"):  # rank 0's block names both stages' windows
+            assert re.search(f"weights: {how}.*stage ranks {re.escape(group)} on", text), text
     _same(_params(ref / "latest.h5"), _params(out / "latest.h5"))
+
+
+@pytest.mark.parametrize("per_host", [None, "1"])
+def test_stage3_one_sided_puts_each_stage_in_windows(monkeypatch, per_host):
+    """Offline, 2 replicas x 2 stages at shard 3 with ``transport:
+    one_sided``: no Allgather is left; each bucket's WindowSyncs barrier
+    on its stage's ranks; on one node each bucket's weights are one
+    shared region owned by the stage's first rank (the weight shard a
+    view of it), a host per rank: each rank's shard is its own RMA
+    region and the gathers GetShards of the stage's ranks' regions in
+    replica order; the composition keeps the stage transfers' windows
+    beside (two placements, the rank's window bytes their sum). Before:
+    exit 2 naming parallel.transport."""
+    from purine_mpi.runtime.footprint import window_bytes
+    from purine_mpi.tools.graph import composed
+    if per_host:
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
+    job = make_job(_staged("sharded", "sgd", shard=3, transport="one_sided"))
+    for rank in range(4):
+        g, comp = composed(job, 4, rank)
+        group, index = [rank % 2, rank % 2 + 2], rank // 2
+        ops = list(g.ops.values())
+        assert comp.shard_plan and not any(op.op_type == "Allgather" for op in ops)
+        syncs = [op for op in ops if op.op_type == "WindowSync"]
+        assert len(syncs) == 2 * len(comp.shard_plan)
+        assert all(op.attrs["group"] == group for op in syncs), rank
+        gets = [op for op in ops if op.op_type == "GetShards"]
+        for entry in comp.shard_plan:
+            w = entry["weights"]
+            if per_host:
+                regions = [f"z3/{w}@{r}" for r in group]
+                assert entry["windows"] == regions
+                assert g.blobs[entry["weight_shard"]].attrs["window"] == regions[index]
+            else:
+                assert entry["window"] == g.blobs[w].attrs["window"] == f"z3/{w}@{group[0]}"
+                assert g.blobs[entry["weight_shard"]].alias_of == w
+        assert bool(gets) == bool(per_host)
+        assert {tuple(op.attrs["regions"]) for op in gets} == (
+            {tuple(e["windows"]) for e in comp.shard_plan} if per_host else set()), rank
+        assert [row[0] for row in comp.transport] == ["activations and gradients", "weights"]
+        assert isinstance(comp.window_placement, list) and len(comp.window_placement) == 2
+        (stage_layout, _), (weight_layout, _) = comp.window_placement
+        assert set(weight_layout.regions) == (
+            {f"z3/{e['weights']}@{r}" for e in comp.shard_plan for r in group} if per_host
+            else {f"z3/{e['weights']}@{group[0]}" for e in comp.shard_plan})
+        parts = [window_bytes(type(comp)(None, None, window_placement=p), rank)
+                 for p in comp.window_placement]
+        assert window_bytes(comp, rank) == sum(parts) and parts[1] == (
+            sum(r.nbytes + (-r.nbytes % 64) for r in weight_layout.regions.values()
+                if r.owner == rank))
 
 
 def _waits_it_adds(graph):

@@ -41,7 +41,24 @@ start-up block says why, once). Offline (``graph --np N``: no
 communicator) the graph is converted as the node table says
 (``PURINE_RANKS_PER_HOST`` splits it) and nothing is allocated.
 
-    to_shared_weights(graph, plan, job, world) -> (windows, transport lines, placement)
+With ``parallel.stages`` on several replicas (``group``: this rank's
+stage's ranks, ``Layout.stage_ranks``, replica order) each stage's buckets
+are its own, sharded over its ranks: the same two forms per stage, the
+stage's ranks as the owners (shard i of a bucket owned by ``group[i]``;
+one node: the shared region ``z3/<weights>@<group[0]>`` owned by the
+stage's first rank; across nodes: ``z3/<weights>@<group[i]>``), the
+WindowSyncs barriers on the stage's sub-communicator (attr ``group``).
+Which form a stage takes is its ranks' node table's (one node:
+shared, one_sided only, as without stages; several: RMA). A rank knows
+its own stage's plan only, so the layout is exchanged: every rank sends
+its stage's regions (one allgather of the world, the stage-transfer
+windows' pattern), every rank declares their union in world order and
+allocates it (collective on the world, beside the stage transfers'
+windows: a Windows of its own); a stage without parameters sends none
+and still takes part. Where no stage takes windows nothing is allocated.
+
+    to_shared_weights(graph, plan, job, world, group=None)
+        -> (windows, transport lines, placement)
 """
 from ..comm.ops import shard_range
 from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
@@ -50,23 +67,29 @@ from .sharding import sequence_collectives
 
 PREFIX = "z3/"
 GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
+SHARED = ("weights", "one shared copy per node: each bucket's weights in one shared window "
+          "of its stage, read in place (the gathers only synchronise)")
 GOT = ("weights", "RMA Get of the owners' shards: each rank's weight shard in its RMA "
        "window, each gather an MPI_Rget of every owner's shard into a transient buffer")
 
 
-def to_shared_weights(graph, plan, job, world):
+def to_shared_weights(graph, plan, job, world, group=None):
     """Put the stage-3 buckets of ``plan`` (compose_zero3's) into one
     shared window per node when ``parallel.transport`` is one_sided and
     every rank shares one node (see the module docstring); allocate it
-    (collective). Returns (the Windows or None, the transport lines or
+    (collective). ``group``: with pipeline stages, this rank's stage's
+    ranks (``_stage_weights``; every rank calls it, a stage without
+    parameters too). Returns (the Windows or None, the transport lines or
     None, the window placement ``(layout, node_of)`` or None)."""
     transport = job.parallel.transport
     if transport not in ("one_sided", "auto") or world.size == 1 or job.device >= 0 or \
-            not any("weight_shard" in entry for entry in plan):
+            (group is None and not any("weight_shard" in entry for entry in plan)):
         return None, None, None
     live = getattr(world, "comm", None) is not None
     node_of = node_groups(world) if live else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
+    if group is not None:
+        return _stage_weights(graph, plan, transport, world, node_of, live, list(group))
     hosts = len(set(node_of.values()))
     if hosts != 1:
         return _rma_weights(graph, plan, transport, world, node_of, live)
@@ -116,8 +139,70 @@ def _rma_weights(graph, plan, transport, world, node_of, live):
             world, layout, node_of, lambda exc: [GATHERED + (f"{why}: {exc}",)])
         if windows is None:
             return None, lines, None
-    get_weights(graph, plan, world.rank, world.size)
+    get_weights(graph, plan, world.rank, range(world.size))
     return windows, [GOT + (why,)], (layout, node_of)
+
+
+def _stage_weights(graph, plan, transport, world, node_of, live, group):
+    """With pipeline stages on several replicas: this rank's stage's
+    buckets in windows over its ranks ``group`` (see the module
+    docstring): one shared region per bucket where the stage's ranks share
+    one node and ``transport`` is one_sided, each rank's shard in its RMA
+    window where they span nodes (``auto``: where the ranks agree the
+    network does RDMA), else the two-sided gathers stay. The layout
+    exchanged and allocated on every rank alike."""
+    from .one_sided import _agreed_across_hosts
+    # one allreduce where the world spans nodes (the same on every rank)
+    across = _agreed_across_hosts(world, node_of) if transport == "auto" else (True, "")
+    hosts = len({node_of[r] for r in group})
+    why = f"parallel.transport: {transport}, the stage's ranks {group} on " + (
+        "one node" if hosts == 1 else f"{hosts} nodes")
+    kind = ("shared" if transport == "one_sided" else None) if hosts == 1 else \
+        ("rma" if across[0] else None)
+    if hosts > 1 and transport == "auto":
+        why = f"{why}, {across[1]}"
+    specs = []  # (region, owner, shape, dtype) of this rank's stage
+    for entry in plan if kind else ():
+        wb = graph.blobs[entry["weights"]]
+        if kind == "shared":
+            specs.append((f"{PREFIX}{entry['weights']}@{group[0]}", group[0], tuple(wb.shape),
+                          str(wb.dtype)))
+            continue
+        for i, r in enumerate(group):
+            lo, hi = shard_range(wb.size, len(group), i)
+            specs.append((shard_region(entry["weights"], r), r, (hi - lo,), str(wb.dtype)))
+    # (a stage without parameters gathers nothing: no row of its own)
+    form = {"shared": SHARED, "rma": GOT}.get(kind, GATHERED) if plan else None
+    everyone = world.allgather_object((specs, group, form, hosts), "the stage-3 window "
+                                      "layout exchange") if live else [(specs, group, form, hosts)]
+    # the start-up block names every stage's form, each once (world order)
+    stages = {}
+    for _, peers, form, n in everyone:
+        if form is not None:
+            stages.setdefault(tuple(form), {})[tuple(peers)] = n
+    lines = [(what, how, f"parallel.transport: {transport}, " + ", ".join(
+        f"stage ranks {list(g)} on {'one node' if n == 1 else f'{n} nodes'}"
+        for g, n in groups.items()) + (f", {across[1]}" if transport == "auto" and any(
+            n > 1 for n in groups.values()) else ""))
+        for (what, how), groups in stages.items()]
+    layout = WindowLayout()
+    for rank_specs, peers, _, _ in everyone:  # a stage's ranks send the same regions
+        for name, owner, shape, dtype in rank_specs:
+            if name not in layout.regions:
+                layout.add(name, owner, shape, dtype, peers=peers)
+    if not layout.regions:  # no stage takes windows (the same on every rank)
+        return None, lines if any(n > 1 for *_, n in everyone) else None, None
+    windows = None
+    if live:
+        windows, failed = allocate_or_fall_back(
+            world, layout, node_of, lambda exc: [GATHERED + (f"{why}: {exc}",)])
+        if windows is None:
+            return None, failed, None
+    if kind == "shared":
+        share_weights(graph, plan, world.rank, group[0], group)
+    elif kind == "rma":
+        get_weights(graph, plan, group.index(world.rank), group, staged=True)
+    return windows, lines, (layout, node_of)
 
 
 def shard_region(weights, rank):
@@ -125,27 +210,30 @@ def shard_region(weights, rank):
     return f"{PREFIX}{weights}@{rank}"
 
 
-def get_weights(graph, plan, rank, shards):
-    """Rewrite stage 3's gathers of ``graph`` (rank ``rank``'s of
-    ``shards``) into GetShards from the owners' RMA windows, between a
-    bucket's two WindowSyncs (see the module docstring); renumber the
-    collectives' ``seq`` (the GetShards after them). Each plan entry gets
-    ``windows`` (its regions, rank by rank), ``gets`` (the GetShards, by
-    pass) and ``gathers`` {"acquire", "release"}."""
+def get_weights(graph, plan, index, owners, staged=False):
+    """Rewrite stage 3's gathers of ``graph`` (shard ``index`` of the
+    shards owned by the world ranks ``owners``, in shard order) into
+    GetShards from the owners' RMA windows, between a bucket's two
+    WindowSyncs (see the module docstring; ``staged``: barriers on the
+    owners' sub-communicator); renumber the collectives' ``seq`` (the
+    GetShards after them). Each plan entry gets ``windows`` (its regions,
+    shard by shard), ``gets`` (the GetShards, by pass) and ``gathers``
+    {"acquire", "release"}."""
+    group = list(owners) if staged else None
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
-        regions = [shard_region(weights, r) for r in range(shards)]
+        regions = [shard_region(weights, r) for r in owners]
         ob = graph.blobs[own]  # the shard lives in the window; its views view it
-        ob.attrs = dict(ob.attrs, window=regions[rank], window_views=True)
+        ob.attrs = dict(ob.attrs, window=regions[index], window_views=True)
         gets = entry["gathers"]
         first = graph.ops[next(iter(gets.values()))]
-        acquire, release = _window_syncs(graph, weights, regions[rank], first.location,
-                                         first.thread)
+        acquire, release = _window_syncs(graph, weights, regions[index], first.location,
+                                         first.thread, group)
         for name in gets.values():
             op = graph.ops[name]
             op.op_type = "GetShards"
-            op.attrs = dict({k: v for k, v in op.attrs.items() if k != "seq"},
-                            region=regions[rank], regions=regions, peer=-1)
+            op.attrs = dict({k: v for k, v in op.attrs.items() if k not in ("seq", "group")},
+                            region=regions[index], regions=regions, peer=-1)
             op.control_inputs.append(acquire.name)
         release.control_inputs = [acquire.name] + list(gets.values())
         rooted = {n for n in graph.blobs if graph.storage_root(n) == own}
@@ -165,23 +253,27 @@ def get_weights(graph, plan, rank, shards):
     return plan
 
 
-def _window_syncs(graph, weights, region, location, thread):
+def _window_syncs(graph, weights, region, location, thread, group=None):
     """A bucket's two WindowSync ops on ``region`` (see the module
-    docstring): (``acquire``, ``release``), no edges yet."""
+    docstring): (``acquire``, ``release``), no edges yet; ``group``: their
+    barriers on that sub-communicator (a stage's ranks)."""
     common = {"window": region, "bucket": weights}
+    if group is not None:
+        common["group"] = list(group)
     return tuple(graph.add_op(graph.free_name(f"{weights}.{phase}"), "WindowSync", [], [],
                               dict(common, phase=phase), location=location, thread=thread)
                  for phase in ("acquire", "release"))
 
 
-def share_weights(graph, plan, rank, owner):
+def share_weights(graph, plan, rank, owner, group=None):
     """Rewrite stage 3's gathers of ``graph`` (rank ``rank``'s) for the
-    shared window of ``owner`` (see the module docstring); renumber the
-    collectives' ``seq``. Each plan entry gets ``window`` (its region) and
-    ``gathers`` {"acquire", "release"}."""
+    shared window of ``owner`` (see the module docstring; ``group``: a
+    stage's ranks, the region named by its owner, the barriers on their
+    sub-communicator); renumber the collectives' ``seq``. Each plan entry
+    gets ``window`` (its region) and ``gathers`` {"acquire", "release"}."""
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
-        region = PREFIX + weights
+        region = PREFIX + weights if group is None else f"{PREFIX}{weights}@{owner}"
         wb = graph.blobs[weights]
         attrs = {k: v for k, v in wb.attrs.items() if k != WORKING_SET_ATTR}
         # the region is the buffer; its views (the weights) view it; the
@@ -208,7 +300,7 @@ def share_weights(graph, plan, rank, owner):
                    and rooted.intersection(op.inputs)]
         for op in graph.ops.values():
             op.control_inputs = [c for c in op.control_inputs if c not in old.values()]
-        acquire, release = _window_syncs(graph, weights, region, wb.location, thread)
+        acquire, release = _window_syncs(graph, weights, region, wb.location, thread, group)
         release.control_inputs = [acquire.name] + [op.name for op in readers]
         for op in readers:
             op.control_inputs.append(acquire.name)

@@ -344,13 +344,17 @@ def arena_peak(graph, plan):
 def window_bytes(composition, rank):
     """Bytes of the one-sided transport's windows that ``rank`` holds (its
     segments of the window layout, ``comm/window_layout.py``, as the
-    scheme's Composition places them), 0 without."""
+    scheme's Composition places them; a list of placements: windows
+    allocated apart, scheme sharded's stage transfers and stage-3 weights
+    with stages), 0 without."""
     placed = getattr(composition, "window_placement", None)
     if placed is None:
         return 0
-    layout, node_of = placed
-    sizes = layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
-    return sum(n for (_, owner), n in sizes.items() if owner == rank)
+    total = 0
+    for layout, node_of in placed if isinstance(placed, list) else [placed]:
+        sizes = layout.place(node_of or {r: 0 for r in _layout_ranks(layout)})
+        total += sum(n for (_, owner), n in sizes.items() if owner == rank)
+    return total
 
 
 def _layout_ranks(layout):

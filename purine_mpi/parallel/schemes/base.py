@@ -228,7 +228,9 @@ class Composition:
     transport: list = None         # [(what, how, why)]: how the bytes travel
     windows: object = None         # the windows allocated for it (comm/windows.Windows)
     #: (WindowLayout, {rank: node}) of the one-sided transport's windows, made
-    #: offline too (graph --np, plan): what runtime/footprint.py counts
+    #: offline too (graph --np, plan): what runtime/footprint.py counts; a list
+    #: of them where windows are allocated apart (scheme sharded at shard 3
+    #: with stages: the stage transfers' and the weights'; ``windows`` too)
     window_placement: tuple = None
     #: scheme sharded: the stage-1 buckets (parallel/sharding.compose_zero1's plan)
     shard_plan: list = None

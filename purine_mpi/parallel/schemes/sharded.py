@@ -77,17 +77,22 @@ composes as scheme pipeline or tensor does (``_plain``: no bucket, no
 reduce-scatter or gather over a group of one), its start-up block, ``graph
 --np`` header and checkpoints are that scheme's, and the notes say so.
 
+With stages and the one-sided transport on several replicas: the stage
+transfers through windows (hybrid's); stages 1 and 2 reduce-scatter and
+gather two-sided on each stage's ranks, stage 3 puts each stage's weights
+in windows over its ranks (parallel/zero3_windows.py with ``group``: one
+shared region per bucket where the stage's ranks share a node, each
+rank's shard in its RMA window where they span nodes, the layout
+exchanged, the barriers on the stage's sub-communicator); one replica of
+stages takes it as scheme pipeline does.
+
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
 parallelism, the one-sided transport of stages 1 and 2 without stages, with
-tensor parallelism, and at stage 3 with stages on several replicas (one
-replica of stages takes it: scheme pipeline's windows; stages 1 and 2 on
-several replicas take it as hybrid does: the stage transfers through
-windows, each stage's reduce-scatters and gathers two-sided), and
-combinations with other schemes are refused (the config rules,
-job/config.py's ``_check_sharded``; the GPU, and the one-sided transport
-at stage 3 with stages on several replicas -- the world size decides
-them -- by ``compose``). A pipeline stage that holds no parameter (the
+tensor parallelism (with stages too), and combinations with other schemes
+are refused (the config rules, job/config.py's ``_check_sharded``; the
+GPU -- the device given on the command line -- by ``compose``). A
+pipeline stage that holds no parameter (the
 loss alone) has no bucket: its ranks take part in the collectives over
 every rank only (the clip's, a save's gathers, stage 3's test weights),
 which every rank decides from ``Composition.shard``, never its own plan.
@@ -148,8 +153,6 @@ class Sharded(Hybrid):
                             f"{'stages' if par.stages else 'tensor parallelism'} runs on the "
                             f"CPU (device -1), not on GPU {job.device}")
         lay = self.layout(job, world)
-        if lay.staged and lay.replicas > 1 and par.transport == "one_sided" and par.shard >= 3:
-            _refuse_one_sided_stages(job, lay)  # shards 1, 2: the stage transfers in windows
         plain = _plain(lay)
         if plain is not None:  # one replica: nothing to shard, the plain scheme's graph
             return plain.compose(self, graph, grads, job, world)
@@ -184,6 +187,15 @@ class Sharded(Hybrid):
                     op.name for op in graph.ops.values() if op.op_type == "Allreduce"
                     and op.attrs.get("group") == lay.tensor_ranks()])
             _on_stage_group(graph, plan, lay, world)
+            if par.shard >= 3 and lay.tensor == 1:
+                # one_sided (auto across RDMA hosts): each stage's weights in
+                # windows over its ranks, beside the stage transfers' windows;
+                # every rank (a stage without parameters too: the exchange).
+                # Not with tensor shards (one_sided: the config rules refuse
+                # it; auto keeps the gathers): the WindowSyncs would be
+                # numbered without the tensor groups' allreduces
+                from ..zero3_windows import to_shared_weights
+                _beside(comp, *to_shared_weights(graph, plan, job, world, lay.stage_ranks()))
         else:
             # stage 3, parallel.transport one_sided, one node: one shared copy
             from ..zero3_windows import to_shared_weights
@@ -702,25 +714,17 @@ def _one_replica(par, world_size):
     return (ways, what, like) if world_size > 1 and ways > 1 and world_size == ways else None
 
 
-def _refuse_one_sided_stages(job, lay):
-    """``parallel.transport: one_sided`` at shard 3 with ``parallel.stages``
-    on several replicas: a user error naming both keys and the layouts that
-    take it (the config rules cannot: the world size decides the replicas).
-    At shard 3 one_sided means the weights in windows
-    (parallel/zero3_windows.py), whose layout, owners and WindowSync
-    barriers are the world's ranks as the replicas: a stage's ranks (a
-    sub-communicator, its own buckets) are not built. Shards 1 and 2 take
-    it: the stage transfers through windows, the reduce-scatters and
-    gathers two-sided on each stage's ranks, as hybrid's allreduce."""
-    raise UserError(
-        f"{job.path}: key 'parallel.transport': one_sided with parallel.stages on "
-        f"{lay.replicas} replicas ({lay.replicas * lay.stages} ranks) at parallel.shard 3 is "
-        "refused: at shard 3 one_sided puts the weights in windows (one shared copy per node, "
-        "or each rank's shard in its RMA window), built for one replica per rank, not for a "
-        "stage's ranks; parallel.shard 1 and 2 take it (the stage transfers through windows, "
-        "each stage's reduce-scatters and gathers two-sided), and so does one replica "
-        f"(mpiexec -n {lay.stages}: it runs as scheme pipeline); use parallel.transport: auto "
-        "(windows for the stage transfers where ranks share a node) or two_sided")
+def _beside(comp, windows, lines, placed):
+    """Stage 3's weight windows with stages (``zero3_windows``) beside the
+    stage transfers' (``compose_stages``): their transport rows after
+    theirs; ``windows`` and ``window_placement`` a list where both hold
+    some (runtime/footprint.window_bytes counts each placement)."""
+    comp.transport = (comp.transport or []) + (lines or [])
+    if windows is not None:
+        comp.windows = windows if comp.windows is None else [comp.windows, windows]
+    if placed is not None:
+        comp.window_placement = placed if comp.window_placement is None else \
+            [comp.window_placement, placed]
 
 
 def _stand_in(blob):
