@@ -29,7 +29,9 @@ file holds
     attrs: format "purine_mpi.text", vocab_size (256, or the vocabulary's),
            encoding, tokenizer ("bytes", "file" or "bpe"), source, glob,
            bytes, tokens, val_fraction, version (of purine_mpi), sha256 (of
-           the whole stream's bytes as stored)
+           the whole stream's bytes as stored), dropped_characters (those
+           the vocabulary has no token for: a note counts them; more than
+           DROP_LIMIT of the text is refused)
 
 ``TextSource`` turns a split of it into samples for the DataReader: sample i
 is the window of ``sequence_length + 1`` tokens starting at ``i * stride``;
@@ -165,11 +167,16 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
             log(f"trained a byte-level BPE of {_vocab_size(vocab):,} tokens"
                 + ("" if _vocab_size(vocab) == int(bpe_vocab) else
                    f" (--bpe-vocab {bpe_vocab}: the text has no more pairs to merge)"))
+    n_dropped = 0
     if vocab is None:
         stream, vocab_size, json_text, per_file = \
             np.frombuffer(b"".join(parts), dtype=np.uint8), VOCAB_SIZE, None, None
     else:
-        stream, per_file = _encode(vocab, parts)
+        stream, per_file, dropped = _encode(vocab, parts)
+        n_dropped = sum(len(d) for d in dropped)
+        note = _dropped_note(files, [p.decode("utf-8") for p in parts], dropped)
+        if note and log:
+            log(note)
         vocab_size, json_text = _vocab_size(vocab), vocab.to_str()
     n_val = int(round(len(stream) * float(val_fraction)))
     if n_val < 2 or len(stream) - n_val < 2:
@@ -189,7 +196,7 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
         with h5py.File(tmp, "w") as f:
             attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
                      "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
-                     "bytes": n_bytes, "tokens": len(stream),
+                     "bytes": n_bytes, "tokens": len(stream), "dropped_characters": n_dropped,
                      "val_fraction": float(val_fraction), "version": __version__,
                      "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
             for key, value in attrs.items():
@@ -227,16 +234,50 @@ def _vocab_size(tokenizer):
 
 
 def _encode(tokenizer, parts):
-    """(the concatenated ids of each part, each part's id count): each file
+    """(the concatenated ids of each part, each part's id count, the indices
+    of each part's characters the tokenizer drops): each file
     is encoded on its own, without special tokens, in the smallest unsigned
     dtype that holds the vocabulary."""
     texts = [p.decode("utf-8") for p in parts]
+    from .tokenizer import dropped_characters
     encoded = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     size = _vocab_size(tokenizer)
     dtype = np.uint8 if size <= 1 << 8 else np.uint16 if size <= 1 << 16 else np.uint32
     ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
     stream = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    return stream.astype(dtype), [len(i) for i in ids]
+    dropped = [dropped_characters(t, e.offsets) for t, e in zip(texts, encoded)]
+    return stream.astype(dtype), [len(i) for i in ids], dropped
+
+
+#: the largest share of a text's characters the tokenizer may drop (then a
+#: note counts them); above it ``data text`` refuses: the wrong tokenizer
+DROP_LIMIT = 0.01
+
+
+def _dropped_note(files, texts, dropped):
+    """A note counting the characters a tokenizer dropped (``dropped``: each
+    file's indices), the commonest first with where each first occurs; a
+    UserError when they are more than DROP_LIMIT of the characters.
+    None when nothing was dropped."""
+    count = sum(len(d) for d in dropped)
+    if not count:
+        return None
+    seen = {}
+    for (rel, _), text, indices in zip(files, texts, dropped):
+        for i in indices:
+            n, where = seen.get(text[i], (0, f"{rel}, character {i + 1}"))
+            seen[text[i]] = (n + 1, where)
+    common = sorted(seen.items(), key=lambda kv: -kv[1][0])
+    shown = "; ".join(f"{ch!r} (U+{ord(ch):04X}) x{n}, first in {where}"
+                      for ch, (n, where) in common[:5]) + ("; ..." if len(common) > 5 else "")
+    chars = sum(len(t) for t in texts)
+    what = (f"the tokenizer drops {count:,} of the {chars:,} characters of the text "
+            f"({len(seen)} distinct; no token covers them): {shown}")
+    if count > DROP_LIMIT * chars:
+        raise UserError(f"data text: {what}; more than {DROP_LIMIT:.0%} of the text would be "
+                        "lost: give a tokenizer whose vocabulary covers the text (a byte-level "
+                        "one covers every character, e.g. --bpe-vocab N)")
+    return f"note: {what}; the token stream leaves them out"
 
 
 def text_vocabulary(path):

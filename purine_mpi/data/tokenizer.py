@@ -21,6 +21,8 @@ texts and n give the same JSON).
 """
 import hashlib
 
+import numpy as np
+
 from ..base.errors import UserError
 
 #: where the optional library comes from (named by the exit-2 line)
@@ -74,6 +76,20 @@ def train_bpe(texts, vocab_size):
                                   show_progress=False)
     tokenizer.train_from_iterator(list(texts), trainer)
     return tokenizer
+
+
+def dropped_characters(text, offsets):
+    """The indices of the characters of ``text`` no token of an encoding
+    covers (``offsets``: its tokens' (start, end) character spans): what the
+    tokenizer drops (not in a vocabulary without byte fallback or an
+    unknown token). Whitespace is left out: a pre-tokenizer splitting on it
+    drops it by its own rule."""
+    covered = np.zeros(len(text) + 1, np.int64)
+    for start, end in offsets:
+        covered[start] += 1
+        covered[end] -= 1
+    bare = np.flatnonzero(np.cumsum(covered[:-1]) == 0)
+    return [int(i) for i in bare if not text[i].isspace()]
 
 
 def vocab_size_of(tokenizer):
@@ -137,14 +153,10 @@ class Vocabulary:
         shorter than ``text``; dropped whitespace (a pre-tokenizer's split) is
         the tokenizer's own rule."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        covered = [False] * len(text)
-        for start, end in encoding.offsets:
-            covered[start:end] = [True] * (end - start)
-        for i, ch in enumerate(text):
-            if not covered[i] and not ch.isspace():
-                raise UserError(f"{what} character {ch!r} (U+{ord(ch):04X}, character {i + 1}) "
-                                "is not in the model's vocabulary: its tokenizer drops it; "
-                                "leave it out or spell it with the vocabulary's characters")
+        for i in dropped_characters(text, encoding.offsets)[:1]:
+            raise UserError(f"{what} character {text[i]!r} (U+{ord(text[i]):04X}, character "
+                            f"{i + 1}) is not in the model's vocabulary: its tokenizer drops "
+                            "it; leave it out or spell it with the vocabulary's characters")
         return list(encoding.ids)
 
     def decode(self, ids):
