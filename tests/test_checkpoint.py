@@ -177,3 +177,22 @@ def test_inspect_and_diff(tmp_path):
     assert diff["attrs"]["iteration"] == [3, 4]
     text = inspect_checkpoint(a, diff=b)
     assert "only in second: /params/extra" in text and "diff against" in text
+
+
+
+def test_inspect_diff_of_integers_beyond_float64(tmp_path):
+    """``inspect --diff`` subtracted in float64: two int64/uint64 datasets
+    that float64 rounds to one value (2**62 + 1 and 2**62) read as equal,
+    max_abs_diff 0. Now integers are subtracted exactly."""
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    with h5py.File(a, "w") as f:
+        f["i"] = np.array([2 ** 62 + 1, 5, -3], np.int64)
+        f["u"] = np.array([2 ** 63 + 3, 9], np.uint64)
+    with h5py.File(b, "w") as f:
+        f["i"] = np.array([2 ** 62, 5, -3], np.int64)
+        f["u"] = np.array([2 ** 63, 9], np.uint64)
+    rows = {r["name"]: r for r in
+            json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
+    assert rows["/i"]["max_abs_diff"] == 1.0 and rows["/u"]["max_abs_diff"] == 3.0, rows
+    want = 1 / np.linalg.norm([2.0 ** 62, 5, 3])
+    assert rows["/i"]["rel_l2_diff"] == pytest.approx(want, rel=1e-12), rows

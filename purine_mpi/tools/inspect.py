@@ -222,9 +222,10 @@ def _diff_pair(a, b, row):
     parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
-            x = np.asarray(a[index], dtype=np.float64)
-            y = np.asarray(b[index], dtype=np.float64)
-            d = x - y
+            raw_x, raw_y = a[index], b[index]
+            x = np.asarray(raw_x, dtype=np.float64)
+            y = np.asarray(raw_y, dtype=np.float64)
+            d = _difference(raw_x, raw_y, x, y)
             xx, yy, dd = xx + float(np.sum(x * x)), yy + float(np.sum(y * y)), \
                 dd + float(np.sum(d * d))
             biggest = np.maximum(biggest, float(np.max(np.abs(d))))
@@ -235,6 +236,22 @@ def _diff_pair(a, b, row):
         norm = max(math.sqrt(xx), math.sqrt(yy))
         row.update(max_abs_diff=float(biggest),
                    rel_l2_diff=math.sqrt(dd) / norm if norm else 0.0)
+
+
+def _difference(raw_x, raw_y, x, y):
+    """``raw_x - raw_y`` as float64 (``x``, ``y``: the values as float64):
+    integers subtracted exactly before the conversion (two int64 or uint64
+    that float64 rounds to one value still differ)."""
+    raw_x, raw_y = np.asarray(raw_x), np.asarray(raw_y)
+    kinds = raw_x.dtype.kind + raw_y.dtype.kind
+    if kinds in ("ii", "uu"):
+        wide = np.int64 if kinds == "ii" else np.uint64
+        wx, wy = raw_x.astype(wide), raw_y.astype(wide)
+        # |x - y| < 2**64 is exact in uint64's modular arithmetic
+        ux, uy = wx.astype(np.uint64), wy.astype(np.uint64)
+        magnitude = np.where(wx >= wy, ux - uy, uy - ux).astype(np.float64)
+        return np.where(wx >= wy, magnitude, -magnitude)
+    return x - y
 
 
 def _diff(path, other):
