@@ -196,3 +196,22 @@ def test_inspect_diff_of_integers_beyond_float64(tmp_path):
     assert rows["/i"]["max_abs_diff"] == 1.0 and rows["/u"]["max_abs_diff"] == 3.0, rows
     want = 1 / np.linalg.norm([2.0 ** 62, 5, 3])
     assert rows["/i"]["rel_l2_diff"] == pytest.approx(want, rel=1e-12), rows
+
+
+def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
+    """A diverged run's checkpoint (NaN and inf in its weights) against an
+    identical copy: ``inspect --diff`` said max_abs_diff nan (NaN - NaN,
+    inf - inf), as if they differed. Now a NaN or an infinity in the same
+    place of both is no difference (NumPy's array_equal with equal_nan); a
+    NaN on one side only still shows as nan."""
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    w = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
+    with h5py.File(a, "w") as f:
+        f["same"], f["other"] = w, w
+    with h5py.File(b, "w") as f:
+        f["same"], f["other"] = w, np.where(np.isnan(w), 0, w)
+    rows = {r["name"]: r for r in
+            json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
+    assert np.array_equal(w, w, equal_nan=True)
+    assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0}, rows
+    assert rows["/other"]["max_abs_diff"] == "nan", rows

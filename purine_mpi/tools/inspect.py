@@ -234,14 +234,18 @@ def _diff_pair(a, b, row):
             xx, yy, dd = xx + x * x * fill, yy + y * y * fill, dd + (x - y) ** 2 * fill
             biggest = np.maximum(biggest, abs(x - y))
         norm = max(math.sqrt(xx), math.sqrt(yy))
+        # equal values (NaN and infinities in the same places too) are no
+        # difference whatever their norm
         row.update(max_abs_diff=float(biggest),
-                   rel_l2_diff=math.sqrt(dd) / norm if norm else 0.0)
+                   rel_l2_diff=0.0 if dd == 0 else math.sqrt(dd) / norm if norm else 0.0)
 
 
 def _difference(raw_x, raw_y, x, y):
     """``raw_x - raw_y`` as float64 (``x``, ``y``: the values as float64):
     integers subtracted exactly before the conversion (two int64 or uint64
-    that float64 rounds to one value still differ)."""
+    that float64 rounds to one value still differ), and a NaN or an
+    infinity in the same place of both is no difference (NumPy's
+    ``array_equal(..., equal_nan=True)``)."""
     raw_x, raw_y = np.asarray(raw_x), np.asarray(raw_y)
     kinds = raw_x.dtype.kind + raw_y.dtype.kind
     if kinds in ("ii", "uu"):
@@ -251,7 +255,9 @@ def _difference(raw_x, raw_y, x, y):
         ux, uy = wx.astype(np.uint64), wy.astype(np.uint64)
         magnitude = np.where(wx >= wy, ux - uy, uy - ux).astype(np.float64)
         return np.where(wx >= wy, magnitude, -magnitude)
-    return x - y
+    d = x - y
+    same = (x == y) | (np.isnan(x) & np.isnan(y))
+    return np.where(same, 0.0, d)
 
 
 def _diff(path, other):
