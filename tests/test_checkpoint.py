@@ -215,3 +215,29 @@ def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
     assert np.array_equal(w, w, equal_nan=True)
     assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0}, rows
     assert rows["/other"]["max_abs_diff"] == "nan", rows
+
+
+def test_inspect_counts_nan_and_inf(tmp_path, monkeypatch):
+    """One NaN in a weight made every figure of ``inspect`` nan, with no
+    word on how many values are: one or all. Now each dataset says its NaN
+    and infinite counts (NumPy's isnan / isinf), read whole or chunk by
+    chunk (never-written chunks counted as their fill value)."""
+    import purine_mpi.tools.inspect as inspect_mod
+    path = str(tmp_path / "n.h5")
+    w = np.arange(60, dtype=np.float32).reshape(6, 10)
+    w[1, 2] = w[4, 4] = np.nan
+    w[5, 0] = -np.inf
+    with h5py.File(path, "w") as f:
+        f["w"] = w
+        d = f.create_dataset("c", shape=(40, 10), chunks=(4, 10), dtype=np.float32,
+                             fillvalue=np.nan)
+        d[0:8] = w[:4].repeat(2, axis=0)
+    whole = np.full((40, 10), np.nan, np.float32)
+    whole[0:8] = w[:4].repeat(2, axis=0)
+    for block in (64 << 20, 200):  # whole, and chunk by chunk
+        monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", block)
+        got = {d["name"]: d for d in json.loads(inspect_checkpoint(path, as_json=True))["datasets"]}
+        for name, ref in (("/w", w), ("/c", whole)):
+            assert (got[name]["nan"], got[name]["inf"]) == \
+                (int(np.isnan(ref).sum()), int(np.isinf(ref).sum())), (block, got[name])
+    assert "(2 nan, 1 inf of 60)" in inspect_checkpoint(path)

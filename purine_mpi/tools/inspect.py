@@ -88,15 +88,19 @@ def _slabs(shape, itemsize, block=BLOCK_BYTES):
 
 class _Stats:
     """min, max, mean, std and L2 norm over blocks of values (float64),
-    combined exactly as one pass would for a single block."""
+    combined exactly as one pass would for a single block (NaN and
+    infinities propagate, as in NumPy), and the counts of NaN and of
+    infinite values."""
 
     def __init__(self):
-        self.n = 0
+        self.n = self.nan = self.inf = 0
 
     def add(self, x):
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         if not x.size:
             return
+        self.nan += int(np.count_nonzero(np.isnan(x)))
+        self.inf += int(np.count_nonzero(np.isinf(x)))
         mean = x.mean()
         part = (x.size, x.min(), x.max(), mean, float(np.sum(np.abs(x - mean) ** 2)),
                 float(np.sum(x * x)))
@@ -105,6 +109,8 @@ class _Stats:
     def add_constant(self, value, count):
         if count > 0:
             v = float(value)
+            self.nan += count if math.isnan(v) else 0
+            self.inf += count if math.isinf(v) else 0
             self._combine(count, v, v, v, 0.0, v * v * count)
 
     def _combine(self, n, lo, hi, mean, m2, ss):
@@ -120,7 +126,7 @@ class _Stats:
 
     def result(self):
         return dict(min=self.lo, max=self.hi, mean=self.mean, std=math.sqrt(self.m2 / self.n),
-                    l2=math.sqrt(self.ss))
+                    l2=math.sqrt(self.ss), nan=self.nan, inf=self.inf)
 
 
 def _allocated_chunks(dset):
@@ -330,6 +336,9 @@ def _format_text(report):
         line = f"{d['name']:<{width}}  {shape:<16} {d['dtype']:<8}"
         if "min" in d:
             line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
+            bad = [f"{d[k]:,} {k}" for k in ("nan", "inf") if d.get(k)]
+            if bad:  # how many of the values make the figures nan or inf
+                line += f"  ({', '.join(bad)} of {math.prod(d['shape']):,})"
         elif "value" in d:
             text = d["value"]
             line += " " + (text if len(text) <= 60 else text[:57] + "...")
