@@ -83,13 +83,19 @@ def dropped_characters(text, offsets):
     covers (``offsets``: its tokens' (start, end) character spans): what the
     tokenizer drops (not in a vocabulary without byte fallback or an
     unknown token). Whitespace is left out: a pre-tokenizer splitting on it
-    drops it by its own rule."""
-    covered = np.zeros(len(text) + 1, np.int64)
-    for start, end in offsets:
-        covered[start] += 1
-        covered[end] -= 1
-    bare = np.flatnonzero(np.cumsum(covered[:-1]) == 0)
-    return [int(i) for i in bare if not text[i].isspace()]
+    drops it by its own rule. Only the gaps between the spans are looked
+    at (memory of the order of the tokens, not of the text)."""
+    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
+    # a gap runs from the furthest end so far to the next span's start
+    gap_starts = np.concatenate([[0], reach])
+    gap_ends = np.concatenate([spans[:, 0], [len(text)]])
+    found = []
+    for a, b in zip(*(x[gap_ends > gap_starts].tolist() for x in (gap_starts, gap_ends))):
+        if not text[a:b].isspace():
+            found.extend(i for i in range(a, b) if not text[i].isspace())
+    return found
 
 
 def vocab_size_of(tokenizer):
