@@ -268,3 +268,32 @@ def test_text_characters_the_tokenizer_drops_are_counted_or_refused(tmp_path):
     assert "drops 303 of the" in res.stderr and "more than 1% of the text" in res.stderr, \
         res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "many.h5").exists()
+
+
+def test_text_characters_encoded_as_the_unknown_token_are_counted(tmp_path):
+    """A vocabulary with an unknown token encodes 'é' as '[UNK]', which
+    decodes to none of it: the text was lost as silently as a dropped one.
+    Now the note counts those characters too (the file records
+    unknown_characters), and they count towards the 1% refusal."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world abc"] * 10,
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    src = tmp_path / "a.txt"
+    src.write_text("hello world abc\n" * 300 + "hello éé world\n")
+    out = tmp_path / "unk.h5"
+    res = run_cli_args("data", "text", "--from", src, "--tokenizer", path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert ("note: the tokenizer encodes 2 of the 4,815 characters of the text as its unknown "
+            "token '[UNK]' (1 distinct): 'é' (U+00E9) x2, first in a.txt, character 4807") \
+        in res.stderr, res.stderr
+    import h5py
+    with h5py.File(out, "r") as f:
+        assert (f.attrs["unknown_characters"], f.attrs["dropped_characters"]) == (2, 0)
+    src.write_text("hello world abc\n" * 30 + "zzz qqq\n" * 10)
+    res = run_cli_here("data", "text", "--from", src, "--tokenizer", path,
+                       "--out", tmp_path / "many.h5")
+    assert res.returncode == 2 and "as its unknown token '[UNK]'" in res.stderr, res.stderr

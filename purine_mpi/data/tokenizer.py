@@ -98,6 +98,26 @@ def dropped_characters(text, offsets):
     return found
 
 
+def unknown_id(tokenizer):
+    """The id of the model's unknown token (BPE, WordPiece, WordLevel: its
+    ``unk_token``; Unigram: its ``unk_id``), or None without one."""
+    import json
+    model = json.loads(tokenizer.to_str()).get("model") or {}
+    if isinstance(model.get("unk_token"), str):
+        return tokenizer.token_to_id(model["unk_token"])
+    return model.get("unk_id") if isinstance(model.get("unk_id"), int) else None
+
+
+def unknown_characters(text, ids, offsets, unk):
+    """The indices of the characters of ``text`` (whitespace left out) that
+    the tokens of id ``unk`` (the unknown token) stand for: text the
+    vocabulary has no token for, replaced by one that decodes to none of it."""
+    if unk is None:
+        return []
+    return [i for token, (a, b) in zip(ids, offsets) if token == unk
+            for i in range(a, b) if not text[i].isspace()]
+
+
 def vocab_size_of(tokenizer):
     """Rows an embedding needs for ``tokenizer``: its largest id + 1 (added
     tokens included)."""
