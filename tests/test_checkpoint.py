@@ -241,3 +241,23 @@ def test_inspect_counts_nan_and_inf(tmp_path, monkeypatch):
             assert (got[name]["nan"], got[name]["inf"]) == \
                 (int(np.isnan(ref).sum()), int(np.isinf(ref).sum())), (block, got[name])
     assert "(2 nan, 1 inf of 60)" in inspect_checkpoint(path)
+
+
+def test_inspect_min_max_of_integers_are_exact(tmp_path, monkeypatch):
+    """``inspect`` took min and max in float64: an int64 of 2**62 + 1 was
+    reported as 4611686018427387904 (2**62), a uint64 of 2**64 - 1 as
+    2**64. Now an integer dataset's min and max are NumPy's exact integers,
+    whole or chunk by chunk."""
+    import purine_mpi.tools.inspect as inspect_mod
+    path = str(tmp_path / "i.h5")
+    i = np.array([2 ** 62 + 1, -(2 ** 62) - 3, 7] * 10, np.int64)
+    u = np.array([2 ** 64 - 1, 2 ** 63 + 1] * 10, np.uint64)
+    with h5py.File(path, "w") as f:
+        f["i"] = i
+        f.create_dataset("u", data=u, chunks=(4,))
+    for block in (64 << 20, 64):
+        monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", block)
+        got = {d["name"]: d for d in json.loads(inspect_checkpoint(path, as_json=True))["datasets"]}
+        assert (got["/i"]["min"], got["/i"]["max"]) == (int(i.min()), int(i.max())), got["/i"]
+        assert (got["/u"]["min"], got["/u"]["max"]) == (int(u.min()), int(u.max())), got["/u"]
+    assert str(2 ** 64 - 1) in inspect_checkpoint(path)

@@ -90,20 +90,23 @@ class _Stats:
     """min, max, mean, std and L2 norm over blocks of values (float64),
     combined exactly as one pass would for a single block (NaN and
     infinities propagate, as in NumPy), and the counts of NaN and of
-    infinite values."""
+    infinite values; an integer dataset's min and max are exact integers
+    (float64 rounds int64 beyond 2**53)."""
 
     def __init__(self):
         self.n = self.nan = self.inf = 0
 
     def add(self, x):
-        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        raw = np.asarray(x)
+        x = raw.astype(np.float64).reshape(-1)
         if not x.size:
             return
         self.nan += int(np.count_nonzero(np.isnan(x)))
         self.inf += int(np.count_nonzero(np.isinf(x)))
         mean = x.mean()
-        part = (x.size, x.min(), x.max(), mean, float(np.sum(np.abs(x - mean) ** 2)),
-                float(np.sum(x * x)))
+        exact = raw.dtype.kind in "iu"
+        part = (x.size, int(raw.min()) if exact else x.min(), int(raw.max()) if exact else x.max(),
+                mean, float(np.sum(np.abs(x - mean) ** 2)), float(np.sum(x * x)))
         self._combine(*part)
 
     def add_constant(self, value, count):
@@ -111,7 +114,8 @@ class _Stats:
             v = float(value)
             self.nan += count if math.isnan(v) else 0
             self.inf += count if math.isinf(v) else 0
-            self._combine(count, v, v, v, 0.0, v * v * count)
+            exact = int(value) if np.asarray(value).dtype.kind in "iu" else v
+            self._combine(count, exact, exact, v, 0.0, v * v * count)
 
     def _combine(self, n, lo, hi, mean, m2, ss):
         if not self.n:
@@ -121,7 +125,10 @@ class _Stats:
         delta = mean - self.mean
         self.m2 = self.m2 + m2 + delta * delta * self.n * n / total
         self.mean = self.mean + delta * n / total
-        self.lo, self.hi = np.minimum(self.lo, lo), np.maximum(self.hi, hi)
+        if isinstance(lo, int) and isinstance(self.lo, int):  # exact integers
+            self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        else:
+            self.lo, self.hi = np.minimum(self.lo, lo), np.maximum(self.hi, hi)
         self.ss, self.n = self.ss + ss, total
 
     def result(self):
