@@ -281,6 +281,7 @@ def _dropped_note(files, texts, dropped, unknown, tokenizer):
     its unknown token (``unknown``), the commonest first with where each
     first occurs; a UserError when they are more than DROP_LIMIT of the
     characters. None when nothing was lost."""
+    from .tokenizer import unknown_id
     chars = sum(len(t) for t in texts)
     parts, total = [], 0
     for lost, how in ((dropped, "drops {count:,} of the {chars:,} characters of the text "
@@ -289,7 +290,6 @@ def _dropped_note(files, texts, dropped, unknown, tokenizer):
                                 "its unknown token {unk!r} ({distinct} distinct)")):
         count, distinct, shown = _lost_clause(files, texts, lost)
         if count:
-            from .tokenizer import unknown_id
             unk = tokenizer.id_to_token(unknown_id(tokenizer)) if lost is unknown else None
             parts.append(how.format(count=count, chars=chars, distinct=distinct, unk=unk)
                          + f": {shown}")

@@ -98,7 +98,7 @@ class _Stats:
 
     def add(self, x):
         raw = np.asarray(x)
-        x = raw.astype(np.float64).reshape(-1)
+        x = np.asarray(raw, dtype=np.float64).reshape(-1)  # no copy of float64
         if not x.size:
             return
         self.nan += int(np.count_nonzero(np.isnan(x)))
