@@ -206,17 +206,17 @@ def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
     NaN on one side only still shows as nan."""
     a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
     w = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
-    near = np.array([3.0, np.nan, 4.0], np.float32)
+    near = np.array([3.0, np.nan, 4.0, np.inf], np.float32)
     with h5py.File(a, "w") as f:
         f["same"], f["other"], f["near"] = w, w, near
     with h5py.File(b, "w") as f:
         f["same"], f["other"] = w, np.where(np.isnan(w), 0, w)
-        f["near"] = np.array([3.0, np.nan, 4.5], np.float32)
+        f["near"] = np.array([3.0, np.nan, 4.5, np.inf], np.float32)
     rows = {r["name"]: r for r in
             json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
     assert np.array_equal(w, w, equal_nan=True)
     assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0}, rows
-    # the shared NaN is left out of the norms too: 0.5 / ||(3, 4.5)||
+    # the shared NaN and inf are left out of the norms too: 0.5 / ||(3, 4.5)||
     assert rows["/near"]["max_abs_diff"] == 0.5, rows
     assert rows["/near"]["rel_l2_diff"] == pytest.approx(0.5 / np.hypot(3, 4.5)), rows
     assert rows["/other"]["max_abs_diff"] == "nan", rows

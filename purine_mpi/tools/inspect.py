@@ -239,9 +239,11 @@ def _diff_pair(a, b, row):
             x = np.asarray(raw_x, dtype=np.float64)
             y = np.asarray(raw_y, dtype=np.float64)
             d = _difference(raw_x, raw_y, x, y)
-            # the norms leave out NaN: one in the same place of both is no
-            # difference (d is 0 there), one on one side makes d, so dd, nan
-            xx, yy, dd = xx + float(np.nansum(x * x)), yy + float(np.nansum(y * y)), \
+            # the norms leave out a NaN or an infinity in the same place of
+            # both (no difference: d is 0 there); one on one side only makes
+            # d, so dd and the figures, nan or inf
+            keep = ~((np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y)))
+            xx, yy, dd = xx + float(np.sum(x[keep] ** 2)), yy + float(np.sum(y[keep] ** 2)), \
                 dd + float(np.sum(d * d))
             biggest = np.maximum(biggest, float(np.max(np.abs(d))))
         if fill:
