@@ -238,6 +238,8 @@ def run_bench(job, iters=20, warmup=3, real_data=False, dispatcher=None):
     if job.data.train.source == "text":  # a sample is a sequence of tokens
         result["tokens_per_s"] = round(result["images_per_s"]
                                        * job.data.train.sequence_length, 2)
+        result["tokens_per_s_elapsed"] = round(result["images_per_s_elapsed"]
+                                               * job.data.train.sequence_length, 2)
     # where every rank runs: the peak MFU divides by is the hardware the job occupies
     place = rank_place(trainer.graphs.device)
     places = world.gather_object(place, 0, "the ranks' devices and cores") \
