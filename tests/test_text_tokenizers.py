@@ -297,3 +297,25 @@ def test_text_characters_encoded_as_the_unknown_token_are_counted(tmp_path):
     res = run_cli_here("data", "text", "--from", src, "--tokenizer", path,
                        "--out", tmp_path / "many.h5")
     assert res.returncode == 2 and "as its unknown token '[UNK]'" in res.stderr, res.stderr
+
+
+def test_dropped_characters_is_the_per_character_reference():
+    """``dropped_characters`` walks the gaps between the tokens' spans: the
+    indices a per-character coverage table gives (spans overlapping, out of
+    order, empty; whitespace left out), on random cases."""
+    import random
+    from purine_mpi.data.tokenizer import dropped_characters
+
+    def reference(text, offsets):
+        covered = [False] * len(text)
+        for a, b in offsets:
+            covered[a:b] = [True] * (b - a)
+        return [i for i, c in enumerate(text) if not covered[i] and not c.isspace()]
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(0, 30)
+        text = "".join(rng.choice("ab é\n") for _ in range(n))
+        offsets = [tuple(sorted((rng.randint(0, n), rng.randint(0, n))))
+                   for _ in range(rng.randint(0, 8))]
+        assert dropped_characters(text, offsets) == reference(text, offsets), (text, offsets)
