@@ -177,3 +177,92 @@ def test_inspect_and_diff(tmp_path):
     assert diff["attrs"]["iteration"] == [3, 4]
     text = inspect_checkpoint(a, diff=b)
     assert "only in second: /params/extra" in text and "diff against" in text
+
+
+
+def test_inspect_diff_of_integers_beyond_float64(tmp_path):
+    """``inspect --diff`` subtracted in float64: two int64/uint64 datasets
+    that float64 rounds to one value (2**62 + 1 and 2**62) read as equal,
+    max_abs_diff 0. Now integers are subtracted exactly."""
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    with h5py.File(a, "w") as f:
+        f["i"] = np.array([2 ** 62 + 1, 5, -3], np.int64)
+        f["u"] = np.array([2 ** 63 + 3, 9], np.uint64)
+    with h5py.File(b, "w") as f:
+        f["i"] = np.array([2 ** 62, 5, -3], np.int64)
+        f["u"] = np.array([2 ** 63, 9], np.uint64)
+    rows = {r["name"]: r for r in
+            json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
+    assert rows["/i"]["max_abs_diff"] == 1.0 and rows["/u"]["max_abs_diff"] == 3.0, rows
+    want = 1 / np.linalg.norm([2.0 ** 62, 5, 3])
+    assert rows["/i"]["rel_l2_diff"] == pytest.approx(want, rel=1e-12), rows
+
+
+def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
+    """A diverged run's checkpoint (NaN and inf in its weights) against an
+    identical copy: ``inspect --diff`` said max_abs_diff nan (NaN - NaN,
+    inf - inf), as if they differed. Now a NaN or an infinity in the same
+    place of both is no difference (NumPy's array_equal with equal_nan); a
+    NaN on one side only still shows as nan."""
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    w = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
+    near = np.array([3.0, np.nan, 4.0, np.inf], np.float32)
+    with h5py.File(a, "w") as f:
+        f["same"], f["other"], f["near"] = w, w, near
+    with h5py.File(b, "w") as f:
+        f["same"], f["other"] = w, np.where(np.isnan(w), 0, w)
+        f["near"] = np.array([3.0, np.nan, 4.5, np.inf], np.float32)
+    rows = {r["name"]: r for r in
+            json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
+    assert np.array_equal(w, w, equal_nan=True)
+    assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0}, rows
+    # the shared NaN and inf are left out of the norms too: 0.5 / ||(3, 4.5)||
+    assert rows["/near"]["max_abs_diff"] == 0.5, rows
+    assert rows["/near"]["rel_l2_diff"] == pytest.approx(0.5 / np.hypot(3, 4.5)), rows
+    assert rows["/other"]["max_abs_diff"] == "nan", rows
+
+
+def test_inspect_counts_nan_and_inf(tmp_path, monkeypatch):
+    """One NaN in a weight made every figure of ``inspect`` nan, with no
+    word on how many values are: one or all. Now each dataset says its NaN
+    and infinite counts (NumPy's isnan / isinf), read whole or chunk by
+    chunk (never-written chunks counted as their fill value)."""
+    import purine_mpi.tools.inspect as inspect_mod
+    path = str(tmp_path / "n.h5")
+    w = np.arange(60, dtype=np.float32).reshape(6, 10)
+    w[1, 2] = w[4, 4] = np.nan
+    w[5, 0] = -np.inf
+    with h5py.File(path, "w") as f:
+        f["w"] = w
+        d = f.create_dataset("c", shape=(40, 10), chunks=(4, 10), dtype=np.float32,
+                             fillvalue=np.nan)
+        d[0:8] = w[:4].repeat(2, axis=0)
+    whole = np.full((40, 10), np.nan, np.float32)
+    whole[0:8] = w[:4].repeat(2, axis=0)
+    for block in (64 << 20, 200):  # whole, and chunk by chunk
+        monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", block)
+        got = {d["name"]: d for d in json.loads(inspect_checkpoint(path, as_json=True))["datasets"]}
+        for name, ref in (("/w", w), ("/c", whole)):
+            assert (got[name]["nan"], got[name]["inf"]) == \
+                (int(np.isnan(ref).sum()), int(np.isinf(ref).sum())), (block, got[name])
+    assert "(2 nan, 1 inf of 60)" in inspect_checkpoint(path)
+
+
+def test_inspect_min_max_of_integers_are_exact(tmp_path, monkeypatch):
+    """``inspect`` took min and max in float64: an int64 of 2**62 + 1 was
+    reported as 4611686018427387904 (2**62), a uint64 of 2**64 - 1 as
+    2**64. Now an integer dataset's min and max are NumPy's exact integers,
+    whole or chunk by chunk."""
+    import purine_mpi.tools.inspect as inspect_mod
+    path = str(tmp_path / "i.h5")
+    i = np.array([2 ** 62 + 1, -(2 ** 62) - 3, 7] * 10, np.int64)
+    u = np.array([2 ** 64 - 1, 2 ** 63 + 1] * 10, np.uint64)
+    with h5py.File(path, "w") as f:
+        f["i"] = i
+        f.create_dataset("u", data=u, chunks=(4,))
+    for block in (64 << 20, 64):
+        monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", block)
+        got = {d["name"]: d for d in json.loads(inspect_checkpoint(path, as_json=True))["datasets"]}
+        assert (got["/i"]["min"], got["/i"]["max"]) == (int(i.min()), int(i.max())), got["/i"]
+        assert (got["/u"]["min"], got["/u"]["max"]) == (int(u.min()), int(u.max())), got["/u"]
+    assert str(2 ** 64 - 1) in inspect_checkpoint(path)

@@ -105,6 +105,8 @@ def test_bench_json_fields_are_consistent(text_h5, tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["tokens_per_s"] > 0 and out["precision"] == "fp32"
+    assert math.isclose(out["tokens_per_s_elapsed"], out["images_per_s_elapsed"] * T,
+                        rel_tol=1e-3)
     assert math.isclose(out["achieved_flops_per_s"],
                         out["model_flops_per_iter_sample"] * out["images_per_s"], rel_tol=1e-6)
     assert math.isclose(out["model_flops_per_token"] * T, out["model_flops_per_iter_sample"],

@@ -230,3 +230,92 @@ def test_a_prompt_character_the_tokenizer_drops_exits_2():
     byte_level = Vocabulary(train_bpe(["héllo wörld 日本"] * 20, 300).to_str())
     text = "日本 zzz 🙂 \x00é"
     assert byte_level.decode(byte_level.encode(text)) == text
+
+
+def test_text_characters_the_tokenizer_drops_are_counted_or_refused(tmp_path):
+    """``data text --tokenizer`` with a vocabulary that has no token for 'é'
+    (a BPE without byte fallback nor unknown token) left it out of the
+    stream without a word. Now a note counts the dropped characters (the
+    file records the count), and more than 1% of the text dropped exits 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world abc"] * 10, trainers.BpeTrainer(vocab_size=40))
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world abc\n" * 200)
+    (src / "b.txt").write_text("hello é world\n" + "abc hello\n" * 100 + "é é\n")
+    out = tmp_path / "few.h5"
+    res = run_cli_args("data", "text", "--from", src, "--tokenizer", path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    chars = 16 * 200 + len("hello é world\n" + "abc hello\n" * 100 + "é é\n")
+    assert (f"note: the tokenizer drops 3 of the {chars:,} characters of the text (1 distinct; "
+            "no token covers them): 'é' (U+00E9) x3, first in b.txt, character 7") \
+        in res.stderr, res.stderr
+    import h5py
+    with h5py.File(out, "r") as f:
+        assert f.attrs["dropped_characters"] == 3
+        n = len(f["train/tokens"]) + len(f["val/tokens"])
+    assert n == sum(len(tok.encode(t).ids) for t in
+                    [(src / "a.txt").read_text(), (src / "b.txt").read_text()])
+    # a tokenizer that drops more than 1% of the text: exit 2, one line, no file
+    (src / "c.txt").write_text("日本語 " * 100)
+    res = run_cli_here("data", "text", "--from", src, "--tokenizer", path,
+                       "--out", tmp_path / "many.h5")
+    assert res.returncode == 2, res.stderr
+    assert "drops 303 of the" in res.stderr and "more than 1% of the text" in res.stderr, \
+        res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "many.h5").exists()
+
+
+def test_text_characters_encoded_as_the_unknown_token_are_counted(tmp_path):
+    """A vocabulary with an unknown token encodes 'é' as '[UNK]', which
+    decodes to none of it: the text was lost as silently as a dropped one.
+    Now the note counts those characters too (the file records
+    unknown_characters), and they count towards the 1% refusal."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world abc"] * 10,
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    src = tmp_path / "a.txt"
+    src.write_text("hello world abc\n" * 300 + "hello éé world\n")
+    out = tmp_path / "unk.h5"
+    res = run_cli_args("data", "text", "--from", src, "--tokenizer", path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert ("note: the tokenizer encodes 2 of the 4,815 characters of the text as its unknown "
+            "token '[UNK]' (1 distinct): 'é' (U+00E9) x2, first in a.txt, character 4807") \
+        in res.stderr, res.stderr
+    import h5py
+    with h5py.File(out, "r") as f:
+        assert (f.attrs["unknown_characters"], f.attrs["dropped_characters"]) == (2, 0)
+    src.write_text("hello world abc\n" * 30 + "zzz qqq\n" * 10)
+    res = run_cli_here("data", "text", "--from", src, "--tokenizer", path,
+                       "--out", tmp_path / "many.h5")
+    assert res.returncode == 2 and "as its unknown token '[UNK]'" in res.stderr, res.stderr
+
+
+def test_dropped_characters_is_the_per_character_reference():
+    """``dropped_characters`` walks the gaps between the tokens' spans: the
+    indices a per-character coverage table gives (spans overlapping, out of
+    order, empty; whitespace left out), on random cases."""
+    import random
+    from purine_mpi.data.tokenizer import dropped_characters
+
+    def reference(text, offsets):
+        covered = [False] * len(text)
+        for a, b in offsets:
+            covered[a:b] = [True] * (b - a)
+        return [i for i, c in enumerate(text) if not covered[i] and not c.isspace()]
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(0, 30)
+        text = "".join(rng.choice("ab é\n") for _ in range(n))
+        offsets = [tuple(sorted((rng.randint(0, n), rng.randint(0, n))))
+                   for _ in range(rng.randint(0, 8))]
+        assert dropped_characters(text, offsets) == reference(text, offsets), (text, offsets)

@@ -29,7 +29,10 @@ file holds
     attrs: format "purine_mpi.text", vocab_size (256, or the vocabulary's),
            encoding, tokenizer ("bytes", "file" or "bpe"), source, glob,
            bytes, tokens, val_fraction, version (of purine_mpi), sha256 (of
-           the whole stream's bytes as stored)
+           the whole stream's bytes as stored), dropped_characters (those
+           the vocabulary has no token for), unknown_characters (those
+           encoded as its unknown token): a note counts them; more than
+           DROP_LIMIT of the text is refused
 
 ``TextSource`` turns a split of it into samples for the DataReader: sample i
 is the window of ``sequence_length + 1`` tokens starting at ``i * stride``;
@@ -165,11 +168,17 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
             log(f"trained a byte-level BPE of {_vocab_size(vocab):,} tokens"
                 + ("" if _vocab_size(vocab) == int(bpe_vocab) else
                    f" (--bpe-vocab {bpe_vocab}: the text has no more pairs to merge)"))
+    n_dropped = n_unknown = 0
     if vocab is None:
         stream, vocab_size, json_text, per_file = \
             np.frombuffer(b"".join(parts), dtype=np.uint8), VOCAB_SIZE, None, None
     else:
-        stream, per_file = _encode(vocab, parts)
+        stream, per_file, dropped, unknown = _encode(vocab, parts)
+        n_dropped, n_unknown = sum(len(d) for d in dropped), sum(len(u) for u in unknown)
+        note = _dropped_note(files, [p.decode("utf-8") for p in parts], dropped, unknown,
+                             vocab)
+        if note and log:
+            log(note)
         vocab_size, json_text = _vocab_size(vocab), vocab.to_str()
     n_val = int(round(len(stream) * float(val_fraction)))
     if n_val < 2 or len(stream) - n_val < 2:
@@ -189,7 +198,8 @@ def write_text(src, out_path, glob=None, val_fraction=0.1, log=None, tokenizer=N
         with h5py.File(tmp, "w") as f:
             attrs = {"format": FORMAT, "vocab_size": vocab_size, "encoding": encoding,
                      "tokenizer": kind, "source": os.path.abspath(src), "glob": glob or "",
-                     "bytes": n_bytes, "tokens": len(stream),
+                     "bytes": n_bytes, "tokens": len(stream), "dropped_characters": n_dropped,
+                     "unknown_characters": n_unknown,
                      "val_fraction": float(val_fraction), "version": __version__,
                      "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
             for key, value in attrs.items():
@@ -227,16 +237,71 @@ def _vocab_size(tokenizer):
 
 
 def _encode(tokenizer, parts):
-    """(the concatenated ids of each part, each part's id count): each file
+    """(the concatenated ids of each part, each part's id count, the indices
+    of each part's characters the tokenizer drops, and of those it encodes
+    as its unknown token): each file
     is encoded on its own, without special tokens, in the smallest unsigned
     dtype that holds the vocabulary."""
     texts = [p.decode("utf-8") for p in parts]
+    from .tokenizer import dropped_characters, unknown_characters, unknown_id
     encoded = tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     size = _vocab_size(tokenizer)
     dtype = np.uint8 if size <= 1 << 8 else np.uint16 if size <= 1 << 16 else np.uint32
     ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
     stream = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    return stream.astype(dtype), [len(i) for i in ids]
+    dropped = [dropped_characters(t, e.offsets) for t, e in zip(texts, encoded)]
+    unk = unknown_id(tokenizer)
+    unknown = [unknown_characters(t, e.ids, e.offsets, unk) for t, e in zip(texts, encoded)]
+    return stream.astype(dtype), [len(i) for i in ids], dropped, unknown
+
+
+#: the largest share of a text's characters the tokenizer may lose (drop,
+#: or encode as its unknown token; then a note counts them); above it
+#: ``data text`` refuses: the wrong tokenizer
+DROP_LIMIT = 0.01
+
+
+def _lost_clause(files, texts, lost):
+    """(count, distinct, the commonest five characters of ``lost`` (each
+    file's indices), each with where it first occurs)."""
+    seen = {}
+    for (rel, _), text, indices in zip(files, texts, lost):
+        for i in indices:
+            n, where = seen.get(text[i], (0, f"{rel}, character {i + 1}"))
+            seen[text[i]] = (n + 1, where)
+    common = sorted(seen.items(), key=lambda kv: -kv[1][0])
+    shown = "; ".join(f"{ch!r} (U+{ord(ch):04X}) x{n}, first in {where}"
+                      for ch, (n, where) in common[:5]) + ("; ..." if len(common) > 5 else "")
+    return sum(len(d) for d in lost), len(seen), shown
+
+
+def _dropped_note(files, texts, dropped, unknown, tokenizer):
+    """A note counting the characters a tokenizer lost: dropped
+    (``dropped``: each file's indices; no token covers them) or encoded as
+    its unknown token (``unknown``), the commonest first with where each
+    first occurs; a UserError when they are more than DROP_LIMIT of the
+    characters. None when nothing was lost."""
+    from .tokenizer import unknown_id
+    chars = sum(len(t) for t in texts)
+    parts, total = [], 0
+    for lost, how in ((dropped, "drops {count:,} of the {chars:,} characters of the text "
+                                "({distinct} distinct; no token covers them)"),
+                      (unknown, "encodes {count:,} of the {chars:,} characters of the text as "
+                                "its unknown token {unk!r} ({distinct} distinct)")):
+        count, distinct, shown = _lost_clause(files, texts, lost)
+        if count:
+            unk = tokenizer.id_to_token(unknown_id(tokenizer)) if lost is unknown else None
+            parts.append(how.format(count=count, chars=chars, distinct=distinct, unk=unk)
+                         + f": {shown}")
+            total += count
+    if not total:
+        return None
+    what = "the tokenizer " + "; and ".join(parts)
+    if total > DROP_LIMIT * chars:
+        raise UserError(f"data text: {what}; more than {DROP_LIMIT:.0%} of the text would be "
+                        "lost: give a tokenizer whose vocabulary covers the text (a byte-level "
+                        "one covers every character, e.g. --bpe-vocab N)")
+    return f"note: {what}; the token stream does not hold them"
 
 
 def text_vocabulary(path):

@@ -21,6 +21,8 @@ texts and n give the same JSON).
 """
 import hashlib
 
+import numpy as np
+
 from ..base.errors import UserError
 
 #: where the optional library comes from (named by the exit-2 line)
@@ -74,6 +76,46 @@ def train_bpe(texts, vocab_size):
                                   show_progress=False)
     tokenizer.train_from_iterator(list(texts), trainer)
     return tokenizer
+
+
+def dropped_characters(text, offsets):
+    """The indices of the characters of ``text`` no token of an encoding
+    covers (``offsets``: its tokens' (start, end) character spans): what the
+    tokenizer drops (not in a vocabulary without byte fallback or an
+    unknown token). Whitespace is left out: a pre-tokenizer splitting on it
+    drops it by its own rule. Only the gaps between the spans are looked
+    at (memory of the order of the tokens, not of the text)."""
+    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
+    # a gap runs from the furthest end so far to the next span's start
+    gap_starts = np.concatenate([[0], reach])
+    gap_ends = np.concatenate([spans[:, 0], [len(text)]])
+    found = []
+    for a, b in zip(*(x[gap_ends > gap_starts].tolist() for x in (gap_starts, gap_ends))):
+        if not text[a:b].isspace():
+            found.extend(i for i in range(a, b) if not text[i].isspace())
+    return found
+
+
+def unknown_id(tokenizer):
+    """The id of the model's unknown token (BPE, WordPiece, WordLevel: its
+    ``unk_token``; Unigram: its ``unk_id``), or None without one."""
+    import json
+    model = json.loads(tokenizer.to_str()).get("model") or {}
+    if isinstance(model.get("unk_token"), str):
+        return tokenizer.token_to_id(model["unk_token"])
+    return model.get("unk_id") if isinstance(model.get("unk_id"), int) else None
+
+
+def unknown_characters(text, ids, offsets, unk):
+    """The indices of the characters of ``text`` (whitespace left out) that
+    the tokens of id ``unk`` (the unknown token) stand for: text the
+    vocabulary has no token for, replaced by one that decodes to none of it."""
+    if unk is None:
+        return []
+    return [i for token, (a, b) in zip(ids, offsets) if token == unk
+            for i in range(a, b) if not text[i].isspace()]
 
 
 def vocab_size_of(tokenizer):
@@ -137,14 +179,10 @@ class Vocabulary:
         shorter than ``text``; dropped whitespace (a pre-tokenizer's split) is
         the tokenizer's own rule."""
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        covered = [False] * len(text)
-        for start, end in encoding.offsets:
-            covered[start:end] = [True] * (end - start)
-        for i, ch in enumerate(text):
-            if not covered[i] and not ch.isspace():
-                raise UserError(f"{what} character {ch!r} (U+{ord(ch):04X}, character {i + 1}) "
-                                "is not in the model's vocabulary: its tokenizer drops it; "
-                                "leave it out or spell it with the vocabulary's characters")
+        for i in dropped_characters(text, encoding.offsets)[:1]:
+            raise UserError(f"{what} character {text[i]!r} (U+{ord(text[i]):04X}, character "
+                            f"{i + 1}) is not in the model's vocabulary: its tokenizer drops "
+                            "it; leave it out or spell it with the vocabulary's characters")
         return list(encoding.ids)
 
     def decode(self, ids):

@@ -88,24 +88,34 @@ def _slabs(shape, itemsize, block=BLOCK_BYTES):
 
 class _Stats:
     """min, max, mean, std and L2 norm over blocks of values (float64),
-    combined exactly as one pass would for a single block."""
+    combined exactly as one pass would for a single block (NaN and
+    infinities propagate, as in NumPy), and the counts of NaN and of
+    infinite values; an integer dataset's min and max are exact integers
+    (float64 rounds int64 beyond 2**53)."""
 
     def __init__(self):
-        self.n = 0
+        self.n = self.nan = self.inf = 0
 
     def add(self, x):
-        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        raw = np.asarray(x)
+        x = np.asarray(raw, dtype=np.float64).reshape(-1)  # no copy of float64
         if not x.size:
             return
+        self.nan += int(np.count_nonzero(np.isnan(x)))
+        self.inf += int(np.count_nonzero(np.isinf(x)))
         mean = x.mean()
-        part = (x.size, x.min(), x.max(), mean, float(np.sum(np.abs(x - mean) ** 2)),
-                float(np.sum(x * x)))
+        exact = raw.dtype.kind in "iu"
+        part = (x.size, int(raw.min()) if exact else x.min(), int(raw.max()) if exact else x.max(),
+                mean, float(np.sum(np.abs(x - mean) ** 2)), float(np.sum(x * x)))
         self._combine(*part)
 
     def add_constant(self, value, count):
         if count > 0:
             v = float(value)
-            self._combine(count, v, v, v, 0.0, v * v * count)
+            self.nan += count if math.isnan(v) else 0
+            self.inf += count if math.isinf(v) else 0
+            exact = int(value) if np.asarray(value).dtype.kind in "iu" else v
+            self._combine(count, exact, exact, v, 0.0, v * v * count)
 
     def _combine(self, n, lo, hi, mean, m2, ss):
         if not self.n:
@@ -115,12 +125,15 @@ class _Stats:
         delta = mean - self.mean
         self.m2 = self.m2 + m2 + delta * delta * self.n * n / total
         self.mean = self.mean + delta * n / total
-        self.lo, self.hi = np.minimum(self.lo, lo), np.maximum(self.hi, hi)
+        if isinstance(lo, int) and isinstance(self.lo, int):  # exact integers
+            self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        else:
+            self.lo, self.hi = np.minimum(self.lo, lo), np.maximum(self.hi, hi)
         self.ss, self.n = self.ss + ss, total
 
     def result(self):
         return dict(min=self.lo, max=self.hi, mean=self.mean, std=math.sqrt(self.m2 / self.n),
-                    l2=math.sqrt(self.ss))
+                    l2=math.sqrt(self.ss), nan=self.nan, inf=self.inf)
 
 
 def _allocated_chunks(dset):
@@ -222,10 +235,15 @@ def _diff_pair(a, b, row):
     parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
-            x = np.asarray(a[index], dtype=np.float64)
-            y = np.asarray(b[index], dtype=np.float64)
-            d = x - y
-            xx, yy, dd = xx + float(np.sum(x * x)), yy + float(np.sum(y * y)), \
+            raw_x, raw_y = a[index], b[index]
+            x = np.asarray(raw_x, dtype=np.float64)
+            y = np.asarray(raw_y, dtype=np.float64)
+            d = _difference(raw_x, raw_y, x, y)
+            # the norms leave out a NaN or an infinity in the same place of
+            # both (no difference: d is 0 there); one on one side only makes
+            # d, so dd and the figures, nan or inf
+            keep = ~((np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y)))
+            xx, yy, dd = xx + float(np.sum(x[keep] ** 2)), yy + float(np.sum(y[keep] ** 2)), \
                 dd + float(np.sum(d * d))
             biggest = np.maximum(biggest, float(np.max(np.abs(d))))
         if fill:
@@ -233,8 +251,30 @@ def _diff_pair(a, b, row):
             xx, yy, dd = xx + x * x * fill, yy + y * y * fill, dd + (x - y) ** 2 * fill
             biggest = np.maximum(biggest, abs(x - y))
         norm = max(math.sqrt(xx), math.sqrt(yy))
+        # equal values (NaN and infinities in the same places too) are no
+        # difference whatever their norm
         row.update(max_abs_diff=float(biggest),
-                   rel_l2_diff=math.sqrt(dd) / norm if norm else 0.0)
+                   rel_l2_diff=0.0 if dd == 0 else math.sqrt(dd) / norm if norm else 0.0)
+
+
+def _difference(raw_x, raw_y, x, y):
+    """``raw_x - raw_y`` as float64 (``x``, ``y``: the values as float64):
+    integers subtracted exactly before the conversion (two int64 or uint64
+    that float64 rounds to one value still differ), and a NaN or an
+    infinity in the same place of both is no difference (NumPy's
+    ``array_equal(..., equal_nan=True)``)."""
+    raw_x, raw_y = np.asarray(raw_x), np.asarray(raw_y)
+    kinds = raw_x.dtype.kind + raw_y.dtype.kind
+    if kinds in ("ii", "uu"):
+        wide = np.int64 if kinds == "ii" else np.uint64
+        wx, wy = raw_x.astype(wide), raw_y.astype(wide)
+        # |x - y| < 2**64 is exact in uint64's modular arithmetic
+        ux, uy = wx.astype(np.uint64), wy.astype(np.uint64)
+        magnitude = np.where(wx >= wy, ux - uy, uy - ux).astype(np.float64)
+        return np.where(wx >= wy, magnitude, -magnitude)
+    d = x - y
+    same = (x == y) | (np.isnan(x) & np.isnan(y))
+    return np.where(same, 0.0, d)
 
 
 def _diff(path, other):
@@ -307,6 +347,9 @@ def _format_text(report):
         line = f"{d['name']:<{width}}  {shape:<16} {d['dtype']:<8}"
         if "min" in d:
             line += "".join(f" {_fmt(d[k]):>11}" for k in ("min", "max", "mean", "std", "l2"))
+            bad = [f"{d[k]:,} {k}" for k in ("nan", "inf") if d.get(k)]
+            if bad:  # how many of the values make the figures nan or inf
+                line += f"  ({', '.join(bad)} of {math.prod(d['shape']):,})"
         elif "value" in d:
             text = d["value"]
             line += " " + (text if len(text) <= 60 else text[:57] + "...")
