@@ -128,6 +128,25 @@ def test_plan_shows_the_row_and_counts_it_in_the_need(tmp_path):
     assert code == 2
 
 
+#: the probes' resident-memory helpers: a /proc/self/status figure in bytes,
+#: and the resident bytes ``run()`` adds at its peak (the peak reset first,
+#: /proc/self/clear_refs) with what it returned
+_RESIDENT = """
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+def added(run):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    out = run()
+    return status("VmHWM") - before, out
+"""
+
+
 #: under ``mpiexec -n 2``: for each layout a trainer, one iteration, then
 #: (the resident peak reset before each, /proc/self/clear_refs) the save's
 #: sections drained through the checkpoint writer's own loop into a group
@@ -143,18 +162,7 @@ from purine_mpi.tools.plan import save_bytes, train_save_metas
 from purine_mpi.train.checkpoints import Checkpoints
 from purine_mpi.train.trainer import Trainer
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-def added(run):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
-    run()
-    return status("VmHWM") - before
+""" + _RESIDENT + """
 
 class Reading:
     attrs = {}
@@ -184,8 +192,8 @@ for path in sys.argv[2:]:
                 else:
                     for _ in values.items():
                         pass
-        streamed = added(sections)
-        saved = added(lambda: t.save(1, os.path.join(out, name, "probe.h5")))
+        streamed, _ = added(sections)
+        saved, _ = added(lambda: t.save(1, os.path.join(out, name, "probe.h5")))
         # a file a rank (mpiexec may cut the ranks' stdout lines into each other)
         with open(os.path.join(out, f"rows{t.world.rank}.jsonl"), "a") as f:
             f.write(json.dumps({"layout": name, "rank": t.world.rank, "figure": figure,
@@ -332,18 +340,7 @@ _HDF5_BUFFERS = """
 import sys, numpy as np
 from purine_mpi.job.checkpoint_file import load_checkpoint, save_checkpoint
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-def added(run):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
-    out = run()
-    return status("VmHWM") - before, out
+""" + _RESIDENT + """
 
 out = sys.argv[1]
 params = {"big/weight": np.ones((4096, 2048), np.float32)}
