@@ -528,7 +528,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, node_ranks, offline_footprints, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, ranks_to_build
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -536,15 +536,20 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             why = selective_no_effect(job)
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
-        built, _ = ranks_to_build(job, n)
-        fps = list(offline_footprints(job, n, built)[0].values())
+        built, like = ranks_to_build(job, n)
+        by_rank = offline_footprints(job, n, built)[0]
+        fps = list(by_rank.values())
         need, lims = {}, {}
-        per_node, source = node_ranks(limits, n)
         for fp in fps:
-            for where, d, lim, why in limits_for(limits, per_node, sorted(fp.devices), source):
+            for where, d, lim, why in limits_for(limits, sorted(fp.devices)):
                 need[where] = max(need.get(where, 0), need_of(fp, d))
                 lims[where] = (int(lim), why)
             need.setdefault("host", max(f.host_total for f in fps))
+        # the host per node (plan's check): the fullest node's ranks summed
+        for c in plan_node_checks(by_rank, like, n, limits)[1]:
+            if "node" not in need or \
+                    c["need_bytes"] - c["limit_bytes"] > need["node"] - lims["node"][0]:
+                need["node"], lims["node"] = c["need_bytes"], (c["limit_bytes"], c["limit_from"])
         cand.job, cand.need, cand.limits = job, need, lims
         cand.iter_s, cand.samples, cand.untraced = predictor.predict(job, n)
     except UserError as exc:
