@@ -19,8 +19,9 @@ shard's replicas sharded at each ZeRO stage (listed where the tensor
 setting is possible); and tensor parallelism within pipeline stages (scheme
 pipeline with ``parallel.tensor_parallel``: one replica of p >= 2 stages x
 t >= 2 tensor shards, N = p·t) where tensor parallelism splits something,
-at the stage cut and micro-batch counts of the pipelines of p stages
-(``staged_settings``), priced by the same predictor (every rank simulated:
+at the micro-batch counts of the pipelines of p stages, the stages cut by
+the tensor shards' op times (``staged_settings`` with ``split_seconds``),
+priced by the same predictor (every rank simulated:
 each stage's tensor allreduces over its group, the transfers between the
 stages). A degree that does not divide a split layer's width (or an
 attention layer's heads) is listed as "not possible" with the reason. Each
