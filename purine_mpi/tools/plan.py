@@ -699,8 +699,11 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         lines.append(f"node {c['node']} (ranks {ranges(c['ranks'])}): host: {verdict}: "
                      f"{human_bytes(c['need_bytes'])} of {human_bytes(c['limit_bytes'])} "
                      f"({c['limit_from']}; the ranks' host needs summed)")
-        if not c["fits"]:
-            lines.append("  " + node_refusal(c, needs).split("; ", 1)[1].rsplit("; or", 1)[0])
+        if not c["fits"]:  # a rank alone on its node: the batch that would fit it
+            lines.append("  " + (advice(job, size, c["ranks"][0], -1, c["limit_bytes"],
+                                        c["need_bytes"], everyone, restore)
+                                 if len(c["ranks"]) == 1 else
+                                 node_refusal(c, needs).split("; ", 1)[1].rsplit("; or", 1)[0]))
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else
