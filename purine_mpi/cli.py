@@ -164,7 +164,7 @@ def _resolve_auto(args, out_dir, limits):
 
 
 def _memory_limits(args):
-    """--host-memory, --device-memory, --no-memory-check (tools/plan.py)."""
+    """--host-memory, --device-memory, --node-memory, --no-memory-check (tools/plan.py)."""
     from .tools.plan import MemoryLimits, parse_bytes
     return MemoryLimits(
         host=None if args.host_memory is None else parse_bytes(args.host_memory,
@@ -172,7 +172,9 @@ def _memory_limits(args):
         device=None if args.device_memory is None else parse_bytes(args.device_memory,
                                                                    "--device-memory"),
         check=getattr(args, "memory_check", True),
-        ranks_per_node=_ranks_per_node(args))
+        ranks_per_node=_ranks_per_node(args),
+        node=None if args.node_memory is None else parse_bytes(args.node_memory,
+                                                               "--node-memory"))
 
 
 def _ranks_per_node(args):

@@ -77,6 +77,10 @@ def _memory_args(p, host_help):
     p.add_argument("--device-memory", metavar="SIZE", default=None,
                    help="the memory each rank may use on its GPU (default: the GPU's total, "
                         "where there is one); e.g. 80GiB")
+    p.add_argument("--node-memory", metavar="SIZE", default=None,
+                   help="the memory the ranks of a node may hold together on the host: their "
+                        "needs summed are checked against it (default: the node's "
+                        "MemAvailable, unless --host-memory gives each rank's); e.g. 256GiB")
 
 
 #: the console script setup.cfg installs (``[options.entry_points]``)
@@ -138,8 +142,9 @@ def build_parser():
                    help="event-driven (default) or the serial reference dispatcher (runs every "
                         "op one at a time in a fixed order; bit-identical results)")
     _memory_args(p, "the memory this rank may use on the host, checked at start-up before "
-                    "anything big is allocated (default: the host's MemAvailable / the ranks "
-                    "on the host; python -m purine_mpi plan shows the figures)")
+                    "anything big is allocated (default: none per rank: the ranks on a node "
+                    "are checked together against its MemAvailable or --node-memory; "
+                    "python -m purine_mpi plan shows the figures)")
     p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
                    help="skip the start-up check that the rank's planned bytes fit its memory")
     p.add_argument("--tensorboard", action="store_true",
@@ -200,14 +205,17 @@ def build_parser():
     p.add_argument("--np", type=int, default=1, metavar="N",
                    help="number of ranks to plan for (default 1); the ranks alike are "
                         "printed once, with their count")
-    _memory_args(p, "the memory each rank may use on the host (default: this host's "
-                    "MemAvailable now / N, as if the N ranks shared it)")
+    _memory_args(p, "the memory each rank may use on the host, each rank checked against it "
+                    "(default: none per rank: the ranks of a node, K at a time in rank "
+                    "order, are checked together against this host's MemAvailable now or "
+                    "--node-memory)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object instead of the table (keys: docs/formats.md)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
-                   help="the ranks that share a node's memory: MemAvailable / K is each "
-                        "rank's when --host-memory is not given (default: the launcher's "
-                        "count of the ranks on this node, e.g. SLURM_NTASKS_PER_NODE, else N)")
+                   help="the ranks that share a node, placed in blocks (node i: ranks "
+                        "i*K .. i*K+K-1): their host needs summed are checked against the "
+                        "node's memory (default: the launcher's count of the ranks on this "
+                        "node, e.g. SLURM_NTASKS_PER_NODE, else N)")
     p.add_argument("--resume", action="store_true",
                    help="count a --resume of this job's checkpoint: train reads it whole on "
                         "every rank before the first iteration (the start-up load)")

@@ -485,3 +485,48 @@ def test_tensor_rows_are_listed_where_tensor_parallelism_splits_a_layer(tmp_path
                       tmp_path / "run", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "2-way tensor" in res.stdout
+
+
+def test_tensor_x_pipeline_stages_are_cut_by_the_split_ops_times():
+    """Tensor parallelism within pipeline stages cuts its stages by the
+    tensor shards' op times, not the whole net's traced ones. Two MLP fc
+    pairs (m1a/m1b, m2a/m2b, split 2-way: each matrix product half its
+    FLOPs) traced at 2 s each, then an unsplit head fc traced at 5 s (the
+    other ops ~0): whole, 13 s, a layer's middle past 6.5 s starts stage 1,
+    m2b's at 7 s (hybrid's cut: m1a .. r2 | m2b head); split, 1 s each and
+    the head's 5 s, 9 s, m2b's middle at 3.5 s, the head's at 6.5 s past
+    4.5 s (the cut: the pairs | head). Before, the tensor x pipeline rows
+    took hybrid's cut: a stage of 6 s (m2b's 1, the head's 5) after one of 3."""
+    from purine_mpi.tools.choose import Predictor, candidates
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.scaling.link import make_link
+    from purine_mpi.tools.scaling.trace_reader import Durations
+    from tests.conftest import make_job
+
+    def fc(name, bottom, out):
+        return {"type": "fc", "name": name, "bottom": bottom, "top": name, "num_output": out}
+    relu = lambda name, bottom: {"type": "relu", "name": name, "bottom": bottom,  # noqa: E731
+                                 "top": bottom}
+    cfg = {"name": "headed", "seed": 1,
+           "data": {"train": {"source": "synthetic", "shape": [64], "classes": 10,
+                              "num_samples": 64, "batch_size": 8}},
+           "net": [fc("m1a", "data", 256), relu("r1", "m1a"), fc("m1b", "m1a", 64),
+                   fc("m2a", "m1b", 256), relu("r2", "m2a"), fc("m2b", "m2a", 64),
+                   fc("head", "m2b", 10),
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["head", "label"],
+                    "top": "loss"}],
+           "solver": {"base_lr": 0.01, "max_iter": 2}, "parallel": {"scheme": "data"}}
+    job = make_job(cfg)
+    traced = {"m1a.fwd": 2.0, "m1b.fwd": 2.0, "m2a.fwd": 2.0, "m2b.fwd": 2.0, "head.fwd": 5.0}
+    ops = {op: traced.get(op, 1e-9) for op in compose_for(job, 1, 0).ops}
+    durations = Durations({0: ops}, {0: sum(ops.values())}, 5)
+    predictor = Predictor(job, durations, make_link(None, None, None))
+    cands = candidates(job, 4, durations, predictor)
+    stages = lambda c: next(s for s in c.sets if s.startswith("parallel.stages="))  # noqa: E731
+    whole = "parallel.stages={m1a: 0, r1: 0, m1b: 0, m2a: 0, r2: 0, m2b: 1, head: 1, loss: 1}"
+    split = "parallel.stages={m1a: 0, r1: 0, m1b: 0, m2a: 0, r2: 0, m2b: 0, head: 1, loss: 1}"
+    hybrid = [c for c in cands if c.label.startswith("hybrid 2 stages")]
+    tppp = [c for c in cands if c.label.endswith("x tensor 2-way")
+            and c.label.startswith("pipeline")]
+    assert hybrid and {stages(c) for c in hybrid} == {whole}
+    assert tppp and {stages(c) for c in tppp} == {split}, [stages(c) for c in tppp]

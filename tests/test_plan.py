@@ -134,7 +134,8 @@ def test_known_by_hand(tmp_path):
     # the first fill: the 100 x 10 weight drawn in float64, then cast to float32
     assert host["startup_load"] == 100 * 10 * (8 + 4)
     assert host["total"] == host["loop_total"]
-    assert kind["fits"]["host"]["need_bytes"] == host["total"]
+    # the host per node: both ranks on one node, their needs summed
+    assert [(c["ranks"], c["need_bytes"]) for c in res["nodes"]] == [([0, 1], 2 * host["total"])]
 
 
 def test_kernel_temporaries_count_the_dropout_draw(tmp_path):
@@ -368,7 +369,8 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
     with a 4096-wide fc1; async: rank 0, whose saves take the servers'
     state and send the weights on) is what train's start-up check compares:
     train starts at it and refuses one byte below, naming that rank (a
-    server's check is new: it had none)."""
+    server's check is new: it had none); the node's check, the three ranks'
+    needs summed, passes at plan's sum and refuses one byte below."""
     from tests.conftest import run_mpi_cli
     cfg = _digits_ps(digits_h5, tmp_path, mode, wide=True)
     out = subprocess.run(PY + ["plan", cfg, "--np", "3", "--json"], capture_output=True,
@@ -376,41 +378,131 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
     assert out.returncode == 0, out.stderr
     need = {r: k["host"]["total"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
     assert sorted(need) == [0, 1, 2] and max(need, key=need.get) == biggest, need
+    # the node's check (servers and workers in one allgather) at plan's sum
+    node = sum(need.values())
     for limit, status in ((need[biggest], 0), (need[biggest] - 1, 2)):
         res = run_mpi_cli(3, "train", cfg, "--iters", "2", "--out", str(tmp_path / str(limit)),
-                          "--host-memory", str(limit))
+                          "--host-memory", str(limit), "--node-memory", str(node))
         assert res.returncode == status, (limit, need, res.stderr[-600:])
         if status:
             assert f"rank {biggest} needs {human_bytes(need[biggest])}" in res.stderr, \
                 res.stderr[-600:]
+    res = run_mpi_cli(3, "train", cfg, "--iters", "2", "--out", str(tmp_path / "node"),
+                      "--node-memory", str(node - 1))
+    assert res.returncode == 2 and f"its ranks 0-2 need {human_bytes(node)}" in res.stderr, \
+        res.stderr[-600:]
 
 
 def test_ranks_share_their_node_s_memory(monkeypatch):
-    """Without --host-memory each rank may use MemAvailable / K, K the
-    ranks on a node: --ranks-per-node, else the launcher's count of the
-    ranks on this node (SLURM_NTASKS_PER_NODE in an allocation), else all
-    N (one node). A 4-rank job on 2 nodes of 2 fits a node with 3 ranks'
-    bytes (before, plan divided by the 4 ranks and refused it)."""
+    """Without --host-memory the ranks of a node, K at a time in rank
+    order, are checked together against its MemAvailable, K:
+    --ranks-per-node, else the launcher's count of the ranks on this node
+    (SLURM_NTASKS_PER_NODE in an allocation), else all N (one node). A
+    4-rank job on 2 nodes of 2 fits a node with 2.5 ranks' bytes."""
     from purine_mpi.base.threads import LOCAL_SIZE_VARS
     from purine_mpi.tools import plan
     for var in LOCAL_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
     job = _job("cifar10_quick")
     need = plan.offline_footprint(job, 4, 0).host_total
-    monkeypatch.setattr(plan, "mem_available", lambda: 3 * need)
+    monkeypatch.setattr(plan, "mem_available", lambda: 5 * need // 2)
 
     def host(**limits):
         out, code = plan.run_plan(job, 4, plan.MemoryLimits(**limits), as_json=True)
-        fits = json.loads(out)["ranks"][0]["fits"]["host"]
-        return code, fits["limit_bytes"], fits["limit_from"]
-    assert host() == (2, 3 * need // 4, "MemAvailable / 4 ranks on the host")
-    assert host(ranks_per_node=2) == (0, 3 * need // 2, "MemAvailable / 2 ranks on the host, "
-                                      "from --ranks-per-node")
+        nodes = json.loads(out)["nodes"]
+        return code, [(c["ranks"], c["need_bytes"], c["limit_bytes"]) for c in nodes], \
+            nodes[0]["limit_from"] if nodes else None
+    mem = 5 * need // 2
+    assert host() == (2, [([0, 1, 2, 3], 4 * need, mem)], "MemAvailable, all 4 ranks on one node")
+    assert host(ranks_per_node=2) == (0, [([0, 1], 2 * need, mem), ([2, 3], 2 * need, mem)],
+                                      "MemAvailable, 2 ranks a node, from --ranks-per-node")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
-    assert host() == (0, 3 * need // 2, "MemAvailable / 2 ranks on the host, "
-                      "from SLURM_NTASKS_PER_NODE")
-    assert host(ranks_per_node=8)[:2] == (2, 3 * need // 4)  # at most the N ranks
-    assert host(host=need - 1)[:2] == (2, need - 1)  # --host-memory: per rank, as given
+    assert host()[0] == 0 and host()[2] == ("MemAvailable, 2 ranks a node, from "
+                                            "SLURM_NTASKS_PER_NODE")
+    assert host(ranks_per_node=3)[:2] == (2, [([0, 1, 2], 3 * need, mem), ([3], need, mem)])
+    assert host(ranks_per_node=8)[:2] == (2, [([0, 1, 2, 3], 4 * need, mem)])  # at most N
+    # --host-memory: per rank, as given (no node figure without --node-memory)
+    out, code = plan.run_plan(job, 4, plan.MemoryLimits(host=need - 1), as_json=True)
+    assert code == 2 and json.loads(out)["ranks"][0]["fits"]["host"]["limit_bytes"] == need - 1
     bad = run_cli_here("plan", os.path.join(JOBS, "cifar10_quick.yaml"), "--np", "4",
                        "--ranks-per-node", "0")
     assert bad.returncode == 2 and "--ranks-per-node 0" in bad.stderr
+
+
+def _lopsided_pipeline(tmp_path):
+    """A 2-stage pipeline whose stage 0 holds a 256 x 4096 fc (4.2 MB of
+    weights, their gradient and momentum) and stage 1 a 4096 x 10 one."""
+    cfg = {"name": "lopsided", "seed": 1,
+           "data": {"train": {"source": "synthetic", "shape": [256], "classes": 10,
+                              "num_samples": 64, "batch_size": 8}},
+           "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                    "num_output": 4096},
+                   {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2",
+                    "num_output": 10},
+                   {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                    "top": "loss"}],
+           "solver": {"base_lr": 0.01, "momentum": 0.9, "max_iter": 2},
+           "parallel": {"scheme": "pipeline", "stages": {"fc1": 0, "fc2": 1, "loss": 1}}}
+    path = tmp_path / "lopsided.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_the_host_is_checked_per_node(tmp_path, monkeypatch):
+    """The ranks of a node are checked together: their host needs summed
+    against the node's MemAvailable (or --node-memory), the ranks placed in
+    blocks of K. A 2-stage pipeline whose stage 0 holds 100 times stage 1's
+    weights, on one node with memory for the two stages' sum, fits (before:
+    each rank was checked against MemAvailable / 2, and stage 0's need is
+    more than half the sum: 'DOES NOT FIT', exit 2); one byte less is
+    refused naming node 0, its ranks 0-1 and the sum; with --ranks-per-node
+    1 each stage is its own node."""
+    from purine_mpi.base.threads import LOCAL_SIZE_VARS
+    from purine_mpi.tools import plan
+    for var in LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    job = load_job(_lopsided_pipeline(tmp_path), (), None, check_files=False)
+    fps, _ = plan.offline_footprints(job, 2, [0, 1])
+    # closed form: stage 0's fc1 weights and bias, stage 1's fc2
+    assert fps[0].host["weights"] == (256 * 4096 + 4096) * 4
+    assert fps[1].host["weights"] == (4096 * 10 + 10) * 4
+    need = {r: fps[r].host_total for r in (0, 1)}
+    total = need[0] + need[1]
+    assert need[0] > total // 2 + need[1]  # lopsided: stage 0 is most of the node's need
+
+    def node(mem, **limits):
+        monkeypatch.setattr(plan, "mem_available", lambda: mem)
+        out, code = plan.run_plan(job, 2, plan.MemoryLimits(**limits), as_json=True)
+        res = json.loads(out)
+        return code, [(c["ranks"], c["need_bytes"], c["limit_bytes"]) for c in res["nodes"]]
+    assert node(total) == (0, [([0, 1], total, total)])
+    assert node(total - 1) == (2, [([0, 1], total, total - 1)])
+    assert node(need[0], ranks_per_node=1) == (0, [([0], need[0], need[0]),
+                                                   ([1], need[1], need[0])])
+    assert node(need[0] - 1, ranks_per_node=1)[0] == 2
+    # --node-memory: the node's, whatever MemAvailable says; --host-memory: each rank's
+    assert node(1, node=total)[0] == 0 and node(10 * total, node=total - 1)[0] == 2
+    assert node(1, host=need[0]) == (0, [])
+    text, code = plan.run_plan(job, 2, plan.MemoryLimits(node=total - 1))
+    assert code == 2 and f"node 0 (ranks 0-1): host: DOES NOT FIT: {human_bytes(total)}" in text
+
+
+def test_train_refuses_a_node_whose_ranks_outgrow_it(tmp_path):
+    """train's start-up check sums the host needs of the ranks on a node
+    (its world's host table) and compares the same figure on every rank:
+    --node-memory at plan's sum starts, one byte below exits 2 naming the
+    node, its ranks and the sum (before: no per-node check, --node-memory
+    unknown: exit 2 from the argument parser either way)."""
+    from tests.conftest import run_mpi_cli
+    from purine_mpi.tools.plan import offline_footprints
+    cfg = _lopsided_pipeline(tmp_path)
+    job = load_job(cfg, (), None, check_files=False)
+    fps, _ = offline_footprints(job, 2, [0, 1])
+    total = fps[0].host_total + fps[1].host_total
+    for limit, status in ((total, 0), (total - 1, 2)):
+        res = run_mpi_cli(2, "train", cfg, "--iters", "1", "--out", str(tmp_path / str(limit)),
+                          "--node-memory", str(limit))
+        assert res.returncode == status, (limit, total, res.stderr[-600:])
+        if status:
+            assert f"its ranks 0-1 need {human_bytes(total)} of host memory together" in \
+                res.stderr and "node 0 (" in res.stderr, res.stderr[-600:]

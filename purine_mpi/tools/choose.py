@@ -19,8 +19,9 @@ shard's replicas sharded at each ZeRO stage (listed where the tensor
 setting is possible); and tensor parallelism within pipeline stages (scheme
 pipeline with ``parallel.tensor_parallel``: one replica of p >= 2 stages x
 t >= 2 tensor shards, N = p·t) where tensor parallelism splits something,
-at the stage cut and micro-batch counts of the pipelines of p stages
-(``staged_settings``), priced by the same predictor (every rank simulated:
+at the micro-batch counts of the pipelines of p stages, the stages cut by
+the tensor shards' op times (``staged_settings`` with ``split_seconds``),
+priced by the same predictor (every rank simulated:
 each stage's tensor allreduces over its group, the transfers between the
 stages). A degree that does not divide a split layer's width (or an
 attention layer's heads) is listed as "not possible" with the reason. Each
@@ -265,11 +266,13 @@ def selective_no_effect(job):
     return describe_recompute(graph).split(": ", 2)[-1]
 
 
-def balanced_stages(job, stages, durations):
+def balanced_stages(job, stages, durations, seconds=None):
     """{layer: stage}: the net's layers cut into ``stages`` contiguous runs
     of about equal traced time (a layer's ops are named ``layer.*`` or
     ``layer/*``; a layer without traced ops weighs as its share of the
-    least); a layer's middle past k/S of the whole starts stage k."""
+    least); a layer's middle past k/S of the whole starts stage k.
+    ``seconds``: (op, traced seconds) -> the seconds the op takes in the
+    setting cut (``split_seconds``: a tensor shard's), None: as traced."""
     from ..job.stage_cut import contiguous_cut, op_layer
     names = list(job.layer_names)
     ops = durations.per_rank.get(min(durations.per_rank), {}) if durations.per_rank else {}
@@ -277,8 +280,33 @@ def balanced_stages(job, stages, durations):
     for op, s in ops.items():
         layer = op_layer(op)
         if layer in weight:
-            weight[layer] += s
+            weight[layer] += s if seconds is None else seconds(op, s)
     return contiguous_cut(names, [weight[n] for n in names], stages)
+
+
+def split_seconds(job, t, predictor):
+    """(op, traced seconds) -> its seconds on a rank of ``t``-way tensor
+    parallelism (``balanced_stages``' ``seconds``): the op of tensor shard
+    0's graph (``compose_for`` of ``parallel.scheme: tensor``, the shards
+    alike) priced as the predictor prices it (``_Scaled``: the traced time
+    at the split op's work, a split matrix product at 1/t of its FLOPs); an
+    op the split graph lacks keeps its traced time. None without a
+    ``predictor`` (``candidates`` called for the labels only)."""
+    if predictor is None:
+        return None
+    import dataclasses
+    from .graph import compose_for
+    split = job.replace(parallel=dataclasses.replace(job.parallel, scheme="tensor",
+                                                     tensor_parallel=t, stages={},
+                                                     micro_batches=1))
+    graph = compose_for(split, t, 0)
+    scaled = _Scaled(predictor.durations, predictor.traced, graph, predictor.fit,
+                     predictor.rates)
+
+    def seconds(op, s):
+        got = scaled.lookup(op) if op in graph.ops else None
+        return s if got is None else got
+    return seconds
 
 
 def _stages_label(stage_map, stages):
@@ -286,8 +314,10 @@ def _stages_label(stage_map, stages):
     return "|".join(firsts)
 
 
-def candidates(job, n, durations):
-    """The Candidates for ``n`` ranks (see the module docstring)."""
+def candidates(job, n, durations, predictor=None):
+    """The Candidates for ``n`` ranks (see the module docstring);
+    ``predictor``: prices the tensor shards' ops the stages of tensor
+    parallelism within pipeline stages are cut by (``split_seconds``)."""
     from ..job.schema import SHARD_STAGES
     from ..parallel.schemes import scheme_class
     from ..parallel.tensor_parallel import splits_of
@@ -347,7 +377,10 @@ def candidates(job, n, durations):
         for t in range(2, n // 2 + 1):
             if n % t:
                 continue
-            for text, m, what in staged_settings(job, n // t, durations):
+            # the stages balanced by the tensor shards' op times: a split
+            # layer takes about 1/t of its traced time, the others all of it
+            for text, m, what in staged_settings(job, n // t, durations,
+                                                 split_seconds(job, t, predictor)):
                 out.append(Candidate(("parallel.scheme=pipeline", f"parallel.stages={text}",
                                       f"parallel.micro_batches={m}",
                                       f"parallel.tensor_parallel={t}"),
@@ -355,19 +388,19 @@ def candidates(job, n, durations):
     return out
 
 
-def staged_settings(job, s, durations):
+def staged_settings(job, s, durations, seconds=None):
     """The staged settings of ``s`` stages ``candidates`` lists: (the
     ``parallel.stages`` text, micro-batches, its words) for the layers cut
     into ``s`` stages of about equal traced time (``balanced_stages``) at
     each micro-batch count 1, s, 2s, 4s dividing the batch; none where the
     net has fewer layers than ``s``. The text is the integer ``s`` where the
     cut is the one ``parallel.stages: s`` makes (job/stage_cut.py: balanced
-    by the layers' FLOPs), else the map."""
+    by the layers' FLOPs), else the map. ``seconds``: ``balanced_stages``'."""
     if s < 2 or len(job.layer_names) < s:
         return []
     from ..job.stage_cut import flop_cut
     batch = job.train_batch or 1
-    stage_map = balanced_stages(job, s, durations)
+    stage_map = balanced_stages(job, s, durations, seconds)
     text = str(s) if flop_cut(job, s) == stage_map else \
         "{" + ", ".join(f"{k}: {v}" for k, v in stage_map.items()) + "}"
     return [(text, m, f"{s} stages ({_stages_label(stage_map, s)}), "
@@ -528,7 +561,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, node_ranks, offline_footprints, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, ranks_to_build
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -536,15 +569,20 @@ def evaluate(cand, path, overrides, n, limits, predictor):
             why = selective_no_effect(job)
             if why is not None:
                 raise UserError(f"{NO_EFFECT}: {why}")
-        built, _ = ranks_to_build(job, n)
-        fps = list(offline_footprints(job, n, built)[0].values())
+        built, like = ranks_to_build(job, n)
+        by_rank = offline_footprints(job, n, built)[0]
+        fps = list(by_rank.values())
         need, lims = {}, {}
-        per_node, source = node_ranks(limits, n)
         for fp in fps:
-            for where, d, lim, why in limits_for(limits, per_node, sorted(fp.devices), source):
+            for where, d, lim, why in limits_for(limits, sorted(fp.devices)):
                 need[where] = max(need.get(where, 0), need_of(fp, d))
                 lims[where] = (int(lim), why)
             need.setdefault("host", max(f.host_total for f in fps))
+        # the host per node (plan's check): the fullest node's ranks summed
+        for c in plan_node_checks(by_rank, like, n, limits)[1]:
+            if "node" not in need or \
+                    c["need_bytes"] - c["limit_bytes"] > need["node"] - lims["node"][0]:
+                need["node"], lims["node"] = c["need_bytes"], (c["limit_bytes"], c["limit_from"])
         cand.job, cand.need, cand.limits = job, need, lims
         cand.iter_s, cand.samples, cand.untraced = predictor.predict(job, n)
     except UserError as exc:
@@ -606,7 +644,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     durations, small, calib_job = calibrate(job, path, overrides, calibration, log)
     predictor = Predictor(calib_job, durations, link or make_link(None, None, None), algorithm,
                           small)
-    cands = candidates(job, n, durations)
+    cands = candidates(job, n, durations, predictor)
     for c in cands:
         if c.after is None or c.after.error is None:
             evaluate(c, path, overrides, n, limits, predictor)

@@ -9,9 +9,14 @@ counted by ``runtime/footprint.py``. With more than ``ALL_RANKS`` ranks only
 the ranks of the first two replicas are built: the other replicas hold what
 the second one holds (same stages, same shards, same buckets).
 
-The memory a rank may use: ``--host-memory`` / ``--device-memory`` when
-given, else the host's ``MemAvailable`` (/proc/meminfo) at the time shared
-by the ranks of the host, and the GPU's total memory when the rank has one.
+The memory a rank may use: ``--host-memory`` (each rank's) /
+``--device-memory`` when given, and the GPU's total memory when the rank
+has one. The host is checked per node: the host needs of the ranks that
+share a node, summed, against ``--node-memory``, else (without
+``--host-memory``) the node's ``MemAvailable`` (/proc/meminfo) at the
+time (``node_checks``). ``plan`` places the ranks in blocks (node i holds
+ranks i*K .. i*K+K-1, mpiexec's and SLURM's default placement);
+``train`` groups them by the host table its world gathered.
 """
 import dataclasses
 import os
@@ -48,12 +53,15 @@ class MemoryLimits:
     """What ``train`` checks its rank against (``--host-memory``,
     ``--device-memory``: bytes, None: the machine's); ``check`` False:
     ``--no-memory-check``; ``ranks_per_node``: ``plan --ranks-per-node``
-    (None: ``node_ranks``' default)."""
+    (None: ``node_ranks``' default); ``node``: ``--node-memory``, what the
+    ranks of a node may hold together (None: the node's MemAvailable,
+    unless ``host`` is given)."""
 
     host: object = None
     device: object = None
     check: bool = True
     ranks_per_node: object = None
+    node: object = None
 
 
 def node_ranks(limits, size):
@@ -96,23 +104,14 @@ def device_total(device):
     return int(cupy.cuda.runtime.getDeviceProperties(int(device))["totalGlobalMem"])
 
 
-def limits_for(limits, ranks_per_host, devices, source=None, held=0):
+def limits_for(limits, devices):
     """[(where, device, bytes, why)]: the memory each part of a rank may
-    use (``devices``: the GPUs the rank has blobs on; ``source``: what
-    gave ``ranks_per_host``, said in ``why``; ``held``: host bytes of the
-    rank's need it holds already, which MemAvailable no longer has)."""
+    use on its own (``devices``: the GPUs the rank has blobs on): the host
+    only with ``--host-memory`` (else the host is checked per node:
+    ``node_checks``), each GPU."""
     out = []
     if limits.host is not None:
         out.append(("host", -1, limits.host, "--host-memory"))
-    else:
-        avail = mem_available()
-        if avail is not None:
-            why = "MemAvailable" + (f" / {ranks_per_host} ranks on the host"
-                                    if ranks_per_host > 1 else "") + \
-                (f", from {source}" if source else "")
-            if held:
-                why += f" + the {human_bytes(held)} it holds already"
-            out.append(("host", -1, avail // max(ranks_per_host, 1) + held, why))
     for d in devices:
         if limits.device is not None:
             out.append((f"GPU {d}", d, limits.device, "--device-memory"))
@@ -121,6 +120,84 @@ def limits_for(limits, ranks_per_host, devices, source=None, held=0):
             if total is not None:
                 out.append((f"GPU {d}", d, total, "the GPU's total memory"))
     return out
+
+
+def block_nodes(size, per_node):
+    """The ranks of each node when ``per_node`` share one, placed in
+    blocks: node i holds ranks i*K .. i*K+K-1 (``mpiexec -ppn K``'s and
+    SLURM's block distribution), the last node the rest."""
+    per_node = max(int(per_node), 1)
+    return [list(range(s, min(s + per_node, size))) for s in range(0, size, per_node)]
+
+
+def node_checks(needs, nodes, limits, avail, held=None, placed=None):
+    """[{"node", "ranks", "need_bytes", "limit_bytes", "limit_from",
+    "fits"}] of each node: the host needs of its ranks (``needs``: rank ->
+    bytes) summed, against ``--node-memory``, else (without
+    ``--host-memory``) the node's MemAvailable (``avail``: node -> bytes,
+    None unknown) plus the bytes its ranks hold already (``held``: rank ->
+    bytes, the checkpoint a resume read: MemAvailable no longer has them);
+    [] where there is no figure. ``placed``: how the ranks were placed, said
+    in ``limit_from``."""
+    if limits.node is None and (limits.host is not None or avail is None):
+        return []
+    out = []
+    for i, ranks in enumerate(nodes):
+        need = sum(needs[r] for r in ranks)
+        if limits.node is not None:
+            limit, why = limits.node, "--node-memory"
+        else:
+            a = avail[i]
+            if a is None:
+                continue
+            kept = sum((held or {}).get(r, 0) for r in ranks)
+            limit = a + kept
+            why = "MemAvailable" + (f", {placed}" if placed else "") + \
+                (f" + the {human_bytes(kept)} " + ("it holds" if len(ranks) == 1 else
+                                                   "its ranks hold") + " already"
+                 if kept else "")
+        out.append({"node": i, "ranks": list(ranks), "need_bytes": int(need),
+                    "limit_bytes": int(limit), "limit_from": why, "fits": need <= limit})
+    return out
+
+
+def plan_node_checks(fps, like, size, limits):
+    """(rank -> host need, ``node_checks``) for ``plan`` (``fps``, ``like``:
+    ``offline_footprints``' and ``ranks_to_build``'s): the ranks placed in
+    blocks of ``node_ranks``, each node checked against this host's
+    MemAvailable (the node plan runs on stands for each)."""
+    per_node, source = node_ranks(limits, size)
+    needs = {r: fps[like.get(r, r)].host_total for r in range(size)}
+    nodes = block_nodes(size, per_node)
+    avail = mem_available()
+    placed = (f"{per_node} ranks a node, from {source}" if source else
+              f"all {size} ranks on one node" if size > 1 else "")
+    return needs, node_checks(needs, nodes, limits,
+                              None if avail is None else [avail] * len(nodes), placed=placed)
+
+
+def _ranks_text(ranks):
+    from ..parallel.schemes.base import ranges
+    return ranges(list(ranks))
+
+
+def node_refusal(check, needs, name=None):
+    """The one line a node whose ranks' host needs outgrow its memory is
+    refused with (``needs``: rank -> bytes; ``name``: its host name)."""
+    ranks = check["ranks"]
+    if len(ranks) == 1:
+        return (f"node {check['node']}" + (f" ({name})" if name else "") +
+                f": rank {ranks[0]} needs {human_bytes(check['need_bytes'])} of host memory, "
+                f"more than the {human_bytes(check['limit_bytes'])} the node has "
+                f"({check['limit_from']}); a smaller batch or more pipeline stages would need "
+                "less; or skip the check with --no-memory-check")
+    each = ", ".join(f"rank {r} {human_bytes(needs[r])}" for r in ranks)
+    where = f"node {check['node']}" + (f" ({name})" if name else "")
+    return (f"{where}: its ranks {_ranks_text(ranks)} need {human_bytes(check['need_bytes'])} "
+            f"of host memory together ({each}), more than the "
+            f"{human_bytes(check['limit_bytes'])} the node has ({check['limit_from']}); "
+            "fewer ranks a node, a smaller batch or more pipeline stages would need less; "
+            "or skip the check with --no-memory-check")
 
 
 def need_of(fp, device):
@@ -390,12 +467,11 @@ def advice(job, size, rank, device, limit, need, everyone=None, restore=None):
     return "; ".join(parts)
 
 
-def over(fp, limits, ranks_per_host, held=0):
+def over(fp, limits):
     """[(where, device, need, limit, why)] of the parts of ``fp`` that do not
-    fit (``held``: ``limits_for``'s)."""
+    fit on their own (``limits_for``)."""
     out = []
-    for where, d, limit, why in limits_for(limits, ranks_per_host, sorted(fp.devices),
-                                           held=held):
+    for where, d, limit, why in limits_for(limits, sorted(fp.devices)):
         need = need_of(fp, d)
         if need > limit:
             out.append((where, d, need, limit, why))
@@ -434,7 +510,6 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
     the Checkpoint it resumes from (``load_bytes``)."""
     if limits is None or not limits.check:
         return
-    from ..base.threads import ranks_on_this_host
     from ..runtime.footprint import footprint
     if is_server(graphs):  # a parameter server (train/ps_server.py), world the global one
         everyone, fp, size = None, graphs.footprint(dispatcher), world.size
@@ -451,10 +526,47 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
     # the checkpoint --resume read is resident already (in the load, and out
     # of the MemAvailable read now)
     held = arrays_nbytes(resume) if resume is not None else 0
-    problems = over(fp, limits, ranks_on_this_host()[0], held)
+    node = train_node_checks(fp.host_total, held, limits)
+    problems = over(fp, limits)
+    if node is not None:  # every rank alike
+        check, needs, name, me = node
+        if check["ranks"] != [me]:
+            raise MemoryTooSmall(node_refusal(check, needs, name))
+        # a node of this rank alone: the rank's own refusal, with its rows
+        problems = [("host", -1, check["need_bytes"], check["limit_bytes"],
+                     check["limit_from"])]
     if problems:
         raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone,
                                      restore={"init": init, "resume": resume}))
+
+
+def train_node_checks(need, held, limits):
+    """``train``'s per-node host check, the same on every rank: one
+    allgather over the global world (a parameter-server job's servers and
+    workers alike) of each rank's host need, the bytes it holds already and
+    its MemAvailable; the nodes are the world's host table (the launcher's
+    real placement), each node's MemAvailable its first rank's. (the
+    first node that does not fit's ``node_checks`` entry, rank -> need, its
+    host name, this rank in the global world), else None."""
+    if limits.node is None and limits.host is not None:
+        return None
+    from ..comm.world import get_world
+    glob = get_world()
+    mine = (int(need), int(held), mem_available())
+    if glob.size == 1:
+        every, nodes, names = [mine], [[0]], [None]
+    else:
+        every = glob.allgather_object(mine, "each rank's host need, for the per-node memory "
+                                      "check (Iallgatherv)")
+        nodes, names = glob.hosts.host_ranks, glob.hosts.host_names
+    avail = [every[ranks[0]][2] for ranks in nodes]
+    checks = node_checks({r: e[0] for r, e in enumerate(every)}, nodes, limits,
+                         None if all(a is None for a in avail) else avail,
+                         {r: e[1] for r, e in enumerate(every)})
+    for c in checks:
+        if not c["fits"]:
+            return c, {r: e[0] for r, e in enumerate(every)}, names[c["node"]], glob.rank
+    return None
 
 
 def train_save_metas(job, graphs, world):
@@ -493,19 +605,21 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         d.pop("rank")
         key = repr(d)
         groups.setdefault(key, (fp, []))[1].append(r)
-    ranks_per_host, source = node_ranks(limits, size)
     kinds = []
     for fp, ranks in groups.values():
-        lims = limits_for(limits, ranks_per_host, sorted(fp.devices), source)
+        lims = limits_for(limits, sorted(fp.devices))
         fits = {where: {"need_bytes": need_of(fp, d), "limit_bytes": int(lim), "limit_from": why,
                         "fits": need_of(fp, d) <= lim} for where, d, lim, why in lims}
         kinds.append((fp, ranks, fits))
-    ok = all(f["fits"] for _, _, fits in kinds for f in fits.values())
+    needs, node_fits = plan_node_checks(fps, like, size, limits)
+    ok = all(f["fits"] for _, _, fits in kinds for f in fits.values()) and \
+        all(c["fits"] for c in node_fits)
     if as_json:
         import json
         out = {"config": job.name, "world_size": size, "fits": ok,
                "ranks": [{**fp.as_dict(), "rank": ranks[0], "ranks": ranks, "fits": fits}
-                         for fp, ranks, fits in kinds]}
+                         for fp, ranks, fits in kinds],
+               "nodes": node_fits}
         return json.dumps(out), 0 if ok else 2
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
@@ -580,6 +694,16 @@ def run_plan(job, size, limits, as_json=False, restore=None):
             lines.append("  no GPU here: give --device-memory to check the GPU's part")
         for note in fp.notes:
             lines.append(f"  note: {note}")
+    for c in node_fits:  # the host, per node
+        verdict = "fits" if c["fits"] else "DOES NOT FIT"
+        lines.append(f"node {c['node']} (ranks {ranges(c['ranks'])}): host: {verdict}: "
+                     f"{human_bytes(c['need_bytes'])} of {human_bytes(c['limit_bytes'])} "
+                     f"({c['limit_from']}; the ranks' host needs summed)")
+        if not c["fits"]:  # a rank alone on its node: the batch that would fit it
+            lines.append("  " + (advice(job, size, c["ranks"][0], -1, c["limit_bytes"],
+                                        c["need_bytes"], everyone, restore)
+                                 if len(c["ranks"]) == 1 else
+                                 node_refusal(c, needs).split("; ", 1)[1].rsplit("; or", 1)[0]))
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else
