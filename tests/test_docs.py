@@ -213,7 +213,10 @@ def test_formats_checkpoint_attributes(tiny_run, formats_text):
         assert "sha256" in f["state"].attrs and f["params/conv1/weight"].fletcher32
         assert f["state/ranks"].attrs["purine_kind"] == "json"
         state = json.loads(f["state/ranks"].asstr()[()])
+        layout = json.loads(f["state/layout"].asstr()[()])
     assert set(state["0"]["data"]["state"]) == {"position", "global_batch", "seed"}
+    (listed,) = re.findall(r"`/state/layout` \(JSON: (.*?)\):\n", formats_text, flags=re.S)
+    assert set(layout) == set(re.findall(r"`(\w+)`", listed))
     assert "drop.fwd" not in state["0"]  # Philox dropout keeps no random state
     files = set(os.listdir(tiny_run["out"]))
     assert {".purine.lock", "config.yaml", "metrics.jsonl", "ckpt_2.h5", "ckpt_4.h5",
