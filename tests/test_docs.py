@@ -22,7 +22,8 @@ from purine_mpi.job import schema as schema_mod
 from purine_mpi.job.config import resolve_config
 from purine_mpi.job.replica import build_train_graph
 
-from .conftest import PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
+from .conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+                       write_config_file)
 
 CONFIG_MD = os.path.join(REPO, "docs", "config.md")
 FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
@@ -196,7 +197,12 @@ def tiny_run(tmp_path_factory):
     assert res.returncode == 0, res.stderr
     bench = run_cli_args("bench", path, "--iters", "2", "--warmup", "1", "--json")
     assert bench.returncode == 0, bench.stderr
-    return {"out": out, "bench": json.loads(bench.stdout.strip().splitlines()[-1])}
+    plan = run_cli_here("plan", path, "--np", "2", "--resume", "--json")
+    assert plan.returncode == 0, plan.stderr
+    inspect = run_cli_here("inspect", out / "latest.h5", "--diff", out / "ckpt_2.h5", "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    return {"out": out, "bench": json.loads(bench.stdout.strip().splitlines()[-1]),
+            "plan": json.loads(plan.stdout), "inspect": json.loads(inspect.stdout)}
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +267,47 @@ def test_formats_trace_events(tiny_run, formats_text):
 def test_formats_bench_keys(tiny_run, formats_text):
     (keys,) = _tables(_section(formats_text, "bench --json"))
     assert set(tiny_run["bench"]) == set(keys)
+
+
+def _bullets(section):
+    """{first `name` of a top-level bullet: its text} of a section's lists."""
+    return {m.group(1): m.group(2) for m in
+            re.finditer(r"^- `([^`]+)`(.*?)(?=^- |^\S|\Z)", section, flags=re.M | re.S)}
+
+
+def _names(text):
+    """The key-like `code` spans of a text (not options, values or paths)."""
+    return set(re.findall(r"`([a-z_]+)`", text))
+
+
+def test_formats_plan_json_keys(tiny_run, formats_text):
+    """Every key `plan --json` writes is named in formats.md, at its level,
+    and every row the `host` item names is one it writes."""
+    section = _section(formats_text, "plan --json")
+    head, _, _ = section.partition("\n- ")
+    plan = tiny_run["plan"]
+    assert set(plan) <= _names(head)
+    items = _bullets(section)
+    (entry,) = plan["ranks"]
+    documented = set(items) | {k for name in items for k in re.findall(r"`(\w+)`", name)}
+    documented |= _names(items["rank"]) | {"devices"} & _names(items["host"])
+    assert set(entry) <= documented, set(entry) - documented
+    host = _names(items["host"]) - {"devices"}
+    assert set(entry["host"]) == host
+    assert set(entry["model_state"]) == _names(items["model_state"])
+    assert set(entry["peak"]) <= set(re.findall(r'"(\w+)"', items["peak"]))
+    (fits,) = entry["fits"].values()
+    assert set(fits) <= _names(items["fits"])
+
+
+def test_formats_inspect_json_keys(tiny_run, formats_text):
+    section = _section(formats_text, "Other machine-readable output")
+    (text,) = [b for b in re.split(r"\n- ", section) if b.startswith("`inspect FILE --json`")]
+    documented = set(re.findall(r'"(\w+)"', text))
+    out = tiny_run["inspect"]
+    written = set(out) | set(out["datasets"][0]) | set(out["diff"]) | \
+        set(out["diff"]["datasets"][0])
+    assert written == documented
 
 
 def test_formats_exit_statuses_match_the_cli_help(formats_text):
