@@ -310,6 +310,17 @@ def test_formats_inspect_json_keys(tiny_run, formats_text):
     assert written == documented
 
 
+def test_formats_memory_json_keys(tiny_run, formats_text):
+    (row,) = [line for line in _section(formats_text, "Run folders").splitlines()
+              if line.startswith("| `memory.json` |")]
+    with open(tiny_run["out"] / "memory.json") as f:
+        memory = json.load(f)
+    (rank,) = memory["ranks"]
+    documented = set(re.findall(r'"(\w+)"', row))
+    assert set(memory) | set(rank) | set(rank["model_state"]) <= documented, \
+        (set(memory) | set(rank) | set(rank["model_state"])) - documented
+
+
 def test_formats_exit_statuses_match_the_cli_help(formats_text):
     (codes,) = _tables(_section(formats_text, "Exit statuses"))
     import purine_mpi.cli as cli
