@@ -406,6 +406,74 @@ def test_every_cli_option_has_help():
     assert configs and all("docs/config.md" in h for _, h in configs), configs
 
 
+DOCS = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs"))
+                              if n.endswith(".md"))
+_FLAG = r"(?<![\w-])--[a-z][a-z0-9-]*"
+
+
+def _commands(parser):
+    """{command: the option strings of its parser}."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: {o for a in p._actions for o in a.option_strings}
+            for name, p in sub.choices.items()}
+
+
+def _doc_texts():
+    texts = {}
+    for doc in DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            texts[doc] = f.read()
+    return texts
+
+
+def _flags_not_on_their_command(texts, commands):
+    """Each `--flag` written after a command (``purine_mpi CMD ...`` or
+    ```CMD ...``` in a code span, up to a comment, pipe or cell end) that
+    the command does not take."""
+    names = "|".join(map(re.escape, commands))
+    given = re.compile(rf"(?:purine_mpi|purine-mpi|`)\s*({names})\b([^`\n|#;&]*)")
+    bad = []
+    for doc, text in texts.items():
+        for m in given.finditer(text.replace("\\\n", " ")):
+            bad += [f"{doc}: {m.group(1)} {flag}" for flag in re.findall(_FLAG, m.group(2))
+                    if flag not in commands[m.group(1)]]
+    return bad
+
+
+def _flags_not_documented(texts, commands):
+    """Each (command, option) of the parser that no paragraph of the docs
+    names together with the command."""
+    paragraphs = [p for text in texts.values() for p in re.split(r"\n\s*\n", text)]
+    missing = []
+    for name, flags in commands.items():
+        with_name = [p for p in paragraphs if re.search(rf"\b{re.escape(name)}\b", p)]
+        missing += [f"{name} {flag}" for flag in sorted(flags) if flag not in ("-h", "--help") and not any(
+            re.search(rf"(?<![\w-]){flag}(?![\w-])", p) for p in with_name)]
+    return missing
+
+
+def test_every_flag_the_docs_give_a_command_is_one_it_takes():
+    """`python -m purine_mpi CMD ... --flag` and `CMD --flag` in README.md and
+    docs/*.md name options CMD has (a renamed or removed option fails), and
+    a planted one is caught."""
+    commands, texts = _commands(build_parser()), _doc_texts()
+    assert _flags_not_on_their_command(texts, commands) == []
+    planted = {"x.md": "run `plan JOB.yaml --np 2 --frobnicate`; "
+                       "python -m purine_mpi bench JOB.yaml --ranks-per-node 2\n"}
+    assert _flags_not_on_their_command(planted, commands) == [
+        "x.md: plan --frobnicate", "x.md: bench --ranks-per-node"]
+
+
+def test_every_option_of_every_command_is_documented():
+    """Every option of every command's --help appears in a paragraph of the
+    docs that names the command; a new option without docs fails."""
+    parser, texts = build_parser(), _doc_texts()
+    assert _flags_not_documented(texts, _commands(parser)) == []
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub.choices["inspect"].add_argument("--frobnicate", action="store_true", help="x")
+    assert _flags_not_documented(texts, _commands(parser)) == ["inspect --frobnicate"]
+
+
 def test_version():
     res = run_cli_args("--version")
     assert res.returncode == 0
