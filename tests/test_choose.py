@@ -8,6 +8,7 @@ nearly all of it. With --host-memory between the two, the best setting is a
 pipeline by construction and the table marks data parallelism as not
 fitting."""
 import json
+import re
 
 import pytest
 import yaml
@@ -105,6 +106,20 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
                       tmp_path / "run", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "scheme       pipeline" in res.stdout
+
+
+def test_choose_json_keys_are_those_formats_md_lists(calibrated):
+    """Every key of ``plan --choose --json`` is named in docs/formats.md's
+    paragraph on it, and every key named there is written."""
+    from .test_docs import FORMATS_MD
+    with open(FORMATS_MD, encoding="utf-8") as f:
+        (para,) = [p for p in f.read().split("\n\n")
+                   if p.startswith("`plan JOB.yaml --np N --choose --json`")]
+    documented = set(re.findall(r'"(\w+)"', para))
+    _, _, free, _ = calibrated
+    written = set(free).union(*map(set, free["candidates"]))
+    assert written <= documented, written - documented
+    assert documented - {"host", "error"} <= written, documented - written
 
 
 def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):

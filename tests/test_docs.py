@@ -22,7 +22,8 @@ from purine_mpi.job import schema as schema_mod
 from purine_mpi.job.config import resolve_config
 from purine_mpi.job.replica import build_train_graph
 
-from .conftest import PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
+from .conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+                       write_config_file)
 
 CONFIG_MD = os.path.join(REPO, "docs", "config.md")
 FORMATS_MD = os.path.join(REPO, "docs", "formats.md")
@@ -196,7 +197,12 @@ def tiny_run(tmp_path_factory):
     assert res.returncode == 0, res.stderr
     bench = run_cli_args("bench", path, "--iters", "2", "--warmup", "1", "--json")
     assert bench.returncode == 0, bench.stderr
-    return {"out": out, "bench": json.loads(bench.stdout.strip().splitlines()[-1])}
+    plan = run_cli_here("plan", path, "--np", "2", "--resume", "--json")
+    assert plan.returncode == 0, plan.stderr
+    inspect = run_cli_here("inspect", out / "latest.h5", "--diff", out / "ckpt_2.h5", "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    return {"out": out, "bench": json.loads(bench.stdout.strip().splitlines()[-1]),
+            "plan": json.loads(plan.stdout), "inspect": json.loads(inspect.stdout)}
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +219,10 @@ def test_formats_checkpoint_attributes(tiny_run, formats_text):
         assert "sha256" in f["state"].attrs and f["params/conv1/weight"].fletcher32
         assert f["state/ranks"].attrs["purine_kind"] == "json"
         state = json.loads(f["state/ranks"].asstr()[()])
+        layout = json.loads(f["state/layout"].asstr()[()])
     assert set(state["0"]["data"]["state"]) == {"position", "global_batch", "seed"}
+    (listed,) = re.findall(r"`/state/layout` \(JSON: (.*?)\):\n", formats_text, flags=re.S)
+    assert set(layout) == set(re.findall(r"`(\w+)`", listed))
     assert "drop.fwd" not in state["0"]  # Philox dropout keeps no random state
     files = set(os.listdir(tiny_run["out"]))
     assert {".purine.lock", "config.yaml", "metrics.jsonl", "ckpt_2.h5", "ckpt_4.h5",
@@ -258,6 +267,58 @@ def test_formats_trace_events(tiny_run, formats_text):
 def test_formats_bench_keys(tiny_run, formats_text):
     (keys,) = _tables(_section(formats_text, "bench --json"))
     assert set(tiny_run["bench"]) == set(keys)
+
+
+def _bullets(section):
+    """{first `name` of a top-level bullet: its text} of a section's lists."""
+    return {m.group(1): m.group(2) for m in
+            re.finditer(r"^- `([^`]+)`(.*?)(?=^- |^\S|\Z)", section, flags=re.M | re.S)}
+
+
+def _names(text):
+    """The key-like `code` spans of a text (not options, values or paths)."""
+    return set(re.findall(r"`([a-z_]+)`", text))
+
+
+def test_formats_plan_json_keys(tiny_run, formats_text):
+    """Every key `plan --json` writes is named in formats.md, at its level,
+    and every row the `host` item names is one it writes."""
+    section = _section(formats_text, "plan --json")
+    head, _, _ = section.partition("\n- ")
+    plan = tiny_run["plan"]
+    assert set(plan) <= _names(head)
+    items = _bullets(section)
+    (entry,) = plan["ranks"]
+    documented = set(items) | {k for name in items for k in re.findall(r"`(\w+)`", name)}
+    documented |= _names(items["rank"]) | {"devices"} & _names(items["host"])
+    assert set(entry) <= documented, set(entry) - documented
+    host = _names(items["host"]) - {"devices"}
+    assert set(entry["host"]) == host
+    assert set(entry["model_state"]) == _names(items["model_state"])
+    assert set(entry["peak"]) <= set(re.findall(r'"(\w+)"', items["peak"]))
+    (fits,) = entry["fits"].values()
+    assert set(fits) <= _names(items["fits"])
+
+
+def test_formats_inspect_json_keys(tiny_run, formats_text):
+    section = _section(formats_text, "Other machine-readable output")
+    (text,) = [b for b in re.split(r"\n- ", section) if b.startswith("`inspect FILE --json`")]
+    documented = set(re.findall(r'"(\w+)"', text))
+    out = tiny_run["inspect"]
+    written = set(out) | set(out["datasets"][0]) | set(out["diff"]) | \
+        set(out["diff"]["datasets"][0])
+    assert written == documented
+
+
+def test_formats_memory_json_keys(tiny_run, formats_text):
+    (row,) = [line for line in _section(formats_text, "Run folders").splitlines()
+              if line.startswith("| `memory.json` |")]
+    with open(tiny_run["out"] / "memory.json") as f:
+        memory = json.load(f)
+    (rank,) = memory["ranks"]
+    documented = set(re.findall(r'"(\w+)"', row))
+    assert set(memory) | set(rank) | set(rank["model_state"]) <= documented, \
+        (set(memory) | set(rank) | set(rank["model_state"])) - documented
 
 
 def test_formats_exit_statuses_match_the_cli_help(formats_text):
@@ -343,6 +404,74 @@ def test_every_cli_option_has_help():
     configs = [(where, action.help) for where, action in _walk(build_parser())
                if action.dest == "config"]
     assert configs and all("docs/config.md" in h for _, h in configs), configs
+
+
+DOCS = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs"))
+                              if n.endswith(".md"))
+_FLAG = r"(?<![\w-])--[a-z][a-z0-9-]*"
+
+
+def _commands(parser):
+    """{command: the option strings of its parser}."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: {o for a in p._actions for o in a.option_strings}
+            for name, p in sub.choices.items()}
+
+
+def _doc_texts():
+    texts = {}
+    for doc in DOCS:
+        with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+            texts[doc] = f.read()
+    return texts
+
+
+def _flags_not_on_their_command(texts, commands):
+    """Each `--flag` written after a command (``purine_mpi CMD ...`` or
+    ```CMD ...``` in a code span, up to a comment, pipe or cell end) that
+    the command does not take."""
+    names = "|".join(map(re.escape, commands))
+    given = re.compile(rf"(?:purine_mpi|purine-mpi|`)\s*({names})\b([^`\n|#;&]*)")
+    bad = []
+    for doc, text in texts.items():
+        for m in given.finditer(text.replace("\\\n", " ")):
+            bad += [f"{doc}: {m.group(1)} {flag}" for flag in re.findall(_FLAG, m.group(2))
+                    if flag not in commands[m.group(1)]]
+    return bad
+
+
+def _flags_not_documented(texts, commands):
+    """Each (command, option) of the parser that no paragraph of the docs
+    names together with the command."""
+    paragraphs = [p for text in texts.values() for p in re.split(r"\n\s*\n", text)]
+    missing = []
+    for name, flags in commands.items():
+        with_name = [p for p in paragraphs if re.search(rf"\b{re.escape(name)}\b", p)]
+        missing += [f"{name} {flag}" for flag in sorted(flags) if flag not in ("-h", "--help") and not any(
+            re.search(rf"(?<![\w-]){flag}(?![\w-])", p) for p in with_name)]
+    return missing
+
+
+def test_every_flag_the_docs_give_a_command_is_one_it_takes():
+    """`python -m purine_mpi CMD ... --flag` and `CMD --flag` in README.md and
+    docs/*.md name options CMD has (a renamed or removed option fails), and
+    a planted one is caught."""
+    commands, texts = _commands(build_parser()), _doc_texts()
+    assert _flags_not_on_their_command(texts, commands) == []
+    planted = {"x.md": "run `plan JOB.yaml --np 2 --frobnicate`; "
+                       "python -m purine_mpi bench JOB.yaml --ranks-per-node 2\n"}
+    assert _flags_not_on_their_command(planted, commands) == [
+        "x.md: plan --frobnicate", "x.md: bench --ranks-per-node"]
+
+
+def test_every_option_of_every_command_is_documented():
+    """Every option of every command's --help appears in a paragraph of the
+    docs that names the command; a new option without docs fails."""
+    parser, texts = build_parser(), _doc_texts()
+    assert _flags_not_documented(texts, _commands(parser)) == []
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub.choices["inspect"].add_argument("--frobnicate", action="store_true", help="x")
+    assert _flags_not_documented(texts, _commands(parser)) == ["inspect --frobnicate"]
 
 
 def test_version():

@@ -308,6 +308,12 @@ def test_calibrate_writes_a_link_that_predict_reads(traced, tmp_path):
     assert res.returncode == 0, res.stderr
     data = json.loads(link.read_text())
     assert data["alpha_s"] > 0 and data["beta_bytes_per_s"] > 0 and data["cpu_s_per_byte"] >= 0
+    from .test_docs import FORMATS_MD, _section, _tables
+    with open(FORMATS_MD, encoding="utf-8") as f:  # the file's keys are those it documents
+        (documented,) = _tables(_section(f.read(), "Scaling prediction (`predict TRACE_DIR --np N`)")
+                                .partition("### Link files")[2].partition("\n### ")[0])
+    assert set(data) <= set(documented) and set(documented) - {"note"} <= set(data), \
+        set(data) ^ set(documented)
     one = run_cli_args("predict", "--calibrate", link)
     assert one.returncode == 2 and "mpiexec -n 2" in one.stderr
     res = run_cli_args("predict", traced, "--np", "4", "--link", link, "--json")
