@@ -197,7 +197,8 @@ def tiny_run(tmp_path_factory):
     assert res.returncode == 0, res.stderr
     bench = run_cli_args("bench", path, "--iters", "2", "--warmup", "1", "--json")
     assert bench.returncode == 0, bench.stderr
-    plan = run_cli_here("plan", path, "--np", "2", "--resume", "--json")
+    plan = run_cli_here("plan", path, "--np", "2", "--resume", "--host-memory", "64GiB",
+                        "--node-memory", "128GiB", "--json")
     assert plan.returncode == 0, plan.stderr
     inspect = run_cli_here("inspect", out / "latest.h5", "--diff", out / "ckpt_2.h5", "--json")
     assert inspect.returncode == 0, inspect.stderr
@@ -298,6 +299,9 @@ def test_formats_plan_json_keys(tiny_run, formats_text):
     assert set(entry["peak"]) <= set(re.findall(r'"(\w+)"', items["peak"]))
     (fits,) = entry["fits"].values()
     assert set(fits) <= _names(items["fits"])
+    nodes = section[section.index("`nodes`: "):]
+    nodes = nodes[:nodes.index("\n\n")]
+    assert plan["nodes"] and all(set(n) <= _names(nodes) for n in plan["nodes"])
 
 
 def test_formats_inspect_json_keys(tiny_run, formats_text):
