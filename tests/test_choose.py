@@ -545,3 +545,30 @@ def test_tensor_x_pipeline_stages_are_cut_by_the_split_ops_times():
             and c.label.startswith("pipeline")]
     assert hybrid and {stages(c) for c in hybrid} == {whole}
     assert tppp and {stages(c) for c in tppp} == {split}, [stages(c) for c in tppp]
+
+
+def test_a_setting_whose_ranks_would_stall_is_listed_not_possible(tmp_path):
+    """A candidate whose simulated ranks wait for each other (the
+    simulator's SimulationStalled: here two ranks that each receive before
+    they send) is a row "not possible: its ranks would stall (...)", not a
+    traceback (before: ``plan --choose`` on a tensor x pipeline net whose
+    stage ends at a row-split fc stopped with a RuntimeError)."""
+    from purine_mpi.tools.choose import Candidate, Choice, evaluate, format_choice
+    from purine_mpi.tools.plan import MemoryLimits
+    from purine_mpi.tools.scaling.simulate import RankGraph, SimOp, simulate
+
+    def rank(r):
+        other = 1 - r
+        return RankGraph(r, {"recv": SimOp("recv", 1e-3, kind="recv", peer=other, tag=r),
+                             "send": SimOp("send", 1e-3, ("recv",), kind="send", peer=other,
+                                           tag=other)})
+
+    class Stalls:
+        def predict(self, job, n):
+            return simulate([rank(0), rank(1)], 2)
+
+    cand = evaluate(Candidate(("parallel.scheme=data",), "data"), _job(tmp_path), (), 2,
+                    MemoryLimits(host=1 << 40), Stalls())
+    assert cand.error.startswith("its ranks would stall (simulation of rank ")
+    line = format_choice(Choice(2, [cand], ("images", 1), "", 0.0)).splitlines()[2]
+    assert "data" in line and "not possible: its ranks would stall" in line

@@ -7,7 +7,9 @@ allreduced in the stage's group), shard k of a stage sends to shard k of
 the next. On 4 ranks (2 stages x 2 shards) a 2-block GPT and a residual MLP
 train as 1 rank does (SGD, AdamW, 2 micro-batches under 1F1B with
 clipping), the checkpoints hold whole blobs (a 4-rank checkpoint resumes
-on 1 rank with the same losses, and back), the start-up block and
+on 1 rank with the same losses, and back; a stage ending at a row-split
+fc with one micro-batch, which stalled, trains as 1 rank too, and every
+rank's collectives in seq order make no cycle with the transfers), the start-up block and
 ``graph --np 4`` say what each rank holds, and what is not built (a GPU,
 scheme tensor with stages, a world that is not whole replicas) exits 2
 naming the keys.
@@ -88,6 +90,8 @@ def runs(tmp_path_factory, tokens):
                           solver=dict(gpt_config(tokens)["solver"], max_iter=ITERS,
                                       **ADAMW)),
         "mlp_adamw": _mlp(_tp_pp(dict(STAGES), transport="two_sided")),
+        # stage 0 ends at a row split, one micro-batch, windows (a stall before)
+        "headed": _headed(_tp_pp(dict(HEADED), stall_timeout=60)),
     }
     out = {}
     train = _trainer(tmp, out, timeout=600)
@@ -137,6 +141,16 @@ def test_gpt_adamw_micro_batches_and_clipping_train_as_one_rank(runs):
     four, one = runs["gpt_micro"][0], runs["gpt_micro_one"][0]
     np.testing.assert_allclose(_losses(one), _losses(four), rtol=1e-5)
     close_in_norm(_weights(one), _weights(four))
+
+
+@pytest.mark.mpi
+def test_a_stage_ending_at_a_row_split_trains_as_one_rank(runs):
+    """One micro-batch, stage 0 ending at m2b's allreduce (before: a stall
+    on rank 0, 'm2b.tp_sum' posted after 'm2a.tp_grad_sum')."""
+    four, one = runs["headed"][0], runs["headed_one"][0]
+    _close(_params(one / "latest.h5"), _params(four / "latest.h5"))  # weights and momenta
+    assert len(_losses(four)) == ITERS
+    np.testing.assert_allclose(_losses(one), _losses(four), rtol=1e-5)
 
 
 @pytest.mark.mpi
@@ -215,7 +229,7 @@ def test_each_rank_holds_its_stage_shard_offline(tokens, tmp_path):
 
 def test_micro_batch_allreduces_post_in_schedule_order(tokens):
     """The copies of a tensor allreduce share the whole graph's seq; the
-    slice numbers them in its (1F1B) topological order, so the posting
+    slice numbers them in its (1F1B schedule's) emission order, so the posting
     order (by seq) never puts a later micro-batch's forward allreduce
     before an earlier one's backward allreduce that it waits for."""
     job = make_job(_gpt(tokens, _tp_pp(block_stages(), micro_batches=2)))
@@ -227,6 +241,110 @@ def test_micro_batch_allreduces_post_in_schedule_order(tokens):
         assert posted == topo and len(topo) == 8   # 2 pairs x fwd/bwd x 2 copies
         # 1F1B on the last stage: copy 0's backward before copy 1's forward
         assert topo.index("b1_attn.qkv.tp_grad_sum@mb0") < topo.index("b1_attn.proj.tp_sum@mb1")
+
+
+def _headed(parallel=None, iters=ITERS):
+    """Two MLP pairs (m1a columns -> relu -> m1b rows, m2a -> relu -> m2b)
+    under a classifier head, each fc's top named after it: cut by
+    ``HEADED`` stage 0 ends at m2b's allreduce (a row split: Megatron's
+    g), whose sum stage 1 receives, and m2a's backward allreduce (f) waits
+    for stage 1's gradient."""
+    net = [{"type": "fc", "name": "m1a", "bottom": "data", "top": "m1a", "num_output": 16},
+           {"type": "relu", "name": "r1", "bottom": "m1a", "top": "m1a"},
+           {"type": "fc", "name": "m1b", "bottom": "m1a", "top": "m1b", "num_output": 8},
+           {"type": "fc", "name": "m2a", "bottom": "m1b", "top": "m2a", "num_output": 16},
+           {"type": "relu", "name": "r2", "bottom": "m2a", "top": "m2a"},
+           {"type": "fc", "name": "m2b", "bottom": "m2a", "top": "m2b", "num_output": 8},
+           {"type": "fc", "name": "head", "bottom": "m2b", "top": "head", "num_output": 5},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["head", "label"],
+            "top": "loss"}]
+    return {"name": "headed", "seed": 5,
+            "data": {"train": {"source": "synthetic", "shape": [6], "classes": 5,
+                               "batch_size": 8}},
+            "net": net,
+            "solver": {"type": "sgd", "base_lr": 0.05, "momentum": 0.9, "max_iter": iters,
+                       "display": 1, "test_interval": 0},
+            "checkpoint": {"interval": 0}, "parallel": parallel or {}}
+
+
+HEADED = {"m1a": 0, "r1": 0, "m1b": 0, "m2a": 0, "r2": 0, "m2b": 0, "head": 1, "loss": 1}
+
+
+def cross_rank_cycle(slices):
+    """One iteration of every rank's slice (``slices``, by rank) as one
+    graph: each rank's dependencies, its collectives chained in ``seq``
+    order (as they are posted), each collective one node for its whole
+    group, each Put / Send before the WaitWrite / Recv it matches (same
+    ``seq``, peers swapped). Returns the ops on or behind a cycle (the
+    ranks would stall), else []."""
+    from purine_mpi.ops.catalog import get_kernel_class
+
+    def node(r, op):
+        if op.op_type in ("Allreduce", "ReduceScatter", "Allgather", "Broadcast"):
+            return ("all", tuple(op.attrs.get("group", range(len(slices)))), op.name)
+        return (r, op.name)
+
+    edges = set()
+    ends = {}   # (receiving rank, seq, sending rank): the op that waits for the data
+    for r, g in enumerate(slices):
+        for n, before in g.dependencies().items():
+            edges.update((node(r, g.ops[p]), node(r, g.ops[n])) for p in before)
+        ordered = sorted((op for op in g.ops.values() if "seq" in op.attrs
+                          and get_kernel_class(op.op_type).seq_ordered),
+                         key=lambda op: op.attrs["seq"])
+        edges.update((node(r, a), node(r, b)) for a, b in zip(ordered, ordered[1:]))
+        for op in g.ops.values():
+            if op.op_type in ("WaitWrite", "Recv"):
+                ends[(r, op.attrs["seq"], op.attrs["peer"])] = node(r, op)
+    for r, g in enumerate(slices):
+        for op in g.ops.values():
+            if op.op_type in ("Put", "Send"):
+                edges.add((node(r, op), ends[(op.attrs["peer"], op.attrs["seq"], r)]))
+    nodes = {n for e in edges for n in e} | {node(r, op) for r, g in enumerate(slices)
+                                             for op in g.ops.values()}
+    left = {n: 0 for n in nodes}
+    for _, b in edges:
+        left[b] += 1
+    ready = [n for n, k in left.items() if k == 0]
+    while ready:
+        n = ready.pop()
+        for a, b in edges:
+            if a == n:
+                left[b] -= 1
+                if left[b] == 0:
+                    ready.append(b)
+    return sorted(str(n) for n, k in left.items() if k > 0)
+
+
+@pytest.mark.parametrize("micro, transport", [(1, "auto"), (1, "two_sided"), (2, "auto")])
+def test_a_stage_ending_at_a_row_split_posts_its_allreduce_first(micro, transport):
+    """Stage 0 ends at m2b's allreduce, whose sum stage 1 receives; m2a's
+    backward allreduce waits for stage 1's gradient. Numbered in the
+    slice's topological order, one micro-batch with windows put m2a's
+    before m2b's (the gradient's wait has no inputs: ready from the start,
+    it pulled the backward ahead), and the ranks stalled (``bench``: rank 0
+    waiting on 'm2b.grad.wait', 'm2b.tp_sum' posted after
+    'm2a.tp_grad_sum'). Every rank's slice, its collectives in seq order,
+    the transfers matched: no cycle."""
+    job = make_job(_headed(_tp_pp(dict(HEADED), micro_batches=micro, transport=transport)))
+    slices = [compose_for(job, 4, r) for r in range(4)]
+    assert cross_rank_cycle(slices) == []
+    seq = {n: op.attrs["seq"] for n, op in slices[0].ops.items() if op.op_type == "Allreduce"
+           and op.attrs["group"] == [0, 1]}
+    tag = "@mb0" if micro > 1 else ""
+    assert seq[f"m2b.tp_sum{tag}"] < seq[f"m2a.tp_grad_sum{tag}"]
+
+
+@pytest.mark.parametrize("shard", [2, 3])
+def test_3d_sharded_stage_ending_at_a_row_split_posts_its_allreduce_first(shard):
+    """The same cut under scheme sharded (8 ranks = 2 replicas x 2 stages
+    x 2 shards, offline): ``sequence_collectives`` puts each allreduce
+    before the first op that waits for it in emission order; appended last
+    by the split, m2b's came after m2a's backward one (a cycle with both
+    transports) until the split emits each allreduce after its partial."""
+    job = make_job(_headed({"scheme": "sharded", "shard": shard, "stages": dict(HEADED),
+                            "tensor_parallel": 2, "transport": "two_sided"}))
+    assert cross_rank_cycle([compose_for(job, 8, r) for r in range(8)]) == []
 
 
 def test_clipping_adds_every_rank_and_counts_replicated_weights_once():

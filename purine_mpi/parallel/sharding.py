@@ -483,14 +483,7 @@ def sequence_collectives(graph, plan, others=()):
     _in_place(graph, names)
     first = min(graph.ops[n].attrs["seq"] for n in names  # stage 3's gathers: none yet
                 if "seq" in graph.ops[n].attrs)
-    deps = graph.dependencies()
-    waits = {n: reachable(n, deps) & names for n in names}
-    pending, order = [n for n in graph.ops if n in names], []
-    while pending:  # emission order, each after the collectives it waits for
-        n = next(n for n in pending if waits[n] <= set(order))
-        pending.remove(n)
-        order.append(n)
-    for k, n in enumerate(order):
+    for k, n in enumerate(emission_order(graph, names)):
         graph.ops[n].attrs["seq"] = first + k
     for entry in plan:
         entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
@@ -499,6 +492,24 @@ def sequence_collectives(graph, plan, others=()):
                                     for k, g in entry["gathers"].items()}
         else:
             entry["gather_seq"] = graph.ops[entry["allgather"]].attrs["seq"]
+
+
+def emission_order(graph, names):
+    """The ops ``names`` (collectives) in ``graph``'s emission order, each
+    after the collectives among them it waits for, directly or not. A
+    pipeline stage's slice is emitted in the whole net's order (one every
+    stage runs in); its topological order is not one: an op waiting for
+    another stage's transfer (a Recv, a window's wait: no inputs) is ready
+    there from the start and pulls what follows it ahead."""
+    names = set(names)
+    deps = graph.dependencies()
+    waits = {n: reachable(n, deps) & names for n in names}
+    pending, order = [n for n in graph.ops if n in names], []
+    while pending:
+        n = next(n for n in pending if waits[n] <= set(order))
+        pending.remove(n)
+        order.append(n)
+    return order
 
 
 def entry_gathers(entry):

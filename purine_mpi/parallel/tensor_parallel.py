@@ -208,6 +208,24 @@ def _sum_after(graph, op, layer, group, seq, what):
                         location=op.location, thread="comm")
 
 
+def _emit_after(graph, after):
+    """Move each added op right after the op it follows in emission order
+    ({op name: added op name}): the graph's order stays a topological one.
+    A pipeline stage's slice keeps the whole net's emission order
+    (parallel/partition.py), and its collectives are numbered in that order
+    (schemes/pipeline._post_in_schedule_order); appended last, a stage's
+    closing allreduce (a row-split fc whose sum the next stage receives)
+    came after the backward's allreduces that wait for the next stage."""
+    ops, moved = dict(graph.ops), set(after.values())
+    graph.ops = {}
+    for n, op in ops.items():
+        if n in moved:
+            continue
+        graph.ops[n] = op
+        if n in after:
+            graph.ops[after[n]] = ops[after[n]]
+
+
 def split_graph(graph, pairs, degree, index, group, solver_type):
     """Apply the split of ``pairs`` (find_splits) for shard ``index`` of
     ``degree`` on ``graph`` (a training graph with backward and updates, or
@@ -242,10 +260,12 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
                   if op.op_type == "InnerProductGradData"]
     order = {op.name: k for k, op in enumerate(graph.topo_order())}
     seq = next_seq(graph)
-    added = []
+    added, after = [], {}
     for op, layer, what in sorted(fixes, key=lambda f: order[f[0].name]):
         added.append(_sum_after(graph, op, layer, group, seq, what))
+        after[op.name] = added[-1].name
         seq += 1
+    _emit_after(graph, after)
     # re-derive every produced shape from the shards
     produced = {o for op in graph.ops.values() for o in op.outputs}
     for name in produced:

@@ -71,6 +71,7 @@ import time
 from ..base.errors import UserError
 from ..base.runfiles import write_text_replacing
 from ..base.progress_bar import human_bytes
+from .scaling.simulate import SimulationStalled
 
 #: the calibration run: iterations, and the traced window (the first ones warm up)
 CALIBRATION_ITERS = 8
@@ -587,6 +588,8 @@ def evaluate(cand, path, overrides, n, limits, predictor):
         cand.iter_s, cand.samples, cand.untraced = predictor.predict(job, n)
     except UserError as exc:
         cand.error = str(exc).split("\n")[0]
+    except SimulationStalled as exc:  # a composition whose ranks would wait for each other
+        cand.error = f"its ranks would stall ({exc})"
     return cand
 
 

@@ -12,8 +12,9 @@ s·t .. s·t + t - 1. The whole replica's graph is split as
 scheme tensor splits a net (parallel/tensor_parallel.split_for: each
 rank's shard, its allreduces over its stage's tensor group), then cut into
 stages; shard k of stage s sends to shard k of stage s + 1 (and the
-gradients back). With micro-batches the copies of the tensor allreduces are
-posted in each stage's schedule order (``_post_in_schedule_order``);
+gradients back). The tensor allreduces are posted in each stage's
+emission order, the whole net's (with micro-batches its schedule's;
+``_post_in_schedule_order``);
 ``solver.clip_gradients`` adds the squared norms of every rank of the
 replica, a replicated weight counted on shard 0 of its stage only. Checkpoints hold
 whole blobs: each stage's shards joined on save, split on load."""
@@ -97,7 +98,7 @@ class Pipeline(Scheme):
         return pairs
 
     def _tensor_done(self, comp, pairs, lay, job):
-        """The slice's tensor allreduces posted in its topological order
+        """The slice's tensor allreduces posted in its emission order
         (``_post_in_schedule_order``), the split's lines (every stage's, for
         the start-up block and ``graph --np``)."""
         if pairs is None:
@@ -234,16 +235,22 @@ def tensor_order(lay):
 
 def _post_in_schedule_order(graph, group):
     """Number the tensor group's allreduces of a stage's slice (``group``)
-    in its topological order: the micro-batch copies of one allreduce share
-    the whole graph's ``seq``, and posted by ``seq`` every copy's forward
-    allreduce would go before any backward one, which under 1F1B waits for
-    a later copy's forward that waits for it. The slice's order is its
-    schedule's, the same on every rank of the group."""
-    ops = [op for op in graph.topo_order()
-           if op.op_type == "Allreduce" and op.attrs.get("group") == list(group)]
-    if not ops:
+    in its emission order (``sharding.emission_order``): the micro-batch
+    copies of one allreduce share the whole graph's ``seq``, and posted by
+    ``seq`` every copy's forward allreduce would go before any backward
+    one, which under 1F1B waits for a later copy's forward that waits for
+    it. The slice's emission order is the whole net's (with micro-batches
+    its schedule's: micro_batch.add_schedule), the same on every rank of
+    the group. Not its topological order: with one micro-batch, a stage
+    ending at a row-split fc got its closing allreduce after the backward's,
+    which the gradient wait (ready from the start) pulled ahead, and they
+    wait for the next stage, which waits for that allreduce (a stall)."""
+    names = [op.name for op in graph.ops.values()
+             if op.op_type == "Allreduce" and op.attrs.get("group") == list(group)]
+    if not names:
         return
     from ..data_parallel import next_seq
+    from ..sharding import emission_order
     seq = next_seq(graph)
-    for k, op in enumerate(ops):
-        op.attrs["seq"] = seq + k
+    for k, n in enumerate(emission_order(graph, names)):
+        graph.ops[n].attrs["seq"] = seq + k

@@ -41,6 +41,11 @@ from ...runtime.scheduler import PostingOrder, Schedule
 KINDS = ("compute", "collective", "send", "recv")
 
 
+class SimulationStalled(RuntimeError):
+    """A simulated rank never finished an iteration: its ops wait for each
+    other across ranks (the composed graphs would stall when run)."""
+
+
 @dataclass
 class SimOp:
     """One op of one rank: its lane (worker thread; ignored for comm ops),
@@ -255,7 +260,7 @@ def simulate(graphs, iterations=6):
     for r, rk in ranks.items():
         if len(rk.iteration_end) < iterations:
             stuck = sorted(rk.schedule.waiting())[:5]
-            raise RuntimeError(f"simulation of rank {r} stalled in iteration "
+            raise SimulationStalled(f"simulation of rank {r} stalled in iteration "
                                f"{min(set(range(iterations)) - set(rk.iteration_end))}: {', '.join(stuck)} never ran "
                                "(a Send or Recv without its match, or a dependency cycle)")
     return SimResult({r: [rk.iteration_end[i] for i in range(iterations)]
