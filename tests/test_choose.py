@@ -122,6 +122,33 @@ def test_choose_json_keys_are_those_formats_md_lists(calibrated):
     assert documented - {"host", "error"} <= written, documented - written
 
 
+def test_choose_predicts_the_same_figures_on_every_run(tmp_path, calibrated):
+    """A calibration gives the same prediction on every run, whatever the
+    hash seed: two runs of ``plan --choose --json`` (processes of hash
+    seeds 1 and 2) print equal figures, exactly (the host's add rate, timed
+    anew at each start, made them differ in the fourth digit). The memory
+    limits are left out: they are the free memory at the time."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import PYTHON, REPO, cli_env
+    job, cal, _, _ = calibrated
+    cal = shutil.copy(cal, tmp_path / "cal.json")
+    outs = []
+    for seed in ("1", "2"):
+        res = subprocess.run([PYTHON, "-m", "purine_mpi", "plan", str(job), "--np", "2",
+                              "--choose", "--json", "--calibration", str(cal)], cwd=REPO,
+                             env=dict(cli_env(), PYTHONHASHSEED=seed), capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        for row in out["candidates"]:
+            row.pop("limit_bytes", None)
+        outs.append(out)
+    assert any("iter_s" in row for row in outs[0]["candidates"])
+    assert outs[0] == outs[1]
+
+
 def test_choose_on_4_ranks_lists_each_hybrid_setting_sharded_too(calibrated):
     """With fewer stages than ranks, each hybrid setting also appears with
     its stage's replicas sharded; shards 1 and 2 need less than the hybrid
@@ -253,8 +280,8 @@ def test_the_calibration_prices_its_own_job_as_traced(calibrated):
     job, cal, _, _ = calibrated
     data = json.loads(cal.read_text())
     assert data["small"]["batch"] == small_batch(16) == 4
-    durations, small, calib_job = calibrate(load_job(job, (), check_files=False), job, (),
-                                            str(cal))
+    durations, small, calib_job, _ = calibrate(load_job(job, (), check_files=False), job, (),
+                                               str(cal))
     assert small[1].train_batch == 4 and calib_job.train_batch == 16
     link = make_link(None, None, None)
     affine = Predictor(calib_job, durations, link, small=small)
@@ -349,19 +376,27 @@ def test_an_old_calibration_file_is_measured_again(tmp_path, monkeypatch):
         return Durations({0: {"fc1.fwd": t}}, {0: t}, 5)
     monkeypatch.setattr(choose, "_traced_run", traced_run)
     lines = []
-    durations, small, calib_job = choose.calibrate(job, path, (), str(cal), lines.append)
+    durations, small, calib_job, add = choose.calibrate(job, path, (), str(cal), lines.append)
     assert runs == [(), ("data.train.batch_size=4",)]
     assert "at batch 16 and 4" in lines[0]
     assert durations.lookup("fc1.fwd") == 1.0 and small[0].lookup("fc1.fwd") == 0.25
     data = json.loads(cal.read_text())
     assert data["format"] == choose.CALIBRATION_FORMAT and data["small"]["batch"] == 4
-    # the rewritten file is read: no third run
-    durations, small, _ = choose.calibrate(job, path, (), str(cal), lines.append)
+    assert data[choose.ADD_RATE_KEY] == add > 0
+    # the rewritten file is read: no third run, the add rate it holds
+    durations, small, _, again = choose.calibrate(job, path, (), str(cal), lines.append)
     assert len(runs) == 2 and len(lines) == 1 and small[0].lookup("fc1.fwd") == 0.25
+    assert again == add
+    # a file written before it kept the add rate: timed once and added to it
+    del data[choose.ADD_RATE_KEY]
+    cal.write_text(json.dumps(data))
+    _, _, _, timed = choose.calibrate(job, path, (), str(cal), lines.append)
+    assert len(runs) == 2 and timed > 0
+    assert json.loads(cal.read_text())[choose.ADD_RATE_KEY] == timed
     # an odd batch: one trace, and the proportional rule
     odd = load_job(path, ("data.train.batch_size=15",), check_files=False)
-    _, small, _ = choose.calibrate(odd, path, ("data.train.batch_size=15",),
-                                   str(tmp_path / "odd.json"))
+    _, small, _, _ = choose.calibrate(odd, path, ("data.train.batch_size=15",),
+                                      str(tmp_path / "odd.json"))
     assert small is None and runs[-1] == ()
 
 

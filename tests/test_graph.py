@@ -366,3 +366,71 @@ def test_seed_yaml_round_trip_is_exact():
     for name, op in g.ops.items():
         assert back.ops[name] == op, name
     assert back.dependencies() == g.dependencies()
+
+
+def test_dependencies_follow_every_edit_in_place():
+    """``dependencies`` keeps its last answer for an unchanged graph: every
+    edit in place of a field it reads (an op's inputs, outputs, control
+    inputs; a blob's alias, offset, shape; an op or blob added, removed or
+    replaced) gives the answer a fresh computation gives, and a caller
+    changing the answer's sets changes nothing the next call returns."""
+    from purine_mpi.graph.core import Op
+
+    g = Graph()
+    g.add_blob("buf", (8,))
+    g.add_blob("lo", (4,), alias_of="buf", offset=0)
+    g.add_blob("hi", (4,), alias_of="buf", offset=4)
+    g.add_blob("hi@new", (4,), alias_of="buf", offset=4)
+    g.add_blob("x", (4,))
+    g.add_op("read_lo", "Relu", ["lo"], ["a"])
+    g.add_op("read_hi", "Relu", ["hi"], ["b"])
+    g.add_op("write_hi", "Scale", ["x"], ["hi@new"], {"scale": 1.0})
+    g.add_op("other", "Relu", ["x"], ["c"])
+
+    def check(changed=True):
+        before = check.last
+        got = g.dependencies()
+        assert got == g._dependencies()
+        assert (got != before) == changed, (before, got)
+        for deps in got.values():
+            deps.add("bogus")  # the caller's copy only
+        check.last = g.dependencies()
+        assert check.last == g._dependencies()
+    check.last = g.dependencies()
+    assert check.last["write_hi"] == {"read_hi"}
+    check(changed=False)
+    g.blobs["hi@new"].offset = 0  # now over lo, off hi
+    check()
+    g.blobs["hi@new"].shape = (8,)  # over both
+    check()
+    g.blobs["hi@new"].alias_of = None  # its own storage: no write-after-read
+    check()
+    g.blobs["hi@new"].alias_of = "buf"
+    check()
+    g.blobs["hi@new"].shape = (4,)
+    g.blobs["hi@new"].offset = 4
+    check()
+    g.ops["other"].inputs.append("a")
+    check()
+    g.ops["other"].outputs[0] = "x"  # other now writes write_hi's input
+    check()
+    g.ops["read_hi"].control_inputs.append("other")
+    check()
+    g.ops["other"] = Op("other", "Relu", ["x"], ["c"])  # replaced by a fresh op
+    check()
+    g.remove_op("read_hi")
+    check()
+    g.add_op("read_hi", "Relu", ["hi"], ["b"])
+    check()
+    g.blobs["hi"] = g.blobs["hi"].copy(offset=0)  # a blob replaced: hi over lo
+    check()
+    g.blobs["hi@new"].shape = [2]  # [4, 6), a list
+    g.blobs["lo"].offset, g.blobs["lo"].shape = 6, (2,)  # lo: [6, 8)
+    check(changed=False)  # (no overlap before or after)
+    g.blobs["hi@new"].shape[0] = 3  # the list edited in place: [4, 7), over lo
+    check()
+    g.blobs["hi"].shape = (5,)  # hi: [0, 5), over hi@new
+    check()
+    g.add_blob("y", (2,), alias_of="buf", offset=0)
+    g.ops["read_lo"].inputs[0] = "y"  # read_lo now reads [0, 2): off hi@new
+    check()

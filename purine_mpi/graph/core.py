@@ -10,6 +10,7 @@ graph stays acyclic and the dispatcher never races a reader with an update.
 """
 import copy as _copy
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -115,6 +116,11 @@ def _copy_node(node, changes):
     return new
 
 
+#: graph -> (its ``_dependency_inputs``, its ``_dependencies``) of the last
+#: ``Graph.dependencies`` call: kept beside the graph, not in it (a copy
+#: or a pickle of a graph carries none)
+_LAST_DEPENDENCIES = weakref.WeakKeyDictionary()
+
 #: blob kinds whose storage persists across iterations (the memory plan
 #: gives them no arena slot; the recompute pass never recomputes them)
 PERSISTENT_KINDS = ("param", "param_buffer", "state", "lr", "iter", "bucket")
@@ -211,7 +217,30 @@ class Graph:
 
     def dependencies(self):
         """op name -> set of predecessor op names: data edges (read after
-        write), write-after-read edges for alias writers, control inputs."""
+        write), write-after-read edges for alias writers, control inputs.
+        A new dict of new sets on each call (the caller may change them);
+        computed again only when what it is computed from changed
+        (``_dependency_inputs``): graph passes edit a graph in place and
+        ask for its order after each edit, most often of an unchanged one."""
+        inputs = self._dependency_inputs()
+        last = _LAST_DEPENDENCIES.get(self)
+        if last is None or last[0] != inputs:
+            last = (inputs, self._dependencies())
+            _LAST_DEPENDENCIES[self] = last
+        return {n: set(d) for n, d in last[1].items()}
+
+    def _dependency_inputs(self):
+        """Every field ``_dependencies`` reads, as values (tuples: a later
+        edit of a list or a shape in place cannot reach them): each op's
+        key, name, inputs, outputs and control inputs, each blob's key,
+        alias, offset and shape, in the dicts' orders."""
+        return (tuple((n, op.name, tuple(op.inputs), tuple(op.outputs),
+                       tuple(op.control_inputs)) for n, op in self.ops.items()),
+                tuple((n, b.alias_of, b.offset, None if b.shape is None else tuple(b.shape))
+                      for n, b in self.blobs.items()))
+
+    def _dependencies(self):
+        """``dependencies``, computed."""
         prod, cons = self.producers(), self.consumers()
         deps = {name: set(op.control_inputs) for name, op in self.ops.items()}
         for op in self.ops.values():

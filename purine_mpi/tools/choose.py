@@ -79,6 +79,12 @@ CALIBRATION_WINDOW = "3:8"
 #: the calibration cache's format: 2 holds a second trace at a smaller batch
 #: (``small``: the affine op cost); a file of another format is measured again
 CALIBRATION_FORMAT = 2
+#: the calibration file's key of the host's add rate (seconds per byte,
+#: ``scaling/link.reduce_cost_per_byte``), measured with the traces: the
+#: predictions price local adds and untraced copies at it, so one
+#: calibration gives the same figures on every run (timed anew at each
+#: start it made them differ by a few per cent from run to run)
+ADD_RATE_KEY = "add_s_per_byte"
 #: the overrides that make the calibration run: one rank's plain data parallelism
 CALIBRATION_SETS = ("parallel.scheme=data", "parallel.mode=sync", "parallel.micro_batches=1",
                     "parallel.stages={}", "parallel.tensor_parallel=1", "parallel.shard=1",
@@ -116,12 +122,14 @@ def small_batch(batch):
 
 
 def read_calibration(cache, key, small_b):
-    """(Durations at the job's batch, Durations at ``small_b`` or None)
-    from the JSON file ``cache`` when it holds this job's (``key``) in this
-    format (``CALIBRATION_FORMAT``) with its second trace at ``small_b``
+    """(Durations at the job's batch, Durations at ``small_b`` or None, the
+    host's add rate in seconds per byte or None) from the JSON file
+    ``cache`` when it holds this job's (``key``) in this format
+    (``CALIBRATION_FORMAT``) with its second trace at ``small_b``
     (``small_batch``); None otherwise: a file of another job, unreadable,
     or of an older format (one trace: measured again rather than read
-    without its second run)."""
+    without its second run). The add rate is None in a file written before
+    it was kept there."""
     from .scaling.trace_reader import Durations
     if not cache or not os.path.isfile(cache):
         return None
@@ -140,29 +148,47 @@ def read_calibration(cache, key, small_b):
     small = data.get("small")
     if (small or {}).get("batch") != small_b:
         return None
-    return durations(data), (durations(small) if small else None)
+    add = data.get(ADD_RATE_KEY)
+    return durations(data), (durations(small) if small else None), \
+        (float(add) if isinstance(add, (int, float)) and add >= 0 else None)
 
 
 def calibrate(job, path, overrides, cache, log=None):
     """(Durations at the job's batch, (Durations, job) at ``small_batch`` or
-    None, the calibration job): op times of ``job`` measured on one rank, from
-    ``cache`` (a JSON file) when it holds them for this job
-    (``read_calibration``), else measured by two short traced runs of one
-    rank (``train --profile-iters``: at the job's batch and at the smaller
-    one) and written there."""
+    None, the calibration job, the host's add rate in seconds per byte):
+    op times of ``job`` measured on one rank, from ``cache`` (a JSON file)
+    when it holds them for this job (``read_calibration``), else measured
+    by two short traced runs of one rank (``train --profile-iters``: at the
+    job's batch and at the smaller one) and written there, with the add
+    rate (``ADD_RATE_KEY``; added to a file that lacks it)."""
+    from .scaling.link import reduce_cost_per_byte
     key = calibration_key(job)
     small_b = small_batch(job.train_batch)
     small_sets = (f"data.train.batch_size={small_b}",)
     found = read_calibration(cache, key, small_b)
     if found is not None:
-        durations, small = found
+        durations, small, add = found
+        if add is None:
+            add = reduce_cost_per_byte()
+            _add_to_calibration(cache, add)
     else:
-        durations, small = _measure(job, path, overrides, cache, key, small_b, small_sets, log)
+        add = reduce_cost_per_byte()
+        durations, small = _measure(job, path, overrides, cache, key, small_b, small_sets, add,
+                                    log)
     return (durations, (small, _calibration_job(path, overrides, small_sets)) if small else None,
-            _calibration_job(path, overrides))
+            _calibration_job(path, overrides), add)
 
 
-def _measure(job, path, overrides, cache, key, small_b, small_sets, log):
+def _add_to_calibration(cache, add):
+    """Write the add rate ``add`` into the calibration file ``cache``
+    (read by ``read_calibration``: a JSON object) that lacks it."""
+    with open(cache, encoding="utf-8") as f:
+        data = json.load(f)
+    data[ADD_RATE_KEY] = add
+    write_text_replacing(cache, json.dumps(data))
+
+
+def _measure(job, path, overrides, cache, key, small_b, small_sets, add, log):
     """``calibrate``'s two traced runs, written to ``cache``."""
     if log:
         batches = f"batch {job.train_batch}" + (f" and {small_b}" if small_b else "")
@@ -185,6 +211,7 @@ def _measure(job, path, overrides, cache, key, small_b, small_sets, log):
         text = json.dumps({"format": CALIBRATION_FORMAT, "key": key, "job": job.name,
                            **entry(durations),
                            "small": dict(entry(small), batch=small_b) if small else None,
+                           ADD_RATE_KEY: add,
                            "measured_s": round(time.perf_counter() - t0, 3)})
         write_text_replacing(cache, text)  # renamed over it: never through a link
     return durations, small
@@ -523,14 +550,15 @@ def _touched(graph, name):
 class Predictor:
     """The scaling predictor, calibrated once, for any candidate job."""
 
-    def __init__(self, calib_job, durations, link, algorithm="auto", small=None):
+    def __init__(self, calib_job, durations, link, algorithm="auto", small=None, add=None):
         """``small``: (Durations, job) of the calibration's second trace at
-        a smaller batch (``calibrate``), or None: the proportional rule."""
+        a smaller batch (``calibrate``), or None: the proportional rule;
+        ``add``: the host's add rate (``calibrate``), None: timed now."""
         from .graph import compose_for
         from .scaling.link import reduce_cost_per_byte
         from .scaling.model import dispatch_overhead
         self.durations, self.link, self.algorithm = durations, link, algorithm
-        self.copy_cost = reduce_cost_per_byte()
+        self.copy_cost = reduce_cost_per_byte() if add is None else add
         self.overhead = dispatch_overhead(calib_job, durations, link, algorithm,
                                           self.copy_cost, {})
         self.traced = compose_for(calib_job, 1, 0)
@@ -644,9 +672,11 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     from .scaling.link import make_link
     t0 = time.perf_counter()
     job = load_job(path, tuple(overrides), check_files=False)
-    durations, small, calib_job = calibrate(job, path, overrides, calibration, log)
-    predictor = Predictor(calib_job, durations, link or make_link(None, None, None), algorithm,
-                          small)
+    durations, small, calib_job, add = calibrate(job, path, overrides, calibration, log)
+    link = link or make_link(None, None, None, gamma=add)
+    if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
+        link = dataclasses.replace(link, gamma=add, gamma_measured=False)
+    predictor = Predictor(calib_job, durations, link, algorithm, small, add)
     cands = candidates(job, n, durations, predictor)
     for c in cands:
         if c.after is None or c.after.error is None:

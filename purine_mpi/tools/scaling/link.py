@@ -67,6 +67,9 @@ class Link:
     beta_busy: float = None
     alpha_put: float = None  # a one-sided transfer's latency and bandwidth
     beta_put: float = None   # (None: those of a message)
+    #: γ was timed when this Link was made (``make_link`` without a link
+    #: file or a given γ): ``plan --choose`` takes the calibration's instead
+    gamma_measured: bool = False
 
     def busy(self):
         """This link as it runs while the rank computes (β_busy for β)."""
@@ -204,7 +207,8 @@ def make_link(bandwidth=None, latency=None, link_file=None, gamma=None):
         link = load_link(link_file)
     else:
         link = Link(DEFAULT_ALPHA, DEFAULT_BETA,
-                    reduce_cost_per_byte() if gamma is None else gamma, DEFAULT_ORIGIN)
+                    reduce_cost_per_byte() if gamma is None else gamma, DEFAULT_ORIGIN,
+                    gamma_measured=gamma is None)
     parts = []
     if bandwidth is not None:
         link.beta = parse_rate(bandwidth)
