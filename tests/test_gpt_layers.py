@@ -269,9 +269,14 @@ def test_attention_numeric_grad(path):
 @pytest.mark.parametrize("path", ["fused", "raw"])
 def test_attention_long_rows_with_large_logits_stay_finite(path):
     """Rows of 2048 positions with logits in the thousands: the
-    max-subtracted softmax neither overflows nor loses the answer."""
+    max-subtracted softmax neither overflows nor loses the answer. The data
+    come from a generator of the test's own: at such logits the float32
+    context's error against the float64 reference is the inputs'
+    conditioning (PyTorch's float32 SDPA has the same error to 3 digits on
+    16 seeds, 0.2-0.8 of the tolerance; one draw of the module's shared
+    generator, which depends on the tests run before, reached 1.2)."""
     t, c = 2048, 8
-    qkv = randn(1, t, 3 * c)
+    qkv = np.random.default_rng(0).standard_normal((1, t, 3 * c)).astype(np.float32)
     qkv[:, :, :2 * c] *= 30  # q . k / sqrt(8) up to a few thousand
     with np.errstate(over="raise", invalid="raise"):
         ctx, dqkv, lw = run_attention(path, qkv, heads=1)
