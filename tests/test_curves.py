@@ -237,6 +237,25 @@ def test_tensorboardx_loads_without_torch():
     assert res.stdout.split() == ["0", str(installed)], res.stdout  # torch modules loaded
 
 
+def test_two_runs_in_one_second_keep_both_event_files(tmp_path):
+    """tensorboardX names an event file by the whole second and the host and
+    opens it for writing: a run resumed within the second the previous one
+    started wiped that run's events (the split run of the test above lost
+    steps 5 and 10 once the start-up got faster). Two logs opened at once in
+    one folder keep both files and both scalars."""
+    pytest.importorskip("tensorboardX")
+    from purine_mpi.job.tensorboard import TensorBoardLog
+    folder = tmp_path / "tb"
+    for it, purge in ((5, None), (10, 6)):
+        log = TensorBoardLog(str(folder), purge_step=purge)
+        log.write({"phase": "train", "iter": it, "loss": float(it), "timestamp": 1.0})
+        log.close()
+    got, purges = tb_scalars(folder)
+    assert len(glob.glob(str(folder / "events.out.tfevents.*"))) == 2
+    assert {key: value for key, (value, _) in got.items()} == \
+        {("train/loss", 5): 5.0, ("train/loss", 10): 10.0}
+
+
 def test_force_deletes_the_tensorboard_folder(runs, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(runs["straight"] / "tb", out / "tb")

@@ -12,6 +12,7 @@ checkpoint. View with ``tensorboard --logdir runs``.
 tensorboardX is optional (``pip install 'purine_mpi[tensorboard]'``);
 ``require_tensorboard`` checks for it before training starts.
 """
+import os
 import sys
 
 from ..base.errors import UserError
@@ -45,13 +46,28 @@ def require_tensorboard():
     return SummaryWriter
 
 
+def fresh_suffix(folder):
+    """A suffix no event file in ``folder`` ends with: ``.<pid>.<k>``.
+
+    tensorboardX names a file ``events.out.tfevents.<whole seconds>.<host>``
+    and opens it for writing: a run resumed within the second the previous
+    one started (quick runs, an immediate requeue) reused the name and wiped
+    the earlier run's events."""
+    names = os.listdir(folder)
+    k = 0
+    while any(n.endswith(f".{os.getpid()}.{k}") for n in names):
+        k += 1
+    return f".{os.getpid()}.{k}"
+
+
 class TensorBoardLog:
     """Scalars of metrics rows into an event file in ``folder``."""
 
     def __init__(self, folder, purge_step=None):
         writer = require_tensorboard()
         make_run_folder(folder)  # tb/ itself, never a link to a folder elsewhere
-        self.writer = writer(logdir=folder, purge_step=purge_step, flush_secs=10)
+        self.writer = writer(logdir=folder, purge_step=purge_step, flush_secs=10,
+                             filename_suffix=fresh_suffix(folder))
 
     def write(self, rec):
         phase, step = rec.get("phase", "train"), int(rec["iter"])
