@@ -165,7 +165,7 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
     for entry in plan if kind else ():
         wb = graph.blobs[entry["weights"]]
         if kind == "shared":
-            specs.append((f"{PREFIX}{entry['weights']}@{group[0]}", group[0], tuple(wb.shape),
+            specs.append((shard_region(entry["weights"], group[0]), group[0], tuple(wb.shape),
                           str(wb.dtype)))
             continue
         for i, r in enumerate(group):
@@ -206,7 +206,9 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
 
 
 def shard_region(weights, rank):
-    """The window region of rank ``rank``'s shard of bucket ``weights``."""
+    """The window region of rank ``rank``'s shard of bucket ``weights`` (with
+    stages on one node: the stage's shared region of the bucket, owned by
+    its first rank ``rank``)."""
     return f"{PREFIX}{weights}@{rank}"
 
 
@@ -273,7 +275,7 @@ def share_weights(graph, plan, rank, owner, group=None):
     gets ``window`` (its region) and ``gathers`` {"acquire", "release"}."""
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
-        region = PREFIX + weights if group is None else f"{PREFIX}{weights}@{owner}"
+        region = PREFIX + weights if group is None else shard_region(weights, owner)
         wb = graph.blobs[weights]
         attrs = {k: v for k, v in wb.attrs.items() if k != WORKING_SET_ATTR}
         # the region is the buffer; its views (the weights) view it; the

@@ -608,7 +608,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
                 lims[where] = (int(lim), why)
             need.setdefault("host", max(f.host_total for f in fps))
         # the host per node (plan's check): the fullest node's ranks summed
-        for c in plan_node_checks(by_rank, like, n, limits)[1]:
+        for c in plan_node_checks(by_rank, like, n, limits):
             if "node" not in need or \
                     c["need_bytes"] - c["limit_bytes"] > need["node"] - lims["node"][0]:
                 need["node"], lims["node"] = c["need_bytes"], (c["limit_bytes"], c["limit_from"])

@@ -162,7 +162,7 @@ def node_checks(needs, nodes, limits, avail, held=None, placed=None):
 
 
 def plan_node_checks(fps, like, size, limits):
-    """(rank -> host need, ``node_checks``) for ``plan`` (``fps``, ``like``:
+    """``node_checks`` for ``plan`` (``fps``, ``like``:
     ``offline_footprints``' and ``ranks_to_build``'s): the ranks placed in
     blocks of ``node_ranks``, each node checked against this host's
     MemAvailable (the node plan runs on stands for each)."""
@@ -172,31 +172,30 @@ def plan_node_checks(fps, like, size, limits):
     avail = mem_available()
     placed = (f"{per_node} ranks a node, from {source}" if source else
               f"all {size} ranks on one node" if size > 1 else "")
-    return needs, node_checks(needs, nodes, limits,
-                              None if avail is None else [avail] * len(nodes), placed=placed)
+    return node_checks(needs, nodes, limits, None if avail is None else [avail] * len(nodes),
+                       placed=placed)
 
 
-def _ranks_text(ranks):
-    from ..parallel.schemes.base import ranges
-    return ranges(list(ranks))
+#: what ``node_refusal`` says would make a node fit (``plan`` prints it
+#: under a node that does not)
+NODE_ADVICE = "fewer ranks a node, a smaller batch or more pipeline stages would need less"
 
 
 def node_refusal(check, needs, name=None):
     """The one line a node whose ranks' host needs outgrow its memory is
     refused with (``needs``: rank -> bytes; ``name``: its host name)."""
+    from ..parallel.schemes.base import ranges
     ranks = check["ranks"]
-    if len(ranks) == 1:
-        return (f"node {check['node']}" + (f" ({name})" if name else "") +
-                f": rank {ranks[0]} needs {human_bytes(check['need_bytes'])} of host memory, "
-                f"more than the {human_bytes(check['limit_bytes'])} the node has "
-                f"({check['limit_from']}); a smaller batch or more pipeline stages would need "
-                "less; or skip the check with --no-memory-check")
-    each = ", ".join(f"rank {r} {human_bytes(needs[r])}" for r in ranks)
     where = f"node {check['node']}" + (f" ({name})" if name else "")
-    return (f"{where}: its ranks {_ranks_text(ranks)} need {human_bytes(check['need_bytes'])} "
-            f"of host memory together ({each}), more than the "
-            f"{human_bytes(check['limit_bytes'])} the node has ({check['limit_from']}); "
-            "fewer ranks a node, a smaller batch or more pipeline stages would need less; "
+    over = (f"more than the {human_bytes(check['limit_bytes'])} the node has "
+            f"({check['limit_from']})")
+    if len(ranks) == 1:
+        return (f"{where}: rank {ranks[0]} needs {human_bytes(check['need_bytes'])} of host "
+                f"memory, {over}; a smaller batch or more pipeline stages would need less; "
+                "or skip the check with --no-memory-check")
+    each = ", ".join(f"rank {r} {human_bytes(needs[r])}" for r in ranks)
+    return (f"{where}: its ranks {ranges(ranks)} need {human_bytes(check['need_bytes'])} "
+            f"of host memory together ({each}), {over}; {NODE_ADVICE}; "
             "or skip the check with --no-memory-check")
 
 
@@ -611,7 +610,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         fits = {where: {"need_bytes": need_of(fp, d), "limit_bytes": int(lim), "limit_from": why,
                         "fits": need_of(fp, d) <= lim} for where, d, lim, why in lims}
         kinds.append((fp, ranks, fits))
-    needs, node_fits = plan_node_checks(fps, like, size, limits)
+    node_fits = plan_node_checks(fps, like, size, limits)
     ok = all(f["fits"] for _, _, fits in kinds for f in fits.values()) and \
         all(c["fits"] for c in node_fits)
     if as_json:
@@ -702,8 +701,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         if not c["fits"]:  # a rank alone on its node: the batch that would fit it
             lines.append("  " + (advice(job, size, c["ranks"][0], -1, c["limit_bytes"],
                                         c["need_bytes"], everyone, restore)
-                                 if len(c["ranks"]) == 1 else
-                                 node_refusal(c, needs).split("; ", 1)[1].rsplit("; or", 1)[0]))
+                                 if len(c["ranks"]) == 1 else NODE_ADVICE))
     if like:
         lines.append(f"ranks {ranges(sorted(like))} were not built: each holds what " +
                      ("worker rank 1 holds" if per == "worker" else

@@ -260,8 +260,9 @@ def simulate(graphs, iterations=6):
     for r, rk in ranks.items():
         if len(rk.iteration_end) < iterations:
             stuck = sorted(rk.schedule.waiting())[:5]
-            raise SimulationStalled(f"simulation of rank {r} stalled in iteration "
-                               f"{min(set(range(iterations)) - set(rk.iteration_end))}: {', '.join(stuck)} never ran "
-                               "(a Send or Recv without its match, or a dependency cycle)")
+            first = min(set(range(iterations)) - set(rk.iteration_end))
+            raise SimulationStalled(
+                f"simulation of rank {r} stalled in iteration {first}: {', '.join(stuck)} "
+                "never ran (a Send or Recv without its match, or a dependency cycle)")
     return SimResult({r: [rk.iteration_end[i] for i in range(iterations)]
                       for r, rk in ranks.items()}, dict(spans))
