@@ -266,7 +266,9 @@ def worker(args):
         row.update({f"{m}_ms": round(t * 1000, 6) for m, t in best.items()})
         for m in ("put", "shared"):
             if m in best:
-                row[f"speedup_{m}"] = round(best["send_recv"] / best[m], 3)
+                # three significant digits: a ratio far below 1 (a put slowed by a
+                # busy machine) keeps its figure instead of rounding to 0.005
+                row[f"speedup_{m}"] = float(f"{best['send_recv'] / best[m]:.3g}")
         out["messages"].append(row)
     for mib in (args.reduce_mib if one_node else ()):
         best, ok = time_reduce(comm, int(mib * 1024 * 1024), args.best_of)
