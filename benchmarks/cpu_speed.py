@@ -16,7 +16,9 @@ AdamW, rate schedule and clipping, and the figures are tokens/s
 config, each side's images/s (median and range over the pairs), every
 pair's ratio (purine_mpi / PyTorch) and their median and range, and each
 side's peak RSS in MiB (``*_max_rss_mib``: the whole process, its
-framework's import included, as ``/usr/bin/time -v`` reports it). Timing is
+framework's import included, as ``/usr/bin/time -v`` reports it; VmHWM,
+not getrusage's ru_maxrss, which a process started here with subprocess
+inherits from this one: base/rss.peak_rss_bytes). Timing is
 wall clock, as ``bench`` reports it; on a shared machine compare the ratios
 of one run, not figures across runs. ``--baseline DIR`` (a checkout of
 another version, e.g. made by ``git worktree add DIR main``) adds its

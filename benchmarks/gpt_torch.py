@@ -171,9 +171,10 @@ def torch_bench(config, iters, warmup, queue=None):
     """PyTorch doing the job's training steps (same model, AdamW with the
     rate schedule, clipping, random windows of random tokens), one thread:
     {iter_ms_median, tokens_per_s, images_per_s, max_rss_bytes}."""
-    import resource
     import statistics
+
     import torch
+    from scaling_ddp import peak_rss_bytes
     torch.set_num_threads(1)
     torch.manual_seed(0)
     solver, spec = config["solver"], config["data"]["train"]
@@ -194,7 +195,7 @@ def torch_bench(config, iters, warmup, queue=None):
     batch = spec["batch_size"]
     result = {"iter_ms_median": round(1000 * med, 3), "images_per_s": round(batch / med, 2),
               "tokens_per_s": round(batch * spec["sequence_length"] / med, 2),
-              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "max_rss_bytes": peak_rss_bytes()}
     if queue is not None:
         queue.put(result)
     return result

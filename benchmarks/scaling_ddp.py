@@ -40,6 +40,20 @@ def one_thread_env():
     return env
 
 
+def peak_rss_bytes():
+    """This process's peak RSS in bytes, ``import torch`` included: purine_mpi's
+    base/rss.peak_rss_bytes (VmHWM: not the peak of the process that started
+    this one, which getrusage's ru_maxrss reports after a vfork), loaded from
+    its file, as importing the package would set the PyTorch process's malloc
+    arenas and threads."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "purine_rss", os.path.join(ROOT, "purine_mpi", "base", "rss.py"))
+    rss = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rss)
+    return rss.peak_rss_bytes()
+
+
 def bench_cmd(config, iters, warmup, sets=()):
     cmd = [sys.executable, "-m", "purine_mpi", "bench", config, "--iters", str(iters),
            "--warmup", str(warmup), "--json"]
@@ -158,9 +172,7 @@ def torch_worker(rank, world, config, iters, warmup, port, queue):
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
-    import resource  # the process's peak RSS (Linux: KiB), `import torch` included
-    queue.put((rank, statistics.median(times),
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    queue.put((rank, statistics.median(times), peak_rss_bytes()))
     if world > 1:
         dist.destroy_process_group()
 

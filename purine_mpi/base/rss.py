@@ -1,13 +1,14 @@
 """This process's resident memory (Linux): ``rss_bytes`` now
 (/proc/self/statm's resident pages), ``peak_rss_bytes`` its high-water mark
-(getrusage's ``ru_maxrss``, kibibytes on Linux). ``train`` reads the first
-after MPI's initialisation and ``preload_deferred_imports``, before any
-graph is built (the baseline), and the second at the end of the run: the
-difference is what ``plan``'s host total predicts (docs/running.md, "Will
-it fit?")."""
+(/proc/self/status's ``VmHWM``; getrusage's ``ru_maxrss`` only where /proc
+is missing, as it survives execve). ``train`` reads the first after MPI's
+initialisation and ``preload_deferred_imports``, before any graph is built
+(the baseline), and the second at the end of the run: the difference is
+what ``plan``'s host total predicts (docs/running.md, "Will it fit?")."""
 import importlib
 import os
 import resource
+import sys
 
 #: the libraries a run imports only when it first needs them (h5py: the data
 #: files and checkpoints; numpy.random: the data order, initialisers and
@@ -33,8 +34,23 @@ def rss_bytes():
 
 
 def peak_rss_bytes():
-    """The most bytes this process has had resident (ru_maxrss, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The most bytes this process has had resident: /proc/self/status's
+    ``VmHWM``, the high-water mark of its own memory, which execve starts
+    anew. getrusage's ``ru_maxrss`` is the fallback where /proc is missing
+    (kibibytes on Linux, bytes on macOS): Linux keeps it across execve, and
+    a child that Python's subprocess starts with vfork executes in its
+    parent's memory, so a ``train`` started from a pytest worker that had
+    reached 1 GB reported that gigabyte as its own peak (memory.json: 898
+    MiB above the baseline against plan's 230.5)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 _M_MMAP_THRESHOLD = -3

@@ -26,7 +26,6 @@ rank's peak RSS and model-state totals.
 ``run_bench`` takes a job (job/job.py).
 """
 import dataclasses
-import resource
 import statistics
 import time
 
@@ -34,6 +33,7 @@ import numpy as np
 
 from ..base.backend import cupy_available, xp_for_device
 from ..base.errors import UserError
+from ..base.rss import peak_rss_bytes
 from ..comm.ops import collective_bytes
 from ..gpu.memory import start_peak_memory
 from ..job.job import DataSpec
@@ -285,7 +285,7 @@ def per_rank_figures(world, state):
     ``model_state_bytes_per_rank`` ({"held": [...], "peak": [...]}), summed
     over ``world`` from each rank's own slot."""
     mine = np.zeros((3, world.size), dtype=np.float64)
-    mine[:, world.rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    mine[:, world.rank] = (peak_rss_bytes(),
                            state["model_state_bytes"]["total"],
                            state["model_state_peak_bytes"]["total"])
     every = world.allreduce(mine, "sum", "the ranks' memory figures") if world.size > 1 else mine
