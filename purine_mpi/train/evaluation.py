@@ -9,7 +9,6 @@ figures for the services after it (watch.py) and the run's result.
 """
 import numpy as np
 
-
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
