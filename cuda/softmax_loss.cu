@@ -188,11 +188,13 @@ __device__ void softmax_loss_mean_impl(long long total, const T* loss, const T* 
 }
 
 // The loss normaliser alone, from the labels (the backward of a loss with an
-// ignore_label or a pad_label): out_count = max(number of labels counted, 1).
+// ignore_label or a pad_label): out_count = max(number of labels counted,
+// floor); floor 1 for the normaliser, 0 for the count itself (the test
+// pass's weight of a batch, ops/softmax.py CountedPositions).
 template <typename T>
 __device__ void softmax_loss_count_impl(long long total, const long long* labels,
                                         int ignore_label, int has_ignore, int pad_label,
-                                        int has_pad, T* out_count) {
+                                        int has_pad, T* out_count, int floor) {
   __shared__ double counted[PURINE_SOFTMAX_THREADS];
   __shared__ double unused[PURINE_SOFTMAX_THREADS];
   const unsigned int tid = threadIdx.x;
@@ -206,7 +208,8 @@ __device__ void softmax_loss_count_impl(long long total, const long long* labels
   unused[tid] = 0.0;
   __syncthreads();
   purine_block_sum2(counted, unused);
-  if (blockIdx.x == 0 && tid == 0) out_count[0] = (T)(counted[0] > 1.0 ? counted[0] : 1.0);
+  if (blockIdx.x == 0 && tid == 0)
+    out_count[0] = (T)(counted[0] > (double)floor ? counted[0] : (double)floor);
 }
 
 // Softmax alone over axis 1 (the Softmax op; the GPU's path, which a CUDA
@@ -334,9 +337,9 @@ PURINE_ACCURACY_ENTRY(f64, double)
   }                                                                             \
   extern "C" __global__ void softmax_loss_count_##SUFFIX(                       \
       long long total, const long long* labels, int ignore_label, int has_ignore,     \
-      int pad_label, int has_pad, T* out_count) {                               \
+      int pad_label, int has_pad, T* out_count, int floor) {                    \
     softmax_loss_count_impl<T>(total, labels, ignore_label, has_ignore,         \
-                               pad_label, has_pad, out_count);                  \
+                               pad_label, has_pad, out_count, floor);           \
   }
 
 #define PURINE_SOFTMAX_ENTRY(SUFFIX, T)                                         \

@@ -74,16 +74,6 @@ def _valid(lab, skipped):
     return valid
 
 
-def counted_positions(attrs, label):
-    """How many positions of ``label`` a SoftmaxLoss or Accuracy with
-    ``attrs`` counts (label neither ``ignore_label`` nor ``pad_label``):
-    the number its batch figure is the mean over, as an int (0 when none;
-    a host array, e.g. read back from a GPU). The test pass weights each
-    batch's figure by it (train/evaluation.py)."""
-    lab = np.asarray(label).reshape(-1).astype(np.int64)
-    return int(_valid(lab, _skipped(attrs)).sum())
-
-
 def _labels(attrs, label, outer, channels, inner):
     """Labels as int64 (outer, inner), the mask of counted positions, and
     the count (at least 1, as Caffe's normalizer, so an all-ignored batch
@@ -410,3 +400,44 @@ class Accuracy(OpKernel):
         correct = (better < int(self.attrs.get("top_k", 1))) & valid & finite
         n_valid = int(valid.sum())
         outs[0][...] = correct.sum() / n_valid if n_valid else 0.0
+
+
+@register
+class CountedPositions(OpKernel):
+    """[label] -> [count]: how many positions of ``label`` a SoftmaxLoss or
+    Accuracy with the same attrs ``ignore_label`` and ``pad_label`` counts
+    (label neither ``ignore_label`` nor ``pad_label``), a 0-d float64: the
+    number its batch figure is the mean over. The test pass weighs a figure
+    with an ``ignore_label`` by it (train/evaluation.py): counted in the
+    graph, when the op that makes the figure reads the label, rather than
+    from the label blob after the batch, which a pipeline stage's transfer
+    window hands back to the stage before as soon as its readers are done
+    (the next batch's label may be in it by then). A test-time op: no
+    gradient. On a GPU one block of cuda/softmax_loss.cu counts
+    (``softmax_loss_count`` with floor 0: an all-ignored batch weighs 0,
+    where the loss's normaliser is at least 1); nothing is read back."""
+
+    op_type = "CountedPositions"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        if len(ins) != 1:
+            raise ShapeError(f"CountedPositions takes one input (the label), got {len(ins)}")
+        return [((), "float64")]
+
+    def scratch_specs(self, ins, outs):
+        return _raw_specs(outs[0], _label_specs(ins[0]))
+
+    def setup(self, ins, outs):
+        _reserve(self, outs[0], self.scratch_specs(ins, outs))
+
+    def run(self, ins, outs):
+        label, count = ins[0], outs[0]
+        k = raw_kernels(get_xp(count), count)
+        if k is not None:  # GPU: one block counts on the device, in stream order
+            buf = self.temporaries(count, *self.scratch_specs(ins, outs))
+            lab = _device_labels(label, buf, (int(np.prod(label.shape, dtype=np.int64)),))
+            k.softmax_loss_count(lab, self.attrs.get("ignore_label"), count.reshape(1),
+                                 pad_label=self.attrs.get("pad_label"), floor=0)
+            return
+        count[...] = _valid(label.reshape(-1).astype(np.int64), _skipped(self.attrs)).sum()

@@ -44,9 +44,10 @@ class RankGraphs:
     test_keys: list = dataclasses.field(default_factory=list)   # their metrics.jsonl keys
     test_scales: list = dataclasses.field(default_factory=list)  # their factors (loss_weight)
     test_pad: object = None   # the test data op's pad_label (job/replica.mark_padding), or None
-    # per test_names entry: None (a mean over the batch's samples), or, for a
+    # per test_names entry: False (a mean over the batch's samples), or, for a
     # SoftmaxLoss/Accuracy with an ignore_label (a mean over its counted
-    # positions), (its label blob on this rank or None, its attrs)
+    # positions), (the blob of its CountedPositions op, None where this
+    # rank's graph lacks it,)
     test_counts: list = dataclasses.field(default_factory=list)
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
@@ -136,27 +137,40 @@ def _add_test_graph(out, job, world, scheme):
         # the loss blobs times their loss_weight
         out.test_scales = [float(weights[b]) for b in out.test_losses] + \
             [1.0] * (len(out.test_names) - len(out.test_losses))
+        # a figure with an ignore_label is weighted by its counted positions,
+        # counted in the graph beside it (ops/softmax.py CountedPositions)
+        counts = [_add_count(test, b) for b in out.test_names]
     out.test_graph = scheme.compose_test(test, job, world).graph if test is not None else None
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False,
                            precision=job.precision)
-    if out.test_graph is not None:  # after the device's changes: the label the op reads there
-        out.test_counts = [_counted_by(test, b) and _counted_by(out.test_graph, b, attrs=True)
-                           for b in out.test_names]
+    if out.test_graph is not None:
+        # per figure: False, or (its count blob, None where this rank's
+        # graph lacks it: a pipeline's other stages)
+        out.test_counts = [c is not None and (c if c in out.test_graph.blobs else None,)
+                           for c in counts]
 
 
-def _counted_by(graph, blob, attrs=False):
-    """Whether ``blob`` is the output of a SoftmaxLoss or Accuracy of
+def _add_count(graph, blob):
+    """When ``blob`` is the output of a SoftmaxLoss or Accuracy of
     ``graph`` with an ``ignore_label`` (its batch figure is the mean over
-    the positions it counts, ops/softmax.py ``counted_positions``); with
-    ``attrs``: (its label blob, its attrs), or (None, None) when ``graph``
-    (this rank's composed test graph: a pipeline's other stages) lacks it."""
-    for op in graph.ops.values():
+    the positions it counts): a
+    ``CountedPositions`` op beside it, of its label and attrs, added to
+    ``graph``; returns its output blob (``<blob>.counted``), else None.
+    Named after the op's layer, so a pipeline puts it on that op's stage,
+    and a reader of the label, so a stage transfer's release of the label
+    waits for it."""
+    for op in list(graph.ops.values()):
         if op.op_type in ("SoftmaxLoss", "Accuracy") and op.outputs[0] == blob:
             if op.attrs.get("ignore_label") is None:
-                return False
-            return (op.inputs[1], dict(op.attrs)) if attrs else True
-    return (None, None) if attrs else False
+                return None
+            count = f"{blob}.counted"
+            graph.add_op(f"{op.name}.counted", "CountedPositions", [op.inputs[1]], [count],
+                         {k: op.attrs[k] for k in ("ignore_label", "pad_label")
+                          if op.attrs.get(k) is not None}, op.location, op.thread)
+            graph.blobs[count].shape, graph.blobs[count].dtype = (), "float64"
+            return count
+    return None
 
 
 def param_summary(graph):

@@ -147,9 +147,9 @@ def workspace_plans(graphs, planned=True, test_reads=None):
         out.host, out.devices = memory_plans(g, keep=out.keep, skip=window_blobs(g))
     tg = graphs.test_graph
     if tg is not None:
-        # the labels a test pass counts positions of after each batch (train/evaluation.py)
-        labels = [c[0] for c in graphs.test_counts if c and c[0] is not None]
-        out.test_keep = list(graphs.test_names) + batch_blobs(tg) + labels + \
+        # the counted positions a test pass reads after each batch (train/evaluation.py)
+        counts = [c[0] for c in graphs.test_counts if c and c[0] is not None]
+        out.test_keep = list(graphs.test_names) + batch_blobs(tg) + counts + \
             list(test_reads(tg) if test_reads else ())
         out.test_skip = window_blobs(tg) + shared_params(graphs)
         if planned:

@@ -9,10 +9,7 @@ figures for the services after it (watch.py) and the run's result.
 """
 import numpy as np
 
-from ..base.backend import to_numpy
-
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
-from ..ops.softmax import counted_positions
 from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
 from .collectives import average_running_stats, world_sum
@@ -54,8 +51,10 @@ class Evaluation(Service):
         and batches of a batch's figure times its count, over the counts'
         sum. A batch's figure is a mean over its counted samples, or, for a
         SoftmaxLoss or Accuracy with an ``ignore_label``, over its counted
-        positions (``counted_positions``, read from its label right after
-        the batch): so the loss is the sum of the positions' losses over
+        positions (counted in the graph by a ``CountedPositions`` op on the
+        label the figure's op reads: a pipeline stage's label is a transfer
+        window the stage before refills with the next batch's as soon as
+        its readers are done): so the loss is the sum of the positions' losses over
         their number (PyTorch's ``ignore_index``, Caffe's VALID over the
         whole pass), the accuracy the right positions over the counted."""
         if loop.test is None:
@@ -102,9 +101,8 @@ class Evaluation(Service):
                     if b not in ws.arrays:
                         continue
                     weight = mine
-                    if by_position[j] and mine:  # the label read now: the next batch rewrites it
-                        label, attrs = loop.graphs.test_counts[j]
-                        weight = float(counted_positions(attrs, to_numpy(ws[label])))
+                    if by_position[j] and mine:  # counted in the graph, beside the figure
+                        weight = float(ws[loop.graphs.test_counts[j][0]])
                         positions[j] += weight
                     sums[j] += weight * scale * float(ws[b])
                 bar.update(int(counts.sum()))

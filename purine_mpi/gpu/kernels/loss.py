@@ -174,16 +174,17 @@ def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None, pad_label
     return out
 
 
-def softmax_loss_count(labels, ignore_label, out, pad_label=None):
+def softmax_loss_count(labels, ignore_label, out, pad_label=None, floor=1):
     """out = max(number of labels that are neither ``ignore_label`` nor
-    ``pad_label`` (each None: none), 1), one block on the device."""
+    ``pad_label`` (each None: none), ``floor``), one block on the device:
+    floor 1 for a loss's normaliser, 0 for the count itself."""
     cupy = import_cupy()
     labels = _labels(cupy, labels, labels.size, "softmax_loss_count")
     if not isinstance(out, cupy.ndarray) or out.size != 1:
         raise ValueError("softmax_loss_count: out must be a one-element CuPy array")
     _base._launch_blocks("softmax_loss", "softmax_loss_count", out.dtype, 1, _REDUCE_THREADS,
                    (np.int64(labels.size), labels, *_skipped(ignore_label, pad_label),
-                    out.reshape(1)))
+                    out.reshape(1), _int(floor)))
     return out
 
 

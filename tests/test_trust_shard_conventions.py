@@ -1,0 +1,117 @@
+"""Two figures that data parallelism and micro-batches do not keep equal to
+1 rank × the global batch, pinned against PyTorch as docs/config.md
+("Sample order") states them.
+
+- A ``softmax_loss`` with an ``ignore_label`` over S shards (ranks ×
+  micro-batches): the train row's loss is the mean of the shards' means over
+  their counted positions, and the update's gradient is that loss's
+  (PyTorch DDP's convention), not ``CrossEntropyLoss(ignore_index)`` over the
+  global batch (which 1 rank gives).
+- A ``batch_norm``'s running statistics under 2 ranks: the saved mean is
+  1 rank's (PyTorch's BatchNorm2d over the global batch), the saved variance
+  the mean of the ranks' own running variances (each PyTorch's unbiased
+  running_var of its shard), which lacks the spread of the ranks' batch means.
+
+Shuffle off: iteration i reads the global batch [(i−1)·G, i·G) of digits'
+train split.
+"""
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import run_mpi_cli, write_config_file
+
+G = 16  # the global batch
+
+
+def _config(digits_h5, net, solver, parallel, max_iter):
+    return {"name": "shards", "seed": 3,
+            "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
+                               "batch_size": G // 2, "shuffle": False}},
+            "net": net, "parallel": parallel,
+            "solver": dict({"lr_policy": "fixed", "momentum": 0.0, "weight_decay": 0.0,
+                            "max_iter": max_iter, "test_interval": 0, "display": 1}, **solver),
+            "checkpoint": {"interval": 1, "keep": 100}}
+
+
+def _train(tmp_path, cfg):
+    out = tmp_path / "run"
+    res = run_mpi_cli(2, "train", write_config_file(tmp_path, cfg), "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+def _params(path, layer):
+    with h5py.File(path, "r") as f:
+        return {k: torch.tensor(f[f"params/{layer}/{k}"][()], dtype=torch.float64)
+                for k in f[f"params/{layer}"]}
+
+
+@pytest.mark.mpi
+def test_ignore_label_over_ranks_and_micro_batches_is_the_mean_of_the_shards_means(
+        digits_h5, tmp_path):
+    """2 ranks × 2 micro-batches (4 shards of 4), one fc layer, plain SGD:
+    at iteration 3 (2 of 16 samples ignored, in different shards) the row's
+    loss and the gradient the update applied (Δw = −lr·g) are the mean of
+    the 4 shards' CrossEntropyLoss(ignore_index=3), not the global batch's."""
+    lr = 0.5
+    net = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 10},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
+            "ignore_label": 3}]
+    out = _train(tmp_path, _config(digits_h5, net, {"base_lr": lr},
+                                   {"scheme": "data", "micro_batches": 2}, 3))
+    with h5py.File(digits_h5, "r") as f:
+        x = torch.tensor(f["train/data"][2 * G:3 * G].reshape(G, -1), dtype=torch.float64)
+        y = torch.tensor(f["train/label"][2 * G:3 * G].astype(np.int64))
+    before, after = _params(out / "ckpt_2.h5", "fc1"), _params(out / "ckpt_3.h5", "fc1")
+    ce = torch.nn.CrossEntropyLoss(ignore_index=3)
+
+    def loss_and_grad(parts):
+        w = before["weight"].clone().requires_grad_(True)
+        z = x @ w.T + before["bias"]
+        loss = sum(ce(z[p], y[p]) for p in parts) / len(parts)
+        loss.backward()
+        return float(loss.detach()), w.grad.numpy()
+    shards = loss_and_grad([slice(k, k + 4) for k in range(0, G, 4)])
+    whole = loss_and_grad([slice(0, G)])
+    assert abs(shards[0] - whole[0]) > 1e-3  # the case tells the two apart
+    with open(out / "metrics.jsonl") as f:
+        row = {r["iter"]: r for r in map(json.loads, f) if r["phase"] == "train"}[3]
+    assert row["loss"] == pytest.approx(shards[0], rel=1e-5), \
+        f"row loss {row['loss']} is not the mean of the shards' means {shards[0]:.6f}"
+    applied = -(after["weight"] - before["weight"]).numpy() / lr
+    np.testing.assert_allclose(applied, shards[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_batch_norm_running_statistics_of_two_ranks_against_pytorch(digits_h5, tmp_path):
+    """lr 0 (the batch norm's input stays that of the saved weights), 3
+    iterations on 2 ranks × 8: the saved running mean is PyTorch's
+    BatchNorm2d over the global batches of 16, the saved running variance
+    the mean of two BatchNorm2d's, each fed its rank's 8 samples."""
+    net = [{"type": "conv", "name": "c1", "bottom": "data", "top": "c1", "num_output": 4,
+            "kernel": 3},
+           {"type": "batch_norm", "name": "bn", "bottom": "c1", "top": "bn", "momentum": 0.1},
+           {"type": "fc", "name": "fc", "bottom": "bn", "top": "fc", "num_output": 10},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"], "top": "loss"}]
+    out = _train(tmp_path, _config(digits_h5, net, {"base_lr": 0.0}, {"scheme": "data"}, 3))
+    conv = _params(out / "latest.h5", "c1")
+    saved = _params(out / "latest.h5", "bn")
+    whole = torch.nn.BatchNorm2d(4, momentum=0.1).double()
+    ranks = [torch.nn.BatchNorm2d(4, momentum=0.1).double() for _ in range(2)]
+    with h5py.File(digits_h5, "r") as f, torch.no_grad():
+        for i in range(3):
+            z = torch.nn.functional.conv2d(
+                torch.tensor(f["train/data"][i * G:(i + 1) * G], dtype=torch.float64),
+                conv["weight"], conv["bias"])
+            whole(z)
+            for r, bn in enumerate(ranks):
+                bn(z[r * G // 2:(r + 1) * G // 2])
+    np.testing.assert_allclose(saved["running_mean"], whole.running_mean, rtol=1e-5, atol=1e-7)
+    ranks_var = (ranks[0].running_var + ranks[1].running_var) / 2
+    np.testing.assert_allclose(saved["running_var"], ranks_var, rtol=1e-6)
+    # the case tells the two apart: 1 rank × 16 keeps another variance
+    assert float((saved["running_var"] - whole.running_var).abs().max()) > 1e-5
