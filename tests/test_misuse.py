@@ -369,7 +369,10 @@ def test_a_user_error_under_mpiexec_is_printed_once_every_time(tmp_path):
 @pytest.mark.mpi
 def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
     """A rank that alone finds a user error (a file missing on its node)
-    prints it once, named by rank, and ends every rank with exit 2."""
+    prints it once, named by rank, and ends every rank with exit 2. The
+    three launches run at once: each waits out the ranks' 3 s agreement
+    (comm/world.py ``report_user_error``), the others waiting in a polled
+    barrier, as the product's own collectives wait."""
     import subprocess
     from .conftest import PYTHON, REPO, cli_env
     mpiexec = _mpiexec_or_skip()
@@ -381,10 +384,18 @@ def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
         "w = get_world()\n"
         "if w.rank == 1:\n"
         "    _report_user_error(UserError(\"data file 'x.h5' not found on this node\"))\n"
-        "w.comm.barrier()  # the others wait for rank 1, which never comes\n")
-    for i in range(3):
-        res = subprocess.run([mpiexec, "-n", "3", PYTHON, str(script)], cwd=REPO,
-                             env=cli_env(), capture_output=True, text=True, timeout=120)
-        assert res.returncode == 2, res.stderr
-        assert res.stderr.strip() == "error: rank 1: data file 'x.h5' not found on this node", \
-            res.stderr
+        "w.barrier()  # the others wait for rank 1, which never comes\n")
+    procs = [subprocess.Popen([mpiexec, "-n", "3", PYTHON, str(script)], cwd=REPO,
+                              env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    try:
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 2, stderr
+            assert stderr.strip() == "error: rank 1: data file 'x.h5' not found on this node", \
+                stderr
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
