@@ -345,47 +345,25 @@ def _mpiexec_or_skip():
     return MPIEXEC
 
 
-def _at_once(cmds, **popen):
-    """[(exit status, stderr)] of the launches ``cmds``, all running at once
-    (their start-ups and waits overlap); every one still running is killed
-    when one fails."""
-    import subprocess
-    procs = []
-    try:
-        for cmd in cmds:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, **popen))
-        stderrs = [proc.communicate(timeout=120)[1] for proc in procs]
-        return [(proc.returncode, stderr) for proc, stderr in zip(procs, stderrs)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.mark.mpi
 def test_a_user_error_under_mpiexec_is_printed_once_every_time(tmp_path):
     """Issue 21, case 10: an error every rank finds (here MPI's thread level)
     is printed exactly once, whole, with exit 2 and no MPICH abort noise, in
-    each of 30 runs (it used to be lost now and then). Two launches run at
-    a time: one alone left 40% of the 2 cores idle (4 in a row: 3.5 CPU-s
-    in 3.0 s)."""
+    each of 30 runs (it used to be lost now and then)."""
+    import subprocess
     from .conftest import PYTHON, cli_env
     mpiexec = _mpiexec_or_skip()
     cfg = tiny_fc_config()
     path = write_config_file(tmp_path, cfg)
     env = dict(cli_env(), MPI4PY_RC_THREAD_LEVEL="funneled")
-    for first in range(0, 30, 2):
-        ended = _at_once([[mpiexec, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
-                           "--out", str(tmp_path / f"o{i}")] for i in (first, first + 1)],
-                         env=env)
-        for i, (status, stderr) in enumerate(ended, first):
-            assert status == 2, (i, stderr)
-            lines = stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith(
-                "error: MPI granted MPI_THREAD_FUNNELED"), (i, stderr)
-            assert lines[0].endswith("'multiple')"), (i, stderr)  # whole, not cut or mixed
+    for i in range(30):
+        res = subprocess.run([mpiexec, "-n", "2", PYTHON, "-m", "purine_mpi", "train", path,
+                              "--out", str(tmp_path / f"o{i}")], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (i, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: MPI granted MPI_THREAD_FUNNELED")
+        assert lines[0].endswith("'multiple')"), (i, res.stderr)  # whole, not cut or mixed
 
 
 @pytest.mark.mpi
@@ -395,7 +373,7 @@ def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
     three launches run at once: each waits out the ranks' 3 s agreement
     (comm/world.py ``report_user_error``), the others waiting in a polled
     barrier, as the product's own collectives wait."""
-    from .conftest import PYTHON, REPO, cli_env
+    from .conftest import PYTHON, REPO, cli_env, run_at_once
     mpiexec = _mpiexec_or_skip()
     script = tmp_path / "one_rank.py"
     script.write_text(
@@ -406,7 +384,8 @@ def test_an_error_of_one_rank_is_printed_by_it_and_ends_the_job(tmp_path):
         "if w.rank == 1:\n"
         "    _report_user_error(UserError(\"data file 'x.h5' not found on this node\"))\n"
         "w.barrier()  # the others wait for rank 1, which never comes\n")
-    for status, stderr in _at_once([[mpiexec, "-n", "3", PYTHON, str(script)]] * 3, cwd=REPO,
-                                   env=cli_env()):
-        assert status == 2, stderr
-        assert stderr.strip() == "error: rank 1: data file 'x.h5' not found on this node", stderr
+    for res in run_at_once([[mpiexec, "-n", "3", PYTHON, str(script)]] * 3, cwd=REPO,
+                           env=cli_env()):
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.strip() == "error: rank 1: data file 'x.h5' not found on this node", \
+            res.stderr
