@@ -142,6 +142,28 @@ def run_mpi_cli(n, *args, timeout=180):
                           timeout=timeout)
 
 
+def run_at_once(cmds, timeout=120, **popen):
+    """``subprocess.run(cmd, capture_output=True, text=True)`` of each of
+    ``cmds``, the launches all running at once: [CompletedProcess]; every
+    one still running is killed when one fails. For launches that mostly
+    wait (an agreement window, a timeout), whose waits then overlap; not
+    for CPU-bound ones, which only share the 2 cores (30 start-up errors
+    two at a time gained nothing measurable on the loaded machine)."""
+    procs = []
+    try:
+        for cmd in cmds:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, **popen))
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
+        return [subprocess.CompletedProcess(proc.args, proc.returncode, *out)
+                for proc, out in zip(procs, outs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``long`` (an issue's target that takes several minutes
     more than CI's ~20-minute budget leaves, e.g. gpt_tiny 300 iterations in

@@ -97,9 +97,11 @@ def test_gpt_tiny_learns_in_a_short_budget(email_h5, tmp_path):
     out = tmp_path / "run"
     res = run_cli_args("train", TINY, "--out", out, "--set", f"data.train.path={email_h5}",
                        "--set", f"data.test.path={email_h5}", "--set", "data.train.batch_size=16",
-                       "--set",
-                       f"solver.max_iter={SHORT_ITERS}", "--set",
-                       f"solver.test_interval={SHORT_ITERS}", timeout=600)
+                       "--set", f"solver.max_iter={SHORT_ITERS}",
+                       "--set", f"solver.test_interval={SHORT_ITERS}",
+                       # no iteration-0 pass (a text source's default; ~4% of this
+                       # test): its loss is not asked here, test_token_logs checks it
+                       "--set", "solver.test_initialization=false", timeout=600)
     assert res.returncode == 0, res.stderr
     tests = [json.loads(line) for line in open(out / "metrics.jsonl")]
     final = [r for r in tests if r.get("phase") == "test"][-1]

@@ -173,6 +173,35 @@ def test_text_spec_validation(email_h5, tmp_path):
     assert "data text" in str(e.value)
 
 
+def test_text_metadata_is_read_once_per_file_version(tmp_path, monkeypatch):
+    """Every graph a job composes infers the data op's shape (the start-up,
+    ``plan``, ``choose``: 8 ranks x each setting): the split's token count
+    is read from the file once per process and file version, again once
+    the file is rewritten, and a file that fails fails every time."""
+    import h5py
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.data import text
+    path = tmp_path / "tokens.h5"
+
+    def write(n):
+        with h5py.File(path, "w") as f:
+            f["train/tokens"] = np.zeros(n, np.uint8)
+
+    opened, real = [], text._open_tokens
+    monkeypatch.setattr(text, "_open_tokens", lambda p, s: opened.append(p) or real(p, s))
+    spec = {"source": "text", "path": str(path), "split": "train", "sequence_length": 8}
+    write(100)
+    assert [source_info(spec) for _ in range(3)] == [(12, (8,))] * 3  # (100 - 9) // 8 + 1
+    assert text.text_resident_bytes(spec) == 100 + 9 * 8
+    assert len(opened) == 1
+    write(200)
+    assert source_info(spec) == (24, (8,)) and len(opened) == 2
+    missing = dict(spec, path=str(tmp_path / "none.h5"))
+    for _ in range(2):
+        with pytest.raises(UserError, match="not found"):
+            source_info(missing)
+
+
 def _files(path):
     import h5py
     with h5py.File(path, "r") as f:

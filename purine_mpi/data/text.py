@@ -47,12 +47,14 @@ the rule of data/sources.py (``batch_indices``), so N ranks x B read the
 windows of 1 rank x N*B.
 """
 import fnmatch
+import functools
 import hashlib
 import os
 
 import numpy as np
 
 from ..base.errors import DataSpecError, UserError
+from .filecache import per_file_version
 
 FORMAT = "purine_mpi.text"
 VOCAB_SIZE = 256
@@ -376,11 +378,32 @@ def _open_tokens(path, split):
     return f, tokens
 
 
+#: per split, the one reader of its tokens' metadata (data/filecache.py
+#: keys its cache on the reader)
+_META_READERS = {}
+
+
+def _tokens_meta(path, split):
+    """(tokens, bytes per token) of the split's token dataset, read once per
+    process and file version (data/filecache.py): every graph a job
+    composes infers its data op's shape from it (the start-up, ``plan``,
+    ``choose``: an HDF5 open each, 20% of composing a tensor x pipeline
+    job's 8 ranks); a file that fails is opened again, its error each time."""
+    read = _META_READERS.get(split)
+    if read is None:
+        read = _META_READERS.setdefault(split, functools.partial(_read_tokens_meta, split=split))
+    return per_file_version(path, read)
+
+
+def _read_tokens_meta(path, split):
+    f, tokens = _open_tokens(path, split)
+    with f:
+        return int(tokens.shape[0]), tokens.dtype.itemsize
+
+
 def text_info(spec):
     """(n_samples, sample_shape) of a text spec, reading only metadata."""
-    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
-    with f:
-        n_tokens = int(tokens.shape[0])
+    n_tokens, _ = _tokens_meta(spec["path"], spec.get("split") or "train")
     return _count(spec, n_tokens), (int(spec["sequence_length"]),)
 
 
@@ -388,10 +411,8 @@ def text_resident_bytes(spec):
     """Bytes a ``TextSource`` of ``spec`` holds from its construction on
     (its tokens, in the file's dtype, and the window offsets), reading
     only metadata."""
-    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
-    with f:
-        held = int(tokens.shape[0]) * tokens.dtype.itemsize
-    return held + (int(spec["sequence_length"]) + 1) * 8
+    n_tokens, itemsize = _tokens_meta(spec["path"], spec.get("split") or "train")
+    return n_tokens * itemsize + (int(spec["sequence_length"]) + 1) * 8
 
 
 def _count(spec, n_tokens):
