@@ -230,15 +230,19 @@ def _wide_cifar(tmp_path):
 def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 3% and the total is within 15% of it, as test_predicted_host_total_is_held
-    asks of scheme data; with a save at iteration 2 of 3 (rank 0 takes the
+    less 1% and the total is within 6.5% of it (15% before); with a save at
+    iteration 2 of 3 (rank 0 takes the
     servers' momenta, an async server sends its state between two pushes)
     and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
-    figure). Measured: 2.2-6.2% above plan (2.3-8.6% before HDF5's buffers
-    at rank 0's save were bounded). Before, plan refused these modes (exit
-    2), and memory.json had no server."""
+    figure). Measured, three runs of each case from a shell: 2.2-5.7% above
+    plan, the 4.4-13.3 MiB every process holds unplanned (docs/running.md);
+    the sync_ps workers 5.1-5.6% (6.1-6.6% before the finiteness check
+    after the last iteration stopped holding a byte an element of the
+    largest weight: 4 MiB, test_trust5_agree.py); 2.3-8.6% before HDF5's
+    buffers at rank 0's save were bounded. Before, plan refused these modes
+    (exit 2), and memory.json had no server."""
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
                               sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
@@ -246,8 +250,8 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     assert "error" not in res, res
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
-        assert m >= 0.97 * p, (mode, r, p, m)
-        assert p >= 0.85 * m, (mode, r, p, m)
+        assert m >= 0.99 * p, (mode, r, p, m)
+        assert p >= 0.935 * m, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
