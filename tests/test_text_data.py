@@ -223,3 +223,25 @@ def test_out_naming_a_folder_exits_2(tmp_path, dataset):
     assert "--out" in res.stderr and "folder" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert os.listdir(out) == []  # no temporary file left there either
+
+
+def test_a_text_files_metadata_is_read_once_per_version(tmp_path, monkeypatch):
+    """text_info (each shape inference of a DataReader: ``plan --choose``
+    builds dozens of graphs) opens the HDF5 file once per version of it
+    (inode, size, time), not on every call; a rewritten file is read again."""
+    import h5py
+
+    from purine_mpi.data import text
+    path = str(tmp_path / "t.h5")
+
+    def write(n):
+        with h5py.File(path, "w") as f:
+            f["train/tokens"] = np.arange(n, dtype=np.uint8)
+    write(100)
+    opened, real = [], text._open_tokens
+    monkeypatch.setattr(text, "_open_tokens", lambda p, s: opened.append(p) or real(p, s))
+    spec = {"path": path, "split": "train", "sequence_length": 9}
+    assert {text.text_info(spec) for _ in range(5)} == {(text._count(spec, 100), (9,))}
+    assert text.text_resident_bytes(spec) == 100 + 10 * 8 and len(opened) == 1
+    write(200)
+    assert text.text_info(spec) == (text._count(spec, 200), (9,)) and len(opened) == 2

@@ -376,11 +376,35 @@ def _open_tokens(path, split):
     return f, tokens
 
 
+#: (path, split) -> (the file's (inode, size, mtime), its token count, their
+#: itemsize): a split's metadata, read once per version of the file (each
+#: shape inference of a graph asks for it: ``plan --choose`` builds dozens,
+#: and opening the HDF5 file each time took 12 s of gpt_small's)
+_META = {}
+
+
+def _token_meta(path, split):
+    """(token count, bytes a token) of a text file's split, its metadata
+    read once per version of the file (``_META``)."""
+    try:
+        st = os.stat(path)
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        version = None  # _open_tokens says why
+    seen = _META.get((path, split))
+    if version is not None and seen is not None and seen[0] == version:
+        return seen[1:]
+    f, tokens = _open_tokens(path, split)
+    with f:
+        meta = int(tokens.shape[0]), int(tokens.dtype.itemsize)
+    if version is not None:
+        _META[(path, split)] = (version,) + meta
+    return meta
+
+
 def text_info(spec):
     """(n_samples, sample_shape) of a text spec, reading only metadata."""
-    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
-    with f:
-        n_tokens = int(tokens.shape[0])
+    n_tokens, _ = _token_meta(spec["path"], spec.get("split") or "train")
     return _count(spec, n_tokens), (int(spec["sequence_length"]),)
 
 
@@ -388,10 +412,8 @@ def text_resident_bytes(spec):
     """Bytes a ``TextSource`` of ``spec`` holds from its construction on
     (its tokens, in the file's dtype, and the window offsets), reading
     only metadata."""
-    f, tokens = _open_tokens(spec["path"], spec.get("split") or "train")
-    with f:
-        held = int(tokens.shape[0]) * tokens.dtype.itemsize
-    return held + (int(spec["sequence_length"]) + 1) * 8
+    n_tokens, itemsize = _token_meta(spec["path"], spec.get("split") or "train")
+    return n_tokens * itemsize + (int(spec["sequence_length"]) + 1) * 8
 
 
 def _count(spec, n_tokens):
