@@ -219,9 +219,11 @@ def build_parser():
     p.add_argument("--resume", action="store_true",
                    help="count a --resume of this job's checkpoint: train reads it whole on "
                         "every rank before the first iteration (the start-up load)")
-    p.add_argument("--init", metavar="W.h5", default=None,
-                   help="count --init W.h5: its /params, read whole on every rank before the "
-                        "first iteration (the start-up load)")
+    p.add_argument("--init", metavar="W.h5|MODEL.caffemodel|MODEL.safetensors", default=None,
+                   help="count train's --init of this file: what loading it holds on every "
+                        "rank before the first iteration (the start-up load: an HDF5 file's "
+                        "/params; a .caffemodel read whole and its blobs; a .safetensors "
+                        "file's arrays and the copies GPT-2's layout makes)")
     c = p.add_argument_group("choosing a setting (plan --np N --choose; docs/scaling.md)")
     c.add_argument("--choose", action="store_true",
                    help="rank the settings of N ranks (data parallel, sharded, pipeline "

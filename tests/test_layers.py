@@ -148,3 +148,31 @@ def test_design_shows_the_layers():
     """docs/DESIGN.md's table has this file's rows: the same layers, in the same
     order, each with the same folders and top-level modules."""
     assert _design_rows() == [(name, _as_paths(names)) for name, names in LAYERS]
+
+
+def test_a_net_is_inferred_once_not_once_per_layer(monkeypatch):
+    """layers/build.NetBuilder.shape infers the ops added since it was last
+    asked (Graph.infer_shapes(ops)), not the whole graph again for each
+    layer that asks: quadratic in the layers (each of 30 fc layers
+    re-inferred the data op, which reads its source's metadata, and every
+    layer before it). The data op's ``infer`` runs three times: the data
+    op alone, the first layer's question, build_net's whole graph at its
+    end; the shapes are those of a whole inference."""
+    from purine_mpi.job.replica import forward_graph
+    from purine_mpi.ops.data import DataReader
+    from tests.conftest import make_job
+    calls, real = [], DataReader.infer.__func__
+    monkeypatch.setattr(DataReader, "infer",
+                        classmethod(lambda cls, attrs, ins: calls.append(1) or
+                                    real(cls, attrs, ins)))
+    net = [{"type": "fc", "name": f"fc{i}", "bottom": f"fc{i - 1}" if i else "data",
+            "top": f"fc{i}", "num_output": 8 + i} for i in range(30)]
+    net.append({"type": "softmax_loss", "name": "loss", "bottom": ["fc29", "label"],
+                "top": "loss"})
+    job = make_job({"name": "deep", "net": net, "solver": {"base_lr": 0.1, "max_iter": 1},
+                    "data": {"train": {"source": "synthetic", "shape": [4], "classes": 37,
+                                       "num_samples": 16, "batch_size": 4}}})
+    g = forward_graph(job, "train", job.data.train)
+    assert len(calls) == 3, len(calls)
+    assert [g.blobs[f"fc{i}"].shape for i in range(30)] == [(4, 8 + i) for i in range(30)]
+    assert g.blobs["fc0/weight"].shape == (8, 4)

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from purine_mpi.data.sources import make_source, resident_bytes
@@ -229,15 +230,19 @@ def _wide_cifar(tmp_path):
 def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 3% and the total is within 15% of it, as test_predicted_host_total_is_held
-    asks of scheme data; with a save at iteration 2 of 3 (rank 0 takes the
+    less 1% and the total is within 6.5% of it (15% before); with a save at
+    iteration 2 of 3 (rank 0 takes the
     servers' momenta, an async server sends its state between two pushes)
     and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
-    figure). Measured: 2.2-6.2% above plan (2.3-8.6% before HDF5's buffers
-    at rank 0's save were bounded). Before, plan refused these modes (exit
-    2), and memory.json had no server."""
+    figure). Measured, three runs of each case from a shell: 2.2-5.7% above
+    plan, the 4.4-13.3 MiB every process holds unplanned (docs/running.md);
+    the sync_ps workers 5.1-5.6% (6.1-6.6% before the finiteness check
+    after the last iteration stopped holding a byte an element of the
+    largest weight: 4 MiB, test_trust5_agree.py); 2.3-8.6% before HDF5's
+    buffers at rank 0's save were bounded. Before, plan refused these modes
+    (exit 2), and memory.json had no server."""
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
                               sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
@@ -245,8 +250,8 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     assert "error" not in res, res
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
-        assert m >= 0.97 * p, (mode, r, p, m)
-        assert p >= 0.85 * m, (mode, r, p, m)
+        assert m >= 0.99 * p, (mode, r, p, m)
+        assert p >= 0.935 * m, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
@@ -372,6 +377,151 @@ def test_peak_rss_reads_vmhwm_and_falls_back_to_ru_maxrss(monkeypatch):
     monkeypatch.setattr(rss.resource, "getrusage",
                         lambda who: __import__("types").SimpleNamespace(ru_maxrss=12345))
     assert rss.peak_rss_bytes() == 12345 * 1024
+
+
+#: run in a fresh process: train's load of ``--init``'s weights (argv[1])
+#: for the job (argv[2], --set values after): the file's reader, then the
+#: finiteness check (train/checkpoints.py), once (the code's first run, its
+#: imports) and again with the resident high-water mark reset
+#: (/proc/self/clear_refs 5): that load's peak above the resident bytes
+#: before it, and plan's figure (tools/plan.init_bytes)
+_INIT_LOAD = """
+import json, sys
+from purine_mpi.base.rss import rss_bytes
+from purine_mpi.job.checkpoint_check import check_finite
+from purine_mpi.job.config import load_job
+from purine_mpi.tools.plan import init_bytes
+path, job = sys.argv[1], load_job(sys.argv[2], sys.argv[3:], None, check_files=False)
+if path.endswith(".caffemodel"):
+    from purine_mpi.interop.caffemodel import caffe_params
+    from purine_mpi.parallel.rank_graphs import build_rank_graphs
+    from purine_mpi.tools.graph import _OfflineWorld
+    g = build_rank_graphs(job, _OfflineWorld(0, 1), check_memory=False)
+    shapes = {p: g.graph.blobs[p].shape for p in g.params}
+    load = lambda: caffe_params(path, shapes)[0]
+elif path.endswith(".safetensors"):
+    from purine_mpi.interop.hf_gpt2 import hf_params
+    load = lambda: hf_params(path, job)[0]
+else:
+    from purine_mpi.job.checkpoint_file import load_params
+    load = lambda: load_params(path)
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+check_finite(load(), path)
+base = rss_bytes()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+check_finite(load(), path)
+print(json.dumps({"measured": peak() - base, "planned": init_bytes(path, job)}))
+"""
+
+
+def _init_file(fmt, tmp_path, email_h5):
+    """(an --init file of ``fmt``, the job and its --set values): the wide
+    cifar10_quick's weights (33.9 MB, two 16 MiB fc weights) in our HDF5
+    layout and as a .caffemodel (written by tests/test_caffemodel.py's
+    encoder, protowire's BlobProto), gpt_small's (43.4 MB) as GPT-2's
+    safetensors file (Conv1D weights transposed) and in bfloat16."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.parallel.rank_graphs import build_rank_graphs
+    from purine_mpi.tools.graph import _OfflineWorld
+    if fmt in ("h5", "caffemodel"):
+        config, sets = _wide_cifar(tmp_path), []
+    else:
+        config = os.path.join(ROOT, "jobs", "gpt_small.yaml")
+        data = _text_data(tmp_path, email_h5)
+        sets = [f"data.train.path={data}", f"data.test.path={data}"]
+    job = load_job(config, sets, None, check_files=False)
+    g = build_rank_graphs(job, _OfflineWorld(0, 1), check_memory=False)
+    rng = np.random.default_rng(0)
+    values = {p: rng.standard_normal(g.graph.blobs[p].shape).astype(np.float32)
+              for p in g.params}
+    path = str(tmp_path / f"w.{'h5' if fmt == 'h5' else fmt if fmt == 'caffemodel' else 'safetensors'}")
+    if fmt == "h5":
+        from purine_mpi.job.checkpoint_file import save_checkpoint
+        save_checkpoint(path, values)
+    elif fmt == "caffemodel":
+        from purine_mpi.data.protowire import write_blob
+        from tests.test_caffemodel import length_delimited, string
+        layers = {}
+        for p, v in values.items():
+            layers.setdefault(p.split("/")[0], {})[p.split("/")[1]] = v
+        model = string(1, "wide") + b"".join(
+            length_delimited(100, string(1, name) + string(2, "InnerProduct") + b"".join(
+                length_delimited(7, write_blob(w[k])) for k in ("weight", "bias") if k in w))
+            for name, w in layers.items())
+        with open(path, "wb") as f:
+            f.write(model)
+    else:
+        st = pytest.importorskip("safetensors.numpy")
+        from purine_mpi.interop.hf_gpt2 import gpt2_layout
+        tensors = {hf: np.ascontiguousarray(values[ours].T if t else values[ours])
+                   for hf, ours, t in gpt2_layout(job).tensors}
+        if fmt == "safetensors":
+            st.save_file(tensors, path)
+        else:  # bfloat16: each float32's top 16 bits (NumPy has no bfloat16 to save)
+            header, data = {}, b""
+            for name, v in tensors.items():
+                b = (v.view(np.uint32) >> 16).astype("<u2").tobytes()
+                header[name] = {"dtype": "BF16", "shape": list(v.shape),
+                                "data_offsets": [len(data), len(data) + len(b)]}
+                data += b
+            text = json.dumps(header).encode()
+            text += b" " * (-len(text) % 8)
+            with open(path, "wb") as f:
+                f.write(len(text).to_bytes(8, "little") + text + data)
+    return path, config, sets, job
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's clear_refs")
+@pytest.mark.parametrize("fmt", ["h5", "caffemodel", "safetensors", "bf16"])
+def test_init_load_is_what_plan_counts(fmt, tmp_path, email_h5):
+    """``plan --init``'s start-up load of each file train's --init reads
+    (tools/plan.init_bytes) is the arrays the reader makes, to the byte, and
+    the resident bytes the load holds at its peak within 2% (glibc's mmap
+    threshold fixed; measured -0.2..+0.6%): our HDF5 file's /params; a
+    .caffemodel read whole and every blob copied out as float32 (33.9 +
+    33.9 MB; 101.2 MB measured before protowire read a packed blob
+    without two more copies of it, and 0 counted); a float32 safetensors
+    file's mapped pages and arrays (43.4 + 43.4 MB; 0 counted before); a
+    bfloat16 one's float32 arrays and the transposed copies of GPT-2's
+    Conv1D weights (43.4 + 42.5 MB)."""
+    from purine_mpi.tools.plan import init_bytes
+    path, config, sets, job = _init_file(fmt, tmp_path, email_h5)
+    planned = init_bytes(path, job)
+    if fmt == "h5":
+        from purine_mpi.job.checkpoint_file import load_params
+        assert planned == sum(v.nbytes for v in load_params(path).values())
+    elif fmt == "caffemodel":
+        from purine_mpi.interop.caffemodel import read_layers
+        arrays = sum(b.nbytes for *_, blobs in read_layers(path) for b in blobs)
+        assert planned == os.path.getsize(path) + arrays
+    else:
+        import purine_mpi.interop.hf_gpt2 as hf
+        tensors = hf.read_tensors(path)
+        real, hf.read_tensors = hf.read_tensors, lambda p: tensors
+        try:
+            values, _ = hf.hf_params(path, job)
+        finally:
+            hf.read_tensors = real
+        kept = sum(v.nbytes for v in tensors.values())
+        copies = sum(v.nbytes for v in values.values()
+                     if not any(np.shares_memory(v, t) for t in tensors.values()))
+        if fmt == "safetensors":  # the file's pages, mapped while its arrays are read
+            import safetensors.numpy as st
+            read = os.path.getsize(path) + sum(v.nbytes for v in st.load_file(path).values())
+            assert planned == max(read, kept + copies) == read
+        else:
+            assert planned == kept + copies
+        assert copies > 0.9 * kept
+    env = dict(os.environ, PURINE_MMAP_THRESHOLD="131072")
+    p = subprocess.run([sys.executable, "-c", _INIT_LOAD, path, config] + sets,
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["planned"] == planned
+    assert abs(got["measured"] - planned) <= 0.02 * planned, (fmt, got)
 
 
 _FREED = """

@@ -66,12 +66,12 @@ def fields(buf):
 
 
 def floats(wire, value, fmt):
-    """The float (``fmt`` 'f') or double ('d') values of one field, packed or not."""
+    """The float (``fmt`` 'f') or double ('d') values of one field, packed or not:
+    a view of the message's bytes (the callers copy what they keep)."""
     size = struct.calcsize(fmt)
     if wire == 2:  # packed
         if len(value) % size:
             raise ValueError("packed float data has a partial element")
-        return np.frombuffer(bytes(value), dtype=f"<{fmt}")
     return np.frombuffer(value, dtype=f"<{fmt}")
 
 
@@ -107,13 +107,29 @@ def read_blob(buf):
                     dims += ints(w, v)
         elif number in (BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH) and wire == 0:
             legacy[number] = value
-    values = np.concatenate(data).astype(np.float32) if data else np.zeros(0, np.float32)
+    # one copy of the values, the blob's own (not views of the file's bytes): a
+    # packed blob is one part, cast or copied once (tools/plan.init_bytes
+    # counts the file and these arrays)
+    values = (data[0].astype(np.float32) if len(data) == 1 else
+              np.concatenate(data).astype(np.float32, copy=False) if data else
+              np.zeros(0, np.float32))
     if not dims and legacy:
         dims = [legacy.get(n, 1) for n in (BLOB_NUM, BLOB_CHANNELS, BLOB_HEIGHT, BLOB_WIDTH)]
     shape = tuple(int(d) for d in dims) if dims else (values.size,)
     if int(np.prod(shape, dtype=np.int64)) != values.size:
         raise ValueError(f"a blob of shape {list(shape)} holds {values.size} values")
     return values.reshape(shape)
+
+
+def blob_size(buf):
+    """The number of values ``read_blob`` gives for a BlobProto's bytes,
+    read from the fields' headers (the values themselves are not read)."""
+    n = 0
+    for number, wire, value in fields(buf):
+        if number in (BLOB_DATA, BLOB_DOUBLE_DATA):
+            size = 4 if number == BLOB_DATA else 8
+            n += len(value) // size if wire == 2 else 1
+    return n
 
 
 def read_datum(buf):

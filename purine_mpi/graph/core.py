@@ -381,11 +381,14 @@ class Graph:
         self.topo_order()
         return self
 
-    def infer_shapes(self):
+    def infer_shapes(self, ops=None):
         """Fill in blob shapes from source blobs through every kernel's
-        ``infer``; a declared shape that disagrees is a ShapeError."""
+        ``infer``; a declared shape that disagrees is a ShapeError.
+        ``ops``: only these (a part of the graph whose other ops' outputs
+        have their shapes already: ``layers/build.NetBuilder.shape``), each
+        after those of them that write its inputs."""
         from ..ops.catalog import get_kernel_class
-        for op in self.topo_order():
+        for op in (self.topo_order() if ops is None else _writers_first(ops)):
             ins = []
             for b in op.inputs:
                 blob = self.blobs[b]
@@ -500,6 +503,29 @@ def ancestor_bits(order, deps):
         anc[n] = a
     return pos, anc
 
+
+
+def _writers_first(ops):
+    """``ops`` in an order where each comes after those of them that write
+    one of its inputs or that it names as a control input (emission order
+    breaks ties); for shape inference of a part of a graph."""
+    names = {op.name for op in ops}
+    writers = defaultdict(set)
+    for op in ops:
+        for b in op.outputs:
+            writers[b].add(op.name)
+    deps = {op.name: ({w for b in op.inputs for w in writers.get(b, ())} |
+                      (set(op.control_inputs) & names)) - {op.name} for op in ops}
+    order, done, left = [], set(), list(ops)
+    while left:
+        ready = [op for op in left if deps[op.name] <= done]
+        if not ready:
+            raise GraphError("the graph has a cycle through ops: " +
+                             ", ".join(sorted(op.name for op in left)[:10]))
+        order += ready
+        done |= {op.name for op in ready}
+        left = [op for op in left if op.name not in done]
+    return order
 
 def reachable(start, succ):
     """The names reachable from ``start`` through ``succ`` ({name: [next

@@ -13,6 +13,9 @@ Blob mapping (Caffe layer L -> our blobs):
                                 which the BatchNorm kernel continues from)
     Scale after BatchNorm B     blobs[0] -> B/weight, blobs[1] -> B/bias
 """
+import mmap
+import os
+
 import numpy as np
 
 from ..base.errors import UserError
@@ -29,11 +32,19 @@ class CaffemodelError(UserError):
 fields, read_blob = protowire.fields, protowire.read_blob
 
 
-def read_layers(path):
-    """[(name, type, bottoms, tops, [blob arrays])] of a .caffemodel, in file order."""
+def read_layers(path, blob=None):
+    """[(name, type, bottoms, tops, [blob arrays])] of a .caffemodel, in file
+    order. The file is read whole and each blob's values copied out of it
+    (float32: ``read_blob``), the file's bytes held until the last.
+    ``blob``: what each blob becomes in their place (``caffemodel_nbytes``:
+    its number of values; the file is then mapped, only the fields' headers
+    read)."""
     try:
         with open(path, "rb") as f:
-            buf = memoryview(f.read())
+            if blob is not None and os.fstat(f.fileno()).st_size:
+                buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            else:
+                buf = memoryview(f.read())
     except FileNotFoundError:
         raise CaffemodelError(f"weights file '{path}' not found") from None
     except OSError as e:
@@ -57,7 +68,7 @@ def read_layers(path):
                 elif n == ids[3] and w == 2:
                     tops.append(bytes(v).decode("utf-8"))
                 elif n == ids[4] and w == 2:
-                    blobs.append(read_blob(v))
+                    blobs.append((blob or read_blob)(v))
             layers.append((name, kind, bottoms, tops, blobs))
     except (ValueError, UnicodeDecodeError) as e:
         raise CaffemodelError(f"weights file '{path}' is not a Caffe NetParameter in binary "
@@ -66,6 +77,16 @@ def read_layers(path):
         raise CaffemodelError(f"weights file '{path}' holds no layers; expected a binary "
                               "Caffe .caffemodel")
     return layers
+
+
+def caffemodel_nbytes(path):
+    """The host bytes ``caffe_params`` holds at its most (``plan --init``'s
+    start-up load): the file read whole and, by its end, every blob of
+    every layer copied out as a float32 array (``read_layers``; the arrays
+    of the layers the net uses are kept, the file and the others let go
+    once it returns)."""
+    sizes = [n for *_, blobs in read_layers(path, blob=protowire.blob_size) for n in blobs]
+    return os.path.getsize(path) + 4 * sum(sizes)
 
 
 # ------------------------------------------------------------------ mapping

@@ -267,14 +267,11 @@ def read_tensors(path):
     """{HF name, with its ``transformer.`` prefix: array} of a safetensors file
     (the Hub's unprefixed names and its causal-mask buffers handled)."""
     st = _safetensors("--init MODEL.safetensors")
-    if not os.path.isfile(path):
-        raise UserError(f"weights file '{path}' not found" if not os.path.isdir(path) else
-                        f"weights file '{path}' is a directory; give its {WEIGHTS}")
+    _check_file(path)
     try:
         raw = _load_bfloat16(path) if "BF16" in _dtypes(path) else st.load_file(path)
     except Exception as e:  # the package's own error types: a damaged or foreign file
-        raise UserError(f"weights file '{path}' is not a safetensors file numpy can read "
-                        f"({type(e).__name__}: {e})") from None
+        raise _unreadable(path, e) from None
     out = {}
     for name, value in raw.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -283,6 +280,17 @@ def read_tensors(path):
             name = PREFIX + name
         out[name] = value
     return out
+
+
+def _check_file(path):
+    if not os.path.isfile(path):
+        raise UserError(f"weights file '{path}' not found" if not os.path.isdir(path) else
+                        f"weights file '{path}' is a directory; give its {WEIGHTS}")
+
+
+def _unreadable(path, e):
+    return UserError(f"weights file '{path}' is not a safetensors file numpy can read "
+                     f"({type(e).__name__}: {e})")
 
 
 #: safetensors' dtype names -> NumPy's (little-endian, as the format stores them)
@@ -333,6 +341,66 @@ def _load_bfloat16(path):
                 raise ValueError(f"tensor '{name}' has dtype {t['dtype']}")
             out[name] = value.reshape(t["shape"])
     return out
+
+
+def hf_load_nbytes(path, job):
+    """The host bytes ``hf_params`` holds at its most (``plan --init``'s
+    start-up load), from the file's header and ``job``'s layout. Reading
+    (``read_tensors``): safetensors' ``load_file`` copies every tensor out
+    of the file, whose pages it maps until the last, into an array of its
+    own (the file's bytes and the arrays); a bfloat16 file is read a tensor
+    at a time, each widened to float32 (the arrays and, at most, a tensor's
+    bytes and its uint32 widening). Then, the file let go, the arrays read
+    (less the Hub's causal-mask buffers) beside the copies the layout makes
+    (a Conv1D weight transposed, a tensor of another dtype than its blob)
+    and a tied head's comparison with the embedding (a byte an element)."""
+    _check_file(path)
+    try:
+        with open(path, "rb") as f:
+            header, _ = _header(f)
+        tensors = {(name if name.startswith((PREFIX, "lm_head.")) else PREFIX + name):
+                   (t["dtype"], [int(d) for d in t["shape"]], [int(o) for o in t["data_offsets"]])
+                   for name, t in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _unreadable(path, e) from None
+    tensors = {name: {"dtype": d, "shape": s, "data_offsets": o}
+               for name, (d, s, o) in tensors.items()}
+    bf16 = any(t["dtype"] == "BF16" for t in tensors.values())
+
+    def count(t):
+        return int(np.prod(t["shape"], dtype=np.int64))
+
+    def stored(t):
+        return int(t["data_offsets"][1] - t["data_offsets"][0])
+
+    def read(t):  # the array read_tensors makes of it
+        return 4 * count(t) if t["dtype"] == "BF16" else stored(t)
+    arrays = sum(read(t) for t in tensors.values())
+    if bf16:
+        load = arrays + max((stored(t) + (4 * count(t) if t["dtype"] == "BF16" else 0)
+                             for t in tensors.values()), default=0)
+    else:
+        load = os.path.getsize(path) + arrays
+    kept = sum(read(t) for name, t in tensors.items()
+               if not name.endswith((".attn.bias", ".attn.masked_bias")))
+    layout = gpt2_layout(job)
+    blobs, copies = layout.graph.blobs, 0
+    for hf, ours, transposed in layout.tensors:
+        t = tensors.get(hf)
+        if t is None:
+            continue
+        blob = blobs[ours]
+        dtype = np.dtype(np.float32 if t["dtype"] == "BF16" else _NUMPY.get(t["dtype"], "<f4"))
+        # np.ascontiguousarray copies a transposed matrix (one of a single
+        # row or column is contiguous already) and a cast
+        if dtype != np.dtype(blob.dtype) or (transposed and len(t["shape"]) > 1 and
+                                             min(t["shape"]) > 1):
+            copies += int(blob.nbytes)
+    wte, head = tensors.get(PREFIX + "wte.weight"), tensors.get("lm_head.weight")
+    if wte is not None and head is not None and \
+            all(hf != "lm_head.weight" for hf, _, _ in layout.tensors):
+        copies += count(wte)  # np.array_equal's comparison
+    return max(load, kept + copies)
 
 
 def hf_params(path, job, skip=()):

@@ -24,6 +24,7 @@ import re
 
 import numpy as np
 
+from ..base.backend import all_finite
 from ..base.errors import UserError
 
 _CKPT_NAME = re.compile(r"^ckpt_(\d+)\.h5$")
@@ -211,7 +212,7 @@ def check_finite(values, path, what="weights file"):
     array}) that holds NaN or inf."""
     for name, value in values.items():
         arr = np.asarray(value)
-        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+        if arr.dtype.kind in "fc" and not all_finite(arr):  # no array-sized temporary
             n = int(arr.size - np.count_nonzero(np.isfinite(arr)))
             raise NonFiniteWeights(
                 f"{what} '{path}' holds non-finite values (NaN or inf) in blob '{name}' "

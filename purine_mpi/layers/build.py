@@ -24,6 +24,7 @@ class NetBuilder:
         self.current = {}
         self.cfg, self.index, self.spec = None, index, None
         self.layer_of = {}  # op name -> (index, layer entry) of the layer that added it
+        self.inferred = set()  # the ops whose outputs' shapes ``shape`` inferred
 
     # -- config access with errors that name file and key ----------------
     def key(self, k, index=None):
@@ -128,7 +129,13 @@ class NetBuilder:
         return err
 
     def shape(self, blob):
-        self.graph.infer_shapes()
+        """``blob``'s shape: the ops added since the last call inferred
+        (``Graph.infer_shapes(ops)``), not the whole graph again (per layer
+        that asked: quadratic in the layers, 30% of ``plan --choose`` on
+        gpt_small); ``build_net`` infers the whole graph at its end."""
+        pending = [op for name, op in self.graph.ops.items() if name not in self.inferred]
+        self.graph.infer_shapes(pending)
+        self.inferred.update(op.name for op in pending)
         return self.graph.blobs[blob].shape
 
 

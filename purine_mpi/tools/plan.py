@@ -280,7 +280,7 @@ def load_bytes(job, graphs, fp, init=None, resume=None):
         held = arrays_nbytes(resume) if resume is not None else 0
     params = graphs.owned if is_server(graphs) else graphs.params
     state = fp.host.get("optimizer_state", 0) if resume is not None else 0
-    return held + max(fill_bytes(graphs.graph, params), init_bytes(init) if init else 0, state)
+    return held + max(fill_bytes(graphs.graph, params), init_bytes(init, job) if init else 0, state)
 
 
 def fill_bytes(graph, params):
@@ -318,12 +318,19 @@ def arrays_nbytes(value):
     return int(value.nbytes) if isinstance(value, (np.ndarray, np.generic)) else 0
 
 
-def init_bytes(init):
-    """The bytes ``--init``'s weights take in memory: an HDF5 file's
-    ``/params`` datasets (read whole: job/checkpoint_file.load_params); 0
-    for a .caffemodel or .safetensors file (not counted: docs/running.md)."""
-    if str(init).endswith((".caffemodel", ".safetensors")):
-        return 0
+def init_bytes(init, job):
+    """The bytes loading ``--init``'s weights holds at its most: an HDF5
+    file's ``/params`` datasets (read whole: job/checkpoint_file.load_params);
+    a .caffemodel read whole and every blob in it as a float32 array
+    (interop/caffemodel.caffemodel_nbytes); a .safetensors file's arrays
+    with its mapped pages, or the copies ``job``'s GPT-2 layout makes of them
+    (interop/hf_gpt2.hf_load_nbytes)."""
+    if str(init).endswith(".caffemodel"):
+        from ..interop.caffemodel import caffemodel_nbytes
+        return caffemodel_nbytes(init)
+    if str(init).endswith(".safetensors"):
+        from ..interop.hf_gpt2 import hf_load_nbytes
+        return hf_load_nbytes(init, job)
     from ..job.checkpoint_file import params_nbytes
     return params_nbytes(init)
 

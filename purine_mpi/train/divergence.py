@@ -8,7 +8,7 @@ may follow. A non-finite loss or weight makes the agreed stop code DIVERGED
 """
 import numpy as np
 
-from ..base.backend import get_xp, to_numpy
+from ..base.backend import all_finite, get_xp, to_numpy
 from ..gpu.raw import array_device
 from ..graph.solver_graph import solver_states, state_name
 from ..parallel.schemes import scheme_of
@@ -84,7 +84,8 @@ class DivergenceWatch(Service):
         momentum, Adam's moments: a checkpoint holds them too) is finite (no
         NaN or inf). The float32 blobs on a GPU are checked by our own
         kernel, one read-back per device (gpu/kernels ``all_finite``); the
-        rest with the array module's ``isfinite``."""
+        rest by base/backend.all_finite (a host array by its largest and
+        smallest elements: no array-sized temporary)."""
         loop.train.drain()
         ws = loop.ws
         states = solver_states(loop.job.solver.type)
@@ -110,4 +111,4 @@ class DivergenceWatch(Service):
                 with cupy.cuda.Device(device):
                     if not kernels.all_finite(group):
                         return False
-        return all(bool(get_xp(a).isfinite(a).all()) for a in rest)
+        return all(all_finite(a) for a in rest)
