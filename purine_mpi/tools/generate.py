@@ -195,6 +195,13 @@ def pick(scores, temperature, top_k, rng, top_p=None):
     """One token id from float64 ``scores`` (see the module docstring)."""
     if temperature == 0:
         return int(np.argmax(scores))
+    p = distribution(scores, temperature, top_k, top_p)
+    return int(rng.choice(len(p), p=p))
+
+
+def distribution(scores, temperature, top_k=None, top_p=None):
+    """The float64 probabilities ``pick`` draws a token with at a
+    temperature > 0 (see the module docstring)."""
     # shifted first: the largest is 0, so a tiny temperature tends to greedy
     # (its quotient -inf elsewhere) instead of overflowing to inf - inf = NaN
     with np.errstate(over="ignore"):
@@ -212,7 +219,7 @@ def pick(scores, temperature, top_k, rng, top_p=None):
         nucleus = np.zeros_like(p)
         nucleus[keep] = p[keep]
         p = nucleus / nucleus.sum()
-    return int(rng.choice(len(p), p=p))
+    return p
 
 
 def write_stream(tokens, prompt="", out=None, vocabulary=None):
