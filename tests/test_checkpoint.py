@@ -281,6 +281,7 @@ def test_inspect_diff_of_chunks_neither_file_wrote(tmp_path, monkeypatch):
                 assert row["max_abs_diff"] == biggest, (block, row)
                 assert row["rel_l2_diff"] == pytest.approx(rel, rel=1e-12), (block, row)
             assert row["unread_fill"] == (unread[name] if block == 400 else 0), (block, row)
+    monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", 400)  # the text says so
     assert "(320 values written by neither file, compared as their fill values)" in \
         inspect_checkpoint(a, diff=b)
 
