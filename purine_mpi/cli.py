@@ -22,7 +22,8 @@ parser is purine_mpi/cli_args.py.
     python -m purine_mpi data text --from PATH [--glob PATTERN] --out PATH.h5 [--val-fraction F]
                                    [--tokenizer TOKENIZER.json | --bpe-vocab N]
     python -m purine_mpi generate [CONFIG.yaml] --weights CKPT.h5|RUN --prompt TEXT --tokens N
-                                  [--temperature T] [--top-k K] [--seed S] [--no-prompt]
+                                  [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                                  [--no-prompt]
     python -m purine_mpi predict CONFIG.yaml --weights CKPT.h5 --out PREDS.h5
     python -m purine_mpi predict TRACE_DIR --np 2,4,...,1024 [--bandwidth 1gbit] [--json]
     python -m purine_mpi bench CONFIG.yaml [--iters N] [--json]
@@ -265,7 +266,7 @@ def cmd_generate(args):
     try:
         generate_text(job, args.weights, args.prompt, args.tokens, args.temperature,
                       args.top_k, show_prompt=not args.no_prompt,
-                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                      log=lambda msg: print(msg, file=sys.stderr, flush=True), top_p=args.top_p)
     except KeyboardInterrupt:  # Ctrl-C: the text drawn is shown, ended by a newline
         return 130
     return 0

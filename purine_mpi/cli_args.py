@@ -180,6 +180,9 @@ def build_parser():
                         "likely token; default 1)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="draw among the K most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="then draw among the fewest most likely tokens whose probabilities "
+                        "sum to P or more only (nucleus sampling, 0 < P <= 1; default: all)")
 
     p = sub.add_parser("graph", help="print a rank's slice of the composed graph")
     _common_config_args(p)

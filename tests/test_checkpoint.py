@@ -215,11 +215,75 @@ def test_inspect_diff_of_nan_in_the_same_places_is_no_difference(tmp_path):
     rows = {r["name"]: r for r in
             json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
     assert np.array_equal(w, w, equal_nan=True)
-    assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0}, rows
+    assert rows["/same"] == {"name": "/same", "max_abs_diff": 0.0, "rel_l2_diff": 0.0,
+                             "unread_fill": 0}, rows
     # the shared NaN and inf are left out of the norms too: 0.5 / ||(3, 4.5)||
     assert rows["/near"]["max_abs_diff"] == 0.5, rows
     assert rows["/near"]["rel_l2_diff"] == pytest.approx(0.5 / np.hypot(3, 4.5)), rows
     assert rows["/other"]["max_abs_diff"] == "nan", rows
+
+
+def _diff_reference(x, y):
+    """max |x - y| and ||x - y|| / max(||x||, ||y||) in NumPy, a NaN or an
+    infinity in the same place of both no difference, left out of the norms."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    both = (np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y))
+    with np.errstate(invalid="ignore"):
+        d = np.where(both, 0.0, x - y)
+    with np.errstate(invalid="ignore"):
+        norm = max(np.linalg.norm(x[~both]), np.linalg.norm(y[~both]))
+        dd = np.linalg.norm(d)
+        return float(np.max(np.abs(d))), 0.0 if dd == 0 else float(dd / norm)
+
+
+def test_inspect_diff_of_chunks_neither_file_wrote(tmp_path, monkeypatch):
+    """Chunked datasets with a NaN fill value whose unwritten chunks
+    differ: over BLOCK_BYTES only the chunks either file wrote are read,
+    and the chunks neither wrote were compared as NaN - NaN, so
+    ``inspect --diff`` said max_abs_diff nan for files whose every value
+    reads alike. Now those are compared as the fill values (NaN and NaN,
+    inf and inf equal), as the whole read compares them, the row says how
+    many (``unread_fill``), and the figures are NumPy's on the whole
+    arrays, read chunk by chunk or whole."""
+    import purine_mpi.tools.inspect as inspect_mod
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    w = np.arange(80, dtype=np.float32).reshape(8, 10)  # one chunk
+    for path, fills, writes in ((a, (np.nan, np.inf, np.nan, 0.0), ((0, w), (1, w + 1))),
+                                (b, (np.nan, np.inf, 0.0, 0.0), ((0, w), (1, w)))):
+        with h5py.File(path, "w") as f:
+            for name, fill in zip(("nan", "inf", "mixed", "zero"), fills):
+                d = f.create_dataset(name, shape=(40, 10), chunks=(8, 10), dtype=np.float32,
+                                     fillvalue=fill)
+                for chunk, value in writes:
+                    d[chunk * 8:chunk * 8 + 8] = value
+            if path == b:  # "zero": chunk 2 in the second file only
+                d[16:24] = 5.0
+            d = f.create_dataset("same", shape=(40, 10), chunks=(8, 10), dtype=np.float32,
+                                 fillvalue=np.nan)
+            d[0:8] = w
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        want = {"/" + n: _diff_reference(fa[n][...], fb[n][...]) for n in fa}
+    assert want["/same"] == (0.0, 0.0) and want["/nan"][0] == want["/inf"][0] == 1.0
+    assert want["/zero"][0] == 5.0
+    assert np.isnan(want["/mixed"][0])  # NaN on one side only: a difference
+    # chunk by chunk (320-byte chunks), and whole: chunks 2 to 4 neither file
+    # wrote, of "zero" 3 and 4, of "same" 1 to 4 (80 values a chunk)
+    unread = {"/nan": 240, "/inf": 240, "/mixed": 240, "/zero": 160, "/same": 320}
+    for block in (400, 64 << 20):
+        monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", block)
+        rows = {r["name"]: r for r in
+                json.loads(inspect_checkpoint(a, diff=b, as_json=True))["diff"]["datasets"]}
+        for name, (biggest, rel) in want.items():
+            row = rows[name]
+            if np.isnan(biggest):
+                assert row["max_abs_diff"] == "nan", (block, row)
+            else:
+                assert row["max_abs_diff"] == biggest, (block, row)
+                assert row["rel_l2_diff"] == pytest.approx(rel, rel=1e-12), (block, row)
+            assert row["unread_fill"] == (unread[name] if block == 400 else 0), (block, row)
+    monkeypatch.setattr(inspect_mod, "BLOCK_BYTES", 400)  # the text says so
+    assert "(320 values written by neither file, compared as their fill values)" in \
+        inspect_checkpoint(a, diff=b)
 
 
 def test_inspect_counts_nan_and_inf(tmp_path, monkeypatch):

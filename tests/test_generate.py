@@ -40,7 +40,21 @@ def _params(run):
     return load_params(os.path.join(run, "latest.h5"))
 
 
-def _torch_continuation(net, params, prompt, tokens, temperature, top_k, seed):
+def _nucleus(p, top_p):
+    """The reference nucleus of probabilities ``p``: the ids of the fewest
+    tokens, taken by descending probability (a tie: the lower id first),
+    whose probabilities sum to ``top_p`` or more, in exact rational sums."""
+    from fractions import Fraction
+    kept, total = [], Fraction(0)
+    for i in sorted(range(len(p)), key=lambda i: (-p[i], i)):
+        if total >= Fraction(top_p):
+            break
+        kept.append(i)
+        total += Fraction(p[i])
+    return kept
+
+
+def _torch_continuation(net, params, prompt, tokens, temperature, top_k, seed, top_p=None):
     """The reference: PyTorch on the last T tokens, the draw rule of
     docs/transformers.md with NumPy's default_rng(seed)."""
     import torch
@@ -59,6 +73,12 @@ def _torch_continuation(net, params, prompt, tokens, temperature, top_k, seed):
                 if top_k:
                     s[s < np.sort(s)[-top_k]] = -np.inf
                 p = np.exp(s - s.max())
+                p /= p.sum()
+                if top_p:
+                    q = np.zeros_like(p)
+                    kept = _nucleus(p, top_p)
+                    q[kept] = p[kept]
+                    p = q / q.sum()
                 t = int(rng.choice(len(p), p=p / p.sum()))
             out.append(t)
             context.append(t)
@@ -99,11 +119,17 @@ def test_sampling_is_reproducible_and_matches_pytorch(trained):
     # a checkpoint file works as the run folder does
     assert first == _generate(config, str(run), *args[:-2], "--top-k", "20", "--seed", "11")
     assert first == _generate(config, os.path.join(run, "ckpt_40.h5"), *args, "--seed", "11")
+    # the nucleus after the top k (Hugging Face's order)
+    nucleus = _generate(config, run, *args, "--top-p", "0.6", "--seed", "11")
+    assert nucleus == _torch_continuation(net, params, "import ", 30, 0.8, 20, 11, top_p=0.6)
+    assert nucleus != first
 
 
 @pytest.mark.parametrize("extra,word", [
     (("--tokens", "0"), "--tokens"), (("--temperature", "-1"), "--temperature"),
     (("--temperature", "nan"), "--temperature"), (("--top-k", "0"), "--top-k"),
+    (("--top-p", "0"), "--top-p must be a number in (0, 1]"), (("--top-p", "1.5"), "--top-p"),
+    (("--top-p", "nan"), "--top-p"), (("--top-p", "-0.2"), "--top-p"),
     (("--prompt", ""), "--prompt"), (("--seed", "-3"), "seed")])
 def test_bad_arguments_exit_2(trained, extra, word):
     config, run, _ = trained
@@ -335,3 +361,49 @@ def test_a_tiny_temperature_draws_the_greedy_token():
         rng = np.random.default_rng(5)
         got = [pick(scores, temperature, top_k, rng) for _ in range(40)]
         assert got == [int(t) for t in want]
+
+
+def test_top_p_draws_from_the_nucleus():
+    """--top-p: many draws of ``pick`` against the nucleus distribution
+    of the reference (``_nucleus``, exact sums): each token's share within
+    5 standard errors, no draw outside the nucleus; after top-k, on the
+    distribution renormalized over the k best (Hugging Face's order, which
+    here keeps another set than top-p first); P = 1 is no top-p, draw for
+    draw, and a tiny P is greedy (the lower id of a tie)."""
+    from purine_mpi.tools.generate import pick
+    scores = np.log([0.05, 0.3, 0.02, 0.2, 0.15, 0.1, 0.08, 0.07, 0.03])
+    n = 6000
+    for temperature, top_k, top_p, want_kept in ((1.0, None, 0.7, [1, 3, 4, 5]),
+                                                 (0.8, None, 0.5, [1, 3]),
+                                                 (1.0, 4, 0.6, [1, 3]),
+                                                 (1.3, None, 0.95, [0, 1, 3, 4, 5, 6, 7, 8])):
+        s = scores / temperature
+        if top_k:
+            s[s < np.sort(s)[-top_k]] = -np.inf
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        kept = _nucleus(p, top_p)
+        if want_kept is not None:
+            assert sorted(kept) == want_kept
+        ref = np.zeros_like(p)
+        ref[kept] = p[kept]
+        ref /= ref.sum()
+        rng = np.random.default_rng(3)
+        counts = np.bincount([pick(scores, temperature, top_k, rng, top_p) for _ in range(n)],
+                             minlength=len(p))
+        assert counts[ref == 0].sum() == 0, (top_p, counts)
+        err = np.sqrt(ref * (1 - ref) / n)
+        assert np.all(np.abs(counts / n - ref) <= 5 * err + 1e-12), (top_p, counts / n, ref)
+    # top-k then top-p keeps {1, 3} above; top-p alone would keep {1, 3, 4}
+    assert sorted(_nucleus(np.exp(scores), 0.6)) == [1, 3, 4]
+    # P = 1: every token, the draws of no top-p
+    for top_k in (None, 3):
+        a, b = np.random.default_rng(9), np.random.default_rng(9)
+        assert [pick(scores, 0.9, top_k, a, 1.0) for _ in range(200)] == \
+            [pick(scores, 0.9, top_k, b) for _ in range(200)]
+    # a tiny P: the most likely token alone; of two tied, the lower id
+    tied = np.array([0.5, 2.0, -1.0, 2.0, 1.9])
+    rng = np.random.default_rng(1)
+    for top_p in (1e-9, 0.25):
+        assert {pick(tied, 1.0, None, rng, top_p) for _ in range(200)} == {1}
+        assert {pick(scores, 1.0, None, rng, top_p) for _ in range(50)} == {1}

@@ -254,3 +254,47 @@ def test_token_level_softmax_loss_gpu_branch(device, dtype, ignore):
     dloss = np.asarray(0.7, dtype)
     _compare(device, "SoftmaxLossGrad", attrs, [dloss, prob, label],
              ["softmax_loss_backward"], dtype, host_inputs=(0,))
+
+
+@pytest.mark.parametrize("device_id", [-1, 0], ids=["cpu", "emulated-gpu"])
+def test_a_token_id_outside_the_embedding_stops_the_run_on_a_gpu_as_on_the_cpu(
+        host_build_dir, monkeypatch, tmp_path, email_h5, device_id):
+    """Byte-level text (bytes up to 125 in its first batch) into an
+    embedding of 100 rows: the CPU op raised, but on a GPU, whose op reads
+    nothing back, CuPy's take read a wrapped row (the emulated CuPy wraps as
+    CuPy does) and the gradient dropped the token, so the run trained on.
+    Now the data op checks each batch on the host before its transfer: the
+    run stops at the batch with the CPU op's message, on either device."""
+    from purine_mpi.base.errors import OpError
+    from purine_mpi.train.trainer import Trainer
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    from purine_mpi.job.config import validate_config
+    if device_id >= 0:
+        emulated_trainer_env(monkeypatch, host_build_dir)
+    config = validate_config({
+        "name": "ids", "seed": 1, "device": device_id,
+        "data": {"train": {"source": "text", "path": email_h5, "batch_size": 2,
+                           "sequence_length": 8}},
+        "net": [{"type": "embedding", "name": "wte", "bottom": "data", "top": "x",
+                 "input_dim": 100, "num_output": 8},
+                {"type": "fc", "name": "head", "bottom": "x", "top": "logits", "axis": -1,
+                 "num_output": 256},
+                {"type": "softmax_loss", "name": "loss", "bottom": ["logits", "label"],
+                 "axis": -1}],
+        "solver": {"base_lr": 0.1, "max_iter": 2, "display": 0}}, check_files=False)
+    from purine_mpi.data.text import TextSource
+    first = TextSource({"path": email_h5, "split": "train", "sequence_length": 8}) \
+        .gather(np.arange(2))[0]
+    assert first.max() >= 100  # the first batch (no shuffle) holds such ids
+    bad = int(first[first >= 100].ravel()[0])
+    trainer = Trainer(make_job(config), str(tmp_path / "run"), world=FakeWorld(),
+                      log=lambda m: None)
+    try:
+        with pytest.raises(OpError) as err:
+            trainer.run()
+    finally:
+        trainer.close()
+    assert isinstance(err.value.cause, ValueError), err.value
+    assert str(err.value.cause) == \
+        f"token id {bad} is outside [0, 100) for an embedding of 100 rows", err.value

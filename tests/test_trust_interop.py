@@ -453,3 +453,32 @@ def test_caffe_layer_own_phase_is_a_mode_not_a_filter(tmp_path):
                                             r"\{ phase \}\) makes Caffe compute it as in "
                                             r"testing in the train net too"):
         convert(str(net), data_path=data)
+
+
+def test_generate_top_k_and_top_p_keep_what_transformers_keeps():
+    """``generate --top-k K --top-p P`` against transformers' own warpers
+    (TemperatureLogitsWarper, TopKLogitsWarper, then TopPLogitsWarper,
+    the order of its ``generate``): on random scores, the tokens a draw
+    may give and their probabilities are transformers' softmax of the
+    warped scores."""
+    import torch
+    from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from purine_mpi.tools.generate import distribution
+    rng = np.random.default_rng(4)
+    for case in range(40):
+        scores = rng.standard_normal(50) * (0.5 + case % 4)
+        temperature = (0.7, 1.0, 1.6)[case % 3]
+        top_k = (None, 5, 20, 49)[case % 4]
+        top_p = (0.05, 0.3, 0.6, 0.9, 0.999)[case % 5]
+        warped = torch.tensor(scores[None, :], dtype=torch.float64)
+        ids = torch.zeros((1, 1), dtype=torch.long)
+        warpers = [TemperatureLogitsWarper(temperature)] + \
+            ([TopKLogitsWarper(top_k)] if top_k else []) + [TopPLogitsWarper(top_p)]
+        for warper in warpers:
+            warped = warper(ids, warped)
+        want = torch.softmax(warped, dim=-1)[0].numpy()
+        got = distribution(scores, temperature, top_k, top_p)
+        assert np.array_equal(got > 0, want > 0), (case, np.flatnonzero(got), np.flatnonzero(want))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15, err_msg=str(case))

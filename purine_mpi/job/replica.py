@@ -35,7 +35,23 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
     except UserError as exc:  # the data file, or a spec's key that does not fit it
         raise data_error(job.path, phase, exc) from None
     build_net(job.net or (), phase, (g, job.path, job.net_keys))
+    limit_token_ids(g)
     return g
+
+
+def limit_token_ids(graph):
+    """Give each data op whose data an embedding reads as token ids (also
+    through ops that hand it on unchanged) attr ``id_limit``: the fewest
+    rows of those tables. The op checks every batch against it on the host
+    (ops/data.py), so an id outside the table stops the run on a GPU as on
+    the CPU, where the embedding op checks too."""
+    for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
+        data = _passed_on(graph, reader.outputs[0])
+        rows = [graph.blobs[op.inputs[1]].shape for op in graph.ops.values()
+                if op.op_type == "Embedding" and op.inputs[0] in data]
+        rows = [int(shape[0]) for shape in rows if shape is not None]
+        if rows:
+            reader.attrs["id_limit"] = min(rows)
 
 
 def check_data_labels(graph, job=None):
@@ -238,6 +254,7 @@ def graph_from_seed(job, rank=0, world_size=1):
         if op.op_type == "DataReader":
             op.attrs["rank"], op.attrs["world_size"] = rank, world_size
     g.infer_shapes()
+    limit_token_ids(g)
     if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):
         grads = {op.inputs[0]: op.inputs[1] for op in g.ops.values()
                  if op.op_type in UPDATE_OP_TYPES}

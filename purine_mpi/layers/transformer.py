@@ -18,7 +18,9 @@ GPT_NORMAL = {"type": "gaussian", "std": 0.02}
 
 
 @layer("embedding", "embed", keys=(
-    Key("input_dim", "posint", REQUIRED, "the vocabulary size: token ids lie in [0, input_dim)"),
+    Key("input_dim", "posint", REQUIRED, "the vocabulary size: token ids lie in [0, input_dim) "
+        "(an id of the data outside it stops the run, exit 1, on a GPU as on the CPU: the data "
+        "op checks each batch)"),
     Key("num_output", "posint", REQUIRED, "the embedding width C"),
     Key("weight_filler", "filler", GPT_NORMAL, "initialisation of the table"),
     _param_key("the table")))

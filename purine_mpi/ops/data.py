@@ -25,6 +25,12 @@ Attrs:
                 after ``pad_from(n)`` every position at or past n of the
                 data order (the wrapped-around tail of one pass) delivers
                 its sample with this label, so it counts in no figure
+    id_limit    the rows of the embeddings that read the data as token ids
+                (the fewest; job/replica.py sets it): each batch is checked
+                on the host, in the prefetch thread, to lie in [0, id_limit),
+                the embedding op's message (ops/embedding.py ``check_ids``)
+                raised by the run that takes the batch -- on a GPU too,
+                where the embedding op reads no ids back
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
@@ -63,6 +69,7 @@ from ..base.errors import ShapeError
 from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_types,
                             make_source, source_info)
 from ..data.transform import apply_transform, output_shape
+from .embedding import check_ids
 from .registry import OpKernel, register
 
 
@@ -127,6 +134,8 @@ class DataReader(OpKernel):
         data, labels = self._source.gather(indices)
         positions = batch_positions(iteration, self.rank, self.world_size, self.batch_size)
         data = apply_transform(data, self.attrs["source"], positions, self.seed, self.train)
+        if self.attrs.get("id_limit") is not None:  # token ids, before any transfer
+            check_ids(data, int(self.attrs["id_limit"]))
         if pad_limit is not None:
             pad = (positions >= pad_limit).reshape((-1,) + (1,) * (labels.ndim - 1))
             labels = np.where(pad, labels.dtype.type(self.attrs["pad_label"]), labels)

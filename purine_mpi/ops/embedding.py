@@ -24,9 +24,13 @@ PositionEmbedding ("PositionEmbedding", inputs [x, w], output [y])::
 Gradients: dx = dy (a "Copy"); dw[t] = sum_n dy[n, t] for t < T, 0 beyond
 ("PositionEmbeddingGrad", [dy] -> [dw], attr max_length = L).
 
-An out-of-range token id raises a ValueError on the CPU (the op names it);
-on a GPU it is not checked (that would cost a device-to-host read each
-iteration): the forward reads a wrapped row and the gradient drops it.
+An out-of-range token id raises a ValueError on the CPU (the op names it).
+The op does not check on a GPU (that would cost a device-to-host read each
+iteration: CuPy's take reads a wrapped row and the gradient drops it), but
+ids that come from the data reach it through the data op, which checks
+each batch on the host before its transfer with the same message
+(``check_ids``; ops/data.py, attr ``id_limit``, set by job/replica.py for
+the data an embedding reads), CPU or GPU: the run stops (exit 1) on both.
 """
 import numpy as np
 
@@ -41,7 +45,9 @@ def gemm(*args, **kwargs):
     return cublas_gemm(*args, **kwargs)
 
 
-def _check_ids(ids, vocab):
+def check_ids(ids, vocab):
+    """ValueError naming the first id of the host array ``ids`` outside
+    [0, ``vocab``) (device arrays are not read)."""
     xp = get_xp(ids)
     if xp is np and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         bad = ids[(ids < 0) | (ids >= vocab)].ravel()[0]
@@ -67,7 +73,7 @@ class Embedding(OpKernel):
 
     def run(self, ins, outs):
         ids, w = ins
-        _check_ids(ids, w.shape[0])
+        check_ids(ids, w.shape[0])
         xp = get_xp(w)
         # NumPy's mode "raise" buffers ``out`` (a temporary of y's size); the
         # ids are checked above, so "wrap" takes the same rows without it

@@ -260,7 +260,10 @@ class StreamExecutor(Executor):
         self._fenced = set()
         kernels, keys = self.core.kernels, {}
         for name in self._iteration_hooks:
-            keys[name] = kernels[name].before_iteration(iteration, self._host_write)
+            try:
+                keys[name] = kernels[name].before_iteration(iteration, self._host_write)
+            except Exception as exc:  # e.g. a batch the data op refused: its op named
+                raise OpError(self.core.graph.ops[name], exc, self.core.rank) from exc
         self._iteration_keys = keys
 
     def _host_write(self, fn):

@@ -21,9 +21,14 @@ input and the rest are zeros, which the causal attention never lets the
 earlier positions see, so the scores at the context's last position are
 the model's prediction of the next token. Each token is drawn from
 
-    softmax(logits / temperature), restricted to the top_k largest logits
+    softmax(logits / temperature), restricted to the top_k largest logits,
+    then to the nucleus of probability top_p
 
-(``temperature`` 0: the largest logit, greedy), with NumPy's PCG64 seeded by
+(``temperature`` 0: the largest logit, greedy; the nucleus, as Hugging
+Face's top-p after its top-k: the fewest tokens, by descending probability
+of the distribution restricted to the top k, a tie taken by the lower id,
+whose summed probability reaches top_p, renormalized; top_p 1: every
+token), with NumPy's PCG64 seeded by
 ``seed``: the same seed, weights and prompt give the same text. Only the
 vocabulary's ids are drawn (256 for bytes): the rows a net pads its
 vocabulary with (GPT-2's 50,257 to 50,304) never are.
@@ -45,7 +50,7 @@ import numpy as np
 from ..base.errors import UserError
 
 
-def check_args(tokens, temperature, top_k, seed, prompt):
+def check_args(tokens, temperature, top_k, seed, prompt, top_p=None):
     """UserError naming the first bad argument."""
     if tokens is None or tokens < 1:
         raise UserError(f"generate: --tokens must be a positive integer, got {tokens}")
@@ -54,6 +59,9 @@ def check_args(tokens, temperature, top_k, seed, prompt):
                         f"got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"generate: --top-k must be a positive integer, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:  # NaN too
+        raise UserError(f"generate: --top-p must be a number in (0, 1] (1: every token), "
+                        f"got {top_p}")
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise UserError(f"generate: --seed must be an integer in [0, 2^63), got {seed}")
     if not prompt:
@@ -146,7 +154,7 @@ class Generator:
             return list(prompt.encode("utf-8"))
         return self.vocabulary.encode(prompt)
 
-    def generate(self, prompt, tokens, temperature=1.0, top_k=None, seed=0):
+    def generate(self, prompt, tokens, temperature=1.0, top_k=None, seed=0, top_p=None):
         """The ``tokens`` token ids drawn after the tokens of ``prompt``,
         yielded one by one as they are drawn."""
         context = self.encode(prompt)
@@ -157,12 +165,12 @@ class Generator:
             what = "byte" if self.vocabulary is None else "token"
             raise UserError(f"generate: --prompt holds {what} {max(context)}, outside the "
                             f"model's vocabulary of {self.vocab} tokens")
-        return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed))
+        return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed), top_p)
 
-    def _draw(self, context, tokens, temperature, top_k, rng):
+    def _draw(self, context, tokens, temperature, top_k, rng, top_p=None):
         n = 256 if self.vocabulary is None else self.vocabulary.size  # not the padding rows
         for _ in range(tokens):
-            token = pick(self.next_scores(context)[:n], temperature, top_k, rng)
+            token = pick(self.next_scores(context)[:n], temperature, top_k, rng, top_p)
             context.append(token)
             yield token
 
@@ -183,10 +191,17 @@ def _vocabulary(weights, rows):
     return vocab
 
 
-def pick(scores, temperature, top_k, rng):
+def pick(scores, temperature, top_k, rng, top_p=None):
     """One token id from float64 ``scores`` (see the module docstring)."""
     if temperature == 0:
         return int(np.argmax(scores))
+    p = distribution(scores, temperature, top_k, top_p)
+    return int(rng.choice(len(p), p=p))
+
+
+def distribution(scores, temperature, top_k=None, top_p=None):
+    """The float64 probabilities ``pick`` draws a token with at a
+    temperature > 0 (see the module docstring)."""
     # shifted first: the largest is 0, so a tiny temperature tends to greedy
     # (its quotient -inf elsewhere) instead of overflowing to inf - inf = NaN
     with np.errstate(over="ignore"):
@@ -196,7 +211,15 @@ def pick(scores, temperature, top_k, rng):
         scores = np.where(scores < kth, -np.inf, scores)
     p = np.exp(scores - scores.max())
     p /= p.sum()
-    return int(rng.choice(len(p), p=p))
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-scores, kind="stable")  # descending, a tie by the lower id
+        # the first place where the sum reaches top_p (past the end when rounding
+        # keeps the whole sum below it: every token)
+        keep = order[:np.searchsorted(np.cumsum(p[order]), top_p) + 1]
+        nucleus = np.zeros_like(p)
+        nucleus[keep] = p[keep]
+        p = nucleus / nucleus.sum()
+    return p
 
 
 def write_stream(tokens, prompt="", out=None, vocabulary=None):
@@ -230,15 +253,15 @@ def write_stream(tokens, prompt="", out=None, vocabulary=None):
 
 
 def generate_text(job, weights, prompt, tokens, temperature=1.0, top_k=None, show_prompt=True,
-                  log=None):
+                  log=None, top_p=None):
     """``generate``: print the prompt (``show_prompt``) and its continuation
     as it is drawn, with the job's seed (``--seed`` sets it); ``log`` gets
     the notes (the GPU variables a run on the CPU ignores)."""
     from ..base import env
-    check_args(tokens, temperature, top_k, job.seed, prompt)
+    check_args(tokens, temperature, top_k, job.seed, prompt, top_p)
     generator = Generator(job, weights)
     note = env.cpu_note() if generator.device < 0 else None
     if note and log:
         log(f"note: {note}")
-    write_stream(generator.generate(prompt, tokens, temperature, top_k, job.seed),
+    write_stream(generator.generate(prompt, tokens, temperature, top_k, job.seed, top_p),
                  prompt if show_prompt else "", vocabulary=generator.vocabulary)

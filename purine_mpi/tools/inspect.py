@@ -229,32 +229,41 @@ def _diff_parts(a, b):
 
 def _diff_pair(a, b, row):
     """max_abs_diff and rel_l2_diff of two numeric datasets of one shape,
-    read BLOCK_BYTES at a time."""
-    xx = yy = dd = 0.0
+    read BLOCK_BYTES at a time, and ``unread_fill``: how many values
+    neither file wrote were compared as the two fill values, unread."""
+    sums = np.zeros(3)  # ||x||^2, ||y||^2, ||x - y||^2
     biggest = 0.0
     parts, fill = _diff_parts(a, b)
     with np.errstate(invalid="ignore", over="ignore"):
         for index in parts:
-            raw_x, raw_y = a[index], b[index]
-            x = np.asarray(raw_x, dtype=np.float64)
-            y = np.asarray(raw_y, dtype=np.float64)
-            d = _difference(raw_x, raw_y, x, y)
-            # the norms leave out a NaN or an infinity in the same place of
-            # both (no difference: d is 0 there); one on one side only makes
-            # d, so dd and the figures, nan or inf
-            keep = ~((np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y)))
-            xx, yy, dd = xx + float(np.sum(x[keep] ** 2)), yy + float(np.sum(y[keep] ** 2)), \
-                dd + float(np.sum(d * d))
-            biggest = np.maximum(biggest, float(np.max(np.abs(d))))
-        if fill:
-            x, y = float(a.fillvalue), float(b.fillvalue)
-            xx, yy, dd = xx + x * x * fill, yy + y * y * fill, dd + (x - y) ** 2 * fill
-            biggest = np.maximum(biggest, abs(x - y))
+            part_sums, part_max = _diff_sums(a[index], b[index])
+            sums += part_sums
+            biggest = np.maximum(biggest, part_max)
+        if fill:  # as that many copies of the fill values: NaN and NaN are equal
+            part_sums, part_max = _diff_sums(np.asarray(a.fillvalue), np.asarray(b.fillvalue))
+            sums += part_sums * fill
+            biggest = np.maximum(biggest, part_max)
+        xx, yy, dd = map(float, sums)
         norm = max(math.sqrt(xx), math.sqrt(yy))
         # equal values (NaN and infinities in the same places too) are no
         # difference whatever their norm
         row.update(max_abs_diff=float(biggest),
-                   rel_l2_diff=0.0 if dd == 0 else math.sqrt(dd) / norm if norm else 0.0)
+                   rel_l2_diff=0.0 if dd == 0 else math.sqrt(dd) / norm if norm else 0.0,
+                   unread_fill=fill)
+
+
+def _diff_sums(raw_x, raw_y):
+    """([||x||^2, ||y||^2, ||x - y||^2], max |x - y|) of two arrays of one
+    shape, in float64."""
+    x = np.asarray(raw_x, dtype=np.float64)
+    y = np.asarray(raw_y, dtype=np.float64)
+    d = _difference(raw_x, raw_y, x, y)
+    # the norms leave out a NaN or an infinity in the same place of both (no
+    # difference: d is 0 there); one on one side only makes d, so dd and the
+    # figures, nan or inf
+    keep = ~((np.isnan(x) & np.isnan(y)) | (np.isinf(x) & (x == y)))
+    return (np.array([np.sum(x[keep] ** 2), np.sum(y[keep] ** 2), np.sum(d * d)]),
+            float(np.max(np.abs(d))))
 
 
 def _difference(raw_x, raw_y, x, y):
@@ -293,7 +302,7 @@ def _diff(path, other):
             elif numeric and a.size:
                 _diff_pair(a, b, row)
             elif numeric:
-                row.update(max_abs_diff=0.0, rel_l2_diff=0.0)
+                row.update(max_abs_diff=0.0, rel_l2_diff=0.0, unread_fill=0)
             else:
                 x, y = _small_value(a), _small_value(b)
                 row["equal"] = (x is not None and y is not None and
@@ -361,6 +370,9 @@ def _format_text(report):
         for row in diff["datasets"]:
             if "max_abs_diff" in row:
                 tail = f"{_fmt(row['max_abs_diff']):>13} {_fmt(row['rel_l2_diff']):>13}"
+                if row["unread_fill"]:  # compared as the fill values, not read
+                    tail += (f"  ({row['unread_fill']:,} values written by neither file, "
+                             "compared as their fill values)")
             elif "shapes" in row:
                 tail = f"shapes differ: {row['shapes'][0]} vs {row['shapes'][1]}"
             else:

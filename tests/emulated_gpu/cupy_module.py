@@ -81,6 +81,10 @@ def emulated_cupy(build_dir):
         "ascontiguousarray", np.ascontiguousarray(plain(a), dtype), a)
     fake.asarray = lambda a, dtype=None: allocated("asarray", np.asarray(plain(a), dtype), a)
     fake.asnumpy = asnumpy
+    # CuPy's take has no mode: an index outside the axis wraps around, as
+    # NumPy's mode "wrap" (NumPy's default raises, which no GPU does)
+    fake.take = lambda a, indices, axis=None, out=None: np.take(a, indices, axis=axis, out=out,
+                                                              mode="wrap")
     # CuPy's pool (bench --json reports what it holds)
     # (free_all_blocks: nothing to give back, the emulated pool caches no block)
     # the pool's malloc hands out what ``Allocations.note`` counted already
