@@ -46,12 +46,27 @@ def limit_token_ids(graph):
     (ops/data.py), so an id outside the table stops the run on a GPU as on
     the CPU, where the embedding op checks too."""
     for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
-        data = _passed_on(graph, reader.outputs[0])
-        rows = [graph.blobs[op.inputs[1]].shape for op in graph.ops.values()
-                if op.op_type == "Embedding" and op.inputs[0] in data]
-        rows = [int(shape[0]) for shape in rows if shape is not None]
+        rows = [n for _, n in token_tables(graph, reader.outputs[0])]
         if rows:
             reader.attrs["id_limit"] = min(rows)
+
+
+def token_tables(graph, blob):
+    """[(op, rows)]: the Embedding ops that read ``blob`` as token ids (also
+    through ops that hand it on unchanged) and their tables' rows (shapes
+    inferred)."""
+    data = _passed_on(graph, blob)
+    found = [(op, graph.blobs[op.inputs[1]].shape) for op in graph.ops.values()
+             if op.op_type == "Embedding" and op.inputs[0] in data]
+    return [(op, int(shape[0])) for op, shape in found if shape is not None]
+
+
+def layer_where(job, op):
+    """The config key of the layer that built ``op`` (``net[i]``, a repeat
+    block's key in the file) and the layer's name."""
+    layer = op.name.split(".")[0]
+    index = {spec["name"]: i for i, spec in enumerate(job.net or ())}
+    return (layer_key(job.net_keys, index[layer]) if layer in index else "net"), layer
 
 
 def check_data_labels(graph, job=None):
@@ -100,7 +115,6 @@ def check_vocabulary(graph, job):
     from ..data.text import text_vocabulary
     from ..ops.softmax import _axis
     producers = graph.producers()
-    index = {layer["name"]: i for i, layer in enumerate(job.net or ())}
     for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
         spec = reader.attrs.get("source") or {}
         if spec.get("source") != "text":
@@ -123,8 +137,7 @@ def check_vocabulary(graph, job):
                 continue
             if have is None or have >= size:
                 continue
-            layer = op.name.split(".")[0]
-            where = layer_key(job.net_keys, index[layer]) if layer in index else "net"
+            where, layer = layer_where(job, op)
             what = "rows" if key == "input_dim" else "classes"
             raise ConfigError(job.path, f"{where}.{key}" if key else where,
                               f"layer '{layer}' has {have} {what}, but text data file "
