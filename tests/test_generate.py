@@ -407,3 +407,69 @@ def test_top_p_draws_from_the_nucleus():
     for top_p in (1e-9, 0.25):
         assert {pick(tied, 1.0, None, rng, top_p) for _ in range(200)} == {1}
         assert {pick(scores, 1.0, None, rng, top_p) for _ in range(50)} == {1}
+
+
+# ------------------------------------------------------------------ leftover 1
+def _untied(tmp_path, rows, scores):
+    """A 1-block GPT whose embedding has ``rows`` rows and whose output layer
+    (not tied to it) scores ``scores`` tokens, with random weights: (config, weights)."""
+    import h5py
+    from purine_mpi.graph import Graph
+    from purine_mpi.layers import build_net
+    net = gpt_net(vocab=rows, width=8, heads=2, blocks=1, max_length=8)
+    head = next(layer for layer in net if layer["name"] == "lm_head")
+    del head["tie_weight"]
+    head["num_output"] = scores
+    spec = {"source": "text", "path": str(tmp_path / "unread.h5"), "batch_size": 2,
+            "sequence_length": 8}
+    config = write_config_file(tmp_path, {"name": "untied", "seed": 1, "net": net,
+                                          "data": {"train": spec}})
+    g = Graph("untied")
+    g.add_blob("data", (1, 8), "int32")
+    g.add_blob("label", (1, 8), "int32")
+    build_net(net, "test", (g, config, None))
+    rng = np.random.default_rng(0)
+    weights = tmp_path / "untied.h5"
+    with h5py.File(weights, "w") as f:
+        for blob in g.params():
+            f.create_dataset(f"params/{blob.name}",
+                             data=rng.normal(0, 0.5, blob.shape).astype(np.float32))
+    return config, weights, net.index(head)
+
+
+def test_an_embedding_smaller_than_the_scores_is_refused_at_start_up(tmp_path):
+    """An untied output layer scoring 256 tokens over an embedding of 100
+    rows: a drawn id >= 100 fed back stopped the CPU run midway (the
+    embedding's ValueError, a traceback) and read a wrapped row on a GPU.
+    generate refuses the net before drawing (exit 2, one line naming both
+    keys), not restricting the draw, which would sample another
+    distribution than the model's. A prompt byte beyond the table (here
+    'é', 0xc3) is refused with it."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.generate import Generator
+    config, weights, head = _untied(tmp_path, 100, 256)
+    with pytest.raises(ConfigError) as exc:
+        Generator(load_job(config, check_files=False), str(weights))
+    message = str(exc.value)
+    assert "key 'net[0].input_dim'" in message and f"net[{head}].num_output" in message
+    assert "below 100" in message and "scores 256" in message, message
+    for prompt in ("x", "é"):
+        res = run_cli_here("generate", config, "--weights", weights, "--prompt", prompt,
+                           "--tokens", "20", "--temperature", "1.5")
+        assert res.returncode == 2 and res.stdout == "", res.stderr
+        assert "net[0].input_dim" in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_padding_scores_beyond_the_vocabulary_need_no_more_rows(tmp_path):
+    """Scores for padding ids (264 over 256 bytes, untied) are never drawn:
+    256 rows read every drawn id, so the net runs, drawing below 256, and
+    a prompt's bytes are checked against the table's rows."""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.tools.generate import Generator
+    config, weights, _ = _untied(tmp_path, 256, 264)
+    gen = Generator(load_job(config, check_files=False), str(weights))
+    assert (gen.vocab, gen.drawn, gen.rows) == (264, 256, 256)
+    drawn = list(gen.generate("abc", 40, 2.0, None, 3))
+    assert len(drawn) == 40 and max(drawn) < 256

@@ -27,6 +27,13 @@ def data_attrs(spec, rank, world_size, seed, phase="train"):
 def forward_graph(job, phase, spec, rank=0, world_size=1):
     """The data op and the net's forward ops of ``job`` for ``phase`` and its
     ``DataSpec`` (no loss pruning)."""
+    return _add_net(job, phase, data_graph(job, phase, spec, rank, world_size))
+
+
+def data_graph(job, phase, spec, rank=0, world_size=1):
+    """The graph of the data op alone, its outputs' shapes read (the data
+    file, or the spec's shape): a ConfigError naming ``data.<phase>``'s key
+    where they cannot be."""
     g = Graph(job.name)
     g.add_op("data", "DataReader", [], ["data", "label"],
              data_attrs(spec, rank, world_size, job.seed, phase), thread=DATA_THREAD)
@@ -34,6 +41,10 @@ def forward_graph(job, phase, spec, rank=0, world_size=1):
         g.infer_shapes()
     except UserError as exc:  # the data file, or a spec's key that does not fit it
         raise data_error(job.path, phase, exc) from None
+    return g
+
+
+def _add_net(job, phase, g):
     build_net(job.net or (), phase, (g, job.path, job.net_keys))
     limit_token_ids(g)
     return g
@@ -46,12 +57,27 @@ def limit_token_ids(graph):
     (ops/data.py), so an id outside the table stops the run on a GPU as on
     the CPU, where the embedding op checks too."""
     for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
-        data = _passed_on(graph, reader.outputs[0])
-        rows = [graph.blobs[op.inputs[1]].shape for op in graph.ops.values()
-                if op.op_type == "Embedding" and op.inputs[0] in data]
-        rows = [int(shape[0]) for shape in rows if shape is not None]
+        rows = [n for _, n in token_tables(graph, reader.outputs[0])]
         if rows:
             reader.attrs["id_limit"] = min(rows)
+
+
+def token_tables(graph, blob):
+    """[(op, rows)]: the Embedding ops that read ``blob`` as token ids (also
+    through ops that hand it on unchanged) and their tables' rows (shapes
+    inferred)."""
+    data = _passed_on(graph, blob)
+    found = [(op, graph.blobs[op.inputs[1]].shape) for op in graph.ops.values()
+             if op.op_type == "Embedding" and op.inputs[0] in data]
+    return [(op, int(shape[0])) for op, shape in found if shape is not None]
+
+
+def layer_where(job, op):
+    """The config key of the layer that built ``op`` (``net[i]``, a repeat
+    block's key in the file) and the layer's name."""
+    layer = op.name.split(".")[0]
+    index = {spec["name"]: i for i, spec in enumerate(job.net or ())}
+    return (layer_key(job.net_keys, index[layer]) if layer in index else "net"), layer
 
 
 def check_data_labels(graph, job=None):
@@ -80,14 +106,44 @@ def check_data_labels(graph, job=None):
 def check_graphs(job):
     """The single-replica train and test graphs of ``job`` built (rank 0 of
     one) and their labels checked: the data files read and checked (NaN or
-    inf, labels out of range), every layer's shape inferred: what the run's
-    start-up finds first, asked before ``--force`` deletes a run
-    (job/rundir.py), so a bad data file or layer loses nothing."""
+    inf, labels out of range), every layer's shape inferred, the test
+    phase's parameters of the train phase's shapes: what the run's start-up
+    finds first, asked before ``--force`` deletes a run (job/rundir.py), so
+    a bad data file or layer loses nothing."""
     graph, _ = build_train_graph(job)
     check_data_labels(graph, job)
     test = build_test_graph(job)
     if test is not None:
+        check_test_params(job, param_shapes(graph), test)
         check_data_labels(test, job)
+
+
+def param_shapes(graph):
+    """{parameter: shape} of ``graph`` (``check_test_params`` compares them)."""
+    return {b.name: b.shape for b in graph.params()}
+
+
+def check_test_params(job, shapes, test):
+    """The test graph ``test`` runs on the train graph's parameter arrays
+    (``shapes``: theirs, ``param_shapes``): each parameter of it must have
+    that shape. A test set whose samples have other shapes than the train
+    data's (another image size) reaching a layer whose parameters depend
+    on them (an fc layer after convolutions) is a ConfigError naming
+    ``data.test`` and the layer at start-up, not a failed first test pass.
+    Shapes that leave every parameter alone (another sequence length of a
+    GPT) are the test set's own business."""
+    for blob in test.params():
+        want = shapes.get(blob.name)
+        if want is None or blob.shape is None or tuple(want) == tuple(blob.shape):
+            continue
+        samples = next((list(test.blobs[op.outputs[0]].shape[1:]) for op in test.ops.values()
+                        if op.op_type == "DataReader"), "?")
+        raise ConfigError(job.path, "data.test",
+                          f"its samples of shape {samples} give layer "
+                          f"'{blob.name.split('/')[0]}' the parameter '{blob.name}' of shape "
+                          f"{list(blob.shape)}, but the train phase's is {list(want)}: the "
+                          "test phase runs on the train phase's parameters; give the test "
+                          "samples the shape they have in training (e.g. crop_size)")
 
 
 def check_vocabulary(graph, job):
@@ -100,7 +156,6 @@ def check_vocabulary(graph, job):
     from ..data.text import text_vocabulary
     from ..ops.softmax import _axis
     producers = graph.producers()
-    index = {layer["name"]: i for i, layer in enumerate(job.net or ())}
     for reader in [op for op in graph.ops.values() if op.op_type == "DataReader"]:
         spec = reader.attrs.get("source") or {}
         if spec.get("source") != "text":
@@ -123,8 +178,7 @@ def check_vocabulary(graph, job):
                 continue
             if have is None or have >= size:
                 continue
-            layer = op.name.split(".")[0]
-            where = layer_key(job.net_keys, index[layer]) if layer in index else "net"
+            where, layer = layer_where(job, op)
             what = "rows" if key == "input_dim" else "classes"
             raise ConfigError(job.path, f"{where}.{key}" if key else where,
                               f"layer '{layer}' has {have} {what}, but text data file "
@@ -271,15 +325,32 @@ def graph_from_seed(job, rank=0, world_size=1):
     return g, grads
 
 
-def check_test_phase(job, rank=0, world_size=1):
+def check_test_phase(job, rank=0, world_size=1, shapes=None):
     """A net with layers of one phase (``phase: test`` or ``train``) has its
-    test phase built once on the train data's shapes, so that a layer of it
-    that cannot work is a ConfigError naming its key also where no test
-    graph is built (no ``data.test``; ``graph`` of the train phase, which
-    reads no test file) rather than never reported."""
-    if job.graph is None and job.data.train is not None and \
-            any(layer.get("phase") for layer in job.net or ()):
-        forward_graph(job, "test", job.data.train, rank, world_size)
+    test phase built once, so that a layer of it that cannot work is a
+    ConfigError naming its key also where no test graph is built (no
+    ``data.test``; ``graph`` of the train phase) rather than never
+    reported: on the test data's shapes (``data.test``), else on the train
+    data's (no ``data.test``, or a test file ``graph`` cannot read: it
+    needs none, ``train`` names it). With ``shapes`` (the train graph's
+    ``param_shapes``), a test set of given shapes is built also without
+    such layers, for ``check_test_params``."""
+    if job.graph is not None or job.data.train is None:
+        return
+    phased = any(layer.get("phase") for layer in job.net or ())
+    g = None
+    if job.data.test is not None and (phased or shapes is not None):
+        try:
+            g = data_graph(job, "test", job.data.test, rank, world_size)
+        except UserError:
+            g = None  # an unreadable test file: train's start-up names it
+    if g is None and phased:
+        g = data_graph(job, "test", job.data.train, rank, world_size)
+    if g is None:
+        return
+    _add_net(job, "test", g)
+    if shapes is not None:
+        check_test_params(job, shapes, g)
 
 
 def build_test_graph(job, rank=0, world_size=1):

@@ -16,7 +16,7 @@ import numpy as np
 from .nccl_backend import apply_backend
 from .placement import add_loss_watch, configure_device, prepare_for_device
 from ..job.replica import (build_test_graph, build_train_graph, check_data_labels,
-                           job_vocabulary,
+                           check_test_params, job_vocabulary, param_shapes,
                            check_fits_memory, loss_blobs, mark_padding, metric_blobs)
 from .schemes import scheme_of
 
@@ -80,6 +80,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     check_data_labels(graph, job)
     vocabulary = job_vocabulary(job)  # train and test agree; checkpoints keep it
     summary = param_summary(graph)  # the whole net's, before any split
+    shapes = param_shapes(graph)  # the test graph runs on these arrays
     net_params = [b.name for b in graph.params()]
     composition = scheme.compose(graph, grads, job, world)
     graph = composition.graph
@@ -113,13 +114,14 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
                      param_summary=summary, comm_backend=backend,
                      comm_backend_note=backend_note, composition=composition,
                      vocabulary=vocabulary)
-    _add_test_graph(out, job, world, scheme)
+    _add_test_graph(out, job, world, scheme, shapes)
     return out
 
 
-def _add_test_graph(out, job, world, scheme):
+def _add_test_graph(out, job, world, scheme, shapes):
     test = build_test_graph(job, out.layout.replica, out.layout.replicas)
     if test is not None:
+        check_test_params(job, shapes, test)  # a test set of other sample shapes
         check_data_labels(test, job)
         # a one-pass test pads its last batch: the padding counts in no figure
         out.test_pad = mark_padding(test)

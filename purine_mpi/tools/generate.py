@@ -31,7 +31,12 @@ whose summed probability reaches top_p, renormalized; top_p 1: every
 token), with NumPy's PCG64 seeded by
 ``seed``: the same seed, weights and prompt give the same text. Only the
 vocabulary's ids are drawn (256 for bytes): the rows a net pads its
-vocabulary with (GPT-2's 50,257 to 50,304) never are.
+vocabulary with (GPT-2's 50,257 to 50,304) never are. Each drawn token is
+fed back to the embedding that reads the tokens: a net whose embedding has
+fewer rows than the ids drawn (an untied output layer scoring more tokens)
+is refused at start-up (exit 2, ``_check_tables``), not drawn from a
+restricted distribution, which would not be the model's; the prompt's ids
+are checked against the same rows.
 
 ``write_stream`` prints the prompt (unless ``--no-prompt``), then each token
 as it is drawn (flushed), its bytes decoded as UTF-8 by an incremental
@@ -47,7 +52,7 @@ import sys
 
 import numpy as np
 
-from ..base.errors import UserError
+from ..base.errors import ConfigError, UserError
 
 
 def check_args(tokens, temperature, top_k, seed, prompt, top_p=None):
@@ -120,6 +125,9 @@ class Generator:
                             "a softmax_loss with axis: -1")
         self.vocab = int(shape[2])
         self.vocabulary = _vocabulary(weights, self.vocab)  # None: byte-level
+        # the ids drawn: the vocabulary's (256 for bytes), not the rows a net pads it with
+        self.drawn = min(self.vocab, 256 if self.vocabulary is None else self.vocabulary.size)
+        self.rows = _check_tables(job, g, self.logits, self.drawn)
         self.graph = g.prune([self.logits])
         params = [b.name for b in self.graph.params()]
         # device: D >= 0 places the net on a GPU; refused where there is none
@@ -161,18 +169,46 @@ class Generator:
         if not context:
             raise UserError(f"generate: --prompt {prompt!r} encodes to no token of the "
                             "vocabulary; give a longer prompt")
-        if max(context) >= self.vocab:
+        limit = self.vocab if self.rows is None else self.rows  # what the embedding reads
+        if max(context) >= limit:
             what = "byte" if self.vocabulary is None else "token"
             raise UserError(f"generate: --prompt holds {what} {max(context)}, outside the "
-                            f"model's vocabulary of {self.vocab} tokens")
+                            f"model's vocabulary of {limit} tokens")
         return self._draw(context, tokens, temperature, top_k, np.random.default_rng(seed), top_p)
 
     def _draw(self, context, tokens, temperature, top_k, rng, top_p=None):
-        n = 256 if self.vocabulary is None else self.vocabulary.size  # not the padding rows
         for _ in range(tokens):
-            token = pick(self.next_scores(context)[:n], temperature, top_k, rng, top_p)
+            token = pick(self.next_scores(context)[:self.drawn], temperature, top_k, rng, top_p)
             context.append(token)
             yield token
+
+
+def _check_tables(job, graph, logits, drawn):
+    """The fewest rows of the embeddings that read the tokens (None: no
+    embedding does). Each token drawn (an id below ``drawn``) is fed back
+    to them, so fewer rows (an output layer not tied to the embedding,
+    scoring more tokens than it reads) is a ConfigError naming the
+    embedding's ``input_dim`` and the output's ``num_output``, at start-up:
+    a drawn id beyond the table would stop the CPU run midway and read a
+    wrapped row on a GPU (ops/embedding.py)."""
+    from ..job.replica import layer_where, token_tables
+    tables = token_tables(graph, "data")
+    if not tables:
+        return None
+    op, rows = min(tables, key=lambda table: table[1])
+    if rows >= drawn:
+        return rows
+    where, layer = layer_where(job, op)
+    heads = graph.producers().get(logits) or [op]
+    head = next((p for p in heads if p.op_type == "InnerProduct"), heads[0])
+    head_where, head_layer = layer_where(job, head)
+    scores = graph.blobs[logits].shape[-1]
+    raise ConfigError(job.path, f"{where}.input_dim",
+                      f"layer '{layer}' reads token ids below {rows}, but layer '{head_layer}' "
+                      f"scores {scores} tokens ({head_where}.num_output) and generate feeds "
+                      f"each token it draws (ids below {drawn}) back into '{layer}': the net "
+                      f"needs input_dim >= {drawn} (or num_output <= {rows}, or the output "
+                      "tied to the embedding, tie_weight)")
 
 
 def _vocabulary(weights, rows):

@@ -19,7 +19,7 @@ def compose_for(job, world_size, rank, phase="train"):
 def composed(job, world_size, rank, phase="train"):
     """(the graph ``rank`` of ``world_size`` would run, built without MPI,
     and its scheme's Composition; (None, None) without such a phase)."""
-    from ..job.replica import build_test_graph, build_train_graph, check_test_phase
+    from ..job.replica import build_test_graph, build_train_graph, check_test_phase, param_shapes
     from ..parallel.schemes import Composition, scheme_of
     world = _OfflineWorld(rank, world_size)
     par = job.parallel
@@ -34,7 +34,8 @@ def composed(job, world_size, rank, phase="train"):
         comp.layout = lay
         return comp.graph, comp
     graph, grads = build_train_graph(job, replica, replicas)
-    check_test_phase(job, replica, replicas)  # a broken test-only layer: exit 2 here too
+    # a broken test-only layer, test data that changes a parameter's shape: exit 2 here too
+    check_test_phase(job, replica, replicas, param_shapes(graph))
     if world_size > 1 and scheme.servers:
         from ..parallel.param_server import compose_for_rank
         graph = compose_for_rank(graph, grads, job, world_size, rank).infer_shapes()
