@@ -90,3 +90,36 @@ def test_ignore_label_mean_is_noted_where_it_has_no_effect(parallel, ranks, note
     notes = [n for n in scheme_of(job).settings_without_effect(job, ranks)
              if "parallel.ignore_label_mean" in n]
     assert bool(notes) == noted, notes
+
+
+@pytest.mark.mpi
+def test_scheme_none_normalises_each_rank_over_its_own_micro_batches(digits_h5, tmp_path):
+    """Scheme none (2 ranks, each its own replica, no gradient exchanged):
+    with 4 micro-batches each rank trains as without them, on its own batch
+    of 16 (its own mean: no normaliser, the plain path), the count over its
+    own micro-batches and not over both ranks' batches (which gave rank 0's
+    micro-batches 3.25 at iteration 3 for its own 3.5); ``shard`` (the
+    micro-batches' means) differs. Rank 0's saved weights after 3 iterations."""
+    import h5py
+    from tests.conftest import run_mpi_cli, write_config_file
+    net = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 10},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
+            "ignore_label": 3}]
+
+    def weights(name, parallel):
+        cfg = {"name": name, "seed": 3, "net": net, "parallel": dict(parallel, scheme="none"),
+               "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
+                                  "batch_size": 16, "shuffle": False}},
+               "solver": {"base_lr": 0.5, "lr_policy": "fixed", "momentum": 0.0,
+                          "weight_decay": 0.0, "max_iter": 3, "test_interval": 0}}
+        out = tmp_path / name
+        res = run_mpi_cli(2, "train", write_config_file(tmp_path, cfg, f"{name}.yaml"),
+                          "--out", out)
+        assert res.returncode == 0, res.stderr[-2000:]
+        with h5py.File(out / "latest.h5", "r") as f:
+            return f["params/fc1/weight"][()]
+    whole = weights("whole", {})
+    np.testing.assert_allclose(weights("micro", {"micro_batches": 4}), whole,
+                               rtol=0, atol=1e-6)
+    shards = weights("shards", {"micro_batches": 4, "ignore_label_mean": "shard"})
+    assert float(np.abs(shards - whole).max()) > 1e-3  # the case tells the two apart

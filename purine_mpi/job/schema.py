@@ -198,7 +198,8 @@ PARALLEL = (
         "rank without micro-batches and PyTorch's CrossEntropyLoss(ignore_index) over it; "
         "transformers' num_items_in_batch) or shard (each shard's own mean, their mean "
         "taken: PyTorch DDP's and gradient accumulation's plain average). The "
-        "parameter-server modes always take each worker's own mean (see \"Sample order\")"),
+        "parameter-server modes always take each worker's own mean, scheme none each rank's "
+        "own batch's (see \"Sample order\")"),
     Key("schedule", _choice(PIPELINE_SCHEDULES), "1f1b", "order of the micro-batches on a "
         "stage: 1f1b (one forward, one backward; stage s of p allocates min(p-s, M) "
         "micro-batches' activations) or gpipe (all forwards, then all backwards; all M)"),

@@ -44,6 +44,10 @@ Attrs:
                 batch's mean over its counted positions. Only the labels of
                 the global batch are read (no data; a source without its
                 labels apart reads them through ``gather``)
+    count_over  ``global`` (default; above) or ``replica``: n counts this
+                replica's batch only (its ``micro_batches`` windows, for a
+                scheme whose replicas exchange no gradients), the
+                normaliser max(n, 1) / micro_batches
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
@@ -79,8 +83,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_types,
-                            gather_labels, make_source, source_info)
+from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_start,
+                            batch_types, gather_labels, make_source, source_info)
 from ..data.transform import apply_transform, output_shape
 from .embedding import check_ids
 from .registry import OpKernel, register
@@ -162,13 +166,19 @@ class DataReader(OpKernel):
 
     def shard_normaliser(self, iteration):
         """Attr ``count_label``'s output of batch ``iteration``: max(n, 1) /
-        world_size, n the labels of the iteration's global batch (every
-        replica's window) other than ``count_label``; 0-d float64."""
-        glob = self.batch_size * self.world_size
+        S, n the labels of the iteration's global batch (every replica's
+        window, S = world_size; with attr ``count_over: replica`` this
+        replica's micro-batches' windows, S = micro_batches) other than
+        ``count_label``; 0-d float64."""
+        shards, first = self.world_size, 0
+        if self.attrs.get("count_over", "global") == "replica":
+            shards = int(self.attrs.get("micro_batches", 1))
+            first = self.rank - int(self.attrs.get("micro_batch", 0))
+        start = batch_start(iteration, first, self.world_size, self.batch_size)
         labels = gather_labels(self._source,
-                               batch_indices(iteration, 0, 1, glob, self._order))
+                               self._order.indices(start, shards * self.batch_size))
         n = int(np.count_nonzero(np.asarray(labels) != int(self.attrs["count_label"])))
-        return np.array(max(n, 1) / self.world_size, dtype=np.float64)
+        return np.array(max(n, 1) / shards, dtype=np.float64)
 
     def _serve(self):
         """The prefetch thread: gathers the batches _start asks for, one at a
