@@ -249,8 +249,9 @@ def global_label_counts(graph, over="global"):
     by the shards: the data op's attrs ``count_label`` and ``count_over``
     (``over``: ``global``, every replica's shards; ``replica``, this
     replica's micro-batches) and its third output ``label.normaliser``
-    (ops/data.py), the loss op's third input (ops/softmax.py). A shard's loss is then its sum over its counted
-    positions over that, and the shards' mean (the reported loss, the
+    (ops/data.py), the loss op's third input (ops/softmax.py). A shard's
+    loss is then its sum over its counted positions over that, and the
+    shards' mean (the reported loss, the
     gradient the 1/shards of the update makes) is the global batch's mean
     over its counted positions, as on 1 rank without micro-batches. One
     ``ignore_label`` per data op: a loss with another one keeps its shard's
