@@ -205,6 +205,27 @@ def test_solver_fields():
     assert any("'solver_mode' (line 16) is ignored" in n for n in notes)
 
 
+@pytest.mark.parametrize("ignore", [False, True])
+def test_iter_size_with_an_ignore_label_keeps_caffe_s_mean_of_means(tmp_path, ignore):
+    """Caffe's iter_size K divides each of its K batches by its own counted
+    positions and averages their gradients: a loss with an ignore_label
+    converts to parallel.ignore_label_mean: shard (said in a note); without
+    one the default stays (the same figures either way)."""
+    with open(fixture("lenet_digits.prototxt")) as f:
+        net = f.read()
+    if ignore:
+        net = net.replace('top: "loss"\n', 'top: "loss"\n  loss_param { ignore_label: 3 }\n')
+        assert "ignore_label" in net
+    (tmp_path / "net.prototxt").write_text(net)
+    with open(fixture("lenet_solver.prototxt")) as f:
+        (tmp_path / "solver.prototxt").write_text(f.read() + "\niter_size: 2\n")
+    config, notes = convert(str(tmp_path / "net.prototxt"), str(tmp_path / "solver.prototxt"),
+                            data_path="/nonexistent/digits.h5")
+    assert config["parallel"]["micro_batches"] == 2
+    assert config["parallel"].get("ignore_label_mean") == ("shard" if ignore else None)
+    assert any("parallel.ignore_label_mean shard" in n for n in notes) == ignore
+
+
 @pytest.mark.parametrize("text,key,value", [
     ('base_lr: 0.1 lr_policy: "multistep" stepvalue: 10 stepvalue: 30 gamma: 0.5',
      "stepvalues", [10, 30]),

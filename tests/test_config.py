@@ -55,7 +55,8 @@ def test_defaults_are_filled(cfg_dir):
                                   "max_staleness": 0,
                                   "stall_timeout": 300, "check_collectives": False,
                                   "stages": {}, "tensor_parallel": 1, "shard": 1, "prefetch": 1, "micro_batches": 1,
-                                  "schedule": "1f1b", "transport": "auto"}
+                                  "ignore_label_mean": "global", "schedule": "1f1b",
+                                  "transport": "auto"}
     assert config["checkpoint"] == {"interval": 0, "keep": 3, "best": None, "folder": None}
     assert config["solver"]["clip_gradients"] is None
     assert config["data"]["train"]["shuffle"] is True

@@ -214,6 +214,25 @@ def test_softmax_loss_gpu_branch(device, case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_softmax_loss_gpu_branch_with_a_normaliser(device, dtype):
+    """The global-count normaliser (ops/data.py ``count_label``) on a GPU:
+    the fused kernels, the loss rescaled on the device, as the CPU op."""
+    rng = np.random.default_rng(1)
+    x = _rand((2, 4, 3, 2), dtype, scale=3.0)
+    label = rng.integers(0, 4, size=(2, 3, 2)).astype(np.int64)
+    label.flat[::3] = 1
+    norm = np.asarray(17.0 / 4, dtype=np.float64)
+    (loss, prob), _ = compare(device, "SoftmaxLoss", {"ignore_label": 1}, [x, label, norm],
+                              ["softmax_loss_forward", "softmax_loss_mean"], dtype)
+    counted = label != 1
+    nll = -np.log(np.take_along_axis(prob, label[:, None], axis=1)[:, 0])
+    np.testing.assert_allclose(loss, (nll * counted).sum() / norm,
+                               rtol=1e-10 if dtype == np.float64 else 2e-6)
+    compare(device, "SoftmaxLossGrad", {"ignore_label": 1},
+            [np.asarray(0.7, dtype=dtype), prob, label, norm], ["softmax_loss_backward"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape, axis", [((6, 5), 1), ((2, 4, 3, 2), 1), ((2, 3, 4), 2),
                                          ((3, 4), 0)])
 def test_softmax_gpu_branch(device, shape, axis, dtype):

@@ -100,6 +100,27 @@ def test_softmax_loss_matches_torch_cross_entropy(case):
     close(grads["x"], dx)
 
 
+@pytest.mark.parametrize("axis", [1, -1])
+def test_softmax_loss_with_a_normaliser_divides_the_sum_by_it(axis):
+    """A third input (the data reader's global count over the shards,
+    ops/data.py ``count_label``) replaces the shard's own count: loss and
+    gradient are PyTorch's summed CrossEntropyLoss(ignore_index) over it,
+    (N, C) scores and the (N, T, V) logits of the text losses alike."""
+    x = randn(4, 3, 5) * 2
+    label = RNG.integers(0, 5, size=(4, 3)) if axis == -1 else RNG.integers(0, 3, size=(4, 5))
+    label.flat[::4] = 2
+    norm = np.float64(13.0 / 3)
+    attrs = {"ignore_label": 2} if axis == 1 else {"ignore_label": 2, "axis": 2}
+    outs, grads = run_op("SoftmaxLoss", attrs, {"x": x, "label": label, "norm": norm},
+                         wrt=["x"], loss_weights=[np.float32(1.0), None])
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    logits = xt if axis == 1 else xt.permute(0, 2, 1)
+    loss = F.cross_entropy(logits, torch.tensor(label), ignore_index=2, reduction="sum") / norm
+    loss.backward()
+    close(outs[0], loss.item())
+    close(grads["x"], xt.grad.numpy())
+
+
 def test_softmax_loss_scales_by_loss_weight_and_ignores_all():
     x, label = randn(3, 4), np.array([1, 2, 3])
     outs, grads = run_op("SoftmaxLoss", {}, {"x": x, "label": label}, wrt=["x"],

@@ -158,25 +158,44 @@ def test_lr_rows_after_a_resume_from_an_earlier_checkpoint(digits_h5, tmp_path):
     assert lrs == pytest.approx([0.5, 0.25, 0.25, 0.25], rel=1e-4)  # the step at 3 applies at 4
 
 
-def test_ignore_label_under_micro_batches_is_the_mean_of_their_means(digits_h5, tmp_path):
+@pytest.mark.parametrize("mean", ["global", "shard"])
+def test_ignore_label_under_micro_batches(digits_h5, tmp_path, mean):
     """As docs/config.md ("Schedules") says: with an ``ignore_label`` the
-    loss of 4 micro-batches is the mean of their means over their counted
-    positions (NumPy), not the mean over the batch's counted positions
-    (here 2 of 16 samples ignored, in 2 of the 4 micro-batches: the two differ)."""
+    loss of 4 micro-batches and the gradient the update applies (plain SGD:
+    Δw = −lr·g) are, by default (``ignore_label_mean: global``), the whole
+    batch's PyTorch ``CrossEntropyLoss(ignore_index=3)``, as without
+    micro-batches; with ``shard`` the mean of the micro-batches' own means
+    (here 2 of 16 samples ignored, in 2 of the 4 micro-batches: the two
+    differ). Before the global normaliser the default gave the mean of the
+    means (row loss 2.2026797 for the whole batch's 2.2045174)."""
+    import torch
+    lr = 0.5
     net = [dict(MLP[0], num_output=10), dict(MLP[3], bottom=["fc1", "label"], ignore_label=3)]
-    cfg = _config(digits_h5, net, {"base_lr": 0.5, "lr_policy": "fixed", "display": 1},
-                  {"micro_batches": 4}, 3)
+    cfg = _config(digits_h5, net, {"base_lr": lr, "lr_policy": "fixed", "display": 1},
+                  {"micro_batches": 4, "ignore_label_mean": mean}, 3)
     out = tmp_path / "run"
     res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", out)
     assert res.returncode == 0, res.stderr[-2000:]
     with h5py.File(digits_h5, "r") as f:
-        x, y = f["train/data"][2 * B:3 * B], f["train/label"][2 * B:3 * B]
-    with h5py.File(out / "ckpt_2.h5", "r") as f:
-        w, b = f["params/fc1/weight"][()], f["params/fc1/bias"][()]
-    z = x.reshape(B, -1).astype(np.float64) @ w.T.astype(np.float64) + b
-    counted = y != 3
-    means = [_cross_entropy(z[k:k + 4][counted[k:k + 4]], y[k:k + 4][counted[k:k + 4]])[0]
-             for k in range(0, B, 4)]
-    whole = _cross_entropy(z[counted], y[counted])[0]
-    assert abs(np.mean(means) - whole) > 1e-3  # the case tells the two apart
-    assert _rows(out)[3]["loss"] == pytest.approx(np.mean(means), rel=1e-5)
+        x = torch.tensor(f["train/data"][2 * B:3 * B].reshape(B, -1), dtype=torch.float64)
+        y = torch.tensor(f["train/label"][2 * B:3 * B].astype(np.int64))
+    params = []
+    for name in ("ckpt_2.h5", "ckpt_3.h5"):
+        with h5py.File(out / name, "r") as f:
+            params.append({k: torch.tensor(f[f"params/fc1/{k}"][()], dtype=torch.float64)
+                           for k in ("weight", "bias")})
+    ce = torch.nn.CrossEntropyLoss(ignore_index=3)
+
+    def loss_and_grad(parts):
+        w = params[0]["weight"].clone().requires_grad_(True)
+        z = x @ w.T + params[0]["bias"]
+        loss = sum(ce(z[p], y[p]) for p in parts) / len(parts)
+        loss.backward()
+        return float(loss.detach()), w.grad.numpy()
+    shards = loss_and_grad([slice(k, k + 4) for k in range(0, B, 4)])
+    whole = loss_and_grad([slice(0, B)])
+    assert abs(shards[0] - whole[0]) > 1e-3  # the case tells the two apart
+    want = whole if mean == "global" else shards
+    assert _rows(out)[3]["loss"] == pytest.approx(want[0], rel=1e-5)
+    applied = -(params[1]["weight"] - params[0]["weight"]).numpy() / lr
+    np.testing.assert_allclose(applied, want[1], rtol=0, atol=1e-6)

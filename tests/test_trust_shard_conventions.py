@@ -1,12 +1,13 @@
-"""Two figures that data parallelism and micro-batches do not keep equal to
-1 rank × the global batch, pinned against PyTorch as docs/config.md
-("Sample order") states them.
+"""Data parallelism and micro-batches against 1 rank × the global batch,
+pinned against PyTorch as docs/config.md ("Sample order") states them.
 
 - A ``softmax_loss`` with an ``ignore_label`` over S shards (ranks ×
-  micro-batches): the train row's loss is the mean of the shards' means over
-  their counted positions, and the update's gradient is that loss's
-  (PyTorch DDP's convention), not ``CrossEntropyLoss(ignore_index)`` over the
-  global batch (which 1 rank gives).
+  micro-batches): by default (``parallel.ignore_label_mean: global``) the
+  train row's loss and the update's gradient are
+  ``CrossEntropyLoss(ignore_index)`` over the global batch, as 1 rank
+  gives (each shard's sum over the global count, the data reader's
+  normaliser); with ``shard``, the mean of the shards' means (PyTorch
+  DDP's plain average).
 - A ``batch_norm``'s running statistics under 2 ranks: the saved mean is
   1 rank's (PyTorch's BatchNorm2d over the global batch), the saved variance
   the mean of the ranks' own running variances (each PyTorch's unbiased
@@ -27,10 +28,10 @@ from tests.conftest import run_mpi_cli, write_config_file
 G = 16  # the global batch
 
 
-def _config(digits_h5, net, solver, parallel, max_iter):
+def _config(digits_h5, net, solver, parallel, max_iter, batch=G // 2):
     return {"name": "shards", "seed": 3,
             "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
-                               "batch_size": G // 2, "shuffle": False}},
+                               "batch_size": batch, "shuffle": False}},
             "net": net, "parallel": parallel,
             "solver": dict({"lr_policy": "fixed", "momentum": 0.0, "weight_decay": 0.0,
                             "max_iter": max_iter, "test_interval": 0, "display": 1}, **solver),
@@ -50,19 +51,32 @@ def _params(path, layer):
                 for k in f[f"params/{layer}"]}
 
 
+#: the 4 shards of 4 of the global batch: 2 ranks × 2 micro-batches, or a
+#: pipeline of 2 stages (the loss on the second) × 4 micro-batches
+LAYOUTS = {"data": ({"scheme": "data", "micro_batches": 2}, G // 2),
+           "pipeline": ({"scheme": "pipeline", "stages": {"fc1": 0, "loss": 1},
+                         "micro_batches": 4}, G)}
+
+
 @pytest.mark.mpi
-def test_ignore_label_over_ranks_and_micro_batches_is_the_mean_of_the_shards_means(
-        digits_h5, tmp_path):
-    """2 ranks × 2 micro-batches (4 shards of 4), one fc layer, plain SGD:
+@pytest.mark.parametrize("layout, mean", [("data", "global"), ("data", "shard"),
+                                          ("pipeline", "global")])
+def test_ignore_label_over_ranks_and_micro_batches(digits_h5, tmp_path, layout, mean):
+    """2 ranks × 2 micro-batches (4 shards of 4), or a 2-stage pipeline × 4,
+    one fc layer, plain SGD:
     at iteration 3 (2 of 16 samples ignored, in different shards) the row's
-    loss and the gradient the update applied (Δw = −lr·g) are the mean of
-    the 4 shards' CrossEntropyLoss(ignore_index=3), not the global batch's."""
+    loss and the gradient the update applied (Δw = −lr·g) are the global
+    batch's CrossEntropyLoss(ignore_index=3) (``global``, the default), or
+    the mean of the 4 shards' (``shard``). Before the data reader's global
+    count the default gave the shards' mean (row loss 2.239136 for the
+    global batch's 2.241457)."""
     lr = 0.5
     net = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 10},
            {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
             "ignore_label": 3}]
+    parallel, batch = LAYOUTS[layout]
     out = _train(tmp_path, _config(digits_h5, net, {"base_lr": lr},
-                                   {"scheme": "data", "micro_batches": 2}, 3))
+                                   dict(parallel, ignore_label_mean=mean), 3, batch))
     with h5py.File(digits_h5, "r") as f:
         x = torch.tensor(f["train/data"][2 * G:3 * G].reshape(G, -1), dtype=torch.float64)
         y = torch.tensor(f["train/label"][2 * G:3 * G].astype(np.int64))
@@ -80,10 +94,11 @@ def test_ignore_label_over_ranks_and_micro_batches_is_the_mean_of_the_shards_mea
     assert abs(shards[0] - whole[0]) > 1e-3  # the case tells the two apart
     with open(out / "metrics.jsonl") as f:
         row = {r["iter"]: r for r in map(json.loads, f) if r["phase"] == "train"}[3]
-    assert row["loss"] == pytest.approx(shards[0], rel=1e-5), \
-        f"row loss {row['loss']} is not the mean of the shards' means {shards[0]:.6f}"
+    want = whole if mean == "global" else shards
+    assert row["loss"] == pytest.approx(want[0], rel=1e-5), \
+        f"row loss {row['loss']} is not the {mean} figure {want[0]:.6f}"
     applied = -(after["weight"] - before["weight"]).numpy() / lr
-    np.testing.assert_allclose(applied, shards[1], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(applied, want[1], rtol=0, atol=1e-6)
 
 
 @pytest.mark.mpi

@@ -54,6 +54,20 @@ class DataSource:
         raise NotImplementedError
 
 
+def gather_labels(source, indices):
+    """The labels of samples ``indices`` of ``source``, without their data
+    where the source holds its labels apart (``labels``: an HDF5 split, a
+    synthetic source; a text source's own ``gather_labels``), else those of
+    ``gather``. The data reader counts a global batch's labels with it."""
+    own = getattr(source, "gather_labels", None)
+    if own is not None:
+        return own(indices)
+    labels = getattr(source, "labels", None)
+    if isinstance(labels, np.ndarray):
+        return labels[indices]
+    return source.gather(indices)[1]
+
+
 def data_hint(data_path, what="data file"):
     """How to make the missing data file ``data_path``, by the data set its
     name suggests (a text data file: ``data text``)."""

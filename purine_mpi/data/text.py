@@ -449,5 +449,11 @@ class TextSource:
         windows = self.tokens[starts[:, None] + self._offsets].astype(np.int32)
         return windows[:, :-1], windows[:, 1:]
 
+    def gather_labels(self, indices):
+        """The labels (k, T) int32 of the windows ``indices`` (``gather``'s),
+        without their data."""
+        starts = np.asarray(indices, dtype=np.int64) * self.stride + 1
+        return self.tokens[starts[:, None] + self._offsets[:-1]].astype(np.int32)
+
     def max_token(self):
         return int(self.tokens.max()) if len(self.tokens) else 0

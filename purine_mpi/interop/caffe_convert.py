@@ -399,7 +399,8 @@ def convert(net_path, solver_path=None, data_path=None):
 def _accumulate(config, iter_size, notes, solver_path, msg):
     """Caffe's iter_size K: K batches of B per update -> one batch of K x B
     in K micro-batches (gradient accumulation; the same samples and the
-    same mean gradient)."""
+    same mean gradient: with a loss's ignore_label, Caffe's mean of the K
+    batches' own means, ``parallel.ignore_label_mean: shard``)."""
     train = (config.get("data") or {}).get("train")
     if train is None:
         raise PrototxtError(solver_path, msg.line_of("iter_size"), "iter_size needs a "
@@ -411,6 +412,14 @@ def _accumulate(config, iter_size, notes, solver_path, msg):
                  f"{iter_size} = {batch * iter_size} in parallel.micro_batches {iter_size} "
                  "(gradient accumulation: each micro-batch is Caffe's batch, the update "
                  "applies their mean gradient)")
+    ignoring = [e["name"] for e in config.get("net") or ()
+                if e.get("type") == "softmax_loss" and "ignore_label" in e]
+    if ignoring:
+        config["parallel"]["ignore_label_mean"] = "shard"
+        notes.append(f"solver: iter_size {iter_size} with the ignore_label of "
+                     f"{', '.join(ignoring)} -> parallel.ignore_label_mean shard (Caffe "
+                     "divides each of the batches by its own counted positions and averages "
+                     "their gradients; global would divide by the whole batch's count)")
 
 
 def _test_length_note(config, notes):

@@ -259,12 +259,18 @@ def metric_blobs(graph):
     return [b.name for b in graph.blobs.values() if b.attrs.get("metric")]
 
 
-def build_train_graph(job, rank=0, world_size=1):
+def build_train_graph(job, rank=0, world_size=1, exchanged=True):
     """The single-replica training graph for ``rank`` of ``world_size``
     (data sharded as in docs/config.md, "Sample order"), before any parallel composition.
     Returns (graph, grads) where grads maps param -> gradient blob. With
     ``parallel.micro_batches: M`` the graph is built for one micro-batch
-    (B/M samples); the composition copies it M times."""
+    (B/M samples); the composition copies it M times. Over several shards
+    whose gradients make one update (``world_size`` replicas x M
+    micro-batches; with ``exchanged`` false, a scheme whose replicas
+    exchange no gradients, the M micro-batches of this replica; never the
+    parameter servers', whose workers update on their own) and with
+    ``parallel.ignore_label_mean: global``, a loss with an ``ignore_label``
+    is normalised by their batch's count (``global_label_counts``)."""
     path = job.path
     if job.graph is not None:
         return graph_from_seed(job, rank, world_size)
@@ -272,6 +278,9 @@ def build_train_graph(job, rank=0, world_size=1):
         raise ConfigError(path, "data.train", "training needs a data.train section")
     spec = job.data.train.with_batch(job.micro_batch)
     g = forward_graph(job, "train", spec, rank, world_size)
+    if (world_size if exchanged else 1) * job.parallel.micro_batches > 1 and \
+            not job.parallel.servers and job.parallel.ignore_label_mean == "global":
+        global_label_counts(g, "global" if exchanged else "replica")
     losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
@@ -285,6 +294,40 @@ def build_train_graph(job, rank=0, world_size=1):
     g.infer_shapes().validate()
     g.recompute = summary
     return g, grads
+
+
+def global_label_counts(graph, over="global"):
+    """Normalise each SoftmaxLoss with an ``ignore_label`` that reads the
+    data op's label (also through ops that hand it on unchanged) by the
+    global batch's count of labels other than its ``ignore_label``, divided
+    by the shards: the data op's attrs ``count_label`` and ``count_over``
+    (``over``: ``global``, every replica's shards; ``replica``, this
+    replica's micro-batches) and its third output ``label.normaliser``
+    (ops/data.py), the loss op's third input (ops/softmax.py). A shard's
+    loss is then its sum over its counted positions over that, and the
+    shards' mean (the reported loss, the
+    gradient the 1/shards of the update makes) is the global batch's mean
+    over its counted positions, as on 1 rank without micro-batches. One
+    ``ignore_label`` per data op: a loss with another one keeps its shard's
+    own mean (docs/config.md, "Sample order")."""
+    readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
+    if len(readers) != 1:
+        return
+    reader = readers[0]
+    labels = _passed_on(graph, reader.outputs[1])
+    for op in list(graph.ops.values()):
+        ignore = op.attrs.get("ignore_label")
+        if op.op_type != "SoftmaxLoss" or ignore is None or len(op.inputs) != 2 or \
+                op.inputs[1] not in labels:
+            continue
+        if reader.attrs.get("count_label") is None:
+            reader.attrs["count_label"] = int(ignore)
+            reader.attrs["count_over"] = over
+            norm = graph.free_name(f"{reader.outputs[1]}.normaliser")
+            graph.add_blob(norm, (), "float64", reader.location)
+            reader.outputs.append(norm)
+        if int(ignore) == reader.attrs["count_label"]:
+            op.inputs.append(reader.outputs[2])
 
 
 def net_layers(job):

@@ -191,6 +191,15 @@ PARALLEL = (
     Key("micro_batches", _int(1), 1, "split each rank's batch into M micro-batches (divides "
         "data.train.batch_size); pipeline stages overlap them, scheme data accumulates "
         "gradients"),
+    Key("ignore_label_mean", _choice(("global", "shard")), "global", "a softmax_loss with "
+        "an `ignore_label` split over shards (ranks x micro-batches): global (each shard's "
+        "sum over its counted positions divided by the global batch's count over the shards, "
+        "so loss and gradient are the global batch's mean over its counted positions, as 1 "
+        "rank without micro-batches and PyTorch's CrossEntropyLoss(ignore_index) over it; "
+        "transformers' num_items_in_batch) or shard (each shard's own mean, their mean "
+        "taken: PyTorch DDP's and gradient accumulation's plain average). The "
+        "parameter-server modes always take each worker's own mean, scheme none each rank's "
+        "own batch's (see \"Sample order\")"),
     Key("schedule", _choice(PIPELINE_SCHEDULES), "1f1b", "order of the micro-batches on a "
         "stage: 1f1b (one forward, one backward; stage s of p allocates min(p-s, M) "
         "micro-batches' activations) or gpipe (all forwards, then all backwards; all M)"),

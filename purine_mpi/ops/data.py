@@ -31,6 +31,23 @@ Attrs:
                 the embedding op's message (ops/embedding.py ``check_ids``)
                 raised by the run that takes the batch -- on a GPU too,
                 where the embedding op reads no ids back
+    count_label the ``ignore_label`` of the SoftmaxLoss ops that read this
+                op's label over data-parallel shards (job/replica.py
+                ``global_label_counts`` sets it): a third output, the
+                shard's normaliser, a 0-d float64: max(n, 1) / world_size,
+                n the labels of the whole global batch of the iteration
+                (the ``world_size`` replicas' windows, docs/config.md
+                "Sample order") that are not ``count_label``. Each shard's
+                loss is then its sum over its counted positions divided by
+                it, and the mean of the shards' losses (what the 1/world_size
+                of the gradients and the reported loss take) is the global
+                batch's mean over its counted positions. Only the labels of
+                the global batch are read (no data; a source without its
+                labels apart reads them through ``gather``)
+    count_over  ``global`` (default; above) or ``replica``: n counts this
+                replica's batch only (its ``micro_batches`` windows, for a
+                scheme whose replicas exchange no gradients), the
+                normaliser max(n, 1) / micro_batches
 
 A spec's transform keys (``scale``, ``mean``, ``mirror``, ``crop_size``,
 see ``purine_mpi.data.transform``) are applied here, in the prefetch thread;
@@ -66,8 +83,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_types,
-                            make_source, source_info)
+from ..data.sources import (EpochOrder, batch_indices, batch_positions, batch_start,
+                            batch_types, gather_labels, make_source, source_info)
 from ..data.transform import apply_transform, output_shape
 from .embedding import check_ids
 from .registry import OpKernel, register
@@ -75,7 +92,8 @@ from .registry import OpKernel, register
 
 @register
 class DataReader(OpKernel):
-    """outputs: data (B, *shape), label (B,) int64 -- the next batch of a source."""
+    """outputs: data (B, *shape), label (B,) int64 -- the next batch of a
+    source (and, with attr ``count_label``, the shard's loss normaliser)."""
 
     op_type = "DataReader"
     category = "io"
@@ -95,8 +113,10 @@ class DataReader(OpKernel):
         sample_shape = output_shape(attrs["source"], sample_shape)
         dtype, label_shape, label_dtype = batch_types(attrs["source"],
                                                       attrs.get("dtype", "float32"))
-        return [((batch,) + tuple(sample_shape), dtype),
-                ((batch,) + label_shape, label_dtype)]
+        outs = [((batch,) + tuple(sample_shape), dtype), ((batch,) + label_shape, label_dtype)]
+        if attrs.get("count_label") is not None:
+            outs.append(((), "float64"))
+        return outs
 
     def __init__(self, op):
         super().__init__(op)
@@ -139,7 +159,26 @@ class DataReader(OpKernel):
         if pad_limit is not None:
             pad = (positions >= pad_limit).reshape((-1,) + (1,) * (labels.ndim - 1))
             labels = np.where(pad, labels.dtype.type(self.attrs["pad_label"]), labels)
-        return np.ascontiguousarray(data), np.ascontiguousarray(labels)
+        batch = (np.ascontiguousarray(data), np.ascontiguousarray(labels))
+        if self.attrs.get("count_label") is not None:
+            batch += (self.shard_normaliser(iteration),)
+        return batch
+
+    def shard_normaliser(self, iteration):
+        """Attr ``count_label``'s output of batch ``iteration``: max(n, 1) /
+        S, n the labels of the iteration's global batch (every replica's
+        window, S = world_size; with attr ``count_over: replica`` this
+        replica's micro-batches' windows, S = micro_batches) other than
+        ``count_label``; 0-d float64."""
+        shards, first = self.world_size, 0
+        if self.attrs.get("count_over", "global") == "replica":
+            shards = int(self.attrs.get("micro_batches", 1))
+            first = self.rank - int(self.attrs.get("micro_batch", 0))
+        start = batch_start(iteration, first, self.world_size, self.batch_size)
+        labels = gather_labels(self._source,
+                               self._order.indices(start, shards * self.batch_size))
+        n = int(np.count_nonzero(np.asarray(labels) != int(self.attrs["count_label"])))
+        return np.array(max(n, 1) / shards, dtype=np.float64)
 
     def _serve(self):
         """The prefetch thread: gathers the batches _start asks for, one at a
@@ -241,9 +280,8 @@ class DataReader(OpKernel):
     def run(self, ins, outs):
         if self._pinned is not None:
             if self._current is None:  # no stream dispatcher: take the batch here
-                data, labels = self._pinned[self._take(self.position)]
-                outs[0].set(data)
-                outs[1].set(labels)
+                for dst, src in zip(outs, self._pinned[self._take(self.position)]):
+                    dst.set(src)
                 self.position += 1
                 self._start(self.position)
                 return
@@ -251,9 +289,8 @@ class DataReader(OpKernel):
             for dst, src in zip(outs, self._pinned[self._current]):
                 copy_to_device_async(dst, src)
             return
-        data, labels = self._take(self.position)
-        outs[0][...] = get_xp(outs[0]).asarray(data)
-        outs[1][...] = get_xp(outs[1]).asarray(labels)
+        for dst, src in zip(outs, self._take(self.position)):
+            dst[...] = get_xp(dst).asarray(src)
         self.position += 1
         self._start(self.position)
 

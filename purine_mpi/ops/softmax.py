@@ -60,6 +60,13 @@ def _check_label(attrs, x_shape, label_shape, op_type):
     return axis
 
 
+def _check_normaliser(ins, op_type):
+    """A loss's optional normaliser input: one 0-d blob."""
+    if len(ins) > 1 or (ins and tuple(ins[0][0]) != ()):
+        raise ShapeError(f"{op_type}: takes at most one normaliser input, a 0-d blob, got "
+                         f"{[list(s) for s, _ in ins]}")
+
+
 def _skipped(attrs):
     """{attr: label value} of the labels a position is not counted for."""
     return {k: attrs.get(k) for k in ("ignore_label", "pad_label")
@@ -206,26 +213,32 @@ class SoftmaxLoss(OpKernel):
     positions whose label equals attr ``ignore_label`` or attr ``pad_label``
     (a test graph's padding, job/replica.py ``mark_padding``) are not counted).
     Gradient (x only, never label): dx = dloss * (prob - onehot(label)) / count,
-    0 at ignored positions (plus the softmax gradient of d prob, if any)."""
+    0 at ignored positions (plus the softmax gradient of d prob, if any).
+    An optional third input, a 0-d normaliser (the data reader's attr
+    ``count_label`` output: the global batch's count over the shards,
+    ops/data.py), replaces ``count``: loss = -sum log prob[label] / it."""
 
     op_type = "SoftmaxLoss"
 
     def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
-        return _raw_specs(ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]))
+        # with a normaliser: the shard's own count (the kernel's mean's)
+        shard = [((1,), ins[0].dtype)] if len(ins) > 2 else []
+        return _raw_specs(ins[0], _loss_specs(ins[0], axis) + _label_specs(ins[1]) + shard)
 
     def setup(self, ins, outs):
         _reserve(self, ins[0], self.scratch_specs(ins, outs))
 
     @classmethod
     def infer(cls, attrs, ins):
-        (xs, xd), (ls, _) = ins
+        (xs, xd), (ls, _) = ins[:2]
         _check_label(attrs, xs, ls, cls.op_type)
+        _check_normaliser(ins[2:], cls.op_type)
         return [((), xd), (tuple(xs), xd)]
 
     def run(self, ins, outs):
         xp = get_xp(ins[0])
-        x, label = ins
+        x, label = ins[:2]
         loss, prob = outs
         axis = _axis(self.attrs, x.ndim)
         outer, channels, inner = _split_dims(x.shape, axis)
@@ -234,12 +247,16 @@ class SoftmaxLoss(OpKernel):
             # any axis: the (outer, C, inner) view is the kernel's axis-1 layout
             ignore, pad = self.attrs.get("ignore_label"), self.attrs.get("pad_label")
             nll, valid, *buf = self.temporaries(x, *self.scratch_specs(ins, outs))
+            shard = buf.pop() if len(ins) > 2 else None
             pos = (outer, inner)
             k.softmax_loss_forward(x.reshape(outer, channels, inner),
                                    _device_labels(label, buf, pos), ignore,
                                    out=(prob.reshape(outer, channels, inner),
                                         nll.reshape(pos), valid.reshape(pos)), pad_label=pad)
-            k.softmax_loss_mean(nll, valid, loss)
+            k.softmax_loss_mean(nll, valid, loss, count=shard)
+            if shard is not None:  # the sum over the normaliser: mean x count / it
+                loss *= shard.reshape(())
+                loss /= ins[2]
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         x3 = x.reshape(outer, channels, inner)
@@ -251,7 +268,7 @@ class SoftmaxLoss(OpKernel):
         sumexp = p3.sum(axis=1, keepdims=True)
         p3 /= sumexp
         nll = xp.log(sumexp[:, 0, :]) - picked  # -log softmax at the label
-        loss[...] = (nll * valid).sum() / count
+        loss[...] = (nll * valid).sum() / (ins[2] if len(ins) > 2 else count)
 
     def host_temporaries(self, ins, outs):
         """The host run's per-position arrays at its peak: the labels as
@@ -264,8 +281,10 @@ class SoftmaxLoss(OpKernel):
 
 @register
 class SoftmaxLossGrad(OpKernel):
-    """[dloss, prob, label] -> [dx]: dx = dloss * (prob - onehot(label)) / count
-    (attrs ``axis``, ``ignore_label``, ``pad_label`` as the forward op)."""
+    """[dloss, prob, label(, normaliser)] -> [dx]: dx = dloss * (prob -
+    onehot(label)) / count, the forward op's normaliser in place of count
+    when it has one (attrs ``axis``, ``ignore_label``, ``pad_label`` as the
+    forward op)."""
 
     op_type = "SoftmaxLossGrad"
 
@@ -277,13 +296,14 @@ class SoftmaxLossGrad(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        _, (ps, pd), (ls, _) = ins
+        _, (ps, pd), (ls, _) = ins[:3]
         _check_label(attrs, ps, ls, cls.op_type)
+        _check_normaliser(ins[3:], cls.op_type)
         return [(tuple(ps), pd)]
 
     def run(self, ins, outs):
         xp = get_xp(ins[1])
-        dloss, prob, label = ins
+        dloss, prob, label = ins[:3]
         axis = _axis(self.attrs, prob.ndim)
         outer, channels, inner = _split_dims(prob.shape, axis)
         k = raw_kernels(xp, prob)
@@ -298,7 +318,10 @@ class SoftmaxLossGrad(OpKernel):
                 k.softmax_loss_backward(p3, lab, scale, None, out=dx3,
                                         scale_factor=1.0 / (outer * inner))
                 return
-            k.softmax_loss_count(lab, ignore, count, pad_label=pad)
+            if len(ins) > 3:  # the forward's normaliser, in prob's dtype
+                count[...] = ins[3].reshape(1)
+            else:
+                k.softmax_loss_count(lab, ignore, count, pad_label=pad)
             k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count, pad_label=pad)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
@@ -307,7 +330,7 @@ class SoftmaxLossGrad(OpKernel):
         dx = outs[0].reshape(outer, channels, inner)
         xp.subtract(prob.reshape(outer, channels, inner), onehot, out=dx)
         dx *= valid[:, None, :]
-        dx *= dloss / count
+        dx *= dloss / (ins[3] if len(ins) > 3 else count)
 
     def host_temporaries(self, ins, outs):
         """The host run's labels as int64, the valid mask, and the one-hot
@@ -320,14 +343,15 @@ class SoftmaxLossGrad(OpKernel):
 
 @gradient("SoftmaxLoss")
 def _softmax_loss_grad(g, op):
-    x, label = op.inputs
+    x, label = op.inputs[:2]
     dloss, dprob = g.grad_of(op.outputs[0]), g.grad_of(op.outputs[1])
     if not g.needs_grad(x):
         return
     if dloss is not None:
         attrs = {k: op.attrs[k] for k in ("axis", "ignore_label", "pad_label")
                  if k in op.attrs}
-        g.emit("SoftmaxLossGrad", [dloss, op.outputs[1], label], [g.grad_blob(x)], attrs)
+        g.emit("SoftmaxLossGrad", [dloss, op.outputs[1], label] + list(op.inputs[2:]),
+               [g.grad_blob(x)], attrs)
     if dprob is not None:  # rare: the probabilities feed another loss
         g.emit("SoftmaxGrad", [dprob, op.outputs[1]], [g.grad_blob(x)],
                {"axis": op.attrs.get("axis", 1)})

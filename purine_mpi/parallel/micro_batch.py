@@ -27,7 +27,11 @@ same bit for bit, but copy k's gradient dies with copy k: the rank holds
 one running sum and the gradients of one copy, not M (the running sums
 belong to copy k's backward in the schedule). The
 update's ``grad_scale`` is divided by M once: every copy's loss is its
-micro-batch mean, so the update sees the mean over the whole batch. Each
+micro-batch mean, so the update sees the mean over the whole batch (a
+loss with an ``ignore_label`` divides its micro-batch's sum by the global
+batch's count / shards instead, the data reader's normaliser: the mean of
+the copies' losses is then the global batch's mean, job/replica.py
+``global_label_counts``). Each
 copy's loss blob keeps its ``loss_weight`` and gets ``micro_batch_share``
 1/M, which the trainer uses to report the batch's loss.
 

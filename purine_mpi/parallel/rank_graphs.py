@@ -74,7 +74,10 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
     layout = scheme.layout(job, world)
-    graph, grads = build_train_graph(job, layout.replica, layout.replicas)
+    # a loss with an ignore_label is normalised over the shards of one
+    # update: every replica's where the scheme exchanges gradients
+    graph, grads = build_train_graph(job, layout.replica, layout.replicas,
+                                     scheme.exchanges_gradients)
     if check_memory:
         check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph, job)
@@ -92,7 +95,8 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     losses = loss_blobs(graph)
     # the reported loss is the objective: each loss blob times its
     # loss_weight (docs/formats.md); with micro-batches each copy's loss is
-    # its micro-batch's mean
+    # its micro-batch's mean (with an ignore_label, the global batch's
+    # normaliser: the copies' mean is the global mean, job/replica.py)
     shares = [float(w) * graph.blobs[b].attrs.get("micro_batch_share", 1.0)
               for b, w in losses.items()]
     losses = list(losses)

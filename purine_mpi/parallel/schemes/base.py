@@ -393,7 +393,28 @@ class Scheme:
         if par.micro_batches == 1:
             note(["schedule"], "orders the micro-batches of parallel.micro_batches; with one "
                  "micro-batch it has no effect")
+        if "ignore_label_mean" in changed:  # (the layout asked only then)
+            if served is not None:
+                note(["ignore_label_mean"], "normalises a loss's shards by the global batch's "
+                     "count; the parameter-server modes keep each worker's own mean, so it "
+                     "has no effect")
+            elif self.shards(job, world_size) == 1:
+                note(["ignore_label_mean"], "normalises a loss's shards (replicas x "
+                     "micro-batches) by the global batch's count; with one shard it has no "
+                     "effect")
         return notes
+
+    def shards(self, job, world_size):
+        """The data shards of one update in a run of ``world_size`` ranks:
+        replicas (where they exchange gradients) x micro-batches (0: a
+        world the layout refuses)."""
+        from ...base.errors import UserError
+        try:
+            lay = self._job_scheme(job).layout(job, types.SimpleNamespace(size=world_size,
+                                                                          rank=0))
+        except UserError:  # a world the layout refuses (exit 2 when it runs): no note
+            return 0
+        return (lay.replicas if self.exchanges_gradients else 1) * job.parallel.micro_batches
 
     def defers_anything(self, job, world_size):
         """Whether ``parallel.defer_update: true`` (the default) defers any
