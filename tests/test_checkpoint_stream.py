@@ -287,7 +287,8 @@ def test_the_end_checkpoint_of_sharded_stages_adds_about_a_parameter_to_the_peak
     bound above (twice the largest parameter's weight and AdamW state, and
     16 MiB). The gather of every rank's pieces to rank 0 at once (the
     whole model's weights and state, 54 MiB, pickled, received, unpickled
-    and joined there) it replaces exceeds it: measured +6.1-7.0 MiB on rank
+    and joined there) it replaces exceeds it: measured +6.1-7.0 MiB (+3.7-5.1
+    on 2026-11-29) on rank
     0 (0-0.3 on the others) against +144.4-145.5 MiB before (25-27 on the
     others). The file holds every parameter of the net whole, with both
     AdamW states."""
