@@ -377,7 +377,23 @@ def test_peak_rss_reads_vmhwm_and_falls_back_to_ru_maxrss(monkeypatch):
     monkeypatch.setattr(rss, "open", no_proc, raising=False)
     monkeypatch.setattr(rss.resource, "getrusage",
                         lambda who: __import__("types").SimpleNamespace(ru_maxrss=12345))
+    monkeypatch.setattr(rss, "_peak_seen", 0)
     assert rss.peak_rss_bytes() == 12345 * 1024
+
+
+def test_peak_rss_never_goes_down(monkeypatch):
+    """VmHWM read twice can go down by a few pages (the kernel shows the
+    larger of its recorded mark and the lagging resident count: memory.json's
+    loop peak was 12 KiB above the run's peak on one rank of
+    test_sharded3); peak_rss_bytes returns the largest figure it has read."""
+    import io
+
+    from purine_mpi.base import rss
+    readings = iter([100, 97, 103])
+    monkeypatch.setattr(rss, "_peak_seen", 0)
+    monkeypatch.setattr(rss, "open", lambda *a, **k: io.StringIO(
+        f"Name:\tx\nVmHWM:\t{next(readings)} kB\n"), raising=False)
+    assert [rss.peak_rss_bytes() for _ in range(3)] == [102400, 102400, 105472]
 
 
 #: run in a fresh process: train's load of ``--init``'s weights (argv[1])
