@@ -228,24 +228,21 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return groups.get(path, path)
 
-        def schedule(self):
-            # the costliest units first (tests/durations.json), so the workers end
-            # together instead of one running a long file alone at the end;
-            # within a unit the collection's order
-            if self.collection is None and self.collection_is_completed:
-                cost = {}
-                for nodes in self.registered_collections.values():
-                    for nodeid in nodes:
-                        path = nodeid.split("::", 1)[0]
-                        cost.setdefault(self._split_scope(nodeid), {})[path] = \
-                            seconds.get(path, DEFAULT_FILE_SECONDS)
-                    break
-                unit_cost = {unit: sum(files.values()) for unit, files in cost.items()}
-                for node, nodes in self.registered_collections.items():
-                    self.registered_collections[node] = sorted(
-                        nodes, key=lambda n: -unit_cost[self._split_scope(n)])
-                self.config.option.loadscopereorder = False
-            super().schedule()
+        def _assign_work_unit(self, node):
+            # the costliest unit left first (tests/durations.json), so the
+            # workers end together instead of one running a long file alone
+            # at the end. The queue is reordered, not the collections: the
+            # scheduler sends each worker indices into its own collection,
+            # which must stay in the order the worker collected (sorting
+            # them made a worker run the units' positions of the original
+            # order: files split between units, their module fixtures made
+            # twice, 38 s more for test_tensor_pipeline's 8-rank runs)
+            def cost(unit):
+                return sum(seconds.get(path, DEFAULT_FILE_SECONDS)
+                           for path in {n.split("::", 1)[0] for n in self.workqueue[unit]})
+            first = max(self.workqueue, key=cost)  # the first of equal costs
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
 
     return FilesAndSharedRuns(config, log)
 
