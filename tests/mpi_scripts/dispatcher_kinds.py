@@ -26,5 +26,10 @@ Dispatcher.__init__ = noting
 from purine_mpi.cli import main  # noqa: E402
 
 status = main(sys.argv[1:])
-print(f"DISPATCHERS rank {launched_rank()}: {','.join(sorted(built))}", flush=True)
+# one write, newline included: print writes its end apart, and with
+# PYTHONUNBUFFERED (set where CI runs) each is its own write to the pipe, so
+# another rank's output came between the two (mpiexec forwards each rank's
+# chunks as they come: "DISPATCHERS rank 1: SerialDispatcherfinal {...")
+sys.stdout.write(f"DISPATCHERS rank {launched_rank()}: {','.join(sorted(built))}\n")
+sys.stdout.flush()
 sys.exit(status)
