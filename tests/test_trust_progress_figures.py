@@ -184,16 +184,8 @@ def test_ignore_label_under_micro_batches(digits_h5, tmp_path, mean):
         with h5py.File(out / name, "r") as f:
             params.append({k: torch.tensor(f[f"params/fc1/{k}"][()], dtype=torch.float64)
                            for k in ("weight", "bias")})
-    ce = torch.nn.CrossEntropyLoss(ignore_index=3)
-
-    def loss_and_grad(parts):
-        w = params[0]["weight"].clone().requires_grad_(True)
-        z = x @ w.T + params[0]["bias"]
-        loss = sum(ce(z[p], y[p]) for p in parts) / len(parts)
-        loss.backward()
-        return float(loss.detach()), w.grad.numpy()
-    shards = loss_and_grad([slice(k, k + 4) for k in range(0, B, 4)])
-    whole = loss_and_grad([slice(0, B)])
+    from tests.test_trust_shard_conventions import shards_and_whole
+    shards, whole = shards_and_whole(params[0]["weight"], params[0]["bias"], x, y, B)
     assert abs(shards[0] - whole[0]) > 1e-3  # the case tells the two apart
     want = whole if mean == "global" else shards
     assert _rows(out)[3]["loss"] == pytest.approx(want[0], rel=1e-5)

@@ -58,6 +58,23 @@ LAYOUTS = {"data": ({"scheme": "data", "micro_batches": 2}, G // 2),
                          "micro_batches": 4}, G)}
 
 
+def shards_and_whole(weight, bias, x, y, n, shard=4, ignore=3):
+    """PyTorch's (loss, d loss / d weight) of an fc layer's cross-entropy
+    with ``ignore_index`` over the first ``n`` samples of ``x``, ``y``: the
+    mean of the means of shards of ``shard`` samples, and the whole batch's
+    mean (the two conventions of ``parallel.ignore_label_mean``)."""
+    ce = torch.nn.CrossEntropyLoss(ignore_index=ignore)
+
+    def loss_and_grad(parts):
+        w = weight.clone().requires_grad_(True)
+        z = x @ w.T + bias
+        loss = sum(ce(z[p], y[p]) for p in parts) / len(parts)
+        loss.backward()
+        return float(loss.detach()), w.grad.numpy()
+    return (loss_and_grad([slice(k, k + shard) for k in range(0, n, shard)]),
+            loss_and_grad([slice(0, n)]))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout, mean", [("data", "global"), ("data", "shard"),
                                           ("pipeline", "global")])
@@ -81,16 +98,7 @@ def test_ignore_label_over_ranks_and_micro_batches(digits_h5, tmp_path, layout, 
         x = torch.tensor(f["train/data"][2 * G:3 * G].reshape(G, -1), dtype=torch.float64)
         y = torch.tensor(f["train/label"][2 * G:3 * G].astype(np.int64))
     before, after = _params(out / "ckpt_2.h5", "fc1"), _params(out / "ckpt_3.h5", "fc1")
-    ce = torch.nn.CrossEntropyLoss(ignore_index=3)
-
-    def loss_and_grad(parts):
-        w = before["weight"].clone().requires_grad_(True)
-        z = x @ w.T + before["bias"]
-        loss = sum(ce(z[p], y[p]) for p in parts) / len(parts)
-        loss.backward()
-        return float(loss.detach()), w.grad.numpy()
-    shards = loss_and_grad([slice(k, k + 4) for k in range(0, G, 4)])
-    whole = loss_and_grad([slice(0, G)])
+    shards, whole = shards_and_whole(before["weight"], before["bias"], x, y, G)
     assert abs(shards[0] - whole[0]) > 1e-3  # the case tells the two apart
     with open(out / "metrics.jsonl") as f:
         row = {r["iter"]: r for r in map(json.loads, f) if r["phase"] == "train"}[3]
