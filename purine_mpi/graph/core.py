@@ -504,7 +504,6 @@ def ancestor_bits(order, deps):
     return pos, anc
 
 
-
 def _writers_first(ops):
     """``ops`` in an order where each comes after those of them that write
     one of its inputs or that it names as a control input (emission order
@@ -526,6 +525,7 @@ def _writers_first(ops):
         done |= {op.name for op in ready}
         left = [op for op in left if op.name not in done]
     return order
+
 
 def reachable(start, succ):
     """The names reachable from ``start`` through ``succ`` ({name: [next

@@ -276,10 +276,14 @@ def read_tensors(path):
     for name, value in raw.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # GPT-2's causal-mask buffers, not weights
-        if not name.startswith((PREFIX, "lm_head.")):
-            name = PREFIX + name
-        out[name] = value
+        out[_prefixed(name)] = value
     return out
+
+
+def _prefixed(name):
+    """A safetensors file's tensor name with its ``transformer.`` prefix (the
+    Hub's files leave it out)."""
+    return name if name.startswith((PREFIX, "lm_head.")) else PREFIX + name
 
 
 def _check_file(path):
@@ -358,13 +362,11 @@ def hf_load_nbytes(path, job):
     try:
         with open(path, "rb") as f:
             header, _ = _header(f)
-        tensors = {(name if name.startswith((PREFIX, "lm_head.")) else PREFIX + name):
-                   (t["dtype"], [int(d) for d in t["shape"]], [int(o) for o in t["data_offsets"]])
+        tensors = {_prefixed(name): {"dtype": t["dtype"], "shape": [int(d) for d in t["shape"]],
+                                     "data_offsets": [int(o) for o in t["data_offsets"]]}
                    for name, t in header.items() if name != "__metadata__"}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _unreadable(path, e) from None
-    tensors = {name: {"dtype": d, "shape": s, "data_offsets": o}
-               for name, (d, s, o) in tensors.items()}
     bf16 = any(t["dtype"] == "BF16" for t in tensors.values())
 
     def count(t):
