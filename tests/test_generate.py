@@ -255,8 +255,9 @@ def test_streams_as_drawn_and_ctrl_c_keeps_the_text(trained):
     config, run, _ = trained
     cmd = [sys.executable, "-m", "purine_mpi", "generate", config, "--weights", str(run),
            "--prompt", "import ", "--tokens", "1000000", "--temperature", "0"]
-    p = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+    # faulthandler: a run that outlives its Ctrl-C shows its threads' stacks (SIGABRT)
+    p = subprocess.Popen(cmd, cwd=REPO, env=dict(cli_env(), PYTHONFAULTHANDLER="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         os.set_blocking(p.stdout.fileno(), False)
         shown, deadline = b"", time.monotonic() + 90
@@ -267,7 +268,10 @@ def test_streams_as_drawn_and_ctrl_c_keeps_the_text(trained):
         assert len(shown) >= len("import ") + 40, shown  # today: nothing before the end
         p.send_signal(signal.SIGINT)
         os.set_blocking(p.stdout.fileno(), True)
-        rest, err = p.communicate(timeout=60)
+        try:
+            rest, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("generate still runs 60 s after its Ctrl-C: " + _still_running(p))
     finally:
         if p.poll() is None:
             p.kill()
@@ -278,6 +282,25 @@ def test_streams_as_drawn_and_ctrl_c_keeps_the_text(trained):
     # what was shown is the start of the same greedy continuation
     assert text[len("import "):][:40] == _generate(config, run, "--prompt", "import ",
                                                    "--tokens", "40", "--temperature", "0")
+
+
+def _still_running(p):
+    """What a process that outlived its SIGINT was doing: its /proc state
+    and signal masks (a stopped process, an ignored or blocked SIGINT), then
+    its Python stacks (faulthandler's, on SIGABRT)."""
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            status = [line.strip() for line in f
+                      if line.split(":")[0] in ("State", "SigPnd", "ShdPnd", "SigBlk",
+                                                "SigIgn", "SigCgt")]
+    except OSError as exc:
+        status = [str(exc)]
+    p.send_signal(signal.SIGABRT)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        err = b"(no stacks: it did not end on SIGABRT either)"
+    return "; ".join(status) + "\n" + err.decode(errors="replace")[-6000:]
 
 
 def test_stream_decodes_characters_split_across_tokens():
