@@ -17,21 +17,31 @@ from tests.conftest import make_job
 from tests.emulated_gpu import emulated_gpu_env, tiny_raw
 
 
-def _train(tmp_path, out, device, micro, cuda_graph=False, mean="global"):
-    from purine_mpi.job.config import validate_config
-    from purine_mpi.train.trainer import Trainer
+FC = {"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 4,
+      "weight_filler": {"type": "gaussian", "std": 0.1}}
+NET = [FC, {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
+            "ignore_label": 2}]
+
+
+def _raw(device, micro, cuda_graph=False, mean="global", net=NET):
     raw = tiny_raw(device=device, cuda_graph=cuda_graph)
     raw["data"]["train"].update(batch_size=8, classes=4)
-    raw["net"] = [
-        {"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 4,
-         "weight_filler": {"type": "gaussian", "std": 0.1}},
-        {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
-         "ignore_label": 2}]
+    raw["net"] = net
     raw["parallel"] = {"micro_batches": micro, "ignore_label_mean": mean}
     raw["solver"] = {"base_lr": 0.5, "momentum": 0.0, "weight_decay": 0.0,
                      "lr_policy": "fixed", "max_iter": 4, "display": 1, "test_interval": 0}
-    trainer = Trainer(make_job(validate_config(raw, check_files=False)), str(tmp_path / out),
-                      log=lambda line: None)
+    return raw
+
+
+def _job(raw):
+    from purine_mpi.job.config import validate_config
+    return make_job(validate_config(raw, check_files=False))
+
+
+def _train(tmp_path, out, device, micro, cuda_graph=False, mean="global", net=NET, raw=None):
+    from purine_mpi.train.trainer import Trainer
+    raw = raw or _raw(device, micro, cuda_graph, mean, net)
+    trainer = Trainer(_job(raw), str(tmp_path / out), log=lambda line: None)
     try:
         trainer.run()
         params = {p: np.array(trainer.ws[p]) for p in trainer.graphs.params}
@@ -123,3 +133,89 @@ def test_scheme_none_normalises_each_rank_over_its_own_micro_batches(digits_h5, 
                                rtol=0, atol=1e-6)
     shards = weights("shards", {"micro_batches": 4, "ignore_label_mean": "shard"})
     assert float(np.abs(shards - whole).max()) > 1e-3  # the case tells the two apart
+
+
+def test_micro_batch_copies_count_the_global_labels_once():
+    """4 micro-batches: copy 0's data op alone counts the global batch's
+    labels (attr count_label), and every copy's loss and its gradient read
+    its normaliser; before, each copy's data op counted them (4 counting
+    readers: M x the work per rank and iteration)."""
+    from purine_mpi.job.replica import build_train_graph
+    from purine_mpi.parallel.micro_batch import replicate_micro_batches
+    g, grads = build_train_graph(_job(_raw(-1, 4)))
+    replicate_micro_batches(g, grads, 4)
+    counting = [op.name for op in g.ops.values()
+                if op.op_type == "DataReader" and op.attrs.get("count_label") is not None]
+    assert counting == ["data@mb0"], counting
+    readers = [op for op in g.ops.values() if op.op_type in ("SoftmaxLoss", "SoftmaxLossGrad")]
+    assert len(readers) == 8 and all(op.inputs[-1] == "label.normaliser@mb0" for op in readers)
+    g.infer_shapes().validate()
+
+
+def test_two_losses_of_other_ignore_labels_train_as_the_whole_batch(tmp_path):
+    """Two losses on one data op's label, ignore_label 2 and 1, 4
+    micro-batches of 2: both are the global batch's means (the data op
+    counts for each label), so losses and weights equal 1 rank x 8. Before,
+    the second loss kept its micro-batches' own means (the data op counted
+    for one ignore_label)."""
+    net = NET + [{"type": "softmax_loss", "name": "loss1", "bottom": ["fc1", "label"],
+                  "top": "loss1", "ignore_label": 1}]
+    whole = _train(tmp_path, "whole", -1, 1, net=net)
+    micro = _train(tmp_path, "micro", -1, 4, net=net)
+    np.testing.assert_allclose(micro[0], whole[0], rtol=2e-6)
+    for name, value in whole[1].items():
+        np.testing.assert_allclose(micro[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    shards = _train(tmp_path, "shards", -1, 4, mean="shard", net=net)
+    assert max(abs(a - b) for a, b in zip(shards[0], whole[0])) > 1e-3  # the case tells
+
+
+def test_a_graph_config_s_loss_with_ignore_label_trains_as_the_whole_batch(tmp_path):
+    """A complete ``graph:`` (backward and updates given: the graph of 4
+    micro-batches of 2 printed without the normaliser, ``shard``) run with
+    4 micro-batches under ``global``: the loss and its gradient op get the
+    data op's normaliser, so losses and weights equal 1 rank x 8 (a net's).
+    Before, the graph's loss kept each micro-batch's own mean."""
+    import yaml
+    from purine_mpi.graph import seed_yaml
+    from purine_mpi.job.replica import build_train_graph
+    seed, _ = build_train_graph(_job(_raw(-1, 4, mean="shard")))
+    raw = _raw(-1, 4)
+    del raw["net"]
+    raw["graph"] = yaml.safe_load(yaml.safe_dump(seed_yaml.dump(seed), sort_keys=False))
+    whole = _train(tmp_path, "whole", -1, 1)
+    graph = _train(tmp_path, "graph", -1, 4, raw=raw)
+    np.testing.assert_allclose(graph[0], whole[0], rtol=2e-6)
+    for name, value in whole[1].items():
+        np.testing.assert_allclose(graph[1][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_label_another_op_makes_is_refused_under_global(graph):
+    """A loss with an ignore_label whose label a slice layer makes (no copy
+    of the data op's label: the data op cannot count it) over 2 micro-batches
+    under ``global``: a ConfigError naming parallel.ignore_label_mean and the
+    layer (the op of a ``graph:``); ``shard`` builds. Before, the loss kept
+    its shard's own mean under ``global``."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.graph import seed_yaml
+    from purine_mpi.job.replica import build_train_graph, forward_graph
+    net = [FC, {"type": "slice", "name": "cut", "bottom": "label", "top": ["la", "lb"],
+                "axis": 0},
+           {"type": "slice", "name": "cutx", "bottom": "fc1", "top": ["xa", "xb"], "axis": 0},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["xa", "la"], "top": "loss",
+            "ignore_label": 2}]
+    raw = _raw(-1, 2, net=net)
+    where = "layer 'loss' \\(net\\[3\\]\\)"
+    if graph:
+        job = _job(raw)
+        seed = forward_graph(job, "train", job.data.train.with_batch(job.micro_batch))
+        seed.blobs["loss"].attrs["loss_weight"] = 1.0
+        del raw["net"]
+        raw["graph"] = seed_yaml.dump(seed)
+        where = "op 'loss.fwd' of the graph"
+    with pytest.raises(ConfigError, match=f"key 'parallel.ignore_label_mean': .*{where} has "
+                                          "ignore_label 2, but its label 'la' is not the data "
+                                          "op's.*set parallel.ignore_label_mean: shard"):
+        build_train_graph(_job(raw))
+    build_train_graph(_job(dict(raw, parallel={"micro_batches": 2,
+                                               "ignore_label_mean": "shard"})))

@@ -12,6 +12,9 @@ pinned against PyTorch as docs/config.md ("Sample order") states them.
   1 rank's (PyTorch's BatchNorm2d over the global batch), the saved variance
   the mean of the ranks' own running variances (each PyTorch's unbiased
   running_var of its shard), which lacks the spread of the ranks' batch means.
+- A test pass's loss and accuracy with an ``ignore_label`` on 2 ranks × 2
+  micro-batches: the split's figures over its counted positions, not a mean
+  of the rank batches' own.
 
 Shuffle off: iteration i reads the global batch [(i−1)·G, i·G) of digits'
 train split.
@@ -138,3 +141,50 @@ def test_batch_norm_running_statistics_of_two_ranks_against_pytorch(digits_h5, t
     np.testing.assert_allclose(saved["running_var"], ranks_var, rtol=1e-6)
     # the case tells the two apart: 1 rank × 16 keeps another variance
     assert float((saved["running_var"] - whole.running_var).abs().max()) > 1e-5
+
+
+@pytest.mark.mpi
+def test_test_pass_figures_with_ignore_label_are_the_split_s_over_counted_positions(
+        digits_h5, tmp_path):
+    """2 ranks × 2 micro-batches, a one-pass test of digits' 360 test samples
+    in global batches of 16 (45 rank batches of 8, the last global batch half
+    padding): the test row's loss and accuracy, both with ``ignore_label: 3``,
+    are NumPy's over the split's counted positions on the saved weights
+    (CrossEntropyLoss(ignore_index) over the whole split; the right ones over
+    the counted), not the mean of the rank batches' own figures (each batch
+    ignores its own number of 3s). Each rank's batch figure is weighted by
+    its counted positions (train/evaluation.py, CountedPositions); the test
+    graph has no micro-batch copies (the update's shards), so the figure is
+    that of 1 rank × the split."""
+    net = [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1", "num_output": 10},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["fc1", "label"], "top": "loss",
+            "ignore_label": 3},
+           {"type": "accuracy", "name": "acc", "bottom": ["fc1", "label"], "top": "acc",
+            "phase": "test", "ignore_label": 3}]
+    cfg = _config(digits_h5, net, {"base_lr": 0.5, "test_interval": 1, "test_iter": None},
+                  {"scheme": "data", "micro_batches": 2}, 1)
+    cfg["data"]["test"] = {"source": "hdf5", "path": digits_h5, "split": "test",
+                           "batch_size": G // 2}
+    out = _train(tmp_path, cfg)
+    with h5py.File(digits_h5, "r") as f:
+        n = len(f["test/label"])
+        x = torch.tensor(f["test/data"][()].reshape(n, -1), dtype=torch.float64)
+        y = torch.tensor(f["test/label"][()].astype(np.int64))
+    p = _params(out / "latest.h5", "fc1")
+    shards, whole = shards_and_whole(p["weight"], p["bias"], x, y, n, shard=G // 2)
+    kept = (y != 3).numpy()
+    right = ((x @ p["weight"].T + p["bias"]).argmax(dim=1) == y).numpy()
+    accuracy = right[kept].mean()
+    batch_means = np.mean([right[k:k + G // 2][kept[k:k + G // 2]].mean()
+                           for k in range(0, n, G // 2)])
+    # the case tells the two apart
+    assert n % G and abs(accuracy - batch_means) > 1e-4 and abs(shards[0] - whole[0]) > 1e-4
+    with open(out / "metrics.jsonl") as f:
+        (row,) = [r for r in map(json.loads, f) if r["phase"] == "test"]
+    assert row["samples"] == n
+    assert row["accuracy"] == pytest.approx(accuracy, rel=1e-6), \
+        f"test accuracy {row['accuracy']} is not the split's {accuracy:.6f} " \
+        f"(the batches' mean {batch_means:.6f})"
+    assert row["loss"] == pytest.approx(whole[0], rel=1e-5), \
+        f"test loss {row['loss']} is not the split's {whole[0]:.6f} " \
+        f"(the batches' mean {shards[0]:.6f})"

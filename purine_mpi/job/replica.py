@@ -11,6 +11,7 @@ from ..graph import Graph, seed_yaml
 from ..graph.grad import build_backward
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
+from ..ops.data import count_labels
 from ..ops.updates import UPDATE_OP_TYPES
 from ..layers import build_net, layer_key
 from .data_spec import data_error
@@ -273,14 +274,12 @@ def build_train_graph(job, rank=0, world_size=1, exchanged=True):
     is normalised by their batch's count (``global_label_counts``)."""
     path = job.path
     if job.graph is not None:
-        return graph_from_seed(job, rank, world_size)
+        return graph_from_seed(job, rank, world_size, exchanged)
     if job.data.train is None:
         raise ConfigError(path, "data.train", "training needs a data.train section")
     spec = job.data.train.with_batch(job.micro_batch)
     g = forward_graph(job, "train", spec, rank, world_size)
-    if (world_size if exchanged else 1) * job.parallel.micro_batches > 1 and \
-            not job.parallel.servers and job.parallel.ignore_label_mean == "global":
-        global_label_counts(g, "global" if exchanged else "replica")
+    _count_labels_over_shards(g, job, world_size, exchanged)
     losses = loss_blobs(g)
     if not losses:
         raise ConfigError(path, "net", "the net has no loss layer (e.g. type: softmax_loss) "
@@ -296,38 +295,78 @@ def build_train_graph(job, rank=0, world_size=1, exchanged=True):
     return g, grads
 
 
-def global_label_counts(graph, over="global"):
+def _count_labels_over_shards(graph, job, world_size, exchanged):
+    """``global_label_counts`` where a loss is split over several shards
+    of one update (``build_train_graph``) under ``ignore_label_mean: global``."""
+    if (world_size if exchanged else 1) * job.parallel.micro_batches > 1 and \
+            not job.parallel.servers and job.parallel.ignore_label_mean == "global":
+        global_label_counts(graph, "global" if exchanged else "replica", job)
+
+
+def global_label_counts(graph, over="global", job=None):
     """Normalise each SoftmaxLoss with an ``ignore_label`` that reads the
     data op's label (also through ops that hand it on unchanged) by the
     global batch's count of labels other than its ``ignore_label``, divided
-    by the shards: the data op's attrs ``count_label`` and ``count_over``
-    (``over``: ``global``, every replica's shards; ``replica``, this
-    replica's micro-batches) and its third output ``label.normaliser``
-    (ops/data.py), the loss op's third input (ops/softmax.py). A shard's
-    loss is then its sum over its counted positions over that, and the
-    shards' mean (the reported loss, the
+    by the shards: the data op's attrs ``count_label`` (its losses'
+    ignore_labels, each counted once) and ``count_over`` (``over``:
+    ``global``, every replica's shards; ``replica``, this replica's
+    micro-batches) and its outputs after the label, ``label.normaliser``
+    (one per ignore_label, ops/data.py), the loss op's third input
+    (ops/softmax.py; and its SoftmaxLossGrad's fourth, where a complete
+    ``graph:`` has one). A shard's loss is then its sum over its counted
+    positions over that, and the shards' mean (the reported loss, the
     gradient the 1/shards of the update makes) is the global batch's mean
-    over its counted positions, as on 1 rank without micro-batches. One
-    ``ignore_label`` per data op: a loss with another one keeps its shard's
-    own mean (docs/config.md, "Sample order")."""
-    readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
-    if len(readers) != 1:
+    over its counted positions, as on 1 rank without micro-batches. A loss
+    whose label is not the one data op's (an op other than a copy or
+    reshape makes it, or the graph has several data ops) has no count the
+    data op could make without its shards' labels: a ConfigError naming
+    ``parallel.ignore_label_mean`` (``job``'s file and the layer), since
+    its shard's own mean is not what ``global`` promises."""
+    losses = [op for op in graph.ops.values() if op.op_type == "SoftmaxLoss" and
+              op.attrs.get("ignore_label") is not None and len(op.inputs) == 2]
+    if not losses:
         return
+    readers = [op for op in graph.ops.values() if op.op_type == "DataReader"]
+    labels = _passed_on(graph, readers[0].outputs[1]) if len(readers) == 1 else set()
+    for op in losses:
+        if op.inputs[1] not in labels:
+            raise _uncounted(job, op, len(readers))
     reader = readers[0]
-    labels = _passed_on(graph, reader.outputs[1])
-    for op in list(graph.ops.values()):
-        ignore = op.attrs.get("ignore_label")
-        if op.op_type != "SoftmaxLoss" or ignore is None or len(op.inputs) != 2 or \
-                op.inputs[1] not in labels:
-            continue
-        if reader.attrs.get("count_label") is None:
-            reader.attrs["count_label"] = int(ignore)
-            reader.attrs["count_over"] = over
+    counted = count_labels(reader.attrs)
+    for op in losses:
+        ignore = int(op.attrs["ignore_label"])
+        if ignore not in counted:
+            counted.append(ignore)
             norm = graph.free_name(f"{reader.outputs[1]}.normaliser")
             graph.add_blob(norm, (), "float64", reader.location)
             reader.outputs.append(norm)
-        if int(ignore) == reader.attrs["count_label"]:
-            op.inputs.append(reader.outputs[2])
+        norm = reader.outputs[2 + counted.index(ignore)]
+        op.inputs.append(norm)
+        for grad in graph.ops.values():  # a complete graph's backward of the loss
+            if grad.op_type == "SoftmaxLossGrad" and len(grad.inputs) == 3 and \
+                    grad.inputs[1] == op.outputs[1]:
+                grad.inputs.append(norm)
+    reader.attrs["count_label"] = counted[0] if len(counted) == 1 else counted
+    reader.attrs["count_over"] = over
+
+
+def _uncounted(job, op, readers):
+    """The ConfigError of a loss ``global_label_counts`` cannot normalise."""
+    path = job.path if job is not None else None
+    if job is not None and job.graph is None:
+        where, layer = layer_where(job, op)
+        who = f"layer '{layer}' ({where})"
+    else:
+        who = f"op '{op.name}' of the graph"
+    why = (f"the graph has {readers} data ops" if readers != 1 else
+           f"its label '{op.inputs[1]}' is not the data op's (an op other than a copy or "
+           "reshape makes it)")
+    return ConfigError(path, "parallel.ignore_label_mean",
+                       f"'global' (the default) normalises a loss with an ignore_label by the "
+                       f"global batch's count of its labels, which the data op makes; {who} "
+                       f"has ignore_label {op.attrs['ignore_label']}, but {why}: set "
+                       "parallel.ignore_label_mean: shard (each shard's own mean) or feed it "
+                       "the data op's label")
 
 
 def net_layers(job):
@@ -341,15 +380,18 @@ def net_layers(job):
     return out
 
 
-def graph_from_seed(job, rank=0, world_size=1):
+def graph_from_seed(job, rank=0, world_size=1, exchanged=True):
     """A training graph given in the seed's low-level format. A complete one
     (with SGDUpdate ops, e.g. from ``graph --format yaml``) runs as is; a
-    forward-only one gets backward and solver ops generated."""
+    forward-only one gets backward and solver ops generated. A loss with an
+    ``ignore_label`` over several shards is normalised as a net's
+    (``global_label_counts``), its backward too where the graph has it."""
     path = job.path
     g = seed_yaml.load([entry.to_dict() for entry in job.graph], path, job.name)
     for op in g.ops.values():
         if op.op_type == "DataReader":
             op.attrs["rank"], op.attrs["world_size"] = rank, world_size
+    _count_labels_over_shards(g, job, world_size, exchanged)
     g.infer_shapes()
     limit_token_ids(g)
     if any(op.op_type in UPDATE_OP_TYPES for op in g.ops.values()):

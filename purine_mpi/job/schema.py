@@ -197,7 +197,9 @@ PARALLEL = (
         "so loss and gradient are the global batch's mean over its counted positions, as 1 "
         "rank without micro-batches and PyTorch's CrossEntropyLoss(ignore_index) over it; "
         "transformers' num_items_in_batch) or shard (each shard's own mean, their mean "
-        "taken: PyTorch DDP's and gradient accumulation's plain average). The "
+        "taken: PyTorch DDP's and gradient accumulation's plain average). Each loss's "
+        "ignore_label is counted (several losses, several counts); global refuses (exit 2) a "
+        "loss whose label an op other than a copy or reshape makes. The "
         "parameter-server modes always take each worker's own mean, scheme none each rank's "
         "own batch's (see \"Sample order\")"),
     Key("schedule", _choice(PIPELINE_SCHEDULES), "1f1b", "order of the micro-batches on a "

@@ -32,18 +32,22 @@ Attrs:
                 raised by the run that takes the batch -- on a GPU too,
                 where the embedding op reads no ids back
     count_label the ``ignore_label`` of the SoftmaxLoss ops that read this
-                op's label over data-parallel shards (job/replica.py
-                ``global_label_counts`` sets it): a third output, the
-                shard's normaliser, a 0-d float64: max(n, 1) / world_size,
+                op's label over data-parallel shards, or a list of them
+                (job/replica.py ``global_label_counts`` sets it): one more
+                output per label, after the label, the shard's normaliser
+                for that label, a 0-d float64: max(n, 1) / world_size,
                 n the labels of the whole global batch of the iteration
                 (the ``world_size`` replicas' windows, docs/config.md
-                "Sample order") that are not ``count_label``. Each shard's
+                "Sample order") that are not that label. Each shard's
                 loss is then its sum over its counted positions divided by
                 it, and the mean of the shards' losses (what the 1/world_size
                 of the gradients and the reported loss take) is the global
                 batch's mean over its counted positions. Only the labels of
-                the global batch are read (no data; a source without its
-                labels apart reads them through ``gather``)
+                the global batch are read, once for every label (no data; a
+                source without its labels apart reads them through
+                ``gather``). Micro-batch copies of the op count once: copy 0
+                alone has the attr, and every copy's losses read its outputs
+                (parallel/micro_batch.py)
     count_over  ``global`` (default; above) or ``replica``: n counts this
                 replica's batch only (its ``micro_batches`` windows, for a
                 scheme whose replicas exchange no gradients), the
@@ -90,10 +94,18 @@ from .embedding import check_ids
 from .registry import OpKernel, register
 
 
+def count_labels(attrs):
+    """A DataReader's attr ``count_label`` as a list of ints (none: [])."""
+    labels = attrs.get("count_label")
+    if labels is None:
+        return []
+    return [int(v) for v in (labels if isinstance(labels, (list, tuple)) else [labels])]
+
+
 @register
 class DataReader(OpKernel):
     """outputs: data (B, *shape), label (B,) int64 -- the next batch of a
-    source (and, with attr ``count_label``, the shard's loss normaliser)."""
+    source (and, with attr ``count_label``, the shard's loss normalisers)."""
 
     op_type = "DataReader"
     category = "io"
@@ -114,9 +126,7 @@ class DataReader(OpKernel):
         dtype, label_shape, label_dtype = batch_types(attrs["source"],
                                                       attrs.get("dtype", "float32"))
         outs = [((batch,) + tuple(sample_shape), dtype), ((batch,) + label_shape, label_dtype)]
-        if attrs.get("count_label") is not None:
-            outs.append(((), "float64"))
-        return outs
+        return outs + [((), "float64")] * len(count_labels(attrs))
 
     def __init__(self, op):
         super().__init__(op)
@@ -160,16 +170,16 @@ class DataReader(OpKernel):
             pad = (positions >= pad_limit).reshape((-1,) + (1,) * (labels.ndim - 1))
             labels = np.where(pad, labels.dtype.type(self.attrs["pad_label"]), labels)
         batch = (np.ascontiguousarray(data), np.ascontiguousarray(labels))
-        if self.attrs.get("count_label") is not None:
-            batch += (self.shard_normaliser(iteration),)
+        if count_labels(self.attrs):
+            batch += self.shard_normalisers(iteration)
         return batch
 
-    def shard_normaliser(self, iteration):
-        """Attr ``count_label``'s output of batch ``iteration``: max(n, 1) /
-        S, n the labels of the iteration's global batch (every replica's
-        window, S = world_size; with attr ``count_over: replica`` this
-        replica's micro-batches' windows, S = micro_batches) other than
-        ``count_label``; 0-d float64."""
+    def shard_normalisers(self, iteration):
+        """Attr ``count_label``'s outputs of batch ``iteration``, one per
+        label L: max(n, 1) / S, n the labels of the iteration's global batch
+        (every replica's window, S = world_size; with attr ``count_over:
+        replica`` this replica's micro-batches' windows, S = micro_batches)
+        other than L; a tuple of 0-d float64."""
         shards, first = self.world_size, 0
         if self.attrs.get("count_over", "global") == "replica":
             shards = int(self.attrs.get("micro_batches", 1))
@@ -177,8 +187,9 @@ class DataReader(OpKernel):
         start = batch_start(iteration, first, self.world_size, self.batch_size)
         labels = gather_labels(self._source,
                                self._order.indices(start, shards * self.batch_size))
-        n = int(np.count_nonzero(np.asarray(labels) != int(self.attrs["count_label"])))
-        return np.array(max(n, 1) / shards, dtype=np.float64)
+        labels = np.asarray(labels)
+        return tuple(np.array(max(int(np.count_nonzero(labels != label)), 1) / shards,
+                              dtype=np.float64) for label in count_labels(self.attrs))
 
     def _serve(self):
         """The prefetch thread: gathers the batches _start asks for, one at a

@@ -31,7 +31,8 @@ micro-batch mean, so the update sees the mean over the whole batch (a
 loss with an ``ignore_label`` divides its micro-batch's sum by the global
 batch's count / shards instead, the data reader's normaliser: the mean of
 the copies' losses is then the global batch's mean, job/replica.py
-``global_label_counts``). Each
+``global_label_counts``; copy 0's data reader counts for every copy, the
+other copies' losses read its normaliser). Each
 copy's loss blob keeps its ``loss_weight`` and gets ``micro_batch_share``
 1/M, which the trainer uses to report the batch's loss.
 
@@ -133,6 +134,7 @@ def replicate_micro_batches(graph, grads, micro_batches):
                          op.accumulate,
                          [micro_name(c, k) for c in op.control_inputs if c in names])
             copies[name] = (k, op.name)
+    _count_once(graph, ops, m)
     after = {}  # {op writing a copy's gradient: the running sum that reads it}
     prod = graph.producers()
     index = {n: i for i, n in enumerate(graph.ops)}
@@ -168,6 +170,27 @@ def replicate_micro_batches(graph, grads, micro_batches):
     graph.ops = {n: graph.ops[n] for n in order}
     _reorder(graph)
     return copies
+
+
+def _count_once(graph, ops, m):
+    """A data op counting the global batch's labels (attr ``count_label``,
+    ops/data.py: the same normalisers in every copy) counts in copy 0
+    alone: copy k > 0 drops the attr and its outputs after the label, and
+    its losses read copy 0's (one count per rank and iteration, not M)."""
+    for op in ops:
+        if op.op_type != "DataReader" or op.attrs.get("count_label") is None:
+            continue
+        shared = {micro_name(b, k): micro_name(b, 0) for b in op.outputs[2:]
+                  for k in range(1, m)}
+        for k in range(1, m):
+            reader = graph.ops[micro_name(op.name, k)]
+            del reader.outputs[2:]
+            reader.attrs.pop("count_label")
+            reader.attrs.pop("count_over", None)
+        for b in shared:
+            del graph.blobs[b]
+        for other in graph.ops.values():
+            other.inputs = [shared.get(b, b) for b in other.inputs]
 
 
 def sum_name(grad, k):
