@@ -150,8 +150,9 @@ def test_stage3_tensor_holds_tensors_over_r(tokens, n, solver):  # noqa: F811
                           ("Allreduce", group)}, rank
 
 
+@pytest.mark.parametrize("transport", ["auto", "one_sided"])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_stage3_tensor_collectives_in_one_order(tokens, clip):  # noqa: F811
+def test_stage3_tensor_collectives_in_one_order(tokens, clip, transport):  # noqa: F811
     """The collectives are posted in ``seq`` order, each blocking its
     group's ranks until all of them post it. On every rank of 2 x 2-way:
     none waits for one of a later ``seq``, the gathers interleave with the
@@ -160,13 +161,16 @@ def test_stage3_tensor_collectives_in_one_order(tokens, clip):  # noqa: F811
     order, rank-independent); each group's ranks post the same collectives
     (check_collectives' signature); and posting them so, every rank at
     once, never waits forever: at each point some collective is next on
-    every rank of its group."""
-    cfg = make_job(_gpt(tokens, "sharded", "adamw", shard=3, clip=clip))
+    every rank of its group. With ``one_sided`` (one node) the same of the
+    WindowSyncs in the gathers' stead (test_sharded3_tensor_windows)."""
+    cfg = make_job(_gpt(tokens, "sharded", "adamw", shard=3, clip=clip, transport=transport))
+    gather = "WindowSync" if transport == "one_sided" else "Allgather"
     signatures, orders = [], []
     for rank in range(4):
         g = compose_for(cfg, 4, rank)
         deps = g.dependencies()
-        coll = {n: op.attrs["seq"] for n, op in g.ops.items() if op.op_type in COLLECTIVES}
+        coll = {n: op.attrs["seq"] for n, op in g.ops.items()
+                if op.op_type in COLLECTIVES + ("WindowSync",)}
         late = [(a, b) for a in coll for b in reachable(a, deps) & set(coll)
                 if coll[b] > coll[a]]
         assert late == [], (rank, late[:3])
@@ -175,8 +179,9 @@ def test_stage3_tensor_collectives_in_one_order(tokens, clip):  # noqa: F811
                  for n in sorted(coll, key=coll.get)]
         kinds = [g.ops[n].op_type for n, _ in order]
         first_rs = kinds.index("ReduceScatter")
-        assert "Allreduce" in kinds[:first_rs] and "Allgather" in kinds[:first_rs]
-        gathers = [i for i, k in enumerate(kinds[:first_rs]) if k == "Allgather"]
+        assert "Allreduce" in kinds[:first_rs] and gather in kinds[:first_rs]
+        assert "Allgather" not in kinds or gather == "Allgather"
+        gathers = [i for i, k in enumerate(kinds[:first_rs]) if k == gather]
         assert any(kinds[i] == "Allreduce" for i in range(gathers[0], gathers[-1])), kinds
         orders.append(order)
         signatures.append(comm_signature(g))

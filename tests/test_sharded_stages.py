@@ -149,8 +149,6 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 
 
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"shard": 3, "transport": "one_sided", "tensor_parallel": 2}, 8, "parallel.transport",
-     "one_sided with parallel.tensor_parallel is refused"),
     ({"shard": 3, "backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.stages"),
     ({"stages": {k: 0 for k in STAGES}}, 4, "parallel.stages", "at least 2 stages"),
@@ -196,8 +194,8 @@ def test_one_replica_takes_the_transport_as_pipeline(transport):
     one_sided exited 2 at shard 1 and 2 and at 3 with stages). On 4 ranks
     (2 replicas) one_sided is taken at every shard
     (test_several_replicas_one_sided_trains_as_hybrid,
-    test_stage3_one_sided_puts_each_stage_in_windows), refused at shard 3
-    with tensor parallelism too (test_what_is_not_built_exits_2)."""
+    test_stage3_one_sided_puts_each_stage_in_windows; with tensor
+    parallelism too: test_sharded3_tensor_windows)."""
     from purine_mpi.graph.seed_yaml import dump
     from purine_mpi.parallel.compose import settings_without_effect
     from purine_mpi.tools.graph import composed

@@ -293,10 +293,10 @@ def test_one_replica_notes_that_sharding_divides_nothing(tokens):
 
 @pytest.mark.parametrize("shard", [1, 3])
 @pytest.mark.parametrize("change,np_,key,words", [
-    ({"stages": "all", "transport": "one_sided"}, 8, "parallel.transport",
-     "one_sided with parallel.tensor_parallel"),
     ({"backend": "nccl"}, 4, "parallel.backend", "parallel.tensor_parallel"),
-    ({"transport": "one_sided"}, 4, "parallel.transport", "one_sided"),
+    # stage 3 takes one_sided (test_sharded3_tensor_windows), 1 and 2 without stages not
+    ({"transport": "one_sided", "shard": 2}, 4, "parallel.transport",
+     "one_sided with shard 2"),
     ({"micro_batches": 2}, 4, "parallel.micro_batches",
      "scheme sharded with parallel.tensor_parallel takes no micro-batches"),
     ({"mode": "sync_ps"}, 4, "parallel.mode", "parameter servers"),
@@ -309,9 +309,6 @@ def test_what_is_not_built_exits_2(tmp_path, tokens, change, np_, key, words, sh
     weights too)."""
     cfg = _gpt(tokens, "sharded", "sgd", shard=shard)
     change = dict(change)
-    if change.get("stages") == "all":
-        change["stages"] = {layer["name"]: int(i >= len(cfg["net"]) // 2)
-                            for i, layer in enumerate(cfg["net"])}
     for top in ("recompute", "device"):
         if top in change:
             cfg[top] = change.pop(top)

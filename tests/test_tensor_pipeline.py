@@ -674,7 +674,6 @@ def test_3d_sharded_model_state_is_the_3d_layouts_over_r(tmp_path, shard):
 @pytest.mark.parametrize("change,key,words", [
     ({"device": 0}, "parallel.stages", "runs on the CPU"),
     ({"backend": "nccl"}, "parallel.backend", "parallel.stages"),
-    ({"transport": "one_sided"}, "parallel.transport", "parallel.tensor_parallel"),
     ({"recompute": "full"}, "recompute", "does not combine"),
 ])
 def test_3d_sharded_what_is_not_built_exits_2(tmp_path, change, key, words):

@@ -488,9 +488,7 @@ def _check_sharded(out, path):
                 "parallel.stages (each stage's reduce-scatters run on MPI sub-communicators)"),
                ("parallel.backend", nccl and tensor, "backend nccl with "
                 "parallel.tensor_parallel (each tensor shard's reduce-scatters run on MPI "
-                "sub-communicators)"),
-               ("parallel.transport", par["transport"] == "one_sided" and tensor,
-                "transport one_sided with parallel.tensor_parallel")]
+                "sub-communicators)")]
     for key, bad, what in refused:
         if bad:
             hint = " (parameter servers run under scheme data)" if key == "parallel.mode" \

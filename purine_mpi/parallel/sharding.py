@@ -523,7 +523,12 @@ def _in_place(graph, names):
     op that waits for it. The collectives are posted in ``seq`` order, so
     that order must be one the ranks can run; the emission order of a
     pipeline stage's slice is the whole net's (compose_stages), one every
-    stage runs in."""
+    stage runs in. A stage-3 window's ``release`` (parallel/zero3_windows.py)
+    as a reduce-scatter, after the last op it waits for (the bucket's
+    readers, the same on every rank): what waits for it is this rank's
+    updates of its shard, which differ between the ranks (before the first
+    of them, rank 1 posted a bucket's release where rank 3 posted its
+    reduce-scatter on a GPT's stage)."""
     deps = graph.dependencies()
     index = {n: i for i, n in enumerate(graph.ops)}
     succ = {}
@@ -532,7 +537,8 @@ def _in_place(graph, names):
             succ.setdefault(p, []).append(n)
     before, after, last = {}, {}, []
     for n in [n for n in graph.ops if n in names]:
-        if graph.ops[n].op_type == "ReduceScatter":
+        if graph.ops[n].op_type == "ReduceScatter" or graph.ops[n].attrs.get("phase") == \
+                "release":
             anchor = max((p for p in deps[n] if p not in names), key=index.get, default=None)
             (after.setdefault(anchor, []) if anchor else last).append(n)
         else:

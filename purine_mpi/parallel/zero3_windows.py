@@ -57,7 +57,14 @@ allocates it (collective on the world, beside the stage transfers'
 windows: a Windows of its own); a stage without parameters sends none
 and still takes part. Where no stage takes windows nothing is allocated.
 
-    to_shared_weights(graph, plan, job, world, group=None)
+With ``parallel.tensor_parallel`` the same with ``group`` the ranks that
+shard a tensor shard's buckets (its replicas, ``Layout.shard_ranks``;
+with stages too, a (stage, tensor shard) position's, ``stage_ranks``),
+and the WindowSyncs (and GetShards) numbered among ``others``, the tensor
+groups' allreduces, in ``sequence_collectives``' one order, as the
+gathers were: numbered without them a barrier took an allreduce's seq.
+
+    to_shared_weights(graph, plan, job, world, group=None, others=(), who="stage")
         -> (windows, transport lines, placement)
 """
 from ..comm.ops import shard_range
@@ -68,18 +75,22 @@ from .sharding import sequence_collectives
 PREFIX = "z3/"
 GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
 SHARED = ("weights", "one shared copy per node: each bucket's weights in one shared window "
-          "of its stage, read in place (the gathers only synchronise)")
+          "of its {who}, read in place (the gathers only synchronise)")
 GOT = ("weights", "RMA Get of the owners' shards: each rank's weight shard in its RMA "
        "window, each gather an MPI_Rget of every owner's shard into a transient buffer")
 
 
-def to_shared_weights(graph, plan, job, world, group=None):
+def to_shared_weights(graph, plan, job, world, group=None, others=(), who="stage"):
     """Put the stage-3 buckets of ``plan`` (compose_zero3's) into one
     shared window per node when ``parallel.transport`` is one_sided and
     every rank shares one node (see the module docstring); allocate it
     (collective). ``group``: with pipeline stages, this rank's stage's
-    ranks (``_stage_weights``; every rank calls it, a stage without
-    parameters too). Returns (the Windows or None, the transport lines or
+    ranks; with tensor parallelism, its tensor shard's replicas (with
+    stages too: its (stage, tensor shard) position's), ``who`` naming them
+    in the transport row (``_stage_weights``; every rank calls it, a stage
+    without parameters too). ``others``: the collectives the WindowSyncs
+    are numbered among (``sequence_collectives``: the tensor groups'
+    allreduces). Returns (the Windows or None, the transport lines or
     None, the window placement ``(layout, node_of)`` or None)."""
     transport = job.parallel.transport
     if transport not in ("one_sided", "auto") or world.size == 1 or job.device >= 0 or \
@@ -89,7 +100,8 @@ def to_shared_weights(graph, plan, job, world, group=None):
     node_of = node_groups(world) if live else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
     if group is not None:
-        return _stage_weights(graph, plan, transport, world, node_of, live, list(group))
+        return _stage_weights(graph, plan, transport, world, node_of, live, list(group),
+                              others, who)
     hosts = len(set(node_of.values()))
     if hosts != 1:
         return _rma_weights(graph, plan, transport, world, node_of, live)
@@ -143,9 +155,11 @@ def _rma_weights(graph, plan, transport, world, node_of, live):
     return windows, [GOT + (why,)], (layout, node_of)
 
 
-def _stage_weights(graph, plan, transport, world, node_of, live, group):
-    """With pipeline stages on several replicas: this rank's stage's
-    buckets in windows over its ranks ``group`` (see the module
+def _stage_weights(graph, plan, transport, world, node_of, live, group, others=(),
+                   who="stage"):
+    """With pipeline stages on several replicas (or tensor shards: ``who``
+    names the groups): this rank's stage's buckets in windows over its
+    ranks ``group``, the WindowSyncs numbered among ``others`` (see the module
     docstring): one shared region per bucket where the stage's ranks share
     one node and ``transport`` is one_sided, each rank's shard in its RMA
     window where they span nodes (``auto``: where the ranks agree the
@@ -155,7 +169,7 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
     # one allreduce where the world spans nodes (the same on every rank)
     across = _agreed_across_hosts(world, node_of) if transport == "auto" else (True, "")
     hosts = len({node_of[r] for r in group})
-    why = f"parallel.transport: {transport}, the stage's ranks {group} on " + (
+    why = f"parallel.transport: {transport}, the {who}'s ranks {group} on " + (
         "one node" if hosts == 1 else f"{hosts} nodes")
     kind = ("shared" if transport == "one_sided" else None) if hosts == 1 else \
         ("rma" if across[0] else None)
@@ -172,7 +186,8 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
             lo, hi = shard_range(wb.size, len(group), i)
             specs.append((shard_region(entry["weights"], r), r, (hi - lo,), str(wb.dtype)))
     # (a stage without parameters gathers nothing: no row of its own)
-    form = {"shared": SHARED, "rma": GOT}.get(kind, GATHERED) if plan else None
+    form = {"shared": (SHARED[0], SHARED[1].format(who=who)), "rma": GOT}.get(
+        kind, GATHERED) if plan else None
     everyone = world.allgather_object((specs, group, form, hosts), "the stage-3 window "
                                       "layout exchange") if live else [(specs, group, form, hosts)]
     # the start-up block names every stage's form, each once (world order)
@@ -181,7 +196,7 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
         if form is not None:
             stages.setdefault(tuple(form), {})[tuple(peers)] = n
     lines = [(what, how, f"parallel.transport: {transport}, " + ", ".join(
-        f"stage ranks {list(g)} on {'one node' if n == 1 else f'{n} nodes'}"
+        f"{who} ranks {list(g)} on {'one node' if n == 1 else f'{n} nodes'}"
         for g, n in groups.items()) + (f", {across[1]}" if transport == "auto" and any(
             n > 1 for n in groups.values()) else ""))
         for (what, how), groups in stages.items()]
@@ -199,9 +214,9 @@ def _stage_weights(graph, plan, transport, world, node_of, live, group):
         if windows is None:
             return None, failed, None
     if kind == "shared":
-        share_weights(graph, plan, world.rank, group[0], group)
+        share_weights(graph, plan, world.rank, group[0], group, others)
     elif kind == "rma":
-        get_weights(graph, plan, group.index(world.rank), group, staged=True)
+        get_weights(graph, plan, group.index(world.rank), group, staged=True, others=others)
     return windows, lines, (layout, node_of)
 
 
@@ -212,13 +227,14 @@ def shard_region(weights, rank):
     return f"{PREFIX}{weights}@{rank}"
 
 
-def get_weights(graph, plan, index, owners, staged=False):
+def get_weights(graph, plan, index, owners, staged=False, others=()):
     """Rewrite stage 3's gathers of ``graph`` (shard ``index`` of the
     shards owned by the world ranks ``owners``, in shard order) into
     GetShards from the owners' RMA windows, between a bucket's two
     WindowSyncs (see the module docstring; ``staged``: barriers on the
-    owners' sub-communicator); renumber the collectives' ``seq`` (the
-    GetShards after them). Each plan entry gets ``windows`` (its regions,
+    owners' sub-communicator); renumber the collectives' ``seq`` (among
+    ``others``: ``sequence_collectives``; the GetShards after them). Each
+    plan entry gets ``windows`` (its regions,
     shard by shard), ``gets`` (the GetShards, by pass) and ``gathers``
     {"acquire", "release"}."""
     group = list(owners) if staged else None
@@ -245,7 +261,7 @@ def get_weights(graph, plan, index, owners, staged=False):
         entry["gathers"] = {"acquire": acquire.name, "release": release.name}
         entry["gets"], entry["windows"] = dict(gets), regions
     graph.topo_order()  # no cycle
-    sequence_collectives(graph, plan)
+    sequence_collectives(graph, plan, others)
     seq = 1 + max(op.attrs["seq"] for op in graph.ops.values()
                   if "seq" in op.attrs and op.op_type != "GetShards")
     for entry in plan:
@@ -267,11 +283,12 @@ def _window_syncs(graph, weights, region, location, thread, group=None):
                  for phase in ("acquire", "release"))
 
 
-def share_weights(graph, plan, rank, owner, group=None):
+def share_weights(graph, plan, rank, owner, group=None, others=()):
     """Rewrite stage 3's gathers of ``graph`` (rank ``rank``'s) for the
     shared window of ``owner`` (see the module docstring; ``group``: a
     stage's ranks, the region named by its owner, the barriers on their
-    sub-communicator); renumber the collectives' ``seq``. Each plan entry
+    sub-communicator); renumber the collectives' ``seq`` (among
+    ``others``: ``sequence_collectives``). Each plan entry
     gets ``window`` (its region) and ``gathers`` {"acquire", "release"}."""
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
@@ -311,5 +328,5 @@ def share_weights(graph, plan, rank, owner, group=None):
         entry["gathers"] = {"acquire": acquire.name, "release": release.name}
         entry["window"] = region
     graph.topo_order()  # no cycle
-    sequence_collectives(graph, plan)
+    sequence_collectives(graph, plan, others)
     return plan

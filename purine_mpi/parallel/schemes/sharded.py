@@ -84,18 +84,22 @@ in windows over its ranks (parallel/zero3_windows.py with ``group``: one
 shared region per bucket where the stage's ranks share a node, each
 rank's shard in its RMA window where they span nodes, the layout
 exchanged, the barriers on the stage's sub-communicator); one replica of
-stages takes it as scheme pipeline does.
+stages takes it as scheme pipeline does. With tensor parallelism (with
+stages too) stage 3 puts each tensor shard's (each (stage, tensor shard)
+position's) weights in windows over its replicas alike, the WindowSyncs
+numbered among the tensor groups' allreduces as the gathers are
+(``sequence_collectives``).
 
 A GPU with another backend (more than one rank), NCCL with the one-sided
 transport, with ``solver.clip_gradients``, with stages or with tensor
-parallelism, the one-sided transport of stages 1 and 2 without stages, with
-tensor parallelism (with stages too), and combinations with other schemes
-are refused (the config rules, job/config.py's ``_check_sharded``; the
-GPU -- the device given on the command line -- by ``compose``). A
-pipeline stage that holds no parameter (the
-loss alone) has no bucket: its ranks take part in the collectives over
-every rank only (the clip's, a save's gathers, stage 3's test weights),
-which every rank decides from ``Composition.shard``, never its own plan.
+parallelism, the one-sided transport of stages 1 and 2 without stages, and
+combinations with other schemes are refused (the config rules,
+job/config.py's ``_check_sharded``; the GPU -- the device given on the
+command line -- by ``compose``). A pipeline stage that holds no
+parameter (the loss alone) has no bucket: its ranks take part in the
+collectives over every rank only (the clip's, a save's gathers, stage 3's
+test weights), which every rank decides from ``Composition.shard``, never
+its own plan.
 """
 import numpy as np
 
@@ -178,24 +182,26 @@ class Sharded(Hybrid):
                              wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
                              **_zero_settings(par, forward))
         if lay.staged:
-            if lay.tensor > 1 and par.shard >= 2:
+            tensor = [op.name for op in graph.ops.values() if op.op_type == "Allreduce"
+                      and op.attrs.get("group") == lay.tensor_ranks()] if lay.tensor > 1 \
+                else []
+            if tensor and par.shard >= 2:
                 # the plan's collectives numbered among the tensor group's
                 # allreduces (``_compose_tensor`` says why); the slice's emission
                 # order is its schedule's, as ``_post_in_schedule_order`` numbered them
                 from ..sharding import sequence_collectives
-                sequence_collectives(graph, plan, [
-                    op.name for op in graph.ops.values() if op.op_type == "Allreduce"
-                    and op.attrs.get("group") == lay.tensor_ranks()])
+                sequence_collectives(graph, plan, tensor)
             _on_stage_group(graph, plan, lay, world)
-            if par.shard >= 3 and lay.tensor == 1:
-                # one_sided (auto across RDMA hosts): each stage's weights in
-                # windows over its ranks, beside the stage transfers' windows;
-                # every rank (a stage without parameters too: the exchange).
-                # Not with tensor shards (one_sided: the config rules refuse
-                # it; auto keeps the gathers): the WindowSyncs would be
-                # numbered without the tensor groups' allreduces
+            if par.shard >= 3:
+                # one_sided (auto across RDMA hosts): each stage's (with
+                # tensor shards: each position's) weights in windows over its
+                # ranks, beside the stage transfers' windows; every rank (a
+                # stage without parameters too: the exchange); the WindowSyncs
+                # numbered among the tensor groups' allreduces, as the gathers
                 from ..zero3_windows import to_shared_weights
-                _beside(comp, *to_shared_weights(graph, plan, job, world, lay.stage_ranks()))
+                _beside(comp, *to_shared_weights(
+                    graph, plan, job, world, lay.stage_ranks(), tensor,
+                    "stage and tensor shard" if lay.tensor > 1 else "stage"))
         else:
             # stage 3, parallel.transport one_sided, one node: one shared copy
             from ..zero3_windows import to_shared_weights
@@ -235,7 +241,16 @@ class Sharded(Hybrid):
                 # stage 3's gathers go before their readers, among the allreduces
                 sequence_collectives(graph, plan, tensor)
             _on_group(graph, plan, group)
-            return {"shard_plan": plan, "shard": par.shard}
+            fields = {"shard_plan": plan, "shard": par.shard}
+            if par.shard >= 3:
+                # one_sided (auto across RDMA hosts): each tensor shard's
+                # weights in windows over its replicas, the WindowSyncs (and
+                # GetShards) numbered among the tensor allreduces, as the gathers
+                from ..zero3_windows import to_shared_weights
+                windows, lines, placed = to_shared_weights(graph, plan, job, world, group,
+                                                           tensor, "tensor shard")
+                fields.update(windows=windows, transport=lines, window_placement=placed)
+            return fields
 
         comp = compose_tensor(graph, grads, job, world, lay, reduce=reduce)
         if job.solver.clip_gradients is not None:
@@ -265,9 +280,9 @@ class Sharded(Hybrid):
 
     def why_no_transport(self, job, world_size):
         par = job.parallel
-        if par.tensor_parallel > 1 and not par.stages:  # with stages: the stage transfers
-            return ("scheme sharded with parallel.tensor_parallel reduces and gathers through "
-                    "two-sided MPI collectives")
+        if par.tensor_parallel > 1 and not par.stages and _one_replica(par, world_size):
+            # one replica runs as scheme tensor (with stages: their transfers)
+            return TensorParallel.why_no_transport(self, job, world_size)
         if not par.stages and par.shard < 3:
             return (f"scheme sharded at shard {par.shard} reduce-scatters and gathers through "
                     "two-sided MPI collectives (windows hold shard 3's weights only)")
