@@ -71,13 +71,16 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     (false for ``plan``, which accounts every byte itself, for the device
     the job names: a GPU job planned on a small host)."""
     scheme = scheme or scheme_of(job)
+    # the capabilities are those of the scheme the job runs: the trainer's
+    # bare ``Scheme()`` stands for it, its class attributes are the defaults
+    own = scheme._job_scheme(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
     layout = scheme.layout(job, world)
     # a loss with an ignore_label is normalised over the shards of one
     # update: every replica's where the scheme exchanges gradients
     graph, grads = build_train_graph(job, layout.replica, layout.replicas,
-                                     scheme.exchanges_gradients)
+                                     own.exchanges_gradients)
     if check_memory:
         check_fits_memory(graph)  # a layer too big is named, not a MemoryError
     check_data_labels(graph, job)
@@ -102,7 +105,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     losses = list(losses)
     # on a GPU the loss stays on the device between the display, test and
     # checkpoint intervals (ops/watch.py): the host reads it back only there
-    deferred = device >= 0 and scheme.defer_loss_readback
+    deferred = device >= 0 and own.defer_loss_readback
     watch = add_loss_watch(graph, losses, shares, device) if deferred and losses else None
     # micro-batch copies never live at once share their activation buffers
     # (after the device's fusions, which the plan must not block)

@@ -515,7 +515,12 @@ def _solver():
         "bias correction of v: a difference of ε·√(1−β₂ᵗ)). Every type matches its "
         "`torch.optim` counterpart step by step: SGD (at a constant rate; v = lr · "
         "buffer), SGD(nesterov=True), Adagrad, RMSprop(alpha=rms_decay), "
-        "Adadelta(rho=momentum), Adam, AdamW.",
+        "Adadelta(rho=momentum), Adam, AdamW. Checkpoint k holds the weights and state "
+        "after k updates, and the update from it to checkpoint k+1 is iteration k's, at "
+        "iteration k's rate (Adam's step k+1): one torch step from checkpoint k, SGD's "
+        "buffer taken as v / that rate. Where the rate changes, SGD's v keeps the steps "
+        "made at the old rate, torch's buffer is rescaled by the new one (Caffe's and "
+        "torch's SGD differ there).",
         "",
         "### lr policies",
         "",

@@ -33,7 +33,7 @@ def composed(job, world_size, rank, phase="train"):
         comp = scheme.compose_test(test, job, world)
         comp.layout = lay
         return comp.graph, comp
-    graph, grads = build_train_graph(job, replica, replicas)
+    graph, grads = build_train_graph(job, replica, replicas, scheme.exchanges_gradients)
     # a broken test-only layer, test data that changes a parameter's shape: exit 2 here too
     check_test_phase(job, replica, replicas, param_shapes(graph))
     if world_size > 1 and scheme.servers:

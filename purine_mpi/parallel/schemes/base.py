@@ -326,7 +326,8 @@ class Scheme:
         """Whether the dispatcher defers the last updates into the next
         iteration (runtime/tail.py) on layout ``lay``: the scheme
         ``defers_update`` and ``defer_update_applies``."""
-        return self.defers_update and self.defer_update_applies(job, lay.replicas, lay.staged)
+        return self._job_scheme(job).defers_update and \
+            self.defer_update_applies(job, lay.replicas, lay.staged)
 
     # ---- the settings
     def settings_without_effect(self, job, world_size):
@@ -409,12 +410,12 @@ class Scheme:
         replicas (where they exchange gradients) x micro-batches (0: a
         world the layout refuses)."""
         from ...base.errors import UserError
+        own = self._job_scheme(job)
         try:
-            lay = self._job_scheme(job).layout(job, types.SimpleNamespace(size=world_size,
-                                                                          rank=0))
+            lay = own.layout(job, types.SimpleNamespace(size=world_size, rank=0))
         except UserError:  # a world the layout refuses (exit 2 when it runs): no note
             return 0
-        return (lay.replicas if self.exchanges_gradients else 1) * job.parallel.micro_batches
+        return (lay.replicas if own.exchanges_gradients else 1) * job.parallel.micro_batches
 
     def defers_anything(self, job, world_size):
         """Whether ``parallel.defer_update: true`` (the default) defers any
