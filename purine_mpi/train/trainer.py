@@ -28,7 +28,7 @@ from ..job.run_checkpoints import remove_stale_temp_files, resolve_resume
 from ..job.config import dump_config
 from ..job.data_spec import data_notes
 from ..job.job import job_of, precision_notes
-from ..parallel.compose import Scheme, settings_without_effect
+from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
 from ..runtime.footprint import shared_params, workspace_plans
@@ -56,7 +56,10 @@ class Trainer(Loop):
         world = world or get_world()
         # collectives outside the graph wait no longer than graph ops do
         world.stall_timeout = float(job.parallel.stall_timeout)
-        scheme = scheme or Scheme()
+        # the job's registered scheme: its capabilities are its own (a bare
+        # stand-in's class attributes are the defaults: scheme none's ranks
+        # counted their labels together)
+        scheme = scheme or scheme_of(job)
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         try:
             graphs = build_rank_graphs(job, world, scheme)
