@@ -19,23 +19,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from purine_mpi.base.backend import to_numpy
 from purine_mpi.base.errors import ConfigError
-from purine_mpi.graph import Graph
+from purine_mpi.graph.core import Op
 from purine_mpi.job.config import validate_config
 from purine_mpi.ops.catalog import get_kernel_class
 from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.emulated_gpu import compare, emulated_trainer_env, tiny_raw
+from tests.emulated_gpu.fixtures import device  # noqa: F401  (a fixture)
 
 G = 16  # the global batch
 
 
 def _kernel(op_type, ins, outs, attrs=None):
     """Run op ``op_type`` on arrays ``ins``, writing ``outs`` (arrays)."""
-    g = Graph()
-    names = [f"i{k}" for k in range(len(ins))] + [f"o{k}" for k in range(len(outs))]
-    for name, a in zip(names, list(ins) + list(outs)):
-        g.add_blob(name, a.shape, str(a.dtype))
-    op = g.add_op("op", op_type, names[:len(ins)], names[len(ins):], attrs or {})
-    get_kernel_class(op_type, "op")(op).run(list(ins), list(outs))
+    get_kernel_class(op_type)(Op("probe", op_type, [], [], attrs or {})).run(list(ins),
+                                                                            list(outs))
     return outs
 
 
@@ -156,9 +155,11 @@ def test_two_ranks_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tm
 @pytest.mark.parametrize("parallel, words", [
     ({"scheme": "none"}, "scheme none does not sum it"),
     ({"scheme": "tensor"}, "scheme tensor does not sum it"),
+    ({"scheme": "hybrid", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
+     "scheme hybrid does not sum it"),
     ({"scheme": "data", "mode": "async"}, "parallel.mode 'async'"),
     ({"scheme": "data", "micro_batches": 2}, "parallel.micro_batches 2"),
-    ({"scheme": "sharded", "stages": {"c1": 0, "fc": 1}},
+    ({"scheme": "sharded", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
      "scheme sharded with stages or tensor shards")])
 def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
     """Exit 2 (a ConfigError) naming net[1].sync and why."""
@@ -167,3 +168,62 @@ def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
         validate_config(cfg, "cfg.yaml", check_files=False)
     text = str(exc.value)
     assert "net[1].sync" in text and words in text, text
+
+
+def test_the_synchronised_kernels_on_the_emulated_device(device):
+    """The four kernels' GPU branch (the raw channel sums, float64 sums on
+    the device) against their CPU run."""
+    rng = np.random.default_rng(7)
+    C = 3
+    x = (rng.standard_normal((4, C, 3, 3)) * 0.5 + 5).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    gamma, beta = rng.uniform(0.5, 2, C).astype(np.float32), np.zeros(C, np.float32)
+    (sums,), _ = compare(device, "BatchNormStats", {}, [x], ["channel_sum"], np.float32)
+    sums = sums * 2  # as two ranks' alike
+    rm, rv = np.zeros(C, np.float32), np.ones(C, np.float32)
+    (_, mean, invstd, _, _), _ = compare(device, "BatchNorm", {"phase": "train"},
+                                         [x, gamma, beta, rm, rv, sums], [], np.float32)
+    (gsums,), _ = compare(device, "BatchNormGradStats", {}, [dy, x, mean, invstd],
+                          ["channel_sum"], np.float32)
+    compare(device, "BatchNormGrad", {"phase": "train"}, [dy, x, gamma, mean, invstd, gsums * 2],
+            ["channel_sum"], np.float32)
+
+
+def _device_run(tmp_path, out, sync):
+    """3 iterations on the emulated GPU, the iteration captured as one CUDA
+    graph: (params, loss rows)."""
+    from purine_mpi.train.trainer import Trainer
+    from tests.conftest import FakeWorld, make_job
+    raw = tiny_raw(device=0, cuda_graph=True)
+    raw["net"] = [dict(_net(sync)[0], bottom="data", pad=1), dict(_net(sync)[1]),
+                  {"type": "relu", "name": "relu", "bottom": "bn", "top": "bn"},
+                  *_net(sync)[2:]]
+    raw["solver"].update(max_iter=3, display=1)
+    config = validate_config(raw, check_files=False)
+    trainer = Trainer(make_job(config), str(tmp_path / out), world=FakeWorld(), log=lambda m: None)
+    try:
+        trainer.run()
+        params = {p: np.array(to_numpy(trainer.ws[p])) for p in trainer.graphs.params}
+        report = trainer.train.capture_report()
+        assert report["captured"] == report["segments"] >= 1 and report["failed"] == {}, report
+    finally:
+        trainer.close()
+    with open(tmp_path / out / "metrics.jsonl") as f:
+        return params, [r["loss"] for r in map(json.loads, f) if r["phase"] == "train"]
+
+
+def test_one_rank_on_the_emulated_gpu_trains_as_without_sync(host_build_dir, monkeypatch,
+                                                              tmp_path):
+    """The trainer's GPU path (placement, the memory plan, a whole-iteration
+    CUDA graph) with ``sync: true`` on one rank, whose sums are its own:
+    the plain batch norm's parameters, running statistics and losses."""
+    import purine_mpi.gpu as gpu
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    try:
+        synced, plain = _device_run(tmp_path, "sync", True), _device_run(tmp_path, "plain", None)
+    finally:
+        gpu.clear_kernel_cache()
+    for name, value in plain[0].items():
+        np.testing.assert_allclose(synced[0][name], value, rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(value).max()), err_msg=name)
+    np.testing.assert_allclose(synced[1], plain[1], rtol=1e-5)
