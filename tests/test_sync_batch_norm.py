@@ -5,8 +5,8 @@ batch, summed over the replicas by Allreduce ops in the graph.
 - The kernels: a batch split in two, each half's sums added (what the
   Allreduce does), give PyTorch's BatchNorm2d of the whole batch: outputs,
   running statistics, dx, and dgamma / dbeta as the sum of the halves'.
-- 2 ranks × 8 under schemes data and sharded (stage 2): the checkpoints of
-  3 SGD iterations (digits, a 3×3 ``conv`` into ``batch_norm``, an ``fc``)
+- 2 replicas × 8 under schemes data, sharded (stage 2) and hybrid (2
+  stages each, 4 ranks): the checkpoints of 3 SGD iterations (digits, a 3×3 ``conv`` into ``batch_norm``, an ``fc``)
   are those of 1 rank × 16 (every weight, γ, β and the running statistics),
   and so are the loss rows; without ``sync`` the running variance is not.
 - ``sync: true`` where no scheme sums it: exit 2 naming the key.
@@ -130,15 +130,21 @@ def one_rank(digits_h5, tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("parallel", [{"scheme": "data"}, {"scheme": "sharded", "shard": 2}],
-                         ids=["data", "sharded2"])
-def test_two_ranks_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tmp_path,
-                                                         parallel):
-    """2 ranks × 8 with sync: every saved parameter and running statistic,
-    and the loss rows, within 1e-5 relative of 1 rank × 16's. Before
-    ``sync`` the key was refused (exit 2); without it the running variance
-    lacks the spread of the ranks' means (asserted on scheme data)."""
-    params, losses = _run(tmp_path, "two", 2, _config(digits_h5, _net(True), parallel, G // 2))
+@pytest.mark.parametrize("ranks, parallel", [
+    (2, {"scheme": "data"}), (2, {"scheme": "sharded", "shard": 2}),
+    (4, {"scheme": "hybrid", "stages": {"c1": 0, "bn": 1, "fc": 1, "loss": 1}})],
+    ids=["data", "sharded2", "hybrid"])
+def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tmp_path,
+                                                            ranks, parallel):
+    """2 replicas × 8 with sync (2 ranks; hybrid: 2 stages each, the batch
+    norm on the second): every saved parameter and running statistic, and
+    the loss rows, within 1e-5 relative of 1 rank × 16's. Before ``sync``
+    the key was refused (exit 2); with the layer's sums but no Allreduce
+    (data's ``sum_over_replicas`` taken out) ``bn/bias`` is off by 2.1
+    relative after 3 iterations; without ``sync`` the running variance lacks
+    the spread of the ranks' means (asserted on scheme data)."""
+    params, losses = _run(tmp_path, "two", ranks,
+                          _config(digits_h5, _net(True), parallel, G // 2))
     want, want_losses = one_rank
     assert sorted(params) == sorted(want)
     for name in want:
@@ -155,12 +161,15 @@ def test_two_ranks_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tm
 @pytest.mark.parametrize("parallel, words", [
     ({"scheme": "none"}, "scheme none does not sum it"),
     ({"scheme": "tensor"}, "scheme tensor does not sum it"),
-    ({"scheme": "hybrid", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
-     "scheme hybrid does not sum it"),
+    ({"scheme": "pipeline", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
+     "scheme pipeline does not sum it"),
+    ({"scheme": "hybrid", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1},
+      "tensor_parallel": 2}, "scheme hybrid with tensor shards does not sum it"),
     ({"scheme": "data", "mode": "async"}, "parallel.mode 'async'"),
     ({"scheme": "data", "micro_batches": 2}, "parallel.micro_batches 2"),
     ({"scheme": "sharded", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
-     "scheme sharded with stages or tensor shards")])
+     "scheme sharded with stages does not sum it"),
+    ({"scheme": "sharded", "tensor_parallel": 2}, "scheme sharded with tensor shards")])
 def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
     """Exit 2 (a ConfigError) naming net[1].sync and why."""
     cfg = _config("/nonexistent.h5", _net(True), parallel, G)

@@ -457,9 +457,9 @@ def _parallel_rules(out, parallel, path):
 
 def _check_sync_batch_norm(out, path):
     """A ``batch_norm``'s ``sync: true`` (statistics summed over the
-    replicas) where the scheme builds it: data and sharded (no stages, no
-    tensor shards), mode sync, no micro-batches; scheme auto's choice is
-    checked when it is set."""
+    replicas) where the scheme builds it: data, sharded (no stages) and
+    hybrid, no tensor shards, mode sync, no micro-batches; scheme auto's
+    choice is checked when it is set."""
     par = out["parallel"]
     scheme, micro = par["scheme"], par["micro_batches"]
     if scheme == AUTO_SCHEME:
@@ -470,11 +470,13 @@ def _check_sync_batch_norm(out, path):
         if par["mode"] != "sync":
             why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
                    "their own, with no global batch; use mode: sync")
-        elif scheme not in ("data", "sharded") or (scheme == "sharded" and (
-                par["stages"] or par["tensor_parallel"] > 1)):
-            what = "sharded with stages or tensor shards" if scheme == "sharded" else scheme
-            why = (f"scheme {what} does not sum it (it is built for schemes data and sharded, "
-                   "whose replicas split the batch); use one of them")
+        elif scheme not in ("data", "sharded", "hybrid") or par["tensor_parallel"] > 1 or (
+                scheme == "sharded" and par["stages"]):
+            what = ("sharded with stages" if scheme == "sharded" and par["stages"] else
+                    f"{scheme} with tensor shards" if par["tensor_parallel"] > 1
+                    and scheme != "tensor" else scheme)
+            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded and "
+                   "hybrid, whose replicas split the batch); use one of them")
         elif micro > 1:
             why = (f"parallel.micro_batches {micro} would sum a micro-batch's statistics over "
                    "the ranks, not the global batch's; use micro_batches: 1")

@@ -88,11 +88,14 @@ def sum_over_replicas(graph, group=None):
     """Sum over the replicas (``group``, None: every rank) the output of each
     op with attr ``REPLICA_SUM`` (a synchronised batch norm's sums of its
     batch and of its gradient, ops/batchnorm.py): an Allreduce after each,
-    ``seq`` in topological order from the graph's first free one (before
-    the buckets a scheme adds next: the forward's sum never waits behind a
-    gradient's), the same on every rank. Returns the Allreduce ops."""
+    ``seq`` in emission order (a topological one; in a pipeline stage's
+    slice the whole net's, where a Recv, ready from the start, would pull
+    the backward's sum ahead in the topological order) from the graph's
+    first free one: before the buckets a scheme adds next, so the forward's
+    sum never waits behind a gradient's; the same on every rank. Returns
+    the Allreduce ops."""
     seq, added, after = next_seq(graph), [], {}
-    for op in [op for op in graph.topo_order() if op.attrs.get(REPLICA_SUM)]:
+    for op in [op for op in graph.ops.values() if op.attrs.get(REPLICA_SUM)]:
         added.append(sum_after(graph, op, graph.free_name(f"{op.name}.allreduce"), group, seq))
         after[op.name] = added[-1].name
         seq += 1

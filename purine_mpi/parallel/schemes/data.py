@@ -3,7 +3,8 @@ of the batch; its gradient buckets are summed by Allreduce ops in the graph
 (parallel/data_parallel.py), through MPI, NCCL (parallel.backend) or a
 shared window (parallel.transport: one_sided, parallel/dp_windows.py). A
 ``batch_norm`` with ``sync: true`` has its batch's sums allreduced over every
-rank in forward and backward (ops/batchnorm.py), before the buckets."""
+rank in forward and backward (ops/batchnorm.py), before the buckets
+(``sum_over_replicas``)."""
 from .base import BUCKET_KEYS, Composition, Scheme, register_scheme
 
 
