@@ -11,6 +11,7 @@ batch, summed over the replicas by Allreduce ops in the graph.
   and so are the loss rows; without ``sync`` the running variance is not.
 - ``sync: true`` where no scheme sums it: exit 2 naming the key.
 """
+import glob
 import json
 
 import h5py
@@ -132,8 +133,9 @@ def one_rank(digits_h5, tmp_path_factory):
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks, parallel", [
     (2, {"scheme": "data"}), (2, {"scheme": "sharded", "shard": 2}),
-    (4, {"scheme": "hybrid", "stages": {"c1": 0, "bn": 1, "fc": 1, "loss": 1}})],
-    ids=["data", "sharded2", "hybrid"])
+    (4, {"scheme": "hybrid", "stages": {"c1": 0, "bn": 1, "fc": 1, "loss": 1}}),
+    (2, {"scheme": "data", "transport": "one_sided"})],
+    ids=["data", "sharded2", "hybrid", "data-one_sided"])
 def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tmp_path,
                                                             ranks, parallel):
     """2 replicas × 8 with sync (2 ranks; hybrid: 2 stages each, the batch
@@ -142,7 +144,9 @@ def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5,
     the key was refused (exit 2); with the layer's sums but no Allreduce
     (data's ``sum_over_replicas`` taken out) ``bn/bias`` is off by 2.1
     relative after 3 iterations; without ``sync`` the running variance lacks
-    the spread of the ranks' means (asserted on scheme data)."""
+    the spread of the ranks' means (asserted on scheme data). With
+    ``transport: one_sided`` the buckets still go through the shared window
+    (the float64 sums through MPI; before, they sent every bucket to MPI)."""
     params, losses = _run(tmp_path, "two", ranks,
                           _config(digits_h5, _net(True), parallel, G // 2))
     want, want_losses = one_rank
@@ -152,7 +156,10 @@ def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5,
                                    atol=1e-5 * float(np.abs(want[name]).max()),
                                    err_msg=name)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    if parallel["scheme"] == "data":  # the case tells sync from the ranks' own statistics
+    if "transport" in parallel:
+        log = "".join(open(p).read() for p in glob.glob(str(tmp_path / "two" / "*.log")))
+        assert "summed through a shared window" in log, log[-2000:]
+    elif parallel["scheme"] == "data":  # the case tells sync from the ranks' own statistics
         plain, _ = _run(tmp_path, "plain", 2, _config(digits_h5, _net(None), parallel, G // 2))
         gap = np.abs(plain["bn/running_var"] - want["bn/running_var"]).max()
         assert gap > 1e-4 * np.abs(want["bn/running_var"]).max()
