@@ -243,3 +243,23 @@ def test_one_rank_on_the_emulated_gpu_trains_as_without_sync(host_build_dir, mon
         np.testing.assert_allclose(synced[0][name], value, rtol=1e-5,
                                    atol=1e-6 * float(np.abs(value).max()), err_msg=name)
     np.testing.assert_allclose(synced[1], plain[1], rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_two_emulated_gpus_train_as_the_cpu(host_build_dir, tmp_path):
+    """2 ranks on emulated GPUs (captured iterations; the sums staged through
+    the host to MPI, or an NcclAllreduce of float64 on the emulated NCCL;
+    tests/mpi_scripts/sync_bn_gpu.py): the checkpoints are the CPU run's
+    within float32 rounding."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("sync_bn_gpu.py", 2, host_build_dir, tmp_path, timeout=240)
+    assert proc.stdout.count("OK sync_bn_gpu") == 2, proc.stdout + proc.stderr
+    cpu = _saved(tmp_path / "cpu")[0]
+    assert "bn/running_var" in cpu
+    for run in ("gpu", "nccl"):
+        got = _saved(tmp_path / run)[0]
+        assert sorted(got) == sorted(cpu)
+        for name, value in cpu.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5,
+                                       atol=1e-5 * float(np.abs(value).max()),
+                                       err_msg=f"{run}: {name}")
