@@ -386,7 +386,8 @@ def _batchnorm_grad(g, op):
     phase = _phase(op.attrs)
     stats = [op.outputs[1], op.outputs[2]] if phase == "train" else [running_mean, running_var]
     attrs = {"phase": phase, "eps": op.attrs.get("eps", 1e-5), "grads": [n for n, _ in wanted]}
-    if len(op.inputs) == 6 and phase == "train":  # synchronised: the global batch's sums
+    if len(op.inputs) == 6 and phase == "train" and g.needs_grad(x):
+        # synchronised: dx takes the global batch's sums (dgamma, dbeta this rank's)
         sums = g.temp_blob("grad_sums", None, "float64")
         g.emit("BatchNormGradStats", [dy, x] + stats, [sums], {REPLICA_SUM: True})
         stats = stats + [sums]
