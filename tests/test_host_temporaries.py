@@ -76,6 +76,11 @@ def _cases():
         ("BatchNorm", {}, [x, _f(C), _f(C), np.zeros(C, np.float32), np.ones(C, np.float32)],
          [like()] + stats(4)),
         ("BatchNormGrad", {}, [x, x, _f(C), _f(C), np.ones(C, np.float32)], [like()] + stats(2)),
+        # a synchronised batch norm's (its forward keeps per-channel ones alone)
+        ("BatchNormStats", {}, [x], [np.empty(2 * C + 1)]),
+        ("BatchNormGradStats", {}, [x, x, _f(C), np.ones(C, np.float32)], [np.empty(2 * C + 1)]),
+        ("BatchNormGrad", {}, [x, x, _f(C), _f(C), np.ones(C, np.float32),
+                              np.abs(_f(2 * C + 1)).astype(np.float64) + 1], [like()] + stats(2)),
         ("Cast", {"dtype": "bfloat16"}, [x], [like()]),
         # the scaled gradient, then the scaled weights (a parameter server's update)
         ("SGDUpdate", {"momentum": 0.9, "weight_decay": 5e-4}, [w, x, v, np.float32(0.1)],

@@ -35,7 +35,7 @@ from .job import Job, job_of
 from .keys import check_section
 from .repeat import expand_net
 from .yamlread import YamlRefused, read_yaml, where
-from .schema import (RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
+from .schema import (AUTO_SCHEME, RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
                      TOP_KEYS)
 from ..layers import check_layer, layer_key, layer_spec
 
@@ -444,6 +444,7 @@ def _parallel_rules(out, parallel, path):
                           "checkpoint.best to keep the best test passes instead")
     _check_pipeline(out, path)
     _check_sharded(out, path)
+    _check_sync_batch_norm(out, path)
     if out["solver"]["clip_gradients"] is not None and (
             out["parallel"]["mode"] == "async" or (out["parallel"]["mode"] == "sync_ps"
                                                    and out["parallel"]["ps_ranks"] > 1)):
@@ -452,6 +453,38 @@ def _parallel_rules(out, parallel, path):
                           "parallel.mode sync (any scheme) and sync_ps with ps_ranks 1, not "
                           f"with mode {excerpt(out['parallel']['mode'])} and "
                           f"ps_ranks {out['parallel']['ps_ranks']}")
+
+
+def _check_sync_batch_norm(out, path):
+    """A ``batch_norm``'s ``sync: true`` (statistics summed over the
+    replicas) where the scheme builds it: data, sharded (no stages) and
+    hybrid, no tensor shards, mode sync, no micro-batches; scheme auto's
+    choice is checked when it is set."""
+    par = out["parallel"]
+    scheme, micro = par["scheme"], par["micro_batches"]
+    if scheme == AUTO_SCHEME:
+        return
+    for i, layer in enumerate(out.get("net") or ()):
+        if layer_spec(layer["type"]).type != "batch_norm" or layer.get("sync") is not True:
+            continue
+        if par["mode"] != "sync":
+            why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
+                   "their own, with no global batch; use mode: sync")
+        elif scheme not in ("data", "sharded", "hybrid") or par["tensor_parallel"] > 1 or (
+                scheme == "sharded" and par["stages"]):
+            what = ("sharded with stages" if scheme == "sharded" and par["stages"] else
+                    f"{scheme} with tensor shards" if par["tensor_parallel"] > 1
+                    and scheme != "tensor" else scheme)
+            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded and "
+                   "hybrid, whose replicas split the batch); use one of them")
+        elif micro > 1:
+            why = (f"parallel.micro_batches {micro} would sum a micro-batch's statistics over "
+                   "the ranks, not the global batch's; use micro_batches: 1")
+        else:
+            continue
+        raise ConfigError(path, f"{layer_key(out.get('_net_keys'), i)}.sync",
+                          f"layer '{layer['name']}' (batch_norm): sync: true (statistics of the "
+                          f"global batch) is refused: {why}, or sync: false")
 
 
 def _check_sharded(out, path):

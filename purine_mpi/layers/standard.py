@@ -7,6 +7,7 @@ docs/config.md is generated from these declarations: after changing keys
 run ``python -m purine_mpi.tools.docgen --write``.
 """
 from ..base.errors import excerpt
+from ..ops.batchnorm import REPLICA_SUM
 from .registry import (AT_LEAST_ONE, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, RATIO, REQUIRED,
                        Key, Range, Required, layer)
 from .fillers import FILLERS
@@ -260,6 +261,10 @@ def dropout(b):
                                    "momentum·batch (PyTorch's convention)", FRACTION),
     Key("moving_average_fraction", "number", None, "instead of momentum: Caffe's normalised "
                                                    "moving sums with this factor", FRACTION),
+    Key("sync", "bool", False, "normalise with the statistics of the global batch, summed over "
+                               "the replicas in the graph (PyTorch's `SyncBatchNorm`; schemes "
+                               "data, sharded without stages and hybrid, without tensor shards "
+                               "or micro-batches): as 1 rank × batch N·B"),
     *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
 def batch_norm(b):
     """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and
@@ -281,7 +286,11 @@ def batch_norm(b):
         g = b.graph
         g.add_blob(f"{mean}@new", c, alias_of=mean, kind="state")
         g.add_blob(f"{var}@new", c, alias_of=var, kind="state")
-        b.op("BatchNorm", [x, gamma, beta, mean, var],
+        inputs = [x, gamma, beta, mean, var]
+        if b.get("sync"):  # the batch's sums, which the schemes allreduce (ops/batchnorm.py)
+            inputs.append(f"{name}.batch_sums")
+            b.op("BatchNormStats", [x], inputs[-1:], {REPLICA_SUM: True}, tag="sums")
+        b.op("BatchNorm", inputs,
              [y, f"{name}.saved_mean", f"{name}.saved_invstd", f"{mean}@new", f"{var}@new"],
              dict(attrs, phase="train"))
     else:

@@ -27,6 +27,16 @@ M, so a checkpoint's factor is the same with or without micro-batches.
 
 Test, outputs [y]: y = gamma * (x - running_mean) / sqrt(running_var + eps) + beta.
 
+Synchronised (a ``batch_norm`` layer's ``sync: true``): a sixth input, the
+float64 sums [sum x (C), sum x^2 (C), M] of the global batch, takes the
+place of this rank's own: mean = S / M, var = S2 / M - mean^2, and the
+running variance is unbiased over that M. ``BatchNormStats`` [x] -> [sums]
+gives a rank's part (from a two-pass mean and squared deviation in x's
+dtype, S2 = M2 + M * mean^2 in float64, so the difference keeps its
+digits); its attr ``REPLICA_SUM`` asks the schemes to put an Allreduce of
+the sums over the replicas between the two (parallel/data_parallel.py,
+``sum_over_replicas``); on one rank they are its own, the plain kernel's.
+
 Gradient ("BatchNormGrad", inputs [dy, x, gamma, mean, invstd] where mean and
 invstd are the saved batch statistics in train phase, the running mean and
 running var in test phase; outputs: the gradients named by attr ``grads``, a
@@ -36,6 +46,13 @@ subset of ["x", "gamma", "beta"] in that order)::
     train: dx = gamma * invstd / M * (M * dy - dbeta - xhat * dgamma)
     test:  dx = gamma * invstd * dy
 
+Synchronised, ``BatchNormGradStats`` [dy, x, mean, invstd] -> [sums]
+gives a rank's float64 [sum dy (C), sum dy * xhat (C), M], summed over the
+replicas as above, and ``BatchNormGrad``'s sixth input: dx takes their
+means over the global batch in place of dbeta / M and dgamma / M (as
+PyTorch's ``SyncBatchNorm``); dgamma and dbeta, the parameters' gradients,
+stay this rank's (the buckets sum them).
+
 The running statistics get no gradient.
 """
 from ..base.backend import get_xp
@@ -44,6 +61,9 @@ from ..gpu.raw import raw_kernels
 from .registry import OpKernel, gradient, register
 
 _GRAD_NAMES = ("x", "gamma", "beta")
+#: the attr of an op whose output is this replica's part of a sum over the
+#: replicas of a batch (the schemes allreduce it: data_parallel.sum_over_replicas)
+REPLICA_SUM = "sum_over_replicas"
 
 
 def _phase(attrs):
@@ -67,9 +87,9 @@ class BatchNorm(OpKernel):
 
     @classmethod
     def infer(cls, attrs, ins):
-        if len(ins) != 5:
-            raise ShapeError("BatchNorm takes inputs [x, gamma, beta, running_mean, running_var], "
-                             f"got {len(ins)}")
+        if len(ins) not in (5, 6):
+            raise ShapeError("BatchNorm takes inputs [x, gamma, beta, running_mean, running_var] "
+                             f"and, synchronised, the batch's sums; got {len(ins)}")
         x_shape, dtype = tuple(ins[0][0]), ins[0][1]
         if len(x_shape) < 2:
             raise ShapeError(f"BatchNorm needs an (N, C, ...) input, got {list(x_shape)}")
@@ -78,6 +98,8 @@ class BatchNorm(OpKernel):
             if tuple(shape) != (C,):
                 raise ShapeError(f"BatchNorm {name} must have shape [{C}] (the channels of "
                                  f"{list(x_shape)}), got {list(shape)}")
+        if len(ins) == 6:
+            _check_sums("BatchNorm", ins[5], C)
         if _phase(attrs) == "test":
             return [(x_shape, dtype)]
         return [(x_shape, dtype), ((C,), dtype), ((C,), dtype), ins[3], ins[4]]
@@ -107,12 +129,12 @@ class BatchNorm(OpKernel):
         self.factor = float(state["factor"])
 
     def run(self, ins, outs):
-        x, gamma, beta, running_mean, running_var = ins
+        x, gamma, beta, running_mean, running_var = ins[:5]
         xp = get_xp(x)
         eps = float(self.attrs.get("eps", 1e-5))
         _, bshape = _axes(x)
         y, C = outs[0], x.shape[1]
-        scale, stat, sq = self.temporaries(x, *self.host_temporaries(ins, outs))
+        scale, stat, *rest = self.temporaries(x, *self.host_temporaries(ins, outs))
         if _phase(self.attrs) == "test":
             _invstd(xp, running_var, eps, out=stat)
             xp.subtract(x, running_mean.reshape(bshape), out=y)
@@ -121,29 +143,139 @@ class BatchNorm(OpKernel):
             y += beta.reshape(bshape)
             return
         m = self._momentum()
-        count = x.size // C
-        mean, invstd = outs[1], outs[2]
-        _channel_sum(xp, x, out=mean)
-        mean /= count                                   # E[x]
-        xp.subtract(x, mean.reshape(bshape), out=y)
-        xp.multiply(y, y, out=sq)
-        var = stat
-        _channel_sum(xp, sq, out=var)
-        var /= count                                    # E[(x - mean)^2]
+        mean, invstd, var = outs[1], outs[2], stat
+        if len(ins) == 6:  # synchronised: the global batch's sums
+            unbiased = _summed_stats(xp, ins[5], mean, var, *rest)
+            xp.subtract(x, mean.reshape(bshape), out=y)
+        else:
+            (sq,) = rest
+            count = x.size // C
+            _channel_sum(xp, x, out=mean)
+            mean /= count                                   # E[x]
+            xp.subtract(x, mean.reshape(bshape), out=y)
+            xp.multiply(y, y, out=sq)
+            _channel_sum(xp, sq, out=var)
+            var /= count                                    # E[(x - mean)^2]
+            unbiased = count / max(count - 1, 1)
         _invstd(xp, var, eps, out=invstd)
         xp.multiply(invstd, gamma, out=scale)
         y *= scale.reshape(bshape)
         y += beta.reshape(bshape)
         # outs[3], outs[4] share storage with ins[3], ins[4] in a graph
         _blend(xp, outs[3], running_mean, mean, m, scale)
-        var *= count / max(count - 1, 1)               # unbiased
+        var *= unbiased
         _blend(xp, outs[4], running_var, var, m, scale)
 
     def host_temporaries(self, ins, outs):
-        """Two per-channel temporaries, and one of x's size: no new array on
-        a GPU, so a CUDA graph captures the op."""
+        """Two per-channel temporaries, and one of x's size (synchronised:
+        three float64 per-channel ones instead): no new array on a GPU, so a
+        CUDA graph captures the op."""
+        x = ins[0]
+        C = x.shape[1]
+        rest = [((C,), "float64")] * 3 if len(ins) == 6 else [(x.shape, x.dtype)]
+        return [((C,), x.dtype)] * 2 + rest
+
+
+@register
+class BatchNormStats(OpKernel):
+    """A rank's part of the sums of a synchronised BatchNorm's batch: inputs
+    [x], outputs [sums], float64 [sum x (C), sum x^2 (C), M] (module docstring)."""
+
+    op_type = "BatchNormStats"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [((2 * _channels("BatchNormStats", ins[0][0]) + 1,), "float64")]
+
+    def run(self, ins, outs):
+        (x,), (sums,) = ins, outs
+        xp = get_xp(x)
+        _, bshape = _axes(x)
+        C = x.shape[1]
+        count = x.size // C
+        mean, m2, dev = self.temporaries(x, *self.host_temporaries(ins, outs))
+        _channel_sum(xp, x, out=mean)
+        mean /= count
+        xp.subtract(x, mean.reshape(bshape), out=dev)
+        dev *= dev
+        _channel_sum(xp, dev, out=m2)                    # M2 about this rank's mean
+        s, s2 = sums[:C], sums[C:2 * C]
+        xp.copyto(s, mean)                               # widened before squaring
+        xp.multiply(s, s, out=s2)
+        s2 *= count
+        s2 += m2                                         # sum x^2 = M2 + M * mean^2
+        s *= count
+        sums[2 * C:].fill(count)
+
+    def host_temporaries(self, ins, outs):
+        """Two per-channel temporaries and one of x's size."""
         x = ins[0]
         return [((x.shape[1],), x.dtype)] * 2 + [(x.shape, x.dtype)]
+
+
+@register
+class BatchNormGradStats(OpKernel):
+    """A rank's part of the sums a synchronised BatchNorm's gradient takes:
+    inputs [dy, x, mean, invstd], outputs [sums], float64 [sum dy (C),
+    sum dy * xhat (C), M] (module docstring)."""
+
+    op_type = "BatchNormGradStats"
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        return [((2 * _channels("BatchNormGradStats", ins[1][0]) + 1,), "float64")]
+
+    def run(self, ins, outs):
+        (dy, x, mean, invstd), (sums,) = ins, outs
+        xp = get_xp(dy)
+        _, bshape = _axes(x)
+        C = x.shape[1]
+        total, prod = self.temporaries(dy, *self.host_temporaries(ins, outs))
+        _channel_sum(xp, dy, out=total)
+        xp.copyto(sums[:C], total)
+        xp.subtract(x, mean.reshape(bshape), out=prod)
+        prod *= invstd.reshape(bshape)                   # xhat
+        prod *= dy
+        _channel_sum(xp, prod, out=total)
+        xp.copyto(sums[C:2 * C], total)
+        sums[2 * C:].fill(x.size // C)
+
+    def host_temporaries(self, ins, outs):
+        """One per-channel temporary and one of x's size."""
+        dy, x = ins[:2]
+        return [((x.shape[1],), dy.dtype), (x.shape, dy.dtype)]
+
+
+def _channels(op_type, shape):
+    if len(shape) < 2:
+        raise ShapeError(f"{op_type} needs an (N, C, ...) input, got {list(shape)}")
+    return shape[1]
+
+
+def _check_sums(op_type, spec, C):
+    shape, dtype = spec
+    if tuple(shape) != (2 * C + 1,) or str(dtype) != "float64":
+        raise ShapeError(f"{op_type}'s sums must be float64 of shape [{2 * C + 1}] (2 x the "
+                         f"{C} channels + the count), got {str(dtype)} {list(shape)}")
+
+
+def _summed_stats(xp, sums, mean, var, wide, wide_var, factor):
+    """mean and var (biased) of the global batch from its sums [S, S2, M]
+    (float64: ``wide``, ``wide_var``, ``factor`` are float64 scratch);
+    returns ``factor``, M / (M - 1) per channel (the unbiased variance's)."""
+    C = mean.shape[0]
+    count = sums[2 * C:]
+    xp.divide(sums[:C], count, out=wide)                 # E[x]
+    xp.divide(sums[C:2 * C], count, out=wide_var)
+    xp.multiply(wide, wide, out=factor)
+    wide_var -= factor                                   # E[x^2] - E[x]^2
+    xp.maximum(wide_var, 0.0, out=wide_var)
+    xp.copyto(mean, wide)
+    xp.copyto(var, wide_var)
+    xp.subtract(count, 1.0, out=factor)
+    xp.maximum(factor, 1.0, out=factor)
+    xp.divide(count, factor, out=factor)
+    return factor
 
 
 def _powers(maf, n):
@@ -189,11 +321,13 @@ class BatchNormGrad(OpKernel):
         if not grads or any(n not in _GRAD_NAMES for n in grads):
             raise ShapeError(f"BatchNormGrad attr 'grads' must name some of {list(_GRAD_NAMES)}, "
                              f"got {grads!r}")
+        if len(ins) == 6:
+            _check_sums("BatchNormGrad", ins[5], ins[1][0][1])
         shapes = {"x": ins[1], "gamma": ins[2], "beta": ins[2]}
         return [shapes[n] for n in _GRAD_NAMES if n in grads]
 
     def run(self, ins, outs):
-        dy, x, gamma, mean, stat = ins
+        dy, x, gamma, mean, stat = ins[:5]
         xp = get_xp(dy)
         _, bshape = _axes(x)
         C = x.shape[1]
@@ -220,9 +354,14 @@ class BatchNormGrad(OpKernel):
             if _phase(self.attrs) == "test":
                 xp.multiply(dy, scale.reshape(bshape), out=dx)
                 return
-            count = x.size // C
-            dgamma /= count
-            dbeta /= count
+            if len(ins) == 6:  # synchronised: the means over the global batch
+                sums = ins[5]
+                xp.divide(sums[C:2 * C], sums[2 * C:], out=dgamma)
+                xp.divide(sums[:C], sums[2 * C:], out=dbeta)
+            else:
+                count = x.size // C
+                dgamma /= count
+                dbeta /= count
             xhat *= dgamma.reshape(bshape)
             xp.subtract(dy, xhat, out=dx)
             dx -= dbeta.reshape(bshape)
@@ -240,11 +379,16 @@ def _batchnorm_grad(g, op):
     dy = g.grad_of(op.outputs[0])
     if dy is None:
         return
-    x, gamma, beta, running_mean, running_var = op.inputs
+    x, gamma, beta, running_mean, running_var = op.inputs[:5]
     wanted = [(n, b) for n, b in zip(_GRAD_NAMES, (x, gamma, beta)) if g.needs_grad(b)]
     if not wanted:
         return
     phase = _phase(op.attrs)
     stats = [op.outputs[1], op.outputs[2]] if phase == "train" else [running_mean, running_var]
     attrs = {"phase": phase, "eps": op.attrs.get("eps", 1e-5), "grads": [n for n, _ in wanted]}
+    if len(op.inputs) == 6 and phase == "train" and g.needs_grad(x):
+        # synchronised: dx takes the global batch's sums (dgamma, dbeta this rank's)
+        sums = g.temp_blob("grad_sums", None, "float64")
+        g.emit("BatchNormGradStats", [dy, x] + stats, [sums], {REPLICA_SUM: True})
+        stats = stats + [sums]
     g.emit("BatchNormGrad", [dy, x, gamma] + stats, [g.grad_blob(b) for _, b in wanted], attrs)

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..comm.ops import is_collective, is_comm_op
 from ..base.errors import GraphError, UserError
+from ..ops.batchnorm import REPLICA_SUM
 from ..ops.updates import UPDATE_OP_TYPES
 
 MB = 2 ** 20
@@ -49,6 +50,59 @@ def next_seq(graph):
     seqs = [int(op.attrs["seq"]) for op in graph.ops.values()
             if is_comm_op(op) and "seq" in op.attrs]
     return max(seqs) + 1 if seqs else 0
+
+
+def sum_after(graph, op, name, group, seq, tag="partial"):
+    """Rename ``op``'s first output to a partial blob (``<output>.<tag>``)
+    and add the Allreduce ``name`` over ``group`` (None: every rank) that
+    writes the original blob from it."""
+    out = op.outputs[0]
+    blob = graph.blobs[out]
+    partial = graph.free_name(f"{out}.{tag}")
+    graph.add_blob(partial, None, blob.dtype, blob.location, kind=blob.kind)
+    op.outputs[0] = partial
+    attrs = {"seq": seq} if group is None else {"seq": seq, "group": list(group)}
+    return graph.add_op(name, "Allreduce", [partial], [out], attrs, location=op.location,
+                        thread="comm")
+
+
+def emit_after(graph, after):
+    """Move each added op right after the op it follows in emission order
+    ({op name: added op name}): the graph's order stays a topological one.
+    A pipeline stage's slice keeps the whole net's emission order
+    (parallel/partition.py), and its collectives are numbered in that order
+    (schemes/pipeline._post_in_schedule_order); appended last, a stage's
+    closing allreduce (a row-split fc whose sum the next stage receives)
+    came after the backward's allreduces that wait for the next stage."""
+    ops, moved = dict(graph.ops), set(after.values())
+    graph.ops = {}
+    for n, op in ops.items():
+        if n in moved:
+            continue
+        graph.ops[n] = op
+        if n in after:
+            graph.ops[after[n]] = ops[after[n]]
+
+
+def sum_over_replicas(graph, group=None):
+    """Sum over the replicas (``group``, None: every rank) the output of each
+    op with attr ``REPLICA_SUM`` (a synchronised batch norm's sums of its
+    batch and of its gradient, ops/batchnorm.py): an Allreduce after each,
+    ``seq`` in emission order (a topological one; in a pipeline stage's
+    slice the whole net's, where a Recv, ready from the start, would pull
+    the backward's sum ahead in the topological order) from the graph's
+    first free one: before the buckets a scheme adds next, so the forward's
+    sum never waits behind a gradient's; the same on every rank. Returns
+    the Allreduce ops."""
+    seq, added, after = next_seq(graph), [], {}
+    for op in [op for op in graph.ops.values() if op.attrs.get(REPLICA_SUM)]:
+        added.append(sum_after(graph, op, graph.free_name(f"{op.name}.allreduce"), group, seq))
+        after[op.name] = added[-1].name
+        seq += 1
+    emit_after(graph, after)
+    if added:
+        graph.infer_shapes()
+    return added
 
 
 def gradient_ready_order(graph, grads):

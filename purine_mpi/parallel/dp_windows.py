@@ -23,7 +23,7 @@ PREFIX = "dp/"
 
 
 def to_window_allreduce(local, job, world):
-    """Give the whole-world Allreduce ops of ``local`` (a data-parallel
+    """Give the whole-world bucket Allreduce ops of ``local`` (a data-parallel
     rank's graph) window regions when ``parallel.transport`` is one_sided
     and every rank shares one node; allocate them (collective). Returns
     (the Windows or None, the transport lines: what was chosen, or None,
@@ -39,8 +39,10 @@ def to_window_allreduce(local, job, world):
     live = getattr(world, "comm", None) is not None  # graph --np, plan: nothing to allocate
     node_of = node_groups(world) if live else \
         {r: fake_host_of(r) or 0 for r in range(world.size)}
+    # the buckets' (a synchronised batch norm's float64 sums stay MPI's)
     ops = sorted((op for op in local.ops.values() if op.op_type == "Allreduce"
-                  and not op.attrs.get("group")), key=lambda op: int(op.attrs.get("seq", 0)))
+                  and not op.attrs.get("group") and "bucket" in op.attrs),
+                 key=lambda op: int(op.attrs.get("seq", 0)))
     dtypes = {local.blobs[b].dtype for op in ops for b in op.outputs}
     if len(set(node_of.values())) != 1 or not ops or dtypes != {"float32"}:
         return None, [("gradients", "MPI allreduce", "ranks on several hosts, or "

@@ -52,7 +52,7 @@ from ..base.errors import ConfigError, UserError
 from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
 from ..layers import layer_key
-from .data_parallel import next_seq, place_on_rank
+from .data_parallel import emit_after, next_seq, place_on_rank, sum_after
 from .tensor_split import join_shards, split_of, take_shard  # noqa: F401
 
 #: op types that map each element of their input to the same place of
@@ -196,34 +196,8 @@ def _shard(graph, name, axis, parts, index, states, blocks=1):
 
 
 def _sum_after(graph, op, layer, group, seq, what):
-    """Rename ``op``'s first output to a partial blob and add the Allreduce
-    over ``group`` that writes the original blob from it."""
-    out = op.outputs[0]
-    blob = graph.blobs[out]
-    partial = graph.free_name(f"{out}.tp_partial")
-    graph.add_blob(partial, None, blob.dtype, blob.location, kind=blob.kind)
-    op.outputs[0] = partial
-    return graph.add_op(graph.free_name(f"{layer}.tp_{what}"), "Allreduce",
-                        [partial], [out], {"seq": seq, "group": list(group)},
-                        location=op.location, thread="comm")
-
-
-def _emit_after(graph, after):
-    """Move each added op right after the op it follows in emission order
-    ({op name: added op name}): the graph's order stays a topological one.
-    A pipeline stage's slice keeps the whole net's emission order
-    (parallel/partition.py), and its collectives are numbered in that order
-    (schemes/pipeline._post_in_schedule_order); appended last, a stage's
-    closing allreduce (a row-split fc whose sum the next stage receives)
-    came after the backward's allreduces that wait for the next stage."""
-    ops, moved = dict(graph.ops), set(after.values())
-    graph.ops = {}
-    for n, op in ops.items():
-        if n in moved:
-            continue
-        graph.ops[n] = op
-        if n in after:
-            graph.ops[after[n]] = ops[after[n]]
+    """``op``'s first output summed over ``group`` (data_parallel.sum_after)."""
+    return sum_after(graph, op, graph.free_name(f"{layer}.tp_{what}"), group, seq, "tp_partial")
 
 
 def split_graph(graph, pairs, degree, index, group, solver_type):
@@ -265,7 +239,7 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
         added.append(_sum_after(graph, op, layer, group, seq, what))
         after[op.name] = added[-1].name
         seq += 1
-    _emit_after(graph, after)
+    emit_after(graph, after)
     # re-derive every produced shape from the shards
     produced = {o for op in graph.ops.values() for o in op.outputs}
     for name in produced:

@@ -1,7 +1,10 @@
 """``scheme: data``, ``mode: sync``: every rank runs a replica on its shard
 of the batch; its gradient buckets are summed by Allreduce ops in the graph
 (parallel/data_parallel.py), through MPI, NCCL (parallel.backend) or a
-shared window (parallel.transport: one_sided, parallel/dp_windows.py)."""
+shared window (parallel.transport: one_sided, parallel/dp_windows.py). A
+``batch_norm`` with ``sync: true`` has its batch's sums allreduced over every
+rank in forward and backward (ops/batchnorm.py), before the buckets
+(``sum_over_replicas``)."""
 from .base import BUCKET_KEYS, Composition, Scheme, register_scheme
 
 
@@ -26,9 +29,12 @@ class DataParallel(Scheme):
         return clipped(loss_scaled(comp, job, world, group=list(range(world.size))), job, world)
 
     def allreduce(self, graph, grads, job, world, lay):
-        from ..data_parallel import compose_data_parallel
+        """A synchronised batch norm's sums over every rank (``sum_over_replicas``),
+        then the buckets."""
+        from ..data_parallel import compose_data_parallel, sum_over_replicas
         from ..dp_windows import to_window_allreduce  # parallel.transport: one_sided
         par = job.parallel
+        sum_over_replicas(graph)
         plan = compose_data_parallel(graph, grads, world.size, world.rank,
                                      check_collectives=par.check_collectives, world=world,
                                      wire_dtype=par.wire_dtype(), **par.bucket_settings())

@@ -11,7 +11,11 @@ pipeline (pipeline.py owns the split, the transfers, the clip and the
 checkpoints), and each (stage, shard) position's buckets are allreduced
 over the R ranks that hold it (``Layout.stage_ranks``, one sub-communicator
 per position: ``Layout.shard_groups``). One replica is scheme pipeline with
-tensor_parallel, the same graphs."""
+tensor_parallel, the same graphs.
+
+A ``batch_norm`` with ``sync: true`` (no tensor shards, no micro-batches:
+the config rules) has its sums allreduced over its stage's R ranks, before
+the stage's buckets (data_parallel.sum_over_replicas)."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
@@ -48,7 +52,10 @@ class Hybrid(Pipeline):
         ``grad_dtype`` nor shaped by the bucket keys: ``why_none_reduced``)."""
         if comp.layout.replicas == 1:
             return comp
+        from ..data_parallel import sum_over_replicas
         from .steps import allreduce_stage
+        # a synchronised batch norm's sums over the stage's replicas, before its buckets
+        sum_over_replicas(comp.graph, comp.layout.stage_ranks())
         return allreduce_stage(comp, grads, job.parallel, world)
 
     def ranks_needed(self, count):

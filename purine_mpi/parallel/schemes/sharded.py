@@ -178,9 +178,18 @@ class Sharded(Hybrid):
                 return clipped(Composition(graph.validate(), lay), job, world)
             comp = Composition(graph, lay)
         from ..sharding import compose_zero1
+        synced = []
+        if not lay.staged:  # a synchronised batch norm's sums over the replicas (the config
+            from ..data_parallel import sum_over_replicas  # rules refuse it with stages)
+            synced = [op.name for op in sum_over_replicas(graph)]
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
                              **_zero_settings(par, forward))
+        if synced and par.shard >= 2:
+            # numbered first, a backward sum could wait (bound_live_buckets) for
+            # a later reduce-scatter; stage 3's gathers go before the forward's
+            from ..sharding import sequence_collectives
+            sequence_collectives(graph, plan, synced)
         if lay.staged:
             tensor = [op.name for op in graph.ops.values() if op.op_type == "Allreduce"
                       and op.attrs.get("group") == lay.tensor_ranks()] if lay.tensor > 1 \

@@ -1,0 +1,265 @@
+"""A ``batch_norm`` with ``sync: true`` (PyTorch's ``SyncBatchNorm``): its
+statistics and the two sums its gradient takes are those of the global
+batch, summed over the replicas by Allreduce ops in the graph.
+
+- The kernels: a batch split in two, each half's sums added (what the
+  Allreduce does), give PyTorch's BatchNorm2d of the whole batch: outputs,
+  running statistics, dx, and dgamma / dbeta as the sum of the halves'.
+- 2 replicas × 8 under schemes data, sharded (stage 2) and hybrid (2
+  stages each, 4 ranks): the checkpoints of 3 SGD iterations (digits, a 3×3 ``conv`` into ``batch_norm``, an ``fc``)
+  are those of 1 rank × 16 (every weight, γ, β and the running statistics),
+  and so are the loss rows; without ``sync`` the running variance is not.
+- ``sync: true`` where no scheme sums it: exit 2 naming the key.
+"""
+import glob
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from purine_mpi.base.backend import to_numpy
+from purine_mpi.base.errors import ConfigError
+from purine_mpi.graph.core import Op
+from purine_mpi.job.config import validate_config
+from purine_mpi.ops.catalog import get_kernel_class
+from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.emulated_gpu import compare, emulated_trainer_env, tiny_raw
+from tests.emulated_gpu.fixtures import device  # noqa: F401  (a fixture)
+
+G = 16  # the global batch
+
+
+def _kernel(op_type, ins, outs, attrs=None):
+    """Run op ``op_type`` on arrays ``ins``, writing ``outs`` (arrays)."""
+    get_kernel_class(op_type)(Op("probe", op_type, [], [], attrs or {})).run(list(ins),
+                                                                            list(outs))
+    return outs
+
+
+def test_kernels_of_two_halves_are_the_whole_batch():
+    """Two halves of a (16, 3, 4, 4) batch whose mean is large against its
+    spread (the sums' float64 keeps the variance's digits), sums added as the
+    Allreduce adds them: y, the running statistics, dx against PyTorch's
+    batch_norm over the whole batch; dgamma, dbeta the sums of the halves'."""
+    rng = np.random.default_rng(5)
+    C = 3
+    x = (rng.standard_normal((G, C, 4, 4)) * 0.5 + 20).astype(np.float32)
+    w = rng.standard_normal(x.shape).astype(np.float32)  # d loss / d y
+    gamma = rng.uniform(0.5, 2, C).astype(np.float32)
+    beta = rng.standard_normal(C).astype(np.float32)
+    halves = [slice(0, G // 2), slice(G // 2, G)]
+    sums = sum(_kernel("BatchNormStats", [x[h]], [np.empty(2 * C + 1)])[0] for h in halves)
+    attrs = {"eps": 1e-5, "momentum": 0.1, "phase": "train"}
+    ys, dxs, dgammas, dbetas, running = [], [], 0, 0, None
+    for h in halves:
+        rm, rv = np.zeros(C, np.float32), np.ones(C, np.float32)
+        y, mean, invstd = (np.empty_like(x[h]), np.empty(C, np.float32),
+                           np.empty(C, np.float32))
+        _kernel("BatchNorm", [x[h], gamma, beta, rm, rv, sums], [y, mean, invstd, rm, rv], attrs)
+        running = (rm, rv)
+        gsums = sum(_kernel("BatchNormGradStats", [w[k], x[k], mean, invstd],
+                            [np.empty(2 * C + 1)])[0] for k in halves)
+        dx, dgamma, dbeta = (np.empty_like(x[h]), np.empty(C, np.float32),
+                             np.empty(C, np.float32))
+        _kernel("BatchNormGrad", [w[h], x[h], gamma, mean, invstd, gsums], [dx, dgamma, dbeta],
+                {"phase": "train", "eps": 1e-5})
+        ys.append(y)
+        dxs.append(dx)
+        dgammas, dbetas = dgammas + dgamma, dbetas + dbeta
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    gt = torch.tensor(gamma, dtype=torch.float64, requires_grad=True)
+    bt = torch.tensor(beta, dtype=torch.float64, requires_grad=True)
+    rm, rv = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+    y = F.batch_norm(xt, rm, rv, gt, bt, training=True, momentum=0.1, eps=1e-5)
+    (y * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(np.concatenate(ys), y.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(running[0], rm.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(running[1], rv.numpy(), rtol=1e-5)
+    scale = float(xt.grad.abs().max())
+    np.testing.assert_allclose(np.concatenate(dxs), xt.grad.numpy(), rtol=0, atol=1e-4 * scale)
+    np.testing.assert_allclose(dgammas, gt.grad.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(dbetas, bt.grad.numpy(), rtol=1e-5)
+
+
+def _net(sync):
+    bn = {"type": "batch_norm", "name": "bn", "bottom": "c1", "top": "bn", "momentum": 0.1}
+    if sync is not None:
+        bn["sync"] = sync
+    return [{"type": "conv", "name": "c1", "bottom": "data", "top": "c1", "num_output": 4,
+             "kernel": 3, "bias_term": False}, bn,  # (a bias before it gets no gradient)
+            {"type": "fc", "name": "fc", "bottom": "bn", "top": "fc", "num_output": 10},
+            {"type": "softmax_loss", "name": "loss", "bottom": ["fc", "label"], "top": "loss"}]
+
+
+def _config(digits_h5, net, parallel, batch):
+    return {"name": "syncbn", "seed": 3,
+            "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
+                               "batch_size": batch, "shuffle": False}},
+            "net": net, "parallel": parallel,
+            "solver": {"lr_policy": "fixed", "base_lr": 0.1, "momentum": 0.0,
+                       "weight_decay": 0.0, "max_iter": 3, "test_interval": 0, "display": 1},
+            "checkpoint": {"interval": 3}}
+
+
+def _saved(out):
+    with h5py.File(out / "latest.h5", "r") as f:
+        params = {}
+        f["params"].visititems(lambda k, v: params.__setitem__(k, v[()])
+                               if isinstance(v, h5py.Dataset) else None)
+    with open(out / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["phase"] == "train"]
+    return params, losses
+
+
+def _run(tmp_path, tag, n, cfg):
+    out = tmp_path / tag
+    path = write_config_file(tmp_path, cfg, f"{tag}.yaml")
+    res = run_mpi_cli(n, "train", path, "--out", out) if n > 1 else \
+        run_cli_args("train", path, "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return _saved(out)
+
+
+@pytest.fixture(scope="module")
+def one_rank(digits_h5, tmp_path_factory):
+    """1 rank × 16 with sync (one rank: its own sums)."""
+    return _run(tmp_path_factory.mktemp("whole"), "one", 1,
+                _config(digits_h5, _net(True), {"scheme": "data"}, G))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks, parallel", [
+    (2, {"scheme": "data"}), (2, {"scheme": "sharded", "shard": 2}),
+    (4, {"scheme": "hybrid", "stages": {"c1": 0, "bn": 1, "fc": 1, "loss": 1}}),
+    (2, {"scheme": "data", "transport": "one_sided"})],
+    ids=["data", "sharded2", "hybrid", "data-one_sided"])
+def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5, tmp_path,
+                                                            ranks, parallel):
+    """2 replicas × 8 with sync (2 ranks; hybrid: 2 stages each, the batch
+    norm on the second): every saved parameter and running statistic, and
+    the loss rows, within 1e-5 relative of 1 rank × 16's. Before ``sync``
+    the key was refused (exit 2); with the layer's sums but no Allreduce
+    (data's ``sum_over_replicas`` taken out) ``bn/bias`` is off by 2.1
+    relative after 3 iterations; without ``sync`` the running variance lacks
+    the spread of the ranks' means (asserted on scheme data). With
+    ``transport: one_sided`` the buckets still go through the shared window
+    (the float64 sums through MPI; before, they sent every bucket to MPI)."""
+    params, losses = _run(tmp_path, "two", ranks,
+                          _config(digits_h5, _net(True), parallel, G // 2))
+    want, want_losses = one_rank
+    assert sorted(params) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(params[name], want[name], rtol=1e-5,
+                                   atol=1e-5 * float(np.abs(want[name]).max()),
+                                   err_msg=name)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    if "transport" in parallel:
+        log = "".join(open(p).read() for p in glob.glob(str(tmp_path / "two" / "*.log")))
+        assert "summed through a shared window" in log, log[-2000:]
+    elif parallel["scheme"] == "data":  # the case tells sync from the ranks' own statistics
+        plain, _ = _run(tmp_path, "plain", 2, _config(digits_h5, _net(None), parallel, G // 2))
+        gap = np.abs(plain["bn/running_var"] - want["bn/running_var"]).max()
+        assert gap > 1e-4 * np.abs(want["bn/running_var"]).max()
+
+
+@pytest.mark.parametrize("parallel, words", [
+    ({"scheme": "none"}, "scheme none does not sum it"),
+    ({"scheme": "tensor"}, "scheme tensor does not sum it"),
+    ({"scheme": "pipeline", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
+     "scheme pipeline does not sum it"),
+    ({"scheme": "hybrid", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1},
+      "tensor_parallel": 2}, "scheme hybrid with tensor shards does not sum it"),
+    ({"scheme": "data", "mode": "async"}, "parallel.mode 'async'"),
+    ({"scheme": "data", "micro_batches": 2}, "parallel.micro_batches 2"),
+    ({"scheme": "sharded", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
+     "scheme sharded with stages does not sum it"),
+    ({"scheme": "sharded", "tensor_parallel": 2}, "scheme sharded with tensor shards")])
+def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
+    """Exit 2 (a ConfigError) naming net[1].sync and why."""
+    cfg = _config("/nonexistent.h5", _net(True), parallel, G)
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg, "cfg.yaml", check_files=False)
+    text = str(exc.value)
+    assert "net[1].sync" in text and words in text, text
+
+
+def test_the_synchronised_kernels_on_the_emulated_device(device):
+    """The four kernels' GPU branch (the raw channel sums, float64 sums on
+    the device) against their CPU run."""
+    rng = np.random.default_rng(7)
+    C = 3
+    x = (rng.standard_normal((4, C, 3, 3)) * 0.5 + 5).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    gamma, beta = rng.uniform(0.5, 2, C).astype(np.float32), np.zeros(C, np.float32)
+    (sums,), _ = compare(device, "BatchNormStats", {}, [x], ["channel_sum"], np.float32)
+    sums = sums * 2  # as two ranks' alike
+    rm, rv = np.zeros(C, np.float32), np.ones(C, np.float32)
+    (_, mean, invstd, _, _), _ = compare(device, "BatchNorm", {"phase": "train"},
+                                         [x, gamma, beta, rm, rv, sums], [], np.float32)
+    (gsums,), _ = compare(device, "BatchNormGradStats", {}, [dy, x, mean, invstd],
+                          ["channel_sum"], np.float32)
+    compare(device, "BatchNormGrad", {"phase": "train"}, [dy, x, gamma, mean, invstd, gsums * 2],
+            ["channel_sum"], np.float32)
+
+
+def _device_run(tmp_path, out, sync):
+    """3 iterations on the emulated GPU, the iteration captured as one CUDA
+    graph: (params, loss rows)."""
+    from purine_mpi.train.trainer import Trainer
+    from tests.conftest import FakeWorld, make_job
+    raw = tiny_raw(device=0, cuda_graph=True)
+    raw["net"] = [dict(_net(sync)[0], bottom="data", pad=1), dict(_net(sync)[1]),
+                  {"type": "relu", "name": "relu", "bottom": "bn", "top": "bn"},
+                  *_net(sync)[2:]]
+    raw["solver"].update(max_iter=3, display=1)
+    config = validate_config(raw, check_files=False)
+    trainer = Trainer(make_job(config), str(tmp_path / out), world=FakeWorld(), log=lambda m: None)
+    try:
+        trainer.run()
+        params = {p: np.array(to_numpy(trainer.ws[p])) for p in trainer.graphs.params}
+        report = trainer.train.capture_report()
+        assert report["captured"] == report["segments"] >= 1 and report["failed"] == {}, report
+    finally:
+        trainer.close()
+    with open(tmp_path / out / "metrics.jsonl") as f:
+        return params, [r["loss"] for r in map(json.loads, f) if r["phase"] == "train"]
+
+
+def test_one_rank_on_the_emulated_gpu_trains_as_without_sync(host_build_dir, monkeypatch,
+                                                              tmp_path):
+    """The trainer's GPU path (placement, the memory plan, a whole-iteration
+    CUDA graph) with ``sync: true`` on one rank, whose sums are its own:
+    the plain batch norm's parameters, running statistics and losses."""
+    import purine_mpi.gpu as gpu
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    try:
+        synced, plain = _device_run(tmp_path, "sync", True), _device_run(tmp_path, "plain", None)
+    finally:
+        gpu.clear_kernel_cache()
+    for name, value in plain[0].items():
+        np.testing.assert_allclose(synced[0][name], value, rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(value).max()), err_msg=name)
+    np.testing.assert_allclose(synced[1], plain[1], rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_two_emulated_gpus_train_as_the_cpu(host_build_dir, tmp_path):
+    """2 ranks on emulated GPUs (captured iterations; the sums staged through
+    the host to MPI, or an NcclAllreduce of float64 on the emulated NCCL;
+    tests/mpi_scripts/sync_bn_gpu.py): the checkpoints are the CPU run's
+    within float32 rounding."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("sync_bn_gpu.py", 2, host_build_dir, tmp_path, timeout=240)
+    assert proc.stdout.count("OK sync_bn_gpu") == 2, proc.stdout + proc.stderr
+    cpu = _saved(tmp_path / "cpu")[0]
+    assert "bn/running_var" in cpu
+    for run in ("gpu", "nccl"):
+        got = _saved(tmp_path / run)[0]
+        assert sorted(got) == sorted(cpu)
+        for name, value in cpu.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5,
+                                       atol=1e-5 * float(np.abs(value).max()),
+                                       err_msg=f"{run}: {name}")
