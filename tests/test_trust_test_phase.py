@@ -121,3 +121,24 @@ def test_another_test_sequence_length_is_accepted(email_h5):
     check_graphs(make_job({"name": "g", "net": gpt_net(vocab=256, width=8, blocks=1),
                            "data": {"train": spec, "test": dict(spec, sequence_length=8)},
                            "solver": {"max_iter": 1}}))
+
+
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_a_parameter_server_finds_the_test_shape_error_as_its_workers(tmp_path, mode):
+    """A parameter server builds no test graph, yet it checks the test data
+    as the workers do: every rank then finds the error alike, and the job
+    prints it once (report_user_error's agreement), exit 2. Before, the
+    server went on and each worker printed its own ``error: rank R:`` line
+    (mpiexec -n 4, ps_ranks 2: two lines)."""
+    import types
+    from purine_mpi.train.ps_server import ServerRank
+    cfg = tiny_fc_config()
+    cfg["data"]["train"]["shape"] = [1, 8, 8]
+    cfg["data"]["test"] = dict(cfg["data"]["train"], shape=[1, 10, 10])
+    cfg["parallel"] = {"scheme": "data", "mode": mode, "ps_ranks": 1}
+    world = types.SimpleNamespace(rank=2, size=3, comm=None)
+    want = "key 'data.test': its samples of shape [1, 10, 10] give layer 'fc'"
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        ServerRank(make_job(cfg), world)
+    cfg["data"]["test"]["shape"] = [1, 8, 8]  # the train shape: the server starts
+    ServerRank(make_job(cfg), world)

@@ -44,7 +44,7 @@ class ServerRank:
     ``run_server`` returns (sync_ps: copied out of the workspace)."""
 
     def __init__(self, job, world):
-        from ..job.replica import build_train_graph
+        from ..job.replica import build_train_graph, check_test_phase, param_shapes
         from ..parallel.ps_windows import allocate, windowed_server
         par = job.parallel
         self.job, self.rank = job, world.rank
@@ -60,6 +60,10 @@ class ServerRank:
             self.server_graph = server_graph(self.graph, self.grads, self.plan, world.rank, job)
             if self.placement is not None:
                 windowed_server(self.server_graph, self.plan, world.rank).validate()
+        # test data that gives a parameter another shape: the workers' start-up
+        # error (after the windows, a collective with their compose, as they
+        # find it), found here too, so every rank finds it alike: one line, exit 2
+        check_test_phase(job, 0, len(layout["workers"]), param_shapes(self.graph))
 
     def owned_bytes(self):
         return sum(self.graph.blobs[p].nbytes for p in self.owned)
