@@ -9,6 +9,7 @@ other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
 """
 import copy as _copy
+import heapq
 import math
 import weakref
 from collections import defaultdict
@@ -325,39 +326,7 @@ class Graph:
     def topo_order(self, deps=None):
         """Ops in a dependency-respecting order (emission order breaks ties).
         Raises GraphError naming the ops on a cycle."""
-        deps = deps or self.dependencies()
-        indeg = {n: len(d) for n, d in deps.items()}
-        succ = defaultdict(list)
-        for n, d in deps.items():
-            for p in d:
-                if p not in self.ops:
-                    raise GraphError(f"op '{n}' depends on unknown op '{p}'")
-                succ[p].append(n)
-        index = {n: i for i, n in enumerate(self.ops)}
-        import heapq
-        ready = [(index[n], n) for n, k in indeg.items() if k == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, n = heapq.heappop(ready)
-            order.append(self.ops[n])
-            for s in succ[n]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    heapq.heappush(ready, (index[s], s))
-        if len(order) != len(self.ops):
-            # ops downstream of a cycle are stuck too: peel off those with no
-            # stuck successor so the message names the cycle, not its fallout
-            stuck = {n for n, k in indeg.items() if k > 0}
-            leaves = [n for n in stuck if not any(s in stuck for s in succ[n])]
-            while leaves:
-                n = leaves.pop()
-                stuck.discard(n)
-                leaves.extend(p for p in deps[n] if p in stuck and p not in leaves
-                              and not any(s in stuck for s in succ[p]))
-            raise GraphError("the graph has a cycle through ops: " +
-                             ", ".join(sorted(stuck)[:10]))
-        return order
+        return _kahn(self.ops, deps or self.dependencies())
 
     # ---------------------------------------------------------- validation
     def validate(self, registry=None):
@@ -515,15 +484,44 @@ def _writers_first(ops):
             writers[b].add(op.name)
     deps = {op.name: ({w for b in op.inputs for w in writers.get(b, ())} |
                       (set(op.control_inputs) & names)) - {op.name} for op in ops}
-    order, done, left = [], set(), list(ops)
-    while left:
-        ready = [op for op in left if deps[op.name] <= done]
-        if not ready:
-            raise GraphError("the graph has a cycle through ops: " +
-                             ", ".join(sorted(op.name for op in left)[:10]))
-        order += ready
-        done |= {op.name for op in ready}
-        left = [op for op in left if op.name not in done]
+    return _kahn({op.name: op for op in ops}, deps)
+
+
+def _kahn(ops, deps):
+    """The ops of ``ops`` ({name: op}, in emission order) in an order where
+    each comes after its predecessors ``deps`` ({name: set of names}),
+    emission order breaking ties (Kahn's algorithm; ``Graph.topo_order``
+    and ``_writers_first``). Raises GraphError naming the ops on a cycle."""
+    indeg = {n: len(d) for n, d in deps.items()}
+    succ = defaultdict(list)
+    for n, d in deps.items():
+        for p in d:
+            if p not in ops:
+                raise GraphError(f"op '{n}' depends on unknown op '{p}'")
+            succ[p].append(n)
+    index = {n: i for i, n in enumerate(ops)}
+    ready = [(index[n], n) for n, k in indeg.items() if k == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(ops[n])
+        for s in succ[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, (index[s], s))
+    if len(order) != len(ops):
+        # ops downstream of a cycle are stuck too: peel off those with no
+        # stuck successor so the message names the cycle, not its fallout
+        stuck = {n for n, k in indeg.items() if k > 0}
+        leaves = [n for n in stuck if not any(s in stuck for s in succ[n])]
+        while leaves:
+            n = leaves.pop()
+            stuck.discard(n)
+            leaves.extend(p for p in deps[n] if p in stuck and p not in leaves
+                          and not any(s in stuck for s in succ[p]))
+        raise GraphError("the graph has a cycle through ops: " +
+                         ", ".join(sorted(stuck)[:10]))
     return order
 
 
