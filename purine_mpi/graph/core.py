@@ -150,6 +150,8 @@ def shared_dependencies():
     finally:
         if outer is None:
             _SHARED_DEPENDENCIES = None
+
+
 #: a kernel's output dtype (a name, a NumPy type or dtype) -> its NumPy name
 _DTYPE_NAMES = {}
 
