@@ -178,3 +178,37 @@ def test_not_a_caffemodel(tmp_path):
         caffe_params(str(path), {})
     with pytest.raises(UserError, match="not found"):
         caffe_params(str(tmp_path / "missing.caffemodel"), {})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync_ps", "async"])
+def test_parameter_servers_load_a_caffemodel(mode, tmp_path):
+    """``--init MODEL.caffemodel`` under the parameter-server modes (3
+    ranks, one server): the server reads Caffe's weights by layer name as
+    the workers do, and with a learning rate of 0 the run's weights (the
+    server's, which the workers pull) are the file's. Before, a server read
+    every --init file but a .safetensors as HDF5: 'error: rank 2: weights
+    file '...w.caffemodel' is not an HDF5 file'."""
+    from purine_mpi.job.config import dump_config
+    from .conftest import checkpoint_arrays
+    from .mpi_scripts.common import mlp_config
+    from .mpi_scripts.launch import run_python
+    cfg = mlp_config(solver={"base_lr": 0.0, "max_iter": 1},
+                     parallel={"mode": mode, "ps_ranks": 1, "max_staleness": int(mode == "async")})
+    path = tmp_path / "mlp.yaml"
+    path.write_text(dump_config(cfg))
+    rng = np.random.default_rng(7)
+    shapes = {"fc1": (6, 8), "fc2": (5, 6), "out": (3, 5)}
+    w = {f"{n}/{k}": rng.standard_normal(s if k == "weight" else s[:1]).astype(np.float32)
+         for n, s in shapes.items() for k in ("weight", "bias")}
+    model = string(1, "mlp") + b"".join(
+        layer(n, "InnerProduct", [], [], [blob(w[f"{n}/weight"]), blob(w[f"{n}/bias"])])
+        for n in shapes)
+    init = tmp_path / "w.caffemodel"
+    init.write_bytes(model)
+    proc, _ = run_python(3, ["-m", "purine_mpi", "train", str(path), "--out", str(tmp_path / "run"),
+                             "--init", str(init)], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = checkpoint_arrays(tmp_path / "run" / "latest.h5")
+    for name, value in w.items():
+        np.testing.assert_array_equal(got[f"params/{name}"], value, err_msg=name)

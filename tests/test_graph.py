@@ -434,3 +434,45 @@ def test_dependencies_follow_every_edit_in_place():
     g.add_blob("y", (2,), alias_of="buf", offset=0)
     g.ops["read_lo"].inputs[0] = "y"  # read_lo now reads [0, 2): off hi@new
     check()
+
+
+def test_shared_dependencies_answer_a_graph_of_the_same_content(monkeypatch):
+    """Within ``shared_dependencies`` (``plan --choose``) a graph of the
+    content of one asked of before -- a copy, another setting's composition
+    of the same net -- takes that graph's answer, not a computation; an edit
+    is computed again; outside it, each graph computes its own and nothing
+    is kept past the block (a run holds no answer beyond its graphs')."""
+    from purine_mpi.graph import core
+
+    def graph():
+        g = Graph()
+        g.add_blob("buf", (8,))
+        g.add_blob("hi", (4,), alias_of="buf", offset=4)
+        g.add_blob("hi@new", (4,), alias_of="buf", offset=4)
+        g.add_op("read_hi", "Relu", ["hi"], ["b"])
+        g.add_op("write_hi", "Scale", ["b"], ["hi@new"], {"scale": 1.0})
+        g.add_op("other", "Relu", ["hi"], ["c"])
+        return g
+
+    computed = []
+    real = Graph._dependencies
+    monkeypatch.setattr(Graph, "_dependencies",
+                        lambda self: computed.append(self) or real(self))
+    a = graph()
+    want = a.dependencies()
+    assert want["write_hi"] == {"read_hi", "other"}  # write-after-read
+    assert graph().dependencies() == want and len(computed) == 2  # outside: each its own
+    computed.clear()
+    with core.shared_dependencies():
+        b, c = graph(), a.copy()
+        assert b.dependencies() == want and c.dependencies() == want
+        assert computed == [b]  # c (a copy) took b's answer
+        c.ops["other"].inputs[0] = "b"  # now downstream of read_hi: no edge
+        got = c.dependencies()
+        assert got == real(c) and got["write_hi"] == {"read_hi"} and computed[-1] is c
+        for deps in got.values():
+            deps.add("bogus")  # the caller's copy only
+        assert graph().dependencies() == want and len(computed) == 2  # b's, still kept
+    assert core._SHARED_DEPENDENCIES is None
+    graph().dependencies()
+    assert len(computed) == 3

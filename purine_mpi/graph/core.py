@@ -8,7 +8,9 @@ aliases the storage of ``conv1/weight``; its writer runs only after every
 other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
 """
+import contextlib
 import copy as _copy
+import heapq
 import math
 import weakref
 from collections import defaultdict
@@ -120,6 +122,36 @@ def _copy_node(node, changes):
 #: ``Graph.dependencies`` call: kept beside the graph, not in it (a copy
 #: or a pickle of a graph carries none)
 _LAST_DEPENDENCIES = weakref.WeakKeyDictionary()
+#: while ``shared_dependencies`` is open: {``_dependency_inputs``: its
+#: ``_dependencies``} of the graphs computed last, least recently asked
+#: first; else None
+_SHARED_DEPENDENCIES = None
+#: the answers ``shared_dependencies`` keeps (each holds its graph's names
+#: and edges: about 1 MB for a graph of a few thousand ops)
+DEPENDENCIES_SHARED = 64
+
+
+@contextlib.contextmanager
+def shared_dependencies():
+    """Within it, ``Graph.dependencies`` keeps the answers of the last
+    ``DEPENDENCIES_SHARED`` graphs by their content, not by graph: a
+    graph of the content of one asked of before (a copy, another rank's
+    or another setting's composition of the same net, an edit undone)
+    takes its answer (``plan --choose``: 3 in 4 computations were of a
+    content asked of before). Kept only while it is open (a command
+    that composes many graphs), so that a run holds no graph's answer
+    beyond its graphs' own."""
+    global _SHARED_DEPENDENCIES
+    outer = _SHARED_DEPENDENCIES
+    if outer is None:
+        _SHARED_DEPENDENCIES = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SHARED_DEPENDENCIES = None
+
+
 #: a kernel's output dtype (a name, a NumPy type or dtype) -> its NumPy name
 _DTYPE_NAMES = {}
 
@@ -235,11 +267,13 @@ class Graph:
         A new dict of new sets on each call (the caller may change them);
         computed again only when what it is computed from changed
         (``_dependency_inputs``): graph passes edit a graph in place and
-        ask for its order after each edit, most often of an unchanged one."""
+        ask for its order after each edit, most often of an unchanged one
+        (within ``shared_dependencies``, only for a content unlike that of
+        the graphs asked last)."""
         inputs = self._dependency_inputs()
         last = _LAST_DEPENDENCIES.get(self)
         if last is None or last[0] != inputs:
-            last = (inputs, self._dependencies())
+            last = (inputs, _shared_or_computed(self, inputs))
             _LAST_DEPENDENCIES[self] = last
         return {n: set(d) for n, d in last[1].items()}
 
@@ -325,39 +359,7 @@ class Graph:
     def topo_order(self, deps=None):
         """Ops in a dependency-respecting order (emission order breaks ties).
         Raises GraphError naming the ops on a cycle."""
-        deps = deps or self.dependencies()
-        indeg = {n: len(d) for n, d in deps.items()}
-        succ = defaultdict(list)
-        for n, d in deps.items():
-            for p in d:
-                if p not in self.ops:
-                    raise GraphError(f"op '{n}' depends on unknown op '{p}'")
-                succ[p].append(n)
-        index = {n: i for i, n in enumerate(self.ops)}
-        import heapq
-        ready = [(index[n], n) for n, k in indeg.items() if k == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, n = heapq.heappop(ready)
-            order.append(self.ops[n])
-            for s in succ[n]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    heapq.heappush(ready, (index[s], s))
-        if len(order) != len(self.ops):
-            # ops downstream of a cycle are stuck too: peel off those with no
-            # stuck successor so the message names the cycle, not its fallout
-            stuck = {n for n, k in indeg.items() if k > 0}
-            leaves = [n for n in stuck if not any(s in stuck for s in succ[n])]
-            while leaves:
-                n = leaves.pop()
-                stuck.discard(n)
-                leaves.extend(p for p in deps[n] if p in stuck and p not in leaves
-                              and not any(s in stuck for s in succ[p]))
-            raise GraphError("the graph has a cycle through ops: " +
-                             ", ".join(sorted(stuck)[:10]))
-        return order
+        return _kahn(self.ops, deps or self.dependencies())
 
     # ---------------------------------------------------------- validation
     def validate(self, registry=None):
@@ -482,6 +484,21 @@ class Graph:
         return "\n".join(lines)
 
 
+def _shared_or_computed(graph, inputs):
+    """``graph._dependencies()``, or the answer ``shared_dependencies``
+    keeps for ``inputs`` (its ``_dependency_inputs``)."""
+    shared = _SHARED_DEPENDENCIES
+    if shared is None:
+        return graph._dependencies()
+    deps = shared.pop(inputs, None)
+    if deps is None:
+        deps = graph._dependencies()
+        while len(shared) >= DEPENDENCIES_SHARED:
+            del shared[next(iter(shared))]
+    shared[inputs] = deps  # the most recently asked: last
+    return deps
+
+
 def op_precision(op):
     """The dtype ``op`` computes in (parallel/precision.py marks it): its
     ``compute_dtype``, a Cast's target dtype, else float32."""
@@ -515,15 +532,44 @@ def _writers_first(ops):
             writers[b].add(op.name)
     deps = {op.name: ({w for b in op.inputs for w in writers.get(b, ())} |
                       (set(op.control_inputs) & names)) - {op.name} for op in ops}
-    order, done, left = [], set(), list(ops)
-    while left:
-        ready = [op for op in left if deps[op.name] <= done]
-        if not ready:
-            raise GraphError("the graph has a cycle through ops: " +
-                             ", ".join(sorted(op.name for op in left)[:10]))
-        order += ready
-        done |= {op.name for op in ready}
-        left = [op for op in left if op.name not in done]
+    return _kahn({op.name: op for op in ops}, deps)
+
+
+def _kahn(ops, deps):
+    """The ops of ``ops`` ({name: op}, in emission order) in an order where
+    each comes after its predecessors ``deps`` ({name: set of names}),
+    emission order breaking ties (Kahn's algorithm; ``Graph.topo_order``
+    and ``_writers_first``). Raises GraphError naming the ops on a cycle."""
+    indeg = {n: len(d) for n, d in deps.items()}
+    succ = defaultdict(list)
+    for n, d in deps.items():
+        for p in d:
+            if p not in ops:
+                raise GraphError(f"op '{n}' depends on unknown op '{p}'")
+            succ[p].append(n)
+    index = {n: i for i, n in enumerate(ops)}
+    ready = [(index[n], n) for n, k in indeg.items() if k == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(ops[n])
+        for s in succ[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, (index[s], s))
+    if len(order) != len(ops):
+        # ops downstream of a cycle are stuck too: peel off those with no
+        # stuck successor so the message names the cycle, not its fallout
+        stuck = {n for n, k in indeg.items() if k > 0}
+        leaves = [n for n in stuck if not any(s in stuck for s in succ[n])]
+        while leaves:
+            n = leaves.pop()
+            stuck.discard(n)
+            leaves.extend(p for p in deps[n] if p in stuck and p not in leaves
+                          and not any(s in stuck for s in succ[p]))
+        raise GraphError("the graph has a cycle through ops: " +
+                         ", ".join(sorted(stuck)[:10]))
     return order
 
 

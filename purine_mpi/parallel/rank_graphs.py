@@ -174,10 +174,10 @@ def _add_count(graph, blob):
             if op.attrs.get("ignore_label") is None:
                 return None
             count = f"{blob}.counted"
-            graph.add_op(f"{op.name}.counted", "CountedPositions", [op.inputs[1]], [count],
-                         {k: op.attrs[k] for k in ("ignore_label", "pad_label")
-                          if op.attrs.get(k) is not None}, op.location, op.thread)
-            graph.blobs[count].shape, graph.blobs[count].dtype = (), "float64"
+            graph.infer_shapes([graph.add_op(
+                f"{op.name}.counted", "CountedPositions", [op.inputs[1]], [count],
+                {k: op.attrs[k] for k in ("ignore_label", "pad_label")
+                 if op.attrs.get(k) is not None}, op.location, op.thread)])
             return count
     return None
 

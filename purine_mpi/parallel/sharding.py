@@ -34,6 +34,8 @@ The update divides the summed gradient by N through ``grad_scale``, as data
 parallelism's update does: with the same sum, the numbers are those of
 plain data parallelism bit for bit (see the docs for when the sums agree).
 """
+from collections import defaultdict
+
 from ..base.errors import GraphError
 from ..comm.ops import shard_range
 from ..graph.core import WORKING_SET_ATTR, reachable  # noqa: F401  (runtime/footprint counts it apart)
@@ -154,9 +156,8 @@ def add_shard_solver(graph, weights, params, offsets, shard_grad, shards, shard,
         written.append(outs[0])
         grad_parts.append(g)
     _replace_ops(graph, replaced)  # where the old updates stood; control edges follow
-    for up in ups:
-        for blob in list(up.outputs) + list(up.inputs[2:2 + n_states]):
-            _drop_blob(graph, blob)
+    _drop_blobs(graph, [blob for up in ups
+                        for blob in list(up.outputs) + list(up.inputs[2:2 + n_states])])
     return {"ops": [op.name for ops in replaced.values() for op in ops], "states": state_names,
             "grads": grad_parts, "written": written}
 
@@ -167,12 +168,21 @@ def _state_suffix(up, param, i):
     return name[len(param) + 1:] if name.startswith(param + ".") else f"state{i}"
 
 
-def _drop_blob(graph, name):
-    """Delete blob ``name`` when no op uses it and no blob views it."""
-    if name in graph.blobs and not any(name in op.inputs or name in op.outputs
-                                       for op in graph.ops.values()) and \
-            not any(b.alias_of == name for b in graph.blobs.values()):
-        del graph.blobs[name]
+def _drop_blobs(graph, names):
+    """Delete each blob of ``names``, in turn, when no op uses it and no
+    blob views it (a view dropped before it no longer does). The ops' uses
+    and the views counted once, not per blob (a scan of the graph per name:
+    8% of ``plan --choose`` on gpt_small)."""
+    used = {b for op in graph.ops.values() for b in op.inputs + op.outputs}
+    views = defaultdict(int)
+    for b in graph.blobs.values():
+        if b.alias_of is not None:
+            views[b.alias_of] += 1
+    for name in names:
+        if name in graph.blobs and name not in used and not views[name]:
+            of = graph.blobs.pop(name).alias_of
+            if of is not None:
+                views[of] -= 1
 
 
 

@@ -187,6 +187,14 @@ class Footprint:
     #: first iteration (``plan.load_bytes``: the first fill of the largest
     #: parameter, an ``--init`` file's weights, a ``--resume`` checkpoint)
     load: int = 0
+    #: the rows held while ``load`` is (``load_total``): ``STARTUP_ROWS``; a
+    #: parameter server's, which reads the files before it allocates its
+    #: arrays, the windows alone (``plan.set_load``)
+    load_rows: tuple = STARTUP_ROWS
+    #: a parameter server's first fill (with the optimizer state a resume
+    #: sets), which runs once its arrays are allocated: on ``STARTUP_ROWS``
+    #: (0 elsewhere: in ``load``)
+    fill: int = 0
 
     @property
     def loop_total(self):
@@ -209,8 +217,10 @@ class Footprint:
         blobs, the transport's buffers) and the load's bytes. No op has run:
         the gradients, the optimizer state (a resume's load counts it), the
         arena and the kernels' buffers are zeros from the system, not
-        resident until an iteration writes them."""
-        return sum(self.host.get(k, 0) for k in STARTUP_ROWS) + self.load
+        resident until an iteration writes them. A parameter server's
+        load of files (``load_rows``) and its fill, on its rows, apart."""
+        return max(sum(self.host.get(k, 0) for k in self.load_rows) + self.load,
+                   sum(self.host.get(k, 0) for k in STARTUP_ROWS) + self.fill)
 
     @property
     def host_total(self):

@@ -668,6 +668,7 @@ class Choice:
 def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
            algorithm="auto"):
     """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks."""
+    from ..graph.core import shared_dependencies
     from ..job.config import load_job
     from .scaling.link import make_link
     t0 = time.perf_counter()
@@ -676,11 +677,14 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     link = link or make_link(None, None, None, gamma=add)
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
         link = dataclasses.replace(link, gamma=add, gamma_measured=False)
-    predictor = Predictor(calib_job, durations, link, algorithm, small, add)
-    cands = candidates(job, n, durations, predictor)
-    for c in cands:
-        if c.after is None or c.after.error is None:
-            evaluate(c, path, overrides, n, limits, predictor)
+    # the settings compose the same net many times over: graphs of one
+    # content share their dependencies (graph/core.shared_dependencies)
+    with shared_dependencies():
+        predictor = Predictor(calib_job, durations, link, algorithm, small, add)
+        cands = candidates(job, n, durations, predictor)
+        for c in cands:
+            if c.after is None or c.after.error is None:
+                evaluate(c, path, overrides, n, limits, predictor)
     cands = [c for c in cands if c.after is None or c.after.error is None]
     return Choice(n, rank(cands), samples_unit(job), calibration or "",
                   time.perf_counter() - t0)

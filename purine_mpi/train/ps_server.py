@@ -136,14 +136,23 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
     start = 0
     if init:
         from ..job.checkpoint_file import load_params
-        from ..job.replica import init_params
-        if str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
+        from ..job.replica import init_params, kept_constant
+        found = None  # the params the file may lack: a .caffemodel's kept constants
+        if str(init).endswith(".caffemodel"):  # Caffe's weights by layer name, as a worker's
+            from ..interop.caffemodel import caffe_params
+            skip = set(init_skip)
+            loaded = caffe_params(init, {p: graph.blobs[p].shape for p in owned
+                                         if p.split("/")[0] not in skip})[0]
+            found = dict.fromkeys(set(loaded) | {p for p in owned
+                                                 if kept_constant(graph.blobs[p])})
+        elif str(init).endswith(".safetensors"):  # GPT-2 in Hugging Face's layout
             from ..interop.hf_gpt2 import hf_params
             loaded, _ = hf_params(init, job, init_skip)
         else:
             loaded = load_params(init)
-        wanted = init_params(loaded, owned, job, init, init_skip)
-        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted})
+        wanted = init_params(loaded if found is None else found, owned, job, init, init_skip)
+        values.update({p: np.asarray(loaded[p], graph.blobs[p].dtype) for p in wanted
+                       if p in loaded})
         del loaded
     if resume:
         ck = resolve_resume(None, resume)  # a path, or the Checkpoint already read

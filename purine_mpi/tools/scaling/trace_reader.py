@@ -26,11 +26,16 @@ class Durations:
         self.iter_seconds = iter_seconds or {}
         self.iterations = iterations
         self._rows = {}  # base name -> total rows of its [a:b] chunks
+        # base name -> the names of its chunks on any rank: ``lookup`` asks
+        # for every op of every candidate's graph (a name matched against
+        # each traced name: 5% of ``plan --choose`` on gpt_small)
+        self._chunks = defaultdict(set)
         for ops in per_rank.values():
             for name in ops:
                 base, a, b = split_chunk(name)
                 if base is not None:
                     self._rows[base] = max(self._rows.get(base, 0), b)
+                    self._chunks[base].add(name)
 
     def lookup(self, name, rank=0, rows=None):
         """Seconds of op ``name`` on ``rank``: that rank's median, else the
@@ -61,8 +66,7 @@ class Durations:
         return statistics.median(others) if others else None
 
     def _chunks_of(self, name):
-        return sorted({n for ops in self.per_rank.values() for n in ops
-                       if split_chunk(n)[0] == name})
+        return sorted(self._chunks.get(name, ()))
 
 
 def split_chunk(name):
