@@ -87,8 +87,14 @@ def _cases():
          [np.empty((32, 128, 256), np.float32)]),
         ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
          [np.empty((256, 128), np.float32)]),
-        ("AttentionGrad", {"num_heads": 4}, [_f(8, 128, 128), _f(8, 128, 384)],
-         [np.empty((8, 128, 384), np.float32)]),
+        # without dropout a group of sequences at a time (ops/attention.py's
+        # host_group): one sequence's P, dP and dP * P, 1 MiB each here
+        ("Attention", {"num_heads": 4}, [_f(4, 256, 384)], [np.empty((4, 256, 128), np.float32)]),
+        ("AttentionGrad", {"num_heads": 4}, [_f(4, 256, 128), _f(4, 256, 384)],
+         [np.empty((4, 256, 384), np.float32)]),
+        # a chunk of elements at a time (ops/activation.py's HOST_CHUNK)
+        ("GeluGrad", {"approximate": "tanh"}, [_f(4, 64, 512).astype(np.float64)] * 2,
+         [np.empty((4, 64, 512))]),
         # with dropout: the mask, and the host Philox draw's temporaries
         ("Attention", {"num_heads": 4, "dropout": 0.1}, [_f(8, 128, 384), np.array(3)],
          [np.empty((8, 128, 128), np.float32)]),
@@ -155,6 +161,37 @@ def test_keep_mask_temporaries_are_what_the_draw_allocates(shape, split):
                    for s, d in keep_mask_temporaries(shape, split))
     assert measured >= 1 << 20, measured
     assert declared <= measured <= declared * 1.1 + SLACK, (measured, declared)
+
+
+@pytest.mark.parametrize("op_type, attrs, ins", [
+    ("Attention", {"num_heads": 4}, lambda: [_f(32, 128, 384)]),
+    ("AttentionGrad", {"num_heads": 4}, lambda: [_f(32, 128, 128), _f(32, 128, 384)]),
+    ("Gelu", {"approximate": "tanh"}, lambda: [_f(32, 128, 512)]),
+    ("GeluGrad", {"approximate": "tanh"}, lambda: [_f(32, 128, 512), _f(32, 128, 512)]),
+    ("GeluGrad", {}, lambda: [_f(7, 11, 1000), _f(7, 11, 1000)]),
+], ids=["Attention", "AttentionGrad", "Gelu-tanh", "GeluGrad-tanh", "GeluGrad-exact"])
+def test_host_runs_take_cache_sized_pieces_with_the_whole_arrays_values(op_type, attrs, ins,
+                                                                        monkeypatch):
+    """gpt_tiny's fused attention and GELU on the host: a group of sequences
+    or a chunk of elements at a time, so their temporaries are a piece's
+    (under 1 MiB, where the whole batch's took 8 to 24 MiB: (N, H, T, T)
+    float32 probabilities, (N, T, 4C) GELU factors) and their values are,
+    bit for bit, those of one piece holding the whole array (the code
+    before the pieces)."""
+    from purine_mpi.ops import activation, attention
+    ins = ins()
+    out_shape = ins[0].shape[:-1] + (ins[0].shape[-1] // 3,) if op_type == "Attention" \
+        else ins[-1].shape
+    measured, declared = _run_peak(op_type, attrs, ins, [np.empty(out_shape, np.float32)])
+    assert measured <= 1 << 20 and declared <= measured <= declared * 1.1 + SLACK, \
+        (measured, declared)
+    pieces = np.empty(out_shape, np.float32)
+    _run_peak(op_type, attrs, ins, [pieces])
+    monkeypatch.setattr(attention, "HOST_GROUP_BYTES", 1 << 40)
+    monkeypatch.setattr(activation, "HOST_CHUNK", 1 << 40)
+    whole = np.empty(out_shape, np.float32)
+    _run_peak(op_type, attrs, ins, [whole])
+    np.testing.assert_array_equal(pieces, whole)
 
 
 def test_embedding_takes_its_rows_without_a_buffer():
