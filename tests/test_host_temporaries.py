@@ -163,35 +163,51 @@ def test_keep_mask_temporaries_are_what_the_draw_allocates(shape, split):
     assert declared <= measured <= declared * 1.1 + SLACK, (measured, declared)
 
 
-@pytest.mark.parametrize("op_type, attrs, ins", [
-    ("Attention", {"num_heads": 4}, lambda: [_f(32, 128, 384)]),
-    ("AttentionGrad", {"num_heads": 4}, lambda: [_f(32, 128, 128), _f(32, 128, 384)]),
-    ("Gelu", {"approximate": "tanh"}, lambda: [_f(32, 128, 512)]),
-    ("GeluGrad", {"approximate": "tanh"}, lambda: [_f(32, 128, 512), _f(32, 128, 512)]),
-    ("GeluGrad", {}, lambda: [_f(7, 11, 1000), _f(7, 11, 1000)]),
-], ids=["Attention", "AttentionGrad", "Gelu-tanh", "GeluGrad-tanh", "GeluGrad-exact"])
-def test_host_runs_take_cache_sized_pieces_with_the_whole_arrays_values(op_type, attrs, ins,
+def _ln_grad_case(outputs):
+    x = _f(32, 128, 128)
+    mean, var = x.mean(-1), x.var(-1)
+    ins = [_f(32, 128, 128), x, _f(128), mean, (1 / np.sqrt(var + 1e-5)).astype(np.float32)]
+    return ins, [x.shape if o == "dx" else (128,) for o in outputs]
+
+
+@pytest.mark.parametrize("op_type, attrs, case", [
+    ("Attention", {"num_heads": 4}, lambda: ([_f(32, 128, 384)], [(32, 128, 128)])),
+    ("AttentionGrad", {"num_heads": 4},
+     lambda: ([_f(32, 128, 128), _f(32, 128, 384)], [(32, 128, 384)])),
+    ("Gelu", {"approximate": "tanh"}, lambda: ([_f(32, 128, 512)], [(32, 128, 512)])),
+    ("GeluGrad", {"approximate": "tanh"},
+     lambda: ([_f(32, 128, 512), _f(32, 128, 512)], [(32, 128, 512)])),
+    ("GeluGrad", {}, lambda: ([_f(7, 11, 1000), _f(7, 11, 1000)], [(7, 11, 1000)])),
+    ("LayerNorm", {}, lambda: ([_f(32, 128, 128), _f(128), _f(128)],
+                               [(32, 128, 128), (32, 128), (32, 128)])),
+    ("LayerNormGrad", {"outputs": ["dx", "dg", "db"]},
+     lambda: _ln_grad_case(["dx", "dg", "db"])),
+    ("LayerNormGrad", {"outputs": ["dx"]}, lambda: _ln_grad_case(["dx"])),
+], ids=["Attention", "AttentionGrad", "Gelu-tanh", "GeluGrad-tanh", "GeluGrad-exact",
+        "LayerNorm", "LayerNormGrad", "LayerNormGrad-dx"])
+def test_host_runs_take_cache_sized_pieces_with_the_whole_arrays_values(op_type, attrs, case,
                                                                         monkeypatch):
-    """gpt_tiny's fused attention and GELU on the host: a group of sequences
-    or a chunk of elements at a time, so their temporaries are a piece's
-    (under 1 MiB, where the whole batch's took 8 to 24 MiB: (N, H, T, T)
-    float32 probabilities, (N, T, 4C) GELU factors) and their values are,
-    bit for bit, those of one piece holding the whole array (the code
-    before the pieces)."""
-    from purine_mpi.ops import activation, attention
-    ins = ins()
-    out_shape = ins[0].shape[:-1] + (ins[0].shape[-1] // 3,) if op_type == "Attention" \
-        else ins[-1].shape
-    measured, declared = _run_peak(op_type, attrs, ins, [np.empty(out_shape, np.float32)])
+    """gpt_tiny's fused attention, GELU and layer norm on the host: a group
+    of sequences, a chunk of elements or of rows at a time, so their
+    temporaries are a piece's (under 1 MiB, where the whole batch's took 4
+    to 32 MiB: (N, H, T, T) float32 probabilities, (N, T, 4C) GELU factors,
+    (N, T, C) normalised rows) and their values are, bit for bit, those of
+    one piece holding the whole array (the code before the pieces)."""
+    from purine_mpi.ops import activation, attention, layernorm
+    ins, shapes = case()
+
+    def run():
+        outs = [np.empty(shape, np.float32) for shape in shapes]
+        return _run_peak(op_type, attrs, ins, outs), outs
+    (measured, declared), pieces = run()
     assert measured <= 1 << 20 and declared <= measured <= declared * 1.1 + SLACK, \
         (measured, declared)
-    pieces = np.empty(out_shape, np.float32)
-    _run_peak(op_type, attrs, ins, [pieces])
     monkeypatch.setattr(attention, "HOST_GROUP_BYTES", 1 << 40)
     monkeypatch.setattr(activation, "HOST_CHUNK", 1 << 40)
-    whole = np.empty(out_shape, np.float32)
-    _run_peak(op_type, attrs, ins, [whole])
-    np.testing.assert_array_equal(pieces, whole)
+    monkeypatch.setattr(layernorm, "HOST_CHUNK_BYTES", 1 << 40)
+    _, whole = run()
+    for a, b in zip(pieces, whole):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_embedding_takes_its_rows_without_a_buffer():
