@@ -92,8 +92,14 @@ def _cases():
          [np.empty((32, 128, 256), np.float32)]),
         ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
          [np.empty((256, 128), np.float32)]),
-        ("AttentionGrad", {"num_heads": 4}, [_f(8, 128, 128), _f(8, 128, 384)],
-         [np.empty((8, 128, 384), np.float32)]),
+        # without dropout a group of sequences at a time (ops/attention.py's
+        # host_group): one sequence's P, dP and dP * P, 1 MiB each here
+        ("Attention", {"num_heads": 4}, [_f(4, 256, 384)], [np.empty((4, 256, 128), np.float32)]),
+        ("AttentionGrad", {"num_heads": 4}, [_f(4, 256, 128), _f(4, 256, 384)],
+         [np.empty((4, 256, 384), np.float32)]),
+        # a chunk of elements at a time (ops/activation.py's HOST_CHUNK)
+        ("GeluGrad", {"approximate": "tanh"}, [_f(4, 64, 512).astype(np.float64)] * 2,
+         [np.empty((4, 64, 512))]),
         # with dropout: the mask, and the host Philox draw's temporaries
         ("Attention", {"num_heads": 4, "dropout": 0.1}, [_f(8, 128, 384), np.array(3)],
          [np.empty((8, 128, 128), np.float32)]),
@@ -160,6 +166,53 @@ def test_keep_mask_temporaries_are_what_the_draw_allocates(shape, split):
                    for s, d in keep_mask_temporaries(shape, split))
     assert measured >= 1 << 20, measured
     assert declared <= measured <= declared * 1.1 + SLACK, (measured, declared)
+
+
+def _ln_grad_case(outputs):
+    x = _f(32, 128, 128)
+    mean, var = x.mean(-1), x.var(-1)
+    ins = [_f(32, 128, 128), x, _f(128), mean, (1 / np.sqrt(var + 1e-5)).astype(np.float32)]
+    return ins, [x.shape if o == "dx" else (128,) for o in outputs]
+
+
+@pytest.mark.parametrize("op_type, attrs, case", [
+    ("Attention", {"num_heads": 4}, lambda: ([_f(32, 128, 384)], [(32, 128, 128)])),
+    ("AttentionGrad", {"num_heads": 4},
+     lambda: ([_f(32, 128, 128), _f(32, 128, 384)], [(32, 128, 384)])),
+    ("Gelu", {"approximate": "tanh"}, lambda: ([_f(32, 128, 512)], [(32, 128, 512)])),
+    ("GeluGrad", {"approximate": "tanh"},
+     lambda: ([_f(32, 128, 512), _f(32, 128, 512)], [(32, 128, 512)])),
+    ("GeluGrad", {}, lambda: ([_f(7, 11, 1000), _f(7, 11, 1000)], [(7, 11, 1000)])),
+    ("LayerNorm", {}, lambda: ([_f(32, 128, 128), _f(128), _f(128)],
+                               [(32, 128, 128), (32, 128), (32, 128)])),
+    ("LayerNormGrad", {"outputs": ["dx", "dg", "db"]},
+     lambda: _ln_grad_case(["dx", "dg", "db"])),
+    ("LayerNormGrad", {"outputs": ["dx"]}, lambda: _ln_grad_case(["dx"])),
+], ids=["Attention", "AttentionGrad", "Gelu-tanh", "GeluGrad-tanh", "GeluGrad-exact",
+        "LayerNorm", "LayerNormGrad", "LayerNormGrad-dx"])
+def test_host_runs_take_cache_sized_pieces_with_the_whole_arrays_values(op_type, attrs, case,
+                                                                        monkeypatch):
+    """gpt_tiny's fused attention, GELU and layer norm on the host: a group
+    of sequences, a chunk of elements or of rows at a time, so their
+    temporaries are a piece's (under 1 MiB, where the whole batch's took 4
+    to 32 MiB: (N, H, T, T) float32 probabilities, (N, T, 4C) GELU factors,
+    (N, T, C) normalised rows) and their values are, bit for bit, those of
+    one piece holding the whole array (the code before the pieces)."""
+    from purine_mpi.ops import activation, attention, layernorm
+    ins, shapes = case()
+
+    def run():
+        outs = [np.empty(shape, np.float32) for shape in shapes]
+        return _run_peak(op_type, attrs, ins, outs), outs
+    (measured, declared), pieces = run()
+    assert measured <= 1 << 20 and declared <= measured <= declared * 1.1 + SLACK, \
+        (measured, declared)
+    monkeypatch.setattr(attention, "HOST_GROUP_BYTES", 1 << 40)
+    monkeypatch.setattr(activation, "HOST_CHUNK", 1 << 40)
+    monkeypatch.setattr(layernorm, "HOST_CHUNK_BYTES", 1 << 40)
+    _, whole = run()
+    for a, b in zip(pieces, whole):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_embedding_takes_its_rows_without_a_buffer():

@@ -299,6 +299,25 @@ def _gelu_factor(xp, x, approximate, t, d=None, e=None, f=None):
         d += t
 
 
+#: a host Gelu or GeluGrad evaluates this many elements at a time: its
+#: ~15 passes (20-odd for the exact form) then go over temporaries of 128
+#: KiB each, which stay in the core's L2 cache, instead of arrays of the
+#: whole input's size streamed through memory on every pass (gpt_tiny's
+#: (32, 128, 512): 8 MiB each; its GeluGrad ran ~1.8x faster in chunks).
+#: Element-wise throughout, so the values are the whole array's
+HOST_CHUNK = 1 << 15
+
+
+def _host_chunks(size):
+    """The slices of a flat host array of ``size`` elements ``HOST_CHUNK`` at a time."""
+    return [slice(s, min(s + HOST_CHUNK, size)) for s in range(0, size, HOST_CHUNK)]
+
+
+def _gelu_host_specs(x, count):
+    """``count`` flat temporaries of a host chunk (``HOST_CHUNK``) of ``x``."""
+    return [((min(int(x.size), HOST_CHUNK),), x.dtype)] * count
+
+
 def _approximate(attrs):
     a = attrs.get("approximate", "none")
     if a not in ("none", "tanh"):
@@ -317,7 +336,6 @@ class Gelu(OpKernel):
     u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x."""
 
     op_type = "Gelu"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
     in_place = ((0, 0),)  # y = x * t, t computed from x first
 
     def scratch_specs(self, ins, outs):
@@ -331,12 +349,24 @@ class Gelu(OpKernel):
         _approximate(attrs)
         return [ins[0]]
 
+    def host_temporaries(self, ins, outs):
+        return _gelu_host_specs(ins[0], 3)
+
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
-        t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
-        _gelu_factor(xp, x, _approximate(self.attrs), t, e=e, f=f)
-        xp.multiply(x, t, out=outs[0])
+        approximate = _approximate(self.attrs)
+        if xp is not np:
+            t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
+            _gelu_factor(xp, x, approximate, t, e=e, f=f)
+            xp.multiply(x, t, out=outs[0])
+            return
+        flat, y = x.reshape(-1), outs[0].reshape(-1)   # y may be x (in place)
+        temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+        for s in _host_chunks(flat.size):
+            t, e, f = (a[:s.stop - s.start] for a in temps)
+            _gelu_factor(xp, flat[s], approximate, t, e=e, f=f)
+            np.multiply(flat[s], t, out=y[s])
 
 
 @register
@@ -344,7 +374,6 @@ class GeluGrad(OpKernel):
     """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``)."""
 
     op_type = "GeluGrad"
-    temporaries_on_host = True   # new arrays of scratch_specs each host run
     in_place = ((0, 0),)  # dx over dy
 
     def scratch_specs(self, ins, outs):
@@ -357,12 +386,24 @@ class GeluGrad(OpKernel):
     def infer(cls, attrs, ins):
         return _same_shape(cls.op_type, ins)
 
+    def host_temporaries(self, ins, outs):
+        return _gelu_host_specs(ins[1], 4)
+
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(x)
-        t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
-        _gelu_factor(xp, x, _approximate(self.attrs), t, d, e, f)
-        xp.multiply(dy, d, out=outs[0])
+        approximate = _approximate(self.attrs)
+        if xp is not np:
+            t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
+            _gelu_factor(xp, x, approximate, t, d, e, f)
+            xp.multiply(dy, d, out=outs[0])
+            return
+        flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
+        temps = self.temporaries(x, *self.host_temporaries(ins, outs))
+        for s in _host_chunks(flat.size):
+            t, d, e, f = (a[:s.stop - s.start] for a in temps)
+            _gelu_factor(xp, flat[s], approximate, t, d, e, f)
+            np.multiply(g[s], d, out=dx[s])
 
 
 @gradient("Gelu")

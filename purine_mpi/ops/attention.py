@@ -29,6 +29,11 @@ Two paths compute the middle, both differentiated by their own gradient ops:
       dP = dO v^T,  dS = P (dP - rowsum(dP * P)),  dq = dS k / sqrt(D),
       dk = dS^T q / sqrt(D),  dv = P^T dO
 
+On the host without dropout the fused ops take a group of sequences at a
+time (``HOST_GROUP_BYTES`` of scores: one sequence of gpt_tiny), so their
+temporaries are the group's (g, H, T, T) and stay in cache; the values are
+the whole batch's, bit for bit (tests/test_host_temporaries.py).
+
 Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
 gradient 0; the diagonal is never masked, so no row is all -inf.
@@ -115,6 +120,17 @@ def heads_view(x, heads):
     """A (N, T, C) array as (N, H, T, D), a view."""
     n, t, c = x.shape
     return x.reshape(n, t, heads, c // heads).transpose(0, 2, 1, 3)
+
+
+#: on the host without dropout the fused ops run a group of sequences at a
+#: time: its (g, H, T, T) scores at most this many bytes (at least one
+#: sequence), so P, dP and the softmax's passes over them stay in the
+#: core's L2 cache instead of streaming N H T T floats through memory for
+#: every pass (gpt_tiny: 256 KiB a sequence, one at a time; the whole
+#: batch's 8 MiB made each pass a trip to memory). Every element's value is
+#: what the whole batch gives: the products are one BLAS call per matrix
+#: either way (ops/hostgemm.py) and the softmax's reductions run along rows
+HOST_GROUP_BYTES = 1 << 18
 
 
 def bmm(xp, a, b, out, trans_a=False, trans_b=False, alpha=1.0):
@@ -390,6 +406,36 @@ def _probs_specs(kernel, qkv, count):
     return [spec] * (count + (1 if kernel.ratio > 0 else 0))
 
 
+def host_group(kernel, qkv):
+    """The sequences a host run of a fused op takes at a time
+    (``HOST_GROUP_BYTES``), or None: the whole batch at once (dropout: its
+    mask is one Philox draw over the whole (N, H, T, T) array). ``qkv``: the
+    op's qkv input or a stand-in of its shape and dtype."""
+    if kernel.ratio > 0:
+        return None
+    n, t, _, h, _ = _dims(kernel.attrs, qkv.shape)
+    # one head: two sequences at least, so a group is a batch of matrices
+    # (hostgemm.matmul cuts a lone 2-D product, whose bits can differ)
+    least = 1 if h > 1 else 2
+    return min(n, max(least, HOST_GROUP_BYTES // (h * t * t * np.dtype(qkv.dtype).itemsize)))
+
+
+def _host_specs(kernel, qkv, count):
+    """The (N, H, T, T) arrays of a host run (``_probs_specs``), of its
+    group's g sequences without dropout (``host_group``)."""
+    g = host_group(kernel, qkv)
+    if g is None:
+        return _probs_specs(kernel, qkv, count)
+    _, t, _, h, _ = _dims(kernel.attrs, qkv.shape)
+    return [((g, h, t, t), qkv.dtype)] * count
+
+
+def groups(n, g):
+    """The slices of ``n`` sequences ``g`` at a time (one slice: g None)."""
+    g = g or n
+    return [slice(s, min(s + g, n)) for s in range(0, n, g)]
+
+
 def _dropout_temporaries(kernel, qkv, unpacks=False):
     """The host draw's temporaries (base/philox.py) of a fused op with
     dropout, or with ``unpacks`` (a kept packed mask) its unpacking's; []
@@ -461,11 +507,15 @@ class Attention(PhiloxStream, _AttentionKernel):
             return self._sdpa.scratch_specs(backward=False)
         return _probs_specs(self, ins[0], 1)
 
+    def host_specs(self, ins, outs):
+        """P of a host group (``host_group``), or P and the mask (dropout)."""
+        return _host_specs(self, ins[0], 1)
+
     def host_temporaries(self, ins, outs):
-        """P, the mask and the draw's (or the kept mask's unpacking's)
-        temporaries (dropout)."""
-        return self.scratch_specs(ins, outs) + _dropout_temporaries(self, ins[0],
-                                                                    replays(self.attrs))
+        """P (a group's), or P, the mask and the draw's (or the kept mask's
+        unpacking's) temporaries (dropout)."""
+        return self.host_specs(ins, outs) + _dropout_temporaries(self, ins[0],
+                                                                 replays(self.attrs))
 
     def run(self, ins, outs):
         qkv = ins[0]
@@ -477,16 +527,21 @@ class Attention(PhiloxStream, _AttentionKernel):
         xp = get_xp(qkv)
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
-        p, *mask = self.temporaries(qkv, *self.scratch_specs(ins, outs))
-        self.scores(xp, q, k, p)
-        softmax_rows(xp, p)
-        if mask and replays(self.attrs):   # the original's kept mask, in place
-            _kept_mask(self, ins[-2], p, mask[0], p)
-        elif mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
-            dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
-            if packed(self.attrs):   # kept for the gradient (no second draw)
-                outs[-1][...] = pack_mask(mask[0])
-        bmm(xp, p, v, heads_view(outs[0], heads))
+        ctx = heads_view(outs[0], heads)
+        host = xp is np
+        p_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
+                                               else self.scratch_specs(ins, outs)))
+        for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
+            p = p_all[:s.stop - s.start]
+            self.scores(xp, q[s], k[s], p)
+            softmax_rows(xp, p)
+            if mask and replays(self.attrs):   # the original's kept mask, in place
+                _kept_mask(self, ins[-2], p, mask[0], p)
+            elif mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
+                dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
+                if packed(self.attrs):   # kept for the gradient (no second draw)
+                    outs[-1][...] = pack_mask(mask[0])
+            bmm(xp, p, v[s], ctx[s])
 
 
 @register
@@ -538,33 +593,43 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         heads = int(self.attrs["num_heads"])
         q, k, v = split_heads(qkv, heads)
         dq, dk, dv = split_heads(outs[0], heads)
-        p, dp, *mask = self.temporaries(qkv, *self.scratch_specs(ins, outs))
-        self.scores(xp, q, k, p)
-        softmax_rows(xp, p)
         do = heads_view(dctx, heads)
-        if mask and packed(self.attrs):   # the forward's mask, unpacked: P' in dP
-            _kept_mask(self, ins[-2], p, mask[0], dp)
-            bmm(xp, dp, do, dv, trans_a=True)
-        elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
-            dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)
-            bmm(xp, dp, do, dv, trans_a=True)
-        else:
-            bmm(xp, p, do, dv, trans_a=True)
-        bmm(xp, do, v, dp, trans_b=True)
-        if mask:   # the Dropout op's gradient
-            dropout_backward(dp, mask[0], self.ratio, dp)
-        softmax_rows_grad(xp, dp, p)                   # dS
+        host = xp is np
+        p_all, dp_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
+                                                       else self.scratch_specs(ins, outs)))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        bmm(xp, dp, k, dq, alpha=scale)
-        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
+        for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
+            p, dp = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
+            self.scores(xp, q[s], k[s], p)
+            softmax_rows(xp, p)
+            if mask and packed(self.attrs):   # the forward's mask, unpacked: P' in dP
+                _kept_mask(self, ins[-2], p, mask[0], dp)
+                bmm(xp, dp, do[s], dv[s], trans_a=True)
+            elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
+                dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)
+                bmm(xp, dp, do[s], dv[s], trans_a=True)
+            else:
+                bmm(xp, p, do[s], dv[s], trans_a=True)
+            bmm(xp, do[s], v[s], dp, trans_b=True)
+            if mask:   # the Dropout op's gradient
+                dropout_backward(dp, mask[0], self.ratio, dp)
+            softmax_rows_grad(xp, dp, p)                   # dS
+            bmm(xp, dp, k[s], dq[s], alpha=scale)
+            bmm(xp, dp, q[s], dk[s], trans_a=True, alpha=scale)
+
+    def host_specs(self, ins, outs):
+        """P and dP of a host group (``host_group``), or P, dP and the mask
+        (dropout)."""
+        return _host_specs(self, ins[1], 2)
 
     def host_temporaries(self, ins, outs):
-        """P and dP (and the mask), and on the host path the largest of
-        ``softmax_rows_grad``'s dP * P and the dropout draw's temporaries, or
-        with a packed mask its unpacking's (they are not live at once)."""
-        specs = self.scratch_specs(ins, outs)
+        """P and dP (a group's, or the whole batch's and the mask), and the
+        largest of ``softmax_rows_grad``'s dP * P and the dropout draw's
+        temporaries, or with a packed mask its unpacking's (they are not
+        live at once)."""
         if self._sdpa is not None:
-            return specs
+            return self.scratch_specs(ins, outs)
+        specs = self.host_specs(ins, outs)
         if packed(self.attrs):
             return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=specs_nbytes)
         return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])

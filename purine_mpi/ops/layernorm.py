@@ -52,6 +52,25 @@ def column_sum(xp, k, x, out):
     k.channel_sum(rows, out=out)
 
 
+#: the host path normalises this many bytes of rows at a time (at least one
+#: row), so its temporaries are a chunk's, not new (rows, C) arrays each run
+#: (which glibc maps and the kernel zeroes afresh once its dynamic mmap
+#: threshold is below their size) streamed through the cache pass after
+#: pass. Every row's values are what the whole array gives (the means run
+#: along rows); the gradient's column sums (dg, db) still add the whole
+#: arrays' rows in their order
+HOST_CHUNK_BYTES = 1 << 18
+
+
+def host_rows(x):
+    """The slices of the rows of ``x`` (..., C), flattened, a host chunk
+    (``HOST_CHUNK_BYTES``) at a time, and the chunk's row count."""
+    c = int(x.shape[-1])
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    per = max(1, min(rows, HOST_CHUNK_BYTES // max(1, c * np.dtype(x.dtype).itemsize)))
+    return [slice(r, min(r + per, rows)) for r in range(0, rows, per)], per
+
+
 @register
 class LayerNorm(OpKernel):
     """y = (x - mean) / sqrt(var + eps) * g + b over the last axis (attr
@@ -60,10 +79,11 @@ class LayerNorm(OpKernel):
     op_type = "LayerNorm"
 
     def host_temporaries(self, ins, outs):
-        return [(ins[0].shape, ins[0].dtype)]    # the generic path's squares
+        x = ins[0]
+        return [((host_rows(x)[1], x.shape[-1]), x.dtype)]   # a chunk's squares
 
     def scratch_specs(self, ins, outs):
-        return [] if _fused(ins[0]) else self.host_temporaries(ins, outs)
+        return [] if _fused(ins[0]) else [(ins[0].shape, ins[0].dtype)]   # the squares
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
@@ -84,17 +104,32 @@ class LayerNorm(OpKernel):
         if k is not None:
             k.layernorm_forward(x, g, b, float(self.attrs.get("eps", 1e-5)), y, mean, rstd)
             return
-        row_mean(xp, k, x, mean)
-        xp.subtract(x, mean[..., None], out=y)
+        eps = float(self.attrs.get("eps", 1e-5))
+        if xp is not np:   # a dtype without a fused kernel: whole arrays
+            (sq,) = self.temporaries(x, *self.scratch_specs(ins, outs))
+            _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq)
+            return
+        c = x.shape[-1]
+        x2, y2, mean1, rstd1 = x.reshape(-1, c), y.reshape(-1, c), mean.reshape(-1), \
+            rstd.reshape(-1)
         (sq,) = self.temporaries(x, *self.host_temporaries(ins, outs))
-        xp.multiply(y, y, out=sq)
-        row_mean(xp, k, sq, rstd)
-        rstd += float(self.attrs.get("eps", 1e-5))
-        xp.sqrt(rstd, out=rstd)
-        xp.divide(1, rstd, out=rstd)
-        y *= rstd[..., None]
-        y *= g
-        y += b
+        for s in host_rows(x)[0]:
+            _normalise(xp, k, x2[s], g, b, eps, y2[s], mean1[s], rstd1[s], sq[:s.stop - s.start])
+
+
+def _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq):
+    """y = (x - mean) * rstd * g + b, x's row means and 1 / sqrt(var + eps)
+    written to ``mean`` and ``rstd``; ``sq``: a temporary of x's shape."""
+    row_mean(xp, k, x, mean)
+    xp.subtract(x, mean[..., None], out=y)
+    xp.multiply(y, y, out=sq)
+    row_mean(xp, k, sq, rstd)
+    rstd += eps
+    xp.sqrt(rstd, out=rstd)
+    xp.divide(1, rstd, out=rstd)
+    y *= rstd[..., None]
+    y *= g
+    y += b
 
 
 def _fused(x):
@@ -103,9 +138,12 @@ def _fused(x):
     return np.dtype(x.dtype) in KERNEL_DTYPES
 
 
-def _grad_specs(x):
-    row = (x.shape[:-1] + (1,), x.dtype)
-    return (x.shape, x.dtype), (x.shape, x.dtype), row, row
+def _grad_specs(x, rows=None):
+    """xhat, dxhat and two row means of the generic path: of x's shape, or
+    of ``rows`` rows (a host chunk)."""
+    shape = tuple(x.shape) if rows is None else (rows, x.shape[-1])
+    row = (shape[:-1] + (1,), x.dtype)
+    return (shape, x.dtype), (shape, x.dtype), row, row
 
 
 @register
@@ -116,11 +154,15 @@ class LayerNormGrad(OpKernel):
     op_type = "LayerNormGrad"
 
     def host_temporaries(self, ins, outs):
-        return list(_grad_specs(ins[1]))     # the generic path's
+        """A chunk's (``host_rows``); dg without dx: the whole dy * xhat for
+        its column sums too (with dx they are made in dx's bytes first)."""
+        x, wanted = ins[1], self.attrs["outputs"]
+        whole = [(x.shape, x.dtype)] if "dg" in wanted and "dx" not in wanted else []
+        return list(_grad_specs(x, host_rows(x)[1])) + whole
 
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
-            return self.host_temporaries(ins, outs)
+            return list(_grad_specs(ins[1]))     # the generic path's
         # the fused kernel's dy * xhat, for dg's column sums
         return [(ins[1].shape, ins[1].dtype)] if "dg" in self.attrs["outputs"] else []
 
@@ -146,24 +188,53 @@ class LayerNormGrad(OpKernel):
             if "dg" in got:
                 column_sum(xp, k, dyxhat, got["dg"])
             return
-        xhat, dxhat, a, c = self.temporaries(x, *self.host_temporaries(ins, outs))
-        xp.subtract(x, mean[..., None], out=xhat)
-        xhat *= rstd[..., None]
         if "db" in got:
             column_sum(xp, k, dy, got["db"])
-        if "dg" in got:
-            xp.multiply(dy, xhat, out=dxhat)
-            column_sum(xp, k, dxhat, got["dg"])
+        if xp is not np:   # a dtype without a fused kernel: whole arrays
+            xhat, dxhat, a, c = self.temporaries(x, *self.scratch_specs(ins, outs))
+            _xhat(xp, x, mean, rstd, xhat)
+            if "dg" in got:
+                xp.multiply(dy, xhat, out=dxhat)
+                column_sum(xp, k, dxhat, got["dg"])
+            if "dx" in got:
+                _dx(xp, k, dy, g, rstd, xhat, got["dx"], dxhat, a, c)
+            return
+        n = x.shape[-1]
+        dy2, x2, mean1, rstd1 = dy.reshape(-1, n), x.reshape(-1, n), mean.reshape(-1), \
+            rstd.reshape(-1)
+        chunks, _ = host_rows(x)
+        xhat, dxhat, a, c, *whole = self.temporaries(x, *self.host_temporaries(ins, outs))
+        if "dg" in got:   # dy * xhat of every row, then the whole array's column sums
+            dyxhat = (got["dx"] if "dx" in got else whole[0]).reshape(-1, n)
+            for s in chunks:
+                _xhat(xp, x2[s], mean1[s], rstd1[s], xhat[:s.stop - s.start])
+                xp.multiply(dy2[s], xhat[:s.stop - s.start], out=dyxhat[s])
+            column_sum(xp, k, dyxhat, got["dg"])
         if "dx" in got:
-            dx = got["dx"]
-            xp.multiply(dy, g, out=dxhat)
-            row_mean(xp, k, dxhat, a)
-            xp.multiply(dxhat, xhat, out=dx)
-            row_mean(xp, k, dx, c)
-            xp.multiply(xhat, c, out=dx)
-            xp.subtract(dxhat, dx, out=dx)
-            dx -= a
-            dx *= rstd[..., None]
+            dx2 = got["dx"].reshape(-1, n)
+            for s in chunks:
+                m = s.stop - s.start
+                _xhat(xp, x2[s], mean1[s], rstd1[s], xhat[:m])
+                _dx(xp, k, dy2[s], g, rstd1[s], xhat[:m], dx2[s], dxhat[:m], a[:m], c[:m])
+
+
+def _xhat(xp, x, mean, rstd, out):
+    """out = (x - mean) * rstd, the normalised rows."""
+    xp.subtract(x, mean[..., None], out=out)
+    out *= rstd[..., None]
+
+
+def _dx(xp, k, dy, g, rstd, xhat, dx, dxhat, a, c):
+    """dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat =
+    dy * g: temporaries dxhat (x's shape), a and c (x.shape[:-1] + (1,))."""
+    xp.multiply(dy, g, out=dxhat)
+    row_mean(xp, k, dxhat, a)
+    xp.multiply(dxhat, xhat, out=dx)
+    row_mean(xp, k, dx, c)
+    xp.multiply(xhat, c, out=dx)
+    xp.subtract(dxhat, dx, out=dx)
+    dx -= a
+    dx *= rstd[..., None]
 
 
 @gradient("LayerNorm")
