@@ -20,10 +20,12 @@ def composed(job, world_size, rank, phase="train"):
     """(the graph ``rank`` of ``world_size`` would run, built without MPI,
     and its scheme's Composition; (None, None) without such a phase)."""
     from ..job.replica import build_test_graph, build_train_graph, check_test_phase, param_shapes
-    from ..parallel.schemes import Composition, scheme_of
+    from ..parallel.schemes import Composition, run_scheme_of
     world = _OfflineWorld(rank, world_size)
     par = job.parallel
-    scheme = scheme_of(job)
+    # the scheme train runs: a parameter-server mode's on several ranks,
+    # also under scheme none (its own class answers ``servers`` False)
+    scheme = run_scheme_of(job, world_size)
     lay = scheme.layout(job, world)  # a world that does not fit the stages: exit 2 here
     replica, replicas = lay.replica, lay.replicas  # the data shard (compose.data_window)
     if phase == "test":

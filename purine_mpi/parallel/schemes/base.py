@@ -101,6 +101,18 @@ def scheme_of(job):
     return cls()
 
 
+def run_scheme_of(job, world_size):
+    """The scheme a run of ``world_size`` ranks of ``job`` trains under, as
+    train/trainer.run_training dispatches it: on several ranks a
+    parameter-server ``parallel.mode`` starts the servers whatever
+    ``parallel.scheme`` names (scheme none too: its class runs those modes
+    on one rank only), so its workers' scheme (``mode_class``); else
+    ``scheme_of(job)``. What ``graph --np``, ``plan`` and the scaling model
+    ask where they stand for a run."""
+    served = mode_class(job.parallel.mode)
+    return served() if world_size > 1 and served is not None else scheme_of(job)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where a rank sits: ``replicas`` x ``stages`` ranks (see
