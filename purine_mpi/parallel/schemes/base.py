@@ -326,6 +326,13 @@ class Scheme:
         return plan_for_layout(graph, self.layout(job, world), job.parallel.schedule,
                                arena=job.memory_plan)
 
+    def trains_apart(self, job, lay):
+        """Whether the replicas of layout ``lay`` train apart: several that
+        exchange no gradients (scheme none). A save writes rank 0's replica
+        and a test pass evaluates it over the whole split, rank 0 alone
+        (parallel/rank_graphs.RankGraphs.apart)."""
+        return not self._job_scheme(job).exchanges_gradients and lay.replicas > 1
+
     def defer_update_applies(self, job, replicas, staged):
         """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
         in the config, several replicas reducing gradients, no stages, on the CPU
