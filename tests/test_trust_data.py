@@ -213,7 +213,8 @@ def test_predict_writes_each_replicas_batch_in_sample_order_under_tensor(tmp_pat
     trainer = types.SimpleNamespace(
         test=dispatcher, job=job, train=types.SimpleNamespace(drain=lambda: None),
         graphs=types.SimpleNamespace(pipeline=False, test_graph=graphs[0],
-                                     data_size=layout.replicas, layout=layout),
+                                     data_size=layout.replicas, layout=layout, apart=False,
+                                     test_data=(layout.replica, layout.replicas)),
         world=types.SimpleNamespace(size=world, rank=0, gather_object=gather_object))
     out = tmp_path / "preds.h5"
     res = predict_mod.predict(trainer, str(out), "w.h5", blobs=["data"])

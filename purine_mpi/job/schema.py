@@ -404,7 +404,9 @@ CHOICE_DOCS = {
         "data": "every rank runs a replica on its shard of the batch; gradients are summed "
                 "by allreduce ops in the graph (mode sync) or through parameter servers",
         "none": "no composition: each rank trains its own replica on its shard of the data, "
-                "exchanging no gradients (tests, debugging)",
+                "exchanging no gradients (tests, debugging); a save writes rank 0's "
+                "replica and a test pass evaluates it over the whole split (see \"Sample "
+                "order\")",
         "pipeline": "layers are placed on ranks by `stages` (one rank per stage); each edge "
                     "between ranks becomes a Send/Recv pair; with `tensor_parallel` t each "
                     "stage is split across t ranks as scheme tensor splits a net (p·t ranks)",

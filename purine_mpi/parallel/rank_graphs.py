@@ -53,10 +53,30 @@ class RankGraphs:
     comm_backend_note: object = None  # why, for the start-up block
     composition: object = None        # the scheme's Composition (parallel/schemes/base.py)
     vocabulary: object = None  # the token data's vocabulary JSON (data/tokenizer.py), None: bytes
+    #: the replicas train apart (a scheme that exchanges no gradients, scheme
+    #: none, on several ranks): each keeps its own running statistics, and a
+    #: test pass evaluates rank 0's replica, the model a save writes, over
+    #: the whole split (``test_data``), the other ranks adding nothing
+    apart: bool = False
 
     @property
     def pipeline(self):
         return self.layout.staged
+
+    @property
+    def test_data(self):
+        """(replica, replicas): the test split's shard this rank's test
+        graph reads: its replica's, or where the replicas train ``apart``
+        the whole split (rank 0 evaluates the saved model alone)."""
+        return (0, 1) if self.apart else (self.layout.replica, self.layout.replicas)
+
+    @property
+    def counts_test_figures(self):
+        """Whether this rank's test figures enter the pass's sums: shard 0
+        of a tensor group (its ranks hold the same figures); where the
+        replicas train ``apart``, rank 0 alone (its replica is saved)."""
+        lay = self.layout
+        return lay.shard == 0 and (not self.apart or lay.rank(lay.replica, lay.stage) == 0)
 
     @property
     def data_size(self):
@@ -120,13 +140,14 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
                      params=[b.name for b in graph.params()], net_params=net_params,
                      param_summary=summary, comm_backend=backend,
                      comm_backend_note=backend_note, composition=composition,
-                     vocabulary=vocabulary)
+                     vocabulary=vocabulary,
+                     apart=scheme.trains_apart(job, layout))
     _add_test_graph(out, job, world, scheme, shapes)
     return out
 
 
 def _add_test_graph(out, job, world, scheme, shapes):
-    test = build_test_graph(job, out.layout.replica, out.layout.replicas)
+    test = build_test_graph(job, *out.test_data)
     if test is not None:
         check_test_params(job, shapes, test)  # a test set of other sample shapes
         check_data_labels(test, job)

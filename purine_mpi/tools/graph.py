@@ -20,14 +20,17 @@ def composed(job, world_size, rank, phase="train"):
     """(the graph ``rank`` of ``world_size`` would run, built without MPI,
     and its scheme's Composition; (None, None) without such a phase)."""
     from ..job.replica import build_test_graph, build_train_graph, check_test_phase, param_shapes
-    from ..parallel.schemes import Composition, scheme_of
+    from ..parallel.schemes import Composition, run_scheme_of
     world = _OfflineWorld(rank, world_size)
     par = job.parallel
-    scheme = scheme_of(job)
+    # the scheme train runs: a parameter-server mode's on several ranks,
+    # also under scheme none (its own class answers ``servers`` False)
+    scheme = run_scheme_of(job, world_size)
     lay = scheme.layout(job, world)  # a world that does not fit the stages: exit 2 here
     replica, replicas = lay.replica, lay.replicas  # the data shard (compose.data_window)
-    if phase == "test":
-        test = build_test_graph(job, replica, replicas)
+    if phase == "test":  # replicas trained apart: rank 0's over the whole split (train's)
+        test = build_test_graph(job, *((0, 1) if scheme.trains_apart(job, lay)
+                                       else (replica, replicas)))
         if test is None:
             return None, None
         comp = scheme.compose_test(test, job, world)

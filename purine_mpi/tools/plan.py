@@ -391,21 +391,28 @@ def save_metas(job, size, built):
     return metas
 
 
+def _scheme_of(job, graphs):
+    """The scheme that built ``graphs``: a parameter-server worker's where
+    they carry the servers' plan (also under scheme none, whose class
+    counts no server state: ``run_scheme_of``), else the job's."""
+    from ..parallel.schemes import run_scheme_of
+    served = getattr(graphs.composition, "server_plan", None) is not None
+    return run_scheme_of(job, 2 if served else 1)
+
+
 def save_bytes(job, graphs, everyone):
     """The host bytes this rank's checkpoint save adds (``Scheme.save_bytes``;
     a parameter server's rank counts its own: ``ServerRank.footprint``)."""
-    from ..parallel.schemes import scheme_of
     if getattr(graphs, "layout", None) is None or not everyone:
         return 0
-    return scheme_of(job).save_bytes(graphs, everyone)
+    return _scheme_of(job, graphs).save_bytes(graphs, everyone)
 
 
 def held_bytes(job, graphs):
     """The host bytes this rank's loop services keep (``Scheme.held_bytes``)."""
-    from ..parallel.schemes import scheme_of
     if getattr(graphs, "layout", None) is None:
         return 0
-    return scheme_of(job).held_bytes(graphs)
+    return _scheme_of(job, graphs).held_bytes(graphs)
 
 
 def ranks_to_build(job, size):

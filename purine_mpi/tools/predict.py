@@ -89,7 +89,9 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     label_blob = readers[0].op.outputs[1] if readers else None
     spec = trainer.job.data.test
     n, _ = source_info(spec.source_dict())
-    batch, ranks = spec.batch_size, trainer.graphs.data_size
+    # the test graph's shard of the split: its replica's, or (scheme none's
+    # replicas apart) the whole split on every rank, rank 0's rows written
+    batch, (_, ranks) = spec.batch_size, trainer.graphs.test_data
     iters = pass_batches(n, batch, ranks)  # one pass, as a test pass without test_iter
     for k in readers:
         k.reset_position(0)
@@ -103,7 +105,8 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
             if trainer.world.size > 1 else [mine]
         if trainer.world.rank == 0:
-            for rank_part in replica_parts(every, trainer.graphs.layout):
+            for rank_part in (every[:1] if trainer.graphs.apart else
+                              replica_parts(every, trainer.graphs.layout)):
                 for b in parts:
                     parts[b].append(rank_part[b])
     if trainer.world.rank != 0:

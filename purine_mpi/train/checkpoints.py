@@ -288,8 +288,9 @@ class Checkpoints(Service):
         rotation), or with ``path`` a checkpoint file of its own. Collective."""
         loop.train.drain()  # the weights of this iteration, updated
         loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
-        average_running_stats(loop.world, loop.graphs.graph, loop.ws,
-                              getattr(loop.graphs.layout, "shard", 0))
+        if not loop.graphs.apart:  # scheme none: each replica keeps its own
+            average_running_stats(loop.world, loop.graphs.graph, loop.ws,
+                                  getattr(loop.graphs.layout, "shard", 0))
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)

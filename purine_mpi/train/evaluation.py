@@ -60,8 +60,9 @@ class Evaluation(Service):
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
-        average_running_stats(loop.world, loop.graphs.graph, loop.ws,
-                              getattr(loop.graphs.layout, "shard", 0))
+        if not loop.graphs.apart:  # scheme none: each replica keeps its own
+            average_running_stats(loop.world, loop.graphs.graph, loop.ws,
+                                  getattr(loop.graphs.layout, "shard", 0))
         whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
         held = loop.test.workspace.graph.blobs
         for p, value in (whole or {}).items():  # ZeRO-3: the shards gathered, once
@@ -69,7 +70,10 @@ class Evaluation(Service):
                 loop.test.workspace.set(p, value)
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
-        batch, replicas = spec.batch_size, loop.graphs.data_size
+        # the replicas shard the split; where they train apart (scheme
+        # none) rank 0 reads all of it with the saved model, alone
+        (replica, replicas), here = loop.graphs.test_data, loop.graphs.counts_test_figures
+        batch = spec.batch_size
         given = test_iter or loop.job.solver.test_iter
         n = given or pass_batches(n_samples, batch, replicas)
         padded = not given and loop.graphs.test_pad is not None
@@ -91,12 +95,11 @@ class Evaluation(Service):
         by_position = [bool(c) for c in loop.graphs.test_counts] or [False] * len(names)
         with progress(counted, "test", "samples", log=loop.log,
                       enabled=loop.world.rank == 0) as bar:
-            for i in range(n):
+            for i in range(n if here or not loop.graphs.apart else 0):
                 loop.test.run(i)
                 counts = pass_counts(i, replicas, batch, limit)
                 # a tensor-parallel group's ranks hold the same figures: shard 0 counts
-                lay = loop.graphs.layout
-                mine = float(counts[lay.replica]) if lay.shard == 0 else 0.0
+                mine = float(counts[replica]) if here else 0.0
                 for j, (b, scale) in enumerate(zip(names, loop.graphs.test_scales)):
                     if b not in ws.arrays:
                         continue

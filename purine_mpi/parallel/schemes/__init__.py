@@ -6,5 +6,6 @@ and one name in the line below (and, for the config language, its name and
 meaning in job/schema.py: docs/DESIGN.md, "A new parallel scheme").
 """
 from .base import (SCHEMES, Composition, Layout, Scheme, mode_class,  # noqa: F401
-                   register_scheme, scheme_class, scheme_names, scheme_of)
+                   register_scheme, run_scheme_of, scheme_class, scheme_names,
+                   scheme_of)
 from . import data, param_server, none, pipeline, hybrid, tensor, sharded  # noqa: F401,E402

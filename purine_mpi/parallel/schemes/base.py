@@ -101,6 +101,18 @@ def scheme_of(job):
     return cls()
 
 
+def run_scheme_of(job, world_size):
+    """The scheme a run of ``world_size`` ranks of ``job`` trains under, as
+    train/trainer.run_training dispatches it: on several ranks a
+    parameter-server ``parallel.mode`` starts the servers whatever
+    ``parallel.scheme`` names (scheme none too: its class runs those modes
+    on one rank only), so its workers' scheme (``mode_class``); else
+    ``scheme_of(job)``. What ``graph --np``, ``plan`` and the scaling model
+    ask where they stand for a run."""
+    served = mode_class(job.parallel.mode)
+    return served() if world_size > 1 and served is not None else scheme_of(job)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where a rank sits: ``replicas`` x ``stages`` ranks (see
@@ -313,6 +325,13 @@ class Scheme:
         from ..micro_memory import plan_for_layout
         return plan_for_layout(graph, self.layout(job, world), job.parallel.schedule,
                                arena=job.memory_plan)
+
+    def trains_apart(self, job, lay):
+        """Whether the replicas of layout ``lay`` train apart: several that
+        exchange no gradients (scheme none). A save writes rank 0's replica
+        and a test pass evaluates it over the whole split, rank 0 alone
+        (parallel/rank_graphs.RankGraphs.apart)."""
+        return not self._job_scheme(job).exchanges_gradients and lay.replicas > 1
 
     def defer_update_applies(self, job, replicas, staged):
         """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set

@@ -73,12 +73,12 @@ class Scenario:
     def __init__(self, job, n):
         from ..graph import _OfflineWorld
         from ...parallel.compose import defer_update_applies, layout_of
-        from ...parallel.schemes import scheme_of
+        from ...parallel.schemes import run_scheme_of
         self.n = n
         par = job.parallel
         lay = layout_of(job, _OfflineWorld(0, n))
         self.staged = lay.staged
-        self.ps = n > 1 and not lay.staged and scheme_of(job).servers
+        self.ps = n > 1 and not lay.staged and run_scheme_of(job, n).servers
         if self.ps:
             self.servers = par.ps_ranks
             self.workers = n - self.servers
