@@ -165,6 +165,35 @@ def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5,
         assert gap > 1e-4 * np.abs(want["bn/running_var"]).max()
 
 
+@pytest.mark.parametrize("per_host", [None, "1"], ids=["shared", "rma"])
+def test_sharded3_windows_number_the_sums_among_the_barriers(digits_h5, monkeypatch,
+                                                            per_host):
+    """Offline, 2 ranks at shard 3 with ``transport: one_sided`` (one node:
+    a shared window; a host per rank: RMA Gets): the batch norm's two
+    Allreduces keep their own ``seq`` when the gathers become WindowSyncs,
+    and both ranks post one order (check_collectives' signature). Before:
+    "communication ops 'weight_bucket2.acquire' and
+    'bn.bwd.batch_norm_grad_stats.allreduce' share seq 8" (the windows
+    renumbered the plan without the sums)."""
+    from purine_mpi.comm.verify import comm_signature, compare_signatures
+    from purine_mpi.tools.graph import composed
+    from tests.conftest import make_job
+    if per_host:
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
+    job = make_job(_config(digits_h5, _net(True), {"scheme": "sharded", "shard": 3,
+                                                   "transport": "one_sided"}, G // 2))
+    signatures = []
+    for rank in range(2):
+        g, comp = composed(job, 2, rank)
+        kinds = {op.op_type for op in g.ops.values()}
+        assert "WindowSync" in kinds and "Allgather" not in kinds
+        assert ("GetShards" in kinds) == bool(per_host)
+        assert sum(op.op_type == "Allreduce" and "bucket" not in op.attrs
+                   for op in g.ops.values()) == 2
+        signatures.append(comm_signature(g))
+    assert compare_signatures(signatures) == []
+
+
 @pytest.mark.parametrize("parallel, words", [
     ({"scheme": "none"}, "scheme none does not sum it"),
     ({"scheme": "tensor"}, "scheme tensor does not sum it"),
