@@ -165,6 +165,29 @@ def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5,
         assert gap > 1e-4 * np.abs(want["bn/running_var"]).max()
 
 
+def test_defer_update_defers_the_end_of_the_iteration_alone(digits_h5):
+    """Offline, scheme data on 2 ranks with ``defer_update`` (the default):
+    the batch norm's Allreduces start no deferred tail, so the tail is the
+    buckets and the updates as without ``sync``, and the memory plan keeps
+    no activation of the passes for it. Before: the tail held the forward
+    after the sums ('bn.fwd', 'fc.fwd', 'loss.fwd', ...: 21 ops, not 9) and
+    the plan kept 15 roots ('c1', 'fc', 'loss.prob', ...) out of the arena."""
+    from purine_mpi.ops.catalog import make_kernel
+    from purine_mpi.runtime.memory_plan import plan_memory
+    from purine_mpi.runtime.tail import deferred_tail
+    from purine_mpi.tools.graph import composed
+    from tests.conftest import make_job
+    tails = []
+    for sync in (None, True):
+        g, _ = composed(make_job(_config(digits_h5, _net(sync), {"scheme": "data"}, G // 2)),
+                        2, 0)
+        tail, _ = deferred_tail(g, {n: make_kernel(op) for n, op in g.ops.items()})
+        tails.append(tail)
+        kept = [root for root, why in plan_memory(g).persistent.items() if "tail" in why]
+        assert kept == [], (sync, kept)
+    assert tails[0] and tails[1] == tails[0], sorted(tails[1])
+
+
 @pytest.mark.parametrize("per_host", [None, "1"], ids=["shared", "rma"])
 def test_sharded3_windows_number_the_sums_among_the_barriers(digits_h5, monkeypatch,
                                                             per_host):
