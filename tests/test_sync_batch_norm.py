@@ -238,6 +238,30 @@ def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
     assert "net[1].sync" in text and words in text, text
 
 
+@pytest.mark.parametrize("parallel, words", [
+    ({"scheme": "data", "micro_batches": 2}, "parallel.micro_batches 2"),
+    ({"scheme": "none"}, "scheme none does not sum it")])
+def test_a_graph_s_replica_sum_where_no_scheme_sums_it_is_refused(digits_h5, parallel, words):
+    """A ``graph:`` (the seed of the sync net, its BatchNormStats with attr
+    sum_over_replicas) where no scheme sums it: exit 2 naming the op's
+    attr, as the net's ``sync``; under scheme data it builds. Before, it
+    ran with each rank's (each micro-batch's) own statistics."""
+    import yaml
+    from purine_mpi.graph import seed_yaml
+    from purine_mpi.job.replica import build_train_graph
+    from tests.conftest import make_job
+    seed, _ = build_train_graph(make_job(_config(digits_h5, _net(True), {"scheme": "data"}, G)))
+    cfg = _config(digits_h5, None, {"scheme": "data"}, G)
+    del cfg["net"]
+    cfg["graph"] = yaml.safe_load(yaml.safe_dump(seed_yaml.dump(seed), sort_keys=False))
+    stats = next(i for i, e in enumerate(cfg["graph"]) if e.get("op_type") == "BatchNormStats")
+    validate_config(cfg, "cfg.yaml", check_files=False)
+    with pytest.raises(ConfigError) as exc:
+        validate_config(dict(cfg, parallel=parallel), "cfg.yaml", check_files=False)
+    text = str(exc.value)
+    assert f"graph.{stats}.attrs.sum_over_replicas" in text and words in text, text
+
+
 def test_the_synchronised_kernels_on_the_emulated_device(device):
     """The four kernels' GPU branch (the raw channel sums, float64 sums on
     the device) against their CPU run."""
