@@ -64,29 +64,15 @@ def test_tensor_shards_in_windows_over_their_replicas(tokens, monkeypatch, per_h
     transport row names the groups. (Before: exit 2, 'transport one_sided
     with parallel.tensor_parallel is refused'.)"""
     from purine_mpi.runtime.footprint import model_state_bytes, window_bytes
-    from tests.test_sharded_stages import _bytes
+    from tests.test_sharded_stages import _bytes, check_stage3_windows
     if per_host:
         monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
     job = make_job(_one_sided(tokens))
     signatures, windows, buckets = [], 0, 0
     for rank in range(4):
         g, comp = composed(job, 4, rank)
-        group, index = [rank % 2, rank % 2 + 2], rank // 2
-        ops = list(g.ops.values())
-        assert comp.shard_plan and not any(op.op_type == "Allgather" for op in ops)
-        syncs = [op for op in ops if op.op_type == "WindowSync"]
-        assert len(syncs) == 2 * len(comp.shard_plan)
-        assert all(op.attrs["group"] == group for op in syncs), rank
-        gets = [op for op in ops if op.op_type == "GetShards"]
-        assert bool(gets) == bool(per_host)
-        for entry in comp.shard_plan:
-            w = entry["weights"]
-            if per_host:
-                assert entry["windows"] == [f"z3/{w}@{r}" for r in group]
-                assert g.blobs[entry["weight_shard"]].attrs["window"] == f"z3/{w}@{rank}"
-            else:
-                assert entry["window"] == g.blobs[w].attrs["window"] == f"z3/{w}@{group[0]}"
-                assert g.blobs[entry["weight_shard"]].alias_of == w
+        group = [rank % 2, rank % 2 + 2]
+        check_stage3_windows(g, comp, group, rank, per_host)
         (what, how, why), = comp.transport
         assert what == "weights" and f"tensor shard ranks {group} on" in why
         assert ("RMA Get" in how) == bool(per_host)

@@ -283,6 +283,31 @@ def test_several_replicas_one_sided_trains_as_hybrid(tmp_path, train_once, monke
     _same(_params(ref / "latest.h5"), _params(out / "latest.h5"))
 
 
+def check_stage3_windows(g, comp, group, rank, per_host):
+    """Rank ``rank``'s stage-3 buckets (``comp.shard_plan``, graph ``g``) in
+    windows over ``group``: no Allgather left, two WindowSyncs a bucket on
+    ``group``; a host per rank (``per_host``): each rank's shard its own
+    region ``z3/<weights>@<rank>``, read by GetShards; one node: the weights
+    the region of ``group[0]``, their shard a view of it. Returns the
+    GetShards ops."""
+    ops = list(g.ops.values())
+    assert comp.shard_plan and not any(op.op_type == "Allgather" for op in ops)
+    syncs = [op for op in ops if op.op_type == "WindowSync"]
+    assert len(syncs) == 2 * len(comp.shard_plan)
+    assert all(op.attrs["group"] == group for op in syncs), rank
+    gets = [op for op in ops if op.op_type == "GetShards"]
+    for entry in comp.shard_plan:
+        w = entry["weights"]
+        if per_host:
+            assert entry["windows"] == [f"z3/{w}@{r}" for r in group]
+            assert g.blobs[entry["weight_shard"]].attrs["window"] == f"z3/{w}@{rank}"
+        else:
+            assert entry["window"] == g.blobs[w].attrs["window"] == f"z3/{w}@{group[0]}"
+            assert g.blobs[entry["weight_shard"]].alias_of == w
+    assert bool(gets) == bool(per_host)
+    return gets
+
+
 @pytest.mark.parametrize("per_host", [None, "1"])
 def test_stage3_one_sided_puts_each_stage_in_windows(monkeypatch, per_host):
     """Offline, 2 replicas x 2 stages at shard 3 with ``transport:
@@ -301,23 +326,8 @@ def test_stage3_one_sided_puts_each_stage_in_windows(monkeypatch, per_host):
     job = make_job(_staged("sharded", "sgd", shard=3, transport="one_sided"))
     for rank in range(4):
         g, comp = composed(job, 4, rank)
-        group, index = [rank % 2, rank % 2 + 2], rank // 2
-        ops = list(g.ops.values())
-        assert comp.shard_plan and not any(op.op_type == "Allgather" for op in ops)
-        syncs = [op for op in ops if op.op_type == "WindowSync"]
-        assert len(syncs) == 2 * len(comp.shard_plan)
-        assert all(op.attrs["group"] == group for op in syncs), rank
-        gets = [op for op in ops if op.op_type == "GetShards"]
-        for entry in comp.shard_plan:
-            w = entry["weights"]
-            if per_host:
-                regions = [f"z3/{w}@{r}" for r in group]
-                assert entry["windows"] == regions
-                assert g.blobs[entry["weight_shard"]].attrs["window"] == regions[index]
-            else:
-                assert entry["window"] == g.blobs[w].attrs["window"] == f"z3/{w}@{group[0]}"
-                assert g.blobs[entry["weight_shard"]].alias_of == w
-        assert bool(gets) == bool(per_host)
+        group = [rank % 2, rank % 2 + 2]
+        gets = check_stage3_windows(g, comp, group, rank, per_host)
         assert {tuple(op.attrs["regions"]) for op in gets} == (
             {tuple(e["windows"]) for e in comp.shard_plan} if per_host else set()), rank
         assert [row[0] for row in comp.transport] == ["activations and gradients", "weights"]

@@ -165,6 +165,58 @@ def test_two_replicas_train_as_one_rank_of_the_global_batch(one_rank, digits_h5,
         assert gap > 1e-4 * np.abs(want["bn/running_var"]).max()
 
 
+def test_defer_update_defers_the_end_of_the_iteration_alone(digits_h5):
+    """Offline, scheme data on 2 ranks with ``defer_update`` (the default):
+    the batch norm's Allreduces start no deferred tail, so the tail is the
+    buckets and the updates as without ``sync``, and the memory plan keeps
+    no activation of the passes for it. Before: the tail held the forward
+    after the sums ('bn.fwd', 'fc.fwd', 'loss.fwd', ...: 21 ops, not 9) and
+    the plan kept 15 roots ('c1', 'fc', 'loss.prob', ...) out of the arena."""
+    from purine_mpi.ops.catalog import make_kernel
+    from purine_mpi.runtime.memory_plan import plan_memory
+    from purine_mpi.runtime.tail import deferred_tail
+    from purine_mpi.tools.graph import composed
+    from tests.conftest import make_job
+    tails = []
+    for sync in (None, True):
+        g, _ = composed(make_job(_config(digits_h5, _net(sync), {"scheme": "data"}, G // 2)),
+                        2, 0)
+        tail, _ = deferred_tail(g, {n: make_kernel(op) for n, op in g.ops.items()})
+        tails.append(tail)
+        kept = [root for root, why in plan_memory(g).persistent.items() if "tail" in why]
+        assert kept == [], (sync, kept)
+    assert tails[0] and tails[1] == tails[0], sorted(tails[1])
+
+
+@pytest.mark.parametrize("per_host", [None, "1"], ids=["shared", "rma"])
+def test_sharded3_windows_number_the_sums_among_the_barriers(digits_h5, monkeypatch,
+                                                            per_host):
+    """Offline, 2 ranks at shard 3 with ``transport: one_sided`` (one node:
+    a shared window; a host per rank: RMA Gets): the batch norm's two
+    Allreduces keep their own ``seq`` when the gathers become WindowSyncs,
+    and both ranks post one order (check_collectives' signature). Before:
+    "communication ops 'weight_bucket2.acquire' and
+    'bn.bwd.batch_norm_grad_stats.allreduce' share seq 8" (the windows
+    renumbered the plan without the sums)."""
+    from purine_mpi.comm.verify import comm_signature, compare_signatures
+    from purine_mpi.tools.graph import composed
+    from tests.conftest import make_job
+    if per_host:
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
+    job = make_job(_config(digits_h5, _net(True), {"scheme": "sharded", "shard": 3,
+                                                   "transport": "one_sided"}, G // 2))
+    signatures = []
+    for rank in range(2):
+        g, comp = composed(job, 2, rank)
+        kinds = {op.op_type for op in g.ops.values()}
+        assert "WindowSync" in kinds and "Allgather" not in kinds
+        assert ("GetShards" in kinds) == bool(per_host)
+        assert sum(op.op_type == "Allreduce" and "bucket" not in op.attrs
+                   for op in g.ops.values()) == 2
+        signatures.append(comm_signature(g))
+    assert compare_signatures(signatures) == []
+
+
 @pytest.mark.parametrize("parallel, words", [
     ({"scheme": "none"}, "scheme none does not sum it"),
     ({"scheme": "tensor"}, "scheme tensor does not sum it"),
@@ -184,6 +236,30 @@ def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
         validate_config(cfg, "cfg.yaml", check_files=False)
     text = str(exc.value)
     assert "net[1].sync" in text and words in text, text
+
+
+@pytest.mark.parametrize("parallel, words", [
+    ({"scheme": "data", "micro_batches": 2}, "parallel.micro_batches 2"),
+    ({"scheme": "none"}, "scheme none does not sum it")])
+def test_a_graph_s_replica_sum_where_no_scheme_sums_it_is_refused(digits_h5, parallel, words):
+    """A ``graph:`` (the seed of the sync net, its BatchNormStats with attr
+    sum_over_replicas) where no scheme sums it: exit 2 naming the op's
+    attr, as the net's ``sync``; under scheme data it builds. Before, it
+    ran with each rank's (each micro-batch's) own statistics."""
+    import yaml
+    from purine_mpi.graph import seed_yaml
+    from purine_mpi.job.replica import build_train_graph
+    from tests.conftest import make_job
+    seed, _ = build_train_graph(make_job(_config(digits_h5, _net(True), {"scheme": "data"}, G)))
+    cfg = _config(digits_h5, None, {"scheme": "data"}, G)
+    del cfg["net"]
+    cfg["graph"] = yaml.safe_load(yaml.safe_dump(seed_yaml.dump(seed), sort_keys=False))
+    stats = next(i for i, e in enumerate(cfg["graph"]) if e.get("op_type") == "BatchNormStats")
+    validate_config(cfg, "cfg.yaml", check_files=False)
+    with pytest.raises(ConfigError) as exc:
+        validate_config(dict(cfg, parallel=parallel), "cfg.yaml", check_files=False)
+    text = str(exc.value)
+    assert f"graph.{stats}.attrs.sum_over_replicas" in text and words in text, text
 
 
 def test_the_synchronised_kernels_on_the_emulated_device(device):

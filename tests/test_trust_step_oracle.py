@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from tests.conftest import FakeWorld, make_job, run_mpi_cli, write_config_file
+from tests.test_micro_batches import _params
 
 IGNORE, BATCH, ITERS = 3, 8, 5
 #: each rank's batch as (counted, ignored) at iterations 1..4 on 2 ranks of
@@ -84,12 +85,10 @@ NAMES = ("fc1/weight", "fc1/bias", "fc2/weight", "fc2/bias")
 
 
 def _checkpoint(path):
+    """(the checkpoint's params/ and solver/ arrays, its iteration, its config)."""
     with h5py.File(path, "r") as f:
-        arrays = {}
-        f.visititems(lambda k, v: arrays.__setitem__(k, v[()])
-                     if isinstance(v, h5py.Dataset) and k.startswith(("params/", "solver/"))
-                     else None)
-        return arrays, int(f.attrs["iteration"]), yaml.safe_load(f.attrs["config"])
+        it, config = int(f.attrs["iteration"]), yaml.safe_load(f.attrs["config"])
+    return _params(path), it, config
 
 
 def torch_step(before, config, k, rows):

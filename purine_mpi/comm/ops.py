@@ -88,6 +88,12 @@ _POINT_TO_POINT = {"Send", "Recv",  # and comm/rma_ops.py's, comm/rma_pull.py's:
                    "GetShards"}
 
 
+#: the attr of a collective within the forward or backward pass (a
+#: synchronised batch norm's sums, parallel/data_parallel.sum_over_replicas):
+#: the pass goes on after it, so it starts no deferred tail (runtime/tail.py)
+IN_PASS = "in_pass"
+
+
 def is_comm_op(op):
     """True for the op types this module defines (graph passes use it)."""
     return op.op_type in _COLLECTIVES or op.op_type in _POINT_TO_POINT

@@ -38,6 +38,7 @@ from .yamlread import YamlRefused, read_yaml, where
 from .schema import (AUTO_SCHEME, RESOLVED_FIRST, SECTION_KEYS, SHARD_STAGES, TOP,
                      TOP_KEYS)
 from ..layers import check_layer, layer_key, layer_spec
+from ..ops.batchnorm import REPLICA_SUM
 
 
 # ------------------------------------------------------------------ loading
@@ -473,16 +474,24 @@ def _parallel_rules(out, parallel, path):
 
 def _check_sync_batch_norm(out, path):
     """A ``batch_norm``'s ``sync: true`` (statistics summed over the
-    replicas) where the scheme builds it: data, sharded (no stages) and
-    hybrid, no tensor shards, mode sync, no micro-batches; scheme auto's
-    choice is checked when it is set."""
+    replicas; in a ``graph:``, an op with attr ``REPLICA_SUM``, which the
+    schemes sum alike) where the scheme builds it: data, sharded (no
+    stages) and hybrid, no tensor shards, mode sync, no micro-batches;
+    scheme auto's choice is checked when it is set."""
     par = out["parallel"]
     scheme, micro = par["scheme"], par["micro_batches"]
     if scheme == AUTO_SCHEME:
         return
-    for i, layer in enumerate(out.get("net") or ()):
-        if layer_spec(layer["type"]).type != "batch_norm" or layer.get("sync") is not True:
-            continue
+    synced = [(f"{layer_key(out.get('_net_keys'), i)}.sync",
+               f"layer '{layer['name']}' (batch_norm): sync: true", "sync: false")
+              for i, layer in enumerate(out.get("net") or ())
+              if layer_spec(layer["type"]).type == "batch_norm" and layer.get("sync") is True]
+    synced += [(f"graph.{i}.attrs.{REPLICA_SUM}",
+                f"op '{e['name']}' ({e.get('op_type')}): {REPLICA_SUM}: true",
+                f"{REPLICA_SUM}: false")
+               for i, e in enumerate(out.get("graph") or ()) if e.get("type") == "op" and
+               isinstance(e.get("attrs"), dict) and e["attrs"].get(REPLICA_SUM)]
+    for key, who, instead in synced:
         if par["mode"] != "sync":
             why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
                    "their own, with no global batch; use mode: sync")
@@ -498,9 +507,8 @@ def _check_sync_batch_norm(out, path):
                    "the ranks, not the global batch's; use micro_batches: 1")
         else:
             continue
-        raise ConfigError(path, f"{layer_key(out.get('_net_keys'), i)}.sync",
-                          f"layer '{layer['name']}' (batch_norm): sync: true (statistics of the "
-                          f"global batch) is refused: {why}, or sync: false")
+        raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "
+                                     f"{why}, or {instead}")
 
 
 def _check_sharded(out, path):

@@ -350,15 +350,16 @@ def global_label_counts(graph, over="global", job=None):
     reader.attrs["count_over"] = over
 
 
-def _uncounted(job, op, readers):
-    """The ConfigError of a loss ``global_label_counts`` cannot normalise."""
+def _uncounted(job, op, data_ops):
+    """The ConfigError of a loss ``global_label_counts`` cannot normalise
+    (``data_ops``: how many the graph has)."""
     path = job.path if job is not None else None
     if job is not None and job.graph is None:
         where, layer = layer_where(job, op)
         who = f"layer '{layer}' ({where})"
     else:
         who = f"op '{op.name}' of the graph"
-    why = (f"the graph has {readers} data ops" if readers != 1 else
+    why = (f"the graph has {data_ops} data ops" if data_ops != 1 else
            f"its label '{op.inputs[1]}' is not the data op's (an op other than a copy or "
            "reshape makes it)")
     return ConfigError(path, "parallel.ignore_label_mean",

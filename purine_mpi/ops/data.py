@@ -43,8 +43,8 @@ Attrs:
                 it, and the mean of the shards' losses (what the 1/world_size
                 of the gradients and the reported loss take) is the global
                 batch's mean over its counted positions. Only the labels of
-                the global batch are read, once for every label (no data; a
-                source without its labels apart reads them through
+                the global batch are read, once, every label counted in
+                them (no data; a source without its labels apart reads them through
                 ``gather``). Micro-batch copies of the op count once: copy 0
                 alone has the attr, and every copy's losses read its outputs
                 (parallel/micro_batch.py)

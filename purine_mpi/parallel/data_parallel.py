@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from ..comm.ops import is_collective, is_comm_op
+from ..comm.ops import IN_PASS, is_collective, is_comm_op
 from ..base.errors import GraphError, UserError
 from ..ops.batchnorm import REPLICA_SUM
 from ..ops.updates import UPDATE_OP_TYPES
@@ -92,11 +92,14 @@ def sum_over_replicas(graph, group=None):
     slice the whole net's, where a Recv, ready from the start, would pull
     the backward's sum ahead in the topological order) from the graph's
     first free one: before the buckets a scheme adds next, so the forward's
-    sum never waits behind a gradient's; the same on every rank. Returns
-    the Allreduce ops."""
+    sum never waits behind a gradient's; the same on every rank. Each has
+    attr ``IN_PASS``: the passes go on after it, so the deferred tail
+    (``parallel.defer_update``) does not start there. Returns the
+    Allreduce ops."""
     seq, added, after = next_seq(graph), [], {}
     for op in [op for op in graph.ops.values() if op.attrs.get(REPLICA_SUM)]:
         added.append(sum_after(graph, op, graph.free_name(f"{op.name}.allreduce"), group, seq))
+        added[-1].attrs[IN_PASS] = True  # no end of the iteration (runtime/tail.py)
         after[op.name] = added[-1].name
         seq += 1
     emit_after(graph, after)

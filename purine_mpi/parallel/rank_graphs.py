@@ -91,8 +91,9 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     (false for ``plan``, which accounts every byte itself, for the device
     the job names: a GPU job planned on a small host)."""
     scheme = scheme or scheme_of(job)
-    # the capabilities are those of the scheme the job runs: the trainer's
-    # bare ``Scheme()`` stands for it, its class attributes are the defaults
+    # the capabilities are those of the scheme the job runs: a bare
+    # ``Scheme()`` (or a test's unregistered subclass) stands for it, its
+    # class attributes are the defaults
     own = scheme._job_scheme(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)

@@ -90,7 +90,7 @@ def to_shared_weights(graph, plan, job, world, group=None, others=(), who="stage
     in the transport row (``_stage_weights``; every rank calls it, a stage
     without parameters too). ``others``: the collectives the WindowSyncs
     are numbered among (``sequence_collectives``: the tensor groups'
-    allreduces). Returns (the Windows or None, the transport lines or
+    allreduces, a synchronised batch norm's sums). Returns (the Windows or None, the transport lines or
     None, the window placement ``(layout, node_of)`` or None)."""
     transport = job.parallel.transport
     if transport not in ("one_sided", "auto") or world.size == 1 or job.device >= 0 or \
@@ -104,7 +104,7 @@ def to_shared_weights(graph, plan, job, world, group=None, others=(), who="stage
                               others, who)
     hosts = len(set(node_of.values()))
     if hosts != 1:
-        return _rma_weights(graph, plan, transport, world, node_of, live)
+        return _rma_weights(graph, plan, transport, world, node_of, live, others)
     if transport != "one_sided":
         return None, None, None
     owner = min(node_of)
@@ -120,16 +120,17 @@ def to_shared_weights(graph, plan, job, world, group=None, others=(), who="stage
             world, layout, node_of, lambda exc: [GATHERED + (f"one_sided: {exc}",)])
         if windows is None:
             return None, lines, None
-    share_weights(graph, plan, world.rank, owner)
+    share_weights(graph, plan, world.rank, owner, others=others)
     return windows, [("weights", "one shared copy per node: each bucket's weights in one "
                       "shared window, read in place (the gathers only synchronise)",
                       "parallel.transport: one_sided, ranks of one node")], placed
 
 
-def _rma_weights(graph, plan, transport, world, node_of, live):
+def _rma_weights(graph, plan, transport, world, node_of, live, others=()):
     """Across hosts: each rank's weight shards in its RMA window, the
     gathers Gets (see the module docstring), where ``transport`` is
-    one_sided or ``auto`` and the ranks agree the network does RDMA."""
+    one_sided or ``auto`` and the ranks agree the network does RDMA; the
+    collectives renumbered among ``others``."""
     from .one_sided import _agreed_across_hosts
     hosts = len(set(node_of.values()))
     why = f"parallel.transport: {transport}, ranks on {hosts} nodes"
@@ -151,7 +152,7 @@ def _rma_weights(graph, plan, transport, world, node_of, live):
             world, layout, node_of, lambda exc: [GATHERED + (f"{why}: {exc}",)])
         if windows is None:
             return None, lines, None
-    get_weights(graph, plan, world.rank, range(world.size))
+    get_weights(graph, plan, world.rank, range(world.size), others=others)
     return windows, [GOT + (why,)], (layout, node_of)
 
 

@@ -10,7 +10,9 @@ the ops that may finish while the next iteration runs, and for each of them
 the ops of the *next* iteration that must wait for it:
 
 - the tail is every collective comm op (kernel category ``comm``, posted in
-  ``seq`` order) and everything downstream of one, less any op that reads
+  ``seq`` order) but those within a pass (attr ``IN_PASS``, comm/ops.py: a
+  synchronised batch norm's sums, after which the forward or backward goes
+  on) and everything downstream of one, less any op that reads
   storage nothing in the graph writes (fed from outside between iterations,
   like ``iter``), or touches storage an accumulating op writes (zeroed at
   the start of every iteration), and less everything upstream of such an op
@@ -27,6 +29,8 @@ are bit-identical to running the iterations one after the other.
 """
 from collections import defaultdict
 
+from ..comm.ops import IN_PASS
+
 
 def deferred_tail(graph, kernels, deps=None):
     """(tail op names as a frozenset, {tail op: tuple of the ops of the next
@@ -40,7 +44,7 @@ def deferred_tail(graph, kernels, deps=None):
             succ[p].add(n)
     ops = graph.ops
     comm = {n for n, k in kernels.items() if k.category == "comm"}
-    roots = [n for n in comm if kernels[n].seq_ordered]
+    roots = [n for n in comm if kernels[n].seq_ordered and not ops[n].attrs.get(IN_PASS)]
     tail, stack = set(), list(roots)
     while stack:
         n = stack.pop()

@@ -213,9 +213,10 @@ class Sharded(Hybrid):
                     "stage and tensor shard" if lay.tensor > 1 else "stage"))
         else:
             # stage 3, parallel.transport one_sided, one node: one shared copy
+            # (the WindowSyncs numbered among a synchronised batch norm's sums)
             from ..zero3_windows import to_shared_weights
             comp.windows, comp.transport, comp.window_placement = \
-                to_shared_weights(graph, plan, job, world)
+                to_shared_weights(graph, plan, job, world, others=synced)
         # never deferred (``deferrable``): the memory plan must not keep the
         # deferred tail's blobs (under SGD it reached the full buckets)
         graph.deferrable = False
