@@ -283,6 +283,7 @@ def test_a_resumed_run_holds_what_plan_resume_says(tmp_path):
     since: test_a_large_starter_is_not_the_peak)."""
     from purine_mpi.job.checkpoint_file import load_checkpoint
     from purine_mpi.tools.plan import arrays_nbytes
+    from tests.conftest import run_cli_here
     path = _wide_cifar(tmp_path)
     env = {**os.environ, "PURINE_MMAP_THRESHOLD": "131072"}
     _, sets = rss_vs_plan.sets_for("cifar10_quick", "data", str(tmp_path))
@@ -296,9 +297,8 @@ def test_a_resumed_run_holds_what_plan_resume_says(tmp_path):
     assert t.returncode == 0, t.stderr
     measured = json.load(open(os.path.join(run, "memory.json")))["ranks"][0]
     plans = {}
-    for flag in ((), ("--resume",)):
-        p = subprocess.run(rss_vs_plan.PY + ["plan", path, "--json", *flag] + args,
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    for flag in ((), ("--resume",)):  # in this process: plan's figures are offline
+        p = run_cli_here("plan", path, "--json", *flag, *args, cwd=ROOT)
         assert p.returncode == 0, p.stderr
         plans[flag] = json.loads(p.stdout)["ranks"][0]["host"]
     planned, m = plans[("--resume",)], measured["above_baseline_bytes"]
