@@ -85,7 +85,8 @@ def run_cli_here(*args, cwd=REPO):
     """``python -m purine_mpi ARGS`` run inside this process (``cli.main``,
     its environment and folder as ``run_cli_args`` gives them), for the
     tests of a usage or config error that the command finds before it
-    starts MPI: the same CompletedProcess (the status ``main`` returns or
+    starts MPI, and of the offline commands' output (``graph``, ``plan``:
+    composed graphs, no MPI): the same CompletedProcess (the status ``main`` returns or
     exits with, stdout, stderr), without a new interpreter's ~0.5 s of
     imports. What only a process shows (its exit status, nothing printed at
     exit, no traceback) is checked by the tests that still run such errors

@@ -12,7 +12,7 @@ import pytest
 
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_tensor_parallel import _config
@@ -207,7 +207,7 @@ def test_what_is_not_built_exits_2(tmp_path, change, key, words):
 
 def test_graph_np_composes_each_rank(tmp_path):
     path = write_config_file(tmp_path, _job("sharded"), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "3", "--rank", "2")
+    res = run_cli_here("graph", path, "--np", "3", "--rank", "2")
     assert res.returncode == 0, res.stderr
     assert "rank 2 holds shard 2 of 3" in res.stdout
     assert "ReduceScatter" in res.stdout and "Allgather" in res.stdout

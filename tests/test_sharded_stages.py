@@ -18,7 +18,7 @@ from purine_mpi.parallel.sharding import PARAM_GATHERED_KIND, WORKING_SET_ATTR
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, write_config_file
+from tests.conftest import make_job, run_cli_here, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _losses, _model_state, _same, _train
@@ -146,12 +146,12 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
     for stage, lists in seqs.items():
         assert lists[0] == lists[1], stage
     path = write_config_file(tmp_path, _staged("sharded"), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    res = run_cli_here("graph", path, "--np", "4", "--rank", "3")
     assert res.returncode == 0, res.stderr
     assert "rank 3 holds shard 1 of 2 of every bucket's optimizer state of this stage" \
         in res.stdout
     assert "sharded buckets (shard 1 of 2, over ranks [1, 3]" in res.stdout
-    res = run_cli_args("plan", path, "--np", "4")
+    res = run_cli_here("plan", path, "--np", "4")
     assert res.returncode == 0, res.stderr
     assert "[sharded: 2 replicas x 2 stages, 4 ranks]" in res.stdout
     for rank in range(4):
@@ -170,7 +170,7 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 def test_what_is_not_built_exits_2(tmp_path, change, np_, key, words):
     cfg = _staged("sharded", "sgd")
     cfg["parallel"].update(change)
-    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
     assert_user_error(res, key, words)
 
 
@@ -531,7 +531,7 @@ def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
         signatures.append(comm_signature(g))
     assert compare_signatures(signatures) == []  # world order: each stage's group agrees
     path = write_config_file(tmp_path, _staged("sharded", solver, shard=3), "s.yaml")
-    res = run_cli_args("graph", path, "--np", str(n), "--rank", str(n - 1))
+    res = run_cli_here("graph", path, "--np", str(n), "--rank", str(n - 1))
     assert res.returncode == 0, res.stderr
     assert (f"holds shard {replicas - 1} of {replicas} of every bucket's weights, gradients "
             "and optimizer state of this stage") in res.stdout
