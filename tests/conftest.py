@@ -262,7 +262,7 @@ def email_h5(tmp_path_factory):
     """The byte-level token file ``data text`` makes of EMAIL's *.py files,
     once a session (the tests only read it)."""
     path = tmp_path_factory.mktemp("text") / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
 
@@ -270,7 +270,7 @@ def email_h5(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.h5"
-    res = run_cli_args("data", "digits", "--out", path)
+    res = run_cli_here("data", "digits", "--out", path)
     assert res.returncode == 0, res.stderr
     assert path.exists()
     return str(path)
