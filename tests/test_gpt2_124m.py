@@ -9,7 +9,7 @@ import pytest
 
 from purine_mpi.job.config import load_config
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import REPO, make_job, run_cli_args, run_cli_here
+from tests.conftest import REPO, make_job, run_cli_here
 
 JOB = os.path.join(REPO, "jobs", "gpt2_124m.yaml")
 
@@ -18,7 +18,7 @@ JOB = os.path.join(REPO, "jobs", "gpt2_124m.yaml")
 def text_h5(tmp_path_factory):
     import json
     path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_args("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
+    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
                        "*.py", "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
