@@ -85,7 +85,8 @@ def run_cli_here(*args, cwd=REPO):
     """``python -m purine_mpi ARGS`` run inside this process (``cli.main``,
     its environment and folder as ``run_cli_args`` gives them), for the
     tests of a usage or config error that the command finds before it
-    starts MPI: the same CompletedProcess (the status ``main`` returns or
+    starts MPI, and of the offline commands' output (``graph``, ``plan``:
+    composed graphs, no MPI): the same CompletedProcess (the status ``main`` returns or
     exits with, stdout, stderr), without a new interpreter's ~0.5 s of
     imports. What only a process shows (its exit status, nothing printed at
     exit, no traceback) is checked by the tests that still run such errors
@@ -261,7 +262,7 @@ def email_h5(tmp_path_factory):
     """The byte-level token file ``data text`` makes of EMAIL's *.py files,
     once a session (the tests only read it)."""
     path = tmp_path_factory.mktemp("text") / "email.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
 
@@ -269,7 +270,7 @@ def email_h5(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "digits.h5"
-    res = run_cli_args("data", "digits", "--out", path)
+    res = run_cli_here("data", "digits", "--out", path)
     assert res.returncode == 0, res.stderr
     assert path.exists()
     return str(path)

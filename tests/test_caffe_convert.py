@@ -14,7 +14,7 @@ from purine_mpi.interop.prototxt import Enum, PrototxtError, parse
 from purine_mpi.job.config import load_config, resolve_config
 from purine_mpi.job.replica import build_test_graph, build_train_graph
 
-from .conftest import REPO, final_figures, make_job, run_cli_args
+from .conftest import REPO, final_figures, make_job, run_cli_args, run_cli_here
 from .opcheck import run_op
 from .test_cli import assert_user_error
 
@@ -258,7 +258,7 @@ def test_solver_policies(tmp_path, text, key, value):
     ("bad_layer_type.prototxt", 5, ["layer 'deconv' (type Deconvolution)", "not supported"]),
 ])
 def test_bad_prototxt_exits_2_with_the_line(tmp_path, small_h5, name, line, needles):
-    res = run_cli_args("convert", "caffe", fixture(name), "--data", small_h5,
+    res = run_cli_here("convert", "caffe", fixture(name), "--data", small_h5,
                        "--out", tmp_path / "x.yaml")
     assert_user_error(res, f"{name}:{line}: ", *needles)
     assert not (tmp_path / "x.yaml").exists()
@@ -323,7 +323,7 @@ def test_what_our_layers_reject_names_the_prototxt_line(small_h5, tmp_path, snip
 
 
 def test_data_layers_need_data_file(tmp_path):
-    res = run_cli_args("convert", "caffe", fixture("v1_layers.prototxt"),
+    res = run_cli_here("convert", "caffe", fixture("v1_layers.prototxt"),
                        "--out", tmp_path / "x.yaml")
     assert_user_error(res, "v1_layers.prototxt:3:", "--data")
 
@@ -348,7 +348,7 @@ def test_converted_lenet_trains_on_digits_like_our_job(digits_h5, digits_lenet_f
 def test_googlenet_style_net_builds_its_training_graph(tmp_path):
     data = random_h5(tmp_path / "g.h5", (3, 32, 32), 10, n_train=8, n_test=4)
     job = tmp_path / "g.yaml"
-    res = run_cli_args("convert", "caffe", fixture("googlenet_mini.prototxt"), "--data", data,
+    res = run_cli_here("convert", "caffe", fixture("googlenet_mini.prototxt"), "--data", data,
                        "--out", job)
     assert res.returncode == 0, res.stderr
     config = load_config(str(job))

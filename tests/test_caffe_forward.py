@@ -9,7 +9,7 @@ test phase), InnerProduct."""
 import h5py
 import numpy as np
 
-from .conftest import run_cli_args
+from .conftest import run_cli_args, run_cli_here
 from .test_caffemodel import blob, layer, string
 
 PROTOTXT = """
@@ -90,7 +90,7 @@ def _convert(tmp_path, prototxt, data, labels):
             f[f"{split}/data"] = data
             f[f"{split}/label"] = labels
     (tmp_path / "net.prototxt").write_text(prototxt)
-    res = run_cli_args("convert", "caffe", tmp_path / "net.prototxt", "--data", tmp_path / "d.h5",
+    res = run_cli_here("convert", "caffe", tmp_path / "net.prototxt", "--data", tmp_path / "d.h5",
                        "--out", tmp_path / "job.yaml")
     assert res.returncode == 0, res.stderr
 

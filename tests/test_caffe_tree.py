@@ -16,7 +16,7 @@ from purine_mpi.interop.caffe_convert import convert
 from purine_mpi.job.config import load_config
 from purine_mpi.job.replica import build_train_graph
 
-from .conftest import final_figures, make_job, run_cli_args
+from .conftest import final_figures, make_job, run_cli_args, run_cli_here
 from .lmdb_fixtures import write_lmdb, write_mean
 from .test_caffe_convert import fixture
 from .test_cli import assert_user_error
@@ -64,7 +64,7 @@ def digits_tree(digits_h5, tmp_path_factory):
 
 
 def test_convert_without_data_reads_the_trees_lmdbs(digits_tree):
-    res = run_cli_args("convert", "caffe", "examples/mnist/lenet_train_test.prototxt",
+    res = run_cli_here("convert", "caffe", "examples/mnist/lenet_train_test.prototxt",
                        "--solver", "examples/mnist/lenet_solver.prototxt",
                        "--out", "lenet.yaml", cwd=digits_tree)
     assert res.returncode == 0, res.stderr
@@ -228,7 +228,7 @@ def test_googlenet_style_net_builds_from_lmdb(imagenet_tree, tmp_path):
     text = text.replace('source: "test_lmdb"', 'source: "examples/imagenet/ilsvrc12_val_lmdb"')
     net = imagenet_tree / "googlenet.prototxt"
     net.write_text(text)
-    res = run_cli_args("convert", "caffe", net, "--out", tmp_path / "g.yaml", cwd=imagenet_tree)
+    res = run_cli_here("convert", "caffe", net, "--out", tmp_path / "g.yaml", cwd=imagenet_tree)
     assert res.returncode == 0, res.stderr
     config = load_config(str(tmp_path / "g.yaml"))
     train = config["data"]["train"]
@@ -267,7 +267,7 @@ def test_leveldb_is_refused_naming_the_layer(tmp_path, backend, needle):
                    f'  data_param {{ source: "x_leveldb" batch_size: 2 {backend} }} }}\n'
                    'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"\n'
                    '  inner_product_param { num_output: 2 } }\n')
-    res = run_cli_args("convert", "caffe", net, "--out", tmp_path / "x.yaml")
+    res = run_cli_here("convert", "caffe", net, "--out", tmp_path / "x.yaml")
     assert_user_error(res, "layer 'd' (type Data)", needle, "--data")
 
 

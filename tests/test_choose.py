@@ -13,7 +13,7 @@ import re
 import pytest
 import yaml
 
-from tests.conftest import run_cli_args, run_cli_here, run_mpi_cli
+from tests.conftest import run_cli_here, run_mpi_cli
 
 NET = """name: choose_net
 seed: 3
@@ -39,8 +39,8 @@ def _job(tmp_path, scheme="data"):
 
 
 def _choose(job, cal, *extra, np=2):
-    res = run_cli_args("plan", job, "--np", np, "--choose", "--json", "--calibration", cal,
-                       *extra, timeout=600)
+    res = run_cli_here("plan", job, "--np", np, "--choose", "--json", "--calibration", cal,
+                       *extra)
     assert res.returncode in (0, 2), res.stderr
     return json.loads(res.stdout), res
 
@@ -91,8 +91,8 @@ def test_choose_splits_a_net_too_big_for_one_rank(tmp_path, calibrated):
     errors = [i for i, r in enumerate(cands) if "error" in r]
     assert errors == list(range(len(cands) - len(errors), len(cands)))
     # the text table says the same, and the best as --set options
-    text = run_cli_args("plan", job, "--np", 2, "--choose", "--calibration", cal,
-                        "--host-memory", limit, timeout=600)
+    text = run_cli_here("plan", job, "--np", 2, "--choose", "--calibration", cal,
+                        "--host-memory", limit)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     dp = next(line for line in lines if "data, recompute none" in line)

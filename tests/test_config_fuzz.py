@@ -42,7 +42,12 @@ def test_seeded_sample_keeps_the_promise(folder, jobs):
     """SAMPLE mutations (seed 55) through graph, and every parallel key's
     through plan --np N too: none is a traceback, a hang, exit 2 without
     the file or the key, or a value accepted that docs/config.md refuses."""
-    cases = [m for m in fz.mutations(jobs) if m.job in SAMPLED_JOBS]
+    # the sampled jobs' mutations alone: each job's list depends on that job
+    # only, so this is the same list in the same order as every job's
+    # filtered (the same sample), without deep-copying GoogLeNet's, NIN's and
+    # the GPT-2s' configs ~4,800 times (checked: 5,365 equal mutations, 52 ->
+    # 6 s on the loaded 2-core machine)
+    cases = fz.mutations({name: raw for name, raw in jobs.items() if name in SAMPLED_JOBS})
     sample = random.Random(55).sample(cases, SAMPLE)
     bad = []
     for m in sample:

@@ -12,7 +12,7 @@ def test_a_graph_yaml_job_reports_its_own_lr_and_speed(tmp_path, digits_h5):
     start-up block's base_lr is the lr the iterations use, and the speed is
     counted from the graph's data readers (it has no data: section)."""
     sets = ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"]
-    res = run_cli_args("graph", "jobs/digits_lenet.yaml", "--format", "yaml", *sets)
+    res = run_cli_here("graph", "jobs/digits_lenet.yaml", "--format", "yaml", *sets)
     assert res.returncode == 0, res.stderr
     job = tmp_path / "g.yaml"
     job.write_text(res.stdout)

@@ -276,7 +276,7 @@ def _png_size(path):
 def test_plot_draws_every_run_and_phase(runs, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "figs" / "curves.png"
-    res = run_cli_args("plot", runs["straight"], runs["split"] / "metrics.jsonl",
+    res = run_cli_here("plot", runs["straight"], runs["split"] / "metrics.jsonl",
                        "--out", out)
     assert res.returncode == 0, res.stderr
     width, height = _png_size(out)
@@ -322,7 +322,7 @@ def test_plot_of_a_job_folder_takes_its_newest_run(runs, tmp_path):
     shutil.copytree(runs["split"], job / "2")
     (job / "3").mkdir()  # a run that has not written metrics yet
     assert resolve_run(job) == (str(job / "2"), str(job / "2" / "metrics.jsonl"))
-    res = run_cli_args("plot", job, "--out", tmp_path / "c.png")
+    res = run_cli_here("plot", job, "--out", tmp_path / "c.png")
     assert res.returncode == 0, res.stderr
     _png_size(tmp_path / "c.png")
 
@@ -356,7 +356,7 @@ def test_plot_bad_inputs_exit_2(tmp_path):
     # a last line cut short by a kill is ignored
     cut = tmp_path / "cut.jsonl"
     cut.write_text('{"phase": "train", "iter": 5, "loss": 1.0, "lr": 0.1}\n{"phase": "tr')
-    res = run_cli_args("plot", cut, "--out", out)
+    res = run_cli_here("plot", cut, "--out", out)
     assert res.returncode == 0, res.stderr
     assert_exit_2(run_cli_here("plot", cut, "--out", tmp_path / "c.nosuchformat"),
                   "c.nosuchformat")

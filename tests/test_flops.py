@@ -10,7 +10,8 @@ import pytest
 
 from purine_mpi.tools.flops import (cpu_peak, device_peak, gpt_closed_form, gpt_figures,
                                     graph_flops)
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, write_config_file
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+                            write_config_file)
 from tests.gpt_oracle import gpt_net
 
 V, C, H, L, T, B = 96, 48, 4, 3, 24, 2
@@ -19,7 +20,7 @@ V, C, H, L, T, B = 96, 48, 4, 3, 24, 2
 @pytest.fixture(scope="module")
 def text_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_args("data", "text", "--from", json.__file__, "--out", path)
+    res = run_cli_here("data", "text", "--from", json.__file__, "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
 

@@ -87,7 +87,7 @@ def _torch_continuation(net, params, prompt, tokens, temperature, top_k, seed, t
 
 def _generate(config, run, *extra):
     """The continuation alone (--no-prompt)."""
-    res = run_cli_args("generate", config, "--weights", run, "--no-prompt", *extra)
+    res = run_cli_here("generate", config, "--weights", run, "--no-prompt", *extra)
     assert res.returncode == 0, res.stderr
     assert res.stdout.endswith("\n")
     return res.stdout[:-1]
@@ -212,7 +212,7 @@ def test_prints_the_prompt_then_the_continuation(trained):
     leaves the prompt out."""
     config, run, _ = trained
     args = ("--prompt", "from email ", "--tokens", "20", "--seed", "4")
-    res = run_cli_args("generate", config, "--weights", run, *args)
+    res = run_cli_here("generate", config, "--weights", run, *args)
     assert res.returncode == 0, res.stderr
     assert res.stdout == "from email " + _generate(config, run, *args) + "\n"
 
@@ -224,7 +224,7 @@ def test_the_weights_alone_suffice(trained, tmp_path):
     args = ("--prompt", "import ", "--tokens", "16", "--temperature", "0.7", "--seed", "9")
     want = _generate(config, run, *args)
     for weights in (run, os.path.join(run, "ckpt_40.h5")):
-        res = run_cli_args("generate", "--weights", weights, "--no-prompt", *args)
+        res = run_cli_here("generate", "--weights", weights, "--no-prompt", *args)
         assert res.returncode == 0, res.stderr
         assert res.stdout[:-1] == want
     # a config whose data file is gone: generate never reads it

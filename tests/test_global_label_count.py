@@ -72,10 +72,10 @@ def test_micro_batches_on_the_emulated_gpu_train_as_the_whole_batch(tmp_path, mo
 def test_a_text_source_reads_its_labels_alone_as_in_its_batches(tmp_path):
     """``gather_labels`` of a text source (no data read) is ``gather``'s labels."""
     from purine_mpi.data.sources import make_source
-    from tests.conftest import run_cli_args
+    from tests.conftest import run_cli_here
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
-    res = run_cli_args("data", "text", "--from", text, "--out", tmp_path / "t.h5")
+    res = run_cli_here("data", "text", "--from", text, "--out", tmp_path / "t.h5")
     assert res.returncode == 0, res.stderr[-2000:]
     source = make_source({"source": "text", "path": str(tmp_path / "t.h5"), "split": "train",
                           "sequence_length": 7})

@@ -9,7 +9,7 @@ import pytest
 
 from purine_mpi.job.config import load_config
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import REPO, make_job, run_cli_args
+from tests.conftest import REPO, make_job, run_cli_here
 
 JOB = os.path.join(REPO, "jobs", "gpt2_124m.yaml")
 
@@ -18,7 +18,7 @@ JOB = os.path.join(REPO, "jobs", "gpt2_124m.yaml")
 def text_h5(tmp_path_factory):
     import json
     path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_args("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
+    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
                        "*.py", "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
@@ -69,11 +69,11 @@ def test_parameter_count_is_gpt2_124m(text_h5):
 
 
 def test_graph_and_plan_work_on_the_cpu(text_h5):
-    res = run_cli_args("graph", JOB, *sum((["--set", s] for s in _sets(
-        text_h5, "parallel.micro_batches=1", "data.train.batch_size=2")), []), timeout=600)
+    res = run_cli_here("graph", JOB, *sum((["--set", s] for s in _sets(
+        text_h5, "parallel.micro_batches=1", "data.train.batch_size=2")), []))
     assert res.returncode == 0, res.stderr
     assert "h11_attn" in res.stdout and "lm_head" in res.stdout
-    res = run_cli_args("plan", JOB, "--json", *sum((["--set", s] for s in _sets(
-        text_h5, "parallel.micro_batches=1", "data.train.batch_size=2")), []), timeout=600)
+    res = run_cli_here("plan", JOB, "--json", *sum((["--set", s] for s in _sets(
+        text_h5, "parallel.micro_batches=1", "data.train.batch_size=2")), []))
     assert res.returncode == 0, res.stderr
     assert "weights" in res.stdout

@@ -317,7 +317,7 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
     """train writes the new layers' params (one tied table), `inspect` lists
     them with their shapes, `--init` loads them all (and names a mismatch)."""
     from purine_mpi.job.checkpoint_file import load_params
-    from tests.conftest import run_cli_args, write_config_file
+    from tests.conftest import run_cli_args, run_cli_here, write_config_file
     cfg = {"data": {"train": {"source": "synthetic", "shape": [1], "classes": 4,
                               "batch_size": 4}},
            "solver": {"type": "adamw", "base_lr": 0.01, "max_iter": 2},
@@ -342,7 +342,7 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
     assert shapes == {"wte/weight": [4, 16], "wpe/weight": [6, 4], "ln/weight": [4],
                       "ln/bias": [4], "attn/qkv_weight": [12, 4], "attn/qkv_bias": [12],
                       "attn/proj_weight": [4, 4], "attn/proj_bias": [4]}
-    shown = run_cli_args("inspect", ckpt)
+    shown = run_cli_here("inspect", ckpt)
     assert shown.returncode == 0, shown.stderr
     for name in shapes:
         assert name in shown.stdout

@@ -13,8 +13,8 @@ import pytest
 
 from purine_mpi import cli
 from purine_mpi.base import threads
-from tests.conftest import MPIEXEC, REPO, cli_env, run_cli_args, small_net_config, \
-    write_config_file
+from tests.conftest import MPIEXEC, REPO, cli_env, run_cli_args, run_cli_here, \
+    small_net_config, write_config_file
 
 
 def _mpi(n, *args, cwd=REPO, timeout=120):
@@ -64,7 +64,7 @@ def test_case3_inspect_and_graph_print_once(tmp_path, digits_h5):
     cfg = write_config_file(tmp_path, small_net_config(digits_h5))
     res = _mpi(2, "graph", cfg, "--np", "2", "--rank", "1")
     assert res.returncode == 0, res.stderr
-    alone = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    alone = run_cli_here("graph", cfg, "--np", "2", "--rank", "1")
     assert alone.returncode == 0, alone.stderr
     assert res.stdout == alone.stdout
 

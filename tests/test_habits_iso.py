@@ -23,7 +23,7 @@ import pytest
 from purine_mpi.graph.core import Op
 from purine_mpi.ops.catalog import get_kernel_class
 
-from .conftest import REPO, cli_env, make_job, run_cli_args
+from .conftest import REPO, cli_env, make_job, run_cli_args, run_cli_here
 from .lmdb_fixtures import write_lmdb, write_mean
 from .opcheck import numeric_grad, run_op
 from .test_caffe_convert import fixture
@@ -301,7 +301,7 @@ def test_case10_dot_graph_has_no_unconnected_blob(digits_h5, np_):
     """Case 10: `graph --np 2 --format dot` drew the grad_bucket blobs with
     no edge; now every blob has an edge, and each bucket has a dashed
     'view' edge to each gradient blob that views it."""
-    res = run_cli_args("graph", os.path.join(REPO, "jobs", "digits_lenet.yaml"), "--np", np_,
+    res = run_cli_here("graph", os.path.join(REPO, "jobs", "digits_lenet.yaml"), "--np", np_,
                        "--format", "dot", "--set", f"data.train.path={digits_h5}",
                        "--set", f"data.test.path={digits_h5}")
     assert res.returncode == 0, res.stderr

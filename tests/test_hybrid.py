@@ -86,7 +86,7 @@ def test_graph_cli_shows_every_hybrid_slice(tmp_path):
     cfg = write_config_file(tmp_path, _hybrid(micro_batches=2))
     for rank in range(4):
         replica, stage = divmod(rank, 2)
-        res = run_cli_args("graph", cfg, "--np", "4", "--rank", str(rank))
+        res = run_cli_here("graph", cfg, "--np", "4", "--rank", str(rank))
         assert res.returncode == 0, res.stderr
         out = res.stdout
         assert f"rank {rank} = replica {replica}, stage {stage}" in out
@@ -102,7 +102,7 @@ def test_graph_cli_shows_every_hybrid_slice(tmp_path):
     data["parallel"]["stages"]["accuracy"] = 1
     cfg = write_config_file(tmp_path, data, "test.yaml")
     for rank in (2, 3):
-        res = run_cli_args("graph", cfg, "--np", "4", "--rank", str(rank), "--phase", "test")
+        res = run_cli_here("graph", cfg, "--np", "4", "--rank", str(rank), "--phase", "test")
         assert res.returncode == 0, res.stderr
         assert f"rank {rank} = replica 1, stage {rank - 2}" in res.stdout
         assert ("Accuracy" in res.stdout) == (rank == 3)
@@ -116,7 +116,7 @@ def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):
     rank's micro-batch readers (shards r·M + k of N·M)."""
     pipe = write_config_file(tmp_path, _config(scheme="pipeline", stages=dict(STAGES),
                                                micro_batches=4, schedule="gpipe"), "p.yaml")
-    res = run_cli_args("graph", pipe, "--np", "2", "--rank", "1")
+    res = run_cli_here("graph", pipe, "--np", "2", "--rank", "1")
     assert res.returncode == 0, res.stderr
     assert "layout [pipeline: 1 replica x 2 stages, 4 micro-batches, 2 ranks]" in res.stdout
     assert "fc1.fwd@mb3" in res.stdout and "conv1.fwd" not in res.stdout
@@ -127,7 +127,7 @@ def test_graph_cli_shows_pipeline_and_micro_batch_slices(tmp_path):
                      if op.op_type == "DataReader")
     assert readers == [(2, 4), (3, 4)]
     cfg = write_config_file(tmp_path, _config(scheme="data", micro_batches=2), "d.yaml")
-    res = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    res = run_cli_here("graph", cfg, "--np", "2", "--rank", "1")
     assert res.returncode == 0 and "data@mb1" in res.stdout and "bucket plan:" in res.stdout
     assert not res.stdout.startswith("layout")
 

@@ -16,7 +16,7 @@ from purine_mpi.data.sources import check_labels, make_source, source_info
 from purine_mpi.data.protowire import read_datum, write_datum
 from purine_mpi.data.transform import apply_transform, output_shape
 
-from .conftest import run_cli_args
+from .conftest import run_cli_args, run_cli_here
 from .lmdb_fixtures import put, write_lmdb, write_mean
 from .test_cli import assert_user_error
 from .test_transform import read
@@ -216,7 +216,7 @@ def test_train_on_a_bad_lmdb_exits_2_naming_it(images, tmp_path):
 def test_lmdb_to_h5_round_trip(same_data, images, tmp_path):
     x, y = images
     out = tmp_path / "out.h5"
-    res = run_cli_args("data", "lmdb-to-h5", "--from", same_data["png"], "--test-from",
+    res = run_cli_here("data", "lmdb-to-h5", "--from", same_data["png"], "--test-from",
                        same_data["raw"], "--out", out)
     assert res.returncode == 0, res.stderr
     with h5py.File(out, "r") as f:

@@ -30,7 +30,7 @@ from purine_mpi.tools.bench import format_bench
 from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.compose import settings_without_effect
 from purine_mpi.base.progress_bar import Lines, human_bytes, progress
-from tests.conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_mpi_cli,
+from tests.conftest import (PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here, run_mpi_cli,
                             small_net_config)
 
 # the tiny net: conv1 4x1x3x3 + 4, fc1 10 x (4x4x4) + 10
@@ -419,7 +419,7 @@ def test_startup_block_under_mpiexec(tmp_path, digits_h5):
     assert res.stdout.count("first iteration done in") == 1
     assert rows["ranks"] == "2 on 1 host"
     assert re.fullmatch(r"\S+: ranks 0-1 on the CPU", rows["devices"])
-    plan = run_cli_args("graph", path, "--np", "2").stdout
+    plan = run_cli_here("graph", path, "--np", "2").stdout
     buckets = int(re.search(r"^bucket plan: (\d+) allreduce", plan, re.M).group(1))
     assert rows["scheme"] == (f"data parallel (mode sync): ranks 0-1 are workers, gradients "
                               f"allreduced in {buckets} buckets")

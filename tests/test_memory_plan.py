@@ -23,7 +23,8 @@ from purine_mpi.runtime.memory_plan import (HOST_ALIGN, batch_blobs, check_plan,
 from purine_mpi.runtime.workspace import Workspace
 from purine_mpi.train.trainer import Trainer
 
-from .conftest import REPO, FakeWorld, make_job, run_cli_args, run_mpi_cli, write_config_file
+from .conftest import (REPO, FakeWorld, make_job, run_cli_args, run_cli_here, run_mpi_cli,
+                       write_config_file)
 
 
 def _job(name, **sets):
@@ -143,7 +144,7 @@ def test_graph_memory_prints_the_plan(tmp_path):
     assert "persistent: kind param" in lines["conv1/weight"]
     off = render_graph(make_job(dict(cfg, memory_plan=False)), 1, 0, memory=True)
     assert "memory plan: off (memory_plan: false)" in off
-    res = run_cli_args("graph", write_config_file(tmp_path, _job("cifar10_quick.yaml")),
+    res = run_cli_here("graph", write_config_file(tmp_path, _job("cifar10_quick.yaml")),
                        "--memory")
     assert res.returncode == 0, res.stderr
     assert "memory plan: " in res.stdout and "persistent: kind param" in res.stdout

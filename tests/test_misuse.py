@@ -288,7 +288,7 @@ def test_a_string_is_not_a_number(trained, tmp_path):
     text = open(trained["path"]).read().replace("base_lr: 0.05", "base_lr: 5e-2")
     assert "5e-2" in text
     (tmp_path / "e.yaml").write_text(text)
-    res = run_cli_args("graph", tmp_path / "e.yaml", "--set", "solver.weight_decay=1e-4")
+    res = run_cli_here("graph", tmp_path / "e.yaml", "--set", "solver.weight_decay=1e-4")
     assert res.returncode == 0, res.stderr
 
 

@@ -55,15 +55,15 @@ def test_pipeline_matches_one_rank(tmp_path, digits_h5, ranks):
 
 def test_graph_shows_each_stage(tmp_path, digits_h5):
     cfg = _config(digits_h5, tmp_path)
-    r0 = run_cli_args("graph", cfg, "--np", "2", "--rank", "0")
-    r1 = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    r0 = run_cli_here("graph", cfg, "--np", "2", "--rank", "0")
+    r1 = run_cli_here("graph", cfg, "--np", "2", "--rank", "1")
     assert r0.returncode == 0 and r1.returncode == 0, r0.stderr + r1.stderr
     assert "conv1.fwd" in r0.stdout and "fc1.fwd" not in r0.stdout
     assert "fc1.fwd" in r1.stdout and "conv1.fwd" not in r1.stdout
     # parallel.transport auto: one node, so one-sided puts into shared windows
     assert " Put " in r0.stdout and " WaitWrite " in r1.stdout
     assert " Send " not in r0.stdout and " Recv " not in r1.stdout
-    r0 = run_cli_args("graph", cfg, "--np", "2", "--rank", "0", "--set",
+    r0 = run_cli_here("graph", cfg, "--np", "2", "--rank", "0", "--set",
                       "parallel.transport=two_sided")
     assert r0.returncode == 0 and " Send " in r0.stdout and " Recv " in r0.stdout, r0.stderr
 

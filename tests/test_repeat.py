@@ -13,7 +13,7 @@ from purine_mpi.base.errors import ConfigError
 from purine_mpi.job.config import load_config, resolve_config
 from purine_mpi.tools.graph import compose_for
 from purine_mpi.train.trainer import Trainer
-from tests.conftest import REPO, FakeWorld, make_job, run_cli_args, run_cli_here, write_config_file
+from tests.conftest import REPO, FakeWorld, make_job, run_cli_here, write_config_file
 
 NEW = os.path.join(REPO, "jobs", "gpt_small.yaml")
 OLD = os.path.join(REPO, "tests", "fixtures", "jobs", "gpt_small_spelled_out.yaml")
@@ -31,7 +31,7 @@ def test_the_file_is_shorter_and_resolves_to_the_spelled_out_net():
 def text_h5(tmp_path_factory):
     import json
     path = tmp_path_factory.mktemp("text") / "json.h5"
-    res = run_cli_args("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
+    res = run_cli_here("data", "text", "--from", os.path.dirname(json.__file__), "--glob",
                        "*.py", "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)

@@ -128,9 +128,9 @@ def test_auto_choice_one_node_and_emulated_hosts(tmp_path, digits_h5):
     _same_weights(tmp_path / "rdma", tmp_path / "hosts")
 
 
-def test_graph_shows_window_ops_per_transport(tmp_path, digits_h5, run_cli):
+def test_graph_shows_window_ops_per_transport(tmp_path, digits_h5):
     cfg = _config(tmp_path, digits_h5)
-    one = run_cli("graph", cfg, "--np", "2", "--rank", "1")
+    one = run_cli_here("graph", cfg, "--np", "2", "--rank", "1")
     assert one.returncode == 0, one.stderr
     assert "pool1.wait" in one.stdout and " WaitWrite " in one.stdout
     assert "pool1.grad.put@r0" in one.stdout and " Put " in one.stdout
@@ -144,12 +144,12 @@ def test_graph_shows_window_ops_per_transport(tmp_path, digits_h5, run_cli):
     assert res.returncode == 0 and " Recv " in res.stdout and " WaitWrite " not in res.stdout
 
 
-def test_gpu_stages_keep_send_recv(tmp_path, digits_h5, run_cli):
+def test_gpu_stages_keep_send_recv(tmp_path, digits_h5):
     """Stages on a GPU: auto keeps Send/Recv (windows of device memory are
     not built), one_sided is a user error naming the key (graph --np needs
     no GPU to compose it)."""
     cfg = _config(tmp_path, digits_h5)
-    res = run_cli("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0")
+    res = run_cli_here("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0")
     assert res.returncode == 0 and " Recv " in res.stdout and " WaitWrite " not in res.stdout
     res = run_cli_here("graph", cfg, "--np", "2", "--rank", "1", "--set", "device=0", "--set",
                        "parallel.transport=one_sided")

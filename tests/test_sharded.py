@@ -12,7 +12,7 @@ import pytest
 
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_tensor_parallel import _config
@@ -75,7 +75,7 @@ def test_sharded_trains_as_data_parallel(tmp_path, train_once, n, solver, rtol):
     1/N of data parallelism's optimizer state (the start-up line, from the
     graph's blobs), and the weights and gradients whole (no more)."""
     data, _ = train_once(n, _job("data", solver))  # test_sharded23's reference too
-    shard, text = _train(tmp_path, "sharded", n, _job("sharded", solver))
+    shard, text = _sharded_30(train_once, n, solver)
     assert "sharded (ZeRO stage 1)" in text
     a, b = _params(data / "latest.h5"), _params(shard / "latest.h5")
     _same(a, b, 0.0 if n == 2 else rtol)
@@ -119,6 +119,18 @@ def test_micro_batches_and_clipping_as_data_parallel(tmp_path, train_once):
     assert g.ops["clip.sum"].attrs["group"] == [0, 1, 2]
 
 
+def _sharded_30(train_once, n, solver):
+    """Scheme sharded's 30 steps (stage 1) on ``n`` ranks, a checkpoint
+    every 10 (which changes no bit of the run), trained once a session: the
+    run of test_sharded_trains_as_data_parallel, and (AdamW, 2 ranks) the
+    sharded checkpoint at 10 of test_checkpoints_are_whole_and_reshard (the
+    lr is fixed: 10 steps of a 30-step run are a 10-step run's; before, that
+    test trained the 10 steps in a launch of its own)."""
+    cfg = _job("sharded", solver)
+    cfg["checkpoint"] = {"interval": 10, "keep": 0}
+    return train_once(n, cfg)
+
+
 def _data_20(train_once):
     """Scheme data's 20 AdamW steps on 2 ranks, a checkpoint at 10 (which
     changes no bit of the run), trained once a session: the uninterrupted
@@ -143,10 +155,10 @@ def test_checkpoints_are_whole_and_reshard(tmp_path, train_once):
     data-parallel checkpoint starts a 3-rank sharded run whose weights
     match data parallelism's resumed on 3 ranks (each rank's shard of the
     whole moments was loaded). (The uninterrupted run and the data-parallel
-    checkpoint at 10 are one run, _data_20's.)"""
+    checkpoint at 10 are one run, _data_20's; the sharded checkpoint at 10
+    is _sharded_30's.)"""
     ref, _ = _data_20(train_once)
-    half, _ = _train(tmp_path, "half", 2, _job("sharded", "adamw", iters=10))
-    ckpt = half / "latest.h5"
+    ckpt = _sharded_30(train_once, 2, "adamw")[0] / "ckpt_10.h5"
     want = _losses(ref)
     for name, n, cfg in (("data2", 2, _job("data", "adamw", iters=20)),
                          ("one", 1, _job("data", "adamw", iters=20))):
@@ -195,7 +207,7 @@ def test_what_is_not_built_exits_2(tmp_path, change, key, words):
 
 def test_graph_np_composes_each_rank(tmp_path):
     path = write_config_file(tmp_path, _job("sharded"), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "3", "--rank", "2")
+    res = run_cli_here("graph", path, "--np", "3", "--rank", "2")
     assert res.returncode == 0, res.stderr
     assert "rank 2 holds shard 2 of 3" in res.stdout
     assert "ReduceScatter" in res.stdout and "Allgather" in res.stdout

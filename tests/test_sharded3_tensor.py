@@ -217,9 +217,9 @@ def test_graph_np_says_what_each_rank_holds_and_gathers(tmp_path, tokens):  # no
     optimizer state are its ZeRO shard of its tensor shard's, gathered
     over that shard's replicas; each bucket's forward and backward gather
     is listed with its seq and readers."""
-    from tests.conftest import run_cli_args, write_config_file
+    from tests.conftest import run_cli_here, write_config_file
     path = write_config_file(tmp_path, _gpt(tokens, "sharded", shard=3), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    res = run_cli_here("graph", path, "--np", "4", "--rank", "3")
     assert res.returncode == 0, res.stderr
     assert ("rank 3 = replica 1, tensor shard 1; sharded (ZeRO): rank 3 holds shard 1 of 2 of "
             "every bucket's weights, gradients and optimizer state of its tensor shard, "

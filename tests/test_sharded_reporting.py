@@ -17,7 +17,7 @@ from purine_mpi.runtime.factory import memory_plans
 from purine_mpi.runtime.footprint import MODEL_STATE_ROWS, model_state_bytes, model_state_peak
 from purine_mpi.runtime.memory_plan import batch_blobs
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import MPIEXEC, REPO, cli_env, make_job, run_cli_args, run_mpi_cli, \
+from tests.conftest import MPIEXEC, REPO, cli_env, make_job, run_cli_here, run_mpi_cli, \
     write_config_file
 from tests.test_sharded import _job
 
@@ -97,7 +97,7 @@ def test_model_state_peak_follows_the_memory_plan():
 def test_graph_np_shows_the_gather_and_free_points(tmp_path):
     cfg = _job("sharded")
     path = write_config_file(tmp_path, cfg, "s.yaml")
-    res = run_cli_args("graph", path, "--np", "2", "--rank", "1")
+    res = run_cli_here("graph", path, "--np", "2", "--rank", "1")
     assert res.returncode == 0, res.stderr
     g = compose_for(make_job(cfg), 2, 1)
     scatters = [op for op in g.ops.values() if op.op_type == "ReduceScatter"]
@@ -116,9 +116,9 @@ def test_graph_np_shows_the_gather_and_free_points(tmp_path):
         writers = [w.name for w in g.ops.values() if set(w.outputs) & set(op.inputs)]
         assert any(f"after {w};" in line for w in writers), line
         assert "held between iterations (own memory)" in line, line
-    off = run_cli_args("graph", path, "--np", "2", "--set", "memory_plan=false")
+    off = run_cli_here("graph", path, "--np", "2", "--set", "memory_plan=false")
     assert off.returncode == 0 and "held between iterations (memory_plan: false)" in off.stdout
-    plain = run_cli_args("graph", write_config_file(tmp_path, _job("data"), "d.yaml"),
+    plain = run_cli_here("graph", write_config_file(tmp_path, _job("data"), "d.yaml"),
                          "--np", "2")
     assert plain.returncode == 0 and "sharded buckets" not in plain.stdout
 

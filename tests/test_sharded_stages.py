@@ -18,7 +18,7 @@ from purine_mpi.parallel.sharding import PARAM_GATHERED_KIND, WORKING_SET_ATTR
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.runtime.memory_plan import plan_memory
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, write_config_file
+from tests.conftest import make_job, run_cli_here, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _losses, _model_state, _same, _train
@@ -61,6 +61,18 @@ def _hybrid_ref(train_once, solver):
     return train_once(4, cfg)
 
 
+def _sharded_run(train_once, solver, shard):
+    """Scheme sharded's 10 steps at ``shard`` on 2 replicas x 2 stages, a
+    checkpoint at 5 as _hybrid_ref's, trained once a session: the run of
+    test_sharded_stages_train_as_hybrid, and (AdamW, shard 1) the
+    iteration-5 checkpoint test_checkpoint_resumes_under_data_on_one_rank
+    resumes (the lr is fixed: 5 steps of a 10-step run are a 5-step run's;
+    before, that test trained the 5 steps in a launch of its own)."""
+    cfg = _staged("sharded", solver, shard=shard)
+    cfg["checkpoint"] = {"interval": 5, "keep": 0}
+    return train_once(4, cfg)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("solver", ["sgd", "adamw"])
 def test_sharded_stages_train_as_hybrid(tmp_path, train_once, solver):
@@ -75,7 +87,7 @@ def test_sharded_stages_train_as_hybrid(tmp_path, train_once, solver):
     per_element = 8 if solver == "adamw" else 4
     for shard in (1, 2):
         cfg = _staged("sharded", solver, shard=shard)
-        out, text = _train(tmp_path, f"shard{shard}", 4, cfg)
+        out, text = _sharded_run(train_once, solver, shard)
         assert f"sharded (ZeRO stage {shard}): 2 replicas x 2 stages" in text
         assert "reduce-scattered over its 2 ranks (this rank's: 0, 2)" in text
         assert "stage 1      ranks 1, 3: 4 layers" in text
@@ -99,18 +111,18 @@ def test_checkpoint_resumes_under_data_on_one_rank(tmp_path, train_once):
     continued under sharded stages (each rank loads its shard of its
     stage's whole moments) to iteration 10 it ends where an uninterrupted
     hybrid run does. (Hybrid's checkpoint and uninterrupted run are
-    _hybrid_ref's.)"""
-    sh, _ = _train(tmp_path, "sh", 4, _staged("sharded", iters=5))
+    _hybrid_ref's, the sharded checkpoint _sharded_run's.)"""
+    sh = _sharded_run(train_once, "adamw", 1)[0] / "ckpt_5.h5"
     full, _ = _hybrid_ref(train_once, "adamw")
     one = _job("data", "adamw", iters=8)
     one["data"]["train"]["batch_size"] = 16
     runs = []
-    for name, ckpt in (("from_sh", sh / "latest.h5"), ("from_hy", full / "ckpt_5.h5")):
+    for name, ckpt in (("from_sh", sh), ("from_hy", full / "ckpt_5.h5")):
         out, text = _train(tmp_path, name, 1, one, "--resume", ckpt)
         assert "resumed from" in text
         runs.append(_losses(out))
     assert sorted(runs[0]) == [6, 7, 8] and runs[0] == runs[1]
-    more, _ = _train(tmp_path, "more", 4, _staged("sharded"), "--resume", sh / "latest.h5")
+    more, _ = _train(tmp_path, "more", 4, _staged("sharded"), "--resume", sh)
     _same(_params(full / "latest.h5"), _params(more / "latest.h5"))
 
 
@@ -134,12 +146,12 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
     for stage, lists in seqs.items():
         assert lists[0] == lists[1], stage
     path = write_config_file(tmp_path, _staged("sharded"), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    res = run_cli_here("graph", path, "--np", "4", "--rank", "3")
     assert res.returncode == 0, res.stderr
     assert "rank 3 holds shard 1 of 2 of every bucket's optimizer state of this stage" \
         in res.stdout
     assert "sharded buckets (shard 1 of 2, over ranks [1, 3]" in res.stdout
-    res = run_cli_args("plan", path, "--np", "4")
+    res = run_cli_here("plan", path, "--np", "4")
     assert res.returncode == 0, res.stderr
     assert "[sharded: 2 replicas x 2 stages, 4 ranks]" in res.stdout
     for rank in range(4):
@@ -158,7 +170,7 @@ def test_graph_np_shows_the_stage_groups(tmp_path):
 def test_what_is_not_built_exits_2(tmp_path, change, np_, key, words):
     cfg = _staged("sharded", "sgd")
     cfg["parallel"].update(change)
-    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
     assert_user_error(res, key, words)
 
 
@@ -529,7 +541,7 @@ def test_stage3_with_stages_holds_the_stage_share_over_r(tmp_path, n, solver):
         signatures.append(comm_signature(g))
     assert compare_signatures(signatures) == []  # world order: each stage's group agrees
     path = write_config_file(tmp_path, _staged("sharded", solver, shard=3), "s.yaml")
-    res = run_cli_args("graph", path, "--np", str(n), "--rank", str(n - 1))
+    res = run_cli_here("graph", path, "--np", str(n), "--rank", str(n - 1))
     assert res.returncode == 0, res.stderr
     assert (f"holds shard {replicas - 1} of {replicas} of every bucket's weights, gradients "
             "and optimizer state of this stage") in res.stdout

@@ -16,7 +16,7 @@ import pytest
 
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, write_config_file
+from tests.conftest import make_job, run_cli_here, write_config_file
 from tests.gpt_nets import gpt_config, text_h5
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
@@ -242,7 +242,7 @@ def assert_clip_scales(g, rank):
 
 def test_graph_np_and_plan_say_what_each_rank_holds(tmp_path, tokens):
     path = write_config_file(tmp_path, _gpt(tokens, "sharded"), "s.yaml")
-    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    res = run_cli_here("graph", path, "--np", "4", "--rank", "3")
     assert res.returncode == 0, res.stderr
     assert ("rank 3 = replica 1, tensor shard 1; sharded (ZeRO): rank 3 holds shard 1 of 2 of "
             "every bucket's optimizer state of its tensor shard, reduce-scattered and gathered "
@@ -250,7 +250,7 @@ def test_graph_np_and_plan_say_what_each_rank_holds(tmp_path, tokens):
     assert "tensor-parallel split over ranks [2, 3] (rank 3 = replica 1, shard 1)" \
         in res.stdout
     assert "sharded buckets (shard 1 of 2, over ranks [1, 3]" in res.stdout
-    res = run_cli_args("plan", path, "--np", "4")
+    res = run_cli_here("plan", path, "--np", "4")
     assert res.returncode == 0, res.stderr
     assert "[sharded: 2 replicas x 2-way tensor, 4 ranks]" in res.stdout
     for rank in range(4):
@@ -313,7 +313,7 @@ def test_what_is_not_built_exits_2(tmp_path, tokens, change, np_, key, words, sh
         if top in change:
             cfg[top] = change.pop(top)
     cfg["parallel"].update(change)
-    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", str(np_))
     assert_user_error(res, key, words)
     assert re.search(r"key '[a-z_.]+'", res.stderr)
 

@@ -13,7 +13,7 @@ import yaml
 from purine_mpi.base.errors import ConfigError
 from purine_mpi.job.config import load_job
 from purine_mpi.job.stage_cut import layer_flops, stage_lines
-from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_here,
                             write_config_file)
 from tests.gpt_nets import text_h5 as make_text_h5
 
@@ -110,10 +110,10 @@ def test_graph_and_plan_print_the_resolved_map(tmp_path, digits_h5):
     share = 100 * 4 * 64 * 256 / (4 * 64 * 256 + 6 * 256 * 256 + 6 * 256 * 10)
     lines = [f"stage 0: fc1..relu1 (2 layers, {share:.1f}% of the FLOPs)",
              f"stage 1: fc2..loss (4 layers, {100 - share:.1f}% of the FLOPs)"]
-    graph = run_cli_args("graph", cfg, "--np", "2", "--rank", "1")
+    graph = run_cli_here("graph", cfg, "--np", "2", "--rank", "1")
     assert graph.returncode == 0, graph.stderr
     assert graph.stdout.splitlines()[1:3] == lines, graph.stdout[:400]
-    plan = run_cli_args("plan", cfg, "--np", "2")
+    plan = run_cli_here("plan", cfg, "--np", "2")
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.splitlines()[1:3] == [f"  {line}" for line in lines], plan.stdout[:400]
     bad = run_cli_here("train", write_config_file(tmp_path, _mlp(digits_h5, 9), "bad.yaml"))

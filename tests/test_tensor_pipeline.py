@@ -33,7 +33,7 @@ import pytest
 from purine_mpi.base.errors import UserError
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for, composed
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.gpt_nets import block_stages, gpt_config, text_h5
 from tests.test_checkpoint_stream import written_order
 from tests.test_cli import assert_user_error
@@ -219,7 +219,7 @@ def test_each_rank_holds_its_stage_shard_offline(tokens, tmp_path):
         peers = {op.attrs["peer"] for op in g.ops.values() if op.op_type in ("Send", "Recv")}
         assert peers == {2 * (1 - stage) + shard}
     path = write_config_file(tmp_path, _gpt(tokens, _tp_pp(block_stages())), "g.yaml")
-    res = run_cli_args("graph", path, "--np", "4", "--rank", "3")
+    res = run_cli_here("graph", path, "--np", "4", "--rank", "3")
     assert res.returncode == 0, res.stderr
     assert "rank 3 = stage 1, tensor shard 1 of 2; transfers with ranks [1, 3]" in res.stdout
     assert "tensor-parallel split over ranks [2, 3] (rank 3 = replica 0, stage 1, shard 1)" \
@@ -549,7 +549,7 @@ def test_3d_each_rank_holds_its_position_offline(tmp_path):
                    for op in g.ops.values() if op.op_type == "DataReader"}
         assert readers == ({(replica, 2)} if stage == 0 else set())
     path = write_config_file(tmp_path, _mlp(_three_d(dict(STAGES))), "g.yaml")
-    res = run_cli_args("graph", path, "--np", "8", "--rank", "7")
+    res = run_cli_here("graph", path, "--np", "8", "--rank", "7")
     assert res.returncode == 0, res.stderr
     assert ("rank = (replica * 2 + stage) * 2 + shard; rank 7 = replica 1, stage 1, tensor "
             "shard 1 of 2; transfers with ranks [5, 7]") in res.stdout
@@ -655,13 +655,13 @@ def test_3d_sharded_model_state_is_the_3d_layouts_over_r(tmp_path, shard):
         tensor = {tuple(op.attrs["group"]) for op in g.ops.values()
                   if op.op_type == "Allreduce" and op.name != "clip.sum"}
         assert tensor == {tuple(lay.tensor_ranks())}
-    res = run_cli_args("plan", write_config_file(tmp_path, sharded, "s.yaml"), "--np", "8")
+    res = run_cli_here("plan", write_config_file(tmp_path, sharded, "s.yaml"), "--np", "8")
     assert res.returncode == 0, res.stderr
     assert "[sharded: 2 replicas x 2 stages x 2-way tensor, 8 ranks]" in res.stdout
     for rank, ms in held.items():
         assert (f"({ms['weights']} + {ms['gradients']} + {ms['optimizer_state']} bytes held"
                 in res.stdout), rank
-    res = run_cli_args("graph", tmp_path / "s.yaml", "--np", "8", "--rank", "7")
+    res = run_cli_here("graph", tmp_path / "s.yaml", "--np", "8", "--rank", "7")
     assert res.returncode == 0, res.stderr
     what = "optimizer state" if shard == 1 else "weights, gradients and optimizer state"
     assert ("rank 7 = replica 1, stage 1, tensor shard 1 of 2; transfers with ranks [5, 7]"
@@ -684,7 +684,7 @@ def test_3d_sharded_what_is_not_built_exits_2(tmp_path, change, key, words):
         if top in change:
             cfg[top] = change.pop(top)
     cfg["parallel"].update(change)
-    res = run_cli_args("graph", write_config_file(tmp_path, cfg), "--np", "8")
+    res = run_cli_here("graph", write_config_file(tmp_path, cfg), "--np", "8")
     assert_user_error(res, key, words)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from purine_mpi.data.sources import EpochOrder, batch_indices, make_source, source_info
 from purine_mpi.data.text import TextSource
-from tests.conftest import EMAIL, make_job, run_cli_args, run_cli_here
+from tests.conftest import EMAIL, make_job, run_cli_here
 
 
 def _stdlib_stream(folder, pattern):
@@ -44,7 +44,7 @@ def test_data_text_writes_the_byte_stream(email_h5):
 def test_data_text_is_deterministic_and_takes_a_file(tmp_path, email_h5):
     import h5py
     again = tmp_path / "again.h5"
-    assert run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", again,
+    assert run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--out", again,
                         "--val-fraction", "0.25").returncode == 0
     with h5py.File(email_h5, "r") as f, h5py.File(again, "r") as g:
         whole = np.concatenate([f["train/tokens"][...], f["val/tokens"][...]])
@@ -54,7 +54,7 @@ def test_data_text_is_deterministic_and_takes_a_file(tmp_path, email_h5):
     one = tmp_path / "one.txt"
     one.write_text("héllo wörld\n" * 50, encoding="utf-8")
     out = tmp_path / "one.h5"
-    res = run_cli_args("data", "text", "--from", one, "--out", out)
+    res = run_cli_here("data", "text", "--from", one, "--out", out)
     assert res.returncode == 0, res.stderr
     with h5py.File(out, "r") as f:
         assert np.concatenate([f["train/tokens"][...], f["val/tokens"][...]]).tobytes() == \
@@ -220,7 +220,7 @@ def test_double_star_glob_matches_zero_or_more_folders(tmp_path):
              "a/**": ["a/b/deep.txt", "a/mid.txt", "a/skip.py"]}
     for pattern, want in cases.items():
         out = tmp_path / "o.h5"
-        res = run_cli_args("data", "text", "--from", folder, "--glob", pattern, "--out", out)
+        res = run_cli_here("data", "text", "--from", folder, "--glob", pattern, "--out", out)
         assert res.returncode == 0, res.stderr
         assert _files(out) == want, pattern
 
@@ -236,7 +236,7 @@ def test_a_file_name_that_is_not_utf8_exits_2(tmp_path):
     assert "not UTF-8" in res.stderr and "bad\\xff.txt" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     # leaving it out with --glob works
-    res = run_cli_args("data", "text", "--from", folder, "--glob", "ok*", "--out",
+    res = run_cli_here("data", "text", "--from", folder, "--glob", "ok*", "--out",
                        tmp_path / "o.h5")
     assert res.returncode == 0, res.stderr
 

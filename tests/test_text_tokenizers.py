@@ -29,7 +29,7 @@ def _texts():
 @pytest.fixture(scope="module")
 def bpe_h5(tmp_path_factory):
     path = tmp_path_factory.mktemp("bpe") / "email_bpe.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--bpe-vocab", 512,
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--bpe-vocab", 512,
                        "--out", path)
     assert res.returncode == 0, res.stderr
     return str(path)
@@ -71,7 +71,7 @@ def test_bpe_file_round_trips_exactly(bpe_h5):
 def test_bpe_training_is_deterministic(bpe_h5, tmp_path):
     """The same text and N give the same vocabulary and ids."""
     again = tmp_path / "again.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--bpe-vocab", 512,
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--bpe-vocab", 512,
                        "--out", again)
     assert res.returncode == 0, res.stderr
     a, b = _read(bpe_h5), _read(again)
@@ -97,7 +97,7 @@ def test_a_tokenizer_file_gives_the_ids_tokenizers_gives(tmp_path):
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     out = tmp_path / "email_tok.h5"
-    res = run_cli_args("data", "text", "--from", EMAIL, "--glob", "*.py", "--tokenizer", path,
+    res = run_cli_here("data", "text", "--from", EMAIL, "--glob", "*.py", "--tokenizer", path,
                        "--out", out)
     assert res.returncode == 0, res.stderr
     stream, attrs, json_text, per_file = _read(out)
@@ -167,10 +167,10 @@ def test_a_gpt_trains_on_bpe_and_generate_decodes_with_it(bpe_h5, tmp_path):
     for ckpt in ("latest.h5", "ckpt_12.h5"):
         with h5py.File(run / ckpt, "r") as f:
             assert f["tokenizer"][()].decode() == json_text
-    res = run_cli_args("inspect", run / "latest.h5")  # the checkpoint still reads as one
+    res = run_cli_here("inspect", run / "latest.h5")  # the checkpoint still reads as one
     assert res.returncode == 0, res.stderr
     prompt, args = "def get_", ("--tokens", "40", "--temperature", "1.5", "--seed", "2")
-    res = run_cli_args("generate", "--weights", run, "--prompt", prompt, *args)
+    res = run_cli_here("generate", "--weights", run, "--prompt", prompt, *args)
     assert res.returncode == 0, res.stderr
     # the same draw in process: the ids, and the text they decode to
     vocab = Vocabulary(json_text)
@@ -248,7 +248,7 @@ def test_text_characters_the_tokenizer_drops_are_counted_or_refused(tmp_path):
     (src / "a.txt").write_text("hello world abc\n" * 200)
     (src / "b.txt").write_text("hello é world\n" + "abc hello\n" * 100 + "é é\n")
     out = tmp_path / "few.h5"
-    res = run_cli_args("data", "text", "--from", src, "--tokenizer", path, "--out", out)
+    res = run_cli_here("data", "text", "--from", src, "--tokenizer", path, "--out", out)
     assert res.returncode == 0, res.stderr
     chars = 16 * 200 + len("hello é world\n" + "abc hello\n" * 100 + "é é\n")
     assert (f"note: the tokenizer drops 3 of the {chars:,} characters of the text (1 distinct; "
@@ -285,7 +285,7 @@ def test_text_characters_encoded_as_the_unknown_token_are_counted(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("hello world abc\n" * 300 + "hello éé world\n")
     out = tmp_path / "unk.h5"
-    res = run_cli_args("data", "text", "--from", src, "--tokenizer", path, "--out", out)
+    res = run_cli_here("data", "text", "--from", src, "--tokenizer", path, "--out", out)
     assert res.returncode == 0, res.stderr
     assert ("note: the tokenizer encodes 2 of the 4,815 characters of the text as its unknown "
             "token '[UNK]' (1 distinct): 'é' (U+00E9) x2, first in a.txt, character 4807") \

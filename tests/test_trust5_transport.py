@@ -13,7 +13,7 @@ from purine_mpi.base.errors import GraphError
 from purine_mpi.comm.ops import is_comm_op
 from purine_mpi.ops.catalog import get_kernel_class
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_here
 from tests.mpi_scripts.launch import run_mpi
 from tests.conftest import checkpoint_arrays as _weights
 
@@ -162,7 +162,7 @@ def test_dispatcher_option_reaches_the_servers_and_the_workers(mode, tmp_path, d
 
 # ------------------------------------------------ one-sided on a GPU
 @pytest.mark.parametrize("gpu", ["device=0", "backend=cupy"])
-def test_one_sided_data_parallel_on_a_gpu_is_refused(gpu, run_cli, tmp_path, digits_h5):
+def test_one_sided_data_parallel_on_a_gpu_is_refused(gpu, tmp_path, digits_h5):
     """The shared-window sum of the buckets is host memory: with the
     buckets on a GPU, ``parallel.transport: one_sided`` is one line naming
     both keys, exit 2 -- decided by the job, since the graph is composed
@@ -172,15 +172,15 @@ def test_one_sided_data_parallel_on_a_gpu_is_refused(gpu, run_cli, tmp_path, dig
     past their staging). ``auto`` and ``two_sided`` still compose."""
     sets = ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}",
             "--set", gpu]
-    res = run_cli("graph", LENET, "--np", "2", "--rank", "1", *sets,
-                  "--set", "parallel.transport=one_sided")
+    res = run_cli_here("graph", LENET, "--np", "2", "--rank", "1", *sets,
+                       "--set", "parallel.transport=one_sided")
     key = gpu.split("=")[0]
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stdout[-500:] + res.stderr
     assert "key 'parallel.transport': one_sided needs the gradient buckets on the CPU, " \
         f"but key '{key}' puts them on a GPU" in res.stderr and "Traceback" not in res.stderr
     for transport in ("auto", "two_sided"):
-        res = run_cli("graph", LENET, "--np", "2", "--rank", "1", *sets,
-                      "--set", f"parallel.transport={transport}")
+        res = run_cli_here("graph", LENET, "--np", "2", "--rank", "1", *sets,
+                           "--set", f"parallel.transport={transport}")
         assert res.returncode == 0 and " Allreduce " in res.stdout, res.stderr
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, REPO, cli_env, small_net_config
+from tests.conftest import PYTHON, REPO, cli_env, run_cli_here, small_net_config
 
 TINY = "{base_lr: 0.05, lr_policy: fixed, max_iter: 2, test_interval: 0}"
 
@@ -56,18 +56,17 @@ def test_case7_duplicate_top_level_key_names_both_lines(run_cli, write_config, d
     assert err.count("\n") == 1
 
 
-def test_case7_duplicate_nested_key_names_both_lines_and_the_path(run_cli, write_config,
-                                                                  digits_h5):
+def test_case7_duplicate_nested_key_names_both_lines_and_the_path(write_config, digits_h5):
     """Case 7, nested: a key twice inside one layer of the net (6dff0b5: the
     second won, exit 0)."""
     text = _job(digits_h5).replace("num_output: 4\n", "num_output: 4\n  num_output: 8\n", 1)
     lines = text.splitlines()
     first = next(i for i, line in enumerate(lines, 1) if "num_output: 4" in line)
     path = write_config(text, "dupnest.yaml")
-    _user_error(run_cli("graph", path), "key 'net.0.num_output' is given twice",
+    _user_error(run_cli_here("graph", path), "key 'net.0.num_output' is given twice",
                 f"dupnest.yaml:{first}", f"dupnest.yaml:{first + 1}")
     # the same in a --set value
-    _user_error(run_cli("graph", write_config(_job(digits_h5), "ok.yaml"), "--set",
+    _user_error(run_cli_here("graph", write_config(_job(digits_h5), "ok.yaml"), "--set",
                         "solver={base_lr: 0.1, base_lr: 0.2}"), "--set", "'base_lr' is given twice")
 
 
@@ -116,7 +115,7 @@ def test_excerpt_cuts_long_values_and_gives_their_size():
     assert "bits" in excerpt(10 ** 5000)  # no ValueError past Python's 4300 digits
 
 
-def test_shared_values_through_anchors_still_load(run_cli, write_config, digits_h5):
+def test_shared_values_through_anchors_still_load(write_config, digits_h5):
     """Anchors stay allowed (the key checks advise them, and a dumper writes
     them for shared values): a filler shared by two layers."""
     cfg = small_net_config(digits_h5)
@@ -125,7 +124,7 @@ def test_shared_values_through_anchors_still_load(run_cli, write_config, digits_
     cfg["net"][3]["weight_filler"] = filler
     text = yaml.safe_dump(cfg, sort_keys=False)
     assert "&id001" in text and "*id001" in text
-    res = run_cli("graph", write_config(text, "shared.yaml"))
+    res = run_cli_here("graph", write_config(text, "shared.yaml"))
     assert res.returncode == 0, res.stderr
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.base.errors import UserError
-from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, run_mpi_cli, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_train import small_net_config
 
@@ -110,7 +110,7 @@ def test_case3_outputs_never_replace_a_checkpoint_or_an_input(tmp_path, digits_h
     for target, needle in ((weights, "--weights"), (other, "checkpoint"), (data, "data.train.path")):
         res = run_cli_args("predict", cfg2, "--weights", weights, "--out", target)
         assert_user_error(res, f"--out {target}", needle)
-        res = run_cli_args("export", "onnx", cfg2, "--weights", weights, "--out", target)
+        res = run_cli_here("export", "onnx", cfg2, "--weights", weights, "--out", target)
         assert_user_error(res, f"--out {target}", needle)
     assert {p: p.read_bytes() for p in saved} == saved
 

@@ -84,11 +84,20 @@ def _close(got, ref):
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """The one-rank reference of the global batch of 8, and the same without
-    the clip (so a test can tell that the clip acted)."""
-    where = tmp_path_factory.mktemp("one_rank")
-    return _train(where, "one", 1, _config()), _train(where, "noclip", 1, _config(clip=None))
+def one_rank_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("one_rank")
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_dir):
+    """The one-rank reference of the global batch of 8 (its checkpoint at
+    iteration 2 too, one_rank_dir / "one" / "ckpt_2.h5": a save changes no
+    bit of the run), and the same without the clip (so a test can tell that
+    the clip acted)."""
+    cfg = _config()
+    cfg["checkpoint"] = {"interval": 2, "keep": 0}
+    return (_train(one_rank_dir, "one", 1, cfg),
+            _train(one_rank_dir, "noclip", 1, _config(clip=None)))
 
 
 @pytest.mark.parametrize("scheme,n", [("pipeline", 2), ("hybrid", 4)])
@@ -219,19 +228,19 @@ def test_tensor_stages_with_a_stage_without_parameters_clip_as_one_rank(tmp_path
 
 
 @pytest.mark.mpi
-def test_sharded_stage_without_parameters_checkpoints_resume_on_one_rank(tmp_path, one_rank):
+def test_sharded_stage_without_parameters_checkpoints_resume_on_one_rank(tmp_path, one_rank,
+                                                                         one_rank_dir):
     """The streamed split checkpoint of that layout (shard 3: weight
     shards joined) at iteration 2 continues on 1 rank, and one rank's
-    checkpoint at 2 continues under it (each stage's ranks load their
-    shards; the loss's none): both end where 4 uninterrupted steps on one
-    rank do (1e-5)."""
+    checkpoint at 2 (the one_rank fixture's run's) continues under it (each
+    stage's ranks load their shards; the loss's none): both end where 4
+    uninterrupted steps on one rank do (1e-5)."""
     par = {"scheme": "sharded", "shard": 3, "stages": LOSS_ALONE}
     (ref, _), _ = one_rank
     _train(tmp_path, "sharded2", 4, _config(par, batch=4, iters=2))
-    _train(tmp_path, "one2", 1, _config(iters=2))
-    for name, n, cfg, ckpt in (("to_one", 1, _config(), "sharded2"),
-                               ("to_sharded", 4, _config(par, batch=4), "one2")):
-        got, _ = _train(tmp_path, name, n, cfg, "--resume", tmp_path / ckpt / "latest.h5")
+    for n, cfg, ckpt in ((1, _config(), tmp_path / "sharded2" / "latest.h5"),
+                         (4, _config(par, batch=4), one_rank_dir / "one" / "ckpt_2.h5")):
+        got, _ = _train(tmp_path, f"to_{n}", n, cfg, "--resume", ckpt)
         _close(got, ref)
 
 
