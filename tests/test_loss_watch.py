@@ -128,11 +128,13 @@ def _config(max_iter=12, display=4, interval=6, device=0, cuda_graph=True, **sol
 
 
 def _run(config, out, defer=True, monkeypatch=None):
-    from purine_mpi.parallel.compose import Scheme
+    from purine_mpi.parallel.schemes import scheme_of
     from purine_mpi.train.trainer import Trainer, run_and_report
-    monkeypatch.setattr(Scheme, "defer_loss_readback", defer)
+    job = make_job(config)
+    # the job's registered scheme (the trainer asks it, not a stand-in)
+    monkeypatch.setattr(type(scheme_of(job)), "defer_loss_readback", defer)
     lines = []
-    t = Trainer(make_job(config), str(out), world=FakeWorld(), log=lines.append)
+    t = Trainer(job, str(out), world=FakeWorld(), log=lines.append)
     code = run_and_report(t, FakeWorld())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return t, code, rows
