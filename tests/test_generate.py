@@ -255,9 +255,13 @@ def test_streams_as_drawn_and_ctrl_c_keeps_the_text(trained):
     config, run, _ = trained
     cmd = [sys.executable, "-m", "purine_mpi", "generate", config, "--weights", str(run),
            "--prompt", "import ", "--tokens", "1000000", "--temperature", "0"]
-    # faulthandler: a run that outlives its Ctrl-C shows its threads' stacks (SIGABRT)
+    # faulthandler: a run that outlives its Ctrl-C shows its threads' stacks
+    # (SIGABRT). SIGINT as at a terminal: a test run started in the background
+    # of a script (`cmd &`, nohup) ignores SIGINT, and Python keeps an ignored
+    # SIGINT ignored in its children (the final run of stop 58: SigIgn 0x...7)
     p = subprocess.Popen(cmd, cwd=REPO, env=dict(cli_env(), PYTHONFAULTHANDLER="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         os.set_blocking(p.stdout.fileno(), False)
         shown, deadline = b"", time.monotonic() + 90
