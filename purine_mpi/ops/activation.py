@@ -14,7 +14,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import raw_kernels
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, spans
 
 
 def relu(xp, x, slope, out):
@@ -308,11 +308,6 @@ def _gelu_factor(xp, x, approximate, t, d=None, e=None, f=None):
 HOST_CHUNK = 1 << 15
 
 
-def _host_chunks(size):
-    """The slices of a flat host array of ``size`` elements ``HOST_CHUNK`` at a time."""
-    return [slice(s, min(s + HOST_CHUNK, size)) for s in range(0, size, HOST_CHUNK)]
-
-
 def _gelu_host_specs(x, count):
     """``count`` flat temporaries of a host chunk (``HOST_CHUNK``) of ``x``."""
     return [((min(int(x.size), HOST_CHUNK),), x.dtype)] * count
@@ -363,7 +358,7 @@ class Gelu(OpKernel):
             return
         flat, y = x.reshape(-1), outs[0].reshape(-1)   # y may be x (in place)
         temps = self.temporaries(x, *self.host_temporaries(ins, outs))
-        for s in _host_chunks(flat.size):
+        for s in spans(flat.size, HOST_CHUNK):
             t, e, f = (a[:s.stop - s.start] for a in temps)
             _gelu_factor(xp, flat[s], approximate, t, e=e, f=f)
             np.multiply(flat[s], t, out=y[s])
@@ -400,7 +395,7 @@ class GeluGrad(OpKernel):
             return
         flat, g, dx = x.reshape(-1), dy.reshape(-1), outs[0].reshape(-1)   # dx may be dy
         temps = self.temporaries(x, *self.host_temporaries(ins, outs))
-        for s in _host_chunks(flat.size):
+        for s in spans(flat.size, HOST_CHUNK):
             t, d, e, f = (a[:s.stop - s.start] for a in temps)
             _gelu_factor(xp, flat[s], approximate, t, d, e, f)
             np.multiply(g[s], d, out=dx[s])

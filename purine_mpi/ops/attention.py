@@ -88,7 +88,7 @@ from ..base.philox import keep_mask_temporaries
 from .dropout import (PhiloxStream, _check_packed, _ratio, check_iteration, dropout_backward,
                       dropout_forward, pack_mask, packed_shape, unpack_mask, unpack_temporaries)
 from .hostgemm import matmul
-from .registry import OpKernel, gradient, register, specs_nbytes
+from .registry import OpKernel, gradient, register, spans, specs_nbytes
 
 
 def gemm(*args, **kwargs):
@@ -432,8 +432,7 @@ def _host_specs(kernel, qkv, count):
 
 def groups(n, g):
     """The slices of ``n`` sequences ``g`` at a time (one slice: g None)."""
-    g = g or n
-    return [slice(s, min(s + g, n)) for s in range(0, n, g)]
+    return spans(n, g or n)
 
 
 def _dropout_temporaries(kernel, qkv, unpacks=False):

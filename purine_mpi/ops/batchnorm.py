@@ -91,9 +91,7 @@ class BatchNorm(OpKernel):
             raise ShapeError("BatchNorm takes inputs [x, gamma, beta, running_mean, running_var] "
                              f"and, synchronised, the batch's sums; got {len(ins)}")
         x_shape, dtype = tuple(ins[0][0]), ins[0][1]
-        if len(x_shape) < 2:
-            raise ShapeError(f"BatchNorm needs an (N, C, ...) input, got {list(x_shape)}")
-        C = x_shape[1]
+        C = _channels("BatchNorm", x_shape)
         for (shape, _), name in zip(ins[1:], ("gamma", "beta", "running_mean", "running_var")):
             if tuple(shape) != (C,):
                 raise ShapeError(f"BatchNorm {name} must have shape [{C}] (the channels of "

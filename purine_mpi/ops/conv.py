@@ -72,7 +72,7 @@ from .hostgemm import matmul
 from .im2col import (cols_hold, data_grad_col2im, data_grad_holds, flat_hold,
                      forward_rows, forward_rows_holds, hold, im2col, im2col_batch,
                      pad_hold, padded, take, weight_grad_rows, weight_grad_rows_holds)
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, spans
 
 #: upper bound on the im2col buffer of one chunk of the batch. On the CPU a
 #: chunk that stays in cache is faster than one big GEMM (measured: ~1.5x on a
@@ -144,7 +144,7 @@ def _step(geo, itemsize):
 def _chunks(xp, geo, itemsize):
     """Batch slices whose column buffers stay under the chunk size."""
     step = _step(geo, itemsize)
-    return [slice(n, min(n + step, geo["N"])) for n in range(0, geo["N"], step)]
+    return spans(geo["N"], step)
 
 
 def _cap(geo, itemsize):

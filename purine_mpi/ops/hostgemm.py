@@ -56,6 +56,7 @@ import threading
 import numpy as np
 
 from ..base import threads as _threads
+from .registry import spans
 
 #: products below this many multiply-adds are one BLAS call
 SPLIT_MIN_WORK = 1 << 22
@@ -98,7 +99,7 @@ def plan(m, n, k):
             if count >= 2:
                 width = -(-size // count)
                 width = -(-width // ALIGN) * ALIGN
-                return axis, [slice(s, min(s + width, size)) for s in range(0, size, width)]
+                return axis, spans(size, width)
     return 0, [slice(0, m)]
 
 

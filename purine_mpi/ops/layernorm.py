@@ -28,7 +28,7 @@ import numpy as np
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
 from ..gpu.raw import KERNEL_DTYPES, raw_kernels
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, spans
 
 
 def row_mean(xp, k, x, out):
@@ -68,7 +68,7 @@ def host_rows(x):
     c = int(x.shape[-1])
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     per = max(1, min(rows, HOST_CHUNK_BYTES // max(1, c * np.dtype(x.dtype).itemsize)))
-    return [slice(r, min(r + per, rows)) for r in range(0, rows, per)], per
+    return spans(rows, per), per
 
 
 @register

@@ -202,6 +202,12 @@ class OpKernel:
             op_scratch(self, array_device(like)).reserve(*specs)
 
 
+def spans(n, step):
+    """The slices of ``n`` items ``step`` at a time (the last one shorter):
+    the pieces an op's host kernel runs one by one."""
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
+
 def specs_nbytes(specs):
     """The bytes of a list of ``(shape, dtype)`` (an op's scratch or host
     temporaries specs)."""
