@@ -518,6 +518,18 @@ def test_every_repository_file_the_docs_name_exists():
     assert _files_not_in_the_repository(planted) == ["x.md: benchmarks/gone.py"]
 
 
+def test_the_docs_name_the_commands_rank_0_runs_alone():
+    """failures.md's and formats.md's lists of the commands rank 0 alone
+    runs under a launcher are the CLI's (cli.RANK0_COMMANDS, and predict
+    TRACE_DIR): a command added to it, or left out of a list, fails."""
+    from purine_mpi.cli import RANK0_COMMANDS
+    texts = _doc_texts()
+    for doc in ("docs/failures.md", "docs/formats.md"):
+        (listed,) = re.findall(r"((?:`[a-z]+`,?\s+(?:and\s+)?)+)`predict TRACE_DIR --np N`\)?"
+                               r"\s+run\s+on\s+rank\s+0\s+alone", texts[doc])
+        assert set(re.findall(r"`([a-z]+)`", listed)) == set(RANK0_COMMANDS), doc
+
+
 def test_every_flag_the_docs_give_a_command_is_one_it_takes():
     """`python -m purine_mpi CMD ... --flag` and `CMD --flag` in README.md,
     docs/*.md and the job files' headers name options CMD has (a renamed or
