@@ -518,6 +518,33 @@ def test_every_repository_file_the_docs_name_exists():
     assert _files_not_in_the_repository(planted) == ["x.md: benchmarks/gone.py"]
 
 
+def _benchmark_flags_not_taken(texts):
+    """Each `--flag` written after benchmarks/NAME.py (up to a code span's
+    end, a comment, a pipe or a blank line) that the script does not
+    declare as an option string ("--flag" in its source)."""
+    bad = []
+    for doc, text in texts.items():
+        for m in re.finditer(r"benchmarks/(\w+\.(?:py|sh))((?:[^`\n|#;&)]|\n(?!\n))*)",
+                             text.replace("\\\n", " ")):
+            path = os.path.join(REPO, "benchmarks", m.group(1))
+            if not os.path.exists(path):
+                continue  # test_every_repository_file_the_docs_name_exists says so
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            bad += [f"{doc}: {m.group(1)} {flag}" for flag in re.findall(_FLAG, m.group(2))
+                    if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    return bad
+
+
+def test_every_flag_the_docs_give_a_benchmark_is_one_it_takes():
+    """`python benchmarks/X.py --flag` in the docs and job headers names an
+    option X declares (a renamed or removed one fails, as a planted one
+    does)."""
+    assert _benchmark_flags_not_taken(_usage_texts()) == []
+    planted = {"x.md": "`python benchmarks/cpu_speed.py --config J --pairs 5 --frobnicate`\n"}
+    assert _benchmark_flags_not_taken(planted) == ["x.md: cpu_speed.py --frobnicate"]
+
+
 def test_the_docs_name_the_commands_rank_0_runs_alone():
     """failures.md's and formats.md's lists of the commands rank 0 alone
     runs under a launcher are the CLI's (cli.RANK0_COMMANDS, and predict
