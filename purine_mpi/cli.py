@@ -217,13 +217,20 @@ def cmd_test(args):
 
 def _weights_file(path):
     """--weights: a file, or a run folder (its latest.h5, as --resume auto
-    finds a run's newest checkpoint)."""
+    finds a run's newest checkpoint), or runs/<name>, where train without
+    --out numbers its runs: the newest numbered run that has a latest.h5
+    (as ``plot runs/<name>`` takes the newest with metrics)."""
     if os.path.isdir(path):
+        from .job.rundir import numbered_runs
         latest = os.path.join(path, "latest.h5")
-        if not os.path.isfile(latest):
-            raise UserError(f"--weights {path}: a folder without latest.h5 (not a run folder "
-                            "with a finished checkpoint); give the checkpoint file")
-        return latest
+        if os.path.isfile(latest):
+            return latest
+        for _, run in reversed(numbered_runs(path)):
+            if os.path.isfile(os.path.join(run, "latest.h5")):
+                return os.path.join(run, "latest.h5")
+        raise UserError(f"--weights {path}: a folder without latest.h5, nor numbered run "
+                        "folders with one (not a run folder with a finished checkpoint, nor "
+                        "runs/<name>); give the checkpoint file")
     if not os.path.exists(path):
         parent = os.path.dirname(os.path.normpath(path)) or "."
         try:

@@ -155,7 +155,7 @@ def build_parser():
     _common_config_args(p)
     p.add_argument("--weights", required=True, metavar="CKPT.h5|MODEL.caffemodel|RUN",
                    help="checkpoint to evaluate, a Caffe .caffemodel (loaded by layer name), "
-                        "or a run folder (its latest.h5)")
+                        "or a run folder (its latest.h5; runs/<name>: its newest numbered run's)")
     p.add_argument("--out", help="the run folder (default runs/<name>); nothing is written "
                                  "there: the result is printed as one JSON object")
 
@@ -167,7 +167,8 @@ def build_parser():
                                    "and the training data file is not needed.")
     _common_config_args(p, optional=True)
     p.add_argument("--weights", required=True, metavar="CKPT.h5|RUN",
-                   help="a checkpoint train wrote, or a run folder (its latest.h5)")
+                   help="a checkpoint train wrote, or a run folder (its latest.h5; "
+                        "runs/<name>: its newest numbered run's)")
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="the text to continue (its UTF-8 bytes are the first tokens, or its ids "
                         "in the vocabulary the checkpoint keeps)")
@@ -313,7 +314,7 @@ def build_parser():
     p.add_argument("--seed", type=int, default=None, help="outputs: random seed")
     p.add_argument("--weights", metavar="W.h5",
                    help="outputs: checkpoint or weights file (HDF5 /params, or a .caffemodel), "
-                        "or a run folder (its latest.h5)")
+                        "or a run folder (its latest.h5; runs/<name>: its newest numbered run's)")
     p.add_argument("--out", metavar="PREDS.h5",
                    help="outputs: the HDF5 file to write: /outputs/<blob>, /label, /index "
                         "(docs/formats.md)")
@@ -368,7 +369,8 @@ def build_parser():
     p.add_argument("config", help="job YAML (docs/config.md); its test phase is exported")
     p.add_argument("--weights", required=True, metavar="CKPT.h5",
                    help="checkpoint or weights file (/params layout) with every parameter "
-                        "(hf: also a run folder, its latest.h5)")
+                        "(hf: also a run folder, its latest.h5, or runs/<name>: its newest "
+                        "numbered run's)")
     p.add_argument("--out", required=True, metavar="MODEL.onnx|DIR",
                    help="the ONNX file to write (onnx), or the model folder (hf)")
     p.add_argument("--batch", type=int, default=None,

@@ -456,11 +456,112 @@ def _flags_not_documented(texts, commands):
     return missing
 
 
+JOB_FILES = sorted(os.path.join("jobs", n) for n in os.listdir(os.path.join(REPO, "jobs")))
+
+
+def _usage_texts():
+    """The docs and the job files, whose header comments give commands too."""
+    texts = _doc_texts()
+    for name in JOB_FILES:
+        with open(os.path.join(REPO, name), encoding="utf-8") as f:
+            texts[name] = f.read()
+    return texts
+
+
+def _commands_not_in_the_parser(texts, commands):
+    """Each `python -m purine_mpi WORD` / `purine-mpi WORD` whose WORD is no
+    command (a renamed or removed one)."""
+    return [f"{doc}: {m.group(1)}" for doc, text in texts.items()
+            for m in re.finditer(r"(?:python -m purine_mpi|purine-mpi)[ \t]+([a-z][\w-]*)", text)
+            if m.group(1) not in commands]
+
+
+def test_every_command_the_docs_run_is_one_the_parser_has():
+    """Every `python -m purine_mpi CMD` in README.md, docs/*.md and the job
+    files' headers names a command (a planted one is caught), and the
+    README's command lists name every command the parser has."""
+    commands, texts = _commands(build_parser()), _usage_texts()
+    assert _commands_not_in_the_parser(texts, commands) == []
+    planted = {"x.md": "    python -m purine_mpi evaluate JOB.yaml\n    purine-mpi train J\n"}
+    assert _commands_not_in_the_parser(planted, commands) == ["x.md: evaluate"]
+    named = set(re.findall(r"^ +(?:mpiexec -n \d+ )?python -m purine_mpi ([a-z]+)",
+                           texts["README.md"], flags=re.M))
+    assert named == set(commands), set(commands) ^ named
+
+
+def _files_not_in_the_repository(texts):
+    """Each path under benchmarks/, jobs/, tests/, cuda/, .ci/ or purine_mpi/
+    a text names that does not exist. Paths with a placeholder (`<...>`,
+    `*`, `NAME`) are patterns, and those in a quoted `error: ...` line
+    examples, not files."""
+    missing = []
+    for doc, text in texts.items():
+        for m in re.finditer(r"(?<![\w./-])((?:benchmarks|jobs|tests|cuda|\.ci|purine_mpi)/"
+                             r"[\w./-]*\w)", text):
+            path = m.group(1)
+            line = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
+            if (re.search(r"[<*]|/[A-Z]+\b", text[m.start():m.end() + 1])
+                    or path.endswith("/__init__") or "error: " in line):
+                continue
+            if not os.path.exists(os.path.join(REPO, path)):
+                missing.append(f"{doc}: {path}")
+    return missing
+
+
+def test_every_repository_file_the_docs_name_exists():
+    """The scripts, jobs, tests and sources README.md, docs/*.md and the job
+    files name (benchmarks/x.py, jobs/x.yaml, tests/test_x.py, ...) exist:
+    a renamed or removed file fails, as a planted one does."""
+    assert _files_not_in_the_repository(_usage_texts()) == []
+    planted = {"x.md": "run `python benchmarks/gone.py` on jobs/digits_lenet.yaml, "
+                       "runs/<name>/ckpt_<iter>.h5, benchmarks/NAME.py; error: jobs/x.yaml\n"}
+    assert _files_not_in_the_repository(planted) == ["x.md: benchmarks/gone.py"]
+
+
+def _benchmark_flags_not_taken(texts):
+    """Each `--flag` written after benchmarks/NAME.py (up to a code span's
+    end, a comment, a pipe or a blank line) that the script does not
+    declare as an option string ("--flag" in its source)."""
+    bad = []
+    for doc, text in texts.items():
+        for m in re.finditer(r"benchmarks/(\w+\.(?:py|sh))((?:[^`\n|#;&)]|\n(?!\n))*)",
+                             text.replace("\\\n", " ")):
+            path = os.path.join(REPO, "benchmarks", m.group(1))
+            if not os.path.exists(path):
+                continue  # test_every_repository_file_the_docs_name_exists says so
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            bad += [f"{doc}: {m.group(1)} {flag}" for flag in re.findall(_FLAG, m.group(2))
+                    if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    return bad
+
+
+def test_every_flag_the_docs_give_a_benchmark_is_one_it_takes():
+    """`python benchmarks/X.py --flag` in the docs and job headers names an
+    option X declares (a renamed or removed one fails, as a planted one
+    does)."""
+    assert _benchmark_flags_not_taken(_usage_texts()) == []
+    planted = {"x.md": "`python benchmarks/cpu_speed.py --config J --pairs 5 --frobnicate`\n"}
+    assert _benchmark_flags_not_taken(planted) == ["x.md: cpu_speed.py --frobnicate"]
+
+
+def test_the_docs_name_the_commands_rank_0_runs_alone():
+    """failures.md's and formats.md's lists of the commands rank 0 alone
+    runs under a launcher are the CLI's (cli.RANK0_COMMANDS, and predict
+    TRACE_DIR): a command added to it, or left out of a list, fails."""
+    from purine_mpi.cli import RANK0_COMMANDS
+    texts = _doc_texts()
+    for doc in ("docs/failures.md", "docs/formats.md"):
+        (listed,) = re.findall(r"((?:`[a-z]+`,?\s+(?:and\s+)?)+)`predict TRACE_DIR --np N`\)?"
+                               r"\s+run\s+on\s+rank\s+0\s+alone", texts[doc])
+        assert set(re.findall(r"`([a-z]+)`", listed)) == set(RANK0_COMMANDS), doc
+
+
 def test_every_flag_the_docs_give_a_command_is_one_it_takes():
-    """`python -m purine_mpi CMD ... --flag` and `CMD --flag` in README.md and
-    docs/*.md name options CMD has (a renamed or removed option fails), and
-    a planted one is caught."""
-    commands, texts = _commands(build_parser()), _doc_texts()
+    """`python -m purine_mpi CMD ... --flag` and `CMD --flag` in README.md,
+    docs/*.md and the job files' headers name options CMD has (a renamed or
+    removed option fails), and a planted one is caught."""
+    commands, texts = _commands(build_parser()), _usage_texts()
     assert _flags_not_on_their_command(texts, commands) == []
     planted = {"x.md": "run `plan JOB.yaml --np 2 --frobnicate`; "
                        "python -m purine_mpi bench JOB.yaml --ranks-per-node 2\n"}

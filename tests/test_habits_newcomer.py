@@ -214,3 +214,22 @@ def test_item9_a_mistyped_weights_folder_names_the_closest(small_run):
                   "did you mean 'runs/mine'?")
     res = run_cli_args("test", cfg, "--weights", "runs/mine/latst.h5", cwd=d)
     assert_exit_2(res, "no such run folder or checkpoint", "did you mean 'runs/mine/latest.h5'?")
+
+
+def test_item9_weights_of_runs_name_take_its_newest_numbered_run(tmp_path):
+    """``train`` without --out writes runs/<name>/<N>; ``--weights
+    runs/<name>`` (as the job headers' generate line and docs/transformers.md's
+    export hf give it) takes the newest numbered run that has a latest.h5,
+    as ``plot runs/<name>`` takes the newest with metrics; a folder with
+    neither is still exit 2."""
+    from purine_mpi.base.errors import UserError
+    from purine_mpi.cli import _weights_file
+    base = tmp_path / "runs" / "gpt_small"
+    for n, done in ((1, True), (2, True), (10, True), (11, False)):
+        (base / str(n)).mkdir(parents=True)
+        if done:
+            (base / str(n) / "latest.h5").write_bytes(b"")
+    assert _weights_file(str(base)) == os.path.join(str(base), "10", "latest.h5")
+    assert _weights_file(str(base / "2")) == os.path.join(str(base / "2"), "latest.h5")
+    with pytest.raises(UserError, match="a folder without latest.h5, nor numbered run"):
+        _weights_file(str(base / "11"))
