@@ -9,7 +9,12 @@ statistics, set to the replicas' mean before the pass and the save), a
 dropout (off in testing), a loss with an ``ignore_label`` and a
 ``loss_weight``, an accuracy with the same ``ignore_label`` and a top-3
 accuracy without one, and a test batch that no global batch divides (the
-last batch padded) or a ``test_iter`` that wraps around the split.
+last batch padded) or a ``test_iter`` that wraps around the split. A tiny
+GPT's val row (data 2, tensor 2) is PyTorch's token-level mean on its
+checkpoint. Deliberate mutations these tests caught: no running-statistics
+mean (data3, tensor2x2), a figure with an ``ignore_label`` weighted by the
+batch's samples instead of its counted positions (every case), ZeRO-3's
+test graph without the gathered weights (sharded3: the uniform loss).
 
 Found: with parameter servers in mode sync_ps, ``checkpoint.best`` wrote a
 best file at a test pass, and rank 0 took the servers' momenta for it only
@@ -135,9 +140,9 @@ CASES = {
                             {"test_batch": 7, "test_iter": 60}, 420),
     # two tensor shards (the batch norm before the split pair), 2 replicas
     "tensor2x2": (4, {"scheme": "tensor", "tensor_parallel": 2}, {"bn_first": True}, None),
-    # ZeRO-3 through one-sided windows: the weights gathered for the test
-    "sharded3_windows": (2, {"scheme": "sharded", "shard": 3, "transport": "one_sided"},
-                         {}, None),
+    # ZeRO-3: each rank's weight shards gathered for the test graph (a
+    # pass on the shards alone reports the uniform loss, 0.5 ln 10)
+    "sharded3": (2, {"scheme": "sharded", "shard": 3}, {}, None),
 }
 
 
@@ -185,3 +190,58 @@ def test_sync_ps_best_checkpoints_hold_the_servers_state(digits_h5, tmp_path):
     assert sorted(final) == sorted(last)
     for k in final:
         np.testing.assert_array_equal(last[k], final[k], err_msg=k)
+
+
+def _torch_val(cfg, ckpt, ignore):
+    """A GPT's val figures in PyTorch (tests/gpt_oracle.py, float64) on
+    ``ckpt``'s weights over every window of the val split once: the mean
+    cross-entropy over the tokens whose label is not ``ignore``, the
+    next-token accuracy over all tokens."""
+    import torch
+
+    from purine_mpi.data.sources import make_source
+    from tests.gpt_oracle import torch_gpt_from_net
+    x, y = (np.asarray(a, np.int64) for a in make_source(cfg["data"]["test"]).gather(
+        np.arange(make_source(cfg["data"]["test"]).n_samples)))
+    with h5py.File(ckpt, "r") as f:
+        params = {}
+        f["params"].visititems(lambda k, v: params.__setitem__(k, v[()])
+                               if isinstance(v, h5py.Dataset) else None)
+    model, _ = torch_gpt_from_net(cfg["net"], params)
+    model = model.double().eval()
+    with torch.no_grad():
+        logits, _ = model(torch.from_numpy(x))
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten(),
+                                                reduction="none").numpy()
+    kept = y.ravel() != ignore
+    right = logits.argmax(-1).numpy() == y
+    return {"loss": nll[kept].mean(), "accuracy": right.mean(), "samples": len(y)}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("parallel", [{"scheme": "data"},
+                                      {"scheme": "tensor", "tensor_parallel": 2}],
+                         ids=["data2", "tensor2"])
+def test_a_gpt_val_row_is_torch_on_the_checkpoint(tmp_path, parallel):
+    """A tiny GPT (byte tokens, windows of 8) on 2 ranks, the loss ignoring
+    the newline byte, val batches of 5 (the split's last batch padded): the
+    val row's loss is PyTorch's token-level mean over the counted tokens of
+    every val window, its accuracy over all tokens, ``tokens`` the windows
+    times 8."""
+    from tests.gpt_nets import gpt_config, text_h5
+    newline = 10
+    cfg = gpt_config(text_h5(tmp_path), layers=1, width=16, heads=4, length=8, batch=4,
+                     iters=2, parallel=parallel)
+    cfg["net"][-1]["ignore_label"] = newline
+    cfg["net"].append({"type": "accuracy", "name": "acc", "bottom": ["logits", "label"],
+                       "top": "acc", "axis": -1, "phase": "test"})
+    cfg["data"]["test"]["batch_size"] = 5
+    cfg["solver"].update(test_interval=2, test_iter=None, test_initialization=False)
+    cfg["checkpoint"] = {"interval": 2}
+    out, rows = _train(tmp_path, 2, cfg)
+    (row,) = rows
+    want = _torch_val(cfg, out / "ckpt_2.h5", newline)
+    assert row["samples"] == want["samples"] and row["tokens"] == 8 * want["samples"], row
+    for key in ("loss", "accuracy"):
+        assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), \
+            f"val {key} {row[key]}, PyTorch on ckpt_2.h5 {want[key]:.7f}"
