@@ -27,7 +27,10 @@ them from zero, silently); with ``test_initialization`` the pass at
 iteration 0 waited for a transfer before any iteration. Now the servers
 send their state after every test pass of a run with ``checkpoint.best``
 too, rank 0 takes it once an iteration, and a best file holds the servers'
-momenta of its iteration.
+momenta of its iteration. And ``predict`` under ZeRO-3 wrote the scores of
+a test graph whose weights were never gathered from the shards (1.4 from
+NumPy's on the weights it was given; ``test`` gathered them): now predict
+gives the test graph its weights as a test pass does.
 """
 import json
 
@@ -35,7 +38,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import checkpoint_arrays, run_mpi_cli, write_config_file
+from tests.conftest import checkpoint_arrays, run_cli_args, run_mpi_cli, write_config_file
 
 IGNORE, WEIGHT, EPS = 3, 0.5, 1e-5
 
@@ -245,3 +248,55 @@ def test_a_gpt_val_row_is_torch_on_the_checkpoint(tmp_path, parallel):
     for key in ("loss", "accuracy"):
         assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), \
             f"val {key} {row[key]}, PyTorch on ckpt_2.h5 {want[key]:.7f}"
+
+
+def _numpy_scores(digits_h5, net, ckpt):
+    """fc2's scores of ``ckpt``'s weights for every test sample (float64)."""
+    with h5py.File(ckpt, "r") as f:
+        p = {}
+        f["params"].visititems(lambda k, v: p.__setitem__(k, v[()].astype(np.float64))
+                               if isinstance(v, h5py.Dataset) else None)
+    with h5py.File(digits_h5, "r") as f:
+        x = f["test/data"][()]
+    h = x.reshape(len(x), -1).astype(np.float64)
+    for layer in net:
+        kind, name = layer["type"], layer["name"]
+        if kind == "fc":
+            h = h @ p[f"{name}/weight"].T + p[f"{name}/bias"]
+        elif kind == "batch_norm":
+            h = (h - p[f"{name}/running_mean"]) / np.sqrt(p[f"{name}/running_var"] + EPS) \
+                * p[f"{name}/weight"] + p[f"{name}/bias"]
+        elif kind == "relu":
+            h = np.maximum(h, 0.0)
+        if name == "fc2":
+            return h
+
+
+@pytest.mark.mpi
+def test_predict_under_zero3_writes_the_saved_models_scores(digits_h5, tmp_path):
+    """``predict`` on 2 ranks under ZeRO-3 (scheme sharded, shard 3): the
+    scores of the weights it was given, NumPy's on that file, as ``test``
+    under the same scheme evaluates them. Before, predict ran the test
+    graph without gathering the weight shards, on weights that were not the
+    file's (scores off by 1.4)."""
+    cfg = _config(digits_h5, {})
+    path = write_config_file(tmp_path, cfg, "one.yaml")
+    res = run_cli_args("train", path, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-1500:]
+    weights = tmp_path / "run" / "latest.h5"
+    cfg["parallel"] = {"scheme": "sharded", "shard": 3}
+    res = run_mpi_cli(2, "predict", write_config_file(tmp_path, cfg, "zero3.yaml"),
+                      "--weights", weights, "--out", tmp_path / "p.h5")
+    assert res.returncode == 0, res.stdout[-500:] + res.stderr[-1500:]
+    with h5py.File(tmp_path / "p.h5", "r") as f:
+        scores = f["outputs/fc2"][()]
+    want = _numpy_scores(digits_h5, cfg["net"], weights)
+    err = float(np.abs(scores - want).max())
+    assert scores.shape == want.shape and err < 1e-4, \
+        f"predict's scores under ZeRO-3 are {err:.3g} from NumPy's on {weights.name}"
+    # a pipeline is refused for what it is (before: rank 0's stage, which
+    # holds no loss, said "the test phase has no loss layer")
+    cfg["parallel"] = {"scheme": "pipeline", "stages": True}
+    pipe = write_config_file(tmp_path, _config(digits_h5, cfg["parallel"]), "pipe.yaml")
+    res = run_mpi_cli(2, "predict", pipe, "--weights", weights, "--out", tmp_path / "pipe.h5")
+    assert res.returncode == 2 and "not a pipeline or hybrid scheme" in res.stderr, res.stderr
