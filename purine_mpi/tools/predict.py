@@ -36,6 +36,14 @@ def default_blob(graph):
                     "output; name a blob with --blob")
 
 
+def _default_reads(graph):
+    """[the default blob], or none where this rank's test graph has no loss
+    (a pipeline's first stage: ``predict`` then says it runs no pipeline)."""
+    if any(op.op_type.endswith("Loss") for op in graph.ops.values()):
+        return [default_blob(graph)]
+    return []
+
+
 def newest_version(graph, name):
     """The blob a layer reading ``name`` after the whole net would read: a
     top written in place (equal to its bottom) is a new version of the blob,
@@ -61,7 +69,7 @@ def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
     # memory plan a transient blob's is another blob's by the iteration's end
     t = Trainer(job, "/nonexistent-predict-output", init=weights, log=log,
                 test_reads=lambda graph: [newest_version(graph, b)
-                                          for b in blobs or [default_blob(graph)]])
+                                          for b in blobs or _default_reads(graph)])
     try:
         return predict(t, out_path, weights, blobs, split)
     finally:
@@ -71,6 +79,7 @@ def predict_split(job, out_path, weights, blobs=None, split="test", log=print):
 def predict(trainer, out_path, weights, blobs=None, split="test"):
     """Run the trainer's test graph over the whole split and write the
     outputs (see the module docstring); returns {"samples", "blobs", "out"}."""
+    from ..train.evaluation import give_test_weights
     if trainer.test is None:
         raise UserError(f"{trainer.job.path}: key 'data.{split}': predict needs "
                         "that data and a loss layer in the test phase")
@@ -97,6 +106,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
         k.reset_position(0)
         k.pad_from(None)  # the rows past the split are dropped below
     trainer.train.drain()
+    give_test_weights(trainer)  # ZeRO-3: the weight shards gathered, as a test pass does
     parts = {b: [] for b in blobs + ["label"]}
     for i in range(iters):
         dispatcher.run(i)

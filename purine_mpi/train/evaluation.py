@@ -16,6 +16,18 @@ from .collectives import average_running_stats, world_sum
 from .loop import Service
 
 
+def give_test_weights(loop):
+    """The weights the test graph reads, where it does not share the
+    training workspace's (the scheme's ``test_weights``; ZeRO-3: every
+    rank's shards gathered, once). Collective on every rank; for a test pass
+    and ``predict`` (tools/predict.py)."""
+    whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
+    held = loop.test.workspace.graph.blobs
+    for p, value in (whole or {}).items():
+        if p in held:  # a row-split layer's bias: one tensor shard's test graph adds it
+            loop.test.workspace.set(p, value)
+
+
 class Evaluation(Service):
     def __init__(self):
         self._wrap_noted = False
@@ -63,11 +75,7 @@ class Evaluation(Service):
         if not loop.graphs.apart:  # scheme none: each replica keeps its own
             average_running_stats(loop.world, loop.graphs.graph, loop.ws,
                                   getattr(loop.graphs.layout, "shard", 0))
-        whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
-        held = loop.test.workspace.graph.blobs
-        for p, value in (whole or {}).items():  # ZeRO-3: the shards gathered, once
-            if p in held:  # a row-split layer's bias: one tensor shard's test graph adds it
-                loop.test.workspace.set(p, value)
+        give_test_weights(loop)
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
         # the replicas shard the split; where they train apart (scheme

@@ -242,13 +242,20 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
 
 def state_transfer_due(job, done, start, final_only):
     """Whether servers send their momenta to rank 0 after iteration ``done``:
-    at the trainer's checkpoint iterations (sync_ps) and after the last one.
-    Both sides evaluate this same rule, so a transfer is never left unmatched."""
+    at the trainer's checkpoint iterations (sync_ps), with ``checkpoint.best``
+    at its test iterations too (a test pass may write a best checkpoint,
+    which the servers cannot foresee: rank 0 takes the state whether or not
+    it writes one, train/ps_worker.py), and after the last one; never before
+    the first iteration the servers run (``start``). Both sides evaluate this
+    same rule, so a transfer is never left unmatched."""
     max_iter = job.solver.max_iter
     if done == max_iter:
         return start < max_iter
-    interval = job.checkpoint.interval
-    return not final_only and interval > 0 and done % interval == 0
+    if final_only or done <= start:
+        return False
+    interval, tests = job.checkpoint.interval, job.solver.test_interval
+    return (interval > 0 and done % interval == 0) or \
+        (job.checkpoint.best is not None and tests > 0 and done % tests == 0)
 
 
 def recv_state(world, servers):

@@ -30,8 +30,10 @@ class WorkerStopAgreement(StopAgreement):
         self.mode = job.parallel.mode
         self.stopping = False  # a stop (not a divergence) before max_iter was agreed
         # async: the iteration whose servers' state the workers hold, and (rank
-        # 0) the servers' momenta of it, for the checkpoint
-        self.synced, self.momenta = None, {}
+        # 0) the servers' momenta of it, for the checkpoint; sync_ps: the
+        # iteration whose momenta rank 0 received (once: a best checkpoint
+        # and the run's checkpoint of one iteration both take them)
+        self.synced, self.momenta, self.received = None, {}, None
 
     def on_start(self, loop):
         """sync_ps on one node: the weights are the servers' regions, which
@@ -101,18 +103,44 @@ class WorkerStopAgreement(StopAgreement):
             due = self.world.rank == 0
             momenta = self.momenta
         else:
-            due = self.stopping or state_transfer_due(self.job, iteration,
-                                                      loop.state.start_iter, final_only=False)
-            momenta = recv_state(self.world, self.servers)[0] if due and \
-                self.world.rank == 0 else {}
+            due = self.sent(loop, iteration)
+            momenta = self.receive(iteration) if due and self.world.rank == 0 else {}
         if due and self.world.rank == 0:
             # the servers hold the momenta: put them where save() looks
             for p, m in momenta.items():
                 loop.ws.arrays[momentum_name(p)] = m
 
+    def sent(self, loop, iteration):
+        """sync_ps: whether the servers sent rank 0 their state after
+        ``iteration`` (ps_server.state_transfer_due, or a stop)."""
+        return iteration > loop.state.start_iter and (self.stopping or state_transfer_due(
+            self.job, iteration, loop.state.start_iter, final_only=False))
+
+    def receive(self, iteration):
+        """sync_ps, rank 0: the servers' momenta after ``iteration``,
+        received once (a best checkpoint and the run's checkpoint of the
+        same iteration both save them)."""
+        if self.received != iteration:
+            self.received, self.momenta = iteration, recv_state(self.world, self.servers)[0]
+        return self.momenta
+
+    def after_iteration(self, loop, done):
+        """sync_ps, rank 0: the state the servers sent after a test pass
+        that wrote no checkpoint is taken all the same (every transfer is
+        matched); let go unless the run's checkpoint of ``done`` follows (at
+        the interval, on a stop, at the end: Checkpoints, after this)."""
+        if lockstep(self.mode) and self.world.rank == 0 and self.sent(loop, done):
+            self.receive(done)
+            if done != self.job.solver.max_iter and not loop.state.stop_code and \
+                    not loop.due(self.job.checkpoint.interval, done):
+                self.momenta = {}
+
     def after_save(self, loop, iteration):
         """The momenta put for the save let go (the servers' keep changing):
         rank 0 holds them only while it saves (async: the agreement keeps
-        the last sync's, ``ParameterServers.held_bytes``)."""
+        the last sync's, ``ParameterServers.held_bytes``; sync_ps: until the
+        run's checkpoint of the iteration, after a best one)."""
         for p in loop.graphs.composition.server_plan["order"]:
             loop.ws.arrays.pop(momentum_name(p), None)
+        if lockstep(self.mode) and loop.state.last_saved == iteration:
+            self.momenta = {}
