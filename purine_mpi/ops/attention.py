@@ -32,7 +32,17 @@ Two paths compute the middle, both differentiated by their own gradient ops:
 On the host without dropout the fused ops take a group of sequences at a
 time (``HOST_GROUP_BYTES`` of scores: one sequence of gpt_tiny), so their
 temporaries are the group's (g, H, T, T) and stay in cache; the values are
-the whole batch's, bit for bit (tests/test_host_temporaries.py).
+the whole batch's, bit for bit (tests/test_host_temporaries.py). They hold
+the scores transposed, S^T = k q^T / sqrt(D) (keys along the rows), so
+the softmax's reductions over the keys (the max, the sum, dP's rowsum
+against P) are NumPy reductions along the leading axis of each matrix,
+element-wise over contiguous rows, instead of 128-element reductions along
+every row (the row max alone cost ~2.7 ms a gpt_tiny attention);
+the products read P^T and dS^T as BLAS transposes (no copies). The scores
+and their max are the same bits as the row layout's; the sums add the
+keys in their order instead of NumPy's pairwise order along a row, so P
+and what follows differ in the last bits from the raw sub-graph's
+(tests/test_gpt_layers.py checks both against PyTorch).
 
 Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
@@ -164,6 +174,24 @@ class _AttentionKernel(OpKernel):
         if self._mask is None or self._mask.shape[0] != t or self._mask.dtype != dtype:
             self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
         return self._mask
+
+    _mask_t = None
+
+    def host_probs_t(self, q, k, out):
+        """out = P^T (g, H, T, T) of the host path without dropout: the
+        scores S^T = k q^T / sqrt(D) (-inf above S's diagonal when causal)
+        and their softmax over the keys, the leading axis of each matrix."""
+        matmul(np, k, q.swapaxes(-1, -2), out=out)
+        out *= 1.0 / math.sqrt(q.shape[-1])
+        if bool(self.attrs.get("causal", True)):
+            t = out.shape[-1]
+            if self._mask_t is None or self._mask_t.shape[0] != t or \
+                    self._mask_t.dtype != out.dtype:
+                self._mask_t = np.ascontiguousarray(self.mask(np, t, out.dtype).T)
+            out += self._mask_t
+        out -= out.max(axis=-2, keepdims=True)
+        np.exp(out, out=out)
+        out /= out.sum(axis=-2, keepdims=True)
 
     def scores(self, xp, q, k, out):
         """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
@@ -530,6 +558,12 @@ class Attention(PhiloxStream, _AttentionKernel):
         host = xp is np
         p_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                else self.scratch_specs(ins, outs)))
+        if host and not mask:   # P^T a group at a time, ctx = (P^T)^T v
+            for s in groups(qkv.shape[0], host_group(self, qkv)):
+                pt = p_all[:s.stop - s.start]
+                self.host_probs_t(q[s], k[s], pt)
+                matmul(np, pt.swapaxes(-1, -2), v[s], out=ctx[s])
+            return
         for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
             p = p_all[:s.stop - s.start]
             self.scores(xp, q[s], k[s], p)
@@ -597,6 +631,17 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         p_all, dp_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                        else self.scratch_specs(ins, outs)))
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
+            for s in groups(qkv.shape[0], host_group(self, qkv)):
+                pt, dpt = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
+                self.host_probs_t(q[s], k[s], pt)
+                matmul(np, pt, do[s], out=dv[s])
+                matmul(np, v[s], do[s].swapaxes(-1, -2), out=dpt)
+                dpt -= (dpt * pt).sum(axis=-2, keepdims=True)
+                dpt *= pt                                      # dS^T
+                bmm(xp, dpt, k[s], dq[s], trans_a=True, alpha=scale)
+                bmm(xp, dpt, q[s], dk[s], alpha=scale)
+            return
         for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
             p, dp = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
             self.scores(xp, q[s], k[s], p)
