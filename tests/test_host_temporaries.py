@@ -90,7 +90,7 @@ def _cases():
         ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
          [np.empty((256, 128), np.float32)]),
         # without dropout a group of sequences at a time (ops/attention.py's
-        # host_group): one sequence's P, dP and dP * P, 1 MiB each here
+        # host_group): one sequence's P^T and dP^T, 1 MiB each here
         ("Attention", {"num_heads": 4}, [_f(4, 256, 384)], [np.empty((4, 256, 128), np.float32)]),
         ("AttentionGrad", {"num_heads": 4}, [_f(4, 256, 128), _f(4, 256, 384)],
          [np.empty((4, 256, 384), np.float32)]),

@@ -39,10 +39,11 @@ against P) are NumPy reductions along the leading axis of each matrix,
 element-wise over contiguous rows, instead of 128-element reductions along
 every row (the row max alone cost ~2.7 ms a gpt_tiny attention);
 the products read P^T and dS^T as BLAS transposes (no copies). The scores
-and their max are the same bits as the row layout's; the sums add the
-keys in their order instead of NumPy's pairwise order along a row, so P
-and what follows differ in the last bits from the raw sub-graph's
-(tests/test_gpt_layers.py checks both against PyTorch).
+and their max are the same bits as the row layout's; the softmax's sums
+are BLAS matrix-vector products with ones and dP's rowsum against P one
+einsum (no product array), in other orders than NumPy's pairwise sums
+along a row, so P and what follows differ in the last bits from the raw
+sub-graph's (tests/test_gpt_layers.py checks both against PyTorch).
 
 Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
@@ -87,6 +88,7 @@ gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
 mask one element-wise add of a (T, T) mask made once, the intermediate
 (N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
 """
+import functools
 import math
 
 import numpy as np
@@ -191,7 +193,7 @@ class _AttentionKernel(OpKernel):
             out += self._mask_t
         out -= out.max(axis=-2, keepdims=True)
         np.exp(out, out=out)
-        out /= out.sum(axis=-2, keepdims=True)
+        out /= key_sums(out)[..., None, :]
 
     def scores(self, xp, q, k, out):
         """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
@@ -202,6 +204,20 @@ class _AttentionKernel(OpKernel):
     def setup_mask(self, like, t):
         if get_xp(like) is not np:
             self.mask(get_xp(like), t, like.dtype)
+
+
+def key_sums(pt):
+    """The sums of P^T (..., T, T) over its keys (axis -2): one BLAS
+    matrix-vector product per matrix (~3x NumPy's sum along that axis)."""
+    return np.matmul(_ones(pt.shape[-2], pt.dtype), pt)
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(n, dtype):
+    """A read-only vector of ``n`` ones, made once per length and dtype."""
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
 
 
 def softmax_rows(xp, s):
@@ -637,7 +653,7 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
                 self.host_probs_t(q[s], k[s], pt)
                 matmul(np, pt, do[s], out=dv[s])
                 matmul(np, v[s], do[s].swapaxes(-1, -2), out=dpt)
-                dpt -= (dpt * pt).sum(axis=-2, keepdims=True)
+                dpt -= np.einsum("...kq,...kq->...q", dpt, pt)[..., None, :]
                 dpt *= pt                                      # dS^T
                 bmm(xp, dpt, k[s], dq[s], trans_a=True, alpha=scale)
                 bmm(xp, dpt, q[s], dk[s], alpha=scale)
@@ -667,16 +683,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         return _host_specs(self, ins[1], 2)
 
     def host_temporaries(self, ins, outs):
-        """P and dP (a group's, or the whole batch's and the mask), and the
-        largest of ``softmax_rows_grad``'s dP * P and the dropout draw's
-        temporaries, or with a packed mask its unpacking's (they are not
-        live at once)."""
+        """P^T and dP^T of a group without dropout (the rowsum is einsum's,
+        no product array); with dropout P, dP and the mask of the whole
+        batch, and the largest of ``softmax_rows_grad``'s dP * P and the
+        dropout draw's temporaries, or with a packed mask its unpacking's
+        (they are not live at once)."""
         if self._sdpa is not None:
             return self.scratch_specs(ins, outs)
         specs = self.host_specs(ins, outs)
+        if self.ratio <= 0:
+            return specs
         if packed(self.attrs):
             return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=specs_nbytes)
-        return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])
+        return specs + _dropout_temporaries(self, ins[1])
 
 
 @gradient("Attention")
