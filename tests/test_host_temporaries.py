@@ -87,13 +87,10 @@ def _cases():
          [w, v]),
         ("SoftmaxLoss", {}, [_f(1024, 4, 256), _ids(4, (1024, 256))],
          [np.empty((), np.float32), np.empty((1024, 4, 256), np.float32)]),
-        ("SoftmaxLossGrad", {"axis": -1}, [np.float32(1), np.abs(_f(32, 128, 256)),
-                                           _ids(256, (32, 128))],
-         [np.empty((32, 128, 256), np.float32)]),
         ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
          [np.empty((256, 128), np.float32)]),
         # without dropout a group of sequences at a time (ops/attention.py's
-        # host_group): one sequence's P, dP and dP * P, 1 MiB each here
+        # host_group): one sequence's P^T and dP^T, 1 MiB each here
         ("Attention", {"num_heads": 4}, [_f(4, 256, 384)], [np.empty((4, 256, 128), np.float32)]),
         ("AttentionGrad", {"num_heads": 4}, [_f(4, 256, 128), _f(4, 256, 384)],
          [np.empty((4, 256, 384), np.float32)]),
@@ -231,6 +228,25 @@ def test_dropout_without_a_draw_or_unpacking_allocates_nothing(op_type, attrs, c
     x = _f(64, 32, 24, 24)
     measured, declared = _run_peak(op_type, attrs, [x] * count, [np.empty_like(x)])
     assert declared == 0 and measured < SLACK, measured
+
+
+@pytest.mark.parametrize("attrs", [{"axis": -1}, {"axis": -1, "ignore_label": 3}])
+def test_softmax_loss_grad_takes_no_mask_of_prob_size(attrs):
+    """The loss gradient copies prob into dx and takes 1 off at each label
+    (no one-hot mask of prob's size, 1 MiB of bools here): the bits of
+    (prob - onehot) * valid * dloss / count, computed here as it was."""
+    prob, lab = np.abs(_f(32, 128, 256)), _ids(256, (32, 128))
+    lab[0, :5] = 3
+    dx = np.empty_like(prob)
+    measured, declared = _run_peak("SoftmaxLossGrad", attrs, [np.float32(0.7), prob, lab], [dx])
+    assert declared <= measured <= declared * 1.1 + SLACK and measured < SLACK, \
+        (measured, declared)
+    valid = lab != attrs.get("ignore_label", -1)
+    onehot = np.arange(256)[None, None, :] == np.where(valid, lab, 0)[..., None]
+    want = (prob - onehot) * valid[..., None]
+    want *= np.float32(0.7) / max(int(valid.sum()), 1)
+    assert want.dtype == np.float32
+    np.testing.assert_array_equal(dx, want)
 
 
 def test_softmax_loss_values_unchanged():

@@ -32,7 +32,18 @@ Two paths compute the middle, both differentiated by their own gradient ops:
 On the host without dropout the fused ops take a group of sequences at a
 time (``HOST_GROUP_BYTES`` of scores: one sequence of gpt_tiny), so their
 temporaries are the group's (g, H, T, T) and stay in cache; the values are
-the whole batch's, bit for bit (tests/test_host_temporaries.py).
+the whole batch's, bit for bit (tests/test_host_temporaries.py). They hold
+the scores transposed, S^T = k q^T / sqrt(D) (keys along the rows), so
+the softmax's reductions over the keys (the max, the sum, dP's rowsum
+against P) are NumPy reductions along the leading axis of each matrix,
+element-wise over contiguous rows, instead of 128-element reductions along
+every row (the row max alone cost ~2.7 ms a gpt_tiny attention);
+the products read P^T and dS^T as BLAS transposes (no copies). The scores
+and their max are the same bits as the row layout's; the softmax's sums
+are BLAS matrix-vector products with ones and dP's rowsum against P one
+einsum (no product array), in other orders than NumPy's pairwise sums
+along a row, so P and what follows differ in the last bits from the raw
+sub-graph's (tests/test_gpt_layers.py checks both against PyTorch).
 
 Attr ``num_heads`` (H, dividing C), ``causal`` (default true). Every mask
 position is exactly -inf before the softmax, so it gets probability 0 and
@@ -77,6 +88,7 @@ gradient are the raw kernels of the Softmax op (cuda/softmax_loss.cu), the
 mask one element-wise add of a (T, T) mask made once, the intermediate
 (N, H, T, T) arrays the op's scratch. Nothing is allocated per iteration.
 """
+import functools
 import math
 
 import numpy as np
@@ -165,6 +177,24 @@ class _AttentionKernel(OpKernel):
             self._mask = xp.triu(xp.full((t, t), -np.inf, dtype=dtype), 1)
         return self._mask
 
+    _mask_t = None
+
+    def host_probs_t(self, q, k, out):
+        """out = P^T (g, H, T, T) of the host path without dropout: the
+        scores S^T = k q^T / sqrt(D) (-inf above S's diagonal when causal)
+        and their softmax over the keys, the leading axis of each matrix."""
+        matmul(np, k, q.swapaxes(-1, -2), out=out)
+        out *= 1.0 / math.sqrt(q.shape[-1])
+        if bool(self.attrs.get("causal", True)):
+            t = out.shape[-1]
+            if self._mask_t is None or self._mask_t.shape[0] != t or \
+                    self._mask_t.dtype != out.dtype:
+                self._mask_t = np.ascontiguousarray(self.mask(np, t, out.dtype).T)
+            out += self._mask_t
+        out -= out.max(axis=-2, keepdims=True)
+        np.exp(out, out=out)
+        out /= key_sums(out)[..., None, :]
+
     def scores(self, xp, q, k, out):
         """out = q k^T / sqrt(D), -inf above the diagonal when causal."""
         bmm(xp, q, k, out, trans_b=True, alpha=1.0 / math.sqrt(q.shape[-1]))
@@ -174,6 +204,20 @@ class _AttentionKernel(OpKernel):
     def setup_mask(self, like, t):
         if get_xp(like) is not np:
             self.mask(get_xp(like), t, like.dtype)
+
+
+def key_sums(pt):
+    """The sums of P^T (..., T, T) over its keys (axis -2): one BLAS
+    matrix-vector product per matrix (~3x NumPy's sum along that axis)."""
+    return np.matmul(_ones(pt.shape[-2], pt.dtype), pt)
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(n, dtype):
+    """A read-only vector of ``n`` ones, made once per length and dtype."""
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
 
 
 def softmax_rows(xp, s):
@@ -530,6 +574,12 @@ class Attention(PhiloxStream, _AttentionKernel):
         host = xp is np
         p_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                else self.scratch_specs(ins, outs)))
+        if host and not mask:   # P^T a group at a time, ctx = (P^T)^T v
+            for s in groups(qkv.shape[0], host_group(self, qkv)):
+                pt = p_all[:s.stop - s.start]
+                self.host_probs_t(q[s], k[s], pt)
+                matmul(np, pt.swapaxes(-1, -2), v[s], out=ctx[s])
+            return
         for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
             p = p_all[:s.stop - s.start]
             self.scores(xp, q[s], k[s], p)
@@ -597,6 +647,17 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         p_all, dp_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                        else self.scratch_specs(ins, outs)))
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
+            for s in groups(qkv.shape[0], host_group(self, qkv)):
+                pt, dpt = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
+                self.host_probs_t(q[s], k[s], pt)
+                matmul(np, pt, do[s], out=dv[s])
+                matmul(np, v[s], do[s].swapaxes(-1, -2), out=dpt)
+                dpt -= np.einsum("...kq,...kq->...q", dpt, pt)[..., None, :]
+                dpt *= pt                                      # dS^T
+                bmm(xp, dpt, k[s], dq[s], trans_a=True, alpha=scale)
+                bmm(xp, dpt, q[s], dk[s], alpha=scale)
+            return
         for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
             p, dp = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
             self.scores(xp, q[s], k[s], p)
@@ -622,16 +683,19 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         return _host_specs(self, ins[1], 2)
 
     def host_temporaries(self, ins, outs):
-        """P and dP (a group's, or the whole batch's and the mask), and the
-        largest of ``softmax_rows_grad``'s dP * P and the dropout draw's
-        temporaries, or with a packed mask its unpacking's (they are not
-        live at once)."""
+        """P^T and dP^T of a group without dropout (the rowsum is einsum's,
+        no product array); with dropout P, dP and the mask of the whole
+        batch, and the largest of ``softmax_rows_grad``'s dP * P and the
+        dropout draw's temporaries, or with a packed mask its unpacking's
+        (they are not live at once)."""
         if self._sdpa is not None:
             return self.scratch_specs(ins, outs)
         specs = self.host_specs(ins, outs)
+        if self.ratio <= 0:
+            return specs
         if packed(self.attrs):
             return specs + max(unpack_temporaries(specs[0][0]), specs[:1], key=specs_nbytes)
-        return specs + (_dropout_temporaries(self, ins[1]) or specs[:1])
+        return specs + _dropout_temporaries(self, ins[1])
 
 
 @gradient("Attention")

@@ -57,8 +57,8 @@ def column_sum(xp, k, x, out):
 #: (which glibc maps and the kernel zeroes afresh once its dynamic mmap
 #: threshold is below their size) streamed through the cache pass after
 #: pass. Every row's values are what the whole array gives (the means run
-#: along rows); the gradient's column sums (dg, db) still add the whole
-#: arrays' rows in their order
+#: along rows, einsum's row by row); the gradient's column sums (dg, db)
+#: are einsum's over the whole arrays
 HOST_CHUNK_BYTES = 1 << 18
 
 
@@ -79,8 +79,7 @@ class LayerNorm(OpKernel):
     op_type = "LayerNorm"
 
     def host_temporaries(self, ins, outs):
-        x = ins[0]
-        return [((host_rows(x)[1], x.shape[-1]), x.dtype)]   # a chunk's squares
+        return []   # the host path writes y, mean and rstd only (``_normalise_host``)
 
     def scratch_specs(self, ins, outs):
         return [] if _fused(ins[0]) else [(ins[0].shape, ins[0].dtype)]   # the squares
@@ -112,9 +111,8 @@ class LayerNorm(OpKernel):
         c = x.shape[-1]
         x2, y2, mean1, rstd1 = x.reshape(-1, c), y.reshape(-1, c), mean.reshape(-1), \
             rstd.reshape(-1)
-        (sq,) = self.temporaries(x, *self.host_temporaries(ins, outs))
         for s in host_rows(x)[0]:
-            _normalise(xp, k, x2[s], g, b, eps, y2[s], mean1[s], rstd1[s], sq[:s.stop - s.start])
+            _normalise_host(x2[s], g, b, eps, y2[s], mean1[s], rstd1[s])
 
 
 def _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq):
@@ -128,6 +126,26 @@ def _normalise(xp, k, x, g, b, eps, y, mean, rstd, sq):
     xp.sqrt(rstd, out=rstd)
     xp.divide(1, rstd, out=rstd)
     y *= rstd[..., None]
+    y *= g
+    y += b
+
+
+def _normalise_host(x, g, b, eps, y, mean, rstd):
+    """``_normalise`` of host rows x (m, C) into y, mean and rstd (m,) with
+    no temporary: the row sums are einsum's (row by row, ~3x NumPy's
+    pairwise ``mean`` along 128-element rows; other bits than it, the same
+    for a row wherever it lies: the pieces give the whole array's), the
+    variance one einsum of y with itself (no squares array)."""
+    c = x.shape[-1]
+    np.einsum("ij->i", x, out=mean)
+    mean /= c
+    np.subtract(x, mean[:, None], out=y)
+    np.einsum("ij,ij->i", y, y, out=rstd)
+    rstd /= c
+    rstd += eps
+    np.sqrt(rstd, out=rstd)
+    np.divide(1, rstd, out=rstd)
+    y *= rstd[:, None]
     y *= g
     y += b
 
@@ -154,11 +172,15 @@ class LayerNormGrad(OpKernel):
     op_type = "LayerNormGrad"
 
     def host_temporaries(self, ins, outs):
-        """A chunk's (``host_rows``); dg without dx: the whole dy * xhat for
-        its column sums too (with dx they are made in dx's bytes first)."""
+        """``_grad_host``'s: a chunk's dxhat and two row means (``host_rows``)
+        with dx; the whole xhat without dx but with dg (with dx it is made
+        in dx's bytes)."""
         x, wanted = ins[1], self.attrs["outputs"]
+        rows = host_rows(x)[1]
         whole = [(x.shape, x.dtype)] if "dg" in wanted and "dx" not in wanted else []
-        return list(_grad_specs(x, host_rows(x)[1])) + whole
+        part = [((rows, x.shape[-1]), x.dtype), ((rows,), x.dtype), ((rows,), x.dtype)] \
+            if "dx" in wanted else []
+        return part + whole
 
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
@@ -188,34 +210,58 @@ class LayerNormGrad(OpKernel):
             if "dg" in got:
                 column_sum(xp, k, dyxhat, got["dg"])
             return
+        if xp is np:
+            _grad_host(dy, x, g, mean, rstd, got,
+                       self.temporaries(x, *self.host_temporaries(ins, outs)))
+            return
         if "db" in got:
             column_sum(xp, k, dy, got["db"])
-        if xp is not np:   # a dtype without a fused kernel: whole arrays
-            xhat, dxhat, a, c = self.temporaries(x, *self.scratch_specs(ins, outs))
-            _xhat(xp, x, mean, rstd, xhat)
-            if "dg" in got:
-                xp.multiply(dy, xhat, out=dxhat)
-                column_sum(xp, k, dxhat, got["dg"])
-            if "dx" in got:
-                _dx(xp, k, dy, g, rstd, xhat, got["dx"], dxhat, a, c)
-            return
-        n = x.shape[-1]
-        dy2, x2, mean1, rstd1 = dy.reshape(-1, n), x.reshape(-1, n), mean.reshape(-1), \
-            rstd.reshape(-1)
-        chunks, _ = host_rows(x)
-        xhat, dxhat, a, c, *whole = self.temporaries(x, *self.host_temporaries(ins, outs))
-        if "dg" in got:   # dy * xhat of every row, then the whole array's column sums
-            dyxhat = (got["dx"] if "dx" in got else whole[0]).reshape(-1, n)
-            for s in chunks:
-                _xhat(xp, x2[s], mean1[s], rstd1[s], xhat[:s.stop - s.start])
-                xp.multiply(dy2[s], xhat[:s.stop - s.start], out=dyxhat[s])
-            column_sum(xp, k, dyxhat, got["dg"])
+        # a dtype without a fused kernel: whole arrays
+        xhat, dxhat, a, c = self.temporaries(x, *self.scratch_specs(ins, outs))
+        _xhat(xp, x, mean, rstd, xhat)
+        if "dg" in got:
+            xp.multiply(dy, xhat, out=dxhat)
+            column_sum(xp, k, dxhat, got["dg"])
         if "dx" in got:
-            dx2 = got["dx"].reshape(-1, n)
-            for s in chunks:
-                m = s.stop - s.start
-                _xhat(xp, x2[s], mean1[s], rstd1[s], xhat[:m])
-                _dx(xp, k, dy2[s], g, rstd1[s], xhat[:m], dx2[s], dxhat[:m], a[:m], c[:m])
+            _dx(xp, k, dy, g, rstd, xhat, got["dx"], dxhat, a, c)
+
+
+def _grad_host(dy, x, g, mean, rstd, got, temps):
+    """LayerNormGrad on the host: xhat once, a chunk (``host_rows``) at a
+    time, into dx's bytes (without dx: the whole temporary ``temps[-1]``),
+    dg = the column sums of dy * xhat and db those of dy (einsum over the
+    whole arrays: one order whatever the chunks), then dx made over xhat in
+    place, the row means einsum's (``_normalise_host``), mean(dxhat * xhat)
+    one einsum of the two (no product array). ``temps``: dxhat (a chunk's)
+    and the chunk's two row means with dx, then the whole xhat without dx."""
+    n = x.shape[-1]
+    dy2, x2, mean1, rstd1 = dy.reshape(-1, n), x.reshape(-1, n), mean.reshape(-1), \
+        rstd.reshape(-1)
+    chunks, _ = host_rows(x)
+    if "db" in got:
+        np.einsum("ij->j", dy2, out=got["db"])
+    if "dg" not in got and "dx" not in got:
+        return
+    xhat = (got["dx"] if "dx" in got else temps[-1]).reshape(-1, n)
+    for s in chunks:
+        _xhat(np, x2[s], mean1[s], rstd1[s], xhat[s])
+    if "dg" in got:
+        np.einsum("ij,ij->j", dy2, xhat, out=got["dg"])
+    if "dx" not in got:
+        return
+    dxhat, a, c = temps[:3]
+    for s in chunks:   # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        m = s.stop - s.start
+        d, am, cm, dx = dxhat[:m], a[:m], c[:m], xhat[s]
+        np.multiply(dy2[s], g, out=d)
+        np.einsum("ij->i", d, out=am)
+        am /= n
+        np.einsum("ij,ij->i", d, dx, out=cm)
+        cm /= n
+        dx *= cm[:, None]
+        np.subtract(d, dx, out=dx)
+        dx -= am[:, None]
+        dx *= rstd1[s][:, None]
 
 
 def _xhat(xp, x, mean, rstd, out):

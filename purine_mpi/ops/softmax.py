@@ -325,20 +325,23 @@ class SoftmaxLossGrad(OpKernel):
             k.softmax_loss_backward(p3, lab, scale, ignore, out=dx3, count=count, pad_label=pad)
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
-        classes = xp.arange(channels, dtype=np.int64)[None, :, None]
-        onehot = classes == lab[:, None, :]
         dx = outs[0].reshape(outer, channels, inner)
-        xp.subtract(prob.reshape(outer, channels, inner), onehot, out=dx)
-        dx *= valid[:, None, :]
+        # prob - onehot(label): prob, and 1 off at each position's label
+        # (the bits of subtracting the one-hot mask, with no mask of prob's size)
+        dx[...] = prob.reshape(outer, channels, inner)
+        at = lab[:, None, :]
+        xp.put_along_axis(dx, at, xp.take_along_axis(dx, at, axis=1) - 1, axis=1)
+        if not bool(valid.all()):   # times 1 everywhere changes no bit
+            dx *= valid[:, None, :]
         dx *= dloss / (ins[3] if len(ins) > 3 else count)
 
     def host_temporaries(self, ins, outs):
-        """The host run's labels as int64, the valid mask, and the one-hot
-        mask of prob's shape."""
+        """The host run's labels as int64, the valid mask, and the label's
+        probabilities less 1 (taken, then the difference)."""
         prob = ins[1]
         outer, _, inner = _split_dims(prob.shape, _axis(self.attrs, prob.ndim))
         pos = (outer * inner,)
-        return [(pos, np.int64), (pos, np.bool_), (prob.shape, np.bool_)]
+        return [(pos, np.int64), (pos, np.bool_), (pos, prob.dtype), (pos, prob.dtype)]
 
 
 @gradient("SoftmaxLoss")
