@@ -277,7 +277,9 @@ def test_top_level_help_and_missing_command():
 
 # ------------------------------------------------------------------- graph
 def test_graph_yaml_loads_back_and_trains_identically(base):
-    res = run_cli_here("graph", base["path"], "--format", "yaml")
+    # a process of its own, as a user runs it (its exit status and whole
+    # output at exit); the other graph and inspect calls run in this one
+    res = run_cli_args("graph", base["path"], "--format", "yaml")
     assert res.returncode == 0, res.stderr
     doc = yaml.safe_load(res.stdout)
     assert "&id" not in res.stdout  # no YAML anchors: each entry stands alone
@@ -385,7 +387,7 @@ def _is_numeric(v):
 
 def test_inspect_json_stats(base):
     ckpt = base["out"] / "ckpt_20.h5"
-    res = run_cli_here("inspect", ckpt, "--json")
+    res = run_cli_args("inspect", ckpt, "--json")  # a process of its own, as graph's yaml
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["attrs"]["iteration"] == 20
