@@ -87,19 +87,28 @@ def train_memory(path, args, run, np_=2, iters=5, env=None, mpiexec="mpiexec"):
         return json.load(f)["ranks"]
 
 
-def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None):
+def run_command(*args, env=None):
+    """``python -m purine_mpi ARGS`` in a new interpreter from the repo root:
+    its CompletedProcess (text)."""
+    return subprocess.run(PY + list(args), capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
+            plan_with=None):
     """{"predicted": [bytes per rank], "measured": [...], "baseline": [...],
     "plan": the plan's JSON}, or {"error": text}; on ``np_`` ranks, by
     default the scheme's (``RANKS``, else 2). ``sets``: more --set values
     (after the scheme's); ``path``: a config file in the place of
-    jobs/JOB.yaml."""
+    jobs/JOB.yaml; ``plan_with``: what runs the offline ``plan`` command
+    (``f(*args)`` -> CompletedProcess; a new interpreter by default, the
+    tests' own process in tests/test_plan_rss.py)."""
     np_ = np_ or RANKS.get(scheme, 2)
     own, more = sets_for(job, scheme, out)
     path = path or own
     args = [a for s in list(more) + list(sets) for a in ("--set", s)]
     env = {**os.environ, **(env or {})}
-    p = subprocess.run(PY + ["plan", path, "--np", str(np_), "--json"] + args,
-                       capture_output=True, text=True, env=env, cwd=ROOT)
+    plan_with = plan_with or (lambda *a: run_command(*a, env=env))
+    p = plan_with("plan", path, "--np", str(np_), "--json", *args)
     if p.returncode not in (0, 2):
         return {"error": "plan: " + p.stderr.strip().splitlines()[-1]}
     plan = json.loads(p.stdout)

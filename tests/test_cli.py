@@ -277,6 +277,8 @@ def test_top_level_help_and_missing_command():
 
 # ------------------------------------------------------------------- graph
 def test_graph_yaml_loads_back_and_trains_identically(base):
+    # a process of its own, as a user runs it (its exit status and whole
+    # output at exit); the other graph and inspect calls run in this one
     res = run_cli_args("graph", base["path"], "--format", "yaml")
     assert res.returncode == 0, res.stderr
     doc = yaml.safe_load(res.stdout)
@@ -302,7 +304,7 @@ def test_graph_yaml_loads_back_and_trains_identically(base):
         for n in names:
             assert np.array_equal(a["params"][n][...], b["params"][n][...]), n
     # the round trip is a fixed point: dumping the loaded graph gives the same text
-    again = run_cli_args("graph", path, "--format", "yaml")
+    again = run_cli_here("graph", path, "--format", "yaml")
     assert yaml.safe_load(again.stdout)["graph"] == doc["graph"]
 
 
@@ -329,7 +331,7 @@ def _dot_structure(text):
 
 
 def test_graph_dot_is_valid(base):
-    res = run_cli_args("graph", base["path"], "--format", "dot")
+    res = run_cli_here("graph", base["path"], "--format", "dot")
     assert res.returncode == 0, res.stderr
     nodes, edges = _dot_structure(res.stdout)
     graph, _ = build_train_graph(make_job(base["cfg"]))
@@ -345,7 +347,7 @@ def test_graph_dot_is_valid(base):
 
 
 def test_graph_text_lists_every_op(base):
-    res = run_cli_args("graph", base["path"], "--format", "text")
+    res = run_cli_here("graph", base["path"], "--format", "text")
     assert res.returncode == 0, res.stderr
     graph, _ = build_train_graph(make_job(base["cfg"]))
     lines = res.stdout.splitlines()
@@ -362,10 +364,10 @@ def test_graph_text_lists_every_op(base):
 
 
 def test_graph_test_phase_and_bad_rank(base):
-    res = run_cli_args("graph", base["path"], "--phase", "test")
+    res = run_cli_here("graph", base["path"], "--phase", "test")
     assert res.returncode == 0, res.stderr
     assert "acc.fwd" in res.stdout and "SGDUpdate" not in res.stdout
-    assert_user_error(run_cli_args("graph", base["path"], "--rank", "3"), "--rank 3")
+    assert_user_error(run_cli_here("graph", base["path"], "--rank", "3"), "--rank 3")
 
 
 # ----------------------------------------------------------------- inspect
@@ -385,7 +387,7 @@ def _is_numeric(v):
 
 def test_inspect_json_stats(base):
     ckpt = base["out"] / "ckpt_20.h5"
-    res = run_cli_args("inspect", ckpt, "--json")
+    res = run_cli_args("inspect", ckpt, "--json")  # a process of its own, as graph's yaml
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["attrs"]["iteration"] == 20
@@ -408,7 +410,7 @@ def test_inspect_json_stats(base):
 
 def test_inspect_text_lists_every_dataset(base):
     ckpt = base["out"] / "latest.h5"
-    res = run_cli_args("inspect", ckpt)
+    res = run_cli_here("inspect", ckpt)
     assert res.returncode == 0, res.stderr
     lines = {line.split()[0]: line for line in res.stdout.splitlines() if line.startswith("/")}
     ref = _h5_datasets(ckpt)
@@ -423,7 +425,7 @@ def test_inspect_text_lists_every_dataset(base):
 
 def test_inspect_diff(base):
     a, b = base["out"] / "ckpt_10.h5", base["out"] / "ckpt_20.h5"
-    res = run_cli_args("inspect", a, "--diff", b, "--json")
+    res = run_cli_here("inspect", a, "--diff", b, "--json")
     assert res.returncode == 0, res.stderr
     diff = json.loads(res.stdout)["diff"]
     ra, rb = _h5_datasets(a), _h5_datasets(b)
@@ -441,8 +443,8 @@ def test_inspect_diff(base):
     assert diff["attrs"]["iteration"] == [10, 20]
     assert diff["only_in_first"] == [] and diff["only_in_second"] == []
     # a file against itself: no differences; text output names the other file
-    same = json.loads(run_cli_args("inspect", a, "--diff", a, "--json").stdout)["diff"]
+    same = json.loads(run_cli_here("inspect", a, "--diff", a, "--json").stdout)["diff"]
     assert all(r.get("max_abs_diff", 0) == 0 for r in same["datasets"])
-    text = run_cli_args("inspect", a, "--diff", b)
+    text = run_cli_here("inspect", a, "--diff", b)
     assert text.returncode == 0 and "diff against" in text.stdout and "ckpt_20.h5" in text.stdout
     assert "/params/fc1/weight" in text.stdout.split("diff against")[1]

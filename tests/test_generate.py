@@ -330,15 +330,18 @@ def test_device_0_on_a_machine_without_gpu_exits_2(trained):
     assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
 
 
-def test_gpu_variables_on_a_cpu_run_are_noted_once(trained, tmp_path):
+def test_gpu_variables_on_a_cpu_run_are_noted_once(trained, tmp_path, monkeypatch):
     """PURINE_CONV and PURINE_FC_EPILOGUE steer the GPU path: a run on the
     CPU says once that they have no effect (generate's stderr, train's
-    start-up block), on rank 0 alone."""
+    start-up block), on rank 0 alone. (generate runs in this process, with
+    the variables in the environment run_cli_here gives it: the note is
+    read from the environment at each call.)"""
     config, run, _ = trained
-    env = dict(cli_env(), PURINE_CONV="cudnn", PURINE_FC_EPILOGUE="cublaslt")
-    res = subprocess.run([sys.executable, "-m", "purine_mpi", "generate", config, "--weights",
-                          str(run), "--prompt", "x", "--tokens", "2"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+    with monkeypatch.context() as m:
+        m.setenv("PURINE_CONV", "cudnn")
+        m.setenv("PURINE_FC_EPILOGUE", "cublaslt")
+        env = cli_env()
+        res = run_cli_here("generate", config, "--weights", run, "--prompt", "x", "--tokens", "2")
     assert res.returncode == 0, res.stderr
     notes = [line for line in res.stderr.splitlines() if "no effect" in line]
     assert len(notes) == 1 and "PURINE_CONV" in notes[0] and "PURINE_FC_EPILOGUE" in notes[0]
@@ -348,9 +351,7 @@ def test_gpu_variables_on_a_cpu_run_are_noted_once(trained, tmp_path):
     assert res.returncode == 0, res.stderr
     lines = [line for line in (res.stdout + res.stderr).splitlines() if "no effect" in line]
     assert len(lines) == 1 and "PURINE_CONV, PURINE_FC_EPILOGUE" in lines[0], lines
-    quiet = subprocess.run([sys.executable, "-m", "purine_mpi", "generate", config,
-                            "--weights", str(run), "--prompt", "x", "--tokens", "2"], cwd=REPO,
-                           env=cli_env(), capture_output=True, text=True, timeout=120)
+    quiet = run_cli_here("generate", config, "--weights", run, "--prompt", "x", "--tokens", "2")
     assert quiet.returncode == 0 and "no effect" not in quiet.stderr, quiet.stderr
 
 

@@ -27,13 +27,10 @@ PY = [sys.executable, "-m", "purine_mpi"]
 
 
 @pytest.fixture(scope="module")
-def email(tmp_path_factory):
-    """gpt_tiny's text data, made from the standard library's email package."""
-    import email as pkg
-    out = str(tmp_path_factory.mktemp("text") / "email.h5")
-    subprocess.run(PY + ["data", "text", "--from", os.path.dirname(pkg.__file__),
-                         "--glob", "*.py", "--out", out], check=True, capture_output=True)
-    return out
+def email(email_h5):
+    """gpt_tiny's text data, made from the standard library's email package
+    (conftest's session file: the same ``data text`` command; read only)."""
+    return email_h5
 
 
 def _job(name, email=None, *sets):
@@ -114,8 +111,7 @@ def test_known_by_hand(tmp_path):
            "parallel": {"scheme": "data"}}
     path = tmp_path / "one_fc.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run(PY + ["plan", str(path), "--np", "2", "--json"], capture_output=True,
-                         text=True, timeout=120)
+    out = run_cli_here("plan", path, "--np", "2", "--json")  # offline: in this process
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["fits"] is True and res["world_size"] == 2
@@ -373,8 +369,7 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
     needs summed, passes at plan's sum and refuses one byte below."""
     from tests.conftest import run_mpi_cli
     cfg = _digits_ps(digits_h5, tmp_path, mode, wide=True)
-    out = subprocess.run(PY + ["plan", cfg, "--np", "3", "--json"], capture_output=True,
-                         text=True, timeout=120)
+    out = run_cli_here("plan", cfg, "--np", "3", "--json")  # offline: in this process
     assert out.returncode == 0, out.stderr
     need = {r: k["host"]["total"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
     assert sorted(need) == [0, 1, 2] and max(need, key=need.get) == biggest, need

@@ -20,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import rss_vs_plan  # noqa: E402
 
+from tests.conftest import run_cli_here  # noqa: E402
+
 #: run in a fresh process: one training iteration and, where the job has a
 #: test split, one test batch; then what the kernels hold
 #: (ops/im2col.held_bytes) and the largest new arrays any host kernel took
@@ -189,7 +191,7 @@ def test_predicted_host_total_is_held(job, tmp_path, email_h5):
     and the data pool counted the epoch order)."""
     if job.startswith("gpt"):
         _text_data(tmp_path, email_h5)
-    res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3)
+    res = rss_vs_plan.measure(job, "data", str(tmp_path), iters=3, plan_with=run_cli_here)
     assert "error" not in res, res
     assert len(res["measured"]) == 2
     for p, m, b in zip(res["predicted"], res["measured"], res["baseline"]):
@@ -250,7 +252,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
                               sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
-                              path=_wide_cifar(tmp_path))
+                              path=_wide_cifar(tmp_path), plan_with=run_cli_here)
     assert "error" not in res, res
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
@@ -301,8 +303,7 @@ def test_parameter_servers_loading_init_hold_what_plan_init_says(mode, tmp_path)
     del values
     env = {**os.environ, "PURINE_MMAP_THRESHOLD": "131072"}
     args = ["--set", "checkpoint.interval=0", "--init", init]
-    p = subprocess.run(rss_vs_plan.PY + ["plan", path, "--np", "3", "--json"] + args,
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_cli_here("plan", path, "--np", "3", "--json", *args)  # offline: in this process
     assert p.returncode == 0, p.stderr
     planned = {r: k["host"] for k in json.loads(p.stdout)["ranks"] for r in k["ranks"]}
     measured = rss_vs_plan.train_memory(path, args, str(tmp_path / "run"), 3, 3, env)
@@ -335,7 +336,6 @@ def test_a_resumed_run_holds_what_plan_resume_says(tmp_path):
     since: test_a_large_starter_is_not_the_peak)."""
     from purine_mpi.job.checkpoint_file import load_checkpoint
     from purine_mpi.tools.plan import arrays_nbytes
-    from tests.conftest import run_cli_here
     path = _wide_cifar(tmp_path)
     env = {**os.environ, "PURINE_MMAP_THRESHOLD": "131072"}
     _, sets = rss_vs_plan.sets_for("cifar10_quick", "data", str(tmp_path))

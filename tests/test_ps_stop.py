@@ -8,7 +8,7 @@ with a failure status within the stall timeout. Every case under 60 s.
 The signal cases run with a 5 s stall timeout (a stop agreement and a
 checkpoint on a loaded 2-core machine stay well inside it); a dead or
 frozen rank, whose case waits the whole timeout out, with 2 s, as
-test_stall.py's 20 SIGSTOPs of 2 and 3 ranks do."""
+test_stall.py's 14 SIGSTOPs of 2 and 3 ranks do."""
 import os
 import signal
 import subprocess
