@@ -4,7 +4,8 @@ method), under the parallel schemes.
 
 The net is a residual MLP block with a layer norm (fc0, ln, fc1, relu, fc2,
 a residual sum, out, softmax_loss): under tensor parallelism fc1 and fc2
-are split and fc2's bias and the layer norm are held whole on every shard.
+are split, and fc0, the layer norm, fc2's bias and out are held whole on
+every shard.
 Every parameter has its own ``lr_mult`` / ``decay_mult`` (docs/config.md,
 "param"; biases with decay, the norm's bias at decay_mult 0), the loss has
 an ``ignore_label`` whose counts differ between the ranks and micro-batches
@@ -30,12 +31,14 @@ under tensor parallelism): graph/clip.py counted every update's gradient.
 
 Found right: the clip under tensor parallelism (a weight held whole on
 every shard counted once), pipeline stages, TP x pipeline, hybrid, sharded
-stages 1-3 (with stages, with tensor shards), micro-batches and sync_ps;
-per-parameter multipliers with SGD's L2, Adam's L2 and AdamW's decoupled
-decay, also where a shard spans parameters of several multipliers; the
-warm-up into the cosine at its boundary; the ignored labels counted over
-micro-batches and replicas (a shard with none counted), ``ignore_label_mean:
-shard``, ``loss_weight``; a resume on another layout.
+stages 1-3 (with stages, with tensor shards), micro-batches and sync_ps
+(and sync_ps over 2 servers, unclipped); per-parameter multipliers with
+SGD's L2, Adam's L2 and AdamW's decoupled decay, also where a shard spans
+parameters of several multipliers; the warm-up into the cosine at its
+boundary; the ignored labels counted over micro-batches and replicas (a
+shard with none counted), ``ignore_label_mean: shard``, ``loss_weight``
+(two losses, each with its own ignore_label and weight, counted apart); a
+resume on another layout.
 """
 import math
 
@@ -119,22 +122,25 @@ def _forward(w, x):
     return (xn + m) @ p["out/weight"].T + p["out/bias"]
 
 
-def torch_step(before, config, k, groups, clip=CLIP):
+def torch_step(before, config, k, groups):
     """The weights after one ``torch.optim`` step from checkpoint arrays
     ``before`` (iteration k): the loss the mean over ``groups`` (lists of
     the training file's rows: each its own mean over its counted positions,
     the parameter-server workers'; one group: the global batch's)."""
     solver = config["solver"]
+    clip = solver.get("clip_gradients")
     mults = {f"{layer['name']}/{p}": (m["lr_mult"], m["decay_mult"])
              for layer in config["net"] for p, m in zip(("weight", "bias"), layer.get("param", []))}
     with h5py.File(config["data"]["train"]["path"], "r") as f:
         label = f["train/label"][()]
         data = f["train/data"][()].reshape(len(label), -1)
     w = [torch.tensor(before[f"params/{n}"], requires_grad=True) for n in NAMES]
-    loss = sum(torch.nn.functional.cross_entropy(  # Caffe's mean over at least 1
-        _forward(w, torch.tensor(data[rows])), torch.tensor(label[rows]), ignore_index=IGNORE,
-        reduction="sum") / max(1, int((label[rows] != IGNORE).sum())) for rows in groups)
-    loss = loss * LOSS_WEIGHT / len(groups)
+    losses = [(layer["ignore_label"], layer.get("loss_weight", 1.0)) for layer in config["net"]
+              if layer["type"] == "softmax_loss"]
+    loss = sum(weight * torch.nn.functional.cross_entropy(  # Caffe's mean over at least 1
+        _forward(w, torch.tensor(data[rows])), torch.tensor(label[rows]), ignore_index=ignore,
+        reduction="sum") / max(1, int((label[rows] != ignore).sum()))
+        for rows in groups for ignore, weight in losses) / len(groups)
     loss.backward()
     if clip:  # torch's frozen parameters (requires_grad False) and Caffe's (no diff) count not
         norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p, n in zip(w, NAMES)
@@ -250,12 +256,21 @@ LAYOUTS = {
     "sharded1_tensor_stages": (4, "adamw", {"scheme": "sharded", "shard": 1, "stages": STAGES,
                                             "tensor_parallel": 2}, 8, 1, "global"),
     "frozen_sync_ps": (3, "sgd", {"scheme": "data", "mode": "sync_ps"}, 4, 2, "workers"),
+    # 2 servers (no clip: it needs one), each updating its parameters
+    "sync_ps2": (4, "sgd", {"scheme": "data", "mode": "sync_ps", "ps_ranks": 2}, 4, 2,
+                 "workers"),
     "none_micro": (2, "sgd", {"scheme": "none", "micro_batches": 2}, 4, 2, "rank0"),
     "adam_data": (2, "adam", {"scheme": "data"}, 4, 2, "global"),
     "one_sided": (2, "sgd", {"scheme": "data", "transport": "one_sided"}, 4, 2, "global"),
     "no_defer": (2, "adamw", {"scheme": "data", "defer_update": False}, 4, 2, "global"),
     # fc0's 512 x 600 weight (1.2 MB) reduced and updated in 5 row chunks
     "split_rows": (2, "sgd", {"scheme": "data", "bucket_mb": 0.25}, 4, 2, "global"),
+    "two_losses_data_micro": (2, "sgd", {"scheme": "data", "micro_batches": 2}, 4, 2,
+                              "global"),
+    "two_losses_hybrid": (4, "adamw", {"scheme": "hybrid", "stages": dict(STAGES, loss2=1),
+                                       "micro_batches": 2}, 4, 2, "global"),
+    "two_losses_shard_mean": (2, "sgd", {"scheme": "data", "micro_batches": 2,
+                                         "ignore_label_mean": "shard"}, 4, 2, "shards"),
     "shard_mean_data": (2, "sgd", {"scheme": "data", "micro_batches": 2,
                                    "ignore_label_mean": "shard"}, 4, 2, "shards"),
     "shard_mean_hybrid": (4, "sgd", {"scheme": "hybrid", "stages": STAGES, "micro_batches": 2,
@@ -289,6 +304,11 @@ def test_each_checkpoint_is_one_torch_step(tmp_path, layout):
     cfg = _config(_data(tmp_path / "d.h5", window * ITERS, 600 if wide else FEAT), solver,
                   parallel, batch, 512 if wide else 8,
                   frozen=("fc0",) if layout.startswith("frozen") else ())
+    if layout == "sync_ps2":
+        cfg["solver"]["clip_gradients"] = None
+    if layout.startswith("two_losses"):  # a second loss with its own ignore_label and weight
+        cfg["net"].append(dict(cfg["net"][-1], name="loss2", top="loss2", ignore_label=4,
+                               loss_weight=0.25))
     out = _run(tmp_path, ranks, cfg)
     print(layout, check_steps(out, window, rule))
 
