@@ -354,3 +354,24 @@ def test_on_the_emulated_device(host_build_dir, monkeypatch, tmp_path, solver, p
     assert {"GradNormSq", "ClipScale", "MultiSGDUpdate" if solver == "sgd"
             else "MultiAdamUpdate"} <= ops, sorted(ops)
     print(solver, precision, check_steps(tmp_path / "run", 8, tol=5e-3 if precision else 1e-4))
+
+
+def test_a_tied_weight_takes_its_owners_multipliers(tmp_path):
+    """A tied head's ``param`` entry 0 is the shared table's: its owner's
+    multipliers, or exit 2 naming the entry (Caffe: "Shared param has
+    mismatched lr_mult"). Before, ``lr_mult: 0`` there was taken silently
+    and the table trained at the embedding's lr_mult 1."""
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.replica import build_train_graph
+    from tests.gpt_nets import gpt_config, text_h5
+    cfg = gpt_config(text_h5(tmp_path), layers=1)
+    head = next(layer for layer in cfg["net"] if layer.get("tie_weight"))
+    cfg["net"][0]["param"] = [{"lr_mult": 0.5, "decay_mult": 0}]
+    head["param"] = [{"lr_mult": 0.5, "decay_mult": 0.0}]  # the owner's: taken
+    graph, _ = build_train_graph(make_job(cfg))
+    assert graph.blobs["wte/weight"].attrs["lr_mult"] == 0.5
+    for key, value in (("lr_mult", 0), ("decay_mult", 1)):
+        head["param"] = [{key: value}]
+        with pytest.raises(ConfigError, match=rf"net\[{cfg['net'].index(head)}\]\.param\[0\]"
+                                              rf"\.{key}'.*layer 'wte'"):
+            build_train_graph(make_job(cfg))
