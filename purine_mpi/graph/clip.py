@@ -2,14 +2,16 @@
 rank's composed training graph, after the gradients are reduced.
 
     updates u_1 .. u_n read gradients g_i with grad_scale s_i
-    clip.norm   GradNormSq [g_1 .. g_n] -> clip.sumsq = sum_i s_i^2 ||g_i||^2
+    clip.norm   GradNormSq [g_i: lr_mult_i > 0] -> clip.sumsq = sum_i s_i^2 ||g_i||^2
     clip.sum    Allreduce  clip.sumsq -> clip.sumsq.all      (``group`` only)
     g_i.clip    ClipScale  [g_i, sumsq] -> g_i@clip          (alias of g_i)
     u_i         reads g_i@clip instead of g_i
 
 So the norm is that of the gradients the updates apply (averaged over the
 data-parallel ranks and the micro-batches, before weight decay), as Caffe's
-``ClipGradients`` sees them after its reduction. Where each rank holds all
+``ClipGradients`` sees them after its reduction; a frozen parameter
+(``lr_mult`` 0) counts not, as in Caffe (no gradient computed for it) and
+torch (``clip_grad_norm_`` skips a parameter without ``grad``). Where each rank holds all
 parameters (one rank, scheme data or none, a parameter server holding all),
 the norm is local. Where a rank holds part of them (the stages of a
 pipeline or of a hybrid replica), ``group`` names the ranks that hold the
@@ -38,18 +40,22 @@ def add_clip(graph, clip, group=None, seq=None, thread=0):
     if not updates and group is None:
         return graph
     grads = [op.inputs[1] for op in updates]
-    scales = [float(op.attrs.get("grad_scale", 1.0)) for op in updates]
+    # a frozen parameter (lr_mult 0) counts not: Caffe computes no gradient
+    # for it, torch's clip_grad_norm_ sees none (requires_grad False)
+    counted = [op for op in updates if float(op.attrs.get("lr_mult", 1.0)) != 0.0]
+    norm_grads = [op.inputs[1] for op in counted]
+    scales = [float(op.attrs.get("grad_scale", 1.0)) for op in counted]
     location = graph.blobs[grads[0]].location if grads else None
     if location is None:  # a stage without parameters still adds its zero, on its rank's host
         from .core import Location
         here = next((op.location for op in graph.ops.values() if op.location is not None), None)
         location = Location(here.rank, -1, here.ip) if here is not None else Location()
     graph.add_blob("clip.sumsq", (1,), "float64", location, kind="grad")
-    if grads:
+    if norm_grads:
         graph.add_blob("clip.partial", None, "float64", location, kind="grad")
-        graph.add_op("clip.norm", "GradNormSq", grads, ["clip.sumsq", "clip.partial"],
+        graph.add_op("clip.norm", "GradNormSq", norm_grads, ["clip.sumsq", "clip.partial"],
                      {"scales": scales}, location=location, thread=thread)
-    else:  # a stage without parameters (the loss alone): its share of the norm is 0
+    else:  # a stage without (trainable) parameters, the loss alone: its share is 0
         graph.add_op("clip.norm", "Constant", [], ["clip.sumsq"],
                      {"shape": [1], "value": 0.0, "dtype": "float64"}, location=location,
                      thread=thread)

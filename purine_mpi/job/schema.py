@@ -107,7 +107,10 @@ SOLVER = (
     Key("clip_gradients", _optional(_num(0, strict=True)), None,
         "scale the gradients by min(1, C / ‖g‖) before the update, ‖g‖ the global L2 norm of "
         "the reduced (averaged over ranks and micro-batches) gradients of all learnable "
-        "parameters, before weight decay (Caffe's clip_gradients, Lightning's "
+        "parameters, each counted once (a weight held whole on every tensor shard too), "
+        "before weight decay; a frozen parameter (`lr_mult: 0`) counts not, as Caffe computes "
+        "no gradient for it and torch's clip_grad_norm_ sees none (Caffe's clip_gradients, "
+        "Lightning's "
         "gradient_clip_val; every scheme; on a GPU computed on the device); null: no "
         "clipping"),
 )

@@ -92,14 +92,32 @@ class NetBuilder:
             names.append(name)
         return names
 
+    def _param_spec(self, idx):
+        specs = self.get("param")
+        return specs[idx] if isinstance(specs, list) and idx < len(specs) else {}
+
     def param(self, suffix, shape, filler, idx):
         """A learnable blob ``<layer>/<suffix>`` with Caffe's per-param mults."""
         name = f"{self.cfg['name']}/{suffix}"
-        specs = self.get("param")
-        spec = specs[idx] if isinstance(specs, list) and idx < len(specs) else {}
+        spec = self._param_spec(idx)
         attrs = {"filler": filler, "lr_mult": float(spec.get("lr_mult", 1.0)),
                  "decay_mult": float(spec.get("decay_mult", 1.0))}
         self.graph.add_blob(name, shape, kind="param", attrs=attrs)
+        return name
+
+    def shared_param(self, name, idx):
+        """An earlier layer's parameter ``name`` used as this layer's
+        parameter ``idx`` (a tied weight): its ``param`` entry, if any, must
+        give the owner's multipliers (Caffe: "Shared param has mismatched
+        lr_mult"); they are the owner's. Returns ``name``."""
+        spec, have = self._param_spec(idx), self.graph.blobs[name].attrs
+        for k in ("lr_mult", "decay_mult"):
+            if k in spec and float(spec[k]) != float(have.get(k, 1.0)):
+                owner = name.rsplit("/", 1)[0]
+                self.fail(f"param[{idx}].{k}", f"{k} {excerpt(spec[k])} for '{name}', which "
+                          f"it shares with layer '{owner}', whose {k} is "
+                          f"{float(have.get(k, 1.0)):g}: a shared parameter takes its owner's "
+                          f"multipliers (give the same, or set them on '{owner}')")
         return name
 
     def state(self, suffix, shape, value):

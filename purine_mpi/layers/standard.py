@@ -91,7 +91,9 @@ def conv(b):
     Key("tie_weight", "str", None, "use that earlier layer's `weight` as this layer's weight "
                                    "(an embedding's (input_dim, C) table for an output "
                                    "projection with num_output = input_dim); its gradient is "
-                                   "the sum of both uses"),
+                                   "the sum of both uses, its multipliers the owner's (a "
+                                   "`param` entry 0 giving others exits 2, as Caffe's "
+                                   "mismatched shared param)"),
     BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
 def fc(b):
     """Fully connected (Caffe's InnerProduct): y = x·Wᵀ + b with the input flattened from
@@ -119,6 +121,7 @@ def fc(b):
         if tuple(have.shape) != (num_output, fan_in):
             b.fail("tie_weight", f"the weight of '{tie}' has shape {list(have.shape)}, this "
                                  f"layer needs [{num_output}, {fan_in}] (num_output, features)")
+        b.shared_param(w, 0)
     inputs = [x, w]
     bias_filler = _filler(b, "bias_filler")
     if b.get("bias_term"):

@@ -399,7 +399,8 @@ def _layer_section():
         "A layer with parameters takes `param`, one entry per parameter in the order "
         "weight, bias: " + ", ".join(f"`{k}` (default {v})" for k, v in PARAM_KEYS.items())
         + f", each a number {PARAM_RANGE.text}. `lr_mult` scales the learning rate and "
-        "`decay_mult` the weight decay of that parameter (`lr_mult: 0` freezes it). Missing "
+        "`decay_mult` the weight decay of that parameter (`lr_mult: 0` freezes it; its "
+        "gradient then counts not in the norm of `solver.clip_gradients`). Missing "
         "entries mean 1.0.",
         "",
         "### Layer types",
