@@ -94,7 +94,7 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     # the capabilities are those of the scheme the job runs: a bare
     # ``Scheme()`` (or a test's unregistered subclass) stands for it, its
     # class attributes are the defaults
-    own = scheme._job_scheme(job)
+    own = scheme.job_scheme(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
     layout = scheme.layout(job, world)
