@@ -475,13 +475,17 @@ def _parallel_rules(out, parallel, path):
 def _check_sync_batch_norm(out, path):
     """A ``batch_norm``'s ``sync: true`` (statistics summed over the
     replicas; in a ``graph:``, an op with attr ``REPLICA_SUM``, which the
-    schemes sum alike) where the scheme builds it: data, sharded (no
-    stages) and hybrid, no tensor shards, mode sync, no micro-batches;
+    schemes sum alike) where the scheme builds it, mode sync: data,
+    sharded, hybrid without tensor shards, tensor (and sharded with tensor
+    shards, no stages: the sums over the replicas alone), with or without
+    micro-batches (each micro-batch's sums, PyTorch's per forward call);
     scheme auto's choice is checked when it is set."""
     par = out["parallel"]
-    scheme, micro = par["scheme"], par["micro_batches"]
+    scheme = par["scheme"]
     if scheme == AUTO_SCHEME:
         return
+    # (stages: 1 is refused by the stage rules, naming parallel.stages)
+    staged = bool(par["stages"]) and not (_is_int(par["stages"]) and par["stages"] < 2)
     synced = [(f"{layer_key(out.get('_net_keys'), i)}.sync",
                f"layer '{layer['name']}' (batch_norm): sync: true", "sync: false")
               for i, layer in enumerate(out.get("net") or ())
@@ -495,16 +499,14 @@ def _check_sync_batch_norm(out, path):
         if par["mode"] != "sync":
             why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
                    "their own, with no global batch; use mode: sync")
-        elif scheme not in ("data", "sharded", "hybrid") or par["tensor_parallel"] > 1 or (
-                scheme == "sharded" and par["stages"]):
-            what = ("sharded with stages" if scheme == "sharded" and par["stages"] else
-                    f"{scheme} with tensor shards" if par["tensor_parallel"] > 1
-                    and scheme != "tensor" else scheme)
-            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded and "
-                   "hybrid, whose replicas split the batch); use one of them")
-        elif micro > 1:
-            why = (f"parallel.micro_batches {micro} would sum a micro-batch's statistics over "
-                   "the ranks, not the global batch's; use micro_batches: 1")
+        elif scheme not in ("data", "sharded", "hybrid", "tensor") or (
+                par["tensor_parallel"] > 1 and scheme != "tensor" and (
+                    scheme == "hybrid" or staged)):
+            what = scheme if par["tensor_parallel"] == 1 or scheme == "tensor" else \
+                f"{scheme} with {'stages and ' if scheme == 'sharded' else ''}tensor shards"
+            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded, "
+                   "tensor and hybrid without tensor shards, whose replicas split the batch); "
+                   "use one of them")
         else:
             continue
         raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "

@@ -13,9 +13,10 @@ over the R ranks that hold it (``Layout.stage_ranks``, one sub-communicator
 per position: ``Layout.shard_groups``). One replica is scheme pipeline with
 tensor_parallel, the same graphs.
 
-A ``batch_norm`` with ``sync: true`` (no tensor shards, no micro-batches:
-the config rules) has its sums allreduced over its stage's R ranks, before
-the stage's buckets (data_parallel.sum_over_replicas)."""
+A ``batch_norm`` with ``sync: true`` (no tensor shards: the config rules)
+has its sums allreduced over its stage's R ranks, before the stage's
+buckets (data_parallel.sum_over_replicas); with micro-batches each copy's,
+numbered in the stage's schedule order (the slice's emission order)."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
