@@ -209,24 +209,36 @@ def torch_sync_step(before, data, k, replicas, batch, micro):
     return after
 
 
+MLP_STAGES = {"c1": 0, "bn": 1, "fc1": 1, "act": 1, "fc": 1, "loss": 1}
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks, net, parallel", [
     (2, _net, {"scheme": "data", "micro_batches": 2}),
     (4, _net, {"scheme": "sharded", "shard": 3, "micro_batches": 2, "schedule": "gpipe",
                "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}}),
     (4, _mlp, {"scheme": "tensor", "tensor_parallel": 2}),
-    (4, _mlp, {"scheme": "sharded", "shard": 2, "tensor_parallel": 2})],
-    ids=["data-micro2", "sharded3-stages-micro2", "tensor2x2", "sharded2-tensor2x2"])
+    (8, _mlp, {"scheme": "hybrid", "tensor_parallel": 2, "micro_batches": 2,
+               "stages": MLP_STAGES}),
+    (2, _net, {"scheme": "pipeline", "micro_batches": 2,
+               "stages": {"c1": 0, "bn": 1, "fc": 1, "loss": 1}})],
+    ids=["data-micro2", "sharded3-stages-micro2", "tensor2x2", "hybrid-tensor-micro2",
+         "pipeline-micro2"])
 def test_each_step_is_pytorch_s_sync_batch_norm(digits_h5, tmp_path, ranks, net, parallel):
-    """2 replicas × 8 (tensor: × 2 shards), checkpoints at 1, 2, 3: each
-    step is ``torch_sync_step``'s within 2e-5 relative (weights, γ, β,
-    running statistics). With micro-batches each forward call's statistics
-    are the replicas' micro-batch's: not 1 rank × 16 × 2 micro-batches'
-    (other samples) nor the global batch's (the running variance 0.9
-    relative off). With tensor shards the sums are over the replicas alone
-    (over the whole world the running variance is 4.8e-4 off). Before, all
-    four were refused (exit 2 naming net[1].sync)."""
-    cfg = _config(digits_h5, net(True), parallel, G // 2)
+    """2 replicas × 8 (tensor: × 2 shards; hybrid: × 2 stages × 2 shards,
+    the batch norm on the split pair's stage; pipeline: 1 replica × 16),
+    checkpoints at 1, 2, 3: each step is ``torch_sync_step``'s within 2e-5
+    relative (weights, γ, β, running statistics). With micro-batches each
+    forward call's statistics are the replicas' micro-batch's: not 1 rank
+    × 16 × 2 micro-batches' (other samples) nor the global batch's (the
+    running variance 0.9 relative off). With tensor shards the sums are
+    over the replicas alone (over the whole world the running variance is
+    4.8e-4 off); under hybrid they are numbered among the stage's tensor
+    allreduces (numbered after them, the run hung: 'op c1.grad@mb0.wait
+    (WaitWrite ...)' stalled). Before, all five were refused (exit 2
+    naming net[1].sync)."""
+    replicas = 1 if parallel["scheme"] == "pipeline" else 2
+    cfg = _config(digits_h5, net(True), parallel, G // replicas)
     cfg["checkpoint"] = {"interval": 1}
     out = tmp_path / "run"
     res = run_mpi_cli(ranks, "train", write_config_file(tmp_path, cfg), "--out", out)
@@ -236,7 +248,8 @@ def test_each_step_is_pytorch_s_sync_batch_norm(digits_h5, tmp_path, ranks, net,
     for k in (1, 2):
         before = _saved(out, f"ckpt_{k}.h5")
         after = _saved(out, f"ckpt_{k + 1}.h5")
-        want = torch_sync_step(before, data, k, 2, G // 2, parallel.get("micro_batches", 1))
+        want = torch_sync_step(before, data, k, replicas, G // replicas,
+                               parallel.get("micro_batches", 1))
         assert sorted(want) == sorted(after)
         for name, value in want.items():
             step, ref = after[name] - before[name], value - before[name]
@@ -297,23 +310,17 @@ def test_sharded3_windows_number_the_sums_among_the_barriers(digits_h5, monkeypa
 
 
 REFUSED = [
-    ({"scheme": "none"}, "scheme none does not sum it"),
-    ({"scheme": "pipeline", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1}},
-     "scheme pipeline does not sum it"),
-    ({"scheme": "hybrid", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1},
-      "tensor_parallel": 2}, "scheme hybrid with tensor shards does not sum it"),
-    ({"scheme": "pipeline", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1},
-      "tensor_parallel": 2}, "scheme pipeline with tensor shards does not sum it"),
+    ({"scheme": "none"}, "scheme none does not sum it (its replicas train apart"),
     ({"scheme": "data", "mode": "async"}, "parallel.mode 'async'"),
-    ({"scheme": "sharded", "stages": {"c1": 0, "bn": 0, "fc": 1, "loss": 1},
-      "tensor_parallel": 2}, "scheme sharded with stages and tensor shards does not sum it")]
+    ({"scheme": "data", "mode": "sync_ps"}, "parallel.mode 'sync_ps'")]
 
 
 @pytest.mark.parametrize("parallel, words", REFUSED)
 def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
     """Exit 2 (a ConfigError) naming net[1].sync and why. Built, no longer
-    refused: micro-batches, sharded with stages, scheme tensor and sharded
-    with tensor shards (test_each_step_is_pytorch_s_sync_batch_norm)."""
+    refused: micro-batches, sharded with stages, tensor shards under
+    schemes tensor, sharded and hybrid, pipeline (one replica: its own
+    sums) (test_each_step_is_pytorch_s_sync_batch_norm)."""
     cfg = _config("/nonexistent.h5", _net(True), parallel, G)
     with pytest.raises(ConfigError) as exc:
         validate_config(cfg, "cfg.yaml", check_files=False)
@@ -322,7 +329,7 @@ def test_sync_where_no_scheme_sums_it_is_refused(parallel, words):
 
 
 @pytest.mark.parametrize("parallel, key", [
-    (REFUSED[2][0], "net[1].sync"), (REFUSED[-1][0], "net[1].sync"),
+    (REFUSED[0][0], "net[1].sync"), (REFUSED[1][0], "net[1].sync"),
     ({"scheme": "sharded", "stages": 1}, "parallel.stages")])
 def test_a_refusal_is_one_line_and_exit_2(digits_h5, tmp_path, parallel, key):
     """``train`` itself: exit 2, one line naming the file and the key. With

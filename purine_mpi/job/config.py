@@ -475,17 +475,16 @@ def _parallel_rules(out, parallel, path):
 def _check_sync_batch_norm(out, path):
     """A ``batch_norm``'s ``sync: true`` (statistics summed over the
     replicas; in a ``graph:``, an op with attr ``REPLICA_SUM``, which the
-    schemes sum alike) where the scheme builds it, mode sync: data,
-    sharded, hybrid without tensor shards, tensor (and sharded with tensor
-    shards, no stages: the sums over the replicas alone), with or without
-    micro-batches (each micro-batch's sums, PyTorch's per forward call);
-    scheme auto's choice is checked when it is set."""
+    schemes sum alike) in mode sync under every scheme whose replicas
+    share one global batch: data, sharded, hybrid, tensor and pipeline (one
+    replica: its own sums), with tensor shards (the sums over the replicas
+    alone) and micro-batches (each micro-batch's sums, PyTorch's per
+    forward call); not scheme none (its replicas train apart) nor the
+    parameter-server modes. Scheme auto's choice is checked when it is set."""
     par = out["parallel"]
     scheme = par["scheme"]
     if scheme == AUTO_SCHEME:
         return
-    # (stages: 1 is refused by the stage rules, naming parallel.stages)
-    staged = bool(par["stages"]) and not (_is_int(par["stages"]) and par["stages"] < 2)
     synced = [(f"{layer_key(out.get('_net_keys'), i)}.sync",
                f"layer '{layer['name']}' (batch_norm): sync: true", "sync: false")
               for i, layer in enumerate(out.get("net") or ())
@@ -499,14 +498,10 @@ def _check_sync_batch_norm(out, path):
         if par["mode"] != "sync":
             why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
                    "their own, with no global batch; use mode: sync")
-        elif scheme not in ("data", "sharded", "hybrid", "tensor") or (
-                par["tensor_parallel"] > 1 and scheme != "tensor" and (
-                    scheme == "hybrid" or staged)):
-            what = scheme if par["tensor_parallel"] == 1 or scheme == "tensor" else \
-                f"{scheme} with {'stages and ' if scheme == 'sharded' else ''}tensor shards"
-            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded, "
-                   "tensor and hybrid without tensor shards, whose replicas split the batch); "
-                   "use one of them")
+        elif scheme not in ("data", "sharded", "hybrid", "tensor", "pipeline"):
+            why = (f"scheme {scheme} does not sum it (its replicas train apart, each on its "
+                   "own batches: there is no global batch); use scheme data, sharded, hybrid, "
+                   "tensor or pipeline")
         else:
             continue
         raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "

@@ -283,7 +283,7 @@ def _data():
         "its B samples), which lacks the spread between the ranks' batch means and so "
         "differs from 1 rank × batch N·B's (digits, a 3×3 `conv` into `batch_norm`, "
         "2 ranks × 8, 3 iterations: 1.5e-4 relative); with `sync: true` (schemes data, "
-        "sharded, tensor and hybrid: PyTorch's `SyncBatchNorm`; with micro-batches each "
+        "sharded, hybrid, tensor and pipeline: PyTorch's `SyncBatchNorm`; with micro-batches each "
         "micro-batch's statistics over the replicas, as PyTorch's per forward call) its "
         "batch statistics and the two sums its gradient takes are summed over the "
         "replicas in the graph, so outputs, gradients, parameters and running "

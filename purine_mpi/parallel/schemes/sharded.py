@@ -179,10 +179,12 @@ class Sharded(Hybrid):
             comp = Composition(graph, lay)
         from ..data_parallel import sum_over_replicas
         from ..sharding import compose_zero1
+        from ..tensor_parallel import sum_over_shard_replicas
         # a synchronised batch norm's sums over the replicas (with stages: the
-        # stage's, with tensor shards the stage and shard's, ``stage_ranks``)
-        synced = [op.name for op in sum_over_replicas(
-            graph, lay.stage_ranks() if lay.staged else None)]
+        # stage's, with tensor shards those holding this shard, numbered
+        # among the tensor group's allreduces)
+        synced = sum_over_shard_replicas(graph, lay) if lay.staged else \
+            [op.name for op in sum_over_replicas(graph)]
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
                              **_zero_settings(par, forward))
