@@ -9,7 +9,12 @@ batch, summed over the replicas by Allreduce ops in the graph.
   stages each, 4 ranks): the checkpoints of 3 SGD iterations (digits, a 3×3 ``conv`` into ``batch_norm``, an ``fc``)
   are those of 1 rank × 16 (every weight, γ, β and the running statistics),
   and so are the loss rows; without ``sync`` the running variance is not.
-- ``sync: true`` where no scheme sums it: exit 2 naming the key.
+- Each checkpoint's step against PyTorch's (float64, ``torch_sync_step``:
+  DDP with SyncBatchNorm and gradient accumulation, statistics per forward
+  call) with micro-batches, sharded with stages, tensor shards (tensor,
+  hybrid) and pipeline.
+- ``sync: true`` where no scheme sums it (scheme none, the
+  parameter-server modes): exit 2, one line naming the key.
 """
 import glob
 import json
