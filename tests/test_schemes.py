@@ -186,3 +186,71 @@ def test_composition_replaces_graph_attributes():
     assert comp.layout.replicas == 2
     for attr in ("bucket_plan", "layout", "transport", "tensor_plan", "windows"):
         assert attr not in vars(comp.graph), attr
+
+
+STAND_INS = [pytest.param(lambda: Scheme, id="Scheme"),
+             pytest.param(lambda: Scheme(), id="Scheme()"),
+             pytest.param(lambda: compose.Scheme(), id="JobScheme()"),
+             pytest.param(lambda: type("Step", (compose.Scheme,), {})(), id="subclass()")]
+
+
+@pytest.mark.parametrize("stand_in", STAND_INS)
+def test_a_stand_ins_capability_is_no_class_default(stand_in):
+    """A stand-in for the job's scheme (the bare Scheme, compose's
+    JobScheme, a test's subclass) has no capabilities: reading one raised
+    nothing and gave the class default (scheme none's ranks counted their
+    ignored labels jointly: exchanges_gradients True). Every capability
+    raises a TypeError naming the way to the job's scheme; registered
+    schemes, their classes and their subclasses (a parameter-server
+    worker) answer their own or the default."""
+    from purine_mpi.parallel.param_server import WorkerScheme
+    from purine_mpi.parallel.schemes.base import CAPABILITIES
+    for cap in CAPABILITIES:
+        with pytest.raises(TypeError, match=rf"stands for the job's scheme.*scheme_of\(job\)\.{cap}"):
+            getattr(stand_in(), cap)
+    declared = [n for n, v in vars(Scheme).items() if type(v).__name__ == "Capability"]
+    assert sorted(declared) == sorted(CAPABILITIES)
+    job = make_job(dict(tiny_fc_config(), parallel={"scheme": "none"}))
+    scheme = stand_in()
+    own = (scheme() if isinstance(scheme, type) else scheme).job_scheme(job)
+    assert type(own) is SCHEMES["none"] and own.exchanges_gradients is False
+    for cls in list(SCHEMES.values()) + [WorkerScheme]:
+        assert {cap: getattr(cls, cap) for cap in CAPABILITIES} == \
+            {cap: getattr(cls.__new__(cls), cap) for cap in CAPABILITIES}
+    assert SCHEMES["data"].nccl is True and SCHEMES["none"].exchanges_gradients is False
+    assert WorkerScheme.defer_loss_readback is False and WorkerScheme.servers is True
+
+
+def test_a_stand_in_answers_as_the_jobs_scheme():
+    """Scheme none on 2 ranks through a stand-in: the methods given the job
+    answer the job's scheme's (before, ``settings_without_effect`` read the
+    stand-in's class default and named scheme none's bucket keys as keys of
+    an allreduce on 1 rank)."""
+    job = make_job(dict(tiny_fc_config(), parallel={"scheme": "none", "bucket_mb": 8}))
+    none = scheme_of(job)
+    for scheme in (Scheme(), compose.Scheme()):
+        for size in (1, 2):
+            assert scheme.settings_without_effect(job, size) == \
+                none.settings_without_effect(job, size)
+            assert scheme.shards(job, size) == none.shards(job, size) == 1
+        lay = scheme.layout(job, _World(2))
+        assert scheme.trains_apart(job, lay) is True
+
+
+def test_a_stand_in_may_not_declare_a_capability(monkeypatch):
+    """A subclass of the stand-in that sets a capability (a class attribute,
+    a patch of its class) would be ignored, the job's scheme answering: its
+    first question to the job's scheme is refused, naming the key."""
+    job = make_job(tiny_fc_config())
+
+    class Declares(compose.Scheme):
+        defers_update = False
+
+    with pytest.raises(TypeError, match="Declares sets defers_update.*type\\(scheme_of\\(job\\)\\)"):
+        Declares().layout(job, _World(2))
+    with pytest.raises(TypeError, match="JobScheme.defer_loss_readback: JobScheme stands for"):
+        monkeypatch.setattr(compose.Scheme, "defer_loss_readback", False)
+    step = type("Step", (compose.Scheme,), {})
+    step.staged = True  # a patch of a stand-in's class
+    with pytest.raises(TypeError, match="Step sets staged"):
+        step().compose(None, None, job, _World(2))

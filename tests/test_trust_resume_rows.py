@@ -44,13 +44,15 @@ def test_the_device_loss_window_carries_over_a_resume(host_build_dir, monkeypatc
     """The same on the emulated GPU, whose loss stays on the device between
     the intervals (ops/watch.py): resumed from the checkpoint at 6, inside
     the display window 5-8, the rows are those of the uninterrupted run."""
-    from purine_mpi.parallel.compose import Scheme
+    from purine_mpi.parallel.schemes import scheme_of
     from purine_mpi.train.trainer import Trainer, run_and_report
     from tests.conftest import FakeWorld, make_job
     from tests.emulated_gpu import emulated_trainer_env
     from tests.test_loss_watch import _config
     emulated_trainer_env(monkeypatch, host_build_dir)
-    monkeypatch.setattr(Scheme, "defer_loss_readback", True)
+    # the job's registered scheme (the trainer asks it; the stand-in has no
+    # capability of its own)
+    monkeypatch.setattr(type(scheme_of(make_job(_config()))), "defer_loss_readback", True)
     out = tmp_path / "gpu"
 
     def train(resume=None):

@@ -475,11 +475,14 @@ def _parallel_rules(out, parallel, path):
 def _check_sync_batch_norm(out, path):
     """A ``batch_norm``'s ``sync: true`` (statistics summed over the
     replicas; in a ``graph:``, an op with attr ``REPLICA_SUM``, which the
-    schemes sum alike) where the scheme builds it: data, sharded (no
-    stages) and hybrid, no tensor shards, mode sync, no micro-batches;
-    scheme auto's choice is checked when it is set."""
+    schemes sum alike) in mode sync under every scheme whose replicas
+    share one global batch: data, sharded, hybrid, tensor and pipeline (one
+    replica: its own sums), with tensor shards (the sums over the replicas
+    alone) and micro-batches (each micro-batch's sums, PyTorch's per
+    forward call); not scheme none (its replicas train apart) nor the
+    parameter-server modes. Scheme auto's choice is checked when it is set."""
     par = out["parallel"]
-    scheme, micro = par["scheme"], par["micro_batches"]
+    scheme = par["scheme"]
     if scheme == AUTO_SCHEME:
         return
     synced = [(f"{layer_key(out.get('_net_keys'), i)}.sync",
@@ -495,16 +498,10 @@ def _check_sync_batch_norm(out, path):
         if par["mode"] != "sync":
             why = (f"parallel.mode {excerpt(par['mode'])}: parameter-server workers update on "
                    "their own, with no global batch; use mode: sync")
-        elif scheme not in ("data", "sharded", "hybrid") or par["tensor_parallel"] > 1 or (
-                scheme == "sharded" and par["stages"]):
-            what = ("sharded with stages" if scheme == "sharded" and par["stages"] else
-                    f"{scheme} with tensor shards" if par["tensor_parallel"] > 1
-                    and scheme != "tensor" else scheme)
-            why = (f"scheme {what} does not sum it (it is built for schemes data, sharded and "
-                   "hybrid, whose replicas split the batch); use one of them")
-        elif micro > 1:
-            why = (f"parallel.micro_batches {micro} would sum a micro-batch's statistics over "
-                   "the ranks, not the global batch's; use micro_batches: 1")
+        elif scheme not in ("data", "sharded", "hybrid", "tensor", "pipeline"):
+            why = (f"scheme {scheme} does not sum it (its replicas train apart, each on its "
+                   "own batches: there is no global batch); use scheme data, sharded, hybrid, "
+                   "tensor or pipeline")
         else:
             continue
         raise ConfigError(path, key, f"{who} (statistics of the global batch) is refused: "

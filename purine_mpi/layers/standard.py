@@ -266,8 +266,11 @@ def dropout(b):
                                                    "moving sums with this factor", FRACTION),
     Key("sync", "bool", False, "normalise with the statistics of the global batch, summed over "
                                "the replicas in the graph (PyTorch's `SyncBatchNorm`; schemes "
-                               "data, sharded without stages and hybrid, without tensor shards "
-                               "or micro-batches): as 1 rank × batch N·B"),
+                               "data, sharded, hybrid, tensor and pipeline, with or without "
+                               "tensor shards; not none or the parameter-server modes): as "
+                               "1 rank × batch N·B; with "
+                               "micro-batches each micro-batch's, summed over the replicas "
+                               "(PyTorch's per forward call)"),
     *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
 def batch_norm(b):
     """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and

@@ -49,7 +49,11 @@ class JobScheme(SchemeInterface):
     """The job's own scheme, whichever its config names (the trainer's
     default, ``Scheme()``): every method asks the job's registered scheme;
     the micro-batch memory plan goes through this module's ``plan_memory``.
-    Subclass it to change one step of a run (a test's scheme without the plan)."""
+    Subclass it to change one step of a run (a test's scheme without the plan).
+    Its capabilities (``staged``, ``exchanges_gradients``, ...) are the job's
+    scheme's: reading one on it raises a TypeError (ask ``scheme_of(job)``
+    or ``job_scheme(job)``), and a subclass may not set one (schemes/base.py's
+    ``Capability``)."""
 
     def plan_memory(self, graph, job, world):
         return plan_memory(graph, job, world)

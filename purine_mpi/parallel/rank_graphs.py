@@ -92,9 +92,9 @@ def build_rank_graphs(job, world, scheme=None, check_memory=True):
     the job names: a GPU job planned on a small host)."""
     scheme = scheme or scheme_of(job)
     # the capabilities are those of the scheme the job runs: a bare
-    # ``Scheme()`` (or a test's unregistered subclass) stands for it, its
-    # class attributes are the defaults
-    own = scheme._job_scheme(job)
+    # ``Scheme()`` (or a test's unregistered subclass) stands for it and
+    # has none of its own (reading one raises: schemes/base.Capability)
+    own = scheme.job_scheme(job)
     # replicas x stages (parallel/compose.py): the data is sharded over the
     # replicas (a pipeline is one replica; its stage 0 reads the data)
     layout = scheme.layout(job, world)

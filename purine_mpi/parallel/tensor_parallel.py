@@ -356,6 +356,8 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
         if reduces:
             split(lay.shard_groups())
     fields = {}
+    if reduces:
+        sum_over_shard_replicas(graph, lay)
     if reduces and reduce is not None:
         fields = reduce(graph, grads, lay.shard_ranks())
     elif reduces:
@@ -380,6 +382,31 @@ def compose_tensor(graph, grads, job, world, lay, train=True, reduce=None):
         from ..comm.verify import check_collectives
         check_collectives(graph, world)
     return Composition(graph, lay, tensor_plan=describe_splits(pairs, degree), **fields)
+
+
+def sum_over_shard_replicas(graph, lay):
+    """A synchronised batch norm's sums (ops/batchnorm.py; outside the split
+    pairs, so every shard of a group holds the same ones) over the replicas
+    alone: the ranks holding this rank's shard of its stage,
+    ``lay.shard_ranks()`` (schemes tensor, sharded with tensor shards and
+    hybrid: the stage's replicas). The tensor group's allreduces and the
+    sums numbered together in emission order (a collective never before one
+    it waits for; a stage's slice is emitted in its schedule's order):
+    numbered after the allreduces, a forward sum would be posted behind the
+    tensor allreduce that waits for it (a hang). Returns the sums' Allreduce
+    ops' names."""
+    from .data_parallel import sum_over_replicas
+    from .sharding import emission_order
+    synced = [op.name for op in sum_over_replicas(graph, lay.shard_ranks())]
+    if not synced:
+        return synced
+    group = lay.tensor_ranks()
+    names = synced + [op.name for op in graph.ops.values()
+                      if op.op_type == "Allreduce" and op.attrs.get("group") == group]
+    first = min(graph.ops[n].attrs["seq"] for n in names)
+    for k, n in enumerate(emission_order(graph, names)):
+        graph.ops[n].attrs["seq"] = first + k
+    return synced
 
 
 # ---------------------------------------------------------------- weights

@@ -57,8 +57,9 @@ class Trainer(Loop):
         # collectives outside the graph wait no longer than graph ops do
         world.stall_timeout = float(job.parallel.stall_timeout)
         # the job's registered scheme: its capabilities are its own (a bare
-        # stand-in's class attributes are the defaults: scheme none's ranks
-        # counted their labels together)
+        # stand-in has none: reading one raises, schemes/base.Capability;
+        # its class defaults once made scheme none's ranks count their
+        # labels together)
         scheme = scheme or scheme_of(job)
         log = log or print_or_stop  # a closed stdout stops the run like SIGTERM
         try:

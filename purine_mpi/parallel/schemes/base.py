@@ -35,8 +35,12 @@ scheme is loaded) compares a scheme's name (tests/test_schemes.py checks).
 ``__init__`` imports every module).
 
 The base class is also "the job's own scheme": a bare ``Scheme()`` (or a
-subclass not registered, e.g. a test's) composes, lays out and checkpoints
-as the job's registered scheme does. Imports ``base/errors`` only (the
+subclass not registered, e.g. a test's) lays out, composes, plans and
+notes as the job's registered scheme does (its methods given the job ask
+``job_scheme(job)``); it has no capabilities of its own (reading one
+raises a TypeError: its class defaults are not the job's), and the
+methods given no job (the checkpoint's) are the defaults: their callers
+ask ``scheme_of(job)``. Imports ``base/errors`` only (the
 schemes import their compositions: steps.py and the modules of parallel/,
 which never import a scheme).
 """
@@ -254,6 +258,50 @@ class Composition:
     server_plan: dict = None
 
 
+#: the capability attributes of ``Scheme`` (callers ask these, never the name)
+CAPABILITIES = ("staged", "exchanges_gradients", "allreduces", "servers", "micro_batches",
+                "gpu", "nccl", "one_sided", "deferrable", "defer_loss_readback",
+                "defers_update")
+
+
+class Capability:
+    """A capability's default on ``Scheme``: what a registered scheme (its
+    class, an instance, a subclass of it such as a parameter-server worker)
+    reads unless it declares its own. A stand-in for the job's scheme (an
+    unregistered class: the bare ``Scheme``, compose.JobScheme, a test's
+    subclass of them) has no capabilities: the default is not the job's
+    (scheme none exchanges no gradients), so reading one raises a TypeError."""
+
+    def __init__(self, default):
+        self.default = default
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        cls = type(obj) if cls is None else cls
+        if cls.name is None:
+            raise TypeError(f"{cls.__name__}.{self.name}: {cls.__name__} stands for the job's "
+                            "scheme, whose capabilities are its own: ask scheme_of(job)."
+                            f"{self.name} or {cls.__name__}().job_scheme(job).{self.name}")
+        return self.default
+
+
+def _refuse_own_capabilities(cls):
+    """A TypeError when stand-in class ``cls`` (or a class between it and
+    ``Scheme``) declares a capability: the job's scheme would answer
+    instead, the declaration silently ignored."""
+    for klass in cls.__mro__:
+        if klass is Scheme:
+            return
+        own = sorted(set(vars(klass)) & set(CAPABILITIES))
+        if own:
+            raise TypeError(f"{klass.__name__} sets {', '.join(own)}, but as a stand-in for the "
+                            "job's scheme (not registered) it takes every capability from "
+                            "scheme_of(job): set it on that class (type(scheme_of(job))) or "
+                            "register a scheme")
+
+
 class Scheme:
     """How a trainer's rank takes part in its parallel scheme: its layout,
     the graph it runs and what the start-up block says of it (the decisions
@@ -267,42 +315,50 @@ class Scheme:
     #: are set get a "has no effect" note: settings_without_effect)
     keys = ()
 
-    # ---- capabilities (callers ask these, never the name)
+    # ---- capabilities (callers ask these, never the name): a registered
+    # scheme's class attributes, their defaults here (``Capability``); a
+    # stand-in has none of its own (reading one raises: ``job_scheme``)
     #: layers placed on ranks by parallel.stages (a staged layout)
-    staged = False
+    staged = Capability(False)
     #: gradients summed over the ranks (allreduce buckets or servers)
-    exchanges_gradients = True
+    exchanges_gradients = Capability(True)
     #: gradients summed by allreduce buckets (parallel.bucket_mb ...)
-    allreduces = True
+    allreduces = Capability(True)
     #: workers and parameter-server ranks
-    servers = False
+    servers = Capability(False)
     #: takes parallel.micro_batches > 1
-    micro_batches = True
+    micro_batches = Capability(True)
     #: runs on a GPU (job.device >= 0)
-    gpu = True
+    gpu = Capability(True)
     #: its buckets can go through NCCL (parallel.backend)
-    nccl = False
+    nccl = Capability(False)
     #: its transfers can go through windows (parallel.transport)
-    one_sided = False
+    one_sided = Capability(False)
     #: a deferred tail may run the last updates into the next iteration
     #: (the composition marks its graph ``deferrable``, runtime/memory_plan.py)
-    deferrable = True
+    deferrable = Capability(True)
     #: on a GPU, the trainer reads the loss back only at the display, test and
     #: checkpoint intervals (and before a checkpoint a signal asks for)
-    defer_loss_readback = True
+    defer_loss_readback = Capability(True)
     #: the CPU event dispatcher may finish the last allreduces and updates
     #: while the next iteration starts (parallel.defer_update)
-    defers_update = True
+    defers_update = Capability(True)
 
-    def _job_scheme(self, job):
-        """The registered scheme this one stands for: itself, or (a bare
-        ``Scheme`` or an unregistered subclass) the job's."""
-        return self if type(self).name is not None else scheme_of(job)
+    def job_scheme(self, job):
+        """The registered scheme this one stands for: itself, or (a stand-in:
+        a bare ``Scheme``, compose.JobScheme, an unregistered subclass) the
+        job's, ``scheme_of(job)``: ask it the capabilities. A stand-in's class
+        that declares a capability of its own (a class attribute, a patch)
+        is refused: it would be ignored, the job's scheme answering."""
+        if type(self).name is not None:
+            return self
+        _refuse_own_capabilities(type(self))
+        return scheme_of(job)
 
     # ---- layout and composition
     def layout(self, job, world):
         """This rank's Layout: one rank per replica."""
-        own = self._job_scheme(job)
+        own = self.job_scheme(job)
         if own is not self:
             return own.layout(job, world)
         par = job.parallel
@@ -310,11 +366,11 @@ class Scheme:
 
     def compose(self, graph, grads, job, world):
         """This rank's training graph from one replica's: a Composition."""
-        return self._job_scheme(job).compose(graph, grads, job, world)
+        return self.job_scheme(job).compose(graph, grads, job, world)
 
     def compose_test(self, graph, job, world):
         """This rank's test graph (each replica reads its own shard): a Composition."""
-        own = self._job_scheme(job)
+        own = self.job_scheme(job)
         if own is not self:
             return own.compose_test(graph, job, world)
         return Composition(graph, self.layout(job, world))
@@ -331,7 +387,7 @@ class Scheme:
         exchange no gradients (scheme none). A save writes rank 0's replica
         and a test pass evaluates it over the whole split, rank 0 alone
         (parallel/rank_graphs.RankGraphs.apart)."""
-        return not self._job_scheme(job).exchanges_gradients and lay.replicas > 1
+        return not self.job_scheme(job).exchanges_gradients and lay.replicas > 1
 
     def defer_update_applies(self, job, replicas, staged):
         """Whether ``parallel.defer_update`` takes effect (runtime/tail.py): set
@@ -339,13 +395,13 @@ class Scheme:
         (the GPU dispatchers end every iteration with every op done); a
         composition that is not ``deferrable`` declines."""
         return job.parallel.defer_update and replicas > 1 and not staged and job.device < 0 \
-            and self._job_scheme(job).deferrable
+            and self.job_scheme(job).deferrable
 
     def update_deferred(self, job, lay):
         """Whether the dispatcher defers the last updates into the next
         iteration (runtime/tail.py) on layout ``lay``: the scheme
         ``defers_update`` and ``defer_update_applies``."""
-        return self._job_scheme(job).defers_update and \
+        return self.job_scheme(job).defers_update and \
             self.defer_update_applies(job, lay.replicas, lay.staged)
 
     # ---- the settings
@@ -356,6 +412,9 @@ class Scheme:
         scheme on one rank, bucket keys where nothing is allreduced, keys of
         another mode or scheme, ``mode: async`` with ``max_staleness: 0``. A key
         counts as set when it differs from its default (docs/config.md)."""
+        own = self.job_scheme(job)
+        if own is not self:
+            return own.settings_without_effect(job, world_size)
         par = job.parallel
         notes = []
         changed = par.changed()
@@ -429,7 +488,7 @@ class Scheme:
         replicas (where they exchange gradients) x micro-batches (0: a
         world the layout refuses)."""
         from ...base.errors import UserError
-        own = self._job_scheme(job)
+        own = self.job_scheme(job)
         try:
             lay = own.layout(job, types.SimpleNamespace(size=world_size, rank=0))
         except UserError:  # a world the layout refuses (exit 2 when it runs): no note
@@ -440,7 +499,7 @@ class Scheme:
         """Whether ``parallel.defer_update: true`` (the default) defers any
         update in a run of ``world_size`` ranks (``update_deferred``)."""
         from ...base.errors import UserError
-        own = self._job_scheme(job)
+        own = self.job_scheme(job)
         default = job.replace(parallel=dataclasses.replace(job.parallel, defer_update=True))
         try:
             lay = own.layout(default, types.SimpleNamespace(size=world_size, rank=0))
@@ -490,7 +549,7 @@ class Scheme:
 
     def startup_lines(self, trainer, composition):
         """The start-up block's scheme rows (one rank: no scheme)."""
-        own = self._job_scheme(trainer.job)
+        own = self.job_scheme(trainer.job)
         if own is not self:
             return own.startup_lines(trainer, composition)
         if trainer.world.size == 1:

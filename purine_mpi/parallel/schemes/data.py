@@ -4,7 +4,8 @@ of the batch; its gradient buckets are summed by Allreduce ops in the graph
 shared window (parallel.transport: one_sided, parallel/dp_windows.py). A
 ``batch_norm`` with ``sync: true`` has its batch's sums allreduced over every
 rank in forward and backward (ops/batchnorm.py), before the buckets
-(``sum_over_replicas``)."""
+(``sum_over_replicas``); with micro-batches each copy's sums, in the
+copies' schedule order (PyTorch's SyncBatchNorm syncs per forward call)."""
 from .base import BUCKET_KEYS, Composition, Scheme, register_scheme
 
 

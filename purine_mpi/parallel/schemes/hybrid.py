@@ -13,9 +13,11 @@ over the R ranks that hold it (``Layout.stage_ranks``, one sub-communicator
 per position: ``Layout.shard_groups``). One replica is scheme pipeline with
 tensor_parallel, the same graphs.
 
-A ``batch_norm`` with ``sync: true`` (no tensor shards, no micro-batches:
-the config rules) has its sums allreduced over its stage's R ranks, before
-the stage's buckets (data_parallel.sum_over_replicas)."""
+A ``batch_norm`` with ``sync: true`` has its sums allreduced over its
+stage's R ranks (with tensor shards, those holding this rank's shard),
+before the stage's buckets, numbered among the stage's tensor allreduces
+in the slice's emission order, its schedule's with micro-batches
+(tensor_parallel.sum_over_shard_replicas)."""
 from ...base.errors import UserError
 from .base import BUCKET_KEYS, register_scheme
 from .pipeline import Pipeline
@@ -52,10 +54,11 @@ class Hybrid(Pipeline):
         ``grad_dtype`` nor shaped by the bucket keys: ``why_none_reduced``)."""
         if comp.layout.replicas == 1:
             return comp
-        from ..data_parallel import sum_over_replicas
+        from ..tensor_parallel import sum_over_shard_replicas
         from .steps import allreduce_stage
-        # a synchronised batch norm's sums over the stage's replicas, before its buckets
-        sum_over_replicas(comp.graph, comp.layout.stage_ranks())
+        # a synchronised batch norm's sums over the stage's replicas (with
+        # tensor shards: those holding this shard), before its buckets
+        sum_over_shard_replicas(comp.graph, comp.layout)
         return allreduce_stage(comp, grads, job.parallel, world)
 
     def ranks_needed(self, count):

@@ -177,15 +177,18 @@ class Sharded(Hybrid):
             if world.size == 1:
                 return clipped(Composition(graph.validate(), lay), job, world)
             comp = Composition(graph, lay)
+        from ..data_parallel import sum_over_replicas
         from ..sharding import compose_zero1
-        synced = []
-        if not lay.staged:  # a synchronised batch norm's sums over the replicas (the config
-            from ..data_parallel import sum_over_replicas  # rules refuse it with stages)
-            synced = [op.name for op in sum_over_replicas(graph)]
+        from ..tensor_parallel import sum_over_shard_replicas
+        # a synchronised batch norm's sums over the replicas (with stages: the
+        # stage's, with tensor shards those holding this shard, numbered
+        # among the tensor group's allreduces)
+        synced = sum_over_shard_replicas(graph, lay) if lay.staged else \
+            [op.name for op in sum_over_replicas(graph)]
         plan = compose_zero1(graph, grads, lay.replicas, lay.replica, stage=par.shard,
                              wire_dtype=par.wire_dtype(), reuse_forward=lay.staged,
                              **_zero_settings(par, forward))
-        if synced and par.shard >= 2:
+        if synced and par.shard >= 2 and not lay.staged:
             # numbered first, a backward sum could wait (bound_live_buckets) for
             # a later reduce-scatter; stage 3's gathers go before the forward's
             from ..sharding import sequence_collectives
@@ -194,6 +197,7 @@ class Sharded(Hybrid):
             tensor = [op.name for op in graph.ops.values() if op.op_type == "Allreduce"
                       and op.attrs.get("group") == lay.tensor_ranks()] if lay.tensor > 1 \
                 else []
+            tensor += synced  # the batch norm's sums, numbered alike
             if tensor and par.shard >= 2:
                 # the plan's collectives numbered among the tensor group's
                 # allreduces (``_compose_tensor`` says why); the slice's emission
