@@ -321,7 +321,10 @@ def test_parameter_server_ranks_are_what_they_allocate(mode, digits_h5, tmp_path
     sync_ps server's workspace (its server graph) to the byte; the server
     holds the weights, their momenta and a receive buffer per worker
     (async: and a reply's snapshot per worker), rank 0's save the servers'
-    momenta (async: and weights)."""
+    momenta (async: and weights); an async server's save holds its loop's
+    buffers only when rank 0 asks for its state mid-run (a test pass or a
+    checkpoint before the last iteration: planned at every save before, 8x
+    the weights where 6x were measured, tests/test_plan_rss.py)."""
     from purine_mpi.runtime.workspace import Workspace
     from purine_mpi.tools.plan import _offline_graphs, offline_footprints
     job = _job("digits_lenet", None, f"data.train.path={digits_h5}",
@@ -360,6 +363,23 @@ def test_parameter_server_ranks_are_what_they_allocate(mode, digits_h5, tmp_path
         assert server["comm_buffers"] == 4 * weights  # 2 workers: gradients, replies
         assert fps[0].save == 5 * weights  # the weights received, sent on, the copies
         assert fps[1].save == 3 * weights  # the allgather's buffer, bytes, arrays
+        # a state rank 0 asks for mid-run (digits_lenet: a test pass and a
+        # checkpoint every 300 iterations of 900) is sent beside the loop's
+        # receive and reply buffers; without one, the end's once serve()
+        # returned and they are freed (planned beside them before)
+        from purine_mpi.tools.graph import _OfflineWorld
+        from purine_mpi.train.ps_server import ServerRank, state_asked
+        assert state_asked(job) and fps[2].save_total == \
+            fps[2].loop_total - server["kernel_temporaries"] + 2 * weights
+        for sets in (["checkpoint.interval=0", "solver.test_interval=0"],
+                     ["checkpoint.interval=900", "solver.test_interval=900"]):
+            end = _job("digits_lenet", None, f"data.train.path={digits_h5}",
+                       f"data.test.path={digits_h5}", "parallel.mode=async",
+                       "parallel.max_staleness=1", "parallel.ps_ranks=1",
+                       "parallel.transport=two_sided", *sets)
+            assert not state_asked(end)
+            fp = ServerRank(end, _OfflineWorld(2, 3)).footprint()
+            assert fp.host == server and fp.save_total == 4 * weights
 
 
 @pytest.mark.parametrize("mode,biggest", [("sync_ps", 2), ("async", 0)])

@@ -226,14 +226,17 @@ def _wide_cifar(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("mode,ranks,servers", [("sync_ps", 4, 2), ("async", 4, 2)])
-def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_path):
+@pytest.mark.parametrize("mode,ranks,servers,interval", [("sync_ps", 4, 2, 2), ("async", 4, 2, 0)])
+def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interval, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 1% and the total is within 6.5% of it (15% before); with a save at
-    iteration 2 of 3 (rank 0 takes the
-    servers' momenta, an async server sends its state between two pushes)
-    and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
+    less 1% and the total is within 6.5% of it (15% before); sync_ps with a
+    save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
+    with the end's only (its servers send their state once their loops
+    freed their receive and reply buffers: 129.0 MiB planned, 116.9
+    measured, 'assert 122593280 >= (0.99 * 135241728)', before the plan
+    left them out there and at the first fill; a state asked for between
+    two pushes, with them: tests/test_plan.py), and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
     figure). Measured, three runs of each case from a shell: 2.2-5.7% above
@@ -249,7 +252,8 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     (test_plan.py::test_parameter_server_ranks_are_what_they_allocate)."""
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
-                              sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
+                              sets=[f"parallel.ps_ranks={servers}",
+                                    f"checkpoint.interval={interval}"],
                               path=_wide_cifar(tmp_path))
     assert "error" not in res, res
     assert len(res["measured"]) == ranks

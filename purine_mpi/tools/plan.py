@@ -691,7 +691,9 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         lines.append(f"  {'checkpoint save':<18}  {human_bytes(fp.save):>12}")
         if fp.save:
             lines.append(f"  {'at a save':<18}  {human_bytes(fp.save_total):>12}  (between "
-                         "iterations: the total less the kernel temporaries, plus the save; "
+                         "iterations: the total less the kernel temporaries"
+                         + "".join(f" and the {LABELS[k]}" for k in fp.save_frees)
+                         + ", plus the save; "
                          + (_need_word(fp, fp.save_total) if fp.save_total > fp.loop_total
                             else "no more than an iteration holds)"))
         # before the first iteration: the weights' first fill, --init's
