@@ -29,6 +29,9 @@ is where the gradients live, so it counts as gradients):
   blobs (``data_pool_bytes``);
 - ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
 - ``windows``: this rank's part of the one-sided transport's windows;
+- ``mpi_transport`` (host): MPI's shared-memory cells of the other ranks
+  of its node, as it reads their messages (comm/mpi_transport.py; set by
+  tools/plan.set_transport, which knows the node);
 - ``kept``: everything else that persists (losses, metrics, lr, the
   iteration counter, a device loss watch).
 
@@ -101,7 +104,7 @@ from .workspace import plan_device_memory, window_blobs
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
-        "comm_buffers", "windows", "kept", "data_pool", "host_scratch",
+        "comm_buffers", "windows", "mpi_transport", "kept", "data_pool", "host_scratch",
         "kernel_temporaries", "scratch", "cublas_workspaces",
         "capture_pools")
 

@@ -590,7 +590,8 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, \
+        ranks_to_build, set_transports
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -600,6 +601,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, like = ranks_to_build(job, n)
         by_rank = offline_footprints(job, n, built)[0]
+        set_transports(by_rank, n, limits)
         fps = list(by_rank.values())
         need, lims = {}, {}
         for fp in fps:
