@@ -671,6 +671,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
            algorithm="auto"):
     """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks."""
     from ..graph.core import shared_dependencies
+    from ..runtime.memory_plan import shared_colourings
     from ..job.config import load_job
     from .scaling.link import make_link
     t0 = time.perf_counter()
@@ -680,8 +681,9 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
         link = dataclasses.replace(link, gamma=add, gamma_measured=False)
     # the settings compose the same net many times over: graphs of one
-    # content share their dependencies (graph/core.shared_dependencies)
-    with shared_dependencies():
+    # content share their dependencies (graph/core.shared_dependencies), and
+    # memory plans of one content their colouring (runtime/memory_plan.py)
+    with shared_dependencies(), shared_colourings():
         predictor = Predictor(calib_job, durations, link, algorithm, small, add)
         cands = candidates(job, n, durations, predictor)
         for c in cands:
