@@ -412,3 +412,38 @@ def test_graph_memory_shows_each_ops_scratch_and_its_note():
     host = render_graph(make_job(resolve_config(_job("cifar10_quick.yaml"), check_files=False)),
                         1, 0, memory=True)
     assert "scratch:" not in host   # a CPU job has no device rows
+
+
+def test_shared_colourings_answer_a_plan_of_the_same_content(monkeypatch, email_h5):
+    """Within ``shared_colourings`` (``plan --choose``) the host plan of
+    data parallelism's rank 1 (its graph rank 0's but for the ranks in
+    its ops' locations and peers) takes rank 0's colouring: no ``_colour``
+    call, and the plan is the one made outside the block, offsets, control
+    edges and all (gpt_tiny: the plan orders ops apart); another batch is
+    coloured again; nothing is kept past the block. (``plan --choose`` on
+    gpt_small --np 2: 25 of its 52 plans shared.)"""
+    from purine_mpi.job.config import load_job
+    from purine_mpi.runtime import memory_plan as mp
+    from purine_mpi.runtime.factory import memory_plans
+
+    def plan(rank, batch=4):
+        job = load_job(os.path.join(REPO, "jobs", "gpt_tiny.yaml"),
+                       [f"data.train.batch_size={batch}", f"data.train.path={email_h5}",
+                        f"data.test.path={email_h5}"], None, check_files=False)
+        g = compose_for(job, 2, rank)
+        host = memory_plans(g, keep=batch_blobs(g))[0]
+        return (host.offsets, host.sizes, host.total_bytes, host.edges, host.lifetimes,
+                host.in_place, host.persistent, {n: list(op.control_inputs)
+                                                 for n, op in g.ops.items()})
+    colours = []
+    real = mp._colour
+    monkeypatch.setattr(mp, "_colour", lambda *a: colours.append(1) or real(*a))
+    want = plan(1)
+    assert want[3] and len(colours) == 6  # edges: the comparison covers them
+    with mp.shared_colourings():
+        plan(0)
+        assert len(colours) == 12
+        assert plan(1) == want and len(colours) == 12  # rank 0's colouring
+        plan(1, batch=2)
+        assert len(colours) == 18
+    assert mp._SHARED_COLOURINGS is None

@@ -280,10 +280,11 @@ def test_plan_of_a_pipeline_is_train_s_check_to_the_byte(digits_h5, tmp_path):
     2,252,828 bytes where train counts 2,125,304 (a limit in between: plan
     'DOES NOT FIT', train ran)."""
     from tests.conftest import run_mpi_cli
-    from purine_mpi.tools.plan import offline_footprints
+    from purine_mpi.tools.plan import offline_footprints, set_transports
     job = _job("digits_pipeline", None, f"data.train.path={digits_h5}",
                f"data.test.path={digits_h5}")
     fps, _ = offline_footprints(job, 2, [0, 1])
+    set_transports(fps, 2, None)  # plan's: both ranks on this node
     need = max(fp.host_total for fp in fps.values())
     sets = ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"]
     cfg = os.path.join(JOBS, "digits_pipeline.yaml")
@@ -317,7 +318,10 @@ def test_parameter_server_ranks_are_what_they_allocate(mode, digits_h5, tmp_path
     sync_ps server's workspace (its server graph) to the byte; the server
     holds the weights, their momenta and a receive buffer per worker
     (async: and a reply's snapshot per worker), rank 0's save the servers'
-    momenta (async: and weights)."""
+    momenta (async: and weights); an async server's save holds its loop's
+    buffers only when rank 0 asks for its state mid-run (a test pass or a
+    checkpoint before the last iteration: planned at every save before, 8x
+    the weights where 6x were measured, tests/test_plan_rss.py)."""
     from purine_mpi.runtime.workspace import Workspace
     from purine_mpi.tools.plan import _offline_graphs, offline_footprints
     job = _job("digits_lenet", None, f"data.train.path={digits_h5}",
@@ -356,6 +360,23 @@ def test_parameter_server_ranks_are_what_they_allocate(mode, digits_h5, tmp_path
         assert server["comm_buffers"] == 4 * weights  # 2 workers: gradients, replies
         assert fps[0].save == 5 * weights  # the weights received, sent on, the copies
         assert fps[1].save == 3 * weights  # the allgather's buffer, bytes, arrays
+        # a state rank 0 asks for mid-run (digits_lenet: a test pass and a
+        # checkpoint every 300 iterations of 900) is sent beside the loop's
+        # receive and reply buffers; without one, the end's once serve()
+        # returned and they are freed (planned beside them before)
+        from purine_mpi.tools.graph import _OfflineWorld
+        from purine_mpi.train.ps_server import ServerRank, state_asked
+        assert state_asked(job) and fps[2].save_total == \
+            fps[2].loop_total - server["kernel_temporaries"] + 2 * weights
+        for sets in (["checkpoint.interval=0", "solver.test_interval=0"],
+                     ["checkpoint.interval=900", "solver.test_interval=900"]):
+            end = _job("digits_lenet", None, f"data.train.path={digits_h5}",
+                       f"data.test.path={digits_h5}", "parallel.mode=async",
+                       "parallel.max_staleness=1", "parallel.ps_ranks=1",
+                       "parallel.transport=two_sided", *sets)
+            assert not state_asked(end)
+            fp = ServerRank(end, _OfflineWorld(2, 3)).footprint()
+            assert fp.host == server and fp.save_total == 4 * weights
 
 
 @pytest.mark.parametrize("mode,biggest", [("sync_ps", 2), ("async", 0)])
@@ -408,14 +429,18 @@ def test_ranks_share_their_node_s_memory(monkeypatch):
         return code, [(c["ranks"], c["need_bytes"], c["limit_bytes"]) for c in nodes], \
             nodes[0]["limit_from"] if nodes else None
     mem = 5 * need // 2
-    assert host() == (2, [([0, 1, 2, 3], 4 * need, mem)], "MemAvailable, all 4 ranks on one node")
-    assert host(ranks_per_node=2) == (0, [([0, 1], 2 * need, mem), ([2, 3], 2 * need, mem)],
+    # each rank's MPI transport buffers: its node's other ranks' cells
+    from purine_mpi.comm.mpi_transport import transport_bytes
+    on = {k: need + transport_bytes(k) for k in (1, 2, 3, 4)}
+    assert host() == (2, [([0, 1, 2, 3], 4 * on[4], mem)],
+                      "MemAvailable, all 4 ranks on one node")
+    assert host(ranks_per_node=2) == (0, [([0, 1], 2 * on[2], mem), ([2, 3], 2 * on[2], mem)],
                                       "MemAvailable, 2 ranks a node, from --ranks-per-node")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
     assert host()[0] == 0 and host()[2] == ("MemAvailable, 2 ranks a node, from "
                                             "SLURM_NTASKS_PER_NODE")
-    assert host(ranks_per_node=3)[:2] == (2, [([0, 1, 2], 3 * need, mem), ([3], need, mem)])
-    assert host(ranks_per_node=8)[:2] == (2, [([0, 1, 2, 3], 4 * need, mem)])  # at most N
+    assert host(ranks_per_node=3)[:2] == (2, [([0, 1, 2], 3 * on[3], mem), ([3], on[1], mem)])
+    assert host(ranks_per_node=8)[:2] == (2, [([0, 1, 2, 3], 4 * on[4], mem)])  # at most N
     # --host-memory: per rank, as given (no node figure without --node-memory)
     out, code = plan.run_plan(job, 4, plan.MemoryLimits(host=need - 1), as_json=True)
     assert code == 2 and json.loads(out)["ranks"][0]["fits"]["host"]["limit_bytes"] == need - 1
@@ -461,6 +486,8 @@ def test_the_host_is_checked_per_node(tmp_path, monkeypatch):
     # closed form: stage 0's fc1 weights and bias, stage 1's fc2
     assert fps[0].host["weights"] == (256 * 4096 + 4096) * 4
     assert fps[1].host["weights"] == (4096 * 10 + 10) * 4
+    plan.set_transports(fps, 2, None)  # both ranks on one node: each reads the other's cells
+    alone = plan.transport_bytes(2)  # the cells a rank on a node of its own does not read
     need = {r: fps[r].host_total for r in (0, 1)}
     total = need[0] + need[1]
     assert need[0] > total // 2 + need[1]  # lopsided: stage 0 is most of the node's need
@@ -472,12 +499,13 @@ def test_the_host_is_checked_per_node(tmp_path, monkeypatch):
         return code, [(c["ranks"], c["need_bytes"], c["limit_bytes"]) for c in res["nodes"]]
     assert node(total) == (0, [([0, 1], total, total)])
     assert node(total - 1) == (2, [([0, 1], total, total - 1)])
+    need = {r: need[r] - alone for r in need}
     assert node(need[0], ranks_per_node=1) == (0, [([0], need[0], need[0]),
                                                    ([1], need[1], need[0])])
     assert node(need[0] - 1, ranks_per_node=1)[0] == 2
     # --node-memory: the node's, whatever MemAvailable says; --host-memory: each rank's
     assert node(1, node=total)[0] == 0 and node(10 * total, node=total - 1)[0] == 2
-    assert node(1, host=need[0]) == (0, [])
+    assert node(1, host=need[0] + alone) == (0, [])
     text, code = plan.run_plan(job, 2, plan.MemoryLimits(node=total - 1))
     assert code == 2 and f"node 0 (ranks 0-1): host: DOES NOT FIT: {human_bytes(total)}" in text
 
@@ -489,10 +517,11 @@ def test_train_refuses_a_node_whose_ranks_outgrow_it(tmp_path):
     node, its ranks and the sum (before: no per-node check, --node-memory
     unknown: exit 2 from the argument parser either way)."""
     from tests.conftest import run_mpi_cli
-    from purine_mpi.tools.plan import offline_footprints
+    from purine_mpi.tools.plan import offline_footprints, set_transports
     cfg = _lopsided_pipeline(tmp_path)
     job = load_job(cfg, (), None, check_files=False)
     fps, _ = offline_footprints(job, 2, [0, 1])
+    set_transports(fps, 2, None)
     total = fps[0].host_total + fps[1].host_total
     for limit, status in ((total, 0), (total - 1, 2)):
         res = run_mpi_cli(2, "train", cfg, "--iters", "1", "--out", str(tmp_path / str(limit)),

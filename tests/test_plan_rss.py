@@ -228,17 +228,24 @@ def _wide_cifar(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
-@pytest.mark.parametrize("mode,ranks,servers", [("sync_ps", 4, 2), ("async", 4, 2)])
-def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_path):
+@pytest.mark.parametrize("mode,ranks,servers,interval", [("sync_ps", 4, 2, 2), ("async", 4, 2, 0)])
+def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interval, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 1% and the total is within 6.5% of it (15% before); with a save at
-    iteration 2 of 3 (rank 0 takes the
-    servers' momenta, an async server sends its state between two pushes)
-    and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
+    less 1% and the total is within 5% of it (6.5% before MPI's
+    shared-memory cells were planned, comm/mpi_transport.py: 1.5 MiB a rank
+    here; 15% before); sync_ps with a
+    save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
+    with the end's only (its servers send their state once their loops
+    freed their receive and reply buffers: 129.0 MiB planned, 116.9
+    measured, 'assert 122593280 >= (0.99 * 135241728)', before the plan
+    left them out there and at the first fill; a state asked for between
+    two pushes, with them: tests/test_plan.py), and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
-    figure). Measured, three runs of each case from a shell: 2.2-5.7% above
+    figure). Measured 2026-11-29, two runs: sync_ps 2.8-4.8% above plan,
+    async 1.8-3.7% (before the transport row: 4.0-5.9% and 1.9-5.1%);
+    earlier, three runs of each case from a shell: 2.2-5.7% above
     plan, the 4.4-13.3 MiB every process holds unplanned (docs/running.md);
     the sync_ps workers 5.1-5.6% (6.1-6.6% before the finiteness check
     after the last iteration stopped holding a byte an element of the
@@ -251,13 +258,14 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, tmp_pa
     (test_plan.py::test_parameter_server_ranks_are_what_they_allocate)."""
     res = rss_vs_plan.measure("cifar10_quick", mode, str(tmp_path), np_=ranks, iters=3,
                               env={"PURINE_MMAP_THRESHOLD": "131072"},
-                              sets=[f"parallel.ps_ranks={servers}", "checkpoint.interval=2"],
+                              sets=[f"parallel.ps_ranks={servers}",
+                                    f"checkpoint.interval={interval}"],
                               path=_wide_cifar(tmp_path), plan_with=run_cli_here)
     assert "error" not in res, res
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
         assert m >= 0.99 * p, (mode, r, p, m)
-        assert p >= 0.935 * m, (mode, r, p, m)
+        assert p >= 0.95 * m, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0

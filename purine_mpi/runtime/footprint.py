@@ -29,6 +29,9 @@ is where the gradients live, so it counts as gradients):
   blobs (``data_pool_bytes``);
 - ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
 - ``windows``: this rank's part of the one-sided transport's windows;
+- ``mpi_transport`` (host): MPI's shared-memory cells of the other ranks
+  of its node, as it reads their messages (comm/mpi_transport.py; set by
+  tools/plan.set_transport, which knows the node);
 - ``kept``: everything else that persists (losses, metrics, lr, the
   iteration counter, a device loss watch).
 
@@ -101,7 +104,7 @@ from .workspace import plan_device_memory, window_blobs
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
-        "comm_buffers", "windows", "kept", "data_pool", "host_scratch",
+        "comm_buffers", "windows", "mpi_transport", "kept", "data_pool", "host_scratch",
         "kernel_temporaries", "scratch", "cublas_workspaces",
         "capture_pools")
 
@@ -195,6 +198,15 @@ class Footprint:
     #: sets), which runs once its arrays are allocated: on ``STARTUP_ROWS``
     #: (0 elsewhere: in ``load``)
     fill: int = 0
+    #: the rows held while ``fill`` is: ``STARTUP_ROWS``; an async
+    #: parameter server's without the comm buffers (its loop allocates them
+    #: once the fill is done: ``ServerRank.footprint``)
+    fill_rows: tuple = STARTUP_ROWS
+    #: the rows besides the kernel temporaries that are let go before every
+    #: save (``save_total``): an async parameter server whose state rank 0
+    #: never asks for mid-run saves once its loop returned, its receive and
+    #: reply buffers freed (``ServerRank.footprint``)
+    save_frees: tuple = ()
 
     @property
     def loop_total(self):
@@ -206,8 +218,10 @@ class Footprint:
         """The host bytes held while a save runs: it runs between
         iterations (train/checkpoints.py, after the dispatcher drained), when
         no kernel runs, so without the kernel temporaries; every other row
-        stays allocated (the arenas, the caches), and the save's own bytes."""
-        return self.loop_total - self.host.get("kernel_temporaries", 0) + self.save
+        stays allocated (the arenas, the caches), and the save's own bytes;
+        less the rows ``save_frees`` names (let go before any save)."""
+        return self.loop_total - sum(self.host.get(k, 0) for k in
+                                     ("kernel_temporaries",) + tuple(self.save_frees)) + self.save
 
     @property
     def load_total(self):
@@ -218,9 +232,10 @@ class Footprint:
         the gradients, the optimizer state (a resume's load counts it), the
         arena and the kernels' buffers are zeros from the system, not
         resident until an iteration writes them. A parameter server's
-        load of files (``load_rows``) and its fill, on its rows, apart."""
+        load of files (``load_rows``) and its fill, on its rows
+        (``fill_rows``), apart."""
         return max(sum(self.host.get(k, 0) for k in self.load_rows) + self.load,
-                   sum(self.host.get(k, 0) for k in STARTUP_ROWS) + self.fill)
+                   sum(self.host.get(k, 0) for k in self.fill_rows) + self.fill)
 
     @property
     def host_total(self):

@@ -86,6 +86,7 @@ anyway. ``memory_plan: false`` gives every root
 its own bytes of the arena, on the host and the devices alike.
 """
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,6 +96,12 @@ from ..graph.core import WORKING_SET_ATTR, ancestor_bits
 
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
+
+#: while ``shared_colourings`` is open: {``_colouring_key``: the best
+#: colouring of a plan of that content}, the most recently asked last
+_SHARED_COLOURINGS = None
+#: the colourings ``shared_colourings`` keeps
+COLOURINGS_SHARED = 32
 
 
 @dataclass
@@ -254,17 +261,7 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
             units[u] = unit + (unit_keys, cand[unit[5][0]][5])
-    pairs = _interference(units, len(order), link)
-    best = None
-    for key in (lambda u: (-units[u][4], units[u][2], u),           # largest first
-                lambda u: (units[u][2], -units[u][4], u),           # first used first
-                lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
-        for best_fit in (False, True):
-            offsets, total, edges = _colour(units, sorted(units, key=key), pairs, best_fit,
-                                            plan.align)
-            if best is None or (total, len(edges)) < (best[1], len(best[2])):
-                best = (offsets, total, edges)
-    offsets, plan.total_bytes, edges = best
+    offsets, plan.total_bytes, edges = _best_colouring(units, len(order), link, plan.align)
     for src, shift, dst in edges:
         for i in _bits(src):
             a = order[i + shift]
@@ -279,6 +276,73 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             plan.sizes[root] = cand[root][4]
             plan.lifetimes[root] = (cand[root][2], cand[root][3])
     return plan
+
+
+def _best_colouring(units, n_ops, link, align):
+    """The colouring of ``units`` the plan takes: of three orders, first
+    fit and best fit each, the fewest bytes, then the fewest edges
+    (``_colour``'s ({unit: offset}, total, edges)). Within
+    ``shared_colourings``, the one of a plan of the same content
+    (``_colouring_key``) when it was asked for before."""
+    shared = _SHARED_COLOURINGS
+    key = None if shared is None else _colouring_key(units, n_ops, link, align)
+    if key is not None and key in shared:
+        best = shared.pop(key)
+        shared[key] = best  # the most recently asked: last
+        return best
+    pairs = _interference(units, n_ops, link)
+    best = None
+    for order in (lambda u: (-units[u][4], units[u][2], u),           # largest first
+                  lambda u: (units[u][2], -units[u][4], u),           # first used first
+                  lambda u: (units[u][2] - units[u][3], -units[u][4], u)):  # longest first
+        for best_fit in (False, True):
+            offsets, total, edges = _colour(units, sorted(units, key=order), pairs, best_fit,
+                                            align)
+            if best is None or (total, len(edges)) < (best[1], len(best[2])):
+                best = (offsets, total, edges)
+    if key is not None:
+        while len(shared) >= COLOURINGS_SHARED:
+            del shared[next(iter(shared))]
+        shared[key] = best
+    return best
+
+
+def _colouring_key(units, n_ops, link, align):
+    """Everything ``_interference`` and ``_colour`` read, as values: the
+    units in their order (names, bit sets, positions, sizes, members), the
+    schedule's length, the alignment and, with ``link``, each unit's thread
+    (numbered by first appearance: two ranks' threads differ only in the
+    rank of their location), the ops of each of those threads, its writers
+    and the point-to-point waits. Equal keys give equal colourings: the
+    answer of one plan is another's, its offsets by unit name and its edges
+    by schedule position."""
+    if link is None:
+        return (n_ops, align, tuple((u, v[:5], tuple(v[5])) for u, v in units.items()))
+    threads = {}
+    for v in units.values():
+        if v[6] is not None and v[6] not in threads:
+            threads[v[6]] = len(threads)
+    return (n_ops, align, tuple((u, v[:5], tuple(v[5]), threads.get(v[6]), v[7])
+                                for u, v in units.items()),
+            tuple(link["mask"][k] for k in threads), tuple(sorted(link["waits"].items())))
+
+
+@contextmanager
+def shared_colourings():
+    """Within it, a memory plan whose units, schedule and threads are
+    those of a plan made before (``_colouring_key``: another rank's
+    composition of the same net, the test graph of another setting) takes
+    that plan's colouring, the last ``COLOURINGS_SHARED`` kept (``plan
+    --choose``). Kept only while it is open, as ``shared_dependencies``."""
+    global _SHARED_COLOURINGS
+    outer = _SHARED_COLOURINGS
+    if outer is None:
+        _SHARED_COLOURINGS = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SHARED_COLOURINGS = None
 
 
 def device_plans(graph, keep=(), skip=(), order_ops=False):

@@ -590,7 +590,8 @@ def evaluate(cand, path, overrides, n, limits, predictor):
     from ..job.config import load_job
     from ..parallel.compose import layout_of
     from .graph import _OfflineWorld
-    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, ranks_to_build
+    from .plan import limits_for, need_of, offline_footprints, plan_node_checks, \
+        ranks_to_build, set_transports
     try:
         job = load_job(path, tuple(overrides) + cand.sets, check_files=False)
         layout_of(job, _OfflineWorld(0, n))
@@ -600,6 +601,7 @@ def evaluate(cand, path, overrides, n, limits, predictor):
                 raise UserError(f"{NO_EFFECT}: {why}")
         built, like = ranks_to_build(job, n)
         by_rank = offline_footprints(job, n, built)[0]
+        set_transports(by_rank, n, limits)
         fps = list(by_rank.values())
         need, lims = {}, {}
         for fp in fps:
@@ -669,6 +671,7 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
            algorithm="auto"):
     """The Choice for ``path`` (+ ``overrides``) on ``n`` ranks."""
     from ..graph.core import shared_dependencies
+    from ..runtime.memory_plan import shared_colourings
     from ..job.config import load_job
     from .scaling.link import make_link
     t0 = time.perf_counter()
@@ -678,8 +681,9 @@ def choose(path, overrides, n, limits, link=None, calibration=None, log=None,
     if link.gamma_measured:  # timed at start-up: the calibration's, for the same figures
         link = dataclasses.replace(link, gamma=add, gamma_measured=False)
     # the settings compose the same net many times over: graphs of one
-    # content share their dependencies (graph/core.shared_dependencies)
-    with shared_dependencies():
+    # content share their dependencies (graph/core.shared_dependencies), and
+    # memory plans of one content their colouring (runtime/memory_plan.py)
+    with shared_dependencies(), shared_colourings():
         predictor = Predictor(calib_job, durations, link, algorithm, small, add)
         cands = candidates(job, n, durations, predictor)
         for c in cands:

@@ -26,13 +26,16 @@ import numpy as np
 from ..base.errors import MemoryTooSmall, UserError
 from ..base.progress_bar import human_bytes, parse_size
 
+from ..comm.mpi_transport import transport_bytes, transport_note
+
 #: up to this many ranks, ``plan`` builds every one
 ALL_RANKS = 8
 
 #: row labels as printed
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
           "activations": "activations", "data_batch": "data batch",
-          "comm_buffers": "comm buffers", "windows": "windows", "kept": "other kept blobs",
+          "comm_buffers": "comm buffers", "windows": "windows",
+          "mpi_transport": "MPI transport buffers", "kept": "other kept blobs",
           "data_pool": "data pool", "host_scratch": "host scratch",
           "kernel_temporaries": "kernel temporaries",
           "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
@@ -201,6 +204,26 @@ def node_refusal(check, needs, name=None):
 
 def need_of(fp, device):
     return fp.host_total if device < 0 else fp.device_total(device)
+
+
+def set_transport(fp, local_ranks):
+    """``fp``'s "MPI transport buffers" row: MPI's shared-memory cells of the
+    other ``local_ranks - 1`` ranks of its node that it reads
+    (comm/mpi_transport.py), and the note of what it stands on."""
+    fp.host["mpi_transport"] = transport_bytes(local_ranks)
+    note = transport_note(local_ranks)
+    if note is not None and note not in fp.notes:
+        fp.notes.append(note)
+
+
+def set_transports(fps, size, limits):
+    """``set_transport`` on ``plan``'s footprints ({rank: footprint}): the
+    ranks placed in blocks of ``node_ranks`` (a footprint that stands for
+    other ranks too, ``ranks_to_build``, takes its own rank's node)."""
+    per_node = node_ranks(limits, size)[0]
+    for r, fp in fps.items():
+        first = r // per_node * per_node
+        set_transport(fp, min(per_node, size - first))
 
 
 # ------------------------------------------------------------------ graphs
@@ -558,6 +581,10 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
         plan = getattr(comp, "server_plan", None)
         size = world.size + (len(plan["servers"]) if plan else 0)
     set_load(fp, job, graphs, init, resume)
+    from ..comm.world import get_world
+    glob = get_world()  # a parameter-server worker's world is the workers': the node's ranks
+    set_transport(fp, 1 if glob.size == 1 else
+                  len(glob.hosts.host_ranks[glob.hosts.host_of[glob.rank]]))
     # the checkpoint --resume read is resident already (in the load, and out
     # of the MemAvailable read now)
     held = arrays_nbytes(resume) if resume is not None else 0
@@ -633,6 +660,7 @@ def run_plan(job, size, limits, as_json=False, restore=None):
     start-up load (``load_bytes``; None: a fresh start)."""
     built, like = ranks_to_build(job, size)
     fps, everyone = offline_footprints(job, size, built, restore)
+    set_transports(fps, size, limits)
     groups = {}
     for r in range(size):
         fp = fps[like.get(r, r)]
@@ -682,24 +710,26 @@ def run_plan(job, size, limits, as_json=False, restore=None):
         lines.append(f"{head}:" + "".join(f"  {w:>12}" for w, _ in cols))
         for k in (k for k in LABELS if any(rows.get(k) for _, rows in cols) or k in (
                 "weights", "gradients", "optimizer_state", "activations")):
-            lines.append(f"  {LABELS[k]:<18}" + "".join(f"  {human_bytes(rows.get(k, 0)):>12}"
+            lines.append(f"  {LABELS[k]:<21}" + "".join(f"  {human_bytes(rows.get(k, 0)):>12}"
                                                         for _, rows in cols))
-        lines.append(f"  {'total':<18}" + "".join(
+        lines.append(f"  {'total':<21}" + "".join(
             f"  {human_bytes(sum(rows.values())):>12}" for _, rows in cols))
         # the save runs between iterations (host memory only): rank 0's
         # receive buffers and joins, a GPU rank's host copies of its part
-        lines.append(f"  {'checkpoint save':<18}  {human_bytes(fp.save):>12}")
+        lines.append(f"  {'checkpoint save':<21}  {human_bytes(fp.save):>12}")
         if fp.save:
-            lines.append(f"  {'at a save':<18}  {human_bytes(fp.save_total):>12}  (between "
-                         "iterations: the total less the kernel temporaries, plus the save; "
+            lines.append(f"  {'at a save':<21}  {human_bytes(fp.save_total):>12}  (between "
+                         "iterations: the total less the kernel temporaries"
+                         + "".join(f" and the {LABELS[k]}" for k in fp.save_frees)
+                         + ", plus the save; "
                          + (_need_word(fp, fp.save_total) if fp.save_total > fp.loop_total
                             else "no more than an iteration holds)"))
         # before the first iteration: the weights' first fill, --init's
         # weights, the --resume checkpoint (read whole on every rank)
-        lines.append(f"  {'start-up load':<18}  {human_bytes(fp.load):>12}" + (
+        lines.append(f"  {'start-up load':<21}  {human_bytes(fp.load):>12}" + (
             f"  (its first fill, on its arrays: {human_bytes(fp.fill)})" if fp.fill else ""))
         if fp.load or fp.fill:
-            lines.append(f"  {'at start-up':<18}  {human_bytes(fp.load_total):>12}  (before "
+            lines.append(f"  {'at start-up':<21}  {human_bytes(fp.load_total):>12}  (before "
                          "the first iteration: the weights, data, kept blobs and buffers, "
                          "plus the load; "
                          + (_need_word(fp, fp.load_total) if fp.load_total > fp.loop_total

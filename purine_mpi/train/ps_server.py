@@ -41,7 +41,11 @@ class ServerRank:
     temporaries, one at a time. The ``save`` (between iterations): the state
     a checkpoint sends to rank 0 (``send_state``: the momenta pickled, with
     the weights in async) and, at the end, the weights and momenta
-    ``run_server`` returns (sync_ps: copied out of the workspace)."""
+    ``run_server`` returns (sync_ps: copied out of the workspace). An async
+    server that rank 0 never asks for its state mid-run (``state_asked``)
+    sends it once its loop returned, its receive and reply buffers freed
+    (``Footprint.save_frees``); they are made after the first fill too
+    (``Footprint.fill_rows``)."""
 
     def __init__(self, job, world):
         from ..job.replica import build_train_graph, check_test_phase, param_shapes
@@ -72,8 +76,8 @@ class ServerRank:
         """This rank's runtime/footprint.Footprint (see the class docstring)."""
         from types import SimpleNamespace
         from ..parallel.schemes.base import Composition
-        from ..runtime.footprint import Footprint, WorkspacePlans, footprint, host_kernel_bytes, \
-            window_bytes
+        from ..runtime.footprint import STARTUP_ROWS, Footprint, WorkspacePlans, footprint, \
+            host_kernel_bytes, window_bytes
         comp = Composition(self.server_graph, None, window_placement=self.placement)
         owned = self.owned_bytes()
         # between iterations: send_state's pickle of the momenta (async: and the
@@ -91,10 +95,15 @@ class ServerRank:
                 "windows": window_bytes(comp, self.rank),
                 "kernel_temporaries": host_kernel_bytes(updates, serial=True)[
                     "kernel_temporaries"]}
+        # the loop's receive and reply buffers are serve()'s, made after the
+        # first fill (run_server); a state sent at the end (or on a stop) is
+        # sent once they are freed, only one rank 0 asks for mid-run beside them
         return Footprint(rank=self.rank, device=-1, host=host, devices={},
                          model_state={"weights": owned, "gradients": 0,
                                       "optimizer_state": owned},
-                         save=save)
+                         save=save, save_frees=() if state_asked(self.job) else
+                         ("comm_buffers",),
+                         fill_rows=tuple(k for k in STARTUP_ROWS if k != "comm_buffers"))
 
     def _updates(self):
         """A graph of the owned parameters' SGDUpdate ops (what the async
@@ -256,6 +265,21 @@ def state_transfer_due(job, done, start, final_only):
     interval, tests = job.checkpoint.interval, job.solver.test_interval
     return (interval > 0 and done % interval == 0) or \
         (job.checkpoint.best is not None and tests > 0 and done % tests == 0)
+
+
+def state_asked(job, start=0):
+    """Whether rank 0 asks an async server for its state between two
+    pushes (train/ps_worker.sync, STATE_REQUEST_TAG) in a run from
+    iteration ``start``: after an iteration before the last at which a
+    checkpoint is due (``checkpoint.interval``) or, with test data, a test
+    pass (``solver.test_interval``). The state of the end and of a stop
+    comes unasked, once the loop returned."""
+    max_iter = job.solver.max_iter
+
+    def before_end(interval):
+        return bool(interval) and (start // interval + 1) * interval < max_iter
+    return before_end(job.checkpoint.interval) or (
+        job.data.test is not None and before_end(job.solver.test_interval))
 
 
 def recv_state(world, servers):
