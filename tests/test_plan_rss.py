@@ -232,9 +232,14 @@ def _wide_cifar(tmp_path):
 def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interval, tmp_path):
     """Every rank of a parameter-server run, workers and servers (their
     figures in memory.json since issue 44), holds at least plan's host total
-    less 1% and the total is within 5% of it (6.5% before MPI's
-    shared-memory cells were planned, comm/mpi_transport.py: 1.5 MiB a rank
-    here; 15% before); sync_ps with a
+    less 1% and the total is within 6.5% of it (15% before). The MPI
+    shared-memory cells are planned now (comm/mpi_transport.py: 1.5 MiB a
+    rank here), but the sync_ps workers still measure 5.4-5.6% above plan
+    on a quiet machine (5 runs, 2026-11-29 after the merges: rank 0 232.2
+    MiB planned, 245.1 measured; rank 1 185.2 and 195.5): the 10-13 MiB
+    every process holds unplanned (docs/running.md), which a 5% bound at
+    these sizes does not leave room for (a helper's two runs under load
+    read 4.7-4.8% and set 5%: it failed every quiet run); sync_ps with a
     save at iteration 2 of 3 (rank 0 takes the servers' momenta), async
     with the end's only (its servers send their state once their loops
     freed their receive and reply buffers: 129.0 MiB planned, 116.9
@@ -243,7 +248,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     two pushes, with them: tests/test_plan.py), and glibc's mmap threshold fixed (PURINE_MMAP_THRESHOLD: the arrays a
     save frees leave the resident bytes; with the dynamic threshold rank 0
     kept 28 MiB of the first save's arrays and measured 13-14% above the
-    figure). Measured 2026-11-29, two runs: sync_ps 2.8-4.8% above plan,
+    figure). Measured 2026-11-29, two runs under load: sync_ps 2.8-4.8% above plan,
     async 1.8-3.7% (before the transport row: 4.0-5.9% and 1.9-5.1%);
     earlier, three runs of each case from a shell: 2.2-5.7% above
     plan, the 4.4-13.3 MiB every process holds unplanned (docs/running.md);
@@ -265,7 +270,7 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     assert len(res["measured"]) == ranks
     for r, (p, m) in enumerate(zip(res["predicted"], res["measured"])):
         assert m >= 0.99 * p, (mode, r, p, m)
-        assert p >= 0.95 * m, (mode, r, p, m)
+        assert p >= m / 1.065, (mode, r, p, m)
     kinds = {r: k for k in res["plan"]["ranks"] for r in k["ranks"]}
     server = kinds[ranks - 1]["host"]
     assert server["optimizer_state"] > 0 and server["checkpoint_save"] > 0
