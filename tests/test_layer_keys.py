@@ -218,3 +218,101 @@ def test_converter_output_uses_declared_keys_only(prototxt, tmp_path):
     config, _ = convert(fixture(prototxt), data_path=data)
     assert _undeclared(config["net"]) == []
     resolve_config(config, path="converted.yaml", check_files=False)
+
+
+# ------------------------------------------- param entries the layer lacks
+def _synthetic(*net):
+    return {"data": {"train": {"source": "synthetic", "shape": [3, 4, 4], "classes": 4,
+                               "batch_size": 2}}, "net": list(net)}
+
+
+def _fc(**keys):
+    return dict({"type": "fc", "name": "fc1", "bottom": "data", "num_output": 4}, **keys)
+
+
+def _refused(cfg):
+    with pytest.raises(Exception) as info:
+        resolve_config(cfg, path="x.yaml", check_files=False)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("entry, needles", [
+    # more entries than the type has: Caffe's "Too many params specified"
+    (_fc(param=[{}, {}, {"lr_mult": 0}]),
+     ["net[0].param", "layer 'fc1' (fc): 3 entries", "has 2 parameters: weight, bias"]),
+    ({"type": "batch_norm", "name": "bn", "bottom": "data",
+      "param": [{}, {}, {"lr_mult": 0}]},
+     ["net[0].param", "3 entries", "2 parameters: weight, bias"]),
+    ({"type": "attention", "name": "at", "bottom": "data", "num_heads": 1,
+      "param": [{}] * 5}, ["net[0].param", "4 parameters: qkv_weight, qkv_bias, "
+                                            "proj_weight, proj_bias"]),
+    # a multiplier for the bias an fc with bias_term: false does not have
+    (_fc(bias_term=False, param=[{}, {"lr_mult": 0}]),
+     ["net[0].param[1]", "lr_mult: 0 for parameter 'bias'", "bias_term is false"]),
+    ({"type": "attention", "name": "at", "bottom": "data", "num_heads": 1,
+      "bias_term": False, "param": [{}, {}, {}, {"decay_mult": 0}]},
+     ["net[0].param[3]", "decay_mult: 0 for parameter 'proj_bias'", "bias_term is false"]),
+])
+def test_param_entries_for_parameters_the_layer_lacks_are_refused(entry, needles):
+    """A `param` entry for a parameter the layer has not was ignored: a
+    misplaced `lr_mult: 0` froze nothing, silently (before: DID NOT
+    RAISE)."""
+    text = _refused(_synthetic(entry))
+    for n in needles:
+        assert n in text, text
+
+
+def test_param_entries_in_a_repeat_block_name_the_block_key():
+    block = [{"type": "fc", "name": "fc{i}", "bottom": "data", "num_output": 4,
+              "bias_term": False, "param": [{}, {"lr_mult": 0}]}]
+    text = _refused(_synthetic({"type": "relu", "name": "r", "bottom": "data"},
+                               {"repeat": 2, "block": block}))
+    assert "net.1.block.0.param[1]" in text and "layer 'fc0' (fc)" in text, text
+
+
+@pytest.mark.parametrize("entry", [
+    _fc(bias_term=False, param=[{"lr_mult": 0}, {}]),                    # a placeholder
+    _fc(bias_term=False, param=[{}, {"lr_mult": 1, "decay_mult": 1.0}]),  # the defaults
+    _fc(param=[{}, {"lr_mult": 0}]),
+    {"type": "attention", "name": "at", "bottom": "data", "num_heads": 1, "bias_term": False,
+     "param": [{"decay_mult": 0}, {}, {"lr_mult": 2}, {}]},
+])
+def test_param_placeholders_for_absent_parameters_are_accepted(entry):
+    resolve_config(_synthetic(entry), path="x.yaml", check_files=False)
+
+
+def test_every_shipped_config_with_param_entries_loads():
+    """The jobs, benchmarks and test fixtures carry `param` placeholders
+    (the GPT configs' bias entries): each still loads."""
+    paths = [p for pattern in ("jobs/*.yaml", "benchmarks/*.yaml", "tests/fixtures/**/*.yaml")
+             for p in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+    with_param = [p for p in paths if "param:" in open(p).read()]
+    assert len(with_param) >= 8, with_param
+    for p in with_param:
+        with open(p) as f:
+            cfg = yaml.safe_load(f)
+        if isinstance(cfg, dict) and "net" in cfg:
+            resolve_config(cfg, path=p, check_files=False)
+
+
+def test_train_refuses_too_many_param_entries_in_one_line(base):
+    def mutate(cfg):
+        cfg["net"][3]["param"] = [{}, {}, {"lr_mult": 0}]
+    res = run_cli_here("train", _variant(base, "param3.yaml", mutate), "--iters", "1")
+    text = assert_user_error(res, "param3.yaml", "net[3].param", "layer 'fc1' (fc)",
+                             "2 parameters: weight, bias")
+    assert len(text.splitlines()) == 1, text
+
+
+def test_a_params_key_declares_its_parameters():
+    """A layer's `param` key names its parameters (``slots``), so that the
+    check above knows them; a custom layer's without is refused at
+    registration, as a numeric key without a range."""
+    with pytest.raises(ValueError, match="declares no parameters"):
+        layers.layer("no_slots_probe", keys=(layers.Key("param", "params", [], "x"),))(
+            lambda b: None)
+    with pytest.raises(ValueError, match="not a bool key"):
+        layers.layer("bad_switch_probe", keys=(layers.Key(
+            "param", "params", [], "x", slots=(layers.Slot("w", "bias_term"),)),))(
+            lambda b: None)
+    assert "no_slots_probe" not in LAYERS and "bad_switch_probe" not in LAYERS

@@ -19,7 +19,8 @@ docs/config.md is generated from these declarations: after changing keys run
 """
 from .registry import (AT_LEAST_ONE, COMMON_KEYS, FINITE, FRACTION, KIND_DOC,  # noqa: F401
                        LAYER_SPECS, LAYERS, NON_NEGATIVE, PARAM_KEYS, POSITIVE, RATIO, REQUIRED,
-                       Key, LayerSpec, Range, Required, check_layer, layer, layer_key, layer_spec)
+                       Key, LayerSpec, Range, Required, Slot, check_layer, layer, layer_key,
+                       layer_spec)
 from .build import NetBuilder, build_net  # noqa: F401
 from . import standard  # noqa: E402,F401  registers the standard layers
 from . import transformer  # noqa: E402,F401  and the transformer layers

@@ -68,6 +68,15 @@ FRACTION = Range(0, 1)                # in [0, 1]
 FINITE = Range()                      # any finite number
 
 
+class Slot(NamedTuple):
+    """One parameter of a layer type, at its place in the layer's ``param``
+    list: ``name``, the blob ``<layer>/<name>``; ``switch``, a bool key of
+    the layer whose false leaves the parameter out (fc's ``bias_term``),
+    None where the layer always has it."""
+    name: str
+    switch: Optional[str] = None
+
+
 class Key(NamedTuple):
     """One layer key: ``kind`` is what ``NetBuilder.get`` checks (see
     KIND_DOC), ``default`` its value when absent (``Required`` if it must be
@@ -75,13 +84,17 @@ class Key(NamedTuple):
     numeric kind accepts (``posint`` and ``nonneg`` imply theirs). ``weights``:
     another value changes what the layer's weights mean though their shapes
     stay (attention's num_heads): weights saved with another value are refused
-    (job/checkpoint_check.py, ``check_same_meaning``)."""
+    (job/checkpoint_check.py, ``check_same_meaning``). ``slots``: of a
+    ``params`` key, the layer type's parameters in order (``Slot`` tuples);
+    ``check_layer`` refuses more entries than these and a non-default entry
+    for a parameter this config leaves out."""
     name: str
     kind: object
     default: object
     meaning: str
     range: Optional[Range] = None
     weights: bool = False
+    slots: tuple = ()
 
     @property
     def value_range(self):
@@ -166,6 +179,14 @@ def layer(*names, keys=(), doc=None):
             if k.kind in NUMERIC_KINDS and k.value_range is None:
                 raise ValueError(f"layer {names[0]!r}: numeric key {k.name!r} declares no "
                                  "range (Key(..., range=Range(...)))")
+            if k.kind == "params" and not k.slots:
+                raise ValueError(f"layer {names[0]!r}: params key {k.name!r} declares no "
+                                 "parameters (Key(..., slots=(Slot('weight'), ...)))")
+            for slot in k.slots:
+                switch = slot.switch and spec.key(slot.switch)
+                if slot.switch and (switch is None or switch.kind != "bool"):
+                    raise ValueError(f"layer {names[0]!r}: parameter {slot.name!r} is "
+                                     f"switched by {slot.switch!r}, not a bool key of the layer")
         fn.spec = spec
         LAYER_SPECS[names[0]] = spec
         for n in names:
@@ -236,6 +257,33 @@ def check_layer(cfg, index, path, where=None):
                     problem = value_problem("number", PARAM_RANGE, v)
                     if problem:
                         raise ConfigError(path, f"{where}.{k}", f"layer '{name}': {problem}")
+            _check_slots(cfg, key, spec, at, name, path)
+
+
+def _check_slots(cfg, key, spec, at, name, path):
+    """A ``param`` list (entries checked) against the type's parameters
+    (``key.slots``): no more entries than it has (Caffe: "Too many params
+    specified"), and where ``cfg`` switches a parameter off, its entry a
+    placeholder ({} or the defaults) only, so a multiplier set for it is
+    never silently ignored."""
+    entries, slots = cfg[key.name], key.slots
+    names = ", ".join(s.name for s in slots)
+    if len(entries) > len(slots):
+        raise ConfigError(path, f"{at}.{key.name}", f"layer '{name}' ({spec.type}): "
+                          f"{len(entries)} entries, but type {spec.type} has "
+                          f"{len(slots)} parameter{'s' if len(slots) > 1 else ''}: {names} "
+                          f"(one entry each, in this order)")
+    for j, (entry, slot) in enumerate(zip(entries, slots)):
+        if slot.switch is None or cfg.get(slot.switch, spec.key(slot.switch).default):
+            continue
+        given = [f"{k}: {excerpt(v, quote=False)}" for k, v in entry.items()
+                 if float(v) != PARAM_KEYS[k]]
+        if given:
+            raise ConfigError(path, f"{at}.{key.name}[{j}]", f"layer '{name}' ({spec.type}): "
+                              f"{', '.join(given)} for parameter '{slot.name}', which this "
+                              f"layer does not have: {slot.switch} is false (an entry for it "
+                              f"may only hold the defaults, as a placeholder: {{}}); drop "
+                              f"the setting, or set {slot.switch}: true")
 
 
 def _check_filler(filler, where, name, path):

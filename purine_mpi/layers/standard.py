@@ -9,7 +9,7 @@ run ``python -m purine_mpi.tools.docgen --write``.
 from ..base.errors import excerpt
 from ..ops.batchnorm import REPLICA_SUM
 from .registry import (AT_LEAST_ONE, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, RATIO, REQUIRED,
-                       Key, Range, Required, layer)
+                       Key, Range, Required, Slot, layer)
 from .fillers import FILLERS
 
 XAVIER = {"type": "xavier"}
@@ -19,9 +19,15 @@ ZERO = {"type": "constant", "value": 0.0}
 ONE = {"type": "constant", "value": 1.0}
 
 
-def _param_key(what):
+def _param_key(what, *slots):
+    """The ``param`` key of a layer whose parameters are ``slots`` (``Slot``
+    tuples, in order; ``what``: their names in the docs)."""
     return Key("param", "params", [], f"lr_mult / decay_mult per parameter ({what}); "
-                                      "default 1.0 each")
+                                      "default 1.0 each", slots=slots)
+
+
+#: the parameters of a layer with a weight and a ``bias_term``
+WEIGHT_BIAS = (Slot("weight"), Slot("bias", "bias_term"))
 
 
 def _filler_keys(weight, bias, weight_what="weight", bias_what="bias"):
@@ -55,7 +61,7 @@ def _filler(b, key):
         weights=True),
     Key("group", "posint", 1, "channel groups (divides the input channels and num_output)",
         weights=True),
-    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
+    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias", *WEIGHT_BIAS)))
 def conv(b):
     """2-D convolution (N×C×H×W); the weight `<name>/weight` is num_output × C/group × kh ×
     kw."""
@@ -94,7 +100,7 @@ def conv(b):
                                    "the sum of both uses, its multipliers the owner's (a "
                                    "`param` entry 0 giving others exits 2, as Caffe's "
                                    "mismatched shared param)"),
-    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias")))
+    BIAS_TERM, *_filler_keys(XAVIER, ZERO), _param_key("weight, then bias", *WEIGHT_BIAS)))
 def fc(b):
     """Fully connected (Caffe's InnerProduct): y = x·Wᵀ + b with the input flattened from
     `axis` on (after axis 0 by default)."""
@@ -271,7 +277,8 @@ def dropout(b):
                                "1 rank × batch N·B; with "
                                "micro-batches each micro-batch's, summed over the replicas "
                                "(PyTorch's per forward call)"),
-    *_filler_keys(ONE, ZERO, "scale γ", "shift β"), _param_key("γ, then β")))
+    *_filler_keys(ONE, ZERO, "scale γ", "shift β"),
+    _param_key("γ, then β", Slot("weight"), Slot("bias"))))
 def batch_norm(b):
     """Batch normalisation with a learnt per-channel scale γ and shift β; the running mean and
     variance (`<name>/running_mean`, `<name>/running_var`) serve in testing."""

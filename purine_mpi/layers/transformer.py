@@ -10,7 +10,7 @@ changing keys run ``python -m purine_mpi.tools.docgen --write``.
 """
 import numpy as np
 
-from .registry import POSITIVE, RATIO, REQUIRED, Key, layer
+from .registry import POSITIVE, RATIO, REQUIRED, Key, Slot, layer
 from .standard import ITER_BLOB, _filler, _param_key
 
 #: nanoGPT's initialisation of the embeddings and projections: N(0, 0.02²)
@@ -23,7 +23,7 @@ GPT_NORMAL = {"type": "gaussian", "std": 0.02}
         "op checks each batch)"),
     Key("num_output", "posint", REQUIRED, "the embedding width C"),
     Key("weight_filler", "filler", GPT_NORMAL, "initialisation of the table"),
-    _param_key("the table")))
+    _param_key("the table", Slot("weight"))))
 def embedding(b):
     """Token embedding (Caffe's Embed, no bias): integer ids (N, T) → (N, T, C), one row of
     the (input_dim, num_output) table `<name>/weight` per token; its gradient scatter-adds.
@@ -43,7 +43,7 @@ def embedding(b):
 @layer("position_embedding", "pos_embedding", keys=(
     Key("max_length", "posint", REQUIRED, "the longest sequence: rows of the table"),
     Key("weight_filler", "filler", GPT_NORMAL, "initialisation of the table"),
-    _param_key("the table")))
+    _param_key("the table", Slot("weight"))))
 def position_embedding(b):
     """Learned position embedding: adds the first T rows of a (max_length, C) table
     `<name>/weight` to its (N, T, C) bottom (T ≤ max_length)."""
@@ -65,7 +65,7 @@ def position_embedding(b):
         "initialisation of the scale"),
     Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
         "initialisation of the shift"),
-    _param_key("weight, then bias")))
+    _param_key("weight, then bias", Slot("weight"), Slot("bias"))))
 def layer_norm(b):
     """Layer normalisation over the last axis: y = (x − mean) / sqrt(var + eps) · weight + bias,
     mean and (biased) variance over the C features of each position; params `<name>/weight`
@@ -113,7 +113,9 @@ def gelu(b):
     Key("weight_filler", "filler", GPT_NORMAL, "initialisation of qkv_weight and proj_weight"),
     Key("bias_filler", "filler", {"type": "constant", "value": 0.0},
         "initialisation of qkv_bias and proj_bias"),
-    _param_key("qkv_weight, qkv_bias, proj_weight, proj_bias")))
+    _param_key("qkv_weight, qkv_bias, proj_weight, proj_bias", Slot("qkv_weight"),
+               Slot("qkv_bias", "bias_term"), Slot("proj_weight"),
+               Slot("proj_bias", "bias_term"))))
 def attention(b):
     """Multi-head (causal) self-attention on (N, T, C), nanoGPT's CausalSelfAttention: qkv =
     x·`qkv_weight`ᵀ + `qkv_bias` ((3C, C): rows q, k, v, heads contiguous), per head

@@ -401,7 +401,12 @@ def _layer_section():
         + f", each a number {PARAM_RANGE.text}. `lr_mult` scales the learning rate and "
         "`decay_mult` the weight decay of that parameter (`lr_mult: 0` freezes it; its "
         "gradient then counts not in the norm of `solver.clip_gradients`). Missing "
-        "entries mean 1.0.",
+        "entries mean 1.0. More entries than the layer type has parameters (its `param` "
+        "row below names them) exit 2 (`net[i].param`: Caffe's \"Too many params\"); "
+        "an entry for a parameter the layer leaves out (the bias of a layer with "
+        "`bias_term: false`) may be a placeholder only, `{}` or the defaults, and one "
+        "that sets a multiplier exits 2 (`net[i].param[k]`: the `lr_mult: 0` meant to "
+        "freeze something would freeze nothing).",
         "",
         "### Layer types",
         "",
@@ -426,7 +431,10 @@ def _layer_section():
         "range, `Key(name, kind, default, meaning, Range(lo, hi, lo_open, hi_open))` "
         "(`purine_mpi.layers`: `POSITIVE`, `NON_NEGATIVE`, `AT_LEAST_ONE`, `RATIO`, "
         "`FRACTION`, `FINITE`); "
-        "`posint` and `nonneg` imply theirs. Register it before the config is "
+        "`posint` and `nonneg` imply theirs. A `params` key names the layer's parameters "
+        "in order, `Key(\"param\", \"params\", [], meaning, slots=(Slot(\"weight\"), "
+        "Slot(\"bias\", \"bias_term\")))`, a parameter's second field the bool key whose "
+        "false leaves it out. Register it before the config is "
         "loaded (train from Python, `purine_mpi.job.config.load_config` then "
         "`purine_mpi.train.trainer.run_training`):",
         "",
