@@ -110,12 +110,19 @@ def torch_step(before, config, k, rows):
     else:
         opt = torch.optim.AdamW(w, lr=rate, betas=(solver["momentum"], solver["momentum2"]),
                                 eps=solver["delta"], weight_decay=solver["weight_decay"])
-        for p, n in zip(w, NAMES):  # k steps taken: the next is step k + 1
-            opt.state[p].update(step=torch.tensor(float(k)),
-                                exp_avg=torch.tensor(before[f"solver/{n}/m"]),
-                                exp_avg_sq=torch.tensor(before[f"solver/{n}/v"]))
+        adam_moments(opt, w, NAMES, before, k)
     opt.step()
     return {n: p.detach().numpy() for n, p in zip(NAMES, w)}
+
+
+def adam_moments(opt, w, names, before, k):
+    """Adam's state of checkpoint arrays ``before`` (iteration k) on the
+    parameters ``w`` of ``opt`` (named ``names``): k steps taken (the next
+    is step k + 1) and the checkpoint's moments."""
+    for p, n in zip(w, names):
+        opt.state[p].update(step=torch.tensor(float(k)),
+                            exp_avg=torch.tensor(before[f"solver/{n}/m"]),
+                            exp_avg_sq=torch.tensor(before[f"solver/{n}/v"]))
 
 
 def check_steps(out, ranks, whole):

@@ -50,6 +50,7 @@ import yaml
 
 from tests.conftest import FakeWorld, make_job, run_mpi_cli, write_config_file
 from tests.test_micro_batches import _params
+from tests.test_trust_step_oracle import adam_moments
 
 IGNORE, CLASSES, FEAT, ITERS, CLIP, LOSS_WEIGHT = 3, 5, 6, 4, 0.3, 0.5
 LAYERS = (("fc0", (2, 3), (0.5, 1)), ("ln", (0.5, 4), (1, 0)), ("fc1", (1, 0.5), (2, 3)),
@@ -160,10 +161,7 @@ def torch_step(before, config, k, groups):
         kind = torch.optim.AdamW if solver["type"] == "adamw" else torch.optim.Adam
         opt = kind(groups, lr=rate, betas=(solver["momentum"], solver["momentum2"]),
                    eps=solver["delta"])
-        for p, n in zip(w, NAMES):  # k steps taken: the next is step k + 1
-            opt.state[p].update(step=torch.tensor(float(k)),
-                                exp_avg=torch.tensor(before[f"solver/{n}/m"]),
-                                exp_avg_sq=torch.tensor(before[f"solver/{n}/v"]))
+        adam_moments(opt, w, NAMES, before, k)
     opt.step()
     return {n: p.detach().numpy() for n, p in zip(NAMES, w)}
 
