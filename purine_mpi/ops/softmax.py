@@ -326,12 +326,20 @@ class SoftmaxLossGrad(OpKernel):
             return
         lab, valid, count = _labels(self.attrs, label, outer, channels, inner)
         dx = outs[0].reshape(outer, channels, inner)
-        # prob - onehot(label): prob, and 1 off at each position's label
-        # (the bits of subtracting the one-hot mask, with no mask of prob's size)
-        dx[...] = prob.reshape(outer, channels, inner)
-        at = lab[:, None, :]
-        xp.put_along_axis(dx, at, xp.take_along_axis(dx, at, axis=1) - 1, axis=1)
-        if not bool(valid.all()):   # times 1 everywhere changes no bit
+        if xp is np:
+            # prob - onehot(label): prob, and 1 off at each position's label
+            # (the bits of subtracting the one-hot mask, with no mask of prob's size)
+            dx[...] = prob.reshape(outer, channels, inner)
+            at = lab[:, None, :]
+            np.put_along_axis(dx, at, np.take_along_axis(dx, at, axis=1) - 1, axis=1)
+            if not bool(valid.all()):   # times 1 everywhere changes no bit
+                dx *= valid[:, None, :]
+        else:
+            # a device array without the fused kernel (another dtype, strides):
+            # no read back to the host (bool(...) would end a stream capture)
+            # and no put_along_axis (recent CuPy only)
+            onehot = xp.arange(channels, dtype=np.int64)[None, :, None] == lab[:, None, :]
+            xp.subtract(prob.reshape(outer, channels, inner), onehot, out=dx)
             dx *= valid[:, None, :]
         dx *= dloss / (ins[3] if len(ins) > 3 else count)
 
