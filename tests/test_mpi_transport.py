@@ -180,3 +180,20 @@ def test_another_library_counts_no_cells_and_leaves_nothing_open(fake_library, m
     monkeypatch.setenv("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", "8192")
     mt = fake_library(_FakeMPIT({}))
     assert mt.shm_cells() == (32, 8192, "environment") and mt.transport_bytes(2) == 32 * 8192
+
+
+def test_the_settings_come_from_the_library_mpi4py_loaded():
+    """Once mpi4py has loaded its libmpi, MPI_T is asked of that library
+    (/proc/self/maps), never of a second one found on the system; before,
+    the reader went through mpi4py's private loader (``_mpiabi``), which
+    may pick another file. A subprocess: this one's mpi4py may be loaded."""
+    code = ("from mpi4py import MPI\n"
+            "from purine_mpi.comm import mpi_transport as t\n"
+            "import os\n"
+            "path = t._loaded_libmpi()\n"
+            "assert path and os.path.basename(path).startswith('libmpi.so'), path\n"
+            "lib = t._libmpi()\n"
+            "assert lib._name == path, (lib._name, path)\n"
+            "print(t.shm_cells())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -11,8 +11,9 @@ baseline); the pages of a peer's pool join its resident bytes as it reads
 the messages that peer sent it. So a rank that receives from P ranks of
 its node holds up to P x NUM_CELLS x CELL_SIZE above the baseline
 (measured with /proc/self/smaps in bare mpi4py processes exchanging
-Isend/Irecv and Allreduce, the growth levels off at 0.80-0.95 of it, and it follows both settings: half with 32 cells or 4 KiB cells,
-twice with 16 KiB cells; docs/running.md).
+Isend/Irecv and Allreduce, the growth levels off at 0.80-0.95 of it,
+and it follows both settings: half with 32 cells or 4 KiB cells, twice
+with 16 KiB cells; docs/running.md).
 
 The two settings are the library's: ``MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS``
 and ``..._CELL_SIZE``, read through the MPI tool interface (MPI_T, which
@@ -32,16 +33,38 @@ CELL_CVARS = ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS",
               "MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE")
 
 
+def _loaded_libmpi():
+    """The path of the libmpi this process has loaded already (mpi4py's,
+    once ``mpi4py.MPI`` is imported: /proc/self/maps), else None: dlopen of
+    that path gives the same library, never a second one."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def _libmpi():
-    """The MPI library mpi4py loads (its own search: the environment's
-    prefix, MPI4PY_LIBMPI), else the system's libmpi, else None."""
+    """The MPI library this process has loaded (mpi4py's), else the one
+    mpi4py would load (its own search: the environment's prefix,
+    MPI4PY_LIBMPI), else the system's libmpi, else None."""
+    loaded = _loaded_libmpi()
+    if loaded is not None:
+        try:
+            return ctypes.CDLL(loaded)
+        except OSError:
+            pass
     try:
         from mpi4py._mpiabi import _dlopen_libmpi
         return _dlopen_libmpi()
     except Exception:  # another mpi4py, or no library found there
         pass
-    import ctypes.util
-    name = ctypes.util.find_library("mpi")
+    from ctypes.util import find_library
+    name = find_library("mpi")
     try:
         return ctypes.CDLL(name) if name else None
     except OSError:
