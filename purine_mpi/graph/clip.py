@@ -20,7 +20,7 @@ graph's other comm ops) makes it global; a stage that holds no parameter
 (the loss alone) takes part with a zero (``clip.norm`` a Constant, on its
 own rank's host). Imports the graph and the solver table (the graph layer).
 """
-from ..ops.updates import SOLVER_UPDATES
+from ..ops.updates import SOLVER_UPDATES, frozen
 
 CLIP_OPS = ("GradNormSq", "ClipScale")
 
@@ -42,7 +42,7 @@ def add_clip(graph, clip, group=None, seq=None, thread=0):
     grads = [op.inputs[1] for op in updates]
     # a frozen parameter (lr_mult 0) counts not: Caffe computes no gradient
     # for it, torch's clip_grad_norm_ sees none (requires_grad False)
-    counted = [op for op in updates if float(op.attrs.get("lr_mult", 1.0)) != 0.0]
+    counted = [op for op in updates if not frozen(op.attrs)]
     norm_grads = [op.inputs[1] for op in counted]
     scales = [float(op.attrs.get("grad_scale", 1.0)) for op in counted]
     location = graph.blobs[grads[0]].location if grads else None

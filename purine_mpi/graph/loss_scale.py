@@ -5,7 +5,7 @@ gradients are reduced and before ``graph/clip.py``'s clipping.
     <loss>.grad_seed      Constant -> <seed>.weight  (the loss weight)
     <loss>.grad_seed.scale Scaled [loss_scale, <seed>.weight] -> <seed>
                           (<seed>: the seed blob, <loss>.grad or <loss>.grad@seed)
-    loss_scale.check      FoundInf [g_1 .. g_n] -> loss_scale.found_inf
+    loss_scale.check      FoundInf [g_i: lr_mult_i > 0] -> loss_scale.found_inf
     loss_scale.any        Allreduce (reduce max) -> loss_scale.found_inf.all   (``group``)
     g_i.unscale           Unscale [g_i, loss_scale] -> g_i@unscale   (alias of g_i)
     loss_scale.step       AdamStep [iter, loss_scale.skipped] -> loss_scale.adam_iter
@@ -25,9 +25,13 @@ to the device by one.
 persistent blobs (kind state) at the gradients' location; the update op
 keeps them in checkpoints (ops/loss_scale.py). Every rank holding updates
 takes part in the one Allreduce of the flag (``seq`` after the graph's
-other comm ops), so every rank skips the same steps. Imports the graph and
+other comm ops), so every rank skips the same steps. A frozen parameter's
+gradient (``lr_mult`` 0) is not checked: its update changes nothing
+(ops/updates.py's ``frozen``), so an inf there skips no step, as torch's
+GradScaler sees no gradient of a parameter that does not require one. Imports the graph and
 the solver table (the graph layer).
 """
+from ..ops.updates import frozen
 from .clip import _next_seq, update_ops
 
 #: the blobs of the scale and its counters (kind state)
@@ -71,7 +75,8 @@ def add_loss_scale(graph, settings, group=None, seq=None, thread=0, inject=None)
                      location=op.location, thread=op.thread)
     graph.add_blob(FLAG, (1,), "float32", location, kind="grad")
     flag_op = "loss_scale.check"
-    graph.add_op(flag_op, "FoundInf", grads or [SCALE], [FLAG], location=location,
+    checked = [g for op, g in zip(updates, grads) if not frozen(op.attrs)]
+    graph.add_op(flag_op, "FoundInf", checked or [SCALE], [FLAG], location=location,
                  thread=thread)
     flag = FLAG
     if group is not None and len(group) > 1:

@@ -23,6 +23,24 @@ from ..gpu.raw import raw_kernels, same_buffer
 from .registry import OpKernel, register
 
 
+def frozen(attrs):
+    """Whether an update op's ``attrs`` say its parameter is frozen
+    (``lr_mult`` 0, Caffe's way): its update changes nothing, the weight and
+    the solver state stay bit for bit whatever the gradient holds (torch
+    leaves a parameter without ``grad`` alone), and its gradient counts not
+    in the clip's norm (graph/clip.py) nor in fp16's overflow check
+    (graph/loss_scale.py)."""
+    return float(attrs.get("lr_mult", 1.0)) == 0.0
+
+
+def _kept(held, outs):
+    """A frozen update: its outputs hold the inputs ``held`` (the weight and
+    the states), copied only where they are not the same buffers."""
+    for old, new in zip(held, outs):
+        if not same_buffer(old, new):
+            new[...] = old
+
+
 @register
 class SGDUpdate(OpKernel):
     """[w, grad, momentum, lr] -> [w_new, momentum_new] (aliases of w and
@@ -34,7 +52,8 @@ class SGDUpdate(OpKernel):
 
     Attrs ``momentum`` (0), ``weight_decay`` (0), ``lr_mult`` (1),
     ``decay_mult`` (1), ``grad_scale`` (1; the data-parallel composition sets
-    1/N when grad is a sum over N ranks). No gradient."""
+    1/N when grad is a sum over N ranks). At ``lr_mult`` 0 (``frozen``) it
+    changes nothing, whatever grad holds. No gradient."""
 
     op_type = "SGDUpdate"
     category = "update"
@@ -53,6 +72,9 @@ class SGDUpdate(OpKernel):
         w, grad, v, lr = ins
         w_new, v_new = outs
         a = self.attrs
+        if frozen(a):
+            _kept((w, v), outs)
+            return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, v)
         if k is not None and w_new.flags.c_contiguous and v_new.flags.c_contiguous:
@@ -62,8 +84,11 @@ class SGDUpdate(OpKernel):
 
     def host_temporaries(self, ins, outs):
         """``_sgd_step``'s NumPy temporaries, one at a time: the scaled
-        gradient, then (with weight decay) the scaled weights."""
+        gradient, then (with weight decay) the scaled weights; none when
+        frozen."""
         a = self.attrs
+        if frozen(a):
+            return []
         decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
         big = max([ins[1]] + ([ins[0]] if decay else []),
                   key=lambda x: x.size * np.dtype(x.dtype).itemsize)
@@ -102,7 +127,9 @@ class MultiSGDUpdate(OpKernel):
     On a GPU one kernel updates everything (cuda/sgd.cu, sgd_momentum_multi:
     the arithmetic of SGDUpdate's kernel, bit for bit), reading the gradients
     where they are through a pointer table built once in ``setup``; on the
-    CPU each parameter is updated as SGDUpdate does. No gradient."""
+    CPU each parameter is updated as SGDUpdate does. A frozen parameter
+    (``lr_mults[k]`` 0) is left out of both: its views stay as they are.
+    No gradient."""
 
     op_type = "MultiSGDUpdate"
     category = "update"
@@ -140,16 +167,31 @@ class MultiSGDUpdate(OpKernel):
 
     def setup(self, ins, outs):
         self._table = None
-        grads = ins[len(self.flat) + len(self.scalars):]
+        a = self.attrs
+        live = self.live()
+        grads = [ins[len(self.flat) + len(self.scalars) + k] for k in live]
         xp = get_xp(outs[0])
         k = raw_kernels(xp, *outs, *grads)
-        if k is not None and all(a.flags.c_contiguous for a in list(outs) + list(grads)):
-            a = self.attrs
+        if live and k is not None and \
+                all(x.flags.c_contiguous for x in list(outs) + list(grads)):
             wd = float(a.get("weight_decay", 0.0))
             self._table = k.MultiTensorTable(
-                list(grads), a["offsets"], [float(m) for m in a["lr_mults"]],
-                [wd * float(m) for m in a["decay_mults"]], outs[0].dtype,
+                grads, [a["offsets"][i] for i in live],
+                [float(a["lr_mults"][i]) for i in live],
+                [wd * float(a["decay_mults"][i]) for i in live], outs[0].dtype,
                 factor_dtype=self.factor_dtype)
+
+    def live(self):
+        """The indices of the parameters this op moves: a frozen one's
+        (lr_mult 0) is left out, its views in the flat buffers untouched."""
+        return [k for k, m in enumerate(self.attrs["lr_mults"]) if not frozen({"lr_mult": m})]
+
+    def segments(self, grads):
+        """(grad, offset, size, lr_mult, decay_mult) of each parameter this
+        op moves (the CPU path's loop)."""
+        a = self.attrs
+        return [(grads[k], a["offsets"][k], a["sizes"][k], a["lr_mults"][k],
+                 a["decay_mults"][k]) for k in self.live()]
 
     def run(self, ins, outs):
         w, v, lr = ins[:3]
@@ -166,8 +208,7 @@ class MultiSGDUpdate(OpKernel):
                                        momentum=float(a.get("momentum", 0.0)),
                                        grad_scale=float(a.get("grad_scale", 1.0)))
             return
-        for grad, off, size, lr_mult, decay_mult in zip(
-                ins[3:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
+        for grad, off, size, lr_mult, decay_mult in self.segments(ins[3:]):
             view = slice(int(off), int(off) + int(size))
             single = dict(a, lr_mult=lr_mult, decay_mult=decay_mult)
             _sgd_step(get_xp(w_new), w_new[view], grad.reshape(-1), v_new[view], lr, single,
@@ -204,7 +245,8 @@ class _AdaptiveUpdate(OpKernel):
     ``lr * lr_mult``; ``step`` then updates ``w`` and the states in place.
     Attrs: ``weight_decay``, ``lr_mult``, ``decay_mult``, ``grad_scale`` as
     for SGDUpdate, plus the solver's own (``momentum``, ``momentum2``,
-    ``delta``, ``rms_decay``)."""
+    ``delta``, ``rms_decay``). At ``lr_mult`` 0 (``frozen``) nothing changes:
+    neither the weight (no decoupled decay either) nor the states."""
 
     category = "update"
     #: names of the per-parameter state blobs, in input order after grad
@@ -247,9 +289,9 @@ class _AdaptiveUpdate(OpKernel):
         lr = ins[2 + n]
         a = self.attrs
         xp = get_xp(w)
-        for old, new in zip([w] + list(ins[2:2 + n]), outs):
-            if not same_buffer(old, new):
-                new[...] = old
+        _kept([w] + list(ins[2:2 + n]), outs)
+        if frozen(a):
+            return
         w_new, states = outs[0], outs[1:]
         decay = float(a.get("weight_decay", 0.0)) * float(a.get("decay_mult", 1.0))
         k = raw_kernels(xp, w_new, grad, *states) if self.gpu_kind else None
@@ -378,6 +420,9 @@ class AdamUpdate(_AdaptiveUpdate):
 
     def run(self, ins, outs):
         w, grad, m, v, lr, it = ins
+        if frozen(self.attrs):
+            _kept((w, m, v), outs)
+            return
         xp = get_xp(w)
         k = raw_kernels(xp, w, grad, m, v)
         if k is None or not all(o.flags.c_contiguous for o in outs):
@@ -466,8 +511,7 @@ class MultiAdamUpdate(MultiSGDUpdate):
         single = AdamWUpdate if a.get("decoupled") else AdamUpdate
         shared = {k: a[k] for k in ("momentum", "momentum2", "delta", "weight_decay",
                                     "grad_scale", "step0") if k in a}
-        for grad, off, size, lr_mult, decay_mult in zip(
-                ins[5:], a["offsets"], a["sizes"], a["lr_mults"], a["decay_mults"]):
+        for grad, off, size, lr_mult, decay_mult in self.segments(ins[5:]):
             views = [o[int(off):int(off) + int(size)].reshape(grad.shape) for o in outs]
             kernel = single(types.SimpleNamespace(
                 name=self.op.name, op_type=single.op_type,
