@@ -229,3 +229,88 @@ def test_graph_np_says_what_each_rank_holds_and_gathers(tmp_path, tokens):  # no
     assert re.search(r"gathered by weight_bucket\d+\.allgather \(seq \d+\); read by", res.stdout)
     assert re.search(r"gathered by weight_bucket\d+\.bwd\.allgather \(seq \d+\); read by",
                      res.stdout)
+
+
+def _digits_mlp(digits_h5, parallel, batch=8, iters=3):
+    """digits, fc(16) -> relu -> fc(10) -> softmax loss, SGD with momentum:
+    tensor parallelism splits fc1 by columns and fc2 by rows, fc2's bias (a
+    whole weight, added on tensor shard 0 alone) a bucket of its own."""
+    return {"name": "mlp", "seed": 1,
+            "data": {"train": {"source": "hdf5", "path": digits_h5, "split": "train",
+                               "batch_size": batch}},
+            "net": [{"type": "fc", "name": "fc1", "bottom": "data", "top": "fc1",
+                     "num_output": 16},
+                    {"type": "relu", "name": "relu1", "bottom": "fc1", "top": "fc1"},
+                    {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2",
+                     "num_output": 10},
+                    {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"],
+                     "top": "loss"}],
+            "solver": {"base_lr": 0.05, "momentum": 0.9, "max_iter": iters, "display": 1},
+            "parallel": parallel}
+
+
+@pytest.mark.parametrize("transport,per_host", [("auto", None), ("one_sided", None),
+                                                ("one_sided", "1")])
+def test_stage3_tensor_bias_bucket_gathered_on_every_shard(digits_h5, monkeypatch, transport,
+                                                           per_host):
+    """Offline, 2 x 2-way: a bucket holding a row-split fc's bias alone
+    (read on tensor shard 0 only) is gathered (its WindowSyncs posted) on
+    every tensor shard, before that fc, so every rank posts the same
+    collectives at the same seq. (Before: tensor shard 1 had no gather of
+    it, every later seq one less there, and the first iteration's
+    ``adopt_ready_order`` broadcast rank 0's longer order: MPI error on
+    ranks 1 and 3; one_sided: its WindowSyncs last, a hang; one rank a
+    host, ``per_host``, the RMA gathers: StopIteration composing it.)"""
+    if per_host:
+        monkeypatch.setenv("PURINE_RANKS_PER_HOST", per_host)
+    cfg = make_job(_digits_mlp(digits_h5, {"scheme": "sharded", "shard": 3,
+                                           "tensor_parallel": 2, "transport": transport}))
+    first = {"auto": "Allgather", "one_sided": "GetShards" if per_host else "WindowSync"}
+    orders = []
+    for rank in range(4):
+        g = compose_for(cfg, 4, rank)
+        orders.append(sorted((op.attrs["seq"], op.name) for op in g.ops.values()
+                             if op.op_type in COLLECTIVES + ("WindowSync", "GetShards")))
+        bucket, waits = g.storage_root("fc2/bias"), reachable("fc2.fwd", g.dependencies())
+        assert [op.name for op in g.ops.values() if op.op_type == first[transport]
+                and op.attrs["bucket"] == bucket and op.name in waits], rank
+    assert all(o == orders[0] for o in orders), orders
+
+
+@pytest.mark.mpi
+def test_stage3_tensor_bias_bucket_trains_as_one_rank(tmp_path, digits_h5):
+    """The net of test_stage3_tensor_bias_bucket_gathered_on_every_shard,
+    2 x 2-way on 4 ranks (batch 8 a replica), 3 steps: weights and momenta
+    within 1e-5 of 1 rank's with batch 16 (scheme data). Before the fix:
+    'Other MPI error' in adopt_ready_order's broadcast on ranks 1 and 3."""
+    out, text = _train(tmp_path, "z3tp", 4, _digits_mlp(
+        digits_h5, {"scheme": "sharded", "shard": 3, "tensor_parallel": 2,
+                    "check_collectives": True}))
+    ref, _ = _train(tmp_path, "one", 1, _digits_mlp(digits_h5, {"scheme": "data"}, batch=16))
+    assert sorted(_losses(out)) == [1, 2, 3]
+    _same(_params(ref / "latest.h5"), _params(out / "latest.h5"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("other", [0, 1])
+def test_ready_order_adopted_only_where_every_rank_posts_the_same(other):
+    """``adopt_ready_order`` (after the first iteration) applies rank 0's
+    observed order only where one allreduce says every rank's collectives
+    are the same list (``other``: another rank's digest is this one's + 1):
+    else each rank keeps its seq order (before: rank 0's order broadcast
+    onto another list, which posts that rank's collectives out of order or
+    breaks the broadcast: test_stage3_tensor_bias_bucket_trains_as_one_rank)."""
+    from types import SimpleNamespace
+    from purine_mpi.parallel.data_parallel import adopt_ready_order
+    posted = []
+
+    class Dispatcher:
+        graph = SimpleNamespace(ops={n: SimpleNamespace(op_type="Allreduce") for n in "ab"})
+        comm_order = staticmethod(lambda: ["a", "b"])
+        comm_ready_order = staticmethod(lambda: ["b", "a"])
+        set_comm_order = staticmethod(posted.append)
+
+    world = SimpleNamespace(size=2, allreduce=lambda v, op, what: v + [other, 0],
+                            comm=SimpleNamespace(Ibcast=lambda index, root: None),
+                            wait=lambda request, what: None)
+    got = adopt_ready_order(Dispatcher(), world)
+    assert (got, posted) == ((None, []) if other else (["b", "a"], [["b", "a"]]))

@@ -34,6 +34,7 @@ With ``check_collectives=True`` the composed graph's sequence of
 collectives is compared across ranks (``purine_mpi.comm.verify``).
 """
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -397,14 +398,23 @@ def adopt_ready_order(dispatcher, world):
     gradients were observed to become ready (as DDP rebuilds its buckets
     after the first iteration): rank 0's observation decides and is
     broadcast, so every rank keeps one ``seq`` order. Only for graphs whose
-    comm ops are all Allreduce (data parallelism); returns the new order, or
-    None when there is nothing to reorder. Call on every rank at the same
-    point, between iterations."""
+    comm ops are all collectives, the same ones (by name, in ``seq`` order)
+    on every rank (one allreduce says whether they are: rank 0's order
+    applied to other lists would post another rank's collectives out of
+    their order); returns the new order, or None when there is nothing to
+    reorder (each rank then keeps its ``seq`` order). Call on every rank at
+    the same point, between iterations."""
     order = getattr(dispatcher, "comm_order", None)
     if world.size == 1 or order is None:
         return None
     current = order()
-    if len(current) < 2 or not all(is_collective(dispatcher.graph.ops[n]) for n in current):
+    ours = -1  # this rank's order's digest; -1: none to reorder (decided by every rank)
+    if len(current) >= 2 and all(is_collective(dispatcher.graph.ops[n]) for n in current):
+        ours = int.from_bytes(hashlib.sha256("\n".join(current).encode()).digest()[:7],
+                              "little")
+    top = world.allreduce(np.array([ours, -ours], dtype=np.int64), op="max",
+                          what="the agreement on the bucket posting order")
+    if ours < 0 or top[0] != -top[1]:
         return None
     observed = dispatcher.comm_ready_order()
     index = np.array([current.index(n) for n in observed], dtype=np.int64)

@@ -44,6 +44,7 @@ from ..ops.updates import UPDATE_OP_TYPES
 from .data_parallel import (_replace_ops, gradients_first, make_bucket, next_seq, wire_attrs,
                             plan_buckets, prepare_replica)
 from .fuse import PARAM_BUFFER_KIND
+from .tensor_split import SHARD0_BIAS_ATTR
 
 #: the kind of a view of a shard of a bucket's weights (not a checkpointed param)
 PARAM_SHARD_KIND = "param_shard"
@@ -373,6 +374,7 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None, re
     if reuse:  # the readers' order, as the schedule's control edges fix it
         deps = graph.dependencies()
         pos, anc = ancestor_bits([op.name for op in graph.topo_order(deps)], deps)
+    dropped = shard0_bias_readers(graph)
     units = []
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
@@ -381,6 +383,7 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None, re
         for p in entry["params"]:
             for op in cons.get(p, ()):
                 (fwd if op.name in forward else bwd).append((op, p))
+            fwd += [(op, p) for op in dropped.get(p, ()) if op.name in forward]
         attrs = {"bucket": weights, "shards": shards, "shard": shard,
                  "shapes": [list(wb.shape)], "dtype": wb.dtype}
         gathers = {}
@@ -443,6 +446,20 @@ def _gather_units(graph, plan, shards, shard, prefetch, thread, forward=None, re
         if key == "forward":
             fwd_last = firsts[-1] if firsts else None
     graph.topo_order()  # no cycle
+
+
+def shard0_bias_readers(graph):
+    """{bias: [ops]}: the row-split fc ops of a tensor shard other than 0
+    that read their bias on shard 0 alone (``SHARD0_BIAS_ATTR``). Stage 3
+    counts them among the bias's readers (``_gather_units``, and
+    zero3_windows.share_weights for its WindowSyncs): a bucket of such
+    biases alone would else be gathered on tensor shard 0 only, and the
+    ranks' lists of collectives (the ``seq`` of every later one) differ."""
+    readers = defaultdict(list)
+    for op in graph.ops.values():
+        if SHARD0_BIAS_ATTR in op.attrs:
+            readers[op.attrs[SHARD0_BIAS_ATTR]].append(op)
+    return readers
 
 
 def _interleaved(fwd, bwd, pos, anc):

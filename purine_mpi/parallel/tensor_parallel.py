@@ -53,7 +53,7 @@ from ..graph.grad import op_base
 from ..graph.solver_graph import solver_states, state_name
 from ..layers import layer_key
 from .data_parallel import emit_after, next_seq, place_on_rank, sum_after
-from .tensor_split import join_shards, split_of, take_shard  # noqa: F401
+from .tensor_split import SHARD0_BIAS_ATTR, join_shards, split_of, take_shard  # noqa: F401
 
 #: op types that map each element of their input to the same place of
 #: their output (a column split passes through them)
@@ -223,6 +223,9 @@ def split_graph(graph, pairs, degree, index, group, solver_type):
             op.attrs["mask_split"] = {"axis": axis, "parts": degree, "index": index}
         _shard(graph, b_fwd.inputs[1], 1, degree, index, states)
         if len(b_fwd.inputs) == 3 and index:  # the bias is added once, by shard 0
+            # named (SHARD0_BIAS_ATTR): stage 3 gathers its bucket before this
+            # op on every tensor shard, so every rank posts the same collectives
+            b_fwd.attrs[SHARD0_BIAS_ATTR] = b_fwd.inputs[2]
             b_fwd.inputs = b_fwd.inputs[:2]
         x_shape = list(graph.blobs[b_fwd.inputs[0]].shape)
         x_shape[-1] //= degree

@@ -5,6 +5,13 @@ joined from its shards. NumPy only, so that the schemes' checkpoint stream
 which imports the schemes."""
 import numpy as np
 
+#: attr of a row-split fc's forward op on the tensor shards other than 0:
+#: the bias it does not add (shard 0 adds it; tensor_parallel.split_graph),
+#: which it would read there: stage 3 gathers that bias's bucket before the
+#: op on every shard (parallel/sharding._gather_units), so the ranks post
+#: the same collectives in the same ``seq`` order
+SHARD0_BIAS_ATTR = "bias_added_by_shard0"
+
 
 def split_of(blob):
     """A param blob's ``tensor_split`` attrs, or None when it is whole."""

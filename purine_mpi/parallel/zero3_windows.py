@@ -70,7 +70,7 @@ gathers were: numbered without them a barrier took an allreduce's seq.
 from ..comm.ops import shard_range
 from ..comm.windows import WindowLayout, allocate_or_fall_back, fake_host_of, node_groups
 from ..graph.core import WORKING_SET_ATTR
-from .sharding import sequence_collectives
+from .sharding import sequence_collectives, shard0_bias_readers
 
 PREFIX = "z3/"
 GATHERED = ("weights", "allgathered into transient buffers (MPI Iallgatherv)")
@@ -290,7 +290,11 @@ def share_weights(graph, plan, rank, owner, group=None, others=()):
     stage's ranks, the region named by its owner, the barriers on their
     sub-communicator); renumber the collectives' ``seq`` (among
     ``others``: ``sequence_collectives``). Each plan entry
-    gets ``window`` (its region) and ``gathers`` {"acquire", "release"}."""
+    gets ``window`` (its region) and ``gathers`` {"acquire", "release"}.
+    A tensor shard's row-split fc that adds no bias reads it as shard 0's
+    does (``sharding.shard0_bias_readers``): the same WindowSyncs on every
+    rank, in the same order."""
+    biases = shard0_bias_readers(graph)
     for entry in plan:
         weights, own = entry["weights"], entry["weight_shard"]
         region = PREFIX + weights if group is None else shard_region(weights, owner)
@@ -316,8 +320,9 @@ def share_weights(graph, plan, rank, owner, group=None, others=()):
             del graph.blobs[back]
         rooted = {n for n in graph.blobs if graph.storage_root(n) == weights}
         writers = [op for op in graph.ops.values() if rooted.intersection(op.outputs)]
+        nominal = {op.name for b in rooted for op in biases.get(b, ())}
         readers = [op for op in graph.ops.values() if op not in writers
-                   and rooted.intersection(op.inputs)]
+                   and (rooted.intersection(op.inputs) or op.name in nominal)]
         for op in graph.ops.values():
             op.control_inputs = [c for c in op.control_inputs if c not in old.values()]
         acquire, release = _window_syncs(graph, weights, region, wb.location, thread, group)
