@@ -211,7 +211,7 @@ def test_predict_writes_each_replicas_batch_in_sample_order_under_tensor(tmp_pat
         return [mine] + [{"data": d, "label": lab} for d, lab in batches[1:]]
 
     trainer = types.SimpleNamespace(
-        test=dispatcher, job=job, train=types.SimpleNamespace(drain=lambda: None),
+        test=dispatcher, job=job, train=types.SimpleNamespace(drain=lambda: None, workspace=None),
         graphs=types.SimpleNamespace(pipeline=False, test_graph=graphs[0],
                                      data_size=layout.replicas, layout=layout, apart=False,
                                      test_data=(layout.replica, layout.replicas)),

@@ -22,8 +22,10 @@ def give_test_weights(loop):
     rank's shards gathered, once). Collective on every rank; for a test pass
     and ``predict`` (tools/predict.py)."""
     whole = scheme_of(loop.job).test_weights(loop.graphs, loop.train.workspace, loop.world)
+    if not whole:  # the test graph shares the training workspace's weights
+        return
     held = loop.test.workspace.graph.blobs
-    for p, value in (whole or {}).items():
+    for p, value in whole.items():
         if p in held:  # a row-split layer's bias: one tensor shard's test graph adds it
             loop.test.workspace.set(p, value)
 
