@@ -473,6 +473,6 @@ def test_shared_dependencies_answer_a_graph_of_the_same_content(monkeypatch):
         for deps in got.values():
             deps.add("bogus")  # the caller's copy only
         assert graph().dependencies() == want and len(computed) == 2  # b's, still kept
-    assert core._SHARED_DEPENDENCIES is None
+    assert not core.SHARED_DEPENDENCIES.is_open
     graph().dependencies()
     assert len(computed) == 3

@@ -446,4 +446,4 @@ def test_shared_colourings_answer_a_plan_of_the_same_content(monkeypatch, email_
         assert plan(1) == want and len(colours) == 12  # rank 0's colouring
         plan(1, batch=2)
         assert len(colours) == 18
-    assert mp._SHARED_COLOURINGS is None
+    assert not mp.SHARED_COLOURINGS.is_open

@@ -8,7 +8,6 @@ aliases the storage of ``conv1/weight``; its writer runs only after every
 other reader of the storage has finished (a write-after-read edge), so a
 graph stays acyclic and the dispatcher never races a reader with an update.
 """
-import contextlib
 import copy as _copy
 import heapq
 import math
@@ -21,6 +20,7 @@ import numpy as np
 
 from ..base.errors import GraphError, ShapeError
 from ..base.precision import SHORT
+from ..base.shared_answers import SharedAnswers
 
 
 @dataclass(frozen=True)
@@ -122,34 +122,22 @@ def _copy_node(node, changes):
 #: ``Graph.dependencies`` call: kept beside the graph, not in it (a copy
 #: or a pickle of a graph carries none)
 _LAST_DEPENDENCIES = weakref.WeakKeyDictionary()
-#: while ``shared_dependencies`` is open: {``_dependency_inputs``: its
-#: ``_dependencies``} of the graphs computed last, least recently asked
-#: first; else None
-_SHARED_DEPENDENCIES = None
-#: the answers ``shared_dependencies`` keeps (each holds its graph's names
-#: and edges: about 1 MB for a graph of a few thousand ops)
-DEPENDENCIES_SHARED = 64
+#: the answers ``shared_dependencies`` keeps, by ``_dependency_inputs``
+#: (each holds its graph's names and edges: about 1 MB for a graph of a
+#: few thousand ops)
+SHARED_DEPENDENCIES = SharedAnswers(64)
 
 
-@contextlib.contextmanager
 def shared_dependencies():
     """Within it, ``Graph.dependencies`` keeps the answers of the last
-    ``DEPENDENCIES_SHARED`` graphs by their content, not by graph: a
+    ``SHARED_DEPENDENCIES.size`` graphs by their content, not by graph: a
     graph of the content of one asked of before (a copy, another rank's
     or another setting's composition of the same net, an edit undone)
     takes its answer (``plan --choose``: 3 in 4 computations were of a
     content asked of before). Kept only while it is open (a command
     that composes many graphs), so that a run holds no graph's answer
     beyond its graphs' own."""
-    global _SHARED_DEPENDENCIES
-    outer = _SHARED_DEPENDENCIES
-    if outer is None:
-        _SHARED_DEPENDENCIES = {}
-    try:
-        yield
-    finally:
-        if outer is None:
-            _SHARED_DEPENDENCIES = None
+    return SHARED_DEPENDENCIES.opened()
 
 
 #: a kernel's output dtype (a name, a NumPy type or dtype) -> its NumPy name
@@ -273,7 +261,7 @@ class Graph:
         inputs = self._dependency_inputs()
         last = _LAST_DEPENDENCIES.get(self)
         if last is None or last[0] != inputs:
-            last = (inputs, _shared_or_computed(self, inputs))
+            last = (inputs, SHARED_DEPENDENCIES.answer(lambda: inputs, self._dependencies))
             _LAST_DEPENDENCIES[self] = last
         return {n: set(d) for n, d in last[1].items()}
 
@@ -482,21 +470,6 @@ class Graph:
             lines.append(f"  {op.name:<32} {op.op_type:<22} [{ins}] -> [{outs}]  "
                          f"({loc}, thread {op.thread}{dtype})")
         return "\n".join(lines)
-
-
-def _shared_or_computed(graph, inputs):
-    """``graph._dependencies()``, or the answer ``shared_dependencies``
-    keeps for ``inputs`` (its ``_dependency_inputs``)."""
-    shared = _SHARED_DEPENDENCIES
-    if shared is None:
-        return graph._dependencies()
-    deps = shared.pop(inputs, None)
-    if deps is None:
-        deps = graph._dependencies()
-        while len(shared) >= DEPENDENCIES_SHARED:
-            del shared[next(iter(shared))]
-    shared[inputs] = deps  # the most recently asked: last
-    return deps
 
 
 def op_precision(op):

@@ -86,22 +86,19 @@ anyway. ``memory_plan: false`` gives every root
 its own bytes of the arena, on the host and the devices alike.
 """
 from array import array
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..base.shared_answers import SharedAnswers
 from ..graph.core import PERSISTENT_KINDS  # noqa: F401  (blob kinds kept across iterations)
 from ..graph.core import WORKING_SET_ATTR, ancestor_bits
 
 #: byte alignment of the offsets in the host arena (a cache line, the widest SIMD load)
 HOST_ALIGN = 64
 
-#: while ``shared_colourings`` is open: {``_colouring_key``: the best
-#: colouring of a plan of that content}, the most recently asked last
-_SHARED_COLOURINGS = None
-#: the colourings ``shared_colourings`` keeps
-COLOURINGS_SHARED = 32
+#: the best colourings ``shared_colourings`` keeps, by ``_colouring_key``
+SHARED_COLOURINGS = SharedAnswers(32)
 
 
 @dataclass
@@ -261,7 +258,10 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
             keys = {link["key"].get(order[i]) for i in _bits(cand[unit[5][0]][5])}
             unit_keys = keys.pop() if len(keys) == 1 else None
             units[u] = unit + (unit_keys, cand[unit[5][0]][5])
-    offsets, plan.total_bytes, edges = _best_colouring(units, len(order), link, plan.align)
+    # within shared_colourings, the colouring of a plan of the same content
+    offsets, plan.total_bytes, edges = SHARED_COLOURINGS.answer(
+        lambda: _colouring_key(units, len(order), link, plan.align),
+        lambda: _best_colouring(units, len(order), link, plan.align))
     for src, shift, dst in edges:
         for i in _bits(src):
             a = order[i + shift]
@@ -281,15 +281,7 @@ def plan_memory(graph, keep=(), skip=(), order_ops=False, device=-1):
 def _best_colouring(units, n_ops, link, align):
     """The colouring of ``units`` the plan takes: of three orders, first
     fit and best fit each, the fewest bytes, then the fewest edges
-    (``_colour``'s ({unit: offset}, total, edges)). Within
-    ``shared_colourings``, the one of a plan of the same content
-    (``_colouring_key``) when it was asked for before."""
-    shared = _SHARED_COLOURINGS
-    key = None if shared is None else _colouring_key(units, n_ops, link, align)
-    if key is not None and key in shared:
-        best = shared.pop(key)
-        shared[key] = best  # the most recently asked: last
-        return best
+    (``_colour``'s ({unit: offset}, total, edges))."""
     pairs = _interference(units, n_ops, link)
     best = None
     for order in (lambda u: (-units[u][4], units[u][2], u),           # largest first
@@ -300,10 +292,6 @@ def _best_colouring(units, n_ops, link, align):
                                             align)
             if best is None or (total, len(edges)) < (best[1], len(best[2])):
                 best = (offsets, total, edges)
-    if key is not None:
-        while len(shared) >= COLOURINGS_SHARED:
-            del shared[next(iter(shared))]
-        shared[key] = best
     return best
 
 
@@ -327,22 +315,13 @@ def _colouring_key(units, n_ops, link, align):
             tuple(link["mask"][k] for k in threads), tuple(sorted(link["waits"].items())))
 
 
-@contextmanager
 def shared_colourings():
     """Within it, a memory plan whose units, schedule and threads are
     those of a plan made before (``_colouring_key``: another rank's
     composition of the same net, the test graph of another setting) takes
-    that plan's colouring, the last ``COLOURINGS_SHARED`` kept (``plan
+    that plan's colouring, the last ``SHARED_COLOURINGS.size`` kept (``plan
     --choose``). Kept only while it is open, as ``shared_dependencies``."""
-    global _SHARED_COLOURINGS
-    outer = _SHARED_COLOURINGS
-    if outer is None:
-        _SHARED_COLOURINGS = {}
-    try:
-        yield
-    finally:
-        if outer is None:
-            _SHARED_COLOURINGS = None
+    return SHARED_COLOURINGS.opened()
 
 
 def device_plans(graph, keep=(), skip=(), order_ops=False):

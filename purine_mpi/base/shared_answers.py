@@ -1,0 +1,50 @@
+"""Answers kept by content while a command that computes many of them runs.
+
+``plan --choose`` composes the same net for many settings and ranks: graphs
+of one content ask for the same dependencies (graph/core.Graph.dependencies)
+and memory plans of one content for the same colouring
+(runtime/memory_plan.py). A ``SharedAnswers`` keeps the last ``size``
+answers by a key of what they are computed from, only while it is
+``opened()``, so that a run holds no answer beyond its own objects'.
+"""
+import contextlib
+
+
+class SharedAnswers:
+    """The last ``size`` answers by content key, kept while ``opened()``
+    (nested openings share the outermost's), the most recently asked last."""
+
+    def __init__(self, size):
+        self.size = size
+        self._kept = None
+
+    @property
+    def is_open(self):
+        return self._kept is not None
+
+    @contextlib.contextmanager
+    def opened(self):
+        outer = self._kept
+        if outer is None:
+            self._kept = {}
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._kept = None
+
+    def answer(self, key, compute):
+        """``compute()``, or (while open) the answer kept for ``key()``:
+        ``key`` is called only while open (a key may cost)."""
+        kept = self._kept
+        if kept is None:
+            return compute()
+        k = key()
+        if k in kept:
+            value = kept.pop(k)
+        else:
+            value = compute()
+            while len(kept) >= self.size:
+                del kept[next(iter(kept))]
+        kept[k] = value  # the most recently asked: last
+        return value
