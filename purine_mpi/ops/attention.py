@@ -474,11 +474,6 @@ def _host_specs(kernel, qkv, count):
     return [((g, h, t, t), qkv.dtype)] * count
 
 
-def groups(n, g):
-    """The slices of ``n`` sequences ``g`` at a time (one slice: g None)."""
-    return spans(n, g or n)
-
-
 def _dropout_temporaries(kernel, qkv, unpacks=False):
     """The host draw's temporaries (base/philox.py) of a fused op with
     dropout, or with ``unpacks`` (a kept packed mask) its unpacking's; []
@@ -572,25 +567,24 @@ class Attention(PhiloxStream, _AttentionKernel):
         q, k, v = split_heads(qkv, heads)
         ctx = heads_view(outs[0], heads)
         host = xp is np
-        p_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
+        p, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                else self.scratch_specs(ins, outs)))
         if host and not mask:   # P^T a group at a time, ctx = (P^T)^T v
-            for s in groups(qkv.shape[0], host_group(self, qkv)):
-                pt = p_all[:s.stop - s.start]
+            for s in spans(qkv.shape[0], host_group(self, qkv)):
+                pt = p[:s.stop - s.start]
                 self.host_probs_t(q[s], k[s], pt)
                 matmul(np, pt.swapaxes(-1, -2), v[s], out=ctx[s])
             return
-        for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
-            p = p_all[:s.stop - s.start]
-            self.scores(xp, q[s], k[s], p)
-            softmax_rows(xp, p)
-            if mask and replays(self.attrs):   # the original's kept mask, in place
-                _kept_mask(self, ins[-2], p, mask[0], p)
-            elif mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
-                dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
-                if packed(self.attrs):   # kept for the gradient (no second draw)
-                    outs[-1][...] = pack_mask(mask[0])
-            bmm(xp, p, v[s], ctx[s])
+        # a device, or dropout (one Philox draw over the whole batch): at once
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        if mask and replays(self.attrs):   # the original's kept mask, in place
+            _kept_mask(self, ins[-2], p, mask[0], p)
+        elif mask:   # P' = P * mask / (1 - ratio), in place: the Dropout op's
+            dropout_forward(p, ins[-1], self.ratio, self.keys, p, mask[0], self.split)
+            if packed(self.attrs):   # kept for the gradient (no second draw)
+                outs[-1][...] = pack_mask(mask[0])
+        bmm(xp, p, v, ctx)
 
 
 @register
@@ -644,12 +638,12 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
         dq, dk, dv = split_heads(outs[0], heads)
         do = heads_view(dctx, heads)
         host = xp is np
-        p_all, dp_all, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
+        p, dp, *mask = self.temporaries(qkv, *(self.host_specs(ins, outs) if host
                                                        else self.scratch_specs(ins, outs)))
         scale = 1.0 / math.sqrt(q.shape[-1])
         if host and not mask:   # transposed: P^T, dP^T = v dO^T, dS^T
-            for s in groups(qkv.shape[0], host_group(self, qkv)):
-                pt, dpt = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
+            for s in spans(qkv.shape[0], host_group(self, qkv)):
+                pt, dpt = p[:s.stop - s.start], dp[:s.stop - s.start]
                 self.host_probs_t(q[s], k[s], pt)
                 matmul(np, pt, do[s], out=dv[s])
                 matmul(np, v[s], do[s].swapaxes(-1, -2), out=dpt)
@@ -658,24 +652,23 @@ class AttentionGrad(PhiloxStream, _AttentionKernel):
                 bmm(xp, dpt, k[s], dq[s], trans_a=True, alpha=scale)
                 bmm(xp, dpt, q[s], dk[s], alpha=scale)
             return
-        for s in groups(qkv.shape[0], host_group(self, qkv) if host else None):
-            p, dp = p_all[:s.stop - s.start], dp_all[:s.stop - s.start]
-            self.scores(xp, q[s], k[s], p)
-            softmax_rows(xp, p)
-            if mask and packed(self.attrs):   # the forward's mask, unpacked: P' in dP
-                _kept_mask(self, ins[-2], p, mask[0], dp)
-                bmm(xp, dp, do[s], dv[s], trans_a=True)
-            elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
-                dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)
-                bmm(xp, dp, do[s], dv[s], trans_a=True)
-            else:
-                bmm(xp, p, do[s], dv[s], trans_a=True)
-            bmm(xp, do[s], v[s], dp, trans_b=True)
-            if mask:   # the Dropout op's gradient
-                dropout_backward(dp, mask[0], self.ratio, dp)
-            softmax_rows_grad(xp, dp, p)                   # dS
-            bmm(xp, dp, k[s], dq[s], alpha=scale)
-            bmm(xp, dp, q[s], dk[s], trans_a=True, alpha=scale)
+        # a device, or dropout (one Philox draw over the whole batch): at once
+        self.scores(xp, q, k, p)
+        softmax_rows(xp, p)
+        if mask and packed(self.attrs):   # the forward's mask, unpacked: P' in dP
+            _kept_mask(self, ins[-2], p, mask[0], dp)
+            bmm(xp, dp, do, dv, trans_a=True)
+        elif mask:   # the forward's P' (in dP's bytes until dP is made) and mask
+            dropout_forward(p, ins[-1], self.ratio, self.keys, dp, mask[0], self.split)
+            bmm(xp, dp, do, dv, trans_a=True)
+        else:
+            bmm(xp, p, do, dv, trans_a=True)
+        bmm(xp, do, v, dp, trans_b=True)
+        if mask:   # the Dropout op's gradient
+            dropout_backward(dp, mask[0], self.ratio, dp)
+        softmax_rows_grad(xp, dp, p)                   # dS
+        bmm(xp, dp, k, dq, alpha=scale)
+        bmm(xp, dp, q, dk, trans_a=True, alpha=scale)
 
     def host_specs(self, ins, outs):
         """P and dP of a host group (``host_group``), or P, dP and the mask
