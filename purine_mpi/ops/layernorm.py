@@ -156,12 +156,11 @@ def _fused(x):
     return np.dtype(x.dtype) in KERNEL_DTYPES
 
 
-def _grad_specs(x, rows=None):
-    """xhat, dxhat and two row means of the generic path: of x's shape, or
-    of ``rows`` rows (a host chunk)."""
-    shape = tuple(x.shape) if rows is None else (rows, x.shape[-1])
-    row = (shape[:-1] + (1,), x.dtype)
-    return (shape, x.dtype), (shape, x.dtype), row, row
+def _grad_specs(x):
+    """xhat, dxhat and two row means of the generic path (a device dtype
+    without a fused kernel)."""
+    row = (x.shape[:-1] + (1,), x.dtype)
+    return (x.shape, x.dtype), (x.shape, x.dtype), row, row
 
 
 @register
