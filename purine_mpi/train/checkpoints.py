@@ -23,7 +23,7 @@ from ..parallel.compose import Layout
 from ..parallel.schemes import scheme_of
 from ..parallel.tensor_parallel import initial_value, whole_shape
 from ..runtime.stop import StopSignal
-from .collectives import _plain, average_running_stats, world_gather
+from .collectives import _plain, share_running_stats, world_gather
 from .loop import Service
 from .progress import write_config
 
@@ -288,9 +288,7 @@ class Checkpoints(Service):
         rotation), or with ``path`` a checkpoint file of its own. Collective."""
         loop.train.drain()  # the weights of this iteration, updated
         loop.emit("before_save", iteration)  # e.g. the servers' momenta (ps_worker.py)
-        if not loop.graphs.apart:  # scheme none: each replica keeps its own
-            average_running_stats(loop.world, loop.graphs.graph, loop.ws,
-                                  getattr(loop.graphs.layout, "shard", 0))
+        share_running_stats(loop)  # scheme none: each replica keeps its own
         if path is None:
             loop.state.last_saved = iteration
         state = self.state_dict(loop)

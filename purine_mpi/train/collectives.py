@@ -78,3 +78,13 @@ def average_running_stats(world, graph, ws, shard=0):
             name, shape = mine[k]
             mean = total[starts[i]:starts[i + 1]] / total[starts[-1] + i]
             ws.set(name, mean.reshape(shape).astype(ws[name].dtype))
+
+
+def share_running_stats(loop):
+    """``average_running_stats`` of a loop's graphs, before its test pass
+    or save: over the replicas that hold each (its tensor shard's); not
+    where the replicas train apart (scheme none: each keeps its own, and
+    rank 0's replica is the model tested and saved: ``RankGraphs.apart``)."""
+    if not loop.graphs.apart:
+        average_running_stats(loop.world, loop.graphs.graph, loop.ws,
+                              getattr(loop.graphs.layout, "shard", 0))

@@ -12,7 +12,7 @@ import numpy as np
 from ..data.sources import pass_batches, pass_counts, repeat_note, source_info
 from ..parallel.schemes import scheme_of
 from ..base.progress_bar import progress
-from .collectives import average_running_stats, world_sum
+from .collectives import share_running_stats, world_sum
 from .loop import Service
 
 
@@ -74,9 +74,7 @@ class Evaluation(Service):
         if loop.test is None:
             return {}
         loop.train.drain()  # the test graph reads the weights the train graph updates
-        if not loop.graphs.apart:  # scheme none: each replica keeps its own
-            average_running_stats(loop.world, loop.graphs.graph, loop.ws,
-                                  getattr(loop.graphs.layout, "shard", 0))
+        share_running_stats(loop)  # scheme none: each replica keeps its own
         give_test_weights(loop)
         spec = loop.job.data.test
         n_samples, _ = source_info(spec.source_dict())
