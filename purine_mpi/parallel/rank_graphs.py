@@ -66,9 +66,8 @@ class RankGraphs:
     @property
     def test_data(self):
         """(replica, replicas): the test split's shard this rank's test
-        graph reads: its replica's, or where the replicas train ``apart``
-        the whole split (rank 0 evaluates the saved model alone)."""
-        return (0, 1) if self.apart else (self.layout.replica, self.layout.replicas)
+        graph reads (``Layout.test_shard``)."""
+        return self.layout.test_shard(self.apart)
 
     @property
     def counts_test_figures(self):

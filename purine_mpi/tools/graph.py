@@ -29,8 +29,7 @@ def composed(job, world_size, rank, phase="train"):
     lay = scheme.layout(job, world)  # a world that does not fit the stages: exit 2 here
     replica, replicas = lay.replica, lay.replicas  # the data shard (compose.data_window)
     if phase == "test":  # replicas trained apart: rank 0's over the whole split (train's)
-        test = build_test_graph(job, *((0, 1) if scheme.trains_apart(job, lay)
-                                       else (replica, replicas)))
+        test = build_test_graph(job, *lay.test_shard(scheme.trains_apart(job, lay)))
         if test is None:
             return None, None
         comp = scheme.compose_test(test, job, world)

@@ -143,6 +143,12 @@ class Layout:
         k = self.shard if shard is None else shard
         return (replica * self.stages + stage) * self.tensor + k
 
+    def test_shard(self, apart=False):
+        """(replica, replicas): the test split's shard this rank's test graph
+        reads: its replica's, or where the replicas train ``apart`` (scheme
+        none) the whole split (rank 0 evaluates the saved model alone)."""
+        return (0, 1) if apart else (self.replica, self.replicas)
+
     def tensor_ranks(self, replica=None, stage=None):
         """The ranks of one tensor-parallel group (default: this rank's
         replica; this rank's stage)."""
