@@ -25,7 +25,6 @@ import numpy as np
 
 from ..base.errors import MemoryTooSmall, UserError
 from ..base.progress_bar import human_bytes, parse_size
-
 from ..comm.mpi_transport import transport_bytes, transport_note
 
 #: up to this many ranks, ``plan`` builds every one
