@@ -105,7 +105,10 @@ def main(argv=None):
         cupy = import_cupy()
     except Exception as exc:
         raise SystemExit(f"error: needs CuPy and a GPU ({type(exc).__name__}: {exc})")
-    os.environ.setdefault("PURINE_CACHE_DIR", tempfile.mkdtemp(prefix="cudnn_plans."))
+    # a cache of its own, always: with another run's cache (gpu_session.sh's,
+    # 2026-11-29) the set-up takes the cached plan and builds no other, so
+    # the survey showed one plan per direction
+    os.environ["PURINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="cudnn_plans.")
     report = {"benchmark": "cudnn_plans", "cases": []}
     for x_shape, w_shape, attrs in cases:
         report["cases"].append({"x": list(x_shape), "w": list(w_shape), "attrs": attrs,

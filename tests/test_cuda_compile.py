@@ -26,15 +26,18 @@ NVCC_FLAGS = ("-std=c++14", "--ptx", "-Werror", "all-warnings")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 
 
-def _compile(name, arch, out_dir):
+def _compile(name, arch, out_dir, extra=None, tag=""):
+    """nvcc of cuda/<name>.cu with the loader's options for it
+    (``gpu.SOURCE_OPTIONS``), or ``extra`` instead."""
+    extra = gpu.SOURCE_OPTIONS.get(name, ()) if extra is None else extra
     # One source file per (name, arch): the two archs of a file compile at the
     # same time, and a shared file could be read by one nvcc while the other
     # thread truncates and rewrites it (an empty PTX, seen in CI).
-    source = out_dir / f"{name}.{arch}.cu"
+    source = out_dir / f"{name}.{arch}{tag}.cu"
     source.write_text(gpu.kernel_source(name))   # #line keeps messages on cuda/<name>.cu
-    ptx = out_dir / f"{name}.{arch}.ptx"
-    result = subprocess.run([NVCC, f"-arch={arch}", *NVCC_FLAGS, "-o", str(ptx), str(source)],
-                            capture_output=True, text=True)
+    ptx = out_dir / f"{name}.{arch}{tag}.ptx"
+    result = subprocess.run([NVCC, f"-arch={arch}", *NVCC_FLAGS, *extra, "-o", str(ptx),
+                             str(source)], capture_output=True, text=True)
     text = ptx.read_text() if result.returncode == 0 else ""
     return result.returncode, result.stdout + result.stderr, text
 
@@ -77,3 +80,23 @@ def test_compiles_and_exports_entry_points(compiled, name, arch):
                 for suffix in ("f32", "f64")}
     expected |= set(PLAIN_ENTRY_POINTS.get(name, ()))
     assert expected <= entries, f"missing entry points: {sorted(expected - entries)}"
+
+
+#: a float32 fused multiply-add in PTX (the float64 kernels' ``pow`` from
+#: libdevice has fma.rn.f64 of its own, written out, whatever the option)
+_FMA = re.compile(r"^\s*fma\.rn\.f32\b", re.MULTILINE)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(gpu.SOURCE_OPTIONS))
+def test_the_solver_updates_round_every_operation(compiled, name, tmp_path):
+    """The solver updates compile with ``--fmad=false`` (the loader's
+    SOURCE_OPTIONS): no float32 fused multiply-add in their PTX, so each product
+    rounds as the CPU update's does and adam_update and adam_multi agree to
+    the bit (they did not on an H200 with contraction). Compiled without
+    the option, the same source has fused multiply-adds: the check can fail."""
+    _, _, ptx = compiled[(name, "sm_90")]
+    assert ptx and not _FMA.search(ptx), f"cuda/{name}.cu: fma in the PTX"
+    returncode, output, contracted = _compile(name, "sm_90", tmp_path, extra=(), tag=".fmad")
+    assert returncode == 0, output
+    assert _FMA.search(contracted), f"cuda/{name}.cu has no fma even with contraction"

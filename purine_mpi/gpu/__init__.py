@@ -35,6 +35,15 @@ CUDA_DIR = Path(os.environ.get("PURINE_CUDA_DIR")
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
+#: NVRTC options a source always compiles with. The solver updates take
+#: ``--fmad=false``: NVRTC otherwise contracts ``a * b + c`` into a fused
+#: multiply-add wherever it likes, so two kernels with the same arithmetic
+#: (``adam_update`` and ``adam_multi``: one parameter or all at once) gave
+#: results a last bit apart on an H200, and neither the CPU update's
+#: (NumPy rounds each product). Without contraction every operation rounds
+#: as the CPU's does; the updates are memory-bound, so it costs nothing.
+SOURCE_OPTIONS = {name: ("--fmad=false",) for name in ("sgd", "adam", "adaptive")}
+
 _lock = threading.Lock()       # the dispatcher loads kernels from many threads
 _modules = {}                  # (name, device, options) -> cupy.RawModule
 _functions = {}                # (name, func, suffix, device, options) -> RawKernel
@@ -147,9 +156,10 @@ def _current_device(cupy):
 
 
 def load_kernel(name, options=()):
-    """The ``cupy.RawModule`` for ``cuda/<name>.cu`` on the current device."""
+    """The ``cupy.RawModule`` for ``cuda/<name>.cu`` on the current device,
+    compiled with the source's ``SOURCE_OPTIONS`` and then ``options``."""
     cupy = import_cupy()
-    options = tuple(options)
+    options = SOURCE_OPTIONS.get(name, ()) + tuple(options)
     key = (name, _current_device(cupy), options)
     with _lock:
         module = _modules.get(key)

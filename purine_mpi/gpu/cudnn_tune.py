@@ -50,8 +50,10 @@ from ..base import env
 #: timed runs of each plan (after one warm-up run)
 REPS = 3
 #: layout of the cache files; another value is a stale file (2: plans chosen
-#: among the accurate ones only)
-FORMAT = 2
+#: among the accurate ones only; 3: accuracy checked on inputs of varied
+#: values -- format 2 compared the plans on the op's buffers at set-up,
+#: zeros in a training job, and kept an inaccurate engine)
+FORMAT = 3
 #: the largest deviation from the majority's result, relative to its largest
 #: magnitude, of a float32 plan that may be kept (without TF32; float32
 #: implicit-GEMM engines agree within about 1e-6 on an H200)
@@ -248,14 +250,16 @@ def _accurate(graph, pack, handle, cupy, output, runs, tol):
     return agree
 
 
-def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None):
+def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None, check_pack=None):
     """Time every built plan of ``graph`` on the variant pack ``pack``
     ({tensor: device address}) on CuPy's current stream. With ``output``
     (the CuPy array the pack writes) and ``tol``, a plan whose result
     deviates from the majority's by more than ``tol`` of the largest
     magnitude is not kept, however fast (``_accurate``; on an H200 a
     Winograd-style weight-gradient engine was the fastest and off by up to
-    6e-3). Returns the entry of the fastest kept,
+    6e-3). The results compared are those of ``check_pack`` (default
+    ``pack``), a pack writing the same ``output`` from inputs of varied
+    values: on zeros every plan agrees. Returns the entry of the fastest kept,
     {"index", "name", "count", "ms", "workspace", "rejected"}, or None when
     no plan ran."""
     from .raw import data_ptr
@@ -281,7 +285,8 @@ def time_plans(graph, pack, handle, cupy, reps=REPS, output=None, tol=None):
         return None
     kept = runs
     if output is not None and tol is not None and len(runs) > 1:
-        kept = _accurate(graph, pack, handle, cupy, output, runs, tol)
+        kept = _accurate(graph, pack if check_pack is None else check_pack, handle, cupy,
+                         output, runs, tol)
     rejected = [{"name": r["name"], "deviation": r["deviation"]} for r in runs
                 if r not in kept]
     best = dict(choose(kept, workspace_limit()))

@@ -599,6 +599,21 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
     return cublas
 
 
+#: the NVRTC options the host build knows, and its g++ flag for each
+#: (g++ for x86-64 contracts nothing without -mfma; said anyway)
+_NVRTC_TO_GXX = {"--fmad=false": "-ffp-contract=off"}
+
+
+def _host_flags(options):
+    """g++ flags for NVRTC ``options``; one the host build does not know is
+    an error (a real GPU would compile it: the emulation must not drop it)."""
+    unknown = [o for o in options if o not in _NVRTC_TO_GXX]
+    if unknown:
+        raise ValueError(f"emulated RawModule: NVRTC options {unknown} have no host "
+                         f"equivalent here (known: {sorted(_NVRTC_TO_GXX)})")
+    return [_NVRTC_TO_GXX[o] for o in options]
+
+
 def host_cupy(build_dir):
     """A module standing in for cupy: NumPy arrays, RawModule built by g++."""
 
@@ -606,6 +621,7 @@ def host_cupy(build_dir):
         def __init__(self, code, options=()):
             # read at each build: a test may build both ways in one process
             defines = ["-DPURINE_EMU_THREADED"] if os.environ.get(THREADED_ENV) == "1" else []
+            defines += _host_flags(options)
             digest = hashlib.sha1("\0".join([_HOST_PRELUDE, *defines, code]).encode()
                                   ).hexdigest()[:16]
             source = build_dir / f"{digest}.cu"
