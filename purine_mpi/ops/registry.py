@@ -283,34 +283,38 @@ def _skippable(kernel, flag):
     kernel.capture_note = "skipped on the host when fp16's overflow flag is set"
 
 
-def _round_outputs(kernel, dtype):
-    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run,
-    through scratch reserved in its setup (nothing allocated in a capture),
-    but those whose indices the kernel lists in ``fp32_outputs`` (the
-    attention statistics: float32 by definition)."""
+def round_low(kernel, arrays, dtype):
+    """Round the float32 ``arrays`` in place to ``dtype`` (``bfloat16`` or
+    ``float16``): on a GPU one kernel each (cuda/precision.cu, no scratch:
+    nothing to reserve, nothing allocated in a capture); on the host
+    base/precision.round_to, through ``kernel``'s temporaries of its
+    ``scratch_spec``s. The same bits either way."""
+    if not arrays:
+        return
+    if get_xp(arrays[0]) is not np:
+        from ..gpu.kernels import round_in_place
+        for array in arrays:
+            round_in_place(array, dtype)
+        return
     from ..base.precision import round_to, scratch_spec
-    setup, run = kernel.setup, kernel.run
+    specs = [scratch_spec(a.shape, dtype) for a in arrays]
+    for array, scratch in zip(arrays, kernel.temporaries(arrays[0], *specs)):
+        round_to(array, dtype, scratch)
 
+
+def _round_outputs(kernel, dtype):
+    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run
+    (``round_low``: one kernel per output on a GPU), but those whose indices
+    the kernel lists in ``fp32_outputs`` (the attention statistics: float32
+    by definition)."""
+    run = kernel.run
     keep = set(getattr(kernel, "fp32_outputs", ()))   # outputs that stay float32
-
-    def rounded(outs):
-        return [o for i, o in enumerate(outs) if o.dtype == np.float32 and i not in keep]
-
-    def specs(outs):
-        return [scratch_spec(o.shape, dtype) for o in rounded(outs)]
-
-    def rounded_setup(ins, outs):
-        setup(ins, outs)
-        if specs(outs):
-            kernel.reserve_temporaries(outs[0], *specs(outs))
 
     def rounded_run(ins, outs):
         result = run(ins, outs)
-        floats = rounded(outs)
-        if floats:
-            for out, scratch in zip(floats, kernel.temporaries(floats[0], *specs(floats))):
-                round_to(out, dtype, scratch)
+        round_low(kernel, [o for i, o in enumerate(outs)
+                           if o.dtype == np.float32 and i not in keep], dtype)
         return result
 
-    kernel.setup, kernel.run = rounded_setup, rounded_run
+    kernel.run = rounded_run
 
