@@ -127,3 +127,64 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
     np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
                                   _numpy_rounding(x, dtype))
     assert getattr(cast, "_own_scratch", None) is None or cast._own_scratch.reserved == 0
+
+
+# -------------------------------------------------------------- TF32 products
+def _gemm_spy(monkeypatch):
+    """[(op type, math mode)] of every cuBLAS product (the emulated nvmath
+    cuBLAS records the handle's math mode at each call; the op is the
+    OpKernel whose run made it)."""
+    import sys
+    from purine_mpi.gpu import blas
+    from purine_mpi.ops.registry import OpKernel
+    seen, real = [], blas.gemm
+
+    def spy(*args, **kwargs):
+        cublas = sys.modules["nvmath.bindings.cublas"]
+        frame, op_type = sys._getframe(1), None
+        while frame is not None and op_type is None:
+            me = frame.f_locals.get("self")
+            op_type = me.op.op_type if isinstance(me, OpKernel) else None
+            frame = frame.f_back
+        before = len(cublas.gemms)
+        out = real(*args, **kwargs)
+        seen.extend((op_type, math) for _, _, math in cublas.gemms[before:])
+        return out
+
+    monkeypatch.setattr(blas, "gemm", spy)
+    return seen
+
+
+def test_a_bf16_gpt_runs_its_gemms_on_tf32_and_an_fp32_one_does_not(host_build_dir,
+                                                                    monkeypatch):
+    """Three AdamW steps of the 2-block GPT on the emulated device: in bf16
+    every product of the InnerProduct* and AttentionScores/Context* ops runs
+    with cuBLAS's TF32 math (3), the fused Attention's (float32 probabilities)
+    with the default (0); in fp32 all with the default. The emulated cuBLAS
+    reads TF32 operands rounded to TF32: the bf16 losses are bit for bit
+    those of the same run with TF32 kept off (bf16 values are exact in TF32)."""
+    from purine_mpi.ops import registry
+    from tests.test_precision import _ours_on_the_emulated_device
+    toks = np.random.default_rng(3).integers(0, 16, (3, 2, 9))
+    losses, modes = {}, {}
+    for precision, tf32 in (("bf16", True), ("bf16", False), ("fp32", False)):
+        with monkeypatch.context() as m:
+            if not tf32:
+                m.setattr(registry, "_tf32_products", lambda kernel: None)
+            seen = _gemm_spy(m)
+            _, losses[precision, tf32], _ = _ours_on_the_emulated_device(
+                m, host_build_dir, precision, toks, 3)
+            modes[precision, tf32] = seen
+    low = {"InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
+           "AttentionScores", "AttentionScoresGrad", "AttentionContext", "AttentionContextGrad"}
+    by_type = {}
+    for op_type, math in modes["bf16", True]:
+        by_type.setdefault(op_type, set()).add(math)
+    assert {t for t in by_type if t in low} >= {"InnerProduct", "InnerProductGradData",
+                                                "InnerProductGradWeight"}, by_type
+    assert all(by_type[t] == {3} for t in by_type if t in low), by_type
+    assert all(by_type[t] == {0} for t in by_type if t not in low), by_type
+    assert modes["fp32", False] and {m for _, m in modes["fp32", False]} == {0}
+    assert {m for _, m in modes["bf16", False]} == {0}
+    assert losses["bf16", True] == losses["bf16", False]
+    assert losses["bf16", True] != losses["fp32", False]
