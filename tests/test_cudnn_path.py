@@ -574,3 +574,41 @@ def test_reset_forgets_the_workspace_cap(monkeypatch):
     tune.reset()
     assert tune.workspace_limit() == tune.DEFAULT_WORKSPACE_LIMIT
     assert tune.plan_key("fprop", geo, np.float32, False, False, 0.0, True, False) == default_key
+
+
+def test_a_bf16_convolution_runs_a_tf32_plan_held_to_the_accuracy_filter(device, monkeypatch):
+    """A Conv marked bf16 (``compute_dtype``) may take TF32 plans with the
+    process's tf32 off: its plans are timed on copies of its inputs rounded
+    to bfloat16 (here its buffers are plain float32), where the tensor-core
+    plan (eng5, the fastest that builds, deterministic) computes the exact
+    products and passes the ACCURACY_TOL filter, which still sets the
+    inaccurate eng6 aside. On bf16 inputs its result is the fp32 plan's, bit
+    for bit (the emulated TF32 engine reads its operands in TF32). An fp32
+    Conv of the same process keeps no tensor cores (key tf320)."""
+    from purine_mpi.base.precision import round_to, scratch_spec
+    monkeypatch.setattr(gpu, "tf32_enabled", lambda: False)
+    x, w = _rand((2, 3, 6, 6), 0), _rand((4, 3, 3, 3), 1)
+    xb, wb = x.copy(), w.copy()
+    for a in (xb, wb):
+        round_to(a, "bfloat16", np.empty(*scratch_spec(a.shape, "bfloat16")))
+    ys = {}
+    for dtype in ("bfloat16", None):
+        fake = FakeCudnn()
+        monkeypatch.setitem(sys.modules, "cudnn", fake)
+        gpu_cudnn.reset()
+        tune.reset()
+        attrs = {"pad": 1, **({"compute_dtype": dtype} if dtype else {})}
+        kernel = get_kernel_class("Conv")(Op("c", "Conv", [], [], attrs))
+        y = _dev(np.zeros((2, 4, 6, 6), np.float32))
+        kernel.setup([_dev(x), _dev(w)], [y])   # timed on x, w (not bf16-valued)
+        fake.math.clear()
+        kernel.run([_dev(xb), _dev(wb)], [y])
+        ys[dtype] = np.array(y)
+        assert fake.graphs[0].notes == ["NONDETERMINISTIC"] + ([] if dtype else ["TENSOR_CORE"])
+        assert _chosen(fake) == ["eng5_tensor_core" if dtype else "eng1_fft_flip_filter"]
+        assert [tc for _, tc in fake.math] == [bool(dtype)]
+        assert tune.stats()["inaccurate"] == 1   # eng6
+        key = tune.plan_key("fprop", kernel._direction([x, w], [y])[1], np.float32, False,
+                            False, 0.0, True, bool(dtype), dtype)
+        assert key in json.loads(open(tune.cache_path(GPU_NAME, 91900)).read())["plans"]
+    np.testing.assert_array_equal(ys["bfloat16"], ys[None])

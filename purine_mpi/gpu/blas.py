@@ -55,6 +55,8 @@ from .raw import data_ptr
 
 #: cuBLAS operation codes (cublasOperation_t: CUBLAS_OP_N, CUBLAS_OP_T)
 OP_N, OP_T = 0, 1
+#: cublasMath_t's CUBLAS_TF32_TENSOR_OP_MATH (CuPy's binding takes the number)
+CUBLAS_TF32_TENSOR_OP_MATH = 3
 #: each handle's workspace, MiB, unless PURINE_CUBLAS_WORKSPACE_MB says otherwise
 DEFAULT_WORKSPACE_MB = 32
 
@@ -62,6 +64,7 @@ _lock = threading.RLock()
 _state = {"checked": False, "cublas": None, "reason": None, "noted": False}
 _handles = {}   # (device, stream ptr, scope) -> _Handle
 _scope = threading.local()   # .key: the replay stream of the graph being captured
+_products = threading.local()   # .tf32: this thread's products' TF32 (None: the process's)
 
 
 class workspace_scope:  # noqa: N801  (a context manager, used as a function)
@@ -80,6 +83,29 @@ class workspace_scope:  # noqa: N801  (a context manager, used as a function)
 
     def __exit__(self, *exc):
         _scope.key = self.before
+        return False
+
+
+class tf32_products:  # noqa: N801  (a context manager, used as a function)
+    """Within the block (on this thread), the float32 products may use
+    TensorFloat-32 (``enabled``) or not, whatever ``tf32_enabled()`` says
+    for the process: ops/registry.make_kernel wraps the run of an op marked
+    bf16/fp16 in it, whose operands are bfloat16/float16 values and so
+    exact in TF32 (tensor cores, float32 accumulation: no product changes).
+    The handle's math mode is set at the call (``gemm``), on the handle of
+    the stream the product goes to: each stream's handle is its own, so
+    two streams never race for one math mode."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.before = getattr(_products, "tf32", None)
+        _products.tf32 = self.enabled
+        return self
+
+    def __exit__(self, *exc):
+        _products.tf32 = self.before
         return False
 
 
@@ -166,6 +192,11 @@ def _is_capturing(stream):
 
 
 def _tf32():
+    """Whether this thread's float32 products may use TF32: as ``tf32_products``
+    says on this thread, else the process's ``tf32_enabled()``."""
+    scoped = getattr(_products, "tf32", None)
+    if scoped is not None:
+        return bool(scoped)
     from . import tf32_enabled
     return tf32_enabled()
 
@@ -334,8 +365,16 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         cublas.setPointerMode(handle, host_mode)
     calls = ((cublas.sgemm, cublas.dgemm),
              (cublas.sgemmStridedBatched, cublas.dgemmStridedBatched))
-    _issue(calls, single, handle, (op_b, op_a, n, m, k), (alpha_ptr, beta_ptr),
-           (pb, ldb, b_stride), (pa, lda, a_stride), (pc, ldc, c_stride), batch)
+    # CuPy's handle is shared by CuPy's own products: TF32 for this call only
+    before = cublas.getMathMode(handle) if single and _tf32() else None
+    if before is not None:
+        cublas.setMathMode(handle, CUBLAS_TF32_TENSOR_OP_MATH)
+    try:
+        _issue(calls, single, handle, (op_b, op_a, n, m, k), (alpha_ptr, beta_ptr),
+               (pb, ldb, b_stride), (pa, lda, a_stride), (pc, ldc, c_stride), batch)
+    finally:
+        if before is not None:
+            cublas.setMathMode(handle, before)
     return c
 
 

@@ -15,8 +15,9 @@ Each Conv / ConvGradData / ConvGradWeight op on a GPU builds, in its
 in NCHW float32 (``float64`` and grouped convolutions take the fallback),
 with plans from heuristics A then FALLBACK, keeping only deterministic plans
 (``numerical_note.NONDETERMINISTIC`` deselected: a resume stays bit-exact;
-``PURINE_CUDNN_DETERMINISTIC=0`` lifts it) and, unless ``tf32: true``, no
-tensor-core plans (``TENSOR_CORE``: float32 stays float32, as on the CPU).
+``PURINE_CUDNN_DETERMINISTIC=0`` lifts it) and, unless ``tf32: true`` or the
+op is marked bf16/fp16 (its operands exact in TF32), no tensor-core plans
+(``TENSOR_CORE``: float32 stays float32, as on the CPU).
 Of those, the fastest on the op's buffers is taken, timed once and cached on
 disk (gpu/cudnn_tune.py; ``PURINE_CUDNN_BENCHMARK=0``: the heuristic's first
 plan). The chosen plan's workspace is part of the op's
@@ -143,9 +144,9 @@ class ConvPlan:
     back)."""
 
     def __init__(self, cudnn, device, kind, geo, dtype, bias=False, relu=False, slope=0.0,
-                 tf32=False, buffers=None):
+                 tf32=False, buffers=None, values=None):
         self.cudnn, self.device, self.kind = cudnn, int(device), kind
-        self.tf32 = bool(tf32)
+        self.tf32, self.values = bool(tf32), values
         if np.dtype(dtype) != np.dtype(np.float32):
             raise TypeError(f"cuDNN path: float32 only, got {np.dtype(dtype)}")
         if geo["G"] != 1:
@@ -215,7 +216,7 @@ class ConvPlan:
         graph.check_support()
         self.graph = graph
         self.index = None   # None: the heuristic's plan (graph.execute)
-        key = tune.plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32)
+        key = tune.plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32, values)
         if buffers is None or not tune.benchmark_enabled() or _capturing():
             graph.build_plans()
             self.workspace_bytes = int(graph.get_workspace_size())
@@ -255,15 +256,21 @@ class ConvPlan:
         handle = _handle(self.cudnn, self.device)
         self.cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
         out_key = next(k for k in self.shapes if k in self.tensors)
-        tol = None if self.tf32 else tune.ACCURACY_TOL
+        # TF32 plans are checked too where the inputs hold bf16/fp16 values
+        # (on them TF32 is exact)
+        tol = tune.ACCURACY_TOL if self.values or not self.tf32 else None
         check_pack = None
         if tol is not None:
             # the accuracy check reads inputs of varied values: at set-up the
             # op's own buffers hold zeros or stale values, on which every plan
-            # agrees (so an H200's inaccurate weight-gradient engine was kept)
+            # agrees (so an H200's inaccurate weight-gradient engine was kept);
+            # rounded to bf16/fp16 as the op's inputs are when it runs
             rng = np.random.default_rng(0)
             probes = {k: cupy.asarray(rng.standard_normal(tuple(a.shape)).astype(np.float32))
                       for k, a in buffers.items()}
+            if self.values:
+                from .kernels import round_in_place
+                probes = {k: round_in_place(a, self.values) for k, a in probes.items()}
             keep.extend(probes.values())
             check_pack = dict(pack)
             check_pack.update({self.tensors[k]: data_ptr(a) for k, a in probes.items()})
@@ -304,7 +311,7 @@ class ConvPlan:
                                              handle=handle)
 
 
-def expected_workspace(kind, geo, dtype, bias=False, relu=False, slope=0.0):
+def expected_workspace(kind, geo, dtype, bias=False, relu=False, slope=0.0, values=None):
     """Before any plan is built (``plan`` counts the device's bytes): the
     workspace a convolution direction will take on the cuDNN path, as
     ``(bytes, source, entry)`` -- ``source`` "tuner cache" with the cached
@@ -317,19 +324,22 @@ def expected_workspace(kind, geo, dtype, bias=False, relu=False, slope=0.0):
         return None
     from . import tf32_enabled
     key = tune.plan_key(kind, geo, dtype, bias, relu, slope, tune.deterministic(),
-                        tf32_enabled())
+                        tf32_enabled() or values is not None, values)
     entry = tune.cached_entry(key)
     if entry is not None:
         return int(entry["workspace"]), "tuner cache", entry
     return int(tune.workspace_limit()), "gpu.workspace_limit cap", None
 
 
-def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):
+def plan(kernel, kind, geo, dtype, device, buffers=None, values=None, **fusion):
     """A :class:`ConvPlan` for ``kernel``'s op, or None (the im2col path):
     cuDNN missing, the shape unsupported, or the op not float32/ungrouped.
     ``buffers``: the op's input arrays by tensor key ("x", "w", "b", "dy"),
     to time the plans on (gpu/cudnn_tune.py); None takes the heuristic's
-    plan. The first miss of each kind is said once."""
+    plan. ``values``: ``bfloat16``/``float16`` for an op marked so (its
+    float32 operands hold those values, exact in TF32): TF32 plans are
+    allowed whatever the process's ``tf32``. The first miss of each kind
+    is said once."""
     cudnn = frontend()
     if cudnn is None:
         note_fallback("convolutions", fallback_reason())
@@ -337,16 +347,17 @@ def plan(kernel, kind, geo, dtype, device, buffers=None, **fusion):
     if np.dtype(dtype) != np.dtype(np.float32) or geo["G"] != 1:
         return None
     from . import tf32_enabled
+    tf32 = tf32_enabled() or values is not None
     try:
-        return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(), buffers=buffers,
-                        **fusion)
+        return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32, buffers=buffers,
+                        values=values, **fusion)
     except Exception as exc:
         if fusion.get("bias") or fusion.get("relu"):
             try:  # no fused plan: the convolution alone, our epilogue kernel after it
                 plain = None if buffers is None else \
                     {k: v for k, v in buffers.items() if k not in ("b", "m")}
-                return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32_enabled(),
-                                buffers=plain)
+                return ConvPlan(cudnn, device, kind, geo, dtype, tf32=tf32,
+                                buffers=plain, values=values)
             except Exception as plain_exc:
                 exc = plain_exc
         note_fallback(f"some convolutions ({kind} of op '{kernel.op.name}')",

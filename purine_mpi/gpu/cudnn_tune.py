@@ -10,7 +10,11 @@ stream; the fastest plan is kept and run by index
 (``execute_plan_at_index``). FFT and filter-flip engines compete like the
 others, but only among the accurate: without TF32, a plan whose result
 deviates from the majority of plans by more than ``ACCURACY_TOL`` of the
-largest magnitude is never kept (``time_plans``). Plans that do not build or
+largest magnitude is never kept (``time_plans``). A bf16/fp16 op's plans
+(TF32 allowed: its operands are exact in TF32) are held to the same
+tolerance, timed on copies of its inputs rounded to its precision
+(gpu/cudnn.py): there a TF32 plan computes the products exactly, as the
+float32 plans do, and only an inaccurate engine deviates. Plans that do not build or
 fail to run are skipped. With
 ``PURINE_CUDNN_BENCHMARK=0`` the heuristic's first plan that builds is taken
 (``build_plans()``), as before. ``PURINE_CUDNN_DETERMINISTIC=0`` lets
@@ -110,13 +114,16 @@ def cache_path(gpu_name, version):
     return os.path.join(cache_dir(), "cudnn_plans", f"{slug}-cudnn{version}.json")
 
 
-def plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32):
-    """The cache key of one convolution direction."""
+def plan_key(kind, geo, dtype, bias, relu, slope, determ, tf32, values=None):
+    """The cache key of one convolution direction (``values``: the low
+    precision its float32 operands hold, ``bfloat16`` or ``float16``, or
+    None: a float32 op; such a key ends in it)."""
     g = geo
     return (f"{kind} x{g['N']}x{g['C']}x{g['H']}x{g['W']} w{g['O']}x{g['C']}x{g['kh']}x{g['kw']}"
             f" s{g['sh']},{g['sw']} p{g['ph']},{g['pw']} d{g['dh']},{g['dw']} g{g['G']}"
             f" {np.dtype(dtype).name} bias{int(bool(bias))} relu{int(bool(relu))}:{float(slope)}"
-            f" det{int(bool(determ))} tf32{int(bool(tf32))} ws{workspace_limit()}")
+            f" det{int(bool(determ))} tf32{int(bool(tf32))} ws{workspace_limit()}"
+            + (f" {values}" if values else ""))
 
 
 def _reject(why):

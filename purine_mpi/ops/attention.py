@@ -250,6 +250,7 @@ class AttentionScores(_AttentionKernel):
 
     op_type = "AttentionScores"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -271,6 +272,7 @@ class AttentionScoresGrad(OpKernel):
 
     op_type = "AttentionScoresGrad"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -302,6 +304,7 @@ class AttentionContext(OpKernel):
 
     op_type = "AttentionContext"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -326,6 +329,7 @@ class AttentionContextGrad(OpKernel):
 
     op_type = "AttentionContextGrad"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):

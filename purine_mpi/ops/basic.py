@@ -2,7 +2,7 @@
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
-from .registry import OpKernel, gradient, register
+from .registry import OpKernel, gradient, register, round_low
 
 
 @register
@@ -161,19 +161,11 @@ class Cast(OpKernel):
     def infer(cls, attrs, ins):
         return [ins[0]]
 
-    def _spec(self, shape):
-        from ..base.precision import scratch_spec
-        return scratch_spec(shape, self.attrs["dtype"])
-
-    def setup(self, ins, outs):
-        self.reserve_temporaries(outs[0], self._spec(outs[0].shape))
-
     def run(self, ins, outs):
-        from ..base.precision import round_to
         dst = outs[0]
         dst[...] = ins[0]
-        (scratch,) = self.temporaries(dst, self._spec(dst.shape))
-        round_to(dst, self.attrs["dtype"], scratch)
+        round_low(self, [dst], self.attrs["dtype"])   # one kernel on a GPU, no scratch
 
     def host_temporaries(self, ins, outs):
-        return [self._spec(outs[0].shape)]
+        from ..base.precision import scratch_spec
+        return [scratch_spec(outs[0].shape, self.attrs["dtype"])]   # round_to's, on the host

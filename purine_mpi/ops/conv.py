@@ -314,7 +314,8 @@ def _gpu_setup(kernel, kind, geo, arrays, buffers=None, **fusion):
     from ..gpu import cudnn as gpu_cudnn
     from ..gpu.raw import array_device
     kernel._plan = gpu_cudnn.plan(kernel, kind, geo, arrays[0].dtype,
-                                  array_device(arrays[0]), buffers=buffers, **fusion)
+                                  array_device(arrays[0]), buffers=buffers,
+                                  values=_low_values(kernel), **fusion)
     if kernel._plan is not None:
         scratch.reserve(((kernel._plan.workspace_bytes,), np.uint8))
     else:
@@ -325,6 +326,13 @@ def _gpu_setup(kernel, kind, geo, arrays, buffers=None, **fusion):
 _WHICH = {"fprop": "forward", "dgrad": "data", "wgrad": "weight"}
 
 
+def _low_values(kernel):
+    """``bfloat16``/``float16`` for an op the precision pass marked so (its
+    cuDNN plans may use TF32: ``tf32_when_low``), else None."""
+    dtype = kernel.attrs.get("compute_dtype")
+    return dtype if dtype in ("bfloat16", "float16") else None
+
+
 class _ConvScratch:
     """The scratch of one convolution direction (``OpKernel.scratch_specs``):
     once set up on a GPU, its cuDNN plan's workspace or the im2col columns
@@ -332,6 +340,8 @@ class _ConvScratch:
     take (gpu/cudnn.expected_workspace: the tuner's cache, else the cap) or
     the columns. Subclasses give ``_direction(ins, outs)``: (cuDNN kind,
     geometry, dtype, fusion)."""
+
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     def _expected(self, ins, outs):
         """(kind, geo, dtype, workspace bytes or None: im2col, source, entry)."""
@@ -342,7 +352,8 @@ class _ConvScratch:
                 return kind, geo, dtype, None, "im2col", None
             return kind, geo, dtype, int(plan.workspace_bytes), "cuDNN plan", None
         from ..gpu import cudnn as gpu_cudnn
-        found = gpu_cudnn.expected_workspace(kind, geo, dtype, **fusion)
+        found = gpu_cudnn.expected_workspace(kind, geo, dtype, values=_low_values(self),
+                                             **fusion)
         if found is None:
             return kind, geo, dtype, None, "im2col", None
         return (kind, geo, dtype) + tuple(found)

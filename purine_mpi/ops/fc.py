@@ -63,6 +63,7 @@ class InnerProduct(OpKernel):
 
     op_type = "InnerProduct"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -102,6 +103,7 @@ class InnerProductGradData(OpKernel):
 
     op_type = "InnerProductGradData"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -128,6 +130,7 @@ class InnerProductGradWeight(OpKernel):
 
     op_type = "InnerProductGradWeight"
     products = True   # cuBLAS on a GPU (gpu/blas.py)
+    tf32_when_low = True   # its products read only its (rounded) inputs
 
     @classmethod
     def infer(cls, attrs, ins):

@@ -131,6 +131,13 @@ class OpKernel:
     #: whether the kernel's device work calls cuBLAS (gpu/blas.gemm), so its
     #: stream gets a cuBLAS handle and workspace (``runs_products``)
     products = False
+    #: whether, marked bf16/fp16 (``compute_dtype``), the kernel's products
+    #: (cuBLAS, cuDNN) may run on TF32 tensor cores: every operand of them
+    #: is one of its inputs, which the precision pass rounds (Cast), and
+    #: bfloat16/float16 values are exact in TF32, so no product changes
+    #: (``make_kernel``). Not where a product reads a float32 value the
+    #: kernel computes itself (the fused Attention's probabilities).
+    tf32_when_low = False
 
     def capturable_on(self, ins, outs):
         """``capturable`` for the op's input and output blobs ``ins`` and
@@ -247,11 +254,15 @@ def make_kernel(op):
     marked with a low ``compute_dtype`` (bfloat16, float16) rounds its
     outputs to it after each run, as a GPU's bf16/fp16 GEMM writes its fp32
     accumulator out in the low type (its inputs are low already: Cast ops);
-    an accumulating writer adds its float32 result unrounded. An update op
+    an accumulating writer adds its float32 result unrounded; its products
+    run on TF32 tensor cores where its kernel says they may
+    (``tf32_when_low``: exact for these operands). An update op
     with attr ``skip_if`` does nothing on a step whose overflow flag is set
     (fp16's loss scaling, graph/loss_scale.py)."""
     kernel = get_kernel_class(op.op_type, op.name)(op)
     dtype = op.attrs.get("compute_dtype")
+    if dtype not in (None, "float32") and kernel.tf32_when_low:
+        _tf32_products(kernel)
     if dtype not in (None, "float32") and not op.accumulate and op.op_type != "Cast":
         _round_outputs(kernel, dtype)
     if op.attrs.get("skip_if"):
@@ -283,34 +294,55 @@ def _skippable(kernel, flag):
     kernel.capture_note = "skipped on the host when fp16's overflow flag is set"
 
 
-def _round_outputs(kernel, dtype):
-    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run,
-    through scratch reserved in its setup (nothing allocated in a capture),
-    but those whose indices the kernel lists in ``fp32_outputs`` (the
-    attention statistics: float32 by definition)."""
+def _tf32_products(kernel):
+    """Make ``kernel``'s cuBLAS products run with TF32 allowed (gpu/blas.
+    tf32_products, on the thread that runs it), whatever the process's
+    ``tf32``: the fp32 ops of the same job keep theirs. Its convolutions
+    ask cuDNN for TF32 plans themselves (ops/conv.py)."""
+    run = kernel.run
+
+    def tf32_run(ins, outs):
+        if get_xp(next(iter(ins or outs), np.empty(0))) is np:
+            return run(ins, outs)
+        from ..gpu.blas import tf32_products
+        with tf32_products(True):
+            return run(ins, outs)
+
+    kernel.run = tf32_run
+
+
+def round_low(kernel, arrays, dtype):
+    """Round the float32 ``arrays`` in place to ``dtype`` (``bfloat16`` or
+    ``float16``): on a GPU one kernel each (cuda/precision.cu, no scratch:
+    nothing to reserve, nothing allocated in a capture); on the host
+    base/precision.round_to, through ``kernel``'s temporaries of its
+    ``scratch_spec``s. The same bits either way."""
+    if not arrays:
+        return
+    if get_xp(arrays[0]) is not np:
+        from ..gpu.kernels import round_in_place
+        for array in arrays:
+            round_in_place(array, dtype)
+        return
     from ..base.precision import round_to, scratch_spec
-    setup, run = kernel.setup, kernel.run
+    specs = [scratch_spec(a.shape, dtype) for a in arrays]
+    for array, scratch in zip(arrays, kernel.temporaries(arrays[0], *specs)):
+        round_to(array, dtype, scratch)
 
+
+def _round_outputs(kernel, dtype):
+    """Make ``kernel`` round its float32 outputs to ``dtype`` after each run
+    (``round_low``: one kernel per output on a GPU), but those whose indices
+    the kernel lists in ``fp32_outputs`` (the attention statistics: float32
+    by definition)."""
+    run = kernel.run
     keep = set(getattr(kernel, "fp32_outputs", ()))   # outputs that stay float32
-
-    def rounded(outs):
-        return [o for i, o in enumerate(outs) if o.dtype == np.float32 and i not in keep]
-
-    def specs(outs):
-        return [scratch_spec(o.shape, dtype) for o in rounded(outs)]
-
-    def rounded_setup(ins, outs):
-        setup(ins, outs)
-        if specs(outs):
-            kernel.reserve_temporaries(outs[0], *specs(outs))
 
     def rounded_run(ins, outs):
         result = run(ins, outs)
-        floats = rounded(outs)
-        if floats:
-            for out, scratch in zip(floats, kernel.temporaries(floats[0], *specs(floats))):
-                round_to(out, dtype, scratch)
+        round_low(kernel, [o for i, o in enumerate(outs)
+                           if o.dtype == np.float32 and i not in keep], dtype)
         return result
 
-    kernel.setup, kernel.run = rounded_setup, rounded_run
+    kernel.run = rounded_run
 

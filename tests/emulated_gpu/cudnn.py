@@ -18,6 +18,7 @@ import numpy as np
 
 from . import capture
 from .helpers import run_kernel
+from .host_kernels import tf32_round
 
 #: what the emulated frontend says when a plan is built inside a capture
 BUILD_REFUSED = ("cudnn: building an execution plan during a stream capture (it allocates "
@@ -63,7 +64,9 @@ class FakeCudnn(types.ModuleType):
     ``get_workspace_size_plan_at_index`` (a built plan's; raises otherwise),
     ``get_workspace_size`` (the heuristic choice's), ``execute`` (the
     heuristic choice) and ``execute_plan_at_index`` (a built plan; raises
-    otherwise). Each execution advances ``GPU_CLOCK`` by its plan's cost."""
+    otherwise). Each execution advances ``GPU_CLOCK`` by its plan's cost;
+    a plan with the ``TENSOR_CORE`` note reads its X, W, DY rounded to TF32
+    (``math``: which runs did)."""
 
     def __init__(self, unsupported=(), engines=ENGINES, version=91900):
         super().__init__("cudnn")
@@ -80,6 +83,7 @@ class FakeCudnn(types.ModuleType):
         self.sdpa_max_head = 128   # Ampere's backward bound (Hopper: 256)
         self.engines, self.version = list(engines), version
         self.graphs, self.streams, self.executed = [], [], []
+        self.math = []   # (graph, whether its plan ran on TF32 tensor cores) of each run
         outer = self
 
         class Tensor:
@@ -236,8 +240,11 @@ class FakeCudnn(types.ModuleType):
                 stream = capture.stream_of(getattr(handle, "stream", 0) or 0)
                 cost = self.plans[index][1]
 
+                tensor_core = "TENSOR_CORE" in self.plans[index][3]
+
                 def run():   # device work: reads the pack's memory when it runs
                     outer.executed.append((self, workspace, index))
+                    outer.math.append((self, tensor_core))
                     GPU_CLOCK["ms"] += cost
                     if stream is not None:
                         stream.device.busy_ms += cost
@@ -246,6 +253,9 @@ class FakeCudnn(types.ModuleType):
                         return
                     arrays = {t: from_address(p, t.dim, np.float32) for t, p in pack.items()
                               if t.op is None or t.output}
+                    if tensor_core:   # TF32 tensor cores read the product's operands in TF32
+                        arrays.update({t: tf32_round(a) for t, a in arrays.items()
+                                       if t.op is None and t.name in ("X", "W", "DY")})
                     (out,) = [t for t in pack if t.output]
                     value = self._value(out, arrays)
                     error = self.plans[index][5] if len(self.plans[index]) > 5 else 0.0

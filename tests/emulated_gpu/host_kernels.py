@@ -389,6 +389,20 @@ def _parse_params(text):
     return params
 
 
+def tf32_round(x):
+    """float32 ``x`` with each finite value rounded to TensorFloat-32 (10
+    mantissa bits, to nearest, ties away from zero: ``cvt.rna.tf32.f32``),
+    what tensor cores read of a float32 operand; a copy."""
+    bits = np.array(x, dtype=np.float32).view(np.uint32)
+    finite = (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+    bits[finite] = (bits[finite] + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32)
+
+
+#: cublasMath_t: CUBLAS_TF32_TENSOR_OP_MATH
+TF32_MATH = 3
+
+
 class HostCublas:
     """cuBLAS's column-major GEMMs (CuPy's ``cupy.cuda.cublas`` signatures,
     host pointer mode) on host memory addresses: operands are read where the
@@ -397,7 +411,19 @@ class HostCublas:
     an ld cuBLAS would reject is an error.
 
     Like CuPy's binding, every call refuses a capturing current stream
-    (``NotImplementedError``, CuPy's message: its ``setStream`` checks)."""
+    (``NotImplementedError``, CuPy's message: its ``setStream`` checks).
+    A handle's math mode (``setMathMode``) is kept; a float32 product under
+    TF32 math (``TF32_MATH``) reads its operands rounded to TF32, as tensor
+    cores do. ``gemms``: (function name, math mode) of every product."""
+
+    def __init__(self):
+        self.math, self.gemms = {}, []
+
+    def setMathMode(self, handle, mode):  # noqa: N802  (CuPy's name)
+        self.math[handle] = int(mode)
+
+    def getMathMode(self, handle):  # noqa: N802
+        return self.math.get(handle, 0)
 
     def _view(self, ptr, dtype, rows, cols, ld, stride, batch):
         item = np.dtype(dtype).itemsize
@@ -412,7 +438,7 @@ class HostCublas:
         return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-              ldc, sC, batch, stream=None, workspace=None):
+              ldc, sC, batch, stream=None, workspace=None, tf32=False):
         """Check the arguments and read alpha and beta (host pointer mode) now,
         as cuBLAS does at the call; the product itself is device work on
         ``stream`` (``capture.device_work``: recorded on a capturing
@@ -429,7 +455,10 @@ class HostCublas:
         alpha, beta = self._scalar(alpha, dtype), self._scalar(beta, dtype)
 
         def run():
-            product = np.matmul(op_a, op_b)
+            if tf32 and dtype == np.float32:   # tensor cores read TF32 operands
+                product = np.matmul(tf32_round(op_a), tf32_round(op_b))
+            else:
+                product = np.matmul(op_a, op_b)
             if alpha != 1:   # a product by 1 is exact: the same numbers without the pass
                 product *= alpha
             c[...] = product if beta == 0 else product + beta * c  # beta 0: C is not read
@@ -438,29 +467,31 @@ class HostCublas:
             run.cublas_workspace = workspace
         capture.device_work(run, DEFAULT_STREAM if stream is None else stream)
 
-    def _cupy_call(self, dtype, *args):
+    def _cupy_call(self, dtype, handle, *args):
         stream = capture.current_stream()
         capture.refuse_if_capturing(NotImplementedError, capture.CUBLAS_REFUSED,
                                         stream=stream)
-        self._gemm(dtype, *args, stream=stream)
+        math = self.getMathMode(handle)
+        self.gemms.append(("sgemm" if dtype == np.float32 else "dgemm", math))
+        self._gemm(dtype, *args, stream=stream, tf32=math == TF32_MATH)
 
     def sgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                             beta, C, ldc, sC, batch):
-        self._cupy_call(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-                        ldc, sC, batch)
+        self._cupy_call(np.float32, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+                        beta, C, ldc, sC, batch)
 
     def dgemmStridedBatched(self, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                             beta, C, ldc, sC, batch):
-        self._cupy_call(np.float64, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-                        ldc, sC, batch)
+        self._cupy_call(np.float64, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+                        beta, C, ldc, sC, batch)
 
     def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self._cupy_call(np.float32, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc,
-                        0, 1)
+        self._cupy_call(np.float32, handle, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C,
+                        ldc, 0, 1)
 
     def dgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
-        self._cupy_call(np.float64, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc,
-                        0, 1)
+        self._cupy_call(np.float64, handle, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C,
+                        ldc, 0, 1)
 
 
 #: the default (legacy NULL) stream of the emulated device: never capturing
@@ -493,6 +524,7 @@ def emulated_nvmath_cublas():
     handles = {}
     module.handles = handles      # for the tests: handle -> its state
     module.calls = []             # (function name, handle) of every call
+    module.gemms = []             # (function name, handle, math mode) of every product
     counter = iter(range(1, 1 << 30))
 
     def state(handle, what):
@@ -543,8 +575,10 @@ def emulated_nvmath_cublas():
             raise cuBLASError(f"{what}: a handle without a workspace of its own on a capturing "
                               "stream (cuBLAS would allocate its default workspace inside the "
                               "capture)")
+        module.gemms.append((what, handle, s["math"]))
         host._gemm(dtype, *args, stream=stream,
-                   workspace=s["workspace"][0] if s["workspace"] else None)
+                   workspace=s["workspace"][0] if s["workspace"] else None,
+                   tf32=s["math"] == TF32_MATH)
 
     def sgemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         gemm("sgemm", np.float32, handle,

@@ -31,6 +31,7 @@ ENTRY_POINTS = {
 PLAIN_ENTRY_POINTS = {
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),
+    "precision": ("round_bf16", "round_fp16"),
 }
 
 _BLOCK = 256

@@ -1,5 +1,6 @@
-"""Dropout (Philox masks), activations, the reductions and layer norm
-(cuda/dropout.cu, activation.cu, reduce.cu, layernorm.cu).
+"""Dropout (Philox masks), activations, the reductions, layer norm and the
+low-precision rounding (cuda/dropout.cu, activation.cu, reduce.cu,
+layernorm.cu, precision.cu).
 """
 import numpy as np
 
@@ -277,3 +278,25 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
                               x if dx is None else dx, _int(dx is not None),
                               x if dyxhat is None else dyxhat, _int(dyxhat is not None)))
     return dx, dyxhat
+
+
+# -------------------------------------------------------------- rounding ---
+
+#: the entry point of cuda/precision.cu for each dtype name
+_ROUND = {"bfloat16": "round_bf16", "float16": "round_fp16"}
+
+
+def round_in_place(x, dtype):
+    """Round the float32 CuPy array ``x`` in place to the nearest ``dtype``
+    (``bfloat16`` or ``float16``) value, one kernel over its bits and no
+    scratch: the bits base/precision.round_to gives (cuda/precision.cu).
+    ``x`` must be C-contiguous (a copy would not be in place)."""
+    import_cupy()
+    if np.dtype(x.dtype) != np.dtype(np.float32):
+        raise TypeError(f"round_in_place: a float32 array, got {x.dtype}")
+    if dtype not in _ROUND:
+        raise ValueError(f"round_in_place: bfloat16 or float16, got {dtype!r}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"round_in_place: a C-contiguous array, got strides {x.strides}")
+    _base._launch("precision", _ROUND[dtype], None, x.size, (x.view(np.uint32),))
+    return x

@@ -1,0 +1,190 @@
+"""bf16/fp16 on the device (docs/gpu.md, "Precision"): the one rounding
+kernel (cuda/precision.cu) against base/precision's NumPy rounding, bit for
+bit, and the one launch per rounded array of a low-precision op; the
+TF32 math the low-precision products ask cuBLAS and cuDNN for."""
+import numpy as np
+import pytest
+
+from purine_mpi.base.precision import _round_bits, round_to, scratch_spec
+from purine_mpi.graph.core import Op
+from purine_mpi.gpu import kernels
+from purine_mpi.ops.catalog import get_kernel_class
+from purine_mpi.ops.registry import make_kernel
+from tests.emulated_gpu.fixtures import device  # noqa: F401
+
+_U = np.uint32
+
+
+def _adversarial():
+    """float32 bit patterns where a rounding goes wrong first: ties both
+    ways for bf16 (bit 16 odd/even, low half 0x8000) and fp16 (bit 13,
+    low 13 bits 0x1000), one below and above a tie (0x7fff / 0x8001),
+    the largest finite float32 and bf16 carrying into infinity, fp16's
+    65504 / 65519.99 / 65520, -0, float32 and float16 subnormals and
+    their ties, infinities, NaNs with payload only in the low bits,
+    and random values over the whole exponent range."""
+    bits = [0x3F808000, 0x3F818000, 0xBF808000, 0x3F807FFF, 0x3F808001, 0x3F80FFFF,
+            0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF,          # bf16 carry to inf
+            0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001, 0xBF803000,  # fp16 ties
+            0x80000000, 0x00000000, 0x00000001, 0x807FFFFF, 0x00400000,
+            0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x7F80FFFF,
+            0x7F810000, 0xFF800100, 0x7FA02000, 0x7F802001, 0x7FFFFFFF]
+    values = [65504.0, 65519.996, 65520.0, -65520.0, 65536.0, 1e6, -3.4e38,
+              2.0 ** -14, 2.0 ** -15, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25,
+              -2.0 ** -25, 3 * 2.0 ** -25, 2.5 * 2.0 ** -24, 0.75 * 2.0 ** -24,
+              2.0 ** -14 - 2.0 ** -26, 2.0 ** -14 - 2.0 ** -25, 6.1e-5, 1.0, -1.0]
+    x = np.concatenate([np.array(bits, _U).view(np.float32),
+                        np.array(values, np.float32)])
+    rng = np.random.default_rng(7)
+    with np.errstate(over="ignore"):
+        spread = (rng.standard_normal(4000) * np.exp(rng.uniform(-100, 100, 4000))).astype(
+            np.float32)
+    return np.concatenate([x, spread, rng.integers(0, 1 << 32, 4000, dtype=np.uint64)
+                           .astype(_U).view(np.float32)])
+
+
+def _numpy_rounding(x, dtype):
+    """The reference bits: base/precision._round_bits (bf16) and NumPy's
+    float32 -> float16 -> float32 (fp16)."""
+    if dtype == "bfloat16":
+        bits = x.copy().view(_U)
+        _round_bits(np, bits, np.empty_like(bits), np.empty_like(bits))
+        return bits
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(np.float16).astype(np.float32).view(_U)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_rounding_kernel_gives_numpys_bits_in_one_launch(device, dtype):
+    x = _adversarial()
+    want = _numpy_rounding(x, dtype)
+    on_device = device.to_device(x)
+    device.launched.clear()
+    kernels.round_in_place(on_device, dtype)
+    got = np.asarray(device.to_host(on_device)).view(_U)
+    assert device.launched == [{"bfloat16": "round_bf16", "float16": "round_fp16"}[dtype]]
+    nan = np.isnan(want.view(np.float32))
+    bad = np.flatnonzero((got != want) & ~nan)
+    assert bad.size == 0, [(hex(x.view(_U)[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+    # NaNs: NaN, sign kept, the top 10 (bf16: 7) payload bits kept, as NumPy's
+    # software conversion (a NumPy built on F16C hardware would quiet them)
+    assert np.isnan(got[nan].view(np.float32)).all()
+    if dtype == "bfloat16":
+        np.testing.assert_array_equal(got[nan], want[nan])
+    else:
+        keep = x.view(_U)[nan] & _U(0xFFFFE000)
+        np.testing.assert_array_equal(got[nan], np.where(keep & _U(0x7FE000), keep,
+                                                         keep | _U(0x2000)))
+    # and the host round_to (the scratch path) gives the same
+    host = x.copy()
+    shape, sdt = scratch_spec(host.shape, dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        round_to(host, dtype, np.empty(shape, sdt))
+    np.testing.assert_array_equal(host.view(_U)[~nan], got[~nan])
+
+
+def test_the_rounding_kernel_refuses_what_it_cannot_round_in_place(device):
+    x = device.to_device(np.ones((4, 4), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.round_in_place(x[:, ::2], "bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kernels.round_in_place(x, "float8")
+    with pytest.raises(TypeError, match="float32"):
+        kernels.round_in_place(device.to_device(np.ones(3)), "bfloat16")
+
+
+def _fc_kernel(dtype, bias=True):
+    attrs = {"num_output": 3, "compute_dtype": dtype}
+    ins = ["x", "w", "b"] if bias else ["x", "w"]
+    return make_kernel(Op("fc", "InnerProduct", ins, ["y"], attrs))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtype):
+    rng = np.random.default_rng(3)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((5, 7), (3, 7), (3,)))
+    host_y = np.full((5, 3), np.nan, np.float32)
+    _fc_kernel(dtype).run([x, w, b], [host_y])
+    ins = [device.to_device(a) for a in (x, w, b)]
+    y = device.to_device(np.full((5, 3), np.nan, np.float32))
+    kernel = _fc_kernel(dtype)
+    kernel.setup(ins, [y])
+    device.launched.clear()
+    kernel.run(ins, [y])
+    name = {"bfloat16": "round_bf16", "float16": "round_fp16"}[dtype]
+    assert device.launched.count(name) == 1, device.launched
+    assert not [k for k in device.launched if k.startswith("round_") and k != name]
+    got = np.asarray(device.to_host(y))
+    np.testing.assert_array_equal(got.view(_U), _numpy_rounding(got, dtype))  # rounded
+    np.testing.assert_allclose(got, host_y, rtol=1e-2)
+    # the Cast op: one launch, the NumPy path's bits, no scratch reserved
+    cast = get_kernel_class("Cast")(Op("c", "Cast", ["x"], ["x@low"], {"dtype": dtype}))
+    out = device.to_device(np.zeros((5, 7), np.float32))
+    cast.setup([ins[0]], [out])
+    device.launched.clear()
+    cast.run([ins[0]], [out])
+    assert device.launched == [name]
+    np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
+                                  _numpy_rounding(x, dtype))
+    assert getattr(cast, "_own_scratch", None) is None or cast._own_scratch.reserved == 0
+
+
+# -------------------------------------------------------------- TF32 products
+def _gemm_spy(monkeypatch):
+    """[(op type, math mode)] of every cuBLAS product (the emulated nvmath
+    cuBLAS records the handle's math mode at each call; the op is the
+    OpKernel whose run made it)."""
+    import sys
+    from purine_mpi.gpu import blas
+    from purine_mpi.ops.registry import OpKernel
+    seen, real = [], blas.gemm
+
+    def spy(*args, **kwargs):
+        cublas = sys.modules["nvmath.bindings.cublas"]
+        frame, op_type = sys._getframe(1), None
+        while frame is not None and op_type is None:
+            me = frame.f_locals.get("self")
+            op_type = me.op.op_type if isinstance(me, OpKernel) else None
+            frame = frame.f_back
+        before = len(cublas.gemms)
+        out = real(*args, **kwargs)
+        seen.extend((op_type, math) for _, _, math in cublas.gemms[before:])
+        return out
+
+    monkeypatch.setattr(blas, "gemm", spy)
+    return seen
+
+
+def test_a_bf16_gpt_runs_its_gemms_on_tf32_and_an_fp32_one_does_not(host_build_dir,
+                                                                    monkeypatch):
+    """Three AdamW steps of the 2-block GPT on the emulated device: in bf16
+    every product of the InnerProduct* and AttentionScores/Context* ops runs
+    with cuBLAS's TF32 math (3), the fused Attention's (float32 probabilities)
+    with the default (0); in fp32 all with the default. The emulated cuBLAS
+    reads TF32 operands rounded to TF32: the bf16 losses are bit for bit
+    those of the same run with TF32 kept off (bf16 values are exact in TF32)."""
+    from purine_mpi.ops import registry
+    from tests.test_precision import _ours_on_the_emulated_device
+    toks = np.random.default_rng(3).integers(0, 16, (3, 2, 9))
+    losses, modes = {}, {}
+    for precision, tf32 in (("bf16", True), ("bf16", False), ("fp32", False)):
+        with monkeypatch.context() as m:
+            if not tf32:
+                m.setattr(registry, "_tf32_products", lambda kernel: None)
+            seen = _gemm_spy(m)
+            _, losses[precision, tf32], _ = _ours_on_the_emulated_device(
+                m, host_build_dir, precision, toks, 3)
+            modes[precision, tf32] = seen
+    low = {"InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
+           "AttentionScores", "AttentionScoresGrad", "AttentionContext", "AttentionContextGrad"}
+    by_type = {}
+    for op_type, math in modes["bf16", True]:
+        by_type.setdefault(op_type, set()).add(math)
+    assert {t for t in by_type if t in low} >= {"InnerProduct", "InnerProductGradData",
+                                                "InnerProductGradWeight"}, by_type
+    assert all(by_type[t] == {3} for t in by_type if t in low), by_type
+    assert all(by_type[t] == {0} for t in by_type if t not in low), by_type
+    assert modes["fp32", False] and {m for _, m in modes["fp32", False]} == {0}
+    assert {m for _, m in modes["bf16", False]} == {0}
+    assert losses["bf16", True] == losses["bf16", False]
+    assert losses["bf16", True] != losses["fp32", False]
