@@ -2,6 +2,7 @@
 gpu_throughput.py's ``--precision bf16`` without a GPU: the CPU dry runs
 build and step every side at a tiny size and print the real JSON keys with
 null figures; the GPU run refuses to report CPU numbers."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -59,6 +60,28 @@ def test_gpu_throughput_bf16_dry_run_runs_pytorch_channels_last_autocast():
     assert out["precision"] == "bf16" and out["dry_run"] is True
     (entry,) = out["results"]
     assert entry["dry_run_torch_loss"] > 0 and entry["dry_run_purine_loss"] > 0
+
+
+def test_gpu_throughput_bf16_graph_inputs_keep_the_pinned_channels_last_layout():
+    """The whole-step CUDA graph's input buffers take their pinned host
+    tensors' strides: bf16's channels-last images copied into an NCHW buffer
+    went through a pageable contiguous temporary, which a capture refuses
+    (bench_bf16.json of 2026-11-29: torch_graph_error "Cannot copy between
+    CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is
+    pinned")."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("gpu_throughput_graph", THROUGHPUT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = bench.load(os.path.join(REPO, "jobs", "cifar10_quick.yaml"), 2)
+    for precision, channels_last in (("bf16", True), ("fp32", False)):
+        *_, x_host, y_host = bench._torch_setup(dict(config, precision=precision), None, False)
+        assert x_host.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert x_host.is_contiguous() != channels_last
+        static_x, static_y = bench.static_inputs(torch, torch.device("cpu"), x_host, y_host)
+        for host, static in ((x_host, static_x), (y_host, static_y)):
+            assert static.shape == host.shape and static.dtype == host.dtype
+            assert static.stride() == host.stride()   # one memcpy, no temporary
 
 
 def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
