@@ -42,6 +42,68 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     assert sides["torch_eager"]["attention_ms_per_iter"] is None
     assert "not measured" in sides["torch_eager"]["attention_note"]
     assert out["purine_vs_torch_eager"] > 0
+    # where our step's time goes: the op table from our trace (host times here)
+    ours = sides["purine"]
+    bd = ours["op_breakdown"]
+    assert "eager dispatch" in ours["op_breakdown_note"]
+    assert bd["steps"] == 1 and bd["step_ms"] > 0 and bd["ops_per_iter"] > 0
+    assert 0 < bd["busy_ms_per_iter"] <= bd["step_ms"]
+    assert bd["idle_ms_per_iter"] == pytest.approx(bd["step_ms"] - bd["busy_ms_per_iter"],
+                                                   abs=1e-3)
+    for table, key in ((bd["by_type"], "op_type"), (bd["by_op"], "name")):
+        assert 2 <= len(table) <= 16 and table[-1][key] == "other"
+        top = table[:-1]
+        assert [r["ms_per_iter"] for r in top] == sorted((r["ms_per_iter"] for r in top),
+                                                         reverse=True)
+        for r in table:
+            assert {key, "ms_per_iter", "span_ms_per_iter", "count_per_iter", "share",
+                    "on"} <= set(r)
+            assert r["count_per_iter"] > 0 and r["on"] == ["host"]
+            assert 0 <= r["ms_per_iter"] <= r["span_ms_per_iter"] + 1e-4
+            assert r["share"] == pytest.approx(r["ms_per_iter"] / bd["step_ms"], abs=1e-3)
+        # the rows add up to the time some op ran, never more than the step
+        total = sum(r["ms_per_iter"] for r in table)
+        assert total == pytest.approx(bd["busy_ms_per_iter"], abs=2e-3)
+        assert total <= bd["step_ms"] + 2e-3
+        assert sum(r["count_per_iter"] for r in table) == pytest.approx(bd["ops_per_iter"])
+    by_type = {r["op_type"]: r for r in bd["by_type"]}
+    attention = sum(by_type[t]["span_ms_per_iter"] for t in ("Attention", "AttentionGrad")
+                    if t in by_type)
+    assert attention == pytest.approx(ours["attention_ms_per_iter"], abs=2e-3)
+    # CUPTI's kernels: a GPU's only, each side saying why not
+    for side in sides.values():
+        assert side["kernels"] is None and "not measured" in side["kernels_note"]
+    assert "CUDA device" in ours["kernels_note"]
+
+
+def test_gpt_gpu_op_breakdown_splits_overlapping_spans():
+    """Two ops at once share the time they overlap; the rows add up to the
+    union of the spans inside the steps' window, the rest is idle."""
+    spec = importlib.util.spec_from_file_location("gpt_gpu_table", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def op(name, op_type, ts, dur, tid="gpu0"):
+        return {"name": name, "ph": "X", "ts": ts, "dur": dur, "tid": tid,
+                "args": {"op_type": op_type}}
+    events = [op("a1", "A", 0, 10_000), op("b1", "B", 5_000, 7_000, "gpu0:1"),
+              op("a2", "A", 20_000, 10_000), op("c1", "C", 35_000, 10_000, "0"),
+              op("early", "A", -5_000, 4_000), {"name": "meta", "ph": "M"}]
+    bd = bench.op_breakdown(events, (0, 40_000), 2, top=2)
+    # per step (2 steps): A 2.5 alone + 1.25 shared with B + 5; B 1.25 shared + 1;
+    # C 2.5 of its 5 inside the window; the union 13.5 of 20
+    assert bd["step_ms"] == 20 and bd["busy_ms_per_iter"] == 13.5
+    assert bd["idle_ms_per_iter"] == 6.5 and bd["ops_per_iter"] == 2
+    a, c, other = bd["by_type"]
+    assert (a["op_type"], a["ms_per_iter"], a["span_ms_per_iter"], a["count_per_iter"],
+            a["share"], a["on"]) == ("A", 8.75, 10, 1, 0.4375, ["gpu"])
+    assert (c["op_type"], c["ms_per_iter"], c["span_ms_per_iter"], c["on"]) == (
+        "C", 2.5, 2.5, ["host"])
+    assert (other["op_type"], other["ms_per_iter"], other["span_ms_per_iter"],
+            other["count_per_iter"], other["rows"], other["on"]) == (
+        "other", 2.25, 3.5, 0.5, 1, ["gpu"])
+    assert [(r["name"], r["op_type"], r["ms_per_iter"]) for r in bd["by_op"]] == [
+        ("a2", "A", 5), ("a1", "A", 3.75), ("other", None, 4.75)]
 
 
 def test_gpt_gpu_without_a_gpu_says_it_needs_one():
