@@ -57,7 +57,7 @@ time each), ``span_ms_per_iter`` (the spans whole), ``count_per_iter``,
 ``other``; ``idle_ms_per_iter``: no op running (the host between launches).
 ``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios.
 ``--budget-s``: rounds after the first, and the profiles after the rounds
-(ours eager, PyTorch's, ours in CUDA graphs: in that order), are skipped
+(ours eager, ours in CUDA graphs, PyTorch's: in that order), are skipped
 once that many seconds have passed (``cut_short``: "budget"), and a SIGTERM (a
 stage's ``timeout``) ends the run with the JSON of what was measured
 (``cut_short``: "terminated"), so the JSON comes back inside a session
@@ -538,11 +538,11 @@ def main(argv=None):
             else:
                 entry["last_loss"] = runs[-1]["last_loss"]
             out_sides[side] = entry
-        # the profiles, after the timed rounds (profiling slows what it watches):
-        # our eager trace (the attention, the op table), PyTorch's kernels, then
-        # our CUDA-graph steps' kernels (a trainer more: the first the budget drops)
-        jobs = [(side, "trace" if side == "purine" else "kernels") for side in out_sides]
-        jobs += [("purine", "kernels")] if "purine" in out_sides else []
+        # the profiles, after the timed rounds (profiling slows what it watches),
+        # what we know least first: our eager trace (the attention, the op table),
+        # our CUDA-graph steps' kernels (a trainer of their own), PyTorch's kernels
+        jobs = [("purine", "trace"), ("purine", "kernels")] if "purine" in out_sides else []
+        jobs += [(side, "kernels") for side in out_sides if side != "purine"]
         for side, job in jobs:
             entry = out_sides[side]
             names = {"trace": ("attention", "op_breakdown"),

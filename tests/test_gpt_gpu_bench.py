@@ -151,3 +151,44 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     stage = text.split("\n  gpt)", 1)[1].split(";;", 1)[0]
     assert "gpu_throughput.py" in stage and "--precision bf16" in stage
     assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage
+
+
+def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
+    """The kernel tables' GPU path on the CPU, kernel_stats (CUPTI) standing
+    in: ours around the profiled steps of a trainer of its own, PyTorch's
+    from the profile that measures its attention, each against the side's
+    timed step."""
+    torch = pytest.importorskip("torch")
+    import types
+    spec = importlib.util.spec_from_file_location("gpt_gpu_kernels", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import gpu_throughput   # on the path gpt_gpu set
+    args = types.SimpleNamespace(batch=2, micro_batches=1, seq=32, warmup=1, profile_iters=2,
+                                 config=os.path.join(REPO, "jobs", "gpt_tiny.yaml"), device=-1)
+    config = bench.load(args, bench.token_file(str(tmp_path)), -1, "fp32")
+    # no CUDA PyTorch: kernel_stats has nothing, and the table says so
+    assert bench.purine_kernels(config, args, 20.0) == (
+        None, "not measured: torch.profiler saw no CUDA device")
+    steps = []
+
+    def stats(step, iters, match=None):
+        for i in range(iters):
+            steps.append(step(i))
+        found = {"matched_ms_per_iter": 1.5, "matched_kernels": ["flash_fprop"]} if match else {}
+        return {**found, "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
+                "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
+    monkeypatch.setattr(gpu_throughput, "kernel_stats", stats)
+    table, note = bench.purine_kernels(config, args, 20.0)
+    assert note is None and len(steps) == 2
+    assert table == {"source": "torch.profiler (CUPTI) around 2 of our CUDA-graph steps (as "
+                     "train runs them)", "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
+                     "iter_ms": 20.0, "gpu_busy": 0.25,
+                     "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
+    side = bench.TorchSide(torch, config, torch.device("cpu"), 1, 2, False, "fp32")
+    assert side.profile(2, 25.0) == ((None, "not measured: torch.profiler's CUDA kernels "
+                                      "need a GPU"),) * 2
+    side.dev = types.SimpleNamespace(type="cuda")   # the GPU branch, stepping on the CPU
+    (attention, why), (kernels, _) = side.profile(2, 25.0)
+    assert attention == 1.5 and "flash_fprop" in why and len(steps) == 4
+    assert kernels["gpu_busy"] == 0.2 and kernels["top_kernels"][0] == ["gemm", 4.0, 2.0]
