@@ -5,7 +5,7 @@ against PyTorch with the same model, side by side in one run (issue 45).
     python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
         [--micro-batches 1] [--seq T] [--iters 10] [--warmup 3] [--rounds 2]
         [--sides purine torch_eager torch_compile] [--profile-iters 3]
-        [--budget-s S] [--device 0]
+        [--budget-s S] [--deadline-s S] [--device 0]
     python benchmarks/gpt_gpu.py --dry-run --config jobs/gpt_tiny.yaml
         CPU smoke run at a tiny size: every side but torch.compile, no figures
 
@@ -58,10 +58,12 @@ time each), ``span_ms_per_iter`` (the spans whole), ``count_per_iter``,
 ``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios.
 ``--budget-s``: rounds after the first, and the profiles after the rounds
 (ours eager, ours in CUDA graphs, PyTorch's: in that order), are skipped
-once that many seconds have passed (``cut_short``: "budget"), and a SIGTERM (a
-stage's ``timeout``) ends the run with the JSON of what was measured
-(``cut_short``: "terminated"), so the JSON comes back inside a session
-stage's budget.
+once that many seconds have passed (``cut_short``: "budget"; with
+``--deadline-s``, the end a stage's timeout sets, a profile of ours, a
+trainer more, begins only where a round of ours fits before it, 5 s
+spare), and a SIGTERM (a stage's ``timeout``) ends the run with the JSON
+of what was measured (``cut_short``: "terminated"), so the JSON comes back
+inside a session stage's budget.
 
 Without CuPy, a CUDA device and a CUDA PyTorch it exits 1 saying so (it
 never reports CPU figures as GPU ones); ``--dry-run`` runs every side but
@@ -455,6 +457,9 @@ def main(argv=None):
     ap.add_argument("--profile-iters", type=int, default=3,
                     help="steps profiled for the attention's time, our op table and the "
                     "kernel tables (0: not measured)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="the seconds the run may take at most (a stage's timeout): a profile "
+                    "of ours begins only where a round of ours fits before it, less 5 s")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the rounds after the first once this many seconds have passed")
     ap.add_argument("--device", type=int, default=0)
@@ -493,7 +498,7 @@ def main(argv=None):
         if args.dry_run:
             peak, peak_source = None, "dry run on the CPU: no peak, mfu is null"
         torch_sides, rounds = {}, {s: [] for s in sides}
-        cut_short = None
+        cut_short, round_s = None, 0.0   # round_s: the longest round of ours, seconds
         try:
             for r in range(args.rounds):
                 if r and args.budget_s is not None and \
@@ -503,7 +508,9 @@ def main(argv=None):
                 for side in sides:
                     print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
                     if side == "purine":
+                        t_round = time.perf_counter()
                         rounds[side].append(run_purine(config, args))
+                        round_s = max(round_s, time.perf_counter() - t_round)
                         continue
                     if side not in torch_sides:
                         torch_sides[side] = TorchSide(torch, config, dev, args.micro_batches,
@@ -543,6 +550,7 @@ def main(argv=None):
         # our CUDA-graph steps' kernels (a trainer of their own), PyTorch's kernels
         jobs = [("purine", "trace"), ("purine", "kernels")] if "purine" in out_sides else []
         jobs += [(side, "kernels") for side in out_sides if side != "purine"]
+        skipped = False
         for side, job in jobs:
             entry = out_sides[side]
             names = {"trace": ("attention", "op_breakdown"),
@@ -557,6 +565,13 @@ def main(argv=None):
                 why = f"not measured: the run was cut short ({cut_short})"
             elif side == "purine" and job == "kernels" and args.dry_run:
                 why = "not measured: CUPTI's kernel profile needs a CUDA device (a CPU dry run)"
+            elif side == "purine" and args.deadline_s is not None and \
+                    time.perf_counter() - t_start + round_s > args.deadline_s - 5:
+                # a trainer of ours more, about a round's time: not begun where the
+                # stage's timeout would end it (and the run, in its trainer's close)
+                why = (f"not measured: a profile of ours takes about a round of ours "
+                       f"({round_s:.0f} s), past --deadline-s")
+                skipped = True
             if why is None:
                 try:
                     found = profile_side(side, job, config, args, entry["iter_ms_median"],
@@ -570,6 +585,7 @@ def main(argv=None):
             for name, (value, note) in found.items():
                 entry["attention_ms_per_iter" if name == "attention" else name] = value
                 entry[f"{name}_note"] = note
+        cut_short = cut_short or ("budget" if skipped else None)
     spec = config["data"]["train"]
     report = {"benchmark": "gpt_gpu", "dry_run": bool(args.dry_run), "device": device_name,
               "config": os.path.relpath(os.path.abspath(args.config), REPO),

@@ -150,7 +150,7 @@ def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     text = open(os.path.join(REPO, "benchmarks", "gpu_session.sh")).read()
     stage = text.split("\n  gpt)", 1)[1].split(";;", 1)[0]
     assert "gpu_throughput.py" in stage and "--precision bf16" in stage
-    assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage
+    assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage and "--deadline-s" in stage
 
 
 def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
