@@ -5,7 +5,7 @@ against PyTorch with the same model, side by side in one run (issue 45).
     python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
         [--micro-batches 1] [--seq T] [--iters 10] [--warmup 3] [--rounds 2]
         [--sides purine torch_eager torch_compile] [--profile-iters 3]
-        [--budget-s S] [--device 0]
+        [--budget-s S] [--deadline-s S] [--device 0]
     python benchmarks/gpt_gpu.py --dry-run --config jobs/gpt_tiny.yaml
         CPU smoke run at a tiny size: every side but torch.compile, no figures
 
@@ -40,12 +40,30 @@ the side's set-up and steps, less what the other sides hold) and
 torch.profiler's kernels named like an attention kernel, listed in
 ``attention_kernels``; ours from our own trace, the Attention ops' spans
 timed by CUDA events in an eager run; null with ``attention_note`` saying
-why when not measured). ``purine_vs_torch_eager`` / ``_compile``: the
-tokens/s ratios. ``--budget-s``: rounds after the first are skipped once
-that many seconds have passed (``cut_short``: "budget"), and a SIGTERM (a
-stage's ``timeout``) ends the run with the JSON of what was measured
-(``cut_short``: "terminated"), so the JSON comes back inside a session
-stage's budget.
+why when not measured) and ``kernels``: torch.profiler's (CUPTI) kernels of
+``--profile-iters`` steps (ours: CUDA-graph steps, as ``train`` runs them,
+in a trainer of their own), ``kernel_ms_per_iter`` (the union of the kernel
+intervals) against ``iter_ms`` (the timed median: ``gpu_busy``),
+``kernels_per_iter`` and ``top_kernels`` ([name, ms, launches] per step,
+the 15 longest; gpu_throughput.kernel_stats); null with ``kernels_note``
+saying why (the CPU dry run: no CUDA device). Ours also has
+``op_breakdown``, where the step's time goes in our trace of the same eager
+steps as its attention's time: every op's span (GPU ops: CUDA events) with
+the time it overlaps other ops split evenly among them, summed by op type
+(``by_type``) and by op (``by_op``): ``ms_per_iter`` (the rows add up to
+``busy_ms_per_iter``, never more than ``step_ms``, the traced steps' wall
+time each), ``span_ms_per_iter`` (the spans whole), ``count_per_iter``,
+``share`` (of ``step_ms``), ``on`` (gpu, host, comm); the 15 longest, then
+``other``; ``idle_ms_per_iter``: no op running (the host between launches).
+``purine_vs_torch_eager`` / ``_compile``: the tokens/s ratios.
+``--budget-s``: rounds after the first, and the profiles after the rounds
+(ours eager, ours in CUDA graphs, PyTorch's: in that order), are skipped
+once that many seconds have passed (``cut_short``: "budget"; with
+``--deadline-s``, the end a stage's timeout sets, a profile of ours, a
+trainer more, begins only where a round of ours fits before it, 5 s
+spare), and a SIGTERM (a stage's ``timeout``) ends the run with the JSON
+of what was measured (``cut_short``: "terminated"), so the JSON comes back
+inside a session stage's budget.
 
 Without CuPy, a CUDA device and a CUDA PyTorch it exits 1 saying so (it
 never reports CPU figures as GPU ones); ``--dry-run`` runs every side but
@@ -138,40 +156,189 @@ def run_purine(config, args):
     return out
 
 
-def purine_attention(config, args):
-    """The Attention ops' time per step from our trace: an eager run (no
-    CUDA graphs: the stream dispatcher times each op with CUDA events)."""
+def purine_steps(config, args, cuda_graph, measure):
+    """Our trainer on synthetic data (``cuda_graph`` False: eager stream
+    dispatch; None: the job's own, CUDA-graph replay as ``train`` runs it):
+    ``--warmup`` steps, then ``measure(trainer, step, steps)`` with ``step(i)``
+    the i-th of ``steps`` (``--profile-iters``) more; what it returns."""
     from purine_mpi.comm.world import get_world
     from purine_mpi.job.job import job_of
-    from purine_mpi.runtime.trace import Profiler
     from purine_mpi.tools.bench import synthetic_config
     from purine_mpi.train.trainer import Trainer
-    job = synthetic_config(job_of(dict(config, cuda_graph=False)))
+    job = synthetic_config(job_of(config if cuda_graph is None
+                                  else dict(config, cuda_graph=cuda_graph)))
     steps = max(1, args.profile_iters)
     job = job.with_training(max_iter=args.warmup + steps)
     trainer = Trainer(job, out_dir="/nonexistent-bench-output", world=get_world(),
                       profile=False, log=lambda m: None)
     try:
-        d = trainer.train
         for it in range(args.warmup):
             trainer.step(it)
-        d.drain()
-        d.profiler = Profiler(0)
-        for it in range(args.warmup, args.warmup + steps):
-            trainer.step(it)
-        d.drain()
-        events = d.profiler.events
+        trainer.train.drain()
+        return measure(trainer, lambda i: trainer.step(args.warmup + i), steps)
     finally:
         trainer.close()
         _free_cupy()
+
+
+def purine_trace(config, args):
+    """Our trace of ``--profile-iters`` eager steps (no CUDA graphs: the
+    stream dispatcher times each op with CUDA events): (events, the steps'
+    window on the trace's clock in µs, steps)."""
+    from purine_mpi.runtime.trace import Profiler
+
+    def measure(trainer, step, steps):
+        d = trainer.train
+        d.profiler = prof = Profiler(0)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        d.drain()
+        t1 = time.perf_counter()
+        return prof.events, ((t0 - prof.t0) * 1e6, (t1 - prof.t0) * 1e6), steps
+    return purine_steps(config, args, False, measure)
+
+
+def purine_attention(events, steps, on_gpu):
+    """The Attention ops' time per step from our trace, or (None, why)."""
     spans = [e for e in events if str(e.get("args", {}).get("op_type", "")).startswith(
         "Attention")]
     if not spans:
         return None, "our trace has no Attention op spans"
-    where = "GPU (CUDA events)" if args.device >= 0 else "host (the CPU dry run)"
+    where = "GPU (CUDA events)" if on_gpu else "host (the CPU dry run)"
     return round(sum(e["dur"] for e in spans) / 1e3 / steps, 4), (
         f"our trace: the Attention ops' spans, timed on the {where}, eager dispatch, "
         f"{steps} step(s)")
+
+
+#: rows of the op tables (by type, by op) before "other"
+TOP_OPS = 15
+
+
+def split_overlaps(spans):
+    """Each (start, end) span's share of the time: every stretch of time
+    split evenly among the spans open over it (ops on several streams or
+    threads at once), so the shares add up to the spans' union."""
+    edges = sorted((t, kind, i) for i, (s, e) in enumerate(spans) if e > s
+                   for t, kind in ((s, 1), (e, 0)))   # at one instant: ends first
+    out, active, prev = [0.0] * len(spans), set(), None
+    for t, kind, i in edges:
+        if active and t > prev:
+            part = (t - prev) / len(active)
+            for j in active:
+                out[j] += part
+        prev = t
+        if kind:
+            active.add(i)
+        else:
+            active.discard(i)
+    return out
+
+
+def op_breakdown(events, window, steps, top=TOP_OPS):
+    """Where our step's time goes, from our trace (Chrome events, µs): each
+    op's span cut to ``window`` (the ``steps`` profiled steps, µs) and its
+    overlaps with other ops' split evenly (``split_overlaps``), summed by op
+    type and by op: ``ms_per_iter`` (these add up to ``busy_ms_per_iter``,
+    the time some op ran, never more than ``step_ms``), ``span_ms_per_iter``
+    (the spans whole, as ``attention_ms_per_iter`` counts them),
+    ``count_per_iter``, ``share`` (of ``step_ms``, the steps' wall time
+    each); the ``top`` longest, then ``other``. ``idle_ms_per_iter``: no op
+    running (the host between launches, waits)."""
+    w0, w1 = window
+    ops = [e for e in events if e.get("ph") == "X" and w0 <= float(e["ts"]) <= w1]
+    spans = [(float(e["ts"]), min(float(e["ts"]) + float(e["dur"]), w1)) for e in ops]
+    shares = split_overlaps(spans)
+    step_ms = (w1 - w0) / 1e3 / steps
+
+    def ms(us):
+        return round(us / 1e3 / steps, 4)
+
+    def rows(key, extra):
+        totals = {}
+        for e, part, (s, t) in zip(ops, shares, spans):
+            row = totals.setdefault(key(e), [0.0, 0.0, 0, set()])
+            row[0] += part
+            row[1] += t - s
+            row[2] += 1
+            row[3].add(_place(e))
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+        out = [{**extra(k), "ms_per_iter": ms(v[0]), "span_ms_per_iter": ms(v[1]),
+                "count_per_iter": round(v[2] / steps, 2), "share": round(v[0] / 1e3 / steps
+                                                                          / step_ms, 4),
+                "on": sorted(v[3])} for k, v in ranked[:top]]
+        rest = ranked[top:]
+        if rest:
+            us = sum(v[0] for _, v in rest)
+            out.append({**extra("other"), "ms_per_iter": ms(us),
+                        "span_ms_per_iter": ms(sum(v[1] for _, v in rest)),
+                        "count_per_iter": round(sum(v[2] for _, v in rest) / steps, 2),
+                        "share": round(us / 1e3 / steps / step_ms, 4),
+                        "on": sorted(set().union(*(v[3] for _, v in rest))), "rows": len(rest)})
+        return out
+
+    busy = sum(shares)
+    types = {e["name"]: e.get("args", {}).get("op_type") for e in ops}
+    return {"steps": steps, "step_ms": round(step_ms, 4), "busy_ms_per_iter": ms(busy),
+            "idle_ms_per_iter": round(step_ms - busy / 1e3 / steps, 4),
+            "ops_per_iter": round(len(ops) / steps, 2),
+            "by_type": rows(lambda e: e.get("args", {}).get("op_type", "?"),
+                            lambda k: {"op_type": k}),
+            "by_op": rows(lambda e: e["name"],
+                          lambda k: {"name": k, "op_type": types.get(k)})}
+
+
+def _place(event):
+    """Where a traced op ran: gpu (a CUDA stream), comm or host."""
+    tid = str(event.get("tid", ""))
+    return "gpu" if tid.startswith("gpu") else "comm" if tid == "comm" else "host"
+
+
+def purine_kernels(config, args, iter_ms):
+    """The CUDA kernels of ``--profile-iters`` of our CUDA-graph steps, by
+    CUPTI (gpu_throughput.kernel_stats), against ``iter_ms`` (the timed
+    steps' median): the table of ``kernel_table``."""
+    from gpu_throughput import kernel_stats
+
+    def measure(trainer, step, steps):
+        def last_drained(i):
+            step(i)
+            if i == steps - 1:
+                trainer.train.drain()
+        return kernel_stats(last_drained, steps), steps
+    stats, steps = purine_steps(config, args, None, measure)
+    if not stats:
+        return None, "not measured: torch.profiler saw no CUDA device"
+    return kernel_table(stats, steps, iter_ms, "our CUDA-graph steps (as train runs them)"), None
+
+
+def profile_side(side, job, config, args, iter_ms, torch_side):
+    """One profile of a side, {field: (figures or None, note)}: our eager
+    trace ("trace": the attention, the op table), a side's kernels ("kernels")."""
+    if side != "purine":
+        attention, kernels = torch_side.profile(args.profile_iters, iter_ms)
+        return {"attention": attention, "kernels": kernels}
+    if job == "kernels":
+        return {"kernels": purine_kernels(config, args, iter_ms)}
+    events, window, steps = purine_trace(config, args)
+    where = "GPU (CUDA events)" if args.device >= 0 else "host (the CPU dry run)"
+    return {"attention": purine_attention(events, steps, args.device >= 0),
+            "op_breakdown": (op_breakdown(events, window, steps), (
+                f"our trace: every op's span, timed on the {where}, eager dispatch, {steps} "
+                "step(s); ms_per_iter splits overlapping spans evenly (they add up to "
+                "busy_ms_per_iter), share: of step_ms, these steps' wall time"))}
+
+
+def kernel_table(stats, steps, iter_ms, what):
+    """kernel_stats' figures of ``steps`` steps as a side's ``kernels``:
+    ``kernel_ms_per_iter`` (the union of the kernels' intervals) against
+    ``iter_ms`` (``gpu_busy``), ``top_kernels`` ([name, ms, launches] per
+    step, the longest first)."""
+    return {"source": f"torch.profiler (CUPTI) around {steps} of {what}",
+            "kernels_per_iter": stats["kernels_per_iter"],
+            "kernel_ms_per_iter": stats["kernel_ms_per_iter"], "iter_ms": iter_ms,
+            "gpu_busy": round(stats["kernel_ms_per_iter"] / iter_ms, 4) if iter_ms else None,
+            "top_kernels": stats["top_kernels"]}
 
 
 def _free_cupy():
@@ -252,17 +419,24 @@ class TorchSide:
             return None
         return int(self.torch.cuda.max_memory_allocated(self.dev) - self.held_before)
 
-    def attention(self, steps):
-        """torch.profiler's attention kernels per step, or (None, why)."""
+    def profile(self, steps, iter_ms):
+        """torch.profiler's kernels over ``steps`` steps: ((attention ms per
+        step, note), (``kernel_table``, note)); None and why where not measured."""
         if self.dev.type != "cuda":
-            return None, "not measured: torch.profiler's CUDA kernels need a GPU"
+            why = "not measured: torch.profiler's CUDA kernels need a GPU"
+            return (None, why), (None, why)
         from gpu_throughput import kernel_stats
         stats = kernel_stats(lambda i: self.step(), steps, match=ATTENTION_KERNELS)
-        if not stats or not stats.get("matched_kernels"):
-            return None, "not measured: no kernel named like an attention kernel in the profile"
-        return stats["matched_ms_per_iter"], (
+        if not stats:
+            why = "not measured: torch.profiler saw no CUDA device"
+            return (None, why), (None, why)
+        kernels = (kernel_table(stats, steps, iter_ms, "its steps"), None)
+        if not stats.get("matched_kernels"):
+            return (None, "not measured: no kernel named like an attention kernel in the "
+                    "profile"), kernels
+        return (stats["matched_ms_per_iter"], (
             f"torch.profiler (CUPTI): kernels matching /{ATTENTION_KERNELS}/i, {steps} step(s): "
-            + ", ".join(stats["matched_kernels"]))
+            + ", ".join(stats["matched_kernels"]))), kernels
 
 
 # ------------------------------------------------------------------ main ---
@@ -281,7 +455,11 @@ def main(argv=None):
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     ap.add_argument("--no-compile", action="store_true", help="drop torch_compile")
     ap.add_argument("--profile-iters", type=int, default=3,
-                    help="steps profiled for the attention's time (0: not measured)")
+                    help="steps profiled for the attention's time, our op table and the "
+                    "kernel tables (0: not measured)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="the seconds the run may take at most (a stage's timeout): a profile "
+                    "of ours begins only where a round of ours fits before it, less 5 s")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the rounds after the first once this many seconds have passed")
     ap.add_argument("--device", type=int, default=0)
@@ -320,7 +498,7 @@ def main(argv=None):
         if args.dry_run:
             peak, peak_source = None, "dry run on the CPU: no peak, mfu is null"
         torch_sides, rounds = {}, {s: [] for s in sides}
-        cut_short = None
+        cut_short, round_s = None, 0.0   # round_s: the longest round of ours, seconds
         try:
             for r in range(args.rounds):
                 if r and args.budget_s is not None and \
@@ -330,7 +508,9 @@ def main(argv=None):
                 for side in sides:
                     print(f"gpt_gpu: round {r + 1}, {side}", file=sys.stderr, flush=True)
                     if side == "purine":
+                        t_round = time.perf_counter()
                         rounds[side].append(run_purine(config, args))
+                        round_s = max(round_s, time.perf_counter() - t_round)
                         continue
                     if side not in torch_sides:
                         torch_sides[side] = TorchSide(torch, config, dev, args.micro_batches,
@@ -356,35 +536,56 @@ def main(argv=None):
                      "peak_memory_source": runs[0].get(
                          "peak_memory_source", "torch.cuda.max_memory_allocated over the "
                          "side's set-up and steps, less what was held before it"),
-                     "attention_ms_per_iter": None, "attention_note": None}
+                     "attention_ms_per_iter": None, "attention_note": None,
+                     "kernels": None, "kernels_note": None}
             if side == "purine":
                 entry["cuda_graph"] = runs[0]["cuda_graph"]
                 entry["bench_mfu"] = runs[0]["bench_mfu"]
+                entry["op_breakdown"], entry["op_breakdown_note"] = None, None
             else:
                 entry["last_loss"] = runs[-1]["last_loss"]
             out_sides[side] = entry
-        # the attention's time, after the timed rounds (profiling slows what it watches)
-        for side in out_sides:
+        # the profiles, after the timed rounds (profiling slows what it watches),
+        # what we know least first: our eager trace (the attention, the op table),
+        # our CUDA-graph steps' kernels (a trainer of their own), PyTorch's kernels
+        jobs = [("purine", "trace"), ("purine", "kernels")] if "purine" in out_sides else []
+        jobs += [(side, "kernels") for side in out_sides if side != "purine"]
+        skipped = False
+        for side, job in jobs:
             entry = out_sides[side]
+            names = {"trace": ("attention", "op_breakdown"),
+                     "kernels": ("kernels",) if side == "purine" else ("attention", "kernels")}[job]
             if not cut_short and args.budget_s is not None and \
                     time.perf_counter() - t_start > args.budget_s:
                 cut_short = "budget"
+            why = None
             if not args.profile_iters:
-                entry["attention_note"] = "not measured (--profile-iters 0)"
-                continue
-            if cut_short:
-                entry["attention_note"] = f"not measured: the run was cut short ({cut_short})"
-                continue
-            try:
-                if side == "purine":
-                    ms, note = purine_attention(config, args)
-                else:
-                    ms, note = torch_sides[side].attention(args.profile_iters)
-            except Terminated:
-                cut_short, ms, note = "terminated", None, "not measured: terminated"
-            except Exception as exc:  # a profile that fails is reported, not fatal
-                ms, note = None, f"not measured: {type(exc).__name__}: {exc}".splitlines()[0]
-            entry["attention_ms_per_iter"], entry["attention_note"] = ms, note
+                why = "not measured (--profile-iters 0)"
+            elif cut_short:
+                why = f"not measured: the run was cut short ({cut_short})"
+            elif side == "purine" and job == "kernels" and args.dry_run:
+                why = "not measured: CUPTI's kernel profile needs a CUDA device (a CPU dry run)"
+            elif side == "purine" and args.deadline_s is not None and \
+                    time.perf_counter() - t_start + round_s > args.deadline_s - 5:
+                # a trainer of ours more, about a round's time: not begun where the
+                # stage's timeout would end it (and the run, in its trainer's close)
+                why = (f"not measured: a profile of ours takes about a round of ours "
+                       f"({round_s:.0f} s), past --deadline-s")
+                skipped = True
+            if why is None:
+                try:
+                    found = profile_side(side, job, config, args, entry["iter_ms_median"],
+                                         torch_sides.get(side))
+                except Terminated:
+                    cut_short, why = "terminated", "not measured: terminated"
+                except Exception as exc:  # a profile that fails is reported, not fatal
+                    why = f"not measured: {type(exc).__name__}: {exc}".splitlines()[0]
+            if why is not None:
+                found = {name: (None, why) for name in names}
+            for name, (value, note) in found.items():
+                entry["attention_ms_per_iter" if name == "attention" else name] = value
+                entry[f"{name}_note"] = note
+        cut_short = cut_short or ("budget" if skipped else None)
     spec = config["data"]["train"]
     report = {"benchmark": "gpt_gpu", "dry_run": bool(args.dry_run), "device": device_name,
               "config": os.path.relpath(os.path.abspath(args.config), REPO),

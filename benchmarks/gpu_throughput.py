@@ -377,13 +377,24 @@ def bench_torch(config, device, iters, warmup, tf32, compile_model=False, profil
     return out
 
 
+def static_inputs(torch, dev, *hosts):
+    """The captured step's input buffers on ``dev``, each laid out as its
+    pinned host tensor (``empty_like``: bf16's channels-last images stay
+    channels-last). A copy between a CPU and a CUDA tensor of different
+    strides is not one ``cudaMemcpyAsync``: PyTorch's copy_kernel_cuda makes
+    the source contiguous first, a new pageable CPU tensor, and a capture
+    refuses to copy from one ("Cannot copy between CPU and CUDA tensors
+    during CUDA graph capture unless the CPU tensor is pinned"). Same
+    strides, same dtype: one memcpy straight from the pinned tensor."""
+    return tuple(torch.empty_like(h, device=dev) for h in hosts)
+
+
 def bench_torch_graph(config, device, iters, warmup, tf32):
     """PyTorch with the whole step -- the copy from pinned host memory,
     forward, backward, the optimizer step -- captured as one CUDA graph
     (PyTorch's whole-network capture recipe) and replayed."""
     torch, dev, model, criterion, optimizer, x_host, y_host = _torch_setup(config, device, tf32)
-    static_x = torch.empty(x_host.shape, dtype=x_host.dtype, device=dev)
-    static_y = torch.empty(y_host.shape, dtype=y_host.dtype, device=dev)
+    static_x, static_y = static_inputs(torch, dev, x_host, y_host)
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up on a side stream, as the recipe says

@@ -2,6 +2,7 @@
 gpu_throughput.py's ``--precision bf16`` without a GPU: the CPU dry runs
 build and step every side at a tiny size and print the real JSON keys with
 null figures; the GPU run refuses to report CPU numbers."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,6 +42,68 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     assert sides["torch_eager"]["attention_ms_per_iter"] is None
     assert "not measured" in sides["torch_eager"]["attention_note"]
     assert out["purine_vs_torch_eager"] > 0
+    # where our step's time goes: the op table from our trace (host times here)
+    ours = sides["purine"]
+    bd = ours["op_breakdown"]
+    assert "eager dispatch" in ours["op_breakdown_note"]
+    assert bd["steps"] == 1 and bd["step_ms"] > 0 and bd["ops_per_iter"] > 0
+    assert 0 < bd["busy_ms_per_iter"] <= bd["step_ms"]
+    assert bd["idle_ms_per_iter"] == pytest.approx(bd["step_ms"] - bd["busy_ms_per_iter"],
+                                                   abs=1e-3)
+    for table, key in ((bd["by_type"], "op_type"), (bd["by_op"], "name")):
+        assert 2 <= len(table) <= 16 and table[-1][key] == "other"
+        top = table[:-1]
+        assert [r["ms_per_iter"] for r in top] == sorted((r["ms_per_iter"] for r in top),
+                                                         reverse=True)
+        for r in table:
+            assert {key, "ms_per_iter", "span_ms_per_iter", "count_per_iter", "share",
+                    "on"} <= set(r)
+            assert r["count_per_iter"] > 0 and r["on"] == ["host"]
+            assert 0 <= r["ms_per_iter"] <= r["span_ms_per_iter"] + 1e-4
+            assert r["share"] == pytest.approx(r["ms_per_iter"] / bd["step_ms"], abs=1e-3)
+        # the rows add up to the time some op ran, never more than the step
+        total = sum(r["ms_per_iter"] for r in table)
+        assert total == pytest.approx(bd["busy_ms_per_iter"], abs=2e-3)
+        assert total <= bd["step_ms"] + 2e-3
+        assert sum(r["count_per_iter"] for r in table) == pytest.approx(bd["ops_per_iter"])
+    by_type = {r["op_type"]: r for r in bd["by_type"]}
+    attention = sum(by_type[t]["span_ms_per_iter"] for t in ("Attention", "AttentionGrad")
+                    if t in by_type)
+    assert attention == pytest.approx(ours["attention_ms_per_iter"], abs=2e-3)
+    # CUPTI's kernels: a GPU's only, each side saying why not
+    for side in sides.values():
+        assert side["kernels"] is None and "not measured" in side["kernels_note"]
+    assert "CUDA device" in ours["kernels_note"]
+
+
+def test_gpt_gpu_op_breakdown_splits_overlapping_spans():
+    """Two ops at once share the time they overlap; the rows add up to the
+    union of the spans inside the steps' window, the rest is idle."""
+    spec = importlib.util.spec_from_file_location("gpt_gpu_table", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def op(name, op_type, ts, dur, tid="gpu0"):
+        return {"name": name, "ph": "X", "ts": ts, "dur": dur, "tid": tid,
+                "args": {"op_type": op_type}}
+    events = [op("a1", "A", 0, 10_000), op("b1", "B", 5_000, 7_000, "gpu0:1"),
+              op("a2", "A", 20_000, 10_000), op("c1", "C", 35_000, 10_000, "0"),
+              op("early", "A", -5_000, 4_000), {"name": "meta", "ph": "M"}]
+    bd = bench.op_breakdown(events, (0, 40_000), 2, top=2)
+    # per step (2 steps): A 2.5 alone + 1.25 shared with B + 5; B 1.25 shared + 1;
+    # C 2.5 of its 5 inside the window; the union 13.5 of 20
+    assert bd["step_ms"] == 20 and bd["busy_ms_per_iter"] == 13.5
+    assert bd["idle_ms_per_iter"] == 6.5 and bd["ops_per_iter"] == 2
+    a, c, other = bd["by_type"]
+    assert (a["op_type"], a["ms_per_iter"], a["span_ms_per_iter"], a["count_per_iter"],
+            a["share"], a["on"]) == ("A", 8.75, 10, 1, 0.4375, ["gpu"])
+    assert (c["op_type"], c["ms_per_iter"], c["span_ms_per_iter"], c["on"]) == (
+        "C", 2.5, 2.5, ["host"])
+    assert (other["op_type"], other["ms_per_iter"], other["span_ms_per_iter"],
+            other["count_per_iter"], other["rows"], other["on"]) == (
+        "other", 2.25, 3.5, 0.5, 1, ["gpu"])
+    assert [(r["name"], r["op_type"], r["ms_per_iter"]) for r in bd["by_op"]] == [
+        ("a2", "A", 5), ("a1", "A", 3.75), ("other", None, 4.75)]
 
 
 def test_gpt_gpu_without_a_gpu_says_it_needs_one():
@@ -61,8 +124,71 @@ def test_gpu_throughput_bf16_dry_run_runs_pytorch_channels_last_autocast():
     assert entry["dry_run_torch_loss"] > 0 and entry["dry_run_purine_loss"] > 0
 
 
+def test_gpu_throughput_bf16_graph_inputs_keep_the_pinned_channels_last_layout():
+    """The whole-step CUDA graph's input buffers take their pinned host
+    tensors' strides: bf16's channels-last images copied into an NCHW buffer
+    went through a pageable contiguous temporary, which a capture refuses
+    (bench_bf16.json of 2026-11-29: torch_graph_error "Cannot copy between
+    CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is
+    pinned")."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("gpu_throughput_graph", THROUGHPUT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = bench.load(os.path.join(REPO, "jobs", "cifar10_quick.yaml"), 2)
+    for precision, channels_last in (("bf16", True), ("fp32", False)):
+        *_, x_host, y_host = bench._torch_setup(dict(config, precision=precision), None, False)
+        assert x_host.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert x_host.is_contiguous() != channels_last
+        static_x, static_y = bench.static_inputs(torch, torch.device("cpu"), x_host, y_host)
+        for host, static in ((x_host, static_x), (y_host, static_y)):
+            assert static.shape == host.shape and static.dtype == host.dtype
+            assert static.stride() == host.stride()   # one memcpy, no temporary
+
+
 def test_gpu_session_gpt_stage_runs_both_bf16_benchmarks():
     text = open(os.path.join(REPO, "benchmarks", "gpu_session.sh")).read()
     stage = text.split("\n  gpt)", 1)[1].split(";;", 1)[0]
     assert "gpu_throughput.py" in stage and "--precision bf16" in stage
-    assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage
+    assert "benchmarks/gpt_gpu.py" in stage and "--budget-s" in stage and "--deadline-s" in stage
+
+
+def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
+    """The kernel tables' GPU path on the CPU, kernel_stats (CUPTI) standing
+    in: ours around the profiled steps of a trainer of its own, PyTorch's
+    from the profile that measures its attention, each against the side's
+    timed step."""
+    torch = pytest.importorskip("torch")
+    import types
+    spec = importlib.util.spec_from_file_location("gpt_gpu_kernels", GPT_GPU)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import gpu_throughput   # on the path gpt_gpu set
+    args = types.SimpleNamespace(batch=2, micro_batches=1, seq=32, warmup=1, profile_iters=2,
+                                 config=os.path.join(REPO, "jobs", "gpt_tiny.yaml"), device=-1)
+    config = bench.load(args, bench.token_file(str(tmp_path)), -1, "fp32")
+    # no CUDA PyTorch: kernel_stats has nothing, and the table says so
+    assert bench.purine_kernels(config, args, 20.0) == (
+        None, "not measured: torch.profiler saw no CUDA device")
+    steps = []
+
+    def stats(step, iters, match=None):
+        for i in range(iters):
+            steps.append(step(i))
+        found = {"matched_ms_per_iter": 1.5, "matched_kernels": ["flash_fprop"]} if match else {}
+        return {**found, "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
+                "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
+    monkeypatch.setattr(gpu_throughput, "kernel_stats", stats)
+    table, note = bench.purine_kernels(config, args, 20.0)
+    assert note is None and len(steps) == 2
+    assert table == {"source": "torch.profiler (CUPTI) around 2 of our CUDA-graph steps (as "
+                     "train runs them)", "kernels_per_iter": 12.0, "kernel_ms_per_iter": 5.0,
+                     "iter_ms": 20.0, "gpu_busy": 0.25,
+                     "top_kernels": [["gemm", 4.0, 2.0], ["cupy_add", 1.0, 10.0]]}
+    side = bench.TorchSide(torch, config, torch.device("cpu"), 1, 2, False, "fp32")
+    assert side.profile(2, 25.0) == ((None, "not measured: torch.profiler's CUDA kernels "
+                                      "need a GPU"),) * 2
+    side.dev = types.SimpleNamespace(type="cuda")   # the GPU branch, stepping on the CPU
+    (attention, why), (kernels, _) = side.profile(2, 25.0)
+    assert attention == 1.5 and "flash_fprop" in why and len(steps) == 4
+    assert kernels["gpu_busy"] == 0.2 and kernels["top_kernels"][0] == ["gemm", 4.0, 2.0]
