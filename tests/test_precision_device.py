@@ -1,11 +1,14 @@
 """bf16/fp16 on the device (docs/gpu.md, "Precision"): the one rounding
 kernel (cuda/precision.cu) against base/precision's NumPy rounding, bit for
 bit, and the one launch per rounded array of a low-precision op; the
+bfloat16 wire conversions of ``parallel.grad_dtype: bf16`` (one kernel each
+way) against base/precision's ``to_bf16_bits``/``from_bf16_bits``; the
 TF32 math the low-precision products ask cuBLAS and cuDNN for."""
 import numpy as np
 import pytest
 
-from purine_mpi.base.precision import _round_bits, round_to, scratch_spec
+from purine_mpi.base.precision import (_round_bits, from_bf16_bits, round_to, scratch_spec,
+                                      to_bf16_bits, wire_scratch)
 from purine_mpi.graph.core import Op
 from purine_mpi.gpu import kernels
 from purine_mpi.ops.catalog import get_kernel_class
@@ -91,6 +94,45 @@ def test_the_rounding_kernel_refuses_what_it_cannot_round_in_place(device):
         kernels.round_in_place(x, "float8")
     with pytest.raises(TypeError, match="float32"):
         kernels.round_in_place(device.to_device(np.ones(3)), "bfloat16")
+
+
+def test_the_wire_kernels_give_numpys_bf16_bits_in_one_launch_each(device):
+    """float32 -> bfloat16 bits (ties both ways, 0x7fff/0x8001 around them,
+    the largest finite values carrying into infinity, -0, subnormals,
+    infinities, NaNs with payload only in the low 16 bits: infinite, as
+    base/precision's) and back, bit for bit against the NumPy functions,
+    over more than one of their chunks, one kernel each way; x unchanged."""
+    x = np.concatenate([_adversarial()] * 9)   # 9 x 8052 > WIRE_CHUNK: the host chunks
+    want = to_bf16_bits(x, np.empty(x.size, np.uint16), wire_scratch(x.size))
+    on_device, bits = device.to_device(x), device.to_device(np.zeros(x.size, np.uint16))
+    device.launched.clear()
+    kernels.to_bf16_bits_device(on_device, bits)
+    assert device.launched == ["to_bf16_bits"]
+    got = np.asarray(device.to_host(bits))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(hex(x.view(_U)[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+    np.testing.assert_array_equal(np.asarray(device.to_host(on_device)).view(_U), x.view(_U))
+    # back: the widened bits, exactly (NaN payloads included)
+    wide = device.to_device(np.full((3, x.size // 3), np.nan, np.float32))
+    device.launched.clear()
+    kernels.from_bf16_bits_device(bits, wide)
+    assert device.launched == ["from_bf16_bits"]
+    back = np.asarray(device.to_host(wide)).view(_U).reshape(-1)
+    np.testing.assert_array_equal(back, from_bf16_bits(want, np.empty(x.size, np.float32))
+                                  .view(_U))
+
+
+def test_the_wire_kernels_refuse_what_they_cannot_convert(device):
+    x = device.to_device(np.ones((4, 4), np.float32))
+    bits = device.to_device(np.zeros(16, np.uint16))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.to_bf16_bits_device(x[:, ::2], bits[:8])
+    with pytest.raises(ValueError, match="16 values into 8 bits"):
+        kernels.to_bf16_bits_device(x, bits[:8])
+    with pytest.raises(TypeError, match="uint16"):
+        kernels.from_bf16_bits_device(x, x)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.from_bf16_bits_device(bits, device.to_device(np.ones(16)))
 
 
 def _fc_kernel(dtype, bias=True):

@@ -20,7 +20,10 @@ nothing (a captured CUDA graph may hold it).
 ``parallel.grad_dtype: bf16`` moves gradient buckets as bfloat16 bits
 (``GRAD_WIRE``): ``to_bf16_bits`` rounds float32 into a uint16 copy the
 same way, ``from_bf16_bits`` widens it back, ``add_bf16_bits`` is one step
-of a bfloat16 sum (comm/ops.bf16_sum_op, MPI's user op)."""
+of a bfloat16 sum (comm/ops.bf16_sum_op, MPI's user op). These are the host's
+(MPI's buckets); a device bucket (comm/nccl.py) converts with one kernel each
+way, the same bits (gpu/kernels ``to_bf16_bits_device``,
+``from_bf16_bits_device``)."""
 import numpy as np
 
 #: the values of the config key ``precision``

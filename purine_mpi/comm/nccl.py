@@ -23,9 +23,11 @@ with the rest of the iteration.
 
 ``parallel.grad_dtype: bf16`` (attr ``wire_dtype``): ``NcclAllreduce``
 and ``NcclReduceScatter`` round their float32 buffers into uint16 copies
-made at set-up (``base/precision.to_bf16_bits``, on the stream, captured),
-reduce them as ``ncclBfloat16`` (NCCL adds in float32 and rounds each step)
-and widen the result back into the float32 buffer: half the bytes.
+made at set-up (``gpu.kernels.to_bf16_bits_device``: one kernel over the
+bucket, no scratch, on the stream, captured; the bits of
+``base/precision.to_bf16_bits``), reduce them as ``ncclBfloat16`` (NCCL
+adds in float32 and rounds each step) and widen the result back into the
+float32 buffer (``from_bf16_bits_device``, one kernel): half the bytes.
 
 The watchdog: after each allreduce the op adds one to its slot of a device
 counter and copies it to page-locked host memory (both captured with it);
@@ -45,8 +47,8 @@ import time
 import numpy as np
 
 from ..base.errors import GraphError, UserError
+from ..gpu import kernels
 from ..ops.registry import OpKernel, register
-from ..base.precision import from_bf16_bits, to_bf16_bits, wire_scratch
 from .device import is_device_array
 from .ops import Allgather, ReduceScatter, _Concat, _mb, _storage_of
 from ..base.errors import write_line
@@ -306,11 +308,10 @@ class _NcclKernel(OpKernel):
 
     def _wire_buffers(self, cupy, *sizes):
         """The uint16 device buffers of ``sizes`` elements the bfloat16
-        collective moves and the rounding's scratch (made at set-up)."""
+        collective moves (made at set-up; the conversions need no scratch)."""
         device = int(self.op.location.device)
         with cupy.cuda.Device(device):
-            return ([cupy.zeros((n,), dtype=np.uint16) for n in sizes],
-                    wire_scratch(max(sizes), cupy))
+            return [cupy.zeros((n,), dtype=np.uint16) for n in sizes]
 
     def _shards(self):
         """(shards, shard) of the attrs, checked against the communicator (a
@@ -358,7 +359,7 @@ class NcclAllreduce(_NcclKernel):
         self.nbytes = sum(o.nbytes for o in outs)
         if self.wire is not None:   # the outputs rounded side by side into one copy
             total = sum(int(o.size) for o in outs)
-            (self.wire_buf,), self.scratch = self._wire_buffers(import_cupy(), total)
+            (self.wire_buf,) = self._wire_buffers(import_cupy(), total)
             self.spans = [(data_ptr(self.wire_buf), total)] if total else []
             self.nbytes = int(self.wire_buf.nbytes)
         self.average = bool(self.attrs.get("average", False))
@@ -377,12 +378,12 @@ class NcclAllreduce(_NcclKernel):
         comm = self.nccl_comm
         if self.wire is not None:
             for o, part in self._wire_parts(outs):
-                to_bf16_bits(o, part, self.scratch)
+                kernels.to_bf16_bits_device(o, part)
         for ptr, count in self.spans:
             comm.comm.allReduce(ptr, ptr, count, self.nccl_dtype, self.op_sum, stream)
         if self.wire is not None:
             for o, part in self._wire_parts(outs):
-                from_bf16_bits(part, o)
+                kernels.from_bf16_bits_device(part, o)
         if self.average:
             for o in outs:
                 o *= 1.0 / comm.size
@@ -441,8 +442,8 @@ class NcclReduceScatter(_NcclKernel):
         self.in_place = recv_at == send_at + shard * self.chunk * item
         if self.wire is not None:   # the padded send and the chunk, as bfloat16
             # (NCCL reads and writes these: the float32 buffers may overlap)
-            (self.wire_send, self.wire_recv), self.scratch = self._wire_buffers(
-                cupy, self.chunk * shards, self.chunk)
+            self.wire_send, self.wire_recv = self._wire_buffers(cupy, self.chunk * shards,
+                                                                self.chunk)
             self.nbytes //= 2
         elif not self.in_place and send_at < recv_at + self.chunk * item and \
                 recv_at < send_at + self.chunk * shards * item:
@@ -459,12 +460,12 @@ class NcclReduceScatter(_NcclKernel):
         send, recv = self.send_buf, self.recv_buf
         if self.wire is not None:
             send, recv = self.wire_send, self.wire_recv
-            to_bf16_bits(self.send_buf, send, self.scratch)
+            kernels.to_bf16_bits_device(self.send_buf, send)
         comm.comm.reduceScatter(data_ptr(send), data_ptr(recv), self.chunk,
                                 self.nccl_dtype, self.op_sum, self._stream())
         if self.wire is not None:
             if self.mine:
-                from_bf16_bits(recv[:self.mine], self.recv.buffer)
+                kernels.from_bf16_bits_device(recv[:self.mine], self.recv.buffer)
         elif self.recv_pad and self.mine:
             self.recv.buffer[...] = self.recv_buf[:self.mine]
         if self.average and self.mine:

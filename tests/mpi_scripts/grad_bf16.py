@@ -22,7 +22,8 @@ nccl  the same buckets on the emulated GPU through the emulated NCCL
       (tests/emulated_gpu/nccl.py: ncclBfloat16 summed as NCCL does, each
       step widened, added and rounded): data parallelism's NcclAllreduce and
       ZeRO stage 1's NcclReduceScatter, captured, move uint16 (bfloat16)
-      buffers of the buckets' sizes, and train as the CPU/MPI bfloat16 run of
+      buffers of the buckets' sizes (converted by the device kernels
+      to_bf16_bits / from_bf16_bits of cuda/precision.cu), and train as the CPU/MPI bfloat16 run of
       the same graph (within the rounding a different summation order of a
       gradient may flip: see the bound below); the ranks agree bitwise.
 """
@@ -182,6 +183,7 @@ def train(d, graph, weights):
 
 def check_nccl(build_dir):
     import pytest
+    from purine_mpi.gpu import kernels
     from purine_mpi.parallel.nccl_backend import use_nccl
     from purine_mpi.parallel.placement import prepare_for_device
     from tests import emulated_gpu as emu
@@ -199,6 +201,10 @@ def check_nccl(build_dir):
         build = os.path.join(build_dir, f"{scheme}{r}")
         os.makedirs(build, exist_ok=True)
         fake = emu.use_emulated_cupy(patch, pathlib.Path(build))
+        launched, launch = [], kernels.base._launch   # the wire: one kernel each way
+        patch.setattr(kernels.base, "_launch",
+                      lambda source, func, *args: (launched.append(func),
+                                                   launch(source, func, *args)))
         emu_nccl.use_emulated_nccl(patch, fake, device=r)
         graph, _ = composed(scheme)
         prepare_for_device(graph, 0)
@@ -209,6 +215,7 @@ def check_nccl(build_dir):
         w.stall_timeout = 60.0
         mine = train(d, graph, weights)
         report = d.capture_report()
+        assert launched.count("to_bf16_bits") and launched.count("from_bf16_bits"), launched
         assert report["captured"] == report["segments"] == 1 and report["failed"] == {}, report
         reducing = [x for x in names if graph.ops[x].op_type in ("NcclAllreduce",
                                                                   "NcclReduceScatter")]

@@ -31,7 +31,8 @@ ENTRY_POINTS = {
 PLAIN_ENTRY_POINTS = {
     "dropout": ("philox_words",),
     "lr_policy": ("learning_rate", "iteration_next"),
-    "precision": ("round_bf16", "round_fp16"),
+    "precision": ("round_bf16", "round_fp16",
+                  "to_bf16_bits", "from_bf16_bits"),
 }
 
 _BLOCK = 256

@@ -286,17 +286,54 @@ def layernorm_backward(dy, x, g, mean, rstd, dx=None, dyxhat=None):
 _ROUND = {"bfloat16": "round_bf16", "float16": "round_fp16"}
 
 
+def _bits_array(x, dtype, what):
+    """``x``, checked: a C-contiguous array of ``dtype`` (the kernels read
+    and write it in place, through a view of its bits: a copy would not be
+    written back)."""
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise TypeError(f"{what}: a {np.dtype(dtype).name} array, got {x.dtype}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what}: a C-contiguous array, got strides {x.strides}")
+    return x
+
+
 def round_in_place(x, dtype):
     """Round the float32 CuPy array ``x`` in place to the nearest ``dtype``
     (``bfloat16`` or ``float16``) value, one kernel over its bits and no
     scratch: the bits base/precision.round_to gives (cuda/precision.cu).
     ``x`` must be C-contiguous (a copy would not be in place)."""
     import_cupy()
-    if np.dtype(x.dtype) != np.dtype(np.float32):
-        raise TypeError(f"round_in_place: a float32 array, got {x.dtype}")
+    _bits_array(x, np.float32, "round_in_place")
     if dtype not in _ROUND:
         raise ValueError(f"round_in_place: bfloat16 or float16, got {dtype!r}")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"round_in_place: a C-contiguous array, got strides {x.strides}")
     _base._launch("precision", _ROUND[dtype], None, x.size, (x.view(np.uint32),))
+    return x
+
+
+def to_bf16_bits_device(x, out):
+    """``out`` (uint16 CuPy array of ``x``'s size) = the bits of the
+    bfloat16 nearest each float32 of ``x`` (``x`` unchanged): one kernel
+    over the whole array, no scratch, nothing allocated -- the bits
+    base/precision.to_bf16_bits gives (cuda/precision.cu)."""
+    import_cupy()
+    what = "to_bf16_bits_device"
+    _bits_array(x, np.float32, what)
+    _bits_array(out, np.uint16, what)
+    if out.size != x.size:
+        raise ValueError(f"{what}: {x.size} values into {out.size} bits")
+    _base._launch("precision", "to_bf16_bits", None, x.size, (x.view(np.uint32), out))
+    return out
+
+
+def from_bf16_bits_device(bits, x):
+    """``x`` (float32 CuPy array of ``bits``' size) = the bfloat16 values
+    whose bits are ``bits`` (uint16), widened exactly: one kernel, nothing
+    allocated (base/precision.from_bf16_bits; cuda/precision.cu)."""
+    import_cupy()
+    what = "from_bf16_bits_device"
+    _bits_array(bits, np.uint16, what)
+    _bits_array(x, np.float32, what)
+    if bits.size != x.size:
+        raise ValueError(f"{what}: {bits.size} bits into {x.size} values")
+    _base._launch("precision", "from_bf16_bits", None, x.size, (bits, x.view(np.uint32)))
     return x
