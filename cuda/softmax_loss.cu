@@ -18,8 +18,32 @@
 // y = exp(x - max) / sum(exp(x - max)) and dx = y * (dy - sum_c dy * y),
 // one thread per position, in place allowed.
 //
+// softmax_loss_forward, softmax_forward, softmax_backward and
+// accuracy_forward each have a `_rows` twin, same arguments, for a position
+// of many classes (the wrappers take it for inner == 1 and C >= the block
+// size: GPT's loss, 16384 positions of 50304 classes; the attention
+// softmax's rows): ONE BLOCK PER POSITION (grid-stride over positions), its
+// threads reading the classes c = tid, tid + B, ... (coalesced, where one
+// thread per row walked a whole row three times). The softmax makes one pass
+// for the row's maximum and normaliser at once (the online normaliser of
+// Milakov & Gimelshein 2018: each thread keeps its maximum m and its sum d
+// of exp(x - m), rescaling d when m grows), combines the threads' (m, d) in
+// the fixed-order trees of block_sum.cuh (the maximum, then the sum of d *
+// exp(m - max) in double: no atomics, the same bits every run), then one
+// pass writes exp(x - max) / sum. Everything a block reads of its row
+// before the trees (x[label] too) is read before any thread writes the row,
+// and each thread rewrites only the elements it reads after them, so y and
+// prob may be x and dx may be dy, as in the one-thread kernels. Launched
+// with PURINE_SOFTMAX_THREADS threads a block.
+//
 // Compiled at run time by purine_mpi.gpu.load_kernel("softmax_loss") (NVRTC,
 // so no #include); one extern "C" entry point per dtype: <name>_f32, <name>_f64.
+
+#include "block_sum.cuh"
+
+// The threads of a block of the one-block kernels (the `_rows` kernels, the
+// batch means): base.py's _REDUCE_THREADS
+#define PURINE_SOFTMAX_THREADS 256
 
 #define CUDA_KERNEL_LOOP(i, n)                                              \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
@@ -36,6 +60,13 @@ template <> __device__ __forceinline__ float quiet_nan<float>() {
 }
 template <> __device__ __forceinline__ double quiet_nan<double>() {
   return __longlong_as_double(0x7ff8000000000000LL);
+}
+template <typename T> __device__ __forceinline__ T negative_infinity();
+template <> __device__ __forceinline__ float negative_infinity<float>() {
+  return __int_as_float(0xff800000);
+}
+template <> __device__ __forceinline__ double negative_infinity<double>() {
+  return __longlong_as_double(0xfff0000000000000LL);
 }
 
 // Whether a position's label is not counted: the layer's ignore_label or the
@@ -80,6 +111,58 @@ __device__ __forceinline__ T softmax_at(const T* x, long long base, int channels
   return logarithm(sum);
 }
 
+// The softmax of one position (n, s) as softmax_at, by a whole block (the
+// `_rows` kernels; every thread calls it): one read pass of the online
+// maximum and normaliser, the block's trees, one pass writing y. The trees
+// hold every thread at a barrier until all have read the row, so y may be x,
+// and what a thread read of the row before the call is x's. Returns
+// log(sum) and *largest_out the maximum, as softmax_at. A row of -inf only
+// (or with +inf or NaN) gives NaN, as softmax_at.
+template <typename T>
+__device__ __forceinline__ T softmax_row(const T* x, long long base, int channels, int inner,
+                                         T* y, double* shared, T* largest_out = nullptr) {
+  T m = negative_infinity<T>();
+  double d = 0.0;   // sum of exp(x - m) over this thread's classes
+  for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+    const T v = x[base + (long long)c * inner];
+    if (v > m) {
+      d = d * (double)exponential(m - v) + 1.0;
+      m = v;
+    } else if (v != negative_infinity<T>()) {   // -inf adds 0 (not exp(-inf + inf))
+      d += (double)exponential(v - m);
+    }
+  }
+  const T largest = (T)purine_block_max((double)m, shared);
+  const double sum = purine_block_sum(d * exponential((double)m - (double)largest), shared);
+  const T inv_sum = (T)(1.0 / sum);
+  for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+    const long long j = base + (long long)c * inner;
+    y[j] = exponential(x[j] - largest) * inv_sum;
+  }
+  if (largest_out) *largest_out = largest;
+  return (T)logarithm(sum);
+}
+
+// The loss of a position from its label, log(sum) and maximum: loss, valid
+// as the header says (picked: x[label], read before y was written).
+template <typename T>
+__device__ __forceinline__ void position_loss(long long index, long long label, int channels,
+                                              bool skip, T picked, T log_sum, T largest,
+                                              T* loss, T* valid) {
+  if (skip) {
+    loss[index] = T(0);
+    valid[index] = T(0);
+  } else if (label < 0 || label >= channels) {
+    loss[index] = quiet_nan<T>();
+    valid[index] = T(1);
+  } else {
+    // -log softmax at the label as the CPU op computes it (no clamp of
+    // prob: a clamp at FLT_MIN capped each position's loss at 87.3 nats)
+    loss[index] = log_sum - (picked - largest);
+    valid[index] = T(1);
+  }
+}
+
 // One thread per position (n, s); loops over the C classes (stride inner).
 template <typename T>
 __device__ void softmax_loss_forward_impl(long long total, const T* x,
@@ -96,17 +179,31 @@ __device__ void softmax_loss_forward_impl(long long total, const T* x,
     const T picked = counted ? x[base + label * inner] : T(0);
     T largest;
     const T log_sum = softmax_at(x, base, channels, inner, prob, &largest);
-    if (skip) {
-      loss[index] = T(0);
-      valid[index] = T(0);
-    } else if (label < 0 || label >= channels) {
-      loss[index] = quiet_nan<T>();
-      valid[index] = T(1);
-    } else {
-      // -log softmax at the label as the CPU op computes it (no clamp of
-      // prob: a clamp at FLT_MIN capped each position's loss at 87.3 nats)
-      loss[index] = log_sum - (picked - largest);
-      valid[index] = T(1);
+    position_loss(index, label, channels, skip, picked, log_sum, largest, loss, valid);
+  }
+}
+
+// One block per position (n, s) (the `_rows` twin): the same formulas, the
+// normaliser summed in double.
+template <typename T>
+__device__ void softmax_loss_forward_rows_impl(long long total, const T* x,
+                                               const long long* labels, int channels,
+                                               int inner, int ignore_label,
+                                               int has_ignore, int pad_label, int has_pad,
+                                               T* prob, T* loss, T* valid) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const long long base = position_base(index, channels, inner);
+    const long long label = labels[index];
+    const bool skip = skipped(label, ignore_label, has_ignore, pad_label, has_pad);
+    const bool counted = !skip && label >= 0 && label < channels;
+    // read before softmax_row's barriers, so before any thread writes the
+    // row (prob may be x)
+    const T picked = (counted && threadIdx.x == 0) ? x[base + label * inner] : T(0);
+    T largest;
+    const T log_sum = softmax_row(x, base, channels, inner, prob, shared, &largest);
+    if (threadIdx.x == 0) {
+      position_loss(index, label, channels, skip, picked, log_sum, largest, loss, valid);
     }
   }
 }
@@ -140,7 +237,6 @@ __device__ void softmax_loss_backward_impl(long long total, const T* prob,
 //   out_loss = sum(loss) / max(sum(valid), 1)
 // and, when has_count, out_count = max(sum(valid), 1). Launched with one
 // block of at most PURINE_SOFTMAX_THREADS threads.
-#define PURINE_SOFTMAX_THREADS 256
 
 __device__ __forceinline__ void purine_block_sum2(double* a, double* b) {
   const unsigned int tid = threadIdx.x;
@@ -223,6 +319,16 @@ __device__ void softmax_forward_impl(long long total, const T* x, int channels, 
   }
 }
 
+// One block per position (the `_rows` twin).
+template <typename T>
+__device__ void softmax_forward_rows_impl(long long total, const T* x, int channels,
+                                          int inner, T* y) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    softmax_row(x, position_base(index, channels, inner), channels, inner, y, shared);
+  }
+}
+
 // Its gradient: dx = y * (dy - sum_c dy * y), one thread per position; dx
 // may be dy's storage (the dot product is read before any write).
 template <typename T>
@@ -236,6 +342,28 @@ __device__ void softmax_backward_impl(long long total, const T* dy, const T* y, 
       dot += dy[j] * y[j];
     }
     for (int c = 0; c < channels; ++c) {
+      const long long j = base + (long long)c * inner;
+      dx[j] = y[j] * (dy[j] - dot);
+    }
+  }
+}
+
+// One block per position (the `_rows` twin): the dot product in double,
+// the block's fixed-order tree; its barriers come after every read of dy
+// for it, and each thread then rewrites only its own elements (dx may be dy).
+template <typename T>
+__device__ void softmax_backward_rows_impl(long long total, const T* dy, const T* y,
+                                           int channels, int inner, T* dx) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const long long base = position_base(index, channels, inner);
+    double part = 0.0;
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+      const long long j = base + (long long)c * inner;
+      part += (double)dy[j] * (double)y[j];
+    }
+    const T dot = (T)purine_block_sum(part, shared);
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
       const long long j = base + (long long)c * inner;
       dx[j] = y[j] * (dy[j] - dot);
     }
@@ -280,6 +408,42 @@ __device__ void accuracy_forward_impl(long long total, const T* x, const long lo
   }
 }
 
+// One block per position (the `_rows` twin): the threads count their
+// classes, the block's trees add the counts (exact in double).
+template <typename T>
+__device__ void accuracy_forward_rows_impl(long long total, const T* x, const long long* labels,
+                                           int channels, int inner, int ignore_label,
+                                           int has_ignore, int pad_label, int has_pad,
+                                           int top_k, T* correct, T* valid) {
+  __shared__ double shared[PURINE_SOFTMAX_THREADS];
+  for (long long index = blockIdx.x; index < total; index += gridDim.x) {
+    const long long label = labels[index];
+    const bool skip = skipped(label, ignore_label, has_ignore, pad_label, has_pad);
+    // the same for the whole block: no thread waits at a barrier alone
+    if (skip || label < 0 || label >= channels) {
+      if (threadIdx.x == 0) {
+        correct[index] = T(0);
+        valid[index] = skip ? T(0) : quiet_nan<T>();
+      }
+      continue;
+    }
+    const long long base = position_base(index, channels, inner);
+    const T truth = x[base + label * inner];
+    double at_least = 0.0, not_finite = 0.0;
+    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
+      const T v = x[base + (long long)c * inner];
+      not_finite += !isfinite(v);
+      at_least += v >= truth;
+    }
+    at_least = purine_block_sum(at_least, shared);
+    not_finite = purine_block_sum(not_finite, shared);
+    if (threadIdx.x == 0) {
+      correct[index] = (not_finite == 0.0 && at_least - 1.0 < (double)top_k) ? T(1) : T(0);
+      valid[index] = T(1);
+    }
+  }
+}
+
 // out = sum(correct) / sum(valid), 0 without a valid position, NaN with a
 // bad label; one block, fixed-order sums in double.
 template <typename T>
@@ -301,6 +465,14 @@ __device__ void accuracy_mean_impl(long long total, const T* correct, const T* v
     accuracy_forward_impl<T>(total, x, labels, channels, inner, ignore_label,           \
                              has_ignore, pad_label, has_pad, top_k, correct, valid);    \
   }                                                                                     \
+  extern "C" __global__ void accuracy_forward_rows_##SUFFIX(                            \
+      long long total, const T* x, const long long* labels, int channels, int inner,    \
+      int ignore_label, int has_ignore, int pad_label, int has_pad, int top_k,          \
+      T* correct, T* valid) {                                                           \
+    accuracy_forward_rows_impl<T>(total, x, labels, channels, inner, ignore_label,      \
+                                  has_ignore, pad_label, has_pad, top_k, correct,       \
+                                  valid);                                               \
+  }                                                                                     \
   extern "C" __global__ void accuracy_mean_##SUFFIX(long long total, const T* correct,  \
                                                     const T* valid, T* out) {           \
     accuracy_mean_impl<T>(total, correct, valid, out);                                  \
@@ -317,6 +489,14 @@ PURINE_ACCURACY_ENTRY(f64, double)
     softmax_loss_forward_impl<T>(total, x, labels, channels, inner,             \
                                  ignore_label, has_ignore, pad_label, has_pad,  \
                                  prob, loss, valid);                            \
+  }                                                                             \
+  extern "C" __global__ void softmax_loss_forward_rows_##SUFFIX(                \
+      long long total, const T* x, const long long* labels, int channels, int inner,  \
+      int ignore_label, int has_ignore, int pad_label, int has_pad, T* prob,    \
+      T* loss, T* valid) {                                                      \
+    softmax_loss_forward_rows_impl<T>(total, x, labels, channels, inner,        \
+                                      ignore_label, has_ignore, pad_label,      \
+                                      has_pad, prob, loss, valid);              \
   }                                                                             \
   extern "C" __global__ void softmax_loss_backward_##SUFFIX(                    \
       long long total, const T* prob, const long long* labels, int channels,          \
@@ -347,9 +527,17 @@ PURINE_ACCURACY_ENTRY(f64, double)
       long long total, const T* x, int channels, int inner, T* y) {             \
     softmax_forward_impl<T>(total, x, channels, inner, y);                      \
   }                                                                             \
+  extern "C" __global__ void softmax_forward_rows_##SUFFIX(                     \
+      long long total, const T* x, int channels, int inner, T* y) {             \
+    softmax_forward_rows_impl<T>(total, x, channels, inner, y);                 \
+  }                                                                             \
   extern "C" __global__ void softmax_backward_##SUFFIX(                         \
       long long total, const T* dy, const T* y, int channels, int inner, T* dx) {  \
     softmax_backward_impl<T>(total, dy, y, channels, inner, dx);                \
+  }                                                                             \
+  extern "C" __global__ void softmax_backward_rows_##SUFFIX(                    \
+      long long total, const T* dy, const T* y, int channels, int inner, T* dx) {  \
+    softmax_backward_rows_impl<T>(total, dy, y, channels, inner, dx);           \
   }
 
 PURINE_SOFTMAX_LOSS_ENTRY(f32, float)

@@ -16,7 +16,8 @@ ENTRY_POINTS = {
     "lrn": ("lrn_forward", "lrn_backward"),
     "softmax_loss": ("softmax_loss_forward", "softmax_loss_backward", "softmax_loss_mean",
                      "softmax_loss_count", "softmax_forward", "softmax_backward",
-                     "accuracy_forward", "accuracy_mean"),
+                     "accuracy_forward", "accuracy_mean", "softmax_loss_forward_rows",
+                     "softmax_forward_rows", "softmax_backward_rows", "accuracy_forward_rows"),
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "adam": ("adam_update", "adam_multi"),
     "adaptive": ("adaptive_update",),
@@ -38,7 +39,7 @@ PLAIN_ENTRY_POINTS = {
 _BLOCK = 256
 _MAX_BLOCKS = 65535   # kernels use grid-stride loops, so any grid covers all
 _REDUCE_THREADS = 256  # PURINE_REDUCE_THREADS of cuda/reduce.cu (PURINE_CLIP_THREADS,
-#                       PURINE_LN_THREADS of cuda/layernorm.cu)
+#                       PURINE_LN_THREADS of cuda/layernorm.cu, PURINE_SOFTMAX_THREADS)
 
 
 # ----------------------------------------------------------------- sizes ---

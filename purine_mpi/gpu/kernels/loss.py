@@ -3,10 +3,31 @@ import numpy as np
 
 from .. import data_ptr, dtype_suffix, import_cupy
 from . import base as _base
-from .base import _REDUCE_THREADS, _finish, _input, _int, _output, _outs, _scalar_or_device
+from .base import (_MAX_BLOCKS, _REDUCE_THREADS, _finish, _input, _int, _output, _outs,
+                   _scalar_or_device)
 
 
 # ---------------------------------------------------------- softmax loss ---
+
+#: from this many classes on, a position of a (N, C) array (inner 1) is a
+#: block's work (the ``<func>_rows`` kernels of cuda/softmax_loss.cu: its
+#: _REDUCE_THREADS threads read the row coalesced, every thread at least
+#: one class); below it, or where positions interleave (inner > 1: adjacent
+#: threads read adjacent positions, coalesced already), a thread's
+ROW_BLOCK_CLASSES = _REDUCE_THREADS
+
+
+def _per_position(func, dtype, channels, inner, positions, args):
+    """Launch kernel ``func`` of cuda/softmax_loss.cu over ``positions``
+    positions of ``channels`` classes (``args`` after the count): one block a
+    position (its ``_rows`` twin, same arguments) for rows of at least
+    ROW_BLOCK_CLASSES classes, else one thread a position."""
+    if inner == 1 and channels >= ROW_BLOCK_CLASSES and positions > 0:
+        _base._launch_blocks("softmax_loss", f"{func}_rows", dtype, min(positions, _MAX_BLOCKS),
+                             _REDUCE_THREADS, (np.int64(positions),) + tuple(args))
+    else:
+        _base._launch("softmax_loss", func, dtype, positions, args)
+
 
 def _labels(cupy, labels, positions, what):
     if not isinstance(labels, cupy.ndarray) or labels.size != positions:
@@ -60,9 +81,9 @@ def softmax_loss_forward(x, labels, ignore_label=None, out=None, pad_label=None)
     loss, loss_t = _output(cupy, loss_out, pos_shape, x.dtype, "softmax_loss_forward (loss)")
     valid, valid_t = _output(cupy, valid_out, pos_shape, x.dtype,
                              "softmax_loss_forward (valid)")
-    _base._launch("softmax_loss", "softmax_loss_forward", x.dtype, n * inner,
-            (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
-             prob, loss, valid))
+    _per_position("softmax_loss_forward", x.dtype, channels, inner, n * inner,
+                  (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
+                   prob, loss, valid))
     return _finish(prob, prob_t), _finish(loss, loss_t), _finish(valid, valid_t)
 
 
@@ -102,18 +123,19 @@ def _planes(cupy, a, func, arg):
 
 def softmax_forward(x, out=None):
     """Softmax over axis 1 of an (N, C, ...) array (max-shifted), one thread
-    per position; ``out`` may be ``x``."""
+    per position (one block for rows of many classes); ``out`` may be ``x``."""
     cupy = import_cupy()
     x, n, channels, inner = _planes(cupy, x, "softmax_forward", "x")
     y, target = _output(cupy, out, x.shape, x.dtype, "softmax_forward")
-    _base._launch("softmax_loss", "softmax_forward", x.dtype, n * inner,
+    _per_position("softmax_forward", x.dtype, channels, inner, n * inner,
                   (x, _int(channels), _int(inner), y))
     return _finish(y, target)
 
 
 def softmax_backward(dy, y, out=None):
     """dx = y * (dy - sum over axis 1 of dy * y) for (N, C, ...) arrays, one
-    thread per position; ``out`` may be ``dy``."""
+    thread per position (one block for rows of many classes); ``out`` may be
+    ``dy``."""
     cupy = import_cupy()
     y, n, channels, inner = _planes(cupy, y, "softmax_backward", "y")
     dy = _input(cupy, dy, "softmax_backward: dy")
@@ -121,7 +143,7 @@ def softmax_backward(dy, y, out=None):
         raise ValueError(f"softmax_backward: dy {tuple(dy.shape)} {dy.dtype} and y "
                          f"{tuple(y.shape)} {y.dtype} differ")
     dx, target = _output(cupy, out, y.shape, y.dtype, "softmax_backward")
-    _base._launch("softmax_loss", "softmax_backward", y.dtype, n * inner,
+    _per_position("softmax_backward", y.dtype, channels, inner, n * inner,
                   (dy, y, _int(channels), _int(inner), dx))
     return _finish(dx, target)
 
@@ -166,7 +188,7 @@ def accuracy(x, labels, out, top_k=1, ignore_label=None, buffers=None, pad_label
     correct, valid = (b.reshape(-1) for b in buffers)
     if correct.size != total or valid.size != total:
         raise ValueError(f"accuracy: buffers of {total} elements needed")
-    _base._launch("softmax_loss", "accuracy_forward", x.dtype, total,
+    _per_position("accuracy_forward", x.dtype, channels, inner, total,
                   (x, labels, _int(channels), _int(inner), *_skipped(ignore_label, pad_label),
                    _int(top_k), correct, valid))
     _base._launch_blocks("softmax_loss", "accuracy_mean", x.dtype, 1, _REDUCE_THREADS,
