@@ -401,12 +401,15 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
     state and send the weights on) is what train's start-up check compares:
     train starts at it and refuses one byte below, naming that rank (a
     server's check is new: it had none); the node's check, the three ranks'
-    needs summed, passes at plan's sum and refuses one byte below."""
+    needs summed, passes at plan's sum and refuses one byte below; the run
+    that starts writes each rank's planned rows, the server's too, to
+    memory.json: plan's, the MPI transport buffers included."""
     from tests.conftest import run_mpi_cli
     cfg = _digits_ps(digits_h5, tmp_path, mode, wide=True)
     out = run_cli_here("plan", cfg, "--np", "3", "--json")  # offline: in this process
     assert out.returncode == 0, out.stderr
-    need = {r: k["host"]["total"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    planned = {r: k["host"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    need = {r: h["total"] for r, h in planned.items()}
     assert sorted(need) == [0, 1, 2] and max(need, key=need.get) == biggest, need
     # the node's check (servers and workers in one allgather) at plan's sum
     node = sum(need.values())
@@ -417,6 +420,9 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
         if status:
             assert f"rank {biggest} needs {human_bytes(need[biggest])}" in res.stderr, \
                 res.stderr[-600:]
+        else:
+            measured = json.load(open(tmp_path / str(limit) / "memory.json"))["ranks"]
+            assert {m["rank"]: m["planned"] for m in measured} == planned
     res = run_mpi_cli(3, "train", cfg, "--iters", "2", "--out", str(tmp_path / "node"),
                       "--node-memory", str(node - 1))
     assert res.returncode == 2 and f"its ranks 0-2 need {human_bytes(node)}" in res.stderr, \

@@ -281,6 +281,16 @@ class Footprint:
                 "peak": self.peak, "notes": list(self.notes)}
 
 
+def planned_figures(fp):
+    """OUT/memory.json's ``planned`` (train/trainer.write_memory, a
+    server's figures): the host rows of the footprint train's start-up
+    check counted (``plan``'s JSON ``host`` object for this rank: its rows,
+    ``loop_total``, ``save_total``, ``load_total`` and ``total``, the need
+    ``above_baseline_bytes`` is set against), None without a check
+    (``--no-memory-check``)."""
+    return None if fp is None else fp.as_dict()["host"]
+
+
 def _groups(graph):
     groups = {}
     for b in graph.blobs:

@@ -31,7 +31,7 @@ from ..job.job import job_of, precision_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
-from ..runtime.footprint import shared_params, workspace_plans
+from ..runtime.footprint import planned_figures, shared_params, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world, world_gather
@@ -277,15 +277,6 @@ def write_memory(trainer, baseline):
         # by a rename over the name: never through a link there
         write_text_replacing(os.path.join(trainer.out_dir, "memory.json"),
                              json.dumps({"ranks": every}, indent=1))
-
-
-def planned_figures(fp):
-    """memory.json's ``planned``: the host rows of the footprint train's
-    start-up check counted (``plan``'s JSON ``host`` object for this rank:
-    its rows, ``loop_total``, ``save_total``, ``load_total`` and ``total``,
-    the need ``above_baseline_bytes`` is set against), None without a check
-    (``--no-memory-check``)."""
-    return None if fp is None else fp.as_dict()["host"]
 
 
 def _last_finite(last, out_dir):
