@@ -11,7 +11,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
       batch       32 per rank x 2 ranks = 64 global; test 60 per rank
       parameters  23,466 in 8 blobs (91.7 KiB, float32)
       memory      584.9 KiB of blobs on rank 0: 22 transient blobs planned into a 416.0 KiB arena (947.8 KiB one buffer each), 168.9 KiB kept
-      planned     3.1 MiB of host memory on rank 0 (3,253,512 bytes: data pool 1.2 MiB, ..., MPI transport buffers 512.0 KiB, ...); measured: memory.json
+      planned     4.5 MiB of host memory on rank 0 (4,729,764 bytes: host scratch 2.6 MiB, activations 712.0 KiB, MPI transport buffers 512.0 KiB, ...); measured: memory.json
       data        train 1,437 samples (data/digits.h5, split train), test 360 samples (...)
       solver      sgd, base_lr 0.05, lr_policy step; iterations 0 -> 900
       output      runs/digits_lenet/2
