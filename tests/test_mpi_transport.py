@@ -93,6 +93,10 @@ def test_transport_settings_are_the_library_s():
     assert p.returncode == 0, p.stderr
     cells, size, where = shm_cells()
     assert p.stdout.split() == ["[32,", f"{size},", "'MPI_T']", str(2 * 32 * size)]
+    # MPIR_CVAR_NOLOCAL, as MPICH reads it (MPI_T): no cells are read, none counted
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, MPIR_CVAR_NOLOCAL="1"), cwd=ROOT, timeout=60)
+    assert p.returncode == 0 and p.stdout.split()[-1] == "0", (p.stdout, p.stderr)
     assert transport_bytes(3) == 2 * cells * size and transport_bytes(1) == 0
 
 
@@ -146,14 +150,18 @@ def fake_library(monkeypatch):
     from purine_mpi.comm import mpi_transport as mt
     for n in mt.CELL_CVARS:
         monkeypatch.delenv(n, raising=False)
+    monkeypatch.delenv(mt.NOLOCAL_CVAR, raising=False)
     mt.shm_cells.cache_clear()
+    mt._settings.cache_clear()
 
     def use(lib):
         monkeypatch.setattr(mt, "_libmpi", lambda: lib)
         mt.shm_cells.cache_clear()
+        mt._settings.cache_clear()
         return mt
     yield use
     mt.shm_cells.cache_clear()
+    mt._settings.cache_clear()
 
 
 def test_another_library_counts_no_cells_and_leaves_nothing_open(fake_library, monkeypatch):
@@ -180,6 +188,23 @@ def test_another_library_counts_no_cells_and_leaves_nothing_open(fake_library, m
     monkeypatch.setenv("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE", "8192")
     mt = fake_library(_FakeMPIT({}))
     assert mt.shm_cells() == (32, 8192, "environment") and mt.transport_bytes(2) == 32 * 8192
+
+
+def test_nolocal_counts_no_cells(fake_library, monkeypatch):
+    """MPICH's ``MPIR_CVAR_NOLOCAL`` keeps a node's ranks off the shared
+    memory: the row is 0 and the note says why, from MPI_T or else the
+    environment. Before, the row counted the cells: 1 MiB a rank on 3
+    ranks, where the segment grew by 0 (tests/test_mpi_transport.py's probe
+    under MPIR_CVAR_NOLOCAL=1: 'grown': [0, 0, 0], 'planned': 1048576)."""
+    cells = {"MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS": 64,
+             "MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE": 8192}
+    mt = fake_library(_FakeMPIT({**cells, "MPIR_CVAR_NOLOCAL": 1}))
+    assert mt.transport_bytes(3) == 0 and "MPIR_CVAR_NOLOCAL" in mt.transport_note(3)
+    mt = fake_library(_FakeMPIT({**cells, "MPIR_CVAR_NOLOCAL": 0}))
+    assert mt.transport_bytes(3) == 2 * 64 * 8192
+    monkeypatch.setenv("MPIR_CVAR_NOLOCAL", "1")
+    mt = fake_library(_FakeMPIT(cells))  # a library whose MPI_T does not say
+    assert mt.transport_bytes(3) == 0
 
 
 def test_the_settings_come_from_the_library_mpi4py_loaded():

@@ -278,20 +278,34 @@ def test_plan_of_a_pipeline_is_train_s_check_to_the_byte(digits_h5, tmp_path):
     one-sided windows (pool1, label, lr, pool1.grad) in the arena too, and
     counted only the window words of its own regions: it said rank 0 needs
     2,252,828 bytes where train counts 2,125,304 (a limit in between: plan
-    'DOES NOT FIT', train ran)."""
+    'DOES NOT FIT', train ran).
+
+    The run that starts prints rank 0's figure in its start-up block
+    (``planned``: the total, the MPI transport buffers row) and writes each
+    rank's rows to memory.json (``planned``): every row is plan's, the MPI
+    transport buffers too (before, the start-up block had no planned
+    figure and memory.json only the model state: a user saw plan's total
+    nowhere in the run's log)."""
     from tests.conftest import run_mpi_cli
-    from purine_mpi.tools.plan import offline_footprints, set_transports
-    job = _job("digits_pipeline", None, f"data.train.path={digits_h5}",
-               f"data.test.path={digits_h5}")
-    fps, _ = offline_footprints(job, 2, [0, 1])
-    set_transports(fps, 2, None)  # plan's: both ranks on this node
-    need = max(fp.host_total for fp in fps.values())
     sets = ["--set", f"data.train.path={digits_h5}", "--set", f"data.test.path={digits_h5}"]
     cfg = os.path.join(JOBS, "digits_pipeline.yaml")
+    out = run_cli_here("plan", cfg, "--np", "2", "--json", *sets)  # both ranks on this node
+    assert out.returncode == 0, out.stderr
+    planned = {r: k["host"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    assert sorted(planned) == [0, 1] and planned[0]["mpi_transport"] > 0, planned
+    need = max(h["total"] for h in planned.values())
+    runs = {}
     for limit, status in ((need, 0), (need - 1, 2)):
-        res = run_mpi_cli(2, "train", cfg, "--iters", "1", "--out", str(tmp_path / str(limit)),
-                          "--host-memory", str(limit), *sets)
+        runs[limit] = res = run_mpi_cli(2, "train", cfg, "--iters", "1", "--out",
+                                        str(tmp_path / str(limit)), "--host-memory", str(limit),
+                                        *sets)
         assert res.returncode == status, (limit, need, res.stderr[-600:])
+    measured = json.load(open(tmp_path / str(need) / "memory.json"))["ranks"]
+    assert {m["rank"]: m["planned"] for m in measured} == planned
+    row = next(line for line in runs[need].stdout.splitlines() if line.startswith("  planned "))
+    assert f"{human_bytes(planned[0]['total'])} of host memory on rank 0 " \
+        f"({planned[0]['total']:,} bytes: " in row, row
+    assert f"MPI transport buffers {human_bytes(planned[0]['mpi_transport'])}" in row, row
 
 
 def _digits_ps(digits_h5, tmp_path, mode, wide=False):
@@ -387,12 +401,15 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
     state and send the weights on) is what train's start-up check compares:
     train starts at it and refuses one byte below, naming that rank (a
     server's check is new: it had none); the node's check, the three ranks'
-    needs summed, passes at plan's sum and refuses one byte below."""
+    needs summed, passes at plan's sum and refuses one byte below; the run
+    that starts writes each rank's planned rows, the server's too, to
+    memory.json: plan's, the MPI transport buffers included."""
     from tests.conftest import run_mpi_cli
     cfg = _digits_ps(digits_h5, tmp_path, mode, wide=True)
     out = run_cli_here("plan", cfg, "--np", "3", "--json")  # offline: in this process
     assert out.returncode == 0, out.stderr
-    need = {r: k["host"]["total"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    planned = {r: k["host"] for k in json.loads(out.stdout)["ranks"] for r in k["ranks"]}
+    need = {r: h["total"] for r, h in planned.items()}
     assert sorted(need) == [0, 1, 2] and max(need, key=need.get) == biggest, need
     # the node's check (servers and workers in one allgather) at plan's sum
     node = sum(need.values())
@@ -403,6 +420,9 @@ def test_plan_of_a_parameter_server_mode_is_train_s_check_to_the_byte(mode, bigg
         if status:
             assert f"rank {biggest} needs {human_bytes(need[biggest])}" in res.stderr, \
                 res.stderr[-600:]
+        else:
+            measured = json.load(open(tmp_path / str(limit) / "memory.json"))["ranks"]
+            assert {m["rank"]: m["planned"] for m in measured} == planned
     res = run_mpi_cli(3, "train", cfg, "--iters", "2", "--out", str(tmp_path / "node"),
                       "--node-memory", str(node - 1))
     assert res.returncode == 2 and f"its ranks 0-2 need {human_bytes(node)}" in res.stderr, \

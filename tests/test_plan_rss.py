@@ -237,7 +237,10 @@ def test_parameter_server_ranks_hold_what_plan_says(mode, ranks, servers, interv
     rank here), but the sync_ps workers still measure 5.4-5.6% above plan
     on a quiet machine (5 runs, 2026-11-29 after the merges: rank 0 232.2
     MiB planned, 245.1 measured; rank 1 185.2 and 195.5): the 10-13 MiB
-    every process holds unplanned (docs/running.md), which a 5% bound at
+    every process holds unplanned (docs/running.md, "The sync_ps workers'
+    gap, attributed": the arrays are the rows to within 0.7 MiB; MPICH's
+    request and communicator pools, 3.8 MiB, code pages, OpenBLAS's buffer
+    and glibc's heap are the rest, none of them the job's), which a 5% bound at
     these sizes does not leave room for (a helper's two runs under load
     read 4.7-4.8% and set 5%: it failed every quiet run); sync_ps with a
     save at iteration 2 of 3 (rank 0 takes the servers' momenta), async

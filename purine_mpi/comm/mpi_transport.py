@@ -20,7 +20,11 @@ and ``..._CELL_SIZE``, read through the MPI tool interface (MPI_T, which
 needs no MPI_Init and sees the environment's overrides), else from the
 environment. Where neither says (another MPI library: Open MPI's shared
 memory transport has other settings), the row is 0 and ``transport_note``
-says the buffers are not counted. Not counted either: UCX's shared-memory
+says the buffers are not counted. With ``MPIR_CVAR_NOLOCAL`` set (MPICH's
+own switch: the ranks of a node talk through the network module as if on
+different nodes) the cells are never read: the row is 0 and the note says
+why (before, it counted them: 1 MiB a rank on 3 ranks, none grew). Not
+counted either: UCX's shared-memory
 segment (/dev/shm/ucx_shm_posix_*, resident at MPI_Init, in the
 baseline) and an inter-node network transport's buffers.
 """
@@ -31,6 +35,9 @@ import os
 #: the iqueue's settings: (number of cells a rank's pool has, bytes a cell)
 CELL_CVARS = ("MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS",
               "MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE")
+
+#: MPICH's switch that keeps the ranks of a node off the shared memory
+NOLOCAL_CVAR = "MPIR_CVAR_NOLOCAL"
 
 
 def _loaded_libmpi():
@@ -100,10 +107,16 @@ def _read_cvars(names):
 
 
 @functools.lru_cache(maxsize=None)
+def _settings():
+    """{name: int} of ``CELL_CVARS`` and ``NOLOCAL_CVAR`` from MPI_T (one session)."""
+    return _read_cvars(CELL_CVARS + (NOLOCAL_CVAR,))
+
+
+@functools.lru_cache(maxsize=None)
 def shm_cells():
     """(cells a rank's pool has, bytes a cell, where from: "MPI_T" or
     "environment"), or None where unknown."""
-    got = _read_cvars(CELL_CVARS)
+    got = _settings()
     if all(got.get(n, 0) > 0 for n in CELL_CVARS):
         return got[CELL_CVARS[0]], got[CELL_CVARS[1]], "MPI_T"
     try:
@@ -113,13 +126,23 @@ def shm_cells():
     return env[0], env[1], "environment"
 
 
+def no_local_shm():
+    """Whether MPICH keeps the node's ranks off its shared memory
+    (``MPIR_CVAR_NOLOCAL``: from MPI_T, else the environment)."""
+    got = _settings()
+    if NOLOCAL_CVAR in got:
+        return got[NOLOCAL_CVAR] != 0
+    value = os.environ.get(NOLOCAL_CVAR, "0").strip().lower()
+    return value not in ("", "0", "no", "false")
+
+
 def transport_bytes(local_ranks):
     """The bytes of MPI's shared-memory transport a rank among
     ``local_ranks`` ranks of its node holds above its baseline: every other
-    local rank's pool of cells (the module docstring); 0 alone on its node
-    or where the settings are unknown."""
+    local rank's pool of cells (the module docstring); 0 alone on its node,
+    under ``MPIR_CVAR_NOLOCAL`` or where the settings are unknown."""
     cells = shm_cells()
-    if local_ranks <= 1 or cells is None:
+    if local_ranks <= 1 or cells is None or no_local_shm():
         return 0
     return (local_ranks - 1) * cells[0] * cells[1]
 
@@ -128,6 +151,9 @@ def transport_note(local_ranks):
     """What the "MPI transport buffers" row stands on, in words (None alone on a node)."""
     if local_ranks <= 1:
         return None
+    if no_local_shm():
+        return (f"MPI transport buffers: 0 ({NOLOCAL_CVAR} is set: the node's ranks talk "
+                "through MPI's network module, not its shared-memory cells)")
     cells = shm_cells()
     if cells is None:
         return ("MPI transport buffers: not counted (the MPI library reports no "

@@ -97,6 +97,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..base.progress_bar import human_bytes
 from ..graph.core import WORKING_SET_ATTR
 from .factory import dispatcher_kind, memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
@@ -107,6 +108,16 @@ ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
         "comm_buffers", "windows", "mpi_transport", "kept", "data_pool", "host_scratch",
         "kernel_temporaries", "scratch", "cublas_workspaces",
         "capture_pools")
+
+#: row labels as printed (``plan``'s table, train's start-up ``planned`` row)
+LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
+          "activations": "activations", "data_batch": "data batch",
+          "comm_buffers": "comm buffers", "windows": "windows",
+          "mpi_transport": "MPI transport buffers", "kept": "other kept blobs",
+          "data_pool": "data pool", "host_scratch": "host scratch",
+          "kernel_temporaries": "kernel temporaries",
+          "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
+          "capture_pools": "capture pools"}
 
 #: the host rows resident before the first iteration (``Footprint.load_total``)
 STARTUP_ROWS = ("weights", "data_batch", "comm_buffers", "windows", "kept", "data_pool")
@@ -246,6 +257,14 @@ class Footprint:
     def device_total(self, device):
         return sum(self.devices.get(device, {}).values())
 
+    def rows_text(self, device=-1):
+        """``weights 1.0 MiB, activations 512.0 KiB, ...``: the non-zero rows
+        of the host (``device`` -1) or a GPU, the largest first (``plan``'s
+        refusal, train's start-up ``planned`` row)."""
+        rows = self.host if device < 0 else self.devices.get(device, {})
+        return ", ".join(f"{LABELS[k]} {human_bytes(v)}" for k, v in
+                         sorted(rows.items(), key=lambda kv: -kv[1]) if v)
+
     def as_dict(self):
         return {"rank": self.rank, "device": self.device,
                 "host": {**{k: int(self.host.get(k, 0)) for k in ROWS},
@@ -260,6 +279,16 @@ class Footprint:
                             for d, rows in sorted(self.devices.items())},
                 "model_state": {k: int(v) for k, v in self.model_state.items()},
                 "peak": self.peak, "notes": list(self.notes)}
+
+
+def planned_figures(fp):
+    """OUT/memory.json's ``planned`` (train/trainer.write_memory, a
+    server's figures): the host rows of the footprint train's start-up
+    check counted (``plan``'s JSON ``host`` object for this rank: its rows,
+    ``loop_total``, ``save_total``, ``load_total`` and ``total``, the need
+    ``above_baseline_bytes`` is set against), None without a check
+    (``--no-memory-check``)."""
+    return None if fp is None else fp.as_dict()["host"]
 
 
 def _groups(graph):

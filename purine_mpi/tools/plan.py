@@ -26,19 +26,10 @@ import numpy as np
 from ..base.errors import MemoryTooSmall, UserError
 from ..base.progress_bar import human_bytes, parse_size
 from ..comm.mpi_transport import transport_bytes, transport_note
+from ..runtime.footprint import LABELS  # row labels as printed (train's start-up block's too)
 
 #: up to this many ranks, ``plan`` builds every one
 ALL_RANKS = 8
-
-#: row labels as printed
-LABELS = {"weights": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
-          "activations": "activations", "data_batch": "data batch",
-          "comm_buffers": "comm buffers", "windows": "windows",
-          "mpi_transport": "MPI transport buffers", "kept": "other kept blobs",
-          "data_pool": "data pool", "host_scratch": "host scratch",
-          "kernel_temporaries": "kernel temporaries",
-          "scratch": "scratch slots", "cublas_workspaces": "cuBLAS workspaces",
-          "capture_pools": "capture pools"}
 
 def parse_bytes(text, option):
     """``80GiB``, ``512MiB``, ``24G`` (binary), ``16GB`` (decimal), ``1000``
@@ -538,10 +529,8 @@ def over(fp, limits):
 def refusal(job, fp, size, problem, offline_rank=None, everyone=None, restore=None):
     """The one line ``train`` (and ``plan --check``) refuses a job with."""
     where, device, need, limit, why = problem
-    rows = fp.host if device < 0 else fp.devices.get(device, {})
-    shown = ", ".join(f"{LABELS[k]} {human_bytes(v)}" for k, v in
-                      sorted(rows.items(), key=lambda kv: -kv[1]) if v)
-    text = (f"rank {fp.rank} needs {human_bytes(need)} of {where} memory ({shown}), more "
+    text = (f"rank {fp.rank} needs {human_bytes(need)} of {where} memory "
+            f"({fp.rows_text(device)}), more "
             f"than the {human_bytes(limit)} it has ({why})")
     if fp.peak is not None:
         p = fp.peak
@@ -564,9 +553,12 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
     this rank's footprint exceeds what it has, before the workspaces are
     allocated. ``limits``: a MemoryLimits (None: no check); ``dispatcher``:
     train's --dispatcher; ``init``, ``resume``: the run's --init file and
-    the Checkpoint it resumes from (``load_bytes``)."""
+    the Checkpoint it resumes from (``load_bytes``). Returns the footprint
+    (``plan``'s figures for this rank, its MPI transport row from the node
+    the run found: the start-up block's ``planned`` row, memory.json's
+    ``planned``), None without a check."""
     if limits is None or not limits.check:
-        return
+        return None
     from ..runtime.footprint import footprint
     if is_server(graphs):  # a parameter server (train/ps_server.py), world the global one
         everyone, fp, size = None, graphs.footprint(dispatcher), world.size
@@ -599,6 +591,7 @@ def check_memory(job, graphs, plans, world, limits, dispatcher=None, init=None, 
     if problems:
         raise MemoryTooSmall(refusal(job, fp, size, problems[0], everyone=everyone,
                                      restore={"init": init, "resume": resume}))
+    return fp
 
 
 def train_node_checks(need, held, limits):

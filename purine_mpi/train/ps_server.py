@@ -123,7 +123,8 @@ class ServerRank:
 def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), stop=None,
                profile_from=None, dispatcher=None, memory=None):
     """Everything a server rank does in a parameter-server run. Returns
-    {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "stop_code",
+    {"params": {p: array}, "momenta": {p: array}, "stats": {...}, "plan",
+    "planned" (the footprint train's start-up check counted, or None), "stop_code",
     "stopped_by"}. ``stop``: a StopSignal to take part in the workers' stop
     agreement (the ``train`` command); None when workers that make no
     agreement drive the server (tests). ``dispatcher``: the kind that runs
@@ -136,8 +137,8 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         world = get_world()
     par = job.parallel
     server = ServerRank(job, world)
-    if memory is not None:
-        memory(server)
+    # the footprint the check counted (tools/plan.check_memory), for memory.json
+    planned = memory(server) if memory is not None else None
     graph, plan, owned = server.graph, server.plan, server.owned
     windows, transport = server.windows, server.transport
     seed = job.seed
@@ -238,6 +239,7 @@ def run_server(job, world=None, resume=None, init=None, log=None, init_skip=(), 
         log(f"server rank {world.rank}: {len(owned)} params, {stats}")
     stats["transport"] = transport[0][1]
     return {"params": values, "momenta": momenta, "stats": stats, "plan": plan,
+            "planned": planned,
             "stop_code": code, "stopped_by": stop.name if code and stop else None}
 
 
@@ -303,6 +305,7 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     (trainer.run_and_report). ``memory``: train's start-up check (tools/plan.py
     check_memory), given this rank's ``ServerRank``."""
     from ..base.rss import peak_rss_bytes
+    from ..runtime.footprint import planned_figures
     # the same checkpoint the workers' Trainer resumes from
     resumed = resolve_resume(out_dir, resume)
     res = run_server(job, world, resume=resumed, init=init, init_skip=init_skip,
@@ -313,7 +316,8 @@ def run_server_rank(job, out_dir, world, resume=None, init=None, init_skip=(),
     world.send_object({"rank": world.rank, "server": True, "baseline_rss_bytes": baseline,
                        "peak_rss_bytes": peak,
                        "above_baseline_bytes": None if baseline is None else peak - baseline,
-                       "loop_peak_rss_bytes": None}, 0, MEMORY_TAG,
+                       "loop_peak_rss_bytes": None,
+                       "planned": planned_figures(res.get("planned"))}, 0, MEMORY_TAG,
                       "sending the server's memory figures")
     if res["stop_code"] == StopSignal.DIVERGED:
         return 3

@@ -11,6 +11,7 @@ colours, no cursor control), so a batch log reads as well as a terminal::
       batch       32 per rank x 2 ranks = 64 global; test 60 per rank
       parameters  23,466 in 8 blobs (91.7 KiB, float32)
       memory      584.9 KiB of blobs on rank 0: 22 transient blobs planned into a 416.0 KiB arena (947.8 KiB one buffer each), 168.9 KiB kept
+      planned     4.5 MiB of host memory on rank 0 (4,729,764 bytes: host scratch 2.6 MiB, activations 712.0 KiB, MPI transport buffers 512.0 KiB, ...); measured: memory.json
       data        train 1,437 samples (data/digits.h5, split train), test 360 samples (...)
       solver      sgd, base_lr 0.05, lr_policy step; iterations 0 -> 900
       output      runs/digits_lenet/2
@@ -131,6 +132,25 @@ def memory_text(trainer):
     return text
 
 
+def planned_text(fp):
+    """The ``planned`` row: rank 0's footprint as train's start-up check
+    counted it (tools/plan.check_memory), the figures ``plan`` prints for
+    the same job and layout: the host's need, its rows (the MPI transport
+    buffers from the node the run found), and each GPU's; None without a
+    check (``--no-memory-check``)."""
+    if fp is None:
+        return None
+    need = fp.host_total
+    text = f"{human_bytes(need)} of host memory on rank 0 ({need:,} bytes: {fp.rows_text()}"
+    if need != fp.loop_total:  # a save or the start-up load holds the most
+        when = "a save" if need == fp.save_total else "start-up"
+        text += f"; {human_bytes(need - fp.loop_total)} more at {when}"
+    text += ")"
+    for d in sorted(fp.devices):
+        text += f"; GPU {d}: {human_bytes(fp.device_total(d))} ({fp.rows_text(d)})"
+    return text + "; measured: memory.json"
+
+
 def gradient_line(graph, grad_dtype):
     """The start-up block's ``gradients`` row: the dtype the gradient
     buckets are reduced in (``parallel.grad_dtype``; float32 where each is
@@ -195,6 +215,9 @@ def startup_lines(trainer, infos, setup_seconds):
     rows.append(("parameters", f"{n_params:,} in {_count(n_blobs, 'blob')} "
                  f"({human_bytes(n_bytes)}, {', '.join(dtypes) or 'none'})"))
     rows.append(("memory", memory_text(trainer)))
+    planned = planned_text(getattr(trainer, "planned", None))
+    if planned:  # the start-up check's footprint: plan's figures for rank 0
+        rows.append(("planned", planned))
     from ..graph.recompute import describe_recompute
     recompute = describe_recompute(trainer.graphs.graph)
     if recompute:

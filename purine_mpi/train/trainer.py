@@ -31,7 +31,7 @@ from ..job.job import job_of, precision_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
-from ..runtime.footprint import shared_params, workspace_plans
+from ..runtime.footprint import planned_figures, shared_params, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world, world_gather
@@ -70,8 +70,11 @@ class Trainer(Loop):
             # test_reads: what predict reads of the test graph (runtime/footprint.py)
             plans = workspace_plans(graphs, job.memory_plan, test_reads)
             self.memory_plans = plans  # model_state's working set
+            # the footprint the check counted (tools/plan.check_memory: plan's
+            # figures for this rank), for the start-up block and memory.json
+            self.planned = None
             if memory is not None:  # resume: the Checkpoint read, held until restored
-                memory(job, graphs, plans, world, init=init, resume=resume)
+                self.planned = memory(job, graphs, plans, world, init=init, resume=resume)
             traces = Traces(profile, out_dir, world)
             runners = _dispatchers(graphs, job, world, dispatcher, traces.profiler,
                                    lambda m: log(m) if world.rank == 0 else None, plans)
@@ -249,8 +252,11 @@ def write_memory(trainer, baseline):
     checkpoint streams every rank's shards to rank 0, a bucket at a time) and the rank's model state from its
     memory plan (``model_state``: ``Trainer.model_state``'s weights,
     gradients, optimizer state, held, working and peak bytes, the start-up
-    line's figures), to set the measured bytes against the planned ones
-    (benchmarks/sharded.py ``--rss``). A gather over the trainer's world; in
+    line's figures) and the host rows train's start-up check counted
+    (``planned``: ``planned_figures``, ``plan``'s for this rank, its
+    ``total`` the need ``above_baseline_bytes`` is set against), to set the
+    measured bytes against the planned ones (benchmarks/sharded.py
+    ``--rss``). A gather over the trainer's world; in
     a parameter-server run the servers' figures follow the workers' (without
     ``model_state``: ``"server": true``)."""
     peak = peak_rss_bytes()
@@ -258,7 +264,8 @@ def write_memory(trainer, baseline):
             "peak_rss_bytes": peak,
             "above_baseline_bytes": None if baseline is None else peak - baseline,
             "loop_peak_rss_bytes": trainer.state.loop_peak_rss,
-            "model_state": {k: int(v) for k, v in trainer.model_state().items()}}
+            "model_state": {k: int(v) for k, v in trainer.model_state().items()},
+            "planned": planned_figures(getattr(trainer, "planned", None))}
     every = world_gather(trainer.world, mine, "the ranks' memory figures")
     if trainer.world.rank == 0:
         # a parameter-server run's servers send theirs (ps_server.run_server_rank)
