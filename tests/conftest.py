@@ -325,9 +325,12 @@ def train_here(config, out, resume=None):
     interpreter's ~0.6 s of imports and MPI start-up. For the one-rank
     references that multi-rank runs are compared against; what only the
     command shows (its start-up block, train.log, its exit status) is read
-    from ``run_cli_args``. ``config``: as ``make_job`` takes it. Returns
-    ``out``."""
+    from ``run_cli_args``. ``config``: as ``make_job`` takes it, or a
+    config file's path (read as the command reads it). Returns ``out``."""
     from purine_mpi.train.trainer import Trainer, run_and_report
+    if isinstance(config, (str, os.PathLike)):
+        from purine_mpi.job.config import load_job
+        config = load_job(str(config))
     trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=lambda line: None,
                       resume=None if resume is None else str(resume))
     assert run_and_report(trainer, FakeWorld()) == 0
