@@ -327,13 +327,22 @@ def train_here(config, out, resume=None):
     command shows (its start-up block, train.log, its exit status) is read
     from ``run_cli_args``. ``config``: as ``make_job`` takes it, or a
     config file's path (read as the command reads it). Returns ``out``."""
+    import signal
+
+    from purine_mpi.runtime.stop import StopSignal
     from purine_mpi.train.trainer import Trainer, run_and_report
     if isinstance(config, (str, os.PathLike)):
         from purine_mpi.job.config import load_job
         config = load_job(str(config))
-    trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=lambda line: None,
-                      resume=None if resume is None else str(resume))
-    assert run_and_report(trainer, FakeWorld()) == 0
+    # the run's stop handlers (SIGINT, SIGTERM) go when it ends, as run_cli_here's
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
+    try:
+        trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=lambda line: None,
+                          resume=None if resume is None else str(resume))
+        assert run_and_report(trainer, FakeWorld()) == 0
+    finally:
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
     return out
 
 
