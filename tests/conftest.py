@@ -13,7 +13,8 @@
   ``run_cli_here`` the same inside the pytest process, for a usage or config
   error found before MPI starts.
 - ``FakeWorld``: a one-rank world for in-process Trainer runs, so the pytest
-  process never initialises MPI.
+  process never initialises MPI; ``train_here`` a one-rank ``train`` run
+  over it, in this process (the one-rank references).
 - ``make_job``: the one way the tests make the ``Job`` that the package's
   entry points take.
 """
@@ -315,6 +316,34 @@ class FakeWorld:
 
     def check_agreed(self, inputs, what=""):
         return None
+
+
+def train_here(config, out, resume=None):
+    """``train CONFIG --out OUT [--resume CKPT]`` on one rank inside this
+    process (``Trainer`` over ``FakeWorld``, ``run_and_report``): the same
+    run folder (metrics.jsonl, the checkpoints, latest.h5), without a new
+    interpreter's ~0.6 s of imports and MPI start-up. For the one-rank
+    references that multi-rank runs are compared against; what only the
+    command shows (its start-up block, train.log, its exit status) is read
+    from ``run_cli_args``. ``config``: as ``make_job`` takes it, or a
+    config file's path (read as the command reads it). Returns ``out``."""
+    import signal
+
+    from purine_mpi.runtime.stop import StopSignal
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    if isinstance(config, (str, os.PathLike)):
+        from purine_mpi.job.config import load_job
+        config = load_job(str(config))
+    # the run's stop handlers (SIGINT, SIGTERM) go when it ends, as run_cli_here's
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
+    try:
+        trainer = Trainer(make_job(config), str(out), world=FakeWorld(), log=lambda line: None,
+                          resume=None if resume is None else str(resume))
+        assert run_and_report(trainer, FakeWorld()) == 0
+    finally:
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+    return out
 
 
 def small_net_config(data_path, **overrides):

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import (REPO, cli_env, run_cli_args, run_cli_here, run_mpi_cli, train_here,
+                            write_config_file)
 from tests.gpt_oracle import gpt_net, torch_gpt_from_net
 
 T = 16
@@ -30,8 +31,7 @@ def trained(tmp_path_factory, email_h5):
         "solver": {"type": "adamw", "base_lr": 0.01, "max_iter": 40, "display": 0,
                    "weight_decay": 0.0}})
     run = d / "run"
-    res = run_cli_args("train", config, "--out", run)
-    assert res.returncode == 0, res.stderr
+    train_here(config, run)  # in this process (conftest.train_here)
     return config, run, net
 
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import REPO, run_cli_args, run_mpi_cli, train_here, write_config_file
 from tests.gpt_oracle import gpt_net
 
 TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
@@ -28,15 +28,14 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(email_h5, tmp_path):
               "lr_policy": "cosine", "warmup_iters": 2, "max_iter": 6, "display": 0,
               "clip_gradients": 1.0}
 
-    def config(batch, name):
+    def config(batch):
         spec = {"source": "text", "path": email_h5, "batch_size": batch, "sequence_length": 16,
                 "shuffle": True}
-        return write_config_file(tmp_path, {"name": "dp", "seed": 5, "net": net, "solver": solver,
-                                            "data": {"train": spec}}, name)
-    one, two = tmp_path / "one", tmp_path / "two"
-    res = run_cli_args("train", config(8, "one.yaml"), "--out", one)
-    assert res.returncode == 0, res.stderr
-    res = run_mpi_cli(2, "train", config(4, "two.yaml"), "--out", two)
+        return {"name": "dp", "seed": 5, "net": net, "solver": solver, "data": {"train": spec}}
+    # the one-rank runs in this process (conftest.train_here)
+    one = train_here(config(8), tmp_path / "one")
+    two = tmp_path / "two"
+    res = run_mpi_cli(2, "train", write_config_file(tmp_path, config(4), "two.yaml"), "--out", two)
     assert res.returncode == 0, res.stderr
     a, b = _params(one / "latest.h5"), _params(two / "latest.h5")
     assert sorted(a) == sorted(b) and len(a) > 10
@@ -52,9 +51,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(email_h5, tmp_path):
     assert worst <= 1e-5, worst
     # and the ranks did not read the same windows: one rank with the per-rank
     # batch trains to other weights
-    res = run_cli_args("train", config(4, "half.yaml"), "--out", tmp_path / "half")
-    assert res.returncode == 0, res.stderr
-    c = _params(tmp_path / "half" / "latest.h5")
+    c = _params(train_here(config(4), tmp_path / "half") / "latest.h5")
     assert np.linalg.norm(a["wte/weight"] - c["wte/weight"]) > 1e-3 * np.linalg.norm(
         a["wte/weight"])
 
@@ -87,8 +84,10 @@ def test_gpt_tiny_starts_uniform_and_trains(email_h5, tmp_path):
 # max_iter 150 (the cosine schedule compressed to it) ends at a validation
 # loss of 2.456 nats/byte (15 s of CPU); the untrained net gives 5.41 (about
 # ln 256), the unigram entropy of these 377,753 bytes is 3.12 and their
-# in-sample bigram statistics 2.35.
-SHORT_ITERS = 150
+# in-sample bigram statistics 2.35. 120 iterations (2026-11-29) end at 2.515,
+# 100 at 2.563 (too near the threshold to hold on another BLAS); 120 is CI's
+# budget (the 30 more cost ~7 s of a loaded worker and asked nothing more).
+SHORT_ITERS = 120
 SHORT_THRESHOLD = 2.6  # 0.83 of the unigram entropy: a net that learned no context cannot
 
 

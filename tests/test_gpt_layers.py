@@ -317,7 +317,7 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
     """train writes the new layers' params (one tied table), `inspect` lists
     them with their shapes, `--init` loads them all (and names a mismatch)."""
     from purine_mpi.job.checkpoint_file import load_params
-    from tests.conftest import run_cli_args, run_cli_here, write_config_file
+    from tests.conftest import run_cli_args, run_cli_here, train_here, write_config_file
     cfg = {"data": {"train": {"source": "synthetic", "shape": [1], "classes": 4,
                               "batch_size": 4}},
            "solver": {"type": "adamw", "base_lr": 0.01, "max_iter": 2},
@@ -334,9 +334,7 @@ def test_transformer_params_in_checkpoints_inspect_and_init(tmp_path):
                     "bias_term": False, "tie_weight": "wte"},
                    {"type": "softmax_loss", "name": "loss", "bottom": ["head", "label"]}]}
     path = write_config_file(tmp_path, cfg)
-    run = run_cli_args("train", path, "--out", tmp_path / "run")
-    assert run.returncode == 0, run.stderr
-    ckpt = tmp_path / "run" / "latest.h5"
+    ckpt = train_here(path, tmp_path / "run") / "latest.h5"
     params = load_params(str(ckpt))
     shapes = {k: list(v.shape) for k, v in params.items()}
     assert shapes == {"wte/weight": [4, 16], "wpe/weight": [6, 4], "ln/weight": [4],

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.job.config import load_config
-from tests.conftest import run_cli_args, run_cli_here, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, train_here, write_config_file
 from tests.gpt_nets import gpt_config, text_h5
 from tests.test_onnx_export import our_forward
 
@@ -39,8 +39,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_gpt2")
     cfg = gpt_config(text_h5(d))
     path = write_config_file(d, cfg)
-    res = run_cli_args("train", path, "--out", d / "run")
-    assert res.returncode == 0, res.stdout + res.stderr
+    train_here(path, d / "run")  # in this process (conftest.train_here)
     return d, cfg, path, d / "run" / "latest.h5"
 
 

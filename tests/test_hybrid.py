@@ -14,7 +14,8 @@ import pytest
 from purine_mpi.comm.verify import comm_signature, compare_signatures
 from purine_mpi.tools.graph import compose_for
 from purine_mpi.job.config import resolve_config
-from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import (make_job, run_cli_args, run_cli_here, run_mpi_cli, train_here,
+                            write_config_file)
 from tests.test_micro_batches import STAGES, _close, _config, _params
 
 
@@ -165,8 +166,7 @@ def hybrid_runs(tmp_path_factory):
     cfg1["data"]["train"]["batch_size"] = 16
     one = write_config_file(d, cfg1, "one.yaml")
     many = write_config_file(d, _hybrid(micro_batches=2, check_collectives=True), "many.yaml")
-    r1 = run_cli_args("train", one, "--out", d / "one")
-    assert r1.returncode == 0, r1.stderr
+    train_here(one, d / "one")  # in this process (conftest.train_here)
     half = run_mpi_cli(4, "train", many, "--out", d / "half3", "--iters", "3")
     assert half.returncode == 0, half.stderr
     return {"one_cfg": one, "many_cfg": many, "one": d / "one", "half3": d / "half3"}

@@ -10,7 +10,7 @@ import pytest
 
 from purine_mpi.job.config import resolve_config
 from purine_mpi.parallel.micro_batch import stage_order
-from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_args, run_cli_here,
+from tests.conftest import (MPIEXEC, PYTHON, REPO, cli_env, make_job, run_cli_here, train_here,
                             write_config_file)
 
 STAGES = {"conv1": 0, "relu1": 0, "pool1": 0, "fc1": 1, "relu3": 1, "fc2": 1, "loss": 1}
@@ -188,8 +188,7 @@ def test_pipeline_with_micro_batches_matches_one_rank(tmp_path, schedule):
     one = write_config_file(tmp_path, _config(scheme="data"), "one.yaml")
     many = write_config_file(tmp_path, _config(scheme="pipeline", stages=STAGES,
                                                micro_batches=4, schedule=schedule), "many.yaml")
-    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
-    assert r1.returncode == 0, r1.stderr
+    train_here(one, tmp_path / "one")  # the one-rank reference, in this process
     r2 = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", many,
                          "--out", tmp_path / "many"], cwd=REPO, env=cli_env(),
                         capture_output=True, text=True, timeout=120)
@@ -206,8 +205,7 @@ def test_data_parallel_with_micro_batches_matches_one_rank(tmp_path):
     cfg["data"]["train"]["batch_size"] = 16
     one = write_config_file(tmp_path, cfg, "one.yaml")
     many = write_config_file(tmp_path, _config(scheme="data", micro_batches=2), "many.yaml")
-    r1 = run_cli_args("train", one, "--out", tmp_path / "one")
-    assert r1.returncode == 0, r1.stderr
+    train_here(one, tmp_path / "one")  # the one-rank reference, in this process
     r2 = subprocess.run([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train", many,
                          "--out", tmp_path / "many"], cwd=REPO, env=cli_env(),
                         capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ from purine_mpi.job.config import load_config
 from purine_mpi.job.replica import forward_graph
 from purine_mpi.runtime.dispatcher import SerialDispatcher
 
-from .conftest import REPO, make_job, run_cli_args, write_config_file
+from .conftest import REPO, make_job, run_cli_args, train_here, write_config_file
 from .test_caffe_convert import fixture, random_h5
 from .test_cli import assert_user_error
 
@@ -45,9 +45,7 @@ def test_onnxruntime_equals_our_forward(tmp_path, net, shape, classes, outputs):
     config["solver"] = {"base_lr": 0.01, "max_iter": 3}
     path = write_config_file(tmp_path, config)
     # a few training steps move the weights and batch-norm statistics off their init
-    res = run_cli_args("train", path, "--out", tmp_path / "run")
-    assert res.returncode == 0, res.stderr
-    weights = tmp_path / "run" / "latest.h5"
+    weights = train_here(path, tmp_path / "run") / "latest.h5"
     res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx",
                        "--batch", config["data"]["test"]["batch_size"], "--no-raw-input")
     assert res.returncode == 0, res.stderr
@@ -230,9 +228,7 @@ def test_axes_past_the_batch_keep_the_leading_axes(tmp_path, digits_h5):
         "train": {"source": "hdf5", "path": digits_h5, "split": "train", "batch_size": 16},
         "test": {"source": "hdf5", "path": digits_h5, "split": "test", "batch_size": 6}},
         "solver": {"base_lr": 0.05, "max_iter": 3}})
-    res = run_cli_args("train", path, "--out", tmp_path / "run")
-    assert res.returncode == 0, res.stderr
-    weights = tmp_path / "run" / "latest.h5"
+    weights = train_here(path, tmp_path / "run") / "latest.h5"
     res = run_cli_args("export", "onnx", path, "--weights", weights, "--out", tmp_path / "m.onnx")
     assert res.returncode == 0, res.stderr
     model = onnx.load(str(tmp_path / "m.onnx"))

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_cli_args, run_cli_here, run_mpi_cli
+from tests.conftest import REPO, run_cli_here, run_mpi_cli, train_here
 
 TINY = os.path.join(REPO, "jobs", "gpt_tiny.yaml")
 #: gpt_tiny's attention layers (net indices)
@@ -43,11 +43,13 @@ def _params(path):
 
 
 def _train(email_h5, out, mode, ranks=1, dropout=0.1, fused=False, display=0):
-    args = ("train", TINY, *_sets(email_h5, dropout, fused=fused, display=display),
-            "--set", f"recompute={mode}", "--out", out)
-    res = run_mpi_cli(ranks, *args, timeout=600) if ranks > 1 else run_cli_args(*args,
-                                                                                 timeout=300)
-    assert res.returncode == 0, res.stderr
+    sets = _sets(email_h5, dropout, fused=fused, display=display) + ["--set", f"recompute={mode}"]
+    if ranks == 1:  # in this process (conftest.train_here): the same job, no start-up
+        from purine_mpi.job.config import load_config
+        train_here(load_config(TINY, overrides=sets[1::2]), out)
+    else:
+        res = run_mpi_cli(ranks, "train", TINY, *sets, "--out", out, timeout=600)
+        assert res.returncode == 0, res.stderr
     return _params(os.path.join(out, "latest.h5"))
 
 

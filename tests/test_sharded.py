@@ -12,7 +12,8 @@ import pytest
 
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for
-from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import (make_job, run_cli_args, run_cli_here, run_mpi_cli, train_here,
+                            write_config_file)
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_tensor_parallel import _config
@@ -44,8 +45,13 @@ def _job(scheme, solver="adamw", iters=30, **parallel):
 
 
 def _train(tmp_path, name, n, cfg, *extra):
+    """(run folder, the command's output); a one-rank reference (no
+    ``extra``) trains in this process (conftest.train_here): (folder,
+    None)."""
     path = write_config_file(tmp_path, cfg, f"{name}.yaml")
     out = tmp_path / name
+    if n == 1 and not extra:
+        return train_here(cfg, out), None
     args = ("train", path, "--out", out, *extra)
     res = run_mpi_cli(n, *args, timeout=300) if n > 1 else run_cli_args(*args)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -30,7 +30,7 @@ from purine_mpi.base.errors import ConfigError
 from purine_mpi.graph.core import Op
 from purine_mpi.job.config import validate_config
 from purine_mpi.ops.catalog import get_kernel_class
-from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import run_mpi_cli, train_here, write_config_file
 from tests.emulated_gpu import compare, emulated_trainer_env, tiny_raw
 from tests.emulated_gpu.fixtures import device  # noqa: F401  (a fixture)
 
@@ -124,9 +124,10 @@ def _saved(out, name=None):
 
 def _run(tmp_path, tag, n, cfg):
     out = tmp_path / tag
-    path = write_config_file(tmp_path, cfg, f"{tag}.yaml")
-    res = run_mpi_cli(n, "train", path, "--out", out) if n > 1 else \
-        run_cli_args("train", path, "--out", out)
+    if n == 1:  # in this process (conftest.train_here)
+        train_here(cfg, out)
+        return _saved(out)
+    res = run_mpi_cli(n, "train", write_config_file(tmp_path, cfg, f"{tag}.yaml"), "--out", out)
     assert res.returncode == 0, res.stderr[-2000:]
     return _saved(out)
 

@@ -11,7 +11,7 @@ import pytest
 
 from purine_mpi.base.errors import UserError
 from purine_mpi.tools.graph import compose_for, render_graph
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_cli_args, run_mpi_cli, train_here, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.gpt_nets import gpt_config, text_h5
@@ -131,8 +131,13 @@ def test_nothing_to_split_is_a_user_error():
 
 # ------------------------------------------------------------ mpiexec runs
 def _train(tmp_path, name, n, cfg, *extra):
+    """(run folder, the command's CompletedProcess); a one-rank reference
+    (no ``extra``) trains in this process (conftest.train_here): (folder,
+    None)."""
     path = write_config_file(tmp_path, cfg, f"{name}.yaml")
     out = tmp_path / name
+    if n == 1 and not extra:
+        return train_here(cfg, out), None
     args = ("train", path, "--out", out, *extra)
     res = run_mpi_cli(n, *args) if n > 1 else run_cli_args(*args)
     assert res.returncode == 0, res.stdout + res.stderr

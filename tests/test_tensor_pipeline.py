@@ -33,7 +33,8 @@ import pytest
 from purine_mpi.base.errors import UserError
 from purine_mpi.runtime.footprint import model_state_bytes
 from purine_mpi.tools.graph import compose_for, composed
-from tests.conftest import make_job, run_cli_args, run_cli_here, run_mpi_cli, write_config_file
+from tests.conftest import (make_job, run_cli_args, run_cli_here, run_mpi_cli, train_here,
+                            write_config_file)
 from tests.gpt_nets import block_stages, gpt_config, text_h5
 from tests.test_checkpoint_stream import written_order
 from tests.test_cli import assert_user_error
@@ -109,8 +110,13 @@ def runs(tmp_path_factory, tokens):
 
 def _trainer(tmp, out, timeout):
     """``train(name, ranks, config, *extra args)``: one run in ``tmp/name``,
-    under mpiexec above one rank; ``out[name]`` = (its folder, its output)."""
+    under mpiexec above one rank; ``out[name]`` = (its folder, its output).
+    A one-rank reference (no ``extra``) trains in this process
+    (conftest.train_here): (its folder, None)."""
     def train(name, n, cfg, *extra):
+        if n == 1 and not extra:
+            out[name] = (train_here(cfg, tmp / name), None)
+            return
         path = write_config_file(tmp, cfg, f"{name}.yaml")
         args = ("train", path, "--out", tmp / name, *extra)
         res = run_mpi_cli(n, *args, timeout=timeout) if n > 1 else run_cli_args(*args)

@@ -10,7 +10,7 @@ import sysconfig
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli_args, run_cli_here, write_config_file
+from tests.conftest import run_cli_args, run_cli_here, train_here, write_config_file
 from tests.gpt_oracle import gpt_net
 
 pytest.importorskip("tokenizers")
@@ -161,8 +161,7 @@ def test_a_gpt_trains_on_bpe_and_generate_decodes_with_it(bpe_h5, tmp_path):
     from purine_mpi.tools.generate import Generator
     config = _config(tmp_path, bpe_h5, 520)
     run = tmp_path / "run"
-    res = run_cli_args("train", config, "--out", run)
-    assert res.returncode == 0, res.stderr
+    train_here(config, run)  # in this process (conftest.train_here)
     json_text = _read(bpe_h5)[2]
     for ckpt in ("latest.h5", "ckpt_12.h5"):
         with h5py.File(run / ckpt, "r") as f:

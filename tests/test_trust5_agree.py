@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import (MPIEXEC, PYTHON, REPO, FakeWorld, cli_env, make_job,
-                            run_cli_args, small_net_config, write_config_file)
+                            run_cli_args, small_net_config, train_here,
+                            write_config_file)
 from tests.gpt_nets import gpt_config, text_h5
 
 AGREE = "Every rank must start from the same inputs"
@@ -43,9 +44,7 @@ def tiny(tmp_path_factory, digits_h5):
     cfg["solver"].update(max_iter=4, display=2)
     cfg["checkpoint"] = {"interval": 2}
     config = write_config_file(d, cfg)
-    res = run_cli_args("train", config, "--out", d / "run")
-    assert res.returncode == 0, res.stderr
-    return config, d / "run"
+    return config, train_here(config, d / "run")  # in this process (conftest.train_here)
 
 
 def _one_line_exit_2(res, *words):
@@ -279,9 +278,7 @@ def four_heads(tmp_path_factory):
     d = tmp_path_factory.mktemp("heads")
     data = text_h5(d)
     config = write_config_file(d, gpt_config(data, layers=1, heads=4, iters=2), "h4.yaml")
-    res = run_cli_args("train", config, "--out", d / "run4")
-    assert res.returncode == 0, res.stderr
-    return d, data, d / "run4"
+    return d, data, train_here(config, d / "run4")  # in this process (conftest.train_here)
 
 
 def test_a_4_head_checkpoint_is_refused_by_a_2_head_config(four_heads):

@@ -326,7 +326,7 @@ def test_a_val_pass_of_token_data_gives_the_numpy_figures_on_1_2_3_ranks(tmp_pat
     batch is padded) give the loss and accuracy NumPy computes in float64
     from the checkpoint over tokens 1 .. 1208 x 8, on 1, 2 and 3 ranks."""
     import json
-    from tests.conftest import run_cli_args, run_mpi_cli, write_config_file
+    from tests.conftest import run_cli_args, run_mpi_cli, train_here, write_config_file
     from tests.gpt_nets import text_h5
     path, T = text_h5(tmp_path), 8
     data = {"source": "text", "path": path, "sequence_length": T}
@@ -345,9 +345,7 @@ def test_a_val_pass_of_token_data_gives_the_numpy_figures_on_1_2_3_ranks(tmp_pat
                       "test_iter": None},
            "checkpoint": {"interval": 0}}
     config = write_config_file(tmp_path, cfg)
-    res = run_cli_args("train", config, "--out", tmp_path / "run")
-    assert res.returncode == 0, res.stderr
-    weights = tmp_path / "run" / "latest.h5"
+    weights = train_here(config, tmp_path / "run") / "latest.h5"
     with h5py.File(path, "r") as f:
         val = f["val/tokens"][...].astype(np.int64)
     with h5py.File(weights, "r") as f:

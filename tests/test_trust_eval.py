@@ -19,7 +19,7 @@ from purine_mpi.job.config import resolve_config
 from purine_mpi.ops.data import DataReader
 from purine_mpi.train.trainer import Trainer
 from tests.conftest import (FakeWorld, make_job, run_cli_args, run_mpi_cli, small_net_config,
-                            write_config_file)
+                            train_here, write_config_file)
 
 SPLIT = 360  # the digits test split
 
@@ -145,8 +145,7 @@ def trained(digits_h5, tmp_path_factory):
     d = tmp_path_factory.mktemp("trust_eval")
     cfg = small_net_config(digits_h5, checkpoint={"interval": 20, "keep": 2})
     path = write_config_file(d, cfg)
-    res = run_cli_args("train", path, "--out", d / "run")
-    assert res.returncode == 0, res.stderr[-2000:]
+    train_here(cfg, d / "run")
     return {"dir": d, "cfg": cfg, "path": path, "weights": d / "run" / "latest.h5"}
 
 

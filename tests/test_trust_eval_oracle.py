@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import checkpoint_arrays, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import checkpoint_arrays, run_mpi_cli, train_here, write_config_file
 
 IGNORE, WEIGHT, EPS = 3, 0.5, 1e-5
 
@@ -280,10 +280,7 @@ def test_predict_under_zero3_writes_the_saved_models_scores(digits_h5, tmp_path)
     graph without gathering the weight shards, on weights that were not the
     file's (scores off by 1.4)."""
     cfg = _config(digits_h5, {})
-    path = write_config_file(tmp_path, cfg, "one.yaml")
-    res = run_cli_args("train", path, "--out", tmp_path / "run")
-    assert res.returncode == 0, res.stderr[-1500:]
-    weights = tmp_path / "run" / "latest.h5"
+    weights = train_here(cfg, tmp_path / "run") / "latest.h5"
     cfg["parallel"] = {"scheme": "sharded", "shard": 3}
     res = run_mpi_cli(2, "predict", write_config_file(tmp_path, cfg, "zero3.yaml"),
                       "--weights", weights, "--out", tmp_path / "p.h5")

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import final_figures, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import final_figures, run_cli_args, run_mpi_cli, train_here, write_config_file
 
 B = 8  # per rank; 2 ranks read [16t, 16t + 16) at iteration t
 
@@ -112,7 +112,7 @@ def test_predict_under_scheme_none_writes_the_split_once(digits_h5, tmp_path):
     weights): the 1-rank file's rows, each test sample once, in order."""
     cfg = _config(digits_h5, batch_norm=False)
     one = write_config_file(tmp_path, cfg, "one.yaml")
-    assert run_cli_args("train", one, "--out", tmp_path / "run").returncode == 0
+    train_here(cfg, tmp_path / "run")
     cfg["parallel"] = {"scheme": "none"}
     two = write_config_file(tmp_path, cfg, "two.yaml")
     weights = tmp_path / "run" / "latest.h5"

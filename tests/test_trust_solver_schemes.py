@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from purine_mpi.tools.graph import compose_for, composed
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, write_config_file
+from tests.conftest import make_job, run_mpi_cli, train_here, write_config_file
 from tests.test_micro_batches import _params
 
 #: every layer with weights on stage 0, the loss alone on stage 1
@@ -68,10 +68,16 @@ def _config(parallel=None, batch=8, clip=0.5, iters=4):
 
 
 def _train(tmp_path, name, n, cfg, *more):
+    """``train`` on ``n`` ranks (one: in this process, conftest.train_here;
+    ``more``: ``--resume``, CKPT): (the params of latest.h5, its train rows'
+    (iter, lr))."""
     out = tmp_path / name
-    args = ("train", write_config_file(tmp_path, cfg, f"{name}.yaml"), "--out", out, *more)
-    res = run_mpi_cli(n, *args) if n > 1 else run_cli_args(*args)
-    assert res.returncode == 0, res.stdout + res.stderr
+    if n == 1:
+        train_here(cfg, out, resume=more[1] if more else None)
+    else:
+        res = run_mpi_cli(n, "train", write_config_file(tmp_path, cfg, f"{name}.yaml"),
+                          "--out", out, *more)
+        assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     return _params(out / "latest.h5"), [(r["iter"], r["lr"]) for r in rows
                                         if r.get("phase") == "train"]

@@ -48,7 +48,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import FakeWorld, make_job, run_mpi_cli, write_config_file
+from tests.conftest import FakeWorld, make_job, run_mpi_cli, train_here, write_config_file
 from tests.test_micro_batches import _params
 from tests.test_trust_step_oracle import adam_moments
 
@@ -201,11 +201,7 @@ def check_steps(out, window, rule="global", first=1, tol=1e-4):
 def _run(tmp_path, ranks, cfg, *more):
     tmp_path.mkdir(exist_ok=True)
     if ranks == 1:
-        from purine_mpi.train.trainer import Trainer, run_and_report
-        resume = more[1] if more else None
-        trainer = Trainer(make_job(cfg), str(tmp_path / "run"), world=FakeWorld(),
-                          log=lambda line: None, resume=resume)
-        assert run_and_report(trainer, FakeWorld()) == 0
+        train_here(cfg, tmp_path / "run", resume=more[1] if more else None)
     else:
         res = run_mpi_cli(ranks, "train", write_config_file(tmp_path, cfg), "--out",
                           tmp_path / "run", *more)
