@@ -137,7 +137,8 @@ def _conv_net(frozen):
             {"type": "fc", "name": "fc1", "bottom": "conv1", "top": "fc1", "num_output": 6,
              "weight_filler": {"type": "constant", "value": 0.25},
              "bias_filler": {"type": "constant", "value": 0.5}, "param": param("fc1")},
-            {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 3},
+            {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 3,
+             "param": param("fc2")},
             {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"]}]
 
 
@@ -270,8 +271,10 @@ def test_a_resume_across_freezing_and_unfreezing(tmp_path, solver):
     assert sorted(thawed) == sorted(ref)
     _bitwise(thawed, ref, list(ref))
     assert (thawed["params/fc1/weight"] != _saved(frozen)["params/fc1/weight"]).all()
+    lines.clear()
     back = _saved(_train(tmp_path / "b", _conv_raw(("fc1",), solver, iters=6),
-                         tmp_path / "u" / "run" / "ckpt_4.h5") / "ckpt_6.h5")
+                         tmp_path / "u" / "run" / "ckpt_4.h5", lines) / "ckpt_6.h5")
+    assert any("parameter(s) (fc1/bias, fc1/weight) is not used" in line for line in lines)
     _bitwise(back, thawed, ["params/fc1/weight", "params/fc1/bias"])
     assert not [k for k in back if k.startswith("solver/fc1")]
     assert (back["params/fc2/weight"] != thawed["params/fc2/weight"]).all()
@@ -311,3 +314,13 @@ def test_frozen_under_data_and_sharded_ranks_and_a_resume_into_a_shared_bucket(t
     assert sorted(thawed) == sorted(ref)
     _bitwise(thawed, ref, list(ref))
     assert (thawed["params/fc1/weight"] != saved["params/fc1/weight"]).all()
+
+
+def test_a_net_whose_parameters_are_all_frozen_is_refused():
+    """Nothing to train: exit 2 naming ``net`` and the frozen parameters
+    (before: every update a no-op, the run trained nothing)."""
+    from tests.conftest import make_job
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.replica import build_train_graph
+    with pytest.raises(ConfigError, match=r"'net'.*every one is frozen, lr_mult 0: conv1/weight"):
+        build_train_graph(make_job(_conv_raw(("conv1", "fc1", "fc2"))))

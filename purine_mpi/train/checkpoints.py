@@ -12,6 +12,7 @@ import numpy as np
 from ..base.backend import to_numpy
 from ..base.errors import GraphError, InitMismatch, UserError
 from ..comm.world import remove_mpi_shm
+from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
@@ -232,7 +233,15 @@ class Checkpoints(Service):
         # (else a parameter frozen there, lr_mult 0, has none: ``trained``)
         other_type = {s for s in states if not any(s in ck.solver.get(p, {})
                                                    for p in loop.graphs.params)}
+        blobs = loop.graphs.graph.blobs
+        unread = sorted(p for p in loop.graphs.params
+                        if ck.solver.get(p) and p in blobs and not trained(blobs[p]))
         ck.loaded()  # a checkpoint the run read itself lets its arrays go
+        if unread:
+            loop.say(f"note: {path}'s solver state of {len(unread)} parameter(s) "
+                     f"({', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}) is not "
+                     "used: frozen (lr_mult 0) in this run, they have none (nor will its "
+                     "checkpoints)")
         if {s for _, s in fresh} & other_type:
             loop.say(f"note: {path} holds no '{', '.join(sorted(other_type))}' solver state "
                      f"for solver type {loop.job.solver.type!r}; that state starts from zero")
