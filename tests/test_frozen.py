@@ -1,9 +1,13 @@
 """Frozen parameters (``lr_mult: 0``): their update changes nothing, the
 weight and the solver state stay bit for bit whatever the gradient holds
-(torch.optim leaves a parameter without ``grad`` alone, weight decay
-included), and under fp16 an inf in a frozen gradient skips no step
-(torch's GradScaler sees no gradient there): ops/updates.py's ``frozen``,
-graph/loss_scale.py."""
+(torch.optim leaves a parameter without ``grad`` alone), and under fp16 an
+inf in a frozen gradient skips no step (torch's GradScaler sees no gradient
+there): ops/updates.py's ``frozen``, graph/loss_scale.py (a complete
+``graph:`` may still hold a frozen update). A net's frozen parameter gets no
+gradient at all (graph/grad.py's ``trained``): no gradient op, no bucket or
+collective, no update op, no solver state (torch's ``requires_grad=False``);
+a checkpoint resumes across freezing and unfreezing, the state it lacks
+starting from zero."""
 import json
 
 import numpy as np
@@ -77,17 +81,15 @@ def _net():
 
 @pytest.mark.parametrize("device,precision,solver", [
     (-1, "fp32", "sgd"), (-1, "fp32", "adamw"), (0, "fp16", "sgd"), (0, "fp16", "adamw")])
-def test_a_frozen_fc_stays_bitwise_and_its_overflow_skips_no_step(
+def test_a_frozen_fc_stays_bitwise_without_gradient_or_state(
         host_build_dir, monkeypatch, tmp_path, device, precision, solver):
     """fc1 frozen (weight constant 0.25, weight decay 0.1), fc2 learning,
-    4 steps: fc1's weight is 0.25 bitwise and its solver state zero, fc2
-    moves. On the emulated device in fp16 an inf injected into fc1's weight
-    gradient (the first update's, PURINE_FP16_INJECT_INF) on step 2 skips
-    no step: fc2 learns on every one and the scale never backs off."""
+    4 steps: fc1's weight is 0.25 bitwise, the graph the trainer runs has
+    no gradient, update or solver state of fc1 (before: fc1's gradient was
+    computed and its update a no-op, its state zeros), fc2 moves. On the
+    emulated device in fp16 the fused update holds fc2's parameters alone
+    and no step is skipped."""
     from tests.conftest import FakeWorld, make_job
-    from purine_mpi.graph.clip import update_ops
-    from purine_mpi.job.job import job_of
-    from purine_mpi.job.replica import build_train_graph
     from purine_mpi.train.trainer import Trainer, run_and_report
     from tests.test_precision import _raw
     raw = _raw(device=device, precision=precision, net=_net(),
@@ -97,9 +99,6 @@ def test_a_frozen_fc_stays_bitwise_and_its_overflow_skips_no_step(
         from tests.emulated_gpu import emulated_trainer_env
         emulated_trainer_env(monkeypatch, host_build_dir)
         raw.update(cuda_graph=False, loss_scale={"init_scale": 256.0})
-        monkeypatch.setenv("PURINE_FP16_INJECT_INF", "2")
-        graph, _ = build_train_graph(job_of(validate_config(raw, check_files=False)), 0, 1)
-        assert update_ops(graph)[0].inputs[1] == "fc1/weight.grad"  # where the inf goes
     raw["checkpoint"] = {"interval": 0, "keep": 0}
     out, lines = tmp_path / "run", []
     t = Trainer(make_job(validate_config(raw, check_files=False)), str(out), world=FakeWorld(),
@@ -109,16 +108,219 @@ def test_a_frozen_fc_stays_bitwise_and_its_overflow_skips_no_step(
     arrays = t.train.workspace.arrays
     w = np.asarray(arrays["fc1/weight"])
     np.testing.assert_array_equal(w.view(np.uint32), np.full_like(w, 0.25).view(np.uint32))
-    for state in SOLVER_UPDATES[solver][1]:
-        assert not np.asarray(arrays[f"fc1/weight.{state}"]).any(), state
+    graph = t.train.workspace.graph
+    assert not [b for b in graph.blobs if b.startswith("fc1/") and "." in b], \
+        "fc1's gradient or solver state"
+    assert not [op.name for op in graph.ops.values() if op.name.startswith("fc1.bwd")]
+    assert not [a for a in arrays if a.startswith("fc1/") and "." in a]
     assert np.isfinite(np.asarray(arrays["fc2/weight"])).all()
     assert (np.asarray(arrays["fc2/weight"]) != start).all()
-    if device >= 0:  # fused: one multi-tensor update of fc1's and fc2's parameters
-        multi = [op for op in t.train.workspace.graph.ops.values()
-                 if op.op_type.startswith("Multi")]
-        assert [op.attrs["lr_mults"] for op in multi] == [[0.0, 0.0, 1.0, 1.0]]
+    if device >= 0:  # fused: one multi-tensor update of fc2's parameters
+        multi = [op for op in graph.ops.values() if op.op_type.startswith("Multi")]
+        assert [op.attrs["lr_mults"] for op in multi] == [[1.0, 1.0]]
         rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r["phase"] == "train"]
         assert [r["skipped_steps"] for r in rows] == [0] * 4, rows
         assert [r["loss_scale"] for r in rows] == [256.0] * 4
         assert not any("step skipped" in line for line in lines)
+
+
+# ------------------------------------------------- no gradient work for frozen
+def _conv_net(frozen):
+    """conv1 (reads the data) -> relu -> fc1 -> fc2 -> loss; the layers in
+    ``frozen`` at lr_mult 0, fc1's weight and bias constant (0.25, 0.5)."""
+    def param(name):
+        return [{"lr_mult": 0}, {"lr_mult": 0}] if name in frozen else []
+    return [{"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1", "num_output": 4,
+             "kernel": 3, "pad": 1, "param": param("conv1")},
+            {"type": "relu", "name": "relu1", "bottom": "conv1", "top": "conv1"},
+            {"type": "fc", "name": "fc1", "bottom": "conv1", "top": "fc1", "num_output": 6,
+             "weight_filler": {"type": "constant", "value": 0.25},
+             "bias_filler": {"type": "constant", "value": 0.5}, "param": param("fc1")},
+            {"type": "fc", "name": "fc2", "bottom": "fc1", "top": "fc2", "num_output": 3,
+             "param": param("fc2")},
+            {"type": "softmax_loss", "name": "loss", "bottom": ["fc2", "label"]}]
+
+
+def _conv_raw(frozen, solver="sgd", parallel=None, iters=4, data=None):
+    return {"seed": 3, "data": {"train": data or {
+                "source": "synthetic", "shape": [2, 4, 4], "classes": 3, "batch_size": 4}},
+            "net": _conv_net(frozen),
+            "solver": {"type": solver, "base_lr": 0.05, "momentum": 0.9, "momentum2": 0.99,
+                       "weight_decay": 0.01, "max_iter": iters, "test_interval": 0,
+                       "display": 1},
+            "parallel": parallel or {}, "checkpoint": {"interval": 2, "keep": 0}}
+
+
+PARAMS = ("conv1/weight", "conv1/bias", "fc1/weight", "fc1/bias", "fc2/weight", "fc2/bias")
+REDUCTIONS = ("Allreduce", "ReduceScatter", "NcclAllreduce", "NcclReduceScatter")
+
+
+@pytest.mark.parametrize("parallel", [{"scheme": "data"}, {"scheme": "sharded", "shard": 2},
+                                      {"scheme": "sharded", "shard": 3}])
+@pytest.mark.parametrize("frozen", [("fc1",), ("conv1",)])
+def test_a_frozen_layer_has_no_gradient_op_bucket_or_update(parallel, frozen):
+    """Rank 0 of 2, composed offline (``graph --np 2``): a frozen layer has
+    no parameter-gradient op, its parameters are in no reduction (allreduce
+    or reduce-scatter: exactly the trained ones are), no update op and no
+    solver state; a frozen fc1 between trained layers keeps its data
+    gradient (conv1 below needs it); a frozen conv1 reading the data has no
+    backward at all, and fc1 above it then no data gradient either.
+    Before: ConvGradWeight/InnerProductGradWeight of the frozen layer, its
+    gradient in a bucket, a no-op update."""
+    from tests.conftest import make_job
+    from purine_mpi.tools.graph import compose_for
+    g = compose_for(make_job(_conv_raw(frozen, parallel=dict(parallel, min_buckets=1))), 2, 0)
+    trained = [p for p in PARAMS if p.split("/")[0] not in frozen]
+    ops = list(g.ops.values())
+    for layer in frozen:
+        grads = [op.name for op in ops for b in op.outputs
+                 if b.startswith(f"{layer}/") and ".grad" in b]
+        assert not grads, f"{layer}'s parameter gradient is computed by {grads}"
+        assert not [op.name for op in ops if op.name.startswith(f"{layer}/")], "an update"
+        assert not [b for b in g.blobs if b.startswith(f"{layer}/") and (
+            ".momentum" in b or ".grad" in b)], "a gradient or solver state blob"
+    reduced = {b.split(".grad")[0] for op in ops if op.op_type in REDUCTIONS
+               for b in op.inputs if ".grad" in b}
+    assert reduced == set(trained), reduced
+    backward = {op.name.split(".bwd")[0] for op in ops if ".bwd." in op.name}
+    if frozen == ("fc1",):
+        assert "fc1.bwd.inner_product_grad_data" in g.ops  # conv1 learns below it
+        assert "conv1.bwd.conv_grad_weight" in g.ops
+    else:
+        assert "conv1" not in backward and "relu1" not in backward
+        assert "fc1.bwd.inner_product_grad_data" not in g.ops
+        assert "fc1.bwd.inner_product_grad_weight" in g.ops
+
+
+def _train(tmp_path, raw, resume=None, lines=None):
+    from tests.conftest import FakeWorld, make_job
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    out = tmp_path / "run"
+    t = Trainer(make_job(raw), str(out), world=FakeWorld(),
+                log=(lines.append if lines is not None else lambda line: None), resume=resume)
+    assert run_and_report(t, FakeWorld()) == 0
+    return out
+
+
+def _saved(path):
+    from tests.test_micro_batches import _params
+    return _params(path)
+
+
+def _bitwise(a, b, names):
+    for n in names:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
+        assert a[n].tobytes() == b[n].tobytes(), f"{n} differs"
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adamw"])
+def test_frozen_layers_train_the_others_as_when_their_gradient_was_computed(
+        tmp_path, monkeypatch, solver):
+    """fc1 frozen, 4 steps on 1 rank: every weight (and each trained one's
+    solver state) bit for bit that of the graph that still computes fc1's
+    gradient and updates it with a no-op (graph/grad.py's ``trained``
+    taking every learnable parameter, the code before): dropping the
+    gradient work changes no result."""
+    import purine_mpi.graph.grad as grad
+    now = _saved(_train(tmp_path / "now", _conv_raw(("fc1",), solver)) / "ckpt_4.h5")
+    monkeypatch.setattr(grad, "trained", lambda blob: blob.attrs.get("learnable", True))
+    was = _saved(_train(tmp_path / "was", _conv_raw(("fc1",), solver)) / "ckpt_4.h5")
+    assert "solver/fc1/weight/" + SOLVER_UPDATES[solver][1][0] in was  # the old graph's
+    assert not [k for k in now if k.startswith("solver/fc1")]
+    _bitwise(now, was, [k for k in now if k.startswith(("params", "solver"))])
+    fc1 = now["params/fc1/weight"]
+    np.testing.assert_array_equal(fc1.view(np.uint32), np.full_like(fc1, 0.25).view(np.uint32))
+
+
+def _with_zero_state(src, dst, layers, solver):
+    """A copy of checkpoint ``src`` whose ``layers`` hold zero solver state
+    (what a frozen run wrote before: its no-op updates kept zeros)."""
+    from purine_mpi.job.checkpoint_file import load_checkpoint, save_checkpoint
+    ck = load_checkpoint(str(src))
+    solver_state = {p: dict(v) for p, v in ck.solver.items()}
+    for p in PARAMS:
+        if p.split("/")[0] in layers:
+            solver_state[p] = {s: np.zeros_like(ck.params[p]) for s in SOLVER_UPDATES[solver][1]}
+    a = ck.attrs
+    save_checkpoint(str(dst), ck.params, solver_state, ck.state, iteration=int(a["iteration"]),
+                    world_size=int(a["world_size"]), seed=int(a["seed"]), config_text=a["config"],
+                    run_id=str(a.get("run_id") or ""), elapsed=a.get("elapsed"))
+    return dst
+
+
+@pytest.mark.parametrize("solver", ["sgd", "adamw"])
+def test_a_resume_across_freezing_and_unfreezing(tmp_path, solver):
+    """fc1 frozen for 2 steps (its checkpoint holds no solver state of
+    fc1), resumed with fc1 learning to step 4: fc1's state starts from zero
+    (a note says so) and every weight and state is bit for bit that of a
+    resume from the same file holding zeros for fc1 (what a frozen run
+    wrote before), AdamW's step count going on from the file's for every
+    parameter. Back: that run's checkpoint resumed with fc1 frozen again
+    leaves fc1 bitwise and trains the others on. Before the fix of
+    train/checkpoints.py, AdamW's step count restarted for all."""
+    frozen = _train(tmp_path / "f", _conv_raw(("fc1",), solver, iters=2)) / "ckpt_2.h5"
+    assert not [k for k in _saved(frozen) if k.startswith("solver/fc1")]
+    lines = []
+    thawed = _saved(_train(tmp_path / "u", _conv_raw((), solver), frozen, lines) / "ckpt_4.h5")
+    assert any("frozen (lr_mult 0) in the run that wrote it" in line and "fc1/weight" in line
+               for line in lines), lines
+    assert not any("step count" in line for line in lines), lines
+    zeros = _with_zero_state(frozen, tmp_path / "zeros.h5", ("fc1",), solver)
+    ref = _saved(_train(tmp_path / "z", _conv_raw((), solver), zeros) / "ckpt_4.h5")
+    assert sorted(thawed) == sorted(ref)
+    _bitwise(thawed, ref, list(ref))
+    assert (thawed["params/fc1/weight"] != _saved(frozen)["params/fc1/weight"]).all()
+    lines.clear()
+    back = _saved(_train(tmp_path / "b", _conv_raw(("fc1",), solver, iters=6),
+                         tmp_path / "u" / "run" / "ckpt_4.h5", lines) / "ckpt_6.h5")
+    assert any("parameter(s) (fc1/bias, fc1/weight) is not used" in line for line in lines)
+    _bitwise(back, thawed, ["params/fc1/weight", "params/fc1/bias"])
+    assert not [k for k in back if k.startswith("solver/fc1")]
+    assert (back["params/fc2/weight"] != thawed["params/fc2/weight"]).all()
+
+
+@pytest.mark.mpi
+def test_frozen_under_data_and_sharded_ranks_and_a_resume_into_a_shared_bucket(tmp_path):
+    """2 ranks, AdamW. Scheme data with fc1 frozen, 2 steps: fc1 bitwise its
+    fillers', no solver state of it saved. Resumed under sharded stage 3
+    (one bucket: fc1 shares it with conv1's and fc2's) with fc1 learning and
+    conv1 frozen, to step 4: conv1 bitwise the file's, and every weight and
+    state bit for bit that of the same resume from the file holding zeros
+    for fc1. Before (each bucket's state loaded whole or not at all), the
+    bucket's trained parameters lost their moments too."""
+    from tests.conftest import run_mpi_cli, write_config_file
+    solver = "adamw"
+
+    def run(name, raw, *more):
+        res = run_mpi_cli(2, "train", write_config_file(tmp_path, raw, f"{name}.yaml"), "--out",
+                          tmp_path / name, *more)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return tmp_path / name
+
+    first = run("data", _conv_raw(("fc1",), solver, {"scheme": "data"}, iters=2)) / "ckpt_2.h5"
+    saved = _saved(first)
+    for n, value in (("fc1/weight", 0.25), ("fc1/bias", 0.5)):
+        w = saved[f"params/{n}"]
+        np.testing.assert_array_equal(w.view(np.uint32), np.full_like(w, value).view(np.uint32))
+    assert not [k for k in saved if k.startswith("solver/fc1")]
+    sharded = {"scheme": "sharded", "shard": 3, "min_buckets": 1}
+    thawed = _saved(run("thawed", _conv_raw(("conv1",), solver, sharded), "--resume", first)
+                    / "ckpt_4.h5")
+    zeros = _with_zero_state(first, tmp_path / "zeros.h5", ("fc1",), solver)
+    ref = _saved(run("zeros", _conv_raw(("conv1",), solver, sharded), "--resume", zeros)
+                 / "ckpt_4.h5")
+    _bitwise(thawed, saved, ["params/conv1/weight", "params/conv1/bias"])
+    assert sorted(thawed) == sorted(ref)
+    _bitwise(thawed, ref, list(ref))
+    assert (thawed["params/fc1/weight"] != saved["params/fc1/weight"]).all()
+
+
+def test_a_net_whose_parameters_are_all_frozen_is_refused():
+    """Nothing to train: exit 2 naming ``net`` and the frozen parameters
+    (before: every update a no-op, the run trained nothing)."""
+    from tests.conftest import make_job
+    from purine_mpi.base.errors import ConfigError
+    from purine_mpi.job.replica import build_train_graph
+    with pytest.raises(ConfigError, match=r"'net'.*every one is frozen, lr_mult 0: conv1/weight"):
+        build_train_graph(make_job(_conv_raw(("conv1", "fc1", "fc2"))))

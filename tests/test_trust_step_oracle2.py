@@ -135,7 +135,10 @@ def torch_step(before, config, k, groups):
     with h5py.File(config["data"]["train"]["path"], "r") as f:
         label = f["train/label"][()]
         data = f["train/data"][()].reshape(len(label), -1)
-    w = [torch.tensor(before[f"params/{n}"], requires_grad=True) for n in NAMES]
+    # a frozen parameter (lr_mult 0) as a fine-tuning's in torch: requires_grad
+    # False, no gradient, no optimizer state (the checkpoint holds none for it)
+    w = [torch.tensor(before[f"params/{n}"], requires_grad=bool(mults[n][0])) for n in NAMES]
+    trained = [(p, n) for p, n in zip(w, NAMES) if mults[n][0]]
     losses = [(layer["ignore_label"], layer.get("loss_weight", 1.0)) for layer in config["net"]
               if layer["type"] == "softmax_loss"]
     loss = sum(weight * torch.nn.functional.cross_entropy(  # Caffe's mean over at least 1
@@ -144,24 +147,23 @@ def torch_step(before, config, k, groups):
         for rows in groups for ignore, weight in losses) / len(groups)
     loss.backward()
     if clip:  # torch's frozen parameters (requires_grad False) and Caffe's (no diff) count not
-        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p, n in zip(w, NAMES)
-                                    if mults[n][0])))
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p, _ in trained)))
         assert norm > clip, f"the clip should act at step {k}: the norm is {norm:.4g}"
-        for p in w:
+        for p, _ in trained:
             p.grad *= clip / norm
     rate = rate_at(solver, k)
     groups = [{"params": [p], "lr": rate * mults[n][0],
-               "weight_decay": solver["weight_decay"] * mults[n][1]} for p, n in zip(w, NAMES)]
+               "weight_decay": solver["weight_decay"] * mults[n][1]} for p, n in trained]
     if solver["type"] == "sgd":
         opt = torch.optim.SGD(groups, lr=rate, momentum=solver["momentum"])
-        for p, n in zip(w, NAMES):  # Caffe's v = rate x lr_mult x torch's buffer
+        for p, n in trained:  # Caffe's v = rate x lr_mult x torch's buffer
             opt.state[p]["momentum_buffer"] = torch.tensor(
-                before[f"solver/{n}/momentum"]) / (rate * mults[n][0] or 1)
+                before[f"solver/{n}/momentum"]) / (rate * mults[n][0])
     else:
         kind = torch.optim.AdamW if solver["type"] == "adamw" else torch.optim.Adam
         opt = kind(groups, lr=rate, betas=(solver["momentum"], solver["momentum2"]),
                    eps=solver["delta"])
-        adam_moments(opt, w, NAMES, before, k)
+        adam_moments(opt, *zip(*trained), before, k)
     opt.step()
     return {n: p.detach().numpy() for n, p in zip(NAMES, w)}
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 
 from ..base.errors import GraphError
 from ..ops.catalog import GRADIENTS, get_kernel_class
+from ..ops.updates import frozen
 
 
 def grad_name(blob):
@@ -110,9 +111,21 @@ def _snake(op_type):
     return "".join(out)
 
 
+def trained(blob):
+    """Whether the parameter ``blob`` takes a gradient: learnable (not a
+    running statistic) and not frozen (``lr_mult`` 0, ops/updates.py's
+    ``frozen``: its update would change nothing). A frozen parameter gets
+    no gradient op, hence no bucket, collective or update op in any scheme
+    (they all compose from ``build_backward``'s result), and no solver
+    state; the data gradients through its layer stay where a layer below
+    needs them."""
+    return blob.attrs.get("learnable", True) and not frozen(blob.attrs)
+
+
 def differentiable_closure(graph, order):
-    """Blobs that depend on a learnable parameter through differentiable ops."""
-    needs = {b.name for b in graph.blobs.values() if b.kind == "param"}
+    """Blobs that depend on a trained parameter (``trained``) through
+    differentiable ops."""
+    needs = {b.name for b in graph.blobs.values() if b.kind == "param" and trained(b)}
     for op in order:
         if op.op_type in GRADIENTS and any(b in needs for b in op.inputs):
             needs.update(op.outputs)
@@ -124,7 +137,7 @@ def build_backward(graph, losses, params=None):
 
     ``losses`` maps loss blob names to loss weights. Returns a dict from
     parameter blob name to its gradient blob name (params that no loss
-    reaches are left out)."""
+    reaches, and frozen ones, ``trained``, are left out)."""
     order = graph.topo_order()
     needs = differentiable_closure(graph, order)
     ctx = GradContext(graph, needs)

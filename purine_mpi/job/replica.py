@@ -8,7 +8,7 @@ arrays. The entry points take a ``Job`` (job/job.py).
 """
 from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
-from ..graph.grad import build_backward
+from ..graph.grad import build_backward, trained
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
 from ..ops.data import count_labels
@@ -286,7 +286,11 @@ def build_train_graph(job, rank=0, world_size=1, exchanged=True):
                                        "in the train phase")
     grads = build_backward(g, losses)
     if not grads:
-        raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss")
+        frozen = [b.name for b in g.params() if b.attrs.get("learnable", True)]
+        raise ConfigError(path, "net", "no learnable parameter receives a gradient from the loss"
+                          + (f" (every one is frozen, lr_mult 0: {', '.join(frozen[:4])}"
+                             f"{' ...' if len(frozen) > 4 else ''})"
+                             if frozen and not any(trained(g.blobs[p]) for p in frozen) else ""))
     summary = add_recompute(g, job.recompute, net_layers(job), job.recompute_layers)
     sinks = add_solver(g, grads, job.solver)
     g = g.prune(sinks + list(losses) + metric_blobs(g))

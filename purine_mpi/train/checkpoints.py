@@ -12,6 +12,7 @@ import numpy as np
 from ..base.backend import to_numpy
 from ..base.errors import GraphError, InitMismatch, UserError
 from ..comm.world import remove_mpi_shm
+from ..graph.grad import trained
 from ..graph.solver_graph import solver_states, state_name
 from ..job.checkpoint_file import LATEST, load_params, remove_temp_files, save_checkpoint
 from ..job.run_checkpoints import remove_replaced_best, resolve_resume, save_run_checkpoint
@@ -215,28 +216,47 @@ class Checkpoints(Service):
         moved = changed_data_note(ck.attrs.get("config"), loop.job.data, path)
         if moved:
             loop.say(moved)
-        fresh = set()
+        fresh = set()  # (param, state) the file lacks: started from zero
+        states = solver_states(loop.job.solver.type)
         for p in loop.graphs.params:
             self._load_blob(loop, p, ck.params[p], path)
-            for s in solver_states(loop.job.solver.type):
+            for s in states:
                 m = state_name(p, s)
                 if m not in loop.ws.arrays:
                     continue
                 if s in ck.solver.get(p, {}):
                     self._load_blob(loop, m, ck.solver[p][s], path)
                 else:
-                    fresh.add(s)
+                    fresh.add((p, s))
         fresh |= scheme.load_held_solver_state(loop.graphs, loop.ws, ck.solver)
+        # a state no parameter of the file holds: another solver type wrote it
+        # (else a parameter frozen there, lr_mult 0, has none: ``trained``)
+        other_type = {s for s in states if not any(s in ck.solver.get(p, {})
+                                                   for p in loop.graphs.params)}
+        blobs = loop.graphs.graph.blobs
+        unread = sorted(p for p in loop.graphs.params
+                        if ck.solver.get(p) and p in blobs and not trained(blobs[p]))
         ck.loaded()  # a checkpoint the run read itself lets its arrays go
-        if fresh:
-            loop.say(f"note: {path} holds no '{', '.join(sorted(fresh))}' solver state for "
-                     f"solver type {loop.job.solver.type!r}; that state starts from zero")
+        if unread:
+            loop.say(f"note: {path}'s solver state of {len(unread)} parameter(s) "
+                     f"({', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}) is not "
+                     "used: frozen (lr_mult 0) in this run, they have none (nor will its "
+                     "checkpoints)")
+        if {s for _, s in fresh} & other_type:
+            loop.say(f"note: {path} holds no '{', '.join(sorted(other_type))}' solver state "
+                     f"for solver type {loop.job.solver.type!r}; that state starts from zero")
+        frozen_there = sorted({p for p, s in fresh if s not in other_type})
+        if frozen_there:
+            loop.say(f"note: {path} holds no solver state for {len(frozen_there)} "
+                     f"parameter(s) ({', '.join(frozen_there[:4])}"
+                     f"{' ...' if len(frozen_there) > 4 else ''}): frozen (lr_mult 0) in the "
+                     "run that wrote it; their state starts from zero")
         # a finished run resumed: "already finished" (train/loop.py) is all there
         # is to say, so the notes on a changed world are left out
         notes = not finished_run(loop, int(ck.attrs["iteration"]))
         if ck.state:
             self.load_state_dict(loop, ck.state, notes)
-        self._adam_step0(loop, ck, fresh)
+        self._adam_step0(loop, ck, {s for _, s in fresh} & other_type)
         st, size = loop.state, loop.world.size
         # what the test passes decided (train/watch.py); the best files are
         # the checkpoint's folder's: another folder starts its own best list
@@ -266,7 +286,9 @@ class Checkpoints(Service):
         resume (a checkpoint of another solver type) count from its
         iteration (less the steps fp16's loss scaling skipped before it, which
         the step blob already leaves out); moments resumed count from where
-        the checkpoint's did (``adam_step0``, 0 when it has none)."""
+        the checkpoint's did (``adam_step0``, 0 when it has none), also the
+        moments of a parameter frozen in the checkpoint's run (none saved:
+        they start from zero, the one step count goes on)."""
         kernels = _adam_kernels(loop)
         if not kernels:
             return

@@ -649,8 +649,8 @@ class Scheme:
 
     def load_held_solver_state(self, graphs, ws, solver):
         """Set the state held that way from a checkpoint's whole
-        ``{param: {state: value}}``; returns the states it lacked (they start
-        from zero)."""
+        ``{param: {state: value}}``; returns the (param, state) pairs it
+        lacked (they start from zero)."""
         return set()
 
     # weights not held whole (ZeRO stage 3: each rank holds its shard of each

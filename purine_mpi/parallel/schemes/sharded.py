@@ -712,17 +712,19 @@ class Sharded(Hybrid):
         """Each bucket's whole state laid out from the parameters' (a
         checkpoint of any scheme, on any number of ranks; with tensor
         parallelism each parameter's tensor shard of it first); this rank's
-        shard of it."""
+        shard of it; a parameter's state the checkpoint lacks (another solver
+        type's file; the parameter frozen, ``lr_mult`` 0, in the run that
+        wrote it) is zero, the bucket's others' loaded."""
         fresh = set()
         for entry in _plan(graphs):
             lo, hi = entry["shard"]
             for flat, state in _states(entry):
-                if not all(state in saved.get(p, {}) for p in entry["params"]):
-                    fresh.add(state)
-                    continue
                 whole = np.zeros(graphs.graph.blobs[entry["weights"]].size,
                                  dtype=graphs.graph.blobs[flat].dtype)
                 for p, off in zip(entry["params"], entry["offsets"]):
+                    if state not in saved.get(p, {}):
+                        fresh.add((p, state))
+                        continue
                     value = np.asarray(self.split_checkpoint(
                         graphs, p, np.asarray(saved[p][state]))).ravel()
                     whole[off:off + value.size] = value
