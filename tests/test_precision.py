@@ -254,6 +254,12 @@ def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt():
     assert all(p not in in_place for p in params)
     _check_in_place(g, plan, casts, in_place)
     _check_bytes_saved(_bf16_gpt_graph()[0], g, plan, casts, in_place)
+    # with the loss's probabilities over the logits and their gradient over
+    # the probabilities (SoftmaxLoss, SoftmaxLossGrad in place), one buffer
+    # holds the logits, the probabilities, the gradient and its copy
+    chain = ["logits", "loss.prob", "logits.grad", "logits.grad@bf16"]
+    assert [plan.in_place.get(b, (None,))[0] for b in chain] == [None] + chain[:-1]
+    assert len({plan.offsets[b] for b in chain}) == 1
 
 
 def _live_bytes(plan):
@@ -491,21 +497,28 @@ def test_a_bf16_run_tracks_fp32_and_resumes_in_fp32_and_back(host_build_dir, mon
 def test_copies_made_in_place_train_bit_for_bit_as_copies(host_build_dir, monkeypatch,
                                                           tmp_path):
     """The trainer on the emulated device, bf16, 4 iterations: with the
-    copies made in place (the logits' gradient's copy on the gradient's
-    bytes in the workspace) the losses are bit for bit those of the same run
-    with every Cast copying (Cast.in_place off: each copy its own bytes)."""
+    copies made in place and the loss's probabilities and gradient over the
+    logits (the logits, the probabilities, their gradient and its copy on
+    one buffer of the workspace) the losses are bit for bit those of the
+    same run with every Cast copying and each of those its own bytes
+    (Cast, SoftmaxLoss and SoftmaxLossGrad ``in_place`` off)."""
     from purine_mpi.gpu import data_ptr
     from purine_mpi.ops.basic import Cast
     from tests.emulated_gpu import emulated_trainer_env
     emulated_trainer_env(monkeypatch, host_build_dir)
+    from purine_mpi.ops.softmax import SoftmaxLoss, SoftmaxLossGrad
     runs = {}
-    for name, pairs in (("in_place", Cast.in_place), ("copies", ())):
-        monkeypatch.setattr(Cast, "in_place", pairs)
+    ops = (Cast, SoftmaxLoss, SoftmaxLossGrad)
+    for name, pairs in (("in_place", [c.in_place for c in ops]), ("copies", [()] * 3)):
+        for c, p in zip(ops, pairs):
+            monkeypatch.setattr(c, "in_place", p)
         t, _, losses = _train(tmp_path, name, "bf16", 4)
         ws = t.train.workspace
-        shared = data_ptr(ws["logits.grad"]) == data_ptr(ws["logits.grad@bf16"])
-        runs[name] = (shared, losses)
-    assert runs["in_place"][0] and not runs["copies"][0]
+        chain = [data_ptr(ws[b]) for b in ("logits", "loss.prob", "logits.grad",
+                                           "logits.grad@bf16")]
+        # each blob of the chain on its predecessor's bytes (both live at its writer)
+        runs[name] = ([a == b for a, b in zip(chain, chain[1:])], losses)
+    assert runs["in_place"][0] == [True] * 3 and runs["copies"][0] == [False] * 3
     assert sorted(runs["in_place"][1]) == [1, 2, 3, 4]
     assert runs["in_place"][1] == runs["copies"][1]
 
