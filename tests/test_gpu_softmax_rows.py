@@ -170,3 +170,47 @@ def test_softmax_loss_op_takes_the_rows_kernel(device):
     label = rng.integers(0, 400, (2, 3))
     compare(device, "SoftmaxLoss", {"axis": -1}, [x, label],
             ["softmax_loss_forward_rows", "softmax_loss_mean"], np.float32)
+
+
+@pytest.mark.parametrize("channels", [12, 300])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_loss_ops_in_place_give_the_bits_of_separate_outputs(device, channels, on_device):
+    """SoftmaxLoss with prob over x and SoftmaxLossGrad with dx over prob
+    (their ``in_place``: the memory plan may put them there) give the bits
+    they give into separate outputs: on the host and on the device, through
+    the one-thread kernel (12 classes) and the one-block one (300), with an
+    ignored and a padding position."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.registry import make_kernel
+    rng = np.random.default_rng(channels)
+    n = 6
+    x = _logits(rng, n, channels, np.float32)
+    labels = np.array([0, 3, channels - 1, 2, IGNORE, PAD], np.int32)
+    attrs = {"ignore_label": IGNORE, "pad_label": PAD}
+    put = device.to_device if on_device else np.array
+    get = device.to_host if on_device else np.asarray
+
+    def run(in_place):
+        fwd = make_kernel(Op("loss", "SoftmaxLoss", ["x", "label"], ["loss", "prob"], attrs))
+        bwd = make_kernel(Op("loss.bwd", "SoftmaxLossGrad", ["dloss", "prob", "label"], ["dx"],
+                             attrs))
+        xd, lab = put(x), put(labels)
+        loss = put(np.zeros((), np.float32))
+        prob = xd if in_place else put(np.full(x.shape, np.nan, np.float32))
+        fwd.setup([xd, lab], [loss, prob])
+        device.launched.clear()
+        fwd.run([xd, lab], [loss, prob])
+        assert (device.launched[:1] == ["softmax_loss_forward" + (
+            "_rows" if channels >= 256 else "")]) == on_device, device.launched
+        got = {"loss": np.array(get(loss)), "prob": np.array(get(prob))}
+        dloss = put(np.full((), 0.5, np.float32))
+        dx = prob if in_place else put(np.full(x.shape, np.nan, np.float32))
+        bwd.setup([dloss, prob, lab], [dx])
+        bwd.run([dloss, prob, lab], [dx])
+        got["dx"] = np.array(get(dx))
+        return got
+    separate, over = run(False), run(True)
+    for k in ("loss", "prob", "dx"):
+        np.testing.assert_array_equal(over[k].view(np.uint32), separate[k].view(np.uint32),
+                                      err_msg=k)
+    assert np.isfinite(separate["loss"]) and separate["dx"][4:].max() == 0

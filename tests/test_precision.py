@@ -196,6 +196,165 @@ def test_fp32_and_tf32_graphs_are_unchanged_and_the_listing_shows_dtypes():
     assert "#ffb870" in qkv and "bf16" in qkv and "#ffb870" not in ln1
 
 
+# ------------------------------------- the copies made in place (memory plan)
+def _cast_plan(g):
+    """The device plan the trainer lays ``g`` out by, and {source: twin} of
+    the Casts it computes in place (the twin on its source's bytes)."""
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+    _, devices = memory_plans(g, keep=batch_blobs(g))
+    plan = devices[0]
+    casts = {op.inputs[0]: op.outputs[0] for op in g.ops.values() if op.op_type == "Cast"}
+    return plan, casts, {x: y for x, y in casts.items() if y in plan.in_place}
+
+
+def _check_in_place(g, plan, casts, in_place):
+    """Each copy made in place shares its source's bytes and its Cast is the
+    last op to touch the source; each other copy of a transient source has
+    a reader of the source that runs not before its Cast (a weight's, a
+    persistent source's, keeps its own copy)."""
+    deps = g.dependencies()
+    cast_of = {op.outputs[0]: op.name for op in g.ops.values() if op.op_type == "Cast"}
+
+    def ancestors(name):
+        seen, stack = set(), [name]
+        while stack:
+            for p in deps[stack.pop()] - seen:
+                seen.add(p)
+                stack.append(p)
+        return seen
+    for x, y in casts.items():
+        cast = cast_of[y]
+        readers = [op.name for op in g.ops.values() if x in op.inputs and op.name != cast]
+        if x in in_place:
+            assert plan.in_place[y] == (x, cast) and plan.offsets[y] == plan.offsets[x]
+            assert set(readers) <= ancestors(cast), (x, readers)
+        elif g.storage_root(x) in plan.offsets:   # transient: another reader comes later
+            assert set(readers) - ancestors(cast), (x, readers)
+        else:
+            assert g.storage_root(x) in plan.persistent, x
+
+
+def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt():
+    """Tiny GPT in bf16 on device 0: the memory plan puts the copy on its
+    source's bytes (Cast.in_place) exactly where the Cast is the last op to
+    touch a transient source -- the layer norms' outputs, the GELUs', the
+    final norm's, the logits' gradient (read by nothing but its Cast), the
+    unfused attention's scores gradient. Not the weights' (kept), not the
+    activation gradients a float32 bias gradient also reads, not the
+    softmax probabilities its gradient reads later."""
+    g, params = _bf16_gpt_graph()
+    plan, casts, in_place = _cast_plan(g)
+    assert sorted(in_place) == sorted([
+        "h0_n1", "h0_n2", "h0_m@h0_gelu", "h1_n1", "h1_n2", "h1_m@h1_gelu", "xf",
+        "logits.grad", "h1_attn.scores.grad"])
+    for x in ("wte/weight", "h0_fc/weight", "h1_attn/qkv_weight", "h1_attn.probs",
+              "h1_m.grad", "h0_a.grad"):
+        assert x in casts and x not in in_place, x
+    assert all(p not in in_place for p in params)
+    _check_in_place(g, plan, casts, in_place)
+    _check_bytes_saved(_bf16_gpt_graph()[0], g, plan, casts, in_place)
+    # with the loss's probabilities over the logits and their gradient over
+    # the probabilities (SoftmaxLoss, SoftmaxLossGrad in place), one buffer
+    # holds the logits, the probabilities, the gradient and its copy
+    chain = ["logits", "loss.prob", "logits.grad", "logits.grad@bf16"]
+    assert [plan.in_place.get(b, (None,))[0] for b in chain] == [None] + chain[:-1]
+    assert len({plan.offsets[b] for b in chain}) == 1
+
+
+def _live_bytes(plan):
+    """The bytes of ``plan``'s blobs live at each position of its schedule
+    (a blob computed in place over another counted once: arena_peak's rule)."""
+    def unit(r):
+        while r in plan.in_place:
+            r = plan.in_place[r][0]
+        return r
+    span = {}
+    for r, (a, b) in plan.lifetimes.items():
+        lo, hi = span.get(unit(r), (a, b))
+        span[unit(r)] = (min(lo, a), max(hi, b))
+    live = [0] * len(plan.order)
+    for u, (a, b) in span.items():
+        for i in range(a, b + 1):
+            live[i] += plan.sizes[u]
+    return live
+
+
+def _check_bytes_saved(fresh, g, plan, casts, in_place):
+    """Against the plan of ``fresh`` (the same graph, unplanned) with every
+    Cast copying: the same schedule, and where each copy made in place is
+    cast the live bytes are fewer by its source's size (both were live
+    there); the peak and the arena are no larger."""
+    from purine_mpi.ops.basic import Cast
+    saved = Cast.in_place
+    Cast.in_place = ()
+    try:
+        copying, _, none = _cast_plan(fresh)
+    finally:
+        Cast.in_place = saved
+    assert not none and copying.order == plan.order
+    with_, without = _live_bytes(plan), _live_bytes(copying)
+    pos = {n: i for i, n in enumerate(plan.order)}
+    for x, y in in_place.items():
+        at = pos[plan.in_place[y][1]]
+        assert without[at] - with_[at] == plan.sizes[x] == copying.sizes[y], x
+    assert max(with_) <= max(without) and plan.total_bytes <= copying.total_bytes
+
+
+def _bf16_cnn_graph():
+    """A small CNN (conv, max pool, relu, conv, relu, ave pool, fc, fc, loss)
+    in bf16 placed on device 0."""
+    from purine_mpi.graph import Graph
+    from purine_mpi.graph.grad import build_backward
+    from purine_mpi.graph.solver_graph import add_solver
+    from purine_mpi.job.replica import loss_blobs
+    from purine_mpi.layers import build_net
+    from purine_mpi.parallel.placement import prepare_for_device
+    from tests.conftest import make_job
+    net = [{"type": "conv", "name": "conv1", "bottom": "data", "top": "conv1", "num_output": 4,
+            "kernel": 3, "pad": 1},
+           {"type": "pool", "name": "pool1", "bottom": "conv1", "top": "pool1", "pool": "max",
+            "kernel": 2, "stride": 2},
+           {"type": "relu", "name": "relu1", "bottom": "pool1", "top": "pool1"},
+           {"type": "conv", "name": "conv2", "bottom": "pool1", "top": "conv2", "num_output": 4,
+            "kernel": 3, "pad": 1},
+           {"type": "relu", "name": "relu2", "bottom": "conv2", "top": "conv2"},
+           {"type": "pool", "name": "pool2", "bottom": "conv2", "top": "pool2", "pool": "ave",
+            "kernel": 2, "stride": 2},
+           {"type": "fc", "name": "ip1", "bottom": "pool2", "top": "ip1", "num_output": 6},
+           {"type": "fc", "name": "ip2", "bottom": "ip1", "top": "ip2", "num_output": 3},
+           {"type": "softmax_loss", "name": "loss", "bottom": ["ip2", "label"], "top": "loss"}]
+    job = make_job({"data": {"train": {"source": "synthetic", "shape": [2, 8, 8], "classes": 3,
+                                       "batch_size": 2}},
+                    "net": [], "solver": {"type": "sgd", "base_lr": 0.1, "momentum": 0.9}},
+                   check_files=False)
+    g = Graph("cnn")
+    g.add_blob("data", (2, 2, 8, 8), "float32", kind="data")
+    g.add_blob("label", (2,), "int32", kind="data")
+    build_net(net, "train", (g, "<net>"))
+    g.infer_shapes()
+    add_solver(g, build_backward(g, loss_blobs(g)), job.solver)
+    g.infer_shapes().validate()
+    params = [p.name for p in g.params()]
+    prepare_for_device(g, 0, precision="bf16")
+    return g, params
+
+
+def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_cnn():
+    """Small CNN in bf16 on device 0: in place, the copy of the pooled
+    activation the fc layer alone reads. Not the weights' copies, not the
+    data's (filled by the host, kept), not the ReLU output the ReLU's
+    gradient reads later, not the gradients a float32 bias gradient also
+    reads (the fc layers' GEMM outputs are bf16 already: no copies)."""
+    g, params = _bf16_cnn_graph()
+    plan, casts, in_place = _cast_plan(g)
+    assert sorted(casts) == sorted(params + ["data", "pool1@relu1", "pool2", "conv1.grad",
+                                             "conv2.grad", "ip2.grad"])
+    assert sorted(in_place) == ["pool2"]
+    _check_in_place(g, plan, casts, in_place)
+    _check_bytes_saved(_bf16_cnn_graph()[0], g, plan, casts, in_place)
+
+
 # -------------------------------------------- emulated device against torch
 def _ours_on_the_emulated_device(monkeypatch, host_build_dir, precision, toks, iters,
                                  blocks=2, cuda_graph=False):
@@ -333,6 +492,35 @@ def test_a_bf16_run_tracks_fp32_and_resumes_in_fp32_and_back(host_build_dir, mon
     rel = max(abs(bf16[i] - fp32[i]) / fp32[i] for i in its)
     print(f"bf16 vs fp32 over 24 iterations: max relative loss difference {rel:.2e}")
 
+
+
+def test_copies_made_in_place_train_bit_for_bit_as_copies(host_build_dir, monkeypatch,
+                                                          tmp_path):
+    """The trainer on the emulated device, bf16, 4 iterations: with the
+    copies made in place and the loss's probabilities and gradient over the
+    logits (the logits, the probabilities, their gradient and its copy on
+    one buffer of the workspace) the losses are bit for bit those of the
+    same run with every Cast copying and each of those its own bytes
+    (Cast, SoftmaxLoss and SoftmaxLossGrad ``in_place`` off)."""
+    from purine_mpi.gpu import data_ptr
+    from purine_mpi.ops.basic import Cast
+    from tests.emulated_gpu import emulated_trainer_env
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    from purine_mpi.ops.softmax import SoftmaxLoss, SoftmaxLossGrad
+    runs = {}
+    ops = (Cast, SoftmaxLoss, SoftmaxLossGrad)
+    for name, pairs in (("in_place", [c.in_place for c in ops]), ("copies", [()] * 3)):
+        for c, p in zip(ops, pairs):
+            monkeypatch.setattr(c, "in_place", p)
+        t, _, losses = _train(tmp_path, name, "bf16", 4)
+        ws = t.train.workspace
+        chain = [data_ptr(ws[b]) for b in ("logits", "loss.prob", "logits.grad",
+                                           "logits.grad@bf16")]
+        # each blob of the chain on its predecessor's bytes (both live at its writer)
+        runs[name] = ([a == b for a, b in zip(chain, chain[1:])], losses)
+    assert runs["in_place"][0] == [True] * 3 and runs["copies"][0] == [False] * 3
+    assert sorted(runs["in_place"][1]) == [1, 2, 3, 4]
+    assert runs["in_place"][1] == runs["copies"][1]
 
 # ------------------------------------------- gpt_tiny at 300 iterations (slow)
 #: issue 45's target: gpt_tiny in bf16, validation loss at 300 iterations

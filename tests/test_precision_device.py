@@ -169,6 +169,19 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
     np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
                                   _numpy_rounding(x, dtype))
     assert getattr(cast, "_own_scratch", None) is None or cast._own_scratch.reserved == 0
+    # in place (the memory plan put the copy on its source's bytes): the
+    # rounding kernel alone, on the source's own bytes
+    same = device.to_device(x)
+    view = same.reshape(same.shape)   # another array object over the same bytes
+    device.launched.clear()
+    cast.run([same], [view])
+    assert device.launched == [name]
+    np.testing.assert_array_equal(np.asarray(device.to_host(same)).view(_U),
+                                  _numpy_rounding(x, dtype))
+    host = x.copy()   # the host's Cast: round_to over the same bytes
+    get_kernel_class("Cast")(Op("c", "Cast", ["x"], ["x@low"], {"dtype": dtype})).run(
+        [host], [host.reshape(host.shape)])
+    np.testing.assert_array_equal(host.view(_U), _numpy_rounding(x, dtype))
 
 
 # -------------------------------------------------------------- TF32 products

@@ -2,6 +2,7 @@
 import numpy as np
 
 from ..base.backend import get_xp, to_numpy
+from ..gpu.raw import same_buffer
 from .registry import OpKernel, gradient, register, round_low
 
 
@@ -153,9 +154,17 @@ class Cast(OpKernel):
     precision pass (parallel/precision.py) gives a GEMM's, convolution's or
     attention's float32 input -- a weight's ``<w>@bf16``, made once per
     iteration. No gradient: the pass runs on a graph whose backward is
-    built."""
+    built.
+
+    In place (``in_place``): where the Cast is the last op to touch its
+    float32 source and both are transient (an activation's gradient, e.g.
+    the logits'), the memory plan (runtime/memory_plan.py) puts the copy on
+    the source's bytes, and the kernel rounds them where they are: no copy,
+    no memory of the copy's own. A weight, kept across iterations, keeps its
+    separate copy."""
 
     op_type = "Cast"
+    in_place = ((0, 0),)
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -163,7 +172,8 @@ class Cast(OpKernel):
 
     def run(self, ins, outs):
         dst = outs[0]
-        dst[...] = ins[0]
+        if not same_buffer(ins[0], dst):   # the plan put the copy on its source: no copy
+            dst[...] = ins[0]
         round_low(self, [dst], self.attrs["dtype"])   # one kernel on a GPU, no scratch
 
     def host_temporaries(self, ins, outs):

@@ -219,6 +219,10 @@ class SoftmaxLoss(OpKernel):
     ops/data.py), replaces ``count``: loss = -sum log prob[label] / it."""
 
     op_type = "SoftmaxLoss"
+    #: prob over x (the logits, where the loss is their last reader): the
+    #: GPU kernels read all of a position's row, x[label] too, before
+    #: writing it (cuda/softmax_loss.cu); the host shifts x into prob's bytes
+    in_place = ((0, 1),)
 
     def scratch_specs(self, ins, outs):
         axis = _axis(self.attrs, ins[0].ndim)
@@ -287,6 +291,8 @@ class SoftmaxLossGrad(OpKernel):
     forward op)."""
 
     op_type = "SoftmaxLossGrad"
+    #: dx over prob: element-wise (each element's prob read before its dx)
+    in_place = ((1, 0),)
 
     def scratch_specs(self, ins, outs):
         return _raw_specs(ins[1], [((1,), ins[1].dtype)] + _label_specs(ins[2]))

@@ -10,8 +10,10 @@ place, op by op, after PyTorch autocast's lists:
   ``AttentionContext`` and their gradients) get ``compute_dtype``
   ``bfloat16`` (``float16``): their float32 inputs are replaced by rounded
   copies ``<blob>@bf16`` (``@fp16``) written by a ``Cast`` op (one per blob,
-  shared by its readers), they accumulate in float32 and round their
-  outputs (ops/registry.py's ``make_kernel``);
+  shared by its readers; where the Cast is the last op to touch a
+  transient blob the memory plan puts the copy on the blob's bytes:
+  ``Cast.in_place``), they accumulate in float32 and round their outputs
+  (ops/registry.py's ``make_kernel``);
 - everything else stays float32: softmax, layer norm, the loss, the
   reductions (a bias gradient, the gradient sums), the element-wise ops,
   the gradient allreduce and the optimizer update.

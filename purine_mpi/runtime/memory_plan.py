@@ -50,7 +50,10 @@ the dispatchers derive stays the same (the ops of one thread run one at a
 time anyway); ``graph --memory`` counts them.
 
 In place: an op whose kernel declares it (``in_place``: ReLU, dropout and
-their gradients, element-wise) writes its output over its input's bytes
+their gradients, element-wise; the softmax loss's probabilities over the
+logits and its gradient over the probabilities; the precision pass's
+``Cast``, whose low-precision copy of a blob dead after it takes the
+blob's bytes) writes its output over its input's bytes
 when it is the last op to touch the input (every other op touching it is
 its ancestor) and both are transient roots of one size; ReLU's gradient
 reads the ReLU's output, so a convolution's pre-activation dies at the ReLU.
