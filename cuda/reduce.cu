@@ -145,3 +145,58 @@ __device__ void bias_grad_finish_impl(long long channels, long long splits,
 
 PURINE_BIAS_GRAD_FINISH_ENTRY(f32, float)
 PURINE_BIAS_GRAD_FINISH_ENTRY(f64, double)
+
+// An embedding's weight gradient, a deterministic scatter-add:
+// dw[v, :] = sum over the positions p with ids[p] == v of dy[p, :], dw
+// (vocab, width) and dy (n, width) contiguous, the ids already checked to lie
+// in [0, vocab) (the op's check_ids, on the host). Each block owns tiles of
+// PURINE_EMBED_ROWS consecutive rows of dw (grid-stride over the tiles): it
+// zeroes its rows, then reads the ids in order p = 0..n-1, staged
+// PURINE_EMBED_STAGE at a time in shared memory, and adds dy[p, :] into
+// dw[ids[p], :] for each p whose token falls in its tile, its threads
+// splitting the width (each thread owns the same columns throughout). Every
+// row of dw belongs to one block and its sum runs in increasing p in T:
+// no atomics, no scratch, and the bits of the host path (the stably sorted
+// rows summed in order by np.add.reduceat). Entry points for int64 ids
+// (embedding_grad_<dtype>) and int32 ids (embedding_grad_i32_<dtype>).
+#define PURINE_EMBED_ROWS 32
+#define PURINE_EMBED_STAGE 256
+
+template <typename T, typename I>
+__device__ void embedding_grad_impl(long long vocab, long long width, const I* ids,
+                                    long long n, const T* dy, T* dw) {
+  __shared__ long long stage[PURINE_EMBED_STAGE];
+  const unsigned int tid = threadIdx.x;
+  const long long tiles = (vocab + PURINE_EMBED_ROWS - 1) / PURINE_EMBED_ROWS;
+  for (long long tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const long long first = tile * PURINE_EMBED_ROWS;
+    const long long last = first + PURINE_EMBED_ROWS < vocab ? first + PURINE_EMBED_ROWS : vocab;
+    for (long long v = first; v < last; ++v)
+      for (long long c = tid; c < width; c += blockDim.x) dw[v * width + c] = (T)0;
+    for (long long start = 0; start < n; start += PURINE_EMBED_STAGE) {
+      const long long count = n - start < PURINE_EMBED_STAGE ? n - start : PURINE_EMBED_STAGE;
+      __syncthreads();   // every thread is done with the previous stage
+      for (long long k = tid; k < count; k += blockDim.x) stage[k] = (long long)ids[start + k];
+      __syncthreads();
+      for (long long q = 0; q < count; ++q) {
+        const long long v = stage[q];
+        if (v < first || v >= last) continue;
+        T* row = dw + v * width;
+        const T* src = dy + (start + q) * width;
+        for (long long c = tid; c < width; c += blockDim.x) row[c] += src[c];
+      }
+    }
+  }
+}
+
+#define PURINE_EMBEDDING_GRAD_ENTRY(NAME, SUFFIX, T, I)                                 \
+  extern "C" __global__ void NAME##_##SUFFIX(long long vocab, long long width,         \
+                                             const I* ids, long long n, const T* dy,   \
+                                             T* dw) {                                  \
+    embedding_grad_impl<T, I>(vocab, width, ids, n, dy, dw);                           \
+  }
+
+PURINE_EMBEDDING_GRAD_ENTRY(embedding_grad, f32, float, long long)
+PURINE_EMBEDDING_GRAD_ENTRY(embedding_grad, f64, double, long long)
+PURINE_EMBEDDING_GRAD_ENTRY(embedding_grad_i32, f32, float, int)
+PURINE_EMBEDDING_GRAD_ENTRY(embedding_grad_i32, f64, double, int)

@@ -10,10 +10,13 @@ Gradient (w only; ids are data)::
     dw[v, :] = sum over the positions i with ids[i] == v of dy[i, :]
                ("EmbeddingGrad", [dy, ids] -> [dw], attr input_dim = V)
 
-a scatter-add: on the CPU the rows of dy sorted by token, each run summed;
-on a GPU one product dw = onehot(ids)^T dy through cuBLAS (gpu/blas.py),
-the (N*T, V) one-hot in the op's scratch. Both are deterministic (the same
-order every time, on every rank), unlike atomic adds. The table can be shared with an
+a scatter-add: on the CPU the rows of dy sorted by token (a stable sort),
+each run summed in order; on a GPU one raw kernel (cuda/reduce.cu
+``embedding_grad``): blocks own disjoint tiles of dw's rows, zero them and
+add the rows of dy whose token falls in them in increasing position, no
+atomics, no scratch (1- and 2-byte ids: an int32 copy in the op's scratch).
+Both add each token's rows sequentially in position order, so they give the
+same bits, the same every time, on every rank, unlike atomic adds. The table can be shared with an
 output projection (the ``fc`` layer's ``tie_weight``): the gradient builder
 then sums the two uses' contributions.
 
@@ -36,13 +39,8 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, raw_kernels
 from .registry import OpKernel, gradient, register
-
-
-def gemm(*args, **kwargs):
-    from ..gpu.blas import gemm as cublas_gemm
-    return cublas_gemm(*args, **kwargs)
 
 
 def check_ids(ids, vocab):
@@ -88,27 +86,16 @@ class EmbeddingGrad(OpKernel):
 
     op_type = "EmbeddingGrad"
 
-    _tokens = None
-
-    products = True   # dw = onehot(ids)^T @ dy on a GPU
-
     def scratch_specs(self, ins, outs):
-        """The one-hot rows of the tokens (float32/64 tables: the raw path)."""
-        from ..gpu.raw import KERNEL_DTYPES
-        if np.dtype(outs[0].dtype) not in KERNEL_DTYPES:
+        """None for int32/int64 ids (the kernel reads them as they are); an
+        int32 copy of 1- and 2-byte ids (float32/64 tables: the raw path)."""
+        if np.dtype(outs[0].dtype) not in KERNEL_DTYPES or np.dtype(ins[1].dtype).itemsize >= 4:
             return []
-        return [((ins[1].size, outs[0].shape[0]), outs[0].dtype)]
+        return [((ins[1].size,), np.int32)]
 
     def setup(self, ins, outs):
         if raw_kernels(get_xp(outs[0]), outs[0]) is not None:
-            self._token_row(outs[0], ins[1].dtype)
             self.reserve_temporaries(outs[0], *self.scratch_specs(ins, outs))
-
-    def _token_row(self, dw, dtype):
-        """The token ids 0..V-1 as a (1, V) device row, made once (in setup)."""
-        if self._tokens is None:
-            self._tokens = get_xp(dw).arange(dw.shape[0], dtype=dtype)[None, :]
-        return self._tokens
 
     @classmethod
     def infer(cls, attrs, ins):
@@ -121,10 +108,14 @@ class EmbeddingGrad(OpKernel):
         xp = get_xp(dw)
         rows = dy.reshape(-1, dw.shape[1])
         flat = ids.reshape(-1)
-        if raw_kernels(xp, dw) is not None:  # one product: dw = onehot(ids)^T @ dy
-            (onehot,) = self.temporaries(dw, *self.scratch_specs(ins, outs))
-            xp.equal(flat[:, None], self._token_row(dw, flat.dtype), out=onehot)
-            gemm(onehot, rows, dw, trans_a=True)
+        k = raw_kernels(xp, dw)
+        if k is not None:  # one kernel: tiles of dw's rows, positions in order
+            specs = self.scratch_specs(ins, outs)
+            if specs:
+                (wide,) = self.temporaries(dw, *specs)
+                wide[...] = flat
+                flat = wide
+            k.embedding_grad(rows, flat, dw)
             return
         dw[...] = 0
         order = np.argsort(flat, kind="stable")

@@ -225,6 +225,43 @@ def sum_rows(x, out, accumulate=False):
     return out
 
 
+#: the rows of dw one block of ``embedding_grad`` owns (PURINE_EMBED_ROWS of
+#: cuda/reduce.cu)
+EMBED_ROWS = 32
+
+
+def embedding_grad(dy, ids, out):
+    """An embedding's weight gradient in one deterministic kernel
+    (cuda/reduce.cu ``embedding_grad``): ``out`` (V, C), C-contiguous, gets
+    out[v] = the sum of the rows dy[p] (dy: (n, C)) with ids[p] == v, added
+    in increasing p (the host path's order and bits), zero for the tokens
+    that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64 read as
+    their signed twins), already checked to lie in [0, V); nothing is
+    allocated."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "embedding_grad: dy", ndim=2)
+    n, width = int(dy.shape[0]), int(dy.shape[1])
+    if not isinstance(out, cupy.ndarray) or out.ndim != 2 or out.shape[1] != width \
+            or out.dtype != dy.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"embedding_grad: out must be a C-contiguous {dy.dtype} CuPy array "
+                         f"of shape (V, {width})")
+    ids = cupy.ascontiguousarray(ids.reshape(-1))
+    kind, size = np.dtype(ids.dtype).kind, np.dtype(ids.dtype).itemsize
+    if kind not in "iu" or size not in (4, 8) or ids.size != n:
+        raise ValueError(f"embedding_grad: ids must be {n} int32 or int64 token ids, got "
+                         f"{ids.size} {ids.dtype}")
+    if kind == "u":
+        ids = ids.view(np.int32 if size == 4 else np.int64)
+    vocab = int(out.shape[0])
+    if vocab == 0:
+        return out
+    func = "embedding_grad_i32" if size == 4 else "embedding_grad"
+    blocks = min(-(-vocab // EMBED_ROWS), _MAX_BLOCKS)
+    _base._launch_blocks("reduce", func, dy.dtype, blocks, _REDUCE_THREADS,
+                         (np.int64(vocab), np.int64(width), ids, np.int64(n), dy, out))
+    return out
+
+
 # ------------------------------------------------------------ layer norm ---
 
 def _ln_rows(cupy, what, x, **arrays):
