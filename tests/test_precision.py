@@ -9,6 +9,7 @@ import yaml
 from purine_mpi.base.errors import ConfigError
 from purine_mpi.base.precision import round_to, scratch_spec
 from purine_mpi.job.config import validate_config
+from purine_mpi.runtime.footprint import live_bytes
 from tests.conftest import run_cli_here
 from tests.gpt_oracle import gpt_graph, gpt_net
 
@@ -265,19 +266,7 @@ def test_a_copy_whose_source_dies_at_its_cast_is_made_in_place_gpt():
 def _live_bytes(plan):
     """The bytes of ``plan``'s blobs live at each position of its schedule
     (a blob computed in place over another counted once: arena_peak's rule)."""
-    def unit(r):
-        while r in plan.in_place:
-            r = plan.in_place[r][0]
-        return r
-    span = {}
-    for r, (a, b) in plan.lifetimes.items():
-        lo, hi = span.get(unit(r), (a, b))
-        span[unit(r)] = (min(lo, a), max(hi, b))
-    live = [0] * len(plan.order)
-    for u, (a, b) in span.items():
-        for i in range(a, b + 1):
-            live[i] += plan.sizes[u]
-    return live
+    return live_bytes(plan)
 
 
 def _check_bytes_saved(fresh, g, plan, casts, in_place):

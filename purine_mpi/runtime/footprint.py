@@ -362,13 +362,9 @@ def _graph_rows(graph, keep, skip, host_plan, device_plans):
     return host, devices
 
 
-def arena_peak(graph, plan):
-    """The planned blobs at their peak: the most bytes live at once in the
-    schedule (a blob computed in place over another shares its bytes) and
-    the op where that falls. None when nothing is planned."""
-    if plan is None or not plan.offsets:
-        return None
-
+def live_spans(plan):
+    """{unit blob: (first, last) schedule position} of ``plan``'s blobs, a
+    blob computed in place over another counted with it (one unit)."""
     def unit(r):
         while r in plan.in_place:
             r = plan.in_place[r][0]
@@ -378,13 +374,33 @@ def arena_peak(graph, plan):
         u = unit(r)
         lo, hi = span.get(u, (a, b))
         span[u] = (min(lo, a), max(hi, b))
+    return span
+
+
+def live_bytes(plan, span=None):
+    """The bytes of ``plan``'s blobs live at each position of its schedule
+    (``live_spans``: a blob in place over another shares its bytes)."""
+    span = live_spans(plan) if span is None else span
     diff = [0] * (len(plan.order) + 1)
     for u, (a, b) in span.items():
         diff[a] += plan.sizes[u]
         diff[b + 1] -= plan.sizes[u]
-    live, best, at = 0, -1, 0
-    for i, d in enumerate(diff[:-1]):
+    live, out = 0, []
+    for d in diff[:-1]:
         live += d
+        out.append(live)
+    return out
+
+
+def arena_peak(graph, plan):
+    """The planned blobs at their peak: the most bytes live at once in the
+    schedule (a blob computed in place over another shares its bytes) and
+    the op where that falls. None when nothing is planned."""
+    if plan is None or not plan.offsets:
+        return None
+    span = live_spans(plan)
+    best, at = -1, 0
+    for i, live in enumerate(live_bytes(plan, span)):
         if live > best:
             best, at = live, i
     grads = sum(plan.sizes[u] for u, (a, b) in span.items()
