@@ -15,7 +15,9 @@ interleavings that respect only the recorded events), CUDA graphs on:
   its own when it does not, and ``device_bytes``/``allocated_bytes`` say so;
 - ``plan``'s device rows are the two workspaces' device bytes to the byte,
   its activations row the training region plus the test's only where the
-  test's is larger.
+  test's is larger;
+- a test pass starts after the training iteration's queued device work is
+  drained and ends synchronised (the two points the graphs meet).
 """
 import json
 
@@ -128,3 +130,32 @@ def test_the_test_workspace_reuses_the_device_region_when_it_fits_and_plan_count
                 if row not in ("scratch", "cublas_workspaces", "capture_pools"))
     assert blobs == allocated, (rows, allocated)
     assert rows["activations"] == train_region + (0 if fits else test_region)
+
+
+def test_a_test_pass_starts_after_the_training_work_and_ends_synchronised(
+        host_build_dir, monkeypatch, tmp_path):
+    """The two points where the graphs meet in the shared bytes: the
+    training iteration's device work (queued, not waited for: a deferred
+    step) is drained before the pass's first run, and the pass ends
+    synchronised before training resumes."""
+    import purine_mpi.gpu as gpu
+    emulated_trainer_env(monkeypatch, host_build_dir)
+    trainer = _trainer(tmp_path, _raw(8), "run")
+    calls = []
+    try:
+        assert trainer.graphs.deferred
+        trainer.ws["iter"][...] = 0
+        trainer.train.run(0, sync=False)  # a step as the loop runs it: queued
+        for d, name in ((trainer.train, "train"), (trainer.test, "test")):
+            for method in ("run", "drain", "synchronize"):
+                real = getattr(d, method)
+                monkeypatch.setattr(d, method, lambda *a, _r=real, _m=f"{name}.{method}", **kw: (
+                    calls.append(_m), _r(*a, **kw))[1])
+        trainer.evaluate()
+    finally:
+        trainer.close()
+        gpu.clear_kernel_cache()
+    runs = [i for i, c in enumerate(calls) if c == "test.run"]
+    assert runs and "train.drain" in calls[:runs[0]], calls
+    assert not any(c.startswith("train.") for c in calls[runs[0]:]), calls
+    assert calls[-1] == "test.synchronize", calls
