@@ -101,7 +101,7 @@ from ..base.progress_bar import human_bytes
 from ..graph.core import WORKING_SET_ATTR
 from .factory import dispatcher_kind, memory_plans
 from .memory_plan import _root_nbytes, batch_blobs
-from .workspace import plan_device_memory, window_blobs
+from .workspace import window_blobs
 
 #: the rows of a footprint, in the order they print
 ROWS = ("weights", "gradients", "optimizer_state", "activations", "data_batch",
@@ -328,8 +328,9 @@ def _reads(graph):
 def _graph_rows(graph, keep, skip, host_plan, device_plans):
     """({row: bytes} of the host, {device: {row: bytes}}) of the roots a
     ``Workspace(graph, shared=skip, plan=host_plan, device_plans=...)``
-    gives arrays of their own, and each GPU arena's planned share; the
-    host arena is left to the caller (the test workspace may reuse it)."""
+    gives arrays of their own; the planned arenas (the host's, each GPU
+    arena's planned region) are left to the caller (``_arenas``: the test
+    workspace may reuse the training workspace's)."""
     from ..gpu.scratch import ARENA_ALIGN
     skip = set(skip)
     batch = set(batch_blobs(graph))
@@ -354,12 +355,16 @@ def _graph_rows(graph, keep, skip, host_plan, device_plans):
         else:
             rows = devices.setdefault(device, {})
             rows[row] = rows.get(row, 0) + -(-_root_nbytes(blob) // ARENA_ALIGN) * ARENA_ALIGN
-    for device in plan_device_memory(graph, skip=skip, plans=device_plans):
-        plan = device_plans.get(device)
-        if plan is not None and plan.offsets:  # the planned share of the device's arena
-            rows = devices.setdefault(device, {})
-            rows["activations"] = rows.get("activations", 0) + plan.total_bytes
     return host, devices
+
+
+def _arenas(host_plan, device_plans):
+    """{device (-1: the host): bytes of its planned arena} of a workspace
+    laid out by these plans (a GPU arena's planned region, after its other
+    roots: ``plan_device_memory``)."""
+    out = {-1: host_plan.total_bytes} if host_plan is not None else {}
+    out.update((d, p.total_bytes) for d, p in device_plans.items() if p.offsets)
+    return out
 
 
 def live_spans(plan):
@@ -465,7 +470,8 @@ def data_pool_bytes(graphs):
 def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, held=0):
     """The :class:`Footprint` of a rank's ``graphs`` laid out by ``plans``
     (``workspace_plans``): the training workspace, then the test workspace,
-    which reuses the host arena when the training arena holds it; on a GPU
+    which reuses the training workspace's arena of the host and of each GPU
+    (the planned region) when that one holds it; on a GPU
     the scratch, cuBLAS workspaces and capture pools (``device_extras``;
     ``cuda_graph``: the job's). ``dispatcher``: the kind ``train`` is given
     (factory.dispatcher_kind: the serial one runs every kernel on one
@@ -478,20 +484,26 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
     g = graphs.graph
     host, devices = _graph_rows(g, plans.keep, window_blobs(g), plans.host,
                                 plans.devices)
-    if plans.host is not None:
-        host["activations"] = host.get("activations", 0) + plans.host.total_bytes
+
+    def add(device, row, n):
+        rows = host if device < 0 else devices.setdefault(device, {})
+        rows[row] = rows.get(row, 0) + n
+    arenas = _arenas(plans.host, plans.devices)
+    for d, n in arenas.items():
+        add(d, "activations", n)
     tg = graphs.test_graph
     if tg is not None:
         th, td = _graph_rows(tg, plans.test_keep, plans.test_skip, plans.test_host,
                              plans.test_devices)
         for row, n in th.items():
-            host[row] = host.get(row, 0) + n
+            add(-1, row, n)
         for d, rows in td.items():
             for row, n in rows.items():
-                devices.setdefault(d, {})[row] = devices.get(d, {}).get(row, 0) + n
-        arena = plans.host.total_bytes if plans.host is not None else 0
-        if plans.test_host is not None and plans.test_host.total_bytes > arena:
-            host["activations"] = host.get("activations", 0) + plans.test_host.total_bytes
+                add(d, row, n)
+        # the test workspace reuses the training one's arena where it holds its own
+        for d, n in _arenas(plans.test_host, plans.test_devices).items():
+            if n > arenas.get(d, 0):
+                add(d, "activations", n)
     if held:
         host["kept"] = host.get("kept", 0) + int(held)
     host["windows"] = window_bytes(graphs.composition, rank)

@@ -14,7 +14,11 @@ CuPy's memory pool (``plan_device_memory``), so blobs never fragment the pool
 and the footprint is known before the first iteration. With a device's
 memory plan (``memory_plan.plan_memory(graph, device=d)``) the roots that
 persist take the front of the arena and the transient ones share the rest
-at their planned offsets; without one every root has bytes of its own. What kernels need
+at their planned offsets; without one every root has bytes of its own. The
+test workspace's planned roots reuse the training workspace's planned region
+of each device when it is large enough (``device_arenas``), as on the host:
+the test pass runs only while no training work is in flight
+(train/evaluation.py). What kernels need
 beyond their outputs (im2col columns, GEMM partials, a library's workspace)
 is *scratch* (``Workspace.scratch_for``): slots shared by every op the
 stream order or the graph serialises (one slot per stream that runs
@@ -181,7 +185,9 @@ class Workspace:
         transient blobs are views into one arena at the planned offsets;
         None gives every host blob a buffer of its own. ``arena``: another
         workspace whose host arena this one may reuse when it is large
-        enough (the test graph runs only while the train graph does not).
+        enough (the test graph runs only while the train graph does not),
+        and on each GPU the planned region of its device arena likewise
+        (``device_arenas``; the arena keeps the rest of the roots).
         ``device_plans``: {GPU device: its memory plan}, laid out in that
         device's arena (``plan_device_memory``)."""
         self.graph = graph
@@ -203,10 +209,14 @@ class Workspace:
             else:
                 self.host_arena = _aligned_zeros(plan.total_bytes)
                 self.allocated_bytes += plan.total_bytes
-        #: bytes of each GPU device's arena
+        #: bytes of each GPU device's arena (what this workspace allocated there)
         self.device_bytes = {}
+        #: {GPU device: the planned region of its arena} (the transient
+        #: blobs' bytes): a view into this workspace's arena, or into
+        #: ``arena``'s when that one's is large enough
+        self.device_arenas = {}
         self._arena = {}
-        self._offsets = {}
+        self._offsets = {}         # GPU root -> (the array it is a slice of, byte offset)
         self._scratch_slots = {}   # device -> [[Scratch, [its ops]], ...]
         self._scratch_of = {}      # op -> its _OpScratch
         self._slot_of = {}         # op -> its slot's Scratch (once bound)
@@ -215,18 +225,36 @@ class Workspace:
         self._deps = None
         self._ancestor_cache = {}
         plans = plan_device_memory(graph, skip=self.arrays, plans=self.device_plans)
+        reuse = getattr(arena, "device_arenas", {})
         for device, (total, offsets) in sorted(plans.items()):
-            self._allocate_arena(device, total, offsets)
+            self._allocate_arena(device, total, offsets, reuse.get(device))
         for name in graph.blobs:
             self._ensure(name)
 
-    def _allocate_arena(self, device, total, offsets):
+    def _allocate_arena(self, device, total, offsets, other=None):
+        """GPU ``device``'s arena of ``total`` bytes (``plan_device_memory``'s
+        layout: the unplanned roots, then the planned region). Where
+        ``other`` (another workspace's planned region there) holds this
+        one's planned region, the planned roots are views into it and the
+        arena holds the other roots alone."""
+        plan = self.device_plans.get(device)
+        planned = plan.total_bytes if plan is not None and plan.offsets else 0
+        base = total - planned
+        shared = planned and other is not None and other.nbytes >= planned
+        own = base if shared else total
         cupy = xp_for_device(device)  # a UserError when there is no GPU
         with cupy.cuda.Device(device):
-            self._arena[device] = cupy.zeros(max(total, 1), dtype=np.uint8)
-        self._offsets.update(offsets)
-        self.device_bytes[device] = total
-        self.allocated_bytes += total
+            arena = self._arena[device] = cupy.zeros(max(own, 1), dtype=np.uint8)
+        if planned:
+            region = self.device_arenas[device] = other if shared else \
+                arena[base:base + planned]
+        for root, start in offsets.items():
+            if planned and root in plan.offsets:
+                self._offsets[root] = (region, start - base)
+            else:
+                self._offsets[root] = (arena, start)
+        self.device_bytes[device] = own
+        self.allocated_bytes += own
 
     def _ensure(self, name):
         if name in self.arrays:
@@ -267,8 +295,8 @@ class Workspace:
         """The flat array of a GPU storage root: its slice of the arena."""
         count = _elements(blob)
         dtype = np.dtype(blob.dtype)
-        start = self._offsets[name]
-        raw = self._arena[blob.location.device][start:start + count * dtype.itemsize]
+        arena, start = self._offsets[name]
+        raw = arena[start:start + count * dtype.itemsize]
         return raw.view(dtype)
 
     def _pinned(self, blob):

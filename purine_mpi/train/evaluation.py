@@ -73,7 +73,12 @@ class Evaluation(Service):
         whole pass), the accuracy the right positions over the counted."""
         if loop.test is None:
             return {}
-        loop.train.drain()  # the test graph reads the weights the train graph updates
+        # the test graph reads the weights the train graph updates, and its
+        # transient blobs take the bytes of the train graph's (the arena a
+        # test workspace reuses, host and GPU: runtime/workspace.py): every
+        # device stream of the training iteration (its CUDA-graph replays,
+        # the deferred tail) has finished before the pass writes
+        loop.train.drain()
         share_running_stats(loop)  # scheme none: each replica keeps its own
         give_test_weights(loop)
         spec = loop.job.data.test
@@ -117,6 +122,9 @@ class Evaluation(Service):
                         positions[j] += weight
                     sums[j] += weight * scale * float(ws[b])
                 bar.update(int(counts.sum()))
+        # each run above ends synchronised (sync=True); said once more, as
+        # training resumes in the arena the pass used (no-op when idle)
+        loop.test.synchronize()
         out = {}
         # every replica holds each figure on one of its ranks (a pipeline's
         # last stage), the others add 0: the world's sum is the replicas'
