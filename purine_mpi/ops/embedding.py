@@ -15,8 +15,10 @@ each run summed in order; on a GPU one raw kernel (cuda/reduce.cu
 ``embedding_grad``): blocks own disjoint tiles of dw's rows, zero them and
 add the rows of dy whose token falls in them in increasing position, no
 atomics, no scratch (1- and 2-byte ids: an int32 copy in the op's scratch).
-Both add each token's rows sequentially in position order, so they give the
-same bits, the same every time, on every rank, unlike atomic adds. The table can be shared with an
+Both are deterministic (the same order every time, on every rank), unlike
+atomic adds; the GPU adds each token's rows in position order (np.add.at's
+bits), the CPU's ``reduceat`` pairwise past a few rows, so the two may
+differ in the last bits for a token repeated more than 8 times. The table can be shared with an
 output projection (the ``fc`` layer's ``tie_weight``): the gradient builder
 then sums the two uses' contributions.
 

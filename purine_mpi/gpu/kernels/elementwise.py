@@ -234,7 +234,8 @@ def embedding_grad(dy, ids, out):
     """An embedding's weight gradient in one deterministic kernel
     (cuda/reduce.cu ``embedding_grad``): ``out`` (V, C), C-contiguous, gets
     out[v] = the sum of the rows dy[p] (dy: (n, C)) with ids[p] == v, added
-    in increasing p (the host path's order and bits), zero for the tokens
+    in increasing p (np.add.at's order and bits; the host op's reduceat sums
+    pairwise past a few rows), zero for the tokens
     that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64 read as
     their signed twins), already checked to lie in [0, V); nothing is
     allocated."""
@@ -347,17 +348,27 @@ def round_in_place(x, dtype):
     return x
 
 
+#: what the elements of a float32 array and of its bfloat16 bits are called
+_BITS_WORDS = {np.dtype(np.float32): "values", np.dtype(np.uint16): "bits"}
+
+
+def _bits_pair(what, src, src_dtype, dst, dst_dtype):
+    """``src`` and ``dst`` checked for a conversion between float32 and its
+    bfloat16 bits: each C-contiguous of its dtype, the same size."""
+    import_cupy()
+    _bits_array(src, src_dtype, what)
+    _bits_array(dst, dst_dtype, what)
+    if dst.size != src.size:
+        raise ValueError(f"{what}: {src.size} {_BITS_WORDS[np.dtype(src_dtype)]} into "
+                         f"{dst.size} {_BITS_WORDS[np.dtype(dst_dtype)]}")
+
+
 def to_bf16_bits_device(x, out):
     """``out`` (uint16 CuPy array of ``x``'s size) = the bits of the
     bfloat16 nearest each float32 of ``x`` (``x`` unchanged): one kernel
     over the whole array, no scratch, nothing allocated -- the bits
     base/precision.to_bf16_bits gives (cuda/precision.cu)."""
-    import_cupy()
-    what = "to_bf16_bits_device"
-    _bits_array(x, np.float32, what)
-    _bits_array(out, np.uint16, what)
-    if out.size != x.size:
-        raise ValueError(f"{what}: {x.size} values into {out.size} bits")
+    _bits_pair("to_bf16_bits_device", x, np.float32, out, np.uint16)
     _base._launch("precision", "to_bf16_bits", None, x.size, (x.view(np.uint32), out))
     return out
 
@@ -366,11 +377,6 @@ def from_bf16_bits_device(bits, x):
     """``x`` (float32 CuPy array of ``bits``' size) = the bfloat16 values
     whose bits are ``bits`` (uint16), widened exactly: one kernel, nothing
     allocated (base/precision.from_bf16_bits; cuda/precision.cu)."""
-    import_cupy()
-    what = "from_bf16_bits_device"
-    _bits_array(bits, np.uint16, what)
-    _bits_array(x, np.float32, what)
-    if bits.size != x.size:
-        raise ValueError(f"{what}: {bits.size} bits into {x.size} values")
+    _bits_pair("from_bf16_bits_device", bits, np.uint16, x, np.float32)
     _base._launch("precision", "from_bf16_bits", None, x.size, (bits, x.view(np.uint32)))
     return x
