@@ -1,12 +1,13 @@
-// Channel sums in one kernel: the bias gradient of a convolution
-// (db[c] = sum over n and the spatial positions s of dy[n, c, s]) or of a
-// fully connected layer (inner = 1: db[c] = sum over rows n of dy[n, c]).
+// The deterministic reductions: channel sums, column sums, bias gradients,
+// an embedding's weight gradient.
 //
-// One block per channel (grid-stride over channels): its threads add
-// strided slices of the channel in double, then a shared-memory tree adds the
-// per-thread partial sums in a fixed order -- no atomics, so the result is
-// the same on every run (a resume stays bit-exact). Launched with at most
-// PURINE_REDUCE_THREADS threads per block.
+// channel_sum: db[c] = sum over n and the spatial positions s of dy[n, c,
+// s] (a batch norm's sums; a column sum of a tall matrix takes sum_rows
+// below). One block per channel (grid-stride over
+// channels): its threads add strided slices of the channel in double, then
+// a shared-memory tree adds the per-thread partial sums in a fixed order --
+// no atomics, so the result is the same on every run (a resume stays
+// bit-exact). Launched with at most PURINE_REDUCE_THREADS threads per block.
 //
 // Compiled at run time by purine_mpi.gpu.load_kernel("reduce"); one
 // extern "C" entry point per dtype: <name>_f32, <name>_f64.
@@ -42,26 +43,98 @@ __device__ void channel_sum_impl(long long channels, const T* dy, long long n,
 PURINE_PER_CHANNEL_ENTRY(channel_sum, f32, float)
 PURINE_PER_CHANNEL_ENTRY(channel_sum, f64, double)
 
-// Column sums of a (rows, cols) matrix, one thread per column (coalesced
-// reads along each row), in double, in row order: out[j] = sum_i x[i, j],
-// plus out[j] itself when `accumulate`. A weight gradient from per-sample
-// partial products (the im2col convolution's batched GEMM).
+// Column sums of a (rows, cols) matrix, x C-contiguous: out[j] = sum_i
+// x[i, j] (plus out[j] itself when `accumulate`), in double, rounded once.
+// A fully connected layer's bias gradient (dy (N, C)), a layer norm's
+// weight and bias gradients, a weight gradient from per-sample partial
+// products (the im2col convolution's batched GEMM).
+//
+// Tiled and split so the whole GPU takes part (one thread per column
+// looping over all rows ran 768-3072 threads, 1.9 ms a call on average over
+// GPT-2 124M's (16384, 768-3072) dys on an H200): the columns are cut into tiles of
+// PURINE_SUM_ROWS_TILE consecutive columns and the rows into `splits`
+// consecutive ranges (split s: rows [s*rows/splits, (s+1)*rows/splits)); one
+// block per (tile, split) job, grid-stride over the tiles * splits jobs. A
+// block of B threads is `lanes` = min(B, TILE) columns wide and B / lanes
+// row lanes deep (256 threads: 32 columns x 8 rows; a warp reads 32
+// consecutive elements of a row, coalesced); thread (row lane r, lane l)
+// adds rows first + r, first + r + depth, ... of its column in double, in
+// row order (four independent loads in flight, added in that order); a
+// fixed-order shared-memory tree over the row lanes (pairs at distance 1,
+// 2, 4, ...) adds a column's row lanes. With one split the block writes
+// out[j] (out[j] + the sum when accumulating); else its partial sum to
+// partial[j * splits + s] and bias_grad_finish adds each column's
+// partials in split order (after out[j] when accumulating). The splits
+// depend on the shape alone (bias_grad_splits with inner 1,
+// purine_mpi/gpu/kernels/elementwise.py) and the block size is fixed: no
+// atomics, the same bits on every run and every GPU. Not the bits of the
+// old one-thread-per-column kernel (rows added serially in double): the
+// same double sum in another order, so a float32 result differs from it in
+// the rare last-bit cases where the two double sums round apart, a float64
+// one in its last bits. Launched with at most PURINE_REDUCE_THREADS
+// threads per block.
+#define PURINE_SUM_ROWS_TILE 32
+
 template <typename T>
-__device__ void sum_rows_impl(long long cols, const T* x, long long rows, int accumulate,
-                              T* out) {
-  for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < cols;
-       j += (long long)blockDim.x * gridDim.x) {
-    double sum = accumulate ? (double)out[j] : 0.0;
-    for (long long i = 0; i < rows; ++i) sum += (double)x[i * cols + j];
-    out[j] = (T)sum;
+__device__ void sum_rows_impl(long long cols, const T* x, long long rows, long long splits,
+                              int accumulate, double* partial, T* out) {
+  __shared__ double sums[PURINE_REDUCE_THREADS];
+  const unsigned int tid = threadIdx.x;
+  const unsigned int lanes = blockDim.x < PURINE_SUM_ROWS_TILE ? blockDim.x
+                                                               : PURINE_SUM_ROWS_TILE;
+  const unsigned int depth = blockDim.x / lanes;   // row lanes
+  const unsigned int lane = tid % lanes, row_lane = tid / lanes;   // row_lane == depth: idle
+  const long long tiles = (cols + PURINE_SUM_ROWS_TILE - 1) / PURINE_SUM_ROWS_TILE;
+  const long long d = depth;
+  for (long long job = blockIdx.x; job < tiles * splits; job += gridDim.x) {
+    const long long tile = job / splits, j = job - tile * splits;
+    const long long first = j * rows / splits, last = (j + 1) * rows / splits;
+    const long long start = tile * PURINE_SUM_ROWS_TILE;
+    const long long width = cols - start < PURINE_SUM_ROWS_TILE ? cols - start
+                                                                : PURINE_SUM_ROWS_TILE;
+    // one pass over the tile on a GPU (lanes == TILE); more with a small block
+    for (long long offset = 0; offset < width; offset += lanes) {
+      const long long c = start + offset + lane;
+      const bool mine = row_lane < depth && offset + lane < width;
+      double sum = 0.0;
+      if (mine) {
+        const T* column = x + c;
+        long long i = first + row_lane;
+        for (; i + 3 * d < last; i += 4 * d) {
+          const double a = (double)column[i * cols], b = (double)column[(i + d) * cols];
+          const double e = (double)column[(i + 2 * d) * cols];
+          const double f = (double)column[(i + 3 * d) * cols];
+          sum += a;
+          sum += b;
+          sum += e;
+          sum += f;
+        }
+        for (; i < last; i += d) sum += (double)column[i * cols];
+      }
+      sums[tid] = sum;
+      __syncthreads();
+      for (unsigned int stride = 1; stride < depth; stride <<= 1) {
+        if (row_lane % (2 * stride) == 0 && row_lane + stride < depth) {
+          sums[tid] += sums[tid + stride * lanes];
+        }
+        __syncthreads();
+      }
+      if (mine && row_lane == 0) {
+        const double total = sums[tid];
+        if (splits == 1) out[c] = (T)(accumulate ? (double)out[c] + total : total);
+        else partial[c * splits + j] = total;
+      }
+      __syncthreads();   // every total is read: sums may be reused
+    }
   }
 }
 
 #define PURINE_SUM_ROWS_ENTRY(SUFFIX, T)                                             \
   extern "C" __global__ void sum_rows_##SUFFIX(long long cols, const T* x,          \
-                                               long long rows, int accumulate,      \
+                                               long long rows, long long splits,    \
+                                               int accumulate, double* partial,     \
                                                T* out) {                            \
-    sum_rows_impl<T>(cols, x, rows, accumulate, out);                               \
+    sum_rows_impl<T>(cols, x, rows, splits, accumulate, partial, out);              \
   }
 
 PURINE_SUM_ROWS_ENTRY(f32, float)
@@ -123,14 +196,14 @@ __device__ void bias_grad_impl(long long channels, const T* dy, long long n, lon
 PURINE_BIAS_GRAD_ENTRY(f32, float)
 PURINE_BIAS_GRAD_ENTRY(f64, double)
 
-// db[c] = the sum of channel c's `splits` partial sums, in split order, one
-// thread per channel.
+// db[c] = the sum of channel c's `splits` partial sums, in split order
+// (after db[c] itself when `accumulate`: sum_rows), one thread per channel.
 template <typename T>
-__device__ void bias_grad_finish_impl(long long channels, long long splits,
+__device__ void bias_grad_finish_impl(long long channels, long long splits, int accumulate,
                                       const double* partial, T* out) {
   for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < channels;
        c += (long long)blockDim.x * gridDim.x) {
-    double sum = 0.0;
+    double sum = accumulate ? (double)out[c] : 0.0;
     for (long long j = 0; j < splits; ++j) sum += partial[c * splits + j];
     out[c] = (T)sum;
   }
@@ -139,8 +212,9 @@ __device__ void bias_grad_finish_impl(long long channels, long long splits,
 #define PURINE_BIAS_GRAD_FINISH_ENTRY(SUFFIX, T)                                         \
   extern "C" __global__ void bias_grad_finish_##SUFFIX(long long channels,              \
                                                        long long splits,                \
+                                                       int accumulate,                  \
                                                        const double* partial, T* out) { \
-    bias_grad_finish_impl<T>(channels, splits, partial, out);                           \
+    bias_grad_finish_impl<T>(channels, splits, accumulate, partial, out);               \
   }
 
 PURINE_BIAS_GRAD_FINISH_ENTRY(f32, float)

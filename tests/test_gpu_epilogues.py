@@ -14,7 +14,7 @@ BIAS_SHAPES = [
     (2, 3, 11, 13),    # inner 143: a step ends mid-run
     (1, 7, 1, 100),    # one sample, channels > emulated blocks: the grid-stride loop
     (4, 3, 2, 1),      # inner 2
-    (6, 5),            # a fully connected layer: one thread per column (sum_rows)
+    (6, 5),            # a fully connected layer: a column sum (sum_rows)
     (4, 3, 1, 1),      # a 1x1 output: inner 1, as a fully connected layer
     (8, 3, 32, 32),    # 2 sample ranges a channel: partial sums, then bias_grad_finish
     (9, 2, 30, 31),    # 2 ranges of 4 and 5 samples

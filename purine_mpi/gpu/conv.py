@@ -9,7 +9,7 @@ column buffer under ``COL_CHUNK_BYTES_GPU``; one chunk for the usual sizes):
     data      dcols[n, g] = W[g]^T @ dy[n, g]        (idem, W transposed by cuBLAS)
               dx = col2im(dcols)                     (raw kernel)
     weight    part[n, g] = dy[n, g] @ cols[n, g]^T   (idem, cols transposed by cuBLAS)
-              dW = sum_n part[n]                     (one column-sum kernel)
+              dW = sum_n part[n]                     (the column-sum kernels)
 
 A 1x1, stride-1, unpadded convolution (NIN's cccp layers) uses its input as
 the columns and writes dx directly. The column and partial buffers come
@@ -68,8 +68,8 @@ def _specs(geo, which, dtype, n):
     specs = []
     if cols:
         specs.append(((n, cols), dtype))
-    if part:
-        specs.append(((n, part), dtype))
+    if part:   # the partial products, and the float64 partial sums of their column sum
+        specs += [((n, part), dtype), kernels.bias_grad_scratch((n, part))]
     return specs
 
 
@@ -141,9 +141,10 @@ def backward_weight(dy, x, dw, geo, scratch):
     for start, stop in _batches(geo, "weight", x.itemsize):
         n = stop - start
         buffers = scratch.take(*_specs(geo, "weight", x.dtype, n))
-        cols = _columns(x[start:stop], geo, buffers[0] if len(buffers) == 2 else None)
-        part = buffers[-1].reshape(n, G, og, kg)
+        cols = _columns(x[start:stop], geo, buffers[0] if len(buffers) == 3 else None)
+        part = buffers[-2].reshape(n, G, og, kg)
         for g in range(G):
             gemm(dy4[start:stop, g], cols[:, g], part[:, g], trans_b=True)
-        kernels.sum_rows(part.reshape(n, G * og * kg), dw.reshape(-1), accumulate=start > 0)
+        kernels.sum_rows(part.reshape(n, G * og * kg), dw.reshape(-1), accumulate=start > 0,
+                         partial=buffers[-1])
     return dw

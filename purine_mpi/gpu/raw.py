@@ -34,6 +34,18 @@ def raw_kernels(xp, *arrays):
     return kernels
 
 
+def sum_scratch(shape, dtype):
+    """The scratch specs (``OpKernel.scratch_specs``) of the deterministic
+    bias-gradient and column-sum kernels (``kernels.bias_grad``,
+    ``kernels.sum_rows``) for an input of ``shape`` (N, C, ...) and
+    ``dtype``: their float64 partial sums, or [] for a dtype without the
+    kernels (the generic path)."""
+    if np.dtype(dtype) not in KERNEL_DTYPES:
+        return []
+    from .kernels import bias_grad_scratch
+    return [bias_grad_scratch(shape)]
+
+
 def same_buffer(a, b):
     """True when ``a`` and ``b`` view exactly the same elements."""
     return (a is b or (tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)

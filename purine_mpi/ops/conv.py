@@ -67,7 +67,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels
+from ..gpu.raw import raw_kernels, sum_scratch
 from .hostgemm import matmul
 from .im2col import (cols_hold, data_grad_col2im, data_grad_holds, flat_hold,
                      forward_rows, forward_rows_holds, hold, im2col, im2col_batch,
@@ -617,11 +617,7 @@ class ConvGradBias(OpKernel):
 
     def scratch_specs(self, ins, outs):
         """The partial sums of bias_grad's split channels (float32/64)."""
-        from ..gpu.raw import KERNEL_DTYPES
-        if np.dtype(ins[0].dtype) not in KERNEL_DTYPES:
-            return []
-        from ..gpu.kernels import bias_grad_scratch
-        return [bias_grad_scratch(ins[0].shape)]
+        return sum_scratch(ins[0].shape, ins[0].dtype)
 
     def setup(self, ins, outs):
         if raw_kernels(get_xp(ins[0]), ins[0]) is not None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import KERNEL_DTYPES, raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, raw_kernels, sum_scratch
 from .registry import OpKernel, gradient, register
 
 
@@ -182,13 +182,23 @@ class PositionEmbeddingGrad(OpKernel):
         (dy_shape, dtype), = ins
         return [((int(attrs["max_length"]), dy_shape[-1]), dtype)]
 
+    def scratch_specs(self, ins, outs):
+        """The partial sums of the column sum's row ranges (float32/64)."""
+        shape = ins[0].shape
+        return sum_scratch((shape[0], int(np.prod(shape[1:], dtype=np.int64))), ins[0].dtype)
+
+    def setup(self, ins, outs):
+        if raw_kernels(get_xp(ins[0]), ins[0], outs[0]) is not None:
+            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         dy, dw = ins[0], outs[0]
         xp = get_xp(dy)
         t = dy.shape[1]
         k = raw_kernels(xp, dy, dw)
-        if k is not None:  # one deterministic reduction kernel, capturable
-            k.channel_sum(dy.reshape(dy.shape[0], -1), out=dw[:t].reshape(-1))
+        if k is not None:  # deterministic column-sum kernels, capturable
+            (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
+            k.sum_rows(dy.reshape(dy.shape[0], -1), dw[:t].reshape(-1), partial=partial)
         else:
             xp.sum(dy, axis=0, out=dw[:t])
         dw[t:] = 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels
+from ..gpu.raw import raw_kernels, sum_scratch
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
@@ -168,14 +168,28 @@ class InnerProductGradBias(OpKernel):
     def infer(cls, attrs, ins):
         return [((ins[0][0][-1],), ins[0][1])]
 
+    def scratch_specs(self, ins, outs):
+        """The partial sums of the column sum's row ranges (float32/64)."""
+        return sum_scratch(_rows(ins[0].shape), ins[0].dtype)
+
+    def setup(self, ins, outs):
+        if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
+            self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         dy = ins[0]
         xp = get_xp(dy)
         k = raw_kernels(xp, dy)
-        if k is not None:  # one deterministic reduction kernel, coalesced loads
-            k.bias_grad(dy.reshape(-1, dy.shape[-1]), out=outs[0])
+        if k is not None:  # deterministic column-sum kernels, coalesced loads
+            (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
+            k.bias_grad(dy.reshape(_rows(dy.shape)), out=outs[0], partial=partial)
             return
         xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
+
+
+def _rows(shape):
+    """``shape`` as (rows, its last axis): the bias gradient's column sums."""
+    return (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
 
 
 @gradient("InnerProduct")

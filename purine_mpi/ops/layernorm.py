@@ -17,8 +17,10 @@ Gradient ("LayerNormGrad", [dy, x, g, mean, rstd] -> the requested ones of
 On a GPU, in float32 and float64, each direction is one kernel
 (cuda/layernorm.cu: a block per row, the row's sums in double in a fixed
 order) and dg, db the deterministic column sums of dy * xhat (the backward
-kernel writes it to the op's scratch) and of dy (cuda/reduce.cu): 1 launch
-forward, at most 3 backward. Other dtypes (float16) take the generic path:
+kernel writes it to the op's scratch) and of dy (cuda/reduce.cu
+``sum_rows``: tiles of columns x ranges of rows, then a finishing kernel
+adding each column's partial sums in order): 1 launch forward, at most 5
+backward. Other dtypes (float16) take the generic path:
 the reduction kernel for the means and sums, the rest element-wise CuPy
 into the blobs and the op's scratch. Either way the scratch is reserved at
 setup: nothing allocates, and a CUDA graph captures it.
@@ -27,7 +29,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import KERNEL_DTYPES, raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, raw_kernels, sum_scratch
 from .registry import OpKernel, gradient, register, spans
 
 
@@ -43,13 +45,25 @@ def row_mean(xp, k, x, out):
     out *= 1.0 / x.shape[-1]
 
 
-def column_sum(xp, k, x, out):
-    """out (C,) = x summed over every axis but the last (one kernel on a GPU)."""
-    rows = x.reshape(-1, x.shape[-1])
+def column_sum(xp, k, x, out, partial=None):
+    """out (C,) = x summed over every axis but the last: on a GPU the
+    deterministic column-sum kernels (``sum_rows``; ``partial``: their
+    scratch, ``column_scratch``)."""
+    rows = x.reshape(_rows(x.shape))
     if k is None:
         xp.sum(rows, axis=0, out=out)
         return
-    k.channel_sum(rows, out=out)
+    k.sum_rows(rows, out, partial=partial)
+
+
+def _rows(shape):
+    """``shape`` as (rows, its last axis)."""
+    return (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
+
+
+def column_scratch(x):
+    """The scratch specs of ``column_sum`` on a GPU for an ``x`` like this."""
+    return sum_scratch(_rows(x.shape), x.dtype)
 
 
 #: the host path normalises this many bytes of rows at a time (at least one
@@ -184,8 +198,11 @@ class LayerNormGrad(OpKernel):
     def scratch_specs(self, ins, outs):
         if not _fused(ins[1]):
             return list(_grad_specs(ins[1]))     # the generic path's
-        # the fused kernel's dy * xhat, for dg's column sums
-        return [(ins[1].shape, ins[1].dtype)] if "dg" in self.attrs["outputs"] else []
+        # the fused kernel's dy * xhat, for dg's column sums; the column
+        # sums' partial sums (one array: db's are done when dg's start)
+        wanted = self.attrs["outputs"]
+        product = [(ins[1].shape, ins[1].dtype)] if "dg" in wanted else []
+        return product + (column_scratch(ins[1]) if {"dg", "db"} & set(wanted) else [])
 
     def setup(self, ins, outs):
         self.reserve_temporaries(ins[1], *self.scratch_specs(ins, outs))
@@ -202,12 +219,13 @@ class LayerNormGrad(OpKernel):
         got = dict(zip(self.attrs["outputs"], outs))
         k = raw_kernels(xp, dy, x, g, mean, rstd)
         if k is not None:
-            (dyxhat,) = self.temporaries(x, *self.scratch_specs(ins, outs)) or (None,)
+            temps = self.temporaries(x, *self.scratch_specs(ins, outs))
+            dyxhat = temps[0] if "dg" in got else None
             k.layernorm_backward(dy, x, g, mean, rstd, dx=got.get("dx"), dyxhat=dyxhat)
             if "db" in got:
-                column_sum(xp, k, dy, got["db"])
+                column_sum(xp, k, dy, got["db"], temps[-1])
             if "dg" in got:
-                column_sum(xp, k, dyxhat, got["dg"])
+                column_sum(xp, k, dyxhat, got["dg"], temps[-1])
             return
         if xp is np:
             _grad_host(dy, x, g, mean, rstd, got,

@@ -139,9 +139,11 @@ def _per_channel(dy, out, what):
 
 
 def channel_sum(dy, out=None):
-    """Sum of ``dy`` (N, C, ...) over every axis but 1 -> (C,): a bias
-    gradient in one deterministic kernel (cuda/reduce.cu: one block per
-    channel, a fixed-order tree, double accumulation)."""
+    """Sum of ``dy`` (N, C, ...) over every axis but 1 -> (C,) in one
+    deterministic kernel (cuda/reduce.cu: one block per channel, a
+    fixed-order tree, double accumulation): a batch norm's sums. A column
+    sum of a tall (N, C) matrix takes ``sum_rows`` (a block per channel
+    reads a column, a stride of C apart)."""
     dy, n, channels, inner, db, target = _per_channel(dy, out, "channel_sum")
     if channels > 0:
         _base._launch_blocks("reduce", "channel_sum", dy.dtype, min(channels, _MAX_BLOCKS),
@@ -150,30 +152,52 @@ def channel_sum(dy, out=None):
     return _finish(db, target)
 
 
-#: a bias gradient's target number of (channel, split) blocks, and the fewest
-#: elements one block sums (cuda/reduce.cu ``bias_grad``)
+#: a bias gradient's target number of (channel, split) blocks -- (tile,
+#: split) blocks for a column sum -- and the fewest elements one block sums
+#: (cuda/reduce.cu ``bias_grad``, ``sum_rows``)
 BIAS_GRAD_BLOCKS, BIAS_GRAD_MIN_ELEMENTS = 1024, 4096
+#: the columns one block of ``sum_rows`` owns (PURINE_SUM_ROWS_TILE of cuda/reduce.cu)
+SUM_ROWS_TILE = 32
 
 
 def bias_grad_splits(n, channels, inner):
     """Into how many consecutive sample ranges ``bias_grad`` cuts each
     channel: about ``BIAS_GRAD_BLOCKS`` blocks in all, none summing fewer
     than ``BIAS_GRAD_MIN_ELEMENTS`` elements, at most one range per sample.
-    A function of the shape alone, so the sums' order (and bits) are the
-    same on every GPU."""
+    With ``inner`` 1 (a column sum, ``sum_rows``) a block owns a tile of
+    ``SUM_ROWS_TILE`` columns, not a channel: the blocks are tiles x
+    ranges. A function of the shape alone, so the sums' order (and bits)
+    are the same on every GPU."""
     n, channels, inner = int(n), int(channels), int(inner)
     if channels <= 0 or n <= 0:
         return 1
+    if inner == 1:
+        tiles = -(-channels // SUM_ROWS_TILE)
+        return max(1, min(n, BIAS_GRAD_BLOCKS // tiles,
+                          n * min(channels, SUM_ROWS_TILE) // BIAS_GRAD_MIN_ELEMENTS))
     return max(1, min(n, BIAS_GRAD_BLOCKS // channels,
                       (n * inner) // BIAS_GRAD_MIN_ELEMENTS))
 
 
 def bias_grad_scratch(shape):
     """The (shape, dtype) of the scratch ``bias_grad`` takes for a dy of
-    ``shape`` (the ops reserve it in their setup)."""
+    ``shape`` (the ops reserve it in their setup); with a 2-D ``shape``
+    (rows, cols), that of ``sum_rows``."""
     n, channels = int(shape[0]), int(shape[1])
     inner = int(np.prod(shape[2:], dtype=np.int64))
     return ((max(1, channels * bias_grad_splits(n, channels, inner)),), np.float64)
+
+
+def _partial(partial, shape, what):
+    """The partial sums' array for a dy of ``shape``: ``partial`` checked,
+    or (None) a new device array."""
+    want, dtype = bias_grad_scratch(shape)
+    if partial is None:
+        return import_cupy().empty(want, dtype=dtype)
+    if partial.dtype != dtype or partial.size < want[0] or not partial.flags.c_contiguous:
+        raise ValueError(f"{what}: partial must be a contiguous float64 array of at least "
+                         f"{want[0]} elements, got {partial.size} {partial.dtype}")
+    return partial
 
 
 def bias_grad(dy, out=None, partial=None):
@@ -183,45 +207,60 @@ def bias_grad(dy, out=None, partial=None):
     ``bias_grad_splits`` sample ranges, one block per (channel, range),
     double accumulation and fixed-order trees, then (with more than one
     range) ``bias_grad_finish`` adding each channel's partial sums in order.
+    A fully connected layer's dy (N, C) (or a 1x1 output): ``sum_rows``, one
+    block per (tile of columns, range of rows), then the same finish.
     ``partial`` (an array of ``bias_grad_scratch(dy.shape)``, e.g. the op's
-    scratch) holds the partial sums; without it, a new device array. A fully
-    connected layer's dy (N, C): ``sum_rows``, one thread per channel,
-    consecutive threads on consecutive columns of each row (a block per
-    channel would read a column, a stride of C apart)."""
+    scratch) holds the partial sums; without it, a new device array."""
     dy, n, channels, inner, db, target = _per_channel(dy, out, "bias_grad")
     if channels == 0:
         return _finish(db, target)
     if inner == 1:
-        sum_rows(dy.reshape(n, channels), db)
+        _column_sum(dy.reshape(n, channels), db, False, partial, "bias_grad")
         return _finish(db, target)
     splits = bias_grad_splits(n, channels, inner)
-    shape, dtype = bias_grad_scratch(dy.shape)
-    if partial is None:
-        partial = import_cupy().empty(shape, dtype=dtype)
-    elif partial.dtype != dtype or partial.size < shape[0] or not partial.flags.c_contiguous:
-        raise ValueError(f"bias_grad: partial must be a contiguous float64 array of at least "
-                         f"{shape[0]} elements, got {partial.size} {partial.dtype}")
+    partial = _partial(partial, dy.shape, "bias_grad")
     _base._launch_blocks("reduce", "bias_grad", dy.dtype, min(channels * splits, _MAX_BLOCKS),
                          _REDUCE_THREADS, (np.int64(channels), dy, np.int64(n), np.int64(inner),
                                            np.int64(splits), partial, db))
     if splits > 1:
         _base._launch("reduce", "bias_grad_finish", dy.dtype, channels,
-                      (np.int64(splits), partial, db))
+                      (np.int64(splits), _int(0), partial, db))
     return _finish(db, target)
 
 
-def sum_rows(x, out, accumulate=False):
+def _column_sum(x, out, accumulate, partial, what):
+    """out (+)= the column sums of ``x`` (rows, cols), both C-contiguous:
+    cuda/reduce.cu's ``sum_rows`` on (tile, row range) blocks, then with
+    more than one range ``bias_grad_finish`` (``partial``: the scratch, or
+    None for a new array)."""
+    rows, cols = int(x.shape[0]), int(x.shape[1])
+    if cols == 0:
+        return
+    splits = bias_grad_splits(rows, cols, 1)
+    partial = _partial(partial, x.shape, what)
+    blocks = min(-(-cols // SUM_ROWS_TILE) * splits, _MAX_BLOCKS)
+    _base._launch_blocks("reduce", "sum_rows", x.dtype, blocks, _REDUCE_THREADS,
+                         (np.int64(cols), x, np.int64(rows), np.int64(splits),
+                          _int(bool(accumulate)), partial, out))
+    if splits > 1:
+        _base._launch("reduce", "bias_grad_finish", x.dtype, cols,
+                      (np.int64(splits), _int(bool(accumulate)), partial, out))
+
+
+def sum_rows(x, out, accumulate=False, partial=None):
     """out[j] (+)= sum_i x[i, j] for a C-contiguous 2-D ``x`` (rows, cols)
-    into a C-contiguous ``out`` of cols elements, one deterministic kernel."""
+    into a C-contiguous ``out`` of cols elements, in deterministic kernels
+    (cuda/reduce.cu ``sum_rows``: tiles of columns x ranges of rows, then
+    ``bias_grad_finish``); ``partial``: scratch of
+    ``bias_grad_scratch(x.shape)`` (None: a new device array)."""
     cupy = import_cupy()
     x = _input(cupy, x, "sum_rows: x", ndim=2)
-    rows, cols = int(x.shape[0]), int(x.shape[1])
+    cols = int(x.shape[1])
     if not isinstance(out, cupy.ndarray) or out.size != cols or out.dtype != x.dtype \
             or not out.flags.c_contiguous:
         raise ValueError(f"sum_rows: out must be a C-contiguous {x.dtype} CuPy array of "
                          f"{cols} elements")
-    _base._launch("reduce", "sum_rows", x.dtype, cols,
-            (x, np.int64(rows), _int(bool(accumulate)), out))
+    _column_sum(x, out, accumulate, partial, "sum_rows")
     return out
 
 
