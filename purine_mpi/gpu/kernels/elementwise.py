@@ -335,6 +335,20 @@ def _bits_array(x, dtype, what):
     return x
 
 
+def _round_launch(what, src, dst, dtype):
+    """Launch round_bf16/round_fp16 (n, src, dst) of cuda/precision.cu: a
+    grid of 256-thread blocks, one thread per 4 values (16-byte loads where
+    both arrays are 16-byte aligned; the kernel checks), grid-stride."""
+    if dtype not in _ROUND:
+        raise ValueError(f"{what}: bfloat16 or float16, got {dtype!r}")
+    quads = (src.size + 3) // 4
+    if quads:
+        _base._launch_blocks("precision", _ROUND[dtype], None,
+                             min((quads + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS),
+                             _BLOCK, (np.int64(src.size), src.view(np.uint32),
+                                      dst.view(np.uint32)))
+
+
 def round_in_place(x, dtype):
     """Round the float32 CuPy array ``x`` in place to the nearest ``dtype``
     (``bfloat16`` or ``float16``) value, one kernel over its bits and no
@@ -342,10 +356,23 @@ def round_in_place(x, dtype):
     ``x`` must be C-contiguous (a copy would not be in place)."""
     import_cupy()
     _bits_array(x, np.float32, "round_in_place")
-    if dtype not in _ROUND:
-        raise ValueError(f"round_in_place: bfloat16 or float16, got {dtype!r}")
-    _base._launch("precision", _ROUND[dtype], None, x.size, (x.view(np.uint32),))
+    _round_launch("round_in_place", x, x, dtype)
     return x
+
+
+def round_copy(src, dst, dtype):
+    """``dst`` = float32 ``src`` rounded to the nearest ``dtype``
+    (``bfloat16`` or ``float16``) value, ``src`` unchanged (the Cast op's
+    copy): one kernel that reads ``src`` once and writes ``dst`` once, the
+    bits of ``round_in_place`` on a copy. Both C-contiguous float32 CuPy
+    arrays of one size; ``dst`` may be ``src``'s own bytes (in place)."""
+    import_cupy()
+    _bits_array(src, np.float32, "round_copy")
+    _bits_array(dst, np.float32, "round_copy")
+    if dst.size != src.size:
+        raise ValueError(f"round_copy: {src.size} values into {dst.size}")
+    _round_launch("round_copy", src, dst, dtype)
+    return dst
 
 
 #: what the elements of a float32 array and of its bfloat16 bits are called
