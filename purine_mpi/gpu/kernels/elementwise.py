@@ -225,20 +225,28 @@ def sum_rows(x, out, accumulate=False):
     return out
 
 
-#: the rows of dw one block of ``embedding_grad`` owns (PURINE_EMBED_ROWS of
-#: cuda/reduce.cu)
-EMBED_ROWS = 32
+#: the threads of a block of ``embedding_order`` (n^2 comparisons: smaller
+#: blocks spread n = 16,384 positions over 128 SMs rather than 64)
+EMBED_ORDER_THREADS = 128
 
 
-def embedding_grad(dy, ids, out):
-    """An embedding's weight gradient in one deterministic kernel
-    (cuda/reduce.cu ``embedding_grad``): ``out`` (V, C), C-contiguous, gets
-    out[v] = the sum of the rows dy[p] (dy: (n, C)) with ids[p] == v, added
-    in increasing p (np.add.at's order and bits; the host op's reduceat sums
-    pairwise past a few rows), zero for the tokens
-    that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64 read as
-    their signed twins), already checked to lie in [0, V); nothing is
-    allocated."""
+def embedding_grad_scratch(n, vocab):
+    """The scratch ``embedding_grad`` takes: (shape, dtype) of the positions
+    in (token, position) order and their tokens (n int32 each), and each
+    token's first and end rank in that order (vocab int32 each)."""
+    return [((int(n),), np.int32)] * 2 + [((int(vocab),), np.int32)] * 2
+
+
+def embedding_grad(dy, ids, out, scratch):
+    """An embedding's weight gradient in two deterministic kernels
+    (cuda/reduce.cu ``embedding_order``, ``embedding_grad``): ``out`` (V,
+    C), C-contiguous, gets out[v] = the sum of the rows dy[p] (dy: (n, C))
+    with ids[p] == v, added in increasing p (np.add.at's order and bits;
+    the host op's reduceat sums pairwise past a few rows), zero for the
+    tokens that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64
+    read as their signed twins), already checked to lie in [0, V);
+    ``scratch``: the int32 arrays of ``embedding_grad_scratch(n, V)``
+    (a sort of the positions by token); nothing is allocated."""
     cupy = import_cupy()
     dy = _input(cupy, dy, "embedding_grad: dy", ndim=2)
     n, width = int(dy.shape[0]), int(dy.shape[1])
@@ -256,10 +264,26 @@ def embedding_grad(dy, ids, out):
     vocab = int(out.shape[0])
     if vocab == 0:
         return out
-    func = "embedding_grad_i32" if size == 4 else "embedding_grad"
-    blocks = min(-(-vocab // EMBED_ROWS), _MAX_BLOCKS)
-    _base._launch_blocks("reduce", func, dy.dtype, blocks, _REDUCE_THREADS,
-                         (np.int64(vocab), np.int64(width), ids, np.int64(n), dy, out))
+    if max(n, vocab) >= 2 ** 31:
+        raise ValueError(f"embedding_grad: {n} ids into {vocab} rows; the sort holds "
+                         f"positions and tokens as int32 (below 2^31)")
+    scratch = tuple(scratch)
+    wants = embedding_grad_scratch(n, vocab)
+    if len(scratch) != len(wants) or any(
+            not isinstance(a, cupy.ndarray) or tuple(a.shape) != shape or a.dtype != dtype
+            or not a.flags.c_contiguous for a, (shape, dtype) in zip(scratch, wants)):
+        raise ValueError(f"embedding_grad: scratch must be C-contiguous int32 arrays of "
+                         f"{[w[0] for w in wants]} elements (embedding_grad_scratch)")
+    order, tokens, first, end = scratch
+    if n:
+        _base._launch_blocks("reduce", "embedding_order_i32" if size == 4 else
+                             "embedding_order", None,
+                             min(-(-n // EMBED_ORDER_THREADS), _MAX_BLOCKS),
+                             EMBED_ORDER_THREADS,
+                             (np.int64(n), ids, order, tokens, first, end))
+    _base._launch_blocks("reduce", "embedding_grad", dy.dtype, min(vocab, _MAX_BLOCKS),
+                         _REDUCE_THREADS, (np.int64(vocab), np.int64(width), np.int64(n),
+                                           order, tokens, first, end, dy, out))
     return out
 
 
