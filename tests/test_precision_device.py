@@ -118,6 +118,32 @@ def test_the_rounding_kernel_is_exact_at_any_alignment_and_length(device, dtype)
                                               src.view(_U))
 
 
+def test_the_wire_kernels_are_exact_at_any_alignment_and_length(device):
+    """to_bf16_bits / from_bf16_bits take 4 values a thread where the
+    float32 array is 16-byte and the bits 8-byte aligned, one otherwise,
+    then the tail: the same bits at every start of either and every n % 4."""
+    x = _adversarial()[:203]
+    for n in (0, 1, 3, 4, 6, 64, 199, 203):
+        src = x[:n]
+        want = to_bf16_bits(src, np.empty(n, np.uint16), wire_scratch(max(n, 1)))
+        for start in range(4):
+            for shift in range(4):
+                values = device.to_device(np.zeros(n + 8, np.float32))
+                values[start:start + n] = device.to_device(src)
+                bits = device.to_device(np.zeros(n + 8, np.uint16))
+                kernels.to_bf16_bits_device(values[start:start + n], bits[shift:shift + n])
+                got = np.asarray(device.to_host(bits))
+                np.testing.assert_array_equal(got[shift:shift + n], want)
+                assert not got[:shift].any() and not got[shift + n:].any(), (n, start, shift)
+                wide = device.to_device(np.full(n + 8, 7.0, np.float32))
+                kernels.from_bf16_bits_device(bits[shift:shift + n], wide[start:start + n])
+                back = np.asarray(device.to_host(wide)).view(_U)
+                np.testing.assert_array_equal(back[start:start + n],
+                                              want.astype(_U) << _U(16))
+                assert (back[:start] == np.float32(7).view(_U)).all()
+                assert (back[start + n:] == np.float32(7).view(_U)).all()
+
+
 def test_the_rounding_kernel_refuses_what_it_cannot_round_in_place(device):
     x = device.to_device(np.ones((4, 4), np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):

@@ -414,13 +414,24 @@ def _bits_pair(what, src, src_dtype, dst, dst_dtype):
                          f"{dst.size} {_BITS_WORDS[np.dtype(dst_dtype)]}")
 
 
+def _wire_launch(func, n, arrays):
+    """Launch ``func`` (n, float32 or bits, bits or float32) of
+    cuda/precision.cu: one thread per 4 values (16-byte float32 and 8-byte
+    bits accesses where aligned; the kernel checks), grid-stride."""
+    quads = (n + 3) // 4
+    if quads:
+        _base._launch_blocks("precision", func, None,
+                             min((quads + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS), _BLOCK,
+                             (np.int64(n),) + tuple(arrays))
+
+
 def to_bf16_bits_device(x, out):
     """``out`` (uint16 CuPy array of ``x``'s size) = the bits of the
     bfloat16 nearest each float32 of ``x`` (``x`` unchanged): one kernel
     over the whole array, no scratch, nothing allocated -- the bits
     base/precision.to_bf16_bits gives (cuda/precision.cu)."""
     _bits_pair("to_bf16_bits_device", x, np.float32, out, np.uint16)
-    _base._launch("precision", "to_bf16_bits", None, x.size, (x.view(np.uint32), out))
+    _wire_launch("to_bf16_bits", x.size, (x.view(np.uint32), out))
     return out
 
 
@@ -429,5 +440,5 @@ def from_bf16_bits_device(bits, x):
     whose bits are ``bits`` (uint16), widened exactly: one kernel, nothing
     allocated (base/precision.from_bf16_bits; cuda/precision.cu)."""
     _bits_pair("from_bf16_bits_device", bits, np.uint16, x, np.float32)
-    _base._launch("precision", "from_bf16_bits", None, x.size, (bits, x.view(np.uint32)))
+    _wire_launch("from_bf16_bits", x.size, (bits, x.view(np.uint32)))
     return x
