@@ -168,7 +168,7 @@ PURINE_BIAS_GRAD_FINISH_ENTRY(f64, double)
 //   embedding_grad  one block per row v of dw (grid-stride): zero for a
 //     token that does not occur, else its run order[first[v] .. end[v]) is
 //     staged PURINE_EMBED_STAGE positions at a time and each thread adds
-//     dy[order[r], c] for its columns c in increasing r, 8 rows' loads
+//     dy[order[r], c] for its columns c in increasing r, 16 rows' loads
 //     issued before their adds (a repeated token's rows are a chain of
 //     dependent adds: loads in flight, not the adds, set its speed).
 //
@@ -179,7 +179,7 @@ PURINE_BIAS_GRAD_FINISH_ENTRY(f64, double)
 // GPT-2's 16 x 1024 tokens: 1,572 blocks each reading every id, and the
 // tiles of frequent tokens serialised.
 #define PURINE_EMBED_STAGE 256
-#define PURINE_EMBED_BATCH 8
+#define PURINE_EMBED_BATCH 16
 
 template <typename I>
 __device__ void embedding_order_impl(long long n, const I* ids, int* order, int* tokens,
