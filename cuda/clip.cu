@@ -28,7 +28,7 @@
 
 #define PURINE_CLIP_THREADS 256
 
-#define PURINE_CLIP_BATCH 8
+#define PURINE_CLIP_BATCH 16
 
 // Thread threadIdx.x's sum of g[i]^2 over its part of slot s's stripe, in
 // increasing i; PURINE_CLIP_BATCH loads issued before their adds (the adds

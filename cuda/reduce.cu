@@ -165,7 +165,8 @@ PURINE_BIAS_GRAD_FINISH_ENTRY(f64, double)
 //     takes first[v] only where it lies in [0, n) and tokens[first[v]] ==
 //     v, which a stale or garbage value cannot fake (tokens is rewritten
 //     whole: v occurs, so this sort wrote first[v]);
-//   embedding_grad  one block per row v of dw (grid-stride): zero for a
+//   embedding_grad  one block per row v of dw (grid-stride; a thread per
+//     column up to 1,024, launched so): zero for a
 //     token that does not occur, else its run order[first[v] .. end[v]) is
 //     staged PURINE_EMBED_STAGE positions at a time and each thread adds
 //     dy[order[r], c] for its columns c in increasing r, 16 rows' loads

@@ -199,7 +199,7 @@ def test_grad_norm_is_one_launch_over_every_gradient_with_the_same_bits(device, 
     every gradient (largest first) and ``clip_total``: bit for bit the
     partial sums of one ``grad_sumsq`` per gradient, and on the emulated
     device (blocks of 3 threads) those of the kernel's definition, loads
-    batched or not (gradients past 8 x 32 x 3 elements take the batches)."""
+    batched or not (gradients past 16 x 32 x 3 elements take the batches)."""
     from purine_mpi.graph.core import Op
     from purine_mpi.ops.catalog import get_kernel_class
     from purine_mpi.ops.clip import CLIP_SLOTS

@@ -281,9 +281,12 @@ def embedding_grad(dy, ids, out, scratch):
                              min(-(-n // EMBED_ORDER_THREADS), _MAX_BLOCKS),
                              EMBED_ORDER_THREADS,
                              (np.int64(n), ids, order, tokens, first, end))
+    # a thread per column (up to 1,024): a frequent token's row is one chain
+    # of adds per column, so all its columns' loads are in flight at once
+    threads = min(1024, max(32, -(-width // 32) * 32))
     _base._launch_blocks("reduce", "embedding_grad", dy.dtype, min(vocab, _MAX_BLOCKS),
-                         _REDUCE_THREADS, (np.int64(vocab), np.int64(width), np.int64(n),
-                                           order, tokens, first, end, dy, out))
+                         threads, (np.int64(vocab), np.int64(width), np.int64(n),
+                                   order, tokens, first, end, dy, out))
     return out
 
 
