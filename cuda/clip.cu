@@ -5,6 +5,13 @@
 //                (slot s of `slots` takes the elements s*B + t + k*slots*B,
 //                B = blockDim.x; block-strided over slots, a shared-memory
 //                tree in double per slot: no atomics, so one result per run)
+//   grad_sumsq_multi  the same for many gradients in one launch (GPT-2 has
+//                148: one launch of 32 blocks each kept 32 SMs busy, the
+//                largest gradient's stripes one after another): the blocks
+//                stride over (gradient, slot) items of a table built once
+//                (pointers, sizes, scale2 and the gradient's row of
+//                `partial`, largest gradient first so its long stripes
+//                start first); each item is grad_sumsq's slot, the same bits
 //   clip_total   out[0] = sum of partial[0 .. count) in index order
 //                (one thread; the partials of every gradient of the rank)
 //   clip_scale   g[i] *= clip / sqrt(sumsq[0]) when sqrt(sumsq[0]) > clip
@@ -21,20 +28,56 @@
 
 #define PURINE_CLIP_THREADS 256
 
+#define PURINE_CLIP_BATCH 16
+
+// Thread threadIdx.x's sum of g[i]^2 over its part of slot s's stripe, in
+// increasing i; PURINE_CLIP_BATCH loads issued before their adds (the adds
+// in the same order: the bits of one load and add at a time).
+template <typename T>
+__device__ __forceinline__ double purine_stripe_sumsq(long long n, const T* g, int s,
+                                                      int slots) {
+  const long long width = (long long)blockDim.x, step = (long long)slots * width;
+  double sum = 0.0;
+  long long i = (long long)s * width + threadIdx.x;
+  for (; i + (PURINE_CLIP_BATCH - 1) * step < n; i += PURINE_CLIP_BATCH * step) {
+    T v[PURINE_CLIP_BATCH];
+    for (int j = 0; j < PURINE_CLIP_BATCH; ++j) v[j] = g[i + j * step];
+    for (int j = 0; j < PURINE_CLIP_BATCH; ++j) {
+      const double d = (double)v[j];
+      sum += d * d;
+    }
+  }
+  for (; i < n; i += step) {
+    const double d = (double)g[i];
+    sum += d * d;
+  }
+  return sum;
+}
+
 template <typename T>
 __device__ void grad_sumsq_impl(long long n, const T* g, double scale2, int slots,
                                 double* partial) {
   __shared__ double part[PURINE_CLIP_THREADS];
-  const unsigned int tid = threadIdx.x;
-  const long long width = (long long)blockDim.x;
   for (int s = blockIdx.x; s < slots; s += gridDim.x) {
-    double sum = 0.0;
-    for (long long i = (long long)s * width + tid; i < n; i += (long long)slots * width) {
-      const double v = (double)g[i];
-      sum += v * v;
-    }
-    const double total = purine_block_sum(sum, part);
-    if (tid == 0) partial[s] = scale2 * total;
+    const double total = purine_block_sum(purine_stripe_sumsq<T>(n, g, s, slots), part);
+    if (threadIdx.x == 0) partial[s] = scale2 * total;
+  }
+}
+
+// Item k of count * slots: gradient k / slots of the table (pointers[j],
+// sizes[j], scale2[j], its partial sums at rows[j] * slots), slot k % slots.
+template <typename T>
+__device__ void grad_sumsq_multi_impl(const unsigned long long* pointers, const long long* sizes,
+                                      const double* scale2, const long long* rows, int count,
+                                      int slots, double* partial) {
+  __shared__ double part[PURINE_CLIP_THREADS];
+  const long long items = (long long)count * slots;
+  for (long long k = blockIdx.x; k < items; k += gridDim.x) {   // the same k in a block
+    const long long j = k / slots;
+    const int s = (int)(k - j * slots);
+    const T* g = (const T*)pointers[j];
+    const double total = purine_block_sum(purine_stripe_sumsq<T>(sizes[j], g, s, slots), part);
+    if (threadIdx.x == 0) partial[rows[j] * slots + s] = scale2[j] * total;
   }
 }
 
@@ -61,6 +104,11 @@ __device__ void clip_scale_impl(long long n, T* g, const double* sumsq, double c
   extern "C" __global__ void grad_sumsq_##SUFFIX(long long n, const T* g, double scale2,  \
                                                  int slots, double* partial) {         \
     grad_sumsq_impl<T>(n, g, scale2, slots, partial);                                  \
+  }                                                                                    \
+  extern "C" __global__ void grad_sumsq_multi_##SUFFIX(                                 \
+      const unsigned long long* pointers, const long long* sizes, const double* scale2,   \
+      const long long* rows, int count, int slots, double* partial) {                     \
+    grad_sumsq_multi_impl<T>(pointers, sizes, scale2, rows, count, slots, partial);       \
   }                                                                                    \
   extern "C" __global__ void clip_total_##SUFFIX(const double* partial, long long count, \
                                                  double* out) {                        \

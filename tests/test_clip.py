@@ -169,6 +169,77 @@ def test_grad_norm_gpu_branch(device, dtype):  # noqa: F811
     np.testing.assert_allclose(cpu[0], want, rtol=tol)
 
 
+def _stripe_partials(g, scale2, slots, threads):
+    """grad_sumsq's partial sums by their definition (cuda/clip.cu): slot
+    s, thread t adds g[i]^2 in float64 for i = s*B + t + k*slots*B in
+    increasing i (B = ``threads``), one add at a time; the block's tree
+    adds thread t + d into t for d = 1, 2, 4, ...; times ``scale2``."""
+    flat = g.reshape(-1).astype(np.float64)
+    out = []
+    for s in range(slots):
+        sums = []
+        for t in range(threads):
+            acc = 0.0
+            for v in flat[s * threads + t::slots * threads]:
+                acc = acc + v * v
+            sums.append(acc)
+        d = 1
+        while d < threads:
+            for t in range(0, threads, 2 * d):
+                if t + d < threads:
+                    sums[t] = sums[t] + sums[t + d]
+            d *= 2
+        out.append(scale2 * sums[0])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_grad_norm_is_one_launch_over_every_gradient_with_the_same_bits(device, dtype):  # noqa: F811
+    """With its table (setup), GradNormSq is one ``grad_sumsq_multi`` over
+    every gradient (largest first) and ``clip_total``: bit for bit the
+    partial sums of one ``grad_sumsq`` per gradient, and on the emulated
+    device (blocks of 3 threads) those of the kernel's definition, loads
+    batched or not (gradients past 16 x 32 x 3 elements take the batches)."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.catalog import get_kernel_class
+    from purine_mpi.ops.clip import CLIP_SLOTS
+    rng = np.random.default_rng(6)
+    shapes = [(37, 5), (3,), (70,), (5003,), (40, 25)]
+    grads = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    scales = [1.0, 0.5, 2.0, 0.25, 1.0 / 3]
+    op = get_kernel_class("GradNormSq")(Op("n", "GradNormSq", [], [], {"scales": scales}))
+    ins = [device.to_device(g) for g in grads]
+    outs = [device.to_device(np.full(1, np.nan)),
+            device.to_device(np.full(len(grads) * CLIP_SLOTS, np.nan))]
+    op.setup(ins, outs)
+    device.launched.clear()
+    op.run(ins, outs)
+    assert device.launched == ["grad_sumsq_multi", "clip_total"]
+    multi = np.array(device.to_host(outs[1]))
+    total = np.array(device.to_host(outs[0]))
+    op._table = None   # one grad_sumsq per gradient
+    device.launched.clear()
+    op.run(ins, outs)
+    assert device.launched == ["grad_sumsq"] * len(grads) + ["clip_total"]
+    np.testing.assert_array_equal(multi.view(np.uint64),
+                                  np.array(device.to_host(outs[1])).view(np.uint64))
+    np.testing.assert_array_equal(total.view(np.uint64),
+                                  np.array(device.to_host(outs[0])).view(np.uint64))
+    if device.name == "emulated":
+        from tests.emulated_gpu.host_kernels import _EMU_THREADS
+        want = np.concatenate([_stripe_partials(g, s * s, CLIP_SLOTS, _EMU_THREADS)
+                               for g, s in zip(grads, scales)])
+        np.testing.assert_array_equal(multi.view(np.uint64), want.view(np.uint64))
+    # gradients that moved since setup: one launch each again, the same sums
+    moved = [device.to_device(np.array(device.to_host(a))) for a in ins]
+    device.launched.clear()
+    op.setup(ins, outs)
+    op.run(moved, outs)
+    assert device.launched == ["grad_sumsq"] * len(grads) + ["clip_total"]
+    np.testing.assert_array_equal(np.array(device.to_host(outs[1])).view(np.uint64),
+                                  multi.view(np.uint64))
+
+
 @pytest.mark.parametrize("clip", [0.5, 1e3])
 def test_clip_scale_gpu_branch(device, clip):  # noqa: F811
     g = np.random.default_rng(4).standard_normal((9, 4)).astype(np.float32)
@@ -226,6 +297,7 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
     finally:
         from purine_mpi import gpu
         gpu.clear_kernel_cache()
-    assert {"grad_sumsq", "clip_total"} <= set(launched)
+    # one launch over every gradient (the table built at setup)
+    assert {"grad_sumsq_multi", "clip_total"} <= set(launched) and "grad_sumsq" not in launched
     for name, value in cpu.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6)

@@ -86,6 +86,64 @@ def test_the_rounding_kernel_gives_numpys_bits_in_one_launch(device, dtype):
     np.testing.assert_array_equal(host.view(_U)[~nan], got[~nan])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_rounding_kernel_is_exact_at_any_alignment_and_length(device, dtype):
+    """The kernel moves 16 bytes a thread where source and destination are
+    both 16-byte aligned, one value a thread otherwise, then the n % 4
+    last ones: the same bits at every start (0..3 values into an aligned
+    array) and length (n % 4 = 0..3, n < 4), in place and into another
+    array (``round_copy``, the Cast's one pass; source unchanged)."""
+    x = _adversarial()[:203]
+    for start in range(4):
+        for n in (0, 1, 2, 3, 4, 5, 7, 64, 198, 199):
+            src = x[:n]
+            want = _numpy_rounding(src, dtype)
+            base = device.to_device(np.zeros(n + 8, np.float32))
+            view = base[start:start + n]
+            view[...] = device.to_device(src)
+            kernels.round_in_place(view, dtype)
+            got = np.asarray(device.to_host(base)).view(_U)
+            nan = np.isnan(want.view(np.float32))
+            np.testing.assert_array_equal(got[start:start + n][~nan], want[~nan])
+            assert not got[:start].any() and not got[start + n:].any(), (start, n)
+            for shift in range(4):   # source and destination misaligned alike or not
+                holder = device.to_device(np.concatenate([np.zeros(shift, np.float32), src]))
+                source = holder[shift:]
+                out = device.to_device(np.zeros(n + 8, np.float32))
+                kernels.round_copy(source, out[start:start + n], dtype)
+                got = np.asarray(device.to_host(out)).view(_U)
+                np.testing.assert_array_equal(got[start:start + n][~nan], want[~nan])
+                assert not got[:start].any() and not got[start + n:].any(), (start, n, shift)
+                np.testing.assert_array_equal(np.asarray(device.to_host(source)).view(_U),
+                                              src.view(_U))
+
+
+def test_the_wire_kernels_are_exact_at_any_alignment_and_length(device):
+    """to_bf16_bits / from_bf16_bits take 4 values a thread where the
+    float32 array is 16-byte and the bits 8-byte aligned, one otherwise,
+    then the tail: the same bits at every start of either and every n % 4."""
+    x = _adversarial()[:203]
+    for n in (0, 1, 3, 4, 6, 64, 199, 203):
+        src = x[:n]
+        want = to_bf16_bits(src, np.empty(n, np.uint16), wire_scratch(max(n, 1)))
+        for start in range(4):
+            for shift in range(4):
+                values = device.to_device(np.zeros(n + 8, np.float32))
+                values[start:start + n] = device.to_device(src)
+                bits = device.to_device(np.zeros(n + 8, np.uint16))
+                kernels.to_bf16_bits_device(values[start:start + n], bits[shift:shift + n])
+                got = np.asarray(device.to_host(bits))
+                np.testing.assert_array_equal(got[shift:shift + n], want)
+                assert not got[:shift].any() and not got[shift + n:].any(), (n, start, shift)
+                wide = device.to_device(np.full(n + 8, 7.0, np.float32))
+                kernels.from_bf16_bits_device(bits[shift:shift + n], wide[start:start + n])
+                back = np.asarray(device.to_host(wide)).view(_U)
+                np.testing.assert_array_equal(back[start:start + n],
+                                              want.astype(_U) << _U(16))
+                assert (back[:start] == np.float32(7).view(_U)).all()
+                assert (back[start + n:] == np.float32(7).view(_U)).all()
+
+
 def test_the_rounding_kernel_refuses_what_it_cannot_round_in_place(device):
     x = device.to_device(np.ones((4, 4), np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
@@ -94,6 +152,10 @@ def test_the_rounding_kernel_refuses_what_it_cannot_round_in_place(device):
         kernels.round_in_place(x, "float8")
     with pytest.raises(TypeError, match="float32"):
         kernels.round_in_place(device.to_device(np.ones(3)), "bfloat16")
+    with pytest.raises(ValueError, match="16 values into 8"):
+        kernels.round_copy(x, x[:2], "bfloat16")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.round_copy(x[:, ::2], x[:, :2], "bfloat16")
 
 
 def test_the_wire_kernels_give_numpys_bf16_bits_in_one_launch_each(device):
@@ -141,6 +203,15 @@ def _fc_kernel(dtype, bias=True):
     return make_kernel(Op("fc", "InnerProduct", ins, ["y"], attrs))
 
 
+def _no_copy_into(array):
+    """``array`` as an array that refuses to be assigned to (``a[...] =``):
+    the Cast's copy and rounding are one kernel, no copy first."""
+    class NoCopy(type(array)):
+        def __setitem__(self, key, value):
+            raise AssertionError("a copy into the Cast's output before its rounding kernel")
+    return array.view(NoCopy)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtype):
     rng = np.random.default_rng(3)
@@ -164,8 +235,8 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
     out = device.to_device(np.zeros((5, 7), np.float32))
     cast.setup([ins[0]], [out])
     device.launched.clear()
-    cast.run([ins[0]], [out])
-    assert device.launched == [name]
+    cast.run([ins[0]], [_no_copy_into(out)])
+    assert device.launched == [name]   # and no copy before it (_no_copy_into)
     np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
                                   _numpy_rounding(x, dtype))
     assert getattr(cast, "_own_scratch", None) is None or cast._own_scratch.reserved == 0

@@ -95,6 +95,41 @@ def test_the_emulated_sdpa_matches_torch_in_float64(host_build_dir, monkeypatch,
     assert fwd["q"].stride == [t * 3 * c, d, 3 * c, 1] and fwd["q"].data_type == "bfloat16"
 
 
+@pytest.mark.parametrize("sdpa_on", [True, False])
+def test_the_sdpa_outputs_are_low_precision_values_already(host_build_dir, monkeypatch,
+                                                           sdpa_on):
+    """On the SDPA path Attention's ctx and AttentionGrad's dqkv are cuDNN's
+    bfloat16 outputs widened exactly: the ops say output 0 needs no
+    rounding (``rounds_own_outputs``), and it is bfloat16 values, whatever
+    the (random bfloat16) inputs; on the cuBLAS path they say nothing."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.ops.catalog import get_kernel_class
+    from tests.emulated_gpu import DeviceArray, use_emulated_cupy
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    emulate_cudnn(monkeypatch, sdpa_on)
+    n, t, heads, d = 2, 5, 2, 8
+    attrs = {"num_heads": heads, "sdpa": True, "compute_dtype": "bfloat16", "causal": True}
+    dev = lambda a: np.array(a, np.float32).view(DeviceArray)  # noqa: E731
+    fwd = get_kernel_class("Attention")(Op("a", "Attention", ["qkv"], ["ctx", "st"], attrs))
+    bwd = get_kernel_class("AttentionGrad")(Op("g", "AttentionGrad", [], ["dqkv"], attrs))
+    for seed in range(3):
+        qkv = dev(_qkv(n, t, heads, d, seed) * 4.0 ** seed)
+        dctx = dev(_bf16(np.random.default_rng(10 + seed).standard_normal((n, t, heads * d))))
+        ctx, stats = dev(np.zeros((n, t, heads * d))), dev(np.zeros((n, heads, t, 1)))
+        dqkv = dev(np.zeros(qkv.shape))
+        fwd.setup([qkv], [ctx, stats])
+        fwd.run([qkv], [ctx, stats])
+        bwd.setup([dctx, qkv, ctx, stats], [dqkv])
+        bwd.run([dctx, qkv, ctx, stats], [dqkv])
+        want = (0,) if sdpa_on else ()
+        assert fwd.rounds_own_outputs([qkv], [ctx, stats]) == want
+        assert bwd.rounds_own_outputs([dctx, qkv, ctx, stats], [dqkv]) == want
+        if sdpa_on:
+            for got in (ctx, dqkv):
+                assert np.abs(np.asarray(got)).max() > 0
+                np.testing.assert_array_equal(np.asarray(got), _bf16(np.asarray(got)))
+
+
 def emulate_cudnn(monkeypatch, sdpa_on=True):
     """The emulated cuDNN frontend as ``cudnn`` (returned), the SDPA path's
     state forgotten, on (``sdpa_on``) or off by PURINE_SDPA=0."""

@@ -253,19 +253,35 @@ def dropout_seed(key0, key1, ctr1=0):
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _bits_kernels(*arrays):
+    """Whether the bfloat16 conversions of ``arrays`` run as the wire
+    kernels of cuda/precision.cu (device arrays, C-contiguous): one pass
+    each, where CuPy's strided copies took two passes to widen."""
+    from ..base.backend import get_xp
+    return get_xp(arrays[0]) is not np and all(a.flags.c_contiguous for a in arrays)
+
+
 def narrow(x, out, dtype):
     """out (16-bit storage) <- the float32 array x's ``dtype`` values:
     bfloat16 the upper halves of the float32s (exact: x holds bfloat16
-    values), float16 a cast. Allocates nothing."""
-    if dtype == "bfloat16":
+    values; on a device ``to_bf16_bits_device``, whose rounding leaves such
+    values as they are), float16 a cast. Allocates nothing."""
+    if dtype == "bfloat16" and _bits_kernels(x, out):
+        from .kernels import to_bf16_bits_device
+        to_bf16_bits_device(x.reshape(-1), out.reshape(-1))
+    elif dtype == "bfloat16":
         out[...] = x.view(np.uint16)[..., 1::2]    # little-endian: the high half
     else:
         out[...] = x
 
 
 def widen(x16, out, dtype):
-    """out (float32) <- the 16-bit values x16, exactly."""
-    if dtype == "bfloat16":
+    """out (float32) <- the 16-bit values x16, exactly (bfloat16 on a
+    device: ``from_bf16_bits_device``, one pass)."""
+    if dtype == "bfloat16" and _bits_kernels(x16, out):
+        from .kernels import from_bf16_bits_device
+        from_bf16_bits_device(x16.reshape(-1), out.reshape(-1))
+    elif dtype == "bfloat16":
         halves = out.view(np.uint16)
         halves[..., 1::2] = x16
         halves[..., 0::2] = 0

@@ -165,6 +165,16 @@ class _AttentionKernel(OpKernel):
 
     _mask = None
 
+    def rounds_own_outputs(self, ins, outs):
+        """(0,) on cuDNN's SDPA path (``_sdpa``: Attention's ctx,
+        AttentionGrad's dqkv): cuDNN writes the output in the op's low type
+        and gpu/sdpa.widen widens it exactly, so it holds bfloat16 (float16)
+        values already and the precision pass's rounding after the run
+        (ops/registry.py's ``rounds_own_outputs`` hook) would leave it as it
+        is: GPT-2 bf16's 24 rounds of 12 x ((16, 1024, 768) + (16, 1024,
+        2304)) float32 a step. () on the cuBLAS path (float32 products)."""
+        return (0,) if getattr(self, "_sdpa", None) is not None else ()
+
     @property
     def ratio(self):
         """The dropout ratio on the probabilities (attr ``dropout``, default 0)."""

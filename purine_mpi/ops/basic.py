@@ -156,11 +156,13 @@ class Cast(OpKernel):
     iteration. No gradient: the pass runs on a graph whose backward is
     built.
 
+    On a GPU one kernel reads the source and writes the rounded copy
+    (cuda/precision.cu via gpu/kernels.round_copy: no separate copy pass).
     In place (``in_place``): where the Cast is the last op to touch its
     float32 source and both are transient (an activation's gradient, e.g.
     the logits'), the memory plan (runtime/memory_plan.py) puts the copy on
-    the source's bytes, and the kernel rounds them where they are: no copy,
-    no memory of the copy's own. A weight, kept across iterations, keeps its
+    the source's bytes, and the kernel rounds them where they are: no
+    memory of the copy's own. A weight, kept across iterations, keeps its
     separate copy."""
 
     op_type = "Cast"
@@ -172,9 +174,13 @@ class Cast(OpKernel):
 
     def run(self, ins, outs):
         dst = outs[0]
+        if get_xp(dst) is not np:   # one kernel, copy and rounding in one pass, no scratch
+            from ..gpu.kernels import round_copy
+            round_copy(ins[0], dst, self.attrs["dtype"])
+            return
         if not same_buffer(ins[0], dst):   # the plan put the copy on its source: no copy
             dst[...] = ins[0]
-        round_low(self, [dst], self.attrs["dtype"])   # one kernel on a GPU, no scratch
+        round_low(self, [dst], self.attrs["dtype"])
 
     def host_temporaries(self, ins, outs):
         from ..base.precision import scratch_spec

@@ -17,7 +17,9 @@ ClipScale   ins [g, sumsq]  outs [g@clip] (an alias of g)   attrs clip
     g@clip = g * clip / sqrt(sumsq) when sqrt(sumsq) > clip, else g.
 
 On a GPU both run as raw kernels (cuda/clip.cu) that read and write the
-norm on the device: no host synchronisation inside the iteration. No
+norm on the device: no host synchronisation inside the iteration; GradNormSq
+is two launches, whatever the number of gradients (``grad_sumsq_multi``
+over a table of them built at setup, then ``clip_total``). No
 gradient: they act after the backward pass. Imports the registry, the
 backend and the device kernels (the ops layer).
 """
@@ -51,14 +53,29 @@ class GradNormSq(OpKernel):
                              f"gradient(s) and {len(attrs.get('scales', ()))} scale(s)")
         return [((1,), "float64"), ((len(ins) * CLIP_SLOTS,), "float64")]
 
+    def setup(self, ins, outs):
+        """On a GPU, the table of one ``grad_sumsq_multi`` launch over every
+        gradient (their addresses, sizes and scales), where they are
+        C-contiguous arrays of one dtype."""
+        self._table = None
+        k = raw_kernels(get_xp(ins[0]), *ins)
+        if k is not None and len({np.dtype(g.dtype) for g in ins}) == 1 and \
+                all(g.flags.c_contiguous for g in ins):
+            self._table = k.SumsqTable(list(ins), [float(s) ** 2 for s in self.attrs["scales"]],
+                                       CLIP_SLOTS)
+
     def run(self, ins, outs):
         sumsq, partial = outs
         scales = [float(s) for s in self.attrs["scales"]]
         xp = get_xp(ins[0])
         k = raw_kernels(xp, *ins)
         if k is not None:
-            for i, (g, s) in enumerate(zip(ins, scales)):
-                k.grad_sumsq(g, partial[i * CLIP_SLOTS:(i + 1) * CLIP_SLOTS], s * s)
+            table = getattr(self, "_table", None)
+            if table is not None and table.holds(ins):   # one launch, the same bits
+                k.grad_sumsq_multi(table, partial)
+            else:
+                for i, (g, s) in enumerate(zip(ins, scales)):
+                    k.grad_sumsq(g, partial[i * CLIP_SLOTS:(i + 1) * CLIP_SLOTS], s * s)
             k.clip_total(partial, sumsq, ins[0].dtype)
             return
         total, scratch = 0.0, None

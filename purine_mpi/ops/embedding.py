@@ -11,10 +11,11 @@ Gradient (w only; ids are data)::
                ("EmbeddingGrad", [dy, ids] -> [dw], attr input_dim = V)
 
 a scatter-add: on the CPU the rows of dy sorted by token (a stable sort),
-each run summed in order; on a GPU one raw kernel (cuda/reduce.cu
-``embedding_grad``): blocks own disjoint tiles of dw's rows, zero them and
-add the rows of dy whose token falls in them in increasing position, no
-atomics, no scratch (1- and 2-byte ids: an int32 copy in the op's scratch).
+each run summed in order; on a GPU two raw kernels (cuda/reduce.cu
+``embedding_order``: the positions counting-sorted by (token, position)
+into the op's scratch, 2 n + 2 V int32; ``embedding_grad``: a block per
+row of dw adds its token's rows of dy in increasing position, or writes
+zeros), no atomics (1- and 2-byte ids: an int32 copy in the scratch too).
 Both are deterministic (the same order every time, on every rank), unlike
 atomic adds; the GPU adds each token's rows in position order (np.add.at's
 bits), the CPU's ``reduceat`` pairwise past a few rows, so the two may
@@ -89,11 +90,17 @@ class EmbeddingGrad(OpKernel):
     op_type = "EmbeddingGrad"
 
     def scratch_specs(self, ins, outs):
-        """None for int32/int64 ids (the kernel reads them as they are); an
-        int32 copy of 1- and 2-byte ids (float32/64 tables: the raw path)."""
-        if np.dtype(outs[0].dtype) not in KERNEL_DTYPES or np.dtype(ins[1].dtype).itemsize >= 4:
+        """The raw path's (float32/64 tables): the kernels' sort of the
+        positions by token (gpu/kernels.embedding_grad_scratch: 2 n + 2 V
+        int32), and an int32 copy of 1- and 2-byte ids (int32/int64 ids
+        are read as they are)."""
+        if np.dtype(outs[0].dtype) not in KERNEL_DTYPES:
             return []
-        return [((ins[1].size,), np.int32)]
+        from ..gpu.kernels import embedding_grad_scratch
+        sort = embedding_grad_scratch(ins[1].size, outs[0].shape[0])
+        if np.dtype(ins[1].dtype).itemsize >= 4:
+            return sort
+        return sort + [((ins[1].size,), np.int32)]
 
     def setup(self, ins, outs):
         if raw_kernels(get_xp(outs[0]), outs[0]) is not None:
@@ -111,13 +118,13 @@ class EmbeddingGrad(OpKernel):
         rows = dy.reshape(-1, dw.shape[1])
         flat = ids.reshape(-1)
         k = raw_kernels(xp, dw)
-        if k is not None:  # one kernel: tiles of dw's rows, positions in order
-            specs = self.scratch_specs(ins, outs)
-            if specs:
-                (wide,) = self.temporaries(dw, *specs)
+        if k is not None:  # two kernels: the positions sorted by token, then dw's rows
+            scratch = self.temporaries(dw, *self.scratch_specs(ins, outs))
+            if len(scratch) > 4:
+                wide = scratch[4]
                 wide[...] = flat
                 flat = wide
-            k.embedding_grad(rows, flat, dw)
+            k.embedding_grad(rows, flat, dw, scratch[:4])
             return
         dw[...] = 0
         order = np.argsort(flat, kind="stable")

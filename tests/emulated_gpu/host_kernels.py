@@ -213,6 +213,10 @@ static inline void __syncthreads() {
   }
 }
 #endif
+// CUDA's built-in 16-byte vector (vector_types.h): loads and stores of 16
+// bytes where the kernel has checked the alignment
+struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
+struct __attribute__((aligned(8))) uint2 { unsigned int x, y; };
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, sizeof f); return f; }
 static inline double __longlong_as_double(long long i) {
   double d; memcpy(&d, &i, sizeof d); return d;

@@ -201,10 +201,11 @@ def check_nccl(build_dir):
         build = os.path.join(build_dir, f"{scheme}{r}")
         os.makedirs(build, exist_ok=True)
         fake = emu.use_emulated_cupy(patch, pathlib.Path(build))
-        launched, launch = [], kernels.base._launch   # the wire: one kernel each way
-        patch.setattr(kernels.base, "_launch",
-                      lambda source, func, *args: (launched.append(func),
-                                                   launch(source, func, *args)))
+        launched = []   # the wire: one kernel each way
+        for how in ("_launch", "_launch_blocks"):
+            patch.setattr(kernels.base, how,
+                          lambda source, func, *args, launch=getattr(kernels.base, how): (
+                              launched.append(func), launch(source, func, *args)))
         emu_nccl.use_emulated_nccl(patch, fake, device=r)
         graph, _ = composed(scheme)
         prepare_for_device(graph, 0)

@@ -26,9 +26,12 @@ from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mea
                    loss_watch)  # noqa: F401
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
                    adam_multi,
-                   learning_rate, iteration_next, grad_sumsq, clip_total, clip_scale,
+                   learning_rate, iteration_next, grad_sumsq, SumsqTable,
+                   grad_sumsq_multi, clip_total, clip_scale,
                    all_finite, adaptive_update)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,  # noqa: F401
                           relu_backward, bias_act, channel_sum, bias_grad, bias_grad_scratch,
-                          sum_rows, embedding_grad, layernorm_forward, layernorm_backward,
-                          round_in_place, to_bf16_bits_device, from_bf16_bits_device)
+                          sum_rows, embedding_grad, embedding_grad_scratch, layernorm_forward,
+                          layernorm_backward,
+                          round_in_place, round_copy, to_bf16_bits_device,
+                          from_bf16_bits_device)

@@ -23,11 +23,10 @@ ENTRY_POINTS = {
     "adaptive": ("adaptive_update",),
     "dropout": ("dropout_forward", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act"),
-    "reduce": ("channel_sum", "sum_rows", "bias_grad", "bias_grad_finish", "embedding_grad",
-               "embedding_grad_i32"),
+    "reduce": ("channel_sum", "sum_rows", "bias_grad", "bias_grad_finish", "embedding_grad"),
     "layernorm": ("layernorm_forward", "layernorm_backward"),
     "loss_watch": ("loss_watch",),
-    "clip": ("grad_sumsq", "clip_total", "clip_scale"),
+    "clip": ("grad_sumsq", "grad_sumsq_multi", "clip_total", "clip_scale"),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {
@@ -35,6 +34,7 @@ PLAIN_ENTRY_POINTS = {
     "lr_policy": ("learning_rate", "iteration_next"),
     "precision": ("round_bf16", "round_fp16",
                   "to_bf16_bits", "from_bf16_bits"),
+    "reduce": ("embedding_order", "embedding_order_i32"),
 }
 
 _BLOCK = 256

@@ -264,20 +264,28 @@ def sum_rows(x, out, accumulate=False, partial=None):
     return out
 
 
-#: the rows of dw one block of ``embedding_grad`` owns (PURINE_EMBED_ROWS of
-#: cuda/reduce.cu)
-EMBED_ROWS = 32
+#: the threads of a block of ``embedding_order`` (n^2 comparisons: smaller
+#: blocks spread n = 16,384 positions over 128 SMs rather than 64)
+EMBED_ORDER_THREADS = 128
 
 
-def embedding_grad(dy, ids, out):
-    """An embedding's weight gradient in one deterministic kernel
-    (cuda/reduce.cu ``embedding_grad``): ``out`` (V, C), C-contiguous, gets
-    out[v] = the sum of the rows dy[p] (dy: (n, C)) with ids[p] == v, added
-    in increasing p (np.add.at's order and bits; the host op's reduceat sums
-    pairwise past a few rows), zero for the tokens
-    that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64 read as
-    their signed twins), already checked to lie in [0, V); nothing is
-    allocated."""
+def embedding_grad_scratch(n, vocab):
+    """The scratch ``embedding_grad`` takes: (shape, dtype) of the positions
+    in (token, position) order and their tokens (n int32 each), and each
+    token's first and end rank in that order (vocab int32 each)."""
+    return [((int(n),), np.int32)] * 2 + [((int(vocab),), np.int32)] * 2
+
+
+def embedding_grad(dy, ids, out, scratch):
+    """An embedding's weight gradient in two deterministic kernels
+    (cuda/reduce.cu ``embedding_order``, ``embedding_grad``): ``out`` (V,
+    C), C-contiguous, gets out[v] = the sum of the rows dy[p] (dy: (n, C))
+    with ids[p] == v, added in increasing p (np.add.at's order and bits;
+    the host op's reduceat sums pairwise past a few rows), zero for the
+    tokens that do not occur. ``ids`` (n,): int32 or int64 (uint32/uint64
+    read as their signed twins), already checked to lie in [0, V);
+    ``scratch``: the int32 arrays of ``embedding_grad_scratch(n, V)``
+    (a sort of the positions by token); nothing is allocated."""
     cupy = import_cupy()
     dy = _input(cupy, dy, "embedding_grad: dy", ndim=2)
     n, width = int(dy.shape[0]), int(dy.shape[1])
@@ -295,10 +303,29 @@ def embedding_grad(dy, ids, out):
     vocab = int(out.shape[0])
     if vocab == 0:
         return out
-    func = "embedding_grad_i32" if size == 4 else "embedding_grad"
-    blocks = min(-(-vocab // EMBED_ROWS), _MAX_BLOCKS)
-    _base._launch_blocks("reduce", func, dy.dtype, blocks, _REDUCE_THREADS,
-                         (np.int64(vocab), np.int64(width), ids, np.int64(n), dy, out))
+    if max(n, vocab) >= 2 ** 31:
+        raise ValueError(f"embedding_grad: {n} ids into {vocab} rows; the sort holds "
+                         f"positions and tokens as int32 (below 2^31)")
+    scratch = tuple(scratch)
+    wants = embedding_grad_scratch(n, vocab)
+    if len(scratch) != len(wants) or any(
+            not isinstance(a, cupy.ndarray) or tuple(a.shape) != shape or a.dtype != dtype
+            or not a.flags.c_contiguous for a, (shape, dtype) in zip(scratch, wants)):
+        raise ValueError(f"embedding_grad: scratch must be C-contiguous int32 arrays of "
+                         f"{[w[0] for w in wants]} elements (embedding_grad_scratch)")
+    order, tokens, first, end = scratch
+    if n:
+        _base._launch_blocks("reduce", "embedding_order_i32" if size == 4 else
+                             "embedding_order", None,
+                             min(-(-n // EMBED_ORDER_THREADS), _MAX_BLOCKS),
+                             EMBED_ORDER_THREADS,
+                             (np.int64(n), ids, order, tokens, first, end))
+    # a thread per column (up to 1,024): a frequent token's row is one chain
+    # of adds per column, so all its columns' loads are in flight at once
+    threads = min(1024, max(32, -(-width // 32) * 32))
+    _base._launch_blocks("reduce", "embedding_grad", dy.dtype, min(vocab, _MAX_BLOCKS),
+                         threads, (np.int64(vocab), np.int64(width), np.int64(n),
+                                   order, tokens, first, end, dy, out))
     return out
 
 
@@ -374,6 +401,20 @@ def _bits_array(x, dtype, what):
     return x
 
 
+def _round_launch(what, src, dst, dtype):
+    """Launch round_bf16/round_fp16 (n, src, dst) of cuda/precision.cu: a
+    grid of 256-thread blocks, one thread per 4 values (16-byte loads where
+    both arrays are 16-byte aligned; the kernel checks), grid-stride."""
+    if dtype not in _ROUND:
+        raise ValueError(f"{what}: bfloat16 or float16, got {dtype!r}")
+    quads = (src.size + 3) // 4
+    if quads:
+        _base._launch_blocks("precision", _ROUND[dtype], None,
+                             min((quads + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS),
+                             _BLOCK, (np.int64(src.size), src.view(np.uint32),
+                                      dst.view(np.uint32)))
+
+
 def round_in_place(x, dtype):
     """Round the float32 CuPy array ``x`` in place to the nearest ``dtype``
     (``bfloat16`` or ``float16``) value, one kernel over its bits and no
@@ -381,10 +422,23 @@ def round_in_place(x, dtype):
     ``x`` must be C-contiguous (a copy would not be in place)."""
     import_cupy()
     _bits_array(x, np.float32, "round_in_place")
-    if dtype not in _ROUND:
-        raise ValueError(f"round_in_place: bfloat16 or float16, got {dtype!r}")
-    _base._launch("precision", _ROUND[dtype], None, x.size, (x.view(np.uint32),))
+    _round_launch("round_in_place", x, x, dtype)
     return x
+
+
+def round_copy(src, dst, dtype):
+    """``dst`` = float32 ``src`` rounded to the nearest ``dtype``
+    (``bfloat16`` or ``float16``) value, ``src`` unchanged (the Cast op's
+    copy): one kernel that reads ``src`` once and writes ``dst`` once, the
+    bits of ``round_in_place`` on a copy. Both C-contiguous float32 CuPy
+    arrays of one size; ``dst`` may be ``src``'s own bytes (in place)."""
+    import_cupy()
+    _bits_array(src, np.float32, "round_copy")
+    _bits_array(dst, np.float32, "round_copy")
+    if dst.size != src.size:
+        raise ValueError(f"round_copy: {src.size} values into {dst.size}")
+    _round_launch("round_copy", src, dst, dtype)
+    return dst
 
 
 #: what the elements of a float32 array and of its bfloat16 bits are called
@@ -402,13 +456,24 @@ def _bits_pair(what, src, src_dtype, dst, dst_dtype):
                          f"{dst.size} {_BITS_WORDS[np.dtype(dst_dtype)]}")
 
 
+def _wire_launch(func, n, arrays):
+    """Launch ``func`` (n, float32 or bits, bits or float32) of
+    cuda/precision.cu: one thread per 4 values (16-byte float32 and 8-byte
+    bits accesses where aligned; the kernel checks), grid-stride."""
+    quads = (n + 3) // 4
+    if quads:
+        _base._launch_blocks("precision", func, None,
+                             min((quads + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS), _BLOCK,
+                             (np.int64(n),) + tuple(arrays))
+
+
 def to_bf16_bits_device(x, out):
     """``out`` (uint16 CuPy array of ``x``'s size) = the bits of the
     bfloat16 nearest each float32 of ``x`` (``x`` unchanged): one kernel
     over the whole array, no scratch, nothing allocated -- the bits
     base/precision.to_bf16_bits gives (cuda/precision.cu)."""
     _bits_pair("to_bf16_bits_device", x, np.float32, out, np.uint16)
-    _base._launch("precision", "to_bf16_bits", None, x.size, (x.view(np.uint32), out))
+    _wire_launch("to_bf16_bits", x.size, (x.view(np.uint32), out))
     return out
 
 
@@ -417,5 +482,5 @@ def from_bf16_bits_device(bits, x):
     whose bits are ``bits`` (uint16), widened exactly: one kernel, nothing
     allocated (base/precision.from_bf16_bits; cuda/precision.cu)."""
     _bits_pair("from_bf16_bits_device", bits, np.uint16, x, np.float32)
-    _base._launch("precision", "from_bf16_bits", None, x.size, (bits, x.view(np.uint32)))
+    _wire_launch("from_bf16_bits", x.size, (bits, x.view(np.uint32)))
     return x

@@ -251,6 +251,59 @@ def grad_sumsq(g, partial, scale2=1.0):
                           partial))
 
 
+class SumsqTable:
+    """The device table of :func:`grad_sumsq_multi` for a fixed list of
+    gradients (C-contiguous CuPy arrays of one dtype, each with its
+    ``scale2``), built once (GradNormSq's setup): their pointers, sizes,
+    scale2 and row of the partial sums, largest gradient first (its long
+    stripes start first; the rows keep the list's order)."""
+
+    def __init__(self, grads, scale2s, slots):
+        cupy = import_cupy()
+        if not grads or len(grads) != len(scale2s):
+            raise ValueError("SumsqTable: gradients and one scale2 each")
+        dtype = np.dtype(grads[0].dtype)
+        dtype_suffix(dtype)
+        for g in grads:
+            if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous or g.dtype != dtype:
+                raise ValueError(f"SumsqTable: every gradient must be a C-contiguous {dtype} "
+                                 f"CuPy array")
+        self.dtype, self.slots, self.count = dtype, int(slots), len(grads)
+        self.grads = list(grads)   # kept alive: the table holds their addresses
+        self.pointers_host = [data_ptr(g) for g in grads]
+        rows = sorted(range(len(grads)), key=lambda i: (-int(grads[i].size), i))
+        self.pointers = cupy.asarray(np.asarray([self.pointers_host[i] for i in rows],
+                                                np.uint64))
+        self.sizes = cupy.asarray(np.asarray([grads[i].size for i in rows], np.int64))
+        self.scale2 = cupy.asarray(np.asarray([float(scale2s[i]) for i in rows], np.float64))
+        self.rows = cupy.asarray(np.asarray(rows, np.int64))
+
+    def holds(self, grads):
+        """Whether ``grads`` are the arrays the table was built for (the same
+        addresses, sizes and dtype, in the same order)."""
+        return len(grads) == self.count and all(
+            data_ptr(g) == p and g.size == t.size and g.dtype == self.dtype
+            and g.flags.c_contiguous
+            for g, p, t in zip(grads, self.pointers_host, self.grads))
+
+
+def grad_sumsq_multi(table, partial):
+    """:func:`grad_sumsq` of every gradient of ``table`` (a
+    :class:`SumsqTable`) in one launch: gradient i's ``table.slots``
+    partial sums in partial[i * slots : (i + 1) * slots], bit for bit those
+    of one :func:`grad_sumsq` per gradient (cuda/clip.cu)."""
+    cupy = import_cupy()
+    if not isinstance(partial, cupy.ndarray) or partial.dtype != np.float64 \
+            or not partial.flags.c_contiguous or partial.size != table.count * table.slots:
+        raise ValueError(f"grad_sumsq_multi: partial must be a contiguous float64 CuPy array "
+                         f"of {table.count * table.slots} elements")
+    _base._launch_blocks("clip", "grad_sumsq_multi", table.dtype,
+                         min(table.count * table.slots, _base._MAX_BLOCKS),
+                         _base._REDUCE_THREADS,
+                         (table.pointers, table.sizes, table.scale2, table.rows,
+                          _int(table.count), _int(table.slots), partial))
+
+
 #: the kinds of cuda/adaptive.cu's ``adaptive_update``
 ADAPTIVE_KINDS = {"nesterov": 0, "adagrad": 1, "rmsprop": 2, "adadelta": 3}
 
