@@ -234,3 +234,30 @@ def test_a_bf16_gpt_allocates_nothing_and_plan_counts_the_bits(host_build_dir, m
         d.close()
     monkeypatch.setenv("PURINE_BF16_GEMM", "0")
     assert not set(device_extras(g, 0, cuda_graph)["ops"]) & {op.name for op in fc}
+
+
+def test_without_nvmath_gemm_ex_takes_cupys_gemmEx(device, monkeypatch):
+    """nvmath-python missing: the products take CuPy's cuBLAS binding
+    (``gemmEx``, ``gemmStridedBatchedEx``, its codes from
+    ``cupy.cuda.runtime`` and ``cupy.cuda.cublas``), the same numbers."""
+    if device.name != "emulated":
+        pytest.skip("nvmath is removed on the emulated device only")
+    from purine_mpi.gpu import blas, import_cupy
+    from tests.emulated_gpu import use_emulated_nvmath
+    rng = np.random.default_rng(4)
+    (x, _), (w, _), (dy, _) = (_low_values(rng, s, BF16) for s in ((10, 3, 4), (6, 12),
+                                                                   (10, 6)))
+    want = _run_fc(device, _fc_kernels(BF16), x, w, dy)
+    use_emulated_nvmath(monkeypatch, enabled=False)
+    assert blas.blas_backend() == "cupy"
+    host = import_cupy().cuda.cublas
+    before = len(host.gemms)
+    got = _run_fc(device, _fc_kernels(BF16), x, w, dy)
+    for g, t in zip(got, want):
+        np.testing.assert_array_equal(g, t)
+    assert [name for name, _ in host.gemms[before:]] == ["gemmEx"] * 3
+    (a, a_bits), (b, b_bits) = (_low_values(rng, s, BF16) for s in ((3, 5, 7), (7, 4)))
+    c = device.to_device(np.zeros((3, 5, 4), np.float32))
+    blas.gemm_ex(device.to_device(a_bits), device.to_device(b_bits), c, BF16)
+    assert host.gemms[-1][0] == "gemmStridedBatchedEx"
+    np.testing.assert_allclose(np.asarray(device.to_host(c)), np.matmul(a, b), rtol=1e-6)
