@@ -215,7 +215,10 @@ def _no_copy_into(array):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtype):
     rng = np.random.default_rng(3)
-    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((5, 7), (3, 7), (3,)))
+    # the op's inputs are low values (the precision pass's Cast ops): a
+    # bf16 op multiplies their bfloat16 bits (gpu/blas.gemm_low)
+    raw = [rng.standard_normal(s).astype(np.float32) for s in ((5, 7), (3, 7), (3,))]
+    x, w, b = (_numpy_rounding(a, dtype).view(np.float32) for a in raw)
     host_y = np.full((5, 3), np.nan, np.float32)
     _fc_kernel(dtype).run([x, w, b], [host_y])
     ins = [device.to_device(a) for a in (x, w, b)]
@@ -233,9 +236,11 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
     # the Cast op: one launch, the NumPy path's bits, no scratch reserved
     cast = get_kernel_class("Cast")(Op("c", "Cast", ["x"], ["x@low"], {"dtype": dtype}))
     out = device.to_device(np.zeros((5, 7), np.float32))
-    cast.setup([ins[0]], [out])
+    x = raw[0]   # not yet rounded
+    on_device = device.to_device(x)
+    cast.setup([on_device], [out])
     device.launched.clear()
-    cast.run([ins[0]], [_no_copy_into(out)])
+    cast.run([on_device], [_no_copy_into(out)])
     assert device.launched == [name]   # and no copy before it (_no_copy_into)
     np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
                                   _numpy_rounding(x, dtype))
@@ -257,60 +262,71 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
 
 # -------------------------------------------------------------- TF32 products
 def _gemm_spy(monkeypatch):
-    """[(op type, math mode)] of every cuBLAS product (the emulated nvmath
-    cuBLAS records the handle's math mode at each call; the op is the
-    OpKernel whose run made it)."""
+    """[(op type, math mode, or "ex" for a GemmEx)] of every cuBLAS product
+    (the emulated nvmath cuBLAS records the handle's math mode at each
+    call; the op is the OpKernel whose run made it)."""
     import sys
     from purine_mpi.gpu import blas
     from purine_mpi.ops.registry import OpKernel
-    seen, real = [], blas.gemm
+    seen = []
 
-    def spy(*args, **kwargs):
-        cublas = sys.modules["nvmath.bindings.cublas"]
-        frame, op_type = sys._getframe(1), None
-        while frame is not None and op_type is None:
-            me = frame.f_locals.get("self")
-            op_type = me.op.op_type if isinstance(me, OpKernel) else None
-            frame = frame.f_back
-        before = len(cublas.gemms)
-        out = real(*args, **kwargs)
-        seen.extend((op_type, math) for _, _, math in cublas.gemms[before:])
-        return out
+    def spying(real):
+        def spy(*args, **kwargs):
+            cublas = sys.modules["nvmath.bindings.cublas"]
+            frame, op_type = sys._getframe(1), None
+            while frame is not None and op_type is None:
+                me = frame.f_locals.get("self") or frame.f_locals.get("kernel")
+                op_type = me.op.op_type if isinstance(me, OpKernel) else None
+                frame = frame.f_back
+            before = len(cublas.gemms)
+            out = real(*args, **kwargs)
+            seen.extend((op_type, "ex" if what.endswith("_ex") else math)
+                        for what, _, math in cublas.gemms[before:])
+            return out
+        return spy
 
-    monkeypatch.setattr(blas, "gemm", spy)
+    monkeypatch.setattr(blas, "gemm", spying(blas.gemm))
+    monkeypatch.setattr(blas, "gemm_ex", spying(blas.gemm_ex))
     return seen
 
 
-def test_a_bf16_gpt_runs_its_gemms_on_tf32_and_an_fp32_one_does_not(host_build_dir,
-                                                                    monkeypatch):
+def test_a_bf16_gpts_fc_products_run_as_bf16_its_others_on_tf32(host_build_dir, monkeypatch):
     """Three AdamW steps of the 2-block GPT on the emulated device: in bf16
-    every product of the InnerProduct* and AttentionScores/Context* ops runs
-    with cuBLAS's TF32 math (3), the fused Attention's (float32 probabilities)
-    with the default (0); in fp32 all with the default. The emulated cuBLAS
-    reads TF32 operands rounded to TF32: the bf16 losses are bit for bit
-    those of the same run with TF32 kept off (bf16 values are exact in TF32)."""
+    every product of the InnerProduct* ops is a bfloat16 GemmEx on their
+    operands' bits (gpu/blas.gemm_low), those of the AttentionScores/
+    Context* ops run with cuBLAS's TF32 math (3), the fused Attention's
+    (float32 probabilities) with the default (0); with PURINE_BF16_GEMM=0
+    the InnerProduct* products take TF32 too; in fp32 all the default. The
+    emulated cuBLAS reads TF32 operands rounded to TF32 and widens GemmEx's
+    bits: the bf16 losses are bit for bit the same all three ways (bf16
+    values are exact in TF32, and each product of two exact in float32)."""
     from purine_mpi.ops import registry
     from tests.test_precision import _ours_on_the_emulated_device
     toks = np.random.default_rng(3).integers(0, 16, (3, 2, 9))
     losses, modes = {}, {}
-    for precision, tf32 in (("bf16", True), ("bf16", False), ("fp32", False)):
+    for precision, way in (("bf16", "ex"), ("bf16", "tf32"), ("bf16", "fp32"),
+                           ("fp32", "fp32")):
         with monkeypatch.context() as m:
-            if not tf32:
+            if way != "ex":
+                m.setenv("PURINE_BF16_GEMM", "0")
+            if way == "fp32":
                 m.setattr(registry, "_tf32_products", lambda kernel: None)
             seen = _gemm_spy(m)
-            _, losses[precision, tf32], _ = _ours_on_the_emulated_device(
+            _, losses[precision, way], _ = _ours_on_the_emulated_device(
                 m, host_build_dir, precision, toks, 3)
-            modes[precision, tf32] = seen
-    low = {"InnerProduct", "InnerProductGradData", "InnerProductGradWeight",
-           "AttentionScores", "AttentionScoresGrad", "AttentionContext", "AttentionContextGrad"}
-    by_type = {}
-    for op_type, math in modes["bf16", True]:
-        by_type.setdefault(op_type, set()).add(math)
-    assert {t for t in by_type if t in low} >= {"InnerProduct", "InnerProductGradData",
-                                                "InnerProductGradWeight"}, by_type
-    assert all(by_type[t] == {3} for t in by_type if t in low), by_type
-    assert all(by_type[t] == {0} for t in by_type if t not in low), by_type
-    assert modes["fp32", False] and {m for _, m in modes["fp32", False]} == {0}
-    assert {m for _, m in modes["bf16", False]} == {0}
-    assert losses["bf16", True] == losses["bf16", False]
-    assert losses["bf16", True] != losses["fp32", False]
+            modes[precision, way] = seen
+    fc = {"InnerProduct", "InnerProductGradData", "InnerProductGradWeight"}
+    low = fc | {"AttentionScores", "AttentionScoresGrad", "AttentionContext",
+                "AttentionContextGrad"}
+    for way, fc_mode in (("ex", "ex"), ("tf32", 3)):
+        by_type = {}
+        for op_type, math in modes["bf16", way]:
+            by_type.setdefault(op_type, set()).add(math)
+        assert {t for t in by_type if t in low} >= fc, by_type
+        assert all(by_type[t] == {fc_mode} for t in fc), (way, by_type)
+        assert all(by_type[t] == {3} for t in by_type if t in low - fc), by_type
+        assert all(by_type[t] == {0} for t in by_type if t not in low), by_type
+    assert modes["fp32", "fp32"] and {m for _, m in modes["fp32", "fp32"]} == {0}
+    assert {m for _, m in modes["bf16", "fp32"]} == {0}
+    assert losses["bf16", "ex"] == losses["bf16", "tf32"] == losses["bf16", "fp32"]
+    assert losses["bf16", "ex"] != losses["fp32", "fp32"]

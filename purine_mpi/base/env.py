@@ -141,6 +141,9 @@ VARS = {v.name: v for v in [
     Var("PURINE_FC_EPILOGUE", "one of kernel, cublaslt", "kernel", _choice("kernel", "cublaslt"),
         "a fully connected layer's bias and ReLU when run eagerly: our kernel, or the "
         "cuBLASLt epilogue (nvmath allocates its result at each call)", gpu_only=True),
+    Var("PURINE_BF16_GEMM", FLAG, True, _flag,
+        "bf16 ops' fully connected products as bfloat16 cuBLAS GemmEx on their operands' "
+        "bits (0: their float32 storage on TF32 tensor cores)", gpu_only=True),
     Var("PURINE_CUDNN_BENCHMARK", FLAG, True, _flag,
         "time cuDNN's plans and keep the fastest (0: the heuristic's first)", gpu_only=True),
     Var("PURINE_CUDNN_DETERMINISTIC", FLAG, True, _flag,

@@ -22,6 +22,13 @@ current stream. The scalars are host values (cuBLAS's host pointer mode):
 read when the call is made, so a captured product keeps the alpha and beta
 of its capture and reads its operands at each replay.
 
+``gemm_ex(a_bits, b_bits, c, "bfloat16")`` is the same product of low
+values given as their uint16 bits (``cublasGemmEx``: bfloat16 or float16
+operands, a float32 result, float32 compute, on the tensor cores at the
+low type's rate); ``gemm_low`` makes the bits of a bf16 op's float32
+operands in its scratch and calls it, or ``gemm`` where it cannot
+(``low_products``, ``PURINE_BF16_GEMM``; a refusal is said once).
+
 Which cuBLAS binding (``blas_backend()``):
 
 - ``"nvmath"``: NVIDIA's ``nvmath-python`` low-level bindings
@@ -50,7 +57,7 @@ import threading
 
 import numpy as np
 
-from . import import_cupy
+from . import SaidOnce, import_cupy
 from .raw import data_ptr
 
 #: cuBLAS operation codes (cublasOperation_t: CUBLAS_OP_N, CUBLAS_OP_T)
@@ -162,7 +169,8 @@ def reset():
             except Exception:
                 pass
         _handles.clear()
-        _state.update(checked=False, cublas=None, reason=None, noted=False)
+        _state.update(checked=False, cublas=None, reason=None, noted=False, ex_refused=None)
+        _say_once.clear()
 
 
 def made_handles(device=None):
@@ -309,15 +317,9 @@ def _matrix(x, what):
     return rows, cols, ld, batch, (strides[0] if batch > 1 else 0)
 
 
-def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
-    """``c = alpha * op(a) @ op(b) + beta * c`` through cuBLAS (see the module
-    docstring); ``c`` is written in place and returned."""
-    cupy = import_cupy()
-    dtype = np.dtype(c.dtype)
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"gemm: float32 or float64 only, got {dtype}")
-    if np.dtype(a.dtype) != dtype or np.dtype(b.dtype) != dtype:
-        raise TypeError(f"gemm: operands of {a.dtype} and {b.dtype} for a {dtype} result")
+def _shapes(a, b, c, trans_a, trans_b):
+    """(m, n, k, batch, (lda, a stride), (ldb, b stride), (ldc, c stride)) of
+    ``c = op(a) @ op(b)``, in elements, checked (``gemm``, ``gemm_ex``)."""
     ar, ac, lda, a_batch, a_stride = _matrix(a, "a")
     br, bc, ldb, b_batch, b_stride = _matrix(b, "b")
     m, n, ldc, c_batch, c_stride = _matrix(c, "c")
@@ -333,6 +335,30 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
             raise ValueError(f"gemm: {what} has a batch of {count}, c of {batch}")
     if c_batch > 1 and c_stride < m * ldc:
         raise ValueError("gemm: the matrices of c overlap")
+    return m, n, k, batch, (lda, a_stride), (ldb, b_stride), (ldc, c_stride)
+
+
+def _stream_handle(cupy):
+    """(nvmath's cublas, this stream's handle entry), or (None, None): CuPy's."""
+    cublas, entry = _nvmath(), None
+    if cublas is not None:
+        stream = cupy.cuda.get_current_stream()
+        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream,
+                        int(stream.ptr))
+    return (cublas, entry) if entry is not None else (None, None)
+
+
+def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """``c = alpha * op(a) @ op(b) + beta * c`` through cuBLAS (see the module
+    docstring); ``c`` is written in place and returned."""
+    cupy = import_cupy()
+    dtype = np.dtype(c.dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"gemm: float32 or float64 only, got {dtype}")
+    if np.dtype(a.dtype) != dtype or np.dtype(b.dtype) != dtype:
+        raise TypeError(f"gemm: operands of {a.dtype} and {b.dtype} for a {dtype} result")
+    m, n, k, batch, (lda, a_stride), (ldb, b_stride), (ldc, c_stride) = _shapes(
+        a, b, c, trans_a, trans_b)
     if m == 0 or n == 0 or batch == 0:
         return c
     scalars = np.array([alpha, beta], dtype=dtype)   # host pointer mode: read at the call
@@ -340,11 +366,7 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
     single = dtype == np.dtype(np.float32)
     pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
-    cublas, entry = _nvmath(), None
-    if cublas is not None:
-        stream = cupy.cuda.get_current_stream()
-        entry = _handle(cublas, cupy, int(cupy.cuda.runtime.getDevice()), stream,
-                        int(stream.ptr))
+    cublas, entry = _stream_handle(cupy)
     if entry is not None:   # nvmath: this stream's own handle (capturable)
         handle = entry.handle
         if single:
@@ -376,6 +398,129 @@ def gemm(a, b, c, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         if before is not None:
             cublas.setMathMode(handle, before)
     return c
+
+
+#: the low-precision types ``gemm_ex`` multiplies, their values' bits held in
+#: uint16 arrays: the name of each one's ``cudaDataType``
+LOW_TYPES = {"bfloat16": "CUDA_R_16BF", "float16": "CUDA_R_16F"}
+
+
+class GemmExRefused(Exception):
+    """``gemm_ex`` cannot run: the binding names no GemmEx types (an old
+    CuPy), or cuBLAS refused the call (its status in the message)."""
+
+
+def _ex_codes(cupy, cublas, low):
+    """(operand type, result type, compute type, algorithm) of a GemmEx of
+    ``low`` operands into float32, as the binding itself numbers them:
+    nvmath's ``nvmath.CudaDataType``, ``cublas.ComputeType.COMPUTE_32F``,
+    ``cublas.GemmAlgo.DEFAULT``; CuPy's ``cupy.cuda.runtime.CUDA_R_*``,
+    ``cupy.cuda.cublas.CUBLAS_COMPUTE_32F``, ``CUBLAS_GEMM_DEFAULT``."""
+    try:
+        if cublas is not None:
+            import nvmath
+            types = nvmath.CudaDataType
+            return (int(types[LOW_TYPES[low]]), int(types.CUDA_R_32F),
+                    int(cublas.ComputeType.COMPUTE_32F), int(cublas.GemmAlgo.DEFAULT))
+        runtime, binding = cupy.cuda.runtime, cupy.cuda.cublas
+        return (int(getattr(runtime, LOW_TYPES[low])), int(runtime.CUDA_R_32F),
+                int(binding.CUBLAS_COMPUTE_32F), int(binding.CUBLAS_GEMM_DEFAULT))
+    except (ImportError, AttributeError, KeyError) as exc:
+        raise GemmExRefused(f"the cuBLAS binding names no GemmEx type ({type(exc).__name__}: "
+                            f"{exc})") from exc
+
+
+def gemm_ex(a, b, c, low, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """``c = alpha * op(a) @ op(b) + beta * c`` as ``gemm`` does, ``a`` and
+    ``b`` the uint16 bits of ``low`` values (``LOW_TYPES``: bfloat16 or
+    float16), ``c`` float32: one ``cublasGemmEx`` (``GemmStridedBatchedEx``
+    for a batch) with operands of ``CUDA_R_16BF`` (``CUDA_R_16F``), a
+    ``CUDA_R_32F`` result and ``CUBLAS_COMPUTE_32F``: tensor cores at the
+    low type's rate, each product exact in float32 (8 x 8 (11 x 11)
+    significant bits fit in 24), float32 accumulation -- what TF32 gives
+    the same values widened to float32, up to cuBLAS's summation order.
+    ``c`` is written in place and returned; ``GemmExRefused`` when the
+    binding has no such call or cuBLAS refuses it."""
+    cupy = import_cupy()
+    if low not in LOW_TYPES:
+        raise ValueError(f"gemm_ex: operands of {', '.join(LOW_TYPES)}, got {low!r}")
+    if np.dtype(c.dtype) != np.dtype(np.float32):
+        raise TypeError(f"gemm_ex: a float32 result only, got {c.dtype}")
+    if np.dtype(a.dtype) != np.dtype(np.uint16) or np.dtype(b.dtype) != np.dtype(np.uint16):
+        raise TypeError(f"gemm_ex: the operands are the uint16 bits of {low} values, got "
+                        f"{a.dtype} and {b.dtype}")
+    m, n, k, batch, (lda, a_stride), (ldb, b_stride), (ldc, c_stride) = _shapes(
+        a, b, c, trans_a, trans_b)
+    if m == 0 or n == 0 or batch == 0:
+        return c
+    scalars = np.array([alpha, beta], dtype=np.float32)   # COMPUTE_32F: float scalars
+    alpha_ptr, beta_ptr = scalars.ctypes.data, scalars.ctypes.data + 4
+    op_a, op_b = (OP_T if trans_a else OP_N), (OP_T if trans_b else OP_N)
+    pa, pb, pc = data_ptr(a), data_ptr(b), data_ptr(c)
+    cublas, entry = _stream_handle(cupy)
+    low_type, c_type, compute, algo = _ex_codes(cupy, cublas, low)
+    if entry is not None:   # nvmath: this stream's own handle (capturable)
+        handle, names, errors = entry.handle, ("gemm_ex", "gemm_strided_batched_ex"), \
+            getattr(cublas, "cuBLASError", ())
+    else:
+        _note_cupy_once()
+        cublas = cupy.cuda.cublas
+        handle, names, errors = cupy.cuda.device.get_cublas_handle(), \
+            ("gemmEx", "gemmStridedBatchedEx"), getattr(cublas, "CUBLASError", ())
+        host_mode = getattr(cublas, "CUBLAS_POINTER_MODE_HOST", None)
+        if host_mode is not None:
+            cublas.setPointerMode(handle, host_mode)
+    one, many = (getattr(cublas, name, None) for name in names)
+    if one is None or many is None:
+        raise GemmExRefused(f"the cuBLAS binding has no {names[0]}")
+    try:
+        if batch == 1:
+            one(handle, op_b, op_a, n, m, k, alpha_ptr, pb, low_type, ldb, pa, low_type, lda,
+                beta_ptr, pc, c_type, ldc, compute, algo)
+        else:
+            many(handle, op_b, op_a, n, m, k, alpha_ptr, pb, low_type, ldb, b_stride, pa,
+                 low_type, lda, a_stride, beta_ptr, pc, c_type, ldc, c_stride, batch, compute,
+                 algo)
+    except errors as exc:   # the library's status (e.g. NOT_SUPPORTED), not a capture refusal
+        raise GemmExRefused(f"cuBLAS refused GemmEx of {low} ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    return c
+
+
+_say_once = SaidOnce()
+
+
+def low_products(low):
+    """Whether ``gemm_low`` multiplies ``low`` values as ``low`` (``gemm_ex``):
+    bfloat16 -- whose bits one kernel makes (``gpu.kernels.
+    to_bf16_bits_device``; float16 has none yet, so its products stay on
+    TF32) -- with ``PURINE_BF16_GEMM`` on (the default) and GemmEx not
+    refused in this process."""
+    from ..base import env
+    return (low == "bfloat16" and bool(env.get("PURINE_BF16_GEMM"))
+            and not _state.get("ex_refused"))
+
+
+def gemm_low(a, b, c, low, bits, trans_a=False, trans_b=False):
+    """``c = op(a) @ op(b)`` for float32 ``a`` and ``b`` holding ``low``
+    values (a low-precision op's rounded inputs): where ``low_products``,
+    their bits go into ``bits`` (two C-contiguous uint16 arrays of ``a``'s
+    and ``b``'s shapes: the op's scratch, reserved in its setup) and one
+    ``gemm_ex`` multiplies them; else -- or when GemmEx is refused, said
+    once, and from then on -- ``gemm`` on ``a`` and ``b`` themselves (TF32
+    under ``tf32_products``). ``a`` and ``b`` must be C-contiguous."""
+    if low_products(low):
+        from .kernels import to_bf16_bits_device
+        a_bits, b_bits = bits
+        to_bf16_bits_device(a, a_bits)
+        to_bf16_bits_device(b, b_bits)
+        try:
+            return gemm_ex(a_bits, b_bits, c, low, trans_a=trans_a, trans_b=trans_b)
+        except GemmExRefused as exc:
+            _state["ex_refused"] = str(exc)
+            _say_once("ex_refused", f"purine_mpi: {low} matrix products run on TF32 tensor "
+                      f"cores (float32 storage), not as {low} GemmEx: {exc}")
+    return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b)
 
 
 def _issue(calls, single, handle, shape, scalars, b, a, c, batch):

@@ -20,6 +20,16 @@ With ``PURINE_FC_EPILOGUE=cublaslt`` and nvmath-python's advanced API, an
 eager forward product adds the bias and applies a fused ReLU in its cuBLASLt
 epilogue instead (gpu/blaslt.py, which says why that is not the default;
 inside a CUDA-graph capture it keeps the path above).
+
+An op the precision pass marked bf16 (``compute_dtype``: its inputs are
+bfloat16 values in float32 storage) multiplies them as bfloat16 on a GPU:
+one kernel per operand writes its bfloat16 bits (uint16) into the op's
+scratch, reserved in ``setup`` (``scratch_specs``: what ``plan`` counts),
+and one ``cublasGemmEx`` (gpu/blas.gemm_low) takes them with a float32
+result -- products exact in float32, so the same numbers as TF32 on the
+float32 storage up to cuBLAS's summation order, at twice TF32's tensor
+rate. ``PURINE_BF16_GEMM=0``, a refused GemmEx (said once), fp16 (no bits
+kernel yet) and a gradient of weight rows (``rows``) keep the TF32 path.
 """
 import numpy as np
 
@@ -46,6 +56,27 @@ def _lt_forward(x2d, w, y2d, bias, attrs):
     from ..gpu.blaslt import fc_forward
     return fc_forward(x2d, w, y2d, bias, bool(attrs.get("relu", False)),
                       float(attrs.get("negative_slope", 0.0)))
+
+
+def _bits_specs(kernel, a_shape, b_shape, rows=False):
+    """The scratch of a low-precision product (``scratch_specs``): the
+    uint16 bits of its two operands, of shapes ``a_shape`` and ``b_shape``,
+    where gpu/blas.gemm_low multiplies them as bfloat16; [] else."""
+    from ..gpu.blas import low_products
+    if rows or not low_products(kernel.attrs.get("compute_dtype")):
+        return []
+    return [(tuple(a_shape), np.uint16), (tuple(b_shape), np.uint16)]
+
+
+def _product(kernel, ins, outs, a, b, c, **trans):
+    """``c = op(a) @ op(b)`` on a GPU: gpu/blas.gemm_low on the op's
+    reserved bits when its ``scratch_specs`` has them, else ``gemm``."""
+    specs = kernel.scratch_specs(ins, outs)
+    if not specs:
+        gemm(a, b, c, **trans)
+        return
+    from ..gpu.blas import gemm_low
+    gemm_low(a, b, c, kernel.attrs["compute_dtype"], kernel.temporaries(c, *specs), **trans)
 
 
 def _split(shape, axis):
@@ -80,6 +111,13 @@ class InnerProduct(OpKernel):
                              f"{list(ins[2][0])}")
         return [(x_shape[:axis] + (w_shape[0],), ins[0][1])]
 
+    def scratch_specs(self, ins, outs):
+        return _bits_specs(self, _split(ins[0].shape, int(self.attrs.get("axis", 1))),
+                           ins[1].shape)
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         x, w = ins[0], ins[1]
         xp = get_xp(x)
@@ -90,7 +128,7 @@ class InnerProduct(OpKernel):
                 x.reshape(M, K), w, y, bias, self.attrs):
             return   # one cuBLASLt product, the bias and ReLU in its epilogue
         if _on_gpu(xp, x, w, y):  # cuBLAS straight on the blobs: y = x @ w^T
-            gemm(x.reshape(M, K), w, y, trans_b=True)
+            _product(self, ins, outs, x.reshape(M, K), w, y, trans_b=True)
         else:
             matmul(xp, x.reshape(M, K), w.T, out=y)
         from .conv import _epilogue
@@ -109,12 +147,19 @@ class InnerProductGradData(OpKernel):
     def infer(cls, attrs, ins):
         return [(tuple(attrs["x_shape"]), ins[0][1])]
 
+    def scratch_specs(self, ins, outs):
+        M, _ = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
+        return _bits_specs(self, (M, ins[0].size // max(M, 1)), ins[1].shape)
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         dy, w = ins
         xp = get_xp(dy)
         M, K = _split(outs[0].shape, int(self.attrs.get("axis", 1)))
         if _on_gpu(xp, dy, w, outs[0]):
-            gemm(dy.reshape(M, -1), w, outs[0].reshape(M, K))
+            _product(self, ins, outs, dy.reshape(M, -1), w, outs[0].reshape(M, K))
             return
         matmul(xp, dy.reshape(M, -1), w, out=outs[0].reshape(M, K))
 
@@ -144,6 +189,14 @@ class InnerProductGradWeight(OpKernel):
             n = b - a
         return [((n, K), ins[0][1])]
 
+    def scratch_specs(self, ins, outs):
+        M, K = _split(ins[1].shape, int(self.attrs.get("axis", 1)))
+        return _bits_specs(self, (M, ins[0].size // max(M, 1)), (M, K),
+                           rows="rows" in self.attrs)
+
+    def setup(self, ins, outs):
+        self.reserve_temporaries(ins[0], *self.scratch_specs(ins, outs))
+
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(dy)
@@ -153,7 +206,7 @@ class InnerProductGradWeight(OpKernel):
             a, b = (int(r) for r in self.attrs["rows"])
             dy2 = dy2[:, a:b]
         if _on_gpu(xp, dy, x, outs[0]):  # dy^T transposed by cuBLAS, not copied
-            gemm(dy2, x.reshape(M, K), outs[0], trans_a=True)
+            _product(self, ins, outs, dy2, x.reshape(M, K), outs[0], trans_a=True)
             return
         matmul(xp, dy2.T, x.reshape(M, K), out=outs[0])
 

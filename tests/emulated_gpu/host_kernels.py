@@ -2,6 +2,7 @@
 through ctypes (every argument checked against the kernel's C signature),
 a host cuBLAS, and the emulated ``nvmath.bindings.cublas``."""
 import ctypes
+import enum
 import hashlib
 import os
 import re
@@ -405,6 +406,31 @@ def tf32_round(x):
 
 #: cublasMath_t: CUBLAS_TF32_TENSOR_OP_MATH
 TF32_MATH = 3
+#: cudaDataType_t (library_types.h) of the types a GemmEx here takes
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+#: cublasComputeType_t's CUBLAS_COMPUTE_32F, cublasGemmAlgo_t's CUBLAS_GEMM_DEFAULT
+COMPUTE_32F, GEMM_DEFAULT = 68, -1
+
+
+def widen_bits(bits, data_type):
+    """float32 values of the uint16 ``bits`` of bfloat16 (``CUDA_R_16BF``)
+    or float16 (``CUDA_R_16F``) values: exact, in ``bits``' memory order
+    (NumPy's product then sums as it does for float32 operands laid out
+    alike: the same bits as the TF32 path's)."""
+    if data_type == CUDA_R_16BF:
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
+
+
+def check_gemm_ex(a_type, b_type, c_type, compute_type, algo):
+    """What a GemmEx here takes (cuBLAS takes more): A and B both bfloat16
+    or both float16, C float32, float32 compute, the default algorithm; the
+    reason it refuses anything else (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    if a_type != b_type or a_type not in (CUDA_R_16BF, CUDA_R_16F):
+        return f"A and B of types {a_type} and {b_type}"
+    if c_type != CUDA_R_32F or compute_type != COMPUTE_32F or algo != GEMM_DEFAULT:
+        return f"C type {c_type}, compute type {compute_type}, algorithm {algo}"
+    return None
 
 
 class HostCublas:
@@ -442,24 +468,31 @@ class HostCublas:
         return np.frombuffer((ctypes.c_char * item).from_address(ptr), dtype=dtype)[0]
 
     def _gemm(self, dtype, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C,
-              ldc, sC, batch, stream=None, workspace=None, tf32=False):
+              ldc, sC, batch, stream=None, workspace=None, tf32=False, low=None):
         """Check the arguments and read alpha and beta (host pointer mode) now,
         as cuBLAS does at the call; the product itself is device work on
         ``stream`` (``capture.device_work``: recorded on a capturing
-        stream, the operands read when it runs)."""
+        stream, the operands read when it runs). ``low``: a GemmEx's
+        operand type (``CUDA_R_16BF``, ``CUDA_R_16F``): A and B are its
+        uint16 bits, widened exactly to float32 for the product (each
+        product of two such values is exact in float32, as on tensor
+        cores), C and the scalars ``dtype``."""
         a_rows, b_rows = (m if transa == 0 else k), (k if transb == 0 else n)
         for name, ld, rows in (("lda", lda, a_rows), ("ldb", ldb, b_rows), ("ldc", ldc, m)):
             if ld < max(1, rows):
                 raise ValueError(f"cuBLAS would reject {name}={ld} < {max(1, rows)}")
-        a = self._view(A, dtype, a_rows, k if transa == 0 else m, lda, sA, batch)
-        b = self._view(B, dtype, b_rows, n if transb == 0 else k, ldb, sB, batch)
+        ab = dtype if low is None else np.uint16
+        a = self._view(A, ab, a_rows, k if transa == 0 else m, lda, sA, batch)
+        b = self._view(B, ab, b_rows, n if transb == 0 else k, ldb, sB, batch)
         c = self._view(C, dtype, m, n, ldc, sC, batch)
         op_a = a if transa == 0 else a.transpose(0, 2, 1)
         op_b = b if transb == 0 else b.transpose(0, 2, 1)
         alpha, beta = self._scalar(alpha, dtype), self._scalar(beta, dtype)
 
         def run():
-            if tf32 and dtype == np.float32:   # tensor cores read TF32 operands
+            if low is not None:
+                product = np.matmul(widen_bits(op_a, low), widen_bits(op_b, low))
+            elif tf32 and dtype == np.float32:   # tensor cores read TF32 operands
                 product = np.matmul(tf32_round(op_a), tf32_round(op_b))
             else:
                 product = np.matmul(op_a, op_b)
@@ -489,6 +522,36 @@ class HostCublas:
         self._cupy_call(np.float64, handle, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
                         beta, C, ldc, sC, batch)
 
+    #: CuPy's names of the GemmEx codes (cupy.cuda.cublas)
+    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = COMPUTE_32F, GEMM_DEFAULT
+
+    class CUBLASError(RuntimeError):
+        """CuPy's cupy.cuda.cublas.CUBLASError."""
+
+    def _cupy_ex(self, what, handle, ta, tb, m, n, k, alpha, A, Atype, lda, sA, B, Btype, ldb,
+                 sB, beta, C, Ctype, ldc, sC, batch, computeType, algo):
+        stream = capture.current_stream()
+        capture.refuse_if_capturing(NotImplementedError, capture.CUBLAS_REFUSED,
+                                        stream=stream)
+        refused = check_gemm_ex(Atype, Btype, Ctype, computeType, algo)
+        if refused:
+            raise self.CUBLASError(f"CUBLAS_STATUS_NOT_SUPPORTED: {refused}")
+        self.gemms.append((what, self.getMathMode(handle)))
+        self._gemm(np.float32, ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC,
+                   batch, stream=stream, low=Atype)
+
+    def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,  # noqa: N802
+               beta, C, Ctype, ldc, computeType, algo):  # noqa: N803  (CuPy's names)
+        self._cupy_ex("gemmEx", handle, ta, tb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb,
+                      0, beta, C, Ctype, ldc, 0, 1, computeType, algo)
+
+    def gemmStridedBatchedEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda,  # noqa: N802
+                             strideA, B, Btype, ldb, strideB, beta, C, Ctype,  # noqa: N803
+                             ldc, strideC, batchCount, computeType, algo):  # noqa: N803
+        self._cupy_ex("gemmStridedBatchedEx", handle, ta, tb, m, n, k, alpha, A, Atype, lda,
+                      strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount,
+                      computeType, algo)
+
     def sgemm(self, handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
         self._cupy_call(np.float32, handle, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C,
                         ldc, 0, 1)
@@ -513,13 +576,17 @@ def emulated_nvmath_cublas():
     when the work runs (at each replay); the work goes to the handle's
     stream, recorded if it is capturing -- and a handle without a workspace
     of its own refuses a capturing stream (cuBLAS would allocate one)."""
-    import enum
     host = HostCublas()
     module = types.ModuleType("nvmath.bindings.cublas")
     module.Operation = enum.IntEnum("Operation", {"N": 0, "T": 1, "C": 2})
     module.PointerMode = enum.IntEnum("PointerMode", {"HOST": 0, "DEVICE": 1})
     module.Math = enum.IntEnum("Math", {"DEFAULT_MATH": 0, "TENSOR_OP_MATH": 1,
                                         "PEDANTIC_MATH": 2, "TF32_TENSOR_OP_MATH": 3})
+    module.ComputeType = enum.IntEnum("ComputeType", {"COMPUTE_16F": 64,
+                                                      "COMPUTE_32F": COMPUTE_32F,
+                                                      "COMPUTE_32F_FAST_TF32": 77})
+    module.GemmAlgo = enum.IntEnum("GemmAlgo", {"DEFAULT": GEMM_DEFAULT,
+                                                "DEFAULT_TENSOR_OP": 99})
 
     class cuBLASError(Exception):
         pass
@@ -570,7 +637,7 @@ def emulated_nvmath_cublas():
     def get_math_mode(handle):
         return state(handle, "get_math_mode")["math"]
 
-    def gemm(what, dtype, handle, args):
+    def gemm(what, dtype, handle, args, low=None):
         s = state(handle, what)
         stream = capture.stream_of(s["stream"]) or DEFAULT_STREAM
         if s["pointer_mode"] != 0:
@@ -582,7 +649,28 @@ def emulated_nvmath_cublas():
         module.gemms.append((what, handle, s["math"]))
         host._gemm(dtype, *args, stream=stream,
                    workspace=s["workspace"][0] if s["workspace"] else None,
-                   tf32=s["math"] == TF32_MATH)
+                   tf32=s["math"] == TF32_MATH, low=low)
+
+    def gemm_ex_call(what, handle, args, types):
+        refused = check_gemm_ex(*types)
+        if refused:
+            state(handle, what)
+            raise cuBLASError(f"{what}: CUBLAS_STATUS_NOT_SUPPORTED ({refused})")
+        gemm(what, np.float32, handle, args, low=types[0])
+
+    def gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c,
+                ctype, ldc, compute_type, algo):
+        gemm_ex_call("gemm_ex", handle,
+                     (transa, transb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1),
+                     (atype, btype, ctype, compute_type, algo))
+
+    def gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, stride_a,
+                                b, btype, ldb, stride_b, beta, c, ctype, ldc, stride_c,
+                                batch_count, compute_type, algo):
+        gemm_ex_call("gemm_strided_batched_ex", handle,
+                     (transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+                      ldc, stride_c, batch_count),
+                     (atype, btype, ctype, compute_type, algo))
 
     def sgemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         gemm("sgemm", np.float32, handle,
@@ -606,7 +694,7 @@ def emulated_nvmath_cublas():
 
     for fn in (create, destroy, set_workspace, set_stream, get_stream, set_pointer_mode,
                get_pointer_mode, set_math_mode, get_math_mode, sgemm, dgemm,
-               sgemm_strided_batched, dgemm_strided_batched):
+               sgemm_strided_batched, dgemm_strided_batched, gemm_ex, gemm_strided_batched_ex):
         setattr(module, fn.__name__, fn)
     return module
 
@@ -616,10 +704,11 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
     nvmath-python fail to import (``enabled=False``: gpu/blas.py falls back
     to CuPy's cuBLAS), for this test; gpu/blas.py forgets its handles and
     its check. Returns the emulated cublas module (None when disabled)."""
-    from purine_mpi.gpu import blas
+    from purine_mpi.gpu import SaidOnce, blas
     monkeypatch.setattr(blas, "_state", {"checked": False, "cublas": None, "reason": None,
                                          "noted": False})
     monkeypatch.setattr(blas, "_handles", {})
+    monkeypatch.setattr(blas, "_say_once", SaidOnce())
     if not enabled:
         for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublas"):
             monkeypatch.setitem(sys.modules, name, None)   # import raises ImportError
@@ -629,6 +718,9 @@ def use_emulated_nvmath(monkeypatch, enabled=True):
     bindings.cublas = cublas
     nvmath = types.ModuleType("nvmath")
     nvmath.bindings = bindings
+    nvmath.CudaDataType = enum.IntEnum("CudaDataType", {   # nvmath._utils.CudaDataType
+        "CUDA_R_32F": CUDA_R_32F, "CUDA_R_64F": 1, "CUDA_R_16F": CUDA_R_16F,
+        "CUDA_R_16BF": CUDA_R_16BF})
     nvmath.__path__ = []      # a package, so "from nvmath.bindings import cublas" works
     bindings.__path__ = []
     monkeypatch.setitem(sys.modules, "nvmath", nvmath)
@@ -703,7 +795,9 @@ def host_cupy(build_dir):
     fake.ascontiguousarray = np.ascontiguousarray
     fake.asarray = np.asarray
     fake.RawModule = RawModule
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
+                                          getDevice=lambda: 0, CUDA_R_32F=CUDA_R_32F,
+                                          CUDA_R_16F=CUDA_R_16F, CUDA_R_16BF=CUDA_R_16BF),
                                       cublas=HostCublas(),
                                       device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
                                       get_current_stream=lambda: (capture.current_stream()
