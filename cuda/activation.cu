@@ -7,10 +7,46 @@
 //                   output y, which is > 0 where x is, for slope >= 0)
 //   bias_act:       y[n, c, s] = act(y[n, c, s] + b[c])        in place; act = identity
 //                   (relu = 0) or leaky ReLU (relu = 1), c = (i / inner) % channels
+//   gelu_forward:   y = x Phi(x)                               (tanh_form = 0: exact)
+//                   y = x s, s = 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)),
+//                   u = sqrt(2/pi) (x + 0.044715 x^3)          (tanh_form = 1)
+//   gelu_backward:  dx = dy (Phi(x) + x phi(x))                (exact)
+//                   dx = dy (s + x 2 s (1 - s) u'),            (tanh; 0.5 (1 - tanh^2 u)
+//                   u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)      = 2 s (1 - s))
+//
+// GELU (ops/activation.py Gelu / GeluGrad, PyTorch's gelu with approximate
+// 'none' / 'tanh') is one pass: x (and dy) read once, y (dx) written once, no
+// scratch -- CuPy's chain took ~10 launches over full-size arrays and 3-4
+// full-size temporaries. y may be x, dx may be dy (each element is read
+// before it is written). Accurate in the tails, where the textbook forms
+// cancel (1 + erf(x / sqrt 2), 1 + tanh u: PyTorch's float32 loses most
+// digits there): Phi(x) = erfc(-x / sqrt 2) / 2 (CUDA's normcdf, written out
+// here since the host build's libm has none), its argument's rounding error
+// taken back to first order by a fused multiply-add; phi's exp(-x^2 / 2)
+// likewise (x^2's rounding error); the tanh form through exp(-2|u|) <= 1,
+// 2u's rounding errors taken back the same way. Within a few ulp of a
+// 100-bit evaluation over both tails (tests/test_gpt_gpu.py), on the
+// emulated device's glibc erfc/exp (<= 1 ulp) -- a GPU's erfcf/expf are
+// within 2-4 ulp. The error-free steps use __fadd_rn / __fmul_rn on a GPU,
+// which NVRTC never contracts into a fused multiply-add.
+// Non-finite values as the host op computes them: NaN in, NaN out; y(-inf)
+// = -inf * 0 = NaN, y(+inf) = inf; the gradient at +-inf, and the tanh
+// form's where x^2 overflows, NaN (x * 0 * inf). |x| beyond 16 (float32) or
+// 40 (float64) evaluates Phi and phi at that bound, where they are exactly 1
+// or 0 and x^2 cannot overflow.
+// `round`: the float32 output rounded in the same pass to the precision
+// pass's low type (0 none, 1 bfloat16, 2 float16; precision.cuh, the bits
+// of precision.cu's round_bf16 / round_fp16), instead of a second launch
+// (ops/registry.py ``rounds_own_outputs``); float64 is launched with 0.
+// Memory-bound: 8 bytes per element forward, 12 backward (float32), grid-
+// stride loops of 256-thread blocks, consecutive threads on consecutive
+// elements (coalesced); no atomics, no sums: the same bits every run.
 //
 // Compiled at run time by
 // purine_mpi.gpu.load_kernel("activation"); one extern "C" entry point per
 // dtype: <name>_f32, <name>_f64.
+
+#include "precision.cuh"
 
 #define CUDA_KERNEL_LOOP(i, n)                                              \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;      \
@@ -52,6 +88,143 @@ __device__ void bias_act_impl(long long total, T* y, const T* bias, int has_bias
   }
 }
 
+// ------------------------------------------------------------------ GELU ---
+
+__device__ __forceinline__ float purine_erfc(float v) { return erfcf(v); }
+__device__ __forceinline__ double purine_erfc(double v) { return erfc(v); }
+__device__ __forceinline__ float purine_exp(float v) { return expf(v); }
+__device__ __forceinline__ double purine_exp(double v) { return exp(v); }
+__device__ __forceinline__ float purine_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double purine_fma(double a, double b, double c) {
+  return fma(a, b, c);
+}
+// A sum and a product rounded as written, never contracted into a fused
+// multiply-add (NVRTC contracts by default): the error-free transformations
+// below need the rounded value itself. The host build (the emulated device)
+// contracts nothing (g++ in ISO C++ mode, no -mfma).
+#ifdef __CUDACC__
+__device__ __forceinline__ float purine_add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double purine_add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float purine_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double purine_mul_rn(double a, double b) { return __dmul_rn(a, b); }
+#else
+template <typename T>
+__device__ __forceinline__ T purine_add_rn(T a, T b) { return a + b; }
+template <typename T>
+__device__ __forceinline__ T purine_mul_rn(T a, T b) { return a * b; }
+#endif
+// The constants' rounding errors, c - T(c): 1/sqrt(2), A = 2 sqrt(2/pi)
+// and B = 0.044715 A (the tanh form's 2u = x (A + B x^2))
+__device__ __forceinline__ float purine_sqrt_half_lo(float) { return 1.21016175e-08f; }
+__device__ __forceinline__ double purine_sqrt_half_lo(double) { return -4.833646656726457e-17; }
+__device__ __forceinline__ float purine_gelu_a_lo(float) { return -4.534068e-08f; }
+__device__ __forceinline__ double purine_gelu_a_lo(double) { return -9.96930880911092e-17; }
+__device__ __forceinline__ float purine_gelu_b_lo(float) { return 2.3988325e-09f; }
+__device__ __forceinline__ double purine_gelu_b_lo(double) { return -6.175149918155315e-19; }
+// The |x| from which Phi(x) and the tanh form's s are exactly 0 or 1 in T
+// and phi(x), s (1 - s) exactly 0, and below which x^2 is finite: x is
+// clamped to it (a NaN stays NaN)
+__device__ __forceinline__ float purine_gelu_bound(float) { return 16.0f; }
+__device__ __forceinline__ double purine_gelu_bound(double) { return 40.0; }
+
+template <typename T>
+__device__ __forceinline__ T purine_gelu_clamp(T x) {
+  const T bound = purine_gelu_bound(x);
+  return x > bound ? bound : (x < -bound ? -bound : x);
+}
+
+// Phi(x) and phi(x) of the standard normal distribution.
+template <typename T>
+__device__ __forceinline__ void purine_normal(T x, T* cdf, T* pdf) {
+  const T a = purine_gelu_clamp(x);
+  // phi(a) = exp(-(p + pe) / 2) / sqrt(2 pi), a^2 = p + pe exactly
+  const T p = purine_mul_rn(a, a);
+  const T pe = purine_fma(a, a, -p);
+  const T phi = purine_exp(T(-0.5) * p) * (T(1) - T(0.5) * pe) * T(0.3989422804014327);
+  // Phi(a) = erfc(z + dz) / 2, -a / sqrt 2 = z + dz (to T's precision
+  // squared); erfc(z + dz) = erfc(z) - dz 2 / sqrt(pi) exp(-z^2), and
+  // exp(-z^2) / sqrt(pi) = sqrt(2) phi(a)
+  const T z = purine_mul_rn(-a, T(0.7071067811865476));
+  const T dz = purine_fma(-a, T(0.7071067811865476), -z) - a * purine_sqrt_half_lo(x);
+  *cdf = T(0.5) * purine_erfc(z) - T(1.4142135623730951) * dz * phi;
+  *pdf = phi;
+}
+
+// The tanh form's s = 0.5 (1 + tanh u) = 1 / (1 + exp(-2u)) and s (1 - s),
+// through e = exp(-2|u|) <= 1 (no cancellation, no overflow), 2u = w + c:
+// w = a (A + B a^2) rounded, c its rounding errors (two-sum, fused
+// multiply-adds, the constants'), to first order: exp(-|w + c|) =
+// exp(-|w|) (1 -+ c).
+template <typename T>
+__device__ __forceinline__ void purine_gelu_tanh(T x, T* s, T* s1s) {
+  const T a = purine_gelu_clamp(x);
+  const T A = T(1.5957691216057308), B = T(0.07135481627260025);
+  const T p = purine_mul_rn(a, a), pe = purine_fma(a, a, -p);        // a^2 = p + pe
+  const T bp = purine_mul_rn(B, p), bpe = purine_fma(B, p, -bp);     // B p = bp + bpe
+  const T q = purine_add_rn(A, bp), t = purine_add_rn(q, -A);        // A + bp = q + qe
+  const T qe = purine_add_rn(A, -purine_add_rn(q, -t)) + purine_add_rn(bp, -t);
+  const T w = purine_mul_rn(a, q);
+  const T c = purine_fma(a, q, -w) +
+              a * (qe + bpe + B * pe + purine_gelu_a_lo(x) + purine_gelu_b_lo(x) * p);
+  const bool positive = w >= T(0);
+  const T e = purine_exp(positive ? -w : w) * (T(1) - (positive ? c : -c));
+  const T r = T(1) / (T(1) + e);
+  *s = positive ? r : e * r;   // a NaN x: e r, NaN
+  *s1s = e * r * r;
+}
+
+template <typename T, bool TANH>
+__device__ void gelu_forward_loop(long long total, const T* x, int round, T* y) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const T v = x[i];
+    T factor, unused;
+    if (TANH) {
+      purine_gelu_tanh(v, &factor, &unused);
+    } else {
+      purine_normal(v, &factor, &unused);
+    }
+    y[i] = purine_round_low(v * factor, round);
+  }
+}
+
+template <typename T, bool TANH>
+__device__ void gelu_backward_loop(long long total, const T* dy, const T* x, int round, T* dx) {
+  CUDA_KERNEL_LOOP(i, total) {
+    const T v = x[i];
+    T d;
+    if (TANH) {
+      T s, s1s;
+      purine_gelu_tanh(v, &s, &s1s);
+      const T du = T(0.7978845608028654) + T(0.10703222440890037) * (v * v);   // u'
+      d = s + v * (T(2) * s1s) * du;
+    } else {
+      T cdf, pdf;
+      purine_normal(v, &cdf, &pdf);
+      d = cdf + v * pdf;
+    }
+    dx[i] = purine_round_low(dy[i] * d, round);
+  }
+}
+
+template <typename T>
+__device__ void gelu_forward_impl(long long total, const T* x, int tanh_form, int round, T* y) {
+  if (tanh_form) {
+    gelu_forward_loop<T, true>(total, x, round, y);
+  } else {
+    gelu_forward_loop<T, false>(total, x, round, y);
+  }
+}
+
+template <typename T>
+__device__ void gelu_backward_impl(long long total, const T* dy, const T* x, int tanh_form,
+                                   int round, T* dx) {
+  if (tanh_form) {
+    gelu_backward_loop<T, true>(total, dy, x, round, dx);
+  } else {
+    gelu_backward_loop<T, false>(total, dy, x, round, dx);
+  }
+}
+
 #define PURINE_ACTIVATION_ENTRY(SUFFIX, T)                                             \
   extern "C" __global__ void relu_forward_##SUFFIX(long long total, const T* x,        \
                                                    T slope, int has_slope, T* y) {     \
@@ -68,6 +241,15 @@ __device__ void bias_act_impl(long long total, T* y, const T* bias, int has_bias
                                                int has_slope) {                        \
     bias_act_impl<T>(total, y, bias, has_bias, channels, inner, relu, slope,           \
                      has_slope);                                                       \
+  }                                                                                    \
+  extern "C" __global__ void gelu_forward_##SUFFIX(long long total, const T* x,        \
+                                                   int tanh_form, int round, T* y) {   \
+    gelu_forward_impl<T>(total, x, tanh_form, round, y);                               \
+  }                                                                                    \
+  extern "C" __global__ void gelu_backward_##SUFFIX(long long total, const T* dy,      \
+                                                    const T* x, int tanh_form,         \
+                                                    int round, T* dx) {                \
+    gelu_backward_impl<T>(total, dy, x, tanh_form, round, dx);                         \
   }
 
 PURINE_ACTIVATION_ENTRY(f32, float)

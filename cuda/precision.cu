@@ -19,7 +19,8 @@
 //   from_bf16_bits  x[i] = bits[i] << 16: the bfloat16 widened exactly
 //                   (base/precision.from_bf16_bits)
 //
-// One pass over the array, integer arithmetic on the float32 bits (no
+// One pass over the array (the bit functions in precision.cuh, which
+// activation.cu's GELU shares), integer arithmetic on the float32 bits (no
 // float16 type: NVRTC gets no cuda_fp16.h here), no scratch, nothing
 // allocated: a captured CUDA graph may hold a launch. The float32 arrays
 // are viewed as uint32 (the bfloat16 bits are uint16), so the entry points
@@ -38,43 +39,7 @@
 // (one 4-byte load per thread cannot keep HBM busy). Every value is rounded
 // by the same function either way: the same bits.
 
-#define PURINE_EXPONENT 0x7f800000u
-
-__device__ __forceinline__ float purine_bits_float(unsigned int bits) {
-  union { unsigned int u; float f; } v;
-  v.u = bits;
-  return v.f;
-}
-
-__device__ __forceinline__ unsigned int purine_float_bits(float value) {
-  union { float f; unsigned int u; } v;
-  v.f = value;
-  return v.u;
-}
-
-__device__ __forceinline__ unsigned int purine_round_bf16(unsigned int b) {
-  // the bit that decides a tie, plus 0x7fff; none for infinities and NaNs
-  const unsigned int inc = (b & PURINE_EXPONENT) == PURINE_EXPONENT ? 0u
-                           : ((b >> 16) & 1u) + 0x7fffu;
-  return (b + inc) & 0xffff0000u;
-}
-
-__device__ __forceinline__ unsigned int purine_round_fp16(unsigned int b) {
-  const unsigned int sign = b & 0x80000000u, a = b & 0x7fffffffu;
-  if (a >= PURINE_EXPONENT) {   // infinity, or NaN: its top 10 payload bits
-    if (a == PURINE_EXPONENT) return b;
-    const unsigned int payload = a & 0x007fe000u;
-    return sign | PURINE_EXPONENT | (payload ? payload : 0x00002000u);
-  }
-  if (a < 0x38800000u) {        // below 2^-14: a multiple of 2^-24, exactly
-    // (|x| 2^24 is exact, rintf rounds it to the nearest integer, ties to
-    // even, and the integer (<= 1024) times 2^-24 is exact)
-    const float q = rintf(purine_bits_float(a) * 16777216.0f) * 5.9604644775390625e-8f;
-    return sign | purine_float_bits(q);
-  }
-  const unsigned int r = (a + 0x0fffu + ((a >> 13) & 1u)) & 0xffffe000u;
-  return sign | (r > 0x477fe000u ? PURINE_EXPONENT : r);   // beyond 65504: infinite
-}
+#include "precision.cuh"
 
 // dst[i] = ROUND(src[i]) for i < n (see the header: 16 bytes a thread where
 // both pointers are 16-byte aligned, then the tail)

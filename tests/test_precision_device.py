@@ -3,7 +3,8 @@ kernel (cuda/precision.cu) against base/precision's NumPy rounding, bit for
 bit, and the one launch per rounded array of a low-precision op; the
 bfloat16 wire conversions of ``parallel.grad_dtype: bf16`` (one kernel each
 way) against base/precision's ``to_bf16_bits``/``from_bf16_bits``; the
-TF32 math the low-precision products ask cuBLAS and cuDNN for."""
+TF32 math the low-precision products ask cuBLAS and cuDNN for; the GELU
+kernels' rounding of their own output (no second pass)."""
 import numpy as np
 import pytest
 
@@ -258,6 +259,61 @@ def test_a_low_precision_op_launches_one_rounding_kernel_per_output(device, dtyp
     get_kernel_class("Cast")(Op("c", "Cast", ["x"], ["x@low"], {"dtype": dtype})).run(
         [host], [host.reshape(host.shape)])
     np.testing.assert_array_equal(host.view(_U), _numpy_rounding(x, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_gelu_kernels_round_their_own_output_in_the_same_pass(device, dtype):
+    """gelu_forward / gelu_backward with ``round_to``: bit for bit the
+    unrounded kernel's output rounded by round_in_place afterwards (the
+    adversarial float32 patterns: ties, values carrying into infinity,
+    subnormals, NaNs), both forms; a low-precision Gelu / GeluGrad op
+    (the precision pass's ``compute_dtype``) launches its one kernel and no
+    rounding kernel (``rounds_own_outputs``), with those bits, while on the
+    host it still rounds after the run (``round_low``)."""
+    x = _adversarial()
+    dy = np.random.default_rng(5).standard_normal(x.size).astype(np.float32) * 4
+    name = {"bfloat16": "round_bf16", "float16": "round_fp16"}[dtype]
+    for approximate in ("none", "tanh"):
+        attrs = {"approximate": approximate, "compute_dtype": dtype}
+        xd, dyd = device.to_device(x), device.to_device(dy)
+        with np.errstate(all="ignore"):
+            want_y = kernels.round_in_place(kernels.gelu_forward(xd, approximate), dtype)
+            want_dx = kernels.round_in_place(kernels.gelu_backward(dyd, xd, approximate), dtype)
+        device.launched.clear()
+        y = kernels.gelu_forward(xd, approximate, round_to=dtype)
+        dx = kernels.gelu_backward(dyd, xd, approximate, round_to=dtype)
+        assert device.launched == ["gelu_forward", "gelu_backward"]
+        for got, want in ((y, want_y), (dx, want_dx)):
+            np.testing.assert_array_equal(np.asarray(device.to_host(got)).view(_U),
+                                          np.asarray(device.to_host(want)).view(_U))
+        for op_type, ins, want, kernel_name in (("Gelu", [x], want_y, "gelu_forward"),
+                                                ("GeluGrad", [dy, x], want_dx, "gelu_backward")):
+            kernel = make_kernel(Op("g", op_type, ["a", "b"][:len(ins)], ["out"], attrs))
+            on_device = [device.to_device(a) for a in ins]
+            out = device.to_device(np.full(x.shape, np.nan, np.float32))
+            kernel.setup(on_device, [out])
+            device.launched.clear()
+            kernel.run(on_device, [out])
+            assert device.launched == [kernel_name], device.launched
+            np.testing.assert_array_equal(np.asarray(device.to_host(out)).view(_U),
+                                          np.asarray(device.to_host(want)).view(_U))
+            host_out = np.full(x.shape, np.nan, np.float32)
+            with np.errstate(all="ignore"):
+                make_kernel(Op("g", op_type, ["a", "b"][:len(ins)], ["out"], attrs)).run(
+                    list(ins), [host_out])
+            assert make_kernel(Op("g", op_type, ["a", "b"][:len(ins)], ["out"], attrs)
+                               ).rounds_own_outputs(ins, [host_out]) == ()
+            ok = ~np.isnan(host_out)
+            np.testing.assert_array_equal(host_out.view(_U)[ok],
+                                          _numpy_rounding(host_out, dtype)[ok])   # rounded
+    # what the launch refuses
+    with pytest.raises(TypeError, match="float32"):
+        kernels.gelu_forward(device.to_device(np.ones(3)), round_to=dtype)
+    with pytest.raises(ValueError, match="none or tanh"):
+        kernels.gelu_forward(device.to_device(x), "erf")
+    with pytest.raises(ValueError, match="round_to"):
+        kernels.gelu_forward(device.to_device(x), round_to="float8")
+    assert name not in device.launched
 
 
 # -------------------------------------------------------------- TF32 products

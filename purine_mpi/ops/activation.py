@@ -13,7 +13,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels
+from ..gpu.raw import KERNEL_DTYPES, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
 
@@ -320,6 +320,31 @@ def _approximate(attrs):
     return a
 
 
+def _fused_gelu(*arrays):
+    """Whether a GPU Gelu / GeluGrad of these inputs runs cuda/activation.cu's
+    one kernel (float32 or float64: ``raw_kernels``' dtypes), which takes no
+    scratch; other dtypes on a GPU run ``_gelu_factor``'s CuPy chain over
+    full-size temporaries."""
+    return all(np.dtype(a.dtype) in KERNEL_DTYPES for a in arrays)
+
+
+def _rounds_own(kernel, out):
+    """(0,) where the GELU kernel writes ``out`` on a GPU and rounds it to
+    the precision pass's ``round_dtype`` itself, in the same pass (a float32
+    output: ``OpKernel.rounds_own_outputs``); () elsewhere (the host, the
+    CuPy chain, float64), where ``round_low`` rounds it."""
+    if (kernel.round_dtype is not None and np.dtype(out.dtype) == np.float32
+            and get_xp(out) is not np):
+        return (0,)
+    return ()
+
+
+def _own_rounding(kernel, ins, outs):
+    """The ``round_to`` of the GELU kernel's launch: ``round_dtype`` where
+    ``rounds_own_outputs`` says the run rounds y (dx) itself, else None."""
+    return kernel.round_dtype if kernel.rounds_own_outputs(ins, outs) else None
+
+
 @register
 class Gelu(OpKernel):
     """y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (attr ``approximate``:
@@ -328,12 +353,16 @@ class Gelu(OpKernel):
     (``tanh``), PyTorch's two forms.
     Gradient: dx = dy (Phi(x) + x phi(x)), phi the standard normal density;
     for tanh: dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'),
-    u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x."""
+    u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2). The gradient reads x.
+    On a GPU one kernel (cuda/activation.cu ``gelu_forward``), no scratch,
+    rounding y itself in a bf16/fp16 run (``rounds_own_outputs``)."""
 
     op_type = "Gelu"
     in_place = ((0, 0),)  # y = x * t, t computed from x first
 
     def scratch_specs(self, ins, outs):
+        if _fused_gelu(ins[0]):
+            return []
         return [(ins[0].shape, ins[0].dtype)] * 3
 
     def setup(self, ins, outs):
@@ -347,10 +376,18 @@ class Gelu(OpKernel):
     def host_temporaries(self, ins, outs):
         return _gelu_host_specs(ins[0], 3)
 
+    def rounds_own_outputs(self, ins, outs):
+        return _rounds_own(self, outs[0]) if _fused_gelu(ins[0]) else ()
+
     def run(self, ins, outs):
         x = ins[0]
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
+        k = raw_kernels(xp, x)
+        if k is not None:
+            k.gelu_forward(x, approximate, out=outs[0],
+                           round_to=_own_rounding(self, ins, outs))
+            return
         if xp is not np:
             t, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, e=e, f=f)
@@ -366,12 +403,15 @@ class Gelu(OpKernel):
 
 @register
 class GeluGrad(OpKernel):
-    """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``)."""
+    """[dy, x] -> [dx]: dx = dy * dGelu/dx (attr ``approximate``). On a GPU
+    one kernel (cuda/activation.cu ``gelu_backward``), as Gelu's."""
 
     op_type = "GeluGrad"
     in_place = ((0, 0),)  # dx over dy
 
     def scratch_specs(self, ins, outs):
+        if _fused_gelu(*ins):
+            return []
         return [(ins[1].shape, ins[1].dtype)] * 4
 
     def setup(self, ins, outs):
@@ -384,10 +424,18 @@ class GeluGrad(OpKernel):
     def host_temporaries(self, ins, outs):
         return _gelu_host_specs(ins[1], 4)
 
+    def rounds_own_outputs(self, ins, outs):
+        return _rounds_own(self, outs[0]) if _fused_gelu(*ins) else ()
+
     def run(self, ins, outs):
         dy, x = ins
         xp = get_xp(x)
         approximate = _approximate(self.attrs)
+        k = raw_kernels(xp, dy, x)
+        if k is not None:
+            k.gelu_backward(dy, x, approximate, out=outs[0],
+                            round_to=_own_rounding(self, ins, outs))
+            return
         if xp is not np:
             t, d, e, f = self.temporaries(x, *self.scratch_specs(ins, outs))
             _gelu_factor(xp, x, approximate, t, d, e, f)

@@ -139,6 +139,20 @@ class OpKernel:
     #: kernel computes itself (the fused Attention's probabilities).
     tf32_when_low = False
 
+    #: the low type (``bfloat16``, ``float16``) the precision pass rounds the
+    #: kernel's float32 outputs to after each run (``make_kernel``), None:
+    #: no rounding
+    round_dtype = None
+
+    def rounds_own_outputs(self, ins, outs):
+        """The indices of the float32 outputs that the kernel's ``run`` on
+        ``ins``/``outs`` rounds to ``round_dtype`` itself, in the pass that
+        writes them (the GPU GELU kernels: no second pass over the output),
+        so the precision pass does not round them again; () none (the
+        default: ``round_low`` rounds every float32 output after the run).
+        Rounding there gives the bits ``round_low`` would."""
+        return ()
+
     def capturable_on(self, ins, outs):
         """``capturable`` for the op's input and output blobs ``ins`` and
         ``outs`` (graph Blobs: ``shape``, ``dtype``, ``location``), answered
@@ -334,14 +348,17 @@ def _round_outputs(kernel, dtype):
     """Make ``kernel`` round its float32 outputs to ``dtype`` after each run
     (``round_low``: one kernel per output on a GPU), but those whose indices
     the kernel lists in ``fp32_outputs`` (the attention statistics: float32
-    by definition)."""
+    by definition) and those its run rounded itself (``round_dtype`` set
+    here; ``rounds_own_outputs``)."""
     run = kernel.run
     keep = set(getattr(kernel, "fp32_outputs", ()))   # outputs that stay float32
+    kernel.round_dtype = dtype
 
     def rounded_run(ins, outs):
         result = run(ins, outs)
+        done = keep.union(kernel.rounds_own_outputs(ins, outs))
         round_low(kernel, [o for i, o in enumerate(outs)
-                           if o.dtype == np.float32 and i not in keep], dtype)
+                           if o.dtype == np.float32 and i not in done], dtype)
         return result
 
     kernel.run = rounded_run

@@ -1,4 +1,4 @@
-"""Dropout (Philox masks), activations, the reductions, layer norm and the
+"""Dropout (Philox masks), activations (ReLU, GELU), the reductions, layer norm and the
 low-precision rounding (cuda/dropout.cu, activation.cu, reduce.cu,
 layernorm.cu, precision.cu).
 """
@@ -121,6 +121,51 @@ def bias_act(y, bias=None, relu=False, negative_slope=0.0):
             (y, bias_arg, has_bias, np.int64(channels), np.int64(inner), _int(bool(relu)),
              *_slope(y.dtype, negative_slope)))
     return y
+
+
+#: the ``round`` argument of cuda/activation.cu's GELU kernels: the low type
+#: their float32 output is rounded to in the same pass (precision.cuh)
+ROUND_MODES = {None: 0, "bfloat16": 1, "float16": 2}
+
+
+def _gelu_args(what, approximate, round_to, dtype):
+    """(tanh_form, round) of a GELU launch, checked."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{what}: approximate must be none or tanh, got {approximate!r}")
+    if round_to not in ROUND_MODES:
+        raise ValueError(f"{what}: round_to must be None, bfloat16 or float16, "
+                         f"got {round_to!r}")
+    if round_to is not None and np.dtype(dtype) != np.dtype(np.float32):
+        raise TypeError(f"{what}: round_to rounds a float32 output, got {np.dtype(dtype)}")
+    return _int(approximate == "tanh"), _int(ROUND_MODES[round_to])
+
+
+def gelu_forward(x, approximate="none", out=None, round_to=None):
+    """y = x Phi(x) (``approximate`` none) or x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))) / 2 (tanh), one kernel, no scratch (cuda/activation.cu);
+    ``out`` may be ``x`` (in place). ``round_to`` (bfloat16, float16; float32
+    only): y rounded to that type in the same pass, the bits of
+    ``round_in_place`` after an unrounded run."""
+    cupy = import_cupy()
+    x = _input(cupy, x, "gelu_forward: x")
+    args = _gelu_args("gelu_forward", approximate, round_to, x.dtype)
+    y, target = _output(cupy, out, x.shape, x.dtype, "gelu_forward")
+    _base._launch("activation", "gelu_forward", x.dtype, x.size, (x, *args, y))
+    return _finish(y, target)
+
+
+def gelu_backward(dy, x, approximate="none", out=None, round_to=None):
+    """dx = dy * dGELU/dx at ``x`` (``approximate`` as ``gelu_forward``), one
+    kernel, no scratch; ``out`` may be ``dy`` (in place); ``round_to`` as
+    ``gelu_forward``'s."""
+    cupy = import_cupy()
+    dy = _input(cupy, dy, "gelu_backward: dy")
+    x = _input(cupy, x, "gelu_backward: x")
+    _same_as("gelu_backward", "dy", dy, x=x)
+    args = _gelu_args("gelu_backward", approximate, round_to, dy.dtype)
+    dx, target = _output(cupy, out, dy.shape, dy.dtype, "gelu_backward")
+    _base._launch("activation", "gelu_backward", dy.dtype, dy.size, (dy, x, *args, dx))
+    return _finish(dx, target)
 
 
 # ------------------------------------------------------------- reductions ---
