@@ -8,6 +8,11 @@ The table in docs/running.md ("Will it fit?") is its output:
 
     python benchmarks/rss_vs_plan.py --out /tmp/rss [--cases cifar10_quick:data,...]
 
+Each case's figures are kept in OUT/JOB-SCHEME.json too, with
+``loop_measured``: each rank's high-water mark after the last iteration,
+before the end's test pass and checkpoint, above its baseline (the
+"loop peak" of docs/running.md's pipeline paragraphs).
+
 The data: synthetic for the CNNs (their yaml's own), and the standard
 library's email package as text for the GPTs (as tests/test_plan.py makes it).
 """
@@ -121,7 +126,13 @@ def measure(job, scheme, out, np_=None, iters=5, env=None, sets=(), path=None,
         return {"error": ranks}
     return {"predicted": predicted, "plan": plan,
             "measured": [r["above_baseline_bytes"] for r in ranks],
-            "baseline": [r["baseline_rss_bytes"] for r in ranks]}
+            "baseline": [r["baseline_rss_bytes"] for r in ranks],
+            # the high-water mark after the last iteration, before the end's
+            # test pass and checkpoint (memory.json's loop_peak_rss_bytes)
+            "loop_measured": [None if r.get("loop_peak_rss_bytes") is None
+                              or r["baseline_rss_bytes"] is None
+                              else r["loop_peak_rss_bytes"] - r["baseline_rss_bytes"]
+                              for r in ranks]}
 
 
 def mib(n):

@@ -87,8 +87,9 @@ def _cases():
          [w, v]),
         ("SoftmaxLoss", {}, [_f(1024, 4, 256), _ids(4, (1024, 256))],
          [np.empty((), np.float32), np.empty((1024, 4, 256), np.float32)]),
-        ("EmbeddingGrad", {"input_dim": 256}, [_f(32, 128, 128), _ids(256, (32, 128))],
-         [np.empty((256, 128), np.float32)]),
+        # the sort and two blocks of rows (1024 x 128 here), none of dy's size
+        ("EmbeddingGrad", {"input_dim": 1024}, [_f(32, 128, 128), _ids(1024, (32, 128))],
+         [np.empty((1024, 128), np.float32)]),
         # without dropout a group of sequences at a time (ops/attention.py's
         # host_group): one sequence's P^T and dP^T, 1 MiB each here
         ("Attention", {"num_heads": 4}, [_f(4, 256, 384)], [np.empty((4, 256, 128), np.float32)]),

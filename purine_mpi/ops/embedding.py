@@ -10,16 +10,23 @@ Gradient (w only; ids are data)::
     dw[v, :] = sum over the positions i with ids[i] == v of dy[i, :]
                ("EmbeddingGrad", [dy, ids] -> [dw], attr input_dim = V)
 
-a scatter-add: on the CPU the rows of dy sorted by token (a stable sort),
-each run summed in order; on a GPU two raw kernels (cuda/reduce.cu
+a scatter-add, each token's rows of dy added one at a time in increasing
+position (np.add.at's order, so its bits, on the CPU and on a GPU alike:
+a checkpoint or a test compares the two bit for bit). On the CPU the
+positions stably sorted by token, then the tokens at most 32 times in the
+batch added together one occurrence rank per pass (a gather, an add and a
+scatter each), a more frequent one in chunks of 256 of its rows reduced
+over the rows (NumPy adds row after row along axis 0; a table of width 1
+runs np.add.at, whose 1-D loop is fast); faster than np.add.at's 2-D loop
+and than the former ``reduceat`` (which summed pairwise past a few rows,
+so other bits than the GPU's for a token repeated more than 8 times):
+benchmarks/embedding_grad_host.py. On a GPU two raw kernels (cuda/reduce.cu
 ``embedding_order``: the positions counting-sorted by (token, position)
 into the op's scratch, 2 n + 2 V int32; ``embedding_grad``: a block per
 row of dw adds its token's rows of dy in increasing position, or writes
 zeros), no atomics (1- and 2-byte ids: an int32 copy in the scratch too).
 Both are deterministic (the same order every time, on every rank), unlike
-atomic adds; the GPU adds each token's rows in position order (np.add.at's
-bits), the CPU's ``reduceat`` pairwise past a few rows, so the two may
-differ in the last bits for a token repeated more than 8 times. The table can be shared with an
+atomic adds. The table can be shared with an
 output projection (the ``fc`` layer's ``tie_weight``): the gradient builder
 then sums the two uses' contributions.
 
@@ -127,23 +134,80 @@ class EmbeddingGrad(OpKernel):
             k.embedding_grad(rows, flat, dw, scratch[:4])
             return
         dw[...] = 0
+        if dw.shape[1] == 1:   # NumPy's reduce would add a chunk pairwise (_add_run)
+            np.add.at(dw[:, 0], flat, rows[:, 0])
+            return
+        if not flat.size:
+            return
         order = np.argsort(flat, kind="stable")
         tokens = flat[order]
-        if not tokens.size:
-            return
         starts = np.flatnonzero(np.r_[True, tokens[1:] != tokens[:-1]])
-        dw[tokens[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+        counts = np.diff(np.r_[starts, tokens.size])
+        scratch = self.temporaries(dw, *self.host_temporaries(ins, outs)[3:])[0]
+        light = counts <= HOST_RANKS
+        _add_by_rank(dw, rows, order, tokens, starts[light], counts[light], scratch)
+        for first, count in zip(starts[~light].tolist(), counts[~light].tolist()):
+            _add_run(dw[tokens[first]], rows, order[first:first + count], scratch[0])
 
     def host_temporaries(self, ins, outs):
         """The host run's sort (order and the sorted tokens: int64 per
-        token; the boundaries, one per distinct token, at most dw's rows) and
-        dy's rows in token order, and ``reduceat``'s sums (a row per distinct
-        token: at most dw's size)."""
+        token; the run starts, one per distinct token, at most dw's rows)
+        and two blocks of rows (``_add_by_rank``'s gathered rows and dw's
+        rows, ``_add_run``'s chunk): min(n, max(V, HOST_CHUNK + 1)) rows of
+        dw's width each."""
         dy, ids = ins
-        n, width = ids.size, outs[0].shape[1]
-        distinct = min(n, outs[0].shape[0])
-        return [((n,), np.int64)] * 2 + [((distinct,), np.int64), (dy.shape, dy.dtype),
-                                         ((distinct, width), dy.dtype)]
+        n, (vocab, width) = ids.size, outs[0].shape
+        distinct = min(n, vocab)
+        block = min(n, max(vocab, HOST_CHUNK + 1))
+        return [((n,), np.int64)] * 2 + [((distinct,), np.int64),
+                                         ((2, block, width), dy.dtype)]
+
+
+#: the host path's split: a token at most this many times is added by
+#: ``_add_by_rank`` (one pass per occurrence rank, all such tokens
+#: together), a more frequent one by ``_add_run`` (its rows in chunks of
+#: HOST_CHUNK): the fastest split on gpt_tiny's and gpt_small's shapes
+#: (benchmarks/embedding_grad_host.py)
+HOST_RANKS = 32
+HOST_CHUNK = 256
+
+
+def _add_by_rank(dw, rows, order, tokens, starts, counts, scratch):
+    """dw[t] += dy's rows of token t, one at a time in position order
+    (np.add.at's additions, so its bits) for the tokens whose runs of the
+    sorted ``tokens`` begin at ``starts`` (``counts`` long): pass k adds
+    every such token's k-th occurrence with one gather, add and scatter
+    (a token at most once a pass), so as many passes as the longest run.
+    (``take``'s mode "wrap": "raise" would buffer ``out``; the indices are
+    the sort's positions and tokens, and dw[t] = raises for a token past V.)"""
+    if not starts.size:
+        return
+    by = np.argsort(-counts, kind="stable")   # longest first: pass k's tokens a prefix
+    starts, counts = starts[by], counts[by]
+    token = tokens[starts]
+    live = np.searchsorted(-counts, -np.arange(counts[0]), side="left")  # counts > k
+    got, have = scratch[0], scratch[1]
+    for k, m in enumerate(live.tolist()):
+        t = token[:m]
+        np.take(rows, order[starts[:m] + k], axis=0, out=got[:m], mode="wrap")
+        np.take(dw, t, axis=0, out=have[:m], mode="wrap")
+        np.add(have[:m], got[:m], out=got[:m])
+        dw[t] = got[:m]
+
+
+def _add_run(row, rows, positions, block):
+    """row += rows[positions] one at a time, in the order given (np.add.at's
+    bits): a chunk of rows gathered under the running sum, then reduced
+    over the rows (axis 0 of a C-order block at least 2 wide: NumPy's reduce
+    adds row after row there, its pairwise summation being along the
+    contiguous axis only, which a width of 1 makes axis 0: the op runs
+    np.add.at then; tests/test_embedding_host.py holds both to its bits)."""
+    chunk = block.shape[0] - 1
+    for i in range(0, positions.size, chunk):
+        take = positions[i:i + chunk]
+        block[0] = row
+        np.take(rows, take, axis=0, out=block[1:1 + take.size], mode="wrap")
+        np.add.reduce(block[:1 + take.size], axis=0, out=row)
 
 
 @gradient("Embedding")
