@@ -324,3 +324,183 @@ def test_a_net_whose_parameters_are_all_frozen_is_refused():
     from purine_mpi.job.replica import build_train_graph
     with pytest.raises(ConfigError, match=r"'net'.*every one is frozen, lr_mult 0: conv1/weight"):
         build_train_graph(make_job(_conv_raw(("conv1", "fc1", "fc2"))))
+
+
+# ------------------------------------------- ZeRO stage 3: frozen weights sharded
+def _units(g):
+    """{shard blob: (flat buffer, frozen params)} of the frozen units of ``g``."""
+    out = {}
+    for name, b in g.blobs.items():
+        if b.kind == "param" and b.alias_of and g.blobs[b.alias_of].name.startswith("frozen_"):
+            out.setdefault(f"{b.alias_of}.shard", (b.alias_of, []))[1].append(name)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("frozen", [("fc1",), ("conv1",)])
+def test_stage3_shards_frozen_weights(n, frozen):
+    """Sharded stage 3 on n ranks (AdamW), composed offline for every rank:
+    each frozen weight is a view of a transient flat buffer (the working
+    set) that one Allgather fills from the rank's persistent 1/n shard
+    before its forward readers (and another for its backward readers: a
+    frozen fc1's data gradient); the shard is read by gathers alone, no
+    reduce-scatter, update or solver state touches it. Per rank the weights
+    row (``plan``'s, the model-state row's) is 4 bytes times the rank's
+    elements of every unit, learning and frozen (``shard_range``): summed
+    over the ranks 4 Psi exactly, the frozen part 4 Psi_frozen/n up to an
+    element per unit (an empty shard counts one element, the arena's
+    rule). The collectives' seq and signatures are the same on
+    every rank. Before: the frozen weights held whole on every rank (fc1:
+    rank 0's weights row 1,756 bytes on 2 ranks, not 976)."""
+    from purine_mpi.comm.ops import shard_range
+    from purine_mpi.comm.verify import comm_signature, compare_signatures
+    from purine_mpi.parallel.sharding import PARAM_GATHERED_KIND, WORKING_SET_ATTR
+    from purine_mpi.runtime.memory_plan import check_plan, plan_memory
+    from purine_mpi.tools.graph import compose_for
+    from purine_mpi.tools.plan import offline_footprint
+    from tests.conftest import make_job
+    job = make_job(_conv_raw(frozen, "adamw", {"scheme": "sharded", "shard": 3}))
+    plain = compose_for(make_job(_conv_raw(frozen, "adamw")), 1, 0)
+    still = [p for p in PARAMS if p.split("/")[0] in frozen]
+    psi = sum(plain.blobs[p].size for p in PARAMS)
+    psi_frozen = sum(plain.blobs[p].size for p in still)
+    held, seqs, signatures, empty = [], [], [], 0
+    for rank in range(n):
+        g = compose_for(job, n, rank)
+        units = _units(g)
+        assert sorted(p for _, ps in units.values() for p in ps) == sorted(still), units
+        mem = plan_memory(g)
+        assert check_plan(g, mem) == []
+        mine = 0
+        for shard, (buf, params) in units.items():
+            assert g.blobs[buf].attrs.get(WORKING_SET_ATTR) == "weights"
+            assert buf not in mem.persistent and shard in mem.persistent
+            size = g.blobs[buf].size
+            lo, hi = shard_range(size, n, rank)
+            assert g.blobs[shard].size == hi - lo
+            mine += hi - lo
+            readers = [op for op in g.ops.values() if shard in op.inputs]
+            assert readers and {op.op_type for op in readers} == {"Allgather"}
+            assert not [op.name for op in g.ops.values()
+                        if any(g.storage_root(o) == shard for o in op.outputs)]
+            gathered = {op.outputs[0] for op in readers}
+            for p in params:  # every reader waits for the gather of the buffer it reads
+                for op in g.ops.values():
+                    reads = [x for x in op.inputs if x == p or (
+                        g.blobs[x].kind == PARAM_GATHERED_KIND and x.startswith(f"{p}.bwd"))]
+                    if reads:
+                        root = g.storage_root(reads[0])
+                        assert root in gathered, (op.name, root)
+                        assert any(c in {r.name for r in readers} for c in op.control_inputs)
+        if frozen == ("fc1",):  # conv1 learns below: the data gradient reads a gathered view
+            grad_data = g.ops["fc1.bwd.inner_product_grad_data"]
+            assert g.blobs[grad_data.inputs[1]].kind == PARAM_GATHERED_KIND, grad_data.inputs
+        assert not [op.name for op in g.ops.values() if op.op_type == "ReduceScatter"
+                    and any(x.split(".grad")[0] in still for x in op.inputs)]
+        fp = offline_footprint(job, n, rank)
+        assert fp.host["weights"] == fp.model_state["weights"]
+        # every unit's shard, learning or frozen: its elements, one at least
+        # (the arena's rule for an empty shard: memory_plan._root_nbytes)
+        counts = [hi - lo for b in g.blobs.values() if b.kind == "param_buffer" and
+                  b.attrs.get(WORKING_SET_ATTR) == "weights"
+                  for lo, hi in [shard_range(b.size, n, rank)]]
+        assert fp.model_state["weights"] == 4 * sum(max(c, 1) for c in counts), \
+            (rank, fp.model_state)
+        empty += sum(c == 0 for c in counts)
+        assert abs(4 * mine - 4 * psi_frozen / n) <= 4 * len(units)
+        assert fp.model_state["working"] > 0
+        held.append(fp.model_state["weights"])
+        seqs.append(sorted((op.attrs["seq"], op.name) for op in g.ops.values()
+                           if op.op_type in ("Allgather", "ReduceScatter")))
+        signatures.append(comm_signature(g))
+    assert sum(held) == 4 * (psi + empty), (held, psi, empty)
+    assert all(s == seqs[0] for s in seqs)
+    assert compare_signatures(signatures) == []
+
+
+def _mpi_run(tmp_path, name, n, raw, *more):
+    """(run folder, the command's output) of ``train`` on ``n`` ranks."""
+    from tests.conftest import run_mpi_cli, write_config_file
+    res = run_mpi_cli(n, "train", write_config_file(tmp_path, raw, f"{name}.yaml"), "--out",
+                      tmp_path / name, *more, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return tmp_path / name, res.stdout + res.stderr
+
+
+def _fillers(saved, ckpt):
+    """fc1 (frozen) bit for bit its fillers in checkpoint ``saved``."""
+    for n, value in (("fc1/weight", 0.25), ("fc1/bias", 0.5)):
+        w = saved[f"params/{n}"]
+        np.testing.assert_array_equal(w.view(np.uint32), np.full_like(w, value).view(np.uint32),
+                                      err_msg=f"{n} in {ckpt}")
+    assert not [k for k in saved if k.startswith("solver/fc1")]
+
+
+@pytest.mark.mpi
+def test_stage3_with_a_frozen_layer_trains_as_data_parallel(tmp_path):
+    """2 ranks, AdamW, fc1 frozen (conv1 below it learns: its data
+    gradient reads fc1's gathered weight), 4 steps: every weight and
+    solver state of sharded stage 3 equal data parallelism's bit for bit
+    (at step 2 and 4), fc1 bitwise its fillers in both checkpoints. The
+    start-up block: the frozen weights in units of their own, and the
+    model state's weights 4 Psi/2 (up to an element per unit), the frozen
+    ones included. Before: the weights row held fc1 whole (1,756 bytes
+    on rank 0, not 976); the numbers were the same."""
+    from purine_mpi.tools.plan import offline_footprint
+    from tests.conftest import make_job
+    from tests.test_sharded import _model_state
+    runs = {}
+    for scheme, par in (("data", {"scheme": "data"}),
+                        ("z3", {"scheme": "sharded", "shard": 3, "check_collectives": True})):
+        runs[scheme] = _mpi_run(tmp_path, scheme, 2, _conv_raw(("fc1",), "adamw", par))
+    text = runs["z3"][1]
+    for it in (2, 4):
+        a, b = (_saved(runs[s][0] / f"ckpt_{it}.h5") for s in ("data", "z3"))
+        assert sorted(a) == sorted(b) and any(k.startswith("solver/") for k in a)
+        _bitwise(a, b, list(a))
+        _fillers(b, f"ckpt_{it}")
+    weights, _, _ = _model_state(text)  # rank 0's start-up row, as plan figures it
+    job = make_job(_conv_raw(("fc1",), "adamw", {"scheme": "sharded", "shard": 3}))
+    assert weights == offline_footprint(job, 2, 0).model_state["weights"]
+    psi = sum(_saved(runs["data"][0] / "ckpt_4.h5")[f"params/{p}"].size for p in PARAMS)
+    _half(weights, psi, 2)
+    assert "sharded (ZeRO stage 3)" in text and "the frozen weights (lr_mult 0) held as 1/2 " \
+        "shards too" in text, text
+
+
+def _half(weights, psi, n):
+    """The weights row: 4 Psi/n, up to an element per unit (6 parameters:
+    at most 4 learning buckets and 2 frozen units)."""
+    assert 4 * psi / n <= weights <= 4 * psi / n + 4 * 6, (weights, 4 * psi / n)
+
+
+@pytest.mark.mpi
+def test_stage3_frozen_checkpoint_reshards(tmp_path):
+    """A 3-rank stage-3 run with fc1 frozen (global batch 12) saves at
+    step 2: fc1 bitwise its fillers (joined whole from the three ranks'
+    shards). Resumed on 2 ranks to step 4 under stage 3 and under scheme
+    data: every weight and state of the two equal bit for bit, fc1 still
+    its fillers (each rank loaded its shard of it). The stage-3 resume's
+    start-up block holds the weights, the frozen ones included, as 1/2
+    shards: 4 Psi/2 (before: fc1 held whole, 1,756 bytes on rank 0; the
+    round trip was right then too)."""
+    raw = _conv_raw(("fc1",), "adamw", {"scheme": "sharded", "shard": 3}, iters=2,
+                    data={"source": "synthetic", "shape": [2, 4, 4], "classes": 3,
+                          "batch_size": 4})
+    first, _ = _mpi_run(tmp_path, "three", 3, raw)
+    ckpt = first / "ckpt_2.h5"
+    _fillers(_saved(ckpt), "the 3-rank checkpoint")
+    ends = {}
+    for scheme, par in (("z3", {"scheme": "sharded", "shard": 3}), ("data", {"scheme": "data"})):
+        raw = _conv_raw(("fc1",), "adamw", par, data={
+            "source": "synthetic", "shape": [2, 4, 4], "classes": 3, "batch_size": 6})
+        out, text = _mpi_run(tmp_path, scheme, 2, raw, "--resume", ckpt)
+        assert "resumed from" in text
+        ends[scheme] = _saved(out / "ckpt_4.h5")
+        if scheme == "z3":
+            from tests.test_sharded import _model_state
+            _half(_model_state(text)[0], sum(v.size for k, v in ends[scheme].items()
+                                             if k.startswith("params/")), 2)
+            assert "the frozen weights (lr_mult 0) held as 1/2 shards too" in text, text
+    _bitwise(ends["z3"], ends["data"], list(ends["data"]))
+    _fillers(ends["z3"], "the resumed stage-3 checkpoint")

@@ -11,17 +11,21 @@ from tests.mpi_scripts.launch import run_mpi
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage,frozen", [(1, False), (3, False), (3, True)])
 def test_sharded_on_two_emulated_gpus_trains_as_the_cpu_mpi_run_in_one_launch(
-        host_build_dir, stage):
+        host_build_dir, stage, frozen):
     """2 ranks: the weights equal the CPU/MPI sharded run's within float
     tolerance (the sums agree: 2 ranks add a + b either way; the emulated
     device's kernels differ from the CPU's in rounding), the ranks' weights
     bitwise equal, one graph launch per iteration, no allocation in a
     steady or replayed iteration, each collective once per iteration in seq
-    order with NCCL's equal padded chunks."""
-    proc, _ = run_mpi("sharded_nccl_equiv.py", 2, host_build_dir, stage, timeout=300)
-    assert proc.stdout.count(f"OK sharded_nccl_equiv stage={stage} n=2") == 2, \
+    order with NCCL's equal padded chunks. ``frozen``: fc2 at lr_mult 0,
+    its weights in stage 3's frozen units (NcclAllgather, no
+    reduce-scatter), bitwise their start after the steps."""
+    more = ("frozen",) if frozen else ()
+    proc, _ = run_mpi("sharded_nccl_equiv.py", 2, host_build_dir, stage, *more, timeout=300)
+    tag = " frozen" if frozen else ""
+    assert proc.stdout.count(f"OK sharded_nccl_equiv stage={stage} n=2{tag} ") == 2, \
         proc.stdout + proc.stderr
 
 

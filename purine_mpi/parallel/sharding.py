@@ -212,7 +212,9 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     the schedule interleaves them (``_gather_units``). Returns the plan:
     a list of {"name", "weights", "params", "offsets", "shard",
     "reduce_scatter", "allgather", "seq", "states", "bytes"}
-    (stage 3: "weight_shard", "gathers" instead of "allgather")."""
+    (stage 3: "weight_shard", "gathers" instead of "allgather"; after the
+    buckets the frozen weights' units, ``frozen_units``: no
+    "reduce_scatter", "states" empty, "frozen" True)."""
     grads = prepare_replica(graph, grads, shards, shard)
     producers = graph.producers()
     seq = next_seq(graph)
@@ -260,6 +262,8 @@ def compose_zero1(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, m
     if stage >= 3:
         for entry in plan:
             entry.pop("written")
+        plan += frozen_units(graph, grads, shards, shard, bucket_mb, first_bucket_mb,
+                             min_buckets)
         _gather_units(graph, plan, shards, shard, prefetch, thread, forward, reuse_forward)
         if grad_first:
             gradients_first(graph, grads)
@@ -315,6 +319,67 @@ def bound_live_buckets(graph, plan, depth=1):
                 added.append((rs, op.name))
     graph.topo_order()  # no cycle
     return added
+
+
+def frozen_weights(graph, grads):
+    """The frozen parameters (``lr_mult`` 0, ops/updates.frozen) stage 3
+    shards beside the buckets: learnable, owning their storage, with no
+    gradient in ``grads`` and no op writing them, read by some op (a
+    tensor shard's row-split fc reading its bias on shard 0 alone counts,
+    ``shard0_bias_readers``), in the order of their first reader. A
+    running statistic (not learnable, written by its layer) is no weight
+    here: it stays whole."""
+    from ..ops.updates import frozen
+    producers, cons = graph.producers(), graph.consumers()
+    dropped = shard0_bias_readers(graph)
+    pos = {op.name: i for i, op in enumerate(graph.topo_order())}
+    first = {}
+    for b in graph.params():
+        if b.alias_of is not None or b.name in grads or producers.get(b.name) or \
+                not b.attrs.get("learnable", True) or not frozen(b.attrs):
+            continue
+        readers = [op.name for op in list(cons.get(b.name, ())) + dropped.get(b.name, [])]
+        if readers:
+            first[b.name] = min(pos[r] for r in readers)
+    return sorted(first, key=first.get)
+
+
+def frozen_units(graph, grads, shards, shard, bucket_mb=4, first_bucket_mb=1, min_buckets=4):
+    """Stage 3's gather units of the frozen weights (``frozen_weights``):
+    cut as ``plan_buckets`` cuts gradients (the same caps, over the frozen
+    bytes, in first-reader order), each a flat weight buffer
+    ``frozen_bucket<i>`` (the weights its views, ``flatten_bucket_params``)
+    made transient (``WORKING_SET_ATTR``) and this rank's persistent shard
+    ``<weights>.shard`` of it: ``_gather_units`` gathers them as it
+    gathers a bucket's. No gradient bucket, reduce-scatter, update or
+    solver state: plan entries without ``reduce_scatter``, ``states`` [],
+    ``frozen`` True. The same units on every rank of the group (they
+    differ in the shard solver alone, which reads no frozen weight)."""
+    frozen = frozen_weights(graph, grads)
+    out = []
+    for i, b in enumerate(plan_buckets(graph, {p: p for p in frozen}, bucket_mb,
+                                       first_bucket_mb, min_buckets)):
+        params = list(b["params"])
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + graph.blobs[p].size)
+        weights = flatten_bucket_params(graph, graph.free_name(f"frozen_bucket{i}"), params,
+                                        offsets)
+        wb = graph.blobs[weights]
+        wb.attrs[WORKING_SET_ATTR] = "weights"
+        lo, hi = shard_range(wb.size, shards, shard)
+        own = graph.free_name(f"{weights}.shard")
+        graph.add_blob(own, (hi - lo,), wb.dtype, wb.location, kind=PARAM_BUFFER_KIND)
+        out.append({"name": weights, "weights": weights, "params": params, "offsets": offsets,
+                    "shard": [lo, hi], "states": [], "weight_shard": own, "frozen": True,
+                    "bytes": int(wb.nbytes)})
+    return out
+
+
+def gradient_buckets(plan):
+    """The plan's entries that reduce-scatter a gradient bucket (not stage
+    3's units of frozen weights, ``frozen_units``)."""
+    return [entry for entry in plan if "reduce_scatter" in entry]
 
 
 #: the kind of the views of a bucket's weights gathered for the backward
@@ -503,17 +568,19 @@ def sequence_collectives(graph, plan, others=()):
     transfer (scheme sharded with stages; a Recv, a window's wait, no
     inputs) is ready there from the start and pulls the collectives behind
     it ahead of a forward gather the other stage waits for."""
-    names = {entry["reduce_scatter"] for entry in plan} | {
-        g for entry in plan for g in entry_gathers(entry)} | set(others)
+    names = {c for entry in plan for c in entry_collectives(entry)} | set(others)
     if not names:  # a pipeline stage without parameters (the loss alone): none to number
         return
     _in_place(graph, names)
-    first = min(graph.ops[n].attrs["seq"] for n in names  # stage 3's gathers: none yet
-                if "seq" in graph.ops[n].attrs)
+    first = min((graph.ops[n].attrs["seq"] for n in names  # stage 3's gathers: none yet
+                 if "seq" in graph.ops[n].attrs), default=None)
+    if first is None:  # frozen units alone (a pipeline stage of frozen layers)
+        first = next_seq(graph)
     for k, n in enumerate(emission_order(graph, names)):
         graph.ops[n].attrs["seq"] = first + k
     for entry in plan:
-        entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
+        if "reduce_scatter" in entry:
+            entry["seq"] = graph.ops[entry["reduce_scatter"]].attrs["seq"]
         if "gathers" in entry:
             entry["gather_seqs"] = {k: graph.ops[g].attrs["seq"]
                                     for k, g in entry["gathers"].items()}
@@ -542,6 +609,13 @@ def emission_order(graph, names):
 def entry_gathers(entry):
     """A plan entry's gather ops: stage 3's two, else the one allgather."""
     return list(entry["gathers"].values()) if "gathers" in entry else [entry["allgather"]]
+
+
+def entry_collectives(entry):
+    """A plan entry's collectives: its reduce-scatter (none for stage 3's
+    frozen units), then its gathers."""
+    return ([entry["reduce_scatter"]] if "reduce_scatter" in entry else []) + \
+        entry_gathers(entry)
 
 
 def _in_place(graph, names):

@@ -50,12 +50,15 @@ def ok(name):
 
 
 def mlp_config(batch=4, hidden=(6, 5), classes=3, shape=(1, 2, 4), solver=None, parallel=None,
-               seed=3):
-    """The job of a small MLP on synthetic data (fc/relu layers, softmax loss)."""
+               seed=3, frozen=()):
+    """The job of a small MLP on synthetic data (fc/relu layers, softmax
+    loss); the fc layers named in ``frozen`` at ``lr_mult: 0``."""
     net, bottom = [], "data"
     for i, h in enumerate(hidden):
         net.append({"type": "fc", "name": f"fc{i + 1}", "bottom": bottom, "top": f"fc{i + 1}",
                     "num_output": h})
+        if f"fc{i + 1}" in frozen:
+            net[-1]["param"] = [{"lr_mult": 0}, {"lr_mult": 0}]
         net.append({"type": "relu", "name": f"relu{i + 1}", "bottom": f"fc{i + 1}",
                     "top": f"fc{i + 1}"})
         bottom = f"fc{i + 1}"

@@ -5,7 +5,7 @@ gather across the ranks), the bucket collectives turned into
 NcclReduceScatter / NcclAllgather on one nccl stream (use_nccl), against
 the CPU/MPI sharded run of the same graph (ReduceScatter / Allgather).
 
-    mpiexec -n K python tests/mpi_scripts/sharded_nccl_equiv.py BUILD_DIR STAGE [real]
+    mpiexec -n K python tests/mpi_scripts/sharded_nccl_equiv.py BUILD_DIR STAGE [real] [frozen]
 
 Checked on every rank: the whole iteration, NCCL included, is one captured
 graph (one launch per iteration, no eager op); each collective runs once per
@@ -17,6 +17,10 @@ after ITERS steps equal the CPU/MPI sharded run's within float tolerance
 order: the difference is printed, bitwise or not), and the ranks' weights
 are bitwise equal. ``real``: on a real GPU with CuPy's NCCL (no emulation;
 K GPUs, one per rank): the same checks but the allocation log and CALLS.
+``frozen``: fc2 (between two learning layers) at ``lr_mult: 0``; at stage
+3 its weights sharded in units of their own (sharding.frozen_units),
+gathered by NcclAllgather alike, and bit for bit their start after the
+steps on both runs.
 """
 import os
 import pathlib
@@ -40,8 +44,9 @@ ITERS = 4
 w = world()
 n, r = w.size, w.rank
 stage = int(sys.argv[2])
-real = sys.argv[3:] == ["real"]
-cfg = mlp_config(batch=3, hidden=(7, 5))   # buckets N does not divide: padded chunks
+real = "real" in sys.argv[3:]
+frozen = ("fc2",) if "frozen" in sys.argv[3:] else ()
+cfg = mlp_config(batch=3, hidden=(7, 5), frozen=frozen)  # buckets N does not divide: padded
 SETTINGS = dict(bucket_mb=0.0002, first_bucket_mb=0.00005, min_buckets=2)
 
 
@@ -84,6 +89,8 @@ ref_graph, ref_plan = sharded_graph()
 rng = np.random.default_rng(11)
 weights = {p: (0.3 * rng.standard_normal(ref_graph.blobs[p].shape)).astype(np.float32)
            for entry in ref_plan for p in entry["params"]}
+assert [p for e in ref_plan if e.get("frozen") for p in e["params"]] == (
+    ["fc2/weight", "fc2/bias"] if frozen and stage == 3 else []), ref_plan
 assert len(ref_plan) >= 2 and (n == 1 or any(
     (hi - lo) * n != ref_graph.blobs[e["weights"]].size
     for e in ref_plan for lo, hi in [e["shard"]])), "no bucket needs NCCL's padding"
@@ -164,8 +171,11 @@ for p, want in expected.items():
     bitwise &= np.array_equal(got, want)
     assert np.allclose(got, want, rtol=2e-5, atol=2e-6), (p, np.max(np.abs(got - want)))
     worst = max(worst, float(np.max(np.abs(got - want))))
+for p in (p for p in weights if p.split("/")[0] in frozen):
+    assert np.array_equal(mine[p], weights[p]) and np.array_equal(expected[p], weights[p]), p
 for other in w.comm.allgather(mine):
     for p in mine:
         assert np.array_equal(other[p], mine[p]), f"{p} differs between ranks"
-ok(f"sharded_nccl_equiv stage={stage} n={n} buckets={len(plan)} collectives={len(names)} "
+ok(f"sharded_nccl_equiv stage={stage} n={n}{' frozen' if frozen else ''} "
+   f"buckets={len(plan)} collectives={len(names)} "
    f"bitwise={bitwise} max_abs_diff={worst:.3g}")

@@ -11,8 +11,10 @@ and the optimizer state of every rank's shard, joined in rank order per
 bucket and cut back into each parameter's shape, so the file is the one
 plain data parallelism writes; on load each rank takes its shard of the
 whole state. ``shard: 3``: stage 3, each rank holds its shard of every
-bucket's weights alone, gathered into transient buffers before the
-bucket's forward and backward readers (parallel/sharding.compose_zero3);
+bucket's weights alone (the frozen weights', ``lr_mult`` 0, in gather
+units of their own: sharding.frozen_units), gathered into transient
+buffers before the bucket's forward and backward readers
+(parallel/sharding.compose_zero3);
 the weights are written (fillers, ``--init``, ``--resume``) into the
 shards, saved joined whole, and gathered whole for the test graph
 (``held_weights``, ``set_weight``, ``test_weights``); with micro-batches
@@ -405,8 +407,14 @@ class Sharded(Hybrid):
                    f"{position}'s gradients reduce-scattered over its {counted(n, 'rank')} "
                    f"(this rank's: {ranges(lay.stage_ranks())})")
             where = " of its stage and tensor shard" if t > 1 else where
-        body = (f"{who} in {counted(len(plan), 'bucket')}, each rank updates its 1/{n} shard "
-                f"of every bucket{where}{what}")
+        from ..sharding import gradient_buckets
+        frozen = [entry for entry in plan if entry.get("frozen")]
+        if frozen:  # stage 3: the frozen weights sharded too, in units of their own
+            what += (f"; the frozen weights (lr_mult 0) held as 1/{n} shards too, in "
+                     f"{counted(len(frozen), 'unit')} of their own gathered alike (never "
+                     "reduce-scattered or updated, no solver state)")
+        body = (f"{who} in {counted(len(gradient_buckets(plan)), 'bucket')}, each rank updates "
+                f"its 1/{n} shard of every bucket{where}{what}")
         if lay.staged and not plan:  # a stage without parameters (the loss alone)
             body = f"{who}; stage {lay.stage} (this rank's) holds no parameter: no bucket"
         rows = [("scheme", f"sharded (ZeRO stage {stage}): {body}"),
@@ -427,11 +435,13 @@ class Sharded(Hybrid):
                         Pipeline.graph_notes(self, lay, rank).split("; ", 1)[1]
                         if lay.staged else f"rank = replica * {lay.tensor} + shard; rank "
                         f"{rank} = replica {lay.replica}, tensor shard {lay.shard}"))
+        from ..sharding import gradient_buckets
         plan = getattr(comp, "shard_plan", None) or []
         what = "optimizer state"  # stage 2's gradient buckets are transient; stage 3's weights
-        if plan and comp.graph.blobs[plan[0]["name"]].kind == "grad":
-            what = "weights, gradients and optimizer state" if "weight_shard" in plan[0] else \
-                "gradients and optimizer state"
+        if any("weight_shard" in entry for entry in plan):
+            what = "weights, gradients and optimizer state"
+        elif plan and comp.graph.blobs[gradient_buckets(plan)[0]["name"]].kind == "grad":
+            what = "gradients and optimizer state"
         if lay.tensor > 1 and not lay.staged:
             return (f"layout {lay.describe()}; rank = replica * {lay.tensor} + shard; rank "
                     f"{rank} = replica {lay.replica}, tensor shard {lay.shard}; sharded (ZeRO): "
@@ -658,8 +668,9 @@ class Sharded(Hybrid):
 
     # ---- stage 3: the weights held as each bucket's shard
     def held_weights(self, graphs):
-        """Stage 3: each bucket's weight shard, and the parameters no bucket
-        holds (no gradient: held whole)."""
+        """Stage 3: each bucket's weight shard (the frozen weights' units'
+        too, ``sharding.frozen_units``), and the parameters no unit holds
+        (a running statistic; a parameter no op reads): held whole."""
         where = _zero3(graphs)
         if not where:
             return list(graphs.params)
@@ -987,9 +998,9 @@ def _on_stage_group(graph, plan, lay, world):
 def _on_group(graph, plan, group):
     """The plan's ReduceScatter and Allgather ops on the sub-communicator of
     the ranks ``group`` (a stage's, or a tensor shard's, replicas)."""
-    from ..sharding import entry_gathers
+    from ..sharding import entry_collectives
     for entry in plan:
-        for op in [entry["reduce_scatter"]] + entry_gathers(entry):
+        for op in entry_collectives(entry):
             graph.ops[op].attrs["group"] = list(group)
         entry["group"] = list(group)
 
