@@ -301,3 +301,124 @@ def test_training_on_an_emulated_gpu_clips_as_the_cpu(host_build_dir, monkeypatc
     assert {"grad_sumsq_multi", "clip_total"} <= set(launched) and "grad_sumsq" not in launched
     for name, value in cpu.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-6)
+
+
+def _scaled_by_definition(g, sumsq, clip):
+    """clip_scale's result by its definition (cuda/clip.cu): each element
+    times clip / sqrt(sumsq) in double, rounded to g's dtype, when that
+    norm exceeds clip; else g."""
+    norm = np.sqrt(np.float64(sumsq))
+    if not norm > clip:
+        return g
+    return (g.astype(np.float64) * (np.float64(clip) / norm)).astype(g.dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("clip", [0.5, 1e3])
+def test_clip_scale_is_one_launch_over_every_gradient_with_the_same_bits(device, dtype,  # noqa: F811
+                                                                          clip):
+    """A ClipScale over several gradients (parallel/fuse.py's fuse_clip) is
+    one ``clip_scale_multi`` launch over the table built at setup: bit for
+    bit one ``clip_scale`` per gradient and, on the emulated device, the
+    kernel's definition; clipping (norm above the clip) or not. A gradient
+    past CLIP_SCALE_CHUNK elements takes several items. Gradients that
+    moved since setup: one ``clip_scale`` each again, the same bits."""
+    from purine_mpi.graph.core import Op
+    from purine_mpi.gpu.kernels.step import CLIP_SCALE_CHUNK
+    from purine_mpi.ops.catalog import get_kernel_class
+    rng = np.random.default_rng(8)
+    shapes = [(37, 5), (3,), (CLIP_SCALE_CHUNK + 907,), (70,), (40, 25)]
+    grads = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    sumsq = np.asarray([sum(float((g.astype(np.float64) ** 2).sum()) for g in grads)])
+    assert (np.sqrt(sumsq[0]) > clip) == (clip == 0.5)
+    op = get_kernel_class("ClipScale")(Op("c", "ClipScale", [], [], {"clip": clip}))
+
+    def scaled(table):
+        outs = [device.to_device(g) for g in grads]   # in place, as the aliases g@clip
+        ins = outs + [device.to_device(sumsq)]
+        op.setup(ins, outs)
+        if table == "none":
+            op._table = None
+        elif table == "moved":
+            outs = [device.to_device(np.array(device.to_host(a))) for a in outs]
+            ins = outs + ins[-1:]
+        device.launched.clear()
+        op.run(ins, outs)
+        return [np.array(device.to_host(a)) for a in outs], list(device.launched)
+
+    multi, launched = scaled("built")
+    assert launched == ["clip_scale_multi"]
+    for how in ("none", "moved"):
+        each, launched = scaled(how)
+        assert launched == ["clip_scale"] * len(grads)
+        for a, b in zip(multi, each):
+            np.testing.assert_array_equal(a, b)
+    if device.name == "emulated":
+        for g, got in zip(grads, multi):
+            want = _scaled_by_definition(g, sumsq[0], clip)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+            assert (got != g).any() == (clip == 0.5)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3], ids=["clipping", "not clipping"])
+def test_a_fused_clip_trains_bit_for_bit_as_one_clip_per_gradient(host_build_dir, monkeypatch,
+                                                                   clip):
+    """A training graph placed and fused on the emulated device: its
+    ClipScale ops are one (``clip.scale``), one ``clip_scale_multi`` launch
+    per iteration and no ``clip_scale``; the weights after three steps
+    (momentum and weight decay after the clip), eagerly and captured as a
+    CUDA graph, are those of the graph without ``fuse_clip`` bit for bit,
+    clipping or not; its third iteration allocates nothing."""
+    from purine_mpi.gpu import kernels
+    from purine_mpi.parallel import fuse
+    from tests.emulated_gpu import Allocations, use_emulated_cupy
+    config = _config(clip, momentum=0.9, weight_decay=1e-3, base_lr=0.1)
+    use_emulated_cupy(monkeypatch, host_build_dir)
+    launched = []
+    for name in ("_launch", "_launch_blocks"):
+        real = getattr(kernels.base, name)
+        monkeypatch.setattr(kernels.base, name, lambda source, func, *a, real=real: (
+            launched.append(func), real(source, func, *a))[1])
+
+    def train(fused, captured):
+        graph, _ = build_train_graph(make_job(config))
+        add_clip(graph, clip).validate()
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(fuse, "fuse_clip", lambda graph: [])
+            prepare_for_device(graph, 0)
+        clips = [op for op in graph.ops.values() if op.op_type == "ClipScale"]
+        grads = len(update_ops(graph)) or len(graph.ops["solver.update"].attrs["params"])
+        assert [len(op.outputs) for op in clips] == ([grads] if fused else [1] * grads)
+        d = make_dispatcher(graph, runtime=SimulatedRuntime(1), seed=3, cuda_graph=captured)
+        try:
+            init_params(d.workspace, graph, 5)
+            for it in range(3):
+                d.workspace["iter"][...] = it
+                launched.clear()
+                Allocations.log, Allocations.counting = [], it == 2
+                try:
+                    d.run(it)
+                finally:
+                    Allocations.counting = False
+                if not captured:
+                    assert launched.count("clip_scale_multi") == (1 if fused else 0)
+                    assert launched.count("clip_scale") == (0 if fused else grads)
+            assert Allocations.log == [], Allocations.log
+            norm = float(np.sqrt(np.asarray(d.workspace["clip.sumsq"])[0]))
+            assert (norm > clip) == (clip == 1e-3)
+            return {p.name: np.array(d.workspace[p.name]) for p in graph.params()}
+        finally:
+            d.close()
+
+    try:
+        each = train(False, False)
+        for captured in (False, True):
+            got = train(True, captured)
+            assert sorted(got) == sorted(each)
+            for name, value in each.items():
+                np.testing.assert_array_equal(got[name], value, err_msg=name)
+    finally:
+        from purine_mpi import gpu
+        gpu.clear_kernel_cache()

@@ -13,13 +13,18 @@ GradNormSq  ins [g_1 .. g_n]  outs [sumsq (1,) float64, partial (n*S,) float64]
     into pieces (ZeRO's shards, whose sums an Allreduce adds) gives the
     norm its whole gives to ~1e-16, and ClipScale's float32 factor with it
     (but where the two straddle a float32 rounding: ~1e-9 of the cases).
-ClipScale   ins [g, sumsq]  outs [g@clip] (an alias of g)   attrs clip
-    g@clip = g * clip / sqrt(sumsq) when sqrt(sumsq) > clip, else g.
+ClipScale   ins [g_1 .. g_n, sumsq]  outs [g_1@clip .. g_n@clip] (aliases)
+            attrs clip
+    g@clip = g * clip / sqrt(sumsq) when sqrt(sumsq) > clip, else g. The
+    clip pass adds one per gradient (n = 1); on a device, the fusion pass
+    (parallel/fuse.py ``fuse_clip``) makes them one op.
 
 On a GPU both run as raw kernels (cuda/clip.cu) that read and write the
 norm on the device: no host synchronisation inside the iteration; GradNormSq
 is two launches, whatever the number of gradients (``grad_sumsq_multi``
-over a table of them built at setup, then ``clip_total``). No
+over a table of them built at setup, then ``clip_total``), and a fused
+ClipScale one (``clip_scale_multi`` over its table; gradients that moved
+since setup fall back to one ``clip_scale`` each, the same bits). No
 gradient: they act after the backward pass. Imports the registry, the
 backend and the device kernels (the ops layer).
 """
@@ -87,34 +92,59 @@ class GradNormSq(OpKernel):
 
 @register
 class ClipScale(OpKernel):
-    """[g, sumsq] -> [g@clip]: g scaled to the clip norm when the norm exceeds it."""
+    """[g_1 .. g_n, sumsq] -> [g_1@clip .. g_n@clip]: each g scaled to the
+    clip norm when the norm exceeds it (n = 1 as graph/clip.py adds it;
+    parallel/fuse.py's ``fuse_clip`` makes one op of a device's)."""
 
     op_type = "ClipScale"
     category = "update"
 
     @classmethod
     def infer(cls, attrs, ins):
-        (gs, gd), (ss, _) = ins
+        if len(ins) < 2:
+            raise ShapeError(f"ClipScale needs gradients and the squared norm, got {len(ins)} "
+                             f"input(s)")
+        ss = ins[-1][0]
         if int(np.prod(ss, dtype=np.int64)) != 1:
             raise ShapeError(f"ClipScale's squared norm must be one value, got shape {list(ss)}")
         if not float(attrs.get("clip", 0)) > 0:
             raise ShapeError(f"ClipScale needs clip > 0, got {attrs.get('clip')!r}")
-        return [(tuple(gs), gd)]
+        return [(tuple(gs), gd) for gs, gd in ins[:-1]]
+
+    def setup(self, ins, outs):
+        """On a GPU, with several gradients: the table of one
+        ``clip_scale_multi`` launch over every output (their addresses and
+        sizes), where they are C-contiguous arrays of one dtype."""
+        self._table = None
+        if len(outs) < 2:
+            return
+        k = raw_kernels(get_xp(outs[0]), *outs)
+        if k is not None and len({np.dtype(g.dtype) for g in outs}) == 1 and \
+                all(g.flags.c_contiguous for g in outs):
+            self._table = k.ClipScaleTable(list(outs))
 
     def run(self, ins, outs):
-        g, sumsq = ins
-        out = outs[0]
+        sumsq = ins[-1]
         clip = float(self.attrs["clip"])
-        if not same_buffer(g, out):
-            out[...] = g
-        xp = get_xp(out)
-        k = raw_kernels(xp, out)
-        if k is not None and out.flags.c_contiguous and get_xp(sumsq) is xp:
-            k.clip_scale(out, sumsq, clip)
+        for g, out in zip(ins, outs):
+            if not same_buffer(g, out):
+                out[...] = g
+        xp = get_xp(outs[0])
+        k = raw_kernels(xp, *outs)
+        table = getattr(self, "_table", None)
+        if k is not None and table is not None and get_xp(sumsq) is xp and table.holds(outs):
+            k.clip_scale_multi(table, sumsq, clip)   # one launch, the same bits
             return
-        factor = clip_factor(sumsq.reshape(-1)[0], clip)
-        if factor != 1.0:
-            out *= out.dtype.type(factor)
+        factor = None
+        for out in outs:
+            k = raw_kernels(xp, out)
+            if k is not None and out.flags.c_contiguous and get_xp(sumsq) is xp:
+                k.clip_scale(out, sumsq, clip)
+                continue
+            if factor is None:
+                factor = clip_factor(sumsq.reshape(-1)[0], clip)
+            if factor != 1.0:
+                out *= out.dtype.type(factor)
 
 
 def sumsq64(xp, g, scratch=None):

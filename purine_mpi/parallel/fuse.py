@@ -29,6 +29,13 @@ numbers as the graph it rewrites, up to float summation order at most):
     Blob names stay, so checkpoints, ``--init`` and the test graph's shared
     weights are unchanged.
 
+``fuse_clip(graph)``
+    The ClipScale ops of one device, thread and dtype that read the same
+    squared norm with the same clip (graph/clip.py adds one per gradient)
+    become one ClipScale over all their gradients: one ``clip_scale_multi``
+    launch instead of one per gradient (GPT-2: 148), the same bits. Blob
+    names stay (the updates read the same ``g@clip`` aliases).
+
 ``fuse_for_device(graph, train=True)`` applies them to a placed graph (the
 trainer does, for ``device >= 0``); CPU graphs are never rewritten.
 """
@@ -211,12 +218,52 @@ def fuse_updates(graph):
     return created
 
 
+#: the name of the fused clip op (``#k`` after it for a further group)
+CLIP_SCALE_OP = "clip.scale"
+
+
+def fuse_clip(graph):
+    """Replace the ClipScale ops of one device, thread, dtype, squared norm
+    and clip by one ClipScale over all their gradients (see the module
+    docstring). Returns the names of the new ops."""
+    groups = {}
+    for op in graph.ops.values():
+        if op.op_type != "ClipScale" or op.accumulate or len(op.inputs) != 2 \
+                or op.location is None or op.location.device is None or op.location.device < 0:
+            continue
+        key = (op.location, op.thread, op.inputs[1], float(op.attrs["clip"]),
+               graph.blobs[op.inputs[0]].dtype)
+        groups.setdefault(key, []).append(op)
+    created = []
+    for key, ops in groups.items():
+        if len(ops) < 2:
+            continue
+        location, thread, sumsq, clip, _ = key
+        name = graph.free_name(CLIP_SCALE_OP)
+        gone = {op.name for op in ops}  # an op that waited for a clip waits for the fused one
+        controls = list(dict.fromkeys(c for op in ops for c in op.control_inputs
+                                      if c not in gone))
+        for op in ops:
+            graph.remove_op(op.name)
+        graph.add_op(name, "ClipScale", [op.inputs[0] for op in ops] + [sumsq],
+                     [op.outputs[0] for op in ops], {"clip": clip},
+                     location=Location(location.rank, location.device, location.ip),
+                     thread=thread, control_inputs=controls)
+        for other in graph.ops.values():
+            if gone.intersection(other.control_inputs):
+                other.control_inputs = list(dict.fromkeys(
+                    name if c in gone else c for c in other.control_inputs))
+        created.append(name)
+    return created
+
+
 def fuse_for_device(graph, train=True):
-    """Both rewrites on a placed graph (the SGD one on a training graph);
-    returns the graph."""
+    """The rewrites on a placed graph (the update and clip ones on a
+    training graph); returns the graph."""
     fuse_relu(graph)
     if train:
         fuse_dgrad_relu(graph)
+        fuse_clip(graph)
         fuse_updates(graph)
     graph.infer_shapes().validate()
     return graph

@@ -27,7 +27,8 @@ from .loss import (softmax_loss_forward, softmax_loss_backward, softmax_loss_mea
 from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, adam_update,  # noqa: F401
                    adam_multi,
                    learning_rate, iteration_next, grad_sumsq, SumsqTable,
-                   grad_sumsq_multi, clip_total, clip_scale,
+                   grad_sumsq_multi, clip_total, clip_scale, ClipScaleTable,
+                   clip_scale_multi,
                    all_finite, adaptive_update)
 from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,  # noqa: F401
                           relu_backward, bias_act, gelu_forward, gelu_backward,

@@ -27,7 +27,8 @@ ENTRY_POINTS = {
     "reduce": ("channel_sum", "sum_rows", "bias_grad", "bias_grad_finish", "embedding_grad"),
     "layernorm": ("layernorm_forward", "layernorm_backward"),
     "loss_watch": ("loss_watch",),
-    "clip": ("grad_sumsq", "grad_sumsq_multi", "clip_total", "clip_scale"),
+    "clip": ("grad_sumsq", "grad_sumsq_multi", "clip_total", "clip_scale",
+             "clip_scale_multi"),
 }
 #: entry points that exist once, without a dtype suffix
 PLAIN_ENTRY_POINTS = {

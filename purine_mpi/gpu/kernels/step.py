@@ -251,32 +251,24 @@ def grad_sumsq(g, partial, scale2=1.0):
                           partial))
 
 
-class SumsqTable:
-    """The device table of :func:`grad_sumsq_multi` for a fixed list of
-    gradients (C-contiguous CuPy arrays of one dtype, each with its
-    ``scale2``), built once (GradNormSq's setup): their pointers, sizes,
-    scale2 and row of the partial sums, largest gradient first (its long
-    stripes start first; the rows keep the list's order)."""
+class _GradTable:
+    """A fixed list of gradients (C-contiguous CuPy arrays of one dtype)
+    whose addresses a multi-tensor kernel's device table holds: checked,
+    kept alive, and :meth:`holds` tells whether arrays are still them."""
 
-    def __init__(self, grads, scale2s, slots):
+    def __init__(self, what, grads):
         cupy = import_cupy()
-        if not grads or len(grads) != len(scale2s):
-            raise ValueError("SumsqTable: gradients and one scale2 each")
+        if not grads:
+            raise ValueError(f"{what}: no gradients")
         dtype = np.dtype(grads[0].dtype)
         dtype_suffix(dtype)
         for g in grads:
             if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous or g.dtype != dtype:
-                raise ValueError(f"SumsqTable: every gradient must be a C-contiguous {dtype} "
+                raise ValueError(f"{what}: every gradient must be a C-contiguous {dtype} "
                                  f"CuPy array")
-        self.dtype, self.slots, self.count = dtype, int(slots), len(grads)
+        self.dtype, self.count = dtype, len(grads)
         self.grads = list(grads)   # kept alive: the table holds their addresses
         self.pointers_host = [data_ptr(g) for g in grads]
-        rows = sorted(range(len(grads)), key=lambda i: (-int(grads[i].size), i))
-        self.pointers = cupy.asarray(np.asarray([self.pointers_host[i] for i in rows],
-                                                np.uint64))
-        self.sizes = cupy.asarray(np.asarray([grads[i].size for i in rows], np.int64))
-        self.scale2 = cupy.asarray(np.asarray([float(scale2s[i]) for i in rows], np.float64))
-        self.rows = cupy.asarray(np.asarray(rows, np.int64))
 
     def holds(self, grads):
         """Whether ``grads`` are the arrays the table was built for (the same
@@ -285,6 +277,27 @@ class SumsqTable:
             data_ptr(g) == p and g.size == t.size and g.dtype == self.dtype
             and g.flags.c_contiguous
             for g, p, t in zip(grads, self.pointers_host, self.grads))
+
+
+class SumsqTable(_GradTable):
+    """The device table of :func:`grad_sumsq_multi` for a fixed list of
+    gradients (C-contiguous CuPy arrays of one dtype, each with its
+    ``scale2``), built once (GradNormSq's setup): their pointers, sizes,
+    scale2 and row of the partial sums, largest gradient first (its long
+    stripes start first; the rows keep the list's order)."""
+
+    def __init__(self, grads, scale2s, slots):
+        cupy = import_cupy()
+        if len(grads) != len(scale2s):
+            raise ValueError("SumsqTable: gradients and one scale2 each")
+        super().__init__("SumsqTable", grads)
+        self.slots = int(slots)
+        rows = sorted(range(len(grads)), key=lambda i: (-int(grads[i].size), i))
+        self.pointers = cupy.asarray(np.asarray([self.pointers_host[i] for i in rows],
+                                                np.uint64))
+        self.sizes = cupy.asarray(np.asarray([grads[i].size for i in rows], np.int64))
+        self.scale2 = cupy.asarray(np.asarray([float(scale2s[i]) for i in rows], np.float64))
+        self.rows = cupy.asarray(np.asarray(rows, np.int64))
 
 
 def grad_sumsq_multi(table, partial):
@@ -374,6 +387,12 @@ def clip_total(partial, out, dtype=np.float32):
                          (partial, np.int64(partial.size), out))
 
 
+def _clip_sumsq(cupy, sumsq, what):
+    if not isinstance(sumsq, cupy.ndarray) or sumsq.dtype != np.float64 or sumsq.size != 1:
+        raise ValueError(f"{what}: sumsq must be a one-element float64 CuPy array")
+    return cupy.ascontiguousarray(sumsq.reshape(1))
+
+
 def clip_scale(g, sumsq, clip):
     """In place: g *= clip / sqrt(sumsq[0]) when that norm exceeds ``clip``
     (``sumsq`` a one-element float64 device array, read by the kernel)."""
@@ -381,7 +400,45 @@ def clip_scale(g, sumsq, clip):
     if not isinstance(g, cupy.ndarray) or not g.flags.c_contiguous:
         raise ValueError("clip_scale: g must be a C-contiguous CuPy array (scaled in place)")
     dtype_suffix(g.dtype)
-    if not isinstance(sumsq, cupy.ndarray) or sumsq.dtype != np.float64 or sumsq.size != 1:
-        raise ValueError("clip_scale: sumsq must be a one-element float64 CuPy array")
     _base._launch("clip", "clip_scale", g.dtype, g.size,
-                  (g, cupy.ascontiguousarray(sumsq.reshape(1)), np.float64(clip)))
+                  (g, _clip_sumsq(cupy, sumsq, "clip_scale"), np.float64(clip)))
+
+
+#: elements per item of ``clip_scale_multi``: a block of 256 threads,
+#: PURINE_CLIP_BATCH (16) loads in flight each (cuda/clip.cu)
+CLIP_SCALE_CHUNK = 4096
+
+
+class ClipScaleTable(_GradTable):
+    """The device table of :func:`clip_scale_multi` for a fixed list of
+    gradients (C-contiguous CuPy arrays of one dtype), built once
+    (ClipScale's setup): their pointers, sizes and the first item of each
+    (items of ``chunk`` elements; an empty gradient has none)."""
+
+    def __init__(self, grads, chunk=CLIP_SCALE_CHUNK):
+        cupy = import_cupy()
+        super().__init__("ClipScaleTable", grads)
+        self.chunk = int(chunk)
+        if self.chunk < 1:
+            raise ValueError(f"ClipScaleTable: chunk must be >= 1, got {chunk}")
+        counts = [-(-int(g.size) // self.chunk) for g in grads]
+        self.items = int(sum(counts))
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.pointers = cupy.asarray(np.asarray(self.pointers_host, np.uint64))
+        self.sizes = cupy.asarray(np.asarray([g.size for g in grads], np.int64))
+        self.firsts = cupy.asarray(firsts)
+
+
+def clip_scale_multi(table, sumsq, clip):
+    """:func:`clip_scale` of every gradient of ``table`` (a
+    :class:`ClipScaleTable`) in one launch: bit for bit one
+    :func:`clip_scale` per gradient (cuda/clip.cu)."""
+    cupy = import_cupy()
+    sumsq = _clip_sumsq(cupy, sumsq, "clip_scale_multi")
+    if table.items == 0:
+        return
+    _base._launch_blocks("clip", "clip_scale_multi", table.dtype,
+                         min(table.items, _base._MAX_BLOCKS), _base._BLOCK,
+                         (table.pointers, table.sizes, table.firsts, _int(table.count),
+                          np.int64(table.items), np.int64(table.chunk), sumsq,
+                          np.float64(clip)))
