@@ -94,11 +94,8 @@ def run_cli_here(*args, cwd=REPO):
     as subprocesses (test_cli.py's malformed and missing config files and
     top-level --help). A call that reaches MPI fails the test (the pytest
     process keeps MPI out, ``FakeWorld``: ``mpi4py.MPI`` cannot be imported
-    meanwhile); where MPI is up in this process already the command runs as
-    a subprocess."""
+    meanwhile, ``_hide_mpi``, also where an earlier test loaded it)."""
     args = [str(a) for a in args]
-    if "mpi4py.MPI" in sys.modules:  # the error report would go through the world
-        return run_cli_args(*args, cwd=cwd)
     import contextlib
     import io
     import signal
@@ -108,7 +105,7 @@ def run_cli_here(*args, cwd=REPO):
     env, here, run_env = dict(os.environ), os.getcwd(), cli_env()
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
     out, err = io.StringIO(), io.StringIO()
-    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    hidden = _hide_mpi()
     try:
         os.environ.clear()
         os.environ.update(run_env)
@@ -124,7 +121,7 @@ def run_cli_here(*args, cwd=REPO):
         raise AssertionError(f"purine_mpi {' '.join(args)} reached MPI: run it with "
                              "run_cli_args") from exc
     finally:
-        del sys.modules["mpi4py.MPI"]
+        _show_mpi(hidden)
         os.chdir(here)
         os.environ.clear()
         os.environ.update(env)
@@ -132,6 +129,39 @@ def run_cli_here(*args, cwd=REPO):
             signal.signal(getattr(signal, name), handler)
     return subprocess.CompletedProcess([PYTHON, "-m", "purine_mpi", *args], status,
                                        out.getvalue(), err.getvalue())
+
+
+def _hide_mpi():
+    """Make ``mpi4py.MPI`` unimportable (ImportError) in this process, as it
+    is in a command's own process before MPI starts, also where an earlier
+    in-process test loaded it (the emulated NCCL, a real MPI request):
+    hidden, not a reason to run the command as a subprocess (which made
+    every later run_cli_here of that pytest worker a new interpreter:
+    test_config_fuzz's sample 4 s alone, 37-50 s after one such test).
+    The process-wide World, where one was made, is hidden too (a command
+    that asks for it makes one: ImportError). Returns what ``_show_mpi``
+    puts back."""
+    loaded = sys.modules.get("mpi4py.MPI")
+    package = sys.modules.get("mpi4py")
+    attribute = None if package is None else package.__dict__.pop("MPI", None)
+    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    world = sys.modules.get("purine_mpi.comm.world")
+    made = None if world is None else world._WORLD
+    if world is not None:
+        world.set_world(None)
+    return loaded, package, attribute, world, made
+
+
+def _show_mpi(hidden):
+    loaded, package, attribute, world, made = hidden
+    if world is not None:
+        world.set_world(made)
+    if loaded is None:
+        del sys.modules["mpi4py.MPI"]
+    else:
+        sys.modules["mpi4py.MPI"] = loaded
+    if attribute is not None:
+        package.MPI = attribute
 
 
 def run_mpi_cli(n, *args, timeout=180):
