@@ -54,11 +54,64 @@ def _compile_once():
     if not sys.flags.dont_write_bytecode:
         return  # every process writes its own as it imports
     import compileall
-    for sub in ("purine_mpi", "tests"):
-        compileall.compile_dir(os.path.join(REPO, sub), quiet=2, workers=1)
+    compileall.compile_dir(os.path.join(REPO, "purine_mpi"), quiet=2, workers=1)
+    # not the test files: pytest loads them rewritten (_share_the_rewriting)
+    compileall.compile_dir(os.path.join(REPO, "tests"), quiet=2, workers=1,
+                           rx=re.compile(r"[\\/]test_[^\\/]*\.py$"))
 
 
 _compile_once()
+
+
+def _share_the_rewriting(config):
+    """Under pytest-xdist each worker collects every test file, and pytest
+    rewrites each one's asserts as it imports it: ~11 s of CPU a worker for
+    the suite's ~200 files (parsing, rewriting and compiling ~5,000 asserts;
+    6 s of collection without it), the same work on every worker, at once,
+    and done again each run where PYTHONDONTWRITEBYTECODE keeps pytest from
+    caching it. Each worker rewrites its share of the files it will collect
+    (every ``workercount``-th) before collecting, into the pytest pycs that
+    its import reads (``__pycache__/*-pytest-*.pyc``, checked against the
+    source's hash), so that every worker then finds the others' shares
+    made; a share not made yet is rewritten by pytest itself, as before.
+    Nothing changes in what is rewritten or how (pytest's own functions);
+    a pytest without them rewrites as it always has."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None or config.getoption("assertmode", "rewrite") != "rewrite":
+        return
+    try:
+        from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc
+        from _pytest.assertion.rewrite import assertstate_key, get_cache_dir
+        state = config.stash[assertstate_key]
+        index, count = int(worker["workerid"].lstrip("gw")), int(worker["workercount"])
+    except (ImportError, KeyError, ValueError, AttributeError):
+        return
+    import fnmatch
+    from pathlib import Path
+    patterns = config.getini("python_files")
+    files = set()
+    for arg in config.args:
+        path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        walk = [(str(path.parent), [], [path.name])] if path.is_file() else os.walk(path)
+        for root, dirs, names in walk:
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            files.update(Path(root, name) for name in names if name.endswith(".py") and
+                         any(fnmatch.fnmatch(name, pattern) for pattern in patterns))
+    for fn in sorted(files)[index::count]:
+        try:
+            pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+            if _read_pyc(fn, pyc) is None:
+                source, co = _rewrite_test(fn, config)
+                os.makedirs(pyc.parent, exist_ok=True)
+                _write_pyc(state, co, source, pyc)
+        except (OSError, SyntaxError):
+            pass  # pytest's import says what is wrong with the file
+
+
+def pytest_configure(config):
+    _share_the_rewriting(config)
+
+
 PYTHON = sys.executable
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
@@ -94,11 +147,8 @@ def run_cli_here(*args, cwd=REPO):
     as subprocesses (test_cli.py's malformed and missing config files and
     top-level --help). A call that reaches MPI fails the test (the pytest
     process keeps MPI out, ``FakeWorld``: ``mpi4py.MPI`` cannot be imported
-    meanwhile); where MPI is up in this process already the command runs as
-    a subprocess."""
+    meanwhile, ``_hide_mpi``, also where an earlier test loaded it)."""
     args = [str(a) for a in args]
-    if "mpi4py.MPI" in sys.modules:  # the error report would go through the world
-        return run_cli_args(*args, cwd=cwd)
     import contextlib
     import io
     import signal
@@ -108,7 +158,7 @@ def run_cli_here(*args, cwd=REPO):
     env, here, run_env = dict(os.environ), os.getcwd(), cli_env()
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in StopSignal.CAUGHT}
     out, err = io.StringIO(), io.StringIO()
-    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    hidden = _hide_mpi()
     try:
         os.environ.clear()
         os.environ.update(run_env)
@@ -124,7 +174,7 @@ def run_cli_here(*args, cwd=REPO):
         raise AssertionError(f"purine_mpi {' '.join(args)} reached MPI: run it with "
                              "run_cli_args") from exc
     finally:
-        del sys.modules["mpi4py.MPI"]
+        _show_mpi(hidden)
         os.chdir(here)
         os.environ.clear()
         os.environ.update(env)
@@ -132,6 +182,39 @@ def run_cli_here(*args, cwd=REPO):
             signal.signal(getattr(signal, name), handler)
     return subprocess.CompletedProcess([PYTHON, "-m", "purine_mpi", *args], status,
                                        out.getvalue(), err.getvalue())
+
+
+def _hide_mpi():
+    """Make ``mpi4py.MPI`` unimportable (ImportError) in this process, as it
+    is in a command's own process before MPI starts, also where an earlier
+    in-process test loaded it (the emulated NCCL, a real MPI request):
+    hidden, not a reason to run the command as a subprocess (which made
+    every later run_cli_here of that pytest worker a new interpreter:
+    test_config_fuzz's sample 4 s alone, 37-50 s after one such test).
+    The process-wide World, where one was made, is hidden too (a command
+    that asks for it makes one: ImportError). Returns what ``_show_mpi``
+    puts back."""
+    loaded = sys.modules.get("mpi4py.MPI")
+    package = sys.modules.get("mpi4py")
+    attribute = None if package is None else package.__dict__.pop("MPI", None)
+    sys.modules["mpi4py.MPI"] = None  # importing it raises ImportError
+    world = sys.modules.get("purine_mpi.comm.world")
+    made = None if world is None else world._WORLD
+    if world is not None:
+        world.set_world(None)
+    return loaded, package, attribute, world, made
+
+
+def _show_mpi(hidden):
+    loaded, package, attribute, world, made = hidden
+    if world is not None:
+        world.set_world(made)
+    if loaded is None:
+        del sys.modules["mpi4py.MPI"]
+    else:
+        sys.modules["mpi4py.MPI"] = loaded
+    if attribute is not None:
+        package.MPI = attribute
 
 
 def run_mpi_cli(n, *args, timeout=180):

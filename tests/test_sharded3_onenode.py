@@ -17,7 +17,7 @@ from purine_mpi.ops.updates import UPDATE_OP_TYPES
 from purine_mpi.runtime.footprint import model_state_bytes, window_bytes
 from purine_mpi.runtime.memory_plan import check_plan, plan_memory
 from purine_mpi.tools.graph import composed
-from tests.conftest import make_job, run_cli_args, write_config_file
+from tests.conftest import make_job, run_cli_here, write_config_file
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.test_sharded import _job, _losses, _train
@@ -94,7 +94,7 @@ def test_across_hosts_no_shared_copy(monkeypatch):
 @pytest.mark.parametrize("shard", [1, 2])
 def test_one_sided_below_stage_3_exits_2(tmp_path, shard):
     cfg = _job("sharded", "sgd", shard=shard, transport="one_sided")
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    res = run_cli_here("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
     assert_user_error(res, "parallel.transport", f"shard {shard}", "shard 3")
 
 

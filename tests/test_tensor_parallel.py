@@ -11,7 +11,8 @@ import pytest
 
 from purine_mpi.base.errors import UserError
 from purine_mpi.tools.graph import compose_for, render_graph
-from tests.conftest import make_job, run_cli_args, run_mpi_cli, train_here, write_config_file
+from tests.conftest import (make_job, run_cli_args, run_cli_here, run_mpi_cli, train_here,
+                            write_config_file)
 from tests.test_cli import assert_user_error
 from tests.test_micro_batches import _params
 from tests.gpt_nets import gpt_config, text_h5
@@ -322,7 +323,7 @@ def test_dropout_of_replicated_activations_agrees(tmp_path, tokens):
 def test_bad_combinations_exit_2(tmp_path, parallel, key, words):
     cfg = _config(solver="sgd")
     cfg["parallel"].update(parallel)
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    res = run_cli_here("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
     assert_user_error(res, key, words)
 
 

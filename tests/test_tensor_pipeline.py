@@ -374,7 +374,7 @@ def test_scheme_tensor_with_stages_exits_2(tmp_path):
     2 pointing at schemes pipeline and hybrid."""
     key = "parallel.stages"
     cfg = _mlp(dict(_tp_pp(dict(STAGES)), scheme="tensor"))
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
+    res = run_cli_here("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r")
     assert_user_error(res, key, f"scheme tensor with {key} is refused",
                       "use scheme: pipeline or hybrid")
 

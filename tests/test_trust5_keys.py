@@ -14,7 +14,7 @@ from purine_mpi.job.config import resolve_config
 from purine_mpi.layers import LAYER_SPECS, Key, Range, layer
 from purine_mpi.layers.registry import FILLER_RANGES, NUMERIC_KINDS, PARAM_RANGE
 
-from .conftest import REPO, run_cli_args, write_config_file
+from .conftest import REPO, run_cli_args, run_cli_here, write_config_file
 from .test_cli import assert_user_error
 
 #: good values of the required keys (the probe layer must pass but for the key under test)
@@ -175,7 +175,7 @@ def test_layer_norm_negative_eps_exits_2_before_training(tmp_path):
            "net": [{"type": "layer_norm", "name": "ln", "bottom": "data", "eps": -1},
                    {"type": "fc", "name": "head", "bottom": "ln", "num_output": 4},
                    {"type": "softmax_loss", "name": "loss", "bottom": ["head", "label"]}]}
-    res = run_cli_args("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r",
+    res = run_cli_here("train", write_config_file(tmp_path, cfg), "--out", tmp_path / "r",
                        "--iters", "2")
     text = assert_user_error(res, "cfg.yaml", "net[0].eps", "layer 'ln'", "> 0", "got -1")
     assert len(text.splitlines()) == 1 and "diverged" not in text
