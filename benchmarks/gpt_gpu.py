@@ -3,7 +3,7 @@
 against PyTorch with the same model, side by side in one run (issue 45).
 
     python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
-        [--micro-batches 1] [--recompute-layers 'h*_gelu,h*_proj,h*_res2'] [--seq T]
+        [--micro-batches 1] [--recompute-layers 'h*_ln1,h*_ln2,h*_gelu'] [--seq T]
         [--iters 10] [--warmup 3] [--rounds 2]
         [--sides purine torch_eager torch_compile] [--profile-iters 3]
         [--budget-s S] [--deadline-s S] [--device 0]
@@ -19,10 +19,11 @@ take seconds):
 - ``purine``: ``bench``'s own timing loop (tools/bench.run_bench) of the job
   with ``--set precision=bf16 device=N parallel.micro_batches=M
   data.train.batch_size=B*M`` (and at M = 1 ``recompute=full
-  recompute_layers=[--recompute-layers]``: by default GELU's output is
-  computed again from its kept input just before the backward reads it,
-  instead of kept, 12 x 192 MiB at 16 x 1024 tokens, as torch.compile's
-  partitioner recomputes pointwise ops; bitwise the same; docs/gpu.md),
+  recompute_layers=[--recompute-layers]``: by default the layer norms'
+  and GELU's outputs are computed again from their kept inputs just
+  before the weight gradients read them, instead of kept, 12 x 192 MiB
+  and 24 x 48 MiB at 16 x 1024 tokens, as torch.compile's partitioner
+  recomputes pointwise ops; bitwise the same; docs/gpu.md),
   CUDA-graph replay as ``train`` runs it, on
   a token file written from this repository's own sources (nothing is read
   from the network);
@@ -456,11 +457,11 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per micro-batch (default 16, nanoGPT's; 2 with --dry-run)")
     ap.add_argument("--micro-batches", type=int, default=1)
-    ap.add_argument("--recompute-layers", default="h*_gelu,h*_proj,h*_res2",
+    ap.add_argument("--recompute-layers", default="h*_ln1,h*_ln2,h*_gelu",
                     help="ours with one micro-batch: recompute: full on these layers (the "
-                    "default: GELU's output computed again from its kept input before the "
-                    "backward reads it, as torch.compile's partitioner does; bitwise the "
-                    "same); '' for none")
+                    "default: the layer norms' and GELU's outputs computed again from their "
+                    "kept inputs before the weight gradients read them, as torch.compile's "
+                    "partitioner recomputes pointwise ops; bitwise the same); '' for none")
     ap.add_argument("--seq", type=int, default=None,
                     help="tokens per sequence (default: the job's; 32 with --dry-run)")
     ap.add_argument("--iters", type=int, default=10)
