@@ -3,7 +3,8 @@
 against PyTorch with the same model, side by side in one run (issue 45).
 
     python benchmarks/gpt_gpu.py [--config jobs/gpt2_124m.yaml] [--batch 16]
-        [--micro-batches 1] [--seq T] [--iters 10] [--warmup 3] [--rounds 2]
+        [--micro-batches 1] [--recompute-layers 'h*_ln1,h*_ln2,h*_gelu'] [--seq T]
+        [--iters 10] [--warmup 3] [--rounds 2]
         [--sides purine torch_eager torch_compile] [--profile-iters 3]
         [--budget-s S] [--deadline-s S] [--device 0]
     python benchmarks/gpt_gpu.py --dry-run --config jobs/gpt_tiny.yaml
@@ -17,7 +18,13 @@ take seconds):
 
 - ``purine``: ``bench``'s own timing loop (tools/bench.run_bench) of the job
   with ``--set precision=bf16 device=N parallel.micro_batches=M
-  data.train.batch_size=B*M``, CUDA-graph replay as ``train`` runs it, on
+  data.train.batch_size=B*M`` (and at M = 1 ``recompute=full
+  recompute_layers=[--recompute-layers]``: by default the layer norms'
+  and GELU's outputs are computed again from their kept inputs just
+  before the weight gradients read them, instead of kept, 12 x 192 MiB
+  and 24 x 48 MiB at 16 x 1024 tokens, as torch.compile's partitioner
+  recomputes pointwise ops; bitwise the same; docs/gpu.md),
+  CUDA-graph replay as ``train`` runs it, on
   a token file written from this repository's own sources (nothing is read
   from the network);
 - ``torch_eager``: nanoGPT's model.py (benchmarks/gpt_torch.py's
@@ -122,6 +129,9 @@ def load(args, tokens, device, precision):
             f"device={device}", f"precision={precision}", "checkpoint.interval=0"]
     if args.seq:
         sets.append(f"data.train.sequence_length={args.seq}")
+    layers = getattr(args, "recompute_layers", None)
+    if layers and args.micro_batches == 1:   # recompute refuses micro-batches
+        sets += ["recompute=full", f"recompute_layers=[{layers}]"]
     return load_config(args.config, overrides=sets, check_files=False)
 
 
@@ -447,6 +457,11 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per micro-batch (default 16, nanoGPT's; 2 with --dry-run)")
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--recompute-layers", default="h*_ln1,h*_ln2,h*_gelu",
+                    help="ours with one micro-batch: recompute: full on these layers (the "
+                    "default: the layer norms' and GELU's outputs computed again from their "
+                    "kept inputs before the weight gradients read them, as torch.compile's "
+                    "partitioner recomputes pointwise ops; bitwise the same); '' for none")
     ap.add_argument("--seq", type=int, default=None,
                     help="tokens per sequence (default: the job's; 32 with --dry-run)")
     ap.add_argument("--iters", type=int, default=10)
@@ -591,6 +606,8 @@ def main(argv=None):
               "config": os.path.relpath(os.path.abspath(args.config), REPO),
               "precision": precision, "batch": args.batch, "micro_batches": args.micro_batches,
               "sequence_length": spec["sequence_length"],
+              "recompute_layers": config.get("recompute_layers") if
+              config.get("recompute", "none") != "none" else None,
               "tokens_per_step": args.batch * args.micro_batches * spec["sequence_length"],
               "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
               "cut_short": cut_short, "model_flops_per_token": per_token,

@@ -28,6 +28,8 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     out = json.loads(res.stdout)
     assert out["benchmark"] == "gpt_gpu" and out["dry_run"] is True
     assert out["peak_flops_per_s"] is None and out["cut_short"] is None
+    # ours at one micro-batch: the layer norms' and GELU's outputs recomputed (docs/gpu.md)
+    assert out["recompute_layers"] == ["h*_ln1", "h*_ln2", "h*_gelu"]
     # one FLOPs figure for every side: PaLM's closed form of the job
     assert out["model_flops_per_token"] > 0 and "6N + 12*L*H*Q*T" in out["closed_form"]
     sides = out["sides"]

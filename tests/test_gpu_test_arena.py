@@ -1,9 +1,10 @@
 """The test graph reuses the training graph's device arena on a GPU, as it
 does the host arena (runtime/workspace.py ``device_arenas``): the test
 workspace's planned blobs are views into the training workspace's planned
-region of each device when that region is large enough, else into an arena
-of its own; ``plan`` counts the device arena so (runtime/footprint.py: the
-test's planned region only where it exceeds the training one's).
+region of each device, which the training workspace makes as large as the
+test's where that is larger (``room``: the two take the larger's bytes, not
+their sum); ``plan`` counts the device arena so (runtime/footprint.py: what
+the test's planned region adds where it exceeds the training one's).
 
 On the emulated device (tests/emulated_gpu: streams run in random
 interleavings that respect only the recorded events), CUDA graphs on:
@@ -11,11 +12,11 @@ interleavings that respect only the recorded events), CUDA graphs on:
 - a job with a test pass every 2 iterations trains, tests and ends with
   the same bytes as the same job whose test workspace has arenas of its
   own (the planned bytes filled with garbage first);
-- the test workspace's planned region is the training one's when it fits,
-  its own when it does not, and ``device_bytes``/``allocated_bytes`` say so;
+- the test workspace's planned region is the training one's, grown to
+  the test's where that is larger, and ``device_bytes``/``allocated_bytes``
+  say so;
 - ``plan``'s device rows are the two workspaces' device bytes to the byte,
-  its activations row the training region plus the test's only where the
-  test's is larger;
+  its activations row the larger of the two planned regions;
 - a test pass starts after the training iteration's queued device work is
   drained and ends synchronised (the two points the graphs meet).
 """
@@ -95,7 +96,8 @@ def test_training_with_the_shared_device_arena_is_bitwise_with_arenas_apart(
 def test_the_test_workspace_reuses_the_device_region_when_it_fits_and_plan_counts_it(
         host_build_dir, monkeypatch, tmp_path, test_batch):
     """Test batch 8 (the training's): the test region fits in the training
-    one; 64: it does not, and the test workspace allocates its own."""
+    one; 64: it does not, and the training workspace's region grows to it
+    (before: the test workspace allocated one of its own, the two summed)."""
     from purine_mpi.tools.plan import offline_footprint
     emulated_trainer_env(monkeypatch, host_build_dir)
     raw = _raw(test_batch)
@@ -103,23 +105,18 @@ def test_the_test_workspace_reuses_the_device_region_when_it_fits_and_plan_count
     try:
         ws, tws = trainer.ws, trainer.test.workspace
         train_region, test_region = _region_bytes(ws)[0], _region_bytes(tws)[0]
-        fits = test_region <= train_region
-        assert fits == (test_batch == 8)
-        assert ws.device_arenas[0].nbytes == train_region
+        assert (test_region <= train_region) == (test_batch == 8)
+        assert ws.device_arenas[0].nbytes == max(train_region, test_region)
         # the test workspace's arena holds its roots but the planned ones;
-        # those are the training workspace's region, or one of its own after them
+        # those are views into the training workspace's region
         own = tws._arena[0]
         planned = [r for r in tws.device_plans[0].offsets]
         assert planned
         for root in planned:
-            assert np.shares_memory(tws.storage(root), ws.device_arenas[0]) == fits, root
-            assert np.shares_memory(tws.storage(root), own) != fits, root
-        if fits:
-            assert tws.device_arenas[0] is ws.device_arenas[0]
-            assert tws.device_bytes[0] == own.nbytes or tws.device_bytes[0] == 0
-        else:
-            assert tws.device_arenas[0].nbytes == test_region
-            assert tws.device_bytes[0] == own.nbytes >= test_region
+            assert np.shares_memory(tws.storage(root), ws.device_arenas[0]), root
+            assert not np.shares_memory(tws.storage(root), own), root
+        assert tws.device_arenas[0] is ws.device_arenas[0]
+        assert tws.device_bytes[0] == own.nbytes or tws.device_bytes[0] == 0
         assert ws.device_bytes[0] == ws._arena[0].nbytes
         allocated = ws.device_bytes[0] + tws.device_bytes[0]
     finally:
@@ -129,7 +126,7 @@ def test_the_test_workspace_reuses_the_device_region_when_it_fits_and_plan_count
     blobs = sum(n for row, n in rows.items()
                 if row not in ("scratch", "cublas_workspaces", "capture_pools"))
     assert blobs == allocated, (rows, allocated)
-    assert rows["activations"] == train_region + (0 if fits else test_region)
+    assert rows["activations"] == max(train_region, test_region)
 
 
 def test_a_test_pass_starts_after_the_training_work_and_ends_synchronised(

@@ -451,3 +451,21 @@ def test_shared_colourings_answer_a_plan_of_the_same_content(monkeypatch, email_
         plan(1, batch=2)
         assert len(colours) == 18
     assert not mp.SHARED_COLOURINGS.is_open
+
+
+def test_the_test_graphs_loss_writes_its_probabilities_over_the_logits(email_h5):
+    """gpt_tiny's test graph: the softmax loss waits for the accuracy, which
+    reads the same logits and ends there (job/replica.py,
+    ``_in_place_after_sinks``), so its probabilities take the logits' bytes
+    (before: two buffers, GPT-2 124M's 2 x 6.1 GiB at a test batch of 32)."""
+    from purine_mpi.job.replica import build_test_graph
+    from purine_mpi.runtime.memory_plan import plan_memory
+    cfg = resolve_config(_job("gpt_tiny.yaml"), overrides=[
+        f"data.train.path={email_h5}", f"data.test.path={email_h5}"], check_files=False)
+    g = build_test_graph(make_job(cfg))
+    loss = next(op for op in g.ops.values() if op.op_type == "SoftmaxLoss")
+    accuracy = next(op for op in g.ops.values() if op.op_type == "Accuracy")
+    assert accuracy.inputs[0] == loss.inputs[0] and accuracy.name in loss.control_inputs
+    plan = plan_memory(g, keep=batch_blobs(g), order_ops=True)
+    _assert_sound(g, plan)
+    assert plan.in_place[loss.outputs[1]] == (loss.inputs[0], loss.name)

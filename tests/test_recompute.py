@@ -299,3 +299,30 @@ def test_recompute_refusals(email_h5, sets, key):
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f"'{key}'" in lines[0] and "Traceback" not in res.stderr, lines
+
+
+def test_a_unit_cut_before_the_residual_add_recomputes_its_outputs(email_h5, tmp_path):
+    """``recompute_layers`` that stop a unit before its residual add (a
+    transformer's GELU, its layer norms: the units ``[h0_gelu]``,
+    ``[h0_ln1]``, ...) recompute the outputs the backward reads (GELU's
+    output, the normalised rows), from the inputs kept anyway; before, a
+    unit's outputs were kept in any net with residual adds, so these units
+    recomputed nothing. The weights stay bitwise those of no recompute."""
+    from purine_mpi.graph.recompute import SUFFIX
+    from purine_mpi.job.config import load_config
+    layers = "recompute_layers=[h*_gelu,h*_ln1,h*_ln2]"
+    g = _graph(email_h5, "full", layers)
+    redone = set(g.recompute["recomputed"])
+    assert {"h0_m@h0_gelu", "h1_m@h1_gelu", "h0_n1", "h0_n2", "h1_n1", "h1_n2"} <= redone, redone
+    # the weight gradients read the copies; the kept inputs are the copies' inputs
+    cons = g.consumers()
+    assert all(c.name.endswith(SUFFIX) or ".bwd" not in c.name for b in redone
+               for c in cons.get(b, ()))
+    assert {"h0_m", "x0", "h0_r"} <= set(g.recompute["saved"]), g.recompute["saved"]
+    sets = _sets(email_h5, dropout=0.0, fused=True)[1::2]
+    base = str(tmp_path / "none")
+    train_here(load_config(TINY, overrides=sets), base)
+    cut = str(tmp_path / "cut")
+    train_here(load_config(TINY, overrides=sets + ["recompute=full", layers]), cut)
+    _assert_bitwise(_params(os.path.join(base, "latest.h5")),
+                    _params(os.path.join(cut, "latest.h5")), "cut units")

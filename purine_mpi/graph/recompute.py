@@ -17,10 +17,15 @@ parallel composition (job/replica.py calls it):
     matched layer is a unit of its own. A unit keeps its inputs (the blobs
     it reads from outside: the residual stream, the weights); every blob it
     makes that its backward reads is recomputed, but for its outputs (the
-    blobs it hands to forward ops outside it) in a net with residual adds:
-    the residual stream is the next unit's input, kept anyway, and
-    recomputing it would copy the whole unit for a reader (the next
-    LayerNorm's backward) that runs before the unit's own backward.
+    blobs it hands to forward ops outside it) where the unit ends at a
+    residual add: the residual stream is the next unit's input, kept
+    anyway, and recomputing it would copy the whole unit for a reader (the
+    next LayerNorm's backward) that runs before the unit's own backward.
+    A unit that ``recompute_layers`` cuts before its add (``h*_gelu``,
+    ``h*_ln1``: a layer alone) recomputes its outputs too: GELU's output
+    for the projection's weight gradient, from the fc output GELU's
+    gradient keeps; a layer norm's rows for the next product's weight
+    gradient, from the residual stream its gradient keeps.
 
 ``selective``
     Only attention's (N, H, T, T) tensors are recomputed: the ``Softmax``
@@ -193,7 +198,8 @@ def add_recompute(graph, setting, layers, patterns=None):
             layer = _layer_of(op.name, names)
             if layer is not None:
                 by_layer.setdefault(layer, []).append(op)
-    residual = any(kind in RESIDUAL_TYPES and len(bottoms) >= 2 for _, kind, bottoms in layers)
+    adds = {name for name, kind, bottoms in layers
+            if kind in RESIDUAL_TYPES and len(bottoms) >= 2}
     if setting == "full":
         units = units_of(layers, patterns)
     else:
@@ -203,8 +209,11 @@ def add_recompute(graph, setting, layers, patterns=None):
         ops = [op for layer in unit for op in by_layer.get(layer, ())]
         if not ops:
             continue
+        # a unit up to a residual add keeps its outputs (the stream); a
+        # unit that stops before one (``recompute_layers`` cut it there:
+        # a transformer's GELU, its layer norms) recomputes them too
         done = _recompute_unit(graph, ops, forward, setting,
-                               keep_outputs=setting == "full" and residual)
+                               keep_outputs=setting == "full" and unit[-1] in adds)
         if done is not None:
             summary["units"].append(unit)
             saved.update(done[0])

@@ -73,12 +73,13 @@ def memory_plans(graph, keep=(), skip=(), order_ops=True):
     return host, device_plans(graph, keep=keep, skip=skip, order_ops=order_ops)
 
 
-def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None, plans=None):
+def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None, plans=None,
+                      room=None):
     """The workspace ``train`` runs ``graph`` in. With ``planned`` (the
     config's ``memory_plan``) the transient blobs of the host and of each
     GPU share one arena per device (runtime/memory_plan.py); ``keep``: what
     the host reads besides losses and metrics; ``shared``, ``arena``: as
-    ``Workspace`` takes them; the plans are those of ``memory_plans``, or
+    ``Workspace`` takes them, and ``room`` too; the plans are those of ``memory_plans``, or
     ``plans`` (host, {device: plan}) made already for the same graph, keep
     and shared blobs (runtime/footprint.py: the start-up memory check)."""
     # blobs in window memory (parallel.transport) are owned by the windows
@@ -86,4 +87,5 @@ def planned_workspace(graph, planned=True, keep=(), shared=None, arena=None, pla
     if not planned:
         return Workspace(graph, shared=shared, arena=arena)
     plan, devices = plans or memory_plans(graph, keep=keep, skip=shared or ())
-    return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices)
+    return Workspace(graph, shared=shared, plan=plan, arena=arena, device_plans=devices,
+                     room=room)

@@ -358,6 +358,15 @@ def _graph_rows(graph, keep, skip, host_plan, device_plans):
     return host, devices
 
 
+def test_room(plans):
+    """{device (-1: the host): bytes} of the test workspace's planned
+    arenas (``WorkspacePlans``): the room the training workspace's own
+    arenas make for them (``Workspace``'s ``room``), so that the test pass,
+    which never runs with a training iteration, reuses them and the two
+    take the larger's bytes, not their sum."""
+    return _arenas(plans.test_host, plans.test_devices)
+
+
 def _arenas(host_plan, device_plans):
     """{device (-1: the host): bytes of its planned arena} of a workspace
     laid out by these plans (a GPU arena's planned region, after its other
@@ -500,10 +509,11 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
         for d, rows in td.items():
             for row, n in rows.items():
                 add(d, row, n)
-        # the test workspace reuses the training one's arena where it holds its own
-        for d, n in _arenas(plans.test_host, plans.test_devices).items():
+        # the test workspace reuses the training one's arena, which is as
+        # large as the larger of the two where it has one (``test_room``)
+        for d, n in test_room(plans).items():
             if n > arenas.get(d, 0):
-                add(d, "activations", n)
+                add(d, "activations", n - arenas.get(d, 0))
     if held:
         host["kept"] = host.get("kept", 0) + int(held)
     host["windows"] = window_bytes(graphs.composition, rank)

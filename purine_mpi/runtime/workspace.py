@@ -178,7 +178,8 @@ def scratch_plan(needs, lanes, ancestors):
 class Workspace:
     """Arrays for all blobs of a graph, plus kernel instances."""
 
-    def __init__(self, graph, shared=None, plan=None, arena=None, device_plans=None):
+    def __init__(self, graph, shared=None, plan=None, arena=None, device_plans=None,
+                 room=None):
         """``shared`` maps blob names to arrays owned elsewhere (the test
         graph reads the train graph's parameters without copying them).
         ``plan``: a host memory plan (``runtime/memory_plan.py``): its
@@ -189,7 +190,10 @@ class Workspace:
         and on each GPU the planned region of its device arena likewise
         (``device_arenas``; the arena keeps the rest of the roots).
         ``device_plans``: {GPU device: its memory plan}, laid out in that
-        device's arena (``plan_device_memory``)."""
+        device's arena (``plan_device_memory``). ``room``: {device (-1: the
+        host): bytes} that device's planned region holds at least (the test
+        workspace's, so that it always reuses this one's: the two regions
+        are one, as large as the larger, not the sum)."""
         self.graph = graph
         self.arrays = {**window_arrays(graph), **dict(shared or {})}
         # a blob owned elsewhere that other blobs view: they view its memory
@@ -200,6 +204,7 @@ class Workspace:
         self.plan = plan
         #: {GPU device: its memory plan} (empty without plans)
         self.device_plans = dict(device_plans or {})
+        room = dict(room or {})
         #: the host arena of the planned blobs (None without a plan)
         self.host_arena = None
         if plan is not None and plan.total_bytes:
@@ -207,8 +212,9 @@ class Workspace:
             if other is not None and other.nbytes >= plan.total_bytes:
                 self.host_arena = other
             else:
-                self.host_arena = _aligned_zeros(plan.total_bytes)
-                self.allocated_bytes += plan.total_bytes
+                nbytes = max(plan.total_bytes, int(room.get(-1, 0)))
+                self.host_arena = _aligned_zeros(nbytes)
+                self.allocated_bytes += nbytes
         #: bytes of each GPU device's arena (what this workspace allocated there)
         self.device_bytes = {}
         #: {GPU device: the planned region of its arena} (the transient
@@ -227,21 +233,25 @@ class Workspace:
         plans = plan_device_memory(graph, skip=self.arrays, plans=self.device_plans)
         reuse = getattr(arena, "device_arenas", {})
         for device, (total, offsets) in sorted(plans.items()):
-            self._allocate_arena(device, total, offsets, reuse.get(device))
+            self._allocate_arena(device, total, offsets, reuse.get(device),
+                                 int(room.get(device, 0)))
         for name in graph.blobs:
             self._ensure(name)
 
-    def _allocate_arena(self, device, total, offsets, other=None):
+    def _allocate_arena(self, device, total, offsets, other=None, room=0):
         """GPU ``device``'s arena of ``total`` bytes (``plan_device_memory``'s
         layout: the unplanned roots, then the planned region). Where
         ``other`` (another workspace's planned region there) holds this
         one's planned region, the planned roots are views into it and the
-        arena holds the other roots alone."""
+        arena holds the other roots alone. A planned region of its own is
+        at least ``room`` bytes (``__init__``)."""
         plan = self.device_plans.get(device)
         planned = plan.total_bytes if plan is not None and plan.offsets else 0
         base = total - planned
         shared = planned and other is not None and other.nbytes >= planned
-        own = base if shared else total
+        if planned and not shared:
+            planned = max(planned, room)
+        own = base if shared else base + planned
         cupy = xp_for_device(device)  # a UserError when there is no GPU
         with cupy.cuda.Device(device):
             arena = self._arena[device] = cupy.zeros(max(own, 1), dtype=np.uint8)

@@ -31,7 +31,7 @@ from ..job.job import job_of, precision_notes
 from ..parallel.compose import scheme_of, settings_without_effect
 from ..parallel.rank_graphs import build_rank_graphs
 from ..runtime.factory import make_dispatcher, planned_workspace
-from ..runtime.footprint import planned_figures, shared_params, workspace_plans
+from ..runtime.footprint import planned_figures, shared_params, test_room, workspace_plans
 from ..runtime.stop import StopSignal, print_err, print_or_stop
 from .checkpoints import Checkpoints
 from .collectives import get_world, world_gather
@@ -157,14 +157,15 @@ def _dispatchers(graphs, job, world, dispatcher, profiler, say, plans):
     seed = job.seed * 1000003 + world.rank // graphs.layout.tensor
     stall = float(job.parallel.stall_timeout)
 
-    def workspace(graph, keep=(), shared=None, arena=None, made=None):
+    def workspace(graph, keep=(), shared=None, arena=None, made=None, room=None):
         return planned_workspace(graph, planned, keep=keep, shared=shared, arena=arena,
-                                 plans=made if planned else None)
+                                 plans=made if planned else None, room=room)
 
     g = graphs.graph
     train = make_dispatcher(g, dispatcher, rank=world.rank, cuda_graph=cuda_graph, log=say,
                             defer_tail=graphs.defer_update,
-                            workspace=workspace(g, plans.keep, made=(plans.host, plans.devices)),
+                            workspace=workspace(g, plans.keep, made=(plans.host, plans.devices),
+                                                room=test_room(plans) if planned else None),
                             profiler=profiler, stall_timeout=stall, seed=seed)
     test = None
     if graphs.test_graph is not None:
