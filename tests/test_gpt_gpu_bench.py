@@ -28,8 +28,8 @@ def test_gpt_gpu_dry_run_steps_ours_and_pytorch_side_by_side():
     out = json.loads(res.stdout)
     assert out["benchmark"] == "gpt_gpu" and out["dry_run"] is True
     assert out["peak_flops_per_s"] is None and out["cut_short"] is None
-    # ours at one micro-batch: the layer norms' and GELU's outputs recomputed (docs/gpu.md)
-    assert out["recompute_layers"] == ["h*_ln1", "h*_ln2", "h*_gelu"]
+    # the job as written: no recompute unless --recompute-layers asks (docs/gpu.md)
+    assert out["recompute_layers"] is None
     # one FLOPs figure for every side: PaLM's closed form of the job
     assert out["model_flops_per_token"] > 0 and "6N + 12*L*H*Q*T" in out["closed_form"]
     sides = out["sides"]
@@ -194,3 +194,24 @@ def test_gpt_gpu_kernel_tables_from_cupti_figures(monkeypatch, tmp_path):
     (attention, why), (kernels, _) = side.profile(2, 25.0)
     assert attention == 1.5 and "flash_fprop" in why and len(steps) == 4
     assert kernels["gpu_busy"] == 0.2 and kernels["top_kernels"][0] == ["gemm", 4.0, 2.0]
+
+
+def test_gpt_gpu_recompute_layers_reach_the_job_at_one_micro_batch():
+    """--recompute-layers sets recompute: full on those layers at one
+    micro-batch (recompute refuses micro-batches: none there), and the
+    default runs the job as written."""
+    import argparse
+    spec = importlib.util.spec_from_file_location("gpt_gpu_for_test", GPT_GPU)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def config(layers, micro_batches=1):
+        args = argparse.Namespace(config=os.path.join(REPO, "jobs", "gpt_tiny.yaml"), batch=2,
+                                  micro_batches=micro_batches, seq=None,
+                                  recompute_layers=layers)
+        return module.load(args, "tokens.h5", 0, "bf16")
+
+    asked = config("h*_ln1,h*_gelu")
+    assert asked["recompute"] == "full" and asked["recompute_layers"] == ["h*_ln1", "h*_gelu"]
+    assert config("").get("recompute", "none") == "none"
+    assert config("h*_gelu", micro_batches=2).get("recompute", "none") == "none"
