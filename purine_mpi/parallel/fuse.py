@@ -209,13 +209,18 @@ def fuse_updates(graph):
                      [f"{b}@new" for b in buffers], attrs,
                      location=Location(location.rank, location.device, location.ip),
                      thread=thread, control_inputs=controls)
-        gone = {op.name for op in ops}  # an op that waited for a fused update waits for it
-        for other in graph.ops.values():
-            if gone.intersection(other.control_inputs):
-                other.control_inputs = list(dict.fromkeys(
-                    name if c in gone else c for c in other.control_inputs))
+        _wait_for(graph, {op.name for op in ops}, name)
         created.append(name)
     return created
+
+
+def _wait_for(graph, gone, name):
+    """An op that waited for one of the ops ``gone`` (fused away) waits for
+    the fused op ``name`` instead."""
+    for other in graph.ops.values():
+        if gone.intersection(other.control_inputs):
+            other.control_inputs = list(dict.fromkeys(
+                name if c in gone else c for c in other.control_inputs))
 
 
 #: the name of the fused clip op (``#k`` after it for a further group)
@@ -249,10 +254,7 @@ def fuse_clip(graph):
                      [op.outputs[0] for op in ops], {"clip": clip},
                      location=Location(location.rank, location.device, location.ip),
                      thread=thread, control_inputs=controls)
-        for other in graph.ops.values():
-            if gone.intersection(other.control_inputs):
-                other.control_inputs = list(dict.fromkeys(
-                    name if c in gone else c for c in other.control_inputs))
+        _wait_for(graph, gone, name)
         created.append(name)
     return created
 
