@@ -308,6 +308,24 @@ def test_plan_of_a_pipeline_is_train_s_check_to_the_byte(digits_h5, tmp_path):
     assert f"MPI transport buffers {human_bytes(planned[0]['mpi_transport'])}" in row, row
 
 
+
+@pytest.mark.mpi
+def test_windows_row_is_every_window_the_rank_allocates(digits_h5):
+    """A pipeline's test graph has one-sided windows of its own (its stage
+    transfers: pool1 and the labels into rank 1's memory), allocated at
+    start-up beside the training graph's and held to the end. The windows
+    row is this rank's segments of both, as MPI allocated them (2 ranks,
+    the rank graphs train builds; tests/mpi_scripts/plan_windows.py).
+    Before, the test graph's composition was dropped and its windowed blobs
+    are out of the test arena, so they were in no row: rank 1 planned
+    33,344 bytes where it holds 95,424 (gpt_tiny's tppp, 2 stages x 2
+    shards: 4.1 MiB a stage-1 rank, resident in /proc/self/smaps)."""
+    from tests.mpi_scripts.launch import run_mpi
+    proc, _ = run_mpi("plan_windows.py", 2, os.path.join(JOBS, "digits_pipeline.yaml"),
+                      f"data.train.path={digits_h5}", f"data.test.path={digits_h5}",
+                      timeout=120)
+    assert proc.stdout.count("OK plan_windows") == 2, proc.stdout + proc.stderr
+
 def _digits_ps(digits_h5, tmp_path, mode, wide=False):
     """digits_lenet as a parameter-server job (async with max_staleness 1:
     0 runs as sync_ps), written to a file (``wide``: fc1 4096 wide, 2 MiB of

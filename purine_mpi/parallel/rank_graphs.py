@@ -52,6 +52,7 @@ class RankGraphs:
     comm_backend: object = None       # "mpi" or "nccl" (parallel.backend), None: not chosen
     comm_backend_note: object = None  # why, for the start-up block
     composition: object = None        # the scheme's Composition (parallel/schemes/base.py)
+    test_composition: object = None   # the test graph's (its one-sided windows, held too)
     vocabulary: object = None  # the token data's vocabulary JSON (data/tokenizer.py), None: bytes
     #: the replicas train apart (a scheme that exchanges no gradients, scheme
     #: none, on several ranks): each keeps its own running statistics, and a
@@ -170,7 +171,11 @@ def _add_test_graph(out, job, world, scheme, shapes):
         # a figure with an ignore_label is weighted by its counted positions,
         # counted in the graph beside it (ops/softmax.py CountedPositions)
         counts = [_add_count(test, b) for b in out.test_names]
-    out.test_graph = scheme.compose_test(test, job, world).graph if test is not None else None
+    if test is not None:
+        # a pipeline's test graph has one-sided windows of its own, allocated
+        # now and held to the end beside the training graph's (footprint.py)
+        out.test_composition = scheme.compose_test(test, job, world)
+        out.test_graph = out.test_composition.graph
     if out.test_graph is not None:
         prepare_for_device(out.test_graph, out.device, train=False,
                            precision=job.precision)

@@ -28,7 +28,9 @@ is where the gradients live, so it counts as gradients):
 - ``data_pool`` (host): what the data readers hold besides their output
   blobs (``data_pool_bytes``);
 - ``comm_buffers``: pipeline Send/Recv buffers that keep their own memory;
-- ``windows``: this rank's part of the one-sided transport's windows;
+- ``windows``: this rank's part of the one-sided transport's windows,
+  the training graph's and the test graph's (a pipeline's test graph
+  has windows of its own: both allocated at start-up, held to the end);
 - ``mpi_transport`` (host): MPI's shared-memory cells of the other ranks
   of its node, as it reads their messages (comm/mpi_transport.py; set by
   tools/plan.set_transport, which knows the node);
@@ -516,7 +518,8 @@ def footprint(graphs, plans, rank=0, cuda_graph=True, dispatcher=None, save=0, h
                 add(d, "activations", n - arenas.get(d, 0))
     if held:
         host["kept"] = host.get("kept", 0) + int(held)
-    host["windows"] = window_bytes(graphs.composition, rank)
+    host["windows"] = window_bytes(graphs.composition, rank) + \
+        window_bytes(getattr(graphs, "test_composition", None), rank)
     host["data_pool"] = data_pool_bytes([g] + ([tg] if tg is not None else []))
     kernel_bytes = host_kernel_bytes(g, tg, serial=dispatcher_kind(dispatcher) == "serial")
     host["host_scratch"] = kernel_bytes["host_scratch"]
