@@ -46,6 +46,19 @@ def sum_scratch(shape, dtype):
     return [bias_grad_scratch(shape)]
 
 
+def last_axis_rows(shape):
+    """``shape`` as (rows, its last axis): the 2-D view whose column sums
+    (``kernels.sum_rows``) are a sum over every axis but the last."""
+    return (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
+
+
+def column_scratch(x):
+    """The scratch specs of the column sums of ``x``'s ``last_axis_rows``
+    view on a GPU (a fully connected layer's bias gradient, a layer norm's
+    dg and db)."""
+    return sum_scratch(last_axis_rows(x.shape), x.dtype)
+
+
 def same_buffer(a, b):
     """True when ``a`` and ``b`` view exactly the same elements."""
     return (a is b or (tuple(a.shape) == tuple(b.shape) and tuple(a.strides) == tuple(b.strides)

@@ -8,6 +8,7 @@ arrays. The entry points take a ``Job`` (job/job.py).
 """
 from ..base.errors import ConfigError, InitMismatch, UserError
 from ..graph import Graph, seed_yaml
+from ..graph.core import reachable
 from ..graph.grad import build_backward, trained
 from ..graph.recompute import add_recompute
 from ..graph.solver_graph import add_solver
@@ -479,23 +480,8 @@ def _in_place_after_sinks(g):
             for r in cons.get(op.inputs[i], ()):
                 if r.name != op.name and r.name not in op.control_inputs and \
                         not any(cons.get(b) for b in r.outputs) and \
-                        not _waits_for(g, r.name, op.name):
+                        op.name not in reachable(r.name, g.dependencies()):
                     op.control_inputs.append(r.name)
-
-
-def _waits_for(g, a, b):
-    """Whether op ``a`` waits, through any chain of edges, for op ``b``."""
-    deps = g.dependencies()
-    seen, todo = set(), [a]
-    while todo:
-        n = todo.pop()
-        for d in deps.get(n, ()):
-            if d == b:
-                return True
-            if d not in seen:
-                seen.add(d)
-                todo.append(d)
-    return False
 
 
 def kept_constant(blob):

@@ -44,6 +44,18 @@ CLIP_SLOTS = 32
 SUMSQ_CHUNK = 16384
 
 
+def _multi_table(arrays, make):
+    """``make(k)`` (a multi-tensor kernel's device table, gpu/kernels/step.py)
+    where the ``arrays`` are on a GPU (``k``: ``raw_kernels``), of one dtype
+    and C-contiguous, as one launch over them needs; else None (one launch
+    per array)."""
+    k = raw_kernels(get_xp(arrays[0]), *arrays)
+    if k is None or len({np.dtype(a.dtype) for a in arrays}) != 1 or \
+            not all(a.flags.c_contiguous for a in arrays):
+        return None
+    return make(k)
+
+
 @register
 class GradNormSq(OpKernel):
     """[g_1 .. g_n] -> [sumsq (1,), partial (n*CLIP_SLOTS,)], float64."""
@@ -62,12 +74,8 @@ class GradNormSq(OpKernel):
         """On a GPU, the table of one ``grad_sumsq_multi`` launch over every
         gradient (their addresses, sizes and scales), where they are
         C-contiguous arrays of one dtype."""
-        self._table = None
-        k = raw_kernels(get_xp(ins[0]), *ins)
-        if k is not None and len({np.dtype(g.dtype) for g in ins}) == 1 and \
-                all(g.flags.c_contiguous for g in ins):
-            self._table = k.SumsqTable(list(ins), [float(s) ** 2 for s in self.attrs["scales"]],
-                                       CLIP_SLOTS)
+        scales2 = [float(s) ** 2 for s in self.attrs["scales"]]
+        self._table = _multi_table(ins, lambda k: k.SumsqTable(list(ins), scales2, CLIP_SLOTS))
 
     def run(self, ins, outs):
         sumsq, partial = outs
@@ -115,13 +123,8 @@ class ClipScale(OpKernel):
         """On a GPU, with several gradients: the table of one
         ``clip_scale_multi`` launch over every output (their addresses and
         sizes), where they are C-contiguous arrays of one dtype."""
-        self._table = None
-        if len(outs) < 2:
-            return
-        k = raw_kernels(get_xp(outs[0]), *outs)
-        if k is not None and len({np.dtype(g.dtype) for g in outs}) == 1 and \
-                all(g.flags.c_contiguous for g in outs):
-            self._table = k.ClipScaleTable(list(outs))
+        self._table = _multi_table(outs, lambda k: k.ClipScaleTable(list(outs))) \
+            if len(outs) > 1 else None
 
     def run(self, ins, outs):
         sumsq = ins[-1]

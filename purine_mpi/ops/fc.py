@@ -35,7 +35,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import raw_kernels, sum_scratch
+from ..gpu.raw import column_scratch, last_axis_rows, raw_kernels
 from .hostgemm import matmul
 from .registry import OpKernel, gradient, register
 
@@ -223,7 +223,7 @@ class InnerProductGradBias(OpKernel):
 
     def scratch_specs(self, ins, outs):
         """The partial sums of the column sum's row ranges (float32/64)."""
-        return sum_scratch(_rows(ins[0].shape), ins[0].dtype)
+        return column_scratch(ins[0])
 
     def setup(self, ins, outs):
         if raw_kernels(get_xp(ins[0]), ins[0]) is not None:
@@ -235,14 +235,9 @@ class InnerProductGradBias(OpKernel):
         k = raw_kernels(xp, dy)
         if k is not None:  # deterministic column-sum kernels, coalesced loads
             (partial,) = self.temporaries(dy, *self.scratch_specs(ins, outs))
-            k.bias_grad(dy.reshape(_rows(dy.shape)), out=outs[0], partial=partial)
+            k.bias_grad(dy.reshape(last_axis_rows(dy.shape)), out=outs[0], partial=partial)
             return
         xp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, out=outs[0])
-
-
-def _rows(shape):
-    """``shape`` as (rows, its last axis): the bias gradient's column sums."""
-    return (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
 
 
 @gradient("InnerProduct")

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..base.backend import get_xp
 from ..base.errors import ShapeError
-from ..gpu.raw import KERNEL_DTYPES, raw_kernels, sum_scratch
+from ..gpu.raw import KERNEL_DTYPES, column_scratch, last_axis_rows, raw_kernels
 from .registry import OpKernel, gradient, register, spans
 
 
@@ -49,21 +49,11 @@ def column_sum(xp, k, x, out, partial=None):
     """out (C,) = x summed over every axis but the last: on a GPU the
     deterministic column-sum kernels (``sum_rows``; ``partial``: their
     scratch, ``column_scratch``)."""
-    rows = x.reshape(_rows(x.shape))
+    rows = x.reshape(last_axis_rows(x.shape))
     if k is None:
         xp.sum(rows, axis=0, out=out)
         return
     k.sum_rows(rows, out, partial=partial)
-
-
-def _rows(shape):
-    """``shape`` as (rows, its last axis)."""
-    return (int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1]))
-
-
-def column_scratch(x):
-    """The scratch specs of ``column_sum`` on a GPU for an ``x`` like this."""
-    return sum_scratch(_rows(x.shape), x.dtype)
 
 
 #: the host path normalises this many bytes of rows at a time (at least one
