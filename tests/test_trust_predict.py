@@ -111,6 +111,11 @@ def test_predictions_are_a_numpy_forward_of_the_checkpoint(digits_h5, mlp_run, t
     assert got_h.shape == h.shape and got_z.shape == z.shape, (got_h.shape, got_z.shape)
     np.testing.assert_allclose(got_h, h, rtol=1e-5, atol=1e-5 * np.abs(h).max())
     np.testing.assert_allclose(got_z, z, rtol=1e-5, atol=1e-5 * np.abs(z).max())
+    if name == "tensor2":  # a blob of the split alone (a shard's partial sum): refused
+        args[args.index("h")] = "fc2.tp_partial"
+        res = run_mpi_cli(ranks, *args)
+        assert res.returncode == 2 and "blob fc2.tp_partial is not the net's" in res.stderr \
+            and "Traceback" not in res.stderr, res.stderr
 
 
 def _layer_norm(x, w, b, eps=1e-5):

@@ -162,11 +162,15 @@ def tensor_splits(trainer, graph, names):
         full = tuple(whole.blobs[name].shape) if name in whole.blobs else None
         if full == mine:
             continue
-        axes = [] if full is None or len(full) != len(mine) else \
+        if full is None:
+            raise UserError(f"predict: blob {name} is not the net's: the tensor-parallel split "
+                            f"(parallel.tensor_parallel {degree}) made it; name a blob of the "
+                            "net, or run predict with parallel.scheme: data")
+        axes = [] if len(full) != len(mine) else \
             [a for a, (m, f) in enumerate(zip(mine, full)) if m != f]
         if len(axes) != 1 or mine[axes[0]] * degree != full[axes[0]]:
             raise UserError(f"predict: blob {name} is split over the {degree} tensor shards "
-                            f"(shape {list(mine)} on a shard, {full and list(full)} whole) "
+                            f"(shape {list(mine)} on a shard, {list(full)} whole) "
                             "in a way predict cannot join; run it with parallel.scheme: data")
         blocks, cur = 1, name  # the q, k, v blocks of an attention's projection
         while cur in producer:
