@@ -1,7 +1,8 @@
 """Trust audit of ``predict CONFIG --weights W --out preds.h5``: every
 per-sample row it writes against a NumPy (float64) forward of the same
 checkpoint, under the launches a user predicts with (one rank with
-micro-batches, scheme data on 2 ranks, scheme tensor on 2 ranks).
+micro-batches, scheme data on 2 ranks, scheme tensor on 2 ranks, ZeRO-3
+over 2 replicas x 2 tensor shards).
 
 Found: under ``parallel.scheme: tensor`` a ``--blob`` that the split
 divides over the shards (an MLP's hidden activation between its split fc
@@ -84,6 +85,9 @@ LAUNCHES = {  # name -> (ranks, --set overrides)
     "one_rank_micro": (1, ["parallel.micro_batches=2"]),
     "data2": (2, ["parallel.scheme=data"]),
     "tensor2": (2, ["parallel.scheme=tensor", "parallel.tensor_parallel=2"]),
+    # ZeRO-3 over 2 replicas x 2 tensor shards: the weight shards gathered, then joined
+    "sharded3_tensor2": (4, ["parallel.scheme=sharded", "parallel.shard=3",
+                             "parallel.tensor_parallel=2"]),
 }
 
 
