@@ -17,7 +17,8 @@ LossScaleUpdate ins [flag, scale, good, skipped]  outs [scale@new, good@new,
     the updates: skip = the flag; a flagged step counts as skipped, the scale is
     multiplied by ``backoff_factor`` and the run of good steps restarts;
     else ``growth_interval`` good steps in a row multiply it by
-    ``growth_factor`` (PyTorch GradScaler's ``_amp_update_scale``). Its
+    ``growth_factor``, unless float32 would make that inf (then it stays;
+    PyTorch GradScaler's ``_amp_update_scale_``, step for step). Its
     blobs (kind state) are set to ``init_scale``, 0, 0 at set-up, and it
     is stateful: a checkpoint holds the three values.
 
@@ -168,7 +169,13 @@ class LossScaleUpdate(OpKernel):
         else:
             good += 1
             if good >= int(a["growth_interval"]):
-                scale, good = scale * float(a["growth_factor"]), 0
+                # a scale that float32 cannot hold is not taken (torch's
+                # _amp_update_scale_: the old scale stays, the count restarts);
+                # an inf scale would make every later step inf and skipped
+                grown = scale * float(a["growth_factor"])
+                with np.errstate(over="ignore"):
+                    held = bool(np.isfinite(np.float32(grown)))
+                scale, good = (grown if held else scale), 0
         self.write(outs[:3], scale, good, skipped)
         outs[3][...] = 1.0 if found else 0.0
 

@@ -304,7 +304,10 @@ def throughput_flops(job, result, gpu_graph=None, places=None):
     from ..job.replica import build_train_graph
     from .flops import (device_peak, gpt_closed_form, gpt_figures, graph_flops, mfu_fields,
                         occupied, rank_place)
-    graph, _ = build_train_graph(job)  # one micro-batch of one replica, before the scheme
+    # one micro-batch of one replica, before the scheme, and without activation
+    # recompute: model FLOPs count the forward once (PaLM's MFU; a recomputed
+    # forward is hardware work, and would raise the MFU of the same model)
+    graph, _ = build_train_graph(job.replace(recompute="none", recompute_layers=None))
     micro = job.train_batch // max(1, job.parallel.micro_batches)
     per_sample = graph_flops(graph) / micro
     device, precision = None, "fp32"

@@ -25,6 +25,7 @@ from ..base.errors import UserError
 from ..base.runfiles import GuardedFile, disk_error
 from ..job.config import dump_config
 from ..data.sources import pass_batches, source_info
+from ..parallel.tensor_split import join_shards
 
 
 def default_blob(graph):
@@ -94,6 +95,7 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
     if missing:
         raise UserError(f"predict: blob(s) {', '.join(missing)} are not computed in the test "
                         f"phase; choose among {', '.join(sorted(_outputs(graph))[:20])}")
+    splits = tensor_splits(trainer, graph, [reads[b] for b in blobs])
     readers = [k for k in dispatcher.kernels.values() if k.op.op_type == "DataReader"]
     label_blob = readers[0].op.outputs[1] if readers else None
     spec = trainer.job.data.test
@@ -115,10 +117,12 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
         every = trainer.world.gather_object(mine, 0, "the predictions (gather)") \
             if trainer.world.size > 1 else [mine]
         if trainer.world.rank == 0:
-            for rank_part in (every[:1] if trainer.graphs.apart else
-                              replica_parts(every, trainer.graphs.layout)):
+            for group in ([every[:1]] if trainer.graphs.apart else
+                          replica_parts(every, trainer.graphs.layout)):
                 for b in parts:
-                    parts[b].append(rank_part[b])
+                    joined = splits.get(reads.get(b))
+                    parts[b].append(join_shards(joined, [p[b] for p in group]) if joined
+                                    else group[0][b])
     if trainer.world.rank != 0:
         return None
     rows = {b: np.concatenate(v)[:n] for b, v in parts.items()}
@@ -127,12 +131,59 @@ def predict(trainer, out_path, weights, blobs=None, split="test"):
 
 
 def replica_parts(every, layout):
-    """Each data replica's part of ``every`` (one per rank, in rank order),
-    in replica order, which is sample order (docs/config.md, "Sample
-    order"): the rank holding the replica's tensor shard 0 (the ranks of a
-    tensor-parallel group read the same batch; parameter servers, the last
-    ranks, read none)."""
-    return [every[k] for k in layout.shard_ranks(0)]
+    """Each data replica's parts of ``every`` (one per rank, in rank
+    order), in replica order, which is sample order (docs/config.md,
+    "Sample order"): the parts of the ranks of the replica's tensor group,
+    in shard order (they read the same batch; a blob outside the split
+    pairs is the same on each, shard 0's is written; parameter servers,
+    the last ranks, read none)."""
+    return [[every[k] for k in layout.tensor_ranks(r, 0)] for r in range(layout.replicas)]
+
+
+def tensor_splits(trainer, graph, names):
+    """{blob: its split (``axis``, ``blocks``, tensor_split.join_shards')}
+    for each of ``names`` that ``scheme: tensor`` splits in this rank's
+    test graph ``graph`` (an activation between a split pair's fc layers:
+    the column fc's output and the element-wise ops' after it, or an
+    attention layer's heads): its whole is the shards joined along the one
+    axis where its shape differs from the unsplit test graph's. A blob
+    whose shards cannot be joined so is refused (exit 2)."""
+    from ..job.replica import build_test_graph
+    from ..parallel.tensor_parallel import ELEMENTWISE
+    from ..parallel.tensor_split import split_of
+    degree = trainer.graphs.layout.tensor
+    if degree == 1 or trainer.graphs.apart:
+        return {}
+    whole = build_test_graph(trainer.job, *trainer.graphs.test_data)
+    producer = {o: op for op in graph.ops.values() for o in op.outputs}
+    out = {}
+    for name in names:
+        mine = tuple(graph.blobs[name].shape)
+        full = tuple(whole.blobs[name].shape) if name in whole.blobs else None
+        if full == mine:
+            continue
+        if full is None:
+            raise UserError(f"predict: blob {name} is not the net's: the tensor-parallel split "
+                            f"(parallel.tensor_parallel {degree}) made it; name a blob of the "
+                            "net, or run predict with parallel.scheme: data")
+        axes = [] if len(full) != len(mine) else \
+            [a for a, (m, f) in enumerate(zip(mine, full)) if m != f]
+        if len(axes) != 1 or mine[axes[0]] * degree != full[axes[0]]:
+            raise UserError(f"predict: blob {name} is split over the {degree} tensor shards "
+                            f"(shape {list(mine)} on a shard, {list(full)} whole) "
+                            "in a way predict cannot join; run it with parallel.scheme: data")
+        blocks, cur = 1, name  # the q, k, v blocks of an attention's projection
+        while cur in producer:
+            op = producer[cur]
+            if op.op_type == "InnerProduct":
+                split = split_of(graph.blobs[op.inputs[1]]) or {}
+                blocks = int(split.get("blocks", 1)) if split.get("axis") == 0 else 1
+                break
+            if op.op_type not in ELEMENTWISE:
+                break
+            cur = op.inputs[0]
+        out[name] = {"axis": axes[0], "blocks": blocks}
+    return out
 
 
 def _outputs(graph):
