@@ -1,7 +1,9 @@
 """ZeRO stage 3 with micro-batches (each bucket's weights gathered once per
 iteration and held across the micro-batches), the sharded stages against
-data parallelism on 4 ranks, and stage 3's faults (a killed rank, a stopped
-one) under the fault harness of tests/test_rma_faults.py."""
+data parallelism on 4 ranks, stage 3's faults (a killed rank, a stopped
+one) under the fault harness of tests/test_rma_faults.py, and issue 43's
+resharding target (a 4-rank stage-3 run stopped by SIGTERM at iteration 30
+resumed on 2, 3 and 1 ranks; ``long``)."""
 import os
 import re
 import signal
