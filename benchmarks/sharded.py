@@ -4,7 +4,8 @@ batch.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/sharded.py \\
         [--configs jobs/gpt_small.yaml jobs/cifar10_quick.yaml] [--ranks 2] [--pairs 3] \\
-        [--iters 5] [--warmup 2] [--check-steps 5] [--set KEY=VALUE ...]
+        [--iters 5] [--warmup 2] [--check-steps 5] [--check-solver adamw|sgd] \\
+        [--set KEY=VALUE ...]
 
 The settings: ``data`` and ``sharded`` at each ``parallel.shard`` value the
 config accepts, read from the config's own validation (``shard_values``:
@@ -45,8 +46,11 @@ steps from the same seed (``train``, ``solver.type: adamw``, no test, no
 checkpoints but the last), and every parameter of its last checkpoint is
 compared with data parallelism's: ``max_rel_diff`` = the largest over the
 parameters of max |sharded - data| / max |data| (0: bitwise), with the
-parameter where it falls. Timing is wall clock on a shared machine:
-compare the ratios of one run, not figures across runs.
+parameter where it falls. ``--check-solver sgd`` trains those steps with
+SGD and momentum instead (``solver.type: sgd``, ``solver.momentum: 0.9``:
+issue 43's second tolerance, 2e-6); the check names its solver. Timing
+is wall clock on a shared machine: compare the ratios of one run, not
+figures across runs.
 
 ``--rss``: memory instead of time. Each setting trains ``--iters``
 iterations (``train --iters``, no test, a checkpoint at the end only; ``--pairs`` runs
@@ -187,11 +191,19 @@ def bench_once(config, sets, ranks, iters, warmup):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def trained_params(config, sets, ranks, steps, out):
-    """The parameters after ``steps`` AdamW steps of ``config``: {name: array}."""
+#: ``--check-solver``: the solver settings of the parameter check
+CHECK_SOLVERS = {"adamw": ["solver.type=adamw"],
+                 "sgd": ["solver.type=sgd", "solver.momentum=0.9"]}
+
+
+def trained_params(config, sets, ranks, steps, out, solver="adamw"):
+    """The parameters after ``steps`` steps of ``config`` under ``solver``
+    (a CHECK_SOLVERS key): {name: array}."""
     from purine_mpi.job.checkpoint_file import load_params
-    args = ["train", config, "--out", out, "--set", "solver.type=adamw",
-            "--set", f"solver.max_iter={steps}", "--set", "solver.display=0",
+    args = ["train", config, "--out", out]
+    for s in CHECK_SOLVERS[solver]:
+        args += ["--set", s]
+    args += ["--set", f"solver.max_iter={steps}", "--set", "solver.display=0",
             "--set", "solver.test_interval=0", "--set", "data.test=null",
             "--set", "checkpoint.interval=0"]
     for s in sets:
@@ -338,12 +350,15 @@ def bench_config(config, a, folder):
         out["settings"][n] = figures(runs[n], ratios.get(n, []), text) if runs[n] else {}
     if a.check_steps > 0:
         ref = trained_params(config, sets + settings["data"], a.ranks, a.check_steps,
-                             os.path.join(folder, f"{os.path.basename(config)}.data"))
+                             os.path.join(folder, f"{os.path.basename(config)}.data"),
+                             a.check_solver)
         for n in names[1:]:
             got = trained_params(config, sets + settings[n], a.ranks, a.check_steps,
-                                 os.path.join(folder, f"{os.path.basename(config)}.{n}"))
+                                 os.path.join(folder, f"{os.path.basename(config)}.{n}"),
+                                 a.check_solver)
             worst, at = max_rel_diff(ref, got)
-            out["settings"][n]["check"] = {"adamw_steps": a.check_steps,
+            out["settings"][n]["check"] = {"solver": a.check_solver,
+                                           f"{a.check_solver}_steps": a.check_steps,
                                            "params": len(ref), "max_rel_diff": worst,
                                            "worst_param": at}
     return out
@@ -358,7 +373,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--check-steps", type=int, default=5,
-                    help="AdamW steps of the parameter check against data (0: no check)")
+                    help="steps of the parameter check against data (0: no check)")
+    ap.add_argument("--check-solver", choices=sorted(CHECK_SOLVERS), default="adamw",
+                    help="the solver of the parameter check (sgd: with momentum 0.9)")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--rss", action="store_true",
                     help="peak resident memory against the planned model state (see above)")
@@ -375,7 +392,7 @@ def main(argv=None):
         print(json.dumps(out))
         return
     out = {"ranks": a.ranks, "pairs": a.pairs, "iters": a.iters, "warmup": a.warmup,
-           "check_steps": a.check_steps,
+           "check_steps": a.check_steps, "check_solver": a.check_solver,
            "openblas_unset": [v for v in OPENBLAS_PINS if v in os.environ], "configs": {}}
     with tempfile.TemporaryDirectory(prefix="sharded_bench_") as folder:
         for config in a.configs:

@@ -179,10 +179,12 @@ def test_bench_counts_the_gets_as_one_sided(tmp_path, monkeypatch):
 
 
 @pytest.mark.mpi
-def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path):
-    """SIGTERM to rank 1 mid-run (2 emulated hosts, RMA Gets): every rank
-    stops with a checkpoint (exit 143) and frees its RMA window on the way
-    out, and the MPI library says nothing."""
+@pytest.mark.parametrize("kind", ["rma", "shared"])
+def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path, kind):
+    """SIGTERM to rank 1 mid-run (``rma``: 2 emulated hosts, RMA Gets;
+    ``shared``: one node, the one shared copy of tests/test_sharded3_onenode.py):
+    every rank stops with a checkpoint (exit 143) and frees its windows on
+    the way out, and the MPI library says nothing."""
     import os
     import signal
     import subprocess
@@ -196,7 +198,9 @@ def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path):
     cfg = _job("sharded", "adamw", iters=100000, shard=3, transport="one_sided")
     cfg["solver"].update(display=5, test_interval=0)
     out = str(tmp_path / "run")
-    env = {**cli_env(), "PURINE_RANKS_PER_HOST": "1", "PURINE_DEBUG_WINDOWS": "1"}
+    env = {**cli_env(), "PURINE_DEBUG_WINDOWS": "1"}
+    if kind == "rma":
+        env["PURINE_RANKS_PER_HOST"] = "1"
     proc = subprocess.Popen([MPIEXEC, "-n", "2", PYTHON, "-m", "purine_mpi", "train",
                              write_config_file(tmp_path, cfg, "run.yaml"), "--out", out],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -212,9 +216,10 @@ def test_sigterm_frees_the_rma_windows_on_every_rank(tmp_path):
         stdout, stderr = finish_ranks(proc, ranks.values(), 120)
     assert proc.returncode == 143, stderr[-3000:]
     assert "stopping at iter" in stdout and os.path.exists(os.path.join(out, "latest.h5"))
-    assert re.search(r"^\s*transport\s+weights: " + GOT, stdout, re.M), stdout[-3000:]
-    freed = re.findall(r"^rank (\d+): windows freed \(rma\)$", stderr, re.M)
-    assert sorted(set(map(int, freed))) == [0, 1], stderr[-3000:]
+    got = GOT if kind == "rma" else "one shared copy per node"
+    assert re.search(r"^\s*transport\s+weights: " + got, stdout, re.M), stdout[-3000:]
+    freed = re.findall(r"^rank (\d+): windows freed \((\w+)\)$", stderr, re.M)
+    assert sorted(set(int(r) for r, k in freed if k == kind)) == [0, 1], stderr[-3000:]
     assert "warning" not in stderr.lower() and "leak" not in stderr.lower(), stderr[-3000:]
 
 

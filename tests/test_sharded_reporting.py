@@ -134,6 +134,44 @@ def test_the_benchmark_reads_the_accepted_shard_values_from_the_config():
     assert list(sharded.settings_of(cifar)) == ["data"] + [f"sharded_shard{k}" for k in values]
 
 
+@pytest.mark.parametrize("solver,want", [("adamw", ["solver.type=adamw"]),
+                                         ("sgd", ["solver.type=sgd", "solver.momentum=0.9"])])
+def test_the_check_trains_the_solver_asked(monkeypatch, tmp_path, solver, want):
+    """``--check-solver``: the parameter check's runs train with that
+    solver's settings (SGD with momentum: issue 43's 2e-6 tolerance), after
+    the config's shortening, and the check names the solver."""
+    import numpy as np
+    import sharded
+    from purine_mpi.job import checkpoint_file
+    runs = []
+    monkeypatch.setattr(sharded, "run", lambda ranks, args, what: runs.append(args))
+    monkeypatch.setattr(checkpoint_file, "load_params",
+                        lambda path: {"w": np.arange(3.0) * (1 + len(runs)), "solver/m": 0})
+    got = sharded.trained_params("c.yaml", ["parallel.scheme=data"], 2, 7, str(tmp_path),
+                                 solver)
+    assert list(got) == ["w"]
+    sets = [runs[0][i + 1] for i, a in enumerate(runs[0]) if a == "--set"]
+    assert sets[:len(want)] == want and "solver.max_iter=7" in sets
+    assert sets[-1] == "parallel.scheme=data"  # the setting's own keys come last
+    monkeypatch.setattr(sharded, "bench_once", lambda *a: {
+        "images_per_s": 1.0, "batch_per_rank": 1, "iter_ms_median": 1.0,
+        "model_state_bytes": {}, "model_state_peak_bytes": {},
+        "model_state_bytes_per_rank": [], "max_rss_bytes_per_rank": [1],
+        "comm_in_flight_ms_per_iter": 0.0, "comm_exposed_ms_per_iter": 0.0,
+        "comm_overlap": None, "bytes_reduce_scattered_per_iter": 0,
+        "bytes_allgathered_per_iter": 0, "bytes_allreduced_per_iter": 0})
+    monkeypatch.setattr(sharded, "settings_of", lambda config, sets: {
+        "data": ["parallel.scheme=data"], "sharded_shard1": ["parallel.shard=1"]})
+    monkeypatch.setattr(sharded, "base_sets", lambda config, extra, folder: [])
+    args = sharded.argparse.Namespace(sets=[], ranks=2, pairs=1, iters=1, warmup=1,
+                                      check_steps=7, check_solver=solver)
+    check = sharded.bench_config("c.yaml", args, str(tmp_path))["settings"][
+        "sharded_shard1"]["check"]
+    assert check["solver"] == solver and check[f"{solver}_steps"] == 7
+    # data's run gave 3 * [0, 1, 2], the sharded one's 4 * [0, 1, 2]: 2 / 6
+    assert check["max_rel_diff"] == pytest.approx(1 / 3) and check["worst_param"] == "w"
+
+
 @pytest.mark.mpi
 def test_the_sharded_benchmark_runs_tiny(tmp_path):
     if MPIEXEC is None:
@@ -164,3 +202,4 @@ def test_the_sharded_benchmark_runs_tiny(tmp_path):
         assert s["bytes_reduce_scattered_per_iter"] == data["bytes_allreduced_per_iter"]
         # 2 ranks: the reduce-scatter's sums are the allreduce's (a + b): bitwise
         assert s["check"]["max_rel_diff"] == 0.0 and s["check"]["params"] == 10
+        assert s["check"]["solver"] == "adamw" and s["check"]["adamw_steps"] == 2
