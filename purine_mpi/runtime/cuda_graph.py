@@ -255,10 +255,13 @@ class GraphExecutor(StreamExecutor):
         allocator, pool = rt.capture_memory(device)
         try:
             # cuBLAS handles and workspaces exist before the capture begins,
-            # one per capture stream that runs ops (``_launch_members``; the
-            # origin only forks and joins them: it runs no product, so it
-            # gets no workspace) ...
-            threads = dict.fromkeys(self.streams[n][1] for n in seg.members)
+            # one per capture stream whose ops run products (``_launch_members``;
+            # the origin only forks and joins them, and a stream of copies or
+            # element-wise kernels alone -- the batch's upload on h2d -- calls
+            # no cuBLAS: neither gets a workspace) ...
+            kernels = self.core.kernels
+            threads = dict.fromkeys(self.streams[n][1] for n in seg.members
+                                    if kernels[n].runs_products(kernels[n].ins, kernels[n].outs))
             # ... those of the stream the graph replays on (seg.key): graphs
             # replaying at once never share a cuBLAS workspace
             rt.prepare_capture(device, [
