@@ -57,6 +57,11 @@ def test_plan_device_total_is_the_measured_peak(cuda_graph, monkeypatch, host_bu
     assert len(extras["segments"]) == report["segments"]
     if cuda_graph:   # every segment captured: no product went without a handle
         assert report["captured"] == report["segments"] and not report["failed"], report
+    # every product of stream 0 is captured: its eager handle hands its
+    # workspace to the capture's, so the device holds one (as PyTorch's
+    # one stream does), not two; eagerly, the one handle of stream 0
+    assert extras["cublas_handed_over"] == ([(0, 0)] if cuda_graph else [])
+    assert rows["cublas_workspaces"] == blas.workspace_bytes()
     # a capture's workspaces: one per stream its products run on, none for
     # its origin stream (which only forks and joins them) nor for a stream
     # of copies alone (the batch's upload on h2d: 32 MiB for nothing before)
