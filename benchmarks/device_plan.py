@@ -53,8 +53,7 @@ def rows_of(path, batch, sets, measure, top):
     from purine_mpi.runtime.footprint import live_bytes, live_spans, workspace_plans
     from purine_mpi.tools.plan import _footprint_of, _offline_graphs, save_metas
     from tests.conftest import make_job
-    overrides = [f"data.train.batch_size={batch}", f"data.train.num_samples={4 * batch}",
-                 "device=0"]
+    overrides = [f"data.train.batch_size={batch}", "device=0"]
     job = make_job(load_config(path, overrides=overrides + list(sets), check_files=False))
     graphs = _offline_graphs(job, 1, 0)
     fp = _footprint_of(job, graphs, 0, save_metas(job, 1, {0: graphs}))

@@ -296,7 +296,7 @@ class GraphExecutor(StreamExecutor):
         """The (device, thread) streams every product op of which
         (``runs_products``) is a member of a segment: after the eager first
         iteration their own cuBLAS handles run no product
-        (runtime/footprint.cublas_handles counts the same)."""
+        (runtime/footprint.handed_over counts the same)."""
         kernels, out, eager = self.core.kernels, set(), set()
         members = {m for seg in self.segment_plan.values() for m in seg.members}
         for name, key in self.streams.items():
