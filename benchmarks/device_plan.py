@@ -112,7 +112,6 @@ def torch_peak(path, batch, iters=3):
 
     import torch
     import torch.nn.init as init
-    import yaml
     from torch.distributed._tools import mem_tracker as mtm
 
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -121,9 +120,22 @@ def torch_peak(path, batch, iters=3):
     def rounded(self):
         n = self.size * self.element_size
         return math.ceil(n / mtm._PYTORCH_MIN_ALLOCATE) * mtm._PYTORCH_MIN_ALLOCATE
+    saved = [(mtm._WeakRefInfo, "_calculate_mem_consumed",
+              mtm._WeakRefInfo._calculate_mem_consumed)]
+    saved += [(init, name, getattr(init, name))
+              for name in ("kaiming_uniform_", "uniform_", "normal_")]
     mtm._WeakRefInfo._calculate_mem_consumed = rounded
     for name in ("kaiming_uniform_", "uniform_", "normal_"):   # no values on meta
         setattr(init, name, lambda t, *a, **k: t)
+    try:
+        return _tracked_peak(torch, mtm, gt, path, batch, iters)
+    finally:   # a PyTorch run in the same process initialises its weights again
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _tracked_peak(torch, mtm, gt, path, batch, iters):
+    import yaml
     with open(path) as f:
         config = yaml.safe_load(f)
     config["data"]["train"]["batch_size"] = batch
