@@ -54,7 +54,14 @@ use at once in CuPy's pool over purine_mpi's run, read at each allocation,
 plus the CUDA-graph captures' private pools: gpu/memory.py, as ``bench
 --json``'s ``device_peak_bytes``) and ``purine_vs_torch_peak_memory``, its
 ratio to ``torch_eager_max_memory_allocated`` (both allocators' live bytes
-at the worst moment of the same training step, set-up included). Kernel
+at the worst moment of the same training step, set-up included).
+``purine_planned_device_rows`` / ``_total`` / ``purine_planned_peak_op``:
+``plan``'s device rows of the same job (counted after the run, so the
+cuDNN workspaces are the tuner's choices); ``torch_eager_tensor_peak``:
+PyTorch's live tensors at their peak, counted without a GPU
+(benchmarks/device_plan.py ``torch_peak``; fp32), and
+``torch_eager_beyond_tensors_bytes`` what ``max_memory_allocated`` holds
+beyond them (its cuBLAS and cuDNN workspaces). Kernel
 counts and times come from CUPTI through PyTorch's profiler (it records every
 kernel of the process, CuPy's, cuBLAS's and cuDNN's included, also inside
 CUDA graphs) over ``--profile-iters`` further iterations; the busy fraction
@@ -586,6 +593,37 @@ def main(argv=None):
     return 0
 
 
+def planned_device(config, device):
+    """``plan``'s device rows of the same job on ``device``
+    (tools/plan.offline_footprint, after the run: its cuDNN workspaces are
+    the tuner cache's choices), their total and the op where the arena
+    peaks; {"purine_planned_device_error": why} where it cannot."""
+    try:
+        from purine_mpi.job.job import job_of
+        from purine_mpi.tools.plan import offline_footprint
+        fp = offline_footprint(job_of(dict(config, device=int(device))), 1, 0)
+        return {"purine_planned_device_rows": dict(fp.devices[int(device)]),
+                "purine_planned_device_total": int(fp.device_total(int(device))),
+                "purine_planned_peak_op": (fp.peak or {}).get("op")}
+    except Exception as exc:   # a figure left out, said, not the benchmark stopped
+        return {"purine_planned_device_error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+
+def torch_tensor_peak(path, batch, precision):
+    """PyTorch's live-tensor peak of the same eager step counted without a
+    GPU (benchmarks/device_plan.torch_peak), fp32 only (None otherwise):
+    ``max_memory_allocated`` less this is what its cuBLAS and cuDNN
+    workspaces took at the peak."""
+    if precision != "fp32":
+        return None
+    try:
+        sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+        from device_plan import torch_peak
+        return torch_peak(path, batch)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+
 def _entry(args, path, batch, profile):
     from purine_mpi.tools.bench import json_safe
     precision = getattr(args, "precision", "fp32")
@@ -635,9 +673,14 @@ def _entry(args, path, batch, profile):
                                                  3)
         if not np.isfinite(p["last_loss"]):
             fail(f"{config['name']}: purine_mpi's loss ({mode}) is {p['last_loss']} on the GPU")
+    entry.update(planned_device(config, args.device))
     if not args.no_torch:
         t = bench_torch(config, args.device, args.iters, args.warmup, args.tf32,
                         profile_iters=profile)
+        entry["torch_eager_tensor_peak"] = torch_tensor_peak(path, batch, precision)
+        tensors = (entry["torch_eager_tensor_peak"] or {}).get("Total")
+        if tensors is not None and t.get("max_memory_allocated"):
+            entry["torch_eager_beyond_tensors_bytes"] = t["max_memory_allocated"] - tensors
         entry.update({"torch_eager_images_per_s": round(batch * args.iters / t["seconds"], 1),
                       "torch_eager_iter_ms": round(1e3 * t["seconds"] / args.iters, 3),
                       "torch_eager_first_loss": t["first_loss"],

@@ -49,6 +49,31 @@ __device__ void dropout_forward_impl(long long blocks, long long total, const T*
   }
 }
 
+// The same draw and product without a mask: y[i] = (x[i] * mask[i]) * scale.
+// Given dy for x, this is the backward's dx, the mask drawn again from the
+// forward's stream and iteration instead of kept (Dropout's gradient on a GPU,
+// parallel/placement.redraw_dropout_masks): bit for bit the kept mask's.
+template <typename T>
+__device__ void dropout_apply_impl(long long blocks, long long total, const T* x,
+                                   long long iter_value, const long long* iter_ptr,
+                                   int has_iter_ptr, unsigned int key0, unsigned int key1,
+                                   unsigned int ctr1, unsigned int threshold, T scale, T* y) {
+  const unsigned long long it =
+      (unsigned long long)purine_iteration(iter_value, iter_ptr, has_iter_ptr);
+  CUDA_KERNEL_LOOP(b, blocks) {
+    unsigned int ctr[4] = {(unsigned int)b, ctr1, (unsigned int)it,
+                           (unsigned int)(it >> 32)};
+    purine_philox4x32(ctr, key0, key1, 10);
+    for (int j = 0; j < 4; ++j) {
+      const long long i = 4 * b + j;
+      if (i < total) {
+        const T m = ctr[j] >= threshold ? T(1) : T(0);
+        y[i] = (x[i] * m) * scale;
+      }
+    }
+  }
+}
+
 template <typename T>
 __device__ void dropout_backward_impl(long long total, const T* dy, const T* mask, T scale,
                                       T* dx) {
@@ -62,6 +87,13 @@ __device__ void dropout_backward_impl(long long total, const T* dy, const T* mas
       unsigned int ctr1, unsigned int threshold, T scale, T* y, T* mask) {               \
     dropout_forward_impl<T>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,  \
                             key1, ctr1, threshold, scale, y, mask);                      \
+  }                                                                                      \
+  extern "C" __global__ void dropout_apply_##SUFFIX(                                     \
+      long long blocks, long long total, const T* x, long long iter_value,               \
+      const long long* iter_ptr, int has_iter_ptr, unsigned int key0, unsigned int key1, \
+      unsigned int ctr1, unsigned int threshold, T scale, T* y) {                        \
+    dropout_apply_impl<T>(blocks, total, x, iter_value, iter_ptr, has_iter_ptr, key0,    \
+                          key1, ctr1, threshold, scale, y);                              \
   }                                                                                      \
   extern "C" __global__ void dropout_backward_##SUFFIX(                                  \
       long long total, const T* dy, const T* mask, T scale, T* dx) {                     \

@@ -55,11 +55,20 @@ def test_plan_device_total_is_the_measured_peak(cuda_graph, monkeypatch, host_bu
     assert Counter(scope for _, scope in extras["cublas_handles"]) == \
         Counter(scope for _, _, scope in made)
     assert len(extras["segments"]) == report["segments"]
-    # a capture's workspaces: one per stream its ops run on, none for its
-    # origin stream (which only forks and joins them)
-    streams = extras["streams"]
+    if cuda_graph:   # every segment captured: no product went without a handle
+        assert report["captured"] == report["segments"] and not report["failed"], report
+    # every product of stream 0 is captured: its eager handle hands its
+    # workspace to the capture's, so the device holds one (as PyTorch's
+    # one stream does), not two; eagerly, the one handle of stream 0
+    assert extras["cublas_handed_over"] == ([(0, 0)] if cuda_graph else [])
+    assert rows["cublas_workspaces"] == blas.workspace_bytes()
+    # a capture's workspaces: one per stream its products run on, none for
+    # its origin stream (which only forks and joins them) nor for a stream
+    # of copies alone (the batch's upload on h2d: 32 MiB for nothing before)
+    streams, products = extras["streams"], set(extras["products"])
     for name, members in extras["segments"]:
-        threads = {streams[n] for n in members}
+        threads = {streams[n] for n in members if n in products}
+        assert {streams[n] for n in members} - threads == {(0, "h2d")}
         assert sum(1 for _, _, scope in made if scope == (0, name)) == len(threads) > 0
     assert abs(planned - measured) <= TOLERANCE * measured, (rows, planned, measured)
     assert not any("not counted" in n for n in fp.notes)

@@ -141,6 +141,22 @@ def dropout_forward(x, it, ratio, keys, y, mask=None, split=None):
     y *= 1.0 / (1.0 - ratio)
 
 
+def dropout_apply(x, it, ratio, keys, y, split=None):
+    """y = x * keep / (1 - ratio) of ``dropout_forward``'s draw, no mask
+    written: on a GPU one kernel (``dropout_apply``: nothing kept, nothing
+    allocated), on the host ``dropout_forward`` without a mask. Given
+    Dropout's dy for x, y is its dx: (dy * keep) * scale, the product
+    ``dropout_backward`` makes with the kept mask, bit for bit."""
+    k = raw_kernels(get_xp(x), x)
+    if k is None or split:
+        dropout_forward(x, it, ratio, keys, y, None, split)
+        return
+    key0, key1, ctr1 = keys
+    if get_xp(it) is np:
+        it = _iteration_value(it)
+    k.dropout_apply(x, it, ratio, key0, key1, ctr1, out=y)
+
+
 def dropout_backward(dy, mask, ratio, out):
     """out = dy * mask / (1 - ratio) (Dropout's gradient; out may be dy):
     on a GPU the raw kernel, else NumPy in the same order."""
@@ -207,7 +223,10 @@ class Dropout(PhiloxStream, OpKernel):
     (used only when no dispatcher provides the run seed), ``stream`` (the
     op whose Philox stream it draws, default itself), ``packed_mask``
     (default false; true: the mask output is the bit-packed uint8 blob of
-    :func:`packed_shape`, see the module docstring), ``mask_split`` (set
+    :func:`packed_shape`, see the module docstring), ``redraw_mask``
+    (default false; true: no mask output, the gradient, ``DropoutRedrawGrad``,
+    draws it again: parallel/placement.redraw_dropout_masks on a GPU),
+    ``mask_split`` (set
     by scheme tensor's split, parallel/tensor_parallel.py: {axis, parts,
     index}, x is that part of the unsplit op's input and draws that part
     of its mask).
@@ -227,6 +246,8 @@ class Dropout(PhiloxStream, OpKernel):
             raise ShapeError("Dropout (train phase) takes [x, iter]: the iteration blob keys "
                              f"its random mask; got {len(ins)} input(s)")
         check_iteration("Dropout", ins[1])
+        if attrs.get("redraw_mask"):
+            return [ins[0]]
         if attrs.get("packed_mask"):
             return [ins[0], (packed_shape(ins[0][0]), "uint8")]
         return [ins[0], ins[0]]
@@ -253,6 +274,9 @@ class Dropout(PhiloxStream, OpKernel):
             outs[0][...] = x
             return
         ratio = _ratio(self.attrs)
+        if self.attrs.get("redraw_mask"):   # no mask kept: DropoutRedrawGrad draws it again
+            dropout_apply(x, ins[1], ratio, self.keys, outs[0], self.split)
+            return
         y, mask = outs
         packed = bool(self.attrs.get("packed_mask"))
         if packed:  # the float mask is scratch; the packed bits are the output
@@ -327,13 +351,48 @@ class DropoutGrad(OpKernel):
         dropout_backward(dy, mask, ratio, outs[0])
 
 
+@register
+class DropoutRedrawGrad(PhiloxStream, OpKernel):
+    """[dy, iter] -> [dx]: Dropout's gradient with the mask drawn again from
+    the forward's Philox stream (attr ``stream``: the forward op's name, or
+    its own ``stream``) at the same iteration instead of read from a kept
+    mask: dx = (dy * mask) / (1 - ratio), the bits ``DropoutGrad`` gives.
+    parallel/placement.redraw_dropout_masks makes it on a GPU, where the
+    draw is one kernel that reads the device's iteration blob, so no mask
+    lives from the forward to the backward (PyTorch keeps a bool one)."""
+
+    op_type = "DropoutRedrawGrad"
+    in_place = ((0, 0),)  # dx over dy
+
+    @classmethod
+    def infer(cls, attrs, ins):
+        _ratio(attrs)
+        if len(ins) != 2:
+            raise ShapeError(f"DropoutRedrawGrad takes [dy, iter], got {len(ins)} input(s)")
+        if not attrs.get("stream"):
+            raise ShapeError("DropoutRedrawGrad needs the forward's Philox stream (attr stream)")
+        check_iteration("DropoutRedrawGrad", ins[1])
+        return [ins[0]]
+
+    def host_temporaries(self, ins, outs):
+        """The host draw's temporaries (``keep_mask_temporaries``)."""
+        return keep_mask_temporaries(tuple(ins[0].shape), self.split)
+
+    def run(self, ins, outs):
+        dropout_apply(ins[0], ins[1], _ratio(self.attrs), self.keys, outs[0], self.split)
+
+
 @gradient("Dropout")
 def _dropout_grad(g, op):
     dy = g.grad_of(op.outputs[0])
     x = op.inputs[0]
     if dy is None or not g.needs_grad(x):
         return
-    if _train(op.attrs):
+    if _train(op.attrs) and op.attrs.get("redraw_mask"):
+        attrs = {k: op.attrs[k] for k in ("ratio", "seed", "mask_split") if k in op.attrs}
+        attrs["stream"] = op.attrs.get("stream", op.name)
+        g.emit("DropoutRedrawGrad", [dy, op.inputs[1]], [g.grad_blob(x)], attrs)
+    elif _train(op.attrs):
         attrs = {"ratio": op.attrs.get("ratio", 0.5)}
         if op.attrs.get("packed_mask"):
             attrs["packed_mask"] = True

@@ -86,8 +86,11 @@ the run uses:
   stream and capture scope, as gpu/blas makes them: each stream whose ops
   run products eagerly (the first iteration runs every segment eagerly),
   and per CUDA-graph segment one capture stream per stream of its ops
-  (``CudaRuntime.prepare_capture``; the capture's origin stream only forks
-  and joins them, so it has none);
+  that run products (``CudaRuntime.prepare_capture``; the capture's origin
+  stream only forks and joins them, and a stream of copies alone -- the
+  batch's upload -- calls no cuBLAS, so neither has one); a stream every
+  product of which is captured hands its eager handle's workspace to the
+  first capture's handle (``handed_over``): one workspace, not two;
 - ``capture_pools``: what captures allocate in their private pools: 0, as
   every kernel reserves its memory before a capture (an allocation inside
   one is refused: tests/test_gpu_no_alloc.py).
@@ -715,6 +718,7 @@ def device_extras(graph, device, cuda_graph=True):
     is allocated: {"scratch": bytes of the scratch slots, "slots": [(bytes,
     [ops])], "ops": {op: (its scratch bytes, where the size comes from)},
     "cublas_workspaces": bytes, "cublas_handles": [(stream, scope)],
+    "products": [ops that call cuBLAS],
     "segments": [(name, [ops])] (every device's CUDA graphs), "streams": {op:
     (device, thread)} (``stream_keys``),
     "capture_pools": bytes} (see the module docstring)."""
@@ -743,10 +747,25 @@ def device_extras(graph, device, cuda_graph=True):
     slots = scratch_plan(needs, lanes, lambda n: ancestors_in(deps, cache, n))
     streams = stream_keys(graph)
     handles = cublas_handles(streams, segments, products, device)
+    shared = handed_over(streams, segments, products, device)
     return {"scratch": sum(b for b, _ in slots), "slots": slots, "ops": ops,
-            "cublas_workspaces": len(handles) * workspace_bytes(),
-            "cublas_handles": handles, "segments": segments, "streams": streams,
-            "capture_pools": 0}
+            "cublas_workspaces": (len(handles) - len(shared)) * workspace_bytes(),
+            "cublas_handed_over": shared,
+            "cublas_handles": handles, "products": sorted(products), "segments": segments,
+            "streams": streams, "capture_pools": 0}
+
+
+def handed_over(streams, segments, products, device):
+    """The streams on ``device`` whose eager cuBLAS handle hands its
+    workspace to a capture's handle (gpu/blas.reserve ``take_from``, as
+    runtime/cuda_graph asks it): those every product op of which is a
+    member of a CUDA-graph segment. Each holds one workspace, not two."""
+    members = {n for _, names in segments for n in names}
+    out, eager = set(), set()
+    for n in products:
+        if streams[n][0] == device:
+            (out if n in members else eager).add(streams[n])
+    return sorted(out - eager, key=str)
 
 
 def cublas_handles(streams, segments, products, device):
@@ -756,8 +775,8 @@ def cublas_handles(streams, segments, products, device):
     that call cuBLAS. The first iteration runs every op eagerly on its
     stream (scope None: one handle per stream with products); each
     segment's capture then reserves one capture stream per stream of its
-    ops (not its origin, which runs none), in the scope of its replay
-    stream."""
+    ops that run products (not its origin, which runs none, nor a stream of
+    copies alone), in the scope of its replay stream."""
     from .cuda_graph import CAPTURE_STREAM
     handles = sorted({(streams[n], None) for n in products if streams[n][0] == device},
                      key=str)
@@ -765,6 +784,6 @@ def cublas_handles(streams, segments, products, device):
         if not members or streams[members[0]][0] != device:
             continue
         scope = (device, name)
-        for thread in dict.fromkeys(streams[n][1] for n in members):
+        for thread in dict.fromkeys(streams[n][1] for n in members if n in products):
             handles.append(((device, f"{CAPTURE_STREAM}:{thread}"), scope))
     return handles

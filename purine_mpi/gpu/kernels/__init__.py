@@ -30,7 +30,8 @@ from .step import (sgd_momentum_update, MultiTensorTable, sgd_momentum_multi, ad
                    grad_sumsq_multi, clip_total, clip_scale, ClipScaleTable,
                    clip_scale_multi,
                    all_finite, adaptive_update)
-from .elementwise import (dropout_forward, dropout_backward, philox_words, relu_forward,  # noqa: F401
+from .elementwise import (dropout_forward, dropout_apply, dropout_backward, philox_words,  # noqa: F401
+                          relu_forward,
                           relu_backward, bias_act, gelu_forward, gelu_backward,
                           channel_sum, bias_grad, bias_grad_scratch,
                           sum_rows, embedding_grad, embedding_grad_scratch, layernorm_forward,

@@ -21,7 +21,7 @@ ENTRY_POINTS = {
     "sgd": ("sgd_momentum", "sgd_momentum_multi"),
     "adam": ("adam_update", "adam_multi"),
     "adaptive": ("adaptive_update",),
-    "dropout": ("dropout_forward", "dropout_backward"),
+    "dropout": ("dropout_forward", "dropout_apply", "dropout_backward"),
     "activation": ("relu_forward", "relu_backward", "bias_act", "gelu_forward",
                    "gelu_backward"),
     "reduce": ("channel_sum", "sum_rows", "bias_grad", "bias_grad_finish", "embedding_grad"),

@@ -39,6 +39,24 @@ def dropout_forward(x, iteration, ratio, key0, key1, ctr1=0, out=None):
     return _finish(y, y_target), _finish(mask, mask_target)
 
 
+def dropout_apply(x, iteration, ratio, key0, key1, ctr1=0, out=None):
+    """``dropout_forward``'s y without the mask: the same Philox draw, y = (x
+    * mask) / (1 - ratio), nothing else written. Given Dropout's dy for x, y
+    is its dx (the mask drawn again, not kept: the bits the forward drew)."""
+    from ...base.philox import keep_threshold
+    cupy = import_cupy()
+    threshold = keep_threshold(ratio)
+    x = _input(cupy, x, "dropout_apply: x")
+    y, target = _output(cupy, out, x.shape, x.dtype, "dropout_apply")
+    it_value, it_ptr, has_it_ptr = _iteration(cupy, iteration)
+    u32 = np.uint32
+    _base._launch("dropout", "dropout_apply", x.dtype, -(-x.size // 4),
+                  (np.int64(x.size), x, it_value, it_ptr, has_it_ptr, u32(key0), u32(key1),
+                   u32(int(ctr1) & 0xFFFFFFFF), u32(threshold),
+                   x.dtype.type(1.0 / (1.0 - float(ratio))), y))
+    return _finish(y, target)
+
+
 def dropout_backward(dy, mask, ratio, out=None):
     """dx = (dy * mask) / (1 - ratio), one kernel."""
     cupy = import_cupy()
