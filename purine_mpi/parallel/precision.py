@@ -26,8 +26,18 @@ by its data gradient: a copy rather than a rounding on every read. Being
 made from the masters each iteration, the copy is no state of its own
 (nothing to checkpoint, nothing stale after ``--init``).
 
-The storage stays float32: the copies and outputs hold bfloat16 (float16)
-values, the numbers a GPU's bf16 GEMM with float32 accumulation gives.
+The storage stays float32 -- the copies and outputs hold bfloat16 (float16)
+values, the numbers a GPU's bf16 GEMM with float32 accumulation gives --
+but for bf16 storage (``store_bits``): a bfloat16 blob whose producer can
+write it as bits (``OpKernel.bits_outputs``: a Cast) and whose every reader
+takes it as bits (``OpKernel.bits_inputs``: the fully connected products'
+operands) is stored as the uint16 bits of its values (base/precision.BITS,
+2 bytes an element) and written so (the producer's attr ``bits_out``): its
+readers convert nothing, the memory plan sizes it at 2 bytes, and no
+float32 copy of it exists. The same numbers: the bits are the upper halves
+of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
+``PURINE_BF16_GEMM=0``, whose products take float32 operands) keeps the
+float32 storage.
 
 A fused ``Attention`` op in bf16/fp16 and its gradient are marked ``sdpa``
 (``keep_attention_stats``): on a GPU they run cuDNN's fused attention
@@ -38,7 +48,7 @@ Each op records its dtype in ``attrs["compute_dtype"]`` and each blob
 holding low-precision values in ``attrs["precision"]``; ``dtype_table``
 lists them (the ``graph`` command shows them).
 """
-from ..base.precision import SHORT, low_dtype
+from ..base.precision import BITS, SHORT, low_dtype
 from ..graph.core import op_precision as op_dtype
 
 #: op types that compute in the low precision (autocast's lower-precision list)
@@ -79,8 +89,62 @@ def apply_precision(graph, precision):
                 if graph.blobs[b].dtype == "float32":
                     graph.blobs[b].attrs["precision"] = dtype
     keep_attention_stats(graph)
+    if dtype == "bfloat16":
+        store_bits(graph)
     graph.infer_shapes()
     return marked
+
+
+def bits_storage():
+    """Whether bf16 blobs may be stored as bits (``store_bits``):
+    ``PURINE_BF16_STORAGE`` and ``PURINE_BF16_GEMM`` on (the defaults)."""
+    from ..base import env
+    return bool(env.get("PURINE_BF16_STORAGE")) and bool(env.get("PURINE_BF16_GEMM"))
+
+
+def store_bits(graph):
+    """Store as bfloat16 bits each blob of bfloat16 values (attr
+    ``precision``, float32 storage, no views) that has one producer, which
+    can write it as bits (``bits_outputs``), and readers, every one taking
+    it as bits at each input it is (``bits_inputs``), all on the producer's
+    device: the blob's dtype becomes ``BITS`` and its index goes into the
+    producer's attr ``bits_out``. Where a reader cannot take bits, nothing
+    changes. Off with ``bits_storage()`` false. Returns the names of the
+    blobs so stored. Call ``graph.infer_shapes()`` after."""
+    if not bits_storage():
+        return []
+    from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    stored = []
+    for name, blob in graph.blobs.items():
+        if blob.attrs.get("precision") != "bfloat16" or blob.dtype != "float32" \
+                or name in viewed or blob.alias_of:
+            continue
+        writers, readers = prod.get(name, ()), cons.get(name, ())
+        if len(writers) != 1 or not readers:
+            continue
+        w = writers[0]
+        out = w.outputs.index(name)
+        if w.accumulate or name in w.inputs or \
+                out not in get_kernel_class(w.op_type, w.name).bits_outputs(w.attrs):
+            continue
+        if not all(_takes_bits(r, name, get_kernel_class(r.op_type, r.name), w.location)
+                   for r in readers):
+            continue
+        w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
+        blob.dtype = BITS
+        stored.append(name)
+    return stored
+
+
+def _takes_bits(reader, name, cls, location):
+    """Whether op ``reader`` (kernel class ``cls``) takes blob ``name`` as
+    bits at each input it is, and lives on ``location``."""
+    if reader.location != location or name in reader.outputs:
+        return False
+    takes = cls.bits_inputs(reader.attrs)
+    return all(i in takes for i, b in enumerate(reader.inputs) if b == name)
 
 
 def keep_attention_stats(graph):
