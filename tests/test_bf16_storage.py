@@ -70,6 +70,77 @@ def test_the_cast_infers_bits_storage_only_with_bits_out():
     assert Cast.bits_outputs({"dtype": "float16"}) == ()
 
 
+def _producer(op_type, bits, **attrs):
+    ins = {"Gelu": ["x"], "LayerNorm": ["x", "g", "b"]}[op_type]
+    outs = {"Gelu": ["y"], "LayerNorm": ["y", "mean", "rstd"]}[op_type]
+    return make_kernel(Op("p", op_type, ins, outs, dict(attrs, **({"bits_out": [0]} if bits
+                                                                   else {}))))
+
+
+def _producer_case(op_type, rows, cols):
+    """(kernel kwargs, float32 inputs, output shapes) of a Gelu or a LayerNorm
+    over (rows, cols), with the adversarial values in x (large ones, ties
+    after the op: GELU's ~identity for large x, the layer norm's g = 1,
+    b = 0 rows keep many exact bf16 ties)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, cols)).astype(np.float32) * 3
+    if op_type == "Gelu":
+        flat = x.reshape(-1)
+        adv = _adversarial()
+        adv = adv[np.isfinite(adv) & (np.abs(adv) < 1e12)][:flat.size]   # no x^3 overflow
+        flat[:adv.size] = adv
+        return {"approximate": "tanh"}, [x], [x.shape]
+    g = np.where(rng.random(cols) < 0.5, 1.0, rng.standard_normal(cols)).astype(np.float32)
+    b = np.where(rng.random(cols) < 0.5, 0.0, rng.standard_normal(cols)).astype(np.float32)
+    return {"eps": 1e-5}, [x, g, b], [x.shape, (rows,), (rows,)]
+
+
+@pytest.mark.parametrize("op_type", ["Gelu", "LayerNorm"])
+@pytest.mark.parametrize("rows,cols", [(3, 5), (64, 128)])
+def test_gelu_and_layer_norm_write_numpys_bits_of_their_float32_output(device, op_type, rows,
+                                                                       cols):
+    """Gelu and LayerNorm with ``bits_out: [0]`` write y as the bits of the
+    bfloat16 nearest the float32 y the op computes without it (NumPy's
+    rounding, base/precision._round_bits), bit for bit, in their one
+    launch (no separate conversion); the other outputs (the layer norm's
+    mean and rstd) the same bits as the float32 run's; the host path too."""
+    attrs, ins, shapes = _producer_case(op_type, rows, cols)
+    for dev in (device, None):
+        put = (lambda a: device.to_device(a)) if dev else np.array
+        get = (lambda a: np.asarray(device.to_host(a))) if dev else np.asarray
+        wide = _producer(op_type, False, **attrs)
+        on = [put(a) for a in ins]
+        ref = [put(np.full(s, np.nan, np.float32)) for s in shapes]
+        wide.setup(on, ref)
+        wide.run(on, ref)
+        want = [get(a) for a in ref]
+        k = _producer(op_type, True, **attrs)
+        outs = [put(np.zeros(shapes[0], np.uint16))] + \
+            [put(np.full(s, np.nan, np.float32)) for s in shapes[1:]]
+        k.setup(on, outs)
+        if dev:
+            device.launched.clear()
+        k.run(on, outs)
+        if dev:
+            assert device.launched == [{"Gelu": "gelu_forward_bits_f32",
+                                        "LayerNorm": "layernorm_forward_bits_f32"}[op_type]]
+        got = [get(a) for a in outs]
+        np.testing.assert_array_equal(got[0], _numpy_bits(want[0]))
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_the_producers_infer_bits_storage_only_with_bits_out():
+    from purine_mpi.ops.activation import Gelu
+    from purine_mpi.ops.layernorm import LayerNorm
+    assert Gelu.infer({"bits_out": [0]}, [((2, 3), "float32")]) == [((2, 3), "uint16")]
+    assert Gelu.infer({}, [((2, 3), "float32")]) == [((2, 3), "float32")]
+    ln = [((2, 3), "float32"), ((3,), "float32"), ((3,), "float32")]
+    assert [d for _, d in LayerNorm.infer({"bits_out": [0]}, ln)] == ["uint16", "float32",
+                                                                      "float32"]
+    assert Gelu.bits_outputs({}) == LayerNorm.bits_outputs({}) == (0,)
+
+
 def _fc(**extra):
     attrs = {"num_output": 6, "compute_dtype": BF16}
     return (make_kernel(Op("fc", "InnerProduct", ["x", "w"], ["y"], attrs)),
@@ -177,12 +248,32 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     for name in ("h0_attn/qkv_bias@bf16", "h0_attn.ctx", "h0_attn.qkv.grad"):
         assert g.blobs[name].dtype == "float32", name
     assert any("gelu" in n for n in bits)
+    writers = {}
     for name in bits:
         assert g.blobs[name].attrs["precision"] == BF16
         (w,) = prod[name]
         assert w.outputs.index(name) in w.attrs["bits_out"]
+        writers[name] = w.op_type
         assert all(r.op_type in ("InnerProduct", "InnerProductGradData",
                                  "InnerProductGradWeight") for r in cons[name])
+    # the layer norms and GELU write their copies themselves: no Cast, and
+    # their float32 outputs are gone; the weights and gradients by a Cast
+    assert {n for n, t in writers.items() if t == "LayerNorm"} == {
+        "h0_n1@bf16", "h0_n2@bf16", "h1_n1@bf16", "h1_n2@bf16", "xf@bf16"}
+    assert sorted(n for n, t in writers.items() if t == "Gelu") == ["h0_m@h0_gelu@bf16",
+                                                                   "h1_m@h1_gelu@bf16"]
+    assert all(t == "Cast" for n, t in writers.items() if "weight" in n or ".grad" in n)
+    for gone in ("h0_n1", "xf", "h0_m@h0_gelu"):
+        assert gone not in g.blobs
+    casts = {op.inputs[0] for op in g.ops.values() if op.op_type == "Cast"}
+    assert not casts & {"h0_n1", "xf", "h0_m@h0_gelu"}
+    # the memory plan sizes them at 2 bytes an element
+    from purine_mpi.runtime.factory import memory_plans
+    from purine_mpi.runtime.memory_plan import batch_blobs
+    _, devices = memory_plans(g, keep=batch_blobs(g))
+    plan = devices[0]
+    for name in ("h0_n1@bf16", "logits.grad@bf16"):
+        assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
     monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     assert all(b.dtype != "uint16" for b in _gpt(monkeypatch, host_build_dir).blobs.values())
     monkeypatch.delenv("PURINE_BF16_STORAGE")
@@ -288,3 +379,73 @@ def test_a_bf16_gpt_trains_bitwise_the_same_with_bits_storage(host_build_dir, mo
     first_on, first_off = on[2][0], off[2][0]
     assert first_on["to_bf16_bits"] < first_off["to_bf16_bits"]
     assert first_on["round_bf16"] < first_off["round_bf16"]
+
+
+def test_the_trainer_with_micro_batches_and_checkpoints_is_bitwise_the_same(
+        host_build_dir, monkeypatch, tmp_path):
+    """The trainer on the emulated device (CUDA graphs, two micro-batches a
+    step, a checkpoint every 3 iterations), a 2-block GPT of width 32 in
+    bf16 for 6 iterations: the losses, the checkpoints' float32 masters
+    (no @bf16 blob in them) and the final weights bit for bit the same with
+    bits storage as without; and a bits-storage run resumes from the
+    float32-storage run's checkpoint to the same final weights."""
+    import json
+
+    import h5py
+
+    from purine_mpi.base.backend import to_numpy
+    from purine_mpi.job.config import validate_config
+    from purine_mpi.train.trainer import Trainer, run_and_report
+    from tests.conftest import FakeWorld, make_job
+    from tests.emulated_gpu import emulated_trainer_env
+    from tests.gpt_nets import gpt_config, text_h5
+    emulated_trainer_env(monkeypatch, host_build_dir)
+
+    def train(name, storage, resume=None):
+        monkeypatch.setenv("PURINE_BF16_STORAGE", storage)
+        raw = gpt_config(text_h5(tmp_path), layers=2, width=32, heads=4, length=16, batch=4,
+                         iters=6, parallel={"micro_batches": 2})
+        raw.update(device=0, precision="bf16", cuda_graph=True)
+        raw["data"].pop("test")
+        raw["solver"].update(base_lr=0.01, test_interval=0)
+        raw["checkpoint"] = {"interval": 3, "keep": 0}
+        out = tmp_path / name
+        t = Trainer(make_job(validate_config(raw, check_files=False)), str(out),
+                    world=FakeWorld(), log=lambda line: None, resume=resume)
+        bits = sorted(n for n, b in t.graphs.graph.blobs.items() if b.dtype == "uint16")
+        assert run_and_report(t, FakeWorld()) == 0
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = {r["iter"]: r["loss"] for r in rows if r["phase"] == "train"}
+        final = {p: np.array(to_numpy(t.train.workspace[p])) for p in t.graphs.params}
+        with h5py.File(out / "ckpt_3.h5", "r") if resume is None else _nothing() as f:
+            saved = {} if f is None else {n: f["params"][n][()] for n in _datasets(f["params"])}
+        return bits, losses, final, saved, out
+
+    on = train("bits", "1")
+    off = train("float32", "0")
+    assert on[0] and not off[0]   # bits storage applied in one run only
+    assert on[1] == off[1] and sorted(on[1]) == list(range(1, 7))
+    for a, b in ((on[2], off[2]), (on[3], off[3])):
+        assert sorted(a) == sorted(b) and a
+        for name in a:
+            np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32),
+                                          err_msg=name)
+    assert not any("@" in n for n in on[3])
+    resumed = train("resumed", "1", resume=str(off[4] / "ckpt_3.h5"))
+    for name in on[2]:
+        np.testing.assert_array_equal(resumed[2][name].view(np.uint32),
+                                      on[2][name].view(np.uint32), err_msg=name)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _datasets(group):
+    names = []
+    group.visit(lambda n: names.append(n) if hasattr(group[n], "shape") else None)
+    return names

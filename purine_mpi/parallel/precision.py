@@ -34,7 +34,10 @@ takes it as bits (``OpKernel.bits_inputs``: the fully connected products'
 operands) is stored as the uint16 bits of its values (base/precision.BITS,
 2 bytes an element) and written so (the producer's attr ``bits_out``): its
 readers convert nothing, the memory plan sizes it at 2 bytes, and no
-float32 copy of it exists. The same numbers: the bits are the upper halves
+float32 copy of it exists. Where such a copy's Cast is the only reader of
+a transient float32 blob whose producer can write bits itself (LayerNorm's
+y, GELU's y), the producer writes the bits and the Cast and the float32
+blob go (``fold_casts``). The same numbers: the bits are the upper halves
 of the float32 roundings. ``PURINE_BF16_STORAGE=0`` (or
 ``PURINE_BF16_GEMM=0``, whose products take float32 operands) keeps the
 float32 storage.
@@ -89,8 +92,8 @@ def apply_precision(graph, precision):
                 if graph.blobs[b].dtype == "float32":
                     graph.blobs[b].attrs["precision"] = dtype
     keep_attention_stats(graph)
-    if dtype == "bfloat16":
-        store_bits(graph)
+    if dtype == "bfloat16" and store_bits(graph):
+        fold_casts(graph)
     graph.infer_shapes()
     return marked
 
@@ -136,6 +139,48 @@ def store_bits(graph):
         blob.dtype = BITS
         stored.append(name)
     return stored
+
+
+def fold_casts(graph):
+    """Fold each Cast that writes bits (``bits_out``, from ``store_bits``)
+    into the producer of its source where the source is a transient float32
+    blob (kind ``data``, no views, not a loss or metric) that the Cast alone
+    reads, written by one op on the Cast's device that can write that
+    output as bits (``bits_outputs``): the producer writes the Cast's output
+    as bits (its attr ``bits_out``), the Cast and the float32 blob are
+    removed (an op that waited for the Cast waits for the producer). The
+    float32 blob never exists. Returns the names of the Casts folded. Call
+    ``graph.infer_shapes()`` after."""
+    from ..ops.catalog import get_kernel_class
+    prod, cons = graph.producers(), graph.consumers()
+    viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
+    folded = []
+    for cast in list(graph.ops.values()):
+        if cast.op_type != CAST or 0 not in cast.attrs.get("bits_out", ()) \
+                or cast.control_inputs:
+            continue
+        src = cast.inputs[0]
+        blob, writers = graph.blobs[src], prod.get(src, ())
+        if len(writers) != 1 or [r.name for r in cons.get(src, ())] != [cast.name] \
+                or blob.kind != "data" or blob.alias_of or src in viewed \
+                or blob.dtype != "float32" or "loss_weight" in blob.attrs \
+                or blob.attrs.get("metric"):
+            continue
+        w = writers[0]
+        out = w.outputs.index(src)
+        if w.accumulate or src in w.inputs or w.location != cast.location or \
+                out not in get_kernel_class(w.op_type, w.name).bits_outputs(w.attrs):
+            continue
+        w.outputs[out] = cast.outputs[0]
+        w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
+        graph.remove_op(cast.name)
+        del graph.blobs[src]
+        for other in graph.ops.values():
+            if cast.name in other.control_inputs:
+                other.control_inputs = list(dict.fromkeys(
+                    w.name if c == cast.name else c for c in other.control_inputs))
+        folded.append(cast.name)
+    return folded
 
 
 def _takes_bits(reader, name, cls, location):
