@@ -3,15 +3,19 @@ a bfloat16 blob whose every reader takes bfloat16 bits (the fully connected
 products' operands) is stored as the uint16 bits of its values, written so
 by its producer, and the products take it as it is.
 
-- each bits-writing kernel (the Cast; the host and the device paths)
-  against NumPy's rounding (base/precision._round_bits), bit for bit;
+- each bits-writing kernel (the Cast, Gelu and LayerNorm: their device
+  kernels and host paths) against NumPy's rounding (base/precision.
+  _round_bits) of the float32 values, bit for bit;
 - the fc ops on bits operands equal the float32 path bit for bit, also
   where GemmEx is refused (the bits widened);
-- the pass stores what it should in the 2-block GPT and nothing where a
-  reader cannot take bits, nothing with PURINE_BF16_STORAGE=0;
+- the pass stores what it should in the 2-block GPT (the layer norms and
+  GELU writing their copies themselves, their Casts and float32 outputs
+  gone; the logits' gradient's in-place copy kept), nothing where a reader
+  cannot take bits, nothing with PURINE_BF16_STORAGE=0 or in fp16;
 - the bf16 GPT trained a few steps on the emulated device, captured in CUDA
   graphs, gives the same losses and weights bit for bit with and without
-  bits storage, with fewer conversion and rounding launches a step.
+  bits storage, with fewer conversion and rounding launches a step; so
+  does the trainer with micro-batches, checkpoints and a resume.
 """
 import collections
 
@@ -243,9 +247,12 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     cons, prod = g.consumers(), g.producers()
     bits = {n for n, b in g.blobs.items() if b.dtype == "uint16"}
     for name in ("h0_attn/qkv_weight@bf16", "h1_fc/weight@bf16", "wte/weight@bf16",
-                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "logits.grad@bf16"):
+                 "h0_n1@bf16", "h1_n2@bf16", "xf@bf16", "h0_m.grad@bf16", "h1_a.grad@bf16"):
         assert name in bits, name
-    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.ctx", "h0_attn.qkv.grad"):
+    # the logits' gradient's copy: its float32 source dies at its Cast, which
+    # the plan computes in place (4 bytes an element; bits of its own: 6)
+    for name in ("h0_attn/qkv_bias@bf16", "h0_attn.ctx", "h0_attn.qkv.grad",
+                 "logits.grad@bf16"):
         assert g.blobs[name].dtype == "float32", name
     assert any("gelu" in n for n in bits)
     writers = {}
@@ -272,8 +279,9 @@ def test_the_pass_stores_as_bits_the_blobs_only_products_read(host_build_dir, mo
     from purine_mpi.runtime.memory_plan import batch_blobs
     _, devices = memory_plans(g, keep=batch_blobs(g))
     plan = devices[0]
-    for name in ("h0_n1@bf16", "logits.grad@bf16"):
+    for name in ("h0_n1@bf16", "h0_m.grad@bf16"):
         assert plan.sizes[name] == 2 * int(np.prod(g.blobs[name].shape)), name
+    assert plan.in_place["logits.grad@bf16"][0] == "logits.grad"
     monkeypatch.setenv("PURINE_BF16_STORAGE", "0")
     assert all(b.dtype != "uint16" for b in _gpt(monkeypatch, host_build_dir).blobs.values())
     monkeypatch.delenv("PURINE_BF16_STORAGE")
@@ -290,9 +298,12 @@ def test_a_reader_that_cannot_take_bits_keeps_the_float32_storage():
 
     def graph(rows):
         g = Graph()
-        for name, shape in (("x", (4, 8)), ("dy", (4, 6))):
-            g.add_blob(name, shape, "float32", None, kind="data")
-        g.add_blob("w", (6, 8), "float32", None, kind="param")
+        # sources kept (a weight) or read by more than their Cast (a bias
+        # gradient): no in-place float32 copy would take their bytes
+        g.add_blob("x", (4, 8), "float32", None, kind="param")
+        g.add_blob("dy", (4, 6), "float32", None, kind="data")
+        g.add_blob("db", None, "float32", None, kind="data")
+        g.add_op("fb", "InnerProductGradBias", ["dy"], ["db"])
         for name in ("x@bf16", "dy@bf16"):
             g.add_blob(name, None, "float32", None, kind="data", attrs={"precision": BF16})
         g.add_op("cx", "Cast", ["x"], ["x@bf16"], {"dtype": BF16})

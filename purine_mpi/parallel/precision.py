@@ -52,6 +52,7 @@ holding low-precision values in ``attrs["precision"]``; ``dtype_table``
 lists them (the ``graph`` command shows them).
 """
 from ..base.precision import BITS, SHORT, low_dtype
+from ..graph.core import PERSISTENT_KINDS
 from ..graph.core import op_precision as op_dtype
 
 #: op types that compute in the low precision (autocast's lower-precision list)
@@ -112,8 +113,13 @@ def store_bits(graph):
     it as bits at each input it is (``bits_inputs``), all on the producer's
     device: the blob's dtype becomes ``BITS`` and its index goes into the
     producer's attr ``bits_out``. Where a reader cannot take bits, nothing
-    changes. Off with ``bits_storage()`` false. Returns the names of the
-    blobs so stored. Call ``graph.infer_shapes()`` after."""
+    changes. Nor where the producer is a Cast of a transient float32 blob
+    read by nothing else (the memory plan puts such a float32 copy on its
+    source's bytes: 4 bytes an element, where bits of their own would live
+    beside the source at the Cast: 6) whose own producer cannot write bits
+    (``fold_casts`` would remove it): the logits' gradient, for one. Off
+    with ``bits_storage()`` false. Returns the names of the blobs so stored.
+    Call ``graph.infer_shapes()`` after."""
     if not bits_storage():
         return []
     from ..ops.catalog import get_kernel_class
@@ -135,6 +141,9 @@ def store_bits(graph):
         if not all(_takes_bits(r, name, get_kernel_class(r.op_type, r.name), w.location)
                    for r in readers):
             continue
+        if w.op_type == CAST and _dies_at(graph, w, prod, cons, viewed) and \
+                _bits_writer(graph, w.inputs[0], prod, w.location) is None:
+            continue   # an in-place float32 copy (Cast.in_place) takes less memory
         w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
         blob.dtype = BITS
         stored.append(name)
@@ -144,33 +153,25 @@ def store_bits(graph):
 def fold_casts(graph):
     """Fold each Cast that writes bits (``bits_out``, from ``store_bits``)
     into the producer of its source where the source is a transient float32
-    blob (kind ``data``, no views, not a loss or metric) that the Cast alone
+    blob (``_dies_at``: no views, not a loss or metric) that the Cast alone
     reads, written by one op on the Cast's device that can write that
     output as bits (``bits_outputs``): the producer writes the Cast's output
     as bits (its attr ``bits_out``), the Cast and the float32 blob are
     removed (an op that waited for the Cast waits for the producer). The
     float32 blob never exists. Returns the names of the Casts folded. Call
     ``graph.infer_shapes()`` after."""
-    from ..ops.catalog import get_kernel_class
     prod, cons = graph.producers(), graph.consumers()
     viewed = {b.alias_of for b in graph.blobs.values() if b.alias_of}
     folded = []
     for cast in list(graph.ops.values()):
         if cast.op_type != CAST or 0 not in cast.attrs.get("bits_out", ()) \
-                or cast.control_inputs:
+                or cast.control_inputs or not _dies_at(graph, cast, prod, cons, viewed):
             continue
         src = cast.inputs[0]
-        blob, writers = graph.blobs[src], prod.get(src, ())
-        if len(writers) != 1 or [r.name for r in cons.get(src, ())] != [cast.name] \
-                or blob.kind != "data" or blob.alias_of or src in viewed \
-                or blob.dtype != "float32" or "loss_weight" in blob.attrs \
-                or blob.attrs.get("metric"):
+        w = _bits_writer(graph, src, prod, cast.location)
+        if w is None:
             continue
-        w = writers[0]
         out = w.outputs.index(src)
-        if w.accumulate or src in w.inputs or w.location != cast.location or \
-                out not in get_kernel_class(w.op_type, w.name).bits_outputs(w.attrs):
-            continue
         w.outputs[out] = cast.outputs[0]
         w.attrs["bits_out"] = sorted(set(w.attrs.get("bits_out", [])) | {out})
         graph.remove_op(cast.name)
@@ -181,6 +182,33 @@ def fold_casts(graph):
                     w.name if c == cast.name else c for c in other.control_inputs))
         folded.append(cast.name)
     return folded
+
+
+def _dies_at(graph, cast, prod, cons, viewed):
+    """Whether ``cast``'s source is a transient float32 blob (no kind kept
+    across iterations, no views, not a loss or a metric) that ``cast``
+    alone reads."""
+    src = cast.inputs[0]
+    blob = graph.blobs[src]
+    return [r.name for r in cons.get(src, ())] == [cast.name] and \
+        blob.kind not in PERSISTENT_KINDS \
+        and not blob.alias_of and src not in viewed and blob.dtype == "float32" \
+        and "loss_weight" not in blob.attrs and not blob.attrs.get("metric")
+
+
+def _bits_writer(graph, name, prod, location):
+    """The one op writing blob ``name`` on ``location`` that can write it as
+    bits (``bits_outputs``; not accumulating, not in place), or None."""
+    from ..ops.catalog import get_kernel_class
+    writers = prod.get(name, ())
+    if len(writers) != 1:
+        return None
+    w = writers[0]
+    if w.accumulate or name in w.inputs or w.location != location or \
+            w.outputs.index(name) not in get_kernel_class(w.op_type, w.name).bits_outputs(
+                w.attrs):
+        return None
+    return w
 
 
 def _takes_bits(reader, name, cls, location):
